@@ -1,0 +1,27 @@
+//! zconfig: everything a zrun job is told before it starts.
+//!
+//! Layout:
+//! - [`spec`]: the job spec (YAML) as typed structs, with SPEC.md's defaults.
+//! - [`load`]: reading a spec file, applying `--set` overrides, resolving `${name}`,
+//!   and the semantic checks that must pass before anything launches.
+//! - [`hostfile`]: DeepSpeed's hostfile format, `--include` / `--exclude`, and the
+//!   resolved [`Topology`] (nodes, slots, ranks).
+//! - [`error`]: one error type whose messages say where (file:line:col, key path,
+//!   hostfile line) and what.
+//!
+//! The design decision to know: a spec is parsed twice. First straight into the
+//! typed structs from the YAML text, so that syntax errors, wrong types and unknown
+//! keys carry `file:line:col`; then through a JSON value, so that `--set` overrides
+//! can be applied by dotted path before the final typed parse. zconfig depends on
+//! nothing else of zrun's, so the launcher can validate a job without linking the
+//! engine.
+
+pub mod error;
+pub mod hostfile;
+pub mod load;
+pub mod spec;
+
+pub use error::ConfigError;
+pub use hostfile::{HostEntry, Hostfile, Node, Placement, SlotFilter, Topology, TopologyOptions};
+pub use load::{data_files, load_job, LoadedJob};
+pub use spec::{DataFormat, Dtype, JobSpec, Schedule};

@@ -1,0 +1,443 @@
+//! Loading a job: YAML text, then `--set` overrides, then `${name}` expansion, then
+//! the semantic checks that must pass before anything is launched.
+//!
+//! Errors point at `file:line:col`. Semantic checks find the line of the key they
+//! complain about with a small indentation-aware scan of the YAML text (block and
+//! flow style), so a user sees where to edit even for errors serde cannot see.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::{improve_serde_message, ConfigError};
+use crate::spec::{Backend, DataFormat, Device, Dtype, JobSpec, OffloadDevice};
+
+/// A parsed, overridden job spec together with its source text (for locating keys).
+#[derive(Debug, Clone)]
+pub struct LoadedJob {
+    /// The resolved spec.
+    pub spec: JobSpec,
+    /// The file it came from.
+    pub path: PathBuf,
+    text: String,
+    overridden: Vec<String>,
+}
+
+/// Reads `path`, applies `overrides` (`KEY=VALUE`, dotted keys) and expands `${name}`.
+pub fn load_job(path: &Path, overrides: &[String]) -> Result<LoadedJob, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| ConfigError::Io { path: path.to_path_buf(), source })?;
+    if text.trim().is_empty() {
+        return Err(ConfigError::Syntax {
+            path: path.to_path_buf(),
+            line: 1,
+            column: 1,
+            message: "the job spec is empty (it needs at least `model` and `data`)".into(),
+        });
+    }
+    // First parse: straight to the typed spec, for located syntax and type errors.
+    let typed: Result<JobSpec, _> = serde_saphyr::from_str(&text);
+    if let Err(e) = typed {
+        return Err(syntax_error(path, &text, &e));
+    }
+    // Second parse: through a JSON value so that overrides apply by dotted path.
+    let mut value: Value = serde_saphyr::from_str(&text).map_err(|e| syntax_error(path, &text, &e))?;
+    let mut overridden = Vec::new();
+    for assignment in overrides {
+        let (key, raw) = assignment.split_once('=').ok_or_else(|| ConfigError::Override {
+            assignment: assignment.clone(),
+            message: "expected KEY=VALUE, e.g. --set zero.stage=0".into(),
+        })?;
+        let key = key.trim();
+        if key.is_empty() || key.split('.').any(str::is_empty) {
+            return Err(ConfigError::Override {
+                assignment: assignment.clone(),
+                message: format!("`{key}` is not a dotted key path"),
+            });
+        }
+        let parsed: Value = if raw.trim().is_empty() {
+            Value::Null
+        } else {
+            serde_saphyr::from_str(raw).map_err(|e| ConfigError::Override {
+                assignment: assignment.clone(),
+                message: format!("value does not parse: {}", e.without_snippet()),
+            })?
+        };
+        set_path(&mut value, key, parsed).map_err(|message| ConfigError::Override {
+            assignment: assignment.clone(),
+            message,
+        })?;
+        // Check each override as it lands, so the error names the culprit.
+        serde_json::from_value::<JobSpec>(value.clone()).map_err(|e| ConfigError::Override {
+            assignment: assignment.clone(),
+            message: improve_serde_message(&e.to_string()),
+        })?;
+        overridden.push(key.to_string());
+    }
+    let mut spec: JobSpec = serde_json::from_value(value).map_err(|e| ConfigError::Invalid {
+        location: path.display().to_string(),
+        key: "(spec)".into(),
+        message: improve_serde_message(&e.to_string()),
+    })?;
+    spec.run_dir = spec.run_dir.replace("${name}", &spec.name);
+    Ok(LoadedJob { spec, path: path.to_path_buf(), text, overridden })
+}
+
+fn syntax_error(path: &Path, text: &str, e: &serde_saphyr::Error) -> ConfigError {
+    let (line, column) = e.location().map(|l| (l.line(), l.column())).unwrap_or((1, 1));
+    let s = e.without_snippet().to_string();
+    // Drop the position serde-saphyr appends: we print our own prefix.
+    let s = s.split(" at line ").next().unwrap_or(&s).to_string();
+    let mut message = improve_serde_message(&s);
+    if message.starts_with("unknown key") && !message.contains('(') && !message.contains('?') {
+        // serde-saphyr does not always keep serde's list of valid keys; serde_json
+        // does, so ask it through the untyped value.
+        if let Some(better) = serde_saphyr::from_str::<Value>(text)
+            .ok()
+            .and_then(|v| serde_json::from_value::<JobSpec>(v).err())
+            .map(|je| improve_serde_message(&je.to_string()))
+            .filter(|m| m.starts_with("unknown key"))
+        {
+            message = better;
+        }
+    }
+    ConfigError::Syntax { path: path.to_path_buf(), line, column, message }
+}
+
+fn set_path(root: &mut Value, key: &str, new: Value) -> Result<(), String> {
+    let mut cur = root;
+    let parts: Vec<&str> = key.split('.').collect();
+    for (i, part) in parts.iter().enumerate() {
+        if cur.is_null() {
+            *cur = Value::Object(Default::default());
+        }
+        let Value::Object(map) = cur else {
+            return Err(format!("`{}` is not a mapping", parts[..i].join(".")));
+        };
+        if i + 1 == parts.len() {
+            map.insert(part.to_string(), new);
+            return Ok(());
+        }
+        cur = map.entry(part.to_string()).or_insert(Value::Null);
+    }
+    unreachable!("a key path has at least one part")
+}
+
+impl LoadedJob {
+    /// `file:line:col` of a dotted key, or `--set` if an override set it, or the file.
+    pub fn locate(&self, key: &str) -> String {
+        if self.overridden.iter().any(|k| k == key || key.starts_with(&format!("{k}."))) {
+            return format!("--set {key}");
+        }
+        match find_key(&self.text, key) {
+            Some((line, col)) => format!("{}:{line}:{col}", self.path.display()),
+            None => self.path.display().to_string(),
+        }
+    }
+
+    fn invalid(&self, key: &str, message: impl Into<String>) -> ConfigError {
+        ConfigError::Invalid { location: self.locate(key), key: key.into(), message: message.into() }
+    }
+
+    fn unsupported(&self, key: &str, what: &str) -> ConfigError {
+        ConfigError::Unsupported { location: self.locate(key), key: key.into(), what: what.into() }
+    }
+
+    /// Semantic checks for a job on `world_size` workers. Reads the data files' sizes.
+    pub fn validate(&self, world_size: usize) -> Result<(), ConfigError> {
+        let s = &self.spec;
+        let m = &s.model;
+        if m.kind != "gpt" {
+            return Err(self.invalid("model.kind", format!("unknown model kind `{}` (only `gpt`)", m.kind)));
+        }
+        for (key, v) in [
+            ("model.vocab_size", m.vocab_size),
+            ("model.d_model", m.d_model),
+            ("model.n_layers", m.n_layers),
+            ("model.n_heads", m.n_heads),
+            ("model.seq_len", m.seq_len),
+        ] {
+            if v == 0 {
+                return Err(self.invalid(key, "must be at least 1"));
+            }
+        }
+        if m.d_model % m.n_heads != 0 {
+            return Err(self.invalid(
+                "model.n_heads",
+                format!("{} heads do not divide d_model {}", m.n_heads, m.d_model),
+            ));
+        }
+        if m.init_from.is_some() {
+            return Err(self.unsupported("model.init_from", "initialising from a file"));
+        }
+        let t = &s.train;
+        if t.steps == 0 {
+            return Err(self.invalid("train.steps", "must be at least 1"));
+        }
+        if t.micro_batch_size == 0 {
+            return Err(self.invalid("train.micro_batch_size", "must be at least 1"));
+        }
+        if t.grad_accum == 0 {
+            return Err(self.invalid("train.grad_accum", "must be at least 1"));
+        }
+        if !(t.lr.is_finite() && t.lr > 0.0) {
+            return Err(self.invalid("train.lr", format!("must be a positive number, got {}", t.lr)));
+        }
+        if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
+            return Err(self.invalid("train.weight_decay", "must be a non-negative number"));
+        }
+        if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
+            return Err(self.invalid("train.grad_clip", "must be a non-negative number (0 disables)"));
+        }
+        if t.dtype != Dtype::F32 {
+            return Err(self.unsupported("train.dtype", &format!("mixed precision ({})", t.dtype)));
+        }
+        if t.activation_checkpointing {
+            return Err(self.unsupported("train.activation_checkpointing", "activation checkpointing"));
+        }
+        let z = &s.zero;
+        if z.stage > 3 {
+            return Err(self.invalid("zero.stage", format!("must be 0, 1, 2 or 3, got {}", z.stage)));
+        }
+        if z.stage != 0 {
+            return Err(self.unsupported("zero.stage", &format!("ZeRO stage {}", z.stage)));
+        }
+        if z.reduce_bucket_size.0 == 0 {
+            return Err(self.invalid("zero.reduce_bucket_size", "must be at least 1 element"));
+        }
+        if z.quantized_weights {
+            return Err(self.unsupported("zero.quantized_weights", "ZeRO++ qwZ"));
+        }
+        if z.hpz_partition_size == 0 {
+            return Err(self.invalid("zero.hpz_partition_size", "must be at least 1 (1 = off)"));
+        }
+        if z.hpz_partition_size != 1 {
+            return Err(self.unsupported("zero.hpz_partition_size", "ZeRO++ hpZ"));
+        }
+        if z.quantized_gradients {
+            return Err(self.unsupported("zero.quantized_gradients", "ZeRO++ qgZ"));
+        }
+        if z.offload_optimizer.device != OffloadDevice::None {
+            return Err(self.unsupported("zero.offload_optimizer.device", "optimizer offload"));
+        }
+        if z.offload_param.device != OffloadDevice::None {
+            return Err(self.unsupported("zero.offload_param.device", "parameter offload"));
+        }
+        let c = &s.comm;
+        if matches!(c.backend, Backend::Shm | Backend::Nccl) {
+            let name = if c.backend == Backend::Shm { "the shared-memory transport" } else { "NCCL" };
+            return Err(self.unsupported("comm.backend", name));
+        }
+        if !(c.timeout_s.is_finite() && c.timeout_s > 0.0) {
+            return Err(self.invalid("comm.timeout_s", "must be a positive number of seconds"));
+        }
+        if !(c.heartbeat_s.is_finite() && c.heartbeat_s > 0.0) {
+            return Err(self.invalid("comm.heartbeat_s", "must be a positive number of seconds"));
+        }
+        if s.checkpoint.dir.is_some() {
+            return Err(self.unsupported("checkpoint.dir", "checkpointing"));
+        }
+        if s.device == Device::Cuda {
+            return Err(self.unsupported("device", "training on cuda"));
+        }
+        if s.run_dir.trim().is_empty() {
+            return Err(self.invalid("run_dir", "must not be empty"));
+        }
+        for k in s.env.keys() {
+            if k.is_empty() || k.contains('=') || k.contains('\0') {
+                return Err(self.invalid("env", format!("`{k}` is not an environment variable name")));
+            }
+        }
+        self.validate_data(world_size)
+    }
+
+    fn validate_data(&self, world_size: usize) -> Result<(), ConfigError> {
+        let s = &self.spec;
+        if s.data.format == DataFormat::Text && s.model.vocab_size < 256 {
+            return Err(self.invalid(
+                "model.vocab_size",
+                format!("text data uses bytes as tokens: vocab_size must be at least 256, got {}", s.model.vocab_size),
+            ));
+        }
+        let bytes_per_token = match s.data.format {
+            DataFormat::Synthetic => return Ok(()),
+            DataFormat::Text => 1,
+            DataFormat::TokensU16 => 2,
+        };
+        let files = data_files(&s.data.path, s.data.format).map_err(|m| self.invalid("data.path", m))?;
+        let mut tokens = 0u64;
+        for f in &files {
+            let len = std::fs::metadata(f)
+                .map_err(|e| self.invalid("data.path", format!("{}: {e}", f.display())))?
+                .len();
+            if len == 0 {
+                return Err(self.invalid("data.path", format!("{} is empty", f.display())));
+            }
+            if len % bytes_per_token != 0 {
+                return Err(self.invalid(
+                    "data.path",
+                    format!("{} has {len} bytes, not a whole number of u16 tokens", f.display()),
+                ));
+            }
+            tokens += len / bytes_per_token;
+        }
+        let need = (s.model.seq_len as u64 + 1) * world_size.max(1) as u64;
+        if tokens < need {
+            return Err(self.invalid(
+                "model.seq_len",
+                format!(
+                    "the data has {tokens} tokens, fewer than one sequence of seq_len + 1 = {} per worker for {world_size} workers",
+                    s.model.seq_len + 1
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The files of a data spec, sorted; an error names the pattern when nothing matches.
+pub fn data_files(path: &Option<String>, format: DataFormat) -> Result<Vec<PathBuf>, String> {
+    let Some(pattern) = path else {
+        return Err(format!("a path (file or glob) is required for format {format:?}"));
+    };
+    let paths = glob::glob(pattern).map_err(|e| format!("bad glob pattern `{pattern}`: {e}"))?;
+    let mut files = Vec::new();
+    for p in paths {
+        let p = p.map_err(|e| format!("{e}"))?;
+        if p.is_file() {
+            files.push(p);
+        }
+    }
+    files.sort();
+    if files.is_empty() {
+        return Err(format!("no file matches `{pattern}`"));
+    }
+    Ok(files)
+}
+
+/// Finds the 1-based (line, column) of a dotted key in YAML text, block or flow style.
+fn find_key(text: &str, key: &str) -> Option<(usize, usize)> {
+    let want: Vec<&str> = key.split('.').collect();
+    let mut stack: Vec<(usize, String)> = Vec::new();
+    for (ln, line) in text.lines().enumerate() {
+        let content = line.split(" #").next().unwrap_or(line);
+        let trimmed = content.trim_start();
+        if trimmed.is_empty() || trimmed.starts_with('#') {
+            continue;
+        }
+        let indent = content.len() - trimmed.len();
+        let Some((k, rest)) = trimmed.split_once(':') else { continue };
+        let k = k.trim().trim_matches('"');
+        if k.is_empty() || !k.chars().all(|c| c.is_alphanumeric() || c == '_' || c == '-') {
+            continue;
+        }
+        while stack.last().is_some_and(|(i, _)| *i >= indent) {
+            stack.pop();
+        }
+        stack.push((indent, k.to_string()));
+        let path: Vec<&str> = stack.iter().map(|(_, k)| k.as_str()).collect();
+        if path == want {
+            return Some((ln + 1, indent + 1));
+        }
+        // Flow style on this line: `model: {d_model: 256, n_heads: 4}`.
+        if want.len() == path.len() + 1 && want[..path.len()] == path[..] && rest.contains('{') {
+            let needle = format!("{}:", want[want.len() - 1]);
+            let base = content.len() - rest.len();
+            let mut from = 0;
+            while let Some(pos) = rest[from..].find(&needle) {
+                let at = from + pos;
+                let before = rest[..at].chars().last();
+                if matches!(before, Some('{') | Some(' ') | Some(',')) {
+                    return Some((ln + 1, base + at + 1));
+                }
+                from = at + 1;
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::File::create(&p).unwrap().write_all(text.as_bytes()).unwrap();
+        p
+    }
+
+    const GOOD: &str = "name: t\nmodel: {d_model: 64, n_heads: 4, n_layers: 2, seq_len: 16}\ndata:\n  format: synthetic\ntrain:\n  steps: 5\n  lr: 1.0e-3\n";
+
+    #[test]
+    fn loads_defaults_and_expands_name() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(d.path(), "j.yaml", GOOD);
+        let job = load_job(&p, &[]).unwrap();
+        assert_eq!(job.spec.run_dir, "runs/t");
+        assert_eq!(job.spec.train.micro_batch_size, 8);
+        assert_eq!(job.spec.zero.reduce_bucket_size.0, 50_000_000);
+        job.validate(2).unwrap();
+    }
+
+    #[test]
+    fn unknown_key_is_located_with_a_hint() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(d.path(), "j.yaml", &GOOD.replace("  lr:", "  lrr:"));
+        let e = load_job(&p, &[]).unwrap_err().to_string();
+        assert!(e.contains("j.yaml:7:"), "{e}");
+        assert!(e.contains("unknown key `lrr`, did you mean `lr`?"), "{e}");
+    }
+
+    #[test]
+    fn overrides_are_typed_and_checked() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(d.path(), "j.yaml", GOOD);
+        let job = load_job(&p, &["train.steps=9".into(), "zero.reduce_bucket_size=1MiB".into()]).unwrap();
+        assert_eq!(job.spec.train.steps, 9);
+        assert_eq!(job.spec.zero.reduce_bucket_size.0, 1 << 20);
+        assert_eq!(job.locate("train.steps"), "--set train.steps");
+        let e = load_job(&p, &["zero.stge=1".into()]).unwrap_err().to_string();
+        assert!(e.contains("did you mean `stage`"), "{e}");
+        let e = load_job(&p, &["train.steps=many".into()]).unwrap_err().to_string();
+        assert!(e.starts_with("--set train.steps=many"), "{e}");
+        assert!(load_job(&p, &["novalue".into()]).is_err());
+    }
+
+    #[test]
+    fn semantic_errors_point_at_the_key() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(d.path(), "j.yaml", &GOOD.replace("n_heads: 4", "n_heads: 5"));
+        let e = load_job(&p, &[]).unwrap().validate(1).unwrap_err().to_string();
+        assert!(e.contains("j.yaml:2:"), "{e}");
+        assert!(e.contains("do not divide"), "{e}");
+        let p = write(d.path(), "k.yaml", &GOOD.replace("lr: 1.0e-3", "lr: -1"));
+        let e = load_job(&p, &[]).unwrap().validate(1).unwrap_err().to_string();
+        assert!(e.contains("k.yaml:7:3: train.lr"), "{e}");
+    }
+
+    #[test]
+    fn data_must_exist_and_fit() {
+        let d = tempfile::tempdir().unwrap();
+        let text = write(d.path(), "small.txt", "0123456789");
+        let spec = GOOD.replace("  format: synthetic", &format!("  path: {}", text.display()));
+        let p = write(d.path(), "j.yaml", &spec);
+        let e = load_job(&p, &[]).unwrap().validate(1).unwrap_err().to_string();
+        assert!(e.contains("fewer than one sequence"), "{e}");
+        let spec = GOOD.replace("  format: synthetic", "  path: /nonexistent/*.txt");
+        let p = write(d.path(), "j.yaml", &spec);
+        let e = load_job(&p, &[]).unwrap().validate(1).unwrap_err().to_string();
+        assert!(e.contains("no file matches"), "{e}");
+    }
+
+    #[test]
+    fn finds_keys_in_block_and_flow_style() {
+        let t = "model: {d_model: 64, n_heads: 4}\ntrain:\n  # c\n  steps: 3\nzero:\n  offload_optimizer:\n    device: cpu\ndevice: cpu\n";
+        assert_eq!(find_key(t, "model.n_heads"), Some((1, 22)));
+        assert_eq!(find_key(t, "train.steps"), Some((4, 3)));
+        assert_eq!(find_key(t, "zero.offload_optimizer.device"), Some((7, 5)));
+        assert_eq!(find_key(t, "device"), Some((8, 1)));
+        assert_eq!(find_key(t, "train.lr"), None);
+    }
+}

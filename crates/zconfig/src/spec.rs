@@ -1,0 +1,401 @@
+//! The job spec of SPEC.md as typed structs.
+//!
+//! Every struct denies unknown keys, and every key except `model` and `data` has
+//! SPEC.md's default. Sizes (`reduce_bucket_size: 5e7`, `64MiB`) parse through
+//! [`Size`]. The structs serialize too: the launcher sends the resolved spec to
+//! every worker as JSON, and `zrun check` prints it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// A whole job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    /// Job name; `${name}` in `run_dir` expands to it.
+    #[serde(default = "default_name")]
+    pub name: String,
+    /// The model to train.
+    pub model: ModelSpec,
+    /// Where the tokens come from.
+    pub data: DataSpec,
+    /// Optimisation settings.
+    #[serde(default)]
+    pub train: TrainSpec,
+    /// ZeRO settings.
+    #[serde(default)]
+    pub zero: ZeroSpec,
+    /// Collective-communication settings.
+    #[serde(default)]
+    pub comm: CommSpec,
+    /// Checkpointing.
+    #[serde(default)]
+    pub checkpoint: CheckpointSpec,
+    /// `cpu` or `cuda`.
+    #[serde(default)]
+    pub device: Device,
+    /// Where metrics and checkpoints go.
+    #[serde(default = "default_run_dir")]
+    pub run_dir: String,
+    /// Extra environment for every worker.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+}
+
+fn default_name() -> String {
+    "zrun-job".into()
+}
+fn default_run_dir() -> String {
+    "runs/${name}".into()
+}
+
+/// The model architecture.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Only `gpt` exists.
+    #[serde(default = "default_kind")]
+    pub kind: String,
+    /// Token vocabulary (256 for byte-level text).
+    #[serde(default = "default_vocab")]
+    pub vocab_size: usize,
+    /// Residual width.
+    #[serde(default = "default_d_model")]
+    pub d_model: usize,
+    /// Transformer blocks.
+    #[serde(default = "default_n_layers")]
+    pub n_layers: usize,
+    /// Attention heads; must divide `d_model`.
+    #[serde(default = "default_n_heads")]
+    pub n_heads: usize,
+    /// Context length in tokens.
+    #[serde(default = "default_seq_len")]
+    pub seq_len: usize,
+    /// A safetensors file to start from.
+    #[serde(default)]
+    pub init_from: Option<String>,
+}
+
+fn default_kind() -> String {
+    "gpt".into()
+}
+fn default_vocab() -> usize {
+    256
+}
+fn default_d_model() -> usize {
+    256
+}
+fn default_n_layers() -> usize {
+    4
+}
+fn default_n_heads() -> usize {
+    4
+}
+fn default_seq_len() -> usize {
+    128
+}
+
+/// Token source.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSpec {
+    /// A file or glob pattern; required unless `format: synthetic`.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// How to read the files.
+    #[serde(default)]
+    pub format: DataFormat,
+}
+
+/// How data files are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataFormat {
+    /// Bytes as tokens (vocab 256).
+    #[default]
+    Text,
+    /// Little-endian u16 token ids.
+    TokensU16,
+    /// A seeded generated corpus; no files.
+    Synthetic,
+}
+
+/// Optimisation settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainSpec {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Sequences per worker per micro-batch.
+    pub micro_batch_size: usize,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Linear warmup steps from 0 to `lr`.
+    pub warmup_steps: u64,
+    /// Learning-rate schedule after warmup.
+    pub schedule: Schedule,
+    /// Decoupled (AdamW) weight decay on matrices.
+    pub weight_decay: f64,
+    /// Global-norm gradient clipping; 0 disables.
+    pub grad_clip: f64,
+    /// Seed of initialisation and data order.
+    pub seed: u64,
+    /// Compute dtype.
+    pub dtype: Dtype,
+    /// Recompute each block in backward.
+    pub activation_checkpointing: bool,
+}
+
+impl Default for TrainSpec {
+    fn default() -> Self {
+        Self {
+            steps: 200,
+            micro_batch_size: 8,
+            grad_accum: 1,
+            lr: 3.0e-4,
+            warmup_steps: 20,
+            schedule: Schedule::Cosine,
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            seed: 42,
+            dtype: Dtype::F32,
+            activation_checkpointing: false,
+        }
+    }
+}
+
+/// Learning-rate schedule after warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Schedule {
+    /// Stay at `lr`.
+    Constant,
+    /// Linear decay to 0 at the last step.
+    Linear,
+    /// Half-cosine decay to 0 at the last step.
+    Cosine,
+}
+
+/// Compute dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Dtype {
+    /// 32-bit float.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half.
+    F16,
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        })
+    }
+}
+
+/// ZeRO settings (DeepSpeed's names and defaults where they exist).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ZeroSpec {
+    /// 0 (data parallel), 1, 2 or 3.
+    pub stage: u8,
+    /// Run collectives while compute continues.
+    pub overlap_comm: bool,
+    /// Elements per gradient bucket.
+    pub reduce_bucket_size: Size,
+    /// Elements gathered ahead at stage 3.
+    pub prefetch_bucket_size: Size,
+    /// Parameters smaller than this stay replicated at stage 3.
+    pub param_persistence_threshold: Size,
+    /// ZeRO++ qwZ.
+    pub quantized_weights: bool,
+    /// ZeRO++ hpZ: ranks per secondary partition (1 = off).
+    pub hpz_partition_size: usize,
+    /// ZeRO++ qgZ.
+    pub quantized_gradients: bool,
+    /// Where optimizer states live.
+    pub offload_optimizer: OffloadSpec,
+    /// Where parameters live (stage 3).
+    pub offload_param: OffloadSpec,
+}
+
+impl Default for ZeroSpec {
+    fn default() -> Self {
+        Self {
+            stage: 0,
+            overlap_comm: true,
+            reduce_bucket_size: Size(50_000_000),
+            prefetch_bucket_size: Size(50_000_000),
+            param_persistence_threshold: Size(100_000),
+            quantized_weights: false,
+            hpz_partition_size: 1,
+            quantized_gradients: false,
+            offload_optimizer: OffloadSpec::default(),
+            offload_param: OffloadSpec::default(),
+        }
+    }
+}
+
+/// An offload target.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OffloadSpec {
+    /// `none`, `cpu` or `nvme`.
+    pub device: OffloadDevice,
+    /// Directory for `nvme`.
+    pub nvme_path: Option<String>,
+}
+
+/// Offload target device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OffloadDevice {
+    /// Keep in place.
+    #[default]
+    None,
+    /// Host memory.
+    Cpu,
+    /// Files.
+    Nvme,
+}
+
+/// Collective-communication settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CommSpec {
+    /// Transport choice.
+    pub backend: Backend,
+    /// Deadline of every collective, in seconds.
+    pub timeout_s: f64,
+    /// A worker silent for this long fails the job.
+    pub heartbeat_s: f64,
+}
+
+impl Default for CommSpec {
+    fn default() -> Self {
+        Self { backend: Backend::Auto, timeout_s: 300.0, heartbeat_s: 30.0 }
+    }
+}
+
+/// Transport choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// The best available.
+    Auto,
+    /// TCP sockets.
+    Tcp,
+    /// Shared memory within a host.
+    Shm,
+    /// NCCL on GPUs.
+    Nccl,
+}
+
+/// Checkpointing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointSpec {
+    /// Directory; `null` disables checkpoints.
+    pub dir: Option<String>,
+    /// Save every this many steps (0: only at the end).
+    pub every: u64,
+    /// Newest checkpoints kept.
+    pub keep: usize,
+}
+
+impl Default for CheckpointSpec {
+    fn default() -> Self {
+        Self { dir: None, every: 0, keep: 2 }
+    }
+}
+
+/// Where compute runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    /// The CPU.
+    #[default]
+    Cpu,
+    /// NVIDIA GPUs.
+    Cuda,
+}
+
+/// A count that accepts `5e7`, `50000000`, `"64MiB"`, `"2k"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(transparent)]
+pub struct Size(pub u64);
+
+impl Size {
+    /// Parses a size written as a number with an optional unit (k, M, G, KiB, MiB, GiB).
+    pub fn parse(s: &str) -> Result<Size, String> {
+        let t = s.trim();
+        let split = t.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let mult: f64 = match unit.trim() {
+            "" => 1.0,
+            "k" | "K" => 1e3,
+            "M" => 1e6,
+            "G" => 1e9,
+            "KiB" | "Ki" => 1024.0,
+            "MiB" | "Mi" => 1024.0 * 1024.0,
+            "GiB" | "Gi" => 1024.0 * 1024.0 * 1024.0,
+            u => return Err(format!("unknown unit `{u}` in size `{s}` (use k, M, G, KiB, MiB, GiB)")),
+        };
+        let v: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size"))?;
+        Size::from_f64(v * mult).ok_or_else(|| format!("`{s}` is not a non-negative whole size"))
+    }
+
+    fn from_f64(v: f64) -> Option<Size> {
+        (v.is_finite() && v >= 0.0 && v.fract() == 0.0 && v < 1.8e19).then_some(Size(v as u64))
+    }
+}
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Size;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a size such as 5e7, 50000000 or \"64MiB\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Size, E> {
+                Ok(Size(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Size, E> {
+                u64::try_from(v).map(Size).map_err(|_| E::custom("a size cannot be negative"))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Size, E> {
+                Size::from_f64(v).ok_or_else(|| E::custom(format!("{v} is not a whole size")))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Size, E> {
+                Size::parse(v).map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_in_every_spelling() {
+        assert_eq!(Size::parse("5e7").unwrap(), Size(50_000_000));
+        assert_eq!(Size::parse("64MiB").unwrap(), Size(64 << 20));
+        assert_eq!(Size::parse("2k").unwrap(), Size(2000));
+        assert_eq!(Size::parse("1.5GiB").unwrap(), Size(3 << 29));
+        assert!(Size::parse("12 parsecs").is_err());
+        assert!(Size::parse("-3").is_err());
+        assert!(Size::parse("0.5").is_err());
+    }
+}

@@ -1,0 +1,24 @@
+//! zproto: what zrun and its workers say to each other, and how.
+//!
+//! Layout:
+//! - [`frame`]: length-prefixed frames (u32 big-endian length, then JSON), blocking
+//!   and async, with a maximum size checked *before* anything is allocated.
+//! - [`auth`]: the job token, and the HMAC challenge-response that proves knowledge
+//!   of it without sending it. The data plane between workers uses the same proofs.
+//! - [`msg`]: the control-plane messages.
+//!
+//! The design decision to know: zrun is the only server and it never trusts a
+//! connection until the peer has answered a fresh nonce with
+//! `HMAC-SHA256(token, context | nonce | rank)`. Before that, frames are capped at
+//! [`frame::HANDSHAKE_MAX`] bytes so a stranger cannot make zrun allocate.
+
+pub mod auth;
+pub mod frame;
+pub mod msg;
+
+pub use auth::{Nonce, Proof, Token};
+pub use frame::{FrameError, HANDSHAKE_MAX, MAX_FRAME};
+pub use msg::{
+    BenchCommTask, BenchRow, CommBytes, MemBytes, OpBytes, StepReport, Task, ToServer, ToWorker,
+    Welcome, CONTROL_CONTEXT, SERVER_CONTEXT,
+};

@@ -1,0 +1,263 @@
+//! Control-plane messages between zrun (server) and zworker (client).
+//!
+//! The handshake is: server `Challenge` → client `Hello` (its proof, and a nonce of
+//! its own) → server `Welcome` (the server's proof, the task, the topology). After
+//! that the client reports (`Heartbeat`, `Report`, `BenchRows`, `Failed`, `Done`)
+//! and uses the key-value store (`KvSet`, `KvGet`, `KvWait`, like torch's TCPStore);
+//! the server may send `Abort` at any time.
+
+use serde::{Deserialize, Serialize};
+use zconfig::JobSpec;
+
+use crate::auth::{Nonce, Proof};
+
+/// Auth context of the control plane.
+pub const CONTROL_CONTEXT: &str = "zrun-control-v1";
+/// Auth context of the server's answer to the client.
+pub const SERVER_CONTEXT: &str = "zrun-server-v1";
+
+/// Worker → zrun.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ToServer {
+    /// Answer to the challenge.
+    Hello {
+        /// Claimed rank.
+        rank: u64,
+        /// Job the worker belongs to.
+        job_id: String,
+        /// `HMAC(token, CONTROL_CONTEXT | server nonce | rank)`.
+        proof: Proof,
+        /// The worker's challenge for zrun.
+        nonce: Nonce,
+        /// The worker's process id (for diagnostics).
+        pid: u32,
+        /// The host the worker runs on.
+        hostname: String,
+    },
+    /// Still alive; `op` names the collective the worker is waiting in, if any.
+    Heartbeat {
+        /// Current operation, for hang diagnosis.
+        op: Option<String>,
+    },
+    /// One optimizer step done.
+    Report(StepReport),
+    /// Results of `bench comm`.
+    BenchRows(Vec<BenchRow>),
+    /// Store `value` under `key`.
+    KvSet {
+        /// Key.
+        key: String,
+        /// Value.
+        value: String,
+    },
+    /// Look up `key` now.
+    KvGet {
+        /// Key.
+        key: String,
+    },
+    /// Wait until every key exists, at most `timeout_ms`.
+    KvWait {
+        /// Keys.
+        keys: Vec<String>,
+        /// Deadline.
+        timeout_ms: u64,
+    },
+    /// The worker failed and is exiting.
+    Failed {
+        /// What happened.
+        message: String,
+    },
+    /// The worker finished its task and will exit 0.
+    Done,
+}
+
+/// zrun → worker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ToWorker {
+    /// Prove you know the token.
+    Challenge {
+        /// Fresh nonce.
+        nonce: Nonce,
+    },
+    /// Authenticated: here is the work.
+    Welcome(Box<Welcome>),
+    /// Answer to `KvGet`.
+    KvValue {
+        /// Key.
+        key: String,
+        /// Value, if set.
+        value: Option<String>,
+    },
+    /// Answer to `KvWait`: values in the order asked, or the keys still missing.
+    KvWaited {
+        /// `Ok(values)` or `Err(missing keys)` at the deadline.
+        result: Result<Vec<String>, Vec<String>>,
+    },
+    /// Stop now.
+    Abort {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// What a worker learns once authenticated.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Welcome {
+    /// `HMAC(token, SERVER_CONTEXT | worker nonce | rank)`: zrun knows the token too.
+    pub server_proof: Proof,
+    /// Node index of every rank.
+    pub node_of_rank: Vec<usize>,
+    /// What to do.
+    pub task: Task,
+}
+
+/// A worker's task.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Task {
+    /// Train the job.
+    Train(Box<JobSpec>),
+    /// Measure collectives.
+    BenchComm(BenchCommTask),
+}
+
+/// Parameters of `zrun bench comm`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchCommTask {
+    /// Ops by name.
+    pub ops: Vec<String>,
+    /// Message sizes in bytes.
+    pub sizes: Vec<u64>,
+    /// Transport.
+    pub transport: String,
+    /// Deadline per collective, seconds.
+    pub timeout_s: f64,
+}
+
+/// One row of `bench comm`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BenchRow {
+    /// Collective.
+    pub op: String,
+    /// Message size in bytes.
+    pub bytes: u64,
+    /// Ranks.
+    pub workers: usize,
+    /// Transport.
+    pub transport: String,
+    /// Median time per call, microseconds.
+    pub time_us: f64,
+    /// bytes / time.
+    pub algbw_gbps: f64,
+    /// nccl-tests bus bandwidth.
+    pub busbw_gbps: f64,
+}
+
+/// Memory held by one rank, by category (SPEC.md `mem_bytes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemBytes {
+    /// Working parameters.
+    pub params: u64,
+    /// Gradients.
+    pub grads: u64,
+    /// f32 master weights (mixed precision only).
+    pub master: u64,
+    /// Optimizer moments.
+    pub optimizer: u64,
+    /// Activations kept for backward.
+    pub activations: u64,
+    /// Buckets and gathered parameters in flight.
+    pub comm_buffers: u64,
+    /// Offload staging buffers.
+    pub offload_buffers: u64,
+    /// Peak resident set size of the process.
+    pub peak_rss: u64,
+}
+
+impl MemBytes {
+    /// Field-wise maximum.
+    pub fn max(self, o: MemBytes) -> MemBytes {
+        MemBytes {
+            params: self.params.max(o.params),
+            grads: self.grads.max(o.grads),
+            master: self.master.max(o.master),
+            optimizer: self.optimizer.max(o.optimizer),
+            activations: self.activations.max(o.activations),
+            comm_buffers: self.comm_buffers.max(o.comm_buffers),
+            offload_buffers: self.offload_buffers.max(o.offload_buffers),
+            peak_rss: self.peak_rss.max(o.peak_rss),
+        }
+    }
+}
+
+/// Bytes sent by one rank during one step (SPEC.md `comm_bytes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommBytes {
+    /// To ranks on the same node.
+    pub intra_node: u64,
+    /// To ranks on other nodes.
+    pub inter_node: u64,
+    /// By collective.
+    pub by_op: OpBytes,
+}
+
+/// Bytes sent by collective.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpBytes {
+    /// all_reduce.
+    pub all_reduce: u64,
+    /// reduce_scatter.
+    pub reduce_scatter: u64,
+    /// all_gather.
+    pub all_gather: u64,
+    /// all_to_all.
+    pub all_to_all: u64,
+    /// broadcast.
+    pub broadcast: u64,
+}
+
+impl CommBytes {
+    /// Field-wise maximum.
+    pub fn max(self, o: CommBytes) -> CommBytes {
+        let (a, b) = (self.by_op, o.by_op);
+        CommBytes {
+            intra_node: self.intra_node.max(o.intra_node),
+            inter_node: self.inter_node.max(o.inter_node),
+            by_op: OpBytes {
+                all_reduce: a.all_reduce.max(b.all_reduce),
+                reduce_scatter: a.reduce_scatter.max(b.reduce_scatter),
+                all_gather: a.all_gather.max(b.all_gather),
+                all_to_all: a.all_to_all.max(b.all_to_all),
+                broadcast: a.broadcast.max(b.broadcast),
+            },
+        }
+    }
+}
+
+/// One rank's account of one optimizer step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepReport {
+    /// 1-based step.
+    pub step: u64,
+    /// Mean loss over this rank's micro-batches.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Wall time of the step on this rank.
+    pub step_ms: f64,
+    /// Tokens this rank processed.
+    pub tokens: u64,
+    /// Model FLOPs this rank performed (6N + attention per token, forward + backward).
+    pub flops: f64,
+    /// Model parameters.
+    pub params: u64,
+    /// ZeRO stage.
+    pub zero_stage: u8,
+    /// Memory by category.
+    pub mem: MemBytes,
+    /// Bytes sent during the step.
+    pub comm: CommBytes,
+    /// f16 loss scale.
+    pub loss_scale: Option<f64>,
+}
