@@ -1,0 +1,380 @@
+//! The TCP transport: one authenticated connection per pair of ranks.
+//!
+//! Threads: one operation thread runs the collectives in issue order and does all
+//! the reading; one writer thread per peer drains that peer's send queue, so a
+//! rank can send to its right neighbour while it receives from its left (a ring
+//! with blocking writes on both sides would deadlock once socket buffers fill).
+//! Each message carries a 16-byte header: the operation's sequence number and the
+//! payload length. After any error the communicator is poisoned: later operations
+//! fail at once with the first error, instead of reading a half-finished stream.
+
+mod handshake;
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use zproto::Token;
+
+use crate::links::Links;
+use crate::{pairwise, ring, star};
+use crate::{chunk_range, CommError, Communicator, CounterSnapshot, Counters, Op, Work};
+
+const HEADER: usize = 16;
+
+/// How to build a [`TcpCommunicator`].
+#[derive(Debug, Clone)]
+pub struct TcpOptions {
+    /// The job token; peers must prove it.
+    pub token: Token,
+    /// Deadline of connection setup and of every collective.
+    pub timeout: Duration,
+    /// Node index of every rank (for intra/inter-node accounting).
+    pub node_of_rank: Vec<usize>,
+    /// Group name for messages.
+    pub group: String,
+}
+
+type Job = Box<dyn FnOnce(&mut TcpLinks) + Send>;
+
+/// A [`Communicator`] over TCP sockets.
+pub struct TcpCommunicator {
+    rank: usize,
+    world: usize,
+    group: String,
+    timeout: Duration,
+    jobs: mpsc::Sender<Job>,
+    counters: Arc<Counters>,
+}
+
+impl TcpCommunicator {
+    /// Binds the data-plane listener on `host` (any free port). Publish its
+    /// `local_addr()` to the other ranks, then call [`TcpCommunicator::connect`].
+    pub fn bind(host: &str) -> std::io::Result<TcpListener> {
+        TcpListener::bind((host, 0))
+    }
+
+    /// Connects to every rank at `addrs` (indexed by rank) and starts the threads.
+    pub fn connect(
+        rank: usize,
+        listener: TcpListener,
+        addrs: &[SocketAddr],
+        opts: TcpOptions,
+    ) -> Result<TcpCommunicator, CommError> {
+        let world = addrs.len();
+        let setup = |message: String| CommError::Setup { group: opts.group.clone(), message };
+        if rank >= world || opts.node_of_rank.len() != world {
+            return Err(setup(format!(
+                "rank {rank} with {world} addresses and {} node entries",
+                opts.node_of_rank.len()
+            )));
+        }
+        let streams = handshake::connect_mesh(rank, listener, addrs, &opts.token, opts.timeout)
+            .map_err(setup)?;
+        let counters = Arc::new(Counters::default());
+        let mut peers = Vec::with_capacity(world);
+        for (peer, s) in streams.into_iter().enumerate() {
+            let Some(reader) = s else {
+                peers.push(None);
+                continue;
+            };
+            let writer = reader.try_clone().map_err(|e| setup(e.to_string()))?;
+            writer.set_write_timeout(Some(opts.timeout)).map_err(|e| setup(e.to_string()))?;
+            let (tx, rx) = mpsc::channel::<Vec<u8>>();
+            let error = Arc::new(Mutex::new(None));
+            let err2 = error.clone();
+            std::thread::Builder::new()
+                .name(format!("zcomm-send-{peer}"))
+                .spawn(move || writer_loop(writer, rx, err2))
+                .map_err(|e| setup(e.to_string()))?;
+            peers.push(Some(Peer {
+                reader,
+                queue: tx,
+                error,
+                same_node: opts.node_of_rank[peer] == opts.node_of_rank[rank],
+            }));
+        }
+        let mut links = TcpLinks {
+            rank,
+            world,
+            group: opts.group.clone(),
+            peers,
+            counters: counters.clone(),
+            timeout: opts.timeout,
+            op: Op::Barrier,
+            seq: 0,
+            deadline: Instant::now(),
+            started: Instant::now(),
+            poisoned: None,
+        };
+        let (jobs, rx) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("zcomm-ops".into())
+            .spawn(move || {
+                for job in rx {
+                    job(&mut links);
+                }
+            })
+            .map_err(|e| setup(e.to_string()))?;
+        Ok(TcpCommunicator { rank, world, group: opts.group, timeout: opts.timeout, jobs, counters })
+    }
+
+    fn submit<T: Send + 'static>(
+        &self,
+        op: Op,
+        f: impl FnOnce(&mut TcpLinks) -> Result<T, CommError> + Send + 'static,
+    ) -> Work<T> {
+        let (tx, rx) = mpsc::channel();
+        let job: Job = Box::new(move |links: &mut TcpLinks| {
+            let _ = tx.send(links.run(op, f));
+        });
+        // If the thread is gone the receiver disconnects and `wait` reports it.
+        let _ = self.jobs.send(job);
+        // The operation enforces its own deadline once it starts; this bounds the
+        // wait for work queued ahead of it too.
+        let deadline = Instant::now() + self.timeout * 2 + Duration::from_secs(5);
+        Work::new(rx, op, self.group.clone(), deadline)
+    }
+}
+
+impl Communicator for TcpCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn group_name(&self) -> &str {
+        &self.group
+    }
+    fn counters(&self) -> CounterSnapshot {
+        self.counters.snapshot()
+    }
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn all_reduce_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
+        self.submit(Op::AllReduce, move |l| {
+            ring::reduce_scatter(l, &mut buf)?;
+            ring::all_gather(l, &mut buf)?;
+            Ok(buf)
+        })
+    }
+
+    fn reduce_scatter_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
+        self.submit(Op::ReduceScatter, move |l| {
+            ring::reduce_scatter(l, &mut buf)?;
+            let own = chunk_range(buf.len(), l.world_size(), l.rank());
+            buf.truncate(own.end);
+            Ok(buf.split_off(own.start))
+        })
+    }
+
+    fn all_gather_async(&self, chunk: Vec<f32>, total_len: usize) -> Work<Vec<f32>> {
+        self.submit(Op::AllGather, move |l| {
+            let own = chunk_range(total_len, l.world_size(), l.rank());
+            if chunk.len() != own.len() {
+                return Err(CommError::Usage {
+                    op: "all_gather",
+                    message: format!(
+                        "rank {} holds {} elements, chunk {} of {total_len} has {}",
+                        l.rank(),
+                        chunk.len(),
+                        l.rank(),
+                        own.len()
+                    ),
+                });
+            }
+            let mut buf = vec![0f32; total_len];
+            buf[own].copy_from_slice(&chunk);
+            ring::all_gather(l, &mut buf)?;
+            Ok(buf)
+        })
+    }
+
+    fn all_to_all_async(&self, pieces: Vec<Vec<u8>>) -> Work<Vec<Vec<u8>>> {
+        self.submit(Op::AllToAll, move |l| {
+            if pieces.len() != l.world_size() {
+                return Err(CommError::Usage {
+                    op: "all_to_all",
+                    message: format!("{} pieces for {} ranks", pieces.len(), l.world_size()),
+                });
+            }
+            pairwise::all_to_all(l, pieces)
+        })
+    }
+
+    fn broadcast_async(&self, buf: Vec<u8>, root: usize) -> Work<Vec<u8>> {
+        self.submit(Op::Broadcast, move |l| {
+            if root >= l.world_size() {
+                return Err(CommError::Usage {
+                    op: "broadcast",
+                    message: format!("root {root} with {} ranks", l.world_size()),
+                });
+            }
+            star::broadcast(l, buf, root)
+        })
+    }
+
+    fn barrier_async(&self) -> Work<()> {
+        self.submit(Op::Barrier, |l| star::barrier(l))
+    }
+}
+
+struct Peer {
+    reader: TcpStream,
+    queue: mpsc::Sender<Vec<u8>>,
+    error: Arc<Mutex<Option<String>>>,
+    same_node: bool,
+}
+
+fn writer_loop(mut s: TcpStream, rx: mpsc::Receiver<Vec<u8>>, error: Arc<Mutex<Option<String>>>) {
+    for msg in rx {
+        if let Err(e) = s.write_all(&msg) {
+            *error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+            return;
+        }
+    }
+    let _ = s.shutdown(std::net::Shutdown::Write);
+}
+
+pub(crate) struct TcpLinks {
+    rank: usize,
+    world: usize,
+    group: String,
+    peers: Vec<Option<Peer>>,
+    counters: Arc<Counters>,
+    timeout: Duration,
+    op: Op,
+    seq: u64,
+    deadline: Instant,
+    started: Instant,
+    poisoned: Option<CommError>,
+}
+
+impl TcpLinks {
+    fn run<T>(&mut self, op: Op, f: impl FnOnce(&mut TcpLinks) -> Result<T, CommError>) -> Result<T, CommError> {
+        if let Some(e) = &self.poisoned {
+            return Err(e.clone());
+        }
+        self.op = op;
+        self.seq += 1;
+        self.started = Instant::now();
+        self.deadline = self.started + self.timeout;
+        let r = f(self);
+        if let Err(e) = &r {
+            self.poisoned = Some(e.clone());
+        }
+        r
+    }
+
+    fn peer(&mut self, peer: usize) -> Result<&mut Peer, CommError> {
+        let (op, group) = (self.op.name(), self.group.clone());
+        self.peers.get_mut(peer).and_then(Option::as_mut).ok_or(CommError::Usage {
+            op,
+            message: format!("no link to rank {peer} in group {group}"),
+        })
+    }
+
+    fn link_error(&self, peer: usize, message: String) -> CommError {
+        CommError::Link { op: self.op.name(), group: self.group.clone(), peer, message }
+    }
+
+    fn read_exact(&mut self, peer: usize, out: &mut [u8]) -> Result<(), CommError> {
+        let deadline = self.deadline;
+        let mut off = 0;
+        while off < out.len() {
+            let now = Instant::now();
+            if now >= deadline {
+                let writer_err = self.peer(peer)?.error.lock().map(|e| e.clone()).unwrap_or_default();
+                if let Some(e) = writer_err {
+                    return Err(self.link_error(peer, format!("sending failed: {e}")));
+                }
+                return Err(CommError::Timeout {
+                    op: self.op.name(),
+                    group: self.group.clone(),
+                    peer,
+                    waited_s: (now - self.started).as_secs_f64(),
+                });
+            }
+            let p = self.peer(peer)?;
+            p.reader
+                .set_read_timeout(Some((deadline - now).max(Duration::from_millis(1))))
+                .map_err(|e| CommError::Link { op: "recv", group: String::new(), peer, message: e.to_string() })?;
+            match p.reader.read(&mut out[off..]) {
+                Ok(0) => return Err(self.link_error(peer, "connection closed (did that rank exit?)".into())),
+                Ok(n) => off += n,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+                Err(e) => return Err(self.link_error(peer, e.to_string())),
+            }
+        }
+        Ok(())
+    }
+
+    fn read_header(&mut self, peer: usize) -> Result<usize, CommError> {
+        let mut h = [0u8; HEADER];
+        self.read_exact(peer, &mut h)?;
+        let seq = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
+        let len = u64::from_le_bytes(h[8..].try_into().expect("8 bytes")) as usize;
+        if seq != self.seq {
+            return Err(CommError::Mismatch {
+                op: self.op.name(),
+                group: self.group.clone(),
+                peer,
+                got: format!("a message of collective #{seq}"),
+                expected: format!("collective #{} ({})", self.seq, self.op.name()),
+            });
+        }
+        Ok(len)
+    }
+}
+
+impl Links for TcpLinks {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn send(&mut self, peer: usize, payload: &[u8]) -> Result<(), CommError> {
+        let (seq, op) = (self.seq, self.op);
+        let counters = self.counters.clone();
+        let p = self.peer(peer)?;
+        if let Some(e) = p.error.lock().map(|e| e.clone()).unwrap_or_default() {
+            return Err(self.link_error(peer, format!("sending failed: {e}")));
+        }
+        let mut msg = Vec::with_capacity(HEADER + payload.len());
+        msg.extend_from_slice(&seq.to_le_bytes());
+        msg.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        msg.extend_from_slice(payload);
+        counters.add(op, payload.len() as u64, p.same_node);
+        if p.queue.send(msg).is_err() {
+            return Err(self.link_error(peer, "the sender thread has stopped".into()));
+        }
+        Ok(())
+    }
+
+    fn recv_into(&mut self, peer: usize, out: &mut [u8]) -> Result<(), CommError> {
+        let len = self.read_header(peer)?;
+        if len != out.len() {
+            return Err(CommError::Mismatch {
+                op: self.op.name(),
+                group: self.group.clone(),
+                peer,
+                got: format!("{len} bytes"),
+                expected: format!("{} bytes", out.len()),
+            });
+        }
+        self.read_exact(peer, out)
+    }
+
+    fn recv(&mut self, peer: usize) -> Result<Vec<u8>, CommError> {
+        let len = self.read_header(peer)?;
+        let mut out = vec![0u8; len];
+        self.read_exact(peer, &mut out)?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,239 @@
+//! Every collective against a naive reference, over real TCP sockets on loopback:
+//! world sizes 1-5, lengths that do not divide evenly, random data.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use zcomm::{chunk_range, CommError, Communicator, Op, TcpCommunicator, TcpOptions};
+use zproto::Token;
+
+/// Builds a world of `n` communicators in this process, each on its own socket.
+fn world(n: usize, nodes: &[usize], timeout: Duration) -> Vec<Arc<dyn Communicator>> {
+    let token = Token::generate();
+    let listeners: Vec<_> = (0..n).map(|_| TcpCommunicator::bind("127.0.0.1").unwrap()).collect();
+    let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let handles: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(rank, l)| {
+            let addrs = addrs.clone();
+            let opts = TcpOptions { token: token.clone(), timeout, node_of_rank: nodes.to_vec(), group: "world".into() };
+            std::thread::spawn(move || TcpCommunicator::connect(rank, l, &addrs, opts).unwrap())
+        })
+        .collect();
+    handles.into_iter().map(|h| Arc::new(h.join().unwrap()) as Arc<dyn Communicator>).collect()
+}
+
+/// Runs `f(rank, comm)` on every rank in parallel and returns the results by rank.
+fn on_all<T: Send + 'static>(
+    comms: &[Arc<dyn Communicator>],
+    f: impl Fn(usize, &dyn Communicator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = Arc::new(f);
+    let hs: Vec<_> = comms
+        .iter()
+        .enumerate()
+        .map(|(r, c)| {
+            let (c, f) = (c.clone(), f.clone());
+            std::thread::spawn(move || f(r, c.as_ref()))
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn random(seed: u64, len: usize) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+fn naive_sum(n: usize, len: usize) -> Vec<f64> {
+    let mut s = vec![0f64; len];
+    for r in 0..n {
+        for (a, b) in s.iter_mut().zip(random(r as u64, len)) {
+            *a += b as f64;
+        }
+    }
+    s
+}
+
+fn assert_close(got: &[f32], want: &[f64]) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((*g as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()), "element {i}: {g} vs {w}");
+    }
+}
+
+const LENS: [usize; 6] = [0, 1, 3, 7, 1000, 4099];
+
+#[test]
+fn all_reduce_matches_naive_sum_and_is_identical_on_every_rank() {
+    for n in 1..=5 {
+        let comms = world(n, &vec![0; n], Duration::from_secs(20));
+        for len in LENS {
+            let out = on_all(&comms, move |r, c| c.all_reduce(random(r as u64, len)).unwrap());
+            let want = naive_sum(n, len);
+            for o in &out {
+                assert_close(o, &want);
+                assert_eq!(o, &out[0], "ranks disagree bitwise at n={n} len={len}");
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_then_all_gather_equals_all_reduce_bitwise() {
+    for n in 1..=5 {
+        let comms = world(n, &vec![0; n], Duration::from_secs(20));
+        for len in LENS {
+            let out = on_all(&comms, move |r, c| {
+                let full = c.all_reduce(random(r as u64, len)).unwrap();
+                let mine = c.reduce_scatter(random(r as u64, len)).unwrap();
+                assert_eq!(mine.len(), chunk_range(len, c.world_size(), r).len());
+                let gathered = c.all_gather(mine, len).unwrap();
+                (full, gathered)
+            });
+            let want = naive_sum(n, len);
+            for (full, gathered) in &out {
+                assert_close(gathered, &want);
+                assert_eq!(full, gathered);
+            }
+        }
+    }
+}
+
+#[test]
+fn all_gather_concatenates_chunks_in_rank_order() {
+    for n in 1..=5 {
+        let comms = world(n, &vec![0; n], Duration::from_secs(20));
+        for len in LENS {
+            let out = on_all(&comms, move |r, c| {
+                let own = chunk_range(len, c.world_size(), r);
+                let chunk: Vec<f32> = own.clone().map(|i| (i * 10 + r) as f32).collect();
+                c.all_gather(chunk, len).unwrap()
+            });
+            let want: Vec<f32> =
+                (0..len).map(|i| (i * 10 + (0..n).find(|&r| chunk_range(len, n, r).contains(&i)).unwrap()) as f32).collect();
+            for o in out {
+                assert_eq!(o, want);
+            }
+        }
+    }
+}
+
+#[test]
+fn all_to_all_delivers_every_piece_with_its_own_length() {
+    for n in 1..=5 {
+        let comms = world(n, &vec![0; n], Duration::from_secs(20));
+        let out = on_all(&comms, move |r, c| {
+            let pieces = (0..n).map(|j| vec![(r * 16 + j) as u8; r + 2 * j]).collect();
+            c.all_to_all(pieces).unwrap()
+        });
+        for (r, got) in out.iter().enumerate() {
+            for (i, piece) in got.iter().enumerate() {
+                assert_eq!(piece, &vec![(i * 16 + r) as u8; i + 2 * r]);
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcast_from_every_root_and_barrier() {
+    for n in 1..=5 {
+        let comms = world(n, &vec![0; n], Duration::from_secs(20));
+        for root in 0..n {
+            let out = on_all(&comms, move |r, c| {
+                c.barrier().unwrap();
+                let buf = if r == root { vec![root as u8; 1001] } else { vec![] };
+                c.broadcast(buf, root).unwrap()
+            });
+            for o in out {
+                assert_eq!(o, vec![root as u8; 1001]);
+            }
+        }
+    }
+}
+
+#[test]
+fn async_work_overlaps_and_completes_in_issue_order() {
+    let comms = world(3, &[0, 0, 0], Duration::from_secs(20));
+    let out = on_all(&comms, |r, c| {
+        let works: Vec<_> = (0..8).map(|k| c.all_reduce_async(vec![(r + k) as f32; 5000 + k])).collect();
+        works.into_iter().map(|w| w.wait().unwrap()[0]).collect::<Vec<_>>()
+    });
+    for o in out {
+        assert_eq!(o, (0..8).map(|k| (3 * k + 3) as f32).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn bytes_are_counted_per_op_and_split_by_node() {
+    // Ranks 0, 1 on node 0; ranks 2, 3 on node 1. Ring neighbours: 0->1 intra,
+    // 1->2 inter, 2->3 intra, 3->0 inter.
+    let comms = world(4, &[0, 0, 1, 1], Duration::from_secs(20));
+    let len = 1000;
+    let out = on_all(&comms, move |r, c| {
+        let before = c.counters();
+        c.all_reduce(random(r as u64, len)).unwrap();
+        c.counters().since(&before)
+    });
+    // A ring all-reduce sends 2(n-1)/n of the buffer: 1500 floats = 6000 bytes.
+    for (r, d) in out.iter().enumerate() {
+        assert_eq!(d.op(Op::AllReduce), 6000, "rank {r}");
+        let (intra, inter) = if r % 2 == 0 { (6000, 0) } else { (0, 6000) };
+        assert_eq!((d.intra_node, d.inter_node), (intra, inter), "rank {r}");
+    }
+}
+
+#[test]
+fn a_missing_peer_times_out_naming_op_group_and_peer() {
+    let comms = world(2, &[0, 0], Duration::from_millis(500));
+    // Only rank 0 enters the collective.
+    let e = comms[0].all_reduce(vec![1.0; 10]).unwrap_err();
+    match &e {
+        CommError::Timeout { op, group, peer, .. } => {
+            assert_eq!((*op, group.as_str(), *peer), ("all_reduce", "world", 1));
+        }
+        other => panic!("expected a timeout, got {other}"),
+    }
+    assert!(e.to_string().contains("all_reduce in group world"));
+    // The communicator is poisoned: the next call fails at once with the same error.
+    assert!(matches!(comms[0].barrier(), Err(CommError::Timeout { .. })));
+}
+
+#[test]
+fn a_stranger_on_the_data_port_cannot_join() {
+    use std::io::Write;
+    let token = Token::generate();
+    let l0 = TcpCommunicator::bind("127.0.0.1").unwrap();
+    let l1 = TcpCommunicator::bind("127.0.0.1").unwrap();
+    let addrs = vec![l0.local_addr().unwrap(), l1.local_addr().unwrap()];
+    // Strangers connect to rank 0 first: one sends garbage, one stalls silently.
+    let mut garbage = std::net::TcpStream::connect(addrs[0]).unwrap();
+    garbage.write_all(&[0xff; 64]).unwrap();
+    let _stall = std::net::TcpStream::connect(addrs[0]).unwrap();
+    let opts = |t: &Token| TcpOptions { token: t.clone(), timeout: Duration::from_secs(10), node_of_rank: vec![0, 0], group: "world".into() };
+    let (o0, o1) = (opts(&token), opts(&token));
+    let a2 = addrs.clone();
+    let h = std::thread::spawn(move || TcpCommunicator::connect(0, l0, &a2, o0).unwrap());
+    let c1 = TcpCommunicator::connect(1, l1, &addrs, o1).unwrap();
+    let c0 = h.join().unwrap();
+    let t = std::thread::spawn(move || c0.all_reduce(vec![1.0, 2.0]).unwrap());
+    assert_eq!(c1.all_reduce(vec![3.0, 4.0]).unwrap(), vec![4.0, 6.0]);
+    assert_eq!(t.join().unwrap(), vec![4.0, 6.0]);
+
+    // A peer with the wrong token is refused.
+    let l0 = TcpCommunicator::bind("127.0.0.1").unwrap();
+    let l1 = TcpCommunicator::bind("127.0.0.1").unwrap();
+    let addrs = vec![l0.local_addr().unwrap(), l1.local_addr().unwrap()];
+    let mut o0 = opts(&token);
+    o0.timeout = Duration::from_secs(2);
+    let mut o1 = opts(&Token::generate());
+    o1.timeout = Duration::from_secs(2);
+    let a2 = addrs.clone();
+    let h = std::thread::spawn(move || TcpCommunicator::connect(0, l0, &a2, o0).is_err());
+    let e = TcpCommunicator::connect(1, l1, &addrs, o1).err().expect("wrong token must fail");
+    assert!(e.to_string().contains("failed to prove the job token"), "{e}");
+    assert!(h.join().unwrap());
+}
