@@ -1,14 +1,18 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! zmodel: the model and the data, nothing about distribution.
+//!
+//! Layout:
+//! - [`gpt`]: a GPT-2-style decoder as a chain of blocks (embedding, N transformer
+//!   blocks, final norm + tied head + loss). Every block's forward takes its
+//!   parameter tensors as arguments: the engine owns the parameters and decides
+//!   where they live (replicated, partitioned, gathered on demand).
+//! - [`ops`]: layer norm, softmax and cross-entropy composed from candle primitives
+//!   so that they have a backward (candle-nn's fused versions silently have none).
+//! - [`data`]: corpora (text bytes, u16 tokens, synthetic) and the batcher that gives
+//!   each rank a disjoint, deterministic share of every global batch.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+pub mod data;
+pub mod gpt;
+pub mod ops;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use data::{Batch, Batcher, Corpus, DataError};
+pub use gpt::{Gpt, GptConfig, GroupSpec, Init, ParamSpec};

@@ -1,0 +1,192 @@
+//! Flat per-block buffers, their partition over ranks, and gradient buckets.
+//!
+//! A group's parameters are laid end to end in one f32 buffer, padded to a
+//! multiple of `world × ALIGN` elements so that it splits into `world` equal slices
+//! that each start on a 64-byte boundary. Rank r owns slice r.
+//!
+//! A bucket is a run of consecutive groups in backward order, closed once it holds
+//! `reduce_bucket_size` elements. Its buffer is laid out rank-major — slice 0 of
+//! every group in the bucket, then slice 1 of every group, ... — so that chunk r
+//! of the bucket (zcomm's `chunk_range`) is exactly rank r's slices. A
+//! reduce-scatter of a bucket therefore hands each rank the gradient of what it
+//! owns, and an all-reduce is the same reduce-scatter plus an all-gather.
+
+use std::ops::Range;
+
+use zmodel::GroupSpec;
+
+/// Elements per slice alignment unit (16 f32 = one 64-byte cache line).
+pub const ALIGN: usize = 16;
+
+/// Where one parameter sits in its group's flat buffer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSlot {
+    /// Parameter name.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Element range in the flat buffer.
+    pub range: Range<usize>,
+    /// Whether weight decay applies.
+    pub decay: bool,
+}
+
+/// The flat layout of one group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupLayout {
+    /// Group name.
+    pub name: String,
+    /// Parameters in order.
+    pub params: Vec<ParamSlot>,
+    /// Elements actually used.
+    pub numel: usize,
+    /// Buffer length including padding; a multiple of `world × ALIGN`.
+    pub padded: usize,
+    /// Ranks the buffer is split over.
+    pub world: usize,
+}
+
+impl GroupLayout {
+    /// Lays out `spec` for `world` ranks.
+    pub fn new(spec: &GroupSpec, world: usize) -> GroupLayout {
+        let mut params = Vec::with_capacity(spec.params.len());
+        let mut off = 0;
+        for p in &spec.params {
+            let n = p.numel();
+            params.push(ParamSlot { name: p.name.clone(), shape: p.shape.clone(), range: off..off + n, decay: p.decay });
+            off += n;
+        }
+        let quantum = world * ALIGN;
+        let padded = off.div_ceil(quantum) * quantum;
+        GroupLayout { name: spec.name.clone(), params, numel: off, padded, world }
+    }
+
+    /// Elements per rank slice.
+    pub fn slice_len(&self) -> usize {
+        self.padded / self.world
+    }
+
+    /// Rank `r`'s slice of the flat buffer.
+    pub fn slice(&self, r: usize) -> Range<usize> {
+        let n = self.slice_len();
+        r * n..(r + 1) * n
+    }
+
+    /// The parts of `range` (flat indices) covered by each parameter, with its decay
+    /// flag; padding is reported with `decay = false`.
+    pub fn decay_runs(&self, range: Range<usize>) -> Vec<(Range<usize>, bool)> {
+        let mut runs = Vec::new();
+        let mut at = range.start;
+        for p in &self.params {
+            let s = p.range.start.max(at);
+            let e = p.range.end.min(range.end);
+            if s < e {
+                runs.push((s..e, p.decay));
+                at = e;
+            }
+        }
+        if at < range.end {
+            runs.push((at..range.end, false));
+        }
+        runs
+    }
+}
+
+/// Groups whose gradients are reduced together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bucket {
+    /// Group indices, in the order backward completes them.
+    pub groups: Vec<usize>,
+    /// Total padded elements.
+    pub len: usize,
+}
+
+impl Bucket {
+    /// Splits groups, taken in backward order (last group first), into buckets of
+    /// at least `bucket_size` elements (the last bucket may be smaller).
+    pub fn plan(layouts: &[GroupLayout], bucket_size: usize) -> Vec<Bucket> {
+        let mut out = Vec::new();
+        let mut cur = Bucket { groups: Vec::new(), len: 0 };
+        for g in (0..layouts.len()).rev() {
+            cur.groups.push(g);
+            cur.len += layouts[g].padded;
+            if cur.len >= bucket_size {
+                out.push(std::mem::replace(&mut cur, Bucket { groups: Vec::new(), len: 0 }));
+            }
+        }
+        if !cur.groups.is_empty() {
+            out.push(cur);
+        }
+        out
+    }
+
+    /// Copies the groups' buffers into one rank-major bucket buffer.
+    pub fn pack(&self, layouts: &[GroupLayout], bufs: &[Vec<f32>], world: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.len);
+        for r in 0..world {
+            for &g in &self.groups {
+                out.extend_from_slice(&bufs[g][layouts[g].slice(r)]);
+            }
+        }
+        out
+    }
+
+    /// Copies a rank-major bucket buffer back into the groups' buffers.
+    pub fn unpack(&self, layouts: &[GroupLayout], packed: &[f32], bufs: &mut [Vec<f32>], world: usize) {
+        let mut at = 0;
+        for r in 0..world {
+            for &g in &self.groups {
+                let s = layouts[g].slice(r);
+                let n = s.len();
+                bufs[g][s].copy_from_slice(&packed[at..at + n]);
+                at += n;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zmodel::{Init, ParamSpec};
+
+    fn spec(sizes: &[usize]) -> GroupSpec {
+        GroupSpec {
+            name: "g".into(),
+            params: sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| ParamSpec { name: format!("p{i}"), shape: vec![n], init: Init::Zeros, decay: i % 2 == 0 })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn layout_pads_to_equal_aligned_slices() {
+        let l = GroupLayout::new(&spec(&[10, 7]), 3);
+        assert_eq!((l.numel, l.padded, l.slice_len()), (17, 48, 16));
+        assert_eq!(l.slice(2), 32..48);
+        let runs = l.decay_runs(0..32);
+        assert_eq!(runs, vec![(0..10, true), (10..17, false), (17..32, false)]);
+        assert_eq!(l.decay_runs(16..32), vec![(16..17, false), (17..32, false)]);
+    }
+
+    #[test]
+    fn bucket_chunk_r_is_rank_r_slices() {
+        let world = 3;
+        let layouts: Vec<_> = [5, 40, 100].iter().map(|&n| GroupLayout::new(&spec(&[n]), world)).collect();
+        let buckets = Bucket::plan(&layouts, 100);
+        assert_eq!(buckets.iter().map(|b| b.groups.clone()).collect::<Vec<_>>(), vec![vec![2], vec![1, 0]]);
+        let bufs: Vec<Vec<f32>> = layouts.iter().enumerate().map(|(g, l)| (0..l.padded).map(|i| (g * 1000 + i) as f32).collect()).collect();
+        let b = &buckets[1];
+        let packed = b.pack(&layouts, &bufs, world);
+        let chunk = zcomm::chunk_range(packed.len(), world, 1);
+        let mut want = bufs[1][layouts[1].slice(1)].to_vec();
+        want.extend_from_slice(&bufs[0][layouts[0].slice(1)]);
+        assert_eq!(&packed[chunk], &want[..]);
+        let mut back = vec![vec![0.0; layouts[0].padded], vec![0.0; layouts[1].padded], vec![0.0; layouts[2].padded]];
+        b.unpack(&layouts, &packed, &mut back, world);
+        assert_eq!(back[0], bufs[0]);
+        assert_eq!(back[1], bufs[1]);
+    }
+}

@@ -1,0 +1,92 @@
+//! Data parallelism must not change the maths: 2 ranks × 1 micro-batch equal
+//! 1 rank × 2 micro-batches with the same global batch, and every rank holds the
+//! same parameters after every step.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use zcomm::{Communicator, TcpCommunicator, TcpOptions};
+use zconfig::JobSpec;
+use zengine::Engine;
+use zmodel::{Batcher, Corpus};
+use zproto::Token;
+
+fn spec(accum: usize, bucket: u64, overlap: bool) -> JobSpec {
+    let yaml = format!(
+        "model: {{vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, seq_len: 16}}\n\
+         data: {{format: synthetic}}\n\
+         train: {{steps: 6, micro_batch_size: 4, grad_accum: {accum}, lr: 3.0e-3, warmup_steps: 2}}\n\
+         zero: {{reduce_bucket_size: {bucket}, overlap_comm: {overlap}}}\n"
+    );
+    serde_saphyr::from_str(&yaml).unwrap()
+}
+
+fn comms(n: usize) -> Vec<Arc<dyn Communicator>> {
+    let token = Token::generate();
+    let ls: Vec<_> = (0..n).map(|_| TcpCommunicator::bind("127.0.0.1").unwrap()).collect();
+    let addrs: Vec<_> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
+    let hs: Vec<_> = ls
+        .into_iter()
+        .enumerate()
+        .map(|(r, l)| {
+            let addrs = addrs.clone();
+            let o = TcpOptions { token: token.clone(), timeout: Duration::from_secs(30), node_of_rank: vec![0; n], group: "world".into() };
+            std::thread::spawn(move || Arc::new(TcpCommunicator::connect(r, l, &addrs, o).unwrap()) as Arc<dyn Communicator>)
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Trains on every rank in parallel; returns (losses per step, final params) per rank.
+fn train(spec: JobSpec, world: usize) -> Vec<(Vec<f64>, Vec<Vec<f32>>)> {
+    let hs: Vec<_> = comms(world)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let spec = spec.clone();
+            std::thread::spawn(move || {
+                let t = &spec.train;
+                let corpus = Corpus::synthetic(spec.model.vocab_size, t.seed);
+                let mut data = Batcher::new(corpus, spec.model.seq_len, t.micro_batch_size, t.grad_accum, world, rank, t.seed).unwrap();
+                let mut engine = Engine::new(&spec, comm).unwrap();
+                let mut losses = Vec::new();
+                for s in 0..t.steps {
+                    for a in 0..t.grad_accum {
+                        engine.forward_backward(&data.batch(s, a)).unwrap();
+                    }
+                    losses.push(engine.step().unwrap().loss);
+                }
+                (losses, engine.full_params())
+            })
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn two_ranks_equal_one_rank_with_the_same_global_batch() {
+    let solo = train(spec(2, 2000, true), 1);
+    let duo = train(spec(1, 2000, true), 2);
+    assert_eq!(duo[0].1, duo[1].1, "ranks diverged");
+    let solo_loss = &solo[0].0;
+    // Each rank reports its own micro-batch's loss; their mean is the global loss.
+    for (s, want) in solo_loss.iter().enumerate() {
+        let got = (duo[0].0[s] + duo[1].0[s]) / 2.0;
+        assert!((got - want).abs() <= 1e-5 * want.abs(), "step {}: {got} vs {want}", s + 1);
+    }
+    for (a, b) in solo[0].1.iter().flatten().zip(duo[0].1.iter().flatten()) {
+        assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{a} vs {b}");
+    }
+    assert!(solo_loss[5] < solo_loss[0], "loss did not fall: {solo_loss:?}");
+}
+
+#[test]
+fn bucket_size_and_overlap_do_not_change_a_bit() {
+    let base = train(spec(1, 50_000_000, true), 3);
+    for (bucket, overlap) in [(1, true), (3000, false)] {
+        let other = train(spec(1, bucket, overlap), 3);
+        for r in 0..3 {
+            assert_eq!(base[r], other[r], "bucket {bucket} overlap {overlap} rank {r}");
+        }
+    }
+}
