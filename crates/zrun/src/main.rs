@@ -1,3 +1,20 @@
-fn main() {
-    println!("Hello, world!");
+//! `zrun`: see `zrun --help`. All the work is in the library; this only reports.
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ZRUN_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    match zrun::run() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("zrun: error: {e:#}");
+            ExitCode::from(zrun::exit_code_of(&e))
+        }
+    }
 }

@@ -1,3 +1,20 @@
-fn main() {
-    println!("Hello, world!");
+//! `zworker`: started by `zrun` (or `srun`) with the job in its environment.
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ZRUN_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    match zworker::run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("zworker: {e:#}");
+            ExitCode::from(1)
+        }
+    }
 }

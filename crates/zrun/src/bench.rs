@@ -1,0 +1,118 @@
+//! `zrun bench comm`: collective bandwidth between local workers, per transport.
+//!
+//! The measuring happens in the workers (see zworker's `bench`); this starts them
+//! like a training job, with a `BenchComm` task, and prints their rows.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Result;
+use zconfig::{Node, Topology};
+use zproto::{BenchCommTask, BenchRow, Task};
+
+use crate::cli::BenchCommArgs;
+use crate::plan::{default_worker_bin, LaunchPlan};
+use crate::supervise::{run_job, Outcome, Sink};
+use crate::Failure;
+
+const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast"];
+const TRANSPORTS: [&str; 1] = ["tcp"];
+
+/// Parses `1M`, `64M`, `512K`, `1G`, `4096` (binary units).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: u64 = num.parse().map_err(|_| format!("--sizes: `{s}` is not a size like 64M"))?;
+    let bytes = n * mult;
+    if bytes < 4 || bytes % 4 != 0 {
+        return Err(format!("--sizes: `{s}` must be a positive multiple of 4 bytes (f32 elements)"));
+    }
+    Ok(bytes)
+}
+
+/// `zrun bench comm`.
+pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
+    if args.workers == 0 {
+        return Err(Failure::bad_input("--workers must be at least 1"));
+    }
+    let sizes: Vec<u64> = args.sizes.iter().map(|s| parse_bytes(s)).collect::<Result<_, _>>().map_err(Failure::bad_input)?;
+    for op in &args.ops {
+        if !OPS.contains(&op.as_str()) {
+            return Err(Failure::bad_input(format!("--ops: unknown op `{op}` (valid: {})", OPS.join(", "))));
+        }
+    }
+    let transports: Vec<String> =
+        if args.transports.is_empty() { TRANSPORTS.iter().map(|s| s.to_string()).collect() } else { args.transports.clone() };
+    for t in &transports {
+        if t == "shm" || t == "nccl" {
+            return Err(Failure::bad_input(format!("--transports {t}: that transport is not supported yet")));
+        }
+        if !TRANSPORTS.contains(&t.as_str()) {
+            return Err(Failure::bad_input(format!("--transports: unknown transport `{t}` (valid: tcp)")));
+        }
+    }
+    let worker_bin = match args.worker_bin.clone() {
+        Some(p) => p,
+        None => default_worker_bin()?,
+    };
+    if !worker_bin.is_file() {
+        return Err(Failure::launch(format!("zworker not found at {}", worker_bin.display())));
+    }
+    let mut all_rows: Vec<BenchRow> = Vec::new();
+    for transport in transports {
+        // A minimal job spec carries the environment; the task says what to do.
+        let spec = serde_json::from_value(serde_json::json!({
+            "model": {}, "data": {"format": "synthetic"}, "name": "bench-comm"
+        }))?;
+        let plan = LaunchPlan {
+            spec,
+            topology: Topology {
+                nodes: vec![Node { host: "localhost".into(), slots: (0..args.workers).collect(), port: None, user: None }],
+            },
+            node_addrs: vec!["127.0.0.1".into()],
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            worker_bin: worker_bin.clone(),
+        };
+        let task = Task::BenchComm(BenchCommTask { ops: args.ops.clone(), sizes: sizes.clone(), transport, timeout_s: 120.0 });
+        let (outcome, sink) = run_job(plan, task, Sink::Bench { rows: Vec::new() }, Duration::from_secs(60), Duration::from_secs(60))?;
+        if let Outcome::Failed { code, message } = outcome {
+            eprintln!("zrun: {message}");
+            return Ok(ExitCode::from(code));
+        }
+        if let Sink::Bench { rows } = sink {
+            all_rows.extend(rows);
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "rows": all_rows }))?);
+    } else {
+        println!("{:<15} {:>12} {:>8} {:>10} {:>12} {:>12} {:>12}", "op", "bytes", "workers", "transport", "time_us", "algbw_GB/s", "busbw_GB/s");
+        for r in &all_rows {
+            println!(
+                "{:<15} {:>12} {:>8} {:>10} {:>12.1} {:>12.3} {:>12.3}",
+                r.op, r.bytes, r.workers, r.transport, r.time_us, r.algbw_gbps, r.busbw_gbps
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_are_binary() {
+        assert_eq!(parse_bytes("64M").unwrap(), 64 << 20);
+        assert_eq!(parse_bytes("1K").unwrap(), 1024);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert!(parse_bytes("3").is_err());
+        assert!(parse_bytes("lots").is_err());
+    }
+}

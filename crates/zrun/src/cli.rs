@@ -1,0 +1,143 @@
+//! Command-line flags (DeepSpeed / torchrun spellings where they exist).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// Train transformer models with ZeRO data parallelism.
+#[derive(Debug, Parser)]
+#[command(name = "zrun", version, about, propagate_version = true)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// zrun's commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a training job.
+    Train(TrainArgs),
+    /// Validate a job; print the resolved spec and topology.
+    Check(CheckArgs),
+    /// Measure throughput.
+    Bench(BenchArgs),
+}
+
+/// Where and how workers start.
+#[derive(Debug, Clone, Args)]
+pub struct LaunchArgs {
+    /// Hosts and slots (DeepSpeed format). Default: this host only.
+    #[arg(long, value_name = "FILE")]
+    pub hostfile: Option<PathBuf>,
+    /// Use only these hosts/slots: `host1:0,1@host2`.
+    #[arg(long, value_name = "SPEC")]
+    pub include: Option<String>,
+    /// Leave out these hosts/slots: `host1:0,1@host2`.
+    #[arg(long, value_name = "SPEC")]
+    pub exclude: Option<String>,
+    /// Use the first N nodes.
+    #[arg(long, value_name = "N")]
+    pub num_nodes: Option<usize>,
+    /// Workers per node (default without a hostfile: 2).
+    #[arg(long, value_name = "N")]
+    pub workers_per_node: Option<usize>,
+    /// How to start workers.
+    #[arg(long, value_enum, default_value_t = Launcher::Local)]
+    pub launcher: Launcher,
+    /// Address workers use to reach zrun's control socket.
+    #[arg(long, value_name = "ADDR")]
+    pub master_addr: Option<String>,
+    /// Port of the control socket (default: any free port).
+    #[arg(long, value_name = "PORT", default_value_t = 0)]
+    pub master_port: u16,
+    /// Path of the zworker binary (default: next to zrun).
+    #[arg(long, value_name = "PATH")]
+    pub worker_bin: Option<PathBuf>,
+}
+
+/// How workers start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Launcher {
+    /// Child processes of zrun on this host.
+    Local,
+    /// Over SSH.
+    Ssh,
+    /// With srun inside a Slurm allocation.
+    Slurm,
+}
+
+/// `zrun train`.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// The job spec (YAML).
+    #[arg(value_name = "JOB.yaml")]
+    pub job: PathBuf,
+    /// Launch options.
+    #[command(flatten)]
+    pub launch: LaunchArgs,
+    /// Override a job-spec key: `--set zero.reduce_bucket_size=1e6` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Metrics JSONL path (default RUN_DIR/metrics.jsonl).
+    #[arg(long, value_name = "FILE")]
+    pub metrics: Option<PathBuf>,
+    /// Resume from a checkpoint directory, or `auto`.
+    #[arg(long, value_name = "DIR|auto")]
+    pub resume: Option<String>,
+    /// Plain log lines instead of a progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// `zrun check`.
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// The job spec (YAML).
+    #[arg(value_name = "JOB.yaml")]
+    pub job: PathBuf,
+    /// Launch options.
+    #[command(flatten)]
+    pub launch: LaunchArgs,
+    /// Override a job-spec key (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+}
+
+/// `zrun bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// What to measure.
+    #[command(subcommand)]
+    pub what: BenchWhat,
+}
+
+/// Benchmarks.
+#[derive(Debug, Subcommand)]
+pub enum BenchWhat {
+    /// Collective bandwidth between local workers.
+    Comm(BenchCommArgs),
+}
+
+/// `zrun bench comm`.
+#[derive(Debug, Args)]
+pub struct BenchCommArgs {
+    /// Workers (local processes).
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Message sizes in bytes; K, M, G are binary (nccl-tests' convention).
+    #[arg(long, value_delimiter = ',', default_values_t = ["1M".to_string(), "16M".to_string(), "64M".to_string()])]
+    pub sizes: Vec<String>,
+    /// Collectives to time.
+    #[arg(long, value_delimiter = ',', default_values_t = ["all_reduce".to_string(), "reduce_scatter".to_string(), "all_gather".to_string(), "all_to_all".to_string(), "broadcast".to_string()])]
+    pub ops: Vec<String>,
+    /// Transports to measure (default: every one available).
+    #[arg(long, value_delimiter = ',')]
+    pub transports: Vec<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Path of the zworker binary (default: next to zrun).
+    #[arg(long, value_name = "PATH")]
+    pub worker_bin: Option<PathBuf>,
+}

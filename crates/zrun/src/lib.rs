@@ -1,0 +1,87 @@
+//! zrun: the launcher. It reads the job, starts one `zworker` per slot, serves
+//! the control socket they report to, draws progress, writes metrics, and ends
+//! the job cleanly (no process left behind) however it ends.
+//!
+//! Layout:
+//! - [`cli`]: clap's flags, as users type them.
+//! - [`plan`]: flags + spec + hostfile validated into a [`plan::LaunchPlan`], once,
+//!   before anything starts (bad input: exit 2).
+//! - [`server`]: the tokio control server: token challenge, key-value store,
+//!   per-worker message streams.
+//! - [`launch`]: starting local workers in their own process groups and killing
+//!   those groups.
+//! - [`supervise`]: the event loop that turns worker messages, exits, heartbeats
+//!   and signals into progress, metrics and an exit code.
+//! - [`metrics`]: aggregation of per-rank step reports into `metrics.jsonl` lines.
+//! - [`bench`]: `zrun bench comm`.
+//!
+//! zrun links no model and no transport: everything that computes runs inside
+//! `zworker`, so zrun builds fast and is safe to run on a login node.
+
+pub mod bench;
+pub mod cli;
+pub mod launch;
+pub mod metrics;
+pub mod plan;
+pub mod server;
+pub mod supervise;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+/// Exit codes of SPEC.md.
+pub mod exit {
+    /// Done.
+    pub const OK: u8 = 0;
+    /// Training failed.
+    pub const TRAINING_FAILED: u8 = 1;
+    /// Bad input.
+    pub const BAD_INPUT: u8 = 2;
+    /// Launch failed (spawn, rendezvous, SSH).
+    pub const LAUNCH_FAILED: u8 = 3;
+    /// Interrupted.
+    pub const INTERRUPTED: u8 = 130;
+}
+
+/// An error that knows its exit code.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct Failure {
+    /// Exit code.
+    pub code: u8,
+    /// What happened.
+    pub message: String,
+}
+
+impl Failure {
+    /// Bad input (exit 2).
+    pub fn bad_input(message: impl Into<String>) -> anyhow::Error {
+        Failure { code: exit::BAD_INPUT, message: message.into() }.into()
+    }
+    /// Launch failure (exit 3).
+    pub fn launch(message: impl Into<String>) -> anyhow::Error {
+        Failure { code: exit::LAUNCH_FAILED, message: message.into() }.into()
+    }
+}
+
+/// The exit code for an error: bad input is 2, launch failures 3, the rest 1.
+pub fn exit_code_of(e: &anyhow::Error) -> u8 {
+    if let Some(f) = e.downcast_ref::<Failure>() {
+        return f.code;
+    }
+    if e.downcast_ref::<zconfig::ConfigError>().is_some() {
+        return exit::BAD_INPUT;
+    }
+    exit::TRAINING_FAILED
+}
+
+/// Parses the command line and runs the command.
+pub fn run() -> anyhow::Result<ExitCode> {
+    let cli = cli::Cli::parse();
+    match cli.command {
+        cli::Command::Train(args) => supervise::train(args),
+        cli::Command::Check(args) => plan::check(args),
+        cli::Command::Bench(cli::BenchArgs { what: cli::BenchWhat::Comm(args) }) => bench::comm(args),
+    }
+}

@@ -1,0 +1,257 @@
+//! The control server: the only listening socket of a job on zrun's side.
+//!
+//! Each connection gets a fresh nonce and must answer with the job token's HMAC
+//! proof within [`HANDSHAKE_DEADLINE`], in one frame of at most
+//! [`zproto::HANDSHAKE_MAX`] bytes; otherwise it is dropped and never reaches the
+//! job. A semaphore bounds the connections alive at once, so strangers cannot
+//! exhaust zrun. Authenticated workers get their task, then stream messages that
+//! the server forwards as [`Event`]s, except key-value requests, which it answers
+//! itself (torch's TCPStore: set, get, wait with a deadline).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Notify, Semaphore};
+use zproto::auth::nonce;
+use zproto::frame::{read_frame_async, write_frame_async, HANDSHAKE_MAX, MAX_FRAME};
+use zproto::{Task, ToServer, ToWorker, Token, Welcome, CONTROL_CONTEXT, SERVER_CONTEXT};
+
+/// How long a new connection may take to authenticate.
+pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Something a worker did.
+#[derive(Debug)]
+pub enum Event {
+    /// A rank authenticated and received its task.
+    Joined {
+        /// Rank.
+        rank: usize,
+        /// Its host name.
+        hostname: String,
+        /// Its process id.
+        pid: u32,
+    },
+    /// A message from an authenticated rank.
+    Message {
+        /// Rank.
+        rank: usize,
+        /// The message.
+        msg: ToServer,
+    },
+    /// A rank's control connection ended.
+    Lost {
+        /// Rank.
+        rank: usize,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The key-value store.
+#[derive(Default)]
+struct Store {
+    map: Mutex<HashMap<String, String>>,
+    changed: Notify,
+}
+
+impl Store {
+    fn set(&self, k: String, v: String) {
+        self.map.lock().unwrap_or_else(|p| p.into_inner()).insert(k, v);
+        self.changed.notify_waiters();
+    }
+
+    fn get(&self, k: &str) -> Option<String> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner()).get(k).cloned()
+    }
+
+    async fn wait(&self, keys: &[String], timeout: Duration) -> Result<Vec<String>, Vec<String>> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let missing: Vec<String> = keys.iter().filter(|k| self.get(k).is_none()).cloned().collect();
+            if missing.is_empty() {
+                return Ok(keys.iter().map(|k| self.get(k).unwrap_or_default()).collect());
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(missing);
+            }
+        }
+    }
+}
+
+/// What the server needs to know about the job.
+pub struct JobInfo {
+    /// The job token.
+    pub token: Token,
+    /// Job id workers must present.
+    pub job_id: String,
+    /// Ranks expected.
+    pub world_size: usize,
+    /// Node of every rank.
+    pub node_of_rank: Vec<usize>,
+    /// The task every rank runs.
+    pub task: Task,
+}
+
+/// A running control server.
+pub struct Server {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    senders: Arc<Mutex<HashMap<usize, mpsc::UnboundedSender<ToWorker>>>>,
+}
+
+impl Server {
+    /// Starts serving on `listener`; events go to `events`.
+    pub fn start(listener: TcpListener, info: JobInfo, events: mpsc::UnboundedSender<Event>) -> std::io::Result<Server> {
+        let addr = listener.local_addr()?;
+        let senders: Arc<Mutex<HashMap<usize, mpsc::UnboundedSender<ToWorker>>>> = Arc::default();
+        let info = Arc::new(info);
+        let store = Arc::new(Store::default());
+        let limit = Arc::new(Semaphore::new(info.world_size + 64));
+        let s2 = senders.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, peer)) = listener.accept().await else { continue };
+                let Ok(permit) = limit.clone().try_acquire_owned() else {
+                    tracing::warn!("dropping connection from {peer}: too many connections");
+                    continue;
+                };
+                let (info, store, senders, events) = (info.clone(), store.clone(), s2.clone(), events.clone());
+                tokio::spawn(async move {
+                    serve(stream, peer, &info, &store, &senders, &events).await;
+                    drop(permit);
+                });
+            }
+        });
+        Ok(Server { addr, senders })
+    }
+
+    /// Sends a message to one rank, if it is connected.
+    pub fn send(&self, rank: usize, msg: ToWorker) {
+        if let Some(tx) = self.senders.lock().unwrap_or_else(|p| p.into_inner()).get(&rank) {
+            let _ = tx.send(msg);
+        }
+    }
+
+    /// Tells every connected rank to stop.
+    pub fn abort_all(&self, reason: &str) {
+        for tx in self.senders.lock().unwrap_or_else(|p| p.into_inner()).values() {
+            let _ = tx.send(ToWorker::Abort { reason: reason.to_string() });
+        }
+    }
+}
+
+async fn serve(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    info: &JobInfo,
+    store: &Arc<Store>,
+    senders: &Mutex<HashMap<usize, mpsc::UnboundedSender<ToWorker>>>,
+    events: &mpsc::UnboundedSender<Event>,
+) {
+    let _ = stream.set_nodelay(true);
+    let challenge = nonce();
+    let hello = tokio::time::timeout(HANDSHAKE_DEADLINE, async {
+        write_frame_async(&mut stream, &ToWorker::Challenge { nonce: challenge }).await?;
+        read_frame_async::<_, ToServer>(&mut stream, HANDSHAKE_MAX).await
+    })
+    .await;
+    let (rank, worker_nonce, hostname, pid) = match hello {
+        Ok(Ok(ToServer::Hello { rank, job_id, proof, nonce, pid, hostname })) => {
+            if !info.token.verify(CONTROL_CONTEXT, &challenge, rank, &proof) {
+                tracing::warn!("dropping {peer}: wrong job token");
+                return;
+            }
+            if job_id != info.job_id || rank as usize >= info.world_size {
+                tracing::warn!("dropping {peer}: job `{job_id}` rank {rank} is not part of this job");
+                return;
+            }
+            (rank as usize, nonce, hostname, pid)
+        }
+        Ok(Ok(_)) => {
+            tracing::warn!("dropping {peer}: did not say hello");
+            return;
+        }
+        Ok(Err(e)) => {
+            tracing::warn!("dropping {peer}: {e}");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!("dropping {peer}: no handshake within {HANDSHAKE_DEADLINE:?}");
+            return;
+        }
+    };
+    let (tx, mut outbox) = mpsc::unbounded_channel::<ToWorker>();
+    {
+        let mut s = senders.lock().unwrap_or_else(|p| p.into_inner());
+        if s.contains_key(&rank) {
+            tracing::warn!("dropping {peer}: rank {rank} is already connected");
+            return;
+        }
+        s.insert(rank, tx.clone());
+    }
+    let welcome = Welcome {
+        server_proof: info.token.prove(SERVER_CONTEXT, &worker_nonce, rank as u64),
+        node_of_rank: info.node_of_rank.clone(),
+        task: info.task.clone(),
+    };
+    if write_frame_async(&mut stream, &ToWorker::Welcome(Box::new(welcome))).await.is_err() {
+        senders.lock().unwrap_or_else(|p| p.into_inner()).remove(&rank);
+        let _ = events.send(Event::Lost { rank, reason: "closed during the handshake".into() });
+        return;
+    }
+    let _ = events.send(Event::Joined { rank, hostname, pid });
+    let (mut rd, mut wr) = stream.into_split();
+    let writer = tokio::spawn(async move {
+        while let Some(msg) = outbox.recv().await {
+            if write_frame_async(&mut wr, &msg).await.is_err() {
+                break;
+            }
+        }
+    });
+    let reason = loop {
+        match read_frame_async::<_, ToServer>(&mut rd, MAX_FRAME).await {
+            Ok(ToServer::KvSet { key, value }) => store.set(key, value),
+            Ok(ToServer::KvGet { key }) => {
+                let _ = tx.send(ToWorker::KvValue { value: store.get(&key), key });
+            }
+            Ok(ToServer::KvWait { keys, timeout_ms }) => {
+                let (store, tx) = (store.clone(), tx.clone());
+                tokio::spawn(async move {
+                    let result = store.wait(&keys, Duration::from_millis(timeout_ms)).await;
+                    let _ = tx.send(ToWorker::KvWaited { result });
+                });
+            }
+            Ok(msg) => {
+                let _ = events.send(Event::Message { rank, msg });
+            }
+            Err(e) => break e.to_string(),
+        }
+    };
+    senders.lock().unwrap_or_else(|p| p.into_inner()).remove(&rank);
+    writer.abort();
+    let _ = events.send(Event::Lost { rank, reason });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn kv_wait_sees_keys_set_later_and_times_out_naming_the_missing() {
+        let s = Arc::new(Store::default());
+        let s2 = s.clone();
+        let waiter = tokio::spawn(async move { s2.wait(&["a".into(), "b".into()], Duration::from_secs(5)).await });
+        s.set("a".into(), "1".into());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        s.set("b".into(), "2".into());
+        assert_eq!(waiter.await.unwrap(), Ok(vec!["1".to_string(), "2".to_string()]));
+        let r = s.wait(&["a".into(), "zzz".into()], Duration::from_millis(50)).await;
+        assert_eq!(r, Err(vec!["zzz".to_string()]));
+    }
+}

@@ -1,0 +1,448 @@
+//! The job's event loop: from start to the last process gone.
+//!
+//! Inputs: control-server events (joins, reports, failures, lost connections),
+//! process events (output lines, exits), a one-second tick (heartbeat and
+//! rendezvous deadlines) and SIGINT / SIGTERM. The first failure decides the
+//! outcome; then every worker is told to abort, given a few seconds, and its
+//! process group killed. zrun returns only when every worker it started has been
+//! reaped, so nothing is left running whichever way the job ends.
+
+use std::io::IsTerminal;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::{ExitCode, ExitStatus};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use nix::sys::signal::Signal;
+use tokio::net::TcpListener;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::mpsc;
+use zconfig::load_job;
+use zproto::{BenchRow, Task, ToServer, Token};
+
+use crate::cli::TrainArgs;
+use crate::exit;
+use crate::launch::{signal_group, spawn_local, JobEnv, ProcEvent, WorkerProc};
+use crate::metrics::{Aggregator, DoneLine, MetricsWriter};
+use crate::plan::{plan_launch, topology, LaunchPlan};
+use crate::server::{Event, JobInfo, Server};
+use crate::Failure;
+
+/// Grace period between `Abort` and SIGKILL.
+const ABORT_GRACE: Duration = Duration::from_secs(3);
+/// A rank whose control connection dropped without an exit is declared dead after this.
+const LOST_GRACE: Duration = Duration::from_secs(2);
+
+/// How a job ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every rank finished.
+    Success,
+    /// Something failed; exit with `code`.
+    Failed {
+        /// Exit code.
+        code: u8,
+        /// What happened, naming rank and host.
+        message: String,
+    },
+}
+
+/// `zrun train`.
+pub fn train(args: TrainArgs) -> Result<ExitCode> {
+    if let Some(r) = &args.resume {
+        return Err(Failure::bad_input(format!("--resume {r}: resuming from checkpoints is not supported yet")));
+    }
+    let job = load_job(&args.job, &args.set)?;
+    let topo = topology(&args.launch)?;
+    job.validate(topo.world_size())?;
+    let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
+    let run_dir = PathBuf::from(&plan.spec.run_dir);
+    let metrics_path = args.metrics.clone().unwrap_or_else(|| run_dir.join("metrics.jsonl"));
+    let writer = MetricsWriter::create(&metrics_path)
+        .map_err(|e| Failure::bad_input(format!("--metrics {}: {e}", metrics_path.display())))?;
+    let steps = plan.spec.train.steps;
+    let progress = Progress::new(steps, args.no_progress || !std::io::stdout().is_terminal());
+    progress.println(&format!(
+        "zrun: job {}: {} workers on {} node(s), ZeRO stage {}, {} steps; metrics {}",
+        plan.spec.name,
+        plan.topology.world_size(),
+        plan.topology.nodes.len(),
+        plan.spec.zero.stage,
+        steps,
+        metrics_path.display()
+    ));
+    let world = plan.topology.world_size();
+    let sink = Sink::Train { agg: Aggregator::new(world), writer, progress, last_loss: f64::NAN, steps };
+    let task = Task::Train(Box::new(plan.spec.clone()));
+    let heartbeat = Duration::from_secs_f64(plan.spec.comm.heartbeat_s);
+    let rendezvous = Duration::from_secs_f64(plan.spec.comm.timeout_s);
+    let started = Instant::now();
+    let (outcome, sink) = run_job(plan, task, sink, heartbeat, rendezvous)?;
+    let Sink::Train { mut writer, progress, last_loss, steps, .. } = sink else {
+        unreachable!("train uses the train sink")
+    };
+    progress.finish();
+    match outcome {
+        Outcome::Success => {
+            let wall_s = started.elapsed().as_secs_f64();
+            writer.write(&DoneLine { event: "done", steps, final_loss: last_loss, wall_s })?;
+            println!("zrun: done: {steps} steps, final loss {last_loss:.4}, {wall_s:.1}s");
+            Ok(ExitCode::SUCCESS)
+        }
+        Outcome::Failed { code, message } => {
+            eprintln!("zrun: {message}");
+            Ok(ExitCode::from(code))
+        }
+    }
+}
+
+/// Where reports go.
+pub enum Sink {
+    /// Training: metrics and progress.
+    Train {
+        /// Per-step aggregation.
+        agg: Aggregator,
+        /// metrics.jsonl.
+        writer: MetricsWriter,
+        /// Progress display.
+        progress: Progress,
+        /// Loss of the newest complete step.
+        last_loss: f64,
+        /// Steps expected.
+        steps: u64,
+    },
+    /// `bench comm`: rows from rank 0.
+    Bench {
+        /// Collected rows.
+        rows: Vec<BenchRow>,
+    },
+}
+
+impl Sink {
+    fn println(&self, line: &str, stderr: bool) {
+        match self {
+            Sink::Train { progress, .. } => progress.println(line),
+            Sink::Bench { .. } if stderr => eprintln!("{line}"),
+            Sink::Bench { .. } => println!("{line}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct RankState {
+    host: String,
+    pid: u32,
+    joined: bool,
+    done: bool,
+    exited: Option<ExitStatus>,
+    last_seen: Instant,
+    lost: Option<(Instant, String)>,
+}
+
+/// Starts the job's workers, supervises them to the end, and returns how it ended.
+pub fn run_job(plan: LaunchPlan, task: Task, sink: Sink, heartbeat: Duration, rendezvous: Duration) -> Result<(Outcome, Sink)> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let token = Token::generate();
+        let job_id = job_id();
+        let bind = format!("{}:{}", plan.master_addr, plan.master_port);
+        let listener = TcpListener::bind(&bind)
+            .await
+            .map_err(|e| Failure::launch(format!("cannot open the control socket on {bind}: {e}")))?;
+        let (ev_tx, ev_rx) = mpsc::unbounded_channel();
+        let info = JobInfo {
+            token: token.clone(),
+            job_id: job_id.clone(),
+            world_size: plan.topology.world_size(),
+            node_of_rank: plan.topology.node_of_rank(),
+            task,
+        };
+        let server = Server::start(listener, info, ev_tx)?;
+        let (proc_tx, proc_rx) = mpsc::unbounded_channel();
+        let env = JobEnv {
+            master_addr: plan.master_addr.clone(),
+            master_port: server.addr.port(),
+            job_id,
+            token_hex: token.to_hex(),
+        };
+        let procs = match spawn_local(&plan, &env, &proc_tx) {
+            Ok(p) => p,
+            Err(e) => return Err(e),
+        };
+        drop(proc_tx);
+        let mut sup = Supervisor::new(server, &procs, sink, heartbeat, rendezvous);
+        let outcome = sup.watch(ev_rx, proc_rx).await?;
+        Ok((outcome, sup.sink))
+    })
+}
+
+fn job_id() -> String {
+    let mut b = [0u8; 4];
+    let _ = getrandom::fill(&mut b);
+    format!("zrun-{:08x}", u32::from_be_bytes(b))
+}
+
+struct Supervisor {
+    server: Server,
+    procs: Vec<WorkerProc>,
+    ranks: Vec<RankState>,
+    sink: Sink,
+    heartbeat: Duration,
+    rendezvous_deadline: Instant,
+}
+
+impl Supervisor {
+    fn new(server: Server, procs: &[WorkerProc], sink: Sink, heartbeat: Duration, rendezvous: Duration) -> Supervisor {
+        let now = Instant::now();
+        let ranks = procs
+            .iter()
+            .map(|p| RankState {
+                host: p.host.clone(),
+                pid: p.pid,
+                joined: false,
+                done: false,
+                exited: None,
+                last_seen: now,
+                lost: None,
+            })
+            .collect();
+        Supervisor { server, procs: procs.to_vec(), ranks, sink, heartbeat, rendezvous_deadline: now + rendezvous }
+    }
+
+    fn who(&self, rank: usize) -> String {
+        let r = &self.ranks[rank];
+        format!("rank {rank} (host {}, pid {})", r.host, r.pid)
+    }
+
+    async fn watch(
+        &mut self,
+        mut events: mpsc::UnboundedReceiver<Event>,
+        mut procs: mpsc::UnboundedReceiver<ProcEvent>,
+    ) -> Result<Outcome> {
+        let mut sigint = signal(SignalKind::interrupt())?;
+        let mut sigterm = signal(SignalKind::terminate())?;
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        let outcome = loop {
+            let decided = tokio::select! {
+                Some(ev) = events.recv() => self.on_event(ev)?,
+                Some(ev) = procs.recv() => self.on_proc(ev),
+                _ = sigint.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "interrupted (SIGINT); all workers stopped".into() }),
+                _ = sigterm.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "terminated (SIGTERM); all workers stopped".into() }),
+                _ = tick.tick() => self.on_tick(),
+            };
+            if let Some(o) = decided {
+                break o;
+            }
+        };
+        if let Outcome::Failed { message, .. } = &outcome {
+            self.server.abort_all(message);
+        }
+        self.reap(&mut procs).await;
+        Ok(outcome)
+    }
+
+    fn on_event(&mut self, ev: Event) -> Result<Option<Outcome>> {
+        match ev {
+            Event::Joined { rank, hostname, pid } => {
+                tracing::info!("rank {rank} joined from {hostname} (pid {pid})");
+                let r = &mut self.ranks[rank];
+                r.joined = true;
+                r.last_seen = Instant::now();
+            }
+            Event::Lost { rank, reason } => {
+                if !self.ranks[rank].done {
+                    self.ranks[rank].lost = Some((Instant::now(), reason));
+                }
+            }
+            Event::Message { rank, msg } => {
+                self.ranks[rank].last_seen = Instant::now();
+                match msg {
+                    ToServer::Report(report) => {
+                        if let Sink::Train { agg, writer, progress, last_loss, .. } = &mut self.sink {
+                            if let Some(line) = agg.add(rank, report) {
+                                writer.write(&line)?;
+                                *last_loss = line.loss;
+                                progress.step(&line);
+                            }
+                        }
+                    }
+                    ToServer::BenchRows(rows) => {
+                        if let Sink::Bench { rows: all } = &mut self.sink {
+                            all.extend(rows);
+                        }
+                    }
+                    ToServer::Failed { message } => {
+                        return Ok(Some(Outcome::Failed {
+                            code: exit::TRAINING_FAILED,
+                            message: format!("{} failed: {message}", self.who(rank)),
+                        }));
+                    }
+                    ToServer::Done => self.ranks[rank].done = true,
+                    ToServer::Heartbeat { .. } => {}
+                    other => tracing::warn!("rank {rank} sent an unexpected message: {other:?}"),
+                }
+            }
+        }
+        Ok(self.finished())
+    }
+
+    fn on_proc(&mut self, ev: ProcEvent) -> Option<Outcome> {
+        match ev {
+            ProcEvent::Output { rank, line, stderr } => {
+                self.sink.println(&format!("[rank {rank}] {line}"), stderr);
+                None
+            }
+            ProcEvent::Exited { rank, status } => {
+                self.ranks[rank].exited = Some(status);
+                let r = &self.ranks[rank];
+                if status.success() && r.done {
+                    return self.finished();
+                }
+                let how = describe(status);
+                if !r.joined {
+                    return Some(Outcome::Failed {
+                        code: exit::LAUNCH_FAILED,
+                        message: format!("{} {how} before joining the job", self.who(rank)),
+                    });
+                }
+                Some(Outcome::Failed {
+                    code: exit::TRAINING_FAILED,
+                    message: format!("{} {how} before finishing", self.who(rank)),
+                })
+            }
+        }
+    }
+
+    fn on_tick(&mut self) -> Option<Outcome> {
+        let now = Instant::now();
+        for (rank, r) in self.ranks.iter().enumerate() {
+            if let Some((since, reason)) = &r.lost {
+                if r.exited.is_none() && now - *since > LOST_GRACE {
+                    return Some(Outcome::Failed {
+                        code: exit::TRAINING_FAILED,
+                        message: format!("{} lost its control connection ({reason})", self.who(rank)),
+                    });
+                }
+            }
+            if r.joined && !r.done && r.lost.is_none() && now - r.last_seen > self.heartbeat {
+                return Some(Outcome::Failed {
+                    code: exit::TRAINING_FAILED,
+                    message: format!(
+                        "{} sent nothing for {:.0}s (comm.heartbeat_s = {:.0})",
+                        self.who(rank),
+                        (now - r.last_seen).as_secs_f64(),
+                        self.heartbeat.as_secs_f64()
+                    ),
+                });
+            }
+        }
+        if now > self.rendezvous_deadline && self.ranks.iter().any(|r| !r.joined) {
+            let missing: Vec<String> =
+                self.ranks.iter().enumerate().filter(|(_, r)| !r.joined).map(|(i, _)| i.to_string()).collect();
+            return Some(Outcome::Failed {
+                code: exit::LAUNCH_FAILED,
+                message: format!("rendezvous timed out: ranks {} never joined", missing.join(", ")),
+            });
+        }
+        None
+    }
+
+    fn finished(&self) -> Option<Outcome> {
+        let all = self.ranks.iter().all(|r| r.done && r.exited.is_some_and(|s| s.success()));
+        all.then_some(Outcome::Success)
+    }
+
+    /// Waits for every worker to exit; kills the process groups of those that
+    /// do not within the grace period.
+    async fn reap(&mut self, procs: &mut mpsc::UnboundedReceiver<ProcEvent>) {
+        let mut deadline = tokio::time::Instant::now() + ABORT_GRACE;
+        let mut killed = false;
+        while self.ranks.iter().any(|r| r.exited.is_none()) {
+            tokio::select! {
+                ev = procs.recv() => match ev {
+                    Some(ProcEvent::Exited { rank, status }) => self.ranks[rank].exited = Some(status),
+                    Some(ProcEvent::Output { rank, line, stderr }) => self.sink.println(&format!("[rank {rank}] {line}"), stderr),
+                    None => break,
+                },
+                _ = tokio::time::sleep_until(deadline) => {
+                    if killed {
+                        tracing::error!("some workers did not exit after SIGKILL");
+                        break;
+                    }
+                    for p in &self.procs {
+                        if self.ranks[p.rank].exited.is_none() {
+                            signal_group(p.pid, Signal::SIGKILL);
+                        }
+                    }
+                    killed = true;
+                    deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+                }
+            }
+        }
+    }
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with code {c}"),
+        (None, Some(s)) => {
+            let name = Signal::try_from(s).map(|s| s.as_str().to_string()).unwrap_or_else(|_| s.to_string());
+            format!("was killed by signal {name}")
+        }
+        _ => "ended".into(),
+    }
+}
+
+/// The progress display: a bar on a terminal, plain lines otherwise.
+pub struct Progress {
+    bar: Option<ProgressBar>,
+    every: u64,
+    steps: u64,
+}
+
+impl Progress {
+    /// For a run of `steps`; `plain` forces log lines.
+    pub fn new(steps: u64, plain: bool) -> Progress {
+        let bar = (!plain).then(|| {
+            let b = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stdout());
+            b.set_style(
+                ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg} ETA {eta}")
+                    .expect("a valid template")
+                    .progress_chars("=> "),
+            );
+            b
+        });
+        Progress { bar, every: (steps / 20).max(1), steps }
+    }
+
+    /// Prints a line without disturbing the bar.
+    pub fn println(&self, line: &str) {
+        match &self.bar {
+            Some(b) => b.println(line),
+            None => println!("{line}"),
+        }
+    }
+
+    fn step(&self, line: &crate::metrics::StepLine) {
+        let msg = format!("loss {:.4} · {:.0} tok/s · {:.1} ms/step", line.loss, line.tokens_per_s, line.step_ms);
+        match &self.bar {
+            Some(b) => {
+                b.set_position(line.step);
+                b.set_message(msg);
+            }
+            None if line.step == 1 || line.step % self.every == 0 || line.step == self.steps => {
+                println!("step {}/{} {msg} · lr {:.2e} · grad norm {:.3}", line.step, self.steps, line.lr, line.grad_norm);
+            }
+            None => {}
+        }
+    }
+
+    /// Removes the bar.
+    pub fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! The worker's side of the control connection to zrun.
+//!
+//! After the handshake a reader thread owns the socket's read half: an `Abort`
+//! from zrun, or zrun going away, ends the process at once (zrun is tearing the
+//! job down; there is nothing to save). Replies to key-value requests go to the
+//! thread that asked, through a channel. Sends are serialised by a mutex so the
+//! heartbeat thread and the training loop can share the socket.
+
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use zproto::auth::nonce;
+use zproto::frame::{read_frame, write_frame, HANDSHAKE_MAX, MAX_FRAME};
+use zproto::{ToServer, ToWorker, Welcome, CONTROL_CONTEXT, SERVER_CONTEXT};
+
+use crate::env::WorkerEnv;
+
+/// How long a worker keeps trying to reach zrun.
+const CONNECT_DEADLINE: Duration = Duration::from_secs(30);
+
+/// An authenticated control connection.
+pub struct ControlClient {
+    writer: Mutex<TcpStream>,
+    replies: Mutex<mpsc::Receiver<ToWorker>>,
+    rank: usize,
+}
+
+impl ControlClient {
+    /// Connects, proves the token, checks zrun's proof, and returns the task.
+    pub fn connect(env: &WorkerEnv) -> Result<(Arc<ControlClient>, Welcome)> {
+        let target = format!("{}:{}", env.master_addr, env.master_port);
+        let deadline = Instant::now() + CONNECT_DEADLINE;
+        let mut stream = loop {
+            let addr = target
+                .to_socket_addrs()
+                .with_context(|| format!("cannot resolve zrun's address {target}"))?
+                .next()
+                .ok_or_else(|| anyhow!("{target} resolves to nothing"))?;
+            match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!("connecting to zrun at {target}: {e}; retrying");
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => bail!("cannot reach zrun at {target}: {e}"),
+            }
+        };
+        stream.set_read_timeout(Some(CONNECT_DEADLINE))?;
+        stream.set_nodelay(true)?;
+        let ToWorker::Challenge { nonce: server_nonce } = read_frame(&mut stream, HANDSHAKE_MAX)
+            .with_context(|| format!("no challenge from zrun at {target}"))?
+        else {
+            bail!("zrun at {target} did not open with a challenge");
+        };
+        let my_nonce = nonce();
+        let hello = ToServer::Hello {
+            rank: env.rank as u64,
+            job_id: env.job_id.clone(),
+            proof: env.token.prove(CONTROL_CONTEXT, &server_nonce, env.rank as u64),
+            nonce: my_nonce,
+            pid: std::process::id(),
+            hostname: hostname(),
+        };
+        write_frame(&mut stream, &hello)?;
+        let welcome = match read_frame(&mut stream, MAX_FRAME) {
+            Ok(ToWorker::Welcome(w)) => *w,
+            Ok(ToWorker::Abort { reason }) => bail!("zrun refused rank {}: {reason}", env.rank),
+            Ok(other) => bail!("unexpected answer from zrun: {other:?}"),
+            Err(e) => bail!("zrun closed the handshake (wrong job token?): {e}"),
+        };
+        if !env.token.verify(SERVER_CONTEXT, &my_nonce, env.rank as u64, &welcome.server_proof) {
+            bail!("the server at {target} does not know the job token");
+        }
+        stream.set_read_timeout(None)?;
+        let mut reader = stream.try_clone()?;
+        let (tx, rx) = mpsc::channel();
+        let rank = env.rank;
+        std::thread::Builder::new().name("zworker-control".into()).spawn(move || loop {
+            match read_frame::<_, ToWorker>(&mut reader, MAX_FRAME) {
+                Ok(ToWorker::Abort { reason }) => {
+                    eprintln!("zworker rank {rank}: stopped by zrun: {reason}");
+                    std::process::exit(1);
+                }
+                Ok(reply) => {
+                    let _ = tx.send(reply);
+                }
+                Err(e) => {
+                    eprintln!("zworker rank {rank}: lost the control connection to zrun ({e}); exiting");
+                    std::process::exit(1);
+                }
+            }
+        })?;
+        let client = ControlClient { writer: Mutex::new(stream), replies: Mutex::new(rx), rank };
+        Ok((Arc::new(client), welcome))
+    }
+
+    /// Sends one message.
+    pub fn send(&self, msg: &ToServer) -> Result<()> {
+        let mut w = self.writer.lock().map_err(|_| anyhow!("control socket lock poisoned"))?;
+        write_frame(&mut *w, msg).context("sending to zrun")
+    }
+
+    /// Stores `value` under `key` in zrun's key-value store.
+    pub fn kv_set(&self, key: &str, value: &str) -> Result<()> {
+        self.send(&ToServer::KvSet { key: key.into(), value: value.into() })
+    }
+
+    /// Waits until every key is set; returns the values in order.
+    pub fn kv_wait(&self, keys: Vec<String>, timeout: Duration) -> Result<Vec<String>> {
+        let replies = self.replies.lock().map_err(|_| anyhow!("control reply lock poisoned"))?;
+        self.send(&ToServer::KvWait { keys, timeout_ms: timeout.as_millis() as u64 })?;
+        match replies.recv_timeout(timeout + Duration::from_secs(10)) {
+            Ok(ToWorker::KvWaited { result: Ok(values) }) => Ok(values),
+            Ok(ToWorker::KvWaited { result: Err(missing) }) => Err(anyhow!(
+                "rank {}: rendezvous timed out after {:.0}s waiting for {}",
+                self.rank,
+                timeout.as_secs_f64(),
+                missing.join(", ")
+            )),
+            Ok(other) => Err(anyhow!("unexpected reply from zrun: {other:?}")),
+            Err(_) => Err(anyhow!("zrun did not answer a key-value wait")),
+        }
+    }
+
+    /// Sends a heartbeat every `every` until the process ends.
+    pub fn start_heartbeat(self: &Arc<Self>, every: Duration) {
+        let me = self.clone();
+        let _ = std::thread::Builder::new().name("zworker-heartbeat".into()).spawn(move || loop {
+            std::thread::sleep(every);
+            if me.send(&ToServer::Heartbeat { op: None }).is_err() {
+                return;
+            }
+        });
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "unknown".into())
+}

@@ -1,0 +1,84 @@
+//! zworker: one process per device. It joins the job over zrun's control socket,
+//! opens the data plane to its peers, and runs its task (training, or the
+//! collective benchmark), reporting every step to zrun.
+//!
+//! Layout:
+//! - [`env`]: the environment zrun (or srun) hands the worker.
+//! - [`control`]: the authenticated control connection, key-value store calls,
+//!   heartbeats, and the abort path.
+//! - [`train`]: the training loop around the engine.
+//! - [`bench`]: `zrun bench comm`'s measurements.
+//!
+//! The design decision to know: a worker never decides how the job ends. Any
+//! error is reported to zrun as `Failed` and the process exits 1; zrun stops the
+//! others. If zrun goes away, the worker exits on its own.
+
+pub mod bench;
+pub mod control;
+pub mod env;
+pub mod train;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use zcomm::{Communicator, TcpCommunicator, TcpOptions};
+use zproto::{Task, ToServer};
+
+use crate::control::ControlClient;
+use crate::env::WorkerEnv;
+
+/// Runs the worker to completion.
+pub fn run() -> Result<()> {
+    let env = WorkerEnv::from_process()?;
+    let (client, welcome) = ControlClient::connect(&env)?;
+    let result = run_task(&env, &client, welcome);
+    match &result {
+        Ok(()) => client.send(&ToServer::Done)?,
+        Err(e) => {
+            let _ = client.send(&ToServer::Failed { message: format!("{e:#}") });
+        }
+    }
+    result
+}
+
+fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welcome) -> Result<()> {
+    let (timeout_s, heartbeat_s) = match &welcome.task {
+        Task::Train(spec) => (spec.comm.timeout_s, spec.comm.heartbeat_s),
+        Task::BenchComm(b) => (b.timeout_s, 30.0),
+    };
+    client.start_heartbeat(Duration::from_secs_f64((heartbeat_s / 4.0).clamp(0.2, 10.0)));
+    let timeout = Duration::from_secs_f64(timeout_s);
+    let comm = connect_world(env, client, &welcome.node_of_rank, timeout)?;
+    match welcome.task {
+        Task::Train(spec) => train::train(&spec, env, comm, client),
+        Task::BenchComm(b) => bench::bench_comm(&b, comm, client),
+    }
+}
+
+/// Rendezvous through zrun's key-value store, then the TCP mesh.
+fn connect_world(
+    env: &WorkerEnv,
+    client: &ControlClient,
+    node_of_rank: &[usize],
+    timeout: Duration,
+) -> Result<Arc<dyn Communicator>> {
+    let listener = TcpCommunicator::bind(&env.node_addr)
+        .with_context(|| format!("binding the data-plane listener on {}", env.node_addr))?;
+    let addr = listener.local_addr()?;
+    client.kv_set(&format!("zcomm/world/addr/{}", env.rank), &addr.to_string())?;
+    let keys = (0..env.world_size).map(|r| format!("zcomm/world/addr/{r}")).collect();
+    let values = client.kv_wait(keys, timeout)?;
+    let addrs: Vec<SocketAddr> = values
+        .iter()
+        .map(|v| v.parse().with_context(|| format!("bad peer address `{v}`")))
+        .collect::<Result<_>>()?;
+    let opts = TcpOptions {
+        token: env.token.clone(),
+        timeout,
+        node_of_rank: node_of_rank.to_vec(),
+        group: "world".into(),
+    };
+    Ok(Arc::new(TcpCommunicator::connect(env.rank, listener, &addrs, opts)?))
+}
