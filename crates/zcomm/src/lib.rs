@@ -142,8 +142,18 @@ pub struct Work<T> {
 }
 
 impl<T> Work<T> {
-    pub(crate) fn new(rx: mpsc::Receiver<Result<T, CommError>>, op: Op, group: String, deadline: Instant) -> Self {
-        Work { rx, op, group, deadline }
+    pub(crate) fn new(
+        rx: mpsc::Receiver<Result<T, CommError>>,
+        op: Op,
+        group: String,
+        deadline: Instant,
+    ) -> Self {
+        Work {
+            rx,
+            op,
+            group,
+            deadline,
+        }
     }
 
     /// Blocks until the collective finishes or its deadline passes.
@@ -157,9 +167,10 @@ impl<T> Work<T> {
                 peer: usize::MAX,
                 waited_s: left.as_secs_f64(),
             }),
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                Err(CommError::Closed { op: self.op.name(), group: self.group })
-            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(CommError::Closed {
+                op: self.op.name(),
+                group: self.group,
+            }),
         }
     }
 }
@@ -206,7 +217,11 @@ impl CounterSnapshot {
 impl Counters {
     pub(crate) fn add(&self, op: Op, bytes: u64, same_node: bool) {
         self.by_op[op.index()].fetch_add(bytes, Ordering::Relaxed);
-        let side = if same_node { &self.intra_node } else { &self.inter_node };
+        let side = if same_node {
+            &self.intra_node
+        } else {
+            &self.inter_node
+        };
         side.fetch_add(bytes, Ordering::Relaxed);
     }
 

@@ -8,7 +8,10 @@ use crate::links::Links;
 use crate::CommError;
 
 /// `pieces[j]` goes to rank j; returns the piece from each rank in rank order.
-pub(crate) fn all_to_all(l: &mut dyn Links, mut pieces: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>, CommError> {
+pub(crate) fn all_to_all(
+    l: &mut dyn Links,
+    mut pieces: Vec<Vec<u8>>,
+) -> Result<Vec<Vec<u8>>, CommError> {
     let (w, r) = (l.world_size(), l.rank());
     let mut out: Vec<Vec<u8>> = vec![Vec::new(); w];
     out[r] = std::mem::take(&mut pieces[r]);

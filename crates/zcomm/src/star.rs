@@ -10,7 +10,11 @@ use crate::links::Links;
 use crate::CommError;
 
 /// `root`'s buffer on every rank.
-pub(crate) fn broadcast(l: &mut dyn Links, buf: Vec<u8>, root: usize) -> Result<Vec<u8>, CommError> {
+pub(crate) fn broadcast(
+    l: &mut dyn Links,
+    buf: Vec<u8>,
+    root: usize,
+) -> Result<Vec<u8>, CommError> {
     let (w, r) = (l.world_size(), l.rank());
     if r == root {
         for peer in (0..w).filter(|&p| p != root) {

@@ -12,18 +12,28 @@ use zproto::Token;
 /// Builds a world of `n` communicators in this process, each on its own socket.
 fn world(n: usize, nodes: &[usize], timeout: Duration) -> Vec<Arc<dyn Communicator>> {
     let token = Token::generate();
-    let listeners: Vec<_> = (0..n).map(|_| TcpCommunicator::bind("127.0.0.1").unwrap()).collect();
+    let listeners: Vec<_> = (0..n)
+        .map(|_| TcpCommunicator::bind("127.0.0.1").unwrap())
+        .collect();
     let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
     let handles: Vec<_> = listeners
         .into_iter()
         .enumerate()
         .map(|(rank, l)| {
             let addrs = addrs.clone();
-            let opts = TcpOptions { token: token.clone(), timeout, node_of_rank: nodes.to_vec(), group: "world".into() };
+            let opts = TcpOptions {
+                token: token.clone(),
+                timeout,
+                node_of_rank: nodes.to_vec(),
+                group: "world".into(),
+            };
             std::thread::spawn(move || TcpCommunicator::connect(rank, l, &addrs, opts).unwrap())
         })
         .collect();
-    handles.into_iter().map(|h| Arc::new(h.join().unwrap()) as Arc<dyn Communicator>).collect()
+    handles
+        .into_iter()
+        .map(|h| Arc::new(h.join().unwrap()) as Arc<dyn Communicator>)
+        .collect()
 }
 
 /// Runs `f(rank, comm)` on every rank in parallel and returns the results by rank.
@@ -61,7 +71,10 @@ fn naive_sum(n: usize, len: usize) -> Vec<f64> {
 fn assert_close(got: &[f32], want: &[f64]) {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((*g as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()), "element {i}: {g} vs {w}");
+        assert!(
+            (*g as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()),
+            "element {i}: {g} vs {w}"
+        );
     }
 }
 
@@ -72,7 +85,9 @@ fn all_reduce_matches_naive_sum_and_is_identical_on_every_rank() {
     for n in 1..=5 {
         let comms = world(n, &vec![0; n], Duration::from_secs(20));
         for len in LENS {
-            let out = on_all(&comms, move |r, c| c.all_reduce(random(r as u64, len)).unwrap());
+            let out = on_all(&comms, move |r, c| {
+                c.all_reduce(random(r as u64, len)).unwrap()
+            });
             let want = naive_sum(n, len);
             for o in &out {
                 assert_close(o, &want);
@@ -113,8 +128,14 @@ fn all_gather_concatenates_chunks_in_rank_order() {
                 let chunk: Vec<f32> = own.clone().map(|i| (i * 10 + r) as f32).collect();
                 c.all_gather(chunk, len).unwrap()
             });
-            let want: Vec<f32> =
-                (0..len).map(|i| (i * 10 + (0..n).find(|&r| chunk_range(len, n, r).contains(&i)).unwrap()) as f32).collect();
+            let want: Vec<f32> = (0..len)
+                .map(|i| {
+                    (i * 10
+                        + (0..n)
+                            .find(|&r| chunk_range(len, n, r).contains(&i))
+                            .unwrap()) as f32
+                })
+                .collect();
             for o in out {
                 assert_eq!(o, want);
             }
@@ -127,7 +148,9 @@ fn all_to_all_delivers_every_piece_with_its_own_length() {
     for n in 1..=5 {
         let comms = world(n, &vec![0; n], Duration::from_secs(20));
         let out = on_all(&comms, move |r, c| {
-            let pieces = (0..n).map(|j| vec![(r * 16 + j) as u8; r + 2 * j]).collect();
+            let pieces = (0..n)
+                .map(|j| vec![(r * 16 + j) as u8; r + 2 * j])
+                .collect();
             c.all_to_all(pieces).unwrap()
         });
         for (r, got) in out.iter().enumerate() {
@@ -145,7 +168,11 @@ fn broadcast_from_every_root_and_barrier() {
         for root in 0..n {
             let out = on_all(&comms, move |r, c| {
                 c.barrier().unwrap();
-                let buf = if r == root { vec![root as u8; 1001] } else { vec![] };
+                let buf = if r == root {
+                    vec![root as u8; 1001]
+                } else {
+                    vec![]
+                };
                 c.broadcast(buf, root).unwrap()
             });
             for o in out {
@@ -159,8 +186,13 @@ fn broadcast_from_every_root_and_barrier() {
 fn async_work_overlaps_and_completes_in_issue_order() {
     let comms = world(3, &[0, 0, 0], Duration::from_secs(20));
     let out = on_all(&comms, |r, c| {
-        let works: Vec<_> = (0..8).map(|k| c.all_reduce_async(vec![(r + k) as f32; 5000 + k])).collect();
-        works.into_iter().map(|w| w.wait().unwrap()[0]).collect::<Vec<_>>()
+        let works: Vec<_> = (0..8)
+            .map(|k| c.all_reduce_async(vec![(r + k) as f32; 5000 + k]))
+            .collect();
+        works
+            .into_iter()
+            .map(|w| w.wait().unwrap()[0])
+            .collect::<Vec<_>>()
     });
     for o in out {
         assert_eq!(o, (0..8).map(|k| (3 * k + 3) as f32).collect::<Vec<_>>());
@@ -192,7 +224,9 @@ fn a_missing_peer_times_out_naming_op_group_and_peer() {
     // Only rank 0 enters the collective.
     let e = comms[0].all_reduce(vec![1.0; 10]).unwrap_err();
     match &e {
-        CommError::Timeout { op, group, peer, .. } => {
+        CommError::Timeout {
+            op, group, peer, ..
+        } => {
             assert_eq!((*op, group.as_str(), *peer), ("all_reduce", "world", 1));
         }
         other => panic!("expected a timeout, got {other}"),
@@ -213,7 +247,12 @@ fn a_stranger_on_the_data_port_cannot_join() {
     let mut garbage = std::net::TcpStream::connect(addrs[0]).unwrap();
     garbage.write_all(&[0xff; 64]).unwrap();
     let _stall = std::net::TcpStream::connect(addrs[0]).unwrap();
-    let opts = |t: &Token| TcpOptions { token: t.clone(), timeout: Duration::from_secs(10), node_of_rank: vec![0, 0], group: "world".into() };
+    let opts = |t: &Token| TcpOptions {
+        token: t.clone(),
+        timeout: Duration::from_secs(10),
+        node_of_rank: vec![0, 0],
+        group: "world".into(),
+    };
     let (o0, o1) = (opts(&token), opts(&token));
     let a2 = addrs.clone();
     let h = std::thread::spawn(move || TcpCommunicator::connect(0, l0, &a2, o0).unwrap());
@@ -233,7 +272,12 @@ fn a_stranger_on_the_data_port_cannot_join() {
     o1.timeout = Duration::from_secs(2);
     let a2 = addrs.clone();
     let h = std::thread::spawn(move || TcpCommunicator::connect(0, l0, &a2, o0).is_err());
-    let e = TcpCommunicator::connect(1, l1, &addrs, o1).err().expect("wrong token must fail");
-    assert!(e.to_string().contains("failed to prove the job token"), "{e}");
+    let e = TcpCommunicator::connect(1, l1, &addrs, o1)
+        .err()
+        .expect("wrong token must fail");
+    assert!(
+        e.to_string().contains("failed to prove the job token"),
+        "{e}"
+    );
     assert!(h.join().unwrap());
 }

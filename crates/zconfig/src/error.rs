@@ -120,15 +120,25 @@ mod tests {
 
     #[test]
     fn suggests_close_names_only() {
-        assert_eq!(did_you_mean("stge", ["stage", "overlap_comm"]), Some("stage"));
+        assert_eq!(
+            did_you_mean("stge", ["stage", "overlap_comm"]),
+            Some("stage")
+        );
         assert_eq!(did_you_mean("lr_rate", ["lr", "steps"]), None);
-        assert_eq!(did_you_mean("micro_batch", ["micro_batch_size", "steps"]), Some("micro_batch_size"));
-        assert_eq!(did_you_mean("micro_bach_size", ["micro_batch_size"]), Some("micro_batch_size"));
+        assert_eq!(
+            did_you_mean("micro_batch", ["micro_batch_size", "steps"]),
+            Some("micro_batch_size")
+        );
+        assert_eq!(
+            did_you_mean("micro_bach_size", ["micro_batch_size"]),
+            Some("micro_batch_size")
+        );
     }
 
     #[test]
     fn rewrites_serde_unknown_field() {
-        let m = improve_serde_message("unknown field `stge`, expected one of `stage`, `overlap_comm`");
+        let m =
+            improve_serde_message("unknown field `stge`, expected one of `stage`, `overlap_comm`");
         assert_eq!(m, "unknown key `stge`, did you mean `stage`?");
         assert_eq!(improve_serde_message("invalid type"), "invalid type");
     }

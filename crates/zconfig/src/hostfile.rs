@@ -40,8 +40,10 @@ pub struct Hostfile {
 impl Hostfile {
     /// Reads and parses a hostfile.
     pub fn read(path: &Path) -> Result<Hostfile, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Io { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Hostfile::parse(path, &text)
     }
 
@@ -66,13 +68,16 @@ impl Hostfile {
             }
             let (mut slots, mut port, mut user) = (None, None, None);
             for w in words {
-                let (k, v) = w
-                    .split_once('=')
-                    .ok_or_else(|| err(ln, format!("expected KEY=VALUE after the host, got `{w}`")))?;
+                let (k, v) = w.split_once('=').ok_or_else(|| {
+                    err(ln, format!("expected KEY=VALUE after the host, got `{w}`"))
+                })?;
                 match k {
                     "slots" => {
                         let n: usize = v.parse().map_err(|_| {
-                            err(ln, format!("slots must be a positive whole number, got `{v}`"))
+                            err(
+                                ln,
+                                format!("slots must be a positive whole number, got `{v}`"),
+                            )
                         })?;
                         if n == 0 {
                             return Err(err(ln, "slots must be at least 1".into()));
@@ -95,15 +100,27 @@ impl Hostfile {
             if let Some(prev) = entries.iter().find(|e| e.host == host) {
                 return Err(err(
                     ln,
-                    format!("host `{host}` is listed twice (first on line {})", prev.line),
+                    format!(
+                        "host `{host}` is listed twice (first on line {})",
+                        prev.line
+                    ),
                 ));
             }
-            entries.push(HostEntry { host, slots, port, user, line: ln });
+            entries.push(HostEntry {
+                host,
+                slots,
+                port,
+                user,
+                line: ln,
+            });
         }
         if entries.is_empty() {
             return Err(err(1, "the hostfile lists no hosts".into()));
         }
-        Ok(Hostfile { path: path.to_path_buf(), entries })
+        Ok(Hostfile {
+            path: path.to_path_buf(),
+            entries,
+        })
     }
 }
 
@@ -114,21 +131,28 @@ pub struct SlotFilter(pub Vec<(String, Option<BTreeSet<usize>>)>);
 impl SlotFilter {
     /// Parses DeepSpeed's `host1:0,1@host2` syntax.
     pub fn parse(option: &str, s: &str) -> Result<SlotFilter, ConfigError> {
-        let err = |m: String| ConfigError::Option { option: option.into(), message: m };
+        let err = |m: String| ConfigError::Option {
+            option: option.into(),
+            message: m,
+        };
         let mut out = Vec::new();
         for part in s.split('@') {
             let part = part.trim();
             if part.is_empty() {
-                return Err(err(format!("empty host in `{s}` (syntax: host1:0,1@host2)")));
+                return Err(err(format!(
+                    "empty host in `{s}` (syntax: host1:0,1@host2)"
+                )));
             }
             match part.split_once(':') {
                 None => out.push((part.to_string(), None)),
                 Some((h, list)) => {
                     let mut set = BTreeSet::new();
                     for x in list.split(',') {
-                        set.insert(x.trim().parse::<usize>().map_err(|_| {
-                            err(format!("`{x}` in `{part}` is not a slot index"))
-                        })?);
+                        set.insert(
+                            x.trim().parse::<usize>().map_err(|_| {
+                                err(format!("`{x}` in `{part}` is not a slot index"))
+                            })?,
+                        );
                     }
                     out.push((h.to_string(), Some(set)));
                 }
@@ -195,7 +219,10 @@ impl Topology {
             Some(p) => Hostfile::read(p)?.entries,
             None => vec![HostEntry {
                 host: "localhost".into(),
-                slots: opts.workers_per_node.unwrap_or(opts.default_local_slots).max(1),
+                slots: opts
+                    .workers_per_node
+                    .unwrap_or(opts.default_local_slots)
+                    .max(1),
                 port: None,
                 user: None,
                 line: 0,
@@ -203,7 +230,12 @@ impl Topology {
         };
         let mut nodes: Vec<Node> = entries
             .iter()
-            .map(|e| Node { host: e.host.clone(), slots: (0..e.slots).collect(), port: e.port, user: e.user.clone() })
+            .map(|e| Node {
+                host: e.host.clone(),
+                slots: (0..e.slots).collect(),
+                port: e.port,
+                user: e.user.clone(),
+            })
             .collect();
         if opts.include.is_some() && opts.exclude.is_some() {
             return Err(ConfigError::Option {
@@ -215,7 +247,10 @@ impl Topology {
             let f = SlotFilter::parse("--include", inc)?;
             let mut kept = Vec::new();
             for (host, slots) in &f.0 {
-                let node = nodes.iter().find(|n| &n.host == host).ok_or_else(|| unknown_host("--include", host, &nodes))?;
+                let node = nodes
+                    .iter()
+                    .find(|n| &n.host == host)
+                    .ok_or_else(|| unknown_host("--include", host, &nodes))?;
                 let mut n = node.clone();
                 if let Some(s) = slots {
                     check_slots("--include", host, s, node)?;
@@ -228,7 +263,10 @@ impl Topology {
         if let Some(exc) = &opts.exclude {
             let f = SlotFilter::parse("--exclude", exc)?;
             for (host, slots) in &f.0 {
-                let idx = nodes.iter().position(|n| &n.host == host).ok_or_else(|| unknown_host("--exclude", host, &nodes))?;
+                let idx = nodes
+                    .iter()
+                    .position(|n| &n.host == host)
+                    .ok_or_else(|| unknown_host("--exclude", host, &nodes))?;
                 match slots {
                     None => {
                         nodes.remove(idx);
@@ -257,7 +295,11 @@ impl Topology {
                 if w == 0 || w > n.slots.len() {
                     return Err(ConfigError::Option {
                         option: "--workers-per-node".into(),
-                        message: format!("asked for {w} workers, host `{}` has {} slots", n.host, n.slots.len()),
+                        message: format!(
+                            "asked for {w} workers, host `{}` has {} slots",
+                            n.host,
+                            n.slots.len()
+                        ),
                     });
                 }
                 n.slots.truncate(w);
@@ -282,7 +324,12 @@ impl Topology {
         let mut out = Vec::new();
         for (node_rank, n) in self.nodes.iter().enumerate() {
             for local_rank in 0..n.slots.len() {
-                out.push(Placement { rank: out.len(), node_rank, local_rank, local_world_size: n.slots.len() });
+                out.push(Placement {
+                    rank: out.len(),
+                    node_rank,
+                    local_rank,
+                    local_world_size: n.slots.len(),
+                });
             }
         }
         out
@@ -298,15 +345,26 @@ fn unknown_host(option: &str, host: &str, nodes: &[Node]) -> ConfigError {
     let names: Vec<&str> = nodes.iter().map(|n| n.host.as_str()).collect();
     ConfigError::Option {
         option: option.into(),
-        message: format!("host `{host}` is not in the hostfile (hosts: {})", names.join(", ")),
+        message: format!(
+            "host `{host}` is not in the hostfile (hosts: {})",
+            names.join(", ")
+        ),
     }
 }
 
-fn check_slots(option: &str, host: &str, s: &BTreeSet<usize>, node: &Node) -> Result<(), ConfigError> {
+fn check_slots(
+    option: &str,
+    host: &str,
+    s: &BTreeSet<usize>,
+    node: &Node,
+) -> Result<(), ConfigError> {
     match s.iter().find(|x| !node.slots.contains(x)) {
         Some(bad) => Err(ConfigError::Option {
             option: option.into(),
-            message: format!("host `{host}` has no slot {bad} (slots: 0..{})", node.slots.len()),
+            message: format!(
+                "host `{host}` has no slot {bad} (slots: 0..{})",
+                node.slots.len()
+            ),
         }),
         None => Ok(()),
     }
@@ -322,18 +380,36 @@ mod tests {
 
     #[test]
     fn parses_deepspeed_hostfiles() {
-        let h = hf("# cluster\nworker-1 slots=4\n\nworker-2 slots=2 port=2222 user=ml # gpu box\n").unwrap();
+        let h = hf("# cluster\nworker-1 slots=4\n\nworker-2 slots=2 port=2222 user=ml # gpu box\n")
+            .unwrap();
         assert_eq!(h.entries.len(), 2);
-        assert_eq!(h.entries[1], HostEntry { host: "worker-2".into(), slots: 2, port: Some(2222), user: Some("ml".into()), line: 4 });
+        assert_eq!(
+            h.entries[1],
+            HostEntry {
+                host: "worker-2".into(),
+                slots: 2,
+                port: Some(2222),
+                user: Some("ml".into()),
+                line: 4
+            }
+        );
     }
 
     #[test]
     fn rejects_bad_lines_with_their_number() {
-        let e = hf("a slots=2\nb slots=2\na slots=1\n").unwrap_err().to_string();
+        let e = hf("a slots=2\nb slots=2\na slots=1\n")
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "hosts:3: host `a` is listed twice (first on line 1)");
-        assert!(hf("a slots=x\n").unwrap_err().to_string().starts_with("hosts:1: slots"));
+        assert!(hf("a slots=x\n")
+            .unwrap_err()
+            .to_string()
+            .starts_with("hosts:1: slots"));
         assert!(hf("a\n").unwrap_err().to_string().contains("no slots=N"));
-        assert!(hf("a slot=2\n").unwrap_err().to_string().contains("did you mean `slots`"));
+        assert!(hf("a slot=2\n")
+            .unwrap_err()
+            .to_string()
+            .contains("did you mean `slots`"));
         assert!(hf("# nothing\n").is_err());
     }
 
@@ -341,18 +417,31 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("hosts");
         std::fs::write(&p, text).unwrap();
-        let mut o = TopologyOptions { hostfile: Some(p), default_local_slots: 2, ..Default::default() };
+        let mut o = TopologyOptions {
+            hostfile: Some(p),
+            default_local_slots: 2,
+            ..Default::default()
+        };
         f(&mut o);
         Topology::resolve(&o)
     }
 
     #[test]
     fn include_exclude_and_limits() {
-        let t = topo("h1 slots=4\nh2 slots=4\nh3 slots=2\n", |o| o.include = Some("h1:0,2@h3".into())).unwrap();
-        assert_eq!(t.nodes.iter().map(|n| n.slots.clone()).collect::<Vec<_>>(), vec![vec![0, 2], vec![0, 1]]);
+        let t = topo("h1 slots=4\nh2 slots=4\nh3 slots=2\n", |o| {
+            o.include = Some("h1:0,2@h3".into())
+        })
+        .unwrap();
+        assert_eq!(
+            t.nodes.iter().map(|n| n.slots.clone()).collect::<Vec<_>>(),
+            vec![vec![0, 2], vec![0, 1]]
+        );
         assert_eq!(t.world_size(), 4);
         assert_eq!(t.node_of_rank(), vec![0, 0, 1, 1]);
-        let t = topo("h1 slots=4\nh2 slots=4\n", |o| o.exclude = Some("h1:1@h2".into())).unwrap();
+        let t = topo("h1 slots=4\nh2 slots=4\n", |o| {
+            o.exclude = Some("h1:1@h2".into())
+        })
+        .unwrap();
         assert_eq!(t.nodes.len(), 1);
         assert_eq!(t.nodes[0].slots, vec![0, 2, 3]);
         let t = topo("h1 slots=4\nh2 slots=4\n", |o| {
@@ -369,7 +458,11 @@ mod tests {
 
     #[test]
     fn no_hostfile_means_local_slots() {
-        let o = TopologyOptions { workers_per_node: Some(3), default_local_slots: 2, ..Default::default() };
+        let o = TopologyOptions {
+            workers_per_node: Some(3),
+            default_local_slots: 2,
+            ..Default::default()
+        };
         let t = Topology::resolve(&o).unwrap();
         assert_eq!(t.nodes[0].host, "localhost");
         assert_eq!(t.world_size(), 3);

@@ -25,8 +25,10 @@ pub struct LoadedJob {
 
 /// Reads `path`, applies `overrides` (`KEY=VALUE`, dotted keys) and expands `${name}`.
 pub fn load_job(path: &Path, overrides: &[String]) -> Result<LoadedJob, ConfigError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|source| ConfigError::Io { path: path.to_path_buf(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
     if text.trim().is_empty() {
         return Err(ConfigError::Syntax {
             path: path.to_path_buf(),
@@ -41,13 +43,16 @@ pub fn load_job(path: &Path, overrides: &[String]) -> Result<LoadedJob, ConfigEr
         return Err(syntax_error(path, &text, &e));
     }
     // Second parse: through a JSON value so that overrides apply by dotted path.
-    let mut value: Value = serde_saphyr::from_str(&text).map_err(|e| syntax_error(path, &text, &e))?;
+    let mut value: Value =
+        serde_saphyr::from_str(&text).map_err(|e| syntax_error(path, &text, &e))?;
     let mut overridden = Vec::new();
     for assignment in overrides {
-        let (key, raw) = assignment.split_once('=').ok_or_else(|| ConfigError::Override {
-            assignment: assignment.clone(),
-            message: "expected KEY=VALUE, e.g. --set zero.stage=0".into(),
-        })?;
+        let (key, raw) = assignment
+            .split_once('=')
+            .ok_or_else(|| ConfigError::Override {
+                assignment: assignment.clone(),
+                message: "expected KEY=VALUE, e.g. --set zero.stage=0".into(),
+            })?;
         let key = key.trim();
         if key.is_empty() || key.split('.').any(str::is_empty) {
             return Err(ConfigError::Override {
@@ -80,11 +85,19 @@ pub fn load_job(path: &Path, overrides: &[String]) -> Result<LoadedJob, ConfigEr
         message: improve_serde_message(&e.to_string()),
     })?;
     spec.run_dir = spec.run_dir.replace("${name}", &spec.name);
-    Ok(LoadedJob { spec, path: path.to_path_buf(), text, overridden })
+    Ok(LoadedJob {
+        spec,
+        path: path.to_path_buf(),
+        text,
+        overridden,
+    })
 }
 
 fn syntax_error(path: &Path, text: &str, e: &serde_saphyr::Error) -> ConfigError {
-    let (line, column) = e.location().map(|l| (l.line(), l.column())).unwrap_or((1, 1));
+    let (line, column) = e
+        .location()
+        .map(|l| (l.line(), l.column()))
+        .unwrap_or((1, 1));
     let s = e.without_snippet().to_string();
     // Drop the position serde-saphyr appends: we print our own prefix.
     let s = s.split(" at line ").next().unwrap_or(&s).to_string();
@@ -101,7 +114,12 @@ fn syntax_error(path: &Path, text: &str, e: &serde_saphyr::Error) -> ConfigError
             message = better;
         }
     }
-    ConfigError::Syntax { path: path.to_path_buf(), line, column, message }
+    ConfigError::Syntax {
+        path: path.to_path_buf(),
+        line,
+        column,
+        message,
+    }
 }
 
 fn set_path(root: &mut Value, key: &str, new: Value) -> Result<(), String> {
@@ -126,7 +144,11 @@ fn set_path(root: &mut Value, key: &str, new: Value) -> Result<(), String> {
 impl LoadedJob {
     /// `file:line:col` of a dotted key, or `--set` if an override set it, or the file.
     pub fn locate(&self, key: &str) -> String {
-        if self.overridden.iter().any(|k| k == key || key.starts_with(&format!("{k}."))) {
+        if self
+            .overridden
+            .iter()
+            .any(|k| k == key || key.starts_with(&format!("{k}.")))
+        {
             return format!("--set {key}");
         }
         match find_key(&self.text, key) {
@@ -136,11 +158,19 @@ impl LoadedJob {
     }
 
     fn invalid(&self, key: &str, message: impl Into<String>) -> ConfigError {
-        ConfigError::Invalid { location: self.locate(key), key: key.into(), message: message.into() }
+        ConfigError::Invalid {
+            location: self.locate(key),
+            key: key.into(),
+            message: message.into(),
+        }
     }
 
     fn unsupported(&self, key: &str, what: &str) -> ConfigError {
-        ConfigError::Unsupported { location: self.locate(key), key: key.into(), what: what.into() }
+        ConfigError::Unsupported {
+            location: self.locate(key),
+            key: key.into(),
+            what: what.into(),
+        }
     }
 
     /// Semantic checks for a job on `world_size` workers. Reads the data files' sizes.
@@ -148,7 +178,10 @@ impl LoadedJob {
         let s = &self.spec;
         let m = &s.model;
         if m.kind != "gpt" {
-            return Err(self.invalid("model.kind", format!("unknown model kind `{}` (only `gpt`)", m.kind)));
+            return Err(self.invalid(
+                "model.kind",
+                format!("unknown model kind `{}` (only `gpt`)", m.kind),
+            ));
         }
         for (key, v) in [
             ("model.vocab_size", m.vocab_size),
@@ -161,7 +194,7 @@ impl LoadedJob {
                 return Err(self.invalid(key, "must be at least 1"));
             }
         }
-        if m.d_model % m.n_heads != 0 {
+        if !m.d_model.is_multiple_of(m.n_heads) {
             return Err(self.invalid(
                 "model.n_heads",
                 format!("{} heads do not divide d_model {}", m.n_heads, m.d_model),
@@ -181,23 +214,34 @@ impl LoadedJob {
             return Err(self.invalid("train.grad_accum", "must be at least 1"));
         }
         if !(t.lr.is_finite() && t.lr > 0.0) {
-            return Err(self.invalid("train.lr", format!("must be a positive number, got {}", t.lr)));
+            return Err(self.invalid(
+                "train.lr",
+                format!("must be a positive number, got {}", t.lr),
+            ));
         }
         if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
             return Err(self.invalid("train.weight_decay", "must be a non-negative number"));
         }
         if !(t.grad_clip.is_finite() && t.grad_clip >= 0.0) {
-            return Err(self.invalid("train.grad_clip", "must be a non-negative number (0 disables)"));
+            return Err(self.invalid(
+                "train.grad_clip",
+                "must be a non-negative number (0 disables)",
+            ));
         }
         if t.dtype != Dtype::F32 {
             return Err(self.unsupported("train.dtype", &format!("mixed precision ({})", t.dtype)));
         }
         if t.activation_checkpointing {
-            return Err(self.unsupported("train.activation_checkpointing", "activation checkpointing"));
+            return Err(
+                self.unsupported("train.activation_checkpointing", "activation checkpointing")
+            );
         }
         let z = &s.zero;
         if z.stage > 3 {
-            return Err(self.invalid("zero.stage", format!("must be 0, 1, 2 or 3, got {}", z.stage)));
+            return Err(self.invalid(
+                "zero.stage",
+                format!("must be 0, 1, 2 or 3, got {}", z.stage),
+            ));
         }
         if z.stage != 0 {
             return Err(self.unsupported("zero.stage", &format!("ZeRO stage {}", z.stage)));
@@ -225,7 +269,11 @@ impl LoadedJob {
         }
         let c = &s.comm;
         if matches!(c.backend, Backend::Shm | Backend::Nccl) {
-            let name = if c.backend == Backend::Shm { "the shared-memory transport" } else { "NCCL" };
+            let name = if c.backend == Backend::Shm {
+                "the shared-memory transport"
+            } else {
+                "NCCL"
+            };
             return Err(self.unsupported("comm.backend", name));
         }
         if !(c.timeout_s.is_finite() && c.timeout_s > 0.0) {
@@ -245,7 +293,9 @@ impl LoadedJob {
         }
         for k in s.env.keys() {
             if k.is_empty() || k.contains('=') || k.contains('\0') {
-                return Err(self.invalid("env", format!("`{k}` is not an environment variable name")));
+                return Err(
+                    self.invalid("env", format!("`{k}` is not an environment variable name"))
+                );
             }
         }
         self.validate_data(world_size)
@@ -256,7 +306,10 @@ impl LoadedJob {
         if s.data.format == DataFormat::Text && s.model.vocab_size < 256 {
             return Err(self.invalid(
                 "model.vocab_size",
-                format!("text data uses bytes as tokens: vocab_size must be at least 256, got {}", s.model.vocab_size),
+                format!(
+                    "text data uses bytes as tokens: vocab_size must be at least 256, got {}",
+                    s.model.vocab_size
+                ),
             ));
         }
         let bytes_per_token = match s.data.format {
@@ -264,7 +317,8 @@ impl LoadedJob {
             DataFormat::Text => 1,
             DataFormat::TokensU16 => 2,
         };
-        let files = data_files(&s.data.path, s.data.format).map_err(|m| self.invalid("data.path", m))?;
+        let files =
+            data_files(&s.data.path, s.data.format).map_err(|m| self.invalid("data.path", m))?;
         let mut tokens = 0u64;
         for f in &files {
             let len = std::fs::metadata(f)
@@ -276,7 +330,10 @@ impl LoadedJob {
             if len % bytes_per_token != 0 {
                 return Err(self.invalid(
                     "data.path",
-                    format!("{} has {len} bytes, not a whole number of u16 tokens", f.display()),
+                    format!(
+                        "{} has {len} bytes, not a whole number of u16 tokens",
+                        f.display()
+                    ),
                 ));
             }
             tokens += len / bytes_per_token;
@@ -298,7 +355,9 @@ impl LoadedJob {
 /// The files of a data spec, sorted; an error names the pattern when nothing matches.
 pub fn data_files(path: &Option<String>, format: DataFormat) -> Result<Vec<PathBuf>, String> {
     let Some(pattern) = path else {
-        return Err(format!("a path (file or glob) is required for format {format:?}"));
+        return Err(format!(
+            "a path (file or glob) is required for format {format:?}"
+        ));
     };
     let paths = glob::glob(pattern).map_err(|e| format!("bad glob pattern `{pattern}`: {e}"))?;
     let mut files = Vec::new();
@@ -326,9 +385,15 @@ fn find_key(text: &str, key: &str) -> Option<(usize, usize)> {
             continue;
         }
         let indent = content.len() - trimmed.len();
-        let Some((k, rest)) = trimmed.split_once(':') else { continue };
+        let Some((k, rest)) = trimmed.split_once(':') else {
+            continue;
+        };
         let k = k.trim().trim_matches('"');
-        if k.is_empty() || !k.chars().all(|c| c.is_alphanumeric() || c == '_' || c == '-') {
+        if k.is_empty()
+            || !k
+                .chars()
+                .all(|c| c.is_alphanumeric() || c == '_' || c == '-')
+        {
             continue;
         }
         while stack.last().is_some_and(|(i, _)| *i >= indent) {
@@ -364,7 +429,10 @@ mod tests {
 
     fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
         let p = dir.join(name);
-        std::fs::File::create(&p).unwrap().write_all(text.as_bytes()).unwrap();
+        std::fs::File::create(&p)
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
         p
     }
 
@@ -394,13 +462,24 @@ mod tests {
     fn overrides_are_typed_and_checked() {
         let d = tempfile::tempdir().unwrap();
         let p = write(d.path(), "j.yaml", GOOD);
-        let job = load_job(&p, &["train.steps=9".into(), "zero.reduce_bucket_size=1MiB".into()]).unwrap();
+        let job = load_job(
+            &p,
+            &[
+                "train.steps=9".into(),
+                "zero.reduce_bucket_size=1MiB".into(),
+            ],
+        )
+        .unwrap();
         assert_eq!(job.spec.train.steps, 9);
         assert_eq!(job.spec.zero.reduce_bucket_size.0, 1 << 20);
         assert_eq!(job.locate("train.steps"), "--set train.steps");
-        let e = load_job(&p, &["zero.stge=1".into()]).unwrap_err().to_string();
+        let e = load_job(&p, &["zero.stge=1".into()])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("did you mean `stage`"), "{e}");
-        let e = load_job(&p, &["train.steps=many".into()]).unwrap_err().to_string();
+        let e = load_job(&p, &["train.steps=many".into()])
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("--set train.steps=many"), "{e}");
         assert!(load_job(&p, &["novalue".into()]).is_err());
     }
@@ -408,12 +487,24 @@ mod tests {
     #[test]
     fn semantic_errors_point_at_the_key() {
         let d = tempfile::tempdir().unwrap();
-        let p = write(d.path(), "j.yaml", &GOOD.replace("n_heads: 4", "n_heads: 5"));
-        let e = load_job(&p, &[]).unwrap().validate(1).unwrap_err().to_string();
+        let p = write(
+            d.path(),
+            "j.yaml",
+            &GOOD.replace("n_heads: 4", "n_heads: 5"),
+        );
+        let e = load_job(&p, &[])
+            .unwrap()
+            .validate(1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("j.yaml:2:"), "{e}");
         assert!(e.contains("do not divide"), "{e}");
         let p = write(d.path(), "k.yaml", &GOOD.replace("lr: 1.0e-3", "lr: -1"));
-        let e = load_job(&p, &[]).unwrap().validate(1).unwrap_err().to_string();
+        let e = load_job(&p, &[])
+            .unwrap()
+            .validate(1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("k.yaml:7:3: train.lr"), "{e}");
     }
 
@@ -421,13 +512,24 @@ mod tests {
     fn data_must_exist_and_fit() {
         let d = tempfile::tempdir().unwrap();
         let text = write(d.path(), "small.txt", "0123456789");
-        let spec = GOOD.replace("  format: synthetic", &format!("  path: {}", text.display()));
+        let spec = GOOD.replace(
+            "  format: synthetic",
+            &format!("  path: {}", text.display()),
+        );
         let p = write(d.path(), "j.yaml", &spec);
-        let e = load_job(&p, &[]).unwrap().validate(1).unwrap_err().to_string();
+        let e = load_job(&p, &[])
+            .unwrap()
+            .validate(1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("fewer than one sequence"), "{e}");
         let spec = GOOD.replace("  format: synthetic", "  path: /nonexistent/*.txt");
         let p = write(d.path(), "j.yaml", &spec);
-        let e = load_job(&p, &[]).unwrap().validate(1).unwrap_err().to_string();
+        let e = load_job(&p, &[])
+            .unwrap()
+            .validate(1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("no file matches"), "{e}");
     }
 

@@ -282,7 +282,11 @@ pub struct CommSpec {
 
 impl Default for CommSpec {
     fn default() -> Self {
-        Self { backend: Backend::Auto, timeout_s: 300.0, heartbeat_s: 30.0 }
+        Self {
+            backend: Backend::Auto,
+            timeout_s: 300.0,
+            heartbeat_s: 30.0,
+        }
     }
 }
 
@@ -314,7 +318,11 @@ pub struct CheckpointSpec {
 
 impl Default for CheckpointSpec {
     fn default() -> Self {
-        Self { dir: None, every: 0, keep: 2 }
+        Self {
+            dir: None,
+            every: 0,
+            keep: 2,
+        }
     }
 }
 
@@ -338,7 +346,9 @@ impl Size {
     /// Parses a size written as a number with an optional unit (k, M, G, KiB, MiB, GiB).
     pub fn parse(s: &str) -> Result<Size, String> {
         let t = s.trim();
-        let split = t.find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E').unwrap_or(t.len());
+        let split = t
+            .find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E')
+            .unwrap_or(t.len());
         let (num, unit) = t.split_at(split);
         let mult: f64 = match unit.trim() {
             "" => 1.0,
@@ -348,9 +358,16 @@ impl Size {
             "KiB" | "Ki" => 1024.0,
             "MiB" | "Mi" => 1024.0 * 1024.0,
             "GiB" | "Gi" => 1024.0 * 1024.0 * 1024.0,
-            u => return Err(format!("unknown unit `{u}` in size `{s}` (use k, M, G, KiB, MiB, GiB)")),
+            u => {
+                return Err(format!(
+                    "unknown unit `{u}` in size `{s}` (use k, M, G, KiB, MiB, GiB)"
+                ))
+            }
         };
-        let v: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size"))?;
+        let v: f64 = num
+            .trim()
+            .parse()
+            .map_err(|_| format!("`{s}` is not a size"))?;
         Size::from_f64(v * mult).ok_or_else(|| format!("`{s}` is not a non-negative whole size"))
     }
 
@@ -371,7 +388,9 @@ impl<'de> Deserialize<'de> for Size {
                 Ok(Size(v))
             }
             fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Size, E> {
-                u64::try_from(v).map(Size).map_err(|_| E::custom("a size cannot be negative"))
+                u64::try_from(v)
+                    .map(Size)
+                    .map_err(|_| E::custom("a size cannot be negative"))
             }
             fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Size, E> {
                 Size::from_f64(v).ok_or_else(|| E::custom(format!("{v} is not a whole size")))

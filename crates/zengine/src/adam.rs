@@ -25,12 +25,19 @@ pub struct AdamStep {
 
 /// Updates `p`, `m`, `v` in place from `g`; `decay` says whether weight decay applies.
 pub fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], decay: bool, s: &AdamStep) {
-    assert!(p.len() == g.len() && p.len() == m.len() && p.len() == v.len(), "adamw: slice lengths differ");
+    assert!(
+        p.len() == g.len() && p.len() == m.len() && p.len() == v.len(),
+        "adamw: slice lengths differ"
+    );
     let bc1 = 1.0 - (s.beta1 as f64).powi(s.step as i32);
     let bc2 = 1.0 - (s.beta2 as f64).powi(s.step as i32);
     let step_size = (s.lr as f64 / bc1) as f32;
     let inv_sqrt_bc2 = (1.0 / bc2.sqrt()) as f32;
-    let shrink = if decay { 1.0 - s.lr * s.weight_decay } else { 1.0 };
+    let shrink = if decay {
+        1.0 - s.lr * s.weight_decay
+    } else {
+        1.0
+    };
     let (b1, b2, eps) = (s.beta1, s.beta2, s.eps);
     for i in 0..p.len() {
         let gi = g[i];
@@ -49,8 +56,20 @@ mod tests {
 
     #[test]
     fn first_step_moves_by_lr_against_the_gradient_sign() {
-        let s = AdamStep { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, step: 1 };
-        let (mut p, g, mut m, mut v) = (vec![1.0, 1.0, 1.0], vec![0.5, -2.0, 0.0], vec![0.0; 3], vec![0.0; 3]);
+        let s = AdamStep {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            step: 1,
+        };
+        let (mut p, g, mut m, mut v) = (
+            vec![1.0, 1.0, 1.0],
+            vec![0.5, -2.0, 0.0],
+            vec![0.0; 3],
+            vec![0.0; 3],
+        );
         adamw(&mut p, &g, &mut m, &mut v, true, &s);
         // With bias correction the first update is lr · g/|g|.
         assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] - 1.1).abs() < 1e-6 && p[2] == 1.0);
@@ -58,7 +77,14 @@ mod tests {
 
     #[test]
     fn weight_decay_is_decoupled_and_optional() {
-        let s = AdamStep { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.5, step: 1 };
+        let s = AdamStep {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.5,
+            step: 1,
+        };
         let mut p = vec![2.0];
         adamw(&mut p, &[0.0], &mut [0.0], &mut [0.0], true, &s);
         assert!((p[0] - 1.9).abs() < 1e-6);
@@ -69,7 +95,14 @@ mod tests {
 
     #[test]
     fn split_updates_equal_the_whole() {
-        let s = AdamStep { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 7 };
+        let s = AdamStep {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 7,
+        };
         let n = 1003;
         let p0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
         let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
@@ -77,7 +110,14 @@ mod tests {
         adamw(&mut p, &g, &mut m, &mut v, true, &s);
         let (mut q, mut m2, mut v2) = (p0, vec![0.01; n], vec![0.02; n]);
         for r in [0..100, 100..517, 517..n] {
-            adamw(&mut q[r.clone()], &g[r.clone()], &mut m2[r.clone()], &mut v2[r.clone()], true, &s);
+            adamw(
+                &mut q[r.clone()],
+                &g[r.clone()],
+                &mut m2[r.clone()],
+                &mut v2[r.clone()],
+                true,
+                &s,
+            );
         }
         assert_eq!(p, q);
         assert_eq!(m, m2);

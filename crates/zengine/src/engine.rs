@@ -100,7 +100,10 @@ impl Engine {
     /// Builds the model of `spec` with seeded parameters and empty optimizer state.
     pub fn new(spec: &JobSpec, comm: Arc<dyn Communicator>) -> Result<Engine, EngineError> {
         if spec.zero.stage != 0 {
-            return Err(EngineError::Usage(format!("ZeRO stage {} is not supported yet", spec.zero.stage)));
+            return Err(EngineError::Usage(format!(
+                "ZeRO stage {} is not supported yet",
+                spec.zero.stage
+            )));
         }
         let m = &spec.model;
         let model = Gpt::new(GptConfig {
@@ -111,7 +114,11 @@ impl Engine {
             seq_len: m.seq_len,
         })?;
         let world = comm.world_size();
-        let layouts: Vec<GroupLayout> = model.groups().iter().map(|g| GroupLayout::new(g, world)).collect();
+        let layouts: Vec<GroupLayout> = model
+            .groups()
+            .iter()
+            .map(|g| GroupLayout::new(g, world))
+            .collect();
         let buckets = Bucket::plan(&layouts, spec.zero.reduce_bucket_size.0.max(1) as usize);
         let mut params = Vec::with_capacity(layouts.len());
         for (g, l) in layouts.iter().enumerate() {
@@ -121,7 +128,12 @@ impl Engine {
             }
             params.push(flat);
         }
-        let zeros = || layouts.iter().map(|l| vec![0f32; l.padded]).collect::<Vec<_>>();
+        let zeros = || {
+            layouts
+                .iter()
+                .map(|l| vec![0f32; l.padded])
+                .collect::<Vec<_>>()
+        };
         Ok(Engine {
             grads: zeros(),
             exp_avg: zeros(),
@@ -157,7 +169,11 @@ impl Engine {
 
     /// The full parameters of every group (unpadded), as this rank sees them.
     pub fn full_params(&self) -> Vec<Vec<f32>> {
-        self.params.iter().zip(&self.layouts).map(|(p, l)| p[..l.numel].to_vec()).collect()
+        self.params
+            .iter()
+            .zip(&self.layouts)
+            .map(|(p, l)| p[..l.numel].to_vec())
+            .collect()
     }
 
     fn vars(&mut self) -> Result<&Vec<Vec<Var>>, EngineError> {
@@ -166,7 +182,11 @@ impl Engine {
             for (l, flat) in self.layouts.iter().zip(&self.params) {
                 let mut g = Vec::with_capacity(l.params.len());
                 for slot in &l.params {
-                    g.push(Var::from_slice(&flat[slot.range.clone()], slot.shape.as_slice(), &Device::Cpu)?);
+                    g.push(Var::from_slice(
+                        &flat[slot.range.clone()],
+                        slot.shape.as_slice(),
+                        &Device::Cpu,
+                    )?);
                 }
                 all.push(g);
             }
@@ -188,7 +208,8 @@ impl Engine {
         let n_layers = self.model.config().n_layers;
         let head = n_layers + 1;
         let vars = self.vars()?.clone();
-        let tensors = |g: usize| -> Vec<Tensor> { vars[g].iter().map(|v| v.as_tensor().clone()).collect() };
+        let tensors =
+            |g: usize| -> Vec<Tensor> { vars[g].iter().map(|v| v.as_tensor().clone()).collect() };
 
         // Forward, keeping each block's input Var and output.
         let y0 = self.model.embed(&tensors(0), &tokens)?;
@@ -201,10 +222,19 @@ impl Engine {
             saved.push((input, y));
         }
         let head_in = Var::from_tensor(&x)?;
-        let loss = self.model.head_loss(&tensors(head), vars[0][0].as_tensor(), head_in.as_tensor(), &targets)?;
+        let loss = self.model.head_loss(
+            &tensors(head),
+            vars[0][0].as_tensor(),
+            head_in.as_tensor(),
+            &targets,
+        )?;
         let loss_value = f64::from(loss.to_scalar::<f32>()?);
         if !loss_value.is_finite() {
-            return Err(EngineError::NonFinite { step: self.step + 1, what: "loss", value: loss_value });
+            return Err(EngineError::NonFinite {
+                step: self.step + 1,
+                what: "loss",
+                value: loss_value,
+            });
         }
         self.peak_activations = self.peak_activations.max(
             n_layers as u64 * self.model.block_activation_bytes(rows, t)
@@ -217,8 +247,14 @@ impl Engine {
         let wte_grad = grads
             .get(vars[0][0].as_tensor())
             .ok_or_else(|| EngineError::Usage("the tied head produced no wte gradient".into()))?;
-        add_into(&mut self.grads[0][self.layouts[0].params[0].range.clone()], wte_grad)?;
-        let mut dx = grads.get(head_in.as_tensor()).cloned().ok_or_else(|| missing("head input"))?;
+        add_into(
+            &mut self.grads[0][self.layouts[0].params[0].range.clone()],
+            wte_grad,
+        )?;
+        let mut dx = grads
+            .get(head_in.as_tensor())
+            .cloned()
+            .ok_or_else(|| missing("head input"))?;
         drop(grads);
         if last_micro {
             self.group_done(head)?;
@@ -227,7 +263,10 @@ impl Engine {
             let (input, y) = saved.pop().expect("one saved pair per block");
             let grads = (y * &dx)?.sum_all()?.backward()?;
             self.accumulate(b, &vars[b], &grads)?;
-            dx = grads.get(input.as_tensor()).cloned().ok_or_else(|| missing("block input"))?;
+            dx = grads
+                .get(input.as_tensor())
+                .cloned()
+                .ok_or_else(|| missing("block input"))?;
             if last_micro {
                 self.group_done(b)?;
             }
@@ -245,9 +284,16 @@ impl Engine {
     }
 
     /// Adds a block's parameter gradients into its flat gradient buffer.
-    fn accumulate(&mut self, g: usize, vars: &[Var], grads: &candle_core::backprop::GradStore) -> Result<(), EngineError> {
+    fn accumulate(
+        &mut self,
+        g: usize,
+        vars: &[Var],
+        grads: &candle_core::backprop::GradStore,
+    ) -> Result<(), EngineError> {
         for (slot, var) in self.layouts[g].params.iter().zip(vars) {
-            let grad = grads.get(var.as_tensor()).ok_or_else(|| missing(&slot.name))?;
+            let grad = grads
+                .get(var.as_tensor())
+                .ok_or_else(|| missing(&slot.name))?;
             add_into(&mut self.grads[g][slot.range.clone()], grad)?;
         }
         Ok(())
@@ -256,7 +302,11 @@ impl Engine {
     /// Called when backward has finished with group `g` on the last micro-batch:
     /// launches the reduction of every bucket whose groups are all done.
     fn group_done(&mut self, g: usize) -> Result<(), EngineError> {
-        let Some(bi) = self.buckets.iter().position(|b| b.groups.last() == Some(&g)) else {
+        let Some(bi) = self
+            .buckets
+            .iter()
+            .position(|b| b.groups.last() == Some(&g))
+        else {
             return Ok(()); // more groups of this bucket are still to come
         };
         let world = self.comm.world_size();
@@ -284,7 +334,10 @@ impl Engine {
     pub fn step(&mut self) -> Result<StepStats, EngineError> {
         let accum = self.spec.train.grad_accum;
         if self.micro != accum {
-            return Err(EngineError::Usage(format!("step after {} of {accum} micro-batches", self.micro)));
+            return Err(EngineError::Usage(format!(
+                "step after {} of {accum} micro-batches",
+                self.micro
+            )));
         }
         for (bi, work) in std::mem::take(&mut self.pending) {
             let reduced = work.wait()?;
@@ -303,15 +356,27 @@ impl Engine {
             .layouts
             .iter()
             .zip(&self.grads)
-            .map(|(l, g)| g[l.slice(rank)].iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>())
+            .map(|(l, g)| {
+                g[l.slice(rank)]
+                    .iter()
+                    .map(|&x| f64::from(x) * f64::from(x))
+                    .sum::<f64>()
+            })
             .sum();
         let hi = own_sq as f32;
         let lo = (own_sq - f64::from(hi)) as f32;
         let parts = self.comm.all_gather(vec![hi, lo], 2 * world)?;
-        let total_sq: f64 = parts.chunks(2).map(|p| f64::from(p[0]) + f64::from(p[1])).sum();
+        let total_sq: f64 = parts
+            .chunks(2)
+            .map(|p| f64::from(p[0]) + f64::from(p[1]))
+            .sum();
         let grad_norm = total_sq.sqrt();
         if !grad_norm.is_finite() {
-            return Err(EngineError::NonFinite { step, what: "gradient norm", value: grad_norm });
+            return Err(EngineError::NonFinite {
+                step,
+                what: "gradient norm",
+                value: grad_norm,
+            });
         }
         let clip = self.spec.train.grad_clip;
         if clip > 0.0 && grad_norm > clip {
@@ -323,7 +388,14 @@ impl Engine {
 
         let t = &self.spec.train;
         let lr = lr_at(step, t.steps, t.lr, t.warmup_steps, t.schedule);
-        let hp = AdamStep { lr: lr as f32, beta1: BETA1, beta2: BETA2, eps: EPS, weight_decay: t.weight_decay as f32, step };
+        let hp = AdamStep {
+            lr: lr as f32,
+            beta1: BETA1,
+            beta2: BETA2,
+            eps: EPS,
+            weight_decay: t.weight_decay as f32,
+            step,
+        };
         for (g, l) in self.layouts.iter().enumerate() {
             for (r, decay) in l.decay_runs(0..l.padded) {
                 adamw(
@@ -343,7 +415,8 @@ impl Engine {
 
         let counters = self.comm.counters();
         let comm = comm_bytes(&counters.since(&self.counters_at_start.take().unwrap_or(counters)));
-        let f32_bytes = |bufs: &Vec<Vec<f32>>| bufs.iter().map(|b| (b.len() * 4) as u64).sum::<u64>();
+        let f32_bytes =
+            |bufs: &Vec<Vec<f32>>| bufs.iter().map(|b| (b.len() * 4) as u64).sum::<u64>();
         let mem = MemBytes {
             params: f32_bytes(&self.params),
             grads: f32_bytes(&self.grads),
@@ -381,7 +454,11 @@ fn add_into(dst: &mut [f32], grad: &Tensor) -> Result<(), EngineError> {
     let flat = grad.flatten_all()?;
     let v = flat.to_vec1::<f32>()?;
     if v.len() != dst.len() {
-        return Err(EngineError::Usage(format!("gradient of {} elements for a slot of {}", v.len(), dst.len())));
+        return Err(EngineError::Usage(format!(
+            "gradient of {} elements for a slot of {}",
+            v.len(),
+            dst.len()
+        )));
     }
     dst.iter_mut().zip(&v).for_each(|(d, s)| *d += *s);
     Ok(())

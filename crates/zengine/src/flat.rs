@@ -53,12 +53,23 @@ impl GroupLayout {
         let mut off = 0;
         for p in &spec.params {
             let n = p.numel();
-            params.push(ParamSlot { name: p.name.clone(), shape: p.shape.clone(), range: off..off + n, decay: p.decay });
+            params.push(ParamSlot {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                range: off..off + n,
+                decay: p.decay,
+            });
             off += n;
         }
         let quantum = world * ALIGN;
         let padded = off.div_ceil(quantum) * quantum;
-        GroupLayout { name: spec.name.clone(), params, numel: off, padded, world }
+        GroupLayout {
+            name: spec.name.clone(),
+            params,
+            numel: off,
+            padded,
+            world,
+        }
     }
 
     /// Elements per rank slice.
@@ -106,12 +117,21 @@ impl Bucket {
     /// at least `bucket_size` elements (the last bucket may be smaller).
     pub fn plan(layouts: &[GroupLayout], bucket_size: usize) -> Vec<Bucket> {
         let mut out = Vec::new();
-        let mut cur = Bucket { groups: Vec::new(), len: 0 };
+        let mut cur = Bucket {
+            groups: Vec::new(),
+            len: 0,
+        };
         for g in (0..layouts.len()).rev() {
             cur.groups.push(g);
             cur.len += layouts[g].padded;
             if cur.len >= bucket_size {
-                out.push(std::mem::replace(&mut cur, Bucket { groups: Vec::new(), len: 0 }));
+                out.push(std::mem::replace(
+                    &mut cur,
+                    Bucket {
+                        groups: Vec::new(),
+                        len: 0,
+                    },
+                ));
             }
         }
         if !cur.groups.is_empty() {
@@ -132,7 +152,13 @@ impl Bucket {
     }
 
     /// Copies a rank-major bucket buffer back into the groups' buffers.
-    pub fn unpack(&self, layouts: &[GroupLayout], packed: &[f32], bufs: &mut [Vec<f32>], world: usize) {
+    pub fn unpack(
+        &self,
+        layouts: &[GroupLayout],
+        packed: &[f32],
+        bufs: &mut [Vec<f32>],
+        world: usize,
+    ) {
         let mut at = 0;
         for r in 0..world {
             for &g in &self.groups {
@@ -156,7 +182,12 @@ mod tests {
             params: sizes
                 .iter()
                 .enumerate()
-                .map(|(i, &n)| ParamSpec { name: format!("p{i}"), shape: vec![n], init: Init::Zeros, decay: i % 2 == 0 })
+                .map(|(i, &n)| ParamSpec {
+                    name: format!("p{i}"),
+                    shape: vec![n],
+                    init: Init::Zeros,
+                    decay: i % 2 == 0,
+                })
                 .collect(),
         }
     }
@@ -174,17 +205,31 @@ mod tests {
     #[test]
     fn bucket_chunk_r_is_rank_r_slices() {
         let world = 3;
-        let layouts: Vec<_> = [5, 40, 100].iter().map(|&n| GroupLayout::new(&spec(&[n]), world)).collect();
+        let layouts: Vec<_> = [5, 40, 100]
+            .iter()
+            .map(|&n| GroupLayout::new(&spec(&[n]), world))
+            .collect();
         let buckets = Bucket::plan(&layouts, 100);
-        assert_eq!(buckets.iter().map(|b| b.groups.clone()).collect::<Vec<_>>(), vec![vec![2], vec![1, 0]]);
-        let bufs: Vec<Vec<f32>> = layouts.iter().enumerate().map(|(g, l)| (0..l.padded).map(|i| (g * 1000 + i) as f32).collect()).collect();
+        assert_eq!(
+            buckets.iter().map(|b| b.groups.clone()).collect::<Vec<_>>(),
+            vec![vec![2], vec![1, 0]]
+        );
+        let bufs: Vec<Vec<f32>> = layouts
+            .iter()
+            .enumerate()
+            .map(|(g, l)| (0..l.padded).map(|i| (g * 1000 + i) as f32).collect())
+            .collect();
         let b = &buckets[1];
         let packed = b.pack(&layouts, &bufs, world);
         let chunk = zcomm::chunk_range(packed.len(), world, 1);
         let mut want = bufs[1][layouts[1].slice(1)].to_vec();
         want.extend_from_slice(&bufs[0][layouts[0].slice(1)]);
         assert_eq!(&packed[chunk], &want[..]);
-        let mut back = vec![vec![0.0; layouts[0].padded], vec![0.0; layouts[1].padded], vec![0.0; layouts[2].padded]];
+        let mut back = vec![
+            vec![0.0; layouts[0].padded],
+            vec![0.0; layouts[1].padded],
+            vec![0.0; layouts[2].padded],
+        ];
         b.unpack(&layouts, &packed, &mut back, world);
         assert_eq!(back[0], bufs[0]);
         assert_eq!(back[1], bufs[1]);

@@ -23,15 +23,25 @@ fn spec(accum: usize, bucket: u64, overlap: bool) -> JobSpec {
 
 fn comms(n: usize) -> Vec<Arc<dyn Communicator>> {
     let token = Token::generate();
-    let ls: Vec<_> = (0..n).map(|_| TcpCommunicator::bind("127.0.0.1").unwrap()).collect();
+    let ls: Vec<_> = (0..n)
+        .map(|_| TcpCommunicator::bind("127.0.0.1").unwrap())
+        .collect();
     let addrs: Vec<_> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
     let hs: Vec<_> = ls
         .into_iter()
         .enumerate()
         .map(|(r, l)| {
             let addrs = addrs.clone();
-            let o = TcpOptions { token: token.clone(), timeout: Duration::from_secs(30), node_of_rank: vec![0; n], group: "world".into() };
-            std::thread::spawn(move || Arc::new(TcpCommunicator::connect(r, l, &addrs, o).unwrap()) as Arc<dyn Communicator>)
+            let o = TcpOptions {
+                token: token.clone(),
+                timeout: Duration::from_secs(30),
+                node_of_rank: vec![0; n],
+                group: "world".into(),
+            };
+            std::thread::spawn(move || {
+                Arc::new(TcpCommunicator::connect(r, l, &addrs, o).unwrap())
+                    as Arc<dyn Communicator>
+            })
         })
         .collect();
     hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -47,7 +57,16 @@ fn train(spec: JobSpec, world: usize) -> Vec<(Vec<f64>, Vec<Vec<f32>>)> {
             std::thread::spawn(move || {
                 let t = &spec.train;
                 let corpus = Corpus::synthetic(spec.model.vocab_size, t.seed);
-                let mut data = Batcher::new(corpus, spec.model.seq_len, t.micro_batch_size, t.grad_accum, world, rank, t.seed).unwrap();
+                let mut data = Batcher::new(
+                    corpus,
+                    spec.model.seq_len,
+                    t.micro_batch_size,
+                    t.grad_accum,
+                    world,
+                    rank,
+                    t.seed,
+                )
+                .unwrap();
                 let mut engine = Engine::new(&spec, comm).unwrap();
                 let mut losses = Vec::new();
                 for s in 0..t.steps {
@@ -72,12 +91,19 @@ fn two_ranks_equal_one_rank_with_the_same_global_batch() {
     // Each rank reports its own micro-batch's loss; their mean is the global loss.
     for (s, want) in solo_loss.iter().enumerate() {
         let got = (duo[0].0[s] + duo[1].0[s]) / 2.0;
-        assert!((got - want).abs() <= 1e-5 * want.abs(), "step {}: {got} vs {want}", s + 1);
+        assert!(
+            (got - want).abs() <= 1e-5 * want.abs(),
+            "step {}: {got} vs {want}",
+            s + 1
+        );
     }
     for (a, b) in solo[0].1.iter().flatten().zip(duo[0].1.iter().flatten()) {
         assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{a} vs {b}");
     }
-    assert!(solo_loss[5] < solo_loss[0], "loss did not fall: {solo_loss:?}");
+    assert!(
+        solo_loss[5] < solo_loss[0],
+        "loss did not fall: {solo_loss:?}"
+    );
 }
 
 #[test]
@@ -86,7 +112,10 @@ fn bucket_size_and_overlap_do_not_change_a_bit() {
     for (bucket, overlap) in [(1, true), (3000, false)] {
         let other = train(spec(1, bucket, overlap), 3);
         for r in 0..3 {
-            assert_eq!(base[r], other[r], "bucket {bucket} overlap {overlap} rank {r}");
+            assert_eq!(
+                base[r], other[r],
+                "bucket {bucket} overlap {overlap} rank {r}"
+            );
         }
     }
 }

@@ -44,9 +44,16 @@ const SYNTHETIC_TOKENS: usize = 1 << 20;
 
 impl Corpus {
     /// Loads the corpus a data spec describes; token ids are checked against `vocab`.
-    pub fn load(path: &Option<String>, format: DataFormat, vocab: usize, seed: u64) -> Result<Corpus, DataError> {
+    pub fn load(
+        path: &Option<String>,
+        format: DataFormat,
+        vocab: usize,
+        seed: u64,
+    ) -> Result<Corpus, DataError> {
         if vocab > usize::from(u16::MAX) + 1 {
-            return Err(DataError::Invalid(format!("vocab_size {vocab} exceeds the u16 token range")));
+            return Err(DataError::Invalid(format!(
+                "vocab_size {vocab} exceeds the u16 token range"
+            )));
         }
         if format == DataFormat::Synthetic {
             return Ok(Corpus::synthetic(vocab, seed));
@@ -54,12 +61,18 @@ impl Corpus {
         let files = data_files(path, format).map_err(DataError::Invalid)?;
         let mut tokens = Vec::new();
         for f in files {
-            let bytes = std::fs::read(&f).map_err(|source| DataError::Io { path: f.clone(), source })?;
+            let bytes = std::fs::read(&f).map_err(|source| DataError::Io {
+                path: f.clone(),
+                source,
+            })?;
             match format {
                 DataFormat::Text => tokens.extend(bytes.iter().map(|&b| u16::from(b))),
                 DataFormat::TokensU16 => {
                     if bytes.len() % 2 != 0 {
-                        return Err(DataError::Invalid(format!("{}: odd byte count", f.display())));
+                        return Err(DataError::Invalid(format!(
+                            "{}: odd byte count",
+                            f.display()
+                        )));
                     }
                     for (i, c) in bytes.chunks_exact(2).enumerate() {
                         let t = u16::from_le_bytes([c[0], c[1]]);
@@ -83,8 +96,9 @@ impl Corpus {
     /// per token for a large vocabulary, against ln(vocab) for a fresh model).
     pub fn synthetic(vocab: usize, seed: u64) -> Corpus {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5EED_DA7A);
-        let successors: Vec<[u16; 4]> =
-            (0..vocab).map(|_| std::array::from_fn(|_| rng.random_range(0..vocab) as u16)).collect();
+        let successors: Vec<[u16; 4]> = (0..vocab)
+            .map(|_| std::array::from_fn(|_| rng.random_range(0..vocab) as u16))
+            .collect();
         let mut tokens = Vec::with_capacity(SYNTHETIC_TOKENS);
         let mut cur = 0u16;
         for _ in 0..SYNTHETIC_TOKENS {
@@ -155,7 +169,17 @@ impl Batcher {
                 seq_len + 1
             )));
         }
-        Ok(Batcher { corpus, seq_len, micro_batch, grad_accum, world, rank, seed, windows, epoch: None })
+        Ok(Batcher {
+            corpus,
+            seq_len,
+            micro_batch,
+            grad_accum,
+            world,
+            rank,
+            seed,
+            windows,
+            epoch: None,
+        })
     }
 
     /// Windows in one epoch.
@@ -167,7 +191,9 @@ impl Batcher {
         let epoch = sample / self.windows as u64;
         if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
             let mut perm: Vec<u32> = (0..self.windows as u32).collect();
-            perm.shuffle(&mut ChaCha8Rng::seed_from_u64(self.seed.wrapping_add(epoch.wrapping_mul(0x1000_0001))));
+            perm.shuffle(&mut ChaCha8Rng::seed_from_u64(
+                self.seed.wrapping_add(epoch.wrapping_mul(0x1000_0001)),
+            ));
             self.epoch = Some((epoch, perm));
         }
         let (_, perm) = self.epoch.as_ref().expect("set above");
@@ -187,7 +213,12 @@ impl Batcher {
             inputs.extend(w[..t].iter().map(|&x| u32::from(x)));
             targets.extend(w[1..].iter().map(|&x| u32::from(x)));
         }
-        Batch { inputs, targets, rows: self.micro_batch, seq_len: t }
+        Batch {
+            inputs,
+            targets,
+            rows: self.micro_batch,
+            seq_len: t,
+        }
     }
 }
 
@@ -196,12 +227,16 @@ mod tests {
     use super::*;
 
     fn counting(n: usize) -> Corpus {
-        Corpus { tokens: (0..n).map(|i| i as u16).collect() }
+        Corpus {
+            tokens: (0..n).map(|i| i as u16).collect(),
+        }
     }
 
     #[test]
     fn ranks_read_disjoint_samples_and_the_split_does_not_change_the_global_batch() {
-        let one = |accum, world, rank| Batcher::new(counting(10_000), 16, 4, accum, world, rank, 9).unwrap();
+        let one = |accum, world, rank| {
+            Batcher::new(counting(10_000), 16, 4, accum, world, rank, 9).unwrap()
+        };
         // 1 worker, 2 micro-batches == 2 workers, 1 micro-batch each.
         let mut solo = one(2, 1, 0);
         let (mut r0, mut r1) = (one(1, 2, 0), one(1, 2, 1));
@@ -237,14 +272,27 @@ mod tests {
         assert_eq!(c.len(), 11);
         std::fs::write(d.path().join("t.bin"), [1u8, 0, 200, 0]).unwrap();
         let pat = Some(format!("{}/t.bin", d.path().display()));
-        assert_eq!(Corpus::load(&pat, DataFormat::TokensU16, 256, 0).unwrap().len(), 2);
-        let e = Corpus::load(&pat, DataFormat::TokensU16, 100, 0).unwrap_err().to_string();
+        assert_eq!(
+            Corpus::load(&pat, DataFormat::TokensU16, 256, 0)
+                .unwrap()
+                .len(),
+            2
+        );
+        let e = Corpus::load(&pat, DataFormat::TokensU16, 100, 0)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("token 200 at index 1"), "{e}");
     }
 
     #[test]
     fn synthetic_corpus_is_seeded() {
-        assert_eq!(Corpus::synthetic(50, 1).tokens, Corpus::synthetic(50, 1).tokens);
-        assert_ne!(Corpus::synthetic(50, 1).tokens, Corpus::synthetic(50, 2).tokens);
+        assert_eq!(
+            Corpus::synthetic(50, 1).tokens,
+            Corpus::synthetic(50, 1).tokens
+        );
+        assert_ne!(
+            Corpus::synthetic(50, 1).tokens,
+            Corpus::synthetic(50, 2).tokens
+        );
     }
 }

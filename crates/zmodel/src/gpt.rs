@@ -81,15 +81,27 @@ pub struct Gpt {
 }
 
 fn p(name: String, shape: &[usize], init: Init, decay: bool) -> ParamSpec {
-    ParamSpec { name, shape: shape.to_vec(), init, decay }
+    ParamSpec {
+        name,
+        shape: shape.to_vec(),
+        init,
+        decay,
+    }
 }
 
 impl Gpt {
     /// A model of this shape on the CPU.
     pub fn new(cfg: GptConfig) -> Result<Gpt> {
         let t = cfg.seq_len;
-        let mask: Vec<f32> =
-            (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask: Vec<f32> = (0..t * t)
+            .map(|i| {
+                if i % t > i / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
         let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?;
         Ok(Gpt { cfg, mask })
     }
@@ -101,7 +113,13 @@ impl Gpt {
 
     /// Every group's parameters, in forward order.
     pub fn groups(&self) -> Vec<GroupSpec> {
-        let GptConfig { vocab_size: v, d_model: d, n_layers: l, seq_len: t, .. } = self.cfg;
+        let GptConfig {
+            vocab_size: v,
+            d_model: d,
+            n_layers: l,
+            seq_len: t,
+            ..
+        } = self.cfg;
         let std = 0.02f32;
         let proj_std = std / (2.0 * l as f32).sqrt();
         let mut groups = vec![GroupSpec {
@@ -118,15 +136,30 @@ impl Gpt {
                 params: vec![
                     p(n("ln_1.weight"), &[d], Init::Ones, false),
                     p(n("ln_1.bias"), &[d], Init::Zeros, false),
-                    p(n("attn.c_attn.weight"), &[d, 3 * d], Init::Normal(std), true),
+                    p(
+                        n("attn.c_attn.weight"),
+                        &[d, 3 * d],
+                        Init::Normal(std),
+                        true,
+                    ),
                     p(n("attn.c_attn.bias"), &[3 * d], Init::Zeros, false),
-                    p(n("attn.c_proj.weight"), &[d, d], Init::Normal(proj_std), true),
+                    p(
+                        n("attn.c_proj.weight"),
+                        &[d, d],
+                        Init::Normal(proj_std),
+                        true,
+                    ),
                     p(n("attn.c_proj.bias"), &[d], Init::Zeros, false),
                     p(n("ln_2.weight"), &[d], Init::Ones, false),
                     p(n("ln_2.bias"), &[d], Init::Zeros, false),
                     p(n("mlp.c_fc.weight"), &[d, 4 * d], Init::Normal(std), true),
                     p(n("mlp.c_fc.bias"), &[4 * d], Init::Zeros, false),
-                    p(n("mlp.c_proj.weight"), &[4 * d, d], Init::Normal(proj_std), true),
+                    p(
+                        n("mlp.c_proj.weight"),
+                        &[4 * d, d],
+                        Init::Normal(proj_std),
+                        true,
+                    ),
                     p(n("mlp.c_proj.bias"), &[d], Init::Zeros, false),
                 ],
             });
@@ -143,14 +176,24 @@ impl Gpt {
 
     /// Total parameters (the tied head adds none).
     pub fn param_count(&self) -> usize {
-        self.groups().iter().flat_map(|g| &g.params).map(ParamSpec::numel).sum()
+        self.groups()
+            .iter()
+            .flat_map(|g| &g.params)
+            .map(ParamSpec::numel)
+            .sum()
     }
 
     /// Model FLOPs per trained token, forward and backward: 6 per non-embedding
     /// parameter and per head-matrix weight, plus attention's 12·L·d·T (PaLM's
     /// accounting, which MFU figures use).
     pub fn flops_per_token(&self) -> f64 {
-        let GptConfig { vocab_size: v, d_model: d, n_layers: l, seq_len: t, .. } = self.cfg;
+        let GptConfig {
+            vocab_size: v,
+            d_model: d,
+            n_layers: l,
+            seq_len: t,
+            ..
+        } = self.cfg;
         let block_params = 12 * d * d + 13 * d;
         6.0 * (l * block_params + v * d) as f64 + 12.0 * (l * d * t) as f64
     }
@@ -162,7 +205,8 @@ impl Gpt {
             .iter()
             .enumerate()
             .map(|(i, ps)| {
-                let stream = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((group as u64) << 20 | i as u64);
+                let stream =
+                    seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((group as u64) << 20 | i as u64);
                 let mut rng = ChaCha8Rng::seed_from_u64(stream);
                 match ps.init {
                     Init::Zeros => vec![0.0; ps.numel()],
@@ -180,7 +224,9 @@ impl Gpt {
     pub fn embed(&self, params: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
         let (wte, wpe) = (&params[0], &params[1]);
-        let x = wte.index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, self.cfg.d_model))?;
+        let x = wte
+            .index_select(&tokens.flatten_all()?, 0)?
+            .reshape((b, t, self.cfg.d_model))?;
         x.broadcast_add(&wpe.narrow(0, 0, t)?)
     }
 
@@ -195,7 +241,10 @@ impl Gpt {
         let a = layer_norm(&rows, &params[0], &params[1], LN_EPS)?;
         let qkv = linear(&a, &params[2], &params[3])?;
         let heads = |i: usize| -> Result<Tensor> {
-            qkv.narrow(1, i * d, d)?.reshape((b, t, h, hd))?.transpose(1, 2)?.contiguous()
+            qkv.narrow(1, i * d, d)?
+                .reshape((b, t, h, hd))?
+                .transpose(1, 2)?
+                .contiguous()
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
@@ -211,7 +260,13 @@ impl Gpt {
     }
 
     /// Group L+1: final norm, tied head, mean cross-entropy against `targets` `[b, t]`.
-    pub fn head_loss(&self, params: &[Tensor], wte: &Tensor, x: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    pub fn head_loss(
+        &self,
+        params: &[Tensor],
+        wte: &Tensor,
+        x: &Tensor,
+        targets: &Tensor,
+    ) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let rows = layer_norm(&x.reshape((b * t, d))?, &params[0], &params[1], LN_EPS)?;
         let logits = rows.matmul(&wte.t()?)?;
@@ -245,14 +300,21 @@ mod tests {
     use candle_core::Var;
 
     fn tiny() -> Gpt {
-        Gpt::new(GptConfig { vocab_size: 11, d_model: 8, n_layers: 2, n_heads: 2, seq_len: 5 }).unwrap()
+        Gpt::new(GptConfig {
+            vocab_size: 11,
+            d_model: 8,
+            n_layers: 2,
+            n_heads: 2,
+            seq_len: 5,
+        })
+        .unwrap()
     }
 
     /// The whole model as one function of every parameter, for gradient checks.
     fn loss(g: &Gpt, vars: &[Vec<Tensor>], tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let mut x = g.embed(&vars[0], tokens)?;
-        for b in 1..=g.cfg.n_layers {
-            x = g.block(&vars[b], &x)?;
+        for block in &vars[1..=g.cfg.n_layers] {
+            x = g.block(block, &x)?;
         }
         g.head_loss(&vars[g.cfg.n_layers + 1], &vars[0][0], &x, targets)
     }
@@ -270,21 +332,40 @@ mod tests {
                 g.init_group(gi, 7)
                     .into_iter()
                     .enumerate()
-                    .map(|(pi, v)| v.iter().enumerate().map(|(k, x)| x * 10.0 + 0.05 * ((k + pi) % 5) as f32).collect())
+                    .map(|(pi, v)| {
+                        v.iter()
+                            .enumerate()
+                            .map(|(k, x)| x * 10.0 + 0.05 * ((k + pi) % 5) as f32)
+                            .collect()
+                    })
                     .collect()
             })
             .collect();
         let vars: Vec<Vec<Var>> = groups
             .iter()
             .zip(&values)
-            .map(|(gs, vs)| gs.params.iter().zip(vs).map(|(ps, v)| Var::from_vec(v.clone(), ps.shape.as_slice(), &dev).unwrap()).collect())
+            .map(|(gs, vs)| {
+                gs.params
+                    .iter()
+                    .zip(vs)
+                    .map(|(ps, v)| Var::from_vec(v.clone(), ps.shape.as_slice(), &dev).unwrap())
+                    .collect()
+            })
             .collect();
-        let tensors: Vec<Vec<Tensor>> = vars.iter().map(|g| g.iter().map(|v| v.as_tensor().clone()).collect()).collect();
-        let grads = loss(&g, &tensors, &tokens, &targets).unwrap().backward().unwrap();
+        let tensors: Vec<Vec<Tensor>> = vars
+            .iter()
+            .map(|g| g.iter().map(|v| v.as_tensor().clone()).collect())
+            .collect();
+        let grads = loss(&g, &tensors, &tokens, &targets)
+            .unwrap()
+            .backward()
+            .unwrap();
         let h = 1e-3f32;
         for (gi, gs) in groups.iter().enumerate() {
             for (pi, ps) in gs.params.iter().enumerate() {
-                let grad = grads.get(vars[gi][pi].as_tensor()).unwrap_or_else(|| panic!("{} has no gradient", ps.name));
+                let grad = grads
+                    .get(vars[gi][pi].as_tensor())
+                    .unwrap_or_else(|| panic!("{} has no gradient", ps.name));
                 let grad = grad.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 // Check a few elements of every parameter.
                 for k in [0, ps.numel() / 2, ps.numel() - 1] {
@@ -293,7 +374,10 @@ mod tests {
                         let mut v = values[gi][pi].clone();
                         v[k] += delta;
                         t[gi][pi] = Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap();
-                        loss(&g, &t, &tokens, &targets).unwrap().to_scalar::<f32>().unwrap()
+                        loss(&g, &t, &tokens, &targets)
+                            .unwrap()
+                            .to_scalar::<f32>()
+                            .unwrap()
                     };
                     let fd = (eval(h) - eval(-h)) / (2.0 * h);
                     assert!(
@@ -313,7 +397,10 @@ mod tests {
         assert_eq!(g.init_group(1, 3), g.init_group(1, 3));
         assert_ne!(g.init_group(1, 3)[2], g.init_group(1, 4)[2]);
         let (v, d, l, t) = (11, 8, 2, 5);
-        assert_eq!(g.param_count(), v * d + t * d + l * (12 * d * d + 13 * d) + 2 * d);
+        assert_eq!(
+            g.param_count(),
+            v * d + t * d + l * (12 * d * d + 13 * d) + 2 * d
+        );
     }
 
     #[test]
@@ -336,7 +423,12 @@ mod tests {
         let run = |last: u32| {
             let tok = Tensor::new(&[[1u32, 2, 3, 4, last]], &dev).unwrap();
             let y = g.block(&params, &g.embed(&emb, &tok).unwrap()).unwrap();
-            y.narrow(1, 0, 4).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            y.narrow(1, 0, 4)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
         };
         assert_eq!(run(5), run(9));
     }

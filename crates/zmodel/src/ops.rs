@@ -46,7 +46,13 @@ mod tests {
         let dev = Device::Cpu;
         let v = Var::from_vec(x.clone(), shape, &dev).unwrap();
         let g = f(v.as_tensor()).unwrap().backward().unwrap();
-        let g = g.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let g = g
+            .get(v.as_tensor())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         let h = 1e-2f32;
         for i in 0..x.len() {
             let eval = |d: f32| {
@@ -56,7 +62,11 @@ mod tests {
                 f(&t).unwrap().to_scalar::<f32>().unwrap()
             };
             let fd = (eval(h) - eval(-h)) / (2.0 * h);
-            assert!((fd - g[i]).abs() < 2e-2 * (1.0 + fd.abs()), "element {i}: fd {fd} vs grad {}", g[i]);
+            assert!(
+                (fd - g[i]).abs() < 2e-2 * (1.0 + fd.abs()),
+                "element {i}: fd {fd} vs grad {}",
+                g[i]
+            );
         }
     }
 
@@ -70,10 +80,18 @@ mod tests {
         let w = Tensor::new(&[0.5f32, 1.5, -1.0, 2.0], &dev).unwrap();
         let b = Tensor::new(&[0.1f32, 0.2, 0.3, 0.4], &dev).unwrap();
         let probe = Tensor::from_vec(weights(12), (3, 4), &dev).unwrap();
-        check_grad(|x| layer_norm(x, &w, &b, 1e-5)?.mul(&probe)?.sum_all(), weights(12), &[3, 4]);
+        check_grad(
+            |x| layer_norm(x, &w, &b, 1e-5)?.mul(&probe)?.sum_all(),
+            weights(12),
+            &[3, 4],
+        );
         // And with respect to the weight.
         let x = Tensor::from_vec(weights(12), (3, 4), &dev).unwrap();
-        check_grad(|w| layer_norm(&x, w, &b, 1e-5)?.mul(&probe)?.sum_all(), vec![0.5, 1.5, -1.0, 2.0], &[4]);
+        check_grad(
+            |w| layer_norm(&x, w, &b, 1e-5)?.mul(&probe)?.sum_all(),
+            vec![0.5, 1.5, -1.0, 2.0],
+            &[4],
+        );
     }
 
     #[test]
@@ -90,7 +108,10 @@ mod tests {
         let dev = Device::Cpu;
         let logits = Tensor::zeros((4, 8), candle_core::DType::F32, &dev).unwrap();
         let t = Tensor::new(&[1u32, 2, 3, 7], &dev).unwrap();
-        let l = cross_entropy(&logits, &t).unwrap().to_scalar::<f32>().unwrap();
+        let l = cross_entropy(&logits, &t)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         assert!((l - 8f32.ln()).abs() < 1e-6);
     }
 }

@@ -47,7 +47,9 @@ impl Token {
 
     /// The proof that `rank` knows the token, for `nonce` in `context`.
     pub fn prove(&self, context: &str, nonce: &Nonce, rank: u64) -> Proof {
-        Proof(to_hex(&self.mac(context, nonce, rank).finalize().into_bytes()))
+        Proof(to_hex(
+            &self.mac(context, nonce, rank).finalize().into_bytes(),
+        ))
     }
 
     /// Checks a proof in constant time.
@@ -84,10 +86,13 @@ fn to_hex(b: &[u8]) -> String {
 }
 
 fn from_hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 || !s.is_ascii() {
+    if !s.len().is_multiple_of(2) || !s.is_ascii() {
         return None;
     }
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok()).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok())
+        .collect()
 }
 
 #[cfg(test)]

@@ -40,7 +40,10 @@ pub enum FrameError {
 fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
     let body = serde_json::to_vec(msg).map_err(|e| FrameError::Decode(e.to_string()))?;
     if body.len() > MAX_FRAME {
-        return Err(FrameError::TooLarge { len: body.len(), max: MAX_FRAME });
+        return Err(FrameError::TooLarge {
+            len: body.len(),
+            max: MAX_FRAME,
+        });
     }
     let mut out = Vec::with_capacity(4 + body.len());
     out.extend_from_slice(&(body.len() as u32).to_be_bytes());
@@ -121,9 +124,18 @@ mod tests {
         let e = read_frame::<_, Vec<u32>>(&mut buf.as_slice(), 3).unwrap_err();
         assert!(matches!(e, FrameError::TooLarge { len: 7, max: 3 }));
         let huge = [0xff, 0xff, 0xff, 0xff, 0];
-        assert!(matches!(read_frame::<_, u32>(&mut &huge[..], MAX_FRAME), Err(FrameError::TooLarge { .. })));
+        assert!(matches!(
+            read_frame::<_, u32>(&mut &huge[..], MAX_FRAME),
+            Err(FrameError::TooLarge { .. })
+        ));
         let garbage = [0, 0, 0, 2, b'{', b'x'];
-        assert!(matches!(read_frame::<_, u32>(&mut &garbage[..], 10), Err(FrameError::Decode(_))));
-        assert!(matches!(read_frame::<_, u32>(&mut &[][..], 10), Err(FrameError::Closed)));
+        assert!(matches!(
+            read_frame::<_, u32>(&mut &garbage[..], 10),
+            Err(FrameError::Decode(_))
+        ));
+        assert!(matches!(
+            read_frame::<_, u32>(&mut &[][..], 10),
+            Err(FrameError::Closed)
+        ));
     }
 }

@@ -15,7 +15,13 @@ use crate::plan::{default_worker_bin, LaunchPlan};
 use crate::supervise::{run_job, Outcome, Sink};
 use crate::Failure;
 
-const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast"];
+const OPS: [&str; 5] = [
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "all_to_all",
+    "broadcast",
+];
 const TRANSPORTS: [&str; 1] = ["tcp"];
 
 /// Parses `1M`, `64M`, `512K`, `1G`, `4096` (binary units).
@@ -27,10 +33,14 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
         _ => (t, 1),
     };
-    let n: u64 = num.parse().map_err(|_| format!("--sizes: `{s}` is not a size like 64M"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("--sizes: `{s}` is not a size like 64M"))?;
     let bytes = n * mult;
-    if bytes < 4 || bytes % 4 != 0 {
-        return Err(format!("--sizes: `{s}` must be a positive multiple of 4 bytes (f32 elements)"));
+    if bytes < 4 || !bytes.is_multiple_of(4) {
+        return Err(format!(
+            "--sizes: `{s}` must be a positive multiple of 4 bytes (f32 elements)"
+        ));
     }
     Ok(bytes)
 }
@@ -40,20 +50,35 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
     if args.workers == 0 {
         return Err(Failure::bad_input("--workers must be at least 1"));
     }
-    let sizes: Vec<u64> = args.sizes.iter().map(|s| parse_bytes(s)).collect::<Result<_, _>>().map_err(Failure::bad_input)?;
+    let sizes: Vec<u64> = args
+        .sizes
+        .iter()
+        .map(|s| parse_bytes(s))
+        .collect::<Result<_, _>>()
+        .map_err(Failure::bad_input)?;
     for op in &args.ops {
         if !OPS.contains(&op.as_str()) {
-            return Err(Failure::bad_input(format!("--ops: unknown op `{op}` (valid: {})", OPS.join(", "))));
+            return Err(Failure::bad_input(format!(
+                "--ops: unknown op `{op}` (valid: {})",
+                OPS.join(", ")
+            )));
         }
     }
-    let transports: Vec<String> =
-        if args.transports.is_empty() { TRANSPORTS.iter().map(|s| s.to_string()).collect() } else { args.transports.clone() };
+    let transports: Vec<String> = if args.transports.is_empty() {
+        TRANSPORTS.iter().map(|s| s.to_string()).collect()
+    } else {
+        args.transports.clone()
+    };
     for t in &transports {
         if t == "shm" || t == "nccl" {
-            return Err(Failure::bad_input(format!("--transports {t}: that transport is not supported yet")));
+            return Err(Failure::bad_input(format!(
+                "--transports {t}: that transport is not supported yet"
+            )));
         }
         if !TRANSPORTS.contains(&t.as_str()) {
-            return Err(Failure::bad_input(format!("--transports: unknown transport `{t}` (valid: tcp)")));
+            return Err(Failure::bad_input(format!(
+                "--transports: unknown transport `{t}` (valid: tcp)"
+            )));
         }
     }
     let worker_bin = match args.worker_bin.clone() {
@@ -61,7 +86,10 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
         None => default_worker_bin()?,
     };
     if !worker_bin.is_file() {
-        return Err(Failure::launch(format!("zworker not found at {}", worker_bin.display())));
+        return Err(Failure::launch(format!(
+            "zworker not found at {}",
+            worker_bin.display()
+        )));
     }
     let mut all_rows: Vec<BenchRow> = Vec::new();
     for transport in transports {
@@ -72,15 +100,31 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
         let plan = LaunchPlan {
             spec,
             topology: Topology {
-                nodes: vec![Node { host: "localhost".into(), slots: (0..args.workers).collect(), port: None, user: None }],
+                nodes: vec![Node {
+                    host: "localhost".into(),
+                    slots: (0..args.workers).collect(),
+                    port: None,
+                    user: None,
+                }],
             },
             node_addrs: vec!["127.0.0.1".into()],
             master_addr: "127.0.0.1".into(),
             master_port: 0,
             worker_bin: worker_bin.clone(),
         };
-        let task = Task::BenchComm(BenchCommTask { ops: args.ops.clone(), sizes: sizes.clone(), transport, timeout_s: 120.0 });
-        let (outcome, sink) = run_job(plan, task, Sink::Bench { rows: Vec::new() }, Duration::from_secs(60), Duration::from_secs(60))?;
+        let task = Task::BenchComm(BenchCommTask {
+            ops: args.ops.clone(),
+            sizes: sizes.clone(),
+            transport,
+            timeout_s: 120.0,
+        });
+        let (outcome, sink) = run_job(
+            plan,
+            task,
+            Sink::Bench { rows: Vec::new() },
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        )?;
         if let Outcome::Failed { code, message } = outcome {
             eprintln!("zrun: {message}");
             return Ok(ExitCode::from(code));
@@ -90,9 +134,15 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
         }
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "rows": all_rows }))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "rows": all_rows }))?
+        );
     } else {
-        println!("{:<15} {:>12} {:>8} {:>10} {:>12} {:>12} {:>12}", "op", "bytes", "workers", "transport", "time_us", "algbw_GB/s", "busbw_GB/s");
+        println!(
+            "{:<15} {:>12} {:>8} {:>10} {:>12} {:>12} {:>12}",
+            "op", "bytes", "workers", "transport", "time_us", "algbw_GB/s", "busbw_GB/s"
+        );
         for r in &all_rows {
             println!(
                 "{:<15} {:>12} {:>8} {:>10} {:>12.1} {:>12.3} {:>12.3}",

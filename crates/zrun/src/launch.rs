@@ -63,8 +63,14 @@ pub struct JobEnv {
 }
 
 /// Starts one local worker per rank of the plan.
-pub fn spawn_local(plan: &LaunchPlan, job: &JobEnv, events: &mpsc::UnboundedSender<ProcEvent>) -> anyhow::Result<Vec<WorkerProc>> {
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+pub fn spawn_local(
+    plan: &LaunchPlan,
+    job: &JobEnv,
+    events: &mpsc::UnboundedSender<ProcEvent>,
+) -> anyhow::Result<Vec<WorkerProc>> {
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let mut procs = Vec::new();
     for p in plan.topology.placements() {
         let node = &plan.topology.nodes[p.node_rank];
@@ -100,7 +106,13 @@ pub fn spawn_local(plan: &LaunchPlan, job: &JobEnv, events: &mpsc::UnboundedSend
             .process_group(0)
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| Failure::launch(format!("starting rank {} ({}): {e}", p.rank, plan.worker_bin.display())))?;
+            .map_err(|e| {
+                Failure::launch(format!(
+                    "starting rank {} ({}): {e}",
+                    p.rank,
+                    plan.worker_bin.display()
+                ))
+            })?;
         let pid = child.id().unwrap_or(0);
         if let Some(out) = child.stdout.take() {
             forward_lines(out, p.rank, false, events.clone());
@@ -114,12 +126,21 @@ pub fn spawn_local(plan: &LaunchPlan, job: &JobEnv, events: &mpsc::UnboundedSend
                 let _ = tx.send(ProcEvent::Exited { rank, status });
             }
         });
-        procs.push(WorkerProc { rank: p.rank, pid, host: node.host.clone() });
+        procs.push(WorkerProc {
+            rank: p.rank,
+            pid,
+            host: node.host.clone(),
+        });
     }
     Ok(procs)
 }
 
-fn forward_lines(r: impl AsyncRead + Unpin + Send + 'static, rank: usize, stderr: bool, tx: mpsc::UnboundedSender<ProcEvent>) {
+fn forward_lines(
+    r: impl AsyncRead + Unpin + Send + 'static,
+    rank: usize,
+    stderr: bool,
+    tx: mpsc::UnboundedSender<ProcEvent>,
+) {
     tokio::spawn(async move {
         let mut lines = BufReader::new(r).lines();
         while let Ok(Some(line)) = lines.next_line().await {

@@ -57,11 +57,19 @@ pub struct Failure {
 impl Failure {
     /// Bad input (exit 2).
     pub fn bad_input(message: impl Into<String>) -> anyhow::Error {
-        Failure { code: exit::BAD_INPUT, message: message.into() }.into()
+        Failure {
+            code: exit::BAD_INPUT,
+            message: message.into(),
+        }
+        .into()
     }
     /// Launch failure (exit 3).
     pub fn launch(message: impl Into<String>) -> anyhow::Error {
-        Failure { code: exit::LAUNCH_FAILED, message: message.into() }.into()
+        Failure {
+            code: exit::LAUNCH_FAILED,
+            message: message.into(),
+        }
+        .into()
     }
 }
 
@@ -82,6 +90,8 @@ pub fn run() -> anyhow::Result<ExitCode> {
     match cli.command {
         cli::Command::Train(args) => supervise::train(args),
         cli::Command::Check(args) => plan::check(args),
-        cli::Command::Bench(cli::BenchArgs { what: cli::BenchWhat::Comm(args) }) => bench::comm(args),
+        cli::Command::Bench(cli::BenchArgs {
+            what: cli::BenchWhat::Comm(args),
+        }) => bench::comm(args),
     }
 }

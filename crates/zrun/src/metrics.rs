@@ -64,13 +64,19 @@ pub struct Aggregator {
 impl Aggregator {
     /// For `world` ranks.
     pub fn new(world: usize) -> Aggregator {
-        Aggregator { world, pending: BTreeMap::new() }
+        Aggregator {
+            world,
+            pending: BTreeMap::new(),
+        }
     }
 
     /// Adds one rank's report; returns the step's line once all ranks reported.
     pub fn add(&mut self, rank: usize, r: StepReport) -> Option<StepLine> {
         let step = r.step;
-        let slots = self.pending.entry(step).or_insert_with(|| vec![None; self.world]);
+        let slots = self
+            .pending
+            .entry(step)
+            .or_insert_with(|| vec![None; self.world]);
         slots[rank] = Some(r);
         if slots.iter().any(Option::is_none) {
             return None;
@@ -114,7 +120,9 @@ impl MetricsWriter {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)?;
         }
-        Ok(MetricsWriter { file: std::fs::File::create(path)? })
+        Ok(MetricsWriter {
+            file: std::fs::File::create(path)?,
+        })
     }
 
     /// Writes one line.
@@ -141,7 +149,10 @@ mod tests {
             flops: 1e9,
             params: 42,
             zero_stage: 0,
-            mem: MemBytes { peak_rss: rss, ..Default::default() },
+            mem: MemBytes {
+                peak_rss: rss,
+                ..Default::default()
+            },
             comm: CommBytes::default(),
             loss_scale: None,
         }
@@ -153,11 +164,28 @@ mod tests {
         assert!(a.add(0, report(1, 2.0, 100.0, 5)).is_none());
         assert!(a.add(0, report(2, 1.0, 100.0, 5)).is_none());
         let line = a.add(1, report(1, 4.0, 200.0, 9)).unwrap();
-        assert_eq!((line.loss, line.step_ms, line.mem_bytes.peak_rss), (3.0, 200.0, 9));
+        assert_eq!(
+            (line.loss, line.step_ms, line.mem_bytes.peak_rss),
+            (3.0, 200.0, 9)
+        );
         assert!((line.tokens_per_s - 10_000.0).abs() < 1e-9);
         assert!((line.tflops - 0.01).abs() < 1e-12);
         let json = serde_json::to_value(&line).unwrap();
-        for key in ["step", "loss", "lr", "step_ms", "tokens_per_s", "tflops", "world_size", "zero_stage", "params", "mem_bytes", "comm_bytes", "loss_scale", "grad_norm"] {
+        for key in [
+            "step",
+            "loss",
+            "lr",
+            "step_ms",
+            "tokens_per_s",
+            "tflops",
+            "world_size",
+            "zero_stage",
+            "params",
+            "mem_bytes",
+            "comm_bytes",
+            "loss_scale",
+            "grad_norm",
+        ] {
             assert!(json.get(key).is_some(), "{key} missing");
         }
         assert!(json["comm_bytes"]["by_op"].get("all_reduce").is_some());

@@ -46,8 +46,14 @@ pub fn topology(args: &LaunchArgs) -> Result<Topology> {
 /// Checks that a launch is possible: launcher, hosts, worker binary.
 pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Result<LaunchPlan> {
     if args.launcher != Launcher::Local {
-        let name = if args.launcher == Launcher::Ssh { "ssh" } else { "slurm" };
-        return Err(Failure::bad_input(format!("--launcher {name}: launching over {name} is not supported yet")));
+        let name = if args.launcher == Launcher::Ssh {
+            "ssh"
+        } else {
+            "slurm"
+        };
+        return Err(Failure::bad_input(format!(
+            "--launcher {name}: launching over {name} is not supported yet"
+        )));
     }
     let mut node_addrs = Vec::new();
     for node in &topology.nodes {
@@ -72,7 +78,10 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         spec,
         topology,
         node_addrs,
-        master_addr: args.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into()),
+        master_addr: args
+            .master_addr
+            .clone()
+            .unwrap_or_else(|| "127.0.0.1".into()),
         master_port: args.master_port,
         worker_bin,
     })
@@ -80,7 +89,8 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
 
 /// `zworker` next to the running `zrun`.
 pub fn default_worker_bin() -> Result<PathBuf> {
-    let exe = std::env::current_exe().map_err(|e| Failure::launch(format!("cannot locate zrun itself: {e}")))?;
+    let exe = std::env::current_exe()
+        .map_err(|e| Failure::launch(format!("cannot locate zrun itself: {e}")))?;
     Ok(exe.with_file_name("zworker"))
 }
 
@@ -108,12 +118,19 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
         "# topology: {} workers on {} node{}",
         plan.topology.world_size(),
         plan.topology.nodes.len(),
-        if plan.topology.nodes.len() == 1 { "" } else { "s" }
+        if plan.topology.nodes.len() == 1 {
+            ""
+        } else {
+            "s"
+        }
     );
     let placements = plan.topology.placements();
     for (i, node) in plan.topology.nodes.iter().enumerate() {
-        let ranks: Vec<String> =
-            placements.iter().filter(|p| p.node_rank == i).map(|p| p.rank.to_string()).collect();
+        let ranks: Vec<String> = placements
+            .iter()
+            .filter(|p| p.node_rank == i)
+            .map(|p| p.rank.to_string())
+            .collect();
         println!(
             "node {i}: {} (address {}) slots {:?} ranks {}",
             node.host,

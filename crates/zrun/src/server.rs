@@ -59,12 +59,19 @@ struct Store {
 
 impl Store {
     fn set(&self, k: String, v: String) {
-        self.map.lock().unwrap_or_else(|p| p.into_inner()).insert(k, v);
+        self.map
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(k, v);
         self.changed.notify_waiters();
     }
 
     fn get(&self, k: &str) -> Option<String> {
-        self.map.lock().unwrap_or_else(|p| p.into_inner()).get(k).cloned()
+        self.map
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(k)
+            .cloned()
     }
 
     async fn wait(&self, keys: &[String], timeout: Duration) -> Result<Vec<String>, Vec<String>> {
@@ -73,9 +80,16 @@ impl Store {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let missing: Vec<String> = keys.iter().filter(|k| self.get(k).is_none()).cloned().collect();
+            let missing: Vec<String> = keys
+                .iter()
+                .filter(|k| self.get(k).is_none())
+                .cloned()
+                .collect();
             if missing.is_empty() {
-                return Ok(keys.iter().map(|k| self.get(k).unwrap_or_default()).collect());
+                return Ok(keys
+                    .iter()
+                    .map(|k| self.get(k).unwrap_or_default())
+                    .collect());
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 return Err(missing);
@@ -107,7 +121,11 @@ pub struct Server {
 
 impl Server {
     /// Starts serving on `listener`; events go to `events`.
-    pub fn start(listener: TcpListener, info: JobInfo, events: mpsc::UnboundedSender<Event>) -> std::io::Result<Server> {
+    pub fn start(
+        listener: TcpListener,
+        info: JobInfo,
+        events: mpsc::UnboundedSender<Event>,
+    ) -> std::io::Result<Server> {
         let addr = listener.local_addr()?;
         let senders: Arc<Mutex<HashMap<usize, mpsc::UnboundedSender<ToWorker>>>> = Arc::default();
         let info = Arc::new(info);
@@ -116,12 +134,15 @@ impl Server {
         let s2 = senders.clone();
         tokio::spawn(async move {
             loop {
-                let Ok((stream, peer)) = listener.accept().await else { continue };
+                let Ok((stream, peer)) = listener.accept().await else {
+                    continue;
+                };
                 let Ok(permit) = limit.clone().try_acquire_owned() else {
                     tracing::warn!("dropping connection from {peer}: too many connections");
                     continue;
                 };
-                let (info, store, senders, events) = (info.clone(), store.clone(), s2.clone(), events.clone());
+                let (info, store, senders, events) =
+                    (info.clone(), store.clone(), s2.clone(), events.clone());
                 tokio::spawn(async move {
                     serve(stream, peer, &info, &store, &senders, &events).await;
                     drop(permit);
@@ -133,15 +154,27 @@ impl Server {
 
     /// Sends a message to one rank, if it is connected.
     pub fn send(&self, rank: usize, msg: ToWorker) {
-        if let Some(tx) = self.senders.lock().unwrap_or_else(|p| p.into_inner()).get(&rank) {
+        if let Some(tx) = self
+            .senders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&rank)
+        {
             let _ = tx.send(msg);
         }
     }
 
     /// Tells every connected rank to stop.
     pub fn abort_all(&self, reason: &str) {
-        for tx in self.senders.lock().unwrap_or_else(|p| p.into_inner()).values() {
-            let _ = tx.send(ToWorker::Abort { reason: reason.to_string() });
+        for tx in self
+            .senders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+        {
+            let _ = tx.send(ToWorker::Abort {
+                reason: reason.to_string(),
+            });
         }
     }
 }
@@ -162,13 +195,22 @@ async fn serve(
     })
     .await;
     let (rank, worker_nonce, hostname, pid) = match hello {
-        Ok(Ok(ToServer::Hello { rank, job_id, proof, nonce, pid, hostname })) => {
+        Ok(Ok(ToServer::Hello {
+            rank,
+            job_id,
+            proof,
+            nonce,
+            pid,
+            hostname,
+        })) => {
             if !info.token.verify(CONTROL_CONTEXT, &challenge, rank, &proof) {
                 tracing::warn!("dropping {peer}: wrong job token");
                 return;
             }
             if job_id != info.job_id || rank as usize >= info.world_size {
-                tracing::warn!("dropping {peer}: job `{job_id}` rank {rank} is not part of this job");
+                tracing::warn!(
+                    "dropping {peer}: job `{job_id}` rank {rank} is not part of this job"
+                );
                 return;
             }
             (rank as usize, nonce, hostname, pid)
@@ -200,12 +242,25 @@ async fn serve(
         node_of_rank: info.node_of_rank.clone(),
         task: info.task.clone(),
     };
-    if write_frame_async(&mut stream, &ToWorker::Welcome(Box::new(welcome))).await.is_err() {
-        senders.lock().unwrap_or_else(|p| p.into_inner()).remove(&rank);
-        let _ = events.send(Event::Lost { rank, reason: "closed during the handshake".into() });
+    if write_frame_async(&mut stream, &ToWorker::Welcome(Box::new(welcome)))
+        .await
+        .is_err()
+    {
+        senders
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&rank);
+        let _ = events.send(Event::Lost {
+            rank,
+            reason: "closed during the handshake".into(),
+        });
         return;
     }
-    let _ = events.send(Event::Joined { rank, hostname, pid });
+    let _ = events.send(Event::Joined {
+        rank,
+        hostname,
+        pid,
+    });
     let (mut rd, mut wr) = stream.into_split();
     let writer = tokio::spawn(async move {
         while let Some(msg) = outbox.recv().await {
@@ -218,7 +273,10 @@ async fn serve(
         match read_frame_async::<_, ToServer>(&mut rd, MAX_FRAME).await {
             Ok(ToServer::KvSet { key, value }) => store.set(key, value),
             Ok(ToServer::KvGet { key }) => {
-                let _ = tx.send(ToWorker::KvValue { value: store.get(&key), key });
+                let _ = tx.send(ToWorker::KvValue {
+                    value: store.get(&key),
+                    key,
+                });
             }
             Ok(ToServer::KvWait { keys, timeout_ms }) => {
                 let (store, tx) = (store.clone(), tx.clone());
@@ -233,7 +291,10 @@ async fn serve(
             Err(e) => break e.to_string(),
         }
     };
-    senders.lock().unwrap_or_else(|p| p.into_inner()).remove(&rank);
+    senders
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&rank);
     writer.abort();
     let _ = events.send(Event::Lost { rank, reason });
 }
@@ -246,12 +307,20 @@ mod tests {
     async fn kv_wait_sees_keys_set_later_and_times_out_naming_the_missing() {
         let s = Arc::new(Store::default());
         let s2 = s.clone();
-        let waiter = tokio::spawn(async move { s2.wait(&["a".into(), "b".into()], Duration::from_secs(5)).await });
+        let waiter = tokio::spawn(async move {
+            s2.wait(&["a".into(), "b".into()], Duration::from_secs(5))
+                .await
+        });
         s.set("a".into(), "1".into());
         tokio::time::sleep(Duration::from_millis(20)).await;
         s.set("b".into(), "2".into());
-        assert_eq!(waiter.await.unwrap(), Ok(vec!["1".to_string(), "2".to_string()]));
-        let r = s.wait(&["a".into(), "zzz".into()], Duration::from_millis(50)).await;
+        assert_eq!(
+            waiter.await.unwrap(),
+            Ok(vec!["1".to_string(), "2".to_string()])
+        );
+        let r = s
+            .wait(&["a".into(), "zzz".into()], Duration::from_millis(50))
+            .await;
         assert_eq!(r, Err(vec!["zzz".to_string()]));
     }
 }

@@ -34,6 +34,10 @@ use crate::Failure;
 const ABORT_GRACE: Duration = Duration::from_secs(3);
 /// A rank whose control connection dropped without an exit is declared dead after this.
 const LOST_GRACE: Duration = Duration::from_secs(2);
+/// After a rank reports a failure, how long to wait for a crash that caused it:
+/// when a worker dies, its peers' collectives fail first, but the dead rank is
+/// the one to name.
+const CAUSE_GRACE: Duration = Duration::from_millis(1000);
 
 /// How a job ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,14 +56,19 @@ pub enum Outcome {
 /// `zrun train`.
 pub fn train(args: TrainArgs) -> Result<ExitCode> {
     if let Some(r) = &args.resume {
-        return Err(Failure::bad_input(format!("--resume {r}: resuming from checkpoints is not supported yet")));
+        return Err(Failure::bad_input(format!(
+            "--resume {r}: resuming from checkpoints is not supported yet"
+        )));
     }
     let job = load_job(&args.job, &args.set)?;
     let topo = topology(&args.launch)?;
     job.validate(topo.world_size())?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
     let run_dir = PathBuf::from(&plan.spec.run_dir);
-    let metrics_path = args.metrics.clone().unwrap_or_else(|| run_dir.join("metrics.jsonl"));
+    let metrics_path = args
+        .metrics
+        .clone()
+        .unwrap_or_else(|| run_dir.join("metrics.jsonl"));
     let writer = MetricsWriter::create(&metrics_path)
         .map_err(|e| Failure::bad_input(format!("--metrics {}: {e}", metrics_path.display())))?;
     let steps = plan.spec.train.steps;
@@ -74,20 +83,38 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         metrics_path.display()
     ));
     let world = plan.topology.world_size();
-    let sink = Sink::Train { agg: Aggregator::new(world), writer, progress, last_loss: f64::NAN, steps };
+    let sink = Sink::Train {
+        agg: Aggregator::new(world),
+        writer,
+        progress,
+        last_loss: f64::NAN,
+        steps,
+    };
     let task = Task::Train(Box::new(plan.spec.clone()));
     let heartbeat = Duration::from_secs_f64(plan.spec.comm.heartbeat_s);
     let rendezvous = Duration::from_secs_f64(plan.spec.comm.timeout_s);
     let started = Instant::now();
     let (outcome, sink) = run_job(plan, task, sink, heartbeat, rendezvous)?;
-    let Sink::Train { mut writer, progress, last_loss, steps, .. } = sink else {
+    let Sink::Train {
+        mut writer,
+        progress,
+        last_loss,
+        steps,
+        ..
+    } = sink
+    else {
         unreachable!("train uses the train sink")
     };
     progress.finish();
     match outcome {
         Outcome::Success => {
             let wall_s = started.elapsed().as_secs_f64();
-            writer.write(&DoneLine { event: "done", steps, final_loss: last_loss, wall_s })?;
+            writer.write(&DoneLine {
+                event: "done",
+                steps,
+                final_loss: last_loss,
+                wall_s,
+            })?;
             println!("zrun: done: {steps} steps, final loss {last_loss:.4}, {wall_s:.1}s");
             Ok(ExitCode::SUCCESS)
         }
@@ -142,15 +169,24 @@ struct RankState {
 }
 
 /// Starts the job's workers, supervises them to the end, and returns how it ended.
-pub fn run_job(plan: LaunchPlan, task: Task, sink: Sink, heartbeat: Duration, rendezvous: Duration) -> Result<(Outcome, Sink)> {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+pub fn run_job(
+    plan: LaunchPlan,
+    task: Task,
+    sink: Sink,
+    heartbeat: Duration,
+    rendezvous: Duration,
+) -> Result<(Outcome, Sink)> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let token = Token::generate();
         let job_id = job_id();
         let bind = format!("{}:{}", plan.master_addr, plan.master_port);
-        let listener = TcpListener::bind(&bind)
-            .await
-            .map_err(|e| Failure::launch(format!("cannot open the control socket on {bind}: {e}")))?;
+        let listener = TcpListener::bind(&bind).await.map_err(|e| {
+            Failure::launch(format!("cannot open the control socket on {bind}: {e}"))
+        })?;
         let (ev_tx, ev_rx) = mpsc::unbounded_channel();
         let info = JobInfo {
             token: token.clone(),
@@ -191,10 +227,18 @@ struct Supervisor {
     sink: Sink,
     heartbeat: Duration,
     rendezvous_deadline: Instant,
+    /// A reported failure waiting for [`CAUSE_GRACE`] in case a crash explains it.
+    reported: Option<(Instant, String)>,
 }
 
 impl Supervisor {
-    fn new(server: Server, procs: &[WorkerProc], sink: Sink, heartbeat: Duration, rendezvous: Duration) -> Supervisor {
+    fn new(
+        server: Server,
+        procs: &[WorkerProc],
+        sink: Sink,
+        heartbeat: Duration,
+        rendezvous: Duration,
+    ) -> Supervisor {
         let now = Instant::now();
         let ranks = procs
             .iter()
@@ -208,7 +252,15 @@ impl Supervisor {
                 lost: None,
             })
             .collect();
-        Supervisor { server, procs: procs.to_vec(), ranks, sink, heartbeat, rendezvous_deadline: now + rendezvous }
+        Supervisor {
+            server,
+            procs: procs.to_vec(),
+            ranks,
+            sink,
+            heartbeat,
+            rendezvous_deadline: now + rendezvous,
+            reported: None,
+        }
     }
 
     fn who(&self, rank: usize) -> String {
@@ -223,7 +275,7 @@ impl Supervisor {
     ) -> Result<Outcome> {
         let mut sigint = signal(SignalKind::interrupt())?;
         let mut sigterm = signal(SignalKind::terminate())?;
-        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
         let outcome = loop {
             let decided = tokio::select! {
                 Some(ev) = events.recv() => self.on_event(ev)?,
@@ -245,7 +297,11 @@ impl Supervisor {
 
     fn on_event(&mut self, ev: Event) -> Result<Option<Outcome>> {
         match ev {
-            Event::Joined { rank, hostname, pid } => {
+            Event::Joined {
+                rank,
+                hostname,
+                pid,
+            } => {
                 tracing::info!("rank {rank} joined from {hostname} (pid {pid})");
                 let r = &mut self.ranks[rank];
                 r.joined = true;
@@ -260,7 +316,14 @@ impl Supervisor {
                 self.ranks[rank].last_seen = Instant::now();
                 match msg {
                     ToServer::Report(report) => {
-                        if let Sink::Train { agg, writer, progress, last_loss, .. } = &mut self.sink {
+                        if let Sink::Train {
+                            agg,
+                            writer,
+                            progress,
+                            last_loss,
+                            ..
+                        } = &mut self.sink
+                        {
                             if let Some(line) = agg.add(rank, report) {
                                 writer.write(&line)?;
                                 *last_loss = line.loss;
@@ -274,10 +337,13 @@ impl Supervisor {
                         }
                     }
                     ToServer::Failed { message } => {
-                        return Ok(Some(Outcome::Failed {
-                            code: exit::TRAINING_FAILED,
-                            message: format!("{} failed: {message}", self.who(rank)),
-                        }));
+                        if self.reported.is_none() {
+                            self.reported = Some((
+                                Instant::now(),
+                                format!("{} failed: {message}", self.who(rank)),
+                            ));
+                        }
+                        self.ranks[rank].done = false;
                     }
                     ToServer::Done => self.ranks[rank].done = true,
                     ToServer::Heartbeat { .. } => {}
@@ -307,22 +373,46 @@ impl Supervisor {
                         message: format!("{} {how} before joining the job", self.who(rank)),
                     });
                 }
-                Some(Outcome::Failed {
-                    code: exit::TRAINING_FAILED,
-                    message: format!("{} {how} before finishing", self.who(rank)),
-                })
+                match &self.reported {
+                    // A rank that reported its failure and then exited 1 is not news.
+                    Some((_, first)) if first.starts_with(&format!("rank {rank} ")) => {
+                        Some(Outcome::Failed {
+                            code: exit::TRAINING_FAILED,
+                            message: first.clone(),
+                        })
+                    }
+                    Some((_, first)) => Some(Outcome::Failed {
+                        code: exit::TRAINING_FAILED,
+                        message: format!("{} {how} before finishing; then {first}", self.who(rank)),
+                    }),
+                    None => Some(Outcome::Failed {
+                        code: exit::TRAINING_FAILED,
+                        message: format!("{} {how} before finishing", self.who(rank)),
+                    }),
+                }
             }
         }
     }
 
     fn on_tick(&mut self) -> Option<Outcome> {
         let now = Instant::now();
+        if let Some((at, message)) = &self.reported {
+            if now - *at > CAUSE_GRACE {
+                return Some(Outcome::Failed {
+                    code: exit::TRAINING_FAILED,
+                    message: message.clone(),
+                });
+            }
+        }
         for (rank, r) in self.ranks.iter().enumerate() {
             if let Some((since, reason)) = &r.lost {
                 if r.exited.is_none() && now - *since > LOST_GRACE {
                     return Some(Outcome::Failed {
                         code: exit::TRAINING_FAILED,
-                        message: format!("{} lost its control connection ({reason})", self.who(rank)),
+                        message: format!(
+                            "{} lost its control connection ({reason})",
+                            self.who(rank)
+                        ),
                     });
                 }
             }
@@ -339,18 +429,29 @@ impl Supervisor {
             }
         }
         if now > self.rendezvous_deadline && self.ranks.iter().any(|r| !r.joined) {
-            let missing: Vec<String> =
-                self.ranks.iter().enumerate().filter(|(_, r)| !r.joined).map(|(i, _)| i.to_string()).collect();
+            let missing: Vec<String> = self
+                .ranks
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| !r.joined)
+                .map(|(i, _)| i.to_string())
+                .collect();
             return Some(Outcome::Failed {
                 code: exit::LAUNCH_FAILED,
-                message: format!("rendezvous timed out: ranks {} never joined", missing.join(", ")),
+                message: format!(
+                    "rendezvous timed out: ranks {} never joined",
+                    missing.join(", ")
+                ),
             });
         }
         None
     }
 
     fn finished(&self) -> Option<Outcome> {
-        let all = self.ranks.iter().all(|r| r.done && r.exited.is_some_and(|s| s.success()));
+        let all = self
+            .ranks
+            .iter()
+            .all(|r| r.done && r.exited.is_some_and(|s| s.success()));
         all.then_some(Outcome::Success)
     }
 
@@ -388,7 +489,9 @@ fn describe(status: ExitStatus) -> String {
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exited with code {c}"),
         (None, Some(s)) => {
-            let name = Signal::try_from(s).map(|s| s.as_str().to_string()).unwrap_or_else(|_| s.to_string());
+            let name = Signal::try_from(s)
+                .map(|s| s.as_str().to_string())
+                .unwrap_or_else(|_| s.to_string());
             format!("was killed by signal {name}")
         }
         _ => "ended".into(),
@@ -408,13 +511,19 @@ impl Progress {
         let bar = (!plain).then(|| {
             let b = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stdout());
             b.set_style(
-                ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg} ETA {eta}")
-                    .expect("a valid template")
-                    .progress_chars("=> "),
+                ProgressStyle::with_template(
+                    "{spinner} step {pos}/{len} [{bar:30}] {msg} ETA {eta}",
+                )
+                .expect("a valid template")
+                .progress_chars("=> "),
             );
             b
         });
-        Progress { bar, every: (steps / 20).max(1), steps }
+        Progress {
+            bar,
+            every: (steps / 20).max(1),
+            steps,
+        }
     }
 
     /// Prints a line without disturbing the bar.
@@ -426,14 +535,20 @@ impl Progress {
     }
 
     fn step(&self, line: &crate::metrics::StepLine) {
-        let msg = format!("loss {:.4} · {:.0} tok/s · {:.1} ms/step", line.loss, line.tokens_per_s, line.step_ms);
+        let msg = format!(
+            "loss {:.4} · {:.0} tok/s · {:.1} ms/step",
+            line.loss, line.tokens_per_s, line.step_ms
+        );
         match &self.bar {
             Some(b) => {
                 b.set_position(line.step);
                 b.set_message(msg);
             }
-            None if line.step == 1 || line.step % self.every == 0 || line.step == self.steps => {
-                println!("step {}/{} {msg} · lr {:.2e} · grad norm {:.3}", line.step, self.steps, line.lr, line.grad_norm);
+            None if line.step == 1 || line.step.is_multiple_of(self.every) || line.step == self.steps => {
+                println!(
+                    "step {}/{} {msg} · lr {:.2e} · grad norm {:.3}",
+                    line.step, self.steps, line.lr, line.grad_norm
+                );
             }
             None => {}
         }

@@ -20,7 +20,11 @@ use crate::control::ControlClient;
 const BUDGET: Duration = Duration::from_millis(300);
 
 /// Runs the benchmark; rank 0 reports the rows.
-pub fn bench_comm(task: &BenchCommTask, comm: Arc<dyn Communicator>, client: &ControlClient) -> Result<()> {
+pub fn bench_comm(
+    task: &BenchCommTask,
+    comm: Arc<dyn Communicator>,
+    client: &ControlClient,
+) -> Result<()> {
     let (n, r) = (comm.world_size(), comm.rank());
     let mut rows = Vec::new();
     for op in &task.ops {
@@ -34,7 +38,9 @@ pub fn bench_comm(task: &BenchCommTask, comm: Arc<dyn Communicator>, client: &Co
                         let own = chunk_range(elems, n, r).len();
                         drop(c.all_gather(vec![1.0; own], elems)?)
                     }
-                    "all_to_all" => drop(c.all_to_all((0..n).map(|_| vec![0u8; bytes as usize / n]).collect())?),
+                    "all_to_all" => {
+                        drop(c.all_to_all((0..n).map(|_| vec![0u8; bytes as usize / n]).collect())?)
+                    }
                     "broadcast" => drop(c.broadcast(vec![0u8; bytes as usize], 0)?),
                     other => bail!("unknown op `{other}`"),
                 }
@@ -44,7 +50,10 @@ pub fn bench_comm(task: &BenchCommTask, comm: Arc<dyn Communicator>, client: &Co
             // must make the same number of calls).
             let t0 = Instant::now();
             call(comm.as_ref())?;
-            let warm = comm.all_gather(vec![t0.elapsed().as_secs_f32()], n)?.into_iter().fold(0.0, f32::max);
+            let warm = comm
+                .all_gather(vec![t0.elapsed().as_secs_f32()], n)?
+                .into_iter()
+                .fold(0.0, f32::max);
             let calls = ((BUDGET.as_secs_f32() / warm.max(1e-6)) as usize).clamp(3, 50);
             let mut times = Vec::with_capacity(calls);
             for _ in 0..calls {
@@ -55,8 +64,9 @@ pub fn bench_comm(task: &BenchCommTask, comm: Arc<dyn Communicator>, client: &Co
             }
             // Agree on the slowest rank's time per call, then take the median.
             let all = comm.all_gather(times.clone(), times.len() * n)?;
-            let mut slowest: Vec<f32> =
-                (0..times.len()).map(|i| (0..n).map(|k| all[k * times.len() + i]).fold(0.0, f32::max)).collect();
+            let mut slowest: Vec<f32> = (0..times.len())
+                .map(|i| (0..n).map(|k| all[k * times.len() + i]).fold(0.0, f32::max))
+                .collect();
             slowest.sort_by(f32::total_cmp);
             let secs = f64::from(slowest[slowest.len() / 2]);
             let algbw = bytes as f64 / secs / 1e9;

@@ -49,7 +49,9 @@ impl ControlClient {
         };
         stream.set_read_timeout(Some(CONNECT_DEADLINE))?;
         stream.set_nodelay(true)?;
-        let ToWorker::Challenge { nonce: server_nonce } = read_frame(&mut stream, HANDSHAKE_MAX)
+        let ToWorker::Challenge {
+            nonce: server_nonce,
+        } = read_frame(&mut stream, HANDSHAKE_MAX)
             .with_context(|| format!("no challenge from zrun at {target}"))?
         else {
             bail!("zrun at {target} did not open with a challenge");
@@ -58,7 +60,9 @@ impl ControlClient {
         let hello = ToServer::Hello {
             rank: env.rank as u64,
             job_id: env.job_id.clone(),
-            proof: env.token.prove(CONTROL_CONTEXT, &server_nonce, env.rank as u64),
+            proof: env
+                .token
+                .prove(CONTROL_CONTEXT, &server_nonce, env.rank as u64),
             nonce: my_nonce,
             pid: std::process::id(),
             hostname: hostname(),
@@ -70,7 +74,12 @@ impl ControlClient {
             Ok(other) => bail!("unexpected answer from zrun: {other:?}"),
             Err(e) => bail!("zrun closed the handshake (wrong job token?): {e}"),
         };
-        if !env.token.verify(SERVER_CONTEXT, &my_nonce, env.rank as u64, &welcome.server_proof) {
+        if !env.token.verify(
+            SERVER_CONTEXT,
+            &my_nonce,
+            env.rank as u64,
+            &welcome.server_proof,
+        ) {
             bail!("the server at {target} does not know the job token");
         }
         stream.set_read_timeout(None)?;
@@ -92,28 +101,46 @@ impl ControlClient {
                 }
             }
         })?;
-        let client = ControlClient { writer: Mutex::new(stream), replies: Mutex::new(rx), rank };
+        let client = ControlClient {
+            writer: Mutex::new(stream),
+            replies: Mutex::new(rx),
+            rank,
+        };
         Ok((Arc::new(client), welcome))
     }
 
     /// Sends one message.
     pub fn send(&self, msg: &ToServer) -> Result<()> {
-        let mut w = self.writer.lock().map_err(|_| anyhow!("control socket lock poisoned"))?;
+        let mut w = self
+            .writer
+            .lock()
+            .map_err(|_| anyhow!("control socket lock poisoned"))?;
         write_frame(&mut *w, msg).context("sending to zrun")
     }
 
     /// Stores `value` under `key` in zrun's key-value store.
     pub fn kv_set(&self, key: &str, value: &str) -> Result<()> {
-        self.send(&ToServer::KvSet { key: key.into(), value: value.into() })
+        self.send(&ToServer::KvSet {
+            key: key.into(),
+            value: value.into(),
+        })
     }
 
     /// Waits until every key is set; returns the values in order.
     pub fn kv_wait(&self, keys: Vec<String>, timeout: Duration) -> Result<Vec<String>> {
-        let replies = self.replies.lock().map_err(|_| anyhow!("control reply lock poisoned"))?;
-        self.send(&ToServer::KvWait { keys, timeout_ms: timeout.as_millis() as u64 })?;
+        let replies = self
+            .replies
+            .lock()
+            .map_err(|_| anyhow!("control reply lock poisoned"))?;
+        self.send(&ToServer::KvWait {
+            keys,
+            timeout_ms: timeout.as_millis() as u64,
+        })?;
         match replies.recv_timeout(timeout + Duration::from_secs(10)) {
             Ok(ToWorker::KvWaited { result: Ok(values) }) => Ok(values),
-            Ok(ToWorker::KvWaited { result: Err(missing) }) => Err(anyhow!(
+            Ok(ToWorker::KvWaited {
+                result: Err(missing),
+            }) => Err(anyhow!(
                 "rank {}: rendezvous timed out after {:.0}s waiting for {}",
                 self.rank,
                 timeout.as_secs_f64(),
@@ -127,15 +154,19 @@ impl ControlClient {
     /// Sends a heartbeat every `every` until the process ends.
     pub fn start_heartbeat(self: &Arc<Self>, every: Duration) {
         let me = self.clone();
-        let _ = std::thread::Builder::new().name("zworker-heartbeat".into()).spawn(move || loop {
-            std::thread::sleep(every);
-            if me.send(&ToServer::Heartbeat { op: None }).is_err() {
-                return;
-            }
-        });
+        let _ = std::thread::Builder::new()
+            .name("zworker-heartbeat".into())
+            .spawn(move || loop {
+                std::thread::sleep(every);
+                if me.send(&ToServer::Heartbeat { op: None }).is_err() {
+                    return;
+                }
+            });
     }
 }
 
 fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "unknown".into())
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
 }

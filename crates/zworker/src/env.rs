@@ -42,18 +42,27 @@ impl WorkerEnv {
             names
                 .iter()
                 .find_map(|n| env.get(*n).cloned())
-                .ok_or_else(|| anyhow!("{} is not set (zworker is started by zrun or srun)", names.join(" or ")))
+                .ok_or_else(|| {
+                    anyhow!(
+                        "{} is not set (zworker is started by zrun or srun)",
+                        names.join(" or ")
+                    )
+                })
         };
         let num = |names: &[&str]| -> Result<usize> {
             let v = get(names)?;
-            v.trim().parse().with_context(|| format!("{} = `{v}` is not a number", names[0]))
+            v.trim()
+                .parse()
+                .with_context(|| format!("{} = `{v}` is not a number", names[0]))
         };
         let rank = num(&["RANK", "SLURM_PROCID"])?;
         let world_size = num(&["WORLD_SIZE", "SLURM_NTASKS"])?;
         let local_rank = num(&["LOCAL_RANK", "SLURM_LOCALID"])?;
         let node_rank = num(&["NODE_RANK", "SLURM_NODEID"])?;
         let local_world_size = match get(&["LOCAL_WORLD_SIZE"]) {
-            Ok(v) => v.parse().with_context(|| format!("LOCAL_WORLD_SIZE = `{v}` is not a number"))?,
+            Ok(v) => v
+                .parse()
+                .with_context(|| format!("LOCAL_WORLD_SIZE = `{v}` is not a number"))?,
             // Slurm: "2(x3),1" style task counts per node; take this node's.
             Err(_) => slurm_tasks_on_node(&get(&["SLURM_TASKS_PER_NODE"])?, node_rank)?,
         };
@@ -62,7 +71,8 @@ impl WorkerEnv {
                 "rank {rank} / world size {world_size}, local rank {local_rank} / {local_world_size} are inconsistent"
             ));
         }
-        let token = Token::from_hex(&get(&["ZRUN_TOKEN"])?).ok_or_else(|| anyhow!("ZRUN_TOKEN is not a valid token"))?;
+        let token = Token::from_hex(&get(&["ZRUN_TOKEN"])?)
+            .ok_or_else(|| anyhow!("ZRUN_TOKEN is not a valid token"))?;
         let master_port = get(&["MASTER_PORT"])?;
         Ok(WorkerEnv {
             rank,
@@ -71,7 +81,9 @@ impl WorkerEnv {
             local_world_size,
             node_rank,
             master_addr: get(&["MASTER_ADDR"])?,
-            master_port: master_port.parse().with_context(|| format!("MASTER_PORT = `{master_port}` is not a port"))?,
+            master_port: master_port
+                .parse()
+                .with_context(|| format!("MASTER_PORT = `{master_port}` is not a port"))?,
             job_id: get(&["ZRUN_JOB_ID"]).unwrap_or_default(),
             token,
             node_addr: get(&["ZRUN_NODE_ADDR"]).unwrap_or_else(|_| "0.0.0.0".into()),
@@ -87,10 +99,15 @@ fn slurm_tasks_on_node(spec: &str, node: usize) -> Result<usize> {
             Some((n, rest)) => (n, rest.trim_end_matches(')').parse::<usize>()?),
             None => (part, 1),
         };
-        let n: usize = n.parse().with_context(|| format!("bad SLURM_TASKS_PER_NODE `{spec}`"))?;
+        let n: usize = n
+            .parse()
+            .with_context(|| format!("bad SLURM_TASKS_PER_NODE `{spec}`"))?;
         per_node.extend(std::iter::repeat_n(n, times));
     }
-    per_node.get(node).copied().ok_or_else(|| anyhow!("SLURM_TASKS_PER_NODE `{spec}` has no node {node}"))
+    per_node
+        .get(node)
+        .copied()
+        .ok_or_else(|| anyhow!("SLURM_TASKS_PER_NODE `{spec}` has no node {node}"))
 }
 
 #[cfg(test)]
@@ -98,41 +115,87 @@ mod tests {
     use super::*;
 
     fn base() -> HashMap<String, String> {
-        [("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500"), ("ZRUN_TOKEN", &Token::generate().to_hex())]
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
+        [
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("ZRUN_TOKEN", &Token::generate().to_hex()),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
     }
 
     #[test]
     fn torchrun_names() {
         let mut e = base();
-        for (k, v) in [("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2"), ("NODE_RANK", "1")] {
+        for (k, v) in [
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("NODE_RANK", "1"),
+        ] {
             e.insert(k.into(), v.into());
         }
         let w = WorkerEnv::from_map(&e).unwrap();
-        assert_eq!((w.rank, w.world_size, w.local_rank, w.local_world_size, w.node_rank), (3, 4, 1, 2, 1));
+        assert_eq!(
+            (
+                w.rank,
+                w.world_size,
+                w.local_rank,
+                w.local_world_size,
+                w.node_rank
+            ),
+            (3, 4, 1, 2, 1)
+        );
         assert_eq!(w.master_port, 29500);
     }
 
     #[test]
     fn slurm_names_stand_in() {
         let mut e = base();
-        for (k, v) in [("SLURM_PROCID", "5"), ("SLURM_NTASKS", "7"), ("SLURM_LOCALID", "0"), ("SLURM_NODEID", "2"), ("SLURM_TASKS_PER_NODE", "3(x2),1")] {
+        for (k, v) in [
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "7"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_TASKS_PER_NODE", "3(x2),1"),
+        ] {
             e.insert(k.into(), v.into());
         }
         let w = WorkerEnv::from_map(&e).unwrap();
-        assert_eq!((w.rank, w.world_size, w.local_rank, w.local_world_size, w.node_rank), (5, 7, 0, 1, 2));
+        assert_eq!(
+            (
+                w.rank,
+                w.world_size,
+                w.local_rank,
+                w.local_world_size,
+                w.node_rank
+            ),
+            (5, 7, 0, 1, 2)
+        );
     }
 
     #[test]
     fn missing_or_bad_values_say_which() {
         let e = base();
-        assert!(WorkerEnv::from_map(&e).unwrap_err().to_string().contains("RANK or SLURM_PROCID"));
+        assert!(WorkerEnv::from_map(&e)
+            .unwrap_err()
+            .to_string()
+            .contains("RANK or SLURM_PROCID"));
         let mut e = base();
-        for (k, v) in [("RANK", "x"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2"), ("NODE_RANK", "1")] {
+        for (k, v) in [
+            ("RANK", "x"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("NODE_RANK", "1"),
+        ] {
             e.insert(k.into(), v.into());
         }
-        assert!(WorkerEnv::from_map(&e).unwrap_err().to_string().contains("RANK = `x`"));
+        assert!(WorkerEnv::from_map(&e)
+            .unwrap_err()
+            .to_string()
+            .contains("RANK = `x`"));
     }
 }

@@ -37,7 +37,9 @@ pub fn run() -> Result<()> {
     match &result {
         Ok(()) => client.send(&ToServer::Done)?,
         Err(e) => {
-            let _ = client.send(&ToServer::Failed { message: format!("{e:#}") });
+            let _ = client.send(&ToServer::Failed {
+                message: format!("{e:#}"),
+            });
         }
     }
     result
@@ -48,7 +50,9 @@ fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welco
         Task::Train(spec) => (spec.comm.timeout_s, spec.comm.heartbeat_s),
         Task::BenchComm(b) => (b.timeout_s, 30.0),
     };
-    client.start_heartbeat(Duration::from_secs_f64((heartbeat_s / 4.0).clamp(0.2, 10.0)));
+    client.start_heartbeat(Duration::from_secs_f64(
+        (heartbeat_s / 4.0).clamp(0.2, 10.0),
+    ));
     let timeout = Duration::from_secs_f64(timeout_s);
     let comm = connect_world(env, client, &welcome.node_of_rank, timeout)?;
     match welcome.task {
@@ -68,7 +72,9 @@ fn connect_world(
         .with_context(|| format!("binding the data-plane listener on {}", env.node_addr))?;
     let addr = listener.local_addr()?;
     client.kv_set(&format!("zcomm/world/addr/{}", env.rank), &addr.to_string())?;
-    let keys = (0..env.world_size).map(|r| format!("zcomm/world/addr/{r}")).collect();
+    let keys = (0..env.world_size)
+        .map(|r| format!("zcomm/world/addr/{r}"))
+        .collect();
     let values = client.kv_wait(keys, timeout)?;
     let addrs: Vec<SocketAddr> = values
         .iter()
@@ -80,5 +86,7 @@ fn connect_world(
         node_of_rank: node_of_rank.to_vec(),
         group: "world".into(),
     };
-    Ok(Arc::new(TcpCommunicator::connect(env.rank, listener, &addrs, opts)?))
+    Ok(Arc::new(TcpCommunicator::connect(
+        env.rank, listener, &addrs, opts,
+    )?))
 }

@@ -14,10 +14,28 @@ use crate::control::ControlClient;
 use crate::env::WorkerEnv;
 
 /// Trains `spec` on this rank and reports each step.
-pub fn train(spec: &JobSpec, env: &WorkerEnv, comm: Arc<dyn Communicator>, client: &ControlClient) -> Result<()> {
+pub fn train(
+    spec: &JobSpec,
+    env: &WorkerEnv,
+    comm: Arc<dyn Communicator>,
+    client: &ControlClient,
+) -> Result<()> {
     let t = &spec.train;
-    let corpus = Corpus::load(&spec.data.path, spec.data.format, spec.model.vocab_size, t.seed)?;
-    let mut data = Batcher::new(corpus, spec.model.seq_len, t.micro_batch_size, t.grad_accum, env.world_size, env.rank, t.seed)?;
+    let corpus = Corpus::load(
+        &spec.data.path,
+        spec.data.format,
+        spec.model.vocab_size,
+        t.seed,
+    )?;
+    let mut data = Batcher::new(
+        corpus,
+        spec.model.seq_len,
+        t.micro_batch_size,
+        t.grad_accum,
+        env.world_size,
+        env.rank,
+        t.seed,
+    )?;
     let mut engine = Engine::new(spec, comm)?;
     let params = engine.model().param_count() as u64;
     let flops_per_token = engine.model().flops_per_token();

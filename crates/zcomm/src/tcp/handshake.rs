@@ -62,30 +62,52 @@ pub(crate) fn connect_mesh(
     for (peer, addr) in addrs.iter().enumerate().take(rank) {
         streams[peer] = Some(dial(rank, peer, *addr, token, deadline)?);
     }
-    let accepted = acceptor.join().map_err(|_| "the accept thread panicked".to_string())??;
+    let accepted = acceptor
+        .join()
+        .map_err(|_| "the accept thread panicked".to_string())??;
     for (peer, s) in accepted {
         streams[peer] = Some(s);
     }
     Ok(streams)
 }
 
-fn dial(rank: usize, peer: usize, addr: SocketAddr, token: &Token, deadline: Instant) -> Result<TcpStream, String> {
+fn dial(
+    rank: usize,
+    peer: usize,
+    addr: SocketAddr,
+    token: &Token,
+    deadline: Instant,
+) -> Result<TcpStream, String> {
     let mut last_err = String::new();
     while Instant::now() < deadline {
-        let left = deadline.saturating_duration_since(Instant::now()).min(Duration::from_secs(5));
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .min(Duration::from_secs(5));
         match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
             Ok(mut s) => {
-                s.set_read_timeout(Some(HANDSHAKE_DEADLINE)).map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(HANDSHAKE_DEADLINE))
+                    .map_err(|e| e.to_string())?;
                 let mine = nonce();
-                write_frame(&mut s, &DialHello { from: rank as u64, to: peer as u64, nonce: mine })
-                    .map_err(|e| format!("rank {peer} at {addr}: {e}"))?;
-                let ch: AcceptChallenge = read_frame(&mut s, HANDSHAKE_MAX)
-                    .map_err(|e| format!("rank {peer} at {addr} did not answer the handshake: {e}"))?;
+                write_frame(
+                    &mut s,
+                    &DialHello {
+                        from: rank as u64,
+                        to: peer as u64,
+                        nonce: mine,
+                    },
+                )
+                .map_err(|e| format!("rank {peer} at {addr}: {e}"))?;
+                let ch: AcceptChallenge = read_frame(&mut s, HANDSHAKE_MAX).map_err(|e| {
+                    format!("rank {peer} at {addr} did not answer the handshake: {e}")
+                })?;
                 if !token.verify(ACCEPTOR_CONTEXT, &mine, peer as u64, &ch.proof) {
-                    return Err(format!("rank {peer} at {addr} failed to prove the job token"));
+                    return Err(format!(
+                        "rank {peer} at {addr} failed to prove the job token"
+                    ));
                 }
                 let proof = token.prove(DIALER_CONTEXT, &ch.nonce, rank as u64);
-                write_frame(&mut s, &DialProof { proof }).map_err(|e| format!("rank {peer} at {addr}: {e}"))?;
+                write_frame(&mut s, &DialProof { proof })
+                    .map_err(|e| format!("rank {peer} at {addr}: {e}"))?;
                 s.set_read_timeout(None).map_err(|e| e.to_string())?;
                 s.set_nodelay(true).map_err(|e| e.to_string())?;
                 return Ok(s);
@@ -96,7 +118,9 @@ fn dial(rank: usize, peer: usize, addr: SocketAddr, token: &Token, deadline: Ins
             }
         }
     }
-    Err(format!("could not reach rank {peer} at {addr} before the deadline: {last_err}"))
+    Err(format!(
+        "could not reach rank {peer} at {addr} before the deadline: {last_err}"
+    ))
 }
 
 fn accept_peers(
@@ -157,7 +181,10 @@ fn answer(rank: usize, mut s: TcpStream, token: &Token) -> Option<(usize, TcpStr
     write_frame(&mut s, &AcceptChallenge { nonce: mine, proof }).ok()?;
     let p: DialProof = read_frame(&mut s, HANDSHAKE_MAX).ok()?;
     if !token.verify(DIALER_CONTEXT, &mine, hello.from, &p.proof) {
-        tracing::warn!("data-plane connection claiming rank {} failed authentication", hello.from);
+        tracing::warn!(
+            "data-plane connection claiming rank {} failed authentication",
+            hello.from
+        );
         return None;
     }
     s.set_read_timeout(None).ok()?;

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use zproto::Token;
 
 use crate::links::Links;
-use crate::{pairwise, ring, star};
 use crate::{chunk_range, CommError, Communicator, CounterSnapshot, Counters, Op, Work};
+use crate::{pairwise, ring, star};
 
 const HEADER: usize = 16;
 
@@ -63,7 +63,10 @@ impl TcpCommunicator {
         opts: TcpOptions,
     ) -> Result<TcpCommunicator, CommError> {
         let world = addrs.len();
-        let setup = |message: String| CommError::Setup { group: opts.group.clone(), message };
+        let setup = |message: String| CommError::Setup {
+            group: opts.group.clone(),
+            message,
+        };
         if rank >= world || opts.node_of_rank.len() != world {
             return Err(setup(format!(
                 "rank {rank} with {world} addresses and {} node entries",
@@ -80,7 +83,9 @@ impl TcpCommunicator {
                 continue;
             };
             let writer = reader.try_clone().map_err(|e| setup(e.to_string()))?;
-            writer.set_write_timeout(Some(opts.timeout)).map_err(|e| setup(e.to_string()))?;
+            writer
+                .set_write_timeout(Some(opts.timeout))
+                .map_err(|e| setup(e.to_string()))?;
             let (tx, rx) = mpsc::channel::<Vec<u8>>();
             let error = Arc::new(Mutex::new(None));
             let err2 = error.clone();
@@ -117,7 +122,14 @@ impl TcpCommunicator {
                 }
             })
             .map_err(|e| setup(e.to_string()))?;
-        Ok(TcpCommunicator { rank, world, group: opts.group, timeout: opts.timeout, jobs, counters })
+        Ok(TcpCommunicator {
+            rank,
+            world,
+            group: opts.group,
+            timeout: opts.timeout,
+            jobs,
+            counters,
+        })
     }
 
     fn submit<T: Send + 'static>(
@@ -255,7 +267,11 @@ pub(crate) struct TcpLinks {
 }
 
 impl TcpLinks {
-    fn run<T>(&mut self, op: Op, f: impl FnOnce(&mut TcpLinks) -> Result<T, CommError>) -> Result<T, CommError> {
+    fn run<T>(
+        &mut self,
+        op: Op,
+        f: impl FnOnce(&mut TcpLinks) -> Result<T, CommError>,
+    ) -> Result<T, CommError> {
         if let Some(e) = &self.poisoned {
             return Err(e.clone());
         }
@@ -272,14 +288,22 @@ impl TcpLinks {
 
     fn peer(&mut self, peer: usize) -> Result<&mut Peer, CommError> {
         let (op, group) = (self.op.name(), self.group.clone());
-        self.peers.get_mut(peer).and_then(Option::as_mut).ok_or(CommError::Usage {
-            op,
-            message: format!("no link to rank {peer} in group {group}"),
-        })
+        self.peers
+            .get_mut(peer)
+            .and_then(Option::as_mut)
+            .ok_or(CommError::Usage {
+                op,
+                message: format!("no link to rank {peer} in group {group}"),
+            })
     }
 
     fn link_error(&self, peer: usize, message: String) -> CommError {
-        CommError::Link { op: self.op.name(), group: self.group.clone(), peer, message }
+        CommError::Link {
+            op: self.op.name(),
+            group: self.group.clone(),
+            peer,
+            message,
+        }
     }
 
     fn read_exact(&mut self, peer: usize, out: &mut [u8]) -> Result<(), CommError> {
@@ -288,7 +312,12 @@ impl TcpLinks {
         while off < out.len() {
             let now = Instant::now();
             if now >= deadline {
-                let writer_err = self.peer(peer)?.error.lock().map(|e| e.clone()).unwrap_or_default();
+                let writer_err = self
+                    .peer(peer)?
+                    .error
+                    .lock()
+                    .map(|e| e.clone())
+                    .unwrap_or_default();
                 if let Some(e) = writer_err {
                     return Err(self.link_error(peer, format!("sending failed: {e}")));
                 }
@@ -302,11 +331,24 @@ impl TcpLinks {
             let p = self.peer(peer)?;
             p.reader
                 .set_read_timeout(Some((deadline - now).max(Duration::from_millis(1))))
-                .map_err(|e| CommError::Link { op: "recv", group: String::new(), peer, message: e.to_string() })?;
+                .map_err(|e| CommError::Link {
+                    op: "recv",
+                    group: String::new(),
+                    peer,
+                    message: e.to_string(),
+                })?;
             match p.reader.read(&mut out[off..]) {
-                Ok(0) => return Err(self.link_error(peer, "connection closed (did that rank exit?)".into())),
+                Ok(0) => {
+                    return Err(
+                        self.link_error(peer, "connection closed (did that rank exit?)".into())
+                    )
+                }
                 Ok(n) => off += n,
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                    ) => {}
                 Err(e) => return Err(self.link_error(peer, e.to_string())),
             }
         }

@@ -1,0 +1,357 @@
+//! End to end through the built binaries: training, equivalence across world
+//! sizes, `zrun check`, bad input, a killed worker, Ctrl-C, and strangers on the
+//! control socket. Every test checks that the workers it caused are gone.
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use e2e::{alive, children_of, metrics, repo_root, small_job, wait_until, zrun, Zrun};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+fn losses(lines: &[serde_json::Value]) -> Vec<f64> {
+    lines
+        .iter()
+        .filter_map(|l| l.get("loss").and_then(|x| x.as_f64()))
+        .collect()
+}
+
+#[test]
+fn tiny_config_trains_and_its_loss_falls() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("metrics.jsonl");
+    let root = repo_root();
+    let f = zrun(
+        &root,
+        &[
+            "train",
+            "configs/tiny.yaml",
+            "--set",
+            "train.steps=60",
+            "--metrics",
+            m.to_str().unwrap(),
+            "--no-progress",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let lines = metrics(&m);
+    let l = losses(&lines);
+    assert_eq!(l.len(), 60);
+    let first = l[..3].iter().sum::<f64>() / 3.0;
+    let last = l[55..].iter().sum::<f64>() / 5.0;
+    assert!(
+        first - last > 1.0,
+        "loss fell only from {first:.3} to {last:.3}"
+    );
+    // SPEC.md's line shape, with real accounting.
+    let s = &lines[10];
+    assert_eq!(s["world_size"], 2);
+    assert_eq!(s["zero_stage"], 0);
+    let params = s["params"].as_u64().unwrap();
+    assert!(s["tokens_per_s"].as_f64().unwrap() > 0.0 && s["tflops"].as_f64().unwrap() > 0.0);
+    let mem = &s["mem_bytes"];
+    // Stage 0 in f32: 4 bytes of params, 4 of grads, 8 of Adam moments per parameter (plus padding).
+    let p = mem["params"].as_u64().unwrap();
+    assert!(
+        p >= 4 * params && p < 4 * params + 4 * 16 * 2 * 7,
+        "params bytes {p} for {params}"
+    );
+    assert_eq!(mem["grads"].as_u64().unwrap(), p);
+    assert_eq!(mem["optimizer"].as_u64().unwrap(), 2 * p);
+    assert!(mem["peak_rss"].as_u64().unwrap() > p);
+    // A ring all-reduce of the gradients sends 2(n-1)/n of them: n = 2, all of them.
+    let c = &s["comm_bytes"];
+    assert_eq!(c["by_op"]["all_reduce"].as_u64().unwrap(), p);
+    assert_eq!(c["inter_node"], 0);
+    let done = lines.last().unwrap();
+    assert_eq!(done["event"], "done");
+    assert_eq!(done["steps"], 60);
+}
+
+#[test]
+fn two_workers_equal_one_worker_with_the_same_global_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "equiv", 10);
+    let run = |workers: &str, mb: &str, out: &str| {
+        let m = dir.path().join(out);
+        let f = zrun(
+            dir.path(),
+            &[
+                "train",
+                job.to_str().unwrap(),
+                "--workers-per-node",
+                workers,
+                "--set",
+                &format!("train.micro_batch_size={mb}"),
+                "--metrics",
+                m.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(f.code(), 0, "{f:?}");
+        losses(&metrics(&m))
+    };
+    let one = run("1", "8", "one.jsonl");
+    let two = run("2", "4", "two.jsonl");
+    assert_eq!(one.len(), 10);
+    for (s, (a, b)) in one.iter().zip(&two).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs(),
+            "step {}: 1 worker {a}, 2 workers {b}",
+            s + 1
+        );
+    }
+    assert!(one[9] < one[0]);
+}
+
+#[test]
+fn check_prints_the_resolved_job_and_topology() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "checked", 5);
+    let hosts = dir.path().join("hosts");
+    std::fs::write(
+        &hosts,
+        "# two simulated nodes\n127.0.0.1 slots=2\n127.0.0.2 slots=3\n",
+    )
+    .unwrap();
+    let f = zrun(
+        dir.path(),
+        &[
+            "check",
+            job.to_str().unwrap(),
+            "--hostfile",
+            hosts.to_str().unwrap(),
+            "--exclude",
+            "127.0.0.2:1",
+            "--set",
+            "train.lr=0.01",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(f.stdout.contains("\"lr\": 0.01"), "{}", f.stdout);
+    assert!(f.stdout.contains("4 workers on 2 nodes"), "{}", f.stdout);
+    assert!(
+        f.stdout
+            .contains("node 1: 127.0.0.2 (address 127.0.0.2) slots [0, 2] ranks 2,3"),
+        "{}",
+        f.stdout
+    );
+}
+
+/// Every kind of bad input exits 2, before launching, with a message saying where and what.
+#[test]
+fn bad_input_exits_2_with_a_located_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let good = std::fs::read_to_string(small_job(d, "good", 3)).unwrap();
+    let write = |name: &str, text: &str| {
+        let p = d.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let hosts_dup = write("hosts_dup", "127.0.0.1 slots=1\n\n127.0.0.1 slots=2\n");
+    let tiny_data = write("tiny.txt", "abc");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![write("typo.yaml", &good.replace("  lr:", "  lr_:"))],
+            "typo.yaml:7:3: unknown key `lr_`, did you mean `lr`?",
+        ),
+        (
+            vec![write(
+                "syntax.yaml",
+                &good.replace("train:\n", "train: [\n"),
+            )],
+            "syntax.yaml:",
+        ),
+        (
+            vec![write(
+                "heads.yaml",
+                &good.replace("n_heads: 4", "n_heads: 5"),
+            )],
+            "heads.yaml:2:51: model.n_heads: 5 heads do not divide d_model 32",
+        ),
+        (
+            vec![write("lr.yaml", &good.replace("lr: 3.0e-3", "lr: 0"))],
+            "lr.yaml:7:3: train.lr: must be a positive number",
+        ),
+        (
+            vec![write(
+                "nodata.yaml",
+                &good
+                    .replace("{format: synthetic}", "{path: /nonexistent/*.txt}")
+                    .replace("vocab_size: 64", "vocab_size: 256"),
+            )],
+            "nodata.yaml:3:8: data.path: no file matches `/nonexistent/*.txt`",
+        ),
+        (
+            vec![write(
+                "vocab.yaml",
+                &good.replace("{format: synthetic}", &format!("{{path: {tiny_data}}}")),
+            )],
+            "vocab.yaml:2:9: model.vocab_size: text data uses bytes as tokens",
+        ),
+        (
+            vec![write(
+                "fit.yaml",
+                &good
+                    .replace("{format: synthetic}", &format!("{{path: {tiny_data}}}"))
+                    .replace("vocab_size: 64", "vocab_size: 256"),
+            )],
+            "model.seq_len: the data has 3 tokens",
+        ),
+        (
+            vec![write("stage.yaml", &format!("{good}zero: {{stage: 3}}\n"))],
+            "zero.stage: ZeRO stage 3 is not supported yet",
+        ),
+        (
+            vec![
+                write("g1.yaml", &good),
+                "--set".into(),
+                "zero.stge=1".into(),
+            ],
+            "--set zero.stge=1: unknown key `stge`, did you mean `stage`?",
+        ),
+        (
+            vec![
+                write("g2.yaml", &good),
+                "--set".into(),
+                "train.steps=many".into(),
+            ],
+            "--set train.steps=many",
+        ),
+        (
+            vec![write("g3.yaml", &good), "--hostfile".into(), hosts_dup],
+            "hosts_dup:3: host `127.0.0.1` is listed twice (first on line 1)",
+        ),
+        (
+            vec![write("g4.yaml", &good), "--include".into(), "node9".into()],
+            "--include: host `node9` is not in the hostfile",
+        ),
+        (
+            vec![d.join("missing.yaml").to_str().unwrap().into()],
+            "missing.yaml: No such file",
+        ),
+        (
+            vec![write("g5.yaml", &good), "--resume".into(), "auto".into()],
+            "--resume auto: resuming from checkpoints is not supported yet",
+        ),
+    ];
+    for (args, want) in cases {
+        let mut full = vec!["train".to_string()];
+        full.extend(args);
+        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+        let f = zrun(d, &refs);
+        assert_eq!(f.code(), 2, "{refs:?}: {f:?}");
+        assert!(
+            f.stderr.contains(want),
+            "{refs:?}: expected `{want}` in:\n{}",
+            f.stderr
+        );
+        assert!(!f.stderr.contains("panicked"), "{}", f.stderr);
+    }
+    // clap's own usage errors are bad input too.
+    assert_eq!(zrun(d, &["train"]).code(), 2);
+    assert_eq!(zrun(d, &["frobnicate"]).code(), 2);
+}
+
+/// Starts a long job and waits until it has written `steps` metrics lines.
+fn start_long_job(dir: &Path, name: &str, extra: &[&str]) -> (Zrun, std::path::PathBuf) {
+    let job = small_job(dir, name, 100_000);
+    let m = dir.join(format!("{name}.jsonl"));
+    let mut args = vec![
+        "train",
+        job.to_str().unwrap(),
+        "--metrics",
+        m.to_str().unwrap(),
+        "--no-progress",
+    ];
+    args.extend_from_slice(extra);
+    let z = Zrun::start(dir, &args);
+    assert!(
+        wait_until(Duration::from_secs(60), || metrics(&m).len() >= 2),
+        "the job did not start training: {}",
+        z.stdout_so_far()
+    );
+    (z, m)
+}
+
+#[test]
+fn a_killed_worker_fails_the_job_fast_and_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (z, _) = start_long_job(dir.path(), "killed", &[]);
+    let workers = children_of(z.pid());
+    assert_eq!(workers.len(), 2, "expected 2 workers, found {workers:?}");
+    let victim = workers[1];
+    let t0 = Instant::now();
+    kill(Pid::from_raw(victim as i32), Signal::SIGKILL).unwrap();
+    let f = z.wait(Duration::from_secs(20));
+    let took = t0.elapsed();
+    assert_eq!(f.code(), 1, "{f:?}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert!(
+        f.stderr.contains("was killed by signal SIGKILL"),
+        "{}",
+        f.stderr
+    );
+    assert!(f.stderr.contains(&format!("pid {victim}")), "{}", f.stderr);
+    for w in workers {
+        assert!(!alive(w), "worker {w} is still running");
+    }
+}
+
+#[test]
+fn ctrl_c_stops_everything_with_exit_130() {
+    let dir = tempfile::tempdir().unwrap();
+    let (z, _) = start_long_job(dir.path(), "interrupted", &[]);
+    let workers = children_of(z.pid());
+    assert_eq!(workers.len(), 2);
+    z.signal(Signal::SIGINT);
+    let f = z.wait(Duration::from_secs(20));
+    assert_eq!(f.code(), 130, "{f:?}");
+    assert!(f.stderr.contains("interrupted"), "{}", f.stderr);
+    for w in workers {
+        assert!(!alive(w), "worker {w} is still running");
+    }
+}
+
+#[test]
+fn strangers_on_the_control_socket_do_not_disturb_the_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let job = small_job(dir.path(), "strangers", 30);
+    let m = dir.path().join("strangers.jsonl");
+    let z = Zrun::start(
+        dir.path(),
+        &[
+            "train",
+            job.to_str().unwrap(),
+            "--master-port",
+            &port.to_string(),
+            "--metrics",
+            m.to_str().unwrap(),
+        ],
+    );
+    let addr = format!("127.0.0.1:{port}");
+    assert!(wait_until(Duration::from_secs(20), || TcpStream::connect(
+        &addr
+    )
+    .is_ok()));
+    // Garbage, an oversized length prefix, a wrong-token hello, and a silent client.
+    let mut garbage = TcpStream::connect(&addr).unwrap();
+    let _ = garbage.write_all(b"GET / HTTP/1.1\r\n\r\n");
+    let mut huge = TcpStream::connect(&addr).unwrap();
+    let _ = huge.write_all(&[0x7f, 0xff, 0xff, 0xff]);
+    let mut liar = TcpStream::connect(&addr).unwrap();
+    let hello = br#"{"Hello":{"rank":0,"job_id":"x","proof":"00","nonce":[0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0],"pid":1,"hostname":"evil"}}"#;
+    let mut framed = (hello.len() as u32).to_be_bytes().to_vec();
+    framed.extend_from_slice(hello);
+    let _ = liar.write_all(&framed);
+    let _silent = TcpStream::connect(&addr).unwrap();
+    let f = z.wait(Duration::from_secs(120));
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert_eq!(losses(&metrics(&m)).len(), 30);
+}

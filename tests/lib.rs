@@ -1,0 +1,219 @@
+//! Helpers for the end-to-end tests: find the built binaries, run zrun as a user
+//! would (in a temporary directory), look at its processes through /proc, and
+//! make sure nothing a test started outlives it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+/// A binary built next to this test executable (`target/<profile>/NAME`).
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/..");
+    let p = dir.join(name);
+    assert!(
+        p.is_file(),
+        "{} is missing: build the binaries first (cargo build --release)",
+        p.display()
+    );
+    p
+}
+
+/// The repository root (configs/, crates/).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ is in the repo")
+        .to_path_buf()
+}
+
+/// A running `zrun`, killed (with its workers) if the test ends early.
+pub struct Zrun {
+    child: Option<Child>,
+    out: PathBuf,
+    err: PathBuf,
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// A finished `zrun`.
+#[derive(Debug)]
+pub struct Finished {
+    /// Exit status.
+    pub status: ExitStatus,
+    /// Its stdout.
+    pub stdout: String,
+    /// Its stderr.
+    pub stderr: String,
+}
+
+impl Finished {
+    /// Exit code (panics if killed by a signal).
+    pub fn code(&self) -> i32 {
+        self.status
+            .code()
+            .unwrap_or_else(|| panic!("zrun was killed: {self:?}"))
+    }
+}
+
+impl Zrun {
+    /// Starts `zrun ARGS` in `cwd`, output captured to files in a fresh temp dir.
+    pub fn start(cwd: &Path, args: &[&str]) -> Zrun {
+        let logs = tempfile::tempdir().expect("temp dir");
+        let out = logs.path().join("stdout");
+        let err = logs.path().join("stderr");
+        let child = Command::new(bin("zrun"))
+            .args(args)
+            .current_dir(cwd)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&out).expect("stdout file"))
+            .stderr(std::fs::File::create(&err).expect("stderr file"))
+            .spawn()
+            .expect("start zrun");
+        Zrun {
+            child: Some(child),
+            out,
+            err,
+            _dir: Some(logs),
+        }
+    }
+
+    /// zrun's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// Sends a signal to zrun.
+    pub fn signal(&self, s: Signal) {
+        kill(Pid::from_raw(self.pid() as i32), s).expect("signal zrun");
+    }
+
+    /// Output so far.
+    pub fn stdout_so_far(&self) -> String {
+        std::fs::read_to_string(&self.out).unwrap_or_default()
+    }
+
+    /// Waits for zrun to exit, at most `limit`.
+    pub fn wait(mut self, limit: Duration) -> Finished {
+        let mut child = self.child.take().expect("running");
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                return Finished {
+                    status,
+                    stdout: std::fs::read_to_string(&self.out).unwrap_or_default(),
+                    stderr: std::fs::read_to_string(&self.err).unwrap_or_default(),
+                };
+            }
+            if Instant::now() > deadline {
+                self.child = Some(child);
+                panic!(
+                    "zrun did not exit within {limit:?}\nstdout:\n{}\nstderr:\n{}",
+                    self.stdout_so_far(),
+                    std::fs::read_to_string(&self.err).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Zrun {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SIGINT lets zrun stop its workers; SIGKILL if it does not.
+            let _ = kill(Pid::from_raw(c.id() as i32), Signal::SIGINT);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Runs `zrun ARGS` to completion in `cwd`.
+pub fn zrun(cwd: &Path, args: &[&str]) -> Finished {
+    Zrun::start(cwd, args).wait(Duration::from_secs(300))
+}
+
+/// Pids whose parent is `parent`.
+pub fn children_of(parent: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Fields after the parenthesised command: state ppid ...
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if fields.get(1).and_then(|p| p.parse::<u32>().ok()) == Some(parent) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// Whether `pid` is a live (non-zombie) process.
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, r)| r.split_whitespace().next())
+            .is_some_and(|s| s != "Z"),
+        Err(_) => false,
+    }
+}
+
+/// The JSON lines of a metrics file.
+pub fn metrics(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad metrics line `{l}`: {e}")))
+        .collect()
+}
+
+/// Waits until `f` is true, at most `limit`; returns whether it became true.
+pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    f()
+}
+
+/// A small job on synthetic data, written into `dir`; returns its path.
+pub fn small_job(dir: &Path, name: &str, steps: u64) -> PathBuf {
+    let p = dir.join(format!("{name}.yaml"));
+    std::fs::write(
+        &p,
+        format!(
+            "name: {name}\n\
+             model: {{vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, seq_len: 32}}\n\
+             data: {{format: synthetic}}\n\
+             train:\n  steps: {steps}\n  micro_batch_size: 4\n  lr: 3.0e-3\n  warmup_steps: 2\n\
+             run_dir: {}/runs/{name}\n",
+            dir.display()
+        ),
+    )
+    .expect("write job");
+    p
+}
