@@ -544,7 +544,10 @@ impl Progress {
                 b.set_position(line.step);
                 b.set_message(msg);
             }
-            None if line.step == 1 || line.step.is_multiple_of(self.every) || line.step == self.steps => {
+            None if line.step == 1
+                || line.step.is_multiple_of(self.every)
+                || line.step == self.steps =>
+            {
                 println!(
                     "step {}/{} {msg} · lr {:.2e} · grad norm {:.3}",
                     line.step, self.steps, line.lr, line.grad_norm
