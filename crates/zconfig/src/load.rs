@@ -243,9 +243,6 @@ impl LoadedJob {
                 format!("must be 0, 1, 2 or 3, got {}", z.stage),
             ));
         }
-        if z.stage != 0 {
-            return Err(self.unsupported("zero.stage", &format!("ZeRO stage {}", z.stage)));
-        }
         if z.reduce_bucket_size.0 == 0 {
             return Err(self.invalid("zero.reduce_bucket_size", "must be at least 1 element"));
         }

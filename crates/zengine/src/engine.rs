@@ -1,19 +1,39 @@
-//! The training step.
+//! The training step, for ZeRO stages 0-3.
 //!
-//! `forward_backward` runs one micro-batch: forward block by block, each block's
-//! input a fresh candle `Var` so that backward can also run block by block, last
-//! to first (`(y · dy).sum().backward()` yields the block's parameter gradients and
-//! `dx`). On the last micro-batch of a step, each bucket of gradients is handed to
-//! the communicator as soon as its blocks' backward is done, and backward carries
-//! on while it is reduced (overlap). `step` waits for the buckets, averages,
-//! clips by the global norm, runs AdamW, and returns the step's accounting.
+//! `forward_backward` runs one micro-batch block by block. Each block's input is a
+//! fresh candle `Var`, so backward also runs block by block, last to first:
+//! `(y · dy).sum().backward()` yields the block's parameter gradients and `dx`.
+//! As soon as backward is done with the groups of a bucket, the bucket is handed
+//! to the communicator and backward carries on while it is reduced (overlap).
+//! `step` waits for the buckets, averages, clips by the global norm, runs AdamW on
+//! what this rank owns, and re-gathers parameters where the stage needs it.
 //!
-//! Stage 0 keeps everything whole on every rank; the global gradient norm is
-//! still computed from each rank's owned slices added in rank order, so later
-//! stages can produce the same bits.
+//! What each stage keeps (DESIGN.md's table):
+//!
+//! | stage | params | grads | Adam m, v | grads reduced by | after step |
+//! |---|---|---|---|---|---|
+//! | 0 | full | full | full | all-reduce (last micro-batch) | - |
+//! | 1 | full | full | own slice | reduce-scatter (last micro-batch) | all-gather params |
+//! | 2 | full | own slice | own slice | reduce-scatter (every micro-batch) | all-gather params |
+//! | 3 | own slice | own slice | own slice | reduce-scatter (every micro-batch) | - |
+//!
+//! At stage 3 a group smaller than `param_persistence_threshold` stays whole and
+//! is treated like stage 2. Partitioned groups are gathered just before each use
+//! and dropped after it. candle's autograd graph would keep a block's gathered
+//! parameters alive from forward to backward, so stage 3 runs forward without a
+//! graph and, in backward, gathers the block again and recomputes it from its
+//! saved input (one extra block forward; the same path serves activation
+//! checkpointing, so checkpointing at stage 3 costs no third gather).
+//!
+//! The same arithmetic in every stage: each gradient element is summed over ranks
+//! in an order fixed by the bucket layout, the norm adds owned slices in rank
+//! order, and Adam is element-wise. With `grad_accum: 1`, stages 0-3 give
+//! bit-identical parameters; with accumulation, stages 2-3 reduce every
+//! micro-batch (as DeepSpeed does) and agree with 0-1 to rounding.
 
 use std::sync::Arc;
 
+use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use zcomm::{CommError, Communicator, CounterSnapshot, Op, Work};
 use zconfig::JobSpec;
@@ -22,6 +42,7 @@ use zproto::{CommBytes, MemBytes, OpBytes};
 
 use crate::adam::{adamw, AdamStep};
 use crate::flat::{Bucket, GroupLayout};
+use crate::gather::Prefetcher;
 use crate::schedule::lr_at;
 
 /// Why a step failed.
@@ -43,7 +64,7 @@ pub enum EngineError {
         /// The value.
         value: f64,
     },
-    /// A call out of order.
+    /// A call out of order or a configuration the engine cannot run.
     #[error("engine: {0}")]
     Usage(String),
 }
@@ -72,38 +93,74 @@ const BETA1: f32 = 0.9;
 const BETA2: f32 = 0.999;
 const EPS: f32 = 1e-8;
 
+/// One block's flat buffers on this rank.
+struct Group {
+    layout: GroupLayout,
+    /// Stage 3 and above the persistence threshold: only the own slice is held.
+    partitioned: bool,
+    /// Full (padded) or, if partitioned, the own slice.
+    params: Vec<f32>,
+    /// Stages 0-1: full; stages 2-3: the own slice.
+    grads: Vec<f32>,
+    /// Stages 2-3: this micro-batch's full gradient until its bucket leaves.
+    staging: Option<Vec<f32>>,
+    /// Stage 0: full; stages 1-3: the own slice.
+    exp_avg: Vec<f32>,
+    exp_avg_sq: Vec<f32>,
+}
+
+/// A reduction in flight.
+struct PendingBucket {
+    bucket: usize,
+    work: Work<Vec<f32>>,
+    bytes: u64,
+}
+
+/// Bytes of memory transiently held, with the peak since the last step.
+#[derive(Default)]
+struct Transient {
+    now: u64,
+    peak: u64,
+}
+
+impl Transient {
+    fn add(&mut self, b: u64) {
+        self.now += b;
+        self.peak = self.peak.max(self.now);
+    }
+    fn sub(&mut self, b: u64) {
+        self.now = self.now.saturating_sub(b);
+    }
+}
+
 /// ZeRO data-parallel training of one model replica on one rank.
 pub struct Engine {
     model: Gpt,
     comm: Arc<dyn Communicator>,
     spec: JobSpec,
-    layouts: Vec<GroupLayout>,
+    stage: u8,
+    groups: Vec<Group>,
     buckets: Vec<Bucket>,
-    params: Vec<Vec<f32>>,
-    grads: Vec<Vec<f32>>,
-    exp_avg: Vec<Vec<f32>>,
-    exp_avg_sq: Vec<Vec<f32>>,
-    /// Parameter tensors for the current step (rebuilt after each update).
-    vars: Option<Vec<Vec<Var>>>,
+    /// Parameter Vars of the current step, for stages and groups that keep
+    /// parameters whole and a forward graph (rebuilt after each update).
+    vars: Vec<Option<Vec<Var>>>,
     step: u64,
     micro: usize,
     loss_sum: f64,
     tokens: u64,
-    pending: Vec<(usize, Work<Vec<f32>>)>,
-    in_flight_bytes: u64,
-    peak_comm_buffers: u64,
+    pending: Vec<PendingBucket>,
+    comm_buffers: Transient,
     peak_activations: u64,
     counters_at_start: Option<CounterSnapshot>,
 }
 
 impl Engine {
-    /// Builds the model of `spec` with seeded parameters and empty optimizer state.
+    /// Builds the model of `spec` with seeded parameters and empty optimizer state,
+    /// partitioned as the ZeRO stage says.
     pub fn new(spec: &JobSpec, comm: Arc<dyn Communicator>) -> Result<Engine, EngineError> {
-        if spec.zero.stage != 0 {
-            return Err(EngineError::Usage(format!(
-                "ZeRO stage {} is not supported yet",
-                spec.zero.stage
-            )));
+        let stage = spec.zero.stage;
+        if stage > 3 {
+            return Err(EngineError::Usage(format!("ZeRO stage {stage} does not exist")));
         }
         let m = &spec.model;
         let model = Gpt::new(GptConfig {
@@ -113,45 +170,44 @@ impl Engine {
             n_heads: m.n_heads,
             seq_len: m.seq_len,
         })?;
-        let world = comm.world_size();
-        let layouts: Vec<GroupLayout> = model
-            .groups()
-            .iter()
-            .map(|g| GroupLayout::new(g, world))
-            .collect();
-        let buckets = Bucket::plan(&layouts, spec.zero.reduce_bucket_size.0.max(1) as usize);
-        let mut params = Vec::with_capacity(layouts.len());
-        for (g, l) in layouts.iter().enumerate() {
-            let mut flat = vec![0f32; l.padded];
-            for (slot, values) in l.params.iter().zip(model.init_group(g, spec.train.seed)) {
-                flat[slot.range.clone()].copy_from_slice(&values);
+        let (world, rank) = (comm.world_size(), comm.rank());
+        let threshold = spec.zero.param_persistence_threshold.0 as usize;
+        let mut groups = Vec::new();
+        for (g, gs) in model.groups().iter().enumerate() {
+            let layout = GroupLayout::new(gs, world);
+            let mut full = vec![0f32; layout.padded];
+            for (slot, values) in layout.params.iter().zip(model.init_group(g, spec.train.seed)) {
+                full[slot.range.clone()].copy_from_slice(&values);
             }
-            params.push(flat);
+            let partitioned = stage == 3 && layout.numel >= threshold;
+            let own = layout.slice(rank);
+            let n = layout.slice_len();
+            groups.push(Group {
+                partitioned,
+                params: if partitioned { full[own].to_vec() } else { full },
+                grads: vec![0f32; if stage < 2 { layout.padded } else { n }],
+                staging: None,
+                exp_avg: vec![0f32; if stage == 0 { layout.padded } else { n }],
+                exp_avg_sq: vec![0f32; if stage == 0 { layout.padded } else { n }],
+                layout,
+            });
         }
-        let zeros = || {
-            layouts
-                .iter()
-                .map(|l| vec![0f32; l.padded])
-                .collect::<Vec<_>>()
-        };
+        let layouts: Vec<GroupLayout> = groups.iter().map(|g| g.layout.clone()).collect();
+        let buckets = Bucket::plan(&layouts, spec.zero.reduce_bucket_size.0.max(1) as usize);
         Ok(Engine {
-            grads: zeros(),
-            exp_avg: zeros(),
-            exp_avg_sq: zeros(),
+            vars: (0..groups.len()).map(|_| None).collect(),
             model,
             comm,
             spec: spec.clone(),
-            layouts,
+            stage,
+            groups,
             buckets,
-            params,
-            vars: None,
             step: 0,
             micro: 0,
             loss_sum: 0.0,
             tokens: 0,
             pending: Vec::new(),
-            in_flight_bytes: 0,
-            peak_comm_buffers: 0,
+            comm_buffers: Transient::default(),
             peak_activations: 0,
             counters_at_start: None,
         })
@@ -167,32 +223,72 @@ impl Engine {
         self.step
     }
 
-    /// The full parameters of every group (unpadded), as this rank sees them.
-    pub fn full_params(&self) -> Vec<Vec<f32>> {
-        self.params
-            .iter()
-            .zip(&self.layouts)
-            .map(|(p, l)| p[..l.numel].to_vec())
-            .collect()
+    /// Every group's full parameters (unpadded), gathering partitioned ones.
+    /// A collective at stage 3: every rank must call it.
+    pub fn full_params(&self) -> Result<Vec<Vec<f32>>, EngineError> {
+        let mut out = Vec::with_capacity(self.groups.len());
+        for g in &self.groups {
+            let full = if g.partitioned {
+                self.comm.all_gather(g.params.clone(), g.layout.padded)?
+            } else {
+                g.params.clone()
+            };
+            out.push(full[..g.layout.numel].to_vec());
+        }
+        Ok(out)
     }
 
-    fn vars(&mut self) -> Result<&Vec<Vec<Var>>, EngineError> {
-        if self.vars.is_none() {
-            let mut all = Vec::with_capacity(self.layouts.len());
-            for (l, flat) in self.layouts.iter().zip(&self.params) {
-                let mut g = Vec::with_capacity(l.params.len());
-                for slot in &l.params {
-                    g.push(Var::from_slice(
-                        &flat[slot.range.clone()],
-                        slot.shape.as_slice(),
-                        &Device::Cpu,
-                    )?);
-                }
-                all.push(g);
-            }
-            self.vars = Some(all);
+    /// Whether blocks keep their autograd graph from forward to backward.
+    fn keeps_graph(&self) -> bool {
+        self.stage < 3 && !self.spec.train.activation_checkpointing
+    }
+
+    /// The order of stage-3 gathers in one micro-batch (see the module doc).
+    fn gather_order(&self) -> Vec<usize> {
+        let l = self.model.config().n_layers;
+        let head = l + 1;
+        let mut order: Vec<usize> = (0..=l).collect();
+        order.extend([head, 0]);
+        order.extend((1..=l).rev());
+        order.push(0);
+        order.retain(|&g| self.groups[g].partitioned);
+        order
+    }
+
+    /// Parameter Vars of group `g` built from a full flat buffer. (Forward without
+    /// a graph uses their detached tensors, which autograd does not track.)
+    fn vars_from(&self, g: usize, full: &[f32]) -> Result<Vec<Var>, EngineError> {
+        let mut out = Vec::with_capacity(self.groups[g].layout.params.len());
+        for slot in &self.groups[g].layout.params {
+            out.push(Var::from_slice(&full[slot.range.clone()], slot.shape.as_slice(), &Device::Cpu)?);
         }
-        Ok(self.vars.as_ref().expect("built above"))
+        Ok(out)
+    }
+
+    /// Group `g`'s parameters for one use: cached Vars for whole groups in graph
+    /// mode, fresh tensors otherwise; partitioned groups are gathered.
+    fn params_for(&mut self, g: usize, gather: &mut Prefetcher) -> Result<Vec<Var>, EngineError> {
+        if self.groups[g].partitioned {
+            let comm = self.comm.clone();
+            let slices: Vec<&[f32]> = self.groups.iter().map(|x| x.params.as_slice()).collect();
+            let own = |h: usize| slices[h].to_vec();
+            let full = gather.fetch(g, comm.as_ref(), &own)?;
+            self.comm_buffers.add((full.len() * 4) as u64);
+            let vars = self.vars_from(g, &full)?;
+            return Ok(vars);
+        }
+        if self.vars[g].is_none() {
+            let vars = self.vars_from(g, &self.groups[g].params)?;
+            self.vars[g] = Some(vars);
+        }
+        Ok(self.vars[g].clone().expect("built above"))
+    }
+
+    /// Marks a gathered group's parameters as released.
+    fn release(&mut self, g: usize) {
+        if self.groups[g].partitioned {
+            self.comm_buffers.sub((self.groups[g].layout.padded * 4) as u64);
+        }
     }
 
     /// Runs forward and backward of one micro-batch and accumulates its gradients.
@@ -201,81 +297,115 @@ impl Engine {
         if self.micro == 0 {
             self.counters_at_start = Some(self.comm.counters());
         }
-        let last_micro = self.micro + 1 == self.spec.train.grad_accum;
+        if self.micro >= self.spec.train.grad_accum {
+            return Err(EngineError::Usage("more micro-batches than grad_accum before step()".into()));
+        }
+        let reduce_now = self.stage >= 2 || self.micro + 1 == self.spec.train.grad_accum;
         let (rows, t) = (batch.rows, batch.seq_len);
         let tokens = Tensor::from_slice(&batch.inputs, (rows, t), &Device::Cpu)?;
         let targets = Tensor::from_slice(&batch.targets, (rows, t), &Device::Cpu)?;
         let n_layers = self.model.config().n_layers;
         let head = n_layers + 1;
-        let vars = self.vars()?.clone();
-        let tensors =
-            |g: usize| -> Vec<Tensor> { vars[g].iter().map(|v| v.as_tensor().clone()).collect() };
+        let keep_graph = self.keeps_graph();
+        let padded: Vec<usize> = self.groups.iter().map(|g| g.layout.padded).collect();
+        let mut gather = Prefetcher::new(
+            self.gather_order(),
+            padded,
+            self.spec.zero.prefetch_bucket_size.0 as usize,
+            self.spec.zero.overlap_comm,
+        );
+        let ts = |vars: &[Var]| -> Vec<Tensor> { vars.iter().map(|v| v.as_tensor().clone()).collect() };
+        let plain = |vars: &[Var]| -> Vec<Tensor> { vars.iter().map(|v| v.as_tensor().detach()).collect() };
 
-        // Forward, keeping each block's input Var and output.
-        let y0 = self.model.embed(&tensors(0), &tokens)?;
-        let mut saved: Vec<(Var, Tensor)> = Vec::with_capacity(n_layers);
-        let mut x = y0.detach();
-        for b in 1..=n_layers {
-            let input = Var::from_tensor(&x)?;
-            let y = self.model.block(&tensors(b), input.as_tensor())?;
-            x = y.detach();
-            saved.push((input, y));
+        // Forward. In graph mode keep (input Var, output) per block; otherwise only
+        // the block's input, and recompute in backward.
+        let p0 = self.params_for(0, &mut gather)?;
+        let mut y0 = Some(if keep_graph { self.model.embed(&ts(&p0), &tokens)? } else { self.model.embed(&plain(&p0), &tokens)? });
+        let mut x = y0.as_ref().expect("set").detach();
+        if !keep_graph {
+            y0 = None;
         }
+        drop(p0);
+        self.release(0);
+        let mut saved: Vec<(Var, Option<Tensor>)> = Vec::with_capacity(n_layers);
+        for b in 1..=n_layers {
+            let p = self.params_for(b, &mut gather)?;
+            let input = Var::from_tensor(&x)?;
+            if keep_graph {
+                let y = self.model.block(&ts(&p), input.as_tensor())?;
+                x = y.detach();
+                saved.push((input, Some(y)));
+            } else {
+                x = self.model.block(&plain(&p), input.as_tensor())?;
+                saved.push((input, None));
+            }
+            drop(p);
+            self.release(b);
+        }
+        let block_bytes = self.model.block_activation_bytes(rows, t);
+        let input_bytes = (rows * t * self.model.config().d_model * 4) as u64;
+        let head_bytes = self.model.head_activation_bytes(rows, t);
+        self.peak_activations = self.peak_activations.max(if keep_graph {
+            n_layers as u64 * block_bytes + head_bytes
+        } else {
+            n_layers as u64 * input_bytes + block_bytes + head_bytes
+        });
+
+        // The head, with the tied embedding; forward and backward back to back.
+        let ph = self.params_for(head, &mut gather)?;
+        let pw = self.params_for(0, &mut gather)?;
         let head_in = Var::from_tensor(&x)?;
-        let loss = self.model.head_loss(
-            &tensors(head),
-            vars[0][0].as_tensor(),
-            head_in.as_tensor(),
-            &targets,
-        )?;
+        let loss = self.model.head_loss(&ts(&ph), pw[0].as_tensor(), head_in.as_tensor(), &targets)?;
         let loss_value = f64::from(loss.to_scalar::<f32>()?);
         if !loss_value.is_finite() {
-            return Err(EngineError::NonFinite {
-                step: self.step + 1,
-                what: "loss",
-                value: loss_value,
-            });
+            return Err(EngineError::NonFinite { step: self.step + 1, what: "loss", value: loss_value });
         }
-        self.peak_activations = self.peak_activations.max(
-            n_layers as u64 * self.model.block_activation_bytes(rows, t)
-                + self.model.head_activation_bytes(rows, t),
-        );
-
-        // Backward, last block first; buckets leave as soon as their groups are done.
         let grads = loss.backward()?;
-        self.accumulate(head, &vars[head], &grads)?;
-        let wte_grad = grads
-            .get(vars[0][0].as_tensor())
-            .ok_or_else(|| EngineError::Usage("the tied head produced no wte gradient".into()))?;
-        add_into(
-            &mut self.grads[0][self.layouts[0].params[0].range.clone()],
-            wte_grad,
-        )?;
-        let mut dx = grads
-            .get(head_in.as_tensor())
-            .cloned()
-            .ok_or_else(|| missing("head input"))?;
-        drop(grads);
-        if last_micro {
+        self.accumulate(head, &ph, &grads)?;
+        let wte = grads.get(pw[0].as_tensor()).ok_or_else(|| missing("wte (tied head)"))?;
+        let wte_range = self.groups[0].layout.params[0].range.clone();
+        add_into(&mut self.micro_grads(0)[wte_range], wte)?;
+        let mut dx = grads.get(head_in.as_tensor()).cloned().ok_or_else(|| missing("head input"))?;
+        drop((grads, loss, ph, pw));
+        self.release(head);
+        self.release(0);
+        if reduce_now {
             self.group_done(head)?;
         }
+
+        // Backward through the blocks, last first.
         for b in (1..=n_layers).rev() {
-            let (input, y) = saved.pop().expect("one saved pair per block");
+            let (input, y) = saved.pop().expect("one saved entry per block");
+            let (p, y) = match y {
+                Some(y) => (self.params_for(b, &mut gather)?, y),
+                None => {
+                    let p = self.params_for(b, &mut gather)?;
+                    let y = self.model.block(&ts(&p), input.as_tensor())?;
+                    (p, y)
+                }
+            };
             let grads = (y * &dx)?.sum_all()?.backward()?;
-            self.accumulate(b, &vars[b], &grads)?;
-            dx = grads
-                .get(input.as_tensor())
-                .cloned()
-                .ok_or_else(|| missing("block input"))?;
-            if last_micro {
+            self.accumulate(b, &p, &grads)?;
+            dx = grads.get(input.as_tensor()).cloned().ok_or_else(|| missing("block input"))?;
+            drop((grads, p));
+            self.release(b);
+            if reduce_now {
                 self.group_done(b)?;
             }
         }
+        let p0 = self.params_for(0, &mut gather)?;
+        let y0 = match y0.take() {
+            Some(y) => y,
+            None => self.model.embed(&ts(&p0), &tokens)?,
+        };
         let grads = (y0 * &dx)?.sum_all()?.backward()?;
-        self.accumulate(0, &vars[0], &grads)?;
-        if last_micro {
+        self.accumulate(0, &p0, &grads)?;
+        drop((grads, p0));
+        self.release(0);
+        if reduce_now {
             self.group_done(0)?;
         }
+        debug_assert!(gather.finished());
 
         self.loss_sum += loss_value;
         self.tokens += (rows * t) as u64;
@@ -283,164 +413,201 @@ impl Engine {
         Ok(loss_value)
     }
 
-    /// Adds a block's parameter gradients into its flat gradient buffer.
-    fn accumulate(
-        &mut self,
-        g: usize,
-        vars: &[Var],
-        grads: &candle_core::backprop::GradStore,
-    ) -> Result<(), EngineError> {
-        for (slot, var) in self.layouts[g].params.iter().zip(vars) {
-            let grad = grads
-                .get(var.as_tensor())
-                .ok_or_else(|| missing(&slot.name))?;
-            add_into(&mut self.grads[g][slot.range.clone()], grad)?;
+    /// The buffer this micro-batch's gradients of group `g` accumulate into.
+    fn micro_grads(&mut self, g: usize) -> &mut Vec<f32> {
+        if self.stage < 2 {
+            return &mut self.groups[g].grads;
+        }
+        let padded = self.groups[g].layout.padded;
+        if self.groups[g].staging.is_none() {
+            self.comm_buffers.add((padded * 4) as u64);
+        }
+        self.groups[g].staging.get_or_insert_with(|| vec![0f32; padded])
+    }
+
+    /// Adds a block's parameter gradients into its micro-batch gradient buffer.
+    fn accumulate(&mut self, g: usize, vars: &[Var], grads: &GradStore) -> Result<(), EngineError> {
+        let slots = self.groups[g].layout.params.clone();
+        let buf = self.micro_grads(g);
+        for (slot, var) in slots.iter().zip(vars) {
+            let grad = grads.get(var.as_tensor()).ok_or_else(|| missing(&slot.name))?;
+            add_into(&mut buf[slot.range.clone()], grad)?;
         }
         Ok(())
     }
 
-    /// Called when backward has finished with group `g` on the last micro-batch:
-    /// launches the reduction of every bucket whose groups are all done.
+    /// Backward is done with group `g` for this micro-batch: launch the reduction
+    /// of its bucket if every group of the bucket is done.
     fn group_done(&mut self, g: usize) -> Result<(), EngineError> {
-        let Some(bi) = self
-            .buckets
-            .iter()
-            .position(|b| b.groups.last() == Some(&g))
-        else {
+        let Some(bi) = self.buckets.iter().position(|b| b.groups.last() == Some(&g)) else {
             return Ok(()); // more groups of this bucket are still to come
         };
         let world = self.comm.world_size();
-        let packed = self.buckets[bi].pack(&self.layouts, &self.grads, world);
-        let bytes = (packed.len() * 4) as u64;
-        self.in_flight_bytes += bytes;
-        self.peak_comm_buffers = self.peak_comm_buffers.max(self.in_flight_bytes);
-        let work = self.comm.all_reduce_async(packed);
-        if self.spec.zero.overlap_comm {
-            self.pending.push((bi, work));
+        let layouts: Vec<GroupLayout> = self.groups.iter().map(|x| x.layout.clone()).collect();
+        let packed = if self.stage < 2 {
+            let views: Vec<&[f32]> = self.groups.iter().map(|x| x.grads.as_slice()).collect();
+            self.buckets[bi].pack(&layouts, &views, world)
         } else {
-            let reduced = work.wait()?;
-            self.finish_bucket(bi, reduced);
+            let mut staged: Vec<Vec<f32>> = vec![Vec::new(); self.groups.len()];
+            for &h in &self.buckets[bi].groups {
+                let s = self.groups[h].staging.take().ok_or_else(|| missing("a staged gradient"))?;
+                self.comm_buffers.sub((s.len() * 4) as u64);
+                staged[h] = s;
+            }
+            let views: Vec<&[f32]> = staged.iter().map(Vec::as_slice).collect();
+            self.buckets[bi].pack(&layouts, &views, world)
+        };
+        let bytes = (packed.len() * 4) as u64;
+        self.comm_buffers.add(bytes);
+        let work = if self.stage == 0 {
+            self.comm.all_reduce_async(packed)
+        } else {
+            self.comm.reduce_scatter_async(packed)
+        };
+        let pending = PendingBucket { bucket: bi, work, bytes };
+        if self.spec.zero.overlap_comm {
+            self.pending.push(pending);
+        } else {
+            self.finish_bucket(pending)?;
         }
         Ok(())
     }
 
-    fn finish_bucket(&mut self, bi: usize, reduced: Vec<f32>) {
-        self.in_flight_bytes -= (reduced.len() * 4) as u64;
+    /// Waits for a bucket and puts its result where the stage keeps gradients.
+    fn finish_bucket(&mut self, p: PendingBucket) -> Result<(), EngineError> {
+        let reduced = p.work.wait()?;
+        self.comm_buffers.sub(p.bytes);
         let world = self.comm.world_size();
-        self.buckets[bi].unpack(&self.layouts, &reduced, &mut self.grads, world);
+        let rank = self.comm.rank();
+        let layouts: Vec<GroupLayout> = self.groups.iter().map(|x| x.layout.clone()).collect();
+        let bucket = self.buckets[p.bucket].clone();
+        match self.stage {
+            0 => {
+                let mut bufs: Vec<Vec<f32>> = self.groups.iter_mut().map(|g| std::mem::take(&mut g.grads)).collect();
+                bucket.unpack(&layouts, &reduced, &mut bufs, world);
+                for (g, b) in self.groups.iter_mut().zip(bufs) {
+                    g.grads = b;
+                }
+            }
+            1 => {
+                for (g, part) in bucket.own_parts(&layouts) {
+                    let own = layouts[g].slice(rank);
+                    self.groups[g].grads[own].copy_from_slice(&reduced[part]);
+                }
+            }
+            _ => {
+                for (g, part) in bucket.own_parts(&layouts) {
+                    self.groups[g].grads.iter_mut().zip(&reduced[part]).for_each(|(d, s)| *d += *s);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Finishes the optimizer step after `grad_accum` micro-batches.
     pub fn step(&mut self) -> Result<StepStats, EngineError> {
         let accum = self.spec.train.grad_accum;
         if self.micro != accum {
-            return Err(EngineError::Usage(format!(
-                "step after {} of {accum} micro-batches",
-                self.micro
-            )));
+            return Err(EngineError::Usage(format!("step after {} of {accum} micro-batches", self.micro)));
         }
-        for (bi, work) in std::mem::take(&mut self.pending) {
-            let reduced = work.wait()?;
-            self.finish_bucket(bi, reduced);
+        for p in std::mem::take(&mut self.pending) {
+            self.finish_bucket(p)?;
         }
         let world = self.comm.world_size();
         let rank = self.comm.rank();
         let step = self.step + 1;
         let scale = 1.0 / (world * accum) as f32;
-        for g in &mut self.grads {
-            g.iter_mut().for_each(|x| *x *= scale);
+        let stage = self.stage;
+        let full_grads = stage < 2;
+        // The gradients this rank owns (for the norm), and those it uses (stage 0
+        // updates everything, so it scales and clips everything).
+        let own_grads = |g: &Group| if full_grads { g.layout.slice(rank) } else { 0..g.grads.len() };
+        let used_grads = |g: &Group| if stage == 0 { 0..g.grads.len() } else { own_grads(g) };
+        for g in &mut self.groups {
+            let r = used_grads(g);
+            g.grads[r].iter_mut().for_each(|x| *x *= scale);
         }
 
         // Global norm: each rank's owned slices, added across ranks in rank order.
         let own_sq: f64 = self
-            .layouts
+            .groups
             .iter()
-            .zip(&self.grads)
-            .map(|(l, g)| {
-                g[l.slice(rank)]
-                    .iter()
-                    .map(|&x| f64::from(x) * f64::from(x))
-                    .sum::<f64>()
-            })
+            .map(|g| g.grads[own_grads(g)].iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>())
             .sum();
         let hi = own_sq as f32;
         let lo = (own_sq - f64::from(hi)) as f32;
         let parts = self.comm.all_gather(vec![hi, lo], 2 * world)?;
-        let total_sq: f64 = parts
-            .chunks(2)
-            .map(|p| f64::from(p[0]) + f64::from(p[1]))
-            .sum();
+        let total_sq: f64 = parts.chunks(2).map(|p| f64::from(p[0]) + f64::from(p[1])).sum();
         let grad_norm = total_sq.sqrt();
         if !grad_norm.is_finite() {
-            return Err(EngineError::NonFinite {
-                step,
-                what: "gradient norm",
-                value: grad_norm,
-            });
+            return Err(EngineError::NonFinite { step, what: "gradient norm", value: grad_norm });
         }
         let clip = self.spec.train.grad_clip;
         if clip > 0.0 && grad_norm > clip {
             let coef = (clip / (grad_norm + 1e-6)) as f32;
-            for g in &mut self.grads {
-                g.iter_mut().for_each(|x| *x *= coef);
+            for g in &mut self.groups {
+                let r = used_grads(g);
+                g.grads[r].iter_mut().for_each(|x| *x *= coef);
             }
         }
 
         let t = &self.spec.train;
         let lr = lr_at(step, t.steps, t.lr, t.warmup_steps, t.schedule);
-        let hp = AdamStep {
-            lr: lr as f32,
-            beta1: BETA1,
-            beta2: BETA2,
-            eps: EPS,
-            weight_decay: t.weight_decay as f32,
-            step,
-        };
-        for (g, l) in self.layouts.iter().enumerate() {
-            for (r, decay) in l.decay_runs(0..l.padded) {
+        let hp = AdamStep { lr: lr as f32, beta1: BETA1, beta2: BETA2, eps: EPS, weight_decay: t.weight_decay as f32, step };
+        for g in &mut self.groups {
+            // The flat range this rank updates, and where it sits in each buffer.
+            let region = if stage == 0 { 0..g.layout.padded } else { g.layout.slice(rank) };
+            let p_off = if g.partitioned { region.start } else { 0 };
+            let g_off = if full_grads { 0 } else { region.start };
+            let m_off = if stage == 0 { 0 } else { region.start };
+            for (r, decay) in g.layout.decay_runs(region) {
                 adamw(
-                    &mut self.params[g][r.clone()],
-                    &self.grads[g][r.clone()],
-                    &mut self.exp_avg[g][r.clone()],
-                    &mut self.exp_avg_sq[g][r.clone()],
+                    &mut g.params[r.start - p_off..r.end - p_off],
+                    &g.grads[r.start - g_off..r.end - g_off],
+                    &mut g.exp_avg[r.start - m_off..r.end - m_off],
+                    &mut g.exp_avg_sq[r.start - m_off..r.end - m_off],
                     decay,
                     &hp,
                 );
             }
         }
-        for g in &mut self.grads {
-            g.iter_mut().for_each(|x| *x = 0.0);
+        // Stages 1-2 (and whole groups at stage 3): share the updated slices.
+        if stage >= 1 {
+            let mut works = Vec::new();
+            for (i, g) in self.groups.iter().enumerate() {
+                if !g.partitioned {
+                    let own = g.params[g.layout.slice(rank)].to_vec();
+                    works.push((i, self.comm.all_gather_async(own, g.layout.padded)));
+                }
+            }
+            for (i, w) in works {
+                self.groups[i].params = w.wait()?;
+            }
         }
-        self.vars = None;
+        for g in &mut self.groups {
+            g.grads.iter_mut().for_each(|x| *x = 0.0);
+        }
+        self.vars.iter_mut().for_each(|v| *v = None);
 
         let counters = self.comm.counters();
         let comm = comm_bytes(&counters.since(&self.counters_at_start.take().unwrap_or(counters)));
-        let f32_bytes =
-            |bufs: &Vec<Vec<f32>>| bufs.iter().map(|b| (b.len() * 4) as u64).sum::<u64>();
+        let bytes = |f: &dyn Fn(&Group) -> usize| self.groups.iter().map(|g| (f(g) * 4) as u64).sum::<u64>();
         let mem = MemBytes {
-            params: f32_bytes(&self.params),
-            grads: f32_bytes(&self.grads),
+            params: bytes(&|g| g.params.len()),
+            grads: bytes(&|g| g.grads.len()),
             master: 0,
-            optimizer: f32_bytes(&self.exp_avg) + f32_bytes(&self.exp_avg_sq),
+            optimizer: bytes(&|g| g.exp_avg.len() + g.exp_avg_sq.len()),
             activations: self.peak_activations,
-            comm_buffers: self.peak_comm_buffers,
+            comm_buffers: self.comm_buffers.peak,
             offload_buffers: 0,
             peak_rss: peak_rss_bytes(),
         };
-        let stats = StepStats {
-            step,
-            loss: self.loss_sum / accum as f64,
-            lr,
-            grad_norm,
-            tokens: self.tokens,
-            mem,
-            comm,
-        };
+        let stats = StepStats { step, loss: self.loss_sum / accum as f64, lr, grad_norm, tokens: self.tokens, mem, comm };
         self.step = step;
         self.micro = 0;
         self.loss_sum = 0.0;
         self.tokens = 0;
-        self.peak_comm_buffers = 0;
+        self.comm_buffers = Transient::default();
         self.peak_activations = 0;
         Ok(stats)
     }
@@ -451,14 +618,9 @@ fn missing(what: &str) -> EngineError {
 }
 
 fn add_into(dst: &mut [f32], grad: &Tensor) -> Result<(), EngineError> {
-    let flat = grad.flatten_all()?;
-    let v = flat.to_vec1::<f32>()?;
+    let v = grad.flatten_all()?.to_vec1::<f32>()?;
     if v.len() != dst.len() {
-        return Err(EngineError::Usage(format!(
-            "gradient of {} elements for a slot of {}",
-            v.len(),
-            dst.len()
-        )));
+        return Err(EngineError::Usage(format!("gradient of {} elements for a slot of {}", v.len(), dst.len())));
     }
     dst.iter_mut().zip(&v).for_each(|(d, s)| *d += *s);
     Ok(())

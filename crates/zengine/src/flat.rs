@@ -141,7 +141,8 @@ impl Bucket {
     }
 
     /// Copies the groups' buffers into one rank-major bucket buffer.
-    pub fn pack(&self, layouts: &[GroupLayout], bufs: &[Vec<f32>], world: usize) -> Vec<f32> {
+    /// `bufs` is indexed by group; only this bucket's groups are read.
+    pub fn pack(&self, layouts: &[GroupLayout], bufs: &[&[f32]], world: usize) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.len);
         for r in 0..world {
             for &g in &self.groups {
@@ -149,6 +150,20 @@ impl Bucket {
             }
         }
         out
+    }
+
+    /// Splits rank `rank`'s chunk of a packed bucket into its groups' slices:
+    /// yields (group, range within the chunk).
+    pub fn own_parts(&self, layouts: &[GroupLayout]) -> Vec<(usize, Range<usize>)> {
+        let mut at = 0;
+        self.groups
+            .iter()
+            .map(|&g| {
+                let n = layouts[g].slice_len();
+                at += n;
+                (g, at - n..at)
+            })
+            .collect()
     }
 
     /// Copies a rank-major bucket buffer back into the groups' buffers.
@@ -220,7 +235,8 @@ mod tests {
             .map(|(g, l)| (0..l.padded).map(|i| (g * 1000 + i) as f32).collect())
             .collect();
         let b = &buckets[1];
-        let packed = b.pack(&layouts, &bufs, world);
+        let views: Vec<&[f32]> = bufs.iter().map(Vec::as_slice).collect();
+        let packed = b.pack(&layouts, &views, world);
         let chunk = zcomm::chunk_range(packed.len(), world, 1);
         let mut want = bufs[1][layouts[1].slice(1)].to_vec();
         want.extend_from_slice(&bufs[0][layouts[0].slice(1)]);

@@ -6,6 +6,7 @@
 //!   bucket layout that makes a bucket's chunk r exactly rank r's slices.
 //! - [`engine`]: the step: block-by-block forward and backward, gradients reduced in
 //!   buckets while backward continues, global-norm clipping, AdamW, accounting.
+//! - [`gather`]: stage 3's parameter all-gathers, in planned order, with prefetch.
 //! - [`adam`]: the fused AdamW update over a flat slice.
 //! - [`schedule`]: warmup and learning-rate schedules.
 //!
@@ -18,6 +19,7 @@
 pub mod adam;
 pub mod engine;
 pub mod flat;
+pub mod gather;
 pub mod schedule;
 
 pub use engine::{Engine, EngineError, StepStats};
