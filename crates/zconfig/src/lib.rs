@@ -6,6 +6,8 @@
 //!   and the semantic checks that must pass before anything launches.
 //! - [`hostfile`]: DeepSpeed's hostfile format, `--include` / `--exclude`, and the
 //!   resolved [`Topology`] (nodes, slots, ranks).
+//! - [`estimate`]: ZeRO's memory formulas, offload rows, activation estimates
+//!   (`zrun estimate`; arithmetic only, so it lives here, not in the engine).
 //! - [`error`]: one error type whose messages say where (file:line:col, key path,
 //!   hostfile line) and what.
 //!
@@ -17,6 +19,7 @@
 //! engine.
 
 pub mod error;
+pub mod estimate;
 pub mod hostfile;
 pub mod load;
 pub mod spec;

@@ -160,7 +160,9 @@ impl Engine {
     pub fn new(spec: &JobSpec, comm: Arc<dyn Communicator>) -> Result<Engine, EngineError> {
         let stage = spec.zero.stage;
         if stage > 3 {
-            return Err(EngineError::Usage(format!("ZeRO stage {stage} does not exist")));
+            return Err(EngineError::Usage(format!(
+                "ZeRO stage {stage} does not exist"
+            )));
         }
         let m = &spec.model;
         let model = Gpt::new(GptConfig {
@@ -176,7 +178,11 @@ impl Engine {
         for (g, gs) in model.groups().iter().enumerate() {
             let layout = GroupLayout::new(gs, world);
             let mut full = vec![0f32; layout.padded];
-            for (slot, values) in layout.params.iter().zip(model.init_group(g, spec.train.seed)) {
+            for (slot, values) in layout
+                .params
+                .iter()
+                .zip(model.init_group(g, spec.train.seed))
+            {
                 full[slot.range.clone()].copy_from_slice(&values);
             }
             let partitioned = stage == 3 && layout.numel >= threshold;
@@ -184,7 +190,11 @@ impl Engine {
             let n = layout.slice_len();
             groups.push(Group {
                 partitioned,
-                params: if partitioned { full[own].to_vec() } else { full },
+                params: if partitioned {
+                    full[own].to_vec()
+                } else {
+                    full
+                },
                 grads: vec![0f32; if stage < 2 { layout.padded } else { n }],
                 staging: None,
                 exp_avg: vec![0f32; if stage == 0 { layout.padded } else { n }],
@@ -260,7 +270,11 @@ impl Engine {
     fn vars_from(&self, g: usize, full: &[f32]) -> Result<Vec<Var>, EngineError> {
         let mut out = Vec::with_capacity(self.groups[g].layout.params.len());
         for slot in &self.groups[g].layout.params {
-            out.push(Var::from_slice(&full[slot.range.clone()], slot.shape.as_slice(), &Device::Cpu)?);
+            out.push(Var::from_slice(
+                &full[slot.range.clone()],
+                slot.shape.as_slice(),
+                &Device::Cpu,
+            )?);
         }
         Ok(out)
     }
@@ -287,7 +301,8 @@ impl Engine {
     /// Marks a gathered group's parameters as released.
     fn release(&mut self, g: usize) {
         if self.groups[g].partitioned {
-            self.comm_buffers.sub((self.groups[g].layout.padded * 4) as u64);
+            self.comm_buffers
+                .sub((self.groups[g].layout.padded * 4) as u64);
         }
     }
 
@@ -298,7 +313,9 @@ impl Engine {
             self.counters_at_start = Some(self.comm.counters());
         }
         if self.micro >= self.spec.train.grad_accum {
-            return Err(EngineError::Usage("more micro-batches than grad_accum before step()".into()));
+            return Err(EngineError::Usage(
+                "more micro-batches than grad_accum before step()".into(),
+            ));
         }
         let reduce_now = self.stage >= 2 || self.micro + 1 == self.spec.train.grad_accum;
         let (rows, t) = (batch.rows, batch.seq_len);
@@ -314,13 +331,19 @@ impl Engine {
             self.spec.zero.prefetch_bucket_size.0 as usize,
             self.spec.zero.overlap_comm,
         );
-        let ts = |vars: &[Var]| -> Vec<Tensor> { vars.iter().map(|v| v.as_tensor().clone()).collect() };
-        let plain = |vars: &[Var]| -> Vec<Tensor> { vars.iter().map(|v| v.as_tensor().detach()).collect() };
+        let ts =
+            |vars: &[Var]| -> Vec<Tensor> { vars.iter().map(|v| v.as_tensor().clone()).collect() };
+        let plain =
+            |vars: &[Var]| -> Vec<Tensor> { vars.iter().map(|v| v.as_tensor().detach()).collect() };
 
         // Forward. In graph mode keep (input Var, output) per block; otherwise only
         // the block's input, and recompute in backward.
         let p0 = self.params_for(0, &mut gather)?;
-        let mut y0 = Some(if keep_graph { self.model.embed(&ts(&p0), &tokens)? } else { self.model.embed(&plain(&p0), &tokens)? });
+        let mut y0 = Some(if keep_graph {
+            self.model.embed(&ts(&p0), &tokens)?
+        } else {
+            self.model.embed(&plain(&p0), &tokens)?
+        });
         let mut x = y0.as_ref().expect("set").detach();
         if !keep_graph {
             y0 = None;
@@ -342,9 +365,10 @@ impl Engine {
             drop(p);
             self.release(b);
         }
-        let block_bytes = self.model.block_activation_bytes(rows, t);
-        let input_bytes = (rows * t * self.model.config().d_model * 4) as u64;
-        let head_bytes = self.model.head_activation_bytes(rows, t);
+        let m = &self.spec.model;
+        let block_bytes = zconfig::estimate::gpt_block_activation_bytes(m, rows, t) as u64;
+        let input_bytes = (rows * t * m.d_model * 4) as u64;
+        let head_bytes = zconfig::estimate::gpt_head_activation_bytes(m, rows, t) as u64;
         self.peak_activations = self.peak_activations.max(if keep_graph {
             n_layers as u64 * block_bytes + head_bytes
         } else {
@@ -355,17 +379,28 @@ impl Engine {
         let ph = self.params_for(head, &mut gather)?;
         let pw = self.params_for(0, &mut gather)?;
         let head_in = Var::from_tensor(&x)?;
-        let loss = self.model.head_loss(&ts(&ph), pw[0].as_tensor(), head_in.as_tensor(), &targets)?;
+        let loss =
+            self.model
+                .head_loss(&ts(&ph), pw[0].as_tensor(), head_in.as_tensor(), &targets)?;
         let loss_value = f64::from(loss.to_scalar::<f32>()?);
         if !loss_value.is_finite() {
-            return Err(EngineError::NonFinite { step: self.step + 1, what: "loss", value: loss_value });
+            return Err(EngineError::NonFinite {
+                step: self.step + 1,
+                what: "loss",
+                value: loss_value,
+            });
         }
         let grads = loss.backward()?;
         self.accumulate(head, &ph, &grads)?;
-        let wte = grads.get(pw[0].as_tensor()).ok_or_else(|| missing("wte (tied head)"))?;
+        let wte = grads
+            .get(pw[0].as_tensor())
+            .ok_or_else(|| missing("wte (tied head)"))?;
         let wte_range = self.groups[0].layout.params[0].range.clone();
         add_into(&mut self.micro_grads(0)[wte_range], wte)?;
-        let mut dx = grads.get(head_in.as_tensor()).cloned().ok_or_else(|| missing("head input"))?;
+        let mut dx = grads
+            .get(head_in.as_tensor())
+            .cloned()
+            .ok_or_else(|| missing("head input"))?;
         drop((grads, loss, ph, pw));
         self.release(head);
         self.release(0);
@@ -386,7 +421,10 @@ impl Engine {
             };
             let grads = (y * &dx)?.sum_all()?.backward()?;
             self.accumulate(b, &p, &grads)?;
-            dx = grads.get(input.as_tensor()).cloned().ok_or_else(|| missing("block input"))?;
+            dx = grads
+                .get(input.as_tensor())
+                .cloned()
+                .ok_or_else(|| missing("block input"))?;
             drop((grads, p));
             self.release(b);
             if reduce_now {
@@ -422,7 +460,9 @@ impl Engine {
         if self.groups[g].staging.is_none() {
             self.comm_buffers.add((padded * 4) as u64);
         }
-        self.groups[g].staging.get_or_insert_with(|| vec![0f32; padded])
+        self.groups[g]
+            .staging
+            .get_or_insert_with(|| vec![0f32; padded])
     }
 
     /// Adds a block's parameter gradients into its micro-batch gradient buffer.
@@ -430,7 +470,9 @@ impl Engine {
         let slots = self.groups[g].layout.params.clone();
         let buf = self.micro_grads(g);
         for (slot, var) in slots.iter().zip(vars) {
-            let grad = grads.get(var.as_tensor()).ok_or_else(|| missing(&slot.name))?;
+            let grad = grads
+                .get(var.as_tensor())
+                .ok_or_else(|| missing(&slot.name))?;
             add_into(&mut buf[slot.range.clone()], grad)?;
         }
         Ok(())
@@ -439,7 +481,11 @@ impl Engine {
     /// Backward is done with group `g` for this micro-batch: launch the reduction
     /// of its bucket if every group of the bucket is done.
     fn group_done(&mut self, g: usize) -> Result<(), EngineError> {
-        let Some(bi) = self.buckets.iter().position(|b| b.groups.last() == Some(&g)) else {
+        let Some(bi) = self
+            .buckets
+            .iter()
+            .position(|b| b.groups.last() == Some(&g))
+        else {
             return Ok(()); // more groups of this bucket are still to come
         };
         let world = self.comm.world_size();
@@ -450,7 +496,10 @@ impl Engine {
         } else {
             let mut staged: Vec<Vec<f32>> = vec![Vec::new(); self.groups.len()];
             for &h in &self.buckets[bi].groups {
-                let s = self.groups[h].staging.take().ok_or_else(|| missing("a staged gradient"))?;
+                let s = self.groups[h]
+                    .staging
+                    .take()
+                    .ok_or_else(|| missing("a staged gradient"))?;
                 self.comm_buffers.sub((s.len() * 4) as u64);
                 staged[h] = s;
             }
@@ -464,7 +513,11 @@ impl Engine {
         } else {
             self.comm.reduce_scatter_async(packed)
         };
-        let pending = PendingBucket { bucket: bi, work, bytes };
+        let pending = PendingBucket {
+            bucket: bi,
+            work,
+            bytes,
+        };
         if self.spec.zero.overlap_comm {
             self.pending.push(pending);
         } else {
@@ -483,7 +536,11 @@ impl Engine {
         let bucket = self.buckets[p.bucket].clone();
         match self.stage {
             0 => {
-                let mut bufs: Vec<Vec<f32>> = self.groups.iter_mut().map(|g| std::mem::take(&mut g.grads)).collect();
+                let mut bufs: Vec<Vec<f32>> = self
+                    .groups
+                    .iter_mut()
+                    .map(|g| std::mem::take(&mut g.grads))
+                    .collect();
                 bucket.unpack(&layouts, &reduced, &mut bufs, world);
                 for (g, b) in self.groups.iter_mut().zip(bufs) {
                     g.grads = b;
@@ -497,7 +554,11 @@ impl Engine {
             }
             _ => {
                 for (g, part) in bucket.own_parts(&layouts) {
-                    self.groups[g].grads.iter_mut().zip(&reduced[part]).for_each(|(d, s)| *d += *s);
+                    self.groups[g]
+                        .grads
+                        .iter_mut()
+                        .zip(&reduced[part])
+                        .for_each(|(d, s)| *d += *s);
                 }
             }
         }
@@ -508,7 +569,10 @@ impl Engine {
     pub fn step(&mut self) -> Result<StepStats, EngineError> {
         let accum = self.spec.train.grad_accum;
         if self.micro != accum {
-            return Err(EngineError::Usage(format!("step after {} of {accum} micro-batches", self.micro)));
+            return Err(EngineError::Usage(format!(
+                "step after {} of {accum} micro-batches",
+                self.micro
+            )));
         }
         for p in std::mem::take(&mut self.pending) {
             self.finish_bucket(p)?;
@@ -521,8 +585,20 @@ impl Engine {
         let full_grads = stage < 2;
         // The gradients this rank owns (for the norm), and those it uses (stage 0
         // updates everything, so it scales and clips everything).
-        let own_grads = |g: &Group| if full_grads { g.layout.slice(rank) } else { 0..g.grads.len() };
-        let used_grads = |g: &Group| if stage == 0 { 0..g.grads.len() } else { own_grads(g) };
+        let own_grads = |g: &Group| {
+            if full_grads {
+                g.layout.slice(rank)
+            } else {
+                0..g.grads.len()
+            }
+        };
+        let used_grads = |g: &Group| {
+            if stage == 0 {
+                0..g.grads.len()
+            } else {
+                own_grads(g)
+            }
+        };
         for g in &mut self.groups {
             let r = used_grads(g);
             g.grads[r].iter_mut().for_each(|x| *x *= scale);
@@ -532,15 +608,27 @@ impl Engine {
         let own_sq: f64 = self
             .groups
             .iter()
-            .map(|g| g.grads[own_grads(g)].iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>())
+            .map(|g| {
+                g.grads[own_grads(g)]
+                    .iter()
+                    .map(|&x| f64::from(x) * f64::from(x))
+                    .sum::<f64>()
+            })
             .sum();
         let hi = own_sq as f32;
         let lo = (own_sq - f64::from(hi)) as f32;
         let parts = self.comm.all_gather(vec![hi, lo], 2 * world)?;
-        let total_sq: f64 = parts.chunks(2).map(|p| f64::from(p[0]) + f64::from(p[1])).sum();
+        let total_sq: f64 = parts
+            .chunks(2)
+            .map(|p| f64::from(p[0]) + f64::from(p[1]))
+            .sum();
         let grad_norm = total_sq.sqrt();
         if !grad_norm.is_finite() {
-            return Err(EngineError::NonFinite { step, what: "gradient norm", value: grad_norm });
+            return Err(EngineError::NonFinite {
+                step,
+                what: "gradient norm",
+                value: grad_norm,
+            });
         }
         let clip = self.spec.train.grad_clip;
         if clip > 0.0 && grad_norm > clip {
@@ -553,10 +641,21 @@ impl Engine {
 
         let t = &self.spec.train;
         let lr = lr_at(step, t.steps, t.lr, t.warmup_steps, t.schedule);
-        let hp = AdamStep { lr: lr as f32, beta1: BETA1, beta2: BETA2, eps: EPS, weight_decay: t.weight_decay as f32, step };
+        let hp = AdamStep {
+            lr: lr as f32,
+            beta1: BETA1,
+            beta2: BETA2,
+            eps: EPS,
+            weight_decay: t.weight_decay as f32,
+            step,
+        };
         for g in &mut self.groups {
             // The flat range this rank updates, and where it sits in each buffer.
-            let region = if stage == 0 { 0..g.layout.padded } else { g.layout.slice(rank) };
+            let region = if stage == 0 {
+                0..g.layout.padded
+            } else {
+                g.layout.slice(rank)
+            };
             let p_off = if g.partitioned { region.start } else { 0 };
             let g_off = if full_grads { 0 } else { region.start };
             let m_off = if stage == 0 { 0 } else { region.start };
@@ -591,7 +690,9 @@ impl Engine {
 
         let counters = self.comm.counters();
         let comm = comm_bytes(&counters.since(&self.counters_at_start.take().unwrap_or(counters)));
-        let bytes = |f: &dyn Fn(&Group) -> usize| self.groups.iter().map(|g| (f(g) * 4) as u64).sum::<u64>();
+        let bytes = |f: &dyn Fn(&Group) -> usize| {
+            self.groups.iter().map(|g| (f(g) * 4) as u64).sum::<u64>()
+        };
         let mem = MemBytes {
             params: bytes(&|g| g.params.len()),
             grads: bytes(&|g| g.grads.len()),
@@ -602,7 +703,15 @@ impl Engine {
             offload_buffers: 0,
             peak_rss: peak_rss_bytes(),
         };
-        let stats = StepStats { step, loss: self.loss_sum / accum as f64, lr, grad_norm, tokens: self.tokens, mem, comm };
+        let stats = StepStats {
+            step,
+            loss: self.loss_sum / accum as f64,
+            lr,
+            grad_norm,
+            tokens: self.tokens,
+            mem,
+            comm,
+        };
         self.step = step;
         self.micro = 0;
         self.loss_sum = 0.0;
@@ -620,7 +729,11 @@ fn missing(what: &str) -> EngineError {
 fn add_into(dst: &mut [f32], grad: &Tensor) -> Result<(), EngineError> {
     let v = grad.flatten_all()?.to_vec1::<f32>()?;
     if v.len() != dst.len() {
-        return Err(EngineError::Usage(format!("gradient of {} elements for a slot of {}", v.len(), dst.len())));
+        return Err(EngineError::Usage(format!(
+            "gradient of {} elements for a slot of {}",
+            v.len(),
+            dst.len()
+        )));
     }
     dst.iter_mut().zip(&v).for_each(|(d, s)| *d += *s);
     Ok(())

@@ -25,7 +25,14 @@ impl Prefetcher {
     /// Gathers will be requested in `order` (group indices); `padded[g]` is group
     /// g's full length.
     pub fn new(order: Vec<usize>, padded: Vec<usize>, budget: usize, overlap: bool) -> Prefetcher {
-        Prefetcher { order, padded, next: 0, pending: VecDeque::new(), budget, overlap }
+        Prefetcher {
+            order,
+            padded,
+            next: 0,
+            pending: VecDeque::new(),
+            budget,
+            overlap,
+        }
     }
 
     /// Returns group `g`'s full (padded) parameters; `g` must be the next in order.

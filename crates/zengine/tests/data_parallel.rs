@@ -15,7 +15,14 @@ fn spec(accum: usize, bucket: u64, overlap: bool) -> JobSpec {
     zero_spec(0, accum, bucket, overlap, false, 6)
 }
 
-fn zero_spec(stage: u8, accum: usize, bucket: u64, overlap: bool, ckpt: bool, steps: u64) -> JobSpec {
+fn zero_spec(
+    stage: u8,
+    accum: usize,
+    bucket: u64,
+    overlap: bool,
+    ckpt: bool,
+    steps: u64,
+) -> JobSpec {
     let yaml = format!(
         "model: {{vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, seq_len: 16}}\n\
          data: {{format: synthetic}}\n\
@@ -157,7 +164,10 @@ fn accumulation_agrees_across_stages() {
     for stage in 1..=3u8 {
         let got = train(zero_spec(stage, 2, 2000, true, false, 4), 2);
         for (a, b) in base[0].1.iter().flatten().zip(got[0].1.iter().flatten()) {
-            assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "stage {stage}: {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + a.abs()),
+                "stage {stage}: {a} vs {b}"
+            );
         }
     }
 }

@@ -9,7 +9,7 @@
 //! Initialisation is seeded per parameter, so every rank builds the same model
 //! without communicating.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
@@ -272,26 +272,6 @@ impl Gpt {
         let logits = rows.matmul(&wte.t()?)?;
         cross_entropy(&logits, &targets.flatten_all()?)
     }
-
-    /// Bytes of activations one block keeps for backward, for `b` sequences of `t`
-    /// tokens in f32: the tensors its graph holds (inputs of every op that needs
-    /// them), counted from the forward above.
-    pub fn block_activation_bytes(&self, b: usize, t: usize) -> u64 {
-        let (d, h) = (self.cfg.d_model, self.cfg.n_heads);
-        let rows = b * t;
-        // x, ln_1 (centered, normed), qkv, q/k/v copies, scores, probs, att·v,
-        // attn out, x + attn, ln_2 (centered, normed), fc, gelu, proj, x + mlp.
-        let per_token = d + 2 * d + 3 * d + 3 * d + d + d + d + 2 * d + 4 * d + 4 * d + d + d;
-        let attention = 2 * b * h * t * t;
-        ((rows * per_token + attention) * DType::F32.size_in_bytes()) as u64
-    }
-
-    /// Bytes of activations the head keeps for backward: its input, the normed
-    /// rows, and logits with their shifted and exponentiated copies.
-    pub fn head_activation_bytes(&self, b: usize, t: usize) -> u64 {
-        let (d, v) = (self.cfg.d_model, self.cfg.vocab_size);
-        ((b * t * (3 * d + 3 * v)) * DType::F32.size_in_bytes()) as u64
-    }
 }
 
 #[cfg(test)]
@@ -389,6 +369,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn param_count_matches_the_estimator() {
+        let g = tiny();
+        let c = g.config();
+        let m = zconfig::spec::ModelSpec {
+            kind: "gpt".into(),
+            vocab_size: c.vocab_size,
+            d_model: c.d_model,
+            n_layers: c.n_layers,
+            n_heads: c.n_heads,
+            seq_len: c.seq_len,
+            init_from: None,
+        };
+        assert_eq!(g.param_count() as f64, zconfig::estimate::gpt_params(&m));
+        let largest = g
+            .groups()
+            .iter()
+            .map(|gs| gs.params.iter().map(ParamSpec::numel).sum::<usize>())
+            .max()
+            .unwrap();
+        assert_eq!(largest as f64, zconfig::estimate::gpt_largest_group(&m));
     }
 
     #[test]

@@ -22,6 +22,34 @@ pub enum Command {
     Check(CheckArgs),
     /// Measure throughput.
     Bench(BenchArgs),
+    /// Predict memory per device for every ZeRO stage and offload choice.
+    Estimate(EstimateArgs),
+}
+
+/// `zrun estimate`.
+#[derive(Debug, Args)]
+pub struct EstimateArgs {
+    /// A job spec: its model, dtype, micro-batch and (with --hostfile) topology.
+    #[arg(value_name = "JOB.yaml", conflicts_with = "params")]
+    pub job: Option<PathBuf>,
+    /// Or a parameter count (`7.5e9`, `1.3B`, `350M`), with mixed-precision Adam.
+    #[arg(long, value_name = "N")]
+    pub params: Option<String>,
+    /// Nodes (default 1, or the hostfile's).
+    #[arg(long, value_name = "N")]
+    pub nodes: Option<usize>,
+    /// Workers per node (default 2, or the hostfile's).
+    #[arg(long, value_name = "N")]
+    pub workers_per_node: Option<usize>,
+    /// Hosts and slots, for a job's topology.
+    #[arg(long, value_name = "FILE")]
+    pub hostfile: Option<PathBuf>,
+    /// Override a job-spec key (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Where and how workers start.

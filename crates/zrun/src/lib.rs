@@ -14,12 +14,14 @@
 //!   and signals into progress, metrics and an exit code.
 //! - [`metrics`]: aggregation of per-rank step reports into `metrics.jsonl` lines.
 //! - [`bench`]: `zrun bench comm`.
+//! - [`estimate`]: `zrun estimate`, and the memory warning before a launch.
 //!
 //! zrun links no model and no transport: everything that computes runs inside
 //! `zworker`, so zrun builds fast and is safe to run on a login node.
 
 pub mod bench;
 pub mod cli;
+pub mod estimate;
 pub mod launch;
 pub mod metrics;
 pub mod plan;
@@ -93,5 +95,6 @@ pub fn run() -> anyhow::Result<ExitCode> {
         cli::Command::Bench(cli::BenchArgs {
             what: cli::BenchWhat::Comm(args),
         }) => bench::comm(args),
+        cli::Command::Estimate(args) => estimate::estimate(args),
     }
 }

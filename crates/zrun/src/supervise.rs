@@ -64,6 +64,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     let topo = topology(&args.launch)?;
     job.validate(topo.world_size())?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
+    warn_if_too_big(&plan);
     let run_dir = PathBuf::from(&plan.spec.run_dir);
     let metrics_path = args
         .metrics
@@ -121,6 +122,29 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         Outcome::Failed { code, message } => {
             eprintln!("zrun: {message}");
             Ok(ExitCode::from(code))
+        }
+    }
+}
+
+/// Warns when the estimate of a worker's memory exceeds its share of this host's.
+fn warn_if_too_big(plan: &LaunchPlan) {
+    let need = crate::estimate::per_worker_bytes(&plan.spec, &plan.topology);
+    let local = plan
+        .topology
+        .nodes
+        .iter()
+        .map(|n| n.slots.len())
+        .max()
+        .unwrap_or(1);
+    if let Some(avail) = crate::estimate::mem_available() {
+        let share = avail / local as f64;
+        if need > share {
+            eprintln!(
+                "zrun: warning: a worker is estimated to need {:.2} GiB (ZeRO stage {} model states + activations), more than its {:.2} GiB share of this host's available memory ({local} workers); see `zrun estimate`",
+                need / f64::from(1 << 30),
+                plan.spec.zero.stage,
+                share / f64::from(1 << 30)
+            );
         }
     }
 }

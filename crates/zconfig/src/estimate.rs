@@ -1,0 +1,216 @@
+//! Memory estimates: ZeRO's model-state formulas, offload variants, and the
+//! activations of a job's micro-batch.
+//!
+//! Model states per device, with p / g bytes per parameter and gradient and K
+//! bytes of optimizer state per parameter, Ψ parameters and N data-parallel
+//! ranks (the ZeRO paper, section 5):
+//!
+//! | stage | bytes per device |
+//! |---|---|
+//! | 0 | (p + g + K)Ψ |
+//! | 1 | (p + g)Ψ + KΨ/N |
+//! | 2 | pΨ + (g + K)Ψ/N |
+//! | 3 | (p + g + K)Ψ/N |
+//!
+//! Mixed precision is p = g = 2, K = 12 (f32 master, m, v): Table 1 of the paper.
+//! zrun's f32 training keeps no separate master copy: p = g = 4, K = 8.
+//! Offload rows move the optimizer state (ZeRO-Offload) and, at stage 3, the
+//! parameters too (ZeRO-Infinity) to host memory or NVMe; what must stay on the
+//! device is then the largest layer, which has to be whole while it computes.
+
+use serde::Serialize;
+
+use crate::spec::{Dtype, ModelSpec};
+
+/// Bytes per parameter of each kind of model state.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StateBytes {
+    /// Working parameters.
+    pub param: f64,
+    /// Gradients.
+    pub grad: f64,
+    /// Optimizer state (and master weights).
+    pub optimizer: f64,
+}
+
+impl StateBytes {
+    /// For a training dtype: f32 (4, 4, 8) or mixed precision (2, 2, 12).
+    pub fn for_dtype(d: Dtype) -> StateBytes {
+        match d {
+            Dtype::F32 => StateBytes {
+                param: 4.0,
+                grad: 4.0,
+                optimizer: 8.0,
+            },
+            Dtype::Bf16 | Dtype::F16 => StateBytes {
+                param: 2.0,
+                grad: 2.0,
+                optimizer: 12.0,
+            },
+        }
+    }
+}
+
+/// One configuration's memory.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Row {
+    /// ZeRO stage.
+    pub stage: u8,
+    /// `none`, `optimizer:cpu`, `optimizer:nvme`, `optimizer+param:cpu`, `optimizer+param:nvme`.
+    pub offload: &'static str,
+    /// Model states on each device.
+    pub bytes_per_device: f64,
+    /// Model states in host memory, per node.
+    pub host_bytes_per_node: f64,
+    /// Model states on NVMe, per node.
+    pub nvme_bytes_per_node: f64,
+}
+
+/// Model-state memory of every stage and offload variant.
+pub fn model_state_rows(
+    psi: f64,
+    nodes: usize,
+    workers_per_node: usize,
+    b: StateBytes,
+    largest_layer: f64,
+) -> Vec<Row> {
+    let n = (nodes * workers_per_node) as f64;
+    let w = workers_per_node as f64;
+    let StateBytes {
+        param: p,
+        grad: g,
+        optimizer: k,
+    } = b;
+    let device = |stage: u8| match stage {
+        0 => (p + g + k) * psi,
+        1 => (p + g) * psi + k * psi / n,
+        2 => p * psi + (g + k) * psi / n,
+        _ => (p + g + k) * psi / n,
+    };
+    let mut rows: Vec<Row> = (0..=3)
+        .map(|s| Row {
+            stage: s,
+            offload: "none",
+            bytes_per_device: device(s),
+            host_bytes_per_node: 0.0,
+            nvme_bytes_per_node: 0.0,
+        })
+        .collect();
+    for s in 1..=3u8 {
+        let on_device = device(s) - k * psi / n;
+        let off = k * psi / n * w;
+        rows.push(Row {
+            stage: s,
+            offload: "optimizer:cpu",
+            bytes_per_device: on_device,
+            host_bytes_per_node: off,
+            nvme_bytes_per_node: 0.0,
+        });
+        rows.push(Row {
+            stage: s,
+            offload: "optimizer:nvme",
+            bytes_per_device: on_device,
+            host_bytes_per_node: 0.0,
+            nvme_bytes_per_node: off,
+        });
+    }
+    let layer = p * largest_layer;
+    let all = (p + g + k) * psi / n * w;
+    rows.push(Row {
+        stage: 3,
+        offload: "optimizer+param:cpu",
+        bytes_per_device: layer,
+        host_bytes_per_node: all,
+        nvme_bytes_per_node: 0.0,
+    });
+    // ZeRO-Infinity keeps gradients in host memory and the rest on NVMe.
+    let grads = g * psi / n * w;
+    rows.push(Row {
+        stage: 3,
+        offload: "optimizer+param:nvme",
+        bytes_per_device: layer,
+        host_bytes_per_node: grads,
+        nvme_bytes_per_node: all - grads,
+    });
+    rows
+}
+
+/// Parameters of a GPT of this shape (tied head; GPT-2 layout).
+pub fn gpt_params(m: &ModelSpec) -> f64 {
+    let (v, d, l, t) = (
+        m.vocab_size as f64,
+        m.d_model as f64,
+        m.n_layers as f64,
+        m.seq_len as f64,
+    );
+    v * d + t * d + l * (12.0 * d * d + 13.0 * d) + 2.0 * d
+}
+
+/// Elements of the largest parameter group (a block, or the embeddings).
+pub fn gpt_largest_group(m: &ModelSpec) -> f64 {
+    let (v, d, t) = (m.vocab_size as f64, m.d_model as f64, m.seq_len as f64);
+    (12.0 * d * d + 13.0 * d).max((v + t) * d)
+}
+
+/// Bytes of activations one transformer block keeps for backward (f32), for `b`
+/// sequences of `t` tokens: the tensors its autograd graph holds.
+pub fn gpt_block_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
+    let (d, h) = (m.d_model as f64, m.n_heads as f64);
+    let (b, t) = (b as f64, t as f64);
+    // x, ln_1 (2), qkv (3), q/k/v (3), att·v, attn out, x + attn, ln_2 (2),
+    // fc (4), gelu (4), proj, x + mlp: 24 d per token; scores and probs: 2 h t per token.
+    4.0 * (b * t * 24.0 * d + 2.0 * b * h * t * t)
+}
+
+/// Bytes the head keeps for backward: input, normed rows, logits and two copies.
+pub fn gpt_head_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
+    4.0 * (b * t) as f64 * (3.0 * m.d_model as f64 + 3.0 * m.vocab_size as f64)
+}
+
+/// Activation bytes of one micro-batch per worker, without and with checkpointing.
+pub fn gpt_activation_bytes(m: &ModelSpec, micro_batch: usize) -> (f64, f64) {
+    let t = m.seq_len;
+    let block = gpt_block_activation_bytes(m, micro_batch, t);
+    let head = gpt_head_activation_bytes(m, micro_batch, t);
+    let inputs = 4.0 * (micro_batch * t * m.d_model) as f64;
+    let l = m.n_layers as f64;
+    (l * block + head, l * inputs + block + head)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reproduces_table_1_of_the_zero_paper() {
+        // Ψ = 7.5B, 4 nodes × 16 devices, mixed-precision Adam (K = 12).
+        let rows = model_state_rows(7.5e9, 4, 16, StateBytes::for_dtype(Dtype::Bf16), 0.0);
+        let gb: Vec<String> = rows[..4]
+            .iter()
+            .map(|r| format!("{:.1}", r.bytes_per_device / 1e9))
+            .collect();
+        assert_eq!(gb, ["120.0", "31.4", "16.6", "1.9"]);
+        assert_eq!(rows[1].bytes_per_device, 4.0 * 7.5e9 + 12.0 * 7.5e9 / 64.0);
+    }
+
+    #[test]
+    fn offload_moves_optimizer_state_off_the_device() {
+        let psi = 1e9;
+        let rows = model_state_rows(psi, 2, 8, StateBytes::for_dtype(Dtype::Bf16), 1e7);
+        let s2_cpu = rows
+            .iter()
+            .find(|r| r.stage == 2 && r.offload == "optimizer:cpu")
+            .unwrap();
+        assert_eq!(s2_cpu.bytes_per_device, 2.0 * psi + 2.0 * psi / 16.0);
+        assert_eq!(s2_cpu.host_bytes_per_node, 12.0 * psi / 16.0 * 8.0);
+        let inf = rows
+            .iter()
+            .find(|r| r.offload == "optimizer+param:nvme")
+            .unwrap();
+        assert_eq!(inf.bytes_per_device, 2.0 * 1e7);
+        assert_eq!(
+            inf.host_bytes_per_node + inf.nvme_bytes_per_node,
+            16.0 * psi / 16.0 * 8.0
+        );
+    }
+}

@@ -1,0 +1,205 @@
+//! `zrun estimate`: ZeRO's memory arithmetic for a parameter count or a job, and
+//! the warning `zrun train` prints when a job will not fit its workers.
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use serde::Serialize;
+use zconfig::estimate::{
+    gpt_activation_bytes, gpt_largest_group, gpt_params, model_state_rows, Row, StateBytes,
+};
+use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
+
+use crate::cli::EstimateArgs;
+use crate::plan::DEFAULT_CPU_WORKERS;
+use crate::Failure;
+
+#[derive(Debug, Serialize)]
+struct Activations {
+    micro_batch_size: usize,
+    bytes_per_worker: f64,
+    bytes_per_worker_checkpointed: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Estimate {
+    params: f64,
+    world_size: usize,
+    nodes: usize,
+    workers_per_node: usize,
+    rows: Vec<Row>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    activations: Option<Activations>,
+}
+
+/// Parses `7.5e9`, `1.3B`, `350M`, `20k`.
+pub fn parse_count(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last() {
+        Some('B' | 'b') => (&t[..t.len() - 1], 1e9),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1e6),
+        Some('K' | 'k') => (&t[..t.len() - 1], 1e3),
+        _ => (t, 1.0),
+    };
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("--params: `{s}` is not a count like 7.5e9 or 1.3B"))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("--params: `{s}` must be positive"));
+    }
+    Ok(v * mult)
+}
+
+/// `zrun estimate`.
+pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
+    let (nodes, wpn) = match &args.hostfile {
+        Some(h) => {
+            let topo = Topology::resolve(&TopologyOptions {
+                hostfile: Some(h.clone()),
+                workers_per_node: args.workers_per_node,
+                num_nodes: args.nodes,
+                default_local_slots: DEFAULT_CPU_WORKERS,
+                ..Default::default()
+            })?;
+            let wpn = topo.nodes.iter().map(|n| n.slots.len()).max().unwrap_or(1);
+            (topo.nodes.len(), wpn)
+        }
+        None => (
+            args.nodes.unwrap_or(1),
+            args.workers_per_node.unwrap_or(DEFAULT_CPU_WORKERS),
+        ),
+    };
+    if nodes == 0 || wpn == 0 {
+        return Err(Failure::bad_input(
+            "--nodes and --workers-per-node must be at least 1",
+        ));
+    }
+    let est = match (&args.job, &args.params) {
+        (Some(job), None) => {
+            let job = load_job(job, &args.set)?;
+            job.validate(nodes * wpn)?;
+            job_estimate(&job.spec, nodes, wpn)
+        }
+        (None, Some(p)) => {
+            let psi = parse_count(p).map_err(Failure::bad_input)?;
+            Estimate {
+                params: psi,
+                world_size: nodes * wpn,
+                nodes,
+                workers_per_node: wpn,
+                rows: model_state_rows(psi, nodes, wpn, StateBytes::for_dtype(Dtype::Bf16), 0.0),
+                activations: None,
+            }
+        }
+        _ => {
+            return Err(Failure::bad_input(
+                "give a job spec or --params N (one of them)",
+            ))
+        }
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&est)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:.3e} parameters on {} node(s) x {} workers ({} ranks); model states per device:",
+        est.params, est.nodes, est.workers_per_node, est.world_size
+    );
+    println!(
+        "{:>5}  {:<22} {:>14} {:>16} {:>16}",
+        "stage", "offload", "per device", "host per node", "nvme per node"
+    );
+    for r in &est.rows {
+        println!(
+            "{:>5}  {:<22} {:>14} {:>16} {:>16}",
+            r.stage,
+            r.offload,
+            gb(r.bytes_per_device),
+            gb(r.host_bytes_per_node),
+            gb(r.nvme_bytes_per_node)
+        );
+    }
+    if let Some(a) = &est.activations {
+        println!(
+            "activations per worker at micro-batch {}: {} ({} with activation checkpointing)",
+            a.micro_batch_size,
+            gb(a.bytes_per_worker),
+            gb(a.bytes_per_worker_checkpointed)
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn gb(b: f64) -> String {
+    if b == 0.0 {
+        "-".into()
+    } else if b >= 1e9 {
+        format!("{:.1} GB", b / 1e9)
+    } else {
+        format!("{:.1} MB", b / 1e6)
+    }
+}
+
+fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
+    let psi = gpt_params(&spec.model);
+    let bytes = StateBytes::for_dtype(spec.train.dtype);
+    let (act, act_ckpt) = gpt_activation_bytes(&spec.model, spec.train.micro_batch_size);
+    Estimate {
+        params: psi,
+        world_size: nodes * wpn,
+        nodes,
+        workers_per_node: wpn,
+        rows: model_state_rows(psi, nodes, wpn, bytes, gpt_largest_group(&spec.model)),
+        activations: Some(Activations {
+            micro_batch_size: spec.train.micro_batch_size,
+            bytes_per_worker: act,
+            bytes_per_worker_checkpointed: act_ckpt,
+        }),
+    }
+}
+
+/// Bytes one worker of this job is expected to hold: its stage's model states
+/// plus activations.
+pub fn per_worker_bytes(spec: &JobSpec, topo: &Topology) -> f64 {
+    let wpn = topo.nodes.iter().map(|n| n.slots.len()).max().unwrap_or(1);
+    let est = job_estimate(spec, topo.nodes.len(), wpn);
+    let states = est
+        .rows
+        .iter()
+        .find(|r| r.stage == spec.zero.stage && r.offload == "none")
+        .map_or(0.0, |r| r.bytes_per_device);
+    let a = est.activations.expect("a job estimate has activations");
+    states
+        + if spec.train.activation_checkpointing {
+            a.bytes_per_worker_checkpointed
+        } else {
+            a.bytes_per_worker
+        }
+}
+
+/// This host's available memory (`MemAvailable`), if known.
+pub fn mem_available() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: f64 = s
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb * 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_parse() {
+        assert_eq!(parse_count("7.5e9").unwrap(), 7.5e9);
+        assert_eq!(parse_count("1.3B").unwrap(), 1.3e9);
+        assert_eq!(parse_count("350M").unwrap(), 350e6);
+        assert!(parse_count("-1").is_err());
+        assert!(parse_count("many").is_err());
+    }
+}
