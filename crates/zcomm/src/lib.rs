@@ -156,6 +156,18 @@ impl<T> Work<T> {
         }
     }
 
+    /// The result if the collective has finished, else the handle back.
+    pub fn try_wait(self) -> Result<Result<T, CommError>, Work<T>> {
+        match self.rx.try_recv() {
+            Ok(r) => Ok(r),
+            Err(mpsc::TryRecvError::Empty) => Err(self),
+            Err(mpsc::TryRecvError::Disconnected) => Ok(Err(CommError::Closed {
+                op: self.op.name(),
+                group: self.group,
+            })),
+        }
+    }
+
     /// Blocks until the collective finishes or its deadline passes.
     pub fn wait(self) -> Result<T, CommError> {
         let left = self.deadline.saturating_duration_since(Instant::now());

@@ -39,9 +39,24 @@ pub struct JobSpec {
     /// Where metrics and checkpoints go.
     #[serde(default = "default_run_dir")]
     pub run_dir: String,
-    /// Extra environment for every worker.
-    #[serde(default)]
+    /// Extra environment for every worker (numbers and booleans become strings).
+    #[serde(default, deserialize_with = "env_map")]
     pub env: BTreeMap<String, String>,
+}
+
+fn env_map<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BTreeMap<String, String>, D::Error> {
+    use serde::de::Error;
+    let raw: BTreeMap<String, serde_json::Value> = BTreeMap::deserialize(d)?;
+    raw.into_iter()
+        .map(|(k, v)| match v {
+            serde_json::Value::String(s) => Ok((k, s)),
+            serde_json::Value::Number(n) => Ok((k, n.to_string())),
+            serde_json::Value::Bool(b) => Ok((k, b.to_string())),
+            other => Err(D::Error::custom(format!(
+                "env.{k} must be a string, number or boolean, got {other}"
+            ))),
+        })
+        .collect()
 }
 
 fn default_name() -> String {
@@ -406,6 +421,17 @@ impl<'de> Deserialize<'de> for Size {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn env_values_may_be_scalars() {
+        let j: JobSpec = serde_saphyr::from_str(
+            "model: {}\ndata: {format: synthetic}\nenv: {A: 4, B: true, C: x}\n",
+        )
+        .unwrap();
+        assert_eq!(j.env.get("A").map(String::as_str), Some("4"));
+        assert_eq!(j.env.get("B").map(String::as_str), Some("true"));
+        assert!(serde_saphyr::from_str::<JobSpec>("model: {}\ndata: {}\nenv: {A: [1]}\n").is_err());
+    }
 
     #[test]
     fn sizes_parse_in_every_spelling() {

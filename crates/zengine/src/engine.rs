@@ -478,9 +478,26 @@ impl Engine {
         Ok(())
     }
 
+    /// Puts away buckets that have finished, oldest first, so their buffers stop
+    /// counting as held (the communicator has already freed them).
+    fn finish_completed(&mut self) -> Result<(), EngineError> {
+        while !self.pending.is_empty() {
+            let p = self.pending.remove(0);
+            match p.work.try_wait() {
+                Ok(result) => self.put_reduced(p.bucket, p.bytes, result?),
+                Err(work) => {
+                    self.pending.insert(0, PendingBucket { work, ..p });
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Backward is done with group `g` for this micro-batch: launch the reduction
     /// of its bucket if every group of the bucket is done.
     fn group_done(&mut self, g: usize) -> Result<(), EngineError> {
+        self.finish_completed()?;
         let Some(bi) = self
             .buckets
             .iter()
@@ -526,14 +543,20 @@ impl Engine {
         Ok(())
     }
 
-    /// Waits for a bucket and puts its result where the stage keeps gradients.
+    /// Waits for a bucket and puts its result away.
     fn finish_bucket(&mut self, p: PendingBucket) -> Result<(), EngineError> {
         let reduced = p.work.wait()?;
-        self.comm_buffers.sub(p.bytes);
+        self.put_reduced(p.bucket, p.bytes, reduced);
+        Ok(())
+    }
+
+    /// Puts a reduced bucket where the stage keeps gradients.
+    fn put_reduced(&mut self, bucket: usize, bytes: u64, reduced: Vec<f32>) {
+        self.comm_buffers.sub(bytes);
         let world = self.comm.world_size();
         let rank = self.comm.rank();
         let layouts: Vec<GroupLayout> = self.groups.iter().map(|x| x.layout.clone()).collect();
-        let bucket = self.buckets[p.bucket].clone();
+        let bucket = self.buckets[bucket].clone();
         match self.stage {
             0 => {
                 let mut bufs: Vec<Vec<f32>> = self
@@ -562,7 +585,6 @@ impl Engine {
                 }
             }
         }
-        Ok(())
     }
 
     /// Finishes the optimizer step after `grad_accum` micro-batches.
