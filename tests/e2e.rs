@@ -201,8 +201,15 @@ fn bad_input_exits_2_with_a_located_message() {
             "model.seq_len: the data has 3 tokens",
         ),
         (
-            vec![write("stage.yaml", &format!("{good}zero: {{stage: 3}}\n"))],
-            "zero.stage: ZeRO stage 3 is not supported yet",
+            vec![write(
+                "qwz.yaml",
+                &format!("{good}zero: {{quantized_weights: true}}\n"),
+            )],
+            "zero.quantized_weights: ZeRO++ qwZ is not supported yet",
+        ),
+        (
+            vec![write("stage.yaml", &format!("{good}zero: {{stage: 4}}\n"))],
+            "zero.stage: must be 0, 1, 2 or 3, got 4",
         ),
         (
             vec![
@@ -234,7 +241,7 @@ fn bad_input_exits_2_with_a_located_message() {
         ),
         (
             vec![write("g5.yaml", &good), "--resume".into(), "auto".into()],
-            "--resume auto: resuming from checkpoints is not supported yet",
+            "--resume auto: the job has no checkpoint.dir to look in",
         ),
     ];
     for (args, want) in cases {

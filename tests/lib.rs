@@ -217,3 +217,23 @@ pub fn small_job(dir: &Path, name: &str, steps: u64) -> PathBuf {
     .expect("write job");
     p
 }
+
+/// A small job with checkpoints under `dir/ckpt`, written into `dir`.
+pub fn ckpt_job(dir: &Path, name: &str, steps: u64, every: u64) -> PathBuf {
+    let p = small_job(dir, name, steps);
+    let mut text = std::fs::read_to_string(&p).expect("job");
+    text.push_str(&format!(
+        "checkpoint: {{dir: {}/ckpt, every: {every}, keep: 2}}\n",
+        dir.display()
+    ));
+    std::fs::write(&p, text).expect("write job");
+    p
+}
+
+/// Losses by step from a metrics file.
+pub fn losses_by_step(path: &Path) -> Vec<(u64, f64)> {
+    metrics(path)
+        .iter()
+        .filter_map(|l| Some((l.get("step")?.as_u64()?, l.get("loss")?.as_f64()?)))
+        .collect()
+}

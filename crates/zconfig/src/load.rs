@@ -200,8 +200,10 @@ impl LoadedJob {
                 format!("{} heads do not divide d_model {}", m.n_heads, m.d_model),
             ));
         }
-        if m.init_from.is_some() {
-            return Err(self.unsupported("model.init_from", "initialising from a file"));
+        if let Some(f) = &m.init_from {
+            if !Path::new(f).is_file() {
+                return Err(self.invalid("model.init_from", format!("{f} is not a file")));
+            }
         }
         let t = &s.train;
         if t.steps == 0 {
@@ -279,8 +281,11 @@ impl LoadedJob {
         if !(c.heartbeat_s.is_finite() && c.heartbeat_s > 0.0) {
             return Err(self.invalid("comm.heartbeat_s", "must be a positive number of seconds"));
         }
-        if s.checkpoint.dir.is_some() {
-            return Err(self.unsupported("checkpoint.dir", "checkpointing"));
+        if s.checkpoint.keep == 0 {
+            return Err(self.invalid("checkpoint.keep", "must be at least 1"));
+        }
+        if s.checkpoint.every > 0 && s.checkpoint.dir.is_none() {
+            return Err(self.invalid("checkpoint.every", "needs checkpoint.dir"));
         }
         if s.device == Device::Cuda {
             return Err(self.unsupported("device", "training on cuda"));

@@ -94,19 +94,19 @@ const BETA2: f32 = 0.999;
 const EPS: f32 = 1e-8;
 
 /// One block's flat buffers on this rank.
-struct Group {
-    layout: GroupLayout,
+pub(crate) struct Group {
+    pub(crate) layout: GroupLayout,
     /// Stage 3 and above the persistence threshold: only the own slice is held.
-    partitioned: bool,
+    pub(crate) partitioned: bool,
     /// Full (padded) or, if partitioned, the own slice.
-    params: Vec<f32>,
+    pub(crate) params: Vec<f32>,
     /// Stages 0-1: full; stages 2-3: the own slice.
     grads: Vec<f32>,
     /// Stages 2-3: this micro-batch's full gradient until its bucket leaves.
     staging: Option<Vec<f32>>,
     /// Stage 0: full; stages 1-3: the own slice.
-    exp_avg: Vec<f32>,
-    exp_avg_sq: Vec<f32>,
+    pub(crate) exp_avg: Vec<f32>,
+    pub(crate) exp_avg_sq: Vec<f32>,
 }
 
 /// A reduction in flight.
@@ -136,15 +136,15 @@ impl Transient {
 /// ZeRO data-parallel training of one model replica on one rank.
 pub struct Engine {
     model: Gpt,
-    comm: Arc<dyn Communicator>,
-    spec: JobSpec,
-    stage: u8,
-    groups: Vec<Group>,
+    pub(crate) comm: Arc<dyn Communicator>,
+    pub(crate) spec: JobSpec,
+    pub(crate) stage: u8,
+    pub(crate) groups: Vec<Group>,
     buckets: Vec<Bucket>,
     /// Parameter Vars of the current step, for stages and groups that keep
     /// parameters whole and a forward graph (rebuilt after each update).
-    vars: Vec<Option<Vec<Var>>>,
-    step: u64,
+    pub(crate) vars: Vec<Option<Vec<Var>>>,
+    pub(crate) step: u64,
     micro: usize,
     loss_sum: f64,
     tokens: u64,

@@ -9,6 +9,8 @@
 //! - [`gather`]: stage 3's parameter all-gathers, in planned order, with prefetch.
 //! - [`adam`]: the fused AdamW update over a flat slice.
 //! - [`schedule`]: warmup and learning-rate schedules.
+//! - [`state`]: saving and loading the engine's state (checkpoints, initial weights),
+//!   repartitioned for any world size and stage.
 //!
 //! The design decision to know: every parameter lives in exactly one flat buffer
 //! per block, padded so that it splits into equal slices, one per rank. Rank r owns
@@ -21,6 +23,7 @@ pub mod engine;
 pub mod flat;
 pub mod gather;
 pub mod schedule;
+pub mod state;
 
 pub use engine::{Engine, EngineError, StepStats};
 pub use flat::{Bucket, GroupLayout};

@@ -148,6 +148,9 @@ pub struct Batcher {
     seed: u64,
     windows: usize,
     epoch: Option<(u64, Vec<u32>)>,
+    /// Resumed runs: the step and global sample the run restarted at.
+    base_step: u64,
+    base_sample: u64,
 }
 
 impl Batcher {
@@ -179,6 +182,8 @@ impl Batcher {
             seed,
             windows,
             epoch: None,
+            base_step: 0,
+            base_sample: 0,
         })
     }
 
@@ -200,10 +205,26 @@ impl Batcher {
         perm[(sample % self.windows as u64) as usize] as usize
     }
 
+    fn per_step(&self) -> u64 {
+        (self.micro_batch * self.grad_accum * self.world) as u64
+    }
+
+    /// Continues a run that had consumed `samples` global samples after `step`
+    /// steps (perhaps with another world size or batch split).
+    pub fn resume_at(&mut self, step: u64, samples: u64) {
+        self.base_step = step;
+        self.base_sample = samples;
+    }
+
+    /// Global samples consumed once `steps` steps are done.
+    pub fn samples_consumed(&self, steps: u64) -> u64 {
+        self.base_sample + steps.saturating_sub(self.base_step) * self.per_step()
+    }
+
     /// This rank's micro-batch `micro` of optimizer step `step` (both 0-based).
     pub fn batch(&mut self, step: u64, micro: usize) -> Batch {
-        let per_step = (self.micro_batch * self.grad_accum * self.world) as u64;
-        let first = step * per_step + ((micro * self.world + self.rank) * self.micro_batch) as u64;
+        let first = self.samples_consumed(step)
+            + ((micro * self.world + self.rank) * self.micro_batch) as u64;
         let t = self.seq_len;
         let mut inputs = Vec::with_capacity(self.micro_batch * t);
         let mut targets = Vec::with_capacity(self.micro_batch * t);
@@ -251,6 +272,21 @@ mod tests {
             // Targets are inputs shifted by one.
             assert_eq!(b.targets[row * 16], b.inputs[row * 16] + 1);
         }
+    }
+
+    #[test]
+    fn a_resumed_batcher_continues_at_the_same_sample_with_another_split() {
+        let two = Batcher::new(counting(10_000), 16, 4, 1, 2, 0, 9).unwrap();
+        let consumed = two.samples_consumed(3);
+        assert_eq!(consumed, 24);
+        // Resume on 1 rank with 8 sequences: its step 3 is what ranks 0 and 1 would have read.
+        let mut one = Batcher::new(counting(10_000), 16, 8, 1, 1, 0, 9).unwrap();
+        one.resume_at(3, consumed);
+        let mut r0 = Batcher::new(counting(10_000), 16, 4, 1, 2, 0, 9).unwrap();
+        let mut r1 = Batcher::new(counting(10_000), 16, 4, 1, 2, 1, 9).unwrap();
+        let mut want = r0.batch(3, 0).inputs;
+        want.extend(r1.batch(3, 0).inputs);
+        assert_eq!(one.batch(3, 0).inputs, want);
     }
 
     #[test]

@@ -20,5 +20,5 @@ pub use auth::{Nonce, Proof, Token};
 pub use frame::{FrameError, HANDSHAKE_MAX, MAX_FRAME};
 pub use msg::{
     BenchCommTask, BenchRow, CommBytes, MemBytes, OpBytes, StepReport, Task, ToServer, ToWorker,
-    Welcome, CONTROL_CONTEXT, SERVER_CONTEXT,
+    TrainTask, Welcome, CONTROL_CONTEXT, SERVER_CONTEXT,
 };

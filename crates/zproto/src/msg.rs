@@ -115,9 +115,18 @@ pub struct Welcome {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Task {
     /// Train the job.
-    Train(Box<JobSpec>),
+    Train(Box<TrainTask>),
     /// Measure collectives.
     BenchComm(BenchCommTask),
+}
+
+/// A training job, and where to resume it from.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainTask {
+    /// The resolved spec.
+    pub spec: JobSpec,
+    /// A verified checkpoint directory to resume from.
+    pub resume: Option<String>,
 }
 
 /// Parameters of `zrun bench comm`.

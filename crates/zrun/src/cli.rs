@@ -24,6 +24,19 @@ pub enum Command {
     Bench(BenchArgs),
     /// Predict memory per device for every ZeRO stage and offload choice.
     Estimate(EstimateArgs),
+    /// Consolidate a checkpoint into one f32 safetensors file.
+    Export(ExportArgs),
+}
+
+/// `zrun export`.
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// A checkpoint directory (`step-N/`), or a checkpoint root (its newest).
+    #[arg(value_name = "CHECKPOINT_DIR")]
+    pub checkpoint: PathBuf,
+    /// The safetensors file to write.
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub out: PathBuf,
 }
 
 /// `zrun estimate`.

@@ -86,6 +86,22 @@ pub fn exit_code_of(e: &anyhow::Error) -> u8 {
     exit::TRAINING_FAILED
 }
 
+/// `zrun export`: consolidated f32 weights under the model's parameter names.
+fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
+    let bad = |e: zckpt::CkptError| Failure::bad_input(e.to_string());
+    let dir = zckpt::resolve(&args.checkpoint).map_err(bad)?;
+    let ckpt = zckpt::Checkpoint::open(&dir).map_err(bad)?;
+    let n = ckpt.export(&args.out).map_err(bad)?;
+    println!(
+        "zrun: wrote {n} parameters (step {}, {} ranks, stage {}) to {}",
+        ckpt.manifest.step,
+        ckpt.manifest.world_size,
+        ckpt.manifest.stage,
+        args.out.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Parses the command line and runs the command.
 pub fn run() -> anyhow::Result<ExitCode> {
     let cli = cli::Cli::parse();
@@ -96,5 +112,6 @@ pub fn run() -> anyhow::Result<ExitCode> {
             what: cli::BenchWhat::Comm(args),
         }) => bench::comm(args),
         cli::Command::Estimate(args) => estimate::estimate(args),
+        cli::Command::Export(args) => export(args),
     }
 }

@@ -20,7 +20,7 @@ use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 use zconfig::load_job;
-use zproto::{BenchRow, Task, ToServer, Token};
+use zproto::{BenchRow, Task, ToServer, Token, TrainTask};
 
 use crate::cli::TrainArgs;
 use crate::exit;
@@ -55,16 +55,13 @@ pub enum Outcome {
 
 /// `zrun train`.
 pub fn train(args: TrainArgs) -> Result<ExitCode> {
-    if let Some(r) = &args.resume {
-        return Err(Failure::bad_input(format!(
-            "--resume {r}: resuming from checkpoints is not supported yet"
-        )));
-    }
     let job = load_job(&args.job, &args.set)?;
     let topo = topology(&args.launch)?;
     job.validate(topo.world_size())?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
     warn_if_too_big(&plan);
+    check_init_from(&plan.spec)?;
+    let resume = resolve_resume(args.resume.as_deref(), &plan.spec)?;
     let run_dir = PathBuf::from(&plan.spec.run_dir);
     let metrics_path = args
         .metrics
@@ -83,6 +80,9 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         steps,
         metrics_path.display()
     ));
+    if let Some(r) = &resume {
+        progress.println(&format!("zrun: resuming from {r}"));
+    }
     let world = plan.topology.world_size();
     let sink = Sink::Train {
         agg: Aggregator::new(world),
@@ -91,7 +91,10 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         last_loss: f64::NAN,
         steps,
     };
-    let task = Task::Train(Box::new(plan.spec.clone()));
+    let task = Task::Train(Box::new(TrainTask {
+        spec: plan.spec.clone(),
+        resume,
+    }));
     let heartbeat = Duration::from_secs_f64(plan.spec.comm.heartbeat_s);
     let rendezvous = Duration::from_secs_f64(plan.spec.comm.timeout_s);
     let started = Instant::now();
@@ -124,6 +127,51 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
             Ok(ExitCode::from(code))
         }
     }
+}
+
+/// `--resume DIR|auto` → a verified checkpoint of this model (bad ones: exit 2).
+/// `auto` with no checkpoint yet starts from scratch.
+fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<String>> {
+    let Some(arg) = arg else { return Ok(None) };
+    let dir = if arg == "auto" {
+        let Some(root) = &spec.checkpoint.dir else {
+            return Err(Failure::bad_input(
+                "--resume auto: the job has no checkpoint.dir to look in",
+            ));
+        };
+        match zckpt::list(std::path::Path::new(root)).pop() {
+            Some(d) => d,
+            None => {
+                println!("zrun: --resume auto: no checkpoint in {root} yet; starting from scratch");
+                return Ok(None);
+            }
+        }
+    } else {
+        zckpt::resolve(std::path::Path::new(arg))
+            .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?
+    };
+    let ckpt =
+        zckpt::Checkpoint::open(&dir).map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
+    ckpt.check_model(&spec.model)
+        .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
+    Ok(Some(dir.display().to_string()))
+}
+
+/// `model.init_from` must be a safetensors file with the model's parameter count.
+fn check_init_from(spec: &zconfig::JobSpec) -> Result<()> {
+    let Some(f) = &spec.model.init_from else {
+        return Ok(());
+    };
+    let w = zckpt::read_weights(std::path::Path::new(f))
+        .map_err(|e| Failure::bad_input(format!("model.init_from: {e}")))?;
+    let have: usize = w.values().map(|(_, v)| v.len()).sum();
+    let want = zconfig::estimate::gpt_params(&spec.model) as usize;
+    if have != want {
+        return Err(Failure::bad_input(format!(
+            "model.init_from: {f} holds {have} parameters, the model has {want}"
+        )));
+    }
+    Ok(())
 }
 
 /// Warns when the estimate of a worker's memory exceeds its share of this host's.
@@ -187,8 +235,9 @@ struct RankState {
     pid: u32,
     joined: bool,
     done: bool,
-    exited: Option<ExitStatus>,
+    exited: Option<(ExitStatus, Instant)>,
     last_seen: Instant,
+    /// When and why its control connection ended.
     lost: Option<(Instant, String)>,
 }
 
@@ -332,8 +381,9 @@ impl Supervisor {
                 r.last_seen = Instant::now();
             }
             Event::Lost { rank, reason } => {
-                if !self.ranks[rank].done {
-                    self.ranks[rank].lost = Some((Instant::now(), reason));
+                self.ranks[rank].lost = Some((Instant::now(), reason));
+                if self.ranks[rank].exited.is_some() {
+                    return Ok(self.judge_exit(rank));
                 }
             }
             Event::Message { rank, msg } => {
@@ -385,35 +435,50 @@ impl Supervisor {
                 None
             }
             ProcEvent::Exited { rank, status } => {
-                self.ranks[rank].exited = Some(status);
+                self.ranks[rank].exited = Some((status, Instant::now()));
                 let r = &self.ranks[rank];
-                if status.success() && r.done {
-                    return self.finished();
+                // Messages the rank sent before exiting (Done, Failed) may still be
+                // on their way: its connection's end arrives after them. Judge the
+                // exit then (or after LOST_GRACE).
+                if r.joined && r.lost.is_none() {
+                    return None;
                 }
-                let how = describe(status);
-                if !r.joined {
-                    return Some(Outcome::Failed {
-                        code: exit::LAUNCH_FAILED,
-                        message: format!("{} {how} before joining the job", self.who(rank)),
-                    });
-                }
-                match &self.reported {
-                    // A rank that reported its failure and then exited 1 is not news.
-                    Some((_, first)) if first.starts_with(&format!("rank {rank} ")) => {
-                        Some(Outcome::Failed {
-                            code: exit::TRAINING_FAILED,
-                            message: first.clone(),
-                        })
-                    }
-                    Some((_, first)) => Some(Outcome::Failed {
+                self.judge_exit(rank)
+            }
+        }
+    }
+
+    /// Decides what a rank's exit means, once its messages are all in.
+    fn judge_exit(&self, rank: usize) -> Option<Outcome> {
+        let r = &self.ranks[rank];
+        let (status, _) = r.exited?;
+        {
+            if status.success() && r.done {
+                return self.finished();
+            }
+            let how = describe(status);
+            if !r.joined {
+                return Some(Outcome::Failed {
+                    code: exit::LAUNCH_FAILED,
+                    message: format!("{} {how} before joining the job", self.who(rank)),
+                });
+            }
+            match &self.reported {
+                // A rank that reported its failure and then exited 1 is not news.
+                Some((_, first)) if first.starts_with(&format!("rank {rank} ")) => {
+                    Some(Outcome::Failed {
                         code: exit::TRAINING_FAILED,
-                        message: format!("{} {how} before finishing; then {first}", self.who(rank)),
-                    }),
-                    None => Some(Outcome::Failed {
-                        code: exit::TRAINING_FAILED,
-                        message: format!("{} {how} before finishing", self.who(rank)),
-                    }),
+                        message: first.clone(),
+                    })
                 }
+                Some((_, first)) => Some(Outcome::Failed {
+                    code: exit::TRAINING_FAILED,
+                    message: format!("{} {how} before finishing; then {first}", self.who(rank)),
+                }),
+                None => Some(Outcome::Failed {
+                    code: exit::TRAINING_FAILED,
+                    message: format!("{} {how} before finishing", self.who(rank)),
+                }),
             }
         }
     }
@@ -429,8 +494,15 @@ impl Supervisor {
             }
         }
         for (rank, r) in self.ranks.iter().enumerate() {
+            if let Some((_, at)) = r.exited {
+                if r.lost.is_none() && now - at > LOST_GRACE {
+                    if let Some(o) = self.judge_exit(rank) {
+                        return Some(o);
+                    }
+                }
+            }
             if let Some((since, reason)) = &r.lost {
-                if r.exited.is_none() && now - *since > LOST_GRACE {
+                if r.exited.is_none() && !r.done && now - *since > LOST_GRACE {
                     return Some(Outcome::Failed {
                         code: exit::TRAINING_FAILED,
                         message: format!(
@@ -475,7 +547,7 @@ impl Supervisor {
         let all = self
             .ranks
             .iter()
-            .all(|r| r.done && r.exited.is_some_and(|s| s.success()));
+            .all(|r| r.done && r.exited.is_some_and(|(s, _)| s.success()));
         all.then_some(Outcome::Success)
     }
 
@@ -487,7 +559,7 @@ impl Supervisor {
         while self.ranks.iter().any(|r| r.exited.is_none()) {
             tokio::select! {
                 ev = procs.recv() => match ev {
-                    Some(ProcEvent::Exited { rank, status }) => self.ranks[rank].exited = Some(status),
+                    Some(ProcEvent::Exited { rank, status }) => self.ranks[rank].exited = Some((status, Instant::now())),
                     Some(ProcEvent::Output { rank, line, stderr }) => self.sink.println(&format!("[rank {rank}] {line}"), stderr),
                     None => break,
                 },

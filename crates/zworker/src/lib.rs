@@ -7,6 +7,7 @@
 //! - [`control`]: the authenticated control connection, key-value store calls,
 //!   heartbeats, and the abort path.
 //! - [`train`]: the training loop around the engine.
+//! - [`checkpoint`]: writing a checkpoint (shards, then the manifest).
 //! - [`bench`]: `zrun bench comm`'s measurements.
 //!
 //! The design decision to know: a worker never decides how the job ends. Any
@@ -14,6 +15,7 @@
 //! others. If zrun goes away, the worker exits on its own.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod control;
 pub mod env;
 pub mod train;
@@ -47,16 +49,20 @@ pub fn run() -> Result<()> {
 
 fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welcome) -> Result<()> {
     let (timeout_s, heartbeat_s) = match &welcome.task {
-        Task::Train(spec) => (spec.comm.timeout_s, spec.comm.heartbeat_s),
+        Task::Train(t) => (t.spec.comm.timeout_s, t.spec.comm.heartbeat_s),
         Task::BenchComm(b) => (b.timeout_s, 30.0),
     };
     client.start_heartbeat(Duration::from_secs_f64(
         (heartbeat_s / 4.0).clamp(0.2, 10.0),
     ));
     let timeout = Duration::from_secs_f64(timeout_s);
-    let comm = connect_world(env, client, &welcome.node_of_rank, timeout)?;
+    let node_of_rank = welcome.node_of_rank.clone();
+    let comm = connect_world(env, client, &node_of_rank, timeout)?;
     match welcome.task {
-        Task::Train(spec) => train::train(&spec, env, comm, client),
+        Task::Train(t) => {
+            let nodes = node_of_rank.iter().max().map_or(1, |n| n + 1);
+            train::train(&t.spec, t.resume.as_deref(), env, nodes, comm, client)
+        }
         Task::BenchComm(b) => bench::bench_comm(&b, comm, client),
     }
 }

@@ -1,22 +1,27 @@
-//! The training loop: data, engine, one report per optimizer step.
+//! The training loop: data, engine, one report per optimizer step, checkpoints.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
+use zckpt::Checkpoint;
 use zcomm::Communicator;
 use zconfig::JobSpec;
 use zengine::Engine;
 use zmodel::{Batcher, Corpus};
 use zproto::{StepReport, ToServer};
 
+use crate::checkpoint::save;
 use crate::control::ControlClient;
 use crate::env::WorkerEnv;
 
-/// Trains `spec` on this rank and reports each step.
+/// Trains `spec` on this rank (from `resume` if given) and reports each step.
 pub fn train(
     spec: &JobSpec,
+    resume: Option<&str>,
     env: &WorkerEnv,
+    nodes: usize,
     comm: Arc<dyn Communicator>,
     client: &ControlClient,
 ) -> Result<()> {
@@ -36,10 +41,22 @@ pub fn train(
         env.rank,
         t.seed,
     )?;
-    let mut engine = Engine::new(spec, comm)?;
+    let mut engine = Engine::new(spec, comm.clone())?;
+    if let Some(path) = &spec.model.init_from {
+        engine.load_weights(&zckpt::read_weights(Path::new(path))?)?;
+    }
+    if let Some(dir) = resume {
+        let ckpt =
+            Checkpoint::open(Path::new(dir)).with_context(|| format!("resuming from {dir}"))?;
+        ckpt.check_model(&spec.model)?;
+        engine.load(&ckpt)?;
+        data.resume_at(ckpt.manifest.step, ckpt.manifest.samples_consumed);
+    }
     let params = engine.model().param_count() as u64;
     let flops_per_token = engine.model().flops_per_token();
-    for s in 0..t.steps {
+    let every = spec.checkpoint.every;
+    let mut saved_at = None;
+    for s in engine.steps_done()..t.steps {
         let started = Instant::now();
         for micro in 0..t.grad_accum {
             engine.forward_backward(&data.batch(s, micro))?;
@@ -60,6 +77,28 @@ pub fn train(
             comm: st.comm,
             loss_scale: None,
         }))?;
+        if spec.checkpoint.dir.is_some() && every > 0 && st.step % every == 0 {
+            save(
+                &engine,
+                spec,
+                env,
+                comm.as_ref(),
+                nodes,
+                data.samples_consumed(st.step),
+            )?;
+            saved_at = Some(st.step);
+        }
+    }
+    // A run with a checkpoint directory always ends with a checkpoint.
+    if spec.checkpoint.dir.is_some() && saved_at != Some(engine.steps_done()) {
+        save(
+            &engine,
+            spec,
+            env,
+            comm.as_ref(),
+            nodes,
+            data.samples_consumed(engine.steps_done()),
+        )?;
     }
     Ok(())
 }

@@ -46,6 +46,20 @@ pub struct TcpCommunicator {
     timeout: Duration,
     jobs: mpsc::Sender<Job>,
     counters: Arc<Counters>,
+    op_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for TcpCommunicator {
+    /// Stops the operation thread and waits until every queued message is on the
+    /// wire: a rank that exits right after its last collective must not take the
+    /// bytes its peers are still waiting for with it. (Writes time out after the
+    /// communicator's timeout, so this wait is bounded.)
+    fn drop(&mut self) {
+        drop(std::mem::replace(&mut self.jobs, mpsc::channel().0));
+        if let Some(t) = self.op_thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 impl TcpCommunicator {
@@ -89,13 +103,14 @@ impl TcpCommunicator {
             let (tx, rx) = mpsc::channel::<Vec<u8>>();
             let error = Arc::new(Mutex::new(None));
             let err2 = error.clone();
-            std::thread::Builder::new()
+            let thread = std::thread::Builder::new()
                 .name(format!("zcomm-send-{peer}"))
                 .spawn(move || writer_loop(writer, rx, err2))
                 .map_err(|e| setup(e.to_string()))?;
             peers.push(Some(Peer {
                 reader,
                 queue: tx,
+                writer: Some(thread),
                 error,
                 same_node: opts.node_of_rank[peer] == opts.node_of_rank[rank],
             }));
@@ -114,12 +129,13 @@ impl TcpCommunicator {
             poisoned: None,
         };
         let (jobs, rx) = mpsc::channel::<Job>();
-        std::thread::Builder::new()
+        let op_thread = std::thread::Builder::new()
             .name("zcomm-ops".into())
             .spawn(move || {
                 for job in rx {
                     job(&mut links);
                 }
+                links.flush();
             })
             .map_err(|e| setup(e.to_string()))?;
         Ok(TcpCommunicator {
@@ -129,6 +145,7 @@ impl TcpCommunicator {
             timeout: opts.timeout,
             jobs,
             counters,
+            op_thread: Some(op_thread),
         })
     }
 
@@ -238,6 +255,7 @@ impl Communicator for TcpCommunicator {
 struct Peer {
     reader: TcpStream,
     queue: mpsc::Sender<Vec<u8>>,
+    writer: Option<std::thread::JoinHandle<()>>,
     error: Arc<Mutex<Option<String>>>,
     same_node: bool,
 }
@@ -267,6 +285,23 @@ pub(crate) struct TcpLinks {
 }
 
 impl TcpLinks {
+    /// Closes every send queue and waits for the writers to drain them (not after
+    /// a failure: then nobody is waiting for those bytes, and the caller is
+    /// waiting to report the error).
+    fn flush(&mut self) {
+        for p in self.peers.iter_mut().flatten() {
+            drop(std::mem::replace(&mut p.queue, mpsc::channel().0));
+        }
+        if self.poisoned.is_some() {
+            return;
+        }
+        for p in self.peers.iter_mut().flatten() {
+            if let Some(w) = p.writer.take() {
+                let _ = w.join();
+            }
+        }
+    }
+
     fn run<T>(
         &mut self,
         op: Op,

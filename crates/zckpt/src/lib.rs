@@ -1,0 +1,558 @@
+//! zckpt: the on-disk checkpoint format, shared by the workers (save, load) and
+//! the launcher (verify before launching, export).
+//!
+//! A checkpoint is a directory `step-NNNNNNNN/` holding one safetensors shard per
+//! rank (`rank-NNNNN.safetensors`) and a `manifest.json` written last. A shard
+//! holds, for every parameter group g, this rank's slice of the group's flat
+//! buffers: `g{g}.params`, `g{g}.exp_avg`, `g{g}.exp_avg_sq`. The manifest records
+//! the model, the layout of every group (parameter names, shapes, offsets; the
+//! padded length and world size that define the slices), the step, the data
+//! position, and each shard's size and CRC-32C.
+//!
+//! The design decision to know: slices are cut from a flat buffer whose unpadded
+//! content does not depend on the world size, so a checkpoint written by N ranks
+//! at any stage can be reassembled and re-cut for M ranks at any stage, online,
+//! with plain copies (no offline conversion, no arithmetic, so no rounding).
+//! Every file is written to a temporary name, fsynced, and renamed; the manifest
+//! goes last, so a directory without a manifest is an unfinished save and is
+//! never resumed from.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use zconfig::spec::ModelSpec;
+use zconfig::Dtype;
+
+/// Manifest file name.
+pub const MANIFEST: &str = "manifest.json";
+/// Manifest format version.
+pub const FORMAT: u32 = 1;
+
+/// What can go wrong with a checkpoint. Every message names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum CkptError {
+    /// Reading or writing failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The checkpoint is incomplete, corrupt or does not fit the job.
+    #[error("{path}: {message}")]
+    Invalid {
+        /// File.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CkptError + '_ {
+    move |source| CkptError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn invalid(path: &Path, message: impl Into<String>) -> CkptError {
+    CkptError::Invalid {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+/// One parameter inside a group's flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamEntry {
+    /// Model name, e.g. `h.0.attn.c_attn.weight`.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// First element in the flat buffer.
+    pub offset: usize,
+}
+
+/// One parameter group's layout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupEntry {
+    /// Group name.
+    pub name: String,
+    /// Elements used.
+    pub numel: usize,
+    /// Padded length at the checkpoint's world size.
+    pub padded: usize,
+    /// Its parameters.
+    pub params: Vec<ParamEntry>,
+}
+
+/// One shard file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// File name inside the checkpoint directory.
+    pub name: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// CRC-32C of the whole file.
+    pub crc32c: u32,
+}
+
+/// The checkpoint's table of contents, written last.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Format version.
+    pub format: u32,
+    /// The model the checkpoint belongs to.
+    pub model: ModelSpec,
+    /// Ranks that wrote it.
+    pub world_size: usize,
+    /// Nodes they ran on.
+    pub nodes: usize,
+    /// ZeRO stage it was written at.
+    pub stage: u8,
+    /// Training dtype.
+    pub dtype: Dtype,
+    /// Optimizer steps done.
+    pub step: u64,
+    /// Global samples consumed (the data position).
+    pub samples_consumed: u64,
+    /// Loss scale (f16 only).
+    pub loss_scale: Option<f64>,
+    /// Group layouts, in model order.
+    pub groups: Vec<GroupEntry>,
+    /// One shard per rank, in rank order.
+    pub files: Vec<FileEntry>,
+}
+
+/// The three flat buffers a shard holds per group.
+pub const KINDS: [&str; 3] = ["params", "exp_avg", "exp_avg_sq"];
+
+/// Directory name of the checkpoint of `step`.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+/// Shard file name of `rank`.
+pub fn shard_name(rank: usize) -> String {
+    format!("rank-{rank:05}.safetensors")
+}
+
+/// Fault injection for tests: `ZRUN_FAULT_SAVE_DELAY_MS` stalls every save between
+/// writing a temporary file and renaming it, so a test can kill a worker mid-save.
+fn fault_delay() {
+    if let Some(ms) = std::env::var("ZRUN_FAULT_SAVE_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
+/// Writes `bytes` to `path` atomically: a temporary name, fsync, rename, fsync of
+/// the directory.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CkptError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+        f.write_all(bytes).map_err(io(&tmp))?;
+        f.sync_all().map_err(io(&tmp))?;
+    }
+    fault_delay();
+    std::fs::rename(&tmp, path).map_err(io(path))?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// Writes one rank's shard: `slices[g][k]` is group g's slice of buffer `KINDS[k]`.
+pub fn write_shard(
+    dir: &Path,
+    rank: usize,
+    slices: &[[&[f32]; 3]],
+) -> Result<FileEntry, CkptError> {
+    let name = shard_name(rank);
+    let path = dir.join(&name);
+    let mut views = Vec::new();
+    for (g, bufs) in slices.iter().enumerate() {
+        for (k, buf) in KINDS.iter().zip(bufs) {
+            let view = TensorView::new(StDtype::F32, vec![buf.len()], bytemuck::cast_slice(buf))
+                .map_err(|e| invalid(&path, e.to_string()))?;
+            views.push((format!("g{g}.{k}"), view));
+        }
+    }
+    let bytes = safetensors::serialize(views, None).map_err(|e| invalid(&path, e.to_string()))?;
+    write_atomic(&path, &bytes)?;
+    Ok(FileEntry {
+        name,
+        bytes: bytes.len() as u64,
+        crc32c: crc32c::crc32c(&bytes),
+    })
+}
+
+/// Writes the manifest (last, atomically).
+pub fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), CkptError> {
+    let path = dir.join(MANIFEST);
+    let text = serde_json::to_vec_pretty(m).map_err(|e| invalid(&path, e.to_string()))?;
+    write_atomic(&path, &text)
+}
+
+/// Checkpoint directories under `root` that have a manifest, oldest first.
+pub fn list(root: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.join(MANIFEST).is_file()
+                && p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+        })
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+/// Removes all but the newest `keep` complete checkpoints, and unfinished saves
+/// older than the newest complete one.
+pub fn prune(root: &Path, keep: usize) -> Result<(), CkptError> {
+    let complete = list(root);
+    let Some(newest) = complete.last().cloned() else {
+        return Ok(());
+    };
+    for old in &complete[..complete.len().saturating_sub(keep.max(1))] {
+        std::fs::remove_dir_all(old).map_err(io(old))?;
+    }
+    for e in std::fs::read_dir(root).map_err(io(root))?.flatten() {
+        let p = e.path();
+        let unfinished = p.is_dir()
+            && !p.join(MANIFEST).exists()
+            && p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("step-"));
+        if unfinished && p < newest {
+            std::fs::remove_dir_all(&p).map_err(io(&p))?;
+        }
+    }
+    Ok(())
+}
+
+/// Resolves `--resume`: a checkpoint directory, or a root whose newest complete
+/// checkpoint is taken.
+pub fn resolve(path: &Path) -> Result<PathBuf, CkptError> {
+    if path.join(MANIFEST).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    if !path.is_dir() {
+        return Err(invalid(path, "no such checkpoint directory"));
+    }
+    list(path).pop().ok_or_else(|| {
+        invalid(
+            path,
+            "holds no complete checkpoint (no step-*/manifest.json)",
+        )
+    })
+}
+
+/// An opened, verified checkpoint.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// Its manifest.
+    pub manifest: Manifest,
+}
+
+impl Checkpoint {
+    /// Reads the manifest and checks every shard's presence, size and checksum.
+    pub fn open(dir: &Path) -> Result<Checkpoint, CkptError> {
+        let mpath = dir.join(MANIFEST);
+        let text = std::fs::read(&mpath).map_err(io(&mpath))?;
+        let manifest: Manifest = serde_json::from_slice(&text)
+            .map_err(|e| invalid(&mpath, format!("not a zrun manifest: {e}")))?;
+        if manifest.format != FORMAT {
+            return Err(invalid(
+                &mpath,
+                format!("format {} (this zrun reads {FORMAT})", manifest.format),
+            ));
+        }
+        if manifest.files.len() != manifest.world_size {
+            return Err(invalid(
+                &mpath,
+                format!(
+                    "{} shards listed for {} ranks",
+                    manifest.files.len(),
+                    manifest.world_size
+                ),
+            ));
+        }
+        for f in &manifest.files {
+            let p = dir.join(&f.name);
+            let bytes = std::fs::read(&p).map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => invalid(&p, "shard is missing"),
+                _ => CkptError::Io {
+                    path: p.clone(),
+                    source: e,
+                },
+            })?;
+            if bytes.len() as u64 != f.bytes {
+                return Err(invalid(
+                    &p,
+                    format!("{} bytes, the manifest says {}", bytes.len(), f.bytes),
+                ));
+            }
+            let crc = crc32c::crc32c(&bytes);
+            if crc != f.crc32c {
+                return Err(invalid(
+                    &p,
+                    format!(
+                        "checksum mismatch: CRC-32C {crc:08x}, the manifest says {:08x}",
+                        f.crc32c
+                    ),
+                ));
+            }
+        }
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            manifest,
+        })
+    }
+
+    /// Checks that the checkpoint belongs to `model`.
+    pub fn check_model(&self, model: &ModelSpec) -> Result<(), CkptError> {
+        let have = &self.manifest.model;
+        let diffs: Vec<String> = [
+            ("vocab_size", have.vocab_size, model.vocab_size),
+            ("d_model", have.d_model, model.d_model),
+            ("n_layers", have.n_layers, model.n_layers),
+            ("n_heads", have.n_heads, model.n_heads),
+            ("seq_len", have.seq_len, model.seq_len),
+        ]
+        .iter()
+        .filter(|(_, a, b)| a != b)
+        .map(|(k, a, b)| format!("{k} {a} in the checkpoint, {b} in the job"))
+        .collect();
+        if diffs.is_empty() && have.kind == model.kind {
+            Ok(())
+        } else {
+            Err(invalid(
+                &self.dir.join(MANIFEST),
+                format!("a different model: {}", diffs.join(", ")),
+            ))
+        }
+    }
+
+    /// Group `g`'s whole flat buffer of `kind` (unpadded), reassembled from every shard.
+    pub fn full_group(&self, g: usize, kind: &str) -> Result<Vec<f32>, CkptError> {
+        let m = &self.manifest;
+        let entry = m
+            .groups
+            .get(g)
+            .ok_or_else(|| invalid(&self.dir.join(MANIFEST), format!("no group {g}")))?;
+        let slice = entry.padded / m.world_size;
+        let mut out = Vec::with_capacity(entry.numel);
+        for (r, f) in m.files.iter().enumerate() {
+            let start = r * slice;
+            if start >= entry.numel {
+                break;
+            }
+            let p = self.dir.join(&f.name);
+            let bytes = std::fs::read(&p).map_err(io(&p))?;
+            let st = SafeTensors::deserialize(&bytes).map_err(|e| invalid(&p, e.to_string()))?;
+            let name = format!("g{g}.{kind}");
+            let t = st
+                .tensor(&name)
+                .map_err(|_| invalid(&p, format!("tensor {name} is missing")))?;
+            let vals: Vec<f32> = t
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            if vals.len() != slice {
+                return Err(invalid(
+                    &p,
+                    format!("{name} has {} elements, expected {slice}", vals.len()),
+                ));
+            }
+            let take = slice.min(entry.numel - start);
+            out.extend_from_slice(&vals[..take]);
+        }
+        Ok(out)
+    }
+
+    /// Every group's parameters, whole, in model order.
+    pub fn all_params(&self) -> Result<Vec<Vec<f32>>, CkptError> {
+        (0..self.manifest.groups.len())
+            .map(|g| self.full_group(g, "params"))
+            .collect()
+    }
+
+    /// Writes consolidated f32 weights under the model's parameter names.
+    pub fn export(&self, out: &Path) -> Result<u64, CkptError> {
+        let groups = self.all_params()?;
+        let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (entry, flat) in self.manifest.groups.iter().zip(&groups) {
+            for p in &entry.params {
+                let n: usize = p.shape.iter().product();
+                let bytes = bytemuck::cast_slice(&flat[p.offset..p.offset + n]).to_vec();
+                owned.push((p.name.clone(), p.shape.clone(), bytes));
+            }
+        }
+        let mut elements = 0u64;
+        let mut views = Vec::new();
+        for (name, shape, bytes) in &owned {
+            elements += shape.iter().product::<usize>() as u64;
+            let v = TensorView::new(StDtype::F32, shape.clone(), bytes)
+                .map_err(|e| invalid(out, e.to_string()))?;
+            views.push((name.clone(), v));
+        }
+        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+        let bytes =
+            safetensors::serialize(views, Some(meta)).map_err(|e| invalid(out, e.to_string()))?;
+        write_atomic(out, &bytes)?;
+        Ok(elements)
+    }
+}
+
+/// Consolidated weights by name: shape and values.
+pub type Weights = HashMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// Reads consolidated weights (an export).
+pub fn read_weights(path: &Path) -> Result<Weights, CkptError> {
+    let bytes = std::fs::read(path).map_err(io(path))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| invalid(path, format!("not a safetensors file: {e}")))?;
+    let mut out = HashMap::new();
+    for (name, t) in st.tensors() {
+        if t.dtype() != StDtype::F32 {
+            return Err(invalid(
+                path,
+                format!("{name} is {:?}, expected F32", t.dtype()),
+            ));
+        }
+        let vals = t
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        out.insert(name, (t.shape().to_vec(), vals));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> ModelSpec {
+        serde_json::from_value(serde_json::json!({"d_model": 8, "n_heads": 2, "n_layers": 1, "vocab_size": 16, "seq_len": 4})).unwrap()
+    }
+
+    /// Writes a 2-rank checkpoint of one group of 10 elements padded to 32.
+    fn write(dir: &Path) -> Manifest {
+        let full: Vec<f32> = (0..32)
+            .map(|i| if i < 10 { i as f32 } else { 0.0 })
+            .collect();
+        let mut files = Vec::new();
+        for r in 0..2 {
+            let s = &full[r * 16..(r + 1) * 16];
+            files.push(write_shard(dir, r, &[[s, s, s]]).unwrap());
+        }
+        let m = Manifest {
+            format: FORMAT,
+            model: model(),
+            world_size: 2,
+            nodes: 1,
+            stage: 3,
+            dtype: Dtype::F32,
+            step: 5,
+            samples_consumed: 40,
+            loss_scale: None,
+            groups: vec![GroupEntry {
+                name: "g".into(),
+                numel: 10,
+                padded: 32,
+                params: vec![ParamEntry {
+                    name: "w".into(),
+                    shape: vec![2, 5],
+                    offset: 0,
+                }],
+            }],
+            files,
+        };
+        write_manifest(dir, &m).unwrap();
+        m
+    }
+
+    #[test]
+    fn round_trip_reassembles_and_exports() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join(step_dir_name(5));
+        write(&dir);
+        let c = Checkpoint::open(&resolve(d.path()).unwrap()).unwrap();
+        assert_eq!(
+            c.full_group(0, "exp_avg").unwrap(),
+            (0..10).map(|i| i as f32).collect::<Vec<_>>()
+        );
+        c.check_model(&model()).unwrap();
+        let mut other = model();
+        other.d_model = 16;
+        assert!(c
+            .check_model(&other)
+            .unwrap_err()
+            .to_string()
+            .contains("d_model 8 in the checkpoint, 16 in the job"));
+        let out = d.path().join("w.safetensors");
+        assert_eq!(c.export(&out).unwrap(), 10);
+        let w = read_weights(&out).unwrap();
+        assert_eq!(w["w"].0, vec![2, 5]);
+        assert_eq!(w["w"].1[9], 9.0);
+    }
+
+    #[test]
+    fn damage_is_reported_with_the_file() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join(step_dir_name(5));
+        write(&dir);
+        let shard = dir.join(shard_name(1));
+        let mut bytes = std::fs::read(&shard).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&shard, &bytes).unwrap();
+        let e = Checkpoint::open(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("rank-00001.safetensors: checksum mismatch"),
+            "{e}"
+        );
+        std::fs::remove_file(&shard).unwrap();
+        let e = Checkpoint::open(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("rank-00001.safetensors: shard is missing"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn unfinished_saves_are_never_resumed_and_pruning_keeps_the_newest() {
+        let d = tempfile::tempdir().unwrap();
+        for s in [1, 2, 3] {
+            write(&d.path().join(step_dir_name(s)));
+        }
+        std::fs::create_dir_all(d.path().join(step_dir_name(4))).unwrap();
+        assert_eq!(resolve(d.path()).unwrap(), d.path().join(step_dir_name(3)));
+        prune(d.path(), 2).unwrap();
+        let left: Vec<_> = list(d.path())
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().to_string())
+            .collect();
+        assert_eq!(left, ["step-00000002", "step-00000003"]);
+        // The unfinished step-4 is newer than the newest complete one: kept (it may be in progress).
+        assert!(d.path().join(step_dir_name(4)).exists());
+    }
+}

@@ -1,0 +1,67 @@
+//! Writing a checkpoint: every rank its shard, then rank 0 the manifest.
+//!
+//! Ranks send their shard's size and checksum to rank 0 with an all-to-all, so
+//! the manifest is written only once every shard is safely on disk, and a crash
+//! anywhere before that leaves a directory without a manifest, which resume and
+//! export ignore. Rank 0 then prunes checkpoints beyond `checkpoint.keep`.
+
+use std::path::Path;
+
+use anyhow::{anyhow, Result};
+use zckpt::{step_dir_name, write_manifest, write_shard, FileEntry, Manifest, FORMAT};
+use zcomm::Communicator;
+use zconfig::JobSpec;
+use zengine::Engine;
+
+use crate::env::WorkerEnv;
+
+/// Saves the engine's state after its last step.
+pub fn save(
+    engine: &Engine,
+    spec: &JobSpec,
+    env: &WorkerEnv,
+    comm: &dyn Communicator,
+    nodes: usize,
+    samples: u64,
+) -> Result<()> {
+    let root = Path::new(
+        spec.checkpoint
+            .dir
+            .as_deref()
+            .ok_or_else(|| anyhow!("no checkpoint.dir"))?,
+    );
+    let step = engine.steps_done();
+    let dir = root.join(step_dir_name(step));
+    let slices = engine.own_slices();
+    let views: Vec<[&[f32]; 3]> = slices
+        .iter()
+        .map(|[p, m, v]| [p.as_slice(), m.as_slice(), v.as_slice()])
+        .collect();
+    let entry = write_shard(&dir, env.rank, &views)?;
+    let mut pieces = vec![Vec::new(); env.world_size];
+    pieces[0] = serde_json::to_vec(&entry)?;
+    let got = comm.all_to_all(pieces)?;
+    if env.rank == 0 {
+        let files = got
+            .iter()
+            .map(|b| serde_json::from_slice::<FileEntry>(b))
+            .collect::<Result<Vec<_>, _>>()?;
+        let manifest = Manifest {
+            format: FORMAT,
+            model: spec.model.clone(),
+            world_size: env.world_size,
+            nodes,
+            stage: spec.zero.stage,
+            dtype: spec.train.dtype,
+            step,
+            samples_consumed: samples,
+            loss_scale: None,
+            groups: engine.manifest_groups(),
+            files,
+        };
+        write_manifest(&dir, &manifest)?;
+        zckpt::prune(root, spec.checkpoint.keep)?;
+    }
+    comm.barrier()?;
+    Ok(())
+}

@@ -1,0 +1,352 @@
+//! Checkpoints end to end: bit-exact resume, resume at another world size and
+//! stage, export, init from an export, damaged checkpoints, a crash mid-save.
+
+use std::path::Path;
+use std::time::Duration;
+
+use e2e::{children_of, ckpt_job, losses_by_step, wait_until, zrun, Zrun};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+fn train(dir: &Path, job: &Path, metrics: &str, extra: &[&str]) -> e2e::Finished {
+    let m = dir.join(metrics);
+    let mut args = vec![
+        "train",
+        job.to_str().unwrap(),
+        "--metrics",
+        m.to_str().unwrap(),
+        "--no-progress",
+    ];
+    args.extend_from_slice(extra);
+    let f = zrun(dir, &args);
+    assert_eq!(f.code(), 0, "{args:?}: {f:?}");
+    f
+}
+
+#[test]
+fn resume_continues_bit_identically_at_stages_0_and_3() {
+    for stage in ["0", "3"] {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        let job = ckpt_job(dir, "resume", 12, 6);
+        let set = format!("zero.stage={stage}");
+        train(dir, &job, "straight.jsonl", &["--set", &set]);
+        let straight = losses_by_step(&dir.join("straight.jsonl"));
+        // Lose the final checkpoint, keep step 6, and resume from it.
+        std::fs::remove_dir_all(dir.join("ckpt/step-00000012")).unwrap();
+        let f = train(
+            dir,
+            &job,
+            "resumed.jsonl",
+            &["--set", &set, "--resume", "auto"],
+        );
+        assert!(
+            f.stdout.contains("resuming from") && f.stdout.contains("step-00000006"),
+            "{}",
+            f.stdout
+        );
+        let resumed = losses_by_step(&dir.join("resumed.jsonl"));
+        assert_eq!(
+            resumed.iter().map(|x| x.0).collect::<Vec<_>>(),
+            (7..=12).collect::<Vec<_>>()
+        );
+        assert_eq!(resumed, straight[6..].to_vec(), "stage {stage}");
+    }
+}
+
+#[test]
+fn resume_anywhere_moves_nothing_and_continues_smoothly() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let job = ckpt_job(dir, "anywhere", 20, 10);
+    // 2 workers at stage 3, checkpoint at step 10, then on to 20.
+    train(
+        dir,
+        &job,
+        "orig.jsonl",
+        &[
+            "--set",
+            "zero.stage=3",
+            "--set",
+            "zero.param_persistence_threshold=0",
+        ],
+    );
+    let orig = losses_by_step(&dir.join("orig.jsonl"));
+    let ck10 = dir.join("ckpt/step-00000010");
+    let exp_orig = dir.join("orig.safetensors");
+    let f = zrun(
+        dir,
+        &[
+            "export",
+            ck10.to_str().unwrap(),
+            "--out",
+            exp_orig.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    // Resume on 3 workers at stage 2 with train.steps = 10: no step, a new checkpoint.
+    let moved_root = dir.join("moved");
+    let moved_set = format!("checkpoint.dir={}", moved_root.display());
+    let f = train(
+        dir,
+        &job,
+        "moved.jsonl",
+        &[
+            "--workers-per-node",
+            "3",
+            "--set",
+            "zero.stage=2",
+            "--set",
+            "train.steps=10",
+            "--set",
+            &moved_set,
+            "--resume",
+            ck10.to_str().unwrap(),
+        ],
+    );
+    assert!(losses_by_step(&dir.join("moved.jsonl")).is_empty(), "{f:?}");
+    let moved = moved_root.join("step-00000010");
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(moved.join("manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        (manifest["world_size"].as_u64(), manifest["stage"].as_u64()),
+        (Some(3), Some(2))
+    );
+    let exp_moved = dir.join("moved.safetensors");
+    assert_eq!(
+        zrun(
+            dir,
+            &[
+                "export",
+                moved.to_str().unwrap(),
+                "--out",
+                exp_moved.to_str().unwrap()
+            ]
+        )
+        .code(),
+        0
+    );
+    assert!(
+        std::fs::read(&exp_orig).unwrap() == std::fs::read(&exp_moved).unwrap(),
+        "exports differ"
+    );
+    // And training goes on from there on 3 workers without a jump in the loss.
+    train(
+        dir,
+        &job,
+        "after.jsonl",
+        &[
+            "--workers-per-node",
+            "3",
+            "--set",
+            "zero.stage=2",
+            "--set",
+            &moved_set,
+            "--resume",
+            moved.to_str().unwrap(),
+        ],
+    );
+    let after = losses_by_step(&dir.join("after.jsonl"));
+    assert_eq!(after[0].0, 11);
+    let (fresh, before, next) = (orig[0].1, orig[9].1, after[0].1);
+    assert!(
+        (next - before).abs() < 0.25 * (fresh - before).abs(),
+        "loss jumped: fresh {fresh:.4}, at the checkpoint {before:.4}, after resuming {next:.4}"
+    );
+}
+
+#[test]
+fn export_feeds_init_from_and_reproduces_the_next_loss() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    // A corpus of exactly one global batch (4 windows of 32 + 1 tokens), so every
+    // step sees the same sequences and "the next loss" means the same thing to both runs.
+    let text: Vec<u8> = (0..4 * 32 + 1)
+        .map(|i| b"the quick brown fox jumps over the lazy dog. "[i % 45])
+        .collect();
+    std::fs::write(dir.join("one-batch.txt"), text).unwrap();
+    let job = ckpt_job(dir, "export", 5, 4);
+    let data = format!("data.path={}/one-batch.txt", dir.display());
+    let common = [
+        "--set",
+        &data,
+        "--set",
+        "data.format=text",
+        "--set",
+        "model.vocab_size=256",
+        "--set",
+        "train.micro_batch_size=2",
+    ];
+    let mut args = common.to_vec();
+    args.extend(["--set", "zero.stage=3"]);
+    train(dir, &job, "src.jsonl", &args);
+    let src = losses_by_step(&dir.join("src.jsonl"));
+    let out = dir.join("w.safetensors");
+    let f = zrun(
+        dir,
+        &[
+            "export",
+            dir.join("ckpt/step-00000004").to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    // Every parameter, under its own name.
+    let params = e2e::metrics(&dir.join("src.jsonl"))[0]["params"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        f.stdout.contains(&format!("wrote {params} parameters")),
+        "{}",
+        f.stdout
+    );
+    let init = format!("model.init_from={}", out.display());
+    let mut args = common.to_vec();
+    args.extend([
+        "--workers-per-node",
+        "1",
+        "--set",
+        "train.micro_batch_size=4",
+        "--set",
+        "train.steps=1",
+        "--set",
+        &init,
+        "--set",
+        "checkpoint.dir=null",
+        "--set",
+        "checkpoint.every=0",
+    ]);
+    train(dir, &job, "init.jsonl", &args);
+    let init_loss = losses_by_step(&dir.join("init.jsonl"))[0].1;
+    let next = src[4].1;
+    assert!(
+        (init_loss - next).abs() <= 1e-5 * next,
+        "export's next loss {next}, from init_from {init_loss}"
+    );
+}
+
+#[test]
+fn damaged_checkpoints_are_refused_with_exit_2() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let job = ckpt_job(dir, "damaged", 2, 2);
+    train(dir, &job, "m.jsonl", &[]);
+    let ck = dir.join("ckpt/step-00000002");
+    let shard = ck.join("rank-00001.safetensors");
+    let resume = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            job.to_str().unwrap(),
+            "--resume",
+            ck.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        zrun(dir, &args)
+    };
+    // A different model.
+    let f = resume(&["--set", "model.d_model=64"]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains(
+            "manifest.json: a different model: d_model 32 in the checkpoint, 64 in the job"
+        ),
+        "{}",
+        f.stderr
+    );
+    // A flipped bit.
+    let good = std::fs::read(&shard).unwrap();
+    let mut bad = good.clone();
+    *bad.last_mut().unwrap() ^= 0x10;
+    std::fs::write(&shard, &bad).unwrap();
+    let f = resume(&[]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("rank-00001.safetensors: checksum mismatch"),
+        "{}",
+        f.stderr
+    );
+    // A missing shard.
+    std::fs::remove_file(&shard).unwrap();
+    let f = resume(&[]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("rank-00001.safetensors: shard is missing"),
+        "{}",
+        f.stderr
+    );
+    let f = zrun(
+        dir,
+        &[
+            "export",
+            ck.to_str().unwrap(),
+            "--out",
+            dir.join("x.safetensors").to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+}
+
+#[test]
+fn a_worker_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let job = ckpt_job(dir, "midsave", 100, 2);
+    let m = dir.join("m.jsonl");
+    // Every save stalls 2 s between writing a file and renaming it into place.
+    let z = Zrun::start(
+        dir,
+        &[
+            "train",
+            job.to_str().unwrap(),
+            "--metrics",
+            m.to_str().unwrap(),
+            "--no-progress",
+            "--set",
+            "env.ZRUN_FAULT_SAVE_DELAY_MS=2000",
+        ],
+    );
+    let ck = dir.join("ckpt");
+    assert!(
+        wait_until(Duration::from_secs(60), || ck
+            .join("step-00000002/manifest.json")
+            .exists()),
+        "{}",
+        z.stdout_so_far()
+    );
+    assert!(wait_until(Duration::from_secs(60), || ck
+        .join("step-00000004")
+        .exists()));
+    assert!(!ck.join("step-00000004/manifest.json").exists());
+    let workers = children_of(z.pid());
+    kill(Pid::from_raw(workers[1] as i32), Signal::SIGKILL).unwrap();
+    let f = z.wait(Duration::from_secs(30));
+    assert_eq!(f.code(), 1, "{f:?}");
+    // The unfinished step-4 is ignored; step 2 resumes.
+    let f = zrun(
+        dir,
+        &[
+            "train",
+            job.to_str().unwrap(),
+            "--resume",
+            "auto",
+            "--set",
+            "train.steps=4",
+            "--no-progress",
+            "--metrics",
+            dir.join("r.jsonl").to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(f.stdout.contains("step-00000002"), "{}", f.stdout);
+    assert_eq!(
+        losses_by_step(&dir.join("r.jsonl"))
+            .iter()
+            .map(|x| x.0)
+            .collect::<Vec<_>>(),
+        vec![3, 4]
+    );
+}
