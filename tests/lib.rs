@@ -237,3 +237,88 @@ pub fn losses_by_step(path: &Path) -> Vec<(u64, f64)> {
         .filter_map(|l| Some((l.get("step")?.as_u64()?, l.get("loss")?.as_f64()?)))
         .collect()
 }
+
+/// A throwaway sshd on 127.0.0.2 and 127.0.0.3 (scripts/sshd.sh), stopped on drop.
+pub struct Sshd {
+    /// Its directory: keys, known_hosts, config, log.
+    pub dir: tempfile::TempDir,
+    /// Its port.
+    pub port: u16,
+}
+
+impl Sshd {
+    /// Starts one; panics with the script's message if it cannot.
+    pub fn start() -> Sshd {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let out = Command::new("bash")
+            .arg(repo_root().join("scripts/sshd.sh"))
+            .arg("start")
+            .arg(dir.path())
+            .output()
+            .expect("run scripts/sshd.sh");
+        assert!(
+            out.status.success(),
+            "sshd did not start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let port = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .expect("a port");
+        Sshd { dir, port }
+    }
+
+    /// The sshd's pid.
+    pub fn pid(&self) -> u32 {
+        std::fs::read_to_string(self.dir.path().join("sshd.pid"))
+            .expect("pid file")
+            .trim()
+            .parse()
+            .expect("pid")
+    }
+
+    /// A hostfile with one slot on each loopback host.
+    pub fn hostfile(&self) -> PathBuf {
+        let p = self.dir.path().join("hosts");
+        std::fs::write(
+            &p,
+            format!(
+                "127.0.0.2 slots=1 port={p}\n127.0.0.3 slots=1 port={p}\n",
+                p = self.port
+            ),
+        )
+        .expect("hostfile");
+        p
+    }
+
+    /// Path of a file in its directory.
+    pub fn file(&self, name: &str) -> String {
+        self.dir.path().join(name).display().to_string()
+    }
+}
+
+impl Drop for Sshd {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(repo_root().join("scripts/sshd.sh"))
+            .arg("stop")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+/// Pids of processes named `name` anywhere below `root` in the process tree.
+pub fn descendants_named(root: u32, name: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(p) = frontier.pop() {
+        for c in children_of(p) {
+            let comm = std::fs::read_to_string(format!("/proc/{c}/comm")).unwrap_or_default();
+            if comm.trim() == name && alive(c) {
+                out.push(c);
+            }
+            frontier.push(c);
+        }
+    }
+    out
+}

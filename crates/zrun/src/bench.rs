@@ -111,6 +111,8 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
             master_addr: "127.0.0.1".into(),
             master_port: 0,
             worker_bin: worker_bin.clone(),
+            ssh: None,
+            env: Vec::new(),
         };
         let task = Task::BenchComm(BenchCommTask {
             ops: args.ops.clone(),

@@ -83,9 +83,18 @@ pub struct LaunchArgs {
     /// Workers per node (default without a hostfile: 2).
     #[arg(long, value_name = "N")]
     pub workers_per_node: Option<usize>,
-    /// How to start workers.
-    #[arg(long, value_enum, default_value_t = Launcher::Local)]
-    pub launcher: Launcher,
+    /// How to start workers (default: local for loopback hosts, ssh otherwise).
+    #[arg(long, value_enum)]
+    pub launcher: Option<Launcher>,
+    /// Private key for SSH (default: ssh-agent, then ~/.ssh/id_ed25519, id_rsa).
+    #[arg(long, value_name = "FILE")]
+    pub ssh_key: Option<PathBuf>,
+    /// Host keys to verify against (default ~/.ssh/known_hosts).
+    #[arg(long, value_name = "FILE")]
+    pub known_hosts: Option<PathBuf>,
+    /// Add unknown host keys to the known-hosts file instead of refusing them.
+    #[arg(long)]
+    pub ssh_accept_new: bool,
     /// Address workers use to reach zrun's control socket.
     #[arg(long, value_name = "ADDR")]
     pub master_addr: Option<String>,

@@ -6,7 +6,6 @@
 //! exit as [`ProcEvent::Exited`]. Stopping kills the whole group, so anything the
 //! worker started goes too.
 
-use std::collections::BTreeMap;
 use std::process::{ExitStatus, Stdio};
 
 use nix::sys::signal::{killpg, Signal};
@@ -16,7 +15,9 @@ use tokio::process::Command;
 use tokio::sync::mpsc;
 
 use crate::plan::LaunchPlan;
+use crate::ssh::{RemoteProc, SshOptions, Target};
 use crate::Failure;
+use zconfig::Placement;
 
 /// Something a worker process did.
 #[derive(Debug)]
@@ -39,15 +40,56 @@ pub enum ProcEvent {
     },
 }
 
+/// How to reach a started worker.
+#[derive(Debug, Clone)]
+pub enum Handle {
+    /// A child of zrun: its pid is also its process group.
+    Local {
+        /// Process id.
+        pid: u32,
+    },
+    /// A process on another host, started over SSH.
+    Remote(RemoteProc),
+}
+
 /// A started worker.
 #[derive(Debug, Clone)]
 pub struct WorkerProc {
     /// Rank.
     pub rank: usize,
-    /// Process id (and process-group id).
-    pub pid: u32,
     /// Host it runs on.
     pub host: String,
+    /// How to stop it.
+    pub handle: Handle,
+}
+
+impl WorkerProc {
+    /// Its pid, where known.
+    pub fn pid(&self) -> u32 {
+        match &self.handle {
+            Handle::Local { pid } => *pid,
+            Handle::Remote(r) => r.pid.lock().map(|p| p.unwrap_or(0)).unwrap_or(0),
+        }
+    }
+
+    /// Kills it and everything it started (SIGKILL to its process group).
+    pub async fn kill(&self, ssh: Option<&SshOptions>) {
+        match (&self.handle, ssh) {
+            (Handle::Local { pid }, _) => signal_group(*pid, Signal::SIGKILL),
+            (Handle::Remote(r), Some(o)) => {
+                let (r, o) = (r.clone(), o.clone());
+                let task = tokio::task::spawn_blocking(move || crate::ssh::kill(&r, &o));
+                match tokio::time::timeout(crate::ssh::CONNECT_TIMEOUT * 2, task).await {
+                    Ok(Ok(Ok(()))) => {}
+                    Ok(Ok(Err(e))) => {
+                        tracing::error!("killing rank {} on {}: {e}", self.rank, self.host)
+                    }
+                    _ => tracing::error!("killing rank {} on {}: timed out", self.rank, self.host),
+                }
+            }
+            (Handle::Remote(_), None) => {}
+        }
+    }
 }
 
 /// The environment every worker of a job shares.
@@ -62,6 +104,39 @@ pub struct JobEnv {
     pub token_hex: String,
 }
 
+/// SPEC.md's environment of one worker (without the token).
+fn worker_env(
+    plan: &LaunchPlan,
+    p: &Placement,
+    job: &JobEnv,
+    threads: Option<usize>,
+) -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = Vec::new();
+    if let Some(t) = threads {
+        // Share this host's cores, like torchrun's OMP_NUM_THREADS.
+        for k in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
+            if std::env::var_os(k).is_none() {
+                env.push((k.into(), t.to_string()));
+            }
+        }
+    }
+    for (k, v) in [
+        ("RANK", p.rank.to_string()),
+        ("WORLD_SIZE", plan.topology.world_size().to_string()),
+        ("LOCAL_RANK", p.local_rank.to_string()),
+        ("LOCAL_WORLD_SIZE", p.local_world_size.to_string()),
+        ("NODE_RANK", p.node_rank.to_string()),
+        ("MASTER_ADDR", job.master_addr.clone()),
+        ("MASTER_PORT", job.master_port.to_string()),
+        ("ZRUN_JOB_ID", job.job_id.clone()),
+        ("ZRUN_NODE_ADDR", plan.node_addrs[p.node_rank].clone()),
+    ] {
+        env.push((k.into(), v));
+    }
+    env.extend(plan.env.iter().cloned());
+    env
+}
+
 /// Starts one local worker per rank of the plan.
 pub fn spawn_local(
     plan: &LaunchPlan,
@@ -74,32 +149,10 @@ pub fn spawn_local(
     let mut procs = Vec::new();
     for p in plan.topology.placements() {
         let node = &plan.topology.nodes[p.node_rank];
-        let mut env: BTreeMap<String, String> = BTreeMap::new();
-        // Threads per worker: share this host's cores, like torchrun's OMP_NUM_THREADS.
-        let threads = (cpus / p.local_world_size).max(1).to_string();
-        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-            env.insert("RAYON_NUM_THREADS".into(), threads.clone());
-        }
-        if std::env::var_os("OMP_NUM_THREADS").is_none() {
-            env.insert("OMP_NUM_THREADS".into(), threads);
-        }
-        for (k, v) in [
-            ("RANK", p.rank.to_string()),
-            ("WORLD_SIZE", plan.topology.world_size().to_string()),
-            ("LOCAL_RANK", p.local_rank.to_string()),
-            ("LOCAL_WORLD_SIZE", p.local_world_size.to_string()),
-            ("NODE_RANK", p.node_rank.to_string()),
-            ("MASTER_ADDR", job.master_addr.clone()),
-            ("MASTER_PORT", job.master_port.to_string()),
-            ("ZRUN_JOB_ID", job.job_id.clone()),
-            ("ZRUN_TOKEN", job.token_hex.clone()),
-            ("ZRUN_NODE_ADDR", plan.node_addrs[p.node_rank].clone()),
-        ] {
-            env.insert(k.into(), v);
-        }
-        env.extend(plan.spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        let env = worker_env(plan, &p, job, Some((cpus / p.local_world_size).max(1)));
         let mut child = Command::new(&plan.worker_bin)
-            .envs(&env)
+            .envs(env)
+            .env("ZRUN_TOKEN", &job.token_hex)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -128,8 +181,56 @@ pub fn spawn_local(
         });
         procs.push(WorkerProc {
             rank: p.rank,
-            pid,
             host: node.host.clone(),
+            handle: Handle::Local { pid },
+        });
+    }
+    Ok(procs)
+}
+
+/// Starts every worker over SSH: all hosts are connected and verified first.
+pub async fn spawn_ssh(
+    plan: &LaunchPlan,
+    job: &JobEnv,
+    events: &mpsc::UnboundedSender<ProcEvent>,
+) -> anyhow::Result<Vec<WorkerProc>> {
+    let o = plan
+        .ssh
+        .as_ref()
+        .ok_or_else(|| Failure::launch("ssh launch without ssh settings"))?;
+    let me = std::env::var("USER").unwrap_or_else(|_| "root".into());
+    let placements = plan.topology.placements();
+    let targets: Vec<Target> = placements
+        .iter()
+        .map(|p| {
+            let n = &plan.topology.nodes[p.node_rank];
+            Target {
+                host: n.host.clone(),
+                port: n.port.unwrap_or(22),
+                user: n.user.clone().unwrap_or_else(|| me.clone()),
+            }
+        })
+        .collect();
+    let sessions = crate::ssh::connect_all(&targets, o).await?;
+    let cwd = std::env::current_dir()?;
+    let mut procs = Vec::new();
+    for ((p, t), s) in placements.iter().zip(targets).zip(sessions) {
+        let env = worker_env(plan, p, job, None);
+        let remote = crate::ssh::start_worker(
+            s,
+            t.clone(),
+            p.rank,
+            &cwd,
+            &plan.worker_bin,
+            &env,
+            job,
+            events.clone(),
+        )
+        .map_err(|e| Failure::launch(format!("rank {} on {}: {e}", p.rank, t.host)))?;
+        procs.push(WorkerProc {
+            rank: p.rank,
+            host: t.host,
+            handle: Handle::Remote(remote),
         });
     }
     Ok(procs)

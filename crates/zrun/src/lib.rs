@@ -10,6 +10,8 @@
 //!   per-worker message streams.
 //! - [`launch`]: starting local workers in their own process groups and killing
 //!   those groups.
+//! - [`ssh`]: starting workers on other hosts over SSH, verifying host keys, and
+//!   killing them there.
 //! - [`supervise`]: the event loop that turns worker messages, exits, heartbeats
 //!   and signals into progress, metrics and an exit code.
 //! - [`metrics`]: aggregation of per-rank step reports into `metrics.jsonl` lines.
@@ -26,6 +28,7 @@ pub mod launch;
 pub mod metrics;
 pub mod plan;
 pub mod server;
+pub mod ssh;
 pub mod supervise;
 
 use std::process::ExitCode;

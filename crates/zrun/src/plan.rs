@@ -9,6 +9,7 @@ use anyhow::Result;
 use zconfig::{load_job, JobSpec, Topology, TopologyOptions};
 
 use crate::cli::{CheckArgs, LaunchArgs, Launcher};
+use crate::ssh::SshOptions;
 use crate::Failure;
 
 /// Workers per node on the CPU when nothing says otherwise.
@@ -29,6 +30,10 @@ pub struct LaunchPlan {
     pub master_port: u16,
     /// The worker binary.
     pub worker_bin: PathBuf,
+    /// SSH settings when workers start over SSH.
+    pub ssh: Option<SshOptions>,
+    /// Extra environment for every worker: `.zrun_env` files, then the spec's `env`.
+    pub env: Vec<(String, String)>,
 }
 
 /// Resolves hostfile and launch flags into a topology (bad input: exit 2).
@@ -45,25 +50,62 @@ pub fn topology(args: &LaunchArgs) -> Result<Topology> {
 
 /// Checks that a launch is possible: launcher, hosts, worker binary.
 pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Result<LaunchPlan> {
-    if args.launcher != Launcher::Local {
-        let name = if args.launcher == Launcher::Ssh {
-            "ssh"
-        } else {
-            "slurm"
-        };
-        return Err(Failure::bad_input(format!(
-            "--launcher {name}: launching over {name} is not supported yet"
-        )));
+    let all_local = topology
+        .nodes
+        .iter()
+        .all(|n| local_address(&n.host).is_some());
+    let launcher = args.launcher.unwrap_or(if all_local {
+        Launcher::Local
+    } else {
+        Launcher::Ssh
+    });
+    if launcher == Launcher::Slurm {
+        return Err(Failure::bad_input(
+            "--launcher slurm: launching with srun is not supported yet",
+        ));
     }
     let mut node_addrs = Vec::new();
     for node in &topology.nodes {
-        node_addrs.push(local_address(&node.host).ok_or_else(|| {
-            Failure::bad_input(format!(
-                "host `{}` is not this machine; starting workers on other hosts (--launcher ssh) is not supported yet",
-                node.host
-            ))
-        })?);
+        let addr = match launcher {
+            Launcher::Local => local_address(&node.host).ok_or_else(|| {
+                Failure::bad_input(format!(
+                    "--launcher local: host `{}` is not this machine",
+                    node.host
+                ))
+            })?,
+            _ if node.host == "localhost" => "127.0.0.1".into(),
+            _ => node.host.clone(),
+        };
+        node_addrs.push(addr);
     }
+    let ssh = (launcher == Launcher::Ssh).then(|| {
+        let home = std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_default();
+        SshOptions {
+            key: args.ssh_key.clone(),
+            known_hosts: args
+                .known_hosts
+                .clone()
+                .unwrap_or_else(|| home.join(".ssh/known_hosts")),
+            accept_new: args.ssh_accept_new,
+        }
+    });
+    if let Some(k) = &args.ssh_key {
+        if !k.is_file() {
+            return Err(Failure::bad_input(format!(
+                "--ssh-key {}: no such file",
+                k.display()
+            )));
+        }
+    }
+    let master_addr = match (&args.master_addr, &ssh) {
+        (Some(a), _) => a.clone(),
+        (None, None) => "127.0.0.1".into(),
+        (None, Some(_)) => reachable_local_ip(&topology)?,
+    };
+    let mut env = read_zrun_env()?;
+    env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
     let worker_bin = match &args.worker_bin {
         Some(p) => p.clone(),
         None => default_worker_bin()?,
@@ -78,13 +120,73 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         spec,
         topology,
         node_addrs,
-        master_addr: args
-            .master_addr
-            .clone()
-            .unwrap_or_else(|| "127.0.0.1".into()),
+        master_addr,
         master_port: args.master_port,
         worker_bin,
+        ssh,
+        env,
     })
+}
+
+/// This host's address on the route to the first remote node (no packet is sent).
+fn reachable_local_ip(topology: &Topology) -> Result<String> {
+    let Some(remote) = topology
+        .nodes
+        .iter()
+        .find(|n| local_address(&n.host).is_none())
+    else {
+        return Ok("127.0.0.1".into());
+    };
+    let probe = std::net::UdpSocket::bind("0.0.0.0:0")
+        .and_then(|s| s.connect((remote.host.as_str(), 9)).map(|_| s))
+        .and_then(|s| s.local_addr())
+        .map_err(|e| {
+            Failure::launch(format!(
+                "no route to {}: {e} (pass --master-addr)",
+                remote.host
+            ))
+        })?;
+    Ok(probe.ip().to_string())
+}
+
+/// DeepSpeed's `.deepspeed_env`, as `.zrun_env`: `KEY=VALUE` lines forwarded to
+/// every worker, from `~/.zrun_env` and then `./.zrun_env`. Comments (`#`) and
+/// blank lines are ignored.
+pub fn read_zrun_env() -> Result<Vec<(String, String)>> {
+    let mut out = Vec::new();
+    let home = std::env::var_os("HOME").map(PathBuf::from);
+    for path in home
+        .map(|h| h.join(".zrun_env"))
+        .into_iter()
+        .chain([PathBuf::from(".zrun_env")])
+    {
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        for (i, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let (k, v) = line.split_once('=').ok_or_else(|| {
+                Failure::bad_input(format!(
+                    "{}:{}: expected KEY=VALUE, got `{line}`",
+                    path.display(),
+                    i + 1
+                ))
+            })?;
+            let k = k.trim().trim_start_matches("export ").trim();
+            if k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                return Err(Failure::bad_input(format!(
+                    "{}:{}: `{k}` is not a variable name",
+                    path.display(),
+                    i + 1
+                )));
+            }
+            out.push((k.to_string(), v.trim().trim_matches('"').to_string()));
+        }
+    }
+    Ok(out)
 }
 
 /// `zworker` next to the running `zrun`.

@@ -24,7 +24,7 @@ use zproto::{BenchRow, Task, ToServer, Token, TrainTask};
 
 use crate::cli::TrainArgs;
 use crate::exit;
-use crate::launch::{signal_group, spawn_local, JobEnv, ProcEvent, WorkerProc};
+use crate::launch::{spawn_local, spawn_ssh, JobEnv, ProcEvent, WorkerProc};
 use crate::metrics::{Aggregator, DoneLine, MetricsWriter};
 use crate::plan::{plan_launch, topology, LaunchPlan};
 use crate::server::{Event, JobInfo, Server};
@@ -276,12 +276,20 @@ pub fn run_job(
             job_id,
             token_hex: token.to_hex(),
         };
-        let procs = match spawn_local(&plan, &env, &proc_tx) {
-            Ok(p) => p,
-            Err(e) => return Err(e),
+        let procs = if plan.ssh.is_some() {
+            spawn_ssh(&plan, &env, &proc_tx).await?
+        } else {
+            spawn_local(&plan, &env, &proc_tx)?
         };
         drop(proc_tx);
-        let mut sup = Supervisor::new(server, &procs, sink, heartbeat, rendezvous);
+        let mut sup = Supervisor::new(
+            server,
+            &procs,
+            sink,
+            heartbeat,
+            rendezvous,
+            plan.ssh.clone(),
+        );
         let outcome = sup.watch(ev_rx, proc_rx).await?;
         Ok((outcome, sup.sink))
     })
@@ -302,6 +310,8 @@ struct Supervisor {
     rendezvous_deadline: Instant,
     /// A reported failure waiting for [`CAUSE_GRACE`] in case a crash explains it.
     reported: Option<(Instant, String)>,
+    /// How to reach remote workers to kill them.
+    ssh: Option<crate::ssh::SshOptions>,
 }
 
 impl Supervisor {
@@ -311,13 +321,14 @@ impl Supervisor {
         sink: Sink,
         heartbeat: Duration,
         rendezvous: Duration,
+        ssh: Option<crate::ssh::SshOptions>,
     ) -> Supervisor {
         let now = Instant::now();
         let ranks = procs
             .iter()
             .map(|p| RankState {
                 host: p.host.clone(),
-                pid: p.pid,
+                pid: p.pid(),
                 joined: false,
                 done: false,
                 exited: None,
@@ -333,6 +344,7 @@ impl Supervisor {
             heartbeat,
             rendezvous_deadline: now + rendezvous,
             reported: None,
+            ssh,
         }
     }
 
@@ -378,6 +390,7 @@ impl Supervisor {
                 tracing::info!("rank {rank} joined from {hostname} (pid {pid})");
                 let r = &mut self.ranks[rank];
                 r.joined = true;
+                r.pid = pid;
                 r.last_seen = Instant::now();
             }
             Event::Lost { rank, reason } => {
@@ -570,7 +583,7 @@ impl Supervisor {
                     }
                     for p in &self.procs {
                         if self.ranks[p.rank].exited.is_none() {
-                            signal_group(p.pid, Signal::SIGKILL);
+                            p.kill(self.ssh.as_ref()).await;
                         }
                     }
                     killed = true;

@@ -1,0 +1,180 @@
+//! The SSH launcher against a real sshd on 127.0.0.2 and 127.0.0.3 (each hostfile
+//! line one node): training across "hosts", a killed remote worker, Ctrl-C, and
+//! host-key and authentication failures.
+
+use std::time::{Duration, Instant};
+
+use e2e::{descendants_named, metrics, small_job, wait_until, zrun, Sshd, Zrun};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+fn ssh_args<'a>(sshd: &'a Sshd, hostfile: &'a str, known: &'a str, key: &'a str) -> Vec<&'a str> {
+    let _ = sshd;
+    vec![
+        "--hostfile",
+        hostfile,
+        "--launcher",
+        "ssh",
+        "--ssh-key",
+        key,
+        "--known-hosts",
+        known,
+    ]
+}
+
+#[test]
+fn a_two_host_job_trains_and_sends_bytes_between_nodes() {
+    let sshd = Sshd::start();
+    let d = tempfile::tempdir().unwrap();
+    let job = small_job(d.path(), "ssh", 5);
+    let m = d.path().join("m.jsonl");
+    let (h, k, key) = (
+        sshd.hostfile().display().to_string(),
+        sshd.file("known_hosts"),
+        sshd.file("client_key"),
+    );
+    let mut args = vec![
+        "train",
+        job.to_str().unwrap(),
+        "--metrics",
+        m.to_str().unwrap(),
+    ];
+    args.extend(ssh_args(&sshd, &h, &k, &key));
+    let f = zrun(d.path(), &args);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let lines = metrics(&m);
+    assert_eq!(lines[1]["world_size"], 2);
+    assert!(lines[1]["comm_bytes"]["inter_node"].as_u64().unwrap() > 0);
+    assert_eq!(lines[1]["comm_bytes"]["intra_node"], 0);
+    assert!(descendants_named(sshd.pid(), "zworker").is_empty());
+}
+
+fn start_long(sshd: &Sshd, d: &std::path::Path) -> (Zrun, Vec<u32>) {
+    let job = small_job(d, "long", 100_000);
+    let m = d.join("m.jsonl");
+    let (h, k, key) = (
+        sshd.hostfile().display().to_string(),
+        sshd.file("known_hosts"),
+        sshd.file("client_key"),
+    );
+    let mut args = vec![
+        "train",
+        job.to_str().unwrap(),
+        "--metrics",
+        m.to_str().unwrap(),
+        "--no-progress",
+    ];
+    args.extend(ssh_args(sshd, &h, &k, &key));
+    let z = Zrun::start(d, &args);
+    assert!(
+        wait_until(Duration::from_secs(60), || metrics(&m).len() >= 2),
+        "{}",
+        z.stdout_so_far()
+    );
+    let workers = descendants_named(sshd.pid(), "zworker");
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    (z, workers)
+}
+
+#[test]
+fn a_remote_worker_killed_fails_the_job_fast_and_leaves_nothing_on_either_host() {
+    let sshd = Sshd::start();
+    let d = tempfile::tempdir().unwrap();
+    let (z, workers) = start_long(&sshd, d.path());
+    let t0 = Instant::now();
+    kill(Pid::from_raw(workers[0] as i32), Signal::SIGKILL).unwrap();
+    let f = z.wait(Duration::from_secs(30));
+    assert_eq!(f.code(), 1, "{f:?}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert!(f.stderr.contains("rank "), "{}", f.stderr);
+    assert!(wait_until(Duration::from_secs(5), || descendants_named(
+        sshd.pid(),
+        "zworker"
+    )
+    .is_empty()));
+}
+
+#[test]
+fn sigint_stops_remote_workers_with_exit_130() {
+    let sshd = Sshd::start();
+    let d = tempfile::tempdir().unwrap();
+    let (z, _) = start_long(&sshd, d.path());
+    z.signal(Signal::SIGINT);
+    let f = z.wait(Duration::from_secs(30));
+    assert_eq!(f.code(), 130, "{f:?}");
+    assert!(wait_until(Duration::from_secs(5), || descendants_named(
+        sshd.pid(),
+        "zworker"
+    )
+    .is_empty()));
+}
+
+#[test]
+fn a_wrong_host_key_or_a_refused_key_is_exit_3_before_training() {
+    let sshd = Sshd::start();
+    let d = tempfile::tempdir().unwrap();
+    let job = small_job(d.path(), "refused", 3);
+    let m = d.path().join("m.jsonl");
+    let h = sshd.hostfile().display().to_string();
+    // A known_hosts file with another key for the hosts.
+    let other = d.path().join("other_key");
+    assert!(std::process::Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+        .arg(&other)
+        .status()
+        .unwrap()
+        .success());
+    let pubkey = std::fs::read_to_string(other.with_extension("pub")).unwrap();
+    let key_part: Vec<&str> = pubkey.split_whitespace().take(2).collect();
+    let wrong = d.path().join("known_hosts");
+    std::fs::write(
+        &wrong,
+        format!(
+            "[127.0.0.2]:{p} {k}\n[127.0.0.3]:{p} {k}\n",
+            p = sshd.port,
+            k = key_part.join(" ")
+        ),
+    )
+    .unwrap();
+    let run = |known: &str, key: &str| {
+        let mut args = vec![
+            "train",
+            job.to_str().unwrap(),
+            "--metrics",
+            m.to_str().unwrap(),
+        ];
+        args.extend([
+            "--hostfile",
+            &h,
+            "--launcher",
+            "ssh",
+            "--ssh-key",
+            key,
+            "--known-hosts",
+            known,
+        ]);
+        zrun(d.path(), &args)
+    };
+    let f = run(wrong.to_str().unwrap(), &sshd.file("client_key"));
+    assert_eq!(f.code(), 3, "{f:?}");
+    assert!(f.stderr.contains("does not match"), "{}", f.stderr);
+    // An empty known_hosts: the key is unknown.
+    let empty = d.path().join("empty_known_hosts");
+    std::fs::write(&empty, "").unwrap();
+    let f = run(empty.to_str().unwrap(), &sshd.file("client_key"));
+    assert_eq!(f.code(), 3, "{f:?}");
+    assert!(
+        f.stderr.contains("is not in") && f.stderr.contains("--ssh-accept-new"),
+        "{}",
+        f.stderr
+    );
+    // A key the server does not accept.
+    let f = run(&sshd.file("known_hosts"), other.to_str().unwrap());
+    assert_eq!(f.code(), 3, "{f:?}");
+    assert!(f.stderr.contains("refused the key"), "{}", f.stderr);
+    assert!(metrics(&m).is_empty(), "nothing may train");
+}
