@@ -486,3 +486,33 @@ fn estimate_reproduces_the_zero_paper_and_sizes_a_job() {
         2
     );
 }
+
+/// A frozen worker (SIGSTOP) is caught by the heartbeat deadline, and zrun says
+/// where every rank was: the others waiting in a collective for it.
+#[test]
+fn a_hang_is_diagnosed_per_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let (z, _) = start_long_job(dir.path(), "hang", &["--set", "comm.heartbeat_s=2"]);
+    let workers = children_of(z.pid());
+    assert_eq!(workers.len(), 2);
+    kill(Pid::from_raw(workers[1] as i32), Signal::SIGSTOP).unwrap();
+    let f = z.wait(Duration::from_secs(30));
+    assert_eq!(f.code(), 1, "{f:?}");
+    assert!(
+        f.stderr.contains("rank 1 (host localhost") && f.stderr.contains("sent nothing for"),
+        "{}",
+        f.stderr
+    );
+    assert!(f.stderr.contains("where each rank was"), "{}", f.stderr);
+    assert!(
+        f.stderr.contains("(group world, ") && f.stderr.contains("waiting for rank 1"),
+        "{}",
+        f.stderr
+    );
+    for w in workers {
+        assert!(
+            wait_until(Duration::from_secs(5), || !alive(w)),
+            "worker {w} is still running"
+        );
+    }
+}

@@ -251,6 +251,38 @@ impl Counters {
     }
 }
 
+/// The collective a communicator is inside right now, for hang diagnosis.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InFlight {
+    /// Operation.
+    pub op: &'static str,
+    /// Group.
+    pub group: String,
+    /// Bytes of the caller's buffer.
+    pub bytes: usize,
+    /// Time since the operation started.
+    pub waiting: Duration,
+    /// The rank it is blocked reading from, if it is.
+    pub peer: Option<usize>,
+}
+
+impl std::fmt::Display for InFlight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "in {} (group {}, {} bytes) for {:.1}s",
+            self.op,
+            self.group,
+            self.bytes,
+            self.waiting.as_secs_f64()
+        )?;
+        if let Some(p) = self.peer {
+            write!(f, ", waiting for rank {p}")?;
+        }
+        Ok(())
+    }
+}
+
 /// The index range of chunk `i` when `len` elements are split over `parts` ranks:
 /// the first `len % parts` chunks hold one element more.
 pub fn chunk_range(len: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
@@ -276,6 +308,8 @@ pub trait Communicator: Send + Sync {
     fn counters(&self) -> CounterSnapshot;
     /// The deadline of one collective.
     fn timeout(&self) -> Duration;
+    /// The collective running now, if any.
+    fn in_flight(&self) -> Option<InFlight>;
 
     /// Element-wise sum over ranks; every rank receives the whole sum.
     fn all_reduce_async(&self, buf: Vec<f32>) -> Work<Vec<f32>>;

@@ -239,6 +239,8 @@ struct RankState {
     last_seen: Instant,
     /// When and why its control connection ended.
     lost: Option<(Instant, String)>,
+    /// The collective it said it was in at its last heartbeat.
+    op: Option<String>,
 }
 
 /// Starts the job's workers, supervises them to the end, and returns how it ended.
@@ -334,6 +336,7 @@ impl Supervisor {
                 exited: None,
                 last_seen: now,
                 lost: None,
+                op: None,
             })
             .collect();
         Supervisor {
@@ -346,6 +349,26 @@ impl Supervisor {
             reported: None,
             ssh,
         }
+    }
+
+    /// Where every rank was when the job failed: the hang diagnosis.
+    fn diagnosis(&self) -> String {
+        let now = Instant::now();
+        let mut out = String::from("zrun: where each rank was when the job failed:");
+        for (rank, r) in self.ranks.iter().enumerate() {
+            let state = match (&r.exited, &r.op) {
+                (Some((s, _)), _) => describe(*s),
+                (None, Some(op)) => op.clone(),
+                (None, None) if r.done => "finished".into(),
+                (None, None) => "computing (not in a collective)".into(),
+            };
+            out.push_str(&format!(
+                "\n  {}: {state}; last heard {:.1}s ago",
+                self.who(rank),
+                (now - r.last_seen).as_secs_f64()
+            ));
+        }
+        out
     }
 
     fn who(&self, rank: usize) -> String {
@@ -373,8 +396,11 @@ impl Supervisor {
                 break o;
             }
         };
-        if let Outcome::Failed { message, .. } = &outcome {
+        if let Outcome::Failed { code, message } = &outcome {
             self.server.abort_all(message);
+            if *code == exit::TRAINING_FAILED {
+                eprintln!("{}", self.diagnosis());
+            }
         }
         self.reap(&mut procs).await;
         Ok(outcome)
@@ -433,7 +459,7 @@ impl Supervisor {
                         self.ranks[rank].done = false;
                     }
                     ToServer::Done => self.ranks[rank].done = true,
-                    ToServer::Heartbeat { .. } => {}
+                    ToServer::Heartbeat { op } => self.ranks[rank].op = op,
                     other => tracing::warn!("rank {rank} sent an unexpected message: {other:?}"),
                 }
             }

@@ -11,6 +11,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use zcomm::Communicator;
 use zproto::auth::nonce;
 use zproto::frame::{read_frame, write_frame, HANDSHAKE_MAX, MAX_FRAME};
 use zproto::{ToServer, ToWorker, Welcome, CONTROL_CONTEXT, SERVER_CONTEXT};
@@ -25,6 +26,9 @@ pub struct ControlClient {
     writer: Mutex<TcpStream>,
     replies: Mutex<mpsc::Receiver<ToWorker>>,
     rank: usize,
+    /// The world communicator once it exists: heartbeats say which collective
+    /// the worker is in, for zrun's hang diagnosis.
+    comm: Mutex<Option<Arc<dyn Communicator>>>,
 }
 
 impl ControlClient {
@@ -105,6 +109,7 @@ impl ControlClient {
             writer: Mutex::new(stream),
             replies: Mutex::new(rx),
             rank,
+            comm: Mutex::new(None),
         };
         Ok((Arc::new(client), welcome))
     }
@@ -151,14 +156,29 @@ impl ControlClient {
         }
     }
 
-    /// Sends a heartbeat every `every` until the process ends.
+    /// Lets heartbeats report the collective `comm` is in (`None` lets go of it,
+    /// so that dropping the last handle flushes the communicator).
+    pub fn watch_comm(&self, comm: Option<Arc<dyn Communicator>>) {
+        if let Ok(mut c) = self.comm.lock() {
+            *c = comm;
+        }
+    }
+
+    /// Sends a heartbeat every `every` until the process ends; each says which
+    /// collective the worker is in, if any.
     pub fn start_heartbeat(self: &Arc<Self>, every: Duration) {
         let me = self.clone();
         let _ = std::thread::Builder::new()
             .name("zworker-heartbeat".into())
             .spawn(move || loop {
                 std::thread::sleep(every);
-                if me.send(&ToServer::Heartbeat { op: None }).is_err() {
+                let op = me
+                    .comm
+                    .lock()
+                    .ok()
+                    .and_then(|c| c.as_ref().and_then(|c| c.in_flight()))
+                    .map(|f| f.to_string());
+                if me.send(&ToServer::Heartbeat { op }).is_err() {
                     return;
                 }
             });

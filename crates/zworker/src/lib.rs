@@ -36,6 +36,7 @@ pub fn run() -> Result<()> {
     let env = WorkerEnv::from_process()?;
     let (client, welcome) = ControlClient::connect(&env)?;
     let result = run_task(&env, &client, welcome);
+    client.watch_comm(None);
     match &result {
         Ok(()) => client.send(&ToServer::Done)?,
         Err(e) => {
@@ -58,6 +59,7 @@ fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welco
     let timeout = Duration::from_secs_f64(timeout_s);
     let node_of_rank = welcome.node_of_rank.clone();
     let comm = connect_world(env, client, &node_of_rank, timeout)?;
+    client.watch_comm(Some(comm.clone()));
     match welcome.task {
         Task::Train(t) => {
             let nodes = node_of_rank.iter().max().map_or(1, |n| n + 1);

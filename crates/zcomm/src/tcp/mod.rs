@@ -47,6 +47,16 @@ pub struct TcpCommunicator {
     jobs: mpsc::Sender<Job>,
     counters: Arc<Counters>,
     op_thread: Option<std::thread::JoinHandle<()>>,
+    current: Arc<Mutex<Option<Current>>>,
+}
+
+/// What the operation thread is doing, shared for [`Communicator::in_flight`].
+#[derive(Debug, Clone)]
+struct Current {
+    op: Op,
+    bytes: usize,
+    started: Instant,
+    peer: Option<usize>,
 }
 
 impl Drop for TcpCommunicator {
@@ -127,7 +137,9 @@ impl TcpCommunicator {
             deadline: Instant::now(),
             started: Instant::now(),
             poisoned: None,
+            current: Arc::new(Mutex::new(None)),
         };
+        let current = links.current.clone();
         let (jobs, rx) = mpsc::channel::<Job>();
         let op_thread = std::thread::Builder::new()
             .name("zcomm-ops".into())
@@ -146,17 +158,19 @@ impl TcpCommunicator {
             jobs,
             counters,
             op_thread: Some(op_thread),
+            current,
         })
     }
 
     fn submit<T: Send + 'static>(
         &self,
         op: Op,
+        bytes: usize,
         f: impl FnOnce(&mut TcpLinks) -> Result<T, CommError> + Send + 'static,
     ) -> Work<T> {
         let (tx, rx) = mpsc::channel();
         let job: Job = Box::new(move |links: &mut TcpLinks| {
-            let _ = tx.send(links.run(op, f));
+            let _ = tx.send(links.run(op, bytes, f));
         });
         // If the thread is gone the receiver disconnects and `wait` reports it.
         let _ = self.jobs.send(job);
@@ -183,9 +197,20 @@ impl Communicator for TcpCommunicator {
     fn timeout(&self) -> Duration {
         self.timeout
     }
+    fn in_flight(&self) -> Option<crate::InFlight> {
+        let s = self.current.lock().ok()?.clone()?;
+        Some(crate::InFlight {
+            op: s.op.name(),
+            group: self.group.clone(),
+            bytes: s.bytes,
+            waiting: s.started.elapsed(),
+            peer: s.peer,
+        })
+    }
 
     fn all_reduce_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
-        self.submit(Op::AllReduce, move |l| {
+        let bytes = buf.len() * 4;
+        self.submit(Op::AllReduce, bytes, move |l| {
             ring::reduce_scatter(l, &mut buf)?;
             ring::all_gather(l, &mut buf)?;
             Ok(buf)
@@ -193,7 +218,8 @@ impl Communicator for TcpCommunicator {
     }
 
     fn reduce_scatter_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
-        self.submit(Op::ReduceScatter, move |l| {
+        let bytes = buf.len() * 4;
+        self.submit(Op::ReduceScatter, bytes, move |l| {
             ring::reduce_scatter(l, &mut buf)?;
             let own = chunk_range(buf.len(), l.world_size(), l.rank());
             buf.truncate(own.end);
@@ -202,7 +228,7 @@ impl Communicator for TcpCommunicator {
     }
 
     fn all_gather_async(&self, chunk: Vec<f32>, total_len: usize) -> Work<Vec<f32>> {
-        self.submit(Op::AllGather, move |l| {
+        self.submit(Op::AllGather, total_len * 4, move |l| {
             let own = chunk_range(total_len, l.world_size(), l.rank());
             if chunk.len() != own.len() {
                 return Err(CommError::Usage {
@@ -224,7 +250,8 @@ impl Communicator for TcpCommunicator {
     }
 
     fn all_to_all_async(&self, pieces: Vec<Vec<u8>>) -> Work<Vec<Vec<u8>>> {
-        self.submit(Op::AllToAll, move |l| {
+        let bytes = pieces.iter().map(Vec::len).sum();
+        self.submit(Op::AllToAll, bytes, move |l| {
             if pieces.len() != l.world_size() {
                 return Err(CommError::Usage {
                     op: "all_to_all",
@@ -236,7 +263,8 @@ impl Communicator for TcpCommunicator {
     }
 
     fn broadcast_async(&self, buf: Vec<u8>, root: usize) -> Work<Vec<u8>> {
-        self.submit(Op::Broadcast, move |l| {
+        let bytes = buf.len();
+        self.submit(Op::Broadcast, bytes, move |l| {
             if root >= l.world_size() {
                 return Err(CommError::Usage {
                     op: "broadcast",
@@ -248,7 +276,7 @@ impl Communicator for TcpCommunicator {
     }
 
     fn barrier_async(&self) -> Work<()> {
-        self.submit(Op::Barrier, |l| star::barrier(l))
+        self.submit(Op::Barrier, 0, |l| star::barrier(l))
     }
 }
 
@@ -282,6 +310,7 @@ pub(crate) struct TcpLinks {
     deadline: Instant,
     started: Instant,
     poisoned: Option<CommError>,
+    current: Arc<Mutex<Option<Current>>>,
 }
 
 impl TcpLinks {
@@ -305,6 +334,7 @@ impl TcpLinks {
     fn run<T>(
         &mut self,
         op: Op,
+        bytes: usize,
         f: impl FnOnce(&mut TcpLinks) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
         if let Some(e) = &self.poisoned {
@@ -314,11 +344,33 @@ impl TcpLinks {
         self.seq += 1;
         self.started = Instant::now();
         self.deadline = self.started + self.timeout;
+        self.set_current(Some(Current {
+            op,
+            bytes,
+            started: self.started,
+            peer: None,
+        }));
         let r = f(self);
         if let Err(e) = &r {
             self.poisoned = Some(e.clone());
+        } else {
+            self.set_current(None);
         }
         r
+    }
+
+    fn set_current(&self, c: Option<Current>) {
+        if let Ok(mut g) = self.current.lock() {
+            *g = c;
+        }
+    }
+
+    fn waiting_for(&self, peer: usize) {
+        if let Ok(mut g) = self.current.lock() {
+            if let Some(c) = g.as_mut() {
+                c.peer = Some(peer);
+            }
+        }
     }
 
     fn peer(&mut self, peer: usize) -> Result<&mut Peer, CommError> {
@@ -342,6 +394,7 @@ impl TcpLinks {
     }
 
     fn read_exact(&mut self, peer: usize, out: &mut [u8]) -> Result<(), CommError> {
+        self.waiting_for(peer);
         let deadline = self.deadline;
         let mut off = 0;
         while off < out.len() {
