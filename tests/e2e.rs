@@ -516,3 +516,87 @@ fn a_hang_is_diagnosed_per_rank() {
         );
     }
 }
+
+/// `--launcher slurm` through a stand-in srun (scripts/fake-slurm): the workers
+/// take their ranks from SLURM_* variables and reach zrun by MASTER_ADDR/PORT.
+#[test]
+fn slurm_launcher_trains_through_srun() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "slurm", 4);
+    let m = dir.path().join("m.jsonl");
+    let path = format!(
+        "{}:{}",
+        repo_root().join("scripts/fake-slurm").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = std::process::Command::new(e2e::bin("zrun"))
+        .args([
+            "train",
+            job.to_str().unwrap(),
+            "--launcher",
+            "slurm",
+            "--num-nodes",
+            "1",
+            "--workers-per-node",
+            "3",
+            "--master-addr",
+            "127.0.0.1",
+        ])
+        .args(["--metrics", m.to_str().unwrap(), "--no-progress"])
+        .env("PATH", path)
+        .env_remove("RANK")
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = metrics(&m);
+    assert_eq!(lines[0]["world_size"], 3);
+    assert_eq!(losses(&lines).len(), 4);
+}
+
+/// A flood of silent connections fills zrun's connection limit before the
+/// workers arrive; they are dropped at the handshake deadline, the workers retry,
+/// and the job trains.
+#[test]
+fn a_flood_of_idle_connections_cannot_block_rendezvous() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let job = small_job(dir.path(), "flood", 3);
+    let m = dir.path().join("m.jsonl");
+    // Hold the port's connections from the moment it opens.
+    let addr = format!("127.0.0.1:{port}");
+    let flood = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        let t0 = Instant::now();
+        while held.len() < 150 && t0.elapsed() < Duration::from_secs(20) {
+            if let Ok(s) = TcpStream::connect(&addr) {
+                held.push(s);
+            }
+        }
+        std::thread::sleep(Duration::from_secs(8));
+        held.len()
+    });
+    let z = Zrun::start(
+        dir.path(),
+        &[
+            "train",
+            job.to_str().unwrap(),
+            "--master-port",
+            &port.to_string(),
+            "--metrics",
+            m.to_str().unwrap(),
+        ],
+    );
+    let f = z.wait(Duration::from_secs(90));
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert_eq!(losses(&metrics(&m)).len(), 3);
+    assert_eq!(flood.join().unwrap(), 150);
+}

@@ -112,6 +112,7 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
             master_port: 0,
             worker_bin: worker_bin.clone(),
             ssh: None,
+            slurm: false,
             env: Vec::new(),
         };
         let task = Task::BenchComm(BenchCommTask {

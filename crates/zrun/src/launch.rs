@@ -50,6 +50,11 @@ pub enum Handle {
     },
     /// A process on another host, started over SSH.
     Remote(RemoteProc),
+    /// One task of an `srun` step; the pid is srun's (one per job).
+    Slurm {
+        /// srun's process id (and process group).
+        srun: u32,
+    },
 }
 
 /// A started worker.
@@ -68,6 +73,7 @@ impl WorkerProc {
     pub fn pid(&self) -> u32 {
         match &self.handle {
             Handle::Local { pid } => *pid,
+            Handle::Slurm { .. } => 0,
             Handle::Remote(r) => r.pid.lock().map(|p| p.unwrap_or(0)).unwrap_or(0),
         }
     }
@@ -76,6 +82,13 @@ impl WorkerProc {
     pub async fn kill(&self, ssh: Option<&SshOptions>) {
         match (&self.handle, ssh) {
             (Handle::Local { pid }, _) => signal_group(*pid, Signal::SIGKILL),
+            // srun cancels its step (and kills every task) on SIGTERM; it cannot
+            // pass SIGKILL on, so give it a moment before killing it too.
+            (Handle::Slurm { srun }, _) => {
+                signal_group(*srun, Signal::SIGTERM);
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                signal_group(*srun, Signal::SIGKILL);
+            }
             (Handle::Remote(r), Some(o)) => {
                 let (r, o) = (r.clone(), o.clone());
                 let task = tokio::task::spawn_blocking(move || crate::ssh::kill(&r, &o));
@@ -186,6 +199,108 @@ pub fn spawn_local(
         });
     }
     Ok(procs)
+}
+
+/// Variables of an outer launcher that must not leak into srun's tasks: each
+/// task takes its rank from Slurm's own variables.
+const PER_RANK_VARS: [&str; 5] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+];
+
+/// Starts every worker as one `srun` step (inside an allocation). Tasks read
+/// SLURM_PROCID / SLURM_LOCALID / SLURM_NODEID / SLURM_NTASKS; `--label` tells
+/// whose output a line is; `--distribution=block` puts consecutive ranks on a node.
+pub fn spawn_slurm(
+    plan: &LaunchPlan,
+    job: &JobEnv,
+    events: &mpsc::UnboundedSender<ProcEvent>,
+) -> anyhow::Result<Vec<WorkerProc>> {
+    let world = plan.topology.world_size();
+    let nodes = plan.topology.nodes.len();
+    let per_node = world / nodes;
+    let mut cmd = Command::new("srun");
+    cmd.arg(format!("--ntasks={world}"))
+        .arg(format!("--nodes={nodes}"))
+        .arg(format!("--ntasks-per-node={per_node}"))
+        .arg("--distribution=block")
+        .arg("--kill-on-bad-exit=1")
+        .arg("--label")
+        .arg(&plan.worker_bin);
+    for k in PER_RANK_VARS {
+        cmd.env_remove(k);
+    }
+    cmd.envs(plan.env.iter().cloned())
+        .env("MASTER_ADDR", &job.master_addr)
+        .env("MASTER_PORT", job.master_port.to_string())
+        .env("ZRUN_JOB_ID", &job.job_id)
+        .env("ZRUN_TOKEN", &job.token_hex)
+        .env("ZRUN_NODE_ADDR", "0.0.0.0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().map_err(|e| {
+        Failure::launch(format!(
+            "starting srun: {e} (is this inside a Slurm allocation?)"
+        ))
+    })?;
+    let srun = child.id().unwrap_or(0);
+    for (out, stderr) in [
+        (
+            child
+                .stdout
+                .take()
+                .map(|o| Box::new(o) as Box<dyn AsyncRead + Unpin + Send>),
+            false,
+        ),
+        (
+            child
+                .stderr
+                .take()
+                .map(|e| Box::new(e) as Box<dyn AsyncRead + Unpin + Send>),
+            true,
+        ),
+    ] {
+        let Some(out) = out else { continue };
+        let tx = events.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(out).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                // `--label` lines read "  3: text".
+                let (rank, text) = match line.trim_start().split_once(": ") {
+                    Some((r, t)) if r.parse::<usize>().is_ok() => {
+                        (r.parse().unwrap_or(0), t.to_string())
+                    }
+                    _ => (0, format!("(srun) {line}")),
+                };
+                let _ = tx.send(ProcEvent::Output {
+                    rank: rank.min(world - 1),
+                    line: text,
+                    stderr,
+                });
+            }
+        });
+    }
+    let tx = events.clone();
+    tokio::spawn(async move {
+        if let Ok(status) = child.wait().await {
+            for rank in 0..world {
+                let _ = tx.send(ProcEvent::Exited { rank, status });
+            }
+        }
+    });
+    Ok((0..world)
+        .map(|rank| WorkerProc {
+            rank,
+            host: plan.topology.nodes[rank / per_node].host.clone(),
+            handle: Handle::Slurm { srun },
+        })
+        .collect())
 }
 
 /// Starts every worker over SSH: all hosts are connected and verified first.

@@ -32,12 +32,19 @@ pub struct LaunchPlan {
     pub worker_bin: PathBuf,
     /// SSH settings when workers start over SSH.
     pub ssh: Option<SshOptions>,
+    /// Workers start as one `srun` step.
+    pub slurm: bool,
     /// Extra environment for every worker: `.zrun_env` files, then the spec's `env`.
     pub env: Vec<(String, String)>,
 }
 
 /// Resolves hostfile and launch flags into a topology (bad input: exit 2).
+/// Under `--launcher slurm` the allocation gives the nodes: `--num-nodes` or
+/// `SLURM_JOB_NUM_NODES`, and `--workers-per-node` or `SLURM_NTASKS_PER_NODE`.
 pub fn topology(args: &LaunchArgs) -> Result<Topology> {
+    if args.launcher == Some(Launcher::Slurm) {
+        return slurm_topology(args);
+    }
     Ok(Topology::resolve(&TopologyOptions {
         hostfile: args.hostfile.clone(),
         include: args.include.clone(),
@@ -46,6 +53,49 @@ pub fn topology(args: &LaunchArgs) -> Result<Topology> {
         workers_per_node: args.workers_per_node,
         default_local_slots: DEFAULT_CPU_WORKERS,
     })?)
+}
+
+fn slurm_topology(args: &LaunchArgs) -> Result<Topology> {
+    if args.hostfile.is_some() || args.include.is_some() || args.exclude.is_some() {
+        return Err(Failure::bad_input(
+            "--launcher slurm takes its nodes from the allocation; drop --hostfile/--include/--exclude",
+        ));
+    }
+    let env_num = |k: &str| -> Result<Option<usize>> {
+        match std::env::var(k) {
+            Ok(v) => {
+                // SLURM_NTASKS_PER_NODE may read "2(x3)": the count is what matters.
+                let n = v.split(['(', ',']).next().unwrap_or("").trim();
+                n.parse()
+                    .map(Some)
+                    .map_err(|_| Failure::bad_input(format!("{k} = `{v}` is not a number")))
+            }
+            Err(_) => Ok(None),
+        }
+    };
+    let nodes = args
+        .num_nodes
+        .or(env_num("SLURM_JOB_NUM_NODES")?)
+        .unwrap_or(1);
+    let per_node = args
+        .workers_per_node
+        .or(env_num("SLURM_NTASKS_PER_NODE")?)
+        .unwrap_or(DEFAULT_CPU_WORKERS);
+    if nodes == 0 || per_node == 0 {
+        return Err(Failure::bad_input(
+            "--launcher slurm: nodes and workers per node must be at least 1",
+        ));
+    }
+    Ok(Topology {
+        nodes: (0..nodes)
+            .map(|i| zconfig::Node {
+                host: format!("slurm-node-{i}"),
+                slots: (0..per_node).collect(),
+                port: None,
+                user: None,
+            })
+            .collect(),
+    })
 }
 
 /// Checks that a launch is possible: launcher, hosts, worker binary.
@@ -59,14 +109,11 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
     } else {
         Launcher::Ssh
     });
-    if launcher == Launcher::Slurm {
-        return Err(Failure::bad_input(
-            "--launcher slurm: launching with srun is not supported yet",
-        ));
-    }
     let mut node_addrs = Vec::new();
     for node in &topology.nodes {
         let addr = match launcher {
+            // Each worker finds its own node's address (see zworker).
+            Launcher::Slurm => "0.0.0.0".into(),
             Launcher::Local => local_address(&node.host).ok_or_else(|| {
                 Failure::bad_input(format!(
                     "--launcher local: host `{}` is not this machine",
@@ -99,10 +146,11 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
             )));
         }
     }
-    let master_addr = match (&args.master_addr, &ssh) {
+    let master_addr = match (&args.master_addr, launcher) {
         (Some(a), _) => a.clone(),
-        (None, None) => "127.0.0.1".into(),
-        (None, Some(_)) => reachable_local_ip(&topology)?,
+        (None, Launcher::Local) => "127.0.0.1".into(),
+        (None, Launcher::Ssh) => reachable_local_ip(&topology)?,
+        (None, Launcher::Slurm) => this_host_ip(),
     };
     let mut env = read_zrun_env()?;
     env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
@@ -124,8 +172,19 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         master_port: args.master_port,
         worker_bin,
         ssh,
+        slurm: launcher == Launcher::Slurm,
         env,
     })
+}
+
+/// This host's first non-loopback address (what other nodes of an allocation
+/// reach), else loopback.
+fn this_host_ip() -> String {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    std::net::ToSocketAddrs::to_socket_addrs(&(name.trim(), 0))
+        .ok()
+        .and_then(|mut a| a.find(|a| a.is_ipv4() && !a.ip().is_loopback()))
+        .map_or_else(|| "127.0.0.1".into(), |a| a.ip().to_string())
 }
 
 /// This host's address on the route to the first remote node (no packet is sent).

@@ -24,7 +24,7 @@ use zproto::{BenchRow, Task, ToServer, Token, TrainTask};
 
 use crate::cli::TrainArgs;
 use crate::exit;
-use crate::launch::{spawn_local, spawn_ssh, JobEnv, ProcEvent, WorkerProc};
+use crate::launch::{spawn_local, spawn_slurm, spawn_ssh, JobEnv, ProcEvent, WorkerProc};
 use crate::metrics::{Aggregator, DoneLine, MetricsWriter};
 use crate::plan::{plan_launch, topology, LaunchPlan};
 use crate::server::{Event, JobInfo, Server};
@@ -280,6 +280,8 @@ pub fn run_job(
         };
         let procs = if plan.ssh.is_some() {
             spawn_ssh(&plan, &env, &proc_tx).await?
+        } else if plan.slurm {
+            spawn_slurm(&plan, &env, &proc_tx)?
         } else {
             spawn_local(&plan, &env, &proc_tx)?
         };

@@ -36,30 +36,34 @@ impl ControlClient {
     pub fn connect(env: &WorkerEnv) -> Result<(Arc<ControlClient>, Welcome)> {
         let target = format!("{}:{}", env.master_addr, env.master_port);
         let deadline = Instant::now() + CONNECT_DEADLINE;
-        let mut stream = loop {
+        // zrun drops connections beyond its limit (a flood of strangers): retry
+        // until a challenge arrives or the deadline passes.
+        let (mut stream, server_nonce) = loop {
             let addr = target
                 .to_socket_addrs()
                 .with_context(|| format!("cannot resolve zrun's address {target}"))?
                 .next()
                 .ok_or_else(|| anyhow!("{target} resolves to nothing"))?;
-            match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
-                Ok(s) => break s,
+            let attempt = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+                .map_err(anyhow::Error::from)
+                .and_then(|mut s| {
+                    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+                    s.set_nodelay(true)?;
+                    match read_frame(&mut s, HANDSHAKE_MAX)? {
+                        ToWorker::Challenge { nonce } => Ok((s, nonce)),
+                        _ => Err(anyhow!("zrun at {target} did not open with a challenge")),
+                    }
+                });
+            match attempt {
+                Ok(ok) => break ok,
                 Err(e) if Instant::now() < deadline => {
-                    tracing::debug!("connecting to zrun at {target}: {e}; retrying");
+                    tracing::debug!("connecting to zrun at {target}: {e:#}; retrying");
                     std::thread::sleep(Duration::from_millis(200));
                 }
-                Err(e) => bail!("cannot reach zrun at {target}: {e}"),
+                Err(e) => bail!("cannot reach zrun at {target}: {e:#}"),
             }
         };
         stream.set_read_timeout(Some(CONNECT_DEADLINE))?;
-        stream.set_nodelay(true)?;
-        let ToWorker::Challenge {
-            nonce: server_nonce,
-        } = read_frame(&mut stream, HANDSHAKE_MAX)
-            .with_context(|| format!("no challenge from zrun at {target}"))?
-        else {
-            bail!("zrun at {target} did not open with a challenge");
-        };
         let my_nonce = nonce();
         let hello = ToServer::Hello {
             rank: env.rank as u64,

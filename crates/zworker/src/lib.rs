@@ -78,7 +78,14 @@ fn connect_world(
 ) -> Result<Arc<dyn Communicator>> {
     let listener = TcpCommunicator::bind(&env.node_addr)
         .with_context(|| format!("binding the data-plane listener on {}", env.node_addr))?;
-    let addr = listener.local_addr()?;
+    let mut addr = listener.local_addr()?;
+    if addr.ip().is_unspecified() {
+        // Bound to every interface (srun tasks do not know their node's address):
+        // publish the one on the route to zrun.
+        let probe = std::net::UdpSocket::bind("0.0.0.0:0")?;
+        probe.connect((env.master_addr.as_str(), env.master_port))?;
+        addr.set_ip(probe.local_addr()?.ip());
+    }
     client.kv_set(&format!("zcomm/world/addr/{}", env.rank), &addr.to_string())?;
     let keys = (0..env.world_size)
         .map(|r| format!("zcomm/world/addr/{r}"))
