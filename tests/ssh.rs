@@ -90,7 +90,11 @@ fn a_remote_worker_killed_fails_the_job_fast_and_leaves_nothing_on_either_host()
         "took {:?}",
         t0.elapsed()
     );
-    assert!(f.stderr.contains("rank "), "{}", f.stderr);
+    assert!(
+        f.stderr.contains(&format!("pid {}", workers[0])),
+        "{}",
+        f.stderr
+    );
     assert!(wait_until(Duration::from_secs(5), || descendants_named(
         sshd.pid(),
         "zworker"
@@ -177,4 +181,30 @@ fn a_wrong_host_key_or_a_refused_key_is_exit_3_before_training() {
     assert_eq!(f.code(), 3, "{f:?}");
     assert!(f.stderr.contains("refused the key"), "{}", f.stderr);
     assert!(metrics(&m).is_empty(), "nothing may train");
+}
+
+#[test]
+fn a_missing_remote_zworker_is_exit_3_naming_the_host() {
+    let sshd = Sshd::start();
+    let d = tempfile::tempdir().unwrap();
+    let job = small_job(d.path(), "nobin", 3);
+    let (h, k, key) = (
+        sshd.hostfile().display().to_string(),
+        sshd.file("known_hosts"),
+        sshd.file("client_key"),
+    );
+    let mut args = vec![
+        "train",
+        job.to_str().unwrap(),
+        "--worker-bin",
+        "/nonexistent/zworker",
+    ];
+    args.extend(ssh_args(&sshd, &h, &k, &key));
+    let f = zrun(d.path(), &args);
+    assert_eq!(f.code(), 3, "{f:?}");
+    assert!(
+        f.stderr.contains("127.0.0.") && f.stderr.contains("before joining the job"),
+        "{}",
+        f.stderr
+    );
 }

@@ -158,7 +158,9 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         Some(p) => p.clone(),
         None => default_worker_bin()?,
     };
-    if !worker_bin.is_file() {
+    // Over SSH the binary must exist there, not here: a missing one fails the
+    // launch when the remote shell cannot start it.
+    if launcher != Launcher::Ssh && !worker_bin.is_file() {
         return Err(Failure::launch(format!(
             "zworker not found at {} (build it with `cargo build --release`, or pass --worker-bin)",
             worker_bin.display()
