@@ -600,3 +600,66 @@ fn a_flood_of_idle_connections_cannot_block_rendezvous() {
     assert_eq!(losses(&metrics(&m)).len(), 3);
     assert_eq!(flood.join().unwrap(), 150);
 }
+
+/// The benchmarks run end to end and report SPEC.md's row shapes.
+#[test]
+fn bench_commands_report_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = zrun(
+        dir.path(),
+        &["bench", "kernels", "--json", "--elements", "65536"],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    for kernel in ["triad", "adamw_portable", "reduce_add", "gemm_f32"] {
+        assert!(
+            rows.iter().any(|r| r["kernel"] == kernel),
+            "{kernel} missing"
+        );
+    }
+    for r in rows {
+        for key in ["kernel", "elements", "threads", "gbps", "gflops", "ratio"] {
+            assert!(r.get(key).is_some(), "{key} missing in {r}");
+        }
+        if r["kernel"] == "triad" {
+            assert_eq!(r["ratio"].as_f64(), Some(1.0));
+        }
+    }
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            "comm",
+            "--workers",
+            "3",
+            "--sizes",
+            "4K,1M",
+            "--ops",
+            "all_reduce,all_gather",
+            "--json",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    for r in rows {
+        let (alg, bus) = (
+            r["algbw_gbps"].as_f64().unwrap(),
+            r["busbw_gbps"].as_f64().unwrap(),
+        );
+        let factor = if r["op"] == "all_reduce" {
+            2.0 * 2.0 / 3.0
+        } else {
+            2.0 / 3.0
+        };
+        assert!((bus - alg * factor).abs() <= 1e-9 * alg.max(1.0), "{r}");
+        assert_eq!(r["workers"], 3);
+        assert_eq!(r["transport"], "tcp");
+    }
+    assert_eq!(
+        zrun(dir.path(), &["bench", "comm", "--transports", "shm"]).code(),
+        2
+    );
+}

@@ -283,6 +283,14 @@ impl std::fmt::Display for InFlight {
     }
 }
 
+/// `dst += src`, element-wise: the reduction every algorithm uses (vectorised by
+/// the compiler; `zrun bench kernels` measures it against memory bandwidth).
+pub fn reduce_add(dst: &mut [f32], src: &[f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d += *s;
+    }
+}
+
 /// The index range of chunk `i` when `len` elements are split over `parts` ranks:
 /// the first `len % parts` chunks hold one element more.
 pub fn chunk_range(len: usize, parts: usize, i: usize) -> std::ops::Range<usize> {

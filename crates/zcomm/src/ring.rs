@@ -27,9 +27,7 @@ pub(crate) fn reduce_scatter(l: &mut dyn Links, buf: &mut [f32]) -> Result<(), C
         let range = chunk_range(buf.len(), w, recv_c);
         let incoming = &mut scratch[..range.len()];
         recv_f32(l, left, incoming)?;
-        for (dst, src) in buf[range].iter_mut().zip(incoming.iter()) {
-            *dst += *src;
-        }
+        crate::reduce_add(&mut buf[range], incoming);
     }
     Ok(())
 }

@@ -19,6 +19,6 @@ pub mod msg;
 pub use auth::{Nonce, Proof, Token};
 pub use frame::{FrameError, HANDSHAKE_MAX, MAX_FRAME};
 pub use msg::{
-    BenchCommTask, BenchRow, CommBytes, MemBytes, OpBytes, StepReport, Task, ToServer, ToWorker,
-    TrainTask, Welcome, CONTROL_CONTEXT, SERVER_CONTEXT,
+    BenchCommTask, BenchRow, CommBytes, KernelRow, MemBytes, OpBytes, StepReport, Task, ToServer,
+    ToWorker, TrainTask, Welcome, CONTROL_CONTEXT, SERVER_CONTEXT,
 };

@@ -43,6 +43,8 @@ pub enum ToServer {
     Report(StepReport),
     /// Results of `bench comm`.
     BenchRows(Vec<BenchRow>),
+    /// Results of `bench kernels`.
+    KernelRows(Vec<KernelRow>),
     /// Store `value` under `key`.
     KvSet {
         /// Key.
@@ -118,6 +120,28 @@ pub enum Task {
     Train(Box<TrainTask>),
     /// Measure collectives.
     BenchComm(BenchCommTask),
+    /// Measure CPU kernels against memory bandwidth.
+    BenchKernels {
+        /// Elements per array.
+        elements: usize,
+    },
+}
+
+/// One row of `bench kernels`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KernelRow {
+    /// Kernel name.
+    pub kernel: String,
+    /// Elements (or matrix size for GEMM).
+    pub elements: usize,
+    /// Threads used.
+    pub threads: usize,
+    /// Bytes the kernel must read and write, per second, in GB/s.
+    pub gbps: f64,
+    /// Floating-point operations per second, in GFLOP/s.
+    pub gflops: f64,
+    /// gbps over the triad's gbps at the same thread count.
+    pub ratio: f64,
 }
 
 /// A training job, and where to resume it from.

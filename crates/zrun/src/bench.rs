@@ -10,7 +10,7 @@ use anyhow::Result;
 use zconfig::{Node, Topology};
 use zproto::{BenchCommTask, BenchRow, Task};
 
-use crate::cli::BenchCommArgs;
+use crate::cli::{BenchCommArgs, BenchKernelsArgs};
 use crate::plan::{default_worker_bin, LaunchPlan};
 use crate::supervise::{run_job, Outcome, Sink};
 use crate::Failure;
@@ -43,6 +43,90 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         ));
     }
     Ok(bytes)
+}
+
+/// A plan for `workers` local workers with a minimal spec (the task says what
+/// to do).
+fn local_plan(workers: usize, worker_bin: &std::path::Path) -> Result<LaunchPlan> {
+    let spec = serde_json::from_value(serde_json::json!({
+        "model": {}, "data": {"format": "synthetic"}, "name": "bench"
+    }))?;
+    Ok(LaunchPlan {
+        spec,
+        topology: Topology {
+            nodes: vec![Node {
+                host: "localhost".into(),
+                slots: (0..workers).collect(),
+                port: None,
+                user: None,
+            }],
+        },
+        node_addrs: vec!["127.0.0.1".into()],
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        worker_bin: worker_bin.to_path_buf(),
+        ssh: None,
+        slurm: false,
+        env: Vec::new(),
+    })
+}
+
+fn worker_bin(given: Option<std::path::PathBuf>) -> Result<std::path::PathBuf> {
+    let p = match given {
+        Some(p) => p,
+        None => default_worker_bin()?,
+    };
+    if !p.is_file() {
+        return Err(Failure::launch(format!(
+            "zworker not found at {}",
+            p.display()
+        )));
+    }
+    Ok(p)
+}
+
+/// `zrun bench kernels`.
+pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
+    if args.elements < 1024 {
+        return Err(Failure::bad_input("--elements must be at least 1024"));
+    }
+    let plan = local_plan(1, &worker_bin(args.worker_bin.clone())?)?;
+    let task = Task::BenchKernels {
+        elements: args.elements,
+    };
+    let (outcome, sink) = run_job(
+        plan,
+        task,
+        Sink::Kernels { rows: Vec::new() },
+        Duration::from_secs(120),
+        Duration::from_secs(60),
+    )?;
+    if let Outcome::Failed { code, message } = outcome {
+        eprintln!("zrun: {message}");
+        return Ok(ExitCode::from(code));
+    }
+    let Sink::Kernels { rows } = sink else {
+        unreachable!("kernels sink")
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "rows": rows }))?
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:<16} {:>10} {:>8} {:>10} {:>10} {:>8}",
+        "kernel", "elements", "threads", "GB/s", "GFLOP/s", "ratio"
+    );
+    for r in &rows {
+        println!(
+            "{:<16} {:>10} {:>8} {:>10.2} {:>10.2} {:>8.2}",
+            r.kernel, r.elements, r.threads, r.gbps, r.gflops, r.ratio
+        );
+    }
+    println!("(GB/s counts the bytes a kernel must read and write; ratio is GB/s over the triad's at the same threads)");
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `zrun bench comm`.
@@ -81,40 +165,10 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
             )));
         }
     }
-    let worker_bin = match args.worker_bin.clone() {
-        Some(p) => p,
-        None => default_worker_bin()?,
-    };
-    if !worker_bin.is_file() {
-        return Err(Failure::launch(format!(
-            "zworker not found at {}",
-            worker_bin.display()
-        )));
-    }
+    let worker_bin = worker_bin(args.worker_bin.clone())?;
     let mut all_rows: Vec<BenchRow> = Vec::new();
     for transport in transports {
-        // A minimal job spec carries the environment; the task says what to do.
-        let spec = serde_json::from_value(serde_json::json!({
-            "model": {}, "data": {"format": "synthetic"}, "name": "bench-comm"
-        }))?;
-        let plan = LaunchPlan {
-            spec,
-            topology: Topology {
-                nodes: vec![Node {
-                    host: "localhost".into(),
-                    slots: (0..args.workers).collect(),
-                    port: None,
-                    user: None,
-                }],
-            },
-            node_addrs: vec!["127.0.0.1".into()],
-            master_addr: "127.0.0.1".into(),
-            master_port: 0,
-            worker_bin: worker_bin.clone(),
-            ssh: None,
-            slurm: false,
-            env: Vec::new(),
-        };
+        let plan = local_plan(args.workers, &worker_bin)?;
         let task = Task::BenchComm(BenchCommTask {
             ops: args.ops.clone(),
             sizes: sizes.clone(),

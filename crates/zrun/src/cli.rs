@@ -167,6 +167,22 @@ pub struct BenchArgs {
 pub enum BenchWhat {
     /// Collective bandwidth between local workers.
     Comm(BenchCommArgs),
+    /// CPU kernels (AdamW, reduction, GEMM) against this machine's memory bandwidth.
+    Kernels(BenchKernelsArgs),
+}
+
+/// `zrun bench kernels`.
+#[derive(Debug, Args)]
+pub struct BenchKernelsArgs {
+    /// Elements per array (large enough to leave the caches).
+    #[arg(long, default_value_t = 1 << 24)]
+    pub elements: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Path of the zworker binary (default: next to zrun).
+    #[arg(long, value_name = "PATH")]
+    pub worker_bin: Option<PathBuf>,
 }
 
 /// `zrun bench comm`.

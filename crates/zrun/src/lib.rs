@@ -114,6 +114,9 @@ pub fn run() -> anyhow::Result<ExitCode> {
         cli::Command::Bench(cli::BenchArgs {
             what: cli::BenchWhat::Comm(args),
         }) => bench::comm(args),
+        cli::Command::Bench(cli::BenchArgs {
+            what: cli::BenchWhat::Kernels(args),
+        }) => bench::kernels(args),
         cli::Command::Estimate(args) => estimate::estimate(args),
         cli::Command::Export(args) => export(args),
     }

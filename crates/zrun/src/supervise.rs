@@ -217,14 +217,19 @@ pub enum Sink {
         /// Collected rows.
         rows: Vec<BenchRow>,
     },
+    /// `bench kernels`: rows from the one worker.
+    Kernels {
+        /// Collected rows.
+        rows: Vec<zproto::KernelRow>,
+    },
 }
 
 impl Sink {
     fn println(&self, line: &str, stderr: bool) {
         match self {
             Sink::Train { progress, .. } => progress.println(line),
-            Sink::Bench { .. } if stderr => eprintln!("{line}"),
-            Sink::Bench { .. } => println!("{line}"),
+            Sink::Bench { .. } | Sink::Kernels { .. } if stderr => eprintln!("{line}"),
+            Sink::Bench { .. } | Sink::Kernels { .. } => println!("{line}"),
         }
     }
 }
@@ -444,6 +449,11 @@ impl Supervisor {
                                 *last_loss = line.loss;
                                 progress.step(&line);
                             }
+                        }
+                    }
+                    ToServer::KernelRows(rows) => {
+                        if let Sink::Kernels { rows: all } = &mut self.sink {
+                            all.extend(rows);
                         }
                     }
                     ToServer::BenchRows(rows) => {

@@ -9,6 +9,7 @@
 //! - [`train`]: the training loop around the engine.
 //! - [`checkpoint`]: writing a checkpoint (shards, then the manifest).
 //! - [`bench`]: `zrun bench comm`'s measurements.
+//! - [`kernels`]: `zrun bench kernels`'s measurements.
 //!
 //! The design decision to know: a worker never decides how the job ends. Any
 //! error is reported to zrun as `Failed` and the process exits 1; zrun stops the
@@ -18,6 +19,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod control;
 pub mod env;
+pub mod kernels;
 pub mod train;
 
 use std::net::SocketAddr;
@@ -52,6 +54,12 @@ fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welco
     let (timeout_s, heartbeat_s) = match &welcome.task {
         Task::Train(t) => (t.spec.comm.timeout_s, t.spec.comm.heartbeat_s),
         Task::BenchComm(b) => (b.timeout_s, 30.0),
+        Task::BenchKernels { elements } => {
+            // One process, no peers: measure and report.
+            client.start_heartbeat(Duration::from_secs(2));
+            let rows = kernels::bench_kernels(*elements)?;
+            return client.send(&ToServer::KernelRows(rows));
+        }
     };
     client.start_heartbeat(Duration::from_secs_f64(
         (heartbeat_s / 4.0).clamp(0.2, 10.0),
@@ -66,6 +74,7 @@ fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welco
             train::train(&t.spec, t.resume.as_deref(), env, nodes, comm, client)
         }
         Task::BenchComm(b) => bench::bench_comm(&b, comm, client),
+        Task::BenchKernels { .. } => unreachable!("handled before connecting"),
     }
 }
 
