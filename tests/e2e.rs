@@ -643,7 +643,9 @@ fn bench_commands_report_rows() {
     assert_eq!(f.code(), 0, "{f:?}");
     let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
     let rows = v["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 4);
+    // Every transport by default: TCP and shared memory, side by side.
+    assert_eq!(rows.len(), 8);
+    assert_eq!(rows.iter().filter(|r| r["transport"] == "shm").count(), 4);
     for r in rows {
         let (alg, bus) = (
             r["algbw_gbps"].as_f64().unwrap(),
@@ -656,10 +658,17 @@ fn bench_commands_report_rows() {
         };
         assert!((bus - alg * factor).abs() <= 1e-9 * alg.max(1.0), "{r}");
         assert_eq!(r["workers"], 3);
-        assert_eq!(r["transport"], "tcp");
     }
     assert_eq!(
-        zrun(dir.path(), &["bench", "comm", "--transports", "shm"]).code(),
+        zrun(dir.path(), &["bench", "comm", "--transports", "nccl"]).code(),
+        2
+    );
+    assert_eq!(
+        zrun(
+            dir.path(),
+            &["bench", "comm", "--transports", "carrier-pigeon"]
+        )
+        .code(),
         2
     );
 }

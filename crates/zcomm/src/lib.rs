@@ -7,7 +7,8 @@
 //! - [`links`]: the point-to-point layer the algorithms run on (framed messages with
 //!   a sequence number, per-op deadlines, byte accounting).
 //! - [`ring`], [`pairwise`], [`star`]: one file per algorithm family.
-//! - [`tcp`]: the TCP transport (one authenticated connection per peer).
+//! - [`tcp`]: the communicator: one authenticated TCP connection per peer, and
+//!   [`shm`] rings instead of sockets between ranks of one node when asked.
 //!
 //! The design decision to know: every collective runs on the communicator's own
 //! thread, in the order it was issued. Callers hand over owned buffers and get a
@@ -22,6 +23,7 @@
 mod links;
 mod pairwise;
 mod ring;
+mod shm;
 mod star;
 mod tcp;
 
@@ -29,6 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+pub use shm::segment_path;
 pub use tcp::{TcpCommunicator, TcpOptions};
 
 /// Collective operations, for accounting and messages.

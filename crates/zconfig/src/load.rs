@@ -267,13 +267,8 @@ impl LoadedJob {
             return Err(self.unsupported("zero.offload_param.device", "parameter offload"));
         }
         let c = &s.comm;
-        if matches!(c.backend, Backend::Shm | Backend::Nccl) {
-            let name = if c.backend == Backend::Shm {
-                "the shared-memory transport"
-            } else {
-                "NCCL"
-            };
-            return Err(self.unsupported("comm.backend", name));
+        if c.backend == Backend::Nccl {
+            return Err(self.unsupported("comm.backend", "NCCL"));
         }
         if !(c.timeout_s.is_finite() && c.timeout_s > 0.0) {
             return Err(self.invalid("comm.timeout_s", "must be a positive number of seconds"));

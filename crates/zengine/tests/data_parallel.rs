@@ -48,6 +48,7 @@ fn comms(n: usize) -> Vec<Arc<dyn Communicator>> {
                 timeout: Duration::from_secs(30),
                 node_of_rank: vec![0; n],
                 group: "world".into(),
+                shm: None,
             };
             std::thread::spawn(move || {
                 Arc::new(TcpCommunicator::connect(r, l, &addrs, o).unwrap())

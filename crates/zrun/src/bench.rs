@@ -22,7 +22,7 @@ const OPS: [&str; 5] = [
     "all_to_all",
     "broadcast",
 ];
-const TRANSPORTS: [&str; 1] = ["tcp"];
+const TRANSPORTS: [&str; 2] = ["tcp", "shm"];
 
 /// Parses `1M`, `64M`, `512K`, `1G`, `4096` (binary units).
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -154,14 +154,14 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
         args.transports.clone()
     };
     for t in &transports {
-        if t == "shm" || t == "nccl" {
+        if t == "nccl" {
             return Err(Failure::bad_input(format!(
                 "--transports {t}: that transport is not supported yet"
             )));
         }
         if !TRANSPORTS.contains(&t.as_str()) {
             return Err(Failure::bad_input(format!(
-                "--transports: unknown transport `{t}` (valid: tcp)"
+                "--transports: unknown transport `{t}` (valid: tcp, shm)"
             )));
         }
     }

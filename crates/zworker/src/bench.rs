@@ -30,21 +30,24 @@ pub fn bench_comm(
     for op in &task.ops {
         for &bytes in &task.sizes {
             let elems = (bytes / 4) as usize;
-            let call = |c: &dyn Communicator| -> Result<()> {
+            // Inputs are made before the clock starts (nccl-tests does not time
+            // allocation either); each call consumes its own copy.
+            let own = chunk_range(elems, n, r).len();
+            let input = vec![1.0f32; if op == "all_gather" { own } else { elems }];
+            let pieces: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; bytes as usize / n]).collect();
+            let raw = vec![0u8; bytes as usize];
+            let call = |c: &dyn Communicator| -> Result<f64> {
+                let (f, p, b) = (input.clone(), pieces.clone(), raw.clone());
+                let t0 = Instant::now();
                 match op.as_str() {
-                    "all_reduce" => drop(c.all_reduce(vec![1.0; elems])?),
-                    "reduce_scatter" => drop(c.reduce_scatter(vec![1.0; elems])?),
-                    "all_gather" => {
-                        let own = chunk_range(elems, n, r).len();
-                        drop(c.all_gather(vec![1.0; own], elems)?)
-                    }
-                    "all_to_all" => {
-                        drop(c.all_to_all((0..n).map(|_| vec![0u8; bytes as usize / n]).collect())?)
-                    }
-                    "broadcast" => drop(c.broadcast(vec![0u8; bytes as usize], 0)?),
+                    "all_reduce" => drop(c.all_reduce(f)?),
+                    "reduce_scatter" => drop(c.reduce_scatter(f)?),
+                    "all_gather" => drop(c.all_gather(f, elems)?),
+                    "all_to_all" => drop(c.all_to_all(p)?),
+                    "broadcast" => drop(c.broadcast(b, 0)?),
                     other => bail!("unknown op `{other}`"),
                 }
-                Ok(())
+                Ok(t0.elapsed().as_secs_f64())
             };
             // Warm up, and agree on how many calls fit in about 0.3 s (every rank
             // must make the same number of calls).
@@ -58,9 +61,7 @@ pub fn bench_comm(
             let mut times = Vec::with_capacity(calls);
             for _ in 0..calls {
                 comm.barrier()?;
-                let t0 = Instant::now();
-                call(comm.as_ref())?;
-                times.push(t0.elapsed().as_secs_f32());
+                times.push(call(comm.as_ref())? as f32);
             }
             // Agree on the slowest rank's time per call, then take the median.
             let all = comm.all_gather(times.clone(), times.len() * n)?;

@@ -66,7 +66,13 @@ fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welco
     ));
     let timeout = Duration::from_secs_f64(timeout_s);
     let node_of_rank = welcome.node_of_rank.clone();
-    let comm = connect_world(env, client, &node_of_rank, timeout)?;
+    // comm.backend auto (and shm): shared memory within a node, TCP between nodes.
+    let shm = match &welcome.task {
+        Task::Train(t) => t.spec.comm.backend != zconfig::spec::Backend::Tcp,
+        Task::BenchComm(b) => b.transport == "shm",
+        Task::BenchKernels { .. } => false,
+    };
+    let comm = connect_world(env, client, &node_of_rank, timeout, shm)?;
     client.watch_comm(Some(comm.clone()));
     match welcome.task {
         Task::Train(t) => {
@@ -78,12 +84,14 @@ fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welco
     }
 }
 
-/// Rendezvous through zrun's key-value store, then the TCP mesh.
+/// Rendezvous through zrun's key-value store, then the TCP mesh (and shared
+/// memory between ranks of a node when `shm`).
 fn connect_world(
     env: &WorkerEnv,
     client: &ControlClient,
     node_of_rank: &[usize],
     timeout: Duration,
+    shm: bool,
 ) -> Result<Arc<dyn Communicator>> {
     let listener = TcpCommunicator::bind(&env.node_addr)
         .with_context(|| format!("binding the data-plane listener on {}", env.node_addr))?;
@@ -109,6 +117,7 @@ fn connect_world(
         timeout,
         node_of_rank: node_of_rank.to_vec(),
         group: "world".into(),
+        shm: shm.then(|| format!("zrun-{}-n{}", env.job_id, env.node_rank)),
     };
     Ok(Arc::new(TcpCommunicator::connect(
         env.rank, listener, &addrs, opts,

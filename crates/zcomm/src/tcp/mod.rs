@@ -34,6 +34,28 @@ pub struct TcpOptions {
     pub node_of_rank: Vec<usize>,
     /// Group name for messages.
     pub group: String,
+    /// Name of this node's shared-memory segment: when set, peers on the same
+    /// node talk through shared memory instead of TCP.
+    pub shm: Option<String>,
+}
+
+/// The receiving half of a link: a socket or a shared-memory ring.
+trait Wire: Read + Send {
+    /// Makes reads give up with `TimedOut` after `d`.
+    fn set_read_deadline(&mut self, d: Duration) -> std::io::Result<()>;
+}
+
+impl Wire for TcpStream {
+    fn set_read_deadline(&mut self, d: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(Some(d))
+    }
+}
+
+impl Wire for crate::shm::ShmReader {
+    fn set_read_deadline(&mut self, d: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(d);
+        Ok(())
+    }
 }
 
 type Job = Box<dyn FnOnce(&mut TcpLinks) + Send>;
@@ -99,26 +121,58 @@ impl TcpCommunicator {
         }
         let streams = handshake::connect_mesh(rank, listener, addrs, &opts.token, opts.timeout)
             .map_err(setup)?;
+        // Ranks on this node, and the segment they share (if asked for).
+        let local: Vec<usize> = (0..world)
+            .filter(|&r| opts.node_of_rank[r] == opts.node_of_rank[rank])
+            .collect();
+        let segment = match &opts.shm {
+            Some(name) if local.len() > 1 => {
+                let me = local
+                    .iter()
+                    .position(|&r| r == rank)
+                    .expect("a rank is on its own node");
+                let deadline = Instant::now() + opts.timeout;
+                Some((
+                    me,
+                    crate::shm::Segment::open(name, local.len(), me, deadline)
+                        .map_err(|e| setup(format!("shared memory {name}: {e}")))?,
+                ))
+            }
+            _ => None,
+        };
         let counters = Arc::new(Counters::default());
         let mut peers = Vec::with_capacity(world);
         for (peer, s) in streams.into_iter().enumerate() {
-            let Some(reader) = s else {
+            let Some(socket) = s else {
                 peers.push(None);
                 continue;
             };
-            let writer = reader.try_clone().map_err(|e| setup(e.to_string()))?;
-            writer
-                .set_write_timeout(Some(opts.timeout))
-                .map_err(|e| setup(e.to_string()))?;
+            let (reader, writer): (Box<dyn Wire>, Box<dyn Write + Send>) =
+                match (&segment, local.iter().position(|&r| r == peer)) {
+                    (Some((me, seg)), Some(them)) => {
+                        let (mut w, r) = seg.endpoints(*me, them);
+                        w.set_timeout(opts.timeout);
+                        (Box::new(r), Box::new(w))
+                    }
+                    _ => {
+                        let writer = socket.try_clone().map_err(|e| setup(e.to_string()))?;
+                        writer
+                            .set_write_timeout(Some(opts.timeout))
+                            .map_err(|e| setup(e.to_string()))?;
+                        (Box::new(socket), Box::new(writer))
+                    }
+                };
             let (tx, rx) = mpsc::channel::<Vec<u8>>();
+            let (spent_tx, spent) = mpsc::channel::<Vec<u8>>();
             let error = Arc::new(Mutex::new(None));
             let err2 = error.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("zcomm-send-{peer}"))
-                .spawn(move || writer_loop(writer, rx, err2))
+                .spawn(move || writer_loop(writer, rx, spent_tx, err2))
                 .map_err(|e| setup(e.to_string()))?;
             peers.push(Some(Peer {
                 reader,
+                spent,
                 queue: tx,
                 writer: Some(thread),
                 error,
@@ -281,21 +335,31 @@ impl Communicator for TcpCommunicator {
 }
 
 struct Peer {
-    reader: TcpStream,
+    reader: Box<dyn Wire>,
+    /// Buffers the writer thread has sent, for reuse.
+    spent: mpsc::Receiver<Vec<u8>>,
     queue: mpsc::Sender<Vec<u8>>,
     writer: Option<std::thread::JoinHandle<()>>,
     error: Arc<Mutex<Option<String>>>,
     same_node: bool,
 }
 
-fn writer_loop(mut s: TcpStream, rx: mpsc::Receiver<Vec<u8>>, error: Arc<Mutex<Option<String>>>) {
+/// Drains a peer's queue onto its link, handing each buffer back for reuse (a
+/// fresh multi-megabyte buffer per message costs a page fault per 4 KiB).
+fn writer_loop(
+    mut s: Box<dyn Write + Send>,
+    rx: mpsc::Receiver<Vec<u8>>,
+    spent: mpsc::Sender<Vec<u8>>,
+    error: Arc<Mutex<Option<String>>>,
+) {
     for msg in rx {
         if let Err(e) = s.write_all(&msg) {
             *error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
             return;
         }
+        let _ = spent.send(msg);
     }
-    let _ = s.shutdown(std::net::Shutdown::Write);
+    let _ = s.flush();
 }
 
 pub(crate) struct TcpLinks {
@@ -418,7 +482,7 @@ impl TcpLinks {
             }
             let p = self.peer(peer)?;
             p.reader
-                .set_read_timeout(Some((deadline - now).max(Duration::from_millis(1))))
+                .set_read_deadline((deadline - now).max(Duration::from_millis(1)))
                 .map_err(|e| CommError::Link {
                     op: "recv",
                     group: String::new(),
@@ -476,7 +540,12 @@ impl Links for TcpLinks {
         if let Some(e) = p.error.lock().map(|e| e.clone()).unwrap_or_default() {
             return Err(self.link_error(peer, format!("sending failed: {e}")));
         }
-        let mut msg = Vec::with_capacity(HEADER + payload.len());
+        // Reuse a buffer the writer has finished with, if one is big enough.
+        let need = HEADER + payload.len();
+        let mut msg = std::iter::from_fn(|| p.spent.try_recv().ok())
+            .find(|b: &Vec<u8>| b.capacity() >= need)
+            .unwrap_or_else(|| Vec::with_capacity(need));
+        msg.clear();
         msg.extend_from_slice(&seq.to_le_bytes());
         msg.extend_from_slice(&(payload.len() as u64).to_le_bytes());
         msg.extend_from_slice(payload);

@@ -1,0 +1,268 @@
+//! The shared-memory transport between ranks of one host.
+//!
+//! One segment per node (a file in `/dev/shm`, mapped by every local rank)
+//! holds a single-producer single-consumer byte ring for every ordered pair of
+//! local ranks. A ring is a write index and a read index on their own cache lines
+//! and `RING_BYTES` of data; the writer publishes with a release store of the
+//! write index, the reader frees space with a release store of the read index.
+//! The rings carry exactly the framed messages the TCP transport carries, behind
+//! the same `Read` / `Write` interface, so the operation thread, the per-peer
+//! writer threads and every algorithm are shared.
+//!
+//! Local rank 0 creates the segment and unlinks it once every local rank has
+//! mapped it, so nothing is left in `/dev/shm` even if a worker is killed later
+//! (zrun also removes leftovers of a job that failed before that point).
+
+use std::fs::OpenOptions;
+use std::io::{self, Read, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use memmap2::MmapMut;
+
+/// Data bytes per ring.
+pub const RING_BYTES: usize = 4 << 20;
+const HEADER: usize = 4096;
+const RING_META: usize = 128;
+const MAGIC: u64 = 0x7a72_756e_7368_6d31; // "zrunshm1"
+
+/// Where a job's segments live.
+pub fn segment_path(name: &str) -> PathBuf {
+    PathBuf::from("/dev/shm").join(name)
+}
+
+/// A mapped segment.
+pub(crate) struct Segment {
+    map: MmapMut,
+    local: usize,
+}
+
+// SAFETY: the mapping is only accessed through atomics (indices, header) and
+// through byte ranges that the single-producer single-consumer protocol hands to
+// exactly one thread at a time.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    fn atomic(&self, offset: usize) -> &AtomicU64 {
+        // SAFETY: offsets are 8-byte aligned and inside the mapping (checked by the
+        // layout below); the mapping lives as long as `self`; AtomicU64 has the
+        // layout of u64.
+        unsafe { &*(self.map.as_ptr().add(offset) as *const AtomicU64) }
+    }
+
+    fn ring_offset(&self, from: usize, to: usize) -> usize {
+        HEADER + (from * self.local + to) * (RING_META + RING_BYTES)
+    }
+
+    fn len(local: usize) -> usize {
+        HEADER + local * local * (RING_META + RING_BYTES)
+    }
+
+    /// Creates (local rank 0) or waits for and maps the node's segment; returns
+    /// once every local rank has mapped it.
+    pub(crate) fn open(
+        name: &str,
+        local: usize,
+        local_rank: usize,
+        deadline: Instant,
+    ) -> io::Result<Arc<Segment>> {
+        let path = segment_path(name);
+        let len = Segment::len(local);
+        let file = if local_rank == 0 {
+            let _ = std::fs::remove_file(&path); // a stale segment of a crashed job with this name
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&path)?;
+            f.set_len(len as u64)?;
+            f
+        } else {
+            loop {
+                match OpenOptions::new().read(true).write(true).open(&path) {
+                    Ok(f) if f.metadata()?.len() == len as u64 => break f,
+                    _ if Instant::now() > deadline => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!("{} did not appear", path.display()),
+                        ))
+                    }
+                    _ => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        };
+        // SAFETY: the file is ours (this job's name), sized above, and every rank
+        // maps it shared; concurrent access follows the ring protocol.
+        let map = unsafe { MmapMut::map_mut(&file)? };
+        let seg = Arc::new(Segment { map, local });
+        if local_rank == 0 {
+            seg.atomic(0).store(MAGIC, Ordering::Release);
+        } else {
+            while seg.atomic(0).load(Ordering::Acquire) != MAGIC {
+                if Instant::now() > deadline {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the shared-memory segment was never initialised",
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        seg.atomic(8).fetch_add(1, Ordering::AcqRel);
+        while seg.atomic(8).load(Ordering::Acquire) < local as u64 {
+            if Instant::now() > deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "not every local rank mapped the shared-memory segment",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if local_rank == 0 {
+            // Everyone has it mapped: the name is no longer needed.
+            let _ = std::fs::remove_file(&path);
+        }
+        Ok(seg)
+    }
+
+    /// The writing end of the ring `from → to` and the reading end of `to → from`.
+    pub(crate) fn endpoints(self: &Arc<Segment>, me: usize, peer: usize) -> (ShmWriter, ShmReader) {
+        (
+            ShmWriter {
+                seg: self.clone(),
+                ring: self.ring_offset(me, peer),
+                timeout: Duration::from_secs(300),
+            },
+            ShmReader {
+                seg: self.clone(),
+                ring: self.ring_offset(peer, me),
+                deadline: None,
+            },
+        )
+    }
+}
+
+/// Waits politely: spin briefly, then yield, then sleep (two workers may share
+/// two cores with their own compute).
+fn backoff(round: &mut u32) {
+    *round += 1;
+    if *round < 64 {
+        std::hint::spin_loop();
+    } else if *round < 256 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(20));
+    }
+}
+
+/// Copies `len` bytes between a ring and a buffer, wrapping at the end.
+fn ring_copy(seg: &Segment, ring: usize, pos: u64, buf: *mut u8, len: usize, into_ring: bool) {
+    let data = ring + RING_META;
+    let start = (pos % RING_BYTES as u64) as usize;
+    let first = len.min(RING_BYTES - start);
+    let base = seg.map.as_ptr() as *mut u8;
+    // SAFETY: [start, start + first) and [0, len - first) lie inside this ring's
+    // data; the protocol gives this thread exclusive use of those bytes now; `buf`
+    // has `len` valid bytes.
+    unsafe {
+        let (a, b) = (base.add(data + start), base.add(data));
+        if into_ring {
+            std::ptr::copy_nonoverlapping(buf, a, first);
+            std::ptr::copy_nonoverlapping(buf.add(first), b, len - first);
+        } else {
+            std::ptr::copy_nonoverlapping(a, buf, first);
+            std::ptr::copy_nonoverlapping(b, buf.add(first), len - first);
+        }
+    }
+}
+
+/// The producer end of a ring.
+pub(crate) struct ShmWriter {
+    seg: Arc<Segment>,
+    ring: usize,
+    timeout: Duration,
+}
+
+impl ShmWriter {
+    /// How long a write may wait for space.
+    pub(crate) fn set_timeout(&mut self, t: Duration) {
+        self.timeout = t;
+    }
+}
+
+impl Write for ShmWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        let (w_idx, r_idx) = (self.seg.atomic(self.ring), self.seg.atomic(self.ring + 64));
+        let deadline = Instant::now() + self.timeout;
+        let mut round = 0;
+        loop {
+            let w = w_idx.load(Ordering::Relaxed);
+            let free = RING_BYTES - (w - r_idx.load(Ordering::Acquire)) as usize;
+            if free > 0 {
+                let n = free.min(buf.len());
+                ring_copy(&self.seg, self.ring, w, buf.as_ptr() as *mut u8, n, true);
+                w_idx.store(w + n as u64, Ordering::Release);
+                return Ok(n);
+            }
+            if Instant::now() > deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the peer stopped reading its shared-memory ring",
+                ));
+            }
+            backoff(&mut round);
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The consumer end of a ring.
+pub(crate) struct ShmReader {
+    seg: Arc<Segment>,
+    ring: usize,
+    deadline: Option<Instant>,
+}
+
+impl ShmReader {
+    /// Reads give up with `TimedOut` after `d` (like a socket's read timeout).
+    pub(crate) fn set_read_timeout(&mut self, d: Duration) {
+        self.deadline = Some(Instant::now() + d);
+    }
+}
+
+impl Read for ShmReader {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        let (w_idx, r_idx) = (self.seg.atomic(self.ring), self.seg.atomic(self.ring + 64));
+        let mut round = 0;
+        loop {
+            let r = r_idx.load(Ordering::Relaxed);
+            let avail = (w_idx.load(Ordering::Acquire) - r) as usize;
+            if avail > 0 {
+                let n = avail.min(out.len());
+                ring_copy(&self.seg, self.ring, r, out.as_mut_ptr(), n, false);
+                r_idx.store(r + n as u64, Ordering::Release);
+                return Ok(n);
+            }
+            if self.deadline.is_some_and(|d| Instant::now() > d) {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "nothing arrived in the shared-memory ring",
+                ));
+            }
+            backoff(&mut round);
+        }
+    }
+}
