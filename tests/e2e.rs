@@ -672,3 +672,58 @@ fn bench_commands_report_rows() {
         2
     );
 }
+
+#[test]
+fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "sweep", 2);
+    let out = dir.path().join("out");
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            job.to_str().unwrap(),
+            "--sweep",
+            "zero.stage=0,3",
+            "--sweep",
+            "comm.backend=tcp,shm",
+            "--steps",
+            "3",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 5, "{csv}");
+    assert!(
+        csv.starts_with("zero.stage,comm.backend,tokens_per_s"),
+        "{csv}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("bench.json")).unwrap()).unwrap();
+    let rows = json["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    assert!(rows
+        .iter()
+        .all(|r| r["tokens_per_s"].as_f64().unwrap() > 0.0
+            && r["peak_rss_bytes"].as_u64().unwrap() > 0));
+    let svg = std::fs::read_to_string(out.join("bench.svg")).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("tokens/s") && svg.contains("stage=3 backend=shm"),
+        "svg lacks labels"
+    );
+    // A bad key fails before anything runs.
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            job.to_str().unwrap(),
+            "--sweep",
+            "zero.stag=0,3",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+}

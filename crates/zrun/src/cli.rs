@@ -154,12 +154,39 @@ pub struct CheckArgs {
     pub set: Vec<String>,
 }
 
-/// `zrun bench`.
+/// `zrun bench`: `zrun bench JOB.yaml --sweep KEY=V1,V2`, `bench comm` or `bench kernels`.
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct BenchArgs {
-    /// What to measure.
+    /// What to measure, if not a job.
     #[command(subcommand)]
-    pub what: BenchWhat,
+    pub what: Option<BenchWhat>,
+    /// A throughput sweep of a job.
+    #[command(flatten)]
+    pub job: BenchJobArgs,
+}
+
+/// `zrun bench JOB.yaml --sweep KEY=V1,V2 [--sweep ...]`.
+#[derive(Debug, Args)]
+pub struct BenchJobArgs {
+    /// The job spec to sweep.
+    #[arg(value_name = "JOB.yaml", required = true)]
+    pub job: PathBuf,
+    /// A key and its values (repeatable; every combination runs).
+    #[arg(long, value_name = "KEY=V1,V2")]
+    pub sweep: Vec<String>,
+    /// Steps per configuration (the first is not timed).
+    #[arg(long, default_value_t = 5)]
+    pub steps: u64,
+    /// Where bench.csv, bench.json, bench.svg and the runs' metrics go.
+    #[arg(long, value_name = "DIR", default_value = "bench-out")]
+    pub out: PathBuf,
+    /// Fixed overrides for every configuration (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Launch options.
+    #[command(flatten)]
+    pub launch: LaunchArgs,
 }
 
 /// Benchmarks.

@@ -15,7 +15,8 @@
 //! - [`supervise`]: the event loop that turns worker messages, exits, heartbeats
 //!   and signals into progress, metrics and an exit code.
 //! - [`metrics`]: aggregation of per-rank step reports into `metrics.jsonl` lines.
-//! - [`bench`]: `zrun bench comm`.
+//! - [`bench`]: `zrun bench comm` and `bench kernels`.
+//! - [`sweep`]: `zrun bench JOB.yaml --sweep`: throughput sweeps, table, CSV, JSON, SVG.
 //! - [`estimate`]: `zrun estimate`, and the memory warning before a launch.
 //!
 //! zrun links no model and no transport: everything that computes runs inside
@@ -30,6 +31,7 @@ pub mod plan;
 pub mod server;
 pub mod ssh;
 pub mod supervise;
+pub mod sweep;
 
 use std::process::ExitCode;
 
@@ -111,12 +113,11 @@ pub fn run() -> anyhow::Result<ExitCode> {
     match cli.command {
         cli::Command::Train(args) => supervise::train(args),
         cli::Command::Check(args) => plan::check(args),
-        cli::Command::Bench(cli::BenchArgs {
-            what: cli::BenchWhat::Comm(args),
-        }) => bench::comm(args),
-        cli::Command::Bench(cli::BenchArgs {
-            what: cli::BenchWhat::Kernels(args),
-        }) => bench::kernels(args),
+        cli::Command::Bench(b) => match b.what {
+            Some(cli::BenchWhat::Comm(args)) => bench::comm(args),
+            Some(cli::BenchWhat::Kernels(args)) => bench::kernels(args),
+            None => sweep::sweep(b.job),
+        },
         cli::Command::Estimate(args) => estimate::estimate(args),
         cli::Command::Export(args) => export(args),
     }

@@ -1,0 +1,396 @@
+//! `zrun bench JOB.yaml --sweep KEY=V1,V2 ...`: every combination of the swept
+//! keys trained for `--steps` steps, one after the other, as ordinary jobs.
+//!
+//! Each configuration writes its own metrics file under `--out`; a row takes the
+//! median of the steps after the first (the first pays for page faults and
+//! warm-up), the peak RSS over all steps, and the median bytes sent per step.
+//! The table is printed and written as `bench.csv`, `bench.json` and
+//! `bench.svg` (tokens/s and peak memory per configuration).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Result;
+use indicatif::{ProgressBar, ProgressStyle};
+use plotters::prelude::*;
+use serde::Serialize;
+
+use crate::cli::BenchJobArgs;
+use crate::Failure;
+
+/// One configuration's measurements.
+#[derive(Debug, Clone, Serialize)]
+pub struct SweepRow {
+    /// The swept keys and their values, in `--sweep` order.
+    pub config: Vec<(String, String)>,
+    /// Median whole-job tokens per second.
+    pub tokens_per_s: f64,
+    /// Median whole-job model TFLOP/s.
+    pub tflops: f64,
+    /// Median step time.
+    pub step_ms: f64,
+    /// Peak RSS of the largest worker.
+    pub peak_rss_bytes: u64,
+    /// Median bytes one rank sent per step to its own node.
+    pub intra_node_bytes: u64,
+    /// Median bytes one rank sent per step to other nodes.
+    pub inter_node_bytes: u64,
+}
+
+impl SweepRow {
+    fn label(&self) -> String {
+        self.config
+            .iter()
+            .map(|(k, v)| format!("{}={v}", k.rsplit('.').next().unwrap_or(k)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+/// Parses `KEY=V1,V2,...`.
+fn parse_sweep(s: &str) -> Result<(String, Vec<String>)> {
+    let (k, vs) = s.split_once('=').ok_or_else(|| {
+        Failure::bad_input(format!(
+            "--sweep {s}: expected KEY=V1,V2 (e.g. zero.stage=0,3)"
+        ))
+    })?;
+    let values: Vec<String> = vs
+        .split(',')
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+        .collect();
+    if k.trim().is_empty() || values.is_empty() {
+        return Err(Failure::bad_input(format!(
+            "--sweep {s}: needs a key and at least one value"
+        )));
+    }
+    Ok((k.trim().to_string(), values))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn row_from_metrics(config: Vec<(String, String)>, path: &Path) -> Result<SweepRow> {
+    let text = std::fs::read_to_string(path)?;
+    let steps: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("step").is_some())
+        .collect();
+    let timed = if steps.len() > 1 {
+        &steps[1..]
+    } else {
+        &steps[..]
+    };
+    let f = |k: &str| median(timed.iter().filter_map(|s| s[k].as_f64()).collect());
+    let comm = |k: &str| {
+        median(
+            timed
+                .iter()
+                .filter_map(|s| s["comm_bytes"][k].as_f64())
+                .collect(),
+        ) as u64
+    };
+    Ok(SweepRow {
+        config,
+        tokens_per_s: f("tokens_per_s"),
+        tflops: f("tflops"),
+        step_ms: f("step_ms"),
+        peak_rss_bytes: steps
+            .iter()
+            .filter_map(|s| s["mem_bytes"]["peak_rss"].as_u64())
+            .max()
+            .unwrap_or(0),
+        intra_node_bytes: comm("intra_node"),
+        inter_node_bytes: comm("inter_node"),
+    })
+}
+
+/// `zrun bench JOB.yaml --sweep ...`.
+pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
+    let sweeps: Vec<(String, Vec<String>)> = args
+        .sweep
+        .iter()
+        .map(|s| parse_sweep(s))
+        .collect::<Result<_>>()?;
+    if sweeps.is_empty() {
+        return Err(Failure::bad_input("give at least one --sweep KEY=V1,V2"));
+    }
+    if args.steps == 0 {
+        return Err(Failure::bad_input("--steps must be at least 1"));
+    }
+    // Every combination, the last key varying fastest.
+    let mut combos: Vec<Vec<(String, String)>> = vec![Vec::new()];
+    for (k, vs) in &sweeps {
+        combos = combos
+            .into_iter()
+            .flat_map(|c| {
+                vs.iter()
+                    .map(move |v| [c.clone(), vec![(k.clone(), v.clone())]].concat())
+            })
+            .collect();
+    }
+    // Check every configuration before running any.
+    for c in &combos {
+        let sets = sets_for(c, &args);
+        let job = zconfig::load_job(&args.job, &sets)?;
+        job.validate(crate::plan::topology(&args.launch)?.world_size())?;
+    }
+    std::fs::create_dir_all(&args.out)
+        .map_err(|e| Failure::bad_input(format!("--out {}: {e}", args.out.display())))?;
+    let bar = ProgressBar::new(combos.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("sweep {pos}/{len} [{bar:30}] {msg}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    if !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let zrun = std::env::current_exe()?;
+    let mut rows = Vec::new();
+    for (i, c) in combos.into_iter().enumerate() {
+        let metrics = args.out.join(format!("run-{i}.jsonl"));
+        let label = SweepRow {
+            config: c.clone(),
+            tokens_per_s: 0.0,
+            tflops: 0.0,
+            step_ms: 0.0,
+            peak_rss_bytes: 0,
+            intra_node_bytes: 0,
+            inter_node_bytes: 0,
+        }
+        .label();
+        bar.set_message(label.clone());
+        // Each configuration is an ordinary `zrun train`, in a process of its own
+        // so that a failure or Ctrl-C is handled exactly as for a training job.
+        let mut cmd = std::process::Command::new(&zrun);
+        cmd.arg("train")
+            .arg(&args.job)
+            .arg("--no-progress")
+            .arg("--metrics")
+            .arg(&metrics);
+        for s in sets_for(&c, &args) {
+            cmd.arg("--set").arg(s);
+        }
+        cmd.args(launch_flags(&args.launch));
+        let out = cmd.output()?;
+        if !out.status.success() {
+            bar.finish_and_clear();
+            eprint!("{}", String::from_utf8_lossy(&out.stderr));
+            return Err(crate::Failure {
+                code: out.status.code().unwrap_or(1) as u8,
+                message: format!(
+                    "configuration {label} failed (its metrics: {})",
+                    metrics.display()
+                ),
+            }
+            .into());
+        }
+        rows.push(row_from_metrics(c, &metrics)?);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    print_table(&rows);
+    write_outputs(&args.out, &rows)?;
+    println!(
+        "wrote {}",
+        ["bench.csv", "bench.json", "bench.svg"]
+            .map(|f| args.out.join(f).display().to_string())
+            .join(", ")
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn sets_for(c: &[(String, String)], args: &BenchJobArgs) -> Vec<String> {
+    let mut sets = args.set.clone();
+    sets.extend(c.iter().map(|(k, v)| format!("{k}={v}")));
+    sets.push(format!("train.steps={}", args.steps));
+    sets.push("checkpoint.dir=null".into());
+    sets.push("checkpoint.every=0".into());
+    sets
+}
+
+fn launch_flags(l: &crate::cli::LaunchArgs) -> Vec<String> {
+    let mut v = Vec::new();
+    let mut push = |k: &str, val: Option<String>| {
+        if let Some(x) = val {
+            v.push(k.to_string());
+            v.push(x);
+        }
+    };
+    push(
+        "--hostfile",
+        l.hostfile.as_ref().map(|p| p.display().to_string()),
+    );
+    push("--include", l.include.clone());
+    push("--exclude", l.exclude.clone());
+    push("--num-nodes", l.num_nodes.map(|n| n.to_string()));
+    push(
+        "--workers-per-node",
+        l.workers_per_node.map(|n| n.to_string()),
+    );
+    push(
+        "--worker-bin",
+        l.worker_bin.as_ref().map(|p| p.display().to_string()),
+    );
+    push("--master-addr", l.master_addr.clone());
+    push(
+        "--ssh-key",
+        l.ssh_key.as_ref().map(|p| p.display().to_string()),
+    );
+    push(
+        "--known-hosts",
+        l.known_hosts.as_ref().map(|p| p.display().to_string()),
+    );
+    if let Some(launcher) = l.launcher {
+        let name = match launcher {
+            crate::cli::Launcher::Local => "local",
+            crate::cli::Launcher::Ssh => "ssh",
+            crate::cli::Launcher::Slurm => "slurm",
+        };
+        v.push("--launcher".into());
+        v.push(name.into());
+    }
+    if l.ssh_accept_new {
+        v.push("--ssh-accept-new".into());
+    }
+    v
+}
+
+fn print_table(rows: &[SweepRow]) {
+    println!(
+        "{:<36} {:>12} {:>9} {:>10} {:>14} {:>14} {:>14}",
+        "configuration",
+        "tokens/s",
+        "TFLOP/s",
+        "step_ms",
+        "peak RSS MiB",
+        "intra B/step",
+        "inter B/step"
+    );
+    for r in rows {
+        println!(
+            "{:<36} {:>12.0} {:>9.4} {:>10.1} {:>14} {:>14} {:>14}",
+            r.label(),
+            r.tokens_per_s,
+            r.tflops,
+            r.step_ms,
+            r.peak_rss_bytes >> 20,
+            r.intra_node_bytes,
+            r.inter_node_bytes
+        );
+    }
+}
+
+fn write_outputs(out: &Path, rows: &[SweepRow]) -> Result<()> {
+    let keys: Vec<String> = rows
+        .first()
+        .map(|r| r.config.iter().map(|(k, _)| k.clone()).collect())
+        .unwrap_or_default();
+    let mut csv = keys.join(",");
+    csv.push_str(",tokens_per_s,tflops,step_ms,peak_rss_bytes,intra_node_bytes,inter_node_bytes\n");
+    for r in rows {
+        let vals: Vec<String> = r.config.iter().map(|(_, v)| v.clone()).collect();
+        csv.push_str(&format!(
+            "{},{},{},{},{},{},{}\n",
+            vals.join(","),
+            r.tokens_per_s,
+            r.tflops,
+            r.step_ms,
+            r.peak_rss_bytes,
+            r.intra_node_bytes,
+            r.inter_node_bytes
+        ));
+    }
+    std::fs::write(out.join("bench.csv"), csv)?;
+    let json: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            let mut m = serde_json::Map::new();
+            for (k, v) in &r.config {
+                m.insert(k.clone(), serde_json::Value::String(v.clone()));
+            }
+            for (k, v) in [
+                ("tokens_per_s", serde_json::json!(r.tokens_per_s)),
+                ("tflops", serde_json::json!(r.tflops)),
+                ("step_ms", serde_json::json!(r.step_ms)),
+                ("peak_rss_bytes", serde_json::json!(r.peak_rss_bytes)),
+                ("intra_node_bytes", serde_json::json!(r.intra_node_bytes)),
+                ("inter_node_bytes", serde_json::json!(r.inter_node_bytes)),
+            ] {
+                m.insert(k.into(), v);
+            }
+            serde_json::Value::Object(m)
+        })
+        .collect();
+    std::fs::write(
+        out.join("bench.json"),
+        serde_json::to_string_pretty(&serde_json::json!({ "rows": json }))?,
+    )?;
+    draw_svg(&out.join("bench.svg"), rows)
+}
+
+/// One bar chart: where, its title, one value per configuration, its colour.
+type Panel<'a, 'b> = (
+    &'a DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
+    &'static str,
+    Vec<f64>,
+    RGBColor,
+);
+
+/// Two bar charts, one above the other: tokens/s and peak RSS per configuration.
+fn draw_svg(path: &PathBuf, rows: &[SweepRow]) -> Result<()> {
+    let labels: Vec<String> = rows.iter().map(SweepRow::label).collect();
+    let width = (160 * rows.len()).max(640) as u32;
+    let root = SVGBackend::new(path, (width, 720)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (top, bottom) = root.split_vertically(360);
+    let panels: [Panel; 2] = [
+        (
+            &top,
+            "tokens/s (whole job)",
+            rows.iter().map(|r| r.tokens_per_s).collect(),
+            BLUE,
+        ),
+        (
+            &bottom,
+            "peak RSS per worker (MiB)",
+            rows.iter()
+                .map(|r| (r.peak_rss_bytes >> 20) as f64)
+                .collect(),
+            RED,
+        ),
+    ];
+    for (area, title, values, color) in panels {
+        let max = values.iter().cloned().fold(0.0, f64::max).max(1.0) * 1.15;
+        let mut chart = ChartBuilder::on(area)
+            .caption(title, ("sans-serif", 20))
+            .margin(10)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d((0..rows.len()).into_segmented(), 0.0..max)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(rows.len())
+            .x_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
+                _ => String::new(),
+            })
+            .draw()?;
+        chart.draw_series(
+            Histogram::vertical(&chart)
+                .style(color.mix(0.7).filled())
+                .margin(12)
+                .data(values.iter().enumerate().map(|(i, v)| (i, *v))),
+        )?;
+    }
+    root.present()?;
+    Ok(())
+}
