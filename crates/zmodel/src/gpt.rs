@@ -14,7 +14,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
-use crate::ops::{cross_entropy, layer_norm, softmax};
+use crate::ops::{cross_entropy, gelu, layer_norm, softmax};
 
 const LN_EPS: f64 = 1e-5;
 
@@ -254,7 +254,7 @@ impl Gpt {
         let rows = (rows + linear(&y, &params[4], &params[5])?)?;
 
         let m = layer_norm(&rows, &params[6], &params[7], LN_EPS)?;
-        let m = linear(&m, &params[8], &params[9])?.gelu()?;
+        let m = gelu(&linear(&m, &params[8], &params[9])?)?;
         let rows = (&rows + linear(&m, &params[10], &params[11])?)?;
         rows.reshape((b, t, d))
     }

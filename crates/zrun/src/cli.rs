@@ -170,8 +170,8 @@ pub struct BenchArgs {
 #[derive(Debug, Args)]
 pub struct BenchJobArgs {
     /// The job spec to sweep.
-    #[arg(value_name = "JOB.yaml", required = true)]
-    pub job: PathBuf,
+    #[arg(value_name = "JOB.yaml")]
+    pub job: Option<PathBuf>,
     /// A key and its values (repeatable; every combination runs).
     #[arg(long, value_name = "KEY=V1,V2")]
     pub sweep: Vec<String>,

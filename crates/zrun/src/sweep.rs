@@ -113,6 +113,11 @@ fn row_from_metrics(config: Vec<(String, String)>, path: &Path) -> Result<SweepR
 
 /// `zrun bench JOB.yaml --sweep ...`.
 pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
+    let Some(job) = args.job.clone() else {
+        return Err(Failure::bad_input(
+            "zrun bench: give JOB.yaml --sweep KEY=V1,V2, or `comm` or `kernels`",
+        ));
+    };
     let sweeps: Vec<(String, Vec<String>)> = args
         .sweep
         .iter()
@@ -138,8 +143,8 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
     // Check every configuration before running any.
     for c in &combos {
         let sets = sets_for(c, &args);
-        let job = zconfig::load_job(&args.job, &sets)?;
-        job.validate(crate::plan::topology(&args.launch)?.world_size())?;
+        let loaded = zconfig::load_job(&job, &sets)?;
+        loaded.validate(crate::plan::topology(&args.launch)?.world_size())?;
     }
     std::fs::create_dir_all(&args.out)
         .map_err(|e| Failure::bad_input(format!("--out {}: {e}", args.out.display())))?;
@@ -171,7 +176,7 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
         // so that a failure or Ctrl-C is handled exactly as for a training job.
         let mut cmd = std::process::Command::new(&zrun);
         cmd.arg("train")
-            .arg(&args.job)
+            .arg(&job)
             .arg("--no-progress")
             .arg("--metrics")
             .arg(&metrics);
