@@ -727,3 +727,45 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
     );
     assert_eq!(f.code(), 2, "{f:?}");
 }
+
+/// `.zrun_env` in the working directory reaches every worker: here it sets the
+/// fault-injection delay of checkpoint saves, which makes the run measurably slower.
+/// A malformed line is bad input naming the file and line.
+#[test]
+fn zrun_env_is_forwarded_to_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "envfwd", 2);
+    let ckpt = format!("checkpoint.dir={}/ckpt", dir.path().display());
+    std::fs::write(
+        dir.path().join(".zrun_env"),
+        "# forwarded\nZRUN_FAULT_SAVE_DELAY_MS=1500\n",
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    let f = zrun(
+        dir.path(),
+        &[
+            "train",
+            job.to_str().unwrap(),
+            "--set",
+            &ckpt,
+            "--set",
+            "checkpoint.every=1",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    // Two saves, each stalled 1.5 s per file rename (shard, then manifest on rank 0).
+    assert!(
+        t0.elapsed() >= Duration::from_secs(3),
+        "took {:?}: the variable did not arrive",
+        t0.elapsed()
+    );
+    std::fs::write(dir.path().join(".zrun_env"), "NOT A VARIABLE\n").unwrap();
+    let f = zrun(dir.path(), &["train", job.to_str().unwrap()]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains(".zrun_env:1: expected KEY=VALUE"),
+        "{}",
+        f.stderr
+    );
+}

@@ -208,3 +208,41 @@ fn a_missing_remote_zworker_is_exit_3_naming_the_host() {
         f.stderr
     );
 }
+
+#[test]
+fn ssh_accept_new_records_unknown_host_keys_and_trains() {
+    let sshd = Sshd::start();
+    let d = tempfile::tempdir().unwrap();
+    let job = small_job(d.path(), "accept", 2);
+    let known = d.path().join("known_hosts");
+    std::fs::write(&known, "").unwrap();
+    let (h, key) = (
+        sshd.hostfile().display().to_string(),
+        sshd.file("client_key"),
+    );
+    let args = [
+        "train",
+        job.to_str().unwrap(),
+        "--hostfile",
+        &h,
+        "--launcher",
+        "ssh",
+        "--ssh-key",
+        &key,
+    ];
+    let mut with = args.to_vec();
+    with.extend(["--known-hosts", known.to_str().unwrap(), "--ssh-accept-new"]);
+    let f = zrun(d.path(), &with);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let recorded = std::fs::read_to_string(&known).unwrap();
+    for host in ["127.0.0.2", "127.0.0.3"] {
+        assert!(
+            recorded.contains(&format!("[{host}]:{}", sshd.port)),
+            "{recorded}"
+        );
+    }
+    // Now known: the same run needs no --ssh-accept-new.
+    let mut again = args.to_vec();
+    again.extend(["--known-hosts", known.to_str().unwrap()]);
+    assert_eq!(zrun(d.path(), &again).code(), 0);
+}
