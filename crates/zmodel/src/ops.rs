@@ -44,6 +44,17 @@ fn f32_input<'a>(name: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]>
     }
 }
 
+/// Applies `f` to every element of a contiguous f32 input.
+fn map_f32(
+    name: &str,
+    s: &CpuStorage,
+    l: &Layout,
+    f: impl Fn(f32) -> f32,
+) -> Result<(CpuStorage, Shape)> {
+    let out = f32_input(name, s, l)?.iter().map(|&v| f(v)).collect();
+    Ok((CpuStorage::F32(out), l.shape().clone()))
+}
+
 struct Gelu;
 
 impl CustomOp1 for Gelu {
@@ -52,12 +63,9 @@ impl CustomOp1 for Gelu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = f32_input(self.name(), s, l)?;
-        let y = x
-            .iter()
-            .map(|&v| 0.5 * v * (1.0 + tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v))))
-            .collect();
-        Ok((CpuStorage::F32(y), l.shape().clone()))
+        map_f32(self.name(), s, l, |v| {
+            0.5 * v * (1.0 + tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v)))
+        })
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -76,15 +84,10 @@ impl CustomOp1 for GeluGrad {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = f32_input(self.name(), s, l)?;
-        let d = x
-            .iter()
-            .map(|&v| {
-                let t = tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v));
-                0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * v * v)
-            })
-            .collect();
-        Ok((CpuStorage::F32(d), l.shape().clone()))
+        map_f32(self.name(), s, l, |v| {
+            let t = tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v));
+            0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * v * v)
+        })
     }
 }
 
