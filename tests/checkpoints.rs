@@ -23,14 +23,26 @@ fn train(dir: &Path, job: &Path, metrics: &str, extra: &[&str]) -> e2e::Finished
     f
 }
 
+/// f32 at stages 0 and 3, bf16 at stage 1, and f16 at stage 3 started at a loss
+/// scale of 2^24 so that its first steps overflow: the resumed run must restore
+/// the master weights, the scaler and the count of skipped steps to match.
 #[test]
-fn resume_continues_bit_identically_at_stages_0_and_3() {
-    for stage in ["0", "3"] {
+fn resume_continues_bit_identically_in_every_precision() {
+    for (stage, dtype) in [("0", "f32"), ("3", "f32"), ("1", "bf16"), ("3", "f16")] {
         let d = tempfile::tempdir().unwrap();
         let dir = d.path();
         let job = ckpt_job(dir, "resume", 12, 6);
         let set = format!("zero.stage={stage}");
-        train(dir, &job, "straight.jsonl", &["--set", &set]);
+        let dt = format!("train.dtype={dtype}");
+        let set = &[
+            "--set",
+            &set,
+            "--set",
+            &dt,
+            "--set",
+            "train.loss_scale.initial_scale_power=24",
+        ];
+        train(dir, &job, "straight.jsonl", set);
         let straight = losses_by_step(&dir.join("straight.jsonl"));
         // Lose the final checkpoint, keep step 6, and resume from it.
         std::fs::remove_dir_all(dir.join("ckpt/step-00000012")).unwrap();
@@ -38,7 +50,7 @@ fn resume_continues_bit_identically_at_stages_0_and_3() {
             dir,
             &job,
             "resumed.jsonl",
-            &["--set", &set, "--resume", "auto"],
+            &[set.as_slice(), &["--resume", "auto"]].concat(),
         );
         assert!(
             f.stdout.contains("resuming from") && f.stdout.contains("step-00000006"),
@@ -50,7 +62,11 @@ fn resume_continues_bit_identically_at_stages_0_and_3() {
             resumed.iter().map(|x| x.0).collect::<Vec<_>>(),
             (7..=12).collect::<Vec<_>>()
         );
-        assert_eq!(resumed, straight[6..].to_vec(), "stage {stage}");
+        assert_eq!(resumed, straight[6..].to_vec(), "stage {stage} {dtype}");
+        if dtype == "f16" {
+            let m = std::fs::read_to_string(dir.join("straight.jsonl")).unwrap();
+            assert!(m.contains("\"grad_norm\":null"), "no step overflowed: {m}");
+        }
     }
 }
 

@@ -213,6 +213,14 @@ fn bad_input_exits_2_with_a_located_message() {
         ),
         (
             vec![
+                write("hyst.yaml", &good),
+                "--set".into(),
+                "train.loss_scale.hysteresis=0".into(),
+            ],
+            "train.loss_scale.hysteresis: must be at least 1",
+        ),
+        (
+            vec![
                 write("g1.yaml", &good),
                 "--set".into(),
                 "zero.stge=1".into(),
@@ -364,7 +372,8 @@ fn strangers_on_the_control_socket_do_not_disturb_the_job() {
 }
 
 /// Real runs at 4 workers: model-state memory and bytes sent per rank follow the
-/// ZeRO paper's formulas (f32 form), within padding.
+/// ZeRO paper's formulas, within padding: in f32 (4 bytes of params, 4 of grads,
+/// 8 of moments) and in bf16 (K = 12: 2 + 2 + 12 with the f32 master copy).
 #[test]
 fn zero_memory_and_volume_follow_the_paper_at_4_workers() {
     let dir = tempfile::tempdir().unwrap();
@@ -373,69 +382,127 @@ fn zero_memory_and_volume_follow_the_paper_at_4_workers() {
     // The small job's model: vocab 64, d 32, 2 layers, seq 32.
     let (v, d, l, t) = (64.0, 32.0, 2.0, 32.0);
     let groups = l + 2.0;
-    for stage in 0..=3 {
-        let m = dir.path().join(format!("s{stage}.jsonl"));
+    for dtype in ["f32", "bf16"] {
+        for stage in 0..=3 {
+            let m = dir.path().join(format!("{dtype}-s{stage}.jsonl"));
+            let f = zrun(
+                dir.path(),
+                &[
+                    "train",
+                    job.to_str().unwrap(),
+                    "--workers-per-node",
+                    "4",
+                    "--set",
+                    &format!("zero.stage={stage}"),
+                    "--set",
+                    &format!("train.dtype={dtype}"),
+                    "--set",
+                    "zero.param_persistence_threshold=0",
+                    "--metrics",
+                    m.to_str().unwrap(),
+                ],
+            );
+            assert_eq!(f.code(), 0, "{f:?}");
+            let lines = metrics(&m);
+            let s = &lines[1];
+            let psi = s["params"].as_f64().unwrap();
+            // Each block's buffer is padded to a multiple of 4 ranks × 16 elements.
+            let psi_pad = psi + groups * n * 16.0;
+            let mem = &s["mem_bytes"];
+            let states: f64 = ["params", "grads", "master", "optimizer"]
+                .iter()
+                .map(|k| mem[*k].as_f64().unwrap())
+                .sum();
+            let formula = |p: f64| match (dtype, stage) {
+                (_, 0) => 16.0 * p,
+                ("f32", 1) => 8.0 * p + 8.0 * p / n,
+                ("f32", 2) => 4.0 * p + 12.0 * p / n,
+                (_, 1) => 4.0 * p + 12.0 * p / n,
+                (_, 2) => 2.0 * p + 14.0 * p / n,
+                _ => 16.0 * p / n,
+            };
+            assert!(
+                formula(psi) <= states && states <= formula(psi_pad),
+                "{dtype} stage {stage}: model states {states} bytes, formula {} .. {}",
+                formula(psi),
+                formula(psi_pad)
+            );
+            if dtype == "bf16" {
+                assert!(mem["master"].as_f64().unwrap() > 0.0);
+            }
+            // Elements sent per rank per step: 2Ψ(N-1)/N for stages 0-2; 3Ψ(N-1)/N at
+            // stage 3, where the head's parameters are gathered once for its forward
+            // and backward together and the tied embedding group once more for the
+            // head. Gradients are reduced in f32; parameters travel in the dtype.
+            let c = &s["comm_bytes"]["by_op"];
+            let sent: f64 = ["all_reduce", "reduce_scatter", "all_gather"]
+                .iter()
+                .map(|k| c[*k].as_f64().unwrap())
+                .sum();
+            let param_bytes = if dtype == "f32" { 4.0 } else { 2.0 };
+            let volume = |p: f64, head: f64, emb: f64| {
+                let bytes = match stage {
+                    0 => 4.0 * 2.0 * p,
+                    1 | 2 => 4.0 * p + param_bytes * p,
+                    _ => 4.0 * p + param_bytes * (2.0 * p - head + emb),
+                };
+                bytes * (n - 1.0) / n
+            };
+            let (head, emb) = (2.0 * d, (v + t) * d);
+            let norm_bytes = 8.0 * (n - 1.0);
+            let lo = volume(psi, head, emb) + norm_bytes;
+            let hi = volume(psi_pad, head + n * 16.0, emb + n * 16.0) + norm_bytes;
+            assert!(
+                lo <= sent && sent <= hi,
+                "{dtype} stage {stage}: sent {sent} bytes, formula {lo} .. {hi}"
+            );
+        }
+    }
+}
+
+/// bf16 and f16 training of configs/tiny.yaml ends within 2% of f32's loss
+/// after the same steps (the mean of the last 5, so one batch's noise does not
+/// decide it).
+#[test]
+fn mixed_precision_tiny_run_stays_within_2_percent_of_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = repo_root();
+    let mut tail = Vec::new();
+    for dtype in ["f32", "bf16", "f16"] {
+        let m = dir.path().join(format!("{dtype}.jsonl"));
         let f = zrun(
-            dir.path(),
+            &root,
             &[
                 "train",
-                job.to_str().unwrap(),
-                "--workers-per-node",
-                "4",
+                "configs/tiny.yaml",
                 "--set",
-                &format!("zero.stage={stage}"),
+                "train.steps=60",
                 "--set",
-                "zero.param_persistence_threshold=0",
+                &format!("train.dtype={dtype}"),
                 "--metrics",
                 m.to_str().unwrap(),
+                "--no-progress",
             ],
         );
         assert_eq!(f.code(), 0, "{f:?}");
         let lines = metrics(&m);
-        let s = &lines[1];
-        let psi = s["params"].as_f64().unwrap();
-        // Each block's buffer is padded to a multiple of 4 ranks × 16 elements.
-        let psi_pad = psi + groups * n * 16.0;
-        let mem = &s["mem_bytes"];
-        let states: f64 = ["params", "grads", "master", "optimizer"]
+        let l = losses(&lines);
+        assert_eq!(l.len(), 60);
+        tail.push(l[55..].iter().sum::<f64>() / 5.0);
+        let scales: Vec<bool> = lines[..60]
             .iter()
-            .map(|k| mem[*k].as_f64().unwrap())
-            .sum();
-        let formula = |p: f64| match stage {
-            0 => 16.0 * p,
-            1 => 8.0 * p + 8.0 * p / n,
-            2 => 4.0 * p + 12.0 * p / n,
-            _ => 16.0 * p / n,
-        };
+            .map(|x| x["loss_scale"].is_null())
+            .collect();
         assert!(
-            formula(psi) <= states && states <= formula(psi_pad),
-            "stage {stage}: model states {states} bytes, formula {} .. {}",
-            formula(psi),
-            formula(psi_pad)
+            scales.iter().all(|&null| null == (dtype != "f16")),
+            "{dtype}"
         );
-        // Elements sent per rank per step: 2Ψ(N-1)/N for stages 0-2; 3Ψ(N-1)/N at
-        // stage 3, where the head's parameters are gathered once for its forward and
-        // backward together and the tied embedding group once more for the head.
-        let c = &s["comm_bytes"]["by_op"];
-        let sent: f64 = ["all_reduce", "reduce_scatter", "all_gather"]
-            .iter()
-            .map(|k| c[*k].as_f64().unwrap())
-            .sum();
-        let volume = |p: f64, head: f64, emb: f64| {
-            let elems = if stage < 3 {
-                2.0 * p
-            } else {
-                3.0 * p - head + emb
-            };
-            4.0 * elems * (n - 1.0) / n
-        };
-        let (head, emb) = (2.0 * d, (v + t) * d);
-        let norm_bytes = 8.0 * (n - 1.0);
-        let lo = volume(psi, head, emb) + norm_bytes;
-        let hi = volume(psi_pad, head + n * 16.0, emb + n * 16.0) + norm_bytes;
+    }
+    for (dtype, got) in ["bf16", "f16"].iter().zip(&tail[1..]) {
         assert!(
-            lo <= sent && sent <= hi,
-            "stage {stage}: sent {sent} bytes, formula {lo} .. {hi}"
+            (got - tail[0]).abs() <= 0.02 * tail[0],
+            "{dtype}: final loss {got:.4} vs f32 {:.4}",
+            tail[0]
         );
     }
 }

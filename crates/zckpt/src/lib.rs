@@ -101,6 +101,19 @@ pub struct FileEntry {
     pub crc32c: u32,
 }
 
+/// f16's dynamic loss-scaler state at a checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LossScaleState {
+    /// The current scale.
+    pub scale: f64,
+    /// Overflows tolerated before the next halving.
+    pub hysteresis: u32,
+    /// The 0-based step of the last overflow (-1 before any).
+    pub last_overflow: i64,
+    /// Steps skipped on overflow (the optimizer made `step - skipped` updates).
+    pub skipped: u64,
+}
+
 /// The checkpoint's table of contents, written last.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -120,8 +133,8 @@ pub struct Manifest {
     pub step: u64,
     /// Global samples consumed (the data position).
     pub samples_consumed: u64,
-    /// Loss scale (f16 only).
-    pub loss_scale: Option<f64>,
+    /// f16's dynamic loss scale (null otherwise).
+    pub loss_scale: Option<LossScaleState>,
     /// Group layouts, in model order.
     pub groups: Vec<GroupEntry>,
     /// One shard per rank, in rank order.

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::{improve_serde_message, ConfigError};
-use crate::spec::{Backend, DataFormat, Device, Dtype, JobSpec, OffloadDevice};
+use crate::spec::{Backend, DataFormat, Device, JobSpec, OffloadDevice};
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
 #[derive(Debug, Clone)]
@@ -230,13 +230,24 @@ impl LoadedJob {
                 "must be a non-negative number (0 disables)",
             ));
         }
-        if t.dtype != Dtype::F32 {
-            return Err(self.unsupported("train.dtype", &format!("mixed precision ({})", t.dtype)));
+        let ls = &t.loss_scale;
+        if ls.initial_scale_power > 64 {
+            return Err(self.invalid(
+                "train.loss_scale.initial_scale_power",
+                format!("must be at most 64, got {}", ls.initial_scale_power),
+            ));
         }
-        if t.activation_checkpointing {
-            return Err(
-                self.unsupported("train.activation_checkpointing", "activation checkpointing")
-            );
+        if ls.loss_scale_window == 0 {
+            return Err(self.invalid("train.loss_scale.loss_scale_window", "must be at least 1"));
+        }
+        if ls.hysteresis == 0 {
+            return Err(self.invalid("train.loss_scale.hysteresis", "must be at least 1"));
+        }
+        if !(ls.min_loss_scale.is_finite() && ls.min_loss_scale > 0.0) {
+            return Err(self.invalid(
+                "train.loss_scale.min_loss_scale",
+                "must be a positive number",
+            ));
         }
         let z = &s.zero;
         if z.stage > 3 {

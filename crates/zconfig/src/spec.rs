@@ -159,10 +159,37 @@ pub struct TrainSpec {
     pub grad_clip: f64,
     /// Seed of initialisation and data order.
     pub seed: u64,
-    /// Compute dtype.
+    /// Working dtype of parameters and gradients.
     pub dtype: Dtype,
+    /// f16's dynamic loss scaling (DeepSpeed's `fp16` keys and defaults).
+    pub loss_scale: LossScaleSpec,
     /// Recompute each block in backward.
     pub activation_checkpointing: bool,
+}
+
+/// f16's dynamic loss scaling, with DeepSpeed's key names and defaults.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LossScaleSpec {
+    /// The first scale is 2^this.
+    pub initial_scale_power: u32,
+    /// Steps without overflow before the scale doubles.
+    pub loss_scale_window: u64,
+    /// Overflows tolerated before the scale halves.
+    pub hysteresis: u32,
+    /// The scale never goes below this.
+    pub min_loss_scale: f64,
+}
+
+impl Default for LossScaleSpec {
+    fn default() -> Self {
+        Self {
+            initial_scale_power: 16,
+            loss_scale_window: 1000,
+            hysteresis: 2,
+            min_loss_scale: 1.0,
+        }
+    }
 }
 
 impl Default for TrainSpec {
@@ -178,6 +205,7 @@ impl Default for TrainSpec {
             grad_clip: 1.0,
             seed: 42,
             dtype: Dtype::F32,
+            loss_scale: LossScaleSpec::default(),
             activation_checkpointing: false,
         }
     }

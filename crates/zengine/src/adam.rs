@@ -1,15 +1,20 @@
-//! AdamW over a flat f32 slice in one fused pass: read p, g, m, v; write p, m, v.
+//! AdamW over a flat f32 slice in one fused pass: read p, g, m, v; write p, m, v
+//! and, with mixed precision, the 16-bit working copy of p.
 //!
 //! The pass is bound by memory bandwidth, not arithmetic: 28 bytes move per
-//! element (4 read, 3 written) for about 12 flops. So the explicit AVX-512 and
-//! AVX2 bodies (chosen at run time; a portable loop otherwise) only have to keep
-//! the loads streaming, and large slices are split over threads.
+//! element for about 12 flops (f32: 4 read, 3 written; mixed precision: a 2-byte
+//! gradient in and a 2-byte working copy out, the same 28). So the explicit
+//! AVX-512 and AVX2 bodies (chosen at run time; a portable loop otherwise) only
+//! have to keep the loads streaming, and large slices are split over threads.
 //!
 //! Every path evaluates the same expression in the same order with plain
-//! multiplies and adds (no FMA: a fused multiply-add rounds differently) and
-//! correctly rounded `sqrt` and division, so every path gives the same bits as
-//! the scalar reference. That is what keeps stage 0's full update equal to the
-//! gathered slices of stages 1-3 whatever the slice boundaries and the CPU.
+//! multiplies and adds (no FMA: a fused multiply-add rounds differently),
+//! correctly rounded `sqrt` and division, and round-to-nearest-even 16-bit
+//! conversions, so every path gives the same bits as the scalar reference. That
+//! is what keeps stage 0's full update equal to the gathered slices of stages 1-3
+//! whatever the slice boundaries and the CPU.
+
+use crate::precision::Half;
 
 /// Hyper-parameters of one AdamW step.
 #[derive(Debug, Clone, Copy)]
@@ -26,11 +31,129 @@ pub struct AdamStep {
     pub weight_decay: f32,
     /// 1-based step, for bias correction.
     pub step: u64,
+    /// Every gradient is multiplied by this first (unscaling and clipping in the
+    /// same pass; 1 leaves f32 gradients exactly as they are).
+    pub grad_scale: f32,
+}
+
+/// The gradient an update reads.
+#[derive(Debug, Clone, Copy)]
+pub enum Grads<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// 16-bit values, as bits.
+    Half(Half, &'a [u16]),
+}
+
+impl<'a> Grads<'a> {
+    fn len(&self) -> usize {
+        match self {
+            Grads::F32(g) => g.len(),
+            Grads::Half(_, g) => g.len(),
+        }
+    }
+
+    fn split_at(self, k: usize) -> (Grads<'a>, Grads<'a>) {
+        match self {
+            Grads::F32(g) => {
+                let (a, b) = g.split_at(k);
+                (Grads::F32(a), Grads::F32(b))
+            }
+            Grads::Half(h, g) => {
+                let (a, b) = g.split_at(k);
+                (Grads::Half(h, a), Grads::Half(h, b))
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn get(&self, i: usize) -> f32 {
+        match self {
+            Grads::F32(g) => g[i],
+            Grads::Half(h, g) => h.widen(g[i]),
+        }
+    }
+}
+
+/// The buffers of one update, all of one length: f32 parameters (the master
+/// copy under mixed precision), gradients, moments, and the working copy to
+/// refresh, if any.
+#[derive(Debug)]
+pub struct Buffers<'a> {
+    /// Parameters, updated in place.
+    pub p: &'a mut [f32],
+    /// Gradients.
+    pub g: Grads<'a>,
+    /// First moment.
+    pub m: &'a mut [f32],
+    /// Second moment.
+    pub v: &'a mut [f32],
+    /// Mixed precision: receives the updated parameters rounded to 16 bits.
+    pub working: Option<(Half, &'a mut [u16])>,
+}
+
+impl<'a> Buffers<'a> {
+    /// Plain f32 AdamW buffers.
+    pub fn f32(p: &'a mut [f32], g: &'a [f32], m: &'a mut [f32], v: &'a mut [f32]) -> Self {
+        Buffers {
+            p,
+            g: Grads::F32(g),
+            m,
+            v,
+            working: None,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.p.len()
+    }
+
+    fn check(&self) {
+        let n = self.p.len();
+        assert!(
+            self.g.len() == n
+                && self.m.len() == n
+                && self.v.len() == n
+                && self.working.as_ref().is_none_or(|(_, w)| w.len() == n),
+            "adamw: buffer lengths differ"
+        );
+    }
+
+    fn split_at(self, k: usize) -> (Buffers<'a>, Buffers<'a>) {
+        let (p0, p1) = self.p.split_at_mut(k);
+        let (g0, g1) = self.g.split_at(k);
+        let (m0, m1) = self.m.split_at_mut(k);
+        let (v0, v1) = self.v.split_at_mut(k);
+        let (w0, w1) = match self.working {
+            Some((h, w)) => {
+                let (a, b) = w.split_at_mut(k);
+                (Some((h, a)), Some((h, b)))
+            }
+            None => (None, None),
+        };
+        (
+            Buffers {
+                p: p0,
+                g: g0,
+                m: m0,
+                v: v0,
+                working: w0,
+            },
+            Buffers {
+                p: p1,
+                g: g1,
+                m: m1,
+                v: v1,
+                working: w1,
+            },
+        )
+    }
 }
 
 /// Per-step scalars shared by every path.
 #[derive(Debug, Clone, Copy)]
 struct Consts {
+    gscale: f32,
     b1: f32,
     omb1: f32,
     b2: f32,
@@ -46,6 +169,7 @@ impl Consts {
         let bc1 = 1.0 - (s.beta1 as f64).powi(s.step as i32);
         let bc2 = 1.0 - (s.beta2 as f64).powi(s.step as i32);
         Consts {
+            gscale: s.grad_scale,
             b1: s.beta1,
             omb1: 1.0 - s.beta1,
             b2: s.beta2,
@@ -67,7 +191,7 @@ impl Consts {
 pub enum Path {
     /// 16 lanes.
     Avx512,
-    /// 8 lanes.
+    /// 8 lanes (with F16C for the f16 conversions).
     Avx2,
     /// Whatever the compiler makes of the plain loop.
     Portable,
@@ -76,19 +200,10 @@ pub enum Path {
 impl Path {
     /// The best path this CPU supports.
     pub fn best() -> Path {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Path::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2") {
-                return Path::Avx2;
-            }
-        }
-        Path::Portable
+        Path::available()[0]
     }
 
-    /// Every path this CPU supports (for tests and benchmarks).
+    /// Every path this CPU supports, best first (for tests and benchmarks).
     pub fn available() -> Vec<Path> {
         let mut v = Vec::new();
         #[cfg(target_arch = "x86_64")]
@@ -96,7 +211,9 @@ impl Path {
             if std::arch::is_x86_feature_detected!("avx512f") {
                 v.push(Path::Avx512);
             }
-            if std::arch::is_x86_feature_detected!("avx2") {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
                 v.push(Path::Avx2);
             }
         }
@@ -108,9 +225,9 @@ impl Path {
 /// Elements below which splitting over threads costs more than it saves.
 const PARALLEL_MIN: usize = 1 << 18;
 
-/// Updates `p`, `m`, `v` in place from `g` on the best path, over `threads` threads.
-pub fn adamw(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], decay: bool, s: &AdamStep) {
-    adamw_with(Path::best(), default_threads(), p, g, m, v, decay, s);
+/// Updates the buffers on the best path, over [`default_threads`] threads.
+pub fn adamw(b: Buffers<'_>, decay: bool, s: &AdamStep) {
+    adamw_with(Path::best(), default_threads(), b, decay, s);
 }
 
 /// Threads to use: `RAYON_NUM_THREADS` (which zrun sets per worker), else all cores.
@@ -123,69 +240,68 @@ pub fn default_threads() -> usize {
 }
 
 /// [`adamw`] on a given path and thread count.
-#[allow(clippy::too_many_arguments)]
-pub fn adamw_with(
-    path: Path,
-    threads: usize,
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    decay: bool,
-    s: &AdamStep,
-) {
-    assert!(
-        p.len() == g.len() && p.len() == m.len() && p.len() == v.len(),
-        "adamw: slice lengths differ"
-    );
+pub fn adamw_with(path: Path, threads: usize, b: Buffers<'_>, decay: bool, s: &AdamStep) {
+    b.check();
     let c = Consts::new(s, decay);
-    let n = p.len();
+    let n = b.len();
     if threads <= 1 || n < PARALLEL_MIN {
-        return run(path, p, g, m, v, &c);
+        return run(path, b, &c);
     }
     // Split on 64-byte boundaries so no two threads share a cache line.
     let per = n.div_ceil(threads).div_ceil(16) * 16;
     std::thread::scope(|scope| {
-        let (mut p, mut g, mut m, mut v) = (p, g, m, v);
-        while !p.is_empty() {
-            let k = per.min(p.len());
-            let (p0, p1) = p.split_at_mut(k);
-            let (g0, g1) = g.split_at(k);
-            let (m0, m1) = m.split_at_mut(k);
-            let (v0, v1) = v.split_at_mut(k);
-            scope.spawn(move || run(path, p0, g0, m0, v0, &c));
-            (p, g, m, v) = (p1, g1, m1, v1);
+        let mut rest = b;
+        while rest.len() > 0 {
+            let k = per.min(rest.len());
+            let (head, tail) = rest.split_at(k);
+            scope.spawn(move || run(path, head, &c));
+            rest = tail;
         }
     });
 }
 
-fn run(path: Path, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &Consts) {
+fn run(path: Path, b: Buffers<'_>, c: &Consts) {
     match path {
         #[cfg(target_arch = "x86_64")]
         Path::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
             // SAFETY: the CPU supports AVX-512F (checked just above).
-            unsafe { x86::avx512(p, g, m, v, c) }
+            unsafe { x86::avx512(b, c) }
         }
         #[cfg(target_arch = "x86_64")]
-        Path::Avx2 if std::arch::is_x86_feature_detected!("avx2") => {
-            // SAFETY: the CPU supports AVX2 (checked just above).
-            unsafe { x86::avx2(p, g, m, v, c) }
+        Path::Avx2
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("f16c") =>
+        {
+            // SAFETY: the CPU supports AVX2 and F16C (checked just above).
+            unsafe { x86::avx2(b, c) }
         }
-        _ => scalar(p, g, m, v, c),
+        _ => scalar(b, 0, c),
     }
 }
 
-/// The reference: one element at a time, in the order every path follows.
+/// The reference: one element at a time from `from`, in the order every path
+/// follows.
 #[inline(always)]
-fn scalar(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &Consts) {
-    for i in 0..p.len() {
-        let gi = g[i];
+fn scalar(b: Buffers<'_>, from: usize, c: &Consts) {
+    let Buffers {
+        p,
+        g,
+        m,
+        v,
+        mut working,
+    } = b;
+    for i in from..p.len() {
+        let gi = g.get(i) * c.gscale;
         let mi = c.b1 * m[i] + c.omb1 * gi;
         let vi = c.b2 * v[i] + c.omb2 * gi * gi;
         m[i] = mi;
         v[i] = vi;
         let denom = vi.sqrt() * c.inv_sqrt_bc2 + c.eps;
-        p[i] = p[i] * c.shrink - c.step_size * mi / denom;
+        let pi = p[i] * c.shrink - c.step_size * mi / denom;
+        p[i] = pi;
+        if let Some((h, w)) = working.as_mut() {
+            w[i] = h.round(pi);
+        }
     }
 }
 
@@ -193,18 +309,14 @@ fn scalar(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &Consts) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{scalar, Consts};
+    use super::{scalar, Buffers, Consts, Grads};
+    use crate::precision::Half;
 
     /// 16 lanes at a time, then the scalar reference for the tail.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn avx512(
-        p: &mut [f32],
-        g: &[f32],
-        m: &mut [f32],
-        v: &mut [f32],
-        c: &Consts,
-    ) {
-        let n = p.len() / 16 * 16;
+    pub(super) unsafe fn avx512(b: Buffers<'_>, c: &Consts) {
+        let n = b.len() / 16 * 16;
+        let gscale = _mm512_set1_ps(c.gscale);
         let (b1, omb1) = (_mm512_set1_ps(c.b1), _mm512_set1_ps(c.omb1));
         let (b2, omb2) = (_mm512_set1_ps(c.b2), _mm512_set1_ps(c.omb2));
         let (step, inv, eps, shrink) = (
@@ -213,37 +325,76 @@ mod x86 {
             _mm512_set1_ps(c.eps),
             _mm512_set1_ps(c.shrink),
         );
+        let mut b = b;
+        let (p, m, v) = (b.p.as_mut_ptr(), b.m.as_mut_ptr(), b.v.as_mut_ptr());
+        let w = b.working.as_mut().map(|(h, w)| (*h, w.as_mut_ptr()));
         let mut i = 0;
         while i < n {
-            // SAFETY: i + 16 <= n <= len of every slice (lengths are equal).
+            // SAFETY: i + 16 <= n <= the length of every buffer (checked equal).
             unsafe {
-                let gi = _mm512_loadu_ps(g.as_ptr().add(i));
+                let graw = match b.g {
+                    Grads::F32(g) => _mm512_loadu_ps(g.as_ptr().add(i)),
+                    Grads::Half(h, g) => {
+                        let bits = _mm256_loadu_si256(g.as_ptr().add(i).cast());
+                        match h {
+                            Half::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+                                _mm512_cvtepu16_epi32(bits),
+                            )),
+                            Half::F16 => _mm512_cvtph_ps(bits),
+                        }
+                    }
+                };
+                let gi = _mm512_mul_ps(graw, gscale);
                 let mi = _mm512_add_ps(
-                    _mm512_mul_ps(b1, _mm512_loadu_ps(m.as_ptr().add(i))),
+                    _mm512_mul_ps(b1, _mm512_loadu_ps(m.add(i))),
                     _mm512_mul_ps(omb1, gi),
                 );
                 let vi = _mm512_add_ps(
-                    _mm512_mul_ps(b2, _mm512_loadu_ps(v.as_ptr().add(i))),
+                    _mm512_mul_ps(b2, _mm512_loadu_ps(v.add(i))),
                     _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi),
                 );
-                _mm512_storeu_ps(m.as_mut_ptr().add(i), mi);
-                _mm512_storeu_ps(v.as_mut_ptr().add(i), vi);
+                _mm512_storeu_ps(m.add(i), mi);
+                _mm512_storeu_ps(v.add(i), vi);
                 let denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), inv), eps);
                 let pi = _mm512_sub_ps(
-                    _mm512_mul_ps(_mm512_loadu_ps(p.as_ptr().add(i)), shrink),
+                    _mm512_mul_ps(_mm512_loadu_ps(p.add(i)), shrink),
                     _mm512_div_ps(_mm512_mul_ps(step, mi), denom),
                 );
-                _mm512_storeu_ps(p.as_mut_ptr().add(i), pi);
+                _mm512_storeu_ps(p.add(i), pi);
+                if let Some((h, w)) = w {
+                    let half = match h {
+                        Half::Bf16 => _mm512_cvtepi32_epi16(bf16_bits512(pi)),
+                        Half::F16 => {
+                            _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(pi)
+                        }
+                    };
+                    _mm256_storeu_si256(w.add(i).cast(), half);
+                }
             }
             i += 16;
         }
-        scalar(&mut p[n..], &g[n..], &mut m[n..], &mut v[n..], c);
+        scalar(b, n, c);
+    }
+
+    /// f32 → bf16 bits in each 32-bit lane, rounding to nearest even and keeping
+    /// NaN a (quiet) NaN, exactly as `half::bf16::from_f32`.
+    #[target_feature(enable = "avx512f")]
+    fn bf16_bits512(x: __m512) -> __m512i {
+        let x = _mm512_castps_si512(x);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+        let biased = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb);
+        let rounded = _mm512_srli_epi32::<16>(biased);
+        let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff));
+        let nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
+        let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(0x40));
+        _mm512_mask_blend_epi32(nan, rounded, quiet)
     }
 
     /// 8 lanes at a time, then the scalar reference for the tail.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn avx2(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: &Consts) {
-        let n = p.len() / 8 * 8;
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn avx2(b: Buffers<'_>, c: &Consts) {
+        let n = b.len() / 8 * 8;
+        let gscale = _mm256_set1_ps(c.gscale);
         let (b1, omb1) = (_mm256_set1_ps(c.b1), _mm256_set1_ps(c.omb1));
         let (b2, omb2) = (_mm256_set1_ps(c.b2), _mm256_set1_ps(c.omb2));
         let (step, inv, eps, shrink) = (
@@ -252,31 +403,73 @@ mod x86 {
             _mm256_set1_ps(c.eps),
             _mm256_set1_ps(c.shrink),
         );
+        let mut b = b;
+        let (p, m, v) = (b.p.as_mut_ptr(), b.m.as_mut_ptr(), b.v.as_mut_ptr());
+        let w = b.working.as_mut().map(|(h, w)| (*h, w.as_mut_ptr()));
         let mut i = 0;
         while i < n {
-            // SAFETY: i + 8 <= n <= len of every slice (lengths are equal).
+            // SAFETY: i + 8 <= n <= the length of every buffer (checked equal).
             unsafe {
-                let gi = _mm256_loadu_ps(g.as_ptr().add(i));
+                let graw = match b.g {
+                    Grads::F32(g) => _mm256_loadu_ps(g.as_ptr().add(i)),
+                    Grads::Half(h, g) => {
+                        let bits = _mm_loadu_si128(g.as_ptr().add(i).cast());
+                        match h {
+                            Half::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(
+                                _mm256_cvtepu16_epi32(bits),
+                            )),
+                            Half::F16 => _mm256_cvtph_ps(bits),
+                        }
+                    }
+                };
+                let gi = _mm256_mul_ps(graw, gscale);
                 let mi = _mm256_add_ps(
-                    _mm256_mul_ps(b1, _mm256_loadu_ps(m.as_ptr().add(i))),
+                    _mm256_mul_ps(b1, _mm256_loadu_ps(m.add(i))),
                     _mm256_mul_ps(omb1, gi),
                 );
                 let vi = _mm256_add_ps(
-                    _mm256_mul_ps(b2, _mm256_loadu_ps(v.as_ptr().add(i))),
+                    _mm256_mul_ps(b2, _mm256_loadu_ps(v.add(i))),
                     _mm256_mul_ps(_mm256_mul_ps(omb2, gi), gi),
                 );
-                _mm256_storeu_ps(m.as_mut_ptr().add(i), mi);
-                _mm256_storeu_ps(v.as_mut_ptr().add(i), vi);
+                _mm256_storeu_ps(m.add(i), mi);
+                _mm256_storeu_ps(v.add(i), vi);
                 let denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), inv), eps);
                 let pi = _mm256_sub_ps(
-                    _mm256_mul_ps(_mm256_loadu_ps(p.as_ptr().add(i)), shrink),
+                    _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), shrink),
                     _mm256_div_ps(_mm256_mul_ps(step, mi), denom),
                 );
-                _mm256_storeu_ps(p.as_mut_ptr().add(i), pi);
+                _mm256_storeu_ps(p.add(i), pi);
+                if let Some((h, w)) = w {
+                    let half = match h {
+                        Half::Bf16 => {
+                            let lanes = bf16_bits256(pi);
+                            // Every lane is below 0x10000, so the saturating pack is exact.
+                            _mm_packus_epi32(
+                                _mm256_castsi256_si128(lanes),
+                                _mm256_extracti128_si256::<1>(lanes),
+                            )
+                        }
+                        Half::F16 => _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(pi),
+                    };
+                    _mm_storeu_si128(w.add(i).cast(), half);
+                }
             }
             i += 8;
         }
-        scalar(&mut p[n..], &g[n..], &mut m[n..], &mut v[n..], c);
+        scalar(b, n, c);
+    }
+
+    /// [`bf16_bits512`] on 8 lanes.
+    #[target_feature(enable = "avx2")]
+    fn bf16_bits256(x: __m256) -> __m256i {
+        let x = _mm256_castps_si256(x);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+        let biased = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb);
+        let rounded = _mm256_srli_epi32::<16>(biased);
+        let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7fff_ffff));
+        let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f80_0000));
+        let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(0x40));
+        _mm256_blendv_epi8(rounded, quiet, nan)
     }
 }
 
@@ -292,6 +485,7 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.1,
             step: t,
+            grad_scale: 1.0,
         }
     }
 
@@ -299,11 +493,9 @@ mod tests {
     fn first_step_moves_by_lr_against_the_gradient_sign() {
         let s = AdamStep {
             lr: 0.1,
-            beta1: 0.9,
             beta2: 0.999,
-            eps: 1e-8,
             weight_decay: 0.0,
-            step: 1,
+            ..step(1)
         };
         let (mut p, g, mut m, mut v) = (
             vec![1.0, 1.0, 1.0],
@@ -311,7 +503,7 @@ mod tests {
             vec![0.0; 3],
             vec![0.0; 3],
         );
-        adamw(&mut p, &g, &mut m, &mut v, true, &s);
+        adamw(Buffers::f32(&mut p, &g, &mut m, &mut v), true, &s);
         // With bias correction the first update is lr · g/|g|.
         assert!((p[0] - 0.9).abs() < 1e-6 && (p[1] - 1.1).abs() < 1e-6 && p[2] == 1.0);
     }
@@ -320,17 +512,23 @@ mod tests {
     fn weight_decay_is_decoupled_and_optional() {
         let s = AdamStep {
             lr: 0.1,
-            beta1: 0.9,
             beta2: 0.999,
-            eps: 1e-8,
             weight_decay: 0.5,
-            step: 1,
+            ..step(1)
         };
         let mut p = vec![2.0];
-        adamw(&mut p, &[0.0], &mut [0.0], &mut [0.0], true, &s);
+        adamw(
+            Buffers::f32(&mut p, &[0.0], &mut [0.0], &mut [0.0]),
+            true,
+            &s,
+        );
         assert!((p[0] - 1.9).abs() < 1e-6);
         let mut q = vec![2.0];
-        adamw(&mut q, &[0.0], &mut [0.0], &mut [0.0], false, &s);
+        adamw(
+            Buffers::f32(&mut q, &[0.0], &mut [0.0], &mut [0.0]),
+            false,
+            &s,
+        );
         assert_eq!(q[0], 2.0);
     }
 
@@ -356,41 +554,82 @@ mod tests {
         [p, g, m, v]
     }
 
+    /// The precisions an update can run in: gradients and working copy types.
+    const PRECISIONS: [Option<Half>; 3] = [None, Some(Half::Bf16), Some(Half::F16)];
+
+    /// One update of copies of the inputs; returns (p, m, v, working bits).
+    fn update(
+        path: Option<Path>,
+        threads: usize,
+        kind: Option<Half>,
+        inputs: &[Vec<f32>; 4],
+        offset: usize,
+        s: &AdamStep,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<u16>) {
+        let [p0, g, m0, v0] = inputs;
+        let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+        let gh: Vec<u16> = kind.map_or(Vec::new(), |h| g.iter().map(|&x| h.round(x)).collect());
+        let mut w = vec![0u16; if kind.is_some() { p.len() } else { 0 }];
+        let b = Buffers {
+            p: &mut p[offset..],
+            g: match kind {
+                None => Grads::F32(&g[offset..]),
+                Some(h) => Grads::Half(h, &gh[offset..]),
+            },
+            m: &mut m[offset..],
+            v: &mut v[offset..],
+            working: kind.map(|h| (h, &mut w[offset..])),
+        };
+        match path {
+            None => scalar(b, 0, &Consts::new(s, true)),
+            Some(path) => adamw_with(path, threads, b, true, s),
+        }
+        (p, m, v, w)
+    }
+
     /// Every path and thread count gives the scalar reference's bits (well
-    /// within 1 ulp), for odd lengths and unaligned starts.
+    /// within 1 ulp), in every precision, for odd lengths and unaligned starts.
     #[test]
     fn every_path_equals_the_scalar_reference() {
+        let s = AdamStep {
+            grad_scale: 0.37,
+            ..step(3)
+        };
         for n in [0, 1, 7, 15, 16, 17, 33, 1001, (1 << 18) + 37] {
             for offset in [0, 1, 3] {
-                let [p0, g, m0, v0] = inputs(n + offset, n as u32 + 1);
-                let mut want = (p0.clone(), m0.clone(), v0.clone());
-                scalar(
-                    &mut want.0[offset..],
-                    &g[offset..],
-                    &mut want.1[offset..],
-                    &mut want.2[offset..],
-                    &Consts::new(&step(3), true),
-                );
-                for path in Path::available() {
-                    for threads in [1, 3] {
-                        let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
-                        adamw_with(
-                            path,
-                            threads,
-                            &mut p[offset..],
-                            &g[offset..],
-                            &mut m[offset..],
-                            &mut v[offset..],
-                            true,
-                            &step(3),
-                        );
-                        assert!(
-                            p == want.0 && m == want.1 && v == want.2,
-                            "{path:?} threads {threads} n {n} offset {offset}"
-                        );
+                let inputs = inputs(n + offset, n as u32 + 1);
+                for kind in PRECISIONS {
+                    let want = update(None, 1, kind, &inputs, offset, &s);
+                    for path in Path::available() {
+                        for threads in [1, 3] {
+                            let got = update(Some(path), threads, kind, &inputs, offset, &s);
+                            assert!(
+                                got == want,
+                                "{path:?} {kind:?} threads {threads} n {n} offset {offset}"
+                            );
+                        }
                     }
                 }
             }
+        }
+    }
+
+    /// The working copy is the updated master rounded to nearest even, and a
+    /// 16-bit gradient is read exactly.
+    #[test]
+    fn working_copy_is_the_rounded_master() {
+        let inputs = inputs(4099, 5);
+        for kind in [Half::Bf16, Half::F16] {
+            let (p, _, _, w) = update(Some(Path::best()), 2, Some(kind), &inputs, 0, &step(2));
+            assert!(p.iter().zip(&w).all(|(&x, &b)| kind.round(x) == b));
+            // Same update as f32 gradients holding the widened 16-bit values.
+            let mut widened = inputs.clone();
+            widened[1] = inputs[1]
+                .iter()
+                .map(|&x| kind.widen(kind.round(x)))
+                .collect();
+            let (p32, ..) = update(Some(Path::best()), 2, None, &widened, 0, &step(2));
+            assert_eq!(p, p32);
         }
     }
 
@@ -399,14 +638,16 @@ mod tests {
         let n = 1003;
         let [p0, g, m0, v0] = inputs(n, 9);
         let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
-        adamw(&mut p, &g, &mut m, &mut v, true, &step(7));
+        adamw(Buffers::f32(&mut p, &g, &mut m, &mut v), true, &step(7));
         let (mut q, mut m2, mut v2) = (p0, m0, v0);
         for r in [0..100, 100..517, 517..n] {
             adamw(
-                &mut q[r.clone()],
-                &g[r.clone()],
-                &mut m2[r.clone()],
-                &mut v2[r.clone()],
+                Buffers::f32(
+                    &mut q[r.clone()],
+                    &g[r.clone()],
+                    &mut m2[r.clone()],
+                    &mut v2[r.clone()],
+                ),
                 true,
                 &step(7),
             );

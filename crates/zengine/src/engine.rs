@@ -40,9 +40,10 @@ use zconfig::JobSpec;
 use zmodel::{Batch, Gpt, GptConfig};
 use zproto::{CommBytes, MemBytes, OpBytes};
 
-use crate::adam::{adamw, AdamStep};
+use crate::adam::{adamw, AdamStep, Buffers, Grads};
 use crate::flat::{Bucket, GroupLayout};
 use crate::gather::Prefetcher;
+use crate::precision::{Flat, Half, LossScaler};
 use crate::schedule::lr_at;
 
 /// Why a step failed.
@@ -78,8 +79,12 @@ pub struct StepStats {
     pub loss: f64,
     /// Learning rate used.
     pub lr: f64,
-    /// Global gradient norm before clipping.
+    /// Global gradient norm before clipping (infinite on an f16 overflow).
     pub grad_norm: f64,
+    /// f16: the loss scale this step's gradients were computed with.
+    pub loss_scale: Option<f64>,
+    /// f16: the gradients overflowed, so no update was made.
+    pub skipped: bool,
     /// Tokens this rank trained on.
     pub tokens: u64,
     /// Memory by category at the end of the step (activations and buffers: peak).
@@ -98,15 +103,56 @@ pub(crate) struct Group {
     pub(crate) layout: GroupLayout,
     /// Stage 3 and above the persistence threshold: only the own slice is held.
     pub(crate) partitioned: bool,
-    /// Full (padded) or, if partitioned, the own slice.
-    pub(crate) params: Vec<f32>,
-    /// Stages 0-1: full; stages 2-3: the own slice.
-    grads: Vec<f32>,
+    /// Working parameters (f32, or 16-bit under mixed precision): full (padded)
+    /// or, if partitioned, the own slice.
+    pub(crate) params: Flat,
+    /// Mixed precision: the f32 master copy of what this rank updates (stage 0:
+    /// everything; stages 1-3: the own slice).
+    pub(crate) master: Option<Vec<f32>>,
+    /// In the working precision. Stages 0-1: full; stages 2-3: the own slice.
+    grads: Flat,
     /// Stages 2-3: this micro-batch's full gradient until its bucket leaves.
-    staging: Option<Vec<f32>>,
+    staging: Option<Flat>,
     /// Stage 0: full; stages 1-3: the own slice.
     pub(crate) exp_avg: Vec<f32>,
     pub(crate) exp_avg_sq: Vec<f32>,
+}
+
+impl Group {
+    /// Installs full (padded, f32) parameters: the working copy this rank holds
+    /// and, under mixed precision, the master copy of the region it updates.
+    pub(crate) fn install(&mut self, full: &[f32], rank: usize, stage: u8, half: Option<Half>) {
+        let own = self.layout.slice(rank);
+        self.params = Flat::from_f32(
+            half,
+            if self.partitioned {
+                &full[own.clone()]
+            } else {
+                full
+            },
+        );
+        let region = if stage == 0 {
+            0..self.layout.padded
+        } else {
+            own
+        };
+        self.master = half.map(|_| full[region].to_vec());
+    }
+
+    /// The f32 parameters of the region this rank updates (see [`Group::install`]).
+    pub(crate) fn updated_region(&self, rank: usize, stage: u8) -> Vec<f32> {
+        if let Some(m) = &self.master {
+            return m.clone();
+        }
+        let own = self.layout.slice(rank);
+        if self.partitioned {
+            self.params.to_f32(0..self.params.len())
+        } else if stage == 0 {
+            self.params.to_f32(0..self.layout.padded)
+        } else {
+            self.params.to_f32(own)
+        }
+    }
 }
 
 /// A reduction in flight.
@@ -140,6 +186,13 @@ pub struct Engine {
     pub(crate) spec: JobSpec,
     pub(crate) stage: u8,
     pub(crate) groups: Vec<Group>,
+    /// Mixed precision: the 16-bit working type.
+    pub(crate) half: Option<Half>,
+    /// f16: the dynamic loss scale.
+    pub(crate) scaler: Option<LossScaler>,
+    /// Updates applied (steps minus those f16 skipped): Adam's and the
+    /// schedule's step count.
+    pub(crate) updates: u64,
     buckets: Vec<Bucket>,
     /// Parameter Vars of the current step, for stages and groups that keep
     /// parameters whole and a forward graph (rebuilt after each update).
@@ -174,6 +227,7 @@ impl Engine {
         })?;
         let (world, rank) = (comm.world_size(), comm.rank());
         let threshold = spec.zero.param_persistence_threshold.0 as usize;
+        let half = Half::of(spec.train.dtype);
         let mut groups = Vec::new();
         for (g, gs) in model.groups().iter().enumerate() {
             let layout = GroupLayout::new(gs, world);
@@ -186,21 +240,19 @@ impl Engine {
                 full[slot.range.clone()].copy_from_slice(&values);
             }
             let partitioned = stage == 3 && layout.numel >= threshold;
-            let own = layout.slice(rank);
             let n = layout.slice_len();
-            groups.push(Group {
+            let mut group = Group {
                 partitioned,
-                params: if partitioned {
-                    full[own].to_vec()
-                } else {
-                    full
-                },
-                grads: vec![0f32; if stage < 2 { layout.padded } else { n }],
+                params: Flat::zeros(half, 0),
+                master: None,
+                grads: Flat::zeros(half, if stage < 2 { layout.padded } else { n }),
                 staging: None,
                 exp_avg: vec![0f32; if stage == 0 { layout.padded } else { n }],
                 exp_avg_sq: vec![0f32; if stage == 0 { layout.padded } else { n }],
                 layout,
-            });
+            };
+            group.install(&full, rank, stage, half);
+            groups.push(group);
         }
         let layouts: Vec<GroupLayout> = groups.iter().map(|g| g.layout.clone()).collect();
         let buckets = Bucket::plan(&layouts, spec.zero.reduce_bucket_size.0.max(1) as usize);
@@ -211,6 +263,9 @@ impl Engine {
             spec: spec.clone(),
             stage,
             groups,
+            half,
+            scaler: (half == Some(Half::F16)).then(|| LossScaler::new(&spec.train.loss_scale)),
+            updates: 0,
             buckets,
             step: 0,
             micro: 0,
@@ -233,19 +288,30 @@ impl Engine {
         self.step
     }
 
-    /// Every group's full parameters (unpadded), gathering partitioned ones.
-    /// A collective at stage 3: every rank must call it.
+    /// Every group's full f32 parameters (unpadded; the master copy under mixed
+    /// precision), gathering what is partitioned. A collective: every rank must
+    /// call it.
     pub fn full_params(&self) -> Result<Vec<Vec<f32>>, EngineError> {
+        let rank = self.comm.rank();
         let mut out = Vec::with_capacity(self.groups.len());
         for g in &self.groups {
-            let full = if g.partitioned {
-                self.comm.all_gather(g.params.clone(), g.layout.padded)?
+            let mut full = if self.half.is_none() && !g.partitioned {
+                g.params.to_f32(0..g.layout.padded)
+            } else if self.stage == 0 {
+                g.updated_region(rank, 0)
             } else {
-                g.params.clone()
+                self.comm
+                    .all_gather(g.updated_region(rank, self.stage), g.layout.padded)?
             };
-            out.push(full[..g.layout.numel].to_vec());
+            full.truncate(g.layout.numel);
+            out.push(full);
         }
         Ok(out)
+    }
+
+    /// f16's loss-scaler state (for checkpoints).
+    pub fn loss_scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
     }
 
     /// Whether blocks keep their autograd graph from forward to backward.
@@ -265,13 +331,13 @@ impl Engine {
         order
     }
 
-    /// Parameter Vars of group `g` built from a full flat buffer. (Forward without
-    /// a graph uses their detached tensors, which autograd does not track.)
-    fn vars_from(&self, g: usize, full: &[f32]) -> Result<Vec<Var>, EngineError> {
+    /// Parameter Vars (f32) of group `g` built from a full flat buffer. (Forward
+    /// without a graph uses their detached tensors, which autograd does not track.)
+    fn vars_from(&self, g: usize, full: &Flat) -> Result<Vec<Var>, EngineError> {
         let mut out = Vec::with_capacity(self.groups[g].layout.params.len());
         for slot in &self.groups[g].layout.params {
-            out.push(Var::from_slice(
-                &full[slot.range.clone()],
+            out.push(Var::from_vec(
+                full.to_f32(slot.range.clone()),
                 slot.shape.as_slice(),
                 &Device::Cpu,
             )?);
@@ -279,16 +345,21 @@ impl Engine {
         Ok(out)
     }
 
+    /// Bytes a gathered copy of group `g` holds.
+    fn gathered_bytes(&self, g: usize) -> u64 {
+        (Flat::words_for(self.half, self.groups[g].layout.padded) * 4) as u64
+    }
+
     /// Group `g`'s parameters for one use: cached Vars for whole groups in graph
     /// mode, fresh tensors otherwise; partitioned groups are gathered.
     fn params_for(&mut self, g: usize, gather: &mut Prefetcher) -> Result<Vec<Var>, EngineError> {
         if self.groups[g].partitioned {
             let comm = self.comm.clone();
-            let slices: Vec<&[f32]> = self.groups.iter().map(|x| x.params.as_slice()).collect();
-            let own = |h: usize| slices[h].to_vec();
-            let full = gather.fetch(g, comm.as_ref(), &own)?;
-            self.comm_buffers.add((full.len() * 4) as u64);
-            let vars = self.vars_from(g, &full)?;
+            let slices: Vec<&Flat> = self.groups.iter().map(|x| &x.params).collect();
+            let own = |h: usize| slices[h].words(0..slices[h].len());
+            let words = gather.fetch(g, comm.as_ref(), &own)?;
+            self.comm_buffers.add((words.len() * 4) as u64);
+            let vars = self.vars_from(g, &Flat::from_words(self.half, words))?;
             return Ok(vars);
         }
         if self.vars[g].is_none() {
@@ -301,8 +372,7 @@ impl Engine {
     /// Marks a gathered group's parameters as released.
     fn release(&mut self, g: usize) {
         if self.groups[g].partitioned {
-            self.comm_buffers
-                .sub((self.groups[g].layout.padded * 4) as u64);
+            self.comm_buffers.sub(self.gathered_bytes(g));
         }
     }
 
@@ -324,7 +394,11 @@ impl Engine {
         let n_layers = self.model.config().n_layers;
         let head = n_layers + 1;
         let keep_graph = self.keeps_graph();
-        let padded: Vec<usize> = self.groups.iter().map(|g| g.layout.padded).collect();
+        let padded: Vec<usize> = self
+            .groups
+            .iter()
+            .map(|g| Flat::words_for(self.half, g.layout.padded))
+            .collect();
         let mut gather = Prefetcher::new(
             self.gather_order(),
             padded,
@@ -390,13 +464,17 @@ impl Engine {
                 value: loss_value,
             });
         }
-        let grads = loss.backward()?;
+        let grads = match &self.scaler {
+            Some(s) => (&loss * s.scale)?.backward()?,
+            None => loss.backward()?,
+        };
         self.accumulate(head, &ph, &grads)?;
         let wte = grads
             .get(pw[0].as_tensor())
             .ok_or_else(|| missing("wte (tied head)"))?;
         let wte_range = self.groups[0].layout.params[0].range.clone();
-        add_into(&mut self.micro_grads(0)[wte_range], wte)?;
+        let values = grad_values(wte, wte_range.len())?;
+        self.micro_grads(0).add_f32(wte_range.start, &values);
         let mut dx = grads
             .get(head_in.as_tensor())
             .cloned()
@@ -452,17 +530,18 @@ impl Engine {
     }
 
     /// The buffer this micro-batch's gradients of group `g` accumulate into.
-    fn micro_grads(&mut self, g: usize) -> &mut Vec<f32> {
+    fn micro_grads(&mut self, g: usize) -> &mut Flat {
         if self.stage < 2 {
             return &mut self.groups[g].grads;
         }
         let padded = self.groups[g].layout.padded;
+        let half = self.half;
         if self.groups[g].staging.is_none() {
-            self.comm_buffers.add((padded * 4) as u64);
+            let staging = Flat::zeros(half, padded);
+            self.comm_buffers.add(staging.bytes());
+            self.groups[g].staging = Some(staging);
         }
-        self.groups[g]
-            .staging
-            .get_or_insert_with(|| vec![0f32; padded])
+        self.groups[g].staging.as_mut().expect("set above")
     }
 
     /// Adds a block's parameter gradients into its micro-batch gradient buffer.
@@ -473,7 +552,7 @@ impl Engine {
             let grad = grads
                 .get(var.as_tensor())
                 .ok_or_else(|| missing(&slot.name))?;
-            add_into(&mut buf[slot.range.clone()], grad)?;
+            buf.add_f32(slot.range.start, &grad_values(grad, slot.range.len())?);
         }
         Ok(())
     }
@@ -508,19 +587,19 @@ impl Engine {
         let world = self.comm.world_size();
         let layouts: Vec<GroupLayout> = self.groups.iter().map(|x| x.layout.clone()).collect();
         let packed = if self.stage < 2 {
-            let views: Vec<&[f32]> = self.groups.iter().map(|x| x.grads.as_slice()).collect();
+            let views: Vec<&Flat> = self.groups.iter().map(|x| &x.grads).collect();
             self.buckets[bi].pack(&layouts, &views, world)
         } else {
-            let mut staged: Vec<Vec<f32>> = vec![Vec::new(); self.groups.len()];
+            let mut staged: Vec<Flat> = vec![Flat::zeros(self.half, 0); self.groups.len()];
             for &h in &self.buckets[bi].groups {
                 let s = self.groups[h]
                     .staging
                     .take()
                     .ok_or_else(|| missing("a staged gradient"))?;
-                self.comm_buffers.sub((s.len() * 4) as u64);
+                self.comm_buffers.sub(s.bytes());
                 staged[h] = s;
             }
-            let views: Vec<&[f32]> = staged.iter().map(Vec::as_slice).collect();
+            let views: Vec<&Flat> = staged.iter().collect();
             self.buckets[bi].pack(&layouts, &views, world)
         };
         let bytes = (packed.len() * 4) as u64;
@@ -559,10 +638,10 @@ impl Engine {
         let bucket = self.buckets[bucket].clone();
         match self.stage {
             0 => {
-                let mut bufs: Vec<Vec<f32>> = self
+                let mut bufs: Vec<Flat> = self
                     .groups
                     .iter_mut()
-                    .map(|g| std::mem::take(&mut g.grads))
+                    .map(|g| std::mem::replace(&mut g.grads, Flat::F32(Vec::new())))
                     .collect();
                 bucket.unpack(&layouts, &reduced, &mut bufs, world);
                 for (g, b) in self.groups.iter_mut().zip(bufs) {
@@ -572,16 +651,12 @@ impl Engine {
             1 => {
                 for (g, part) in bucket.own_parts(&layouts) {
                     let own = layouts[g].slice(rank);
-                    self.groups[g].grads[own].copy_from_slice(&reduced[part]);
+                    self.groups[g].grads.set_f32(own.start, &reduced[part]);
                 }
             }
             _ => {
                 for (g, part) in bucket.own_parts(&layouts) {
-                    self.groups[g]
-                        .grads
-                        .iter_mut()
-                        .zip(&reduced[part])
-                        .for_each(|(d, s)| *d += *s);
+                    self.groups[g].grads.add_f32(0, &reduced[part]);
                 }
             }
         }
@@ -602,7 +677,9 @@ impl Engine {
         let world = self.comm.world_size();
         let rank = self.comm.rank();
         let step = self.step + 1;
-        let scale = 1.0 / (world * accum) as f32;
+        let loss_scale = self.scaler.as_ref().map(|s| s.scale);
+        // Averaging over ranks and micro-batches, and unscaling (a power of two).
+        let scale = (1.0 / (world * accum) as f64 / loss_scale.unwrap_or(1.0)) as f32;
         let stage = self.stage;
         let full_grads = stage < 2;
         // The gradients this rank owns (for the norm), and those it uses (stage 0
@@ -621,21 +698,21 @@ impl Engine {
                 own_grads(g)
             }
         };
+        // f32 gradients are scaled in place; 16-bit ones as Adam reads them.
+        let mut grad_scale = scale;
         for g in &mut self.groups {
             let r = used_grads(g);
-            g.grads[r].iter_mut().for_each(|x| *x *= scale);
+            if let Flat::F32(v) = &mut g.grads {
+                v[r].iter_mut().for_each(|x| *x *= scale);
+                grad_scale = 1.0;
+            }
         }
 
         // Global norm: each rank's owned slices, added across ranks in rank order.
         let own_sq: f64 = self
             .groups
             .iter()
-            .map(|g| {
-                g.grads[own_grads(g)]
-                    .iter()
-                    .map(|&x| f64::from(x) * f64::from(x))
-                    .sum::<f64>()
-            })
+            .map(|g| g.grads.sum_sq(own_grads(g), grad_scale))
             .sum();
         let hi = own_sq as f32;
         let lo = (own_sq - f64::from(hi)) as f32;
@@ -645,81 +722,81 @@ impl Engine {
             .map(|p| f64::from(p[0]) + f64::from(p[1]))
             .sum();
         let grad_norm = total_sq.sqrt();
-        if !grad_norm.is_finite() {
+        let overflow = !grad_norm.is_finite();
+        if let Some(scaler) = &mut self.scaler {
+            if overflow && scaler.at_minimum() {
+                return Err(EngineError::NonFinite {
+                    step,
+                    what: "gradient norm at the minimum loss scale",
+                    value: grad_norm,
+                });
+            }
+            scaler.update(step as i64 - 1, overflow);
+        } else if overflow {
             return Err(EngineError::NonFinite {
                 step,
                 what: "gradient norm",
                 value: grad_norm,
             });
         }
-        let clip = self.spec.train.grad_clip;
-        if clip > 0.0 && grad_norm > clip {
-            let coef = (clip / (grad_norm + 1e-6)) as f32;
-            for g in &mut self.groups {
-                let r = used_grads(g);
-                g.grads[r].iter_mut().for_each(|x| *x *= coef);
-            }
-        }
-
         let t = &self.spec.train;
-        let lr = lr_at(step, t.steps, t.lr, t.warmup_steps, t.schedule);
-        let hp = AdamStep {
-            lr: lr as f32,
-            beta1: BETA1,
-            beta2: BETA2,
-            eps: EPS,
-            weight_decay: t.weight_decay as f32,
-            step,
-        };
-        for g in &mut self.groups {
-            // The flat range this rank updates, and where it sits in each buffer.
-            let region = if stage == 0 {
-                0..g.layout.padded
-            } else {
-                g.layout.slice(rank)
-            };
-            let p_off = if g.partitioned { region.start } else { 0 };
-            let g_off = if full_grads { 0 } else { region.start };
-            let m_off = if stage == 0 { 0 } else { region.start };
-            for (r, decay) in g.layout.decay_runs(region) {
-                adamw(
-                    &mut g.params[r.start - p_off..r.end - p_off],
-                    &g.grads[r.start - g_off..r.end - g_off],
-                    &mut g.exp_avg[r.start - m_off..r.end - m_off],
-                    &mut g.exp_avg_sq[r.start - m_off..r.end - m_off],
-                    decay,
-                    &hp,
-                );
-            }
-        }
-        // Stages 1-2 (and whole groups at stage 3): share the updated slices.
-        if stage >= 1 {
-            let mut works = Vec::new();
-            for (i, g) in self.groups.iter().enumerate() {
-                if !g.partitioned {
-                    let own = g.params[g.layout.slice(rank)].to_vec();
-                    works.push((i, self.comm.all_gather_async(own, g.layout.padded)));
+        let lr = lr_at(self.updates + 1, t.steps, t.lr, t.warmup_steps, t.schedule);
+        if !overflow {
+            let clip = t.grad_clip;
+            if clip > 0.0 && grad_norm > clip {
+                let coef = (clip / (grad_norm + 1e-6)) as f32;
+                if self.half.is_some() {
+                    grad_scale *= coef;
+                } else {
+                    for g in &mut self.groups {
+                        let r = used_grads(g);
+                        if let Flat::F32(v) = &mut g.grads {
+                            v[r].iter_mut().for_each(|x| *x *= coef);
+                        }
+                    }
                 }
             }
-            for (i, w) in works {
-                self.groups[i].params = w.wait()?;
+            self.updates += 1;
+            let hp = AdamStep {
+                lr: lr as f32,
+                beta1: BETA1,
+                beta2: BETA2,
+                eps: EPS,
+                weight_decay: t.weight_decay as f32,
+                step: self.updates,
+                grad_scale,
+            };
+            for g in &mut self.groups {
+                update_group(g, stage, rank, &hp)?;
             }
+            // Stages 1-2 (and whole groups at stage 3): share the updated slices.
+            if stage >= 1 {
+                let mut works = Vec::new();
+                for (i, g) in self.groups.iter().enumerate() {
+                    if !g.partitioned {
+                        let own = g.params.words(g.layout.slice(rank));
+                        let words = Flat::words_for(self.half, g.layout.padded);
+                        works.push((i, self.comm.all_gather_async(own, words)));
+                    }
+                }
+                for (i, w) in works {
+                    self.groups[i].params = Flat::from_words(self.half, w.wait()?);
+                }
+            }
+            self.vars.iter_mut().for_each(|v| *v = None);
         }
         for g in &mut self.groups {
-            g.grads.iter_mut().for_each(|x| *x = 0.0);
+            g.grads.fill_zero();
         }
-        self.vars.iter_mut().for_each(|v| *v = None);
 
         let counters = self.comm.counters();
         let comm = comm_bytes(&counters.since(&self.counters_at_start.take().unwrap_or(counters)));
-        let bytes = |f: &dyn Fn(&Group) -> usize| {
-            self.groups.iter().map(|g| (f(g) * 4) as u64).sum::<u64>()
-        };
+        let bytes = |f: &dyn Fn(&Group) -> u64| self.groups.iter().map(f).sum::<u64>();
         let mem = MemBytes {
-            params: bytes(&|g| g.params.len()),
-            grads: bytes(&|g| g.grads.len()),
-            master: 0,
-            optimizer: bytes(&|g| g.exp_avg.len() + g.exp_avg_sq.len()),
+            params: bytes(&|g| g.params.bytes()),
+            grads: bytes(&|g| g.grads.bytes()),
+            master: bytes(&|g| g.master.as_ref().map_or(0, |m| (m.len() * 4) as u64)),
+            optimizer: bytes(&|g| ((g.exp_avg.len() + g.exp_avg_sq.len()) * 4) as u64),
             activations: self.peak_activations,
             comm_buffers: self.comm_buffers.peak,
             offload_buffers: 0,
@@ -730,6 +807,8 @@ impl Engine {
             loss: self.loss_sum / accum as f64,
             lr,
             grad_norm,
+            loss_scale,
+            skipped: overflow,
             tokens: self.tokens,
             mem,
             comm,
@@ -744,21 +823,76 @@ impl Engine {
     }
 }
 
+/// AdamW on the region of group `g` that this rank updates, in the group's
+/// precision (refreshing the 16-bit working copy in the same pass).
+fn update_group(g: &mut Group, stage: u8, rank: usize, hp: &AdamStep) -> Result<(), EngineError> {
+    // The flat range this rank updates, and where it sits in each buffer.
+    let region = if stage == 0 {
+        0..g.layout.padded
+    } else {
+        g.layout.slice(rank)
+    };
+    let p_off = if g.partitioned { region.start } else { 0 };
+    let g_off = if stage < 2 { 0 } else { region.start };
+    let m_off = if stage == 0 { 0 } else { region.start };
+    let Group {
+        layout,
+        params,
+        master,
+        grads,
+        exp_avg,
+        exp_avg_sq,
+        ..
+    } = g;
+    for (r, decay) in layout.decay_runs(region) {
+        let gr = r.start - g_off..r.end - g_off;
+        let mr = r.start - m_off..r.end - m_off;
+        let pr = r.start - p_off..r.end - p_off;
+        let grads = match &*grads {
+            Flat::F32(v) => Grads::F32(&v[gr]),
+            Flat::Half(h, v) => Grads::Half(*h, &v[gr]),
+        };
+        let (m, v) = (&mut exp_avg[mr.clone()], &mut exp_avg_sq[mr.clone()]);
+        let buffers = match (master.as_mut(), &mut *params) {
+            (None, Flat::F32(p)) => Buffers {
+                p: &mut p[pr],
+                g: grads,
+                m,
+                v,
+                working: None,
+            },
+            (Some(master), Flat::Half(h, w)) => Buffers {
+                p: &mut master[mr],
+                g: grads,
+                m,
+                v,
+                working: Some((*h, &mut w[pr])),
+            },
+            _ => {
+                return Err(EngineError::Usage(
+                    "master and working parameters disagree on the precision".into(),
+                ))
+            }
+        };
+        adamw(buffers, decay, hp);
+    }
+    Ok(())
+}
+
 fn missing(what: &str) -> EngineError {
     EngineError::Usage(format!("backward produced no gradient for {what}"))
 }
 
-fn add_into(dst: &mut [f32], grad: &Tensor) -> Result<(), EngineError> {
+/// A gradient tensor's values, checked against the slot it belongs to.
+fn grad_values(grad: &Tensor, len: usize) -> Result<Vec<f32>, EngineError> {
     let v = grad.flatten_all()?.to_vec1::<f32>()?;
-    if v.len() != dst.len() {
+    if v.len() != len {
         return Err(EngineError::Usage(format!(
-            "gradient of {} elements for a slot of {}",
-            v.len(),
-            dst.len()
+            "gradient of {} elements for a slot of {len}",
+            v.len()
         )));
     }
-    dst.iter_mut().zip(&v).for_each(|(d, s)| *d += *s);
-    Ok(())
+    Ok(v)
 }
 
 fn comm_bytes(d: &CounterSnapshot) -> CommBytes {

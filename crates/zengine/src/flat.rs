@@ -15,6 +15,8 @@ use std::ops::Range;
 
 use zmodel::GroupSpec;
 
+use crate::precision::Flat;
+
 /// Elements per slice alignment unit (16 f32 = one 64-byte cache line).
 pub const ALIGN: usize = 16;
 
@@ -142,11 +144,11 @@ impl Bucket {
 
     /// Copies the groups' buffers into one rank-major bucket buffer.
     /// `bufs` is indexed by group; only this bucket's groups are read.
-    pub fn pack(&self, layouts: &[GroupLayout], bufs: &[&[f32]], world: usize) -> Vec<f32> {
+    pub fn pack(&self, layouts: &[GroupLayout], bufs: &[&Flat], world: usize) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.len);
         for r in 0..world {
             for &g in &self.groups {
-                out.extend_from_slice(&bufs[g][layouts[g].slice(r)]);
+                bufs[g].extend_f32(layouts[g].slice(r), &mut out);
             }
         }
         out
@@ -167,19 +169,13 @@ impl Bucket {
     }
 
     /// Copies a rank-major bucket buffer back into the groups' buffers.
-    pub fn unpack(
-        &self,
-        layouts: &[GroupLayout],
-        packed: &[f32],
-        bufs: &mut [Vec<f32>],
-        world: usize,
-    ) {
+    pub fn unpack(&self, layouts: &[GroupLayout], packed: &[f32], bufs: &mut [Flat], world: usize) {
         let mut at = 0;
         for r in 0..world {
             for &g in &self.groups {
                 let s = layouts[g].slice(r);
                 let n = s.len();
-                bufs[g][s].copy_from_slice(&packed[at..at + n]);
+                bufs[g].set_f32(s.start, &packed[at..at + n]);
                 at += n;
             }
         }
@@ -235,19 +231,19 @@ mod tests {
             .map(|(g, l)| (0..l.padded).map(|i| (g * 1000 + i) as f32).collect())
             .collect();
         let b = &buckets[1];
-        let views: Vec<&[f32]> = bufs.iter().map(Vec::as_slice).collect();
+        let flats: Vec<Flat> = bufs.iter().map(|v| Flat::F32(v.clone())).collect();
+        let views: Vec<&Flat> = flats.iter().collect();
         let packed = b.pack(&layouts, &views, world);
         let chunk = zcomm::chunk_range(packed.len(), world, 1);
         let mut want = bufs[1][layouts[1].slice(1)].to_vec();
         want.extend_from_slice(&bufs[0][layouts[0].slice(1)]);
         assert_eq!(&packed[chunk], &want[..]);
-        let mut back = vec![
-            vec![0.0; layouts[0].padded],
-            vec![0.0; layouts[1].padded],
-            vec![0.0; layouts[2].padded],
-        ];
+        let mut back: Vec<Flat> = layouts
+            .iter()
+            .map(|l| Flat::zeros(None, l.padded))
+            .collect();
         b.unpack(&layouts, &packed, &mut back, world);
-        assert_eq!(back[0], bufs[0]);
-        assert_eq!(back[1], bufs[1]);
+        assert_eq!(back[0], flats[0]);
+        assert_eq!(back[1], flats[1]);
     }
 }

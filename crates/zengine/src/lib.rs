@@ -22,6 +22,7 @@ pub mod adam;
 pub mod engine;
 pub mod flat;
 pub mod gather;
+pub mod precision;
 pub mod schedule;
 pub mod state;
 

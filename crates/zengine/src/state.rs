@@ -5,7 +5,7 @@
 //! keeps what this rank's stage holds (whole, or its slice at the new world size).
 //! That costs one group's full buffers of transient memory at a time.
 
-use zckpt::{Checkpoint, GroupEntry, ParamEntry};
+use zckpt::{Checkpoint, GroupEntry, LossScaleState, ParamEntry};
 
 use crate::engine::{Engine, EngineError};
 
@@ -36,32 +36,30 @@ impl Engine {
             .collect()
     }
 
-    /// This rank's slices of every group's params, exp_avg and exp_avg_sq, as a
-    /// checkpoint shard stores them.
+    /// This rank's slices of every group's f32 params (the master copy under
+    /// mixed precision), exp_avg and exp_avg_sq, as a checkpoint shard stores them.
     pub fn own_slices(&self) -> Vec<[Vec<f32>; 3]> {
         let rank = self.comm.rank();
         self.groups
             .iter()
             .map(|g| {
                 let own = g.layout.slice(rank);
-                let p = if g.partitioned {
-                    g.params.clone()
-                } else {
-                    g.params[own.clone()].to_vec()
-                };
-                let moment = |m: &Vec<f32>| {
-                    if self.stage == 0 {
-                        m[own.clone()].to_vec()
+                let own_of = |region: Vec<f32>| {
+                    if region.len() == g.layout.padded {
+                        region[own.clone()].to_vec()
                     } else {
-                        m.clone()
+                        region
                     }
                 };
-                [p, moment(&g.exp_avg), moment(&g.exp_avg_sq)]
+                let p = own_of(g.updated_region(rank, self.stage));
+                [p, own_of(g.exp_avg.clone()), own_of(g.exp_avg_sq.clone())]
             })
             .collect()
     }
 
-    /// Loads a checkpoint written by any number of ranks at any stage.
+    /// Loads a checkpoint written by any number of ranks at any stage and dtype
+    /// (its f32 parameters become the master copy; the working copy is rounded
+    /// from them, as after an update).
     pub fn load(&mut self, ckpt: &Checkpoint) -> Result<(), EngineError> {
         let mine = self.manifest_groups();
         let theirs = &ckpt.manifest.groups;
@@ -77,7 +75,7 @@ impl Engine {
             )));
         }
         let rank = self.comm.rank();
-        let stage = self.stage;
+        let (stage, half) = (self.stage, self.half);
         for gi in 0..self.groups.len() {
             let padded = self.groups[gi].layout.padded;
             let full = |kind: &str| -> Result<Vec<f32>, EngineError> {
@@ -85,18 +83,12 @@ impl Engine {
                 v.resize(padded, 0.0);
                 Ok(v)
             };
-            let g = &self.groups[gi];
-            let own = g.layout.slice(rank);
             let params = full("params")?;
             let m = full("exp_avg")?;
             let v = full("exp_avg_sq")?;
-            let partitioned = g.partitioned;
             let g = &mut self.groups[gi];
-            g.params = if partitioned {
-                params[own.clone()].to_vec()
-            } else {
-                params
-            };
+            g.install(&params, rank, stage, half);
+            let own = g.layout.slice(rank);
             if stage == 0 {
                 g.exp_avg = m;
                 g.exp_avg_sq = v;
@@ -105,14 +97,35 @@ impl Engine {
                 g.exp_avg_sq = v[own].to_vec();
             }
         }
+        let state = ckpt.manifest.loss_scale.as_ref();
         self.step = ckpt.manifest.step;
+        self.updates = self.step - state.map_or(0, |s| s.skipped);
+        if let Some(scaler) = &mut self.scaler {
+            if let Some(s) = state {
+                scaler.scale = s.scale;
+                scaler.hysteresis = s.hysteresis;
+                scaler.last_overflow = s.last_overflow;
+                scaler.skipped = s.skipped;
+            }
+        }
         self.vars.iter_mut().for_each(|v| *v = None);
         Ok(())
+    }
+
+    /// f16's loss-scaler state, as a manifest stores it.
+    pub fn loss_scale_state(&self) -> Option<LossScaleState> {
+        self.scaler.as_ref().map(|s| LossScaleState {
+            scale: s.scale,
+            hysteresis: s.hysteresis,
+            last_overflow: s.last_overflow,
+            skipped: s.skipped,
+        })
     }
 
     /// Replaces the parameters with consolidated weights by name (an export).
     pub fn load_weights(&mut self, weights: &zckpt::Weights) -> Result<(), EngineError> {
         let rank = self.comm.rank();
+        let (stage, half) = (self.stage, self.half);
         let mut used = 0;
         for g in &mut self.groups {
             let mut full = vec![0f32; g.layout.padded];
@@ -129,11 +142,7 @@ impl Engine {
                 full[slot.range.clone()].copy_from_slice(values);
                 used += 1;
             }
-            g.params = if g.partitioned {
-                full[g.layout.slice(rank)].to_vec()
-            } else {
-                full
-            };
+            g.install(&full, rank, stage, half);
         }
         if used != weights.len() {
             return Err(EngineError::Usage(format!(

@@ -23,10 +23,22 @@ fn zero_spec(
     ckpt: bool,
     steps: u64,
 ) -> JobSpec {
+    typed_spec("f32", stage, accum, bucket, overlap, ckpt, steps)
+}
+
+fn typed_spec(
+    dtype: &str,
+    stage: u8,
+    accum: usize,
+    bucket: u64,
+    overlap: bool,
+    ckpt: bool,
+    steps: u64,
+) -> JobSpec {
     let yaml = format!(
         "model: {{vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, seq_len: 16}}\n\
          data: {{format: synthetic}}\n\
-         train: {{steps: {steps}, micro_batch_size: 4, grad_accum: {accum}, lr: 3.0e-3, warmup_steps: 2, activation_checkpointing: {ckpt}}}\n\
+         train: {{steps: {steps}, micro_batch_size: 4, grad_accum: {accum}, lr: 3.0e-3, warmup_steps: 2, activation_checkpointing: {ckpt}, dtype: {dtype}}}\n\
          zero: {{stage: {stage}, reduce_bucket_size: {bucket}, overlap_comm: {overlap}, prefetch_bucket_size: 3000, param_persistence_threshold: 100}}\n"
     );
     serde_saphyr::from_str(&yaml).unwrap()
@@ -59,8 +71,24 @@ fn comms(n: usize) -> Vec<Arc<dyn Communicator>> {
     hs.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-/// Trains on every rank in parallel; returns (losses per step, final params) per rank.
-fn train(spec: JobSpec, world: usize) -> Vec<(Vec<f64>, Vec<Vec<f32>>)> {
+/// What one rank saw of a run.
+#[derive(Debug, Clone, PartialEq)]
+struct Run {
+    losses: Vec<f64>,
+    /// Final f32 parameters (master weights under mixed precision).
+    params: Vec<Vec<f32>>,
+    /// Per step: the loss scale used and whether the step was skipped.
+    scales: Vec<(Option<f64>, bool)>,
+    /// Per step: every parameter after it (only when asked for).
+    history: Vec<Vec<Vec<f32>>>,
+}
+
+/// Trains on every rank in parallel; returns what each rank saw.
+fn train(spec: JobSpec, world: usize) -> Vec<Run> {
+    train_observed(spec, world, false)
+}
+
+fn train_observed(spec: JobSpec, world: usize, history: bool) -> Vec<Run> {
     let hs: Vec<_> = comms(world)
         .into_iter()
         .enumerate()
@@ -80,14 +108,25 @@ fn train(spec: JobSpec, world: usize) -> Vec<(Vec<f64>, Vec<Vec<f32>>)> {
                 )
                 .unwrap();
                 let mut engine = Engine::new(&spec, comm).unwrap();
-                let mut losses = Vec::new();
+                let mut run = Run {
+                    losses: Vec::new(),
+                    params: Vec::new(),
+                    scales: Vec::new(),
+                    history: Vec::new(),
+                };
                 for s in 0..t.steps {
                     for a in 0..t.grad_accum {
                         engine.forward_backward(&data.batch(s, a)).unwrap();
                     }
-                    losses.push(engine.step().unwrap().loss);
+                    let st = engine.step().unwrap();
+                    run.losses.push(st.loss);
+                    run.scales.push((st.loss_scale, st.skipped));
+                    if history {
+                        run.history.push(engine.full_params().unwrap());
+                    }
                 }
-                (losses, engine.full_params().unwrap())
+                run.params = engine.full_params().unwrap();
+                run
             })
         })
         .collect();
@@ -98,18 +137,23 @@ fn train(spec: JobSpec, world: usize) -> Vec<(Vec<f64>, Vec<Vec<f32>>)> {
 fn two_ranks_equal_one_rank_with_the_same_global_batch() {
     let solo = train(spec(2, 2000, true), 1);
     let duo = train(spec(1, 2000, true), 2);
-    assert!(duo[0].1 == duo[1].1, "ranks diverged");
-    let solo_loss = &solo[0].0;
+    assert!(duo[0].params == duo[1].params, "ranks diverged");
+    let solo_loss = &solo[0].losses;
     // Each rank reports its own micro-batch's loss; their mean is the global loss.
     for (s, want) in solo_loss.iter().enumerate() {
-        let got = (duo[0].0[s] + duo[1].0[s]) / 2.0;
+        let got = (duo[0].losses[s] + duo[1].losses[s]) / 2.0;
         assert!(
             (got - want).abs() <= 1e-5 * want.abs(),
             "step {}: {got} vs {want}",
             s + 1
         );
     }
-    for (a, b) in solo[0].1.iter().flatten().zip(duo[0].1.iter().flatten()) {
+    for (a, b) in solo[0]
+        .params
+        .iter()
+        .flatten()
+        .zip(duo[0].params.iter().flatten())
+    {
         assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{a} vs {b}");
     }
     assert!(
@@ -145,15 +189,15 @@ fn every_stage_gives_bit_identical_losses_and_parameters() {
                 }
                 let got = train(zero_spec(stage, 1, 2000, overlap, ckpt, 8), world);
                 for r in 0..world {
-                    assert_eq!(got[r].0, base[r].0, "losses: world {world} stage {stage} overlap {overlap} checkpointing {ckpt} rank {r}");
+                    assert_eq!(got[r].losses, base[r].losses, "losses: world {world} stage {stage} overlap {overlap} checkpointing {ckpt} rank {r}");
                     assert!(
-                        got[r].1 == base[r].1,
+                        got[r].params == base[r].params,
                         "parameters: world {world} stage {stage} overlap {overlap} checkpointing {ckpt} rank {r}"
                     );
                 }
             }
         }
-        assert!(base[0].0[7] < base[0].0[0]);
+        assert!(base[0].losses[7] < base[0].losses[0]);
     }
 }
 
@@ -164,11 +208,101 @@ fn accumulation_agrees_across_stages() {
     let base = train(zero_spec(0, 2, 2000, true, false, 4), 2);
     for stage in 1..=3u8 {
         let got = train(zero_spec(stage, 2, 2000, true, false, 4), 2);
-        for (a, b) in base[0].1.iter().flatten().zip(got[0].1.iter().flatten()) {
+        for (a, b) in base[0]
+            .params
+            .iter()
+            .flatten()
+            .zip(got[0].params.iter().flatten())
+        {
             assert!(
                 (a - b).abs() <= 1e-5 * (1.0 + a.abs()),
                 "stage {stage}: {a} vs {b}"
             );
         }
+    }
+}
+
+/// Mixed precision keeps the stages bit-identical too: gradients are rounded to
+/// the working type as backward produces them in every stage, reduced in f32,
+/// and Adam updates the f32 master slices.
+#[test]
+fn mixed_precision_stages_are_bit_identical() {
+    for dtype in ["bf16", "f16"] {
+        for world in [2, 3] {
+            let base = train(typed_spec(dtype, 0, 1, 2000, true, false, 6), world);
+            for stage in 1..=3u8 {
+                let got = train(typed_spec(dtype, stage, 1, 2000, true, false, 6), world);
+                for r in 0..world {
+                    assert!(
+                        got[r] == base[r],
+                        "{dtype} world {world} stage {stage} rank {r}"
+                    );
+                }
+            }
+            assert!(
+                base[0].losses[5] < base[0].losses[0],
+                "{dtype}: {:?}",
+                base[0].losses
+            );
+        }
+    }
+}
+
+/// 16-bit working weights and gradients track f32 training closely on a short
+/// run; the loss scale exists for f16 only.
+#[test]
+fn mixed_precision_tracks_f32() {
+    let f32_run = train(typed_spec("f32", 2, 1, 2000, true, false, 8), 2);
+    for dtype in ["bf16", "f16"] {
+        let run = train(typed_spec(dtype, 2, 1, 2000, true, false, 8), 2);
+        let (a, b) = (f32_run[0].losses[7], run[0].losses[7]);
+        assert!(
+            (a - b).abs() < 0.02 * a,
+            "{dtype}: final loss {b} vs f32 {a}"
+        );
+        let scaled = run[0].scales.iter().all(|(s, _)| s.is_some());
+        assert_eq!(scaled, dtype == "f16", "{dtype}: {:?}", run[0].scales);
+        for (x, y) in f32_run[0]
+            .params
+            .iter()
+            .flatten()
+            .zip(run[0].params.iter().flatten())
+        {
+            assert!((x - y).abs() < 0.05, "{dtype}: parameter {y} vs f32 {x}");
+        }
+    }
+}
+
+/// f16 started at a loss scale of 2^24 overflows on this model's first
+/// gradients: those steps are skipped (parameters untouched, every rank
+/// agreeing), the scale drops as DeepSpeed's scaler says, and training goes on.
+#[test]
+fn f16_overflow_skips_the_step_and_lowers_the_scale() {
+    let mut spec = typed_spec("f16", 1, 1, 2000, true, false, 12);
+    spec.train.loss_scale.initial_scale_power = 24;
+    let runs = train_observed(spec.clone(), 2, true);
+    let run = &runs[0];
+    assert_eq!(runs[1].scales, run.scales, "ranks disagree on overflows");
+    let skipped = run.scales.iter().filter(|s| s.1).count();
+    assert!(skipped > 0, "no overflow at scale 2^24: {:?}", run.scales);
+    assert!(skipped < 12, "every step overflowed: {:?}", run.scales);
+    // Replay DeepSpeed's rules on the observed overflows.
+    let mut scaler = zengine::precision::LossScaler::new(&spec.train.loss_scale);
+    for (s, &(scale, skip)) in run.scales.iter().enumerate() {
+        assert_eq!(scale, Some(scaler.scale), "step {}", s + 1);
+        scaler.update(s as i64, skip);
+    }
+    let mut before = Engine::new(&spec, comms(1).remove(0))
+        .unwrap()
+        .full_params()
+        .unwrap();
+    for (s, after) in run.history.iter().enumerate() {
+        assert_eq!(
+            &before == after,
+            run.scales[s].1,
+            "step {}: skipped steps, and only they, leave parameters alone",
+            s + 1
+        );
+        before = after.clone();
     }
 }

@@ -275,8 +275,9 @@ pub struct StepReport {
     pub loss: f64,
     /// Learning rate used.
     pub lr: f64,
-    /// Global gradient norm before clipping.
-    pub grad_norm: f64,
+    /// Global gradient norm before clipping; `None` when f16 gradients
+    /// overflowed and the step was skipped.
+    pub grad_norm: Option<f64>,
     /// Wall time of the step on this rank.
     pub step_ms: f64,
     /// Tokens this rank processed.

@@ -38,8 +38,8 @@ pub struct StepLine {
     pub comm_bytes: CommBytes,
     /// f16 loss scale.
     pub loss_scale: Option<f64>,
-    /// Global gradient norm.
-    pub grad_norm: f64,
+    /// Global gradient norm (null on a step f16 skipped for overflow).
+    pub grad_norm: Option<f64>,
 }
 
 /// The last line of a finished run.
@@ -143,7 +143,7 @@ mod tests {
             step,
             loss,
             lr: 1e-3,
-            grad_norm: 0.5,
+            grad_norm: Some(0.5),
             step_ms: ms,
             tokens: 1000,
             flops: 1e9,

@@ -706,9 +706,13 @@ impl Progress {
                 || line.step.is_multiple_of(self.every)
                 || line.step == self.steps =>
             {
+                let norm = match line.grad_norm {
+                    Some(n) => format!("grad norm {n:.3}"),
+                    None => "gradients overflowed, step skipped".into(),
+                };
                 println!(
-                    "step {}/{} {msg} · lr {:.2e} · grad norm {:.3}",
-                    line.step, self.steps, line.lr, line.grad_norm
+                    "step {}/{} {msg} · lr {:.2e} · {norm}",
+                    line.step, self.steps, line.lr
                 );
             }
             None => {}

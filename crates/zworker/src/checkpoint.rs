@@ -55,7 +55,7 @@ pub fn save(
             dtype: spec.train.dtype,
             step,
             samples_consumed: samples,
-            loss_scale: None,
+            loss_scale: engine.loss_scale_state(),
             groups: engine.manifest_groups(),
             files,
         };

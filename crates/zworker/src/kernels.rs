@@ -13,7 +13,8 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use zengine::adam::{adamw_with, AdamStep, Path};
+use zengine::adam::{adamw_with, AdamStep, Buffers, Grads, Path};
+use zengine::precision::Half;
 use zproto::KernelRow;
 
 fn best_secs(reps: usize, mut f: impl FnMut()) -> f64 {
@@ -79,7 +80,12 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
         eps: 1e-8,
         weight_decay: 0.1,
         step: 10,
+        grad_scale: 1.0,
     };
+    // Mixed precision: bf16 gradients in, bf16 working copy out (the same 28
+    // bytes an element as f32: 4+2+4+4 read, 4+4+4+2 written).
+    let g16 = vec![Half::Bf16.round(0.01); n];
+    let mut w16 = vec![0u16; n];
     let mut rows = Vec::new();
     let reps = 5;
     for &t in &thread_counts {
@@ -94,23 +100,36 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
             ratio: 1.0,
         });
         for path in Path::available() {
-            let s = best_secs(reps, || {
-                adamw_with(path, t, &mut p, &g, &mut m, &mut v, true, &hp)
-            });
-            let gbps = 28.0 * n as f64 / s / 1e9;
-            let name = match path {
-                Path::Avx512 => "adamw_avx512",
-                Path::Avx2 => "adamw_avx2",
-                Path::Portable => "adamw_portable",
-            };
-            rows.push(KernelRow {
-                kernel: name.into(),
-                elements: n,
-                threads: t,
-                gbps,
-                gflops: 12.0 * n as f64 / s / 1e9,
-                ratio: gbps / triad_gbps,
-            });
+            for mixed in [false, true] {
+                let s = best_secs(reps, || {
+                    let b = if mixed {
+                        Buffers {
+                            p: &mut p,
+                            g: Grads::Half(Half::Bf16, &g16),
+                            m: &mut m,
+                            v: &mut v,
+                            working: Some((Half::Bf16, &mut w16)),
+                        }
+                    } else {
+                        Buffers::f32(&mut p, &g, &mut m, &mut v)
+                    };
+                    adamw_with(path, t, b, true, &hp)
+                });
+                let gbps = 28.0 * n as f64 / s / 1e9;
+                let name = match path {
+                    Path::Avx512 => "adamw_avx512",
+                    Path::Avx2 => "adamw_avx2",
+                    Path::Portable => "adamw_portable",
+                };
+                rows.push(KernelRow {
+                    kernel: format!("{name}{}", if mixed { "_bf16" } else { "" }),
+                    elements: n,
+                    threads: t,
+                    gbps,
+                    gflops: 12.0 * n as f64 / s / 1e9,
+                    ratio: gbps / triad_gbps,
+                });
+            }
         }
         let s = best_secs(reps, || reduce(&mut a, &b, t));
         let gbps = 12.0 * n as f64 / s / 1e9;

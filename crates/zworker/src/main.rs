@@ -10,6 +10,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match zworker::run() {
         Ok(()) => ExitCode::SUCCESS,

@@ -62,12 +62,20 @@ pub fn train(
             engine.forward_backward(&data.batch(s, micro))?;
         }
         let st = engine.step()?;
+        if st.skipped {
+            let now = engine.loss_scaler().map_or(0.0, |s| s.scale);
+            tracing::warn!(
+                "step {}: gradient overflow at loss scale {}, step skipped, scale now {now}",
+                st.step,
+                st.loss_scale.unwrap_or(0.0)
+            );
+        }
         let step_ms = started.elapsed().as_secs_f64() * 1e3;
         client.send(&ToServer::Report(StepReport {
             step: st.step,
             loss: st.loss,
             lr: st.lr,
-            grad_norm: st.grad_norm,
+            grad_norm: (!st.skipped).then_some(st.grad_norm),
             step_ms,
             tokens: st.tokens,
             flops: st.tokens as f64 * flops_per_token,
@@ -75,7 +83,7 @@ pub fn train(
             zero_stage: spec.zero.stage,
             mem: st.mem,
             comm: st.comm,
-            loss_scale: None,
+            loss_scale: st.loss_scale,
         }))?;
         if spec.checkpoint.dir.is_some() && every > 0 && st.step % every == 0 {
             save(

@@ -1,0 +1,347 @@
+//! Working precision: the flat buffers that hold parameters and gradients in f32
+//! or in a 16-bit type, and f16's dynamic loss scaling.
+//!
+//! With `train.dtype: bf16 | f16` the working parameters and the gradients are
+//! stored in 2 bytes an element, the f32 master weights and Adam moments only for
+//! the slice a rank updates (ZeRO's K = 12). Blocks compute in f32 on the rounded
+//! weights: this CPU's 16-bit GEMM in candle converts to f32 inside and measured
+//! slower than f32 (see README), so 16-bit activations would cost time and buy
+//! nothing but memory. Each micro-batch's gradient is rounded to the working
+//! dtype as soon as backward produces it, in every stage, so that the stages stay
+//! bit-identical; the reduction itself adds in f32.
+//!
+//! Collectives carry f32 words. A 16-bit buffer travels packed two elements to a
+//! word (its slices are multiples of 16 elements), which halves the bytes of the
+//! parameter all-gathers; a gather only copies, so the bits arrive unchanged.
+
+use std::ops::Range;
+
+use half::{bf16, f16};
+use zconfig::{Dtype, LossScaleSpec};
+
+/// A 16-bit working type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Half {
+    /// bfloat16: f32's range, 8 bits of mantissa.
+    Bf16,
+    /// IEEE binary16: 11 bits of mantissa, largest finite 65504.
+    F16,
+}
+
+impl Half {
+    /// The 16-bit type of a training dtype (`None` for f32).
+    pub fn of(d: Dtype) -> Option<Half> {
+        match d {
+            Dtype::F32 => None,
+            Dtype::Bf16 => Some(Half::Bf16),
+            Dtype::F16 => Some(Half::F16),
+        }
+    }
+
+    /// Rounds to nearest even (NaN stays NaN).
+    #[inline]
+    pub fn round(self, x: f32) -> u16 {
+        match self {
+            Half::Bf16 => bf16::from_f32(x).to_bits(),
+            Half::F16 => f16::from_f32(x).to_bits(),
+        }
+    }
+
+    /// The exact f32 value of a 16-bit element.
+    #[inline]
+    pub fn widen(self, b: u16) -> f32 {
+        match self {
+            Half::Bf16 => bf16::from_bits(b).to_f32(),
+            Half::F16 => f16::from_bits(b).to_f32(),
+        }
+    }
+}
+
+/// A flat buffer in the working precision.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Flat {
+    /// 4 bytes an element.
+    F32(Vec<f32>),
+    /// 2 bytes an element, as bits.
+    Half(Half, Vec<u16>),
+}
+
+impl Flat {
+    /// `n` zeros.
+    pub fn zeros(kind: Option<Half>, n: usize) -> Flat {
+        match kind {
+            None => Flat::F32(vec![0.0; n]),
+            Some(h) => Flat::Half(h, vec![0; n]),
+        }
+    }
+
+    /// `values`, rounded to the working type.
+    pub fn from_f32(kind: Option<Half>, values: &[f32]) -> Flat {
+        match kind {
+            None => Flat::F32(values.to_vec()),
+            Some(h) => Flat::Half(h, values.iter().map(|&x| h.round(x)).collect()),
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Flat::F32(v) => v.len(),
+            Flat::Half(_, v) => v.len(),
+        }
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Flat::F32(v) => (v.len() * 4) as u64,
+            Flat::Half(_, v) => (v.len() * 2) as u64,
+        }
+    }
+
+    /// The 16-bit type, if any.
+    pub fn kind(&self) -> Option<Half> {
+        match self {
+            Flat::F32(_) => None,
+            Flat::Half(h, _) => Some(*h),
+        }
+    }
+
+    /// Elements `r` as f32.
+    pub fn to_f32(&self, r: Range<usize>) -> Vec<f32> {
+        match self {
+            Flat::F32(v) => v[r].to_vec(),
+            Flat::Half(h, v) => v[r].iter().map(|&b| h.widen(b)).collect(),
+        }
+    }
+
+    /// Appends elements `r` as f32 to `out`.
+    pub fn extend_f32(&self, r: Range<usize>, out: &mut Vec<f32>) {
+        match self {
+            Flat::F32(v) => out.extend_from_slice(&v[r]),
+            Flat::Half(h, v) => out.extend(v[r].iter().map(|&b| h.widen(b))),
+        }
+    }
+
+    /// Stores `src` (rounded) at `at..`.
+    pub fn set_f32(&mut self, at: usize, src: &[f32]) {
+        match self {
+            Flat::F32(v) => v[at..at + src.len()].copy_from_slice(src),
+            Flat::Half(h, v) => {
+                let h = *h;
+                v[at..at + src.len()]
+                    .iter_mut()
+                    .zip(src)
+                    .for_each(|(d, &s)| *d = h.round(s));
+            }
+        }
+    }
+
+    /// Adds `src` into `at..` (in f32, then rounded).
+    pub fn add_f32(&mut self, at: usize, src: &[f32]) {
+        match self {
+            Flat::F32(v) => v[at..at + src.len()]
+                .iter_mut()
+                .zip(src)
+                .for_each(|(d, &s)| *d += s),
+            Flat::Half(h, v) => {
+                let h = *h;
+                v[at..at + src.len()]
+                    .iter_mut()
+                    .zip(src)
+                    .for_each(|(d, &s)| *d = h.round(h.widen(*d) + s));
+            }
+        }
+    }
+
+    /// Sets every element to zero.
+    pub fn fill_zero(&mut self) {
+        match self {
+            Flat::F32(v) => v.fill(0.0),
+            Flat::Half(_, v) => v.fill(0),
+        }
+    }
+
+    /// Σ (x·scale)² over elements `r`, each term rounded to f32 first, added in
+    /// f64 in index order.
+    pub fn sum_sq(&self, r: Range<usize>, scale: f32) -> f64 {
+        let sq = |x: f32| {
+            let y = f64::from(x * scale);
+            y * y
+        };
+        match self {
+            Flat::F32(v) => v[r].iter().map(|&x| sq(x)).sum(),
+            Flat::Half(h, v) => v[r].iter().map(|&b| sq(h.widen(b))).sum(),
+        }
+    }
+
+    /// Elements `r` as collective words: the f32 values, or 16-bit elements two
+    /// to a word (`r` must then have even length).
+    pub fn words(&self, r: Range<usize>) -> Vec<f32> {
+        match self {
+            Flat::F32(v) => v[r].to_vec(),
+            Flat::Half(_, v) => v[r]
+                .chunks_exact(2)
+                .map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16)))
+                .collect(),
+        }
+    }
+
+    /// A buffer of the type of `like` from collective words (see [`Flat::words`]).
+    pub fn from_words(like: Option<Half>, words: Vec<f32>) -> Flat {
+        match like {
+            None => Flat::F32(words),
+            Some(h) => Flat::Half(
+                h,
+                words
+                    .iter()
+                    .flat_map(|w| {
+                        let b = w.to_bits();
+                        [b as u16, (b >> 16) as u16]
+                    })
+                    .collect(),
+            ),
+        }
+    }
+
+    /// Collective words for `n` elements.
+    pub fn words_for(kind: Option<Half>, n: usize) -> usize {
+        match kind {
+            None => n,
+            Some(_) => n / 2,
+        }
+    }
+}
+
+/// f16's dynamic loss scale, with DeepSpeed's `DynamicLossScaler` semantics:
+/// start at 2^`initial_scale_power`; on an overflow, spend one unit of
+/// hysteresis, or when none is left halve the scale (not below the minimum) and
+/// skip the step; after `loss_scale_window` steps without overflow since the last
+/// one, double the scale and restore the hysteresis.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LossScaler {
+    /// The rules.
+    pub config: LossScaleSpec,
+    /// The current scale.
+    pub scale: f64,
+    /// Overflows tolerated before the next halving.
+    pub hysteresis: u32,
+    /// The 0-based iteration of the last overflow (-1 before any).
+    pub last_overflow: i64,
+    /// Steps skipped so far.
+    pub skipped: u64,
+}
+
+impl LossScaler {
+    /// A scaler at its initial scale.
+    pub fn new(config: &LossScaleSpec) -> LossScaler {
+        LossScaler {
+            scale: 2f64.powi(config.initial_scale_power as i32),
+            hysteresis: config.hysteresis,
+            last_overflow: -1,
+            skipped: 0,
+            config: config.clone(),
+        }
+    }
+
+    /// Whether an overflow now could not lower the scale any more.
+    pub fn at_minimum(&self) -> bool {
+        self.scale <= self.config.min_loss_scale && self.hysteresis <= 1
+    }
+
+    /// Records iteration `iter` (0-based): whether its gradients overflowed.
+    pub fn update(&mut self, iter: i64, overflow: bool) {
+        if overflow {
+            if self.hysteresis <= 1 {
+                self.scale = (self.scale / 2.0).max(self.config.min_loss_scale);
+            } else {
+                self.hysteresis -= 1;
+            }
+            self.last_overflow = iter;
+            self.skipped += 1;
+        } else if (iter - self.last_overflow) % self.config.loss_scale_window as i64 == 0 {
+            self.hysteresis = self.config.hysteresis;
+            self.scale *= 2.0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_is_to_nearest_even() {
+        // 1 + 2^-8 is halfway between two bf16 values: ties go to the even one.
+        assert_eq!(Half::Bf16.widen(Half::Bf16.round(1.0 + 1.0 / 256.0)), 1.0);
+        assert_eq!(
+            Half::Bf16.widen(Half::Bf16.round(1.0 + 3.0 / 256.0)),
+            1.0 + 4.0 / 256.0
+        );
+        assert!(Half::F16.widen(Half::F16.round(70000.0)).is_infinite());
+        assert_eq!(Half::F16.widen(Half::F16.round(65504.0)), 65504.0);
+    }
+
+    #[test]
+    fn words_round_trip_bits() {
+        let values: Vec<f32> = (0..32).map(|i| (i as f32 - 16.0) * 0.37).collect();
+        for kind in [None, Some(Half::Bf16), Some(Half::F16)] {
+            let mut f = Flat::from_f32(kind, &values);
+            f.set_f32(3, &[f32::INFINITY, -0.0]);
+            let back = Flat::from_words(kind, f.words(0..32));
+            assert_eq!(back, f);
+            assert_eq!(Flat::words_for(kind, 32), f.words(0..32).len());
+        }
+    }
+
+    #[test]
+    fn add_rounds_once_per_add() {
+        let mut f = Flat::zeros(Some(Half::Bf16), 2);
+        f.add_f32(0, &[1.0, 3.0]);
+        f.add_f32(0, &[1.0 / 512.0, 1.0]);
+        assert_eq!(f.to_f32(0..2), vec![1.0, 4.0]);
+    }
+
+    #[test]
+    fn loss_scaler_follows_deepspeed() {
+        let defaults = LossScaleSpec::default();
+        let mut s = LossScaler::new(&defaults);
+        assert_eq!((s.scale, s.hysteresis), (65536.0, 2));
+        // First overflow spends hysteresis, the second halves.
+        s.update(0, true);
+        assert_eq!((s.scale, s.hysteresis), (65536.0, 1));
+        s.update(1, true);
+        assert_eq!((s.scale, s.hysteresis, s.skipped), (32768.0, 1, 2));
+        // 1000 clean iterations after the last overflow double it again.
+        for it in 2..1001 {
+            s.update(it, false);
+        }
+        assert_eq!(s.scale, 32768.0);
+        s.update(1001, false);
+        assert_eq!((s.scale, s.hysteresis), (65536.0, 2));
+        // Without any overflow, iteration 999 is the first doubling.
+        let mut s = LossScaler::new(&defaults);
+        for it in 0..999 {
+            s.update(it, false);
+        }
+        assert_eq!(s.scale, 65536.0);
+        s.update(999, false);
+        assert_eq!(s.scale, 131072.0);
+        // Never below the minimum, and the engine is told when it is stuck there.
+        let mut s = LossScaler::new(&LossScaleSpec {
+            initial_scale_power: 1,
+            hysteresis: 1,
+            ..defaults
+        });
+        assert!(!s.at_minimum());
+        s.update(5, true);
+        s.update(6, true);
+        assert_eq!(s.scale, 1.0);
+        assert!(s.at_minimum());
+    }
+}
