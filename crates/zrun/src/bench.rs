@@ -116,12 +116,12 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "{:<16} {:>10} {:>8} {:>10} {:>10} {:>8}",
+        "{:<20} {:>10} {:>8} {:>10} {:>10} {:>8}",
         "kernel", "elements", "threads", "GB/s", "GFLOP/s", "ratio"
     );
     for r in &rows {
         println!(
-            "{:<16} {:>10} {:>8} {:>10.2} {:>10.2} {:>8.2}",
+            "{:<20} {:>10} {:>8} {:>10.2} {:>10.2} {:>8.2}",
             r.kernel, r.elements, r.threads, r.gbps, r.gflops, r.ratio
         );
     }
