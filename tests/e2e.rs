@@ -710,10 +710,16 @@ fn bench_commands_report_rows() {
     assert_eq!(f.code(), 0, "{f:?}");
     let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
     let rows = v["rows"].as_array().unwrap();
-    // Every transport by default: TCP and shared memory, side by side.
-    assert_eq!(rows.len(), 8);
+    // Every transport by default: TCP and shared memory, side by side, and the
+    // memcpy reference once per size.
+    assert_eq!(rows.len(), 10);
     assert_eq!(rows.iter().filter(|r| r["transport"] == "shm").count(), 4);
-    for r in rows {
+    let reference: Vec<_> = rows.iter().filter(|r| r["op"] == "memcpy").collect();
+    assert_eq!(reference.len(), 2);
+    assert!(reference
+        .iter()
+        .all(|r| r["busbw_gbps"].as_f64().unwrap() > 0.0));
+    for r in rows.iter().filter(|r| r["op"] != "memcpy") {
         let (alg, bus) = (
             r["algbw_gbps"].as_f64().unwrap(),
             r["busbw_gbps"].as_f64().unwrap(),

@@ -20,6 +20,7 @@
 
 #![deny(missing_docs)]
 
+mod direct;
 mod links;
 mod pairwise;
 mod ring;
@@ -66,6 +67,20 @@ impl Op {
 
     fn index(self) -> usize {
         self as usize
+    }
+
+    /// The operation of [`Op::index`].
+    fn from_index(i: usize) -> Option<Op> {
+        [
+            Op::AllReduce,
+            Op::ReduceScatter,
+            Op::AllGather,
+            Op::AllToAll,
+            Op::Broadcast,
+            Op::Barrier,
+        ]
+        .get(i)
+        .copied()
     }
 }
 

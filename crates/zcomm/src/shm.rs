@@ -9,6 +9,9 @@
 //! the same `Read` / `Write` interface, so the operation thread, the per-peer
 //! writer threads and every algorithm are shared.
 //!
+//! After the rings, the segment has a direct area for the collectives of
+//! `direct.rs`: per rank a line of flags and two sets of one `SLOT_BYTES` slot.
+//!
 //! Local rank 0 creates the segment and unlinks it once every local rank has
 //! mapped it, so nothing is left in `/dev/shm` even if a worker is killed later
 //! (zrun also removes leftovers of a job that failed before that point).
@@ -24,8 +27,12 @@ use memmap2::MmapMut;
 
 /// Data bytes per ring.
 pub const RING_BYTES: usize = 4 << 20;
+/// Bytes of one rank's slot in one set of the direct area (fits in L2 with room).
+pub(crate) const SLOT_BYTES: usize = 1 << 20;
 const HEADER: usize = 4096;
 const RING_META: usize = 128;
+/// Flag bytes per rank in the direct area.
+const DIRECT_META: usize = 512;
 const MAGIC: u64 = 0x7a72_756e_7368_6d31; // "zrunshm1"
 
 /// Where a job's segments live.
@@ -58,8 +65,34 @@ impl Segment {
         HEADER + (from * self.local + to) * (RING_META + RING_BYTES)
     }
 
-    fn len(local: usize) -> usize {
+    fn direct_offset(local: usize) -> usize {
         HEADER + local * local * (RING_META + RING_BYTES)
+    }
+
+    fn len(local: usize) -> usize {
+        Segment::direct_offset(local) + local * DIRECT_META + 2 * local * SLOT_BYTES
+    }
+
+    /// Local ranks sharing the segment.
+    pub(crate) fn local(&self) -> usize {
+        self.local
+    }
+
+    /// Flag word `word` (0..64) of local rank `rank` in the direct area.
+    pub(crate) fn flag(&self, rank: usize, word: usize) -> &AtomicU64 {
+        assert!(rank < self.local && word < DIRECT_META / 8);
+        self.atomic(Segment::direct_offset(self.local) + rank * DIRECT_META + word * 8)
+    }
+
+    /// The slot of local rank `rank` in set `set` (0 or 1) of the direct area:
+    /// `SLOT_BYTES / 4` floats, 64-byte aligned.
+    pub(crate) fn slot(&self, set: usize, rank: usize) -> *mut f32 {
+        assert!(set < 2 && rank < self.local);
+        let off = Segment::direct_offset(self.local)
+            + self.local * DIRECT_META
+            + (set * self.local + rank) * SLOT_BYTES;
+        // SAFETY: the offset lies inside the mapping (see `len`).
+        unsafe { self.map.as_ptr().add(off) as *mut f32 }
     }
 
     /// Creates (local rank 0) or waits for and maps the node's segment; returns
@@ -148,11 +181,11 @@ impl Segment {
 
 /// Waits politely: spin briefly, then yield, then sleep (two workers may share
 /// two cores with their own compute).
-fn backoff(round: &mut u32) {
+pub(crate) fn backoff(round: &mut u32) {
     *round += 1;
-    if *round < 64 {
+    if *round < 4096 {
         std::hint::spin_loop();
-    } else if *round < 256 {
+    } else if *round < 8192 {
         std::thread::yield_now();
     } else {
         std::thread::sleep(Duration::from_micros(20));

@@ -258,6 +258,30 @@ fn a_missing_peer_times_out_naming_op_group_and_peer() {
     }
 }
 
+/// Ranks that call different collectives (or the same with other lengths)
+/// get a mismatch error naming what each side ran, on every transport.
+#[test]
+fn mismatched_collectives_are_reported_not_mixed() {
+    for shm in [false, true] {
+        let comms = world(shm, 2, &[0, 0], Duration::from_secs(5));
+        let out = on_all(&comms, |r, c| {
+            if r == 0 {
+                c.all_reduce(vec![1.0; 64]).map(|_| ())
+            } else {
+                c.all_reduce(vec![1.0; 32]).map(|_| ())
+            }
+        });
+        let e = out
+            .iter()
+            .find_map(|o| o.as_ref().err())
+            .unwrap_or_else(|| panic!("shm {shm}: both ranks succeeded"));
+        match e {
+            CommError::Mismatch { op, .. } => assert_eq!(*op, "all_reduce"),
+            other => panic!("shm {shm}: expected a mismatch, got {other}"),
+        }
+    }
+}
+
 #[test]
 fn a_stranger_on_the_data_port_cannot_join() {
     use std::io::Write;

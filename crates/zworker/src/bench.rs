@@ -34,33 +34,42 @@ pub fn bench_comm(
             // allocation either); each call consumes its own copy.
             let own = chunk_range(elems, n, r).len();
             let input = vec![1.0f32; if op == "all_gather" { own } else { elems }];
-            let pieces: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; bytes as usize / n]).collect();
-            let raw = vec![0u8; bytes as usize];
+            // Inputs are copied before the barrier that starts each call, so that
+            // every rank starts the collective at once.
             let call = |c: &dyn Communicator| -> Result<f64> {
-                let (f, p, b) = (input.clone(), pieces.clone(), raw.clone());
+                let (f, p, b) = match op.as_str() {
+                    "all_to_all" => (
+                        Vec::new(),
+                        vec![vec![0u8; bytes as usize / n]; n],
+                        Vec::new(),
+                    ),
+                    "broadcast" => (Vec::new(), Vec::new(), vec![0u8; bytes as usize]),
+                    _ => (input.clone(), Vec::new(), Vec::new()),
+                };
+                c.barrier()?;
+                // Outputs are freed after the clock stops.
                 let t0 = Instant::now();
-                match op.as_str() {
-                    "all_reduce" => drop(c.all_reduce(f)?),
-                    "reduce_scatter" => drop(c.reduce_scatter(f)?),
-                    "all_gather" => drop(c.all_gather(f, elems)?),
-                    "all_to_all" => drop(c.all_to_all(p)?),
-                    "broadcast" => drop(c.broadcast(b, 0)?),
+                let (secs, out): (f64, Box<dyn std::any::Any>) = match op.as_str() {
+                    "all_reduce" => timed(t0, c.all_reduce(f)?),
+                    "reduce_scatter" => timed(t0, c.reduce_scatter(f)?),
+                    "all_gather" => timed(t0, c.all_gather(f, elems)?),
+                    "all_to_all" => timed(t0, c.all_to_all(p)?),
+                    "broadcast" => timed(t0, c.broadcast(b, 0)?),
                     other => bail!("unknown op `{other}`"),
-                }
-                Ok(t0.elapsed().as_secs_f64())
+                };
+                drop(out);
+                Ok(secs)
             };
             // Warm up, and agree on how many calls fit in about 0.3 s (every rank
             // must make the same number of calls).
-            let t0 = Instant::now();
-            call(comm.as_ref())?;
+            let warm = call(comm.as_ref())?;
             let warm = comm
-                .all_gather(vec![t0.elapsed().as_secs_f32()], n)?
+                .all_gather(vec![warm as f32], n)?
                 .into_iter()
                 .fold(0.0, f32::max);
             let calls = ((BUDGET.as_secs_f32() / warm.max(1e-6)) as usize).clamp(3, 50);
             let mut times = Vec::with_capacity(calls);
             for _ in 0..calls {
-                comm.barrier()?;
                 times.push(call(comm.as_ref())? as f32);
             }
             // Agree on the slowest rank's time per call, then take the median.
@@ -88,7 +97,36 @@ pub fn bench_comm(
         }
     }
     if r == 0 {
+        // The reference the transports are judged against: one thread copying
+        // the same bytes within this process.
+        for &bytes in &task.sizes {
+            let src = vec![1u8; bytes as usize];
+            let mut dst = vec![0u8; bytes as usize];
+            dst.copy_from_slice(&src); // fault the pages in
+            let secs = (0..5)
+                .map(|_| {
+                    let t0 = Instant::now();
+                    dst.copy_from_slice(std::hint::black_box(&src));
+                    t0.elapsed().as_secs_f64()
+                })
+                .fold(f64::MAX, f64::min);
+            let gbps = bytes as f64 / secs / 1e9;
+            rows.push(BenchRow {
+                op: "memcpy".into(),
+                bytes,
+                workers: 1,
+                transport: "local".into(),
+                time_us: secs * 1e6,
+                algbw_gbps: gbps,
+                busbw_gbps: gbps,
+            });
+        }
         client.send(&ToServer::BenchRows(rows))?;
     }
     Ok(())
+}
+
+/// Seconds since `t0`, and the output to free later.
+fn timed<T: 'static>(t0: Instant, out: T) -> (f64, Box<dyn std::any::Any>) {
+    (t0.elapsed().as_secs_f64(), Box::new(out))
 }

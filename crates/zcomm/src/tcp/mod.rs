@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use zproto::Token;
 
+use crate::direct::{Call, Direct};
 use crate::links::Links;
 use crate::{chunk_range, CommError, Communicator, CounterSnapshot, Counters, Op, Work};
 use crate::{pairwise, ring, star};
@@ -179,9 +180,15 @@ impl TcpCommunicator {
                 same_node: opts.node_of_rank[peer] == opts.node_of_rank[rank],
             }));
         }
+        // Every rank on this node: collectives go through the segment directly.
+        let direct = match &segment {
+            Some((me, seg)) if local.len() == world => Some(Direct::new(seg.clone(), *me)),
+            _ => None,
+        };
         let mut links = TcpLinks {
             rank,
             world,
+            direct,
             group: opts.group.clone(),
             peers,
             counters: counters.clone(),
@@ -265,8 +272,13 @@ impl Communicator for TcpCommunicator {
     fn all_reduce_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
         let bytes = buf.len() * 4;
         self.submit(Op::AllReduce, bytes, move |l| {
-            ring::reduce_scatter(l, &mut buf)?;
-            ring::all_gather(l, &mut buf)?;
+            match l.direct(|d, c| d.all_reduce(c, &mut buf)) {
+                Some(r) => r?,
+                None => {
+                    ring::reduce_scatter(l, &mut buf)?;
+                    ring::all_gather(l, &mut buf)?;
+                }
+            }
             Ok(buf)
         })
     }
@@ -274,10 +286,19 @@ impl Communicator for TcpCommunicator {
     fn reduce_scatter_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
         let bytes = buf.len() * 4;
         self.submit(Op::ReduceScatter, bytes, move |l| {
-            ring::reduce_scatter(l, &mut buf)?;
+            // The result goes to the front of the input's allocation (a fresh
+            // one would cost a page fault every 4 KiB).
             let own = chunk_range(buf.len(), l.world_size(), l.rank());
-            buf.truncate(own.end);
-            Ok(buf.split_off(own.start))
+            match l.direct(|d, c| d.reduce_scatter(c, &mut buf)) {
+                Some(r) => r?,
+                None => {
+                    ring::reduce_scatter(l, &mut buf)?;
+                    buf.copy_within(own.clone(), 0);
+                }
+            }
+            buf.truncate(own.len());
+            buf.shrink_to_fit();
+            Ok(buf)
         })
     }
 
@@ -298,7 +319,10 @@ impl Communicator for TcpCommunicator {
             }
             let mut buf = vec![0f32; total_len];
             buf[own].copy_from_slice(&chunk);
-            ring::all_gather(l, &mut buf)?;
+            match l.direct(|d, c| d.all_gather(c, &mut buf)) {
+                Some(r) => r?,
+                None => ring::all_gather(l, &mut buf)?,
+            }
             Ok(buf)
         })
     }
@@ -330,7 +354,10 @@ impl Communicator for TcpCommunicator {
     }
 
     fn barrier_async(&self) -> Work<()> {
-        self.submit(Op::Barrier, 0, |l| star::barrier(l))
+        self.submit(Op::Barrier, 0, |l| match l.direct(|d, c| d.barrier_op(c)) {
+            Some(r) => r,
+            None => star::barrier(l),
+        })
     }
 }
 
@@ -346,6 +373,14 @@ struct Peer {
 
 /// Drains a peer's queue onto its link, handing each buffer back for reuse (a
 /// fresh multi-megabyte buffer per message costs a page fault per 4 KiB).
+fn note_waiting_for(current: &Mutex<Option<Current>>, peer: usize) {
+    if let Ok(mut g) = current.lock() {
+        if let Some(c) = g.as_mut() {
+            c.peer = Some(peer);
+        }
+    }
+}
+
 fn writer_loop(
     mut s: Box<dyn Write + Send>,
     rx: mpsc::Receiver<Vec<u8>>,
@@ -365,6 +400,8 @@ fn writer_loop(
 pub(crate) struct TcpLinks {
     rank: usize,
     world: usize,
+    /// The shared-memory path, when every rank of the group is on this node.
+    direct: Option<Direct>,
     group: String,
     peers: Vec<Option<Peer>>,
     counters: Arc<Counters>,
@@ -430,11 +467,29 @@ impl TcpLinks {
     }
 
     fn waiting_for(&self, peer: usize) {
-        if let Ok(mut g) = self.current.lock() {
-            if let Some(c) = g.as_mut() {
-                c.peer = Some(peer);
-            }
-        }
+        note_waiting_for(&self.current, peer);
+    }
+
+    /// Runs `f` on the direct shared-memory path if the group has one (`None`
+    /// otherwise) and counts the bytes it reports as sent within the node.
+    fn direct(
+        &mut self,
+        f: impl FnOnce(&mut Direct, &Call) -> Result<u64, CommError>,
+    ) -> Option<Result<(), CommError>> {
+        let mut d = self.direct.take()?;
+        let current = self.current.clone();
+        let waiting = move |peer: usize| note_waiting_for(&current, peer);
+        let call = Call {
+            op: self.op,
+            seq: self.seq,
+            group: &self.group,
+            started: self.started,
+            deadline: self.deadline,
+            waiting_for: &waiting,
+        };
+        let r = f(&mut d, &call);
+        self.direct = Some(d);
+        Some(r.map(|bytes| self.counters.add(self.op, bytes, true)))
     }
 
     fn peer(&mut self, peer: usize) -> Result<&mut Peer, CommError> {
