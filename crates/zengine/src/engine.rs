@@ -585,6 +585,20 @@ impl Engine {
             return Ok(()); // more groups of this bucket are still to come
         };
         let world = self.comm.world_size();
+        if world == 1 {
+            // Nothing to reduce: a staged gradient is already the rank's own.
+            if self.stage >= 2 {
+                for h in self.buckets[bi].groups.clone() {
+                    let s = self.groups[h]
+                        .staging
+                        .take()
+                        .ok_or_else(|| missing("a staged gradient"))?;
+                    self.comm_buffers.sub(s.bytes());
+                    self.groups[h].grads.add_f32(0, &s.to_f32(0..s.len()));
+                }
+            }
+            return Ok(());
+        }
         let layouts: Vec<GroupLayout> = self.groups.iter().map(|x| x.layout.clone()).collect();
         let packed = if self.stage < 2 {
             let views: Vec<&Flat> = self.groups.iter().map(|x| &x.grads).collect();
@@ -770,7 +784,7 @@ impl Engine {
                 update_group(g, stage, rank, &hp)?;
             }
             // Stages 1-2 (and whole groups at stage 3): share the updated slices.
-            if stage >= 1 {
+            if stage >= 1 && world > 1 {
                 let mut works = Vec::new();
                 for (i, g) in self.groups.iter().enumerate() {
                     if !g.partitioned {

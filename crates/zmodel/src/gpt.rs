@@ -9,12 +9,13 @@
 //! Initialisation is seeded per parameter, so every rank builds the same model
 //! without communicating.
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{Result, Tensor};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
-use crate::ops::{cross_entropy, gelu, layer_norm, softmax};
+use crate::attention::causal_attention;
+use crate::ops::{cross_entropy, gelu, layer_norm};
 
 const LN_EPS: f64 = 1e-5;
 
@@ -77,7 +78,6 @@ pub struct GroupSpec {
 #[derive(Debug, Clone)]
 pub struct Gpt {
     cfg: GptConfig,
-    mask: Tensor,
 }
 
 fn p(name: String, shape: &[usize], init: Init, decay: bool) -> ParamSpec {
@@ -92,18 +92,7 @@ fn p(name: String, shape: &[usize], init: Init, decay: bool) -> ParamSpec {
 impl Gpt {
     /// A model of this shape on the CPU.
     pub fn new(cfg: GptConfig) -> Result<Gpt> {
-        let t = cfg.seq_len;
-        let mask: Vec<f32> = (0..t * t)
-            .map(|i| {
-                if i % t > i / t {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?;
-        Ok(Gpt { cfg, mask })
+        Ok(Gpt { cfg })
     }
 
     /// The shape.
@@ -233,24 +222,12 @@ impl Gpt {
     /// Groups 1..=L: one pre-LN transformer block, `[b, t, d]` → `[b, t, d]`.
     pub fn block(&self, params: &[Tensor], x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
-        let h = self.cfg.n_heads;
-        let hd = d / h;
         let linear = |x: &Tensor, w: &Tensor, bias: &Tensor| x.matmul(w)?.broadcast_add(bias);
         let rows = x.reshape((b * t, d))?;
 
         let a = layer_norm(&rows, &params[0], &params[1], LN_EPS)?;
-        let qkv = linear(&a, &params[2], &params[3])?;
-        let heads = |i: usize| -> Result<Tensor> {
-            qkv.narrow(1, i * d, d)?
-                .reshape((b, t, h, hd))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
-        let att = softmax(&scores.broadcast_add(&mask)?)?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b * t, d))?;
+        let qkv = linear(&a, &params[2], &params[3])?.reshape((b, t, 3 * d))?;
+        let y = causal_attention(&qkv, self.cfg.n_heads)?.reshape((b * t, d))?;
         let rows = (rows + linear(&y, &params[4], &params[5])?)?;
 
         let m = layer_norm(&rows, &params[6], &params[7], LN_EPS)?;
@@ -277,7 +254,7 @@ impl Gpt {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Var;
+    use candle_core::{Device, Var};
 
     fn tiny() -> Gpt {
         Gpt::new(GptConfig {

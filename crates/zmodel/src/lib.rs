@@ -5,15 +5,21 @@
 //!   blocks, final norm + tied head + loss). Every block's forward takes its
 //!   parameter tensors as arguments: the engine owns the parameters and decides
 //!   where they live (replicated, partitioned, gathered on demand).
-//! - [`ops`]: fused layer norm and GELU with their own backward; softmax and
-//!   cross-entropy composed from candle primitives
-//!   so that they have a backward (candle-nn's fused versions silently have none).
+//! - [`attention`]: causal self-attention as one custom op (strided GEMMs on the
+//!   projection, softmax in cache, a recomputing backward).
+//! - [`ops`]: fused layer norm and GELU with their own backward; cross-entropy
+//!   composed from candle primitives so that it has a backward (candle-nn's fused
+//!   versions silently have none).
+//! - `simd`: a vectorisable `exp`, AVX2 dispatch and thread-count-independent
+//!   row splitting for the fused ops.
 //! - [`data`]: corpora (text bytes, u16 tokens, synthetic) and the batcher that gives
 //!   each rank a disjoint, deterministic share of every global batch.
 
+pub mod attention;
 pub mod data;
 pub mod gpt;
 pub mod ops;
+mod simd;
 
 pub use data::{Batch, Batcher, Corpus, DataError};
 pub use gpt::{Gpt, GptConfig, GroupSpec, Init, ParamSpec};
