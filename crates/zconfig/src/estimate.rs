@@ -153,13 +153,13 @@ pub fn gpt_largest_group(m: &ModelSpec) -> f64 {
 }
 
 /// Bytes of activations one transformer block keeps for backward (f32), for `b`
-/// sequences of `t` tokens: the tensors its autograd graph holds.
+/// sequences of `t` tokens.
 pub fn gpt_block_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
-    let (d, h) = (m.d_model as f64, m.n_heads as f64);
-    let (b, t) = (b as f64, t as f64);
-    // x, ln_1 (2), qkv (3), q/k/v (3), att·v, attn out, x + attn, ln_2 (2),
-    // fc (4), gelu (4), proj, x + mlp: 24 d per token; scores and probs: 2 h t per token.
-    4.0 * (b * t * 24.0 * d + 2.0 * b * h * t * t)
+    let d = m.d_model as f64;
+    // What zmodel's block keeps for its backward: input, ln_1, qkv (3), attention
+    // output, x + attn, ln_2, fc (4), gelu (4): 16 d per token. Attention
+    // probabilities are recomputed in backward, not kept.
+    4.0 * (b * t) as f64 * 16.0 * d
 }
 
 /// Bytes the head keeps for backward: input, normed rows, logits and two copies.

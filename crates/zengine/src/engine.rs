@@ -37,7 +37,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use zcomm::{CommError, Communicator, CounterSnapshot, Op, Work};
 use zconfig::JobSpec;
-use zmodel::{Batch, Gpt, GptConfig};
+use zmodel::{Batch, BlockActs, Gpt, GptConfig};
 use zproto::{CommBytes, MemBytes, OpBytes};
 
 use crate::adam::{adamw, AdamStep, Buffers, Grads};
@@ -153,6 +153,14 @@ impl Group {
             self.params.to_f32(own)
         }
     }
+}
+
+/// What a block keeps between its forward and backward.
+enum Saved {
+    /// Its activations (stages 0-2 without checkpointing).
+    Acts(BlockActs),
+    /// Only its input; backward recomputes the forward.
+    Input(Tensor),
 }
 
 /// A reduction in flight.
@@ -314,7 +322,7 @@ impl Engine {
         self.scaler.as_ref()
     }
 
-    /// Whether blocks keep their autograd graph from forward to backward.
+    /// Whether blocks keep their activations from forward to backward.
     fn keeps_graph(&self) -> bool {
         self.stage < 3 && !self.spec.train.activation_checkpointing
     }
@@ -424,18 +432,16 @@ impl Engine {
         }
         drop(p0);
         self.release(0);
-        let mut saved: Vec<(Var, Option<Tensor>)> = Vec::with_capacity(n_layers);
+        let mut saved: Vec<Saved> = Vec::with_capacity(n_layers);
         for b in 1..=n_layers {
             let p = self.params_for(b, &mut gather)?;
-            let input = Var::from_tensor(&x)?;
-            if keep_graph {
-                let y = self.model.block(&ts(&p), input.as_tensor())?;
-                x = y.detach();
-                saved.push((input, Some(y)));
+            let (y, acts) = self.model.block_forward(&plain(&p), &x)?;
+            saved.push(if keep_graph {
+                Saved::Acts(acts)
             } else {
-                x = self.model.block(&plain(&p), input.as_tensor())?;
-                saved.push((input, None));
-            }
+                Saved::Input(x)
+            });
+            x = y;
             drop(p);
             self.release(b);
         }
@@ -488,22 +494,15 @@ impl Engine {
 
         // Backward through the blocks, last first.
         for b in (1..=n_layers).rev() {
-            let (input, y) = saved.pop().expect("one saved entry per block");
-            let (p, y) = match y {
-                Some(y) => (self.params_for(b, &mut gather)?, y),
-                None => {
-                    let p = self.params_for(b, &mut gather)?;
-                    let y = self.model.block(&ts(&p), input.as_tensor())?;
-                    (p, y)
-                }
+            let p = plain(&self.params_for(b, &mut gather)?);
+            let acts = match saved.pop().expect("one saved entry per block") {
+                Saved::Acts(acts) => acts,
+                Saved::Input(x) => self.model.block_forward(&p, &x)?.1,
             };
-            let grads = (y * &dx)?.sum_all()?.backward()?;
-            self.accumulate(b, &p, &grads)?;
-            dx = grads
-                .get(input.as_tensor())
-                .cloned()
-                .ok_or_else(|| missing("block input"))?;
-            drop((grads, p));
+            let (grads, dx_in) = self.model.block_backward(&p, &acts, &dx)?;
+            drop((acts, p));
+            self.accumulate_tensors(b, &grads.iter().collect::<Vec<_>>())?;
+            dx = dx_in;
             self.release(b);
             if reduce_now {
                 self.group_done(b)?;
@@ -544,14 +543,35 @@ impl Engine {
         self.groups[g].staging.as_mut().expect("set above")
     }
 
-    /// Adds a block's parameter gradients into its micro-batch gradient buffer.
+    /// Adds a group's parameter gradients (from autograd) into its micro-batch
+    /// gradient buffer.
     fn accumulate(&mut self, g: usize, vars: &[Var], grads: &GradStore) -> Result<(), EngineError> {
+        let slots = &self.groups[g].layout.params;
+        let tensors = slots
+            .iter()
+            .zip(vars)
+            .map(|(slot, var)| {
+                grads
+                    .get(var.as_tensor())
+                    .ok_or_else(|| missing(&slot.name))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.accumulate_tensors(g, &tensors)
+    }
+
+    /// Adds a group's parameter gradients, in slot order, into its micro-batch
+    /// gradient buffer.
+    fn accumulate_tensors(&mut self, g: usize, grads: &[&Tensor]) -> Result<(), EngineError> {
         let slots = self.groups[g].layout.params.clone();
+        if slots.len() != grads.len() {
+            return Err(EngineError::Usage(format!(
+                "{} gradients for {} parameters",
+                grads.len(),
+                slots.len()
+            )));
+        }
         let buf = self.micro_grads(g);
-        for (slot, var) in slots.iter().zip(vars) {
-            let grad = grads
-                .get(var.as_tensor())
-                .ok_or_else(|| missing(&slot.name))?;
+        for (slot, grad) in slots.iter().zip(grads) {
             buf.add_f32(slot.range.start, &grad_values(grad, slot.range.len())?);
         }
         Ok(())

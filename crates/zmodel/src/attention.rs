@@ -24,6 +24,12 @@ pub fn causal_attention(qkv: &Tensor, n_heads: usize) -> Result<Tensor> {
     qkv.contiguous()?.apply_op1(CausalAttention { n_heads })
 }
 
+/// d qkv of [`causal_attention`] from its input and the gradient of its output.
+pub fn causal_attention_backward(qkv: &Tensor, dy: &Tensor, n_heads: usize) -> Result<Tensor> {
+    qkv.contiguous()?
+        .apply_op2_no_bwd(&dy.contiguous()?, &CausalAttentionGrad { n_heads })
+}
+
 struct CausalAttention {
     n_heads: usize,
 }
@@ -185,13 +191,7 @@ impl CustomOp1 for CausalAttention {
     }
 
     fn bwd(&self, qkv: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        let dqkv = qkv.apply_op2_no_bwd(
-            &dy.contiguous()?,
-            &CausalAttentionGrad {
-                n_heads: self.n_heads,
-            },
-        )?;
-        Ok(Some(dqkv))
+        Ok(Some(causal_attention_backward(qkv, dy, self.n_heads)?))
     }
 }
 

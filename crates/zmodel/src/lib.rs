@@ -22,4 +22,4 @@ pub mod ops;
 mod simd;
 
 pub use data::{Batch, Batcher, Corpus, DataError};
-pub use gpt::{Gpt, GptConfig, GroupSpec, Init, ParamSpec};
+pub use gpt::{BlockActs, Gpt, GptConfig, GroupSpec, Init, ParamSpec};

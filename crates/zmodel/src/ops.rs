@@ -70,14 +70,16 @@ impl CustomOp1 for Gelu {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(
-            arg.contiguous()?
-                .apply_op2_no_bwd(&grad_res.contiguous()?, &GeluGrad)?,
-        ))
+        Ok(Some(gelu_backward(arg, grad_res)?))
     }
 }
 
 /// dx = dy · gelu'(x), element-wise in one pass.
+pub fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    x.contiguous()?
+        .apply_op2_no_bwd(&dy.contiguous()?, &GeluGrad)
+}
+
 struct GeluGrad;
 
 impl CustomOp2 for GeluGrad {
@@ -201,18 +203,66 @@ impl CustomOp3 for LayerNorm {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let d = w.dim(0)?;
-        let rows = x.elem_count() / d;
-        // One op computes [dx rows; dw; db].
-        let all = x.contiguous()?.apply_op3_no_bwd(
-            w,
-            &dy.contiguous()?,
-            &LayerNormGrad { eps: self.eps },
-        )?;
-        let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
-        let dw = all.narrow(0, rows, 1)?.reshape(d)?;
-        let db = all.narrow(0, rows + 1, 1)?.reshape(d)?;
+        let (dx, dw, db) = layer_norm_backward(x, w, dy, f64::from(self.eps))?;
         Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// Layer norm's (dx, dw, db) from its input, weight and output gradient.
+pub fn layer_norm_backward(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let d = w.dim(0)?;
+    let rows = x.elem_count() / d;
+    // One op computes [dx rows; dw; db].
+    let all = x.contiguous()?.apply_op3_no_bwd(
+        &w.contiguous()?,
+        &dy.contiguous()?,
+        &LayerNormGrad { eps: eps as f32 },
+    )?;
+    let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
+    let dw = all.narrow(0, rows, 1)?.reshape(d)?;
+    let db = all.narrow(0, rows + 1, 1)?.reshape(d)?;
+    Ok((dx, dw, db))
+}
+
+/// Σ over rows of a `[n, k]` matrix: `[k]`. Tasks of `ROWS_PER_TASK` rows sum
+/// their part; the parts are added in order (the same bits for any thread count).
+pub fn column_sums(m: &Tensor) -> Result<Tensor> {
+    m.contiguous()?.apply_op1_no_bwd(&ColumnSums)
+}
+
+struct ColumnSums;
+
+impl CustomOp1 for ColumnSums {
+    fn name(&self) -> &'static str {
+        "zrun-column-sums"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let m = f32_input(self.name(), s, l)?;
+        let (_, k) = l.shape().dims2()?;
+        let per = ROWS_PER_TASK * k;
+        let parts: Vec<Vec<f32>> = m
+            .par_chunks(per)
+            .map(|rows| {
+                vectorised(|| {
+                    let mut acc = vec![0f32; k];
+                    for row in rows.chunks_exact(k) {
+                        acc.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+                    }
+                    acc
+                })
+            })
+            .collect();
+        let mut out = vec![0f32; k];
+        for p in &parts {
+            out.iter_mut().zip(p).for_each(|(o, v)| *o += v);
+        }
+        Ok((CpuStorage::F32(out), Shape::from_dims(&[k])))
     }
 }
 
