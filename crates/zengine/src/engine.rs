@@ -1,8 +1,10 @@
 //! The training step, for ZeRO stages 0-3.
 //!
-//! `forward_backward` runs one micro-batch block by block. Each block's input is a
-//! fresh candle `Var`, so backward also runs block by block, last to first:
-//! `(y · dy).sum().backward()` yields the block's parameter gradients and `dx`.
+//! `forward_backward` runs one micro-batch block by block: zmodel's
+//! `block_forward` keeps a block's activations (tensors that reference no
+//! parameter) and `block_backward` turns them and `dy` into the block's parameter
+//! gradients and `dx`, last block first, without an autograd graph. The
+//! embedding and the head (with the loss) use candle's autograd.
 //! As soon as backward is done with the groups of a bucket, the bucket is handed
 //! to the communicator and backward carries on while it is reduced (overlap).
 //! `step` waits for the buckets, averages, clips by the global norm, runs AdamW on
@@ -19,11 +21,12 @@
 //!
 //! At stage 3 a group smaller than `param_persistence_threshold` stays whole and
 //! is treated like stage 2. Partitioned groups are gathered just before each use
-//! and dropped after it. candle's autograd graph would keep a block's gathered
-//! parameters alive from forward to backward, so stage 3 runs forward without a
-//! graph and, in backward, gathers the block again and recomputes it from its
-//! saved input (one extra block forward; the same path serves activation
-//! checkpointing, so checkpointing at stage 3 costs no third gather).
+//! and dropped after it: once for forward and once for backward (the activations
+//! hold no parameters). With activation checkpointing a block keeps only its
+//! input and backward recomputes its forward on the parameters it gathered for
+//! backward anyway, so checkpointing at stage 3 costs no third gather. The
+//! embedding's autograd graph would hold its gathered parameters, so at stage 3
+//! (or with checkpointing) it is recomputed in backward; it is only a lookup.
 //!
 //! The same arithmetic in every stage: each gradient element is summed over ranks
 //! in an order fixed by the bucket layout, the norm adds owned slices in rank
@@ -157,7 +160,7 @@ impl Group {
 
 /// What a block keeps between its forward and backward.
 enum Saved {
-    /// Its activations (stages 0-2 without checkpointing).
+    /// Its activations (without checkpointing).
     Acts(BlockActs),
     /// Only its input; backward recomputes the forward.
     Input(Tensor),
@@ -322,8 +325,8 @@ impl Engine {
         self.scaler.as_ref()
     }
 
-    /// Whether blocks keep their activations from forward to backward.
-    fn keeps_graph(&self) -> bool {
+    /// Whether the embedding keeps its autograd graph from forward to backward.
+    fn embedding_keeps_graph(&self) -> bool {
         self.stage < 3 && !self.spec.train.activation_checkpointing
     }
 
@@ -401,7 +404,8 @@ impl Engine {
         let targets = Tensor::from_slice(&batch.targets, (rows, t), &Device::Cpu)?;
         let n_layers = self.model.config().n_layers;
         let head = n_layers + 1;
-        let keep_graph = self.keeps_graph();
+        let keep_graph = self.embedding_keeps_graph();
+        let keep_acts = !self.spec.train.activation_checkpointing;
         let padded: Vec<usize> = self
             .groups
             .iter()
@@ -418,8 +422,8 @@ impl Engine {
         let plain =
             |vars: &[Var]| -> Vec<Tensor> { vars.iter().map(|v| v.as_tensor().detach()).collect() };
 
-        // Forward. In graph mode keep (input Var, output) per block; otherwise only
-        // the block's input, and recompute in backward.
+        // Forward. Blocks keep their activations, or with checkpointing only
+        // their input (backward recomputes them).
         let p0 = self.params_for(0, &mut gather)?;
         let mut y0 = Some(if keep_graph {
             self.model.embed(&ts(&p0), &tokens)?
@@ -436,7 +440,7 @@ impl Engine {
         for b in 1..=n_layers {
             let p = self.params_for(b, &mut gather)?;
             let (y, acts) = self.model.block_forward(&plain(&p), &x)?;
-            saved.push(if keep_graph {
+            saved.push(if keep_acts {
                 Saved::Acts(acts)
             } else {
                 Saved::Input(x)
@@ -449,7 +453,7 @@ impl Engine {
         let block_bytes = zconfig::estimate::gpt_block_activation_bytes(m, rows, t) as u64;
         let input_bytes = (rows * t * m.d_model * 4) as u64;
         let head_bytes = zconfig::estimate::gpt_head_activation_bytes(m, rows, t) as u64;
-        self.peak_activations = self.peak_activations.max(if keep_graph {
+        self.peak_activations = self.peak_activations.max(if keep_acts {
             n_layers as u64 * block_bytes + head_bytes
         } else {
             n_layers as u64 * input_bytes + block_bytes + head_bytes
