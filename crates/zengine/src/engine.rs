@@ -34,10 +34,11 @@
 //! bit-identical parameters; with accumulation, stages 2-3 reduce every
 //! micro-batch (as DeepSpeed does) and agree with 0-1 to rounding.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{CpuStorage, Device, Storage, Tensor, Var};
 use zcomm::{CommError, Communicator, CounterSnapshot, Op, Work};
 use zconfig::JobSpec;
 use zmodel::{Batch, BlockActs, Gpt, GptConfig};
@@ -483,8 +484,7 @@ impl Engine {
             .get(pw[0].as_tensor())
             .ok_or_else(|| missing("wte (tied head)"))?;
         let wte_range = self.groups[0].layout.params[0].range.clone();
-        let values = grad_values(wte, wte_range.len())?;
-        self.micro_grads(0).add_f32(wte_range.start, &values);
+        add_grad(self.micro_grads(0), wte_range, wte)?;
         let mut dx = grads
             .get(head_in.as_tensor())
             .cloned()
@@ -576,7 +576,7 @@ impl Engine {
         }
         let buf = self.micro_grads(g);
         for (slot, grad) in slots.iter().zip(grads) {
-            buf.add_f32(slot.range.start, &grad_values(grad, slot.range.len())?);
+            add_grad(buf, slot.range.clone(), grad)?;
         }
         Ok(())
     }
@@ -921,16 +921,28 @@ fn missing(what: &str) -> EngineError {
     EngineError::Usage(format!("backward produced no gradient for {what}"))
 }
 
-/// A gradient tensor's values, checked against the slot it belongs to.
-fn grad_values(grad: &Tensor, len: usize) -> Result<Vec<f32>, EngineError> {
-    let v = grad.flatten_all()?.to_vec1::<f32>()?;
-    if v.len() != len {
+/// Adds a gradient tensor into `range` of `buf`, read in place from the
+/// tensor's storage (no copy out of candle first).
+fn add_grad(buf: &mut Flat, range: Range<usize>, grad: &Tensor) -> Result<(), EngineError> {
+    let grad = grad.contiguous()?;
+    let (storage, layout) = grad.storage_and_layout();
+    let values = match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => &v[a..b],
+        _ => {
+            return Err(EngineError::Usage(
+                "gradients must be f32 on the CPU".into(),
+            ))
+        }
+    };
+    if values.len() != range.len() {
         return Err(EngineError::Usage(format!(
-            "gradient of {} elements for a slot of {len}",
-            v.len()
+            "gradient of {} elements for a slot of {}",
+            values.len(),
+            range.len()
         )));
     }
-    Ok(v)
+    buf.add_f32(range.start, values);
+    Ok(())
 }
 
 fn comm_bytes(d: &CounterSnapshot) -> CommBytes {
