@@ -16,6 +16,7 @@
 
 use std::ops::Range;
 
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
 use zconfig::{Dtype, LossScaleSpec};
 
@@ -42,8 +43,33 @@ impl Half {
     #[inline]
     pub fn round(self, x: f32) -> u16 {
         match self {
-            Half::Bf16 => bf16::from_f32(x).to_bits(),
+            Half::Bf16 => bf16_bits(x),
             Half::F16 => f16::from_f32(x).to_bits(),
+        }
+    }
+
+    /// Rounds every element of `src` into `dst` (of the same length), in loops
+    /// the compiler vectorises (bf16) or with F16C where the CPU has it (f16).
+    pub fn round_slice(self, src: &[f32], dst: &mut [u16]) {
+        match self {
+            Half::Bf16 => dst
+                .iter_mut()
+                .zip(src)
+                .for_each(|(d, &x)| *d = bf16_bits(x)),
+            Half::F16 => dst
+                .reinterpret_cast_mut::<f16>()
+                .convert_from_f32_slice(src),
+        }
+    }
+
+    /// Widens every element of `src` into `dst` (of the same length).
+    pub fn widen_slice(self, src: &[u16], dst: &mut [f32]) {
+        match self {
+            Half::Bf16 => dst
+                .iter_mut()
+                .zip(src)
+                .for_each(|(d, &b)| *d = f32::from_bits(u32::from(b) << 16)),
+            Half::F16 => src.reinterpret_cast::<f16>().convert_to_f32_slice(dst),
         }
     }
 
@@ -56,6 +82,24 @@ impl Half {
         }
     }
 }
+
+/// f32 → bf16 bits, rounding to nearest even and keeping NaN a quiet NaN
+/// (`half::bf16::from_f32`'s results, branch-free so that loops vectorise; the
+/// AdamW kernels do the same in SIMD).
+#[inline(always)]
+fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let quiet = ((b >> 16) | 0x40) as u16;
+    if b & 0x7fff_ffff > 0x7f80_0000 {
+        quiet
+    } else {
+        rounded
+    }
+}
+
+/// Elements converted at a time through a stack buffer.
+const BLOCK: usize = 1024;
 
 /// A flat buffer in the working precision.
 #[derive(Debug, Clone, PartialEq)]
@@ -79,7 +123,11 @@ impl Flat {
     pub fn from_f32(kind: Option<Half>, values: &[f32]) -> Flat {
         match kind {
             None => Flat::F32(values.to_vec()),
-            Some(h) => Flat::Half(h, values.iter().map(|&x| h.round(x)).collect()),
+            Some(h) => {
+                let mut bits = vec![0u16; values.len()];
+                h.round_slice(values, &mut bits);
+                Flat::Half(h, bits)
+            }
         }
     }
 
@@ -116,7 +164,11 @@ impl Flat {
     pub fn to_f32(&self, r: Range<usize>) -> Vec<f32> {
         match self {
             Flat::F32(v) => v[r].to_vec(),
-            Flat::Half(h, v) => v[r].iter().map(|&b| h.widen(b)).collect(),
+            Flat::Half(h, v) => {
+                let mut out = vec![0f32; r.len()];
+                h.widen_slice(&v[r], &mut out);
+                out
+            }
         }
     }
 
@@ -124,7 +176,11 @@ impl Flat {
     pub fn extend_f32(&self, r: Range<usize>, out: &mut Vec<f32>) {
         match self {
             Flat::F32(v) => out.extend_from_slice(&v[r]),
-            Flat::Half(h, v) => out.extend(v[r].iter().map(|&b| h.widen(b))),
+            Flat::Half(h, v) => {
+                let at = out.len();
+                out.resize(at + r.len(), 0.0);
+                h.widen_slice(&v[r], &mut out[at..]);
+            }
         }
     }
 
@@ -132,13 +188,7 @@ impl Flat {
     pub fn set_f32(&mut self, at: usize, src: &[f32]) {
         match self {
             Flat::F32(v) => v[at..at + src.len()].copy_from_slice(src),
-            Flat::Half(h, v) => {
-                let h = *h;
-                v[at..at + src.len()]
-                    .iter_mut()
-                    .zip(src)
-                    .for_each(|(d, &s)| *d = h.round(s));
-            }
+            Flat::Half(h, v) => h.round_slice(src, &mut v[at..at + src.len()]),
         }
     }
 
@@ -150,11 +200,16 @@ impl Flat {
                 .zip(src)
                 .for_each(|(d, &s)| *d += s),
             Flat::Half(h, v) => {
-                let h = *h;
-                v[at..at + src.len()]
-                    .iter_mut()
-                    .zip(src)
-                    .for_each(|(d, &s)| *d = h.round(h.widen(*d) + s));
+                let mut wide = [0f32; BLOCK];
+                for (d, s) in v[at..at + src.len()]
+                    .chunks_mut(BLOCK)
+                    .zip(src.chunks(BLOCK))
+                {
+                    let wide = &mut wide[..d.len()];
+                    h.widen_slice(d, wide);
+                    wide.iter_mut().zip(s).for_each(|(w, &x)| *w += x);
+                    h.round_slice(wide, d);
+                }
             }
         }
     }
@@ -173,10 +228,10 @@ impl Flat {
     pub fn sum_sq(&self, r: Range<usize>, scale: f32) -> f64 {
         match self {
             Flat::F32(v) => sum_sq8(&v[r], scale, |x| x),
-            Flat::Half(h, v) => {
-                let h = *h;
-                sum_sq8(&v[r], scale, |b| h.widen(b))
+            Flat::Half(Half::Bf16, v) => {
+                sum_sq8(&v[r], scale, |b| f32::from_bits(u32::from(b) << 16))
             }
+            Flat::Half(Half::F16, v) => sum_sq8(&v[r], scale, |b| f16::from_bits(b).to_f32()),
         }
     }
 
@@ -303,6 +358,43 @@ mod tests {
         );
         assert!(Half::F16.widen(Half::F16.round(70000.0)).is_infinite());
         assert_eq!(Half::F16.widen(Half::F16.round(65504.0)), 65504.0);
+    }
+
+    #[test]
+    fn bf16_rounding_matches_the_half_crate_everywhere() {
+        let mut specials = vec![
+            0.0f32,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::from_bits(0x7f80_0001),
+            f32::from_bits(0xffc1_2345),
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            f32::from_bits(1),
+            1.0 + 1.0 / 256.0,
+        ];
+        let mut x = 0x1234_5678u32;
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            specials.push(f32::from_bits(x));
+        }
+        let mut slice = vec![0u16; specials.len()];
+        Half::Bf16.round_slice(&specials, &mut slice);
+        for (v, s) in specials.iter().zip(&slice) {
+            assert_eq!(*s, bf16::from_f32(*v).to_bits(), "{v:e}");
+        }
+        let mut f16s = vec![0u16; specials.len()];
+        Half::F16.round_slice(&specials, &mut f16s);
+        let mut back = vec![0f32; specials.len()];
+        Half::F16.widen_slice(&f16s, &mut back);
+        for ((v, s), w) in specials.iter().zip(&f16s).zip(&back) {
+            assert_eq!(*s, f16::from_f32(*v).to_bits(), "{v:e}");
+            assert_eq!(w.to_bits(), f16::from_bits(*s).to_f32().to_bits());
+        }
     }
 
     #[test]
