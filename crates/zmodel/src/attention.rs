@@ -16,6 +16,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use crate::ops::f32_input;
 use crate::simd::{exp, vectorised};
 
 /// `y[b, t, d]` of causal multi-head attention over `qkv[b, t, 3d]` (q, k and v
@@ -58,13 +59,6 @@ impl Dims {
             hd: d / heads,
             heads,
         })
-    }
-}
-
-fn input<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((a, b))) => Ok(&v[a..b]),
-        _ => candle_core::bail!("attention: inputs must be contiguous f32"),
     }
 }
 
@@ -160,7 +154,7 @@ impl CustomOp1 for CausalAttention {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let qkv = input(s, l)?;
+        let qkv = f32_input(self.name(), s, l)?;
         let dm = Dims::of(l, self.n_heads)?;
         let (t, d, d3) = (dm.t, dm.d, 3 * dm.d);
         let mut y = vec![0f32; dm.b * t * d];
@@ -212,8 +206,8 @@ impl CustomOp2 for CausalAttentionGrad {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let qkv = input(s1, l1)?;
-        let dy = input(s2, l2)?;
+        let qkv = f32_input(self.name(), s1, l1)?;
+        let dy = f32_input(self.name(), s2, l2)?;
         let dm = Dims::of(l1, self.n_heads)?;
         let (t, d, d3, hd) = (dm.t, dm.d, 3 * dm.d, dm.hd);
         if dy.len() != dm.b * t * d {

@@ -36,7 +36,8 @@ fn tanh_via_exp(u: f32) -> f32 {
     1.0 - 2.0 / (exp(2.0 * u) + 1.0)
 }
 
-fn f32_input<'a>(name: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+/// A custom op's contiguous f32 input.
+pub(crate) fn f32_input<'a>(name: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
     let (start, end) = l
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg(format!("{name}: input must be contiguous")))?;
