@@ -317,7 +317,7 @@ impl Communicator for TcpCommunicator {
                     ),
                 });
             }
-            let mut buf = vec![0f32; total_len];
+            let mut buf = crate::zeroed_large(total_len);
             buf[own].copy_from_slice(&chunk);
             match l.direct(|d, c| d.all_gather(c, &mut buf)) {
                 Some(r) => r?,
