@@ -4,7 +4,9 @@
 //! - [`gpt`]: a GPT-2-style decoder as a chain of blocks (embedding, N transformer
 //!   blocks, final norm + tied head + loss). Every block's forward takes its
 //!   parameter tensors as arguments: the engine owns the parameters and decides
-//!   where they live (replicated, partitioned, gathered on demand).
+//!   where they live (replicated, partitioned, gathered on demand). A block's
+//!   backward is written by hand from the activations its forward saved (no
+//!   autograd graph, which would also hold the parameters).
 //! - [`attention`]: causal self-attention as one custom op (strided GEMMs on the
 //!   projection, softmax in cache, a recomputing backward).
 //! - [`ops`]: fused layer norm and GELU with their own backward; cross-entropy
