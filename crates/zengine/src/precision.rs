@@ -152,14 +152,6 @@ impl Flat {
         }
     }
 
-    /// The 16-bit type, if any.
-    pub fn kind(&self) -> Option<Half> {
-        match self {
-            Flat::F32(_) => None,
-            Flat::Half(h, _) => Some(*h),
-        }
-    }
-
     /// Elements `r` as f32.
     pub fn to_f32(&self, r: Range<usize>) -> Vec<f32> {
         match self {
