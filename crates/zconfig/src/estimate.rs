@@ -20,7 +20,7 @@
 
 use serde::Serialize;
 
-use crate::spec::{Dtype, ModelSpec};
+use crate::spec::{Dtype, ModelSpec, ZeroStage};
 
 /// Bytes per parameter of each kind of model state.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -55,7 +55,7 @@ impl StateBytes {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Row {
     /// ZeRO stage.
-    pub stage: u8,
+    pub stage: ZeroStage,
     /// `none`, `optimizer:cpu`, `optimizer:nvme`, `optimizer+param:cpu`, `optimizer+param:nvme`.
     pub offload: &'static str,
     /// Model states on each device.
@@ -81,13 +81,22 @@ pub fn model_state_rows(
         grad: g,
         optimizer: k,
     } = b;
-    let device = |stage: u8| match stage {
-        0 => (p + g + k) * psi,
-        1 => (p + g) * psi + k * psi / n,
-        2 => p * psi + (g + k) * psi / n,
-        _ => (p + g + k) * psi / n,
+    // Each kind of state costs its bytes per element on every device, or 1/N
+    // of that where the stage partitions it.
+    let device = |stage: ZeroStage| {
+        let share = |partitioned: bool, bytes: f64| {
+            if partitioned {
+                bytes * psi / n
+            } else {
+                bytes * psi
+            }
+        };
+        share(stage.partitions_parameters(), p)
+            + share(stage.partitions_gradients(), g)
+            + share(stage.partitions_optimizer(), k)
     };
-    let mut rows: Vec<Row> = (0..=3)
+    let mut rows: Vec<Row> = ZeroStage::ALL
+        .into_iter()
         .map(|s| Row {
             stage: s,
             offload: "none",
@@ -96,7 +105,10 @@ pub fn model_state_rows(
             nvme_bytes_per_node: 0.0,
         })
         .collect();
-    for s in 1..=3u8 {
+    for s in ZeroStage::ALL
+        .into_iter()
+        .filter(|s| s.partitions_optimizer())
+    {
         let on_device = device(s) - k * psi / n;
         let off = k * psi / n * w;
         rows.push(Row {
@@ -117,7 +129,7 @@ pub fn model_state_rows(
     let layer = p * largest_layer;
     let all = (p + g + k) * psi / n * w;
     rows.push(Row {
-        stage: 3,
+        stage: ZeroStage::Weights,
         offload: "optimizer+param:cpu",
         bytes_per_device: layer,
         host_bytes_per_node: all,
@@ -126,7 +138,7 @@ pub fn model_state_rows(
     // ZeRO-Infinity keeps gradients in host memory and the rest on NVMe.
     let grads = g * psi / n * w;
     rows.push(Row {
-        stage: 3,
+        stage: ZeroStage::Weights,
         offload: "optimizer+param:nvme",
         bytes_per_device: layer,
         host_bytes_per_node: grads,
@@ -199,7 +211,7 @@ mod tests {
         let rows = model_state_rows(psi, 2, 8, StateBytes::for_dtype(Dtype::Bf16), 1e7);
         let s2_cpu = rows
             .iter()
-            .find(|r| r.stage == 2 && r.offload == "optimizer:cpu")
+            .find(|r| r.stage == ZeroStage::Gradients && r.offload == "optimizer:cpu")
             .unwrap();
         assert_eq!(s2_cpu.bytes_per_device, 2.0 * psi + 2.0 * psi / 16.0);
         assert_eq!(s2_cpu.host_bytes_per_node, 12.0 * psi / 16.0 * 8.0);

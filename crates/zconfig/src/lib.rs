@@ -27,4 +27,4 @@ pub mod spec;
 pub use error::ConfigError;
 pub use hostfile::{HostEntry, Hostfile, Node, Placement, SlotFilter, Topology, TopologyOptions};
 pub use load::{data_files, load_job, LoadedJob};
-pub use spec::{DataFormat, Dtype, JobSpec, LossScaleSpec, Schedule};
+pub use spec::{DataFormat, Dtype, JobSpec, LossScaleSpec, Schedule, ZeroStage};

@@ -250,14 +250,11 @@ impl LoadedJob {
             ));
         }
         let z = &s.zero;
-        if z.stage > 3 {
-            return Err(self.invalid(
-                "zero.stage",
-                format!("must be 0, 1, 2 or 3, got {}", z.stage),
-            ));
-        }
         if z.reduce_bucket_size.0 == 0 {
             return Err(self.invalid("zero.reduce_bucket_size", "must be at least 1 element"));
+        }
+        if z.sub_group_size.0 == 0 {
+            return Err(self.invalid("zero.sub_group_size", "must be at least 1 element"));
         }
         if z.quantized_weights {
             return Err(self.unsupported("zero.quantized_weights", "ZeRO++ qwZ"));

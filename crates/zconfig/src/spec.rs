@@ -245,12 +245,82 @@ impl fmt::Display for Dtype {
     }
 }
 
+/// A ZeRO stage: what ranks partition instead of replicating. Written as its
+/// number in specs, metrics and checkpoints; code asks it questions by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "u8", into = "u8")]
+pub enum ZeroStage {
+    /// Stage 0: plain data parallelism, everything replicated.
+    Disabled,
+    /// Stage 1: optimizer states partitioned.
+    OptimizerStates,
+    /// Stage 2: optimizer states and gradients partitioned.
+    Gradients,
+    /// Stage 3: optimizer states, gradients and parameters partitioned.
+    Weights,
+}
+
+impl ZeroStage {
+    /// Every stage, lowest first.
+    pub const ALL: [ZeroStage; 4] = [
+        ZeroStage::Disabled,
+        ZeroStage::OptimizerStates,
+        ZeroStage::Gradients,
+        ZeroStage::Weights,
+    ];
+
+    /// The stage's number (0-3).
+    pub fn number(self) -> u8 {
+        self as u8
+    }
+
+    /// Adam's moments (and mixed precision's master weights) are kept for the
+    /// rank's own slice only, and each rank updates only that slice (stages 1-3).
+    pub fn partitions_optimizer(self) -> bool {
+        self >= ZeroStage::OptimizerStates
+    }
+
+    /// Gradients are kept for the rank's own slice only, so they are
+    /// reduce-scattered after every micro-batch (stages 2-3).
+    pub fn partitions_gradients(self) -> bool {
+        self >= ZeroStage::Gradients
+    }
+
+    /// Parameters are kept for the rank's own slice only and gathered for each
+    /// use (stage 3).
+    pub fn partitions_parameters(self) -> bool {
+        self == ZeroStage::Weights
+    }
+}
+
+impl TryFrom<u8> for ZeroStage {
+    type Error = String;
+    fn try_from(n: u8) -> Result<ZeroStage, String> {
+        ZeroStage::ALL
+            .get(usize::from(n))
+            .copied()
+            .ok_or_else(|| format!("zero.stage: must be 0, 1, 2 or 3, got {n}"))
+    }
+}
+
+impl From<ZeroStage> for u8 {
+    fn from(s: ZeroStage) -> u8 {
+        s.number()
+    }
+}
+
+impl fmt::Display for ZeroStage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.number(), f)
+    }
+}
+
 /// ZeRO settings (DeepSpeed's names and defaults where they exist).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ZeroSpec {
     /// 0 (data parallel), 1, 2 or 3.
-    pub stage: u8,
+    pub stage: ZeroStage,
     /// Run collectives while compute continues.
     pub overlap_comm: bool,
     /// Elements per gradient bucket.
@@ -259,6 +329,8 @@ pub struct ZeroSpec {
     pub prefetch_bucket_size: Size,
     /// Parameters smaller than this stay replicated at stage 3.
     pub param_persistence_threshold: Size,
+    /// Elements of a rank's slice that the optimizer updates at once.
+    pub sub_group_size: Size,
     /// ZeRO++ qwZ.
     pub quantized_weights: bool,
     /// ZeRO++ hpZ: ranks per secondary partition (1 = off).
@@ -274,11 +346,12 @@ pub struct ZeroSpec {
 impl Default for ZeroSpec {
     fn default() -> Self {
         Self {
-            stage: 0,
+            stage: ZeroStage::Disabled,
             overlap_comm: true,
             reduce_bucket_size: Size(50_000_000),
             prefetch_bucket_size: Size(50_000_000),
             param_persistence_threshold: Size(100_000),
+            sub_group_size: Size(1_000_000_000),
             quantized_weights: false,
             hpz_partition_size: 1,
             quantized_gradients: false,

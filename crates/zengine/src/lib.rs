@@ -4,9 +4,16 @@
 //! Layout:
 //! - [`flat`]: per-block flat f32 buffers and their partition over ranks, and the
 //!   bucket layout that makes a bucket's chunk r exactly rank r's slices.
-//! - [`engine`]: the step: block-by-block forward and backward, gradients reduced in
-//!   buckets while backward continues, global-norm clipping, AdamW, accounting.
+//! - [`engine`]: the engine's state, what each stage keeps, and the parameters
+//!   each use of a block needs.
+//! - `group`: one block's flat buffers and which of them are whole or a slice.
+//! - `micro_batch`: forward and backward of one micro-batch, block by block.
+//! - `reduce`: gradient buckets reduced while backward continues.
+//! - `step`: the optimizer step as named phases (norm, loss scale, clipping,
+//!   AdamW per sub-group, sharing the updated slices).
 //! - [`gather`]: stage 3's parameter all-gathers, in planned order, with prefetch.
+//! - [`accounting`]: memory by category and bytes sent per step.
+//! - [`error`]: why the engine failed.
 //! - [`adam`]: the fused AdamW update over a flat slice.
 //! - [`schedule`]: warmup and learning-rate schedules.
 //! - [`state`]: saving and loading the engine's state (checkpoints, initial weights),
@@ -18,13 +25,21 @@
 //! those buffers, so the arithmetic of every element is the same whatever the
 //! stage.
 
+pub mod accounting;
 pub mod adam;
 pub mod engine;
+pub mod error;
 pub mod flat;
 pub mod gather;
+mod group;
+mod micro_batch;
 pub mod precision;
+mod reduce;
 pub mod schedule;
 pub mod state;
+mod step;
 
-pub use engine::{Engine, EngineError, StepStats};
+pub use accounting::{MemoryUse, StepStats};
+pub use engine::Engine;
+pub use error::EngineError;
 pub use flat::{Bucket, GroupLayout};

@@ -7,11 +7,8 @@
 
 use zckpt::{Checkpoint, GroupEntry, LossScaleState, ParamEntry};
 
-use crate::engine::{Engine, EngineError};
-
-fn ckpt_err(e: zckpt::CkptError) -> EngineError {
-    EngineError::Usage(e.to_string())
-}
+use crate::engine::Engine;
+use crate::error::EngineError;
 
 impl Engine {
     /// The layout of every group, for the manifest.
@@ -51,7 +48,7 @@ impl Engine {
                         region
                     }
                 };
-                let p = own_of(g.updated_region(rank, self.stage));
+                let p = own_of(g.updated_params(rank, self.stage));
                 [p, own_of(g.exp_avg.clone()), own_of(g.exp_avg_sq.clone())]
             })
             .collect()
@@ -69,17 +66,16 @@ impl Engine {
                 .zip(theirs)
                 .all(|(a, b)| a.name == b.name && a.numel == b.numel && a.params == b.params);
         if !same {
-            return Err(EngineError::Usage(format!(
-                "{}: the checkpoint's parameter layout differs from the model's",
-                ckpt.dir.display()
-            )));
+            return Err(EngineError::LayoutMismatch {
+                dir: ckpt.dir.clone(),
+            });
         }
         let rank = self.comm.rank();
         let (stage, half) = (self.stage, self.half);
         for gi in 0..self.groups.len() {
             let padded = self.groups[gi].layout.padded;
             let full = |kind: &str| -> Result<Vec<f32>, EngineError> {
-                let mut v = ckpt.full_group(gi, kind).map_err(ckpt_err)?;
+                let mut v = ckpt.full_group(gi, kind)?;
                 v.resize(padded, 0.0);
                 Ok(v)
             };
@@ -88,14 +84,7 @@ impl Engine {
             let v = full("exp_avg_sq")?;
             let g = &mut self.groups[gi];
             g.install(&params, rank, stage, half);
-            let own = g.layout.slice(rank);
-            if stage == 0 {
-                g.exp_avg = m;
-                g.exp_avg_sq = v;
-            } else {
-                g.exp_avg = m[own.clone()].to_vec();
-                g.exp_avg_sq = v[own].to_vec();
-            }
+            g.install_moments(m, v, rank, stage);
         }
         let state = ckpt.manifest.loss_scale.as_ref();
         self.step = ckpt.manifest.step;
@@ -130,14 +119,19 @@ impl Engine {
         for g in &mut self.groups {
             let mut full = vec![0f32; g.layout.padded];
             for slot in &g.layout.params {
-                let (shape, values) = weights.get(&slot.name).ok_or_else(|| {
-                    EngineError::Usage(format!("model.init_from: no tensor `{}`", slot.name))
-                })?;
+                let (shape, values) =
+                    weights
+                        .get(&slot.name)
+                        .ok_or_else(|| EngineError::InitWeights {
+                            problem: format!("no tensor `{}`", slot.name),
+                        })?;
                 if shape != &slot.shape {
-                    return Err(EngineError::Usage(format!(
-                        "model.init_from: `{}` has shape {shape:?}, the model needs {:?}",
-                        slot.name, slot.shape
-                    )));
+                    return Err(EngineError::InitWeights {
+                        problem: format!(
+                            "`{}` has shape {shape:?}, the model needs {:?}",
+                            slot.name, slot.shape
+                        ),
+                    });
                 }
                 full[slot.range.clone()].copy_from_slice(values);
                 used += 1;
@@ -145,10 +139,9 @@ impl Engine {
             g.install(&full, rank, stage, half);
         }
         if used != weights.len() {
-            return Err(EngineError::Usage(format!(
-                "model.init_from: the file has {} tensors, the model {used}",
-                weights.len()
-            )));
+            return Err(EngineError::InitWeights {
+                problem: format!("the file has {} tensors, the model {used}", weights.len()),
+            });
         }
         self.vars.iter_mut().for_each(|v| *v = None);
         Ok(())

@@ -201,6 +201,30 @@ fn every_stage_gives_bit_identical_losses_and_parameters() {
     }
 }
 
+/// The optimizer walks a rank's slice in sub-groups of `zero.sub_group_size`
+/// elements; AdamW is element-wise, so any split gives the same bits as one
+/// sub-group (sizes that split blocks, span blocks and are 1 element).
+#[test]
+fn sub_group_size_changes_no_bit() {
+    for dtype in ["f32", "bf16"] {
+        for stage in [0u8, 3] {
+            let base = train(typed_spec(dtype, stage, 1, 2000, true, false, 4), 2);
+            for sub in [1u64, 97, 5000] {
+                let mut spec = typed_spec(dtype, stage, 1, 2000, true, false, 4);
+                spec.zero.sub_group_size = zconfig::spec::Size(sub);
+                let got = train(spec, 2);
+                for r in 0..2 {
+                    assert_eq!(got[r].losses, base[r].losses, "{dtype} stage {stage} sub-group {sub}");
+                    assert!(
+                        got[r].params == base[r].params,
+                        "{dtype} stage {stage} sub-group {sub}: parameters differ"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// With gradient accumulation stages 2-3 reduce every micro-batch; the result
 /// agrees with stage 0 to rounding.
 #[test]

@@ -51,7 +51,7 @@ pub fn save(
             model: spec.model.clone(),
             world_size: env.world_size,
             nodes,
-            stage: spec.zero.stage,
+            stage: spec.zero.stage.number(),
             dtype: spec.train.dtype,
             step,
             samples_consumed: samples,

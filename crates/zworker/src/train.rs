@@ -6,11 +6,11 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use zckpt::Checkpoint;
-use zcomm::Communicator;
+use zcomm::{Communicator, CounterSnapshot, Op};
 use zconfig::JobSpec;
-use zengine::Engine;
+use zengine::{Engine, MemoryUse};
 use zmodel::{Batcher, Corpus};
-use zproto::{StepReport, ToServer};
+use zproto::{CommBytes, MemBytes, OpBytes, StepReport, ToServer};
 
 use crate::checkpoint::save;
 use crate::control::ControlClient;
@@ -80,9 +80,9 @@ pub fn train(
             tokens: st.tokens,
             flops: st.tokens as f64 * flops_per_token,
             params,
-            zero_stage: spec.zero.stage,
-            mem: st.mem,
-            comm: st.comm,
+            zero_stage: spec.zero.stage.number(),
+            mem: mem_bytes(&st.mem),
+            comm: comm_bytes(&st.comm),
             loss_scale: st.loss_scale,
         }))?;
         if spec.checkpoint.dir.is_some() && every > 0 && st.step % every == 0 {
@@ -109,4 +109,33 @@ pub fn train(
         )?;
     }
     Ok(())
+}
+
+/// The engine's memory accounting as the control protocol reports it.
+fn mem_bytes(m: &MemoryUse) -> MemBytes {
+    MemBytes {
+        params: m.params,
+        grads: m.grads,
+        master: m.master,
+        optimizer: m.optimizer,
+        activations: m.activations,
+        comm_buffers: m.comm_buffers,
+        offload_buffers: 0,
+        peak_rss: m.peak_rss,
+    }
+}
+
+/// The communicator's byte counters as the control protocol reports them.
+fn comm_bytes(d: &CounterSnapshot) -> CommBytes {
+    CommBytes {
+        intra_node: d.intra_node,
+        inter_node: d.inter_node,
+        by_op: OpBytes {
+            all_reduce: d.op(Op::AllReduce),
+            reduce_scatter: d.op(Op::ReduceScatter),
+            all_gather: d.op(Op::AllGather),
+            all_to_all: d.op(Op::AllToAll),
+            broadcast: d.op(Op::Broadcast),
+        },
+    }
 }

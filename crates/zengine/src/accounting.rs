@@ -1,0 +1,78 @@
+//! What a step cost: memory by category and bytes sent, from the engine's own
+//! bookkeeping (not sampled), so that the ZeRO formulas can be checked exactly.
+//! The worker converts these to the control protocol's report types.
+
+use zcomm::CounterSnapshot;
+
+/// Memory by category on this rank, in bytes.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MemoryUse {
+    /// Working parameters held (full or the own slice).
+    pub params: u64,
+    /// Gradients held.
+    pub grads: u64,
+    /// Mixed precision's f32 master weights.
+    pub master: u64,
+    /// Adam's moments.
+    pub optimizer: u64,
+    /// Peak activations of the step (estimated from the shapes kept).
+    pub activations: u64,
+    /// Peak of gathered parameters, staged gradients and buckets in flight.
+    pub comm_buffers: u64,
+    /// Peak resident set size of the process.
+    pub peak_rss: u64,
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepStats {
+    /// 1-based step.
+    pub step: u64,
+    /// Mean loss over this rank's micro-batches.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping (infinite on an f16 overflow).
+    pub grad_norm: f64,
+    /// f16: the loss scale this step's gradients were computed with.
+    pub loss_scale: Option<f64>,
+    /// f16: the gradients overflowed, so no update was made.
+    pub skipped: bool,
+    /// Tokens this rank trained on.
+    pub tokens: u64,
+    /// Memory by category at the end of the step (activations and buffers: peak).
+    pub mem: MemoryUse,
+    /// Bytes this rank sent during the step, by op and by link.
+    pub comm: CounterSnapshot,
+}
+
+/// Bytes of memory transiently held, with the peak since the last step.
+#[derive(Default)]
+pub(crate) struct Transient {
+    now: u64,
+    pub(crate) peak: u64,
+}
+
+impl Transient {
+    pub(crate) fn add(&mut self, b: u64) {
+        self.now += b;
+        self.peak = self.peak.max(self.now);
+    }
+    pub(crate) fn sub(&mut self, b: u64) {
+        self.now = self.now.saturating_sub(b);
+    }
+}
+
+/// Peak resident set size of this process (Linux `VmHWM`), 0 where unknown.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}

@@ -1,0 +1,202 @@
+//! One block's flat buffers on one rank, and what the stage keeps of them.
+//!
+//! Every buffer is indexed by the group's flat element index; a buffer that holds
+//! only the rank's own slice is offset by the slice's start. [`Group`] is the
+//! one place that knows which buffers are whole and which are slices, so the
+//! step and the reduction ask it for ranges instead of comparing stage numbers.
+
+use std::ops::Range;
+
+use zconfig::ZeroStage;
+
+use crate::adam::{adamw, AdamStep, Buffers, Grads};
+use crate::flat::GroupLayout;
+use crate::precision::{Flat, Half};
+
+/// One block's flat buffers on this rank.
+pub(crate) struct Group {
+    pub(crate) layout: GroupLayout,
+    /// Stage 3 and above the persistence threshold: only the own slice is held.
+    pub(crate) partitioned: bool,
+    /// Working parameters (f32, or 16-bit under mixed precision): full (padded)
+    /// or, if partitioned, the own slice.
+    pub(crate) params: Flat,
+    /// Mixed precision: the f32 master copy of the region this rank updates.
+    pub(crate) master: Option<Vec<f32>>,
+    /// In the working precision: full, or the own slice where the stage
+    /// partitions gradients.
+    pub(crate) grads: Flat,
+    /// Partitioned gradients: this micro-batch's full gradient until its bucket
+    /// leaves.
+    pub(crate) staging: Option<Flat>,
+    /// Adam's moments of the region this rank updates.
+    pub(crate) exp_avg: Vec<f32>,
+    pub(crate) exp_avg_sq: Vec<f32>,
+}
+
+impl Group {
+    /// A group holding `full` (padded, f32) parameters as `stage` keeps them on
+    /// `rank`, with zero gradients and moments.
+    pub(crate) fn new(
+        layout: GroupLayout,
+        full: &[f32],
+        stage: ZeroStage,
+        partitioned: bool,
+        rank: usize,
+        half: Option<Half>,
+    ) -> Group {
+        let n = layout.slice_len();
+        let grads = if stage.partitions_gradients() {
+            n
+        } else {
+            layout.padded
+        };
+        let moments = if stage.partitions_optimizer() {
+            n
+        } else {
+            layout.padded
+        };
+        let mut group = Group {
+            partitioned,
+            params: Flat::zeros(half, 0),
+            master: None,
+            grads: Flat::zeros(half, grads),
+            staging: None,
+            exp_avg: vec![0f32; moments],
+            exp_avg_sq: vec![0f32; moments],
+            layout,
+        };
+        group.install(full, rank, stage, half);
+        group
+    }
+
+    /// The flat range this rank updates: everything at stage 0, else its slice.
+    pub(crate) fn updated_region(&self, rank: usize, stage: ZeroStage) -> Range<usize> {
+        if stage.partitions_optimizer() {
+            self.layout.slice(rank)
+        } else {
+            0..self.layout.padded
+        }
+    }
+
+    /// The gradient elements of the rank's own slice, as indices into `grads`
+    /// (the gradient norm adds these, so that every element counts once).
+    pub(crate) fn owned_grads(&self, rank: usize, stage: ZeroStage) -> Range<usize> {
+        if stage.partitions_gradients() {
+            0..self.grads.len()
+        } else {
+            self.layout.slice(rank)
+        }
+    }
+
+    /// The gradient elements the update reads, as indices into `grads`.
+    pub(crate) fn used_grads(&self, rank: usize, stage: ZeroStage) -> Range<usize> {
+        if stage.partitions_optimizer() {
+            self.owned_grads(rank, stage)
+        } else {
+            0..self.grads.len()
+        }
+    }
+
+    /// Installs full (padded, f32) parameters: the working copy this rank holds
+    /// and, under mixed precision, the master copy of the region it updates.
+    pub(crate) fn install(
+        &mut self,
+        full: &[f32],
+        rank: usize,
+        stage: ZeroStage,
+        half: Option<Half>,
+    ) {
+        let own = self.layout.slice(rank);
+        let held = if self.partitioned { &full[own] } else { full };
+        self.params = Flat::from_f32(half, held);
+        self.master = half.map(|_| full[self.updated_region(rank, stage)].to_vec());
+    }
+
+    /// Installs Adam's moments from full (padded) buffers.
+    pub(crate) fn install_moments(
+        &mut self,
+        m: Vec<f32>,
+        v: Vec<f32>,
+        rank: usize,
+        stage: ZeroStage,
+    ) {
+        let region = self.updated_region(rank, stage);
+        if region.len() == m.len() {
+            (self.exp_avg, self.exp_avg_sq) = (m, v);
+        } else {
+            self.exp_avg = m[region.clone()].to_vec();
+            self.exp_avg_sq = v[region].to_vec();
+        }
+    }
+
+    /// The f32 parameters of the region this rank updates (the master copy
+    /// under mixed precision).
+    pub(crate) fn updated_params(&self, rank: usize, stage: ZeroStage) -> Vec<f32> {
+        if let Some(m) = &self.master {
+            return m.clone();
+        }
+        let region = self.updated_region(rank, stage);
+        if self.partitioned {
+            self.params.to_f32(0..self.params.len())
+        } else {
+            self.params.to_f32(region)
+        }
+    }
+
+    /// AdamW over `range` (flat indices inside the region this rank updates),
+    /// in the group's precision: reads the gradient and moments, writes the
+    /// parameters (the master and the 16-bit working copy under mixed precision).
+    pub(crate) fn adam(
+        &mut self,
+        range: Range<usize>,
+        rank: usize,
+        stage: ZeroStage,
+        hp: &AdamStep,
+    ) {
+        let own = self.layout.slice(rank);
+        // Where flat index 0 of each buffer sits: a buffer of the own slice
+        // starts at the slice.
+        let at = |sliced: bool| if sliced { own.start } else { 0 };
+        let p_off = at(self.partitioned);
+        let g_off = at(stage.partitions_gradients());
+        let m_off = at(stage.partitions_optimizer());
+        let Group {
+            layout,
+            params,
+            master,
+            grads,
+            exp_avg,
+            exp_avg_sq,
+            ..
+        } = self;
+        for (r, decay) in layout.decay_runs(range) {
+            let shift = |off: usize| r.start - off..r.end - off;
+            let g = match &*grads {
+                Flat::F32(v) => Grads::F32(&v[shift(g_off)]),
+                Flat::Half(h, v) => Grads::Half(*h, &v[shift(g_off)]),
+            };
+            let (m, v) = (&mut exp_avg[shift(m_off)], &mut exp_avg_sq[shift(m_off)]);
+            let buffers = match (master.as_mut(), &mut *params) {
+                (Some(master), Flat::Half(h, w)) => Buffers {
+                    p: &mut master[shift(m_off)],
+                    g,
+                    m,
+                    v,
+                    working: Some((*h, &mut w[shift(p_off)])),
+                },
+                (_, Flat::F32(p)) => Buffers {
+                    p: &mut p[shift(p_off)],
+                    g,
+                    m,
+                    v,
+                    working: None,
+                },
+                (None, Flat::Half(..)) => {
+                    unreachable!("16-bit parameters always have a master copy")
+                }
+            };
+            adamw(buffers, decay, hp);
+        }
+    }
+}

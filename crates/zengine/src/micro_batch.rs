@@ -1,0 +1,313 @@
+//! One micro-batch: forward block by block, the head's loss and backward, then
+//! backward through the blocks, last first, handing each group's gradient to
+//! the reduction pipeline as soon as it is complete.
+//!
+//! zmodel's `block_forward` keeps a block's activations (tensors that reference
+//! no parameter) and `block_backward` turns them and `dy` into the block's
+//! parameter gradients and `dx` without an autograd graph. The embedding and
+//! the head (with the loss) use candle's autograd. With activation
+//! checkpointing a block keeps only its input and backward recomputes its
+//! forward on the parameters it gathered for backward anyway, so checkpointing
+//! at stage 3 costs no third gather. The embedding's autograd graph would hold
+//! its parameters, so at stage 3 (or with checkpointing) backward recomputes the
+//! lookup.
+
+use std::ops::Range;
+
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, Device, Storage, Tensor, Var};
+use zmodel::{Batch, BlockActs};
+
+use crate::engine::Engine;
+use crate::error::EngineError;
+use crate::gather::Prefetcher;
+use crate::precision::Flat;
+
+/// What a block keeps between its forward and backward.
+enum Saved {
+    /// Its activations (without checkpointing).
+    Acts(BlockActs),
+    /// Only its input; backward recomputes the forward.
+    Input(Tensor),
+}
+
+/// The state one micro-batch carries from phase to phase.
+struct MicroBatch {
+    tokens: Tensor,
+    targets: Tensor,
+    gather: Prefetcher,
+    /// The embedding's output with its autograd graph, where it is kept.
+    embedded: Option<Tensor>,
+    /// Per block, what its backward needs.
+    saved: Vec<Saved>,
+    /// Whether this micro-batch's gradients are reduced as backward goes.
+    reduce_now: bool,
+}
+
+fn tensors(vars: &[Var]) -> Vec<Tensor> {
+    vars.iter().map(|v| v.as_tensor().clone()).collect()
+}
+
+fn detached(vars: &[Var]) -> Vec<Tensor> {
+    vars.iter().map(|v| v.as_tensor().detach()).collect()
+}
+
+impl Engine {
+    /// Runs forward and backward of one micro-batch and accumulates its gradients.
+    /// Returns the micro-batch's mean loss.
+    pub fn forward_backward(&mut self, batch: &Batch) -> Result<f64, EngineError> {
+        let mut mb = self.begin_micro_batch(batch)?;
+        let x = self.forward_embedding(&mut mb)?;
+        let x = self.forward_blocks(&mut mb, x)?;
+        let (loss, dx) = self.head_forward_backward(&mut mb, &x)?;
+        let dx = self.backward_blocks(&mut mb, dx)?;
+        self.backward_embedding(&mut mb, &dx)?;
+        debug_assert!(mb.gather.finished());
+        self.loss_sum += loss;
+        self.tokens += (batch.rows * batch.seq_len) as u64;
+        self.micro += 1;
+        Ok(loss)
+    }
+
+    fn begin_micro_batch(&mut self, batch: &Batch) -> Result<MicroBatch, EngineError> {
+        let accum = self.spec.train.grad_accum;
+        if self.micro >= accum {
+            return Err(EngineError::TooManyMicroBatches { accum });
+        }
+        if self.micro == 0 {
+            self.counters_at_start = Some(self.comm.counters());
+        }
+        let shape = (batch.rows, batch.seq_len);
+        Ok(MicroBatch {
+            tokens: Tensor::from_slice(&batch.inputs, shape, &Device::Cpu)?,
+            targets: Tensor::from_slice(&batch.targets, shape, &Device::Cpu)?,
+            gather: self.prefetcher(),
+            embedded: None,
+            saved: Vec::with_capacity(self.model.config().n_layers),
+            reduce_now: self.stage.partitions_gradients() || self.micro + 1 == accum,
+        })
+    }
+
+    /// Group 0's forward; returns the blocks' input (without a graph).
+    fn forward_embedding(&mut self, mb: &mut MicroBatch) -> Result<Tensor, EngineError> {
+        let p0 = self.params_for(0, &mut mb.gather)?;
+        let x = if self.embedding_keeps_graph() {
+            let y = self.model.embed(&tensors(&p0), &mb.tokens)?;
+            let x = y.detach();
+            mb.embedded = Some(y);
+            x
+        } else {
+            self.model.embed(&detached(&p0), &mb.tokens)?
+        };
+        drop(p0);
+        self.release(0);
+        Ok(x)
+    }
+
+    /// The blocks' forward; each keeps its activations, or with checkpointing
+    /// only its input.
+    fn forward_blocks(
+        &mut self,
+        mb: &mut MicroBatch,
+        mut x: Tensor,
+    ) -> Result<Tensor, EngineError> {
+        let n_layers = self.model.config().n_layers;
+        let checkpointing = self.spec.train.activation_checkpointing;
+        for b in 1..=n_layers {
+            let p = self.params_for(b, &mut mb.gather)?;
+            let (y, acts) = self.model.block_forward(&detached(&p), &x)?;
+            mb.saved.push(if checkpointing {
+                Saved::Input(x)
+            } else {
+                Saved::Acts(acts)
+            });
+            x = y;
+            drop(p);
+            self.release(b);
+        }
+        let (rows, t) = mb.tokens.dims2()?;
+        let m = &self.spec.model;
+        let block_bytes = zconfig::estimate::gpt_block_activation_bytes(m, rows, t) as u64;
+        let input_bytes = (rows * t * m.d_model * 4) as u64;
+        let head_bytes = zconfig::estimate::gpt_head_activation_bytes(m, rows, t) as u64;
+        let n = n_layers as u64;
+        self.peak_activations = self.peak_activations.max(if checkpointing {
+            n * input_bytes + block_bytes + head_bytes
+        } else {
+            n * block_bytes + head_bytes
+        });
+        Ok(x)
+    }
+
+    /// The head with the tied embedding, forward and backward back to back.
+    /// Returns the loss and the gradient of the head's input.
+    fn head_forward_backward(
+        &mut self,
+        mb: &mut MicroBatch,
+        x: &Tensor,
+    ) -> Result<(f64, Tensor), EngineError> {
+        let head = self.model.config().n_layers + 1;
+        let ph = self.params_for(head, &mut mb.gather)?;
+        let pw = self.params_for(0, &mut mb.gather)?;
+        let head_in = Var::from_tensor(x)?;
+        let wte = pw[0].as_tensor();
+        let loss = self
+            .model
+            .head_loss(&tensors(&ph), wte, head_in.as_tensor(), &mb.targets)?;
+        let loss_value = f64::from(loss.to_scalar::<f32>()?);
+        if !loss_value.is_finite() {
+            return Err(EngineError::NonFinite {
+                step: self.step + 1,
+                what: "loss",
+                value: loss_value,
+            });
+        }
+        let grads = match &self.scaler {
+            Some(s) => (&loss * s.scale)?.backward()?,
+            None => loss.backward()?,
+        };
+        self.accumulate(head, &ph, &grads)?;
+        let dwte = grads.get(wte).ok_or_else(|| missing("wte (tied head)"))?;
+        let wte_range = self.groups[0].layout.params[0].range.clone();
+        add_grad(self.micro_grads(0), wte_range, dwte, "wte (tied head)")?;
+        let dx = grads
+            .get(head_in.as_tensor())
+            .cloned()
+            .ok_or_else(|| missing("the head's input"))?;
+        drop((grads, loss, ph, pw));
+        self.release(head);
+        self.release(0);
+        if mb.reduce_now {
+            self.group_done(head)?;
+        }
+        Ok((loss_value, dx))
+    }
+
+    /// Backward through the blocks, last first; returns the embedding's output
+    /// gradient.
+    fn backward_blocks(
+        &mut self,
+        mb: &mut MicroBatch,
+        mut dx: Tensor,
+    ) -> Result<Tensor, EngineError> {
+        for b in (1..=self.model.config().n_layers).rev() {
+            let p = detached(&self.params_for(b, &mut mb.gather)?);
+            let acts = match mb.saved.pop() {
+                Some(Saved::Acts(acts)) => acts,
+                Some(Saved::Input(x)) => self.model.block_forward(&p, &x)?.1,
+                None => return Err(missing(&format!("block {b}'s saved activations"))),
+            };
+            let (grads, dx_in) = self.model.block_backward(&p, &acts, &dx)?;
+            drop((acts, p));
+            self.accumulate_tensors(b, &grads.iter().collect::<Vec<_>>())?;
+            dx = dx_in;
+            self.release(b);
+            if mb.reduce_now {
+                self.group_done(b)?;
+            }
+        }
+        Ok(dx)
+    }
+
+    /// The embedding's backward (recomputing the lookup where no graph was kept).
+    fn backward_embedding(&mut self, mb: &mut MicroBatch, dx: &Tensor) -> Result<(), EngineError> {
+        let p0 = self.params_for(0, &mut mb.gather)?;
+        let y0 = match mb.embedded.take() {
+            Some(y) => y,
+            None => self.model.embed(&tensors(&p0), &mb.tokens)?,
+        };
+        let grads = (y0 * dx)?.sum_all()?.backward()?;
+        self.accumulate(0, &p0, &grads)?;
+        drop((grads, p0));
+        self.release(0);
+        if mb.reduce_now {
+            self.group_done(0)?;
+        }
+        Ok(())
+    }
+
+    /// The buffer this micro-batch's gradients of group `g` accumulate into:
+    /// the gradients themselves, or a staging buffer where the stage keeps only
+    /// the own slice (it leaves with the group's bucket).
+    fn micro_grads(&mut self, g: usize) -> &mut Flat {
+        let half = self.half;
+        let group = &mut self.groups[g];
+        if !self.stage.partitions_gradients() {
+            return &mut group.grads;
+        }
+        let comm_buffers = &mut self.comm_buffers;
+        group.staging.get_or_insert_with(|| {
+            let staging = Flat::zeros(half, group.layout.padded);
+            comm_buffers.add(staging.bytes());
+            staging
+        })
+    }
+
+    /// Adds a group's parameter gradients (from autograd) into its micro-batch
+    /// gradient buffer.
+    fn accumulate(&mut self, g: usize, vars: &[Var], grads: &GradStore) -> Result<(), EngineError> {
+        let slots = &self.groups[g].layout.params;
+        let tensors = slots
+            .iter()
+            .zip(vars)
+            .map(|(slot, var)| {
+                grads
+                    .get(var.as_tensor())
+                    .ok_or_else(|| missing(&slot.name))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.accumulate_tensors(g, &tensors)
+    }
+
+    /// Adds a group's parameter gradients, in slot order, into its micro-batch
+    /// gradient buffer.
+    fn accumulate_tensors(&mut self, g: usize, grads: &[&Tensor]) -> Result<(), EngineError> {
+        let slots = self.groups[g].layout.params.clone();
+        if slots.len() != grads.len() {
+            return Err(EngineError::BadGradient {
+                param: self.groups[g].layout.name.clone(),
+                problem: format!("{} gradients for {} parameters", grads.len(), slots.len()),
+            });
+        }
+        let buf = self.micro_grads(g);
+        for (slot, grad) in slots.iter().zip(grads) {
+            add_grad(buf, slot.range.clone(), grad, &slot.name)?;
+        }
+        Ok(())
+    }
+}
+
+fn missing(what: &str) -> EngineError {
+    EngineError::MissingGradient {
+        param: what.to_string(),
+    }
+}
+
+/// Adds a gradient tensor into `range` of `buf`, read in place from the
+/// tensor's storage (no copy out of candle first).
+fn add_grad(
+    buf: &mut Flat,
+    range: Range<usize>,
+    grad: &Tensor,
+    name: &str,
+) -> Result<(), EngineError> {
+    let bad = |problem: String| EngineError::BadGradient {
+        param: name.to_string(),
+        problem,
+    };
+    let grad = grad.contiguous()?;
+    let (storage, layout) = grad.storage_and_layout();
+    let values = match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => &v[a..b],
+        _ => return Err(bad("not f32 on the CPU".into())),
+    };
+    if values.len() != range.len() {
+        return Err(bad(format!(
+            "{} elements for a parameter of {}",
+            values.len(),
+            range.len()
+        )));
+    }
+    buf.add_f32(range.start, values);
+    Ok(())
+}

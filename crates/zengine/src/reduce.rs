@@ -1,0 +1,183 @@
+//! The gradient reduction pipeline: buckets leave as soon as backward is done
+//! with their groups, and are put away where the stage keeps gradients.
+//!
+//! Backward calls [`Engine::group_done`] after each group. When the last group
+//! of a bucket is done, the bucket is packed rank-major (see [`crate::flat`]) and
+//! handed to the communicator: an all-reduce where every rank updates
+//! everything (stage 0), else a reduce-scatter that hands each rank the sum of
+//! the slices it owns. With `overlap_comm` backward carries on while the
+//! reduction runs; finished reductions are put away at the next group and the
+//! rest when the step waits for them.
+
+use std::collections::VecDeque;
+
+use zcomm::Work;
+
+use crate::engine::Engine;
+use crate::error::EngineError;
+use crate::flat::{Bucket, GroupLayout};
+use crate::precision::Flat;
+
+/// A reduction in flight.
+struct PendingBucket {
+    bucket: usize,
+    work: Work<Vec<f32>>,
+    bytes: u64,
+}
+
+/// Gradient buckets and the reductions in flight, oldest first.
+pub(crate) struct Reducer {
+    buckets: Vec<Bucket>,
+    pending: VecDeque<PendingBucket>,
+    overlap: bool,
+}
+
+impl Reducer {
+    /// Buckets of at most `bucket_size` elements over groups laid out as
+    /// `layouts`; `overlap` lets reductions run while backward continues.
+    pub(crate) fn new(layouts: &[GroupLayout], bucket_size: usize, overlap: bool) -> Reducer {
+        Reducer {
+            buckets: Bucket::plan(layouts, bucket_size),
+            pending: VecDeque::new(),
+            overlap,
+        }
+    }
+
+    /// The bucket that group `g` closes, if it is the last of one.
+    fn closed_by(&self, g: usize) -> Option<usize> {
+        self.buckets
+            .iter()
+            .position(|b| b.groups.last() == Some(&g))
+    }
+}
+
+impl Engine {
+    /// Backward is done with group `g` for this micro-batch: launch the reduction
+    /// of its bucket if every group of the bucket is done.
+    pub(crate) fn group_done(&mut self, g: usize) -> Result<(), EngineError> {
+        self.finish_completed()?;
+        let Some(bi) = self.reducer.closed_by(g) else {
+            return Ok(()); // more groups of this bucket are still to come
+        };
+        let world = self.comm.world_size();
+        if world == 1 {
+            // Nothing to reduce: a staged gradient is already the rank's own.
+            if self.stage.partitions_gradients() {
+                for h in self.reducer.buckets[bi].groups.clone() {
+                    let s = self.take_staged(h)?;
+                    self.groups[h].grads.add_f32(0, &s.to_f32(0..s.len()));
+                }
+            }
+            return Ok(());
+        }
+        let packed = self.pack_bucket(bi)?;
+        let bytes = (packed.len() * 4) as u64;
+        self.comm_buffers.add(bytes);
+        let work = if self.stage.partitions_optimizer() {
+            self.comm.reduce_scatter_async(packed)
+        } else {
+            self.comm.all_reduce_async(packed)
+        };
+        let pending = PendingBucket {
+            bucket: bi,
+            work,
+            bytes,
+        };
+        if self.reducer.overlap {
+            self.reducer.pending.push_back(pending);
+        } else {
+            self.finish_bucket(pending)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for every reduction still in flight and puts it away.
+    pub(crate) fn wait_for_reductions(&mut self) -> Result<(), EngineError> {
+        while let Some(p) = self.reducer.pending.pop_front() {
+            self.finish_bucket(p)?;
+        }
+        Ok(())
+    }
+
+    /// Takes group `h`'s staged micro-batch gradient (partitioned gradients).
+    fn take_staged(&mut self, h: usize) -> Result<Flat, EngineError> {
+        let s = self.groups[h]
+            .staging
+            .take()
+            .ok_or_else(|| EngineError::MissingGradient {
+                param: format!("{} (staged)", self.groups[h].layout.name),
+            })?;
+        self.comm_buffers.sub(s.bytes());
+        Ok(s)
+    }
+
+    /// Bucket `bi`'s gradients, packed rank-major: the full gradient buffers, or
+    /// the staged micro-batch gradients where the stage partitions gradients.
+    fn pack_bucket(&mut self, bi: usize) -> Result<Vec<f32>, EngineError> {
+        let world = self.comm.world_size();
+        let layouts: Vec<GroupLayout> = self.groups.iter().map(|x| x.layout.clone()).collect();
+        if !self.stage.partitions_gradients() {
+            let views: Vec<&Flat> = self.groups.iter().map(|x| &x.grads).collect();
+            return Ok(self.reducer.buckets[bi].pack(&layouts, &views, world));
+        }
+        let mut staged: Vec<Flat> = vec![Flat::zeros(self.half, 0); self.groups.len()];
+        for h in self.reducer.buckets[bi].groups.clone() {
+            staged[h] = self.take_staged(h)?;
+        }
+        let views: Vec<&Flat> = staged.iter().collect();
+        Ok(self.reducer.buckets[bi].pack(&layouts, &views, world))
+    }
+
+    /// Puts away buckets that have finished, oldest first, so their buffers stop
+    /// counting as held (the communicator has already freed them).
+    fn finish_completed(&mut self) -> Result<(), EngineError> {
+        while let Some(p) = self.reducer.pending.pop_front() {
+            match p.work.try_wait() {
+                Ok(result) => self.put_reduced(p.bucket, p.bytes, result?),
+                Err(work) => {
+                    self.reducer.pending.push_front(PendingBucket { work, ..p });
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for a bucket and puts its result away.
+    fn finish_bucket(&mut self, p: PendingBucket) -> Result<(), EngineError> {
+        let reduced = p.work.wait()?;
+        self.put_reduced(p.bucket, p.bytes, reduced);
+        Ok(())
+    }
+
+    /// Puts a reduced bucket where the stage keeps gradients: the whole
+    /// all-reduced bucket into full buffers (stage 0), the own slices into full
+    /// buffers (stage 1), or added to the own slices (partitioned gradients).
+    fn put_reduced(&mut self, bucket: usize, bytes: u64, reduced: Vec<f32>) {
+        self.comm_buffers.sub(bytes);
+        let world = self.comm.world_size();
+        let rank = self.comm.rank();
+        let layouts: Vec<GroupLayout> = self.groups.iter().map(|x| x.layout.clone()).collect();
+        let bucket = &self.reducer.buckets[bucket];
+        if !self.stage.partitions_optimizer() {
+            let mut bufs: Vec<Flat> = self
+                .groups
+                .iter_mut()
+                .map(|g| std::mem::replace(&mut g.grads, Flat::F32(Vec::new())))
+                .collect();
+            bucket.unpack(&layouts, &reduced, &mut bufs, world);
+            for (g, b) in self.groups.iter_mut().zip(bufs) {
+                g.grads = b;
+            }
+        } else if !self.stage.partitions_gradients() {
+            for (g, part) in bucket.own_parts(&layouts) {
+                let own = layouts[g].slice(rank);
+                self.groups[g].grads.set_f32(own.start, &reduced[part]);
+            }
+        } else {
+            for (g, part) in bucket.own_parts(&layouts) {
+                self.groups[g].grads.add_f32(0, &reduced[part]);
+            }
+        }
+    }
+}

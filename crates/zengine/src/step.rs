@@ -1,0 +1,296 @@
+//! Finishing an optimizer step, as named phases (DeepSpeed's stage-3 `step()`
+//! has the same skeleton): wait for the reductions, average and unscale,
+//! the global norm, the overflow check and loss scale, clipping, then AdamW
+//! sub-group by sub-group, and sharing the updated slices.
+//!
+//! The optimizer walks the region this rank updates as a sequence of
+//! sub-groups of at most `zero.sub_group_size` elements, each possibly spanning
+//! several blocks. AdamW is element-wise, so the split changes no bit; it is
+//! the unit that NVMe offload swaps in and out.
+
+use std::ops::Range;
+
+use crate::accounting::{peak_rss_bytes, MemoryUse, StepStats, Transient};
+use crate::adam::AdamStep;
+use crate::engine::Engine;
+use crate::error::EngineError;
+use crate::group::Group;
+use crate::precision::Flat;
+use crate::schedule::lr_at;
+
+/// Optimizer hyper-parameters the job spec does not expose (DeepSpeed's defaults).
+const BETA1: f32 = 0.9;
+const BETA2: f32 = 0.999;
+const EPS: f32 = 1e-8;
+
+/// Part of the region this rank updates: flat ranges of one or more groups,
+/// updated together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SubGroup {
+    /// (group index, flat range inside that group), in group order.
+    pub(crate) pieces: Vec<(usize, Range<usize>)>,
+}
+
+/// Splits the per-group `regions` (in group order) into consecutive sub-groups
+/// of at most `max` elements (at least 1).
+pub(crate) fn plan_sub_groups(regions: &[Range<usize>], max: usize) -> Vec<SubGroup> {
+    let max = max.max(1);
+    let mut out = Vec::new();
+    let mut cur = SubGroup { pieces: Vec::new() };
+    let mut room = max;
+    for (g, region) in regions.iter().enumerate() {
+        let mut at = region.start;
+        while at < region.end {
+            let end = region.end.min(at + room);
+            cur.pieces.push((g, at..end));
+            room -= end - at;
+            at = end;
+            if room == 0 {
+                out.push(std::mem::replace(&mut cur, SubGroup { pieces: Vec::new() }));
+                room = max;
+            }
+        }
+    }
+    if !cur.pieces.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+impl Engine {
+    /// Finishes the optimizer step after `grad_accum` micro-batches.
+    pub fn step(&mut self) -> Result<StepStats, EngineError> {
+        let accum = self.spec.train.grad_accum;
+        if self.micro != accum {
+            return Err(EngineError::StepTooEarly {
+                done: self.micro,
+                accum,
+            });
+        }
+        self.wait_for_reductions()?;
+        let step = self.step + 1;
+        let loss_scale = self.scaler.as_ref().map(|s| s.scale);
+        let grad_scale = self.average_gradients(loss_scale);
+        let grad_norm = self.global_grad_norm(grad_scale)?;
+        let overflow = self.check_overflow(step, grad_norm)?;
+        let t = &self.spec.train;
+        let lr = lr_at(self.updates + 1, t.steps, t.lr, t.warmup_steps, t.schedule);
+        if !overflow {
+            let grad_scale = self.clip_gradients(grad_norm, grad_scale);
+            self.updates += 1;
+            let hp = AdamStep {
+                lr: lr as f32,
+                beta1: BETA1,
+                beta2: BETA2,
+                eps: EPS,
+                weight_decay: self.spec.train.weight_decay as f32,
+                step: self.updates,
+                grad_scale,
+            };
+            for sub in self.sub_groups() {
+                self.optimizer_step(&sub, &hp);
+            }
+            self.share_updated_params()?;
+        }
+        for g in &mut self.groups {
+            g.grads.fill_zero();
+        }
+        Ok(self.finish_step(step, lr, grad_norm, loss_scale, overflow))
+    }
+
+    /// Averages over ranks and micro-batches and unscales (a power of two): f32
+    /// gradients in place. Returns the factor still to apply as gradients are
+    /// read (16-bit gradients are scaled as Adam reads them).
+    fn average_gradients(&mut self, loss_scale: Option<f64>) -> f32 {
+        let (world, accum) = (self.comm.world_size(), self.spec.train.grad_accum);
+        let scale = (1.0 / (world * accum) as f64 / loss_scale.unwrap_or(1.0)) as f32;
+        let rank = self.comm.rank();
+        let stage = self.stage;
+        let mut pending = scale;
+        for g in &mut self.groups {
+            let r = g.used_grads(rank, stage);
+            if let Flat::F32(v) = &mut g.grads {
+                v[r].iter_mut().for_each(|x| *x *= scale);
+                pending = 1.0;
+            }
+        }
+        pending
+    }
+
+    /// The global gradient norm: each rank's owned slices, added across ranks
+    /// in rank order (an f64 sum sent as two f32 words, so it is exact enough
+    /// and the same on every rank).
+    fn global_grad_norm(&self, grad_scale: f32) -> Result<f64, EngineError> {
+        let (world, rank) = (self.comm.world_size(), self.comm.rank());
+        let own_sq: f64 = self
+            .groups
+            .iter()
+            .map(|g| g.grads.sum_sq(g.owned_grads(rank, self.stage), grad_scale))
+            .sum();
+        let hi = own_sq as f32;
+        let lo = (own_sq - f64::from(hi)) as f32;
+        let parts = self.comm.all_gather(vec![hi, lo], 2 * world)?;
+        let total_sq: f64 = parts
+            .chunks(2)
+            .map(|p| f64::from(p[0]) + f64::from(p[1]))
+            .sum();
+        Ok(total_sq.sqrt())
+    }
+
+    /// Whether the gradients overflowed. f16: updates the loss scale, and an
+    /// overflow at the minimum scale fails; other dtypes: an overflow fails.
+    fn check_overflow(&mut self, step: u64, grad_norm: f64) -> Result<bool, EngineError> {
+        let overflow = !grad_norm.is_finite();
+        let Some(scaler) = &mut self.scaler else {
+            if overflow {
+                return Err(EngineError::NonFinite {
+                    step,
+                    what: "gradient norm",
+                    value: grad_norm,
+                });
+            }
+            return Ok(false);
+        };
+        if overflow && scaler.at_minimum() {
+            return Err(EngineError::NonFinite {
+                step,
+                what: "gradient norm at the minimum loss scale",
+                value: grad_norm,
+            });
+        }
+        scaler.update(step as i64 - 1, overflow);
+        Ok(overflow)
+    }
+
+    /// Clips by the global norm: f32 gradients in place, 16-bit ones through the
+    /// returned factor that Adam applies as it reads them.
+    fn clip_gradients(&mut self, grad_norm: f64, grad_scale: f32) -> f32 {
+        let clip = self.spec.train.grad_clip;
+        if clip <= 0.0 || grad_norm <= clip {
+            return grad_scale;
+        }
+        let coef = (clip / (grad_norm + 1e-6)) as f32;
+        if self.half.is_some() {
+            return grad_scale * coef;
+        }
+        let (rank, stage) = (self.comm.rank(), self.stage);
+        for g in &mut self.groups {
+            let r = g.used_grads(rank, stage);
+            if let Flat::F32(v) = &mut g.grads {
+                v[r].iter_mut().for_each(|x| *x *= coef);
+            }
+        }
+        grad_scale
+    }
+
+    /// The region this rank updates, as sub-groups of `zero.sub_group_size`.
+    pub(crate) fn sub_groups(&self) -> Vec<SubGroup> {
+        let rank = self.comm.rank();
+        let regions: Vec<Range<usize>> = self
+            .groups
+            .iter()
+            .map(|g| g.updated_region(rank, self.stage))
+            .collect();
+        plan_sub_groups(&regions, self.spec.zero.sub_group_size.0 as usize)
+    }
+
+    /// AdamW on one sub-group.
+    fn optimizer_step(&mut self, sub: &SubGroup, hp: &AdamStep) {
+        let (rank, stage) = (self.comm.rank(), self.stage);
+        for (g, range) in &sub.pieces {
+            self.groups[*g].adam(range.clone(), rank, stage, hp);
+        }
+    }
+
+    /// Shares the updated slices where ranks hold whole parameters but update
+    /// only their slice (stages 1-2, and whole groups at stage 3), and drops
+    /// the cached parameter Vars.
+    fn share_updated_params(&mut self) -> Result<(), EngineError> {
+        let (world, rank) = (self.comm.world_size(), self.comm.rank());
+        if self.stage.partitions_optimizer() && world > 1 {
+            let mut works = Vec::new();
+            for (i, g) in self.groups.iter().enumerate() {
+                if !g.partitioned {
+                    let own = g.params.words(g.layout.slice(rank));
+                    let words = Flat::words_for(self.half, g.layout.padded);
+                    works.push((i, self.comm.all_gather_async(own, words)));
+                }
+            }
+            for (i, w) in works {
+                self.groups[i].params = Flat::from_words(self.half, w.wait()?);
+            }
+        }
+        self.vars.iter_mut().for_each(|v| *v = None);
+        Ok(())
+    }
+
+    /// The step's statistics; resets the per-step accounting.
+    fn finish_step(
+        &mut self,
+        step: u64,
+        lr: f64,
+        grad_norm: f64,
+        loss_scale: Option<f64>,
+        skipped: bool,
+    ) -> StepStats {
+        let counters = self.comm.counters();
+        let comm = counters.since(&self.counters_at_start.take().unwrap_or(counters));
+        let bytes = |f: &dyn Fn(&Group) -> u64| self.groups.iter().map(f).sum::<u64>();
+        let mem = MemoryUse {
+            params: bytes(&|g| g.params.bytes()),
+            grads: bytes(&|g| g.grads.bytes()),
+            master: bytes(&|g| g.master.as_ref().map_or(0, |m| (m.len() * 4) as u64)),
+            optimizer: bytes(&|g| ((g.exp_avg.len() + g.exp_avg_sq.len()) * 4) as u64),
+            activations: self.peak_activations,
+            comm_buffers: self.comm_buffers.peak,
+            peak_rss: peak_rss_bytes(),
+        };
+        let stats = StepStats {
+            step,
+            loss: self.loss_sum / self.spec.train.grad_accum as f64,
+            lr,
+            grad_norm,
+            loss_scale,
+            skipped,
+            tokens: self.tokens,
+            mem,
+            comm,
+        };
+        self.step = step;
+        self.micro = 0;
+        self.loss_sum = 0.0;
+        self.tokens = 0;
+        self.comm_buffers = Transient::default();
+        self.peak_activations = 0;
+        stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sub_groups_cover_every_region_once_in_order() {
+        let regions = [0..10, 4..4, 3..8, 0..7];
+        for max in [1, 3, 5, 7, 100] {
+            let subs = plan_sub_groups(&regions, max);
+            let mut flat = Vec::new();
+            for s in &subs {
+                let len: usize = s.pieces.iter().map(|(_, r)| r.len()).sum();
+                assert!(len <= max && len > 0, "max {max}: sub-group of {len}");
+                for (g, r) in &s.pieces {
+                    flat.extend(r.clone().map(|i| (*g, i)));
+                }
+            }
+            let want: Vec<(usize, usize)> = regions
+                .iter()
+                .enumerate()
+                .flat_map(|(g, r)| r.clone().map(move |i| (g, i)))
+                .collect();
+            assert_eq!(flat, want, "max {max}");
+            assert_eq!(subs.len(), want.len().div_ceil(max), "max {max}");
+        }
+        assert_eq!(plan_sub_groups(&regions, usize::MAX).len(), 1);
+    }
+}
