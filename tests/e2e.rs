@@ -702,7 +702,7 @@ fn bench_commands_report_rows() {
             "--workers",
             "3",
             "--sizes",
-            "4K,1M",
+            "4KiB,1M",
             "--ops",
             "all_reduce,all_gather",
             "--json",

@@ -246,9 +246,48 @@ pub struct Sshd {
     pub port: u16,
 }
 
+/// Set by `.ci/run`: an SSH test that cannot start its sshd fails instead of
+/// skipping.
+pub const REQUIRE_SSHD: &str = "ZRUN_REQUIRE_SSHD";
+
+/// Why this machine cannot start a test sshd, if it cannot.
+fn sshd_missing() -> Option<String> {
+    let on_path = |name: &str| {
+        std::env::var_os("PATH")
+            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()))
+    };
+    if !on_path("sshd") && !Path::new("/usr/sbin/sshd").is_file() {
+        return Some(
+            "/usr/sbin/sshd not found; install openssh-server to run the SSH tests".into(),
+        );
+    }
+    if !on_path("ssh-keygen") {
+        return Some("ssh-keygen not found; install openssh-client to run the SSH tests".into());
+    }
+    if !nix::unistd::geteuid().is_root() {
+        return Some("starting a test sshd needs root (it creates /run/sshd)".into());
+    }
+    None
+}
+
 impl Sshd {
+    /// Starts one, or returns `None` after printing why this machine cannot
+    /// (unless `ZRUN_REQUIRE_SSHD` is set, as CI sets it: then it panics).
+    /// Panics with the script's message if starting fails.
+    pub fn start_or_skip(test: &str) -> Option<Sshd> {
+        if let Some(why) = sshd_missing() {
+            assert!(
+                std::env::var_os(REQUIRE_SSHD).is_none(),
+                "{test}: {why} ({REQUIRE_SSHD} is set, so this is a failure)"
+            );
+            eprintln!("{test}: skipped: {why}");
+            return None;
+        }
+        Some(Sshd::start())
+    }
+
     /// Starts one; panics with the script's message if it cannot.
-    pub fn start() -> Sshd {
+    fn start() -> Sshd {
         let dir = tempfile::tempdir().expect("temp dir");
         let out = Command::new("bash")
             .arg(repo_root().join("scripts/sshd.sh"))

@@ -32,57 +32,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-pub use shm::segment_path;
 pub use tcp::{TcpCommunicator, TcpOptions};
-
-/// Collective operations, for accounting and messages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
-    /// Sum over ranks, result everywhere.
-    AllReduce,
-    /// Sum over ranks, rank r keeps chunk r.
-    ReduceScatter,
-    /// Concatenate every rank's chunk everywhere.
-    AllGather,
-    /// Rank r sends its j-th piece to rank j.
-    AllToAll,
-    /// One rank's buffer everywhere.
-    Broadcast,
-    /// Wait for every rank.
-    Barrier,
-}
-
-impl Op {
-    /// torch.distributed's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce",
-            Op::ReduceScatter => "reduce_scatter",
-            Op::AllGather => "all_gather",
-            Op::AllToAll => "all_to_all",
-            Op::Broadcast => "broadcast",
-            Op::Barrier => "barrier",
-        }
-    }
-
-    fn index(self) -> usize {
-        self as usize
-    }
-
-    /// The operation of [`Op::index`].
-    fn from_index(i: usize) -> Option<Op> {
-        [
-            Op::AllReduce,
-            Op::ReduceScatter,
-            Op::AllGather,
-            Op::AllToAll,
-            Op::Broadcast,
-            Op::Barrier,
-        ]
-        .get(i)
-        .copied()
-    }
-}
+pub use zproto::Op;
 
 /// A communication failure. Every variant names the operation, group and peer.
 #[derive(Debug, Clone, thiserror::Error)]

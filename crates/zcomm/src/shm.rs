@@ -18,7 +18,6 @@
 
 use std::fs::OpenOptions;
 use std::io::{self, Read, Write};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,11 +33,6 @@ const RING_META: usize = 128;
 /// Flag bytes per rank in the direct area.
 const DIRECT_META: usize = 512;
 const MAGIC: u64 = 0x7a72_756e_7368_6d31; // "zrunshm1"
-
-/// Where a job's segments live.
-pub fn segment_path(name: &str) -> PathBuf {
-    PathBuf::from("/dev/shm").join(name)
-}
 
 /// A mapped segment.
 pub(crate) struct Segment {
@@ -103,7 +97,7 @@ impl Segment {
         local_rank: usize,
         deadline: Instant,
     ) -> io::Result<Arc<Segment>> {
-        let path = segment_path(name);
+        let path = zproto::shm_segment_path(name);
         let len = Segment::len(local);
         let file = if local_rank == 0 {
             let _ = std::fs::remove_file(&path); // a stale segment of a crashed job with this name

@@ -458,33 +458,48 @@ pub enum Device {
 #[serde(transparent)]
 pub struct Size(pub u64);
 
+/// Parses a quantity: a number (`5e7`, `1.5`) with an optional unit. Letter
+/// units are decimal, as in parameter counts (`k` 1e3, `M` 1e6, `G` or `B`
+/// 1e9, `T` 1e12); `KiB`, `MiB`, `GiB`, `TiB` are binary. The one parser for
+/// every size and count zrun accepts (spec keys, `--sizes`, `--params`).
+pub fn parse_quantity(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E')
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult: f64 = match unit.trim() {
+        "" => 1.0,
+        "k" | "K" => 1e3,
+        "M" => 1e6,
+        "G" | "B" => 1e9,
+        "T" => 1e12,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        "TiB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        u => {
+            return Err(format!(
+            "unknown unit `{u}` in `{s}` (use k, M, G, T (decimal) or KiB, MiB, GiB, TiB (binary))"
+        ))
+        }
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number with an optional unit, like 5e7 or 64MiB"))?;
+    let q = v * mult;
+    if !(q.is_finite() && q >= 0.0) {
+        return Err(format!("`{s}` must be a non-negative number"));
+    }
+    Ok(q)
+}
+
 impl Size {
-    /// Parses a size written as a number with an optional unit (k, M, G, KiB, MiB, GiB).
+    /// Parses a whole, non-negative size ([`parse_quantity`]'s units).
     pub fn parse(s: &str) -> Result<Size, String> {
-        let t = s.trim();
-        let split = t
-            .find(|c: char| c.is_ascii_alphabetic() && c != 'e' && c != 'E')
-            .unwrap_or(t.len());
-        let (num, unit) = t.split_at(split);
-        let mult: f64 = match unit.trim() {
-            "" => 1.0,
-            "k" | "K" => 1e3,
-            "M" => 1e6,
-            "G" => 1e9,
-            "KiB" | "Ki" => 1024.0,
-            "MiB" | "Mi" => 1024.0 * 1024.0,
-            "GiB" | "Gi" => 1024.0 * 1024.0 * 1024.0,
-            u => {
-                return Err(format!(
-                    "unknown unit `{u}` in size `{s}` (use k, M, G, KiB, MiB, GiB)"
-                ))
-            }
-        };
-        let v: f64 = num
-            .trim()
-            .parse()
-            .map_err(|_| format!("`{s}` is not a size"))?;
-        Size::from_f64(v * mult).ok_or_else(|| format!("`{s}` is not a non-negative whole size"))
+        Size::from_f64(parse_quantity(s)?)
+            .ok_or_else(|| format!("`{s}` is not a non-negative whole size"))
     }
 
     fn from_f64(v: f64) -> Option<Size> {
@@ -539,6 +554,17 @@ mod tests {
         assert_eq!(Size::parse("5e7").unwrap(), Size(50_000_000));
         assert_eq!(Size::parse("64MiB").unwrap(), Size(64 << 20));
         assert_eq!(Size::parse("2k").unwrap(), Size(2000));
+        assert_eq!(Size::parse("64M").unwrap(), Size(64_000_000));
+        assert_eq!(Size::parse("2G").unwrap(), Size(2_000_000_000));
+        assert_eq!(Size::parse("2GiB").unwrap(), Size(2 << 30));
+        assert_eq!(Size::parse("3KiB").unwrap(), Size(3072));
+        assert_eq!(Size::parse("1TiB").unwrap(), Size(1 << 40));
+        assert_eq!(parse_quantity("1.3B").unwrap(), 1.3e9);
+        assert!(
+            Size::parse("64Mi").is_err(),
+            "only the full binary spelling"
+        );
+        assert!(Size::parse("64mb").is_err());
         assert_eq!(Size::parse("1.5GiB").unwrap(), Size(3 << 29));
         assert!(Size::parse("12 parsecs").is_err());
         assert!(Size::parse("-3").is_err());

@@ -214,7 +214,10 @@ fn sub_group_size_changes_no_bit() {
                 spec.zero.sub_group_size = zconfig::spec::Size(sub);
                 let got = train(spec, 2);
                 for r in 0..2 {
-                    assert_eq!(got[r].losses, base[r].losses, "{dtype} stage {stage} sub-group {sub}");
+                    assert_eq!(
+                        got[r].losses, base[r].losses,
+                        "{dtype} stage {stage} sub-group {sub}"
+                    );
                     assert!(
                         got[r].params == base[r].params,
                         "{dtype} stage {stage} sub-group {sub}: parameters differ"

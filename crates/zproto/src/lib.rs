@@ -6,6 +6,8 @@
 //! - [`auth`]: the job token, and the HMAC challenge-response that proves knowledge
 //!   of it without sending it. The data plane between workers uses the same proofs.
 //! - [`msg`]: the control-plane messages.
+//! - [`names`]: names both binaries must spell the same (collectives, the
+//!   shared-memory segment).
 //!
 //! The design decision to know: zrun is the only server and it never trusts a
 //! connection until the peer has answered a fresh nonce with
@@ -15,6 +17,7 @@
 pub mod auth;
 pub mod frame;
 pub mod msg;
+pub mod names;
 
 pub use auth::{Nonce, Proof, Token};
 pub use frame::{FrameError, HANDSHAKE_MAX, MAX_FRAME};
@@ -22,3 +25,4 @@ pub use msg::{
     BenchCommTask, BenchRow, CommBytes, KernelRow, MemBytes, OpBytes, StepReport, Task, ToServer,
     ToWorker, TrainTask, Welcome, CONTROL_CONTEXT, SERVER_CONTEXT,
 };
+pub use names::{shm_segment_name, shm_segment_path, Op};

@@ -8,35 +8,21 @@ use std::time::Duration;
 
 use anyhow::Result;
 use zconfig::{Node, Topology};
-use zproto::{BenchCommTask, BenchRow, Task};
+use zproto::{BenchCommTask, BenchRow, Op, Task};
 
 use crate::cli::{BenchCommArgs, BenchKernelsArgs};
 use crate::plan::{default_worker_bin, LaunchPlan};
 use crate::supervise::{run_job, Outcome, Sink};
 use crate::Failure;
 
-const OPS: [&str; 5] = [
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "all_to_all",
-    "broadcast",
-];
 const TRANSPORTS: [&str; 2] = ["tcp", "shm"];
 
-/// Parses `1M`, `64M`, `512K`, `1G`, `4096` (binary units).
+/// Parses a message size (zconfig's units: `64MiB` binary, `64M` decimal) that
+/// is a positive multiple of 4 bytes (f32 elements).
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let (num, mult) = match t.chars().last() {
-        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
-        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
-        _ => (t, 1),
-    };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("--sizes: `{s}` is not a size like 64M"))?;
-    let bytes = n * mult;
+    let bytes = zconfig::spec::Size::parse(s)
+        .map_err(|e| format!("--sizes: {e}"))?
+        .0;
     if bytes < 4 || !bytes.is_multiple_of(4) {
         return Err(format!(
             "--sizes: `{s}` must be a positive multiple of 4 bytes (f32 elements)"
@@ -141,10 +127,11 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
         .collect::<Result<_, _>>()
         .map_err(Failure::bad_input)?;
     for op in &args.ops {
-        if !OPS.contains(&op.as_str()) {
+        if !Op::from_name(op).is_some_and(|o| Op::DATA.contains(&o)) {
+            let valid: Vec<&str> = Op::DATA.iter().map(|o| o.name()).collect();
             return Err(Failure::bad_input(format!(
                 "--ops: unknown op `{op}` (valid: {})",
-                OPS.join(", ")
+                valid.join(", ")
             )));
         }
     }
@@ -222,8 +209,9 @@ mod tests {
 
     #[test]
     fn sizes_are_binary() {
-        assert_eq!(parse_bytes("64M").unwrap(), 64 << 20);
-        assert_eq!(parse_bytes("1K").unwrap(), 1024);
+        assert_eq!(parse_bytes("64MiB").unwrap(), 64 << 20);
+        assert_eq!(parse_bytes("64M").unwrap(), 64_000_000);
+        assert_eq!(parse_bytes("1KiB").unwrap(), 1024);
         assert_eq!(parse_bytes("4096").unwrap(), 4096);
         assert!(parse_bytes("3").is_err());
         assert!(parse_bytes("lots").is_err());

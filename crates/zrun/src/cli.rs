@@ -218,11 +218,11 @@ pub struct BenchCommArgs {
     /// Workers (local processes).
     #[arg(long, default_value_t = 2)]
     pub workers: usize,
-    /// Message sizes in bytes; K, M, G are binary (nccl-tests' convention).
-    #[arg(long, value_delimiter = ',', default_values_t = ["1M".to_string(), "16M".to_string(), "64M".to_string()])]
+    /// Message sizes in bytes: `64MiB` (binary) or `64M` (decimal), as everywhere.
+    #[arg(long, value_delimiter = ',', default_values_t = ["1MiB".to_string(), "16MiB".to_string(), "64MiB".to_string()])]
     pub sizes: Vec<String>,
     /// Collectives to time.
-    #[arg(long, value_delimiter = ',', default_values_t = ["all_reduce".to_string(), "reduce_scatter".to_string(), "all_gather".to_string(), "all_to_all".to_string(), "broadcast".to_string()])]
+    #[arg(long, value_delimiter = ',', default_values_t = zproto::Op::DATA.map(|op| op.name().to_string()))]
     pub ops: Vec<String>,
     /// Transports to measure (default: every one available).
     #[arg(long, value_delimiter = ',')]

@@ -32,24 +32,6 @@ struct Estimate {
     activations: Option<Activations>,
 }
 
-/// Parses `7.5e9`, `1.3B`, `350M`, `20k`.
-pub fn parse_count(s: &str) -> Result<f64, String> {
-    let t = s.trim();
-    let (num, mult) = match t.chars().last() {
-        Some('B' | 'b') => (&t[..t.len() - 1], 1e9),
-        Some('M' | 'm') => (&t[..t.len() - 1], 1e6),
-        Some('K' | 'k') => (&t[..t.len() - 1], 1e3),
-        _ => (t, 1.0),
-    };
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("--params: `{s}` is not a count like 7.5e9 or 1.3B"))?;
-    if !(v.is_finite() && v > 0.0) {
-        return Err(format!("--params: `{s}` must be positive"));
-    }
-    Ok(v * mult)
-}
-
 /// `zrun estimate`.
 pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
     let (nodes, wpn) = match &args.hostfile {
@@ -81,7 +63,13 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
             job_estimate(&job.spec, nodes, wpn)
         }
         (None, Some(p)) => {
-            let psi = parse_count(p).map_err(Failure::bad_input)?;
+            let psi = zconfig::spec::parse_quantity(p)
+                .map_err(|e| Failure::bad_input(format!("--params: {e}")))?;
+            if psi < 1.0 {
+                return Err(Failure::bad_input(format!(
+                    "--params: `{p}` must be at least 1 parameter"
+                )));
+            }
             Estimate {
                 params: psi,
                 world_size: nodes * wpn,
@@ -188,18 +176,4 @@ pub fn mem_available() -> Option<f64> {
         .parse()
         .ok()?;
     Some(kb * 1024.0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn counts_parse() {
-        assert_eq!(parse_count("7.5e9").unwrap(), 7.5e9);
-        assert_eq!(parse_count("1.3B").unwrap(), 1.3e9);
-        assert_eq!(parse_count("350M").unwrap(), 350e6);
-        assert!(parse_count("-1").is_err());
-        assert!(parse_count("many").is_err());
-    }
 }

@@ -303,16 +303,14 @@ pub fn run_job(
         // Shared-memory segments are unlinked by the workers once mapped; remove
         // any a failed start left behind on this host.
         for n in 0..plan.topology.nodes.len() {
-            let _ = std::fs::remove_file(zcomm_segment(&env.job_id, n));
+            let _ = std::fs::remove_file(zproto::shm_segment_path(&zproto::shm_segment_name(
+                &env.job_id,
+                n,
+            )));
         }
         let outcome = outcome?;
         Ok((outcome, sup.sink))
     })
-}
-
-/// The path of a node's shared-memory segment (the name zworker gives it).
-fn zcomm_segment(job_id: &str, node: usize) -> std::path::PathBuf {
-    std::path::Path::new("/dev/shm").join(format!("zrun-{job_id}-n{node}"))
 }
 
 fn job_id() -> String {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use zcomm::{chunk_range, Communicator};
+use zcomm::{chunk_range, Communicator, Op};
 use zproto::{BenchCommTask, BenchRow, ToServer};
 
 use crate::control::ControlClient;
@@ -27,35 +27,38 @@ pub fn bench_comm(
 ) -> Result<()> {
     let (n, r) = (comm.world_size(), comm.rank());
     let mut rows = Vec::new();
-    for op in &task.ops {
+    for name in &task.ops {
+        let Some(op) = Op::from_name(name) else {
+            bail!("unknown op `{name}`");
+        };
         for &bytes in &task.sizes {
             let elems = (bytes / 4) as usize;
             // Inputs are made before the clock starts (nccl-tests does not time
             // allocation either); each call consumes its own copy.
             let own = chunk_range(elems, n, r).len();
-            let input = vec![1.0f32; if op == "all_gather" { own } else { elems }];
+            let input = vec![1.0f32; if op == Op::AllGather { own } else { elems }];
             // Inputs are copied before the barrier that starts each call, so that
             // every rank starts the collective at once.
             let call = |c: &dyn Communicator| -> Result<f64> {
-                let (f, p, b) = match op.as_str() {
-                    "all_to_all" => (
+                let (f, p, b) = match op {
+                    Op::AllToAll => (
                         Vec::new(),
                         vec![vec![0u8; bytes as usize / n]; n],
                         Vec::new(),
                     ),
-                    "broadcast" => (Vec::new(), Vec::new(), vec![0u8; bytes as usize]),
+                    Op::Broadcast => (Vec::new(), Vec::new(), vec![0u8; bytes as usize]),
                     _ => (input.clone(), Vec::new(), Vec::new()),
                 };
                 c.barrier()?;
                 // Outputs are freed after the clock stops.
                 let t0 = Instant::now();
-                let (secs, out): (f64, Box<dyn std::any::Any>) = match op.as_str() {
-                    "all_reduce" => timed(t0, c.all_reduce(f)?),
-                    "reduce_scatter" => timed(t0, c.reduce_scatter(f)?),
-                    "all_gather" => timed(t0, c.all_gather(f, elems)?),
-                    "all_to_all" => timed(t0, c.all_to_all(p)?),
-                    "broadcast" => timed(t0, c.broadcast(b, 0)?),
-                    other => bail!("unknown op `{other}`"),
+                let (secs, out): (f64, Box<dyn std::any::Any>) = match op {
+                    Op::AllReduce => timed(t0, c.all_reduce(f)?),
+                    Op::ReduceScatter => timed(t0, c.reduce_scatter(f)?),
+                    Op::AllGather => timed(t0, c.all_gather(f, elems)?),
+                    Op::AllToAll => timed(t0, c.all_to_all(p)?),
+                    Op::Broadcast => timed(t0, c.broadcast(b, 0)?),
+                    Op::Barrier => bail!("barrier moves no data to time"),
                 };
                 drop(out);
                 Ok(secs)
@@ -80,13 +83,13 @@ pub fn bench_comm(
             slowest.sort_by(f32::total_cmp);
             let secs = f64::from(slowest[slowest.len() / 2]);
             let algbw = bytes as f64 / secs / 1e9;
-            let factor = match op.as_str() {
-                "all_reduce" => 2.0 * (n as f64 - 1.0) / n as f64,
-                "broadcast" => 1.0,
+            let factor = match op {
+                Op::AllReduce => 2.0 * (n as f64 - 1.0) / n as f64,
+                Op::Broadcast => 1.0,
                 _ => (n as f64 - 1.0) / n as f64,
             };
             rows.push(BenchRow {
-                op: op.clone(),
+                op: name.clone(),
                 bytes,
                 workers: n,
                 transport: task.transport.clone(),

@@ -117,7 +117,7 @@ fn connect_world(
         timeout,
         node_of_rank: node_of_rank.to_vec(),
         group: "world".into(),
-        shm: shm.then(|| format!("zrun-{}-n{}", env.job_id, env.node_rank)),
+        shm: shm.then(|| zproto::shm_segment_name(&env.job_id, env.node_rank)),
     };
     Ok(Arc::new(TcpCommunicator::connect(
         env.rank, listener, &addrs, opts,

@@ -1,0 +1,101 @@
+//! Names that zrun and zworker must spell the same way although they link
+//! different crates: the collectives (torch.distributed's names, used by
+//! `zrun bench comm` and by the transports' accounting and messages) and the
+//! shared-memory segment of a job's node.
+
+use std::path::PathBuf;
+
+/// A collective operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Sum over ranks, result everywhere.
+    AllReduce,
+    /// Sum over ranks, rank r keeps chunk r.
+    ReduceScatter,
+    /// Concatenate every rank's chunk everywhere.
+    AllGather,
+    /// Rank r sends its j-th piece to rank j.
+    AllToAll,
+    /// One rank's buffer everywhere.
+    Broadcast,
+    /// Wait for every rank.
+    Barrier,
+}
+
+impl Op {
+    /// Every operation, in declaration order ([`Op::index`]).
+    pub const ALL: [Op; 6] = [
+        Op::AllReduce,
+        Op::ReduceScatter,
+        Op::AllGather,
+        Op::AllToAll,
+        Op::Broadcast,
+        Op::Barrier,
+    ];
+
+    /// The operations that move data (what `zrun bench comm` measures).
+    pub const DATA: [Op; 5] = [
+        Op::AllReduce,
+        Op::ReduceScatter,
+        Op::AllGather,
+        Op::AllToAll,
+        Op::Broadcast,
+    ];
+
+    /// torch.distributed's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::AllGather => "all_gather",
+            Op::AllToAll => "all_to_all",
+            Op::Broadcast => "broadcast",
+            Op::Barrier => "barrier",
+        }
+    }
+
+    /// The operation of a torch.distributed name.
+    pub fn from_name(name: &str) -> Option<Op> {
+        Op::ALL.into_iter().find(|op| op.name() == name)
+    }
+
+    /// Position in [`Op::ALL`] (for counters indexed by op).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The operation at [`Op::index`] `i`.
+    pub fn from_index(i: usize) -> Option<Op> {
+        Op::ALL.get(i).copied()
+    }
+}
+
+/// The name of the shared-memory segment of `node` in job `job_id`.
+pub fn shm_segment_name(job_id: &str, node: usize) -> String {
+    format!("zrun-{job_id}-n{node}")
+}
+
+/// Where a segment named `name` lives.
+pub fn shm_segment_path(name: &str) -> PathBuf {
+    PathBuf::from("/dev/shm").join(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for (i, op) in Op::ALL.into_iter().enumerate() {
+            assert_eq!(Op::from_name(op.name()), Some(op));
+            assert_eq!(Op::from_index(op.index()), Some(op));
+            assert_eq!(op.index(), i);
+        }
+        assert_eq!(Op::from_name("allreduce"), None);
+        assert!(!Op::DATA.contains(&Op::Barrier));
+        assert_eq!(
+            shm_segment_path(&shm_segment_name("j1", 2)),
+            PathBuf::from("/dev/shm/zrun-j1-n2")
+        );
+    }
+}
