@@ -16,7 +16,7 @@ use std::ops::Range;
 
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, Device, Storage, Tensor, Var};
-use zmodel::{Batch, BlockActs};
+use zmodel::{Batch, BlockActs, BlockParams, EmbeddingParams, HeadParams};
 
 use crate::engine::Engine;
 use crate::error::EngineError;
@@ -92,12 +92,15 @@ impl Engine {
     fn forward_embedding(&mut self, mb: &mut MicroBatch) -> Result<Tensor, EngineError> {
         let p0 = self.params_for(0, &mut mb.gather)?;
         let x = if self.embedding_keeps_graph() {
-            let y = self.model.embed(&tensors(&p0), &mb.tokens)?;
+            let y = self
+                .model
+                .embed(&EmbeddingParams::from_vec(tensors(&p0))?, &mb.tokens)?;
             let x = y.detach();
             mb.embedded = Some(y);
             x
         } else {
-            self.model.embed(&detached(&p0), &mb.tokens)?
+            self.model
+                .embed(&EmbeddingParams::from_vec(detached(&p0))?, &mb.tokens)?
         };
         drop(p0);
         self.release(0);
@@ -115,7 +118,8 @@ impl Engine {
         let checkpointing = self.spec.train.activation_checkpointing;
         for b in 1..=n_layers {
             let p = self.params_for(b, &mut mb.gather)?;
-            let (y, acts) = self.model.block_forward(&detached(&p), &x)?;
+            let params = BlockParams::from_vec(detached(&p))?;
+            let (y, acts) = self.model.block_forward(&params, &x)?;
             mb.saved.push(if checkpointing {
                 Saved::Input(x)
             } else {
@@ -150,10 +154,11 @@ impl Engine {
         let ph = self.params_for(head, &mut mb.gather)?;
         let pw = self.params_for(0, &mut mb.gather)?;
         let head_in = Var::from_tensor(x)?;
-        let wte = pw[0].as_tensor();
+        let wte = EmbeddingParams::from_vec(tensors(&pw))?.wte;
+        let head_params = HeadParams::from_vec(tensors(&ph))?;
         let loss = self
             .model
-            .head_loss(&tensors(&ph), wte, head_in.as_tensor(), &mb.targets)?;
+            .head_loss(&head_params, &wte, head_in.as_tensor(), &mb.targets)?;
         let loss_value = f64::from(loss.to_scalar::<f32>()?);
         if !loss_value.is_finite() {
             return Err(EngineError::NonFinite {
@@ -167,7 +172,7 @@ impl Engine {
             None => loss.backward()?,
         };
         self.accumulate(head, &ph, &grads)?;
-        let dwte = grads.get(wte).ok_or_else(|| missing("wte (tied head)"))?;
+        let dwte = grads.get(&wte).ok_or_else(|| missing("wte (tied head)"))?;
         let wte_range = self.groups[0].layout.params[0].range.clone();
         add_grad(self.micro_grads(0), wte_range, dwte, "wte (tied head)")?;
         let dx = grads
@@ -191,7 +196,7 @@ impl Engine {
         mut dx: Tensor,
     ) -> Result<Tensor, EngineError> {
         for b in (1..=self.model.config().n_layers).rev() {
-            let p = detached(&self.params_for(b, &mut mb.gather)?);
+            let p = BlockParams::from_vec(detached(&self.params_for(b, &mut mb.gather)?))?;
             let acts = match mb.saved.pop() {
                 Some(Saved::Acts(acts)) => acts,
                 Some(Saved::Input(x)) => self.model.block_forward(&p, &x)?.1,
@@ -199,7 +204,7 @@ impl Engine {
             };
             let (grads, dx_in) = self.model.block_backward(&p, &acts, &dx)?;
             drop((acts, p));
-            self.accumulate_tensors(b, &grads.iter().collect::<Vec<_>>())?;
+            self.accumulate_tensors(b, &grads.into_vec().iter().collect::<Vec<_>>())?;
             dx = dx_in;
             self.release(b);
             if mb.reduce_now {
@@ -214,7 +219,9 @@ impl Engine {
         let p0 = self.params_for(0, &mut mb.gather)?;
         let y0 = match mb.embedded.take() {
             Some(y) => y,
-            None => self.model.embed(&tensors(&p0), &mb.tokens)?,
+            None => self
+                .model
+                .embed(&EmbeddingParams::from_vec(tensors(&p0))?, &mb.tokens)?,
         };
         let grads = (y0 * dx)?.sum_all()?.backward()?;
         self.accumulate(0, &p0, &grads)?;

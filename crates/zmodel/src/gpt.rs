@@ -18,6 +18,7 @@ use crate::attention::{causal_attention, causal_attention_backward};
 use crate::ops::{
     column_sums, cross_entropy, gelu, gelu_backward, layer_norm, layer_norm_backward,
 };
+use crate::params::{BlockParams, EmbeddingParams, HeadParams, WeightBias};
 
 const LN_EPS: f64 = 1e-5;
 
@@ -89,9 +90,27 @@ pub struct BlockActs {
     g: Tensor,
 }
 
-/// `y = x·w + bias` backward: (dw = xᵀ·dy, dbias = Σ rows of dy, dx = dy·wᵀ).
-fn linear_backward(x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-    Ok((x.t()?.matmul(dy)?, column_sums(dy)?, dy.matmul(&w.t()?)?))
+/// `y = x·w + bias` backward: ((dw = xᵀ·dy, dbias = Σ rows of dy), dx = dy·wᵀ).
+fn linear_backward(
+    x: &Tensor,
+    l: &WeightBias<Tensor>,
+    dy: &Tensor,
+) -> Result<(WeightBias<Tensor>, Tensor)> {
+    let grads = WeightBias {
+        weight: x.t()?.matmul(dy)?,
+        bias: column_sums(dy)?,
+    };
+    Ok((grads, dy.matmul(&l.weight.t()?)?))
+}
+
+/// Layer norm backward: ((dweight, dbias), dx).
+fn norm_backward(
+    x: &Tensor,
+    n: &WeightBias<Tensor>,
+    dy: &Tensor,
+) -> Result<(WeightBias<Tensor>, Tensor)> {
+    let (dx, weight, bias) = layer_norm_backward(x, &n.weight, dy, LN_EPS)?;
+    Ok((WeightBias { weight, bias }, dx))
 }
 
 /// The model: shapes and forward functions; it holds no parameters.
@@ -131,54 +150,43 @@ impl Gpt {
         } = self.cfg;
         let std = 0.02f32;
         let proj_std = std / (2.0 * l as f32).sqrt();
+        let lin = |name: String, shape_w: &[usize], shape_b: &[usize], std: f32| WeightBias {
+            weight: p(format!("{name}.weight"), shape_w, Init::Normal(std), true),
+            bias: p(format!("{name}.bias"), shape_b, Init::Zeros, false),
+        };
+        let norm = |name: String| WeightBias {
+            weight: p(format!("{name}.weight"), &[d], Init::Ones, false),
+            bias: p(format!("{name}.bias"), &[d], Init::Zeros, false),
+        };
+        let embedding = EmbeddingParams {
+            wte: p("wte.weight".into(), &[v, d], Init::Normal(std), true),
+            wpe: p("wpe.weight".into(), &[t, d], Init::Normal(std), true),
+        };
         let mut groups = vec![GroupSpec {
             name: "embedding".into(),
-            params: vec![
-                p("wte.weight".into(), &[v, d], Init::Normal(std), true),
-                p("wpe.weight".into(), &[t, d], Init::Normal(std), true),
-            ],
+            params: embedding.into_vec(),
         }];
         for i in 0..l {
             let n = |s: &str| format!("h.{i}.{s}");
+            let block = BlockParams {
+                ln_1: norm(n("ln_1")),
+                attn_c_attn: lin(n("attn.c_attn"), &[d, 3 * d], &[3 * d], std),
+                attn_c_proj: lin(n("attn.c_proj"), &[d, d], &[d], proj_std),
+                ln_2: norm(n("ln_2")),
+                mlp_c_fc: lin(n("mlp.c_fc"), &[d, 4 * d], &[4 * d], std),
+                mlp_c_proj: lin(n("mlp.c_proj"), &[4 * d, d], &[d], proj_std),
+            };
             groups.push(GroupSpec {
                 name: format!("h.{i}"),
-                params: vec![
-                    p(n("ln_1.weight"), &[d], Init::Ones, false),
-                    p(n("ln_1.bias"), &[d], Init::Zeros, false),
-                    p(
-                        n("attn.c_attn.weight"),
-                        &[d, 3 * d],
-                        Init::Normal(std),
-                        true,
-                    ),
-                    p(n("attn.c_attn.bias"), &[3 * d], Init::Zeros, false),
-                    p(
-                        n("attn.c_proj.weight"),
-                        &[d, d],
-                        Init::Normal(proj_std),
-                        true,
-                    ),
-                    p(n("attn.c_proj.bias"), &[d], Init::Zeros, false),
-                    p(n("ln_2.weight"), &[d], Init::Ones, false),
-                    p(n("ln_2.bias"), &[d], Init::Zeros, false),
-                    p(n("mlp.c_fc.weight"), &[d, 4 * d], Init::Normal(std), true),
-                    p(n("mlp.c_fc.bias"), &[4 * d], Init::Zeros, false),
-                    p(
-                        n("mlp.c_proj.weight"),
-                        &[4 * d, d],
-                        Init::Normal(proj_std),
-                        true,
-                    ),
-                    p(n("mlp.c_proj.bias"), &[d], Init::Zeros, false),
-                ],
+                params: block.into_vec(),
             });
         }
+        let head = HeadParams {
+            ln_f: norm("ln_f".into()),
+        };
         groups.push(GroupSpec {
             name: "head".into(),
-            params: vec![
-                p("ln_f.weight".into(), &[d], Init::Ones, false),
-                p("ln_f.bias".into(), &[d], Init::Zeros, false),
-            ],
+            params: head.into_vec(),
         });
         groups
     }
@@ -230,9 +238,9 @@ impl Gpt {
     }
 
     /// Group 0: token + position embeddings of `tokens` `[b, t]` (u32) → `[b, t, d]`.
-    pub fn embed(&self, params: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
+    pub fn embed(&self, params: &EmbeddingParams<Tensor>, tokens: &Tensor) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
-        let (wte, wpe) = (&params[0], &params[1]);
+        let EmbeddingParams { wte, wpe } = params;
         let x = wte
             .index_select(&tokens.flatten_all()?, 0)?
             .reshape((b, t, self.cfg.d_model))?;
@@ -241,25 +249,31 @@ impl Gpt {
 
     /// Groups 1..=L: one pre-LN transformer block, `[b, t, d]` → `[b, t, d]`
     /// (differentiable by candle's autograd through the fused ops).
-    pub fn block(&self, params: &[Tensor], x: &Tensor) -> Result<Tensor> {
+    pub fn block(&self, params: &BlockParams<Tensor>, x: &Tensor) -> Result<Tensor> {
         Ok(self.block_forward(params, x)?.0)
     }
 
     /// A block's forward, also returning what [`Gpt::block_backward`] needs.
-    pub fn block_forward(&self, params: &[Tensor], x: &Tensor) -> Result<(Tensor, BlockActs)> {
+    pub fn block_forward(
+        &self,
+        params: &BlockParams<Tensor>,
+        x: &Tensor,
+    ) -> Result<(Tensor, BlockActs)> {
         let (b, t, d) = x.dims3()?;
-        let linear = |x: &Tensor, w: &Tensor, bias: &Tensor| x.matmul(w)?.broadcast_add(bias);
+        let linear =
+            |x: &Tensor, l: &WeightBias<Tensor>| x.matmul(&l.weight)?.broadcast_add(&l.bias);
+        let norm = |x: &Tensor, n: &WeightBias<Tensor>| layer_norm(x, &n.weight, &n.bias, LN_EPS);
         let rows = x.reshape((b * t, d))?;
 
-        let a1 = layer_norm(&rows, &params[0], &params[1], LN_EPS)?;
-        let qkv = linear(&a1, &params[2], &params[3])?.reshape((b, t, 3 * d))?;
+        let a1 = norm(&rows, &params.ln_1)?;
+        let qkv = linear(&a1, &params.attn_c_attn)?.reshape((b, t, 3 * d))?;
         let att = causal_attention(&qkv, self.cfg.n_heads)?.reshape((b * t, d))?;
-        let rows1 = (&rows + linear(&att, &params[4], &params[5])?)?;
+        let rows1 = (&rows + linear(&att, &params.attn_c_proj)?)?;
 
-        let a2 = layer_norm(&rows1, &params[6], &params[7], LN_EPS)?;
-        let h = linear(&a2, &params[8], &params[9])?;
+        let a2 = norm(&rows1, &params.ln_2)?;
+        let h = linear(&a2, &params.mlp_c_fc)?;
         let g = gelu(&h)?;
-        let y = (&rows1 + linear(&g, &params[10], &params[11])?)?.reshape((b, t, d))?;
+        let y = (&rows1 + linear(&g, &params.mlp_c_proj)?)?.reshape((b, t, d))?;
         let acts = BlockActs {
             rows,
             a1,
@@ -280,43 +294,48 @@ impl Gpt {
     /// every node, which was a third of a step's time outside the GEMMs.
     pub fn block_backward(
         &self,
-        params: &[Tensor],
+        params: &BlockParams<Tensor>,
         acts: &BlockActs,
         dy: &Tensor,
-    ) -> Result<(Vec<Tensor>, Tensor)> {
+    ) -> Result<(BlockParams<Tensor>, Tensor)> {
         let (b, t, d) = dy.dims3()?;
         let dy = dy.reshape((b * t, d))?;
         // y = rows1 + g·W_fc2 + b_fc2
-        let (dw_fc2, db_fc2, dg) = linear_backward(&acts.g, &params[10], &dy)?;
+        let (mlp_c_proj, dg) = linear_backward(&acts.g, &params.mlp_c_proj, &dy)?;
         let dh = gelu_backward(&acts.h, &dg)?;
-        let (dw_fc, db_fc, da2) = linear_backward(&acts.a2, &params[8], &dh)?;
-        let (dx2, dw_ln2, db_ln2) = layer_norm_backward(&acts.rows1, &params[6], &da2, LN_EPS)?;
+        let (mlp_c_fc, da2) = linear_backward(&acts.a2, &params.mlp_c_fc, &dh)?;
+        let (ln_2, dx2) = norm_backward(&acts.rows1, &params.ln_2, &da2)?;
         let drows1 = (&dy + dx2)?;
         // rows1 = rows + att·W_proj + b_proj
-        let (dw_proj, db_proj, datt) = linear_backward(&acts.att, &params[4], &drows1)?;
+        let (attn_c_proj, datt) = linear_backward(&acts.att, &params.attn_c_proj, &drows1)?;
         let dqkv =
             causal_attention_backward(&acts.qkv, &datt.reshape((b, t, d))?, self.cfg.n_heads)?
                 .reshape((b * t, 3 * d))?;
-        let (dw_qkv, db_qkv, da1) = linear_backward(&acts.a1, &params[2], &dqkv)?;
-        let (dx1, dw_ln1, db_ln1) = layer_norm_backward(&acts.rows, &params[0], &da1, LN_EPS)?;
+        let (attn_c_attn, da1) = linear_backward(&acts.a1, &params.attn_c_attn, &dqkv)?;
+        let (ln_1, dx1) = norm_backward(&acts.rows, &params.ln_1, &da1)?;
         let dx = (drows1 + dx1)?.reshape((b, t, d))?;
-        let grads = vec![
-            dw_ln1, db_ln1, dw_qkv, db_qkv, dw_proj, db_proj, dw_ln2, db_ln2, dw_fc, db_fc, dw_fc2,
-            db_fc2,
-        ];
+        let grads = BlockParams {
+            ln_1,
+            attn_c_attn,
+            attn_c_proj,
+            ln_2,
+            mlp_c_fc,
+            mlp_c_proj,
+        };
         Ok((grads, dx))
     }
 
     /// Group L+1: final norm, tied head, mean cross-entropy against `targets` `[b, t]`.
     pub fn head_loss(
         &self,
-        params: &[Tensor],
+        params: &HeadParams<Tensor>,
         wte: &Tensor,
         x: &Tensor,
         targets: &Tensor,
     ) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
-        let rows = layer_norm(&x.reshape((b * t, d))?, &params[0], &params[1], LN_EPS)?;
+        let ln_f = &params.ln_f;
+        let rows = layer_norm(&x.reshape((b * t, d))?, &ln_f.weight, &ln_f.bias, LN_EPS)?;
         let logits = rows.matmul(&wte.t()?)?;
         cross_entropy(&logits, &targets.flatten_all()?)
     }
@@ -340,11 +359,12 @@ mod tests {
 
     /// The whole model as one function of every parameter, for gradient checks.
     fn loss(g: &Gpt, vars: &[Vec<Tensor>], tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let mut x = g.embed(&vars[0], tokens)?;
+        let mut x = g.embed(&EmbeddingParams::from_vec(vars[0].clone())?, tokens)?;
         for block in &vars[1..=g.cfg.n_layers] {
-            x = g.block(block, &x)?;
+            x = g.block(&BlockParams::from_vec(block.clone())?, &x)?;
         }
-        g.head_loss(&vars[g.cfg.n_layers + 1], &vars[0][0], &x, targets)
+        let head = HeadParams::from_vec(vars[g.cfg.n_layers + 1].clone())?;
+        g.head_loss(&head, &vars[0][0], &x, targets)
     }
 
     /// The hand-written block backward equals autograd through the block.
@@ -380,11 +400,17 @@ mod tests {
         let x = Var::from_vec(wave(7), (2, 40, 12), &dev).unwrap();
         let dy = Tensor::from_vec(wave(5), (2, 40, 12), &dev).unwrap();
         let params: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let y = g.block(&params, x.as_tensor()).unwrap();
+        let y = g
+            .block(
+                &BlockParams::from_vec(params.clone()).unwrap(),
+                x.as_tensor(),
+            )
+            .unwrap();
         let auto = (y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
-        let plain: Vec<Tensor> = params.iter().map(|p| p.detach()).collect();
+        let plain = BlockParams::from_vec(params.iter().map(|p| p.detach()).collect()).unwrap();
         let (_, acts) = g.block_forward(&plain, &x.as_tensor().detach()).unwrap();
         let (grads, dx) = g.block_backward(&plain, &acts, &dy).unwrap();
+        let grads = grads.into_vec();
         let close = |a: &Tensor, b: &Tensor, what: &str| {
             let (a, b) = (
                 a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
@@ -516,18 +542,16 @@ mod tests {
         // Changing a later token must not change earlier positions' block output.
         let g = tiny();
         let dev = Device::Cpu;
-        let params: Vec<Tensor> = g.groups()[1]
-            .params
-            .iter()
-            .zip(g.init_group(1, 1))
-            .map(|(ps, v)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
-            .collect();
-        let emb: Vec<Tensor> = g.groups()[0]
-            .params
-            .iter()
-            .zip(g.init_group(0, 1))
-            .map(|(ps, v)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
-            .collect();
+        let values = |group: usize| -> Vec<Tensor> {
+            g.groups()[group]
+                .params
+                .iter()
+                .zip(g.init_group(group, 1))
+                .map(|(ps, v)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
+                .collect()
+        };
+        let params = BlockParams::from_vec(values(1)).unwrap();
+        let emb = EmbeddingParams::from_vec(values(0)).unwrap();
         let run = |last: u32| {
             let tok = Tensor::new(&[[1u32, 2, 3, 4, last]], &dev).unwrap();
             let y = g.block(&params, &g.embed(&emb, &tok).unwrap()).unwrap();

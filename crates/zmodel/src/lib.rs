@@ -7,6 +7,9 @@
 //!   where they live (replicated, partitioned, gathered on demand). A block's
 //!   backward is written by hand from the activations its forward saved (no
 //!   autograd graph, which would also hold the parameters).
+//! - [`params`]: a block's parameters by name (`BlockParams { ln_1, attn_c_attn,
+//!   ... }`), generic over values, gradients and specs; the one place their flat
+//!   order is written.
 //! - [`attention`]: causal self-attention as one custom op (strided GEMMs on the
 //!   projection, softmax in cache, a recomputing backward).
 //! - [`ops`]: fused layer norm and GELU with their own backward; cross-entropy
@@ -21,7 +24,9 @@ pub mod attention;
 pub mod data;
 pub mod gpt;
 pub mod ops;
+pub mod params;
 mod simd;
 
 pub use data::{Batch, Batcher, Corpus, DataError};
 pub use gpt::{BlockActs, Gpt, GptConfig, GroupSpec, Init, ParamSpec};
+pub use params::{BlockParams, EmbeddingParams, HeadParams, WeightBias};
