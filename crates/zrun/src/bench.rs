@@ -12,7 +12,8 @@ use zproto::{BenchCommTask, BenchRow, Op, Task};
 
 use crate::cli::{BenchCommArgs, BenchKernelsArgs};
 use crate::plan::{default_worker_bin, LaunchPlan};
-use crate::supervise::{run_job, Outcome, Sink};
+use crate::sink::Sink;
+use crate::supervise::{run_job, Outcome};
 use crate::Failure;
 
 const TRANSPORTS: [&str; 2] = ["tcp", "shm"];

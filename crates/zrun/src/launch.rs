@@ -6,7 +6,7 @@
 //! exit as [`ProcEvent::Exited`]. Stopping kills the whole group, so anything the
 //! worker started goes too.
 
-use std::process::{ExitStatus, Stdio};
+use std::process::Stdio;
 
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
@@ -15,30 +15,10 @@ use tokio::process::Command;
 use tokio::sync::mpsc;
 
 use crate::plan::LaunchPlan;
-use crate::ssh::{RemoteProc, SshOptions, Target};
+use crate::ssh::{RemoteProc, Target};
+use crate::worker::{JobEnv, ProcEvent, SshOptions};
 use crate::Failure;
 use zconfig::Placement;
-
-/// Something a worker process did.
-#[derive(Debug)]
-pub enum ProcEvent {
-    /// A line of output.
-    Output {
-        /// Rank.
-        rank: usize,
-        /// The line, without its newline.
-        line: String,
-        /// From stderr (else stdout).
-        stderr: bool,
-    },
-    /// The process ended.
-    Exited {
-        /// Rank.
-        rank: usize,
-        /// How.
-        status: ExitStatus,
-    },
-}
 
 /// How to reach a started worker.
 #[derive(Debug, Clone)]
@@ -103,18 +83,6 @@ impl WorkerProc {
             (Handle::Remote(_), None) => {}
         }
     }
-}
-
-/// The environment every worker of a job shares.
-pub struct JobEnv {
-    /// zrun's control address as workers see it.
-    pub master_addr: String,
-    /// zrun's control port.
-    pub master_port: u16,
-    /// Job id.
-    pub job_id: String,
-    /// Hex token.
-    pub token_hex: String,
 }
 
 /// SPEC.md's environment of one worker (without the token).

@@ -12,8 +12,13 @@
 //!   those groups.
 //! - [`ssh`]: starting workers on other hosts over SSH, verifying host keys, and
 //!   killing them there.
+//! - [`worker`]: what launchers and the supervisor share (a worker's job
+//!   environment, process events, SSH options); a leaf, so arrows go one way.
+//! - [`train`]: `zrun train`: checks before launch, metrics file, `done` line.
 //! - [`supervise`]: the event loop that turns worker messages, exits, heartbeats
-//!   and signals into progress, metrics and an exit code.
+//!   and signals into an outcome and an exit code.
+//! - [`sink`]: where reports go (metrics and progress, or benchmark rows).
+//! - [`progress`]: the progress bar, or plain lines when not on a terminal.
 //! - [`metrics`]: aggregation of per-rank step reports into `metrics.jsonl` lines.
 //! - [`bench`]: `zrun bench comm` and `bench kernels`.
 //! - [`sweep`]: `zrun bench JOB.yaml --sweep`: throughput sweeps, table, CSV, JSON, SVG.
@@ -28,10 +33,14 @@ pub mod estimate;
 pub mod launch;
 pub mod metrics;
 pub mod plan;
+pub mod progress;
 pub mod server;
+pub mod sink;
 pub mod ssh;
 pub mod supervise;
 pub mod sweep;
+pub mod train;
+pub mod worker;
 
 use std::process::ExitCode;
 
@@ -111,7 +120,7 @@ fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
 pub fn run() -> anyhow::Result<ExitCode> {
     let cli = cli::Cli::parse();
     match cli.command {
-        cli::Command::Train(args) => supervise::train(args),
+        cli::Command::Train(args) => train::train(args),
         cli::Command::Check(args) => plan::check(args),
         cli::Command::Bench(b) => match b.what {
             Some(cli::BenchWhat::Comm(args)) => bench::comm(args),

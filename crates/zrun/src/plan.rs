@@ -9,7 +9,7 @@ use anyhow::Result;
 use zconfig::{load_job, JobSpec, Topology, TopologyOptions};
 
 use crate::cli::{CheckArgs, LaunchArgs, Launcher};
-use crate::ssh::SshOptions;
+use crate::worker::SshOptions;
 use crate::Failure;
 
 /// Workers per node on the CPU when nothing says otherwise.

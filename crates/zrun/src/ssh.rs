@@ -26,22 +26,11 @@ use std::time::Duration;
 use ssh2::{CheckResult, KnownHostFileKind, Session};
 use tokio::sync::mpsc;
 
-use crate::launch::{JobEnv, ProcEvent};
+use crate::worker::{JobEnv, ProcEvent, SshOptions};
 use crate::Failure;
 
 /// How long connecting to and authenticating with one host may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// How to reach and trust hosts.
-#[derive(Debug, Clone)]
-pub struct SshOptions {
-    /// Private key (`--ssh-key`).
-    pub key: Option<PathBuf>,
-    /// known_hosts file.
-    pub known_hosts: PathBuf,
-    /// Add unknown host keys instead of refusing them.
-    pub accept_new: bool,
-}
 
 /// One host to start workers on.
 #[derive(Debug, Clone)]

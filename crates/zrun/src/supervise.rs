@@ -7,27 +7,23 @@
 //! process group killed. zrun returns only when every worker it started has been
 //! reaped, so nothing is left running whichever way the job ends.
 
-use std::io::IsTerminal;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
-use std::process::{ExitCode, ExitStatus};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use nix::sys::signal::Signal;
 use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
-use zconfig::load_job;
-use zproto::{BenchRow, Task, ToServer, Token, TrainTask};
+use zproto::{Task, ToServer, Token};
 
-use crate::cli::TrainArgs;
 use crate::exit;
-use crate::launch::{spawn_local, spawn_slurm, spawn_ssh, JobEnv, ProcEvent, WorkerProc};
-use crate::metrics::{Aggregator, DoneLine, MetricsWriter};
-use crate::plan::{plan_launch, topology, LaunchPlan};
+use crate::launch::{spawn_local, spawn_slurm, spawn_ssh, WorkerProc};
+use crate::plan::LaunchPlan;
 use crate::server::{Event, JobInfo, Server};
+use crate::sink::Sink;
+use crate::worker::{JobEnv, ProcEvent, SshOptions};
 use crate::Failure;
 
 /// Grace period between `Abort` and SIGKILL.
@@ -51,187 +47,6 @@ pub enum Outcome {
         /// What happened, naming rank and host.
         message: String,
     },
-}
-
-/// `zrun train`.
-pub fn train(args: TrainArgs) -> Result<ExitCode> {
-    let job = load_job(&args.job, &args.set)?;
-    let topo = topology(&args.launch)?;
-    job.validate(topo.world_size())?;
-    let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
-    warn_if_too_big(&plan);
-    check_init_from(&plan.spec)?;
-    let resume = resolve_resume(args.resume.as_deref(), &plan.spec)?;
-    let run_dir = PathBuf::from(&plan.spec.run_dir);
-    let metrics_path = args
-        .metrics
-        .clone()
-        .unwrap_or_else(|| run_dir.join("metrics.jsonl"));
-    let writer = MetricsWriter::create(&metrics_path)
-        .map_err(|e| Failure::bad_input(format!("--metrics {}: {e}", metrics_path.display())))?;
-    let steps = plan.spec.train.steps;
-    let progress = Progress::new(steps, args.no_progress || !std::io::stdout().is_terminal());
-    progress.println(&format!(
-        "zrun: job {}: {} workers on {} node(s), ZeRO stage {}, {} steps; metrics {}",
-        plan.spec.name,
-        plan.topology.world_size(),
-        plan.topology.nodes.len(),
-        plan.spec.zero.stage,
-        steps,
-        metrics_path.display()
-    ));
-    if let Some(r) = &resume {
-        progress.println(&format!("zrun: resuming from {r}"));
-    }
-    let world = plan.topology.world_size();
-    let sink = Sink::Train {
-        agg: Aggregator::new(world),
-        writer,
-        progress,
-        last_loss: f64::NAN,
-        steps,
-    };
-    let task = Task::Train(Box::new(TrainTask {
-        spec: plan.spec.clone(),
-        resume,
-    }));
-    let heartbeat = Duration::from_secs_f64(plan.spec.comm.heartbeat_s);
-    let rendezvous = Duration::from_secs_f64(plan.spec.comm.timeout_s);
-    let started = Instant::now();
-    let (outcome, sink) = run_job(plan, task, sink, heartbeat, rendezvous)?;
-    let Sink::Train {
-        mut writer,
-        progress,
-        last_loss,
-        steps,
-        ..
-    } = sink
-    else {
-        unreachable!("train uses the train sink")
-    };
-    progress.finish();
-    match outcome {
-        Outcome::Success => {
-            let wall_s = started.elapsed().as_secs_f64();
-            writer.write(&DoneLine {
-                event: "done",
-                steps,
-                final_loss: last_loss,
-                wall_s,
-            })?;
-            println!("zrun: done: {steps} steps, final loss {last_loss:.4}, {wall_s:.1}s");
-            Ok(ExitCode::SUCCESS)
-        }
-        Outcome::Failed { code, message } => {
-            eprintln!("zrun: {message}");
-            Ok(ExitCode::from(code))
-        }
-    }
-}
-
-/// `--resume DIR|auto` → a verified checkpoint of this model (bad ones: exit 2).
-/// `auto` with no checkpoint yet starts from scratch.
-fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<String>> {
-    let Some(arg) = arg else { return Ok(None) };
-    let dir = if arg == "auto" {
-        let Some(root) = &spec.checkpoint.dir else {
-            return Err(Failure::bad_input(
-                "--resume auto: the job has no checkpoint.dir to look in",
-            ));
-        };
-        match zckpt::list(std::path::Path::new(root)).pop() {
-            Some(d) => d,
-            None => {
-                println!("zrun: --resume auto: no checkpoint in {root} yet; starting from scratch");
-                return Ok(None);
-            }
-        }
-    } else {
-        zckpt::resolve(std::path::Path::new(arg))
-            .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?
-    };
-    let ckpt =
-        zckpt::Checkpoint::open(&dir).map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
-    ckpt.check_model(&spec.model)
-        .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
-    Ok(Some(dir.display().to_string()))
-}
-
-/// `model.init_from` must be a safetensors file with the model's parameter count.
-fn check_init_from(spec: &zconfig::JobSpec) -> Result<()> {
-    let Some(f) = &spec.model.init_from else {
-        return Ok(());
-    };
-    let w = zckpt::read_weights(std::path::Path::new(f))
-        .map_err(|e| Failure::bad_input(format!("model.init_from: {e}")))?;
-    let have: usize = w.values().map(|(_, v)| v.len()).sum();
-    let want = zconfig::estimate::gpt_params(&spec.model) as usize;
-    if have != want {
-        return Err(Failure::bad_input(format!(
-            "model.init_from: {f} holds {have} parameters, the model has {want}"
-        )));
-    }
-    Ok(())
-}
-
-/// Warns when the estimate of a worker's memory exceeds its share of this host's.
-fn warn_if_too_big(plan: &LaunchPlan) {
-    let need = crate::estimate::per_worker_bytes(&plan.spec, &plan.topology);
-    let local = plan
-        .topology
-        .nodes
-        .iter()
-        .map(|n| n.slots.len())
-        .max()
-        .unwrap_or(1);
-    if let Some(avail) = crate::estimate::mem_available() {
-        let share = avail / local as f64;
-        if need > share {
-            eprintln!(
-                "zrun: warning: a worker is estimated to need {:.2} GiB (ZeRO stage {} model states + activations), more than its {:.2} GiB share of this host's available memory ({local} workers); see `zrun estimate`",
-                need / f64::from(1 << 30),
-                plan.spec.zero.stage,
-                share / f64::from(1 << 30)
-            );
-        }
-    }
-}
-
-/// Where reports go.
-pub enum Sink {
-    /// Training: metrics and progress.
-    Train {
-        /// Per-step aggregation.
-        agg: Aggregator,
-        /// metrics.jsonl.
-        writer: MetricsWriter,
-        /// Progress display.
-        progress: Progress,
-        /// Loss of the newest complete step.
-        last_loss: f64,
-        /// Steps expected.
-        steps: u64,
-    },
-    /// `bench comm`: rows from rank 0.
-    Bench {
-        /// Collected rows.
-        rows: Vec<BenchRow>,
-    },
-    /// `bench kernels`: rows from the one worker.
-    Kernels {
-        /// Collected rows.
-        rows: Vec<zproto::KernelRow>,
-    },
-}
-
-impl Sink {
-    fn println(&self, line: &str, stderr: bool) {
-        match self {
-            Sink::Train { progress, .. } => progress.println(line),
-            Sink::Bench { .. } | Sink::Kernels { .. } if stderr => eprintln!("{line}"),
-            Sink::Bench { .. } | Sink::Kernels { .. } => println!("{line}"),
-        }
-    }
 }
 
 #[derive(Debug, Clone)]
@@ -329,7 +144,7 @@ struct Supervisor {
     /// A reported failure waiting for [`CAUSE_GRACE`] in case a crash explains it.
     reported: Option<(Instant, String)>,
     /// How to reach remote workers to kill them.
-    ssh: Option<crate::ssh::SshOptions>,
+    ssh: Option<SshOptions>,
 }
 
 impl Supervisor {
@@ -339,7 +154,7 @@ impl Supervisor {
         sink: Sink,
         heartbeat: Duration,
         rendezvous: Duration,
-        ssh: Option<crate::ssh::SshOptions>,
+        ssh: Option<SshOptions>,
     ) -> Supervisor {
         let now = Instant::now();
         let ranks = procs
@@ -444,32 +259,9 @@ impl Supervisor {
             Event::Message { rank, msg } => {
                 self.ranks[rank].last_seen = Instant::now();
                 match msg {
-                    ToServer::Report(report) => {
-                        if let Sink::Train {
-                            agg,
-                            writer,
-                            progress,
-                            last_loss,
-                            ..
-                        } = &mut self.sink
-                        {
-                            if let Some(line) = agg.add(rank, report) {
-                                writer.write(&line)?;
-                                *last_loss = line.loss;
-                                progress.step(&line);
-                            }
-                        }
-                    }
-                    ToServer::KernelRows(rows) => {
-                        if let Sink::Kernels { rows: all } = &mut self.sink {
-                            all.extend(rows);
-                        }
-                    }
-                    ToServer::BenchRows(rows) => {
-                        if let Sink::Bench { rows: all } = &mut self.sink {
-                            all.extend(rows);
-                        }
-                    }
+                    ToServer::Report(report) => self.sink.report(rank, report)?,
+                    ToServer::KernelRows(rows) => self.sink.kernel_rows(rows),
+                    ToServer::BenchRows(rows) => self.sink.bench_rows(rows),
                     ToServer::Failed { message } => {
                         if self.reported.is_none() {
                             self.reported = Some((
@@ -651,76 +443,5 @@ fn describe(status: ExitStatus) -> String {
             format!("was killed by signal {name}")
         }
         _ => "ended".into(),
-    }
-}
-
-/// The progress display: a bar on a terminal, plain lines otherwise.
-pub struct Progress {
-    bar: Option<ProgressBar>,
-    every: u64,
-    steps: u64,
-}
-
-impl Progress {
-    /// For a run of `steps`; `plain` forces log lines.
-    pub fn new(steps: u64, plain: bool) -> Progress {
-        let bar = (!plain).then(|| {
-            let b = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stdout());
-            b.set_style(
-                ProgressStyle::with_template(
-                    "{spinner} step {pos}/{len} [{bar:30}] {msg} ETA {eta}",
-                )
-                .expect("a valid template")
-                .progress_chars("=> "),
-            );
-            b
-        });
-        Progress {
-            bar,
-            every: (steps / 20).max(1),
-            steps,
-        }
-    }
-
-    /// Prints a line without disturbing the bar.
-    pub fn println(&self, line: &str) {
-        match &self.bar {
-            Some(b) => b.println(line),
-            None => println!("{line}"),
-        }
-    }
-
-    fn step(&self, line: &crate::metrics::StepLine) {
-        let msg = format!(
-            "loss {:.4} · {:.0} tok/s · {:.1} ms/step",
-            line.loss, line.tokens_per_s, line.step_ms
-        );
-        match &self.bar {
-            Some(b) => {
-                b.set_position(line.step);
-                b.set_message(msg);
-            }
-            None if line.step == 1
-                || line.step.is_multiple_of(self.every)
-                || line.step == self.steps =>
-            {
-                let norm = match line.grad_norm {
-                    Some(n) => format!("grad norm {n:.3}"),
-                    None => "gradients overflowed, step skipped".into(),
-                };
-                println!(
-                    "step {}/{} {msg} · lr {:.2e} · {norm}",
-                    line.step, self.steps, line.lr
-                );
-            }
-            None => {}
-        }
-    }
-
-    /// Removes the bar.
-    pub fn finish(&self) {
-        if let Some(b) = &self.bar {
-            b.finish_and_clear();
-        }
     }
 }

@@ -1,0 +1,78 @@
+//! The progress display: an indicatif bar on a terminal, plain log lines
+//! (every twentieth step) otherwise, so that logs of batch jobs stay short.
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::metrics::StepLine;
+
+/// The progress display: a bar on a terminal, plain lines otherwise.
+pub struct Progress {
+    bar: Option<ProgressBar>,
+    every: u64,
+    steps: u64,
+}
+
+impl Progress {
+    /// For a run of `steps`; `plain` forces log lines.
+    pub fn new(steps: u64, plain: bool) -> Progress {
+        let bar = (!plain).then(|| {
+            let b = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stdout());
+            b.set_style(
+                ProgressStyle::with_template(
+                    "{spinner} step {pos}/{len} [{bar:30}] {msg} ETA {eta}",
+                )
+                .expect("a valid template")
+                .progress_chars("=> "),
+            );
+            b
+        });
+        Progress {
+            bar,
+            every: (steps / 20).max(1),
+            steps,
+        }
+    }
+
+    /// Prints a line without disturbing the bar.
+    pub fn println(&self, line: &str) {
+        match &self.bar {
+            Some(b) => b.println(line),
+            None => println!("{line}"),
+        }
+    }
+
+    /// Shows a finished step.
+    pub fn step(&self, line: &StepLine) {
+        let msg = format!(
+            "loss {:.4} · {:.0} tok/s · {:.1} ms/step",
+            line.loss, line.tokens_per_s, line.step_ms
+        );
+        match &self.bar {
+            Some(b) => {
+                b.set_position(line.step);
+                b.set_message(msg);
+            }
+            None if line.step == 1
+                || line.step.is_multiple_of(self.every)
+                || line.step == self.steps =>
+            {
+                let norm = match line.grad_norm {
+                    Some(n) => format!("grad norm {n:.3}"),
+                    None => "gradients overflowed, step skipped".into(),
+                };
+                println!(
+                    "step {}/{} {msg} · lr {:.2e} · {norm}",
+                    line.step, self.steps, line.lr
+                );
+            }
+            None => {}
+        }
+    }
+
+    /// Removes the bar.
+    pub fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}

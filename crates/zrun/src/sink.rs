@@ -1,0 +1,81 @@
+//! Where a job's reports go: metrics and progress for training, rows for the
+//! benchmarks. The supervisor hands every report here and knows nothing of
+//! what is done with it.
+
+use anyhow::Result;
+use zproto::{BenchRow, KernelRow, StepReport};
+
+use crate::metrics::{Aggregator, MetricsWriter};
+use crate::progress::Progress;
+
+/// Where reports go.
+pub enum Sink {
+    /// Training: metrics and progress.
+    Train {
+        /// Per-step aggregation.
+        agg: Aggregator,
+        /// metrics.jsonl.
+        writer: MetricsWriter,
+        /// Progress display.
+        progress: Progress,
+        /// Loss of the newest complete step.
+        last_loss: f64,
+        /// Steps expected.
+        steps: u64,
+    },
+    /// `bench comm`: rows from rank 0.
+    Bench {
+        /// Collected rows.
+        rows: Vec<BenchRow>,
+    },
+    /// `bench kernels`: rows from the one worker.
+    Kernels {
+        /// Collected rows.
+        rows: Vec<KernelRow>,
+    },
+}
+
+impl Sink {
+    /// A rank's step report: a metrics line and progress once every rank's
+    /// report of the step is in.
+    pub fn report(&mut self, rank: usize, report: StepReport) -> Result<()> {
+        if let Sink::Train {
+            agg,
+            writer,
+            progress,
+            last_loss,
+            ..
+        } = self
+        {
+            if let Some(line) = agg.add(rank, report) {
+                writer.write(&line)?;
+                *last_loss = line.loss;
+                progress.step(&line);
+            }
+        }
+        Ok(())
+    }
+
+    /// Rows of `bench kernels`.
+    pub fn kernel_rows(&mut self, rows: Vec<KernelRow>) {
+        if let Sink::Kernels { rows: all } = self {
+            all.extend(rows);
+        }
+    }
+
+    /// Rows of `bench comm`.
+    pub fn bench_rows(&mut self, rows: Vec<BenchRow>) {
+        if let Sink::Bench { rows: all } = self {
+            all.extend(rows);
+        }
+    }
+
+    /// Prints a worker's output line.
+    pub fn println(&self, line: &str, stderr: bool) {
+        match self {
+            Sink::Train { progress, .. } => progress.println(line),
+            Sink::Bench { .. } | Sink::Kernels { .. } if stderr => eprintln!("{line}"),
+            Sink::Bench { .. } | Sink::Kernels { .. } => println!("{line}"),
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! `zrun train`: the job, its checks before launch (resume point, initial
+//! weights, the memory estimate), the metrics file, and the final `done` line.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use zconfig::load_job;
+use zproto::{Task, TrainTask};
+
+use crate::cli::TrainArgs;
+use crate::metrics::{Aggregator, DoneLine, MetricsWriter};
+use crate::plan::{plan_launch, topology, LaunchPlan};
+use crate::progress::Progress;
+use crate::sink::Sink;
+use crate::supervise::{run_job, Outcome};
+use crate::Failure;
+
+/// `zrun train`.
+pub fn train(args: TrainArgs) -> Result<ExitCode> {
+    let job = load_job(&args.job, &args.set)?;
+    let topo = topology(&args.launch)?;
+    job.validate(topo.world_size())?;
+    let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
+    warn_if_too_big(&plan);
+    check_init_from(&plan.spec)?;
+    let resume = resolve_resume(args.resume.as_deref(), &plan.spec)?;
+    let run_dir = PathBuf::from(&plan.spec.run_dir);
+    let metrics_path = args
+        .metrics
+        .clone()
+        .unwrap_or_else(|| run_dir.join("metrics.jsonl"));
+    let writer = MetricsWriter::create(&metrics_path)
+        .map_err(|e| Failure::bad_input(format!("--metrics {}: {e}", metrics_path.display())))?;
+    let steps = plan.spec.train.steps;
+    let progress = Progress::new(steps, args.no_progress || !std::io::stdout().is_terminal());
+    progress.println(&format!(
+        "zrun: job {}: {} workers on {} node(s), ZeRO stage {}, {} steps; metrics {}",
+        plan.spec.name,
+        plan.topology.world_size(),
+        plan.topology.nodes.len(),
+        plan.spec.zero.stage,
+        steps,
+        metrics_path.display()
+    ));
+    if let Some(r) = &resume {
+        progress.println(&format!("zrun: resuming from {r}"));
+    }
+    let world = plan.topology.world_size();
+    let sink = Sink::Train {
+        agg: Aggregator::new(world),
+        writer,
+        progress,
+        last_loss: f64::NAN,
+        steps,
+    };
+    let task = Task::Train(Box::new(TrainTask {
+        spec: plan.spec.clone(),
+        resume,
+    }));
+    let heartbeat = Duration::from_secs_f64(plan.spec.comm.heartbeat_s);
+    let rendezvous = Duration::from_secs_f64(plan.spec.comm.timeout_s);
+    let started = Instant::now();
+    let (outcome, sink) = run_job(plan, task, sink, heartbeat, rendezvous)?;
+    let Sink::Train {
+        mut writer,
+        progress,
+        last_loss,
+        steps,
+        ..
+    } = sink
+    else {
+        unreachable!("train uses the train sink")
+    };
+    progress.finish();
+    match outcome {
+        Outcome::Success => {
+            let wall_s = started.elapsed().as_secs_f64();
+            writer.write(&DoneLine {
+                event: "done",
+                steps,
+                final_loss: last_loss,
+                wall_s,
+            })?;
+            println!("zrun: done: {steps} steps, final loss {last_loss:.4}, {wall_s:.1}s");
+            Ok(ExitCode::SUCCESS)
+        }
+        Outcome::Failed { code, message } => {
+            eprintln!("zrun: {message}");
+            Ok(ExitCode::from(code))
+        }
+    }
+}
+
+/// `--resume DIR|auto` → a verified checkpoint of this model (bad ones: exit 2).
+/// `auto` with no checkpoint yet starts from scratch.
+fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<String>> {
+    let Some(arg) = arg else { return Ok(None) };
+    let dir = if arg == "auto" {
+        let Some(root) = &spec.checkpoint.dir else {
+            return Err(Failure::bad_input(
+                "--resume auto: the job has no checkpoint.dir to look in",
+            ));
+        };
+        match zckpt::list(std::path::Path::new(root)).pop() {
+            Some(d) => d,
+            None => {
+                println!("zrun: --resume auto: no checkpoint in {root} yet; starting from scratch");
+                return Ok(None);
+            }
+        }
+    } else {
+        zckpt::resolve(std::path::Path::new(arg))
+            .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?
+    };
+    let ckpt =
+        zckpt::Checkpoint::open(&dir).map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
+    ckpt.check_model(&spec.model)
+        .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
+    Ok(Some(dir.display().to_string()))
+}
+
+/// `model.init_from` must be a safetensors file with the model's parameter count.
+fn check_init_from(spec: &zconfig::JobSpec) -> Result<()> {
+    let Some(f) = &spec.model.init_from else {
+        return Ok(());
+    };
+    let w = zckpt::read_weights(std::path::Path::new(f))
+        .map_err(|e| Failure::bad_input(format!("model.init_from: {e}")))?;
+    let have: usize = w.values().map(|(_, v)| v.len()).sum();
+    let want = zconfig::estimate::gpt_params(&spec.model) as usize;
+    if have != want {
+        return Err(Failure::bad_input(format!(
+            "model.init_from: {f} holds {have} parameters, the model has {want}"
+        )));
+    }
+    Ok(())
+}
+
+/// Warns when the estimate of a worker's memory exceeds its share of this host's.
+fn warn_if_too_big(plan: &LaunchPlan) {
+    let need = crate::estimate::per_worker_bytes(&plan.spec, &plan.topology);
+    let local = plan
+        .topology
+        .nodes
+        .iter()
+        .map(|n| n.slots.len())
+        .max()
+        .unwrap_or(1);
+    if let Some(avail) = crate::estimate::mem_available() {
+        let share = avail / local as f64;
+        if need > share {
+            eprintln!(
+                "zrun: warning: a worker is estimated to need {:.2} GiB (ZeRO stage {} model states + activations), more than its {:.2} GiB share of this host's available memory ({local} workers); see `zrun estimate`",
+                need / f64::from(1 << 30),
+                plan.spec.zero.stage,
+                share / f64::from(1 << 30)
+            );
+        }
+    }
+}
