@@ -33,14 +33,15 @@ pub const FORMAT: u32 = 1;
 
 /// What can go wrong with a checkpoint. Every message names the file.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CkptError {
     /// Reading or writing failed.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         /// File.
         path: PathBuf,
-        /// Cause.
-        source: std::io::Error,
+        /// Cause (shown in the message, so not also a `source`).
+        cause: std::io::Error,
     },
     /// The checkpoint is incomplete, corrupt or does not fit the job.
     #[error("{path}: {message}")]
@@ -53,9 +54,9 @@ pub enum CkptError {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CkptError + '_ {
-    move |source| CkptError::Io {
+    move |cause| CkptError::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     }
 }
 
@@ -311,7 +312,7 @@ impl Checkpoint {
                 std::io::ErrorKind::NotFound => invalid(&p, "shard is missing"),
                 _ => CkptError::Io {
                     path: p.clone(),
-                    source: e,
+                    cause: e,
                 },
             })?;
             if bytes.len() as u64 != f.bytes {

@@ -121,7 +121,7 @@ impl Direct {
                     return Err(CommError::Timeout {
                         op: c.op.name(),
                         group: c.group.to_string(),
-                        peer: j,
+                        peer: Some(j),
                         waited_s: (now - c.started).as_secs_f64(),
                     });
                 }

@@ -2,8 +2,9 @@
 //!
 //! Layout:
 //! - this file: the [`Communicator`] trait (torch.distributed's names), [`Work`]
-//!   handles, [`CommError`], byte [`Counters`], and [`chunk_range`], the one rule for
+//!   handles, byte [`Counters`], and [`chunk_range`], the one rule for
 //!   splitting a buffer over ranks that every algorithm and the engine share.
+//! - `error`: [`CommError`] and [`SetupError`].
 //! - [`links`]: the point-to-point layer the algorithms run on (framed messages with
 //!   a sequence number, per-op deadlines, byte accounting).
 //! - [`ring`], [`pairwise`], [`star`]: one file per algorithm family.
@@ -21,6 +22,7 @@
 #![deny(missing_docs)]
 
 mod direct;
+mod error;
 mod links;
 mod pairwise;
 mod ring;
@@ -32,75 +34,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+pub use error::{CommError, SetupError};
 pub use tcp::{TcpCommunicator, TcpOptions};
 pub use zproto::Op;
-
-/// A communication failure. Every variant names the operation, group and peer.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum CommError {
-    /// A deadline passed.
-    #[error("{op} in group {group}: timed out after {waited_s:.1}s waiting for rank {peer}")]
-    Timeout {
-        /// Operation.
-        op: &'static str,
-        /// Group.
-        group: String,
-        /// The rank that did not deliver.
-        peer: usize,
-        /// Seconds waited.
-        waited_s: f64,
-    },
-    /// A socket failed or closed.
-    #[error("{op} in group {group}: link to rank {peer} failed: {message}")]
-    Link {
-        /// Operation.
-        op: &'static str,
-        /// Group.
-        group: String,
-        /// Peer rank.
-        peer: usize,
-        /// Cause.
-        message: String,
-    },
-    /// Ranks disagree on which collective comes next (a program bug on some rank).
-    #[error("{op} in group {group}: rank {peer} sent {got}, expected {expected}")]
-    Mismatch {
-        /// Operation.
-        op: &'static str,
-        /// Group.
-        group: String,
-        /// Peer rank.
-        peer: usize,
-        /// What arrived.
-        got: String,
-        /// What this rank expected.
-        expected: String,
-    },
-    /// Building the communicator failed.
-    #[error("connecting group {group}: {message}")]
-    Setup {
-        /// Group.
-        group: String,
-        /// Cause.
-        message: String,
-    },
-    /// Arguments that no rank could satisfy.
-    #[error("{op}: {message}")]
-    Usage {
-        /// Operation.
-        op: &'static str,
-        /// What is wrong.
-        message: String,
-    },
-    /// The communicator's thread is gone (a previous error killed it).
-    #[error("{op} in group {group}: the communicator has shut down")]
-    Closed {
-        /// Operation.
-        op: &'static str,
-        /// Group.
-        group: String,
-    },
-}
 
 /// A pending collective. `wait` returns its result, or an error at the deadline.
 pub struct Work<T> {
@@ -145,7 +81,7 @@ impl<T> Work<T> {
             Err(mpsc::RecvTimeoutError::Timeout) => Err(CommError::Timeout {
                 op: self.op.name(),
                 group: self.group,
-                peer: usize::MAX,
+                peer: None,
                 waited_s: left.as_secs_f64(),
             }),
             Err(mpsc::RecvTimeoutError::Disconnected) => Err(CommError::Closed {

@@ -248,7 +248,10 @@ fn a_missing_peer_times_out_naming_op_group_and_peer() {
             CommError::Timeout {
                 op, group, peer, ..
             } => {
-                assert_eq!((*op, group.as_str(), *peer), ("all_reduce", "world", 1));
+                assert_eq!(
+                    (*op, group.as_str(), *peer),
+                    ("all_reduce", "world", Some(1))
+                );
             }
             other => panic!("expected a timeout, got {other}"),
         }

@@ -6,14 +6,15 @@ use std::path::PathBuf;
 
 /// An error in user input: job spec, override, hostfile or launch option.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// A file could not be read.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
+        /// The cause (shown in the message, so not also a `source`).
+        cause: std::io::Error,
     },
     /// YAML that does not parse, or does not match the spec's shape.
     #[error("{path}:{line}:{column}: {message}")]

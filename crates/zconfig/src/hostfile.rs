@@ -40,9 +40,9 @@ pub struct Hostfile {
 impl Hostfile {
     /// Reads and parses a hostfile.
     pub fn read(path: &Path) -> Result<Hostfile, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Io {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         Hostfile::parse(path, &text)
     }

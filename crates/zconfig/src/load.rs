@@ -25,9 +25,9 @@ pub struct LoadedJob {
 
 /// Reads `path`, applies `overrides` (`KEY=VALUE`, dotted keys) and expands `${name}`.
 pub fn load_job(path: &Path, overrides: &[String]) -> Result<LoadedJob, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+    let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     })?;
     if text.trim().is_empty() {
         return Err(ConfigError::Syntax {

@@ -14,7 +14,7 @@ pub enum EngineError {
     Comm(#[from] CommError),
     /// candle failed (shape bugs, allocation).
     #[error("model: {0}")]
-    Model(#[from] candle_core::Error),
+    Model(candle_core::Error),
     /// A checkpoint could not be read.
     #[error(transparent)]
     Checkpoint(#[from] zckpt::CkptError),
@@ -69,4 +69,10 @@ pub enum EngineError {
         /// What does not fit.
         problem: String,
     },
+}
+
+impl From<candle_core::Error> for EngineError {
+    fn from(e: candle_core::Error) -> EngineError {
+        EngineError::Model(e)
+    }
 }

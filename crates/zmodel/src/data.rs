@@ -19,14 +19,15 @@ use zconfig::{data_files, DataFormat};
 
 /// Why data could not be loaded.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DataError {
     /// A file could not be read.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         /// File.
         path: PathBuf,
-        /// Cause.
-        source: std::io::Error,
+        /// Cause (shown in the message, so not also a `source`).
+        cause: std::io::Error,
     },
     /// The data cannot serve this model.
     #[error("data: {0}")]
@@ -61,9 +62,9 @@ impl Corpus {
         let files = data_files(path, format).map_err(DataError::Invalid)?;
         let mut tokens = Vec::new();
         for f in files {
-            let bytes = std::fs::read(&f).map_err(|source| DataError::Io {
+            let bytes = std::fs::read(&f).map_err(|cause| DataError::Io {
                 path: f.clone(),
-                source,
+                cause,
             })?;
             match format {
                 DataFormat::Text => tokens.extend(bytes.iter().map(|&b| u16::from(b))),

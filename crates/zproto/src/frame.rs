@@ -17,12 +17,13 @@ pub const HANDSHAKE_MAX: usize = 4 << 10;
 
 /// Why a frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum FrameError {
     /// The peer closed the connection at a frame boundary.
     #[error("connection closed")]
     Closed,
     /// Socket error (including timeouts).
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
     /// The length prefix exceeds the maximum.
     #[error("frame of {len} bytes exceeds the limit of {max}")]

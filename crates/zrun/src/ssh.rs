@@ -15,7 +15,7 @@
 //! anything it started. ssh2 is blocking: all of this runs on blocking threads,
 //! never on the control server's runtime.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{self, BufRead, BufReader, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -43,72 +43,231 @@ pub struct Target {
     pub user: String,
 }
 
+/// Why reaching or using a host over SSH failed. Every message names the host.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SshError {
+    /// The host name does not resolve.
+    #[error("cannot resolve {host}: {cause}")]
+    Resolve {
+        /// Host.
+        host: String,
+        /// Cause.
+        cause: io::Error,
+    },
+    /// The host name resolves to no address.
+    #[error("{host} resolves to nothing")]
+    NoAddress {
+        /// Host.
+        host: String,
+    },
+    /// No TCP connection.
+    #[error("cannot reach {host}:{port}: {cause}")]
+    Unreachable {
+        /// Host.
+        host: String,
+        /// Port.
+        port: u16,
+        /// Cause.
+        cause: io::Error,
+    },
+    /// The SSH handshake failed.
+    #[error("SSH handshake with {host}:{port} failed: {cause}")]
+    Handshake {
+        /// Host.
+        host: String,
+        /// Port.
+        port: u16,
+        /// Cause.
+        cause: ssh2::Error,
+    },
+    /// The host's key is not the one recorded.
+    #[error("the host key of {host}:{port} does not match {} (changed key, or someone in between); refusing to connect", known_hosts.display())]
+    HostKeyMismatch {
+        /// Host.
+        host: String,
+        /// Port.
+        port: u16,
+        /// The known_hosts file.
+        known_hosts: PathBuf,
+    },
+    /// The host's key is not recorded and `--ssh-accept-new` was not given.
+    #[error("the host key of {host}:{port} is not in {} (connect once with ssh, or pass --ssh-accept-new)", known_hosts.display())]
+    UnknownHostKey {
+        /// Host.
+        host: String,
+        /// Port.
+        port: u16,
+        /// The known_hosts file.
+        known_hosts: PathBuf,
+    },
+    /// The host sent no key, or libssh2 could not check it.
+    #[error("checking the host key of {host} failed")]
+    HostKeyCheck {
+        /// Host.
+        host: String,
+    },
+    /// Reading or writing the known_hosts file failed.
+    #[error("{what} {}: {cause}", path.display())]
+    KnownHosts {
+        /// `reading` or `writing`.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Cause.
+        cause: ssh2::Error,
+    },
+    /// The host refused the key given with `--ssh-key`.
+    #[error("{user}@{host} refused the key {}: {cause}", key.display())]
+    KeyRefused {
+        /// User.
+        user: String,
+        /// Host.
+        host: String,
+        /// The key file.
+        key: PathBuf,
+        /// Cause.
+        cause: ssh2::Error,
+    },
+    /// Neither the agent nor a default key was accepted.
+    #[error("{user}@{host}: no key was accepted (tried: {}); pass --ssh-key", if tried.is_empty() { "nothing found".to_string() } else { tried.join(", ") })]
+    NoKeyAccepted {
+        /// User.
+        user: String,
+        /// Host.
+        host: String,
+        /// What was tried, with why it failed.
+        tried: Vec<String>,
+    },
+    /// A step of running a command on the host failed.
+    #[error("{host}: {what}: {cause}")]
+    Remote {
+        /// Host.
+        host: String,
+        /// The step (opening a channel, starting the worker, ...).
+        what: &'static str,
+        /// Cause.
+        cause: ssh2::Error,
+    },
+    /// A local I/O step failed (sending the token, starting a thread).
+    #[error("{host}: {what}: {cause}")]
+    Io {
+        /// Host.
+        host: String,
+        /// The step.
+        what: &'static str,
+        /// Cause.
+        cause: io::Error,
+    },
+}
+
+impl Target {
+    fn remote(&self, what: &'static str) -> impl FnOnce(ssh2::Error) -> SshError + '_ {
+        move |cause| SshError::Remote {
+            host: self.host.clone(),
+            what,
+            cause,
+        }
+    }
+
+    fn io(&self, what: &'static str) -> impl FnOnce(io::Error) -> SshError + '_ {
+        move |cause| SshError::Io {
+            host: self.host.clone(),
+            what,
+            cause,
+        }
+    }
+}
+
 /// Connects, verifies the host key and authenticates.
-pub fn connect(t: &Target, o: &SshOptions) -> Result<Session, String> {
+pub fn connect(t: &Target, o: &SshOptions) -> Result<Session, SshError> {
+    let host = || t.host.clone();
     let addr = (t.host.as_str(), t.port)
         .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {}: {e}", t.host))?
+        .map_err(|cause| SshError::Resolve {
+            host: host(),
+            cause,
+        })?
         .next()
-        .ok_or_else(|| format!("{} resolves to nothing", t.host))?;
-    let tcp = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)
-        .map_err(|e| format!("cannot reach {}:{}: {e}", t.host, t.port))?;
-    let mut s = Session::new().map_err(|e| e.to_string())?;
+        .ok_or_else(|| SshError::NoAddress { host: host() })?;
+    let tcp = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT).map_err(|cause| {
+        SshError::Unreachable {
+            host: host(),
+            port: t.port,
+            cause,
+        }
+    })?;
+    let handshake = |cause| SshError::Handshake {
+        host: host(),
+        port: t.port,
+        cause,
+    };
+    let mut s = Session::new().map_err(handshake)?;
     s.set_tcp_stream(tcp);
     s.set_timeout(CONNECT_TIMEOUT.as_millis() as u32);
-    s.handshake()
-        .map_err(|e| format!("SSH handshake with {}:{} failed: {e}", t.host, t.port))?;
+    s.handshake().map_err(handshake)?;
     verify_host_key(&s, t, o)?;
     authenticate(&s, t, o)?;
     s.set_timeout(0);
     Ok(s)
 }
 
-fn verify_host_key(s: &Session, t: &Target, o: &SshOptions) -> Result<(), String> {
-    let (key, kind) = s
-        .host_key()
-        .ok_or_else(|| format!("{} sent no host key", t.host))?;
-    let mut kh = s.known_hosts().map_err(|e| e.to_string())?;
+fn verify_host_key(s: &Session, t: &Target, o: &SshOptions) -> Result<(), SshError> {
+    let check_failed = || SshError::HostKeyCheck {
+        host: t.host.clone(),
+    };
+    let known_hosts = |what| {
+        move |cause| SshError::KnownHosts {
+            what,
+            path: o.known_hosts.clone(),
+            cause,
+        }
+    };
+    let (key, kind) = s.host_key().ok_or_else(check_failed)?;
+    let mut kh = s.known_hosts().map_err(known_hosts("reading"))?;
     if o.known_hosts.exists() {
         kh.read_file(&o.known_hosts, KnownHostFileKind::OpenSSH)
-            .map_err(|e| format!("reading {}: {e}", o.known_hosts.display()))?;
+            .map_err(known_hosts("reading"))?;
     }
     match kh.check_port(&t.host, t.port, key) {
         CheckResult::Match => Ok(()),
-        CheckResult::Mismatch => Err(format!(
-            "the host key of {}:{} does not match {} (changed key, or someone in between); refusing to connect",
-            t.host,
-            t.port,
-            o.known_hosts.display()
-        )),
+        CheckResult::Mismatch => Err(SshError::HostKeyMismatch {
+            host: t.host.clone(),
+            port: t.port,
+            known_hosts: o.known_hosts.clone(),
+        }),
         CheckResult::NotFound if o.accept_new => {
-            let name = if t.port == 22 { t.host.clone() } else { format!("[{}]:{}", t.host, t.port) };
-            kh.add(&name, key, "added by zrun --ssh-accept-new", kind.into()).map_err(|e| e.to_string())?;
+            let name = if t.port == 22 {
+                t.host.clone()
+            } else {
+                format!("[{}]:{}", t.host, t.port)
+            };
+            kh.add(&name, key, "added by zrun --ssh-accept-new", kind.into())
+                .map_err(known_hosts("writing"))?;
             kh.write_file(&o.known_hosts, KnownHostFileKind::OpenSSH)
-                .map_err(|e| format!("writing {}: {e}", o.known_hosts.display()))?;
+                .map_err(known_hosts("writing"))?;
             Ok(())
         }
-        CheckResult::NotFound => Err(format!(
-            "the host key of {}:{} is not in {} (connect once with ssh, or pass --ssh-accept-new)",
-            t.host,
-            t.port,
-            o.known_hosts.display()
-        )),
-        CheckResult::Failure => Err(format!("checking the host key of {} failed", t.host)),
+        CheckResult::NotFound => Err(SshError::UnknownHostKey {
+            host: t.host.clone(),
+            port: t.port,
+            known_hosts: o.known_hosts.clone(),
+        }),
+        CheckResult::Failure => Err(check_failed()),
     }
 }
 
-fn authenticate(s: &Session, t: &Target, o: &SshOptions) -> Result<(), String> {
+fn authenticate(s: &Session, t: &Target, o: &SshOptions) -> Result<(), SshError> {
     let mut tried = Vec::new();
     if let Some(k) = &o.key {
-        if let Err(e) = s.userauth_pubkey_file(&t.user, None, k, None) {
-            return Err(format!(
-                "{}@{} refused the key {}: {e}",
-                t.user,
-                t.host,
-                k.display()
-            ));
-        }
-        return Ok(());
+        return s
+            .userauth_pubkey_file(&t.user, None, k, None)
+            .map_err(|cause| SshError::KeyRefused {
+                user: t.user.clone(),
+                host: t.host.clone(),
+                key: k.clone(),
+                cause,
+            });
     }
     if std::env::var_os("SSH_AUTH_SOCK").is_some() {
         match s.userauth_agent(&t.user) {
@@ -128,16 +287,11 @@ fn authenticate(s: &Session, t: &Target, o: &SshOptions) -> Result<(), String> {
             }
         }
     }
-    Err(format!(
-        "{}@{}: no key was accepted (tried: {}); pass --ssh-key",
-        t.user,
-        t.host,
-        if tried.is_empty() {
-            "nothing found".into()
-        } else {
-            tried.join(", ")
-        }
-    ))
+    Err(SshError::NoKeyAccepted {
+        user: t.user.clone(),
+        host: t.host.clone(),
+        tried,
+    })
 }
 
 /// Quotes a string for a POSIX shell.
@@ -166,7 +320,7 @@ pub fn start_worker(
     env: &[(String, String)],
     job: &JobEnv,
     events: mpsc::UnboundedSender<ProcEvent>,
-) -> Result<RemoteProc, String> {
+) -> Result<RemoteProc, SshError> {
     let mut vars = String::new();
     for (k, v) in env {
         vars.push_str(&format!("{k}={} ", shell_quote(v)));
@@ -178,14 +332,16 @@ pub fn start_worker(
     );
     let mut ch = session
         .channel_session()
-        .map_err(|e| format!("{}: opening a channel: {e}", target.host))?;
+        .map_err(target.remote("opening a channel"))?;
     ch.handle_extended_data(ssh2::ExtendedData::Merge)
-        .map_err(|e| e.to_string())?;
+        .map_err(target.remote("merging the worker's stderr"))?;
     ch.exec(&cmd)
-        .map_err(|e| format!("{}: starting the worker: {e}", target.host))?;
+        .map_err(target.remote("starting the worker"))?;
     ch.write_all(format!("{}\n", job.token_hex).as_bytes())
-        .map_err(|e| e.to_string())?;
-    ch.send_eof().map_err(|e| e.to_string())?;
+        .map_err(target.io("sending the job token"))?;
+    ch.send_eof()
+        .map_err(target.remote("sending the job token"))?;
+    let host = target.host.clone();
     let pid = Arc::new(Mutex::new(None));
     let proc = RemoteProc {
         target: target.clone(),
@@ -221,7 +377,11 @@ pub fn start_worker(
             };
             let _ = events.send(ProcEvent::Exited { rank, status });
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(|cause| SshError::Io {
+            host,
+            what: "starting the output thread",
+            cause,
+        })?;
     Ok(proc)
 }
 
@@ -240,16 +400,17 @@ fn signal_number(name: &str) -> i32 {
 }
 
 /// Kills a remote worker's process group (blocking; bounded by the connect timeout).
-pub fn kill(p: &RemoteProc, o: &SshOptions) -> Result<(), String> {
+pub fn kill(p: &RemoteProc, o: &SshOptions) -> Result<(), SshError> {
     let Some(pid) = *p.pid.lock().unwrap_or_else(|e| e.into_inner()) else {
         return Ok(()); // it never started
     };
     let s = connect(&p.target, o)?;
-    let mut ch = s.channel_session().map_err(|e| e.to_string())?;
+    let t = &p.target;
+    let mut ch = s.channel_session().map_err(t.remote("opening a channel"))?;
     ch.exec(&format!(
         "kill -9 -- -{pid} 2>/dev/null; kill -9 {pid} 2>/dev/null; true"
     ))
-    .map_err(|e| e.to_string())?;
+    .map_err(t.remote("killing the worker"))?;
     let _ = ch.wait_close();
     Ok(())
 }
@@ -261,7 +422,7 @@ pub async fn connect_all(targets: &[Target], o: &SshOptions) -> anyhow::Result<V
     for t in targets {
         let (t, o) = (t.clone(), o.clone());
         tasks.push(tokio::task::spawn_blocking(move || {
-            connect(&t, &o).map_err(|e| (t.host.clone(), e))
+            connect(&t, &o).map_err(|e| (t.host.clone(), Box::new(e)))
         }));
     }
     let mut out = Vec::new();

@@ -9,13 +9,15 @@
 
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use zproto::auth::nonce;
 use zproto::frame::{read_frame, write_frame, HANDSHAKE_MAX};
 use zproto::{Nonce, Proof, Token};
+
+use crate::SetupError;
 
 const DIALER_CONTEXT: &str = "zrun-data-dialer-v1";
 const ACCEPTOR_CONTEXT: &str = "zrun-data-acceptor-v1";
@@ -47,7 +49,7 @@ pub(crate) fn connect_mesh(
     addrs: &[SocketAddr],
     token: &Token,
     timeout: Duration,
-) -> Result<Vec<Option<TcpStream>>, String> {
+) -> Result<Vec<Option<TcpStream>>, SetupError> {
     let w = addrs.len();
     let deadline = Instant::now() + timeout;
     let mut streams: Vec<Option<TcpStream>> = (0..w).map(|_| None).collect();
@@ -57,14 +59,12 @@ pub(crate) fn connect_mesh(
         std::thread::Builder::new()
             .name("zcomm-accept".into())
             .spawn(move || accept_peers(rank, listener, expected_accepts, &token, deadline))
-            .map_err(|e| format!("cannot start the accept thread: {e}"))?
+            .map_err(|e| SetupError::Thread(Arc::new(e)))?
     };
     for (peer, addr) in addrs.iter().enumerate().take(rank) {
         streams[peer] = Some(dial(rank, peer, *addr, token, deadline)?);
     }
-    let accepted = acceptor
-        .join()
-        .map_err(|_| "the accept thread panicked".to_string())??;
+    let accepted = acceptor.join().map_err(|_| SetupError::AcceptPanicked)??;
     for (peer, s) in accepted {
         streams[peer] = Some(s);
     }
@@ -77,16 +77,20 @@ fn dial(
     addr: SocketAddr,
     token: &Token,
     deadline: Instant,
-) -> Result<TcpStream, String> {
-    let mut last_err = String::new();
+) -> Result<TcpStream, SetupError> {
+    let mut last = None;
+    let handshake = |cause: zproto::FrameError| SetupError::Handshake {
+        peer,
+        addr,
+        cause: Arc::new(cause),
+    };
     while Instant::now() < deadline {
         let left = deadline
             .saturating_duration_since(Instant::now())
             .min(Duration::from_secs(5));
         match TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1))) {
             Ok(mut s) => {
-                s.set_read_timeout(Some(HANDSHAKE_DEADLINE))
-                    .map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(HANDSHAKE_DEADLINE))?;
                 let mine = nonce();
                 write_frame(
                     &mut s,
@@ -96,31 +100,24 @@ fn dial(
                         nonce: mine,
                     },
                 )
-                .map_err(|e| format!("rank {peer} at {addr}: {e}"))?;
-                let ch: AcceptChallenge = read_frame(&mut s, HANDSHAKE_MAX).map_err(|e| {
-                    format!("rank {peer} at {addr} did not answer the handshake: {e}")
-                })?;
+                .map_err(handshake)?;
+                let ch: AcceptChallenge = read_frame(&mut s, HANDSHAKE_MAX).map_err(handshake)?;
                 if !token.verify(ACCEPTOR_CONTEXT, &mine, peer as u64, &ch.proof) {
-                    return Err(format!(
-                        "rank {peer} at {addr} failed to prove the job token"
-                    ));
+                    return Err(SetupError::BadProof { peer, addr });
                 }
                 let proof = token.prove(DIALER_CONTEXT, &ch.nonce, rank as u64);
-                write_frame(&mut s, &DialProof { proof })
-                    .map_err(|e| format!("rank {peer} at {addr}: {e}"))?;
-                s.set_read_timeout(None).map_err(|e| e.to_string())?;
-                s.set_nodelay(true).map_err(|e| e.to_string())?;
+                write_frame(&mut s, &DialProof { proof }).map_err(handshake)?;
+                s.set_read_timeout(None)?;
+                s.set_nodelay(true)?;
                 return Ok(s);
             }
             Err(e) => {
-                last_err = e.to_string();
+                last = Some(Arc::new(e));
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
     }
-    Err(format!(
-        "could not reach rank {peer} at {addr} before the deadline: {last_err}"
-    ))
+    Err(SetupError::Unreachable { peer, addr, last })
 }
 
 fn accept_peers(
@@ -129,20 +126,20 @@ fn accept_peers(
     expected: usize,
     token: &Token,
     deadline: Instant,
-) -> Result<Vec<(usize, TcpStream)>, String> {
+) -> Result<Vec<(usize, TcpStream)>, SetupError> {
     let mut got: Vec<(usize, TcpStream)> = Vec::new();
     if expected == 0 {
         return Ok(got);
     }
-    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    listener.set_nonblocking(true)?;
     let (tx, rx) = mpsc::channel::<(usize, TcpStream)>();
     while got.len() < expected {
         if Instant::now() >= deadline {
-            let have: Vec<usize> = got.iter().map(|(p, _)| *p).collect();
-            return Err(format!(
-                "rank {rank} accepted {} of {expected} peers before the deadline (have {have:?})",
-                got.len()
-            ));
+            return Err(SetupError::AcceptTimeout {
+                rank,
+                expected,
+                have: got.iter().map(|(p, _)| *p).collect(),
+            });
         }
         match listener.accept() {
             Ok((s, _)) => {
@@ -156,7 +153,7 @@ fn accept_peers(
                 });
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-            Err(e) => return Err(format!("accept failed: {e}")),
+            Err(e) => return Err(e.into()),
         }
         while let Ok((peer, s)) = rx.try_recv() {
             if peer > rank && !got.iter().any(|(p, _)| *p == peer) {

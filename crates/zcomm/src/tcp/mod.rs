@@ -19,7 +19,9 @@ use zproto::Token;
 
 use crate::direct::{Call, Direct};
 use crate::links::Links;
-use crate::{chunk_range, CommError, Communicator, CounterSnapshot, Counters, Op, Work};
+use crate::{
+    chunk_range, CommError, Communicator, CounterSnapshot, Counters, Op, SetupError, Work,
+};
 use crate::{pairwise, ring, star};
 
 const HEADER: usize = 16;
@@ -110,15 +112,16 @@ impl TcpCommunicator {
         opts: TcpOptions,
     ) -> Result<TcpCommunicator, CommError> {
         let world = addrs.len();
-        let setup = |message: String| CommError::Setup {
+        let setup = |cause: SetupError| CommError::Setup {
             group: opts.group.clone(),
-            message,
+            cause,
         };
         if rank >= world || opts.node_of_rank.len() != world {
-            return Err(setup(format!(
-                "rank {rank} with {world} addresses and {} node entries",
-                opts.node_of_rank.len()
-            )));
+            return Err(setup(SetupError::BadTopology {
+                rank,
+                world,
+                node_entries: opts.node_of_rank.len(),
+            }));
         }
         let streams = handshake::connect_mesh(rank, listener, addrs, &opts.token, opts.timeout)
             .map_err(setup)?;
@@ -135,8 +138,12 @@ impl TcpCommunicator {
                 let deadline = Instant::now() + opts.timeout;
                 Some((
                     me,
-                    crate::shm::Segment::open(name, local.len(), me, deadline)
-                        .map_err(|e| setup(format!("shared memory {name}: {e}")))?,
+                    crate::shm::Segment::open(name, local.len(), me, deadline).map_err(|e| {
+                        setup(SetupError::SharedMemory {
+                            name: name.clone(),
+                            cause: Arc::new(e),
+                        })
+                    })?,
                 ))
             }
             _ => None,
@@ -156,10 +163,10 @@ impl TcpCommunicator {
                         (Box::new(r), Box::new(w))
                     }
                     _ => {
-                        let writer = socket.try_clone().map_err(|e| setup(e.to_string()))?;
+                        let writer = socket.try_clone().map_err(|e| setup(e.into()))?;
                         writer
                             .set_write_timeout(Some(opts.timeout))
-                            .map_err(|e| setup(e.to_string()))?;
+                            .map_err(|e| setup(e.into()))?;
                         (Box::new(socket), Box::new(writer))
                     }
                 };
@@ -170,7 +177,7 @@ impl TcpCommunicator {
             let thread = std::thread::Builder::new()
                 .name(format!("zcomm-send-{peer}"))
                 .spawn(move || writer_loop(writer, rx, spent_tx, err2))
-                .map_err(|e| setup(e.to_string()))?;
+                .map_err(|e| setup(e.into()))?;
             peers.push(Some(Peer {
                 reader,
                 spent,
@@ -210,7 +217,7 @@ impl TcpCommunicator {
                 }
                 links.flush();
             })
-            .map_err(|e| setup(e.to_string()))?;
+            .map_err(|e| setup(e.into()))?;
         Ok(TcpCommunicator {
             rank,
             world,
@@ -531,7 +538,7 @@ impl TcpLinks {
                 return Err(CommError::Timeout {
                     op: self.op.name(),
                     group: self.group.clone(),
-                    peer,
+                    peer: Some(peer),
                     waited_s: (now - self.started).as_secs_f64(),
                 });
             }
