@@ -2,6 +2,8 @@
 //! would (in a temporary directory), look at its processes through /proc, and
 //! make sure nothing a test started outlives it.
 
+#![deny(missing_docs)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};

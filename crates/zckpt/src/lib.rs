@@ -17,6 +17,8 @@
 //! goes last, so a directory without a manifest is an unfinished save and is
 //! never resumed from.
 
+#![deny(missing_docs)]
+
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -5,11 +5,11 @@
 //!   handles, byte [`Counters`], and [`chunk_range`], the one rule for
 //!   splitting a buffer over ranks that every algorithm and the engine share.
 //! - `error`: [`CommError`] and [`SetupError`].
-//! - [`links`]: the point-to-point layer the algorithms run on (framed messages with
+//! - `links`: the point-to-point layer the algorithms run on (framed messages with
 //!   a sequence number, per-op deadlines, byte accounting).
-//! - [`ring`], [`pairwise`], [`star`]: one file per algorithm family.
-//! - [`tcp`]: the communicator: one authenticated TCP connection per peer, and
-//!   [`shm`] rings instead of sockets between ranks of one node when asked.
+//! - `ring`, `pairwise`, `star`: one file per algorithm family.
+//! - `tcp`: the communicator: one authenticated TCP connection per peer, and
+//!   `shm` rings instead of sockets between ranks of one node when asked.
 //!
 //! The design decision to know: every collective runs on the communicator's own
 //! thread, in the order it was issued. Callers hand over owned buffers and get a

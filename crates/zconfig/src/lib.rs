@@ -18,6 +18,8 @@
 //! nothing else of zrun's, so the launcher can validate a job without linking the
 //! engine.
 
+#![deny(missing_docs)]
+
 pub mod error;
 pub mod estimate;
 pub mod hostfile;

@@ -313,6 +313,12 @@ mod x86 {
     use crate::precision::Half;
 
     /// 16 lanes at a time, then the scalar reference for the tail.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must support AVX-512F (the dispatcher checks it at run time).
+    /// Every buffer must have `b.p`'s length (the caller runs `Buffers::check`);
+    /// every load and store relies on it.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn avx512(b: Buffers<'_>, c: &Consts) {
         let n = b.len() / 16 * 16;
@@ -391,6 +397,12 @@ mod x86 {
     }
 
     /// 8 lanes at a time, then the scalar reference for the tail.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must support AVX2 and F16C (the dispatcher checks it at run
+    /// time). Every buffer must have `b.p`'s length (the caller runs
+    /// `Buffers::check`); every load and store relies on it.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn avx2(b: Buffers<'_>, c: &Consts) {
         let n = b.len() / 8 * 8;

@@ -1,9 +1,9 @@
 //! The engine: one model replica's ZeRO-partitioned state on one rank, and the
 //! parameters each use of a block needs.
 //!
-//! A step is split over modules by phase: [`crate::micro_batch`] runs forward
-//! and backward of one micro-batch, [`crate::reduce`] reduces gradient buckets
-//! while backward continues, and [`crate::step`] finishes the optimizer step.
+//! A step is split over modules by phase: `micro_batch` runs forward
+//! and backward of one micro-batch, `reduce` reduces gradient buckets
+//! while backward continues, and `step` finishes the optimizer step.
 //!
 //! What each stage keeps ([`ZeroStage`] answers these questions by name):
 //!

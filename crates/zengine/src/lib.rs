@@ -25,6 +25,8 @@
 //! those buffers, so the arithmetic of every element is the same whatever the
 //! stage.
 
+#![deny(missing_docs)]
+
 pub mod accounting;
 pub mod adam;
 pub mod engine;

@@ -79,6 +79,13 @@ impl Shared {
 
 /// `dst[m×n] = beta · lhs[m×k] · rhs[k×n]`, single-threaded, with element
 /// strides (row, column) for each matrix.
+///
+/// # Safety
+///
+/// For every `i < m`, `j < n`, `l < k`, the elements `dst[i·dst_rs + j·dst_cs]`,
+/// `lhs[i·lhs_rs + l·lhs_cs]` and `rhs[l·rhs_rs + j·rhs_cs]` must be in bounds
+/// of live allocations, `dst`'s elements written by no one else during the
+/// call, and `dst` must not overlap `lhs` or `rhs`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn matmul(
     (m, n, k): (usize, usize, usize),

@@ -20,6 +20,8 @@
 //! - [`data`]: corpora (text bytes, u16 tokens, synthetic) and the batcher that gives
 //!   each rank a disjoint, deterministic share of every global batch.
 
+#![deny(missing_docs)]
+
 pub mod attention;
 pub mod data;
 pub mod gpt;

@@ -14,6 +14,8 @@
 //! `HMAC-SHA256(token, context | nonce | rank)`. Before that, frames are capped at
 //! [`frame::HANDSHAKE_MAX`] bytes so a stranger cannot make zrun allocate.
 
+#![deny(missing_docs)]
+
 pub mod auth;
 pub mod frame;
 pub mod msg;

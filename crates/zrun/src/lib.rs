@@ -20,12 +20,14 @@
 //! - [`sink`]: where reports go (metrics and progress, or benchmark rows).
 //! - [`progress`]: the progress bar, or plain lines when not on a terminal.
 //! - [`metrics`]: aggregation of per-rank step reports into `metrics.jsonl` lines.
-//! - [`bench`]: `zrun bench comm` and `bench kernels`.
+//! - [`bench`](mod@bench): `zrun bench comm` and `bench kernels`.
 //! - [`sweep`]: `zrun bench JOB.yaml --sweep`: throughput sweeps, table, CSV, JSON, SVG.
 //! - [`estimate`]: `zrun estimate`, and the memory warning before a launch.
 //!
 //! zrun links no model and no transport: everything that computes runs inside
 //! `zworker`, so zrun builds fast and is safe to run on a login node.
+
+#![deny(missing_docs)]
 
 pub mod bench;
 pub mod cli;

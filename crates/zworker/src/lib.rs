@@ -3,17 +3,19 @@
 //! collective benchmark), reporting every step to zrun.
 //!
 //! Layout:
-//! - [`env`]: the environment zrun (or srun) hands the worker.
+//! - [`env`](mod@env): the environment zrun (or srun) hands the worker.
 //! - [`control`]: the authenticated control connection, key-value store calls,
 //!   heartbeats, and the abort path.
 //! - [`train`]: the training loop around the engine.
 //! - [`checkpoint`]: writing a checkpoint (shards, then the manifest).
-//! - [`bench`]: `zrun bench comm`'s measurements.
+//! - [`bench`](mod@bench): `zrun bench comm`'s measurements.
 //! - [`kernels`]: `zrun bench kernels`'s measurements.
 //!
 //! The design decision to know: a worker never decides how the job ends. Any
 //! error is reported to zrun as `Failed` and the process exits 1; zrun stops the
 //! others. If zrun goes away, the worker exits on its own.
+
+#![deny(missing_docs)]
 
 pub mod bench;
 pub mod checkpoint;
