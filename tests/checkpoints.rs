@@ -4,21 +4,13 @@
 use std::path::Path;
 use std::time::Duration;
 
-use e2e::{children_of, ckpt_job, losses_by_step, wait_until, zrun, Zrun};
+use e2e::{children_of, ckpt_job, losses_by_step, wait_until, zrun, TrainArgs};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 fn train(dir: &Path, job: &Path, metrics: &str, extra: &[&str]) -> e2e::Finished {
-    let m = dir.join(metrics);
-    let mut args = vec![
-        "train",
-        job.to_str().unwrap(),
-        "--metrics",
-        m.to_str().unwrap(),
-        "--no-progress",
-    ];
-    args.extend_from_slice(extra);
-    let f = zrun(dir, &args);
+    let args = TrainArgs::new(job, dir.join(metrics)).args(extra);
+    let f = args.run(dir);
     assert_eq!(f.code(), 0, "{args:?}: {f:?}");
     f
 }
@@ -313,18 +305,9 @@ fn a_worker_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
     let job = ckpt_job(dir, "midsave", 100, 2);
     let m = dir.join("m.jsonl");
     // Every save stalls 2 s between writing a file and renaming it into place.
-    let z = Zrun::start(
-        dir,
-        &[
-            "train",
-            job.to_str().unwrap(),
-            "--metrics",
-            m.to_str().unwrap(),
-            "--no-progress",
-            "--set",
-            "env.ZRUN_FAULT_SAVE_DELAY_MS=2000",
-        ],
-    );
+    let z = TrainArgs::new(&job, &m)
+        .set("env.ZRUN_FAULT_SAVE_DELAY_MS=2000")
+        .start(dir);
     let ck = dir.join("ckpt");
     assert!(
         wait_until(Duration::from_secs(60), || ck

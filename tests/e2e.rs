@@ -7,7 +7,7 @@ use std::net::TcpStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use e2e::{alive, children_of, metrics, repo_root, small_job, wait_until, zrun, Zrun};
+use e2e::{alive, children_of, metrics, repo_root, small_job, wait_until, zrun, TrainArgs, Zrun};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -23,18 +23,9 @@ fn tiny_config_trains_and_its_loss_falls() {
     let dir = tempfile::tempdir().unwrap();
     let m = dir.path().join("metrics.jsonl");
     let root = repo_root();
-    let f = zrun(
-        &root,
-        &[
-            "train",
-            "configs/tiny.yaml",
-            "--set",
-            "train.steps=60",
-            "--metrics",
-            m.to_str().unwrap(),
-            "--no-progress",
-        ],
-    );
+    let f = TrainArgs::new("configs/tiny.yaml", &m)
+        .set("train.steps=60")
+        .run(&root);
     assert_eq!(f.code(), 0, "{f:?}");
     let lines = metrics(&m);
     let l = losses(&lines);
@@ -274,15 +265,7 @@ fn bad_input_exits_2_with_a_located_message() {
 fn start_long_job(dir: &Path, name: &str, extra: &[&str]) -> (Zrun, std::path::PathBuf) {
     let job = small_job(dir, name, 100_000);
     let m = dir.join(format!("{name}.jsonl"));
-    let mut args = vec![
-        "train",
-        job.to_str().unwrap(),
-        "--metrics",
-        m.to_str().unwrap(),
-        "--no-progress",
-    ];
-    args.extend_from_slice(extra);
-    let z = Zrun::start(dir, &args);
+    let z = TrainArgs::new(&job, &m).args(extra).start(dir);
     assert!(
         wait_until(Duration::from_secs(60), || metrics(&m).len() >= 2),
         "the job did not start training: {}",
@@ -470,20 +453,10 @@ fn mixed_precision_tiny_run_stays_within_2_percent_of_f32() {
     let mut tail = Vec::new();
     for dtype in ["f32", "bf16", "f16"] {
         let m = dir.path().join(format!("{dtype}.jsonl"));
-        let f = zrun(
-            &root,
-            &[
-                "train",
-                "configs/tiny.yaml",
-                "--set",
-                "train.steps=60",
-                "--set",
-                &format!("train.dtype={dtype}"),
-                "--metrics",
-                m.to_str().unwrap(),
-                "--no-progress",
-            ],
-        );
+        let f = TrainArgs::new("configs/tiny.yaml", &m)
+            .set("train.steps=60")
+            .set(format!("train.dtype={dtype}"))
+            .run(&root);
         assert_eq!(f.code(), 0, "{f:?}");
         let lines = metrics(&m);
         let l = losses(&lines);

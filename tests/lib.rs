@@ -148,6 +148,58 @@ pub fn zrun(cwd: &Path, args: &[&str]) -> Finished {
     Zrun::start(cwd, args).wait(Duration::from_secs(300))
 }
 
+/// The argument list of `zrun train JOB --metrics FILE --no-progress`, to
+/// which tests add what they vary.
+#[derive(Debug, Clone)]
+pub struct TrainArgs {
+    args: Vec<String>,
+}
+
+impl TrainArgs {
+    /// `train JOB --metrics METRICS --no-progress`.
+    pub fn new(job: impl AsRef<Path>, metrics: impl AsRef<Path>) -> TrainArgs {
+        let path = |p: &Path| p.display().to_string();
+        TrainArgs {
+            args: vec![
+                "train".into(),
+                path(job.as_ref()),
+                "--metrics".into(),
+                path(metrics.as_ref()),
+                "--no-progress".into(),
+            ],
+        }
+    }
+
+    /// Adds `--set KEY=VALUE`.
+    pub fn set(mut self, assignment: impl Into<String>) -> TrainArgs {
+        self.args.push("--set".into());
+        self.args.push(assignment.into());
+        self
+    }
+
+    /// Adds arguments as they are.
+    pub fn args<S: AsRef<str>>(mut self, more: &[S]) -> TrainArgs {
+        self.args
+            .extend(more.iter().map(|a| a.as_ref().to_string()));
+        self
+    }
+
+    /// The arguments, as `zrun` and `Zrun::start` take them.
+    pub fn as_strs(&self) -> Vec<&str> {
+        self.args.iter().map(String::as_str).collect()
+    }
+
+    /// Runs zrun in `cwd` to the end (at most 300 s).
+    pub fn run(&self, cwd: &Path) -> Finished {
+        zrun(cwd, &self.as_strs())
+    }
+
+    /// Starts zrun in `cwd`.
+    pub fn start(&self, cwd: &Path) -> Zrun {
+        Zrun::start(cwd, &self.as_strs())
+    }
+}
+
 /// Pids whose parent is `parent`.
 pub fn children_of(parent: u32) -> Vec<u32> {
     let mut out = Vec::new();
@@ -330,6 +382,20 @@ impl Sshd {
         )
         .expect("hostfile");
         p
+    }
+
+    /// zrun's flags for a job on its two hosts over SSH, with its keys.
+    pub fn launch_args(&self) -> Vec<String> {
+        vec![
+            "--hostfile".into(),
+            self.hostfile().display().to_string(),
+            "--launcher".into(),
+            "ssh".into(),
+            "--ssh-key".into(),
+            self.file("client_key"),
+            "--known-hosts".into(),
+            self.file("known_hosts"),
+        ]
     }
 
     /// Path of a file in its directory.

@@ -4,23 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use e2e::{descendants_named, metrics, small_job, wait_until, zrun, Sshd, Zrun};
+use e2e::{descendants_named, metrics, small_job, wait_until, zrun, Sshd, TrainArgs, Zrun};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-
-fn ssh_args<'a>(sshd: &'a Sshd, hostfile: &'a str, known: &'a str, key: &'a str) -> Vec<&'a str> {
-    let _ = sshd;
-    vec![
-        "--hostfile",
-        hostfile,
-        "--launcher",
-        "ssh",
-        "--ssh-key",
-        key,
-        "--known-hosts",
-        known,
-    ]
-}
 
 #[test]
 fn a_two_host_job_trains_and_sends_bytes_between_nodes() {
@@ -31,19 +17,9 @@ fn a_two_host_job_trains_and_sends_bytes_between_nodes() {
     let d = tempfile::tempdir().unwrap();
     let job = small_job(d.path(), "ssh", 5);
     let m = d.path().join("m.jsonl");
-    let (h, k, key) = (
-        sshd.hostfile().display().to_string(),
-        sshd.file("known_hosts"),
-        sshd.file("client_key"),
-    );
-    let mut args = vec![
-        "train",
-        job.to_str().unwrap(),
-        "--metrics",
-        m.to_str().unwrap(),
-    ];
-    args.extend(ssh_args(&sshd, &h, &k, &key));
-    let f = zrun(d.path(), &args);
+    let f = TrainArgs::new(&job, &m)
+        .args(&sshd.launch_args())
+        .run(d.path());
     assert_eq!(f.code(), 0, "{f:?}");
     let lines = metrics(&m);
     assert_eq!(lines[1]["world_size"], 2);
@@ -55,20 +31,7 @@ fn a_two_host_job_trains_and_sends_bytes_between_nodes() {
 fn start_long(sshd: &Sshd, d: &std::path::Path) -> (Zrun, Vec<u32>) {
     let job = small_job(d, "long", 100_000);
     let m = d.join("m.jsonl");
-    let (h, k, key) = (
-        sshd.hostfile().display().to_string(),
-        sshd.file("known_hosts"),
-        sshd.file("client_key"),
-    );
-    let mut args = vec![
-        "train",
-        job.to_str().unwrap(),
-        "--metrics",
-        m.to_str().unwrap(),
-        "--no-progress",
-    ];
-    args.extend(ssh_args(sshd, &h, &k, &key));
-    let z = Zrun::start(d, &args);
+    let z = TrainArgs::new(&job, &m).args(&sshd.launch_args()).start(d);
     assert!(
         wait_until(Duration::from_secs(60), || metrics(&m).len() >= 2),
         "{}",
@@ -158,23 +121,10 @@ fn a_wrong_host_key_or_a_refused_key_is_exit_3_before_training() {
     )
     .unwrap();
     let run = |known: &str, key: &str| {
-        let mut args = vec![
-            "train",
-            job.to_str().unwrap(),
-            "--metrics",
-            m.to_str().unwrap(),
-        ];
-        args.extend([
-            "--hostfile",
-            &h,
-            "--launcher",
-            "ssh",
-            "--ssh-key",
-            key,
-            "--known-hosts",
-            known,
-        ]);
-        zrun(d.path(), &args)
+        TrainArgs::new(&job, &m)
+            .args(&["--hostfile", &h, "--launcher", "ssh"])
+            .args(&["--ssh-key", key, "--known-hosts", known])
+            .run(d.path())
     };
     let f = run(wrong.to_str().unwrap(), &sshd.file("client_key"));
     assert_eq!(f.code(), 3, "{f:?}");
@@ -204,19 +154,10 @@ fn a_missing_remote_zworker_is_exit_3_naming_the_host() {
     };
     let d = tempfile::tempdir().unwrap();
     let job = small_job(d.path(), "nobin", 3);
-    let (h, k, key) = (
-        sshd.hostfile().display().to_string(),
-        sshd.file("known_hosts"),
-        sshd.file("client_key"),
-    );
-    let mut args = vec![
-        "train",
-        job.to_str().unwrap(),
-        "--worker-bin",
-        "/nonexistent/zworker",
-    ];
-    args.extend(ssh_args(&sshd, &h, &k, &key));
-    let f = zrun(d.path(), &args);
+    let f = TrainArgs::new(&job, d.path().join("m.jsonl"))
+        .args(&["--worker-bin", "/nonexistent/zworker"])
+        .args(&sshd.launch_args())
+        .run(d.path());
     assert_eq!(f.code(), 3, "{f:?}");
     assert!(
         f.stderr.contains("127.0.0.") && f.stderr.contains("before joining the job"),

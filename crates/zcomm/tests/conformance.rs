@@ -10,8 +10,47 @@ use rand_chacha::ChaCha8Rng;
 use zcomm::{chunk_range, CommError, Communicator, Op, TcpCommunicator, TcpOptions};
 use zproto::Token;
 
+/// How ranks of one node talk: the suite runs once per transport.
+#[derive(Debug, Clone, Copy)]
+enum Transport {
+    /// TCP between every pair of ranks.
+    Tcp,
+    /// Shared memory within a node (TCP between nodes).
+    Shm,
+}
+
+/// Stamps each test body out once per transport: `tcp::NAME` and `shm::NAME`.
+macro_rules! per_transport {
+    ($($name:ident),* $(,)?) => {
+        mod tcp {
+            $(#[test]
+            fn $name() {
+                super::$name(super::Transport::Tcp)
+            })*
+        }
+        mod shm {
+            $(#[test]
+            fn $name() {
+                super::$name(super::Transport::Shm)
+            })*
+        }
+    };
+}
+
+per_transport!(
+    all_reduce_matches_naive_sum_and_is_identical_on_every_rank,
+    reduce_scatter_then_all_gather_equals_all_reduce_bitwise,
+    all_gather_concatenates_chunks_in_rank_order,
+    all_to_all_delivers_every_piece_with_its_own_length,
+    broadcast_from_every_root_and_barrier,
+    async_work_overlaps_and_completes_in_issue_order,
+    bytes_are_counted_per_op_and_split_by_node,
+    a_missing_peer_times_out_naming_op_group_and_peer,
+    mismatched_collectives_are_reported_not_mixed,
+);
+
 /// Builds a world of `n` communicators in this process, each on its own socket.
-fn world(shm: bool, n: usize, nodes: &[usize], timeout: Duration) -> Vec<Arc<dyn Communicator>> {
+fn world(t: Transport, n: usize, nodes: &[usize], timeout: Duration) -> Vec<Arc<dyn Communicator>> {
     static WORLDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let id = WORLDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let token = Token::generate();
@@ -30,7 +69,7 @@ fn world(shm: bool, n: usize, nodes: &[usize], timeout: Duration) -> Vec<Arc<dyn
                 node_of_rank: nodes.to_vec(),
                 group: "world".into(),
                 // One segment per simulated node.
-                shm: shm
+                shm: matches!(t, Transport::Shm)
                     .then(|| format!("zcomm-test-{}-{id}-n{}", std::process::id(), nodes[rank])),
             };
             std::thread::spawn(move || TcpCommunicator::connect(rank, l, &addrs, opts).unwrap())
@@ -86,202 +125,175 @@ fn assert_close(got: &[f32], want: &[f64]) {
 
 const LENS: [usize; 6] = [0, 1, 3, 7, 1000, 4099];
 
-#[test]
-fn all_reduce_matches_naive_sum_and_is_identical_on_every_rank() {
-    for shm in [false, true] {
-        for n in 1..=5 {
-            let comms = world(shm, n, &vec![0; n], Duration::from_secs(20));
-            for len in LENS {
-                let out = on_all(&comms, move |r, c| {
-                    c.all_reduce(random(r as u64, len)).unwrap()
-                });
-                let want = naive_sum(n, len);
-                for o in &out {
-                    assert_close(o, &want);
-                    assert_eq!(o, &out[0], "ranks disagree bitwise at n={n} len={len}");
-                }
-            }
-        }
-    }
-}
-
-#[test]
-fn reduce_scatter_then_all_gather_equals_all_reduce_bitwise() {
-    for shm in [false, true] {
-        for n in 1..=5 {
-            let comms = world(shm, n, &vec![0; n], Duration::from_secs(20));
-            for len in LENS {
-                let out = on_all(&comms, move |r, c| {
-                    let full = c.all_reduce(random(r as u64, len)).unwrap();
-                    let mine = c.reduce_scatter(random(r as u64, len)).unwrap();
-                    assert_eq!(mine.len(), chunk_range(len, c.world_size(), r).len());
-                    let gathered = c.all_gather(mine, len).unwrap();
-                    (full, gathered)
-                });
-                let want = naive_sum(n, len);
-                for (full, gathered) in &out {
-                    assert_close(gathered, &want);
-                    assert_eq!(full, gathered);
-                }
-            }
-        }
-    }
-}
-
-#[test]
-fn all_gather_concatenates_chunks_in_rank_order() {
-    for shm in [false, true] {
-        for n in 1..=5 {
-            let comms = world(shm, n, &vec![0; n], Duration::from_secs(20));
-            for len in LENS {
-                let out = on_all(&comms, move |r, c| {
-                    let own = chunk_range(len, c.world_size(), r);
-                    let chunk: Vec<f32> = own.clone().map(|i| (i * 10 + r) as f32).collect();
-                    c.all_gather(chunk, len).unwrap()
-                });
-                let want: Vec<f32> = (0..len)
-                    .map(|i| {
-                        (i * 10
-                            + (0..n)
-                                .find(|&r| chunk_range(len, n, r).contains(&i))
-                                .unwrap()) as f32
-                    })
-                    .collect();
-                for o in out {
-                    assert_eq!(o, want);
-                }
-            }
-        }
-    }
-}
-
-#[test]
-fn all_to_all_delivers_every_piece_with_its_own_length() {
-    for shm in [false, true] {
-        for n in 1..=5 {
-            let comms = world(shm, n, &vec![0; n], Duration::from_secs(20));
+fn all_reduce_matches_naive_sum_and_is_identical_on_every_rank(t: Transport) {
+    for n in 1..=5 {
+        let comms = world(t, n, &vec![0; n], Duration::from_secs(20));
+        for len in LENS {
             let out = on_all(&comms, move |r, c| {
-                let pieces = (0..n)
-                    .map(|j| vec![(r * 16 + j) as u8; r + 2 * j])
-                    .collect();
-                c.all_to_all(pieces).unwrap()
+                c.all_reduce(random(r as u64, len)).unwrap()
             });
-            for (r, got) in out.iter().enumerate() {
-                for (i, piece) in got.iter().enumerate() {
-                    assert_eq!(piece, &vec![(i * 16 + r) as u8; i + 2 * r]);
-                }
+            let want = naive_sum(n, len);
+            for o in &out {
+                assert_close(o, &want);
+                assert_eq!(o, &out[0], "ranks disagree bitwise at n={n} len={len}");
             }
         }
     }
 }
 
-#[test]
-fn broadcast_from_every_root_and_barrier() {
-    for shm in [false, true] {
-        for n in 1..=5 {
-            let comms = world(shm, n, &vec![0; n], Duration::from_secs(20));
-            for root in 0..n {
-                let out = on_all(&comms, move |r, c| {
-                    c.barrier().unwrap();
-                    let buf = if r == root {
-                        vec![root as u8; 1001]
-                    } else {
-                        vec![]
-                    };
-                    c.broadcast(buf, root).unwrap()
-                });
-                for o in out {
-                    assert_eq!(o, vec![root as u8; 1001]);
-                }
+fn reduce_scatter_then_all_gather_equals_all_reduce_bitwise(t: Transport) {
+    for n in 1..=5 {
+        let comms = world(t, n, &vec![0; n], Duration::from_secs(20));
+        for len in LENS {
+            let out = on_all(&comms, move |r, c| {
+                let full = c.all_reduce(random(r as u64, len)).unwrap();
+                let mine = c.reduce_scatter(random(r as u64, len)).unwrap();
+                assert_eq!(mine.len(), chunk_range(len, c.world_size(), r).len());
+                let gathered = c.all_gather(mine, len).unwrap();
+                (full, gathered)
+            });
+            let want = naive_sum(n, len);
+            for (full, gathered) in &out {
+                assert_close(gathered, &want);
+                assert_eq!(full, gathered);
             }
         }
     }
 }
 
-#[test]
-fn async_work_overlaps_and_completes_in_issue_order() {
-    for shm in [false, true] {
-        let comms = world(shm, 3, &[0, 0, 0], Duration::from_secs(20));
-        let out = on_all(&comms, |r, c| {
-            let works: Vec<_> = (0..8)
-                .map(|k| c.all_reduce_async(vec![(r + k) as f32; 5000 + k]))
+fn all_gather_concatenates_chunks_in_rank_order(t: Transport) {
+    for n in 1..=5 {
+        let comms = world(t, n, &vec![0; n], Duration::from_secs(20));
+        for len in LENS {
+            let out = on_all(&comms, move |r, c| {
+                let own = chunk_range(len, c.world_size(), r);
+                let chunk: Vec<f32> = own.clone().map(|i| (i * 10 + r) as f32).collect();
+                c.all_gather(chunk, len).unwrap()
+            });
+            let want: Vec<f32> = (0..len)
+                .map(|i| {
+                    (i * 10
+                        + (0..n)
+                            .find(|&r| chunk_range(len, n, r).contains(&i))
+                            .unwrap()) as f32
+                })
                 .collect();
-            works
-                .into_iter()
-                .map(|w| w.wait().unwrap()[0])
-                .collect::<Vec<_>>()
-        });
-        for o in out {
-            assert_eq!(o, (0..8).map(|k| (3 * k + 3) as f32).collect::<Vec<_>>());
-        }
-    }
-}
-
-#[test]
-fn bytes_are_counted_per_op_and_split_by_node() {
-    for shm in [false, true] {
-        // Ranks 0, 1 on node 0; ranks 2, 3 on node 1. Ring neighbours: 0->1 intra,
-        // 1->2 inter, 2->3 intra, 3->0 inter.
-        let comms = world(shm, 4, &[0, 0, 1, 1], Duration::from_secs(20));
-        let len = 1000;
-        let out = on_all(&comms, move |r, c| {
-            let before = c.counters();
-            c.all_reduce(random(r as u64, len)).unwrap();
-            c.counters().since(&before)
-        });
-        // A ring all-reduce sends 2(n-1)/n of the buffer: 1500 floats = 6000 bytes.
-        for (r, d) in out.iter().enumerate() {
-            assert_eq!(d.op(Op::AllReduce), 6000, "rank {r}");
-            let (intra, inter) = if r % 2 == 0 { (6000, 0) } else { (0, 6000) };
-            assert_eq!((d.intra_node, d.inter_node), (intra, inter), "rank {r}");
-        }
-    }
-}
-
-#[test]
-fn a_missing_peer_times_out_naming_op_group_and_peer() {
-    for shm in [false, true] {
-        let comms = world(shm, 2, &[0, 0], Duration::from_millis(500));
-        // Only rank 0 enters the collective.
-        let e = comms[0].all_reduce(vec![1.0; 10]).unwrap_err();
-        match &e {
-            CommError::Timeout {
-                op, group, peer, ..
-            } => {
-                assert_eq!(
-                    (*op, group.as_str(), *peer),
-                    ("all_reduce", "world", Some(1))
-                );
+            for o in out {
+                assert_eq!(o, want);
             }
-            other => panic!("expected a timeout, got {other}"),
         }
-        assert!(e.to_string().contains("all_reduce in group world"));
-        // The communicator is poisoned: the next call fails at once with the same error.
-        assert!(matches!(comms[0].barrier(), Err(CommError::Timeout { .. })));
     }
+}
+
+fn all_to_all_delivers_every_piece_with_its_own_length(t: Transport) {
+    for n in 1..=5 {
+        let comms = world(t, n, &vec![0; n], Duration::from_secs(20));
+        let out = on_all(&comms, move |r, c| {
+            let pieces = (0..n)
+                .map(|j| vec![(r * 16 + j) as u8; r + 2 * j])
+                .collect();
+            c.all_to_all(pieces).unwrap()
+        });
+        for (r, got) in out.iter().enumerate() {
+            for (i, piece) in got.iter().enumerate() {
+                assert_eq!(piece, &vec![(i * 16 + r) as u8; i + 2 * r]);
+            }
+        }
+    }
+}
+
+fn broadcast_from_every_root_and_barrier(t: Transport) {
+    for n in 1..=5 {
+        let comms = world(t, n, &vec![0; n], Duration::from_secs(20));
+        for root in 0..n {
+            let out = on_all(&comms, move |r, c| {
+                c.barrier().unwrap();
+                let buf = if r == root {
+                    vec![root as u8; 1001]
+                } else {
+                    vec![]
+                };
+                c.broadcast(buf, root).unwrap()
+            });
+            for o in out {
+                assert_eq!(o, vec![root as u8; 1001]);
+            }
+        }
+    }
+}
+
+fn async_work_overlaps_and_completes_in_issue_order(t: Transport) {
+    let comms = world(t, 3, &[0, 0, 0], Duration::from_secs(20));
+    let out = on_all(&comms, |r, c| {
+        let works: Vec<_> = (0..8)
+            .map(|k| c.all_reduce_async(vec![(r + k) as f32; 5000 + k]))
+            .collect();
+        works
+            .into_iter()
+            .map(|w| w.wait().unwrap()[0])
+            .collect::<Vec<_>>()
+    });
+    for o in out {
+        assert_eq!(o, (0..8).map(|k| (3 * k + 3) as f32).collect::<Vec<_>>());
+    }
+}
+
+fn bytes_are_counted_per_op_and_split_by_node(t: Transport) {
+    // Ranks 0, 1 on node 0; ranks 2, 3 on node 1. Ring neighbours: 0->1 intra,
+    // 1->2 inter, 2->3 intra, 3->0 inter.
+    let comms = world(t, 4, &[0, 0, 1, 1], Duration::from_secs(20));
+    let len = 1000;
+    let out = on_all(&comms, move |r, c| {
+        let before = c.counters();
+        c.all_reduce(random(r as u64, len)).unwrap();
+        c.counters().since(&before)
+    });
+    // A ring all-reduce sends 2(n-1)/n of the buffer: 1500 floats = 6000 bytes.
+    for (r, d) in out.iter().enumerate() {
+        assert_eq!(d.op(Op::AllReduce), 6000, "rank {r}");
+        let (intra, inter) = if r % 2 == 0 { (6000, 0) } else { (0, 6000) };
+        assert_eq!((d.intra_node, d.inter_node), (intra, inter), "rank {r}");
+    }
+}
+
+fn a_missing_peer_times_out_naming_op_group_and_peer(t: Transport) {
+    let comms = world(t, 2, &[0, 0], Duration::from_millis(500));
+    // Only rank 0 enters the collective.
+    let e = comms[0].all_reduce(vec![1.0; 10]).unwrap_err();
+    match &e {
+        CommError::Timeout {
+            op, group, peer, ..
+        } => {
+            assert_eq!(
+                (*op, group.as_str(), *peer),
+                ("all_reduce", "world", Some(1))
+            );
+        }
+        other => panic!("expected a timeout, got {other}"),
+    }
+    assert!(e.to_string().contains("all_reduce in group world"));
+    // The communicator is poisoned: the next call fails at once with the same error.
+    assert!(matches!(comms[0].barrier(), Err(CommError::Timeout { .. })));
 }
 
 /// Ranks that call different collectives (or the same with other lengths)
 /// get a mismatch error naming what each side ran, on every transport.
-#[test]
-fn mismatched_collectives_are_reported_not_mixed() {
-    for shm in [false, true] {
-        let comms = world(shm, 2, &[0, 0], Duration::from_secs(5));
-        let out = on_all(&comms, |r, c| {
-            if r == 0 {
-                c.all_reduce(vec![1.0; 64]).map(|_| ())
-            } else {
-                c.all_reduce(vec![1.0; 32]).map(|_| ())
-            }
-        });
-        let e = out
-            .iter()
-            .find_map(|o| o.as_ref().err())
-            .unwrap_or_else(|| panic!("shm {shm}: both ranks succeeded"));
-        match e {
-            CommError::Mismatch { op, .. } => assert_eq!(*op, "all_reduce"),
-            other => panic!("shm {shm}: expected a mismatch, got {other}"),
+fn mismatched_collectives_are_reported_not_mixed(t: Transport) {
+    let comms = world(t, 2, &[0, 0], Duration::from_secs(5));
+    let out = on_all(&comms, |r, c| {
+        if r == 0 {
+            c.all_reduce(vec![1.0; 64]).map(|_| ())
+        } else {
+            c.all_reduce(vec![1.0; 32]).map(|_| ())
         }
+    });
+    let e = out
+        .iter()
+        .find_map(|o| o.as_ref().err())
+        .unwrap_or_else(|| panic!("{t:?}: both ranks succeeded"));
+    match e {
+        CommError::Mismatch { op, .. } => assert_eq!(*op, "all_reduce"),
+        other => panic!("{t:?}: expected a mismatch, got {other}"),
     }
 }
 
