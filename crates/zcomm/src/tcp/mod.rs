@@ -9,22 +9,23 @@
 //! fail at once with the first error, instead of reading a half-finished stream.
 
 mod handshake;
+mod peers;
 
-use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use zproto::Token;
 
-use crate::direct::{Call, Direct};
+use crate::direct::Direct;
 use crate::links::Links;
+
 use crate::{
     chunk_range, CommError, Communicator, CounterSnapshot, Counters, Op, SetupError, Work,
 };
 use crate::{pairwise, ring, star};
-
-const HEADER: usize = 16;
+use peers::{writer_loop, Current, Peer, TcpLinks, Wire};
 
 /// How to build a [`TcpCommunicator`].
 #[derive(Debug, Clone)]
@@ -42,25 +43,6 @@ pub struct TcpOptions {
     pub shm: Option<String>,
 }
 
-/// The receiving half of a link: a socket or a shared-memory ring.
-trait Wire: Read + Send {
-    /// Makes reads give up with `TimedOut` after `d`.
-    fn set_read_deadline(&mut self, d: Duration) -> std::io::Result<()>;
-}
-
-impl Wire for TcpStream {
-    fn set_read_deadline(&mut self, d: Duration) -> std::io::Result<()> {
-        self.set_read_timeout(Some(d))
-    }
-}
-
-impl Wire for crate::shm::ShmReader {
-    fn set_read_deadline(&mut self, d: Duration) -> std::io::Result<()> {
-        self.set_read_timeout(d);
-        Ok(())
-    }
-}
-
 type Job = Box<dyn FnOnce(&mut TcpLinks) + Send>;
 
 /// A [`Communicator`] over TCP sockets.
@@ -73,15 +55,6 @@ pub struct TcpCommunicator {
     counters: Arc<Counters>,
     op_thread: Option<std::thread::JoinHandle<()>>,
     current: Arc<Mutex<Option<Current>>>,
-}
-
-/// What the operation thread is doing, shared for [`Communicator::in_flight`].
-#[derive(Debug, Clone)]
-struct Current {
-    op: Op,
-    bytes: usize,
-    started: Instant,
-    peer: Option<usize>,
 }
 
 impl Drop for TcpCommunicator {
@@ -365,277 +338,5 @@ impl Communicator for TcpCommunicator {
             Some(r) => r,
             None => star::barrier(l),
         })
-    }
-}
-
-struct Peer {
-    reader: Box<dyn Wire>,
-    /// Buffers the writer thread has sent, for reuse.
-    spent: mpsc::Receiver<Vec<u8>>,
-    queue: mpsc::Sender<Vec<u8>>,
-    writer: Option<std::thread::JoinHandle<()>>,
-    error: Arc<Mutex<Option<String>>>,
-    same_node: bool,
-}
-
-/// Drains a peer's queue onto its link, handing each buffer back for reuse (a
-/// fresh multi-megabyte buffer per message costs a page fault per 4 KiB).
-fn note_waiting_for(current: &Mutex<Option<Current>>, peer: usize) {
-    if let Ok(mut g) = current.lock() {
-        if let Some(c) = g.as_mut() {
-            c.peer = Some(peer);
-        }
-    }
-}
-
-fn writer_loop(
-    mut s: Box<dyn Write + Send>,
-    rx: mpsc::Receiver<Vec<u8>>,
-    spent: mpsc::Sender<Vec<u8>>,
-    error: Arc<Mutex<Option<String>>>,
-) {
-    for msg in rx {
-        if let Err(e) = s.write_all(&msg) {
-            *error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
-            return;
-        }
-        let _ = spent.send(msg);
-    }
-    let _ = s.flush();
-}
-
-pub(crate) struct TcpLinks {
-    rank: usize,
-    world: usize,
-    /// The shared-memory path, when every rank of the group is on this node.
-    direct: Option<Direct>,
-    group: String,
-    peers: Vec<Option<Peer>>,
-    counters: Arc<Counters>,
-    timeout: Duration,
-    op: Op,
-    seq: u64,
-    deadline: Instant,
-    started: Instant,
-    poisoned: Option<CommError>,
-    current: Arc<Mutex<Option<Current>>>,
-}
-
-impl TcpLinks {
-    /// Closes every send queue and waits for the writers to drain them (not after
-    /// a failure: then nobody is waiting for those bytes, and the caller is
-    /// waiting to report the error).
-    fn flush(&mut self) {
-        for p in self.peers.iter_mut().flatten() {
-            drop(std::mem::replace(&mut p.queue, mpsc::channel().0));
-        }
-        if self.poisoned.is_some() {
-            return;
-        }
-        for p in self.peers.iter_mut().flatten() {
-            if let Some(w) = p.writer.take() {
-                let _ = w.join();
-            }
-        }
-    }
-
-    fn run<T>(
-        &mut self,
-        op: Op,
-        bytes: usize,
-        f: impl FnOnce(&mut TcpLinks) -> Result<T, CommError>,
-    ) -> Result<T, CommError> {
-        if let Some(e) = &self.poisoned {
-            return Err(e.clone());
-        }
-        self.op = op;
-        self.seq += 1;
-        self.started = Instant::now();
-        self.deadline = self.started + self.timeout;
-        self.set_current(Some(Current {
-            op,
-            bytes,
-            started: self.started,
-            peer: None,
-        }));
-        let r = f(self);
-        if let Err(e) = &r {
-            self.poisoned = Some(e.clone());
-        } else {
-            self.set_current(None);
-        }
-        r
-    }
-
-    fn set_current(&self, c: Option<Current>) {
-        if let Ok(mut g) = self.current.lock() {
-            *g = c;
-        }
-    }
-
-    fn waiting_for(&self, peer: usize) {
-        note_waiting_for(&self.current, peer);
-    }
-
-    /// Runs `f` on the direct shared-memory path if the group has one (`None`
-    /// otherwise) and counts the bytes it reports as sent within the node.
-    fn direct(
-        &mut self,
-        f: impl FnOnce(&mut Direct, &Call) -> Result<u64, CommError>,
-    ) -> Option<Result<(), CommError>> {
-        let mut d = self.direct.take()?;
-        let current = self.current.clone();
-        let waiting = move |peer: usize| note_waiting_for(&current, peer);
-        let call = Call {
-            op: self.op,
-            seq: self.seq,
-            group: &self.group,
-            started: self.started,
-            deadline: self.deadline,
-            waiting_for: &waiting,
-        };
-        let r = f(&mut d, &call);
-        self.direct = Some(d);
-        Some(r.map(|bytes| self.counters.add(self.op, bytes, true)))
-    }
-
-    fn peer(&mut self, peer: usize) -> Result<&mut Peer, CommError> {
-        let (op, group) = (self.op.name(), self.group.clone());
-        self.peers
-            .get_mut(peer)
-            .and_then(Option::as_mut)
-            .ok_or(CommError::Usage {
-                op,
-                message: format!("no link to rank {peer} in group {group}"),
-            })
-    }
-
-    fn link_error(&self, peer: usize, message: String) -> CommError {
-        CommError::Link {
-            op: self.op.name(),
-            group: self.group.clone(),
-            peer,
-            message,
-        }
-    }
-
-    fn read_exact(&mut self, peer: usize, out: &mut [u8]) -> Result<(), CommError> {
-        self.waiting_for(peer);
-        let deadline = self.deadline;
-        let mut off = 0;
-        while off < out.len() {
-            let now = Instant::now();
-            if now >= deadline {
-                let writer_err = self
-                    .peer(peer)?
-                    .error
-                    .lock()
-                    .map(|e| e.clone())
-                    .unwrap_or_default();
-                if let Some(e) = writer_err {
-                    return Err(self.link_error(peer, format!("sending failed: {e}")));
-                }
-                return Err(CommError::Timeout {
-                    op: self.op.name(),
-                    group: self.group.clone(),
-                    peer: Some(peer),
-                    waited_s: (now - self.started).as_secs_f64(),
-                });
-            }
-            let p = self.peer(peer)?;
-            p.reader
-                .set_read_deadline((deadline - now).max(Duration::from_millis(1)))
-                .map_err(|e| CommError::Link {
-                    op: "recv",
-                    group: String::new(),
-                    peer,
-                    message: e.to_string(),
-                })?;
-            match p.reader.read(&mut out[off..]) {
-                Ok(0) => {
-                    return Err(
-                        self.link_error(peer, "connection closed (did that rank exit?)".into())
-                    )
-                }
-                Ok(n) => off += n,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
-                    ) => {}
-                Err(e) => return Err(self.link_error(peer, e.to_string())),
-            }
-        }
-        Ok(())
-    }
-
-    fn read_header(&mut self, peer: usize) -> Result<usize, CommError> {
-        let mut h = [0u8; HEADER];
-        self.read_exact(peer, &mut h)?;
-        let seq = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
-        let len = u64::from_le_bytes(h[8..].try_into().expect("8 bytes")) as usize;
-        if seq != self.seq {
-            return Err(CommError::Mismatch {
-                op: self.op.name(),
-                group: self.group.clone(),
-                peer,
-                got: format!("a message of collective #{seq}"),
-                expected: format!("collective #{} ({})", self.seq, self.op.name()),
-            });
-        }
-        Ok(len)
-    }
-}
-
-impl Links for TcpLinks {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn send(&mut self, peer: usize, payload: &[u8]) -> Result<(), CommError> {
-        let (seq, op) = (self.seq, self.op);
-        let counters = self.counters.clone();
-        let p = self.peer(peer)?;
-        if let Some(e) = p.error.lock().map(|e| e.clone()).unwrap_or_default() {
-            return Err(self.link_error(peer, format!("sending failed: {e}")));
-        }
-        // Reuse a buffer the writer has finished with, if one is big enough.
-        let need = HEADER + payload.len();
-        let mut msg = std::iter::from_fn(|| p.spent.try_recv().ok())
-            .find(|b: &Vec<u8>| b.capacity() >= need)
-            .unwrap_or_else(|| Vec::with_capacity(need));
-        msg.clear();
-        msg.extend_from_slice(&seq.to_le_bytes());
-        msg.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-        msg.extend_from_slice(payload);
-        counters.add(op, payload.len() as u64, p.same_node);
-        if p.queue.send(msg).is_err() {
-            return Err(self.link_error(peer, "the sender thread has stopped".into()));
-        }
-        Ok(())
-    }
-
-    fn recv_into(&mut self, peer: usize, out: &mut [u8]) -> Result<(), CommError> {
-        let len = self.read_header(peer)?;
-        if len != out.len() {
-            return Err(CommError::Mismatch {
-                op: self.op.name(),
-                group: self.group.clone(),
-                peer,
-                got: format!("{len} bytes"),
-                expected: format!("{} bytes", out.len()),
-            });
-        }
-        self.read_exact(peer, out)
-    }
-
-    fn recv(&mut self, peer: usize) -> Result<Vec<u8>, CommError> {
-        let len = self.read_header(peer)?;
-        let mut out = vec![0u8; len];
-        self.read_exact(peer, &mut out)?;
-        Ok(out)
     }
 }

@@ -1,0 +1,316 @@
+//! The point-to-point layer of the TCP communicator: one reader and one
+//! writer thread per peer, messages framed with a 16-byte header (sequence
+//! number, length), per-operation deadlines, byte accounting, and the record of
+//! which peer the operation thread waits for (hang diagnosis).
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::direct::{Call, Direct};
+use crate::links::Links;
+use crate::{CommError, Counters, Op};
+
+pub(super) const HEADER: usize = 16;
+
+/// The receiving half of a link: a socket or a shared-memory ring.
+pub(super) trait Wire: Read + Send {
+    /// Makes reads give up with `TimedOut` after `d`.
+    fn set_read_deadline(&mut self, d: Duration) -> std::io::Result<()>;
+}
+
+impl Wire for TcpStream {
+    fn set_read_deadline(&mut self, d: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(Some(d))
+    }
+}
+
+impl Wire for crate::shm::ShmReader {
+    fn set_read_deadline(&mut self, d: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(d);
+        Ok(())
+    }
+}
+
+/// What the operation thread is doing, shared for [`Communicator::in_flight`].
+#[derive(Debug, Clone)]
+pub(super) struct Current {
+    pub(super) op: Op,
+    pub(super) bytes: usize,
+    pub(super) started: Instant,
+    pub(super) peer: Option<usize>,
+}
+
+pub(super) struct Peer {
+    pub(super) reader: Box<dyn Wire>,
+    /// Buffers the writer thread has sent, for reuse.
+    pub(super) spent: mpsc::Receiver<Vec<u8>>,
+    pub(super) queue: mpsc::Sender<Vec<u8>>,
+    pub(super) writer: Option<std::thread::JoinHandle<()>>,
+    pub(super) error: Arc<Mutex<Option<String>>>,
+    pub(super) same_node: bool,
+}
+
+/// Records, for hang diagnosis, the peer the operation thread waits for.
+fn note_waiting_for(current: &Mutex<Option<Current>>, peer: usize) {
+    if let Ok(mut g) = current.lock() {
+        if let Some(c) = g.as_mut() {
+            c.peer = Some(peer);
+        }
+    }
+}
+
+/// Drains a peer's queue onto its link, handing each buffer back for reuse (a
+/// fresh multi-megabyte buffer per message costs a page fault per 4 KiB).
+pub(super) fn writer_loop(
+    mut s: Box<dyn Write + Send>,
+    rx: mpsc::Receiver<Vec<u8>>,
+    spent: mpsc::Sender<Vec<u8>>,
+    error: Arc<Mutex<Option<String>>>,
+) {
+    for msg in rx {
+        if let Err(e) = s.write_all(&msg) {
+            *error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+            return;
+        }
+        let _ = spent.send(msg);
+    }
+    let _ = s.flush();
+}
+
+pub(crate) struct TcpLinks {
+    pub(super) rank: usize,
+    pub(super) world: usize,
+    /// The shared-memory path, when every rank of the group is on this node.
+    pub(super) direct: Option<Direct>,
+    pub(super) group: String,
+    pub(super) peers: Vec<Option<Peer>>,
+    pub(super) counters: Arc<Counters>,
+    pub(super) timeout: Duration,
+    pub(super) op: Op,
+    pub(super) seq: u64,
+    pub(super) deadline: Instant,
+    pub(super) started: Instant,
+    pub(super) poisoned: Option<CommError>,
+    pub(super) current: Arc<Mutex<Option<Current>>>,
+}
+
+impl TcpLinks {
+    /// Closes every send queue and waits for the writers to drain them (not after
+    /// a failure: then nobody is waiting for those bytes, and the caller is
+    /// waiting to report the error).
+    pub(super) fn flush(&mut self) {
+        for p in self.peers.iter_mut().flatten() {
+            drop(std::mem::replace(&mut p.queue, mpsc::channel().0));
+        }
+        if self.poisoned.is_some() {
+            return;
+        }
+        for p in self.peers.iter_mut().flatten() {
+            if let Some(w) = p.writer.take() {
+                let _ = w.join();
+            }
+        }
+    }
+
+    pub(super) fn run<T>(
+        &mut self,
+        op: Op,
+        bytes: usize,
+        f: impl FnOnce(&mut TcpLinks) -> Result<T, CommError>,
+    ) -> Result<T, CommError> {
+        if let Some(e) = &self.poisoned {
+            return Err(e.clone());
+        }
+        self.op = op;
+        self.seq += 1;
+        self.started = Instant::now();
+        self.deadline = self.started + self.timeout;
+        self.set_current(Some(Current {
+            op,
+            bytes,
+            started: self.started,
+            peer: None,
+        }));
+        let r = f(self);
+        if let Err(e) = &r {
+            self.poisoned = Some(e.clone());
+        } else {
+            self.set_current(None);
+        }
+        r
+    }
+
+    fn set_current(&self, c: Option<Current>) {
+        if let Ok(mut g) = self.current.lock() {
+            *g = c;
+        }
+    }
+
+    fn waiting_for(&self, peer: usize) {
+        note_waiting_for(&self.current, peer);
+    }
+
+    /// Runs `f` on the direct shared-memory path if the group has one (`None`
+    /// otherwise) and counts the bytes it reports as sent within the node.
+    pub(super) fn direct(
+        &mut self,
+        f: impl FnOnce(&mut Direct, &Call) -> Result<u64, CommError>,
+    ) -> Option<Result<(), CommError>> {
+        let mut d = self.direct.take()?;
+        let current = self.current.clone();
+        let waiting = move |peer: usize| note_waiting_for(&current, peer);
+        let call = Call {
+            op: self.op,
+            seq: self.seq,
+            group: &self.group,
+            started: self.started,
+            deadline: self.deadline,
+            waiting_for: &waiting,
+        };
+        let r = f(&mut d, &call);
+        self.direct = Some(d);
+        Some(r.map(|bytes| self.counters.add(self.op, bytes, true)))
+    }
+
+    fn peer(&mut self, peer: usize) -> Result<&mut Peer, CommError> {
+        let (op, group) = (self.op.name(), self.group.clone());
+        self.peers
+            .get_mut(peer)
+            .and_then(Option::as_mut)
+            .ok_or(CommError::Usage {
+                op,
+                message: format!("no link to rank {peer} in group {group}"),
+            })
+    }
+
+    fn link_error(&self, peer: usize, message: String) -> CommError {
+        CommError::Link {
+            op: self.op.name(),
+            group: self.group.clone(),
+            peer,
+            message,
+        }
+    }
+
+    fn read_exact(&mut self, peer: usize, out: &mut [u8]) -> Result<(), CommError> {
+        self.waiting_for(peer);
+        let deadline = self.deadline;
+        let mut off = 0;
+        while off < out.len() {
+            let now = Instant::now();
+            if now >= deadline {
+                let writer_err = self
+                    .peer(peer)?
+                    .error
+                    .lock()
+                    .map(|e| e.clone())
+                    .unwrap_or_default();
+                if let Some(e) = writer_err {
+                    return Err(self.link_error(peer, format!("sending failed: {e}")));
+                }
+                return Err(CommError::Timeout {
+                    op: self.op.name(),
+                    group: self.group.clone(),
+                    peer: Some(peer),
+                    waited_s: (now - self.started).as_secs_f64(),
+                });
+            }
+            let p = self.peer(peer)?;
+            p.reader
+                .set_read_deadline((deadline - now).max(Duration::from_millis(1)))
+                .map_err(|e| CommError::Link {
+                    op: "recv",
+                    group: String::new(),
+                    peer,
+                    message: e.to_string(),
+                })?;
+            match p.reader.read(&mut out[off..]) {
+                Ok(0) => {
+                    return Err(
+                        self.link_error(peer, "connection closed (did that rank exit?)".into())
+                    )
+                }
+                Ok(n) => off += n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => return Err(self.link_error(peer, e.to_string())),
+            }
+        }
+        Ok(())
+    }
+
+    fn read_header(&mut self, peer: usize) -> Result<usize, CommError> {
+        let mut h = [0u8; HEADER];
+        self.read_exact(peer, &mut h)?;
+        let seq = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
+        let len = u64::from_le_bytes(h[8..].try_into().expect("8 bytes")) as usize;
+        if seq != self.seq {
+            return Err(CommError::Mismatch {
+                op: self.op.name(),
+                group: self.group.clone(),
+                peer,
+                got: format!("a message of collective #{seq}"),
+                expected: format!("collective #{} ({})", self.seq, self.op.name()),
+            });
+        }
+        Ok(len)
+    }
+}
+
+impl Links for TcpLinks {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn send(&mut self, peer: usize, payload: &[u8]) -> Result<(), CommError> {
+        let (seq, op) = (self.seq, self.op);
+        let counters = self.counters.clone();
+        let p = self.peer(peer)?;
+        if let Some(e) = p.error.lock().map(|e| e.clone()).unwrap_or_default() {
+            return Err(self.link_error(peer, format!("sending failed: {e}")));
+        }
+        // Reuse a buffer the writer has finished with, if one is big enough.
+        let need = HEADER + payload.len();
+        let mut msg = std::iter::from_fn(|| p.spent.try_recv().ok())
+            .find(|b: &Vec<u8>| b.capacity() >= need)
+            .unwrap_or_else(|| Vec::with_capacity(need));
+        msg.clear();
+        msg.extend_from_slice(&seq.to_le_bytes());
+        msg.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        msg.extend_from_slice(payload);
+        counters.add(op, payload.len() as u64, p.same_node);
+        if p.queue.send(msg).is_err() {
+            return Err(self.link_error(peer, "the sender thread has stopped".into()));
+        }
+        Ok(())
+    }
+
+    fn recv_into(&mut self, peer: usize, out: &mut [u8]) -> Result<(), CommError> {
+        let len = self.read_header(peer)?;
+        if len != out.len() {
+            return Err(CommError::Mismatch {
+                op: self.op.name(),
+                group: self.group.clone(),
+                peer,
+                got: format!("{len} bytes"),
+                expected: format!("{} bytes", out.len()),
+            });
+        }
+        self.read_exact(peer, out)
+    }
+
+    fn recv(&mut self, peer: usize) -> Result<Vec<u8>, CommError> {
+        let len = self.read_header(peer)?;
+        let mut out = vec![0u8; len];
+        self.read_exact(peer, &mut out)?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,137 @@
+//! The benchmark commands end to end: `zrun bench comm`, `bench kernels` and
+//! sweeps, with the shapes of their rows and files.
+
+use e2e::{small_job, zrun};
+
+/// The benchmarks run end to end and report SPEC.md's row shapes.
+#[test]
+fn bench_commands_report_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = zrun(
+        dir.path(),
+        &["bench", "kernels", "--json", "--elements", "65536"],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    for kernel in ["triad", "adamw_portable", "reduce_add", "gemm_f32"] {
+        assert!(
+            rows.iter().any(|r| r["kernel"] == kernel),
+            "{kernel} missing"
+        );
+    }
+    for r in rows {
+        for key in ["kernel", "elements", "threads", "gbps", "gflops", "ratio"] {
+            assert!(r.get(key).is_some(), "{key} missing in {r}");
+        }
+        if r["kernel"] == "triad" {
+            assert_eq!(r["ratio"].as_f64(), Some(1.0));
+        }
+    }
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            "comm",
+            "--workers",
+            "3",
+            "--sizes",
+            "4KiB,1M",
+            "--ops",
+            "all_reduce,all_gather",
+            "--json",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    // Every transport by default: TCP and shared memory, side by side, and the
+    // memcpy reference once per size.
+    assert_eq!(rows.len(), 10);
+    assert_eq!(rows.iter().filter(|r| r["transport"] == "shm").count(), 4);
+    let reference: Vec<_> = rows.iter().filter(|r| r["op"] == "memcpy").collect();
+    assert_eq!(reference.len(), 2);
+    assert!(reference
+        .iter()
+        .all(|r| r["busbw_gbps"].as_f64().unwrap() > 0.0));
+    for r in rows.iter().filter(|r| r["op"] != "memcpy") {
+        let (alg, bus) = (
+            r["algbw_gbps"].as_f64().unwrap(),
+            r["busbw_gbps"].as_f64().unwrap(),
+        );
+        let factor = if r["op"] == "all_reduce" {
+            2.0 * 2.0 / 3.0
+        } else {
+            2.0 / 3.0
+        };
+        assert!((bus - alg * factor).abs() <= 1e-9 * alg.max(1.0), "{r}");
+        assert_eq!(r["workers"], 3);
+    }
+    assert_eq!(
+        zrun(dir.path(), &["bench", "comm", "--transports", "nccl"]).code(),
+        2
+    );
+    assert_eq!(
+        zrun(
+            dir.path(),
+            &["bench", "comm", "--transports", "carrier-pigeon"]
+        )
+        .code(),
+        2
+    );
+}
+
+#[test]
+fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "sweep", 2);
+    let out = dir.path().join("out");
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            job.to_str().unwrap(),
+            "--sweep",
+            "zero.stage=0,3",
+            "--sweep",
+            "comm.backend=tcp,shm",
+            "--steps",
+            "3",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 5, "{csv}");
+    assert!(
+        csv.starts_with("zero.stage,comm.backend,tokens_per_s"),
+        "{csv}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("bench.json")).unwrap()).unwrap();
+    let rows = json["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    assert!(rows
+        .iter()
+        .all(|r| r["tokens_per_s"].as_f64().unwrap() > 0.0
+            && r["peak_rss_bytes"].as_u64().unwrap() > 0));
+    let svg = std::fs::read_to_string(out.join("bench.svg")).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("tokens/s") && svg.contains("stage=3 backend=shm"),
+        "svg lacks labels"
+    );
+    // A bad key fails before anything runs.
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            job.to_str().unwrap(),
+            "--sweep",
+            "zero.stag=0,3",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+}

@@ -1,0 +1,185 @@
+//! ZeRO's arithmetic on real runs of the built binaries: model-state memory
+//! and bytes sent per rank against the paper's formulas, mixed precision
+//! against f32, and `zrun estimate` against the paper's Table 1.
+
+use e2e::{metrics, repo_root, small_job, zrun, TrainArgs};
+
+fn losses(lines: &[serde_json::Value]) -> Vec<f64> {
+    lines
+        .iter()
+        .filter_map(|l| l.get("loss").and_then(|x| x.as_f64()))
+        .collect()
+}
+
+/// Real runs at 4 workers: model-state memory and bytes sent per rank follow the
+/// ZeRO paper's formulas, within padding: in f32 (4 bytes of params, 4 of grads,
+/// 8 of moments) and in bf16 (K = 12: 2 + 2 + 12 with the f32 master copy).
+#[test]
+fn zero_memory_and_volume_follow_the_paper_at_4_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "formulas", 3);
+    let n = 4.0;
+    // The small job's model: vocab 64, d 32, 2 layers, seq 32.
+    let (v, d, l, t) = (64.0, 32.0, 2.0, 32.0);
+    let groups = l + 2.0;
+    for dtype in ["f32", "bf16"] {
+        for stage in 0..=3 {
+            let m = dir.path().join(format!("{dtype}-s{stage}.jsonl"));
+            let f = zrun(
+                dir.path(),
+                &[
+                    "train",
+                    job.to_str().unwrap(),
+                    "--workers-per-node",
+                    "4",
+                    "--set",
+                    &format!("zero.stage={stage}"),
+                    "--set",
+                    &format!("train.dtype={dtype}"),
+                    "--set",
+                    "zero.param_persistence_threshold=0",
+                    "--metrics",
+                    m.to_str().unwrap(),
+                ],
+            );
+            assert_eq!(f.code(), 0, "{f:?}");
+            let lines = metrics(&m);
+            let s = &lines[1];
+            let psi = s["params"].as_f64().unwrap();
+            // Each block's buffer is padded to a multiple of 4 ranks × 16 elements.
+            let psi_pad = psi + groups * n * 16.0;
+            let mem = &s["mem_bytes"];
+            let states: f64 = ["params", "grads", "master", "optimizer"]
+                .iter()
+                .map(|k| mem[*k].as_f64().unwrap())
+                .sum();
+            let formula = |p: f64| match (dtype, stage) {
+                (_, 0) => 16.0 * p,
+                ("f32", 1) => 8.0 * p + 8.0 * p / n,
+                ("f32", 2) => 4.0 * p + 12.0 * p / n,
+                (_, 1) => 4.0 * p + 12.0 * p / n,
+                (_, 2) => 2.0 * p + 14.0 * p / n,
+                _ => 16.0 * p / n,
+            };
+            assert!(
+                formula(psi) <= states && states <= formula(psi_pad),
+                "{dtype} stage {stage}: model states {states} bytes, formula {} .. {}",
+                formula(psi),
+                formula(psi_pad)
+            );
+            if dtype == "bf16" {
+                assert!(mem["master"].as_f64().unwrap() > 0.0);
+            }
+            // Elements sent per rank per step: 2Ψ(N-1)/N for stages 0-2; 3Ψ(N-1)/N at
+            // stage 3, where the head's parameters are gathered once for its forward
+            // and backward together and the tied embedding group once more for the
+            // head. Gradients are reduced in f32; parameters travel in the dtype.
+            let c = &s["comm_bytes"]["by_op"];
+            let sent: f64 = ["all_reduce", "reduce_scatter", "all_gather"]
+                .iter()
+                .map(|k| c[*k].as_f64().unwrap())
+                .sum();
+            let param_bytes = if dtype == "f32" { 4.0 } else { 2.0 };
+            let volume = |p: f64, head: f64, emb: f64| {
+                let bytes = match stage {
+                    0 => 4.0 * 2.0 * p,
+                    1 | 2 => 4.0 * p + param_bytes * p,
+                    _ => 4.0 * p + param_bytes * (2.0 * p - head + emb),
+                };
+                bytes * (n - 1.0) / n
+            };
+            let (head, emb) = (2.0 * d, (v + t) * d);
+            let norm_bytes = 8.0 * (n - 1.0);
+            let lo = volume(psi, head, emb) + norm_bytes;
+            let hi = volume(psi_pad, head + n * 16.0, emb + n * 16.0) + norm_bytes;
+            assert!(
+                lo <= sent && sent <= hi,
+                "{dtype} stage {stage}: sent {sent} bytes, formula {lo} .. {hi}"
+            );
+        }
+    }
+}
+
+/// bf16 and f16 training of configs/tiny.yaml ends within 2% of f32's loss
+/// after the same steps (the mean of the last 5, so one batch's noise does not
+/// decide it).
+#[test]
+fn mixed_precision_tiny_run_stays_within_2_percent_of_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = repo_root();
+    let mut tail = Vec::new();
+    for dtype in ["f32", "bf16", "f16"] {
+        let m = dir.path().join(format!("{dtype}.jsonl"));
+        let f = TrainArgs::new("configs/tiny.yaml", &m)
+            .set("train.steps=60")
+            .set(format!("train.dtype={dtype}"))
+            .run(&root);
+        assert_eq!(f.code(), 0, "{f:?}");
+        let lines = metrics(&m);
+        let l = losses(&lines);
+        assert_eq!(l.len(), 60);
+        tail.push(l[55..].iter().sum::<f64>() / 5.0);
+        let scales: Vec<bool> = lines[..60]
+            .iter()
+            .map(|x| x["loss_scale"].is_null())
+            .collect();
+        assert!(
+            scales.iter().all(|&null| null == (dtype != "f16")),
+            "{dtype}"
+        );
+    }
+    for (dtype, got) in ["bf16", "f16"].iter().zip(&tail[1..]) {
+        assert!(
+            (got - tail[0]).abs() <= 0.02 * tail[0],
+            "{dtype}: final loss {got:.4} vs f32 {:.4}",
+            tail[0]
+        );
+    }
+}
+
+#[test]
+fn estimate_reproduces_the_zero_paper_and_sizes_a_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = zrun(
+        dir.path(),
+        &[
+            "estimate",
+            "--params",
+            "7.5e9",
+            "--nodes",
+            "4",
+            "--workers-per-node",
+            "16",
+            "--json",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+    assert_eq!(v["world_size"], 64);
+    let gb: Vec<String> = v["rows"].as_array().unwrap()[..4]
+        .iter()
+        .map(|r| format!("{:.1}", r["bytes_per_device"].as_f64().unwrap() / 1e9))
+        .collect();
+    assert_eq!(gb, ["120.0", "31.4", "16.6", "1.9"]);
+    assert!(v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|r| r["offload"] == "optimizer+param:nvme"));
+    // A job: its own parameter count and activation estimate, with and without checkpointing.
+    let job = small_job(dir.path(), "est", 1);
+    let f = zrun(dir.path(), &["estimate", job.to_str().unwrap(), "--json"]);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+    assert_eq!(v["params"].as_f64().unwrap(), 28544.0);
+    let a = &v["activations"];
+    assert!(
+        a["bytes_per_worker_checkpointed"].as_f64().unwrap()
+            < a["bytes_per_worker"].as_f64().unwrap()
+    );
+    assert_eq!(zrun(dir.path(), &["estimate"]).code(), 2);
+    assert_eq!(
+        zrun(dir.path(), &["estimate", "--params", "lots"]).code(),
+        2
+    );
+}
