@@ -3,7 +3,7 @@
 
 use e2e::{small_job, zrun};
 
-/// The benchmarks run end to end and report SPEC.md's row shapes.
+/// The benchmarks run end to end and report the documented row shapes.
 #[test]
 fn bench_commands_report_rows() {
     let dir = tempfile::tempdir().unwrap();

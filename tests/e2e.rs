@@ -36,7 +36,7 @@ fn tiny_config_trains_and_its_loss_falls() {
         first - last > 1.0,
         "loss fell only from {first:.3} to {last:.3}"
     );
-    // SPEC.md's line shape, with real accounting.
+    // the metrics line shape of docs/CONFIG.md, with real accounting.
     let s = &lines[10];
     assert_eq!(s["world_size"], 2);
     assert_eq!(s["zero_stage"], 0);

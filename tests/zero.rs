@@ -177,6 +177,14 @@ fn estimate_reproduces_the_zero_paper_and_sizes_a_job() {
         a["bytes_per_worker_checkpointed"].as_f64().unwrap()
             < a["bytes_per_worker"].as_f64().unwrap()
     );
+    // The same count in both spellings gives the same estimate.
+    let rows = |params: &str| {
+        let f = zrun(dir.path(), &["estimate", "--params", params, "--json"]);
+        assert_eq!(f.code(), 0, "{f:?}");
+        serde_json::from_str::<serde_json::Value>(&f.stdout).unwrap()["rows"].clone()
+    };
+    assert_eq!(rows("1.3B"), rows("1300M"));
+    assert_ne!(rows("1.3B"), rows("1.3GiB"));
     assert_eq!(zrun(dir.path(), &["estimate"]).code(), 2);
     assert_eq!(
         zrun(dir.path(), &["estimate", "--params", "lots"]).code(),

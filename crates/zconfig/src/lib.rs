@@ -1,7 +1,7 @@
 //! zconfig: everything a zrun job is told before it starts.
 //!
 //! Layout:
-//! - [`spec`]: the job spec (YAML) as typed structs, with SPEC.md's defaults.
+//! - [`spec`]: the job spec (YAML) as typed structs, with the defaults of docs/CONFIG.md.
 //! - [`load`]: reading a spec file, applying `--set` overrides, resolving `${name}`,
 //!   and the semantic checks that must pass before anything launches.
 //! - [`hostfile`]: DeepSpeed's hostfile format, `--include` / `--exclude`, and the

@@ -477,6 +477,25 @@ mod tests {
         .unwrap();
         assert_eq!(job.spec.train.steps, 9);
         assert_eq!(job.spec.zero.reduce_bucket_size.0, 1 << 20);
+        // Both spellings, for every size key: letters decimal, `…iB` binary.
+        for key in [
+            "reduce_bucket_size",
+            "prefetch_bucket_size",
+            "param_persistence_threshold",
+            "sub_group_size",
+        ] {
+            for (text, want) in [("3M", 3_000_000), ("3MiB", 3 << 20), ("2e3", 2000)] {
+                let job = load_job(&p, &[format!("zero.{key}={text}")]).unwrap();
+                let z = &job.spec.zero;
+                let got = match key {
+                    "reduce_bucket_size" => z.reduce_bucket_size,
+                    "prefetch_bucket_size" => z.prefetch_bucket_size,
+                    "param_persistence_threshold" => z.param_persistence_threshold,
+                    _ => z.sub_group_size,
+                };
+                assert_eq!(got.0, want, "zero.{key}={text}");
+            }
+        }
         assert_eq!(job.locate("train.steps"), "--set train.steps");
         let e = load_job(&p, &["zero.stge=1".into()])
             .unwrap_err()

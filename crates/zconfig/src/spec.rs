@@ -1,7 +1,7 @@
-//! The job spec of SPEC.md as typed structs.
+//! The job spec (docs/CONFIG.md) as typed structs.
 //!
 //! Every struct denies unknown keys, and every key except `model` and `data` has
-//! SPEC.md's default. Sizes (`reduce_bucket_size: 5e7`, `64MiB`) parse through
+//! the default docs/CONFIG.md lists. Sizes (`reduce_bucket_size: 5e7`, `64MiB`) parse through
 //! [`Size`]. The structs serialize too: the launcher sends the resolved spec to
 //! every worker as JSON, and `zrun check` prints it.
 

@@ -185,7 +185,7 @@ pub struct BenchRow {
     pub busbw_gbps: f64,
 }
 
-/// Memory held by one rank, by category (SPEC.md `mem_bytes`).
+/// Memory held by one rank, by category (`mem_bytes` in docs/CONFIG.md).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemBytes {
     /// Working parameters.
@@ -222,7 +222,7 @@ impl MemBytes {
     }
 }
 
-/// Bytes sent by one rank during one step (SPEC.md `comm_bytes`).
+/// Bytes sent by one rank during one step (`comm_bytes` in docs/CONFIG.md).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CommBytes {
     /// To ranks on the same node.

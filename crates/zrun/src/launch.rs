@@ -2,7 +2,7 @@
 //!
 //! Each worker is a child process in a process group of its own (so a Ctrl-C at
 //! the terminal reaches zrun only, and zrun decides), with the environment of
-//! SPEC.md. Its stdout and stderr come back line by line as [`ProcEvent`]s, and its
+//! docs/CONFIG.md. Its stdout and stderr come back line by line as [`ProcEvent`]s, and its
 //! exit as [`ProcEvent::Exited`]. Stopping kills the whole group, so anything the
 //! worker started goes too.
 
@@ -85,7 +85,7 @@ impl WorkerProc {
     }
 }
 
-/// SPEC.md's environment of one worker (without the token).
+/// The environment of one worker (docs/CONFIG.md) (without the token).
 fn worker_env(
     plan: &LaunchPlan,
     p: &Placement,

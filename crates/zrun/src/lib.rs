@@ -48,7 +48,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-/// Exit codes of SPEC.md.
+/// Exit codes (docs/CONFIG.md).
 pub mod exit {
     /// Done.
     pub const OK: u8 = 0;

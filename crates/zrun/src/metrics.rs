@@ -1,4 +1,4 @@
-//! Per-rank step reports → one `metrics.jsonl` line per step (SPEC.md).
+//! Per-rank step reports → one `metrics.jsonl` line per step (docs/CONFIG.md).
 //!
 //! A step's line is written when every rank has reported it. Loss is the mean of
 //! the ranks' losses (each the mean over equally sized micro-batches, so this is
