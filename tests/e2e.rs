@@ -7,16 +7,11 @@ use std::net::TcpStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use e2e::{alive, children_of, metrics, repo_root, small_job, wait_until, zrun, TrainArgs, Zrun};
+use e2e::{
+    alive, children_of, losses, metrics, repo_root, small_job, wait_until, zrun, TrainArgs, Zrun,
+};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-
-fn losses(lines: &[serde_json::Value]) -> Vec<f64> {
-    lines
-        .iter()
-        .filter_map(|l| l.get("loss").and_then(|x| x.as_f64()))
-        .collect()
-}
 
 #[test]
 fn tiny_config_trains_and_its_loss_falls() {

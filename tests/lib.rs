@@ -284,6 +284,14 @@ pub fn ckpt_job(dir: &Path, name: &str, steps: u64, every: u64) -> PathBuf {
     p
 }
 
+/// The `loss` of every step line, in order.
+pub fn losses(lines: &[serde_json::Value]) -> Vec<f64> {
+    lines
+        .iter()
+        .filter_map(|l| l.get("loss").and_then(|x| x.as_f64()))
+        .collect()
+}
+
 /// Losses by step from a metrics file.
 pub fn losses_by_step(path: &Path) -> Vec<(u64, f64)> {
     metrics(path)

@@ -2,14 +2,7 @@
 //! and bytes sent per rank against the paper's formulas, mixed precision
 //! against f32, and `zrun estimate` against the paper's Table 1.
 
-use e2e::{metrics, repo_root, small_job, zrun, TrainArgs};
-
-fn losses(lines: &[serde_json::Value]) -> Vec<f64> {
-    lines
-        .iter()
-        .filter_map(|l| l.get("loss").and_then(|x| x.as_f64()))
-        .collect()
-}
+use e2e::{losses, metrics, repo_root, small_job, zrun, TrainArgs};
 
 /// Real runs at 4 workers: model-state memory and bytes sent per rank follow the
 /// ZeRO paper's formulas, within padding: in f32 (4 bytes of params, 4 of grads,

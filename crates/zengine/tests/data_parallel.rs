@@ -12,18 +12,7 @@ use zmodel::{Batcher, Corpus};
 use zproto::Token;
 
 fn spec(accum: usize, bucket: u64, overlap: bool) -> JobSpec {
-    zero_spec(0, accum, bucket, overlap, false, 6)
-}
-
-fn zero_spec(
-    stage: u8,
-    accum: usize,
-    bucket: u64,
-    overlap: bool,
-    ckpt: bool,
-    steps: u64,
-) -> JobSpec {
-    typed_spec("f32", stage, accum, bucket, overlap, ckpt, steps)
+    typed_spec("f32", 0, accum, bucket, overlap, false, 6)
 }
 
 fn typed_spec(
@@ -181,13 +170,13 @@ fn bucket_size_and_overlap_do_not_change_a_bit() {
 #[test]
 fn every_stage_gives_bit_identical_losses_and_parameters() {
     for world in [2, 3] {
-        let base = train(zero_spec(0, 1, 2000, true, false, 8), world);
+        let base = train(typed_spec("f32", 0, 1, 2000, true, false, 8), world);
         for stage in 0..=3u8 {
             for (overlap, ckpt) in [(true, false), (false, false), (true, true), (false, true)] {
                 if stage == 0 && overlap && !ckpt {
                     continue;
                 }
-                let got = train(zero_spec(stage, 1, 2000, overlap, ckpt, 8), world);
+                let got = train(typed_spec("f32", stage, 1, 2000, overlap, ckpt, 8), world);
                 for r in 0..world {
                     assert_eq!(got[r].losses, base[r].losses, "losses: world {world} stage {stage} overlap {overlap} checkpointing {ckpt} rank {r}");
                     assert!(
@@ -232,9 +221,9 @@ fn sub_group_size_changes_no_bit() {
 /// agrees with stage 0 to rounding.
 #[test]
 fn accumulation_agrees_across_stages() {
-    let base = train(zero_spec(0, 2, 2000, true, false, 4), 2);
+    let base = train(typed_spec("f32", 0, 2, 2000, true, false, 4), 2);
     for stage in 1..=3u8 {
-        let got = train(zero_spec(stage, 2, 2000, true, false, 4), 2);
+        let got = train(typed_spec("f32", stage, 2, 2000, true, false, 4), 2);
         for (a, b) in base[0]
             .params
             .iter()

@@ -56,6 +56,10 @@ pub fn train(
     let flops_per_token = engine.model().flops_per_token();
     let every = spec.checkpoint.every;
     let mut saved_at = None;
+    let save_now = |engine: &Engine, data: &Batcher| {
+        let consumed = data.samples_consumed(engine.steps_done());
+        save(engine, spec, env, comm.as_ref(), nodes, consumed)
+    };
     for s in engine.steps_done()..t.steps {
         let started = Instant::now();
         for micro in 0..t.grad_accum {
@@ -86,27 +90,13 @@ pub fn train(
             loss_scale: st.loss_scale,
         }))?;
         if spec.checkpoint.dir.is_some() && every > 0 && st.step % every == 0 {
-            save(
-                &engine,
-                spec,
-                env,
-                comm.as_ref(),
-                nodes,
-                data.samples_consumed(st.step),
-            )?;
+            save_now(&engine, &data)?;
             saved_at = Some(st.step);
         }
     }
     // A run with a checkpoint directory always ends with a checkpoint.
     if spec.checkpoint.dir.is_some() && saved_at != Some(engine.steps_done()) {
-        save(
-            &engine,
-            spec,
-            env,
-            comm.as_ref(),
-            nodes,
-            data.samples_consumed(engine.steps_done()),
-        )?;
+        save_now(&engine, &data)?;
     }
     Ok(())
 }
