@@ -308,6 +308,88 @@ fn ctrl_c_stops_everything_with_exit_130() {
     }
 }
 
+/// A closed terminal (SIGHUP) or a polite kill (SIGTERM) tears the job down
+/// like Ctrl-C.
+#[test]
+fn sigterm_and_sighup_stop_everything_like_ctrl_c() {
+    for (sig, says) in [(Signal::SIGTERM, "SIGTERM"), (Signal::SIGHUP, "SIGHUP")] {
+        let dir = tempfile::tempdir().unwrap();
+        let (z, _) = start_long_job(dir.path(), "signalled", &[]);
+        let workers = children_of(z.pid());
+        assert_eq!(workers.len(), 2);
+        z.signal(sig);
+        let f = z.wait(Duration::from_secs(20));
+        assert_eq!(f.code(), 130, "{says}: {f:?}");
+        assert!(f.stderr.contains(says), "{}", f.stderr);
+        for w in workers {
+            assert!(!alive(w), "{says}: worker {w} is still running");
+        }
+    }
+}
+
+/// zrun killed outright (no teardown possible): its workers notice the lost
+/// control connection (or the kernel's parent-death signal, before they have
+/// one) and exit within seconds, not at `comm.timeout_s`. Once while training,
+/// once as soon as the workers exist.
+#[test]
+fn a_killed_zrun_leaves_no_worker_behind() {
+    for during_startup in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let z = if during_startup {
+            let job = small_job(dir.path(), "startup", 100_000);
+            let z = TrainArgs::new(&job, dir.path().join("m.jsonl")).start(dir.path());
+            assert!(wait_until(Duration::from_secs(20), || children_of(z.pid())
+                .len()
+                == 2));
+            z
+        } else {
+            start_long_job(dir.path(), "killed", &[]).0
+        };
+        let workers = children_of(z.pid());
+        assert_eq!(workers.len(), 2);
+        z.signal(Signal::SIGKILL);
+        let _ = z.wait(Duration::from_secs(10));
+        assert!(
+            wait_until(Duration::from_secs(10), || workers
+                .iter()
+                .all(|&w| !alive(w))),
+            "startup {during_startup}: workers {workers:?} outlived zrun"
+        );
+    }
+}
+
+/// `zrun train … | head -n 1`: the reader goes away after one line; zrun must
+/// neither panic nor stop training (its record is metrics.jsonl).
+#[test]
+fn a_closed_stdout_does_not_stop_the_job() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "piped", 30);
+    let m = dir.path().join("m.jsonl");
+    let args = TrainArgs::new(&job, &m);
+    let mut child = std::process::Command::new(e2e::bin("zrun"))
+        .args(args.as_strs())
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("zrun: job piped"), "{first}");
+    // The pipe's read end is closed now; every later line is a failed write.
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let lines = metrics(&m);
+    assert_eq!(losses(&lines).len(), 30);
+    assert_eq!(lines.last().unwrap()["event"], "done");
+}
+
 #[test]
 fn strangers_on_the_control_socket_do_not_disturb_the_job() {
     let dir = tempfile::tempdir().unwrap();

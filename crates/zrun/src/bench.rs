@@ -89,30 +89,40 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
         Duration::from_secs(60),
     )?;
     if let Outcome::Failed { code, message } = outcome {
-        eprintln!("zrun: {message}");
+        shout!("zrun: {message}");
         return Ok(ExitCode::from(code));
     }
     let Sink::Kernels { rows } = sink else {
         unreachable!("kernels sink")
     };
     if args.json {
-        println!(
+        say!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({ "rows": rows }))?
         );
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    say!(
         "{:<20} {:>10} {:>8} {:>10} {:>10} {:>8}",
-        "kernel", "elements", "threads", "GB/s", "GFLOP/s", "ratio"
+        "kernel",
+        "elements",
+        "threads",
+        "GB/s",
+        "GFLOP/s",
+        "ratio"
     );
     for r in &rows {
-        println!(
+        say!(
             "{:<20} {:>10} {:>8} {:>10.2} {:>10.2} {:>8.2}",
-            r.kernel, r.elements, r.threads, r.gbps, r.gflops, r.ratio
+            r.kernel,
+            r.elements,
+            r.threads,
+            r.gbps,
+            r.gflops,
+            r.ratio
         );
     }
-    println!("(GB/s counts the bytes a kernel must read and write; ratio is GB/s over the triad's at the same threads)");
+    say!("(GB/s counts the bytes a kernel must read and write; ratio is GB/s over the triad's at the same threads)");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -171,7 +181,7 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
             Duration::from_secs(60),
         )?;
         if let Outcome::Failed { code, message } = outcome {
-            eprintln!("zrun: {message}");
+            shout!("zrun: {message}");
             return Ok(ExitCode::from(code));
         }
         if let Sink::Bench { rows } = sink {
@@ -184,22 +194,34 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
         }
     }
     if args.json {
-        println!(
+        say!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({ "rows": all_rows }))?
         );
     } else {
-        println!(
+        say!(
             "{:<15} {:>12} {:>8} {:>10} {:>12} {:>12} {:>12}",
-            "op", "bytes", "workers", "transport", "time_us", "algbw_GB/s", "busbw_GB/s"
+            "op",
+            "bytes",
+            "workers",
+            "transport",
+            "time_us",
+            "algbw_GB/s",
+            "busbw_GB/s"
         );
         for r in &all_rows {
-            println!(
+            say!(
                 "{:<15} {:>12} {:>8} {:>10} {:>12.1} {:>12.3} {:>12.3}",
-                r.op, r.bytes, r.workers, r.transport, r.time_us, r.algbw_gbps, r.busbw_gbps
+                r.op,
+                r.bytes,
+                r.workers,
+                r.transport,
+                r.time_us,
+                r.algbw_gbps,
+                r.busbw_gbps
             );
         }
-        println!("(memcpy: one thread of a worker copying the same bytes, the reference for bus bandwidth)");
+        say!("(memcpy: one thread of a worker copying the same bytes, the reference for bus bandwidth)");
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -86,19 +86,26 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
         }
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&est)?);
+        say!("{}", serde_json::to_string_pretty(&est)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    say!(
         "{:.3e} parameters on {} node(s) x {} workers ({} ranks); model states per device:",
-        est.params, est.nodes, est.workers_per_node, est.world_size
+        est.params,
+        est.nodes,
+        est.workers_per_node,
+        est.world_size
     );
-    println!(
+    say!(
         "{:>5}  {:<22} {:>14} {:>16} {:>16}",
-        "stage", "offload", "per device", "host per node", "nvme per node"
+        "stage",
+        "offload",
+        "per device",
+        "host per node",
+        "nvme per node"
     );
     for r in &est.rows {
-        println!(
+        say!(
             "{:>5}  {:<22} {:>14} {:>16} {:>16}",
             r.stage,
             r.offload,
@@ -108,7 +115,7 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
         );
     }
     if let Some(a) = &est.activations {
-        println!(
+        say!(
             "activations per worker at micro-batch {}: {} ({} with activation checkpointing)",
             a.micro_batch_size,
             gb(a.bytes_per_worker),

@@ -134,6 +134,8 @@ pub fn spawn_local(
         let mut child = Command::new(&plan.worker_bin)
             .envs(env)
             .env("ZRUN_TOKEN", &job.token_hex)
+            // The worker dies with zrun even before it has a control connection.
+            .env("ZRUN_PARENT_PID", std::process::id().to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -29,6 +29,26 @@
 
 #![deny(missing_docs)]
 
+/// `println!` that cannot panic: a closed stdout (`zrun train … | head -n 1`, a
+/// closed terminal) must not kill the launcher in the middle of a job, so write
+/// errors are ignored; metrics.jsonl is the record of a run.
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// `eprintln!` that cannot panic (see [`say!`]).
+#[macro_export]
+macro_rules! shout {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 pub mod bench;
 pub mod cli;
 pub mod estimate;
@@ -108,7 +128,7 @@ fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
     let dir = zckpt::resolve(&args.checkpoint).map_err(bad)?;
     let ckpt = zckpt::Checkpoint::open(&dir).map_err(bad)?;
     let n = ckpt.export(&args.out).map_err(bad)?;
-    println!(
+    say!(
         "zrun: wrote {n} parameters (step {}, {} ranks, stage {}) to {}",
         ckpt.manifest.step,
         ckpt.manifest.world_size,

@@ -15,7 +15,7 @@ fn main() -> ExitCode {
     match zrun::run() {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("zrun: error: {e:#}");
+            zrun::shout!("zrun: error: {e:#}");
             ExitCode::from(zrun::exit_code_of(&e))
         }
     }

@@ -275,9 +275,9 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
     let topo = topology(&args.launch)?;
     job.validate(topo.world_size())?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
-    println!("# job {} ({}): valid", job.spec.name, args.job.display());
-    println!("{}", serde_json::to_string_pretty(&plan.spec)?);
-    println!(
+    say!("# job {} ({}): valid", job.spec.name, args.job.display());
+    say!("{}", serde_json::to_string_pretty(&plan.spec)?);
+    say!(
         "# topology: {} workers on {} node{}",
         plan.topology.world_size(),
         plan.topology.nodes.len(),
@@ -294,7 +294,7 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
             .filter(|p| p.node_rank == i)
             .map(|p| p.rank.to_string())
             .collect();
-        println!(
+        say!(
             "node {i}: {} (address {}) slots {:?} ranks {}",
             node.host,
             plan.node_addrs[i],
@@ -302,7 +302,7 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
             ranks.join(",")
         );
     }
-    println!("# worker binary: {}", plan.worker_bin.display());
+    say!("# worker binary: {}", plan.worker_bin.display());
     Ok(ExitCode::SUCCESS)
 }
 

@@ -37,7 +37,7 @@ impl Progress {
     pub fn println(&self, line: &str) {
         match &self.bar {
             Some(b) => b.println(line),
-            None => println!("{line}"),
+            None => say!("{line}"),
         }
     }
 
@@ -60,9 +60,11 @@ impl Progress {
                     Some(n) => format!("grad norm {n:.3}"),
                     None => "gradients overflowed, step skipped".into(),
                 };
-                println!(
+                say!(
                     "step {}/{} {msg} · lr {:.2e} · {norm}",
-                    line.step, self.steps, line.lr
+                    line.step,
+                    self.steps,
+                    line.lr
                 );
             }
             None => {}

@@ -74,8 +74,8 @@ impl Sink {
     pub fn println(&self, line: &str, stderr: bool) {
         match self {
             Sink::Train { progress, .. } => progress.println(line),
-            Sink::Bench { .. } | Sink::Kernels { .. } if stderr => eprintln!("{line}"),
-            Sink::Bench { .. } | Sink::Kernels { .. } => println!("{line}"),
+            Sink::Bench { .. } | Sink::Kernels { .. } if stderr => shout!("{line}"),
+            Sink::Bench { .. } | Sink::Kernels { .. } => say!("{line}"),
         }
     }
 }

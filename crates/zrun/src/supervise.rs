@@ -2,7 +2,7 @@
 //!
 //! Inputs: control-server events (joins, reports, failures, lost connections),
 //! process events (output lines, exits), a one-second tick (heartbeat and
-//! rendezvous deadlines) and SIGINT / SIGTERM. The first failure decides the
+//! rendezvous deadlines) and SIGINT / SIGTERM / SIGHUP (all three tear down alike). The first failure decides the
 //! outcome; then every worker is told to abort, given a few seconds, and its
 //! process group killed. zrun returns only when every worker it started has been
 //! reaped, so nothing is left running whichever way the job ends.
@@ -214,6 +214,7 @@ impl Supervisor {
     ) -> Result<Outcome> {
         let mut sigint = signal(SignalKind::interrupt())?;
         let mut sigterm = signal(SignalKind::terminate())?;
+        let mut sighup = signal(SignalKind::hangup())?;
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         let outcome = loop {
             let decided = tokio::select! {
@@ -221,6 +222,7 @@ impl Supervisor {
                 Some(ev) = procs.recv() => self.on_proc(ev),
                 _ = sigint.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "interrupted (SIGINT); all workers stopped".into() }),
                 _ = sigterm.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "terminated (SIGTERM); all workers stopped".into() }),
+                _ = sighup.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "hung up (SIGHUP: the terminal closed); all workers stopped".into() }),
                 _ = tick.tick() => self.on_tick(),
             };
             if let Some(o) = decided {
@@ -230,7 +232,7 @@ impl Supervisor {
         if let Outcome::Failed { code, message } = &outcome {
             self.server.abort_all(message);
             if *code == exit::TRAINING_FAILED {
-                eprintln!("{}", self.diagnosis());
+                shout!("{}", self.diagnosis());
             }
         }
         self.reap(&mut procs).await;

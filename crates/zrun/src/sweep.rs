@@ -203,7 +203,7 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
     bar.finish_and_clear();
     print_table(&rows);
     write_outputs(&args.out, &rows)?;
-    println!(
+    say!(
         "wrote {}",
         ["bench.csv", "bench.json", "bench.svg"]
             .map(|f| args.out.join(f).display().to_string())
@@ -269,7 +269,7 @@ fn launch_flags(l: &crate::cli::LaunchArgs) -> Vec<String> {
 }
 
 fn print_table(rows: &[SweepRow]) {
-    println!(
+    say!(
         "{:<36} {:>12} {:>9} {:>10} {:>14} {:>14} {:>14}",
         "configuration",
         "tokens/s",
@@ -280,7 +280,7 @@ fn print_table(rows: &[SweepRow]) {
         "inter B/step"
     );
     for r in rows {
-        println!(
+        say!(
             "{:<36} {:>12.0} {:>9.4} {:>10.1} {:>14} {:>14} {:>14}",
             r.label(),
             r.tokens_per_s,

@@ -84,11 +84,11 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                 final_loss: last_loss,
                 wall_s,
             })?;
-            println!("zrun: done: {steps} steps, final loss {last_loss:.4}, {wall_s:.1}s");
+            say!("zrun: done: {steps} steps, final loss {last_loss:.4}, {wall_s:.1}s");
             Ok(ExitCode::SUCCESS)
         }
         Outcome::Failed { code, message } => {
-            eprintln!("zrun: {message}");
+            shout!("zrun: {message}");
             Ok(ExitCode::from(code))
         }
     }
@@ -107,7 +107,7 @@ fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<S
         match zckpt::list(std::path::Path::new(root)).pop() {
             Some(d) => d,
             None => {
-                println!("zrun: --resume auto: no checkpoint in {root} yet; starting from scratch");
+                say!("zrun: --resume auto: no checkpoint in {root} yet; starting from scratch");
                 return Ok(None);
             }
         }
@@ -152,7 +152,7 @@ fn warn_if_too_big(plan: &LaunchPlan) {
     if let Some(avail) = crate::estimate::mem_available() {
         let share = avail / local as f64;
         if need > share {
-            eprintln!(
+            shout!(
                 "zrun: warning: a worker is estimated to need {:.2} GiB (ZeRO stage {} model states + activations), more than its {:.2} GiB share of this host's available memory ({local} workers); see `zrun estimate`",
                 need / f64::from(1 << 30),
                 plan.spec.zero.stage,

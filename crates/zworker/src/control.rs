@@ -6,6 +6,7 @@
 //! thread that asked, through a channel. Sends are serialised by a mutex so the
 //! heartbeat thread and the training loop can share the socket.
 
+use std::io::Write;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -94,21 +95,31 @@ impl ControlClient {
         let mut reader = stream.try_clone()?;
         let (tx, rx) = mpsc::channel();
         let rank = env.rank;
-        std::thread::Builder::new().name("zworker-control".into()).spawn(move || loop {
-            match read_frame::<_, ToWorker>(&mut reader, MAX_FRAME) {
-                Ok(ToWorker::Abort { reason }) => {
-                    eprintln!("zworker rank {rank}: stopped by zrun: {reason}");
-                    std::process::exit(1);
+        std::thread::Builder::new()
+            .name("zworker-control".into())
+            .spawn(move || loop {
+                match read_frame::<_, ToWorker>(&mut reader, MAX_FRAME) {
+                    Ok(ToWorker::Abort { reason }) => {
+                        // Not eprintln!: with zrun gone, stderr may be a broken pipe, and a
+                        // panic here would leave this worker running.
+                        let _ = writeln!(
+                            std::io::stderr(),
+                            "zworker rank {rank}: stopped by zrun: {reason}"
+                        );
+                        std::process::exit(1);
+                    }
+                    Ok(reply) => {
+                        let _ = tx.send(reply);
+                    }
+                    Err(e) => {
+                        let _ = writeln!(
+                        std::io::stderr(),
+                        "zworker rank {rank}: lost the control connection to zrun ({e}); exiting"
+                    );
+                        std::process::exit(1);
+                    }
                 }
-                Ok(reply) => {
-                    let _ = tx.send(reply);
-                }
-                Err(e) => {
-                    eprintln!("zworker rank {rank}: lost the control connection to zrun ({e}); exiting");
-                    std::process::exit(1);
-                }
-            }
-        })?;
+            })?;
         let client = ControlClient {
             writer: Mutex::new(stream),
             replies: Mutex::new(rx),

@@ -37,6 +37,7 @@ use crate::env::WorkerEnv;
 
 /// Runs the worker to completion.
 pub fn run() -> Result<()> {
+    die_with_parent();
     let env = WorkerEnv::from_process()?;
     let (client, welcome) = ControlClient::connect(&env)?;
     let result = run_task(&env, &client, welcome);
@@ -50,6 +51,24 @@ pub fn run() -> Result<()> {
         }
     }
     result
+}
+
+/// A local worker (zrun sets `ZRUN_PARENT_PID`) asks the kernel to kill it
+/// when zrun dies: a second line of defence behind the control connection,
+/// whose loss also ends the worker, for a zrun killed before that connection
+/// exists. If zrun is already gone, the worker exits at once.
+fn die_with_parent() {
+    let Some(parent) = std::env::var("ZRUN_PARENT_PID")
+        .ok()
+        .and_then(|p| p.parse::<i32>().ok())
+    else {
+        return;
+    };
+    if nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).is_ok()
+        && nix::unistd::getppid().as_raw() != parent
+    {
+        std::process::exit(1);
+    }
 }
 
 fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welcome) -> Result<()> {

@@ -1,5 +1,6 @@
 //! `zworker`: started by `zrun` (or `srun`) with the job in its environment.
 
+use std::io::Write;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -15,7 +16,7 @@ fn main() -> ExitCode {
     match zworker::run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("zworker: {e:#}");
+            let _ = writeln!(std::io::stderr(), "zworker: {e:#}");
             ExitCode::from(1)
         }
     }
