@@ -138,6 +138,17 @@ fn bad_input_exits_2_with_a_located_message() {
     };
     let hosts_dup = write("hosts_dup", "127.0.0.1 slots=1\n\n127.0.0.1 slots=2\n");
     let tiny_data = write("tiny.txt", "abc");
+    // u16 tokens 0..=64 for a model of vocab 64: the last id is one too many.
+    let big_token = {
+        let p = d.join("big.tok");
+        let ids: Vec<u8> = (0..=64u16)
+            .cycle()
+            .take(4000)
+            .flat_map(u16::to_le_bytes)
+            .collect();
+        std::fs::write(&p, ids).unwrap();
+        p.display().to_string()
+    };
     let cases: Vec<(Vec<String>, &str)> = vec![
         (
             vec![write("typo.yaml", &good.replace("  lr:", "  lr_:"))],
@@ -232,6 +243,50 @@ fn bad_input_exits_2_with_a_located_message() {
         (
             vec![d.join("missing.yaml").to_str().unwrap().into()],
             "missing.yaml: No such file",
+        ),
+        // Values that used to be accepted and then failed (or panicked) after launch.
+        (
+            vec![write(
+                "to.yaml",
+                &format!("{good}comm: {{timeout_s: 1e30}}\n"),
+            )],
+            "comm.timeout_s: must be between 1 and 604800 seconds, got 1000000000000000000000000000000",
+        ),
+        (
+            vec![write(
+                "hb.yaml",
+                &format!("{good}comm: {{heartbeat_s: 0.01}}\n"),
+            )],
+            "comm.heartbeat_s: must be between 2 and 86400 seconds, got 0.01",
+        ),
+        (
+            vec![write("rank.yaml", &format!("{good}env: {{RANK: \"5\"}}\n"))],
+            "env.RANK: is set by zrun for every worker",
+        ),
+        (
+            vec![
+                write("w0.yaml", &good),
+                "--workers-per-node".into(),
+                "0".into(),
+            ],
+            "--workers-per-node: must be at least 1",
+        ),
+        (
+            vec![write(
+                "tok.yaml",
+                &good.replace(
+                    "{format: synthetic}",
+                    &format!("{{path: {big_token}, format: tokens_u16}}"),
+                ),
+            )],
+            "holds token id 64, which needs vocab_size of at least 65, got 64",
+        ),
+        (
+            vec![write(
+                "huge.yaml",
+                &good.replace("micro_batch_size: 4", "micro_batch_size: 1000000000"),
+            )],
+            "more than this host's",
         ),
         (
             vec![write("g5.yaml", &good), "--resume".into(), "auto".into()],
@@ -388,6 +443,60 @@ fn a_closed_stdout_does_not_stop_the_job() {
     let lines = metrics(&m);
     assert_eq!(losses(&lines).len(), 30);
     assert_eq!(lines.last().unwrap()["event"], "done");
+}
+
+/// A `/dev/shm` too small for the node's segment is a clear error naming it and
+/// the way out, not a SIGBUS in a worker. Needs a private mount namespace
+/// (root and `unshare`); skipped with the reason otherwise.
+#[test]
+fn a_full_dev_shm_is_a_clear_error() {
+    let probe = std::process::Command::new("unshare")
+        .args(["-m", "sh", "-c", "mount -t tmpfs -o size=64k none /dev/shm"])
+        .output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("a_full_dev_shm_is_a_clear_error: skipped: cannot mount a small /dev/shm in a private mount namespace (needs root and unshare)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "shmfull", 3);
+    let args = TrainArgs::new(&job, dir.path().join("m.jsonl"));
+    let out = std::process::Command::new("unshare")
+        .args([
+            "-m",
+            "sh",
+            "-c",
+            "mount -t tmpfs -o size=64k none /dev/shm && exec \"$0\" \"$@\"",
+        ])
+        .arg(e2e::bin("zrun"))
+        .args(args.as_strs())
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("/dev/shm has no room") && err.contains("comm.backend: tcp"),
+        "{err}"
+    );
+    // The same job over TCP only needs no segment.
+    let out = std::process::Command::new("unshare")
+        .args([
+            "-m",
+            "sh",
+            "-c",
+            "mount -t tmpfs -o size=64k none /dev/shm && exec \"$0\" \"$@\"",
+        ])
+        .arg(e2e::bin("zrun"))
+        .args(args.set("comm.backend=tcp").as_strs())
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]

@@ -34,6 +34,27 @@ const RING_META: usize = 128;
 const DIRECT_META: usize = 512;
 const MAGIC: u64 = 0x7a72_756e_7368_6d31; // "zrunshm1"
 
+/// Sizes the segment file and reserves its pages now. tmpfs allocates pages on
+/// first touch, and a page it cannot allocate then is a SIGBUS in whichever
+/// rank touches it; `posix_fallocate` turns a full `/dev/shm` into an error
+/// here, before any rank maps the file.
+fn reserve(f: &std::fs::File, len: usize) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain system call on an open file descriptor we own.
+    let rc = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len as libc::off_t) };
+    match rc {
+        0 => Ok(()),
+        libc::EOPNOTSUPP | libc::EINVAL => f.set_len(len as u64),
+        libc::ENOSPC => Err(io::Error::new(
+            io::ErrorKind::StorageFull,
+            format!(
+                "/dev/shm has no room for the {len}-byte segment (free some, enlarge it, or set comm.backend: tcp)"
+            ),
+        )),
+        e => Err(io::Error::from_raw_os_error(e)),
+    }
+}
+
 /// A mapped segment.
 pub(crate) struct Segment {
     map: MmapMut,
@@ -106,7 +127,10 @@ impl Segment {
                 .write(true)
                 .create_new(true)
                 .open(&path)?;
-            f.set_len(len as u64)?;
+            if let Err(e) = reserve(&f, len) {
+                let _ = std::fs::remove_file(&path);
+                return Err(e);
+            }
             f
         } else {
             loop {

@@ -215,14 +215,17 @@ pub struct TopologyOptions {
 impl Topology {
     /// Resolves hostfile and options into nodes and slots.
     pub fn resolve(opts: &TopologyOptions) -> Result<Topology, ConfigError> {
+        if opts.workers_per_node == Some(0) {
+            return Err(ConfigError::Option {
+                option: "--workers-per-node".into(),
+                message: "must be at least 1".into(),
+            });
+        }
         let entries = match &opts.hostfile {
             Some(p) => Hostfile::read(p)?.entries,
             None => vec![HostEntry {
                 host: "localhost".into(),
-                slots: opts
-                    .workers_per_node
-                    .unwrap_or(opts.default_local_slots)
-                    .max(1),
+                slots: opts.workers_per_node.unwrap_or(opts.default_local_slots),
                 port: None,
                 user: None,
                 line: 0,

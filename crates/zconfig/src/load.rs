@@ -278,11 +278,25 @@ impl LoadedJob {
         if c.backend == Backend::Nccl {
             return Err(self.unsupported("comm.backend", "NCCL"));
         }
-        if !(c.timeout_s.is_finite() && c.timeout_s > 0.0) {
-            return Err(self.invalid("comm.timeout_s", "must be a positive number of seconds"));
+        // Bounded, so that every deadline is a valid Duration; the heartbeat at
+        // least 2 s, since zrun checks heartbeats once a second and workers send
+        // one every quarter of the period (at most every 0.2 s).
+        let (lo, hi) = TIMEOUT_RANGE_S;
+        if !(c.timeout_s.is_finite() && (lo..=hi).contains(&c.timeout_s)) {
+            return Err(self.invalid(
+                "comm.timeout_s",
+                format!("must be between {lo} and {hi} seconds, got {}", c.timeout_s),
+            ));
         }
-        if !(c.heartbeat_s.is_finite() && c.heartbeat_s > 0.0) {
-            return Err(self.invalid("comm.heartbeat_s", "must be a positive number of seconds"));
+        let (lo, hi) = HEARTBEAT_RANGE_S;
+        if !(c.heartbeat_s.is_finite() && (lo..=hi).contains(&c.heartbeat_s)) {
+            return Err(self.invalid(
+                "comm.heartbeat_s",
+                format!(
+                    "must be between {lo} and {hi} seconds, got {}",
+                    c.heartbeat_s
+                ),
+            ));
         }
         if s.checkpoint.keep == 0 {
             return Err(self.invalid("checkpoint.keep", "must be at least 1"));
@@ -301,6 +315,12 @@ impl LoadedJob {
                 return Err(
                     self.invalid("env", format!("`{k}` is not an environment variable name"))
                 );
+            }
+            if RESERVED_ENV.contains(&k.as_str()) {
+                return Err(self.invalid(
+                    &format!("env.{k}"),
+                    "is set by zrun for every worker (rank, topology, job token) and cannot be overridden",
+                ));
             }
         }
         self.validate_data(world_size)
@@ -342,6 +362,9 @@ impl LoadedJob {
                 ));
             }
             tokens += len / bytes_per_token;
+            if s.data.format == DataFormat::TokensU16 {
+                self.check_token_ids(f)?;
+            }
         }
         let need = (s.model.seq_len as u64 + 1) * world_size.max(1) as u64;
         if tokens < need {
@@ -356,6 +379,54 @@ impl LoadedJob {
         Ok(())
     }
 }
+
+impl LoadedJob {
+    /// Every token id of a u16 token file must be below `model.vocab_size`
+    /// (else the embedding lookup fails inside a worker, after launch).
+    fn check_token_ids(&self, f: &Path) -> Result<(), ConfigError> {
+        let vocab = self.spec.model.vocab_size;
+        let bytes = std::fs::read(f)
+            .map_err(|e| self.invalid("data.path", format!("{}: {e}", f.display())))?;
+        let max = bytes
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .max()
+            .unwrap_or(0);
+        if usize::from(max) >= vocab {
+            return Err(self.invalid(
+                "model.vocab_size",
+                format!(
+                    "{} holds token id {max}, which needs vocab_size of at least {}, got {vocab}",
+                    f.display(),
+                    usize::from(max) + 1
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `comm.timeout_s` bounds: a second to a week.
+pub const TIMEOUT_RANGE_S: (f64, f64) = (1.0, 604_800.0);
+/// `comm.heartbeat_s` bounds: two seconds to a day.
+pub const HEARTBEAT_RANGE_S: (f64, f64) = (2.0, 86_400.0);
+
+/// Environment variables zrun sets for every worker to place it in the job;
+/// `env:` may not set them. (`RAYON_NUM_THREADS` and `OMP_NUM_THREADS` may be
+/// set: zrun's are only defaults.)
+pub const RESERVED_ENV: [&str; 11] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "ZRUN_JOB_ID",
+    "ZRUN_TOKEN",
+    "ZRUN_NODE_ADDR",
+    "ZRUN_PARENT_PID",
+];
 
 /// The files of a data spec, sorted; an error names the pattern when nothing matches.
 pub fn data_files(path: &Option<String>, format: DataFormat) -> Result<Vec<PathBuf>, String> {

@@ -172,15 +172,25 @@ pub fn per_worker_bytes(spec: &JobSpec, topo: &Topology) -> f64 {
         }
 }
 
-/// This host's available memory (`MemAvailable`), if known.
-pub fn mem_available() -> Option<f64> {
+/// A `/proc/meminfo` field in bytes, if known.
+fn meminfo(field: &str) -> Option<f64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kb: f64 = s
         .lines()
-        .find(|l| l.starts_with("MemAvailable:"))?
+        .find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))?
         .split_whitespace()
         .nth(1)?
         .parse()
         .ok()?;
     Some(kb * 1024.0)
+}
+
+/// This host's available memory (`MemAvailable`), if known.
+pub fn mem_available() -> Option<f64> {
+    meminfo("MemAvailable")
+}
+
+/// This host's memory and swap together (`MemTotal + SwapTotal`), if known.
+pub fn mem_total() -> Option<f64> {
+    Some(meminfo("MemTotal")? + meminfo("SwapTotal").unwrap_or(0.0))
 }

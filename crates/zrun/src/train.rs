@@ -24,7 +24,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     let topo = topology(&args.launch)?;
     job.validate(topo.world_size())?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
-    warn_if_too_big(&plan);
+    check_memory(&plan)?;
     check_init_from(&plan.spec)?;
     let resume = resolve_resume(args.resume.as_deref(), &plan.spec)?;
     let run_dir = PathBuf::from(&plan.spec.run_dir);
@@ -139,8 +139,11 @@ fn check_init_from(spec: &zconfig::JobSpec) -> Result<()> {
     Ok(())
 }
 
-/// Warns when the estimate of a worker's memory exceeds its share of this host's.
-fn warn_if_too_big(plan: &LaunchPlan) {
+/// Refuses a local job whose workers cannot fit in this host's memory and
+/// swap together (it would die of an allocation failure after launch), and
+/// warns when they exceed their share of what is available now. Jobs on other
+/// hosts only get the warning: their memory is not this host's.
+fn check_memory(plan: &LaunchPlan) -> Result<()> {
     let need = crate::estimate::per_worker_bytes(&plan.spec, &plan.topology);
     let local = plan
         .topology
@@ -149,15 +152,28 @@ fn warn_if_too_big(plan: &LaunchPlan) {
         .map(|n| n.slots.len())
         .max()
         .unwrap_or(1);
+    let gib = |b: f64| b / f64::from(1 << 30);
+    let here = plan.ssh.is_none() && !plan.slurm;
+    if let (true, Some(total)) = (here, crate::estimate::mem_total()) {
+        if need * local as f64 > total {
+            return Err(Failure::bad_input(format!(
+                "{local} workers are estimated to need {:.2} GiB each (ZeRO stage {} model states + activations), more than this host's {:.2} GiB of memory and swap; lower train.micro_batch_size, raise zero.stage or enable train.activation_checkpointing (see `zrun estimate`)",
+                gib(need),
+                plan.spec.zero.stage,
+                gib(total)
+            )));
+        }
+    }
     if let Some(avail) = crate::estimate::mem_available() {
         let share = avail / local as f64;
         if need > share {
             shout!(
                 "zrun: warning: a worker is estimated to need {:.2} GiB (ZeRO stage {} model states + activations), more than its {:.2} GiB share of this host's available memory ({local} workers); see `zrun estimate`",
-                need / f64::from(1 << 30),
+                gib(need),
                 plan.spec.zero.stage,
-                share / f64::from(1 << 30)
+                gib(share)
             );
         }
     }
+    Ok(())
 }
