@@ -4,11 +4,11 @@
 
 use std::io::Write;
 use std::net::TcpStream;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use e2e::{
-    alive, children_of, losses, metrics, repo_root, small_job, wait_until, zrun, TrainArgs, Zrun,
+    alive, children_of, losses, metrics, repo_root, small_job, start_long_job, wait_until, zrun,
+    TrainArgs, Zrun,
 };
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -311,19 +311,6 @@ fn bad_input_exits_2_with_a_located_message() {
     assert_eq!(zrun(d, &["frobnicate"]).code(), 2);
 }
 
-/// Starts a long job and waits until it has written `steps` metrics lines.
-fn start_long_job(dir: &Path, name: &str, extra: &[&str]) -> (Zrun, std::path::PathBuf) {
-    let job = small_job(dir, name, 100_000);
-    let m = dir.join(format!("{name}.jsonl"));
-    let z = TrainArgs::new(&job, &m).args(extra).start(dir);
-    assert!(
-        wait_until(Duration::from_secs(60), || metrics(&m).len() >= 2),
-        "the job did not start training: {}",
-        z.stdout_so_far()
-    );
-    (z, m)
-}
-
 #[test]
 fn a_killed_worker_fails_the_job_fast_and_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
@@ -361,142 +348,6 @@ fn ctrl_c_stops_everything_with_exit_130() {
     for w in workers {
         assert!(!alive(w), "worker {w} is still running");
     }
-}
-
-/// A closed terminal (SIGHUP) or a polite kill (SIGTERM) tears the job down
-/// like Ctrl-C.
-#[test]
-fn sigterm_and_sighup_stop_everything_like_ctrl_c() {
-    for (sig, says) in [(Signal::SIGTERM, "SIGTERM"), (Signal::SIGHUP, "SIGHUP")] {
-        let dir = tempfile::tempdir().unwrap();
-        let (z, _) = start_long_job(dir.path(), "signalled", &[]);
-        let workers = children_of(z.pid());
-        assert_eq!(workers.len(), 2);
-        z.signal(sig);
-        let f = z.wait(Duration::from_secs(20));
-        assert_eq!(f.code(), 130, "{says}: {f:?}");
-        assert!(f.stderr.contains(says), "{}", f.stderr);
-        for w in workers {
-            assert!(!alive(w), "{says}: worker {w} is still running");
-        }
-    }
-}
-
-/// zrun killed outright (no teardown possible): its workers notice the lost
-/// control connection (or the kernel's parent-death signal, before they have
-/// one) and exit within seconds, not at `comm.timeout_s`. Once while training,
-/// once as soon as the workers exist.
-#[test]
-fn a_killed_zrun_leaves_no_worker_behind() {
-    for during_startup in [false, true] {
-        let dir = tempfile::tempdir().unwrap();
-        let z = if during_startup {
-            let job = small_job(dir.path(), "startup", 100_000);
-            let z = TrainArgs::new(&job, dir.path().join("m.jsonl")).start(dir.path());
-            assert!(wait_until(Duration::from_secs(20), || children_of(z.pid())
-                .len()
-                == 2));
-            z
-        } else {
-            start_long_job(dir.path(), "killed", &[]).0
-        };
-        let workers = children_of(z.pid());
-        assert_eq!(workers.len(), 2);
-        z.signal(Signal::SIGKILL);
-        let _ = z.wait(Duration::from_secs(10));
-        assert!(
-            wait_until(Duration::from_secs(10), || workers
-                .iter()
-                .all(|&w| !alive(w))),
-            "startup {during_startup}: workers {workers:?} outlived zrun"
-        );
-    }
-}
-
-/// `zrun train … | head -n 1`: the reader goes away after one line; zrun must
-/// neither panic nor stop training (its record is metrics.jsonl).
-#[test]
-fn a_closed_stdout_does_not_stop_the_job() {
-    use std::io::{BufRead, BufReader};
-    let dir = tempfile::tempdir().unwrap();
-    let job = small_job(dir.path(), "piped", 30);
-    let m = dir.path().join("m.jsonl");
-    let args = TrainArgs::new(&job, &m);
-    let mut child = std::process::Command::new(e2e::bin("zrun"))
-        .args(args.as_strs())
-        .current_dir(dir.path())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut first = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut first)
-        .unwrap();
-    assert!(first.starts_with("zrun: job piped"), "{first}");
-    // The pipe's read end is closed now; every later line is a failed write.
-    let status = child.wait().unwrap();
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
-    assert_eq!(status.code(), Some(0), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
-    let lines = metrics(&m);
-    assert_eq!(losses(&lines).len(), 30);
-    assert_eq!(lines.last().unwrap()["event"], "done");
-}
-
-/// A `/dev/shm` too small for the node's segment is a clear error naming it and
-/// the way out, not a SIGBUS in a worker. Needs a private mount namespace
-/// (root and `unshare`); skipped with the reason otherwise.
-#[test]
-fn a_full_dev_shm_is_a_clear_error() {
-    let probe = std::process::Command::new("unshare")
-        .args(["-m", "sh", "-c", "mount -t tmpfs -o size=64k none /dev/shm"])
-        .output();
-    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
-        eprintln!("a_full_dev_shm_is_a_clear_error: skipped: cannot mount a small /dev/shm in a private mount namespace (needs root and unshare)");
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let job = small_job(dir.path(), "shmfull", 3);
-    let args = TrainArgs::new(&job, dir.path().join("m.jsonl"));
-    let out = std::process::Command::new("unshare")
-        .args([
-            "-m",
-            "sh",
-            "-c",
-            "mount -t tmpfs -o size=64k none /dev/shm && exec \"$0\" \"$@\"",
-        ])
-        .arg(e2e::bin("zrun"))
-        .args(args.as_strs())
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("/dev/shm has no room") && err.contains("comm.backend: tcp"),
-        "{err}"
-    );
-    // The same job over TCP only needs no segment.
-    let out = std::process::Command::new("unshare")
-        .args([
-            "-m",
-            "sh",
-            "-c",
-            "mount -t tmpfs -o size=64k none /dev/shm && exec \"$0\" \"$@\"",
-        ])
-        .arg(e2e::bin("zrun"))
-        .args(args.set("comm.backend=tcp").as_strs())
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[test]

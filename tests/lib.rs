@@ -437,3 +437,16 @@ pub fn descendants_named(root: u32, name: &str) -> Vec<u32> {
     }
     out
 }
+
+/// Starts a long job and waits until it has written `steps` metrics lines.
+pub fn start_long_job(dir: &Path, name: &str, extra: &[&str]) -> (Zrun, std::path::PathBuf) {
+    let job = small_job(dir, name, 100_000);
+    let m = dir.join(format!("{name}.jsonl"));
+    let z = TrainArgs::new(&job, &m).args(extra).start(dir);
+    assert!(
+        wait_until(Duration::from_secs(60), || metrics(&m).len() >= 2),
+        "the job did not start training: {}",
+        z.stdout_so_far()
+    );
+    (z, m)
+}

@@ -138,6 +138,10 @@ pub struct TrainArgs {
     /// Plain log lines instead of a progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Replace the metrics of an earlier run instead of keeping them as
+    /// `metrics.N.jsonl`.
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 /// `zrun check`.

@@ -19,6 +19,7 @@
 //!   and signals into an outcome and an exit code.
 //! - [`sink`]: where reports go (metrics and progress, or benchmark rows).
 //! - [`progress`]: the progress bar, or plain lines when not on a terminal.
+//! - [`rundir`]: run locks and the metrics file (nothing lost, nothing shared).
 //! - [`metrics`]: aggregation of per-rank step reports into `metrics.jsonl` lines.
 //! - [`bench`](mod@bench): `zrun bench comm` and `bench kernels`.
 //! - [`sweep`]: `zrun bench JOB.yaml --sweep`: throughput sweeps, table, CSV, JSON, SVG.
@@ -56,6 +57,7 @@ pub mod launch;
 pub mod metrics;
 pub mod plan;
 pub mod progress;
+pub mod rundir;
 pub mod server;
 pub mod sink;
 pub mod ssh;

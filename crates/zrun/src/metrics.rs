@@ -6,7 +6,6 @@
 //! the slowest rank's step time; memory and bytes are the maximum over ranks.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 
 use serde::Serialize;
 use zproto::{CommBytes, MemBytes, StepReport};
@@ -106,31 +105,6 @@ fn combine(rs: &[StepReport]) -> StepLine {
         comm_bytes: rs.iter().fold(CommBytes::default(), |m, r| m.max(r.comm)),
         loss_scale: rs[0].loss_scale,
         grad_norm: rs[0].grad_norm,
-    }
-}
-
-/// Appends JSON lines to a file, flushing each so that a crash loses nothing written.
-pub struct MetricsWriter {
-    file: std::fs::File,
-}
-
-impl MetricsWriter {
-    /// Creates (truncates) the file and its directory.
-    pub fn create(path: &std::path::Path) -> std::io::Result<MetricsWriter> {
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)?;
-        }
-        Ok(MetricsWriter {
-            file: std::fs::File::create(path)?,
-        })
-    }
-
-    /// Writes one line.
-    pub fn write<T: Serialize>(&mut self, line: &T) -> std::io::Result<()> {
-        let mut s = serde_json::to_string(line).map_err(std::io::Error::other)?;
-        s.push('\n');
-        self.file.write_all(s.as_bytes())?;
-        self.file.flush()
     }
 }
 

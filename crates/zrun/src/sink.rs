@@ -5,8 +5,9 @@
 use anyhow::Result;
 use zproto::{BenchRow, KernelRow, StepReport};
 
-use crate::metrics::{Aggregator, MetricsWriter};
+use crate::metrics::Aggregator;
 use crate::progress::Progress;
+use crate::rundir::MetricsWriter;
 
 /// Where reports go.
 pub enum Sink {

@@ -2,7 +2,7 @@
 //! weights, the memory estimate), the metrics file, and the final `done` line.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -11,9 +11,10 @@ use zconfig::load_job;
 use zproto::{Task, TrainTask};
 
 use crate::cli::TrainArgs;
-use crate::metrics::{Aggregator, DoneLine, MetricsWriter};
+use crate::metrics::{Aggregator, DoneLine};
 use crate::plan::{plan_launch, topology, LaunchPlan};
 use crate::progress::Progress;
+use crate::rundir::{self, MetricsWriter, ResumeLine, RunLock, Start};
 use crate::sink::Sink;
 use crate::supervise::{run_job, Outcome};
 use crate::Failure;
@@ -27,14 +28,39 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     check_memory(&plan)?;
     check_init_from(&plan.spec)?;
     let resume = resolve_resume(args.resume.as_deref(), &plan.spec)?;
+    let steps = plan.spec.train.steps;
+    if let Some((dir, step)) = &resume {
+        if *step > steps {
+            say!("zrun: {dir} is at step {step}, past train.steps = {steps}: nothing to do (raise train.steps to train on)");
+            return Ok(ExitCode::SUCCESS);
+        }
+    }
     let run_dir = PathBuf::from(&plan.spec.run_dir);
     let metrics_path = args
         .metrics
         .clone()
         .unwrap_or_else(|| run_dir.join("metrics.jsonl"));
-    let writer = MetricsWriter::create(&metrics_path)
-        .map_err(|e| Failure::bad_input(format!("--metrics {}: {e}", metrics_path.display())))?;
-    let steps = plan.spec.train.steps;
+    // Held until zrun returns: no second job writes these files meanwhile.
+    let _metrics_lock = RunLock::take(&rundir::metrics_lock(&metrics_path), "metrics")?;
+    let _checkpoint_lock = match &plan.spec.checkpoint.dir {
+        Some(d) => Some(RunLock::take(
+            &rundir::checkpoint_lock(Path::new(d)),
+            "checkpoint.dir",
+        )?),
+        None => None,
+    };
+    let start = match &resume {
+        Some((dir, step)) => Start::Resume(ResumeLine {
+            event: "resume",
+            from: dir.clone(),
+            step: *step,
+            world_size: plan.topology.world_size(),
+        }),
+        None => Start::Fresh {
+            overwrite: args.overwrite,
+        },
+    };
+    let writer = MetricsWriter::new(&metrics_path, start);
     let progress = Progress::new(steps, args.no_progress || !std::io::stdout().is_terminal());
     progress.println(&format!(
         "zrun: job {}: {} workers on {} node(s), ZeRO stage {}, {} steps; metrics {}",
@@ -45,7 +71,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         steps,
         metrics_path.display()
     ));
-    if let Some(r) = &resume {
+    if let Some((r, _)) = &resume {
         progress.println(&format!("zrun: resuming from {r}"));
     }
     let world = plan.topology.world_size();
@@ -58,7 +84,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     };
     let task = Task::Train(Box::new(TrainTask {
         spec: plan.spec.clone(),
-        resume,
+        resume: resume.map(|(dir, _)| dir),
     }));
     let heartbeat = Duration::from_secs_f64(plan.spec.comm.heartbeat_s);
     let rendezvous = Duration::from_secs_f64(plan.spec.comm.timeout_s);
@@ -96,7 +122,8 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
 
 /// `--resume DIR|auto` → a verified checkpoint of this model (bad ones: exit 2).
 /// `auto` with no checkpoint yet starts from scratch.
-fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<String>> {
+/// Returns the checkpoint directory and its step.
+fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<(String, u64)>> {
     let Some(arg) = arg else { return Ok(None) };
     let dir = if arg == "auto" {
         let Some(root) = &spec.checkpoint.dir else {
@@ -119,7 +146,7 @@ fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<S
         zckpt::Checkpoint::open(&dir).map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
     ckpt.check_model(&spec.model)
         .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
-    Ok(Some(dir.display().to_string()))
+    Ok(Some((dir.display().to_string(), ckpt.manifest.step)))
 }
 
 /// `model.init_from` must be a safetensors file with the model's parameter count.

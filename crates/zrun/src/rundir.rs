@@ -1,0 +1,249 @@
+//! What zrun promises about the files of a run: nothing a user had is lost,
+//! and two live jobs never write the same files.
+//!
+//! - A run holds a lock (a file with zrun's pid) beside its metrics file and in
+//!   its checkpoint directory for as long as it runs. A second job that would
+//!   write there is refused before launch (exit 2); the lock of a process that
+//!   is gone (zrun was killed) is taken over. Taking the lock also proves,
+//!   before launch, that the directory can be written.
+//! - The metrics file is opened at the first line, not before: a run that fails
+//!   before its first step changes nothing. A fresh run keeps earlier history by
+//!   renaming it to `metrics.N.jsonl` (the lowest free N) unless `--overwrite`;
+//!   a resumed run appends, after a line naming the checkpoint it resumed from.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use crate::Failure;
+
+/// A held lock; removed when dropped.
+#[derive(Debug)]
+pub struct RunLock {
+    path: PathBuf,
+}
+
+impl RunLock {
+    /// Takes the lock `path` (creating its directory) for this process;
+    /// `what` names what it guards in the refusal (`metrics`, `checkpoint.dir`).
+    pub fn take(path: &Path, what: &str) -> Result<RunLock> {
+        let shown = path.display();
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                Failure::bad_input(format!("{what}: cannot create {}: {e}", dir.display()))
+            })?;
+        }
+        for _ in 0..2 {
+            match OpenOptions::new().write(true).create_new(true).open(path) {
+                Ok(mut f) => {
+                    writeln!(f, "{}", std::process::id())
+                        .map_err(|e| Failure::bad_input(format!("{what}: {shown}: {e}")))?;
+                    return Ok(RunLock {
+                        path: path.to_path_buf(),
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let holder = std::fs::read_to_string(path)
+                        .ok()
+                        .and_then(|s| s.trim().parse::<i32>().ok());
+                    if let Some(pid) = holder.filter(|&p| zrun_alive(p)) {
+                        return Err(Failure::bad_input(format!(
+                            "{what}: in use by a running job (zrun pid {pid}, lock {shown}); wait for it, or give this job another run_dir / checkpoint.dir"
+                        )));
+                    }
+                    // A dead job's lock: take it over.
+                    let _ = std::fs::remove_file(path);
+                }
+                Err(e) => {
+                    return Err(Failure::bad_input(format!(
+                        "{what}: cannot write {shown}: {e}"
+                    )))
+                }
+            }
+        }
+        Err(Failure::bad_input(format!(
+            "{what}: another job took {shown} at the same moment"
+        )))
+    }
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Whether `pid` is a live zrun process.
+fn zrun_alive(pid: i32) -> bool {
+    let alive = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok();
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    alive && comm.trim() == "zrun"
+}
+
+/// The lock beside a metrics file: `metrics.jsonl` → `metrics.jsonl.lock`.
+pub fn metrics_lock(metrics: &Path) -> PathBuf {
+    let mut name = metrics.as_os_str().to_owned();
+    name.push(".lock");
+    PathBuf::from(name)
+}
+
+/// The lock of a checkpoint directory.
+pub fn checkpoint_lock(dir: &Path) -> PathBuf {
+    dir.join(".zrun.lock")
+}
+
+/// How a run's metrics file starts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Start {
+    /// A fresh run: earlier history is renamed aside, or replaced if `overwrite`.
+    Fresh {
+        /// `--overwrite`.
+        overwrite: bool,
+    },
+    /// A resumed run: append after this marker line.
+    Resume(ResumeLine),
+}
+
+/// The line a resumed run appends before its own.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ResumeLine {
+    /// Always `resume`.
+    pub event: &'static str,
+    /// The checkpoint directory.
+    pub from: String,
+    /// Its step.
+    pub step: u64,
+    /// Ranks of this run.
+    pub world_size: usize,
+}
+
+/// metrics.jsonl, opened at the first line.
+pub struct MetricsWriter {
+    path: PathBuf,
+    start: Start,
+    file: Option<File>,
+}
+
+impl MetricsWriter {
+    /// A writer for `path` that touches nothing until the first line.
+    pub fn new(path: &Path, start: Start) -> MetricsWriter {
+        MetricsWriter {
+            path: path.to_path_buf(),
+            start,
+            file: None,
+        }
+    }
+
+    /// Writes one line (opening the file first, see the module doc).
+    pub fn write<T: Serialize>(&mut self, line: &T) -> Result<()> {
+        if self.file.is_none() {
+            self.file = Some(
+                self.open()
+                    .with_context(|| self.path.display().to_string())?,
+            );
+        }
+        let mut s = serde_json::to_string(line)?;
+        s.push('\n');
+        let f = self.file.as_mut().context("metrics file")?;
+        f.write_all(s.as_bytes())
+            .and_then(|()| f.flush())
+            .with_context(|| format!("writing {}", self.path.display()))
+    }
+
+    fn open(&self) -> std::io::Result<File> {
+        let has_history = std::fs::metadata(&self.path).is_ok_and(|m| m.len() > 0);
+        match &self.start {
+            Start::Resume(marker) => {
+                let mut f = OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&self.path)?;
+                let mut s = serde_json::to_string(marker).map_err(std::io::Error::other)?;
+                s.push('\n');
+                f.write_all(s.as_bytes())?;
+                Ok(f)
+            }
+            Start::Fresh { overwrite: false } if has_history => {
+                std::fs::rename(&self.path, rotated(&self.path))?;
+                File::create(&self.path)
+            }
+            Start::Fresh { .. } => File::create(&self.path),
+        }
+    }
+}
+
+/// The lowest free `STEM.N.EXT` beside `path` (`metrics.jsonl` → `metrics.1.jsonl`).
+pub fn rotated(path: &Path) -> PathBuf {
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let ext = path
+        .extension()
+        .map(|e| format!(".{}", e.to_string_lossy()))
+        .unwrap_or_default();
+    (1..)
+        .map(|n| path.with_file_name(format!("{stem}.{n}{ext}")))
+        .find(|p| !p.exists())
+        .expect("some N is free")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn history_is_rotated_appended_or_replaced_never_lost() {
+        let d = tempfile::tempdir().unwrap();
+        let m = d.path().join("metrics.jsonl");
+        std::fs::write(&m, "old\n").unwrap();
+        // Nothing changes before the first line.
+        drop(MetricsWriter::new(&m, Start::Fresh { overwrite: false }));
+        assert_eq!(std::fs::read_to_string(&m).unwrap(), "old\n");
+        let mut w = MetricsWriter::new(&m, Start::Fresh { overwrite: false });
+        w.write(&1).unwrap();
+        assert_eq!(std::fs::read_to_string(&m).unwrap(), "1\n");
+        assert_eq!(
+            std::fs::read_to_string(d.path().join("metrics.1.jsonl")).unwrap(),
+            "old\n"
+        );
+        let marker = ResumeLine {
+            event: "resume",
+            from: "ck/step-00000001".into(),
+            step: 1,
+            world_size: 2,
+        };
+        let mut w = MetricsWriter::new(&m, Start::Resume(marker));
+        w.write(&2).unwrap();
+        let text = std::fs::read_to_string(&m).unwrap();
+        assert!(text.starts_with("1\n{\"event\":\"resume\""), "{text}");
+        assert!(text.ends_with("}\n2\n"), "{text}");
+        let mut w = MetricsWriter::new(&m, Start::Fresh { overwrite: false });
+        w.write(&3).unwrap();
+        assert!(d.path().join("metrics.2.jsonl").exists());
+        let mut w = MetricsWriter::new(&m, Start::Fresh { overwrite: true });
+        w.write(&4).unwrap();
+        assert_eq!(std::fs::read_to_string(&m).unwrap(), "4\n");
+        assert!(!d.path().join("metrics.3.jsonl").exists());
+    }
+
+    #[test]
+    fn a_live_lock_refuses_and_a_dead_one_is_taken_over() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("sub/metrics.jsonl.lock");
+        let held = RunLock::take(&p, "metrics").unwrap();
+        // (A live holder must be a process named zrun: tests/e2e.rs starts two.)
+        drop(held);
+        assert!(!p.exists());
+        std::fs::write(&p, "999999999\n").unwrap();
+        let again = RunLock::take(&p, "metrics").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&p).unwrap().trim(),
+            std::process::id().to_string()
+        );
+        drop(again);
+    }
+}

@@ -1,0 +1,277 @@
+//! What zrun guarantees when things go wrong around it: a signal or a kill to
+//! zrun itself, a closed stdout, a full /dev/shm, two jobs on the same files,
+//! a rerun into a run directory with history. Every test starts real
+//! processes and checks the files and processes they leave.
+
+use std::path::Path;
+use std::time::Duration;
+
+use e2e::{
+    alive, children_of, ckpt_job, losses, metrics, small_job, start_long_job, wait_until, zrun,
+    TrainArgs,
+};
+use nix::sys::signal::Signal;
+
+/// How many lines of a metrics file are `{"event": EVENT}` lines.
+fn events(path: &Path, event: &str) -> usize {
+    metrics(path).iter().filter(|l| l["event"] == event).count()
+}
+
+/// A closed terminal (SIGHUP) or a polite kill (SIGTERM) tears the job down
+/// like Ctrl-C.
+#[test]
+fn sigterm_and_sighup_stop_everything_like_ctrl_c() {
+    for (sig, says) in [(Signal::SIGTERM, "SIGTERM"), (Signal::SIGHUP, "SIGHUP")] {
+        let dir = tempfile::tempdir().unwrap();
+        let (z, _) = start_long_job(dir.path(), "signalled", &[]);
+        let workers = children_of(z.pid());
+        assert_eq!(workers.len(), 2);
+        z.signal(sig);
+        let f = z.wait(Duration::from_secs(20));
+        assert_eq!(f.code(), 130, "{says}: {f:?}");
+        assert!(f.stderr.contains(says), "{}", f.stderr);
+        for w in workers {
+            assert!(!alive(w), "{says}: worker {w} is still running");
+        }
+    }
+}
+
+/// zrun killed outright (no teardown possible): its workers notice the lost
+/// control connection (or the kernel's parent-death signal, before they have
+/// one) and exit within seconds, not at `comm.timeout_s`. Once while training,
+/// once as soon as the workers exist.
+#[test]
+fn a_killed_zrun_leaves_no_worker_behind() {
+    for during_startup in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let z = if during_startup {
+            let job = small_job(dir.path(), "startup", 100_000);
+            let z = TrainArgs::new(&job, dir.path().join("m.jsonl")).start(dir.path());
+            assert!(wait_until(Duration::from_secs(20), || children_of(z.pid())
+                .len()
+                == 2));
+            z
+        } else {
+            start_long_job(dir.path(), "killed", &[]).0
+        };
+        let workers = children_of(z.pid());
+        assert_eq!(workers.len(), 2);
+        z.signal(Signal::SIGKILL);
+        let _ = z.wait(Duration::from_secs(10));
+        assert!(
+            wait_until(Duration::from_secs(10), || workers
+                .iter()
+                .all(|&w| !alive(w))),
+            "startup {during_startup}: workers {workers:?} outlived zrun"
+        );
+    }
+}
+
+/// `zrun train … | head -n 1`: the reader goes away after one line; zrun must
+/// neither panic nor stop training (its record is metrics.jsonl).
+#[test]
+fn a_closed_stdout_does_not_stop_the_job() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "piped", 30);
+    let m = dir.path().join("m.jsonl");
+    let args = TrainArgs::new(&job, &m);
+    let mut child = std::process::Command::new(e2e::bin("zrun"))
+        .args(args.as_strs())
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("zrun: job piped"), "{first}");
+    // The pipe's read end is closed now; every later line is a failed write.
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let lines = metrics(&m);
+    assert_eq!(losses(&lines).len(), 30);
+    assert_eq!(lines.last().unwrap()["event"], "done");
+}
+
+/// A `/dev/shm` too small for the node's segment is a clear error naming it and
+/// the way out, not a SIGBUS in a worker. Needs a private mount namespace
+/// (root and `unshare`); skipped with the reason otherwise.
+#[test]
+fn a_full_dev_shm_is_a_clear_error() {
+    let probe = std::process::Command::new("unshare")
+        .args(["-m", "sh", "-c", "mount -t tmpfs -o size=64k none /dev/shm"])
+        .output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("a_full_dev_shm_is_a_clear_error: skipped: cannot mount a small /dev/shm in a private mount namespace (needs root and unshare)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "shmfull", 3);
+    let args = TrainArgs::new(&job, dir.path().join("m.jsonl"));
+    let out = std::process::Command::new("unshare")
+        .args([
+            "-m",
+            "sh",
+            "-c",
+            "mount -t tmpfs -o size=64k none /dev/shm && exec \"$0\" \"$@\"",
+        ])
+        .arg(e2e::bin("zrun"))
+        .args(args.as_strs())
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("/dev/shm has no room") && err.contains("comm.backend: tcp"),
+        "{err}"
+    );
+    // The same job over TCP only needs no segment.
+    let out = std::process::Command::new("unshare")
+        .args([
+            "-m",
+            "sh",
+            "-c",
+            "mount -t tmpfs -o size=64k none /dev/shm && exec \"$0\" \"$@\"",
+        ])
+        .arg(e2e::bin("zrun"))
+        .args(args.set("comm.backend=tcp").as_strs())
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Two fresh runs into one run_dir: the first run's metrics are kept as
+/// metrics.1.jsonl, not truncated; `--overwrite` replaces them on purpose.
+#[test]
+fn a_rerun_keeps_the_earlier_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "again", 3);
+    let m = dir.path().join("runs/again/metrics.jsonl");
+    let run = |extra: &[&str]| {
+        let f = zrun(
+            dir.path(),
+            &[&["train", job.to_str().unwrap(), "--no-progress"], extra].concat(),
+        );
+        assert_eq!(f.code(), 0, "{f:?}");
+    };
+    run(&[]);
+    let first = std::fs::read_to_string(&m).unwrap();
+    run(&[]);
+    let kept = dir.path().join("runs/again/metrics.1.jsonl");
+    assert_eq!(std::fs::read_to_string(&kept).unwrap(), first);
+    assert_eq!(losses(&metrics(&m)).len(), 3);
+    run(&["--overwrite"]);
+    assert!(!dir.path().join("runs/again/metrics.2.jsonl").exists());
+    assert_eq!(losses(&metrics(&m)).len(), 3);
+    // No lock is left behind.
+    assert!(!dir.path().join("runs/again/metrics.jsonl.lock").exists());
+}
+
+/// A run that fails before its first step (its control port is taken: exit 3)
+/// leaves the run directory as it was.
+#[test]
+fn a_run_that_fails_to_start_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "blocked", 3);
+    let m = dir.path().join("m.jsonl");
+    std::fs::write(&m, "{\"step\": 1}\n").unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let f = TrainArgs::new(&job, &m)
+        .args(&["--master-addr", "127.0.0.1", "--master-port", &port])
+        .run(dir.path());
+    assert_eq!(f.code(), 3, "{f:?}");
+    assert_eq!(std::fs::read_to_string(&m).unwrap(), "{\"step\": 1}\n");
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.starts_with("m.1") || n.ends_with(".lock")),
+        "{names:?}"
+    );
+}
+
+/// A second job that would write a live job's metrics or checkpoints is
+/// refused up front (exit 2); the first job finishes untouched. A lock left by
+/// a dead zrun is taken over.
+#[test]
+fn a_live_jobs_files_are_refused_to_a_second_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, m) = start_long_job(dir.path(), "live", &[]);
+    let job = small_job(dir.path(), "second", 3);
+    let f = TrainArgs::new(&job, &m).run(dir.path());
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("in use by a running job"), "{}", f.stderr);
+    // The same checkpoint directory, other metrics.
+    let a = ckpt_job(dir.path(), "ck_a", 100_000, 0);
+    let b = ckpt_job(dir.path(), "ck_b", 3, 0);
+    let ma = dir.path().join("a.jsonl");
+    let holder = TrainArgs::new(&a, &ma).start(dir.path());
+    assert!(wait_until(Duration::from_secs(60), || !metrics(&ma).is_empty()));
+    let f = TrainArgs::new(&b, dir.path().join("b.jsonl")).run(dir.path());
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("checkpoint.dir: in use by a running job"),
+        "{}",
+        f.stderr
+    );
+    for z in [first, holder] {
+        z.signal(Signal::SIGINT);
+        assert_eq!(z.wait(Duration::from_secs(20)).code(), 130);
+    }
+    // A dead zrun's lock (pid of no process) does not block anyone.
+    std::fs::write(dir.path().join("stale.jsonl.lock"), "999999999\n").unwrap();
+    let f = TrainArgs::new(&job, dir.path().join("stale.jsonl")).run(dir.path());
+    assert_eq!(f.code(), 0, "{f:?}");
+}
+
+/// A resumed run appends to the metrics after a line naming its checkpoint; a
+/// checkpoint already past `train.steps` is "nothing to do" and touches nothing.
+#[test]
+fn a_resume_appends_and_a_resume_past_the_end_does_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = ckpt_job(dir.path(), "appended", 4, 2);
+    let m = dir.path().join("m.jsonl");
+    assert_eq!(TrainArgs::new(&job, &m).run(dir.path()).code(), 0);
+    let f = TrainArgs::new(&job, &m)
+        .args(&["--resume", "auto"])
+        .set("train.steps=6")
+        .run(dir.path());
+    assert_eq!(f.code(), 0, "{f:?}");
+    let lines = metrics(&m);
+    assert_eq!(losses(&lines).len(), 6, "4 steps, then 2 more");
+    let marker = lines
+        .iter()
+        .find(|l| l["event"] == "resume")
+        .expect("a resume line");
+    assert_eq!(marker["step"], 4);
+    assert!(
+        marker["from"].as_str().unwrap().ends_with("step-00000004"),
+        "{marker}"
+    );
+    assert_eq!(events(&m, "done"), 2);
+    let before = std::fs::read_to_string(&m).unwrap();
+    let f = TrainArgs::new(&job, &m)
+        .args(&["--resume", "auto"])
+        .set("train.steps=3")
+        .run(dir.path());
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(f.stdout.contains("nothing to do"), "{}", f.stdout);
+    assert_eq!(std::fs::read_to_string(&m).unwrap(), before);
+}
