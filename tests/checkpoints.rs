@@ -190,6 +190,21 @@ fn export_feeds_init_from_and_reproduces_the_next_loss() {
     args.extend(["--set", "zero.stage=3"]);
     train(dir, &job, "src.jsonl", &args);
     let src = losses_by_step(&dir.join("src.jsonl"));
+    // An export into the checkpoint it reads could replace a shard: refused.
+    let shard = dir.join("ckpt/step-00000004/rank-00000.safetensors");
+    let before = std::fs::read(&shard).unwrap();
+    let f = zrun(
+        dir,
+        &[
+            "export",
+            "ckpt/step-00000004",
+            "--out",
+            shard.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("inside the checkpoint"), "{}", f.stderr);
+    assert_eq!(std::fs::read(&shard).unwrap(), before);
     let out = dir.join("w.safetensors");
     let f = zrun(
         dir,

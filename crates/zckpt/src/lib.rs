@@ -174,13 +174,19 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CkptError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let tmp = path.with_extension("tmp");
-    {
+    let written = (|| {
         let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
         f.write_all(bytes).map_err(io(&tmp))?;
         f.sync_all().map_err(io(&tmp))?;
+        fault_delay();
+        std::fs::rename(&tmp, path).map_err(io(path))
+    })();
+    if written.is_err() {
+        // A failed save (a full disk, most often) must not leave its partial
+        // file behind to fill the disk further.
+        let _ = std::fs::remove_file(&tmp);
     }
-    fault_delay();
-    std::fs::rename(&tmp, path).map_err(io(path))?;
+    written?;
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
     }
@@ -570,5 +576,17 @@ mod tests {
         assert_eq!(left, ["step-00000002", "step-00000003"]);
         // The unfinished step-4 is newer than the newest complete one: kept (it may be in progress).
         assert!(d.path().join(step_dir_name(4)).exists());
+    }
+
+    #[test]
+    fn a_failed_atomic_write_leaves_no_temporary_file() {
+        let d = tempfile::tempdir().unwrap();
+        // The rename fails: the target is a directory that is not empty.
+        let target = d.path().join("shard.safetensors");
+        std::fs::create_dir_all(target.join("occupied")).unwrap();
+        assert!(write_atomic(&target, b"bytes").is_err());
+        assert!(!target.with_extension("tmp").exists());
+        write_atomic(&d.path().join("ok.safetensors"), b"bytes").unwrap();
+        assert!(!d.path().join("ok.tmp").exists());
     }
 }

@@ -129,6 +129,21 @@ fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
     let bad = |e: zckpt::CkptError| Failure::bad_input(e.to_string());
     let dir = zckpt::resolve(&args.checkpoint).map_err(bad)?;
     let ckpt = zckpt::Checkpoint::open(&dir).map_err(bad)?;
+    // Writing into the checkpoint being read could replace one of its shards.
+    let out_dir = args
+        .out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    if let (Ok(out_dir), Ok(ck)) = (out_dir.canonicalize(), dir.canonicalize()) {
+        if out_dir.starts_with(&ck) {
+            return Err(Failure::bad_input(format!(
+                "--out {}: inside the checkpoint {} that is being exported; write it elsewhere",
+                args.out.display(),
+                dir.display()
+            )));
+        }
+    }
     let n = ckpt.export(&args.out).map_err(bad)?;
     say!(
         "zrun: wrote {n} parameters (step {}, {} ranks, stage {}) to {}",
