@@ -135,7 +135,7 @@ impl SlotFilter {
             option: option.into(),
             message: m,
         };
-        let mut out = Vec::new();
+        let mut out: Vec<(String, Option<BTreeSet<usize>>)> = Vec::new();
         for part in s.split('@') {
             let part = part.trim();
             if part.is_empty() {
@@ -143,19 +143,32 @@ impl SlotFilter {
                     "empty host in `{s}` (syntax: host1:0,1@host2)"
                 )));
             }
-            match part.split_once(':') {
-                None => out.push((part.to_string(), None)),
-                Some((h, list)) => {
-                    let mut set = BTreeSet::new();
-                    for x in list.split(',') {
-                        set.insert(
-                            x.trim().parse::<usize>().map_err(|_| {
+            let (host, slots) =
+                match part.split_once(':') {
+                    None => (part.to_string(), None),
+                    Some((h, list)) => {
+                        let mut set = BTreeSet::new();
+                        for x in list.split(',') {
+                            set.insert(x.trim().parse::<usize>().map_err(|_| {
                                 err(format!("`{x}` in `{part}` is not a slot index"))
-                            })?,
-                        );
+                            })?);
+                        }
+                        (h.to_string(), Some(set))
                     }
-                    out.push((h.to_string(), Some(set)));
+                };
+            // A host named twice is one host with the union of its slots
+            // (DeepSpeed's `parse_resource_filter`); "all slots" absorbs a list.
+            match out.iter_mut().find(|(h, _)| *h == host) {
+                Some((_, prev)) => {
+                    *prev = match (prev.take(), slots) {
+                        (Some(mut a), Some(b)) => {
+                            a.extend(b);
+                            Some(a)
+                        }
+                        _ => None,
+                    }
                 }
+                None => out.push((host, slots)),
             }
         }
         Ok(SlotFilter(out))
@@ -248,20 +261,28 @@ impl Topology {
         }
         if let Some(inc) = &opts.include {
             let f = SlotFilter::parse("--include", inc)?;
-            let mut kept = Vec::new();
             for (host, slots) in &f.0 {
                 let node = nodes
                     .iter()
                     .find(|n| &n.host == host)
                     .ok_or_else(|| unknown_host("--include", host, &nodes))?;
-                let mut n = node.clone();
                 if let Some(s) = slots {
                     check_slots("--include", host, s, node)?;
-                    n.slots.retain(|x| s.contains(x));
                 }
-                kept.push(n);
             }
-            nodes = kept;
+            // Hostfile order, not the filter's: rank 0, and what --num-nodes
+            // keeps, do not depend on how the filter was spelled.
+            let wanted = |host: &str| f.0.iter().find(|(h, _)| h == host).map(|(_, s)| s);
+            nodes = nodes
+                .into_iter()
+                .filter_map(|mut n| {
+                    let slots = wanted(&n.host)?;
+                    if let Some(s) = slots {
+                        n.slots.retain(|x| s.contains(x));
+                    }
+                    Some(n)
+                })
+                .collect();
         }
         if let Some(exc) = &opts.exclude {
             let f = SlotFilter::parse("--exclude", exc)?;
@@ -364,10 +385,10 @@ fn check_slots(
     match s.iter().find(|x| !node.slots.contains(x)) {
         Some(bad) => Err(ConfigError::Option {
             option: option.into(),
-            message: format!(
-                "host `{host}` has no slot {bad} (slots: 0..{})",
-                node.slots.len()
-            ),
+            message: match node.slots.len() {
+                0 => format!("host `{host}` has no slot {bad} (it has no slots)"),
+                n => format!("host `{host}` has no slot {bad} (slots 0-{})", n - 1),
+            },
         }),
         None => Ok(()),
     }
@@ -457,6 +478,40 @@ mod tests {
         assert!(topo("h1 slots=4\n", |o| o.include = Some("h1:7".into())).is_err());
         assert!(topo("h1 slots=4\n", |o| o.num_nodes = Some(2)).is_err());
         assert!(topo("h1 slots=4\n", |o| o.workers_per_node = Some(5)).is_err());
+    }
+
+    /// DeepSpeed's launcher semantics (its `parse_inclusion_exclusion` cases):
+    /// a host named twice is one node, filters keep hostfile order, a repeated
+    /// exclusion is no error, and slot ranges read as `0-3`.
+    #[test]
+    fn filters_follow_deepspeed() {
+        let hosts = "worker-0 slots=4\nworker-1 slots=4\n";
+        let slots = |t: Topology| -> Vec<(String, Vec<usize>)> {
+            t.nodes.into_iter().map(|n| (n.host, n.slots)).collect()
+        };
+        let t = topo(hosts, |o| o.include = Some("worker-0@worker-0".into())).unwrap();
+        assert_eq!(slots(t), vec![("worker-0".to_string(), vec![0, 1, 2, 3])]);
+        let t = topo(hosts, |o| o.include = Some("worker-0:0@worker-0:2".into())).unwrap();
+        assert_eq!(slots(t), vec![("worker-0".to_string(), vec![0, 2])]);
+        let t = topo(hosts, |o| o.include = Some("worker-0:1@worker-0".into())).unwrap();
+        assert_eq!(slots(t)[0].1, vec![0, 1, 2, 3], "all slots absorb a list");
+        // Spelled in reverse, ranks still follow the hostfile.
+        let t = topo(hosts, |o| o.include = Some("worker-1@worker-0".into())).unwrap();
+        assert_eq!(t.nodes[0].host, "worker-0");
+        let t = topo(hosts, |o| {
+            o.include = Some("worker-1@worker-0".into());
+            o.num_nodes = Some(1)
+        })
+        .unwrap();
+        assert_eq!(t.nodes[0].host, "worker-0");
+        let t = topo(hosts, |o| o.exclude = Some("worker-0:1@worker-0:1".into())).unwrap();
+        assert_eq!(slots(t)[0].1, vec![0, 2, 3]);
+        let t = topo(hosts, |o| o.exclude = Some("worker-1@worker-1".into())).unwrap();
+        assert_eq!(t.nodes.len(), 1);
+        let e = topo(hosts, |o| o.include = Some("worker-0:4".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("has no slot 4 (slots 0-3)"), "{e}");
     }
 
     #[test]
