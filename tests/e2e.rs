@@ -264,6 +264,13 @@ fn bad_input_exits_2_with_a_located_message() {
             "env.RANK: is set by zrun for every worker",
         ),
         (
+            vec![write(
+                "ckfile.yaml",
+                &format!("{good}checkpoint: {{dir: {tiny_data}}}\n"),
+            )],
+            "checkpoint.dir: cannot create",
+        ),
+        (
             vec![
                 write("w0.yaml", &good),
                 "--workers-per-node".into(),
