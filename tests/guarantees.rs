@@ -275,3 +275,35 @@ fn a_resume_appends_and_a_resume_past_the_end_does_nothing() {
     assert!(f.stdout.contains("nothing to do"), "{}", f.stdout);
     assert_eq!(std::fs::read_to_string(&m).unwrap(), before);
 }
+
+/// zrun stopped (Ctrl-Z) or the whole job suspended for longer than the
+/// heartbeat period: on resume nobody is blamed, the job trains on.
+#[test]
+fn a_stopped_zrun_or_a_suspended_job_is_not_a_dead_worker() {
+    for whole_job in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let (z, m) = start_long_job(dir.path(), "stopped", &["--set", "comm.heartbeat_s=2"]);
+        let workers = children_of(z.pid());
+        let mut stopped = vec![z.pid()];
+        if whole_job {
+            stopped.extend(&workers);
+        }
+        let send = |sig: Signal| {
+            for &p in &stopped {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p as i32), sig);
+            }
+        };
+        send(Signal::SIGSTOP);
+        std::thread::sleep(Duration::from_secs(5));
+        send(Signal::SIGCONT);
+        let before = metrics(&m).len();
+        assert!(
+            wait_until(Duration::from_secs(20), || metrics(&m).len() > before + 5),
+            "whole job {whole_job}: training did not go on: {}",
+            z.stdout_so_far()
+        );
+        z.signal(Signal::SIGINT);
+        let f = z.wait(Duration::from_secs(20));
+        assert_eq!(f.code(), 130, "whole job {whole_job}: {f:?}");
+    }
+}

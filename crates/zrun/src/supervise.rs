@@ -30,6 +30,8 @@ use crate::Failure;
 const ABORT_GRACE: Duration = Duration::from_secs(3);
 /// A rank whose control connection dropped without an exit is declared dead after this.
 const LOST_GRACE: Duration = Duration::from_secs(2);
+/// A gap this long between the event loop's 200 ms ticks means zrun was stopped.
+const STALL_GAP: Duration = Duration::from_secs(2);
 /// After a rank reports a failure, how long to wait for a crash that caused it:
 /// when a worker dies, its peers' collectives fail first, but the dead rank is
 /// the one to name.
@@ -145,6 +147,10 @@ struct Supervisor {
     reported: Option<(Instant, String)>,
     /// How to reach remote workers to kill them.
     ssh: Option<SshOptions>,
+    /// When the event loop last ticked: a long gap means zrun itself was
+    /// stopped (Ctrl-Z, SIGSTOP, a suspended job or machine), and that time must
+    /// not count against the workers' heartbeats.
+    last_tick: Instant,
 }
 
 impl Supervisor {
@@ -177,6 +183,7 @@ impl Supervisor {
             sink,
             heartbeat,
             rendezvous_deadline: now + rendezvous,
+            last_tick: now,
             reported: None,
             ssh,
         }
@@ -339,6 +346,20 @@ impl Supervisor {
 
     fn on_tick(&mut self) -> Option<Outcome> {
         let now = Instant::now();
+        let gap = now - std::mem::replace(&mut self.last_tick, now);
+        if gap > STALL_GAP {
+            // zrun was not running: every rank gets a fresh heartbeat window
+            // (their reports are still queued on the sockets), and the
+            // rendezvous deadline moves by the time lost.
+            tracing::warn!(
+                "zrun was stopped for {:.1}s; not counting it against the workers",
+                gap.as_secs_f64()
+            );
+            for r in &mut self.ranks {
+                r.last_seen = r.last_seen.max(now);
+            }
+            self.rendezvous_deadline += gap;
+        }
         if let Some((at, message)) = &self.reported {
             if now - *at > CAUSE_GRACE {
                 return Some(Outcome::Failed {
