@@ -258,7 +258,8 @@ fn damaged_checkpoints_are_refused_with_exit_2() {
     train(dir, &job, "m.jsonl", &[]);
     let ck = dir.join("ckpt/step-00000002");
     let shard = ck.join("rank-00001.safetensors");
-    let resume = |extra: &[&str]| {
+    // Resumes from `ck` and expects exit 2 with `want` in the message.
+    let refused = |extra: &[&str], want: &str| {
         let mut args = vec![
             "train",
             job.to_str().unwrap(),
@@ -266,41 +267,28 @@ fn damaged_checkpoints_are_refused_with_exit_2() {
             ck.to_str().unwrap(),
         ];
         args.extend_from_slice(extra);
-        zrun(dir, &args)
+        let f = zrun(dir, &args);
+        assert_eq!(f.code(), 2, "{f:?}");
+        assert!(
+            f.stderr.contains(want),
+            "expected `{want}` in:\n{}",
+            f.stderr
+        );
     };
     // A different model.
-    let f = resume(&["--set", "model.d_model=64"]);
-    assert_eq!(f.code(), 2, "{f:?}");
-    assert!(
-        f.stderr.contains(
-            "manifest.json: a different model: d_model 32 in the checkpoint, 64 in the job"
-        ),
-        "{}",
-        f.stderr
+    refused(
+        &["--set", "model.d_model=64"],
+        "manifest.json: a different model: d_model 32 in the checkpoint, 64 in the job",
     );
     // A flipped bit.
     let good = std::fs::read(&shard).unwrap();
     let mut bad = good.clone();
     *bad.last_mut().unwrap() ^= 0x10;
     std::fs::write(&shard, &bad).unwrap();
-    let f = resume(&[]);
-    assert_eq!(f.code(), 2, "{f:?}");
-    assert!(
-        f.stderr
-            .contains("rank-00001.safetensors: checksum mismatch"),
-        "{}",
-        f.stderr
-    );
+    refused(&[], "rank-00001.safetensors: checksum mismatch");
     // A missing shard.
     std::fs::remove_file(&shard).unwrap();
-    let f = resume(&[]);
-    assert_eq!(f.code(), 2, "{f:?}");
-    assert!(
-        f.stderr
-            .contains("rank-00001.safetensors: shard is missing"),
-        "{}",
-        f.stderr
-    );
+    refused(&[], "rank-00001.safetensors: shard is missing");
     let f = zrun(
         dir,
         &[

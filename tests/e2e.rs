@@ -7,8 +7,8 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use e2e::{
-    alive, children_of, losses, metrics, repo_root, small_job, start_long_job, wait_until, zrun,
-    TrainArgs, Zrun,
+    alive, assert_gone, children_of, free_port, losses, metrics, repo_root, small_job,
+    start_long_job, wait_until, zrun, TrainArgs,
 };
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -360,23 +360,12 @@ fn ctrl_c_stops_everything_with_exit_130() {
 #[test]
 fn strangers_on_the_control_socket_do_not_disturb_the_job() {
     let dir = tempfile::tempdir().unwrap();
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = free_port();
     let job = small_job(dir.path(), "strangers", 30);
     let m = dir.path().join("strangers.jsonl");
-    let z = Zrun::start(
-        dir.path(),
-        &[
-            "train",
-            job.to_str().unwrap(),
-            "--master-port",
-            &port.to_string(),
-            "--metrics",
-            m.to_str().unwrap(),
-        ],
-    );
+    let z = TrainArgs::new(&job, &m)
+        .args(&["--master-port", &port.to_string()])
+        .start(dir.path());
     let addr = format!("127.0.0.1:{port}");
     assert!(wait_until(Duration::from_secs(20), || TcpStream::connect(
         &addr
@@ -420,12 +409,7 @@ fn a_hang_is_diagnosed_per_rank() {
         "{}",
         f.stderr
     );
-    for w in workers {
-        assert!(
-            wait_until(Duration::from_secs(5), || !alive(w)),
-            "worker {w} is still running"
-        );
-    }
+    assert_gone(&workers, Duration::from_secs(5), "after the hang");
 }
 
 /// `--launcher slurm` through a stand-in srun (scripts/fake-slurm): the workers
@@ -476,10 +460,7 @@ fn slurm_launcher_trains_through_srun() {
 #[test]
 fn a_flood_of_idle_connections_cannot_block_rendezvous() {
     let dir = tempfile::tempdir().unwrap();
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = free_port();
     // Long enough that the flood is complete while the job still runs.
     let job = small_job(dir.path(), "flood", 40);
     let m = dir.path().join("m.jsonl");
@@ -496,17 +477,9 @@ fn a_flood_of_idle_connections_cannot_block_rendezvous() {
         std::thread::sleep(Duration::from_secs(8));
         held.len()
     });
-    let z = Zrun::start(
-        dir.path(),
-        &[
-            "train",
-            job.to_str().unwrap(),
-            "--master-port",
-            &port.to_string(),
-            "--metrics",
-            m.to_str().unwrap(),
-        ],
-    );
+    let z = TrainArgs::new(&job, &m)
+        .args(&["--master-port", &port.to_string()])
+        .start(dir.path());
     let f = z.wait(Duration::from_secs(90));
     assert_eq!(f.code(), 0, "{f:?}");
     assert_eq!(losses(&metrics(&m)).len(), 40);

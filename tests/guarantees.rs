@@ -7,8 +7,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use e2e::{
-    alive, children_of, ckpt_job, losses, metrics, small_job, start_long_job, wait_until, zrun,
-    TrainArgs,
+    alive, assert_gone, children_of, ckpt_job, losses, metrics, small_job, start_long_job,
+    wait_until, zrun, TrainArgs,
 };
 use nix::sys::signal::Signal;
 
@@ -58,12 +58,7 @@ fn a_killed_zrun_leaves_no_worker_behind() {
         assert_eq!(workers.len(), 2);
         z.signal(Signal::SIGKILL);
         let _ = z.wait(Duration::from_secs(10));
-        assert!(
-            wait_until(Duration::from_secs(10), || workers
-                .iter()
-                .all(|&w| !alive(w))),
-            "startup {during_startup}: workers {workers:?} outlived zrun"
-        );
+        assert_gone(&workers, Duration::from_secs(10), "after zrun was killed");
     }
 }
 
@@ -114,18 +109,18 @@ fn a_full_dev_shm_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "shmfull", 3);
     let args = TrainArgs::new(&job, dir.path().join("m.jsonl"));
-    let out = std::process::Command::new("unshare")
-        .args([
-            "-m",
-            "sh",
-            "-c",
-            "mount -t tmpfs -o size=64k none /dev/shm && exec \"$0\" \"$@\"",
-        ])
-        .arg(e2e::bin("zrun"))
-        .args(args.as_strs())
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
+    // zrun (and so its workers) in a mount namespace with a 64 KiB /dev/shm.
+    let in_small_shm = |args: &TrainArgs| {
+        std::process::Command::new("unshare")
+            .args(["-m", "sh", "-c"])
+            .arg("mount -t tmpfs -o size=64k none /dev/shm && exec \"$0\" \"$@\"")
+            .arg(e2e::bin("zrun"))
+            .args(args.as_strs())
+            .current_dir(dir.path())
+            .output()
+            .unwrap()
+    };
+    let out = in_small_shm(&args);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
@@ -133,18 +128,7 @@ fn a_full_dev_shm_is_a_clear_error() {
         "{err}"
     );
     // The same job over TCP only needs no segment.
-    let out = std::process::Command::new("unshare")
-        .args([
-            "-m",
-            "sh",
-            "-c",
-            "mount -t tmpfs -o size=64k none /dev/shm && exec \"$0\" \"$@\"",
-        ])
-        .arg(e2e::bin("zrun"))
-        .args(args.set("comm.backend=tcp").as_strs())
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
+    let out = in_small_shm(&args.set("comm.backend=tcp"));
     assert_eq!(
         out.status.code(),
         Some(0),

@@ -233,6 +233,21 @@ pub fn alive(pid: u32) -> bool {
     }
 }
 
+/// A TCP port that was free a moment ago (for `--master-port`).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().expect("local address").port()
+}
+
+/// Asserts that every process of `pids` is gone within `limit`.
+pub fn assert_gone(pids: &[u32], limit: Duration, when: &str) {
+    assert!(
+        wait_until(limit, || pids.iter().all(|&p| !alive(p))),
+        "{when}: still running: {:?}",
+        pids.iter().filter(|&&p| alive(p)).collect::<Vec<_>>()
+    );
+}
+
 /// The JSON lines of a metrics file.
 pub fn metrics(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
@@ -332,6 +347,18 @@ fn sshd_missing() -> Option<String> {
     None
 }
 
+/// A test sshd, or `return` from the calling test after printing why none
+/// can run here (a failure instead when `ZRUN_REQUIRE_SSHD` is set).
+#[macro_export]
+macro_rules! sshd_or_skip {
+    () => {
+        match $crate::Sshd::start_or_skip(std::thread::current().name().unwrap_or("an SSH test")) {
+            Some(sshd) => sshd,
+            None => return,
+        }
+    };
+}
+
 impl Sshd {
     /// Starts one, or returns `None` after printing why this machine cannot
     /// (unless `ZRUN_REQUIRE_SSHD` is set, as CI sets it: then it panics).
@@ -390,6 +417,13 @@ impl Sshd {
         )
         .expect("hostfile");
         p
+    }
+
+    /// Whether no zworker is left under this sshd within `limit`.
+    pub fn workers_gone(&self, limit: Duration) -> bool {
+        wait_until(limit, || {
+            descendants_named(self.pid(), "zworker").is_empty()
+        })
     }
 
     /// zrun's flags for a job on its two hosts over SSH, with its keys.

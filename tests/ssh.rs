@@ -10,10 +10,7 @@ use nix::unistd::Pid;
 
 #[test]
 fn a_two_host_job_trains_and_sends_bytes_between_nodes() {
-    let Some(sshd) = Sshd::start_or_skip("a_two_host_job_trains_and_sends_bytes_between_nodes")
-    else {
-        return;
-    };
+    let sshd = e2e::sshd_or_skip!();
     let d = tempfile::tempdir().unwrap();
     let job = small_job(d.path(), "ssh", 5);
     let m = d.path().join("m.jsonl");
@@ -44,11 +41,7 @@ fn start_long(sshd: &Sshd, d: &std::path::Path) -> (Zrun, Vec<u32>) {
 
 #[test]
 fn a_remote_worker_killed_fails_the_job_fast_and_leaves_nothing_on_either_host() {
-    let Some(sshd) = Sshd::start_or_skip(
-        "a_remote_worker_killed_fails_the_job_fast_and_leaves_nothing_on_either_host",
-    ) else {
-        return;
-    };
+    let sshd = e2e::sshd_or_skip!();
     let d = tempfile::tempdir().unwrap();
     let (z, workers) = start_long(&sshd, d.path());
     let t0 = Instant::now();
@@ -65,37 +58,29 @@ fn a_remote_worker_killed_fails_the_job_fast_and_leaves_nothing_on_either_host()
         "{}",
         f.stderr
     );
-    assert!(wait_until(Duration::from_secs(5), || descendants_named(
-        sshd.pid(),
-        "zworker"
-    )
-    .is_empty()));
+    assert!(
+        sshd.workers_gone(Duration::from_secs(5)),
+        "zworkers left under sshd"
+    );
 }
 
 #[test]
 fn sigint_stops_remote_workers_with_exit_130() {
-    let Some(sshd) = Sshd::start_or_skip("sigint_stops_remote_workers_with_exit_130") else {
-        return;
-    };
+    let sshd = e2e::sshd_or_skip!();
     let d = tempfile::tempdir().unwrap();
     let (z, _) = start_long(&sshd, d.path());
     z.signal(Signal::SIGINT);
     let f = z.wait(Duration::from_secs(30));
     assert_eq!(f.code(), 130, "{f:?}");
-    assert!(wait_until(Duration::from_secs(5), || descendants_named(
-        sshd.pid(),
-        "zworker"
-    )
-    .is_empty()));
+    assert!(
+        sshd.workers_gone(Duration::from_secs(5)),
+        "zworkers left under sshd"
+    );
 }
 
 #[test]
 fn a_wrong_host_key_or_a_refused_key_is_exit_3_before_training() {
-    let Some(sshd) =
-        Sshd::start_or_skip("a_wrong_host_key_or_a_refused_key_is_exit_3_before_training")
-    else {
-        return;
-    };
+    let sshd = e2e::sshd_or_skip!();
     let d = tempfile::tempdir().unwrap();
     let job = small_job(d.path(), "refused", 3);
     let m = d.path().join("m.jsonl");
@@ -148,10 +133,7 @@ fn a_wrong_host_key_or_a_refused_key_is_exit_3_before_training() {
 
 #[test]
 fn a_missing_remote_zworker_is_exit_3_naming_the_host() {
-    let Some(sshd) = Sshd::start_or_skip("a_missing_remote_zworker_is_exit_3_naming_the_host")
-    else {
-        return;
-    };
+    let sshd = e2e::sshd_or_skip!();
     let d = tempfile::tempdir().unwrap();
     let job = small_job(d.path(), "nobin", 3);
     let f = TrainArgs::new(&job, d.path().join("m.jsonl"))
@@ -168,10 +150,7 @@ fn a_missing_remote_zworker_is_exit_3_naming_the_host() {
 
 #[test]
 fn ssh_accept_new_records_unknown_host_keys_and_trains() {
-    let Some(sshd) = Sshd::start_or_skip("ssh_accept_new_records_unknown_host_keys_and_trains")
-    else {
-        return;
-    };
+    let sshd = e2e::sshd_or_skip!();
     let d = tempfile::tempdir().unwrap();
     let job = small_job(d.path(), "accept", 2);
     let known = d.path().join("known_hosts");

@@ -4,6 +4,7 @@
 //! - [`spec`]: the job spec (YAML) as typed structs, with the defaults of docs/CONFIG.md.
 //! - [`load`]: reading a spec file, applying `--set` overrides, resolving `${name}`,
 //!   and the semantic checks that must pass before anything launches.
+//! - `data_check`: the data checks before launch (files, token count, ids).
 //! - [`hostfile`]: DeepSpeed's hostfile format, `--include` / `--exclude`, and the
 //!   resolved [`Topology`] (nodes, slots, ranks).
 //! - [`estimate`]: ZeRO's memory formulas, offload rows, activation estimates
@@ -20,13 +21,15 @@
 
 #![deny(missing_docs)]
 
+mod data_check;
 pub mod error;
 pub mod estimate;
 pub mod hostfile;
 pub mod load;
 pub mod spec;
 
+pub use data_check::data_files;
 pub use error::ConfigError;
 pub use hostfile::{HostEntry, Hostfile, Node, Placement, SlotFilter, Topology, TopologyOptions};
-pub use load::{data_files, load_job, LoadedJob};
+pub use load::{load_job, LoadedJob};
 pub use spec::{DataFormat, Dtype, JobSpec, LossScaleSpec, Schedule, ZeroStage};
