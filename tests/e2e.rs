@@ -264,6 +264,14 @@ fn bad_input_exits_2_with_a_located_message() {
             "env.RANK: is set by zrun for every worker",
         ),
         (
+            vec![
+                write("g6.yaml", &good),
+                "--hostfile".into(),
+                write("hosts_bad", "nosuchhost.invalid slots=1\n"),
+            ],
+            "hosts_bad:1: host `nosuchhost.invalid` does not resolve",
+        ),
+        (
             vec![write(
                 "ckfile.yaml",
                 &format!("{good}checkpoint: {{dir: {tiny_data}}}\n"),

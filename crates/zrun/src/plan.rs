@@ -109,6 +109,9 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
     } else {
         Launcher::Ssh
     });
+    if launcher == Launcher::Ssh {
+        check_hosts_resolve(args, &topology)?;
+    }
     let mut node_addrs = Vec::new();
     for node in &topology.nodes {
         let addr = match launcher {
@@ -177,6 +180,30 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         slurm: launcher == Launcher::Slurm,
         env,
     })
+}
+
+/// Every host of an SSH job must resolve, or the job is bad input naming the
+/// hostfile line (not a launch failure discovered while connecting).
+fn check_hosts_resolve(args: &LaunchArgs, topology: &Topology) -> Result<()> {
+    let Some(path) = &args.hostfile else {
+        return Ok(());
+    };
+    let entries = zconfig::Hostfile::read(path)?.entries;
+    for node in &topology.nodes {
+        if let Err(e) = std::net::ToSocketAddrs::to_socket_addrs(&(node.host.as_str(), 22)) {
+            let line = entries
+                .iter()
+                .find(|h| h.host == node.host)
+                .map_or(0, |h| h.line);
+            return Err(zconfig::ConfigError::Hostfile {
+                path: path.clone(),
+                line,
+                message: format!("host `{}` does not resolve: {e}", node.host),
+            }
+            .into());
+        }
+    }
+    Ok(())
 }
 
 /// This host's first non-loopback address (what other nodes of an allocation
