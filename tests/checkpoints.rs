@@ -344,6 +344,15 @@ fn a_worker_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
     );
     assert_eq!(f.code(), 0, "{f:?}");
     assert!(f.stdout.contains("step-00000002"), "{}", f.stdout);
+    // The dead run's partial step-4 was removed before the new run started (it
+    // then wrote a complete step 4 of its own).
+    assert!(
+        f.stdout
+            .contains("step-00000004, an unfinished save of an earlier run"),
+        "{}",
+        f.stdout
+    );
+    assert!(ck.join("step-00000004/manifest.json").exists());
     assert_eq!(
         losses_by_step(&dir.join("r.jsonl"))
             .iter()

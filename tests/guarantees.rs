@@ -291,3 +291,42 @@ fn a_stopped_zrun_or_a_suspended_job_is_not_a_dead_worker() {
         assert_eq!(f.code(), 130, "whole job {whole_job}: {f:?}");
     }
 }
+
+/// A checkpoint directory on a full filesystem: the job fails naming the file
+/// and the cause, and leaves no temporary file to fill the disk further. (A
+/// 64 KiB tmpfs in a private mount namespace; skipped where that is refused.)
+#[test]
+fn a_full_disk_fails_the_save_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ckfull");
+    std::fs::create_dir_all(&ck).unwrap();
+    let job = small_job(dir.path(), "full", 3);
+    let mut text = std::fs::read_to_string(&job).unwrap();
+    text.push_str(&format!("checkpoint: {{dir: {}}}\n", ck.display()));
+    std::fs::write(&job, text).unwrap();
+    let script = format!(
+        "mount -t tmpfs -o size=64k none {ck} || exit 99; \"$0\" \"$@\"; echo \"rc=$?\"; echo left:; find {ck} -name '*.tmp'",
+        ck = ck.display()
+    );
+    let out = std::process::Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .arg(e2e::bin("zrun"))
+        .args(TrainArgs::new(&job, dir.path().join("m.jsonl")).as_strs())
+        .current_dir(dir.path())
+        .output();
+    let Some(out) = out
+        .ok()
+        .filter(|o| o.status.code() != Some(99) && o.status.success())
+    else {
+        eprintln!("a_full_disk_fails_the_save_cleanly: skipped: cannot mount a small tmpfs in a private mount namespace (needs root and unshare)");
+        return;
+    };
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(stdout.contains("rc=1"), "{stdout}\n{stderr}");
+    assert!(stderr.contains(".tmp: No space left on device"), "{stderr}");
+    let left = stdout.split("left:").nth(1).unwrap_or_default();
+    assert!(left.trim().is_empty(), "temporary files left: {left}");
+}

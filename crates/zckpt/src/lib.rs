@@ -265,6 +265,27 @@ pub fn prune(root: &Path, keep: usize) -> Result<(), CkptError> {
     Ok(())
 }
 
+/// Removes every unfinished save (a `step-*` directory without a manifest)
+/// under `root` and returns what it removed. Only for a caller that knows no
+/// live job writes there (zrun holds the directory's lock): such a save can
+/// never be resumed from, and only fills the disk.
+pub fn remove_unfinished(root: &Path) -> Result<Vec<PathBuf>, CkptError> {
+    let mut removed = Vec::new();
+    for e in std::fs::read_dir(root).into_iter().flatten().flatten() {
+        let p = e.path();
+        let unfinished = p.is_dir()
+            && !p.join(MANIFEST).exists()
+            && p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("step-"));
+        if unfinished {
+            std::fs::remove_dir_all(&p).map_err(io(&p))?;
+            removed.push(p);
+        }
+    }
+    removed.sort();
+    Ok(removed)
+}
+
 /// Resolves `--resume`: a checkpoint directory, or a root whose newest complete
 /// checkpoint is taken.
 pub fn resolve(path: &Path) -> Result<PathBuf, CkptError> {

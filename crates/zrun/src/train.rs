@@ -43,10 +43,20 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     // Held until zrun returns: no second job writes these files meanwhile.
     let _metrics_lock = RunLock::take(&rundir::metrics_lock(&metrics_path), "metrics")?;
     let _checkpoint_lock = match &plan.spec.checkpoint.dir {
-        Some(d) => Some(RunLock::take(
-            &rundir::checkpoint_lock(Path::new(d)),
-            "checkpoint.dir",
-        )?),
+        Some(d) => {
+            let lock = RunLock::take(&rundir::checkpoint_lock(Path::new(d)), "checkpoint.dir")?;
+            // With the lock held no live job writes here: a save without a
+            // manifest is a dead run's, never resumable; free its space.
+            for p in zckpt::remove_unfinished(Path::new(d))
+                .map_err(|e| Failure::bad_input(format!("checkpoint.dir: {e}")))?
+            {
+                say!(
+                    "zrun: removed {}, an unfinished save of an earlier run",
+                    p.display()
+                );
+            }
+            Some(lock)
+        }
         None => None,
     };
     let start = match &resume {
