@@ -20,7 +20,7 @@
 
 use serde::Serialize;
 
-use crate::spec::{Dtype, ModelSpec, ZeroStage};
+use crate::spec::{Dtype, JobSpec, ModelSpec, ZeroStage};
 
 /// Bytes per parameter of each kind of model state.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -147,6 +147,50 @@ pub fn model_state_rows(
     rows
 }
 
+/// One CPU worker's model states: what stays in memory and what its swap
+/// files hold (NVMe offload).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct WorkerStates {
+    /// Bytes in memory: parameters, gradients and optimizer state not
+    /// offloaded, plus (parameter offload) about two gathered blocks.
+    pub memory: f64,
+    /// Bytes of swap files.
+    pub nvme: f64,
+}
+
+/// `spec`'s model states on one of `world` CPU workers, with its offload
+/// settings (on CPU workers `device: cpu` keeps states where they are).
+pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
+    let psi = gpt_params(&spec.model);
+    let n = world.max(1) as f64;
+    let b = StateBytes::for_dtype(spec.train.dtype);
+    let stage = spec.zero.stage;
+    let share = |partitioned: bool, bytes: f64| {
+        if partitioned {
+            bytes * psi / n
+        } else {
+            bytes * psi
+        }
+    };
+    let params = share(stage.partitions_parameters(), b.param);
+    let grads = share(stage.partitions_gradients(), b.grad);
+    let optimizer = share(stage.partitions_optimizer(), b.optimizer);
+    let mut states = WorkerStates {
+        memory: params + grads + optimizer,
+        nvme: 0.0,
+    };
+    if spec.zero.offload_optimizer.is_nvme() {
+        states.memory -= optimizer;
+        states.nvme += optimizer;
+    }
+    if spec.zero.offload_param.is_nvme() {
+        states.memory -= params;
+        states.nvme += params;
+        states.memory += 2.0 * b.param * gpt_largest_group(&spec.model);
+    }
+    states
+}
+
 /// Parameters of a GPT of this shape (tied head; GPT-2 layout).
 pub fn gpt_params(m: &ModelSpec) -> f64 {
     let (v, d, l, t) = (
@@ -203,6 +247,35 @@ mod tests {
             .collect();
         assert_eq!(gb, ["120.0", "31.4", "16.6", "1.9"]);
         assert_eq!(rows[1].bytes_per_device, 4.0 * 7.5e9 + 12.0 * 7.5e9 / 64.0);
+    }
+
+    #[test]
+    fn worker_states_move_to_swap_files_as_offload_says() {
+        let mut spec: JobSpec = serde_saphyr::from_str(
+            "model: {vocab_size: 1000, d_model: 256, n_layers: 8, n_heads: 8, seq_len: 128}\n\
+             data: {format: synthetic}\ntrain: {dtype: bf16}\nzero: {stage: 3}\n",
+        )
+        .unwrap();
+        let psi = gpt_params(&spec.model);
+        let plain = worker_states(&spec, 4);
+        assert_eq!(plain.nvme, 0.0);
+        assert!((plain.memory - 16.0 * psi / 4.0).abs() < 1.0);
+        spec.zero.offload_optimizer.device = crate::spec::OffloadDevice::Nvme;
+        let opt = worker_states(&spec, 4);
+        assert!((opt.nvme - 12.0 * psi / 4.0).abs() < 1.0);
+        assert!((opt.memory + opt.nvme - plain.memory).abs() < 1.0);
+        spec.zero.offload_param.device = crate::spec::OffloadDevice::Nvme;
+        let both = worker_states(&spec, 4);
+        assert!((both.nvme - 14.0 * psi / 4.0).abs() < 1.0);
+        let working = 2.0 * 2.0 * gpt_largest_group(&spec.model);
+        assert!((both.memory - (2.0 * psi / 4.0 + working)).abs() < 1.0);
+        spec.zero.offload_param.device = crate::spec::OffloadDevice::Cpu;
+        spec.zero.offload_optimizer.device = crate::spec::OffloadDevice::Cpu;
+        assert_eq!(
+            worker_states(&spec, 4),
+            plain,
+            "cpu offload on CPU workers changes nothing"
+        );
     }
 
     #[test]

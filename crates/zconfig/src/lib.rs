@@ -26,6 +26,7 @@ pub mod error;
 pub mod estimate;
 pub mod hostfile;
 pub mod load;
+mod offload_check;
 pub mod spec;
 
 pub use data_check::data_files;

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::{improve_serde_message, ConfigError};
-use crate::spec::{Backend, Device, JobSpec, OffloadDevice};
+use crate::spec::{Backend, Device, JobSpec};
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
 #[derive(Debug, Clone)]
@@ -268,12 +268,7 @@ impl LoadedJob {
         if z.quantized_gradients {
             return Err(self.unsupported("zero.quantized_gradients", "ZeRO++ qgZ"));
         }
-        if z.offload_optimizer.device != OffloadDevice::None {
-            return Err(self.unsupported("zero.offload_optimizer.device", "optimizer offload"));
-        }
-        if z.offload_param.device != OffloadDevice::None {
-            return Err(self.unsupported("zero.offload_param.device", "parameter offload"));
-        }
+        self.validate_offload()?;
         let c = &s.comm;
         if c.backend == Backend::Nccl {
             return Err(self.unsupported("comm.backend", "NCCL"));

@@ -33,6 +33,9 @@ pub struct JobSpec {
     /// Checkpointing.
     #[serde(default)]
     pub checkpoint: CheckpointSpec,
+    /// NVMe swap I/O (offload to `nvme`).
+    #[serde(default)]
+    pub aio: AioSpec,
     /// `cpu` or `cuda`.
     #[serde(default)]
     pub device: Device,
@@ -369,6 +372,38 @@ pub struct OffloadSpec {
     pub device: OffloadDevice,
     /// Directory for `nvme`.
     pub nvme_path: Option<String>,
+    /// Buffers in flight while swapping (DeepSpeed's default: 4 for the
+    /// optimizer, 5 for parameters).
+    pub buffer_count: Option<usize>,
+}
+
+impl OffloadSpec {
+    /// Whether this target is files on NVMe.
+    pub fn is_nvme(&self) -> bool {
+        self.device == OffloadDevice::Nvme
+    }
+}
+
+/// `aio:`, DeepSpeed's settings of the NVMe swap I/O.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AioSpec {
+    /// Bytes per transfer (a multiple of 4 KiB).
+    pub block_size: Size,
+    /// Transfers in flight (io_uring).
+    pub queue_depth: usize,
+    /// I/O threads (where io_uring is refused).
+    pub thread_count: usize,
+}
+
+impl Default for AioSpec {
+    fn default() -> Self {
+        AioSpec {
+            block_size: Size(1 << 20),
+            queue_depth: 32,
+            thread_count: 2,
+        }
+    }
 }
 
 /// Offload target device.

@@ -19,6 +19,10 @@ pub struct MemoryUse {
     pub activations: u64,
     /// Peak of gathered parameters, staged gradients and buckets in flight.
     pub comm_buffers: u64,
+    /// Peak of the buffers of swapped state in flight (NVMe offload).
+    pub offload_buffers: u64,
+    /// Bytes of this rank's swap files (NVMe offload).
+    pub nvme: u64,
     /// Peak resident set size of the process.
     pub peak_rss: u64,
 }
@@ -44,6 +48,8 @@ pub struct StepStats {
     pub mem: MemoryUse,
     /// Bytes this rank sent during the step, by op and by link.
     pub comm: CounterSnapshot,
+    /// NVMe offload: the step's swap I/O.
+    pub io: Option<zswap::IoStats>,
 }
 
 /// Bytes of memory transiently held, with the peak since the last step.

@@ -37,6 +37,7 @@ use crate::error::EngineError;
 use crate::flat::GroupLayout;
 use crate::gather::Prefetcher;
 use crate::group::Group;
+use crate::offload::{Offload, ParamReadAhead};
 use crate::precision::{Flat, Half, LossScaler};
 use crate::reduce::Reducer;
 
@@ -68,12 +69,30 @@ pub struct Engine {
     pub(crate) comm_buffers: Transient,
     pub(crate) peak_activations: u64,
     pub(crate) counters_at_start: Option<CounterSnapshot>,
+    /// NVMe offload: the swap files and their I/O.
+    pub(crate) offload: Option<Offload>,
+    /// Stage-3 parameter slices read from swap ahead of their gathers.
+    pub(crate) param_reads: ParamReadAhead,
+    /// Swap buffers held by the optimizer step (peak per step).
+    pub(crate) swap_buffers: Transient,
+    pub(crate) io_at_start: Option<zswap::IoStats>,
 }
 
 impl Engine {
     /// Builds the model of `spec` with seeded parameters and empty optimizer state,
-    /// partitioned as the ZeRO stage says.
+    /// partitioned as the ZeRO stage says. NVMe swap files, if any, go under a
+    /// directory named after the job's name and this process.
     pub fn new(spec: &JobSpec, comm: Arc<dyn Communicator>) -> Result<Engine, EngineError> {
+        let job = format!("{}-{}", spec.name, std::process::id());
+        Engine::for_job(spec, comm, &job)
+    }
+
+    /// [`Engine::new`] for job `job_id` (the name of its swap directories).
+    pub fn for_job(
+        spec: &JobSpec,
+        comm: Arc<dyn Communicator>,
+        job_id: &str,
+    ) -> Result<Engine, EngineError> {
         let stage = spec.zero.stage;
         let m = &spec.model;
         let model = Gpt::new(GptConfig {
@@ -86,9 +105,16 @@ impl Engine {
         let (world, rank) = (comm.world_size(), comm.rank());
         let threshold = spec.zero.param_persistence_threshold.0 as usize;
         let half = Half::of(spec.train.dtype);
+        let specs = model.groups();
+        let layouts: Vec<GroupLayout> =
+            specs.iter().map(|gs| GroupLayout::new(gs, world)).collect();
+        let partitioned: Vec<bool> = layouts
+            .iter()
+            .map(|l| stage.partitions_parameters() && l.numel >= threshold)
+            .collect();
+        let offload = Offload::new(spec, job_id, rank, &layouts, &partitioned, half)?;
         let mut groups = Vec::new();
-        for (g, gs) in model.groups().iter().enumerate() {
-            let layout = GroupLayout::new(gs, world);
+        for (g, layout) in layouts.iter().enumerate() {
             let mut full = vec![0f32; layout.padded];
             for (slot, values) in layout
                 .params
@@ -97,10 +123,12 @@ impl Engine {
             {
                 full[slot.range.clone()].copy_from_slice(&values);
             }
-            let partitioned = stage.partitions_parameters() && layout.numel >= threshold;
-            groups.push(Group::new(layout, &full, stage, partitioned, rank, half));
+            let mut group = Group::new(layout.clone(), &full, stage, partitioned[g], rank, half);
+            if let Some(o) = &offload {
+                o.stash(g, &mut group, true)?;
+            }
+            groups.push(group);
         }
-        let layouts: Vec<GroupLayout> = groups.iter().map(|g| g.layout.clone()).collect();
         let reducer = Reducer::new(
             &layouts,
             spec.zero.reduce_bucket_size.0.max(1) as usize,
@@ -124,6 +152,10 @@ impl Engine {
             comm_buffers: Transient::default(),
             peak_activations: 0,
             counters_at_start: None,
+            offload,
+            param_reads: ParamReadAhead::default(),
+            swap_buffers: Transient::default(),
+            io_at_start: None,
         })
     }
 
@@ -141,16 +173,15 @@ impl Engine {
     /// precision), gathering what is partitioned. A collective: every rank must
     /// call it.
     pub fn full_params(&self) -> Result<Vec<Vec<f32>>, EngineError> {
-        let rank = self.comm.rank();
         let mut out = Vec::with_capacity(self.groups.len());
-        for g in &self.groups {
+        for (gi, g) in self.groups.iter().enumerate() {
             let mut full = if self.half.is_none() && !g.partitioned {
                 g.params.to_f32(0..g.layout.padded)
             } else if !self.stage.partitions_optimizer() {
-                g.updated_params(rank, self.stage)
+                self.updated_params(gi)?
             } else {
                 self.comm
-                    .all_gather(g.updated_params(rank, self.stage), g.layout.padded)?
+                    .all_gather(self.updated_params(gi)?, g.layout.padded)?
             };
             full.truncate(g.layout.numel);
             out.push(full);
@@ -183,8 +214,13 @@ impl Engine {
         order
     }
 
-    /// A prefetcher for one micro-batch's stage-3 gathers.
-    pub(crate) fn prefetcher(&self) -> Prefetcher {
+    /// A prefetcher for one micro-batch's stage-3 gathers (and, with parameter
+    /// offload, the read-ahead of their slices from swap).
+    pub(crate) fn prefetcher(&mut self) -> Prefetcher {
+        if let Some(p) = self.offload.as_ref().and_then(|o| o.params.as_ref()) {
+            let order = self.gather_order();
+            self.param_reads = ParamReadAhead::new(order, p.buffer_count);
+        }
         let padded = self
             .groups
             .iter()
@@ -226,9 +262,13 @@ impl Engine {
     ) -> Result<Vec<Var>, EngineError> {
         if self.groups[g].partitioned {
             let comm = self.comm.clone();
-            let slices: Vec<&Flat> = self.groups.iter().map(|x| &x.params).collect();
-            let own = |h: usize| slices[h].words(0..slices[h].len());
-            let words = gather.fetch(g, comm.as_ref(), &own)?;
+            let (groups, offload) = (&self.groups, self.offload.as_ref());
+            let reads = &mut self.param_reads;
+            let mut own = |h: usize| match offload.filter(|o| o.swaps_params(h)) {
+                Some(o) => reads.take(h, o),
+                None => Ok(groups[h].params.words(0..groups[h].params.len())),
+            };
+            let words = gather.fetch(g, comm.as_ref(), &mut own)?;
             self.comm_buffers.add((words.len() * 4) as u64);
             return self.vars_from(g, &Flat::from_words(self.half, words));
         }

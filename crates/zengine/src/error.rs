@@ -15,6 +15,9 @@ pub enum EngineError {
     /// candle failed (shape bugs, allocation).
     #[error("model: {0}")]
     Model(candle_core::Error),
+    /// NVMe offload: a swap file could not be set up, read or written.
+    #[error(transparent)]
+    Swap(#[from] zswap::SwapError),
     /// A checkpoint could not be read.
     #[error(transparent)]
     Checkpoint(#[from] zckpt::CkptError),

@@ -9,7 +9,12 @@
 
 use std::collections::VecDeque;
 
-use zcomm::{CommError, Communicator, Work};
+use zcomm::{Communicator, Work};
+
+use crate::error::EngineError;
+
+/// This rank's slice of a group, as collective words.
+pub type OwnSlice<'a> = dyn FnMut(usize) -> Result<Vec<f32>, EngineError> + 'a;
 
 /// Pending and future gathers of one micro-batch.
 pub struct Prefetcher {
@@ -41,10 +46,10 @@ impl Prefetcher {
         &mut self,
         g: usize,
         comm: &dyn Communicator,
-        own: &dyn Fn(usize) -> Vec<f32>,
-    ) -> Result<Vec<f32>, CommError> {
+        own: &mut OwnSlice<'_>,
+    ) -> Result<Vec<f32>, EngineError> {
         if self.pending.is_empty() {
-            self.launch_one(comm, own);
+            self.launch_one(comm, own)?;
         }
         let (got, work) = self.pending.pop_front().expect("launched above");
         assert_eq!(got, g, "stage-3 gathers requested out of the planned order");
@@ -53,17 +58,22 @@ impl Prefetcher {
             let mut ahead: usize = self.pending.iter().map(|(g, _)| self.padded[*g]).sum();
             while self.next < self.order.len() && (self.pending.is_empty() || ahead < self.budget) {
                 ahead += self.padded[self.order[self.next]];
-                self.launch_one(comm, own);
+                self.launch_one(comm, own)?;
             }
         }
-        work.wait()
+        Ok(work.wait()?)
     }
 
-    fn launch_one(&mut self, comm: &dyn Communicator, own: &dyn Fn(usize) -> Vec<f32>) {
+    fn launch_one(
+        &mut self,
+        comm: &dyn Communicator,
+        own: &mut OwnSlice<'_>,
+    ) -> Result<(), EngineError> {
         let g = self.order[self.next];
         self.next += 1;
-        let work = comm.all_gather_async(own(g), self.padded[g]);
+        let work = comm.all_gather_async(own(g)?, self.padded[g]);
         self.pending.push_back((g, work));
+        Ok(())
     }
 
     /// Whether every planned gather has been fetched.

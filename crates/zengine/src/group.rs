@@ -72,11 +72,7 @@ impl Group {
 
     /// The flat range this rank updates: everything at stage 0, else its slice.
     pub(crate) fn updated_region(&self, rank: usize, stage: ZeroStage) -> Range<usize> {
-        if stage.partitions_optimizer() {
-            self.layout.slice(rank)
-        } else {
-            0..self.layout.padded
-        }
+        updated_region(&self.layout, rank, stage)
     }
 
     /// The gradient elements of the rank's own slice, as indices into `grads`
@@ -147,20 +143,31 @@ impl Group {
     /// AdamW over `range` (flat indices inside the region this rank updates),
     /// in the group's precision: reads the gradient and moments, writes the
     /// parameters (the master and the 16-bit working copy under mixed precision).
+    /// Buffers in `swapped` (NVMe offload) stand in for the group's own and
+    /// start at `range.start`.
     pub(crate) fn adam(
         &mut self,
         range: Range<usize>,
         rank: usize,
         stage: ZeroStage,
         hp: &AdamStep,
+        swapped: Swapped<'_>,
     ) {
         let own = self.layout.slice(rank);
         // Where flat index 0 of each buffer sits: a buffer of the own slice
-        // starts at the slice.
+        // starts at the slice, a swapped piece at the range.
         let at = |sliced: bool| if sliced { own.start } else { 0 };
-        let p_off = at(self.partitioned);
+        let p_off = if swapped.params.is_some() {
+            range.start
+        } else {
+            at(self.partitioned)
+        };
         let g_off = at(stage.partitions_gradients());
-        let m_off = at(stage.partitions_optimizer());
+        let m_off = if swapped.exp_avg.is_some() {
+            range.start
+        } else {
+            at(stage.partitions_optimizer())
+        };
         let Group {
             layout,
             params,
@@ -170,33 +177,69 @@ impl Group {
             exp_avg_sq,
             ..
         } = self;
+        let m_all: &mut [f32] = swapped.exp_avg.unwrap_or(exp_avg);
+        let v_all: &mut [f32] = swapped.exp_avg_sq.unwrap_or(exp_avg_sq);
+        let mut master_all: Option<&mut [f32]> = swapped.master.or(master.as_deref_mut());
+        let mut p_all = match (swapped.params, params) {
+            (Some(bytes), Flat::F32(_)) => ParamsMut::F32(bytemuck::cast_slice_mut(bytes)),
+            (Some(bytes), Flat::Half(h, _)) => ParamsMut::Half(*h, bytemuck::cast_slice_mut(bytes)),
+            (None, Flat::F32(p)) => ParamsMut::F32(p),
+            (None, Flat::Half(h, w)) => ParamsMut::Half(*h, w),
+        };
         for (r, decay) in layout.decay_runs(range) {
             let shift = |off: usize| r.start - off..r.end - off;
             let g = match &*grads {
                 Flat::F32(v) => Grads::F32(&v[shift(g_off)]),
                 Flat::Half(h, v) => Grads::Half(*h, &v[shift(g_off)]),
             };
-            let (m, v) = (&mut exp_avg[shift(m_off)], &mut exp_avg_sq[shift(m_off)]);
-            let buffers = match (master.as_mut(), &mut *params) {
-                (Some(master), Flat::Half(h, w)) => Buffers {
+            let (m, v) = (&mut m_all[shift(m_off)], &mut v_all[shift(m_off)]);
+            let buffers = match (master_all.as_deref_mut(), &mut p_all) {
+                (Some(master), ParamsMut::Half(h, w)) => Buffers {
                     p: &mut master[shift(m_off)],
                     g,
                     m,
                     v,
                     working: Some((*h, &mut w[shift(p_off)])),
                 },
-                (_, Flat::F32(p)) => Buffers {
+                (_, ParamsMut::F32(p)) => Buffers {
                     p: &mut p[shift(p_off)],
                     g,
                     m,
                     v,
                     working: None,
                 },
-                (None, Flat::Half(..)) => {
+                (None, ParamsMut::Half(..)) => {
                     unreachable!("16-bit parameters always have a master copy")
                 }
             };
             adamw(buffers, decay, hp);
         }
+    }
+}
+
+/// Working parameters being updated, wherever they are held.
+enum ParamsMut<'a> {
+    F32(&'a mut [f32]),
+    Half(Half, &'a mut [u16]),
+}
+
+/// Buffers of one range read from swap files, each starting at the range's
+/// first element; `None` where the group's own buffer is used.
+#[derive(Default)]
+pub(crate) struct Swapped<'a> {
+    pub(crate) exp_avg: Option<&'a mut [f32]>,
+    pub(crate) exp_avg_sq: Option<&'a mut [f32]>,
+    pub(crate) master: Option<&'a mut [f32]>,
+    /// The working parameters' bytes (f32 or 16-bit).
+    pub(crate) params: Option<&'a mut [u8]>,
+}
+
+/// The region of the group laid out as `layout` that `rank` updates at
+/// `stage`: everything at stage 0, else its slice.
+pub(crate) fn updated_region(layout: &GroupLayout, rank: usize, stage: ZeroStage) -> Range<usize> {
+    if stage.partitions_optimizer() {
+        layout.slice(rank)
+    } else {
+        0..layout.padded
     }
 }

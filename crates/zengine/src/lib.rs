@@ -11,6 +11,8 @@
 //! - `reduce`: gradient buckets reduced while backward continues.
 //! - `step`: the optimizer step as named phases (norm, loss scale, clipping,
 //!   AdamW per sub-group, sharing the updated slices).
+//! - `offload`: NVMe offload (ZeRO-Infinity): optimizer state and stage-3
+//!   parameter slices in swap files, stashed group by group, read ahead.
 //! - [`gather`]: stage 3's parameter all-gathers, in planned order, with prefetch.
 //! - [`accounting`]: memory by category and bytes sent per step.
 //! - [`error`]: why the engine failed.
@@ -35,6 +37,7 @@ pub mod flat;
 pub mod gather;
 mod group;
 mod micro_batch;
+mod offload;
 pub mod precision;
 mod reduce;
 pub mod schedule;
@@ -45,3 +48,4 @@ pub use accounting::{MemoryUse, StepStats};
 pub use engine::Engine;
 pub use error::EngineError;
 pub use flat::{Bucket, GroupLayout};
+pub use zswap::IoStats;

@@ -76,6 +76,7 @@ impl Engine {
         }
         if self.micro == 0 {
             self.counters_at_start = Some(self.comm.counters());
+            self.io_at_start = self.offload.as_ref().map(|o| o.stats());
         }
         let shape = (batch.rows, batch.seq_len);
         Ok(MicroBatch {

@@ -119,6 +119,22 @@ impl Flat {
         }
     }
 
+    /// The working type: `None` for f32.
+    pub fn kind(&self) -> Option<Half> {
+        match self {
+            Flat::F32(_) => None,
+            Flat::Half(h, _) => Some(*h),
+        }
+    }
+
+    /// The elements' bytes, as they lie in memory (and in a swap file).
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Flat::F32(v) => bytemuck::cast_slice(v),
+            Flat::Half(_, v) => bytemuck::cast_slice(v),
+        }
+    }
+
     /// `values`, rounded to the working type.
     pub fn from_f32(kind: Option<Half>, values: &[f32]) -> Flat {
         match kind {

@@ -9,6 +9,7 @@ use zckpt::{Checkpoint, GroupEntry, LossScaleState, ParamEntry};
 
 use crate::engine::Engine;
 use crate::error::EngineError;
+use crate::offload::OptimizerState;
 
 impl Engine {
     /// The layout of every group, for the manifest.
@@ -34,12 +35,13 @@ impl Engine {
     }
 
     /// This rank's slices of every group's f32 params (the master copy under
-    /// mixed precision), exp_avg and exp_avg_sq, as a checkpoint shard stores them.
-    pub fn own_slices(&self) -> Vec<[Vec<f32>; 3]> {
+    /// mixed precision), exp_avg and exp_avg_sq, as a checkpoint shard stores
+    /// them (read from swap where offloaded).
+    pub fn own_slices(&self) -> Result<Vec<[Vec<f32>; 3]>, EngineError> {
         let rank = self.comm.rank();
-        self.groups
-            .iter()
-            .map(|g| {
+        (0..self.groups.len())
+            .map(|gi| {
+                let g = &self.groups[gi];
                 let own = g.layout.slice(rank);
                 let own_of = |region: Vec<f32>| {
                     if region.len() == g.layout.padded {
@@ -48,10 +50,52 @@ impl Engine {
                         region
                     }
                 };
-                let p = own_of(g.updated_params(rank, self.stage));
-                [p, own_of(g.exp_avg.clone()), own_of(g.exp_avg_sq.clone())]
+                let [p, m, v] = self.updated_state(gi)?;
+                Ok([own_of(p), own_of(m), own_of(v)])
             })
             .collect()
+    }
+
+    /// The f32 parameters of the region this rank updates in group `gi` (the
+    /// master copy under mixed precision), from memory or swap.
+    pub(crate) fn updated_params(&self, gi: usize) -> Result<Vec<f32>, EngineError> {
+        let (rank, stage) = (self.comm.rank(), self.stage);
+        let g = &self.groups[gi];
+        let Some(o) = &self.offload else {
+            return Ok(g.updated_params(rank, stage));
+        };
+        if self.half.is_some() {
+            if let Some(OptimizerState {
+                master: Some(master),
+                ..
+            }) = o.read_optimizer(gi)?
+            {
+                return Ok(master);
+            }
+        } else if let Some((h, words)) = o.read_params(gi) {
+            return Ok(h.wait()?.f32s()[..words].to_vec());
+        }
+        Ok(g.updated_params(rank, stage))
+    }
+
+    /// Group `gi`'s updated region: [f32 parameters, exp_avg, exp_avg_sq].
+    fn updated_state(&self, gi: usize) -> Result<[Vec<f32>; 3], EngineError> {
+        let g = &self.groups[gi];
+        let moments = match self.offload.as_ref().map(|o| o.read_optimizer(gi)) {
+            Some(read) => read?.map(|s| (s.exp_avg, s.exp_avg_sq)),
+            None => None,
+        };
+        let (m, v) = moments.unwrap_or_else(|| (g.exp_avg.clone(), g.exp_avg_sq.clone()));
+        Ok([self.updated_params(gi)?, m, v])
+    }
+
+    /// Moves group `gi`'s offloaded state from memory to its swap files after
+    /// it was installed.
+    fn stash(&mut self, gi: usize) -> Result<(), EngineError> {
+        if let Some(o) = &self.offload {
+            o.stash(gi, &mut self.groups[gi], false)?;
+        }
+        Ok(())
     }
 
     /// Loads a checkpoint written by any number of ranks at any stage and dtype
@@ -85,6 +129,7 @@ impl Engine {
             let g = &mut self.groups[gi];
             g.install(&params, rank, stage, half);
             g.install_moments(m, v, rank, stage);
+            self.stash(gi)?;
         }
         let state = ckpt.manifest.loss_scale.as_ref();
         self.step = ckpt.manifest.step;
@@ -116,7 +161,8 @@ impl Engine {
         let rank = self.comm.rank();
         let (stage, half) = (self.stage, self.half);
         let mut used = 0;
-        for g in &mut self.groups {
+        for gi in 0..self.groups.len() {
+            let g = &mut self.groups[gi];
             let mut full = vec![0f32; g.layout.padded];
             for slot in &g.layout.params {
                 let (shape, values) =
@@ -137,6 +183,7 @@ impl Engine {
                 used += 1;
             }
             g.install(&full, rank, stage, half);
+            self.stash(gi)?;
         }
         if used != weights.len() {
             return Err(EngineError::InitWeights {

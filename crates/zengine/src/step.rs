@@ -8,13 +8,15 @@
 //! several blocks. AdamW is element-wise, so the split changes no bit; it is
 //! the unit that NVMe offload swaps in and out.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 
 use crate::accounting::{peak_rss_bytes, MemoryUse, StepStats, Transient};
 use crate::adam::AdamStep;
 use crate::engine::Engine;
 use crate::error::EngineError;
-use crate::group::Group;
+use crate::group::{Group, Swapped};
+use crate::offload::ALIGN_ELEMS;
 use crate::precision::Flat;
 use crate::schedule::lr_at;
 
@@ -32,9 +34,11 @@ pub(crate) struct SubGroup {
 }
 
 /// Splits the per-group `regions` (in group order) into consecutive sub-groups
-/// of at most `max` elements (at least 1).
-pub(crate) fn plan_sub_groups(regions: &[Range<usize>], max: usize) -> Vec<SubGroup> {
-    let max = max.max(1);
+/// of at most `max` elements (at least `align`), each piece starting a multiple
+/// of `align` elements into its region.
+pub(crate) fn plan_sub_groups(regions: &[Range<usize>], max: usize, align: usize) -> Vec<SubGroup> {
+    let align = align.max(1);
+    let max = (max / align).max(1) * align;
     let mut out = Vec::new();
     let mut cur = SubGroup { pieces: Vec::new() };
     let mut room = max;
@@ -45,6 +49,9 @@ pub(crate) fn plan_sub_groups(regions: &[Range<usize>], max: usize) -> Vec<SubGr
             cur.pieces.push((g, at..end));
             room -= end - at;
             at = end;
+            // A piece that ended its region leaves room that the next region's
+            // first piece may use, in whole `align` units.
+            room -= room % align;
             if room == 0 {
                 out.push(std::mem::replace(&mut cur, SubGroup { pieces: Vec::new() }));
                 room = max;
@@ -87,8 +94,13 @@ impl Engine {
                 step: self.updates,
                 grad_scale,
             };
-            for sub in self.sub_groups() {
-                self.optimizer_step(&sub, &hp);
+            let subs = self.sub_groups();
+            if self.offload.is_some() {
+                self.swapped_optimizer_steps(&subs, &hp)?;
+            } else {
+                for sub in &subs {
+                    self.optimizer_step(sub, &hp);
+                }
             }
             self.share_updated_params()?;
         }
@@ -191,15 +203,83 @@ impl Engine {
             .iter()
             .map(|g| g.updated_region(rank, self.stage))
             .collect();
-        plan_sub_groups(&regions, self.spec.zero.sub_group_size.0 as usize)
+        // Swapped pieces start on whole disk blocks (see `offload`).
+        let align = if self.offload.is_some() {
+            ALIGN_ELEMS
+        } else {
+            1
+        };
+        plan_sub_groups(&regions, self.spec.zero.sub_group_size.0 as usize, align)
     }
 
     /// AdamW on one sub-group.
     fn optimizer_step(&mut self, sub: &SubGroup, hp: &AdamStep) {
         let (rank, stage) = (self.comm.rank(), self.stage);
         for (g, range) in &sub.pieces {
-            self.groups[*g].adam(range.clone(), rank, stage, hp);
+            self.groups[*g].adam(range.clone(), rank, stage, hp, Swapped::default());
         }
+    }
+
+    /// AdamW on every sub-group with state in swap files, pipelined: while
+    /// sub-group k is updated, the reads of the next ones and the writes of
+    /// the previous ones are in flight, at most `buffer_count` sub-groups'
+    /// buffers in all (at least 3: read ahead, update, write back).
+    fn swapped_optimizer_steps(
+        &mut self,
+        subs: &[SubGroup],
+        hp: &AdamStep,
+    ) -> Result<(), EngineError> {
+        let (rank, stage) = (self.comm.rank(), self.stage);
+        let Engine {
+            offload,
+            groups,
+            swap_buffers,
+            ..
+        } = self;
+        let Some(off) = offload.as_ref() else {
+            return Ok(());
+        };
+        let sets = off.optimizer.as_ref().map_or(3, |o| o.buffer_count).max(3);
+        let set_bytes =
+            |sub: &SubGroup| -> u64 { sub.pieces.iter().map(|(_, r)| r.len() as u64 * 16).sum() };
+        let mut reads = VecDeque::new();
+        let mut writes: VecDeque<(u64, Vec<zswap::IoHandle>)> = VecDeque::new();
+        let mut next = 0;
+        for sub in subs {
+            // Read ahead as far as the buffer sets allow.
+            while next < subs.len() && reads.len() + writes.len() < sets {
+                swap_buffers.add(set_bytes(&subs[next]));
+                reads.push_back(off.read_pieces(&subs[next].pieces));
+                next += 1;
+            }
+            if reads.is_empty() {
+                let (bytes, oldest) = writes.pop_front().expect("a set is in flight");
+                oldest.into_iter().try_for_each(|w| w.wait().map(drop))?;
+                swap_buffers.sub(bytes);
+                swap_buffers.add(set_bytes(&subs[next]));
+                reads.push_back(off.read_pieces(&subs[next].pieces));
+                next += 1;
+            }
+            let pieces = reads.pop_front().expect("read above");
+            let mut handles = Vec::new();
+            for piece in pieces {
+                let mut b = piece.wait()?;
+                let swapped = Swapped {
+                    exp_avg: b.exp_avg.as_mut().map(|x| x.f32s_mut()),
+                    exp_avg_sq: b.exp_avg_sq.as_mut().map(|x| x.f32s_mut()),
+                    master: b.master.as_mut().map(|x| x.f32s_mut()),
+                    params: b.params.as_mut().map(|x| x.bytes_mut()),
+                };
+                groups[b.group].adam(b.range.clone(), rank, stage, hp, swapped);
+                handles.extend(off.write_piece(b));
+            }
+            writes.push_back((set_bytes(sub), handles));
+        }
+        for (bytes, set) in writes {
+            set.into_iter().try_for_each(|w| w.wait().map(drop))?;
+            swap_buffers.sub(bytes);
+        }
+        Ok(())
     }
 
     /// Shares the updated slices where ranks hold whole parameters but update
@@ -243,8 +323,14 @@ impl Engine {
             optimizer: bytes(&|g| ((g.exp_avg.len() + g.exp_avg_sq.len()) * 4) as u64),
             activations: self.peak_activations,
             comm_buffers: self.comm_buffers.peak,
+            offload_buffers: self.swap_buffers.peak,
+            nvme: self.offload.as_ref().map_or(0, |o| o.nvme_bytes),
             peak_rss: peak_rss_bytes(),
         };
+        let io = self.offload.as_ref().map(|o| {
+            let now = o.stats();
+            now.since(&self.io_at_start.take().unwrap_or(now))
+        });
         let stats = StepStats {
             step,
             loss: self.loss_sum / self.spec.train.grad_accum as f64,
@@ -255,12 +341,14 @@ impl Engine {
             tokens: self.tokens,
             mem,
             comm,
+            io,
         };
         self.step = step;
         self.micro = 0;
         self.loss_sum = 0.0;
         self.tokens = 0;
         self.comm_buffers = Transient::default();
+        self.swap_buffers = Transient::default();
         self.peak_activations = 0;
         stats
     }
@@ -274,7 +362,7 @@ mod tests {
     fn sub_groups_cover_every_region_once_in_order() {
         let regions = [0..10, 4..4, 3..8, 0..7];
         for max in [1, 3, 5, 7, 100] {
-            let subs = plan_sub_groups(&regions, max);
+            let subs = plan_sub_groups(&regions, max, 1);
             let mut flat = Vec::new();
             for s in &subs {
                 let len: usize = s.pieces.iter().map(|(_, r)| r.len()).sum();
@@ -291,6 +379,34 @@ mod tests {
             assert_eq!(flat, want, "max {max}");
             assert_eq!(subs.len(), want.len().div_ceil(max), "max {max}");
         }
-        assert_eq!(plan_sub_groups(&regions, usize::MAX).len(), 1);
+        assert_eq!(plan_sub_groups(&regions, usize::MAX, 1).len(), 1);
+    }
+
+    #[test]
+    fn aligned_sub_groups_start_pieces_on_whole_units() {
+        let regions = [100..1100, 0..0, 50..3000, 0..4096];
+        for (max, align) in [(1000, 64), (64, 64), (100, 64), (5000, 2048), (1, 8)] {
+            let subs = plan_sub_groups(&regions, max, align);
+            let mut covered = vec![Vec::new(); regions.len()];
+            for s in &subs {
+                let len: usize = s.pieces.iter().map(|(_, r)| r.len()).sum();
+                assert!(len <= max.max(align), "max {max}: {len}");
+                for (g, r) in &s.pieces {
+                    assert_eq!(
+                        (r.start - regions[*g].start) % align,
+                        0,
+                        "{max}/{align}: {r:?}"
+                    );
+                    assert!(
+                        r.end == regions[*g].end || (r.end - regions[*g].start) % align == 0,
+                        "{max}/{align}: {r:?} ends inside a unit"
+                    );
+                    covered[*g].extend(r.clone());
+                }
+            }
+            for (g, r) in regions.iter().enumerate() {
+                assert_eq!(covered[g], r.clone().collect::<Vec<_>>(), "{max}/{align}");
+            }
+        }
     }
 }

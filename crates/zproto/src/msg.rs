@@ -204,6 +204,9 @@ pub struct MemBytes {
     pub offload_buffers: u64,
     /// Peak resident set size of the process.
     pub peak_rss: u64,
+    /// NVMe offload: bytes of the rank's swap files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvme: Option<u64>,
 }
 
 impl MemBytes {
@@ -218,7 +221,31 @@ impl MemBytes {
             comm_buffers: self.comm_buffers.max(o.comm_buffers),
             offload_buffers: self.offload_buffers.max(o.offload_buffers),
             peak_rss: self.peak_rss.max(o.peak_rss),
+            nvme: self.nvme.max(o.nvme),
         }
+    }
+}
+
+/// One rank's swap I/O during one step (NVMe offload).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct IoReport {
+    /// Bytes read from swap files.
+    pub read_bytes: u64,
+    /// Bytes written to swap files.
+    pub write_bytes: u64,
+    /// Seconds the step waited for swap I/O.
+    pub wait_s: f64,
+    /// Seconds at least one swap transfer was in flight.
+    pub busy_s: f64,
+}
+
+impl IoReport {
+    /// The share of I/O time the step did not wait for: `1 - wait / busy`.
+    pub fn hidden(&self) -> f64 {
+        if self.busy_s <= 0.0 {
+            return 1.0;
+        }
+        (1.0 - self.wait_s / self.busy_s).clamp(0.0, 1.0)
     }
 }
 
@@ -294,4 +321,7 @@ pub struct StepReport {
     pub comm: CommBytes,
     /// f16 loss scale.
     pub loss_scale: Option<f64>,
+    /// NVMe offload: the step's swap I/O.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub io: Option<IoReport>,
 }

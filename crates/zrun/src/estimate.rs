@@ -6,7 +6,8 @@ use std::process::ExitCode;
 use anyhow::Result;
 use serde::Serialize;
 use zconfig::estimate::{
-    gpt_activation_bytes, gpt_largest_group, gpt_params, model_state_rows, Row, StateBytes,
+    gpt_activation_bytes, gpt_largest_group, gpt_params, model_state_rows, worker_states, Row,
+    StateBytes, WorkerStates,
 };
 use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
 
@@ -30,6 +31,12 @@ struct Estimate {
     rows: Vec<Row>,
     #[serde(skip_serializing_if = "Option::is_none")]
     activations: Option<Activations>,
+    /// A job's stage.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stage: Option<u8>,
+    /// A job's model states per CPU worker with its offload settings.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    this_job: Option<WorkerStates>,
 }
 
 /// `zrun estimate`.
@@ -77,6 +84,8 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                 workers_per_node: wpn,
                 rows: model_state_rows(psi, nodes, wpn, StateBytes::for_dtype(Dtype::Bf16), 0.0),
                 activations: None,
+                stage: None,
+                this_job: None,
             }
         }
         _ => {
@@ -122,6 +131,14 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
             gb(a.bytes_per_worker_checkpointed)
         );
     }
+    if let Some(w) = &est.this_job {
+        say!(
+            "this job on CPU workers (stage {}, its offload settings): {} of model states in memory and {} in swap files per worker",
+            est.stage.unwrap_or_default(),
+            gb(w.memory),
+            gb(w.nvme)
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -150,6 +167,8 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
             bytes_per_worker: act,
             bytes_per_worker_checkpointed: act_ckpt,
         }),
+        stage: Some(spec.zero.stage.number()),
+        this_job: Some(worker_states(spec, nodes * wpn)),
     }
 }
 
@@ -158,11 +177,7 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
 pub fn per_worker_bytes(spec: &JobSpec, topo: &Topology) -> f64 {
     let wpn = topo.nodes.iter().map(|n| n.slots.len()).max().unwrap_or(1);
     let est = job_estimate(spec, topo.nodes.len(), wpn);
-    let states = est
-        .rows
-        .iter()
-        .find(|r| r.stage == spec.zero.stage && r.offload == "none")
-        .map_or(0.0, |r| r.bytes_per_device);
+    let states = worker_states(spec, topo.world_size()).memory;
     let a = est.activations.expect("a job estimate has activations");
     states
         + if spec.train.activation_checkpointing {

@@ -24,6 +24,8 @@
 //! - [`bench`](mod@bench): `zrun bench comm` and `bench kernels`.
 //! - [`sweep`]: `zrun bench JOB.yaml --sweep`: throughput sweeps, table, CSV, JSON, SVG.
 //! - [`estimate`]: `zrun estimate`, and the memory warning before a launch.
+//! - [`swap_check`]: NVMe offload's checks before a launch (the swap path, free
+//!   space), and removing a finished job's swap files.
 //!
 //! zrun links no model and no transport: everything that computes runs inside
 //! `zworker`, so zrun builds fast and is safe to run on a login node.
@@ -62,6 +64,7 @@ pub mod server;
 pub mod sink;
 pub mod ssh;
 pub mod supervise;
+pub mod swap_check;
 pub mod sweep;
 pub mod train;
 pub mod worker;

@@ -39,6 +39,24 @@ pub struct StepLine {
     pub loss_scale: Option<f64>,
     /// Global gradient norm (null on a step f16 skipped for overflow).
     pub grad_norm: Option<f64>,
+    /// NVMe offload: swap I/O, the maximum over ranks (`hidden`: the least).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub io: Option<IoLine>,
+}
+
+/// A step's swap I/O in `metrics.jsonl`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct IoLine {
+    /// Bytes read by the rank that read most.
+    pub read_bytes: u64,
+    /// Bytes written by the rank that wrote most.
+    pub write_bytes: u64,
+    /// Longest wait for I/O of any rank, seconds.
+    pub wait_s: f64,
+    /// Longest busy time of any rank's I/O, seconds.
+    pub busy_s: f64,
+    /// The smallest share of its I/O time that a rank did not wait for.
+    pub hidden: f64,
 }
 
 /// The last line of a finished run.
@@ -52,6 +70,11 @@ pub struct DoneLine {
     pub final_loss: f64,
     /// Wall time of the whole run.
     pub wall_s: f64,
+    /// The largest peak resident set (VmHWM) of any worker.
+    pub peak_rss_bytes: u64,
+    /// NVMe offload: the largest swap footprint of any worker.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvme_bytes: Option<u64>,
 }
 
 /// Collects reports until a step is complete.
@@ -105,7 +128,19 @@ fn combine(rs: &[StepReport]) -> StepLine {
         comm_bytes: rs.iter().fold(CommBytes::default(), |m, r| m.max(r.comm)),
         loss_scale: rs[0].loss_scale,
         grad_norm: rs[0].grad_norm,
+        io: combine_io(rs),
     }
+}
+
+fn combine_io(rs: &[StepReport]) -> Option<IoLine> {
+    let ios: Vec<_> = rs.iter().filter_map(|r| r.io).collect();
+    (!ios.is_empty()).then(|| IoLine {
+        read_bytes: ios.iter().map(|i| i.read_bytes).max().unwrap_or(0),
+        write_bytes: ios.iter().map(|i| i.write_bytes).max().unwrap_or(0),
+        wait_s: ios.iter().map(|i| i.wait_s).fold(0.0, f64::max),
+        busy_s: ios.iter().map(|i| i.busy_s).fold(0.0, f64::max),
+        hidden: ios.iter().map(|i| i.hidden()).fold(1.0, f64::min),
+    })
 }
 
 #[cfg(test)]
@@ -129,7 +164,33 @@ mod tests {
             },
             comm: CommBytes::default(),
             loss_scale: None,
+            io: None,
         }
+    }
+
+    #[test]
+    fn io_takes_the_worst_rank_and_is_absent_without_offload() {
+        let mut a = Aggregator::new(2);
+        a.add(0, report(1, 1.0, 1.0, 1));
+        let plain = a.add(1, report(1, 1.0, 1.0, 1)).unwrap();
+        assert!(plain.io.is_none());
+        let json = serde_json::to_value(&plain).unwrap();
+        assert!(json.get("io").is_none() && json["mem_bytes"].get("nvme").is_none());
+        let with = |read, wait_s, busy_s| StepReport {
+            io: Some(zproto::IoReport {
+                read_bytes: read,
+                write_bytes: 2 * read,
+                wait_s,
+                busy_s,
+            }),
+            ..report(2, 1.0, 1.0, 1)
+        };
+        a.add(0, with(10, 0.5, 1.0));
+        let line = a.add(1, with(30, 0.1, 2.0)).unwrap();
+        let io = line.io.unwrap();
+        assert_eq!((io.read_bytes, io.write_bytes), (30, 60));
+        assert_eq!((io.wait_s, io.busy_s), (0.5, 2.0));
+        assert_eq!(io.hidden, 0.5, "rank 0 hid only half of its I/O");
     }
 
     #[test]

@@ -38,8 +38,8 @@ pub enum Event {
     Message {
         /// Rank.
         rank: usize,
-        /// The message.
-        msg: ToServer,
+        /// The message (boxed: step reports are large, events many).
+        msg: Box<ToServer>,
     },
     /// A rank's control connection ended.
     Lost {
@@ -286,7 +286,10 @@ async fn serve(
                 });
             }
             Ok(msg) => {
-                let _ = events.send(Event::Message { rank, msg });
+                let _ = events.send(Event::Message {
+                    rank,
+                    msg: Box::new(msg),
+                });
             }
             Err(e) => break e.to_string(),
         }

@@ -3,13 +3,14 @@
 //! what is done with it.
 
 use anyhow::Result;
-use zproto::{BenchRow, KernelRow, StepReport};
+use zproto::{BenchRow, KernelRow, MemBytes, StepReport};
 
 use crate::metrics::Aggregator;
 use crate::progress::Progress;
 use crate::rundir::MetricsWriter;
 
 /// Where reports go.
+#[allow(clippy::large_enum_variant)] // one per job: its size does not matter
 pub enum Sink {
     /// Training: metrics and progress.
     Train {
@@ -21,6 +22,8 @@ pub enum Sink {
         progress: Progress,
         /// Loss of the newest complete step.
         last_loss: f64,
+        /// Memory maxima over the steps so far.
+        peak: MemBytes,
         /// Steps expected.
         steps: u64,
     },
@@ -45,12 +48,14 @@ impl Sink {
             writer,
             progress,
             last_loss,
+            peak,
             ..
         } = self
         {
             if let Some(line) = agg.add(rank, report) {
                 writer.write(&line)?;
                 *last_loss = line.loss;
+                *peak = peak.max(line.mem_bytes);
                 progress.step(&line);
             }
         }

@@ -125,6 +125,16 @@ pub fn run_job(
                 n,
             )));
         }
+        // Swap files of local workers that could not remove their own (killed,
+        // crashed): workers are gone now, and a rank still locked is left alone.
+        if plan.ssh.is_none() && !plan.slurm {
+            let z = &plan.spec.zero;
+            for t in [&z.offload_optimizer, &z.offload_param] {
+                if let (true, Some(path)) = (t.is_nvme(), &t.nvme_path) {
+                    zswap::remove_job(std::path::Path::new(path), &env.job_id);
+                }
+            }
+        }
         let outcome = outcome?;
         Ok((outcome, sup.sink))
     })
@@ -267,7 +277,7 @@ impl Supervisor {
             }
             Event::Message { rank, msg } => {
                 self.ranks[rank].last_seen = Instant::now();
-                match msg {
+                match *msg {
                     ToServer::Report(report) => self.sink.report(rank, report)?,
                     ToServer::KernelRows(rows) => self.sink.kernel_rows(rows),
                     ToServer::BenchRows(rows) => self.sink.bench_rows(rows),

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use zconfig::load_job;
-use zproto::{Task, TrainTask};
+use zproto::{MemBytes, Task, TrainTask};
 
 use crate::cli::TrainArgs;
 use crate::metrics::{Aggregator, DoneLine};
@@ -26,6 +26,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     job.validate(topo.world_size())?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
     check_memory(&plan)?;
+    crate::swap_check::check_offload(&plan)?;
     check_init_from(&plan.spec)?;
     let resume = resolve_resume(args.resume.as_deref(), &plan.spec)?;
     let steps = plan.spec.train.steps;
@@ -90,6 +91,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         writer,
         progress,
         last_loss: f64::NAN,
+        peak: MemBytes::default(),
         steps,
     };
     let task = Task::Train(Box::new(TrainTask {
@@ -104,6 +106,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         mut writer,
         progress,
         last_loss,
+        peak,
         steps,
         ..
     } = sink
@@ -119,8 +122,16 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                 steps,
                 final_loss: last_loss,
                 wall_s,
+                peak_rss_bytes: peak.peak_rss,
+                nvme_bytes: peak.nvme,
             })?;
-            say!("zrun: done: {steps} steps, final loss {last_loss:.4}, {wall_s:.1}s");
+            say!(
+                "zrun: done: {steps} steps, final loss {last_loss:.4}, {wall_s:.1}s, peak RSS {} MiB per worker{}",
+                peak.peak_rss >> 20,
+                peak.nvme
+                    .map(|b| format!(", {} MiB of swap files per worker", b >> 20))
+                    .unwrap_or_default()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Outcome::Failed { code, message } => {

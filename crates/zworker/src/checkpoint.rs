@@ -32,7 +32,7 @@ pub fn save(
     );
     let step = engine.steps_done();
     let dir = root.join(step_dir_name(step));
-    let slices = engine.own_slices();
+    let slices = engine.own_slices()?;
     let views: Vec<[&[f32]; 3]> = slices
         .iter()
         .map(|[p, m, v]| [p.as_slice(), m.as_slice(), v.as_slice()])

@@ -10,7 +10,7 @@ use zcomm::{Communicator, CounterSnapshot, Op};
 use zconfig::JobSpec;
 use zengine::{Engine, MemoryUse};
 use zmodel::{Batcher, Corpus};
-use zproto::{CommBytes, MemBytes, OpBytes, StepReport, ToServer};
+use zproto::{CommBytes, IoReport, MemBytes, OpBytes, StepReport, ToServer};
 
 use crate::checkpoint::save;
 use crate::control::ControlClient;
@@ -41,7 +41,7 @@ pub fn train(
         env.rank,
         t.seed,
     )?;
-    let mut engine = Engine::new(spec, comm.clone())?;
+    let mut engine = Engine::for_job(spec, comm.clone(), &env.job_id)?;
     if let Some(path) = &spec.model.init_from {
         engine.load_weights(&zckpt::read_weights(Path::new(path))?)?;
     }
@@ -88,6 +88,12 @@ pub fn train(
             mem: mem_bytes(&st.mem),
             comm: comm_bytes(&st.comm),
             loss_scale: st.loss_scale,
+            io: st.io.map(|io| IoReport {
+                read_bytes: io.read_bytes,
+                write_bytes: io.write_bytes,
+                wait_s: io.wait_s,
+                busy_s: io.busy_s,
+            }),
         }))?;
         if spec.checkpoint.dir.is_some() && every > 0 && st.step % every == 0 {
             save_now(&engine, &data)?;
@@ -110,8 +116,9 @@ fn mem_bytes(m: &MemoryUse) -> MemBytes {
         optimizer: m.optimizer,
         activations: m.activations,
         comm_buffers: m.comm_buffers,
-        offload_buffers: 0,
+        offload_buffers: m.offload_buffers,
         peak_rss: m.peak_rss,
+        nvme: (m.nvme > 0).then_some(m.nvme),
     }
 }
 

@@ -1,0 +1,124 @@
+//! Helpers shared by the engine's integration tests: small job specs, TCP
+//! communicators on loopback, and training every rank in its own thread.
+
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use zcomm::{Communicator, TcpCommunicator, TcpOptions};
+use zconfig::JobSpec;
+use zengine::Engine;
+use zmodel::{Batcher, Corpus};
+use zproto::Token;
+
+pub fn spec(accum: usize, bucket: u64, overlap: bool) -> JobSpec {
+    typed_spec("f32", 0, accum, bucket, overlap, false, 6)
+}
+
+pub fn typed_spec(
+    dtype: &str,
+    stage: u8,
+    accum: usize,
+    bucket: u64,
+    overlap: bool,
+    ckpt: bool,
+    steps: u64,
+) -> JobSpec {
+    let yaml = format!(
+        "model: {{vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, seq_len: 16}}\n\
+         data: {{format: synthetic}}\n\
+         train: {{steps: {steps}, micro_batch_size: 4, grad_accum: {accum}, lr: 3.0e-3, warmup_steps: 2, activation_checkpointing: {ckpt}, dtype: {dtype}}}\n\
+         zero: {{stage: {stage}, reduce_bucket_size: {bucket}, overlap_comm: {overlap}, prefetch_bucket_size: 3000, param_persistence_threshold: 100}}\n"
+    );
+    serde_saphyr::from_str(&yaml).unwrap()
+}
+
+pub fn comms(n: usize) -> Vec<Arc<dyn Communicator>> {
+    let token = Token::generate();
+    let ls: Vec<_> = (0..n)
+        .map(|_| TcpCommunicator::bind("127.0.0.1").unwrap())
+        .collect();
+    let addrs: Vec<_> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
+    let hs: Vec<_> = ls
+        .into_iter()
+        .enumerate()
+        .map(|(r, l)| {
+            let addrs = addrs.clone();
+            let o = TcpOptions {
+                token: token.clone(),
+                timeout: Duration::from_secs(30),
+                node_of_rank: vec![0; n],
+                group: "world".into(),
+                shm: None,
+            };
+            std::thread::spawn(move || {
+                Arc::new(TcpCommunicator::connect(r, l, &addrs, o).unwrap())
+                    as Arc<dyn Communicator>
+            })
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// What one rank saw of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Run {
+    pub losses: Vec<f64>,
+    /// Final f32 parameters (master weights under mixed precision).
+    pub params: Vec<Vec<f32>>,
+    /// Per step: the loss scale used and whether the step was skipped.
+    pub scales: Vec<(Option<f64>, bool)>,
+    /// Per step: every parameter after it (only when asked for).
+    pub history: Vec<Vec<Vec<f32>>>,
+}
+
+/// Trains on every rank in parallel; returns what each rank saw.
+pub fn train(spec: JobSpec, world: usize) -> Vec<Run> {
+    train_observed(spec, world, false)
+}
+
+pub fn train_observed(spec: JobSpec, world: usize, history: bool) -> Vec<Run> {
+    let hs: Vec<_> = comms(world)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let spec = spec.clone();
+            std::thread::spawn(move || {
+                let t = &spec.train;
+                let corpus = Corpus::synthetic(spec.model.vocab_size, t.seed);
+                let mut data = Batcher::new(
+                    corpus,
+                    spec.model.seq_len,
+                    t.micro_batch_size,
+                    t.grad_accum,
+                    world,
+                    rank,
+                    t.seed,
+                )
+                .unwrap();
+                let mut engine = Engine::new(&spec, comm).unwrap();
+                let mut run = Run {
+                    losses: Vec::new(),
+                    params: Vec::new(),
+                    scales: Vec::new(),
+                    history: Vec::new(),
+                };
+                for s in 0..t.steps {
+                    for a in 0..t.grad_accum {
+                        engine.forward_backward(&data.batch(s, a)).unwrap();
+                    }
+                    let st = engine.step().unwrap();
+                    run.losses.push(st.loss);
+                    run.scales.push((st.loss_scale, st.skipped));
+                    if history {
+                        run.history.push(engine.full_params().unwrap());
+                    }
+                }
+                run.params = engine.full_params().unwrap();
+                run
+            })
+        })
+        .collect();
+    hs.into_iter().map(|h| h.join().unwrap()).collect()
+}
