@@ -42,7 +42,7 @@ impl SwapDir {
     /// Creates and locks `root/<job_id>/rank-<rank>/`, first removing the
     /// directories that dead jobs left under `root`.
     pub fn create(root: &Path, job_id: &str, rank: usize) -> Result<SwapDir, SwapError> {
-        let removed = remove_stale(root);
+        let removed = remove_stale(root, job_id);
         if !removed.is_empty() {
             tracing::info!(
                 "removed {} swap director{} left by jobs that are gone",
@@ -57,22 +57,28 @@ impl SwapDir {
         }
         let job_dir = root.join(job_id);
         let path = job_dir.join(format!("rank-{rank}"));
-        std::fs::create_dir_all(&path).map_err(|e| dir_err(&path, e.to_string()))?;
-        let lock_path = path.join(LOCK);
-        let lock = File::create(&lock_path).map_err(|e| dir_err(&lock_path, e.to_string()))?;
-        if !try_lock(&lock) {
-            return Err(dir_err(&path, "is locked by another live process"));
+        // Built under a name the cleaner of another starting rank ignores, locked,
+        // and only then renamed into place: a `rank-N` directory is never seen
+        // unlocked while its worker lives. (A cleaner may still remove a
+        // half-built one whose lock it won the race for: then build again.)
+        let mut last = String::new();
+        for attempt in 0..5 {
+            let tmp = job_dir.join(format!(".rank-{rank}.{}.{attempt}", std::process::id()));
+            match build_locked(&tmp, &path) {
+                Ok(lock) => {
+                    return Ok(SwapDir {
+                        path,
+                        job_dir,
+                        _lock: lock,
+                    })
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                    last = e;
+                }
+            }
         }
-        // A cleaner may have taken the fresh lock and removed the directory
-        // between our create and flock: then start over once.
-        if !lock_path.exists() {
-            return SwapDir::create(root, job_id, rank);
-        }
-        Ok(SwapDir {
-            path,
-            job_dir,
-            _lock: lock,
-        })
+        Err(dir_err(&path, last))
     }
 
     /// The directory.
@@ -106,14 +112,37 @@ impl Drop for SwapDir {
     }
 }
 
-/// Removes the rank directories under `root/*/` whose lock nobody holds (their
-/// worker is gone), and job directories left empty. Returns what it removed.
-pub fn remove_stale(root: &Path) -> Vec<PathBuf> {
+/// Creates `tmp` with a held lock file inside and renames it to `path`.
+fn build_locked(tmp: &Path, path: &Path) -> Result<File, String> {
+    fn at<'a>(what: &'a str, p: &'a Path) -> impl Fn(std::io::Error) -> String + 'a {
+        move |e| format!("{what} {}: {e}", p.display())
+    }
+    std::fs::create_dir_all(tmp).map_err(at("cannot create", tmp))?;
+    let lock_path = tmp.join(LOCK);
+    let lock = File::create(&lock_path).map_err(at("cannot create", &lock_path))?;
+    if !try_lock(&lock) {
+        return Err(format!(
+            "{} is locked by another live process",
+            lock_path.display()
+        ));
+    }
+    std::fs::rename(tmp, path).map_err(at("cannot rename into place", tmp))?;
+    Ok(lock)
+}
+
+/// Removes the rank directories under `root/*/` whose lock nobody holds
+/// (their worker is gone), and job directories left empty, except job
+/// `keep`'s (the caller's own: its ranks start together and never clean each
+/// other up). Returns what it removed.
+pub fn remove_stale(root: &Path, keep: &str) -> Vec<PathBuf> {
     let mut removed = Vec::new();
     let Ok(jobs) = std::fs::read_dir(root) else {
         return removed;
     };
     for job in jobs.flatten() {
+        if job.file_name() == keep {
+            continue;
+        }
         let job_dir = job.path();
         let Ok(ranks) = std::fs::read_dir(&job_dir) else {
             continue;
@@ -123,7 +152,7 @@ pub fn remove_stale(root: &Path) -> Vec<PathBuf> {
             let is_rank = dir
                 .file_name()
                 .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("rank-"));
+                .is_some_and(|n| n.starts_with("rank-") || n.starts_with(".rank-"));
             let Ok(lock) = File::open(dir.join(LOCK)) else {
                 continue;
             };

@@ -1,0 +1,338 @@
+//! NVMe offload end to end: bad swap settings are exit 2 before launch, runs
+//! with state in swap files match runs in memory, checkpoints move between the
+//! two, and swap files are gone however a job ends (a killed worker, a full
+//! disk) while the user's files stay.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use e2e::{children_of, ckpt_job, losses_by_step, small_job, wait_until, TrainArgs};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+/// `--set`s that put the optimizer state (and at stage 3 the parameters) in `swap`.
+fn offload_sets(swap: &Path, params: bool) -> Vec<String> {
+    let p = swap.display();
+    let mut s = vec![
+        "zero.offload_optimizer.device=nvme".to_string(),
+        format!("zero.offload_optimizer.nvme_path={p}"),
+        "zero.sub_group_size=3000".to_string(),
+    ];
+    if params {
+        s.push("zero.offload_param.device=nvme".into());
+        s.push(format!("zero.offload_param.nvme_path={p}"));
+    }
+    s
+}
+
+fn with_sets(mut a: TrainArgs, sets: &[String]) -> TrainArgs {
+    for s in sets {
+        a = a.set(s.clone());
+    }
+    a
+}
+
+fn assert_empty(dir: &Path, when: &str) {
+    let left: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert!(left.is_empty(), "{when}: swap files left behind: {left:?}");
+}
+
+#[test]
+fn bad_swap_settings_are_refused_before_launch() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let job = small_job(dir, "bad", 2);
+    let file = dir.join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let missing = dir.join("missing");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "zero.stage=2".into(),
+                "zero.offload_param.device=nvme".into(),
+            ],
+            "zero.offload_param.device",
+        ),
+        (
+            vec![
+                "zero.stage=0".into(),
+                "zero.offload_optimizer.device=cpu".into(),
+            ],
+            "zero.offload_optimizer.device",
+        ),
+        (
+            vec![
+                "zero.stage=1".into(),
+                "zero.offload_optimizer.device=nvme".into(),
+            ],
+            "zero.offload_optimizer.nvme_path",
+        ),
+        (
+            vec![
+                "zero.stage=1".into(),
+                "zero.offload_optimizer.device=nvme".into(),
+                format!("zero.offload_optimizer.nvme_path={}", missing.display()),
+            ],
+            "does not exist",
+        ),
+        (
+            vec![
+                "zero.stage=3".into(),
+                "zero.offload_param.device=nvme".into(),
+                format!("zero.offload_param.nvme_path={}", file.display()),
+            ],
+            "is not a directory",
+        ),
+        (vec!["aio.block_size=1000".into()], "aio.block_size"),
+        (
+            vec![
+                "zero.stage=1".into(),
+                "zero.offload_optimizer.buffer_count=0".into(),
+            ],
+            "zero.offload_optimizer.buffer_count",
+        ),
+    ];
+    for (sets, want) in cases {
+        let f = with_sets(TrainArgs::new(&job, dir.join("m.jsonl")), &sets).run(dir);
+        assert_eq!(f.code(), 2, "{sets:?}: {f:?}");
+        assert!(
+            f.stderr.contains(want),
+            "{sets:?}: wanted `{want}` in {}",
+            f.stderr
+        );
+        assert!(!dir.join("m.jsonl").exists(), "{sets:?}: nothing may start");
+    }
+}
+
+/// Mounts a tmpfs of `size` at `at`; `None` (with the reason printed) where
+/// this process may not mount.
+fn tmpfs(at: &Path, options: &str) -> Option<Mounted> {
+    std::fs::create_dir_all(at).unwrap();
+    let out = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", options, "tmpfs"])
+        .arg(at)
+        .output();
+    match out {
+        Ok(o) if o.status.success() => Some(Mounted(at.to_path_buf())),
+        Ok(o) => {
+            println!(
+                "SKIPPED: cannot mount a tmpfs here ({})",
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+            None
+        }
+        Err(e) => {
+            println!("SKIPPED: cannot run mount ({e})");
+            None
+        }
+    }
+}
+
+struct Mounted(PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_swap_path_without_room_or_write_access_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let job = small_job(dir, "room", 2);
+    let Some(_small) = tmpfs(&dir.join("small"), "size=1m") else {
+        return;
+    };
+    let Some(_ro) = tmpfs(&dir.join("ro"), "ro,size=1m") else {
+        return;
+    };
+    let big = ["model.d_model=256", "model.n_layers=4", "zero.stage=1"];
+    for (path, want) in [("small", "GB free"), ("ro", "is not writable")] {
+        let mut a = TrainArgs::new(&job, dir.join("m.jsonl"));
+        for s in big {
+            a = a.set(s);
+        }
+        let f = with_sets(a, &offload_sets(&dir.join(path), false)).run(dir);
+        assert_eq!(f.code(), 2, "{path}: {f:?}");
+        assert!(
+            f.stderr.contains("zero.offload_optimizer.nvme_path") && f.stderr.contains(want),
+            "{path}: {}",
+            f.stderr
+        );
+    }
+}
+
+/// Offloaded runs (both I/O paths) train the same losses as in memory, and a
+/// checkpoint written by either resumes bit-identically in the other.
+#[test]
+fn checkpoints_move_between_offloaded_and_in_memory_runs() {
+    for (stage, dtype) in [("3", "bf16"), ("2", "f32")] {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        let swap = dir.join("swap");
+        std::fs::create_dir(&swap).unwrap();
+        let params = stage == "3";
+        let sets = offload_sets(&swap, params);
+        let base = [
+            format!("zero.stage={stage}"),
+            format!("train.dtype={dtype}"),
+            "zero.param_persistence_threshold=100".into(),
+        ];
+        let run = |name: &str, extra: &[String], resume: bool| {
+            let sub = dir.join(name);
+            std::fs::create_dir_all(&sub).unwrap();
+            let job = ckpt_job(&sub, name, 8, 4);
+            let metrics = sub.join(if resume { "resumed.jsonl" } else { "m.jsonl" });
+            let mut a = with_sets(TrainArgs::new(&job, &metrics), &base);
+            a = with_sets(a, extra);
+            if resume {
+                std::fs::remove_dir_all(sub.join("ckpt/step-00000008")).unwrap();
+                a = a.args(&["--resume", "auto"]);
+            }
+            let f = a.run(&sub);
+            assert_eq!(f.code(), 0, "{name}: {f:?}");
+            assert_empty(&swap, name);
+            losses_by_step(&metrics)
+        };
+        let memory = run("memory", &[], false);
+        let offloaded = run("offloaded", &sets, false);
+        assert_eq!(
+            offloaded, memory,
+            "stage {stage} {dtype}: offloaded vs memory"
+        );
+        let mut threads = sets.clone();
+        threads.push("env.ZRUN_AIO=threads".into());
+        let on_threads = run("threads", &threads, false);
+        assert_eq!(
+            on_threads, memory,
+            "stage {stage} {dtype}: the thread I/O path"
+        );
+        // The offloaded run's step-4 checkpoint, resumed in memory, and the
+        // in-memory run's, resumed offloaded.
+        assert_eq!(
+            run("offloaded", &[], true),
+            memory[4..],
+            "offloaded → memory"
+        );
+        assert_eq!(
+            run("memory", &sets, true),
+            memory[4..],
+            "memory → offloaded"
+        );
+    }
+}
+
+#[test]
+fn a_killed_worker_leaves_no_swap_files_and_a_loadable_checkpoint() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let swap = dir.join("swap");
+    std::fs::create_dir(&swap).unwrap();
+    let job = ckpt_job(dir, "killed", 100_000, 2);
+    let sets = offload_sets(&swap, true);
+    let z = with_sets(TrainArgs::new(&job, dir.join("m.jsonl")), &sets)
+        .set("zero.stage=3")
+        .start(dir);
+    let saved = || newest_checkpoint(&dir.join("ckpt"));
+    assert!(
+        wait_until(Duration::from_secs(60), || saved().is_some()),
+        "{}",
+        z.stdout_so_far()
+    );
+    assert!(
+        std::fs::read_dir(&swap).unwrap().count() > 0,
+        "the job swaps"
+    );
+    let workers = children_of(z.pid());
+    kill(Pid::from_raw(workers[1] as i32), Signal::SIGKILL).unwrap();
+    let f = z.wait(Duration::from_secs(30));
+    assert_eq!(f.code(), 1, "{f:?}");
+    assert_empty(&swap, "after a killed worker");
+    let step = saved().expect("a checkpoint");
+    let r = dir.join("r.jsonl");
+    let f = with_sets(TrainArgs::new(&job, &r), &sets)
+        .set("zero.stage=3")
+        .set(format!("train.steps={}", step + 2))
+        .args(&["--resume", "auto"])
+        .run(dir);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let steps: Vec<u64> = losses_by_step(&r).iter().map(|x| x.0).collect();
+    assert_eq!(steps, vec![step + 1, step + 2], "resumed from step {step}");
+    assert_empty(&swap, "after the resumed run");
+}
+
+/// The disk fills up under a running job (here: another file takes the last
+/// free bytes before the first step writes Adam's moments): the job fails with
+/// exit 1 naming the swap file, its swap files go, the other file stays.
+#[test]
+fn a_disk_full_during_a_step_fails_naming_the_swap_file() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let swap = dir.join("swap");
+    let Some(_m) = tmpfs(&swap, "size=64m") else {
+        return;
+    };
+    let job = small_job(dir, "full", 100_000);
+    let z = with_sets(
+        TrainArgs::new(&job, dir.join("m.jsonl")),
+        &offload_sets(&swap, false),
+    )
+    .set("zero.stage=1")
+    .set("model.d_model=128")
+    .set("train.grad_accum=16")
+    .start(dir);
+    // The swap files exist before the first step: fill what is left.
+    let moments = |r: u32| {
+        std::fs::read_dir(&swap)
+            .ok()
+            .and_then(|mut jobs| jobs.next())
+            .map(|j| j.unwrap().path().join(format!("rank-{r}/exp_avg_sq.swp")))
+    };
+    assert!(wait_until(Duration::from_secs(60), || moments(1)
+        .is_some_and(|p| p.exists())));
+    let filler = swap.join("someone-elses-data");
+    let free = zswap_free(&swap);
+    std::fs::write(&filler, vec![7u8; free as usize]).ok();
+    let f = z.wait(Duration::from_secs(60));
+    assert_eq!(f.code(), 1, "{f:?}");
+    assert!(
+        f.stderr.contains(".swp") && f.stderr.contains("No space left"),
+        "{}",
+        f.stderr
+    );
+    assert!(filler.exists(), "another file on the disk is never touched");
+    let left: Vec<_> = std::fs::read_dir(&swap)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| *p != filler)
+        .collect();
+    assert!(left.is_empty(), "swap files left: {left:?}");
+}
+
+/// The step of the newest complete checkpoint under `root`.
+fn newest_checkpoint(root: &Path) -> Option<u64> {
+    std::fs::read_dir(root)
+        .ok()?
+        .flatten()
+        .filter(|e| e.path().join("manifest.json").exists())
+        .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse().ok())
+        .max()
+}
+
+fn zswap_free(path: &Path) -> u64 {
+    let out = Command::new("df")
+        .args(["--output=avail", "-B1"])
+        .arg(path)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .nth(1)
+        .and_then(|l| l.trim().parse().ok())
+        .unwrap()
+}
