@@ -336,3 +336,179 @@ fn zswap_free(path: &Path) -> u64 {
         .and_then(|l| l.trim().parse().ok())
         .unwrap()
 }
+
+/// A memory cgroup (v1) capped at `limit` bytes, removed when dropped.
+struct MemoryCap(PathBuf);
+
+impl MemoryCap {
+    fn create_or_skip(limit: u64) -> Option<MemoryCap> {
+        let root = Path::new("/sys/fs/cgroup/memory");
+        if !root.join("memory.limit_in_bytes").exists() {
+            println!(
+                "SKIPPED: no cgroup v1 memory controller at {}",
+                root.display()
+            );
+            return None;
+        }
+        let group = root.join(format!("zrun-test-{}", std::process::id()));
+        let made = std::fs::create_dir(&group)
+            .and_then(|()| std::fs::write(group.join("memory.limit_in_bytes"), limit.to_string()));
+        if let Err(e) = made {
+            println!("SKIPPED: cannot make a memory cgroup here: {e}");
+            let _ = std::fs::remove_dir(&group);
+            return None;
+        }
+        Some(MemoryCap(group))
+    }
+
+    fn read(&self, file: &str) -> u64 {
+        std::fs::read_to_string(self.0.join(file))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
+}
+
+impl Drop for MemoryCap {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// ZeRO-Infinity's point: a worker whose model states are twice its memory
+/// limit trains with both offloads inside that limit, and its losses are
+/// bit-identical to the same job trained in memory without the cap. (Measured
+/// here: a 360 MB peak for 1 GB of states; the limit leaves room for noise.)
+#[test]
+fn a_job_with_states_beyond_its_memory_limit_trains_inside_it() {
+    const LIMIT: u64 = 480 << 20;
+    let Some(cap) = MemoryCap::create_or_skip(LIMIT) else {
+        return;
+    };
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let swap = dir.join("swap");
+    std::fs::create_dir(&swap).unwrap();
+    let job = small_job(dir, "big", 3);
+    // 63M parameters: 1 GB of bf16 + Adam states.
+    let shape = [
+        "model.vocab_size=256",
+        "model.d_model=512",
+        "model.n_layers=20",
+        "model.n_heads=8",
+        "model.seq_len=64",
+        "train.micro_batch_size=2",
+        "train.dtype=bf16",
+        "zero.stage=3",
+    ];
+    let args = |metrics: &str| {
+        let mut a = TrainArgs::new(&job, dir.join(metrics)).args(&["--workers-per-node", "1"]);
+        for s in shape {
+            a = a.set(s);
+        }
+        a
+    };
+    let f = args("memory.jsonl").run(dir);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let states = 16.0
+        * e2e::metrics(&dir.join("memory.jsonl"))[0]["params"]
+            .as_f64()
+            .unwrap();
+    assert!(states >= 2.0 * LIMIT as f64, "{states} bytes of states");
+
+    // Swap buffers, gathers and buckets of a few MB each.
+    let capped = with_sets(args("capped.jsonl"), &offload_sets(&swap, true))
+        .set("zero.sub_group_size=5e5")
+        .set("zero.prefetch_bucket_size=4e6")
+        .set("zero.reduce_bucket_size=4e6");
+    let line = capped
+        .as_strs()
+        .iter()
+        .map(|a| format!("'{a}'"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let script = format!(
+        "echo $$ > {}/cgroup.procs && exec {} {line}",
+        cap.0.display(),
+        e2e::bin("zrun").display()
+    );
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let peak = cap.read("memory.max_usage_in_bytes");
+    assert!(
+        out.status.success(),
+        "exit {:?} (an OOM kill is SIGKILL), peak {peak} of {LIMIT}: {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!(
+        "states {:.0} MB, cgroup peak {:.0} MB of a {:.0} MB limit",
+        states / 1e6,
+        peak as f64 / 1e6,
+        LIMIT as f64 / 1e6
+    );
+    assert!(peak <= LIMIT);
+    assert_eq!(
+        losses_by_step(&dir.join("capped.jsonl")),
+        losses_by_step(&dir.join("memory.jsonl")),
+        "capped and offloaded vs in memory"
+    );
+    assert_empty(&swap, "after the capped run");
+}
+
+/// With both offloads, a worker's peak resident memory follows its working
+/// set, not its model: 4x the layers (4x the states) grows peak RSS by far
+/// less (gradients stay in memory, 2 of the 16 bytes per parameter).
+#[test]
+fn peak_memory_grows_far_slower_than_the_model_with_both_offloads() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let swap = dir.join("swap");
+    std::fs::create_dir(&swap).unwrap();
+    let job = small_job(dir, "grow", 2);
+    let peak = |layers: u32| {
+        let metrics = dir.join(format!("{layers}.jsonl"));
+        let mut a = with_sets(TrainArgs::new(&job, &metrics), &offload_sets(&swap, true));
+        for s in [
+            "model.vocab_size=256",
+            "model.d_model=512",
+            "model.n_heads=8",
+            "model.seq_len=64",
+            "train.micro_batch_size=2",
+            "train.dtype=bf16",
+            "train.activation_checkpointing=true",
+            "zero.stage=3",
+            "zero.sub_group_size=5e5",
+            "zero.prefetch_bucket_size=4e6",
+            "zero.reduce_bucket_size=4e6",
+        ] {
+            a = a.set(s);
+        }
+        let f = a
+            .set(format!("model.n_layers={layers}"))
+            .args(&["--workers-per-node", "1"])
+            .run(dir);
+        assert_eq!(f.code(), 0, "{f:?}");
+        let last = e2e::metrics(&metrics).pop().unwrap();
+        let done = last["peak_rss_bytes"].as_f64().unwrap();
+        let nvme = last["nvme_bytes"].as_f64().unwrap();
+        (done, nvme)
+    };
+    let (small_rss, small_nvme) = peak(6);
+    let (big_rss, big_nvme) = peak(24);
+    let states = big_nvme / small_nvme;
+    let rss = big_rss / small_rss;
+    println!("4x layers: swap files {states:.2}x, peak RSS {rss:.2}x");
+    assert!(states > 3.5, "{states}");
+    // Measured here: 1.74x for 3.97x (the in-memory gradients grow 4x).
+    assert!(
+        rss < 0.6 * states,
+        "peak RSS grew {rss:.2}x for {states:.2}x the states"
+    );
+}
