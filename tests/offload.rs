@@ -337,6 +337,32 @@ fn zswap_free(path: &Path) -> u64 {
         .unwrap()
 }
 
+/// A model wide enough for memory to matter (layers set by each test):
+/// 16 bytes of bf16 + Adam state per parameter, at stage 3 on one worker.
+const WIDE_MODEL: &[&str] = &[
+    "model.vocab_size=256",
+    "model.d_model=512",
+    "model.n_heads=8",
+    "model.seq_len=64",
+    "train.micro_batch_size=2",
+    "train.dtype=bf16",
+    "zero.stage=3",
+];
+
+/// Swap buffers, gathers and buckets of a few MB each.
+const SMALL_BUFFERS: &[&str] = &[
+    "zero.sub_group_size=5e5",
+    "zero.prefetch_bucket_size=4e6",
+    "zero.reduce_bucket_size=4e6",
+];
+
+fn set_all(mut a: TrainArgs, sets: &[&str]) -> TrainArgs {
+    for s in sets {
+        a = a.set(*s);
+    }
+    a
+}
+
 /// A memory cgroup (v1) capped at `limit` bytes, removed when dropped.
 struct MemoryCap(PathBuf);
 
@@ -392,22 +418,11 @@ fn a_job_with_states_beyond_its_memory_limit_trains_inside_it() {
     std::fs::create_dir(&swap).unwrap();
     let job = small_job(dir, "big", 3);
     // 63M parameters: 1 GB of bf16 + Adam states.
-    let shape = [
-        "model.vocab_size=256",
-        "model.d_model=512",
-        "model.n_layers=20",
-        "model.n_heads=8",
-        "model.seq_len=64",
-        "train.micro_batch_size=2",
-        "train.dtype=bf16",
-        "zero.stage=3",
-    ];
     let args = |metrics: &str| {
-        let mut a = TrainArgs::new(&job, dir.join(metrics)).args(&["--workers-per-node", "1"]);
-        for s in shape {
-            a = a.set(s);
-        }
-        a
+        let a = TrainArgs::new(&job, dir.join(metrics))
+            .args(&["--workers-per-node", "1"])
+            .set("model.n_layers=20");
+        set_all(a, WIDE_MODEL)
     };
     let f = args("memory.jsonl").run(dir);
     assert_eq!(f.code(), 0, "{f:?}");
@@ -417,11 +432,10 @@ fn a_job_with_states_beyond_its_memory_limit_trains_inside_it() {
             .unwrap();
     assert!(states >= 2.0 * LIMIT as f64, "{states} bytes of states");
 
-    // Swap buffers, gathers and buckets of a few MB each.
-    let capped = with_sets(args("capped.jsonl"), &offload_sets(&swap, true))
-        .set("zero.sub_group_size=5e5")
-        .set("zero.prefetch_bucket_size=4e6")
-        .set("zero.reduce_bucket_size=4e6");
+    let capped = set_all(
+        with_sets(args("capped.jsonl"), &offload_sets(&swap, true)),
+        SMALL_BUFFERS,
+    );
     let line = capped
         .as_strs()
         .iter()
@@ -474,23 +488,9 @@ fn peak_memory_grows_far_slower_than_the_model_with_both_offloads() {
     let job = small_job(dir, "grow", 2);
     let peak = |layers: u32| {
         let metrics = dir.join(format!("{layers}.jsonl"));
-        let mut a = with_sets(TrainArgs::new(&job, &metrics), &offload_sets(&swap, true));
-        for s in [
-            "model.vocab_size=256",
-            "model.d_model=512",
-            "model.n_heads=8",
-            "model.seq_len=64",
-            "train.micro_batch_size=2",
-            "train.dtype=bf16",
-            "train.activation_checkpointing=true",
-            "zero.stage=3",
-            "zero.sub_group_size=5e5",
-            "zero.prefetch_bucket_size=4e6",
-            "zero.reduce_bucket_size=4e6",
-        ] {
-            a = a.set(s);
-        }
-        let f = a
+        let a = with_sets(TrainArgs::new(&job, &metrics), &offload_sets(&swap, true));
+        let f = set_all(set_all(a, WIDE_MODEL), SMALL_BUFFERS)
+            .set("train.activation_checkpointing=true")
             .set(format!("model.n_layers={layers}"))
             .args(&["--workers-per-node", "1"])
             .run(dir);
