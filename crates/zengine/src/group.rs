@@ -162,7 +162,11 @@ impl Group {
         } else {
             at(self.partitioned)
         };
-        let g_off = at(stage.partitions_gradients());
+        let g_off = if swapped.grads.is_some() {
+            range.start
+        } else {
+            at(stage.partitions_gradients())
+        };
         let m_off = if swapped.exp_avg.is_some() {
             range.start
         } else {
@@ -186,11 +190,17 @@ impl Group {
             (None, Flat::F32(p)) => ParamsMut::F32(p),
             (None, Flat::Half(h, w)) => ParamsMut::Half(*h, w),
         };
+        let g_all = match (swapped.grads, &*grads) {
+            (Some(bytes), Flat::F32(_)) => Grads::F32(bytemuck::cast_slice(bytes)),
+            (Some(bytes), Flat::Half(h, _)) => Grads::Half(*h, bytemuck::cast_slice(bytes)),
+            (None, Flat::F32(v)) => Grads::F32(v),
+            (None, Flat::Half(h, v)) => Grads::Half(*h, v),
+        };
         for (r, decay) in layout.decay_runs(range) {
             let shift = |off: usize| r.start - off..r.end - off;
-            let g = match &*grads {
-                Flat::F32(v) => Grads::F32(&v[shift(g_off)]),
-                Flat::Half(h, v) => Grads::Half(*h, &v[shift(g_off)]),
+            let g = match g_all {
+                Grads::F32(v) => Grads::F32(&v[shift(g_off)]),
+                Grads::Half(h, v) => Grads::Half(h, &v[shift(g_off)]),
             };
             let (m, v) = (&mut m_all[shift(m_off)], &mut v_all[shift(m_off)]);
             let buffers = match (master_all.as_deref_mut(), &mut p_all) {
@@ -232,6 +242,8 @@ pub(crate) struct Swapped<'a> {
     pub(crate) master: Option<&'a mut [f32]>,
     /// The working parameters' bytes (f32 or 16-bit).
     pub(crate) params: Option<&'a mut [u8]>,
+    /// The averaged (and, f32, clipped) gradient's bytes.
+    pub(crate) grads: Option<&'a [u8]>,
 }
 
 /// The region of the group laid out as `layout` that `rank` updates at

@@ -12,6 +12,15 @@
 //! A group's state is installed in memory as before and then *stashed*: written
 //! to its files and dropped from memory, one group at a time, so that building
 //! or loading an engine never holds more than one block's state.
+//!
+//! Where the stage partitions gradients (2-3), the rank's reduced gradient
+//! slices go to a swap file too, as DeepSpeed's optimizer swapper does: each
+//! reduced slice is added to the group's accumulated slice (read back after the
+//! step's first micro-batch) and written out, and the step reads it with the
+//! moments, piece by piece. So no buffer that grows with the model stays in
+//! memory across a step; the squared norm of a group's complete gradient is
+//! taken as its last micro-batch is added, in the order and rounding that the
+//! in-memory step uses, so the two stay bit-identical.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -20,6 +29,7 @@ use std::path::PathBuf;
 use zconfig::JobSpec;
 use zswap::{AioConfig, AlignedBuf, IoHandle, IoStats, SwapDir, SwapFile, Swapper};
 
+use crate::accounting::Transient;
 use crate::error::EngineError;
 use crate::flat::GroupLayout;
 use crate::group::{updated_region, Group};
@@ -98,11 +108,29 @@ pub(crate) struct ParamFiles {
     pub(crate) buffer_count: usize,
 }
 
+/// Stages 2-3 with optimizer offload: the rank's reduced gradient slices, in
+/// the working precision, and where this step's accumulation stands.
+pub(crate) struct GradFiles {
+    file: SwapFile,
+    /// Per group: its own slice.
+    regions: Vec<Region>,
+    /// Bytes per element (2 or 4).
+    elem: usize,
+    /// Per group, this step: micro-batch gradients added so far.
+    adds: Vec<usize>,
+    /// Per group: its last write, in flight, and the bytes it holds.
+    writes: Vec<Option<(IoHandle, u64)>>,
+    /// Per group, once every micro-batch is added: Σ(x·scale)² of the
+    /// averaged gradient, as the gradient norm adds it.
+    sum_sq: Vec<Option<f64>>,
+}
+
 /// A rank's swap files and the swapper that moves them.
 pub(crate) struct Offload {
     pub(crate) swapper: Swapper,
     pub(crate) optimizer: Option<OptimizerFiles>,
     pub(crate) params: Option<ParamFiles>,
+    pub(crate) grads: Option<GradFiles>,
     /// Bytes this rank's files hold.
     pub(crate) nvme_bytes: u64,
     /// Held last: removing the directories after the files are closed.
@@ -125,6 +153,8 @@ pub(crate) struct PieceBuffers {
     pub(crate) exp_avg_sq: Option<AlignedBuf>,
     pub(crate) master: Option<AlignedBuf>,
     pub(crate) params: Option<AlignedBuf>,
+    /// The averaged gradient (read only).
+    pub(crate) grads: Option<AlignedBuf>,
 }
 
 /// A piece's reads in flight.
@@ -137,6 +167,7 @@ pub(crate) struct PieceReads {
     /// Read for f32 parameters; a fresh buffer for 16-bit ones, which the
     /// update writes whole from the master copy.
     params: Option<Result<IoHandle, AlignedBuf>>,
+    grads: Option<IoHandle>,
 }
 
 fn wait(h: Option<IoHandle>) -> Result<Option<AlignedBuf>, EngineError> {
@@ -156,6 +187,7 @@ impl PieceReads {
                 Some(Ok(h)) => Some(h.wait()?),
                 Some(Err(fresh)) => Some(fresh),
             },
+            grads: wait(self.grads)?,
         })
     }
 }
@@ -197,6 +229,7 @@ impl Offload {
             }
         };
         let mut nvme_bytes = 0;
+        let mut grads = None;
         let optimizer = if opt {
             let root = z.offload_optimizer.nvme_path.clone().unwrap_or_default();
             let dir = dir_for(&mut dirs, &root)?;
@@ -208,6 +241,23 @@ impl Offload {
             let bytes = len * 4;
             let families = if half.is_some() { 3 } else { 2 };
             nvme_bytes += bytes * families;
+            if z.stage.partitions_gradients() {
+                let elem = if half.is_some() { 2 } else { 4 };
+                let (regions, len) = lay_out(layouts.iter().map(|l| {
+                    let s = l.slice(rank);
+                    (s.start, s.len())
+                }));
+                nvme_bytes += len * elem as u64;
+                let n = layouts.len();
+                grads = Some(GradFiles {
+                    file: dir.file("grads.swp", len * elem as u64)?,
+                    regions,
+                    elem,
+                    adds: vec![0; n],
+                    writes: (0..n).map(|_| None).collect(),
+                    sum_sq: vec![None; n],
+                });
+            }
             let files = OptimizerFiles {
                 exp_avg: dir.file("exp_avg.swp", bytes)?,
                 exp_avg_sq: dir.file("exp_avg_sq.swp", bytes)?,
@@ -249,6 +299,7 @@ impl Offload {
             swapper,
             optimizer,
             params,
+            grads,
             nvme_bytes,
             _dirs: dirs.into_iter().map(|(_, d)| d).collect(),
         }))
@@ -274,6 +325,9 @@ impl Offload {
         fresh_moments: bool,
     ) -> Result<(), EngineError> {
         let mut writes = Vec::new();
+        if self.grads.is_some() {
+            group.grads = Flat::zeros(group.grads.kind(), 0);
+        }
         if let Some(o) = &self.optimizer {
             let r = &o.regions[g];
             let all = r.start..r.start + r.len;
@@ -307,6 +361,88 @@ impl Offload {
             w.wait()?;
         }
         Ok(())
+    }
+
+    /// Group `g`'s gradient slice accumulated so far this step, in the
+    /// working precision `kind`: zero before its first micro-batch, else read
+    /// back once its last write has landed.
+    pub(crate) fn take_grads(
+        &mut self,
+        g: usize,
+        kind: Option<Half>,
+        held: &mut Transient,
+    ) -> Result<Flat, EngineError> {
+        let Some(gf) = &mut self.grads else {
+            unreachable!("take_grads without gradient swap")
+        };
+        let r = &gf.regions[g];
+        if gf.adds[g] == 0 {
+            return Ok(Flat::zeros(kind, r.len));
+        }
+        if let Some((w, bytes)) = gf.writes[g].take() {
+            w.wait()?;
+            held.sub(bytes);
+        }
+        let (off, len) = r.span(&(r.start..r.start + r.len), gf.elem);
+        let buf = self
+            .swapper
+            .read(&gf.file, off, AlignedBuf::zeroed(len))
+            .wait()?;
+        let words = r.len * gf.elem / 4;
+        Ok(Flat::from_words(kind, buf.f32s()[..words].to_vec()))
+    }
+
+    /// Writes group `g`'s accumulated slice back after one more micro-batch
+    /// was added; `sum_sq`: its squared norm, once it is complete.
+    pub(crate) fn put_grads(
+        &mut self,
+        g: usize,
+        grads: &Flat,
+        sum_sq: Option<f64>,
+        held: &mut Transient,
+    ) {
+        let Some(gf) = &mut self.grads else {
+            unreachable!("put_grads without gradient swap")
+        };
+        let r = &gf.regions[g];
+        let (off, len) = r.span(&(r.start..r.start + r.len), gf.elem);
+        let mut buf = AlignedBuf::zeroed(len);
+        let bytes = grads.as_bytes();
+        buf.bytes_mut()[..bytes.len()].copy_from_slice(bytes);
+        held.add(len as u64);
+        gf.writes[g] = Some((self.swapper.write(&gf.file, off, buf), len as u64));
+        gf.adds[g] += 1;
+        gf.sum_sq[g] = sum_sq;
+    }
+
+    /// Micro-batch gradients added to group `g` this step (`None` where
+    /// gradients are not swapped).
+    pub(crate) fn grad_adds(&self, g: usize) -> Option<usize> {
+        self.grads.as_ref().map(|gf| gf.adds[g])
+    }
+
+    /// Group `g`'s squared gradient norm, where gradients are swapped and complete.
+    pub(crate) fn grad_sum_sq(&self, g: usize) -> Option<f64> {
+        self.grads.as_ref().and_then(|gf| gf.sum_sq[g])
+    }
+
+    /// Waits for every gradient write in flight (before the step reads them).
+    pub(crate) fn flush_grads(&mut self, held: &mut Transient) -> Result<(), EngineError> {
+        if let Some(gf) = &mut self.grads {
+            for (w, bytes) in gf.writes.iter_mut().filter_map(Option::take) {
+                w.wait()?;
+                held.sub(bytes);
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the next step's accumulation from zero.
+    pub(crate) fn reset_grads(&mut self) {
+        if let Some(gf) = &mut self.grads {
+            gf.adds.fill(0);
+            gf.sum_sq.fill(None);
+        }
     }
 
     fn write_f32(&self, file: &SwapFile, r: &Region, range: &Range<usize>, v: &[f32]) -> IoHandle {
@@ -363,7 +499,12 @@ impl Offload {
                     exp_avg_sq: None,
                     master: None,
                     params: None,
+                    grads: None,
                 };
+                if let Some(gf) = &self.grads {
+                    let (off, len) = gf.regions[*g].span(range, gf.elem);
+                    reads.grads = Some(self.swapper.read(&gf.file, off, AlignedBuf::zeroed(len)));
+                }
                 if let Some(o) = &self.optimizer {
                     let r = &o.regions[*g];
                     let (off, len) = r.span(range, 4);

@@ -65,7 +65,7 @@ impl Engine {
             if self.stage.partitions_gradients() {
                 for h in self.reducer.buckets[bi].groups.clone() {
                     let s = self.take_staged(h)?;
-                    self.groups[h].grads.add_f32(0, &s.to_f32(0..s.len()));
+                    self.add_own_grads(h, &s.to_f32(0..s.len()))?;
                 }
             }
             return Ok(());
@@ -133,7 +133,7 @@ impl Engine {
     fn finish_completed(&mut self) -> Result<(), EngineError> {
         while let Some(p) = self.reducer.pending.pop_front() {
             match p.work.try_wait() {
-                Ok(result) => self.put_reduced(p.bucket, p.bytes, result?),
+                Ok(result) => self.put_reduced(p.bucket, p.bytes, result?)?,
                 Err(work) => {
                     self.reducer.pending.push_front(PendingBucket { work, ..p });
                     break;
@@ -146,14 +146,18 @@ impl Engine {
     /// Waits for a bucket and puts its result away.
     fn finish_bucket(&mut self, p: PendingBucket) -> Result<(), EngineError> {
         let reduced = p.work.wait()?;
-        self.put_reduced(p.bucket, p.bytes, reduced);
-        Ok(())
+        self.put_reduced(p.bucket, p.bytes, reduced)
     }
 
     /// Puts a reduced bucket where the stage keeps gradients: the whole
     /// all-reduced bucket into full buffers (stage 0), the own slices into full
     /// buffers (stage 1), or added to the own slices (partitioned gradients).
-    fn put_reduced(&mut self, bucket: usize, bytes: u64, reduced: Vec<f32>) {
+    fn put_reduced(
+        &mut self,
+        bucket: usize,
+        bytes: u64,
+        reduced: Vec<f32>,
+    ) -> Result<(), EngineError> {
         self.comm_buffers.sub(bytes);
         let world = self.comm.world_size();
         let rank = self.comm.rank();
@@ -176,8 +180,48 @@ impl Engine {
             }
         } else {
             for (g, part) in bucket.own_parts(&layouts) {
-                self.groups[g].grads.add_f32(0, &reduced[part]);
+                self.add_own_grads(g, &reduced[part])?;
             }
         }
+        Ok(())
+    }
+
+    /// Adds one micro-batch's reduced gradient slice of group `g` to the
+    /// rank's accumulated slice, in memory or in its swap file. Swapped, the
+    /// last micro-batch's add also averages an f32 slice in place and takes
+    /// its squared norm, as [`Engine::step`] does in memory.
+    fn add_own_grads(&mut self, g: usize, values: &[f32]) -> Result<(), EngineError> {
+        let half = self.half;
+        let accum = self.spec.train.grad_accum;
+        let scale = self.average_scale();
+        let Engine {
+            offload,
+            groups,
+            swap_buffers,
+            ..
+        } = self;
+        let Some(off) = offload.as_mut().filter(|o| o.grad_adds(g).is_some()) else {
+            groups[g].grads.add_f32(0, values);
+            return Ok(());
+        };
+        let mut grads = off.take_grads(g, half, swap_buffers)?;
+        grads.add_f32(0, values);
+        let complete = off.grad_adds(g) == Some(accum - 1);
+        let sum_sq = complete.then(|| average_and_sum_sq(&mut grads, scale));
+        off.put_grads(g, &grads, sum_sq, swap_buffers);
+        Ok(())
+    }
+}
+
+/// Averages a group's complete f32 gradient in place and returns its squared
+/// norm, as the in-memory step does (16-bit gradients are scaled as read).
+pub(crate) fn average_and_sum_sq(grads: &mut Flat, scale: f32) -> f64 {
+    let all = 0..grads.len();
+    match grads {
+        Flat::F32(v) => {
+            v.iter_mut().for_each(|x| *x *= scale);
+            grads.sum_sq(all, 1.0)
+        }
+        Flat::Half(..) => grads.sum_sq(all, scale),
     }
 }

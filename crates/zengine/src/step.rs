@@ -75,15 +75,16 @@ impl Engine {
             });
         }
         self.wait_for_reductions()?;
+        self.check_swapped_grads()?;
         let step = self.step + 1;
         let loss_scale = self.scaler.as_ref().map(|s| s.scale);
-        let grad_scale = self.average_gradients(loss_scale);
+        let grad_scale = self.average_gradients();
         let grad_norm = self.global_grad_norm(grad_scale)?;
         let overflow = self.check_overflow(step, grad_norm)?;
         let t = &self.spec.train;
         let lr = lr_at(self.updates + 1, t.steps, t.lr, t.warmup_steps, t.schedule);
         if !overflow {
-            let grad_scale = self.clip_gradients(grad_norm, grad_scale);
+            let (grad_scale, swapped_coef) = self.clip_gradients(grad_norm, grad_scale);
             self.updates += 1;
             let hp = AdamStep {
                 lr: lr as f32,
@@ -96,7 +97,7 @@ impl Engine {
             };
             let subs = self.sub_groups();
             if self.offload.is_some() {
-                self.swapped_optimizer_steps(&subs, &hp)?;
+                self.swapped_optimizer_steps(&subs, &hp, swapped_coef)?;
             } else {
                 for sub in &subs {
                     self.optimizer_step(sub, &hp);
@@ -107,26 +108,53 @@ impl Engine {
         for g in &mut self.groups {
             g.grads.fill_zero();
         }
+        if let Some(o) = &mut self.offload {
+            o.reset_grads();
+        }
         Ok(self.finish_step(step, lr, grad_norm, loss_scale, overflow))
     }
 
-    /// Averages over ranks and micro-batches and unscales (a power of two): f32
-    /// gradients in place. Returns the factor still to apply as gradients are
-    /// read (16-bit gradients are scaled as Adam reads them).
-    fn average_gradients(&mut self, loss_scale: Option<f64>) -> f32 {
+    /// The factor that averages gradients over ranks and micro-batches and
+    /// unscales them (a power of two).
+    pub(crate) fn average_scale(&self) -> f32 {
         let (world, accum) = (self.comm.world_size(), self.spec.train.grad_accum);
-        let scale = (1.0 / (world * accum) as f64 / loss_scale.unwrap_or(1.0)) as f32;
-        let rank = self.comm.rank();
-        let stage = self.stage;
-        let mut pending = scale;
+        let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        (1.0 / (world * accum) as f64 / loss_scale) as f32
+    }
+
+    /// Averages: f32 gradients in place (swapped ones were averaged as their
+    /// last micro-batch was added). Returns the factor still to apply as
+    /// gradients are read (16-bit gradients are scaled as Adam reads them).
+    fn average_gradients(&mut self) -> f32 {
+        let scale = self.average_scale();
+        if self.half.is_some() {
+            return scale;
+        }
+        let (rank, stage) = (self.comm.rank(), self.stage);
         for g in &mut self.groups {
             let r = g.used_grads(rank, stage);
             if let Flat::F32(v) = &mut g.grads {
                 v[r].iter_mut().for_each(|x| *x *= scale);
-                pending = 1.0;
             }
         }
-        pending
+        1.0
+    }
+
+    /// Swapped gradients: every group has all its micro-batches, and their
+    /// writes have landed before the step reads them.
+    fn check_swapped_grads(&mut self) -> Result<(), EngineError> {
+        let Some(off) = &mut self.offload else {
+            return Ok(());
+        };
+        let accum = self.spec.train.grad_accum;
+        for (g, group) in self.groups.iter().enumerate() {
+            if off.grad_adds(g).is_some_and(|n| n != accum) {
+                return Err(EngineError::MissingGradient {
+                    param: format!("{} (swapped)", group.layout.name),
+                });
+            }
+        }
+        off.flush_grads(&mut self.swap_buffers)
     }
 
     /// The global gradient norm: each rank's owned slices, added across ranks
@@ -134,10 +162,15 @@ impl Engine {
     /// and the same on every rank).
     fn global_grad_norm(&self, grad_scale: f32) -> Result<f64, EngineError> {
         let (world, rank) = (self.comm.world_size(), self.comm.rank());
+        let swapped = |i: usize| self.offload.as_ref().and_then(|o| o.grad_sum_sq(i));
         let own_sq: f64 = self
             .groups
             .iter()
-            .map(|g| g.grads.sum_sq(g.owned_grads(rank, self.stage), grad_scale))
+            .enumerate()
+            .map(|(i, g)| {
+                swapped(i)
+                    .unwrap_or_else(|| g.grads.sum_sq(g.owned_grads(rank, self.stage), grad_scale))
+            })
             .sum();
         let hi = own_sq as f32;
         let lo = (own_sq - f64::from(hi)) as f32;
@@ -175,16 +208,19 @@ impl Engine {
     }
 
     /// Clips by the global norm: f32 gradients in place, 16-bit ones through the
-    /// returned factor that Adam applies as it reads them.
-    fn clip_gradients(&mut self, grad_norm: f64, grad_scale: f32) -> f32 {
+    /// returned factor that Adam applies as it reads them. Returns that factor
+    /// and the coefficient swapped f32 gradients still need, in place as
+    /// they are read.
+    fn clip_gradients(&mut self, grad_norm: f64, grad_scale: f32) -> (f32, Option<f32>) {
         let clip = self.spec.train.grad_clip;
         if clip <= 0.0 || grad_norm <= clip {
-            return grad_scale;
+            return (grad_scale, None);
         }
         let coef = (clip / (grad_norm + 1e-6)) as f32;
         if self.half.is_some() {
-            return grad_scale * coef;
+            return (grad_scale * coef, None);
         }
+        let swapped = self.offload.as_ref().is_some_and(|o| o.grads.is_some());
         let (rank, stage) = (self.comm.rank(), self.stage);
         for g in &mut self.groups {
             let r = g.used_grads(rank, stage);
@@ -192,7 +228,7 @@ impl Engine {
                 v[r].iter_mut().for_each(|x| *x *= coef);
             }
         }
-        grad_scale
+        (grad_scale, swapped.then_some(coef))
     }
 
     /// The region this rank updates, as sub-groups of `zero.sub_group_size`.
@@ -223,11 +259,13 @@ impl Engine {
     /// AdamW on every sub-group with state in swap files, pipelined: while
     /// sub-group k is updated, the reads of the next ones and the writes of
     /// the previous ones are in flight, at most `buffer_count` sub-groups'
-    /// buffers in all (at least 3: read ahead, update, write back).
+    /// buffers in all (at least 3: read ahead, update, write back). Swapped
+    /// f32 gradients are clipped by `coef` in place as they are read.
     fn swapped_optimizer_steps(
         &mut self,
         subs: &[SubGroup],
         hp: &AdamStep,
+        coef: Option<f32>,
     ) -> Result<(), EngineError> {
         let (rank, stage) = (self.comm.rank(), self.stage);
         let Engine {
@@ -240,8 +278,9 @@ impl Engine {
             return Ok(());
         };
         let sets = off.optimizer.as_ref().map_or(3, |o| o.buffer_count).max(3);
+        // Moments and master (f32), parameters and gradient (at most f32).
         let set_bytes =
-            |sub: &SubGroup| -> u64 { sub.pieces.iter().map(|(_, r)| r.len() as u64 * 16).sum() };
+            |sub: &SubGroup| -> u64 { sub.pieces.iter().map(|(_, r)| r.len() as u64 * 20).sum() };
         let mut reads = VecDeque::new();
         let mut writes: VecDeque<(u64, Vec<zswap::IoHandle>)> = VecDeque::new();
         let mut next = 0;
@@ -264,11 +303,15 @@ impl Engine {
             let mut handles = Vec::new();
             for piece in pieces {
                 let mut b = piece.wait()?;
+                if let (Some(c), Some(g)) = (coef, b.grads.as_mut()) {
+                    g.f32s_mut().iter_mut().for_each(|x| *x *= c);
+                }
                 let swapped = Swapped {
                     exp_avg: b.exp_avg.as_mut().map(|x| x.f32s_mut()),
                     exp_avg_sq: b.exp_avg_sq.as_mut().map(|x| x.f32s_mut()),
                     master: b.master.as_mut().map(|x| x.f32s_mut()),
                     params: b.params.as_mut().map(|x| x.bytes_mut()),
+                    grads: b.grads.as_ref().map(|x| x.bytes()),
                 };
                 groups[b.group].adam(b.range.clone(), rank, stage, hp, swapped);
                 handles.extend(off.write_piece(b));

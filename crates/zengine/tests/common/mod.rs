@@ -61,16 +61,33 @@ pub fn comms(n: usize) -> Vec<Arc<dyn Communicator>> {
     hs.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-/// What one rank saw of a run.
-#[derive(Debug, Clone, PartialEq)]
+/// What one rank saw of a run. Equality compares what the arithmetic
+/// decides (losses, norms, scales, parameters), not where memory was held.
+#[derive(Debug, Clone)]
 pub struct Run {
     pub losses: Vec<f64>,
+    /// Per step: the global gradient norm.
+    pub norms: Vec<f64>,
+    /// The most gradient bytes held in memory at the end of a step.
+    pub grads_held: u64,
     /// Final f32 parameters (master weights under mixed precision).
     pub params: Vec<Vec<f32>>,
     /// Per step: the loss scale used and whether the step was skipped.
     pub scales: Vec<(Option<f64>, bool)>,
     /// Per step: every parameter after it (only when asked for).
     pub history: Vec<Vec<Vec<f32>>>,
+}
+
+impl PartialEq for Run {
+    fn eq(&self, o: &Run) -> bool {
+        (
+            &self.losses,
+            &self.norms,
+            &self.params,
+            &self.scales,
+            &self.history,
+        ) == (&o.losses, &o.norms, &o.params, &o.scales, &o.history)
+    }
 }
 
 /// Trains on every rank in parallel; returns what each rank saw.
@@ -100,6 +117,8 @@ pub fn train_observed(spec: JobSpec, world: usize, history: bool) -> Vec<Run> {
                 let mut engine = Engine::new(&spec, comm).unwrap();
                 let mut run = Run {
                     losses: Vec::new(),
+                    norms: Vec::new(),
+                    grads_held: 0,
                     params: Vec::new(),
                     scales: Vec::new(),
                     history: Vec::new(),
@@ -110,6 +129,8 @@ pub fn train_observed(spec: JobSpec, world: usize, history: bool) -> Vec<Run> {
                     }
                     let st = engine.step().unwrap();
                     run.losses.push(st.loss);
+                    run.norms.push(st.grad_norm);
+                    run.grads_held = run.grads_held.max(st.mem.grads);
                     run.scales.push((st.loss_scale, st.skipped));
                     if history {
                         run.history.push(engine.full_params().unwrap());
