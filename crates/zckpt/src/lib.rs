@@ -19,11 +19,12 @@
 
 #![deny(missing_docs)]
 
+mod stream;
+
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
 use zconfig::spec::ModelSpec;
 use zconfig::Dtype;
@@ -32,6 +33,8 @@ use zconfig::Dtype;
 pub const MANIFEST: &str = "manifest.json";
 /// Manifest format version.
 pub const FORMAT: u32 = 1;
+
+pub use stream::{checksum, StreamWriter, TensorFile};
 
 /// What can go wrong with a checkpoint. Every message names the file.
 #[derive(Debug, thiserror::Error)]
@@ -193,28 +196,33 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CkptError> {
     Ok(())
 }
 
-/// Writes one rank's shard: `slices[g][k]` is group g's slice of buffer `KINDS[k]`.
-pub fn write_shard(
+/// Writes one rank's shard, a group at a time: group g's slices have
+/// `slice_lens[g]` elements and `slices(g)` returns them as `KINDS` orders
+/// them, so only one group's slices are ever in memory.
+pub fn write_shard<E: From<CkptError>>(
     dir: &Path,
     rank: usize,
-    slices: &[[&[f32]; 3]],
-) -> Result<FileEntry, CkptError> {
+    slice_lens: &[usize],
+    mut slices: impl FnMut(usize) -> Result<[Vec<f32>; 3], E>,
+) -> Result<FileEntry, E> {
     let name = shard_name(rank);
     let path = dir.join(&name);
-    let mut views = Vec::new();
-    for (g, bufs) in slices.iter().enumerate() {
-        for (k, buf) in KINDS.iter().zip(bufs) {
-            let view = TensorView::new(StDtype::F32, vec![buf.len()], bytemuck::cast_slice(buf))
-                .map_err(|e| invalid(&path, e.to_string()))?;
-            views.push((format!("g{g}.{k}"), view));
+    let tensors: Vec<(String, Vec<usize>)> = slice_lens
+        .iter()
+        .enumerate()
+        .flat_map(|(g, &n)| KINDS.iter().map(move |k| (format!("g{g}.{k}"), vec![n])))
+        .collect();
+    let mut w = StreamWriter::create(&path, &tensors, None)?;
+    for g in 0..slice_lens.len() {
+        for buf in slices(g)? {
+            w.write(&buf)?;
         }
     }
-    let bytes = safetensors::serialize(views, None).map_err(|e| invalid(&path, e.to_string()))?;
-    write_atomic(&path, &bytes)?;
+    let (bytes, crc32c) = w.finish()?;
     Ok(FileEntry {
         name,
-        bytes: bytes.len() as u64,
-        crc32c: crc32c::crc32c(&bytes),
+        bytes,
+        crc32c,
     })
 }
 
@@ -337,20 +345,20 @@ impl Checkpoint {
         }
         for f in &manifest.files {
             let p = dir.join(&f.name);
-            let bytes = std::fs::read(&p).map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => invalid(&p, "shard is missing"),
-                _ => CkptError::Io {
-                    path: p.clone(),
-                    cause: e,
-                },
-            })?;
-            if bytes.len() as u64 != f.bytes {
+            let size = match std::fs::metadata(&p) {
+                Ok(m) => m.len(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(invalid(&p, "shard is missing"))
+                }
+                Err(e) => return Err(CkptError::Io { path: p, cause: e }),
+            };
+            if size != f.bytes {
                 return Err(invalid(
                     &p,
-                    format!("{} bytes, the manifest says {}", bytes.len(), f.bytes),
+                    format!("{size} bytes, the manifest says {}", f.bytes),
                 ));
             }
-            let crc = crc32c::crc32c(&bytes);
+            let (_, crc) = checksum(&p)?;
             if crc != f.crc32c {
                 return Err(invalid(
                     &p,
@@ -406,17 +414,8 @@ impl Checkpoint {
                 break;
             }
             let p = self.dir.join(&f.name);
-            let bytes = std::fs::read(&p).map_err(io(&p))?;
-            let st = SafeTensors::deserialize(&bytes).map_err(|e| invalid(&p, e.to_string()))?;
             let name = format!("g{g}.{kind}");
-            let t = st
-                .tensor(&name)
-                .map_err(|_| invalid(&p, format!("tensor {name} is missing")))?;
-            let vals: Vec<f32> = t
-                .data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
+            let vals = TensorFile::open(&p)?.read(&name)?;
             if vals.len() != slice {
                 return Err(invalid(
                     &p,
@@ -436,29 +435,32 @@ impl Checkpoint {
             .collect()
     }
 
-    /// Writes consolidated f32 weights under the model's parameter names.
+    /// Writes consolidated f32 weights under the model's parameter names, a
+    /// group at a time.
     pub fn export(&self, out: &Path) -> Result<u64, CkptError> {
-        let groups = self.all_params()?;
-        let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-        for (entry, flat) in self.manifest.groups.iter().zip(&groups) {
+        let groups = &self.manifest.groups;
+        let tensors: Vec<(String, Vec<usize>)> = groups
+            .iter()
+            .flat_map(|g| g.params.iter().map(|p| (p.name.clone(), p.shape.clone())))
+            .collect();
+        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+        let mut w = StreamWriter::create(out, &tensors, Some(meta))?;
+        let mut elements = 0u64;
+        for (g, entry) in groups.iter().enumerate() {
+            let flat = self.full_group(g, "params")?;
             for p in &entry.params {
                 let n: usize = p.shape.iter().product();
-                let bytes = bytemuck::cast_slice(&flat[p.offset..p.offset + n]).to_vec();
-                owned.push((p.name.clone(), p.shape.clone(), bytes));
+                let values = flat.get(p.offset..p.offset + n).ok_or_else(|| {
+                    invalid(
+                        &self.dir.join(MANIFEST),
+                        format!("{} lies beyond its group", p.name),
+                    )
+                })?;
+                w.write(values)?;
+                elements += n as u64;
             }
         }
-        let mut elements = 0u64;
-        let mut views = Vec::new();
-        for (name, shape, bytes) in &owned {
-            elements += shape.iter().product::<usize>() as u64;
-            let v = TensorView::new(StDtype::F32, shape.clone(), bytes)
-                .map_err(|e| invalid(out, e.to_string()))?;
-            views.push((name.clone(), v));
-        }
-        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-        let bytes =
-            safetensors::serialize(views, Some(meta)).map_err(|e| invalid(out, e.to_string()))?;
-        write_atomic(out, &bytes)?;
+        w.finish()?;
         Ok(elements)
     }
 }
@@ -468,25 +470,14 @@ pub type Weights = HashMap<String, (Vec<usize>, Vec<f32>)>;
 
 /// Reads consolidated weights (an export).
 pub fn read_weights(path: &Path) -> Result<Weights, CkptError> {
-    let bytes = std::fs::read(path).map_err(io(path))?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| invalid(path, format!("not a safetensors file: {e}")))?;
-    let mut out = HashMap::new();
-    for (name, t) in st.tensors() {
-        if t.dtype() != StDtype::F32 {
-            return Err(invalid(
-                path,
-                format!("{name} is {:?}, expected F32", t.dtype()),
-            ));
-        }
-        let vals = t
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        out.insert(name, (t.shape().to_vec(), vals));
-    }
-    Ok(out)
+    let file = TensorFile::open(path)?;
+    file.tensors()
+        .into_iter()
+        .map(|(name, shape)| {
+            let values = file.read(&name)?;
+            Ok((name, (shape, values)))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -505,7 +496,8 @@ mod tests {
         let mut files = Vec::new();
         for r in 0..2 {
             let s = &full[r * 16..(r + 1) * 16];
-            files.push(write_shard(dir, r, &[[s, s, s]]).unwrap());
+            let slices = |_| Ok::<_, CkptError>([s.to_vec(), s.to_vec(), s.to_vec()]);
+            files.push(write_shard(dir, r, &[16], slices).unwrap());
         }
         let m = Manifest {
             format: FORMAT,

@@ -34,26 +34,21 @@ impl Engine {
             .collect()
     }
 
-    /// This rank's slices of every group's f32 params (the master copy under
+    /// This rank's slices of group `gi`'s f32 params (the master copy under
     /// mixed precision), exp_avg and exp_avg_sq, as a checkpoint shard stores
     /// them (read from swap where offloaded).
-    pub fn own_slices(&self) -> Result<Vec<[Vec<f32>; 3]>, EngineError> {
-        let rank = self.comm.rank();
-        (0..self.groups.len())
-            .map(|gi| {
-                let g = &self.groups[gi];
-                let own = g.layout.slice(rank);
-                let own_of = |region: Vec<f32>| {
-                    if region.len() == g.layout.padded {
-                        region[own.clone()].to_vec()
-                    } else {
-                        region
-                    }
-                };
-                let [p, m, v] = self.updated_state(gi)?;
-                Ok([own_of(p), own_of(m), own_of(v)])
-            })
-            .collect()
+    pub fn own_slice(&self, gi: usize) -> Result<[Vec<f32>; 3], EngineError> {
+        let g = &self.groups[gi];
+        let own = g.layout.slice(self.comm.rank());
+        let own_of = |region: Vec<f32>| {
+            if region.len() == g.layout.padded {
+                region[own.clone()].to_vec()
+            } else {
+                region
+            }
+        };
+        let [p, m, v] = self.updated_state(gi)?;
+        Ok([own_of(p), own_of(m), own_of(v)])
     }
 
     /// The f32 parameters of the region this rank updates in group `gi` (the

@@ -32,12 +32,12 @@ pub fn save(
     );
     let step = engine.steps_done();
     let dir = root.join(step_dir_name(step));
-    let slices = engine.own_slices()?;
-    let views: Vec<[&[f32]; 3]> = slices
+    let lens: Vec<usize> = engine
+        .manifest_groups()
         .iter()
-        .map(|[p, m, v]| [p.as_slice(), m.as_slice(), v.as_slice()])
+        .map(|g| g.padded / env.world_size)
         .collect();
-    let entry = write_shard(&dir, env.rank, &views)?;
+    let entry = write_shard(&dir, env.rank, &lens, |g| engine.own_slice(g))?;
     let mut pieces = vec![Vec::new(); env.world_size];
     pieces[0] = serde_json::to_vec(&entry)?;
     let got = comm.all_to_all(pieces)?;
