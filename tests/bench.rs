@@ -135,3 +135,78 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
     );
     assert_eq!(f.code(), 2, "{f:?}");
 }
+
+/// `zrun bench io` measures every method (both swapper paths, or says why
+/// one is missing) at every size, checks every byte it reads (the stamps in
+/// zswap's bench), leaves no file behind, and refuses a bad directory or
+/// size with exit 2 naming the flag.
+#[test]
+fn bench_io_measures_every_method_and_refuses_bad_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let swap = dir.path().join("swap");
+    std::fs::create_dir(&swap).unwrap();
+    let path = swap.to_str().unwrap();
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            "io",
+            "--path",
+            path,
+            "--sizes",
+            "64KiB,1MiB",
+            "--total",
+            "4MiB",
+            "--block-size",
+            "256KiB",
+            "--json",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    let skipped: Vec<&str> = v["skipped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["method"].as_str().unwrap())
+        .collect();
+    for method in ["buffered", "direct", "zswap-io_uring", "zswap-threads"] {
+        if skipped.contains(&method) {
+            println!(
+                "{method}: skipped by zrun (it said why on stderr): {}",
+                f.stderr
+            );
+            continue;
+        }
+        for size in [65536, 1 << 20] {
+            for op in ["write", "read"] {
+                let r = rows
+                    .iter()
+                    .find(|r| r["method"] == method && r["size"] == size && r["op"] == op)
+                    .unwrap_or_else(|| panic!("{method} {op} {size} missing"));
+                assert!(r["gb_per_s"].as_f64().unwrap() > 0.0, "{r}");
+                assert_eq!(r["bytes"].as_u64(), Some(4 << 20), "{r}");
+            }
+        }
+    }
+    assert!(
+        !skipped.contains(&"zswap-threads"),
+        "the thread path always runs"
+    );
+    assert_eq!(std::fs::read_dir(&swap).unwrap().count(), 0, "files left");
+
+    let missing = dir.path().join("nope");
+    for (args, says) in [
+        (vec!["--path", missing.to_str().unwrap()], "does not exist"),
+        (vec!["--path", path, "--sizes", "0"], "--sizes"),
+        (vec!["--path", path, "--block-size", "1000"], "--block-size"),
+        (vec!["--path", path, "--in-flight", "0"], "--in-flight"),
+    ] {
+        let mut all = vec!["bench", "io"];
+        all.extend(args);
+        let f = zrun(dir.path(), &all);
+        assert_eq!(f.code(), 2, "{all:?}: {f:?}");
+        assert!(f.stderr.contains(says), "{all:?}: {}", f.stderr);
+    }
+}

@@ -1,7 +1,9 @@
-//! `zrun bench comm`: collective bandwidth between local workers, per transport.
+//! `zrun bench comm`: collective bandwidth between local workers, per transport;
+//! `zrun bench kernels`: the CPU kernels; `zrun bench io`: the swap layer.
 //!
-//! The measuring happens in the workers (see zworker's `bench`); this starts them
-//! like a training job, with a `BenchComm` task, and prints their rows.
+//! Comm and kernel measuring happens in the workers (see zworker's `bench`);
+//! this starts them like a training job, with a task, and prints their rows.
+//! The I/O benchmark needs no worker: it runs `zswap::bench` here.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -10,7 +12,7 @@ use anyhow::Result;
 use zconfig::{Node, Topology};
 use zproto::{BenchCommTask, BenchRow, Op, Task};
 
-use crate::cli::{BenchCommArgs, BenchKernelsArgs};
+use crate::cli::{BenchCommArgs, BenchIoArgs, BenchKernelsArgs};
 use crate::plan::{default_worker_bin, LaunchPlan};
 use crate::sink::Sink;
 use crate::supervise::{run_job, Outcome};
@@ -222,6 +224,113 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
             );
         }
         say!("(memcpy: one thread of a worker copying the same bytes, the reference for bus bandwidth)");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `zrun bench io`.
+pub fn io(args: BenchIoArgs) -> Result<ExitCode> {
+    let size = |flag: &str, s: &str| -> Result<u64> {
+        match zconfig::spec::Size::parse(s) {
+            Ok(b) if b.0 > 0 => Ok(b.0),
+            Ok(_) => Err(Failure::bad_input(format!(
+                "{flag}: `{s}` must be positive"
+            ))),
+            Err(e) => Err(Failure::bad_input(format!("{flag}: {e}"))),
+        }
+    };
+    let sizes = args
+        .sizes
+        .iter()
+        .map(|s| size("--sizes", s).map(|b| b as usize))
+        .collect::<Result<Vec<_>>>()?;
+    let total = size("--total", &args.total)?;
+    let block_size = size("--block-size", &args.block_size)? as usize;
+    if !block_size.is_multiple_of(zswap::ALIGN) {
+        return Err(Failure::bad_input(format!(
+            "--block-size: {block_size} bytes is not a multiple of {} (O_DIRECT transfers whole blocks)",
+            zswap::ALIGN
+        )));
+    }
+    for (flag, v) in [
+        ("--queue-depth", args.queue_depth),
+        ("--thread-count", args.thread_count),
+        ("--in-flight", args.in_flight),
+    ] {
+        if v == 0 {
+            return Err(Failure::bad_input(format!("{flag} must be at least 1")));
+        }
+    }
+    let info = zswap::check_dir(&args.path)
+        .map_err(|e| Failure::bad_input(format!("--path {}: {e}", args.path.display())))?;
+    let need = total * 2;
+    if info.free_bytes < need {
+        return Err(Failure::bad_input(format!(
+            "--path {}: {} bytes free, the benchmark writes files of {need} bytes",
+            args.path.display(),
+            info.free_bytes
+        )));
+    }
+    if info.in_memory {
+        shout!(
+            "zrun: note: {} is on {} (memory): the figures are memory's, not a disk's",
+            args.path.display(),
+            info.filesystem
+        );
+    }
+    let cfg = zswap::bench::IoBenchConfig {
+        dir: args.path.clone(),
+        sizes,
+        total,
+        aio: zswap::AioConfig {
+            block_size,
+            queue_depth: args.queue_depth,
+            thread_count: args.thread_count,
+        },
+        in_flight: args.in_flight,
+    };
+    if !args.json {
+        say!(
+            "{} ({}), {} MB per method and size",
+            args.path.display(),
+            info.filesystem,
+            total / 1_000_000
+        );
+        say!(
+            "{:<16} {:>6} {:>10} {:>8} {:>10}",
+            "method",
+            "op",
+            "size",
+            "GB/s",
+            "vs direct"
+        );
+    }
+    let json = args.json;
+    let (rows, skipped) = zswap::bench::run(&cfg, |r| {
+        if !json {
+            say!(
+                "{:<16} {:>6} {:>10} {:>8.2} {:>9.2}x",
+                r.method,
+                r.op,
+                r.size,
+                r.gb_per_s,
+                r.vs_direct
+            );
+        }
+    })
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    for s in &skipped {
+        shout!("zrun: {} not measured: {}", s.method, s.reason);
+    }
+    if json {
+        say!(
+            "{}",
+            serde_json::to_string_pretty(
+                &serde_json::json!({ "filesystem": info.filesystem, "rows": rows, "skipped": skipped })
+            )?
+        );
+    } else {
+        say!("(direct: one O_DIRECT pwrite/pread at a time; buffered: through the page cache, fsync before the clock stops, cache dropped before reading; writes are timed to a completed sync)");
     }
     Ok(ExitCode::SUCCESS)
 }

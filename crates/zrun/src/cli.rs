@@ -158,7 +158,7 @@ pub struct CheckArgs {
     pub set: Vec<String>,
 }
 
-/// `zrun bench`: `zrun bench JOB.yaml --sweep KEY=V1,V2`, `bench comm` or `bench kernels`.
+/// `zrun bench`: `zrun bench JOB.yaml --sweep KEY=V1,V2`, `bench comm`, `bench kernels` or `bench io`.
 #[derive(Debug, Args)]
 #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct BenchArgs {
@@ -200,6 +200,38 @@ pub enum BenchWhat {
     Comm(BenchCommArgs),
     /// CPU kernels (AdamW, reduction, GEMM) against this machine's memory bandwidth.
     Kernels(BenchKernelsArgs),
+    /// The NVMe swap layer's read and write bandwidth against buffered and
+    /// plain O_DIRECT transfers in the same directory.
+    Io(BenchIoArgs),
+}
+
+/// `zrun bench io`.
+#[derive(Debug, Args)]
+pub struct BenchIoArgs {
+    /// Directory to measure (a job's `nvme_path`).
+    #[arg(long, value_name = "DIR")]
+    pub path: PathBuf,
+    /// Bytes per transfer: `64MiB` (binary) or `64M` (decimal), as everywhere.
+    #[arg(long, value_delimiter = ',', default_values_t = ["1MiB".to_string(), "8MiB".to_string(), "64MiB".to_string()])]
+    pub sizes: Vec<String>,
+    /// Bytes each method writes and reads per size.
+    #[arg(long, default_value = "1GiB")]
+    pub total: String,
+    /// The swapper's `aio.block_size`.
+    #[arg(long, default_value = "1MiB")]
+    pub block_size: String,
+    /// The swapper's `aio.queue_depth`.
+    #[arg(long, default_value_t = 32)]
+    pub queue_depth: usize,
+    /// The swapper's `aio.thread_count`.
+    #[arg(long, default_value_t = 2)]
+    pub thread_count: usize,
+    /// Swapper transfers outstanding (a job's `buffer_count`).
+    #[arg(long, default_value_t = 4)]
+    pub in_flight: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `zrun bench kernels`.

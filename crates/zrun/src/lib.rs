@@ -167,6 +167,7 @@ pub fn run() -> anyhow::Result<ExitCode> {
         cli::Command::Bench(b) => match b.what {
             Some(cli::BenchWhat::Comm(args)) => bench::comm(args),
             Some(cli::BenchWhat::Kernels(args)) => bench::kernels(args),
+            Some(cli::BenchWhat::Io(args)) => bench::io(args),
             None => sweep::sweep(b.job),
         },
         cli::Command::Estimate(args) => estimate::estimate(args),

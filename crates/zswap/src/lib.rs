@@ -12,6 +12,8 @@
 //! - [`dir`]: per-worker swap directories, cleanup of dead jobs' files, and the
 //!   up-front checks of a swap path.
 //! - [`error`]: why swapping failed.
+//! - [`bench`]: `zrun bench io`, the swapper against buffered and plain
+//!   `O_DIRECT` transfers on the same directory.
 //!
 //! The design decision to know: the swapper moves whole buffers and knows nothing
 //! of tensors. The engine lays its flat buffers out in the files at 4 KiB-aligned
@@ -19,6 +21,7 @@
 
 #![deny(missing_docs)]
 
+pub mod bench;
 pub mod buf;
 pub mod dir;
 pub mod error;

@@ -114,6 +114,15 @@ impl SwapFile {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Flushes the file's data to the device (`fdatasync`).
+    pub fn sync(&self) -> Result<(), SwapError> {
+        self.file.sync_data().map_err(|source| SwapError::Io {
+            op: "write",
+            path: self.path.to_path_buf(),
+            source,
+        })
+    }
 }
 
 /// Counters shared by the submitting side and the I/O path.
