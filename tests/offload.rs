@@ -545,9 +545,11 @@ fn peak_memory_grows_far_slower_than_the_model_with_both_offloads() {
     let rss = big_rss / small_rss;
     println!("4x layers: swap files {states:.2}x, peak RSS {rss:.2}x");
     assert!(states > 3.5, "{states}");
-    // Measured here: 1.76x for 3.97x (the blocks' checkpointed inputs grow 4x).
+    // Measured here: 1.30x for 3.97x (the blocks' checkpointed inputs grow
+    // 4x); 1.76x while every group's gradient write held its buffer until
+    // the step, which this bound catches.
     assert!(
-        rss < 0.6 * states,
+        rss < 0.4 * states,
         "peak RSS grew {rss:.2}x for {states:.2}x the states"
     );
 }

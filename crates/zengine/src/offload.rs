@@ -120,6 +120,10 @@ pub(crate) struct GradFiles {
     adds: Vec<usize>,
     /// Per group: its last write, in flight, and the bytes it holds.
     writes: Vec<Option<(IoHandle, u64)>>,
+    /// Groups in the order their writes were started (some since waited
+    /// for), so that at most `in_flight` buffers are held.
+    order: VecDeque<usize>,
+    in_flight: usize,
     /// Per group, once every micro-batch is added: Σ(x·scale)² of the
     /// averaged gradient, as the gradient norm adds it.
     sum_sq: Vec<Option<f64>>,
@@ -255,6 +259,8 @@ impl Offload {
                     elem,
                     adds: vec![0; n],
                     writes: (0..n).map(|_| None).collect(),
+                    order: VecDeque::new(),
+                    in_flight: z.offload_optimizer.buffer_count.unwrap_or(4).max(1),
                     sum_sq: vec![None; n],
                 });
             }
@@ -393,14 +399,16 @@ impl Offload {
     }
 
     /// Writes group `g`'s accumulated slice back after one more micro-batch
-    /// was added; `sum_sq`: its squared norm, once it is complete.
+    /// was added; `sum_sq`: its squared norm, once it is complete. Waits for
+    /// the oldest writes beyond `buffer_count` in flight, whose buffers would
+    /// otherwise hold every group's gradient in memory.
     pub(crate) fn put_grads(
         &mut self,
         g: usize,
         grads: &Flat,
         sum_sq: Option<f64>,
         held: &mut Transient,
-    ) {
+    ) -> Result<(), EngineError> {
         let Some(gf) = &mut self.grads else {
             unreachable!("put_grads without gradient swap")
         };
@@ -411,8 +419,17 @@ impl Offload {
         buf.bytes_mut()[..bytes.len()].copy_from_slice(bytes);
         held.add(len as u64);
         gf.writes[g] = Some((self.swapper.write(&gf.file, off, buf), len as u64));
+        gf.order.push_back(g);
         gf.adds[g] += 1;
         gf.sum_sq[g] = sum_sq;
+        while gf.order.len() > gf.in_flight {
+            let oldest = gf.order.pop_front().expect("more than in_flight");
+            if let Some((w, bytes)) = gf.writes[oldest].take() {
+                w.wait()?;
+                held.sub(bytes);
+            }
+        }
+        Ok(())
     }
 
     /// Micro-batch gradients added to group `g` this step (`None` where
@@ -429,6 +446,7 @@ impl Offload {
     /// Waits for every gradient write in flight (before the step reads them).
     pub(crate) fn flush_grads(&mut self, held: &mut Transient) -> Result<(), EngineError> {
         if let Some(gf) = &mut self.grads {
+            gf.order.clear();
             for (w, bytes) in gf.writes.iter_mut().filter_map(Option::take) {
                 w.wait()?;
                 held.sub(bytes);

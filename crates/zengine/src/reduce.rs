@@ -208,8 +208,7 @@ impl Engine {
         grads.add_f32(0, values);
         let complete = off.grad_adds(g) == Some(accum - 1);
         let sum_sq = complete.then(|| average_and_sum_sq(&mut grads, scale));
-        off.put_grads(g, &grads, sum_sq, swap_buffers);
-        Ok(())
+        off.put_grads(g, &grads, sum_sq, swap_buffers)
     }
 }
 
