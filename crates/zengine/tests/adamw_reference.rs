@@ -61,14 +61,14 @@ struct State {
 fn reference_step(s: &mut State, g: &[f64], t: u64, decay: bool) {
     let lr = lr(t);
     let (c1, c2) = (1.0 - BETA1.powi(t as i32), 1.0 - BETA2.powi(t as i32));
-    for i in 0..g.len() {
+    for (((p, m), v), &g) in s.p.iter_mut().zip(&mut s.m).zip(&mut s.v).zip(g) {
         if decay {
-            s.p[i] -= lr * WD * s.p[i];
+            *p -= lr * WD * *p;
         }
-        s.m[i] = BETA1 * s.m[i] + (1.0 - BETA1) * g[i];
-        s.v[i] = BETA2 * s.v[i] + (1.0 - BETA2) * g[i] * g[i];
-        let (m_hat, v_hat) = (s.m[i] / c1, s.v[i] / c2);
-        s.p[i] -= lr * m_hat / (v_hat.sqrt() + EPS);
+        *m = BETA1 * *m + (1.0 - BETA1) * g;
+        *v = BETA2 * *v + (1.0 - BETA2) * g * g;
+        let (m_hat, v_hat) = (*m / c1, *v / c2);
+        *p -= lr * m_hat / (v_hat.sqrt() + EPS);
     }
 }
 
