@@ -306,6 +306,100 @@ async fn serve(
 mod tests {
     use super::*;
 
+    /// One handshake as a client: reads the challenge, answers with what
+    /// `answer` makes of it, and returns the nonce it was given and zrun's
+    /// reply (`None`: zrun closed the connection).
+    async fn handshake(
+        addr: SocketAddr,
+        answer: impl FnOnce(&zproto::auth::Nonce) -> ToServer,
+    ) -> (zproto::auth::Nonce, Option<ToWorker>) {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let ToWorker::Challenge { nonce } = read_frame_async(&mut s, HANDSHAKE_MAX).await.unwrap()
+        else {
+            panic!("zrun did not open with a challenge")
+        };
+        write_frame_async(&mut s, &answer(&nonce)).await.unwrap();
+        let reply = tokio::time::timeout(
+            Duration::from_secs(10),
+            read_frame_async::<_, ToWorker>(&mut s, MAX_FRAME),
+        )
+        .await
+        .expect("zrun neither answered nor closed within 10 s");
+        (nonce, reply.ok())
+    }
+
+    fn hello(job_id: &str, rank: u64, proof: zproto::auth::Proof) -> ToServer {
+        ToServer::Hello {
+            rank,
+            job_id: job_id.into(),
+            proof,
+            nonce: [7; 32],
+            pid: 1,
+            hostname: "test".into(),
+        }
+    }
+
+    /// The HMAC is what admits a worker: a peer that knows the job id but not
+    /// the token is dropped, and so is a valid proof replayed on another
+    /// connection (its nonce differs); the right token gets a welcome whose
+    /// proof shows that zrun knows the token too.
+    #[tokio::test]
+    async fn only_the_job_token_admits_a_worker_and_proofs_do_not_replay() {
+        let token = Token::generate();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (events, mut seen) = mpsc::unbounded_channel();
+        let info = JobInfo {
+            token: token.clone(),
+            job_id: "job-1".into(),
+            world_size: 2,
+            node_of_rank: vec![0, 0],
+            task: Task::BenchKernels { elements: 1024 },
+        };
+        let server = Server::start(listener, info, events).unwrap();
+        let stranger = Token::generate();
+        let (_, reply) = handshake(server.addr, |n| {
+            hello("job-1", 0, stranger.prove(CONTROL_CONTEXT, n, 0))
+        })
+        .await;
+        assert!(reply.is_none(), "a wrong token was answered: {reply:?}");
+        // A proof made for another context (zrun's own) is no worker's proof.
+        let (_, reply) = handshake(server.addr, |n| {
+            hello("job-1", 0, token.prove(SERVER_CONTEXT, n, 0))
+        })
+        .await;
+        assert!(reply.is_none(), "another context's proof was answered");
+        // Rank 1 joins properly; its proof, replayed for rank 1 on a new
+        // connection (with a new nonce), is refused.
+        let mut recorded = None;
+        let (_, reply) = handshake(server.addr, |n| {
+            let p = token.prove(CONTROL_CONTEXT, n, 1);
+            recorded = Some(p.clone());
+            hello("job-1", 1, p)
+        })
+        .await;
+        let Some(ToWorker::Welcome(w)) = reply else {
+            panic!("the right token was refused: {reply:?}")
+        };
+        assert!(token.verify(SERVER_CONTEXT, &[7; 32], 1, &w.server_proof));
+        assert!(!stranger.verify(SERVER_CONTEXT, &[7; 32], 1, &w.server_proof));
+        let (_, reply) = handshake(server.addr, |_| hello("job-1", 0, recorded.unwrap())).await;
+        assert!(reply.is_none(), "a replayed proof was answered");
+        // The right token with the wrong job id is refused too.
+        let (_, reply) = handshake(server.addr, |n| {
+            hello("job-2", 0, token.prove(CONTROL_CONTEXT, n, 0))
+        })
+        .await;
+        assert!(reply.is_none(), "another job's id was answered");
+        // Exactly one rank joined.
+        let mut joined = Vec::new();
+        while let Ok(e) = seen.try_recv() {
+            if let Event::Joined { rank, .. } = e {
+                joined.push(rank);
+            }
+        }
+        assert_eq!(joined, [1]);
+    }
+
     #[tokio::test]
     async fn kv_wait_sees_keys_set_later_and_times_out_naming_the_missing() {
         let s = Arc::new(Store::default());

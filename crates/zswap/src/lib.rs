@@ -12,7 +12,7 @@
 //! - [`dir`]: per-worker swap directories, cleanup of dead jobs' files, and the
 //!   up-front checks of a swap path.
 //! - [`error`]: why swapping failed.
-//! - [`bench`]: `zrun bench io`, the swapper against buffered and plain
+//! - [`bench`](mod@bench): `zrun bench io`, the swapper against buffered and plain
 //!   `O_DIRECT` transfers on the same directory.
 //!
 //! The design decision to know: the swapper moves whole buffers and knows nothing

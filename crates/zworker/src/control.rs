@@ -205,3 +205,82 @@ fn hostname() -> String {
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use zproto::{Task, Token};
+
+    use super::*;
+
+    /// A stand-in zrun on loopback that challenges one worker and answers its
+    /// hello with `server_proof(worker nonce)`. Returns its port.
+    fn fake_zrun(
+        server_proof: impl FnOnce(&zproto::auth::Nonce) -> zproto::auth::Proof + Send + 'static,
+    ) -> u16 {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            write_frame(&mut s, &ToWorker::Challenge { nonce: [1; 32] }).unwrap();
+            let ToServer::Hello { nonce, .. } = read_frame(&mut s, HANDSHAKE_MAX).unwrap() else {
+                panic!("the worker did not say hello")
+            };
+            let welcome = Welcome {
+                server_proof: server_proof(&nonce),
+                node_of_rank: vec![0],
+                task: Task::BenchKernels { elements: 1024 },
+            };
+            write_frame(&mut s, &ToWorker::Welcome(Box::new(welcome))).unwrap();
+            // Held open for the rest of the test process: a worker whose
+            // control connection closes exits the process.
+            std::mem::forget(s);
+        });
+        port
+    }
+
+    fn env(port: u16, token: &Token) -> WorkerEnv {
+        WorkerEnv {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            job_id: "job".into(),
+            token: token.clone(),
+            node_addr: "127.0.0.1".into(),
+        }
+    }
+
+    /// Authentication runs both ways: a worker refuses a zrun that cannot prove
+    /// the job token (a stranger's proof, or a proof for another nonce, as a
+    /// replay would be) and accepts the one that can.
+    #[test]
+    fn a_worker_refuses_a_zrun_without_the_job_token() {
+        let token = Token::generate();
+        let stranger = Token::generate();
+        let port = fake_zrun(move |n| stranger.prove(SERVER_CONTEXT, n, 0));
+        let e = ControlClient::connect(&env(port, &token)).err().unwrap();
+        assert!(
+            format!("{e:#}").contains("does not know the job token"),
+            "{e:#}"
+        );
+        let t = token.clone();
+        let port = fake_zrun(move |_| t.prove(SERVER_CONTEXT, &[9; 32], 0));
+        let e = ControlClient::connect(&env(port, &token)).err().unwrap();
+        assert!(
+            format!("{e:#}").contains("does not know the job token"),
+            "{e:#}"
+        );
+        let t = token.clone();
+        let port = fake_zrun(move |n| t.prove(SERVER_CONTEXT, n, 0));
+        let (_, welcome) = ControlClient::connect(&env(port, &token)).unwrap();
+        assert!(matches!(
+            welcome.task,
+            Task::BenchKernels { elements: 1024 }
+        ));
+    }
+}
