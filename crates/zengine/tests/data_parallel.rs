@@ -207,3 +207,90 @@ fn f16_overflow_skips_the_step_and_lowers_the_scale() {
         before = after.clone();
     }
 }
+
+/// An overflowed f16 step changes nothing of the optimizer: the schedule does
+/// not advance (the step after it runs at the learning rate it would have
+/// had), and Adam's step count does not either, which the first real update
+/// shows exactly: from untouched zero moments, bias-corrected Adam moves every
+/// weight by lr·g/(|g| + eps), i.e. by lr wherever |g| ≫ eps (weight decay off
+/// here). Had the count advanced by k skipped steps, the first move would be
+/// about 0.74·lr for k = 1.
+#[test]
+fn f16_skipped_steps_freeze_the_schedule_and_adams_step_count() {
+    let mut spec = typed_spec("f16", 1, 1, 2000, true, false, 10);
+    spec.train.loss_scale.initial_scale_power = 24;
+    spec.train.loss_scale.hysteresis = 1;
+    spec.train.weight_decay = 0.0;
+    let run = &train_observed(spec.clone(), 2, true)[0];
+    let skipped: Vec<bool> = run.scales.iter().map(|s| s.1).collect();
+    let k = skipped.iter().take_while(|&&s| s).count();
+    assert!(k > 0 && k < 10, "want leading skipped steps: {skipped:?}");
+    let t = &spec.train;
+    let mut updates = 0;
+    for (s, (&lr, &skip)) in run.lrs.iter().zip(&skipped).enumerate() {
+        let want = zengine::schedule::lr_at(updates + 1, t.steps, t.lr, t.warmup_steps, t.schedule);
+        assert_eq!(lr, want, "step {}: lr with {updates} updates done", s + 1);
+        updates += u64::from(!skip);
+    }
+    assert_eq!(
+        run.lrs[k], run.lrs[0],
+        "the schedule advanced on skipped steps"
+    );
+    let before = &run.history[k - 1];
+    let after = &run.history[k];
+    let lr = run.lrs[k];
+    let moves: Vec<f64> = before
+        .iter()
+        .flatten()
+        .zip(after.iter().flatten())
+        .map(|(a, b)| f64::from((b - a).abs()))
+        .filter(|&d| d > 0.0)
+        .collect();
+    let total: usize = before.iter().map(Vec::len).sum();
+    assert!(
+        moves.len() > total / 2,
+        "{} of {total} weights moved",
+        moves.len()
+    );
+    let exact = moves
+        .iter()
+        .filter(|&&d| (d / lr - 1.0).abs() < 1e-3)
+        .count();
+    let over = moves.iter().filter(|&&d| d > lr * 1.001).count();
+    assert_eq!(over, 0, "a first update moved a weight by more than lr");
+    assert!(
+        exact * 10 > moves.len() * 9,
+        "only {exact} of {} weights moved by lr on the first real update",
+        moves.len()
+    );
+}
+
+/// An overflow at the minimum loss scale fails the step with an error that
+/// says so (the worker turns it into a failed job, exit 1), instead of
+/// skipping forever.
+#[test]
+fn f16_overflow_at_the_minimum_scale_fails_the_step() {
+    let mut spec = typed_spec("f16", 0, 1, 2000, true, false, 2);
+    spec.train.loss_scale.initial_scale_power = 24;
+    spec.train.loss_scale.min_loss_scale = (1u64 << 24) as f64;
+    spec.train.loss_scale.hysteresis = 1;
+    let t = &spec.train;
+    let corpus = zmodel::Corpus::synthetic(spec.model.vocab_size, t.seed);
+    let mut data = zmodel::Batcher::new(
+        corpus,
+        spec.model.seq_len,
+        t.micro_batch_size,
+        1,
+        1,
+        0,
+        t.seed,
+    )
+    .unwrap();
+    let mut engine = Engine::new(&spec, comms(1).remove(0)).unwrap();
+    engine.forward_backward(&data.batch(0, 0)).unwrap();
+    let e = engine
+        .step()
+        .err()
+        .expect("an overflow at the minimum scale must fail");
+    assert!(e.to_string().contains("minimum loss scale"), "{e}");
+}

@@ -68,6 +68,8 @@ pub struct Run {
     pub losses: Vec<f64>,
     /// Per step: the global gradient norm.
     pub norms: Vec<f64>,
+    /// Per step: the learning rate used.
+    pub lrs: Vec<f64>,
     /// The most gradient bytes held in memory at the end of a step.
     pub grads_held: u64,
     /// Final f32 parameters (master weights under mixed precision).
@@ -118,6 +120,7 @@ pub fn train_observed(spec: JobSpec, world: usize, history: bool) -> Vec<Run> {
                 let mut run = Run {
                     losses: Vec::new(),
                     norms: Vec::new(),
+                    lrs: Vec::new(),
                     grads_held: 0,
                     params: Vec::new(),
                     scales: Vec::new(),
@@ -130,6 +133,7 @@ pub fn train_observed(spec: JobSpec, world: usize, history: bool) -> Vec<Run> {
                     let st = engine.step().unwrap();
                     run.losses.push(st.loss);
                     run.norms.push(st.grad_norm);
+                    run.lrs.push(st.lr);
                     run.grads_held = run.grads_held.max(st.mem.grads);
                     run.scales.push((st.loss_scale, st.skipped));
                     if history {
