@@ -290,7 +290,6 @@ fn f16_overflow_at_the_minimum_scale_fails_the_step() {
     engine.forward_backward(&data.batch(0, 0)).unwrap();
     let e = engine
         .step()
-        .err()
-        .expect("an overflow at the minimum scale must fail");
+        .expect_err("an overflow at the minimum scale must fail");
     assert!(e.to_string().contains("minimum loss scale"), "{e}");
 }
