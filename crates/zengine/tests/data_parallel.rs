@@ -125,19 +125,27 @@ fn accumulation_agrees_across_stages() {
 
 /// Mixed precision keeps the stages bit-identical too: gradients are rounded to
 /// the working type as backward produces them in every stage, reduced in f32,
-/// and Adam updates the f32 master slices.
+/// and Adam updates the f32 master slices. With and without overlapped
+/// reduction and activation checkpointing, against one stage-0 run.
 #[test]
 fn mixed_precision_stages_are_bit_identical() {
     for dtype in ["bf16", "f16"] {
         for world in [2, 3] {
             let base = train(typed_spec(dtype, 0, 1, 2000, true, false, 6), world);
-            for stage in 1..=3u8 {
-                let got = train(typed_spec(dtype, stage, 1, 2000, true, false, 6), world);
-                for r in 0..world {
-                    assert!(
-                        got[r] == base[r],
-                        "{dtype} world {world} stage {stage} rank {r}"
-                    );
+            for stage in 0..=3u8 {
+                for (overlap, ckpt) in [(true, false), (false, false), (true, true), (false, true)]
+                {
+                    if (stage, overlap, ckpt) == (0, true, false) {
+                        continue; // the base itself
+                    }
+                    let spec = typed_spec(dtype, stage, 1, 2000, overlap, ckpt, 6);
+                    let got = train(spec, world);
+                    for r in 0..world {
+                        assert!(
+                            got[r] == base[r],
+                            "{dtype} world {world} stage {stage} overlap {overlap} checkpointing {ckpt} rank {r}"
+                        );
+                    }
                 }
             }
             assert!(
