@@ -295,6 +295,27 @@ fn mismatched_collectives_are_reported_not_mixed(t: Transport) {
         CommError::Mismatch { op, .. } => assert_eq!(*op, "all_reduce"),
         other => panic!("{t:?}: expected a mismatch, got {other}"),
     }
+    // Different collectives: some rank's error names both.
+    let comms = world(t, 2, &[0, 0], Duration::from_secs(5));
+    let out = on_all(&comms, |r, c| {
+        if r == 0 {
+            c.all_reduce(vec![1.0; 64]).map(|_| ())
+        } else {
+            c.all_gather(vec![1.0; 32], 64).map(|_| ())
+        }
+    });
+    let texts: Vec<String> = out
+        .iter()
+        .filter_map(|o| o.as_ref().err())
+        .map(|e| e.to_string())
+        .collect();
+    assert!(!texts.is_empty(), "{t:?}: both ranks succeeded");
+    assert!(
+        texts
+            .iter()
+            .any(|m| m.contains("all_reduce") && m.contains("all_gather")),
+        "{t:?}: no error names both collectives: {texts:?}"
+    );
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! The point-to-point layer of the TCP communicator: one reader and one
 //! writer thread per peer, messages framed with a 16-byte header (sequence
-//! number, length), per-operation deadlines, byte accounting, and the record of
+//! number, operation, length), per-operation deadlines, byte accounting, and the record of
 //! which peer the operation thread waits for (hang diagnosis).
 
 use std::io::{ErrorKind, Read, Write};
@@ -12,7 +12,13 @@ use crate::direct::{Call, Direct};
 use crate::links::Links;
 use crate::{CommError, Counters, Op};
 
+/// A message's header: the collective's sequence number, then one word of
+/// the operation (top byte) and the payload length (the rest), so that ranks
+/// running different collectives whose pieces happen to have the same length
+/// get a mismatch instead of each other's bytes.
 pub(super) const HEADER: usize = 16;
+const OP_SHIFT: u32 = 56;
+const LEN_MASK: u64 = (1 << OP_SHIFT) - 1;
 
 /// The receiving half of a link: a socket or a shared-memory ring.
 pub(super) trait Wire: Read + Send {
@@ -248,7 +254,18 @@ impl TcpLinks {
         let mut h = [0u8; HEADER];
         self.read_exact(peer, &mut h)?;
         let seq = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
-        let len = u64::from_le_bytes(h[8..].try_into().expect("8 bytes")) as usize;
+        let word = u64::from_le_bytes(h[8..].try_into().expect("8 bytes"));
+        let (op, len) = ((word >> OP_SHIFT) as usize, (word & LEN_MASK) as usize);
+        if op != self.op.index() {
+            let sent = Op::from_index(op).map_or("an unknown operation", Op::name);
+            return Err(CommError::Mismatch {
+                op: self.op.name(),
+                group: self.group.clone(),
+                peer,
+                got: format!("part of {sent} (collective #{seq})"),
+                expected: format!("part of {} (collective #{})", self.op.name(), self.seq),
+            });
+        }
         if seq != self.seq {
             return Err(CommError::Mismatch {
                 op: self.op.name(),
@@ -284,7 +301,8 @@ impl Links for TcpLinks {
             .unwrap_or_else(|| Vec::with_capacity(need));
         msg.clear();
         msg.extend_from_slice(&seq.to_le_bytes());
-        msg.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        let word = (op.index() as u64) << OP_SHIFT | payload.len() as u64;
+        msg.extend_from_slice(&word.to_le_bytes());
         msg.extend_from_slice(payload);
         counters.add(op, payload.len() as u64, p.same_node);
         if p.queue.send(msg).is_err() {
