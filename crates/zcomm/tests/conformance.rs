@@ -47,6 +47,7 @@ per_transport!(
     bytes_are_counted_per_op_and_split_by_node,
     a_missing_peer_times_out_naming_op_group_and_peer,
     mismatched_collectives_are_reported_not_mixed,
+    large_uneven_messages_cross_slots_and_ring_wraps_in_mixed_topologies,
 );
 
 /// Builds a world of `n` communicators in this process, each on its own socket.
@@ -156,6 +157,37 @@ fn reduce_scatter_then_all_gather_equals_all_reduce_bitwise(t: Transport) {
             for (full, gathered) in &out {
                 assert_close(gathered, &want);
                 assert_eq!(full, gathered);
+            }
+        }
+    }
+}
+
+/// Sizes where the shared-memory paths change behaviour, checked element by
+/// element against a naive f64 sum: beyond the first 1 MiB direct slot (3.1
+/// slots), past the 4 MiB ring's end (10 MB, and consecutive operations that
+/// wrap it mid-message), odd lengths that split unevenly over ranks; on one
+/// node and on two simulated nodes (shared memory within, TCP between).
+fn large_uneven_messages_cross_slots_and_ring_wraps_in_mixed_topologies(t: Transport) {
+    const SLOT: usize = (1 << 20) / 4;
+    let lens = [3 * SLOT + 17, 2_500_003, SLOT - 1, 1_300_001];
+    for nodes in [vec![0, 0, 0], vec![0, 0, 1, 1], vec![0, 1, 1]] {
+        let n = nodes.len();
+        let comms = world(t, n, &nodes, Duration::from_secs(60));
+        for len in lens {
+            let out = on_all(&comms, move |r, c| {
+                let full = c.all_reduce(random(r as u64, len)).unwrap();
+                let mine = c.reduce_scatter(random(r as u64, len)).unwrap();
+                let gathered = c.all_gather(mine.clone(), len).unwrap();
+                (full, mine, gathered)
+            });
+            let want = naive_sum(n, len);
+            for (r, (full, mine, gathered)) in out.iter().enumerate() {
+                let what = format!("{t:?} nodes {nodes:?} len {len} rank {r}");
+                assert_eq!(full.len(), len, "{what}");
+                assert_close(full, &want);
+                assert_close(mine, &want[chunk_range(len, n, r)]);
+                assert_close(gathered, &want);
+                assert_eq!(full, &out[0].0, "{what}: ranks disagree bitwise");
             }
         }
     }
