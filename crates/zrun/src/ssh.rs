@@ -224,6 +224,13 @@ fn verify_host_key(s: &Session, t: &Target, o: &SshOptions) -> Result<(), SshErr
         }
     };
     let (key, kind) = s.host_key().ok_or_else(check_failed)?;
+    // Hosts are connected to in parallel, and recording a new key rewrites the
+    // whole file: without this lock, two new hosts' threads each read the file
+    // and the second write drops the first's key.
+    static KNOWN_HOSTS_FILE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _file = KNOWN_HOSTS_FILE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut kh = s.known_hosts().map_err(known_hosts("reading"))?;
     if o.known_hosts.exists() {
         kh.read_file(&o.known_hosts, KnownHostFileKind::OpenSSH)
