@@ -332,6 +332,27 @@ fn a_killed_worker_fails_the_job_fast_and_leaves_nothing() {
     let (z, _) = start_long_job(dir.path(), "killed", &[]);
     let workers = children_of(z.pid());
     assert_eq!(workers.len(), 2, "expected 2 workers, found {workers:?}");
+    // The workers share a /dev/shm segment, already unlinked while they run
+    // (mapped, "(deleted)"), so a killed job cannot leave it behind.
+    let environ = std::fs::read(format!("/proc/{}/environ", workers[0])).unwrap();
+    let job_id = String::from_utf8_lossy(&environ)
+        .split('\0')
+        .find_map(|v| v.strip_prefix("ZRUN_JOB_ID=").map(str::to_string))
+        .expect("ZRUN_JOB_ID in the worker's environment");
+    let segment = zproto::shm_segment_path(&zproto::shm_segment_name(&job_id, 0));
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", workers[0])).unwrap();
+    assert!(
+        maps.lines()
+            .any(|l| l.contains(&*segment.to_string_lossy()) && l.ends_with("(deleted)")),
+        "{} is not mapped-and-unlinked in worker {}",
+        segment.display(),
+        workers[0]
+    );
+    assert!(
+        !segment.exists(),
+        "{} exists while the job runs",
+        segment.display()
+    );
     let victim = workers[1];
     let t0 = Instant::now();
     kill(Pid::from_raw(victim as i32), Signal::SIGKILL).unwrap();
@@ -348,6 +369,7 @@ fn a_killed_worker_fails_the_job_fast_and_leaves_nothing() {
     for w in workers {
         assert!(!alive(w), "worker {w} is still running");
     }
+    assert!(!segment.exists(), "{} left behind", segment.display());
 }
 
 #[test]
