@@ -17,7 +17,8 @@ fn train(dir: &Path, job: &Path, metrics: &str, extra: &[&str]) -> e2e::Finished
 
 /// f32 at stages 0 and 3, bf16 at stage 1, and f16 at stage 3 started at a loss
 /// scale of 2^24 so that its first steps overflow: the resumed run must restore
-/// the master weights, the scaler and the count of skipped steps to match.
+/// the master weights, the scaler and the count of skipped steps to match. The
+/// loss scale of every resumed step is compared too.
 #[test]
 fn resume_continues_bit_identically_in_every_precision() {
     for (stage, dtype) in [("0", "f32"), ("3", "f32"), ("1", "bf16"), ("3", "f16")] {
@@ -55,6 +56,18 @@ fn resume_continues_bit_identically_in_every_precision() {
             (7..=12).collect::<Vec<_>>()
         );
         assert_eq!(resumed, straight[6..].to_vec(), "stage {stage} {dtype}");
+        let scales = |f: &str| -> Vec<String> {
+            e2e::metrics(&dir.join(f))
+                .iter()
+                .filter(|l| l.get("step").is_some() && l.get("loss").is_some())
+                .map(|l| format!("{}: {}", l["step"], l["loss_scale"]))
+                .collect()
+        };
+        assert_eq!(
+            scales("resumed.jsonl"),
+            scales("straight.jsonl")[6..].to_vec(),
+            "stage {stage} {dtype}: loss scales"
+        );
         if dtype == "f16" {
             let m = std::fs::read_to_string(dir.join("straight.jsonl")).unwrap();
             assert!(m.contains("\"grad_norm\":null"), "no step overflowed: {m}");
