@@ -14,10 +14,10 @@
 //! Each transfer's first 8 bytes carry its offset and are checked on the way
 //! back, so a read that moved nothing cannot pass for a fast one.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -95,9 +95,8 @@ pub fn run(
         let file = dir.path().join("buffered.bin");
         measured.push(("buffered".into(), buffered(&file, size, count)?));
         let _ = std::fs::remove_file(&file);
-        let file = dir.path().join("direct.bin");
+        let file = dir.file("direct.swp", bytes)?;
         measured.push(("direct".into(), direct(&file, size, count)?));
-        let _ = std::fs::remove_file(&file);
         for s in &swappers {
             let file = dir.file("zswap.swp", bytes)?;
             let secs = swapped(s, &file, size, count, cfg.in_flight.max(1))?;
@@ -173,16 +172,10 @@ fn buffered(path: &Path, size: usize, count: usize) -> Result<[f64; 2], SwapErro
 
 /// [write seconds, read seconds] of a plain `O_DIRECT` loop, one transfer at
 /// a time.
-fn direct(path: &Path, size: usize, count: usize) -> Result<[f64; 2], SwapError> {
+/// The file is opened and sized as the swapper's are ([`SwapDir::file`]).
+fn direct(file: &SwapFile, size: usize, count: usize) -> Result<[f64; 2], SwapError> {
+    let (f, path) = (&file.file, file.path());
     let mut buf = AlignedBuf::zeroed(size);
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .map_err(err(path, "write"))?;
     let t = Instant::now();
     for i in 0..count {
         let at = (i * size) as u64;
