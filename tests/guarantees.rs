@@ -23,13 +23,16 @@ fn events(path: &Path, event: &str) -> usize {
 fn sigterm_and_sighup_stop_everything_like_ctrl_c() {
     for (sig, says) in [(Signal::SIGTERM, "SIGTERM"), (Signal::SIGHUP, "SIGHUP")] {
         let dir = tempfile::tempdir().unwrap();
-        let (z, _) = start_long_job(dir.path(), "signalled", &[]);
+        let (z, m) = start_long_job(dir.path(), "signalled", &[]);
         let workers = children_of(z.pid());
         assert_eq!(workers.len(), 2);
         z.signal(sig);
         let f = z.wait(Duration::from_secs(20));
         assert_eq!(f.code(), 130, "{says}: {f:?}");
         assert!(f.stderr.contains(says), "{}", f.stderr);
+        // The metrics end with a whole line: nothing half-written.
+        let text = std::fs::read_to_string(&m).unwrap();
+        assert!(text.ends_with('\n'), "{says}: the metrics end mid-line");
         for w in workers {
             assert!(!alive(w), "{says}: worker {w} is still running");
         }
