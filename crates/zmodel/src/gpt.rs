@@ -471,6 +471,9 @@ mod tests {
             .unwrap()
             .backward()
             .unwrap();
+        // Measured with h = 1e-3 (f32 throughout): |fd - grad| up to 1.2e-3 where
+        // the gradient is small (rounding of the loss over 2h) and 1.7e-3·|grad|
+        // where it is large (truncation); the tolerance is 2.5-3x both.
         let h = 1e-3f32;
         for (gi, gs) in groups.iter().enumerate() {
             for (pi, ps) in gs.params.iter().enumerate() {
@@ -478,8 +481,11 @@ mod tests {
                     .get(vars[gi][pi].as_tensor())
                     .unwrap_or_else(|| panic!("{} has no gradient", ps.name));
                 let grad = grad.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                // Check a few elements of every parameter.
-                for k in [0, ps.numel() / 2, ps.numel() - 1] {
+                // The four largest elements of every parameter: where a zeroed or
+                // halved gradient cannot hide in the finite differences' noise.
+                let mut order: Vec<usize> = (0..grad.len()).collect();
+                order.sort_by(|&a, &b| grad[b].abs().total_cmp(&grad[a].abs()));
+                for &k in order.iter().take(4) {
                     let eval = |delta: f32| {
                         let mut t = tensors.clone();
                         let mut v = values[gi][pi].clone();
@@ -491,8 +497,14 @@ mod tests {
                             .unwrap()
                     };
                     let fd = (eval(h) - eval(-h)) / (2.0 * h);
+                    let tol = 3e-3 + 5e-3 * fd.abs();
                     assert!(
-                        (fd - grad[k]).abs() < 3e-2 * (1.0 + fd.abs()),
+                        fd.abs() > 4.0 * tol,
+                        "{}[{k}]: |{fd}| is too small for a halved gradient to fail",
+                        ps.name
+                    );
+                    assert!(
+                        (fd - grad[k]).abs() <= tol,
                         "{}[{k}]: finite difference {fd}, gradient {}",
                         ps.name,
                         grad[k]
