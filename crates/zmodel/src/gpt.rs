@@ -514,6 +514,84 @@ mod tests {
         }
     }
 
+    /// The fused ops' AVX2 build and their baseline build give the same bits
+    /// (no fused multiply-add is ever formed), through a whole block forward and
+    /// backward and the head's loss. Says on stderr which paths it compared.
+    #[test]
+    fn avx2_and_baseline_fused_ops_give_the_same_bits() {
+        use std::io::Write;
+        use std::sync::atomic::Ordering;
+        let g = Gpt::new(GptConfig {
+            vocab_size: 11,
+            d_model: 16,
+            n_layers: 1,
+            n_heads: 2,
+            seq_len: 40,
+        })
+        .unwrap();
+        let dev = Device::Cpu;
+        let tensors = |gi: usize| -> Vec<Tensor> {
+            g.init_group(gi, 5)
+                .into_iter()
+                .zip(&g.groups()[gi].params)
+                .map(|(v, ps)| {
+                    let v: Vec<f32> = v
+                        .iter()
+                        .enumerate()
+                        .map(|(k, x)| x * 20.0 + 0.01 * (k % 7) as f32)
+                        .collect();
+                    Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap()
+                })
+                .collect()
+        };
+        let (block, head, emb) = (tensors(1), tensors(2), tensors(0));
+        let wave = |k: usize, n: usize| -> Vec<f32> {
+            (0..n).map(|i| ((i * k % 23) as f32 - 11.0) / 7.0).collect()
+        };
+        let x = Tensor::from_vec(wave(7, 2 * 40 * 16), (2, 40, 16), &dev).unwrap();
+        let dy = Tensor::from_vec(wave(5, 2 * 40 * 16), (2, 40, 16), &dev).unwrap();
+        let targets = Tensor::from_vec(
+            (0..80u32).map(|i| i * 7 % 11).collect::<Vec<_>>(),
+            (2, 40),
+            &dev,
+        )
+        .unwrap();
+        let run = || -> Vec<Vec<u32>> {
+            let p = BlockParams::from_vec(block.clone()).unwrap();
+            let (y, acts) = g.block_forward(&p, &x).unwrap();
+            let (grads, dx) = g.block_backward(&p, &acts, &dy).unwrap();
+            let h = HeadParams::from_vec(head.clone()).unwrap();
+            let loss = g.head_loss(&h, &emb[0], &y, &targets).unwrap();
+            let mut out: Vec<&Tensor> = vec![&y, &dx, &loss];
+            let grads = grads.into_vec();
+            out.extend(&grads);
+            out.iter()
+                .map(|t| {
+                    let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    v.iter().map(|f| f.to_bits()).collect()
+                })
+                .collect()
+        };
+        let best = run();
+        crate::simd::FORCE_BASELINE.store(true, Ordering::SeqCst);
+        let baseline = run();
+        crate::simd::FORCE_BASELINE.store(false, Ordering::SeqCst);
+        assert!(best == baseline, "the AVX2 and baseline builds differ");
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = std::arch::is_x86_feature_detected!("avx2");
+        #[cfg(not(target_arch = "x86_64"))]
+        let avx2 = false;
+        let _ = writeln!(
+            std::io::stderr(),
+            "fused ops: {}",
+            if avx2 {
+                "AVX2 and baseline builds compared, same bits"
+            } else {
+                "no AVX2 on this CPU: only the baseline build ran, nothing compared"
+            }
+        );
+    }
+
     #[test]
     fn param_count_matches_the_estimator() {
         let g = tiny();

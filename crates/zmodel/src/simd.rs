@@ -47,12 +47,29 @@ pub(crate) fn vectorised<R>(f: impl FnOnce() -> R) -> R {
         fn avx2<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if !baseline_forced() && std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked just above).
             return unsafe { avx2(f) };
         }
     }
     f()
+}
+
+/// Tests set this to run the baseline path on an AVX2 machine (the claim that
+/// both give the same bits is tested, not assumed).
+#[cfg(test)]
+pub(crate) static FORCE_BASELINE: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+#[cfg(test)]
+fn baseline_forced() -> bool {
+    FORCE_BASELINE.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+#[cfg(not(test))]
+#[inline(always)]
+fn baseline_forced() -> bool {
+    false
 }
 
 /// Applies `f` to matching chunks of `rows` rows of `width` elements of `input`
