@@ -21,13 +21,21 @@ fn train(dir: &Path, job: &Path, metrics: &str, extra: &[&str]) -> e2e::Finished
 /// f32 at stages 0 and 3, bf16 at stage 1, and f16 at stage 3 started at a loss
 /// scale of 2^24 so that its first steps overflow: the resumed run must restore
 /// the master weights, the scaler and the count of skipped steps to match. The
-/// loss scale of every resumed step is compared too.
+/// loss scale of every resumed step is compared too. For f16 the checkpoint
+/// (step 8, window 2) falls after the last of the first overflows (step 7) and
+/// before the scale grows (step 9's update, `(iter - last_overflow) % window`):
+/// a resumed scaler that forgot `last_overflow` grows a step late, or never.
 #[test]
 fn resume_continues_bit_identically_in_every_precision() {
-    for (stage, dtype) in [("0", "f32"), ("3", "f32"), ("1", "bf16"), ("3", "f16")] {
+    for (stage, dtype, every) in [
+        ("0", "f32", 6),
+        ("3", "f32", 6),
+        ("1", "bf16", 6),
+        ("3", "f16", 4),
+    ] {
         let d = tempfile::tempdir().unwrap();
         let dir = d.path();
-        let job = ckpt_job(dir, "resume", 12, 6);
+        let job = ckpt_job(dir, "resume", 12, every);
         let set = format!("zero.stage={stage}");
         let dt = format!("train.dtype={dtype}");
         let set = &[
@@ -37,11 +45,14 @@ fn resume_continues_bit_identically_in_every_precision() {
             &dt,
             "--set",
             "train.loss_scale.initial_scale_power=24",
+            "--set",
+            "train.loss_scale.loss_scale_window=2",
         ];
         train(dir, &job, "straight.jsonl", set);
         let straight = losses_by_step(&dir.join("straight.jsonl"));
-        // Lose the final checkpoint, keep step 6, and resume from it.
+        // Lose the final checkpoint, keep the one before, and resume from it.
         std::fs::remove_dir_all(dir.join("ckpt/step-00000012")).unwrap();
+        let from = 12 - every as usize;
         let f = train(
             dir,
             &job,
@@ -49,31 +60,48 @@ fn resume_continues_bit_identically_in_every_precision() {
             &[set.as_slice(), &["--resume", "auto"]].concat(),
         );
         assert!(
-            f.stdout.contains("resuming from") && f.stdout.contains("step-00000006"),
+            f.stdout.contains("resuming from") && f.stdout.contains(&format!("step-{from:08}")),
             "{}",
             f.stdout
         );
         let resumed = losses_by_step(&dir.join("resumed.jsonl"));
         assert_eq!(
             resumed.iter().map(|x| x.0).collect::<Vec<_>>(),
-            (7..=12).collect::<Vec<_>>()
+            (from as u64 + 1..=12).collect::<Vec<_>>()
         );
-        assert_eq!(resumed, straight[6..].to_vec(), "stage {stage} {dtype}");
-        let scales = |f: &str| -> Vec<String> {
+        assert_eq!(resumed, straight[from..].to_vec(), "stage {stage} {dtype}");
+        let scales = |f: &str| -> Vec<(u64, Option<f64>, bool)> {
             e2e::metrics(&dir.join(f))
                 .iter()
                 .filter(|l| l.get("step").is_some() && l.get("loss").is_some())
-                .map(|l| format!("{}: {}", l["step"], l["loss_scale"]))
+                .map(|l| {
+                    (
+                        l["step"].as_u64().unwrap(),
+                        l["loss_scale"].as_f64(),
+                        l["grad_norm"].is_null(),
+                    )
+                })
                 .collect()
         };
+        let straight_scales = scales("straight.jsonl");
         assert_eq!(
             scales("resumed.jsonl"),
-            scales("straight.jsonl")[6..].to_vec(),
+            straight_scales[from..].to_vec(),
             "stage {stage} {dtype}: loss scales"
         );
         if dtype == "f16" {
-            let m = std::fs::read_to_string(dir.join("straight.jsonl")).unwrap();
-            assert!(m.contains("\"grad_norm\":null"), "no step overflowed: {m}");
+            // The shape this test relies on: steps 1-7 overflow, step 8 does not,
+            // and the scale grows right after the checkpoint.
+            let skipped: Vec<bool> = straight_scales.iter().map(|s| s.2).collect();
+            assert_eq!(
+                &skipped[..8],
+                &[true, true, true, true, true, true, true, false],
+                "{straight_scales:?}"
+            );
+            assert!(
+                straight_scales[9].1 > straight_scales[8].1,
+                "no growth at step 10 to observe: {straight_scales:?}"
+            );
         }
     }
 }
