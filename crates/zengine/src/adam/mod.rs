@@ -468,6 +468,19 @@ mod tests {
         }
     }
 
+    /// Buffers of different lengths are a caller's bug: refused before any
+    /// element is touched, on every path.
+    #[test]
+    #[should_panic(expected = "buffer lengths differ")]
+    fn mismatched_buffer_lengths_are_refused() {
+        let [mut p, g, mut m, mut v] = inputs(40, 3);
+        adamw(
+            Buffers::f32(&mut p, &g[..39], &mut m, &mut v),
+            true,
+            &step(1),
+        );
+    }
+
     #[test]
     fn split_updates_equal_the_whole() {
         let n = 1003;

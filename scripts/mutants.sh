@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Mutation testing of the hot paths with cargo-mutants: plants one plausible bug
+# at a time (an operator flipped, a function returning a default, a branch
+# taken always) and reports the bugs no test noticed. Slow (a rebuild and a test
+# run per mutant), so not part of CI; docs/TESTING.md has the counts.
+#
+#   scripts/mutants.sh            every set below
+#   scripts/mutants.sh adam auth  only these sets
+#
+# Needs `cargo install cargo-mutants`. Results: target/mutants/<set>/mutants.out
+# (missed.txt lists the survivors). Extra cargo-mutants flags go in
+# MUTANTS_FLAGS, e.g. MUTANTS_FLAGS="--jobs 2" on a machine with the cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+command -v cargo-mutants >/dev/null || {
+    echo "cargo-mutants is not installed: cargo install cargo-mutants" >&2
+    exit 2
+}
+
+# name | package whose tests judge | files (cargo-mutants -f globs) | regex filter
+SETS=(
+    "adam|zengine|crates/zengine/src/adam/mod.rs|"
+    "loss-scale|zengine|crates/zengine/src/precision.rs|LossScaler"
+    "state|zengine|crates/zengine/src/state.rs|"
+    "auth|zproto|crates/zproto/src/auth.rs|"
+    "collectives|zcomm|crates/zcomm/src/ring.rs crates/zcomm/src/pairwise.rs crates/zcomm/src/star.rs|"
+    "shm|zcomm|crates/zcomm/src/shm.rs crates/zcomm/src/direct.rs|"
+    "checkpoint|zckpt|crates/zckpt/src/lib.rs crates/zckpt/src/stream.rs|"
+)
+
+wanted=("$@")
+for set in "${SETS[@]}"; do
+    IFS='|' read -r name package files filter <<<"$set"
+    if [ ${#wanted[@]} -gt 0 ] && [[ ! " ${wanted[*]} " =~ " $name " ]]; then
+        continue
+    fi
+    args=(-p "$package" --test-package "$package" --profile release --timeout 300)
+    for f in $files; do args+=(-f "$f"); done
+    [ -n "$filter" ] && args+=(--re "$filter")
+    out="target/mutants/$name"
+    mkdir -p "$out"
+    echo "== $name: cargo mutants ${args[*]}"
+    # cargo-mutants exits 2 when mutants survive: report, do not stop.
+    cargo mutants "${args[@]}" ${MUTANTS_FLAGS:-} -o "$out" || true
+    for kind in caught missed timeout unviable; do
+        printf '%s %s: %s\n' "$name" "$kind" "$(wc -l <"$out/mutants.out/$kind.txt")"
+    done
+done
