@@ -227,6 +227,7 @@ fn all_to_all_delivers_every_piece_with_its_own_length(t: Transport) {
             c.all_to_all(pieces).unwrap()
         });
         for (r, got) in out.iter().enumerate() {
+            assert_eq!(got.len(), n, "rank {r} got {} pieces", got.len());
             for (i, piece) in got.iter().enumerate() {
                 assert_eq!(piece, &vec![(i * 16 + r) as u8; i + 2 * r]);
             }

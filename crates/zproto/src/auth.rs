@@ -113,5 +113,18 @@ mod tests {
         let back = Token::from_hex(&t.to_hex()).unwrap();
         assert!(back.verify("control", &n, 3, &p));
         assert!(Token::from_hex("abc").is_none());
+        // Shorter than 16 bytes is too weak to accept.
+        assert!(Token::from_hex(&"ab".repeat(15)).is_none());
+        assert!(Token::from_hex(&"ab".repeat(16)).is_some());
+    }
+
+    /// A token never reaches a log through `{:?}` (errors and traces print the
+    /// structs that hold one).
+    #[test]
+    fn debug_output_redacts_the_token() {
+        let t = Token::generate();
+        let shown = format!("{t:?} {:?}", Some(&t));
+        assert!(!shown.contains(&t.to_hex()[..8]), "{shown}");
+        assert!(shown.contains("redacted"), "{shown}");
     }
 }
