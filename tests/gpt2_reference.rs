@@ -82,6 +82,13 @@ impl Gpt2 {
         &self.tensors[name]
     }
 
+    fn weight_and_bias(&self, name: &str) -> (&[f64], &[f64]) {
+        (
+            self.w(&format!("{name}.weight")),
+            self.w(&format!("{name}.bias")),
+        )
+    }
+
     /// Mean next-token cross-entropy over `windows` (each `len + 1` tokens:
     /// inputs are the first `len`, targets the last `len`).
     pub fn loss(&self, windows: &[Vec<u32>]) -> f64 {
@@ -144,10 +151,7 @@ impl Gpt2 {
     }
 
     fn layer_norm(&self, x: &[Vec<f64>], name: &str) -> Vec<Vec<f64>> {
-        let (g, b) = (
-            self.w(&format!("{name}.weight")),
-            self.w(&format!("{name}.bias")),
-        );
+        let (g, b) = self.weight_and_bias(name);
         x.iter()
             .map(|row| {
                 let mean = row.iter().sum::<f64>() / row.len() as f64;
@@ -163,10 +167,7 @@ impl Gpt2 {
 
     /// GPT-2's `Conv1D`: `y = x · W + b` with `W` stored `[in, out]`.
     fn conv1d(&self, x: &[Vec<f64>], name: &str) -> Vec<Vec<f64>> {
-        let (w, b) = (
-            self.w(&format!("{name}.weight")),
-            self.w(&format!("{name}.bias")),
-        );
+        let (w, b) = self.weight_and_bias(name);
         let out = b.len();
         x.iter()
             .map(|row| {
