@@ -27,6 +27,7 @@ SETS=(
     "auth|zproto|crates/zproto/src/auth.rs||"
     "collectives|zcomm|crates/zcomm/src/ring.rs crates/zcomm/src/pairwise.rs crates/zcomm/src/star.rs||"
     "shm|zcomm|crates/zcomm/src/shm.rs crates/zcomm/src/direct.rs||"
+    "state|zengine|crates/zengine/src/state.rs||--test resume"
     "checkpoint|zckpt|crates/zckpt/src/lib.rs crates/zckpt/src/stream.rs||"
 )
 

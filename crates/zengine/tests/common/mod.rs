@@ -3,9 +3,11 @@
 
 #![allow(dead_code)] // each test binary uses its own subset
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use zckpt::{Checkpoint, FileEntry, GroupEntry, LossScaleState, Manifest};
 use zcomm::{Communicator, TcpCommunicator, TcpOptions};
 use zconfig::JobSpec;
 use zengine::Engine;
@@ -78,6 +80,17 @@ pub struct Run {
     pub scales: Vec<(Option<f64>, bool)>,
     /// Per step: every parameter after it (only when asked for).
     pub history: Vec<Vec<Vec<f32>>>,
+    /// What rank 0 needs of every rank to write the manifest, when saved.
+    pub saved: Option<Saved>,
+}
+
+/// A rank's part of a checkpoint it wrote.
+#[derive(Debug, Clone)]
+pub struct Saved {
+    pub file: FileEntry,
+    pub groups: Vec<GroupEntry>,
+    pub loss_scale: Option<LossScaleState>,
+    pub step: u64,
 }
 
 impl PartialEq for Run {
@@ -98,11 +111,38 @@ pub fn train(spec: JobSpec, world: usize) -> Vec<Run> {
 }
 
 pub fn train_observed(spec: JobSpec, world: usize, history: bool) -> Vec<Run> {
+    let leg = Leg {
+        history,
+        ..Leg::default()
+    };
+    train_leg(spec, world, &leg)
+}
+
+/// Part of a run, for resuming.
+#[derive(Default)]
+pub struct Leg<'a> {
+    /// Start from this checkpoint (else from scratch).
+    pub resume: Option<&'a Path>,
+    /// Stop after this many steps (else `train.steps`).
+    pub until: Option<u64>,
+    /// Then save a checkpoint here, as zworker does: every rank its shard,
+    /// then the manifest.
+    pub save: Option<&'a Path>,
+    /// Record every parameter after every step.
+    pub history: bool,
+}
+
+/// Trains `leg` of `spec` on every rank in parallel; returns what each rank saw.
+pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
+    let ckpt = leg.resume.map(|dir| Checkpoint::open(dir).unwrap());
+    let (history, save) = (leg.history, leg.save);
+    let until = leg.until.unwrap_or(spec.train.steps);
     let hs: Vec<_> = comms(world)
         .into_iter()
         .enumerate()
         .map(|(rank, comm)| {
-            let spec = spec.clone();
+            let (spec, ckpt) = (spec.clone(), ckpt.clone());
+            let save = save.map(Path::to_path_buf);
             std::thread::spawn(move || {
                 let t = &spec.train;
                 let corpus = Corpus::synthetic(spec.model.vocab_size, t.seed);
@@ -117,6 +157,9 @@ pub fn train_observed(spec: JobSpec, world: usize, history: bool) -> Vec<Run> {
                 )
                 .unwrap();
                 let mut engine = Engine::new(&spec, comm).unwrap();
+                if let Some(ckpt) = &ckpt {
+                    engine.load(ckpt).unwrap();
+                }
                 let mut run = Run {
                     losses: Vec::new(),
                     norms: Vec::new(),
@@ -125,8 +168,9 @@ pub fn train_observed(spec: JobSpec, world: usize, history: bool) -> Vec<Run> {
                     params: Vec::new(),
                     scales: Vec::new(),
                     history: Vec::new(),
+                    saved: None,
                 };
-                for s in 0..t.steps {
+                for s in engine.steps_done()..until {
                     for a in 0..t.grad_accum {
                         engine.forward_backward(&data.batch(s, a)).unwrap();
                     }
@@ -140,10 +184,40 @@ pub fn train_observed(spec: JobSpec, world: usize, history: bool) -> Vec<Run> {
                         run.history.push(engine.full_params().unwrap());
                     }
                 }
+                if let Some(dir) = save {
+                    let groups = engine.manifest_groups();
+                    let lens: Vec<usize> = groups.iter().map(|g| g.padded / world).collect();
+                    let file =
+                        zckpt::write_shard(&dir, rank, &lens, |g| engine.own_slice(g)).unwrap();
+                    run.saved = Some(Saved {
+                        file,
+                        groups,
+                        loss_scale: engine.loss_scale_state(),
+                        step: engine.steps_done(),
+                    });
+                }
                 run.params = engine.full_params().unwrap();
                 run
             })
         })
         .collect();
-    hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let runs: Vec<Run> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+    if let Some(dir) = save {
+        let first = runs[0].saved.clone().unwrap();
+        let manifest = Manifest {
+            format: zckpt::FORMAT,
+            model: spec.model.clone(),
+            world_size: world,
+            nodes: 1,
+            stage: spec.zero.stage.number(),
+            dtype: spec.train.dtype,
+            step: first.step,
+            samples_consumed: 0,
+            loss_scale: first.loss_scale,
+            groups: first.groups,
+            files: runs.iter().map(|r| r.saved.clone().unwrap().file).collect(),
+        };
+        zckpt::write_manifest(dir, &manifest).unwrap();
+    }
+    runs
 }
