@@ -27,6 +27,7 @@ SETS=(
     "auth|zproto|crates/zproto/src/auth.rs||"
     "collectives|zcomm|crates/zcomm/src/ring.rs crates/zcomm/src/pairwise.rs crates/zcomm/src/star.rs||"
     "shm|zcomm|crates/zcomm/src/shm.rs crates/zcomm/src/direct.rs||"
+    "tcp|zcomm|crates/zcomm/src/tcp/mod.rs crates/zcomm/src/tcp/peers.rs crates/zcomm/src/tcp/handshake.rs crates/zcomm/src/links.rs||"
     "state|zengine|crates/zengine/src/state.rs||--test resume"
     "checkpoint|zckpt|crates/zckpt/src/lib.rs crates/zckpt/src/stream.rs||"
 )
@@ -37,7 +38,7 @@ for set in "${SETS[@]}"; do
     if [ ${#wanted[@]} -gt 0 ] && [[ ! " ${wanted[*]} " =~ " $name " ]]; then
         continue
     fi
-    args=(-p "$package" --test-package "$package" --profile release --timeout 120)
+    args=(-p "$package" --test-package "$package" --profile release)
     for f in $files; do args+=(-f "$f"); done
     [ -n "$filter" ] && args+=(--re "$filter")
     for t in $targets; do args+=("--cargo-test-arg=$t"); done
