@@ -7,7 +7,9 @@
 //! (p, g, m, v in; p, m, v out), the reduction `dst += src` 12. A ratio near 1
 //! means the kernel runs at the memory's speed, the bound for such kernels. The
 //! GEMM row (candle's f32 matmul, the model's linear layers) gives the FLOP/s
-//! peak that MFU is computed against. Each figure is the best of several runs.
+//! peak that MFU is computed against. ZeRO++'s quantization kernels move 4
+//! bytes a value one way and their code (1 byte, or half) plus block scales the
+//! other. Each figure is the best of several runs.
 
 use std::time::Instant;
 
@@ -56,6 +58,51 @@ fn reduce(dst: &mut [f32], src: &[f32], threads: usize) {
             sc.spawn(move || zcomm::reduce_add(d, s));
         }
     });
+}
+
+/// ZeRO++'s blockwise quantization on every path this CPU has, at `threads`
+/// rayon threads: quantizing reads 4 bytes a value and writes its code (1 byte
+/// for int8, half for int4) and a scale per 2048-value block; dequantizing
+/// the reverse.
+fn quantization_rows(x: &[f32], threads: usize, triad_gbps: f64) -> Result<Vec<KernelRow>> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()?;
+    let n = x.len();
+    let block = 2048;
+    let mut back = vec![0f32; n];
+    let mut rows = Vec::new();
+    for path in zquant::Path::available() {
+        for bits in [zquant::Bits::Int8, zquant::Bits::Int4] {
+            let q = zquant::quantize_with(path, x, bits, block)?;
+            let bytes = (4 * n + zquant::Quantized::wire_len(bits, block, n)) as f64;
+            let name = format!("{bits:?}_{path:?}").to_lowercase();
+            let mut err = None;
+            let quantize = best_secs(5, || {
+                if let Err(e) = pool.install(|| zquant::quantize_with(path, x, bits, block)) {
+                    err = Some(e);
+                }
+            });
+            if let Some(e) = err {
+                return Err(e.into());
+            }
+            let dequantize = best_secs(5, || {
+                pool.install(|| zquant::dequantize_with(path, &q, &mut back))
+            });
+            for (op, s) in [("quantize", quantize), ("dequantize", dequantize)] {
+                let gbps = bytes / s / 1e9;
+                rows.push(KernelRow {
+                    kernel: format!("{op}_{name}"),
+                    elements: n,
+                    threads,
+                    gbps,
+                    gflops: 0.0,
+                    ratio: gbps / triad_gbps,
+                });
+            }
+        }
+    }
+    Ok(rows)
 }
 
 /// Measures every kernel at 1 thread and at all cores.
@@ -131,6 +178,7 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
                 });
             }
         }
+        rows.extend(quantization_rows(&b, t, triad_gbps)?);
         let s = best_secs(reps, || reduce(&mut a, &b, t));
         let gbps = 12.0 * n as f64 / s / 1e9;
         rows.push(KernelRow {

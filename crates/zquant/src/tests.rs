@@ -1,0 +1,240 @@
+//! Quantization against a reference decoded apart from the kernels (nibbles
+//! and bytes read with plain integer arithmetic, errors measured in f64), on
+//! every path this CPU has and at several thread counts.
+
+use super::*;
+
+/// A deterministic spread of magnitudes and signs (xorshift).
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
+            (u - 0.5) * scale * if s & 1 == 0 { 1.0 } else { 0.01 }
+        })
+        .collect()
+}
+
+/// The codes of `q`, decoded with plain integer arithmetic.
+fn codes(q: &Quantized) -> Vec<i32> {
+    (0..q.len)
+        .map(|i| match q.bits {
+            Bits::Int8 => i32::from(q.data[i] as i8),
+            Bits::Int4 => {
+                let nibble = i32::from((q.data[i / 2] >> (4 * (i % 2))) & 0x0f);
+                if nibble >= 8 {
+                    nibble - 16
+                } else {
+                    nibble
+                }
+            }
+        })
+        .collect()
+}
+
+/// Checks `q` against `x`: every scale is the block's max |x| / qmax (to
+/// within the next representable steps), every code is within range and
+/// within half a step of x / s, every dequantized value within the stated
+/// bound. Returns the largest error seen, in steps.
+fn check(x: &[f32], q: &Quantized, what: &str) -> f64 {
+    assert_eq!(q.len, x.len(), "{what}");
+    assert_eq!(q.scales.len(), x.len().div_ceil(q.block_size), "{what}");
+    let codes = codes(q);
+    let mut back = vec![f32::NAN; x.len()];
+    dequantize(q, &mut back);
+    let qmax = f64::from(q.bits.qmax());
+    let mut worst = 0f64;
+    for (b, block) in x.chunks(q.block_size).enumerate() {
+        let s = f64::from(q.scales[b]);
+        let amax = block.iter().map(|v| f64::from(v.abs())).fold(0.0, f64::max);
+        if amax == 0.0 {
+            assert_eq!(s, 0.0, "{what} block {b}: a zero block's scale");
+        } else if q.scales[b] < f32::MIN_POSITIVE {
+            // A subnormal scale has few bits: it only has to cover the block.
+            assert!(
+                amax / s < qmax + 0.5,
+                "{what} block {b}: scale {s} for max |x| {amax}"
+            );
+        } else {
+            assert!(
+                (amax / s - qmax).abs() <= qmax * 1e-6,
+                "{what} block {b}: scale {s} for max |x| {amax}"
+            );
+        }
+        for (i, &v) in block.iter().enumerate() {
+            let k = b * q.block_size + i;
+            let code = codes[k];
+            assert!(f64::from(code.abs()) <= qmax, "{what} [{k}]: code {code}");
+            let err = (f64::from(v) - f64::from(back[k])).abs();
+            let bound = error_bound(q.bits, q.scales[b]);
+            assert!(
+                err <= bound,
+                "{what} [{k}]: {v} came back as {} (error {err:e}, bound {bound:e})",
+                back[k]
+            );
+            assert_eq!(
+                back[k],
+                (f64::from(code) * s) as f32,
+                "{what} [{k}]: not code × scale"
+            );
+            if s > 0.0 {
+                worst = worst.max(err / s);
+            }
+        }
+    }
+    worst
+}
+
+const LENGTHS: [usize; 7] = [1, 2, 3, 63, 64, 1001, 40_961];
+
+#[test]
+fn every_value_comes_back_within_half_a_step() {
+    for bits in [Bits::Int8, Bits::Int4] {
+        for &n in &LENGTHS {
+            for block in [2, 64, 2048] {
+                let x = values(n, n as u64 * 31 + block as u64, 3.0);
+                let q = quantize(&x, bits, block).unwrap();
+                let worst = check(&x, &q, &format!("{bits:?} n {n} block {block}"));
+                assert!(worst <= 0.5 + 1e-4, "{worst} steps");
+            }
+        }
+    }
+}
+
+#[test]
+fn int4_packs_the_earlier_value_in_the_low_nibble() {
+    // Scale 1/7: codes 7, -7, 1, -1, 0, 3.
+    let x = [1.0, -1.0, 1.0 / 7.0, -1.0 / 7.0, 0.0, 3.0 / 7.0];
+    let q = quantize(&x, Bits::Int4, 8).unwrap();
+    assert_eq!(q.data, vec![0x97, 0xf1, 0x30]);
+    let q = quantize(&x, Bits::Int8, 8).unwrap();
+    assert_eq!(q.data, vec![127, 0x81, 18, 0xee, 0, 54]);
+}
+
+#[test]
+fn zero_constant_and_subnormal_blocks() {
+    for bits in [Bits::Int8, Bits::Int4] {
+        let zeros = vec![0.0f32; 100];
+        let q = quantize(&zeros, bits, 64).unwrap();
+        assert_eq!(q.scales, vec![0.0, 0.0]);
+        check(&zeros, &q, "zeros");
+        for c in [1.0f32, -3.5e7, 1e-30] {
+            let x = vec![c; 70];
+            check(
+                &x,
+                &quantize(&x, bits, 64).unwrap(),
+                &format!("constant {c}"),
+            );
+        }
+        let tiny = f32::from_bits(1); // the smallest subnormal
+        for x in [
+            vec![tiny; 6],
+            vec![tiny, -tiny, 0.0, 3.0 * tiny, 1e-40, -2e-39],
+            vec![f32::MIN_POSITIVE, -f32::MIN_POSITIVE / 3.0, 1e-44, 0.0],
+        ] {
+            let q = quantize(&x, bits, 2).unwrap();
+            check(&x, &q, &format!("subnormal {x:?}"));
+        }
+        let huge = vec![f32::MAX, -f32::MAX, 1.0, f32::MAX / 2.0];
+        check(&huge, &quantize(&huge, bits, 4).unwrap(), "f32::MAX");
+    }
+}
+
+#[test]
+fn nan_and_infinity_are_refused_where_they_are() {
+    let mut x = values(100_000, 5, 1.0);
+    for (at, bad) in [
+        (0, f32::NAN),
+        (77_777, f32::INFINITY),
+        (99_999, -f32::INFINITY),
+    ] {
+        let keep = x[at];
+        x[at] = bad;
+        for bits in [Bits::Int8, Bits::Int4] {
+            for path in Path::available() {
+                let e = quantize_with(path, &x, bits, 2048).unwrap_err();
+                match e {
+                    QuantError::NonFinite { index, value } => {
+                        assert_eq!(index, at, "{path:?}");
+                        assert_eq!(value.to_bits(), bad.to_bits());
+                    }
+                    e => panic!("{e}"),
+                }
+            }
+        }
+        x[at] = keep;
+    }
+}
+
+#[test]
+fn every_path_and_thread_count_gives_the_same_bits() {
+    let x = values(300_001, 9, 50.0);
+    let checked = Path::available();
+    for bits in [Bits::Int8, Bits::Int4] {
+        let want = quantize_with(Path::Portable, &x, bits, 2048).unwrap();
+        let mut want_back = vec![0f32; x.len()];
+        dequantize_with(Path::Portable, &want, &mut want_back);
+        for &path in &checked {
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let (q, back) = pool.install(|| {
+                    let q = quantize_with(path, &x, bits, 2048).unwrap();
+                    let mut back = vec![0f32; x.len()];
+                    dequantize_with(path, &q, &mut back);
+                    (q, back)
+                });
+                assert!(q == want, "{bits:?} {path:?} {threads} threads: codes");
+                let same = back
+                    .iter()
+                    .zip(&want_back)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{bits:?} {path:?} {threads} threads: dequantized");
+            }
+        }
+    }
+    let missing: Vec<Path> = Path::ALL
+        .into_iter()
+        .filter(|p| !checked.contains(p))
+        .collect();
+    // Past the harness's capture, so that a run says what it covered.
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "quantization paths checked here: {checked:?}; not on this CPU, unchecked: {missing:?}"
+    );
+}
+
+#[test]
+fn the_wire_form_round_trips_and_is_checked() {
+    let x = values(5001, 3, 2.0);
+    for bits in [Bits::Int8, Bits::Int4] {
+        let q = quantize(&x, bits, 256).unwrap();
+        let bytes = q.to_bytes();
+        assert_eq!(bytes.len(), Quantized::wire_len(bits, 256, x.len()));
+        assert_eq!(
+            Quantized::from_bytes(bits, 256, x.len(), &bytes).unwrap(),
+            q
+        );
+        let short = Quantized::from_bytes(bits, 256, x.len(), &bytes[1..]).unwrap_err();
+        assert!(matches!(short, QuantError::WireLength { .. }), "{short}");
+    }
+    // int8 is 1 byte a value plus 4 per block: 2048-blocks cost 0.2% more.
+    assert_eq!(Quantized::wire_len(Bits::Int8, 2048, 4096), 4096 + 8);
+    assert_eq!(Quantized::wire_len(Bits::Int4, 2048, 4097), 2049 + 12);
+}
+
+#[test]
+fn odd_or_zero_block_sizes_are_refused() {
+    for block in [0, 1, 3, 2047] {
+        assert_eq!(
+            quantize(&[1.0; 8], Bits::Int8, block).unwrap_err(),
+            QuantError::BlockSize(block)
+        );
+    }
+}
