@@ -238,9 +238,23 @@ fn bad_input_exits_2_with_a_located_message() {
         (
             vec![write(
                 "qwz.yaml",
-                &format!("{good}zero: {{quantized_weights: true}}\n"),
+                &format!("{good}zero: {{stage: 2, zero_quantized_weights: true}}\n"),
             )],
-            "zero.quantized_weights: ZeRO++ qwZ is not supported yet",
+            "qwz.yaml:10:18: zero.zero_quantized_weights: needs zero.stage: 3",
+        ),
+        (
+            vec![write(
+                "qbits.yaml",
+                &format!("{good}zero: {{stage: 3, quantization: {{weight_bits: 6}}}}\n"),
+            )],
+            "zero.quantization.weight_bits: 6: must be 8 or 4",
+        ),
+        (
+            vec![write(
+                "hpz.yaml",
+                &format!("{good}zero: {{stage: 3, zero_hpz_partition_size: 2}}\n"),
+            )],
+            "zero.zero_hpz_partition_size: ZeRO++ hpZ is not supported yet",
         ),
         (
             vec![write("stage.yaml", &format!("{good}zero: {{stage: 4}}\n"))],

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::{improve_serde_message, ConfigError};
-use crate::spec::{Backend, Device, JobSpec};
+use crate::spec::{Backend, Device, JobSpec, ZeroStage};
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
 #[derive(Debug, Clone)]
@@ -165,6 +165,16 @@ impl LoadedJob {
         }
     }
 
+    /// A ZeRO++ key as the file spells it: zrun's short name, or DeepSpeed's
+    /// with the `zero_` prefix.
+    fn written(&self, short: &'static str, deepspeed: &'static str) -> &'static str {
+        if find_key(&self.text, deepspeed).is_some() {
+            deepspeed
+        } else {
+            short
+        }
+    }
+
     fn unsupported(&self, key: &str, what: &str) -> ConfigError {
         ConfigError::Unsupported {
             location: self.locate(key),
@@ -256,17 +266,47 @@ impl LoadedJob {
         if z.sub_group_size.0 == 0 {
             return Err(self.invalid("zero.sub_group_size", "must be at least 1 element"));
         }
-        if z.quantized_weights {
-            return Err(self.unsupported("zero.quantized_weights", "ZeRO++ qwZ"));
+        if z.quantized_weights && z.stage != ZeroStage::Weights {
+            return Err(self.invalid(
+                self.written("zero.quantized_weights", "zero.zero_quantized_weights"),
+                format!(
+                    "needs zero.stage: 3 (qwZ quantizes stage 3's weight gathers; this job is stage {})",
+                    z.stage
+                ),
+            ));
+        }
+        let q = &z.quantization;
+        if q.block_size == 0 || !q.block_size.is_multiple_of(2) {
+            return Err(self.invalid(
+                "zero.quantization.block_size",
+                format!("{}: must be a positive even number", q.block_size),
+            ));
+        }
+        for (key, bits) in [
+            ("weight_bits", q.weight_bits),
+            ("gradient_bits", q.gradient_bits),
+        ] {
+            if bits != 8 && bits != 4 {
+                return Err(self.invalid(
+                    &format!("zero.quantization.{key}"),
+                    format!("{bits}: must be 8 or 4"),
+                ));
+            }
         }
         if z.hpz_partition_size == 0 {
             return Err(self.invalid("zero.hpz_partition_size", "must be at least 1 (1 = off)"));
         }
         if z.hpz_partition_size != 1 {
-            return Err(self.unsupported("zero.hpz_partition_size", "ZeRO++ hpZ"));
+            return Err(self.unsupported(
+                self.written("zero.hpz_partition_size", "zero.zero_hpz_partition_size"),
+                "ZeRO++ hpZ",
+            ));
         }
         if z.quantized_gradients {
-            return Err(self.unsupported("zero.quantized_gradients", "ZeRO++ qgZ"));
+            return Err(self.unsupported(
+                self.written("zero.quantized_gradients", "zero.zero_quantized_gradients"),
+                "ZeRO++ qgZ",
+            ));
         }
         self.validate_offload()?;
         let c = &s.comm;

@@ -334,12 +334,17 @@ pub struct ZeroSpec {
     pub param_persistence_threshold: Size,
     /// Elements of a rank's slice that the optimizer updates at once.
     pub sub_group_size: Size,
-    /// ZeRO++ qwZ.
+    /// ZeRO++ qwZ: stage 3's forward gathers carry quantized weights.
+    #[serde(alias = "zero_quantized_weights")]
     pub quantized_weights: bool,
     /// ZeRO++ hpZ: ranks per secondary partition (1 = off).
+    #[serde(alias = "zero_hpz_partition_size")]
     pub hpz_partition_size: usize,
     /// ZeRO++ qgZ.
+    #[serde(alias = "zero_quantized_gradients")]
     pub quantized_gradients: bool,
+    /// ZeRO++'s quantization: block size and bits.
+    pub quantization: QuantizationSpec,
     /// Where optimizer states live.
     pub offload_optimizer: OffloadSpec,
     /// Where parameters live (stage 3).
@@ -358,8 +363,31 @@ impl Default for ZeroSpec {
             quantized_weights: false,
             hpz_partition_size: 1,
             quantized_gradients: false,
+            quantization: QuantizationSpec::default(),
             offload_optimizer: OffloadSpec::default(),
             offload_param: OffloadSpec::default(),
+        }
+    }
+}
+
+/// How ZeRO++ quantizes: blockwise symmetric, one f32 scale per block.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QuantizationSpec {
+    /// Values per scale (even).
+    pub block_size: usize,
+    /// Bits per weight in qwZ's gathers (8 or 4).
+    pub weight_bits: u32,
+    /// Bits per gradient value in qgZ (8 or 4).
+    pub gradient_bits: u32,
+}
+
+impl Default for QuantizationSpec {
+    fn default() -> Self {
+        Self {
+            block_size: 2048,
+            weight_bits: 8,
+            gradient_bits: 4,
         }
     }
 }

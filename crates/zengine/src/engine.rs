@@ -35,11 +35,12 @@ use zmodel::{Gpt, GptConfig};
 use crate::accounting::Transient;
 use crate::error::EngineError;
 use crate::flat::GroupLayout;
-use crate::gather::Prefetcher;
+use crate::gather::{Gather, Prefetcher, WeightQuant};
 use crate::group::Group;
 use crate::offload::{Offload, ParamReadAhead};
 use crate::precision::{Flat, Half, LossScaler};
 use crate::reduce::Reducer;
+use zquant::Bits;
 
 /// ZeRO data-parallel training of one model replica on one rank.
 pub struct Engine {
@@ -203,32 +204,41 @@ impl Engine {
 
     /// The order of stage-3 gathers in one micro-batch: forward blocks, the head
     /// with the tied embedding, backward blocks in reverse, the embedding.
-    fn gather_order(&self) -> Vec<usize> {
+    /// With qwZ the forward gathers of the embedding and the blocks are
+    /// quantized; the head's serves its backward too, so it is not.
+    fn gather_order(&self) -> Vec<Gather> {
         let l = self.model.config().n_layers;
         let head = l + 1;
-        let mut order: Vec<usize> = (0..=l).collect();
-        order.extend([head, 0]);
-        order.extend((1..=l).rev());
-        order.push(0);
-        order.retain(|&g| self.groups[g].partitioned);
-        order
+        let z = &self.spec.zero;
+        let quant = z.quantized_weights.then(|| WeightQuant {
+            bits: Bits::from_count(z.quantization.weight_bits).expect("validated: 8 or 4"),
+            block_size: z.quantization.block_size,
+        });
+        let forward = (0..=l).map(|group| Gather { group, quant });
+        let rest = [head, 0]
+            .into_iter()
+            .chain((1..=l).rev())
+            .chain([0])
+            .map(|group| Gather { group, quant: None });
+        forward
+            .chain(rest)
+            .filter(|g| self.groups[g.group].partitioned)
+            .collect()
     }
 
     /// A prefetcher for one micro-batch's stage-3 gathers (and, with parameter
     /// offload, the read-ahead of their slices from swap).
     pub(crate) fn prefetcher(&mut self) -> Prefetcher {
+        let order = self.gather_order();
         if let Some(p) = self.offload.as_ref().and_then(|o| o.params.as_ref()) {
-            let order = self.gather_order();
-            self.param_reads = ParamReadAhead::new(order, p.buffer_count);
+            let groups = order.iter().map(|g| g.group).collect();
+            self.param_reads = ParamReadAhead::new(groups, p.buffer_count);
         }
-        let padded = self
-            .groups
-            .iter()
-            .map(|g| Flat::words_for(self.half, g.layout.padded))
-            .collect();
+        let padded = self.groups.iter().map(|g| g.layout.padded).collect();
         Prefetcher::new(
-            self.gather_order(),
+            order,
             padded,
+            self.half,
             self.spec.zero.prefetch_bucket_size.0 as usize,
             self.spec.zero.overlap_comm,
         )
@@ -268,9 +278,9 @@ impl Engine {
                 Some(o) => reads.take(h, o),
                 None => Ok(groups[h].params.words(0..groups[h].params.len())),
             };
-            let words = gather.fetch(g, comm.as_ref(), &mut own)?;
-            self.comm_buffers.add((words.len() * 4) as u64);
-            return self.vars_from(g, &Flat::from_words(self.half, words));
+            let full = gather.fetch(g, comm.as_ref(), &mut own)?;
+            self.comm_buffers.add(full.bytes());
+            return self.vars_from(g, &full);
         }
         match &self.vars[g] {
             Some(vars) => Ok(vars.clone()),

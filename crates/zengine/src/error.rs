@@ -18,6 +18,10 @@ pub enum EngineError {
     /// NVMe offload: a swap file could not be set up, read or written.
     #[error(transparent)]
     Swap(#[from] zswap::SwapError),
+    /// ZeRO++ quantization refused a value (a NaN or infinite weight) or got
+    /// damaged data.
+    #[error("qwZ: {0}")]
+    Quantize(#[from] zquant::QuantError),
     /// A checkpoint could not be read.
     #[error(transparent)]
     Checkpoint(#[from] zckpt::CkptError),

@@ -12,7 +12,7 @@ use zcomm::{Communicator, TcpCommunicator, TcpOptions};
 use zconfig::JobSpec;
 use zengine::Engine;
 use zmodel::{Batcher, Corpus};
-use zproto::Token;
+use zproto::{Op, Token};
 
 pub fn spec(accum: usize, bucket: u64, overlap: bool) -> JobSpec {
     typed_spec("f32", 0, accum, bucket, overlap, false, 6)
@@ -82,6 +82,10 @@ pub struct Run {
     pub history: Vec<Vec<Vec<f32>>>,
     /// What rank 0 needs of every rank to write the manifest, when saved.
     pub saved: Option<Saved>,
+    /// Bytes this rank sent in all-gathers.
+    pub all_gather_bytes: u64,
+    /// Every group's padded length.
+    pub padded: Vec<usize>,
 }
 
 /// A rank's part of a checkpoint it wrote.
@@ -156,7 +160,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     t.seed,
                 )
                 .unwrap();
-                let mut engine = Engine::new(&spec, comm).unwrap();
+                let mut engine = Engine::new(&spec, comm.clone()).unwrap();
                 if let Some(ckpt) = &ckpt {
                     engine.load(ckpt).unwrap();
                 }
@@ -169,6 +173,8 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     scales: Vec::new(),
                     history: Vec::new(),
                     saved: None,
+                    all_gather_bytes: 0,
+                    padded: engine.manifest_groups().iter().map(|g| g.padded).collect(),
                 };
                 for s in engine.steps_done()..until {
                     for a in 0..t.grad_accum {
@@ -196,6 +202,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                         step: engine.steps_done(),
                     });
                 }
+                run.all_gather_bytes = comm.counters().op(Op::AllGather);
                 run.params = engine.full_params().unwrap();
                 run
             })
