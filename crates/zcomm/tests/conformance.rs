@@ -43,6 +43,7 @@ per_transport!(
     all_gather_concatenates_chunks_in_rank_order,
     all_to_all_delivers_every_piece_with_its_own_length,
     broadcast_from_every_root_and_barrier,
+    barrier_returns_only_after_every_rank_entered,
     async_work_overlaps_and_completes_in_issue_order,
     bytes_are_counted_per_op_and_split_by_node,
     a_missing_peer_times_out_naming_op_group_and_peer,
@@ -251,6 +252,29 @@ fn broadcast_from_every_root_and_barrier(t: Transport) {
             for o in out {
                 assert_eq!(o, vec![root as u8; 1001]);
             }
+        }
+    }
+}
+
+/// Whichever rank comes last, no rank leaves the barrier before it entered:
+/// every rank counts itself in just before entering and checks the count just
+/// after leaving.
+fn barrier_returns_only_after_every_rank_entered(t: Transport) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    for n in 2..=4 {
+        let comms = world(t, n, &vec![0; n], Duration::from_secs(10));
+        for late in 0..n {
+            let entered = Arc::new(AtomicUsize::new(0));
+            let e = entered.clone();
+            let seen = on_all(&comms, move |r, c| {
+                if r == late {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                e.fetch_add(1, Ordering::SeqCst);
+                c.barrier().unwrap();
+                e.load(Ordering::SeqCst)
+            });
+            assert_eq!(seen, vec![n; n], "{n} ranks, rank {late} last");
         }
     }
 }
