@@ -133,3 +133,42 @@ fn f32_resumes_bit_identically_after_a_detour_through_another_world_size() {
     let resumed = detour(&spec, 3, [2, 1, 3], 2, 4);
     assert_continues(&whole, &resumed, 4, "f32 world 3 -> 2 -> 3");
 }
+
+/// A checkpoint of another model is refused by the engine itself (zworker
+/// also compares the model spec first), whichever part of the layout differs:
+/// the embedding's shape at the same size (vocab and context swapped), every
+/// size (d_model), or the number of blocks.
+#[test]
+fn a_checkpoint_of_another_layout_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = typed_spec("f32", 1, 1, 2000, true, false, 1);
+    let save = Leg {
+        save: Some(dir.path()),
+        ..Leg::default()
+    };
+    train_leg(spec.clone(), 2, &save);
+    let ckpt = zckpt::Checkpoint::open(dir.path()).unwrap();
+    let (v, t, d) = (
+        spec.model.vocab_size,
+        spec.model.seq_len,
+        spec.model.d_model,
+    );
+    let mut swapped = spec.clone();
+    (swapped.model.vocab_size, swapped.model.seq_len) = (t, v);
+    let mut wider = spec.clone();
+    wider.model.d_model = d + 16;
+    let mut deeper = spec.clone();
+    deeper.model.n_layers += 1;
+    for (what, other) in [
+        ("vocab/context swapped", swapped),
+        ("d_model", wider),
+        ("n_layers", deeper),
+    ] {
+        let comm = common::comms(1).pop().unwrap();
+        let mut engine = zengine::Engine::new(&other, comm).unwrap();
+        match engine.load(&ckpt) {
+            Err(zengine::EngineError::LayoutMismatch { .. }) => {}
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+}
