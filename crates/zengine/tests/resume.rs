@@ -172,3 +172,47 @@ fn a_checkpoint_of_another_layout_is_refused() {
         }
     }
 }
+
+/// `model.init_from`: weights exported from a checkpoint become a fresh
+/// engine's parameters by name, at another world size and stage; a missing,
+/// misshapen or unknown tensor is refused.
+#[test]
+fn exported_weights_are_installed_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = typed_spec("f32", 1, 1, 2000, true, false, 2);
+    let save = Leg {
+        save: Some(dir.path()),
+        ..Leg::default()
+    };
+    train_leg(spec.clone(), 2, &save);
+    let ckpt = zckpt::Checkpoint::open(dir.path()).unwrap();
+    let file = dir.path().join("model.safetensors");
+    ckpt.export(&file).unwrap();
+    let weights = zckpt::read_weights(&file).unwrap();
+    let installed = |weights: &zckpt::Weights| {
+        let comm = common::comms(1).pop().unwrap();
+        let mut engine = zengine::Engine::new(&at(&spec, 3, None), comm).unwrap();
+        engine
+            .load_weights(weights)
+            .map(|()| engine.full_params().unwrap())
+    };
+    assert!(installed(&weights).unwrap() == ckpt.all_params().unwrap());
+
+    let name = "h.0.mlp.c_fc.weight";
+    let mut missing = weights.clone();
+    missing.remove(name);
+    let mut misshapen = weights.clone();
+    misshapen.get_mut(name).unwrap().0.reverse();
+    let mut extra = weights.clone();
+    extra.insert("h.9.mlp.c_fc.weight".into(), weights[name].clone());
+    for (what, w) in [
+        ("missing", missing),
+        ("misshapen", misshapen),
+        ("extra", extra),
+    ] {
+        match installed(&w) {
+            Err(zengine::EngineError::InitWeights { .. }) => {}
+            other => panic!("{what}: {:?}", other.map(|_| ())),
+        }
+    }
+}
