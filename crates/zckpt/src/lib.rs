@@ -591,6 +591,33 @@ mod tests {
         assert!(d.path().join(step_dir_name(4)).exists());
     }
 
+    /// Only `step-*` directories without a manifest go, old or new; complete
+    /// checkpoints, a file named like a step and other directories stay.
+    #[test]
+    fn remove_unfinished_takes_only_manifestless_step_directories() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path();
+        write(&root.join(step_dir_name(5)));
+        for s in [2, 7] {
+            std::fs::create_dir_all(root.join(step_dir_name(s))).unwrap();
+        }
+        std::fs::write(root.join(step_dir_name(9)), b"a file").unwrap();
+        std::fs::create_dir_all(root.join("notes")).unwrap();
+        let removed = remove_unfinished(root).unwrap();
+        assert_eq!(
+            removed,
+            [root.join(step_dir_name(2)), root.join(step_dir_name(7))]
+        );
+        let mut left: Vec<String> = std::fs::read_dir(root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["notes", "step-00000005", "step-00000009"]);
+        assert!(root.join(step_dir_name(5)).join(MANIFEST).is_file());
+        assert_eq!(remove_unfinished(root).unwrap(), Vec::<PathBuf>::new());
+    }
+
     #[test]
     fn a_failed_atomic_write_leaves_no_temporary_file() {
         let d = tempfile::tempdir().unwrap();
