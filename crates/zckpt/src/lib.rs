@@ -571,6 +571,13 @@ mod tests {
             e.contains("rank-00001.safetensors: shard is missing"),
             "{e}"
         );
+        // Any other failure to look is reported as itself, not as missing.
+        std::os::unix::fs::symlink(&shard, &shard).unwrap();
+        let e = Checkpoint::open(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("rank-00001.safetensors") && !e.contains("missing"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -579,7 +586,9 @@ mod tests {
         for s in [1, 2, 3] {
             write(&d.path().join(step_dir_name(s)));
         }
-        std::fs::create_dir_all(d.path().join(step_dir_name(4))).unwrap();
+        for s in [0, 4] {
+            std::fs::create_dir_all(d.path().join(step_dir_name(s))).unwrap();
+        }
         assert_eq!(resolve(d.path()).unwrap(), d.path().join(step_dir_name(3)));
         prune(d.path(), 2).unwrap();
         let left: Vec<_> = list(d.path())
@@ -587,8 +596,10 @@ mod tests {
             .map(|p| p.file_name().unwrap().to_string_lossy().to_string())
             .collect();
         assert_eq!(left, ["step-00000002", "step-00000003"]);
-        // The unfinished step-4 is newer than the newest complete one: kept (it may be in progress).
+        // The unfinished step-4 is newer than the newest complete one: kept (it
+        // may be in progress); the unfinished step-0 is older: removed.
         assert!(d.path().join(step_dir_name(4)).exists());
+        assert!(!d.path().join(step_dir_name(0)).exists());
     }
 
     /// Only `step-*` directories without a manifest go, old or new; complete
