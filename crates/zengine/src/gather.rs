@@ -178,7 +178,10 @@ impl Prefetcher {
             let codes = Quantized::from_bytes(q.bits, q.block_size, slice, &bytes)?;
             zquant::dequantize(&codes, out);
         }
-        Ok(Flat::from_f32(self.half, &full))
+        Ok(match self.half {
+            None => Flat::F32(full),
+            half => Flat::from_f32(half, &full),
+        })
     }
 
     /// Whether every planned gather has been fetched.

@@ -134,6 +134,16 @@ fn f32_resumes_bit_identically_after_a_detour_through_another_world_size() {
     assert_continues(&whole, &resumed, 4, "f32 world 3 -> 2 -> 3");
 }
 
+/// `spec` trained on 2 ranks and checkpointed into `dir`.
+fn checkpointed(spec: &JobSpec, dir: &Path) -> zckpt::Checkpoint {
+    let save = Leg {
+        save: Some(dir),
+        ..Leg::default()
+    };
+    train_leg(spec.clone(), 2, &save);
+    zckpt::Checkpoint::open(dir).unwrap()
+}
+
 /// A checkpoint of another model is refused by the engine itself (zworker
 /// also compares the model spec first), whichever part of the layout differs:
 /// the embedding's shape at the same size (vocab and context swapped), every
@@ -142,12 +152,7 @@ fn f32_resumes_bit_identically_after_a_detour_through_another_world_size() {
 fn a_checkpoint_of_another_layout_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let spec = typed_spec("f32", 1, 1, 2000, true, false, 1);
-    let save = Leg {
-        save: Some(dir.path()),
-        ..Leg::default()
-    };
-    train_leg(spec.clone(), 2, &save);
-    let ckpt = zckpt::Checkpoint::open(dir.path()).unwrap();
+    let ckpt = checkpointed(&spec, dir.path());
     let (v, t, d) = (
         spec.model.vocab_size,
         spec.model.seq_len,
@@ -180,12 +185,7 @@ fn a_checkpoint_of_another_layout_is_refused() {
 fn exported_weights_are_installed_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let spec = typed_spec("f32", 1, 1, 2000, true, false, 2);
-    let save = Leg {
-        save: Some(dir.path()),
-        ..Leg::default()
-    };
-    train_leg(spec.clone(), 2, &save);
-    let ckpt = zckpt::Checkpoint::open(dir.path()).unwrap();
+    let ckpt = checkpointed(&spec, dir.path());
     let file = dir.path().join("model.safetensors");
     ckpt.export(&file).unwrap();
     let weights = zckpt::read_weights(&file).unwrap();
