@@ -252,9 +252,20 @@ fn bad_input_exits_2_with_a_located_message() {
         (
             vec![write(
                 "hpz.yaml",
-                &format!("{good}zero: {{stage: 3, zero_hpz_partition_size: 2}}\n"),
+                &format!("{good}zero: {{stage: 2, zero_hpz_partition_size: 2}}\n"),
             )],
-            "zero.zero_hpz_partition_size: ZeRO++ hpZ is not supported yet",
+            "hpz.yaml:10:18: zero.zero_hpz_partition_size: needs zero.stage: 3",
+        ),
+        (
+            vec![
+                write(
+                    "hpz3.yaml",
+                    &format!("{good}zero: {{stage: 3, hpz_partition_size: 3}}\n"),
+                ),
+                "--workers-per-node".into(),
+                "2".into(),
+            ],
+            "zero.hpz_partition_size: 3 must divide the workers of every node (a secondary partition lives inside one node); this job's nodes: localhost × 2",
         ),
         (
             vec![write("stage.yaml", &format!("{good}zero: {{stage: 4}}\n"))],

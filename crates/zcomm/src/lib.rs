@@ -117,6 +117,19 @@ impl CounterSnapshot {
         self.by_op[op.index()]
     }
 
+    /// Bytes of `self` and `other` together (two groups' counters).
+    pub fn plus(&self, other: &CounterSnapshot) -> CounterSnapshot {
+        let mut by_op = self.by_op;
+        for (b, o) in by_op.iter_mut().zip(other.by_op) {
+            *b += o;
+        }
+        CounterSnapshot {
+            by_op,
+            intra_node: self.intra_node + other.intra_node,
+            inter_node: self.inter_node + other.inter_node,
+        }
+    }
+
     /// Bytes sent between `earlier` and `self`.
     pub fn since(&self, earlier: &CounterSnapshot) -> CounterSnapshot {
         let mut by_op = [0; 6];

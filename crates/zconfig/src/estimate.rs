@@ -195,6 +195,12 @@ pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
         states.nvme += params;
         states.memory += 2.0 * b.param * gpt_largest_group(&spec.model);
     }
+    let hpz = spec.zero.hpz_partition_size;
+    if hpz > 1 {
+        // hpZ: between forward and backward every block's secondary shard
+        // (1/hpz of it, in the working type) is held.
+        states.memory += b.param * psi / hpz as f64;
+    }
     states
 }
 
@@ -284,6 +290,9 @@ mod tests {
             plain,
             "cpu offload on CPU workers changes nothing"
         );
+        spec.zero.hpz_partition_size = 2;
+        let hpz = worker_states(&spec, 4);
+        assert!((hpz.memory - plain.memory - 2.0 * psi / 2.0).abs() < 1.0);
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::{improve_serde_message, ConfigError};
+use crate::hostfile::Topology;
 use crate::spec::{Backend, Device, JobSpec, ZeroStage};
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
@@ -183,6 +184,28 @@ impl LoadedJob {
         }
     }
 
+    /// [`Job::validate`] for the nodes of `topo`, plus what depends on their
+    /// shapes: hpZ's secondary partitions must tile every node's workers.
+    pub fn validate_on(&self, topo: &Topology) -> Result<(), ConfigError> {
+        self.validate(topo.world_size())?;
+        let p = self.spec.zero.hpz_partition_size;
+        if p > 1 && topo.nodes.iter().any(|n| !n.slots.len().is_multiple_of(p)) {
+            let nodes: Vec<String> = topo
+                .nodes
+                .iter()
+                .map(|n| format!("{} × {}", n.host, n.slots.len()))
+                .collect();
+            return Err(self.invalid(
+                self.written("zero.hpz_partition_size", "zero.zero_hpz_partition_size"),
+                format!(
+                    "{p} must divide the workers of every node (a secondary partition lives inside one node); this job's nodes: {}",
+                    nodes.join(", ")
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Semantic checks for a job on `world_size` workers. Reads the data files' sizes.
     pub fn validate(&self, world_size: usize) -> Result<(), ConfigError> {
         let s = &self.spec;
@@ -296,10 +319,13 @@ impl LoadedJob {
         if z.hpz_partition_size == 0 {
             return Err(self.invalid("zero.hpz_partition_size", "must be at least 1 (1 = off)"));
         }
-        if z.hpz_partition_size != 1 {
-            return Err(self.unsupported(
+        if z.hpz_partition_size != 1 && z.stage != ZeroStage::Weights {
+            return Err(self.invalid(
                 self.written("zero.hpz_partition_size", "zero.zero_hpz_partition_size"),
-                "ZeRO++ hpZ",
+                format!(
+                    "needs zero.stage: 3 (hpZ keeps secondary shards of stage 3's gathered weights; this job is stage {})",
+                    z.stage
+                ),
             ));
         }
         if z.quantized_gradients {

@@ -19,6 +19,9 @@ pub struct MemoryUse {
     pub activations: u64,
     /// Peak of gathered parameters, staged gradients and buckets in flight.
     pub comm_buffers: u64,
+    /// ZeRO++ hpZ: peak of the secondary shards held between forward and
+    /// backward.
+    pub secondary: u64,
     /// Peak of the buffers of swapped state in flight (NVMe offload).
     pub offload_buffers: u64,
     /// Bytes of this rank's swap files (NVMe offload).

@@ -35,7 +35,7 @@ use zmodel::{Gpt, GptConfig};
 use crate::accounting::Transient;
 use crate::error::EngineError;
 use crate::flat::GroupLayout;
-use crate::gather::{Gather, Prefetcher, WeightQuant};
+use crate::gather::{Gather, Prefetcher, ProcessGroups, Source, WeightQuant};
 use crate::group::Group;
 use crate::offload::{Offload, ParamReadAhead};
 use crate::precision::{Flat, Half, LossScaler};
@@ -46,6 +46,8 @@ use zquant::Bits;
 pub struct Engine {
     pub(crate) model: Gpt,
     pub(crate) comm: Arc<dyn Communicator>,
+    /// ZeRO++ hpZ: this rank's secondary-partition group.
+    pub(crate) hpz: Option<Arc<dyn Communicator>>,
     pub(crate) spec: JobSpec,
     pub(crate) stage: ZeroStage,
     pub(crate) groups: Vec<Group>,
@@ -68,6 +70,8 @@ pub struct Engine {
     pub(crate) tokens: u64,
     /// Gathered parameters, staged gradients and buckets in flight.
     pub(crate) comm_buffers: Transient,
+    /// hpZ: the most bytes of secondary shards held in a micro-batch of this step.
+    pub(crate) secondary_peak: u64,
     pub(crate) peak_activations: u64,
     pub(crate) counters_at_start: Option<CounterSnapshot>,
     /// NVMe offload: the swap files and their I/O.
@@ -94,6 +98,40 @@ impl Engine {
         comm: Arc<dyn Communicator>,
         job_id: &str,
     ) -> Result<Engine, EngineError> {
+        let groups = ProcessGroups {
+            world: comm,
+            hpz: None,
+        };
+        Engine::with_groups(spec, groups, job_id)
+    }
+
+    /// [`Engine::for_job`] on `groups`: with `zero.hpz_partition_size` P > 1,
+    /// `groups.hpz` must be this rank's group of P ranks on its node.
+    pub fn with_groups(
+        spec: &JobSpec,
+        groups: ProcessGroups,
+        job_id: &str,
+    ) -> Result<Engine, EngineError> {
+        let p = spec.zero.hpz_partition_size;
+        let ProcessGroups { world: comm, hpz } = groups;
+        let problem = match &hpz {
+            None if p > 1 => Some(format!("hpZ needs a group of {p} ranks; none was given")),
+            Some(h) if p <= 1 => Some(format!(
+                "an hpZ group of {} ranks was given, but zero.hpz_partition_size is {p}",
+                h.world_size()
+            )),
+            Some(h) if h.world_size() != p || !comm.world_size().is_multiple_of(p) => {
+                Some(format!(
+                    "hpZ group of {} ranks for zero.hpz_partition_size {p} in a world of {}",
+                    h.world_size(),
+                    comm.world_size()
+                ))
+            }
+            _ => None,
+        };
+        if let Some(problem) = problem {
+            return Err(EngineError::ProcessGroups { problem });
+        }
         let stage = spec.zero.stage;
         let m = &spec.model;
         let model = Gpt::new(GptConfig {
@@ -139,6 +177,7 @@ impl Engine {
             vars: (0..groups.len()).map(|_| None).collect(),
             model,
             comm,
+            hpz,
             spec: spec.clone(),
             stage,
             groups,
@@ -151,6 +190,7 @@ impl Engine {
             loss_sum: 0.0,
             tokens: 0,
             comm_buffers: Transient::default(),
+            secondary_peak: 0,
             peak_activations: 0,
             counters_at_start: None,
             offload,
@@ -205,7 +245,9 @@ impl Engine {
     /// The order of stage-3 gathers in one micro-batch: forward blocks, the head
     /// with the tied embedding, backward blocks in reverse, the embedding.
     /// With qwZ the forward gathers of the embedding and the blocks are
-    /// quantized; the head's serves its backward too, so it is not.
+    /// quantized; the head's serves its backward too, so it is not. With hpZ
+    /// those forward gathers keep secondary shards, and the embedding's and
+    /// blocks' later gathers come from them, inside the node.
     fn gather_order(&self) -> Vec<Gather> {
         let l = self.model.config().n_layers;
         let head = l + 1;
@@ -214,13 +256,33 @@ impl Engine {
             bits: Bits::from_count(z.quantization.weight_bits).expect("validated: 8 or 4"),
             block_size: z.quantization.block_size,
         });
-        let forward = (0..=l).map(|group| Gather { group, quant });
-        let rest = [head, 0]
+        let keep = self.hpz.is_some();
+        let later = if keep {
+            Source::Secondary
+        } else {
+            Source::World(None)
+        };
+        let forward = (0..=l).map(|group| Gather {
+            group,
+            source: Source::World(quant),
+            keep,
+        });
+        let head = [Gather {
+            group: head,
+            source: Source::World(None),
+            keep: false,
+        }];
+        let rest = [0]
             .into_iter()
             .chain((1..=l).rev())
             .chain([0])
-            .map(|group| Gather { group, quant: None });
+            .map(|group| Gather {
+                group,
+                source: later,
+                keep: false,
+            });
         forward
+            .chain(head)
             .chain(rest)
             .filter(|g| self.groups[g.group].partitioned)
             .collect()
@@ -231,14 +293,24 @@ impl Engine {
     pub(crate) fn prefetcher(&mut self) -> Prefetcher {
         let order = self.gather_order();
         if let Some(p) = self.offload.as_ref().and_then(|o| o.params.as_ref()) {
-            let groups = order.iter().map(|g| g.group).collect();
+            // Gathers from secondary shards read no slice.
+            let groups = order
+                .iter()
+                .filter(|g| g.source != Source::Secondary)
+                .map(|g| g.group)
+                .collect();
             self.param_reads = ParamReadAhead::new(groups, p.buffer_count);
         }
         let padded = self.groups.iter().map(|g| g.layout.padded).collect();
+        let groups = ProcessGroups {
+            world: self.comm.clone(),
+            hpz: self.hpz.clone(),
+        };
         Prefetcher::new(
             order,
             padded,
             self.half,
+            groups,
             self.spec.zero.prefetch_bucket_size.0 as usize,
             self.spec.zero.overlap_comm,
         )
@@ -271,14 +343,13 @@ impl Engine {
         gather: &mut Prefetcher,
     ) -> Result<Vec<Var>, EngineError> {
         if self.groups[g].partitioned {
-            let comm = self.comm.clone();
             let (groups, offload) = (&self.groups, self.offload.as_ref());
             let reads = &mut self.param_reads;
             let mut own = |h: usize| match offload.filter(|o| o.swaps_params(h)) {
                 Some(o) => reads.take(h, o),
                 None => Ok(groups[h].params.words(0..groups[h].params.len())),
             };
-            let full = gather.fetch(g, comm.as_ref(), &mut own)?;
+            let full = gather.fetch(g, &mut own)?;
             self.comm_buffers.add(full.bytes());
             return self.vars_from(g, &full);
         }
@@ -289,6 +360,15 @@ impl Engine {
                 self.vars[g] = Some(vars.clone());
                 Ok(vars)
             }
+        }
+    }
+
+    /// Bytes this rank has sent, over every process group.
+    pub(crate) fn counters(&self) -> CounterSnapshot {
+        let world = self.comm.counters();
+        match &self.hpz {
+            Some(h) => world.plus(&h.counters()),
+            None => world,
         }
     }
 

@@ -70,6 +70,13 @@ pub enum EngineError {
         /// The checkpoint directory.
         dir: PathBuf,
     },
+    /// Process groups that do not fit the job (hpZ's group missing or of the
+    /// wrong size).
+    #[error("engine: {problem}")]
+    ProcessGroups {
+        /// What does not fit.
+        problem: String,
+    },
     /// `model.init_from` weights that do not fit the model.
     #[error("model.init_from: {problem}")]
     InitWeights {

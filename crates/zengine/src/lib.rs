@@ -13,7 +13,8 @@
 //!   AdamW per sub-group, sharing the updated slices).
 //! - `offload`: NVMe offload (ZeRO-Infinity): optimizer state and stage-3
 //!   parameter slices in swap files, stashed group by group, read ahead.
-//! - [`gather`]: stage 3's parameter all-gathers, in planned order, with prefetch.
+//! - [`gather`]: stage 3's parameter all-gathers, in planned order, with
+//!   prefetch, and ZeRO++'s qwZ and hpZ.
 //! - [`accounting`]: memory by category and bytes sent per step.
 //! - [`error`]: why the engine failed.
 //! - [`adam`]: the fused AdamW update over a flat slice.
@@ -48,4 +49,5 @@ pub use accounting::{MemoryUse, StepStats};
 pub use engine::Engine;
 pub use error::EngineError;
 pub use flat::{Bucket, GroupLayout};
+pub use gather::ProcessGroups;
 pub use zswap::IoStats;

@@ -62,7 +62,14 @@ impl Engine {
         let (loss, dx) = self.head_forward_backward(&mut mb, &x)?;
         let dx = self.backward_blocks(&mut mb, dx)?;
         self.backward_embedding(&mut mb, &dx)?;
-        debug_assert!(mb.gather.finished());
+        assert!(mb.gather.finished(), "planned stage-3 gathers left unused");
+        if let Some(o) = &self.offload {
+            assert!(
+                self.param_reads.finished(o),
+                "planned parameter reads from swap left unused"
+            );
+        }
+        self.secondary_peak = self.secondary_peak.max(mb.gather.secondary_peak());
         self.loss_sum += loss;
         self.tokens += (batch.rows * batch.seq_len) as u64;
         self.micro += 1;
@@ -75,7 +82,7 @@ impl Engine {
             return Err(EngineError::TooManyMicroBatches { accum });
         }
         if self.micro == 0 {
-            self.counters_at_start = Some(self.comm.counters());
+            self.counters_at_start = Some(self.counters());
             self.io_at_start = self.offload.as_ref().map(|o| o.stats());
         }
         let shape = (batch.rows, batch.seq_len);

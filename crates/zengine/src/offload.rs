@@ -628,4 +628,12 @@ impl ParamReadAhead {
         let buf = handle.wait()?;
         Ok(buf.f32s()[..words].to_vec())
     }
+
+    /// Whether every planned read was taken (none was wasted).
+    pub(crate) fn finished(&self, offload: &Offload) -> bool {
+        self.pending.is_empty()
+            && self.order[self.next..]
+                .iter()
+                .all(|&g| !offload.swaps_params(g))
+    }
 }

@@ -356,7 +356,7 @@ impl Engine {
         loss_scale: Option<f64>,
         skipped: bool,
     ) -> StepStats {
-        let counters = self.comm.counters();
+        let counters = self.counters();
         let comm = counters.since(&self.counters_at_start.take().unwrap_or(counters));
         let bytes = |f: &dyn Fn(&Group) -> u64| self.groups.iter().map(f).sum::<u64>();
         let mem = MemoryUse {
@@ -366,6 +366,7 @@ impl Engine {
             optimizer: bytes(&|g| ((g.exp_avg.len() + g.exp_avg_sq.len()) * 4) as u64),
             activations: self.peak_activations,
             comm_buffers: self.comm_buffers.peak,
+            secondary: self.secondary_peak,
             offload_buffers: self.swap_buffers.peak,
             nvme: self.offload.as_ref().map_or(0, |o| o.nvme_bytes),
             peak_rss: peak_rss_bytes(),
@@ -391,6 +392,7 @@ impl Engine {
         self.loss_sum = 0.0;
         self.tokens = 0;
         self.comm_buffers = Transient::default();
+        self.secondary_peak = 0;
         self.swap_buffers = Transient::default();
         self.peak_activations = 0;
         stats

@@ -216,3 +216,32 @@ fn exported_weights_are_installed_by_name() {
         }
     }
 }
+
+/// hpZ's secondary shards live only inside a micro-batch, so a checkpoint
+/// needs nothing of them: an hpZ run at 2 nodes x 2 saved midway and resumed
+/// with hpZ and its parameters and optimizer in swap files continues exactly
+/// like plain stage 3 never interrupted.
+#[test]
+fn hpz_resumes_bit_identically_with_nvme_offload() {
+    let spec = typed_spec("bf16", 3, 1, 2000, true, false, 6);
+    let nodes = vec![0, 0, 1, 1];
+    let on_nodes = |resume, until, save| Leg {
+        resume,
+        until,
+        save,
+        nodes: Some(nodes.clone()),
+        ..Leg::default()
+    };
+    let whole = train_leg(spec.clone(), 4, &on_nodes(None, None, None));
+    let dir = tempfile::tempdir().unwrap();
+    let (saved, swap) = (dir.path().join("ckpt"), dir.path().join("swap"));
+    std::fs::create_dir_all(&saved).unwrap();
+    std::fs::create_dir_all(&swap).unwrap();
+    let mut hpz = spec.clone();
+    hpz.zero.hpz_partition_size = 2;
+    train_leg(hpz.clone(), 4, &on_nodes(None, Some(3), Some(&saved)));
+    let mut offloaded = at(&hpz, 3, Some(&swap));
+    offloaded.zero.offload_param = offloaded.zero.offload_optimizer.clone();
+    let resumed = train_leg(offloaded, 4, &on_nodes(Some(&saved), None, None));
+    assert_continues(&whole, &resumed, 3, "hpZ bf16 2 x 2 through NVMe offload");
+}

@@ -27,4 +27,4 @@ pub use msg::{
     BenchCommTask, BenchRow, CommBytes, IoReport, KernelRow, MemBytes, OpBytes, StepReport, Task,
     ToServer, ToWorker, TrainTask, Welcome, CONTROL_CONTEXT, SERVER_CONTEXT,
 };
-pub use names::{shm_segment_name, shm_segment_path, Op};
+pub use names::{hpz_segment_name, shm_segment_name, shm_segment_path, Op};

@@ -207,6 +207,9 @@ pub struct MemBytes {
     /// NVMe offload: bytes of the rank's swap files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nvme: Option<u64>,
+    /// ZeRO++ hpZ: peak of the secondary weight shards held.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secondary: Option<u64>,
 }
 
 impl MemBytes {
@@ -222,6 +225,7 @@ impl MemBytes {
             offload_buffers: self.offload_buffers.max(o.offload_buffers),
             peak_rss: self.peak_rss.max(o.peak_rss),
             nvme: self.nvme.max(o.nvme),
+            secondary: self.secondary.max(o.secondary),
         }
     }
 }

@@ -75,6 +75,12 @@ pub fn shm_segment_name(job_id: &str, node: usize) -> String {
     format!("zrun-{job_id}-n{node}")
 }
 
+/// The name of the shared-memory segment of hpZ group `group` (ranks
+/// `group·P .. (group+1)·P`, all on one node) in job `job_id`.
+pub fn hpz_segment_name(job_id: &str, group: usize) -> String {
+    format!("zrun-{job_id}-hpz{group}")
+}
+
 /// Where a segment named `name` lives.
 pub fn shm_segment_path(name: &str) -> PathBuf {
     PathBuf::from("/dev/shm").join(name)

@@ -300,7 +300,7 @@ fn local_address(host: &str) -> Option<String> {
 pub fn check(args: CheckArgs) -> Result<ExitCode> {
     let job = load_job(&args.job, &args.set)?;
     let topo = topology(&args.launch)?;
-    job.validate(topo.world_size())?;
+    job.validate_on(&topo)?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
     say!("# job {} ({}): valid", job.spec.name, args.job.display());
     say!("{}", serde_json::to_string_pretty(&plan.spec)?);

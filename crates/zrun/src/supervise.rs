@@ -119,11 +119,17 @@ pub fn run_job(
         let outcome = sup.watch(ev_rx, proc_rx).await;
         // Shared-memory segments are unlinked by the workers once mapped; remove
         // any a failed start left behind on this host.
-        for n in 0..plan.topology.nodes.len() {
-            let _ = std::fs::remove_file(zproto::shm_segment_path(&zproto::shm_segment_name(
-                &env.job_id,
-                n,
-            )));
+        let hpz = plan.spec.zero.hpz_partition_size;
+        let hpz_groups = if hpz > 1 {
+            plan.topology.world_size() / hpz
+        } else {
+            0
+        };
+        let segments = (0..plan.topology.nodes.len())
+            .map(|n| zproto::shm_segment_name(&env.job_id, n))
+            .chain((0..hpz_groups).map(|k| zproto::hpz_segment_name(&env.job_id, k)));
+        for name in segments {
+            let _ = std::fs::remove_file(zproto::shm_segment_path(&name));
         }
         // Swap files of local workers that could not remove their own (killed,
         // crashed): workers are gone now, and a rank still locked is left alone.

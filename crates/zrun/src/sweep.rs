@@ -144,7 +144,7 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
     for c in &combos {
         let sets = sets_for(c, &args);
         let loaded = zconfig::load_job(&job, &sets)?;
-        loaded.validate(crate::plan::topology(&args.launch)?.world_size())?;
+        loaded.validate_on(&crate::plan::topology(&args.launch)?)?;
     }
     std::fs::create_dir_all(&args.out)
         .map_err(|e| Failure::bad_input(format!("--out {}: {e}", args.out.display())))?;

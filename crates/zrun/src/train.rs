@@ -23,7 +23,7 @@ use crate::Failure;
 pub fn train(args: TrainArgs) -> Result<ExitCode> {
     let job = load_job(&args.job, &args.set)?;
     let topo = topology(&args.launch)?;
-    job.validate(topo.world_size())?;
+    job.validate_on(&topo)?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
     check_memory(&plan)?;
     crate::swap_check::check_offload(&plan)?;

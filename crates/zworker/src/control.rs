@@ -29,7 +29,7 @@ pub struct ControlClient {
     rank: usize,
     /// The world communicator once it exists: heartbeats say which collective
     /// the worker is in, for zrun's hang diagnosis.
-    comm: Mutex<Option<Arc<dyn Communicator>>>,
+    comms: Mutex<Vec<Arc<dyn Communicator>>>,
 }
 
 impl ControlClient {
@@ -124,7 +124,7 @@ impl ControlClient {
             writer: Mutex::new(stream),
             replies: Mutex::new(rx),
             rank,
-            comm: Mutex::new(None),
+            comms: Mutex::new(Vec::new()),
         };
         Ok((Arc::new(client), welcome))
     }
@@ -171,11 +171,12 @@ impl ControlClient {
         }
     }
 
-    /// Lets heartbeats report the collective `comm` is in (`None` lets go of it,
-    /// so that dropping the last handle flushes the communicator).
-    pub fn watch_comm(&self, comm: Option<Arc<dyn Communicator>>) {
-        if let Ok(mut c) = self.comm.lock() {
-            *c = comm;
+    /// Lets heartbeats report the collective one of `comms` is in (an empty
+    /// list lets go of them, so that dropping the last handles flushes the
+    /// communicators).
+    pub fn watch_comms(&self, comms: Vec<Arc<dyn Communicator>>) {
+        if let Ok(mut c) = self.comms.lock() {
+            *c = comms;
         }
     }
 
@@ -188,10 +189,10 @@ impl ControlClient {
             .spawn(move || loop {
                 std::thread::sleep(every);
                 let op = me
-                    .comm
+                    .comms
                     .lock()
                     .ok()
-                    .and_then(|c| c.as_ref().and_then(|c| c.in_flight()))
+                    .and_then(|c| c.iter().find_map(|c| c.in_flight()))
                     .map(|f| f.to_string());
                 if me.send(&ToServer::Heartbeat { op }).is_err() {
                     return;

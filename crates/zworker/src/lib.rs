@@ -41,7 +41,7 @@ pub fn run() -> Result<()> {
     let env = WorkerEnv::from_process()?;
     let (client, welcome) = ControlClient::connect(&env)?;
     let result = run_task(&env, &client, welcome);
-    client.watch_comm(None);
+    client.watch_comms(Vec::new());
     match &result {
         Ok(()) => client.send(&ToServer::Done)?,
         Err(e) => {
@@ -93,27 +93,59 @@ fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welco
         Task::BenchComm(b) => b.transport == "shm",
         Task::BenchKernels { .. } => false,
     };
-    let comm = connect_world(env, client, &node_of_rank, timeout, shm)?;
-    client.watch_comm(Some(comm.clone()));
+    let world = GroupPlan {
+        name: "world".into(),
+        members: (0..env.world_size).collect(),
+        shm: shm.then(|| zproto::shm_segment_name(&env.job_id, env.node_rank)),
+    };
+    let comm = connect_group(env, client, &node_of_rank, timeout, world)?;
+    client.watch_comms(vec![comm.clone()]);
     match welcome.task {
         Task::Train(t) => {
+            let p = t.spec.zero.hpz_partition_size;
+            let hpz = if p > 1 {
+                let plan = hpz_plan(env, &node_of_rank, p, shm)?;
+                Some(connect_group(env, client, &node_of_rank, timeout, plan)?)
+            } else {
+                None
+            };
+            client.watch_comms(
+                [Some(comm.clone()), hpz.clone()]
+                    .into_iter()
+                    .flatten()
+                    .collect(),
+            );
             let nodes = node_of_rank.iter().max().map_or(1, |n| n + 1);
-            train::train(&t.spec, t.resume.as_deref(), env, nodes, comm, client)
+            let groups = zengine::ProcessGroups { world: comm, hpz };
+            train::train(&t.spec, t.resume.as_deref(), env, nodes, groups, client)
         }
         Task::BenchComm(b) => bench::bench_comm(&b, comm, client),
         Task::BenchKernels { .. } => unreachable!("handled before connecting"),
     }
 }
 
-/// Rendezvous through zrun's key-value store, then the TCP mesh (and shared
-/// memory between ranks of a node when `shm`).
-fn connect_world(
+/// A process group to connect: its name, its members (world ranks, in group
+/// rank order) and the shared-memory segment its ranks on one node share.
+struct GroupPlan {
+    name: String,
+    members: Vec<usize>,
+    shm: Option<String>,
+}
+
+/// Rendezvous through zrun's key-value store, then the TCP mesh of `plan`'s
+/// members (and shared memory between those of a node when it names a segment).
+fn connect_group(
     env: &WorkerEnv,
     client: &ControlClient,
     node_of_rank: &[usize],
     timeout: Duration,
-    shm: bool,
+    plan: GroupPlan,
 ) -> Result<Arc<dyn Communicator>> {
+    let me = plan
+        .members
+        .iter()
+        .position(|&r| r == env.rank)
+        .with_context(|| format!("rank {} is not in group {}", env.rank, plan.name))?;
     let listener = TcpCommunicator::bind(&env.node_addr)
         .with_context(|| format!("binding the data-plane listener on {}", env.node_addr))?;
     let mut addr = listener.local_addr()?;
@@ -124,11 +156,9 @@ fn connect_world(
         probe.connect((env.master_addr.as_str(), env.master_port))?;
         addr.set_ip(probe.local_addr()?.ip());
     }
-    client.kv_set(&format!("zcomm/world/addr/{}", env.rank), &addr.to_string())?;
-    let keys = (0..env.world_size)
-        .map(|r| format!("zcomm/world/addr/{r}"))
-        .collect();
-    let values = client.kv_wait(keys, timeout)?;
+    let key = |i: usize| format!("zcomm/{}/addr/{i}", plan.name);
+    client.kv_set(&key(me), &addr.to_string())?;
+    let values = client.kv_wait((0..plan.members.len()).map(key).collect(), timeout)?;
     let addrs: Vec<SocketAddr> = values
         .iter()
         .map(|v| v.parse().with_context(|| format!("bad peer address `{v}`")))
@@ -136,11 +166,34 @@ fn connect_world(
     let opts = TcpOptions {
         token: env.token.clone(),
         timeout,
-        node_of_rank: node_of_rank.to_vec(),
-        group: "world".into(),
-        shm: shm.then(|| zproto::shm_segment_name(&env.job_id, env.node_rank)),
+        node_of_rank: plan.members.iter().map(|&r| node_of_rank[r]).collect(),
+        group: plan.name,
+        shm: plan.shm,
     };
     Ok(Arc::new(TcpCommunicator::connect(
-        env.rank, listener, &addrs, opts,
+        me, listener, &addrs, opts,
     )?))
+}
+
+/// ZeRO++ hpZ: this rank's group of `size` consecutive ranks, which zrun's
+/// checks put on one node.
+fn hpz_plan(env: &WorkerEnv, node_of_rank: &[usize], size: usize, shm: bool) -> Result<GroupPlan> {
+    let k = env.rank / size;
+    let members: Vec<usize> = (k * size..(k + 1) * size).collect();
+    if members
+        .iter()
+        .any(|&r| node_of_rank.get(r) != Some(&env.node_rank))
+    {
+        anyhow::bail!(
+            "zero.hpz_partition_size {size}: ranks {}..{} are not all on node {}",
+            members[0],
+            members[size - 1],
+            env.node_rank
+        );
+    }
+    Ok(GroupPlan {
+        name: format!("hpz{k}"),
+        members,
+        shm: shm.then(|| zproto::hpz_segment_name(&env.job_id, k)),
+    })
 }

@@ -1,14 +1,13 @@
 //! The training loop: data, engine, one report per optimizer step, checkpoints.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use zckpt::Checkpoint;
-use zcomm::{Communicator, CounterSnapshot, Op};
+use zcomm::{CounterSnapshot, Op};
 use zconfig::JobSpec;
-use zengine::{Engine, MemoryUse};
+use zengine::{Engine, MemoryUse, ProcessGroups};
 use zmodel::{Batcher, Corpus};
 use zproto::{CommBytes, IoReport, MemBytes, OpBytes, StepReport, ToServer};
 
@@ -17,12 +16,13 @@ use crate::control::ControlClient;
 use crate::env::WorkerEnv;
 
 /// Trains `spec` on this rank (from `resume` if given) and reports each step.
+/// `groups.hpz` is this rank's hpZ group when `zero.hpz_partition_size` > 1.
 pub fn train(
     spec: &JobSpec,
     resume: Option<&str>,
     env: &WorkerEnv,
     nodes: usize,
-    comm: Arc<dyn Communicator>,
+    groups: ProcessGroups,
     client: &ControlClient,
 ) -> Result<()> {
     let t = &spec.train;
@@ -41,7 +41,8 @@ pub fn train(
         env.rank,
         t.seed,
     )?;
-    let mut engine = Engine::for_job(spec, comm.clone(), &env.job_id)?;
+    let comm = groups.world.clone();
+    let mut engine = Engine::with_groups(spec, groups, &env.job_id)?;
     if let Some(path) = &spec.model.init_from {
         engine.load_weights(&zckpt::read_weights(Path::new(path))?)?;
     }
@@ -119,6 +120,7 @@ fn mem_bytes(m: &MemoryUse) -> MemBytes {
         offload_buffers: m.offload_buffers,
         peak_rss: m.peak_rss,
         nvme: (m.nvme > 0).then_some(m.nvme),
+        secondary: (m.secondary > 0).then_some(m.secondary),
     }
 }
 

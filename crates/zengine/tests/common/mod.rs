@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zckpt::{Checkpoint, FileEntry, GroupEntry, LossScaleState, Manifest};
-use zcomm::{Communicator, TcpCommunicator, TcpOptions};
+use zcomm::{Communicator, CounterSnapshot, TcpCommunicator, TcpOptions};
 use zconfig::JobSpec;
-use zengine::Engine;
+use zengine::{Engine, ProcessGroups};
 use zmodel::{Batcher, Corpus};
 use zproto::{Op, Token};
 
@@ -37,6 +37,13 @@ pub fn typed_spec(
 }
 
 pub fn comms(n: usize) -> Vec<Arc<dyn Communicator>> {
+    comms_on(&vec![0; n], "world")
+}
+
+/// Communicators of one group on loopback; `node_of_rank[r]` is rank r's
+/// node (for the intra/inter-node byte counts).
+pub fn comms_on(node_of_rank: &[usize], group: &str) -> Vec<Arc<dyn Communicator>> {
+    let n = node_of_rank.len();
     let token = Token::generate();
     let ls: Vec<_> = (0..n)
         .map(|_| TcpCommunicator::bind("127.0.0.1").unwrap())
@@ -50,8 +57,8 @@ pub fn comms(n: usize) -> Vec<Arc<dyn Communicator>> {
             let o = TcpOptions {
                 token: token.clone(),
                 timeout: Duration::from_secs(30),
-                node_of_rank: vec![0; n],
-                group: "world".into(),
+                node_of_rank: node_of_rank.to_vec(),
+                group: group.into(),
                 shm: None,
             };
             std::thread::spawn(move || {
@@ -82,8 +89,14 @@ pub struct Run {
     pub history: Vec<Vec<Vec<f32>>>,
     /// What rank 0 needs of every rank to write the manifest, when saved.
     pub saved: Option<Saved>,
-    /// Bytes this rank sent in all-gathers.
+    /// Bytes this rank sent in all-gathers (every group).
     pub all_gather_bytes: u64,
+    /// Bytes this rank sent, every group together.
+    pub counters: CounterSnapshot,
+    /// hpZ: bytes this rank sent in its hpZ group.
+    pub hpz_counters: Option<CounterSnapshot>,
+    /// hpZ: the most bytes of secondary shards held in a step.
+    pub secondary: u64,
     /// Every group's padded length.
     pub padded: Vec<usize>,
 }
@@ -134,6 +147,31 @@ pub struct Leg<'a> {
     pub save: Option<&'a Path>,
     /// Record every parameter after every step.
     pub history: bool,
+    /// Node of every rank (else all on node 0); with hpZ, group k is ranks
+    /// k·P..(k+1)·P.
+    pub nodes: Option<Vec<usize>>,
+}
+
+/// Every rank's process groups: the world on `nodes`, and with hpZ of P
+/// ranks, group k of ranks k·P..(k+1)·P.
+pub fn process_groups(nodes: &[usize], hpz: usize) -> Vec<ProcessGroups> {
+    let world = comms_on(nodes, "world");
+    let mut hpz_groups: Vec<Option<Arc<dyn Communicator>>> = vec![None; nodes.len()];
+    if hpz > 1 {
+        for (k, members) in nodes.chunks(hpz).enumerate() {
+            for (i, c) in comms_on(members, &format!("hpz{k}"))
+                .into_iter()
+                .enumerate()
+            {
+                hpz_groups[k * hpz + i] = Some(c);
+            }
+        }
+    }
+    world
+        .into_iter()
+        .zip(hpz_groups)
+        .map(|(world, hpz)| ProcessGroups { world, hpz })
+        .collect()
 }
 
 /// Trains `leg` of `spec` on every rank in parallel; returns what each rank saw.
@@ -141,10 +179,12 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
     let ckpt = leg.resume.map(|dir| Checkpoint::open(dir).unwrap());
     let (history, save) = (leg.history, leg.save);
     let until = leg.until.unwrap_or(spec.train.steps);
-    let hs: Vec<_> = comms(world)
+    let nodes = leg.nodes.clone().unwrap_or_else(|| vec![0; world]);
+    assert_eq!(nodes.len(), world);
+    let hs: Vec<_> = process_groups(&nodes, spec.zero.hpz_partition_size)
         .into_iter()
         .enumerate()
-        .map(|(rank, comm)| {
+        .map(|(rank, groups)| {
             let (spec, ckpt) = (spec.clone(), ckpt.clone());
             let save = save.map(Path::to_path_buf);
             std::thread::spawn(move || {
@@ -160,7 +200,9 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     t.seed,
                 )
                 .unwrap();
-                let mut engine = Engine::new(&spec, comm.clone()).unwrap();
+                let (comm, hpz) = (groups.world.clone(), groups.hpz.clone());
+                let job = format!("{}-{}", spec.name, std::process::id());
+                let mut engine = Engine::with_groups(&spec, groups, &job).unwrap();
                 if let Some(ckpt) = &ckpt {
                     engine.load(ckpt).unwrap();
                 }
@@ -174,6 +216,9 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     history: Vec::new(),
                     saved: None,
                     all_gather_bytes: 0,
+                    counters: CounterSnapshot::default(),
+                    hpz_counters: None,
+                    secondary: 0,
                     padded: engine.manifest_groups().iter().map(|g| g.padded).collect(),
                 };
                 for s in engine.steps_done()..until {
@@ -185,6 +230,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     run.norms.push(st.grad_norm);
                     run.lrs.push(st.lr);
                     run.grads_held = run.grads_held.max(st.mem.grads);
+                    run.secondary = run.secondary.max(st.mem.secondary);
                     run.scales.push((st.loss_scale, st.skipped));
                     if history {
                         run.history.push(engine.full_params().unwrap());
@@ -202,7 +248,9 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                         step: engine.steps_done(),
                     });
                 }
-                run.all_gather_bytes = comm.counters().op(Op::AllGather);
+                run.hpz_counters = hpz.map(|h| h.counters());
+                run.counters = comm.counters().plus(&run.hpz_counters.unwrap_or_default());
+                run.all_gather_bytes = run.counters.op(Op::AllGather);
                 run.params = engine.full_params().unwrap();
                 run
             })
