@@ -268,6 +268,13 @@ fn bad_input_exits_2_with_a_located_message() {
             "zero.hpz_partition_size: 3 must divide the workers of every node (a secondary partition lives inside one node); this job's nodes: localhost × 2",
         ),
         (
+            vec![write(
+                "qgz.yaml",
+                &format!("{good}zero: {{stage: 1, zero_quantized_gradients: true}}\n"),
+            )],
+            "qgz.yaml:10:18: zero.zero_quantized_gradients: needs zero.stage: 3",
+        ),
+        (
             vec![write("stage.yaml", &format!("{good}zero: {{stage: 4}}\n"))],
             "zero.stage: must be 0, 1, 2 or 3, got 4",
         ),

@@ -550,6 +550,46 @@ mod tests {
         assert_eq!(w["w"].1[9], 9.0);
     }
 
+    /// A group that spans both ranks' slices comes back whole and without
+    /// its padding, every group in model order.
+    #[test]
+    fn all_params_reassembles_groups_across_slices_without_padding() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join(step_dir_name(5));
+        let mut m = write(&dir);
+        // A second group of 20 elements padded to 32: 16 on rank 0, 4 on rank 1.
+        let full: Vec<f32> = (0..32)
+            .map(|i| if i < 20 { 100.0 + i as f32 } else { -7.0 })
+            .collect();
+        let first: Vec<f32> = (0..32)
+            .map(|i| if i < 10 { i as f32 } else { 0.0 })
+            .collect();
+        let mut files = Vec::new();
+        for r in 0..2 {
+            let own = |g: usize| {
+                let v = if g == 0 { &first } else { &full };
+                let s = v[r * 16..(r + 1) * 16].to_vec();
+                Ok::<_, CkptError>([s.clone(), s.clone(), s])
+            };
+            files.push(write_shard(&dir, r, &[16, 16], own).unwrap());
+        }
+        m.files = files;
+        m.groups.push(GroupEntry {
+            name: "h".into(),
+            numel: 20,
+            padded: 32,
+            params: vec![ParamEntry {
+                name: "v".into(),
+                shape: vec![20],
+                offset: 0,
+            }],
+        });
+        write_manifest(&dir, &m).unwrap();
+        let c = Checkpoint::open(&dir).unwrap();
+        let want: Vec<Vec<f32>> = vec![(0..10).map(|i| i as f32).collect(), full[..20].to_vec()];
+        assert_eq!(c.all_params().unwrap(), want);
+    }
+
     #[test]
     fn damage_is_reported_with_the_file() {
         let d = tempfile::tempdir().unwrap();

@@ -337,5 +337,32 @@ mod tests {
         std::fs::write(&path, [0xff; 16]).unwrap();
         let e = TensorFile::open(&path).err().unwrap().to_string();
         assert!(e.contains("not a safetensors file"), "{e}");
+        // A header length past the end of the file (but below the size cap).
+        let mut short = 1000u64.to_le_bytes().to_vec();
+        short.extend_from_slice(b"{}");
+        std::fs::write(&path, &short).unwrap();
+        let e = TensorFile::open(&path).err().unwrap().to_string();
+        assert!(
+            e.contains("not a safetensors file: a 1000-byte header"),
+            "{e}"
+        );
+        // Larger than the cap (100 MiB), in a file that is long enough (sparse).
+        let huge = (100u64 << 20) + 8;
+        std::fs::write(&path, huge.to_le_bytes()).unwrap();
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(8 + huge + 16).unwrap();
+        let e = TensorFile::open(&path).err().unwrap().to_string();
+        assert!(e.contains(&format!("a {huge}-byte header")), "{e}");
+    }
+
+    /// A file of no tensors is a header that fills the file, and valid.
+    #[test]
+    fn a_file_without_tensors_opens() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("t.safetensors");
+        let w = StreamWriter::create(&path, &[], None).unwrap();
+        w.finish().unwrap();
+        let f = TensorFile::open(&path).unwrap();
+        assert!(f.tensors().is_empty());
     }
 }

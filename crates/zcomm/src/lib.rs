@@ -7,7 +7,8 @@
 //! - `error`: [`CommError`] and [`SetupError`].
 //! - `links`: the point-to-point layer the algorithms run on (framed messages with
 //!   a sequence number, per-op deadlines, byte accounting).
-//! - `ring`, `pairwise`, `star`: one file per algorithm family.
+//! - `ring`, `pairwise`, `star`: one file per algorithm family; `quantized`:
+//!   ZeRO++ qgZ's two-hop quantized reduce-scatter.
 //! - `tcp`: the communicator: one authenticated TCP connection per peer, and
 //!   `shm` rings instead of sockets between ranks of one node when asked.
 //!
@@ -25,6 +26,7 @@ mod direct;
 mod error;
 mod links;
 mod pairwise;
+mod quantized;
 mod ring;
 mod shm;
 mod star;
@@ -35,6 +37,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 pub use error::{CommError, SetupError};
+pub use quantized::Quantization;
 pub use tcp::{TcpCommunicator, TcpOptions};
 pub use zproto::Op;
 
@@ -95,7 +98,7 @@ impl<T> Work<T> {
 /// Bytes sent by this rank: by operation, and to peers on this node or others.
 #[derive(Debug, Default)]
 pub struct Counters {
-    by_op: [AtomicU64; 6],
+    by_op: [AtomicU64; Op::ALL.len()],
     intra_node: AtomicU64,
     inter_node: AtomicU64,
 }
@@ -104,7 +107,7 @@ pub struct Counters {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CounterSnapshot {
     /// Indexed by [`Op`] as declared.
-    pub by_op: [u64; 6],
+    pub by_op: [u64; Op::ALL.len()],
     /// To ranks on the same node.
     pub intra_node: u64,
     /// To ranks on other nodes.
@@ -132,7 +135,7 @@ impl CounterSnapshot {
 
     /// Bytes sent between `earlier` and `self`.
     pub fn since(&self, earlier: &CounterSnapshot) -> CounterSnapshot {
-        let mut by_op = [0; 6];
+        let mut by_op = [0; Op::ALL.len()];
         for (i, b) in by_op.iter_mut().enumerate() {
             *b = self.by_op[i] - earlier.by_op[i];
         }
@@ -157,7 +160,7 @@ impl Counters {
 
     /// Current totals.
     pub fn snapshot(&self) -> CounterSnapshot {
-        let mut by_op = [0; 6];
+        let mut by_op = [0; Op::ALL.len()];
         for (i, b) in by_op.iter_mut().enumerate() {
             *b = self.by_op[i].load(Ordering::Relaxed);
         }
@@ -260,6 +263,12 @@ pub trait Communicator: Send + Sync {
     fn all_reduce_async(&self, buf: Vec<f32>) -> Work<Vec<f32>>;
     /// Element-wise sum over ranks; this rank receives chunk `rank` of the sum.
     fn reduce_scatter_async(&self, buf: Vec<f32>) -> Work<Vec<f32>>;
+    /// [`Communicator::reduce_scatter_async`] with the data quantized on the
+    /// wire (ZeRO++ qgZ): reduced inside each node first, then across nodes,
+    /// each hop quantizing what it sends and adding in f32 (see `quantized.rs`).
+    /// Buffers with chunks shorter than one quantization block run as a plain
+    /// reduce-scatter (and count as one).
+    fn quantized_reduce_scatter_async(&self, buf: Vec<f32>, q: Quantization) -> Work<Vec<f32>>;
     /// Every rank contributes chunk `rank` of a `total_len` buffer; all receive the whole.
     fn all_gather_async(&self, chunk: Vec<f32>, total_len: usize) -> Work<Vec<f32>>;
     /// `pieces[j]` goes to rank j; the result's element i came from rank i.
@@ -276,6 +285,14 @@ pub trait Communicator: Send + Sync {
     /// Blocking [`Communicator::reduce_scatter_async`].
     fn reduce_scatter(&self, buf: Vec<f32>) -> Result<Vec<f32>, CommError> {
         self.reduce_scatter_async(buf).wait()
+    }
+    /// Blocking [`Communicator::quantized_reduce_scatter_async`].
+    fn quantized_reduce_scatter(
+        &self,
+        buf: Vec<f32>,
+        q: Quantization,
+    ) -> Result<Vec<f32>, CommError> {
+        self.quantized_reduce_scatter_async(buf, q).wait()
     }
     /// Blocking [`Communicator::all_gather_async`].
     fn all_gather(&self, chunk: Vec<f32>, total_len: usize) -> Result<Vec<f32>, CommError> {

@@ -328,10 +328,13 @@ impl LoadedJob {
                 ),
             ));
         }
-        if z.quantized_gradients {
-            return Err(self.unsupported(
+        if z.quantized_gradients && z.stage != ZeroStage::Weights {
+            return Err(self.invalid(
                 self.written("zero.quantized_gradients", "zero.zero_quantized_gradients"),
-                "ZeRO++ qgZ",
+                format!(
+                    "needs zero.stage: 3 (qgZ quantizes stage 3's gradient reduce-scatters; this job is stage {})",
+                    z.stage
+                ),
             ));
         }
         self.validate_offload()?;

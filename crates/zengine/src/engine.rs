@@ -28,7 +28,7 @@
 use std::sync::Arc;
 
 use candle_core::{Device, Var};
-use zcomm::{Communicator, CounterSnapshot};
+use zcomm::{Communicator, CounterSnapshot, Quantization};
 use zconfig::{JobSpec, ZeroStage};
 use zmodel::{Gpt, GptConfig};
 
@@ -168,10 +168,16 @@ impl Engine {
             }
             groups.push(group);
         }
+        let z = &spec.zero;
+        let quantized = z.quantized_gradients.then(|| Quantization {
+            bits: Bits::from_count(z.quantization.gradient_bits).expect("validated: 8 or 4"),
+            block_size: z.quantization.block_size,
+        });
         let reducer = Reducer::new(
             &layouts,
-            spec.zero.reduce_bucket_size.0.max(1) as usize,
-            spec.zero.overlap_comm,
+            z.reduce_bucket_size.0.max(1) as usize,
+            z.overlap_comm,
+            quantized,
         );
         Ok(Engine {
             vars: (0..groups.len()).map(|_| None).collect(),

@@ -5,13 +5,13 @@
 //! of a bucket is done, the bucket is packed rank-major (see [`crate::flat`]) and
 //! handed to the communicator: an all-reduce where every rank updates
 //! everything (stage 0), else a reduce-scatter that hands each rank the sum of
-//! the slices it owns. With `overlap_comm` backward carries on while the
+//! the slices it owns (with ZeRO++ qgZ, zcomm's two-hop quantized one). With `overlap_comm` backward carries on while the
 //! reduction runs; finished reductions are put away at the next group and the
 //! rest when the step waits for them.
 
 use std::collections::VecDeque;
 
-use zcomm::Work;
+use zcomm::{Quantization, Work};
 
 use crate::engine::Engine;
 use crate::error::EngineError;
@@ -30,16 +30,24 @@ pub(crate) struct Reducer {
     buckets: Vec<Bucket>,
     pending: VecDeque<PendingBucket>,
     overlap: bool,
+    /// ZeRO++ qgZ: reduce-scatters quantized on the wire.
+    pub(crate) quantized: Option<Quantization>,
 }
 
 impl Reducer {
     /// Buckets of at most `bucket_size` elements over groups laid out as
     /// `layouts`; `overlap` lets reductions run while backward continues.
-    pub(crate) fn new(layouts: &[GroupLayout], bucket_size: usize, overlap: bool) -> Reducer {
+    pub(crate) fn new(
+        layouts: &[GroupLayout],
+        bucket_size: usize,
+        overlap: bool,
+        quantized: Option<Quantization>,
+    ) -> Reducer {
         Reducer {
             buckets: Bucket::plan(layouts, bucket_size),
             pending: VecDeque::new(),
             overlap,
+            quantized,
         }
     }
 
@@ -73,7 +81,9 @@ impl Engine {
         let packed = self.pack_bucket(bi)?;
         let bytes = (packed.len() * 4) as u64;
         self.comm_buffers.add(bytes);
-        let work = if self.stage.partitions_optimizer() {
+        let work = if let Some(q) = self.reducer.quantized {
+            self.comm.quantized_reduce_scatter_async(packed, q)
+        } else if self.stage.partitions_optimizer() {
             self.comm.reduce_scatter_async(packed)
         } else {
             self.comm.all_reduce_async(packed)

@@ -277,6 +277,9 @@ pub struct OpBytes {
     pub all_to_all: u64,
     /// broadcast.
     pub broadcast: u64,
+    /// ZeRO++ qgZ's quantized reduce-scatter.
+    #[serde(default)]
+    pub quantized_reduce_scatter: u64,
 }
 
 impl CommBytes {
@@ -292,6 +295,9 @@ impl CommBytes {
                 all_gather: a.all_gather.max(b.all_gather),
                 all_to_all: a.all_to_all.max(b.all_to_all),
                 broadcast: a.broadcast.max(b.broadcast),
+                quantized_reduce_scatter: a
+                    .quantized_reduce_scatter
+                    .max(b.quantized_reduce_scatter),
             },
         }
     }

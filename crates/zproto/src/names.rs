@@ -20,17 +20,21 @@ pub enum Op {
     Broadcast,
     /// Wait for every rank.
     Barrier,
+    /// ZeRO++ qgZ: a reduce-scatter sent quantized, in two hops (within the
+    /// node, then across nodes).
+    QuantizedReduceScatter,
 }
 
 impl Op {
     /// Every operation, in declaration order ([`Op::index`]).
-    pub const ALL: [Op; 6] = [
+    pub const ALL: [Op; 7] = [
         Op::AllReduce,
         Op::ReduceScatter,
         Op::AllGather,
         Op::AllToAll,
         Op::Broadcast,
         Op::Barrier,
+        Op::QuantizedReduceScatter,
     ];
 
     /// The operations that move data (what `zrun bench comm` measures).
@@ -51,6 +55,7 @@ impl Op {
             Op::AllToAll => "all_to_all",
             Op::Broadcast => "broadcast",
             Op::Barrier => "barrier",
+            Op::QuantizedReduceScatter => "quantized_reduce_scatter",
         }
     }
 

@@ -135,6 +135,7 @@ fn comm_bytes(d: &CounterSnapshot) -> CommBytes {
             all_gather: d.op(Op::AllGather),
             all_to_all: d.op(Op::AllToAll),
             broadcast: d.op(Op::Broadcast),
+            quantized_reduce_scatter: d.op(Op::QuantizedReduceScatter),
         },
     }
 }

@@ -24,7 +24,7 @@ use crate::links::Links;
 use crate::{
     chunk_range, CommError, Communicator, CounterSnapshot, Counters, Op, SetupError, Work,
 };
-use crate::{pairwise, ring, star};
+use crate::{pairwise, quantized, ring, star, Quantization};
 use peers::{writer_loop, Current, Peer, TcpLinks, Wire};
 
 /// How to build a [`TcpCommunicator`].
@@ -49,6 +49,7 @@ type Job = Box<dyn FnOnce(&mut TcpLinks) + Send>;
 pub struct TcpCommunicator {
     rank: usize,
     world: usize,
+    node_of_rank: Vec<usize>,
     group: String,
     timeout: Duration,
     jobs: mpsc::Sender<Job>,
@@ -194,6 +195,7 @@ impl TcpCommunicator {
         Ok(TcpCommunicator {
             rank,
             world,
+            node_of_rank: opts.node_of_rank.clone(),
             group: opts.group,
             timeout: opts.timeout,
             jobs,
@@ -279,6 +281,17 @@ impl Communicator for TcpCommunicator {
             buf.truncate(own.len());
             buf.shrink_to_fit();
             Ok(buf)
+        })
+    }
+
+    fn quantized_reduce_scatter_async(&self, buf: Vec<f32>, q: Quantization) -> Work<Vec<f32>> {
+        if buf.len() / self.world < q.block_size.max(1) {
+            return self.reduce_scatter_async(buf);
+        }
+        let (bytes, node_of) = (buf.len() * 4, self.node_of_rank.clone());
+        self.submit(Op::QuantizedReduceScatter, bytes, move |l| {
+            let group = l.group.clone();
+            quantized::reduce_scatter(l, &group, &node_of, &buf, q)
         })
     }
 
