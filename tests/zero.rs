@@ -159,6 +159,41 @@ fn estimate_reproduces_the_zero_paper_and_sizes_a_job() {
         .unwrap()
         .iter()
         .any(|r| r["offload"] == "optimizer+param:nvme"));
+    // --comm: the paper's 384-GPU setting (24 nodes of 16, an 18B model,
+    // 1K tokens per GPU, 100 Gbit/s): cross-node bytes per node per step.
+    let f = zrun(
+        dir.path(),
+        &[
+            "estimate",
+            "--params",
+            "18B",
+            "--nodes",
+            "24",
+            "--workers-per-node",
+            "16",
+            "--comm",
+            "--json",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+    let c = &v["comm"];
+    let (psi, ring) = (18e9, 383.0 / 384.0);
+    let close = |x: &serde_json::Value, want: f64| (x.as_f64().unwrap() / want - 1.0).abs() < 1e-9;
+    assert!(close(&c["stage3"]["forward"], ring * 2.0 * psi), "{c}");
+    assert!(close(&c["stage3"]["gradients"], ring * 4.0 * psi), "{c}");
+    assert!(close(&c["zero_pp"]["forward"], ring * psi), "{c}");
+    assert_eq!(c["zero_pp"]["backward"], 0.0);
+    assert!(
+        close(&c["zero_pp"]["gradients"], 23.0 / 24.0 * 0.5 * psi),
+        "{c}"
+    );
+    assert!(close(&c["compute_s"], 6.0 * psi * 1024.0 / 40e12), "{c}");
+    let s = c["speedup_serial"].as_f64().unwrap();
+    assert!(
+        s > 1.0 && s < c["speedup_overlapped"].as_f64().unwrap(),
+        "{c}"
+    );
     // A job: its own parameter count and activation estimate, with and without checkpointing.
     let job = small_job(dir.path(), "est", 1);
     let f = zrun(dir.path(), &["estimate", job.to_str().unwrap(), "--json"]);

@@ -204,6 +204,63 @@ pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
     states
 }
 
+/// Bytes one node sends to other nodes in one stage-3 step, by phase, as
+/// zrun moves them (ring collectives with ranks numbered node by node, so a
+/// ring collective on a buffer of B bytes crosses each node boundary with
+/// (W-1)/W·B; qgZ's hierarchical reduce-scatter sends each other node one
+/// partial of each of the node's chunks).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CrossNodeBytes {
+    /// Forward all-gathers of the weights.
+    pub forward: f64,
+    /// Backward all-gathers of the weights.
+    pub backward: f64,
+    /// Gradient reduce-scatters (zrun reduces f32 gradients).
+    pub gradients: f64,
+}
+
+impl CrossNodeBytes {
+    /// Stage 3 or ZeRO++ (qwZ int8, hpZ, qgZ int4) for Ψ parameters of
+    /// `param_bytes` bytes, `nodes` nodes of `per_node` ranks; scales and the
+    /// tied head's extra gather are left out (they are a few percent).
+    pub fn stage3(
+        psi: f64,
+        param_bytes: f64,
+        nodes: usize,
+        per_node: usize,
+        zero_pp: bool,
+    ) -> CrossNodeBytes {
+        let w = (nodes * per_node) as f64;
+        let n = nodes as f64;
+        let ring = (w - 1.0) / w;
+        if nodes < 2 {
+            return CrossNodeBytes {
+                forward: 0.0,
+                backward: 0.0,
+                gradients: 0.0,
+            };
+        }
+        if zero_pp {
+            CrossNodeBytes {
+                forward: ring * psi,
+                backward: 0.0,
+                gradients: (n - 1.0) / n * 0.5 * psi,
+            }
+        } else {
+            CrossNodeBytes {
+                forward: ring * param_bytes * psi,
+                backward: ring * param_bytes * psi,
+                gradients: ring * 4.0 * psi,
+            }
+        }
+    }
+
+    /// All phases.
+    pub fn total(&self) -> f64 {
+        self.forward + self.backward + self.gradients
+    }
+}
+
 /// Parameters of a GPT of this shape (tied head; GPT-2 layout).
 pub fn gpt_params(m: &ModelSpec) -> f64 {
     let (v, d, l, t) = (
@@ -292,6 +349,14 @@ mod tests {
         );
         spec.zero.hpz_partition_size = 2;
         let hpz = worker_states(&spec, 4);
+        // The paper's 3M -> 0.75M (M = 16-bit weights) at 2 nodes of 4, with
+        // zrun's f32 gradients: stage 3 sends 3/4·(2 + 2 + 4)Ψ, ZeRO++
+        // 3/4·Ψ + 1/2·Ψ/2.
+        let s3 = CrossNodeBytes::stage3(psi, 2.0, 2, 2, false);
+        let pp = CrossNodeBytes::stage3(psi, 2.0, 2, 2, true);
+        assert!((s3.total() - 0.75 * 8.0 * psi).abs() < 1.0);
+        assert!((pp.total() - (0.75 + 0.25) * psi).abs() < 1.0);
+        assert_eq!(CrossNodeBytes::stage3(psi, 2.0, 1, 4, false).total(), 0.0);
         assert!((hpz.memory - plain.memory - 2.0 * psi / 2.0).abs() < 1.0);
     }
 

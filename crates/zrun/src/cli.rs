@@ -60,6 +60,20 @@ pub struct EstimateArgs {
     /// Override a job-spec key (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// Also predict stage 3's and ZeRO++'s bytes across nodes and step time.
+    #[arg(long)]
+    pub comm: bool,
+    /// With --comm: each node's inter-node bandwidth, Gbit/s.
+    #[arg(long, value_name = "GBPS", default_value_t = 100.0, requires = "comm")]
+    pub link_gbps: f64,
+    /// With --comm: the compute rate each worker achieves, TFLOP/s (40: a
+    /// V100 at a third of its fp16 peak).
+    #[arg(long, value_name = "TFLOPS", default_value_t = 40.0, requires = "comm")]
+    pub worker_tflops: f64,
+    /// With --comm: tokens per worker per step (default: the job's micro-batch
+    /// x sequence x accumulation, or 1024 with --params).
+    #[arg(long, value_name = "N", requires = "comm")]
+    pub tokens_per_worker: Option<f64>,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
