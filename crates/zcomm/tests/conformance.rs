@@ -52,6 +52,7 @@ per_transport!(
     large_uneven_messages_cross_slots_and_ring_wraps_in_mixed_topologies,
     quantized_reduce_scatter_is_within_its_error_bound_on_any_node_shape,
     quantized_reduce_scatter_sends_one_quantized_partial_per_node_across,
+    quantized_reduce_scatter_turns_an_infinity_into_nan_not_an_error,
 );
 
 /// Builds a world of `n` communicators in this process, each on its own socket.
@@ -551,5 +552,36 @@ fn quantized_reduce_scatter_sends_one_quantized_partial_per_node_across(t: Trans
                 assert_eq!(sent.op(Op::QuantizedReduceScatter), intra + inter, "{what}");
             }
         }
+    }
+}
+
+/// A quantizer refuses infinities, but an f16 overflow must reach the loss
+/// scaler as a non-finite gradient, not fail the step: an infinity (here on
+/// rank 3, in rank 0's chunk) makes the piece that carries it NaN, so the
+/// owner's result is non-finite (and rank 2's, whose chunk shared rank 3's
+/// piece to rank 2); the chunks of ranks 1 and 3 stay finite.
+fn quantized_reduce_scatter_turns_an_infinity_into_nan_not_an_error(t: Transport) {
+    let comms = world(t, 4, &[0, 0, 1, 1], Duration::from_secs(30));
+    let q = Quantization {
+        bits: Bits::Int4,
+        block_size: 16,
+    };
+    let len = 4 * 64;
+    let out = on_all(&comms, move |r, c| {
+        let mut x = random(r as u64, len);
+        if r == 3 {
+            x[5] = f32::INFINITY;
+        }
+        c.quantized_reduce_scatter(x, q).unwrap()
+    });
+    assert!(
+        out[0].iter().any(|v| !v.is_finite()),
+        "{t:?}: the infinity vanished"
+    );
+    for r in [1, 3] {
+        assert!(
+            out[r].iter().all(|v| v.is_finite()),
+            "{t:?}: rank {r}'s chunk was poisoned"
+        );
     }
 }

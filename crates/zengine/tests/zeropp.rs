@@ -319,3 +319,24 @@ fn all_of_zero_plus_plus_tracks_stage_3() {
     eprintln!("qwZ + hpZ + qgZ: losses within {worst:e} of stage 3");
     assert!(worst < 1e-2, "losses differ by {worst:e}");
 }
+
+/// f16 with a loss scale that overflows at first: under qgZ the infinite
+/// gradients arrive as NaN, so the same steps are skipped with the same scales
+/// as plain stage 3 until the first clean step, and training goes on.
+#[test]
+fn qgz_reports_f16_overflow_as_overflow() {
+    let mut plain_spec = typed_spec("f16", 3, 1, 2000, true, false, 6);
+    plain_spec.train.loss_scale.initial_scale_power = 20;
+    plain_spec.train.loss_scale.hysteresis = 1;
+    let mut spec = plain_spec.clone();
+    spec.zero.quantized_gradients = true;
+    spec.zero.quantization.block_size = 64;
+    let nodes = [0, 0, 1, 1];
+    let plain = train_on(&plain_spec, &nodes);
+    let got = train_on(&spec, &nodes);
+    let scales = &plain[0].scales;
+    let first_clean = scales.iter().position(|s| !s.1).expect("a clean step");
+    assert!(first_clean > 0, "no overflow to test: {scales:?}");
+    assert_eq!(got[0].scales[..=first_clean], scales[..=first_clean]);
+    assert!(got[0].losses.iter().all(|l| l.is_finite()));
+}
