@@ -184,7 +184,7 @@ impl LoadedJob {
         }
     }
 
-    /// [`Job::validate`] for the nodes of `topo`, plus what depends on their
+    /// [`Self::validate`] for the nodes of `topo`, plus what depends on their
     /// shapes: hpZ's secondary partitions must tile every node's workers.
     pub fn validate_on(&self, topo: &Topology) -> Result<(), ConfigError> {
         self.validate(topo.world_size())?;
