@@ -56,8 +56,20 @@ per_transport!(
 );
 
 /// Builds a world of `n` communicators in this process, each on its own socket.
+/// Worlds built so far (each names its segments with its number).
+static WORLDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 fn world(t: Transport, n: usize, nodes: &[usize], timeout: Duration) -> Vec<Arc<dyn Communicator>> {
-    static WORLDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    numbered_world(t, n, nodes, timeout).1
+}
+
+/// [`world`], with its number.
+fn numbered_world(
+    t: Transport,
+    n: usize,
+    nodes: &[usize],
+    timeout: Duration,
+) -> (usize, Vec<Arc<dyn Communicator>>) {
     let id = WORLDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let token = Token::generate();
     let listeners: Vec<_> = (0..n)
@@ -81,10 +93,11 @@ fn world(t: Transport, n: usize, nodes: &[usize], timeout: Duration) -> Vec<Arc<
             std::thread::spawn(move || TcpCommunicator::connect(rank, l, &addrs, opts).unwrap())
         })
         .collect();
-    handles
+    let comms = handles
         .into_iter()
         .map(|h| Arc::new(h.join().unwrap()) as Arc<dyn Communicator>)
-        .collect()
+        .collect();
+    (id, comms)
 }
 
 /// Runs `f(rank, comm)` on every rank in parallel and returns the results by rank.
@@ -584,4 +597,43 @@ fn quantized_reduce_scatter_turns_an_infinity_into_nan_not_an_error(t: Transport
             "{t:?}: rank {r}'s chunk was poisoned"
         );
     }
+}
+
+/// Setup refuses a rank outside the world and a node list of the wrong
+/// length (one per rank), naming both counts.
+#[test]
+fn a_topology_that_does_not_fit_the_world_is_refused() {
+    for (rank, nodes) in [(0, vec![0]), (2, vec![0, 0])] {
+        let l = TcpCommunicator::bind("127.0.0.1").unwrap();
+        let addrs = vec![l.local_addr().unwrap(); 2];
+        let opts = TcpOptions {
+            token: Token::generate(),
+            timeout: Duration::from_secs(2),
+            node_of_rank: nodes.clone(),
+            group: "world".into(),
+            shm: None,
+        };
+        let e = TcpCommunicator::connect(rank, l, &addrs, opts)
+            .err()
+            .expect("a bad topology must fail")
+            .to_string();
+        assert!(
+            e.contains(&format!("rank {rank}")) && e.contains(&format!("{} node", nodes.len())),
+            "{e}"
+        );
+    }
+}
+
+/// Shared memory is used where two or more ranks share a node, and only
+/// there: on nodes [0, 0, 1] node 0's segment is mapped into this process
+/// (its ranks are threads here) and node 1's is not.
+#[test]
+fn shared_memory_serves_exactly_the_nodes_with_several_ranks() {
+    let (id, comms) = numbered_world(Transport::Shm, 3, &[0, 0, 1], Duration::from_secs(20));
+    let out = on_all(&comms, |r, c| c.all_reduce(random(r as u64, 100)).unwrap());
+    assert_close(&out[2], &naive_sum(3, 100));
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let name = |n: usize| format!("zcomm-test-{}-{id}-n{n}", std::process::id());
+    assert!(maps.contains(&name(0)), "node 0's segment is not mapped");
+    assert!(!maps.contains(&name(1)), "node 1 (one rank) has a segment");
 }
