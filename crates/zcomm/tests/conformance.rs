@@ -53,6 +53,7 @@ per_transport!(
     quantized_reduce_scatter_is_within_its_error_bound_on_any_node_shape,
     quantized_reduce_scatter_sends_one_quantized_partial_per_node_across,
     quantized_reduce_scatter_turns_an_infinity_into_nan_not_an_error,
+    in_flight_names_the_op_its_group_bytes_and_the_awaited_peer,
 );
 
 /// Builds a world of `n` communicators in this process, each on its own socket.
@@ -636,4 +637,53 @@ fn shared_memory_serves_exactly_the_nodes_with_several_ranks() {
     let name = |n: usize| format!("zcomm-test-{}-{id}-n{n}", std::process::id());
     assert!(maps.contains(&name(0)), "node 0's segment is not mapped");
     assert!(!maps.contains(&name(1)), "node 1 (one rank) has a segment");
+}
+
+/// What hang diagnosis reads: while rank 0 waits in a collective that rank 1
+/// has not entered, `in_flight` names the op, the group, the caller's buffer
+/// in bytes and rank 1; afterwards nothing is in flight. The accessors say
+/// what the communicator was built with.
+fn in_flight_names_the_op_its_group_bytes_and_the_awaited_peer(t: Transport) {
+    let comms = world(t, 2, &[0, 0], Duration::from_secs(20));
+    let (c0, c1) = (comms[0].clone(), comms[1].clone());
+    assert_eq!((c0.rank(), c1.rank(), c1.world_size()), (0, 1, 2));
+    assert_eq!(c0.group_name(), "world");
+    assert_eq!(c0.timeout(), Duration::from_secs(20));
+    let len = 1000;
+    for (op, bytes) in [
+        ("all_reduce", len * 4),
+        ("reduce_scatter", len * 4),
+        ("all_gather", len * 4),
+    ] {
+        let start = |c: &dyn Communicator, r: usize| match op {
+            "all_reduce" => c.all_reduce_async(random(r as u64, len)),
+            "reduce_scatter" => c.reduce_scatter_async(random(r as u64, len)),
+            _ => c.all_gather_async(random(r as u64, len / 2), len),
+        };
+        let w0 = start(c0.as_ref(), 0);
+        let seen = wait_for(|| c0.in_flight().filter(|f| f.peer.is_some()));
+        assert_eq!(seen.op, op, "{t:?}");
+        assert_eq!(seen.group, "world", "{t:?} {op}");
+        assert_eq!(seen.bytes, bytes, "{t:?} {op}");
+        assert_eq!(seen.peer, Some(1), "{t:?} {op}");
+        let w1 = start(c1.as_ref(), 1);
+        w0.wait().unwrap();
+        w1.wait().unwrap();
+        assert!(c0.in_flight().is_none(), "{t:?} {op}: still in flight");
+    }
+}
+
+/// Polls `f` every 5 ms until it gives something (at most 10 s).
+fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(x) = f() {
+            return x;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "nothing in flight after 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
