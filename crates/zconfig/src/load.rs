@@ -254,6 +254,35 @@ impl LoadedJob {
                 format!("must be a positive number, got {}", t.lr),
             ));
         }
+        if !(t.min_lr.is_finite() && (0.0..=t.lr).contains(&t.min_lr)) {
+            return Err(self.invalid(
+                "train.min_lr",
+                format!(
+                    "must be between 0 and train.lr ({}), got {}",
+                    t.lr, t.min_lr
+                ),
+            ));
+        }
+        if !(t.decay_fraction > 0.0 && t.decay_fraction <= 1.0) {
+            return Err(self.invalid(
+                "train.decay_fraction",
+                format!("must be in (0, 1], got {}", t.decay_fraction),
+            ));
+        }
+        for (i, b) in t.optimizer.betas.iter().enumerate() {
+            if !(0.0..1.0).contains(b) {
+                return Err(self.invalid(
+                    "train.optimizer.betas",
+                    format!("beta{} must be in [0, 1), got {b}", i + 1),
+                ));
+            }
+        }
+        if !(t.optimizer.eps.is_finite() && t.optimizer.eps > 0.0) {
+            return Err(self.invalid(
+                "train.optimizer.eps",
+                format!("must be a positive number, got {}", t.optimizer.eps),
+            ));
+        }
         if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
             return Err(self.invalid("train.weight_decay", "must be a non-negative number"));
         }
@@ -564,6 +593,50 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("k.yaml:7:3: train.lr"), "{e}");
+    }
+
+    /// The optimizer's and schedule's knobs: parsed from YAML and `--set`,
+    /// each out-of-range value refused naming its key.
+    #[test]
+    fn optimizer_and_schedule_knobs_parse_and_are_checked() {
+        let d = tempfile::tempdir().unwrap();
+        let text = GOOD.replace(
+            "  lr: 1.0e-3\n",
+            "  lr: 1.0e-3\n  min_lr: 1.0e-4\n  schedule: wsd\n  decay_fraction: 0.3\n  optimizer: {betas: [0.9, 0.95], eps: 1.0e-6}\n",
+        );
+        let p = write(d.path(), "o.yaml", &text);
+        let job = load_job(&p, &[]).unwrap();
+        job.validate(1).unwrap();
+        let t = &job.spec.train;
+        assert_eq!((t.min_lr, t.decay_fraction), (1e-4, 0.3));
+        assert_eq!(t.schedule, crate::Schedule::Wsd);
+        assert_eq!((t.optimizer.betas, t.optimizer.eps), ([0.9, 0.95], 1e-6));
+        let p = write(d.path(), "g.yaml", GOOD);
+        for (set, want) in [
+            (
+                "train.min_lr=0.01",
+                "train.min_lr: must be between 0 and train.lr",
+            ),
+            (
+                "train.decay_fraction=0",
+                "train.decay_fraction: must be in (0, 1]",
+            ),
+            (
+                "train.optimizer.betas=[0.9, 1.0]",
+                "train.optimizer.betas: beta2 must be in [0, 1)",
+            ),
+            (
+                "train.optimizer.eps=0",
+                "train.optimizer.eps: must be a positive number",
+            ),
+        ] {
+            let e = load_job(&p, &[set.into()])
+                .unwrap()
+                .validate(1)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{set}: {e}");
+        }
     }
 
     #[test]

@@ -156,6 +156,12 @@ pub struct TrainSpec {
     pub warmup_steps: u64,
     /// Learning-rate schedule after warmup.
     pub schedule: Schedule,
+    /// The floor that linear, cosine and wsd decay end at.
+    pub min_lr: f64,
+    /// `schedule: wsd`: the share of all steps spent decaying, at the end.
+    pub decay_fraction: f64,
+    /// AdamW's betas and epsilon.
+    pub optimizer: OptimizerSpec,
     /// Decoupled (AdamW) weight decay on matrices.
     pub weight_decay: f64,
     /// Global-norm gradient clipping; 0 disables.
@@ -204,6 +210,9 @@ impl Default for TrainSpec {
             lr: 3.0e-4,
             warmup_steps: 20,
             schedule: Schedule::Cosine,
+            min_lr: 0.0,
+            decay_fraction: 0.2,
+            optimizer: OptimizerSpec::default(),
             weight_decay: 0.1,
             grad_clip: 1.0,
             seed: 42,
@@ -214,16 +223,38 @@ impl Default for TrainSpec {
     }
 }
 
+/// AdamW's coefficients (PyTorch's and DeepSpeed's names and defaults).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerSpec {
+    /// Decay of the first and second moments.
+    pub betas: [f64; 2],
+    /// Added to the second moment's square root.
+    pub eps: f64,
+}
+
+impl Default for OptimizerSpec {
+    fn default() -> Self {
+        Self {
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+        }
+    }
+}
+
 /// Learning-rate schedule after warmup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Schedule {
     /// Stay at `lr`.
     Constant,
-    /// Linear decay to 0 at the last step.
+    /// Linear decay to `min_lr` at the last step.
     Linear,
-    /// Half-cosine decay to 0 at the last step.
+    /// Half-cosine decay to `min_lr` at the last step.
     Cosine,
+    /// Warmup-stable-decay: `lr` until the last `decay_fraction` of the
+    /// steps, then linear decay to `min_lr`.
+    Wsd,
 }
 
 /// Compute dtype.

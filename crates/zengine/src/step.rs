@@ -20,11 +20,6 @@ use crate::offload::ALIGN_ELEMS;
 use crate::precision::Flat;
 use crate::schedule::lr_at;
 
-/// Optimizer hyper-parameters the job spec does not expose (DeepSpeed's defaults).
-const BETA1: f32 = 0.9;
-const BETA2: f32 = 0.999;
-const EPS: f32 = 1e-8;
-
 /// Part of the region this rank updates: flat ranges of one or more groups,
 /// updated together.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,15 +77,17 @@ impl Engine {
         let grad_norm = self.global_grad_norm(grad_scale)?;
         let overflow = self.check_overflow(step, grad_norm)?;
         let t = &self.spec.train;
-        let lr = lr_at(self.updates + 1, t.steps, t.lr, t.warmup_steps, t.schedule);
+        let lr = lr_at(self.updates + 1, t);
+        let [beta1, beta2] = t.optimizer.betas.map(|b| b as f32);
+        let eps = t.optimizer.eps as f32;
         if !overflow {
             let (grad_scale, swapped_coef) = self.clip_gradients(grad_norm, grad_scale);
             self.updates += 1;
             let hp = AdamStep {
                 lr: lr as f32,
-                beta1: BETA1,
-                beta2: BETA2,
-                eps: EPS,
+                beta1,
+                beta2,
+                eps,
                 weight_decay: self.spec.train.weight_decay as f32,
                 step: self.updates,
                 grad_scale,

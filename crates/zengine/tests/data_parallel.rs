@@ -256,7 +256,7 @@ fn f16_skipped_steps_freeze_the_schedule_and_adams_step_count() {
     let t = &spec.train;
     let mut updates = 0;
     for (s, (&lr, &skip)) in run.lrs.iter().zip(&skipped).enumerate() {
-        let want = zengine::schedule::lr_at(updates + 1, t.steps, t.lr, t.warmup_steps, t.schedule);
+        let want = zengine::schedule::lr_at(updates + 1, t);
         assert_eq!(lr, want, "step {}: lr with {updates} updates done", s + 1);
         updates += u64::from(!skip);
     }
@@ -320,4 +320,46 @@ fn f16_overflow_at_the_minimum_scale_fails_the_step() {
         .step()
         .expect_err("an overflow at the minimum scale must fail");
     assert!(e.to_string().contains("minimum loss scale"), "{e}");
+}
+
+/// The optimizer's knobs reach the update: the defaults written out change
+/// no bit; another beta1, beta2 or eps changes the parameters; wsd with a
+/// floor shapes the learning rates the steps report (peak, then decay that
+/// stays above the floor).
+#[test]
+fn optimizer_and_schedule_knobs_reach_the_update() {
+    let base = typed_spec("f32", 1, 1, 2000, true, false, 6);
+    let plain = train(base.clone(), 2);
+    let with = |betas: [f64; 2], eps: f64| {
+        let mut s = base.clone();
+        s.train.optimizer = zconfig::spec::OptimizerSpec { betas, eps };
+        s
+    };
+    assert!(
+        train(with([0.9, 0.999], 1e-8), 2) == plain,
+        "explicit defaults differ"
+    );
+    for (betas, eps) in [
+        ([0.8, 0.999], 1e-8),
+        ([0.9, 0.9], 1e-8),
+        ([0.9, 0.999], 1e-3),
+    ] {
+        let got = train(with(betas, eps), 2);
+        assert!(
+            got[0].params != plain[0].params,
+            "betas {betas:?} eps {eps}: no effect"
+        );
+    }
+    let mut wsd = base.clone();
+    wsd.train.schedule = zconfig::Schedule::Wsd;
+    wsd.train.min_lr = wsd.train.lr / 10.0;
+    wsd.train.decay_fraction = 0.5;
+    let run = &train(wsd.clone(), 2)[0];
+    let want: Vec<f64> = (1..=6)
+        .map(|s| zengine::schedule::lr_at(s, &wsd.train))
+        .collect();
+    assert_eq!(run.lrs, want);
+    let (peak, floor) = (wsd.train.lr, wsd.train.min_lr);
+    assert_eq!(run.lrs[2], peak, "warmup 2, then stable: {:?}", run.lrs);
+    assert!(run.lrs[5] < peak && run.lrs[5] > floor, "{:?}", run.lrs);
 }
