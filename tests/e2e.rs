@@ -129,6 +129,42 @@ fn two_workers_equal_one_worker_with_the_same_global_batch() {
     assert!(one[9] < one[0]);
 }
 
+/// Validation: with `data.val_fraction` held out and `train.eval_every: 2`,
+/// steps 2 and 4 (and only those) carry `val_loss`; it falls, and 1 worker
+/// with micro-batch 8 and 2 workers with 4 evaluate the same held-out
+/// sequences to the same loss.
+#[test]
+fn validation_loss_is_reported_and_does_not_depend_on_the_split() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "val", 4);
+    let run = |workers: &str, mb: &str| {
+        let m = dir.path().join(format!("val{workers}.jsonl"));
+        let f = TrainArgs::new(&job, &m)
+            .args(&["--workers-per-node", workers])
+            .set(format!("train.micro_batch_size={mb}"))
+            .set("data.val_fraction=0.1")
+            .set("train.eval_every=2")
+            .run(dir.path());
+        assert_eq!(f.code(), 0, "{f:?}");
+        metrics(&m)
+            .iter()
+            .filter(|l| l.get("loss").is_some())
+            .map(|l| l.get("val_loss").and_then(|v| v.as_f64()))
+            .collect::<Vec<_>>()
+    };
+    let one = run("1", "8");
+    let two = run("2", "4");
+    let at = |v: &[Option<f64>]| v.iter().map(Option::is_some).collect::<Vec<_>>();
+    assert_eq!(at(&one), [false, true, false, true]);
+    assert_eq!(at(&two), at(&one));
+    let (a, b) = (one[3].unwrap(), two[3].unwrap());
+    assert!((a - b).abs() <= 1e-5 * a, "1 worker {a}, 2 workers {b}");
+    assert!(
+        one[3].unwrap() < one[1].unwrap(),
+        "validation loss did not fall: {one:?}"
+    );
+}
+
 #[test]
 fn check_prints_the_resolved_job_and_topology() {
     let dir = tempfile::tempdir().unwrap();
@@ -273,6 +309,22 @@ fn bad_input_exits_2_with_a_located_message() {
                 &format!("{good}zero: {{stage: 1, zero_quantized_gradients: true}}\n"),
             )],
             "qgz.yaml:10:18: zero.zero_quantized_gradients: needs zero.stage: 3",
+        ),
+        (
+            vec![
+                write("evalno.yaml", &good),
+                "--set".into(),
+                "train.eval_every=5".into(),
+            ],
+            "train.eval_every: needs validation data: set data.val_fraction",
+        ),
+        (
+            vec![
+                write("valfrac.yaml", &good),
+                "--set".into(),
+                "data.val_fraction=1.5".into(),
+            ],
+            "data.val_fraction: must be in [0, 1), got 1.5",
         ),
         (
             vec![write("stage.yaml", &format!("{good}zero: {{stage: 4}}\n"))],

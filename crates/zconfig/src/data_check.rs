@@ -49,7 +49,19 @@ impl LoadedJob {
                 self.check_token_ids(f)?;
             }
         }
-        let need = (s.model.seq_len as u64 + 1) * world_size.max(1) as u64;
+        let held_out = (tokens as f64 * s.data.val_fraction) as u64;
+        let seq = s.model.seq_len as u64 + 1;
+        if s.data.val_fraction > 0.0 && held_out < seq {
+            return Err(self.invalid(
+                "data.val_fraction",
+                format!(
+                    "{} of the data's {tokens} tokens is {held_out}, less than one sequence of seq_len + 1 = {seq}",
+                    s.data.val_fraction
+                ),
+            ));
+        }
+        let tokens = tokens - held_out;
+        let need = seq * world_size.max(1) as u64;
         if tokens < need {
             return Err(self.invalid(
                 "model.seq_len",

@@ -283,6 +283,21 @@ impl LoadedJob {
                 format!("must be a positive number, got {}", t.optimizer.eps),
             ));
         }
+        if !(0.0..1.0).contains(&s.data.val_fraction) {
+            return Err(self.invalid(
+                "data.val_fraction",
+                format!("must be in [0, 1), got {}", s.data.val_fraction),
+            ));
+        }
+        if t.eval_every > 0 && s.data.val_fraction == 0.0 {
+            return Err(self.invalid(
+                "train.eval_every",
+                "needs validation data: set data.val_fraction (the share held out)",
+            ));
+        }
+        if t.eval_steps == 0 {
+            return Err(self.invalid("train.eval_steps", "must be at least 1"));
+        }
         if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
             return Err(self.invalid("train.weight_decay", "must be a non-negative number"));
         }

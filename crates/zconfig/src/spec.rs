@@ -125,6 +125,10 @@ pub struct DataSpec {
     /// How to read the files.
     #[serde(default)]
     pub format: DataFormat,
+    /// The share of the token stream, at its end, held out for validation
+    /// (0: none).
+    #[serde(default)]
+    pub val_fraction: f64,
 }
 
 /// How data files are read.
@@ -174,6 +178,11 @@ pub struct TrainSpec {
     pub loss_scale: LossScaleSpec,
     /// Recompute each block in backward.
     pub activation_checkpointing: bool,
+    /// Steps between validation losses (0: only after the last step); needs
+    /// `data.val_fraction`.
+    pub eval_every: u64,
+    /// Micro-batches each worker evaluates per validation.
+    pub eval_steps: usize,
 }
 
 /// f16's dynamic loss scaling, with DeepSpeed's key names and defaults.
@@ -219,6 +228,8 @@ impl Default for TrainSpec {
             dtype: Dtype::F32,
             loss_scale: LossScaleSpec::default(),
             activation_checkpointing: false,
+            eval_every: 0,
+            eval_steps: 4,
         }
     }
 }

@@ -257,22 +257,13 @@ impl Engine {
     fn gather_order(&self) -> Vec<Gather> {
         let l = self.model.config().n_layers;
         let head = l + 1;
-        let z = &self.spec.zero;
-        let quant = z.quantized_weights.then(|| WeightQuant {
-            bits: Bits::from_count(z.quantization.weight_bits).expect("validated: 8 or 4"),
-            block_size: z.quantization.block_size,
-        });
         let keep = self.hpz.is_some();
         let later = if keep {
             Source::Secondary
         } else {
             Source::World(None)
         };
-        let forward = (0..=l).map(|group| Gather {
-            group,
-            source: Source::World(quant),
-            keep,
-        });
+        let forward = self.forward_gathers(keep);
         let head = [Gather {
             group: head,
             source: Source::World(None),
@@ -294,10 +285,51 @@ impl Engine {
             .collect()
     }
 
+    /// The forward gathers of the embedding and the blocks: quantized with
+    /// qwZ; with `keep`, leaving hpZ's secondary shards.
+    fn forward_gathers(&self, keep: bool) -> impl Iterator<Item = Gather> {
+        let z = &self.spec.zero;
+        let quant = z.quantized_weights.then(|| WeightQuant {
+            bits: Bits::from_count(z.quantization.weight_bits).expect("validated: 8 or 4"),
+            block_size: z.quantization.block_size,
+        });
+        (0..=self.model.config().n_layers).map(move |group| Gather {
+            group,
+            source: Source::World(quant),
+            keep,
+        })
+    }
+
+    /// The order of stage-3 gathers in a forward-only pass (validation): the
+    /// embedding and the blocks as in training's forward (quantized with qwZ),
+    /// then the head and the tied embedding; hpZ keeps no shards, nothing
+    /// gathers them again.
+    fn eval_gather_order(&self) -> Vec<Gather> {
+        let l = self.model.config().n_layers;
+        self.forward_gathers(false)
+            .chain([l + 1, 0].map(|group| Gather {
+                group,
+                source: Source::World(None),
+                keep: false,
+            }))
+            .filter(|g| self.groups[g.group].partitioned)
+            .collect()
+    }
+
     /// A prefetcher for one micro-batch's stage-3 gathers (and, with parameter
     /// offload, the read-ahead of their slices from swap).
     pub(crate) fn prefetcher(&mut self) -> Prefetcher {
         let order = self.gather_order();
+        self.prefetcher_for(order)
+    }
+
+    /// A prefetcher for one forward-only pass.
+    pub(crate) fn eval_prefetcher(&mut self) -> Prefetcher {
+        let order = self.eval_gather_order();
+        self.prefetcher_for(order)
+    }
+
+    fn prefetcher_for(&mut self, order: Vec<Gather>) -> Prefetcher {
         if let Some(p) = self.offload.as_ref().and_then(|o| o.params.as_ref()) {
             // Gathers from secondary shards read no slice.
             let groups = order

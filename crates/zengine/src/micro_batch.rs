@@ -76,6 +76,55 @@ impl Engine {
         Ok(loss)
     }
 
+    /// The mean loss over `batches` on every rank (a collective: every rank
+    /// calls it with as many batches), forward only: nothing is accumulated
+    /// and no state changes. Each batch's loss is what
+    /// [`Engine::forward_backward`] would return for it.
+    pub fn eval_loss(&mut self, batches: &[Batch]) -> Result<f64, EngineError> {
+        let mut sum = 0f64;
+        for b in batches {
+            sum += self.forward_loss(b)?;
+        }
+        // The sum in f64 as two f32 words (hi + lo), so the mean keeps f64's
+        // precision through an f32 all-reduce; the count alongside.
+        let hi = sum as f32;
+        let lo = (sum - f64::from(hi)) as f32;
+        let all = self.comm.all_reduce(vec![hi, lo, batches.len() as f32])?;
+        Ok((f64::from(all[0]) + f64::from(all[1])) / f64::from(all[2]).max(1.0))
+    }
+
+    /// One batch's loss without backward.
+    fn forward_loss(&mut self, batch: &Batch) -> Result<f64, EngineError> {
+        let mut gather = self.eval_prefetcher();
+        let shape = (batch.rows, batch.seq_len);
+        let tokens = Tensor::from_slice(&batch.inputs, shape, &Device::Cpu)?;
+        let targets = Tensor::from_slice(&batch.targets, shape, &Device::Cpu)?;
+        let p0 = self.params_for(0, &mut gather)?;
+        let mut x = self
+            .model
+            .embed(&EmbeddingParams::from_vec(detached(&p0))?, &tokens)?;
+        drop(p0);
+        self.release(0);
+        let l = self.model.config().n_layers;
+        for b in 1..=l {
+            let p = BlockParams::from_vec(detached(&self.params_for(b, &mut gather)?))?;
+            x = self.model.block(&p, &x)?;
+            drop(p);
+            self.release(b);
+        }
+        let ph = self.params_for(l + 1, &mut gather)?;
+        let pw = self.params_for(0, &mut gather)?;
+        let wte = EmbeddingParams::from_vec(detached(&pw))?.wte;
+        let loss =
+            self.model
+                .head_loss(&HeadParams::from_vec(detached(&ph))?, &wte, &x, &targets)?;
+        drop((ph, pw));
+        self.release(l + 1);
+        self.release(0);
+        assert!(gather.finished(), "planned evaluation gathers left unused");
+        Ok(f64::from(loss.to_scalar::<f32>()?))
+    }
+
     fn begin_micro_batch(&mut self, batch: &Batch) -> Result<MicroBatch, EngineError> {
         let accum = self.spec.train.grad_accum;
         if self.micro >= accum {

@@ -363,3 +363,74 @@ fn optimizer_and_schedule_knobs_reach_the_update() {
     assert_eq!(run.lrs[2], peak, "warmup 2, then stable: {:?}", run.lrs);
     assert!(run.lrs[5] < peak && run.lrs[5] > floor, "{:?}", run.lrs);
 }
+
+/// Validation loss, forward only: on 2 ranks and every stage, `eval_loss` of
+/// each rank's batch equals the mean of the losses `forward_backward` then
+/// returns for the same batches (the same forward; on 1 rank bit for bit), is
+/// bit-identical across stages, and leaves no trace: the parameters after the
+/// step equal those of a run that never evaluated.
+#[test]
+fn eval_loss_is_the_training_forward_without_a_trace() {
+    let run = |stage: u8, world: usize, evaluate: bool| {
+        let spec = typed_spec("bf16", stage, 1, 2000, true, false, 2);
+        let hs: Vec<_> = comms(world)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let spec = spec.clone();
+                std::thread::spawn(move || {
+                    let corpus = zmodel::Corpus::synthetic(spec.model.vocab_size, 3);
+                    let seq = spec.model.seq_len;
+                    let mut data = zmodel::Batcher::new(corpus, seq, 4, 1, world, rank, 7).unwrap();
+                    let mut e = Engine::new(&spec, comm.clone()).unwrap();
+                    let batch = data.batch(0, 0);
+                    let eval = if evaluate {
+                        e.eval_loss(std::slice::from_ref(&batch)).unwrap()
+                    } else {
+                        f64::NAN
+                    };
+                    let loss = e.forward_backward(&batch).unwrap();
+                    let sum = comm.all_reduce(vec![loss as f32]).unwrap()[0];
+                    e.step().unwrap();
+                    (
+                        eval,
+                        loss,
+                        f64::from(sum) / world as f64,
+                        e.full_params().unwrap(),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let mut evals = Vec::new();
+    for stage in 0..=3u8 {
+        let one = &run(stage, 1, true)[0];
+        assert_eq!(
+            one.0, one.1,
+            "stage {stage}: eval differs from the training forward"
+        );
+        let with = run(stage, 2, true);
+        let without = run(stage, 2, false);
+        for (r, (w, wo)) in with.iter().zip(&without).enumerate() {
+            assert!(
+                (w.0 - w.2).abs() < 1e-6,
+                "stage {stage}: eval {} vs training {}",
+                w.0,
+                w.2
+            );
+            assert_eq!(w.0, with[0].0, "stage {stage}: ranks disagree");
+            assert!(
+                w.3 == wo.3,
+                "stage {stage} rank {r}: evaluating changed the step"
+            );
+        }
+        evals.push(with[0].0);
+    }
+    assert!(
+        evals.iter().all(|g| *g == evals[0]),
+        "stages disagree: {evals:?}"
+    );
+}

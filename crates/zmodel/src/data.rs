@@ -113,6 +113,19 @@ impl Corpus {
         Corpus { tokens }
     }
 
+    /// Splits off the last `fraction` of the tokens (for validation): the
+    /// training part, and the held-out part when `fraction` > 0.
+    pub fn split_tail(mut self, fraction: f64) -> (Corpus, Option<Corpus>) {
+        if fraction <= 0.0 {
+            return (self, None);
+        }
+        let held = (self.tokens.len() as f64 * fraction) as usize;
+        let tail = self
+            .tokens
+            .split_off(self.tokens.len() - held.min(self.tokens.len()));
+        (self, Some(Corpus { tokens: tail }))
+    }
+
     /// Number of tokens.
     pub fn len(&self) -> usize {
         self.tokens.len()
@@ -331,5 +344,15 @@ mod tests {
             Corpus::synthetic(50, 1).tokens,
             Corpus::synthetic(50, 2).tokens
         );
+    }
+
+    #[test]
+    fn the_held_out_tail_is_disjoint_from_training_data() {
+        let (train, val) = counting(1000).split_tail(0.1);
+        let val = val.unwrap();
+        assert_eq!((train.len(), val.len()), (900, 100));
+        assert_eq!((train.tokens[899], val.tokens[0]), (899, 900));
+        let (all, none) = counting(10).split_tail(0.0);
+        assert!(none.is_none() && all.len() == 10);
     }
 }

@@ -334,4 +334,8 @@ pub struct StepReport {
     /// NVMe offload: the step's swap I/O.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub io: Option<IoReport>,
+    /// Validation loss after the step (the same on every rank), when one was
+    /// computed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
 }

@@ -42,6 +42,9 @@ pub struct StepLine {
     /// NVMe offload: swap I/O, the maximum over ranks (`hidden`: the least).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub io: Option<IoLine>,
+    /// Validation loss after the step, on the steps that computed one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
 }
 
 /// A step's swap I/O in `metrics.jsonl`.
@@ -129,6 +132,7 @@ fn combine(rs: &[StepReport]) -> StepLine {
         loss_scale: rs[0].loss_scale,
         grad_norm: rs[0].grad_norm,
         io: combine_io(rs),
+        val_loss: rs[0].val_loss,
     }
 }
 
@@ -165,6 +169,7 @@ mod tests {
             comm: CommBytes::default(),
             loss_scale: None,
             io: None,
+            val_loss: None,
         }
     }
 

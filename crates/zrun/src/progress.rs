@@ -43,8 +43,12 @@ impl Progress {
 
     /// Shows a finished step.
     pub fn step(&self, line: &StepLine) {
+        let val = line
+            .val_loss
+            .map(|v| format!(" · val loss {v:.4}"))
+            .unwrap_or_default();
         let msg = format!(
-            "loss {:.4} · {:.0} tok/s · {:.1} ms/step",
+            "loss {:.4}{val} · {:.0} tok/s · {:.1} ms/step",
             line.loss, line.tokens_per_s, line.step_ms
         );
         match &self.bar {
@@ -54,7 +58,8 @@ impl Progress {
             }
             None if line.step == 1
                 || line.step.is_multiple_of(self.every)
-                || line.step == self.steps =>
+                || line.step == self.steps
+                || line.val_loss.is_some() =>
             {
                 let norm = match line.grad_norm {
                     Some(n) => format!("grad norm {n:.3}"),

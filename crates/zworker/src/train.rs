@@ -26,12 +26,30 @@ pub fn train(
     client: &ControlClient,
 ) -> Result<()> {
     let t = &spec.train;
-    let corpus = Corpus::load(
+    let (corpus, held_out) = Corpus::load(
         &spec.data.path,
         spec.data.format,
         spec.model.vocab_size,
         t.seed,
-    )?;
+    )?
+    .split_tail(spec.data.val_fraction);
+    // Validation: the same `eval_steps` micro-batches of the held-out tail at
+    // every evaluation, each rank its share.
+    let val_batches = match held_out {
+        Some(c) => {
+            let mut b = Batcher::new(
+                c,
+                spec.model.seq_len,
+                t.micro_batch_size,
+                t.eval_steps,
+                env.world_size,
+                env.rank,
+                t.seed,
+            )?;
+            Some((0..t.eval_steps).map(|m| b.batch(0, m)).collect::<Vec<_>>())
+        }
+        None => None,
+    };
     let mut data = Batcher::new(
         corpus,
         spec.model.seq_len,
@@ -76,6 +94,11 @@ pub fn train(
             );
         }
         let step_ms = started.elapsed().as_secs_f64() * 1e3;
+        let evaluate = st.step == t.steps || (t.eval_every > 0 && st.step % t.eval_every == 0);
+        let val_loss = match &val_batches {
+            Some(batches) if evaluate => Some(engine.eval_loss(batches)?),
+            _ => None,
+        };
         client.send(&ToServer::Report(StepReport {
             step: st.step,
             loss: st.loss,
@@ -95,6 +118,7 @@ pub fn train(
                 wait_s: io.wait_s,
                 busy_s: io.busy_s,
             }),
+            val_loss,
         }))?;
         if spec.checkpoint.dir.is_some() && every > 0 && st.step % every == 0 {
             save_now(&engine, &data)?;
