@@ -97,11 +97,14 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
             "comm.backend=tcp,shm",
             "--steps",
             "3",
+            "--set",
+            "data.val_fraction=0.1",
             "--out",
             out.to_str().unwrap(),
         ],
     );
     assert_eq!(f.code(), 0, "{f:?}");
+    assert!(f.stdout.contains("val loss"), "{}", f.stdout);
     let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
     assert_eq!(csv.lines().count(), 5, "{csv}");
     assert!(
@@ -115,7 +118,8 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
     assert!(rows
         .iter()
         .all(|r| r["tokens_per_s"].as_f64().unwrap() > 0.0
-            && r["peak_rss_bytes"].as_u64().unwrap() > 0));
+            && r["peak_rss_bytes"].as_u64().unwrap() > 0
+            && r["val_loss"].as_f64().is_some_and(f64::is_finite)));
     let svg = std::fs::read_to_string(out.join("bench.svg")).unwrap();
     assert!(
         svg.starts_with("<svg") && svg.contains("tokens/s") && svg.contains("stage=3 backend=shm"),

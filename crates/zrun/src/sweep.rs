@@ -35,6 +35,8 @@ pub struct SweepRow {
     pub intra_node_bytes: u64,
     /// Median bytes one rank sent per step to other nodes.
     pub inter_node_bytes: u64,
+    /// The last validation loss of the run, when the job computes one.
+    pub val_loss: Option<f64>,
 }
 
 impl SweepRow {
@@ -108,6 +110,7 @@ fn row_from_metrics(config: Vec<(String, String)>, path: &Path) -> Result<SweepR
             .unwrap_or(0),
         intra_node_bytes: comm("intra_node"),
         inter_node_bytes: comm("inter_node"),
+        val_loss: steps.iter().rev().find_map(|s| s["val_loss"].as_f64()),
     })
 }
 
@@ -169,6 +172,7 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
             peak_rss_bytes: 0,
             intra_node_bytes: 0,
             inter_node_bytes: 0,
+            val_loss: None,
         }
         .label();
         bar.set_message(label.clone());
@@ -269,19 +273,30 @@ fn launch_flags(l: &crate::cli::LaunchArgs) -> Vec<String> {
 }
 
 fn print_table(rows: &[SweepRow]) {
+    let val = rows.iter().any(|r| r.val_loss.is_some());
     say!(
-        "{:<36} {:>12} {:>9} {:>10} {:>14} {:>14} {:>14}",
+        "{:<36} {:>12} {:>9} {:>10} {:>14} {:>14} {:>14}{}",
         "configuration",
         "tokens/s",
         "TFLOP/s",
         "step_ms",
         "peak RSS MiB",
         "intra B/step",
-        "inter B/step"
+        "inter B/step",
+        if val {
+            format!(" {:>10}", "val loss")
+        } else {
+            String::new()
+        }
     );
     for r in rows {
+        let v = match (val, r.val_loss) {
+            (true, Some(v)) => format!(" {v:>10.4}"),
+            (true, None) => format!(" {:>10}", "-"),
+            _ => String::new(),
+        };
         say!(
-            "{:<36} {:>12.0} {:>9.4} {:>10.1} {:>14} {:>14} {:>14}",
+            "{:<36} {:>12.0} {:>9.4} {:>10.1} {:>14} {:>14} {:>14}{v}",
             r.label(),
             r.tokens_per_s,
             r.tflops,
@@ -299,18 +314,21 @@ fn write_outputs(out: &Path, rows: &[SweepRow]) -> Result<()> {
         .map(|r| r.config.iter().map(|(k, _)| k.clone()).collect())
         .unwrap_or_default();
     let mut csv = keys.join(",");
-    csv.push_str(",tokens_per_s,tflops,step_ms,peak_rss_bytes,intra_node_bytes,inter_node_bytes\n");
+    csv.push_str(
+        ",tokens_per_s,tflops,step_ms,peak_rss_bytes,intra_node_bytes,inter_node_bytes,val_loss\n",
+    );
     for r in rows {
         let vals: Vec<String> = r.config.iter().map(|(_, v)| v.clone()).collect();
         csv.push_str(&format!(
-            "{},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{},{},{}\n",
             vals.join(","),
             r.tokens_per_s,
             r.tflops,
             r.step_ms,
             r.peak_rss_bytes,
             r.intra_node_bytes,
-            r.inter_node_bytes
+            r.inter_node_bytes,
+            r.val_loss.map(|v| v.to_string()).unwrap_or_default()
         ));
     }
     std::fs::write(out.join("bench.csv"), csv)?;
@@ -328,6 +346,7 @@ fn write_outputs(out: &Path, rows: &[SweepRow]) -> Result<()> {
                 ("peak_rss_bytes", serde_json::json!(r.peak_rss_bytes)),
                 ("intra_node_bytes", serde_json::json!(r.intra_node_bytes)),
                 ("inter_node_bytes", serde_json::json!(r.inter_node_bytes)),
+                ("val_loss", serde_json::json!(r.val_loss)),
             ] {
                 m.insert(k.into(), v);
             }
