@@ -429,6 +429,10 @@ fn bad_input_exits_2_with_a_located_message() {
             vec![write("g5.yaml", &good), "--resume".into(), "auto".into()],
             "--resume auto: the job has no checkpoint.dir to look in",
         ),
+        (
+            vec![write("g6.yaml", &good), "--max-restarts".into(), "1".into()],
+            "--max-restarts: a restart resumes from a checkpoint; the job has no checkpoint.dir",
+        ),
     ];
     for (args, want) in cases {
         let mut full = vec!["train".to_string()];

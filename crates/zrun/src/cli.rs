@@ -156,6 +156,11 @@ pub struct TrainArgs {
     /// `metrics.N.jsonl`.
     #[arg(long)]
     pub overwrite: bool,
+    /// When training fails (exit 1: a worker's crash, kill, error or hang),
+    /// relaunch from the newest checkpoint, at most N times (needs
+    /// `checkpoint.dir`).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub max_restarts: u32,
 }
 
 /// `zrun check`.

@@ -29,6 +29,11 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     crate::swap_check::check_offload(&plan)?;
     check_init_from(&plan.spec)?;
     let resume = resolve_resume(args.resume.as_deref(), &plan.spec)?;
+    if args.max_restarts > 0 && plan.spec.checkpoint.dir.is_none() {
+        return Err(Failure::bad_input(
+            "--max-restarts: a restart resumes from a checkpoint; the job has no checkpoint.dir",
+        ));
+    }
     let steps = plan.spec.train.steps;
     if let Some((dir, step)) = &resume {
         if *step > steps {
@@ -86,59 +91,114 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         progress.println(&format!("zrun: resuming from {r}"));
     }
     let world = plan.topology.world_size();
-    let sink = Sink::Train {
-        agg: Aggregator::new(world),
-        writer,
-        progress,
-        last_loss: f64::NAN,
-        peak: MemBytes::default(),
-        steps,
-    };
-    let task = Task::Train(Box::new(TrainTask {
-        spec: plan.spec.clone(),
-        resume: resume.map(|(dir, _)| dir),
-    }));
     let heartbeat = Duration::from_secs_f64(plan.spec.comm.heartbeat_s);
     let rendezvous = Duration::from_secs_f64(plan.spec.comm.timeout_s);
     let started = Instant::now();
-    let (outcome, sink) = run_job(plan, task, sink, heartbeat, rendezvous)?;
-    let Sink::Train {
-        mut writer,
-        progress,
-        last_loss,
-        peak,
-        steps,
-        ..
-    } = sink
-    else {
-        unreachable!("train uses the train sink")
-    };
-    progress.finish();
-    match outcome {
-        Outcome::Success => {
-            let wall_s = started.elapsed().as_secs_f64();
-            writer.write(&DoneLine {
-                event: "done",
-                steps,
-                final_loss: last_loss,
-                wall_s,
-                peak_rss_bytes: peak.peak_rss,
-                nvme_bytes: peak.nvme,
-            })?;
-            say!(
-                "zrun: done: {steps} steps, final loss {last_loss:.4}, {wall_s:.1}s, peak RSS {} MiB per worker{}",
-                peak.peak_rss >> 20,
-                peak.nvme
-                    .map(|b| format!(", {} MiB of swap files per worker", b >> 20))
-                    .unwrap_or_default()
-            );
-            Ok(ExitCode::SUCCESS)
-        }
-        Outcome::Failed { code, message } => {
-            shout!("zrun: {message}");
-            Ok(ExitCode::from(code))
+    let (mut writer, mut progress) = (writer, progress);
+    let (mut resume, mut restarts_left, mut peak) =
+        (resume, args.max_restarts, MemBytes::default());
+    loop {
+        let sink = Sink::Train {
+            agg: Aggregator::new(world),
+            writer,
+            progress,
+            last_loss: f64::NAN,
+            peak: MemBytes::default(),
+            steps,
+        };
+        let task = Task::Train(Box::new(TrainTask {
+            spec: plan.spec.clone(),
+            resume: resume.as_ref().map(|(dir, _)| dir.clone()),
+        }));
+        let (outcome, sink) = run_job(plan.clone(), task, sink, heartbeat, rendezvous)?;
+        let Sink::Train {
+            writer: w,
+            progress: p,
+            last_loss,
+            peak: run_peak,
+            ..
+        } = sink
+        else {
+            unreachable!("train uses the train sink")
+        };
+        (writer, progress) = (w, p);
+        peak = peak.max(run_peak);
+        match outcome {
+            Outcome::Success => {
+                progress.finish();
+                let wall_s = started.elapsed().as_secs_f64();
+                writer.write(&DoneLine {
+                    event: "done",
+                    steps,
+                    final_loss: last_loss,
+                    wall_s,
+                    peak_rss_bytes: peak.peak_rss,
+                    nvme_bytes: peak.nvme,
+                })?;
+                say!(
+                    "zrun: done: {steps} steps, final loss {last_loss:.4}, {wall_s:.1}s, peak RSS {} MiB per worker{}",
+                    peak.peak_rss >> 20,
+                    peak.nvme
+                        .map(|b| format!(", {} MiB of swap files per worker", b >> 20))
+                        .unwrap_or_default()
+                );
+                return Ok(ExitCode::SUCCESS);
+            }
+            Outcome::Failed { code, message } => {
+                let from = match (code, restarts_left) {
+                    (1, 1..) => newest_checkpoint(&plan.spec),
+                    _ => None,
+                };
+                let Some((dir, step)) = from else {
+                    progress.finish();
+                    shout!("zrun: {message}");
+                    if code == 1 && args.max_restarts > 0 && restarts_left > 0 {
+                        shout!("zrun: no complete checkpoint to restart from");
+                    }
+                    return Ok(ExitCode::from(code));
+                };
+                restarts_left -= 1;
+                // The dead run's unfinished save (if any) can never be resumed
+                // from; with the lock held and its workers gone, free it.
+                if let Some(root) = &plan.spec.checkpoint.dir {
+                    let _ = zckpt::remove_unfinished(Path::new(root));
+                }
+                progress.println(&format!(
+                    "zrun: {message}\nzrun: restarting from {dir} (step {step}); {restarts_left} restart(s) left"
+                ));
+                writer.write(&RestartLine {
+                    event: "restart",
+                    reason: message,
+                    from: dir.clone(),
+                    step,
+                    world_size: world,
+                    restarts_left,
+                })?;
+                resume = Some((dir, step));
+            }
         }
     }
+}
+
+/// The metrics line of a restart: why, from which checkpoint, on how many
+/// workers; the step lines after it start again after the checkpoint's step.
+#[derive(serde::Serialize)]
+struct RestartLine {
+    event: &'static str,
+    reason: String,
+    from: String,
+    step: u64,
+    world_size: usize,
+    restarts_left: u32,
+}
+
+/// The newest complete checkpoint of the job, verified, if there is one.
+fn newest_checkpoint(spec: &zconfig::JobSpec) -> Option<(String, u64)> {
+    let root = spec.checkpoint.dir.as_ref()?;
+    let dir = zckpt::list(Path::new(root)).pop()?;
+    let ckpt = zckpt::Checkpoint::open(&dir).ok()?;
+    ckpt.check_model(&spec.model).ok()?;
+    Some((dir.display().to_string(), ckpt.manifest.step))
 }
 
 /// `--resume DIR|auto` → a verified checkpoint of this model (bad ones: exit 2).
