@@ -349,6 +349,16 @@ fn a_missing_peer_times_out_naming_op_group_and_peer(t: Transport) {
     assert!(e.to_string().contains("all_reduce in group world"));
     // The communicator is poisoned: the next call fails at once with the same error.
     assert!(matches!(comms[0].barrier(), Err(CommError::Timeout { .. })));
+    // Two nodes, so no direct path: rank 1 waits on its link from rank 0
+    // (shared memory under Shm) and must time out naming it.
+    let comms = world(t, 3, &[0, 0, 1], Duration::from_millis(500));
+    let c1 = comms[1].clone();
+    let waiting = std::thread::spawn(move || c1.all_reduce(vec![1.0; 10]).unwrap_err());
+    let _ = comms[2].all_reduce(vec![1.0; 10]);
+    match waiting.join().unwrap() {
+        CommError::Timeout { peer, .. } => assert_eq!(peer, Some(0), "{t:?}"),
+        other => panic!("{t:?}: expected a timeout, got {other}"),
+    }
 }
 
 /// Ranks that call different collectives (or the same with other lengths)
