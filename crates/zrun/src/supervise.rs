@@ -240,12 +240,16 @@ impl Supervisor {
         let mut sighup = signal(SignalKind::hangup())?;
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         let outcome = loop {
+            // Biased, ticks last: silence is judged only once every message
+            // already received has been processed (after zrun was stopped or
+            // starved, a backlog of reports must not read as a silent rank).
             let decided = tokio::select! {
-                Some(ev) = events.recv() => self.on_event(ev)?,
-                Some(ev) = procs.recv() => self.on_proc(ev),
+                biased;
                 _ = sigint.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "interrupted (SIGINT); all workers stopped".into() }),
                 _ = sigterm.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "terminated (SIGTERM); all workers stopped".into() }),
                 _ = sighup.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "hung up (SIGHUP: the terminal closed); all workers stopped".into() }),
+                Some(ev) = events.recv() => self.on_event(ev)?,
+                Some(ev) = procs.recv() => self.on_proc(ev),
                 _ = tick.tick() => self.on_tick(),
             };
             if let Some(o) = decided {
