@@ -654,11 +654,13 @@ fn shared_memory_serves_exactly_the_nodes_with_several_ranks() {
 /// in bytes and rank 1; afterwards nothing is in flight. The accessors say
 /// what the communicator was built with.
 fn in_flight_names_the_op_its_group_bytes_and_the_awaited_peer(t: Transport) {
-    let comms = world(t, 2, &[0, 0], Duration::from_secs(20));
+    // A short deadline, so that a failed check does not leave rank 0 waiting
+    // long in its collective.
+    let comms = world(t, 2, &[0, 0], Duration::from_secs(3));
     let (c0, c1) = (comms[0].clone(), comms[1].clone());
     assert_eq!((c0.rank(), c1.rank(), c1.world_size()), (0, 1, 2));
     assert_eq!(c0.group_name(), "world");
-    assert_eq!(c0.timeout(), Duration::from_secs(20));
+    assert_eq!(c0.timeout(), Duration::from_secs(3));
     let len = 1000;
     for (op, bytes) in [
         ("all_reduce", len * 4),
@@ -683,16 +685,16 @@ fn in_flight_names_the_op_its_group_bytes_and_the_awaited_peer(t: Transport) {
     }
 }
 
-/// Polls `f` every 5 ms until it gives something (at most 10 s).
+/// Polls `f` every 5 ms until it gives something (at most 2 s).
 fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
-    let end = std::time::Instant::now() + Duration::from_secs(10);
+    let end = std::time::Instant::now() + Duration::from_secs(2);
     loop {
         if let Some(x) = f() {
             return x;
         }
         assert!(
             std::time::Instant::now() < end,
-            "nothing in flight after 10 s"
+            "nothing in flight after 2 s"
         );
         std::thread::sleep(Duration::from_millis(5));
     }
