@@ -54,6 +54,7 @@ per_transport!(
     quantized_reduce_scatter_sends_one_quantized_partial_per_node_across,
     quantized_reduce_scatter_turns_an_infinity_into_nan_not_an_error,
     in_flight_names_the_op_its_group_bytes_and_the_awaited_peer,
+    a_peer_that_is_gone_is_reported_at_once_not_at_the_deadline,
 );
 
 /// Builds a world of `n` communicators in this process, each on its own socket.
@@ -698,4 +699,37 @@ fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// A peer whose process is gone closes its links: the rank waiting on it gets
+/// a link error naming it at once, not a timeout at the deadline (20 s here).
+fn a_peer_that_is_gone_is_reported_at_once_not_at_the_deadline(t: Transport) {
+    let mut comms = world(t, 3, &[0, 0, 1], Duration::from_secs(20));
+    drop(comms.pop()); // rank 2, the only rank of node 1, leaves
+    let started = std::time::Instant::now();
+    let e = comms[0].all_reduce(vec![1.0; 10]).unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{t:?}: {e} took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        !matches!(e, CommError::Timeout { .. }) && e.to_string().contains("rank 2"),
+        "{t:?}: {e}"
+    );
+    // A peer that leaves with our bytes unread resets the connection: that
+    // error too is reported at once.
+    let mut comms = world(t, 2, &[0, 1], Duration::from_secs(20));
+    let c0 = comms[0].clone();
+    let started = std::time::Instant::now();
+    let waiting =
+        std::thread::spawn(move || c0.all_to_all(vec![vec![7u8; 1 << 16]; 2]).unwrap_err());
+    std::thread::sleep(Duration::from_millis(300));
+    drop(comms.pop());
+    let e = waiting.join().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(10) && !matches!(e, CommError::Timeout { .. }),
+        "{t:?}: {e} after {:?}",
+        started.elapsed()
+    );
 }
