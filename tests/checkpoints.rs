@@ -526,3 +526,66 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint() {
         "final weights differ"
     );
 }
+
+/// `--restart-exclude-failed` on two loopback nodes of one worker each: the
+/// worker on 127.0.0.3 is killed after the step-10 checkpoint, and the job
+/// restarts on 127.0.0.2 alone (the checkpoint reshards to one rank at load)
+/// and finishes; the restart line says so.
+#[test]
+fn a_restart_can_leave_the_failed_node_out() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let job = ckpt_job(dir, "exclude", 30, 5);
+    let hosts = dir.join("hosts");
+    std::fs::write(&hosts, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n").unwrap();
+    let m = dir.join("m.jsonl");
+    let z = TrainArgs::new(&job, &m)
+        .set("env.ZRUN_FAULT_SAVE_DELAY_MS=300")
+        .args(&["--hostfile", hosts.to_str().unwrap()])
+        .args(&["--max-restarts", "1", "--restart-exclude-failed"])
+        .start(dir);
+    assert!(
+        wait_until(Duration::from_secs(60), || dir
+            .join("ckpt/step-00000010/manifest.json")
+            .exists()),
+        "{}",
+        z.stdout_so_far()
+    );
+    let workers = children_of(z.pid());
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    // Rank 1 runs on 127.0.0.3 (the hostfile's second line).
+    let rank1 = workers
+        .iter()
+        .copied()
+        .find(|&p| {
+            std::fs::read(format!("/proc/{p}/environ")).is_ok_and(|e| {
+                String::from_utf8_lossy(&e)
+                    .split('\0')
+                    .any(|v| v == "RANK=1")
+            })
+        })
+        .expect("rank 1's worker");
+    kill(Pid::from_raw(rank1 as i32), Signal::SIGKILL).unwrap();
+    let f = z.wait(Duration::from_secs(120));
+    assert_eq!(f.code(), 0, "{f:?}");
+    let lines = e2e::metrics(&m);
+    let restart = lines
+        .iter()
+        .find(|l| l["event"] == "restart")
+        .expect("a restart line");
+    assert_eq!(restart["world_size"], 1, "{restart}");
+    assert!(
+        f.stdout.contains("on 1 worker(s), 1 node(s)"),
+        "{}",
+        f.stdout
+    );
+    let last = lines
+        .iter()
+        .rev()
+        .find(|l| l.get("loss").is_some())
+        .unwrap();
+    assert_eq!(
+        (last["step"].as_u64(), last["world_size"].as_u64()),
+        (Some(30), Some(1))
+    );
+}

@@ -90,7 +90,7 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
         Duration::from_secs(120),
         Duration::from_secs(60),
     )?;
-    if let Outcome::Failed { code, message } = outcome {
+    if let Outcome::Failed { code, message, .. } = outcome {
         shout!("zrun: {message}");
         return Ok(ExitCode::from(code));
     }
@@ -182,7 +182,7 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
             Duration::from_secs(60),
             Duration::from_secs(60),
         )?;
-        if let Outcome::Failed { code, message } = outcome {
+        if let Outcome::Failed { code, message, .. } = outcome {
             shout!("zrun: {message}");
             return Ok(ExitCode::from(code));
         }

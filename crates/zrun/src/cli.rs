@@ -161,6 +161,10 @@ pub struct TrainArgs {
     /// `checkpoint.dir`).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub max_restarts: u32,
+    /// With --max-restarts: relaunch without the node of the rank that failed
+    /// (when the failure names one and other nodes remain).
+    #[arg(long, requires = "max_restarts")]
+    pub restart_exclude_failed: bool,
 }
 
 /// `zrun check`.

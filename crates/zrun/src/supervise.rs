@@ -48,6 +48,10 @@ pub enum Outcome {
         code: u8,
         /// What happened, naming rank and host.
         message: String,
+        /// The rank whose process failed (crashed, was killed, exited early,
+        /// fell silent), where one is to blame; not one that only reported
+        /// an error caused by another.
+        culprit: Option<usize>,
     },
 }
 
@@ -245,9 +249,9 @@ impl Supervisor {
             // starved, a backlog of reports must not read as a silent rank).
             let decided = tokio::select! {
                 biased;
-                _ = sigint.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "interrupted (SIGINT); all workers stopped".into() }),
-                _ = sigterm.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "terminated (SIGTERM); all workers stopped".into() }),
-                _ = sighup.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "hung up (SIGHUP: the terminal closed); all workers stopped".into() }),
+                _ = sigint.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "interrupted (SIGINT); all workers stopped".into(), culprit: None }),
+                _ = sigterm.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "terminated (SIGTERM); all workers stopped".into(), culprit: None }),
+                _ = sighup.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "hung up (SIGHUP: the terminal closed); all workers stopped".into(), culprit: None }),
                 Some(ev) = events.recv() => self.on_event(ev)?,
                 Some(ev) = procs.recv() => self.on_proc(ev),
                 _ = tick.tick() => self.on_tick(),
@@ -256,7 +260,7 @@ impl Supervisor {
                 break o;
             }
         };
-        if let Outcome::Failed { code, message } = &outcome {
+        if let Outcome::Failed { code, message, .. } = &outcome {
             self.server.abort_all(message);
             if *code == exit::TRAINING_FAILED {
                 shout!("{}", self.diagnosis());
@@ -342,6 +346,7 @@ impl Supervisor {
                 return Some(Outcome::Failed {
                     code: exit::LAUNCH_FAILED,
                     message: format!("{} {how} before joining the job", self.who(rank)),
+                    culprit: Some(rank),
                 });
             }
             match &self.reported {
@@ -350,15 +355,18 @@ impl Supervisor {
                     Some(Outcome::Failed {
                         code: exit::TRAINING_FAILED,
                         message: first.clone(),
+                        culprit: Some(rank),
                     })
                 }
                 Some((_, first)) => Some(Outcome::Failed {
                     code: exit::TRAINING_FAILED,
                     message: format!("{} {how} before finishing; then {first}", self.who(rank)),
+                    culprit: Some(rank),
                 }),
                 None => Some(Outcome::Failed {
                     code: exit::TRAINING_FAILED,
                     message: format!("{} {how} before finishing", self.who(rank)),
+                    culprit: Some(rank),
                 }),
             }
         }
@@ -385,6 +393,7 @@ impl Supervisor {
                 return Some(Outcome::Failed {
                     code: exit::TRAINING_FAILED,
                     message: message.clone(),
+                    culprit: None,
                 });
             }
         }
@@ -404,6 +413,7 @@ impl Supervisor {
                             "{} lost its control connection ({reason})",
                             self.who(rank)
                         ),
+                        culprit: Some(rank),
                     });
                 }
             }
@@ -416,6 +426,7 @@ impl Supervisor {
                         (now - r.last_seen).as_secs_f64(),
                         self.heartbeat.as_secs_f64()
                     ),
+                    culprit: Some(rank),
                 });
             }
         }
@@ -433,6 +444,7 @@ impl Supervisor {
                     "rendezvous timed out: ranks {} never joined",
                     missing.join(", ")
                 ),
+                culprit: None,
             });
         }
         None

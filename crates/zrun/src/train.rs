@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use zconfig::load_job;
+use zconfig::{load_job, Topology};
 use zproto::{MemBytes, Task, TrainTask};
 
 use crate::cli::TrainArgs;
@@ -90,7 +90,8 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     if let Some((r, _)) = &resume {
         progress.println(&format!("zrun: resuming from {r}"));
     }
-    let world = plan.topology.world_size();
+    let mut plan = plan;
+    let mut world = plan.topology.world_size();
     let heartbeat = Duration::from_secs_f64(plan.spec.comm.heartbeat_s);
     let rendezvous = Duration::from_secs_f64(plan.spec.comm.timeout_s);
     let started = Instant::now();
@@ -144,7 +145,11 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                 );
                 return Ok(ExitCode::SUCCESS);
             }
-            Outcome::Failed { code, message } => {
+            Outcome::Failed {
+                code,
+                message,
+                culprit,
+            } => {
                 let from = match (code, restarts_left) {
                     (1, 1..) => newest_checkpoint(&plan.spec),
                     _ => None,
@@ -158,13 +163,21 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                     return Ok(ExitCode::from(code));
                 };
                 restarts_left -= 1;
+                if args.restart_exclude_failed {
+                    if let Some(rest) = culprit.and_then(|r| without_node_of(&plan.topology, r)) {
+                        job.validate_on(&rest)?;
+                        plan = plan_launch(&args.launch, plan.spec.clone(), rest)?;
+                        world = plan.topology.world_size();
+                    }
+                }
                 // The dead run's unfinished save (if any) can never be resumed
                 // from; with the lock held and its workers gone, free it.
                 if let Some(root) = &plan.spec.checkpoint.dir {
                     let _ = zckpt::remove_unfinished(Path::new(root));
                 }
                 progress.println(&format!(
-                    "zrun: {message}\nzrun: restarting from {dir} (step {step}); {restarts_left} restart(s) left"
+                    "zrun: {message}\nzrun: restarting from {dir} (step {step}) on {world} worker(s), {} node(s); {restarts_left} restart(s) left",
+                    plan.topology.nodes.len()
                 ));
                 writer.write(&RestartLine {
                     event: "restart",
@@ -190,6 +203,14 @@ struct RestartLine {
     step: u64,
     world_size: usize,
     restarts_left: u32,
+}
+
+/// `topo` without the node of `rank`, if any node remains.
+fn without_node_of(topo: &Topology, rank: usize) -> Option<Topology> {
+    let node = topo.placements().get(rank)?.node_rank;
+    let mut rest = topo.clone();
+    rest.nodes.remove(node);
+    (!rest.nodes.is_empty()).then_some(rest)
 }
 
 /// The newest complete checkpoint of the job, verified, if there is one.
