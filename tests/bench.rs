@@ -46,15 +46,25 @@ fn bench_commands_report_rows() {
     let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
     let rows = v["rows"].as_array().unwrap();
     // Every transport by default: TCP and shared memory, side by side, and the
-    // memcpy reference once per size.
-    assert_eq!(rows.len(), 10);
+    // references once per size: memcpy, and a plain TCP stream (2 ranks).
+    assert_eq!(rows.len(), 12);
     assert_eq!(rows.iter().filter(|r| r["transport"] == "shm").count(), 4);
-    let reference: Vec<_> = rows.iter().filter(|r| r["op"] == "memcpy").collect();
-    assert_eq!(reference.len(), 2);
-    assert!(reference
+    for op in ["memcpy", "tcp_stream"] {
+        let reference: Vec<_> = rows.iter().filter(|r| r["op"] == op).collect();
+        assert_eq!(reference.len(), 2, "{op}");
+        assert!(reference.iter().all(|r| {
+            let bus = r["busbw_gbps"].as_f64().unwrap();
+            bus > 0.0 && bus == r["algbw_gbps"].as_f64().unwrap()
+        }));
+    }
+    assert!(rows
         .iter()
-        .all(|r| r["busbw_gbps"].as_f64().unwrap() > 0.0));
-    for r in rows.iter().filter(|r| r["op"] != "memcpy") {
+        .filter(|r| r["op"] == "tcp_stream")
+        .all(|r| r["workers"] == 2 && r["transport"] == "tcp"));
+    for r in rows
+        .iter()
+        .filter(|r| r["op"] != "memcpy" && r["op"] != "tcp_stream")
+    {
         let (alg, bus) = (
             r["algbw_gbps"].as_f64().unwrap(),
             r["busbw_gbps"].as_f64().unwrap(),

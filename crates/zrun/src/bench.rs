@@ -223,7 +223,8 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
                 r.busbw_gbps
             );
         }
-        say!("(memcpy: one thread of a worker copying the same bytes, the reference for bus bandwidth)");
+        say!("(memcpy: one thread of a worker copying the same bytes, the reference for bus bandwidth;");
+        say!(" tcp_stream: one plain loopback TCP stream from rank 0 to rank 1, the reference for tcp)");
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -5,7 +5,9 @@
 //! ranks start together; the reported time is the median over calls of the
 //! slowest rank (all ranks agree on it through an all-gather). Bus bandwidth
 //! follows nccl-tests: all_reduce algbw·2(n-1)/n, reduce_scatter and all_gather
-//! algbw·(n-1)/n, all_to_all algbw·(n-1)/n, broadcast algbw.
+//! algbw·(n-1)/n, all_to_all algbw·(n-1)/n, broadcast algbw. References:
+//! `memcpy` (one thread copying the bytes) and, for TCP, `tcp_stream` (one
+//! plain loopback socket, what the transport could carry).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -102,6 +104,9 @@ pub fn bench_comm(
             });
         }
     }
+    if task.transport == "tcp" && n >= 2 {
+        rows.extend(tcp_stream_rows(&task.sizes, comm.as_ref())?);
+    }
     if r == 0 {
         // The reference the transports are judged against: one thread copying
         // the same bytes within this process.
@@ -130,6 +135,74 @@ pub fn bench_comm(
         client.send(&ToServer::BenchRows(rows))?;
     }
     Ok(())
+}
+
+/// The reference for the TCP transport: one plain loopback stream from rank 0
+/// to rank 1 (no framing, no collective, no reduction), the best of 3 sends of
+/// each size, each timed until rank 1 acknowledges the last byte. Rows come
+/// back on rank 0 only; ranks past 1 only take part in the collectives.
+fn tcp_stream_rows(sizes: &[u64], comm: &dyn Communicator) -> Result<Vec<BenchRow>> {
+    use std::io::{Read, Write};
+    let r = comm.rank();
+    let deadline = comm.timeout();
+    let listener = (r == 1)
+        .then(|| std::net::TcpListener::bind("127.0.0.1:0"))
+        .transpose()?;
+    let addr = match &listener {
+        Some(l) => l.local_addr()?.to_string(),
+        None => String::new(),
+    };
+    let addr = String::from_utf8(comm.broadcast(addr.into_bytes(), 1)?)?;
+    let mut rows = Vec::new();
+    if r == 0 {
+        let mut s = std::net::TcpStream::connect(&addr)?;
+        s.set_read_timeout(Some(deadline))?;
+        s.set_write_timeout(Some(deadline))?;
+        for &bytes in sizes {
+            let buf = vec![1u8; bytes as usize];
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let t0 = Instant::now();
+                s.write_all(&buf)?;
+                s.read_exact(&mut [0u8; 1])?;
+                best = best.min(t0.elapsed().as_secs_f64());
+            }
+            let gbps = bytes as f64 / best / 1e9;
+            rows.push(BenchRow {
+                op: "tcp_stream".into(),
+                bytes,
+                workers: 2,
+                transport: "tcp".into(),
+                time_us: best * 1e6,
+                algbw_gbps: gbps,
+                busbw_gbps: gbps,
+            });
+        }
+    } else if let Some(l) = listener {
+        l.set_nonblocking(true)?;
+        let until = Instant::now() + deadline;
+        let mut s = loop {
+            match l.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => bail!("tcp_stream: rank 0 did not connect: {e}"),
+            }
+        };
+        s.set_nonblocking(false)?;
+        s.set_read_timeout(Some(deadline))?;
+        s.set_write_timeout(Some(deadline))?;
+        let mut buf = vec![0u8; sizes.iter().copied().max().unwrap_or(0) as usize];
+        for &bytes in sizes {
+            for _ in 0..3 {
+                s.read_exact(&mut buf[..bytes as usize])?;
+                s.write_all(&[1])?;
+            }
+        }
+    }
+    comm.barrier()?;
+    Ok(rows)
 }
 
 /// Seconds since `t0`, and the output to free later.
