@@ -491,13 +491,7 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint() {
         .args(&slow)
         .args(&["--max-restarts", "1"])
         .start(dir);
-    assert!(
-        wait_until(Duration::from_secs(60), || dir
-            .join("ckpt/step-00000010/manifest.json")
-            .exists()),
-        "{}",
-        z.stdout_so_far()
-    );
+    wait_for_complete_checkpoint(dir, 10, &z);
     let workers = children_of(z.pid());
     kill(Pid::from_raw(workers[1] as i32), Signal::SIGKILL).unwrap();
     let f = z.wait(Duration::from_secs(120));
@@ -544,13 +538,7 @@ fn a_restart_can_leave_the_failed_node_out() {
         .args(&["--hostfile", hosts.to_str().unwrap()])
         .args(&["--max-restarts", "1", "--restart-exclude-failed"])
         .start(dir);
-    assert!(
-        wait_until(Duration::from_secs(60), || dir
-            .join("ckpt/step-00000010/manifest.json")
-            .exists()),
-        "{}",
-        z.stdout_so_far()
-    );
+    wait_for_complete_checkpoint(dir, 10, &z);
     let workers = children_of(z.pid());
     assert_eq!(workers.len(), 2, "{workers:?}");
     // Rank 1 runs on 127.0.0.3 (the hostfile's second line).
@@ -587,5 +575,16 @@ fn a_restart_can_leave_the_failed_node_out() {
     assert_eq!(
         (last["step"].as_u64(), last["world_size"].as_u64()),
         (Some(30), Some(1))
+    );
+}
+
+/// Waits (at most 60 s) until the running job `z` has completed the checkpoint
+/// of `step` under `dir/ckpt`.
+fn wait_for_complete_checkpoint(dir: &Path, step: u64, z: &e2e::Zrun) {
+    let manifest = dir.join(format!("ckpt/step-{step:08}/manifest.json"));
+    assert!(
+        wait_until(Duration::from_secs(60), || manifest.exists()),
+        "no checkpoint of step {step}: {}",
+        z.stdout_so_far()
     );
 }
