@@ -332,6 +332,47 @@ fn bytes_are_counted_per_op_and_split_by_node(t: Transport) {
     }
 }
 
+/// The direct path (every rank on one node, shared memory) counts, per rank, the
+/// bytes other ranks read of its data: reduce-scatter every chunk but its own,
+/// all-gather its own chunk once per other rank, all-reduce both. Three ranks
+/// and 1000 floats give chunks of 334, 333 and 333, so each term shows.
+#[test]
+fn direct_path_counts_the_bytes_other_ranks_read() {
+    let comms = world(Transport::Shm, 3, &[0, 0, 0], Duration::from_secs(20));
+    let len = 1000;
+    let out = on_all(&comms, move |r, c| {
+        let mut seen = Vec::new();
+        for op in [Op::ReduceScatter, Op::AllGather, Op::AllReduce] {
+            let before = c.counters();
+            let buf = random(r as u64, len);
+            match op {
+                Op::ReduceScatter => drop(c.reduce_scatter(buf).unwrap()),
+                Op::AllGather => {
+                    let own = buf[chunk_range(len, 3, r)].to_vec();
+                    drop(c.all_gather(own, len).unwrap())
+                }
+                _ => drop(c.all_reduce(buf).unwrap()),
+            }
+            seen.push((op, c.counters().since(&before)));
+        }
+        seen
+    });
+    for (r, seen) in out.iter().enumerate() {
+        let own = chunk_range(len, 3, r).len() as u64;
+        let scattered = (len as u64 - own) * 4;
+        let gathered = 2 * own * 4;
+        for (op, d) in seen {
+            let want = match op {
+                Op::ReduceScatter => scattered,
+                Op::AllGather => gathered,
+                _ => scattered + gathered,
+            };
+            assert_eq!(d.op(*op), want, "rank {r} {op:?}");
+            assert_eq!((d.intra_node, d.inter_node), (want, 0), "rank {r} {op:?}");
+        }
+    }
+}
+
 fn a_missing_peer_times_out_naming_op_group_and_peer(t: Transport) {
     let comms = world(t, 2, &[0, 0], Duration::from_millis(500));
     // Only rank 0 enters the collective.
