@@ -20,6 +20,7 @@
 #![deny(missing_docs)]
 
 mod stream;
+mod whole;
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -35,6 +36,8 @@ pub const MANIFEST: &str = "manifest.json";
 pub const FORMAT: u32 = 1;
 
 pub use stream::{checksum, StreamWriter, TensorFile};
+pub use whole::{whole_params, whole_shape, Assembler, ParamReader, WholeParam};
+pub use zconfig::tiles::ColumnTile;
 
 /// What can go wrong with a checkpoint. Every message names the file.
 #[derive(Debug, thiserror::Error)]
@@ -65,7 +68,7 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CkptError + '_ {
     }
 }
 
-fn invalid(path: &Path, message: impl Into<String>) -> CkptError {
+pub(crate) fn invalid(path: &Path, message: impl Into<String>) -> CkptError {
     CkptError::Invalid {
         path: path.to_path_buf(),
         message: message.into(),
@@ -81,6 +84,10 @@ pub struct ParamEntry {
     pub shape: Vec<usize>,
     /// First element in the flat buffer.
     pub offset: usize,
+    /// `model.tile_size`: the columns this piece holds of parameter `name`
+    /// (whose whole last dimension is `tile.of`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tile: Option<ColumnTile>,
 }
 
 /// One parameter group's layout.
@@ -436,30 +443,25 @@ impl Checkpoint {
     }
 
     /// Writes consolidated f32 weights under the model's parameter names, a
-    /// group at a time.
+    /// group at a time (a tiled linear's columns put back together).
     pub fn export(&self, out: &Path) -> Result<u64, CkptError> {
         let groups = &self.manifest.groups;
-        let tensors: Vec<(String, Vec<usize>)> = groups
-            .iter()
-            .flat_map(|g| g.params.iter().map(|p| (p.name.clone(), p.shape.clone())))
-            .collect();
+        let manifest = self.dir.join(MANIFEST);
         let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-        let mut w = StreamWriter::create(out, &tensors, Some(meta))?;
+        let mut w = StreamWriter::create(out, &whole_params(groups), Some(meta))?;
         let mut elements = 0u64;
+        let mut assembler = Assembler::default();
         for (g, entry) in groups.iter().enumerate() {
             let flat = self.full_group(g, "params")?;
-            for p in &entry.params {
-                let n: usize = p.shape.iter().product();
-                let values = flat.get(p.offset..p.offset + n).ok_or_else(|| {
-                    invalid(
-                        &self.dir.join(MANIFEST),
-                        format!("{} lies beyond its group", p.name),
-                    )
-                })?;
-                w.write(values)?;
-                elements += n as u64;
+            for (_, _, values) in assembler
+                .add(entry, &flat)
+                .map_err(|m| invalid(&manifest, m))?
+            {
+                w.write(&values)?;
+                elements += values.len() as u64;
             }
         }
+        assembler.finish().map_err(|m| invalid(&manifest, m))?;
         w.finish()?;
         Ok(elements)
     }
@@ -517,6 +519,7 @@ mod tests {
                     name: "w".into(),
                     shape: vec![2, 5],
                     offset: 0,
+                    tile: None,
                 }],
             }],
             files,
@@ -582,6 +585,7 @@ mod tests {
                 name: "v".into(),
                 shape: vec![20],
                 offset: 0,
+                tile: None,
             }],
         });
         write_manifest(&dir, &m).unwrap();

@@ -272,10 +272,24 @@ pub fn gpt_params(m: &ModelSpec) -> f64 {
     v * d + t * d + l * (12.0 * d * d + 13.0 * d) + 2.0 * d
 }
 
-/// Elements of the largest parameter group (a block, or the embeddings).
+/// Elements of the largest parameter group: the embeddings, a block, or with
+/// `model.tile_size` a block without its tiled linears, or one tile.
 pub fn gpt_largest_group(m: &ModelSpec) -> f64 {
     let (v, d, t) = (m.vocab_size as f64, m.d_model as f64, m.seq_len as f64);
-    (12.0 * d * d + 13.0 * d).max((v + t) * d)
+    let mut block = 12.0 * d * d + 13.0 * d;
+    let mut largest_tile = 0f64;
+    let tile_size = m.tile_size.map(|n| n.0 as usize);
+    for (layer, inputs, outputs) in crate::tiles::gpt_block_linears(m.d_model) {
+        let Ok(tiles) = crate::tiles::column_tiles(layer, inputs, outputs, tile_size) else {
+            continue;
+        };
+        if tiles.len() > 1 {
+            block -= ((inputs + 1) * outputs) as f64;
+            let widest = tiles.iter().map(|c| c.len()).max().unwrap_or(0);
+            largest_tile = largest_tile.max(((inputs + 1) * widest) as f64);
+        }
+    }
+    block.max(largest_tile).max((v + t) * d)
 }
 
 /// Bytes of activations one transformer block keeps for backward (f32), for `b`

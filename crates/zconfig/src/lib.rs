@@ -9,6 +9,8 @@
 //!   resolved [`Topology`] (nodes, slots, ranks).
 //! - [`estimate`]: ZeRO's memory formulas, offload rows, activation estimates
 //!   (`zrun estimate`; arithmetic only, so it lives here, not in the engine).
+//! - [`tiles`]: memory-centric tiling's column tiles (`model.tile_size`), one
+//!   rule for validation, the estimator and the model.
 //! - [`error`]: one error type whose messages say where (file:line:col, key path,
 //!   hostfile line) and what.
 //!
@@ -28,6 +30,7 @@ pub mod hostfile;
 pub mod load;
 mod offload_check;
 pub mod spec;
+pub mod tiles;
 
 pub use data_check::data_files;
 pub use error::ConfigError;

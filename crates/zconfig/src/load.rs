@@ -233,6 +233,18 @@ impl LoadedJob {
                 format!("{} heads do not divide d_model {}", m.n_heads, m.d_model),
             ));
         }
+        if let Some(n) = m.tile_size {
+            if n.0 == 0 {
+                return Err(self.invalid("model.tile_size", "must be at least 1"));
+            }
+            for (layer, inputs, outputs) in crate::tiles::gpt_block_linears(m.d_model) {
+                if let Err(e) =
+                    crate::tiles::column_tiles(layer, inputs, outputs, Some(n.0 as usize))
+                {
+                    return Err(self.invalid("model.tile_size", e.to_string()));
+                }
+            }
+        }
         if let Some(f) = &m.init_from {
             if !Path::new(f).is_file() {
                 return Err(self.invalid("model.init_from", format!("{f} is not a file")));

@@ -94,6 +94,11 @@ pub struct ModelSpec {
     /// A safetensors file to start from.
     #[serde(default)]
     pub init_from: Option<String>,
+    /// Memory-centric tiling: every block linear of more elements is split
+    /// into output-column tiles of at most this many, gathered and computed one
+    /// at a time (see [`crate::tiles`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tile_size: Option<Size>,
 }
 
 fn default_kind() -> String {

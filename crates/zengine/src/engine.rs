@@ -140,6 +140,10 @@ impl Engine {
             n_layers: m.n_layers,
             n_heads: m.n_heads,
             seq_len: m.seq_len,
+        })?
+        .with_tile_size(m.tile_size.map(|n| n.0 as usize))
+        .map_err(|e| EngineError::Tiling {
+            problem: e.to_string(),
         })?;
         let (world, rank) = (comm.world_size(), comm.rank());
         let threshold = spec.zero.param_persistence_threshold.0 as usize;
@@ -175,6 +179,7 @@ impl Engine {
         });
         let reducer = Reducer::new(
             &layouts,
+            &backward_completion(&model),
             z.reduce_bucket_size.0.max(1) as usize,
             z.overlap_comm,
             quantized,
@@ -249,55 +254,57 @@ impl Engine {
     }
 
     /// The order of stage-3 gathers in one micro-batch: forward blocks, the head
-    /// with the tied embedding, backward blocks in reverse, the embedding.
+    /// with the tied embedding, backward blocks in reverse, the embedding; a
+    /// block's tiles after its own group, in the order its pass uses them.
     /// With qwZ the forward gathers of the embedding and the blocks are
     /// quantized; the head's serves its backward too, so it is not. With hpZ
     /// those forward gathers keep secondary shards, and the embedding's and
     /// blocks' later gathers come from them, inside the node.
     fn gather_order(&self) -> Vec<Gather> {
         let l = self.model.config().n_layers;
-        let head = l + 1;
         let keep = self.hpz.is_some();
-        let later = if keep {
-            Source::Secondary
-        } else {
-            Source::World(None)
+        let later = |group| Gather {
+            group,
+            source: if keep {
+                Source::Secondary
+            } else {
+                Source::World(None)
+            },
+            keep: false,
         };
-        let forward = self.forward_gathers(keep);
-        let head = [Gather {
-            group: head,
+        let checkpointing = self.spec.train.activation_checkpointing;
+        let head = Gather {
+            group: l + 1,
             source: Source::World(None),
             keep: false,
-        }];
-        let rest = [0]
-            .into_iter()
-            .chain((1..=l).rev())
-            .chain([0])
-            .map(|group| Gather {
-                group,
-                source: later,
-                keep: false,
-            });
-        forward
-            .chain(head)
-            .chain(rest)
-            .filter(|g| self.groups[g.group].partitioned)
-            .collect()
+        };
+        let mut order: Vec<Gather> = self.forward_gathers(keep).collect();
+        order.push(head);
+        order.push(later(0));
+        for b in (1..=l).rev() {
+            order.extend(block_uses(&self.model, b, Pass::Backward { checkpointing }).map(later));
+        }
+        order.push(later(0));
+        order.retain(|g| self.groups[g.group].partitioned);
+        order
     }
 
     /// The forward gathers of the embedding and the blocks: quantized with
     /// qwZ; with `keep`, leaving hpZ's secondary shards.
-    fn forward_gathers(&self, keep: bool) -> impl Iterator<Item = Gather> {
+    fn forward_gathers(&self, keep: bool) -> impl Iterator<Item = Gather> + '_ {
         let z = &self.spec.zero;
         let quant = z.quantized_weights.then(|| WeightQuant {
             bits: Bits::from_count(z.quantization.weight_bits).expect("validated: 8 or 4"),
             block_size: z.quantization.block_size,
         });
-        (0..=self.model.config().n_layers).map(move |group| Gather {
-            group,
-            source: Source::World(quant),
-            keep,
-        })
+        let l = self.model.config().n_layers;
+        std::iter::once(0)
+            .chain((1..=l).flat_map(|b| block_uses(&self.model, b, Pass::Forward)))
+            .map(move |group| Gather {
+                group,
+                source: Source::World(quant),
+                keep,
+            })
     }
 
     /// The order of stage-3 gathers in a forward-only pass (validation): the
@@ -416,4 +423,52 @@ impl Engine {
             self.comm_buffers.sub(self.gathered_bytes(g));
         }
     }
+}
+
+/// A pass over a block.
+#[derive(Clone, Copy)]
+enum Pass {
+    Forward,
+    /// With activation checkpointing backward first recomputes the forward.
+    Backward {
+        checkpointing: bool,
+    },
+}
+
+/// The groups block `b`'s pass uses, in order: its own group, then its tiles
+/// as the model asks for them (forward: linears in order; backward: last
+/// linear first, each linear's tiles in column order).
+fn block_uses(model: &Gpt, b: usize, pass: Pass) -> impl Iterator<Item = usize> {
+    let tiles = model.tile_groups(b);
+    let forward: Vec<usize> = tiles.iter().flat_map(|(_, g)| g.clone()).collect();
+    let backward: Vec<usize> = tiles.iter().rev().flat_map(|(_, g)| g.clone()).collect();
+    let uses = match pass {
+        Pass::Forward => forward,
+        Pass::Backward { checkpointing } if checkpointing => [forward, backward].concat(),
+        Pass::Backward { .. } => backward,
+    };
+    std::iter::once(b).chain(uses)
+}
+
+/// The order in which backward completes groups' gradients: the head, each
+/// block's tiles as its backward finishes them and then the block's own
+/// group, last block first, and the embedding.
+fn backward_completion(model: &Gpt) -> Vec<usize> {
+    let l = model.config().n_layers;
+    let mut order = vec![l + 1];
+    for b in (1..=l).rev() {
+        order.extend(
+            block_uses(
+                model,
+                b,
+                Pass::Backward {
+                    checkpointing: false,
+                },
+            )
+            .skip(1),
+        );
+        order.push(b);
+    }
+    order.push(0);
+    order
 }

@@ -64,6 +64,12 @@ pub enum EngineError {
         /// What is wrong with it.
         problem: String,
     },
+    /// `model.tile_size` does not fit the model.
+    #[error("model.tile_size: {problem}")]
+    Tiling {
+        /// What does not fit.
+        problem: String,
+    },
     /// A checkpoint of another model.
     #[error("{}: the checkpoint's parameter layout differs from the model's", dir.display())]
     LayoutMismatch {

@@ -13,7 +13,7 @@
 
 use std::ops::Range;
 
-use zmodel::GroupSpec;
+use zmodel::{ColumnTile, GroupSpec};
 
 use crate::precision::Flat;
 
@@ -31,6 +31,8 @@ pub struct ParamSlot {
     pub range: Range<usize>,
     /// Whether weight decay applies.
     pub decay: bool,
+    /// The columns it holds when it is a tile of parameter `name`.
+    pub tile: Option<ColumnTile>,
 }
 
 /// The flat layout of one group.
@@ -60,6 +62,7 @@ impl GroupLayout {
                 shape: p.shape.clone(),
                 range: off..off + n,
                 decay: p.decay,
+                tile: p.tile,
             });
             off += n;
         }
@@ -115,15 +118,16 @@ pub struct Bucket {
 }
 
 impl Bucket {
-    /// Splits groups, taken in backward order (last group first), into buckets of
-    /// at least `bucket_size` elements (the last bucket may be smaller).
-    pub fn plan(layouts: &[GroupLayout], bucket_size: usize) -> Vec<Bucket> {
+    /// Splits groups, taken in the order backward completes them, into
+    /// buckets of at least `bucket_size` elements (the last bucket may be
+    /// smaller).
+    pub fn plan(layouts: &[GroupLayout], backward: &[usize], bucket_size: usize) -> Vec<Bucket> {
         let mut out = Vec::new();
         let mut cur = Bucket {
             groups: Vec::new(),
             len: 0,
         };
-        for g in (0..layouts.len()).rev() {
+        for &g in backward {
             cur.groups.push(g);
             cur.len += layouts[g].padded;
             if cur.len >= bucket_size {
@@ -198,6 +202,7 @@ mod tests {
                     shape: vec![n],
                     init: Init::Zeros,
                     decay: i % 2 == 0,
+                    tile: None,
                 })
                 .collect(),
         }
@@ -220,7 +225,7 @@ mod tests {
             .iter()
             .map(|&n| GroupLayout::new(&spec(&[n]), world))
             .collect();
-        let buckets = Bucket::plan(&layouts, 100);
+        let buckets = Bucket::plan(&layouts, &[2, 1, 0], 100);
         assert_eq!(
             buckets.iter().map(|b| b.groups.clone()).collect::<Vec<_>>(),
             vec![vec![2], vec![1, 0]]

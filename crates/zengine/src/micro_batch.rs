@@ -16,7 +16,9 @@ use std::ops::Range;
 
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, Device, Storage, Tensor, Var};
-use zmodel::{Batch, BlockActs, BlockParams, EmbeddingParams, HeadParams};
+use zmodel::{
+    Batch, BlockActs, BlockLinear, BlockNorm, BlockSource, EmbeddingParams, HeadParams, WeightBias,
+};
 
 use crate::engine::Engine;
 use crate::error::EngineError;
@@ -106,11 +108,11 @@ impl Engine {
         drop(p0);
         self.release(0);
         let l = self.model.config().n_layers;
+        let model = self.model.clone();
         for b in 1..=l {
-            let p = BlockParams::from_vec(detached(&self.params_for(b, &mut gather)?))?;
-            x = self.model.block(&p, &x)?;
-            drop(p);
-            self.release(b);
+            let mut src = BlockFromEngine::gather(self, &mut gather, b, false)?;
+            x = model.block_forward_from(&mut src, &x)?.0;
+            src.release_block();
         }
         let ph = self.params_for(l + 1, &mut gather)?;
         let pw = self.params_for(0, &mut gather)?;
@@ -173,18 +175,17 @@ impl Engine {
     ) -> Result<Tensor, EngineError> {
         let n_layers = self.model.config().n_layers;
         let checkpointing = self.spec.train.activation_checkpointing;
+        let model = self.model.clone();
         for b in 1..=n_layers {
-            let p = self.params_for(b, &mut mb.gather)?;
-            let params = BlockParams::from_vec(detached(&p))?;
-            let (y, acts) = self.model.block_forward(&params, &x)?;
+            let mut src = BlockFromEngine::gather(self, &mut mb.gather, b, false)?;
+            let (y, acts) = model.block_forward_from(&mut src, &x)?;
+            src.release_block();
             mb.saved.push(if checkpointing {
                 Saved::Input(x)
             } else {
                 Saved::Acts(acts)
             });
             x = y;
-            drop(p);
-            self.release(b);
         }
         let (rows, t) = mb.tokens.dims2()?;
         let m = &self.spec.model;
@@ -252,21 +253,17 @@ impl Engine {
         mb: &mut MicroBatch,
         mut dx: Tensor,
     ) -> Result<Tensor, EngineError> {
+        let model = self.model.clone();
         for b in (1..=self.model.config().n_layers).rev() {
-            let p = BlockParams::from_vec(detached(&self.params_for(b, &mut mb.gather)?))?;
+            let mut src = BlockFromEngine::gather(self, &mut mb.gather, b, mb.reduce_now)?;
             let acts = match mb.saved.pop() {
                 Some(Saved::Acts(acts)) => acts,
-                Some(Saved::Input(x)) => self.model.block_forward(&p, &x)?.1,
+                Some(Saved::Input(x)) => model.block_forward_from(&mut src, &x)?.1,
                 None => return Err(missing(&format!("block {b}'s saved activations"))),
             };
-            let (grads, dx_in) = self.model.block_backward(&p, &acts, &dx)?;
-            drop((acts, p));
-            self.accumulate_tensors(b, &grads.into_vec().iter().collect::<Vec<_>>())?;
-            dx = dx_in;
-            self.release(b);
-            if mb.reduce_now {
-                self.group_done(b)?;
-            }
+            dx = model.block_backward_into(&mut src, &acts, &dx)?;
+            drop(acts);
+            src.finish_backward()?;
         }
         Ok(dx)
     }
@@ -338,6 +335,177 @@ impl Engine {
             add_grad(buf, slot.range.clone(), grad, &slot.name)?;
         }
         Ok(())
+    }
+}
+
+/// One block's parameters for the model's forward and backward, from the
+/// engine: the block's own group (layer norms, linears kept whole) gathered
+/// for the whole pass; each tile of a tiled linear gathered just before its
+/// use and released right after. In backward each tile's gradient is
+/// accumulated, and its bucket reduced, as soon as it exists; the block
+/// group's gradient when the block is done.
+struct BlockFromEngine<'a> {
+    engine: &'a mut Engine,
+    gather: &'a mut Prefetcher,
+    /// The block's group.
+    block: usize,
+    /// Its parameters, in slot order.
+    own: Vec<Tensor>,
+    /// Per tiled linear, its tiles' groups.
+    tiles: Vec<(BlockLinear, Range<usize>)>,
+    /// Backward: the block group's gradients so far, in slot order.
+    own_grads: Vec<Option<Tensor>>,
+    /// Whether gradients are reduced as backward goes.
+    reduce_now: bool,
+}
+
+impl<'a> BlockFromEngine<'a> {
+    /// Gathers block `block`'s own group.
+    fn gather(
+        engine: &'a mut Engine,
+        gather: &'a mut Prefetcher,
+        block: usize,
+        reduce_now: bool,
+    ) -> Result<BlockFromEngine<'a>, EngineError> {
+        let own = detached(&engine.params_for(block, gather)?);
+        let tiles = engine.model.tile_groups(block);
+        Ok(BlockFromEngine {
+            own_grads: vec![None; own.len()],
+            own,
+            tiles,
+            engine,
+            gather,
+            block,
+            reduce_now,
+        })
+    }
+
+    /// The slot of `h.{block - 1}.{name}.{weight, bias}` in the block's group.
+    fn slots(&self, name: &str) -> Result<WeightBias<usize>, EngineError> {
+        let prefix = format!("h.{}.{name}.", self.block - 1);
+        let slots = &self.engine.groups[self.block].layout.params;
+        let find = |what: &str| {
+            slots
+                .iter()
+                .position(|s| s.name == format!("{prefix}{what}"))
+                .ok_or_else(|| missing(&format!("{prefix}{what}")))
+        };
+        Ok(WeightBias {
+            weight: find("weight")?,
+            bias: find("bias")?,
+        })
+    }
+
+    fn own_pair(&self, name: &str) -> Result<WeightBias<Tensor>, EngineError> {
+        let s = self.slots(name)?;
+        Ok(WeightBias {
+            weight: self.own[s.weight].clone(),
+            bias: self.own[s.bias].clone(),
+        })
+    }
+
+    fn keep_grad(&mut self, name: &str, grad: WeightBias<Tensor>) -> Result<(), EngineError> {
+        let s = self.slots(name)?;
+        self.own_grads[s.weight] = Some(grad.weight);
+        self.own_grads[s.bias] = Some(grad.bias);
+        Ok(())
+    }
+
+    /// The group of tile `t` of `linear`, if it is tiled.
+    fn tile_group(&self, linear: BlockLinear, t: usize) -> Option<usize> {
+        self.tiles
+            .iter()
+            .find(|(l, _)| *l == linear)
+            .map(|(_, groups)| groups.start + t)
+    }
+
+    /// After a forward: the block's own group is released.
+    fn release_block(self) {
+        self.engine.release(self.block);
+    }
+
+    /// After a backward: the block group's gradient is accumulated, its
+    /// parameters released and, if due, its bucket reduced.
+    fn finish_backward(self) -> Result<(), EngineError> {
+        let grads = self
+            .own_grads
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| {
+                g.ok_or_else(|| missing(&self.engine.groups[self.block].layout.params[i].name))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        drop(self.own);
+        self.engine
+            .accumulate_tensors(self.block, &grads.iter().collect::<Vec<_>>())?;
+        self.engine.release(self.block);
+        if self.reduce_now {
+            self.engine.group_done(self.block)?;
+        }
+        Ok(())
+    }
+}
+
+impl BlockSource for BlockFromEngine<'_> {
+    type Error = EngineError;
+
+    fn norm(&mut self, which: BlockNorm) -> Result<WeightBias<Tensor>, EngineError> {
+        self.own_pair(norm_name(which))
+    }
+
+    fn linear(
+        &mut self,
+        linear: BlockLinear,
+        tile: usize,
+        columns: Range<usize>,
+    ) -> Result<WeightBias<Tensor>, EngineError> {
+        let Some(g) = self.tile_group(linear, tile) else {
+            return self.own_pair(linear.name());
+        };
+        let p = detached(&self.engine.params_for(g, self.gather)?);
+        let [weight, bias]: [Tensor; 2] = p.try_into().map_err(|_| missing(linear.name()))?;
+        assert_eq!(
+            bias.dims1()?,
+            columns.len(),
+            "tile {tile} of {}",
+            linear.name()
+        );
+        Ok(WeightBias { weight, bias })
+    }
+
+    fn release(&mut self, linear: BlockLinear, tile: usize) -> Result<(), EngineError> {
+        if let Some(g) = self.tile_group(linear, tile) {
+            self.engine.release(g);
+        }
+        Ok(())
+    }
+
+    fn norm_grad(&mut self, which: BlockNorm, grad: WeightBias<Tensor>) -> Result<(), EngineError> {
+        self.keep_grad(norm_name(which), grad)
+    }
+
+    fn linear_grad(
+        &mut self,
+        linear: BlockLinear,
+        tile: usize,
+        grad: WeightBias<Tensor>,
+    ) -> Result<(), EngineError> {
+        let Some(g) = self.tile_group(linear, tile) else {
+            return self.keep_grad(linear.name(), grad);
+        };
+        self.engine
+            .accumulate_tensors(g, &[&grad.weight, &grad.bias])?;
+        if self.reduce_now {
+            self.engine.group_done(g)?;
+        }
+        Ok(())
+    }
+}
+
+fn norm_name(which: BlockNorm) -> &'static str {
+    match which {
+        BlockNorm::Ln1 => "ln_1",
+        BlockNorm::Ln2 => "ln_2",
     }
 }
 

@@ -36,15 +36,17 @@ pub(crate) struct Reducer {
 
 impl Reducer {
     /// Buckets of at most `bucket_size` elements over groups laid out as
-    /// `layouts`; `overlap` lets reductions run while backward continues.
+    /// `layouts`, which backward completes in the order `backward`; `overlap`
+    /// lets reductions run while backward continues.
     pub(crate) fn new(
         layouts: &[GroupLayout],
+        backward: &[usize],
         bucket_size: usize,
         overlap: bool,
         quantized: Option<Quantization>,
     ) -> Reducer {
         Reducer {
-            buckets: Bucket::plan(layouts, bucket_size),
+            buckets: Bucket::plan(layouts, backward, bucket_size),
             pending: VecDeque::new(),
             overlap,
             quantized,

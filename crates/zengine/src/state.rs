@@ -3,9 +3,15 @@
 //!
 //! Loading reassembles each group's whole flat buffer from the checkpoint and
 //! keeps what this rank's stage holds (whole, or its slice at the new world size).
-//! That costs one group's full buffers of transient memory at a time.
+//! That costs one group's full buffers of transient memory at a time. A
+//! checkpoint whose groups differ only by `model.tile_size` is read parameter
+//! by parameter under its names instead (a tiled linear's columns cut from,
+//! or put back into, the whole weight), so it moves freely between tiled and
+//! untiled runs.
 
-use zckpt::{Checkpoint, GroupEntry, LossScaleState, ParamEntry};
+use std::collections::BTreeMap;
+
+use zckpt::{Assembler, Checkpoint, GroupEntry, LossScaleState, ParamEntry, ParamReader};
 
 use crate::engine::Engine;
 use crate::error::EngineError;
@@ -28,6 +34,7 @@ impl Engine {
                         name: p.name.clone(),
                         shape: p.shape.clone(),
                         offset: p.range.start,
+                        tile: p.tile,
                     })
                     .collect(),
             })
@@ -95,7 +102,7 @@ impl Engine {
 
     /// Loads a checkpoint written by any number of ranks at any stage and dtype
     /// (its f32 parameters become the master copy; the working copy is rounded
-    /// from them, as after an update).
+    /// from them, as after an update), tiled or not.
     pub fn load(&mut self, ckpt: &Checkpoint) -> Result<(), EngineError> {
         let mine = self.manifest_groups();
         let theirs = &ckpt.manifest.groups;
@@ -104,27 +111,18 @@ impl Engine {
                 .iter()
                 .zip(theirs)
                 .all(|(a, b)| a.name == b.name && a.numel == b.numel && a.params == b.params);
-        if !same {
-            return Err(EngineError::LayoutMismatch {
-                dir: ckpt.dir.clone(),
-            });
-        }
-        let rank = self.comm.rank();
-        let (stage, half) = (self.stage, self.half);
-        for gi in 0..self.groups.len() {
-            let padded = self.groups[gi].layout.padded;
-            let full = |kind: &str| -> Result<Vec<f32>, EngineError> {
-                let mut v = ckpt.full_group(gi, kind)?;
-                v.resize(padded, 0.0);
-                Ok(v)
-            };
-            let params = full("params")?;
-            let m = full("exp_avg")?;
-            let v = full("exp_avg_sq")?;
-            let g = &mut self.groups[gi];
-            g.install(&params, rank, stage, half);
-            g.install_moments(m, v, rank, stage);
-            self.stash(gi)?;
+        if same {
+            for gi in 0..self.groups.len() {
+                let padded = self.groups[gi].layout.padded;
+                let full = |kind: &str| -> Result<Vec<f32>, EngineError> {
+                    let mut v = ckpt.full_group(gi, kind)?;
+                    v.resize(padded, 0.0);
+                    Ok(v)
+                };
+                self.install_group(gi, [full("params")?, full("exp_avg")?, full("exp_avg_sq")?])?;
+            }
+        } else {
+            self.load_by_name(ckpt, &mine)?;
         }
         let state = ckpt.manifest.loss_scale.as_ref();
         self.step = ckpt.manifest.step;
@@ -139,6 +137,74 @@ impl Engine {
         }
         self.vars.iter_mut().for_each(|v| *v = None);
         Ok(())
+    }
+
+    /// Installs group `gi`'s full (padded) params, exp_avg and exp_avg_sq as
+    /// this rank's stage keeps them.
+    fn install_group(
+        &mut self,
+        gi: usize,
+        [params, m, v]: [Vec<f32>; 3],
+    ) -> Result<(), EngineError> {
+        let (rank, stage, half) = (self.comm.rank(), self.stage, self.half);
+        let g = &mut self.groups[gi];
+        g.install(&params, rank, stage, half);
+        g.install_moments(m, v, rank, stage);
+        self.stash(gi)
+    }
+
+    /// [`Engine::load`] of a checkpoint laid out in other groups (another
+    /// `model.tile_size`): every parameter read whole by name and cut as this
+    /// model's groups hold it. An error unless both have the same parameters.
+    fn load_by_name(&mut self, ckpt: &Checkpoint, mine: &[GroupEntry]) -> Result<(), EngineError> {
+        let mismatch = || EngineError::LayoutMismatch {
+            dir: ckpt.dir.clone(),
+        };
+        let mut readers = zckpt::KINDS.map(|kind| ParamReader::new(ckpt, kind));
+        let theirs = readers[0].shapes();
+        let ours: BTreeMap<String, Vec<usize>> = mine
+            .iter()
+            .flat_map(|g| &g.params)
+            .map(|p| (p.name.clone(), zckpt::whole_shape(p)))
+            .collect();
+        if ours.len() != theirs.len() || ours.iter().any(|(n, s)| theirs.get(n) != Some(s)) {
+            return Err(mismatch());
+        }
+        for (gi, entry) in mine.iter().enumerate() {
+            let padded = self.groups[gi].layout.padded;
+            let mut bufs: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0f32; padded]);
+            for (buf, reader) in bufs.iter_mut().zip(&mut readers) {
+                for p in &entry.params {
+                    let (_, whole) = reader.read(&p.name)?;
+                    let n: usize = p.shape.iter().product();
+                    let piece = match p.tile {
+                        None => whole,
+                        Some(t) => t.cut(&whole, p.shape.last().copied().unwrap_or(1)),
+                    };
+                    buf[p.offset..p.offset + n].copy_from_slice(&piece);
+                }
+            }
+            self.install_group(gi, bufs)?;
+        }
+        Ok(())
+    }
+
+    /// Every parameter whole (tiles put back together) by name, f32 (the
+    /// master copy under mixed precision). A collective: every rank must call
+    /// it.
+    pub fn named_params(&self) -> Result<zckpt::Weights, EngineError> {
+        let mut assembler = Assembler::default();
+        let mut out = zckpt::Weights::new();
+        for (entry, flat) in self.manifest_groups().iter().zip(self.full_params()?) {
+            let done = assembler
+                .add(entry, &flat)
+                .map_err(|problem| EngineError::Tiling { problem })?;
+            out.extend(done.into_iter().map(|(n, shape, v)| (n, (shape, v))));
+        }
+        assembler
+            .finish()
+            .map_err(|problem| EngineError::Tiling { problem })?;
+        Ok(out)
     }
 
     /// f16's loss-scaler state, as a manifest stores it.
@@ -166,16 +232,25 @@ impl Engine {
                         .ok_or_else(|| EngineError::InitWeights {
                             problem: format!("no tensor `{}`", slot.name),
                         })?;
-                if shape != &slot.shape {
+                let mut want = slot.shape.clone();
+                if let (Some(t), Some(last)) = (slot.tile, want.last_mut()) {
+                    *last = t.of;
+                }
+                if shape != &want {
                     return Err(EngineError::InitWeights {
                         problem: format!(
-                            "`{}` has shape {shape:?}, the model needs {:?}",
-                            slot.name, slot.shape
+                            "`{}` has shape {shape:?}, the model needs {want:?}",
+                            slot.name
                         ),
                     });
                 }
-                full[slot.range.clone()].copy_from_slice(values);
-                used += 1;
+                match slot.tile {
+                    None => full[slot.range.clone()].copy_from_slice(values),
+                    Some(t) => full[slot.range.clone()]
+                        .copy_from_slice(&t.cut(values, slot.shape.last().copied().unwrap_or(1))),
+                }
+                // A tiled parameter counts once, with its first tile.
+                used += usize::from(slot.tile.is_none_or(|t| t.start == 0));
             }
             g.install(&full, rank, stage, half);
             self.stash(gi)?;

@@ -14,10 +14,13 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
+use std::ops::Range;
+
 use crate::attention::{causal_attention, causal_attention_backward};
-use crate::ops::{
-    column_sums, cross_entropy, gelu, gelu_backward, layer_norm, layer_norm_backward,
-};
+use zconfig::tiles::{column_tiles, ColumnTile, TileError};
+
+use crate::linear::{self, BlockLinear, BlockNorm, BlockSource, Whole};
+use crate::ops::{cross_entropy, gelu, gelu_backward, layer_norm, layer_norm_backward};
 use crate::params::{BlockParams, EmbeddingParams, HeadParams, WeightBias};
 
 const LN_EPS: f64 = 1e-5;
@@ -59,6 +62,9 @@ pub struct ParamSpec {
     pub init: Init,
     /// Whether AdamW's weight decay applies (matrices yes; biases, norms no).
     pub decay: bool,
+    /// A column tile of the parameter `name` (whose last dimension is then
+    /// longer than `shape`'s), or `None` for the whole parameter.
+    pub tile: Option<ColumnTile>,
 }
 
 impl ParamSpec {
@@ -90,33 +96,40 @@ pub struct BlockActs {
     g: Tensor,
 }
 
-/// `y = x·w + bias` backward: ((dw = xᵀ·dy, dbias = Σ rows of dy), dx = dy·wᵀ).
-fn linear_backward(
+/// Layer norm `which`'s backward from `src`: hands its gradient over, returns dx.
+fn norm_backward<S: BlockSource>(
+    src: &mut S,
+    which: BlockNorm,
     x: &Tensor,
-    l: &WeightBias<Tensor>,
     dy: &Tensor,
-) -> Result<(WeightBias<Tensor>, Tensor)> {
-    let grads = WeightBias {
-        weight: x.t()?.matmul(dy)?,
-        bias: column_sums(dy)?,
-    };
-    Ok((grads, dy.matmul(&l.weight.t()?)?))
+) -> std::result::Result<Tensor, S::Error> {
+    let n = src.norm(which)?;
+    let (dx, weight, bias) = layer_norm_backward(x, &n.weight, dy, LN_EPS)?;
+    src.norm_grad(which, WeightBias { weight, bias })?;
+    Ok(dx)
 }
 
-/// Layer norm backward: ((dweight, dbias), dx).
-fn norm_backward(
-    x: &Tensor,
-    n: &WeightBias<Tensor>,
-    dy: &Tensor,
-) -> Result<(WeightBias<Tensor>, Tensor)> {
-    let (dx, weight, bias) = layer_norm_backward(x, &n.weight, dy, LN_EPS)?;
-    Ok((WeightBias { weight, bias }, dx))
+/// Initial values of parameter `i` of untiled group `group`.
+fn init_values(ps: &ParamSpec, seed: u64, group: usize, i: usize) -> Vec<f32> {
+    let stream = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((group as u64) << 20 | i as u64);
+    let mut rng = ChaCha8Rng::seed_from_u64(stream);
+    match ps.init {
+        Init::Zeros => vec![0.0; ps.numel()],
+        Init::Ones => vec![1.0; ps.numel()],
+        Init::Normal(std) => {
+            let n = Normal::new(0.0f32, std).expect("a positive std");
+            (0..ps.numel()).map(|_| n.sample(&mut rng)).collect()
+        }
+    }
 }
 
 /// The model: shapes and forward functions; it holds no parameters.
 #[derive(Debug, Clone)]
 pub struct Gpt {
     cfg: GptConfig,
+    /// Memory-centric tiling: linears of more elements are split into column
+    /// tiles of at most this many (see [`crate::linear`]).
+    tile_size: Option<usize>,
 }
 
 fn p(name: String, shape: &[usize], init: Init, decay: bool) -> ParamSpec {
@@ -125,13 +138,29 @@ fn p(name: String, shape: &[usize], init: Init, decay: bool) -> ParamSpec {
         shape: shape.to_vec(),
         init,
         decay,
+        tile: None,
     }
 }
 
 impl Gpt {
     /// A model of this shape on the CPU.
     pub fn new(cfg: GptConfig) -> Result<Gpt> {
-        Ok(Gpt { cfg })
+        Ok(Gpt {
+            cfg,
+            tile_size: None,
+        })
+    }
+
+    /// The same model with its linears split into column tiles of at most
+    /// `tile_size` elements (`None`: whole); an error if a linear's smallest
+    /// tile is larger.
+    pub fn with_tile_size(self, tile_size: Option<usize>) -> std::result::Result<Gpt, TileError> {
+        let g = Gpt { tile_size, ..self };
+        for l in BlockLinear::ALL {
+            let (inputs, outputs) = g.linear_shape(l);
+            column_tiles(l.name(), inputs, outputs, tile_size)?;
+        }
+        Ok(g)
     }
 
     /// The shape.
@@ -139,7 +168,57 @@ impl Gpt {
         self.cfg
     }
 
-    /// Every group's parameters, in forward order.
+    /// `[in, out]` of a block's linear.
+    pub fn linear_shape(&self, l: BlockLinear) -> (usize, usize) {
+        let (_, inputs, outputs) = zconfig::tiles::gpt_block_linears(self.cfg.d_model)[l as usize];
+        (inputs, outputs)
+    }
+
+    /// The output-column tiles of every block's linear `l` (one whole tile
+    /// when it is not split).
+    pub fn linear_tiles(&self, l: BlockLinear) -> Vec<Range<usize>> {
+        let (inputs, outputs) = self.linear_shape(l);
+        column_tiles(l.name(), inputs, outputs, self.tile_size).expect("checked by with_tile_size")
+    }
+
+    /// The linears of a block split into tiles, with the weights that stay
+    /// whole although larger than the tile size (at most one chunk of output
+    /// columns: nothing to split on): `(tiled, whole)`.
+    pub fn tiling(&self) -> (Vec<BlockLinear>, Vec<BlockLinear>) {
+        let Some(n) = self.tile_size else {
+            return (Vec::new(), Vec::new());
+        };
+        BlockLinear::ALL
+            .into_iter()
+            .filter(|&l| {
+                let (i, o) = self.linear_shape(l);
+                i * o > n
+            })
+            .partition(|&l| self.linear_tiles(l).len() > 1)
+    }
+
+    /// Group indices of block `block`'s (1-based) tiles, per tiled linear in
+    /// forward order, tiles in column order. Tile groups follow the head:
+    /// block 1's first, so groups `0..=L+1` mean what they do untiled.
+    pub fn tile_groups(&self, block: usize) -> Vec<(BlockLinear, Range<usize>)> {
+        let tiled: Vec<(BlockLinear, usize)> = BlockLinear::ALL
+            .into_iter()
+            .map(|l| (l, self.linear_tiles(l).len()))
+            .filter(|&(_, n)| n > 1)
+            .collect();
+        let per_block: usize = tiled.iter().map(|(_, n)| n).sum();
+        let mut at = self.cfg.n_layers + 2 + (block - 1) * per_block;
+        tiled
+            .into_iter()
+            .map(|(l, n)| {
+                at += n;
+                (l, at - n..at)
+            })
+            .collect()
+    }
+
+    /// Every group's parameters: the embedding, the blocks (without their
+    /// tiled linears), the head, then every block's tiles.
     pub fn groups(&self) -> Vec<GroupSpec> {
         let GptConfig {
             vocab_size: v,
@@ -166,6 +245,8 @@ impl Gpt {
             name: "embedding".into(),
             params: embedding.into_vec(),
         }];
+        let tiled = |l: BlockLinear| self.linear_tiles(l).len() > 1;
+        let mut tiles = Vec::new();
         for i in 0..l {
             let n = |s: &str| format!("h.{i}.{s}");
             let block = BlockParams {
@@ -176,9 +257,40 @@ impl Gpt {
                 mlp_c_fc: lin(n("mlp.c_fc"), &[d, 4 * d], &[4 * d], std),
                 mlp_c_proj: lin(n("mlp.c_proj"), &[4 * d, d], &[d], proj_std),
             };
+            for lin in BlockLinear::ALL.into_iter().filter(|&l| tiled(l)) {
+                let whole = lin.of(&block);
+                for (t, cols) in self.linear_tiles(lin).into_iter().enumerate() {
+                    let cut = |ps: &ParamSpec| {
+                        let mut shape = ps.shape.clone();
+                        let last = shape.last_mut().expect("a linear's parameters have shape");
+                        let of = std::mem::replace(last, cols.len());
+                        ParamSpec {
+                            shape,
+                            tile: Some(ColumnTile {
+                                start: cols.start,
+                                of,
+                            }),
+                            ..ps.clone()
+                        }
+                    };
+                    tiles.push(GroupSpec {
+                        name: n(&format!("{}.tile{t}", lin.name())),
+                        params: vec![cut(&whole.weight), cut(&whole.bias)],
+                    });
+                }
+            }
+            let names: Vec<String> = BlockLinear::ALL
+                .into_iter()
+                .filter(|&l| tiled(l))
+                .map(|l| n(l.name()))
+                .collect();
             groups.push(GroupSpec {
                 name: format!("h.{i}"),
-                params: block.into_vec(),
+                params: block
+                    .into_vec()
+                    .into_iter()
+                    .filter(|ps| !names.iter().any(|t| ps.name.starts_with(&format!("{t}."))))
+                    .collect(),
             });
         }
         let head = HeadParams {
@@ -188,6 +300,7 @@ impl Gpt {
             name: "head".into(),
             params: head.into_vec(),
         });
+        groups.extend(tiles);
         groups
     }
 
@@ -215,23 +328,31 @@ impl Gpt {
         6.0 * (l * block_params + v * d) as f64 + 12.0 * (l * d * t) as f64
     }
 
-    /// Initial values of one group's parameters, identical on every rank for a seed.
+    /// Initial values of one group's parameters, identical on every rank for a
+    /// seed, and the same values whether the model is tiled or not (a tile is
+    /// cut from its whole parameter).
     pub fn init_group(&self, group: usize, seed: u64) -> Vec<Vec<f32>> {
         let spec = &self.groups()[group];
+        let whole = Gpt {
+            tile_size: None,
+            ..self.clone()
+        }
+        .groups();
         spec.params
             .iter()
-            .enumerate()
-            .map(|(i, ps)| {
-                let stream =
-                    seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((group as u64) << 20 | i as u64);
-                let mut rng = ChaCha8Rng::seed_from_u64(stream);
-                match ps.init {
-                    Init::Zeros => vec![0.0; ps.numel()],
-                    Init::Ones => vec![1.0; ps.numel()],
-                    Init::Normal(std) => {
-                        let n = Normal::new(0.0f32, std).expect("a positive std");
-                        (0..ps.numel()).map(|_| n.sample(&mut rng)).collect()
-                    }
+            .map(|ps| {
+                let (g, i, full) = whole
+                    .iter()
+                    .enumerate()
+                    .find_map(|(g, gs)| {
+                        let i = gs.params.iter().position(|w| w.name == ps.name)?;
+                        Some((g, i, &gs.params[i]))
+                    })
+                    .expect("every parameter is in the untiled model");
+                let values = init_values(full, seed, g, i);
+                match ps.tile {
+                    None => values,
+                    Some(tile) => tile.cut(&values, ps.shape.last().copied().unwrap_or(0)),
                 }
             })
             .collect()
@@ -259,21 +380,35 @@ impl Gpt {
         params: &BlockParams<Tensor>,
         x: &Tensor,
     ) -> Result<(Tensor, BlockActs)> {
+        self.block_forward_from(&mut Whole::new(params), x)
+    }
+
+    /// [`Gpt::block_forward`] with the parameters from `src`, each linear a
+    /// tile at a time.
+    pub fn block_forward_from<S: BlockSource>(
+        &self,
+        src: &mut S,
+        x: &Tensor,
+    ) -> std::result::Result<(Tensor, BlockActs), S::Error> {
         let (b, t, d) = x.dims3()?;
-        let linear =
-            |x: &Tensor, l: &WeightBias<Tensor>| x.matmul(&l.weight)?.broadcast_add(&l.bias);
-        let norm = |x: &Tensor, n: &WeightBias<Tensor>| layer_norm(x, &n.weight, &n.bias, LN_EPS);
         let rows = x.reshape((b * t, d))?;
+        let norm = |src: &mut S, which: BlockNorm, x: &Tensor| {
+            let n = src.norm(which)?;
+            Ok::<_, S::Error>(layer_norm(x, &n.weight, &n.bias, LN_EPS)?)
+        };
+        let linear = |src: &mut S, l: BlockLinear, x: &Tensor| {
+            linear::forward(src, l, &self.linear_tiles(l), x)
+        };
 
-        let a1 = norm(&rows, &params.ln_1)?;
-        let qkv = linear(&a1, &params.attn_c_attn)?.reshape((b, t, 3 * d))?;
+        let a1 = norm(src, BlockNorm::Ln1, &rows)?;
+        let qkv = linear(src, BlockLinear::AttnCAttn, &a1)?.reshape((b, t, 3 * d))?;
         let att = causal_attention(&qkv, self.cfg.n_heads)?.reshape((b * t, d))?;
-        let rows1 = (&rows + linear(&att, &params.attn_c_proj)?)?;
+        let rows1 = (&rows + linear(src, BlockLinear::AttnCProj, &att)?)?;
 
-        let a2 = norm(&rows1, &params.ln_2)?;
-        let h = linear(&a2, &params.mlp_c_fc)?;
+        let a2 = norm(src, BlockNorm::Ln2, &rows1)?;
+        let h = linear(src, BlockLinear::MlpCFc, &a2)?;
         let g = gelu(&h)?;
-        let y = (&rows1 + linear(&g, &params.mlp_c_proj)?)?.reshape((b, t, d))?;
+        let y = (&rows1 + linear(src, BlockLinear::MlpCProj, &g)?)?.reshape((b, t, d))?;
         let acts = BlockActs {
             rows,
             a1,
@@ -298,31 +433,39 @@ impl Gpt {
         acts: &BlockActs,
         dy: &Tensor,
     ) -> Result<(BlockParams<Tensor>, Tensor)> {
+        let mut src = Whole::new(params);
+        let dx = self.block_backward_into(&mut src, acts, dy)?;
+        Ok((src.grads()?, dx))
+    }
+
+    /// [`Gpt::block_backward`] with the parameters from `src`, which receives
+    /// each gradient as soon as it is computed (the last linear's tiles first,
+    /// `ln_1` last). Returns the input's gradient.
+    pub fn block_backward_into<S: BlockSource>(
+        &self,
+        src: &mut S,
+        acts: &BlockActs,
+        dy: &Tensor,
+    ) -> std::result::Result<Tensor, S::Error> {
         let (b, t, d) = dy.dims3()?;
         let dy = dy.reshape((b * t, d))?;
+        let linear = |src: &mut S, l: BlockLinear, x: &Tensor, dy: &Tensor| {
+            linear::backward(src, l, &self.linear_tiles(l), x, dy)
+        };
         // y = rows1 + g·W_fc2 + b_fc2
-        let (mlp_c_proj, dg) = linear_backward(&acts.g, &params.mlp_c_proj, &dy)?;
+        let dg = linear(src, BlockLinear::MlpCProj, &acts.g, &dy)?;
         let dh = gelu_backward(&acts.h, &dg)?;
-        let (mlp_c_fc, da2) = linear_backward(&acts.a2, &params.mlp_c_fc, &dh)?;
-        let (ln_2, dx2) = norm_backward(&acts.rows1, &params.ln_2, &da2)?;
+        let da2 = linear(src, BlockLinear::MlpCFc, &acts.a2, &dh)?;
+        let dx2 = norm_backward(src, BlockNorm::Ln2, &acts.rows1, &da2)?;
         let drows1 = (&dy + dx2)?;
         // rows1 = rows + att·W_proj + b_proj
-        let (attn_c_proj, datt) = linear_backward(&acts.att, &params.attn_c_proj, &drows1)?;
+        let datt = linear(src, BlockLinear::AttnCProj, &acts.att, &drows1)?;
         let dqkv =
             causal_attention_backward(&acts.qkv, &datt.reshape((b, t, d))?, self.cfg.n_heads)?
                 .reshape((b * t, 3 * d))?;
-        let (attn_c_attn, da1) = linear_backward(&acts.a1, &params.attn_c_attn, &dqkv)?;
-        let (ln_1, dx1) = norm_backward(&acts.rows, &params.ln_1, &da1)?;
-        let dx = (drows1 + dx1)?.reshape((b, t, d))?;
-        let grads = BlockParams {
-            ln_1,
-            attn_c_attn,
-            attn_c_proj,
-            ln_2,
-            mlp_c_fc,
-            mlp_c_proj,
-        };
-        Ok((grads, dx))
+        let da1 = linear(src, BlockLinear::AttnCAttn, &acts.a1, &dqkv)?;
+        let dx1 = norm_backward(src, BlockNorm::Ln1, &acts.rows, &da1)?;
+        Ok((drows1 + dx1)?.reshape((b, t, d))?)
     }
 
     /// Group L+1: final norm, tied head, mean cross-entropy against `targets` `[b, t]`.
@@ -428,6 +571,121 @@ mod tests {
             close(auto.get(v.as_tensor()).unwrap(), grad, &ps.name);
         }
         close(auto.get(x.as_tensor()).unwrap(), &dx, "input");
+    }
+
+    /// Column tiles (ZeRO-Infinity's memory-centric tiling) give the untiled
+    /// block's outputs, parameter gradients and input gradient bit for bit:
+    /// tile widths of 1, 2 and 3 chunks, a last tile shorter than the rest, and
+    /// linears that stay whole beside tiled ones.
+    #[test]
+    fn tiled_blocks_equal_untiled_bit_for_bit() {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            d_model: 192,
+            n_layers: 1,
+            n_heads: 3,
+            seq_len: 40,
+        };
+        let whole = Gpt::new(cfg).unwrap();
+        let dev = Device::Cpu;
+        let params = BlockParams::from_vec(
+            whole
+                .init_group(1, 9)
+                .into_iter()
+                .zip(&whole.groups()[1].params)
+                .map(|(v, ps)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
+                .collect(),
+        )
+        .unwrap();
+        let n = 2 * 40 * 192;
+        let wave =
+            |k: usize| -> Vec<f32> { (0..n).map(|i| ((i * k % 29) as f32 - 14.0) / 9.0).collect() };
+        let x = Tensor::from_vec(wave(7), (2, 40, 192), &dev).unwrap();
+        let dy = Tensor::from_vec(wave(5), (2, 40, 192), &dev).unwrap();
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.iter().map(|f| f.to_bits()).collect()
+        };
+        let run = |g: &Gpt| {
+            let (y, acts) = g.block_forward(&params, &x).unwrap();
+            let (grads, dx) = g.block_backward(&params, &acts, &dy).unwrap();
+            let mut out = vec![bits(&y), bits(&dx)];
+            out.extend(grads.into_vec().iter().map(bits));
+            out
+        };
+        let reference = run(&whole);
+        // c_attn is 192x576, c_fc 192x768, mlp.c_proj 768x192 (one chunk of
+        // outputs: stays whole), attn.c_proj 192x192 (fits); 192x300 rounds
+        // down to tiles of one chunk.
+        for (tile_size, tiles) in [(192 * 256, 3), (192 * 512, 2), (192 * 300, 3)] {
+            let tiled = whole.clone().with_tile_size(Some(tile_size)).unwrap();
+            assert_eq!(tiled.linear_tiles(BlockLinear::AttnCAttn).len(), tiles);
+            assert_eq!(tiled.linear_tiles(BlockLinear::MlpCProj).len(), 1);
+            assert_eq!(
+                tiled.tiling(),
+                (
+                    vec![BlockLinear::AttnCAttn, BlockLinear::MlpCFc],
+                    vec![BlockLinear::MlpCProj]
+                )
+            );
+            assert!(run(&tiled) == reference, "tile size {tile_size}");
+        }
+    }
+
+    /// A tiled model's groups hold the untiled model's parameters: the same
+    /// names and initial values, the tiled linears' columns in tile groups
+    /// after the head.
+    #[test]
+    fn tile_groups_cut_the_untiled_parameters() {
+        let whole = Gpt::new(GptConfig {
+            vocab_size: 11,
+            d_model: 128,
+            n_layers: 2,
+            n_heads: 2,
+            seq_len: 5,
+        })
+        .unwrap();
+        let tiled = whole.clone().with_tile_size(Some(128 * 256)).unwrap();
+        let groups = tiled.groups();
+        // Per block: c_attn (384 columns) in 2 tiles, c_fc (512) in 2.
+        assert_eq!(groups.len(), 4 + 2 * 4);
+        assert_eq!(
+            tiled.tile_groups(2),
+            vec![
+                (BlockLinear::AttnCAttn, 8..10),
+                (BlockLinear::MlpCFc, 10..12)
+            ]
+        );
+        assert_eq!(groups[9].name, "h.1.attn.c_attn.tile1");
+        assert_eq!(groups[1].params.len(), 8);
+        assert_eq!(tiled.param_count(), whole.param_count());
+        let by_name = |g: &Gpt| {
+            let mut m = std::collections::HashMap::<String, Vec<(usize, Vec<f32>)>>::new();
+            for (gi, gs) in g.groups().iter().enumerate() {
+                for (ps, v) in gs.params.iter().zip(g.init_group(gi, 3)) {
+                    let start = ps.tile.map_or(0, |t| t.start);
+                    m.entry(ps.name.clone()).or_default().push((start, v));
+                }
+            }
+            m
+        };
+        let (w, t) = (by_name(&whole), by_name(&tiled));
+        assert_eq!(w.len(), t.len());
+        let c_attn = &t["h.1.attn.c_attn.weight"];
+        assert_eq!((c_attn[0].0, c_attn[1].0), (0, 256));
+        let full = &w["h.1.attn.c_attn.weight"][0].1;
+        for row in 0..128 {
+            assert_eq!(
+                full[row * 384..row * 384 + 256],
+                c_attn[0].1[row * 256..(row + 1) * 256]
+            );
+            assert_eq!(
+                full[row * 384 + 256..(row + 1) * 384],
+                c_attn[1].1[row * 128..(row + 1) * 128]
+            );
+        }
+        assert_eq!(t["h.0.ln_1.weight"], w["h.0.ln_1.weight"]);
+        assert!(whole.clone().with_tile_size(Some(1000)).is_err());
     }
 
     #[test]
@@ -594,25 +852,38 @@ mod tests {
 
     #[test]
     fn param_count_matches_the_estimator() {
-        let g = tiny();
-        let c = g.config();
-        let m = zconfig::spec::ModelSpec {
-            kind: "gpt".into(),
-            vocab_size: c.vocab_size,
-            d_model: c.d_model,
-            n_layers: c.n_layers,
-            n_heads: c.n_heads,
-            seq_len: c.seq_len,
-            init_from: None,
+        let wide = GptConfig {
+            vocab_size: 11,
+            d_model: 128,
+            n_layers: 2,
+            n_heads: 2,
+            seq_len: 5,
         };
-        assert_eq!(g.param_count() as f64, zconfig::estimate::gpt_params(&m));
-        let largest = g
-            .groups()
-            .iter()
-            .map(|gs| gs.params.iter().map(ParamSpec::numel).sum::<usize>())
-            .max()
-            .unwrap();
-        assert_eq!(largest as f64, zconfig::estimate::gpt_largest_group(&m));
+        for (c, tile_size) in [(tiny().config(), None), (wide, None), (wide, Some(32768))] {
+            let g = Gpt::new(c).unwrap().with_tile_size(tile_size).unwrap();
+            let m = zconfig::spec::ModelSpec {
+                kind: "gpt".into(),
+                vocab_size: c.vocab_size,
+                d_model: c.d_model,
+                n_layers: c.n_layers,
+                n_heads: c.n_heads,
+                seq_len: c.seq_len,
+                init_from: None,
+                tile_size: tile_size.map(|n| zconfig::spec::Size(n as u64)),
+            };
+            assert_eq!(g.param_count() as f64, zconfig::estimate::gpt_params(&m));
+            let largest = g
+                .groups()
+                .iter()
+                .map(|gs| gs.params.iter().map(ParamSpec::numel).sum::<usize>())
+                .max()
+                .unwrap();
+            assert_eq!(
+                largest as f64,
+                zconfig::estimate::gpt_largest_group(&m),
+                "tile size {tile_size:?}"
+            );
+        }
     }
 
     #[test]

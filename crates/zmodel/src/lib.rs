@@ -10,6 +10,9 @@
 //! - [`params`]: a block's parameters by name (`BlockParams { ln_1, attn_c_attn,
 //!   ... }`), generic over values, gradients and specs; the one place their flat
 //!   order is written.
+//! - [`linear`]: a block's linear layers whole or in column tiles
+//!   (memory-centric tiling) behind one [`BlockSource`], with a backward whose
+//!   input gradient adds in the same order either way.
 //! - [`attention`]: causal self-attention as one custom op (strided GEMMs on the
 //!   projection, softmax in cache, a recomputing backward).
 //! - [`ops`]: fused layer norm and GELU with their own backward; cross-entropy
@@ -25,10 +28,13 @@
 pub mod attention;
 pub mod data;
 pub mod gpt;
+pub mod linear;
 pub mod ops;
 pub mod params;
 mod simd;
 
 pub use data::{Batch, Batcher, Corpus, DataError};
 pub use gpt::{BlockActs, Gpt, GptConfig, GroupSpec, Init, ParamSpec};
+pub use linear::{BlockLinear, BlockNorm, BlockSource};
 pub use params::{BlockParams, EmbeddingParams, HeadParams, WeightBias};
+pub use zconfig::tiles::{ColumnTile, TileError};

@@ -27,6 +27,12 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
     check_memory(&plan)?;
     crate::swap_check::check_offload(&plan)?;
+    let m = &plan.spec.model;
+    if let Some(t) =
+        zconfig::tiles::describe_gpt_tiling(m.d_model, m.tile_size.map(|n| n.0 as usize))
+    {
+        say!("zrun: {t}");
+    }
     check_init_from(&plan.spec)?;
     let resume = resolve_resume(args.resume.as_deref(), &plan.spec)?;
     if args.max_restarts > 0 && plan.spec.checkpoint.dir.is_none() {

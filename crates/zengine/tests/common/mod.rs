@@ -43,7 +43,21 @@ pub fn comms(n: usize) -> Vec<Arc<dyn Communicator>> {
 /// Communicators of one group on loopback; `node_of_rank[r]` is rank r's
 /// node (for the intra/inter-node byte counts).
 pub fn comms_on(node_of_rank: &[usize], group: &str) -> Vec<Arc<dyn Communicator>> {
+    comms_over(node_of_rank, group, false)
+}
+
+/// Segments made by this test process so far (each gets its own name).
+static SEGMENTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// [`comms_on`]; with `shared_memory`, ranks of a node talk through a shared
+/// segment (on one node: the direct path, whose sums add in rank order).
+pub fn comms_over(
+    node_of_rank: &[usize],
+    group: &str,
+    shared_memory: bool,
+) -> Vec<Arc<dyn Communicator>> {
     let n = node_of_rank.len();
+    let id = SEGMENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let token = Token::generate();
     let ls: Vec<_> = (0..n)
         .map(|_| TcpCommunicator::bind("127.0.0.1").unwrap())
@@ -59,7 +73,13 @@ pub fn comms_on(node_of_rank: &[usize], group: &str) -> Vec<Arc<dyn Communicator
                 timeout: Duration::from_secs(30),
                 node_of_rank: node_of_rank.to_vec(),
                 group: group.into(),
-                shm: None,
+                shm: shared_memory.then(|| {
+                    format!(
+                        "zengine-test-{}-{id}-n{}",
+                        std::process::id(),
+                        node_of_rank[r]
+                    )
+                }),
             };
             std::thread::spawn(move || {
                 Arc::new(TcpCommunicator::connect(r, l, &addrs, o).unwrap())
@@ -99,6 +119,11 @@ pub struct Run {
     pub secondary: u64,
     /// Every group's padded length.
     pub padded: Vec<usize>,
+    /// Final parameters whole, by name (tiles put back together).
+    pub named: zckpt::Weights,
+    /// The most bytes of gathered parameters, staged gradients and buckets in
+    /// flight in a step.
+    pub comm_peak: u64,
 }
 
 /// A rank's part of a checkpoint it wrote.
@@ -150,12 +175,14 @@ pub struct Leg<'a> {
     /// Node of every rank (else all on node 0); with hpZ, group k is ranks
     /// k·P..(k+1)·P.
     pub nodes: Option<Vec<usize>>,
+    /// Ranks of a node talk through shared memory.
+    pub shared_memory: bool,
 }
 
 /// Every rank's process groups: the world on `nodes`, and with hpZ of P
 /// ranks, group k of ranks k·P..(k+1)·P.
-pub fn process_groups(nodes: &[usize], hpz: usize) -> Vec<ProcessGroups> {
-    let world = comms_on(nodes, "world");
+pub fn process_groups(nodes: &[usize], hpz: usize, shared_memory: bool) -> Vec<ProcessGroups> {
+    let world = comms_over(nodes, "world", shared_memory);
     let mut hpz_groups: Vec<Option<Arc<dyn Communicator>>> = vec![None; nodes.len()];
     if hpz > 1 {
         for (k, members) in nodes.chunks(hpz).enumerate() {
@@ -181,7 +208,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
     let until = leg.until.unwrap_or(spec.train.steps);
     let nodes = leg.nodes.clone().unwrap_or_else(|| vec![0; world]);
     assert_eq!(nodes.len(), world);
-    let hs: Vec<_> = process_groups(&nodes, spec.zero.hpz_partition_size)
+    let hs: Vec<_> = process_groups(&nodes, spec.zero.hpz_partition_size, leg.shared_memory)
         .into_iter()
         .enumerate()
         .map(|(rank, groups)| {
@@ -220,6 +247,8 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     hpz_counters: None,
                     secondary: 0,
                     padded: engine.manifest_groups().iter().map(|g| g.padded).collect(),
+                    named: Default::default(),
+                    comm_peak: 0,
                 };
                 for s in engine.steps_done()..until {
                     for a in 0..t.grad_accum {
@@ -231,6 +260,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     run.lrs.push(st.lr);
                     run.grads_held = run.grads_held.max(st.mem.grads);
                     run.secondary = run.secondary.max(st.mem.secondary);
+                    run.comm_peak = run.comm_peak.max(st.mem.comm_buffers);
                     run.scales.push((st.loss_scale, st.skipped));
                     if history {
                         run.history.push(engine.full_params().unwrap());
@@ -252,6 +282,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                 run.counters = comm.counters().plus(&run.hpz_counters.unwrap_or_default());
                 run.all_gather_bytes = run.counters.op(Op::AllGather);
                 run.params = engine.full_params().unwrap();
+                run.named = engine.named_params().unwrap();
                 run
             })
         })
