@@ -476,11 +476,22 @@ impl Gpt {
         x: &Tensor,
         targets: &Tensor,
     ) -> Result<Tensor> {
+        let logits = self.head_logits(params, wte, x)?;
+        cross_entropy(&logits, &targets.flatten_all()?)
+    }
+
+    /// Group L+1 without the loss: the final norm and the tied head, `x`
+    /// `[b, t, d]` → logits `[b·t, vocab]` (what sampling draws from).
+    pub fn head_logits(
+        &self,
+        params: &HeadParams<Tensor>,
+        wte: &Tensor,
+        x: &Tensor,
+    ) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let ln_f = &params.ln_f;
         let rows = layer_norm(&x.reshape((b * t, d))?, &ln_f.weight, &ln_f.bias, LN_EPS)?;
-        let logits = rows.matmul(&wte.t()?)?;
-        cross_entropy(&logits, &targets.flatten_all()?)
+        rows.matmul(&wte.t()?)
     }
 }
 

@@ -60,7 +60,8 @@ fn local_plan(workers: usize, worker_bin: &std::path::Path) -> Result<LaunchPlan
     })
 }
 
-fn worker_bin(given: Option<std::path::PathBuf>) -> Result<std::path::PathBuf> {
+/// The zworker binary: `given`, or the one next to zrun.
+pub(crate) fn worker_bin(given: Option<std::path::PathBuf>) -> Result<std::path::PathBuf> {
     let p = match given {
         Some(p) => p,
         None => default_worker_bin()?,

@@ -26,6 +26,34 @@ pub enum Command {
     Estimate(EstimateArgs),
     /// Consolidate a checkpoint into one f32 safetensors file.
     Export(ExportArgs),
+    /// Generate text from a checkpoint (byte-level models).
+    Sample(SampleArgs),
+}
+
+/// `zrun sample`.
+#[derive(Debug, Args)]
+pub struct SampleArgs {
+    /// A checkpoint directory (`step-N/`), or a checkpoint root (its newest).
+    #[arg(value_name = "CHECKPOINT_DIR")]
+    pub checkpoint: PathBuf,
+    /// The text to continue (encoded as bytes).
+    #[arg(long)]
+    pub prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 200)]
+    pub tokens: usize,
+    /// Softmax temperature; 0 takes the most likely token every time.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Draw among the K most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Seed of the draws (the same seed repeats the text).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Path of the zworker binary (default: next to zrun).
+    #[arg(long, value_name = "PATH")]
+    pub worker_bin: Option<PathBuf>,
 }
 
 /// `zrun export`.

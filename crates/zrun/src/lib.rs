@@ -26,6 +26,8 @@
 //! - [`estimate`]: `zrun estimate`, and the memory warning before a launch.
 //! - [`swap_check`]: NVMe offload's checks before a launch (the swap path, free
 //!   space), and removing a finished job's swap files.
+//! - `zrun export` and `zrun sample` (below): a checkpoint consolidated, or
+//!   continued as text by `zworker sample` after zrun has checked the request.
 //!
 //! zrun links no model and no transport: everything that computes runs inside
 //! `zworker`, so zrun builds fast and is safe to run on a login node.
@@ -128,6 +130,50 @@ pub fn exit_code_of(e: &anyhow::Error) -> u8 {
 }
 
 /// `zrun export`: consolidated f32 weights under the model's parameter names.
+/// `zrun sample`: checks the arguments and the checkpoint, then runs
+/// `zworker sample`, whose output goes straight to the terminal.
+fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
+    let bad = |e: zckpt::CkptError| Failure::bad_input(e.to_string());
+    let dir = zckpt::resolve(&args.checkpoint).map_err(bad)?;
+    let ckpt = zckpt::Checkpoint::open(&dir).map_err(bad)?;
+    let vocab = ckpt.manifest.model.vocab_size;
+    if vocab != 256 {
+        return Err(Failure::bad_input(format!(
+            "{}: a model of {vocab} tokens; zrun sample encodes the prompt as bytes, so it needs a byte-level model (vocab_size 256): tokenizers are not supported yet",
+            dir.display()
+        )));
+    }
+    if args.prompt.is_empty() {
+        return Err(Failure::bad_input(
+            "--prompt: give at least one character to continue",
+        ));
+    }
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        return Err(Failure::bad_input(format!(
+            "--temperature must be a number ≥ 0 (0: the most likely token), got {}",
+            args.temperature
+        )));
+    }
+    let worker = bench::worker_bin(args.worker_bin.clone())?;
+    let status = std::process::Command::new(&worker)
+        .arg("sample")
+        .arg(&dir)
+        .arg(&args.prompt)
+        .args([
+            args.tokens.to_string(),
+            args.temperature.to_string(),
+            args.top_k.to_string(),
+            args.seed.to_string(),
+        ])
+        .status()
+        .map_err(|e| Failure::launch(format!("cannot start {}: {e}", worker.display())))?;
+    Ok(if status.success() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
 fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
     let bad = |e: zckpt::CkptError| Failure::bad_input(e.to_string());
     let dir = zckpt::resolve(&args.checkpoint).map_err(bad)?;
@@ -172,5 +218,6 @@ pub fn run() -> anyhow::Result<ExitCode> {
         },
         cli::Command::Estimate(args) => estimate::estimate(args),
         cli::Command::Export(args) => export(args),
+        cli::Command::Sample(args) => sample(args),
     }
 }

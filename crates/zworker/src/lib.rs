@@ -10,6 +10,7 @@
 //! - [`checkpoint`]: writing a checkpoint (shards, then the manifest).
 //! - [`bench`](mod@bench): `zrun bench comm`'s measurements.
 //! - [`kernels`]: `zrun bench kernels`'s measurements.
+//! - [`sample`]: `zrun sample`'s text generation (run as `zworker sample`).
 //!
 //! The design decision to know: a worker never decides how the job ends. Any
 //! error is reported to zrun as `Failed` and the process exits 1; zrun stops the
@@ -22,6 +23,7 @@ pub mod checkpoint;
 pub mod control;
 pub mod env;
 pub mod kernels;
+pub mod sample;
 pub mod train;
 
 use std::net::SocketAddr;

@@ -13,7 +13,12 @@ fn main() -> ExitCode {
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    match zworker::run() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("sample") => zworker::sample::run(&args[1..]),
+        _ => zworker::run(),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let _ = writeln!(std::io::stderr(), "zworker: {e:#}");

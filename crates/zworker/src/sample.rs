@@ -1,0 +1,209 @@
+//! `zrun sample`: text from a checkpoint, generated on the CPU.
+//!
+//! zrun checks the arguments and the checkpoint (exit 2 on bad input) and
+//! runs `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K SEED`, so that the
+//! launcher stays free of the model. The worker reads the parameters whole
+//! (a tiled checkpoint's tiles put back together), encodes the prompt as
+//! bytes (a byte-level model; tokenizers do not exist yet), and for each new
+//! token runs the forward over the last `seq_len` tokens and draws from the
+//! last position's logits: greedy at temperature 0, else softmax(logits / T)
+//! over the `top_k` largest (all when 0), with a seeded generator so that a
+//! seed repeats its text. Each token is written to stdout as it is drawn.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use zmodel::{BlockParams, EmbeddingParams, Gpt, GptConfig, HeadParams};
+
+/// How to draw the next token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// 0: the most likely token; else the softmax's temperature.
+    pub temperature: f64,
+    /// Draw among this many most likely tokens (0: all).
+    pub top_k: usize,
+}
+
+/// The next token from `logits` under `s`, drawing from `rng`.
+pub fn pick(logits: &[f32], s: Sampling, rng: &mut impl Rng) -> u32 {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    // Largest first; ties keep the lower token first.
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if s.temperature == 0.0 || s.top_k == 1 {
+        return order[0] as u32;
+    }
+    if s.top_k > 0 {
+        order.truncate(s.top_k);
+    }
+    let top = f64::from(logits[order[0]]);
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|&i| ((f64::from(logits[i]) - top) / s.temperature).exp())
+        .collect();
+    let mut u = rng.random::<f64>() * weights.iter().sum::<f64>();
+    for (&i, w) in order.iter().zip(&weights) {
+        if u < *w {
+            return i as u32;
+        }
+        u -= w;
+    }
+    order[order.len() - 1] as u32
+}
+
+/// A model and its parameters, read from a checkpoint.
+struct Loaded {
+    model: Gpt,
+    embedding: EmbeddingParams<Tensor>,
+    blocks: Vec<BlockParams<Tensor>>,
+    head: HeadParams<Tensor>,
+}
+
+fn load(dir: &Path) -> Result<Loaded> {
+    let ckpt = zckpt::Checkpoint::open(dir)?;
+    let m = &ckpt.manifest.model;
+    let model = Gpt::new(GptConfig {
+        vocab_size: m.vocab_size,
+        d_model: m.d_model,
+        n_layers: m.n_layers,
+        n_heads: m.n_heads,
+        seq_len: m.seq_len,
+    })?;
+    let mut named = HashMap::new();
+    let mut assembler = zckpt::Assembler::default();
+    for (g, entry) in ckpt.manifest.groups.iter().enumerate() {
+        let flat = ckpt.full_group(g, "params")?;
+        for (name, shape, values) in assembler.add(entry, &flat).map_err(anyhow::Error::msg)? {
+            named.insert(name, Tensor::from_vec(values, shape, &Device::Cpu)?);
+        }
+    }
+    assembler.finish().map_err(anyhow::Error::msg)?;
+    let groups = model.groups();
+    let params = |g: usize| -> Result<Vec<Tensor>> {
+        groups[g]
+            .params
+            .iter()
+            .map(|p| {
+                named
+                    .get(&p.name)
+                    .cloned()
+                    .with_context(|| format!("{}: no parameter {}", dir.display(), p.name))
+            })
+            .collect()
+    };
+    let l = m.n_layers;
+    Ok(Loaded {
+        embedding: EmbeddingParams::from_vec(params(0)?)?,
+        blocks: (1..=l)
+            .map(|b| Ok(BlockParams::from_vec(params(b)?)?))
+            .collect::<Result<_>>()?,
+        head: HeadParams::from_vec(params(l + 1)?)?,
+        model,
+    })
+}
+
+impl Loaded {
+    /// The logits of the token after `context` (at most `seq_len` tokens).
+    fn next_logits(&self, context: &[u32]) -> Result<Vec<f32>> {
+        let tokens = Tensor::from_slice(context, (1, context.len()), &Device::Cpu)?;
+        let mut x = self.model.embed(&self.embedding, &tokens)?;
+        for b in &self.blocks {
+            x = self.model.block(b, &x)?;
+        }
+        let logits = self
+            .model
+            .head_logits(&self.head, &self.embedding.wte, &x)?;
+        Ok(logits.get(context.len() - 1)?.to_vec1::<f32>()?)
+    }
+}
+
+/// `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K SEED` (arguments
+/// checked by zrun): writes the prompt and `TOKENS` drawn bytes to stdout.
+pub fn run(args: &[String]) -> Result<()> {
+    let [dir, prompt, tokens, temperature, top_k, seed] = args else {
+        bail!(
+            "usage: zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K SEED (zrun sample runs it)"
+        );
+    };
+    let n: usize = tokens.parse().context("TOKENS")?;
+    let sampling = Sampling {
+        temperature: temperature.parse().context("TEMPERATURE")?,
+        top_k: top_k.parse().context("TOP_K")?,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(seed.parse().context("SEED")?);
+    let loaded = load(Path::new(dir))?;
+    let seq_len = loaded.model.config().seq_len;
+    let mut out = std::io::stdout().lock();
+    out.write_all(prompt.as_bytes())?;
+    out.flush()?;
+    let mut context: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    for _ in 0..n {
+        let window = &context[context.len().saturating_sub(seq_len)..];
+        let next = pick(&loaded.next_logits(window)?, sampling, &mut rng);
+        out.write_all(&[next as u8])?;
+        out.flush()?;
+        context.push(next);
+    }
+    out.write_all(b"\n")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_the_largest_and_top_k_limits_the_draw() {
+        let logits = [0.5f32, 2.0, -1.0, 2.0, 1.5];
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let greedy = Sampling {
+            temperature: 0.0,
+            top_k: 0,
+        };
+        // Ties go to the lower token.
+        assert_eq!(pick(&logits, greedy, &mut rng), 1);
+        let top2 = Sampling {
+            temperature: 1.0,
+            top_k: 2,
+        };
+        let mut counts = [0usize; 5];
+        for _ in 0..2000 {
+            counts[pick(&logits, top2, &mut rng) as usize] += 1;
+        }
+        assert_eq!(counts[0] + counts[2] + counts[4], 0, "{counts:?}");
+        // Equal logits: about half each.
+        assert!((800..1200).contains(&counts[1]), "{counts:?}");
+    }
+
+    #[test]
+    fn draws_follow_the_softmax_at_the_temperature() {
+        let logits = [0.0f32, 1.0, 2.0];
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        for t in [0.5, 1.0, 2.0] {
+            let s = Sampling {
+                temperature: t,
+                top_k: 0,
+            };
+            let n = 20_000;
+            let mut counts = [0f64; 3];
+            for _ in 0..n {
+                counts[pick(&logits, s, &mut rng) as usize] += 1.0;
+            }
+            let z: f64 = logits.iter().map(|&l| (f64::from(l) / t).exp()).sum();
+            for (i, c) in counts.iter().enumerate() {
+                let p = (f64::from(logits[i]) / t).exp() / z;
+                // Four standard deviations of a binomial count.
+                let sd = (n as f64 * p * (1.0 - p)).sqrt();
+                assert!(
+                    (c - n as f64 * p).abs() < 4.0 * sd + 1.0,
+                    "T {t}: token {i} drawn {c} times, expected {:.0}",
+                    n as f64 * p
+                );
+            }
+        }
+    }
+}
