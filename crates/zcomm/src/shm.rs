@@ -317,3 +317,44 @@ impl Read for ShmReader {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The segment is exactly as long as its layout: the last direct slot
+    /// ends where the mapping ends, the flag words end where the slots begin,
+    /// and the rings end where the flags begin (a shorter segment would put
+    /// the last slot past the end of the file).
+    #[test]
+    fn the_layout_fills_the_segment_exactly() {
+        for local in [1, 2, 3] {
+            let name = format!("zcomm-layout-{}-{local}", std::process::id());
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let segs: Vec<Arc<Segment>> = (0..local)
+                .map(|r| {
+                    let name = name.clone();
+                    std::thread::spawn(move || Segment::open(&name, local, r, deadline).unwrap())
+                })
+                .collect::<Vec<_>>()
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect();
+            let _ = std::fs::remove_file(zproto::shm_segment_path(&name));
+            let seg = &segs[0];
+            let base = seg.map.as_ptr() as usize;
+            let at = |p: usize| p - base;
+            assert_eq!(
+                at(seg.slot(1, local - 1) as usize) + SLOT_BYTES,
+                seg.map.len(),
+                "{local} ranks"
+            );
+            let last_flag = seg.flag(local - 1, DIRECT_META / 8 - 1) as *const AtomicU64;
+            assert_eq!(at(last_flag as usize) + 8, at(seg.slot(0, 0) as usize));
+            assert_eq!(
+                seg.ring_offset(local - 1, local - 1) + RING_META + RING_BYTES,
+                at(seg.flag(0, 0) as *const AtomicU64 as usize)
+            );
+        }
+    }
+}
