@@ -18,11 +18,8 @@ pub type WholeParam = (String, Vec<usize>, Vec<f32>);
 
 /// The whole shape of the parameter `p` is (a piece of).
 pub fn whole_shape(p: &ParamEntry) -> Vec<usize> {
-    let mut shape = p.shape.clone();
-    if let (Some(t), Some(last)) = (p.tile, shape.last_mut()) {
-        *last = t.of;
-    }
-    shape
+    p.tile
+        .map_or_else(|| p.shape.clone(), |t| t.whole_shape(&p.shape))
 }
 
 fn columns(p: &ParamEntry) -> usize {

@@ -24,6 +24,16 @@ pub struct ColumnTile {
 }
 
 impl ColumnTile {
+    /// The whole parameter's shape, from a tile's `shape` (its last
+    /// dimension widened to `of`).
+    pub fn whole_shape(&self, shape: &[usize]) -> Vec<usize> {
+        let mut whole = shape.to_vec();
+        if let Some(last) = whole.last_mut() {
+            *last = self.of;
+        }
+        whole
+    }
+
     /// The tile's values out of the whole parameter's `whole` (row-major,
     /// rows of `of` columns), `width` columns a row.
     pub fn cut(&self, whole: &[f32], width: usize) -> Vec<f32> {

@@ -134,17 +134,11 @@ impl Engine {
         }
         let stage = spec.zero.stage;
         let m = &spec.model;
-        let model = Gpt::new(GptConfig {
-            vocab_size: m.vocab_size,
-            d_model: m.d_model,
-            n_layers: m.n_layers,
-            n_heads: m.n_heads,
-            seq_len: m.seq_len,
-        })?
-        .with_tile_size(m.tile_size.map(|n| n.0 as usize))
-        .map_err(|e| EngineError::Tiling {
-            problem: e.to_string(),
-        })?;
+        let model = Gpt::new(GptConfig::of(m))?
+            .with_tile_size(m.tile_size.map(|n| n.0 as usize))
+            .map_err(|e| EngineError::Tiling {
+                problem: e.to_string(),
+            })?;
         let (world, rank) = (comm.world_size(), comm.rank());
         let threshold = spec.zero.param_persistence_threshold.0 as usize;
         let half = Half::of(spec.train.dtype);

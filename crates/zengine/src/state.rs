@@ -232,10 +232,9 @@ impl Engine {
                         .ok_or_else(|| EngineError::InitWeights {
                             problem: format!("no tensor `{}`", slot.name),
                         })?;
-                let mut want = slot.shape.clone();
-                if let (Some(t), Some(last)) = (slot.tile, want.last_mut()) {
-                    *last = t.of;
-                }
+                let want = slot
+                    .tile
+                    .map_or_else(|| slot.shape.clone(), |t| t.whole_shape(&slot.shape));
                 if shape != &want {
                     return Err(EngineError::InitWeights {
                         problem: format!(

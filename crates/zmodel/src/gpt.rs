@@ -40,6 +40,19 @@ pub struct GptConfig {
     pub seq_len: usize,
 }
 
+impl GptConfig {
+    /// The shape a job's `model:` section describes.
+    pub fn of(m: &zconfig::spec::ModelSpec) -> GptConfig {
+        GptConfig {
+            vocab_size: m.vocab_size,
+            d_model: m.d_model,
+            n_layers: m.n_layers,
+            n_heads: m.n_heads,
+            seq_len: m.seq_len,
+        }
+    }
+}
+
 /// How a parameter starts.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Init {

@@ -66,13 +66,7 @@ struct Loaded {
 fn load(dir: &Path) -> Result<Loaded> {
     let ckpt = zckpt::Checkpoint::open(dir)?;
     let m = &ckpt.manifest.model;
-    let model = Gpt::new(GptConfig {
-        vocab_size: m.vocab_size,
-        d_model: m.d_model,
-        n_layers: m.n_layers,
-        n_heads: m.n_heads,
-        seq_len: m.seq_len,
-    })?;
+    let model = Gpt::new(GptConfig::of(m))?;
     let mut named = HashMap::new();
     let mut assembler = zckpt::Assembler::default();
     for (g, entry) in ckpt.manifest.groups.iter().enumerate() {
