@@ -639,7 +639,11 @@ fn a_flood_of_idle_connections_cannot_block_rendezvous() {
     let f = z.wait(Duration::from_secs(90));
     assert_eq!(f.code(), 0, "{f:?}");
     assert_eq!(losses(&metrics(&m)).len(), 40);
-    assert_eq!(flood.join().unwrap(), 150);
+    // zrun accepts at most world + 64 connections at once: the flood held more
+    // (150 when the job outlasts it; under a loaded machine the job can end
+    // first, and its port with it: 127 was seen).
+    let held = flood.join().unwrap();
+    assert!(held > 2 + 64, "the flood held only {held} connections");
 }
 
 /// `.zrun_env` in the working directory reaches every worker: here it sets the
