@@ -316,7 +316,7 @@ fn bad_input_exits_2_with_a_located_message() {
                 "--set".into(),
                 "train.eval_every=5".into(),
             ],
-            "train.eval_every: needs validation data: set data.val_fraction",
+            "train.eval_every: needs validation data: set data.val_path or data.val_fraction",
         ),
         (
             vec![
@@ -416,7 +416,7 @@ fn bad_input_exits_2_with_a_located_message() {
                     &format!("{{path: {big_token}, format: tokens_u16}}"),
                 ),
             )],
-            "holds token id 64, which needs vocab_size of at least 65, got 64",
+            "holds token id 64 at token offset 64 (byte 128), which needs vocab_size of at least 65, got 64",
         ),
         (
             vec![write(

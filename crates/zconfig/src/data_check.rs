@@ -1,17 +1,20 @@
 //! The checks of a job's data before launch: the files exist and are whole,
-//! there are enough tokens for a sequence per worker, and every token id fits
-//! the model's vocabulary (else a worker would fail after launch).
+//! there are enough tokens for a sequence per worker (and for one validation
+//! sequence), and every token id fits the model's vocabulary (else a worker
+//! would fail after launch).
 
 use std::path::{Path, PathBuf};
 
 use crate::error::ConfigError;
 use crate::load::LoadedJob;
+use crate::manifest::DataManifest;
 use crate::spec::DataFormat;
 
 impl LoadedJob {
     pub(crate) fn validate_data(&self, world_size: usize) -> Result<(), ConfigError> {
         let s = &self.spec;
-        if s.data.format == DataFormat::Text && s.model.vocab_size < 256 {
+        let d = &s.data;
+        if d.format == DataFormat::Text && s.model.vocab_size < 256 {
             return Err(self.invalid(
                 "model.vocab_size",
                 format!(
@@ -20,77 +23,157 @@ impl LoadedJob {
                 ),
             ));
         }
-        let bytes_per_token = match s.data.format {
-            DataFormat::Synthetic => return Ok(()),
-            DataFormat::Text => 1,
-            DataFormat::TokensU16 => 2,
-        };
-        let files =
-            data_files(&s.data.path, s.data.format).map_err(|m| self.invalid("data.path", m))?;
-        let mut tokens = 0u64;
-        for f in &files {
-            let len = std::fs::metadata(f)
-                .map_err(|e| self.invalid("data.path", format!("{}: {e}", f.display())))?
-                .len();
-            if len == 0 {
-                return Err(self.invalid("data.path", format!("{} is empty", f.display())));
-            }
-            if len % bytes_per_token != 0 {
+        if d.val_path.is_some() && d.val_fraction > 0.0 {
+            return Err(self.invalid(
+                "data.val_path",
+                "give validation data as data.val_path or as data.val_fraction, not both",
+            ));
+        }
+        let Some(width) = d.format.bytes_per_token() else {
+            if d.val_path.is_some() {
                 return Err(self.invalid(
-                    "data.path",
-                    format!(
-                        "{} has {len} bytes, not a whole number of u16 tokens",
-                        f.display()
-                    ),
+                    "data.val_path",
+                    "synthetic data has no files: hold out data.val_fraction instead",
                 ));
             }
-            tokens += len / bytes_per_token;
-            if s.data.format == DataFormat::TokensU16 {
-                self.check_token_ids(f)?;
-            }
-        }
-        let held_out = (tokens as f64 * s.data.val_fraction) as u64;
+            return Ok(());
+        };
+        let tokens = self.check_files("data.path", &d.path, width as u64)?;
         let seq = s.model.seq_len as u64 + 1;
-        if s.data.val_fraction > 0.0 && held_out < seq {
+        let (train, val, val_key) = match &d.val_path {
+            Some(_) => (
+                tokens,
+                self.check_files("data.val_path", &d.val_path, width as u64)?,
+                "data.val_path",
+            ),
+            None => {
+                let held_out = (tokens as f64 * d.val_fraction) as u64;
+                (tokens - held_out, held_out, "data.val_fraction")
+            }
+        };
+        let validating = d.val_path.is_some() || d.val_fraction > 0.0;
+        if validating && val < seq {
             return Err(self.invalid(
-                "data.val_fraction",
+                val_key,
                 format!(
-                    "{} of the data's {tokens} tokens is {held_out}, less than one sequence of seq_len + 1 = {seq}",
-                    s.data.val_fraction
+                    "the validation data has {val} tokens, less than one sequence of seq_len + 1 = {seq}"
                 ),
             ));
         }
-        let tokens = tokens - held_out;
         let need = seq * world_size.max(1) as u64;
-        if tokens < need {
+        if train < need {
             return Err(self.invalid(
                 "model.seq_len",
                 format!(
-                    "the data has {tokens} tokens, fewer than one sequence of seq_len + 1 = {} per worker for {world_size} workers",
+                    "the data has {train} tokens, fewer than one sequence of seq_len + 1 = {} per worker for {world_size} workers",
                     s.model.seq_len + 1
                 ),
             ));
         }
         Ok(())
     }
-    /// Every token id of a u16 token file must be below `model.vocab_size`
-    /// (else the embedding lookup fails inside a worker, after launch).
-    fn check_token_ids(&self, f: &Path) -> Result<(), ConfigError> {
+
+    /// The files under `key` are there, whole, and hold only ids below
+    /// `model.vocab_size`; returns their tokens.
+    fn check_files(
+        &self,
+        key: &str,
+        path: &Option<String>,
+        width: u64,
+    ) -> Result<u64, ConfigError> {
+        let format = self.spec.data.format;
+        let files = data_files(path, format).map_err(|m| self.invalid(key, m))?;
+        let mut tokens = 0u64;
+        for f in &files {
+            let len = std::fs::metadata(f)
+                .map_err(|e| self.invalid(key, format!("{}: {e}", f.display())))?
+                .len();
+            if len == 0 {
+                return Err(self.invalid(key, format!("{} is empty", f.display())));
+            }
+            if len % width != 0 {
+                return Err(self.invalid(
+                    key,
+                    format!(
+                        "{} has {len} bytes, not a whole number of {width}-byte tokens",
+                        f.display()
+                    ),
+                ));
+            }
+            tokens += len / width;
+            if format != DataFormat::Text {
+                self.check_token_ids(key, f, len, width as usize)?;
+            }
+        }
+        Ok(tokens)
+    }
+
+    /// Every token id of a token file must be below `model.vocab_size` (else
+    /// the embedding lookup fails inside a worker, after launch). A manifest
+    /// from `zrun prepare` beside the file answers for it when it describes a
+    /// file of this length; otherwise the file is scanned.
+    fn check_token_ids(
+        &self,
+        key: &str,
+        f: &Path,
+        len: u64,
+        width: usize,
+    ) -> Result<(), ConfigError> {
         let vocab = self.spec.model.vocab_size;
-        let bytes = std::fs::read(f)
-            .map_err(|e| self.invalid("data.path", format!("{}: {e}", f.display())))?;
-        let max = bytes
-            .chunks_exact(2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]))
-            .max()
-            .unwrap_or(0);
-        if usize::from(max) >= vocab {
+        let manifest = DataManifest::beside(f).map_err(|m| self.invalid(key, m))?;
+        if let Some((at, m)) = &manifest {
+            if m.vocab_size > vocab {
+                return Err(self.invalid(
+                    "model.vocab_size",
+                    format!(
+                        "{vocab} is smaller than the vocabulary of the tokenizer that made {} ({}, per {})",
+                        f.display(),
+                        m.vocab_size,
+                        at.display()
+                    ),
+                ));
+            }
+            if m.format != self.spec.data.format {
+                return Err(self.invalid(
+                    "data.format",
+                    format!(
+                        "{} holds {:?} tokens (per {}), not {:?}",
+                        f.display(),
+                        m.format,
+                        at.display(),
+                        self.spec.data.format
+                    ),
+                ));
+            }
+            let name = f.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            if let Some(entry) = m.files.get(name).filter(|e| e.bytes == len) {
+                if (entry.max_token_id as usize) < vocab {
+                    return Ok(());
+                }
+            }
+        }
+        let file = std::fs::File::open(f)
+            .map_err(|e| self.invalid(key, format!("{}: {e}", f.display())))?;
+        // SAFETY: read-only, and only for the length of this check.
+        let map = unsafe { memmap2::Mmap::map(&file) }
+            .map_err(|e| self.invalid(key, format!("{}: {e}", f.display())))?;
+        let id = |c: &[u8]| match width {
+            2 => u32::from(u16::from_le_bytes([c[0], c[1]])),
+            _ => u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+        };
+        if let Some((i, t)) = map
+            .chunks_exact(width)
+            .map(id)
+            .enumerate()
+            .find(|(_, t)| *t as usize >= vocab)
+        {
             return Err(self.invalid(
                 "model.vocab_size",
                 format!(
-                    "{} holds token id {max}, which needs vocab_size of at least {}, got {vocab}",
+                    "{} holds token id {t} at token offset {i} (byte {}), which needs vocab_size of at least {}, got {vocab}",
                     f.display(),
-                    usize::from(max) + 1
+                    i * width,
+                    t as u64 + 1
                 ),
             ));
         }

@@ -5,6 +5,9 @@
 //! - [`load`]: reading a spec file, applying `--set` overrides, resolving `${name}`,
 //!   and the semantic checks that must pass before anything launches.
 //! - `data_check`: the data checks before launch (files, token count, ids).
+//! - [`deepspeed`]: a DeepSpeed config's keys mapped onto the job's
+//!   (`--deepspeed ds_config.json`), with `"auto"` resolved as Hugging Face does.
+//! - [`manifest`]: the manifest `zrun prepare` writes beside token files.
 //! - [`hostfile`]: DeepSpeed's hostfile format, `--include` / `--exclude`, and the
 //!   resolved [`Topology`] (nodes, slots, ranks).
 //! - [`estimate`]: ZeRO's memory formulas, offload rows, activation estimates
@@ -24,10 +27,12 @@
 #![deny(missing_docs)]
 
 mod data_check;
+pub mod deepspeed;
 pub mod error;
 pub mod estimate;
 pub mod hostfile;
 pub mod load;
+pub mod manifest;
 mod offload_check;
 pub mod spec;
 pub mod tiles;
@@ -35,5 +40,5 @@ pub mod tiles;
 pub use data_check::data_files;
 pub use error::ConfigError;
 pub use hostfile::{HostEntry, Hostfile, Node, Placement, SlotFilter, Topology, TopologyOptions};
-pub use load::{load_job, LoadedJob};
+pub use load::{load_job, load_job_with, LoadedJob};
 pub use spec::{DataFormat, Dtype, JobSpec, LossScaleSpec, Schedule, ZeroStage};

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, ConfigError};
 use crate::hostfile::Topology;
 use crate::spec::{Backend, Device, JobSpec, ZeroStage};
@@ -22,10 +23,22 @@ pub struct LoadedJob {
     pub path: PathBuf,
     text: String,
     overridden: Vec<String>,
+    deepspeed: Option<DeepSpeedConfig>,
 }
 
 /// Reads `path`, applies `overrides` (`KEY=VALUE`, dotted keys) and expands `${name}`.
 pub fn load_job(path: &Path, overrides: &[String]) -> Result<LoadedJob, ConfigError> {
+    load_job_with(path, overrides, None)
+}
+
+/// [`load_job`] with a DeepSpeed config (`--deepspeed`), which takes the place
+/// of the job's `deepspeed:` key. The ds_config's keys apply before the
+/// overrides, so that `--set` has the last word.
+pub fn load_job_with(
+    path: &Path,
+    overrides: &[String],
+    deepspeed: Option<&Path>,
+) -> Result<LoadedJob, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Io {
         path: path.to_path_buf(),
         cause,
@@ -39,46 +52,27 @@ pub fn load_job(path: &Path, overrides: &[String]) -> Result<LoadedJob, ConfigEr
         });
     }
     // First parse: straight to the typed spec, for located syntax and type errors.
-    let typed: Result<JobSpec, _> = serde_saphyr::from_str(&text);
-    if let Err(e) = typed {
-        return Err(syntax_error(path, &text, &e));
-    }
-    // Second parse: through a JSON value so that overrides apply by dotted path.
-    let mut value: Value =
+    let typed: JobSpec =
         serde_saphyr::from_str(&text).map_err(|e| syntax_error(path, &text, &e))?;
+    // Then as a JSON value with every default filled in, so that overrides
+    // apply by dotted path and a ds_config's "auto" finds the job's values.
+    let mut value: Value = serde_json::to_value(&typed).expect("a spec serializes");
     let mut overridden = Vec::new();
-    for assignment in overrides {
-        let (key, raw) = assignment
-            .split_once('=')
-            .ok_or_else(|| ConfigError::Override {
-                assignment: assignment.clone(),
-                message: "expected KEY=VALUE, e.g. --set zero.stage=0".into(),
-            })?;
-        let key = key.trim();
-        if key.is_empty() || key.split('.').any(str::is_empty) {
-            return Err(ConfigError::Override {
-                assignment: assignment.clone(),
-                message: format!("`{key}` is not a dotted key path"),
-            });
-        }
-        let parsed: Value = if raw.trim().is_empty() {
-            Value::Null
-        } else {
-            serde_saphyr::from_str(raw).map_err(|e| ConfigError::Override {
-                assignment: assignment.clone(),
-                message: format!("value does not parse: {}", e.without_snippet()),
-            })?
-        };
-        set_path(&mut value, key, parsed).map_err(|message| ConfigError::Override {
-            assignment: assignment.clone(),
-            message,
-        })?;
-        // Check each override as it lands, so the error names the culprit.
-        serde_json::from_value::<JobSpec>(value.clone()).map_err(|e| ConfigError::Override {
-            assignment: assignment.clone(),
-            message: improve_serde_message(&e.to_string()),
-        })?;
-        overridden.push(key.to_string());
+    if let Some(ds) = deepspeed {
+        value["deepspeed"] = Value::String(ds.display().to_string());
+        overridden.push("deepspeed".to_string());
+    }
+    // `--set deepspeed=…` first: the ds_config applies before other overrides.
+    let (first, rest): (Vec<&String>, Vec<&String>) = overrides.iter().partition(|a| {
+        a.split_once('=')
+            .is_some_and(|(k, _)| k.trim() == "deepspeed")
+    });
+    for assignment in first {
+        apply_override(&mut value, assignment, &mut overridden)?;
+    }
+    let deepspeed = import_deepspeed(&mut value, path, &text)?;
+    for assignment in rest {
+        apply_override(&mut value, assignment, &mut overridden)?;
     }
     let mut spec: JobSpec = serde_json::from_value(value).map_err(|e| ConfigError::Invalid {
         location: path.display().to_string(),
@@ -91,7 +85,139 @@ pub fn load_job(path: &Path, overrides: &[String]) -> Result<LoadedJob, ConfigEr
         path: path.to_path_buf(),
         text,
         overridden,
+        deepspeed,
     })
+}
+
+/// Applies one `KEY=VALUE` override and checks the spec it leaves.
+fn apply_override(
+    value: &mut Value,
+    assignment: &str,
+    overridden: &mut Vec<String>,
+) -> Result<(), ConfigError> {
+    let (key, raw) = assignment
+        .split_once('=')
+        .ok_or_else(|| ConfigError::Override {
+            assignment: assignment.to_string(),
+            message: "expected KEY=VALUE, e.g. --set zero.stage=0".into(),
+        })?;
+    let key = key.trim();
+    if key.is_empty() || key.split('.').any(str::is_empty) {
+        return Err(ConfigError::Override {
+            assignment: assignment.to_string(),
+            message: format!("`{key}` is not a dotted key path"),
+        });
+    }
+    // The spec value holds each key once, under its own name: DeepSpeed's
+    // spellings set zrun's (and both count as overridden, for `locate`).
+    let key = match ALIASES.iter().find(|(alias, _)| *alias == key) {
+        Some((alias, own)) => {
+            overridden.push(alias.to_string());
+            *own
+        }
+        None => key,
+    };
+    let parsed: Value = if raw.trim().is_empty() {
+        Value::Null
+    } else {
+        serde_saphyr::from_str(raw).map_err(|e| ConfigError::Override {
+            assignment: assignment.to_string(),
+            message: format!("value does not parse: {}", e.without_snippet()),
+        })?
+    };
+    set_path(value, key, parsed).map_err(|message| ConfigError::Override {
+        assignment: assignment.to_string(),
+        message,
+    })?;
+    // Check each override as it lands, so the error names the culprit.
+    serde_json::from_value::<JobSpec>(value.clone()).map_err(|e| ConfigError::Override {
+        assignment: assignment.to_string(),
+        message: improve_serde_message(&e.to_string()),
+    })?;
+    overridden.push(key.to_string());
+    Ok(())
+}
+
+/// Keys the spec also accepts under DeepSpeed's names: (alias, own name).
+const ALIASES: [(&str, &str); 3] = [
+    ("zero.zero_quantized_weights", "zero.quantized_weights"),
+    ("zero.zero_hpz_partition_size", "zero.hpz_partition_size"),
+    ("zero.zero_quantized_gradients", "zero.quantized_gradients"),
+];
+
+/// Reads the ds_config that `value`'s `deepspeed` key names, if any, and sets
+/// the job's keys from it. A key the job file writes too must agree, unless
+/// the ds_config only implies it (see [`crate::deepspeed`]).
+fn import_deepspeed(
+    value: &mut Value,
+    job_path: &Path,
+    text: &str,
+) -> Result<Option<DeepSpeedConfig>, ConfigError> {
+    let Some(ds_path) = value.get("deepspeed").and_then(Value::as_str) else {
+        return Ok(None);
+    };
+    let d_model = value["model"]["d_model"].as_u64().unwrap_or(0) as usize;
+    let ds = crate::deepspeed::read(Path::new(ds_path), d_model)?;
+    for m in &ds.mapped {
+        let new = match &m.value {
+            MappedValue::Set(v) => v.clone(),
+            MappedValue::Job => continue,
+            MappedValue::TimesLr(r) => Value::from(
+                get_path(value, "train.lr")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(0.0)
+                    * r,
+            ),
+        };
+        if let Some((line, col)) = find_key(text, m.key) {
+            let current = get_path(value, m.key).cloned().unwrap_or(Value::Null);
+            match m.origin {
+                Origin::Default | Origin::Auto => continue,
+                Origin::Written if !same_value(&current, &new) => {
+                    return Err(ConfigError::Invalid {
+                        location: ds.location(m.at),
+                        key: m.source.clone(),
+                        message: format!(
+                            "sets {} to {new}, but {}:{line}:{col} sets it to {current}: remove one of the two",
+                            m.key,
+                            job_path.display()
+                        ),
+                    });
+                }
+                Origin::Written => {}
+            }
+        }
+        set_path(value, m.key, new).map_err(|message| ConfigError::Invalid {
+            location: ds.location(m.at),
+            key: m.source.clone(),
+            message,
+        })?;
+    }
+    // The values were checked one by one; this catches what only the whole
+    // spec can say.
+    serde_json::from_value::<JobSpec>(value.clone()).map_err(|e| ConfigError::Invalid {
+        location: ds.path.display().to_string(),
+        key: "(deepspeed)".into(),
+        message: improve_serde_message(&e.to_string()),
+    })?;
+    Ok(Some(ds))
+}
+
+fn get_path<'v>(root: &'v Value, key: &str) -> Option<&'v Value> {
+    key.split('.').try_fold(root, |v, k| v.get(k))
+}
+
+/// Equal as the spec reads them: numbers by value (`5e8` is 500000000).
+fn same_value(a: &Value, b: &Value) -> bool {
+    match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => x == y,
+        _ => match (a.as_array(), b.as_array()) {
+            (Some(x), Some(y)) => {
+                x.len() == y.len() && x.iter().zip(y).all(|(p, q)| same_value(p, q))
+            }
+            _ => a == b,
+        },
+    }
 }
 
 fn syntax_error(path: &Path, text: &str, e: &serde_saphyr::Error) -> ConfigError {
@@ -143,7 +269,8 @@ fn set_path(root: &mut Value, key: &str, new: Value) -> Result<(), String> {
 }
 
 impl LoadedJob {
-    /// `file:line:col` of a dotted key, or `--set` if an override set it, or the file.
+    /// `file:line:col` of a dotted key, or `--set` if an override set it, or
+    /// the ds_config's line that set it, or the file.
     pub fn locate(&self, key: &str) -> String {
         if self
             .overridden
@@ -152,10 +279,84 @@ impl LoadedJob {
         {
             return format!("--set {key}");
         }
-        match find_key(&self.text, key) {
+        let in_job = find_key(&self.text, key);
+        if let Some(m) = self.deepspeed.as_ref().and_then(|ds| {
+            ds.source_of(key)
+                .filter(|m| m.origin == Origin::Written || in_job.is_none())
+                .map(|m| (ds, m))
+        }) {
+            let (ds, m) = m;
+            return format!("{} ({})", ds.location(m.at), m.source);
+        }
+        match in_job {
             Some((line, col)) => format!("{}:{line}:{col}", self.path.display()),
             None => self.path.display().to_string(),
         }
+    }
+
+    /// The DeepSpeed config the job was read with, if any.
+    pub fn deepspeed(&self) -> Option<&DeepSpeedConfig> {
+        self.deepspeed.as_ref()
+    }
+
+    /// Whether the job file, an override or the ds_config (not "auto", not
+    /// an implied default) chose `key`'s value.
+    fn chosen(&self, key: &str) -> bool {
+        self.overridden.iter().any(|k| k == key)
+            || find_key(&self.text, key).is_some()
+            || self
+                .deepspeed
+                .as_ref()
+                .and_then(|ds| ds.source_of(key))
+                .is_some_and(|m| m.origin == Origin::Written)
+    }
+
+    /// DeepSpeed's batch arithmetic, once the world size is known: a
+    /// ds_config's `train_batch_size` must equal micro-batch × accumulation ×
+    /// world size, and fills in whichever of the two factors the job left
+    /// open (accumulation 1 when both are).
+    fn settle_batch(&mut self, world_size: usize) -> Result<(), ConfigError> {
+        let Some((total, at)) = self.deepspeed.as_ref().and_then(|ds| ds.train_batch_size) else {
+            return Ok(());
+        };
+        let ds = self.deepspeed.as_ref().expect("checked above");
+        let location = ds.location(at);
+        let fail = |message: String| ConfigError::Invalid {
+            location: location.clone(),
+            key: "train_batch_size".into(),
+            message,
+        };
+        let w = world_size as u64;
+        let t = &self.spec.train;
+        let (micro, accum) = (t.micro_batch_size as u64, t.grad_accum as u64);
+        let (micro_chosen, accum_chosen) = (
+            self.chosen("train.micro_batch_size"),
+            self.chosen("train.grad_accum"),
+        );
+        let divide = |what: &str, by: u64| -> Result<u64, ConfigError> {
+            if by > 0 && total.is_multiple_of(by) && total / by > 0 {
+                Ok(total / by)
+            } else {
+                Err(fail(format!(
+                    "{total} is not a whole number of {what} ({by} sequences each on {w} workers)"
+                )))
+            }
+        };
+        let (micro, accum) = match (micro_chosen, accum_chosen) {
+            (true, true) => (micro, accum),
+            (true, false) => (micro, divide("accumulation steps", micro * w)?),
+            (false, true) => (divide("micro-batches", accum * w)?, accum),
+            (false, false) => (divide("micro-batches", w)?, 1),
+        };
+        if micro * accum * w != total {
+            return Err(fail(format!(
+                "{total} ≠ micro-batch {micro} × gradient accumulation {accum} × {w} workers = {} (DeepSpeed checks the same)",
+                micro * accum * w
+            )));
+        }
+        self.spec.train.micro_batch_size = micro as usize;
+        self.spec.train.grad_accum = accum as usize;
+        Ok(())
     }
 
     pub(crate) fn invalid(&self, key: &str, message: impl Into<String>) -> ConfigError {
@@ -186,7 +387,7 @@ impl LoadedJob {
 
     /// [`Self::validate`] for the nodes of `topo`, plus what depends on their
     /// shapes: hpZ's secondary partitions must tile every node's workers.
-    pub fn validate_on(&self, topo: &Topology) -> Result<(), ConfigError> {
+    pub fn validate_on(&mut self, topo: &Topology) -> Result<(), ConfigError> {
         self.validate(topo.world_size())?;
         let p = self.spec.zero.hpz_partition_size;
         if p > 1 && topo.nodes.iter().any(|n| !n.slots.len().is_multiple_of(p)) {
@@ -206,8 +407,10 @@ impl LoadedJob {
         Ok(())
     }
 
-    /// Semantic checks for a job on `world_size` workers. Reads the data files' sizes.
-    pub fn validate(&self, world_size: usize) -> Result<(), ConfigError> {
+    /// Semantic checks for a job on `world_size` workers, after settling a
+    /// ds_config's `train_batch_size` for it. Reads the data files' sizes.
+    pub fn validate(&mut self, world_size: usize) -> Result<(), ConfigError> {
+        self.settle_batch(world_size)?;
         let s = &self.spec;
         let m = &s.model;
         if m.kind != "gpt" {
@@ -275,6 +478,15 @@ impl LoadedJob {
                 ),
             ));
         }
+        if !(t.warmup_start_lr.is_finite() && (0.0..=t.lr).contains(&t.warmup_start_lr)) {
+            return Err(self.invalid(
+                "train.warmup_start_lr",
+                format!(
+                    "must be between 0 and train.lr ({}), got {}",
+                    t.lr, t.warmup_start_lr
+                ),
+            ));
+        }
         if !(t.decay_fraction > 0.0 && t.decay_fraction <= 1.0) {
             return Err(self.invalid(
                 "train.decay_fraction",
@@ -301,10 +513,10 @@ impl LoadedJob {
                 format!("must be in [0, 1), got {}", s.data.val_fraction),
             ));
         }
-        if t.eval_every > 0 && s.data.val_fraction == 0.0 {
+        if t.eval_every > 0 && s.data.val_fraction == 0.0 && s.data.val_path.is_none() {
             return Err(self.invalid(
                 "train.eval_every",
-                "needs validation data: set data.val_fraction (the share held out)",
+                "needs validation data: set data.val_path or data.val_fraction (the share held out)",
             ));
         }
         if t.eval_steps == 0 {
@@ -537,7 +749,7 @@ mod tests {
     fn loads_defaults_and_expands_name() {
         let d = tempfile::tempdir().unwrap();
         let p = write(d.path(), "j.yaml", GOOD);
-        let job = load_job(&p, &[]).unwrap();
+        let mut job = load_job(&p, &[]).unwrap();
         assert_eq!(job.spec.run_dir, "runs/t");
         assert_eq!(job.spec.train.micro_batch_size, 8);
         assert_eq!(job.spec.zero.reduce_bucket_size.0, 50_000_000);
@@ -587,6 +799,9 @@ mod tests {
             }
         }
         assert_eq!(job.locate("train.steps"), "--set train.steps");
+        // DeepSpeed's spelling of a key sets zrun's, whatever the file wrote.
+        let job = load_job(&p, &["zero.zero_hpz_partition_size=2".into()]).unwrap();
+        assert_eq!(job.spec.zero.hpz_partition_size, 2);
         let e = load_job(&p, &["zero.stge=1".into()])
             .unwrap_err()
             .to_string();
@@ -632,7 +847,7 @@ mod tests {
             "  lr: 1.0e-3\n  min_lr: 1.0e-4\n  schedule: wsd\n  decay_fraction: 0.3\n  optimizer: {betas: [0.9, 0.95], eps: 1.0e-6}\n",
         );
         let p = write(d.path(), "o.yaml", &text);
-        let job = load_job(&p, &[]).unwrap();
+        let mut job = load_job(&p, &[]).unwrap();
         job.validate(1).unwrap();
         let t = &job.spec.train;
         assert_eq!((t.min_lr, t.decay_fraction), (1e-4, 0.3));

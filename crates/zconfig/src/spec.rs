@@ -45,6 +45,10 @@ pub struct JobSpec {
     /// Extra environment for every worker (numbers and booleans become strings).
     #[serde(default, deserialize_with = "env_map")]
     pub env: BTreeMap<String, String>,
+    /// A DeepSpeed config (JSON) whose keys set this job's (see
+    /// [`crate::deepspeed`]); relative to zrun's working directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deepspeed: Option<String>,
 }
 
 fn env_map<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BTreeMap<String, String>, D::Error> {
@@ -134,6 +138,10 @@ pub struct DataSpec {
     /// (0: none).
     #[serde(default)]
     pub val_fraction: f64,
+    /// Validation data of its own (a file or glob, in `format`), in place of
+    /// `val_fraction`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_path: Option<String>,
 }
 
 /// How data files are read.
@@ -143,10 +151,24 @@ pub enum DataFormat {
     /// Bytes as tokens (vocab 256).
     #[default]
     Text,
-    /// Little-endian u16 token ids.
+    /// Little-endian u16 token ids (nanoGPT's `.bin`).
     TokensU16,
+    /// Little-endian u32 token ids, for vocabularies above 65,536.
+    TokensU32,
     /// A seeded generated corpus; no files.
     Synthetic,
+}
+
+impl DataFormat {
+    /// Bytes each token takes in a file of this format (none for synthetic).
+    pub fn bytes_per_token(self) -> Option<usize> {
+        match self {
+            DataFormat::Text => Some(1),
+            DataFormat::TokensU16 => Some(2),
+            DataFormat::TokensU32 => Some(4),
+            DataFormat::Synthetic => None,
+        }
+    }
 }
 
 /// Optimisation settings.
@@ -161,8 +183,12 @@ pub struct TrainSpec {
     pub grad_accum: usize,
     /// Peak learning rate.
     pub lr: f64,
-    /// Linear warmup steps from 0 to `lr`.
+    /// Warmup steps from `warmup_start_lr` to `lr`.
     pub warmup_steps: u64,
+    /// The shape of the warmup ramp.
+    pub warmup_type: WarmupType,
+    /// The rate the warmup starts from.
+    pub warmup_start_lr: f64,
     /// Learning-rate schedule after warmup.
     pub schedule: Schedule,
     /// The floor that linear, cosine and wsd decay end at.
@@ -188,6 +214,9 @@ pub struct TrainSpec {
     pub eval_every: u64,
     /// Micro-batches each worker evaluates per validation.
     pub eval_steps: usize,
+    /// Steps between plain log lines (`--no-progress` or no terminal); 0:
+    /// every twentieth of the run.
+    pub log_every: u64,
 }
 
 /// f16's dynamic loss scaling, with DeepSpeed's key names and defaults.
@@ -223,6 +252,8 @@ impl Default for TrainSpec {
             grad_accum: 1,
             lr: 3.0e-4,
             warmup_steps: 20,
+            warmup_type: WarmupType::Linear,
+            warmup_start_lr: 0.0,
             schedule: Schedule::Cosine,
             min_lr: 0.0,
             decay_fraction: 0.2,
@@ -235,6 +266,7 @@ impl Default for TrainSpec {
             activation_checkpointing: false,
             eval_every: 0,
             eval_steps: 4,
+            log_every: 0,
         }
     }
 }
@@ -271,6 +303,17 @@ pub enum Schedule {
     /// Warmup-stable-decay: `lr` until the last `decay_fraction` of the
     /// steps, then linear decay to `min_lr`.
     Wsd,
+}
+
+/// The shape of the warmup ramp from `warmup_start_lr` to `lr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WarmupType {
+    /// Step s of W is at s/W of the way.
+    #[default]
+    Linear,
+    /// Step s of W is at ln(s)/ln(W) of the way (DeepSpeed's default ramp).
+    Log,
 }
 
 /// Compute dtype.

@@ -1,16 +1,18 @@
-//! Learning-rate schedules: linear warmup from 0, then constant, linear or
-//! cosine decay towards `min_lr` over the remaining steps, or warmup-stable-
-//! decay (the peak until the last `decay_fraction` of the steps, then linear
-//! decay to `min_lr`).
+//! Learning-rate schedules: a linear or logarithmic warmup from
+//! `warmup_start_lr` (0 unless set), then constant, linear or cosine decay
+//! towards `min_lr` over the remaining steps, or warmup-stable-decay (the peak
+//! until the last `decay_fraction` of the steps, then linear decay to
+//! `min_lr`). DeepSpeed's `WarmupLR`, `WarmupDecayLR` and `WarmupCosineLR`
+//! are these shapes (see zconfig's `deepspeed` import).
 
-use zconfig::spec::TrainSpec;
+use zconfig::spec::{TrainSpec, WarmupType};
 use zconfig::Schedule;
 
 /// The learning rate of 1-based optimizer `step` under `t`'s schedule.
 pub fn lr_at(step: u64, t: &TrainSpec) -> f64 {
     let (peak, warmup, total, floor) = (t.lr, t.warmup_steps, t.steps, t.min_lr);
     if step <= warmup && warmup > 0 {
-        return peak * step as f64 / warmup as f64;
+        return warmup_lr(step, t);
     }
     // Decay runs from `start` to the last step. Progress is 0 on the first
     // step after `start` and below 1 on the last, so every step has a rate
@@ -36,6 +38,21 @@ pub fn lr_at(step: u64, t: &TrainSpec) -> f64 {
     }
 }
 
+/// The rate of `step` (1..=warmup_steps) on the ramp to the peak.
+fn warmup_lr(step: u64, t: &TrainSpec) -> f64 {
+    let (start, peak, warmup) = (t.warmup_start_lr, t.lr, t.warmup_steps);
+    let way = match t.warmup_type {
+        // Written as before the start rate existed, so that runs from 0 keep
+        // their bits.
+        WarmupType::Linear if start == 0.0 => return peak * step as f64 / warmup as f64,
+        WarmupType::Linear => step as f64 / warmup as f64,
+        // ln(1) / ln(1) is no number: a one-step warmup is the peak.
+        WarmupType::Log if warmup == 1 => 1.0,
+        WarmupType::Log => (step as f64).ln() / (warmup as f64).ln(),
+    };
+    start + (peak - start) * way
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -48,6 +65,24 @@ mod tests {
             schedule,
             ..TrainSpec::default()
         }
+    }
+
+    /// DeepSpeed's ramps: log(s)/log(W) of the way from the start rate, or
+    /// linearly from it; both reach the peak on step W.
+    #[test]
+    fn warmups_ramp_from_the_start_rate() {
+        let mut t = spec(100, 1.0, 10, Schedule::Constant);
+        t.warmup_start_lr = 0.1;
+        assert!((lr_at(5, &t) - (0.1 + 0.9 * 0.5)).abs() < 1e-12);
+        assert_eq!(lr_at(10, &t), 1.0);
+        t.warmup_type = WarmupType::Log;
+        assert_eq!(lr_at(1, &t), 0.1);
+        let want = 0.1 + 0.9 * 5f64.ln() / 10f64.ln();
+        assert!((lr_at(5, &t) - want).abs() < 1e-12);
+        assert!((lr_at(10, &t) - 1.0).abs() < 1e-12);
+        assert!((2..=10).all(|s| lr_at(s, &t) > lr_at(s - 1, &t)));
+        t.warmup_steps = 1;
+        assert_eq!(lr_at(1, &t), 1.0);
     }
 
     #[test]

@@ -315,7 +315,7 @@ fn f16_overflow_at_the_minimum_scale_fails_the_step() {
     )
     .unwrap();
     let mut engine = Engine::new(&spec, comms(1).remove(0)).unwrap();
-    engine.forward_backward(&data.batch(0, 0)).unwrap();
+    engine.forward_backward(&data.batch(0, 0).unwrap()).unwrap();
     let e = engine
         .step()
         .expect_err("an overflow at the minimum scale must fail");
@@ -383,7 +383,7 @@ fn eval_loss_is_the_training_forward_without_a_trace() {
                     let seq = spec.model.seq_len;
                     let mut data = zmodel::Batcher::new(corpus, seq, 4, 1, world, rank, 7).unwrap();
                     let mut e = Engine::new(&spec, comm.clone()).unwrap();
-                    let batch = data.batch(0, 0);
+                    let batch = data.batch(0, 0).unwrap();
                     let eval = if evaluate {
                         e.eval_loss(std::slice::from_ref(&batch)).unwrap()
                     } else {

@@ -11,7 +11,9 @@
 //! exactly what 1 worker × 2 micro-batches × 8 sequences sees.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
+use memmap2::{Advice, Mmap};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -34,62 +36,106 @@ pub enum DataError {
     Invalid(String),
 }
 
-/// A token stream.
+/// A token stream, or a stretch of one (the held-out tail is a stretch of
+/// the same files). Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Corpus {
-    tokens: Vec<u16>,
+    source: Arc<Source>,
+    start: usize,
+    end: usize,
+    vocab: usize,
+}
+
+/// Where a corpus's tokens live.
+#[derive(Debug)]
+enum Source {
+    /// Generated tokens.
+    Memory(Vec<u32>),
+    /// Files, memory-mapped in order: a rank's pages are read from disk only
+    /// when its windows touch them, so no rank reads the corpus whole.
+    Files(Vec<TokenFile>),
+}
+
+/// One memory-mapped data file.
+#[derive(Debug)]
+struct TokenFile {
+    path: PathBuf,
+    map: Mmap,
+    /// 1 (text bytes), 2 (u16) or 4 (u32).
+    width: usize,
+    /// Index of its first token in the whole stream.
+    first: usize,
+    /// Its tokens.
+    len: usize,
+}
+
+impl TokenFile {
+    fn token(&self, i: usize) -> u32 {
+        let b = &self.map[i * self.width..(i + 1) * self.width];
+        match self.width {
+            1 => u32::from(b[0]),
+            2 => u32::from(u16::from_le_bytes([b[0], b[1]])),
+            _ => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        }
+    }
 }
 
 /// Tokens in the synthetic corpus.
 const SYNTHETIC_TOKENS: usize = 1 << 20;
 
 impl Corpus {
-    /// Loads the corpus a data spec describes; token ids are checked against `vocab`.
+    /// Maps the files a data spec's `path` (or `val_path`) names; token ids are
+    /// checked against `vocab` as they are read.
     pub fn load(
         path: &Option<String>,
         format: DataFormat,
         vocab: usize,
         seed: u64,
     ) -> Result<Corpus, DataError> {
-        if vocab > usize::from(u16::MAX) + 1 {
-            return Err(DataError::Invalid(format!(
-                "vocab_size {vocab} exceeds the u16 token range"
-            )));
-        }
-        if format == DataFormat::Synthetic {
+        let Some(width) = format.bytes_per_token() else {
             return Ok(Corpus::synthetic(vocab, seed));
-        }
-        let files = data_files(path, format).map_err(DataError::Invalid)?;
-        let mut tokens = Vec::new();
-        for f in files {
-            let bytes = std::fs::read(&f).map_err(|cause| DataError::Io {
-                path: f.clone(),
+        };
+        let mut files = Vec::new();
+        let mut first = 0;
+        for path in data_files(path, format).map_err(DataError::Invalid)? {
+            let io = |cause| DataError::Io {
+                path: path.clone(),
                 cause,
-            })?;
-            match format {
-                DataFormat::Text => tokens.extend(bytes.iter().map(|&b| u16::from(b))),
-                DataFormat::TokensU16 => {
-                    if bytes.len() % 2 != 0 {
-                        return Err(DataError::Invalid(format!(
-                            "{}: odd byte count",
-                            f.display()
-                        )));
-                    }
-                    for (i, c) in bytes.chunks_exact(2).enumerate() {
-                        let t = u16::from_le_bytes([c[0], c[1]]);
-                        if usize::from(t) >= vocab {
-                            return Err(DataError::Invalid(format!(
-                                "{}: token {t} at index {i} is not below vocab_size {vocab}",
-                                f.display()
-                            )));
-                        }
-                        tokens.push(t);
-                    }
-                }
-                DataFormat::Synthetic => unreachable!("handled above"),
+            };
+            let file = std::fs::File::open(&path).map_err(io)?;
+            let bytes = file.metadata().map_err(io)?.len() as usize;
+            if !bytes.is_multiple_of(width) {
+                return Err(DataError::Invalid(format!(
+                    "{}: {bytes} bytes are not a whole number of {width}-byte tokens",
+                    path.display()
+                )));
             }
+            if bytes == 0 {
+                continue;
+            }
+            // SAFETY: the map is read-only; zrun's data files are not written
+            // while a job reads them (a file truncated underneath would fault,
+            // as a read of it would fail).
+            let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+            // Windows are read in a shuffled order: read-ahead would fetch
+            // pages other ranks (or no one) read.
+            let _ = map.advise(Advice::Random);
+            let len = bytes / width;
+            files.push(TokenFile {
+                path,
+                map,
+                width,
+                first,
+                len,
+            });
+            first += len;
         }
-        Ok(Corpus { tokens })
+        Ok(Corpus {
+            source: Arc::new(Source::Files(files)),
+            start: 0,
+            end: first,
+            vocab,
+        })
     }
 
     /// A learnable stream: each token is followed by one of four seeded successors
@@ -97,43 +143,94 @@ impl Corpus {
     /// per token for a large vocabulary, against ln(vocab) for a fresh model).
     pub fn synthetic(vocab: usize, seed: u64) -> Corpus {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5EED_DA7A);
-        let successors: Vec<[u16; 4]> = (0..vocab)
-            .map(|_| std::array::from_fn(|_| rng.random_range(0..vocab) as u16))
+        let successors: Vec<[u32; 4]> = (0..vocab)
+            .map(|_| std::array::from_fn(|_| rng.random_range(0..vocab) as u32))
             .collect();
         let mut tokens = Vec::with_capacity(SYNTHETIC_TOKENS);
-        let mut cur = 0u16;
+        let mut cur = 0u32;
         for _ in 0..SYNTHETIC_TOKENS {
             tokens.push(cur);
             cur = if rng.random_bool(0.9) {
-                successors[usize::from(cur)][rng.random_range(0..4)]
+                successors[cur as usize][rng.random_range(0..4)]
             } else {
-                rng.random_range(0..vocab) as u16
+                rng.random_range(0..vocab) as u32
             };
         }
-        Corpus { tokens }
+        Corpus::from_tokens(tokens, vocab)
+    }
+
+    /// A corpus of these tokens.
+    pub fn from_tokens(tokens: Vec<u32>, vocab: usize) -> Corpus {
+        let end = tokens.len();
+        Corpus {
+            source: Arc::new(Source::Memory(tokens)),
+            start: 0,
+            end,
+            vocab,
+        }
     }
 
     /// Splits off the last `fraction` of the tokens (for validation): the
     /// training part, and the held-out part when `fraction` > 0.
-    pub fn split_tail(mut self, fraction: f64) -> (Corpus, Option<Corpus>) {
+    pub fn split_tail(self, fraction: f64) -> (Corpus, Option<Corpus>) {
         if fraction <= 0.0 {
             return (self, None);
         }
-        let held = (self.tokens.len() as f64 * fraction) as usize;
-        let tail = self
-            .tokens
-            .split_off(self.tokens.len() - held.min(self.tokens.len()));
-        (self, Some(Corpus { tokens: tail }))
+        let held = ((self.len() as f64 * fraction) as usize).min(self.len());
+        let cut = self.end - held;
+        let tail = Corpus {
+            start: cut,
+            ..self.clone()
+        };
+        (Corpus { end: cut, ..self }, Some(tail))
     }
 
     /// Number of tokens.
     pub fn len(&self) -> usize {
-        self.tokens.len()
+        self.end - self.start
     }
 
     /// Whether there are no tokens.
     pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
+        self.len() == 0
+    }
+
+    /// Appends tokens `at .. at + n` of this corpus to `out`, checking each
+    /// against the vocabulary.
+    pub fn read(&self, at: usize, n: usize, out: &mut Vec<u32>) -> Result<(), DataError> {
+        let (lo, hi) = (self.start + at, self.start + at + n);
+        assert!(
+            hi <= self.end,
+            "a read past the corpus: {hi} > {}",
+            self.end
+        );
+        match &*self.source {
+            Source::Memory(t) => out.extend_from_slice(&t[lo..hi]),
+            Source::Files(files) => {
+                // The file holding `lo`, then on through the next ones.
+                let mut f = files.partition_point(|f| f.first + f.len <= lo);
+                let mut i = lo;
+                while i < hi {
+                    let file = &files[f];
+                    let stop = hi.min(file.first + file.len);
+                    for k in i - file.first..stop - file.first {
+                        let t = file.token(k);
+                        if t as usize >= self.vocab {
+                            return Err(DataError::Invalid(format!(
+                                "{}: token {t} at token offset {k} (byte {}) is not below vocab_size {}",
+                                file.path.display(),
+                                k * file.width,
+                                self.vocab
+                            )));
+                        }
+                        out.push(t);
+                    }
+                    i = stop;
+                    f += 1;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -236,24 +333,27 @@ impl Batcher {
     }
 
     /// This rank's micro-batch `micro` of optimizer step `step` (both 0-based).
-    pub fn batch(&mut self, step: u64, micro: usize) -> Batch {
+    /// Fails on a token id outside the vocabulary (naming file and offset).
+    pub fn batch(&mut self, step: u64, micro: usize) -> Result<Batch, DataError> {
         let first = self.samples_consumed(step)
             + ((micro * self.world + self.rank) * self.micro_batch) as u64;
         let t = self.seq_len;
         let mut inputs = Vec::with_capacity(self.micro_batch * t);
         let mut targets = Vec::with_capacity(self.micro_batch * t);
+        let mut window = Vec::with_capacity(t + 1);
         for i in 0..self.micro_batch as u64 {
             let start = self.window_of(first + i) * t;
-            let w = &self.corpus.tokens[start..start + t + 1];
-            inputs.extend(w[..t].iter().map(|&x| u32::from(x)));
-            targets.extend(w[1..].iter().map(|&x| u32::from(x)));
+            window.clear();
+            self.corpus.read(start, t + 1, &mut window)?;
+            inputs.extend_from_slice(&window[..t]);
+            targets.extend_from_slice(&window[1..]);
         }
-        Batch {
+        Ok(Batch {
             inputs,
             targets,
             rows: self.micro_batch,
             seq_len: t,
-        }
+        })
     }
 }
 
@@ -262,9 +362,13 @@ mod tests {
     use super::*;
 
     fn counting(n: usize) -> Corpus {
-        Corpus {
-            tokens: (0..n).map(|i| i as u16).collect(),
-        }
+        Corpus::from_tokens((0..n as u32).collect(), n)
+    }
+
+    fn all(c: &Corpus) -> Vec<u32> {
+        let mut out = Vec::new();
+        c.read(0, c.len(), &mut out).unwrap();
+        out
     }
 
     #[test]
@@ -276,11 +380,14 @@ mod tests {
         let mut solo = one(2, 1, 0);
         let (mut r0, mut r1) = (one(1, 2, 0), one(1, 2, 1));
         for step in 0..5 {
-            assert_eq!(solo.batch(step, 0), r0.batch(step, 0));
-            assert_eq!(solo.batch(step, 1), r1.batch(step, 0));
-            assert_ne!(r0.batch(step, 0).inputs, r1.batch(step, 0).inputs);
+            assert_eq!(solo.batch(step, 0).unwrap(), r0.batch(step, 0).unwrap());
+            assert_eq!(solo.batch(step, 1).unwrap(), r1.batch(step, 0).unwrap());
+            assert_ne!(
+                r0.batch(step, 0).unwrap().inputs,
+                r1.batch(step, 0).unwrap().inputs
+            );
         }
-        let b = r0.batch(0, 0);
+        let b = r0.batch(0, 0).unwrap();
         assert_eq!(b.inputs.len(), 64);
         for row in 0..4 {
             // Targets are inputs shifted by one.
@@ -298,16 +405,16 @@ mod tests {
         one.resume_at(3, consumed);
         let mut r0 = Batcher::new(counting(10_000), 16, 4, 1, 2, 0, 9).unwrap();
         let mut r1 = Batcher::new(counting(10_000), 16, 4, 1, 2, 1, 9).unwrap();
-        let mut want = r0.batch(3, 0).inputs;
-        want.extend(r1.batch(3, 0).inputs);
-        assert_eq!(one.batch(3, 0).inputs, want);
+        let mut want = r0.batch(3, 0).unwrap().inputs;
+        want.extend(r1.batch(3, 0).unwrap().inputs);
+        assert_eq!(one.batch(3, 0).unwrap().inputs, want);
     }
 
     #[test]
     fn an_epoch_visits_every_window_once() {
         let mut b = Batcher::new(counting(1601), 16, 1, 1, 1, 0, 3).unwrap();
         assert_eq!(b.windows(), 100);
-        let mut seen: Vec<u32> = (0..100).map(|s| b.batch(s, 0).inputs[0]).collect();
+        let mut seen: Vec<u32> = (0..100).map(|s| b.batch(s, 0).unwrap().inputs[0]).collect();
         seen.sort();
         assert_eq!(seen, (0..100).map(|w| w * 16).collect::<Vec<_>>());
     }
@@ -328,22 +435,54 @@ mod tests {
                 .len(),
             2
         );
-        let e = Corpus::load(&pat, DataFormat::TokensU16, 100, 0)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("token 200 at index 1"), "{e}");
+        // An id outside the vocabulary fails the read that meets it, naming
+        // the file and the offset.
+        let small = Corpus::load(&pat, DataFormat::TokensU16, 100, 0).unwrap();
+        let mut out = Vec::new();
+        small.read(0, 1, &mut out).unwrap();
+        let e = small.read(0, 2, &mut out).unwrap_err().to_string();
+        assert!(
+            e.contains("t.bin: token 200 at token offset 1 (byte 2) is not below vocab_size 100"),
+            "{e}"
+        );
     }
 
     #[test]
     fn synthetic_corpus_is_seeded() {
+        let s = |seed| all(&Corpus::synthetic(50, seed));
+        assert_eq!(s(1), s(1));
+        assert_ne!(s(1), s(2));
+    }
+
+    /// Files are one stream: a read that crosses from one file into the
+    /// next, in u32 and u16 and text, returns the bytes' tokens in order.
+    #[test]
+    fn reads_cross_file_boundaries_in_every_width() {
+        let d = tempfile::tempdir().unwrap();
+        let ids: Vec<u32> = vec![3, 70_000, 5, 65_536, 9, 1];
+        let le = |v: &[u32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        std::fs::write(d.path().join("a.bin"), le(&ids[..2])).unwrap();
+        std::fs::write(d.path().join("b.bin"), le(&ids[2..3])).unwrap();
+        std::fs::write(d.path().join("c.bin"), le(&ids[3..])).unwrap();
+        let pat = Some(format!("{}/*.bin", d.path().display()));
+        let c = Corpus::load(&pat, DataFormat::TokensU32, 70_001, 0).unwrap();
+        assert_eq!(all(&c), ids);
+        let mut out = Vec::new();
+        c.read(1, 4, &mut out).unwrap();
+        assert_eq!(out, ids[1..5]);
+        let (train, val) = c.split_tail(0.5);
         assert_eq!(
-            Corpus::synthetic(50, 1).tokens,
-            Corpus::synthetic(50, 1).tokens
+            (all(&train), all(&val.unwrap())),
+            (ids[..3].to_vec(), ids[3..].to_vec())
         );
-        assert_ne!(
-            Corpus::synthetic(50, 1).tokens,
-            Corpus::synthetic(50, 2).tokens
-        );
+        std::fs::write(d.path().join("x.u16"), [1u8, 0, 2, 0]).unwrap();
+        std::fs::write(d.path().join("y.u16"), [3u8, 1]).unwrap();
+        let pat = Some(format!("{}/*.u16", d.path().display()));
+        let c = Corpus::load(&pat, DataFormat::TokensU16, 1000, 0).unwrap();
+        assert_eq!(all(&c), [1, 2, 259]);
+        let pat = Some(format!("{}/[xy].u16", d.path().display()));
+        let c = Corpus::load(&pat, DataFormat::Text, 256, 0).unwrap();
+        assert_eq!(all(&c), [1, 0, 2, 0, 3, 1]);
     }
 
     #[test]
@@ -351,7 +490,7 @@ mod tests {
         let (train, val) = counting(1000).split_tail(0.1);
         let val = val.unwrap();
         assert_eq!((train.len(), val.len()), (900, 100));
-        assert_eq!((train.tokens[899], val.tokens[0]), (899, 900));
+        assert_eq!((all(&train)[899], all(&val)[0]), (899, 900));
         let (all, none) = counting(10).split_tail(0.0);
         assert!(none.is_none() && all.len() == 10);
     }

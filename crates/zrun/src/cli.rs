@@ -28,6 +28,36 @@ pub enum Command {
     Export(ExportArgs),
     /// Generate text from a checkpoint (byte-level models).
     Sample(SampleArgs),
+    /// Tokenize text files or JSONL into token files for training.
+    Prepare(PrepareArgs),
+}
+
+/// `zrun prepare`.
+#[derive(Debug, Args)]
+pub struct PrepareArgs {
+    /// Text files or JSONL files (`.jsonl`, `.ndjson`), or glob patterns.
+    #[arg(value_name = "INPUT", required = true)]
+    pub inputs: Vec<String>,
+    /// A Hugging Face `tokenizer.json` (a local file; nothing is downloaded).
+    #[arg(long, value_name = "tokenizer.json")]
+    pub tokenizer: PathBuf,
+    /// Where `train.bin`, `val.bin` and `manifest.json` go.
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// The JSONL field that holds the text.
+    #[arg(long, default_value = "text")]
+    pub field: String,
+    /// The share of pieces (records, or 64 KiB stretches of text) that go to
+    /// `val.bin`, spread evenly.
+    #[arg(long, default_value_t = 0.01)]
+    pub val_fraction: f64,
+    /// The token put after each document (default: the tokenizer's
+    /// `<|endoftext|>`, `</s>`, `<|end_of_text|>` or `<eos>`); `none` for none.
+    #[arg(long, value_name = "TOKEN")]
+    pub eos: Option<String>,
+    /// Replace the output of an earlier `zrun prepare` in DIR.
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 /// `zrun sample`.
@@ -171,6 +201,10 @@ pub struct TrainArgs {
     /// Override a job-spec key: `--set zero.reduce_bucket_size=1e6` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// A DeepSpeed config whose keys set the job's (in place of the job's
+    /// `deepspeed:` key; `--set` still has the last word).
+    #[arg(long, value_name = "ds_config.json")]
+    pub deepspeed: Option<PathBuf>,
     /// Metrics JSONL path (default RUN_DIR/metrics.jsonl).
     #[arg(long, value_name = "FILE")]
     pub metrics: Option<PathBuf>,
@@ -207,6 +241,10 @@ pub struct CheckArgs {
     /// Override a job-spec key (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// A DeepSpeed config whose keys set the job's: printed beside the
+    /// resolved job, key by key.
+    #[arg(long, value_name = "ds_config.json")]
+    pub deepspeed: Option<PathBuf>,
 }
 
 /// `zrun bench`: `zrun bench JOB.yaml --sweep KEY=V1,V2`, `bench comm`, `bench kernels` or `bench io`.

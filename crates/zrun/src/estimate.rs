@@ -163,7 +163,7 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
     }
     let est = match (&args.job, &args.params) {
         (Some(job), None) => {
-            let job = load_job(job, &args.set)?;
+            let mut job = load_job(job, &args.set)?;
             job.validate(nodes * wpn)?;
             let mut est = job_estimate(&job.spec, nodes, wpn);
             if args.comm {

@@ -26,6 +26,8 @@
 //! - [`estimate`]: `zrun estimate`, and the memory warning before a launch.
 //! - [`swap_check`]: NVMe offload's checks before a launch (the swap path, free
 //!   space), and removing a finished job's swap files.
+//! - [`prepare`]: `zrun prepare`, text or JSONL to token files with a
+//!   Hugging Face tokenizer.
 //! - `zrun export` and `zrun sample` (below): a checkpoint consolidated, or
 //!   continued as text by `zworker sample` after zrun has checked the request.
 //!
@@ -60,6 +62,7 @@ pub mod estimate;
 pub mod launch;
 pub mod metrics;
 pub mod plan;
+pub mod prepare;
 pub mod progress;
 pub mod rundir;
 pub mod server;
@@ -219,5 +222,6 @@ pub fn run() -> anyhow::Result<ExitCode> {
         cli::Command::Estimate(args) => estimate::estimate(args),
         cli::Command::Export(args) => export(args),
         cli::Command::Sample(args) => sample(args),
+        cli::Command::Prepare(args) => prepare::prepare(args),
     }
 }

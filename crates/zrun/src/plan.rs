@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use zconfig::{load_job, JobSpec, Topology, TopologyOptions};
+use zconfig::deepspeed::{MappedValue, Origin};
+use zconfig::{load_job_with, JobSpec, LoadedJob, Topology, TopologyOptions};
 
 use crate::cli::{CheckArgs, LaunchArgs, Launcher};
 use crate::worker::SshOptions;
@@ -298,12 +299,14 @@ fn local_address(host: &str) -> Option<String> {
 
 /// `zrun check`: validate and print the resolved job and topology.
 pub fn check(args: CheckArgs) -> Result<ExitCode> {
-    let job = load_job(&args.job, &args.set)?;
+    let mut job = load_job_with(&args.job, &args.set, args.deepspeed.as_deref())?;
+    warn_deepspeed(&job);
     let topo = topology(&args.launch)?;
     job.validate_on(&topo)?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
     say!("# job {} ({}): valid", job.spec.name, args.job.display());
     say!("{}", serde_json::to_string_pretty(&plan.spec)?);
+    print_deepspeed_sources(&job, plan.topology.world_size())?;
     say!(
         "# topology: {} workers on {} node{}",
         plan.topology.world_size(),
@@ -331,6 +334,75 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
     }
     say!("# worker binary: {}", plan.worker_bin.display());
     Ok(ExitCode::SUCCESS)
+}
+
+/// Prints, once, the ds_config's keys that zrun ignores by design and what
+/// it superseded.
+pub fn warn_deepspeed(job: &LoadedJob) {
+    let Some(ds) = job.deepspeed() else {
+        return;
+    };
+    if let Some(w) = ds.ignored_warning() {
+        shout!("zrun: warning: {w}");
+    }
+    for note in &ds.notes {
+        shout!("zrun: {}: {note}", ds.path.display());
+    }
+}
+
+/// `zrun check --deepspeed`: every job key the ds_config set, its resolved
+/// value beside the ds_config key (and line) it came from.
+fn print_deepspeed_sources(job: &LoadedJob, world: usize) -> Result<()> {
+    let Some(ds) = job.deepspeed() else {
+        return Ok(());
+    };
+    let resolved = serde_json::to_value(&job.spec)?;
+    say!("# from {} (DeepSpeed):", ds.path.display());
+    let width = ds.mapped.iter().map(|m| m.key.len()).max().unwrap_or(0);
+    for m in &ds.mapped {
+        let now = m
+            .key
+            .split('.')
+            .try_fold(&resolved, |v, k| v.get(k))
+            .cloned()
+            .unwrap_or(serde_json::Value::Null);
+        let line = m.at.0;
+        let how = match (&m.value, m.origin) {
+            (MappedValue::Job, _) => {
+                format!("{} = \"auto\" (line {line}): the job's value", m.source)
+            }
+            (_, Origin::Default) => format!(
+                "{} omitted: DeepSpeed's default (section at line {line})",
+                m.source
+            ),
+            (MappedValue::TimesLr(r), _) => format!("{} = {r} (line {line}) × train.lr", m.source),
+            _ => format!("{} (line {line})", m.source),
+        };
+        let kept = match &m.value {
+            MappedValue::Set(v) if m.origin != Origin::Auto && !numbers_equal(v, &now) => {
+                " — not taken: the job file or --set gives its own value"
+            }
+            _ => "",
+        };
+        say!("#   {:width$} = {now}  ← {how}{kept}", m.key);
+    }
+    if let Some((total, at)) = ds.train_batch_size {
+        let t = &job.spec.train;
+        say!(
+            "#   train_batch_size {total} (line {}) = micro-batch {} × accumulation {} × {world} workers",
+            at.0,
+            t.micro_batch_size,
+            t.grad_accum
+        );
+    }
+    Ok(())
+}
+
+fn numbers_equal(a: &serde_json::Value, b: &serde_json::Value) -> bool {
+    match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => x == y,
+        _ => a == b,
+    }
 }
 
 #[cfg(test)]

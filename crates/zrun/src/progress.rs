@@ -1,5 +1,6 @@
 //! The progress display: an indicatif bar on a terminal, plain log lines
-//! (every twentieth step) otherwise, so that logs of batch jobs stay short.
+//! otherwise (every `train.log_every` steps, by default every twentieth of the
+//! run), so that logs of batch jobs stay short.
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -13,8 +14,9 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// For a run of `steps`; `plain` forces log lines.
-    pub fn new(steps: u64, plain: bool) -> Progress {
+    /// For a run of `steps`; `plain` forces log lines, one every `log_every`
+    /// steps (0: every twentieth of the run).
+    pub fn new(steps: u64, plain: bool, log_every: u64) -> Progress {
         let bar = (!plain).then(|| {
             let b = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stdout());
             b.set_style(
@@ -28,7 +30,11 @@ impl Progress {
         });
         Progress {
             bar,
-            every: (steps / 20).max(1),
+            every: if log_every > 0 {
+                log_every
+            } else {
+                (steps / 20).max(1)
+            },
             steps,
         }
     }

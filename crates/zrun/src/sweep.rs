@@ -146,7 +146,7 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
     // Check every configuration before running any.
     for c in &combos {
         let sets = sets_for(c, &args);
-        let loaded = zconfig::load_job(&job, &sets)?;
+        let mut loaded = zconfig::load_job(&job, &sets)?;
         loaded.validate_on(&crate::plan::topology(&args.launch)?)?;
     }
     std::fs::create_dir_all(&args.out)

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use zconfig::{load_job, Topology};
+use zconfig::{load_job_with, Topology};
 use zproto::{MemBytes, Task, TrainTask};
 
 use crate::cli::TrainArgs;
@@ -21,7 +21,8 @@ use crate::Failure;
 
 /// `zrun train`.
 pub fn train(args: TrainArgs) -> Result<ExitCode> {
-    let job = load_job(&args.job, &args.set)?;
+    let mut job = load_job_with(&args.job, &args.set, args.deepspeed.as_deref())?;
+    crate::plan::warn_deepspeed(&job);
     let topo = topology(&args.launch)?;
     job.validate_on(&topo)?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
@@ -83,7 +84,11 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         },
     };
     let writer = MetricsWriter::new(&metrics_path, start);
-    let progress = Progress::new(steps, args.no_progress || !std::io::stdout().is_terminal());
+    let progress = Progress::new(
+        steps,
+        args.no_progress || !std::io::stdout().is_terminal(),
+        plan.spec.train.log_every,
+    );
     progress.println(&format!(
         "zrun: job {}: {} workers on {} node(s), ZeRO stage {}, {} steps; metrics {}",
         plan.spec.name,
@@ -172,7 +177,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                 if args.restart_exclude_failed {
                     if let Some(rest) = culprit.and_then(|r| without_node_of(&plan.topology, r)) {
                         job.validate_on(&rest)?;
-                        plan = plan_launch(&args.launch, plan.spec.clone(), rest)?;
+                        plan = plan_launch(&args.launch, job.spec.clone(), rest)?;
                         world = plan.topology.world_size();
                     }
                 }

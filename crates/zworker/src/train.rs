@@ -26,13 +26,14 @@ pub fn train(
     client: &ControlClient,
 ) -> Result<()> {
     let t = &spec.train;
-    let (corpus, held_out) = Corpus::load(
-        &spec.data.path,
-        spec.data.format,
-        spec.model.vocab_size,
-        t.seed,
-    )?
-    .split_tail(spec.data.val_fraction);
+    let d = &spec.data;
+    let vocab = spec.model.vocab_size;
+    let (corpus, held_out) =
+        Corpus::load(&d.path, d.format, vocab, t.seed)?.split_tail(d.val_fraction);
+    let held_out = match &d.val_path {
+        Some(_) => Some(Corpus::load(&d.val_path, d.format, vocab, t.seed)?),
+        None => held_out,
+    };
     // Validation: the same `eval_steps` micro-batches of the held-out tail at
     // every evaluation, each rank its share.
     let val_batches = match held_out {
@@ -46,7 +47,11 @@ pub fn train(
                 env.rank,
                 t.seed,
             )?;
-            Some((0..t.eval_steps).map(|m| b.batch(0, m)).collect::<Vec<_>>())
+            Some(
+                (0..t.eval_steps)
+                    .map(|m| b.batch(0, m))
+                    .collect::<Result<Vec<_>, _>>()?,
+            )
         }
         None => None,
     };
@@ -82,7 +87,7 @@ pub fn train(
     for s in engine.steps_done()..t.steps {
         let started = Instant::now();
         for micro in 0..t.grad_accum {
-            engine.forward_backward(&data.batch(s, micro))?;
+            engine.forward_backward(&data.batch(s, micro)?)?;
         }
         let st = engine.step()?;
         if st.skipped {

@@ -252,7 +252,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                 };
                 for s in engine.steps_done()..until {
                     for a in 0..t.grad_accum {
-                        engine.forward_backward(&data.batch(s, a)).unwrap();
+                        engine.forward_backward(&data.batch(s, a).unwrap()).unwrap();
                     }
                     let st = engine.step().unwrap();
                     run.losses.push(st.loss);

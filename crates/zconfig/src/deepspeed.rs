@@ -1,0 +1,1152 @@
+//! DeepSpeed config import: `zrun train JOB --deepspeed ds_config.json`, or a
+//! `deepspeed:` key in the job, sets the job's keys from a DeepSpeed config.
+//!
+//! Every key of a ds_config is one of three kinds:
+//! - **mapped**: it sets a zrun key (docs/DEEPSPEED.md has the table);
+//! - **ignored by design**: it tunes something zrun does its own way or always
+//!   does (`contiguous_gradients`, `wall_clock_breakdown`); listed once in a
+//!   warning;
+//! - **refused**: a value whose meaning zrun cannot honour (a LAMB optimizer,
+//!   a static loss scale, CPU activation checkpointing), or a key zrun does not
+//!   know: exit 2 naming the JSON path and its line.
+//!
+//! `"auto"` resolves as Hugging Face's integration resolves it, with the job
+//! in the trainer's place: the job's value of the key it maps to (the batch
+//! sizes, learning rate, betas, warmup, steps, dtype, clipping), and for
+//! ZeRO's bucket sizes the hidden size's formulas (`d²`, `0.9·d²`, `10·d`).
+//! Where a key has no `"auto"` in that integration, `"auto"` is refused.
+//!
+//! Keys a ds_config omits keep the job's values, except where DeepSpeed's
+//! default changes the arithmetic: `gradient_clipping` (0: none), and the
+//! parameters of an `optimizer` or `scheduler` section it has (DeepSpeed's
+//! Adam: lr 1e-3, weight decay 0; its schedulers: 1000 warmup steps on a
+//! logarithmic ramp). Those implied defaults yield to a value the job file
+//! writes; a value both files write must agree (exit 2 naming both places).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+use crate::error::{did_you_mean, ConfigError};
+
+/// How a mapped key got its value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// Written in the ds_config.
+    Written,
+    /// `"auto"` in the ds_config.
+    Auto,
+    /// Omitted: DeepSpeed's default, which yields to the job file's value.
+    Default,
+}
+
+/// The value a mapped key takes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MappedValue {
+    /// This value.
+    Set(Value),
+    /// The job's own value (`"auto"`).
+    Job,
+    /// This share of the resolved `train.lr` (`WarmupCosineLR`'s ratios).
+    TimesLr(f64),
+}
+
+/// One zrun key set from the ds_config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mapped {
+    /// The zrun key (dotted).
+    pub key: &'static str,
+    /// Its value.
+    pub value: MappedValue,
+    /// The ds_config key it came from (dotted JSON path).
+    pub source: String,
+    /// 1-based line and column of `source` (of its section for a default).
+    pub at: (usize, usize),
+    /// Written, `"auto"` or implied.
+    pub origin: Origin,
+}
+
+/// A ds_config read and sorted into mapped, ignored and checked keys.
+#[derive(Debug, Clone)]
+pub struct DeepSpeedConfig {
+    /// The file.
+    pub path: PathBuf,
+    /// Keys that set the job's, in the order they apply.
+    pub mapped: Vec<Mapped>,
+    /// Keys ignored by design: (JSON path, line).
+    pub ignored: Vec<(String, usize)>,
+    /// Things to tell the user that are not errors (a superseded value).
+    pub notes: Vec<String>,
+    /// `train_batch_size` when written: checked against micro-batch ×
+    /// accumulation × world size once the world size is known.
+    pub train_batch_size: Option<(u64, (usize, usize))>,
+}
+
+impl DeepSpeedConfig {
+    /// `file:line:col` of a JSON path's key.
+    pub fn location(&self, at: (usize, usize)) -> String {
+        format!("{}:{}:{}", self.path.display(), at.0, at.1)
+    }
+
+    /// The mapping that sets `key`, if one does.
+    pub fn source_of(&self, key: &str) -> Option<&Mapped> {
+        self.mapped.iter().rev().find(|m| m.key == key)
+    }
+
+    /// The warning that lists the keys ignored by design, if any.
+    pub fn ignored_warning(&self) -> Option<String> {
+        if self.ignored.is_empty() {
+            return None;
+        }
+        let keys: Vec<String> = self
+            .ignored
+            .iter()
+            .map(|(k, line)| format!("{k} (line {line})"))
+            .collect();
+        Some(format!(
+            "{}: ignored by design (zrun does this its own way; see docs/DEEPSPEED.md): {}",
+            self.path.display(),
+            keys.join(", ")
+        ))
+    }
+}
+
+/// Reads the ds_config at `path`. `d_model` resolves the `"auto"` bucket sizes.
+pub fn read(path: &Path, d_model: usize) -> Result<DeepSpeedConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Io {
+        path: path.to_path_buf(),
+        cause,
+    })?;
+    let root: Value = serde_json::from_str(&text).map_err(|e| ConfigError::Syntax {
+        path: path.to_path_buf(),
+        line: e.line() as u64,
+        column: e.column().max(1) as u64,
+        message: format!("not a DeepSpeed config (JSON): {e}"),
+    })?;
+    let mut r = Reader {
+        path: path.to_path_buf(),
+        positions: key_positions(&text),
+        root,
+        d_model,
+        out: DeepSpeedConfig {
+            path: path.to_path_buf(),
+            mapped: Vec::new(),
+            ignored: Vec::new(),
+            notes: Vec::new(),
+            train_batch_size: None,
+        },
+    };
+    if !r.root.is_object() {
+        return Err(r.error("(root)", "a DeepSpeed config is a JSON object"));
+    }
+    r.top_level()?;
+    Ok(r.out)
+}
+
+/// What a ds_config key is to zrun.
+#[derive(Clone, Copy)]
+enum Kind {
+    /// Handled by its section's code.
+    Section,
+    /// Ignored by design.
+    Ignored,
+    /// Ignored when it has one of these values, refused otherwise (why).
+    Only(&'static [Accept], &'static str),
+    /// A section with `enabled`: ignored when off, refused when on (why).
+    OffOnly(&'static str),
+}
+
+/// A value a key may keep.
+#[derive(Clone, Copy)]
+enum Accept {
+    Bool(bool),
+    Num(f64),
+    Str(&'static str),
+    Null,
+}
+
+impl Accept {
+    fn matches(self, v: &Value) -> bool {
+        match self {
+            Accept::Bool(b) => v.as_bool() == Some(b),
+            Accept::Num(n) => v.as_f64() == Some(n),
+            Accept::Str(s) => v.as_str().is_some_and(|x| x.eq_ignore_ascii_case(s)),
+            Accept::Null => v.is_null(),
+        }
+    }
+}
+
+const TOP_LEVEL: &[(&str, Kind)] = &[
+    ("train_batch_size", Kind::Section),
+    ("train_micro_batch_size_per_gpu", Kind::Section),
+    ("gradient_accumulation_steps", Kind::Section),
+    ("steps_per_print", Kind::Section),
+    ("optimizer", Kind::Section),
+    ("scheduler", Kind::Section),
+    ("fp16", Kind::Section),
+    ("bf16", Kind::Section),
+    ("bfloat16", Kind::Section),
+    ("gradient_clipping", Kind::Section),
+    ("zero_optimization", Kind::Section),
+    ("aio", Kind::Section),
+    ("activation_checkpointing", Kind::Section),
+    ("wall_clock_breakdown", Kind::Ignored),
+    ("memory_breakdown", Kind::Ignored),
+    ("flops_profiler", Kind::Ignored),
+    ("tensorboard", Kind::Ignored),
+    ("wandb", Kind::Ignored),
+    ("csv_monitor", Kind::Ignored),
+    ("comet", Kind::Ignored),
+    ("comms_logger", Kind::Ignored),
+    ("dump_state", Kind::Ignored),
+    ("timers", Kind::Ignored),
+    ("checkpoint", Kind::Ignored),
+    ("zero_allow_untested_optimizer", Kind::Ignored),
+    ("zero_force_ds_cpu_optimizer", Kind::Ignored),
+    ("disable_allgather", Kind::Ignored),
+    (
+        "prescale_gradients",
+        Kind::Only(
+            &[Accept::Bool(false)],
+            "zrun averages gradients after the reduction, not before",
+        ),
+    ),
+    (
+        "gradient_predivide_factor",
+        Kind::Only(
+            &[Accept::Num(1.0)],
+            "zrun divides gradients by the world size once, after the reduction",
+        ),
+    ),
+    (
+        "sparse_gradients",
+        Kind::Only(
+            &[Accept::Bool(false)],
+            "zrun's embedding gradients are dense",
+        ),
+    ),
+    (
+        "communication_data_type",
+        Kind::Only(
+            &[Accept::Null, Accept::Str("fp32")],
+            "zrun reduces gradients in f32",
+        ),
+    ),
+    ("amp", Kind::OffOnly("NVIDIA Apex AMP: use fp16 or bf16")),
+    ("elasticity", Kind::OffOnly("elastic batch sizes")),
+    ("autotuning", Kind::OffOnly("the autotuner")),
+    ("curriculum_learning", Kind::OffOnly("curriculum learning")),
+    ("data_efficiency", Kind::OffOnly("data efficiency")),
+    (
+        "compression_training",
+        Kind::OffOnly("compression training"),
+    ),
+    ("sparse_attention", Kind::OffOnly("sparse attention")),
+];
+
+const ZERO: &[(&str, Kind)] = &[
+    ("stage", Kind::Section),
+    ("overlap_comm", Kind::Section),
+    ("reduce_bucket_size", Kind::Section),
+    ("stage3_prefetch_bucket_size", Kind::Section),
+    ("stage3_param_persistence_threshold", Kind::Section),
+    ("sub_group_size", Kind::Section),
+    ("offload_optimizer", Kind::Section),
+    ("offload_param", Kind::Section),
+    ("zero_quantized_weights", Kind::Section),
+    ("zero_hpz_partition_size", Kind::Section),
+    ("zero_quantized_gradients", Kind::Section),
+    ("contiguous_gradients", Kind::Ignored),
+    ("reduce_scatter", Kind::Ignored),
+    ("allgather_partitions", Kind::Ignored),
+    ("allgather_bucket_size", Kind::Ignored),
+    ("round_robin_gradients", Kind::Ignored),
+    ("stage3_max_live_parameters", Kind::Ignored),
+    ("stage3_max_reuse_distance", Kind::Ignored),
+    ("stage3_gather_16bit_weights_on_model_save", Kind::Ignored),
+    ("stage3_gather_fp16_weights_on_model_save", Kind::Ignored),
+    ("gather_16bit_weights_on_model_save", Kind::Ignored),
+    ("ignore_unused_parameters", Kind::Ignored),
+    ("load_from_fp32_weights", Kind::Ignored),
+    ("elastic_checkpoint", Kind::Ignored),
+    ("memory_efficient_linear", Kind::Ignored),
+    ("use_multi_rank_bucket_allreduce", Kind::Ignored),
+    ("legacy_stage1", Kind::Ignored),
+    (
+        "cpu_offload",
+        Kind::Only(
+            &[Accept::Bool(false)],
+            "the old spelling of offload_optimizer: write offload_optimizer: {device: cpu}",
+        ),
+    ),
+    (
+        "mics_shard_size",
+        Kind::Only(&[Accept::Num(-1.0)], "MiCS sharding"),
+    ),
+    (
+        "zero_quantized_nontrainable_weights",
+        Kind::Only(&[Accept::Bool(false)], "every zrun parameter is trained"),
+    ),
+];
+
+const OFFLOAD: &[(&str, Kind)] = &[
+    ("device", Kind::Section),
+    ("nvme_path", Kind::Section),
+    ("buffer_count", Kind::Section),
+    ("pin_memory", Kind::Ignored),
+    ("pipeline_read", Kind::Ignored),
+    ("pipeline_write", Kind::Ignored),
+    ("pipeline", Kind::Ignored),
+    ("fast_init", Kind::Ignored),
+    ("buffer_size", Kind::Ignored),
+    ("max_in_cpu", Kind::Ignored),
+    (
+        "ratio",
+        Kind::Only(
+            &[Accept::Num(1.0)],
+            "a partial offload: zrun offloads all of a rank's states",
+        ),
+    ),
+];
+
+const FP16: &[(&str, Kind)] = &[
+    ("enabled", Kind::Section),
+    ("loss_scale", Kind::Section),
+    ("initial_scale_power", Kind::Section),
+    ("loss_scale_window", Kind::Section),
+    ("hysteresis", Kind::Section),
+    ("min_loss_scale", Kind::Section),
+    (
+        "consecutive_hysteresis",
+        Kind::Only(
+            &[Accept::Bool(false)],
+            "zrun restores the hysteresis only when the scale grows (DeepSpeed's default)",
+        ),
+    ),
+    ("auto_cast", Kind::Ignored),
+    (
+        "fp16_master_weights_and_grads",
+        Kind::Only(&[Accept::Bool(false)], "zrun keeps f32 master weights"),
+    ),
+];
+
+const BF16: &[(&str, Kind)] = &[
+    ("enabled", Kind::Section),
+    ("immediate_grad_update", Kind::Ignored),
+    ("check_grad_overflow", Kind::Ignored),
+];
+
+const OPTIMIZER: &[(&str, Kind)] = &[("type", Kind::Section), ("params", Kind::Section)];
+
+const ADAM_PARAMS: &[(&str, Kind)] = &[
+    ("lr", Kind::Section),
+    ("betas", Kind::Section),
+    ("eps", Kind::Section),
+    ("weight_decay", Kind::Section),
+    ("adam_w_mode", Kind::Section),
+    ("torch_adam", Kind::Ignored),
+    ("fused", Kind::Ignored),
+    (
+        "bias_correction",
+        Kind::Only(
+            &[Accept::Bool(true)],
+            "zrun's Adam always corrects the moments' bias",
+        ),
+    ),
+    ("amsgrad", Kind::Only(&[Accept::Bool(false)], "AMSGrad")),
+];
+
+const SCHEDULER: &[(&str, Kind)] = &[("type", Kind::Section), ("params", Kind::Section)];
+
+const AIO: &[(&str, Kind)] = &[
+    ("block_size", Kind::Section),
+    ("queue_depth", Kind::Section),
+    ("thread_count", Kind::Section),
+    ("intra_op_parallelism", Kind::Section),
+    ("single_submit", Kind::Ignored),
+    ("overlap_events", Kind::Ignored),
+    (
+        "use_gds",
+        Kind::Only(&[Accept::Bool(false)], "GPUDirect Storage"),
+    ),
+];
+
+const ACTIVATION_CHECKPOINTING: &[(&str, Kind)] = &[
+    ("partition_activations", Kind::Ignored),
+    (
+        "cpu_checkpointing",
+        Kind::Only(
+            &[Accept::Bool(false)],
+            "checkpointed activations offloaded to the CPU: zrun keeps each block's input where it computes",
+        ),
+    ),
+    ("contiguous_memory_optimization", Kind::Ignored),
+    ("number_checkpoints", Kind::Ignored),
+    ("synchronize_checkpoint_boundary", Kind::Ignored),
+    ("profile", Kind::Ignored),
+];
+
+struct Reader {
+    path: PathBuf,
+    positions: HashMap<String, (usize, usize)>,
+    root: Value,
+    d_model: usize,
+    out: DeepSpeedConfig,
+}
+
+/// A parameter of a schedule: (DeepSpeed's name, its default).
+type Param = (&'static str, f64);
+
+impl Reader {
+    fn at(&self, path: &str) -> (usize, usize) {
+        // A key's own position, else its section's.
+        let mut p = path;
+        loop {
+            if let Some(at) = self.positions.get(p) {
+                return *at;
+            }
+            match p.rsplit_once('.') {
+                Some((parent, _)) => p = parent,
+                None => return (1, 1),
+            }
+        }
+    }
+
+    fn error(&self, path: &str, message: impl Into<String>) -> ConfigError {
+        let (line, col) = self.at(path);
+        ConfigError::Invalid {
+            location: format!("{}:{line}:{col}", self.path.display()),
+            key: path.to_string(),
+            message: message.into(),
+        }
+    }
+
+    fn get(&self, path: &str) -> Option<&Value> {
+        if path.is_empty() {
+            return Some(&self.root);
+        }
+        path.split('.').try_fold(&self.root, |v, k| v.get(k))
+    }
+
+    fn map(&mut self, key: &'static str, value: MappedValue, source: &str, origin: Origin) {
+        let at = self.at(source);
+        self.out.mapped.push(Mapped {
+            key,
+            value,
+            source: source.to_string(),
+            at,
+            origin,
+        });
+    }
+
+    /// Checks the keys of the object at `path` against `known`: ignored keys
+    /// are listed, refused ones and unknown ones are errors.
+    fn sort_keys(&mut self, path: &str, known: &[(&str, Kind)]) -> Result<(), ConfigError> {
+        let obj = match self.get(path) {
+            Some(Value::Object(o)) => o.clone(),
+            Some(Value::Null) | None => return Ok(()),
+            Some(_) => return Err(self.error(path, "must be a JSON object")),
+        };
+        for (k, v) in &obj {
+            let full = join(path, k);
+            let Some((_, kind)) = known.iter().find(|(name, _)| name == k) else {
+                let names = known.iter().map(|(n, _)| *n);
+                let hint = match did_you_mean(k, names) {
+                    Some(s) => format!(", did you mean `{s}`?"),
+                    None => String::new(),
+                };
+                return Err(self.error(
+                    &full,
+                    format!("unknown DeepSpeed key `{k}`{hint} (zrun cannot tell what it would change, so it refuses it)"),
+                ));
+            };
+            match *kind {
+                Kind::Section => {}
+                Kind::Ignored => self.out.ignored.push((full.clone(), self.at(&full).0)),
+                Kind::Only(accepted, why) => {
+                    if !accepted.iter().any(|a| a.matches(v)) {
+                        return Err(self.error(&full, format!("{v} cannot be honoured: {why}")));
+                    }
+                    self.out.ignored.push((full.clone(), self.at(&full).0));
+                }
+                Kind::OffOnly(what) => {
+                    let on = match v {
+                        Value::Object(o) => {
+                            o.get("enabled").and_then(Value::as_bool) != Some(false)
+                        }
+                        Value::Null => false,
+                        _ => true,
+                    };
+                    if on {
+                        return Err(self.error(
+                            &full,
+                            format!("{what} is not something zrun does (set `enabled: false` or remove the section)"),
+                        ));
+                    }
+                    self.out.ignored.push((full.clone(), self.at(&full).0));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Maps `source` to `key` through `convert` when present; `"auto"` maps to
+    /// the job's value where `auto` allows it.
+    fn simple(
+        &mut self,
+        source: &str,
+        key: &'static str,
+        auto: bool,
+        convert: fn(&Value) -> Result<Value, String>,
+    ) -> Result<bool, ConfigError> {
+        let Some(v) = self.get(source).cloned() else {
+            return Ok(false);
+        };
+        if v.is_null() {
+            return Ok(false);
+        }
+        if is_auto(&v) {
+            if !auto {
+                return Err(self.error(
+                    source,
+                    "\"auto\" has no value to take here (Hugging Face's integration fills it for no key of this name); write the value",
+                ));
+            }
+            self.map(key, MappedValue::Job, source, Origin::Auto);
+            return Ok(true);
+        }
+        let value = convert(&v).map_err(|m| self.error(source, m))?;
+        self.map(key, MappedValue::Set(value), source, Origin::Written);
+        Ok(true)
+    }
+
+    fn top_level(&mut self) -> Result<(), ConfigError> {
+        self.sort_keys("", TOP_LEVEL)?;
+        // train_batch_size is checked later against the world size.
+        if let Some(v) = self.get("train_batch_size").cloned() {
+            if !is_auto(&v) {
+                let n = count(&v).map_err(|m| self.error("train_batch_size", m))?;
+                if n == 0 {
+                    return Err(self.error("train_batch_size", "must be at least 1"));
+                }
+                self.out.train_batch_size = Some((n, self.at("train_batch_size")));
+            }
+        }
+        self.simple(
+            "train_micro_batch_size_per_gpu",
+            "train.micro_batch_size",
+            true,
+            positive_count,
+        )?;
+        self.simple(
+            "gradient_accumulation_steps",
+            "train.grad_accum",
+            true,
+            positive_count,
+        )?;
+        self.simple("steps_per_print", "train.log_every", false, count_value)?;
+        if !self.simple("gradient_clipping", "train.grad_clip", true, non_negative)? {
+            self.map(
+                "train.grad_clip",
+                MappedValue::Set(json!(0.0)),
+                "gradient_clipping",
+                Origin::Default,
+            );
+        }
+        self.optimizer()?;
+        self.scheduler()?;
+        self.precision()?;
+        self.zero()?;
+        self.aio()?;
+        if self.get("activation_checkpointing").is_some() {
+            self.sort_keys("activation_checkpointing", ACTIVATION_CHECKPOINTING)?;
+            self.map(
+                "train.activation_checkpointing",
+                MappedValue::Set(json!(true)),
+                "activation_checkpointing",
+                Origin::Written,
+            );
+        }
+        Ok(())
+    }
+
+    fn optimizer(&mut self) -> Result<(), ConfigError> {
+        if self.get("optimizer").is_none_or(Value::is_null) {
+            return Ok(());
+        }
+        self.sort_keys("optimizer", OPTIMIZER)?;
+        let kind = match self.get("optimizer.type") {
+            Some(Value::String(s)) => s.clone(),
+            Some(_) => return Err(self.error("optimizer.type", "must be a string")),
+            None => return Err(self.error("optimizer", "needs a `type` (Adam or AdamW)")),
+        };
+        // DeepSpeed reads the type case-blind; Adam is AdamW unless
+        // adam_w_mode is false.
+        let lower = kind.to_ascii_lowercase();
+        if !["adam", "adamw", "fusedadam", "cpuadam"].contains(&lower.as_str()) {
+            return Err(self.error(
+                "optimizer.type",
+                format!("`{kind}` cannot be honoured: zrun trains with AdamW (decoupled weight decay); use Adam or AdamW"),
+            ));
+        }
+        self.sort_keys("optimizer.params", ADAM_PARAMS)?;
+        if let Some(m) = self.get("optimizer.params.adam_w_mode").cloned() {
+            let Some(m) = m.as_bool() else {
+                return Err(self.error("optimizer.params.adam_w_mode", "must be true or false"));
+            };
+            let decay = self
+                .get("optimizer.params.weight_decay")
+                .and_then(Value::as_f64)
+                .unwrap_or(0.0);
+            if !m && decay != 0.0 {
+                return Err(self.error(
+                    "optimizer.params.adam_w_mode",
+                    "false (Adam with L2 weight decay added to the gradient) cannot be honoured: zrun's weight decay is decoupled (AdamW); set adam_w_mode: true or weight_decay: 0",
+                ));
+            }
+        }
+        for (source, key, default, convert) in [
+            (
+                "optimizer.params.lr",
+                "train.lr",
+                json!(1e-3),
+                positive as fn(&Value) -> Result<Value, String>,
+            ),
+            (
+                "optimizer.params.betas",
+                "train.optimizer.betas",
+                json!([0.9, 0.999]),
+                betas,
+            ),
+            (
+                "optimizer.params.eps",
+                "train.optimizer.eps",
+                json!(1e-8),
+                positive,
+            ),
+            (
+                "optimizer.params.weight_decay",
+                "train.weight_decay",
+                json!(0.0),
+                non_negative,
+            ),
+        ] {
+            if !self.simple(source, key, true, convert)? {
+                self.map(key, MappedValue::Set(default), source, Origin::Default);
+            }
+        }
+        Ok(())
+    }
+
+    fn scheduler(&mut self) -> Result<(), ConfigError> {
+        if self.get("scheduler").is_none_or(Value::is_null) {
+            return Ok(());
+        }
+        self.sort_keys("scheduler", SCHEDULER)?;
+        let kind = match self.get("scheduler.type") {
+            Some(Value::String(s)) => s.clone(),
+            _ => {
+                return Err(self.error(
+                    "scheduler.type",
+                    "needs a type: WarmupLR, WarmupDecayLR or WarmupCosineLR",
+                ))
+            }
+        };
+        const WARMUP: [Param; 3] = [
+            ("warmup_min_lr", 0.0),
+            ("warmup_max_lr", 0.001),
+            ("warmup_num_steps", 1000.0),
+        ];
+        const COSINE: [Param; 3] = [
+            ("warmup_min_ratio", 0.0),
+            ("cos_min_ratio", 0.0001),
+            ("warmup_num_steps", 1000.0),
+        ];
+        let (schedule, params, steps): (&str, &[Param], bool) = match kind.as_str() {
+            "WarmupLR" => ("constant", &WARMUP, false),
+            "WarmupDecayLR" => ("linear", &WARMUP, true),
+            "WarmupCosineLR" => ("cosine", &COSINE, true),
+            other => {
+                return Err(self.error(
+                    "scheduler.type",
+                    format!("`{other}` cannot be honoured: zrun's schedules are DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR"),
+                ))
+            }
+        };
+        let mut known: Vec<(&str, Kind)> =
+            params.iter().map(|(n, _)| (*n, Kind::Section)).collect();
+        known.push(("warmup_type", Kind::Section));
+        known.push(("last_batch_iteration", Kind::Ignored));
+        if steps {
+            known.push(("total_num_steps", Kind::Section));
+        }
+        self.sort_keys("scheduler.params", &known)?;
+        self.map(
+            "train.schedule",
+            MappedValue::Set(json!(schedule)),
+            "scheduler.type",
+            Origin::Written,
+        );
+        let base = "scheduler.params";
+        for (name, default) in params {
+            let source = format!("{base}.{name}");
+            let v = self.get(&source).cloned();
+            let (origin, number) = match &v {
+                None | Some(Value::Null) => (Origin::Default, Some(*default)),
+                Some(v) if is_auto(v) => (Origin::Auto, None),
+                Some(v) => {
+                    let n = v
+                        .as_f64()
+                        .filter(|n| n.is_finite() && *n >= 0.0)
+                        .ok_or_else(|| self.error(&source, "must be a non-negative number"))?;
+                    (Origin::Written, Some(n))
+                }
+            };
+            let targets: &[&'static str] = match *name {
+                "warmup_num_steps" => &["train.warmup_steps"],
+                "warmup_max_lr" => &["train.lr"],
+                // Warmup starts there and the linear decay ends there.
+                "warmup_min_lr" if schedule == "linear" => {
+                    &["train.warmup_start_lr", "train.min_lr"]
+                }
+                "warmup_min_lr" => &["train.warmup_start_lr"],
+                "warmup_min_ratio" => &["train.warmup_start_lr"],
+                _ => &["train.min_lr"],
+            };
+            for &key in targets {
+                let value = match (number, *name) {
+                    (None, _) => MappedValue::Job,
+                    (Some(n), "warmup_min_ratio" | "cos_min_ratio") => MappedValue::TimesLr(n),
+                    (Some(n), "warmup_num_steps") => {
+                        if n.fract() != 0.0 {
+                            return Err(self.error(&source, "must be a whole number of steps"));
+                        }
+                        MappedValue::Set(json!(n as u64))
+                    }
+                    (Some(n), _) => MappedValue::Set(json!(n)),
+                };
+                self.map(key, value, &source, origin);
+            }
+            if *name == "warmup_max_lr" {
+                if let Some(lr) = self.get("optimizer.params.lr").filter(|v| !is_auto(v)) {
+                    self.out.notes.push(format!(
+                        "optimizer.params.lr ({lr}) is superseded by scheduler.params.warmup_max_lr, as in DeepSpeed, where the scheduler sets the rate"
+                    ));
+                }
+            }
+        }
+        match self.get(&format!("{base}.warmup_type")).cloned() {
+            None | Some(Value::Null) => self.map(
+                "train.warmup_type",
+                MappedValue::Set(json!("log")),
+                &format!("{base}.warmup_type"),
+                Origin::Default,
+            ),
+            Some(Value::String(t)) if t == "log" || t == "linear" => self.map(
+                "train.warmup_type",
+                MappedValue::Set(json!(t)),
+                &format!("{base}.warmup_type"),
+                Origin::Written,
+            ),
+            Some(v) => {
+                return Err(self.error(
+                    &format!("{base}.warmup_type"),
+                    format!("{v}: must be \"log\" or \"linear\""),
+                ))
+            }
+        }
+        if steps {
+            let source = format!("{base}.total_num_steps");
+            if !self.simple(&source, "train.steps", true, positive_count)? {
+                // Required by DeepSpeed; the job's steps are the natural reading.
+                self.map("train.steps", MappedValue::Job, &source, Origin::Auto);
+            }
+        }
+        Ok(())
+    }
+
+    fn precision(&mut self) -> Result<(), ConfigError> {
+        self.sort_keys("fp16", FP16)?;
+        let bf16_key = if self.get("bfloat16").is_some() {
+            "bfloat16"
+        } else {
+            "bf16"
+        };
+        self.sort_keys(bf16_key, BF16)?;
+        let fp16 = self.enabled("fp16.enabled")?;
+        let bf16 = self.enabled(&format!("{bf16_key}.enabled"))?;
+        match (fp16, bf16) {
+            (Some(true), Some(true)) => {
+                return Err(self.error("bf16.enabled", "fp16 and bf16 are both enabled: pick one"))
+            }
+            (Some(true), _) => self.map(
+                "train.dtype",
+                MappedValue::Set(json!("f16")),
+                "fp16.enabled",
+                Origin::Written,
+            ),
+            (_, Some(true)) => self.map(
+                "train.dtype",
+                MappedValue::Set(json!("bf16")),
+                &format!("{bf16_key}.enabled"),
+                Origin::Written,
+            ),
+            (Some(false), None | Some(false)) => self.map(
+                "train.dtype",
+                MappedValue::Set(json!("f32")),
+                "fp16.enabled",
+                Origin::Written,
+            ),
+            (None, Some(false)) => self.map(
+                "train.dtype",
+                MappedValue::Set(json!("f32")),
+                &format!("{bf16_key}.enabled"),
+                Origin::Written,
+            ),
+            // Absent or "auto": the job's dtype.
+            (None, None) => {}
+        }
+        if let Some(scale) = self.get("fp16.loss_scale").cloned() {
+            if scale.as_f64() != Some(0.0) {
+                return Err(self.error(
+                    "fp16.loss_scale",
+                    format!("{scale}: a static loss scale cannot be honoured: zrun scales f16 losses dynamically (write 0)"),
+                ));
+            }
+        }
+        self.simple(
+            "fp16.initial_scale_power",
+            "train.loss_scale.initial_scale_power",
+            false,
+            count_value,
+        )?;
+        self.simple(
+            "fp16.loss_scale_window",
+            "train.loss_scale.loss_scale_window",
+            false,
+            count_value,
+        )?;
+        self.simple(
+            "fp16.hysteresis",
+            "train.loss_scale.hysteresis",
+            false,
+            count_value,
+        )?;
+        self.simple(
+            "fp16.min_loss_scale",
+            "train.loss_scale.min_loss_scale",
+            false,
+            positive,
+        )?;
+        Ok(())
+    }
+
+    /// An `enabled` flag: Some(bool) when written, None when absent or "auto".
+    fn enabled(&self, path: &str) -> Result<Option<bool>, ConfigError> {
+        match self.get(path) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) if is_auto(v) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(self.error(path, format!("{v}: must be true, false or \"auto\""))),
+        }
+    }
+
+    fn zero(&mut self) -> Result<(), ConfigError> {
+        let z = "zero_optimization";
+        // The old spelling: `"zero_optimization": true` is stage 1.
+        if let Some(on) = self.get(z).and_then(Value::as_bool) {
+            self.map(
+                "zero.stage",
+                MappedValue::Set(json!(u8::from(on))),
+                z,
+                Origin::Written,
+            );
+            return Ok(());
+        }
+        self.sort_keys(z, ZERO)?;
+        self.simple(
+            "zero_optimization.stage",
+            "zero.stage",
+            false,
+            |v| match v.as_u64() {
+                Some(n @ 0..=3) => Ok(json!(n)),
+                _ => Err(format!("{v}: must be 0, 1, 2 or 3")),
+            },
+        )?;
+        self.simple(
+            "zero_optimization.overlap_comm",
+            "zero.overlap_comm",
+            false,
+            boolean,
+        )?;
+        let d = self.d_model as f64;
+        for (source, key, auto) in [
+            ("reduce_bucket_size", "zero.reduce_bucket_size", d * d),
+            (
+                "stage3_prefetch_bucket_size",
+                "zero.prefetch_bucket_size",
+                0.9 * d * d,
+            ),
+            (
+                "stage3_param_persistence_threshold",
+                "zero.param_persistence_threshold",
+                10.0 * d,
+            ),
+            ("sub_group_size", "zero.sub_group_size", f64::NAN),
+        ] {
+            let source = format!("{z}.{source}");
+            match self.get(&source).cloned() {
+                None | Some(Value::Null) => {}
+                Some(v) if is_auto(&v) && !auto.is_nan() => {
+                    // Hugging Face's formulas from the hidden size.
+                    self.map(
+                        key,
+                        MappedValue::Set(json!(auto as u64)),
+                        &source,
+                        Origin::Auto,
+                    );
+                }
+                Some(_) => {
+                    self.simple(&source, key, false, count_value)?;
+                }
+            }
+        }
+        for (part, [device, nvme_path, buffer_count]) in [
+            (
+                "offload_optimizer",
+                [
+                    "zero.offload_optimizer.device",
+                    "zero.offload_optimizer.nvme_path",
+                    "zero.offload_optimizer.buffer_count",
+                ],
+            ),
+            (
+                "offload_param",
+                [
+                    "zero.offload_param.device",
+                    "zero.offload_param.nvme_path",
+                    "zero.offload_param.buffer_count",
+                ],
+            ),
+        ] {
+            let source = format!("{z}.{part}");
+            if self.get(&source).is_none_or(Value::is_null) {
+                continue;
+            }
+            self.sort_keys(&source, OFFLOAD)?;
+            self.simple(&format!("{source}.device"), device, false, |v| {
+                match v.as_str() {
+                    Some("none" | "cpu" | "nvme") => Ok(v.clone()),
+                    _ => Err(format!("{v}: must be \"none\", \"cpu\" or \"nvme\"")),
+                }
+            })?;
+            self.simple(&format!("{source}.nvme_path"), nvme_path, false, |v| {
+                v.as_str()
+                    .map(|s| json!(s))
+                    .ok_or_else(|| "must be a path".to_string())
+            })?;
+            self.simple(
+                &format!("{source}.buffer_count"),
+                buffer_count,
+                false,
+                positive_count,
+            )?;
+        }
+        self.simple(
+            "zero_optimization.zero_quantized_weights",
+            "zero.quantized_weights",
+            false,
+            boolean,
+        )?;
+        self.simple(
+            "zero_optimization.zero_hpz_partition_size",
+            "zero.hpz_partition_size",
+            false,
+            positive_count,
+        )?;
+        self.simple(
+            "zero_optimization.zero_quantized_gradients",
+            "zero.quantized_gradients",
+            false,
+            boolean,
+        )?;
+        Ok(())
+    }
+
+    fn aio(&mut self) -> Result<(), ConfigError> {
+        self.sort_keys("aio", AIO)?;
+        self.simple("aio.block_size", "aio.block_size", false, count_value)?;
+        self.simple("aio.queue_depth", "aio.queue_depth", false, positive_count)?;
+        // DeepSpeed renamed thread_count to intra_op_parallelism.
+        self.simple(
+            "aio.thread_count",
+            "aio.thread_count",
+            false,
+            positive_count,
+        )?;
+        self.simple(
+            "aio.intra_op_parallelism",
+            "aio.thread_count",
+            false,
+            positive_count,
+        )?;
+        Ok(())
+    }
+}
+
+fn join(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_string()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
+fn is_auto(v: &Value) -> bool {
+    v.as_str() == Some("auto")
+}
+
+/// A whole non-negative number, written as an integer or as `5e8`.
+fn count(v: &Value) -> Result<u64, String> {
+    if let Some(n) = v.as_u64() {
+        return Ok(n);
+    }
+    match v.as_f64() {
+        Some(f) if f >= 0.0 && f.fract() == 0.0 && f < 1.8e19 => Ok(f as u64),
+        _ => Err(format!("{v}: must be a whole non-negative number")),
+    }
+}
+
+fn count_value(v: &Value) -> Result<Value, String> {
+    count(v).map(|n| json!(n))
+}
+
+fn positive_count(v: &Value) -> Result<Value, String> {
+    match count(v)? {
+        0 => Err("must be at least 1".into()),
+        n => Ok(json!(n)),
+    }
+}
+
+fn positive(v: &Value) -> Result<Value, String> {
+    match v.as_f64() {
+        Some(f) if f.is_finite() && f > 0.0 => Ok(json!(f)),
+        _ => Err(format!("{v}: must be a positive number")),
+    }
+}
+
+fn non_negative(v: &Value) -> Result<Value, String> {
+    match v.as_f64() {
+        Some(f) if f.is_finite() && f >= 0.0 => Ok(json!(f)),
+        _ => Err(format!("{v}: must be a non-negative number")),
+    }
+}
+
+fn boolean(v: &Value) -> Result<Value, String> {
+    v.as_bool()
+        .map(|b| json!(b))
+        .ok_or_else(|| format!("{v}: must be true or false"))
+}
+
+fn betas(v: &Value) -> Result<Value, String> {
+    match v
+        .as_array()
+        .map(|a| a.iter().map(Value::as_f64).collect::<Vec<_>>())
+    {
+        Some(b) if b.len() == 2 && b.iter().all(Option::is_some) => Ok(json!([b[0], b[1]])),
+        _ => Err(format!("{v}: must be two numbers, [beta1, beta2]")),
+    }
+}
+
+/// The 1-based (line, column) of every object key in JSON `text`, by dotted
+/// path (an array element's index is its path component). serde_json keeps
+/// no positions, and an error should point at the line to edit.
+fn key_positions(text: &str) -> HashMap<String, (usize, usize)> {
+    enum Frame {
+        Object(Option<String>),
+        Array(usize),
+    }
+    let component = |f: &Frame| match f {
+        Frame::Object(k) => k.clone().unwrap_or_default(),
+        Frame::Array(i) => i.to_string(),
+    };
+    let mut out = HashMap::new();
+    let mut stack: Vec<Frame> = Vec::new();
+    let chars: Vec<char> = text.chars().collect();
+    let (mut line, mut col) = (1usize, 0usize);
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        col += 1;
+        match c {
+            '\n' => {
+                line += 1;
+                col = 0;
+            }
+            '{' => stack.push(Frame::Object(None)),
+            '[' => stack.push(Frame::Array(0)),
+            '}' | ']' => {
+                stack.pop();
+            }
+            ',' => {
+                if let Some(Frame::Array(n)) = stack.last_mut() {
+                    *n += 1;
+                }
+            }
+            '"' => {
+                let (start_line, start_col) = (line, col);
+                let mut s = String::new();
+                i += 1;
+                while i < chars.len() && chars[i] != '"' {
+                    if chars[i] == '\\' && i + 1 < chars.len() {
+                        i += 1;
+                        col += 1;
+                    }
+                    s.push(chars[i]);
+                    col += 1;
+                    i += 1;
+                }
+                col += 1;
+                let next = chars[i + 1..].iter().find(|c| !c.is_whitespace());
+                if next == Some(&':') {
+                    if let Some(Frame::Object(key)) = stack.last_mut() {
+                        *key = Some(s.clone());
+                        let mut parts: Vec<String> = stack.iter().map(component).collect();
+                        parts.pop();
+                        parts.push(s);
+                        out.insert(parts.join("."), (start_line, start_col));
+                    }
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_located_by_path() {
+        let text = "{\n  \"a\": 1,\n  \"zero_optimization\": {\n    \"stage\": 3,\n    \"x\": [{\"y\": \"s\\\"\"}]\n  }\n}";
+        let p = key_positions(text);
+        assert_eq!(p["a"], (2, 3));
+        assert_eq!(p["zero_optimization"], (3, 3));
+        assert_eq!(p["zero_optimization.stage"], (4, 5));
+        assert_eq!(p["zero_optimization.x.0.y"], (5, 12));
+        assert_eq!(p.len(), 5);
+    }
+
+    #[test]
+    fn counts_accept_exponents() {
+        assert_eq!(count(&json!(5e8)).unwrap(), 500_000_000);
+        assert_eq!(count(&json!(12)).unwrap(), 12);
+        assert!(count(&json!(1.5)).is_err());
+        assert!(count(&json!(-1)).is_err());
+        assert!(count(&json!("many")).is_err());
+    }
+}

@@ -1,0 +1,396 @@
+//! DeepSpeed config import against real configs: the shapes published in
+//! DeepSpeed's and Hugging Face's documentation and examples (the fixtures in
+//! `tests/deepspeed/`), every mapped key checked in the resolved job, and
+//! every refusal checked for the JSON path and line it names.
+
+use std::path::{Path, PathBuf};
+
+use zconfig::spec::{OffloadDevice, WarmupType};
+use zconfig::{load_job, load_job_with, Dtype, LoadedJob, Schedule, ZeroStage};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/deepspeed")
+        .join(name)
+}
+
+/// A job that leaves the batch, optimizer and schedule to the ds_config.
+const BARE: &str = "name: ds\nmodel: {d_model: 64, n_heads: 4, n_layers: 2, seq_len: 16}\ndata: {format: synthetic}\ntrain:\n  seed: 7\n";
+
+/// A job that plays the Hugging Face trainer's arguments for `"auto"`.
+const TRAINER: &str = "name: ds\nmodel: {d_model: 64, n_heads: 4, n_layers: 2, seq_len: 16}\ndata: {format: synthetic}\ntrain:\n  steps: 30\n  micro_batch_size: 3\n  grad_accum: 2\n  lr: 5.0e-4\n  warmup_steps: 6\n  optimizer: {betas: [0.9, 0.98], eps: 1.0e-6}\n  weight_decay: 0.05\n";
+
+struct Job {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+fn job(text: &str) -> Job {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("job.yaml");
+    std::fs::write(&path, text).unwrap();
+    Job { _dir: dir, path }
+}
+
+fn load(text: &str, ds: &str, world: usize) -> LoadedJob {
+    let j = job(text);
+    let mut loaded = load_job_with(&j.path, &[], Some(&fixture(ds))).unwrap();
+    loaded.validate(world).unwrap();
+    loaded
+}
+
+fn ds_error(text: &str, ds_text: &str, world: usize) -> String {
+    let j = job(text);
+    let ds = j._dir.path().join("ds.json");
+    std::fs::write(&ds, ds_text).unwrap();
+    let mut loaded = match load_job_with(&j.path, &[], Some(&ds)) {
+        Ok(l) => l,
+        Err(e) => return e.to_string(),
+    };
+    match loaded.validate(world) {
+        Ok(()) => panic!("{ds_text} was accepted"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn ignored(job: &LoadedJob) -> Vec<String> {
+    job.deepspeed()
+        .unwrap()
+        .ignored
+        .iter()
+        .map(|(k, _)| k.clone())
+        .collect()
+}
+
+#[test]
+fn hugging_face_zero2_takes_auto_from_the_job() {
+    let j = load(TRAINER, "hf_zero2.json", 2);
+    let t = &j.spec.train;
+    assert_eq!((t.micro_batch_size, t.grad_accum), (3, 2));
+    assert_eq!(t.lr, 5e-4);
+    assert_eq!(t.optimizer.betas, [0.9, 0.98]);
+    assert_eq!(t.optimizer.eps, 1e-6);
+    assert_eq!(t.weight_decay, 0.05);
+    assert_eq!(
+        t.grad_clip, 1.0,
+        "gradient_clipping auto: the job's (default)"
+    );
+    // WarmupLR: the peak after warmup, on DeepSpeed's default log ramp.
+    assert_eq!(t.schedule, Schedule::Constant);
+    assert_eq!(t.warmup_steps, 6);
+    assert_eq!(t.warmup_type, WarmupType::Log);
+    assert_eq!(t.warmup_start_lr, 0.0);
+    assert_eq!(t.dtype, Dtype::F32, "fp16.enabled auto: the job's dtype");
+    assert_eq!(t.loss_scale.initial_scale_power, 16);
+    assert_eq!(t.loss_scale.loss_scale_window, 1000);
+    assert_eq!(t.loss_scale.hysteresis, 2);
+    assert_eq!(t.loss_scale.min_loss_scale, 1.0);
+    assert_eq!(t.log_every, 2000);
+    let z = &j.spec.zero;
+    assert_eq!(z.stage, ZeroStage::Gradients);
+    assert!(z.overlap_comm);
+    assert_eq!(z.reduce_bucket_size.0, 200_000_000);
+    assert_eq!(z.offload_optimizer.device, OffloadDevice::Cpu);
+    let ig = ignored(&j);
+    for k in [
+        "zero_optimization.allgather_partitions",
+        "zero_optimization.allgather_bucket_size",
+        "zero_optimization.reduce_scatter",
+        "zero_optimization.contiguous_gradients",
+        "zero_optimization.offload_optimizer.pin_memory",
+        "wall_clock_breakdown",
+    ] {
+        assert!(ig.iter().any(|i| i == k), "{k} not listed in {ig:?}");
+    }
+    let warning = j.deepspeed().unwrap().ignored_warning().unwrap();
+    assert!(
+        warning.contains("wall_clock_breakdown (line 49)"),
+        "{warning}"
+    );
+}
+
+#[test]
+fn hugging_face_zero3_sizes_auto_buckets_from_the_hidden_size() {
+    let j = load(TRAINER, "hf_zero3_offload.json", 2);
+    let z = &j.spec.zero;
+    assert_eq!(z.stage, ZeroStage::Weights);
+    // Hugging Face's formulas for d = 64.
+    assert_eq!(z.reduce_bucket_size.0, 64 * 64);
+    assert_eq!(z.prefetch_bucket_size.0, 3686);
+    assert_eq!(z.param_persistence_threshold.0, 640);
+    assert_eq!(z.sub_group_size.0, 1_000_000_000);
+    assert_eq!(z.offload_optimizer.device, OffloadDevice::Cpu);
+    assert_eq!(z.offload_param.device, OffloadDevice::Cpu);
+    let t = &j.spec.train;
+    assert_eq!(t.schedule, Schedule::Linear, "WarmupDecayLR");
+    assert_eq!(t.steps, 30, "total_num_steps auto: the job's steps");
+    assert_eq!(t.min_lr, 0.0);
+    assert_eq!(t.dtype, Dtype::F32);
+}
+
+#[test]
+fn getting_started_derives_the_micro_batch_from_train_batch_size() {
+    // train_batch_size 8, accumulation 1: 4 sequences on each of 2 workers.
+    let j = load(BARE, "getting_started.json", 2);
+    let t = &j.spec.train;
+    assert_eq!((t.micro_batch_size, t.grad_accum), (4, 1));
+    assert_eq!(t.dtype, Dtype::F16);
+    assert_eq!(t.lr, 1.5e-4);
+    // DeepSpeed's Adam defaults inside a written optimizer section, and no
+    // clipping when gradient_clipping is absent.
+    assert_eq!(t.weight_decay, 0.0);
+    assert_eq!(t.optimizer.betas, [0.9, 0.999]);
+    assert_eq!(t.grad_clip, 0.0);
+    assert_eq!(j.spec.zero.stage, ZeroStage::OptimizerStates);
+    // On 3 workers 8 sequences do not divide.
+    let jb = job(BARE);
+    let mut l = load_job_with(&jb.path, &[], Some(&fixture("getting_started.json"))).unwrap();
+    let e = l.validate(3).unwrap_err().to_string();
+    assert!(
+        e.contains("getting_started.json:2:3: train_batch_size"),
+        "{e}"
+    );
+    assert!(
+        e.contains("8 is not a whole number of micro-batches"),
+        "{e}"
+    );
+}
+
+#[test]
+fn megatron_gpt2_maps_every_written_key() {
+    let j = load(BARE, "megatron_gpt2.json", 2);
+    let t = &j.spec.train;
+    // 16 = micro × 2 (written) × 2 workers.
+    assert_eq!((t.micro_batch_size, t.grad_accum), (4, 2));
+    assert_eq!(t.log_every, 1);
+    assert_eq!(t.lr, 1.5e-4);
+    assert_eq!(t.optimizer.betas, [0.9, 0.95]);
+    assert_eq!(t.optimizer.eps, 1e-8);
+    assert_eq!(t.weight_decay, 0.01);
+    assert_eq!(t.schedule, Schedule::Linear);
+    assert_eq!(t.warmup_steps, 100);
+    assert_eq!(t.steps, 1000, "total_num_steps");
+    assert_eq!(t.warmup_type, WarmupType::Linear);
+    assert_eq!((t.warmup_start_lr, t.min_lr), (0.0, 0.0));
+    assert_eq!(t.grad_clip, 1.0);
+    assert_eq!(t.dtype, Dtype::F16);
+    assert_eq!(t.loss_scale.loss_scale_window, 500);
+    assert_eq!(t.loss_scale.initial_scale_power, 12);
+    assert!(t.activation_checkpointing);
+    assert_eq!(j.spec.zero.stage, ZeroStage::Gradients);
+    assert_eq!(j.spec.zero.reduce_bucket_size.0, 50_000_000);
+    let ig = ignored(&j);
+    assert!(ig.contains(&"activation_checkpointing.partition_activations".to_string()));
+    assert!(ig.contains(&"activation_checkpointing.cpu_checkpointing".to_string()));
+    // A key set by the ds_config is located there.
+    let at = j.locate("train.warmup_steps");
+    assert!(
+        at.ends_with("megatron_gpt2.json:28:7 (scheduler.params.warmup_num_steps)"),
+        "{at}"
+    );
+}
+
+#[test]
+fn zero_infinity_nvme_and_aio() {
+    let j = load(BARE, "infinity_nvme.json", 2);
+    let z = &j.spec.zero;
+    assert_eq!(z.stage, ZeroStage::Weights);
+    for o in [&z.offload_optimizer, &z.offload_param] {
+        assert_eq!(o.device, OffloadDevice::Nvme);
+        assert_eq!(o.nvme_path.as_deref(), Some("/local_nvme"));
+    }
+    assert_eq!(z.offload_optimizer.buffer_count, Some(4));
+    assert_eq!(z.offload_param.buffer_count, Some(5));
+    assert_eq!(z.reduce_bucket_size.0, 10_000_000);
+    assert_eq!(z.prefetch_bucket_size.0, 5_000_000);
+    assert_eq!(z.param_persistence_threshold.0, 100_000);
+    assert_eq!(z.sub_group_size.0, 100_000_000);
+    let a = &j.spec.aio;
+    assert_eq!(
+        (a.block_size.0, a.queue_depth, a.thread_count),
+        (262_144, 16, 1)
+    );
+    let t = &j.spec.train;
+    assert_eq!(t.dtype, Dtype::Bf16);
+    assert_eq!(t.optimizer.betas, [0.8, 0.999]);
+    assert_eq!(t.weight_decay, 3e-7);
+    assert_eq!((t.micro_batch_size, t.grad_accum), (1, 1));
+    let ig = ignored(&j);
+    for k in [
+        "zero_optimization.offload_param.buffer_size",
+        "zero_optimization.offload_param.max_in_cpu",
+        "zero_optimization.offload_optimizer.fast_init",
+        "aio.single_submit",
+        "aio.overlap_events",
+    ] {
+        assert!(ig.iter().any(|i| i == k), "{k} not listed in {ig:?}");
+    }
+}
+
+#[test]
+fn zero_plus_plus_keys() {
+    let j = load(BARE, "zeropp.json", 2);
+    let z = &j.spec.zero;
+    assert!(z.quantized_weights && z.quantized_gradients);
+    assert_eq!(z.hpz_partition_size, 2);
+    assert_eq!(j.spec.train.micro_batch_size, 4);
+}
+
+#[test]
+fn warmup_cosine_ratios_scale_the_rate() {
+    let j = load(BARE, "cosine.json", 2);
+    let t = &j.spec.train;
+    assert_eq!(t.schedule, Schedule::Cosine);
+    assert_eq!(t.lr, 0.002);
+    assert!((t.warmup_start_lr - 0.0002).abs() < 1e-15);
+    assert!((t.min_lr - 0.0001).abs() < 1e-15);
+    assert_eq!((t.warmup_steps, t.steps), (4, 12));
+    assert_eq!(t.warmup_type, WarmupType::Linear);
+    assert_eq!(t.grad_clip, 0.5);
+    assert_eq!(j.spec.zero.reduce_bucket_size.0, 50_000);
+}
+
+#[test]
+fn a_deepspeed_key_in_the_job_reads_the_same_file() {
+    let text = format!("{BARE}deepspeed: {}\n", fixture("cosine.json").display());
+    let j = job(&text);
+    let mut a = load_job(&j.path, &[]).unwrap();
+    a.validate(2).unwrap();
+    let b = load(BARE, "cosine.json", 2);
+    let mut sb = b.spec.clone();
+    sb.deepspeed = a.spec.deepspeed.clone();
+    assert_eq!(a.spec, sb);
+}
+
+#[test]
+fn set_has_the_last_word_and_the_job_keeps_implied_defaults() {
+    let j = job(BARE);
+    let mut l = load_job_with(
+        &j.path,
+        &["zero.stage=3".into(), "train.lr=1e-2".into()],
+        Some(&fixture("megatron_gpt2.json")),
+    )
+    .unwrap();
+    l.validate(2).unwrap();
+    assert_eq!(l.spec.zero.stage, ZeroStage::Weights);
+    assert_eq!(l.spec.train.lr, 1e-2);
+    assert_eq!(l.locate("train.lr"), "--set train.lr");
+    // getting_started's optimizer omits weight_decay (DeepSpeed's 0): the
+    // job's written 0.2 stays.
+    let j = job(&format!("{BARE}  weight_decay: 0.2\n"));
+    let mut l = load_job_with(&j.path, &[], Some(&fixture("getting_started.json"))).unwrap();
+    l.validate(2).unwrap();
+    assert_eq!(l.spec.train.weight_decay, 0.2);
+}
+
+#[test]
+fn both_files_writing_one_key_must_agree() {
+    let text = format!("{BARE}  lr: 5.0e-4\n");
+    let e = ds_error(
+        &text,
+        "{\n  \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-3}}\n}",
+        2,
+    );
+    assert!(e.contains("ds.json:2:45: optimizer.params.lr"), "{e}");
+    assert!(e.contains("sets train.lr to 0.001"), "{e}");
+    assert!(e.contains("job.yaml:6:3 sets it to 0.0005"), "{e}");
+    // The same value is no conflict.
+    let ok = job(&text);
+    let ds = ok._dir.path().join("same.json");
+    std::fs::write(
+        &ds,
+        "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 5e-4}}}",
+    )
+    .unwrap();
+    load_job_with(&ok.path, &[], Some(&ds)).unwrap();
+}
+
+#[test]
+fn what_cannot_be_honoured_is_refused_where_it_is_written() {
+    for (ds, want) in [
+        (
+            "{\n  \"optimizer\": {\n    \"type\": \"Lamb\",\n    \"params\": {\"lr\": 1e-3}\n  }\n}",
+            "ds.json:3:5: optimizer.type: `Lamb` cannot be honoured",
+        ),
+        (
+            "{\"fp16\": {\"enabled\": true,\n \"loss_scale\": 128}}",
+            "ds.json:2:2: fp16.loss_scale: 128: a static loss scale cannot be honoured",
+        ),
+        (
+            "{\"zero_optimisation\": {\"stage\": 2}}",
+            "ds.json:1:2: zero_optimisation: unknown DeepSpeed key `zero_optimisation`, did you mean `zero_optimization`?",
+        ),
+        (
+            "{\"zero_optimization\": {\"stage\": 3,\n  \"stage3_prefetch_bucket\": 5e7}}",
+            "ds.json:2:3: zero_optimization.stage3_prefetch_bucket: unknown DeepSpeed key `stage3_prefetch_bucket`, did you mean `stage3_prefetch_bucket_size`?",
+        ),
+        (
+            "{\"zero_optimization\": {\"stage\": \"auto\"}}",
+            "zero_optimization.stage: \"auto\" has no value to take here",
+        ),
+        (
+            "{\"zero_optimization\": {\"stage\": 4}}",
+            "zero_optimization.stage: 4: must be 0, 1, 2 or 3",
+        ),
+        (
+            "{\"fp16\": {\"enabled\": true}, \"bf16\": {\"enabled\": true}}",
+            "fp16 and bf16 are both enabled",
+        ),
+        (
+            "{\"amp\": {\"enabled\": true}}",
+            "amp: NVIDIA Apex AMP: use fp16 or bf16 is not something zrun does",
+        ),
+        (
+            "{\"scheduler\": {\"type\": \"OneCycle\", \"params\": {}}}",
+            "scheduler.type: `OneCycle` cannot be honoured",
+        ),
+        (
+            "{\"activation_checkpointing\": {\"cpu_checkpointing\": true}}",
+            "activation_checkpointing.cpu_checkpointing: true cannot be honoured",
+        ),
+        (
+            "{\"optimizer\": {\"type\": \"Adam\", \"params\": {\"adam_w_mode\": false, \"weight_decay\": 0.01}}}",
+            "optimizer.params.adam_w_mode: false (Adam with L2 weight decay",
+        ),
+        (
+            "{\"zero_optimization\": {\"offload_optimizer\": {\"device\": \"cpu\", \"ratio\": 0.3}}}",
+            "zero_optimization.offload_optimizer.ratio: 0.3 cannot be honoured: a partial offload",
+        ),
+        (
+            "{\"prescale_gradients\": true}",
+            "prescale_gradients: true cannot be honoured",
+        ),
+        ("{\"train_batch_size\": 8,\n", "ds.json:2:1: not a DeepSpeed config (JSON)"),
+        ("[1, 2]", "a DeepSpeed config is a JSON object"),
+    ] {
+        let e = ds_error(BARE, ds, 2);
+        assert!(e.contains(want), "{ds}\n  gave: {e}\n  want: {want}");
+    }
+}
+
+#[test]
+fn train_batch_size_must_add_up() {
+    // Micro-batch and accumulation both chosen: DeepSpeed's check.
+    let text = format!("{BARE}  micro_batch_size: 3\n  grad_accum: 2\n");
+    let e = ds_error(&text, "{\"train_batch_size\": 16}", 2);
+    assert!(
+        e.contains("16 ≠ micro-batch 3 × gradient accumulation 2 × 2 workers = 12"),
+        "{e}"
+    );
+    // Only the micro-batch chosen: accumulation follows.
+    let j = job(&format!("{BARE}  micro_batch_size: 2\n"));
+    let ds = j._dir.path().join("tb.json");
+    std::fs::write(&ds, "{\"train_batch_size\": 16}").unwrap();
+    let mut l = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+    l.validate(2).unwrap();
+    assert_eq!(
+        (l.spec.train.micro_batch_size, l.spec.train.grad_accum),
+        (2, 4)
+    );
+    // The same file on 4 workers settles again.
+    l.validate(4).unwrap();
+    assert_eq!(
+        (l.spec.train.micro_batch_size, l.spec.train.grad_accum),
+        (2, 2)
+    );
+}

@@ -1,0 +1,371 @@
+//! `zrun prepare INPUT… --tokenizer tokenizer.json --out DIR`: text files or
+//! JSONL records to token files (`train.bin`, `val.bin`, nanoGPT's layout:
+//! little-endian u16 ids, or u32 for vocabularies above 65,536) and a
+//! manifest that `zrun check` / `zrun train` hold the job against.
+//!
+//! Tokenization is Hugging Face's `tokenizers` crate on a local
+//! `tokenizer.json` (nothing is downloaded), in batches encoded on every
+//! core. The unit of work is a *piece*: a JSONL record, or up to
+//! 64 KiB of a text file cut at a line end. Every 1/f-th piece goes to
+//! `val.bin` (f = `--val-fraction`), the rest to `train.bin`, so both spread
+//! over the whole corpus and the split does not depend on the thread count.
+//! The end-of-text id follows each document (a JSONL record, a whole text
+//! file). Outputs are written under temporary names and renamed when
+//! complete; existing ones are kept unless `--overwrite`.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sha2::{Digest, Sha256};
+use tokenizers::Tokenizer;
+use zconfig::manifest::{DataManifest, ManifestFile, MANIFEST_NAME};
+use zconfig::DataFormat;
+
+use crate::cli::PrepareArgs;
+use crate::Failure;
+
+/// The most text one piece of a text file holds.
+const PIECE_BYTES: usize = 64 << 10;
+/// Text encoded in one parallel batch.
+const BATCH_BYTES: usize = 8 << 20;
+/// End-of-text tokens looked for when `--eos` is not given.
+const EOS_NAMES: [&str; 4] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"];
+
+/// One piece of text to encode, and whether a document ends with it.
+struct Piece {
+    text: String,
+    ends_document: bool,
+}
+
+/// A token file being written.
+struct Output {
+    name: &'static str,
+    partial: PathBuf,
+    writer: BufWriter<std::fs::File>,
+    width: usize,
+    entry: ManifestFile,
+}
+
+impl Output {
+    fn create(dir: &Path, name: &'static str, width: usize) -> Result<Output> {
+        let partial = dir.join(format!(".{name}.partial"));
+        let file = std::fs::File::create(&partial)
+            .with_context(|| format!("cannot write {}", partial.display()))?;
+        Ok(Output {
+            name,
+            partial,
+            writer: BufWriter::with_capacity(1 << 20, file),
+            width,
+            entry: ManifestFile {
+                tokens: 0,
+                bytes: 0,
+                max_token_id: 0,
+                documents: 0,
+            },
+        })
+    }
+
+    fn push(&mut self, ids: &[u32], ends_document: bool) -> Result<()> {
+        let mut bytes = Vec::with_capacity(ids.len() * self.width);
+        for &id in ids {
+            match self.width {
+                2 => bytes.extend_from_slice(&(id as u16).to_le_bytes()),
+                _ => bytes.extend_from_slice(&id.to_le_bytes()),
+            }
+            self.entry.max_token_id = self.entry.max_token_id.max(id);
+        }
+        self.writer
+            .write_all(&bytes)
+            .with_context(|| format!("writing {}", self.partial.display()))?;
+        self.entry.tokens += ids.len() as u64;
+        self.entry.bytes += bytes.len() as u64;
+        self.entry.documents += u64::from(ends_document);
+        Ok(())
+    }
+
+    /// Flushes and renames into place; returns the name and what it holds.
+    fn finish(self, dir: &Path) -> Result<(String, ManifestFile)> {
+        let file = self
+            .writer
+            .into_inner()
+            .map_err(|e| anyhow::anyhow!("writing {}: {}", self.partial.display(), e.error()))?;
+        file.sync_all()?;
+        std::fs::rename(&self.partial, dir.join(self.name))?;
+        Ok((self.name.to_string(), self.entry))
+    }
+}
+
+/// `zrun prepare`.
+pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
+    if !(0.0..1.0).contains(&args.val_fraction) {
+        return Err(Failure::bad_input(format!(
+            "--val-fraction must be in [0, 1), got {}",
+            args.val_fraction
+        )));
+    }
+    let inputs = input_files(&args.inputs)?;
+    let tokenizer_bytes = std::fs::read(&args.tokenizer).map_err(|e| {
+        Failure::bad_input(format!("--tokenizer {}: {e}", args.tokenizer.display()))
+    })?;
+    let tokenizer = Tokenizer::from_bytes(&tokenizer_bytes).map_err(|e| {
+        Failure::bad_input(format!(
+            "--tokenizer {}: not a Hugging Face tokenizer.json: {e}",
+            args.tokenizer.display()
+        ))
+    })?;
+    let vocab = tokenizer.get_vocab_size(true);
+    let (format, width) = if vocab <= 1 << 16 {
+        (DataFormat::TokensU16, 2)
+    } else {
+        (DataFormat::TokensU32, 4)
+    };
+    let eos = match args.eos.as_deref() {
+        Some("none") => None,
+        Some(name) => Some(tokenizer.token_to_id(name).ok_or_else(|| {
+            Failure::bad_input(format!(
+                "--eos {name}: the tokenizer has no such token (give one it has, or none)"
+            ))
+        })?),
+        None => EOS_NAMES.iter().find_map(|n| tokenizer.token_to_id(n)),
+    };
+    std::fs::create_dir_all(&args.out)
+        .map_err(|e| Failure::bad_input(format!("--out {}: {e}", args.out.display())))?;
+    let outputs = ["train.bin", "val.bin", MANIFEST_NAME];
+    if !args.overwrite {
+        if let Some(existing) = outputs
+            .iter()
+            .map(|n| args.out.join(n))
+            .find(|p| p.exists())
+        {
+            return Err(Failure::bad_input(format!(
+                "{} exists: zrun prepare does not replace earlier output unless --overwrite",
+                existing.display()
+            )));
+        }
+    }
+    let total: u64 = inputs
+        .iter()
+        .map(|(p, _)| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+        .sum();
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template(
+            "prepare [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {msg}",
+        )
+        .expect("a valid template")
+        .progress_chars("=> "),
+    );
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        bar.set_draw_target(ProgressDrawTarget::hidden());
+    }
+    let mut train = Output::create(&args.out, "train.bin", width)?;
+    let mut val = Output::create(&args.out, "val.bin", width)?;
+    let mut split = Split::new(args.val_fraction);
+    let mut batch: Vec<Piece> = Vec::new();
+    let mut batch_bytes = 0;
+    let mut encode = |batch: &mut Vec<Piece>| -> Result<()> {
+        let texts: Vec<&str> = batch.iter().map(|p| p.text.as_str()).collect();
+        let encodings = tokenizer
+            .encode_batch(texts, false)
+            .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        for (piece, enc) in batch.iter().zip(encodings) {
+            let mut ids = enc.get_ids().to_vec();
+            if piece.ends_document {
+                ids.extend(eos);
+            }
+            let out = if split.next_is_val() {
+                &mut val
+            } else {
+                &mut train
+            };
+            out.push(&ids, piece.ends_document)?;
+        }
+        batch.clear();
+        Ok(())
+    };
+    for (path, jsonl) in &inputs {
+        let mut pieces = |piece: Piece| -> Result<()> {
+            batch_bytes += piece.text.len();
+            bar.inc(piece.text.len() as u64);
+            batch.push(piece);
+            if batch_bytes >= BATCH_BYTES {
+                encode(&mut batch)?;
+                batch_bytes = 0;
+            }
+            Ok(())
+        };
+        if *jsonl {
+            read_jsonl(path, &args.field, &mut pieces)?;
+        } else {
+            read_text(path, &mut pieces)?;
+        }
+        bar.set_message(path.display().to_string());
+    }
+    encode(&mut batch)?;
+    bar.finish_and_clear();
+    let mut files = BTreeMap::new();
+    for out in [train, val] {
+        let (name, entry) = out.finish(&args.out)?;
+        files.insert(name, entry);
+    }
+    let manifest = DataManifest {
+        tokenizer: args.tokenizer.display().to_string(),
+        tokenizer_sha256: format!("{:x}", Sha256::digest(&tokenizer_bytes)),
+        vocab_size: vocab,
+        format,
+        eos_id: eos,
+        files,
+    };
+    let partial = args.out.join(format!(".{MANIFEST_NAME}.partial"));
+    std::fs::write(&partial, serde_json::to_string_pretty(&manifest)? + "\n")?;
+    std::fs::rename(&partial, args.out.join(MANIFEST_NAME))?;
+    let (t, v) = (&manifest.files["train.bin"], &manifest.files["val.bin"]);
+    let fmt = if format == DataFormat::TokensU16 {
+        "tokens_u16"
+    } else {
+        "tokens_u32"
+    };
+    say!(
+        "zrun: {} documents, {} tokens → {} ({} tokens), {} ({} tokens); {fmt}, vocabulary {vocab}{}",
+        t.documents + v.documents,
+        t.tokens + v.tokens,
+        args.out.join("train.bin").display(),
+        t.tokens,
+        args.out.join("val.bin").display(),
+        v.tokens,
+        match eos {
+            Some(id) => format!(", end-of-text id {id} after each document"),
+            None => ", no end-of-text id".into(),
+        }
+    );
+    say!(
+        "zrun: in a job: model: {{vocab_size: {vocab}}} (or more), data: {{path: {}, val_path: {}, format: {fmt}}}",
+        args.out.join("train.bin").display(),
+        args.out.join("val.bin").display()
+    );
+    if v.tokens == 0 && args.val_fraction > 0.0 {
+        shout!(
+            "zrun: warning: val.bin is empty: {} pieces are too few for --val-fraction {}",
+            split.seen,
+            args.val_fraction
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Which pieces go to validation: piece i when ⌊(i+1)·f⌋ > ⌊i·f⌋, so exactly
+/// ⌊n·f⌋ of n, evenly spread.
+struct Split {
+    fraction: f64,
+    seen: u64,
+}
+
+impl Split {
+    fn new(fraction: f64) -> Split {
+        Split { fraction, seen: 0 }
+    }
+
+    fn next_is_val(&mut self) -> bool {
+        let i = self.seen as f64;
+        self.seen += 1;
+        ((i + 1.0) * self.fraction).floor() > (i * self.fraction).floor()
+    }
+}
+
+/// The input files (globs expanded, in order), each with whether it is JSONL.
+fn input_files(patterns: &[String]) -> Result<Vec<(PathBuf, bool)>> {
+    let mut out = Vec::new();
+    for p in patterns {
+        let mut matched: Vec<PathBuf> = glob::glob(p)
+            .map_err(|e| Failure::bad_input(format!("{p}: bad glob pattern: {e}")))?
+            .filter_map(Result::ok)
+            .filter(|f| f.is_file())
+            .collect();
+        if matched.is_empty() {
+            return Err(Failure::bad_input(format!("{p}: no such file")));
+        }
+        matched.sort();
+        out.extend(matched.into_iter().map(|f| {
+            let jsonl = f.extension().is_some_and(|e| e == "jsonl" || e == "ndjson");
+            (f, jsonl)
+        }));
+    }
+    Ok(out)
+}
+
+/// A text file in pieces of at most [`PIECE_BYTES`] (longer lines whole), cut
+/// after a newline; the last piece ends the document.
+fn read_text(path: &Path, sink: &mut impl FnMut(Piece) -> Result<()>) -> Result<()> {
+    let bad = |e: std::io::Error| Failure::bad_input(format!("{}: {e}", path.display()));
+    let mut r = std::io::BufReader::new(std::fs::File::open(path).map_err(bad)?);
+    let mut piece = String::new();
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = r.read_line(&mut line).map_err(|e| {
+            Failure::bad_input(format!(
+                "{}: {e} (zrun prepare reads UTF-8 text)",
+                path.display()
+            ))
+        })?;
+        if n == 0 || (piece.len() + line.len() > PIECE_BYTES && !piece.is_empty()) {
+            let ends_document = n == 0;
+            sink(Piece {
+                text: std::mem::take(&mut piece),
+                ends_document,
+            })?;
+            if ends_document {
+                return Ok(());
+            }
+        }
+        piece.push_str(&line);
+    }
+}
+
+/// A JSONL file's records: the string under `field` of each line (blank lines
+/// skipped); each record is a document.
+fn read_jsonl(path: &Path, field: &str, sink: &mut impl FnMut(Piece) -> Result<()>) -> Result<()> {
+    let bad = |e: std::io::Error| Failure::bad_input(format!("{}: {e}", path.display()));
+    let r = std::io::BufReader::new(std::fs::File::open(path).map_err(bad)?);
+    for (i, line) in r.lines().enumerate() {
+        let line =
+            line.map_err(|e| Failure::bad_input(format!("{}:{}: {e}", path.display(), i + 1)))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let record: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
+            Failure::bad_input(format!("{}:{}: not JSON: {e}", path.display(), i + 1))
+        })?;
+        let text = record.get(field).and_then(|v| v.as_str()).ok_or_else(|| {
+            Failure::bad_input(format!(
+                "{}:{}: no string field `{field}` (choose one with --field)",
+                path.display(),
+                i + 1
+            ))
+        })?;
+        sink(Piece {
+            text: text.to_string(),
+            ends_document: true,
+        })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_split_takes_every_nth_piece() {
+        let mut s = Split::new(0.1);
+        let picks: Vec<bool> = (0..30).map(|_| s.next_is_val()).collect();
+        assert_eq!(picks.iter().filter(|&&v| v).count(), 3);
+        assert!(picks[9] && picks[19] && picks[29]);
+        let mut none = Split::new(0.0);
+        assert!((0..100).all(|_| !none.next_is_val()));
+    }
+}

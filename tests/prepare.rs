@@ -1,0 +1,284 @@
+//! `zrun prepare` with a Hugging Face tokenizer.json, and training on what it
+//! writes: the token files hold exactly the tokenizer's ids (against a word
+//! lookup written here), split evenly into train and val; the manifest keeps a
+//! model with too small a vocabulary from launching; a vocabulary above 65,536
+//! gets u32 files that train; an id outside the vocabulary in a file without a
+//! manifest is exit 2 naming the file and the offset.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use e2e::{metrics, zrun, TrainArgs};
+
+/// A word-level tokenizer.json (whitespace pre-tokenizer, so that a word is a
+/// token): `<|endoftext|>` is 0, `[UNK]` 1, then `words`.
+fn tokenizer(dir: &Path, words: &[String]) -> (PathBuf, HashMap<String, u32>) {
+    let mut vocab: HashMap<String, u32> = HashMap::new();
+    vocab.insert("<|endoftext|>".into(), 0);
+    vocab.insert("[UNK]".into(), 1);
+    for (i, w) in words.iter().enumerate() {
+        vocab.insert(w.clone(), i as u32 + 2);
+    }
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [{"id": 0, "content": "<|endoftext|>", "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    });
+    let p = dir.join("tokenizer.json");
+    std::fs::write(&p, serde_json::to_string(&json).unwrap()).unwrap();
+    (p, vocab)
+}
+
+fn words(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("w{i}")).collect()
+}
+
+/// Ids of a little-endian token file.
+fn ids(p: &Path, width: usize) -> Vec<u32> {
+    std::fs::read(p)
+        .unwrap()
+        .chunks_exact(width)
+        .map(|c| match width {
+            2 => u32::from(u16::from_le_bytes([c[0], c[1]])),
+            _ => u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+        })
+        .collect()
+}
+
+/// A pseudo-random sentence of `n` words from the first `of` words.
+fn sentence(seed: usize, n: usize, of: usize) -> String {
+    (0..n)
+        .map(|i| format!("w{}", (seed * 31 + i * 7 + i * i) % of))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn job(dir: &Path, vocab: usize, data: &str) -> PathBuf {
+    let p = dir.join("job.yaml");
+    std::fs::write(
+        &p,
+        format!(
+            "name: prepared\nmodel: {{vocab_size: {vocab}, d_model: 32, n_layers: 1, n_heads: 4, seq_len: 16}}\ndata: {data}\ntrain: {{steps: 4, micro_batch_size: 2, lr: 3.0e-3, warmup_steps: 1, eval_every: 2, eval_steps: 1}}\nrun_dir: {}/runs\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    p
+}
+
+#[test]
+fn prepared_tokens_are_the_tokenizers_and_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (tok, vocab) = tokenizer(d, &words(40));
+    // A text file (one document, one piece) and 39 JSONL records.
+    let text: String = (0..50).map(|i| sentence(i, 12, 40) + "\n").collect();
+    std::fs::write(d.join("a.txt"), &text).unwrap();
+    let records: Vec<String> = (0..39).map(|i| sentence(100 + i, 9, 40)).collect();
+    let jsonl: String = records
+        .iter()
+        .map(|r| serde_json::json!({"text": r, "id": 7}).to_string() + "\n")
+        .collect();
+    std::fs::write(d.join("b.jsonl"), jsonl).unwrap();
+    let out = d.join("data");
+    let f = zrun(
+        d,
+        &[
+            "prepare",
+            d.join("a.txt").to_str().unwrap(),
+            d.join("b.jsonl").to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--val-fraction",
+            "0.1",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    // The reference: each word's id, then the end-of-text id per document.
+    let encode = |s: &str| -> Vec<u32> {
+        let mut v: Vec<u32> = s.split_whitespace().map(|w| vocab[w]).collect();
+        v.push(0);
+        v
+    };
+    // 40 pieces, every tenth to val: pieces 9, 19, 29, 39 (records 8, 18, 28, 38).
+    let mut train = encode(&text);
+    let mut val = Vec::new();
+    for (i, r) in records.iter().enumerate() {
+        if (i + 2) % 10 == 0 {
+            val.extend(encode(r));
+        } else {
+            train.extend(encode(r));
+        }
+    }
+    assert_eq!(ids(&out.join("train.bin"), 2), train);
+    assert_eq!(ids(&out.join("val.bin"), 2), val);
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["vocab_size"], 42);
+    assert_eq!(m["format"], "tokens_u16");
+    assert_eq!(m["eos_id"], 0);
+    assert_eq!(m["files"]["train.bin"]["tokens"], train.len());
+    assert_eq!(m["files"]["val.bin"]["documents"], 4);
+    assert_eq!(m["files"]["train.bin"]["max_token_id"], 41);
+    assert_eq!(m["tokenizer_sha256"].as_str().unwrap().len(), 64);
+    // A second run keeps the first's output.
+    let again = zrun(
+        d,
+        &[
+            "prepare",
+            d.join("a.txt").to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(again.code(), 2, "{again:?}");
+    assert!(again.stderr.contains("exists"), "{}", again.stderr);
+    assert_eq!(ids(&out.join("train.bin"), 2), train);
+
+    // Train on it, validating on val.bin.
+    let data = format!(
+        "{{path: {}, val_path: {}, format: tokens_u16}}",
+        out.join("train.bin").display(),
+        out.join("val.bin").display()
+    );
+    let j = job(d, 42, &data);
+    let m = d.join("m.jsonl");
+    let f = TrainArgs::new(&j, &m).run(d);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let vals: Vec<f64> = metrics(&m)
+        .iter()
+        .filter_map(|l| l.get("val_loss")?.as_f64())
+        .collect();
+    assert_eq!(vals.len(), 2, "validation at steps 2 and 4");
+    // A model smaller than the tokenizer's vocabulary does not launch.
+    let f = TrainArgs::new(&j, &m)
+        .set("model.vocab_size=40")
+        .args(&["--overwrite"])
+        .run(d);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("40 is smaller than the vocabulary of the tokenizer")
+            && f.stderr.contains("manifest.json"),
+        "{}",
+        f.stderr
+    );
+}
+
+#[test]
+fn a_vocabulary_above_u16_gets_u32_files_that_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let n = 70_000;
+    let (tok, vocab) = tokenizer(d, &words(n));
+    // Words from the top of the vocabulary, so that ids exceed 65,535.
+    let text: String = (0..40)
+        .map(|i| {
+            (0..10)
+                .map(|k| format!("w{}", n - 1 - (i * 13 + k * 101) % 8000))
+                .collect::<Vec<_>>()
+                .join(" ")
+                + "\n"
+        })
+        .collect();
+    let records: String = text
+        .lines()
+        .map(|l| serde_json::json!({"body": l}).to_string() + "\n")
+        .collect();
+    std::fs::write(d.join("c.jsonl"), records).unwrap();
+    let out = d.join("data32");
+    let f = zrun(
+        d,
+        &[
+            "prepare",
+            d.join("c.jsonl").to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--field",
+            "body",
+            "--val-fraction",
+            "0.25",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(
+        f.stdout.contains("; tokens_u32, vocabulary 70002"),
+        "{}",
+        f.stdout
+    );
+    let train = ids(&out.join("train.bin"), 4);
+    let first: Vec<u32> = text
+        .lines()
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .map(|w| vocab[w])
+        .collect();
+    assert_eq!(train[..first.len()], first[..]);
+    assert!(train.iter().any(|&t| t > 65_535));
+    let data = format!(
+        "{{path: {}, val_path: {}, format: tokens_u32}}",
+        out.join("train.bin").display(),
+        out.join("val.bin").display()
+    );
+    let j = job(d, n + 2, &data);
+    let f = TrainArgs::new(&j, d.join("m.jsonl")).run(d);
+    assert_eq!(f.code(), 0, "{f:?}");
+    // The wrong field is exit 2 at its line.
+    let f = zrun(
+        d,
+        &[
+            "prepare",
+            d.join("c.jsonl").to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--out",
+            d.join("other").to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("c.jsonl:1: no string field `text`"),
+        "{}",
+        f.stderr
+    );
+}
+
+#[test]
+fn an_id_outside_the_vocabulary_is_refused_at_its_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut raw: Vec<u16> = (0..400).map(|i| (i % 200) as u16).collect();
+    raw[333] = 300;
+    let bytes: Vec<u8> = raw.iter().flat_map(|t| t.to_le_bytes()).collect();
+    std::fs::write(d.join("raw.bin"), bytes).unwrap();
+    let data = format!(
+        "{{path: {}, format: tokens_u16}}",
+        d.join("raw.bin").display()
+    );
+    let j = job(d, 256, &data);
+    let f = zrun(
+        d,
+        &["check", j.to_str().unwrap(), "--set", "train.eval_every=0"],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("raw.bin holds token id 300 at token offset 333 (byte 666)"),
+        "{}",
+        f.stderr
+    );
+}
