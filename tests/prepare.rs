@@ -1,7 +1,8 @@
 //! `zrun prepare` with a Hugging Face tokenizer.json, and training on what it
 //! writes: the token files hold exactly the tokenizer's ids (against a word
 //! lookup written here), split evenly into train and val; the manifest keeps a
-//! model with too small a vocabulary from launching; a vocabulary above 65,536
+//! model with too small a vocabulary from launching; `zrun sample` speaks
+//! through the tokenizer; a vocabulary above 65,536
 //! gets u32 files that train; an id outside the vocabulary in a file without a
 //! manifest is exit 2 naming the file and the offset.
 
@@ -34,6 +35,16 @@ fn tokenizer(dir: &Path, words: &[String]) -> (PathBuf, HashMap<String, u32>) {
     let p = dir.join("tokenizer.json");
     std::fs::write(&p, serde_json::to_string(&json).unwrap()).unwrap();
     (p, vocab)
+}
+
+/// `zrun prepare INPUTS --tokenizer TOK --out OUT EXTRA…` in `d`.
+fn prepare(d: &Path, inputs: &[&str], tok: &Path, out: &Path, extra: &[&str]) -> e2e::Finished {
+    let mut args = vec!["prepare".to_string()];
+    args.extend(inputs.iter().map(|i| d.join(i).display().to_string()));
+    args.extend(["--tokenizer".into(), tok.display().to_string()]);
+    args.extend(["--out".into(), out.display().to_string()]);
+    args.extend(extra.iter().map(|e| e.to_string()));
+    zrun(d, &args.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
 fn words(n: usize) -> Vec<String> {
@@ -88,19 +99,12 @@ fn prepared_tokens_are_the_tokenizers_and_train() {
         .collect();
     std::fs::write(d.join("b.jsonl"), jsonl).unwrap();
     let out = d.join("data");
-    let f = zrun(
+    let f = prepare(
         d,
-        &[
-            "prepare",
-            d.join("a.txt").to_str().unwrap(),
-            d.join("b.jsonl").to_str().unwrap(),
-            "--tokenizer",
-            tok.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--val-fraction",
-            "0.1",
-        ],
+        &["a.txt", "b.jsonl"],
+        &tok,
+        &out,
+        &["--val-fraction", "0.1"],
     );
     assert_eq!(f.code(), 0, "{f:?}");
     // The reference: each word's id, then the end-of-text id per document.
@@ -131,17 +135,7 @@ fn prepared_tokens_are_the_tokenizers_and_train() {
     assert_eq!(m["files"]["train.bin"]["max_token_id"], 41);
     assert_eq!(m["tokenizer_sha256"].as_str().unwrap().len(), 64);
     // A second run keeps the first's output.
-    let again = zrun(
-        d,
-        &[
-            "prepare",
-            d.join("a.txt").to_str().unwrap(),
-            "--tokenizer",
-            tok.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
-    );
+    let again = prepare(d, &["a.txt"], &tok, &out, &[]);
     assert_eq!(again.code(), 2, "{again:?}");
     assert!(again.stderr.contains("exists"), "{}", again.stderr);
     assert_eq!(ids(&out.join("train.bin"), 2), train);
@@ -154,13 +148,47 @@ fn prepared_tokens_are_the_tokenizers_and_train() {
     );
     let j = job(d, 42, &data);
     let m = d.join("m.jsonl");
-    let f = TrainArgs::new(&j, &m).run(d);
+    let ckpt = d.join("ckpt");
+    let f = TrainArgs::new(&j, &m)
+        .set(format!("checkpoint.dir={}", ckpt.display()))
+        .run(d);
     assert_eq!(f.code(), 0, "{f:?}");
     let vals: Vec<f64> = metrics(&m)
         .iter()
         .filter_map(|l| l.get("val_loss")?.as_f64())
         .collect();
     assert_eq!(vals.len(), 2, "validation at steps 2 and 4");
+    // Sampling through the tokenizer: the prompt, then words of the
+    // vocabulary (the end-of-text id decodes to nothing), the same for a seed.
+    let sample = || {
+        zrun(
+            d,
+            &[
+                "sample",
+                ckpt.to_str().unwrap(),
+                "--tokenizer",
+                tok.to_str().unwrap(),
+                "--prompt",
+                "w3 w10",
+                "--tokens",
+                "12",
+                "--seed",
+                "5",
+            ],
+        )
+    };
+    let s = sample();
+    assert_eq!(s.code(), 0, "{s:?}");
+    let text = s.stdout.trim_end();
+    assert!(text.starts_with("w3 w10 "), "{text}");
+    let drawn: Vec<&str> = text.split_whitespace().skip(2).collect();
+    assert!(!drawn.is_empty() && drawn.len() <= 12, "{text}");
+    assert!(drawn.iter().all(|w| vocab.contains_key(*w)), "{text}");
+    assert_eq!(sample().stdout, s.stdout);
+    // Without the tokenizer, a model of 42 tokens cannot take a byte prompt.
+    let f = zrun(d, &["sample", ckpt.to_str().unwrap(), "--prompt", "w3"]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("give --tokenizer"), "{}", f.stderr);
     // A model smaller than the tokenizer's vocabulary does not launch.
     let f = TrainArgs::new(&j, &m)
         .set("model.vocab_size=40")
@@ -198,20 +226,12 @@ fn a_vocabulary_above_u16_gets_u32_files_that_train() {
         .collect();
     std::fs::write(d.join("c.jsonl"), records).unwrap();
     let out = d.join("data32");
-    let f = zrun(
+    let f = prepare(
         d,
-        &[
-            "prepare",
-            d.join("c.jsonl").to_str().unwrap(),
-            "--tokenizer",
-            tok.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--field",
-            "body",
-            "--val-fraction",
-            "0.25",
-        ],
+        &["c.jsonl"],
+        &tok,
+        &out,
+        &["--field", "body", "--val-fraction", "0.25"],
     );
     assert_eq!(f.code(), 0, "{f:?}");
     assert!(
@@ -238,17 +258,7 @@ fn a_vocabulary_above_u16_gets_u32_files_that_train() {
     let f = TrainArgs::new(&j, d.join("m.jsonl")).run(d);
     assert_eq!(f.code(), 0, "{f:?}");
     // The wrong field is exit 2 at its line.
-    let f = zrun(
-        d,
-        &[
-            "prepare",
-            d.join("c.jsonl").to_str().unwrap(),
-            "--tokenizer",
-            tok.to_str().unwrap(),
-            "--out",
-            d.join("other").to_str().unwrap(),
-        ],
-    );
+    let f = prepare(d, &["c.jsonl"], &tok, &d.join("other"), &[]);
     assert_eq!(f.code(), 2, "{f:?}");
     assert!(
         f.stderr.contains("c.jsonl:1: no string field `text`"),

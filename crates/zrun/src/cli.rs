@@ -26,7 +26,7 @@ pub enum Command {
     Estimate(EstimateArgs),
     /// Consolidate a checkpoint into one f32 safetensors file.
     Export(ExportArgs),
-    /// Generate text from a checkpoint (byte-level models).
+    /// Generate text from a checkpoint (byte-level, or with a tokenizer).
     Sample(SampleArgs),
     /// Tokenize text files or JSONL into token files for training.
     Prepare(PrepareArgs),
@@ -66,9 +66,13 @@ pub struct SampleArgs {
     /// A checkpoint directory (`step-N/`), or a checkpoint root (its newest).
     #[arg(value_name = "CHECKPOINT_DIR")]
     pub checkpoint: PathBuf,
-    /// The text to continue (encoded as bytes).
+    /// The text to continue (encoded as bytes, or with --tokenizer).
     #[arg(long)]
     pub prompt: String,
+    /// The Hugging Face tokenizer.json the model's data was prepared with
+    /// (needed for any model but a byte-level one).
+    #[arg(long, value_name = "tokenizer.json")]
+    pub tokenizer: Option<PathBuf>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 200)]
     pub tokens: usize,

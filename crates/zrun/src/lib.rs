@@ -134,18 +134,24 @@ pub fn exit_code_of(e: &anyhow::Error) -> u8 {
 
 /// `zrun export`: consolidated f32 weights under the model's parameter names.
 /// `zrun sample`: checks the arguments and the checkpoint, then runs
-/// `zworker sample`, whose output goes straight to the terminal.
+/// `zworker sample`. A byte-level model's output goes straight to the
+/// terminal; with `--tokenizer`, zrun encodes the prompt, reads the drawn ids
+/// and prints their text as it grows.
 fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
     let bad = |e: zckpt::CkptError| Failure::bad_input(e.to_string());
     let dir = zckpt::resolve(&args.checkpoint).map_err(bad)?;
     let ckpt = zckpt::Checkpoint::open(&dir).map_err(bad)?;
     let vocab = ckpt.manifest.model.vocab_size;
-    if vocab != 256 {
-        return Err(Failure::bad_input(format!(
-            "{}: a model of {vocab} tokens; zrun sample encodes the prompt as bytes, so it needs a byte-level model (vocab_size 256): tokenizers are not supported yet",
-            dir.display()
-        )));
-    }
+    let tokenizer = match &args.tokenizer {
+        Some(path) => Some(prepare::load_tokenizer(path, vocab)?),
+        None if vocab != 256 => {
+            return Err(Failure::bad_input(format!(
+                "{}: a model of {vocab} tokens: give --tokenizer, the tokenizer.json its data was prepared with (without one, zrun sample encodes the prompt as bytes, for byte-level models of vocab_size 256)",
+                dir.display()
+            )))
+        }
+        None => None,
+    };
     if args.prompt.is_empty() {
         return Err(Failure::bad_input(
             "--prompt: give at least one character to continue",
@@ -157,19 +163,46 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
             args.temperature
         )));
     }
+    let prompt_ids = match &tokenizer {
+        Some(t) => prepare::encode(t, &args.prompt)?,
+        None => Vec::new(),
+    };
+    let prompt = match &tokenizer {
+        Some(_) if prompt_ids.is_empty() => {
+            return Err(Failure::bad_input(
+                "--prompt: the tokenizer makes no tokens of it",
+            ))
+        }
+        Some(_) => prompt_ids
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
+        None => args.prompt.clone(),
+    };
     let worker = bench::worker_bin(args.worker_bin.clone())?;
-    let status = std::process::Command::new(&worker)
-        .arg("sample")
-        .arg(&dir)
-        .arg(&args.prompt)
-        .args([
-            args.tokens.to_string(),
-            args.temperature.to_string(),
-            args.top_k.to_string(),
-            args.seed.to_string(),
-        ])
-        .status()
-        .map_err(|e| Failure::launch(format!("cannot start {}: {e}", worker.display())))?;
+    let mut command = std::process::Command::new(&worker);
+    command.arg("sample").arg(&dir).arg(&prompt).args([
+        args.tokens.to_string(),
+        args.temperature.to_string(),
+        args.top_k.to_string(),
+        args.seed.to_string(),
+    ]);
+    let launch =
+        |e: std::io::Error| Failure::launch(format!("cannot start {}: {e}", worker.display()));
+    let status = match &tokenizer {
+        None => command.status().map_err(launch)?,
+        Some(t) => {
+            let mut child = command
+                .arg("--ids")
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .map_err(launch)?;
+            let stdout = child.stdout.take().expect("piped");
+            prepare::print_decoded(t, &args.prompt, &prompt_ids, stdout)?;
+            child.wait().map_err(launch)?
+        }
+    };
     Ok(if status.success() {
         ExitCode::SUCCESS
     } else {

@@ -257,6 +257,73 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Reads a tokenizer.json: the tokenizer and the file's bytes.
+fn read_tokenizer(path: &Path) -> Result<(Tokenizer, Vec<u8>)> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| Failure::bad_input(format!("--tokenizer {}: {e}", path.display())))?;
+    let tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| {
+        Failure::bad_input(format!(
+            "--tokenizer {}: not a Hugging Face tokenizer.json: {e}",
+            path.display()
+        ))
+    })?;
+    Ok((tokenizer, bytes))
+}
+
+/// The tokenizer for sampling a model of `vocab` tokens (its vocabulary must
+/// fit the model's).
+pub fn load_tokenizer(path: &Path, vocab: usize) -> Result<Tokenizer> {
+    let (t, _) = read_tokenizer(path)?;
+    let has = t.get_vocab_size(true);
+    if has > vocab {
+        return Err(Failure::bad_input(format!(
+            "--tokenizer {}: {has} tokens, more than the model's vocab_size {vocab}: not the tokenizer its data was prepared with",
+            path.display()
+        )));
+    }
+    Ok(t)
+}
+
+/// `text`'s ids, without special tokens (as `zrun prepare` encodes).
+pub fn encode(t: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let enc = t
+        .encode(text, false)
+        .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+    Ok(enc.get_ids().to_vec())
+}
+
+/// Prints `prompt`, then the text of the ids `zworker sample --ids` writes
+/// (one a line) as it grows. The whole (prompt and drawn ids) is decoded each
+/// time and what it adds is printed, so that spaces between tokens and pieces
+/// of a character that span ids come out right.
+pub fn print_decoded(
+    t: &Tokenizer,
+    prompt: &str,
+    prompt_ids: &[u32],
+    ids: impl std::io::Read,
+) -> Result<()> {
+    let decode = |ids: &[u32]| {
+        t.decode(ids, true)
+            .map_err(|e| anyhow::anyhow!("decoding: {e}"))
+    };
+    let mut out = std::io::stdout().lock();
+    let _ = write!(out, "{prompt}");
+    let _ = out.flush();
+    let mut all = prompt_ids.to_vec();
+    let mut shown = decode(&all)?.len();
+    for line in std::io::BufReader::new(ids).lines() {
+        all.push(line?.trim().parse().context("an id from zworker sample")?);
+        let text = decode(&all)?;
+        if text.len() > shown && text.is_char_boundary(shown) {
+            let _ = write!(out, "{}", &text[shown..]);
+            let _ = out.flush();
+            shown = text.len();
+        }
+    }
+    let _ = writeln!(out);
+    Ok(())
+}
+
 /// Which pieces go to validation: piece i when ⌊(i+1)·f⌋ > ⌊i·f⌋, so exactly
 /// ⌊n·f⌋ of n, evenly spread.
 struct Split {

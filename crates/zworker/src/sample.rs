@@ -3,8 +3,8 @@
 //! zrun checks the arguments and the checkpoint (exit 2 on bad input) and
 //! runs `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K SEED`, so that the
 //! launcher stays free of the model. The worker reads the parameters whole
-//! (a tiled checkpoint's tiles put back together), encodes the prompt as
-//! bytes (a byte-level model; tokenizers do not exist yet), and for each new
+//! (a tiled checkpoint's tiles put back together), takes the prompt as bytes
+//! (a byte-level model) or as token ids (zrun holds the tokenizer), and for each new
 //! token runs the forward over the last `seq_len` tokens and draws from the
 //! last position's logits: greedy at temperature 0, else softmax(logits / T)
 //! over the `top_k` largest (all when 0), with a seeded generator so that a
@@ -115,12 +115,19 @@ impl Loaded {
     }
 }
 
-/// `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K SEED` (arguments
-/// checked by zrun): writes the prompt and `TOKENS` drawn bytes to stdout.
+/// `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K SEED [--ids]`
+/// (arguments checked by zrun). Without `--ids`: writes the prompt and
+/// `TOKENS` drawn bytes to stdout. With `--ids` (zrun encodes and decodes
+/// with a tokenizer): PROMPT is comma-separated token ids, and each drawn id
+/// is written on a line of its own as it is drawn.
 pub fn run(args: &[String]) -> Result<()> {
+    let (args, ids) = match args {
+        [rest @ .., last] if last == "--ids" => (rest, true),
+        _ => (args, false),
+    };
     let [dir, prompt, tokens, temperature, top_k, seed] = args else {
         bail!(
-            "usage: zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K SEED (zrun sample runs it)"
+            "usage: zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K SEED [--ids] (zrun sample runs it)"
         );
     };
     let n: usize = tokens.parse().context("TOKENS")?;
@@ -130,19 +137,36 @@ pub fn run(args: &[String]) -> Result<()> {
     };
     let mut rng = ChaCha8Rng::seed_from_u64(seed.parse().context("SEED")?);
     let loaded = load(Path::new(dir))?;
-    let seq_len = loaded.model.config().seq_len;
+    let config = loaded.model.config();
+    let (seq_len, vocab) = (config.seq_len, config.vocab_size);
     let mut out = std::io::stdout().lock();
-    out.write_all(prompt.as_bytes())?;
-    out.flush()?;
-    let mut context: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    let mut context: Vec<u32> = if ids {
+        prompt
+            .split(',')
+            .map(|t| t.trim().parse::<u32>().context("a prompt id"))
+            .collect::<Result<_>>()?
+    } else {
+        out.write_all(prompt.as_bytes())?;
+        out.flush()?;
+        prompt.bytes().map(u32::from).collect()
+    };
+    if let Some(bad) = context.iter().find(|&&t| t as usize >= vocab) {
+        bail!("prompt token {bad} is outside the model's vocabulary of {vocab}");
+    }
     for _ in 0..n {
         let window = &context[context.len().saturating_sub(seq_len)..];
         let next = pick(&loaded.next_logits(window)?, sampling, &mut rng);
-        out.write_all(&[next as u8])?;
+        if ids {
+            writeln!(out, "{next}")?;
+        } else {
+            out.write_all(&[next as u8])?;
+        }
         out.flush()?;
         context.push(next);
     }
-    out.write_all(b"\n")?;
+    if !ids {
+        out.write_all(b"\n")?;
+    }
     Ok(())
 }
 
