@@ -357,4 +357,44 @@ mod tests {
             );
         }
     }
+
+    fn timed_out(r: io::Result<Arc<Segment>>) -> String {
+        match r {
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => e.to_string(),
+            Err(e) => panic!("failed otherwise: {e}"),
+            Ok(_) => panic!("opened"),
+        }
+    }
+
+    /// Every wait in `open` ends at its deadline with an error saying what
+    /// was missing: a segment that never appears, one that is never
+    /// initialised, a rank that never maps it.
+    #[test]
+    fn every_wait_of_open_ends_at_its_deadline() {
+        let soon = || Instant::now() + Duration::from_millis(100);
+        let name = format!("zcomm-never-{}", std::process::id());
+        let e = timed_out(Segment::open(&name, 2, 1, soon()));
+        assert!(e.contains("did not appear"), "{e}");
+        // The right size but never initialised by local rank 0.
+        let path = zproto::shm_segment_path(&name);
+        let f = std::fs::File::create(&path).unwrap();
+        f.set_len(Segment::len(2) as u64).unwrap();
+        let e = timed_out(Segment::open(&name, 2, 1, soon()));
+        let _ = std::fs::remove_file(&path);
+        assert!(e.contains("never initialised"), "{e}");
+        // Local rank 0 alone of two.
+        let e = timed_out(Segment::open(&name, 2, 0, soon()));
+        let _ = std::fs::remove_file(&path);
+        assert!(e.contains("not every local rank mapped"), "{e}");
+    }
+
+    /// Once every local rank has the segment mapped, its name is gone (a
+    /// crashed job leaves nothing behind in /dev/shm).
+    #[test]
+    fn an_opened_segment_leaves_no_name_behind() {
+        let name = format!("zcomm-unlinked-{}", std::process::id());
+        let seg = Segment::open(&name, 1, 0, Instant::now() + Duration::from_secs(10)).unwrap();
+        assert!(!zproto::shm_segment_path(&name).exists());
+        drop(seg);
+    }
 }
