@@ -397,4 +397,36 @@ mod tests {
         assert!(!zproto::shm_segment_path(&name).exists());
         drop(seg);
     }
+
+    /// A rank that finds the segment before local rank 0 has initialised it
+    /// waits for the initialisation (and for every rank), then opens it.
+    #[test]
+    fn a_rank_waits_for_the_segments_initialisation() {
+        let name = format!("zcomm-late-init-{}", std::process::id());
+        let path = zproto::shm_segment_path(&name);
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        f.set_len(Segment::len(2) as u64).unwrap();
+        let waiter = {
+            let name = name.clone();
+            std::thread::spawn(move || {
+                Segment::open(&name, 2, 1, Instant::now() + Duration::from_secs(10))
+            })
+        };
+        std::thread::sleep(Duration::from_millis(200));
+        // Play local rank 0: initialise, then count itself in.
+        // SAFETY: a test's own file, mapped shared as the ranks map it.
+        let map = unsafe { MmapMut::map_mut(&f).unwrap() };
+        let seg = Segment { map, local: 2 };
+        seg.atomic(0).store(MAGIC, Ordering::Release);
+        seg.atomic(8).fetch_add(1, Ordering::AcqRel);
+        let opened = waiter.join().unwrap();
+        let _ = std::fs::remove_file(&path);
+        opened.unwrap();
+    }
 }
