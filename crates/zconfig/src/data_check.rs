@@ -157,13 +157,9 @@ impl LoadedJob {
         // SAFETY: read-only, and only for the length of this check.
         let map = unsafe { memmap2::Mmap::map(&file) }
             .map_err(|e| self.invalid(key, format!("{}: {e}", f.display())))?;
-        let id = |c: &[u8]| match width {
-            2 => u32::from(u16::from_le_bytes([c[0], c[1]])),
-            _ => u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-        };
         if let Some((i, t)) = map
             .chunks_exact(width)
-            .map(id)
+            .map(crate::spec::token_id)
             .enumerate()
             .find(|(_, t)| *t as usize >= vocab)
         {

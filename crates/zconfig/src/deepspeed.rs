@@ -995,6 +995,19 @@ impl Reader {
     }
 }
 
+/// Equal as the spec reads them: numbers by value (`5e8` is 500000000).
+pub fn same_value(a: &Value, b: &Value) -> bool {
+    match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => x == y,
+        _ => match (a.as_array(), b.as_array()) {
+            (Some(x), Some(y)) => {
+                x.len() == y.len() && x.iter().zip(y).all(|(p, q)| same_value(p, q))
+            }
+            _ => a == b,
+        },
+    }
+}
+
 fn join(path: &str, key: &str) -> String {
     if path.is_empty() {
         key.to_string()

@@ -173,7 +173,7 @@ fn import_deepspeed(
             let current = get_path(value, m.key).cloned().unwrap_or(Value::Null);
             match m.origin {
                 Origin::Default | Origin::Auto => continue,
-                Origin::Written if !same_value(&current, &new) => {
+                Origin::Written if !crate::deepspeed::same_value(&current, &new) => {
                     return Err(ConfigError::Invalid {
                         location: ds.location(m.at),
                         key: m.source.clone(),
@@ -205,19 +205,6 @@ fn import_deepspeed(
 
 fn get_path<'v>(root: &'v Value, key: &str) -> Option<&'v Value> {
     key.split('.').try_fold(root, |v, k| v.get(k))
-}
-
-/// Equal as the spec reads them: numbers by value (`5e8` is 500000000).
-fn same_value(a: &Value, b: &Value) -> bool {
-    match (a.as_f64(), b.as_f64()) {
-        (Some(x), Some(y)) => x == y,
-        _ => match (a.as_array(), b.as_array()) {
-            (Some(x), Some(y)) => {
-                x.len() == y.len() && x.iter().zip(y).all(|(p, q)| same_value(p, q))
-            }
-            _ => a == b,
-        },
-    }
 }
 
 fn syntax_error(path: &Path, text: &str, e: &serde_saphyr::Error) -> ConfigError {

@@ -171,6 +171,17 @@ impl DataFormat {
     }
 }
 
+/// The token id of one file token of `bytes.len()` bytes (1, 2 or 4,
+/// little-endian): how every reader of token files decodes them.
+pub fn token_id(bytes: &[u8]) -> u32 {
+    match *bytes {
+        [b] => u32::from(b),
+        [a, b] => u32::from(u16::from_le_bytes([a, b])),
+        [a, b, c, d] => u32::from_le_bytes([a, b, c, d]),
+        _ => panic!("a token is 1, 2 or 4 bytes, not {}", bytes.len()),
+    }
+}
+
 /// Optimisation settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -71,12 +71,7 @@ struct TokenFile {
 
 impl TokenFile {
     fn token(&self, i: usize) -> u32 {
-        let b = &self.map[i * self.width..(i + 1) * self.width];
-        match self.width {
-            1 => u32::from(b[0]),
-            2 => u32::from(u16::from_le_bytes([b[0], b[1]])),
-            _ => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-        }
+        zconfig::spec::token_id(&self.map[i * self.width..(i + 1) * self.width])
     }
 }
 

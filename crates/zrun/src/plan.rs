@@ -379,7 +379,9 @@ fn print_deepspeed_sources(job: &LoadedJob, world: usize) -> Result<()> {
             _ => format!("{} (line {line})", m.source),
         };
         let kept = match &m.value {
-            MappedValue::Set(v) if m.origin != Origin::Auto && !numbers_equal(v, &now) => {
+            MappedValue::Set(v)
+                if m.origin != Origin::Auto && !zconfig::deepspeed::same_value(v, &now) =>
+            {
                 " — not taken: the job file or --set gives its own value"
             }
             _ => "",
@@ -396,13 +398,6 @@ fn print_deepspeed_sources(job: &LoadedJob, world: usize) -> Result<()> {
         );
     }
     Ok(())
-}
-
-fn numbers_equal(a: &serde_json::Value, b: &serde_json::Value) -> bool {
-    match (a.as_f64(), b.as_f64()) {
-        (Some(x), Some(y)) => x == y,
-        _ => a == b,
-    }
 }
 
 #[cfg(test)]
