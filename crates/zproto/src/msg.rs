@@ -100,6 +100,10 @@ pub enum ToWorker {
         /// Why.
         reason: String,
     },
+    /// Nothing to do: sent after zrun was stopped, so that the worker's kernel
+    /// learns from its acknowledgement that zrun reads again (see zrun's
+    /// supervisor, `PROBE_MAX`).
+    Ping,
 }
 
 /// What a worker learns once authenticated.

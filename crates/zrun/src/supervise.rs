@@ -16,7 +16,7 @@ use nix::sys::signal::Signal;
 use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
-use zproto::{Task, ToServer, Token};
+use zproto::{Task, ToServer, ToWorker, Token};
 
 use crate::exit;
 use crate::launch::{spawn_local, spawn_slurm, spawn_ssh, WorkerProc};
@@ -32,6 +32,17 @@ const ABORT_GRACE: Duration = Duration::from_secs(3);
 const LOST_GRACE: Duration = Duration::from_secs(2);
 /// A gap this long between the event loop's 200 ms ticks means zrun was stopped.
 const STALL_GAP: Duration = Duration::from_secs(2);
+/// Linux's longest interval between zero-window probes (`TCP_RTO_MAX`).
+///
+/// While zrun is stopped, a worker's reports fill its control socket and the
+/// worker's kernel probes the closed window with exponential backoff. When zrun
+/// drains the socket, the window update that should wake the sender is not
+/// always sent (seen on loopback: a worker's socket in `persist`, backoff 4,
+/// 2 MB unsent and zrun's side empty, for the 3.6 s to its next probe). So after
+/// a stall of `gap`, zrun pings every rank each tick for a while (the ping's
+/// acknowledgement carries the open window), and each rank may stay silent for
+/// `heartbeat + min(gap, PROBE_MAX)`, the longest its next probe can take.
+const PROBE_MAX: Duration = Duration::from_secs(120);
 /// After a rank reports a failure, how long to wait for a crash that caused it:
 /// when a worker dies, its peers' collectives fail first, but the dead rank is
 /// the one to name.
@@ -171,6 +182,9 @@ struct Supervisor {
     /// stopped (Ctrl-Z, SIGSTOP, a suspended job or machine), and that time must
     /// not count against the workers' heartbeats.
     last_tick: Instant,
+    /// When zrun last resumed from a stall, and the extra silence allowed
+    /// until `heartbeat` past that (see [`PROBE_MAX`]).
+    resumed: Option<(Instant, Duration)>,
 }
 
 impl Supervisor {
@@ -204,6 +218,7 @@ impl Supervisor {
             heartbeat,
             rendezvous_deadline: now + rendezvous,
             last_tick: now,
+            resumed: None,
             reported: None,
             ssh,
         }
@@ -377,8 +392,8 @@ impl Supervisor {
         let gap = now - std::mem::replace(&mut self.last_tick, now);
         if gap > STALL_GAP {
             // zrun was not running: every rank gets a fresh heartbeat window
-            // (their reports are still queued on the sockets), and the
-            // rendezvous deadline moves by the time lost.
+            // and time for its socket to notice that zrun reads again (see
+            // PROBE_MAX), and the rendezvous deadline moves by the time lost.
             tracing::warn!(
                 "zrun was stopped for {:.1}s; not counting it against the workers",
                 gap.as_secs_f64()
@@ -386,7 +401,19 @@ impl Supervisor {
             for r in &mut self.ranks {
                 r.last_seen = r.last_seen.max(now);
             }
+            self.resumed = Some((now, gap.min(PROBE_MAX)));
             self.rendezvous_deadline += gap;
+        }
+        let mut patience = Duration::ZERO;
+        if let Some((at, grace)) = self.resumed {
+            if now - at > self.heartbeat + grace {
+                self.resumed = None;
+            } else {
+                patience = grace;
+                for rank in 0..self.ranks.len() {
+                    self.server.send(rank, ToWorker::Ping);
+                }
+            }
         }
         if let Some((at, message)) = &self.reported {
             if now - *at > CAUSE_GRACE {
@@ -417,7 +444,11 @@ impl Supervisor {
                     });
                 }
             }
-            if r.joined && !r.done && r.lost.is_none() && now - r.last_seen > self.heartbeat {
+            if r.joined
+                && !r.done
+                && r.lost.is_none()
+                && now - r.last_seen > self.heartbeat + patience
+            {
                 return Some(Outcome::Failed {
                     code: exit::TRAINING_FAILED,
                     message: format!(

@@ -108,6 +108,7 @@ impl ControlClient {
                         );
                         std::process::exit(1);
                     }
+                    Ok(ToWorker::Ping) => {}
                     Ok(reply) => {
                         let _ = tx.send(reply);
                     }
