@@ -66,11 +66,17 @@ impl Finished {
 impl Zrun {
     /// Starts `zrun ARGS` in `cwd`, output captured to files in a fresh temp dir.
     pub fn start(cwd: &Path, args: &[&str]) -> Zrun {
+        Zrun::start_with_env(cwd, args, &[])
+    }
+
+    /// [`Zrun::start`] with extra environment variables.
+    pub fn start_with_env(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Zrun {
         let logs = tempfile::tempdir().expect("temp dir");
         let out = logs.path().join("stdout");
         let err = logs.path().join("stderr");
         let child = Command::new(bin("zrun"))
             .args(args)
+            .envs(env.iter().copied())
             .current_dir(cwd)
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&out).expect("stdout file"))

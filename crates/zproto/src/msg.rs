@@ -5,6 +5,11 @@
 //! that the client reports (`Heartbeat`, `Report`, `BenchRows`, `Failed`, `Done`)
 //! and uses the key-value store (`KvSet`, `KvGet`, `KvWait`, like torch's TCPStore);
 //! the server may send `Abort` at any time.
+//!
+//! In per-node mode (`zrun train --nnodes`) the zrun of every other node joins
+//! node 0's zrun the same way, with `NodeHello` and `NodeWelcome` under contexts
+//! of their own, then relays its workers' output and exits (`NodeOutput`,
+//! `NodeExited`) and is told `Abort` and, at the end, `Finished`.
 
 use serde::{Deserialize, Serialize};
 use zconfig::JobSpec;
@@ -15,6 +20,10 @@ use crate::auth::{Nonce, Proof};
 pub const CONTROL_CONTEXT: &str = "zrun-control-v1";
 /// Auth context of the server's answer to the client.
 pub const SERVER_CONTEXT: &str = "zrun-server-v1";
+/// Auth context of a node's zrun joining node 0's (per-node mode).
+pub const NODE_CONTEXT: &str = "zrun-node-v1";
+/// Auth context of node 0's answer to a node's zrun.
+pub const NODE_SERVER_CONTEXT: &str = "zrun-node-server-v1";
 
 /// Worker → zrun.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -71,6 +80,45 @@ pub enum ToServer {
     },
     /// The worker finished its task and will exit 0.
     Done,
+    /// Per-node mode: a node's zrun answers the challenge (instead of `Hello`).
+    NodeHello {
+        /// Its node rank (1 or more: node 0 is the head).
+        node: u64,
+        /// `HMAC(token, NODE_CONTEXT | server nonce | node)`.
+        proof: Proof,
+        /// Its challenge for the head.
+        nonce: Nonce,
+        /// Its process id (for diagnostics).
+        pid: u32,
+        /// The host it runs on.
+        hostname: String,
+        /// How many workers it will start.
+        workers: u64,
+    },
+    /// Per-node mode: a line a node's worker printed.
+    NodeOutput {
+        /// The worker's rank.
+        rank: u64,
+        /// The line, without its newline.
+        line: String,
+        /// From stderr (else stdout).
+        stderr: bool,
+    },
+    /// Per-node mode: a node's worker ended.
+    NodeExited {
+        /// The worker's rank.
+        rank: u64,
+        /// Its raw wait status (as `waitpid` gives it).
+        status: i32,
+    },
+    /// Per-node mode: a node's zrun is stopping the job (a signal there, or a
+    /// job that is not node 0's).
+    NodeStopping {
+        /// Why.
+        reason: String,
+        /// The job's exit code for it (130 for a signal, 2 for bad input).
+        code: u8,
+    },
 }
 
 /// zrun → worker.
@@ -100,10 +148,28 @@ pub enum ToWorker {
         /// Why.
         reason: String,
     },
+    /// Per-node mode: the head's answer to `NodeHello`.
+    NodeWelcome(Box<NodeWelcome>),
+    /// Per-node mode: the job is over and every worker gone; exit with `code`.
+    Finished {
+        /// The job's exit code.
+        code: u8,
+    },
     /// Nothing to do: sent after zrun was stopped, so that the worker's kernel
     /// learns from its acknowledgement that zrun reads again (see zrun's
     /// supervisor, `PROBE_MAX`).
     Ping,
+}
+
+/// What a node's zrun learns once authenticated (per-node mode).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeWelcome {
+    /// `HMAC(token, NODE_SERVER_CONTEXT | node nonce | node)`.
+    pub server_proof: Proof,
+    /// The job id its workers must give.
+    pub job_id: String,
+    /// The workers' task (the node checks that its own job file says the same).
+    pub task: Task,
 }
 
 /// What a worker learns once authenticated.

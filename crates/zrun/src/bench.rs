@@ -57,6 +57,7 @@ fn local_plan(workers: usize, worker_bin: &std::path::Path) -> Result<LaunchPlan
         ssh: None,
         slurm: false,
         env: Vec::new(),
+        per_node: None,
     })
 }
 

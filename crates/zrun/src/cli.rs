@@ -171,12 +171,14 @@ pub struct LaunchArgs {
     /// Add unknown host keys to the known-hosts file instead of refusing them.
     #[arg(long)]
     pub ssh_accept_new: bool,
-    /// Address workers use to reach zrun's control socket.
+    /// Address workers use to reach zrun's control socket (per-node mode:
+    /// node 0's address; default `MASTER_ADDR`).
     #[arg(long, value_name = "ADDR")]
     pub master_addr: Option<String>,
-    /// Port of the control socket (default: any free port).
-    #[arg(long, value_name = "PORT", default_value_t = 0)]
-    pub master_port: u16,
+    /// Port of the control socket (default: any free port; per-node mode:
+    /// `MASTER_PORT`, else 29500).
+    #[arg(long, value_name = "PORT")]
+    pub master_port: Option<u16>,
     /// Path of the zworker binary (default: next to zrun).
     #[arg(long, value_name = "PATH")]
     pub worker_bin: Option<PathBuf>,
@@ -231,6 +233,32 @@ pub struct TrainArgs {
     /// (when the failure names one and other nodes remain).
     #[arg(long, requires = "max_restarts")]
     pub restart_exclude_failed: bool,
+    /// Per-node mode (one zrun per node, started by the cluster).
+    #[command(flatten)]
+    pub per_node: PerNodeArgs,
+}
+
+/// Per-node mode: each node's zrun starts its own workers and node 0's is the
+/// job's control plane (like `torchrun --nnodes --node-rank`). Given either of
+/// `--nnodes` / `--node-rank`, the other comes from the environment when absent
+/// (`NNODES`, `WORLD_SIZE`, `OMPI_COMM_WORLD_SIZE`, `PMI_SIZE`; `NODE_RANK`,
+/// `RANK`, `OMPI_COMM_WORLD_RANK`, `PMI_RANK`).
+#[derive(Debug, Args, Default)]
+pub struct PerNodeArgs {
+    /// Number of nodes, each running its own `zrun train` with the same job.
+    #[arg(long, value_name = "N")]
+    pub nnodes: Option<usize>,
+    /// This node's rank (0: the job's control plane).
+    #[arg(long, value_name = "R")]
+    pub node_rank: Option<usize>,
+    /// File holding the job token (hex, e.g. from `openssl rand -hex 32`);
+    /// default `ZRUN_TOKEN`. Never on the command line.
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Address this node's workers listen on for their peers (default: each
+    /// finds its address on the route to node 0).
+    #[arg(long, value_name = "ADDR")]
+    pub node_addr: Option<String>,
 }
 
 /// `zrun check`.

@@ -35,6 +35,12 @@ pub enum Handle {
         /// srun's process id (and process group).
         srun: u32,
     },
+    /// Per-node mode: a worker started by another node's zrun, which stops it
+    /// when told `Abort` (or when this zrun goes away).
+    Node {
+        /// That node's rank.
+        node: usize,
+    },
 }
 
 /// A started worker.
@@ -53,7 +59,7 @@ impl WorkerProc {
     pub fn pid(&self) -> u32 {
         match &self.handle {
             Handle::Local { pid } => *pid,
-            Handle::Slurm { .. } => 0,
+            Handle::Slurm { .. } | Handle::Node { .. } => 0,
             Handle::Remote(r) => r.pid.lock().map(|p| p.unwrap_or(0)).unwrap_or(0),
         }
     }
@@ -80,7 +86,7 @@ impl WorkerProc {
                     _ => tracing::error!("killing rank {} on {}: timed out", self.rank, self.host),
                 }
             }
-            (Handle::Remote(_), None) => {}
+            (Handle::Remote(_), None) | (Handle::Node { .. }, _) => {}
         }
     }
 }
@@ -118,17 +124,22 @@ fn worker_env(
     env
 }
 
-/// Starts one local worker per rank of the plan.
+/// Starts one local worker per rank of the plan (of node `only_node` alone,
+/// when given: per-node mode).
 pub fn spawn_local(
     plan: &LaunchPlan,
     job: &JobEnv,
     events: &mpsc::UnboundedSender<ProcEvent>,
+    only_node: Option<usize>,
 ) -> anyhow::Result<Vec<WorkerProc>> {
     let cpus = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
     let mut procs = Vec::new();
     for p in plan.topology.placements() {
+        if only_node.is_some_and(|n| n != p.node_rank) {
+            continue;
+        }
         let node = &plan.topology.nodes[p.node_rank];
         let env = worker_env(plan, &p, job, Some((cpus / p.local_world_size).max(1)));
         let mut child = Command::new(&plan.worker_bin)

@@ -15,6 +15,8 @@
 //! - [`worker`]: what launchers and the supervisor share (a worker's job
 //!   environment, process events, SSH options); a leaf, so arrows go one way.
 //! - [`train`]: `zrun train`: checks before launch, metrics file, `done` line.
+//! - [`pernode`]: per-node mode (`--nnodes`, `--node-rank`): node 0's zrun is
+//!   the job; every other node's zrun joins it and relays its own workers.
 //! - [`supervise`]: the event loop that turns worker messages, exits, heartbeats
 //!   and signals into an outcome and an exit code.
 //! - [`sink`]: where reports go (metrics and progress, or benchmark rows).
@@ -61,6 +63,7 @@ pub mod cli;
 pub mod estimate;
 pub mod launch;
 pub mod metrics;
+pub mod pernode;
 pub mod plan;
 pub mod prepare;
 pub mod progress;

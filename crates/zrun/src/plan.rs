@@ -10,6 +10,7 @@ use zconfig::deepspeed::{MappedValue, Origin};
 use zconfig::{load_job_with, JobSpec, LoadedJob, Topology, TopologyOptions};
 
 use crate::cli::{CheckArgs, LaunchArgs, Launcher};
+use crate::pernode::PerNode;
 use crate::worker::SshOptions;
 use crate::Failure;
 
@@ -37,6 +38,8 @@ pub struct LaunchPlan {
     pub slurm: bool,
     /// Extra environment for every worker: `.zrun_env` files, then the spec's `env`.
     pub env: Vec<(String, String)>,
+    /// Per-node mode: this zrun starts one node's workers only.
+    pub per_node: Option<PerNode>,
 }
 
 /// Resolves hostfile and launch flags into a topology (bad input: exit 2).
@@ -175,11 +178,52 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         topology,
         node_addrs,
         master_addr,
-        master_port: args.master_port,
+        master_port: args.master_port.unwrap_or(0),
         worker_bin,
         ssh,
         slurm: launcher == Launcher::Slurm,
         env,
+        per_node: None,
+    })
+}
+
+/// The plan of one node of a per-node job: every rank in the topology, this
+/// node's to start. Workers listen on `--node-addr`, or each on its address on
+/// the route to node 0 (as under Slurm).
+pub fn plan_per_node(
+    args: &LaunchArgs,
+    node_addr: Option<&str>,
+    spec: JobSpec,
+    per_node: PerNode,
+) -> Result<LaunchPlan> {
+    let topology = crate::pernode::topology(&per_node);
+    let mut node_addrs = vec!["0.0.0.0".to_string(); per_node.nnodes];
+    if let Some(a) = node_addr {
+        node_addrs[per_node.node_rank] = a.to_string();
+    }
+    let mut env = read_zrun_env()?;
+    env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    let worker_bin = match &args.worker_bin {
+        Some(p) => p.clone(),
+        None => default_worker_bin()?,
+    };
+    if !worker_bin.is_file() {
+        return Err(Failure::launch(format!(
+            "zworker not found at {} (build it with `cargo build --release`, or pass --worker-bin)",
+            worker_bin.display()
+        )));
+    }
+    Ok(LaunchPlan {
+        spec,
+        topology,
+        node_addrs,
+        master_addr: per_node.master_addr.clone(),
+        master_port: per_node.master_port,
+        worker_bin,
+        ssh: None,
+        slurm: false,
+        env,
+        per_node: Some(per_node),
     })
 }
 

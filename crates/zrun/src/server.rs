@@ -7,6 +7,11 @@
 //! exhaust zrun. Authenticated workers get their task, then stream messages that
 //! the server forwards as [`Event`]s, except key-value requests, which it answers
 //! itself (torch's TCPStore: set, get, wait with a deadline).
+//!
+//! In per-node mode the zruns of the other nodes connect here too (a
+//! `NodeHello` under its own auth context): their relayed worker output and
+//! exits become [`Event::Node`]s, and at the end they are told how the job
+//! finished ([`Server::finish_nodes`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -17,7 +22,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify, Semaphore};
 use zproto::auth::nonce;
 use zproto::frame::{read_frame_async, write_frame_async, HANDSHAKE_MAX, MAX_FRAME};
-use zproto::{Task, ToServer, ToWorker, Token, Welcome, CONTROL_CONTEXT, SERVER_CONTEXT};
+use zproto::{
+    NodeWelcome, Task, ToServer, ToWorker, Token, Welcome, CONTROL_CONTEXT, NODE_CONTEXT,
+    NODE_SERVER_CONTEXT, SERVER_CONTEXT,
+};
 
 /// How long a new connection may take to authenticate.
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
@@ -48,6 +56,29 @@ pub enum Event {
         /// Why.
         reason: String,
     },
+    /// Per-node mode: something about another node's zrun.
+    Node {
+        /// Its node rank.
+        node: usize,
+        /// What.
+        what: NodeEvent,
+    },
+}
+
+/// What another node's zrun did (per-node mode).
+#[derive(Debug)]
+pub enum NodeEvent {
+    /// It authenticated and was welcomed.
+    Joined {
+        /// Its host name.
+        hostname: String,
+        /// Its process id.
+        pid: u32,
+    },
+    /// A message from it (`NodeOutput`, `NodeExited`, `NodeStopping`).
+    Message(Box<ToServer>),
+    /// Its connection ended.
+    Lost(String),
 }
 
 /// The key-value store.
@@ -110,13 +141,22 @@ pub struct JobInfo {
     pub node_of_rank: Vec<usize>,
     /// The task every rank runs.
     pub task: Task,
+    /// Per-node mode: the number of nodes (each but node 0 joins with its own
+    /// zrun) and workers per node; `(0, 0)` otherwise.
+    pub nodes: (usize, usize),
 }
+
+type Senders = Arc<Mutex<HashMap<usize, mpsc::UnboundedSender<ToWorker>>>>;
 
 /// A running control server.
 pub struct Server {
     /// Where it listens.
     pub addr: SocketAddr,
-    senders: Arc<Mutex<HashMap<usize, mpsc::UnboundedSender<ToWorker>>>>,
+    senders: Senders,
+    /// Other nodes' zruns, by node rank (per-node mode).
+    node_senders: Senders,
+    /// Their connections' writers, which end after `Finished`.
+    node_writers: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
 }
 
 impl Server {
@@ -127,11 +167,17 @@ impl Server {
         events: mpsc::UnboundedSender<Event>,
     ) -> std::io::Result<Server> {
         let addr = listener.local_addr()?;
-        let senders: Arc<Mutex<HashMap<usize, mpsc::UnboundedSender<ToWorker>>>> = Arc::default();
+        let senders: Senders = Arc::default();
+        let node_senders: Senders = Arc::default();
+        let node_writers: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>> = Arc::default();
         let info = Arc::new(info);
         let store = Arc::new(Store::default());
         let limit = Arc::new(Semaphore::new(info.world_size + 64));
-        let s2 = senders.clone();
+        let conns = Connections {
+            workers: senders.clone(),
+            nodes: node_senders.clone(),
+            node_writers: node_writers.clone(),
+        };
         tokio::spawn(async move {
             loop {
                 let Ok((stream, peer)) = listener.accept().await else {
@@ -141,15 +187,20 @@ impl Server {
                     tracing::warn!("dropping connection from {peer}: too many connections");
                     continue;
                 };
-                let (info, store, senders, events) =
-                    (info.clone(), store.clone(), s2.clone(), events.clone());
+                let (info, store, conns, events) =
+                    (info.clone(), store.clone(), conns.clone(), events.clone());
                 tokio::spawn(async move {
-                    serve(stream, peer, &info, &store, &senders, &events).await;
+                    serve(stream, peer, &info, &store, &conns, &events).await;
                     drop(permit);
                 });
             }
         });
-        Ok(Server { addr, senders })
+        Ok(Server {
+            addr,
+            senders,
+            node_senders,
+            node_writers,
+        })
     }
 
     /// Sends a message to one rank, if it is connected.
@@ -164,19 +215,45 @@ impl Server {
         }
     }
 
-    /// Tells every connected rank to stop.
+    /// Tells every connected rank, and every other node's zrun, to stop.
     pub fn abort_all(&self, reason: &str) {
+        for senders in [&self.senders, &self.node_senders] {
+            for tx in senders.lock().unwrap_or_else(|p| p.into_inner()).values() {
+                let _ = tx.send(ToWorker::Abort {
+                    reason: reason.to_string(),
+                });
+            }
+        }
+    }
+
+    /// Tells every other node's zrun that the job ended with `code`, and waits
+    /// (at most `limit`) until that has been written to each.
+    pub async fn finish_nodes(&self, code: u8, limit: Duration) {
         for tx in self
-            .senders
+            .node_senders
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
         {
-            let _ = tx.send(ToWorker::Abort {
-                reason: reason.to_string(),
-            });
+            let _ = tx.send(ToWorker::Finished { code });
         }
+        let writers =
+            std::mem::take(&mut *self.node_writers.lock().unwrap_or_else(|p| p.into_inner()));
+        let _ = tokio::time::timeout(limit, async {
+            for w in writers {
+                let _ = w.await;
+            }
+        })
+        .await;
     }
+}
+
+/// The authenticated connections, shared by the per-connection tasks.
+#[derive(Clone)]
+struct Connections {
+    workers: Senders,
+    nodes: Senders,
+    node_writers: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
 }
 
 async fn serve(
@@ -184,9 +261,10 @@ async fn serve(
     peer: SocketAddr,
     info: &JobInfo,
     store: &Arc<Store>,
-    senders: &Mutex<HashMap<usize, mpsc::UnboundedSender<ToWorker>>>,
+    conns: &Connections,
     events: &mpsc::UnboundedSender<Event>,
 ) {
+    let senders = &conns.workers;
     let _ = stream.set_nodelay(true);
     let challenge = nonce();
     let hello = tokio::time::timeout(HANDSHAKE_DEADLINE, async {
@@ -214,6 +292,28 @@ async fn serve(
                 return;
             }
             (rank as usize, nonce, hostname, pid)
+        }
+        Ok(Ok(ToServer::NodeHello {
+            node,
+            proof,
+            nonce,
+            pid,
+            hostname,
+            workers,
+        })) => {
+            if !info.token.verify(NODE_CONTEXT, &challenge, node, &proof) {
+                tracing::warn!("dropping {peer}: wrong job token");
+                return;
+            }
+            let hello = NodeHello {
+                node: node as usize,
+                nonce,
+                pid,
+                hostname,
+                workers: workers as usize,
+            };
+            serve_node(stream, peer, info, hello, conns, events).await;
+            return;
         }
         Ok(Ok(_)) => {
             tracing::warn!("dropping {peer}: did not say hello");
@@ -302,6 +402,123 @@ async fn serve(
     let _ = events.send(Event::Lost { rank, reason });
 }
 
+/// A node's authenticated hello (per-node mode).
+struct NodeHello {
+    node: usize,
+    nonce: zproto::Nonce,
+    pid: u32,
+    hostname: String,
+    workers: usize,
+}
+
+/// Serves another node's zrun: welcome (or refusal), then its relayed events.
+async fn serve_node(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    info: &JobInfo,
+    hello: NodeHello,
+    conns: &Connections,
+    events: &mpsc::UnboundedSender<Event>,
+) {
+    let (nodes, per_node) = info.nodes;
+    let node = hello.node;
+    let refusal = if node == 0 || node >= nodes {
+        Some(format!(
+            "node rank {node} is not part of this {nodes}-node job (node 0 is this zrun; the others are 1..{})",
+            nodes.max(1) - 1
+        ))
+    } else if hello.workers != per_node {
+        Some(format!(
+            "node {node} would start {} workers; every node of this job has {per_node} (--workers-per-node)",
+            hello.workers
+        ))
+    } else {
+        None
+    };
+    let (tx, mut outbox) = mpsc::unbounded_channel::<ToWorker>();
+    let refusal = refusal.or_else(|| {
+        let mut s = conns.nodes.lock().unwrap_or_else(|p| p.into_inner());
+        if s.contains_key(&node) {
+            return Some(format!("node {node} has already joined"));
+        }
+        s.insert(node, tx.clone());
+        None
+    });
+    if let Some(reason) = refusal {
+        tracing::warn!("refusing {peer}: {reason}");
+        let _ = write_frame_async(&mut stream, &ToWorker::Abort { reason }).await;
+        return;
+    }
+    let welcome = NodeWelcome {
+        server_proof: info
+            .token
+            .prove(NODE_SERVER_CONTEXT, &hello.nonce, node as u64),
+        job_id: info.job_id.clone(),
+        task: info.task.clone(),
+    };
+    if write_frame_async(&mut stream, &ToWorker::NodeWelcome(Box::new(welcome)))
+        .await
+        .is_err()
+    {
+        conns
+            .nodes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&node);
+        let _ = events.send(Event::Node {
+            node,
+            what: NodeEvent::Lost("closed during the handshake".into()),
+        });
+        return;
+    }
+    let _ = events.send(Event::Node {
+        node,
+        what: NodeEvent::Joined {
+            hostname: hello.hostname,
+            pid: hello.pid,
+        },
+    });
+    let (mut rd, mut wr) = stream.into_split();
+    let writer = tokio::spawn(async move {
+        while let Some(msg) = outbox.recv().await {
+            let last = matches!(msg, ToWorker::Finished { .. });
+            if write_frame_async(&mut wr, &msg).await.is_err() || last {
+                break;
+            }
+        }
+    });
+    conns
+        .node_writers
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(writer);
+    let reason = loop {
+        match read_frame_async::<_, ToServer>(&mut rd, MAX_FRAME).await {
+            Ok(
+                msg @ (ToServer::NodeOutput { .. }
+                | ToServer::NodeExited { .. }
+                | ToServer::NodeStopping { .. }),
+            ) => {
+                let _ = events.send(Event::Node {
+                    node,
+                    what: NodeEvent::Message(Box::new(msg)),
+                });
+            }
+            Ok(other) => tracing::warn!("node {node} sent an unexpected message: {other:?}"),
+            Err(e) => break e.to_string(),
+        }
+    };
+    conns
+        .nodes
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&node);
+    let _ = events.send(Event::Node {
+        node,
+        what: NodeEvent::Lost(reason),
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -354,6 +571,7 @@ mod tests {
             world_size: 2,
             node_of_rank: vec![0, 0],
             task: Task::BenchKernels { elements: 1024 },
+            nodes: (0, 0),
         };
         let server = Server::start(listener, info, events).unwrap();
         let stranger = Token::generate();

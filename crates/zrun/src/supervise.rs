@@ -19,9 +19,9 @@ use tokio::sync::mpsc;
 use zproto::{Task, ToServer, ToWorker, Token};
 
 use crate::exit;
-use crate::launch::{spawn_local, spawn_slurm, spawn_ssh, WorkerProc};
+use crate::launch::{spawn_local, spawn_slurm, spawn_ssh, Handle, WorkerProc};
 use crate::plan::LaunchPlan;
-use crate::server::{Event, JobInfo, Server};
+use crate::server::{Event, JobInfo, NodeEvent, Server};
 use crate::sink::Sink;
 use crate::worker::{JobEnv, ProcEvent, SshOptions};
 use crate::Failure;
@@ -80,6 +80,17 @@ struct RankState {
     op: Option<String>,
 }
 
+/// Where another node's zrun is (per-node mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NodeState {
+    /// Not joined yet.
+    Expected,
+    /// Joined and connected.
+    Joined,
+    /// Its connection ended.
+    Gone,
+}
+
 /// Starts the job's workers, supervises them to the end, and returns how it ended.
 pub fn run_job(
     plan: LaunchPlan,
@@ -93,9 +104,17 @@ pub fn run_job(
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let token = Token::generate();
+        let per_node = plan.per_node.clone();
+        let token = per_node
+            .as_ref()
+            .map_or_else(Token::generate, |p| p.token.clone());
         let job_id = job_id();
-        let bind = format!("{}:{}", plan.master_addr, plan.master_port);
+        // Per-node mode: the other nodes know node 0 by a name (a Kubernetes
+        // service, a host) that may not be an address of this host to bind.
+        let bind = match &per_node {
+            Some(p) => format!("0.0.0.0:{}", p.master_port),
+            None => format!("{}:{}", plan.master_addr, plan.master_port),
+        };
         let listener = TcpListener::bind(&bind).await.map_err(|e| {
             Failure::launch(format!("cannot open the control socket on {bind}: {e}"))
         })?;
@@ -106,6 +125,9 @@ pub fn run_job(
             world_size: plan.topology.world_size(),
             node_of_rank: plan.topology.node_of_rank(),
             task,
+            nodes: per_node
+                .as_ref()
+                .map_or((0, 0), |p| (p.nnodes, p.workers_per_node)),
         };
         let server = Server::start(listener, info, ev_tx)?;
         let (proc_tx, proc_rx) = mpsc::unbounded_channel();
@@ -119,8 +141,22 @@ pub fn run_job(
             spawn_ssh(&plan, &env, &proc_tx).await?
         } else if plan.slurm {
             spawn_slurm(&plan, &env, &proc_tx)?
+        } else if per_node.is_some() {
+            let mut procs = spawn_local(&plan, &env, &proc_tx, Some(0))?;
+            procs.extend(
+                plan.topology
+                    .placements()
+                    .into_iter()
+                    .filter(|p| p.node_rank > 0)
+                    .map(|p| WorkerProc {
+                        rank: p.rank,
+                        host: plan.topology.nodes[p.node_rank].host.clone(),
+                        handle: Handle::Node { node: p.node_rank },
+                    }),
+            );
+            procs
         } else {
-            spawn_local(&plan, &env, &proc_tx)?
+            spawn_local(&plan, &env, &proc_tx, None)?
         };
         drop(proc_tx);
         let mut sup = Supervisor::new(
@@ -131,34 +167,47 @@ pub fn run_job(
             rendezvous,
             plan.ssh.clone(),
         );
+        sup.nodes = vec![NodeState::Expected; per_node.as_ref().map_or(0, |p| p.nnodes)];
         let outcome = sup.watch(ev_rx, proc_rx).await;
-        // Shared-memory segments are unlinked by the workers once mapped; remove
-        // any a failed start left behind on this host.
-        let hpz = plan.spec.zero.hpz_partition_size;
-        let hpz_groups = if hpz > 1 {
-            plan.topology.world_size() / hpz
-        } else {
-            0
-        };
-        let segments = (0..plan.topology.nodes.len())
-            .map(|n| zproto::shm_segment_name(&env.job_id, n))
-            .chain((0..hpz_groups).map(|k| zproto::hpz_segment_name(&env.job_id, k)));
-        for name in segments {
-            let _ = std::fs::remove_file(zproto::shm_segment_path(&name));
+        if per_node.is_some() {
+            let code = match &outcome {
+                Ok(Outcome::Success) => exit::OK,
+                Ok(Outcome::Failed { code, .. }) => *code,
+                Err(_) => exit::TRAINING_FAILED,
+            };
+            sup.server.finish_nodes(code, Duration::from_secs(5)).await;
         }
-        // Swap files of local workers that could not remove their own (killed,
-        // crashed): workers are gone now, and a rank still locked is left alone.
-        if plan.ssh.is_none() && !plan.slurm {
-            let z = &plan.spec.zero;
-            for t in [&z.offload_optimizer, &z.offload_param] {
-                if let (true, Some(path)) = (t.is_nvme(), &t.nvme_path) {
-                    zswap::remove_job(std::path::Path::new(path), &env.job_id);
-                }
-            }
-        }
+        remove_node_leftovers(&plan, &env.job_id);
         let outcome = outcome?;
         Ok((outcome, sup.sink))
     })
+}
+
+/// Removes what this host's workers of job `job_id` could not: shared-memory
+/// segments (unlinked by the workers once mapped, left by a failed start) and
+/// the swap files of local workers that were killed or crashed (workers are
+/// gone now; a rank whose swap is still locked is left alone).
+pub fn remove_node_leftovers(plan: &LaunchPlan, job_id: &str) {
+    let hpz = plan.spec.zero.hpz_partition_size;
+    let hpz_groups = if hpz > 1 {
+        plan.topology.world_size() / hpz
+    } else {
+        0
+    };
+    let segments = (0..plan.topology.nodes.len())
+        .map(|n| zproto::shm_segment_name(job_id, n))
+        .chain((0..hpz_groups).map(|k| zproto::hpz_segment_name(job_id, k)));
+    for name in segments {
+        let _ = std::fs::remove_file(zproto::shm_segment_path(&name));
+    }
+    if plan.ssh.is_none() && !plan.slurm {
+        let z = &plan.spec.zero;
+        for t in [&z.offload_optimizer, &z.offload_param] {
+            if let (true, Some(path)) = (t.is_nvme(), &t.nvme_path) {
+                zswap::remove_job(std::path::Path::new(path), job_id);
+            }
+        }
+    }
 }
 
 fn job_id() -> String {
@@ -182,6 +231,8 @@ struct Supervisor {
     /// stopped (Ctrl-Z, SIGSTOP, a suspended job or machine), and that time must
     /// not count against the workers' heartbeats.
     last_tick: Instant,
+    /// Per-node mode: where each node's zrun is (node 0 is this one).
+    nodes: Vec<NodeState>,
     /// When zrun last resumed from a stall, and the extra silence allowed
     /// until `heartbeat` past that (see [`PROBE_MAX`]).
     resumed: Option<(Instant, Duration)>,
@@ -219,6 +270,7 @@ impl Supervisor {
             rendezvous_deadline: now + rendezvous,
             last_tick: now,
             resumed: None,
+            nodes: Vec::new(),
             reported: None,
             ssh,
         }
@@ -281,7 +333,7 @@ impl Supervisor {
                 shout!("{}", self.diagnosis());
             }
         }
-        self.reap(&mut procs).await;
+        self.reap(&mut procs, &mut events).await;
         Ok(outcome)
     }
 
@@ -298,6 +350,7 @@ impl Supervisor {
                 r.pid = pid;
                 r.last_seen = Instant::now();
             }
+            Event::Node { node, what } => return Ok(self.on_node(node, what)),
             Event::Lost { rank, reason } => {
                 self.ranks[rank].lost = Some((Instant::now(), reason));
                 if self.ranks[rank].exited.is_some() {
@@ -326,6 +379,90 @@ impl Supervisor {
             }
         }
         Ok(self.finished())
+    }
+
+    /// The ranks another node's zrun started (per-node mode).
+    fn ranks_of_node(&self, node: usize) -> Vec<usize> {
+        self.procs
+            .iter()
+            .filter(|p| matches!(p.handle, Handle::Node { node: n } if n == node))
+            .map(|p| p.rank)
+            .collect()
+    }
+
+    /// A relayed worker event, if `rank` is one of `node`'s.
+    fn relayed(&self, node: usize, msg: ToServer) -> Option<ProcEvent> {
+        let (rank, ev) = match msg {
+            ToServer::NodeOutput { rank, line, stderr } => (
+                rank as usize,
+                ProcEvent::Output {
+                    rank: rank as usize,
+                    line,
+                    stderr,
+                },
+            ),
+            ToServer::NodeExited { rank, status } => (
+                rank as usize,
+                ProcEvent::Exited {
+                    rank: rank as usize,
+                    status: ExitStatus::from_raw(status),
+                },
+            ),
+            _ => return None,
+        };
+        if self.ranks_of_node(node).contains(&rank) {
+            Some(ev)
+        } else {
+            tracing::warn!("node {node} relayed an event of rank {rank}, not one of its own");
+            None
+        }
+    }
+
+    fn on_node(&mut self, node: usize, what: NodeEvent) -> Option<Outcome> {
+        let host = |s: &Self| {
+            s.ranks_of_node(node)
+                .first()
+                .map_or_else(String::new, |&r| s.ranks[r].host.clone())
+        };
+        match what {
+            NodeEvent::Joined { hostname, pid } => {
+                tracing::info!("node {node} joined from {hostname} (zrun pid {pid})");
+                if let Some(n) = self.nodes.get_mut(node) {
+                    *n = NodeState::Joined;
+                }
+                for r in self.ranks_of_node(node) {
+                    self.ranks[r].host = hostname.clone();
+                }
+                None
+            }
+            NodeEvent::Message(msg) => match *msg {
+                ToServer::NodeStopping { reason, code } => Some(Outcome::Failed {
+                    code,
+                    message: format!(
+                        "node {node} (host {}): {reason}; all workers stopped",
+                        host(self)
+                    ),
+                    culprit: None,
+                }),
+                other => {
+                    let ev = self.relayed(node, other)?;
+                    self.on_proc(ev)
+                }
+            },
+            NodeEvent::Lost(reason) => {
+                if let Some(n) = self.nodes.get_mut(node) {
+                    *n = NodeState::Gone;
+                }
+                Some(Outcome::Failed {
+                    code: exit::TRAINING_FAILED,
+                    message: format!(
+                        "node {node}'s zrun (host {}) lost its connection ({reason})",
+                        host(self)
+                    ),
+                    culprit: self.ranks_of_node(node).first().copied(),
+                })
+            }
+        }
     }
 
     fn on_proc(&mut self, ev: ProcEvent) -> Option<Outcome> {
@@ -469,10 +606,22 @@ impl Supervisor {
                 .filter(|(_, r)| !r.joined)
                 .map(|(i, _)| i.to_string())
                 .collect();
+            let absent: Vec<String> = (1..self.nodes.len())
+                .filter(|&n| self.nodes[n] == NodeState::Expected)
+                .map(|n| n.to_string())
+                .collect();
+            let nodes = if absent.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " (the zrun of node(s) {} never joined: is it running, with the same ZRUN_TOKEN and --master-addr/--master-port?)",
+                    absent.join(", ")
+                )
+            };
             return Some(Outcome::Failed {
                 code: exit::LAUNCH_FAILED,
                 message: format!(
-                    "rendezvous timed out: ranks {} never joined",
+                    "rendezvous timed out: ranks {} never joined{nodes}",
                     missing.join(", ")
                 ),
                 culprit: None,
@@ -491,15 +640,34 @@ impl Supervisor {
 
     /// Waits for every worker to exit; kills the process groups of those that
     /// do not within the grace period.
-    async fn reap(&mut self, procs: &mut mpsc::UnboundedReceiver<ProcEvent>) {
+    /// Other nodes' workers (per-node mode) are stopped by their own zruns,
+    /// which relay the exits; a node whose zrun is gone has nothing more to say.
+    async fn reap(
+        &mut self,
+        procs: &mut mpsc::UnboundedReceiver<ProcEvent>,
+        events: &mut mpsc::UnboundedReceiver<Event>,
+    ) {
         let mut deadline = tokio::time::Instant::now() + ABORT_GRACE;
         let mut killed = false;
+        let mut local_done = false;
+        for node in 1..self.nodes.len() {
+            if self.nodes[node] != NodeState::Joined {
+                self.node_gone(node);
+            }
+        }
         while self.ranks.iter().any(|r| r.exited.is_none()) {
-            tokio::select! {
-                ev = procs.recv() => match ev {
-                    Some(ProcEvent::Exited { rank, status }) => self.ranks[rank].exited = Some((status, Instant::now())),
-                    Some(ProcEvent::Output { rank, line, stderr }) => self.sink.println(&format!("[rank {rank}] {line}"), stderr),
-                    None => break,
+            let ev = tokio::select! {
+                ev = procs.recv(), if !local_done => {
+                    local_done = ev.is_none();
+                    ev
+                }
+                Some(ev) = events.recv() => match ev {
+                    Event::Node { node, what: NodeEvent::Message(msg) } => self.relayed(node, *msg),
+                    Event::Node { node, what: NodeEvent::Lost(_) } => {
+                        self.node_gone(node);
+                        None
+                    }
+                    _ => None,
                 },
                 _ = tokio::time::sleep_until(deadline) => {
                     if killed {
@@ -513,8 +681,30 @@ impl Supervisor {
                     }
                     killed = true;
                     deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+                    None
                 }
+            };
+            match ev {
+                Some(ProcEvent::Exited { rank, status }) => {
+                    self.ranks[rank].exited = Some((status, Instant::now()))
+                }
+                Some(ProcEvent::Output { rank, line, stderr }) => {
+                    self.sink.println(&format!("[rank {rank}] {line}"), stderr)
+                }
+                None if local_done && self.nodes.is_empty() => break,
+                None => {}
             }
+        }
+    }
+
+    /// A node whose zrun is gone (or never came) will relay no more exits.
+    fn node_gone(&mut self, node: usize) {
+        for r in self.ranks_of_node(node) {
+            let r = &mut self.ranks[r];
+            r.exited = r.exited.or(Some((
+                ExitStatus::from_raw(Signal::SIGKILL as i32),
+                Instant::now(),
+            )));
         }
     }
 }

@@ -12,7 +12,7 @@ use zproto::{MemBytes, Task, TrainTask};
 
 use crate::cli::TrainArgs;
 use crate::metrics::{Aggregator, DoneLine};
-use crate::plan::{plan_launch, topology, LaunchPlan};
+use crate::plan::{plan_launch, plan_per_node, topology, LaunchPlan};
 use crate::progress::Progress;
 use crate::rundir::{self, MetricsWriter, ResumeLine, RunLock, Start};
 use crate::sink::Sink;
@@ -23,9 +23,36 @@ use crate::Failure;
 pub fn train(args: TrainArgs) -> Result<ExitCode> {
     let mut job = load_job_with(&args.job, &args.set, args.deepspeed.as_deref())?;
     crate::plan::warn_deepspeed(&job);
-    let topo = topology(&args.launch)?;
-    job.validate_on(&topo)?;
-    let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
+    let per_node = crate::pernode::resolve(&args.launch, &args.per_node)?;
+    let plan = match per_node {
+        Some(p) => {
+            if args.max_restarts > 0 {
+                return Err(Failure::bad_input(
+                    "--max-restarts: in per-node mode the cluster restarts the nodes (Kubernetes restartPolicy, JobSet failurePolicy); run with `--resume auto` to continue from the newest checkpoint",
+                ));
+            }
+            job.validate_on(&crate::pernode::topology(&p))?;
+            let plan = plan_per_node(
+                &args.launch,
+                args.per_node.node_addr.as_deref(),
+                job.spec.clone(),
+                p,
+            )?;
+            if plan.per_node.as_ref().is_some_and(|p| p.node_rank > 0) {
+                // Metrics, checkpoint locks, resume and the outcome are node
+                // 0's: this node starts and relays its workers.
+                check_memory(&plan)?;
+                crate::swap_check::check_offload(&plan)?;
+                return crate::pernode::join(plan);
+            }
+            plan
+        }
+        None => {
+            let topo = topology(&args.launch)?;
+            job.validate_on(&topo)?;
+            plan_launch(&args.launch, job.spec.clone(), topo)?
+        }
+    };
     check_memory(&plan)?;
     crate::swap_check::check_offload(&plan)?;
     let m = &plan.spec.model;
