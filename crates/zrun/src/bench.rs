@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use zconfig::{Node, Topology};
-use zproto::{BenchCommTask, BenchRow, Op, Task};
+use zproto::{BenchCommTask, BenchRow, KernelRow, Op, Task};
 
 use crate::cli::{BenchCommArgs, BenchIoArgs, BenchKernelsArgs};
 use crate::plan::{default_worker_bin, LaunchPlan};
@@ -76,29 +76,71 @@ pub(crate) fn worker_bin(given: Option<std::path::PathBuf>) -> Result<std::path:
     Ok(p)
 }
 
-/// `zrun bench kernels`.
-pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
-    if args.elements < 1024 {
-        return Err(Failure::bad_input("--elements must be at least 1024"));
-    }
-    let plan = local_plan(1, &worker_bin(args.worker_bin.clone())?)?;
-    let task = Task::BenchKernels {
-        elements: args.elements,
-    };
+/// Runs `bench kernels` in one local worker and returns its rows.
+pub fn measure_kernels(elements: usize, worker_bin: &std::path::Path) -> Result<Vec<KernelRow>> {
+    let plan = local_plan(1, worker_bin)?;
     let (outcome, sink) = run_job(
         plan,
-        task,
+        Task::BenchKernels { elements },
         Sink::Kernels { rows: Vec::new() },
         Duration::from_secs(120),
         Duration::from_secs(60),
     )?;
     if let Outcome::Failed { code, message, .. } = outcome {
-        shout!("zrun: {message}");
-        return Ok(ExitCode::from(code));
+        return Err(Failure { code, message }.into());
     }
     let Sink::Kernels { rows } = sink else {
         unreachable!("kernels sink")
     };
+    Ok(rows)
+}
+
+/// Runs `bench comm` with `workers` local workers over each transport and
+/// returns the rows (the memcpy reference once).
+pub fn measure_comm(
+    workers: usize,
+    ops: &[String],
+    sizes: &[u64],
+    transports: &[String],
+    worker_bin: &std::path::Path,
+) -> Result<Vec<BenchRow>> {
+    let mut all_rows: Vec<BenchRow> = Vec::new();
+    for transport in transports {
+        let plan = local_plan(workers, worker_bin)?;
+        let task = Task::BenchComm(BenchCommTask {
+            ops: ops.to_vec(),
+            sizes: sizes.to_vec(),
+            transport: transport.clone(),
+            timeout_s: 120.0,
+        });
+        let (outcome, sink) = run_job(
+            plan,
+            task,
+            Sink::Bench { rows: Vec::new() },
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+        )?;
+        if let Outcome::Failed { code, message, .. } = outcome {
+            return Err(Failure { code, message }.into());
+        }
+        if let Sink::Bench { rows } = sink {
+            // Every job measures the memcpy reference; one set of rows is enough.
+            let have_reference = all_rows.iter().any(|r| r.op == "memcpy");
+            all_rows.extend(
+                rows.into_iter()
+                    .filter(|r| !(have_reference && r.op == "memcpy")),
+            );
+        }
+    }
+    Ok(all_rows)
+}
+
+/// `zrun bench kernels`.
+pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
+    if args.elements < 1024 {
+        return Err(Failure::bad_input("--elements must be at least 1024"));
+    }
+    let rows = measure_kernels(args.elements, &worker_bin(args.worker_bin.clone())?)?;
     if args.json {
         say!(
             "{}",
@@ -168,35 +210,7 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
         }
     }
     let worker_bin = worker_bin(args.worker_bin.clone())?;
-    let mut all_rows: Vec<BenchRow> = Vec::new();
-    for transport in transports {
-        let plan = local_plan(args.workers, &worker_bin)?;
-        let task = Task::BenchComm(BenchCommTask {
-            ops: args.ops.clone(),
-            sizes: sizes.clone(),
-            transport,
-            timeout_s: 120.0,
-        });
-        let (outcome, sink) = run_job(
-            plan,
-            task,
-            Sink::Bench { rows: Vec::new() },
-            Duration::from_secs(60),
-            Duration::from_secs(60),
-        )?;
-        if let Outcome::Failed { code, message, .. } = outcome {
-            shout!("zrun: {message}");
-            return Ok(ExitCode::from(code));
-        }
-        if let Sink::Bench { rows } = sink {
-            // Every job measures the memcpy reference; one set of rows is enough.
-            let have_reference = all_rows.iter().any(|r| r.op == "memcpy");
-            all_rows.extend(
-                rows.into_iter()
-                    .filter(|r| !(have_reference && r.op == "memcpy")),
-            );
-        }
-    }
+    let all_rows = measure_comm(args.workers, &args.ops, &sizes, &transports, &worker_bin)?;
     if args.json {
         say!(
             "{}",

@@ -24,6 +24,8 @@ pub enum Command {
     Bench(BenchArgs),
     /// Predict memory per device for every ZeRO stage and offload choice.
     Estimate(EstimateArgs),
+    /// Rank the configurations of a job that fit memory by predicted speed.
+    Plan(PlanArgs),
     /// Consolidate a checkpoint into one f32 safetensors file.
     Export(ExportArgs),
     /// Generate text from a checkpoint (byte-level, or with a tokenizer).
@@ -259,6 +261,45 @@ pub struct PerNodeArgs {
     /// finds its address on the route to node 0).
     #[arg(long, value_name = "ADDR")]
     pub node_addr: Option<String>,
+}
+
+/// `zrun plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// The job spec (YAML).
+    #[arg(value_name = "JOB.yaml")]
+    pub job: PathBuf,
+    /// Launch options (the topology to plan for).
+    #[command(flatten)]
+    pub launch: LaunchArgs,
+    /// Override a job-spec key (repeatable), as for `zrun train`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// A DeepSpeed config (JSON) whose keys set the job's.
+    #[arg(long, value_name = "ds_config.json")]
+    pub deepspeed: Option<PathBuf>,
+    /// Write the best configuration as a job file that `zrun train` runs.
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// Train the best three for a few steps; print predicted against measured.
+    #[arg(long)]
+    pub verify: bool,
+    /// Steps per configuration with --verify.
+    #[arg(long, default_value_t = 8)]
+    pub verify_steps: u64,
+    /// Rows of the table.
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    /// Memory per worker (default: 90% of this host's available memory over
+    /// the workers per node).
+    #[arg(long, value_name = "GIB")]
+    pub memory_gib: Option<f64>,
+    /// Bandwidth between nodes in Gbit/s (default: what loopback TCP measured).
+    #[arg(long, value_name = "GBPS")]
+    pub link_gbps: Option<f64>,
+    /// Measure the machine again instead of using the cached figures.
+    #[arg(long)]
+    pub remeasure: bool,
 }
 
 /// `zrun check`.

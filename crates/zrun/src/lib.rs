@@ -26,6 +26,8 @@
 //! - [`bench`](mod@bench): `zrun bench comm` and `bench kernels`.
 //! - [`sweep`]: `zrun bench JOB.yaml --sweep`: throughput sweeps, table, CSV, JSON, SVG.
 //! - [`estimate`]: `zrun estimate`, and the memory warning before a launch.
+//! - [`planner`]: `zrun plan`: stage, offload, ZeRO++, micro-batch and
+//!   checkpointing chosen from measured figures of this machine.
 //! - [`swap_check`]: NVMe offload's checks before a launch (the swap path, free
 //!   space), and removing a finished job's swap files.
 //! - [`prepare`]: `zrun prepare`, text or JSONL to token files with a
@@ -65,6 +67,7 @@ pub mod launch;
 pub mod metrics;
 pub mod pernode;
 pub mod plan;
+pub mod planner;
 pub mod prepare;
 pub mod progress;
 pub mod rundir;
@@ -256,6 +259,7 @@ pub fn run() -> anyhow::Result<ExitCode> {
             None => sweep::sweep(b.job),
         },
         cli::Command::Estimate(args) => estimate::estimate(args),
+        cli::Command::Plan(args) => planner::plan(args),
         cli::Command::Export(args) => export(args),
         cli::Command::Sample(args) => sample(args),
         cli::Command::Prepare(args) => prepare::prepare(args),

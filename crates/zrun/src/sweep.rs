@@ -77,7 +77,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn row_from_metrics(config: Vec<(String, String)>, path: &Path) -> Result<SweepRow> {
+pub(crate) fn row_from_metrics(config: Vec<(String, String)>, path: &Path) -> Result<SweepRow> {
     let text = std::fs::read_to_string(path)?;
     let steps: Vec<serde_json::Value> = text
         .lines()
@@ -225,7 +225,7 @@ fn sets_for(c: &[(String, String)], args: &BenchJobArgs) -> Vec<String> {
     sets
 }
 
-fn launch_flags(l: &crate::cli::LaunchArgs) -> Vec<String> {
+pub(crate) fn launch_flags(l: &crate::cli::LaunchArgs) -> Vec<String> {
     let mut v = Vec::new();
     let mut push = |k: &str, val: Option<String>| {
         if let Some(x) = val {

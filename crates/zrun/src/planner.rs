@@ -1,0 +1,684 @@
+//! `zrun plan JOB.yaml`: which stage, offload, ZeRO++, micro-batch,
+//! accumulation and activation checkpointing to run a job with, found by
+//! arithmetic on measured figures of this machine instead of trial jobs
+//! (DeepSpeed's autotuner launches dozens).
+//!
+//! The figures ([`Machine`]): candle's f32 GEMM, the STREAM triad, AdamW (from
+//! `bench kernels`), the bus bandwidth of all-reduce, all-gather and
+//! reduce-scatter per transport (from `bench comm` with this node's workers),
+//! and the swap directory's bandwidth (`bench io`) when the job has one. They
+//! are measured on first use and cached per host and workers per node
+//! (`~/.cache/zrun/`, or `$ZRUN_CACHE_DIR`); other nodes are assumed alike.
+//!
+//! Every candidate keeps the job's global batch (micro × accumulation ×
+//! workers). One that fails the job's own validation or does not fit the
+//! memory per worker (the estimator's model states plus activations) is
+//! dropped; the rest are ranked by predicted step time, the sum of
+//! - compute: 6 FLOPs per parameter and token plus attention's 12·L·d·T, and
+//!   a second forward with checkpointing, at the GEMM's rate for this
+//!   worker's share of the cores;
+//! - memory-bound passes: about three passes over the activations per step
+//!   (four with checkpointing) at this worker's share of the triad;
+//! - the optimizer: AdamW's 28 bytes per parameter of the rank's slice at
+//!   AdamW's measured rate;
+//! - communication: the collectives' bus bytes per step over the measured
+//!   bus bandwidth (shared memory within a node, TCP or `--link-gbps` across
+//!   nodes), none of it assumed hidden (compute and communication share the
+//!   same cores);
+//! - swap traffic over the swap directory's bandwidth.
+//!
+//! `--verify` trains the best three for a few steps and prints predicted
+//! against measured tokens/s.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+use zconfig::estimate::{gpt_activation_bytes, gpt_params, worker_states, StateBytes};
+use zconfig::{load_job_with, JobSpec, Topology};
+
+use crate::cli::PlanArgs;
+use crate::plan::{default_worker_bin, topology};
+use crate::Failure;
+
+/// Measured figures of one host, for `workers` workers per node.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Machine {
+    /// Host name.
+    pub host: String,
+    /// Cores.
+    pub cpus: usize,
+    /// Workers per node the figures are for.
+    pub workers: usize,
+    /// candle's f32 GEMM with every core, GFLOP/s.
+    pub gemm_gflops: f64,
+    /// STREAM triad with every core, GB/s.
+    pub triad_gbps: f64,
+    /// AdamW (f32, the fastest SIMD path) at one worker's share of the cores, GB/s.
+    pub adamw_gbps: f64,
+    /// Bus bandwidth per (transport, collective), GB/s, at the largest size.
+    pub busbw: Vec<(String, String, f64)>,
+    /// The swap directory's read/write bandwidth, GB/s, where measured.
+    pub swap_gbps: Option<f64>,
+}
+
+impl Machine {
+    fn busbw(&self, transport: &str, op: &str) -> Option<f64> {
+        self.busbw
+            .iter()
+            .find(|(t, o, _)| t == transport && o == op)
+            .map(|x| x.2)
+    }
+}
+
+fn cache_path(workers: usize) -> PathBuf {
+    let dir = std::env::var_os("ZRUN_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("zrun")))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/zrun")))
+        .unwrap_or_else(|| PathBuf::from(".zrun-cache"));
+    dir.join(format!(
+        "machine-{}-{workers}w.json",
+        crate::pernode::hostname()
+    ))
+}
+
+/// The cached figures for `workers` per node, or new ones measured now.
+fn machine(workers: usize, remeasure: bool, worker_bin: &Path) -> Result<Machine> {
+    let path = cache_path(workers);
+    if !remeasure {
+        if let Some(m) = std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Machine>(&b).ok())
+        {
+            say!("zrun: machine figures from {}", path.display());
+            return Ok(m);
+        }
+    }
+    say!("zrun: measuring this machine (GEMM, memory bandwidth, AdamW, collectives with {workers} workers); cached in {}", path.display());
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let kernels = crate::bench::measure_kernels(1 << 24, worker_bin)?;
+    let per_worker = (cpus / workers).max(1);
+    // The row at the most threads a worker gets, fastest path first.
+    let best = |name: &str, f: &dyn Fn(&zproto::KernelRow) -> f64| {
+        kernels
+            .iter()
+            .filter(|r| r.kernel.starts_with(name) && !r.kernel.ends_with("_bf16"))
+            .filter(|r| name == "gemm" || r.threads <= per_worker)
+            .max_by(|a, b| a.threads.cmp(&b.threads).then(f(a).total_cmp(&f(b))))
+            .map(f)
+    };
+    let all_cores = |name: &str| {
+        kernels
+            .iter()
+            .filter(|r| r.kernel == name)
+            .max_by_key(|r| r.threads)
+            .map(|r| r.gbps)
+    };
+    let mut busbw = Vec::new();
+    if workers > 1 {
+        let ops: Vec<String> = ["all_reduce", "all_gather", "reduce_scatter"]
+            .map(String::from)
+            .to_vec();
+        let transports = ["shm".to_string(), "tcp".to_string()];
+        for r in crate::bench::measure_comm(workers, &ops, &[16 << 20], &transports, worker_bin)? {
+            if r.op != "memcpy" && r.op != "tcp_stream" {
+                busbw.push((r.transport, r.op, r.busbw_gbps));
+            }
+        }
+    }
+    let m = Machine {
+        host: crate::pernode::hostname(),
+        cpus,
+        workers,
+        gemm_gflops: best("gemm", &|r| r.gflops).unwrap_or(1.0),
+        triad_gbps: all_cores("triad").unwrap_or(1.0),
+        adamw_gbps: best("adamw", &|r| r.gbps).unwrap_or(1.0),
+        busbw,
+        swap_gbps: None,
+    };
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    if let Err(e) = zckpt::write_atomic(&path, &serde_json::to_vec_pretty(&m)?) {
+        say!(
+            "zrun: could not cache the figures at {}: {e}",
+            path.display()
+        );
+    }
+    Ok(m)
+}
+
+/// One configuration and what it is predicted to cost.
+#[derive(Debug, Clone, Serialize)]
+pub struct Candidate {
+    /// The job keys it sets.
+    pub sets: Vec<(String, String)>,
+    /// Predicted memory per worker (model states and activations), bytes.
+    pub memory: f64,
+    /// Predicted swap bytes per worker.
+    pub swap: f64,
+    /// Predicted step time, seconds, and its parts.
+    pub step_s: f64,
+    /// Compute (GEMM), memory-bound passes, optimizer, communication, swap.
+    pub parts: [f64; 5],
+    /// Predicted tokens per second of the whole job.
+    pub tokens_per_s: f64,
+    /// Measured tokens per second (`--verify`).
+    pub measured: Option<f64>,
+}
+
+impl Candidate {
+    fn label(&self) -> String {
+        self.sets
+            .iter()
+            .map(|(k, v)| format!("{}={v}", k.split_once('.').map_or(k.as_str(), |x| x.1)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+/// What the prediction needs about the topology and the machine.
+struct Setting<'a> {
+    world: usize,
+    nodes: usize,
+    machine: &'a Machine,
+    link_gbps: Option<f64>,
+}
+
+/// Predicted seconds of one step of `spec`: `[gemm, memory, optimizer, comm, swap]`.
+fn predict(spec: &JobSpec, s: &Setting) -> [f64; 5] {
+    let m = &spec.model;
+    let (psi, l, d, t) = (
+        gpt_params(m),
+        m.n_layers as f64,
+        m.d_model as f64,
+        m.seq_len as f64,
+    );
+    let w = s.world as f64;
+    let per_node = (s.world / s.nodes.max(1)).max(1) as f64;
+    let micro = spec.train.micro_batch_size as f64;
+    let accum = spec.train.grad_accum as f64;
+    let tokens = micro * accum * t;
+    let ac = spec.train.activation_checkpointing;
+    let per_token = 6.0 * psi + 12.0 * l * d * t;
+    let recompute = if ac { 2.0 * psi + 4.0 * l * d * t } else { 0.0 };
+    let gemm_rate = s.machine.gemm_gflops * 1e9 / per_node;
+    let gemm = tokens * (per_token + recompute) / gemm_rate;
+    let (acts, _) = gpt_activation_bytes(m, spec.train.micro_batch_size);
+    let passes = if ac { 4.0 } else { 3.0 };
+    let memory = accum * passes * acts / (s.machine.triad_gbps * 1e9 / per_node);
+    let stage = spec.zero.stage;
+    let slice = if stage.partitions_optimizer() {
+        psi / w
+    } else {
+        psi
+    };
+    let optimizer = 28.0 * slice / (s.machine.adamw_gbps * 1e9);
+    let b = StateBytes::for_dtype(spec.train.dtype);
+    let (g, p) = (b.grad * psi, b.param * psi);
+    let ring = (w - 1.0) / w;
+    // Bus bytes per collective kind: (all_reduce, all_gather, reduce_scatter).
+    let (ar, ag, rs) = match stage.number() {
+        0 => (2.0 * ring * g, 0.0, 0.0),
+        1 => (0.0, ring * p, ring * g),
+        2 => (0.0, ring * p, accum * ring * g),
+        _ => (0.0, accum * 2.0 * ring * p, accum * ring * g),
+    };
+    let comm = if s.world > 1 {
+        let rate = |op: &str| {
+            let shm = s.machine.busbw("shm", op).unwrap_or(1.0);
+            let tcp = s.machine.busbw("tcp", op).unwrap_or(1.0);
+            if s.nodes > 1 {
+                s.link_gbps.map_or(tcp, |l| l / 8.0).min(shm)
+            } else {
+                shm
+            }
+        };
+        let quantized = |bytes: f64, on: bool, bits: f64| {
+            if on {
+                bytes * bits / (8.0 * b.param)
+            } else {
+                bytes
+            }
+        };
+        let z = &spec.zero;
+        let ag = quantized(ag, z.quantized_weights, z.quantization.weight_bits as f64);
+        let rs = quantized(
+            rs,
+            z.quantized_gradients,
+            z.quantization.gradient_bits as f64,
+        );
+        (ar / rate("all_reduce") + ag / rate("all_gather") + rs / rate("reduce_scatter")) / 1e9
+    } else {
+        0.0
+    };
+    let states = worker_states(spec, s.world);
+    let swap = match s.machine.swap_gbps {
+        Some(bw) if states.nvme > 0.0 => {
+            let params = if spec.zero.offload_param.is_nvme() {
+                2.0 * accum * b.param * psi / w
+            } else {
+                0.0
+            };
+            (2.0 * (states.nvme - b.param * psi / w).max(0.0) + params) / (bw * 1e9 / per_node)
+        }
+        _ => 0.0,
+    };
+    [gemm, memory, optimizer, comm, swap]
+}
+
+/// The candidates' `--set` values: every stage, micro-batch (keeping the
+/// global batch), checkpointing on and off, swap where the job names a swap
+/// directory, ZeRO++ on more than one node.
+fn candidate_sets(spec: &JobSpec, world: usize, nodes: usize) -> Vec<Vec<(String, String)>> {
+    let global = spec.train.micro_batch_size * spec.train.grad_accum * world;
+    let swap_dir = spec
+        .zero
+        .offload_optimizer
+        .nvme_path
+        .clone()
+        .or_else(|| spec.zero.offload_param.nvme_path.clone());
+    let mut out = Vec::new();
+    for stage in 0..=3u8 {
+        let mut offloads: Vec<Vec<(String, String)>> = vec![vec![
+            ("zero.offload_optimizer.device".into(), "none".into()),
+            ("zero.offload_param.device".into(), "none".into()),
+        ]];
+        if let Some(dir) = &swap_dir {
+            offloads.push(vec![
+                ("zero.offload_optimizer.device".into(), "nvme".into()),
+                ("zero.offload_optimizer.nvme_path".into(), dir.clone()),
+                ("zero.offload_param.device".into(), "none".into()),
+            ]);
+            if stage == 3 {
+                offloads.push(vec![
+                    ("zero.offload_optimizer.device".into(), "nvme".into()),
+                    ("zero.offload_optimizer.nvme_path".into(), dir.clone()),
+                    ("zero.offload_param.device".into(), "nvme".into()),
+                    ("zero.offload_param.nvme_path".into(), dir.clone()),
+                ]);
+            }
+        }
+        let mut zeropp: Vec<Vec<(String, String)>> = vec![vec![
+            ("zero.quantized_weights".into(), "false".into()),
+            ("zero.quantized_gradients".into(), "false".into()),
+            ("zero.hpz_partition_size".into(), "1".into()),
+        ]];
+        if stage == 3 && nodes > 1 {
+            zeropp.push(vec![
+                ("zero.quantized_weights".into(), "true".into()),
+                ("zero.quantized_gradients".into(), "true".into()),
+                (
+                    "zero.hpz_partition_size".into(),
+                    (world / nodes).to_string(),
+                ),
+            ]);
+        }
+        for micro in (0..8).map(|i| 1usize << i) {
+            if !global.is_multiple_of(micro * world) {
+                continue;
+            }
+            let accum = global / (micro * world);
+            for ac in [false, true] {
+                for off in &offloads {
+                    for pp in &zeropp {
+                        let mut sets = vec![
+                            ("zero.stage".to_string(), stage.to_string()),
+                            ("train.micro_batch_size".into(), micro.to_string()),
+                            ("train.grad_accum".into(), accum.to_string()),
+                            ("train.activation_checkpointing".into(), ac.to_string()),
+                        ];
+                        sets.extend(off.iter().cloned());
+                        sets.extend(pp.iter().cloned());
+                        out.push(sets);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn as_sets(sets: &[(String, String)]) -> Vec<String> {
+    sets.iter().map(|(k, v)| format!("{k}={v}")).collect()
+}
+
+/// This host's available memory, bytes.
+fn available_memory() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024.0)
+}
+
+/// `zrun plan`.
+pub fn plan(args: PlanArgs) -> Result<ExitCode> {
+    let topo: Topology = topology(&args.launch)?;
+    let mut base = load_job_with(&args.job, &args.set, args.deepspeed.as_deref())?;
+    base.validate_on(&topo)?;
+    let world = topo.world_size();
+    let nodes = topo.nodes.len();
+    let per_node = topo.nodes.iter().map(|n| n.slots.len()).max().unwrap_or(1);
+    let budget = match args.memory_gib {
+        Some(g) if g > 0.0 => g * (1u64 << 30) as f64,
+        Some(_) => return Err(Failure::bad_input("--memory-gib must be positive")),
+        None => available_memory().unwrap_or(8.0 * (1u64 << 30) as f64) * 0.9 / per_node as f64,
+    };
+    let worker_bin = match &args.launch.worker_bin {
+        Some(p) => p.clone(),
+        None => default_worker_bin()?,
+    };
+    let mut machine = machine(per_node, args.remeasure, &worker_bin)?;
+    let sets = candidate_sets(&base.spec, world, nodes);
+    if sets.iter().any(|s| s.iter().any(|(_, v)| v == "nvme")) && machine.swap_gbps.is_none() {
+        machine.swap_gbps = measure_swap(&base.spec);
+    }
+    let mut candidates = Vec::new();
+    let mut too_big = 0usize;
+    for s in sets {
+        let mut overrides = args.set.clone();
+        overrides.extend(as_sets(&s));
+        let Ok(mut job) = load_job_with(&args.job, &overrides, args.deepspeed.as_deref()) else {
+            continue;
+        };
+        if job.validate_on(&topo).is_err() {
+            continue;
+        }
+        let states = worker_states(&job.spec, world);
+        let (plain, checkpointed) =
+            gpt_activation_bytes(&job.spec.model, job.spec.train.micro_batch_size);
+        let acts = if job.spec.train.activation_checkpointing {
+            checkpointed
+        } else {
+            plain
+        };
+        let memory = states.memory + acts;
+        if memory > budget {
+            too_big += 1;
+            continue;
+        }
+        let setting = Setting {
+            world,
+            nodes,
+            machine: &machine,
+            link_gbps: args.link_gbps,
+        };
+        let parts = predict(&job.spec, &setting);
+        let step_s: f64 = parts.iter().sum();
+        let tokens = (job.spec.train.micro_batch_size
+            * job.spec.train.grad_accum
+            * job.spec.model.seq_len
+            * world) as f64;
+        candidates.push(Candidate {
+            sets: s,
+            memory,
+            swap: states.nvme,
+            step_s,
+            parts,
+            tokens_per_s: tokens / step_s,
+            measured: None,
+        });
+    }
+    if candidates.is_empty() {
+        return Err(Failure::bad_input(format!(
+            "no configuration of this job fits {:.2} GiB per worker ({too_big} too big); raise --memory-gib, add workers or nodes, or give the job a swap directory (zero.offload_optimizer.nvme_path)",
+            budget / (1u64 << 30) as f64
+        )));
+    }
+    candidates.sort_by(|a, b| a.step_s.total_cmp(&b.step_s));
+    if args.verify {
+        verify(&args, &mut candidates)?;
+    }
+    print_table(&candidates, args.top, budget, too_big, &machine);
+    if let Some(out) = &args.out {
+        let mut overrides = args.set.clone();
+        overrides.extend(as_sets(&candidates[0].sets));
+        let best = load_job_with(&args.job, &overrides, args.deepspeed.as_deref())?;
+        let yaml = format!(
+            "# Written by `zrun plan {}`: the best of {} configurations that fit {:.2} GiB per worker\n# ({}), predicted {:.0} tokens/s on {} worker(s).\n{}",
+            args.job.display(),
+            candidates.len(),
+            budget / (1u64 << 30) as f64,
+            candidates[0].label(),
+            candidates[0].tokens_per_s,
+            world,
+            serde_saphyr::to_string(&best.spec)?
+        );
+        zckpt::write_atomic(out, yaml.as_bytes())
+            .map_err(|e| Failure::bad_input(format!("--out {}: {e}", out.display())))?;
+        say!(
+            "wrote {} (run it with `zrun train {}`)",
+            out.display(),
+            out.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The swap directory's bandwidth, GB/s: a 64 MiB file written, synced and
+/// read back with direct I/O where the filesystem allows it.
+fn measure_swap(spec: &JobSpec) -> Option<f64> {
+    let dir = spec
+        .zero
+        .offload_optimizer
+        .nvme_path
+        .clone()
+        .or_else(|| spec.zero.offload_param.nvme_path.clone())?;
+    let path = Path::new(&dir).join(format!(".zrun-plan-probe-{}", std::process::id()));
+    let data = vec![7u8; 64 << 20];
+    let start = std::time::Instant::now();
+    let ok = std::fs::File::create(&path).and_then(|mut f| {
+        std::io::Write::write_all(&mut f, &data)?;
+        f.sync_all()
+    });
+    let wrote = start.elapsed().as_secs_f64();
+    let read = std::time::Instant::now();
+    let back = std::fs::read(&path);
+    let read_s = read.elapsed().as_secs_f64();
+    let _ = std::fs::remove_file(&path);
+    (ok.is_ok() && back.is_ok()).then(|| 2.0 * data.len() as f64 / (wrote + read_s) / 1e9)
+}
+
+/// Trains the best three for `--verify-steps` steps each and records their
+/// median tokens/s.
+fn verify(args: &PlanArgs, candidates: &mut [Candidate]) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let zrun = std::env::current_exe()?;
+    for (i, c) in candidates.iter_mut().take(3).enumerate() {
+        let metrics = dir.path().join(format!("verify-{i}.jsonl"));
+        let mut cmd = std::process::Command::new(&zrun);
+        cmd.arg("train")
+            .arg(&args.job)
+            .arg("--no-progress")
+            .arg("--metrics")
+            .arg(&metrics);
+        if let Some(ds) = &args.deepspeed {
+            cmd.arg("--deepspeed").arg(ds);
+        }
+        let mut sets = args.set.clone();
+        sets.extend(as_sets(&c.sets));
+        sets.push(format!("train.steps={}", args.verify_steps));
+        sets.push("checkpoint.dir=null".into());
+        sets.push("train.eval_every=0".into());
+        for s in sets {
+            cmd.arg("--set").arg(s);
+        }
+        cmd.args(crate::sweep::launch_flags(&args.launch));
+        say!(
+            "zrun: verifying {} ({} steps)",
+            c.label(),
+            args.verify_steps
+        );
+        let out = cmd.output()?;
+        if !out.status.success() {
+            eprint!("{}", String::from_utf8_lossy(&out.stderr));
+            return Err(Failure {
+                code: out.status.code().unwrap_or(1) as u8,
+                message: format!("verifying {} failed", c.label()),
+            }
+            .into());
+        }
+        c.measured = Some(crate::sweep::row_from_metrics(Vec::new(), &metrics)?.tokens_per_s);
+    }
+    Ok(())
+}
+
+fn print_table(c: &[Candidate], top: usize, budget: f64, too_big: usize, m: &Machine) {
+    let gib = (1u64 << 30) as f64;
+    say!(
+        "machine {}: GEMM {:.1} GFLOP/s, triad {:.1} GB/s, AdamW {:.1} GB/s per worker{}",
+        m.host,
+        m.gemm_gflops,
+        m.triad_gbps,
+        m.adamw_gbps,
+        m.busbw
+            .iter()
+            .filter(|(_, op, _)| op == "all_reduce")
+            .map(|(t, _, bw)| format!(", all-reduce {t} {bw:.2} GB/s"))
+            .collect::<String>()
+    );
+    say!(
+        "{} configurations fit {:.2} GiB per worker ({too_big} did not); best first:",
+        c.len(),
+        budget / gib
+    );
+    say!(
+        "{:>3} {:>5} {:>5} {:>5} {:>5} {:>8} {:>7} {:>9} {:>9} {:>10} {:>10} {:>8}",
+        "#",
+        "stage",
+        "micro",
+        "accum",
+        "ckpt",
+        "offload",
+        "zero++",
+        "mem GiB",
+        "step ms",
+        "pred tok/s",
+        "meas tok/s",
+        "meas/pred"
+    );
+    for (i, x) in c.iter().take(top.max(1)).enumerate() {
+        let get = |k: &str| {
+            x.sets
+                .iter()
+                .find(|(key, _)| key == k)
+                .map_or("", |(_, v)| v.as_str())
+        };
+        let offload = match (
+            get("zero.offload_optimizer.device"),
+            get("zero.offload_param.device"),
+        ) {
+            ("nvme", "nvme") => "opt+par",
+            ("nvme", _) => "opt",
+            _ => "-",
+        };
+        let (meas, ratio) = match x.measured {
+            Some(v) => (format!("{v:.0}"), format!("{:.2}", v / x.tokens_per_s)),
+            None => ("-".into(), "-".into()),
+        };
+        say!(
+            "{:>3} {:>5} {:>5} {:>5} {:>5} {:>8} {:>7} {:>9.3} {:>9.1} {:>10.0} {:>10} {:>8}",
+            i + 1,
+            get("zero.stage"),
+            get("train.micro_batch_size"),
+            get("train.grad_accum"),
+            if get("train.activation_checkpointing") == "true" {
+                "on"
+            } else {
+                "off"
+            },
+            offload,
+            if get("zero.quantized_weights") == "true" {
+                "on"
+            } else {
+                "-"
+            },
+            x.memory / gib,
+            x.step_s * 1e3,
+            x.tokens_per_s,
+            meas,
+            ratio
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine() -> Machine {
+        Machine {
+            host: "test".into(),
+            cpus: 2,
+            workers: 2,
+            gemm_gflops: 100.0,
+            triad_gbps: 10.0,
+            adamw_gbps: 5.0,
+            busbw: vec![
+                ("shm".into(), "all_reduce".into(), 2.0),
+                ("shm".into(), "all_gather".into(), 2.0),
+                ("shm".into(), "reduce_scatter".into(), 2.0),
+            ],
+            swap_gbps: None,
+        }
+    }
+
+    fn spec(sets: &[&str]) -> JobSpec {
+        let mut v = serde_json::json!({"model": {}, "data": {"format": "synthetic"}});
+        for s in sets {
+            let (k, val) = s.split_once('=').unwrap();
+            let (a, b) = k.split_once('.').unwrap();
+            v[a][b] = serde_json::from_str(val).unwrap();
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    /// The arithmetic moves the way ZeRO says: stage 3 sends more than stage
+    /// 0 with accumulation, partitioned stages update a slice, checkpointing
+    /// recomputes, and one worker communicates nothing.
+    #[test]
+    fn predictions_follow_the_stages_arithmetic() {
+        let m = machine();
+        let s = Setting {
+            world: 2,
+            nodes: 1,
+            machine: &m,
+            link_gbps: None,
+        };
+        let at = |sets: &[&str]| predict(&spec(sets), &s);
+        let z0 = at(&["zero.stage=0", "train.grad_accum=4"]);
+        let z3 = at(&["zero.stage=3", "train.grad_accum=4"]);
+        assert!(z3[3] > 3.0 * z0[3], "{z0:?} {z3:?}");
+        assert!((z0[2] / at(&["zero.stage=1"])[2] - 2.0).abs() < 1e-9);
+        let ac = at(&["train.activation_checkpointing=true"]);
+        assert!(ac[0] > z0[0] / 4.0 && ac[0] > at(&[])[0]);
+        let one = predict(&spec(&[]), &Setting { world: 1, ..s });
+        assert_eq!(one[3], 0.0);
+    }
+
+    #[test]
+    fn candidates_keep_the_global_batch() {
+        let base = spec(&["train.micro_batch_size=4", "train.grad_accum=2"]);
+        let sets = candidate_sets(&base, 2, 1);
+        assert!(!sets.is_empty());
+        for s in &sets {
+            let get = |k: &str| -> usize {
+                s.iter()
+                    .find(|(key, _)| key == k)
+                    .unwrap()
+                    .1
+                    .parse()
+                    .unwrap()
+            };
+            assert_eq!(
+                get("train.micro_batch_size") * get("train.grad_accum") * 2,
+                16
+            );
+        }
+        // Stages 0-3, micro 1, 2, 4, 8, checkpointing on and off; no ZeRO++
+        // on one node, no swap without a swap directory.
+        assert_eq!(sets.len(), 4 * 4 * 2);
+    }
+}
