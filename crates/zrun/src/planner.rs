@@ -19,6 +19,8 @@
 //!   worker's share of the cores;
 //! - memory-bound passes: about three passes over the activations per step
 //!   (four with checkpointing) at this worker's share of the triad;
+//! - fixed overheads per block and micro-batch, per micro-batch and per step,
+//!   measured by training a model too small for anything else to count;
 //! - the optimizer: AdamW's 28 bytes per parameter of the rank's slice at
 //!   AdamW's measured rate;
 //! - communication: the collectives' bus bytes per step over the measured
@@ -61,6 +63,23 @@ pub struct Machine {
     pub busbw: Vec<(String, String, f64)>,
     /// The swap directory's read/write bandwidth, GB/s, where measured.
     pub swap_gbps: Option<f64>,
+    /// Fixed costs of a training step that FLOPs and bytes do not explain.
+    pub overheads: Overheads,
+}
+
+/// What a step costs beyond its FLOPs and bytes (operator dispatch,
+/// allocation, synchronisation), measured by training a model so small that
+/// nothing else counts: seconds per block and micro-batch, per micro-batch
+/// outside the blocks, and per step.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct Overheads {
+    /// Per transformer block, per micro-batch (forward and backward).
+    pub block_s: f64,
+    /// Per micro-batch outside the blocks (embedding, head, loss, data).
+    pub micro_s: f64,
+    /// Per optimizer step (gradient reduction's latency, the update's dispatch,
+    /// the report).
+    pub step_s: f64,
 }
 
 impl Machine {
@@ -91,6 +110,7 @@ fn machine(workers: usize, remeasure: bool, worker_bin: &Path) -> Result<Machine
         if let Some(m) = std::fs::read(&path)
             .ok()
             .and_then(|b| serde_json::from_slice::<Machine>(&b).ok())
+            .filter(|m| m.overheads.block_s > 0.0)
         {
             say!("zrun: machine figures from {}", path.display());
             return Ok(m);
@@ -137,6 +157,7 @@ fn machine(workers: usize, remeasure: bool, worker_bin: &Path) -> Result<Machine
         adamw_gbps: best("adamw", &|r| r.gbps).unwrap_or(1.0),
         busbw,
         swap_gbps: None,
+        overheads: measure_overheads(workers, worker_bin)?,
     };
     if let Some(dir) = path.parent() {
         let _ = std::fs::create_dir_all(dir);
@@ -150,6 +171,56 @@ fn machine(workers: usize, remeasure: bool, worker_bin: &Path) -> Result<Machine
     Ok(m)
 }
 
+/// Median step time (after the first) of a minimal synthetic job on
+/// `workers` local workers with `layers` blocks and `accum` micro-batches of
+/// one 16-token sequence per step.
+fn tiny_step_s(workers: usize, layers: usize, accum: usize, worker_bin: &Path) -> Result<f64> {
+    let dir = tempfile::tempdir()?;
+    let job = dir.path().join("overhead.yaml");
+    std::fs::write(
+        &job,
+        format!(
+            "name: overhead\nmodel: {{vocab_size: 64, d_model: 16, n_layers: {layers}, n_heads: 2, seq_len: 16}}\n\
+             data: {{format: synthetic}}\ntrain: {{steps: 12, micro_batch_size: 1, grad_accum: {accum}, warmup_steps: 1}}\n\
+             run_dir: {}\n",
+            dir.path().join("run").display()
+        ),
+    )?;
+    let metrics = dir.path().join("m.jsonl");
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .arg("train")
+        .arg(&job)
+        .args(["--no-progress", "--workers-per-node", &workers.to_string()])
+        .arg("--worker-bin")
+        .arg(worker_bin)
+        .arg("--metrics")
+        .arg(&metrics)
+        .output()?;
+    if !out.status.success() {
+        return Err(Failure::launch(format!(
+            "measuring step overheads failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    Ok(crate::sweep::row_from_metrics(Vec::new(), &metrics)?.step_ms / 1e3)
+}
+
+/// [`Overheads`] from three minimal jobs: 1 and 3 blocks at 8 micro-batches
+/// per step, and 1 block at 2.
+fn measure_overheads(workers: usize, worker_bin: &Path) -> Result<Overheads> {
+    let a = tiny_step_s(workers, 1, 8, worker_bin)?;
+    let b = tiny_step_s(workers, 3, 8, worker_bin)?;
+    let c = tiny_step_s(workers, 1, 2, worker_bin)?;
+    let block_s = ((b - a) / 16.0).max(1e-7);
+    let micro_s = ((a - c) / 6.0 - block_s).max(0.0);
+    let step_s = (c - 2.0 * (block_s + micro_s)).max(0.0);
+    Ok(Overheads {
+        block_s,
+        micro_s,
+        step_s,
+    })
+}
+
 /// One configuration and what it is predicted to cost.
 #[derive(Debug, Clone, Serialize)]
 pub struct Candidate {
@@ -161,8 +232,9 @@ pub struct Candidate {
     pub swap: f64,
     /// Predicted step time, seconds, and its parts.
     pub step_s: f64,
-    /// Compute (GEMM), memory-bound passes, optimizer, communication, swap.
-    pub parts: [f64; 5],
+    /// Compute (GEMM), memory-bound passes, fixed overheads, optimizer,
+    /// communication, swap.
+    pub parts: [f64; 6],
     /// Predicted tokens per second of the whole job.
     pub tokens_per_s: f64,
     /// Measured tokens per second (`--verify`).
@@ -187,8 +259,9 @@ struct Setting<'a> {
     link_gbps: Option<f64>,
 }
 
-/// Predicted seconds of one step of `spec`: `[gemm, memory, optimizer, comm, swap]`.
-fn predict(spec: &JobSpec, s: &Setting) -> [f64; 5] {
+/// Predicted seconds of one step of `spec`:
+/// `[gemm, memory, overheads, optimizer, comm, swap]`.
+fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     let m = &spec.model;
     let (psi, l, d, t) = (
         gpt_params(m),
@@ -209,6 +282,9 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 5] {
     let (acts, _) = gpt_activation_bytes(m, spec.train.micro_batch_size);
     let passes = if ac { 4.0 } else { 3.0 };
     let memory = accum * passes * acts / (s.machine.triad_gbps * 1e9 / per_node);
+    let o = s.machine.overheads;
+    let recomputed = if ac { 1.5 } else { 1.0 };
+    let overheads = accum * (l * o.block_s * recomputed + o.micro_s) + o.step_s;
     let stage = spec.zero.stage;
     let slice = if stage.partitions_optimizer() {
         psi / w
@@ -266,7 +342,7 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 5] {
         }
         _ => 0.0,
     };
-    [gemm, memory, optimizer, comm, swap]
+    [gemm, memory, overheads, optimizer, comm, swap]
 }
 
 /// The candidates' `--set` values: every stage, micro-batch (keeping the
@@ -540,6 +616,12 @@ fn print_table(c: &[Candidate], top: usize, budget: f64, too_big: usize, m: &Mac
             .collect::<String>()
     );
     say!(
+        "overheads: {:.0} µs per block and micro-batch, {:.0} µs per micro-batch, {:.2} ms per step",
+        m.overheads.block_s * 1e6,
+        m.overheads.micro_s * 1e6,
+        m.overheads.step_s * 1e3
+    );
+    say!(
         "{} configurations fit {:.2} GiB per worker ({too_big} did not); best first:",
         c.len(),
         budget / gib
@@ -622,6 +704,11 @@ mod tests {
                 ("shm".into(), "reduce_scatter".into(), 2.0),
             ],
             swap_gbps: None,
+            overheads: Overheads {
+                block_s: 1e-4,
+                micro_s: 1e-4,
+                step_s: 1e-3,
+            },
         }
     }
 
@@ -650,12 +737,13 @@ mod tests {
         let at = |sets: &[&str]| predict(&spec(sets), &s);
         let z0 = at(&["zero.stage=0", "train.grad_accum=4"]);
         let z3 = at(&["zero.stage=3", "train.grad_accum=4"]);
-        assert!(z3[3] > 3.0 * z0[3], "{z0:?} {z3:?}");
-        assert!((z0[2] / at(&["zero.stage=1"])[2] - 2.0).abs() < 1e-9);
+        assert!(z3[4] > 3.0 * z0[4], "{z0:?} {z3:?}");
+        assert!((z0[3] / at(&["zero.stage=1"])[3] - 2.0).abs() < 1e-9);
+        assert!(z0[2] > at(&["train.grad_accum=1"])[2]);
         let ac = at(&["train.activation_checkpointing=true"]);
         assert!(ac[0] > z0[0] / 4.0 && ac[0] > at(&[])[0]);
         let one = predict(&spec(&[]), &Setting { world: 1, ..s });
-        assert_eq!(one[3], 0.0);
+        assert_eq!(one[4], 0.0);
     }
 
     #[test]
