@@ -6,7 +6,7 @@ mod gpt2_reference;
 use std::path::Path;
 use std::time::Duration;
 
-use e2e::{children_of, ckpt_job, losses_by_step, wait_until, zrun, TrainArgs};
+use e2e::{children_of, ckpt_job, export_ckpt, losses_by_step, wait_until, zrun, TrainArgs};
 use gpt2_reference::{Gpt2, Gpt2Shape};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -470,21 +470,7 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint() {
     let job = ckpt_job(dir, "restart", 30, 5);
     let slow = ["--set", "env.ZRUN_FAULT_SAVE_DELAY_MS=300"];
     train(dir, &job, "straight.jsonl", &slow);
-    let export = |name: &str| {
-        let out = dir.join(name);
-        let f = zrun(
-            dir,
-            &[
-                "export",
-                dir.join("ckpt").to_str().unwrap(),
-                "--out",
-                out.to_str().unwrap(),
-            ],
-        );
-        assert_eq!(f.code(), 0, "{f:?}");
-        std::fs::read(out).unwrap()
-    };
-    let straight_weights = export("straight.safetensors");
+    let straight_weights = export_ckpt(dir, "straight.safetensors");
     std::fs::remove_dir_all(dir.join("ckpt")).unwrap();
     let m = dir.join("restarted.jsonl");
     let z = TrainArgs::new(&job, &m)
@@ -516,7 +502,7 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint() {
     let straight = losses_by_step(&dir.join("straight.jsonl"));
     assert_eq!(after, straight[from as usize..].to_vec());
     assert!(
-        export("restarted.safetensors") == straight_weights,
+        export_ckpt(dir, "restarted.safetensors") == straight_weights,
         "final weights differ"
     );
 }

@@ -278,6 +278,22 @@ pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     f()
 }
 
+/// `zrun export dir/ckpt --out dir/NAME`, and the exported bytes.
+pub fn export_ckpt(dir: &Path, name: &str) -> Vec<u8> {
+    let out = dir.join(name);
+    let f = zrun(
+        dir,
+        &[
+            "export",
+            dir.join("ckpt").to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    std::fs::read(out).expect("the export")
+}
+
 /// A small job on synthetic data, written into `dir`; returns its path.
 pub fn small_job(dir: &Path, name: &str, steps: u64) -> PathBuf {
     let p = dir.join(format!("{name}.yaml"));

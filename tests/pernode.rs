@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use e2e::{
-    assert_gone, children_of, ckpt_job, free_port, losses_by_step, metrics, small_job, wait_until,
-    zrun, TrainArgs, Zrun,
+    assert_gone, children_of, ckpt_job, export_ckpt, free_port, losses_by_step, metrics, small_job,
+    wait_until, zrun, TrainArgs, Zrun,
 };
 use nix::sys::signal::Signal;
 
@@ -57,21 +57,6 @@ fn start_nodes(dir: &Path, job: &Path, metrics: &Path, port: u16, extra: &[&str]
     Nodes { head, node1 }
 }
 
-fn export(dir: &Path, name: &str) -> Vec<u8> {
-    let out = dir.join(name);
-    let f = zrun(
-        dir,
-        &[
-            "export",
-            dir.join("ckpt").to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
-    );
-    assert_eq!(f.code(), 0, "{f:?}");
-    std::fs::read(out).unwrap()
-}
-
 /// The same job started by one zrun on two loopback "nodes" and by one zrun
 /// per node: the same losses and the same final weights, bit for bit.
 #[test]
@@ -85,7 +70,7 @@ fn two_per_node_zruns_train_like_one_zrun() {
         .args(&["--hostfile", hosts.to_str().unwrap()])
         .run(dir);
     assert_eq!(f.code(), 0, "{f:?}");
-    let one_zrun = export(dir, "one.safetensors");
+    let one_zrun = export_ckpt(dir, "one.safetensors");
     std::fs::remove_dir_all(dir.join("ckpt")).unwrap();
 
     let m = dir.join("pernode.jsonl");
@@ -114,7 +99,7 @@ fn two_per_node_zruns_train_like_one_zrun() {
     assert_eq!(steps.len(), 8);
     assert_eq!(steps, losses_by_step(&dir.join("one.jsonl")));
     assert!(
-        export(dir, "pernode.safetensors") == one_zrun,
+        export_ckpt(dir, "pernode.safetensors") == one_zrun,
         "final weights differ"
     );
 }

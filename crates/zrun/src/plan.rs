@@ -159,20 +159,9 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         (None, Launcher::Ssh) => reachable_local_ip(&topology)?,
         (None, Launcher::Slurm) => this_host_ip(),
     };
-    let mut env = read_zrun_env()?;
-    env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
-    let worker_bin = match &args.worker_bin {
-        Some(p) => p.clone(),
-        None => default_worker_bin()?,
-    };
     // Over SSH the binary must exist there, not here: a missing one fails the
     // launch when the remote shell cannot start it.
-    if launcher != Launcher::Ssh && !worker_bin.is_file() {
-        return Err(Failure::launch(format!(
-            "zworker not found at {} (build it with `cargo build --release`, or pass --worker-bin)",
-            worker_bin.display()
-        )));
-    }
+    let (env, worker_bin) = worker_setup(args, &spec, launcher != Launcher::Ssh)?;
     Ok(LaunchPlan {
         spec,
         topology,
@@ -185,6 +174,29 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         env,
         per_node: None,
     })
+}
+
+/// Every worker's extra environment (`.zrun_env` files, then the spec's
+/// `env`) and the zworker binary (`--worker-bin`, else the one next to zrun),
+/// checked to exist on this host when `here`.
+fn worker_setup(
+    args: &LaunchArgs,
+    spec: &JobSpec,
+    here: bool,
+) -> Result<(Vec<(String, String)>, PathBuf)> {
+    let mut env = read_zrun_env()?;
+    env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    let worker_bin = match &args.worker_bin {
+        Some(p) => p.clone(),
+        None => default_worker_bin()?,
+    };
+    if here && !worker_bin.is_file() {
+        return Err(Failure::launch(format!(
+            "zworker not found at {} (build it with `cargo build --release`, or pass --worker-bin)",
+            worker_bin.display()
+        )));
+    }
+    Ok((env, worker_bin))
 }
 
 /// The plan of one node of a per-node job: every rank in the topology, this
@@ -201,18 +213,7 @@ pub fn plan_per_node(
     if let Some(a) = node_addr {
         node_addrs[per_node.node_rank] = a.to_string();
     }
-    let mut env = read_zrun_env()?;
-    env.extend(spec.env.iter().map(|(k, v)| (k.clone(), v.clone())));
-    let worker_bin = match &args.worker_bin {
-        Some(p) => p.clone(),
-        None => default_worker_bin()?,
-    };
-    if !worker_bin.is_file() {
-        return Err(Failure::launch(format!(
-            "zworker not found at {} (build it with `cargo build --release`, or pass --worker-bin)",
-            worker_bin.display()
-        )));
-    }
+    let (env, worker_bin) = worker_setup(args, &spec, true)?;
     Ok(LaunchPlan {
         spec,
         topology,

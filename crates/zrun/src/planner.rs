@@ -41,7 +41,7 @@ use zconfig::estimate::{gpt_activation_bytes, gpt_params, worker_states, StateBy
 use zconfig::{load_job_with, JobSpec, Topology};
 
 use crate::cli::PlanArgs;
-use crate::plan::{default_worker_bin, topology};
+use crate::plan::topology;
 use crate::Failure;
 
 /// Measured figures of one host, for `workers` workers per node.
@@ -442,10 +442,7 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         Some(_) => return Err(Failure::bad_input("--memory-gib must be positive")),
         None => available_memory().unwrap_or(8.0 * (1u64 << 30) as f64) * 0.9 / per_node as f64,
     };
-    let worker_bin = match &args.launch.worker_bin {
-        Some(p) => p.clone(),
-        None => default_worker_bin()?,
-    };
+    let worker_bin = crate::bench::worker_bin(args.launch.worker_bin.clone())?;
     let mut machine = machine(per_node, args.remeasure, &worker_bin)?;
     let sets = candidate_sets(&base.spec, world, nodes);
     if sets.iter().any(|s| s.iter().any(|(_, v)| v == "nvme")) && machine.swap_gbps.is_none() {

@@ -328,7 +328,7 @@ async fn serve(
             return;
         }
     };
-    let (tx, mut outbox) = mpsc::unbounded_channel::<ToWorker>();
+    let (tx, outbox) = mpsc::unbounded_channel::<ToWorker>();
     {
         let mut s = senders.lock().unwrap_or_else(|p| p.into_inner());
         if s.contains_key(&rank) {
@@ -361,14 +361,8 @@ async fn serve(
         hostname,
         pid,
     });
-    let (mut rd, mut wr) = stream.into_split();
-    let writer = tokio::spawn(async move {
-        while let Some(msg) = outbox.recv().await {
-            if write_frame_async(&mut wr, &msg).await.is_err() {
-                break;
-            }
-        }
-    });
+    let (mut rd, wr) = stream.into_split();
+    let writer = spawn_writer(wr, outbox);
     let reason = loop {
         match read_frame_async::<_, ToServer>(&mut rd, MAX_FRAME).await {
             Ok(ToServer::KvSet { key, value }) => store.set(key, value),
@@ -400,6 +394,22 @@ async fn serve(
         .remove(&rank);
     writer.abort();
     let _ = events.send(Event::Lost { rank, reason });
+}
+
+/// Writes a connection's outgoing messages in order until the channel closes,
+/// a write fails, or `Finished` (the last word to a node) has been written.
+fn spawn_writer(
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    mut outbox: mpsc::UnboundedReceiver<ToWorker>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(msg) = outbox.recv().await {
+            let last = matches!(msg, ToWorker::Finished { .. });
+            if write_frame_async(&mut wr, &msg).await.is_err() || last {
+                break;
+            }
+        }
+    })
 }
 
 /// A node's authenticated hello (per-node mode).
@@ -435,7 +445,7 @@ async fn serve_node(
     } else {
         None
     };
-    let (tx, mut outbox) = mpsc::unbounded_channel::<ToWorker>();
+    let (tx, outbox) = mpsc::unbounded_channel::<ToWorker>();
     let refusal = refusal.or_else(|| {
         let mut s = conns.nodes.lock().unwrap_or_else(|p| p.into_inner());
         if s.contains_key(&node) {
@@ -478,15 +488,8 @@ async fn serve_node(
             pid: hello.pid,
         },
     });
-    let (mut rd, mut wr) = stream.into_split();
-    let writer = tokio::spawn(async move {
-        while let Some(msg) = outbox.recv().await {
-            let last = matches!(msg, ToWorker::Finished { .. });
-            if write_frame_async(&mut wr, &msg).await.is_err() || last {
-                break;
-            }
-        }
-    });
+    let (mut rd, wr) = stream.into_split();
+    let writer = spawn_writer(wr, outbox);
     conns
         .node_writers
         .lock()
