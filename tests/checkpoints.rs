@@ -2,6 +2,7 @@
 //! stage, export, init from an export, damaged checkpoints, a crash mid-save.
 
 mod gpt2_reference;
+mod reference_common;
 
 use std::path::Path;
 use std::time::Duration;

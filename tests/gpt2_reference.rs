@@ -10,6 +10,8 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use crate::reference_common::{add_into, load_exactly, mean_loss};
+
 /// GPT-2's hyper-parameters that the file does not hold.
 pub struct Gpt2Shape {
     pub vocab: usize,
@@ -29,8 +31,6 @@ impl Gpt2 {
     /// Reads `path`; panics naming the first missing, extra, misshapen or
     /// non-f32 tensor.
     pub fn load(path: &Path, shape: Gpt2Shape) -> Gpt2 {
-        let bytes = std::fs::read(path).expect("read the export");
-        let file = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
         let (v, d, t) = (shape.vocab, shape.d, shape.max_seq);
         let mut want: Vec<(String, Vec<usize>)> = vec![
             ("wte.weight".into(), vec![v, d]),
@@ -56,25 +56,7 @@ impl Gpt2 {
         }
         want.push(("ln_f.weight".into(), vec![d]));
         want.push(("ln_f.bias".into(), vec![d]));
-        let mut names = file.names();
-        names.sort();
-        let mut expected: Vec<&String> = want.iter().map(|(n, _)| n).collect();
-        expected.sort();
-        assert_eq!(names, expected, "the export's tensor names");
-        let tensors = want
-            .into_iter()
-            .map(|(name, dims)| {
-                let view = file.tensor(&name).expect("listed above");
-                assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}: dtype");
-                assert_eq!(view.shape(), dims.as_slice(), "{name}: shape");
-                let values = view
-                    .data()
-                    .chunks_exact(4)
-                    .map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
-                    .collect();
-                (name, values)
-            })
-            .collect();
+        let tensors = load_exactly(path, want);
         Gpt2 { shape, tensors }
     }
 
@@ -92,19 +74,7 @@ impl Gpt2 {
     /// Mean next-token cross-entropy over `windows` (each `len + 1` tokens:
     /// inputs are the first `len`, targets the last `len`).
     pub fn loss(&self, windows: &[Vec<u32>]) -> f64 {
-        let mut total = 0.0;
-        let mut count = 0usize;
-        for w in windows {
-            let (inputs, targets) = (&w[..w.len() - 1], &w[1..]);
-            let logits = self.logits(inputs);
-            for (row, &target) in logits.iter().zip(targets) {
-                let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let sum: f64 = row.iter().map(|z| (z - max).exp()).sum();
-                total += max + sum.ln() - row[target as usize];
-                count += 1;
-            }
-        }
-        total / count as f64
+        mean_loss(windows, |inputs| self.logits(inputs))
     }
 
     fn logits(&self, tokens: &[u32]) -> Vec<Vec<f64>> {
@@ -210,11 +180,5 @@ impl Gpt2 {
             }
         }
         out
-    }
-}
-
-fn add_into(x: &mut [Vec<f64>], y: &[Vec<f64>]) {
-    for (a, b) in x.iter_mut().flatten().zip(y.iter().flatten()) {
-        *a += b;
     }
 }

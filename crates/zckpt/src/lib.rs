@@ -19,6 +19,7 @@
 
 #![deny(missing_docs)]
 
+pub mod hf;
 mod stream;
 mod whole;
 
@@ -384,19 +385,14 @@ impl Checkpoint {
 
     /// Checks that the checkpoint belongs to `model`.
     pub fn check_model(&self, model: &ModelSpec) -> Result<(), CkptError> {
-        let have = &self.manifest.model;
-        let diffs: Vec<String> = [
-            ("vocab_size", have.vocab_size, model.vocab_size),
-            ("d_model", have.d_model, model.d_model),
-            ("n_layers", have.n_layers, model.n_layers),
-            ("n_heads", have.n_heads, model.n_heads),
-            ("seq_len", have.seq_len, model.seq_len),
-        ]
-        .iter()
-        .filter(|(_, a, b)| a != b)
-        .map(|(k, a, b)| format!("{k} {a} in the checkpoint, {b} in the job"))
-        .collect();
-        if diffs.is_empty() && have.kind == model.kind {
+        let diffs: Vec<String> = self
+            .manifest
+            .model
+            .architecture_differences(model)
+            .into_iter()
+            .map(|(key, a, b)| format!("{key} {a} in the checkpoint, {b} in the job"))
+            .collect();
+        if diffs.is_empty() {
             Ok(())
         } else {
             Err(invalid(
@@ -467,8 +463,85 @@ impl Checkpoint {
     }
 }
 
+impl Checkpoint {
+    /// Writes the consolidated weights as a Hugging Face model directory
+    /// (`config.json` + `model.safetensors` under Hugging Face's names), a
+    /// group at a time. Returns the parameters written.
+    pub fn export_hf(&self, out: &Path) -> Result<u64, CkptError> {
+        let groups = &self.manifest.groups;
+        let manifest = self.dir.join(MANIFEST);
+        let mut assembler = Assembler::default();
+        let mut pending = std::collections::VecDeque::new();
+        let mut next_group = 0;
+        let n = hf::write_dir(&self.manifest.model, &whole_params(groups), out, || {
+            while pending.is_empty() && next_group < groups.len() {
+                let flat = self.full_group(next_group, "params")?;
+                pending.extend(
+                    assembler
+                        .add(&groups[next_group], &flat)
+                        .map_err(|m| invalid(&manifest, m))?
+                        .into_iter()
+                        .map(|(_, _, values)| values),
+                );
+                next_group += 1;
+            }
+            Ok(pending.pop_front())
+        })?;
+        assembler.finish().map_err(|m| invalid(&manifest, m))?;
+        Ok(n)
+    }
+}
+
 /// Consolidated weights by name: shape and values.
 pub type Weights = HashMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// The weights `model.init_from` names, under zrun's names for `model`
+/// whose whole parameters are `params` (names and shapes): a zrun export
+/// (`zrun export`), or Hugging Face weights (a directory from `zrun export
+/// --format hf` or `transformers`' `save_pretrained`, or a published
+/// safetensors file), mapped and checked by [`hf::read`]. Without `values`
+/// only names and shapes are checked (from the header) and the value lists
+/// are empty.
+pub fn read_init_weights(
+    path: &Path,
+    model: &ModelSpec,
+    params: &[(String, Vec<usize>)],
+    values: bool,
+) -> Result<Weights, CkptError> {
+    if !path.is_dir() {
+        let file = TensorFile::open(path)?;
+        let have: HashMap<String, Vec<usize>> = file.tensors().into_iter().collect();
+        if params.iter().any(|(n, _)| have.contains_key(n)) {
+            // zrun's own names: every parameter, nothing else, right shapes.
+            for (name, shape) in params {
+                match have.get(name) {
+                    None => return Err(invalid(path, format!("no tensor {name}"))),
+                    Some(s) if s != shape => {
+                        return Err(invalid(
+                            path,
+                            format!("{name} has shape {s:?}, the model needs {shape:?}"),
+                        ))
+                    }
+                    Some(_) => {}
+                }
+            }
+            if have.len() != params.len() {
+                return Err(invalid(
+                    path,
+                    format!("{} tensors, the model has {}", have.len(), params.len()),
+                ));
+            }
+            return match values {
+                true => read_weights(path),
+                false => Ok(params
+                    .iter()
+                    .map(|(n, s)| (n.clone(), (s.clone(), Vec::new())))
+                    .collect()),
+            };
+        }
+    }
+    hf::read(model, params, path, values)
+}
 
 /// Reads consolidated weights (an export).
 pub fn read_weights(path: &Path) -> Result<Weights, CkptError> {

@@ -209,24 +209,44 @@ impl TensorFile {
             .collect()
     }
 
-    /// Tensor `name`'s values (it must be f32).
+    /// Tensor `name`'s values as f32 (f32, or bf16 / f16 as published
+    /// weights often are, widened exactly).
     pub fn read(&self, name: &str) -> Result<Vec<f32>, CkptError> {
         let info = self
             .meta
             .info(name)
             .ok_or_else(|| invalid(&self.path, format!("tensor {name} is missing")))?;
-        if info.dtype != StDtype::F32 {
-            return Err(invalid(
-                &self.path,
-                format!("{name} is {:?}, expected F32", info.dtype),
-            ));
-        }
         let (s, e) = info.data_offsets;
-        let mut out = vec![0f32; (e - s) / 4];
-        self.file
-            .read_exact_at(bytemuck::cast_slice_mut(&mut out), self.data_at + s as u64)
-            .map_err(io(&self.path))?;
-        Ok(out)
+        let read = |bytes: &mut [u8]| {
+            self.file
+                .read_exact_at(bytes, self.data_at + s as u64)
+                .map_err(io(&self.path))
+        };
+        match info.dtype {
+            StDtype::F32 => {
+                let mut out = vec![0f32; (e - s) / 4];
+                read(bytemuck::cast_slice_mut(&mut out))?;
+                Ok(out)
+            }
+            StDtype::BF16 | StDtype::F16 => {
+                let mut raw = vec![0u16; (e - s) / 2];
+                read(bytemuck::cast_slice_mut(&mut raw))?;
+                Ok(match info.dtype {
+                    StDtype::BF16 => raw
+                        .iter()
+                        .map(|&b| half::bf16::from_bits(b).to_f32())
+                        .collect(),
+                    _ => raw
+                        .iter()
+                        .map(|&b| half::f16::from_bits(b).to_f32())
+                        .collect(),
+                })
+            }
+            other => Err(invalid(
+                &self.path,
+                format!("{name} is {other:?}, expected F32, BF16 or F16"),
+            )),
+        }
     }
 }
 

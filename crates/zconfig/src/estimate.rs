@@ -161,7 +161,7 @@ pub struct WorkerStates {
 /// `spec`'s model states on one of `world` CPU workers, with its offload
 /// settings (on CPU workers `device: cpu` keeps states where they are).
 pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
-    let psi = gpt_params(&spec.model);
+    let psi = model_params(&spec.model);
     let n = world.max(1) as f64;
     let b = StateBytes::for_dtype(spec.train.dtype);
     let stage = spec.zero.stage;
@@ -187,13 +187,13 @@ pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
             // a micro-batch's is added to it.
             states.memory -= grads;
             states.nvme += grads;
-            states.memory += b.grad * gpt_largest_group(&spec.model) / n;
+            states.memory += b.grad * largest_group(&spec.model) / n;
         }
     }
     if spec.zero.offload_param.is_nvme() {
         states.memory -= params;
         states.nvme += params;
-        states.memory += 2.0 * b.param * gpt_largest_group(&spec.model);
+        states.memory += 2.0 * b.param * largest_group(&spec.model);
     }
     let hpz = spec.zero.hpz_partition_size;
     if hpz > 1 {
@@ -261,57 +261,60 @@ impl CrossNodeBytes {
     }
 }
 
-/// Parameters of a GPT of this shape (tied head; GPT-2 layout).
-pub fn gpt_params(m: &ModelSpec) -> f64 {
-    let (v, d, l, t) = (
-        m.vocab_size as f64,
-        m.d_model as f64,
-        m.n_layers as f64,
-        m.seq_len as f64,
-    );
-    v * d + t * d + l * (12.0 * d * d + 13.0 * d) + 2.0 * d
+/// Parameters of the model `m` describes.
+pub fn model_params(m: &ModelSpec) -> f64 {
+    m.param_count() as f64
 }
 
 /// Elements of the largest parameter group: the embeddings, a block, or with
 /// `model.tile_size` a block without its tiled linears, or one tile.
-pub fn gpt_largest_group(m: &ModelSpec) -> f64 {
-    let (v, d, t) = (m.vocab_size as f64, m.d_model as f64, m.seq_len as f64);
-    let mut block = 12.0 * d * d + 13.0 * d;
+pub fn largest_group(m: &ModelSpec) -> f64 {
+    let bias = usize::from(m.biases());
+    let mut block = m.block_params() as f64;
     let mut largest_tile = 0f64;
     let tile_size = m.tile_size.map(|n| n.0 as usize);
-    for (layer, inputs, outputs) in crate::tiles::gpt_block_linears(m.d_model) {
+    for (layer, inputs, outputs) in m.block_linears() {
         let Ok(tiles) = crate::tiles::column_tiles(layer, inputs, outputs, tile_size) else {
             continue;
         };
         if tiles.len() > 1 {
-            block -= ((inputs + 1) * outputs) as f64;
+            block -= ((inputs + bias) * outputs) as f64;
             let widest = tiles.iter().map(|c| c.len()).max().unwrap_or(0);
-            largest_tile = largest_tile.max(((inputs + 1) * widest) as f64);
+            largest_tile = largest_tile.max(((inputs + bias) * widest) as f64);
         }
     }
-    block.max(largest_tile).max((v + t) * d)
+    block
+        .max(largest_tile)
+        .max(m.embedding_params() as f64)
+        .max(m.head_params() as f64)
 }
 
 /// Bytes of activations one transformer block keeps for backward (f32), for `b`
 /// sequences of `t` tokens.
-pub fn gpt_block_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
-    let d = m.d_model as f64;
-    // What zmodel's block keeps for its backward: input, ln_1, qkv (3), attention
-    // output, x + attn, ln_2, fc (4), gelu (4): 16 d per token. Attention
-    // probabilities are recomputed in backward, not kept.
-    4.0 * (b * t) as f64 * 16.0 * d
+pub fn block_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
+    let (d, f) = (m.d_model, m.ffn());
+    // What zmodel's block keeps for its backward: input, first norm, q k v,
+    // attention output, x + attn, second norm, the MLP's hidden layer before
+    // and after its activation (GPT-2: 4d each, 16 d per token; LLaMA: gate
+    // and up before, their product after). Attention probabilities are
+    // recomputed in backward, not kept.
+    let hidden = match m.kind {
+        crate::spec::ModelKind::Gpt => 2 * f,
+        crate::spec::ModelKind::Llama => 3 * f,
+    };
+    4.0 * (b * t) as f64 * (5 * d + m.qkv_width() + hidden) as f64
 }
 
 /// Bytes the head keeps for backward: input, normed rows, logits and two copies.
-pub fn gpt_head_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
+pub fn head_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
     4.0 * (b * t) as f64 * (3.0 * m.d_model as f64 + 3.0 * m.vocab_size as f64)
 }
 
 /// Activation bytes of one micro-batch per worker, without and with checkpointing.
-pub fn gpt_activation_bytes(m: &ModelSpec, micro_batch: usize) -> (f64, f64) {
+pub fn activation_bytes(m: &ModelSpec, micro_batch: usize) -> (f64, f64) {
     let t = m.seq_len;
-    let block = gpt_block_activation_bytes(m, micro_batch, t);
-    let head = gpt_head_activation_bytes(m, micro_batch, t);
+    let block = block_activation_bytes(m, micro_batch, t);
+    let head = head_activation_bytes(m, micro_batch, t);
     let inputs = 4.0 * (micro_batch * t * m.d_model) as f64;
     let l = m.n_layers as f64;
     (l * block + head, l * inputs + block + head)
@@ -340,13 +343,13 @@ mod tests {
              data: {format: synthetic}\ntrain: {dtype: bf16}\nzero: {stage: 3}\n",
         )
         .unwrap();
-        let psi = gpt_params(&spec.model);
+        let psi = model_params(&spec.model);
         let plain = worker_states(&spec, 4);
         assert_eq!(plain.nvme, 0.0);
         assert!((plain.memory - 16.0 * psi / 4.0).abs() < 1.0);
         spec.zero.offload_optimizer.device = crate::spec::OffloadDevice::Nvme;
         let opt = worker_states(&spec, 4);
-        let largest = gpt_largest_group(&spec.model);
+        let largest = largest_group(&spec.model);
         assert!((opt.nvme - 14.0 * psi / 4.0).abs() < 1.0);
         assert!((opt.memory + opt.nvme - plain.memory - 2.0 * largest / 4.0).abs() < 1.0);
         spec.zero.offload_param.device = crate::spec::OffloadDevice::Nvme;

@@ -2,6 +2,8 @@
 //!
 //! Layout:
 //! - [`spec`]: the job spec (YAML) as typed structs, with the defaults of docs/CONFIG.md.
+//! - [`arch`]: what `model:` implies for each family (GPT-2, LLaMA): parameter
+//!   names, shapes and counts.
 //! - [`load`]: reading a spec file, applying `--set` overrides, resolving `${name}`,
 //!   and the semantic checks that must pass before anything launches.
 //! - `data_check`: the data checks before launch (files, token count, ids).
@@ -26,6 +28,7 @@
 
 #![deny(missing_docs)]
 
+pub mod arch;
 mod data_check;
 pub mod deepspeed;
 pub mod error;
@@ -41,4 +44,4 @@ pub use data_check::data_files;
 pub use error::ConfigError;
 pub use hostfile::{HostEntry, Hostfile, Node, Placement, SlotFilter, Topology, TopologyOptions};
 pub use load::{load_job, load_job_with, LoadedJob};
-pub use spec::{DataFormat, Dtype, JobSpec, LossScaleSpec, Schedule, ZeroStage};
+pub use spec::{DataFormat, Dtype, JobSpec, LossScaleSpec, ModelKind, Schedule, ZeroStage};

@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, ConfigError};
 use crate::hostfile::Topology;
-use crate::spec::{Backend, Device, JobSpec, ZeroStage};
+use crate::spec::{Backend, Device, JobSpec, ModelKind, ZeroStage};
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
 #[derive(Debug, Clone)]
@@ -400,18 +400,14 @@ impl LoadedJob {
         self.settle_batch(world_size)?;
         let s = &self.spec;
         let m = &s.model;
-        if m.kind != "gpt" {
-            return Err(self.invalid(
-                "model.kind",
-                format!("unknown model kind `{}` (only `gpt`)", m.kind),
-            ));
-        }
         for (key, v) in [
             ("model.vocab_size", m.vocab_size),
             ("model.d_model", m.d_model),
             ("model.n_layers", m.n_layers),
             ("model.n_heads", m.n_heads),
             ("model.seq_len", m.seq_len),
+            ("model.n_kv_heads", m.kv_heads()),
+            ("model.ffn_hidden", m.ffn()),
         ] {
             if v == 0 {
                 return Err(self.invalid(key, "must be at least 1"));
@@ -423,11 +419,54 @@ impl LoadedJob {
                 format!("{} heads do not divide d_model {}", m.n_heads, m.d_model),
             ));
         }
+        if m.kind == ModelKind::Gpt {
+            for (key, set) in [
+                ("model.n_kv_heads", m.n_kv_heads.is_some()),
+                ("model.rope_theta", m.rope_theta.is_some()),
+                ("model.tie_embeddings", m.tie_embeddings == Some(false)),
+            ] {
+                if set {
+                    return Err(self.invalid(
+                        key,
+                        "is for `kind: llama`; GPT-2 has plain multi-head attention, learned positions and a tied head",
+                    ));
+                }
+            }
+        }
+        if !m.n_heads.is_multiple_of(m.kv_heads()) {
+            return Err(self.invalid(
+                "model.n_kv_heads",
+                format!(
+                    "{} key/value heads do not divide n_heads {}",
+                    m.kv_heads(),
+                    m.n_heads
+                ),
+            ));
+        }
+        if m.kind == ModelKind::Llama && !m.head_dim().is_multiple_of(2) {
+            return Err(self.invalid(
+                "model.n_heads",
+                format!(
+                    "rotary embeddings need an even head width; d_model {} / {} heads is {}",
+                    m.d_model,
+                    m.n_heads,
+                    m.head_dim()
+                ),
+            ));
+        }
+        for (key, v) in [
+            ("model.rope_theta", m.rope_theta()),
+            ("model.norm_eps", m.norm_eps()),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(self.invalid(key, format!("must be a positive number, got {v}")));
+            }
+        }
         if let Some(n) = m.tile_size {
             if n.0 == 0 {
                 return Err(self.invalid("model.tile_size", "must be at least 1"));
             }
-            for (layer, inputs, outputs) in crate::tiles::gpt_block_linears(m.d_model) {
+            for (layer, inputs, outputs) in m.block_linears() {
                 if let Err(e) =
                     crate::tiles::column_tiles(layer, inputs, outputs, Some(n.0 as usize))
                 {
@@ -436,8 +475,10 @@ impl LoadedJob {
             }
         }
         if let Some(f) = &m.init_from {
-            if !Path::new(f).is_file() {
-                return Err(self.invalid("model.init_from", format!("{f} is not a file")));
+            if !Path::new(f).exists() {
+                return Err(
+                    self.invalid("model.init_from", format!("{f}: no such file or directory"))
+                );
             }
         }
         let t = &s.train;

@@ -77,9 +77,9 @@ fn default_run_dir() -> String {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
-    /// Only `gpt` exists.
-    #[serde(default = "default_kind")]
-    pub kind: String,
+    /// The decoder family: `gpt` (GPT-2) or `llama`.
+    #[serde(default)]
+    pub kind: ModelKind,
     /// Token vocabulary (256 for byte-level text).
     #[serde(default = "default_vocab")]
     pub vocab_size: usize,
@@ -92,10 +92,30 @@ pub struct ModelSpec {
     /// Attention heads; must divide `d_model`.
     #[serde(default = "default_n_heads")]
     pub n_heads: usize,
+    /// LLaMA: key/value heads for grouped-query attention; must divide
+    /// `n_heads` (default `n_heads`: plain multi-head attention).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n_kv_heads: Option<usize>,
+    /// The MLP's hidden width (default GPT-2's `4 × d_model`, LLaMA's
+    /// `8/3 × d_model` rounded up to a multiple of 256).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ffn_hidden: Option<usize>,
+    /// LLaMA: whether the output head is the token embedding (default false:
+    /// a head of its own). GPT-2's is always tied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tie_embeddings: Option<bool>,
+    /// LLaMA: the rotary embeddings' base (default 10000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// The norms' epsilon (default 1e-5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_eps: Option<f64>,
     /// Context length in tokens.
     #[serde(default = "default_seq_len")]
     pub seq_len: usize,
-    /// A safetensors file to start from.
+    /// Weights to start from: a `zrun export` file, a Hugging Face model
+    /// directory (`config.json` + `model.safetensors`), or a published
+    /// GPT-2 / LLaMA safetensors file.
     #[serde(default)]
     pub init_from: Option<String>,
     /// Memory-centric tiling: every block linear of more elements is split
@@ -105,8 +125,17 @@ pub struct ModelSpec {
     pub tile_size: Option<Size>,
 }
 
-fn default_kind() -> String {
-    "gpt".into()
+/// A decoder family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelKind {
+    /// GPT-2: LayerNorm with biases, learned positions, GELU MLP, biases on
+    /// every linear, tied head.
+    #[default]
+    Gpt,
+    /// LLaMA: RMSNorm, rotary positions, SwiGLU MLP, no biases,
+    /// grouped-query attention, a head of its own unless tied.
+    Llama,
 }
 fn default_vocab() -> usize {
     256

@@ -108,25 +108,14 @@ pub fn column_tiles(
         .collect())
 }
 
-/// A GPT block's linears: GPT-2 name and `[in, out]`, in forward order.
-pub fn gpt_block_linears(d_model: usize) -> [(&'static str, usize, usize); 4] {
-    let d = d_model;
-    [
-        ("attn.c_attn", d, 3 * d),
-        ("attn.c_proj", d, d),
-        ("mlp.c_fc", d, 4 * d),
-        ("mlp.c_proj", 4 * d, d),
-    ]
-}
-
-/// What `tile_size` does to a GPT of width `d_model`, in a sentence: which
+/// What `model.tile_size` does to `m`'s blocks, in a sentence: which
 /// linears are split into how many tiles, and which stay whole although
 /// larger (at most one chunk of output columns). `None` without tiling.
-pub fn describe_gpt_tiling(d_model: usize, tile_size: Option<usize>) -> Option<String> {
-    let n = tile_size?;
+pub fn describe_tiling(m: &crate::spec::ModelSpec) -> Option<String> {
+    let n = m.tile_size?.0 as usize;
     let mut split = Vec::new();
     let mut whole = Vec::new();
-    for (layer, inputs, outputs) in gpt_block_linears(d_model) {
+    for (layer, inputs, outputs) in m.block_linears() {
         let tiles = column_tiles(layer, inputs, outputs, Some(n)).ok()?.len();
         if tiles > 1 {
             split.push(format!("{layer} in {tiles} tiles"));
@@ -181,11 +170,14 @@ mod tests {
         assert_eq!(back, [9., 1., 2., 9., 4., 5.]);
         assert_eq!(e.min, 128 * 256);
         assert!(e.to_string().contains("mlp.c_fc"), "{e}");
+        let mut m: crate::spec::ModelSpec =
+            serde_json::from_value(serde_json::json!({"d_model": 128})).unwrap();
+        assert_eq!(describe_tiling(&m), None);
+        m.tile_size = Some(crate::spec::Size(32768));
         assert_eq!(
-            describe_gpt_tiling(128, Some(32768)).unwrap(),
+            describe_tiling(&m).unwrap(),
             "model.tile_size 32768: every block's attn.c_attn in 2 tiles, mlp.c_fc in 2 tiles; \
              mlp.c_proj (512x128) stays whole: its 128 output columns are at most one tile of 256"
         );
-        assert_eq!(describe_gpt_tiling(128, None), None);
     }
 }

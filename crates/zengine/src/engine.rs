@@ -30,7 +30,7 @@ use std::sync::Arc;
 use candle_core::{Device, Var};
 use zcomm::{Communicator, CounterSnapshot, Quantization};
 use zconfig::{JobSpec, ZeroStage};
-use zmodel::{Gpt, GptConfig};
+use zmodel::Gpt;
 
 use crate::accounting::Transient;
 use crate::error::EngineError;
@@ -134,7 +134,7 @@ impl Engine {
         }
         let stage = spec.zero.stage;
         let m = &spec.model;
-        let model = Gpt::new(GptConfig::of(m))?
+        let model = Gpt::new(m)?
             .with_tile_size(m.tile_size.map(|n| n.0 as usize))
             .map_err(|e| EngineError::Tiling {
                 problem: e.to_string(),
@@ -248,7 +248,7 @@ impl Engine {
     }
 
     /// The order of stage-3 gathers in one micro-batch: forward blocks, the head
-    /// with the tied embedding, backward blocks in reverse, the embedding; a
+    /// (with the embedding, if tied), backward blocks in reverse, the embedding; a
     /// block's tiles after its own group, in the order its pass uses them.
     /// With qwZ the forward gathers of the embedding and the blocks are
     /// quantized; the head's serves its backward too, so it is not. With hpZ
@@ -274,7 +274,9 @@ impl Engine {
         };
         let mut order: Vec<Gather> = self.forward_gathers(keep).collect();
         order.push(head);
-        order.push(later(0));
+        if self.model.config().tied() {
+            order.push(later(0));
+        }
         for b in (1..=l).rev() {
             order.extend(block_uses(&self.model, b, Pass::Backward { checkpointing }).map(later));
         }
@@ -303,16 +305,21 @@ impl Engine {
 
     /// The order of stage-3 gathers in a forward-only pass (validation): the
     /// embedding and the blocks as in training's forward (quantized with qwZ),
-    /// then the head and the tied embedding; hpZ keeps no shards, nothing
+    /// then the head (and the embedding, if tied); hpZ keeps no shards, nothing
     /// gathers them again.
     fn eval_gather_order(&self) -> Vec<Gather> {
         let l = self.model.config().n_layers;
         self.forward_gathers(false)
-            .chain([l + 1, 0].map(|group| Gather {
-                group,
-                source: Source::World(None),
-                keep: false,
-            }))
+            .chain(
+                [l + 1, 0]
+                    .into_iter()
+                    .take(if self.model.config().tied() { 2 } else { 1 })
+                    .map(|group| Gather {
+                        group,
+                        source: Source::World(None),
+                        keep: false,
+                    }),
+            )
             .filter(|g| self.groups[g.group].partitioned)
             .collect()
     }

@@ -102,9 +102,10 @@ impl Engine {
         let tokens = Tensor::from_slice(&batch.inputs, shape, &Device::Cpu)?;
         let targets = Tensor::from_slice(&batch.targets, shape, &Device::Cpu)?;
         let p0 = self.params_for(0, &mut gather)?;
+        let layout = self.model.layout();
         let mut x = self
             .model
-            .embed(&EmbeddingParams::from_vec(detached(&p0))?, &tokens)?;
+            .embed(&EmbeddingParams::from_vec(detached(&p0), layout)?, &tokens)?;
         drop(p0);
         self.release(0);
         let l = self.model.config().n_layers;
@@ -115,14 +116,20 @@ impl Engine {
             src.release_block();
         }
         let ph = self.params_for(l + 1, &mut gather)?;
-        let pw = self.params_for(0, &mut gather)?;
-        let wte = EmbeddingParams::from_vec(detached(&pw))?.wte;
-        let loss =
-            self.model
-                .head_loss(&HeadParams::from_vec(detached(&ph))?, &wte, &x, &targets)?;
-        drop((ph, pw));
+        let head = HeadParams::from_vec(detached(&ph), layout)?;
+        let tied = head.lm_head.is_none();
+        let wte = match tied {
+            true => Some(
+                EmbeddingParams::from_vec(detached(&self.params_for(0, &mut gather)?), layout)?.wte,
+            ),
+            false => None,
+        };
+        let loss = self.model.head_loss(&head, wte.as_ref(), &x, &targets)?;
+        drop((ph, head, wte));
         self.release(l + 1);
-        self.release(0);
+        if tied {
+            self.release(0);
+        }
         assert!(gather.finished(), "planned evaluation gathers left unused");
         Ok(f64::from(loss.to_scalar::<f32>()?))
     }
@@ -151,15 +158,18 @@ impl Engine {
     fn forward_embedding(&mut self, mb: &mut MicroBatch) -> Result<Tensor, EngineError> {
         let p0 = self.params_for(0, &mut mb.gather)?;
         let x = if self.embedding_keeps_graph() {
-            let y = self
-                .model
-                .embed(&EmbeddingParams::from_vec(tensors(&p0))?, &mb.tokens)?;
+            let y = self.model.embed(
+                &EmbeddingParams::from_vec(tensors(&p0), self.model.layout())?,
+                &mb.tokens,
+            )?;
             let x = y.detach();
             mb.embedded = Some(y);
             x
         } else {
-            self.model
-                .embed(&EmbeddingParams::from_vec(detached(&p0))?, &mb.tokens)?
+            self.model.embed(
+                &EmbeddingParams::from_vec(detached(&p0), self.model.layout())?,
+                &mb.tokens,
+            )?
         };
         drop(p0);
         self.release(0);
@@ -189,9 +199,9 @@ impl Engine {
         }
         let (rows, t) = mb.tokens.dims2()?;
         let m = &self.spec.model;
-        let block_bytes = zconfig::estimate::gpt_block_activation_bytes(m, rows, t) as u64;
+        let block_bytes = zconfig::estimate::block_activation_bytes(m, rows, t) as u64;
         let input_bytes = (rows * t * m.d_model * 4) as u64;
-        let head_bytes = zconfig::estimate::gpt_head_activation_bytes(m, rows, t) as u64;
+        let head_bytes = zconfig::estimate::head_activation_bytes(m, rows, t) as u64;
         let n = n_layers as u64;
         self.peak_activations = self.peak_activations.max(if checkpointing {
             n * input_bytes + block_bytes + head_bytes
@@ -201,22 +211,30 @@ impl Engine {
         Ok(x)
     }
 
-    /// The head with the tied embedding, forward and backward back to back.
-    /// Returns the loss and the gradient of the head's input.
+    /// The head (with the embedding, when tied), forward and backward back to
+    /// back. Returns the loss and the gradient of the head's input.
     fn head_forward_backward(
         &mut self,
         mb: &mut MicroBatch,
         x: &Tensor,
     ) -> Result<(f64, Tensor), EngineError> {
         let head = self.model.config().n_layers + 1;
+        let layout = self.model.layout();
         let ph = self.params_for(head, &mut mb.gather)?;
-        let pw = self.params_for(0, &mut mb.gather)?;
+        let head_params = HeadParams::from_vec(tensors(&ph), layout)?;
+        let tied = head_params.lm_head.is_none();
+        let pw = match tied {
+            true => Some(self.params_for(0, &mut mb.gather)?),
+            false => None,
+        };
         let head_in = Var::from_tensor(x)?;
-        let wte = EmbeddingParams::from_vec(tensors(&pw))?.wte;
-        let head_params = HeadParams::from_vec(tensors(&ph))?;
-        let loss = self
-            .model
-            .head_loss(&head_params, &wte, head_in.as_tensor(), &mb.targets)?;
+        let wte = match &pw {
+            Some(pw) => Some(EmbeddingParams::from_vec(tensors(pw), layout)?.wte),
+            None => None,
+        };
+        let loss =
+            self.model
+                .head_loss(&head_params, wte.as_ref(), head_in.as_tensor(), &mb.targets)?;
         let loss_value = f64::from(loss.to_scalar::<f32>()?);
         if !loss_value.is_finite() {
             return Err(EngineError::NonFinite {
@@ -230,16 +248,20 @@ impl Engine {
             None => loss.backward()?,
         };
         self.accumulate(head, &ph, &grads)?;
-        let dwte = grads.get(&wte).ok_or_else(|| missing("wte (tied head)"))?;
-        let wte_range = self.groups[0].layout.params[0].range.clone();
-        add_grad(self.micro_grads(0), wte_range, dwte, "wte (tied head)")?;
+        if let Some(wte) = &wte {
+            let dwte = grads.get(wte).ok_or_else(|| missing("wte (tied head)"))?;
+            let wte_range = self.groups[0].layout.params[0].range.clone();
+            add_grad(self.micro_grads(0), wte_range, dwte, "wte (tied head)")?;
+        }
         let dx = grads
             .get(head_in.as_tensor())
             .cloned()
             .ok_or_else(|| missing("the head's input"))?;
-        drop((grads, loss, ph, pw));
+        drop((grads, loss, ph, pw, wte, head_params));
         self.release(head);
-        self.release(0);
+        if tied {
+            self.release(0);
+        }
         if mb.reduce_now {
             self.group_done(head)?;
         }
@@ -273,9 +295,10 @@ impl Engine {
         let p0 = self.params_for(0, &mut mb.gather)?;
         let y0 = match mb.embedded.take() {
             Some(y) => y,
-            None => self
-                .model
-                .embed(&EmbeddingParams::from_vec(tensors(&p0))?, &mb.tokens)?,
+            None => self.model.embed(
+                &EmbeddingParams::from_vec(tensors(&p0), self.model.layout())?,
+                &mb.tokens,
+            )?,
         };
         let grads = (y0 * dx)?.sum_all()?.backward()?;
         self.accumulate(0, &p0, &grads)?;
@@ -380,9 +403,10 @@ impl<'a> BlockFromEngine<'a> {
         })
     }
 
-    /// The slot of `h.{block - 1}.{name}.{weight, bias}` in the block's group.
+    /// The slots of `{block prefix}.{name}.{weight, bias}` in the block's
+    /// group (the bias where the family has one).
     fn slots(&self, name: &str) -> Result<WeightBias<usize>, EngineError> {
-        let prefix = format!("h.{}.{name}.", self.block - 1);
+        let prefix = format!("{}.{name}.", self.engine.model.block_prefix(self.block));
         let slots = &self.engine.groups[self.block].layout.params;
         let find = |what: &str| {
             slots
@@ -392,22 +416,23 @@ impl<'a> BlockFromEngine<'a> {
         };
         Ok(WeightBias {
             weight: find("weight")?,
-            bias: find("bias")?,
+            bias: match self.engine.model.layout().biases {
+                true => Some(find("bias")?),
+                false => None,
+            },
         })
     }
 
     fn own_pair(&self, name: &str) -> Result<WeightBias<Tensor>, EngineError> {
-        let s = self.slots(name)?;
-        Ok(WeightBias {
-            weight: self.own[s.weight].clone(),
-            bias: self.own[s.bias].clone(),
-        })
+        Ok(self.slots(name)?.map(|s| self.own[s].clone()))
     }
 
     fn keep_grad(&mut self, name: &str, grad: WeightBias<Tensor>) -> Result<(), EngineError> {
         let s = self.slots(name)?;
         self.own_grads[s.weight] = Some(grad.weight);
-        self.own_grads[s.bias] = Some(grad.bias);
+        if let (Some(slot), Some(bias)) = (s.bias, grad.bias) {
+            self.own_grads[slot] = Some(bias);
+        }
         Ok(())
     }
 
@@ -450,7 +475,7 @@ impl BlockSource for BlockFromEngine<'_> {
     type Error = EngineError;
 
     fn norm(&mut self, which: BlockNorm) -> Result<WeightBias<Tensor>, EngineError> {
-        self.own_pair(norm_name(which))
+        self.own_pair(self.engine.model.norm_name(which))
     }
 
     fn linear(
@@ -459,17 +484,14 @@ impl BlockSource for BlockFromEngine<'_> {
         tile: usize,
         columns: Range<usize>,
     ) -> Result<WeightBias<Tensor>, EngineError> {
+        let name = self.engine.model.linear_name(linear);
         let Some(g) = self.tile_group(linear, tile) else {
-            return self.own_pair(linear.name());
+            return self.own_pair(name);
         };
-        let p = detached(&self.engine.params_for(g, self.gather)?);
-        let [weight, bias]: [Tensor; 2] = p.try_into().map_err(|_| missing(linear.name()))?;
-        assert_eq!(
-            bias.dims1()?,
-            columns.len(),
-            "tile {tile} of {}",
-            linear.name()
-        );
+        let mut p = detached(&self.engine.params_for(g, self.gather)?).into_iter();
+        let weight = p.next().ok_or_else(|| missing(name))?;
+        let bias = p.next();
+        assert_eq!(weight.dim(1)?, columns.len(), "tile {tile} of {name}");
         Ok(WeightBias { weight, bias })
     }
 
@@ -481,7 +503,7 @@ impl BlockSource for BlockFromEngine<'_> {
     }
 
     fn norm_grad(&mut self, which: BlockNorm, grad: WeightBias<Tensor>) -> Result<(), EngineError> {
-        self.keep_grad(norm_name(which), grad)
+        self.keep_grad(self.engine.model.norm_name(which), grad)
     }
 
     fn linear_grad(
@@ -491,21 +513,15 @@ impl BlockSource for BlockFromEngine<'_> {
         grad: WeightBias<Tensor>,
     ) -> Result<(), EngineError> {
         let Some(g) = self.tile_group(linear, tile) else {
-            return self.keep_grad(linear.name(), grad);
+            return self.keep_grad(self.engine.model.linear_name(linear), grad);
         };
+        let grads = grad.into_vec();
         self.engine
-            .accumulate_tensors(g, &[&grad.weight, &grad.bias])?;
+            .accumulate_tensors(g, &grads.iter().collect::<Vec<_>>())?;
         if self.reduce_now {
             self.engine.group_done(g)?;
         }
         Ok(())
-    }
-}
-
-fn norm_name(which: BlockNorm) -> &'static str {
-    match which {
-        BlockNorm::Ln1 => "ln_1",
-        BlockNorm::Ln2 => "ln_2",
     }
 }
 

@@ -11,6 +11,13 @@
 //! and computes dV = Pᵀ·dY, dP = dY·Vᵀ, dS = P ⊙ (dP − rowsum(dP ⊙ P)),
 //! dQ = dS·K/√d, dK = dSᵀ·Q/√d into one `[b, t, 3d]` gradient. The tests check
 //! both ways against the composed version.
+//!
+//! Grouped-query attention (LLaMA's `n_kv_heads`): the projection is
+//! `[b, t, (heads + 2·kv)·hd]`, and query head `h` reads key/value head
+//! `h / (heads / kv)`. Backward runs one task per (sequence, key/value head)
+//! that goes through its query heads in order, adding their dK and dV in that
+//! order (no two tasks write the same columns; the bits do not depend on the
+//! threads). With `kv = heads` it is the plain multi-head case, unchanged.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use gemm::Parallelism;
@@ -19,20 +26,29 @@ use rayon::prelude::*;
 use crate::ops::f32_input;
 use crate::simd::{exp, vectorised};
 
-/// `y[b, t, d]` of causal multi-head attention over `qkv[b, t, 3d]` (q, k and v
-/// side by side, each `n_heads` heads of `d / n_heads`).
-pub fn causal_attention(qkv: &Tensor, n_heads: usize) -> Result<Tensor> {
-    qkv.contiguous()?.apply_op1(CausalAttention { n_heads })
+/// The heads of one attention: `heads` query heads sharing `kv` key/value heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heads {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads; divides `heads`.
+    pub kv: usize,
+}
+
+/// `y[b, t, heads·hd]` of causal attention over `qkv[b, t, (heads + 2·kv)·hd]`
+/// (q, k and v side by side).
+pub fn causal_attention(qkv: &Tensor, heads: Heads) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op1(CausalAttention { heads })
 }
 
 /// d qkv of [`causal_attention`] from its input and the gradient of its output.
-pub fn causal_attention_backward(qkv: &Tensor, dy: &Tensor, n_heads: usize) -> Result<Tensor> {
+pub fn causal_attention_backward(qkv: &Tensor, dy: &Tensor, heads: Heads) -> Result<Tensor> {
     qkv.contiguous()?
-        .apply_op2_no_bwd(&dy.contiguous()?, &CausalAttentionGrad { n_heads })
+        .apply_op2_no_bwd(&dy.contiguous()?, &CausalAttentionGrad { heads })
 }
 
 struct CausalAttention {
-    n_heads: usize,
+    heads: Heads,
 }
 
 /// Shapes of one call.
@@ -40,25 +56,52 @@ struct CausalAttention {
 struct Dims {
     b: usize,
     t: usize,
+    /// Width of a row of qkv.
+    w: usize,
+    /// Width of a row of the output: heads × hd.
     d: usize,
     hd: usize,
     heads: usize,
+    /// Query heads per key/value head.
+    group: usize,
 }
 
 impl Dims {
-    fn of(l: &Layout, heads: usize) -> Result<Dims> {
-        let (b, t, d3) = l.shape().dims3()?;
-        if d3 % 3 != 0 || (d3 / 3) % heads != 0 {
-            candle_core::bail!("attention: last dim {d3} is not 3 × heads × head size");
+    fn of(l: &Layout, h: Heads) -> Result<Dims> {
+        let (b, t, w) = l.shape().dims3()?;
+        let all = h.heads + 2 * h.kv;
+        if h.kv == 0 || !h.heads.is_multiple_of(h.kv) || !w.is_multiple_of(all) {
+            candle_core::bail!(
+                "attention: last dim {w} is not ({} + 2 × {}) heads × head size",
+                h.heads,
+                h.kv
+            );
         }
-        let d = d3 / 3;
+        let hd = w / all;
         Ok(Dims {
             b,
             t,
-            d,
-            hd: d / heads,
-            heads,
+            w,
+            d: h.heads * hd,
+            hd,
+            heads: h.heads,
+            group: h.heads / h.kv,
         })
+    }
+
+    /// Column of query head `h` in a row of qkv.
+    fn q(&self, h: usize) -> usize {
+        h * self.hd
+    }
+
+    /// Column of the key of key/value head `g`.
+    fn k(&self, g: usize) -> usize {
+        self.d + g * self.hd
+    }
+
+    /// Column of the value of key/value head `g`.
+    fn v(&self, g: usize) -> usize {
+        self.d + (self.heads / self.group + g) * self.hd
     }
 }
 
@@ -77,8 +120,8 @@ impl Shared {
     }
 }
 
-/// `dst[m×n] = beta · lhs[m×k] · rhs[k×n]`, single-threaded, with element
-/// strides (row, column) for each matrix.
+/// `dst[m×n] = beta · lhs[m×k] · rhs[k×n]` (`add`: `dst += …`),
+/// single-threaded, with element strides (row, column) for each matrix.
 ///
 /// # Safety
 ///
@@ -96,6 +139,7 @@ unsafe fn matmul(
     rhs: *const f32,
     (rhs_rs, rhs_cs): (usize, usize),
     beta: f32,
+    add: bool,
 ) {
     // SAFETY: the caller guarantees every strided access is in bounds.
     unsafe {
@@ -106,14 +150,14 @@ unsafe fn matmul(
             dst,
             dst_cs as isize,
             dst_rs as isize,
-            false,
+            add,
             lhs,
             lhs_cs as isize,
             lhs_rs as isize,
             rhs,
             rhs_cs as isize,
             rhs_rs as isize,
-            0.0,
+            if add { 1.0 } else { 0.0 },
             beta,
             false,
             false,
@@ -123,24 +167,25 @@ unsafe fn matmul(
     }
 }
 
-/// P = causal softmax(Q·Kᵀ·scale) of sequence `bi`, head `h` into `p[t×t]`.
+/// P = causal softmax(Q·Kᵀ·scale) of sequence `bi`, query head `h` into `p[t×t]`.
 fn probabilities(qkv: &[f32], dm: Dims, bi: usize, h: usize, p: &mut [f32]) {
-    let (t, d3) = (dm.t, 3 * dm.d);
-    let base = bi * t * d3;
-    let q = qkv[base + h * dm.hd..].as_ptr();
-    let k = qkv[base + dm.d + h * dm.hd..].as_ptr();
+    let (t, w) = (dm.t, dm.w);
+    let base = bi * t * w;
+    let q = qkv[base + dm.q(h)..].as_ptr();
+    let k = qkv[base + dm.k(h / dm.group)..].as_ptr();
     let scale = 1.0 / (dm.hd as f32).sqrt();
-    // SAFETY: rows i < t of q and k at stride 3d, columns < hd, lie in qkv; p has t×t.
+    // SAFETY: rows i < t of q and k at stride w, columns < hd, lie in qkv; p has t×t.
     unsafe {
         matmul(
             (t, t, dm.hd),
             p.as_mut_ptr(),
             (t, 1),
             q,
-            (d3, 1),
+            (w, 1),
             k,
-            (1, d3),
+            (1, w),
             scale,
+            false,
         )
     };
     vectorised(|| {
@@ -162,8 +207,8 @@ impl CustomOp1 for CausalAttention {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let qkv = f32_input(self.name(), s, l)?;
-        let dm = Dims::of(l, self.n_heads)?;
-        let (t, d, d3) = (dm.t, dm.d, 3 * dm.d);
+        let dm = Dims::of(l, self.heads)?;
+        let (t, d, w) = (dm.t, dm.d, dm.w);
         let mut y = vec![0f32; dm.b * t * d];
         let out = Shared(y.as_mut_ptr());
         (0..dm.b * dm.heads).into_par_iter().for_each_init(
@@ -171,9 +216,9 @@ impl CustomOp1 for CausalAttention {
             |p, task| {
                 let (bi, h) = (task / dm.heads, task % dm.heads);
                 probabilities(qkv, dm, bi, h, p);
-                let v = qkv[bi * t * d3 + 2 * d + h * dm.hd..].as_ptr();
+                let v = qkv[bi * t * w + dm.v(h / dm.group)..].as_ptr();
                 // SAFETY: y rows of sequence bi, columns of head h (disjoint per
-                // task); v rows at stride 3d lie in qkv.
+                // task); v rows at stride w lie in qkv.
                 unsafe {
                     matmul(
                         (t, dm.hd, t),
@@ -182,8 +227,9 @@ impl CustomOp1 for CausalAttention {
                         p.as_ptr(),
                         (t, 1),
                         v,
-                        (d3, 1),
+                        (w, 1),
                         1.0,
+                        false,
                     )
                 };
             },
@@ -192,13 +238,13 @@ impl CustomOp1 for CausalAttention {
     }
 
     fn bwd(&self, qkv: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(causal_attention_backward(qkv, dy, self.n_heads)?))
+        Ok(Some(causal_attention_backward(qkv, dy, self.heads)?))
     }
 }
 
 /// d qkv from (qkv, dy).
 struct CausalAttentionGrad {
-    n_heads: usize,
+    heads: Heads,
 }
 
 impl CustomOp2 for CausalAttentionGrad {
@@ -215,88 +261,96 @@ impl CustomOp2 for CausalAttentionGrad {
     ) -> Result<(CpuStorage, Shape)> {
         let qkv = f32_input(self.name(), s1, l1)?;
         let dy = f32_input(self.name(), s2, l2)?;
-        let dm = Dims::of(l1, self.n_heads)?;
-        let (t, d, d3, hd) = (dm.t, dm.d, 3 * dm.d, dm.hd);
+        let dm = Dims::of(l1, self.heads)?;
+        let (t, d, w, hd) = (dm.t, dm.d, dm.w, dm.hd);
         if dy.len() != dm.b * t * d {
             candle_core::bail!("attention backward: dy has {} elements", dy.len());
         }
         let scale = 1.0 / (hd as f32).sqrt();
         let mut dqkv = vec![0f32; qkv.len()];
         let out = Shared(dqkv.as_mut_ptr());
-        (0..dm.b * dm.heads).into_par_iter().for_each_init(
+        let kv_heads = dm.heads / dm.group;
+        (0..dm.b * kv_heads).into_par_iter().for_each_init(
             || (vec![0f32; t * t], vec![0f32; t * t]),
             |(p, dp), task| {
-                let (bi, h) = (task / dm.heads, task % dm.heads);
-                probabilities(qkv, dm, bi, h, p);
-                let base = bi * t * d3;
-                let (q, k, v) = (
-                    qkv[base + h * hd..].as_ptr(),
-                    qkv[base + d + h * hd..].as_ptr(),
-                    qkv[base + 2 * d + h * hd..].as_ptr(),
+                let (bi, g) = (task / kv_heads, task % kv_heads);
+                let base = bi * t * w;
+                let (k, v) = (
+                    qkv[base + dm.k(g)..].as_ptr(),
+                    qkv[base + dm.v(g)..].as_ptr(),
                 );
-                let g = dy[bi * t * d + h * hd..].as_ptr();
-                // SAFETY: as in forward; each task writes only its own head's
-                // columns of q, k and v in dqkv.
-                unsafe {
-                    let dst = out.at(base + h * hd);
-                    // dV = Pᵀ · dY
-                    matmul(
-                        (t, hd, t),
-                        dst.add(2 * d),
-                        (d3, 1),
-                        p.as_ptr(),
-                        (1, t),
-                        g,
-                        (d, 1),
-                        1.0,
-                    );
-                    // dP = dY · Vᵀ
-                    matmul(
-                        (t, t, hd),
-                        dp.as_mut_ptr(),
-                        (t, 1),
-                        g,
-                        (d, 1),
-                        v,
-                        (1, d3),
-                        1.0,
-                    );
-                }
-                // dS = P ⊙ (dP − rowsum(dP ⊙ P)), in place of dP.
-                vectorised(|| {
-                    for (prow, dprow) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)) {
-                        let c: f32 = prow.iter().zip(dprow.iter()).map(|(a, b)| a * b).sum();
-                        dprow
-                            .iter_mut()
-                            .zip(prow)
-                            .for_each(|(g, &pv)| *g = pv * (*g - c));
+                for (nth, h) in (g * dm.group..(g + 1) * dm.group).enumerate() {
+                    // The group's first query head writes dK and dV, the
+                    // others add to them, in order.
+                    let add = nth > 0;
+                    probabilities(qkv, dm, bi, h, p);
+                    let q = qkv[base + dm.q(h)..].as_ptr();
+                    let dy_h = dy[bi * t * d + h * hd..].as_ptr();
+                    // SAFETY: as in forward; each task writes only the columns
+                    // of its key/value head and of that head's query heads.
+                    unsafe {
+                        // dV (+)= Pᵀ · dY
+                        matmul(
+                            (t, hd, t),
+                            out.at(base + dm.v(g)),
+                            (w, 1),
+                            p.as_ptr(),
+                            (1, t),
+                            dy_h,
+                            (d, 1),
+                            1.0,
+                            add,
+                        );
+                        // dP = dY · Vᵀ
+                        matmul(
+                            (t, t, hd),
+                            dp.as_mut_ptr(),
+                            (t, 1),
+                            dy_h,
+                            (d, 1),
+                            v,
+                            (1, w),
+                            1.0,
+                            false,
+                        );
                     }
-                });
-                // SAFETY: as above.
-                unsafe {
-                    let dst = out.at(base + h * hd);
-                    // dQ = dS · K · scale
-                    matmul(
-                        (t, hd, t),
-                        dst,
-                        (d3, 1),
-                        dp.as_ptr(),
-                        (t, 1),
-                        k,
-                        (d3, 1),
-                        scale,
-                    );
-                    // dK = dSᵀ · Q · scale
-                    matmul(
-                        (t, hd, t),
-                        dst.add(d),
-                        (d3, 1),
-                        dp.as_ptr(),
-                        (1, t),
-                        q,
-                        (d3, 1),
-                        scale,
-                    );
+                    // dS = P ⊙ (dP − rowsum(dP ⊙ P)), in place of dP.
+                    vectorised(|| {
+                        for (prow, dprow) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)) {
+                            let c: f32 = prow.iter().zip(dprow.iter()).map(|(a, b)| a * b).sum();
+                            dprow
+                                .iter_mut()
+                                .zip(prow)
+                                .for_each(|(g, &pv)| *g = pv * (*g - c));
+                        }
+                    });
+                    // SAFETY: as above.
+                    unsafe {
+                        // dQ = dS · K · scale
+                        matmul(
+                            (t, hd, t),
+                            out.at(base + dm.q(h)),
+                            (w, 1),
+                            dp.as_ptr(),
+                            (t, 1),
+                            k,
+                            (w, 1),
+                            scale,
+                            false,
+                        );
+                        // dK (+)= dSᵀ · Q · scale
+                        matmul(
+                            (t, hd, t),
+                            out.at(base + dm.k(g)),
+                            (w, 1),
+                            dp.as_ptr(),
+                            (1, t),
+                            q,
+                            (w, 1),
+                            scale,
+                            add,
+                        );
+                    }
                 }
             },
         );
@@ -309,18 +363,33 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var, D};
 
-    /// The composed reference: heads, scaled scores, causal mask, softmax, P·V.
-    fn composed(qkv: &Tensor, heads: usize) -> Result<Tensor> {
-        let (b, t, d3) = qkv.dims3()?;
-        let d = d3 / 3;
-        let hd = d / heads;
-        let split = |i: usize| -> Result<Tensor> {
-            qkv.narrow(2, i * d, d)?
-                .reshape((b, t, heads, hd))?
+    /// The composed reference: heads (each key/value head repeated for its
+    /// query heads), scaled scores, causal mask, softmax, P·V.
+    fn composed(qkv: &Tensor, heads: Heads) -> Result<Tensor> {
+        let (b, t, w) = qkv.dims3()?;
+        let hd = w / (heads.heads + 2 * heads.kv);
+        let group = heads.heads / heads.kv;
+        let split = |start: usize, n: usize| -> Result<Tensor> {
+            let x = qkv
+                .narrow(2, start * hd, n * hd)?
+                .reshape((b, t, n, hd))?
                 .transpose(1, 2)?
-                .contiguous()
+                .contiguous()?;
+            // [b, n, t, hd] → [b, n·group, t, hd]: each head `group` times.
+            let rep: Vec<Tensor> = (0..n * group)
+                .map(|i| x.narrow(1, i / (heads.heads / n), 1))
+                .collect::<Result<_>>()?;
+            Tensor::cat(&rep, 1)
         };
-        let (q, k, v) = (split(0)?, split(1)?, split(2)?);
+        let q = qkv
+            .narrow(2, 0, heads.heads * hd)?
+            .reshape((b, t, heads.heads, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let (k, v) = (
+            split(heads.heads, heads.kv)?,
+            split(heads.heads + heads.kv, heads.kv)?,
+        );
         let s = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
         let mask: Vec<f32> = (0..t * t)
             .map(|i| {
@@ -336,45 +405,51 @@ mod tests {
         let max = s.max_keepdim(D::Minus1)?.detach();
         let e = s.broadcast_sub(&max)?.exp()?;
         let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-        p.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))
+        p.matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, t, heads.heads * hd))
     }
 
+    /// Multi-head (3 of 3) and grouped-query (4 query heads on 2).
     #[test]
     fn matches_the_composed_version_forward_and_backward() {
-        let (b, t, heads, hd) = (2, 7, 3, 4);
-        let n = b * t * 3 * heads * hd;
-        let vals: Vec<f32> = (0..n)
-            .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
-            .collect();
-        let x = Var::from_vec(vals, (b, t, 3 * heads * hd), &Device::Cpu).unwrap();
-        let w: Vec<f32> = (0..b * t * heads * hd)
-            .map(|i| (i % 13) as f32 * 0.1 - 0.6)
-            .collect();
-        let w = Tensor::from_vec(w, (b, t, heads * hd), &Device::Cpu).unwrap();
-        let fused = causal_attention(x.as_tensor(), heads).unwrap();
-        let reference = composed(x.as_tensor(), heads).unwrap();
-        let diff = (&fused - &reference)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap();
-        assert!(diff.to_scalar::<f32>().unwrap() < 1e-5);
-        let g1 = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
-        let g2 = (reference * &w)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let (a, r) = (
-            g1.get(x.as_tensor()).unwrap(),
-            g2.get(x.as_tensor()).unwrap(),
-        );
-        let diff = (a - r).unwrap().abs().unwrap().max_all().unwrap();
-        assert!(
-            diff.to_scalar::<f32>().unwrap() < 1e-5,
-            "gradient differs by {diff}"
-        );
+        for (heads, kv) in [(3, 3), (4, 2), (4, 1)] {
+            let heads = Heads { heads, kv };
+            let (b, t, hd) = (2, 7, 4);
+            let n = b * t * (heads.heads + 2 * heads.kv) * hd;
+            let vals: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+                .collect();
+            let x = Var::from_vec(vals, (b, t, n / (b * t)), &Device::Cpu).unwrap();
+            let w: Vec<f32> = (0..b * t * heads.heads * hd)
+                .map(|i| (i % 13) as f32 * 0.1 - 0.6)
+                .collect();
+            let w = Tensor::from_vec(w, (b, t, heads.heads * hd), &Device::Cpu).unwrap();
+            let fused = causal_attention(x.as_tensor(), heads).unwrap();
+            let reference = composed(x.as_tensor(), heads).unwrap();
+            let diff = (&fused - &reference)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap();
+            assert!(diff.to_scalar::<f32>().unwrap() < 1e-5, "{heads:?}");
+            let g1 = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = (reference * &w)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let (a, r) = (
+                g1.get(x.as_tensor()).unwrap(),
+                g2.get(x.as_tensor()).unwrap(),
+            );
+            let diff = (a - r).unwrap().abs().unwrap().max_all().unwrap();
+            assert!(
+                diff.to_scalar::<f32>().unwrap() < 1e-5,
+                "{heads:?}: gradient differs by {diff}"
+            );
+        }
     }
 }

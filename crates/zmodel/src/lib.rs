@@ -1,20 +1,23 @@
 //! zmodel: the model and the data, nothing about distribution.
 //!
 //! Layout:
-//! - [`gpt`]: a GPT-2-style decoder as a chain of blocks (embedding, N transformer
-//!   blocks, final norm + tied head + loss). Every block's forward takes its
+//! - [`gpt`]: a decoder of either family, GPT-2 or LLaMA, as a chain of blocks
+//!   (embedding, N transformer blocks, final norm + head + loss). Every block's forward takes its
 //!   parameter tensors as arguments: the engine owns the parameters and decides
 //!   where they live (replicated, partitioned, gathered on demand). A block's
 //!   backward is written by hand from the activations its forward saved (no
 //!   autograd graph, which would also hold the parameters).
-//! - [`params`]: a block's parameters by name (`BlockParams { ln_1, attn_c_attn,
+//! - [`params`]: a block's parameters by slot (`BlockParams { norm_1, qkv,
 //!   ... }`), generic over values, gradients and specs; the one place their flat
 //!   order is written.
 //! - [`linear`]: a block's linear layers whole or in column tiles
 //!   (memory-centric tiling) behind one [`BlockSource`], with a backward whose
 //!   input gradient adds in the same order either way.
-//! - [`attention`]: causal self-attention as one custom op (strided GEMMs on the
-//!   projection, softmax in cache, a recomputing backward).
+//! - [`attention`]: causal self-attention, multi-head or grouped-query, as one
+//!   custom op (strided GEMMs on the projection, softmax in cache, a
+//!   recomputing backward).
+//! - [`llama_ops`]: fused RMSNorm, SwiGLU and rotary embeddings with their
+//!   own backward.
 //! - [`ops`]: fused layer norm and GELU with their own backward; cross-entropy
 //!   composed from candle primitives so that it has a backward (candle-nn's fused
 //!   versions silently have none).
@@ -29,12 +32,13 @@ pub mod attention;
 pub mod data;
 pub mod gpt;
 pub mod linear;
+pub mod llama_ops;
 pub mod ops;
 pub mod params;
 mod simd;
 
 pub use data::{Batch, Batcher, Corpus, DataError};
-pub use gpt::{BlockActs, Gpt, GptConfig, GroupSpec, Init, ParamSpec};
+pub use gpt::{BlockActs, Gpt, GroupSpec, Init, ParamSpec};
 pub use linear::{BlockLinear, BlockNorm, BlockSource};
-pub use params::{BlockParams, EmbeddingParams, HeadParams, WeightBias};
+pub use params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};
 pub use zconfig::tiles::{ColumnTile, TileError};

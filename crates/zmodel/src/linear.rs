@@ -1,7 +1,8 @@
 //! A block's linear layers, whole or in column tiles (ZeRO-Infinity's
 //! memory-centric tiling), with one forward and one backward for both.
 //!
-//! A tile is a run of output columns: its weight `[in, w]` and bias `[w]`.
+//! A tile is a run of output columns: its weight `[in, w]` and bias `[w]`
+//! (LLaMA's linears have none).
 //! The forward computes each tile's columns `x·W_t + b_t` one tile at a time, so
 //! only one tile's parameters need to be in memory; the backward takes each
 //! tile's `dW_t = xᵀ·dy_t` and `db_t` (column sums) and adds `dy_t·W_tᵀ` into the
@@ -31,82 +32,58 @@ use crate::params::{BlockParams, WeightBias};
 /// tile granularity, so that tiles start on chunk boundaries.
 pub const DX_CHUNK: usize = zconfig::tiles::TILE_COLUMNS;
 
-/// A block's linear layers, in forward order.
+/// A block's linear layers, in forward order (slots; each family's names
+/// and shapes are in `zconfig::arch`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BlockLinear {
-    /// The q, k, v projection `[d, 3d]`.
-    AttnCAttn,
+    /// The q, k, v projection.
+    Qkv,
     /// Attention's output projection `[d, d]`.
-    AttnCProj,
-    /// The MLP's expansion `[d, 4d]`.
-    MlpCFc,
-    /// The MLP's projection back `[4d, d]`.
-    MlpCProj,
+    AttnOut,
+    /// The MLP's expansion (LLaMA: gate and up side by side).
+    MlpIn,
+    /// The MLP's projection back to `d`.
+    MlpOut,
 }
 
 impl BlockLinear {
     /// In forward order.
     pub const ALL: [BlockLinear; 4] = [
-        BlockLinear::AttnCAttn,
-        BlockLinear::AttnCProj,
-        BlockLinear::MlpCFc,
-        BlockLinear::MlpCProj,
+        BlockLinear::Qkv,
+        BlockLinear::AttnOut,
+        BlockLinear::MlpIn,
+        BlockLinear::MlpOut,
     ];
-
-    /// GPT-2's name inside a block, e.g. `attn.c_attn`.
-    pub fn name(self) -> &'static str {
-        match self {
-            BlockLinear::AttnCAttn => "attn.c_attn",
-            BlockLinear::AttnCProj => "attn.c_proj",
-            BlockLinear::MlpCFc => "mlp.c_fc",
-            BlockLinear::MlpCProj => "mlp.c_proj",
-        }
-    }
 
     /// Its parameters in `p`.
     pub fn of<T>(self, p: &BlockParams<T>) -> &WeightBias<T> {
         match self {
-            BlockLinear::AttnCAttn => &p.attn_c_attn,
-            BlockLinear::AttnCProj => &p.attn_c_proj,
-            BlockLinear::MlpCFc => &p.mlp_c_fc,
-            BlockLinear::MlpCProj => &p.mlp_c_proj,
-        }
-    }
-
-    /// Its parameters in `p`, mutably.
-    pub fn of_mut<T>(self, p: &mut BlockParams<T>) -> &mut WeightBias<T> {
-        match self {
-            BlockLinear::AttnCAttn => &mut p.attn_c_attn,
-            BlockLinear::AttnCProj => &mut p.attn_c_proj,
-            BlockLinear::MlpCFc => &mut p.mlp_c_fc,
-            BlockLinear::MlpCProj => &mut p.mlp_c_proj,
+            BlockLinear::Qkv => &p.qkv,
+            BlockLinear::AttnOut => &p.attn_out,
+            BlockLinear::MlpIn => &p.mlp_in,
+            BlockLinear::MlpOut => &p.mlp_out,
         }
     }
 }
 
-/// A block's layer norms.
+/// A block's norms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockNorm {
     /// Before attention.
-    Ln1,
+    Norm1,
     /// Before the MLP.
-    Ln2,
+    Norm2,
 }
 
 impl BlockNorm {
+    /// Both, in forward order.
+    pub const ALL: [BlockNorm; 2] = [BlockNorm::Norm1, BlockNorm::Norm2];
+
     /// Its parameters in `p`.
     pub fn of<T>(self, p: &BlockParams<T>) -> &WeightBias<T> {
         match self {
-            BlockNorm::Ln1 => &p.ln_1,
-            BlockNorm::Ln2 => &p.ln_2,
-        }
-    }
-
-    /// Its parameters in `p`, mutably.
-    pub fn of_mut<T>(self, p: &mut BlockParams<T>) -> &mut WeightBias<T> {
-        match self {
-            BlockNorm::Ln1 => &mut p.ln_1,
-            BlockNorm::Ln2 => &mut p.ln_2,
+            BlockNorm::Norm1 => &p.norm_1,
+            BlockNorm::Norm2 => &p.norm_2,
         }
     }
 }
@@ -118,10 +95,11 @@ pub trait BlockSource {
     /// The source's error (candle's errors convert into it).
     type Error: From<candle_core::Error>;
 
-    /// Layer norm `which`.
+    /// Norm `which`.
     fn norm(&mut self, which: BlockNorm) -> Result<WeightBias<Tensor>, Self::Error>;
 
-    /// Tile `tile` of `linear`, its output `columns`: weight `[in, w]`, bias `[w]`.
+    /// Tile `tile` of `linear`, its output `columns`: weight `[in, w]`, bias
+    /// `[w]` if the family has biases.
     fn linear(
         &mut self,
         linear: BlockLinear,
@@ -132,7 +110,7 @@ pub trait BlockSource {
     /// Done with tile `tile` of `linear` until it is asked for again.
     fn release(&mut self, linear: BlockLinear, tile: usize) -> Result<(), Self::Error>;
 
-    /// Layer norm `which`'s gradient.
+    /// Norm `which`'s gradient.
     fn norm_grad(&mut self, which: BlockNorm, grad: WeightBias<Tensor>) -> Result<(), Self::Error>;
 
     /// Tile `tile` of `linear`'s gradient.
@@ -154,7 +132,11 @@ pub(crate) fn forward<S: BlockSource>(
     let mut outs = Vec::with_capacity(tiles.len());
     for (t, cols) in tiles.iter().enumerate() {
         let p = src.linear(linear, t, cols.clone())?;
-        outs.push(x.matmul(&p.weight)?.broadcast_add(&p.bias)?);
+        let y = x.matmul(&p.weight)?;
+        outs.push(match &p.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        });
         drop(p);
         src.release(linear, t)?;
     }
@@ -184,7 +166,10 @@ pub(crate) fn backward<S: BlockSource>(
         };
         let grad = WeightBias {
             weight: x.t()?.matmul(&dy_t)?,
-            bias: column_sums(&dy_t)?,
+            bias: match p.bias {
+                Some(_) => Some(column_sums(&dy_t)?),
+                None => None,
+            },
         };
         add_dy_wt(&mut dx, &dy_t, &p.weight.contiguous()?, cols.start == 0)?;
         drop(p);
@@ -274,24 +259,25 @@ impl<'a> Whole<'a> {
 
     /// The gradients handed over, whole.
     pub(crate) fn grads(self) -> candle_core::Result<BlockParams<Tensor>> {
-        let [ln_1, ln_2] = self.norms;
+        let [norm_1, norm_2] = self.norms;
         let missing = || candle_core::Error::Msg("a block's backward left a gradient out".into());
         let mut linears = self.tiles.into_iter().map(|t| {
-            let (w, b): (Vec<Tensor>, Vec<Tensor>) =
+            let (w, b): (Vec<Tensor>, Vec<Option<Tensor>>) =
                 t.into_iter().map(|g| (g.weight, g.bias)).unzip();
+            let b: Option<Vec<Tensor>> = b.into_iter().collect();
             Ok::<_, candle_core::Error>(WeightBias {
                 weight: Tensor::cat(&w, 1)?,
-                bias: Tensor::cat(&b, 0)?,
+                bias: b.map(|b| Tensor::cat(&b, 0)).transpose()?,
             })
         });
         let mut next = || linears.next().ok_or_else(missing)?;
         Ok(BlockParams {
-            attn_c_attn: next()?,
-            attn_c_proj: next()?,
-            mlp_c_fc: next()?,
-            mlp_c_proj: next()?,
-            ln_1: ln_1.ok_or_else(missing)?,
-            ln_2: ln_2.ok_or_else(missing)?,
+            qkv: next()?,
+            attn_out: next()?,
+            mlp_in: next()?,
+            mlp_out: next()?,
+            norm_1: norm_1.ok_or_else(missing)?,
+            norm_2: norm_2.ok_or_else(missing)?,
         })
     }
 }
@@ -310,7 +296,7 @@ impl BlockSource for Whole<'_> {
         columns: Range<usize>,
     ) -> candle_core::Result<WeightBias<Tensor>> {
         let p = linear.of(self.params);
-        if columns.start == 0 && columns.end == p.bias.dims1()? {
+        if columns.start == 0 && columns.end == p.weight.dim(1)? {
             return Ok(p.clone());
         }
         Ok(WeightBias {
@@ -318,7 +304,11 @@ impl BlockSource for Whole<'_> {
                 .weight
                 .narrow(1, columns.start, columns.len())?
                 .contiguous()?,
-            bias: p.bias.narrow(0, columns.start, columns.len())?,
+            bias: p
+                .bias
+                .as_ref()
+                .map(|b| b.narrow(0, columns.start, columns.len()))
+                .transpose()?,
         })
     }
 
@@ -340,8 +330,7 @@ impl BlockSource for Whole<'_> {
         let tiles = &mut self.tiles[linear as usize];
         if tiles.len() != tile {
             return Err(candle_core::Error::Msg(format!(
-                "{}: gradient of tile {tile} after {} tiles",
-                linear.name(),
+                "{linear:?}: gradient of tile {tile} after {} tiles",
                 tiles.len()
             )));
         }

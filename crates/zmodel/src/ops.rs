@@ -135,7 +135,7 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
 /// Σ `f(i)` over `0..n`, in 8 interleaved partial sums added in a fixed order
 /// (so the compiler can vectorise it and the bits do not depend on the CPU).
 #[inline(always)]
-fn sum8(n: usize, f: impl Fn(usize) -> f32) -> f32 {
+pub(crate) fn sum8(n: usize, f: impl Fn(usize) -> f32) -> f32 {
     let mut acc = [0f32; 8];
     let whole = n / 8 * 8;
     for i in (0..whole).step_by(8) {

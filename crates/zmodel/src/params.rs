@@ -6,31 +6,71 @@
 //! order is written, and [`crate::Gpt::groups`] builds the parameter specs
 //! through the same structs, so specs, values and gradients cannot disagree on
 //! it. The structs are generic: `BlockParams<Tensor>` holds values or
-//! gradients, `BlockParams<ParamSpec>` names and shapes. A new block kind
-//! (RMSNorm, SwiGLU) adds a struct here, not index arithmetic.
+//! gradients, `BlockParams<ParamSpec>` names and shapes. They name slots, not
+//! one family's layers: GPT-2 and LLaMA fill the same slots, LLaMA without
+//! biases or a position table and with a head matrix of its own
+//! ([`ParamLayout`]).
 
 use candle_core::{Error, Result};
 
-/// A weight and a bias: a linear layer (weight `[in, out]`) or a layer norm.
+/// Which parameters a family's structs hold (the rest are `None`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamLayout {
+    /// Linears and norms have biases (GPT-2).
+    pub biases: bool,
+    /// The embedding has a position table (GPT-2).
+    pub positions: bool,
+    /// The head has its own output matrix (an untied LLaMA).
+    pub lm_head: bool,
+}
+
+impl ParamLayout {
+    /// The layout of the model `m` describes.
+    pub fn of(m: &zconfig::spec::ModelSpec) -> ParamLayout {
+        ParamLayout {
+            biases: m.biases(),
+            positions: m.learned_positions(),
+            lm_head: !m.tied(),
+        }
+    }
+}
+
+/// A weight and its bias, if the family has biases: a linear layer (weight
+/// `[in, out]`) or a norm.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WeightBias<T> {
     /// Weight.
     pub weight: T,
     /// Bias.
-    pub bias: T,
+    pub bias: Option<T>,
 }
 
 impl<T> WeightBias<T> {
     fn push_into(self, out: &mut Vec<T>) {
         out.push(self.weight);
-        out.push(self.bias);
+        out.extend(self.bias);
     }
 
-    fn take(it: &mut impl Iterator<Item = T>) -> Option<WeightBias<T>> {
+    fn take(it: &mut impl Iterator<Item = T>, bias: bool) -> Option<WeightBias<T>> {
         Some(WeightBias {
             weight: it.next()?,
-            bias: it.next()?,
+            bias: if bias { Some(it.next()?) } else { None },
         })
+    }
+
+    /// The weight, then the bias if there is one.
+    pub fn into_vec(self) -> Vec<T> {
+        let mut v = Vec::with_capacity(2);
+        self.push_into(&mut v);
+        v
+    }
+
+    /// `f` applied to the weight and the bias.
+    pub fn map<U>(self, mut f: impl FnMut(T) -> U) -> WeightBias<U> {
+        WeightBias {
+            weight: f(self.weight),
+            bias: self.bias.map(f),
+        }
     }
 }
 
@@ -51,103 +91,131 @@ fn exactly<T, P>(
     }
 }
 
-/// The embedding: token and position tables (`wte` is also the tied head).
+/// The embedding: the token table (also the head when tied) and GPT-2's
+/// position table.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EmbeddingParams<T> {
     /// Token embedding `[vocab, d]`.
     pub wte: T,
-    /// Position embedding `[seq, d]`.
-    pub wpe: T,
+    /// Position embedding `[seq, d]` (GPT-2).
+    pub wpe: Option<T>,
 }
 
 impl<T> EmbeddingParams<T> {
     /// In the flat order.
     pub fn into_vec(self) -> Vec<T> {
-        vec![self.wte, self.wpe]
-    }
-
-    /// From the flat order; an error unless there are exactly 2.
-    pub fn from_vec(v: Vec<T>) -> Result<Self> {
-        exactly(v, 2, "the embedding", |it| {
-            Some(EmbeddingParams {
-                wte: it.next()?,
-                wpe: it.next()?,
-            })
-        })
-    }
-}
-
-/// A pre-LayerNorm transformer block (GPT-2's names).
-#[derive(Debug, Clone, PartialEq)]
-pub struct BlockParams<T> {
-    /// Layer norm before attention.
-    pub ln_1: WeightBias<T>,
-    /// The q, k, v projection `[d, 3d]`.
-    pub attn_c_attn: WeightBias<T>,
-    /// Attention's output projection `[d, d]`.
-    pub attn_c_proj: WeightBias<T>,
-    /// Layer norm before the MLP.
-    pub ln_2: WeightBias<T>,
-    /// The MLP's expansion `[d, 4d]`.
-    pub mlp_c_fc: WeightBias<T>,
-    /// The MLP's projection back `[4d, d]`.
-    pub mlp_c_proj: WeightBias<T>,
-}
-
-impl<T> BlockParams<T> {
-    /// Parameters in a block.
-    pub const COUNT: usize = 12;
-
-    /// In the flat order.
-    pub fn into_vec(self) -> Vec<T> {
-        let mut v = Vec::with_capacity(Self::COUNT);
-        self.ln_1.push_into(&mut v);
-        self.attn_c_attn.push_into(&mut v);
-        self.attn_c_proj.push_into(&mut v);
-        self.ln_2.push_into(&mut v);
-        self.mlp_c_fc.push_into(&mut v);
-        self.mlp_c_proj.push_into(&mut v);
+        let mut v = vec![self.wte];
+        v.extend(self.wpe);
         v
     }
 
-    /// From the flat order; an error unless there are exactly [`Self::COUNT`].
-    pub fn from_vec(v: Vec<T>) -> Result<Self> {
-        exactly(v, Self::COUNT, "a block", |it| {
+    /// From the flat order; an error unless there are exactly as many as
+    /// `layout` says.
+    pub fn from_vec(v: Vec<T>, layout: ParamLayout) -> Result<Self> {
+        exactly(
+            v,
+            1 + usize::from(layout.positions),
+            "the embedding",
+            |it| {
+                Some(EmbeddingParams {
+                    wte: it.next()?,
+                    wpe: if layout.positions {
+                        Some(it.next()?)
+                    } else {
+                        None
+                    },
+                })
+            },
+        )
+    }
+}
+
+/// A pre-norm transformer block by slot (see `zconfig::arch` for each
+/// family's names and shapes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockParams<T> {
+    /// The norm before attention.
+    pub norm_1: WeightBias<T>,
+    /// The q, k, v projection.
+    pub qkv: WeightBias<T>,
+    /// Attention's output projection `[d, d]`.
+    pub attn_out: WeightBias<T>,
+    /// The norm before the MLP.
+    pub norm_2: WeightBias<T>,
+    /// The MLP's expansion (LLaMA: gate and up side by side).
+    pub mlp_in: WeightBias<T>,
+    /// The MLP's projection back to `d`.
+    pub mlp_out: WeightBias<T>,
+}
+
+impl<T> BlockParams<T> {
+    /// In the flat order.
+    pub fn into_vec(self) -> Vec<T> {
+        let mut v = Vec::with_capacity(12);
+        self.norm_1.push_into(&mut v);
+        self.qkv.push_into(&mut v);
+        self.attn_out.push_into(&mut v);
+        self.norm_2.push_into(&mut v);
+        self.mlp_in.push_into(&mut v);
+        self.mlp_out.push_into(&mut v);
+        v
+    }
+
+    /// From the flat order; an error unless there are exactly as many as
+    /// `layout` says (6, or 12 with biases).
+    pub fn from_vec(v: Vec<T>, layout: ParamLayout) -> Result<Self> {
+        let b = layout.biases;
+        exactly(v, 6 * (1 + usize::from(b)), "a block", |it| {
             // Struct fields are evaluated in the order written.
             Some(BlockParams {
-                ln_1: WeightBias::take(it)?,
-                attn_c_attn: WeightBias::take(it)?,
-                attn_c_proj: WeightBias::take(it)?,
-                ln_2: WeightBias::take(it)?,
-                mlp_c_fc: WeightBias::take(it)?,
-                mlp_c_proj: WeightBias::take(it)?,
+                norm_1: WeightBias::take(it, b)?,
+                qkv: WeightBias::take(it, b)?,
+                attn_out: WeightBias::take(it, b)?,
+                norm_2: WeightBias::take(it, b)?,
+                mlp_in: WeightBias::take(it, b)?,
+                mlp_out: WeightBias::take(it, b)?,
             })
         })
     }
 }
 
-/// The head: the final layer norm (the output matrix is the tied `wte`).
+/// The head: the final norm and, untied, its own output matrix `[vocab, d]`
+/// (otherwise the output matrix is `wte`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct HeadParams<T> {
-    /// Final layer norm.
-    pub ln_f: WeightBias<T>,
+    /// Final norm.
+    pub norm: WeightBias<T>,
+    /// The untied output matrix.
+    pub lm_head: Option<T>,
 }
 
 impl<T> HeadParams<T> {
     /// In the flat order.
     pub fn into_vec(self) -> Vec<T> {
         let mut v = Vec::with_capacity(2);
-        self.ln_f.push_into(&mut v);
+        self.norm.push_into(&mut v);
+        v.extend(self.lm_head);
         v
     }
 
-    /// From the flat order; an error unless there are exactly 2.
-    pub fn from_vec(v: Vec<T>) -> Result<Self> {
-        exactly(v, 2, "the head", |it| {
-            Some(HeadParams {
-                ln_f: WeightBias::take(it)?,
-            })
-        })
+    /// From the flat order; an error unless there are exactly as many as
+    /// `layout` says.
+    pub fn from_vec(v: Vec<T>, layout: ParamLayout) -> Result<Self> {
+        exactly(
+            v,
+            1 + usize::from(layout.biases) + usize::from(layout.lm_head),
+            "the head",
+            |it| {
+                Some(HeadParams {
+                    norm: WeightBias::take(it, layout.biases)?,
+                    lm_head: if layout.lm_head {
+                        Some(it.next()?)
+                    } else {
+                        None
+                    },
+                })
+            },
+        )
     }
 }
 
@@ -155,22 +223,51 @@ impl<T> HeadParams<T> {
 mod tests {
     use super::*;
 
+    const GPT: ParamLayout = ParamLayout {
+        biases: true,
+        positions: true,
+        lm_head: false,
+    };
+    const LLAMA: ParamLayout = ParamLayout {
+        biases: false,
+        positions: false,
+        lm_head: true,
+    };
+
     #[test]
     fn flat_order_round_trips_and_counts_are_checked() {
         let v: Vec<usize> = (0..12).collect();
-        let b = BlockParams::from_vec(v.clone()).unwrap();
+        let b = BlockParams::from_vec(v.clone(), GPT).unwrap();
         assert_eq!(
-            (b.ln_1.weight, b.attn_c_attn.bias, b.mlp_c_proj.bias),
-            (0, 3, 11)
+            (b.norm_1.weight, b.qkv.bias, b.mlp_out.bias),
+            (0, Some(3), Some(11))
         );
         assert_eq!(b.into_vec(), v);
-        assert!(BlockParams::from_vec((0..11).collect::<Vec<_>>()).is_err());
-        assert!(BlockParams::from_vec((0..13).collect::<Vec<_>>()).is_err());
-        assert_eq!(EmbeddingParams::from_vec(vec![7, 8]).unwrap().wpe, 8);
-        assert!(HeadParams::from_vec(vec![1]).is_err());
+        assert!(BlockParams::from_vec((0..11).collect::<Vec<_>>(), GPT).is_err());
+        let e = BlockParams::from_vec((0..13).collect::<Vec<_>>(), GPT).unwrap_err();
+        assert!(
+            e.to_string().contains("a block has 12 parameters, got 13"),
+            "{e}"
+        );
         assert_eq!(
-            HeadParams::from_vec(vec![1, 2]).unwrap().into_vec(),
+            EmbeddingParams::from_vec(vec![7, 8], GPT).unwrap().wpe,
+            Some(8)
+        );
+        assert!(HeadParams::from_vec(vec![1], GPT).is_err());
+        assert_eq!(
+            HeadParams::from_vec(vec![1, 2], GPT).unwrap().into_vec(),
             vec![1, 2]
         );
+        // LLaMA: weights only, no position table, a head matrix of its own.
+        let l = BlockParams::from_vec((0..6).collect::<Vec<_>>(), LLAMA).unwrap();
+        assert_eq!(
+            (l.attn_out.weight, l.mlp_out.weight, l.qkv.bias),
+            (2, 5, None)
+        );
+        assert_eq!(l.into_vec(), (0..6).collect::<Vec<_>>());
+        assert!(BlockParams::from_vec((0..12).collect::<Vec<_>>(), LLAMA).is_err());
+        assert!(EmbeddingParams::from_vec(vec![7, 8], LLAMA).is_err());
+        let h = HeadParams::from_vec(vec![1, 2], LLAMA).unwrap();
+        assert_eq!((h.norm.bias, h.lm_head), (None, Some(2)));
     }
 }

@@ -98,9 +98,23 @@ pub struct ExportArgs {
     /// A checkpoint directory (`step-N/`), or a checkpoint root (its newest).
     #[arg(value_name = "CHECKPOINT_DIR")]
     pub checkpoint: PathBuf,
-    /// The safetensors file to write.
-    #[arg(long, value_name = "FILE.safetensors")]
+    /// The safetensors file to write (`--format hf`: the directory).
+    #[arg(long, value_name = "PATH")]
     pub out: PathBuf,
+    /// `zrun`: one safetensors file under zrun's names (what `init_from` and
+    /// `zrun sample` read); `hf`: a Hugging Face model directory
+    /// (`config.json` + `model.safetensors`) that `transformers` loads.
+    #[arg(long, value_enum, default_value_t = ExportFormat::Zrun)]
+    pub format: ExportFormat,
+}
+
+/// What `zrun export` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportFormat {
+    /// zrun's names, one file.
+    Zrun,
+    /// Hugging Face's names and layout, a directory.
+    Hf,
 }
 
 /// `zrun estimate`.

@@ -6,8 +6,8 @@ use std::process::ExitCode;
 use anyhow::Result;
 use serde::Serialize;
 use zconfig::estimate::{
-    gpt_activation_bytes, gpt_largest_group, gpt_params, model_state_rows, worker_states,
-    CrossNodeBytes, Row, StateBytes, WorkerStates,
+    activation_bytes, largest_group, model_params, model_state_rows, worker_states, CrossNodeBytes,
+    Row, StateBytes, WorkerStates,
 };
 use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
 
@@ -267,15 +267,15 @@ fn gb(b: f64) -> String {
 }
 
 fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
-    let psi = gpt_params(&spec.model);
+    let psi = model_params(&spec.model);
     let bytes = StateBytes::for_dtype(spec.train.dtype);
-    let (act, act_ckpt) = gpt_activation_bytes(&spec.model, spec.train.micro_batch_size);
+    let (act, act_ckpt) = activation_bytes(&spec.model, spec.train.micro_batch_size);
     Estimate {
         params: psi,
         world_size: nodes * wpn,
         nodes,
         workers_per_node: wpn,
-        rows: model_state_rows(psi, nodes, wpn, bytes, gpt_largest_group(&spec.model)),
+        rows: model_state_rows(psi, nodes, wpn, bytes, largest_group(&spec.model)),
         activations: Some(Activations {
             micro_batch_size: spec.train.micro_batch_size,
             bytes_per_worker: act,

@@ -221,12 +221,27 @@ fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
     let dir = zckpt::resolve(&args.checkpoint).map_err(bad)?;
     let ckpt = zckpt::Checkpoint::open(&dir).map_err(bad)?;
     // Writing into the checkpoint being read could replace one of its shards.
-    let out_dir = args
-        .out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(std::path::Path::new("."));
-    if let (Ok(out_dir), Ok(ck)) = (out_dir.canonicalize(), dir.canonicalize()) {
+    let hf = args.format == cli::ExportFormat::Hf;
+    if hf && args.out.is_file() {
+        return Err(Failure::bad_input(format!(
+            "--out {}: a file; --format hf writes a directory",
+            args.out.display()
+        )));
+    }
+    let out_dir = match hf {
+        true => args.out.as_path(),
+        false => args
+            .out
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new(".")),
+    };
+    let out_dir = out_dir.canonicalize().or_else(|_| {
+        args.out
+            .parent()
+            .map_or(Ok(std::path::PathBuf::from(".")), |p| p.canonicalize())
+    });
+    if let (Ok(out_dir), Ok(ck)) = (out_dir, dir.canonicalize()) {
         if out_dir.starts_with(&ck) {
             return Err(Failure::bad_input(format!(
                 "--out {}: inside the checkpoint {} that is being exported; write it elsewhere",
@@ -235,7 +250,11 @@ fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
             )));
         }
     }
-    let n = ckpt.export(&args.out).map_err(bad)?;
+    let n = match hf {
+        true => ckpt.export_hf(&args.out),
+        false => ckpt.export(&args.out),
+    }
+    .map_err(bad)?;
     say!(
         "zrun: wrote {n} parameters (step {}, {} ranks, stage {}) to {}",
         ckpt.manifest.step,

@@ -37,7 +37,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
-use zconfig::estimate::{gpt_activation_bytes, gpt_params, worker_states, StateBytes};
+use zconfig::estimate::{activation_bytes, model_params, worker_states, StateBytes};
 use zconfig::{load_job_with, JobSpec, Topology};
 
 use crate::cli::PlanArgs;
@@ -264,7 +264,7 @@ struct Setting<'a> {
 fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     let m = &spec.model;
     let (psi, l, d, t) = (
-        gpt_params(m),
+        model_params(m),
         m.n_layers as f64,
         m.d_model as f64,
         m.seq_len as f64,
@@ -279,7 +279,7 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     let recompute = if ac { 2.0 * psi + 4.0 * l * d * t } else { 0.0 };
     let gemm_rate = s.machine.gemm_gflops * 1e9 / per_node;
     let gemm = tokens * (per_token + recompute) / gemm_rate;
-    let (acts, _) = gpt_activation_bytes(m, spec.train.micro_batch_size);
+    let (acts, _) = activation_bytes(m, spec.train.micro_batch_size);
     let passes = if ac { 4.0 } else { 3.0 };
     let memory = accum * passes * acts / (s.machine.triad_gbps * 1e9 / per_node);
     let o = s.machine.overheads;
@@ -461,7 +461,7 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         }
         let states = worker_states(&job.spec, world);
         let (plain, checkpointed) =
-            gpt_activation_bytes(&job.spec.model, job.spec.train.micro_batch_size);
+            activation_bytes(&job.spec.model, job.spec.train.micro_batch_size);
         let acts = if job.spec.train.activation_checkpointing {
             checkpointed
         } else {

@@ -56,9 +56,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     check_memory(&plan)?;
     crate::swap_check::check_offload(&plan)?;
     let m = &plan.spec.model;
-    if let Some(t) =
-        zconfig::tiles::describe_gpt_tiling(m.d_model, m.tile_size.map(|n| n.0 as usize))
-    {
+    if let Some(t) = zconfig::tiles::describe_tiling(m) {
         say!("zrun: {t}");
     }
     check_init_from(&plan.spec)?;
@@ -289,20 +287,16 @@ fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<(
     Ok(Some((dir.display().to_string(), ckpt.manifest.step)))
 }
 
-/// `model.init_from` must be a safetensors file with the model's parameter count.
+/// `model.init_from` must hold every parameter of the model under zrun's or
+/// Hugging Face's names, each of the right shape (read and mapped here, as
+/// each worker will, so that a mismatch is exit 2 before launch).
 fn check_init_from(spec: &zconfig::JobSpec) -> Result<()> {
     let Some(f) = &spec.model.init_from else {
         return Ok(());
     };
-    let w = zckpt::read_weights(std::path::Path::new(f))
+    let m = &spec.model;
+    zckpt::read_init_weights(std::path::Path::new(f), m, &m.param_shapes(), false)
         .map_err(|e| Failure::bad_input(format!("model.init_from: {e}")))?;
-    let have: usize = w.values().map(|(_, v)| v.len()).sum();
-    let want = zconfig::estimate::gpt_params(&spec.model) as usize;
-    if have != want {
-        return Err(Failure::bad_input(format!(
-            "model.init_from: {f} holds {have} parameters, the model has {want}"
-        )));
-    }
     Ok(())
 }
 

@@ -18,7 +18,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use zmodel::{BlockParams, EmbeddingParams, Gpt, GptConfig, HeadParams};
+use zmodel::{BlockParams, EmbeddingParams, Gpt, HeadParams};
 
 /// How to draw the next token.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -66,7 +66,8 @@ struct Loaded {
 fn load(dir: &Path) -> Result<Loaded> {
     let ckpt = zckpt::Checkpoint::open(dir)?;
     let m = &ckpt.manifest.model;
-    let model = Gpt::new(GptConfig::of(m))?;
+    let model = Gpt::new(m)?;
+    let layout = model.layout();
     let mut named = HashMap::new();
     let mut assembler = zckpt::Assembler::default();
     for (g, entry) in ckpt.manifest.groups.iter().enumerate() {
@@ -91,11 +92,11 @@ fn load(dir: &Path) -> Result<Loaded> {
     };
     let l = m.n_layers;
     Ok(Loaded {
-        embedding: EmbeddingParams::from_vec(params(0)?)?,
+        embedding: EmbeddingParams::from_vec(params(0)?, layout)?,
         blocks: (1..=l)
-            .map(|b| Ok(BlockParams::from_vec(params(b)?)?))
+            .map(|b| Ok(BlockParams::from_vec(params(b)?, layout)?))
             .collect::<Result<_>>()?,
-        head: HeadParams::from_vec(params(l + 1)?)?,
+        head: HeadParams::from_vec(params(l + 1)?, layout)?,
         model,
     })
 }
@@ -110,7 +111,7 @@ impl Loaded {
         }
         let logits = self
             .model
-            .head_logits(&self.head, &self.embedding.wte, &x)?;
+            .head_logits(&self.head, Some(&self.embedding.wte), &x)?;
         Ok(logits.get(context.len() - 1)?.to_vec1::<f32>()?)
     }
 }

@@ -67,7 +67,13 @@ pub fn train(
     let comm = groups.world.clone();
     let mut engine = Engine::with_groups(spec, groups, &env.job_id)?;
     if let Some(path) = &spec.model.init_from {
-        engine.load_weights(&zckpt::read_weights(Path::new(path))?)?;
+        let weights = zckpt::read_init_weights(
+            Path::new(path),
+            &spec.model,
+            &spec.model.param_shapes(),
+            true,
+        )?;
+        engine.load_weights(&weights)?;
     }
     if let Some(dir) = resume {
         let ckpt =

@@ -1,0 +1,376 @@
+//! Hugging Face's names and layouts for GPT-2 and LLaMA, both ways: `zrun
+//! export --format hf` writes a directory that `transformers` loads
+//! (`config.json` + `model.safetensors`), and `model.init_from` reads such a
+//! directory, or a published safetensors file, into zrun's parameters.
+//!
+//! One table serves both directions: every zrun parameter is a list of
+//! [`Piece`]s, each a run of its output columns that is one Hugging Face
+//! tensor, stored transposed or not. GPT-2's `Conv1D` weights are `[in, out]`
+//! like zrun's, so each parameter is one untransposed piece under its own
+//! name (with `transformer.` in front). LLaMA's `nn.Linear` weights are
+//! `[out, in]`: zrun's fused `qkv_proj` becomes `q_proj`, `k_proj`, `v_proj`,
+//! `gate_up_proj` becomes `gate_proj`, `up_proj`, each transposed. The
+//! rotary embedding uses Hugging Face's layout already (halves of each head),
+//! so q and k need no permutation.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+
+use zconfig::spec::{ModelKind, ModelSpec};
+
+use crate::stream::{StreamWriter, TensorFile};
+use crate::{invalid, io, CkptError, Weights};
+
+/// The weights file of a Hugging Face model directory.
+pub const HF_WEIGHTS: &str = "model.safetensors";
+/// Its configuration.
+pub const HF_CONFIG: &str = "config.json";
+
+/// A run of a zrun parameter's output columns that is one Hugging Face tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Piece {
+    /// The Hugging Face name.
+    pub name: String,
+    /// The columns of the zrun parameter (all of a 1-D one).
+    pub columns: Range<usize>,
+    /// Stored `[out, in]` (`nn.Linear`) rather than `[in, out]`.
+    pub transposed: bool,
+}
+
+impl Piece {
+    /// The Hugging Face tensor's shape, from the zrun parameter's.
+    pub fn shape(&self, zrun_shape: &[usize]) -> Vec<usize> {
+        match (zrun_shape, self.transposed) {
+            ([inputs, _], true) => vec![self.columns.len(), *inputs],
+            ([inputs, _], false) => vec![*inputs, self.columns.len()],
+            _ => zrun_shape.to_vec(),
+        }
+    }
+
+    /// This piece's values out of the whole zrun parameter.
+    fn cut(&self, shape: &[usize], values: &[f32]) -> Vec<f32> {
+        let [inputs, outputs] = *shape else {
+            return values.to_vec();
+        };
+        let c = &self.columns;
+        if self.transposed {
+            let mut out = Vec::with_capacity(c.len() * inputs);
+            for j in c.clone() {
+                out.extend((0..inputs).map(|i| values[i * outputs + j]));
+            }
+            out
+        } else {
+            (0..inputs)
+                .flat_map(|i| {
+                    values[i * outputs + c.start..i * outputs + c.end]
+                        .iter()
+                        .copied()
+                })
+                .collect()
+        }
+    }
+
+    /// Writes this piece's values back into the whole zrun parameter.
+    fn put(&self, shape: &[usize], piece: &[f32], values: &mut [f32]) {
+        let [inputs, outputs] = *shape else {
+            values.copy_from_slice(piece);
+            return;
+        };
+        let c = &self.columns;
+        for (jj, j) in c.clone().enumerate() {
+            for i in 0..inputs {
+                values[i * outputs + j] = if self.transposed {
+                    piece[jj * inputs + i]
+                } else {
+                    piece[i * c.len() + jj]
+                };
+            }
+        }
+    }
+}
+
+/// The Hugging Face tensors that zrun parameter `name` of shape `shape` is.
+pub fn pieces(m: &ModelSpec, name: &str, shape: &[usize]) -> Vec<Piece> {
+    let whole = 0..shape.last().copied().unwrap_or(0);
+    let one = |name: String, transposed: bool| {
+        vec![Piece {
+            name,
+            columns: whole.clone(),
+            transposed,
+        }]
+    };
+    match m.kind {
+        ModelKind::Gpt => one(format!("transformer.{name}"), false),
+        ModelKind::Llama => {
+            if name == "lm_head.weight" {
+                return one(name.into(), false);
+            }
+            let hf = format!("model.{name}");
+            let split = |parts: &[(&str, usize)]| {
+                let mut at = 0;
+                parts
+                    .iter()
+                    .map(|&(part, width)| {
+                        at += width;
+                        Piece {
+                            name: hf.replace(
+                                if hf.contains("qkv_proj") {
+                                    "qkv_proj"
+                                } else {
+                                    "gate_up_proj"
+                                },
+                                part,
+                            ),
+                            columns: at - width..at,
+                            transposed: true,
+                        }
+                    })
+                    .collect()
+            };
+            let (q, kv) = (m.n_heads * m.head_dim(), m.kv_heads() * m.head_dim());
+            if name.ends_with("self_attn.qkv_proj.weight") {
+                split(&[("q_proj", q), ("k_proj", kv), ("v_proj", kv)])
+            } else if name.ends_with("mlp.gate_up_proj.weight") {
+                split(&[("gate_proj", m.ffn()), ("up_proj", m.ffn())])
+            } else {
+                // Matrices are nn.Linear's; norms and the embedding are as is.
+                let linear = name.ends_with("_proj.weight");
+                one(hf, linear)
+            }
+        }
+    }
+}
+
+/// Hugging Face's `config.json` for `m` (f32 weights).
+pub fn config_json(m: &ModelSpec) -> serde_json::Value {
+    match m.kind {
+        ModelKind::Gpt => serde_json::json!({
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": m.vocab_size,
+            "n_positions": m.seq_len,
+            "n_ctx": m.seq_len,
+            "n_embd": m.d_model,
+            "n_layer": m.n_layers,
+            "n_head": m.n_heads,
+            "n_inner": m.ffn(),
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": m.norm_eps(),
+            "tie_word_embeddings": true,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "torch_dtype": "float32",
+        }),
+        ModelKind::Llama => serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": m.vocab_size,
+            "hidden_size": m.d_model,
+            "intermediate_size": m.ffn(),
+            "num_hidden_layers": m.n_layers,
+            "num_attention_heads": m.n_heads,
+            "num_key_value_heads": m.kv_heads(),
+            "head_dim": m.head_dim(),
+            "max_position_embeddings": m.seq_len,
+            "rms_norm_eps": m.norm_eps(),
+            "rope_theta": m.rope_theta(),
+            "hidden_act": "silu",
+            "tie_word_embeddings": m.tied(),
+            "attention_bias": false,
+            "mlp_bias": false,
+            "torch_dtype": "float32",
+        }),
+    }
+}
+
+/// Writes `params` (zrun names, whole, in order; `values(i)` gives the i-th's
+/// values) as a Hugging Face directory `out`. Returns the elements written.
+pub fn write_dir(
+    m: &ModelSpec,
+    params: &[(String, Vec<usize>)],
+    out: &Path,
+    mut next_values: impl FnMut() -> Result<Option<Vec<f32>>, CkptError>,
+) -> Result<u64, CkptError> {
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    let mut header = Vec::new();
+    for (name, shape) in params {
+        for p in pieces(m, name, shape) {
+            header.push((p.name.clone(), p.shape(shape)));
+        }
+    }
+    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    let weights = out.join(HF_WEIGHTS);
+    let mut w = StreamWriter::create(&weights, &header, Some(meta))?;
+    let mut elements = 0u64;
+    for (name, shape) in params {
+        let values = next_values()?
+            .ok_or_else(|| invalid(&weights, format!("{name}: no values to write")))?;
+        for p in pieces(m, name, shape) {
+            w.write(&p.cut(shape, &values))?;
+        }
+        elements += values.len() as u64;
+    }
+    w.finish()?;
+    let config = serde_json::to_vec_pretty(&config_json(m)).expect("a JSON value serialises");
+    crate::write_atomic(&out.join(HF_CONFIG), &config)?;
+    Ok(elements)
+}
+
+/// Tensors of published checkpoints that hold no parameter: GPT-2's causal
+/// mask buffers, old LLaMA conversions' rotary frequencies.
+fn is_buffer(name: &str) -> bool {
+    name.ends_with(".attn.bias")
+        || name.ends_with(".attn.masked_bias")
+        || name.ends_with("rotary_emb.inv_freq")
+}
+
+/// Reads Hugging Face weights (a directory with `model.safetensors`, or
+/// the file itself) for the model `m` whose parameters are `params` (zrun
+/// names and shapes): each mapped from its pieces, every shape checked.
+/// An error names the first missing or misshapen tensor, or a tensor that
+/// belongs to no parameter. Without `values` only the header is read (the
+/// check before launch) and every value list is empty.
+pub fn read(
+    m: &ModelSpec,
+    params: &[(String, Vec<usize>)],
+    path: &Path,
+    values: bool,
+) -> Result<Weights, CkptError> {
+    let file_path = if path.is_dir() {
+        let f = path.join(HF_WEIGHTS);
+        if !f.is_file() {
+            return Err(invalid(
+                path,
+                format!("no {HF_WEIGHTS} in this directory (sharded checkpoints are not read; merge them into one file)"),
+            ));
+        }
+        f
+    } else {
+        path.to_path_buf()
+    };
+    let file = TensorFile::open(&file_path)?;
+    let have: HashMap<String, Vec<usize>> = file.tensors().into_iter().collect();
+    // GPT-2 files are published with and without the `transformer.` prefix.
+    let lookup = |hf: &str| -> Option<String> {
+        if have.contains_key(hf) {
+            return Some(hf.to_string());
+        }
+        let bare = hf.strip_prefix("transformer.")?;
+        have.contains_key(bare).then(|| bare.to_string())
+    };
+    let mut used = std::collections::HashSet::new();
+    let mut out = Weights::new();
+    for (name, shape) in params {
+        let mut whole = vec![0f32; if values { shape.iter().product() } else { 0 }];
+        for p in pieces(m, name, shape) {
+            let want = p.shape(shape);
+            let found = lookup(&p.name).ok_or_else(|| {
+                invalid(
+                    &file_path,
+                    format!("no tensor {} (the model's {name})", p.name),
+                )
+            })?;
+            if have[&found] != want {
+                return Err(invalid(
+                    &file_path,
+                    format!(
+                        "{found} has shape {:?}, the model's {name} needs {want:?}",
+                        have[&found]
+                    ),
+                ));
+            }
+            if values {
+                p.put(shape, &file.read(&found)?, &mut whole);
+            }
+            used.insert(found);
+        }
+        out.insert(name.clone(), (shape.clone(), whole));
+    }
+    // A tied model's file may carry its head anyway: accepted if it is the
+    // embedding, else the file's model was untied.
+    if m.tied() && have.contains_key("lm_head.weight") {
+        let table = format!("{}.weight", m.token_table_name());
+        let embedding = pieces(m, &table, &[m.vocab_size, m.d_model])
+            .into_iter()
+            .find_map(|p| lookup(&p.name));
+        if let Some(embedding) = embedding {
+            if file.read("lm_head.weight")? == file.read(&embedding)? {
+                used.insert("lm_head.weight".to_string());
+            }
+        }
+    }
+    let mut extra: Vec<&String> = have
+        .keys()
+        .filter(|n| !used.contains(*n) && !is_buffer(n))
+        .collect();
+    extra.sort();
+    if let Some(first) = extra.first() {
+        return Err(invalid(
+            &file_path,
+            format!(
+                "{first} belongs to no parameter of this model ({} such tensors){}",
+                extra.len(),
+                match first.as_str() {
+                    "lm_head.weight" => "; it is not the embedding, so the file's head is untied (model.tie_embeddings: false)",
+                    _ => "",
+                }
+            ),
+        ));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama() -> ModelSpec {
+        serde_json::from_value(serde_json::json!({
+            "kind": "llama", "vocab_size": 16, "d_model": 8, "n_layers": 1,
+            "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 6
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn llama_pieces_split_and_transpose_and_put_back() {
+        let m = llama();
+        // qkv: q 4 heads × 2, k and v 2 heads × 2 = 8 + 4 + 4 columns.
+        let shape = [8, 16];
+        let p = pieces(&m, "layers.0.self_attn.qkv_proj.weight", &shape);
+        let names: Vec<&str> = p.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "model.layers.0.self_attn.q_proj.weight",
+                "model.layers.0.self_attn.k_proj.weight",
+                "model.layers.0.self_attn.v_proj.weight"
+            ]
+        );
+        assert_eq!(p[1].columns, 8..12);
+        assert_eq!(p[1].shape(&shape), vec![4, 8]);
+        let values: Vec<f32> = (0..128).map(|i| i as f32).collect();
+        // k_proj[j][i] = W[i][8 + j]
+        let k = p[1].cut(&shape, &values);
+        assert_eq!((k[0], k[1], k[8]), (8.0, 24.0, 9.0));
+        let mut back = vec![0f32; 128];
+        for piece in &p {
+            piece.put(&shape, &piece.cut(&shape, &values), &mut back);
+        }
+        assert_eq!(back, values);
+        let gu = pieces(&m, "layers.0.mlp.gate_up_proj.weight", &[8, 12]);
+        assert_eq!(gu[1].name, "model.layers.0.mlp.up_proj.weight");
+        assert_eq!(gu[1].columns, 6..12);
+        let down = pieces(&m, "layers.0.mlp.down_proj.weight", &[6, 8]);
+        assert!(down[0].transposed && down[0].shape(&[6, 8]) == vec![8, 6]);
+        let norm = pieces(&m, "layers.0.input_layernorm.weight", &[8]);
+        assert!(!norm[0].transposed);
+        assert_eq!(
+            pieces(&m, "lm_head.weight", &[16, 8])[0].name,
+            "lm_head.weight"
+        );
+        assert_eq!(config_json(&m)["num_key_value_heads"], 2);
+    }
+}

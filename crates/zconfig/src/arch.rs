@@ -1,0 +1,269 @@
+//! What a job's `model:` section implies for each decoder family: parameter
+//! names, shapes and counts. One place for the validator, the estimator, the
+//! model and the exporter, so that they cannot disagree.
+//!
+//! Both families are a chain of blocks with two norms and four linears in the
+//! same places, which is what lets one engine, one tiling rule and one
+//! backward serve both:
+//!
+//! | slot | GPT-2 (`h.{i}.`) | LLaMA (`layers.{i}.`) |
+//! |---|---|---|
+//! | norm 1 | `ln_1` (weight, bias) | `input_layernorm` (RMSNorm weight) |
+//! | linear 1 | `attn.c_attn` `[d, 3d]` | `self_attn.qkv_proj` `[d, (h + 2·kv)·hd]` |
+//! | linear 2 | `attn.c_proj` `[d, d]` | `self_attn.o_proj` `[d, d]` |
+//! | norm 2 | `ln_2` | `post_attention_layernorm` |
+//! | linear 3 | `mlp.c_fc` `[d, ffn]` | `mlp.gate_up_proj` `[d, 2·ffn]` (gate, then up) |
+//! | linear 4 | `mlp.c_proj` `[ffn, d]` | `mlp.down_proj` `[ffn, d]` |
+//!
+//! Weights are `[in, out]` in both (one GEMM on `[rows, in]`); LLaMA's q, k, v
+//! and gate, up projections are stored side by side so that each is one GEMM,
+//! and split (and transposed to `[out, in]`) only on export to Hugging Face's
+//! names.
+
+use crate::spec::{ModelKind, ModelSpec};
+
+/// LLaMA's MLP width rounds `8/3 · d` up to a multiple of this.
+const LLAMA_FFN_MULTIPLE: usize = 256;
+
+impl ModelSpec {
+    /// Key/value heads (all heads unless grouped-query attention).
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_heads.unwrap_or(self.n_heads)
+    }
+
+    /// Width of one attention head.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads.max(1)
+    }
+
+    /// The MLP's hidden width.
+    pub fn ffn(&self) -> usize {
+        let d = self.d_model;
+        self.ffn_hidden.unwrap_or(match self.kind {
+            ModelKind::Gpt => 4 * d,
+            ModelKind::Llama => (8 * d / 3).div_ceil(LLAMA_FFN_MULTIPLE) * LLAMA_FFN_MULTIPLE,
+        })
+    }
+
+    /// Whether the output head is the token embedding.
+    pub fn tied(&self) -> bool {
+        match self.kind {
+            ModelKind::Gpt => true,
+            ModelKind::Llama => self.tie_embeddings.unwrap_or(false),
+        }
+    }
+
+    /// Whether linears and norms have biases.
+    pub fn biases(&self) -> bool {
+        self.kind == ModelKind::Gpt
+    }
+
+    /// Whether positions are learned (`wpe`) rather than rotary.
+    pub fn learned_positions(&self) -> bool {
+        self.kind == ModelKind::Gpt
+    }
+
+    /// The rotary embeddings' base.
+    pub fn rope_theta(&self) -> f64 {
+        self.rope_theta.unwrap_or(10_000.0)
+    }
+
+    /// The norms' epsilon.
+    pub fn norm_eps(&self) -> f64 {
+        self.norm_eps.unwrap_or(1e-5)
+    }
+
+    /// Width of the fused attention projection's output: q, k and v side by side.
+    pub fn qkv_width(&self) -> usize {
+        (self.n_heads + 2 * self.kv_heads()) * self.head_dim()
+    }
+
+    /// A block's linears in forward order: name inside the block and `[in, out]`.
+    pub fn block_linears(&self) -> [(&'static str, usize, usize); 4] {
+        let (d, f) = (self.d_model, self.ffn());
+        match self.kind {
+            ModelKind::Gpt => [
+                ("attn.c_attn", d, self.qkv_width()),
+                ("attn.c_proj", d, d),
+                ("mlp.c_fc", d, f),
+                ("mlp.c_proj", f, d),
+            ],
+            ModelKind::Llama => [
+                ("self_attn.qkv_proj", d, self.qkv_width()),
+                ("self_attn.o_proj", d, d),
+                ("mlp.gate_up_proj", d, 2 * f),
+                ("mlp.down_proj", f, d),
+            ],
+        }
+    }
+
+    /// A block's two norms' names, in forward order.
+    pub fn block_norms(&self) -> [&'static str; 2] {
+        match self.kind {
+            ModelKind::Gpt => ["ln_1", "ln_2"],
+            ModelKind::Llama => ["input_layernorm", "post_attention_layernorm"],
+        }
+    }
+
+    /// The name prefix of block `i` (0-based), e.g. `h.3`.
+    pub fn block_prefix(&self, i: usize) -> String {
+        match self.kind {
+            ModelKind::Gpt => format!("h.{i}"),
+            ModelKind::Llama => format!("layers.{i}"),
+        }
+    }
+
+    /// The token table's name (also the tied head), without `.weight`.
+    pub fn token_table_name(&self) -> &'static str {
+        match self.kind {
+            ModelKind::Gpt => "wte",
+            ModelKind::Llama => "embed_tokens",
+        }
+    }
+
+    /// The final norm's name, without `.weight`.
+    pub fn final_norm_name(&self) -> &'static str {
+        match self.kind {
+            ModelKind::Gpt => "ln_f",
+            ModelKind::Llama => "norm",
+        }
+    }
+
+    /// Every parameter's name and whole shape, in the model's order
+    /// (embedding, blocks, head). zmodel's parameter groups hold exactly
+    /// these (tested there).
+    pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (v, d) = (self.vocab_size, self.d_model);
+        let mut out = vec![(format!("{}.weight", self.token_table_name()), vec![v, d])];
+        if self.learned_positions() {
+            out.push(("wpe.weight".into(), vec![self.seq_len, d]));
+        }
+        let weight_bias = |out: &mut Vec<(String, Vec<usize>)>, name: String, shape: Vec<usize>| {
+            let width = *shape.last().unwrap_or(&0);
+            out.push((format!("{name}.weight"), shape));
+            if self.biases() {
+                out.push((format!("{name}.bias"), vec![width]));
+            }
+        };
+        let [norm_1, norm_2] = self.block_norms();
+        let [qkv, attn_out, mlp_in, mlp_out] = self.block_linears();
+        for i in 0..self.n_layers {
+            let p = self.block_prefix(i);
+            weight_bias(&mut out, format!("{p}.{norm_1}"), vec![d]);
+            for (name, inputs, outputs) in [qkv, attn_out] {
+                weight_bias(&mut out, format!("{p}.{name}"), vec![inputs, outputs]);
+            }
+            weight_bias(&mut out, format!("{p}.{norm_2}"), vec![d]);
+            for (name, inputs, outputs) in [mlp_in, mlp_out] {
+                weight_bias(&mut out, format!("{p}.{name}"), vec![inputs, outputs]);
+            }
+        }
+        weight_bias(&mut out, self.final_norm_name().into(), vec![d]);
+        if !self.tied() {
+            out.push(("lm_head.weight".into(), vec![v, d]));
+        }
+        out
+    }
+
+    /// Parameters in one block.
+    pub fn block_params(&self) -> usize {
+        let bias = usize::from(self.biases());
+        let linears: usize = self
+            .block_linears()
+            .iter()
+            .map(|&(_, i, o)| (i + bias) * o)
+            .sum();
+        linears + 2 * (1 + bias) * self.d_model
+    }
+
+    /// Parameters of the embedding (token table, and GPT-2's position table).
+    pub fn embedding_params(&self) -> usize {
+        let positions = if self.learned_positions() {
+            self.seq_len
+        } else {
+            0
+        };
+        (self.vocab_size + positions) * self.d_model
+    }
+
+    /// Parameters of the head: the final norm, and an untied output matrix.
+    pub fn head_params(&self) -> usize {
+        let norm = (1 + usize::from(self.biases())) * self.d_model;
+        let matrix = if self.tied() {
+            0
+        } else {
+            self.vocab_size * self.d_model
+        };
+        norm + matrix
+    }
+
+    /// Parameters of the whole model.
+    pub fn param_count(&self) -> usize {
+        self.embedding_params() + self.n_layers * self.block_params() + self.head_params()
+    }
+
+    /// How `other` differs from this model's architecture (what a checkpoint
+    /// or a weight file must match): `(key, this, other)` per field; empty if
+    /// the same. `init_from` and `tile_size` are not architecture.
+    pub fn architecture_differences(
+        &self,
+        other: &ModelSpec,
+    ) -> Vec<(&'static str, String, String)> {
+        let fields = |m: &ModelSpec| {
+            [
+                ("kind", format!("{:?}", m.kind).to_lowercase()),
+                ("vocab_size", m.vocab_size.to_string()),
+                ("d_model", m.d_model.to_string()),
+                ("n_layers", m.n_layers.to_string()),
+                ("n_heads", m.n_heads.to_string()),
+                ("n_kv_heads", m.kv_heads().to_string()),
+                ("ffn_hidden", m.ffn().to_string()),
+                ("seq_len", m.seq_len.to_string()),
+                ("tie_embeddings", m.tied().to_string()),
+                ("rope_theta", m.rope_theta().to_string()),
+                ("norm_eps", m.norm_eps().to_string()),
+            ]
+        };
+        fields(self)
+            .into_iter()
+            .zip(fields(other))
+            .filter(|(a, b)| a.1 != b.1)
+            .map(|((k, a), (_, b))| (k, a, b))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(json: serde_json::Value) -> ModelSpec {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn gpt2_small_and_llama_shapes_count_as_published() {
+        // GPT-2 small: 124,439,808 parameters (tied head).
+        let gpt2 = spec(serde_json::json!({
+            "vocab_size": 50257, "d_model": 768, "n_layers": 12, "n_heads": 12, "seq_len": 1024
+        }));
+        assert_eq!(gpt2.param_count(), 124_439_808);
+        // LLaMA-2 7B: 6,738,415,616 parameters, ffn 11008 by LLaMA's rounding.
+        let llama = spec(serde_json::json!({
+            "kind": "llama", "vocab_size": 32000, "d_model": 4096, "n_layers": 32,
+            "n_heads": 32, "seq_len": 4096
+        }));
+        assert_eq!(llama.ffn(), 11008);
+        assert_eq!(llama.param_count(), 6_738_415_616);
+        // Grouped-query attention narrows k and v: 8 of 32 heads.
+        let gqa = spec(serde_json::json!({
+            "kind": "llama", "d_model": 4096, "n_heads": 32, "n_kv_heads": 8
+        }));
+        assert_eq!(gqa.qkv_width(), 4096 + 2 * 1024);
+        assert_eq!(
+            llama.architecture_differences(&gqa)[0],
+            ("vocab_size", "32000".to_string(), "256".to_string())
+        );
+        assert!(llama.architecture_differences(&llama).is_empty());
+    }
+}

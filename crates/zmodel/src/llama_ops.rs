@@ -1,0 +1,512 @@
+//! LLaMA's fused ops with their own backward: RMSNorm, SwiGLU and rotary
+//! position embeddings.
+//!
+//! Each is one pass forward and one backward over the data, vectorised and
+//! split over threads in chunks that do not depend on the thread count, like
+//! the GPT's layer norm and GELU in [`crate::ops`]; each carries a candle
+//! backward so that autograd through a block checks the hand-written block
+//! backward, and each is tested against a composed candle reference.
+//!
+//! - RMSNorm: `y = x / sqrt(mean(x²) + eps) · w`; backward
+//!   `dx = r · (g − x̂ · mean(g · x̂))` with `g = dy · w`, `x̂ = x · r`, and
+//!   `dw = Σ dy · x̂` summed per task and added in task order.
+//! - SwiGLU on `[gate | up]` side by side: `y = silu(gate) · up`.
+//! - Rotary embeddings in Hugging Face's layout (the two halves of each head
+//!   rotate together, `rotate_half`), so that exported q/k weights load into
+//!   `transformers` unpermuted. The rotation is orthogonal: its backward is
+//!   the rotation by the opposite angle, and needs no saved input.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::ops::{f32_input, sum8};
+use crate::simd::{exp, par_rows, vectorised, ROWS_PER_TASK};
+
+/// RMSNorm over the last dimension with weight `w`.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?
+        .apply_op2(&w.contiguous()?, RmsNorm { eps: eps as f32 })
+}
+
+/// 1 / sqrt(mean(x²) + eps) of one row.
+#[inline(always)]
+fn rms_inv(row: &[f32], eps: f32) -> f32 {
+    let ms = sum8(row.len(), |i| row[i] * row[i]) / row.len() as f32;
+    1.0 / (ms + eps).sqrt()
+}
+
+struct RmsNorm {
+    eps: f32,
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "zrun-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_input(self.name(), s1, l1)?;
+        let w = f32_input(self.name(), s2, l2)?;
+        let d = w.len();
+        if d == 0 || !x.len().is_multiple_of(d) {
+            candle_core::bail!("rms norm: rows of {} do not match a weight of {d}", x.len());
+        }
+        let mut y = vec![0f32; x.len()];
+        par_rows(x, &mut y, d, |x, y| {
+            for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+                let r = rms_inv(row, self.eps);
+                for i in 0..d {
+                    out[i] = row[i] * r * w[i];
+                }
+            }
+        });
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw) = rms_norm_backward(x, w, dy, f64::from(self.eps))?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// RMSNorm's (dx, dw) from its input, weight and output gradient.
+pub fn rms_norm_backward(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let d = w.dim(0)?;
+    let rows = x.elem_count() / d;
+    // One op computes [dx rows; dw].
+    let all = x.contiguous()?.apply_op2_no_bwd(
+        &dy.contiguous()?,
+        &RmsNormGrad {
+            w: w.flatten_all()?.to_vec1::<f32>()?,
+            eps: eps as f32,
+        },
+    )?;
+    let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
+    let dw = all.narrow(0, rows, 1)?.reshape(d)?;
+    Ok((dx, dw))
+}
+
+struct RmsNormGrad {
+    w: Vec<f32>,
+    eps: f32,
+}
+
+impl CustomOp2 for RmsNormGrad {
+    fn name(&self) -> &'static str {
+        "zrun-rms-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_input(self.name(), s1, l1)?;
+        let dy = f32_input(self.name(), s2, l2)?;
+        let (w, d) = (&self.w, self.w.len());
+        if x.len() != dy.len() || d == 0 || !x.len().is_multiple_of(d) {
+            candle_core::bail!("rms norm backward: shapes disagree");
+        }
+        let rows = x.len() / d;
+        let mut out = vec![0f32; x.len() + d];
+        let (dx, _) = out.split_at_mut(x.len());
+        let per = ROWS_PER_TASK * d;
+        let partials: Vec<Vec<f32>> = dx
+            .par_chunks_mut(per)
+            .zip(x.par_chunks(per).zip(dy.par_chunks(per)))
+            .map(|(dx, (x, dy))| {
+                vectorised(|| {
+                    let mut dw = vec![0f32; d];
+                    let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
+                    for ((row, dyr), out) in x
+                        .chunks_exact(d)
+                        .zip(dy.chunks_exact(d))
+                        .zip(dx.chunks_exact_mut(d))
+                    {
+                        let r = rms_inv(row, self.eps);
+                        for i in 0..d {
+                            xhat[i] = row[i] * r;
+                            g[i] = dyr[i] * w[i];
+                            dw[i] += dyr[i] * xhat[i];
+                        }
+                        let gx_mean = sum8(d, |i| g[i] * xhat[i]) / d as f32;
+                        for i in 0..d {
+                            out[i] = r * (g[i] - xhat[i] * gx_mean);
+                        }
+                    }
+                    dw
+                })
+            })
+            .collect();
+        let tail = &mut out[x.len()..];
+        for p in &partials {
+            tail.iter_mut().zip(p).for_each(|(t, v)| *t += v);
+        }
+        Ok((CpuStorage::F32(out), Shape::from_dims(&[rows + 1, d])))
+    }
+}
+
+/// `silu(gate) · up` of `h` `[n, 2f]` holding gate and up side by side: `[n, f]`.
+pub fn swiglu(h: &Tensor) -> Result<Tensor> {
+    h.contiguous()?.apply_op1(SwiGlu)
+}
+
+/// sigmoid(x), from the vectorised `exp`.
+#[inline(always)]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp(-x))
+}
+
+struct SwiGlu;
+
+impl CustomOp1 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "zrun-swiglu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let h = f32_input(self.name(), s, l)?;
+        let (n, f2) = l.shape().dims2()?;
+        if !f2.is_multiple_of(2) {
+            candle_core::bail!("swiglu: an odd width {f2} is not gate and up side by side");
+        }
+        let f = f2 / 2;
+        let mut y = vec![0f32; n * f];
+        y.par_chunks_mut(ROWS_PER_TASK * f)
+            .zip(h.par_chunks(ROWS_PER_TASK * f2))
+            .for_each(|(y, h)| {
+                vectorised(|| {
+                    for (out, row) in y.chunks_exact_mut(f).zip(h.chunks_exact(f2)) {
+                        let (gate, up) = row.split_at(f);
+                        for i in 0..f {
+                            out[i] = gate[i] * sigmoid(gate[i]) * up[i];
+                        }
+                    }
+                })
+            });
+        Ok((CpuStorage::F32(y), Shape::from_dims(&[n, f])))
+    }
+
+    fn bwd(&self, h: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(swiglu_backward(h, dy)?))
+    }
+}
+
+/// d h `[n, 2f]` of [`swiglu`] from its input and output gradient.
+pub fn swiglu_backward(h: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    h.contiguous()?
+        .apply_op2_no_bwd(&dy.contiguous()?, &SwiGluGrad)
+}
+
+struct SwiGluGrad;
+
+impl CustomOp2 for SwiGluGrad {
+    fn name(&self) -> &'static str {
+        "zrun-swiglu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let h = f32_input(self.name(), s1, l1)?;
+        let dy = f32_input(self.name(), s2, l2)?;
+        let (n, f2) = l1.shape().dims2()?;
+        let f = f2 / 2;
+        if dy.len() != n * f {
+            candle_core::bail!("swiglu backward: {} gradients for {n}x{f}", dy.len());
+        }
+        let mut dh = vec![0f32; h.len()];
+        dh.par_chunks_mut(ROWS_PER_TASK * f2)
+            .zip(
+                h.par_chunks(ROWS_PER_TASK * f2)
+                    .zip(dy.par_chunks(ROWS_PER_TASK * f)),
+            )
+            .for_each(|(dh, (h, dy))| {
+                vectorised(|| {
+                    for ((out, row), g) in dh
+                        .chunks_exact_mut(f2)
+                        .zip(h.chunks_exact(f2))
+                        .zip(dy.chunks_exact(f))
+                    {
+                        let (gate, up) = row.split_at(f);
+                        let (dgate, dup) = out.split_at_mut(f);
+                        for i in 0..f {
+                            let s = sigmoid(gate[i]);
+                            let silu = gate[i] * s;
+                            dgate[i] = g[i] * up[i] * (s + silu * (1.0 - s));
+                            dup[i] = g[i] * silu;
+                        }
+                    }
+                })
+            });
+        Ok((CpuStorage::F32(dh), l1.shape().clone()))
+    }
+}
+
+/// The rotary embedding of q and k in `qkv` `[b, t, (heads + 2·kv)·hd]`
+/// (v passes through): position `p`, pair `(i, i + hd/2)` of each head turns
+/// by `p · theta^(−2i/hd)`. `inverse` turns the other way: the backward.
+pub fn rope(
+    qkv: &Tensor,
+    heads: usize,
+    kv_heads: usize,
+    theta: f64,
+    inverse: bool,
+) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op1(Rope {
+        heads,
+        kv_heads,
+        theta,
+        inverse,
+    })
+}
+
+struct Rope {
+    heads: usize,
+    kv_heads: usize,
+    theta: f64,
+    inverse: bool,
+}
+
+impl Rope {
+    /// `[t, hd/2]` cosines and sines, computed in f64.
+    fn table(&self, t: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
+        let half = hd / 2;
+        let sign = if self.inverse { -1.0 } else { 1.0 };
+        let mut cos = Vec::with_capacity(t * half);
+        let mut sin = Vec::with_capacity(t * half);
+        for p in 0..t {
+            for i in 0..half {
+                let inv_freq = self.theta.powf(-((2 * i) as f64) / hd as f64);
+                let angle = p as f64 * inv_freq;
+                cos.push(angle.cos() as f32);
+                sin.push((sign * angle.sin()) as f32);
+            }
+        }
+        (cos, sin)
+    }
+}
+
+impl CustomOp1 for Rope {
+    fn name(&self) -> &'static str {
+        "zrun-rope"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_input(self.name(), s, l)?;
+        let (_, t, w) = l.shape().dims3()?;
+        let all_heads = self.heads + 2 * self.kv_heads;
+        if !w.is_multiple_of(all_heads) || !(w / all_heads).is_multiple_of(2) {
+            candle_core::bail!("rope: width {w} is not {all_heads} heads of an even width");
+        }
+        let hd = w / all_heads;
+        let half = hd / 2;
+        let rotated = (self.heads + self.kv_heads) * hd;
+        let (cos, sin) = self.table(t, hd);
+        let mut y = x.to_vec();
+        y.par_chunks_mut(w).enumerate().for_each(|(r, row)| {
+            let p = r % t;
+            let (c, s) = (
+                &cos[p * half..(p + 1) * half],
+                &sin[p * half..(p + 1) * half],
+            );
+            vectorised(|| {
+                for head in row[..rotated].chunks_exact_mut(hd) {
+                    let (a, b) = head.split_at_mut(half);
+                    for i in 0..half {
+                        let (x1, x2) = (a[i], b[i]);
+                        a[i] = x1 * c[i] - x2 * s[i];
+                        b[i] = x2 * c[i] + x1 * s[i];
+                    }
+                }
+            })
+        });
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(rope(
+            dy,
+            self.heads,
+            self.kv_heads,
+            self.theta,
+            !self.inverse,
+        )?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    fn wave(n: usize, k: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i * k % 29) as f32 - 14.0) / 9.0).collect()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// Forward and the gradients of every input, fused against `composed`,
+    /// through candle's autograd, for a weighted sum of the output.
+    fn check(
+        inputs: &[Var],
+        fused: impl Fn(&[Tensor]) -> Result<Tensor>,
+        composed: impl Fn(&[Tensor]) -> Result<Tensor>,
+        tol: f32,
+    ) {
+        let t: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
+        let (a, b) = (fused(&t).unwrap(), composed(&t).unwrap());
+        assert!(
+            max_diff(&a, &b) < tol,
+            "forward differs by {}",
+            max_diff(&a, &b)
+        );
+        let weights = Tensor::from_vec(wave(a.elem_count(), 7), a.shape(), &Device::Cpu).unwrap();
+        let ga = (a * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let gb = (b * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for (i, v) in inputs.iter().enumerate() {
+            let (x, y) = (
+                ga.get(v.as_tensor()).unwrap(),
+                gb.get(v.as_tensor()).unwrap(),
+            );
+            assert!(
+                max_diff(x, y) < tol,
+                "input {i}: gradient differs by {}",
+                max_diff(x, y)
+            );
+        }
+    }
+
+    #[test]
+    fn rms_norm_matches_the_composed_version() {
+        let dev = Device::Cpu;
+        // 40 rows: several parallel tasks; 12 wide: a tail after sum8's 8 lanes.
+        let x = Var::from_vec(wave(40 * 12, 5), (40, 12), &dev).unwrap();
+        let w = Var::from_vec(wave(12, 3), 12, &dev).unwrap();
+        check(
+            &[x, w],
+            |t| rms_norm(&t[0], &t[1], 1e-5),
+            |t| {
+                let ms = t[0].sqr()?.mean_keepdim(D::Minus1)?;
+                t[0].broadcast_div(&(ms + 1e-5)?.sqrt()?)?
+                    .broadcast_mul(&t[1])
+            },
+            1e-5,
+        );
+    }
+
+    #[test]
+    fn swiglu_matches_the_composed_version() {
+        let dev = Device::Cpu;
+        let h = Var::from_vec(wave(40 * 10, 11), (40, 10), &dev).unwrap();
+        check(
+            &[h],
+            |t| swiglu(&t[0]),
+            |t| {
+                let (gate, up) = (t[0].narrow(1, 0, 5)?, t[0].narrow(1, 5, 5)?);
+                // sigmoid composed from primitives (candle-nn's has no backward).
+                let sigmoid = (gate.neg()?.exp()? + 1.0)?.recip()?;
+                (&gate * sigmoid)? * up
+            },
+            1e-5,
+        );
+    }
+
+    /// Hugging Face's `apply_rotary_pos_emb` with `rotate_half`, composed.
+    fn rope_composed(qkv: &Tensor, heads: usize, kv: usize, theta: f64) -> Result<Tensor> {
+        let (b, t, w) = qkv.dims3()?;
+        let hd = w / (heads + 2 * kv);
+        let half = hd / 2;
+        let mut cos = Vec::new();
+        let mut sin = Vec::new();
+        for p in 0..t {
+            for i in 0..hd {
+                let inv = theta.powf(-((2 * (i % half)) as f64) / hd as f64);
+                cos.push((p as f64 * inv).cos() as f32);
+                sin.push((p as f64 * inv).sin() as f32);
+            }
+        }
+        let dev = Device::Cpu;
+        let cos = Tensor::from_vec(cos, (1, t, 1, hd), &dev)?;
+        let sin = Tensor::from_vec(sin, (1, t, 1, hd), &dev)?;
+        let turn = |x: Tensor, n: usize| -> Result<Tensor> {
+            let x = x.reshape((b, t, n, hd))?;
+            let rotated = Tensor::cat(
+                &[&x.narrow(3, half, half)?.neg()?, &x.narrow(3, 0, half)?],
+                3,
+            )?;
+            (x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?.reshape((b, t, n * hd))
+        };
+        let q = turn(qkv.narrow(2, 0, heads * hd)?, heads)?;
+        let k = turn(qkv.narrow(2, heads * hd, kv * hd)?, kv)?;
+        let v = qkv.narrow(2, (heads + kv) * hd, kv * hd)?;
+        Tensor::cat(&[q, k, v], 2)
+    }
+
+    #[test]
+    fn rope_matches_hugging_face_layout_and_inverts() {
+        let dev = Device::Cpu;
+        // 4 query heads sharing 2 key/value heads, head width 6.
+        let (b, t, heads, kv, hd) = (2, 9, 4, 2, 6);
+        let w = (heads + 2 * kv) * hd;
+        let x = Var::from_vec(wave(b * t * w, 13), (b, t, w), &dev).unwrap();
+        check(
+            std::slice::from_ref(&x),
+            |t| rope(&t[0], heads, kv, 10_000.0, false),
+            |t| rope_composed(&t[0], heads, kv, 10_000.0),
+            1e-5,
+        );
+        let y = rope(x.as_tensor(), heads, kv, 500.0, false).unwrap();
+        let back = rope(&y, heads, kv, 500.0, true).unwrap();
+        assert!(max_diff(&back, x.as_tensor()) < 1e-5);
+        // Position 0 does not turn; v never does.
+        let v = |t: &Tensor| t.narrow(2, (heads + kv) * hd, kv * hd).unwrap();
+        assert_eq!(max_diff(&v(&y), &v(x.as_tensor())), 0.0);
+        let first = |t: &Tensor| t.narrow(1, 0, 1).unwrap();
+        assert_eq!(max_diff(&first(&y), &first(x.as_tensor())), 0.0);
+    }
+}

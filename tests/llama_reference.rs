@@ -1,0 +1,226 @@
+//! An independent reader of a Hugging Face LLaMA directory (what `zrun export
+//! --format hf` writes): it knows LLaMA only from `transformers`'
+//! `LlamaForCausalLM` conventions (`config.json`'s keys, `model.` names,
+//! `nn.Linear` weights stored `[out, in]`, RMSNorm, rotary embeddings with
+//! `rotate_half` on the two halves of each head, SwiGLU as
+//! `down(silu(gate(x)) * up(x))`, key/value heads repeated for grouped-query
+//! attention), reads the safetensors file with the `safetensors` crate and
+//! computes the loss in f64 with plain loops. Nothing here comes from zmodel
+//! or zckpt, so a transposed, split, renamed or misplaced tensor in the
+//! export shows up as a different loss, or as a missing name or a wrong shape.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::reference_common::{add_into, load_exactly, mean_loss};
+
+/// The shape, from `config.json`.
+struct Config {
+    vocab: usize,
+    d: usize,
+    ffn: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    eps: f64,
+    theta: f64,
+    tied: bool,
+}
+
+/// A LLaMA loaded from a Hugging Face directory by name, every tensor
+/// checked for shape.
+pub struct Llama {
+    cfg: Config,
+    tensors: HashMap<String, Vec<f64>>,
+}
+
+impl Llama {
+    /// Reads `dir`; panics naming the first missing, extra, misshapen or
+    /// non-f32 tensor.
+    pub fn load(dir: &Path) -> Llama {
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("config.json")).expect("config.json"))
+                .expect("config.json is JSON");
+        assert_eq!(config["model_type"], "llama", "{config}");
+        let n = |k: &str| config[k].as_u64().unwrap_or_else(|| panic!("{k}")) as usize;
+        let f = |k: &str| config[k].as_f64().unwrap_or_else(|| panic!("{k}"));
+        let cfg = Config {
+            vocab: n("vocab_size"),
+            d: n("hidden_size"),
+            ffn: n("intermediate_size"),
+            layers: n("num_hidden_layers"),
+            heads: n("num_attention_heads"),
+            kv_heads: n("num_key_value_heads"),
+            eps: f("rms_norm_eps"),
+            theta: f("rope_theta"),
+            tied: config["tie_word_embeddings"]
+                .as_bool()
+                .expect("tie_word_embeddings"),
+        };
+        let (v, d, f, hd) = (cfg.vocab, cfg.d, cfg.ffn, cfg.d / cfg.heads);
+        let kv = cfg.kv_heads * hd;
+        let mut want: Vec<(String, Vec<usize>)> = vec![
+            ("model.embed_tokens.weight".into(), vec![v, d]),
+            ("model.norm.weight".into(), vec![d]),
+        ];
+        if !cfg.tied {
+            want.push(("lm_head.weight".into(), vec![v, d]));
+        }
+        for i in 0..cfg.layers {
+            for (name, dims) in [
+                ("input_layernorm.weight", vec![d]),
+                ("self_attn.q_proj.weight", vec![d, d]),
+                ("self_attn.k_proj.weight", vec![kv, d]),
+                ("self_attn.v_proj.weight", vec![kv, d]),
+                ("self_attn.o_proj.weight", vec![d, d]),
+                ("post_attention_layernorm.weight", vec![d]),
+                ("mlp.gate_proj.weight", vec![f, d]),
+                ("mlp.up_proj.weight", vec![f, d]),
+                ("mlp.down_proj.weight", vec![d, f]),
+            ] {
+                want.push((format!("model.layers.{i}.{name}"), dims));
+            }
+        }
+        let tensors = load_exactly(&dir.join("model.safetensors"), want);
+        Llama { cfg, tensors }
+    }
+
+    fn w(&self, name: &str) -> &[f64] {
+        &self.tensors[name]
+    }
+
+    /// Mean next-token cross-entropy over `windows` (each `len + 1` tokens:
+    /// inputs are the first `len`, targets the last `len`).
+    pub fn loss(&self, windows: &[Vec<u32>]) -> f64 {
+        mean_loss(windows, |inputs| self.logits(inputs))
+    }
+
+    fn logits(&self, tokens: &[u32]) -> Vec<Vec<f64>> {
+        let Config {
+            vocab, d, layers, ..
+        } = self.cfg;
+        let emb = self.w("model.embed_tokens.weight");
+        let mut x: Vec<Vec<f64>> = tokens
+            .iter()
+            .map(|&tok| emb[tok as usize * d..(tok as usize + 1) * d].to_vec())
+            .collect();
+        for i in 0..layers {
+            let n = |s: &str| format!("model.layers.{i}.{s}.weight");
+            let a = self.rms_norm(&x, &n("input_layernorm"));
+            let q = self.rotate(self.linear(&a, &n("self_attn.q_proj")));
+            let k = self.rotate(self.linear(&a, &n("self_attn.k_proj")));
+            let v = self.linear(&a, &n("self_attn.v_proj"));
+            let att = self.attention(&q, &k, &v);
+            add_into(&mut x, &self.linear(&att, &n("self_attn.o_proj")));
+            let a = self.rms_norm(&x, &n("post_attention_layernorm"));
+            let gate = self.linear(&a, &n("mlp.gate_proj"));
+            let up = self.linear(&a, &n("mlp.up_proj"));
+            let h: Vec<Vec<f64>> = gate
+                .iter()
+                .zip(&up)
+                .map(|(g, u)| {
+                    g.iter()
+                        .zip(u)
+                        .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                        .collect()
+                })
+                .collect();
+            add_into(&mut x, &self.linear(&h, &n("mlp.down_proj")));
+        }
+        let x = self.rms_norm(&x, "model.norm.weight");
+        let head = match self.cfg.tied {
+            true => emb,
+            false => self.w("lm_head.weight"),
+        };
+        x.iter()
+            .map(|row| {
+                (0..vocab)
+                    .map(|tok| (0..d).map(|j| row[j] * head[tok * d + j]).sum())
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn rms_norm(&self, x: &[Vec<f64>], name: &str) -> Vec<Vec<f64>> {
+        let g = self.w(name);
+        x.iter()
+            .map(|row| {
+                let ms = row.iter().map(|v| v * v).sum::<f64>() / row.len() as f64;
+                let r = 1.0 / (ms + self.cfg.eps).sqrt();
+                row.iter().zip(g).map(|(v, g)| v * r * g).collect()
+            })
+            .collect()
+    }
+
+    /// `nn.Linear` without bias: `y = x · Wᵀ` with `W` stored `[out, in]`.
+    fn linear(&self, x: &[Vec<f64>], name: &str) -> Vec<Vec<f64>> {
+        let w = self.w(name);
+        let inputs = x[0].len();
+        let out = w.len() / inputs;
+        x.iter()
+            .map(|row| {
+                (0..out)
+                    .map(|o| (0..inputs).map(|k| row[k] * w[o * inputs + k]).sum())
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// `apply_rotary_pos_emb` on rows of heads: `x·cos + rotate_half(x)·sin`,
+    /// with `rotate_half(x) = [-x2, x1]` on each head's halves.
+    fn rotate(&self, x: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
+        let hd = self.cfg.d / self.cfg.heads;
+        let half = hd / 2;
+        x.into_iter()
+            .enumerate()
+            .map(|(p, row)| {
+                let mut out = row.clone();
+                for head in 0..row.len() / hd {
+                    for i in 0..hd {
+                        let inv_freq = self.cfg.theta.powf(-((2 * (i % half)) as f64) / hd as f64);
+                        let (c, s) = ((p as f64 * inv_freq).cos(), (p as f64 * inv_freq).sin());
+                        let x = row[head * hd + i];
+                        let rotated = if i < half {
+                            -row[head * hd + i + half]
+                        } else {
+                            row[head * hd + i - half]
+                        };
+                        out[head * hd + i] = x * c + rotated * s;
+                    }
+                }
+                out
+            })
+            .collect()
+    }
+
+    /// Causal attention; query head `h` uses key/value head `h / (heads / kv)`.
+    fn attention(&self, q: &[Vec<f64>], k: &[Vec<f64>], v: &[Vec<f64>]) -> Vec<Vec<f64>> {
+        let (d, heads) = (self.cfg.d, self.cfg.heads);
+        let hd = d / heads;
+        let group = heads / self.cfg.kv_heads;
+        let t = q.len();
+        let mut out = vec![vec![0.0; d]; t];
+        for h in 0..heads {
+            let g = h / group;
+            for i in 0..t {
+                let scores: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|c| q[i][h * hd + c] * k[j][g * hd + c])
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for (j, p) in e.iter().enumerate() {
+                    for c in 0..hd {
+                        out[i][h * hd + c] += p / z * v[j][g * hd + c];
+                    }
+                }
+            }
+        }
+        out
+    }
+}
