@@ -438,12 +438,14 @@ fn eval_loss_is_the_training_forward_without_a_trace() {
 /// A LLaMA (RMSNorm, rotary positions, SwiGLU, 4 query heads on 2 key/value
 /// heads, no biases, an untied head): stages 0-3, with and without
 /// activation checkpointing, give the same bits at world size 3, in f32 and
-/// bf16, and it learns.
+/// bf16, and it learns. Stage 3 with its gate/up projection in two column
+/// tiles (tiles without biases) too, at world size 2 (over TCP a sum of two
+/// adds in either order; tiling moves owners, see `tiling.rs`).
 #[test]
 fn llama_stages_are_bit_identical() {
-    let llama = |dtype: &str, stage: u8, ckpt: bool| {
+    let llama = |dtype: &str, stage: u8, ckpt: bool, tile: u64| {
         let yaml = format!(
-            "model: {{kind: llama, vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 48, seq_len: 16}}\n\
+            "model: {{kind: llama, vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 256, seq_len: 16, tile_size: {tile}}}\n\
              data: {{format: synthetic}}\n\
              train: {{steps: 8, micro_batch_size: 4, lr: 3.0e-3, warmup_steps: 2, activation_checkpointing: {ckpt}, dtype: {dtype}}}\n\
              zero: {{stage: {stage}, reduce_bucket_size: 2000, prefetch_bucket_size: 3000, param_persistence_threshold: 100}}\n"
@@ -451,17 +453,24 @@ fn llama_stages_are_bit_identical() {
         serde_saphyr::from_str::<zconfig::JobSpec>(&yaml).unwrap()
     };
     for dtype in ["f32", "bf16"] {
-        let base = train(llama(dtype, 0, false), 3);
-        for (stage, ckpt) in [(1, false), (2, true), (3, false), (3, true)] {
-            let got = train(llama(dtype, stage, ckpt), 3);
+        // 8192 elements: gate_up_proj (32 x 512) in two tiles of 256 columns.
+        let whole = 1 << 20;
+        let base = train(llama(dtype, 0, false, whole), 3);
+        for (stage, ckpt, tile) in [
+            (1, false, whole),
+            (2, true, whole),
+            (3, false, whole),
+            (3, true, whole),
+        ] {
+            let got = train(llama(dtype, stage, ckpt, tile), 3);
             for r in 0..3 {
                 assert_eq!(
                     got[r].losses, base[r].losses,
-                    "{dtype} stage {stage} checkpointing {ckpt} rank {r}"
+                    "{dtype} stage {stage} checkpointing {ckpt} tile {tile} rank {r}"
                 );
                 assert!(
                     got[r].params == base[r].params,
-                    "{dtype} stage {stage} checkpointing {ckpt} rank {r}: parameters"
+                    "{dtype} stage {stage} checkpointing {ckpt} tile {tile} rank {r}: parameters"
                 );
             }
         }
@@ -470,5 +479,16 @@ fn llama_stages_are_bit_identical() {
             "{dtype}: {:?}",
             base[0].losses
         );
+        let untiled = train(llama(dtype, 3, false, whole), 2);
+        let tiled = train(llama(dtype, 3, false, 8192), 2);
+        // Two tile groups per block.
+        assert_eq!(tiled[0].padded.len(), untiled[0].padded.len() + 2 * 2);
+        for r in 0..2 {
+            assert_eq!(tiled[r].losses, untiled[r].losses, "{dtype} tiled rank {r}");
+            assert!(
+                !untiled[r].named.is_empty() && tiled[r].named == untiled[r].named,
+                "{dtype} tiled rank {r}: parameters"
+            );
+        }
     }
 }
