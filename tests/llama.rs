@@ -166,6 +166,28 @@ fn gpt2_round_trips_through_hugging_face_names() {
     );
     let src = train(dir, &job, "src.jsonl", &[]);
     let out = export_hf(dir, "hf-gpt2");
+    // A file where the directory should go is refused, and left as it was.
+    std::fs::write(dir.join("taken"), b"mine").unwrap();
+    let ckpt = dir.join("ckpt");
+    let taken = dir.join("taken");
+    let f = zrun(
+        dir,
+        &[
+            "export",
+            ckpt.to_str().unwrap(),
+            "--format",
+            "hf",
+            "--out",
+            taken.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("--format hf writes a directory"),
+        "{}",
+        f.stderr
+    );
+    assert_eq!(std::fs::read(&taken).unwrap(), b"mine");
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["model_type"], "gpt2");

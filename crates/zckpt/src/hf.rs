@@ -107,21 +107,15 @@ pub fn pieces(m: &ModelSpec, name: &str, shape: &[usize]) -> Vec<Piece> {
                 return one(name.into(), false);
             }
             let hf = format!("model.{name}");
-            let split = |parts: &[(&str, usize)]| {
+            // zrun's fused projection `fused` as Hugging Face's `parts`, side by side.
+            let split = |fused: &str, parts: &[(&str, usize)]| {
                 let mut at = 0;
                 parts
                     .iter()
                     .map(|&(part, width)| {
                         at += width;
                         Piece {
-                            name: hf.replace(
-                                if hf.contains("qkv_proj") {
-                                    "qkv_proj"
-                                } else {
-                                    "gate_up_proj"
-                                },
-                                part,
-                            ),
+                            name: hf.replace(fused, part),
                             columns: at - width..at,
                             transposed: true,
                         }
@@ -130,9 +124,12 @@ pub fn pieces(m: &ModelSpec, name: &str, shape: &[usize]) -> Vec<Piece> {
             };
             let (q, kv) = (m.n_heads * m.head_dim(), m.kv_heads() * m.head_dim());
             if name.ends_with("self_attn.qkv_proj.weight") {
-                split(&[("q_proj", q), ("k_proj", kv), ("v_proj", kv)])
+                split("qkv_proj", &[("q_proj", q), ("k_proj", kv), ("v_proj", kv)])
             } else if name.ends_with("mlp.gate_up_proj.weight") {
-                split(&[("gate_proj", m.ffn()), ("up_proj", m.ffn())])
+                split(
+                    "gate_up_proj",
+                    &[("gate_proj", m.ffn()), ("up_proj", m.ffn())],
+                )
             } else {
                 // Matrices are nn.Linear's; norms and the embedding are as is.
                 let linear = name.ends_with("_proj.weight");

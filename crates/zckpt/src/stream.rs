@@ -270,6 +270,53 @@ mod tests {
     use super::*;
     use safetensors::SafeTensors;
 
+    /// Published weights are often bf16 or f16: read widened, exactly.
+    #[test]
+    fn half_precision_tensors_are_read_widened() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("h.safetensors");
+        let values = [1.5f32, -0.25, 65504.0];
+        let bf: Vec<u16> = values
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let f: Vec<u16> = values
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_bits())
+            .collect();
+        let views = [
+            (
+                "bf",
+                safetensors::Dtype::BF16,
+                bytemuck::cast_slice::<u16, u8>(&bf),
+            ),
+            (
+                "f",
+                safetensors::Dtype::F16,
+                bytemuck::cast_slice::<u16, u8>(&f),
+            ),
+        ]
+        .map(|(n, dt, b)| {
+            (
+                n,
+                safetensors::tensor::TensorView::new(dt, vec![3], b).unwrap(),
+            )
+        });
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+        let file = TensorFile::open(&path).unwrap();
+        let widened = |v: &[u16], bf: bool| -> Vec<f32> {
+            v.iter()
+                .map(|&b| match bf {
+                    true => half::bf16::from_bits(b).to_f32(),
+                    false => half::f16::from_bits(b).to_f32(),
+                })
+                .collect()
+        };
+        assert_eq!(file.read("bf").unwrap(), widened(&bf, true));
+        assert_eq!(file.read("f").unwrap(), widened(&f, false));
+        assert_eq!(file.read("f").unwrap(), values);
+    }
+
     #[test]
     fn streamed_files_read_back_with_the_crate_and_with_ours() {
         let d = tempfile::tempdir().unwrap();
