@@ -95,7 +95,14 @@ fn zero_memory_and_volume_follow_the_paper_at_4_workers() {
 
 /// bf16 and f16 training of configs/tiny.yaml ends within 2% of f32's loss
 /// after the same steps (the mean of the last 5, so one batch's noise does not
-/// decide it).
+/// decide it). Measured: bf16 and f16 both within 0.3%.
+///
+/// f16 starts at scale 2^12 so that no step overflows: at the default 2^16 the
+/// first two steps overflow and are skipped, the schedule waits for them, and
+/// a 60-step run then ends two warmup steps behind f32 (2.4% here) for reasons
+/// that have nothing to do with f16's precision. The test asserts that no step
+/// was skipped, so it keeps comparing like with like when the data changes
+/// (the data is this repository's sources).
 #[test]
 fn mixed_precision_tiny_run_stays_within_2_percent_of_f32() {
     let dir = tempfile::tempdir().unwrap();
@@ -106,12 +113,18 @@ fn mixed_precision_tiny_run_stays_within_2_percent_of_f32() {
         let f = TrainArgs::new("configs/tiny.yaml", &m)
             .set("train.steps=60")
             .set(format!("train.dtype={dtype}"))
+            .set("train.loss_scale.initial_scale_power=12")
             .run(&root);
         assert_eq!(f.code(), 0, "{f:?}");
         let lines = metrics(&m);
         let l = losses(&lines);
         assert_eq!(l.len(), 60);
         tail.push(l[55..].iter().sum::<f64>() / 5.0);
+        let skipped = lines[..60]
+            .iter()
+            .filter(|x| x["grad_norm"].is_null())
+            .count();
+        assert_eq!(skipped, 0, "{dtype}: steps skipped for overflow");
         let scales: Vec<bool> = lines[..60]
             .iter()
             .map(|x| x["loss_scale"].is_null())
