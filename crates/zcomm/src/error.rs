@@ -142,6 +142,10 @@ pub enum SetupError {
     /// A socket operation failed.
     #[error("socket: {0}")]
     Socket(Arc<io::Error>),
+    /// MPI refused (cargo feature `mpi`).
+    #[cfg(feature = "mpi")]
+    #[error("MPI: {0}")]
+    Mpi(String),
     /// The node's shared-memory segment could not be set up.
     #[error("shared memory {name}: {cause}")]
     SharedMemory {

@@ -11,6 +11,8 @@
 //!   ZeRO++ qgZ's two-hop quantized reduce-scatter.
 //! - `tcp`: the communicator: one authenticated TCP connection per peer, and
 //!   `shm` rings instead of sockets between ranks of one node when asked.
+//! - [`mpi`] (cargo feature `mpi`): the communicator for jobs started by
+//!   `mpirun`, on the cluster's own MPI.
 //!
 //! The design decision to know: every collective runs on the communicator's own
 //! thread, in the order it was issued. Callers hand over owned buffers and get a
@@ -25,6 +27,8 @@
 mod direct;
 mod error;
 mod links;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod pairwise;
 mod quantized;
 mod ring;

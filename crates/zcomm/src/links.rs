@@ -6,7 +6,29 @@
 //! sequence number and length, so ranks that disagree about the next collective
 //! get a [`crate::CommError::Mismatch`] instead of silently exchanging wrong bytes.
 
-use crate::CommError;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use crate::{CommError, Op};
+
+/// What a communicator's operation thread is doing, shared for
+/// [`crate::Communicator::in_flight`].
+#[derive(Debug, Clone)]
+pub(crate) struct Current {
+    pub(crate) op: Op,
+    pub(crate) bytes: usize,
+    pub(crate) started: Instant,
+    pub(crate) peer: Option<usize>,
+}
+
+/// Records, for hang diagnosis, the peer the operation thread waits for.
+pub(crate) fn note_waiting_for(current: &Mutex<Option<Current>>, peer: usize) {
+    if let Ok(mut g) = current.lock() {
+        if let Some(c) = g.as_mut() {
+            c.peer = Some(peer);
+        }
+    }
+}
 
 /// Messages to and from the other ranks of a group, during one operation.
 pub(crate) trait Links {

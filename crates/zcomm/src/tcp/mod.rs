@@ -21,11 +21,12 @@ use zproto::Token;
 use crate::direct::Direct;
 use crate::links::Links;
 
+use crate::links::Current;
 use crate::{
     chunk_range, CommError, Communicator, CounterSnapshot, Counters, Op, SetupError, Work,
 };
 use crate::{pairwise, quantized, ring, star, Quantization};
-use peers::{writer_loop, Current, Peer, TcpLinks, Wire};
+use peers::{writer_loop, Peer, TcpLinks, Wire};
 
 /// How to build a [`TcpCommunicator`].
 #[derive(Debug, Clone)]

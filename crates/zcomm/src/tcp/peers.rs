@@ -9,7 +9,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::direct::{Call, Direct};
-use crate::links::Links;
+use crate::links::{note_waiting_for, Current, Links};
 use crate::{CommError, Counters, Op};
 
 /// A message's header: the collective's sequence number, then one word of
@@ -39,15 +39,6 @@ impl Wire for crate::shm::ShmReader {
     }
 }
 
-/// What the operation thread is doing, shared for [`Communicator::in_flight`].
-#[derive(Debug, Clone)]
-pub(super) struct Current {
-    pub(super) op: Op,
-    pub(super) bytes: usize,
-    pub(super) started: Instant,
-    pub(super) peer: Option<usize>,
-}
-
 pub(super) struct Peer {
     pub(super) reader: Box<dyn Wire>,
     /// Buffers the writer thread has sent, for reuse.
@@ -56,15 +47,6 @@ pub(super) struct Peer {
     pub(super) writer: Option<std::thread::JoinHandle<()>>,
     pub(super) error: Arc<Mutex<Option<String>>>,
     pub(super) same_node: bool,
-}
-
-/// Records, for hang diagnosis, the peer the operation thread waits for.
-fn note_waiting_for(current: &Mutex<Option<Current>>, peer: usize) {
-    if let Ok(mut g) = current.lock() {
-        if let Some(c) = g.as_mut() {
-            c.peer = Some(peer);
-        }
-    }
 }
 
 /// Drains a peer's queue onto its link, handing each buffer back for reuse (a

@@ -1,0 +1,664 @@
+//! The MPI transport (cargo feature `mpi`): collectives over the fabric a
+//! cluster's MPI already drives (InfiniBand, Omni-Path, Slingshot, or shared
+//! memory and TCP where that is all there is), for jobs started by `mpirun`.
+//!
+//! Which operation runs how:
+//! - all-reduce, reduce-scatter and the quantized reduce-scatter run zrun's own
+//!   ring and two-hop algorithms over MPI point-to-point messages (`MPI_Isend`,
+//!   `MPI_Improbe` / `MPI_Imrecv`). MPI's reductions add in an order the standard
+//!   leaves open; zrun's add in an order fixed by chunk ownership, which keeps
+//!   ZeRO stages 0-3 bit-identical to each other (and to the TCP transport).
+//! - all-gather, broadcast, all-to-all and barrier use MPI's own nonblocking
+//!   collectives (`MPI_Iallgatherv`, `MPI_Ibcast`, `MPI_Ialltoallv`,
+//!   `MPI_Ibarrier`): they only move bytes, so MPI's tuned algorithms change
+//!   the speed and nothing else.
+//! - Every collective first exchanges (sequence number, operation, length) with
+//!   `MPI_Iallgather`, so ranks that call different collectives, or the same one
+//!   with different lengths, get [`CommError::Mismatch`] naming the rank and
+//!   what it called, where MPI itself would hang or mix up buffers.
+//!
+//! As on TCP, one operation thread per communicator runs the collectives in
+//! issue order (so compute overlaps communication) and every wait polls against
+//! the operation's deadline (`wire.rs`). Several communicators (the world, hpZ's
+//! groups) call MPI from their own threads, so MPI must grant
+//! `MPI_THREAD_MULTIPLE`; [`Runtime::init`] refuses to go on otherwise. A
+//! collective that times out cannot be cancelled in MPI: its buffers are left
+//! to it, the communicator fails every later call, and the job ends.
+
+mod wire;
+
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use mpi::environment::{Threading, Universe};
+use mpi::ffi;
+
+use crate::links::{Current, Links};
+use crate::{
+    chunk_range, quantized, ring, CommError, Communicator, CounterSnapshot, Counters, InFlight, Op,
+    Quantization, SetupError, Work,
+};
+use wire::{bytes_type, count, error_text, test_until, Comm, Finish, MpiLinks, PIECE};
+
+/// True when this process was started by an MPI launcher (`mpirun`, `srun
+/// --mpi=pmix`): the variables Open MPI, PMIx and MPICH's Hydra set.
+pub fn launched_under_mpi() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE"]
+        .iter()
+        .any(|k| std::env::var_os(k).is_some())
+}
+
+/// Set when any collective of this process has failed: its requests may still
+/// be pending, and `MPI_Finalize` would wait for them.
+static FAILED: AtomicBool = AtomicBool::new(false);
+
+/// MPI, initialised for the life of the process: `MPI_Finalize` runs when it
+/// drops, which must be on the thread that made it and after every
+/// [`MpiCommunicator`] has dropped. After a failed collective it does not run
+/// (it could wait forever for a peer that is gone): the process exits without
+/// it, and `mpirun` reports that exit.
+pub struct Runtime {
+    universe: Option<Universe>,
+    rank: usize,
+    size: usize,
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if FAILED.load(Ordering::SeqCst) {
+            std::mem::forget(self.universe.take());
+        }
+    }
+}
+
+impl Runtime {
+    /// `MPI_Init_thread` asking for `MPI_THREAD_MULTIPLE`.
+    pub fn init() -> Result<Runtime, CommError> {
+        let fail = |m: String| CommError::Setup {
+            group: "world".into(),
+            cause: SetupError::Mpi(m),
+        };
+        let (universe, level) = mpi::initialize_with_threading(Threading::Multiple)
+            .ok_or_else(|| fail("MPI is already initialised in this process".into()))?;
+        if level != Threading::Multiple {
+            return Err(fail(format!(
+                "the MPI library grants {level:?} threading; zrun needs MPI_THREAD_MULTIPLE \
+                 (Open MPI 4 and MPICH provide it)"
+            )));
+        }
+        let (mut rank, mut size): (c_int, c_int) = (0, 0);
+        // SAFETY: MPI is initialised; the world communicator's errors return
+        // codes instead of aborting.
+        unsafe {
+            ffi::MPI_Comm_set_errhandler(ffi::RSMPI_COMM_WORLD, ffi::RSMPI_ERRORS_RETURN);
+            ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut rank);
+            ffi::MPI_Comm_size(ffi::RSMPI_COMM_WORLD, &mut size);
+        }
+        Ok(Runtime {
+            universe: Some(universe),
+            rank: rank as usize,
+            size: size as usize,
+        })
+    }
+
+    /// This process's rank in `MPI_COMM_WORLD`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Processes in `MPI_COMM_WORLD`.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+}
+
+/// How to build an [`MpiCommunicator`].
+#[derive(Debug, Clone)]
+pub struct MpiOptions {
+    /// Deadline of setup and of every collective.
+    pub timeout: Duration,
+    /// Node index of every rank of the group (intra/inter-node accounting).
+    pub node_of_rank: Vec<usize>,
+    /// Group name for messages.
+    pub group: String,
+}
+
+type Job = Box<dyn FnOnce(&mut MpiLinks) + Send>;
+
+/// A [`Communicator`] over MPI.
+pub struct MpiCommunicator {
+    rank: usize,
+    world: usize,
+    node_of_rank: Vec<usize>,
+    group: String,
+    timeout: Duration,
+    jobs: mpsc::Sender<Job>,
+    counters: Arc<Counters>,
+    op_thread: Option<std::thread::JoinHandle<()>>,
+    current: Arc<Mutex<Option<Current>>>,
+}
+
+impl Drop for MpiCommunicator {
+    /// Stops the operation thread (each operation has already waited for its
+    /// sends) and frees the MPI communicator.
+    fn drop(&mut self) {
+        drop(std::mem::replace(&mut self.jobs, mpsc::channel().0));
+        if let Some(t) = self.op_thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl MpiCommunicator {
+    /// Every rank of `MPI_COMM_WORLD`, on a duplicate of it (`MPI_Comm_idup`,
+    /// bounded by the timeout). Collective: every rank calls it.
+    pub fn world(_rt: &Runtime, opts: MpiOptions) -> Result<MpiCommunicator, CommError> {
+        let deadline = Instant::now() + opts.timeout;
+        // SAFETY: null handles for MPI to fill in.
+        let (mut comm, mut req) = unsafe { (ffi::RSMPI_COMM_NULL, ffi::RSMPI_REQUEST_NULL) };
+        // SAFETY: MPI is initialised (`_rt`); `comm` lives until the request ends.
+        let code = unsafe { ffi::MPI_Comm_idup(ffi::RSMPI_COMM_WORLD, &mut comm, &mut req) };
+        setup_wait(&opts.group, "MPI_Comm_idup", code, &mut req, deadline)?;
+        Self::start(Comm(comm), opts)
+    }
+
+    /// The ranks of `MPI_COMM_WORLD` that pass the same `color`, ordered by
+    /// world rank (`MPI_Comm_split`). Collective over the whole world: every
+    /// rank calls it. An `MPI_Ibarrier` bounded by the timeout goes first, so a
+    /// rank that never comes is a timeout here rather than a hang inside the split.
+    pub fn split(
+        rt: &Runtime,
+        color: usize,
+        opts: MpiOptions,
+    ) -> Result<MpiCommunicator, CommError> {
+        let deadline = Instant::now() + opts.timeout;
+        // SAFETY: a null handle for MPI to fill in.
+        let mut req = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: MPI is initialised.
+        let code = unsafe { ffi::MPI_Ibarrier(ffi::RSMPI_COMM_WORLD, &mut req) };
+        setup_wait(&opts.group, "MPI_Ibarrier", code, &mut req, deadline)?;
+        // SAFETY: a null handle for MPI to fill in.
+        let mut comm = unsafe { ffi::RSMPI_COMM_NULL };
+        // SAFETY: every rank has arrived (the barrier), so the split completes.
+        let code = unsafe {
+            ffi::MPI_Comm_split(
+                ffi::RSMPI_COMM_WORLD,
+                color as c_int,
+                rt.rank() as c_int,
+                &mut comm,
+            )
+        };
+        if code != ffi::MPI_SUCCESS as c_int {
+            return Err(setup_error(&opts.group, "MPI_Comm_split", code));
+        }
+        Self::start(Comm(comm), opts)
+    }
+
+    fn start(comm: Comm, opts: MpiOptions) -> Result<MpiCommunicator, CommError> {
+        let (mut rank, mut size): (c_int, c_int) = (0, 0);
+        // SAFETY: `comm` is a valid communicator just made.
+        unsafe {
+            ffi::MPI_Comm_set_errhandler(comm.0, ffi::RSMPI_ERRORS_RETURN);
+            ffi::MPI_Comm_rank(comm.0, &mut rank);
+            ffi::MPI_Comm_size(comm.0, &mut size);
+        }
+        let (rank, world) = (rank as usize, size as usize);
+        if opts.node_of_rank.len() != world {
+            return Err(CommError::Setup {
+                group: opts.group,
+                cause: SetupError::BadTopology {
+                    rank,
+                    world,
+                    node_entries: opts.node_of_rank.len(),
+                },
+            });
+        }
+        let counters = Arc::new(Counters::default());
+        let current = Arc::new(Mutex::new(None));
+        let mut links = MpiLinks {
+            comm,
+            rank,
+            world,
+            group: opts.group.clone(),
+            same_node: (0..world)
+                .map(|p| opts.node_of_rank[p] == opts.node_of_rank[rank])
+                .collect(),
+            counters: counters.clone(),
+            timeout: opts.timeout,
+            op: Op::Barrier,
+            seq: 0,
+            deadline: Instant::now(),
+            started: Instant::now(),
+            poisoned: None,
+            current: current.clone(),
+            sends: Vec::new(),
+            spare: Vec::new(),
+        };
+        let (jobs, rx) = mpsc::channel::<Job>();
+        let op_thread = std::thread::Builder::new()
+            .name("zcomm-mpi".into())
+            .spawn(move || {
+                for job in rx {
+                    job(&mut links);
+                }
+                if links.poisoned.is_none() {
+                    let mut c = links.comm.0;
+                    // SAFETY: no request of this communicator is pending.
+                    unsafe { ffi::MPI_Comm_free(&mut c) };
+                }
+            })
+            .map_err(|e| CommError::Setup {
+                group: opts.group.clone(),
+                cause: SetupError::Thread(Arc::new(e)),
+            })?;
+        Ok(MpiCommunicator {
+            rank,
+            world,
+            node_of_rank: opts.node_of_rank,
+            group: opts.group,
+            timeout: opts.timeout,
+            jobs,
+            counters,
+            op_thread: Some(op_thread),
+            current,
+        })
+    }
+
+    /// Queues `f` as operation `op`; `what` is the length (or root) every rank
+    /// must agree on.
+    fn submit<T: Send + 'static>(
+        &self,
+        op: Op,
+        bytes: usize,
+        what: u64,
+        f: impl FnOnce(&mut MpiLinks) -> Result<T, CommError> + Send + 'static,
+    ) -> Work<T> {
+        let (tx, rx) = mpsc::channel();
+        let job: Job = Box::new(move |l: &mut MpiLinks| {
+            let r = l.run(op, bytes, |l| {
+                agree(l, what)?;
+                f(l)
+            });
+            if r.is_err() {
+                FAILED.store(true, Ordering::SeqCst);
+            }
+            let _ = tx.send(r);
+        });
+        let _ = self.jobs.send(job);
+        let deadline = Instant::now() + self.timeout * 2 + Duration::from_secs(5);
+        Work::new(rx, op, self.group.clone(), deadline)
+    }
+}
+
+fn setup_error(group: &str, call: &str, code: c_int) -> CommError {
+    CommError::Setup {
+        group: group.into(),
+        cause: SetupError::Mpi(format!("{call}: {}", error_text(code))),
+    }
+}
+
+/// Waits for a setup request until `deadline`.
+fn setup_wait(
+    group: &str,
+    call: &str,
+    code: c_int,
+    req: &mut ffi::MPI_Request,
+    deadline: Instant,
+) -> Result<(), CommError> {
+    if code != ffi::MPI_SUCCESS as c_int {
+        return Err(setup_error(group, call, code));
+    }
+    match test_until(req, deadline) {
+        Ok(Finish::Done(_)) => Ok(()),
+        Ok(Finish::Expired) => Err(CommError::Setup {
+            group: group.into(),
+            cause: SetupError::Mpi(format!(
+                "{call}: not every rank arrived before the deadline"
+            )),
+        }),
+        Err(code) => Err(setup_error(group, call, code)),
+    }
+}
+
+/// Starts a nonblocking collective and waits for it. `bufs` holds every buffer
+/// it reads or writes: handed back when it finishes, left to MPI (leaked) when
+/// it does not, since MPI cannot cancel a collective.
+fn collective<B>(
+    l: &MpiLinks,
+    call: &str,
+    mut bufs: B,
+    start: impl FnOnce(&mut B, *mut ffi::MPI_Request) -> c_int,
+) -> Result<B, CommError> {
+    // SAFETY: a null handle for MPI to fill in.
+    let mut req = unsafe { ffi::RSMPI_REQUEST_NULL };
+    l.check(None, call, start(&mut bufs, &mut req))?;
+    match l.poll(&mut req, None) {
+        Ok(Finish::Done(_)) => Ok(bufs),
+        Ok(Finish::Expired) => {
+            std::mem::forget(bufs);
+            Err(l.timed_out(None))
+        }
+        Err(e) => {
+            std::mem::forget(bufs);
+            Err(e)
+        }
+    }
+}
+
+/// Every rank's (sequence number, operation, `what`) must equal this rank's.
+fn agree(l: &mut MpiLinks, what: u64) -> Result<(), CommError> {
+    let mine = vec![l.seq, l.op.index() as u64, what];
+    let all = vec![0u64; 3 * l.world];
+    let comm = l.comm.0;
+    let (_, all) = collective(l, "MPI_Iallgather", (mine, all), |(m, a), req| {
+        // SAFETY: both buffers live in `bufs` until the request ends.
+        unsafe {
+            ffi::MPI_Iallgather(
+                m.as_ptr().cast(),
+                24,
+                bytes_type(),
+                a.as_mut_ptr().cast(),
+                24,
+                bytes_type(),
+                comm,
+                req,
+            )
+        }
+    })?;
+    let describe = |s: &[u64]| {
+        let name = Op::from_index(s[1] as usize).map_or("an unknown operation", Op::name);
+        format!("{name} (collective #{}, length/root {})", s[0], s[2])
+    };
+    let me = [l.seq, l.op.index() as u64, what];
+    match all.chunks(3).position(|s| s != me) {
+        None => Ok(()),
+        Some(peer) => Err(CommError::Mismatch {
+            op: l.op.name(),
+            group: l.group.clone(),
+            peer,
+            got: describe(&all[peer * 3..peer * 3 + 3]),
+            expected: describe(&me),
+        }),
+    }
+}
+
+/// Byte counts and displacements of a buffer split by [`chunk_range`].
+fn chunk_counts(total_len: usize, world: usize) -> (Vec<c_int>, Vec<c_int>) {
+    (0..world)
+        .map(|i| {
+            let r = chunk_range(total_len, world, i);
+            (count(r.len() * 4), count(r.start * 4))
+        })
+        .unzip()
+}
+
+impl Communicator for MpiCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn group_name(&self) -> &str {
+        &self.group
+    }
+    fn counters(&self) -> CounterSnapshot {
+        self.counters.snapshot()
+    }
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+    fn in_flight(&self) -> Option<InFlight> {
+        let s = self.current.lock().ok()?.clone()?;
+        Some(InFlight {
+            op: s.op.name(),
+            group: self.group.clone(),
+            bytes: s.bytes,
+            waiting: s.started.elapsed(),
+            peer: s.peer,
+        })
+    }
+
+    fn all_reduce_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
+        let (bytes, len) = (buf.len() * 4, buf.len() as u64);
+        self.submit(Op::AllReduce, bytes, len, move |l| {
+            ring::reduce_scatter(l, &mut buf)?;
+            ring::all_gather(l, &mut buf)?;
+            Ok(buf)
+        })
+    }
+
+    fn reduce_scatter_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
+        let (bytes, len) = (buf.len() * 4, buf.len() as u64);
+        self.submit(Op::ReduceScatter, bytes, len, move |l| {
+            let own = chunk_range(buf.len(), l.world_size(), l.rank());
+            ring::reduce_scatter(l, &mut buf)?;
+            buf.copy_within(own.clone(), 0);
+            buf.truncate(own.len());
+            buf.shrink_to_fit();
+            Ok(buf)
+        })
+    }
+
+    fn quantized_reduce_scatter_async(&self, buf: Vec<f32>, q: Quantization) -> Work<Vec<f32>> {
+        if buf.len() / self.world < q.block_size.max(1) {
+            return self.reduce_scatter_async(buf);
+        }
+        let (bytes, len, node_of) = (buf.len() * 4, buf.len() as u64, self.node_of_rank.clone());
+        self.submit(Op::QuantizedReduceScatter, bytes, len, move |l| {
+            let group = l.group.clone();
+            quantized::reduce_scatter(l, &group, &node_of, &buf, q)
+        })
+    }
+
+    fn all_gather_async(&self, chunk: Vec<f32>, total_len: usize) -> Work<Vec<f32>> {
+        self.submit(Op::AllGather, total_len * 4, total_len as u64, move |l| {
+            let (w, r) = (l.world_size(), l.rank());
+            let own = chunk_range(total_len, w, r);
+            if chunk.len() != own.len() {
+                return Err(CommError::Usage {
+                    op: "all_gather",
+                    message: format!(
+                        "rank {r} holds {} elements, chunk {r} of {total_len} has {}",
+                        chunk.len(),
+                        own.len()
+                    ),
+                });
+            }
+            let mut out = crate::zeroed_large(total_len);
+            if total_len == 0 {
+                return Ok(out);
+            }
+            if total_len * 4 > PIECE {
+                // Past MPI's int counts: zrun's ring, in pieces.
+                out[own].copy_from_slice(&chunk);
+                ring::all_gather(l, &mut out)?;
+                return Ok(out);
+            }
+            for p in (0..w).filter(|&p| p != r) {
+                l.counters
+                    .add(Op::AllGather, chunk.len() as u64 * 4, l.same_node[p]);
+            }
+            let (counts, displs) = chunk_counts(total_len, w);
+            let comm = l.comm.0;
+            let (_, out, _, _) = collective(
+                l,
+                "MPI_Iallgatherv",
+                (chunk, out, counts, displs),
+                |(c, o, n, d), req| {
+                    // SAFETY: every buffer lives in `bufs` until the request ends;
+                    // counts and displacements fit `out` (chunk_range).
+                    unsafe {
+                        ffi::MPI_Iallgatherv(
+                            c.as_ptr().cast(),
+                            count(c.len() * 4),
+                            bytes_type(),
+                            o.as_mut_ptr().cast(),
+                            n.as_ptr(),
+                            d.as_ptr(),
+                            bytes_type(),
+                            comm,
+                            req,
+                        )
+                    }
+                },
+            )?;
+            Ok(out)
+        })
+    }
+
+    fn all_to_all_async(&self, pieces: Vec<Vec<u8>>) -> Work<Vec<Vec<u8>>> {
+        let bytes = pieces.iter().map(Vec::len).sum();
+        self.submit(Op::AllToAll, bytes, 0, move |l| {
+            let (w, r) = (l.world_size(), l.rank());
+            if pieces.len() != w {
+                return Err(CommError::Usage {
+                    op: "all_to_all",
+                    message: format!("{} pieces for {w} ranks", pieces.len()),
+                });
+            }
+            let lens: Vec<u64> = pieces.iter().map(|p| p.len() as u64).collect();
+            let comm = l.comm.0;
+            let (_, incoming) =
+                collective(l, "MPI_Ialltoall", (lens, vec![0u64; w]), |(s, i), req| {
+                    // SAFETY: both buffers hold one u64 per rank and live in `bufs`.
+                    unsafe {
+                        ffi::MPI_Ialltoall(
+                            s.as_ptr().cast(),
+                            8,
+                            bytes_type(),
+                            i.as_mut_ptr().cast(),
+                            8,
+                            bytes_type(),
+                            comm,
+                            req,
+                        )
+                    }
+                })?;
+            let sent: usize = pieces.iter().map(Vec::len).sum();
+            let received: u64 = incoming.iter().sum();
+            if sent > PIECE || received > PIECE as u64 {
+                // Every rank can tell from its own lengths only; it says so
+                // rather than falling back alone.
+                return Err(CommError::Usage {
+                    op: "all_to_all",
+                    message: format!(
+                        "rank {r} would send {sent} and receive {received} bytes; over MPI one \
+                         all_to_all moves at most {PIECE} bytes each way per rank"
+                    ),
+                });
+            }
+            for (p, piece) in pieces.iter().enumerate().filter(|&(p, _)| p != r) {
+                l.counters
+                    .add(Op::AllToAll, piece.len() as u64, l.same_node[p]);
+            }
+            let offsets = |lens: &mut dyn Iterator<Item = usize>| -> (Vec<c_int>, Vec<c_int>) {
+                let mut at = 0;
+                lens.map(|n| {
+                    let d = at;
+                    at += n;
+                    (count(n), count(d))
+                })
+                .unzip()
+            };
+            let (scounts, sdispls) = offsets(&mut pieces.iter().map(Vec::len));
+            let (rcounts, rdispls) = offsets(&mut incoming.iter().map(|&n| n as usize));
+            // Distinct allocations even when empty: MPI refuses a send buffer
+            // that is also the receive buffer (two empty Vecs share a dangling
+            // address).
+            let mut send = Vec::with_capacity(sent.max(1));
+            for p in &pieces {
+                send.extend_from_slice(p);
+            }
+            let recv = vec![0u8; (received as usize).max(1)];
+            let (_, recv, ..) = collective(
+                l,
+                "MPI_Ialltoallv",
+                (send, recv, scounts, sdispls, rcounts, rdispls),
+                |(s, rv, sc, sd, rc, rd), req| {
+                    // SAFETY: every buffer lives in `bufs`; counts and
+                    // displacements were computed from these buffers' lengths.
+                    unsafe {
+                        ffi::MPI_Ialltoallv(
+                            s.as_ptr().cast(),
+                            sc.as_ptr(),
+                            sd.as_ptr(),
+                            bytes_type(),
+                            rv.as_mut_ptr().cast(),
+                            rc.as_ptr(),
+                            rd.as_ptr(),
+                            bytes_type(),
+                            comm,
+                            req,
+                        )
+                    }
+                },
+            )?;
+            let mut out = Vec::with_capacity(w);
+            let mut at = 0;
+            for &n in &incoming {
+                out.push(recv[at..at + n as usize].to_vec());
+                at += n as usize;
+            }
+            Ok(out)
+        })
+    }
+
+    fn broadcast_async(&self, buf: Vec<u8>, root: usize) -> Work<Vec<u8>> {
+        let bytes = buf.len();
+        self.submit(Op::Broadcast, bytes, root as u64, move |l| {
+            let (w, r) = (l.world_size(), l.rank());
+            if root >= w {
+                return Err(CommError::Usage {
+                    op: "broadcast",
+                    message: format!("root {root} with {w} ranks"),
+                });
+            }
+            let comm = l.comm.0;
+            let ibcast = |b: &mut [u8], req| {
+                // SAFETY: `b` lives in `bufs` until the request ends.
+                unsafe {
+                    ffi::MPI_Ibcast(
+                        b.as_mut_ptr().cast(),
+                        count(b.len()),
+                        bytes_type(),
+                        root as c_int,
+                        comm,
+                        req,
+                    )
+                }
+            };
+            let len = (buf.len() as u64).to_le_bytes().to_vec();
+            let len = collective(l, "MPI_Ibcast", len, |b, req| ibcast(b, req))?;
+            let n = u64::from_le_bytes(len[..8].try_into().expect("8 bytes")) as usize;
+            let mut buf = if r == root { buf } else { vec![0u8; n] };
+            if r == root {
+                for p in (0..w).filter(|&p| p != root) {
+                    l.counters.add(Op::Broadcast, n as u64, l.same_node[p]);
+                }
+            }
+            let mut at = 0;
+            while at < n {
+                let end = (at + PIECE).min(n);
+                let piece = std::mem::take(&mut buf);
+                buf = collective(l, "MPI_Ibcast", piece, |b, req| {
+                    ibcast(&mut b[at..end], req)
+                })?;
+                at = end;
+            }
+            Ok(buf)
+        })
+    }
+
+    fn barrier_async(&self) -> Work<()> {
+        self.submit(Op::Barrier, 0, 0, |l| {
+            let comm = l.comm.0;
+            // SAFETY: a barrier reads and writes no buffer.
+            collective(l, "MPI_Ibarrier", (), |(), req| unsafe {
+                ffi::MPI_Ibarrier(comm, req)
+            })
+        })
+    }
+}
