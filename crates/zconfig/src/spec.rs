@@ -609,6 +609,8 @@ pub enum Backend {
     Tcp,
     /// Shared memory within a host.
     Shm,
+    /// MPI (zworker built with the `mpi` feature, started by `--launcher mpirun`).
+    Mpi,
     /// NCCL on GPUs.
     Nccl,
 }

@@ -18,6 +18,7 @@ use crate::sink::Sink;
 use crate::supervise::{run_job, Outcome};
 use crate::Failure;
 
+/// Measured when `--transports` is not given.
 const TRANSPORTS: [&str; 2] = ["tcp", "shm"];
 
 /// Parses a message size (zconfig's units: `64MiB` binary, `64M` decimal) that
@@ -55,7 +56,8 @@ fn local_plan(workers: usize, worker_bin: &std::path::Path) -> Result<LaunchPlan
         master_port: 0,
         worker_bin: worker_bin.to_path_buf(),
         ssh: None,
-        slurm: false,
+        launcher: crate::cli::Launcher::Local,
+        here: true,
         env: Vec::new(),
         per_node: None,
     })
@@ -106,7 +108,11 @@ pub fn measure_comm(
 ) -> Result<Vec<BenchRow>> {
     let mut all_rows: Vec<BenchRow> = Vec::new();
     for transport in transports {
-        let plan = local_plan(workers, worker_bin)?;
+        let mut plan = local_plan(workers, worker_bin)?;
+        if transport == "mpi" {
+            // MPI's ranks come from mpirun.
+            plan.launcher = crate::cli::Launcher::Mpirun;
+        }
         let task = Task::BenchComm(BenchCommTask {
             ops: ops.to_vec(),
             sizes: sizes.to_vec(),
@@ -203,13 +209,21 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
                 "--transports {t}: that transport is not supported yet"
             )));
         }
-        if !TRANSPORTS.contains(&t.as_str()) {
+        if !TRANSPORTS.contains(&t.as_str()) && t != "mpi" {
             return Err(Failure::bad_input(format!(
-                "--transports: unknown transport `{t}` (valid: tcp, shm)"
+                "--transports: unknown transport `{t}` (valid: tcp, shm, mpi)"
             )));
         }
     }
     let worker_bin = worker_bin(args.worker_bin.clone())?;
+    if transports.iter().any(|t| t == "mpi") {
+        if crate::plan::which("mpirun").is_none() {
+            return Err(Failure::bad_input(
+                "--transports mpi: mpirun is not on PATH (Debian: apt-get install openmpi-bin)",
+            ));
+        }
+        crate::plan::worker_has_mpi(&worker_bin)?;
+    }
     let all_rows = measure_comm(args.workers, &args.ops, &sizes, &transports, &worker_bin)?;
     if args.json {
         say!(

@@ -209,6 +209,9 @@ pub enum Launcher {
     Ssh,
     /// With srun inside a Slurm allocation.
     Slurm,
+    /// With Open MPI's `mpirun` (hosts from the hostfile); the workers join
+    /// through MPI, and `comm.backend: mpi` (or `auto`) moves their bytes over it.
+    Mpirun,
 }
 
 /// `zrun train`.

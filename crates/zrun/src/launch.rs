@@ -30,10 +30,11 @@ pub enum Handle {
     },
     /// A process on another host, started over SSH.
     Remote(RemoteProc),
-    /// One task of an `srun` step; the pid is srun's (one per job).
-    Slurm {
-        /// srun's process id (and process group).
-        srun: u32,
+    /// One rank of a launcher that starts them all (`srun`, `mpirun`); the
+    /// pid is the launcher's (one per job).
+    Step {
+        /// The launcher's process id (and process group).
+        pid: u32,
     },
     /// Per-node mode: a worker started by another node's zrun, which stops it
     /// when told `Abort` (or when this zrun goes away).
@@ -59,7 +60,7 @@ impl WorkerProc {
     pub fn pid(&self) -> u32 {
         match &self.handle {
             Handle::Local { pid } => *pid,
-            Handle::Slurm { .. } | Handle::Node { .. } => 0,
+            Handle::Step { .. } | Handle::Node { .. } => 0,
             Handle::Remote(r) => r.pid.lock().map(|p| p.unwrap_or(0)).unwrap_or(0),
         }
     }
@@ -68,12 +69,12 @@ impl WorkerProc {
     pub async fn kill(&self, ssh: Option<&SshOptions>) {
         match (&self.handle, ssh) {
             (Handle::Local { pid }, _) => signal_group(*pid, Signal::SIGKILL),
-            // srun cancels its step (and kills every task) on SIGTERM; it cannot
-            // pass SIGKILL on, so give it a moment before killing it too.
-            (Handle::Slurm { srun }, _) => {
-                signal_group(*srun, Signal::SIGTERM);
+            // srun and mpirun stop every rank on SIGTERM; they cannot pass
+            // SIGKILL on, so give them a moment before killing them too.
+            (Handle::Step { pid }, _) => {
+                signal_group(*pid, Signal::SIGTERM);
                 tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-                signal_group(*srun, Signal::SIGKILL);
+                signal_group(*pid, Signal::SIGKILL);
             }
             (Handle::Remote(r), Some(o)) => {
                 let (r, o) = (r.clone(), o.clone());
@@ -231,6 +232,41 @@ pub fn spawn_slurm(
         ))
     })?;
     let srun = child.id().unwrap_or(0);
+    forward_step(&mut child, world, srun_label, "srun", events);
+    watch_step(child, world, events);
+    Ok((0..world)
+        .map(|rank| WorkerProc {
+            rank,
+            host: plan.topology.nodes[rank / per_node].host.clone(),
+            handle: Handle::Step { pid: srun },
+        })
+        .collect())
+}
+
+/// srun's `--label` lines read "  3: text".
+fn srun_label(line: &str) -> Option<(usize, String)> {
+    let (r, t) = line.trim_start().split_once(": ")?;
+    Some((r.parse().ok()?, t.to_string()))
+}
+
+/// Open MPI's `--tag-output` lines read "[1,3]<stdout>:text".
+fn mpirun_label(line: &str) -> Option<(usize, String)> {
+    let rest = line.strip_prefix('[')?;
+    let (ids, rest) = rest.split_once(']')?;
+    let rank = ids.split(',').nth(1)?.parse().ok()?;
+    let (_, text) = rest.split_once(">:")?;
+    Some((rank, text.to_string()))
+}
+
+/// Forwards the lines of a launcher that starts every rank (srun, mpirun) to
+/// the rank its label names; unlabelled lines are the launcher's own.
+fn forward_step(
+    child: &mut tokio::process::Child,
+    world: usize,
+    label: fn(&str) -> Option<(usize, String)>,
+    launcher: &'static str,
+    events: &mpsc::UnboundedSender<ProcEvent>,
+) {
     for (out, stderr) in [
         (
             child
@@ -252,13 +288,8 @@ pub fn spawn_slurm(
         tokio::spawn(async move {
             let mut lines = BufReader::new(out).lines();
             while let Ok(Some(line)) = lines.next_line().await {
-                // `--label` lines read "  3: text".
-                let (rank, text) = match line.trim_start().split_once(": ") {
-                    Some((r, t)) if r.parse::<usize>().is_ok() => {
-                        (r.parse().unwrap_or(0), t.to_string())
-                    }
-                    _ => (0, format!("(srun) {line}")),
-                };
+                let (rank, text) =
+                    label(&line).unwrap_or_else(|| (0, format!("({launcher}) {line}")));
                 let _ = tx.send(ProcEvent::Output {
                     rank: rank.min(world - 1),
                     line: text,
@@ -267,6 +298,14 @@ pub fn spawn_slurm(
             }
         });
     }
+}
+
+/// When the launcher exits, every rank has.
+fn watch_step(
+    mut child: tokio::process::Child,
+    world: usize,
+    events: &mpsc::UnboundedSender<ProcEvent>,
+) {
     let tx = events.clone();
     tokio::spawn(async move {
         if let Ok(status) = child.wait().await {
@@ -275,11 +314,88 @@ pub fn spawn_slurm(
             }
         }
     });
-    Ok((0..world)
-        .map(|rank| WorkerProc {
-            rank,
-            host: plan.topology.nodes[rank / per_node].host.clone(),
-            handle: Handle::Slurm { srun },
+}
+
+/// Starts every worker with Open MPI's `mpirun`: ranks fill each host's slots
+/// in turn (the topology's order), and every rank gets the same environment,
+/// including `ZRUN_NODE_OF_RANK`, from which it finds its node. Hosts that are
+/// all this machine run as `--host localhost:N` (the nodes are then zrun's
+/// simulation, as with the local launcher); others are passed by name, and
+/// mpirun reaches them its own way (its ssh agent, or the batch allocation).
+pub fn spawn_mpirun(
+    plan: &LaunchPlan,
+    job: &JobEnv,
+    events: &mpsc::UnboundedSender<ProcEvent>,
+) -> anyhow::Result<Vec<WorkerProc>> {
+    let world = plan.topology.world_size();
+    let hosts = if plan.here {
+        format!("localhost:{world}")
+    } else {
+        plan.topology
+            .nodes
+            .iter()
+            .map(|n| format!("{}:{}", n.host, n.slots.len()))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let nodes: Vec<String> = plan
+        .topology
+        .node_of_rank()
+        .iter()
+        .map(usize::to_string)
+        .collect();
+    let mut env: Vec<(String, String)> = vec![
+        ("MASTER_ADDR".into(), job.master_addr.clone()),
+        ("MASTER_PORT".into(), job.master_port.to_string()),
+        ("ZRUN_JOB_ID".into(), job.job_id.clone()),
+        ("ZRUN_TOKEN".into(), job.token_hex.clone()),
+        ("ZRUN_NODE_ADDR".into(), plan.node_addrs[0].clone()),
+        ("ZRUN_NODE_OF_RANK".into(), nodes.join(",")),
+    ];
+    if plan.here {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // Every rank on this host: share its cores, as the local launcher does.
+        for k in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
+            if std::env::var_os(k).is_none() {
+                env.push((k.into(), (cpus / world).max(1).to_string()));
+            }
+        }
+    }
+    env.extend(plan.env.iter().cloned());
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["-np", &world.to_string(), "--host", &hosts, "--tag-output"]);
+    // Open MPI refuses root unless told; zrun running as root has decided.
+    if nix::unistd::geteuid().is_root() {
+        cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    }
+    // `-x NAME` passes the variable by name: the token stays out of argv.
+    for (k, v) in &env {
+        cmd.arg("-x").arg(k).env(k, v);
+    }
+    for k in PER_RANK_VARS {
+        cmd.env_remove(k);
+    }
+    cmd.arg(&plan.worker_bin)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| Failure::launch(format!("starting mpirun: {e}")))?;
+    let mpirun = child.id().unwrap_or(0);
+    forward_step(&mut child, world, mpirun_label, "mpirun", events);
+    watch_step(child, world, events);
+    Ok(plan
+        .topology
+        .placements()
+        .into_iter()
+        .map(|p| WorkerProc {
+            rank: p.rank,
+            host: plan.topology.nodes[p.node_rank].host.clone(),
+            handle: Handle::Step { pid: mpirun },
         })
         .collect())
 }

@@ -34,8 +34,11 @@ pub struct LaunchPlan {
     pub worker_bin: PathBuf,
     /// SSH settings when workers start over SSH.
     pub ssh: Option<SshOptions>,
-    /// Workers start as one `srun` step.
-    pub slurm: bool,
+    /// How workers start.
+    pub launcher: Launcher,
+    /// Every worker runs on this host (local launch, or mpirun on local hosts):
+    /// the memory, swap and clean-up checks that look at this host apply.
+    pub here: bool,
     /// Extra environment for every worker: `.zrun_env` files, then the spec's `env`.
     pub env: Vec<(String, String)>,
     /// Per-node mode: this zrun starts one node's workers only.
@@ -121,6 +124,8 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         let addr = match launcher {
             // Each worker finds its own node's address (see zworker).
             Launcher::Slurm => "0.0.0.0".into(),
+            Launcher::Mpirun if all_local => "127.0.0.1".into(),
+            Launcher::Mpirun => "0.0.0.0".into(),
             Launcher::Local => local_address(&node.host).ok_or_else(|| {
                 Failure::bad_input(format!(
                     "--launcher local: host `{}` is not this machine",
@@ -158,10 +163,13 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         (None, Launcher::Local) => "127.0.0.1".into(),
         (None, Launcher::Ssh) => reachable_local_ip(&topology)?,
         (None, Launcher::Slurm) => this_host_ip(),
+        (None, Launcher::Mpirun) if all_local => "127.0.0.1".into(),
+        (None, Launcher::Mpirun) => reachable_local_ip(&topology)?,
     };
     // Over SSH the binary must exist there, not here: a missing one fails the
     // launch when the remote shell cannot start it.
     let (env, worker_bin) = worker_setup(args, &spec, launcher != Launcher::Ssh)?;
+    check_mpi(&spec, launcher, &worker_bin)?;
     Ok(LaunchPlan {
         spec,
         topology,
@@ -170,10 +178,58 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         master_port: args.master_port.unwrap_or(0),
         worker_bin,
         ssh,
-        slurm: launcher == Launcher::Slurm,
+        launcher,
+        here: launcher == Launcher::Local || (launcher == Launcher::Mpirun && all_local),
         env,
         per_node: None,
     })
+}
+
+/// `comm.backend: mpi` needs workers started by mpirun and built with MPI;
+/// `--launcher mpirun` needs mpirun. Each is bad input (exit 2) before launch.
+pub fn check_mpi(spec: &JobSpec, launcher: Launcher, worker_bin: &std::path::Path) -> Result<()> {
+    if launcher == Launcher::Mpirun && which("mpirun").is_none() {
+        return Err(Failure::bad_input(
+            "--launcher mpirun: mpirun is not on PATH (Debian: apt-get install openmpi-bin)",
+        ));
+    }
+    if spec.comm.backend != zconfig::spec::Backend::Mpi {
+        return Ok(());
+    }
+    if launcher != Launcher::Mpirun {
+        return Err(Failure::bad_input(
+            "comm.backend: mpi: workers join MPI through mpirun; add --launcher mpirun",
+        ));
+    }
+    worker_has_mpi(worker_bin)
+}
+
+/// The zworker binary was built with the `mpi` feature (it lists its features
+/// when asked), or bad input saying how to build it.
+pub fn worker_has_mpi(worker_bin: &std::path::Path) -> Result<()> {
+    let out = std::process::Command::new(worker_bin)
+        .arg("--features")
+        .output()
+        .map_err(|e| {
+            Failure::launch(format!("running {} --features: {e}", worker_bin.display()))
+        })?;
+    if String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .any(|f| f == "mpi")
+    {
+        return Ok(());
+    }
+    Err(Failure::bad_input(format!(
+        "MPI: {} was built without the `mpi` feature (build it with `cargo build --release --features mpi`, which needs libopenmpi-dev and libclang-dev)",
+        worker_bin.display()
+    )))
+}
+
+/// `name` on PATH.
+pub fn which(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(name))
+        .find(|f| f.is_file())
 }
 
 /// Every worker's extra environment (`.zrun_env` files, then the spec's
@@ -222,7 +278,8 @@ pub fn plan_per_node(
         master_port: per_node.master_port,
         worker_bin,
         ssh: None,
-        slurm: false,
+        launcher: Launcher::Local,
+        here: true,
         env,
         per_node: Some(per_node),
     })

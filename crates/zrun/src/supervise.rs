@@ -18,8 +18,9 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 use zproto::{Task, ToServer, ToWorker, Token};
 
+use crate::cli::Launcher;
 use crate::exit;
-use crate::launch::{spawn_local, spawn_slurm, spawn_ssh, Handle, WorkerProc};
+use crate::launch::{spawn_local, spawn_mpirun, spawn_slurm, spawn_ssh, Handle, WorkerProc};
 use crate::plan::LaunchPlan;
 use crate::server::{Event, JobInfo, NodeEvent, Server};
 use crate::sink::Sink;
@@ -139,8 +140,10 @@ pub fn run_job(
         };
         let procs = if plan.ssh.is_some() {
             spawn_ssh(&plan, &env, &proc_tx).await?
-        } else if plan.slurm {
+        } else if plan.launcher == Launcher::Slurm {
             spawn_slurm(&plan, &env, &proc_tx)?
+        } else if plan.launcher == Launcher::Mpirun {
+            spawn_mpirun(&plan, &env, &proc_tx)?
         } else if per_node.is_some() {
             let mut procs = spawn_local(&plan, &env, &proc_tx, Some(0))?;
             procs.extend(
@@ -200,7 +203,7 @@ pub fn remove_node_leftovers(plan: &LaunchPlan, job_id: &str) {
     for name in segments {
         let _ = std::fs::remove_file(zproto::shm_segment_path(&name));
     }
-    if plan.ssh.is_none() && !plan.slurm {
+    if plan.here {
         let z = &plan.spec.zero;
         for t in [&z.offload_optimizer, &z.offload_param] {
             if let (true, Some(path)) = (t.is_nvme(), &t.nvme_path) {

@@ -28,7 +28,7 @@ pub fn check_offload(plan: &LaunchPlan) -> Result<()> {
             say!("zrun: {key}.device: cpu keeps states in host memory, where CPU workers already hold them: nothing moves");
         }
     }
-    let local = plan.ssh.is_none() && !plan.slurm;
+    let local = plan.here;
     if !local {
         return Ok(());
     }

@@ -262,6 +262,7 @@ pub(crate) fn launch_flags(l: &crate::cli::LaunchArgs) -> Vec<String> {
             crate::cli::Launcher::Local => "local",
             crate::cli::Launcher::Ssh => "ssh",
             crate::cli::Launcher::Slurm => "slurm",
+            crate::cli::Launcher::Mpirun => "mpirun",
         };
         v.push("--launcher".into());
         v.push(name.into());

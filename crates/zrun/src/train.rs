@@ -314,7 +314,7 @@ fn check_memory(plan: &LaunchPlan) -> Result<()> {
         .max()
         .unwrap_or(1);
     let gib = |b: f64| b / f64::from(1 << 30);
-    let here = plan.ssh.is_none() && !plan.slurm;
+    let here = plan.here;
     if let (true, Some(total)) = (here, crate::estimate::mem_total()) {
         if need * local as f64 > total {
             return Err(Failure::bad_input(format!(

@@ -55,16 +55,29 @@ impl WorkerEnv {
                 .parse()
                 .with_context(|| format!("{} = `{v}` is not a number", names[0]))
         };
-        let rank = num(&["RANK", "SLURM_PROCID"])?;
-        let world_size = num(&["WORLD_SIZE", "SLURM_NTASKS"])?;
-        let local_rank = num(&["LOCAL_RANK", "SLURM_LOCALID"])?;
-        let node_rank = num(&["NODE_RANK", "SLURM_NODEID"])?;
-        let local_world_size = match get(&["LOCAL_WORLD_SIZE"]) {
-            Ok(v) => v
-                .parse()
-                .with_context(|| format!("LOCAL_WORLD_SIZE = `{v}` is not a number"))?,
-            // Slurm: "2(x3),1" style task counts per node; take this node's.
-            Err(_) => slurm_tasks_on_node(&get(&["SLURM_TASKS_PER_NODE"])?, node_rank)?,
+        let rank = num(&["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"])?;
+        let world_size = num(&[
+            "WORLD_SIZE",
+            "SLURM_NTASKS",
+            "OMPI_COMM_WORLD_SIZE",
+            "PMI_SIZE",
+        ])?;
+        let (local_rank, local_world_size, node_rank) = match env.get("ZRUN_NODE_OF_RANK") {
+            // Under mpirun every rank gets the same environment: zrun's node of
+            // every rank, from which each rank finds its own place.
+            Some(list) => place_from_list(list, rank, world_size)?,
+            None => {
+                let local_rank = num(&["LOCAL_RANK", "SLURM_LOCALID"])?;
+                let node_rank = num(&["NODE_RANK", "SLURM_NODEID"])?;
+                let local_world_size = match get(&["LOCAL_WORLD_SIZE"]) {
+                    Ok(v) => v
+                        .parse()
+                        .with_context(|| format!("LOCAL_WORLD_SIZE = `{v}` is not a number"))?,
+                    // Slurm: "2(x3),1" style task counts per node; take this node's.
+                    Err(_) => slurm_tasks_on_node(&get(&["SLURM_TASKS_PER_NODE"])?, node_rank)?,
+                };
+                (local_rank, local_world_size, node_rank)
+            }
         };
         if rank >= world_size || local_rank >= local_world_size {
             return Err(anyhow!(
@@ -89,6 +102,26 @@ impl WorkerEnv {
             node_addr: get(&["ZRUN_NODE_ADDR"]).unwrap_or_else(|_| "0.0.0.0".into()),
         })
     }
+}
+
+/// (local rank, local world size, node) of `rank` from `ZRUN_NODE_OF_RANK`
+/// (`0,0,1,1`: the node of each rank).
+fn place_from_list(list: &str, rank: usize, world_size: usize) -> Result<(usize, usize, usize)> {
+    let nodes: Vec<usize> = list
+        .split(',')
+        .map(|n| n.trim().parse())
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("ZRUN_NODE_OF_RANK = `{list}` is not a list of numbers"))?;
+    if nodes.len() != world_size || rank >= world_size {
+        return Err(anyhow!(
+            "ZRUN_NODE_OF_RANK lists {} ranks; this is rank {rank} of {world_size}",
+            nodes.len()
+        ));
+    }
+    let node = nodes[rank];
+    let local_rank = nodes[..rank].iter().filter(|&&n| n == node).count();
+    let local_world_size = nodes.iter().filter(|&&n| n == node).count();
+    Ok((local_rank, local_world_size, node))
 }
 
 /// Parses `SLURM_TASKS_PER_NODE` (`2(x3),1`) and returns node `node`'s task count.
@@ -174,6 +207,34 @@ mod tests {
             ),
             (5, 7, 0, 1, 2)
         );
+    }
+
+    #[test]
+    fn open_mpi_names_and_zruns_node_list_stand_in() {
+        let mut e = base();
+        for (k, v) in [
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "5"),
+            ("ZRUN_NODE_OF_RANK", "0,0,0,1,1"),
+        ] {
+            e.insert(k.into(), v.into());
+        }
+        let w = WorkerEnv::from_map(&e).unwrap();
+        assert_eq!(
+            (
+                w.rank,
+                w.world_size,
+                w.local_rank,
+                w.local_world_size,
+                w.node_rank
+            ),
+            (3, 5, 0, 2, 1)
+        );
+        e.insert("ZRUN_NODE_OF_RANK".into(), "0,1".into());
+        assert!(WorkerEnv::from_map(&e)
+            .unwrap_err()
+            .to_string()
+            .contains("lists 2 ranks"));
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! collective benchmark), reporting every step to zrun.
 //!
 //! Layout:
-//! - [`env`](mod@env): the environment zrun (or srun) hands the worker.
+//! - [`env`](mod@env): the environment zrun (or srun, or mpirun) hands the worker.
+//! - [`groups`]: the process groups, on TCP / shared memory or MPI.
 //! - [`control`]: the authenticated control connection, key-value store calls,
 //!   heartbeats, and the abort path.
 //! - [`train`]: the training loop around the engine.
@@ -22,27 +23,40 @@ pub mod bench;
 pub mod checkpoint;
 pub mod control;
 pub mod env;
+pub mod groups;
 pub mod kernels;
 pub mod sample;
 pub mod train;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
-use zcomm::{Communicator, TcpCommunicator, TcpOptions};
+use anyhow::Result;
 use zproto::{Task, ToServer};
 
 use crate::control::ControlClient;
 use crate::env::WorkerEnv;
+use crate::groups::{GroupPlan, Groups, Transport};
+
+/// The optional cargo features this binary was built with (`zworker
+/// --features` prints them; zrun checks before it launches a job that needs one).
+pub fn features() -> Vec<&'static str> {
+    let mut f = Vec::new();
+    if cfg!(feature = "mpi") {
+        f.push("mpi");
+    }
+    f
+}
 
 /// Runs the worker to completion.
 pub fn run() -> Result<()> {
     die_with_parent();
     let env = WorkerEnv::from_process()?;
     let (client, welcome) = ControlClient::connect(&env)?;
-    let result = run_task(&env, &client, welcome);
+    // Dropped when `run` returns, after `watch_comms` let go of the
+    // communicators: MPI, when used, finalises last.
+    let mut groups = None;
+    let result = run_task(&env, &client, welcome, &mut groups);
     client.watch_comms(Vec::new());
     match &result {
         Ok(()) => client.send(&ToServer::Done)?,
@@ -73,7 +87,12 @@ fn die_with_parent() {
     }
 }
 
-fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welcome) -> Result<()> {
+fn run_task(
+    env: &WorkerEnv,
+    client: &Arc<ControlClient>,
+    welcome: zproto::Welcome,
+    groups: &mut Option<Groups>,
+) -> Result<()> {
     let (timeout_s, heartbeat_s) = match &welcome.task {
         Task::Train(t) => (t.spec.comm.timeout_s, t.spec.comm.heartbeat_s),
         Task::BenchComm(b) => (b.timeout_s, 30.0),
@@ -89,25 +108,23 @@ fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welco
     ));
     let timeout = Duration::from_secs_f64(timeout_s);
     let node_of_rank = welcome.node_of_rank.clone();
-    // comm.backend auto (and shm): shared memory within a node, TCP between nodes.
-    let shm = match &welcome.task {
-        Task::Train(t) => t.spec.comm.backend != zconfig::spec::Backend::Tcp,
-        Task::BenchComm(b) => b.transport == "shm",
-        Task::BenchKernels { .. } => false,
-    };
+    let nodes = node_of_rank.iter().max().map_or(1, |n| n + 1);
+    let groups = groups.insert(Groups::new(Transport::for_task(&welcome.task, nodes)?));
+    let shm = groups.shm();
     let world = GroupPlan {
         name: "world".into(),
         members: (0..env.world_size).collect(),
         shm: shm.then(|| zproto::shm_segment_name(&env.job_id, env.node_rank)),
+        color: 0,
     };
-    let comm = connect_group(env, client, &node_of_rank, timeout, world)?;
+    let comm = groups.connect(env, client, &node_of_rank, timeout, world)?;
     client.watch_comms(vec![comm.clone()]);
     match welcome.task {
         Task::Train(t) => {
             let p = t.spec.zero.hpz_partition_size;
             let hpz = if p > 1 {
-                let plan = hpz_plan(env, &node_of_rank, p, shm)?;
-                Some(connect_group(env, client, &node_of_rank, timeout, plan)?)
+                let plan = groups::hpz_plan(env, &node_of_rank, p, shm)?;
+                Some(groups.connect(env, client, &node_of_rank, timeout, plan)?)
             } else {
                 None
             };
@@ -117,85 +134,10 @@ fn run_task(env: &WorkerEnv, client: &Arc<ControlClient>, welcome: zproto::Welco
                     .flatten()
                     .collect(),
             );
-            let nodes = node_of_rank.iter().max().map_or(1, |n| n + 1);
             let groups = zengine::ProcessGroups { world: comm, hpz };
             train::train(&t.spec, t.resume.as_deref(), env, nodes, groups, client)
         }
         Task::BenchComm(b) => bench::bench_comm(&b, comm, client),
         Task::BenchKernels { .. } => unreachable!("handled before connecting"),
     }
-}
-
-/// A process group to connect: its name, its members (world ranks, in group
-/// rank order) and the shared-memory segment its ranks on one node share.
-struct GroupPlan {
-    name: String,
-    members: Vec<usize>,
-    shm: Option<String>,
-}
-
-/// Rendezvous through zrun's key-value store, then the TCP mesh of `plan`'s
-/// members (and shared memory between those of a node when it names a segment).
-fn connect_group(
-    env: &WorkerEnv,
-    client: &ControlClient,
-    node_of_rank: &[usize],
-    timeout: Duration,
-    plan: GroupPlan,
-) -> Result<Arc<dyn Communicator>> {
-    let me = plan
-        .members
-        .iter()
-        .position(|&r| r == env.rank)
-        .with_context(|| format!("rank {} is not in group {}", env.rank, plan.name))?;
-    let listener = TcpCommunicator::bind(&env.node_addr)
-        .with_context(|| format!("binding the data-plane listener on {}", env.node_addr))?;
-    let mut addr = listener.local_addr()?;
-    if addr.ip().is_unspecified() {
-        // Bound to every interface (srun tasks do not know their node's address):
-        // publish the one on the route to zrun.
-        let probe = std::net::UdpSocket::bind("0.0.0.0:0")?;
-        probe.connect((env.master_addr.as_str(), env.master_port))?;
-        addr.set_ip(probe.local_addr()?.ip());
-    }
-    let key = |i: usize| format!("zcomm/{}/addr/{i}", plan.name);
-    client.kv_set(&key(me), &addr.to_string())?;
-    let values = client.kv_wait((0..plan.members.len()).map(key).collect(), timeout)?;
-    let addrs: Vec<SocketAddr> = values
-        .iter()
-        .map(|v| v.parse().with_context(|| format!("bad peer address `{v}`")))
-        .collect::<Result<_>>()?;
-    let opts = TcpOptions {
-        token: env.token.clone(),
-        timeout,
-        node_of_rank: plan.members.iter().map(|&r| node_of_rank[r]).collect(),
-        group: plan.name,
-        shm: plan.shm,
-    };
-    Ok(Arc::new(TcpCommunicator::connect(
-        me, listener, &addrs, opts,
-    )?))
-}
-
-/// ZeRO++ hpZ: this rank's group of `size` consecutive ranks, which zrun's
-/// checks put on one node.
-fn hpz_plan(env: &WorkerEnv, node_of_rank: &[usize], size: usize, shm: bool) -> Result<GroupPlan> {
-    let k = env.rank / size;
-    let members: Vec<usize> = (k * size..(k + 1) * size).collect();
-    if members
-        .iter()
-        .any(|&r| node_of_rank.get(r) != Some(&env.node_rank))
-    {
-        anyhow::bail!(
-            "zero.hpz_partition_size {size}: ranks {}..{} are not all on node {}",
-            members[0],
-            members[size - 1],
-            env.node_rank
-        );
-    }
-    Ok(GroupPlan {
-        name: format!("hpz{k}"),
-        members,
-        shm: shm.then(|| zproto::hpz_segment_name(&env.job_id, k)),
-    })
 }
