@@ -156,3 +156,46 @@ fn mpi_is_refused_before_launch_where_it_cannot_run() {
         f.stderr
     );
 }
+
+/// A worker killed under mpirun fails the job (exit 1) within seconds, and
+/// neither mpirun nor any worker outlives zrun.
+#[test]
+fn a_killed_worker_under_mpirun_fails_the_job_and_leaves_nothing() {
+    if !mpi_ready() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = two_nodes(dir.path());
+    let (z, _) = e2e::start_long_job(
+        dir.path(),
+        "killed",
+        &[
+            "--hostfile",
+            hosts.to_str().unwrap(),
+            "--launcher",
+            "mpirun",
+            "--set",
+            "comm.backend=mpi",
+        ],
+    );
+    let workers = e2e::descendants_named(z.pid(), "zworker");
+    assert_eq!(
+        workers.len(),
+        4,
+        "expected 4 workers under mpirun, found {workers:?}"
+    );
+    let launcher = e2e::descendants_named(z.pid(), "mpirun");
+    assert_eq!(launcher.len(), 1, "{launcher:?}");
+    let t0 = std::time::Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(workers[2] as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let f = z.wait(std::time::Duration::from_secs(30));
+    assert_eq!(f.code(), 1, "{f:?}");
+    assert!(t0.elapsed().as_secs() < 15, "took {:?}", t0.elapsed());
+    for p in workers.iter().chain(&launcher) {
+        assert!(!e2e::alive(*p), "process {p} outlived zrun");
+    }
+}

@@ -11,7 +11,7 @@
 //!   ZeRO++ qgZ's two-hop quantized reduce-scatter.
 //! - `tcp`: the communicator: one authenticated TCP connection per peer, and
 //!   `shm` rings instead of sockets between ranks of one node when asked.
-//! - [`mpi`] (cargo feature `mpi`): the communicator for jobs started by
+//! - `mpi` (cargo feature `mpi`): the communicator for jobs started by
 //!   `mpirun`, on the cluster's own MPI.
 //!
 //! The design decision to know: every collective runs on the communicator's own

@@ -695,7 +695,7 @@ pub const HEARTBEAT_RANGE_S: (f64, f64) = (2.0, 86_400.0);
 /// Environment variables zrun sets for every worker to place it in the job;
 /// `env:` may not set them. (`RAYON_NUM_THREADS` and `OMP_NUM_THREADS` may be
 /// set: zrun's are only defaults.)
-pub const RESERVED_ENV: [&str; 11] = [
+pub const RESERVED_ENV: [&str; 13] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -707,6 +707,8 @@ pub const RESERVED_ENV: [&str; 11] = [
     "ZRUN_TOKEN",
     "ZRUN_NODE_ADDR",
     "ZRUN_PARENT_PID",
+    "ZRUN_NODE_OF_RANK",
+    "ZRUN_LAUNCHER",
 ];
 
 /// Finds the 1-based (line, column) of a dotted key in YAML text, block or flow style.

@@ -351,6 +351,7 @@ pub fn spawn_mpirun(
         ("ZRUN_TOKEN".into(), job.token_hex.clone()),
         ("ZRUN_NODE_ADDR".into(), plan.node_addrs[0].clone()),
         ("ZRUN_NODE_OF_RANK".into(), nodes.join(",")),
+        ("ZRUN_LAUNCHER".into(), "mpirun".into()),
     ];
     if plan.here {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());

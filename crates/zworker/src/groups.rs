@@ -57,9 +57,12 @@ impl Transport {
     }
 }
 
+/// zrun's `--launcher mpirun` started this worker (its mark, and MPI's own
+/// variables). Workers of a zrun that itself runs under mpirun (per-node mode)
+/// inherit MPI's variables but not the mark: they are not MPI processes.
 #[cfg(feature = "mpi")]
 fn launched_under_mpi() -> bool {
-    zcomm::mpi::launched_under_mpi()
+    std::env::var("ZRUN_LAUNCHER").as_deref() == Ok("mpirun") && zcomm::mpi::launched_under_mpi()
 }
 
 #[cfg(not(feature = "mpi"))]
@@ -125,7 +128,7 @@ impl Groups {
         timeout: Duration,
         plan: GroupPlan,
     ) -> Result<Arc<dyn Communicator>> {
-        use zcomm::mpi::{launched_under_mpi, MpiCommunicator, MpiOptions, Runtime};
+        use zcomm::mpi::{MpiCommunicator, MpiOptions, Runtime};
         if !launched_under_mpi() {
             bail!("comm.backend: mpi: this worker was not started by mpirun (use zrun --launcher mpirun)");
         }
