@@ -5,6 +5,8 @@
 //!   handles, byte [`Counters`], and [`chunk_range`], the one rule for
 //!   splitting a buffer over ranks that every algorithm and the engine share.
 //! - `error`: [`CommError`] and [`SetupError`].
+//! - `opthread`: the thread each communicator runs its collectives on, in
+//!   issue order.
 //! - `links`: the point-to-point layer the algorithms run on (framed messages with
 //!   a sequence number, per-op deadlines, byte accounting).
 //! - `ring`, `pairwise`, `star`: one file per algorithm family; `quantized`:
@@ -29,6 +31,7 @@ mod error;
 mod links;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+mod opthread;
 mod pairwise;
 mod quantized;
 mod ring;

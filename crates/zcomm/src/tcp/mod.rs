@@ -21,7 +21,7 @@ use zproto::Token;
 use crate::direct::Direct;
 use crate::links::Links;
 
-use crate::links::Current;
+use crate::opthread::OpThread;
 use crate::{
     chunk_range, CommError, Communicator, CounterSnapshot, Counters, Op, SetupError, Work,
 };
@@ -44,32 +44,17 @@ pub struct TcpOptions {
     pub shm: Option<String>,
 }
 
-type Job = Box<dyn FnOnce(&mut TcpLinks) + Send>;
-
 /// A [`Communicator`] over TCP sockets.
 pub struct TcpCommunicator {
     rank: usize,
     world: usize,
     node_of_rank: Vec<usize>,
-    group: String,
-    timeout: Duration,
-    jobs: mpsc::Sender<Job>,
     counters: Arc<Counters>,
-    op_thread: Option<std::thread::JoinHandle<()>>,
-    current: Arc<Mutex<Option<Current>>>,
-}
-
-impl Drop for TcpCommunicator {
-    /// Stops the operation thread and waits until every queued message is on the
-    /// wire: a rank that exits right after its last collective must not take the
-    /// bytes its peers are still waiting for with it. (Writes time out after the
+    /// Dropping it waits until every queued message is on the wire: a rank that
+    /// exits right after its last collective must not take the bytes its peers
+    /// are still waiting for with it. (Writes time out after the
     /// communicator's timeout, so this wait is bounded.)
-    fn drop(&mut self) {
-        drop(std::mem::replace(&mut self.jobs, mpsc::channel().0));
-        if let Some(t) = self.op_thread.take() {
-            let _ = t.join();
-        }
-    }
+    ops: OpThread<TcpLinks>,
 }
 
 impl TcpCommunicator {
@@ -167,7 +152,7 @@ impl TcpCommunicator {
             Some((me, seg)) if local.len() == world => Some(Direct::new(seg.clone(), *me)),
             _ => None,
         };
-        let mut links = TcpLinks {
+        let links = TcpLinks {
             rank,
             world,
             direct,
@@ -183,26 +168,21 @@ impl TcpCommunicator {
             current: Arc::new(Mutex::new(None)),
         };
         let current = links.current.clone();
-        let (jobs, rx) = mpsc::channel::<Job>();
-        let op_thread = std::thread::Builder::new()
-            .name("zcomm-ops".into())
-            .spawn(move || {
-                for job in rx {
-                    job(&mut links);
-                }
-                links.flush();
-            })
-            .map_err(|e| setup(e.into()))?;
+        let ops = OpThread::spawn(
+            "zcomm-ops",
+            links,
+            TcpLinks::flush,
+            opts.group.clone(),
+            opts.timeout,
+            current,
+        )
+        .map_err(|e| setup(e.into()))?;
         Ok(TcpCommunicator {
             rank,
             world,
             node_of_rank: opts.node_of_rank.clone(),
-            group: opts.group,
-            timeout: opts.timeout,
-            jobs,
             counters,
-            op_thread: Some(op_thread),
-            current,
+            ops,
         })
     }
 
@@ -212,16 +192,7 @@ impl TcpCommunicator {
         bytes: usize,
         f: impl FnOnce(&mut TcpLinks) -> Result<T, CommError> + Send + 'static,
     ) -> Work<T> {
-        let (tx, rx) = mpsc::channel();
-        let job: Job = Box::new(move |links: &mut TcpLinks| {
-            let _ = tx.send(links.run(op, bytes, f));
-        });
-        // If the thread is gone the receiver disconnects and `wait` reports it.
-        let _ = self.jobs.send(job);
-        // The operation enforces its own deadline once it starts; this bounds the
-        // wait for work queued ahead of it too.
-        let deadline = Instant::now() + self.timeout * 2 + Duration::from_secs(5);
-        Work::new(rx, op, self.group.clone(), deadline)
+        self.ops.submit(op, move |links| links.run(op, bytes, f))
     }
 }
 
@@ -233,23 +204,16 @@ impl Communicator for TcpCommunicator {
         self.world
     }
     fn group_name(&self) -> &str {
-        &self.group
+        self.ops.group()
     }
     fn counters(&self) -> CounterSnapshot {
         self.counters.snapshot()
     }
     fn timeout(&self) -> Duration {
-        self.timeout
+        self.ops.timeout()
     }
     fn in_flight(&self) -> Option<crate::InFlight> {
-        let s = self.current.lock().ok()?.clone()?;
-        Some(crate::InFlight {
-            op: s.op.name(),
-            group: self.group.clone(),
-            bytes: s.bytes,
-            waiting: s.started.elapsed(),
-            peer: s.peer,
-        })
+        self.ops.in_flight()
     }
 
     fn all_reduce_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
