@@ -399,8 +399,7 @@ impl Communicator for MpiCommunicator {
     fn all_reduce_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
         let (bytes, len) = (buf.len() * 4, buf.len() as u64);
         self.submit(Op::AllReduce, bytes, len, move |l| {
-            ring::reduce_scatter(l, &mut buf)?;
-            ring::all_gather(l, &mut buf)?;
+            ring::all_reduce(l, &mut buf)?;
             Ok(buf)
         })
     }

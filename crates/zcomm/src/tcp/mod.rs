@@ -222,8 +222,7 @@ impl Communicator for TcpCommunicator {
             match l.direct(|d, c| d.all_reduce(c, &mut buf)) {
                 Some(r) => r?,
                 None => {
-                    ring::reduce_scatter(l, &mut buf)?;
-                    ring::all_gather(l, &mut buf)?;
+                    ring::all_reduce(l, &mut buf)?;
                 }
             }
             Ok(buf)
