@@ -104,7 +104,7 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
             "--sweep",
             "zero.stage=0,3",
             "--sweep",
-            "comm.backend=tcp,shm",
+            "workers=1,2",
             "--steps",
             "3",
             "--set",
@@ -118,9 +118,19 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
     let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
     assert_eq!(csv.lines().count(), 5, "{csv}");
     assert!(
-        csv.starts_with("zero.stage,comm.backend,tokens_per_s"),
+        csv.starts_with("zero.stage,workers,tokens_per_s,tflops,mfu,"),
         "{csv}"
     );
+    // `workers` is the launch's, not the job's: one worker, then two.
+    for (i, want) in [1, 2, 1, 2].into_iter().enumerate() {
+        let metrics = std::fs::read_to_string(out.join(format!("run-{i}.jsonl"))).unwrap();
+        let step: serde_json::Value = metrics
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v.get("step").is_some())
+            .unwrap();
+        assert_eq!(step["world_size"], want, "run {i}");
+    }
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("bench.json")).unwrap()).unwrap();
     let rows = json["rows"].as_array().unwrap();
@@ -129,10 +139,15 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
         .iter()
         .all(|r| r["tokens_per_s"].as_f64().unwrap() > 0.0
             && r["peak_rss_bytes"].as_u64().unwrap() > 0
+            // Model FLOP/s over the host's measured GEMM peak: a fraction.
+            && r["mfu"].as_f64().is_some_and(|m| m > 0.0 && m < 1.5)
             && r["val_loss"].as_f64().is_some_and(f64::is_finite)));
     let svg = std::fs::read_to_string(out.join("bench.svg")).unwrap();
     assert!(
-        svg.starts_with("<svg") && svg.contains("tokens/s") && svg.contains("stage=3 backend=shm"),
+        svg.starts_with("<svg")
+            && svg.contains("tokens/s")
+            && svg.contains("MFU")
+            && svg.contains("stage=3 workers=2"),
         "svg lacks labels"
     );
     // A bad key fails before anything runs.
@@ -148,6 +163,20 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
         ],
     );
     assert_eq!(f.code(), 2, "{f:?}");
+    // So does a number of workers that is not one.
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            job.to_str().unwrap(),
+            "--sweep",
+            "workers=2,none",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("workers=none"), "{}", f.stderr);
 }
 
 /// `zrun bench io` measures every method (both swapper paths, or says why

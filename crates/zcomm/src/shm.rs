@@ -388,6 +388,47 @@ mod tests {
         assert!(e.contains("not every local rank mapped"), "{e}");
     }
 
+    /// A writer whose reader stopped reading gives up at its own timeout:
+    /// not never (a rank's exit waits for its writers) and not at the
+    /// default five minutes.
+    #[test]
+    fn a_full_ring_fails_the_write_at_the_writers_timeout() {
+        let name = format!("zcomm-full-ring-{}", std::process::id());
+        let seg = Segment::open(&name, 1, 0, Instant::now() + Duration::from_secs(10)).unwrap();
+        let (mut w, _r) = seg.endpoints(0, 0);
+        w.set_timeout(Duration::from_millis(300));
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let filled = w.write(&vec![1u8; RING_BYTES]).map_err(|e| e.kind());
+            let t = Instant::now();
+            let more = w.write(&[1]).map_err(|e| e.kind());
+            let _ = tx.send((filled, more, t.elapsed()));
+        });
+        let (filled, more, waited) = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("a write to a full ring gave up within 20 s");
+        assert_eq!(filled, Ok(RING_BYTES));
+        assert_eq!(more, Err(io::ErrorKind::TimedOut));
+        assert!(waited >= Duration::from_millis(300), "{waited:?}");
+    }
+
+    /// A read of an empty ring waits for its timeout, then says so.
+    #[test]
+    fn an_empty_ring_fails_the_read_at_the_readers_timeout() {
+        let name = format!("zcomm-empty-ring-{}", std::process::id());
+        let seg = Segment::open(&name, 1, 0, Instant::now() + Duration::from_secs(10)).unwrap();
+        let (_w, mut r) = seg.endpoints(0, 0);
+        r.set_read_timeout(Duration::from_millis(200));
+        let t = Instant::now();
+        let e = r.read(&mut [0u8; 4]).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        let waited = t.elapsed();
+        assert!(
+            waited >= Duration::from_millis(200) && waited < Duration::from_secs(10),
+            "{waited:?}"
+        );
+    }
+
     /// Once every local rank has the segment mapped, its name is gone (a
     /// crashed job leaves nothing behind in /dev/shm).
     #[test]

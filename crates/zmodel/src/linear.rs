@@ -11,10 +11,13 @@
 //! layer. The input gradient sums over output columns, so its order of
 //! addition is fixed for both: `dx` is accumulated over chunks of
 //! [`DX_CHUNK`] output columns, in order, whole layer or tiled, and tiles start
-//! on chunk boundaries. Measured on GPT-2-small-sized GEMMs (2048 rows, 768
-//! and 3072 wide): 0.94-1.07x the time of candle's single `dy·Wᵀ`; a whole
-//! step of `configs/bench-25m.yaml` did not slow down (1017-1024 ms against
-//! 1023-1048 ms).
+//! on chunk boundaries.
+//!
+//! The GEMMs are zgemm's: the forward's bias is its starting value (no second
+//! pass over `y`), tiles write their columns of `y` in place, and `dy_t` and
+//! `Wᵀ` are strided views (no copies). Autograd cannot follow zgemm, so
+//! tensors that it tracks (the reference that tests compare the explicit
+//! backward with) take candle's matmul instead.
 //!
 //! Where the parameters come from is a [`BlockSource`]: whole `BlockParams`
 //! (tests, the autograd reference), or the engine, which gathers each tile
@@ -23,7 +26,9 @@
 
 use std::ops::Range;
 
-use candle_core::{CpuStorage, Device, Storage, Tensor};
+use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
+
+use zgemm::{MatMut, MatRef, Start};
 
 use crate::ops::column_sums;
 use crate::params::{BlockParams, WeightBias};
@@ -122,8 +127,61 @@ pub trait BlockSource {
     ) -> Result<(), Self::Error>;
 }
 
-/// `y = x·W + b` over `tiles` of `linear` from `src`, a tile at a time.
+/// `y = x·W + b` over `tiles` of `linear` from `src`, a tile at a time, each
+/// tile's GEMM writing its columns of `y` in place (the bias is the GEMM's
+/// starting value, not a second pass).
 pub(crate) fn forward<S: BlockSource>(
+    src: &mut S,
+    linear: BlockLinear,
+    tiles: &[Range<usize>],
+    x: &Tensor,
+) -> Result<Tensor, S::Error> {
+    if x.track_op() {
+        return forward_tracked(src, linear, tiles, x);
+    }
+    let x = x.contiguous()?;
+    let (rows, inputs) = x.dims2()?;
+    let width = tiles.last().map_or(0, |t| t.end);
+    let mut y = vec![0f32; rows * width];
+    let threads = rayon::current_num_threads();
+    for (t, cols) in tiles.iter().enumerate() {
+        let p = src.linear(linear, t, cols.clone())?;
+        if p.weight.track_op() {
+            // Parameters that autograd follows (the reference in tests):
+            // start again on candle's operations.
+            drop(p);
+            src.release(linear, t)?;
+            return forward_tracked(src, linear, tiles, &x);
+        }
+        let weight = p.weight.contiguous()?;
+        let bias = p.bias.as_ref().map(Tensor::contiguous).transpose()?;
+        {
+            let (xs, xl) = x.storage_and_layout();
+            let (ws, wl) = weight.storage_and_layout();
+            let bias = bias.as_ref().map(Tensor::storage_and_layout);
+            let start = match &bias {
+                Some((bs, bl)) => Start::Bias(f32s(bs, bl)?),
+                None => Start::Zero,
+            };
+            zgemm::gemm(
+                MatMut::new(&mut y[cols.start..], rows, cols.len(), width).map_err(shape)?,
+                MatRef::row_major(f32s(&xs, xl)?, rows, inputs).map_err(shape)?,
+                MatRef::row_major(f32s(&ws, wl)?, inputs, cols.len()).map_err(shape)?,
+                1.0,
+                start,
+                threads,
+            )
+            .map_err(shape)?;
+        }
+        drop(p);
+        src.release(linear, t)?;
+    }
+    Ok(Tensor::from_vec(y, (rows, width), &Device::Cpu)?)
+}
+
+/// [`forward`] with candle's operations, which autograd can follow: the
+/// reference that the explicit backward is tested against.
+fn forward_tracked<S: BlockSource>(
     src: &mut S,
     linear: BlockLinear,
     tiles: &[Range<usize>],
@@ -148,6 +206,7 @@ pub(crate) fn forward<S: BlockSource>(
 
 /// The backward of [`forward`]: hands each tile's `(dW, db)` to `src` and
 /// returns `dx = dy·Wᵀ`, accumulated over chunks of [`DX_CHUNK`] columns.
+/// Tiles are read out of `dy` in place (strided views, no copies).
 pub(crate) fn backward<S: BlockSource>(
     src: &mut S,
     linear: BlockLinear,
@@ -155,23 +214,54 @@ pub(crate) fn backward<S: BlockSource>(
     x: &Tensor,
     dy: &Tensor,
 ) -> Result<Tensor, S::Error> {
+    let (x, dy) = (x.contiguous()?, dy.contiguous()?);
     let (rows, inputs) = x.dims2()?;
+    let width = dy.dim(1)?;
+    let threads = rayon::current_num_threads();
     let mut dx = vec![0f32; rows * inputs];
     for (t, cols) in tiles.iter().enumerate() {
         let p = src.linear(linear, t, cols.clone())?;
-        let dy_t = if tiles.len() == 1 {
-            dy.contiguous()?
-        } else {
-            dy.narrow(1, cols.start, cols.len())?.contiguous()?
+        let weight = p.weight.contiguous()?;
+        let w = cols.len();
+        let mut dw = vec![0f32; inputs * w];
+        {
+            let (xs, xl) = x.storage_and_layout();
+            let (ds, dl) = dy.storage_and_layout();
+            let (ws, wl) = weight.storage_and_layout();
+            let (xv, dyv, wv) = (f32s(&xs, xl)?, f32s(&ds, dl)?, f32s(&ws, wl)?);
+            // dW = xᵀ·dy_t
+            zgemm::gemm(
+                MatMut::row_major(&mut dw, inputs, w).map_err(shape)?,
+                MatRef::row_major(xv, rows, inputs).map_err(shape)?.t(),
+                MatRef::new(&dyv[cols.start..], rows, w, width, 1).map_err(shape)?,
+                1.0,
+                Start::Zero,
+                threads,
+            )
+            .map_err(shape)?;
+            // dx += dy_t·Wᵀ, a chunk of DX_CHUNK columns at a time, in order.
+            for c0 in (0..w).step_by(DX_CHUNK) {
+                let c = DX_CHUNK.min(w - c0);
+                let first = cols.start == 0 && c0 == 0;
+                zgemm::gemm(
+                    MatMut::row_major(&mut dx, rows, inputs).map_err(shape)?,
+                    MatRef::new(&dyv[cols.start + c0..], rows, c, width, 1).map_err(shape)?,
+                    MatRef::new(&wv[c0..], inputs, c, w, 1).map_err(shape)?.t(),
+                    1.0,
+                    if first { Start::Zero } else { Start::Keep },
+                    threads,
+                )
+                .map_err(shape)?;
+            }
+        }
+        let bias = match p.bias {
+            Some(_) => Some(column_sums(&dy.narrow(1, cols.start, w)?)?),
+            None => None,
         };
         let grad = WeightBias {
-            weight: x.t()?.matmul(&dy_t)?,
-            bias: match p.bias {
-                Some(_) => Some(column_sums(&dy_t)?),
-                None => None,
-            },
+            weight: Tensor::from_vec(dw, (inputs, w), &Device::Cpu)?,
+            bias,
         };
-        add_dy_wt(&mut dx, &dy_t, &p.weight.contiguous()?, cols.start == 0)?;
         drop(p);
         src.release(linear, t)?;
         src.linear_grad(linear, t, grad)?;
@@ -179,64 +269,18 @@ pub(crate) fn backward<S: BlockSource>(
     Ok(Tensor::from_vec(dx, (rows, inputs), &Device::Cpu)?)
 }
 
-/// A contiguous f32 CPU tensor's values, to `f` without a copy.
-fn with_values<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> T) -> candle_core::Result<T> {
-    let (storage, layout) = t.storage_and_layout();
-    match (&*storage, layout.contiguous_offsets()) {
-        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(f(&v[a..b])),
+fn shape(e: zgemm::ShapeError) -> candle_core::Error {
+    candle_core::Error::Msg(format!("linear layer: {e}"))
+}
+
+/// The values of a contiguous f32 CPU tensor's storage, without a copy.
+fn f32s<'a>(storage: &'a Storage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(&v[a..b]),
         _ => Err(candle_core::Error::Msg(
             "a linear layer needs contiguous f32 tensors on the CPU".into(),
         )),
     }
-}
-
-/// `dx += dy·wᵀ` for `dy` `[rows, w]` and `weight` `[in, w]` (both
-/// contiguous), one GEMM per chunk of [`DX_CHUNK`] columns in order; `first`:
-/// the chunk at column 0 overwrites `dx` instead of adding.
-fn add_dy_wt(dx: &mut [f32], dy: &Tensor, weight: &Tensor, first: bool) -> candle_core::Result<()> {
-    let (rows, w) = dy.dims2()?;
-    let (inputs, w2) = weight.dims2()?;
-    if w != w2 || dx.len() != rows * inputs {
-        return Err(candle_core::Error::Msg(format!(
-            "dy {rows}x{w} and weight {inputs}x{w2} do not make dx of {}",
-            dx.len()
-        )));
-    }
-    let threads = rayon::current_num_threads();
-    with_values(dy, |dy| {
-        with_values(weight, |wt| {
-            for c0 in (0..w).step_by(DX_CHUNK) {
-                let c = DX_CHUNK.min(w - c0);
-                // SAFETY: dx is rows x inputs (row stride inputs); dy's columns
-                // c0..c0+c of rows x w (row stride w); the weight's columns
-                // c0..c0+c of inputs x w, read as the c x inputs matrix wᵀ
-                // (row stride 1, column stride w). All in bounds.
-                unsafe {
-                    gemm::gemm(
-                        rows,
-                        inputs,
-                        c,
-                        dx.as_mut_ptr(),
-                        1,
-                        inputs as isize,
-                        !(first && c0 == 0),
-                        dy.as_ptr().add(c0),
-                        1,
-                        w as isize,
-                        wt.as_ptr().add(c0),
-                        w as isize,
-                        1,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::Rayon(threads),
-                    )
-                }
-            }
-        })
-    })?
 }
 
 /// Whole `BlockParams` as a [`BlockSource`] (tiles cut from them), collecting

@@ -194,6 +194,10 @@ pub enum Task {
     BenchKernels {
         /// Elements per array.
         elements: usize,
+        /// Only the GEMM peak (`gemm_f32`), what a sweep's MFU is computed
+        /// against.
+        #[serde(default)]
+        gemm_peak_only: bool,
     },
 }
 

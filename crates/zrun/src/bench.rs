@@ -80,10 +80,31 @@ pub(crate) fn worker_bin(given: Option<std::path::PathBuf>) -> Result<std::path:
 
 /// Runs `bench kernels` in one local worker and returns its rows.
 pub fn measure_kernels(elements: usize, worker_bin: &std::path::Path) -> Result<Vec<KernelRow>> {
+    kernel_rows(elements, false, worker_bin)
+}
+
+/// This host's GEMM peak in GFLOP/s (the `gemm_f32` row), measured by a
+/// local worker: what MFU is computed against.
+pub fn measure_gemm_peak(worker_bin: &std::path::Path) -> Result<f64> {
+    let rows = kernel_rows(0, true, worker_bin)?;
+    rows.iter()
+        .find(|r| r.kernel == "gemm_f32")
+        .map(|r| r.gflops)
+        .ok_or_else(|| anyhow::anyhow!("the worker measured no gemm_f32 row"))
+}
+
+fn kernel_rows(
+    elements: usize,
+    gemm_peak_only: bool,
+    worker_bin: &std::path::Path,
+) -> Result<Vec<KernelRow>> {
     let plan = local_plan(1, worker_bin)?;
     let (outcome, sink) = run_job(
         plan,
-        Task::BenchKernels { elements },
+        Task::BenchKernels {
+            elements,
+            gemm_peak_only,
+        },
         Sink::Kernels { rows: Vec::new() },
         Duration::from_secs(120),
         Duration::from_secs(60),

@@ -573,7 +573,10 @@ mod tests {
             job_id: "job-1".into(),
             world_size: 2,
             node_of_rank: vec![0, 0],
-            task: Task::BenchKernels { elements: 1024 },
+            task: Task::BenchKernels {
+                elements: 1024,
+                gemm_peak_only: false,
+            },
             nodes: (0, 0),
         };
         let server = Server::start(listener, info, events).unwrap();

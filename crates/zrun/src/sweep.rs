@@ -5,7 +5,13 @@
 //! median of the steps after the first (the first pays for page faults and
 //! warm-up), the peak RSS over all steps, and the median bytes sent per step.
 //! The table is printed and written as `bench.csv`, `bench.json` and
-//! `bench.svg` (tokens/s and peak memory per configuration).
+//! `bench.svg` (tokens/s, MFU and peak memory per configuration).
+//!
+//! The key `workers` sweeps `--workers-per-node` (e.g. `--sweep workers=1,2`:
+//! one worker with every core against one worker per core). MFU is the job's
+//! model FLOP/s over this host's GEMM peak (`zrun bench kernels`' `gemm_f32`
+//! row: zgemm at 2048³ on all cores), measured once before the first
+//! configuration; with a hostfile it is over the peak times the nodes used.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -27,6 +33,8 @@ pub struct SweepRow {
     pub tokens_per_s: f64,
     /// Median whole-job model TFLOP/s.
     pub tflops: f64,
+    /// `tflops` over the GEMM peak of the nodes used.
+    pub mfu: f64,
     /// Median step time.
     pub step_ms: f64,
     /// Peak RSS of the largest worker.
@@ -102,6 +110,7 @@ pub(crate) fn row_from_metrics(config: Vec<(String, String)>, path: &Path) -> Re
         config,
         tokens_per_s: f("tokens_per_s"),
         tflops: f("tflops"),
+        mfu: 0.0,
         step_ms: f("step_ms"),
         peak_rss_bytes: steps
             .iter()
@@ -144,11 +153,18 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
             .collect();
     }
     // Check every configuration before running any.
+    let mut nodes = Vec::with_capacity(combos.len());
     for c in &combos {
         let sets = sets_for(c, &args);
         let mut loaded = zconfig::load_job(&job, &sets)?;
-        loaded.validate_on(&crate::plan::topology(&args.launch)?)?;
+        let topology = crate::plan::topology(&launch_for(c, &args)?)?;
+        loaded.validate_on(&topology)?;
+        nodes.push(topology.nodes.len());
     }
+    let peak_gflops = crate::bench::measure_gemm_peak(&crate::bench::worker_bin(
+        args.launch.worker_bin.clone(),
+    )?)?;
+    say!("GEMM peak of this host (gemm_f32, zgemm 2048³, all cores): {peak_gflops:.1} GFLOP/s");
     std::fs::create_dir_all(&args.out)
         .map_err(|e| Failure::bad_input(format!("--out {}: {e}", args.out.display())))?;
     let bar = ProgressBar::new(combos.len() as u64);
@@ -168,6 +184,7 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
             config: c.clone(),
             tokens_per_s: 0.0,
             tflops: 0.0,
+            mfu: 0.0,
             step_ms: 0.0,
             peak_rss_bytes: 0,
             intra_node_bytes: 0,
@@ -187,7 +204,7 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
         for s in sets_for(&c, &args) {
             cmd.arg("--set").arg(s);
         }
-        cmd.args(launch_flags(&args.launch));
+        cmd.args(launch_flags(&launch_for(&c, &args)?));
         let out = cmd.output()?;
         if !out.status.success() {
             bar.finish_and_clear();
@@ -201,7 +218,9 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
             }
             .into());
         }
-        rows.push(row_from_metrics(c, &metrics)?);
+        let mut row = row_from_metrics(c, &metrics)?;
+        row.mfu = row.tflops * 1e3 / (peak_gflops * nodes[i] as f64);
+        rows.push(row);
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -216,9 +235,31 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The sweep key that varies `--workers-per-node` instead of the job.
+const WORKERS: &str = "workers";
+
+/// The launch options of configuration `c`: the command line's, with
+/// `workers` from the sweep if it is swept.
+fn launch_for(c: &[(String, String)], args: &BenchJobArgs) -> Result<crate::cli::LaunchArgs> {
+    let mut launch = args.launch.clone();
+    if let Some((_, v)) = c.iter().find(|(k, _)| k == WORKERS) {
+        let n: usize = v.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
+            Failure::bad_input(format!(
+                "--sweep workers={v}: expected a number of workers per node (1 or more)"
+            ))
+        })?;
+        launch.workers_per_node = Some(n);
+    }
+    Ok(launch)
+}
+
 fn sets_for(c: &[(String, String)], args: &BenchJobArgs) -> Vec<String> {
     let mut sets = args.set.clone();
-    sets.extend(c.iter().map(|(k, v)| format!("{k}={v}")));
+    sets.extend(
+        c.iter()
+            .filter(|(k, _)| k != WORKERS)
+            .map(|(k, v)| format!("{k}={v}")),
+    );
     sets.push(format!("train.steps={}", args.steps));
     sets.push("checkpoint.dir=null".into());
     sets.push("checkpoint.every=0".into());
@@ -276,10 +317,11 @@ pub(crate) fn launch_flags(l: &crate::cli::LaunchArgs) -> Vec<String> {
 fn print_table(rows: &[SweepRow]) {
     let val = rows.iter().any(|r| r.val_loss.is_some());
     say!(
-        "{:<36} {:>12} {:>9} {:>10} {:>14} {:>14} {:>14}{}",
+        "{:<36} {:>12} {:>9} {:>6} {:>10} {:>14} {:>14} {:>14}{}",
         "configuration",
         "tokens/s",
         "TFLOP/s",
+        "MFU",
         "step_ms",
         "peak RSS MiB",
         "intra B/step",
@@ -297,10 +339,11 @@ fn print_table(rows: &[SweepRow]) {
             _ => String::new(),
         };
         say!(
-            "{:<36} {:>12.0} {:>9.4} {:>10.1} {:>14} {:>14} {:>14}{v}",
+            "{:<36} {:>12.0} {:>9.4} {:>6.2} {:>10.1} {:>14} {:>14} {:>14}{v}",
             r.label(),
             r.tokens_per_s,
             r.tflops,
+            r.mfu,
             r.step_ms,
             r.peak_rss_bytes >> 20,
             r.intra_node_bytes,
@@ -316,15 +359,16 @@ fn write_outputs(out: &Path, rows: &[SweepRow]) -> Result<()> {
         .unwrap_or_default();
     let mut csv = keys.join(",");
     csv.push_str(
-        ",tokens_per_s,tflops,step_ms,peak_rss_bytes,intra_node_bytes,inter_node_bytes,val_loss\n",
+        ",tokens_per_s,tflops,mfu,step_ms,peak_rss_bytes,intra_node_bytes,inter_node_bytes,val_loss\n",
     );
     for r in rows {
         let vals: Vec<String> = r.config.iter().map(|(_, v)| v.clone()).collect();
         csv.push_str(&format!(
-            "{},{},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{},{},{},{}\n",
             vals.join(","),
             r.tokens_per_s,
             r.tflops,
+            r.mfu,
             r.step_ms,
             r.peak_rss_bytes,
             r.intra_node_bytes,
@@ -343,6 +387,7 @@ fn write_outputs(out: &Path, rows: &[SweepRow]) -> Result<()> {
             for (k, v) in [
                 ("tokens_per_s", serde_json::json!(r.tokens_per_s)),
                 ("tflops", serde_json::json!(r.tflops)),
+                ("mfu", serde_json::json!(r.mfu)),
                 ("step_ms", serde_json::json!(r.step_ms)),
                 ("peak_rss_bytes", serde_json::json!(r.peak_rss_bytes)),
                 ("intra_node_bytes", serde_json::json!(r.intra_node_bytes)),
@@ -369,19 +414,27 @@ type Panel<'a, 'b> = (
     RGBColor,
 );
 
-/// Two bar charts, one above the other: tokens/s and peak RSS per configuration.
+/// Three bar charts, one above the other: tokens/s, MFU and peak RSS per
+/// configuration.
 fn draw_svg(path: &PathBuf, rows: &[SweepRow]) -> Result<()> {
     let labels: Vec<String> = rows.iter().map(SweepRow::label).collect();
     let width = (160 * rows.len()).max(640) as u32;
-    let root = SVGBackend::new(path, (width, 720)).into_drawing_area();
+    let root = SVGBackend::new(path, (width, 1080)).into_drawing_area();
     root.fill(&WHITE)?;
-    let (top, bottom) = root.split_vertically(360);
-    let panels: [Panel; 2] = [
+    let (top, rest) = root.split_vertically(360);
+    let (middle, bottom) = rest.split_vertically(360);
+    let panels: [Panel; 3] = [
         (
             &top,
             "tokens/s (whole job)",
             rows.iter().map(|r| r.tokens_per_s).collect(),
             BLUE,
+        ),
+        (
+            &middle,
+            "MFU (model FLOP/s over the host's GEMM peak)",
+            rows.iter().map(|r| r.mfu).collect(),
+            GREEN,
         ),
         (
             &bottom,

@@ -232,7 +232,10 @@ mod tests {
             let welcome = Welcome {
                 server_proof: server_proof(&nonce),
                 node_of_rank: vec![0],
-                task: Task::BenchKernels { elements: 1024 },
+                task: Task::BenchKernels {
+                    elements: 1024,
+                    gemm_peak_only: false,
+                },
             };
             write_frame(&mut s, &ToWorker::Welcome(Box::new(welcome))).unwrap();
             // Held open for the rest of the test process: a worker whose
@@ -282,7 +285,10 @@ mod tests {
         let (_, welcome) = ControlClient::connect(&env(port, &token)).unwrap();
         assert!(matches!(
             welcome.task,
-            Task::BenchKernels { elements: 1024 }
+            Task::BenchKernels {
+                elements: 1024,
+                gemm_peak_only: false,
+            }
         ));
     }
 }

@@ -6,15 +6,16 @@
 //! per second and their ratio to the triad: AdamW moves 28 bytes per element
 //! (p, g, m, v in; p, m, v out), the reduction `dst += src` 12. A ratio near 1
 //! means the kernel runs at the memory's speed, the bound for such kernels. The
-//! GEMM row (candle's f32 matmul, the model's linear layers) gives the FLOP/s
-//! peak that MFU is computed against. ZeRO++'s quantization kernels move 4
+//! GEMM row (zgemm at 2048³ on all cores, what the model's linear layers run)
+//! gives the FLOP/s peak that MFU is computed against; the rows after it time
+//! the model's own GEMM shapes with each zgemm kernel and with the `gemm` crate
+//! (candle's matmul) at 1 thread and all cores. ZeRO++'s quantization kernels move 4
 //! bytes a value one way and their code (1 byte, or half) plus block scales the
 //! other. Each figure is the best of several runs.
 
 use std::time::Instant;
 
 use anyhow::Result;
-use candle_core::{Device, Tensor};
 use zengine::adam::{adamw_with, AdamStep, Buffers, Grads, Path};
 use zengine::precision::Half;
 use zproto::KernelRow;
@@ -190,28 +191,160 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
             ratio: gbps / triad_gbps,
         });
     }
-    // GEMM: candle's f32 matmul on large square shapes, with all cores (candle
-    // threads by RAYON_NUM_THREADS, which zrun leaves unset for this benchmark).
-    let dim = 2048;
-    let x = Tensor::ones((dim, dim), candle_core::DType::F32, &Device::Cpu)?;
-    let y = Tensor::ones((dim, dim), candle_core::DType::F32, &Device::Cpu)?;
-    let mut err = None;
-    let s = best_secs(3, || {
-        if let Err(e) = x.matmul(&y) {
-            err = Some(e);
-        }
-    });
-    if let Some(e) = err {
-        return Err(e.into());
+    // GEMM: the peak MFU is computed against, then the model's own shapes
+    // at 1 thread and all cores, zgemm beside the `gemm` crate it replaced.
+    rows.push(gemm_peak()?);
+    for &t in &thread_counts {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
+        rows.extend(pool.install(|| gemm_shape_rows(t))?);
     }
-    let flops = 2.0 * (dim as f64).powi(3);
-    rows.push(KernelRow {
+    Ok(rows)
+}
+
+/// The FLOP/s peak that MFU is computed against: zgemm's 2048³ with the
+/// fastest kernel on all cores (what the model's linear layers run).
+pub fn gemm_peak() -> Result<KernelRow> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(cores).build()?;
+    let gflops = pool.install(|| {
+        time_gemm(
+            Impl::Zgemm(zgemm::Kernel::best()),
+            "nn",
+            (2048, 2048, 2048),
+            cores,
+        )
+    })?;
+    Ok(KernelRow {
         kernel: "gemm_f32".into(),
-        elements: dim,
-        threads: candle_core::utils::get_num_threads(),
+        elements: 2048,
+        threads: cores,
         gbps: 0.0,
-        gflops: flops / s / 1e9,
+        gflops,
         ratio: 0.0,
-    });
+    })
+}
+
+/// A GEMM implementation to time.
+#[derive(Debug, Clone, Copy)]
+enum Impl {
+    /// zrun's, with one of its kernels.
+    Zgemm(zgemm::Kernel),
+    /// The `gemm` crate (what candle's matmul calls), for comparison.
+    GemmCrate,
+}
+
+/// GFLOP/s of `C = A·B` (`op`: `nn`, `tn` = A read transposed, `nt` = B read
+/// transposed, as the model reads them) on `threads` threads of the current
+/// rayon pool, the best of several calls.
+fn time_gemm(imp: Impl, op: &str, (m, k, n): (usize, usize, usize), threads: usize) -> Result<f64> {
+    let a = vec![0.5f32; m * k];
+    let b = vec![0.25f32; k * n];
+    let mut c = vec![0f32; m * n];
+    let (a_t, b_t) = (op.starts_with('t'), op.ends_with('t'));
+    let flops = 2.0 * (m * k * n) as f64;
+    let reps = ((2e10 / flops) as usize).clamp(3, 50);
+    let s = match imp {
+        Impl::Zgemm(kernel) => {
+            let view = |data, rows, cols, t: bool| {
+                if t {
+                    zgemm::MatRef::row_major(data, cols, rows).map(zgemm::MatRef::t)
+                } else {
+                    zgemm::MatRef::row_major(data, rows, cols)
+                }
+            };
+            let (av, bv) = (view(&a, m, k, a_t)?, view(&b, k, n, b_t)?);
+            let mut err = None;
+            let s = best_secs(reps, || {
+                let c = zgemm::MatMut::row_major(&mut c, m, n).expect("c is m x n");
+                if let Err(e) =
+                    zgemm::gemm_with(kernel, c, av, bv, 1.0, zgemm::Start::Zero, threads)
+                {
+                    err = Some(e);
+                }
+            });
+            if let Some(e) = err {
+                return Err(e.into());
+            }
+            s
+        }
+        Impl::GemmCrate => {
+            // (column stride, row stride) of A (m x k) and B (k x n) as stored.
+            let (a_cs, a_rs) = if a_t { (m, 1) } else { (1, k) };
+            let (b_cs, b_rs) = if b_t { (k, 1) } else { (1, n) };
+            let par = if threads > 1 {
+                gemm::Parallelism::Rayon(threads)
+            } else {
+                gemm::Parallelism::None
+            };
+            best_secs(reps, || {
+                // SAFETY: c is m x n row-major; a and b hold m*k and k*n
+                // floats read with the strides above, all in bounds.
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        n,
+                        k,
+                        c.as_mut_ptr(),
+                        1,
+                        n as isize,
+                        false,
+                        a.as_ptr(),
+                        a_cs as isize,
+                        a_rs as isize,
+                        b.as_ptr(),
+                        b_cs as isize,
+                        b_rs as isize,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        par,
+                    )
+                }
+            })
+        }
+    };
+    Ok(flops / s / 1e9)
+}
+
+/// The GEMMs of a GPT block (d_model 384, 2048 rows: micro-batch 8 of 256
+/// tokens) as its forward and backward run them, and 2048³: zgemm with each
+/// SIMD kernel this CPU has, and the `gemm` crate. The same shapes as
+/// `scripts/gemm_openblas.py`, so that OpenBLAS can be set beside them.
+fn gemm_shape_rows(threads: usize) -> Result<Vec<KernelRow>> {
+    const SHAPES: [(&str, (usize, usize, usize)); 7] = [
+        ("nn", (2048, 2048, 2048)),
+        ("nn", (2048, 384, 1152)),
+        ("nn", (2048, 384, 1536)),
+        ("nn", (2048, 1536, 384)),
+        ("tn", (384, 2048, 1152)),
+        ("nt", (2048, 1152, 384)),
+        ("tn", (1536, 2048, 384)),
+    ];
+    let mut impls: Vec<Impl> = zgemm::Kernel::available()
+        .into_iter()
+        // The portable kernel is the reference, not a contender where SIMD exists.
+        .filter(|&k| k != zgemm::Kernel::Portable || zgemm::Kernel::best() == k)
+        .map(Impl::Zgemm)
+        .collect();
+    impls.push(Impl::GemmCrate);
+    let mut rows = Vec::new();
+    for (op, (m, k, n)) in SHAPES {
+        for imp in &impls {
+            let name = match imp {
+                Impl::Zgemm(kernel) => format!("zgemm_{kernel:?}").to_lowercase(),
+                Impl::GemmCrate => "gemm_crate".into(),
+            };
+            rows.push(KernelRow {
+                kernel: format!("{name}_{op}_{m}x{k}x{n}"),
+                elements: m * n,
+                threads,
+                gbps: 0.0,
+                gflops: time_gemm(*imp, op, (m, k, n), threads)?,
+                ratio: 0.0,
+            });
+        }
+    }
     Ok(rows)
 }

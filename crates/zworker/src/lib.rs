@@ -96,10 +96,17 @@ fn run_task(
     let (timeout_s, heartbeat_s) = match &welcome.task {
         Task::Train(t) => (t.spec.comm.timeout_s, t.spec.comm.heartbeat_s),
         Task::BenchComm(b) => (b.timeout_s, 30.0),
-        Task::BenchKernels { elements } => {
+        Task::BenchKernels {
+            elements,
+            gemm_peak_only,
+        } => {
             // One process, no peers: measure and report.
             client.start_heartbeat(Duration::from_secs(2));
-            let rows = kernels::bench_kernels(*elements)?;
+            let rows = if *gemm_peak_only {
+                vec![kernels::gemm_peak()?]
+            } else {
+                kernels::bench_kernels(*elements)?
+            };
             return client.send(&ToServer::KernelRows(rows));
         }
     };

@@ -1,0 +1,532 @@
+//! The f32 GEMM `C = α·A·B` (or `C += α·A·B`, or `C = bias + α·A·B`) that
+//! zrun's model spends most of a step in, written the way BLIS and OpenBLAS
+//! write theirs.
+//!
+//! **Blocking.** `B` is packed a block of [`KC`] rows × `nc` columns at a time
+//! into panels [`Kernel::nr`] wide, and `A` a block of `mc` rows × `KC` into
+//! panels [`Kernel::mr`] tall, both laid out in the order the micro-kernel
+//! reads them (so transposed operands cost nothing extra: the packing reads
+//! through strides once and the kernel always sees the same layout). The
+//! micro-kernel keeps an `mr × nr` tile of `C` in registers for `KC` steps of
+//! rank-1 updates: the `A` panel (`mr·KC` floats) and one `B` panel stay in L1,
+//! the `A` block in L2, the `B` block in L3.
+//!
+//! **One result on every path.** Every kernel computes each element of `C`
+//! the same way: for each block of `KC` in order, a fused multiply-add chain
+//! over `p` starting from zero, then `c = α·acc` (first block, or `bias + α·acc`)
+//! or `c = c + α·acc` (a plain multiply and add). Since `KC` is shared and
+//! threads split only `M` and `N`, the AVX-512, AVX2 and portable kernels and
+//! every thread count give the same bits: a job's numbers do not depend on the
+//! CPU it ran on, and the portable kernel is the reference the SIMD ones are
+//! tested against bit for bit.
+//!
+//! **Threads** (rayon, in the caller's pool) take blocks of `A`'s rows (and,
+//! when there are few, ranges of `B`'s panels); the packed `B` block is shared.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+mod kernels;
+
+/// Depth of a packed block: a `B` panel of the widest kernel (`KC × 32`
+/// floats, 32 KiB) fits in L1. Shared by every kernel, so that every path
+/// sums in the same blocks (module doc).
+pub const KC: usize = 384;
+
+/// The widest `nr` of any kernel: columns of `B` per block are a multiple.
+const NC: usize = 2048;
+
+/// Bad shapes or views: which operand and what is wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum ShapeError {
+    /// A view reaches past its data.
+    #[error("{what}: a {rows}x{cols} view with strides ({rs}, {cs}) needs {need} elements, the data has {have}")]
+    OutOfBounds {
+        what: &'static str,
+        rows: usize,
+        cols: usize,
+        rs: usize,
+        cs: usize,
+        need: usize,
+        have: usize,
+    },
+    /// The operands do not multiply into `C`.
+    #[error(
+        "C {c_rows}x{c_cols} = A {a_rows}x{a_cols} · B {b_rows}x{b_cols}: the shapes do not match"
+    )]
+    Mismatch {
+        c_rows: usize,
+        c_cols: usize,
+        a_rows: usize,
+        a_cols: usize,
+        b_rows: usize,
+        b_cols: usize,
+    },
+    /// The bias is not one value per column of `C`.
+    #[error("bias of {len} values for {cols} columns")]
+    Bias { len: usize, cols: usize },
+}
+
+/// A read-only matrix: element `(i, j)` is `data[i·rs + j·cs]`.
+#[derive(Debug, Clone, Copy)]
+pub struct MatRef<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// A view with row stride `rs` and column stride `cs`, checked against `data`.
+    pub fn new(
+        data: &'a [f32],
+        rows: usize,
+        cols: usize,
+        rs: usize,
+        cs: usize,
+    ) -> Result<MatRef<'a>, ShapeError> {
+        let need = if rows == 0 || cols == 0 {
+            0
+        } else {
+            (rows - 1) * rs + (cols - 1) * cs + 1
+        };
+        if need > data.len() {
+            return Err(ShapeError::OutOfBounds {
+                what: "matrix",
+                rows,
+                cols,
+                rs,
+                cs,
+                need,
+                have: data.len(),
+            });
+        }
+        Ok(MatRef {
+            data,
+            rows,
+            cols,
+            rs,
+            cs,
+        })
+    }
+
+    /// `rows × cols`, row after row.
+    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Result<MatRef<'a>, ShapeError> {
+        MatRef::new(data, rows, cols, cols, 1)
+    }
+
+    /// The transpose (the same data read the other way).
+    pub fn t(self) -> MatRef<'a> {
+        MatRef {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// Rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn at(&self, i: usize, j: usize) -> f32 {
+        self.data[i * self.rs + j * self.cs]
+    }
+}
+
+/// The output: `rows × cols` with row stride `rs` (columns adjacent), so that
+/// a block of columns of a wider matrix can be written in place.
+#[derive(Debug)]
+pub struct MatMut<'a> {
+    data: &'a mut [f32],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+}
+
+impl<'a> MatMut<'a> {
+    /// A view with row stride `rs`, checked against `data`.
+    pub fn new(
+        data: &'a mut [f32],
+        rows: usize,
+        cols: usize,
+        rs: usize,
+    ) -> Result<MatMut<'a>, ShapeError> {
+        let need = if rows == 0 || cols == 0 {
+            0
+        } else {
+            (rows - 1) * rs + cols
+        };
+        if need > data.len() || (rows > 1 && rs < cols) {
+            return Err(ShapeError::OutOfBounds {
+                what: "C",
+                rows,
+                cols,
+                rs,
+                cs: 1,
+                need,
+                have: data.len(),
+            });
+        }
+        Ok(MatMut {
+            data,
+            rows,
+            cols,
+            rs,
+        })
+    }
+
+    /// `rows × cols`, row after row.
+    pub fn row_major(
+        data: &'a mut [f32],
+        rows: usize,
+        cols: usize,
+    ) -> Result<MatMut<'a>, ShapeError> {
+        MatMut::new(data, rows, cols, cols)
+    }
+}
+
+/// What `C` starts from.
+#[derive(Debug, Clone, Copy)]
+pub enum Start<'a> {
+    /// `C = α·A·B`.
+    Zero,
+    /// `C += α·A·B`.
+    Keep,
+    /// `C = bias + α·A·B`, one bias value per column (a linear layer's
+    /// forward, without a second pass over `C`).
+    Bias(&'a [f32]),
+}
+
+/// A micro-kernel, chosen at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    /// 12×32 tiles in 24 of the 32 zmm registers.
+    Avx512,
+    /// 6×16 tiles in 12 of the 16 ymm registers.
+    Avx2,
+    /// Plain Rust (`f32::mul_add`): every CPU, and the reference.
+    Portable,
+}
+
+impl Kernel {
+    /// Every kernel this CPU can run, fastest first.
+    pub fn available() -> Vec<Kernel> {
+        let mut v = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                v.push(Kernel::Avx512);
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                v.push(Kernel::Avx2);
+            }
+        }
+        v.push(Kernel::Portable);
+        v
+    }
+
+    /// The fastest kernel this CPU can run.
+    pub fn best() -> Kernel {
+        static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| Kernel::available()[0])
+    }
+
+    /// Rows of a register tile.
+    pub fn mr(self) -> usize {
+        match self {
+            Kernel::Avx512 => 12,
+            Kernel::Avx2 => 6,
+            Kernel::Portable => 4,
+        }
+    }
+
+    /// Columns of a register tile.
+    pub fn nr(self) -> usize {
+        match self {
+            Kernel::Avx512 => 32,
+            Kernel::Avx2 | Kernel::Portable => 16,
+        }
+    }
+
+    /// Rows of a packed `A` block (`mc × KC` floats stay in L2).
+    fn mc(self) -> usize {
+        self.mr() * 16
+    }
+
+    /// Runs one tile: see [`kernels::Tile`].
+    fn tile(self, t: &kernels::Tile) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `available()` offered this kernel only where the CPU has
+            // AVX-512F; `t` is valid for a 12×32 tile (driver).
+            Kernel::Avx512 => unsafe { kernels::avx512(t) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, with AVX2 and FMA; `t` fits a 6×16 tile.
+            Kernel::Avx2 => unsafe { kernels::avx2(t) },
+            // SAFETY: `t` fits a 4×16 tile (driver).
+            _ => unsafe { kernels::portable(t) },
+        }
+    }
+}
+
+/// `C = start ⊕ α·A·B` with the fastest kernel, on up to `threads` threads of
+/// the current rayon pool (1: the calling thread only).
+pub fn gemm(
+    c: MatMut,
+    a: MatRef,
+    b: MatRef,
+    alpha: f32,
+    start: Start,
+    threads: usize,
+) -> Result<(), ShapeError> {
+    gemm_with(Kernel::best(), c, a, b, alpha, start, threads)
+}
+
+/// [`gemm`] with a given kernel (tests and benchmarks compare them).
+///
+/// # Panics
+///
+/// If `kernel` is not in [`Kernel::available`].
+pub fn gemm_with(
+    kernel: Kernel,
+    c: MatMut,
+    a: MatRef,
+    b: MatRef,
+    alpha: f32,
+    start: Start,
+    threads: usize,
+) -> Result<(), ShapeError> {
+    assert!(
+        Kernel::available().contains(&kernel),
+        "the {kernel:?} GEMM kernel needs a CPU feature this one lacks"
+    );
+    let (m, n, k) = (c.rows, c.cols, a.cols);
+    if a.rows != m || b.cols != n || b.rows != k {
+        return Err(ShapeError::Mismatch {
+            c_rows: m,
+            c_cols: n,
+            a_rows: a.rows,
+            a_cols: a.cols,
+            b_rows: b.rows,
+            b_cols: b.cols,
+        });
+    }
+    if let Start::Bias(bias) = start {
+        if bias.len() != n {
+            return Err(ShapeError::Bias {
+                len: bias.len(),
+                cols: n,
+            });
+        }
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    // What the first block of KC does with C: the bias goes in first and the
+    // block adds to it.
+    let add_first = match start {
+        Start::Zero => false,
+        Start::Keep => true,
+        Start::Bias(bias) => {
+            for i in 0..m {
+                c.data[i * c.rs..i * c.rs + n].copy_from_slice(bias);
+            }
+            true
+        }
+    };
+    if k == 0 {
+        if !add_first {
+            for i in 0..m {
+                c.data[i * c.rs..i * c.rs + n].fill(0.0);
+            }
+        }
+        return Ok(());
+    }
+    let (mr, nr, mc) = (kernel.mr(), kernel.nr(), kernel.mc());
+    let c_ptr = SendPtr(c.data.as_mut_ptr());
+    // Taken, not borrowed: while this thread waits for the tasks, rayon may
+    // run another job on it that multiplies too.
+    let mut packed_b = PACKED_B.take();
+    for jc in (0..n).step_by(NC) {
+        let nc = NC.min(n - jc);
+        let panels = nc.div_ceil(nr);
+        for pc in (0..k).step_by(KC) {
+            let kc = KC.min(k - pc);
+            let add = add_first || pc > 0;
+            packed_b.resize(panels * nr * KC, 0.0);
+            let b_block = &mut packed_b[..panels * nr * kc];
+            let pack = |(p, dst): (usize, &mut [f32])| {
+                pack_b(&b, pc, kc, jc + p * nr, nr.min(nc - p * nr), nr, dst)
+            };
+            if threads > 1 {
+                b_block.par_chunks_mut(nr * kc).enumerate().for_each(pack);
+            } else {
+                b_block.chunks_mut(nr * kc).enumerate().for_each(pack);
+            }
+            let b_block = &*b_block;
+            // Tasks: a block of A's rows × a range of B's panels; enough
+            // of them that every thread has two.
+            let m_blocks = m.div_ceil(mc);
+            let splits = if threads > 1 {
+                (2 * threads).div_ceil(m_blocks).clamp(1, panels)
+            } else {
+                1
+            };
+            let task = |t: usize| {
+                let (ib, s) = (t / splits, t % splits);
+                let (i0, mlen) = (ib * mc, mc.min(m - ib * mc));
+                let panel_range = chunk(panels, splits, s);
+                let mut packed_a = PACKED_A.take();
+                {
+                    let tall = mlen.div_ceil(mr);
+                    packed_a.resize(tall * mr * KC, 0.0);
+                    // Whole panels of a row-major A are read in place (the
+                    // kernel takes A's strides); the rest are packed.
+                    let in_place = |rows: usize| rows == mr && a.cs == 1;
+                    for (q, dst) in packed_a[..tall * mr * kc].chunks_mut(mr * kc).enumerate() {
+                        let rows = mr.min(mlen - q * mr);
+                        if !in_place(rows) {
+                            pack_a(&a, i0 + q * mr, rows, pc, kc, mr, dst);
+                        }
+                    }
+                    for p in panel_range.clone() {
+                        let j = jc + p * nr;
+                        let cols = nr.min(n - j);
+                        for q in 0..tall {
+                            let i = i0 + q * mr;
+                            let rows = mr.min(m - i);
+                            let (a_ptr, a_rs, a_cs) = if in_place(rows) {
+                                (a.data[i * a.rs + pc * a.cs..].as_ptr(), a.rs, a.cs)
+                            } else {
+                                (packed_a[q * mr * kc..].as_ptr(), 1, mr)
+                            };
+                            let t = kernels::Tile {
+                                k: kc,
+                                a: a_ptr,
+                                a_rs,
+                                a_cs,
+                                b: b_block[p * nr * kc..].as_ptr(),
+                                alpha,
+                                add,
+                                // SAFETY: row i, column j of C are inside its view (i < m, j < n).
+                                c: unsafe { c_ptr.get().add(i * c.rs + j) },
+                                rs: c.rs,
+                                rows,
+                                cols,
+                            };
+                            kernel.tile(&t);
+                        }
+                    }
+                }
+                PACKED_A.set(packed_a);
+            };
+            if threads > 1 {
+                (0..m_blocks * splits).into_par_iter().for_each(task);
+            } else {
+                (0..m_blocks * splits).for_each(task);
+            }
+        }
+    }
+    PACKED_B.set(packed_b);
+    Ok(())
+}
+
+thread_local! {
+    /// This thread's packed `A` block, reused from call to call.
+    static PACKED_A: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's packed `B` block.
+    static PACKED_B: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `C`'s base pointer, shared by tasks that write disjoint tiles.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: tasks write disjoint tiles of C (each (row block, panel range) once).
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Range `i` of `len` items split into `parts`.
+fn chunk(len: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
+    let (base, extra) = (len / parts, len % parts);
+    let start = i * base + i.min(extra);
+    start..start + base + usize::from(i < extra)
+}
+
+/// Packs rows `i0..i0+rows` (`rows ≤ mr`), columns `p0..p0+kc` of `a` into
+/// `dst` as `kc` groups of `mr` values (column `p` of the panel after column
+/// `p-1`), zero below the last row.
+fn pack_a(a: &MatRef, i0: usize, rows: usize, p0: usize, kc: usize, mr: usize, dst: &mut [f32]) {
+    if rows < mr {
+        dst.fill(0.0);
+    }
+    if a.cs == 1 {
+        // Rows of A are contiguous: read each along, write with stride mr.
+        for i in 0..rows {
+            let src = &a.data[(i0 + i) * a.rs + p0..][..kc];
+            for (p, &v) in src.iter().enumerate() {
+                dst[p * mr + i] = v;
+            }
+        }
+    } else if a.rs == 1 {
+        // Aᵀ stored row-major (xᵀ·dy): a panel's column is contiguous.
+        for (p, d) in dst.chunks_exact_mut(mr).take(kc).enumerate() {
+            d[..rows].copy_from_slice(&a.data[(p0 + p) * a.cs + i0..][..rows]);
+        }
+    } else {
+        for p in 0..kc {
+            for i in 0..rows {
+                dst[p * mr + i] = a.at(i0 + i, p0 + p);
+            }
+        }
+    }
+}
+
+/// Packs rows `p0..p0+kc`, columns `j0..j0+cols` (`cols ≤ nr`) of `b` into
+/// `dst` as `kc` rows of `nr` values, zero right of the last column.
+fn pack_b(b: &MatRef, p0: usize, kc: usize, j0: usize, cols: usize, nr: usize, dst: &mut [f32]) {
+    if cols < nr {
+        dst.fill(0.0);
+    }
+    if b.cs == 1 {
+        for p in 0..kc {
+            let src = &b.data[(p0 + p) * b.rs + j0..][..cols];
+            dst[p * nr..p * nr + cols].copy_from_slice(src);
+        }
+    } else if b.rs == 1 {
+        // Bᵀ stored row-major (dy·Wᵀ): columns of B are contiguous.
+        for j in 0..cols {
+            let src = &b.data[(j0 + j) * b.cs + p0..][..kc];
+            for (p, &v) in src.iter().enumerate() {
+                dst[p * nr + j] = v;
+            }
+        }
+    } else {
+        for p in 0..kc {
+            for j in 0..cols {
+                dst[p * nr + j] = b.at(p0 + p, j0 + j);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

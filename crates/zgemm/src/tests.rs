@@ -1,0 +1,387 @@
+//! Every kernel against the portable one bit for bit, the portable one
+//! against an f64 reference within the rounding bound, and thread counts
+//! against each other.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::*;
+
+fn random(seed: u64, n: usize) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// Says which kernels this run covers, so that a run on an AVX2-only CPU
+/// does not pass for a test of the AVX-512 kernel.
+fn covered() -> Vec<Kernel> {
+    let k = Kernel::available();
+    eprintln!("zgemm kernels covered on this CPU: {k:?}");
+    if !k.contains(&Kernel::Avx512) {
+        eprintln!("zgemm: the Avx512 kernel is NOT covered here (no avx512f on this CPU)");
+    }
+    k
+}
+
+/// Operand layouts: A and B row-major or read through a transpose.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    m: usize,
+    n: usize,
+    k: usize,
+    a_t: bool,
+    b_t: bool,
+}
+
+/// Storage of an `rows × cols` operand, row-major or as its transpose.
+fn operand(data: &[f32], rows: usize, cols: usize, transposed: bool) -> MatRef<'_> {
+    if transposed {
+        MatRef::row_major(data, cols, rows).unwrap().t()
+    } else {
+        MatRef::row_major(data, rows, cols).unwrap()
+    }
+}
+
+const CASES: [Case; 9] = [
+    Case {
+        m: 1,
+        n: 1,
+        k: 1,
+        a_t: false,
+        b_t: false,
+    },
+    Case {
+        m: 7,
+        n: 5,
+        k: 3,
+        a_t: false,
+        b_t: false,
+    },
+    Case {
+        m: 13,
+        n: 33,
+        k: 300,
+        a_t: false,
+        b_t: false,
+    },
+    Case {
+        m: 25,
+        n: 47,
+        k: 513,
+        a_t: true,
+        b_t: false,
+    },
+    Case {
+        m: 30,
+        n: 17,
+        k: 257,
+        a_t: false,
+        b_t: true,
+    },
+    Case {
+        m: 12,
+        n: 64,
+        k: 40,
+        a_t: true,
+        b_t: true,
+    },
+    Case {
+        m: 100,
+        n: 70,
+        k: 96,
+        a_t: false,
+        b_t: false,
+    },
+    Case {
+        m: 3,
+        n: 2100,
+        k: 9,
+        a_t: false,
+        b_t: true,
+    },
+    Case {
+        m: 200,
+        n: 48,
+        k: 256,
+        a_t: true,
+        b_t: false,
+    },
+];
+
+/// Runs `case` with `kernel` on `threads`, C as a block of columns of a wider
+/// matrix (row stride n + 3) whose other columns must stay untouched.
+fn run(kernel: Kernel, case: Case, start: &str, alpha: f32, threads: usize) -> Vec<f32> {
+    let Case { m, n, k, a_t, b_t } = case;
+    let a = random(1, m * k);
+    let b = random(2, k * n);
+    let bias = random(3, n);
+    let rs = n + 3;
+    let mut c = random(4, m * rs);
+    let start = match start {
+        "zero" => Start::Zero,
+        "keep" => Start::Keep,
+        _ => Start::Bias(&bias),
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    pool.install(|| {
+        gemm_with(
+            kernel,
+            MatMut::new(&mut c, m, n, rs).unwrap(),
+            operand(&a, m, k, a_t),
+            operand(&b, k, n, b_t),
+            alpha,
+            start,
+            threads,
+        )
+    })
+    .unwrap();
+    let untouched = random(4, m * rs);
+    for i in 0..m {
+        assert_eq!(
+            c[i * rs + n..(i + 1) * rs],
+            untouched[i * rs + n..(i + 1) * rs]
+        );
+    }
+    c
+}
+
+#[test]
+fn every_kernel_and_thread_count_gives_the_portable_kernels_bits() {
+    for kernel in covered() {
+        for case in CASES {
+            for start in ["zero", "keep", "bias"] {
+                let want = run(Kernel::Portable, case, start, 0.75, 1);
+                for threads in [1, 2, 3] {
+                    let got = run(kernel, case, start, 0.75, threads);
+                    let same = want
+                        .iter()
+                        .zip(&got)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{kernel:?} {case:?} {start} on {threads} threads");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_portable_kernel_is_within_the_rounding_bound_of_an_f64_product() {
+    // Each element is k fused multiply-adds in blocks of KC, the blocks
+    // added to C, and one multiply by alpha: at most k + 2 roundings of
+    // relative size u = 2^-24, each bounded by the sum of magnitudes, so
+    // |c - exact| <= (k + 2)·u·(|alpha|·Σ|a||b| + |c0| + |bias|) (to first order).
+    let u = f64::from(f32::EPSILON) / 2.0;
+    for case in CASES {
+        for start in ["zero", "keep", "bias"] {
+            let Case { m, n, k, a_t, b_t } = case;
+            let alpha = 0.75f32;
+            let got = run(Kernel::Portable, case, start, alpha, 1);
+            let (a, b, bias, c0) = (
+                random(1, m * k),
+                random(2, k * n),
+                random(3, n),
+                random(4, m * (n + 3)),
+            );
+            let (a, b) = (operand(&a, m, k, a_t), operand(&b, k, n, b_t));
+            let mut worst = 0f64;
+            for i in 0..m {
+                for j in 0..n {
+                    let (mut exact, mut mag) = (0f64, 0f64);
+                    for p in 0..k {
+                        let t = f64::from(a.at(i, p)) * f64::from(b.at(p, j));
+                        exact += t;
+                        mag += t.abs();
+                    }
+                    let alpha = f64::from(alpha);
+                    let base = match start {
+                        "zero" => 0.0,
+                        "keep" => f64::from(c0[i * (n + 3) + j]),
+                        _ => f64::from(bias[j]),
+                    };
+                    let want = base + alpha * exact;
+                    let bound =
+                        (k as f64 + 2.0) * u * (alpha * mag + base.abs()) + f64::MIN_POSITIVE;
+                    let err = (f64::from(got[i * (n + 3) + j]) - want).abs();
+                    assert!(
+                        err <= bound,
+                        "{case:?} {start} ({i}, {j}): error {err:e} over bound {bound:e}"
+                    );
+                    worst = worst.max(err / bound);
+                }
+            }
+            // The bound is loose, but not vacuous: a dropped block of KC or a
+            // halved alpha is far outside it (checked below).
+            assert!(worst < 1.0);
+        }
+    }
+}
+
+#[test]
+fn a_wrong_product_is_outside_the_bound() {
+    // The reference test's bound must not admit a result that misses a
+    // term: a product over k-1 terms differs from the true one by far more.
+    let (m, n, k) = (4, 16, 300);
+    let a = random(1, m * k);
+    let b = random(2, k * n);
+    let mut full = vec![0f32; m * n];
+    let mut short = vec![0f32; m * n];
+    let am = MatRef::row_major(&a, m, k).unwrap();
+    gemm_with(
+        Kernel::Portable,
+        MatMut::row_major(&mut full, m, n).unwrap(),
+        am,
+        MatRef::row_major(&b, k, n).unwrap(),
+        1.0,
+        Start::Zero,
+        1,
+    )
+    .unwrap();
+    let a_short = MatRef::new(&a, m, k - 1, k, 1).unwrap();
+    gemm_with(
+        Kernel::Portable,
+        MatMut::row_major(&mut short, m, n).unwrap(),
+        a_short,
+        MatRef::row_major(&b, k - 1, n).unwrap(),
+        1.0,
+        Start::Zero,
+        1,
+    )
+    .unwrap();
+    let u = f64::from(f32::EPSILON) / 2.0;
+    let outside = (0..m * n).filter(|&e| {
+        let (i, j) = (e / n, e % n);
+        let mag: f64 = (0..k)
+            .map(|p| f64::from(a[i * k + p] * b[p * n + j]).abs())
+            .sum();
+        f64::from((full[e] - short[e]).abs()) > (k as f64 + 2.0) * u * mag
+    });
+    assert!(outside.count() > m * n * 9 / 10);
+}
+
+#[test]
+fn an_empty_depth_zeroes_or_keeps_c() {
+    for kernel in Kernel::available() {
+        let mut c = vec![5f32; 6];
+        let a: [f32; 0] = [];
+        let (am, bm) = (
+            MatRef::new(&a, 2, 0, 0, 1).unwrap(),
+            MatRef::new(&a, 0, 3, 3, 1).unwrap(),
+        );
+        gemm_with(
+            kernel,
+            MatMut::row_major(&mut c, 2, 3).unwrap(),
+            am,
+            bm,
+            1.0,
+            Start::Keep,
+            1,
+        )
+        .unwrap();
+        assert_eq!(c, vec![5.0; 6]);
+        gemm_with(
+            kernel,
+            MatMut::row_major(&mut c, 2, 3).unwrap(),
+            am,
+            bm,
+            1.0,
+            Start::Zero,
+            1,
+        )
+        .unwrap();
+        assert_eq!(c, vec![0.0; 6]);
+        gemm_with(
+            kernel,
+            MatMut::row_major(&mut c, 2, 3).unwrap(),
+            am,
+            bm,
+            1.0,
+            Start::Bias(&[1.0, 2.0, 3.0]),
+            1,
+        )
+        .unwrap();
+        assert_eq!(c, vec![1.0, 2.0, 3.0, 1.0, 2.0, 3.0]);
+    }
+}
+
+#[test]
+fn bad_shapes_and_views_are_refused() {
+    let data = vec![0f32; 12];
+    assert!(matches!(
+        MatRef::new(&data, 3, 5, 5, 1),
+        Err(ShapeError::OutOfBounds {
+            need: 15,
+            have: 12,
+            ..
+        })
+    ));
+    assert!(MatRef::new(&data, 3, 4, 4, 1).is_ok());
+    let mut c = vec![0f32; 12];
+    assert!(MatMut::new(&mut c, 3, 4, 3).is_err(), "rows overlapping");
+    let a = MatRef::row_major(&data, 3, 4).unwrap();
+    let b = MatRef::row_major(&data, 3, 4).unwrap();
+    let err = gemm(
+        MatMut::row_major(&mut c, 3, 4).unwrap(),
+        a,
+        b,
+        1.0,
+        Start::Zero,
+        1,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("A 3x4 · B 3x4"), "{err}");
+    let b = MatRef::row_major(&data, 4, 3).unwrap();
+    let err = gemm(
+        MatMut::row_major(&mut c, 3, 3).unwrap(),
+        a,
+        b,
+        1.0,
+        Start::Bias(&[1.0]),
+        1,
+    )
+    .unwrap_err();
+    assert!(matches!(err, ShapeError::Bias { len: 1, cols: 3 }));
+}
+
+#[test]
+fn operands_read_through_any_strides_give_the_contiguous_bits() {
+    // Every other row and column of larger matrices (neither stride 1: the
+    // packing's general path) against the same values stored contiguously.
+    let (m, n, k) = (19, 35, 400);
+    let a_big = random(5, 2 * m * 2 * k);
+    let b_big = random(6, 2 * k * 2 * n);
+    let a_view = MatRef::new(&a_big, m, k, 4 * k, 2).unwrap();
+    let b_view = MatRef::new(&b_big, k, n, 4 * n, 2).unwrap();
+    let a_flat: Vec<f32> = (0..m * k).map(|e| a_view.at(e / k, e % k)).collect();
+    let b_flat: Vec<f32> = (0..k * n).map(|e| b_view.at(e / n, e % n)).collect();
+    for kernel in Kernel::available() {
+        let mut strided = vec![0f32; m * n];
+        let mut flat = vec![0f32; m * n];
+        let c = MatMut::row_major(&mut strided, m, n).unwrap();
+        gemm_with(kernel, c, a_view, b_view, 1.0, Start::Zero, 1).unwrap();
+        let (a, b) = (
+            MatRef::row_major(&a_flat, m, k).unwrap(),
+            MatRef::row_major(&b_flat, k, n).unwrap(),
+        );
+        gemm_with(
+            kernel,
+            MatMut::row_major(&mut flat, m, n).unwrap(),
+            a,
+            b,
+            1.0,
+            Start::Zero,
+            1,
+        )
+        .unwrap();
+        assert!(
+            strided
+                .iter()
+                .zip(&flat)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{kernel:?}"
+        );
+        assert!(flat.iter().any(|&v| v != 0.0));
+    }
+}
