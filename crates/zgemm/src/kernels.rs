@@ -23,6 +23,9 @@ pub(crate) struct Tile {
     pub(crate) alpha: f32,
     /// `c = c + α·acc` instead of `c = α·acc`.
     pub(crate) add: bool,
+    /// If not null (and not `add`): `c = bias[j] + α·acc`, the tile's
+    /// columns of the bias.
+    pub(crate) bias: *const f32,
     /// Element (0, 0) of the tile in `C`.
     pub(crate) c: *mut f32,
     /// `C`'s row stride.
@@ -37,14 +40,22 @@ pub(crate) struct Tile {
 ///
 /// # Safety
 ///
-/// `t.c` must be valid for `t.rows` rows of `t.cols` floats at stride `t.rs`.
+/// `t.c` must be valid for `t.rows` rows of `t.cols` floats at stride `t.rs`,
+/// and `t.bias`, unless null, for `t.cols` floats.
 unsafe fn store_edge(t: &Tile, acc: &[f32], nr: usize) {
     for i in 0..t.rows {
         for j in 0..t.cols {
             let v = t.alpha * acc[i * nr + j];
             // SAFETY: (i, j) is a live element of the tile (caller).
             let c = unsafe { &mut *t.c.add(i * t.rs + j) };
-            *c = if t.add { *c + v } else { v };
+            *c = if t.add {
+                *c + v
+            } else if !t.bias.is_null() {
+                // SAFETY: the bias holds the tile's live columns (caller).
+                unsafe { *t.bias.add(j) + v }
+            } else {
+                v
+            };
         }
     }
 }
@@ -54,8 +65,9 @@ unsafe fn store_edge(t: &Tile, acc: &[f32], nr: usize) {
 /// # Safety
 ///
 /// `t.a` must be valid for `4 × t.k` elements at its strides, `t.b` hold
-/// `16·t.k` floats, and `t.c` be valid for the live part of the tile (as
-/// [`store_edge`]), written by no one else.
+/// `16·t.k` floats, `t.c` be valid for the live part of the tile (as
+/// [`store_edge`]), written by no one else, and `t.bias`, unless null, hold
+/// the tile's live columns.
 pub(crate) unsafe fn portable(t: &Tile) {
     const MR: usize = 4;
     const NR: usize = 16;
@@ -106,7 +118,8 @@ mod x86 {
     ///
     /// The CPU must have AVX2 and FMA; `t.a` must be valid for
     /// `6 × t.k` elements at its strides, `t.b` hold `16·t.k` floats, and
-    /// `t.c` be valid for the live part of the tile, written by no one else.
+    /// `t.c` be valid for the live part of the tile, written by no one else;
+    /// `t.bias`, unless null, must hold the tile's live columns.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn avx2(t: &Tile) {
         const MR: usize = 6;
@@ -148,6 +161,8 @@ mod x86 {
                         let v = _mm256_mul_ps(alpha, *v);
                         let v = if t.add {
                             _mm256_add_ps(_mm256_loadu_ps(c), v)
+                        } else if !t.bias.is_null() {
+                            _mm256_add_ps(_mm256_loadu_ps(t.bias.add(8 * h)), v)
                         } else {
                             v
                         };
@@ -175,7 +190,8 @@ mod x86 {
     ///
     /// The CPU must have AVX-512F; `t.a` must be valid for
     /// `12 × t.k` elements at its strides, `t.b` hold `32·t.k` floats, and
-    /// `t.c` be valid for the live part of the tile, written by no one else.
+    /// `t.c` be valid for the live part of the tile, written by no one else;
+    /// `t.bias`, unless null, must hold the tile's live columns.
     #[target_feature(enable = "avx512f")]
     pub(crate) unsafe fn avx512(t: &Tile) {
         const MR: usize = 12;
@@ -208,6 +224,8 @@ mod x86 {
                         let v = _mm512_mul_ps(alpha, *v);
                         let v = if t.add {
                             _mm512_add_ps(_mm512_loadu_ps(c), v)
+                        } else if !t.bias.is_null() {
+                            _mm512_add_ps(_mm512_loadu_ps(t.bias.add(16 * h)), v)
                         } else {
                             v
                         };

@@ -66,6 +66,9 @@ pub enum ShapeError {
     /// The bias is not one value per column of `C`.
     #[error("bias of {len} values for {cols} columns")]
     Bias { len: usize, cols: usize },
+    /// `Start::Keep` on a `C` of uninitialised memory.
+    #[error("C is uninitialised memory, which Start::Keep would read")]
+    KeepUninit,
 }
 
 /// A read-only matrix: element `(i, j)` is `data[i·rs + j·cs]`.
@@ -144,13 +147,39 @@ impl<'a> MatRef<'a> {
 }
 
 /// The output: `rows × cols` with row stride `rs` (columns adjacent), so that
-/// a block of columns of a wider matrix can be written in place.
+/// a block of columns of a wider matrix can be written in place; over
+/// initialised floats, or over uninitialised memory that a [`Start::Zero`] or
+/// [`Start::Bias`] product fills (a fresh output without a zeroing pass).
 #[derive(Debug)]
 pub struct MatMut<'a> {
-    data: &'a mut [f32],
+    ptr: *mut f32,
     rows: usize,
     cols: usize,
     rs: usize,
+    /// Whether the elements hold values (`Start::Keep` reads them).
+    init: bool,
+    _data: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+/// Checks that `rows × cols` at row stride `rs` fits `len` floats.
+fn fits(rows: usize, cols: usize, rs: usize, len: usize) -> Result<(), ShapeError> {
+    let need = if rows == 0 || cols == 0 {
+        0
+    } else {
+        (rows - 1) * rs + cols
+    };
+    if need > len || (rows > 1 && rs < cols) {
+        return Err(ShapeError::OutOfBounds {
+            what: "C",
+            rows,
+            cols,
+            rs,
+            cs: 1,
+            need,
+            have: len,
+        });
+    }
+    Ok(())
 }
 
 impl<'a> MatMut<'a> {
@@ -161,27 +190,14 @@ impl<'a> MatMut<'a> {
         cols: usize,
         rs: usize,
     ) -> Result<MatMut<'a>, ShapeError> {
-        let need = if rows == 0 || cols == 0 {
-            0
-        } else {
-            (rows - 1) * rs + cols
-        };
-        if need > data.len() || (rows > 1 && rs < cols) {
-            return Err(ShapeError::OutOfBounds {
-                what: "C",
-                rows,
-                cols,
-                rs,
-                cs: 1,
-                need,
-                have: data.len(),
-            });
-        }
+        fits(rows, cols, rs, data.len())?;
         Ok(MatMut {
-            data,
+            ptr: data.as_mut_ptr(),
             rows,
             cols,
             rs,
+            init: true,
+            _data: std::marker::PhantomData,
         })
     }
 
@@ -192,6 +208,27 @@ impl<'a> MatMut<'a> {
         cols: usize,
     ) -> Result<MatMut<'a>, ShapeError> {
         MatMut::new(data, rows, cols, cols)
+    }
+
+    /// A view with row stride `rs` over uninitialised memory: a product with
+    /// [`Start::Zero`] or [`Start::Bias`] writes every element of the view
+    /// (then the caller may assume them initialised); [`Start::Keep`] is
+    /// refused.
+    pub fn uninit(
+        data: &'a mut [std::mem::MaybeUninit<f32>],
+        rows: usize,
+        cols: usize,
+        rs: usize,
+    ) -> Result<MatMut<'a>, ShapeError> {
+        fits(rows, cols, rs, data.len())?;
+        Ok(MatMut {
+            ptr: data.as_mut_ptr().cast(),
+            rows,
+            cols,
+            rs,
+            init: false,
+            _data: std::marker::PhantomData,
+        })
     }
 }
 
@@ -331,31 +368,34 @@ pub fn gemm_with(
             });
         }
     }
+    if !c.init && matches!(start, Start::Keep) {
+        return Err(ShapeError::KeepUninit);
+    }
     if m == 0 || n == 0 {
         return Ok(());
     }
-    // What the first block of KC does with C: the bias goes in first and the
-    // block adds to it.
-    let add_first = match start {
-        Start::Zero => false,
-        Start::Keep => true,
-        Start::Bias(bias) => {
-            for i in 0..m {
-                c.data[i * c.rs..i * c.rs + n].copy_from_slice(bias);
-            }
-            true
-        }
+    // What the first block of KC starts from: C itself (`Keep`), or nothing,
+    // or the bias, which the tiles add as they store (not a pass of its own
+    // over C: C is often fresh memory, and its first touch belongs in the
+    // parallel part).
+    let (add_first, bias) = match start {
+        Start::Zero => (false, None),
+        Start::Keep => (true, None),
+        Start::Bias(bias) => (false, Some(bias)),
     };
     if k == 0 {
         if !add_first {
             for i in 0..m {
-                c.data[i * c.rs..i * c.rs + n].fill(0.0);
+                for j in 0..n {
+                    // SAFETY: (i, j) is inside C's checked view.
+                    unsafe { c.ptr.add(i * c.rs + j).write(bias.map_or(0.0, |b| b[j])) };
+                }
             }
         }
         return Ok(());
     }
     let (mr, nr, mc) = (kernel.mr(), kernel.nr(), kernel.mc());
-    let c_ptr = SendPtr(c.data.as_mut_ptr());
+    let c_ptr = SendPtr(c.ptr);
     // Taken, not borrowed: while this thread waits for the tasks, rayon may
     // run another job on it that multiplies too.
     let mut packed_b = PACKED_B.take();
@@ -376,16 +416,20 @@ pub fn gemm_with(
                 b_block.chunks_mut(nr * kc).enumerate().for_each(pack);
             }
             let b_block = &*b_block;
-            // Tasks: a block of A's rows × a range of B's panels; enough
-            // of them that every thread has two.
+            // Tasks: a block of A's rows × a range of B's panels, enough of
+            // them that every thread has two, numbered so that rayon's
+            // halving hands each thread its own range of panels (half the
+            // packed B each to stream) where A needs no packing, which a
+            // task of each range would otherwise repeat.
             let m_blocks = m.div_ceil(mc);
-            let splits = if threads > 1 {
-                (2 * threads).div_ceil(m_blocks).clamp(1, panels)
-            } else {
-                1
-            };
+            let splits = match threads {
+                1 => 1,
+                _ if a.cs == 1 => threads.max((2 * threads).div_ceil(m_blocks)),
+                _ => (2 * threads).div_ceil(m_blocks),
+            }
+            .clamp(1, panels);
             let task = |t: usize| {
-                let (ib, s) = (t / splits, t % splits);
+                let (s, ib) = (t / m_blocks, t % m_blocks);
                 let (i0, mlen) = (ib * mc, mc.min(m - ib * mc));
                 let panel_range = chunk(panels, splits, s);
                 let mut packed_a = PACKED_A.take();
@@ -420,6 +464,10 @@ pub fn gemm_with(
                                 b: b_block[p * nr * kc..].as_ptr(),
                                 alpha,
                                 add,
+                                bias: match bias {
+                                    Some(b) if pc == 0 => b[j..].as_ptr(),
+                                    _ => std::ptr::null(),
+                                },
                                 // SAFETY: row i, column j of C are inside its view (i < m, j < n).
                                 c: unsafe { c_ptr.get().add(i * c.rs + j) },
                                 rs: c.rs,
@@ -489,7 +537,7 @@ fn pack_a(a: &MatRef, i0: usize, rows: usize, p0: usize, kc: usize, mr: usize, d
     } else if a.rs == 1 {
         // Aᵀ stored row-major (xᵀ·dy): a panel's column is contiguous.
         for (p, d) in dst.chunks_exact_mut(mr).take(kc).enumerate() {
-            d[..rows].copy_from_slice(&a.data[(p0 + p) * a.cs + i0..][..rows]);
+            copy_short(&mut d[..rows], &a.data[(p0 + p) * a.cs + i0..][..rows]);
         }
     } else {
         for p in 0..kc {
@@ -509,7 +557,7 @@ fn pack_b(b: &MatRef, p0: usize, kc: usize, j0: usize, cols: usize, nr: usize, d
     if b.cs == 1 {
         for p in 0..kc {
             let src = &b.data[(p0 + p) * b.rs + j0..][..cols];
-            dst[p * nr..p * nr + cols].copy_from_slice(src);
+            copy_short(&mut dst[p * nr..p * nr + cols], src);
         }
     } else if b.rs == 1 {
         // Bᵀ stored row-major (dy·Wᵀ): columns of B are contiguous.
@@ -525,6 +573,24 @@ fn pack_b(b: &MatRef, p0: usize, kc: usize, j0: usize, cols: usize, nr: usize, d
                 dst[p * nr + j] = b.at(p0 + p, j0 + j);
             }
         }
+    }
+}
+
+/// `dst.copy_from_slice(src)` for the lengths packing copies (a panel's
+/// height or width) as fixed-size moves: at 24 or 64 bytes, a call to
+/// `memcpy` per row cost more than the copy (3% of a training step).
+fn copy_short(dst: &mut [f32], src: &[f32]) {
+    fn fixed<const N: usize>(dst: &mut [f32], src: &[f32]) {
+        let d: &mut [f32; N] = dst.try_into().expect("N floats");
+        *d = src.try_into().expect("N floats");
+    }
+    match dst.len() {
+        4 => fixed::<4>(dst, src),
+        6 => fixed::<6>(dst, src),
+        12 => fixed::<12>(dst, src),
+        16 => fixed::<16>(dst, src),
+        32 => fixed::<32>(dst, src),
+        _ => dst.copy_from_slice(src),
     }
 }
 

@@ -343,6 +343,11 @@ fn bad_shapes_and_views_are_refused() {
     )
     .unwrap_err();
     assert!(matches!(err, ShapeError::Bias { len: 1, cols: 3 }));
+    // Uninitialised memory is written, never read.
+    let mut fresh = vec![std::mem::MaybeUninit::<f32>::uninit(); 9];
+    let c = MatMut::uninit(&mut fresh, 3, 3, 3).unwrap();
+    let err = gemm(c, a, b, 1.0, Start::Keep, 1).unwrap_err();
+    assert!(matches!(err, ShapeError::KeepUninit));
 }
 
 #[test]

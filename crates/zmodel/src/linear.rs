@@ -24,6 +24,7 @@
 //! just before its use and hands each tile's gradient to the reduction as
 //! soon as it exists.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
@@ -142,7 +143,16 @@ pub(crate) fn forward<S: BlockSource>(
     let x = x.contiguous()?;
     let (rows, inputs) = x.dims2()?;
     let width = tiles.last().map_or(0, |t| t.end);
-    let mut y = vec![0f32; rows * width];
+    if tiles.first().is_some_and(|t| t.start != 0)
+        || tiles.windows(2).any(|w| w[0].end != w[1].start)
+    {
+        return Err(candle_core::Error::Msg(format!(
+            "{linear:?}: tiles {tiles:?} do not cover the columns in order"
+        ))
+        .into());
+    }
+    // Every element is written by its tile's product (Zero or Bias start).
+    let mut y = uninit_floats(rows * width);
     let threads = rayon::current_num_threads();
     for (t, cols) in tiles.iter().enumerate() {
         let p = src.linear(linear, t, cols.clone())?;
@@ -164,7 +174,7 @@ pub(crate) fn forward<S: BlockSource>(
                 None => Start::Zero,
             };
             zgemm::gemm(
-                MatMut::new(&mut y[cols.start..], rows, cols.len(), width).map_err(shape)?,
+                MatMut::uninit(&mut y[cols.start..], rows, cols.len(), width).map_err(shape)?,
                 MatRef::row_major(f32s(&xs, xl)?, rows, inputs).map_err(shape)?,
                 MatRef::row_major(f32s(&ws, wl)?, inputs, cols.len()).map_err(shape)?,
                 1.0,
@@ -176,6 +186,9 @@ pub(crate) fn forward<S: BlockSource>(
         drop(p);
         src.release(linear, t)?;
     }
+    // SAFETY: the tiles cover every column (checked above), and each tile's
+    // product wrote all its rows.
+    let y = unsafe { assume_init(y) };
     Ok(Tensor::from_vec(y, (rows, width), &Device::Cpu)?)
 }
 
@@ -218,12 +231,13 @@ pub(crate) fn backward<S: BlockSource>(
     let (rows, inputs) = x.dims2()?;
     let width = dy.dim(1)?;
     let threads = rayon::current_num_threads();
-    let mut dx = vec![0f32; rows * inputs];
+    // Made by the first chunk's product (a Zero start writes every element).
+    let mut dx: Option<Vec<f32>> = None;
     for (t, cols) in tiles.iter().enumerate() {
         let p = src.linear(linear, t, cols.clone())?;
         let weight = p.weight.contiguous()?;
         let w = cols.len();
-        let mut dw = vec![0f32; inputs * w];
+        let mut dw = uninit_floats(inputs * w);
         {
             let (xs, xl) = x.storage_and_layout();
             let (ds, dl) = dy.storage_and_layout();
@@ -231,7 +245,7 @@ pub(crate) fn backward<S: BlockSource>(
             let (xv, dyv, wv) = (f32s(&xs, xl)?, f32s(&ds, dl)?, f32s(&ws, wl)?);
             // dW = xᵀ·dy_t
             zgemm::gemm(
-                MatMut::row_major(&mut dw, inputs, w).map_err(shape)?,
+                MatMut::uninit(&mut dw, inputs, w, w).map_err(shape)?,
                 MatRef::row_major(xv, rows, inputs).map_err(shape)?.t(),
                 MatRef::new(&dyv[cols.start..], rows, w, width, 1).map_err(shape)?,
                 1.0,
@@ -242,22 +256,41 @@ pub(crate) fn backward<S: BlockSource>(
             // dx += dy_t·Wᵀ, a chunk of DX_CHUNK columns at a time, in order.
             for c0 in (0..w).step_by(DX_CHUNK) {
                 let c = DX_CHUNK.min(w - c0);
-                let first = cols.start == 0 && c0 == 0;
-                zgemm::gemm(
-                    MatMut::row_major(&mut dx, rows, inputs).map_err(shape)?,
-                    MatRef::new(&dyv[cols.start + c0..], rows, c, width, 1).map_err(shape)?,
-                    MatRef::new(&wv[c0..], inputs, c, w, 1).map_err(shape)?.t(),
-                    1.0,
-                    if first { Start::Zero } else { Start::Keep },
-                    threads,
-                )
-                .map_err(shape)?;
+                let a = MatRef::new(&dyv[cols.start + c0..], rows, c, width, 1).map_err(shape)?;
+                let b = MatRef::new(&wv[c0..], inputs, c, w, 1).map_err(shape)?.t();
+                match dx.as_mut() {
+                    Some(dx) => zgemm::gemm(
+                        MatMut::row_major(dx, rows, inputs).map_err(shape)?,
+                        a,
+                        b,
+                        1.0,
+                        Start::Keep,
+                        threads,
+                    )
+                    .map_err(shape)?,
+                    None => {
+                        let mut fresh = uninit_floats(rows * inputs);
+                        zgemm::gemm(
+                            MatMut::uninit(&mut fresh, rows, inputs, inputs).map_err(shape)?,
+                            a,
+                            b,
+                            1.0,
+                            Start::Zero,
+                            threads,
+                        )
+                        .map_err(shape)?;
+                        // SAFETY: a Zero start wrote every element.
+                        dx = Some(unsafe { assume_init(fresh) });
+                    }
+                }
             }
         }
         let bias = match p.bias {
             Some(_) => Some(column_sums(&dy.narrow(1, cols.start, w)?)?),
             None => None,
         };
+        // SAFETY: a Zero start wrote every element of dW.
+        let dw = unsafe { assume_init(dw) };
         let grad = WeightBias {
             weight: Tensor::from_vec(dw, (inputs, w), &Device::Cpu)?,
             bias,
@@ -266,7 +299,29 @@ pub(crate) fn backward<S: BlockSource>(
         src.release(linear, t)?;
         src.linear_grad(linear, t, grad)?;
     }
+    let dx = dx.unwrap_or_else(|| vec![0f32; rows * inputs]);
     Ok(Tensor::from_vec(dx, (rows, inputs), &Device::Cpu)?)
+}
+
+/// `len` floats' worth of fresh memory for a product to fill: no zeroing
+/// pass (on memory reused from the heap, the allocator's zeroing of a large
+/// output was a serial 2% of a step).
+fn uninit_floats(len: usize) -> Vec<MaybeUninit<f32>> {
+    let mut v = Vec::with_capacity(len);
+    // SAFETY: `MaybeUninit` values need no initialisation.
+    unsafe { v.set_len(len) };
+    v
+}
+
+/// The floats a product wrote.
+///
+/// # Safety
+///
+/// Every element of `v` must have been written.
+unsafe fn assume_init(v: Vec<MaybeUninit<f32>>) -> Vec<f32> {
+    let mut v = std::mem::ManuallyDrop::new(v);
+    // SAFETY: same allocation, layout and length; initialised (caller).
+    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f32>(), v.len(), v.capacity()) }
 }
 
 fn shape(e: zgemm::ShapeError) -> candle_core::Error {
