@@ -276,8 +276,13 @@ impl Kernel {
 
     /// The fastest kernel this CPU can run.
     pub fn best() -> Kernel {
-        static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
-        *BEST.get_or_init(|| Kernel::available()[0])
+        Kernel::detected()[0]
+    }
+
+    /// [`Kernel::available`], detected once (every product checks it).
+    fn detected() -> &'static [Kernel] {
+        static DETECTED: std::sync::OnceLock<Vec<Kernel>> = std::sync::OnceLock::new();
+        DETECTED.get_or_init(Kernel::available)
     }
 
     /// Rows of a register tile.
@@ -346,7 +351,7 @@ pub fn gemm_with(
     threads: usize,
 ) -> Result<(), ShapeError> {
     assert!(
-        Kernel::available().contains(&kernel),
+        Kernel::detected().contains(&kernel),
         "the {kernel:?} GEMM kernel needs a CPU feature this one lacks"
     );
     let (m, n, k) = (c.rows, c.cols, a.cols);
