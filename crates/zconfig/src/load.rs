@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, ConfigError};
 use crate::hostfile::Topology;
-use crate::spec::{Backend, Device, JobSpec, ModelKind, ZeroStage};
+use crate::spec::{Backend, JobSpec, ModelKind, ZeroStage};
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
 #[derive(Debug, Clone)]
@@ -663,9 +663,6 @@ impl LoadedJob {
         }
         if s.checkpoint.every > 0 && s.checkpoint.dir.is_none() {
             return Err(self.invalid("checkpoint.every", "needs checkpoint.dir"));
-        }
-        if s.device == Device::Cuda {
-            return Err(self.unsupported("device", "training on cuda"));
         }
         if s.run_dir.trim().is_empty() {
             return Err(self.invalid("run_dir", "must not be empty"));

@@ -170,6 +170,7 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
     // launch when the remote shell cannot start it.
     let (env, worker_bin) = worker_setup(args, &spec, launcher != Launcher::Ssh)?;
     check_mpi(&spec, launcher, &worker_bin)?;
+    check_device(&spec, launcher, &worker_bin)?;
     Ok(LaunchPlan {
         spec,
         topology,
@@ -183,6 +184,45 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         env,
         per_node: None,
     })
+}
+
+/// `device: cuda` is bad input (exit 2) before launch: training on GPUs is not
+/// built yet. The message says so and, where the worker binary is on this
+/// host, what the host has (the worker's `--cuda-probe`: its `cuda` feature,
+/// driver, GPUs, NVRTC), so that a user sees every missing piece at once.
+pub fn check_device(
+    spec: &JobSpec,
+    launcher: Launcher,
+    worker_bin: &std::path::Path,
+) -> Result<()> {
+    if spec.device != zconfig::spec::Device::Cuda {
+        return Ok(());
+    }
+    let host = if launcher == Launcher::Ssh {
+        String::new()
+    } else {
+        let out = std::process::Command::new(worker_bin)
+            .arg("--cuda-probe")
+            .output()
+            .map_err(|e| {
+                Failure::launch(format!(
+                    "running {} --cuda-probe: {e}",
+                    worker_bin.display()
+                ))
+            })?;
+        let report = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if out.status.success() && !report.is_empty() {
+            format!("; on this host: {report}")
+        } else {
+            format!(
+                "; on this host: {} predates --cuda-probe (rebuild it)",
+                worker_bin.display()
+            )
+        }
+    };
+    Err(Failure::bad_input(format!(
+        "device: cuda: training on GPUs is not in zrun yet (the GPU kernels compile and are tested where a GPU is; the GPU model, device buffers and NCCL transport are not built: docs/GPU.md){host}"
+    )))
 }
 
 /// `comm.backend: mpi` needs workers started by mpirun and built with MPI;
@@ -270,6 +310,7 @@ pub fn plan_per_node(
         node_addrs[per_node.node_rank] = a.to_string();
     }
     let (env, worker_bin) = worker_setup(args, &spec, true)?;
+    check_device(&spec, Launcher::Local, &worker_bin)?;
     Ok(LaunchPlan {
         spec,
         topology,

@@ -12,6 +12,7 @@
 //! - [`bench`](mod@bench): `zrun bench comm`'s measurements.
 //! - [`kernels`]: `zrun bench kernels`'s measurements.
 //! - [`sample`]: `zrun sample`'s text generation (run as `zworker sample`).
+//! - [`gpu`]: what this host offers `device: cuda` (`zworker --cuda-probe`).
 //!
 //! The design decision to know: a worker never decides how the job ends. Any
 //! error is reported to zrun as `Failed` and the process exits 1; zrun stops the
@@ -23,6 +24,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod control;
 pub mod env;
+pub mod gpu;
 pub mod groups;
 pub mod kernels;
 pub mod sample;
@@ -44,6 +46,9 @@ pub fn features() -> Vec<&'static str> {
     let mut f = Vec::new();
     if cfg!(feature = "mpi") {
         f.push("mpi");
+    }
+    if cfg!(feature = "cuda") {
+        f.push("cuda");
     }
     f
 }
@@ -94,6 +99,9 @@ fn run_task(
     groups: &mut Option<Groups>,
 ) -> Result<()> {
     let (timeout_s, heartbeat_s) = match &welcome.task {
+        Task::Train(t) if t.spec.device == zconfig::spec::Device::Cuda => {
+            anyhow::bail!("device: cuda: {}; {}", gpu::NOT_BUILT, gpu::host_report())
+        }
         Task::Train(t) => (t.spec.comm.timeout_s, t.spec.comm.heartbeat_s),
         Task::BenchComm(b) => (b.timeout_s, 30.0),
         Task::BenchKernels {

@@ -21,6 +21,11 @@ fn main() -> ExitCode {
             println!("{}", zworker::features().join(" "));
             Ok(())
         }
+        // zrun asks before launching a `device: cuda` job.
+        Some("--cuda-probe") => {
+            println!("{}", zworker::gpu::host_report());
+            Ok(())
+        }
         _ => zworker::run(),
     };
     match result {

@@ -186,6 +186,24 @@ impl Consts {
     }
 }
 
+/// The scalars the GPU kernel (`kernels/adamw.cu`) reads, derived exactly as
+/// the CPU's, so that both give the same bits.
+#[cfg(feature = "cuda")]
+pub fn device_consts(s: &AdamStep, decay: bool) -> zcuda::AdamConsts {
+    let c = Consts::new(s, decay);
+    zcuda::AdamConsts {
+        gscale: c.gscale,
+        b1: c.b1,
+        omb1: c.omb1,
+        b2: c.b2,
+        omb2: c.omb2,
+        step_size: c.step_size,
+        inv_sqrt_bc2: c.inv_sqrt_bc2,
+        eps: c.eps,
+        shrink: c.shrink,
+    }
+}
+
 /// The vector paths this CPU has, best first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
@@ -444,6 +462,75 @@ mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// On a GPU, the device kernel gives the CPU's bits in every precision
+    /// (skipped with a printed reason where no GPU is; `ZRUN_REQUIRE_GPU=1`
+    /// makes it mandatory).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_gpu_kernel_equals_the_cpu_bit_for_bit() {
+        let gpu = match zcuda::probe().usable_devices() {
+            Ok(_) => zcuda::Gpu::open(0).expect("opening GPU 0"),
+            Err(why) => {
+                assert!(
+                    std::env::var("ZRUN_REQUIRE_GPU").as_deref() != Ok("1"),
+                    "ZRUN_REQUIRE_GPU=1 but: {why}"
+                );
+                eprintln!("SKIPPED the_gpu_kernel_equals_the_cpu_bit_for_bit: {why}");
+                return;
+            }
+        };
+        let s = AdamStep {
+            grad_scale: 0.37,
+            ..step(3)
+        };
+        for n in [1, 1001, (1 << 20) + 37] {
+            let inputs = inputs(n, n as u32 + 7);
+            for kind in PRECISIONS {
+                let want = update(None, 1, kind, &inputs, 0, &s);
+                let [p, g, m, v] = &inputs;
+                let up = |x: &Vec<f32>| gpu.upload(x).unwrap();
+                let (mut dp, mut dm, mut dv) = (up(p), up(m), up(v));
+                let gh: Vec<u16> =
+                    kind.map_or(Vec::new(), |h| g.iter().map(|&x| h.round(x)).collect());
+                let dg32 = up(g);
+                let dgh = gpu
+                    .upload(&if kind.is_some() { gh } else { vec![0] })
+                    .unwrap();
+                let mut dw = gpu.zeros::<u16>(n).unwrap();
+                let half = |h: Half| match h {
+                    Half::Bf16 => zcuda::Half16::Bf16,
+                    Half::F16 => zcuda::Half16::F16,
+                };
+                let grads = match kind {
+                    None => zcuda::DeviceGrads::F32(&dg32),
+                    Some(h) => zcuda::DeviceGrads::Half(half(h), &dgh),
+                };
+                let working = kind.map(|h| (half(h), &mut dw));
+                gpu.adamw(
+                    &mut dp,
+                    grads,
+                    &mut dm,
+                    &mut dv,
+                    working,
+                    &device_consts(&s, true),
+                )
+                .unwrap();
+                let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                let down = |x: &zcuda::CudaSlice<f32>| bits(gpu.download(x).unwrap());
+                assert_eq!(down(&dp), bits(want.0), "p, {kind:?} n {n}");
+                assert_eq!(down(&dm), bits(want.1), "m, {kind:?} n {n}");
+                assert_eq!(down(&dv), bits(want.2), "v, {kind:?} n {n}");
+                if kind.is_some() {
+                    assert_eq!(
+                        gpu.download(&dw).unwrap(),
+                        want.3,
+                        "working, {kind:?} n {n}"
+                    );
                 }
             }
         }

@@ -1,0 +1,427 @@
+//! One GPU: its context, a stream, and the kernels of `kernels/` loaded for
+//! its architecture, with a typed launch for each.
+//!
+//! Launches are asynchronous on the stream; the calls that return host data
+//! (downloads, the quantizer's non-finite check) wait for it.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use zquant::{Bits, QuantError, Quantized};
+
+use crate::compile::{compile, KERNELS};
+use crate::{probe, CudaError};
+
+/// Threads per block of the element-wise kernels.
+const THREADS: u32 = 256;
+/// Blocks of a grid-stride launch at most (a few per SM on any current GPU).
+const MAX_BLOCKS: u32 = 4096;
+/// The quantizer's threads per block (`THREADS` in `quantize.cu`).
+const QUANT_THREADS: u32 = 256;
+
+/// AdamW's per-step scalars, as zrun's CPU kernel derives them (zengine
+/// builds them; the layout is `AdamConsts` in `adamw.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamConsts {
+    /// Every gradient is multiplied by this first.
+    pub gscale: f32,
+    /// beta1.
+    pub b1: f32,
+    /// 1 - beta1.
+    pub omb1: f32,
+    /// beta2.
+    pub b2: f32,
+    /// 1 - beta2.
+    pub omb2: f32,
+    /// lr over the first moment's bias correction.
+    pub step_size: f32,
+    /// 1 / sqrt of the second moment's bias correction.
+    pub inv_sqrt_bc2: f32,
+    /// Added to the denominator.
+    pub eps: f32,
+    /// 1 - lr·weight_decay where decay applies, else 1.
+    pub shrink: f32,
+}
+
+// SAFETY: nine f32 in C layout, no pointers; `adamw.cu` declares the same
+// struct, which the kernel receives by value.
+unsafe impl DeviceRepr for AdamConsts {}
+
+/// A 16-bit floating-point format on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Half16 {
+    /// bfloat16.
+    Bf16,
+    /// IEEE binary16.
+    F16,
+}
+
+impl Half16 {
+    /// The format's number in the kernels (`FMT_BF16`, `FMT_F16`).
+    fn code(self) -> i32 {
+        match self {
+            Half16::Bf16 => 1,
+            Half16::F16 => 2,
+        }
+    }
+}
+
+/// The gradient an AdamW launch reads.
+#[derive(Debug, Clone, Copy)]
+pub enum DeviceGrads<'a> {
+    /// f32 values.
+    F32(&'a CudaSlice<f32>),
+    /// 16-bit values, as bits.
+    Half(Half16, &'a CudaSlice<u16>),
+}
+
+/// Quantized values in device memory: the CPU's [`Quantized`], split in the
+/// same two parts.
+#[derive(Debug)]
+pub struct DeviceQuantized {
+    /// Bits per value.
+    pub bits: Bits,
+    /// Values per block (even).
+    pub block_size: usize,
+    /// Values.
+    pub len: usize,
+    /// One scale per block.
+    pub scales: CudaSlice<f32>,
+    /// `bits.data_bytes(len)` bytes.
+    pub data: CudaSlice<u8>,
+}
+
+/// One GPU with zrun's kernels loaded.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    name: String,
+    arch: String,
+    adamw: CudaFunction,
+    quantize: CudaFunction,
+    dequantize: CudaFunction,
+    add_f32: CudaFunction,
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal` and loads every kernel, compiled for it (or read
+    /// from the kernel cache). Without a driver, a GPU or NVRTC: the error
+    /// says which is missing.
+    pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
+        let n = probe().usable_devices().map_err(CudaError::Missing)?;
+        if ordinal >= n {
+            return Err(CudaError::Missing(format!(
+                "GPU {ordinal} asked for, but the driver sees {n}"
+            )));
+        }
+        let driver = |what: &str| {
+            let what = what.to_string();
+            move |source| CudaError::Driver { what, source }
+        };
+        let ctx = CudaContext::new(ordinal).map_err(driver("opening the GPU"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver("reading the compute capability"))?;
+        let name = ctx.name().map_err(driver("reading the GPU's name"))?;
+        let arch = format!("compute_{major}{minor}");
+        let mut functions = Vec::new();
+        for src in &KERNELS {
+            let ptx = compile(src, &arch)?.ptx;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                .map_err(driver(&format!("loading {}", src.name)))?;
+            for f in src.functions {
+                functions.push(
+                    module
+                        .load_function(f)
+                        .map_err(driver(&format!("loading {} from {}", f, src.name)))?,
+                );
+            }
+        }
+        let [adamw, quantize, dequantize, add_f32]: [CudaFunction; 4] =
+            functions.try_into().map_err(|f: Vec<_>| {
+                CudaError::Invalid(format!("expected 4 kernel functions, loaded {}", f.len()))
+            })?;
+        let stream = ctx.default_stream();
+        Ok(Gpu {
+            ctx,
+            stream,
+            name,
+            arch,
+            adamw,
+            quantize,
+            dequantize,
+            add_f32,
+        })
+    }
+
+    /// The GPU's name, as the driver reports it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The architecture its kernels were compiled for (`compute_90`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// The device's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Copies `host` into new device memory.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        self.stream
+            .clone_htod(host)
+            .map_err(|source| CudaError::Driver {
+                what: format!("copying {} values to the GPU", host.len()),
+                source,
+            })
+    }
+
+    /// Copies `dev` back to the host (waits for the stream).
+    pub fn download<T: DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>, CudaError> {
+        self.stream
+            .clone_dtoh(dev)
+            .map_err(|source| CudaError::Driver {
+                what: format!("copying {} values from the GPU", dev.len()),
+                source,
+            })
+    }
+
+    /// `len` zeros in device memory.
+    pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        self.stream
+            .alloc_zeros(len)
+            .map_err(|source| CudaError::Driver {
+                what: format!("allocating {len} values on the GPU"),
+                source,
+            })
+    }
+
+    /// One AdamW step over device-resident `p`, `m`, `v` with gradient `g`;
+    /// with `working`, also the rounded 16-bit copy of the updated `p`. Same
+    /// bits as the CPU kernel given the same [`AdamConsts`].
+    pub fn adamw(
+        &self,
+        p: &mut CudaSlice<f32>,
+        g: DeviceGrads<'_>,
+        m: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        working: Option<(Half16, &mut CudaSlice<u16>)>,
+        c: &AdamConsts,
+    ) -> Result<(), CudaError> {
+        let n = p.len();
+        let g_len = match g {
+            DeviceGrads::F32(g) => g.len(),
+            DeviceGrads::Half(_, g) => g.len(),
+        };
+        if g_len != n
+            || m.len() != n
+            || v.len() != n
+            || working.as_ref().is_some_and(|(_, w)| w.len() != n)
+        {
+            return Err(CudaError::Invalid("adamw: buffer lengths differ".into()));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = n as u64;
+        let grad_fmt = match g {
+            DeviceGrads::F32(_) => 0i32,
+            DeviceGrads::Half(h, _) => h.code(),
+        };
+        let null = 0u64;
+        let (working_fmt, mut working) = match working {
+            Some((h, w)) => (h.code(), Some(w)),
+            None => (0i32, None),
+        };
+        let mut launch = self.stream.launch_builder(&self.adamw);
+        launch.arg(p);
+        match g {
+            DeviceGrads::F32(g) => launch.arg(g),
+            DeviceGrads::Half(_, g) => launch.arg(g),
+        };
+        launch.arg(m).arg(v);
+        match working.as_mut() {
+            Some(w) => launch.arg(&mut **w),
+            None => launch.arg(&null),
+        };
+        launch.arg(&n64).arg(c).arg(&grad_fmt).arg(&working_fmt);
+        // SAFETY: the arguments match `adamw`'s signature in adamw.cu (three
+        // f32 buffers, the gradient in the format `grad_fmt` names, the
+        // working copy or null as `working_fmt` says, all of n elements,
+        // checked above), and the grid-stride loop stays below n.
+        unsafe { launch.launch(grid_stride(n)) }.map_err(|source| CudaError::Driver {
+            what: "launching adamw".into(),
+            source,
+        })?;
+        Ok(())
+    }
+
+    /// Quantizes `x` in the CPU's block format. A NaN or an infinity is
+    /// refused, naming the first one, as the CPU quantizer refuses it.
+    pub fn quantize(
+        &self,
+        x: &CudaSlice<f32>,
+        bits: Bits,
+        block_size: usize,
+    ) -> Result<DeviceQuantized, CudaError> {
+        if block_size == 0 || !block_size.is_multiple_of(2) {
+            return Err(QuantError::BlockSize(block_size).into());
+        }
+        let len = x.len();
+        if len == 0 {
+            // Device allocations of zero bytes are refused by the driver.
+            return Err(CudaError::Invalid("quantize: no values".into()));
+        }
+        let blocks = len.div_ceil(block_size);
+        let grid = u32::try_from(blocks)
+            .ok()
+            .filter(|&b| b <= i32::MAX as u32)
+            .ok_or_else(|| {
+                CudaError::Invalid(format!(
+                    "quantize: {blocks} blocks is more than one launch takes"
+                ))
+            })?;
+        let block_u32 = u32::try_from(block_size).map_err(|_| {
+            CudaError::Invalid(format!("quantize: block size {block_size} is too large"))
+        })?;
+        let mut scales = self.zeros::<f32>(blocks)?;
+        let mut data = self.zeros::<u8>(bits.data_bytes(len))?;
+        let mut bad = self.upload(&[u64::MAX])?;
+        let (len64, nbits) = (len as u64, if bits == Bits::Int8 { 8i32 } else { 4 });
+        let mut launch = self.stream.launch_builder(&self.quantize);
+        launch
+            .arg(x)
+            .arg(&len64)
+            .arg(&block_u32)
+            .arg(&nbits)
+            .arg(&mut scales)
+            .arg(&mut data)
+            .arg(&mut bad);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (QUANT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `quantize` in quantize.cu; one block
+        // per quantization block, each reading and writing only its own
+        // block's values (below len), scale and bytes.
+        unsafe { launch.launch(cfg) }.map_err(|source| CudaError::Driver {
+            what: "launching quantize".into(),
+            source,
+        })?;
+        let index = self.download(&bad)?[0];
+        if index != u64::MAX {
+            let value = self
+                .stream
+                .clone_dtoh(&x.slice(index as usize..index as usize + 1))
+                .map_err(|source| CudaError::Driver {
+                    what: "reading a non-finite input".into(),
+                    source,
+                })?[0];
+            return Err(QuantError::NonFinite {
+                index: index as usize,
+                value,
+            }
+            .into());
+        }
+        Ok(DeviceQuantized {
+            bits,
+            block_size,
+            len,
+            scales,
+            data,
+        })
+    }
+
+    /// Dequantizes `q` into `out` (of `q.len` values).
+    pub fn dequantize(
+        &self,
+        q: &DeviceQuantized,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        if out.len() != q.len {
+            return Err(CudaError::Invalid(format!(
+                "dequantize: {} values into {}",
+                q.len,
+                out.len()
+            )));
+        }
+        if q.len == 0 {
+            return Ok(());
+        }
+        let (len64, block_u32) = (q.len as u64, q.block_size as u32);
+        let nbits = if q.bits == Bits::Int8 { 8i32 } else { 4 };
+        let mut launch = self.stream.launch_builder(&self.dequantize);
+        launch
+            .arg(&q.scales)
+            .arg(&q.data)
+            .arg(&len64)
+            .arg(&block_u32)
+            .arg(&nbits)
+            .arg(out);
+        // SAFETY: the arguments match `dequantize` in quantize.cu; scales and
+        // data were sized for len values by `quantize`, out holds len.
+        unsafe { launch.launch(grid_stride(q.len)) }.map_err(|source| CudaError::Driver {
+            what: "launching dequantize".into(),
+            source,
+        })?;
+        Ok(())
+    }
+
+    /// `acc[i] += x[i]`, one IEEE addition each.
+    pub fn add(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> Result<(), CudaError> {
+        if acc.len() != x.len() {
+            return Err(CudaError::Invalid(format!(
+                "add: {} values onto {}",
+                x.len(),
+                acc.len()
+            )));
+        }
+        if x.is_empty() {
+            return Ok(());
+        }
+        let n = x.len() as u64;
+        let mut launch = self.stream.launch_builder(&self.add_f32);
+        launch.arg(&mut *acc).arg(x).arg(&n);
+        // SAFETY: the arguments match `add_f32` in reduce.cu; both buffers
+        // hold n values.
+        unsafe { launch.launch(grid_stride(x.len())) }.map_err(|source| CudaError::Driver {
+            what: "launching add_f32".into(),
+            source,
+        })?;
+        Ok(())
+    }
+}
+
+impl DeviceQuantized {
+    /// Copies the quantized values to the host, in the CPU's type (for the
+    /// wire, and for comparing with the CPU quantizer).
+    pub fn to_host(&self, gpu: &Gpu) -> Result<Quantized, CudaError> {
+        Ok(Quantized {
+            bits: self.bits,
+            block_size: self.block_size,
+            len: self.len,
+            scales: gpu.download(&self.scales)?,
+            data: gpu.download(&self.data)?,
+        })
+    }
+}
+
+fn grid_stride(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(THREADS as usize).min(MAX_BLOCKS as usize) as u32;
+    LaunchConfig {
+        grid_dim: (blocks.max(1), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}

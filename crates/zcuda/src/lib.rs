@@ -1,0 +1,119 @@
+//! zcuda: zrun's GPU layer.
+//!
+//! Nothing CUDA is needed to build it: cudarc loads the driver (`libcuda`) and
+//! NVRTC (`libnvrtc`) when first asked, and this crate asks whether each is
+//! there before touching it, because cudarc panics on a missing library. So a
+//! binary built with zrun's `cuda` feature starts on a machine without CUDA and
+//! says what is missing ([`probe`]).
+//!
+//! Layout:
+//! - this file: [`CudaError`], [`probe`] (what this host has).
+//! - `compile`: the CUDA C sources of the repository's `kernels/` folder,
+//!   embedded in the binary, compiled to PTX by NVRTC at run time for the GPU
+//!   at hand and cached on disk by a hash of source, options and compiler.
+//! - `gpu`: [`Gpu`], one device with its stream and the loaded kernels, and
+//!   typed launches of each kernel on device buffers.
+//!
+//! Every kernel is written to give the same bits as zrun's CPU kernel of the
+//! same job (AdamW, blockwise quantization, the collectives' f32 sums), so the
+//! CPU kernels are the GPU's test oracles.
+
+#![deny(missing_docs)]
+
+mod compile;
+mod gpu;
+
+pub use compile::{compile, compile_with, kernel, CacheUse, Compiled, KernelSource, KERNELS};
+pub use gpu::{AdamConsts, DeviceGrads, DeviceQuantized, Gpu, Half16};
+
+/// Re-exported so that callers hold device buffers without naming cudarc.
+pub use cudarc::driver::CudaSlice;
+
+/// What can go wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// A CUDA library or a GPU is not on this host.
+    #[error("{0}")]
+    Missing(String),
+    /// NVRTC refused a kernel.
+    #[error("kernel {kernel}: NVRTC failed ({options}):\n{log}")]
+    Compile {
+        /// The kernel's file name.
+        kernel: &'static str,
+        /// The options it was compiled with.
+        options: String,
+        /// NVRTC's log (file, line and message per error).
+        log: String,
+    },
+    /// A driver call failed.
+    #[error("{what}: {source}")]
+    Driver {
+        /// What was being done.
+        what: String,
+        /// The driver's error.
+        source: cudarc::driver::DriverError,
+    },
+    /// A quantized input held a NaN or an infinity.
+    #[error("{0}")]
+    Quant(#[from] zquant::QuantError),
+    /// Arguments that do not fit the kernel (lengths, sizes).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// What this host offers the GPU path.
+#[derive(Debug, Clone)]
+pub struct Probe {
+    /// GPUs the driver sees, or why there are none.
+    pub devices: Result<usize, String>,
+    /// NVRTC is loadable (kernels can be compiled).
+    pub nvrtc: bool,
+}
+
+impl Probe {
+    /// The GPU count, or a sentence saying what is missing.
+    pub fn usable_devices(&self) -> Result<usize, String> {
+        let n = self.devices.clone()?;
+        if !self.nvrtc {
+            return Err(NO_NVRTC.to_string());
+        }
+        Ok(n)
+    }
+}
+
+const NO_DRIVER: &str = "no CUDA driver on this host (libcuda.so was not found: install the NVIDIA driver, or add its directory to LD_LIBRARY_PATH)";
+const NO_NVRTC: &str = "NVRTC (libnvrtc.so.12) was not found: install the CUDA toolkit's runtime compiler, e.g. `pip install nvidia-cuda-nvrtc-cu12`, and add its lib/ directory to LD_LIBRARY_PATH";
+
+/// The driver is loadable (it may still see no GPU).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library's candidate names.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// NVRTC is loadable.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library's candidate names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// What this host has, without panicking where it has nothing.
+pub fn probe() -> Probe {
+    let devices = if !driver_present() {
+        Err(NO_DRIVER.to_string())
+    } else {
+        match cudarc::driver::result::init()
+            .and_then(|()| cudarc::driver::result::device::get_count())
+        {
+            Ok(0) => Err("the CUDA driver sees no GPU (CUDA_VISIBLE_DEVICES may hide them)".into()),
+            Ok(n) => Ok(n as usize),
+            Err(e) => Err(format!("the CUDA driver failed to start: {e}")),
+        }
+    };
+    Probe {
+        devices,
+        nvrtc: nvrtc_present(),
+    }
+}
+
+#[cfg(test)]
+mod tests;

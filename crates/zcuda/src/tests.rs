@@ -1,0 +1,246 @@
+//! Without a GPU: every kernel compiles with NVRTC (where libnvrtc is
+//! loadable; `ZRUN_REQUIRE_NVRTC=1` makes it mandatory, as CI does), the cache
+//! serves what it stored, and a host without a driver is told so. With a GPU
+//! (`ZRUN_REQUIRE_GPU=1` makes them mandatory): each kernel against its CPU
+//! oracle, bit for bit.
+
+use super::*;
+use zquant::Bits;
+
+/// NVRTC is here, or the test says it skipped (and fails under
+/// `ZRUN_REQUIRE_NVRTC=1`).
+fn nvrtc_or_skip(test: &str) -> bool {
+    if nvrtc_present() {
+        return true;
+    }
+    assert!(
+        std::env::var("ZRUN_REQUIRE_NVRTC").as_deref() != Ok("1"),
+        "ZRUN_REQUIRE_NVRTC=1 but libnvrtc is not loadable (LD_LIBRARY_PATH?)"
+    );
+    eprintln!("SKIPPED {test}: libnvrtc.so.12 is not loadable here (pip install nvidia-cuda-nvrtc-cu12 and add its lib/ to LD_LIBRARY_PATH)");
+    false
+}
+
+/// A GPU is here, or the test says it skipped (and fails under
+/// `ZRUN_REQUIRE_GPU=1`).
+fn gpu_or_skip(test: &str) -> Option<Gpu> {
+    match probe().usable_devices() {
+        Ok(_) => Some(Gpu::open(0).expect("opening GPU 0")),
+        Err(why) => {
+            assert!(
+                std::env::var("ZRUN_REQUIRE_GPU").as_deref() != Ok("1"),
+                "ZRUN_REQUIRE_GPU=1 but: {why}"
+            );
+            eprintln!("SKIPPED {test}: {why}");
+            None
+        }
+    }
+}
+
+#[test]
+fn every_kernel_compiles_to_ptx_for_volta_ampere_and_hopper() {
+    if !nvrtc_or_skip("every_kernel_compiles_to_ptx") {
+        return;
+    }
+    for arch in ["compute_70", "compute_80", "compute_90"] {
+        for k in &KERNELS {
+            let out = compile_with(k, arch, None).unwrap_or_else(|e| panic!("{e}"));
+            let target = format!(".target sm_{}", arch.trim_start_matches("compute_"));
+            assert!(
+                out.ptx.contains(&target),
+                "{} for {arch}: no `{target}`",
+                k.name
+            );
+            for f in k.functions {
+                assert!(
+                    out.ptx.contains(&format!(".entry {f}(")),
+                    "{} for {arch}: no entry `{f}`",
+                    k.name
+                );
+            }
+            // --fmad=false: no fused multiply-add, which the CPU kernels
+            // these must equal never form.
+            assert!(
+                !out.ptx.contains("fma.rn.f32"),
+                "{} for {arch}: an FMA",
+                k.name
+            );
+            if k.name == "adamw.cu" {
+                // Correctly rounded division and square root, as on the CPU.
+                for op in ["div.rn.f32", "sqrt.rn.f32"] {
+                    assert!(out.ptx.contains(op), "adamw for {arch}: no {op}");
+                }
+            }
+            assert_eq!(out.cache, CacheUse::Uncached);
+        }
+    }
+}
+
+#[test]
+fn a_kernel_that_does_not_compile_names_its_file_and_line() {
+    if !nvrtc_or_skip("a_kernel_that_does_not_compile") {
+        return;
+    }
+    let bad = KernelSource {
+        name: "broken.cu",
+        code: "extern \"C\" __global__ void k(float* x) {\n  x[0] = undeclared;\n}\n",
+        functions: &["k"],
+    };
+    let err = compile_with(&bad, "compute_80", None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("kernel broken.cu"), "{err}");
+    assert!(err.contains("broken.cu(2)"), "no line in: {err}");
+    assert!(err.contains("undeclared"), "{err}");
+}
+
+#[test]
+fn the_cache_serves_what_it_stored_and_a_changed_kernel_misses() {
+    if !nvrtc_or_skip("the_cache_serves_what_it_stored") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let k = kernel("reduce.cu").unwrap();
+    let first = compile_with(k, "compute_80", Some(dir.path())).unwrap();
+    assert_eq!(first.cache, CacheUse::Stored);
+    let second = compile_with(k, "compute_80", Some(dir.path())).unwrap();
+    assert_eq!(second.cache, CacheUse::Hit);
+    assert_eq!(first.ptx, second.ptx);
+    // Another architecture, and another source, are other entries.
+    let other = compile_with(k, "compute_90", Some(dir.path())).unwrap();
+    assert_eq!(other.cache, CacheUse::Stored);
+    let code = format!("{}\n// changed\n", k.code);
+    let changed = KernelSource {
+        code: Box::leak(code.into_boxed_str()),
+        ..*k
+    };
+    assert_eq!(
+        compile_with(&changed, "compute_80", Some(dir.path()))
+            .unwrap()
+            .cache,
+        CacheUse::Stored
+    );
+    let entries: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert_eq!(entries.len(), 3, "one file per entry, no temporary left");
+}
+
+#[test]
+fn a_bad_architecture_is_refused_before_nvrtc() {
+    if !nvrtc_or_skip("a_bad_architecture_is_refused") {
+        return;
+    }
+    let err = compile_with(&KERNELS[0], "sm_90; rm -rf", None).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("not an NVRTC virtual architecture"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_host_without_a_gpu_is_told_what_is_missing() {
+    let p = probe();
+    match (&p.devices, driver_present()) {
+        (Err(why), false) => {
+            assert!(why.contains("libcuda.so"), "{why}");
+            let err = Gpu::open(0).err().expect("no GPU, yet it opened");
+            assert!(err.to_string().contains("no CUDA driver"), "{err}");
+        }
+        (Err(why), true) => {
+            // A driver without a GPU (a container with the library mounted).
+            assert!(Gpu::open(0).is_err(), "{why}");
+        }
+        (Ok(n), _) => {
+            assert!(*n > 0);
+            eprintln!("this host has {n} GPU(s): the missing-driver path is not reachable here");
+        }
+    }
+}
+
+/// Values that exercise the quantizer's corners: zeros, subnormals, ties,
+/// huge values, a block of zeros, an odd tail.
+fn quant_inputs(n: usize) -> Vec<f32> {
+    let mut x: Vec<f32> = (0..n)
+        .map(|i| {
+            let t = (i as f32 * 0.618_034).fract() - 0.5;
+            t * (1.0 + (i % 7) as f32 * 10.0)
+        })
+        .collect();
+    for (i, v) in [1e-40f32, -3e-39, 0.0, 3.4e38, -3.4e38, 0.5, -0.5]
+        .into_iter()
+        .enumerate()
+    {
+        x[(i * 97) % n] = v;
+    }
+    let zeros = 256.min(n / 4);
+    x[n / 2..n / 2 + zeros].fill(0.0);
+    x
+}
+
+#[test]
+fn gpu_quantize_and_dequantize_equal_the_cpu_bit_for_bit() {
+    let Some(gpu) = gpu_or_skip("gpu_quantize_and_dequantize") else {
+        return;
+    };
+    for bits in [Bits::Int8, Bits::Int4] {
+        for (n, block) in [(10_001, 256), (4096, 2), (777, 2048), (65_536, 64)] {
+            let x = quant_inputs(n);
+            let cpu = zquant::quantize(&x, bits, block).unwrap();
+            let dx = gpu.upload(&x).unwrap();
+            let q = gpu.quantize(&dx, bits, block).unwrap();
+            let got = q.to_host(&gpu).unwrap();
+            assert_eq!(
+                got.scales, cpu.scales,
+                "{bits:?} n={n} block={block}: scales"
+            );
+            assert_eq!(got.data, cpu.data, "{bits:?} n={n} block={block}: codes");
+            let mut back = gpu.zeros::<f32>(n).unwrap();
+            gpu.dequantize(&q, &mut back).unwrap();
+            let mut want = vec![0.0; n];
+            zquant::dequantize(&cpu, &mut want);
+            let got: Vec<u32> = gpu
+                .download(&back)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, want, "{bits:?} n={n} block={block}: dequantized");
+        }
+    }
+}
+
+#[test]
+fn gpu_quantize_refuses_a_non_finite_value_naming_the_first() {
+    let Some(gpu) = gpu_or_skip("gpu_quantize_refuses_a_non_finite_value") else {
+        return;
+    };
+    let mut x = quant_inputs(5000);
+    x[4321] = f32::INFINITY;
+    x[1234] = f32::NAN;
+    let err = gpu
+        .quantize(&gpu.upload(&x).unwrap(), Bits::Int8, 256)
+        .unwrap_err();
+    match err {
+        CudaError::Quant(zquant::QuantError::NonFinite { index, value }) => {
+            assert_eq!(index, 1234);
+            assert!(value.is_nan());
+        }
+        e => panic!("{e}"),
+    }
+}
+
+#[test]
+fn gpu_add_equals_the_cpu_sum() {
+    let Some(gpu) = gpu_or_skip("gpu_add_equals_the_cpu_sum") else {
+        return;
+    };
+    let a = quant_inputs(100_003);
+    let b: Vec<f32> = a.iter().rev().map(|v| v * 0.3).collect();
+    let mut acc = gpu.upload(&a).unwrap();
+    gpu.add(&mut acc, &gpu.upload(&b).unwrap()).unwrap();
+    let got = gpu.download(&acc).unwrap();
+    for (i, ((g, x), y)) in got.iter().zip(&a).zip(&b).enumerate() {
+        assert_eq!(g.to_bits(), (x + y).to_bits(), "element {i}");
+    }
+}

@@ -1,0 +1,84 @@
+// AdamW over a device-resident slice, in one pass: read p, g, m, v; write p, m,
+// v and, with mixed precision, the 16-bit working copy of p.
+//
+// The same expression in the same order as zrun's CPU kernel
+// (crates/zengine/src/adam), every multiply, add, divide and square root
+// rounded on its own (the _rn intrinsics; the module is also compiled with
+// --fmad=false), 16-bit values rounded to nearest even: the GPU's update
+// equals the CPU's bit for bit, which keeps ZeRO-Offload (Adam on the host)
+// and in-GPU Adam interchangeable and stages 0-3 equal to each other.
+
+// Per-step scalars, derived on the host exactly as the CPU kernel derives them.
+struct AdamConsts {
+    float gscale;
+    float b1;
+    float omb1;
+    float b2;
+    float omb2;
+    float step_size;
+    float inv_sqrt_bc2;
+    float eps;
+    float shrink;
+};
+
+// 16-bit formats, as the host names them: 0 = none (f32), 1 = bf16, 2 = f16.
+#define FMT_F32 0
+#define FMT_BF16 1
+#define FMT_F16 2
+
+__device__ __forceinline__ float widen16(unsigned short h, int fmt) {
+    if (fmt == FMT_BF16) {
+        return __uint_as_float(((unsigned int)h) << 16);
+    }
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// bf16 by integer rounding (ties to even; NaN made quiet), the CPU's formula;
+// f16 by the hardware's round-to-nearest-even conversion.
+__device__ __forceinline__ unsigned short round16(float x, int fmt) {
+    if (fmt == FMT_BF16) {
+        unsigned int b = __float_as_uint(x);
+        if ((b & 0x7fffffffu) > 0x7f800000u) {
+            return (unsigned short)((b >> 16) | 0x40u);
+        }
+        return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    }
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+// g is f32 when grad_fmt is FMT_F32, else 16-bit; working is written when
+// working_fmt is not FMT_F32.
+extern "C" __global__ void adamw(
+    float* p,
+    const void* g,
+    float* m,
+    float* v,
+    unsigned short* working,
+    unsigned long long n,
+    AdamConsts c,
+    int grad_fmt,
+    int working_fmt)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        float graw = grad_fmt == FMT_F32
+            ? ((const float*)g)[i]
+            : widen16(((const unsigned short*)g)[i], grad_fmt);
+        float gi = __fmul_rn(graw, c.gscale);
+        float mi = __fadd_rn(__fmul_rn(c.b1, m[i]), __fmul_rn(c.omb1, gi));
+        float vi = __fadd_rn(__fmul_rn(c.b2, v[i]), __fmul_rn(__fmul_rn(c.omb2, gi), gi));
+        m[i] = mi;
+        v[i] = vi;
+        float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(vi), c.inv_sqrt_bc2), c.eps);
+        float pi = __fsub_rn(__fmul_rn(p[i], c.shrink), __fdiv_rn(__fmul_rn(c.step_size, mi), denom));
+        p[i] = pi;
+        if (working_fmt != FMT_F32) {
+            working[i] = round16(pi, working_fmt);
+        }
+    }
+}
