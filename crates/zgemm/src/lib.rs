@@ -120,6 +120,27 @@ impl<'a> MatRef<'a> {
         MatRef::new(data, rows, cols, cols, 1)
     }
 
+    /// Rows `r0..r1` of the view.
+    ///
+    /// # Panics
+    ///
+    /// If `r0 > r1` or `r1 > self.rows()`.
+    pub fn sub_rows(self, r0: usize, r1: usize) -> MatRef<'a> {
+        assert!(
+            r0 <= r1 && r1 <= self.rows,
+            "rows {r0}..{r1} of {}",
+            self.rows
+        );
+        // Rows below r1 lie in the view, so the start of row r0 does too
+        // (an empty view keeps its data).
+        let off = if r0 < r1 { r0 * self.rs } else { 0 };
+        MatRef {
+            data: &self.data[off..],
+            rows: r1 - r0,
+            ..self
+        }
+    }
+
     /// The transpose (the same data read the other way).
     pub fn t(self) -> MatRef<'a> {
         MatRef {
@@ -227,6 +248,36 @@ impl<'a> MatMut<'a> {
             cols,
             rs,
             init: false,
+            _data: std::marker::PhantomData,
+        })
+    }
+}
+
+impl MatMut<'_> {
+    /// A view with row stride `rs` over `rows × cols` elements at `ptr`, for
+    /// callers whose threads write disjoint blocks of one buffer (where
+    /// `&mut` slices of the interleaved rows could not be split off).
+    ///
+    /// # Safety
+    ///
+    /// Every element `ptr[i·rs + j]` (`i < rows`, `j < cols`) must be valid
+    /// for writes (and hold a value when `init`, which [`Start::Keep`] reads)
+    /// for the view's life, and no one else may read or write those elements
+    /// meanwhile.
+    pub unsafe fn from_raw(
+        ptr: *mut f32,
+        rows: usize,
+        cols: usize,
+        rs: usize,
+        init: bool,
+    ) -> Result<Self, ShapeError> {
+        fits(rows, cols, rs, usize::MAX)?;
+        Ok(MatMut {
+            ptr,
+            rows,
+            cols,
+            rs,
+            init,
             _data: std::marker::PhantomData,
         })
     }

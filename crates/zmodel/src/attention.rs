@@ -3,10 +3,17 @@
 //! Composed from candle ops, attention was the largest cost of a block that is
 //! not a GEMM: three head copies, the scale, the mask add, a five-op softmax and
 //! the backward of each (16 ms a block for softmax alone at 4×6×128×128). Here
-//! one task per (sequence, head) runs on rayon's threads: `S = Q·Kᵀ/√d` by the
-//! `gemm` crate straight from the `[b, t, 3d]` projection (strides, no copies),
-//! the causal softmax row by row while S is in cache, then `Y = P·V` written
-//! into the `[b, t, d]` layout the output projection reads. Backward recomputes P
+//! one task per (sequence, head) runs on rayon's threads: `S = Q·Kᵀ/√d` by
+//! zgemm on the task's thread straight from the `[b, t, 3d]` projection
+//! (strides, no copies), the causal softmax row by row, then `Y = P·V` written
+//! into the `[b, t, d]` layout the output projection reads. Every product runs
+//! in blocks of 64 query rows (or key columns), each seeing only the keys (or
+//! queries) the mask lets through: at t = 256 that skips 3/8 of the work of
+//! the full t × t products. zgemm adds each element's terms in one fixed order
+//! (one FMA chain over the depth), and the terms the full products would add
+//! on top are exact zeros, so up to zgemm's depth block (t ≤ 384) the blocking
+//! changes no bit (tested); beyond it only the rounding differs, and the bits
+//! still do not depend on the thread count. Backward recomputes P
 //! (FlashAttention's trade: a 128×128 GEMM instead of keeping P for every block)
 //! and computes dV = Pᵀ·dY, dP = dY·Vᵀ, dS = P ⊙ (dP − rowsum(dP ⊙ P)),
 //! dQ = dS·K/√d, dK = dSᵀ·Q/√d into one `[b, t, 3d]` gradient. The tests check
@@ -20,8 +27,8 @@
 //! threads). With `kv = heads` it is the plain multi-head case, unchanged.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
-use gemm::Parallelism;
 use rayon::prelude::*;
+use zgemm::{MatMut, MatRef, Start};
 
 use crate::ops::f32_input;
 use crate::simd::{exp, vectorised};
@@ -38,17 +45,27 @@ pub struct Heads {
 /// `y[b, t, heads·hd]` of causal attention over `qkv[b, t, (heads + 2·kv)·hd]`
 /// (q, k and v side by side).
 pub fn causal_attention(qkv: &Tensor, heads: Heads) -> Result<Tensor> {
-    qkv.contiguous()?.apply_op1(CausalAttention { heads })
+    forward_in_blocks(qkv, heads, BLOCK_ROWS)
+}
+
+fn forward_in_blocks(qkv: &Tensor, heads: Heads, rows: usize) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op1(CausalAttention { heads, rows })
 }
 
 /// d qkv of [`causal_attention`] from its input and the gradient of its output.
 pub fn causal_attention_backward(qkv: &Tensor, dy: &Tensor, heads: Heads) -> Result<Tensor> {
+    backward_in_blocks(qkv, dy, heads, BLOCK_ROWS)
+}
+
+fn backward_in_blocks(qkv: &Tensor, dy: &Tensor, heads: Heads, rows: usize) -> Result<Tensor> {
     qkv.contiguous()?
-        .apply_op2_no_bwd(&dy.contiguous()?, &CausalAttentionGrad { heads })
+        .apply_op2_no_bwd(&dy.contiguous()?, &CausalAttentionGrad { heads, rows })
 }
 
 struct CausalAttention {
     heads: Heads,
+    /// Rows per causal block ([`BLOCK_ROWS`]; tests use fewer).
+    rows: usize,
 }
 
 /// Shapes of one call.
@@ -120,74 +137,59 @@ impl Shared {
     }
 }
 
-/// `dst[m×n] = beta · lhs[m×k] · rhs[k×n]` (`add`: `dst += …`),
-/// single-threaded, with element strides (row, column) for each matrix.
+/// Rows per block of the causal products: a block of query rows `[i0, i1)`
+/// sees keys `[0, i1)` only, so blocking skips the masked upper triangle
+/// (about 3/8 of each score matrix's work at t = 256 with blocks of 64).
+const BLOCK_ROWS: usize = 64;
+
+/// The row blocks `[i0, i1)` of `0..t`.
+fn blocks(t: usize, rows: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t).step_by(rows).map(move |i0| (i0, (i0 + rows).min(t)))
+}
+
+/// `C = start ⊕ alpha·A·B` on the calling thread, `C` at `c` with row stride
+/// `c_rs` (unit column stride).
 ///
 /// # Safety
 ///
-/// For every `i < m`, `j < n`, `l < k`, the elements `dst[i·dst_rs + j·dst_cs]`,
-/// `lhs[i·lhs_rs + l·lhs_cs]` and `rhs[l·rhs_rs + j·rhs_cs]` must be in bounds
-/// of live allocations, `dst`'s elements written by no one else during the
-/// call, and `dst` must not overlap `lhs` or `rhs`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn matmul(
-    (m, n, k): (usize, usize, usize),
-    dst: *mut f32,
-    (dst_rs, dst_cs): (usize, usize),
-    lhs: *const f32,
-    (lhs_rs, lhs_cs): (usize, usize),
-    rhs: *const f32,
-    (rhs_rs, rhs_cs): (usize, usize),
-    beta: f32,
-    add: bool,
-) {
-    // SAFETY: the caller guarantees every strided access is in bounds.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            dst_cs as isize,
-            dst_rs as isize,
-            add,
-            lhs,
-            lhs_cs as isize,
-            lhs_rs as isize,
-            rhs,
-            rhs_cs as isize,
-            rhs_rs as isize,
-            if add { 1.0 } else { 0.0 },
-            beta,
-            false,
-            false,
-            false,
-            Parallelism::None,
-        )
-    }
+/// `C`'s `a.rows() × b.cols()` elements at row stride `c_rs` from `c` must be
+/// valid for writes (initialised when `keep`) and written by no one else
+/// during the call, and must not overlap `a` or `b`.
+unsafe fn product(c: *mut f32, c_rs: usize, a: MatRef, b: MatRef, alpha: f32, keep: bool) {
+    // SAFETY: forwarded from the caller.
+    let c = unsafe { MatMut::from_raw(c, a.rows(), b.cols(), c_rs, true) };
+    let start = if keep { Start::Keep } else { Start::Zero };
+    c.and_then(|c| zgemm::gemm(c, a, b, alpha, start, 1))
+        .expect("attention: GEMM shapes are built from one Dims");
 }
 
-/// P = causal softmax(Q·Kᵀ·scale) of sequence `bi`, query head `h` into `p[t×t]`.
-fn probabilities(qkv: &[f32], dm: Dims, bi: usize, h: usize, p: &mut [f32]) {
-    let (t, w) = (dm.t, dm.w);
+/// `rows × cols` of `data` from element `off`, rows `rs` apart, unit columns.
+fn view(data: &[f32], off: usize, rows: usize, cols: usize, rs: usize) -> MatRef<'_> {
+    MatRef::new(&data[off..], rows, cols, rs, 1).expect("attention: views lie in their tensor")
+}
+
+/// P = causal softmax(Q·Kᵀ·scale) of sequence `bi`, query head `h` into
+/// `p[t×t]`; the masked entries (column above the row) are zero.
+fn probabilities(qkv: &[f32], dm: Dims, rows: usize, bi: usize, h: usize, p: &mut [f32]) {
+    let (t, w, hd) = (dm.t, dm.w, dm.hd);
     let base = bi * t * w;
-    let q = qkv[base + dm.q(h)..].as_ptr();
-    let k = qkv[base + dm.k(h / dm.group)..].as_ptr();
-    let scale = 1.0 / (dm.hd as f32).sqrt();
-    // SAFETY: rows i < t of q and k at stride w, columns < hd, lie in qkv; p has t×t.
-    unsafe {
-        matmul(
-            (t, t, dm.hd),
-            p.as_mut_ptr(),
-            (t, 1),
-            q,
-            (w, 1),
-            k,
-            (1, w),
-            scale,
-            false,
-        )
-    };
+    let k = view(qkv, base + dm.k(h / dm.group), t, hd, w);
+    let scale = 1.0 / (hd as f32).sqrt();
+    for (i0, i1) in blocks(t, rows) {
+        let q = view(qkv, base + i0 * w + dm.q(h), i1 - i0, hd, w);
+        // SAFETY: rows i0..i1, columns < i1 of p (t × t), which only this
+        // call holds.
+        unsafe {
+            product(
+                p[i0 * t..].as_mut_ptr(),
+                t,
+                q,
+                k.sub_rows(0, i1).t(),
+                scale,
+                false,
+            )
+        };
+    }
     vectorised(|| {
         for (i, row) in p.chunks_exact_mut(t).enumerate() {
             let (live, masked) = row.split_at_mut(i + 1);
@@ -208,43 +210,45 @@ impl CustomOp1 for CausalAttention {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let qkv = f32_input(self.name(), s, l)?;
         let dm = Dims::of(l, self.heads)?;
-        let (t, d, w) = (dm.t, dm.d, dm.w);
+        let (t, d, w, hd) = (dm.t, dm.d, dm.w, dm.hd);
+        let rows = self.rows;
         let mut y = vec![0f32; dm.b * t * d];
         let out = Shared(y.as_mut_ptr());
         (0..dm.b * dm.heads).into_par_iter().for_each_init(
             || vec![0f32; t * t],
             |p, task| {
                 let (bi, h) = (task / dm.heads, task % dm.heads);
-                probabilities(qkv, dm, bi, h, p);
-                let v = qkv[bi * t * w + dm.v(h / dm.group)..].as_ptr();
-                // SAFETY: y rows of sequence bi, columns of head h (disjoint per
-                // task); v rows at stride w lie in qkv.
-                unsafe {
-                    matmul(
-                        (t, dm.hd, t),
-                        out.at(bi * t * d + h * dm.hd),
-                        (d, 1),
-                        p.as_ptr(),
-                        (t, 1),
-                        v,
-                        (w, 1),
-                        1.0,
-                        false,
-                    )
-                };
+                probabilities(qkv, dm, rows, bi, h, p);
+                let v = view(qkv, bi * t * w + dm.v(h / dm.group), t, hd, w);
+                for (i0, i1) in blocks(t, rows) {
+                    let p_blk = view(p, i0 * t, i1 - i0, i1, t);
+                    // SAFETY: y's rows i0..i1 of sequence bi, columns of head
+                    // h: this task's alone.
+                    unsafe {
+                        product(
+                            out.at((bi * t + i0) * d + h * hd),
+                            d,
+                            p_blk,
+                            v.sub_rows(0, i1),
+                            1.0,
+                            false,
+                        )
+                    };
+                }
             },
         );
         Ok((CpuStorage::F32(y), Shape::from_dims(&[dm.b, t, d])))
     }
 
     fn bwd(&self, qkv: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(causal_attention_backward(qkv, dy, self.heads)?))
+        Ok(Some(backward_in_blocks(qkv, dy, self.heads, self.rows)?))
     }
 }
 
 /// d qkv from (qkv, dy).
 struct CausalAttentionGrad {
     heads: Heads,
+    rows: usize,
 }
 
 impl CustomOp2 for CausalAttentionGrad {
@@ -263,6 +267,7 @@ impl CustomOp2 for CausalAttentionGrad {
         let dy = f32_input(self.name(), s2, l2)?;
         let dm = Dims::of(l1, self.heads)?;
         let (t, d, w, hd) = (dm.t, dm.d, dm.w, dm.hd);
+        let rows = self.rows;
         if dy.len() != dm.b * t * d {
             candle_core::bail!("attention backward: dy has {} elements", dy.len());
         }
@@ -272,84 +277,92 @@ impl CustomOp2 for CausalAttentionGrad {
         let kv_heads = dm.heads / dm.group;
         (0..dm.b * kv_heads).into_par_iter().for_each_init(
             || (vec![0f32; t * t], vec![0f32; t * t]),
-            |(p, dp), task| {
+            |(p, ds), task| {
                 let (bi, g) = (task / kv_heads, task % kv_heads);
                 let base = bi * t * w;
-                let (k, v) = (
-                    qkv[base + dm.k(g)..].as_ptr(),
-                    qkv[base + dm.v(g)..].as_ptr(),
-                );
+                let k = view(qkv, base + dm.k(g), t, hd, w);
+                let v = view(qkv, base + dm.v(g), t, hd, w);
                 for (nth, h) in (g * dm.group..(g + 1) * dm.group).enumerate() {
                     // The group's first query head writes dK and dV, the
                     // others add to them, in order.
                     let add = nth > 0;
-                    probabilities(qkv, dm, bi, h, p);
-                    let q = qkv[base + dm.q(h)..].as_ptr();
-                    let dy_h = dy[bi * t * d + h * hd..].as_ptr();
-                    // SAFETY: as in forward; each task writes only the columns
-                    // of its key/value head and of that head's query heads.
-                    unsafe {
-                        // dV (+)= Pᵀ · dY
-                        matmul(
-                            (t, hd, t),
-                            out.at(base + dm.v(g)),
-                            (w, 1),
-                            p.as_ptr(),
-                            (1, t),
-                            dy_h,
-                            (d, 1),
-                            1.0,
-                            add,
-                        );
-                        // dP = dY · Vᵀ
-                        matmul(
-                            (t, t, hd),
-                            dp.as_mut_ptr(),
-                            (t, 1),
-                            dy_h,
-                            (d, 1),
-                            v,
-                            (1, w),
-                            1.0,
-                            false,
-                        );
+                    probabilities(qkv, dm, rows, bi, h, p);
+                    let q = view(qkv, base + dm.q(h), t, hd, w);
+                    let dy_h = view(dy, bi * t * d + h * hd, t, hd, d);
+                    // Blocks of key columns [j0, j1) see query rows [j0, t).
+                    for (j0, j1) in blocks(t, rows) {
+                        let p_t = view(p, j0 * t + j0, t - j0, j1 - j0, t).t();
+                        // SAFETY: dV rows j0..j1 of this task's key/value
+                        // head: its alone (as are dK's, dQ's of its heads).
+                        unsafe {
+                            // dV (+)= Pᵀ · dY
+                            product(
+                                out.at(base + j0 * w + dm.v(g)),
+                                w,
+                                p_t,
+                                dy_h.sub_rows(j0, t),
+                                1.0,
+                                add,
+                            )
+                        };
                     }
-                    // dS = P ⊙ (dP − rowsum(dP ⊙ P)), in place of dP.
+                    // dP = dY · Vᵀ, the live blocks only, into ds.
+                    for (i0, i1) in blocks(t, rows) {
+                        // SAFETY: rows i0..i1, columns < i1 of ds (t × t).
+                        unsafe {
+                            product(
+                                ds[i0 * t..].as_mut_ptr(),
+                                t,
+                                dy_h.sub_rows(i0, i1),
+                                v.sub_rows(0, i1).t(),
+                                1.0,
+                                false,
+                            )
+                        };
+                    }
+                    // dS = P ⊙ (dP − rowsum(dP ⊙ P)) over the live entries,
+                    // in place; the masked ones zero (the blocks read them).
                     vectorised(|| {
-                        for (prow, dprow) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)) {
-                            let c: f32 = prow.iter().zip(dprow.iter()).map(|(a, b)| a * b).sum();
-                            dprow
-                                .iter_mut()
+                        for (i, (prow, dsrow)) in
+                            p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate()
+                        {
+                            let (live, masked) = dsrow.split_at_mut(i + 1);
+                            let c: f32 = prow.iter().zip(live.iter()).map(|(a, b)| a * b).sum();
+                            live.iter_mut()
                                 .zip(prow)
                                 .for_each(|(g, &pv)| *g = pv * (*g - c));
+                            masked.fill(0.0);
                         }
                     });
-                    // SAFETY: as above.
-                    unsafe {
-                        // dQ = dS · K · scale
-                        matmul(
-                            (t, hd, t),
-                            out.at(base + dm.q(h)),
-                            (w, 1),
-                            dp.as_ptr(),
-                            (t, 1),
-                            k,
-                            (w, 1),
-                            scale,
-                            false,
-                        );
-                        // dK (+)= dSᵀ · Q · scale
-                        matmul(
-                            (t, hd, t),
-                            out.at(base + dm.k(g)),
-                            (w, 1),
-                            dp.as_ptr(),
-                            (1, t),
-                            q,
-                            (w, 1),
-                            scale,
-                            add,
-                        );
+                    for (i0, i1) in blocks(t, rows) {
+                        let ds_blk = view(ds, i0 * t, i1 - i0, i1, t);
+                        // SAFETY: dQ rows i0..i1 of query head h: this task's.
+                        unsafe {
+                            // dQ = dS · K · scale
+                            product(
+                                out.at(base + i0 * w + dm.q(h)),
+                                w,
+                                ds_blk,
+                                k.sub_rows(0, i1),
+                                scale,
+                                false,
+                            )
+                        };
+                    }
+                    for (j0, j1) in blocks(t, rows) {
+                        let ds_t = view(ds, j0 * t + j0, t - j0, j1 - j0, t).t();
+                        // SAFETY: dK rows j0..j1 of this task's key/value head.
+                        unsafe {
+                            // dK (+)= dSᵀ · Q · scale
+                            product(
+                                out.at(base + j0 * w + dm.k(g)),
+                                w,
+                                ds_t,
+                                q.sub_rows(j0, t),
+                                scale,
+                                add,
+                            )
+                        };
                     }
                 }
             },
@@ -410,10 +423,46 @@ mod tests {
             .reshape((b, t, heads.heads * hd))
     }
 
-    /// Multi-head (3 of 3) and grouped-query (4 query heads on 2).
+    /// The blocking skips masked work without changing a bit: forward and
+    /// backward in blocks of 1, 5 and 64 rows are equal, element for element.
+    #[test]
+    fn the_block_size_does_not_change_a_bit() {
+        let heads = Heads { heads: 4, kv: 2 };
+        let (b, t, hd) = (2, 37, 8);
+        let n = b * t * (heads.heads + 2 * heads.kv) * hd;
+        let vals: Vec<f32> = (0..n)
+            .map(|i| ((i * 53 % 211) as f32 / 97.0) - 1.0)
+            .collect();
+        let x = Tensor::from_vec(vals, (b, t, n / (b * t)), &Device::Cpu).unwrap();
+        let dy: Vec<f32> = (0..b * t * heads.heads * hd)
+            .map(|i| (i % 17) as f32 * 0.07 - 0.5)
+            .collect();
+        let dy = Tensor::from_vec(dy, (b, t, heads.heads * hd), &Device::Cpu).unwrap();
+        let bits = |t: Tensor| -> Vec<u32> {
+            t.flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        let y = |rows| bits(forward_in_blocks(&x, heads, rows).unwrap());
+        let dx = |rows| bits(backward_in_blocks(&x, &dy, heads, rows).unwrap());
+        for rows in [1, 5] {
+            assert!(y(rows) == y(BLOCK_ROWS), "forward, blocks of {rows}");
+            assert!(dx(rows) == dx(BLOCK_ROWS), "backward, blocks of {rows}");
+        }
+    }
+
+    /// Multi-head (3 of 3) and grouped-query (4 query heads on 2), in causal
+    /// blocks of 1, 3 and 64 rows (one block, several with a short last one).
     #[test]
     fn matches_the_composed_version_forward_and_backward() {
-        for (heads, kv) in [(3, 3), (4, 2), (4, 1)] {
+        for ((heads, kv), rows) in [(3, 3), (4, 2), (4, 1)]
+            .into_iter()
+            .flat_map(|h| [1, 3, BLOCK_ROWS].map(|r| (h, r)))
+        {
             let heads = Heads { heads, kv };
             let (b, t, hd) = (2, 7, 4);
             let n = b * t * (heads.heads + 2 * heads.kv) * hd;
@@ -425,7 +474,7 @@ mod tests {
                 .map(|i| (i % 13) as f32 * 0.1 - 0.6)
                 .collect();
             let w = Tensor::from_vec(w, (b, t, heads.heads * hd), &Device::Cpu).unwrap();
-            let fused = causal_attention(x.as_tensor(), heads).unwrap();
+            let fused = forward_in_blocks(x.as_tensor(), heads, rows).unwrap();
             let reference = composed(x.as_tensor(), heads).unwrap();
             let diff = (&fused - &reference)
                 .unwrap()
@@ -433,7 +482,10 @@ mod tests {
                 .unwrap()
                 .max_all()
                 .unwrap();
-            assert!(diff.to_scalar::<f32>().unwrap() < 1e-5, "{heads:?}");
+            assert!(
+                diff.to_scalar::<f32>().unwrap() < 1e-5,
+                "{heads:?} rows {rows}"
+            );
             let g1 = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
             let g2 = (reference * &w)
                 .unwrap()
@@ -448,7 +500,7 @@ mod tests {
             let diff = (a - r).unwrap().abs().unwrap().max_all().unwrap();
             assert!(
                 diff.to_scalar::<f32>().unwrap() < 1e-5,
-                "{heads:?}: gradient differs by {diff}"
+                "{heads:?} rows {rows}: gradient differs by {diff}"
             );
         }
     }
