@@ -30,6 +30,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 use zgemm::{MatMut, MatRef, Start};
 
+use crate::linear::{assume_init, uninit_floats};
 use crate::ops::f32_input;
 use crate::simd::{exp, vectorised};
 
@@ -147,6 +148,28 @@ fn blocks(t: usize, rows: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t).step_by(rows).map(move |i0| (i0, (i0 + rows).min(t)))
 }
 
+thread_local! {
+    /// Each thread's two t × t work matrices, kept between calls (a fresh
+    /// 256 KiB pair per task was a memset and page faults per head).
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const {
+        std::cell::RefCell::new((Vec::new(), Vec::new()))
+    };
+}
+
+/// Runs `f` on this thread's two scratch matrices of `len` floats.
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
+    // Taken out for the call, so a nested use cannot alias them.
+    let (mut a, mut b) = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    for v in [&mut a, &mut b] {
+        if v.len() < len {
+            v.resize(len, 0.0);
+        }
+    }
+    let r = f(&mut a[..len], &mut b[..len]);
+    SCRATCH.with(|s| *s.borrow_mut() = (a, b));
+    r
+}
+
 /// `C = start ⊕ alpha·A·B` on the calling thread, `C` at `c` with row stride
 /// `c_rs` (unit column stride).
 ///
@@ -157,7 +180,7 @@ fn blocks(t: usize, rows: usize) -> impl Iterator<Item = (usize, usize)> {
 /// during the call, and must not overlap `a` or `b`.
 unsafe fn product(c: *mut f32, c_rs: usize, a: MatRef, b: MatRef, alpha: f32, keep: bool) {
     // SAFETY: forwarded from the caller.
-    let c = unsafe { MatMut::from_raw(c, a.rows(), b.cols(), c_rs, true) };
+    let c = unsafe { MatMut::from_raw(c, a.rows(), b.cols(), c_rs, keep) };
     let start = if keep { Start::Keep } else { Start::Zero };
     c.and_then(|c| zgemm::gemm(c, a, b, alpha, start, 1))
         .expect("attention: GEMM shapes are built from one Dims");
@@ -212,11 +235,11 @@ impl CustomOp1 for CausalAttention {
         let dm = Dims::of(l, self.heads)?;
         let (t, d, w, hd) = (dm.t, dm.d, dm.w, dm.hd);
         let rows = self.rows;
-        let mut y = vec![0f32; dm.b * t * d];
-        let out = Shared(y.as_mut_ptr());
-        (0..dm.b * dm.heads).into_par_iter().for_each_init(
-            || vec![0f32; t * t],
-            |p, task| {
+        // Every element is written by one product below (no zeroing pass).
+        let mut y = uninit_floats(dm.b * t * d);
+        let out = Shared(y.as_mut_ptr().cast());
+        (0..dm.b * dm.heads).into_par_iter().for_each(|task| {
+            with_scratch(t * t, |p, _| {
                 let (bi, h) = (task / dm.heads, task % dm.heads);
                 probabilities(qkv, dm, rows, bi, h, p);
                 let v = view(qkv, bi * t * w + dm.v(h / dm.group), t, hd, w);
@@ -235,8 +258,11 @@ impl CustomOp1 for CausalAttention {
                         )
                     };
                 }
-            },
-        );
+            })
+        });
+        // SAFETY: the tasks covered every (sequence, head) and each product
+        // every row of its head's columns.
+        let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), Shape::from_dims(&[dm.b, t, d])))
     }
 
@@ -272,12 +298,13 @@ impl CustomOp2 for CausalAttentionGrad {
             candle_core::bail!("attention backward: dy has {} elements", dy.len());
         }
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut dqkv = vec![0f32; qkv.len()];
-        let out = Shared(dqkv.as_mut_ptr());
+        // Every element is written: dQ by each query head, dK and dV first by
+        // each group's first head (no zeroing pass).
+        let mut dqkv = uninit_floats(qkv.len());
+        let out = Shared(dqkv.as_mut_ptr().cast());
         let kv_heads = dm.heads / dm.group;
-        (0..dm.b * kv_heads).into_par_iter().for_each_init(
-            || (vec![0f32; t * t], vec![0f32; t * t]),
-            |(p, ds), task| {
+        (0..dm.b * kv_heads).into_par_iter().for_each(|task| {
+            with_scratch(t * t, |p, ds| {
                 let (bi, g) = (task / kv_heads, task % kv_heads);
                 let base = bi * t * w;
                 let k = view(qkv, base + dm.k(g), t, hd, w);
@@ -365,8 +392,10 @@ impl CustomOp2 for CausalAttentionGrad {
                         };
                     }
                 }
-            },
-        );
+            })
+        });
+        // SAFETY: as the comment above says.
+        let dqkv = unsafe { assume_init(dqkv) };
         Ok((CpuStorage::F32(dqkv), l1.shape().clone()))
     }
 }

@@ -306,7 +306,7 @@ pub(crate) fn backward<S: BlockSource>(
 /// `len` floats' worth of fresh memory for a product to fill: no zeroing
 /// pass (on memory reused from the heap, the allocator's zeroing of a large
 /// output was a serial 2% of a step).
-fn uninit_floats(len: usize) -> Vec<MaybeUninit<f32>> {
+pub(crate) fn uninit_floats(len: usize) -> Vec<MaybeUninit<f32>> {
     let mut v = Vec::with_capacity(len);
     // SAFETY: `MaybeUninit` values need no initialisation.
     unsafe { v.set_len(len) };
@@ -318,7 +318,7 @@ fn uninit_floats(len: usize) -> Vec<MaybeUninit<f32>> {
 /// # Safety
 ///
 /// Every element of `v` must have been written.
-unsafe fn assume_init(v: Vec<MaybeUninit<f32>>) -> Vec<f32> {
+pub(crate) unsafe fn assume_init(v: Vec<MaybeUninit<f32>>) -> Vec<f32> {
     let mut v = std::mem::ManuallyDrop::new(v);
     // SAFETY: same allocation, layout and length; initialised (caller).
     unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f32>(), v.len(), v.capacity()) }
