@@ -280,6 +280,12 @@ pub trait Communicator: Send + Sync {
     fn quantized_reduce_scatter_async(&self, buf: Vec<f32>, q: Quantization) -> Work<Vec<f32>>;
     /// Every rank contributes chunk `rank` of a `total_len` buffer; all receive the whole.
     fn all_gather_async(&self, chunk: Vec<f32>, total_len: usize) -> Work<Vec<f32>>;
+    /// [`Communicator::all_gather_async`] into a buffer the caller already
+    /// holds (torch's `all_gather_into_tensor`, NCCL's in-place mode): chunk
+    /// `rank` of `buf` is this rank's contribution, the other chunks are
+    /// overwritten with their owners'. No output is allocated, so a caller that
+    /// reuses its buffers pays no page faults and no zeroing per call.
+    fn all_gather_in_place_async(&self, buf: Vec<f32>) -> Work<Vec<f32>>;
     /// `pieces[j]` goes to rank j; the result's element i came from rank i.
     fn all_to_all_async(&self, pieces: Vec<Vec<u8>>) -> Work<Vec<Vec<u8>>>;
     /// `root`'s buffer everywhere (other ranks' input is ignored).
@@ -306,6 +312,10 @@ pub trait Communicator: Send + Sync {
     /// Blocking [`Communicator::all_gather_async`].
     fn all_gather(&self, chunk: Vec<f32>, total_len: usize) -> Result<Vec<f32>, CommError> {
         self.all_gather_async(chunk, total_len).wait()
+    }
+    /// Blocking [`Communicator::all_gather_in_place_async`].
+    fn all_gather_in_place(&self, buf: Vec<f32>) -> Result<Vec<f32>, CommError> {
+        self.all_gather_in_place_async(buf).wait()
     }
     /// Blocking [`Communicator::all_to_all_async`].
     fn all_to_all(&self, pieces: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>, CommError> {

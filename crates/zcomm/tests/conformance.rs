@@ -197,7 +197,11 @@ fn large_uneven_messages_cross_slots_and_ring_wraps_in_mixed_topologies(t: Trans
             let out = on_all(&comms, move |r, c| {
                 let full = c.all_reduce(random(r as u64, len)).unwrap();
                 let mine = c.reduce_scatter(random(r as u64, len)).unwrap();
+                let mut buf = vec![f32::NAN; len];
+                buf[chunk_range(len, c.world_size(), r)].copy_from_slice(&mine);
+                let in_place = c.all_gather_in_place(buf).unwrap();
                 let gathered = c.all_gather(mine.clone(), len).unwrap();
+                assert_eq!(gathered, in_place, "rank {r}: in place differs");
                 (full, mine, gathered)
             });
             let want = naive_sum(n, len);
@@ -220,7 +224,12 @@ fn all_gather_concatenates_chunks_in_rank_order(t: Transport) {
             let out = on_all(&comms, move |r, c| {
                 let own = chunk_range(len, c.world_size(), r);
                 let chunk: Vec<f32> = own.clone().map(|i| (i * 10 + r) as f32).collect();
-                c.all_gather(chunk, len).unwrap()
+                // In place: what is not this rank's starts as NaN and must be
+                // overwritten.
+                let mut buf = vec![f32::NAN; len];
+                buf[own].copy_from_slice(&chunk);
+                let in_place = c.all_gather_in_place(buf).unwrap();
+                (c.all_gather(chunk, len).unwrap(), in_place)
             });
             let want: Vec<f32> = (0..len)
                 .map(|i| {
@@ -230,8 +239,9 @@ fn all_gather_concatenates_chunks_in_rank_order(t: Transport) {
                             .unwrap()) as f32
                 })
                 .collect();
-            for o in out {
-                assert_eq!(o, want);
+            for (gathered, in_place) in out {
+                assert_eq!(gathered, want);
+                assert_eq!(in_place, want);
             }
         }
     }

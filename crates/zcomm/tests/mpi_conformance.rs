@@ -107,11 +107,15 @@ fn collectives(c: &MpiCommunicator) -> Vec<String> {
         assert_close(&full, &want, &what);
         let mine = c.reduce_scatter(random(r as u64, len)).unwrap();
         assert_close(&mine, &want[chunk_range(len, n, r)], &what);
+        let mut buf = vec![f32::NAN; len];
+        buf[chunk_range(len, n, r)].copy_from_slice(&mine);
+        let in_place = c.all_gather_in_place(buf).unwrap();
         let gathered = c.all_gather(mine, len).unwrap();
         assert_eq!(
             gathered, full,
             "{what}: reduce-scatter + all-gather != all-reduce"
         );
+        assert_eq!(in_place, full, "{what}: all-gather in place");
         lines.push(format!("all_reduce {len} {:x}", bits_hash(&full)));
         let q = c
             .quantized_reduce_scatter(random(r as u64, len), QGZ)

@@ -255,6 +255,15 @@ impl Flat {
         }
     }
 
+    /// All elements as collective words (see [`Flat::words`]): f32 buffers
+    /// are moved, not copied, so that a gather can fill them in place.
+    pub fn into_words(self) -> Vec<f32> {
+        match self {
+            Flat::F32(v) => v,
+            half => half.words(0..half.len()),
+        }
+    }
+
     /// A buffer of the type of `like` from collective words (see [`Flat::words`]).
     pub fn from_words(like: Option<Half>, words: Vec<f32>) -> Flat {
         match like {

@@ -326,14 +326,15 @@ impl Engine {
     /// only their slice (stages 1-2, and whole groups at stage 3), and drops
     /// the cached parameter Vars.
     fn share_updated_params(&mut self) -> Result<(), EngineError> {
-        let (world, rank) = (self.comm.world_size(), self.comm.rank());
+        let world = self.comm.world_size();
         if self.stage.partitions_optimizer() && world > 1 {
+            // Each group's buffer is gathered into in place: its own slice is
+            // already there, and no fresh buffer is faulted in every step.
             let mut works = Vec::new();
-            for (i, g) in self.groups.iter().enumerate() {
+            for (i, g) in self.groups.iter_mut().enumerate() {
                 if !g.partitioned {
-                    let own = g.params.words(g.layout.slice(rank));
-                    let words = Flat::words_for(self.half, g.layout.padded);
-                    works.push((i, self.comm.all_gather_async(own, words)));
+                    let words = std::mem::replace(&mut g.params, Flat::zeros(self.half, 0));
+                    works.push((i, self.comm.all_gather_in_place_async(words.into_words())));
                 }
             }
             for (i, w) in works {

@@ -616,17 +616,126 @@ fn pack_b(b: &MatRef, p0: usize, kc: usize, j0: usize, cols: usize, nr: usize, d
             copy_short(&mut dst[p * nr..p * nr + cols], src);
         }
     } else if b.rs == 1 {
-        // Bᵀ stored row-major (dy·Wᵀ): columns of B are contiguous.
-        for j in 0..cols {
-            let src = &b.data[(j0 + j) * b.cs + p0..][..kc];
-            for (p, &v) in src.iter().enumerate() {
-                dst[p * nr + j] = v;
-            }
-        }
+        // Bᵀ stored row-major (dy·Wᵀ, q·kᵀ): columns of B are contiguous,
+        // so the panel is a transpose.
+        pack_transposed(b, p0, kc, j0, cols, nr, dst);
     } else {
         for p in 0..kc {
             for j in 0..cols {
                 dst[p * nr + j] = b.at(p0 + p, j0 + j);
+            }
+        }
+    }
+}
+
+/// [`pack_b`] for a `B` whose columns are contiguous: 8×8 tiles transposed in
+/// AVX registers where the CPU has AVX (eight loads, 24 shuffles, eight
+/// stores for 64 values; one scalar store a value cost a quarter of the
+/// attention score products, whose panels are packed afresh for every block
+/// of 64 queries), the edges one value at a time.
+fn pack_transposed(
+    b: &MatRef,
+    p0: usize,
+    kc: usize,
+    j0: usize,
+    cols: usize,
+    nr: usize,
+    dst: &mut [f32],
+) {
+    let (mut cols8, mut kc8) = (0, 0);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx() {
+        (cols8, kc8) = (cols / 8 * 8, kc / 8 * 8);
+        let need = (j0 + cols8.max(1) - 1) * b.cs + p0 + kc8;
+        assert!(dst.len() >= kc * nr && b.data.len() >= need);
+        // SAFETY: AVX is present; every load reads columns j0..j0+cols8,
+        // rows p0..p0+kc8 of B (inside its data, checked above) and every
+        // store rows 0..kc8, columns 0..cols8 of the panel (inside dst).
+        unsafe {
+            transpose_tiles_avx(
+                b.data.as_ptr(),
+                b.cs,
+                p0,
+                kc8,
+                j0,
+                cols8,
+                nr,
+                dst.as_mut_ptr(),
+            )
+        };
+    }
+    for j in 0..cols {
+        let src = &b.data[(j0 + j) * b.cs + p0..][..kc];
+        let from = if j < cols8 { kc8 } else { 0 };
+        for (p, &v) in src.iter().enumerate().skip(from) {
+            dst[p * nr + j] = v;
+        }
+    }
+}
+
+/// Whether the CPU has AVX, detected once.
+#[cfg(target_arch = "x86_64")]
+fn has_avx() -> bool {
+    static AVX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVX.get_or_init(|| std::arch::is_x86_feature_detected!("avx"))
+}
+
+/// `dst[p·nr + j] = b[(j0 + j)·cs + p0 + p]` for p < kc8, j < cols8 (both
+/// multiples of 8), in 8×8 tiles.
+///
+/// # Safety
+/// The CPU has AVX; those reads and writes are inside their buffers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn transpose_tiles_avx(
+    b: *const f32,
+    cs: usize,
+    p0: usize,
+    kc8: usize,
+    j0: usize,
+    cols8: usize,
+    nr: usize,
+    dst: *mut f32,
+) {
+    use std::arch::x86_64::*;
+    for j in (0..cols8).step_by(8) {
+        for p in (0..kc8).step_by(8) {
+            // SAFETY: (caller) row i of the tile is column j0 + j + i of B,
+            // values p0 + p .. p0 + p + 8; the stores are rows p..p+8 of the
+            // panel, values j..j+8.
+            unsafe {
+                let r: [__m256; 8] =
+                    std::array::from_fn(|i| _mm256_loadu_ps(b.add((j0 + j + i) * cs + p0 + p)));
+                let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+                let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+                let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+                let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+                let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+                let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+                let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+                let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+                let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                let rows = [
+                    _mm256_permute2f128_ps::<0x20>(u0, u4),
+                    _mm256_permute2f128_ps::<0x20>(u1, u5),
+                    _mm256_permute2f128_ps::<0x20>(u2, u6),
+                    _mm256_permute2f128_ps::<0x20>(u3, u7),
+                    _mm256_permute2f128_ps::<0x31>(u0, u4),
+                    _mm256_permute2f128_ps::<0x31>(u1, u5),
+                    _mm256_permute2f128_ps::<0x31>(u2, u6),
+                    _mm256_permute2f128_ps::<0x31>(u3, u7),
+                ];
+                for (q, row) in rows.into_iter().enumerate() {
+                    _mm256_storeu_ps(dst.add((p + q) * nr + j), row);
+                }
             }
         }
     }

@@ -390,3 +390,39 @@ fn operands_read_through_any_strides_give_the_contiguous_bits() {
         assert!(flat.iter().any(|&v| v != 0.0));
     }
 }
+
+#[test]
+fn transposed_panels_pack_to_the_values_they_hold() {
+    // B's columns contiguous (rs = 1): the 8×8 tile path where the CPU has
+    // AVX, the scalar edges everywhere, against element-by-element reads, with
+    // offsets, depths and widths that are and are not multiples of 8.
+    let (n, k) = (45, 403);
+    let data = random(7, n * k);
+    let b = MatRef::row_major(&data, n, k).unwrap().t();
+    for (p0, kc, j0, cols, nr) in [
+        (0, 384, 0, 16, 16),
+        (5, 19, 3, 17, 32),
+        (384, 19, 16, 16, 16),
+        (1, 7, 0, 7, 16),
+        (8, 64, 29, 16, 16),
+        (0, 403, 40, 5, 16),
+        (2, 400, 13, 32, 32),
+    ] {
+        let mut dst = vec![f32::NAN; kc * nr];
+        pack_b(&b, p0, kc, j0, cols, nr, &mut dst);
+        for p in 0..kc {
+            for j in 0..nr {
+                let want = if j < cols { b.at(p0 + p, j0 + j) } else { 0.0 };
+                assert_eq!(
+                    dst[p * nr + j].to_bits(),
+                    want.to_bits(),
+                    "p0 {p0} kc {kc} j0 {j0} cols {cols} nr {nr}: ({p}, {j})"
+                );
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if !std::arch::is_x86_feature_detected!("avx") {
+        println!("SKIPPED the AVX tiles: this CPU has no AVX (scalar path checked)");
+    }
+}

@@ -5,7 +5,9 @@
 //! ranks start together; the reported time is the median over calls of the
 //! slowest rank (all ranks agree on it through an all-gather). Bus bandwidth
 //! follows nccl-tests: all_reduce algbw·2(n-1)/n, reduce_scatter and all_gather
-//! algbw·(n-1)/n, all_to_all algbw·(n-1)/n, broadcast algbw. References:
+//! algbw·(n-1)/n, all_to_all algbw·(n-1)/n, broadcast algbw. all_gather runs
+//! in place into an output made before the clock starts, as nccl-tests and
+//! torch's preallocated outputs measure it. References:
 //! `memcpy` (one thread copying the bytes) and, for TCP, `tcp_stream` (one
 //! plain loopback socket, what the transport could carry).
 
@@ -13,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use zcomm::{chunk_range, Communicator, Op};
+use zcomm::{Communicator, Op};
 use zproto::{BenchCommTask, BenchRow, ToServer};
 
 use crate::control::ControlClient;
@@ -37,8 +39,9 @@ pub fn bench_comm(
             let elems = (bytes / 4) as usize;
             // Inputs are made before the clock starts (nccl-tests does not time
             // allocation either); each call consumes its own copy.
-            let own = chunk_range(elems, n, r).len();
-            let input = vec![1.0f32; if op == Op::AllGather { own } else { elems }];
+            // all_gather runs in place, into an output the caller holds, as
+            // nccl-tests and gloo's all_gather (torch's preallocated outputs) do.
+            let input = vec![1.0f32; elems];
             // Inputs are copied before the barrier that starts each call, so that
             // every rank starts the collective at once.
             let call = |c: &dyn Communicator| -> Result<f64> {
@@ -57,7 +60,7 @@ pub fn bench_comm(
                 let (secs, out): (f64, Box<dyn std::any::Any>) = match op {
                     Op::AllReduce => timed(t0, c.all_reduce(f)?),
                     Op::ReduceScatter => timed(t0, c.reduce_scatter(f)?),
-                    Op::AllGather => timed(t0, c.all_gather(f, elems)?),
+                    Op::AllGather => timed(t0, c.all_gather_in_place(f)?),
                     Op::AllToAll => timed(t0, c.all_to_all(p)?),
                     Op::Broadcast => timed(t0, c.broadcast(b, 0)?),
                     Op::Barrier => bail!("barrier moves no data to time"),

@@ -442,44 +442,24 @@ impl Communicator for MpiCommunicator {
                 });
             }
             let mut out = crate::zeroed_large(total_len);
-            if total_len == 0 {
-                return Ok(out);
-            }
             if total_len * 4 > PIECE {
-                // Past MPI's int counts: zrun's ring, in pieces.
                 out[own].copy_from_slice(&chunk);
                 ring::all_gather(l, &mut out)?;
                 return Ok(out);
             }
-            for p in (0..w).filter(|&p| p != r) {
-                l.counters
-                    .add(Op::AllGather, chunk.len() as u64 * 4, l.same_node[p]);
+            all_gather_v(l, chunk, out)
+        })
+    }
+
+    fn all_gather_in_place_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
+        let len = buf.len();
+        self.submit(Op::AllGather, len * 4, len as u64, move |l| {
+            if len * 4 > PIECE {
+                ring::all_gather(l, &mut buf)?;
+                return Ok(buf);
             }
-            let (counts, displs) = chunk_counts(total_len, w);
-            let comm = l.comm.0;
-            let (_, out, _, _) = collective(
-                l,
-                "MPI_Iallgatherv",
-                (chunk, out, counts, displs),
-                |(c, o, n, d), req| {
-                    // SAFETY: every buffer lives in `bufs` until the request ends;
-                    // counts and displacements fit `out` (chunk_range).
-                    unsafe {
-                        ffi::MPI_Iallgatherv(
-                            c.as_ptr().cast(),
-                            count(c.len() * 4),
-                            bytes_type(),
-                            o.as_mut_ptr().cast(),
-                            n.as_ptr(),
-                            d.as_ptr(),
-                            bytes_type(),
-                            comm,
-                            req,
-                        )
-                    }
-                },
-            )?;
-            Ok(out)
+            let chunk = buf[chunk_range(len, l.world_size(), l.rank())].to_vec();
+            all_gather_v(l, chunk, buf)
         })
     }
 
@@ -552,4 +532,42 @@ impl Communicator for MpiCommunicator {
             })
         })
     }
+}
+
+/// `out` with chunk j of it from rank j (this rank's from `chunk`), by
+/// MPI_Iallgatherv. Buffers up to [`PIECE`] bytes: MPI counts are ints.
+fn all_gather_v(l: &mut MpiLinks, chunk: Vec<f32>, out: Vec<f32>) -> Result<Vec<f32>, CommError> {
+    let (w, r, total_len) = (l.world_size(), l.rank(), out.len());
+    if total_len == 0 {
+        return Ok(out);
+    }
+    for p in (0..w).filter(|&p| p != r) {
+        l.counters
+            .add(Op::AllGather, chunk.len() as u64 * 4, l.same_node[p]);
+    }
+    let (counts, displs) = chunk_counts(total_len, w);
+    let comm = l.comm.0;
+    let (_, out, _, _) = collective(
+        l,
+        "MPI_Iallgatherv",
+        (chunk, out, counts, displs),
+        |(c, o, n, d), req| {
+            // SAFETY: every buffer lives in `bufs` until the request ends;
+            // counts and displacements fit `out` (chunk_range).
+            unsafe {
+                ffi::MPI_Iallgatherv(
+                    c.as_ptr().cast(),
+                    count(c.len() * 4),
+                    bytes_type(),
+                    o.as_mut_ptr().cast(),
+                    n.as_ptr(),
+                    d.as_ptr(),
+                    bytes_type(),
+                    comm,
+                    req,
+                )
+            }
+        },
+    )?;
+    Ok(out)
 }

@@ -276,11 +276,13 @@ impl Communicator for TcpCommunicator {
             }
             let mut buf = crate::zeroed_large(total_len);
             buf[own].copy_from_slice(&chunk);
-            match l.direct(|d, c| d.all_gather(c, &mut buf)) {
-                Some(r) => r?,
-                None => ring::all_gather(l, &mut buf)?,
-            }
-            Ok(buf)
+            gather_in_place(l, buf)
+        })
+    }
+
+    fn all_gather_in_place_async(&self, buf: Vec<f32>) -> Work<Vec<f32>> {
+        self.submit(Op::AllGather, buf.len() * 4, move |l| {
+            gather_in_place(l, buf)
         })
     }
 
@@ -316,4 +318,14 @@ impl Communicator for TcpCommunicator {
             None => star::barrier(l),
         })
     }
+}
+
+/// Every chunk of `buf` filled from its owner, through the node's shared
+/// segment where the whole group is on it, else the ring.
+fn gather_in_place(l: &mut TcpLinks, mut buf: Vec<f32>) -> Result<Vec<f32>, CommError> {
+    match l.direct(|d, c| d.all_gather(c, &mut buf)) {
+        Some(r) => r?,
+        None => ring::all_gather(l, &mut buf)?,
+    };
+    Ok(buf)
 }
