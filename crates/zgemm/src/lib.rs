@@ -463,13 +463,17 @@ pub fn gemm_with(
             let add = add_first || pc > 0;
             packed_b.resize(panels * nr * KC, 0.0);
             let b_block = &mut packed_b[..panels * nr * kc];
-            let pack = |(p, dst): (usize, &mut [f32])| {
-                pack_b(&b, pc, kc, jc + p * nr, nr.min(nc - p * nr), nr, dst)
+            // Each thread packs a run of whole panels (rows of B read along,
+            // see pack_b_panels).
+            let run = panels.div_ceil(threads) * nr * kc;
+            let pack = |(r, dst): (usize, &mut [f32])| {
+                let j = jc + r * run / kc;
+                pack_b_panels(&b, pc, kc, j, (jc + nc).min(j + dst.len() / kc), nr, dst)
             };
             if threads > 1 {
-                b_block.par_chunks_mut(nr * kc).enumerate().for_each(pack);
+                b_block.par_chunks_mut(run).enumerate().for_each(pack);
             } else {
-                b_block.chunks_mut(nr * kc).enumerate().for_each(pack);
+                pack((0, b_block));
             }
             let b_block = &*b_block;
             // Tasks: a block of A's rows × a range of B's panels, enough of
@@ -600,6 +604,45 @@ fn pack_a(a: &MatRef, i0: usize, rows: usize, p0: usize, kc: usize, mr: usize, d
             for i in 0..rows {
                 dst[p * mr + i] = a.at(i0 + i, p0 + p);
             }
+        }
+    }
+}
+
+/// Packs rows `p0..p0+kc`, columns `j0..j1` of `b` into consecutive panels
+/// of `nr` columns (`dst` holds them: `kc·nr` values each).
+///
+/// A row-major `B` is read a row at a time across all the panels: packing
+/// one panel at a time reads 64 bytes from each of `kc` rows, each row on
+/// another page for any `B` wider than 1024 columns, which the hardware
+/// prefetchers do not follow across, so every line waited on memory (a
+/// tenth of a 384×2048×1152 product). Other layouts go a panel at a time.
+fn pack_b_panels(
+    b: &MatRef,
+    p0: usize,
+    kc: usize,
+    j0: usize,
+    j1: usize,
+    nr: usize,
+    dst: &mut [f32],
+) {
+    let panels = dst.chunks_mut(nr * kc).zip((j0..j1).step_by(nr));
+    if b.cs != 1 {
+        for (d, j) in panels {
+            pack_b(b, p0, kc, j, nr.min(j1 - j), nr, d);
+        }
+        return;
+    }
+    let mut panels: Vec<(&mut [f32], usize)> = panels.collect();
+    for (d, j) in panels.iter_mut() {
+        if j1 - *j < nr {
+            d.fill(0.0);
+        }
+    }
+    for p in 0..kc {
+        let row = &b.data[(p0 + p) * b.rs..];
+        for (d, j) in panels.iter_mut() {
+            let cols = nr.min(j1 - *j);
+            copy_short(&mut d[p * nr..p * nr + cols], &row[*j..*j + cols]);
         }
     }
 }
