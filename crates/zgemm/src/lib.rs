@@ -647,18 +647,15 @@ fn pack_b_panels(
     }
 }
 
-/// Packs rows `p0..p0+kc`, columns `j0..j0+cols` (`cols ≤ nr`) of `b` into
-/// `dst` as `kc` rows of `nr` values, zero right of the last column.
+/// Packs rows `p0..p0+kc`, columns `j0..j0+cols` (`cols ≤ nr`) of a `b`
+/// whose rows are not contiguous (row-major ones go through
+/// [`pack_b_panels`]) into `dst` as `kc` rows of `nr` values, zero right of
+/// the last column.
 fn pack_b(b: &MatRef, p0: usize, kc: usize, j0: usize, cols: usize, nr: usize, dst: &mut [f32]) {
     if cols < nr {
         dst.fill(0.0);
     }
-    if b.cs == 1 {
-        for p in 0..kc {
-            let src = &b.data[(p0 + p) * b.rs + j0..][..cols];
-            copy_short(&mut dst[p * nr..p * nr + cols], src);
-        }
-    } else if b.rs == 1 {
+    if b.rs == 1 {
         // Bᵀ stored row-major (dy·Wᵀ, q·kᵀ): columns of B are contiguous,
         // so the panel is a transpose.
         pack_transposed(b, p0, kc, j0, cols, nr, dst);

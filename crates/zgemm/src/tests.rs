@@ -392,32 +392,44 @@ fn operands_read_through_any_strides_give_the_contiguous_bits() {
 }
 
 #[test]
-fn transposed_panels_pack_to_the_values_they_hold() {
-    // B's columns contiguous (rs = 1): the 8×8 tile path where the CPU has
-    // AVX, the scalar edges everywhere, against element-by-element reads, with
-    // offsets, depths and widths that are and are not multiples of 8.
+fn panels_pack_to_the_values_they_hold() {
+    // A row-major B (read a row at a time across panels) and one whose
+    // columns are contiguous (8×8 AVX tiles where the CPU has AVX, scalar
+    // edges everywhere), against element-by-element reads: several panels,
+    // offsets, depths and widths that are and are not multiples of 8, and a
+    // last panel narrower than nr.
     let (n, k) = (45, 403);
     let data = random(7, n * k);
-    let b = MatRef::row_major(&data, n, k).unwrap().t();
-    for (p0, kc, j0, cols, nr) in [
-        (0, 384, 0, 16, 16),
-        (5, 19, 3, 17, 32),
-        (384, 19, 16, 16, 16),
-        (1, 7, 0, 7, 16),
-        (8, 64, 29, 16, 16),
-        (0, 403, 40, 5, 16),
-        (2, 400, 13, 32, 32),
-    ] {
-        let mut dst = vec![f32::NAN; kc * nr];
-        pack_b(&b, p0, kc, j0, cols, nr, &mut dst);
-        for p in 0..kc {
-            for j in 0..nr {
-                let want = if j < cols { b.at(p0 + p, j0 + j) } else { 0.0 };
-                assert_eq!(
-                    dst[p * nr + j].to_bits(),
-                    want.to_bits(),
-                    "p0 {p0} kc {kc} j0 {j0} cols {cols} nr {nr}: ({p}, {j})"
-                );
+    let transposed = MatRef::row_major(&data, n, k).unwrap().t();
+    let row_major = MatRef::row_major(&data, k, n).unwrap();
+    for b in [row_major, transposed] {
+        for (p0, kc, j0, j1, nr) in [
+            (0usize, 1usize, 0usize, 1usize, 16usize),
+            (0, 384, 0, 16, 16),
+            (5, 19, 3, 20, 32),
+            (384, 19, 16, 45, 16),
+            (1, 7, 0, 7, 16),
+            (8, 64, 29, 45, 16),
+            (0, 403, 40, 45, 16),
+            (2, 400, 13, 45, 32),
+        ] {
+            let panels = (j1 - j0).div_ceil(nr);
+            let mut dst = vec![f32::NAN; panels * kc * nr];
+            pack_b_panels(&b, p0, kc, j0, j1, nr, &mut dst);
+            for (q, panel) in dst.chunks(kc * nr).enumerate() {
+                for p in 0..kc {
+                    for c in 0..nr {
+                        let j = j0 + q * nr + c;
+                        let want = if j < j1 { b.at(p0 + p, j) } else { 0.0 };
+                        assert_eq!(
+                            panel[p * nr + c].to_bits(),
+                            want.to_bits(),
+                            "strides ({}, {}) p0 {p0} kc {kc} j0 {j0} j1 {j1} nr {nr}: panel {q} ({p}, {c})",
+                            b.rs,
+                            b.cs
+                        );
+                    }
+                }
             }
         }
     }
