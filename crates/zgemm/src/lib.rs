@@ -22,6 +22,12 @@
 //!
 //! **Threads** (rayon, in the caller's pool) take blocks of `A`'s rows (and,
 //! when there are few, ranges of `B`'s panels); the packed `B` block is shared.
+//!
+//! **Packed once** ([`PackedB`], [`gemm_packed`]): a caller that multiplies
+//! many small `A`s by parts of one `B` (attention: each block of queries by
+//! the keys it may see) packs `B` once, whole-depth panels, and each product
+//! reads its rows and leading columns from them, with the same bits as
+//! [`gemm`] on that part.
 
 use std::cell::RefCell;
 
@@ -405,15 +411,108 @@ pub fn gemm_with(
         Kernel::detected().contains(&kernel),
         "the {kernel:?} GEMM kernel needs a CPU feature this one lacks"
     );
+    let Some(First {
+        add: add_first,
+        bias,
+    }) = begin(&c, &a, b.rows, b.cols, start)?
+    else {
+        return Ok(());
+    };
     let (m, n, k) = (c.rows, c.cols, a.cols);
-    if a.rows != m || b.cols != n || b.rows != k {
+    let (nr, mc) = (kernel.nr(), kernel.mc());
+    // Taken, not borrowed: while this thread waits for the tasks, rayon may
+    // run another job on it that multiplies too.
+    let mut packed_b = PACKED_B.take();
+    for jc in (0..n).step_by(NC) {
+        let nc = NC.min(n - jc);
+        let panels = nc.div_ceil(nr);
+        for pc in (0..k).step_by(KC) {
+            let kc = KC.min(k - pc);
+            grow(&mut packed_b, panels * nr * KC);
+            let b_block = &mut packed_b[..panels * nr * kc];
+            // Each thread packs a run of whole panels (rows of B read along,
+            // see pack_b_panels).
+            let run = panels.div_ceil(threads) * nr * kc;
+            let pack = |(r, dst): (usize, &mut [f32])| {
+                let j = jc + r * run / kc;
+                pack_b_panels(&b, pc, kc, j, (jc + nc).min(j + dst.len() / kc), nr, dst)
+            };
+            if threads > 1 {
+                b_block.par_chunks_mut(run).enumerate().for_each(pack);
+            } else {
+                pack((0, b_block));
+            }
+            let pass = Pass {
+                kernel,
+                c: SendPtr(c.ptr),
+                c_rs: c.rs,
+                m,
+                n,
+                a,
+                pc,
+                kc,
+                b: b_block,
+                panel_stride: nr * kc,
+                jc,
+                alpha,
+                add: add_first || pc > 0,
+                bias: bias.filter(|_| pc == 0),
+                transposed_a_in_place: false,
+            };
+            // Tasks: a block of A's rows × a range of B's panels, enough of
+            // them that every thread has two, numbered so that rayon's
+            // halving hands each thread its own range of panels (half the
+            // packed B each to stream) where A needs no packing, which a
+            // task of each range would otherwise repeat.
+            let m_blocks = m.div_ceil(mc);
+            let splits = match threads {
+                1 => 1,
+                _ if a.cs == 1 => threads.max((2 * threads).div_ceil(m_blocks)),
+                _ => (2 * threads).div_ceil(m_blocks),
+            }
+            .clamp(1, panels);
+            let task = |t: usize| {
+                let (s, ib) = (t / m_blocks, t % m_blocks);
+                pass.rows(ib * mc, mc.min(m - ib * mc), chunk(panels, splits, s));
+            };
+            if threads > 1 {
+                (0..m_blocks * splits).into_par_iter().for_each(task);
+            } else {
+                (0..m_blocks * splits).for_each(task);
+            }
+        }
+    }
+    PACKED_B.set(packed_b);
+    Ok(())
+}
+
+/// What the first block of depth starts from.
+struct First<'b> {
+    /// `C` itself (`Start::Keep`).
+    add: bool,
+    /// The bias, which the tiles add as they store.
+    bias: Option<&'b [f32]>,
+}
+
+/// Checks a product's operands and does the work of an empty one; what the
+/// first block of depth starts from, or `None` when nothing is left to
+/// multiply.
+fn begin<'b>(
+    c: &MatMut,
+    a: &MatRef,
+    b_rows: usize,
+    b_cols: usize,
+    start: Start<'b>,
+) -> Result<Option<First<'b>>, ShapeError> {
+    let (m, n, k) = (c.rows, c.cols, a.cols);
+    if a.rows != m || b_cols != n || b_rows != k {
         return Err(ShapeError::Mismatch {
             c_rows: m,
             c_cols: n,
             a_rows: a.rows,
             a_cols: a.cols,
-            b_rows: b.rows,
-            b_cols: b.cols,
+            b_rows,
+            b_cols,
         });
     }
     if let Start::Bias(bias) = start {
@@ -428,7 +527,7 @@ pub fn gemm_with(
         return Err(ShapeError::KeepUninit);
     }
     if m == 0 || n == 0 {
-        return Ok(());
+        return Ok(None);
     }
     // What the first block of KC starts from: C itself (`Keep`), or nothing,
     // or the bias, which the tiles add as they store (not a pass of its own
@@ -448,107 +547,206 @@ pub fn gemm_with(
                 }
             }
         }
-        return Ok(());
+        return Ok(None);
     }
-    let (mr, nr, mc) = (kernel.mr(), kernel.nr(), kernel.mc());
-    let c_ptr = SendPtr(c.ptr);
-    // Taken, not borrowed: while this thread waits for the tasks, rayon may
-    // run another job on it that multiplies too.
-    let mut packed_b = PACKED_B.take();
-    for jc in (0..n).step_by(NC) {
-        let nc = NC.min(n - jc);
-        let panels = nc.div_ceil(nr);
-        for pc in (0..k).step_by(KC) {
-            let kc = KC.min(k - pc);
-            let add = add_first || pc > 0;
-            packed_b.resize(panels * nr * KC, 0.0);
-            let b_block = &mut packed_b[..panels * nr * kc];
-            // Each thread packs a run of whole panels (rows of B read along,
-            // see pack_b_panels).
-            let run = panels.div_ceil(threads) * nr * kc;
-            let pack = |(r, dst): (usize, &mut [f32])| {
-                let j = jc + r * run / kc;
-                pack_b_panels(&b, pc, kc, j, (jc + nc).min(j + dst.len() / kc), nr, dst)
-            };
-            if threads > 1 {
-                b_block.par_chunks_mut(run).enumerate().for_each(pack);
-            } else {
-                pack((0, b_block));
-            }
-            let b_block = &*b_block;
-            // Tasks: a block of A's rows × a range of B's panels, enough of
-            // them that every thread has two, numbered so that rayon's
-            // halving hands each thread its own range of panels (half the
-            // packed B each to stream) where A needs no packing, which a
-            // task of each range would otherwise repeat.
-            let m_blocks = m.div_ceil(mc);
-            let splits = match threads {
-                1 => 1,
-                _ if a.cs == 1 => threads.max((2 * threads).div_ceil(m_blocks)),
-                _ => (2 * threads).div_ceil(m_blocks),
-            }
-            .clamp(1, panels);
-            let task = |t: usize| {
-                let (s, ib) = (t / m_blocks, t % m_blocks);
-                let (i0, mlen) = (ib * mc, mc.min(m - ib * mc));
-                let panel_range = chunk(panels, splits, s);
-                let mut packed_a = PACKED_A.take();
-                {
-                    let tall = mlen.div_ceil(mr);
-                    packed_a.resize(tall * mr * KC, 0.0);
-                    // Whole panels of a row-major A are read in place (the
-                    // kernel takes A's strides); the rest are packed.
-                    let in_place = |rows: usize| rows == mr && a.cs == 1;
-                    for (q, dst) in packed_a[..tall * mr * kc].chunks_mut(mr * kc).enumerate() {
-                        let rows = mr.min(mlen - q * mr);
-                        if !in_place(rows) {
-                            pack_a(&a, i0 + q * mr, rows, pc, kc, mr, dst);
-                        }
-                    }
-                    for p in panel_range.clone() {
-                        let j = jc + p * nr;
-                        let cols = nr.min(n - j);
-                        for q in 0..tall {
-                            let i = i0 + q * mr;
-                            let rows = mr.min(m - i);
-                            let (a_ptr, a_rs, a_cs) = if in_place(rows) {
-                                (a.data[i * a.rs + pc * a.cs..].as_ptr(), a.rs, a.cs)
-                            } else {
-                                (packed_a[q * mr * kc..].as_ptr(), 1, mr)
-                            };
-                            let t = kernels::Tile {
-                                k: kc,
-                                a: a_ptr,
-                                a_rs,
-                                a_cs,
-                                b: b_block[p * nr * kc..].as_ptr(),
-                                alpha,
-                                add,
-                                bias: match bias {
-                                    Some(b) if pc == 0 => b[j..].as_ptr(),
-                                    _ => std::ptr::null(),
-                                },
-                                // SAFETY: row i, column j of C are inside its view (i < m, j < n).
-                                c: unsafe { c_ptr.get().add(i * c.rs + j) },
-                                rs: c.rs,
-                                rows,
-                                cols,
-                            };
-                            kernel.tile(&t);
-                        }
-                    }
-                }
-                PACKED_A.set(packed_a);
-            };
-            if threads > 1 {
-                (0..m_blocks * splits).into_par_iter().for_each(task);
-            } else {
-                (0..m_blocks * splits).for_each(task);
+    Ok(Some(First {
+        add: add_first,
+        bias,
+    }))
+}
+
+/// `B` packed once for several products that each read a part of it
+/// (attention multiplies every block of queries by the same keys): panels of
+/// [`Kernel::nr`] columns that run the whole depth, so that any run of rows
+/// and any leading columns are a product's `B` without packing it again.
+#[derive(Debug, Default)]
+pub struct PackedB {
+    data: Vec<f32>,
+    rows: usize,
+    cols: usize,
+    kernel: Option<Kernel>,
+}
+
+impl PackedB {
+    /// An empty buffer, to [`PackedB::pack`] into.
+    pub fn new() -> PackedB {
+        PackedB::default()
+    }
+
+    /// Packs `b` for the fastest kernel, reusing this buffer.
+    pub fn pack(&mut self, b: MatRef) {
+        self.pack_for(Kernel::best(), b);
+    }
+
+    /// Packs `b` for `kernel`.
+    ///
+    /// # Panics
+    ///
+    /// If `kernel` is not in [`Kernel::available`].
+    pub fn pack_for(&mut self, kernel: Kernel, b: MatRef) {
+        assert!(
+            Kernel::detected().contains(&kernel),
+            "the {kernel:?} GEMM kernel needs a CPU feature this one lacks"
+        );
+        let nr = kernel.nr();
+        let len = b.cols.div_ceil(nr) * nr * b.rows;
+        grow(&mut self.data, len);
+        pack_b_panels(&b, 0, b.rows, 0, b.cols, nr, &mut self.data[..len]);
+        (self.rows, self.cols, self.kernel) = (b.rows, b.cols, Some(kernel));
+    }
+
+    /// Rows of the packed matrix.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns of the packed matrix.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// `C = start ⊕ α·A·B'` on the calling thread, where `B'` is rows `b_rows`
+/// and the first `C.cols` columns of `b`: the bits of [`gemm_with`] on that
+/// part of `B`, with the kernel `b` was packed for. `A` is read in place
+/// whether it is stored row-major or transposed (the few panels of `B` that
+/// such products have would not repay packing it).
+pub fn gemm_packed(
+    c: MatMut,
+    a: MatRef,
+    b: &PackedB,
+    b_rows: std::ops::Range<usize>,
+    alpha: f32,
+    start: Start,
+) -> Result<(), ShapeError> {
+    let Some(kernel) = b.kernel else {
+        return Err(ShapeError::Mismatch {
+            c_rows: c.rows,
+            c_cols: c.cols,
+            a_rows: a.rows,
+            a_cols: a.cols,
+            b_rows: 0,
+            b_cols: 0,
+        });
+    };
+    if b_rows.start > b_rows.end || b_rows.end > b.rows || c.cols > b.cols {
+        return Err(ShapeError::Mismatch {
+            c_rows: c.rows,
+            c_cols: c.cols,
+            a_rows: a.rows,
+            a_cols: a.cols,
+            b_rows: b.rows,
+            b_cols: b.cols,
+        });
+    }
+    let Some(First {
+        add: add_first,
+        bias,
+    }) = begin(&c, &a, b_rows.len(), c.cols, start)?
+    else {
+        return Ok(());
+    };
+    let (m, n, k, nr) = (c.rows, c.cols, a.cols, kernel.nr());
+    for pc in (0..k).step_by(KC) {
+        let pass = Pass {
+            kernel,
+            c: SendPtr(c.ptr),
+            c_rs: c.rs,
+            m,
+            n,
+            a,
+            pc,
+            kc: KC.min(k - pc),
+            b: &b.data[(b_rows.start + pc) * nr..],
+            panel_stride: nr * b.rows,
+            jc: 0,
+            alpha,
+            add: add_first || pc > 0,
+            bias: bias.filter(|_| pc == 0),
+            transposed_a_in_place: true,
+        };
+        pass.rows(0, m, 0..n.div_ceil(nr));
+    }
+    Ok(())
+}
+
+/// One block of depth of a product: what its tiles share.
+struct Pass<'a> {
+    kernel: Kernel,
+    c: SendPtr,
+    c_rs: usize,
+    /// Rows and columns of `C`.
+    m: usize,
+    n: usize,
+    a: MatRef<'a>,
+    /// The block: `A`'s columns (`B`'s rows) `pc..pc + kc`.
+    pc: usize,
+    kc: usize,
+    /// The block's packed `B`: panel `p` holds `kc` rows of `nr` values from
+    /// `b[p·panel_stride]`, for `C`'s columns from `jc + p·nr`.
+    b: &'a [f32],
+    panel_stride: usize,
+    jc: usize,
+    alpha: f32,
+    /// `C += …` rather than `C = …`.
+    add: bool,
+    bias: Option<&'a [f32]>,
+    /// Whether an `A` stored transposed (unit row stride) is read in place
+    /// too, rather than packed (a row-major one always is).
+    transposed_a_in_place: bool,
+}
+
+impl Pass<'_> {
+    /// The tiles of `C`'s rows `i0..i0 + mlen` (at most `mc`) and the
+    /// block's panels `panels`.
+    fn rows(&self, i0: usize, mlen: usize, panels: std::ops::Range<usize>) {
+        let (a, kernel, kc, pc) = (&self.a, self.kernel, self.kc, self.pc);
+        let (mr, nr) = (kernel.mr(), kernel.nr());
+        let mut packed_a = PACKED_A.take();
+        let tall = mlen.div_ceil(mr);
+        grow(&mut packed_a, tall * mr * KC);
+        // Whole panels of A are read in place where the kernel can take A's
+        // strides; the rest are packed.
+        let in_place =
+            |rows: usize| rows == mr && (a.cs == 1 || (self.transposed_a_in_place && a.rs == 1));
+        for (q, dst) in packed_a[..tall * mr * kc].chunks_mut(mr * kc).enumerate() {
+            let rows = mr.min(mlen - q * mr);
+            if !in_place(rows) {
+                pack_a(a, i0 + q * mr, rows, pc, kc, mr, dst);
             }
         }
+        for p in panels {
+            let j = self.jc + p * nr;
+            let cols = nr.min(self.n - j);
+            for q in 0..tall {
+                let i = i0 + q * mr;
+                let rows = mr.min(self.m - i);
+                let (a_ptr, a_rs, a_cs) = if in_place(rows) {
+                    (a.data[i * a.rs + pc * a.cs..].as_ptr(), a.rs, a.cs)
+                } else {
+                    (packed_a[q * mr * kc..].as_ptr(), 1, mr)
+                };
+                let b = &self.b[p * self.panel_stride..][..kc * nr];
+                let t = kernels::Tile {
+                    k: kc,
+                    a: a_ptr,
+                    a_rs,
+                    a_cs,
+                    b: b.as_ptr(),
+                    alpha: self.alpha,
+                    add: self.add,
+                    bias: self.bias.map_or(std::ptr::null(), |b| b[j..].as_ptr()),
+                    // SAFETY: row i, column j of C are inside its view (i < m, j < n).
+                    c: unsafe { self.c.get().add(i * self.c_rs + j) },
+                    rs: self.c_rs,
+                    rows,
+                    cols,
+                };
+                kernel.tile(&t);
+            }
+        }
+        PACKED_A.set(packed_a);
     }
-    PACKED_B.set(packed_b);
-    Ok(())
 }
 
 thread_local! {
@@ -556,6 +754,15 @@ thread_local! {
     static PACKED_A: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The calling thread's packed `B` block.
     static PACKED_B: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Makes `v` at least `len` long. Never shorter: products of alternating
+/// sizes (attention's blocks) would otherwise zero the difference on every
+/// call, and packing overwrites whatever it reads.
+fn grow(v: &mut Vec<f32>, len: usize) {
+    if v.len() < len {
+        v.resize(len, 0.0);
+    }
 }
 
 /// `C`'s base pointer, shared by tasks that write disjoint tiles.
@@ -784,7 +991,9 @@ unsafe fn transpose_tiles_avx(
 /// `dst.copy_from_slice(src)` for the lengths packing copies (a panel's
 /// height or width) as fixed-size moves: at 24 or 64 bytes, a call to
 /// `memcpy` per row cost more than the copy (3% of a training step).
+#[inline(always)]
 fn copy_short(dst: &mut [f32], src: &[f32]) {
+    #[inline(always)]
     fn fixed<const N: usize>(dst: &mut [f32], src: &[f32]) {
         let d: &mut [f32; N] = dst.try_into().expect("N floats");
         *d = src.try_into().expect("N floats");

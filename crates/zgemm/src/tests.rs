@@ -438,3 +438,112 @@ fn panels_pack_to_the_values_they_hold() {
         println!("SKIPPED the AVX tiles: this CPU has no AVX (scalar path checked)");
     }
 }
+
+#[test]
+fn packed_b_products_give_the_bits_of_gemm_on_that_part_of_b() {
+    // Rows of B from an offset (across a depth block boundary in the deep
+    // case), leading columns not a multiple of nr, A and B row-major or
+    // transposed, every start: against gemm_with on the same part of B.
+    let (rows, cols) = (900, 45);
+    let b_data = random(11, rows * cols);
+    for kernel in covered() {
+        for b_t in [false, true] {
+            let b = operand(&b_data, rows, cols, b_t);
+            let mut packed = PackedB::new();
+            packed.pack_for(kernel, b);
+            assert_eq!((packed.rows(), packed.cols()), (rows, cols));
+            for (m, r0, r1, n) in [
+                (13, 0, 64, 45),
+                (6, 5, 70, 17),
+                (64, 300, 900, 32),
+                (1, 899, 900, 1),
+                (20, 10, 10, 9),
+            ] {
+                let k = r1 - r0;
+                let a_data = random(12, m * k);
+                let bias = random(13, n);
+                for a_t in [false, true] {
+                    let a = operand(&a_data, m, k, a_t);
+                    let b_part = MatRef::new(&b.data[r0 * b.rs..], k, n, b.rs, b.cs).unwrap();
+                    for start in ["zero", "keep", "bias"] {
+                        let start_of = |s: &str| match s {
+                            "zero" => Start::Zero,
+                            "keep" => Start::Keep,
+                            _ => Start::Bias(&bias),
+                        };
+                        let rs = n + 2;
+                        let mut want = random(14, m * rs);
+                        let mut got = want.clone();
+                        gemm_with(
+                            kernel,
+                            MatMut::new(&mut want, m, n, rs).unwrap(),
+                            a,
+                            b_part,
+                            0.5,
+                            start_of(start),
+                            1,
+                        )
+                        .unwrap();
+                        gemm_packed(
+                            MatMut::new(&mut got, m, n, rs).unwrap(),
+                            a,
+                            &packed,
+                            r0..r1,
+                            0.5,
+                            start_of(start),
+                        )
+                        .unwrap();
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "{kernel:?} b_t {b_t} a_t {a_t} m {m} rows {r0}..{r1} n {n} {start}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_b_products_refuse_parts_it_does_not_hold() {
+    let b_data = random(15, 20 * 10);
+    let a_data = random(16, 4 * 20);
+    let mut c = vec![0.0; 4 * 11];
+    let mut packed = PackedB::new();
+    let a = MatRef::row_major(&a_data, 4, 20).unwrap();
+    let unpacked = gemm_packed(
+        MatMut::row_major(&mut c, 4, 10).unwrap(),
+        a,
+        &packed,
+        0..20,
+        1.0,
+        Start::Zero,
+    );
+    assert!(unpacked.is_err());
+    packed.pack(MatRef::row_major(&b_data, 20, 10).unwrap());
+    for (rows, n) in [(0..21, 10), (0..20, 11), (1..20, 10)] {
+        let r = gemm_packed(
+            MatMut::row_major(&mut c, 4, n).unwrap(),
+            a.sub_rows(0, 4),
+            &packed,
+            rows.clone(),
+            1.0,
+            Start::Zero,
+        );
+        assert!(
+            matches!(r, Err(ShapeError::Mismatch { .. })),
+            "rows {rows:?}, {n} columns: {r:?}"
+        );
+    }
+    gemm_packed(
+        MatMut::row_major(&mut c, 4, 10).unwrap(),
+        a,
+        &packed,
+        0..20,
+        1.0,
+        Start::Zero,
+    )
+    .unwrap();
+}

@@ -5,7 +5,8 @@
 //! the backward of each (16 ms a block for softmax alone at 4×6×128×128). Here
 //! one task per (sequence, head) runs on rayon's threads: `S = Q·Kᵀ/√d` by
 //! zgemm on the task's thread straight from the `[b, t, 3d]` projection
-//! (strides, no copies), the causal softmax row by row, then `Y = P·V` written
+//! (strides, no copies; each task packs its K, V, Q and dY once for all its
+//! blocks), the causal softmax row by row, then `Y = P·V` written
 //! into the `[b, t, d]` layout the output projection reads. Every product runs
 //! in blocks of 64 query rows (or key columns), each seeing only the keys (or
 //! queries) the mask lets through: at t = 256 that skips 3/8 of the work of
@@ -28,10 +29,10 @@
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
-use zgemm::{MatMut, MatRef, Start};
+use zgemm::{MatMut, MatRef, PackedB, Start};
 
 use crate::linear::{assume_init, uninit_floats};
-use crate::ops::f32_input;
+use crate::ops::{f32_input, max8, sum8};
 use crate::simd::{exp, vectorised};
 
 /// The heads of one attention: `heads` query heads sharing `kv` key/value heads.
@@ -156,6 +157,23 @@ thread_local! {
     };
 }
 
+thread_local! {
+    /// Each thread's packed operands, kept between calls: K (both ways), Vᵀ
+    /// or V, Q and dY of one task, packed once for every block that reads
+    /// them (packing each block's part afresh cost a fifth of attention).
+    static PACKS: std::cell::RefCell<Vec<PackedB>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on this thread's five packing buffers.
+fn with_packs<R>(f: impl FnOnce(&mut [PackedB; 5]) -> R) -> R {
+    // Taken out for the call, as the scratch matrices are.
+    let mut packs = PACKS.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    packs.resize_with(5, PackedB::new);
+    let r = f((&mut packs[..]).try_into().expect("five buffers"));
+    PACKS.with(|p| *p.borrow_mut() = packs);
+    r
+}
+
 /// Runs `f` on this thread's two scratch matrices of `len` floats.
 fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
     // Taken out for the call, so a nested use cannot alias them.
@@ -170,19 +188,30 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R
     r
 }
 
-/// `C = start ⊕ alpha·A·B` on the calling thread, `C` at `c` with row stride
-/// `c_rs` (unit column stride).
+/// `C = start ⊕ alpha·A·B` on the calling thread, where `B` is rows `b_rows`
+/// and the first `cols` columns of `b`; `C` at `c` with row stride `c_rs`
+/// (unit column stride).
 ///
 /// # Safety
 ///
-/// `C`'s `a.rows() × b.cols()` elements at row stride `c_rs` from `c` must be
+/// `C`'s `a.rows() × cols` elements at row stride `c_rs` from `c` must be
 /// valid for writes (initialised when `keep`) and written by no one else
-/// during the call, and must not overlap `a` or `b`.
-unsafe fn product(c: *mut f32, c_rs: usize, a: MatRef, b: MatRef, alpha: f32, keep: bool) {
+/// during the call, and must not overlap `a`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product(
+    c: *mut f32,
+    c_rs: usize,
+    cols: usize,
+    a: MatRef,
+    b: &PackedB,
+    b_rows: std::ops::Range<usize>,
+    alpha: f32,
+    keep: bool,
+) {
     // SAFETY: forwarded from the caller.
-    let c = unsafe { MatMut::from_raw(c, a.rows(), b.cols(), c_rs, keep) };
+    let c = unsafe { MatMut::from_raw(c, a.rows(), cols, c_rs, keep) };
     let start = if keep { Start::Keep } else { Start::Zero };
-    c.and_then(|c| zgemm::gemm(c, a, b, alpha, start, 1))
+    c.and_then(|c| zgemm::gemm_packed(c, a, b, b_rows, alpha, start))
         .expect("attention: GEMM shapes are built from one Dims");
 }
 
@@ -192,33 +221,34 @@ fn view(data: &[f32], off: usize, rows: usize, cols: usize, rs: usize) -> MatRef
 }
 
 /// P = causal softmax(Q·Kᵀ·scale) of sequence `bi`, query head `h` into
-/// `p[t×t]`; the masked entries (column above the row) are zero.
-fn probabilities(qkv: &[f32], dm: Dims, rows: usize, bi: usize, h: usize, p: &mut [f32]) {
+/// `p[t×t]`, from `kt`, its head's Kᵀ packed; the masked entries (column
+/// above the row) are zero.
+fn probabilities(
+    qkv: &[f32],
+    dm: Dims,
+    rows: usize,
+    bi: usize,
+    h: usize,
+    kt: &PackedB,
+    p: &mut [f32],
+) {
     let (t, w, hd) = (dm.t, dm.w, dm.hd);
     let base = bi * t * w;
-    let k = view(qkv, base + dm.k(h / dm.group), t, hd, w);
     let scale = 1.0 / (hd as f32).sqrt();
     for (i0, i1) in blocks(t, rows) {
         let q = view(qkv, base + i0 * w + dm.q(h), i1 - i0, hd, w);
         // SAFETY: rows i0..i1, columns < i1 of p (t × t), which only this
         // call holds.
-        unsafe {
-            product(
-                p[i0 * t..].as_mut_ptr(),
-                t,
-                q,
-                k.sub_rows(0, i1).t(),
-                scale,
-                false,
-            )
-        };
+        unsafe { product(p[i0 * t..].as_mut_ptr(), t, i1, q, kt, 0..hd, scale, false) };
     }
     vectorised(|| {
         for (i, row) in p.chunks_exact_mut(t).enumerate() {
             let (live, masked) = row.split_at_mut(i + 1);
-            let max = live.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            // Reductions in 8 lanes: a sum in one chain of adds waited
+            // on each add's latency, a fifth of attention's time.
+            let max = max8(live);
             live.iter_mut().for_each(|v| *v = exp(*v - max));
-            let inv = 1.0 / live.iter().sum::<f32>();
+            let inv = 1.0 / sum8(live.len(), |j| live[j]);
             live.iter_mut().for_each(|v| *v *= inv);
             masked.fill(0.0);
         }
@@ -239,25 +269,31 @@ impl CustomOp1 for CausalAttention {
         let mut y = uninit_floats(dm.b * t * d);
         let out = Shared(y.as_mut_ptr().cast());
         (0..dm.b * dm.heads).into_par_iter().for_each(|task| {
-            with_scratch(t * t, |p, _| {
-                let (bi, h) = (task / dm.heads, task % dm.heads);
-                probabilities(qkv, dm, rows, bi, h, p);
-                let v = view(qkv, bi * t * w + dm.v(h / dm.group), t, hd, w);
-                for (i0, i1) in blocks(t, rows) {
-                    let p_blk = view(p, i0 * t, i1 - i0, i1, t);
-                    // SAFETY: y's rows i0..i1 of sequence bi, columns of head
-                    // h: this task's alone.
-                    unsafe {
-                        product(
-                            out.at((bi * t + i0) * d + h * hd),
-                            d,
-                            p_blk,
-                            v.sub_rows(0, i1),
-                            1.0,
-                            false,
-                        )
-                    };
-                }
+            with_packs(|[kt, vp, ..]| {
+                with_scratch(t * t, |p, _| {
+                    let (bi, h) = (task / dm.heads, task % dm.heads);
+                    let base = bi * t * w;
+                    kt.pack(view(qkv, base + dm.k(h / dm.group), t, hd, w).t());
+                    probabilities(qkv, dm, rows, bi, h, kt, p);
+                    vp.pack(view(qkv, base + dm.v(h / dm.group), t, hd, w));
+                    for (i0, i1) in blocks(t, rows) {
+                        let p_blk = view(p, i0 * t, i1 - i0, i1, t);
+                        // SAFETY: y's rows i0..i1 of sequence bi, columns of
+                        // head h: this task's alone.
+                        unsafe {
+                            product(
+                                out.at((bi * t + i0) * d + h * hd),
+                                d,
+                                hd,
+                                p_blk,
+                                vp,
+                                0..i1,
+                                1.0,
+                                false,
+                            )
+                        };
+                    }
+                })
             })
         });
         // SAFETY: the tasks covered every (sequence, head) and each product
@@ -304,94 +340,87 @@ impl CustomOp2 for CausalAttentionGrad {
         let out = Shared(dqkv.as_mut_ptr().cast());
         let kv_heads = dm.heads / dm.group;
         (0..dm.b * kv_heads).into_par_iter().for_each(|task| {
-            with_scratch(t * t, |p, ds| {
-                let (bi, g) = (task / kv_heads, task % kv_heads);
-                let base = bi * t * w;
-                let k = view(qkv, base + dm.k(g), t, hd, w);
-                let v = view(qkv, base + dm.v(g), t, hd, w);
-                for (nth, h) in (g * dm.group..(g + 1) * dm.group).enumerate() {
-                    // The group's first query head writes dK and dV, the
-                    // others add to them, in order.
-                    let add = nth > 0;
-                    probabilities(qkv, dm, rows, bi, h, p);
-                    let q = view(qkv, base + dm.q(h), t, hd, w);
-                    let dy_h = view(dy, bi * t * d + h * hd, t, hd, d);
-                    // Blocks of key columns [j0, j1) see query rows [j0, t).
-                    for (j0, j1) in blocks(t, rows) {
-                        let p_t = view(p, j0 * t + j0, t - j0, j1 - j0, t).t();
-                        // SAFETY: dV rows j0..j1 of this task's key/value
-                        // head: its alone (as are dK's, dQ's of its heads).
-                        unsafe {
-                            // dV (+)= Pᵀ · dY
-                            product(
-                                out.at(base + j0 * w + dm.v(g)),
-                                w,
-                                p_t,
-                                dy_h.sub_rows(j0, t),
-                                1.0,
-                                add,
-                            )
-                        };
-                    }
-                    // dP = dY · Vᵀ, the live blocks only, into ds.
-                    for (i0, i1) in blocks(t, rows) {
-                        // SAFETY: rows i0..i1, columns < i1 of ds (t × t).
-                        unsafe {
-                            product(
-                                ds[i0 * t..].as_mut_ptr(),
-                                t,
-                                dy_h.sub_rows(i0, i1),
-                                v.sub_rows(0, i1).t(),
-                                1.0,
-                                false,
-                            )
-                        };
-                    }
-                    // dS = P ⊙ (dP − rowsum(dP ⊙ P)) over the live entries,
-                    // in place; the masked ones zero (the blocks read them).
-                    vectorised(|| {
-                        for (i, (prow, dsrow)) in
-                            p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate()
-                        {
-                            let (live, masked) = dsrow.split_at_mut(i + 1);
-                            let c: f32 = prow.iter().zip(live.iter()).map(|(a, b)| a * b).sum();
-                            live.iter_mut()
-                                .zip(prow)
-                                .for_each(|(g, &pv)| *g = pv * (*g - c));
-                            masked.fill(0.0);
+            with_packs(|[kt, kp, vt, qp, dyp]| {
+                with_scratch(t * t, |p, ds| {
+                    let (bi, g) = (task / kv_heads, task % kv_heads);
+                    let base = bi * t * w;
+                    let k = view(qkv, base + dm.k(g), t, hd, w);
+                    kt.pack(k.t());
+                    kp.pack(k);
+                    vt.pack(view(qkv, base + dm.v(g), t, hd, w).t());
+                    for (nth, h) in (g * dm.group..(g + 1) * dm.group).enumerate() {
+                        // The group's first query head writes dK and dV, the
+                        // others add to them, in order.
+                        let add = nth > 0;
+                        probabilities(qkv, dm, rows, bi, h, kt, p);
+                        qp.pack(view(qkv, base + dm.q(h), t, hd, w));
+                        let dy_h = view(dy, bi * t * d + h * hd, t, hd, d);
+                        dyp.pack(dy_h);
+                        // Blocks of key columns [j0, j1) see query rows [j0, t).
+                        for (j0, j1) in blocks(t, rows) {
+                            let p_t = view(p, j0 * t + j0, t - j0, j1 - j0, t).t();
+                            // SAFETY: dV rows j0..j1 of this task's key/value
+                            // head: its alone (as are dK's, dQ's of its heads).
+                            unsafe {
+                                // dV (+)= Pᵀ · dY
+                                let dv = out.at(base + j0 * w + dm.v(g));
+                                product(dv, w, hd, p_t, dyp, j0..t, 1.0, add)
+                            };
                         }
-                    });
-                    for (i0, i1) in blocks(t, rows) {
-                        let ds_blk = view(ds, i0 * t, i1 - i0, i1, t);
-                        // SAFETY: dQ rows i0..i1 of query head h: this task's.
-                        unsafe {
-                            // dQ = dS · K · scale
-                            product(
-                                out.at(base + i0 * w + dm.q(h)),
-                                w,
-                                ds_blk,
-                                k.sub_rows(0, i1),
-                                scale,
-                                false,
-                            )
-                        };
+                        // dP = dY · Vᵀ, the live blocks only, into ds.
+                        for (i0, i1) in blocks(t, rows) {
+                            let dy_blk = dy_h.sub_rows(i0, i1);
+                            // SAFETY: rows i0..i1, columns < i1 of ds (t × t).
+                            unsafe {
+                                product(
+                                    ds[i0 * t..].as_mut_ptr(),
+                                    t,
+                                    i1,
+                                    dy_blk,
+                                    vt,
+                                    0..hd,
+                                    1.0,
+                                    false,
+                                )
+                            };
+                        }
+                        // dS = P ⊙ (dP − rowsum(dP ⊙ P)) over the live
+                        // entries, in place; the masked ones zero (the
+                        // blocks read them).
+                        vectorised(|| {
+                            for (i, (prow, dsrow)) in
+                                p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate()
+                            {
+                                let (live, masked) = dsrow.split_at_mut(i + 1);
+                                let c = sum8(live.len(), |j| prow[j] * live[j]);
+                                live.iter_mut()
+                                    .zip(prow)
+                                    .for_each(|(g, &pv)| *g = pv * (*g - c));
+                                masked.fill(0.0);
+                            }
+                        });
+                        for (i0, i1) in blocks(t, rows) {
+                            let ds_blk = view(ds, i0 * t, i1 - i0, i1, t);
+                            // SAFETY: dQ rows i0..i1 of query head h: this
+                            // task's.
+                            unsafe {
+                                // dQ = dS · K · scale
+                                let dq = out.at(base + i0 * w + dm.q(h));
+                                product(dq, w, hd, ds_blk, kp, 0..i1, scale, false)
+                            };
+                        }
+                        for (j0, j1) in blocks(t, rows) {
+                            let ds_t = view(ds, j0 * t + j0, t - j0, j1 - j0, t).t();
+                            // SAFETY: dK rows j0..j1 of this task's key/value
+                            // head.
+                            unsafe {
+                                // dK (+)= dSᵀ · Q · scale
+                                let dk = out.at(base + j0 * w + dm.k(g));
+                                product(dk, w, hd, ds_t, qp, j0..t, scale, add)
+                            };
+                        }
                     }
-                    for (j0, j1) in blocks(t, rows) {
-                        let ds_t = view(ds, j0 * t + j0, t - j0, j1 - j0, t).t();
-                        // SAFETY: dK rows j0..j1 of this task's key/value head.
-                        unsafe {
-                            // dK (+)= dSᵀ · Q · scale
-                            product(
-                                out.at(base + j0 * w + dm.k(g)),
-                                w,
-                                ds_t,
-                                q.sub_rows(j0, t),
-                                scale,
-                                add,
-                            )
-                        };
-                    }
-                }
+                })
             })
         });
         // SAFETY: as the comment above says.

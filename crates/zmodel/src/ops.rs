@@ -151,6 +151,24 @@ pub(crate) fn sum8(n: usize, f: impl Fn(usize) -> f32) -> f32 {
     total
 }
 
+/// The largest value of `row` (−∞ when empty) in 8 interleaved lanes, so
+/// that the compiler can vectorise it; a maximum is exact, so the order
+/// changes nothing.
+#[inline(always)]
+pub(crate) fn max8(row: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let mut chunks = row.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = a.max(v);
+        }
+    }
+    chunks.remainder().iter().fold(
+        acc.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+        |a, &v| a.max(v),
+    )
+}
+
 /// Mean and 1/std of one row.
 #[inline(always)]
 fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
