@@ -2,8 +2,9 @@
 //! a packed `B` panel, `k` rank-1 updates held in registers.
 //!
 //! Each element is a fused multiply-add chain over `p` from zero, then
-//! `c = α·acc` or `c = c + α·acc` with a separate multiply and add (crate
-//! doc): the SIMD kernels and the portable one agree bit for bit. Tiles at
+//! `c = α·acc` or `c = c + α·acc` with a separate multiply and add, then
+//! `c = r + c` where a residual is given (crate doc): the SIMD kernels and
+//! the portable one agree bit for bit. Tiles at
 //! the right and bottom edges of `C` are computed whole (the packing padded
 //! them with zeros) and only their live part is stored, with the same
 //! arithmetic.
@@ -26,6 +27,10 @@ pub(crate) struct Tile {
     /// If not null (and not `add`): `c = bias[j] + α·acc`, the tile's
     /// columns of the bias.
     pub(crate) bias: *const f32,
+    /// If not null: `c = r + c` as the tile is stored, `r` the tile's
+    /// element (0, 0) of the residual, whose rows are `residual_rs` apart.
+    pub(crate) residual: *const f32,
+    pub(crate) residual_rs: usize,
     /// Element (0, 0) of the tile in `C`.
     pub(crate) c: *mut f32,
     /// `C`'s row stride.
@@ -41,20 +46,27 @@ pub(crate) struct Tile {
 /// # Safety
 ///
 /// `t.c` must be valid for `t.rows` rows of `t.cols` floats at stride `t.rs`,
-/// and `t.bias`, unless null, for `t.cols` floats.
+/// `t.bias`, unless null, for `t.cols` floats, and `t.residual`, unless
+/// null, for the tile's live part at stride `t.residual_rs`.
 unsafe fn store_edge(t: &Tile, acc: &[f32], nr: usize) {
     for i in 0..t.rows {
         for j in 0..t.cols {
             let v = t.alpha * acc[i * nr + j];
             // SAFETY: (i, j) is a live element of the tile (caller).
             let c = unsafe { &mut *t.c.add(i * t.rs + j) };
-            *c = if t.add {
+            let v = if t.add {
                 *c + v
             } else if !t.bias.is_null() {
                 // SAFETY: the bias holds the tile's live columns (caller).
                 unsafe { *t.bias.add(j) + v }
             } else {
                 v
+            };
+            *c = if t.residual.is_null() {
+                v
+            } else {
+                // SAFETY: the residual holds the tile's live part (caller).
+                unsafe { *t.residual.add(i * t.residual_rs + j) + v }
             };
         }
     }
@@ -66,8 +78,9 @@ unsafe fn store_edge(t: &Tile, acc: &[f32], nr: usize) {
 ///
 /// `t.a` must be valid for `4 × t.k` elements at its strides, `t.b` hold
 /// `16·t.k` floats, `t.c` be valid for the live part of the tile (as
-/// [`store_edge`]), written by no one else, and `t.bias`, unless null, hold
-/// the tile's live columns.
+/// [`store_edge`]), written by no one else, `t.bias`, unless null, hold
+/// the tile's live columns, and `t.residual`, unless null, the tile's live
+/// part at its stride.
 pub(crate) unsafe fn portable(t: &Tile) {
     const MR: usize = 4;
     const NR: usize = 16;
@@ -87,8 +100,58 @@ pub(crate) unsafe fn portable(t: &Tile) {
     unsafe { store_edge(t, &acc, NR) }
 }
 
+/// The reference for the bf16 kernels, 4×16, in plain Rust: each 4-byte
+/// element of `A` and `B` holds two bf16 values along `k` (the even one in
+/// the low half), and each update is AVX512_BF16's `vdpbf16ps` as Intel's
+/// manual defines it: `acc += a₁·b₁`, then `acc += a₀·b₀`, each product
+/// exact in f32 and each sum rounded to nearest even, bf16 inputs below
+/// f32's normal range read as zero and sums below it flushed to zero.
+///
+/// # Safety
+///
+/// As [`portable`], counting elements in 4-byte pairs.
+pub(crate) unsafe fn portable_bf16(t: &Tile) {
+    const MR: usize = 4;
+    const NR: usize = 16;
+    fn halves(pair: u32) -> [f32; 2] {
+        let widen = |h: u32| {
+            let v = f32::from_bits(h << 16);
+            if v.is_subnormal() {
+                0.0f32.copysign(v)
+            } else {
+                v
+            }
+        };
+        [widen(pair & 0xffff), widen(pair >> 16)]
+    }
+    fn flush(v: f32) -> f32 {
+        if v.is_subnormal() {
+            0.0f32.copysign(v)
+        } else {
+            v
+        }
+    }
+    // SAFETY: the B panel's length (caller).
+    let b = unsafe { std::slice::from_raw_parts(t.b.cast::<u32>(), NR * t.k) };
+    let mut acc = [0f32; MR * NR];
+    for (p, bp) in b.chunks_exact(NR).enumerate() {
+        for i in 0..MR {
+            // SAFETY: (i, p) is inside the A panel (caller).
+            let [a0, a1] = halves(unsafe { *t.a.cast::<u32>().add(i * t.a_rs + p * t.a_cs) });
+            for (j, &bj) in bp.iter().enumerate() {
+                let [b0, b1] = halves(bj);
+                let c = &mut acc[i * NR + j];
+                *c = flush(a1.mul_add(b1, *c));
+                *c = flush(a0.mul_add(b0, *c));
+            }
+        }
+    }
+    // SAFETY: the tile's live part is valid (caller).
+    unsafe { store_edge(t, &acc, NR) }
+}
+
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86::{avx2, avx512};
+pub(crate) use x86::{amx_bf16, avx2, avx512, avx512_bf16};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -119,7 +182,8 @@ mod x86 {
     /// The CPU must have AVX2 and FMA; `t.a` must be valid for
     /// `6 × t.k` elements at its strides, `t.b` hold `16·t.k` floats, and
     /// `t.c` be valid for the live part of the tile, written by no one else;
-    /// `t.bias`, unless null, must hold the tile's live columns.
+    /// `t.bias`, unless null, must hold the tile's live columns, and
+    /// `t.residual`, unless null, the tile's live part at its stride.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn avx2(t: &Tile) {
         const MR: usize = 6;
@@ -166,6 +230,12 @@ mod x86 {
                         } else {
                             v
                         };
+                        let v = if t.residual.is_null() {
+                            v
+                        } else {
+                            let r = t.residual.add(i * t.residual_rs + 8 * h);
+                            _mm256_add_ps(_mm256_loadu_ps(r), v)
+                        };
                         _mm256_storeu_ps(c, v);
                     }
                 }
@@ -183,6 +253,93 @@ mod x86 {
         }
     }
 
+    /// One broadcast of row `$row`'s element of A (at `$addr`), multiplied
+    /// by `$op` with the two `B` vectors in zmm24/25 into the accumulators
+    /// `$lo`, `$hi`.
+    macro_rules! update_row {
+        ($op:literal, $lo:literal, $hi:literal, $z:literal, $addr:literal) => {
+            concat!(
+                "vbroadcastss zmm",
+                $z,
+                ", dword ptr ",
+                $addr,
+                "\n",
+                $op,
+                " zmm",
+                $lo,
+                ", zmm24, zmm",
+                $z,
+                "\n",
+                $op,
+                " zmm",
+                $hi,
+                ", zmm25, zmm",
+                $z,
+            )
+        };
+    }
+
+    /// The 12×32 kernels' `t.k` updates with instruction `$op`, added into
+    /// `$acc` (`[[__m512; 2]; 12]`).
+    ///
+    /// Written in assembly for its addressing: the twelve rows of `A` are
+    /// reached from two base pointers (rows 0 and 6) with the row stride
+    /// scaled by 1, 2, 4 or held ×3 and ×5, so a step advances two pointers.
+    /// Compiled Rust walked the rows with a chain of eleven dependent adds
+    /// per step, as long as the step's 24 FMAs, and reached 0.8 of the
+    /// FMA peak. The order of every update is that of the Rust it replaced.
+    macro_rules! updates_12x32 {
+        ($op:literal, $t:expr, $acc:expr) => {{
+            let t: &Tile = $t;
+            let rs = t.a_rs * 4;
+            let [[c0, c1], [c2, c3], [c4, c5], [c6, c7], [c8, c9], [c10, c11], [c12, c13], [c14, c15], [c16, c17], [c18, c19], [c20, c21], [c22, c23]] =
+                $acc;
+            std::arch::asm!(
+                "test {k}, {k}",
+                "jz 3f",
+                ".p2align 5",
+                "2:",
+                "vmovups zmm24, [{b}]",
+                "vmovups zmm25, [{b} + 64]",
+                update_row!($op, "0", "1", "26", "[{a0}]"),
+                update_row!($op, "2", "3", "27", "[{a0} + {rs}]"),
+                update_row!($op, "4", "5", "28", "[{a0} + {rs}*2]"),
+                update_row!($op, "6", "7", "29", "[{a0} + {r3}]"),
+                update_row!($op, "8", "9", "26", "[{a0} + {rs}*4]"),
+                update_row!($op, "10", "11", "27", "[{a0} + {r5}]"),
+                update_row!($op, "12", "13", "28", "[{a6}]"),
+                update_row!($op, "14", "15", "29", "[{a6} + {rs}]"),
+                update_row!($op, "16", "17", "26", "[{a6} + {rs}*2]"),
+                update_row!($op, "18", "19", "27", "[{a6} + {r3}]"),
+                update_row!($op, "20", "21", "28", "[{a6} + {rs}*4]"),
+                update_row!($op, "22", "23", "29", "[{a6} + {r5}]"),
+                "add {a0}, {cs}",
+                "add {a6}, {cs}",
+                "add {b}, 128",
+                "dec {k}",
+                "jnz 2b",
+                "3:",
+                k = inout(reg) t.k => _,
+                a0 = inout(reg) t.a => _,
+                a6 = inout(reg) t.a.wrapping_add(6 * t.a_rs) => _,
+                b = inout(reg) t.b => _,
+                rs = in(reg) rs,
+                r3 = in(reg) 3 * rs,
+                r5 = in(reg) 5 * rs,
+                cs = in(reg) t.a_cs * 4,
+                inout("zmm0") *c0, inout("zmm1") *c1, inout("zmm2") *c2, inout("zmm3") *c3,
+                inout("zmm4") *c4, inout("zmm5") *c5, inout("zmm6") *c6, inout("zmm7") *c7,
+                inout("zmm8") *c8, inout("zmm9") *c9, inout("zmm10") *c10, inout("zmm11") *c11,
+                inout("zmm12") *c12, inout("zmm13") *c13, inout("zmm14") *c14, inout("zmm15") *c15,
+                inout("zmm16") *c16, inout("zmm17") *c17, inout("zmm18") *c18, inout("zmm19") *c19,
+                inout("zmm20") *c20, inout("zmm21") *c21, inout("zmm22") *c22, inout("zmm23") *c23,
+                out("zmm24") _, out("zmm25") _, out("zmm26") _, out("zmm27") _,
+                out("zmm28") _, out("zmm29") _,
+                options(nostack, readonly),
+            );
+        }};
+    }
+
     /// 12×32 with AVX-512F: 24 accumulators, two `B` vectors and one
     /// broadcast of `A` per update.
     ///
@@ -191,31 +348,50 @@ mod x86 {
     /// The CPU must have AVX-512F; `t.a` must be valid for
     /// `12 × t.k` elements at its strides, `t.b` hold `32·t.k` floats, and
     /// `t.c` be valid for the live part of the tile, written by no one else;
-    /// `t.bias`, unless null, must hold the tile's live columns.
+    /// `t.bias`, unless null, must hold the tile's live columns, and
+    /// `t.residual`, unless null, the tile's live part at its stride.
     #[target_feature(enable = "avx512f")]
     pub(crate) unsafe fn avx512(t: &Tile) {
         const MR: usize = 12;
         const NR: usize = 32;
-        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
         prefetch_c(t, NR);
-        let (mut a, mut b, a_rs, a_cs) = (t.a, t.b, t.a_rs, t.a_cs);
-        for _ in 0..t.k {
-            // SAFETY: update p reads A's column p and b[p·32..p·32+32],
-            // inside the panels (caller).
-            unsafe {
-                let b0 = _mm512_loadu_ps(b);
-                let b1 = _mm512_loadu_ps(b.add(16));
-                for (i, row) in acc.iter_mut().enumerate() {
-                    let ai = _mm512_set1_ps(*a.add(i * a_rs));
-                    row[0] = _mm512_fmadd_ps(ai, b0, row[0]);
-                    row[1] = _mm512_fmadd_ps(ai, b1, row[1]);
-                }
-                a = a.add(a_cs);
-                b = b.add(NR);
-            }
-        }
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        // SAFETY: the updates read A's columns 0..k at its strides and
+        // b[..32·k], inside the panels (caller); the CPU has AVX-512F.
+        unsafe { updates_12x32!("vfmadd231ps", t, &mut acc) };
+        // SAFETY: as this function's.
+        unsafe { store_x32(t, &acc) }
+    }
+
+    /// 12×32 bf16 products with AVX512_BF16: as [`avx512`], with each
+    /// 4-byte element of `A` and `B` a pair of bf16 values (see
+    /// [`portable_bf16`]) and `vdpbf16ps` for the FMA.
+    ///
+    /// # Safety
+    ///
+    /// As [`avx512`], and the CPU must have AVX512_BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(crate) unsafe fn avx512_bf16(t: &Tile) {
+        prefetch_c(t, 32);
+        let mut acc = [[_mm512_setzero_ps(); 2]; 12];
+        // SAFETY: as avx512's; the CPU has AVX512_BF16.
+        unsafe { updates_12x32!("vdpbf16ps", t, &mut acc) };
+        // SAFETY: as this function's.
+        unsafe { store_x32(t, &acc) }
+    }
+
+    /// Stores a finished 12×32 tile (α, then bias or `C`, then the residual).
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have AVX-512F; `t.c`, `t.bias` and `t.residual` as for
+    /// [`avx512`].
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store_x32(t: &Tile, acc: &[[__m512; 2]]) {
+        let mr = acc.len();
+        const NR: usize = 32;
         let alpha = _mm512_set1_ps(t.alpha);
-        if t.rows == MR && t.cols == NR {
+        if t.rows == mr && t.cols == NR {
             for (i, row) in acc.iter().enumerate() {
                 for (h, v) in row.iter().enumerate() {
                     // SAFETY: a whole tile is live (caller).
@@ -229,20 +405,115 @@ mod x86 {
                         } else {
                             v
                         };
+                        let v = if t.residual.is_null() {
+                            v
+                        } else {
+                            let r = t.residual.add(i * t.residual_rs + 16 * h);
+                            _mm512_add_ps(_mm512_loadu_ps(r), v)
+                        };
                         _mm512_storeu_ps(c, v);
                     }
                 }
             }
         } else {
-            let mut flat = [0f32; MR * NR];
+            let mut flat = [0f32; 32 * NR];
             for (i, row) in acc.iter().enumerate() {
                 for (h, v) in row.iter().enumerate() {
-                    // SAFETY: 16 floats inside `flat`.
+                    // SAFETY: 16 floats inside `flat` (at most 32 rows).
                     unsafe { _mm512_storeu_ps(flat.as_mut_ptr().add(i * NR + 16 * h), *v) };
                 }
             }
             // SAFETY: the live part is valid (caller).
             unsafe { store_edge(t, &flat, NR) }
         }
+    }
+
+    /// The tile configuration of [`amx_bf16`]: palette 1, eight tiles of
+    /// 16 rows × 64 bytes (C: tmm0-3, A: tmm4-5, B: tmm6-7).
+    #[repr(C, align(64))]
+    struct TileConfig([u8; 64]);
+
+    const TILE_CONFIG: TileConfig = {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        let mut t = 0;
+        while t < 8 {
+            c[16 + 2 * t] = 64;
+            c[48 + t] = 16;
+            t += 1;
+        }
+        TileConfig(c)
+    };
+
+    thread_local! {
+        /// Whether this thread has loaded [`TILE_CONFIG`] (the tile
+        /// registers are per-thread state, kept across context switches).
+        static TILES_CONFIGURED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// 32×32 bf16 products with AMX: four 16×16 tiles of `C` in tile
+    /// registers, each step of 16 pairs two `A` tiles (16 rows × 16 pairs,
+    /// read in place at `A`'s row stride) and two `B` tiles (16 pairs × 16
+    /// columns of the packed panel, whose rows are 128 bytes apart) and four
+    /// `tdpbf16ps` (16·16·32 products each, 16 times `vdpbf16ps`'s work).
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have AMX-BF16 and the process the kernel's leave to use
+    /// its tile data (`Kernel::available_bf16` asked for it); `t.a_cs` is 1,
+    /// `t.k` a multiple of 16, `t.a` valid for 32 whole rows of `t.k` pairs
+    /// at stride `t.a_rs` (past `t.rows` too), `t.b` for `32·t.k` pairs;
+    /// `t.c`, `t.bias` and `t.residual` as for [`avx512`].
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn amx_bf16(t: &Tile) {
+        debug_assert!(t.a_cs == 1 && t.k.is_multiple_of(16));
+        if !TILES_CONFIGURED.get() {
+            // SAFETY: a valid palette-1 configuration (AMX is present: caller).
+            unsafe { std::arch::asm!("ldtilecfg [{}]", in(reg) &TILE_CONFIG, options(nostack)) };
+            TILES_CONFIGURED.set(true);
+        }
+        prefetch_c(t, 32);
+        let mut acc = [[_mm512_setzero_ps(); 2]; 32];
+        // SAFETY: the loads read 32 rows × t.k pairs of A and t.k rows of
+        // the B panel (caller); the stores write acc's 32 rows of 128 bytes.
+        unsafe {
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "test {k}, {k}",
+                "jz 3f",
+                "2:",
+                "tileloadd tmm4, [{a0} + {rs}*1]",
+                "tileloadd tmm6, [{b} + {bs}*1]",
+                "tileloadd tmm7, [{b} + {bs}*1 + 64]",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm5, [{a16} + {rs}*1]",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "add {a0}, 64",
+                "add {a16}, 64",
+                "add {b}, 2048",
+                "sub {k}, 16",
+                "jnz 2b",
+                "3:",
+                "tilestored [{c} + {bs}*1], tmm0",
+                "tilestored [{c} + {bs}*1 + 64], tmm1",
+                "tilestored [{c} + {bs}*1 + 2048], tmm2",
+                "tilestored [{c} + {bs}*1 + 2112], tmm3",
+                k = inout(reg) t.k => _,
+                a0 = inout(reg) t.a => _,
+                a16 = inout(reg) t.a.wrapping_add(16 * t.a_rs) => _,
+                b = inout(reg) t.b => _,
+                rs = in(reg) t.a_rs * 4,
+                bs = in(reg) 128usize,
+                c = in(reg) acc.as_mut_ptr(),
+                options(nostack),
+            );
+        }
+        // SAFETY: as this function's.
+        unsafe { store_x32(t, &acc) }
     }
 }

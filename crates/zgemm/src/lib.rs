@@ -1,6 +1,6 @@
-//! The f32 GEMM `C = α·A·B` (or `C += α·A·B`, or `C = bias + α·A·B`) that
-//! zrun's model spends most of a step in, written the way BLIS and OpenBLAS
-//! write theirs.
+//! The f32 GEMM `C = α·A·B` (or `C += α·A·B`, or `C = bias + α·A·B`, or
+//! `C = R + (bias + α·A·B)`) that zrun's model spends most of a step in,
+//! written the way BLIS and OpenBLAS write theirs.
 //!
 //! **Blocking.** `B` is packed a block of [`KC`] rows × `nc` columns at a time
 //! into panels [`Kernel::nr`] wide, and `A` a block of `mc` rows × `KC` into
@@ -14,7 +14,8 @@
 //! **One result on every path.** Every kernel computes each element of `C`
 //! the same way: for each block of `KC` in order, a fused multiply-add chain
 //! over `p` starting from zero, then `c = α·acc` (first block, or `bias + α·acc`)
-//! or `c = c + α·acc` (a plain multiply and add). Since `KC` is shared and
+//! or `c = c + α·acc` (a plain multiply and add), and after the last block
+//! `c = r + c` where a residual `R` is given. Since `KC` is shared and
 //! threads split only `M` and `N`, the AVX-512, AVX2 and portable kernels and
 //! every thread count give the same bits: a job's numbers do not depend on the
 //! CPU it ran on, and the portable kernel is the reference the SIMD ones are
@@ -33,7 +34,10 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+mod bf16;
 mod kernels;
+
+pub use bf16::{gemm_bf16, gemm_bf16_with, has_native_bf16};
 
 /// Depth of a packed block: a `B` panel of the widest kernel (`KC × 32`
 /// floats, 32 KiB) fits in L1. Shared by every kernel, so that every path
@@ -72,6 +76,15 @@ pub enum ShapeError {
     /// The bias is not one value per column of `C`.
     #[error("bias of {len} values for {cols} columns")]
     Bias { len: usize, cols: usize },
+    /// A residual that is not a view of `C`'s shape with adjacent columns.
+    #[error("residual: a {rows}x{cols} view with column stride {cs}; C is {c_rows}x{c_cols} and needs column stride 1")]
+    Residual {
+        rows: usize,
+        cols: usize,
+        cs: usize,
+        c_rows: usize,
+        c_cols: usize,
+    },
     /// `Start::Keep` on a `C` of uninitialised memory.
     #[error("C is uninitialised memory, which Start::Keep would read")]
     KeepUninit,
@@ -299,6 +312,40 @@ pub enum Start<'a> {
     /// `C = bias + α·A·B`, one bias value per column (a linear layer's
     /// forward, without a second pass over `C`).
     Bias(&'a [f32]),
+    /// `C = R + (bias + α·A·B)` (without a bias, `R + α·A·B`): a linear
+    /// layer's forward added to the residual stream it branched from, the
+    /// sum made as the tiles store (no pass of its own over `C`, and the
+    /// same bits as adding `R` to a [`Start::Bias`] product afterwards). `R`
+    /// has `C`'s shape and adjacent columns.
+    Residual {
+        bias: Option<&'a [f32]>,
+        r: MatRef<'a>,
+    },
+}
+
+/// Whether the CPU has AMX-BF16 and Linux lets this process use its tile
+/// data (asked once, with `arch_prctl(ARCH_REQ_XCOMP_PERM)`, without which
+/// the first tile instruction would be a SIGILL).
+#[cfg(target_arch = "x86_64")]
+fn amx_bf16_usable() -> bool {
+    static USABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *USABLE.get_or_init(|| {
+        // CPUID leaf 7: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
+        let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+        if edx & (1 << 22) == 0 || edx & (1 << 24) == 0 {
+            return false;
+        }
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: a plain system call with integer arguments.
+        unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            ) == 0
+        }
+    })
 }
 
 /// A micro-kernel, chosen at run time.
@@ -310,6 +357,12 @@ pub enum Kernel {
     Avx2,
     /// Plain Rust (`f32::mul_add`): every CPU, and the reference.
     Portable,
+    /// 32×32 tiles of bf16 products in AMX tile registers ([`gemm_bf16`]).
+    AmxBf16,
+    /// 12×32 tiles of bf16 products with AVX512_BF16 ([`gemm_bf16`]).
+    Avx512Bf16,
+    /// The bf16 reference: `vdpbf16ps`'s arithmetic in plain Rust, 4×16.
+    PortableBf16,
 }
 
 impl Kernel {
@@ -331,6 +384,28 @@ impl Kernel {
         v
     }
 
+    /// Every bf16 kernel ([`gemm_bf16`]) this CPU can run, fastest first.
+    pub fn available_bf16() -> Vec<Kernel> {
+        let mut v = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            if amx_bf16_usable() {
+                v.push(Kernel::AmxBf16);
+            }
+            if std::arch::is_x86_feature_detected!("avx512bf16") {
+                v.push(Kernel::Avx512Bf16);
+            }
+        }
+        v.push(Kernel::PortableBf16);
+        v
+    }
+
+    /// The fastest bf16 kernel this CPU can run, detected once.
+    pub fn best_bf16() -> Kernel {
+        static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| Kernel::available_bf16()[0])
+    }
+
     /// The fastest kernel this CPU can run.
     pub fn best() -> Kernel {
         Kernel::detected()[0]
@@ -345,17 +420,18 @@ impl Kernel {
     /// Rows of a register tile.
     pub fn mr(self) -> usize {
         match self {
-            Kernel::Avx512 => 12,
+            Kernel::AmxBf16 => 32,
+            Kernel::Avx512 | Kernel::Avx512Bf16 => 12,
             Kernel::Avx2 => 6,
-            Kernel::Portable => 4,
+            Kernel::Portable | Kernel::PortableBf16 => 4,
         }
     }
 
     /// Columns of a register tile.
     pub fn nr(self) -> usize {
         match self {
-            Kernel::Avx512 => 32,
-            Kernel::Avx2 | Kernel::Portable => 16,
+            Kernel::Avx512 | Kernel::Avx512Bf16 | Kernel::AmxBf16 => 32,
+            Kernel::Avx2 | Kernel::Portable | Kernel::PortableBf16 => 16,
         }
     }
 
@@ -374,6 +450,17 @@ impl Kernel {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, with AVX2 and FMA; `t` fits a 6×16 tile.
             Kernel::Avx2 => unsafe { kernels::avx2(t) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `available_bf16()` offered it only where the CPU has
+            // AVX-512F and AVX512_BF16; `t` is valid for a 12×32 tile.
+            Kernel::Avx512Bf16 => unsafe { kernels::avx512_bf16(t) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: offered only where the CPU has AMX-BF16 and the kernel
+            // granted its tile data; the driver reads A in place (whole
+            // padded panels, depth in steps of 16 pairs: gemm_bf16).
+            Kernel::AmxBf16 => unsafe { kernels::amx_bf16(t) },
+            // SAFETY: `t` fits a 4×16 tile (driver).
+            Kernel::PortableBf16 => unsafe { kernels::portable_bf16(t) },
             // SAFETY: `t` fits a 4×16 tile (driver).
             _ => unsafe { kernels::portable(t) },
         }
@@ -409,11 +496,26 @@ pub fn gemm_with(
 ) -> Result<(), ShapeError> {
     assert!(
         Kernel::detected().contains(&kernel),
-        "the {kernel:?} GEMM kernel needs a CPU feature this one lacks"
+        "the {kernel:?} GEMM kernel needs a CPU feature this one lacks, or is not an f32 kernel"
     );
+    drive(kernel, c, a, b, alpha, start, threads)
+}
+
+/// The blocked product with `kernel`, whose elements are f32 values or
+/// (bf16 kernels) pairs of bf16 values.
+pub(crate) fn drive(
+    kernel: Kernel,
+    c: MatMut,
+    a: MatRef,
+    b: MatRef,
+    alpha: f32,
+    start: Start,
+    threads: usize,
+) -> Result<(), ShapeError> {
     let Some(First {
         add: add_first,
         bias,
+        residual,
     }) = begin(&c, &a, b.rows, b.cols, start)?
     else {
         return Ok(());
@@ -457,6 +559,7 @@ pub fn gemm_with(
                 alpha,
                 add: add_first || pc > 0,
                 bias: bias.filter(|_| pc == 0),
+                residual: residual.filter(|_| pc + kc == k),
                 transposed_a_in_place: false,
             };
             // Tasks: a block of A's rows × a range of B's panels, enough of
@@ -492,6 +595,8 @@ struct First<'b> {
     add: bool,
     /// The bias, which the tiles add as they store.
     bias: Option<&'b [f32]>,
+    /// What the last block's tiles add as they store.
+    residual: Option<MatRef<'b>>,
 }
 
 /// Checks a product's operands and does the work of an empty one; what the
@@ -515,11 +620,26 @@ fn begin<'b>(
             b_cols,
         });
     }
-    if let Start::Bias(bias) = start {
+    if let Start::Bias(bias)
+    | Start::Residual {
+        bias: Some(bias), ..
+    } = start
+    {
         if bias.len() != n {
             return Err(ShapeError::Bias {
                 len: bias.len(),
                 cols: n,
+            });
+        }
+    }
+    if let Start::Residual { r, .. } = start {
+        if r.rows != m || r.cols != n || (r.cs != 1 && n > 1) {
+            return Err(ShapeError::Residual {
+                rows: r.rows,
+                cols: r.cols,
+                cs: r.cs,
+                c_rows: m,
+                c_cols: n,
             });
         }
     }
@@ -533,17 +653,20 @@ fn begin<'b>(
     // or the bias, which the tiles add as they store (not a pass of its own
     // over C: C is often fresh memory, and its first touch belongs in the
     // parallel part).
-    let (add_first, bias) = match start {
-        Start::Zero => (false, None),
-        Start::Keep => (true, None),
-        Start::Bias(bias) => (false, Some(bias)),
+    let (add_first, bias, residual) = match start {
+        Start::Zero => (false, None, None),
+        Start::Keep => (true, None, None),
+        Start::Bias(bias) => (false, Some(bias), None),
+        Start::Residual { bias, r } => (false, bias, Some(r)),
     };
     if k == 0 {
         if !add_first {
             for i in 0..m {
                 for j in 0..n {
+                    let v = bias.map_or(0.0, |b| b[j]);
+                    let v = residual.map_or(v, |r| r.at(i, j) + v);
                     // SAFETY: (i, j) is inside C's checked view.
-                    unsafe { c.ptr.add(i * c.rs + j).write(bias.map_or(0.0, |b| b[j])) };
+                    unsafe { c.ptr.add(i * c.rs + j).write(v) };
                 }
             }
         }
@@ -552,6 +675,7 @@ fn begin<'b>(
     Ok(Some(First {
         add: add_first,
         bias,
+        residual,
     }))
 }
 
@@ -642,12 +766,14 @@ pub fn gemm_packed(
     let Some(First {
         add: add_first,
         bias,
+        residual,
     }) = begin(&c, &a, b_rows.len(), c.cols, start)?
     else {
         return Ok(());
     };
     let (m, n, k, nr) = (c.rows, c.cols, a.cols, kernel.nr());
     for pc in (0..k).step_by(KC) {
+        let kc = KC.min(k - pc);
         let pass = Pass {
             kernel,
             c: SendPtr(c.ptr),
@@ -656,13 +782,14 @@ pub fn gemm_packed(
             n,
             a,
             pc,
-            kc: KC.min(k - pc),
+            kc,
             b: &b.data[(b_rows.start + pc) * nr..],
             panel_stride: nr * b.rows,
             jc: 0,
             alpha,
             add: add_first || pc > 0,
             bias: bias.filter(|_| pc == 0),
+            residual: residual.filter(|_| pc + kc == k),
             transposed_a_in_place: true,
         };
         pass.rows(0, m, 0..n.div_ceil(nr));
@@ -691,6 +818,8 @@ struct Pass<'a> {
     /// `C += …` rather than `C = …`.
     add: bool,
     bias: Option<&'a [f32]>,
+    /// `R`, which this block's tiles add as they store (the last block).
+    residual: Option<MatRef<'a>>,
     /// Whether an `A` stored transposed (unit row stride) is read in place
     /// too, rather than packed (a row-major one always is).
     transposed_a_in_place: bool,
@@ -707,8 +836,11 @@ impl Pass<'_> {
         grow(&mut packed_a, tall * mr * KC);
         // Whole panels of A are read in place where the kernel can take A's
         // strides; the rest are packed.
-        let in_place =
-            |rows: usize| rows == mr && (a.cs == 1 || (self.transposed_a_in_place && a.rs == 1));
+        // (AMX's kernel reads whole panels of A, whose rows gemm_bf16 pads.)
+        let in_place = |rows: usize| {
+            (rows == mr || kernel == Kernel::AmxBf16)
+                && (a.cs == 1 || (self.transposed_a_in_place && a.rs == 1))
+        };
         for (q, dst) in packed_a[..tall * mr * kc].chunks_mut(mr * kc).enumerate() {
             let rows = mr.min(mlen - q * mr);
             if !in_place(rows) {
@@ -736,6 +868,10 @@ impl Pass<'_> {
                     alpha: self.alpha,
                     add: self.add,
                     bias: self.bias.map_or(std::ptr::null(), |b| b[j..].as_ptr()),
+                    residual: self
+                        .residual
+                        .map_or(std::ptr::null(), |r| r.data[i * r.rs + j..].as_ptr()),
+                    residual_rs: self.residual.map_or(0, |r| r.rs),
                     // SAFETY: row i, column j of C are inside its view (i < m, j < n).
                     c: unsafe { self.c.get().add(i * self.c_rs + j) },
                     rs: self.c_rs,

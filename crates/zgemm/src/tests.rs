@@ -108,6 +108,23 @@ const CASES: [Case; 9] = [
     },
 ];
 
+/// The starts the tests run: `R` is a residual of C's shape.
+const STARTS: [&str; 5] = ["zero", "keep", "bias", "residual", "residual_nobias"];
+
+fn start_of<'a>(name: &str, bias: &'a [f32], r: MatRef<'a>) -> Start<'a> {
+    match name {
+        "zero" => Start::Zero,
+        "keep" => Start::Keep,
+        "bias" => Start::Bias(bias),
+        "residual" => Start::Residual {
+            bias: Some(bias),
+            r,
+        },
+        "residual_nobias" => Start::Residual { bias: None, r },
+        _ => unreachable!("no start {name}"),
+    }
+}
+
 /// Runs `case` with `kernel` on `threads`, C as a block of columns of a wider
 /// matrix (row stride n + 3) whose other columns must stay untouched.
 fn run(kernel: Kernel, case: Case, start: &str, alpha: f32, threads: usize) -> Vec<f32> {
@@ -117,17 +134,19 @@ fn run(kernel: Kernel, case: Case, start: &str, alpha: f32, threads: usize) -> V
     let bias = random(3, n);
     let rs = n + 3;
     let mut c = random(4, m * rs);
-    let start = match start {
-        "zero" => Start::Zero,
-        "keep" => Start::Keep,
-        _ => Start::Bias(&bias),
-    };
+    let res = random(5, m * (n + 5));
+    let start = start_of(start, &bias, MatRef::new(&res, m, n, n + 5, 1).unwrap());
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
         .unwrap();
+    let product = if is_bf16(kernel) {
+        gemm_bf16_with
+    } else {
+        gemm_with
+    };
     pool.install(|| {
-        gemm_with(
+        product(
             kernel,
             MatMut::new(&mut c, m, n, rs).unwrap(),
             operand(&a, m, k, a_t),
@@ -152,7 +171,7 @@ fn run(kernel: Kernel, case: Case, start: &str, alpha: f32, threads: usize) -> V
 fn every_kernel_and_thread_count_gives_the_portable_kernels_bits() {
     for kernel in covered() {
         for case in CASES {
-            for start in ["zero", "keep", "bias"] {
+            for start in STARTS {
                 let want = run(Kernel::Portable, case, start, 0.75, 1);
                 for threads in [1, 2, 3] {
                     let got = run(kernel, case, start, 0.75, threads);
@@ -167,23 +186,51 @@ fn every_kernel_and_thread_count_gives_the_portable_kernels_bits() {
     }
 }
 
+fn is_bf16(kernel: Kernel) -> bool {
+    matches!(
+        kernel,
+        Kernel::AmxBf16 | Kernel::Avx512Bf16 | Kernel::PortableBf16
+    )
+}
+
 #[test]
 fn the_portable_kernel_is_within_the_rounding_bound_of_an_f64_product() {
+    within_the_f64_bound(Kernel::Portable, |x| x);
+}
+
+#[test]
+fn every_bf16_kernel_is_within_the_rounding_bound_of_an_f64_product_of_rounded_operands() {
+    for kernel in Kernel::available_bf16() {
+        // The operands rounded to bf16 by hand (nearest, ties to even: the
+        // low 16 bits dropped after adding 0x7fff plus the kept lowest bit).
+        within_the_f64_bound(kernel, |x| {
+            let b = x.to_bits();
+            f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000)
+        });
+    }
+}
+
+/// `kernel` against an f64 product of the operands as `quantize` rounds
+/// them.
+fn within_the_f64_bound(kernel: Kernel, quantize: fn(f32) -> f32) {
     // Each element is k fused multiply-adds in blocks of KC, the blocks
     // added to C, and one multiply by alpha: at most k + 2 roundings of
     // relative size u = 2^-24, each bounded by the sum of magnitudes, so
-    // |c - exact| <= (k + 2)·u·(|alpha|·Σ|a||b| + |c0| + |bias|) (to first order).
+    // |c - exact| <= (k + 2)·u·(|alpha|·Σ|a||b| + |c0| + |bias|) (to first
+    // order). A bf16 product of two bf16 values is exact in f32, so the
+    // bound holds for it too.
     let u = f64::from(f32::EPSILON) / 2.0;
     for case in CASES {
-        for start in ["zero", "keep", "bias"] {
+        for start in STARTS {
             let Case { m, n, k, a_t, b_t } = case;
             let alpha = 0.75f32;
-            let got = run(Kernel::Portable, case, start, alpha, 1);
-            let (a, b, bias, c0) = (
+            let got = run(kernel, case, start, alpha, 1);
+            let (a, b, bias, c0, res) = (
                 random(1, m * k),
                 random(2, k * n),
                 random(3, n),
                 random(4, m * (n + 3)),
+                random(5, m * (n + 5)),
             );
             let (a, b) = (operand(&a, m, k, a_t), operand(&b, k, n, b_t));
             let mut worst = 0f64;
@@ -191,23 +238,30 @@ fn the_portable_kernel_is_within_the_rounding_bound_of_an_f64_product() {
                 for j in 0..n {
                     let (mut exact, mut mag) = (0f64, 0f64);
                     for p in 0..k {
-                        let t = f64::from(a.at(i, p)) * f64::from(b.at(p, j));
+                        let t = f64::from(quantize(a.at(i, p))) * f64::from(quantize(b.at(p, j)));
                         exact += t;
                         mag += t.abs();
                     }
                     let alpha = f64::from(alpha);
-                    let base = match start {
-                        "zero" => 0.0,
-                        "keep" => f64::from(c0[i * (n + 3) + j]),
-                        _ => f64::from(bias[j]),
+                    let (bias, r) = (f64::from(bias[j]), f64::from(res[i * (n + 5) + j]));
+                    // What is added to the product, and the sum of its
+                    // terms' magnitudes.
+                    let (base, base_mag) = match start {
+                        "zero" => (0.0, 0.0),
+                        "keep" => (
+                            f64::from(c0[i * (n + 3) + j]),
+                            c0[i * (n + 3) + j].abs().into(),
+                        ),
+                        "bias" => (bias, bias.abs()),
+                        "residual" => (bias + r, bias.abs() + r.abs()),
+                        _ => (r, r.abs()),
                     };
                     let want = base + alpha * exact;
-                    let bound =
-                        (k as f64 + 2.0) * u * (alpha * mag + base.abs()) + f64::MIN_POSITIVE;
+                    let bound = (k as f64 + 3.0) * u * (alpha * mag + base_mag) + f64::MIN_POSITIVE;
                     let err = (f64::from(got[i * (n + 3) + j]) - want).abs();
                     assert!(
                         err <= bound,
-                        "{case:?} {start} ({i}, {j}): error {err:e} over bound {bound:e}"
+                        "{kernel:?} {case:?} {start} ({i}, {j}): error {err:e} over bound {bound:e}"
                     );
                     worst = worst.max(err / bound);
                 }
@@ -217,6 +271,79 @@ fn the_portable_kernel_is_within_the_rounding_bound_of_an_f64_product() {
             assert!(worst < 1.0);
         }
     }
+}
+
+#[test]
+fn every_bf16_kernel_and_thread_count_gives_its_references_bits() {
+    let kernels = Kernel::available_bf16();
+    eprintln!("zgemm bf16 kernels covered on this CPU: {kernels:?}");
+    if !kernels.contains(&Kernel::Avx512Bf16) {
+        eprintln!("zgemm: the Avx512Bf16 kernel is NOT covered here (no avx512bf16 on this CPU)");
+    }
+    for kernel in kernels {
+        // AMX sums inside a tile in an order of its own: its reference is
+        // itself on one thread (and the f64 bound, below).
+        let reference = match kernel {
+            Kernel::AmxBf16 => Kernel::AmxBf16,
+            _ => Kernel::PortableBf16,
+        };
+        for case in CASES {
+            for start in STARTS {
+                let want = run(reference, case, start, 0.75, 1);
+                for threads in [1, 2, 3] {
+                    let got = run(kernel, case, start, 0.75, threads);
+                    let same = want
+                        .iter()
+                        .zip(&got)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{kernel:?} {case:?} {start} on {threads} threads");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_products_of_values_bf16_holds_exactly_equal_the_f32_product() {
+    // Small integers are exact in bf16 and their sums exact in f32: every
+    // path must give the f32 product's bits, whatever its rounding order.
+    let (m, n, k) = (30, 70, 301);
+    let a: Vec<f32> = (0..m * k).map(|i| (i * 7 % 17) as f32 - 8.0).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| (i * 5 % 13) as f32 - 6.0).collect();
+    let product = |kernel: Kernel| {
+        let mut c = vec![0f32; m * n];
+        let cm = MatMut::row_major(&mut c, m, n).unwrap();
+        let (am, bm) = (
+            MatRef::row_major(&a, m, k).unwrap(),
+            MatRef::row_major(&b, k, n).unwrap(),
+        );
+        if is_bf16(kernel) {
+            gemm_bf16_with(kernel, cm, am, bm, 1.0, Start::Zero, 1).unwrap();
+        } else {
+            gemm_with(kernel, cm, am, bm, 1.0, Start::Zero, 1).unwrap();
+        }
+        c
+    };
+    let want = product(Kernel::Portable);
+    for kernel in Kernel::available_bf16() {
+        assert_eq!(product(kernel), want, "{kernel:?}");
+    }
+}
+
+#[test]
+fn bf16_rounding_is_to_nearest_even_and_keeps_nan() {
+    let bits = |x: f32| bf16::round(x);
+    // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: to the even one, 1.
+    assert_eq!(bits(1.0 + 1.0 / 256.0), 0x3f80);
+    // 1 + 3·2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: up, to even.
+    assert_eq!(bits(1.0 + 3.0 / 256.0), 0x3f82);
+    assert_eq!(bits(1.0 + 1.0 / 256.0 + 1.0 / 65536.0), 0x3f81);
+    assert_eq!(bits(-2.0), 0xc000);
+    assert_eq!(bits(f32::INFINITY), 0x7f80);
+    // The largest f32 rounds up to infinity, as in `half`.
+    assert_eq!(bits(f32::MAX), 0x7f80);
+    let nan = bits(f32::NAN);
+    assert!(nan & 0x7f80 == 0x7f80 && nan & 0x7f != 0 && nan & 0x40 != 0);
 }
 
 #[test]
@@ -303,6 +430,90 @@ fn an_empty_depth_zeroes_or_keeps_c() {
         )
         .unwrap();
         assert_eq!(c, vec![1.0, 2.0, 3.0, 1.0, 2.0, 3.0]);
+        let r = [10.0, 20.0, 30.0, 40.0, 50.0, 60.0];
+        gemm_with(
+            kernel,
+            MatMut::row_major(&mut c, 2, 3).unwrap(),
+            am,
+            bm,
+            1.0,
+            Start::Residual {
+                bias: Some(&[1.0, 2.0, 3.0]),
+                r: MatRef::row_major(&r, 2, 3).unwrap(),
+            },
+            1,
+        )
+        .unwrap();
+        assert_eq!(c, vec![11.0, 22.0, 33.0, 41.0, 52.0, 63.0]);
+    }
+}
+
+#[test]
+fn a_residual_start_gives_the_bits_of_adding_r_after_the_product() {
+    // What the model did before the sum moved into the tiles: a Bias (or
+    // Zero) product, then R + y in a pass of its own. Depths of one block,
+    // several, and a short last one; every kernel and thread count.
+    for kernel in covered() {
+        for (m, k, n) in [(13, 40, 37), (50, 2 * KC + 7, 70), (7, KC, 16)] {
+            let (a, b, bias, res) = (
+                random(21, m * k),
+                random(22, k * n),
+                random(23, n),
+                random(24, m * n),
+            );
+            let (am, bm) = (
+                MatRef::row_major(&a, m, k).unwrap(),
+                MatRef::row_major(&b, k, n).unwrap(),
+            );
+            let r = MatRef::row_major(&res, m, n).unwrap();
+            for with_bias in [true, false] {
+                let mut want = vec![0f32; m * n];
+                let start = if with_bias {
+                    Start::Bias(&bias)
+                } else {
+                    Start::Zero
+                };
+                gemm_with(
+                    kernel,
+                    MatMut::row_major(&mut want, m, n).unwrap(),
+                    am,
+                    bm,
+                    1.0,
+                    start,
+                    1,
+                )
+                .unwrap();
+                want.iter_mut().zip(&res).for_each(|(y, r)| *y += r);
+                for threads in [1, 2] {
+                    let mut got = vec![0f32; m * n];
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    pool.install(|| {
+                        gemm_with(
+                            kernel,
+                            MatMut::row_major(&mut got, m, n).unwrap(),
+                            am,
+                            bm,
+                            1.0,
+                            Start::Residual {
+                                bias: with_bias.then_some(&bias[..]),
+                                r,
+                            },
+                            threads,
+                        )
+                    })
+                    .unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{kernel:?} {m}x{k}x{n} bias {with_bias} on {threads} threads"
+                    );
+                }
+            }
+        }
     }
 }
 
@@ -343,6 +554,26 @@ fn bad_shapes_and_views_are_refused() {
     )
     .unwrap_err();
     assert!(matches!(err, ShapeError::Bias { len: 1, cols: 3 }));
+    // A residual of another shape, or with its columns apart.
+    for (r, what) in [
+        (MatRef::row_major(&data, 4, 3).unwrap(), "4x3 view"),
+        (
+            MatRef::new(&data, 3, 3, 3, 1).unwrap().t(),
+            "column stride 3",
+        ),
+    ] {
+        let err = gemm(
+            MatMut::row_major(&mut c, 3, 3).unwrap(),
+            a,
+            b,
+            1.0,
+            Start::Residual { bias: None, r },
+            1,
+        )
+        .unwrap_err();
+        assert!(matches!(err, ShapeError::Residual { .. }), "{err}");
+        assert!(err.to_string().contains(what), "{err}");
+    }
     // Uninitialised memory is written, never read.
     let mut fresh = vec![std::mem::MaybeUninit::<f32>::uninit(); 9];
     let c = MatMut::uninit(&mut fresh, 3, 3, 3).unwrap();
@@ -462,15 +693,13 @@ fn packed_b_products_give_the_bits_of_gemm_on_that_part_of_b() {
                 let k = r1 - r0;
                 let a_data = random(12, m * k);
                 let bias = random(13, n);
+                let res = random(15, m * n);
+                let r = MatRef::row_major(&res, m, n).unwrap();
                 for a_t in [false, true] {
                     let a = operand(&a_data, m, k, a_t);
                     let b_part = MatRef::new(&b.data[r0 * b.rs..], k, n, b.rs, b.cs).unwrap();
-                    for start in ["zero", "keep", "bias"] {
-                        let start_of = |s: &str| match s {
-                            "zero" => Start::Zero,
-                            "keep" => Start::Keep,
-                            _ => Start::Bias(&bias),
-                        };
+                    for start in STARTS {
+                        let start_of = |s: &str| start_of(s, &bias, r);
                         let rs = n + 2;
                         let mut want = random(14, m * rs);
                         let mut got = want.clone();

@@ -31,9 +31,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 use zgemm::{MatMut, MatRef, PackedB, Start};
 
-use crate::linear::{assume_init, uninit_floats};
 use crate::ops::{f32_input, max8, sum8};
-use crate::simd::{exp, vectorised};
+use crate::simd::{assume_init, exp, uninit_floats, vectorised};
 
 /// The heads of one attention: `heads` query heads sharing `kv` key/value heads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

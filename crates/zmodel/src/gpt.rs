@@ -407,17 +407,20 @@ impl Gpt {
         }
     }
 
-    /// The norm's backward: (dx, its gradient).
+    /// The norm's backward: (`residual + dx`, its gradient), the residual's
+    /// gradient summed as the norm writes dx.
     fn norm_backward(
         &self,
         x: &Tensor,
         n: &WeightBias<Tensor>,
         dy: &Tensor,
+        residual: &Tensor,
     ) -> Result<(Tensor, WeightBias<Tensor>)> {
+        let residual = Some(residual);
         let eps = self.cfg.norm_eps();
         Ok(match n.bias {
             Some(_) => {
-                let (dx, weight, bias) = layer_norm_backward(x, &n.weight, dy, eps)?;
+                let (dx, weight, bias) = layer_norm_backward(x, &n.weight, dy, eps, residual)?;
                 (
                     dx,
                     WeightBias {
@@ -427,22 +430,24 @@ impl Gpt {
                 )
             }
             None => {
-                let (dx, weight) = rms_norm_backward(x, &n.weight, dy, eps)?;
+                let (dx, weight) = rms_norm_backward(x, &n.weight, dy, eps, residual)?;
                 (dx, WeightBias { weight, bias: None })
             }
         })
     }
 
-    /// Norm `which`'s backward from `src`: hands its gradient over, returns dx.
+    /// Norm `which`'s backward from `src`: hands its gradient over, returns
+    /// dx (plus `residual`, as [`Gpt::norm_backward`]).
     fn norm_backward_from<S: BlockSource>(
         &self,
         src: &mut S,
         which: BlockNorm,
         x: &Tensor,
         dy: &Tensor,
+        residual: &Tensor,
     ) -> std::result::Result<Tensor, S::Error> {
         let n = src.norm(which)?;
-        let (dx, grad) = self.norm_backward(x, &n, dy)?;
+        let (dx, grad) = self.norm_backward(x, &n, dy, residual)?;
         src.norm_grad(which, grad)?;
         Ok(dx)
     }
@@ -505,20 +510,21 @@ impl Gpt {
             let n = src.norm(which)?;
             Ok::<_, S::Error>(self.norm(x, &n)?)
         };
-        let linear = |src: &mut S, l: BlockLinear, x: &Tensor| {
-            linear::forward(src, l, &self.linear_tiles(l), x)
+        let linear = |src: &mut S, l: BlockLinear, x: &Tensor, residual: Option<&Tensor>| {
+            linear::forward(src, l, &self.linear_tiles(l), x, residual)
         };
 
         let a1 = norm(src, BlockNorm::Norm1, &rows)?;
-        let qkv = linear(src, BlockLinear::Qkv, &a1)?.reshape((b, t, self.cfg.qkv_width()))?;
-        let qkv = self.rotate(qkv, false)?;
+        let qkv = linear(src, BlockLinear::Qkv, &a1, None)?;
+        let qkv = self.rotate(qkv.reshape((b, t, self.cfg.qkv_width()))?, false)?;
         let att = causal_attention(&qkv, self.heads())?.reshape((b * t, d))?;
-        let rows1 = (&rows + linear(src, BlockLinear::AttnOut, &att)?)?;
+        // The residual adds happen as the projections' tiles store.
+        let rows1 = linear(src, BlockLinear::AttnOut, &att, Some(&rows))?;
 
         let a2 = norm(src, BlockNorm::Norm2, &rows1)?;
-        let h = linear(src, BlockLinear::MlpIn, &a2)?;
+        let h = linear(src, BlockLinear::MlpIn, &a2, None)?;
         let g = self.activation(&h)?;
-        let y = (&rows1 + linear(src, BlockLinear::MlpOut, &g)?)?.reshape((b, t, d))?;
+        let y = linear(src, BlockLinear::MlpOut, &g, Some(&rows1))?.reshape((b, t, d))?;
         let acts = BlockActs {
             rows,
             a1,
@@ -566,8 +572,8 @@ impl Gpt {
         let dg = linear(src, BlockLinear::MlpOut, &acts.g, &dy)?;
         let dh = self.activation_backward(&acts.h, &dg)?;
         let da2 = linear(src, BlockLinear::MlpIn, &acts.a2, &dh)?;
-        let dx2 = self.norm_backward_from(src, BlockNorm::Norm2, &acts.rows1, &da2)?;
-        let drows1 = (&dy + dx2)?;
+        // Each residual's gradient is added as the norm's backward writes dx.
+        let drows1 = self.norm_backward_from(src, BlockNorm::Norm2, &acts.rows1, &da2, &dy)?;
         // rows1 = rows + att·W_o (+ b_o)
         let datt = linear(src, BlockLinear::AttnOut, &acts.att, &drows1)?;
         let dqkv = causal_attention_backward(&acts.qkv, &datt.reshape((b, t, d))?, self.heads())?;
@@ -575,8 +581,8 @@ impl Gpt {
             .rotate(dqkv, true)?
             .reshape((b * t, self.cfg.qkv_width()))?;
         let da1 = linear(src, BlockLinear::Qkv, &acts.a1, &dqkv)?;
-        let dx1 = self.norm_backward_from(src, BlockNorm::Norm1, &acts.rows, &da1)?;
-        Ok((drows1 + dx1)?.reshape((b, t, d))?)
+        let dx = self.norm_backward_from(src, BlockNorm::Norm1, &acts.rows, &da1, &drows1)?;
+        Ok(dx.reshape((b, t, d))?)
     }
 
     /// Group L+1: final norm, output matrix (its own, or `wte` when tied),

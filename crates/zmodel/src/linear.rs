@@ -24,7 +24,6 @@
 //! just before its use and hands each tile's gradient to the reduction as
 //! soon as it exists.
 
-use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
@@ -33,6 +32,7 @@ use zgemm::{MatMut, MatRef, Start};
 
 use crate::ops::column_sums;
 use crate::params::{BlockParams, WeightBias};
+use crate::simd::{assume_init, uninit_floats};
 
 /// Output columns per step of the input gradient's accumulation: zconfig's
 /// tile granularity, so that tiles start on chunk boundaries.
@@ -128,19 +128,23 @@ pub trait BlockSource {
     ) -> Result<(), Self::Error>;
 }
 
-/// `y = x·W + b` over `tiles` of `linear` from `src`, a tile at a time, each
-/// tile's GEMM writing its columns of `y` in place (the bias is the GEMM's
-/// starting value, not a second pass).
+/// `y = x·W + b`, or `y = r + (x·W + b)` with a `residual` `r` (the
+/// stream a block's branch is added back to), over `tiles` of `linear` from
+/// `src`, a tile at a time, each tile's GEMM writing its columns of `y` in
+/// place: the bias and the residual are added as the tiles store, not in
+/// passes of their own.
 pub(crate) fn forward<S: BlockSource>(
     src: &mut S,
     linear: BlockLinear,
     tiles: &[Range<usize>],
     x: &Tensor,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor, S::Error> {
-    if x.track_op() {
-        return forward_tracked(src, linear, tiles, x);
+    if x.track_op() || residual.is_some_and(Tensor::track_op) {
+        return forward_tracked(src, linear, tiles, x, residual);
     }
     let x = x.contiguous()?;
+    let residual = residual.map(Tensor::contiguous).transpose()?;
     let (rows, inputs) = x.dims2()?;
     let width = tiles.last().map_or(0, |t| t.end);
     if tiles.first().is_some_and(|t| t.start != 0)
@@ -161,7 +165,7 @@ pub(crate) fn forward<S: BlockSource>(
             // start again on candle's operations.
             drop(p);
             src.release(linear, t)?;
-            return forward_tracked(src, linear, tiles, &x);
+            return forward_tracked(src, linear, tiles, &x, residual.as_ref());
         }
         let weight = p.weight.contiguous()?;
         let bias = p.bias.as_ref().map(Tensor::contiguous).transpose()?;
@@ -169,9 +173,26 @@ pub(crate) fn forward<S: BlockSource>(
             let (xs, xl) = x.storage_and_layout();
             let (ws, wl) = weight.storage_and_layout();
             let bias = bias.as_ref().map(Tensor::storage_and_layout);
-            let start = match &bias {
-                Some((bs, bl)) => Start::Bias(f32s(bs, bl)?),
-                None => Start::Zero,
+            let bias = bias.as_ref().map(|(bs, bl)| f32s(bs, bl)).transpose()?;
+            let residual = residual.as_ref().map(Tensor::storage_and_layout);
+            let start = match (&residual, bias) {
+                (Some((rs, rl)), bias) => {
+                    let r = f32s(rs, rl)?;
+                    if r.len() != rows * width {
+                        return Err(candle_core::Error::Msg(format!(
+                            "{linear:?}: a residual of {} values for a {rows}x{width} output",
+                            r.len()
+                        ))
+                        .into());
+                    }
+                    Start::Residual {
+                        bias,
+                        r: MatRef::new(&r[cols.start..], rows, cols.len(), width, 1)
+                            .map_err(shape)?,
+                    }
+                }
+                (None, Some(bias)) => Start::Bias(bias),
+                (None, None) => Start::Zero,
             };
             zgemm::gemm(
                 MatMut::uninit(&mut y[cols.start..], rows, cols.len(), width).map_err(shape)?,
@@ -199,6 +220,7 @@ fn forward_tracked<S: BlockSource>(
     linear: BlockLinear,
     tiles: &[Range<usize>],
     x: &Tensor,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor, S::Error> {
     let mut outs = Vec::with_capacity(tiles.len());
     for (t, cols) in tiles.iter().enumerate() {
@@ -211,10 +233,14 @@ fn forward_tracked<S: BlockSource>(
         drop(p);
         src.release(linear, t)?;
     }
-    match outs.len() {
-        1 => Ok(outs.pop().expect("one tile")),
-        _ => Ok(Tensor::cat(&outs, 1)?),
-    }
+    let y = match outs.len() {
+        1 => outs.pop().expect("one tile"),
+        _ => Tensor::cat(&outs, 1)?,
+    };
+    Ok(match residual {
+        Some(r) => (r + y)?,
+        None => y,
+    })
 }
 
 /// The backward of [`forward`]: hands each tile's `(dW, db)` to `src` and
@@ -301,27 +327,6 @@ pub(crate) fn backward<S: BlockSource>(
     }
     let dx = dx.unwrap_or_else(|| vec![0f32; rows * inputs]);
     Ok(Tensor::from_vec(dx, (rows, inputs), &Device::Cpu)?)
-}
-
-/// `len` floats' worth of fresh memory for a product to fill: no zeroing
-/// pass (on memory reused from the heap, the allocator's zeroing of a large
-/// output was a serial 2% of a step).
-pub(crate) fn uninit_floats(len: usize) -> Vec<MaybeUninit<f32>> {
-    let mut v = Vec::with_capacity(len);
-    // SAFETY: `MaybeUninit` values need no initialisation.
-    unsafe { v.set_len(len) };
-    v
-}
-
-/// The floats a product wrote.
-///
-/// # Safety
-///
-/// Every element of `v` must have been written.
-pub(crate) unsafe fn assume_init(v: Vec<MaybeUninit<f32>>) -> Vec<f32> {
-    let mut v = std::mem::ManuallyDrop::new(v);
-    // SAFETY: same allocation, layout and length; initialised (caller).
-    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f32>(), v.len(), v.capacity()) }
 }
 
 fn shape(e: zgemm::ShapeError) -> candle_core::Error {

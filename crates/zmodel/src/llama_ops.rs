@@ -16,11 +16,11 @@
 //!   `transformers` unpermuted. The rotation is orthogonal: its backward is
 //!   the rotation by the opposite angle, and needs no saved input.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::ops::{f32_input, sum8};
-use crate::simd::{exp, par_rows, vectorised, ROWS_PER_TASK};
+use crate::ops::{f32_input, sum8, write_row};
+use crate::simd::{assume_init, exp, par_rows, uninit_floats, vectorised, ROWS_PER_TASK};
 
 /// RMSNorm over the last dimension with weight `w`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
@@ -57,15 +57,17 @@ impl CustomOp2 for RmsNorm {
         if d == 0 || !x.len().is_multiple_of(d) {
             candle_core::bail!("rms norm: rows of {} do not match a weight of {d}", x.len());
         }
-        let mut y = vec![0f32; x.len()];
+        let mut y = uninit_floats(x.len());
         par_rows(x, &mut y, d, |x, y| {
             for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
                 let r = rms_inv(row, self.eps);
                 for i in 0..d {
-                    out[i] = row[i] * r * w[i];
+                    out[i].write(row[i] * r * w[i]);
                 }
             }
         });
+        // SAFETY: the rows cover x (checked above), and so y, whole.
+        let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
 
@@ -76,28 +78,32 @@ impl CustomOp2 for RmsNorm {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw) = rms_norm_backward(x, w, dy, f64::from(self.eps))?;
+        let (dx, dw) = rms_norm_backward(x, w, dy, f64::from(self.eps), None)?;
         Ok((Some(dx), Some(dw)))
     }
 }
 
-/// RMSNorm's (dx, dw) from its input, weight and output gradient.
+/// RMSNorm's (dx, dw) from its input, weight and output gradient; with a
+/// `residual`, dx is `residual + dx` (as [`crate::ops::layer_norm_backward`]).
 pub fn rms_norm_backward(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
     eps: f64,
+    residual: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
     let d = w.dim(0)?;
     let rows = x.elem_count() / d;
+    let op = RmsNormGrad {
+        w: w.flatten_all()?.to_vec1::<f32>()?,
+        eps: eps as f32,
+    };
     // One op computes [dx rows; dw].
-    let all = x.contiguous()?.apply_op2_no_bwd(
-        &dy.contiguous()?,
-        &RmsNormGrad {
-            w: w.flatten_all()?.to_vec1::<f32>()?,
-            eps: eps as f32,
-        },
-    )?;
+    let (x, dy) = (x.contiguous()?, dy.contiguous()?);
+    let all = match residual {
+        Some(r) => x.apply_op3_no_bwd(&dy, &r.contiguous()?, &op)?,
+        None => x.apply_op2_no_bwd(&dy, &op)?,
+    };
     let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
     let dw = all.narrow(0, rows, 1)?.reshape(d)?;
     Ok((dx, dw))
@@ -108,9 +114,63 @@ struct RmsNormGrad {
     eps: f32,
 }
 
+impl RmsNormGrad {
+    const NAME: &'static str = "zrun-rms-norm-grad";
+
+    fn run(&self, x: &[f32], dy: &[f32], residual: Option<&[f32]>) -> Result<(CpuStorage, Shape)> {
+        let (w, d) = (&self.w, self.w.len());
+        if x.len() != dy.len()
+            || d == 0
+            || !x.len().is_multiple_of(d)
+            || residual.is_some_and(|r| r.len() != x.len())
+        {
+            candle_core::bail!("rms norm backward: shapes disagree");
+        }
+        let rows = x.len() / d;
+        let mut out = uninit_floats(x.len() + d);
+        let (dx, tail) = out.split_at_mut(x.len());
+        let per = ROWS_PER_TASK * d;
+        let partials: Vec<Vec<f32>> = dx
+            .par_chunks_mut(per)
+            .enumerate()
+            .map(|(task, dx)| {
+                let span = task * per..task * per + dx.len();
+                let (x, dy) = (&x[span.clone()], &dy[span.clone()]);
+                let residual = residual.map(|r| &r[span]);
+                vectorised(|| {
+                    let mut dw = vec![0f32; d];
+                    let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
+                    for (k, (row, out)) in x.chunks_exact(d).zip(dx.chunks_exact_mut(d)).enumerate()
+                    {
+                        let dyr = &dy[k * d..][..d];
+                        let r = rms_inv(row, self.eps);
+                        for i in 0..d {
+                            xhat[i] = row[i] * r;
+                            g[i] = dyr[i] * w[i];
+                            dw[i] += dyr[i] * xhat[i];
+                        }
+                        let gx_mean = sum8(d, |i| g[i] * xhat[i]) / d as f32;
+                        let dx_i = |i: usize| r * (g[i] - xhat[i] * gx_mean);
+                        write_row(out, residual.map(|res| &res[k * d..][..d]), dx_i);
+                    }
+                    dw
+                })
+            })
+            .collect();
+        tail.fill(std::mem::MaybeUninit::new(0.0));
+        // SAFETY: the tasks wrote every row of dx, and the tail was just filled.
+        let mut out = unsafe { assume_init(out) };
+        let tail = &mut out[x.len()..];
+        for p in &partials {
+            tail.iter_mut().zip(p).for_each(|(t, v)| *t += v);
+        }
+        Ok((CpuStorage::F32(out), Shape::from_dims(&[rows + 1, d])))
+    }
+}
+
 impl CustomOp2 for RmsNormGrad {
     fn name(&self) -> &'static str {
-        "zrun-rms-norm-grad"
+        Self::NAME
     }
 
     fn cpu_fwd(
@@ -120,48 +180,33 @@ impl CustomOp2 for RmsNormGrad {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_input(self.name(), s1, l1)?;
-        let dy = f32_input(self.name(), s2, l2)?;
-        let (w, d) = (&self.w, self.w.len());
-        if x.len() != dy.len() || d == 0 || !x.len().is_multiple_of(d) {
-            candle_core::bail!("rms norm backward: shapes disagree");
-        }
-        let rows = x.len() / d;
-        let mut out = vec![0f32; x.len() + d];
-        let (dx, _) = out.split_at_mut(x.len());
-        let per = ROWS_PER_TASK * d;
-        let partials: Vec<Vec<f32>> = dx
-            .par_chunks_mut(per)
-            .zip(x.par_chunks(per).zip(dy.par_chunks(per)))
-            .map(|(dx, (x, dy))| {
-                vectorised(|| {
-                    let mut dw = vec![0f32; d];
-                    let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
-                    for ((row, dyr), out) in x
-                        .chunks_exact(d)
-                        .zip(dy.chunks_exact(d))
-                        .zip(dx.chunks_exact_mut(d))
-                    {
-                        let r = rms_inv(row, self.eps);
-                        for i in 0..d {
-                            xhat[i] = row[i] * r;
-                            g[i] = dyr[i] * w[i];
-                            dw[i] += dyr[i] * xhat[i];
-                        }
-                        let gx_mean = sum8(d, |i| g[i] * xhat[i]) / d as f32;
-                        for i in 0..d {
-                            out[i] = r * (g[i] - xhat[i] * gx_mean);
-                        }
-                    }
-                    dw
-                })
-            })
-            .collect();
-        let tail = &mut out[x.len()..];
-        for p in &partials {
-            tail.iter_mut().zip(p).for_each(|(t, v)| *t += v);
-        }
-        Ok((CpuStorage::F32(out), Shape::from_dims(&[rows + 1, d])))
+        self.run(
+            f32_input(Self::NAME, s1, l1)?,
+            f32_input(Self::NAME, s2, l2)?,
+            None,
+        )
+    }
+}
+
+impl CustomOp3 for RmsNormGrad {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.run(
+            f32_input(Self::NAME, s1, l1)?,
+            f32_input(Self::NAME, s2, l2)?,
+            Some(f32_input(Self::NAME, s3, l3)?),
+        )
     }
 }
 
@@ -190,7 +235,7 @@ impl CustomOp1 for SwiGlu {
             candle_core::bail!("swiglu: an odd width {f2} is not gate and up side by side");
         }
         let f = f2 / 2;
-        let mut y = vec![0f32; n * f];
+        let mut y = uninit_floats(n * f);
         y.par_chunks_mut(ROWS_PER_TASK * f)
             .zip(h.par_chunks(ROWS_PER_TASK * f2))
             .for_each(|(y, h)| {
@@ -198,11 +243,13 @@ impl CustomOp1 for SwiGlu {
                     for (out, row) in y.chunks_exact_mut(f).zip(h.chunks_exact(f2)) {
                         let (gate, up) = row.split_at(f);
                         for i in 0..f {
-                            out[i] = gate[i] * sigmoid(gate[i]) * up[i];
+                            out[i].write(gate[i] * sigmoid(gate[i]) * up[i]);
                         }
                     }
                 })
             });
+        // SAFETY: the chunks of y match the rows of h (n of them), each written whole.
+        let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), Shape::from_dims(&[n, f])))
     }
 
@@ -238,7 +285,7 @@ impl CustomOp2 for SwiGluGrad {
         if dy.len() != n * f {
             candle_core::bail!("swiglu backward: {} gradients for {n}x{f}", dy.len());
         }
-        let mut dh = vec![0f32; h.len()];
+        let mut dh = uninit_floats(h.len());
         dh.par_chunks_mut(ROWS_PER_TASK * f2)
             .zip(
                 h.par_chunks(ROWS_PER_TASK * f2)
@@ -256,12 +303,14 @@ impl CustomOp2 for SwiGluGrad {
                         for i in 0..f {
                             let s = sigmoid(gate[i]);
                             let silu = gate[i] * s;
-                            dgate[i] = g[i] * up[i] * (s + silu * (1.0 - s));
-                            dup[i] = g[i] * silu;
+                            dgate[i].write(g[i] * up[i] * (s + silu * (1.0 - s)));
+                            dup[i].write(g[i] * silu);
                         }
                     }
                 })
             });
+        // SAFETY: the chunks of dh match the rows of h and dy (n of them), each written whole.
+        let dh = unsafe { assume_init(dh) };
         Ok((CpuStorage::F32(dh), l1.shape().clone()))
     }
 }

@@ -10,10 +10,12 @@
 //! backward that work. Every one of them is checked against finite differences,
 //! and the fused ones against the composed reference.
 
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::simd::{exp, par_rows, vectorised, ROWS_PER_TASK};
+use crate::simd::{assume_init, exp, par_rows, uninit_floats, vectorised, ROWS_PER_TASK};
 
 /// GELU (GPT-2's tanh approximation) as one fused pass forward and one backward.
 ///
@@ -61,12 +63,14 @@ impl CustomOp1 for Gelu {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_input(self.name(), s, l)?;
-        let mut y = vec![0f32; x.len()];
+        let mut y = uninit_floats(x.len());
         par_rows(x, &mut y, ELEMS_PER_TASK / ROWS_PER_TASK, |x, y| {
             for (o, &v) in y.iter_mut().zip(x) {
-                *o = 0.5 * v * (1.0 + tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v)));
+                o.write(0.5 * v * (1.0 + tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v))));
             }
         });
+        // SAFETY: par_rows hands every element of y to the loop above.
+        let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
 
@@ -100,7 +104,7 @@ impl CustomOp2 for GeluGrad {
         if x.len() != dy.len() {
             candle_core::bail!("gelu backward: {} inputs, {} gradients", x.len(), dy.len());
         }
-        let mut dx = vec![0f32; x.len()];
+        let mut dx = uninit_floats(x.len());
         dx.par_chunks_mut(ELEMS_PER_TASK)
             .zip(
                 x.par_chunks(ELEMS_PER_TASK)
@@ -112,10 +116,12 @@ impl CustomOp2 for GeluGrad {
                         let t = tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v));
                         let d = 0.5 * (1.0 + t)
                             + 0.5 * v * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * v * v);
-                        *o = g * d;
+                        o.write(g * d);
                     }
                 })
             });
+        // SAFETY: the chunks of dx match those of x, and each element got a value.
+        let dx = unsafe { assume_init(dx) };
         Ok((CpuStorage::F32(dx), l1.shape().clone()))
     }
 }
@@ -202,15 +208,23 @@ impl CustomOp3 for LayerNorm {
             f32_input(self.name(), s3, l3)?,
         );
         let d = w.len();
-        let mut y = vec![0f32; x.len()];
+        if d == 0 || !x.len().is_multiple_of(d) || b.len() != d {
+            candle_core::bail!(
+                "layer norm: rows of {} do not match a weight of {d}",
+                x.len()
+            );
+        }
+        let mut y = uninit_floats(x.len());
         par_rows(x, &mut y, d, |x, y| {
             for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
                 let (mean, rstd) = row_stats(row, self.eps);
                 for i in 0..d {
-                    out[i] = (row[i] - mean) * rstd * w[i] + b[i];
+                    out[i].write((row[i] - mean) * rstd * w[i] + b[i]);
                 }
             }
         });
+        // SAFETY: the rows cover x, and so y (same length), whole.
+        let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), l1.shape().clone()))
     }
 
@@ -222,26 +236,33 @@ impl CustomOp3 for LayerNorm {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = layer_norm_backward(x, w, dy, f64::from(self.eps))?;
+        let (dx, dw, db) = layer_norm_backward(x, w, dy, f64::from(self.eps), None)?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
 
-/// Layer norm's (dx, dw, db) from its input, weight and output gradient.
+/// Layer norm's (dx, dw, db) from its input, weight and output gradient;
+/// with a `residual` (the gradient that reaches the norm's input around the
+/// block's branch), dx is `residual + dx`, summed in the same pass.
 pub fn layer_norm_backward(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
     eps: f64,
+    residual: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let d = w.dim(0)?;
     let rows = x.elem_count() / d;
+    let op = LayerNormGrad {
+        w: w.flatten_all()?.to_vec1::<f32>()?,
+        eps: eps as f32,
+    };
     // One op computes [dx rows; dw; db].
-    let all = x.contiguous()?.apply_op3_no_bwd(
-        &w.contiguous()?,
-        &dy.contiguous()?,
-        &LayerNormGrad { eps: eps as f32 },
-    )?;
+    let (x, dy) = (x.contiguous()?, dy.contiguous()?);
+    let all = match residual {
+        Some(r) => x.apply_op3_no_bwd(&dy, &r.contiguous()?, &op)?,
+        None => x.apply_op2_no_bwd(&dy, &op)?,
+    };
     let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
     let dw = all.narrow(0, rows, 1)?.reshape(d)?;
     let db = all.narrow(0, rows + 1, 1)?.reshape(d)?;
@@ -285,17 +306,118 @@ impl CustomOp1 for ColumnSums {
     }
 }
 
-/// Layer norm's backward from (x, w, dy): `[rows + 2, d]` holding dx
-/// (`rstd · (g - mean(g) - xhat · mean(g · xhat))` with `g = dy · w`), then
-/// dw = Σ dy · xhat and db = Σ dy over rows. Each task of `ROWS_PER_TASK` rows
-/// sums its own dw, db; the partial sums are added in task order.
+/// Layer norm's backward from (x, dy), or (x, dy, residual): `[rows + 2, d]`
+/// holding dx (`rstd · (g - mean(g) - xhat · mean(g · xhat))` with
+/// `g = dy · w`, plus the residual's row), then dw = Σ dy · xhat and db = Σ dy
+/// over rows. Each task of `ROWS_PER_TASK` rows sums its own dw, db; the
+/// partial sums are added in task order.
 struct LayerNormGrad {
+    w: Vec<f32>,
     eps: f32,
+}
+
+impl LayerNormGrad {
+    const NAME: &'static str = "zrun-layer-norm-grad";
+
+    fn run(&self, x: &[f32], dy: &[f32], residual: Option<&[f32]>) -> Result<(CpuStorage, Shape)> {
+        let (w, d) = (&self.w, self.w.len());
+        if x.len() != dy.len()
+            || d == 0
+            || !x.len().is_multiple_of(d)
+            || residual.is_some_and(|r| r.len() != x.len())
+        {
+            candle_core::bail!("layer norm backward: shapes disagree");
+        }
+        let rows = x.len() / d;
+        let mut out = uninit_floats(x.len() + 2 * d);
+        let (dx, tail) = out.split_at_mut(x.len());
+        let per = ROWS_PER_TASK * d;
+        let partials: Vec<Vec<f32>> = dx
+            .par_chunks_mut(per)
+            .enumerate()
+            .map(|(task, dx)| {
+                let span = task * per..task * per + dx.len();
+                let (x, dy) = (&x[span.clone()], &dy[span.clone()]);
+                let residual = residual.map(|r| &r[span]);
+                vectorised(|| {
+                    let mut sums = vec![0f32; 2 * d];
+                    let (dw, db) = sums.split_at_mut(d);
+                    let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
+                    for (r, (row, out)) in x.chunks_exact(d).zip(dx.chunks_exact_mut(d)).enumerate()
+                    {
+                        let dyr = &dy[r * d..][..d];
+                        let (mean, rstd) = row_stats(row, self.eps);
+                        for i in 0..d {
+                            xhat[i] = (row[i] - mean) * rstd;
+                            g[i] = dyr[i] * w[i];
+                            dw[i] += dyr[i] * xhat[i];
+                            db[i] += dyr[i];
+                        }
+                        let g_mean = sum8(d, |i| g[i]) / d as f32;
+                        let gx_mean = sum8(d, |i| g[i] * xhat[i]) / d as f32;
+                        let dx_i = |i: usize| rstd * (g[i] - g_mean - xhat[i] * gx_mean);
+                        write_row(out, residual.map(|res| &res[r * d..][..d]), dx_i);
+                    }
+                    sums
+                })
+            })
+            .collect();
+        tail.fill(MaybeUninit::new(0.0));
+        // SAFETY: the tasks wrote every row of dx, and the tail was just filled.
+        let mut out = unsafe { assume_init(out) };
+        let tail = &mut out[x.len()..];
+        for p in &partials {
+            tail.iter_mut().zip(p).for_each(|(t, v)| *t += v);
+        }
+        Ok((CpuStorage::F32(out), Shape::from_dims(&[rows + 2, d])))
+    }
+}
+
+/// Writes a row of a norm's input gradient: `dx(i)`, or `residual[i] + dx(i)`
+/// (the order in which a separate add of the residual summed them).
+#[inline(always)]
+pub(crate) fn write_row(
+    out: &mut [MaybeUninit<f32>],
+    residual: Option<&[f32]>,
+    dx: impl Fn(usize) -> f32,
+) {
+    match residual {
+        Some(res) => {
+            for (i, (o, r)) in out.iter_mut().zip(res).enumerate() {
+                o.write(r + dx(i));
+            }
+        }
+        None => {
+            for (i, o) in out.iter_mut().enumerate() {
+                o.write(dx(i));
+            }
+        }
+    }
+}
+
+impl CustomOp2 for LayerNormGrad {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.run(
+            f32_input(Self::NAME, s1, l1)?,
+            f32_input(Self::NAME, s2, l2)?,
+            None,
+        )
+    }
 }
 
 impl CustomOp3 for LayerNormGrad {
     fn name(&self) -> &'static str {
-        "zrun-layer-norm-grad"
+        Self::NAME
     }
 
     fn cpu_fwd(
@@ -307,52 +429,11 @@ impl CustomOp3 for LayerNormGrad {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_input(self.name(), s1, l1)?;
-        let w = f32_input(self.name(), s2, l2)?;
-        let dy = f32_input(self.name(), s3, l3)?;
-        let d = w.len();
-        if x.len() != dy.len() || x.len() % d != 0 {
-            candle_core::bail!("layer norm backward: shapes disagree");
-        }
-        let rows = x.len() / d;
-        let mut out = vec![0f32; x.len() + 2 * d];
-        let (dx, _) = out.split_at_mut(x.len());
-        let per = ROWS_PER_TASK * d;
-        let partials: Vec<Vec<f32>> = dx
-            .par_chunks_mut(per)
-            .zip(x.par_chunks(per).zip(dy.par_chunks(per)))
-            .map(|(dx, (x, dy))| {
-                vectorised(|| {
-                    let mut sums = vec![0f32; 2 * d];
-                    let (dw, db) = sums.split_at_mut(d);
-                    let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
-                    for ((row, dyr), out) in x
-                        .chunks_exact(d)
-                        .zip(dy.chunks_exact(d))
-                        .zip(dx.chunks_exact_mut(d))
-                    {
-                        let (mean, rstd) = row_stats(row, self.eps);
-                        for i in 0..d {
-                            xhat[i] = (row[i] - mean) * rstd;
-                            g[i] = dyr[i] * w[i];
-                            dw[i] += dyr[i] * xhat[i];
-                            db[i] += dyr[i];
-                        }
-                        let g_mean = sum8(d, |i| g[i]) / d as f32;
-                        let gx_mean = sum8(d, |i| g[i] * xhat[i]) / d as f32;
-                        for i in 0..d {
-                            out[i] = rstd * (g[i] - g_mean - xhat[i] * gx_mean);
-                        }
-                    }
-                    sums
-                })
-            })
-            .collect();
-        let tail = &mut out[x.len()..];
-        for p in &partials {
-            tail.iter_mut().zip(p).for_each(|(t, v)| *t += v);
-        }
-        Ok((CpuStorage::F32(out), Shape::from_dims(&[rows + 2, d])))
+        self.run(
+            f32_input(Self::NAME, s1, l1)?,
+            f32_input(Self::NAME, s2, l2)?,
+            Some(f32_input(Self::NAME, s3, l3)?),
+        )
     }
 }
 
@@ -459,6 +540,49 @@ mod tests {
                 assert!((p - q).abs() <= 1e-5 * (1.0 + q.abs()), "{p} vs {q}");
             }
         }
+    }
+
+    #[test]
+    fn a_residual_in_the_norm_backward_gives_the_bits_of_adding_it_after() {
+        // 50 rows (several tasks), 12 wide (a tail after 8 lanes): dx with
+        // the residual summed in must be r + dx of the plain backward, bit
+        // for bit, and dw, db unchanged.
+        let dev = Device::Cpu;
+        let t = |seed: usize, n: usize, shape: &[usize]| {
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 + seed * 11) % 23) as f32 * 0.3 - 3.1)
+                .collect();
+            Tensor::from_vec(v, shape, &dev).unwrap()
+        };
+        let (x, dy, r) = (
+            t(1, 600, &[50, 12]),
+            t(2, 600, &[50, 12]),
+            t(3, 600, &[50, 12]),
+        );
+        let w = t(4, 12, &[12]);
+        let bits = |t: &Tensor| {
+            t.flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
+        let (dx, dw, db) = layer_norm_backward(&x, &w, &dy, 1e-5, None).unwrap();
+        let (dx_r, dw_r, db_r) = layer_norm_backward(&x, &w, &dy, 1e-5, Some(&r)).unwrap();
+        assert_eq!(bits(&dx_r), bits(&(&r + &dx).unwrap()));
+        assert_eq!((bits(&dw_r), bits(&db_r)), (bits(&dw), bits(&db)));
+        assert_ne!(bits(&dx_r), bits(&dx));
+        let (dx, dw) = crate::llama_ops::rms_norm_backward(&x, &w, &dy, 1e-5, None).unwrap();
+        let (dx_r, dw_r) =
+            crate::llama_ops::rms_norm_backward(&x, &w, &dy, 1e-5, Some(&r)).unwrap();
+        assert_eq!(bits(&dx_r), bits(&(&r + &dx).unwrap()));
+        assert_eq!(bits(&dw_r), bits(&dw));
+        // A residual of another size is refused, not read past.
+        let short = t(5, 12, &[1, 12]);
+        assert!(layer_norm_backward(&x, &w, &dy, 1e-5, Some(&short)).is_err());
+        assert!(crate::llama_ops::rms_norm_backward(&x, &w, &dy, 1e-5, Some(&short)).is_err());
     }
 
     #[test]

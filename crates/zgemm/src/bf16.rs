@@ -1,0 +1,198 @@
+//! bf16 products with f32 accumulation: `C = start ⊕ α·bf16(A)·bf16(B)`, the
+//! GEMM of mixed-precision training (PyTorch's autocast rounds a matmul's
+//! inputs to bf16 the same way and accumulates in f32).
+//!
+//! The operands stay f32 in memory and are rounded to bf16 (to nearest even)
+//! in one pass that lays them out as AMX's `tdpbf16ps` and AVX512_BF16's
+//! `vdpbf16ps` read them: each 4-byte element a pair of bf16 values adjacent
+//! in `k`. `A` becomes a row-major `m × ⌈k/2⌉` matrix of pairs (read in
+//! place) and `B` a `⌈k/2⌉ × n` one, and the f32 driver multiplies them
+//! with a kernel that takes each element for a pair: its blocking, threads
+//! and epilogues (bias, residual) are the f32 product's. A weight that is already bf16 (the working copy of
+//! `train.dtype: bf16`) is rounded exactly.
+//!
+//! **Results.** The AVX512_BF16 kernel adds each pair odd value first, as
+//! Intel's manual defines `vdpbf16ps`; the portable kernel does that
+//! arithmetic in plain Rust and is tested against it bit for bit. AMX sums
+//! inside a tile in an order of its own, so its results are tested against
+//! an f64 product of the rounded operands within the f32 rounding bound,
+//! and against themselves at every thread count (bit for bit: threads split
+//! only `M` and `N`). On a CPU with neither, the portable kernel is the only
+//! one, and slow: callers check [`has_native_bf16`] and multiply in f32
+//! there.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use crate::{drive, grow, Kernel, MatMut, MatRef, ShapeError, Start};
+
+/// Whether this CPU multiplies bf16 faster than f32: AMX-BF16 (AVX512_BF16
+/// alone does not: on the Sapphire Rapids measured, `vdpbf16ps` retires one
+/// every two cycles, half `vfmadd231ps`'s FLOPs).
+pub fn has_native_bf16() -> bool {
+    Kernel::best_bf16() == Kernel::AmxBf16
+}
+
+/// `C = start ⊕ α·bf16(A)·bf16(B)` with the fastest bf16 kernel, on up to
+/// `threads` threads of the current rayon pool.
+pub fn gemm_bf16(
+    c: MatMut,
+    a: MatRef,
+    b: MatRef,
+    alpha: f32,
+    start: Start,
+    threads: usize,
+) -> Result<(), ShapeError> {
+    gemm_bf16_with(Kernel::best_bf16(), c, a, b, alpha, start, threads)
+}
+
+/// [`gemm_bf16`] with a given bf16 kernel (tests and benchmarks compare them).
+///
+/// # Panics
+///
+/// If `kernel` is not in [`Kernel::available_bf16`].
+pub fn gemm_bf16_with(
+    kernel: Kernel,
+    c: MatMut,
+    a: MatRef,
+    b: MatRef,
+    alpha: f32,
+    start: Start,
+    threads: usize,
+) -> Result<(), ShapeError> {
+    assert!(
+        Kernel::available_bf16().contains(&kernel),
+        "{kernel:?} is not a bf16 kernel this CPU can run"
+    );
+    if a.rows != c.rows || a.cols != b.rows || b.cols != c.cols {
+        return Err(ShapeError::Mismatch {
+            c_rows: c.rows,
+            c_cols: c.cols,
+            a_rows: a.rows,
+            a_cols: a.cols,
+            b_rows: b.rows,
+            b_cols: b.cols,
+        });
+    }
+    // Taken, not borrowed: rayon may run another product on this thread
+    // while it waits.
+    let (mut pa, mut pb) = (PAIRS_A.take(), PAIRS_B.take());
+    let result = {
+        let a2 = pair_columns(a, &mut pa, threads);
+        let b2 = pair_columns(b.t(), &mut pb, threads).t();
+        drive(kernel, c, a2, b2, alpha, start, threads)
+    };
+    PAIRS_A.set(pa);
+    PAIRS_B.set(pb);
+    result
+}
+
+thread_local! {
+    /// The calling thread's paired operands, reused from call to call.
+    static PAIRS_A: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static PAIRS_B: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// bf16 bits of `x`, rounded to nearest even, NaN kept a quiet NaN (as
+/// `half::bf16::from_f32`); branch-free, so that the loops vectorise.
+#[inline(always)]
+pub(crate) fn round(x: f32) -> u32 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    if x.is_nan() {
+        (b >> 16) | 0x40
+    } else {
+        rounded
+    }
+}
+
+/// Two values as one pair element: `lo` is the one of even `k`.
+#[inline(always)]
+fn pair(lo: f32, hi: f32) -> f32 {
+    f32::from_bits(round(lo) | (round(hi) << 16))
+}
+
+/// `x` (`r × k`) as a row-major `r × kp` matrix of pairs along its rows,
+/// written into `buf`: `kp` is `⌈k/2⌉` rounded up to a multiple of 16 and
+/// the rows to a multiple of 32, the padding zero (AMX's kernel reads
+/// 16 pairs of 32 whole rows at a time; zero pairs add `+0`, which every
+/// kernel does alike). Each task fills a run of output rows, reading along
+/// `x`'s rows where they are contiguous and along its columns where those
+/// are.
+fn pair_columns<'b>(x: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<'b> {
+    let (r, k) = (x.rows, x.cols);
+    let kp = k.div_ceil(2).div_ceil(16) * 16;
+    let rows = r.div_ceil(32) * 32;
+    // Rows 16 pairs longer than they need be: at a multiple of 4 KiB apart,
+    // the 16 rows of an AMX tile load shared one L1 set (measured: k = 2048
+    // ran at half the rate of k = 384).
+    let stride = kp + 16;
+    grow(buf, rows * stride);
+    let out = &mut buf[..rows * stride];
+    let value = |i: usize, p: usize| if i < r && p < k { x.at(i, p) } else { 0.0 };
+    // About 64 KiB of pairs a task, in whole rows.
+    let rows_per_task = (16 * 1024 / stride).max(1);
+    let fill = |(t, dst): (usize, &mut [f32])| {
+        let i0 = t * rows_per_task;
+        let n = dst.len() / stride;
+        if x.cs == 1 || x.rs != 1 {
+            for (l, row) in dst.chunks_exact_mut(stride).enumerate() {
+                let row = &mut row[..kp];
+                let i = i0 + l;
+                if i < r && x.cs == 1 {
+                    let src = &x.data[i * x.rs..][..k];
+                    let whole = k / 2;
+                    for (d, v) in row.iter_mut().zip(src.chunks_exact(2)) {
+                        *d = pair(v[0], v[1]);
+                    }
+                    for (q, d) in row.iter_mut().enumerate().skip(whole) {
+                        *d = pair(value(i, 2 * q), value(i, 2 * q + 1));
+                    }
+                } else {
+                    for (q, d) in row.iter_mut().enumerate() {
+                        *d = pair(value(i, 2 * q), value(i, 2 * q + 1));
+                    }
+                }
+            }
+        } else {
+            // Columns of x are contiguous: pair two of them at a time
+            // along this task's rows.
+            let live = n.min(r.saturating_sub(i0));
+            for q in 0..kp {
+                let column =
+                    |p: usize| (p < k && live > 0).then(|| &x.data[p * x.cs + i0..][..live]);
+                match (column(2 * q), column(2 * q + 1)) {
+                    (Some(c0), Some(c1)) => {
+                        for (l, (&v0, &v1)) in c0.iter().zip(c1).enumerate() {
+                            dst[l * stride + q] = pair(v0, v1);
+                        }
+                    }
+                    (Some(c0), None) => {
+                        for (l, &v0) in c0.iter().enumerate() {
+                            dst[l * stride + q] = pair(v0, 0.0);
+                        }
+                    }
+                    _ => (0..live).for_each(|l| dst[l * stride + q] = 0.0),
+                }
+            }
+            dst[live * stride..].fill(0.0);
+        }
+    };
+    if threads > 1 {
+        out.par_chunks_mut(rows_per_task * stride)
+            .enumerate()
+            .for_each(fill);
+    } else {
+        out.chunks_mut(rows_per_task * stride)
+            .enumerate()
+            .for_each(fill);
+    }
+    MatRef {
+        data: out,
+        rows: r,
+        cols: kp,
+        rs: stride,
+        cs: 1,
+    }
+}
