@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Var};
 use zcomm::{Communicator, CounterSnapshot, Quantization};
-use zconfig::{JobSpec, ZeroStage};
+use zconfig::{Dtype, JobSpec, ZeroStage};
 use zmodel::Gpt;
 
 use crate::accounting::Transient;
@@ -138,7 +138,8 @@ impl Engine {
             .with_tile_size(m.tile_size.map(|n| n.0 as usize))
             .map_err(|e| EngineError::Tiling {
                 problem: e.to_string(),
-            })?;
+            })?
+            .with_bf16_products(spec.train.dtype == Dtype::Bf16);
         let (world, rank) = (comm.world_size(), comm.rank());
         let threshold = spec.zero.param_persistence_threshold.0 as usize;
         let half = Half::of(spec.train.dtype);

@@ -80,7 +80,7 @@ pub fn gemm_bf16_with(
     let (mut pa, mut pb) = (PAIRS_A.take(), PAIRS_B.take());
     let result = {
         let a2 = pair_columns(a, &mut pa, threads);
-        let b2 = pair_columns(b.t(), &mut pb, threads).t();
+        let b2 = pair_rows(b, &mut pb, threads);
         drive(kernel, c, a2, b2, alpha, start, threads)
     };
     PAIRS_A.set(pa);
@@ -179,6 +179,7 @@ fn pair_columns<'b>(x: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<
             dst[live * stride..].fill(0.0);
         }
     };
+    let fill = |task| vectorised(|| fill(task));
     if threads > 1 {
         out.par_chunks_mut(rows_per_task * stride)
             .enumerate()
@@ -195,4 +196,78 @@ fn pair_columns<'b>(x: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<
         rs: stride,
         cs: 1,
     }
+}
+
+/// `B` (`k × n`) as a `kp × n` matrix of pairs along its columns (`kp` as
+/// in [`pair_columns`], the padding zero), for the driver to pack into
+/// panels: a row-major `B` gives row-major pairs, row `q` two rows of `B`
+/// interleaved (a weight in forward, `dy` in a weight gradient; read and
+/// written along memory); any other `B` goes through [`pair_columns`] of its
+/// transpose.
+fn pair_rows<'b>(b: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<'b> {
+    if b.cs != 1 || b.cols == 1 {
+        return pair_columns(b.t(), buf, threads).t();
+    }
+    let (k, n) = (b.rows, b.cols);
+    let kp = k.div_ceil(2).div_ceil(16) * 16;
+    grow(buf, kp * n);
+    let out = &mut buf[..kp * n];
+    let rows_per_task = (16 * 1024 / n.max(1)).max(1);
+    let fill = |(t, dst): (usize, &mut [f32])| {
+        vectorised(|| {
+            for (l, row) in dst.chunks_exact_mut(n.max(1)).enumerate() {
+                let q = t * rows_per_task + l;
+                let row_of = |p: usize| (p < k).then(|| &b.data[p * b.rs..][..n]);
+                match (row_of(2 * q), row_of(2 * q + 1)) {
+                    (Some(r0), Some(r1)) => {
+                        for ((d, &v0), &v1) in row.iter_mut().zip(r0).zip(r1) {
+                            *d = pair(v0, v1);
+                        }
+                    }
+                    (Some(r0), None) => {
+                        for (d, &v0) in row.iter_mut().zip(r0) {
+                            *d = pair(v0, 0.0);
+                        }
+                    }
+                    _ => row.fill(0.0),
+                }
+            }
+        })
+    };
+    if threads > 1 {
+        out.par_chunks_mut(rows_per_task * n.max(1))
+            .enumerate()
+            .for_each(fill);
+    } else {
+        out.chunks_mut(rows_per_task * n.max(1))
+            .enumerate()
+            .for_each(fill);
+    }
+    MatRef {
+        data: out,
+        rows: kp,
+        cols: n,
+        rs: n,
+        cs: 1,
+    }
+}
+
+/// Runs `f` in a function compiled for AVX-512 when this CPU has it (the
+/// closure is inlined into it, and the rounding loops vectorise 16 wide;
+/// compiled for the baseline they took more of a bf16 training step than
+/// the AMX products), else as is.
+#[inline(always)]
+fn vectorised<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw")]
+        fn avx512<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        if std::arch::is_x86_feature_detected!("avx512bw") {
+            // SAFETY: the CPU has AVX-512F and BW (checked just above).
+            return unsafe { avx512(f) };
+        }
+    }
+    f()
 }

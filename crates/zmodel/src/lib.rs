@@ -39,6 +39,6 @@ mod simd;
 
 pub use data::{Batch, Batcher, Corpus, DataError};
 pub use gpt::{BlockActs, Gpt, GroupSpec, Init, ParamSpec};
-pub use linear::{BlockLinear, BlockNorm, BlockSource};
+pub use linear::{BlockLinear, BlockNorm, BlockSource, Products};
 pub use params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};
 pub use zconfig::tiles::{ColumnTile, TileError};

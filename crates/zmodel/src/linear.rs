@@ -139,6 +139,7 @@ pub(crate) fn forward<S: BlockSource>(
     tiles: &[Range<usize>],
     x: &Tensor,
     residual: Option<&Tensor>,
+    products: Products,
 ) -> Result<Tensor, S::Error> {
     if x.track_op() || residual.is_some_and(Tensor::track_op) {
         return forward_tracked(src, linear, tiles, x, residual);
@@ -194,7 +195,7 @@ pub(crate) fn forward<S: BlockSource>(
                 (None, Some(bias)) => Start::Bias(bias),
                 (None, None) => Start::Zero,
             };
-            zgemm::gemm(
+            products.gemm()(
                 MatMut::uninit(&mut y[cols.start..], rows, cols.len(), width).map_err(shape)?,
                 MatRef::row_major(f32s(&xs, xl)?, rows, inputs).map_err(shape)?,
                 MatRef::row_major(f32s(&ws, wl)?, inputs, cols.len()).map_err(shape)?,
@@ -252,7 +253,9 @@ pub(crate) fn backward<S: BlockSource>(
     tiles: &[Range<usize>],
     x: &Tensor,
     dy: &Tensor,
+    products: Products,
 ) -> Result<Tensor, S::Error> {
+    let gemm = products.gemm();
     let (x, dy) = (x.contiguous()?, dy.contiguous()?);
     let (rows, inputs) = x.dims2()?;
     let width = dy.dim(1)?;
@@ -270,7 +273,7 @@ pub(crate) fn backward<S: BlockSource>(
             let (ws, wl) = weight.storage_and_layout();
             let (xv, dyv, wv) = (f32s(&xs, xl)?, f32s(&ds, dl)?, f32s(&ws, wl)?);
             // dW = xᵀ·dy_t
-            zgemm::gemm(
+            gemm(
                 MatMut::uninit(&mut dw, inputs, w, w).map_err(shape)?,
                 MatRef::row_major(xv, rows, inputs).map_err(shape)?.t(),
                 MatRef::new(&dyv[cols.start..], rows, w, width, 1).map_err(shape)?,
@@ -285,7 +288,7 @@ pub(crate) fn backward<S: BlockSource>(
                 let a = MatRef::new(&dyv[cols.start + c0..], rows, c, width, 1).map_err(shape)?;
                 let b = MatRef::new(&wv[c0..], inputs, c, w, 1).map_err(shape)?.t();
                 match dx.as_mut() {
-                    Some(dx) => zgemm::gemm(
+                    Some(dx) => gemm(
                         MatMut::row_major(dx, rows, inputs).map_err(shape)?,
                         a,
                         b,
@@ -296,7 +299,7 @@ pub(crate) fn backward<S: BlockSource>(
                     .map_err(shape)?,
                     None => {
                         let mut fresh = uninit_floats(rows * inputs);
-                        zgemm::gemm(
+                        gemm(
                             MatMut::uninit(&mut fresh, rows, inputs, inputs).map_err(shape)?,
                             a,
                             b,
@@ -327,6 +330,28 @@ pub(crate) fn backward<S: BlockSource>(
     }
     let dx = dx.unwrap_or_else(|| vec![0f32; rows * inputs]);
     Ok(Tensor::from_vec(dx, (rows, inputs), &Device::Cpu)?)
+}
+
+/// What the linear layers' products multiply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Products {
+    /// f32 values (every `train.dtype` on a CPU without AMX).
+    #[default]
+    F32,
+    /// The operands rounded to bf16, f32 accumulation ([`zgemm::gemm_bf16`]):
+    /// `train.dtype: bf16` where the CPU has AMX-BF16.
+    Bf16,
+}
+
+type Gemm = fn(MatMut, MatRef, MatRef, f32, Start, usize) -> Result<(), zgemm::ShapeError>;
+
+impl Products {
+    fn gemm(self) -> Gemm {
+        match self {
+            Products::F32 => zgemm::gemm,
+            Products::Bf16 => zgemm::gemm_bf16,
+        }
+    }
 }
 
 fn shape(e: zgemm::ShapeError) -> candle_core::Error {

@@ -232,7 +232,8 @@ pub fn gemm_peak() -> Result<KernelRow> {
 /// A GEMM implementation to time.
 #[derive(Debug, Clone, Copy)]
 enum Impl {
-    /// zrun's, with one of its kernels.
+    /// zrun's, with one of its kernels (a bf16 kernel: `gemm_bf16`, the
+    /// operands rounded to bf16 and the products accumulated in f32).
     Zgemm(zgemm::Kernel),
     /// The `gemm` crate (what candle's matmul calls), for comparison.
     GemmCrate,
@@ -261,9 +262,12 @@ fn time_gemm(imp: Impl, op: &str, (m, k, n): (usize, usize, usize), threads: usi
             let mut err = None;
             let s = best_secs(reps, || {
                 let c = zgemm::MatMut::row_major(&mut c, m, n).expect("c is m x n");
-                if let Err(e) =
-                    zgemm::gemm_with(kernel, c, av, bv, 1.0, zgemm::Start::Zero, threads)
-                {
+                let product = if zgemm::Kernel::available_bf16().contains(&kernel) {
+                    zgemm::gemm_bf16_with
+                } else {
+                    zgemm::gemm_with
+                };
+                if let Err(e) = product(kernel, c, av, bv, 1.0, zgemm::Start::Zero, threads) {
                     err = Some(e);
                 }
             });
@@ -327,10 +331,17 @@ fn gemm_shape_rows(threads: usize) -> Result<Vec<KernelRow>> {
         ("nt", (2048, 1152, 384)),
         ("tn", (1536, 2048, 384)),
     ];
-    let mut impls: Vec<Impl> = zgemm::Kernel::available()
+    // bf16 products where the CPU has them in hardware (AMX, AVX512_BF16),
+    // then the f32 kernels. The portable kernels are references, not
+    // contenders where SIMD exists.
+    let mut impls: Vec<Impl> = zgemm::Kernel::available_bf16()
         .into_iter()
-        // The portable kernel is the reference, not a contender where SIMD exists.
-        .filter(|&k| k != zgemm::Kernel::Portable || zgemm::Kernel::best() == k)
+        .filter(|&k| k != zgemm::Kernel::PortableBf16)
+        .chain(
+            zgemm::Kernel::available()
+                .into_iter()
+                .filter(|&k| k != zgemm::Kernel::Portable || zgemm::Kernel::best() == k),
+        )
         .map(Impl::Zgemm)
         .collect();
     impls.push(Impl::GemmCrate);
