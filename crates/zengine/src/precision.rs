@@ -3,10 +3,11 @@
 //!
 //! With `train.dtype: bf16 | f16` the working parameters and the gradients are
 //! stored in 2 bytes an element, the f32 master weights and Adam moments only for
-//! the slice a rank updates (ZeRO's K = 12). Blocks compute in f32 on the rounded
-//! weights: this CPU's 16-bit GEMM in candle converts to f32 inside and measured
-//! slower than f32 (see README), so 16-bit activations would cost time and buy
-//! nothing but memory. Each micro-batch's gradient is rounded to the working
+//! the slice a rank updates (ZeRO's K = 12). Activations stay f32. The linear
+//! layers multiply bf16 (operands rounded, f32 accumulation) where the CPU has
+//! AMX-BF16 (`zmodel::Gpt::with_bf16_products`); elsewhere they multiply the
+//! rounded weights in f32, since without AMX a 16-bit product is no faster
+//! here (see README). Each micro-batch's gradient is rounded to the working
 //! dtype as soon as backward produces it, in every stage, so that the stages stay
 //! bit-identical; the reduction itself adds in f32.
 //!
