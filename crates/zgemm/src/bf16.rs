@@ -25,7 +25,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use crate::{drive, grow, Kernel, MatMut, MatRef, SendPtr, ShapeError, Start};
+use crate::{aligned, drive, Kernel, MatMut, MatRef, SendPtr, ShapeError, Start};
 
 // Pairs are written as 16-bit halves where the even value is the low half.
 #[cfg(target_endian = "big")]
@@ -132,8 +132,7 @@ fn pair_columns<'b>(x: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<
     // the 16 rows of an AMX tile load shared one L1 set (measured: k = 2048
     // ran at half the rate of k = 384).
     let stride = kp + 16;
-    grow(buf, rows * stride);
-    let out = &mut buf[..rows * stride];
+    let out = aligned(buf, rows * stride);
     if x.rs == 1 && x.cs != 1 {
         pair_transposed(x, out, stride, kp, threads);
     } else {
@@ -228,8 +227,7 @@ fn pair_rows<'b>(b: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<'b>
     }
     let (k, n) = (b.rows, b.cols);
     let kp = k.div_ceil(2).div_ceil(16) * 16;
-    grow(buf, kp * n);
-    let out = &mut buf[..kp * n];
+    let out = aligned(buf, kp * n);
     let rows_per_task = (16 * 1024 / n.max(1)).max(1);
     let fill = |(t, dst): (usize, &mut [f32])| {
         vectorised(|| {
