@@ -331,6 +331,34 @@ fn bf16_products_of_values_bf16_holds_exactly_equal_the_f32_product() {
 }
 
 #[test]
+fn bf16_rounding_of_slices_equals_the_scalar_rounding() {
+    // The SIMD path (16 at a time) and its scalar tail against `round`,
+    // on ties, NaN, infinities, zeros, subnormals and random values.
+    let mut v = vec![
+        1.0 + 1.0 / 256.0,
+        1.0 + 3.0 / 256.0,
+        f32::NAN,
+        -f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        f32::MIN_POSITIVE / 3.0,
+        f32::MAX,
+        -f32::MAX,
+        // NaNs whose rounding would carry into the exponent or sign.
+        f32::from_bits(0x7f80_ffff),
+        f32::from_bits(0x7fff_ffff),
+    ];
+    v.extend(random(9, 40));
+    let mut got = vec![0u16; v.len()];
+    bf16::round_into(&v, &mut got);
+    for (x, g) in v.iter().zip(&got) {
+        assert_eq!(u32::from(*g), bf16::round(*x), "{x:e}");
+    }
+}
+
+#[test]
 fn bf16_rounding_is_to_nearest_even_and_keeps_nan() {
     let bits = |x: f32| bf16::round(x);
     // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: to the even one, 1.
