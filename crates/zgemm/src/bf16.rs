@@ -141,26 +141,24 @@ fn pair_columns<'b>(x: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<
         // value in the low half: little-endian).
         let rows_per_task = (16 * 1024 / stride).max(1);
         let fill = |(t, dst): (usize, &mut [f32])| {
-            vectorised(|| {
-                for (l, row) in dst.chunks_exact_mut(stride).enumerate() {
-                    let i = t * rows_per_task + l;
-                    // SAFETY: 2·kp halves are the row's first kp floats
-                    // (u16 needs less alignment than f32).
-                    let halves = unsafe {
-                        std::slice::from_raw_parts_mut(row.as_mut_ptr().cast::<u16>(), 2 * kp)
-                    };
-                    if i < r && x.cs == 1 {
-                        round_into(&x.data[i * x.rs..][..k], &mut halves[..k]);
-                        halves[k..].fill(0);
-                    } else if i < r {
-                        for (p, h) in halves.iter_mut().enumerate() {
-                            *h = if p < k { round(x.at(i, p)) as u16 } else { 0 };
-                        }
-                    } else {
-                        halves.fill(0);
+            for (l, row) in dst.chunks_exact_mut(stride).enumerate() {
+                let i = t * rows_per_task + l;
+                // SAFETY: 2·kp halves are the row's first kp floats
+                // (u16 needs less alignment than f32).
+                let halves = unsafe {
+                    std::slice::from_raw_parts_mut(row.as_mut_ptr().cast::<u16>(), 2 * kp)
+                };
+                if i < r && x.cs == 1 {
+                    round_into(&x.data[i * x.rs..][..k], &mut halves[..k]);
+                    halves[k..].fill(0);
+                } else if i < r {
+                    for (p, h) in halves.iter_mut().enumerate() {
+                        *h = if p < k { round(x.at(i, p)) as u16 } else { 0 };
                     }
+                } else {
+                    halves.fill(0);
                 }
-            })
+            }
         };
         if threads > 1 {
             out.par_chunks_mut(rows_per_task * stride)
@@ -192,25 +190,23 @@ fn pair_transposed(x: MatRef, out: &mut [f32], stride: usize, kp: usize, threads
     let rows = out.len() / stride;
     let at = SendPtr(out.as_mut_ptr());
     let block = |b: usize| {
-        vectorised(|| {
-            for q in b * 16..(b + 1) * 16 {
-                let column = |p: usize| (p < k).then(|| &x.data[p * x.cs..][..r]);
-                let (c0, c1) = (column(2 * q), column(2 * q + 1));
-                let mut done = 0;
-                #[cfg(target_arch = "x86_64")]
-                if let (Some(c0), true) = (c0, has_avx512bw()) {
-                    // SAFETY: AVX-512F/BW present; rows below r·16/16 of
-                    // column q are inside `out` and this task's alone.
-                    done = unsafe { pair_column_avx512(c0, c1, at.get().add(q), stride) };
-                }
-                for i in done..rows {
-                    let v = |c: Option<&[f32]>| c.and_then(|c| c.get(i).copied()).unwrap_or(0.0);
-                    // SAFETY: row i < rows, pair q < kp ≤ stride: inside
-                    // `out`, and this task alone writes pairs b·16..b·16+16.
-                    unsafe { at.get().add(i * stride + q).write(pair(v(c0), v(c1))) };
-                }
+        for q in b * 16..(b + 1) * 16 {
+            let column = |p: usize| (p < k).then(|| &x.data[p * x.cs..][..r]);
+            let (c0, c1) = (column(2 * q), column(2 * q + 1));
+            let mut done = 0;
+            #[cfg(target_arch = "x86_64")]
+            if let (Some(c0), true) = (c0, has_avx512bw()) {
+                // SAFETY: AVX-512F/BW present; rows below r·16/16 of
+                // column q are inside `out` and this task's alone.
+                done = unsafe { x86::pair_column(c0, c1, at.get().add(q), stride) };
             }
-        })
+            for i in done..rows {
+                let v = |c: Option<&[f32]>| c.and_then(|c| c.get(i).copied()).unwrap_or(0.0);
+                // SAFETY: row i < rows, pair q < kp ≤ stride: inside
+                // `out`, and this task alone writes pairs b·16..b·16+16.
+                unsafe { at.get().add(i * stride + q).write(pair(v(c0), v(c1))) };
+            }
+        }
     };
     if threads > 1 {
         (0..kp / 16).into_par_iter().for_each(block);
@@ -234,25 +230,14 @@ fn pair_rows<'b>(b: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<'b>
     let out = aligned(buf, kp * n);
     let rows_per_task = (16 * 1024 / n.max(1)).max(1);
     let fill = |(t, dst): (usize, &mut [f32])| {
-        vectorised(|| {
-            for (l, row) in dst.chunks_exact_mut(n.max(1)).enumerate() {
-                let q = t * rows_per_task + l;
-                let row_of = |p: usize| (p < k).then(|| &b.data[p * b.rs..][..n]);
-                match (row_of(2 * q), row_of(2 * q + 1)) {
-                    (Some(r0), Some(r1)) => {
-                        for ((d, &v0), &v1) in row.iter_mut().zip(r0).zip(r1) {
-                            *d = pair(v0, v1);
-                        }
-                    }
-                    (Some(r0), None) => {
-                        for (d, &v0) in row.iter_mut().zip(r0) {
-                            *d = pair(v0, 0.0);
-                        }
-                    }
-                    _ => row.fill(0.0),
-                }
+        for (l, row) in dst.chunks_exact_mut(n.max(1)).enumerate() {
+            let q = t * rows_per_task + l;
+            let row_of = |p: usize| (p < k).then(|| &b.data[p * b.rs..][..n]);
+            match row_of(2 * q) {
+                Some(r0) => pair_into(r0, row_of(2 * q + 1), row),
+                None => row.fill(0.0),
             }
-        })
+        }
     };
     if threads > 1 {
         out.par_chunks_mut(rows_per_task * n.max(1))
@@ -285,21 +270,19 @@ pub(crate) fn round_into(src: &[f32], dst: &mut [u16]) {
     }
 }
 
-/// Pairs `c0[i]` with `c1[i]` (zero without `c1`) into `out[i·stride]` for
-/// the rows `i` below `c0.len()` rounded down to 16; returns how many.
-///
-/// # Safety
-///
-/// The CPU has AVX-512F and BW; `out[i·stride]` is writable for those rows.
-#[cfg(target_arch = "x86_64")]
-unsafe fn pair_column_avx512(
-    c0: &[f32],
-    c1: Option<&[f32]>,
-    out: *mut f32,
-    stride: usize,
-) -> usize {
-    // SAFETY: as this function's.
-    unsafe { x86::pair_column(c0, c1, out, stride) }
+/// `dst[i]` = the pair of `c0[i]` and `c1[i]` (zero without `c1`).
+fn pair_into(c0: &[f32], c1: Option<&[f32]>, dst: &mut [f32]) {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512bw() {
+        let n = dst.len().min(c0.len()) / 16 * 16;
+        // SAFETY: AVX-512F/BW present; rows below n of dst (stride 1) are
+        // inside it, and c0, c1 hold n values (same length as c0).
+        done = unsafe { x86::pair_column(&c0[..n], c1.map(|c| &c[..n]), dst.as_mut_ptr(), 1) };
+    }
+    for (i, d) in dst.iter_mut().enumerate().skip(done) {
+        *d = pair(c0[i], c1.map_or(0.0, |c| c[i]));
+    }
 }
 
 /// Whether the CPU has AVX-512F and BW, detected once.
@@ -350,11 +333,14 @@ mod x86 {
         }
     }
 
-    /// [`super::pair_column_avx512`].
+    /// Pairs `c0[i]` with `c1[i]` (zero without `c1`) into `out[i·stride]`
+    /// for the rows `i` below `c0.len()` rounded down to 16; returns how
+    /// many.
     ///
     /// # Safety
     ///
-    /// As that function's.
+    /// The CPU has AVX-512F and BW; `c1` is as long as `c0`, and
+    /// `out[i·stride]` is writable for those rows.
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn pair_column(
         c0: &[f32],
@@ -374,32 +360,16 @@ mod x86 {
                     None => _mm512_setzero_si512(),
                 };
                 let p = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
-                _mm512_storeu_si512(pairs.as_mut_ptr().cast(), p);
-                for (l, &v) in pairs.iter().enumerate() {
-                    out.add((i + l) * stride).write(f32::from_bits(v));
+                if stride == 1 {
+                    _mm512_storeu_si512(out.add(i).cast(), p);
+                } else {
+                    _mm512_storeu_si512(pairs.as_mut_ptr().cast(), p);
+                    for (l, &v) in pairs.iter().enumerate() {
+                        out.add((i + l) * stride).write(f32::from_bits(v));
+                    }
                 }
             }
         }
         whole
     }
-}
-
-/// Runs `f` in a function compiled for AVX-512 when this CPU has it (the
-/// closure is inlined into it, and the rounding loops vectorise 16 wide;
-/// compiled for the baseline they took more of a bf16 training step than
-/// the AMX products), else as is.
-#[inline(always)]
-fn vectorised<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx512bw")]
-        fn avx512<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        if std::arch::is_x86_feature_detected!("avx512bw") {
-            // SAFETY: the CPU has AVX-512F and BW (checked just above).
-            return unsafe { avx512(f) };
-        }
-    }
-    f()
 }
