@@ -220,10 +220,10 @@ fn within_the_f64_bound(kernel: Kernel, quantize: fn(f32) -> f32) {
     // order). A bf16 product of two bf16 values is exact in f32, so the
     // bound holds for it too.
     let u = f64::from(f32::EPSILON) / 2.0;
-    for case in CASES {
+    // α = 1 as well: AMX stores a whole tile without α straight into C.
+    for (case, alpha) in CASES.into_iter().flat_map(|c| [(c, 0.75f32), (c, 1.0)]) {
         for start in STARTS {
             let Case { m, n, k, a_t, b_t } = case;
-            let alpha = 0.75f32;
             let got = run(kernel, case, start, alpha, 1);
             let (a, b, bias, c0, res) = (
                 random(1, m * k),
@@ -289,14 +289,19 @@ fn every_bf16_kernel_and_thread_count_gives_its_references_bits() {
         };
         for case in CASES {
             for start in STARTS {
-                let want = run(reference, case, start, 0.75, 1);
-                for threads in [1, 2, 3] {
-                    let got = run(kernel, case, start, 0.75, threads);
-                    let same = want
-                        .iter()
-                        .zip(&got)
-                        .all(|(x, y)| x.to_bits() == y.to_bits());
-                    assert!(same, "{kernel:?} {case:?} {start} on {threads} threads");
+                for alpha in [0.75, 1.0] {
+                    let want = run(reference, case, start, alpha, 1);
+                    for threads in [1, 2, 3] {
+                        let got = run(kernel, case, start, alpha, threads);
+                        let same = want
+                            .iter()
+                            .zip(&got)
+                            .all(|(x, y)| x.to_bits() == y.to_bits());
+                        assert!(
+                            same,
+                            "{kernel:?} {case:?} {start} α {alpha} on {threads} threads"
+                        );
+                    }
                 }
             }
         }
