@@ -16,7 +16,7 @@
 //!   `transformers` unpermuted. The rotation is orthogonal: its backward is
 //!   the rotation by the opposite angle, and needs no saved input.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::ops::{f32_input, sum8, write_row};
@@ -168,47 +168,7 @@ impl RmsNormGrad {
     }
 }
 
-impl CustomOp2 for RmsNormGrad {
-    fn name(&self) -> &'static str {
-        Self::NAME
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.run(
-            f32_input(Self::NAME, s1, l1)?,
-            f32_input(Self::NAME, s2, l2)?,
-            None,
-        )
-    }
-}
-
-impl CustomOp3 for RmsNormGrad {
-    fn name(&self) -> &'static str {
-        Self::NAME
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.run(
-            f32_input(Self::NAME, s1, l1)?,
-            f32_input(Self::NAME, s2, l2)?,
-            Some(f32_input(Self::NAME, s3, l3)?),
-        )
-    }
-}
+crate::ops::norm_backward_ops!(RmsNormGrad);
 
 /// `silu(gate) · up` of `h` `[n, 2f]` holding gate and up side by side: `[n, f]`.
 pub fn swiglu(h: &Tensor) -> Result<Tensor> {

@@ -395,47 +395,58 @@ pub(crate) fn write_row(
     }
 }
 
-impl CustomOp2 for LayerNormGrad {
-    fn name(&self) -> &'static str {
-        Self::NAME
-    }
+/// A norm's backward as candle ops over its `run(x, dy, residual)`: two
+/// inputs `(x, dy)`, or three with the residual gradient added to dx.
+macro_rules! norm_backward_ops {
+    ($op:ty) => {
+        impl candle_core::CustomOp2 for $op {
+            fn name(&self) -> &'static str {
+                Self::NAME
+            }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.run(
-            f32_input(Self::NAME, s1, l1)?,
-            f32_input(Self::NAME, s2, l2)?,
-            None,
-        )
-    }
+            fn cpu_fwd(
+                &self,
+                s1: &candle_core::CpuStorage,
+                l1: &candle_core::Layout,
+                s2: &candle_core::CpuStorage,
+                l2: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                use $crate::ops::f32_input;
+                self.run(
+                    f32_input(Self::NAME, s1, l1)?,
+                    f32_input(Self::NAME, s2, l2)?,
+                    None,
+                )
+            }
+        }
+
+        impl candle_core::CustomOp3 for $op {
+            fn name(&self) -> &'static str {
+                Self::NAME
+            }
+
+            fn cpu_fwd(
+                &self,
+                s1: &candle_core::CpuStorage,
+                l1: &candle_core::Layout,
+                s2: &candle_core::CpuStorage,
+                l2: &candle_core::Layout,
+                s3: &candle_core::CpuStorage,
+                l3: &candle_core::Layout,
+            ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+                use $crate::ops::f32_input;
+                self.run(
+                    f32_input(Self::NAME, s1, l1)?,
+                    f32_input(Self::NAME, s2, l2)?,
+                    Some(f32_input(Self::NAME, s3, l3)?),
+                )
+            }
+        }
+    };
 }
+pub(crate) use norm_backward_ops;
 
-impl CustomOp3 for LayerNormGrad {
-    fn name(&self) -> &'static str {
-        Self::NAME
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.run(
-            f32_input(Self::NAME, s1, l1)?,
-            f32_input(Self::NAME, s2, l2)?,
-            Some(f32_input(Self::NAME, s3, l3)?),
-        )
-    }
-}
+norm_backward_ops!(LayerNormGrad);
 
 /// Layer norm composed from candle primitives (the reference the fused op is
 /// tested against).
