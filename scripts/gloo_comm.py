@@ -12,6 +12,7 @@ before each call; outputs are allocated before the clock starts. Needs torch
 """
 import argparse
 import os
+import socket
 import statistics
 import time
 
@@ -82,7 +83,11 @@ def main():
     sizes = [parse(s) for s in a.sizes.split(",")]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = 29500 + os.getpid() % 1000
+    # A port the kernel says is free now (29500 + pid % 1000 collided once
+    # and the ranks waited forever).
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     procs = [ctx.Process(target=rank_main, args=(r, a.world, sizes, port, out)) for r in range(a.world)]
     for pr in procs:
         pr.start()
