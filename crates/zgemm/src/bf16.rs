@@ -66,7 +66,7 @@ pub fn gemm_bf16_with(
     threads: usize,
 ) -> Result<(), ShapeError> {
     assert!(
-        Kernel::available_bf16().contains(&kernel),
+        Kernel::detected_bf16().contains(&kernel),
         "{kernel:?} is not a bf16 kernel this CPU can run"
     );
     if a.rows != c.rows || a.cols != b.rows || b.cols != c.cols {

@@ -400,10 +400,15 @@ impl Kernel {
         v
     }
 
-    /// The fastest bf16 kernel this CPU can run, detected once.
+    /// The fastest bf16 kernel this CPU can run.
     pub fn best_bf16() -> Kernel {
-        static BEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
-        *BEST.get_or_init(|| Kernel::available_bf16()[0])
+        Kernel::detected_bf16()[0]
+    }
+
+    /// [`Kernel::available_bf16`], detected once (every product checks it).
+    fn detected_bf16() -> &'static [Kernel] {
+        static DETECTED: std::sync::OnceLock<Vec<Kernel>> = std::sync::OnceLock::new();
+        DETECTED.get_or_init(Kernel::available_bf16)
     }
 
     /// The fastest kernel this CPU can run.

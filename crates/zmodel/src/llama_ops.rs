@@ -99,11 +99,7 @@ pub fn rms_norm_backward(
         eps: eps as f32,
     };
     // One op computes [dx rows; dw].
-    let (x, dy) = (x.contiguous()?, dy.contiguous()?);
-    let all = match residual {
-        Some(r) => x.apply_op3_no_bwd(&dy, &r.contiguous()?, &op)?,
-        None => x.apply_op2_no_bwd(&dy, &op)?,
-    };
+    let all = op.apply(x, dy, residual)?;
     let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
     let dw = all.narrow(0, rows, 1)?.reshape(d)?;
     Ok((dx, dw))

@@ -258,11 +258,7 @@ pub fn layer_norm_backward(
         eps: eps as f32,
     };
     // One op computes [dx rows; dw; db].
-    let (x, dy) = (x.contiguous()?, dy.contiguous()?);
-    let all = match residual {
-        Some(r) => x.apply_op3_no_bwd(&dy, &r.contiguous()?, &op)?,
-        None => x.apply_op2_no_bwd(&dy, &op)?,
-    };
+    let all = op.apply(x, dy, residual)?;
     let dx = all.narrow(0, 0, rows)?.reshape(x.shape())?;
     let dw = all.narrow(0, rows, 1)?.reshape(d)?;
     let db = all.narrow(0, rows + 1, 1)?.reshape(d)?;
@@ -396,9 +392,26 @@ pub(crate) fn write_row(
 }
 
 /// A norm's backward as candle ops over its `run(x, dy, residual)`: two
-/// inputs `(x, dy)`, or three with the residual gradient added to dx.
+/// inputs `(x, dy)`, or three with the residual gradient added to dx, and
+/// `apply`, which picks between them.
 macro_rules! norm_backward_ops {
     ($op:ty) => {
+        impl $op {
+            /// The op over contiguous `x`, `dy` (and `residual`).
+            fn apply(
+                &self,
+                x: &candle_core::Tensor,
+                dy: &candle_core::Tensor,
+                residual: Option<&candle_core::Tensor>,
+            ) -> candle_core::Result<candle_core::Tensor> {
+                let (x, dy) = (x.contiguous()?, dy.contiguous()?);
+                match residual {
+                    Some(r) => x.apply_op3_no_bwd(&dy, &r.contiguous()?, self),
+                    None => x.apply_op2_no_bwd(&dy, self),
+                }
+            }
+        }
+
         impl candle_core::CustomOp2 for $op {
             fn name(&self) -> &'static str {
                 Self::NAME
