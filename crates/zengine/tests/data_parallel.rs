@@ -164,6 +164,28 @@ fn mixed_precision_stages_are_bit_identical() {
 /// of f32's in relative L2 (bounds 4% and 2%) — so an update that is zeroed or
 /// halved (relative error 1 or 0.5) fails, which a bound on parameter values
 /// could not promise.
+/// `train.dtype: bf16` reaches the model as bf16 products (on a CPU with
+/// AMX, which `Gpt::with_bf16_products` decides and zmodel's test checks);
+/// f32 and f16 keep f32 products.
+#[test]
+fn bf16_jobs_ask_the_model_for_bf16_products() {
+    let spec = |dtype| typed_spec(dtype, 2, 1, 2000, true, false, 8);
+    let products = |dtype| {
+        Engine::new(&spec(dtype), comms(1).remove(0))
+            .unwrap()
+            .model()
+            .products()
+    };
+    let bf16_here = zmodel::Gpt::new(&spec("bf16").model)
+        .unwrap()
+        .with_bf16_products(true)
+        .products();
+    assert_eq!(products("bf16"), bf16_here);
+    assert_eq!(products("f32"), zmodel::Products::F32);
+    assert_eq!(products("f16"), zmodel::Products::F32);
+    eprintln!("bf16 jobs multiply here in {bf16_here:?}");
+}
+
 #[test]
 fn mixed_precision_tracks_f32() {
     let spec = |dtype| typed_spec(dtype, 2, 1, 2000, true, false, 8);

@@ -1023,6 +1023,53 @@ mod tests {
         );
     }
 
+    /// `with_bf16_products` takes bf16 products exactly where zgemm says the
+    /// CPU multiplies bf16 natively (AMX), and there the block's forward
+    /// really runs them: its output leaves f32's bits, by no more than bf16
+    /// rounding of the operands allows.
+    #[test]
+    fn bf16_products_are_taken_where_the_cpu_has_amx_and_used() {
+        let cfg = gpt(11, 64, 1, 2, 40);
+        let plain = Gpt::new(&cfg).unwrap();
+        let bf16 = Gpt::new(&cfg).unwrap().with_bf16_products(true);
+        assert_eq!(plain.products(), Products::F32);
+        assert_eq!(
+            Gpt::new(&cfg).unwrap().with_bf16_products(false).products(),
+            Products::F32
+        );
+        if !zgemm::has_native_bf16() {
+            assert_eq!(bf16.products(), Products::F32);
+            eprintln!("skipped: no AMX-BF16 here, so bf16 products are f32 ones (checked)");
+            return;
+        }
+        assert_eq!(bf16.products(), Products::Bf16);
+        let dev = Device::Cpu;
+        let block: Vec<Tensor> = plain
+            .init_group(1, 5)
+            .into_iter()
+            .zip(&plain.groups()[1].params)
+            .map(|(v, ps)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
+            .collect();
+        let x: Vec<f32> = (0..2 * 40 * 64)
+            .map(|i| ((i * 7 % 23) as f32 - 11.0) / 7.0)
+            .collect();
+        let x = Tensor::from_vec(x, (2, 40, 64), &dev).unwrap();
+        let out = |g: &Gpt| -> Vec<f32> {
+            let p = BlockParams::from_vec(block.clone(), g.layout()).unwrap();
+            let (y, _) = g.block_forward(&p, &x).unwrap();
+            y.flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let (want, got) = (out(&plain), out(&bf16));
+        assert!(want != got, "bf16 products gave f32's bits: not used");
+        let worst = want
+            .iter()
+            .zip(&got)
+            .map(|(a, b)| (a - b).abs() / a.abs().max(1.0))
+            .fold(0f32, f32::max);
+        // bf16 keeps 8 bits: each operand within 2^-9, sums of a few terms.
+        assert!(worst < 0.05, "bf16 products off by {worst} relative");
+    }
+
     #[test]
     fn param_count_matches_the_estimator() {
         let wide = gpt(11, 128, 2, 2, 5);
