@@ -3,12 +3,15 @@
 //! inputs to bf16 the same way and accumulates in f32).
 //!
 //! The operands stay f32 in memory and are rounded to bf16 (to nearest even)
-//! in one pass that lays them out as AMX's `tdpbf16ps` and AVX512_BF16's
+//! as they are laid out the way AMX's `tdpbf16ps` and AVX512_BF16's
 //! `vdpbf16ps` read them: each 4-byte element a pair of bf16 values adjacent
-//! in `k`. `A` becomes a row-major `m × ⌈k/2⌉` matrix of pairs (read in
-//! place) and `B` a `⌈k/2⌉ × n` one, and the f32 driver multiplies them
-//! with a kernel that takes each element for a pair: its blocking, threads
-//! and epilogues (bias, residual) are the f32 product's. A weight that is already bf16 (the working copy of
+//! in `k`. `A` becomes a row-major `m × ⌈k/2⌉` matrix of pairs in one pass
+//! (read in place by the kernels); `B` is a `⌈k/2⌉ × n` one, which the
+//! driver rounds as it packs its panels where `B` is row-major (a second
+//! pass over a paired copy cost up to a sixth of a weight gradient's time).
+//! The f32 driver multiplies them with a kernel that takes each element for
+//! a pair: its blocking, threads and epilogues (bias, residual) are the f32
+//! product's. A weight that is already bf16 (the working copy of
 //! `train.dtype: bf16`) is rounded exactly.
 //!
 //! **Results.** The AVX512_BF16 kernel adds each pair odd value first, as
@@ -20,12 +23,19 @@
 //! only `M` and `N`). On a CPU with neither, the portable kernel is the only
 //! one, and slow: callers check [`has_native_bf16`] and multiply in f32
 //! there.
+//!
+//! **Depth splits.** With α = 1 and no residual, AMX's tiles start in their
+//! tile registers from C (or the bias) and are stored back, so a product cut
+//! in depth at multiples of 32 into products that add into C
+//! ([`Start::Keep`]) gives the bits of the one product: a caller that must
+//! add in fixed chunks (a linear layer's input gradient, tiled or not) can
+//! make one product of them on AMX.
 
 use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use crate::{aligned, drive, Kernel, MatMut, MatRef, SendPtr, ShapeError, Start};
+use crate::{aligned, drive, Kernel, MatMut, MatRef, Packs, SendPtr, ShapeError, Start};
 
 // Pairs are written as 16-bit halves where the even value is the low half.
 #[cfg(target_endian = "big")]
@@ -33,7 +43,8 @@ compile_error!("zgemm's bf16 pairs assume a little-endian CPU");
 
 /// Whether this CPU multiplies bf16 faster than f32: AMX-BF16 (AVX512_BF16
 /// alone does not: on the Sapphire Rapids measured, `vdpbf16ps` retires one
-/// every two cycles, half `vfmadd231ps`'s FLOPs).
+/// every two cycles, half `vfmadd231ps`'s FLOPs). Where it does,
+/// [`gemm_bf16`] splits in depth exactly (module doc).
 pub fn has_native_bf16() -> bool {
     Kernel::best_bf16() == Kernel::AmxBf16
 }
@@ -84,7 +95,16 @@ pub fn gemm_bf16_with(
     let (mut pa, mut pb) = (PAIRS_A.take(), PAIRS_B.take());
     let result = {
         let a2 = pair_columns(a, &mut pa, threads);
-        let b2 = pair_rows(b, &mut pb, threads);
+        // A row-major B is rounded as the driver packs it; any other
+        // through a paired copy of its transpose.
+        let b2 = if b.cs == 1 {
+            Packs::RowPairs {
+                f32s: b,
+                rows: a2.cols,
+            }
+        } else {
+            Packs::Values(pair_columns(b.t(), &mut pb, threads).t())
+        };
         drive(kernel, c, a2, b2, alpha, start, threads)
     };
     PAIRS_A.set(pa);
@@ -124,7 +144,7 @@ fn pair(lo: f32, hi: f32) -> f32 {
 /// kernel does alike). Each task fills a run of output rows, reading along
 /// `x`'s rows where they are contiguous and along its columns where those
 /// are.
-fn pair_columns<'b>(x: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<'b> {
+pub(crate) fn pair_columns<'b>(x: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<'b> {
     let (r, k) = (x.rows, x.cols);
     let kp = k.div_ceil(2).div_ceil(16) * 16;
     let rows = r.div_ceil(32) * 32;
@@ -184,27 +204,35 @@ fn pair_columns<'b>(x: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<
 /// pairs of columns, that is 32 contiguous runs of memory, and writes a
 /// 64-byte block of every output row. Tasks over runs of output rows
 /// instead re-read every row of `x` for each run, twice the bytes of `x`
-/// from L3 (measured: a fifth of a bf16 training step).
+/// from L3 (measured: a fifth of a bf16 training step). With AVX-512 a task
+/// pairs 16 rows of its 16 columns in registers and transposes them there,
+/// so that it writes whole 64-byte blocks instead of 4-byte pieces.
 fn pair_transposed(x: MatRef, out: &mut [f32], stride: usize, kp: usize, threads: usize) {
     let (r, k) = (x.rows, x.cols);
     let rows = out.len() / stride;
     let at = SendPtr(out.as_mut_ptr());
     let block = |b: usize| {
-        for q in b * 16..(b + 1) * 16 {
-            let column = |p: usize| (p < k).then(|| &x.data[p * x.cs..][..r]);
-            let (c0, c1) = (column(2 * q), column(2 * q + 1));
-            let mut done = 0;
-            #[cfg(target_arch = "x86_64")]
-            if let (Some(c0), true) = (c0, has_avx512bw()) {
-                // SAFETY: AVX-512F/BW present; rows below r·16/16 of
-                // column q are inside `out` and this task's alone.
-                done = unsafe { x86::pair_column(c0, c1, at.get().add(q), stride) };
-            }
+        let column = |p: usize| (p < k).then(|| &x.data[p * x.cs..][..r]);
+        let columns: [Option<&[f32]>; 32] = std::array::from_fn(|l| column(32 * b + l));
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if has_avx512bw() {
+            // SAFETY: AVX-512F/BW present; the columns hold r values, and
+            // pairs b·16..b·16+16 of rows below r are inside `out` (q < kp
+            // ≤ stride) and this task's alone.
+            done = unsafe { x86::pair_block_transposed(&columns, r, at.get().add(16 * b), stride) };
+        }
+        for (l, pairs) in columns.chunks_exact(2).enumerate() {
+            let q = 16 * b + l;
             for i in done..rows {
                 let v = |c: Option<&[f32]>| c.and_then(|c| c.get(i).copied()).unwrap_or(0.0);
                 // SAFETY: row i < rows, pair q < kp ≤ stride: inside
                 // `out`, and this task alone writes pairs b·16..b·16+16.
-                unsafe { at.get().add(i * stride + q).write(pair(v(c0), v(c1))) };
+                unsafe {
+                    at.get()
+                        .add(i * stride + q)
+                        .write(pair(v(pairs[0]), v(pairs[1])))
+                };
             }
         }
     };
@@ -215,45 +243,37 @@ fn pair_transposed(x: MatRef, out: &mut [f32], stride: usize, kp: usize, threads
     }
 }
 
-/// `B` (`k × n`) as a `kp × n` matrix of pairs along its columns (`kp` as
-/// in [`pair_columns`], the padding zero), for the driver to pack into
-/// panels: a row-major `B` gives row-major pairs, row `q` two rows of `B`
-/// interleaved (a weight in forward, `dy` in a weight gradient; read and
-/// written along memory); any other `B` goes through [`pair_columns`] of its
-/// transpose.
-fn pair_rows<'b>(b: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<'b> {
-    if b.cs != 1 || b.cols == 1 {
-        return pair_columns(b.t(), buf, threads).t();
+/// Packs pair rows `q0..q0+kc` of the row-major f32 `b`, columns `j0..j1`,
+/// into panels of `nr` columns (`dst`, `kc × nr` each, zero right of `j1`):
+/// pair row `q` is `b`'s rows `2q` and `2q + 1` rounded and interleaved
+/// ([`Packs::RowPairs`]), read along memory.
+pub(crate) fn pack_row_pairs(
+    b: &MatRef,
+    q0: usize,
+    kc: usize,
+    j0: usize,
+    j1: usize,
+    nr: usize,
+    dst: &mut [f32],
+) {
+    let mut panels: Vec<(&mut [f32], usize)> =
+        dst.chunks_mut(nr * kc).zip((j0..j1).step_by(nr)).collect();
+    for (d, j) in panels.iter_mut() {
+        if j1 - *j < nr {
+            d.fill(0.0);
+        }
     }
-    let (k, n) = (b.rows, b.cols);
-    let kp = k.div_ceil(2).div_ceil(16) * 16;
-    let out = aligned(buf, kp * n);
-    let rows_per_task = (16 * 1024 / n.max(1)).max(1);
-    let fill = |(t, dst): (usize, &mut [f32])| {
-        for (l, row) in dst.chunks_exact_mut(n.max(1)).enumerate() {
-            let q = t * rows_per_task + l;
-            let row_of = |p: usize| (p < k).then(|| &b.data[p * b.rs..][..n]);
-            match row_of(2 * q) {
-                Some(r0) => pair_into(r0, row_of(2 * q + 1), row),
-                None => row.fill(0.0),
+    let row = |p: usize| (p < b.rows).then(|| &b.data[p * b.rs..][..b.cols]);
+    for q in 0..kc {
+        let (r0, r1) = (row(2 * (q0 + q)), row(2 * (q0 + q) + 1));
+        for (d, j) in panels.iter_mut() {
+            let cols = nr.min(j1 - *j);
+            let out = &mut d[q * nr..q * nr + cols];
+            match r0 {
+                Some(r0) => pair_into(&r0[*j..*j + cols], r1.map(|r| &r[*j..*j + cols]), out),
+                None => out.fill(0.0),
             }
         }
-    };
-    if threads > 1 {
-        out.par_chunks_mut(rows_per_task * n.max(1))
-            .enumerate()
-            .for_each(fill);
-    } else {
-        out.chunks_mut(rows_per_task * n.max(1))
-            .enumerate()
-            .for_each(fill);
-    }
-    MatRef {
-        data: out,
-        rows: kp,
-        cols: n,
-        rs: n,
-        cs: 1,
     }
 }
 
@@ -278,7 +298,7 @@ fn pair_into(c0: &[f32], c1: Option<&[f32]>, dst: &mut [f32]) {
         let n = dst.len().min(c0.len()) / 16 * 16;
         // SAFETY: AVX-512F/BW present; rows below n of dst (stride 1) are
         // inside it, and c0, c1 hold n values (same length as c0).
-        done = unsafe { x86::pair_column(&c0[..n], c1.map(|c| &c[..n]), dst.as_mut_ptr(), 1) };
+        done = unsafe { x86::pair_column(&c0[..n], c1.map(|c| &c[..n]), dst.as_mut_ptr()) };
     }
     for (i, d) in dst.iter_mut().enumerate().skip(done) {
         *d = pair(c0[i], c1.map_or(0.0, |c| c[i]));
@@ -333,26 +353,92 @@ mod x86 {
         }
     }
 
-    /// Pairs `c0[i]` with `c1[i]` (zero without `c1`) into `out[i·stride]`
-    /// for the rows `i` below `c0.len()` rounded down to 16; returns how
-    /// many.
+    /// Pairs 16 pairs of columns (`columns[2l]` with `columns[2l + 1]`, a
+    /// missing one zero) for the rows below `rows` rounded down to 16, into
+    /// `out[i·stride + l]`: 16 rows of the 16 pairs in registers, transposed
+    /// there, stored as one 64-byte row each. Returns how many rows.
     ///
     /// # Safety
     ///
-    /// The CPU has AVX-512F and BW; `c1` is as long as `c0`, and
-    /// `out[i·stride]` is writable for those rows.
+    /// The CPU has AVX-512F and BW; each present column holds `rows` values,
+    /// and `out[i·stride .. i·stride + 16]` is writable for those rows.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn pair_column(
-        c0: &[f32],
-        c1: Option<&[f32]>,
+    pub(super) unsafe fn pair_block_transposed(
+        columns: &[Option<&[f32]>; 32],
+        rows: usize,
         out: *mut f32,
         stride: usize,
     ) -> usize {
-        let whole = c0.len() / 16 * 16;
-        let mut pairs = [0u32; 16];
+        let whole = rows / 16 * 16;
         for i in (0..whole).step_by(16) {
-            // SAFETY: i + 16 ≤ whole ≤ the columns' length; the stores go to
-            // rows i..i+16 of column q (caller).
+            let mut pairs = [_mm512_setzero_si512(); 16];
+            for (l, p) in pairs.iter_mut().enumerate() {
+                let mut halves = [_mm512_setzero_si512(); 2];
+                for (h, c) in halves.iter_mut().zip(&columns[2 * l..2 * l + 2]) {
+                    if let Some(c) = c {
+                        // SAFETY: i + 16 ≤ rows, inside every present column.
+                        *h = round16(unsafe { _mm512_loadu_ps(c.as_ptr().add(i)) });
+                    }
+                }
+                *p = _mm512_or_si512(halves[0], _mm512_slli_epi32::<16>(halves[1]));
+            }
+            for (l, row) in transpose16(pairs).into_iter().enumerate() {
+                // SAFETY: row i + l < rows, 16 floats from `out`'s row start
+                // (caller).
+                unsafe { _mm512_storeu_si512(out.add((i + l) * stride).cast(), row) };
+            }
+        }
+        whole
+    }
+
+    /// The transpose of a 16×16 matrix of 32-bit lanes (`r[l]` its row `l`):
+    /// pairs of rows interleaved by 32 and 64 bits within 128-bit lanes
+    /// (4×4 blocks transposed in place), then the 128-bit lanes moved.
+    #[target_feature(enable = "avx512f")]
+    fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+        let mut t = [_mm512_setzero_si512(); 16];
+        for g in 0..8 {
+            t[2 * g] = _mm512_unpacklo_epi32(r[2 * g], r[2 * g + 1]);
+            t[2 * g + 1] = _mm512_unpackhi_epi32(r[2 * g], r[2 * g + 1]);
+        }
+        // u[4g + m]: within each 128-bit lane L, column 4L + m of rows
+        // 4g..4g+4.
+        let mut u = [_mm512_setzero_si512(); 16];
+        for g in 0..4 {
+            let (a, b, c, d) = (t[4 * g], t[4 * g + 1], t[4 * g + 2], t[4 * g + 3]);
+            u[4 * g] = _mm512_unpacklo_epi64(a, c);
+            u[4 * g + 1] = _mm512_unpackhi_epi64(a, c);
+            u[4 * g + 2] = _mm512_unpacklo_epi64(b, d);
+            u[4 * g + 3] = _mm512_unpackhi_epi64(b, d);
+        }
+        let mut out = [_mm512_setzero_si512(); 16];
+        for m in 0..4 {
+            // Lanes 0 and 2 (v) and 1 and 3 (w) of rows 0-7 and 8-15.
+            let v0 = _mm512_shuffle_i32x4::<0x88>(u[m], u[4 + m]);
+            let w0 = _mm512_shuffle_i32x4::<0xdd>(u[m], u[4 + m]);
+            let v1 = _mm512_shuffle_i32x4::<0x88>(u[8 + m], u[12 + m]);
+            let w1 = _mm512_shuffle_i32x4::<0xdd>(u[8 + m], u[12 + m]);
+            out[m] = _mm512_shuffle_i32x4::<0x88>(v0, v1);
+            out[8 + m] = _mm512_shuffle_i32x4::<0xdd>(v0, v1);
+            out[4 + m] = _mm512_shuffle_i32x4::<0x88>(w0, w1);
+            out[12 + m] = _mm512_shuffle_i32x4::<0xdd>(w0, w1);
+        }
+        out
+    }
+
+    /// Pairs `c0[i]` with `c1[i]` (zero without `c1`) into `out[i]` for the
+    /// `i` below `c0.len()` rounded down to 16; returns how many.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F and BW; `c1` is as long as `c0`, and `out` is
+    /// writable for those values.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn pair_column(c0: &[f32], c1: Option<&[f32]>, out: *mut f32) -> usize {
+        let whole = c0.len() / 16 * 16;
+        for i in (0..whole).step_by(16) {
+            // SAFETY: i + 16 ≤ whole ≤ the columns' length, and inside `out`
+            // (caller).
             unsafe {
                 let lo = round16(_mm512_loadu_ps(c0.as_ptr().add(i)));
                 let hi = match c1 {
@@ -360,14 +446,7 @@ mod x86 {
                     None => _mm512_setzero_si512(),
                 };
                 let p = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
-                if stride == 1 {
-                    _mm512_storeu_si512(out.add(i).cast(), p);
-                } else {
-                    _mm512_storeu_si512(pairs.as_mut_ptr().cast(), p);
-                    for (l, &v) in pairs.iter().enumerate() {
-                        out.add((i + l) * stride).write(f32::from_bits(v));
-                    }
-                }
+                _mm512_storeu_si512(out.add(i).cast(), p);
             }
         }
         whole

@@ -445,6 +445,10 @@ mod x86 {
         TileConfig(c)
     };
 
+    /// A 32×32 tile of C in memory, for tiles that C holds only part of.
+    #[repr(C, align(64))]
+    struct ScratchTile([f32; 32 * 32]);
+
     thread_local! {
         /// Whether this thread has loaded [`TILE_CONFIG`] (the tile
         /// registers are per-thread state, kept across context switches).
@@ -473,25 +477,51 @@ mod x86 {
             TILES_CONFIGURED.set(true);
         }
         prefetch_c(t, 32);
-        // A whole tile without α or residual starts from C (`add`), from the
-        // bias (each row loaded from it with stride 0) or from zero, and is
-        // stored straight into C: no pass of AVX-512 over the finished tile
-        // (it was a third of the tile's time at k = 384).
-        let direct = t.alpha == 1.0 && t.rows == 32 && t.cols == 32 && t.residual.is_null();
-        let c16 = t.c.wrapping_add(16 * t.rs);
-        // SAFETY: C's 32×32 tile and the bias's 32 columns are valid when
-        // `direct` (caller); tile registers are this function's alone.
+        // A tile without α or residual starts from C (`add`), from the bias
+        // or from zero, and ends stored in C: no pass of AVX-512 over the
+        // finished tile (it was a third of the tile's time at k = 384), and
+        // C + (products in blocks) is C's tile register accumulated, so
+        // splitting the depth at multiples of 16 pairs gives the same bits.
+        // A partial tile does the same through a whole one in `scratch`.
+        let direct = t.alpha == 1.0 && t.residual.is_null();
+        let whole = t.rows == 32 && t.cols == 32;
+        let mut scratch = std::mem::MaybeUninit::<ScratchTile>::uninit();
+        let (c, c_rs) = if whole {
+            (t.c, t.rs)
+        } else {
+            (scratch.as_mut_ptr().cast::<f32>(), 32)
+        };
+        if direct && !whole {
+            // SAFETY: `scratch` is 32 rows of 32 floats; C's live part and
+            // the bias's live columns are valid (caller).
+            unsafe {
+                c.write_bytes(0, 32 * 32);
+                for i in 0..t.rows {
+                    let from = match (t.add, t.bias.is_null()) {
+                        (true, _) => t.c.add(i * t.rs),
+                        (false, false) => t.bias,
+                        (false, true) => break,
+                    };
+                    c.add(i * 32).copy_from_nonoverlapping(from, t.cols);
+                }
+            }
+        }
+        let c16 = c.wrapping_add(16 * c_rs);
+        // SAFETY: C's (or the scratch's) 32×32 tile and, for a whole tile,
+        // the bias's 32 columns are valid when `direct` (caller); tile
+        // registers are this function's alone.
         unsafe {
-            if direct && t.add {
+            if direct && (t.add || (!whole && !t.bias.is_null())) {
                 std::arch::asm!(
                     "tileloadd tmm0, [{c} + {s}*1]",
                     "tileloadd tmm1, [{c} + {s}*1 + 64]",
                     "tileloadd tmm2, [{c16} + {s}*1]",
                     "tileloadd tmm3, [{c16} + {s}*1 + 64]",
-                    c = in(reg) t.c, c16 = in(reg) c16, s = in(reg) t.rs * 4,
+                    c = in(reg) c, c16 = in(reg) c16, s = in(reg) c_rs * 4,
                     options(nostack, readonly),
                 );
             } else if direct && !t.bias.is_null() {
+                // Each row loaded from the bias (stride 0).
                 std::arch::asm!(
                     "tileloadd tmm0, [{bias} + {zero}*1]",
                     "tileloadd tmm1, [{bias} + {zero}*1 + 64]",
@@ -541,16 +571,23 @@ mod x86 {
             );
         }
         if direct {
-            // SAFETY: C's whole 32×32 tile is valid and this tile's alone.
+            // SAFETY: C's (or the scratch's) whole 32×32 tile is valid and
+            // this tile's alone; the live part of C too.
             unsafe {
                 std::arch::asm!(
                     "tilestored [{c} + {s}*1], tmm0",
                     "tilestored [{c} + {s}*1 + 64], tmm1",
                     "tilestored [{c16} + {s}*1], tmm2",
                     "tilestored [{c16} + {s}*1 + 64], tmm3",
-                    c = in(reg) t.c, c16 = in(reg) c16, s = in(reg) t.rs * 4,
+                    c = in(reg) c, c16 = in(reg) c16, s = in(reg) c_rs * 4,
                     options(nostack),
                 );
+                if !whole {
+                    for i in 0..t.rows {
+                        t.c.add(i * t.rs)
+                            .copy_from_nonoverlapping(c.add(i * 32), t.cols);
+                    }
+                }
             }
             return;
         }

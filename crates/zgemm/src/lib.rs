@@ -503,7 +503,28 @@ pub fn gemm_with(
         Kernel::detected().contains(&kernel),
         "the {kernel:?} GEMM kernel needs a CPU feature this one lacks, or is not an f32 kernel"
     );
-    drive(kernel, c, a, b, alpha, start, threads)
+    drive(kernel, c, a, Packs::Values(b), alpha, start, threads)
+}
+
+/// What the driver packs `B`'s panels from.
+#[derive(Clone, Copy)]
+pub(crate) enum Packs<'a> {
+    /// `B`'s elements as they are.
+    Values(MatRef<'a>),
+    /// bf16 pairs of a row-major f32 matrix, rounded as they are packed
+    /// (no paired copy of `B` first): `B`'s row `q` is its rows `2q` and
+    /// `2q + 1` interleaved, `rows` of them (zero past its last row).
+    RowPairs { f32s: MatRef<'a>, rows: usize },
+}
+
+impl Packs<'_> {
+    /// `B`'s rows and columns.
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            Packs::Values(b) => (b.rows, b.cols),
+            Packs::RowPairs { f32s, rows } => (*rows, f32s.cols),
+        }
+    }
 }
 
 /// The blocked product with `kernel`, whose elements are f32 values or
@@ -512,7 +533,7 @@ pub(crate) fn drive(
     kernel: Kernel,
     c: MatMut,
     a: MatRef,
-    b: MatRef,
+    b: Packs,
     alpha: f32,
     start: Start,
     threads: usize,
@@ -521,7 +542,7 @@ pub(crate) fn drive(
         add: add_first,
         bias,
         residual,
-    }) = begin(&c, &a, b.rows, b.cols, start)?
+    }) = begin(&c, &a, b.shape().0, b.shape().1, start)?
     else {
         return Ok(());
     };
@@ -541,7 +562,13 @@ pub(crate) fn drive(
             let run = panels.div_ceil(threads) * nr * kc;
             let pack = |(r, dst): (usize, &mut [f32])| {
                 let j = jc + r * run / kc;
-                pack_b_panels(&b, pc, kc, j, (jc + nc).min(j + dst.len() / kc), nr, dst)
+                let j1 = (jc + nc).min(j + dst.len() / kc);
+                match &b {
+                    Packs::Values(b) => pack_b_panels(b, pc, kc, j, j1, nr, dst),
+                    Packs::RowPairs { f32s, .. } => {
+                        bf16::pack_row_pairs(f32s, pc, kc, j, j1, nr, dst)
+                    }
+                }
             };
             if threads > 1 {
                 b_block.par_chunks_mut(run).enumerate().for_each(pack);

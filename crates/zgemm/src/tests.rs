@@ -364,6 +364,135 @@ fn bf16_rounding_of_slices_equals_the_scalar_rounding() {
 }
 
 #[test]
+fn amx_products_split_in_depth_add_up_to_the_whole_bit_for_bit() {
+    // With α = 1 and no residual, AMX accumulates into C's tile registers:
+    // a product cut in depth at multiples of 32 into products that add into
+    // C (Start::Keep) gives the one product's bits, on whole tiles and on
+    // partial ones (a scratch tile), from zero or from the bias, with A and
+    // B in the layouts of a linear layer's input gradient.
+    if !Kernel::available_bf16().contains(&Kernel::AmxBf16) {
+        eprintln!("zgemm: AMX not on this CPU; its depth splitting is NOT covered here");
+        return;
+    }
+    for (m, n, k) in [(64, 64, 1152), (45, 40, 868), (33, 70, 300)] {
+        let (a, b, bias) = (random(1, m * k), random(2, n * k), random(3, n));
+        let a = MatRef::row_major(&a, m, k).unwrap();
+        // Bᵀ stored row-major, as the weight in dy·Wᵀ.
+        let b = MatRef::row_major(&b, n, k).unwrap().t();
+        for threads in [1, 2] {
+            for bias in [None, Some(bias.as_slice())] {
+                let first = || bias.map_or(Start::Zero, Start::Bias);
+                let mut whole = vec![0f32; m * n];
+                let c = MatMut::row_major(&mut whole, m, n).unwrap();
+                gemm_bf16_with(Kernel::AmxBf16, c, a, b, 1.0, first(), threads).unwrap();
+                let mut split = vec![0f32; m * n];
+                for (i, p0) in (0..k).step_by(256).enumerate() {
+                    let p1 = (p0 + 256).min(k);
+                    let c = MatMut::row_major(&mut split, m, n).unwrap();
+                    let (a, b) = (a.t().sub_rows(p0, p1).t(), b.sub_rows(p0, p1));
+                    let start = if i == 0 { first() } else { Start::Keep };
+                    gemm_bf16_with(Kernel::AmxBf16, c, a, b, 1.0, start, threads).unwrap();
+                }
+                let same = whole
+                    .iter()
+                    .zip(&split)
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(
+                    same,
+                    "{m}x{n}x{k}, {threads} threads, bias {}",
+                    bias.is_some()
+                );
+            }
+        }
+    }
+}
+
+/// Values for pairing tests: random, with ties, NaNs that would carry,
+/// infinities and signed zeros scattered among them.
+fn awkward(seed: u64, n: usize) -> Vec<f32> {
+    let special = [
+        1.0 + 1.0 / 256.0,
+        f32::from_bits(0x7fff_ffff),
+        f32::NEG_INFINITY,
+        -0.0,
+        f32::MIN_POSITIVE / 3.0,
+    ];
+    let mut v = random(seed, n);
+    for (i, x) in v.iter_mut().enumerate().step_by(7) {
+        *x = special[i % special.len()];
+    }
+    v
+}
+
+/// The pair element of `lo` (even k) and `hi`, each rounded by `round`.
+fn pair_bits(lo: f32, hi: f32) -> u32 {
+    bf16::round(lo) | (bf16::round(hi) << 16)
+}
+
+#[test]
+fn bf16_pairs_of_every_operand_layout_equal_the_scalar_pairs() {
+    // A with contiguous columns (xᵀ in a weight gradient: the in-register
+    // transpose), and row-major; sizes with row tails short of 16, odd
+    // depths and a single column. Padding pairs and rows are zero.
+    for (r, k) in [(37, 45), (64, 32), (16, 1), (5, 70), (130, 97)] {
+        let data = awkward(r as u64 * 1000 + k as u64, r * k);
+        for transposed in [true, false] {
+            let x = operand(&data, r, k, transposed);
+            for threads in [1, 2] {
+                let mut buf = Vec::new();
+                let p = bf16::pair_columns(x, &mut buf, threads);
+                let kp = k.div_ceil(2).div_ceil(16) * 16;
+                assert_eq!((p.rows, p.cols), (r, kp));
+                for i in 0..r.div_ceil(32) * 32 {
+                    for q in 0..kp {
+                        let v = |c: usize| if i < r && c < k { x.at(i, c) } else { 0.0 };
+                        let want = pair_bits(v(2 * q), v(2 * q + 1));
+                        let got = p.data[i * p.rs + q].to_bits();
+                        assert_eq!(got, want, "{r}x{k} transposed {transposed} ({i}, {q})");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_row_pairs_are_packed_as_the_scalar_pairs() {
+    // A row-major f32 B packed straight into pair panels: panel rows from
+    // two B rows each, a short last panel zero on the right, pair rows past
+    // B's last row zero.
+    let (k, n, nr) = (45, 70, 32);
+    let data = awkward(11, k * n);
+    let b = MatRef::row_major(&data, k, n).unwrap();
+    for (q0, kc) in [(0, 16), (16, 7)] {
+        let (j0, j1) = (0, n);
+        let panels = n.div_ceil(nr);
+        let mut dst = vec![f32::NAN; panels * nr * kc];
+        bf16::pack_row_pairs(&b, q0, kc, j0, j1, nr, &mut dst);
+        for (t, panel) in dst.chunks(nr * kc).enumerate() {
+            for q in 0..kc {
+                for j in 0..nr {
+                    let col = t * nr + j;
+                    let v = |row: usize| {
+                        if row < k && col < n {
+                            b.at(row, col)
+                        } else {
+                            0.0
+                        }
+                    };
+                    let (p, got) = (q0 + q, panel[q * nr + j].to_bits());
+                    assert_eq!(
+                        got,
+                        pair_bits(v(2 * p), v(2 * p + 1)),
+                        "pair row {p}, column {col}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn bf16_rounding_is_to_nearest_even_and_keeps_nan() {
     let bits = |x: f32| bf16::round(x);
     // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: to the even one, 1.

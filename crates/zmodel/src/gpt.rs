@@ -746,10 +746,23 @@ mod tests {
     /// Column tiles (ZeRO-Infinity's memory-centric tiling) give the untiled
     /// block's outputs, parameter gradients and input gradient bit for bit:
     /// tile widths of 1, 2 and 3 chunks, a last tile shorter than the rest, and
-    /// linears that stay whole beside tiled ones.
+    /// linears that stay whole beside tiled ones. With bf16 products too
+    /// (where the CPU has AMX): there each tile's input gradient is one
+    /// product, the whole layer's one of three times the depth.
     #[test]
     fn tiled_blocks_equal_untiled_bit_for_bit() {
-        let whole = Gpt::new(&gpt(11, 192, 1, 3, 40)).unwrap();
+        tiled_equal_untiled(false);
+        if zgemm::has_native_bf16() {
+            tiled_equal_untiled(true);
+        } else {
+            eprintln!("zmodel: no AMX here; tiling with bf16 products NOT covered");
+        }
+    }
+
+    fn tiled_equal_untiled(bf16: bool) {
+        let whole = Gpt::new(&gpt(11, 192, 1, 3, 40))
+            .unwrap()
+            .with_bf16_products(bf16);
         let dev = Device::Cpu;
         let params = BlockParams::from_vec(
             whole
@@ -792,7 +805,10 @@ mod tests {
                     vec![BlockLinear::MlpOut]
                 )
             );
-            assert!(run(&tiled) == reference, "tile size {tile_size}");
+            assert!(
+                run(&tiled) == reference,
+                "tile size {tile_size}, bf16 {bf16}"
+            );
         }
     }
 

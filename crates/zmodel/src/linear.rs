@@ -11,7 +11,10 @@
 //! layer. The input gradient sums over output columns, so its order of
 //! addition is fixed for both: `dx` is accumulated over chunks of
 //! [`DX_CHUNK`] output columns, in order, whole layer or tiled, and tiles start
-//! on chunk boundaries.
+//! on chunk boundaries. bf16 products (AMX) add a product cut in depth at
+//! multiples of 32 exactly as the whole one (`zgemm::has_native_bf16`), so
+//! there a tile's chunks are one product: depth 256 was AMX's weakest shape,
+//! and each chunk another pass over `dx`.
 //!
 //! The GEMMs are zgemm's: the forward's bias is its starting value (no second
 //! pass over `y`), tiles write their columns of `y` in place, and `dy_t` and
@@ -282,9 +285,14 @@ pub(crate) fn backward<S: BlockSource>(
                 threads,
             )
             .map_err(shape)?;
-            // dx += dy_t·Wᵀ, a chunk of DX_CHUNK columns at a time, in order.
-            for c0 in (0..w).step_by(DX_CHUNK) {
-                let c = DX_CHUNK.min(w - c0);
+            // dx += dy_t·Wᵀ, a chunk of DX_CHUNK columns at a time, in order
+            // (on AMX one product of them all: the same bits, module doc).
+            let chunk = match products {
+                Products::F32 => DX_CHUNK,
+                Products::Bf16 => w.max(1),
+            };
+            for c0 in (0..w).step_by(chunk) {
+                let c = chunk.min(w - c0);
                 let a = MatRef::new(&dyv[cols.start + c0..], rows, c, width, 1).map_err(shape)?;
                 let b = MatRef::new(&wv[c0..], inputs, c, w, 1).map_err(shape)?.t();
                 match dx.as_mut() {
@@ -339,7 +347,8 @@ pub enum Products {
     #[default]
     F32,
     /// The operands rounded to bf16, f32 accumulation ([`zgemm::gemm_bf16`]):
-    /// `train.dtype: bf16` where the CPU has AMX-BF16.
+    /// `train.dtype: bf16` where the CPU has AMX-BF16 (and only there: the
+    /// input gradient relies on AMX's exact depth splits).
     Bf16,
 }
 
