@@ -112,6 +112,15 @@ pub fn gemm_bf16_with(
     result
 }
 
+/// Runs `f` on the calling thread's buffer for paired `A`s (taken for the
+/// call: rayon may run another product on this thread while it waits).
+pub(crate) fn with_pairs<R>(f: impl FnOnce(&mut Vec<f32>) -> R) -> R {
+    let mut buf = PAIRS_A.take();
+    let r = f(&mut buf);
+    PAIRS_A.set(buf);
+    r
+}
+
 thread_local! {
     /// The calling thread's paired operands, reused from call to call.
     static PAIRS_A: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };

@@ -422,6 +422,14 @@ impl Kernel {
         DETECTED.get_or_init(Kernel::available)
     }
 
+    /// Whether the kernel multiplies bf16 pairs ([`gemm_bf16`]).
+    pub fn is_bf16(self) -> bool {
+        matches!(
+            self,
+            Kernel::AmxBf16 | Kernel::Avx512Bf16 | Kernel::PortableBf16
+        )
+    }
+
     /// Rows of a register tile.
     pub fn mr(self) -> usize {
         match self {
@@ -714,6 +722,8 @@ fn begin<'b>(
 /// (attention multiplies every block of queries by the same keys): panels of
 /// [`Kernel::nr`] columns that run the whole depth, so that any run of rows
 /// and any leading columns are a product's `B` without packing it again.
+/// Packed as f32 values ([`PackedB::pack`], for [`gemm_packed`]) or as bf16
+/// pairs ([`PackedB::pack_bf16`], for [`gemm_packed_bf16`]).
 #[derive(Debug, Default)]
 pub struct PackedB {
     data: Vec<f32>,
@@ -721,6 +731,9 @@ pub struct PackedB {
     start: usize,
     rows: usize,
     cols: usize,
+    /// Elements down a panel: `rows`, or for pairs `⌈rows/2⌉` rounded up
+    /// to 16 (zero below the last).
+    depth: usize,
     kernel: Option<Kernel>,
 }
 
@@ -750,7 +763,30 @@ impl PackedB {
         let panels = aligned(&mut self.data, len);
         pack_b_panels(&b, 0, b.rows, 0, b.cols, nr, panels);
         self.start = self.data.as_ptr().align_offset(64);
-        (self.rows, self.cols, self.kernel) = (b.rows, b.cols, Some(kernel));
+        (self.rows, self.cols, self.depth) = (b.rows, b.cols, b.rows);
+        self.kernel = Some(kernel);
+    }
+
+    /// Packs `b` rounded to bf16 pairs for the fastest bf16 kernel
+    /// ([`gemm_bf16`]'s rounding and layout), reusing this buffer.
+    pub fn pack_bf16(&mut self, b: MatRef) {
+        let kernel = Kernel::best_bf16();
+        let nr = kernel.nr();
+        let depth = b.rows.div_ceil(2).div_ceil(16) * 16;
+        let panels = aligned(&mut self.data, b.cols.div_ceil(nr) * nr * depth);
+        if b.cs == 1 {
+            bf16::pack_row_pairs(&b, 0, depth, 0, b.cols, nr, panels);
+        } else {
+            // Pairs along the columns of bᵀ (adjacent values where b's
+            // columns are contiguous), then panels of their transpose.
+            bf16::with_pairs(|buf| {
+                let pairs = bf16::pair_columns(b.t(), buf, 1);
+                pack_b_panels(&pairs.t(), 0, depth, 0, b.cols, nr, panels);
+            });
+        }
+        self.start = self.data.as_ptr().align_offset(64);
+        (self.rows, self.cols, self.depth) = (b.rows, b.cols, depth);
+        self.kernel = Some(kernel);
     }
 
     /// Rows of the packed matrix.
@@ -777,31 +813,85 @@ pub fn gemm_packed(
     alpha: f32,
     start: Start,
 ) -> Result<(), ShapeError> {
-    let Some(kernel) = b.kernel else {
-        return Err(ShapeError::Mismatch {
-            c_rows: c.rows,
-            c_cols: c.cols,
-            a_rows: a.rows,
-            a_cols: a.cols,
-            b_rows: 0,
-            b_cols: 0,
-        });
+    let kernel = match b.kernel {
+        Some(kernel) if !kernel.is_bf16() => kernel,
+        _ => return Err(packed_mismatch(&c, &a, b)),
     };
     if b_rows.start > b_rows.end || b_rows.end > b.rows || c.cols > b.cols {
-        return Err(ShapeError::Mismatch {
-            c_rows: c.rows,
-            c_cols: c.cols,
-            a_rows: a.rows,
-            a_cols: a.cols,
-            b_rows: b.rows,
-            b_cols: b.cols,
-        });
+        return Err(packed_mismatch(&c, &a, b));
     }
+    if a.cols != b_rows.len() {
+        return Err(packed_mismatch(&c, &a, b));
+    }
+    let from = b.start + b_rows.start * kernel.nr();
+    multiply_packed(kernel, c, a, &b.data[from..], b.depth, alpha, start, true)
+}
+
+/// `C = start ⊕ α·bf16(A)·bf16(B')` on the calling thread ([`gemm_bf16`]
+/// on the part `B'` of `b` that [`gemm_packed`] takes), where `b` was packed
+/// by [`PackedB::pack_bf16`]. `b_rows` starts at a multiple of 32 (a pair of
+/// `B`'s rows never straddles it; a tile step of 16 pairs starts there) and
+/// ends at an even row or `B`'s last.
+pub fn gemm_packed_bf16(
+    c: MatMut,
+    a: MatRef,
+    b: &PackedB,
+    b_rows: std::ops::Range<usize>,
+    alpha: f32,
+    start: Start,
+) -> Result<(), ShapeError> {
+    let kernel = match b.kernel {
+        Some(kernel) if kernel.is_bf16() => kernel,
+        _ => return Err(packed_mismatch(&c, &a, b)),
+    };
+    let (r0, r1) = (b_rows.start, b_rows.end);
+    let splits_a_pair = r1 % 2 == 1 && r1 != b.rows;
+    if r0 > r1 || r1 > b.rows || c.cols > b.cols || r0 % 32 != 0 || splits_a_pair {
+        return Err(packed_mismatch(&c, &a, b));
+    }
+    if a.cols != r1 - r0 {
+        return Err(packed_mismatch(&c, &a, b));
+    }
+    bf16::with_pairs(|buf| {
+        // Pairs of A's columns, zero past the last: depth ⌈len/2⌉ rounded
+        // up to 16 reads B's pairs from r0/2 within its zero-padded depth.
+        let a2 = bf16::pair_columns(a, buf, 1);
+        let from = b.start + r0 / 2 * kernel.nr();
+        multiply_packed(kernel, c, a2, &b.data[from..], b.depth, alpha, start, false)
+    })
+}
+
+/// The error for a packed product whose parts do not fit.
+fn packed_mismatch(c: &MatMut, a: &MatRef, b: &PackedB) -> ShapeError {
+    ShapeError::Mismatch {
+        c_rows: c.rows,
+        c_cols: c.cols,
+        a_rows: a.rows,
+        a_cols: a.cols,
+        b_rows: b.rows,
+        b_cols: b.cols,
+    }
+}
+
+/// The product of [`gemm_packed`] and [`gemm_packed_bf16`] on `A`'s depth:
+/// `b` its part of the panels (from the first row it reads), `depth`
+/// elements down each panel.
+#[allow(clippy::too_many_arguments)]
+fn multiply_packed(
+    kernel: Kernel,
+    c: MatMut,
+    a: MatRef,
+    b: &[f32],
+    depth: usize,
+    alpha: f32,
+    start: Start,
+    transposed_a_in_place: bool,
+) -> Result<(), ShapeError> {
     let Some(First {
         add: add_first,
         bias,
         residual,
-    }) = begin(&c, &a, b_rows.len(), c.cols, start)?
+    }) = begin(&c, &a, a.cols, c.cols, start)?
     else {
         return Ok(());
     };
@@ -817,14 +907,14 @@ pub fn gemm_packed(
             a,
             pc,
             kc,
-            b: &b.data[b.start + (b_rows.start + pc) * nr..],
-            panel_stride: nr * b.rows,
+            b: &b[pc * nr..],
+            panel_stride: nr * depth,
             jc: 0,
             alpha,
             add: add_first || pc > 0,
             bias: bias.filter(|_| pc == 0),
             residual: residual.filter(|_| pc + kc == k),
-            transposed_a_in_place: true,
+            transposed_a_in_place,
         };
         pass.rows(0, m, 0..n.div_ceil(nr));
     }

@@ -140,7 +140,7 @@ fn run(kernel: Kernel, case: Case, start: &str, alpha: f32, threads: usize) -> V
         .num_threads(threads)
         .build()
         .unwrap();
-    let product = if is_bf16(kernel) {
+    let product = if kernel.is_bf16() {
         gemm_bf16_with
     } else {
         gemm_with
@@ -184,13 +184,6 @@ fn every_kernel_and_thread_count_gives_the_portable_kernels_bits() {
             }
         }
     }
-}
-
-fn is_bf16(kernel: Kernel) -> bool {
-    matches!(
-        kernel,
-        Kernel::AmxBf16 | Kernel::Avx512Bf16 | Kernel::PortableBf16
-    )
 }
 
 #[test]
@@ -322,7 +315,7 @@ fn bf16_products_of_values_bf16_holds_exactly_equal_the_f32_product() {
             MatRef::row_major(&a, m, k).unwrap(),
             MatRef::row_major(&b, k, n).unwrap(),
         );
-        if is_bf16(kernel) {
+        if kernel.is_bf16() {
             gemm_bf16_with(kernel, cm, am, bm, 1.0, Start::Zero, 1).unwrap();
         } else {
             gemm_with(kernel, cm, am, bm, 1.0, Start::Zero, 1).unwrap();
@@ -837,60 +830,99 @@ fn packed_b_products_give_the_bits_of_gemm_on_that_part_of_b() {
     // Rows of B from an offset (across a depth block boundary in the deep
     // case), leading columns not a multiple of nr, A and B row-major or
     // transposed, every start: against gemm_with on the same part of B.
-    let (rows, cols) = (900, 45);
-    let b_data = random(11, rows * cols);
+    let parts = [
+        (13, 0, 64, 45),
+        (6, 5, 70, 17),
+        (64, 300, 900, 32),
+        (1, 899, 900, 1),
+        (20, 10, 10, 9),
+    ];
     for kernel in covered() {
-        for b_t in [false, true] {
-            let b = operand(&b_data, rows, cols, b_t);
-            let mut packed = PackedB::new();
-            packed.pack_for(kernel, b);
-            assert_eq!((packed.rows(), packed.cols()), (rows, cols));
-            for (m, r0, r1, n) in [
-                (13, 0, 64, 45),
-                (6, 5, 70, 17),
-                (64, 300, 900, 32),
-                (1, 899, 900, 1),
-                (20, 10, 10, 9),
-            ] {
-                let k = r1 - r0;
-                let a_data = random(12, m * k);
-                let bias = random(13, n);
-                let res = random(15, m * n);
-                let r = MatRef::row_major(&res, m, n).unwrap();
-                for a_t in [false, true] {
-                    let a = operand(&a_data, m, k, a_t);
-                    let b_part = MatRef::new(&b.data[r0 * b.rs..], k, n, b.rs, b.cs).unwrap();
-                    for start in STARTS {
-                        let start_of = |s: &str| start_of(s, &bias, r);
-                        let rs = n + 2;
-                        let mut want = random(14, m * rs);
-                        let mut got = want.clone();
-                        gemm_with(
-                            kernel,
-                            MatMut::new(&mut want, m, n, rs).unwrap(),
-                            a,
-                            b_part,
-                            0.5,
-                            start_of(start),
-                            1,
-                        )
-                        .unwrap();
-                        gemm_packed(
-                            MatMut::new(&mut got, m, n, rs).unwrap(),
-                            a,
-                            &packed,
-                            r0..r1,
-                            0.5,
-                            start_of(start),
-                        )
-                        .unwrap();
-                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(
-                            bits(&got),
-                            bits(&want),
-                            "{kernel:?} b_t {b_t} a_t {a_t} m {m} rows {r0}..{r1} n {n} {start}"
-                        );
-                    }
+        let pack = |p: &mut PackedB, b: MatRef<'_>| p.pack_for(kernel, b);
+        let reference = |c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, alpha, start: Start<'_>| {
+            gemm_with(kernel, c, a, b, alpha, start, 1)
+        };
+        packed_products_match(
+            &format!("{kernel:?}"),
+            900,
+            pack,
+            gemm_packed,
+            reference,
+            &parts,
+        );
+    }
+}
+
+#[test]
+fn packed_bf16_products_give_the_bits_of_gemm_bf16_on_that_part_of_b() {
+    // As for f32 (B 899 rows), with the parts a bf16 pack allows: starting at
+    // a multiple of 32 rows, ending at an even row or the last (odd here).
+    let parts = [
+        (13, 0, 64, 45),
+        (6, 64, 70, 17),
+        (64, 64, 899, 32),
+        (1, 896, 899, 1),
+        (20, 32, 32, 9),
+        (33, 0, 898, 40),
+    ];
+    let reference = |c: MatMut<'_>, a: MatRef<'_>, b: MatRef<'_>, alpha, start: Start<'_>| {
+        gemm_bf16(c, a, b, alpha, start, 1)
+    };
+    let name = format!("{:?}", Kernel::best_bf16());
+    packed_products_match(
+        &name,
+        899,
+        PackedB::pack_bf16,
+        gemm_packed_bf16,
+        reference,
+        &parts,
+    );
+}
+
+type Product =
+    fn(MatMut, MatRef, &PackedB, std::ops::Range<usize>, f32, Start) -> Result<(), ShapeError>;
+
+/// `product` on parts `(m, r0, r1, n)` of a `rows`×45 `B` packed by `pack`
+/// against `reference` on the same part, bit for bit.
+fn packed_products_match(
+    name: &str,
+    rows: usize,
+    pack: impl Fn(&mut PackedB, MatRef),
+    product: Product,
+    reference: impl Fn(MatMut, MatRef, MatRef, f32, Start) -> Result<(), ShapeError>,
+    parts: &[(usize, usize, usize, usize)],
+) {
+    let cols = 45;
+    let b_data = random(11, rows * cols);
+    for b_t in [false, true] {
+        let b = operand(&b_data, rows, cols, b_t);
+        let mut packed = PackedB::new();
+        pack(&mut packed, b);
+        assert_eq!((packed.rows(), packed.cols()), (rows, cols));
+        for &(m, r0, r1, n) in parts {
+            let k = r1 - r0;
+            let a_data = random(12, m * k);
+            let bias = random(13, n);
+            let res = random(15, m * n);
+            let r = MatRef::row_major(&res, m, n).unwrap();
+            for a_t in [false, true] {
+                let a = operand(&a_data, m, k, a_t);
+                let b_part = MatRef::new(&b.data[r0 * b.rs..], k, n, b.rs, b.cs).unwrap();
+                for (start, alpha) in STARTS.into_iter().flat_map(|s| [(s, 0.5), (s, 1.0)]) {
+                    let start_of = |s: &str| start_of(s, &bias, r);
+                    let rs = n + 2;
+                    let mut want = random(14, m * rs);
+                    let mut got = want.clone();
+                    let c = MatMut::new(&mut want, m, n, rs).unwrap();
+                    reference(c, a, b_part, alpha, start_of(start)).unwrap();
+                    let c = MatMut::new(&mut got, m, n, rs).unwrap();
+                    product(c, a, &packed, r0..r1, alpha, start_of(start)).unwrap();
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{name} b_t {b_t} a_t {a_t} m {m} rows {r0}..{r1} n {n} {start} α {alpha}"
+                    );
                 }
             }
         }
@@ -936,5 +968,28 @@ fn packed_b_products_refuse_parts_it_does_not_hold() {
         1.0,
         Start::Zero,
     )
-    .unwrap();
+    .unwrap(); // A bf16 pack takes parts that start at a multiple of 32 rows and do
+               // not split a pair; neither kind of product takes the other's pack.
+    let b_data = random(17, 100 * 10);
+    let a_data = random(18, 4 * 101);
+    let b = MatRef::row_major(&b_data, 100, 10).unwrap();
+    let mut paired = PackedB::new();
+    paired.pack_bf16(b);
+    #[allow(clippy::reversed_empty_ranges)]
+    for rows in [16..48, 32..65, 0..101, 64..32] {
+        let a = MatRef::row_major(&a_data, 4, rows.len()).unwrap();
+        let out = MatMut::row_major(&mut c, 4, 10).unwrap();
+        let r = gemm_packed_bf16(out, a, &paired, rows.clone(), 1.0, Start::Zero);
+        assert!(
+            matches!(r, Err(ShapeError::Mismatch { .. })),
+            "rows {rows:?}: {r:?}"
+        );
+    }
+    let a = MatRef::row_major(&a_data, 4, 100).unwrap();
+    let out = MatMut::row_major(&mut c, 4, 10).unwrap();
+    assert!(gemm_packed(out, a, &paired, 0..100, 1.0, Start::Zero).is_err());
+    let out = MatMut::row_major(&mut c, 4, 10).unwrap();
+    assert!(gemm_packed_bf16(out, a.sub_rows(0, 4), &packed, 0..20, 1.0, Start::Zero).is_err());
+    let out = MatMut::row_major(&mut c, 4, 10).unwrap();
+    gemm_packed_bf16(out, a, &paired, 0..100, 1.0, Start::Zero).unwrap();
 }

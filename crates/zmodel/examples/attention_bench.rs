@@ -1,12 +1,14 @@
 //! Times causal attention and its backward at the `gpt-anchor` job's shape
 //! (8 sequences × 256 tokens, 6 heads of 64), best of 30 calls each, and
-//! prints the rate of the products they run (the causal blocks' FLOPs):
+//! prints the rate of the products they run (the causal blocks' FLOPs), with
+//! f32 products and, where the CPU has AMX, bf16 ones:
 //!
 //!     cargo run --release -p zmodel --example attention_bench
 //!     RAYON_NUM_THREADS=1 cargo run --release -p zmodel --example attention_bench
 
 use candle_core::{Device, Tensor};
 use zmodel::attention::{causal_attention, causal_attention_backward, Heads};
+use zmodel::Products;
 
 fn main() -> candle_core::Result<()> {
     let (b, t, heads, hd) = (8, 256, 6, 64);
@@ -23,21 +25,27 @@ fn main() -> candle_core::Result<()> {
     // Products in blocks of 64 query rows: each S block and P·V block is
     // 2·64·hd·(keys seen), summed over the 4 blocks (64 + 128 + 192 + 256).
     let per_product = 2.0 * 64.0 * hd as f64 * 640.0 * (b * heads) as f64;
-    let (mut fwd, mut bwd) = (f64::MAX, f64::MAX);
-    for _ in 0..30 {
-        let start = std::time::Instant::now();
-        drop(causal_attention(&qkv, h)?);
-        fwd = fwd.min(start.elapsed().as_secs_f64());
-        let start = std::time::Instant::now();
-        drop(causal_attention_backward(&qkv, &dy, h)?);
-        bwd = bwd.min(start.elapsed().as_secs_f64());
+    let mut kinds = vec![Products::F32];
+    if zgemm::has_native_bf16() {
+        kinds.push(Products::Bf16);
     }
-    println!(
-        "forward {:.2} ms ({:.1} GFLOP/s), backward {:.2} ms ({:.1} GFLOP/s), best of 30",
-        fwd * 1e3,
-        2.0 * per_product / fwd / 1e9,
-        bwd * 1e3,
-        5.0 * per_product / bwd / 1e9
-    );
+    for products in kinds {
+        let (mut fwd, mut bwd) = (f64::MAX, f64::MAX);
+        for _ in 0..30 {
+            let start = std::time::Instant::now();
+            drop(causal_attention(&qkv, h, products)?);
+            fwd = fwd.min(start.elapsed().as_secs_f64());
+            let start = std::time::Instant::now();
+            drop(causal_attention_backward(&qkv, &dy, h, products)?);
+            bwd = bwd.min(start.elapsed().as_secs_f64());
+        }
+        println!(
+            "{products:?}: forward {:.2} ms ({:.1} GFLOP/s), backward {:.2} ms ({:.1} GFLOP/s), best of 30",
+            fwd * 1e3,
+            2.0 * per_product / fwd / 1e9,
+            bwd * 1e3,
+            5.0 * per_product / bwd / 1e9
+        );
+    }
     Ok(())
 }

@@ -20,6 +20,12 @@
 //! dQ = dS·K/√d, dK = dSᵀ·Q/√d into one `[b, t, 3d]` gradient. The tests check
 //! both ways against the composed version.
 //!
+//! With bf16 products (`train.dtype: bf16` on AMX) every product rounds its
+//! operands to bf16 and accumulates in f32 (`zgemm::gemm_packed_bf16`, the
+//! packed operands rounded once a task); the softmax and dS stay f32. The
+//! blocking changes no bit there either: a shorter block's depth ends in
+//! zero pairs, which AMX adds exactly.
+//!
 //! Grouped-query attention (LLaMA's `n_kv_heads`): the projection is
 //! `[b, t, (heads + 2·kv)·hd]`, and query head `h` reads key/value head
 //! `h / (heads / kv)`. Backward runs one task per (sequence, key/value head)
@@ -30,6 +36,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use zgemm::{MatMut, MatRef, PackedB, Start};
+
+use crate::linear::Products;
 
 use crate::ops::{f32_input, max8, sum8};
 use crate::simd::{assume_init, exp, uninit_floats, vectorised};
@@ -44,30 +52,66 @@ pub struct Heads {
 }
 
 /// `y[b, t, heads·hd]` of causal attention over `qkv[b, t, (heads + 2·kv)·hd]`
-/// (q, k and v side by side).
-pub fn causal_attention(qkv: &Tensor, heads: Heads) -> Result<Tensor> {
-    forward_in_blocks(qkv, heads, BLOCK_ROWS)
+/// (q, k and v side by side), its products on f32 values or on bf16-rounded
+/// ones (AMX: the four tile steps of a 64×64 block at head size 64 in the
+/// time of one f32 one; autocast rounds attention's inputs alike).
+pub fn causal_attention(qkv: &Tensor, heads: Heads, products: Products) -> Result<Tensor> {
+    forward_in_blocks(qkv, Blocks::new(heads, BLOCK_ROWS, products))
 }
 
-fn forward_in_blocks(qkv: &Tensor, heads: Heads, rows: usize) -> Result<Tensor> {
-    qkv.contiguous()?.apply_op1(CausalAttention { heads, rows })
+fn forward_in_blocks(qkv: &Tensor, blocks: Blocks) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op1(CausalAttention(blocks))
 }
 
 /// d qkv of [`causal_attention`] from its input and the gradient of its output.
-pub fn causal_attention_backward(qkv: &Tensor, dy: &Tensor, heads: Heads) -> Result<Tensor> {
-    backward_in_blocks(qkv, dy, heads, BLOCK_ROWS)
+pub fn causal_attention_backward(
+    qkv: &Tensor,
+    dy: &Tensor,
+    heads: Heads,
+    products: Products,
+) -> Result<Tensor> {
+    backward_in_blocks(qkv, dy, Blocks::new(heads, BLOCK_ROWS, products))
 }
 
-fn backward_in_blocks(qkv: &Tensor, dy: &Tensor, heads: Heads, rows: usize) -> Result<Tensor> {
+fn backward_in_blocks(qkv: &Tensor, dy: &Tensor, blocks: Blocks) -> Result<Tensor> {
     qkv.contiguous()?
-        .apply_op2_no_bwd(&dy.contiguous()?, &CausalAttentionGrad { heads, rows })
+        .apply_op2_no_bwd(&dy.contiguous()?, &CausalAttentionGrad(blocks))
 }
 
-struct CausalAttention {
+/// How one attention runs: its heads, the rows of a causal block and what
+/// its products multiply.
+#[derive(Debug, Clone, Copy)]
+struct Blocks {
     heads: Heads,
     /// Rows per causal block ([`BLOCK_ROWS`]; tests use fewer).
     rows: usize,
+    products: Products,
 }
+
+impl Blocks {
+    /// # Panics
+    ///
+    /// bf16 products with blocks of other than a multiple of 32 rows (their
+    /// packed parts start at such rows).
+    fn new(heads: Heads, rows: usize, products: Products) -> Blocks {
+        assert!(products == Products::F32 || rows.is_multiple_of(32));
+        Blocks {
+            heads,
+            rows,
+            products,
+        }
+    }
+
+    /// Packs `b` for this attention's products.
+    fn pack(&self, packed: &mut PackedB, b: MatRef) {
+        match self.products {
+            Products::F32 => packed.pack(b),
+            Products::Bf16 => packed.pack_bf16(b),
+        }
+    }
+}
+
+struct CausalAttention(Blocks);
 
 /// Shapes of one call.
 #[derive(Clone, Copy)]
@@ -198,6 +242,7 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R
 /// during the call, and must not overlap `a`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn product(
+    products: Products,
     c: *mut f32,
     c_rs: usize,
     cols: usize,
@@ -210,7 +255,11 @@ unsafe fn product(
     // SAFETY: forwarded from the caller.
     let c = unsafe { MatMut::from_raw(c, a.rows(), cols, c_rs, keep) };
     let start = if keep { Start::Keep } else { Start::Zero };
-    c.and_then(|c| zgemm::gemm_packed(c, a, b, b_rows, alpha, start))
+    let gemm = match products {
+        Products::F32 => zgemm::gemm_packed,
+        Products::Bf16 => zgemm::gemm_packed_bf16,
+    };
+    c.and_then(|c| gemm(c, a, b, b_rows, alpha, start))
         .expect("attention: GEMM shapes are built from one Dims");
 }
 
@@ -225,7 +274,7 @@ fn view(data: &[f32], off: usize, rows: usize, cols: usize, rs: usize) -> MatRef
 fn probabilities(
     qkv: &[f32],
     dm: Dims,
-    rows: usize,
+    blk: Blocks,
     bi: usize,
     h: usize,
     kt: &PackedB,
@@ -234,11 +283,12 @@ fn probabilities(
     let (t, w, hd) = (dm.t, dm.w, dm.hd);
     let base = bi * t * w;
     let scale = 1.0 / (hd as f32).sqrt();
-    for (i0, i1) in blocks(t, rows) {
+    for (i0, i1) in blocks(t, blk.rows) {
         let q = view(qkv, base + i0 * w + dm.q(h), i1 - i0, hd, w);
+        let c = p[i0 * t..].as_mut_ptr();
         // SAFETY: rows i0..i1, columns < i1 of p (t × t), which only this
         // call holds.
-        unsafe { product(p[i0 * t..].as_mut_ptr(), t, i1, q, kt, 0..hd, scale, false) };
+        unsafe { product(blk.products, c, t, i1, q, kt, 0..hd, scale, false) };
     }
     vectorised(|| {
         for (i, row) in p.chunks_exact_mut(t).enumerate() {
@@ -261,9 +311,10 @@ impl CustomOp1 for CausalAttention {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let qkv = f32_input(self.name(), s, l)?;
-        let dm = Dims::of(l, self.heads)?;
+        let blk = self.0;
+        let dm = Dims::of(l, blk.heads)?;
         let (t, d, w, hd) = (dm.t, dm.d, dm.w, dm.hd);
-        let rows = self.rows;
+        let rows = blk.rows;
         // Every element is written by one product below (no zeroing pass).
         let mut y = uninit_floats(dm.b * t * d);
         let out = Shared(y.as_mut_ptr().cast());
@@ -272,15 +323,16 @@ impl CustomOp1 for CausalAttention {
                 with_scratch(t * t, |p, _| {
                     let (bi, h) = (task / dm.heads, task % dm.heads);
                     let base = bi * t * w;
-                    kt.pack(view(qkv, base + dm.k(h / dm.group), t, hd, w).t());
-                    probabilities(qkv, dm, rows, bi, h, kt, p);
-                    vp.pack(view(qkv, base + dm.v(h / dm.group), t, hd, w));
+                    blk.pack(kt, view(qkv, base + dm.k(h / dm.group), t, hd, w).t());
+                    probabilities(qkv, dm, blk, bi, h, kt, p);
+                    blk.pack(vp, view(qkv, base + dm.v(h / dm.group), t, hd, w));
                     for (i0, i1) in blocks(t, rows) {
                         let p_blk = view(p, i0 * t, i1 - i0, i1, t);
                         // SAFETY: y's rows i0..i1 of sequence bi, columns of
                         // head h: this task's alone.
                         unsafe {
                             product(
+                                blk.products,
                                 out.at((bi * t + i0) * d + h * hd),
                                 d,
                                 hd,
@@ -302,15 +354,12 @@ impl CustomOp1 for CausalAttention {
     }
 
     fn bwd(&self, qkv: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(backward_in_blocks(qkv, dy, self.heads, self.rows)?))
+        Ok(Some(backward_in_blocks(qkv, dy, self.0)?))
     }
 }
 
 /// d qkv from (qkv, dy).
-struct CausalAttentionGrad {
-    heads: Heads,
-    rows: usize,
-}
+struct CausalAttentionGrad(Blocks);
 
 impl CustomOp2 for CausalAttentionGrad {
     fn name(&self) -> &'static str {
@@ -326,9 +375,10 @@ impl CustomOp2 for CausalAttentionGrad {
     ) -> Result<(CpuStorage, Shape)> {
         let qkv = f32_input(self.name(), s1, l1)?;
         let dy = f32_input(self.name(), s2, l2)?;
-        let dm = Dims::of(l1, self.heads)?;
+        let blk = self.0;
+        let dm = Dims::of(l1, blk.heads)?;
         let (t, d, w, hd) = (dm.t, dm.d, dm.w, dm.hd);
-        let rows = self.rows;
+        let rows = blk.rows;
         if dy.len() != dm.b * t * d {
             candle_core::bail!("attention backward: dy has {} elements", dy.len());
         }
@@ -344,17 +394,17 @@ impl CustomOp2 for CausalAttentionGrad {
                     let (bi, g) = (task / kv_heads, task % kv_heads);
                     let base = bi * t * w;
                     let k = view(qkv, base + dm.k(g), t, hd, w);
-                    kt.pack(k.t());
-                    kp.pack(k);
-                    vt.pack(view(qkv, base + dm.v(g), t, hd, w).t());
+                    blk.pack(kt, k.t());
+                    blk.pack(kp, k);
+                    blk.pack(vt, view(qkv, base + dm.v(g), t, hd, w).t());
                     for (nth, h) in (g * dm.group..(g + 1) * dm.group).enumerate() {
                         // The group's first query head writes dK and dV, the
                         // others add to them, in order.
                         let add = nth > 0;
-                        probabilities(qkv, dm, rows, bi, h, kt, p);
-                        qp.pack(view(qkv, base + dm.q(h), t, hd, w));
+                        probabilities(qkv, dm, blk, bi, h, kt, p);
+                        blk.pack(qp, view(qkv, base + dm.q(h), t, hd, w));
                         let dy_h = view(dy, bi * t * d + h * hd, t, hd, d);
-                        dyp.pack(dy_h);
+                        blk.pack(dyp, dy_h);
                         // Blocks of key columns [j0, j1) see query rows [j0, t).
                         for (j0, j1) in blocks(t, rows) {
                             let p_t = view(p, j0 * t + j0, t - j0, j1 - j0, t).t();
@@ -363,7 +413,7 @@ impl CustomOp2 for CausalAttentionGrad {
                             unsafe {
                                 // dV (+)= Pᵀ · dY
                                 let dv = out.at(base + j0 * w + dm.v(g));
-                                product(dv, w, hd, p_t, dyp, j0..t, 1.0, add)
+                                product(blk.products, dv, w, hd, p_t, dyp, j0..t, 1.0, add)
                             };
                         }
                         // dP = dY · Vᵀ, the live blocks only, into ds.
@@ -372,6 +422,7 @@ impl CustomOp2 for CausalAttentionGrad {
                             // SAFETY: rows i0..i1, columns < i1 of ds (t × t).
                             unsafe {
                                 product(
+                                    blk.products,
                                     ds[i0 * t..].as_mut_ptr(),
                                     t,
                                     i1,
@@ -405,7 +456,7 @@ impl CustomOp2 for CausalAttentionGrad {
                             unsafe {
                                 // dQ = dS · K · scale
                                 let dq = out.at(base + i0 * w + dm.q(h));
-                                product(dq, w, hd, ds_blk, kp, 0..i1, scale, false)
+                                product(blk.products, dq, w, hd, ds_blk, kp, 0..i1, scale, false)
                             };
                         }
                         for (j0, j1) in blocks(t, rows) {
@@ -415,7 +466,7 @@ impl CustomOp2 for CausalAttentionGrad {
                             unsafe {
                                 // dK (+)= dSᵀ · Q · scale
                                 let dk = out.at(base + j0 * w + dm.k(g));
-                                product(dk, w, hd, ds_t, qp, j0..t, scale, add)
+                                product(blk.products, dk, w, hd, ds_t, qp, j0..t, scale, add)
                             };
                         }
                     }
@@ -504,11 +555,64 @@ mod tests {
                 .map(|v| v.to_bits())
                 .collect()
         };
-        let y = |rows| bits(forward_in_blocks(&x, heads, rows).unwrap());
-        let dx = |rows| bits(backward_in_blocks(&x, &dy, heads, rows).unwrap());
+        let y = |rows| bits(forward_in_blocks(&x, f32_blocks(heads, rows)).unwrap());
+        let dx = |rows| bits(backward_in_blocks(&x, &dy, f32_blocks(heads, rows)).unwrap());
         for rows in [1, 5] {
             assert!(y(rows) == y(BLOCK_ROWS), "forward, blocks of {rows}");
             assert!(dx(rows) == dx(BLOCK_ROWS), "backward, blocks of {rows}");
+        }
+    }
+
+    fn f32_blocks(heads: Heads, rows: usize) -> Blocks {
+        Blocks::new(heads, rows, Products::F32)
+    }
+
+    /// bf16 products (where the CPU has AMX): within bf16's rounding of the
+    /// f32 attention forward and backward, not its bits (they are used), and
+    /// the same bits in blocks of 32 and 64 rows (the extra depth of a
+    /// longer block is zero pairs).
+    #[test]
+    fn bf16_products_stay_near_f32_and_their_blocking_changes_no_bit() {
+        if !zgemm::has_native_bf16() {
+            eprintln!("zmodel: no AMX here; attention's bf16 products NOT covered");
+            return;
+        }
+        let heads = Heads { heads: 4, kv: 2 };
+        let (b, t, hd) = (2, 77, 16);
+        let n = b * t * (heads.heads + 2 * heads.kv) * hd;
+        let vals: Vec<f32> = (0..n)
+            .map(|i| ((i * 53 % 211) as f32 / 97.0) - 1.0)
+            .collect();
+        let x = Tensor::from_vec(vals, (b, t, n / (b * t)), &Device::Cpu).unwrap();
+        let dy: Vec<f32> = (0..b * t * heads.heads * hd)
+            .map(|i| (i % 17) as f32 * 0.07 - 0.5)
+            .collect();
+        let dy = Tensor::from_vec(dy, (b, t, heads.heads * hd), &Device::Cpu).unwrap();
+        let values = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let run = |products, rows| {
+            let blk = Blocks::new(heads, rows, products);
+            let y = values(forward_in_blocks(&x, blk).unwrap());
+            let dx = values(backward_in_blocks(&x, &dy, blk).unwrap());
+            (y, dx)
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let (y32, dx32) = run(Products::F32, BLOCK_ROWS);
+        let (y, dx) = run(Products::Bf16, BLOCK_ROWS);
+        let (y_32, dx_32) = run(Products::Bf16, 32);
+        assert!(bits(&y) == bits(&y_32) && bits(&dx) == bits(&dx_32));
+        assert!(bits(&y) != bits(&y32) && bits(&dx) != bits(&dx32));
+        // Inputs within 1 in magnitude, rounded to 8 significant bits: the
+        // outputs (averages of V) and gradients move by well under 2%.
+        for (name, got, want) in [("y", &y, &y32), ("dqkv", &dx, &dx32)] {
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(want)
+                .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
+            assert!(
+                worst <= 0.02 * scale,
+                "{name}: off by {worst}, scale {scale}"
+            );
         }
     }
 
@@ -531,7 +635,7 @@ mod tests {
                 .map(|i| (i % 13) as f32 * 0.1 - 0.6)
                 .collect();
             let w = Tensor::from_vec(w, (b, t, heads.heads * hd), &Device::Cpu).unwrap();
-            let fused = forward_in_blocks(x.as_tensor(), heads, rows).unwrap();
+            let fused = forward_in_blocks(x.as_tensor(), f32_blocks(heads, rows)).unwrap();
             let reference = composed(x.as_tensor(), heads).unwrap();
             let diff = (&fused - &reference)
                 .unwrap()

@@ -138,8 +138,8 @@ impl Gpt {
         })
     }
 
-    /// The same model with its linear layers' products on bf16-rounded
-    /// operands (f32 accumulation) when `bf16` is asked for and the CPU has
+    /// The same model with its linear layers' and attention's products on
+    /// bf16-rounded operands (f32 accumulation) when `bf16` is asked for and the CPU has
     /// AMX-BF16 (which multiplies bf16 at over twice the f32 rate); f32
     /// products otherwise, where bf16 ones would only be slower.
     pub fn with_bf16_products(self, bf16: bool) -> Gpt {
@@ -538,7 +538,7 @@ impl Gpt {
         let a1 = norm(src, BlockNorm::Norm1, &rows)?;
         let qkv = linear(src, BlockLinear::Qkv, &a1, None)?;
         let qkv = self.rotate(qkv.reshape((b, t, self.cfg.qkv_width()))?, false)?;
-        let att = causal_attention(&qkv, self.heads())?.reshape((b * t, d))?;
+        let att = causal_attention(&qkv, self.heads(), self.products)?.reshape((b * t, d))?;
         // The residual adds happen as the projections' tiles store.
         let rows1 = linear(src, BlockLinear::AttnOut, &att, Some(&rows))?;
 
@@ -597,7 +597,12 @@ impl Gpt {
         let drows1 = self.norm_backward_from(src, BlockNorm::Norm2, &acts.rows1, &da2, &dy)?;
         // rows1 = rows + att·W_o (+ b_o)
         let datt = linear(src, BlockLinear::AttnOut, &acts.att, &drows1)?;
-        let dqkv = causal_attention_backward(&acts.qkv, &datt.reshape((b, t, d))?, self.heads())?;
+        let dqkv = causal_attention_backward(
+            &acts.qkv,
+            &datt.reshape((b, t, d))?,
+            self.heads(),
+            self.products,
+        )?;
         let dqkv = self
             .rotate(dqkv, true)?
             .reshape((b * t, self.cfg.qkv_width()))?;
