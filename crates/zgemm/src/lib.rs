@@ -818,16 +818,12 @@ pub fn gemm_packed(
     alpha: f32,
     start: Start,
 ) -> Result<(), ShapeError> {
-    let kernel = match b.kernel {
-        Some(kernel) if !kernel.is_bf16() => kernel,
-        _ => return Err(packed_mismatch(&c, &a, b)),
+    let Some(kernel) = b
+        .kernel
+        .filter(|k| !k.is_bf16() && holds(&c, &a, b, &b_rows))
+    else {
+        return Err(packed_mismatch(&c, &a, b));
     };
-    if b_rows.start > b_rows.end || b_rows.end > b.rows || c.cols > b.cols {
-        return Err(packed_mismatch(&c, &a, b));
-    }
-    if a.cols != b_rows.len() {
-        return Err(packed_mismatch(&c, &a, b));
-    }
     let from = b.start + b_rows.start * kernel.nr();
     multiply_packed(kernel, c, a, &b.data[from..], b.depth, alpha, start, true)
 }
@@ -845,18 +841,14 @@ pub fn gemm_packed_bf16(
     alpha: f32,
     start: Start,
 ) -> Result<(), ShapeError> {
-    let kernel = match b.kernel {
-        Some(kernel) if kernel.is_bf16() => kernel,
-        _ => return Err(packed_mismatch(&c, &a, b)),
-    };
     let (r0, r1) = (b_rows.start, b_rows.end);
-    let splits_a_pair = r1 % 2 == 1 && r1 != b.rows;
-    if r0 > r1 || r1 > b.rows || c.cols > b.cols || r0 % 32 != 0 || splits_a_pair {
+    let on_pairs = r0 % 32 == 0 && (r1 % 2 == 0 || r1 == b.rows);
+    let Some(kernel) = b
+        .kernel
+        .filter(|k| k.is_bf16() && on_pairs && holds(&c, &a, b, &b_rows))
+    else {
         return Err(packed_mismatch(&c, &a, b));
-    }
-    if a.cols != r1 - r0 {
-        return Err(packed_mismatch(&c, &a, b));
-    }
+    };
     bf16::with_pairs(|buf| {
         // Pairs of A's columns, zero past the last: depth ⌈len/2⌉ rounded
         // up to 16 reads B's pairs from r0/2 within its zero-padded depth.
@@ -864,6 +856,11 @@ pub fn gemm_packed_bf16(
         let from = b.start + r0 / 2 * kernel.nr();
         multiply_packed(kernel, c, a2, &b.data[from..], b.depth, alpha, start, false)
     })
+}
+
+/// Whether `b` holds rows `b_rows` and `C`'s columns, and `A` is as deep.
+fn holds(c: &MatMut, a: &MatRef, b: &PackedB, b_rows: &std::ops::Range<usize>) -> bool {
+    b_rows.start <= b_rows.end && b_rows.end <= b.rows && c.cols <= b.cols && a.cols == b_rows.len()
 }
 
 /// The error for a packed product whose parts do not fit.
