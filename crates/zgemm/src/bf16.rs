@@ -81,14 +81,7 @@ pub fn gemm_bf16_with(
         "{kernel:?} is not a bf16 kernel this CPU can run"
     );
     if a.rows != c.rows || a.cols != b.rows || b.cols != c.cols {
-        return Err(ShapeError::Mismatch {
-            c_rows: c.rows,
-            c_cols: c.cols,
-            a_rows: a.rows,
-            a_cols: a.cols,
-            b_rows: b.rows,
-            b_cols: b.cols,
-        });
+        return Err(ShapeError::mismatch(&c, &a, b.rows, b.cols));
     }
     // Taken, not borrowed: rayon may run another product on this thread
     // while it waits.

@@ -93,6 +93,20 @@ pub enum ShapeError {
     KeepUninit,
 }
 
+impl ShapeError {
+    /// [`ShapeError::Mismatch`] of `C`, `A` and a `B` of `b_rows × b_cols`.
+    fn mismatch(c: &MatMut, a: &MatRef, b_rows: usize, b_cols: usize) -> ShapeError {
+        ShapeError::Mismatch {
+            c_rows: c.rows,
+            c_cols: c.cols,
+            a_rows: a.rows,
+            a_cols: a.cols,
+            b_rows,
+            b_cols,
+        }
+    }
+}
+
 /// A read-only matrix: element `(i, j)` is `data[i·rs + j·cs]`.
 #[derive(Debug, Clone, Copy)]
 pub struct MatRef<'a> {
@@ -655,14 +669,7 @@ fn begin<'b>(
 ) -> Result<Option<First<'b>>, ShapeError> {
     let (m, n, k) = (c.rows, c.cols, a.cols);
     if a.rows != m || b_cols != n || b_rows != k {
-        return Err(ShapeError::Mismatch {
-            c_rows: m,
-            c_cols: n,
-            a_rows: a.rows,
-            a_cols: a.cols,
-            b_rows,
-            b_cols,
-        });
+        return Err(ShapeError::mismatch(c, a, b_rows, b_cols));
     }
     if let Start::Bias(bias)
     | Start::Residual {
@@ -822,7 +829,7 @@ pub fn gemm_packed(
         .kernel
         .filter(|k| !k.is_bf16() && holds(&c, &a, b, &b_rows))
     else {
-        return Err(packed_mismatch(&c, &a, b));
+        return Err(ShapeError::mismatch(&c, &a, b.rows, b.cols));
     };
     let from = b.start + b_rows.start * kernel.nr();
     multiply_packed(kernel, c, a, &b.data[from..], b.depth, alpha, start, true)
@@ -847,7 +854,7 @@ pub fn gemm_packed_bf16(
         .kernel
         .filter(|k| k.is_bf16() && on_pairs && holds(&c, &a, b, &b_rows))
     else {
-        return Err(packed_mismatch(&c, &a, b));
+        return Err(ShapeError::mismatch(&c, &a, b.rows, b.cols));
     };
     bf16::with_pairs(|buf| {
         // Pairs of A's columns, zero past the last: depth ⌈len/2⌉ rounded
@@ -861,18 +868,6 @@ pub fn gemm_packed_bf16(
 /// Whether `b` holds rows `b_rows` and `C`'s columns, and `A` is as deep.
 fn holds(c: &MatMut, a: &MatRef, b: &PackedB, b_rows: &std::ops::Range<usize>) -> bool {
     b_rows.start <= b_rows.end && b_rows.end <= b.rows && c.cols <= b.cols && a.cols == b_rows.len()
-}
-
-/// The error for a packed product whose parts do not fit.
-fn packed_mismatch(c: &MatMut, a: &MatRef, b: &PackedB) -> ShapeError {
-    ShapeError::Mismatch {
-        c_rows: c.rows,
-        c_cols: c.cols,
-        a_rows: a.rows,
-        a_cols: a.cols,
-        b_rows: b.rows,
-        b_cols: b.cols,
-    }
 }
 
 /// The product of [`gemm_packed`] and [`gemm_packed_bf16`] on `A`'s depth:
