@@ -442,20 +442,7 @@ mod x86 {
         // SAFETY: as avx512's; the CPU has AVX512_BF16.
         unsafe { updates_12x32!("vdpbf16ps", t, &mut acc) };
         // SAFETY: as this function's.
-        unsafe { store_x32(t, &acc) }
-    }
-
-    /// Stores a finished tile of 32 columns (α, then bias or `C`, then the
-    /// residual).
-    ///
-    /// # Safety
-    ///
-    /// The CPU must have AVX-512F; `t.c`, `t.bias` and `t.residual` as for
-    /// [`avx512`].
-    #[target_feature(enable = "avx512f")]
-    unsafe fn store_x32(t: &Tile, acc: &[[__m512; 2]]) {
-        // SAFETY: as this function's.
-        unsafe { store_wide(t, acc) }
+        unsafe { store_wide(t, &acc) }
     }
 
     /// Stores a finished tile of `16·W` columns (α, then bias or `C`, then
@@ -463,7 +450,8 @@ mod x86 {
     ///
     /// # Safety
     ///
-    /// As [`store_x32`].
+    /// The CPU must have AVX-512F; `t.c`, `t.bias` and `t.residual` as for
+    /// [`avx512`].
     #[target_feature(enable = "avx512f")]
     unsafe fn store_wide<const W: usize>(t: &Tile, acc: &[[__m512; W]]) {
         let mr = acc.len();
@@ -684,6 +672,6 @@ mod x86 {
             );
         }
         // SAFETY: as this function's.
-        unsafe { store_x32(t, &acc) }
+        unsafe { store_wide(t, &acc) }
     }
 }
