@@ -3,7 +3,8 @@
 //!
 //! With `train.dtype: bf16 | f16` the working parameters and the gradients are
 //! stored in 2 bytes an element, the f32 master weights and Adam moments only for
-//! the slice a rank updates (ZeRO's K = 12). Activations stay f32. The linear
+//! the slice a rank updates (ZeRO's K = 12). Activations stay f32 (but GPT's
+//! MLP activation with bf16 products, which GELU writes in bf16). The linear
 //! layers and attention multiply bf16 (operands rounded, f32 accumulation) where
 //! the CPU has AMX-BF16 (`zmodel::Gpt::with_bf16_products`); elsewhere they multiply the
 //! rounded weights in f32, since without AMX a 16-bit product is no faster

@@ -2,8 +2,10 @@
 //! GEMM of mixed-precision training (PyTorch's autocast rounds a matmul's
 //! inputs to bf16 the same way and accumulates in f32).
 //!
-//! The operands stay f32 in memory and are rounded to bf16 (to nearest even)
-//! as they are laid out the way AMX's `tdpbf16ps` and AVX512_BF16's
+//! An operand is f32 values, rounded to bf16 (to nearest even) as it is laid
+//! out, or bf16 values (`MatRef<u16>`, their bits: an activation that its
+//! producer wrote in bf16, half the bytes to read and nothing to round),
+//! laid out the way AMX's `tdpbf16ps` and AVX512_BF16's
 //! `vdpbf16ps` read them: each 4-byte element a pair of bf16 values adjacent
 //! in `k`. `A` becomes a row-major `m × ⌈k/2⌉` matrix of pairs in one pass
 //! (read in place by the kernels); `B` is a `⌈k/2⌉ × n` one, which the
@@ -49,12 +51,138 @@ pub fn has_native_bf16() -> bool {
     Kernel::best_bf16() == Kernel::AmxBf16
 }
 
+/// What a bf16 product's operand holds: f32 values (rounded as they are
+/// laid out) or `u16`, bf16 values as their bits (taken as they are).
+pub trait Bf16Operand: Copy + Send + Sync + sealed::Sealed {
+    /// The bf16 bits of this value, in the low half.
+    fn bits(self) -> u32;
+
+    /// `dst[j]` = the bits of `src[j]`.
+    fn bits_into(src: &[Self], dst: &mut [u16]);
+
+    /// The row-major matrix `m` as what the driver packs pairs of rows from.
+    fn rows_of(m: MatRef<Self>) -> RowSource;
+
+    /// `m` read in place as the matrix of pairs along its rows that
+    /// [`pair_columns`] would write, where its layout already is that.
+    fn pairs_in_place(_m: MatRef<Self>) -> Option<MatRef<f32>> {
+        None
+    }
+
+    /// The bits of the 16 values from `p`, each in the low half of its lane.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F and BW, and 16 values from `p` are readable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn bits16(p: *const Self) -> std::arch::x86_64::__m512i;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for u16 {}
+}
+
+impl Bf16Operand for f32 {
+    #[inline(always)]
+    fn bits(self) -> u32 {
+        round(self)
+    }
+
+    fn bits_into(src: &[f32], dst: &mut [u16]) {
+        round_into(src, dst);
+    }
+
+    fn rows_of(m: MatRef<f32>) -> RowSource {
+        RowSource::F32(m)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn bits16(p: *const f32) -> std::arch::x86_64::__m512i {
+        // SAFETY: AVX-512F present, 16 floats readable (caller).
+        unsafe { x86::round16(std::arch::x86_64::_mm512_loadu_ps(p)) }
+    }
+}
+
+impl Bf16Operand for u16 {
+    #[inline(always)]
+    fn bits(self) -> u32 {
+        u32::from(self)
+    }
+
+    fn bits_into(src: &[u16], dst: &mut [u16]) {
+        let n = src.len().min(dst.len());
+        dst[..n].copy_from_slice(&src[..n]);
+    }
+
+    fn rows_of(m: MatRef<u16>) -> RowSource {
+        RowSource::Bf16(m)
+    }
+
+    /// Row-major bf16 values are pairs along their rows already: read in
+    /// place where the rows are whole steps of 16 pairs, whole 32-row
+    /// tiles, 4-byte aligned, and not a multiple of 4 KiB apart (see
+    /// [`pair_columns`]).
+    fn pairs_in_place(m: MatRef<u16>) -> Option<MatRef<f32>> {
+        let fits = m.cs == 1
+            && m.cols.is_multiple_of(32)
+            && m.rows.is_multiple_of(32)
+            && m.rs.is_multiple_of(2)
+            && !(2 * m.rs).is_multiple_of(4096)
+            && m.data.as_ptr().align_offset(4) == 0;
+        fits.then(|| {
+            // SAFETY: 4-byte aligned (checked), and the floats cover the
+            // first even number of halves of `data`.
+            let data = unsafe {
+                std::slice::from_raw_parts(m.data.as_ptr().cast::<f32>(), m.data.len() / 2)
+            };
+            MatRef {
+                data,
+                rows: m.rows,
+                cols: m.cols / 2,
+                rs: m.rs / 2,
+                cs: 1,
+            }
+        })
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn bits16(p: *const u16) -> std::arch::x86_64::__m512i {
+        use std::arch::x86_64::*;
+        // SAFETY: AVX-512F present, 16 halves readable (caller).
+        unsafe { _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast())) }
+    }
+}
+
+/// A row-major `B` whose rows the driver pairs as it packs them
+/// ([`Packs::RowPairs`]).
+#[derive(Clone, Copy)]
+pub enum RowSource<'a> {
+    /// f32 values, rounded as they are packed.
+    F32(MatRef<'a>),
+    /// bf16 values as their bits.
+    Bf16(MatRef<'a, u16>),
+}
+
+impl RowSource<'_> {
+    /// Columns.
+    pub(crate) fn cols(&self) -> usize {
+        match self {
+            RowSource::F32(m) => m.cols,
+            RowSource::Bf16(m) => m.cols,
+        }
+    }
+}
+
 /// `C = start ⊕ α·bf16(A)·bf16(B)` with the fastest bf16 kernel, on up to
 /// `threads` threads of the current rayon pool.
-pub fn gemm_bf16(
+pub fn gemm_bf16<A: Bf16Operand, B: Bf16Operand>(
     c: MatMut,
-    a: MatRef,
-    b: MatRef,
+    a: MatRef<A>,
+    b: MatRef<B>,
     alpha: f32,
     start: Start,
     threads: usize,
@@ -67,11 +195,11 @@ pub fn gemm_bf16(
 /// # Panics
 ///
 /// If `kernel` is not in [`Kernel::available_bf16`].
-pub fn gemm_bf16_with(
+pub fn gemm_bf16_with<A: Bf16Operand, B: Bf16Operand>(
     kernel: Kernel,
     c: MatMut,
-    a: MatRef,
-    b: MatRef,
+    a: MatRef<A>,
+    b: MatRef<B>,
     alpha: f32,
     start: Start,
     threads: usize,
@@ -92,7 +220,7 @@ pub fn gemm_bf16_with(
         // through a paired copy of its transpose.
         let b2 = if b.cs == 1 {
             Packs::RowPairs {
-                f32s: b,
+                of: B::rows_of(b),
                 rows: a2.cols,
             }
         } else {
@@ -133,10 +261,24 @@ pub(crate) fn round(x: f32) -> u32 {
     }
 }
 
-/// Two values as one pair element: `lo` is the one of even `k`.
+/// `x` rounded to bf16 as every f32 operand of [`gemm_bf16`] is: for a
+/// producer that writes its output in bf16 for bf16 products to read
+/// (`MatRef<u16>`), which then multiply exactly as they would the f32.
 #[inline(always)]
-fn pair(lo: f32, hi: f32) -> f32 {
-    f32::from_bits(round(lo) | (round(hi) << 16))
+pub fn bf16_bits(x: f32) -> u16 {
+    round(x) as u16
+}
+
+/// [`bf16_bits`] of every value of `src` into `dst` (of the same length),
+/// 16 at a time with AVX-512 where the CPU has it.
+pub fn bf16_bits_into(src: &[f32], dst: &mut [u16]) {
+    round_into(src, dst);
+}
+
+/// Two values' bf16 bits as one pair element: `lo` is the one of even `k`.
+#[inline(always)]
+fn pair(lo: u32, hi: u32) -> f32 {
+    f32::from_bits(lo | (hi << 16))
 }
 
 /// `x` (`r × k`) as a row-major `r × kp` matrix of pairs along its rows,
@@ -146,7 +288,14 @@ fn pair(lo: f32, hi: f32) -> f32 {
 /// kernel does alike). Each task fills a run of output rows, reading along
 /// `x`'s rows where they are contiguous and along its columns where those
 /// are.
-pub(crate) fn pair_columns<'b>(x: MatRef, buf: &'b mut Vec<f32>, threads: usize) -> MatRef<'b> {
+pub(crate) fn pair_columns<'b, T: Bf16Operand>(
+    x: MatRef<'b, T>,
+    buf: &'b mut Vec<f32>,
+    threads: usize,
+) -> MatRef<'b> {
+    if let Some(pairs) = T::pairs_in_place(x) {
+        return pairs;
+    }
     let (r, k) = (x.rows, x.cols);
     let kp = k.div_ceil(2).div_ceil(16) * 16;
     let rows = r.div_ceil(32) * 32;
@@ -171,11 +320,11 @@ pub(crate) fn pair_columns<'b>(x: MatRef, buf: &'b mut Vec<f32>, threads: usize)
                     std::slice::from_raw_parts_mut(row.as_mut_ptr().cast::<u16>(), 2 * kp)
                 };
                 if i < r && x.cs == 1 {
-                    round_into(&x.data[i * x.rs..][..k], &mut halves[..k]);
+                    T::bits_into(&x.data[i * x.rs..][..k], &mut halves[..k]);
                     halves[k..].fill(0);
                 } else if i < r {
                     for (p, h) in halves.iter_mut().enumerate() {
-                        *h = if p < k { round(x.at(i, p)) as u16 } else { 0 };
+                        *h = if p < k { x.at(i, p).bits() as u16 } else { 0 };
                     }
                 } else {
                     halves.fill(0);
@@ -209,13 +358,19 @@ pub(crate) fn pair_columns<'b>(x: MatRef, buf: &'b mut Vec<f32>, threads: usize)
 /// from L3 (measured: a fifth of a bf16 training step). With AVX-512 a task
 /// pairs 16 rows of its 16 columns in registers and transposes them there,
 /// so that it writes whole 64-byte blocks instead of 4-byte pieces.
-fn pair_transposed(x: MatRef, out: &mut [f32], stride: usize, kp: usize, threads: usize) {
+fn pair_transposed<T: Bf16Operand>(
+    x: MatRef<T>,
+    out: &mut [f32],
+    stride: usize,
+    kp: usize,
+    threads: usize,
+) {
     let (r, k) = (x.rows, x.cols);
     let rows = out.len() / stride;
     let at = SendPtr(out.as_mut_ptr());
     let block = |b: usize| {
         let column = |p: usize| (p < k).then(|| &x.data[p * x.cs..][..r]);
-        let columns: [Option<&[f32]>; 32] = std::array::from_fn(|l| column(32 * b + l));
+        let columns: [Option<&[T]>; 32] = std::array::from_fn(|l| column(32 * b + l));
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
         if has_avx512bw() {
@@ -227,7 +382,7 @@ fn pair_transposed(x: MatRef, out: &mut [f32], stride: usize, kp: usize, threads
         for (l, pairs) in columns.chunks_exact(2).enumerate() {
             let q = 16 * b + l;
             for i in done..rows {
-                let v = |c: Option<&[f32]>| c.and_then(|c| c.get(i).copied()).unwrap_or(0.0);
+                let v = |c: Option<&[T]>| c.and_then(|c| c.get(i).map(|v| v.bits())).unwrap_or(0);
                 // SAFETY: row i < rows, pair q < kp ≤ stride: inside
                 // `out`, and this task alone writes pairs b·16..b·16+16.
                 unsafe {
@@ -245,12 +400,12 @@ fn pair_transposed(x: MatRef, out: &mut [f32], stride: usize, kp: usize, threads
     }
 }
 
-/// Packs pair rows `q0..q0+kc` of the row-major f32 `b`, columns `j0..j1`,
+/// Packs pair rows `q0..q0+kc` of the row-major `b`, columns `j0..j1`,
 /// into panels of `nr` columns (`dst`, `kc × nr` each, zero right of `j1`):
 /// pair row `q` is `b`'s rows `2q` and `2q + 1` rounded and interleaved
 /// ([`Packs::RowPairs`]), read along memory.
-pub(crate) fn pack_row_pairs(
-    b: &MatRef,
+pub(crate) fn pack_row_pairs<T: Bf16Operand>(
+    b: &MatRef<T>,
     q0: usize,
     kc: usize,
     j0: usize,
@@ -293,7 +448,7 @@ pub(crate) fn round_into(src: &[f32], dst: &mut [u16]) {
 }
 
 /// `dst[i]` = the pair of `c0[i]` and `c1[i]` (zero without `c1`).
-fn pair_into(c0: &[f32], c1: Option<&[f32]>, dst: &mut [f32]) {
+fn pair_into<T: Bf16Operand>(c0: &[T], c1: Option<&[T]>, dst: &mut [f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if has_avx512bw() {
@@ -303,7 +458,7 @@ fn pair_into(c0: &[f32], c1: Option<&[f32]>, dst: &mut [f32]) {
         done = unsafe { x86::pair_column(&c0[..n], c1.map(|c| &c[..n]), dst.as_mut_ptr()) };
     }
     for (i, d) in dst.iter_mut().enumerate().skip(done) {
-        *d = pair(c0[i], c1.map_or(0.0, |c| c[i]));
+        *d = pair(c0[i].bits(), c1.map_or(0, |c| c[i].bits()));
     }
 }
 
@@ -320,11 +475,11 @@ fn has_avx512bw() -> bool {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::round;
+    use super::{round, Bf16Operand};
 
     /// [`round`] of 16 floats, each result in the low half of its lane.
     #[target_feature(enable = "avx512f")]
-    fn round16(v: __m512) -> __m512i {
+    pub(super) fn round16(v: __m512) -> __m512i {
         let b = _mm512_castps_si512(v);
         let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
         let bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb);
@@ -365,8 +520,8 @@ mod x86 {
     /// The CPU has AVX-512F and BW; each present column holds `rows` values,
     /// and `out[i·stride .. i·stride + 16]` is writable for those rows.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn pair_block_transposed(
-        columns: &[Option<&[f32]>; 32],
+    pub(super) unsafe fn pair_block_transposed<T: Bf16Operand>(
+        columns: &[Option<&[T]>; 32],
         rows: usize,
         out: *mut f32,
         stride: usize,
@@ -379,7 +534,7 @@ mod x86 {
                 for (h, c) in halves.iter_mut().zip(&columns[2 * l..2 * l + 2]) {
                     if let Some(c) = c {
                         // SAFETY: i + 16 ≤ rows, inside every present column.
-                        *h = round16(unsafe { _mm512_loadu_ps(c.as_ptr().add(i)) });
+                        *h = unsafe { T::bits16(c.as_ptr().add(i)) };
                     }
                 }
                 *p = _mm512_or_si512(halves[0], _mm512_slli_epi32::<16>(halves[1]));
@@ -436,15 +591,19 @@ mod x86 {
     /// The CPU has AVX-512F and BW; `c1` is as long as `c0`, and `out` is
     /// writable for those values.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn pair_column(c0: &[f32], c1: Option<&[f32]>, out: *mut f32) -> usize {
+    pub(super) unsafe fn pair_column<T: Bf16Operand>(
+        c0: &[T],
+        c1: Option<&[T]>,
+        out: *mut f32,
+    ) -> usize {
         let whole = c0.len() / 16 * 16;
         for i in (0..whole).step_by(16) {
             // SAFETY: i + 16 ≤ whole ≤ the columns' length, and inside `out`
             // (caller).
             unsafe {
-                let lo = round16(_mm512_loadu_ps(c0.as_ptr().add(i)));
+                let lo = T::bits16(c0.as_ptr().add(i));
                 let hi = match c1 {
-                    Some(c1) => round16(_mm512_loadu_ps(c1.as_ptr().add(i))),
+                    Some(c1) => T::bits16(c1.as_ptr().add(i)),
                     None => _mm512_setzero_si512(),
                 };
                 let p = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));

@@ -40,7 +40,10 @@ use rayon::prelude::*;
 mod bf16;
 mod kernels;
 
-pub use bf16::{gemm_bf16, gemm_bf16_with, has_native_bf16};
+use bf16::RowSource;
+pub use bf16::{
+    bf16_bits, bf16_bits_into, gemm_bf16, gemm_bf16_with, has_native_bf16, Bf16Operand,
+};
 
 /// Depth of a packed block: an `A` panel of AVX-512's kernel (`6 × KC`
 /// floats, 9 KiB) stays in L1 beside `B`'s stream. Shared by every kernel,
@@ -95,7 +98,7 @@ pub enum ShapeError {
 
 impl ShapeError {
     /// [`ShapeError::Mismatch`] of `C`, `A` and a `B` of `b_rows × b_cols`.
-    fn mismatch(c: &MatMut, a: &MatRef, b_rows: usize, b_cols: usize) -> ShapeError {
+    fn mismatch<T>(c: &MatMut, a: &MatRef<T>, b_rows: usize, b_cols: usize) -> ShapeError {
         ShapeError::Mismatch {
             c_rows: c.rows,
             c_cols: c.cols,
@@ -107,25 +110,27 @@ impl ShapeError {
     }
 }
 
-/// A read-only matrix: element `(i, j)` is `data[i·rs + j·cs]`.
+/// A read-only matrix: element `(i, j)` is `data[i·rs + j·cs]`. Of f32
+/// values, or (`MatRef<u16>`) of bf16 values as their bits, which
+/// [`gemm_bf16`] multiplies as they are, without rounding.
 #[derive(Debug, Clone, Copy)]
-pub struct MatRef<'a> {
-    data: &'a [f32],
+pub struct MatRef<'a, T = f32> {
+    data: &'a [T],
     rows: usize,
     cols: usize,
     rs: usize,
     cs: usize,
 }
 
-impl<'a> MatRef<'a> {
+impl<'a, T: Copy> MatRef<'a, T> {
     /// A view with row stride `rs` and column stride `cs`, checked against `data`.
     pub fn new(
-        data: &'a [f32],
+        data: &'a [T],
         rows: usize,
         cols: usize,
         rs: usize,
         cs: usize,
-    ) -> Result<MatRef<'a>, ShapeError> {
+    ) -> Result<MatRef<'a, T>, ShapeError> {
         let need = if rows == 0 || cols == 0 {
             0
         } else {
@@ -152,7 +157,7 @@ impl<'a> MatRef<'a> {
     }
 
     /// `rows × cols`, row after row.
-    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Result<MatRef<'a>, ShapeError> {
+    pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Result<MatRef<'a, T>, ShapeError> {
         MatRef::new(data, rows, cols, cols, 1)
     }
 
@@ -161,7 +166,7 @@ impl<'a> MatRef<'a> {
     /// # Panics
     ///
     /// If `r0 > r1` or `r1 > self.rows()`.
-    pub fn sub_rows(self, r0: usize, r1: usize) -> MatRef<'a> {
+    pub fn sub_rows(self, r0: usize, r1: usize) -> MatRef<'a, T> {
         assert!(
             r0 <= r1 && r1 <= self.rows,
             "rows {r0}..{r1} of {}",
@@ -178,7 +183,7 @@ impl<'a> MatRef<'a> {
     }
 
     /// The transpose (the same data read the other way).
-    pub fn t(self) -> MatRef<'a> {
+    pub fn t(self) -> MatRef<'a, T> {
         MatRef {
             rows: self.cols,
             cols: self.rows,
@@ -198,7 +203,7 @@ impl<'a> MatRef<'a> {
         self.cols
     }
 
-    fn at(&self, i: usize, j: usize) -> f32 {
+    fn at(&self, i: usize, j: usize) -> T {
         self.data[i * self.rs + j * self.cs]
     }
 }
@@ -538,10 +543,10 @@ pub fn gemm_with(
 pub(crate) enum Packs<'a> {
     /// `B`'s elements as they are.
     Values(MatRef<'a>),
-    /// bf16 pairs of a row-major f32 matrix, rounded as they are packed
-    /// (no paired copy of `B` first): `B`'s row `q` is its rows `2q` and
-    /// `2q + 1` interleaved, `rows` of them (zero past its last row).
-    RowPairs { f32s: MatRef<'a>, rows: usize },
+    /// bf16 pairs of a row-major matrix, rounded as they are packed (no
+    /// paired copy of `B` first): `B`'s row `q` is its rows `2q` and `2q + 1`
+    /// interleaved, `rows` of them (zero past its last row).
+    RowPairs { of: RowSource<'a>, rows: usize },
 }
 
 impl Packs<'_> {
@@ -549,7 +554,7 @@ impl Packs<'_> {
     fn shape(&self) -> (usize, usize) {
         match self {
             Packs::Values(b) => (b.rows, b.cols),
-            Packs::RowPairs { f32s, rows } => (*rows, f32s.cols),
+            Packs::RowPairs { of, rows } => (*rows, of.cols()),
         }
     }
 }
@@ -592,9 +597,14 @@ pub(crate) fn drive(
                 let j1 = (jc + nc).min(j + dst.len() / kc);
                 match &b {
                     Packs::Values(b) => pack_b_panels(b, pc, kc, j, j1, nr, dst),
-                    Packs::RowPairs { f32s, .. } => {
-                        bf16::pack_row_pairs(f32s, pc, kc, j, j1, nr, dst)
-                    }
+                    Packs::RowPairs {
+                        of: RowSource::F32(m),
+                        ..
+                    } => bf16::pack_row_pairs(m, pc, kc, j, j1, nr, dst),
+                    Packs::RowPairs {
+                        of: RowSource::Bf16(m),
+                        ..
+                    } => bf16::pack_row_pairs(m, pc, kc, j, j1, nr, dst),
                 }
             };
             if threads > 1 {

@@ -34,7 +34,7 @@ struct Case {
 }
 
 /// Storage of an `rows × cols` operand, row-major or as its transpose.
-fn operand(data: &[f32], rows: usize, cols: usize, transposed: bool) -> MatRef<'_> {
+fn operand<T: Copy>(data: &[T], rows: usize, cols: usize, transposed: bool) -> MatRef<'_, T> {
     if transposed {
         MatRef::row_major(data, cols, rows).unwrap().t()
     } else {
@@ -444,6 +444,61 @@ fn bf16_pairs_of_every_operand_layout_equal_the_scalar_pairs() {
                         assert_eq!(got, want, "{r}x{k} transposed {transposed} ({i}, {q})");
                     }
                 }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_operands_given_as_bits_give_the_bits_of_their_f32_originals() {
+    // An activation its producer wrote in bf16 (`MatRef<u16>`) multiplies
+    // as the f32 values it was rounded from: A and B row-major or
+    // transposed (each layout's own pairing path: rows copied or read in
+    // place, the in-register transpose, pairs of rows packed with B), odd
+    // sizes, both
+    // operands or one of them as bits, every bf16 kernel, 1 and 2 threads.
+    // 64x64x96: A and Bᵀ read in place as pairs.
+    for (m, n, k) in [(37, 70, 45), (64, 96, 130), (5, 33, 1), (64, 64, 96)] {
+        // (Not `awkward`: its NaNs and infinities would reach every element
+        // of C and hide a wrong bit.)
+        let (a, b) = (random(m as u64, m * k), random(n as u64 + 7, k * n));
+        let bits = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| bf16::round(x) as u16).collect() };
+        let (a16, b16) = (bits(&a), bits(&b));
+        for kernel in Kernel::available_bf16() {
+            for (a_t, b_t, threads) in [
+                (false, false, 1),
+                (true, false, 2),
+                (false, true, 2),
+                (true, true, 1),
+            ] {
+                let want = {
+                    let mut c = vec![0f32; m * n];
+                    let cm = MatMut::row_major(&mut c, m, n).unwrap();
+                    let (am, bm) = (operand(&a, m, k, a_t), operand(&b, k, n, b_t));
+                    gemm_bf16_with(kernel, cm, am, bm, 1.0, Start::Zero, threads).unwrap();
+                    c
+                };
+                let (am, bm) = (operand(&a16, m, k, a_t), operand(&b16, k, n, b_t));
+                let mut both = vec![0f32; m * n];
+                let cm = MatMut::row_major(&mut both, m, n).unwrap();
+                gemm_bf16_with(kernel, cm, am, bm, 1.0, Start::Zero, threads).unwrap();
+                let mut a_only = vec![0f32; m * n];
+                let cm = MatMut::row_major(&mut a_only, m, n).unwrap();
+                let bf = operand(&b, k, n, b_t);
+                gemm_bf16_with(kernel, cm, am, bf, 1.0, Start::Zero, threads).unwrap();
+                let mut b_only = vec![0f32; m * n];
+                let cm = MatMut::row_major(&mut b_only, m, n).unwrap();
+                let af = operand(&a, m, k, a_t);
+                gemm_bf16_with(kernel, cm, af, bm, 1.0, Start::Zero, threads).unwrap();
+                let what = format!("{kernel:?} {m}x{n}x{k} a_t {a_t} b_t {b_t} {threads} threads");
+                let same = |got: &[f32]| {
+                    got.iter()
+                        .zip(&want)
+                        .all(|(x, y)| x.to_bits() == y.to_bits())
+                };
+                assert!(same(&both), "both as bits: {what}");
+                assert!(same(&a_only), "A as bits: {what}");
+                assert!(same(&b_only), "B as bits: {what}");
             }
         }
     }

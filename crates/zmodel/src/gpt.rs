@@ -28,7 +28,7 @@ use zconfig::tiles::{column_tiles, ColumnTile, TileError};
 
 use crate::linear::{self, BlockLinear, BlockNorm, BlockSource, Products, Whole};
 use crate::llama_ops::{rms_norm, rms_norm_backward, rope, swiglu, swiglu_backward};
-use crate::ops::{cross_entropy, gelu, gelu_backward, layer_norm, layer_norm_backward};
+use crate::ops::{cross_entropy, gelu, gelu_backward, gelu_bf16, layer_norm, layer_norm_backward};
 use crate::params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};
 
 /// How a parameter starts.
@@ -473,9 +473,13 @@ impl Gpt {
         Ok(dx)
     }
 
-    /// The MLP's activation: GELU, or SwiGLU of gate and up.
+    /// The MLP's activation: GELU, or SwiGLU of gate and up. With bf16
+    /// products GELU writes bf16, which the projection reads as it is (its
+    /// only reader, forward and backward: the same bits as rounding an f32
+    /// output, half the bytes kept); autograd's reference stays f32.
     fn activation(&self, h: &Tensor) -> Result<Tensor> {
         match self.cfg.kind {
+            ModelKind::Gpt if self.products == Products::Bf16 && !h.track_op() => gelu_bf16(h),
             ModelKind::Gpt => gelu(h),
             ModelKind::Llama => swiglu(h),
         }

@@ -150,6 +150,8 @@ pub(crate) fn forward<S: BlockSource>(
     let x = x.contiguous()?;
     let residual = residual.map(Tensor::contiguous).transpose()?;
     let (rows, inputs) = x.dims2()?;
+    let (xs, xl) = x.storage_and_layout();
+    let xm = Input::of(&xs, xl, rows, inputs)?;
     let width = tiles.last().map_or(0, |t| t.end);
     if tiles.first().is_some_and(|t| t.start != 0)
         || tiles.windows(2).any(|w| w[0].end != w[1].start)
@@ -169,12 +171,12 @@ pub(crate) fn forward<S: BlockSource>(
             // start again on candle's operations.
             drop(p);
             src.release(linear, t)?;
+            drop(xs);
             return forward_tracked(src, linear, tiles, &x, residual.as_ref());
         }
         let weight = p.weight.contiguous()?;
         let bias = p.bias.as_ref().map(Tensor::contiguous).transpose()?;
         {
-            let (xs, xl) = x.storage_and_layout();
             let (ws, wl) = weight.storage_and_layout();
             let bias = bias.as_ref().map(Tensor::storage_and_layout);
             let bias = bias.as_ref().map(|(bs, bl)| f32s(bs, bl)).transpose()?;
@@ -198,15 +200,14 @@ pub(crate) fn forward<S: BlockSource>(
                 (None, Some(bias)) => Start::Bias(bias),
                 (None, None) => Start::Zero,
             };
-            products.gemm()(
+            multiply(
+                products,
                 MatMut::uninit(&mut y[cols.start..], rows, cols.len(), width).map_err(shape)?,
-                MatRef::row_major(f32s(&xs, xl)?, rows, inputs).map_err(shape)?,
+                xm,
                 MatRef::row_major(f32s(&ws, wl)?, inputs, cols.len()).map_err(shape)?,
-                1.0,
                 start,
                 threads,
-            )
-            .map_err(shape)?;
+            )?;
         }
         drop(p);
         src.release(linear, t)?;
@@ -258,7 +259,6 @@ pub(crate) fn backward<S: BlockSource>(
     dy: &Tensor,
     products: Products,
 ) -> Result<Tensor, S::Error> {
-    let gemm = products.gemm();
     let (x, dy) = (x.contiguous()?, dy.contiguous()?);
     let (rows, inputs) = x.dims2()?;
     let width = dy.dim(1)?;
@@ -274,17 +274,16 @@ pub(crate) fn backward<S: BlockSource>(
             let (xs, xl) = x.storage_and_layout();
             let (ds, dl) = dy.storage_and_layout();
             let (ws, wl) = weight.storage_and_layout();
-            let (xv, dyv, wv) = (f32s(&xs, xl)?, f32s(&ds, dl)?, f32s(&ws, wl)?);
+            let (dyv, wv) = (f32s(&ds, dl)?, f32s(&ws, wl)?);
             // dW = xᵀ·dy_t
-            gemm(
+            multiply(
+                products,
                 MatMut::uninit(&mut dw, inputs, w, w).map_err(shape)?,
-                MatRef::row_major(xv, rows, inputs).map_err(shape)?.t(),
+                Input::of(&xs, xl, rows, inputs)?.t(),
                 MatRef::new(&dyv[cols.start..], rows, w, width, 1).map_err(shape)?,
-                1.0,
                 Start::Zero,
                 threads,
-            )
-            .map_err(shape)?;
+            )?;
             // dx += dy_t·Wᵀ, a chunk of DX_CHUNK columns at a time, in order
             // (on AMX one product of them all: the same bits, module doc).
             let chunk = match products {
@@ -296,26 +295,24 @@ pub(crate) fn backward<S: BlockSource>(
                 let a = MatRef::new(&dyv[cols.start + c0..], rows, c, width, 1).map_err(shape)?;
                 let b = MatRef::new(&wv[c0..], inputs, c, w, 1).map_err(shape)?.t();
                 match dx.as_mut() {
-                    Some(dx) => gemm(
+                    Some(dx) => multiply(
+                        products,
                         MatMut::row_major(dx, rows, inputs).map_err(shape)?,
-                        a,
+                        Input::F32(a),
                         b,
-                        1.0,
                         Start::Keep,
                         threads,
-                    )
-                    .map_err(shape)?,
+                    )?,
                     None => {
                         let mut fresh = uninit_floats(rows * inputs);
-                        gemm(
+                        multiply(
+                            products,
                             MatMut::uninit(&mut fresh, rows, inputs, inputs).map_err(shape)?,
-                            a,
+                            Input::F32(a),
                             b,
-                            1.0,
                             Start::Zero,
                             threads,
-                        )
-                        .map_err(shape)?;
+                        )?;
                         // SAFETY: a Zero start wrote every element.
                         dx = Some(unsafe { assume_init(fresh) });
                     }
@@ -352,15 +349,61 @@ pub enum Products {
     Bf16,
 }
 
-type Gemm = fn(MatMut, MatRef, MatRef, f32, Start, usize) -> Result<(), zgemm::ShapeError>;
+/// A layer's input as its products read it: f32 values, or the bf16 values
+/// that its producer wrote for bf16 products (GELU's output, `gelu_bf16`).
+#[derive(Clone, Copy)]
+enum Input<'a> {
+    F32(MatRef<'a>),
+    Bf16(MatRef<'a, u16>),
+}
 
-impl Products {
-    fn gemm(self) -> Gemm {
-        match self {
-            Products::F32 => zgemm::gemm,
-            Products::Bf16 => zgemm::gemm_bf16,
+impl<'a> Input<'a> {
+    /// A contiguous f32 or bf16 CPU tensor's values as `rows × cols`.
+    fn of(
+        storage: &'a Storage,
+        layout: &Layout,
+        rows: usize,
+        cols: usize,
+    ) -> candle_core::Result<Input<'a>> {
+        use half::slice::HalfFloatSliceExt;
+        match (storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(CpuStorage::BF16(v)), Some((a, b))) => Ok(Input::Bf16(
+                MatRef::row_major(v[a..b].reinterpret_cast(), rows, cols).map_err(shape)?,
+            )),
+            _ => Ok(Input::F32(
+                MatRef::row_major(f32s(storage, layout)?, rows, cols).map_err(shape)?,
+            )),
         }
     }
+
+    fn t(self) -> Input<'a> {
+        match self {
+            Input::F32(m) => Input::F32(m.t()),
+            Input::Bf16(m) => Input::Bf16(m.t()),
+        }
+    }
+}
+
+/// `C = start ⊕ A·B` with `products`' GEMM.
+fn multiply(
+    products: Products,
+    c: MatMut,
+    a: Input,
+    b: MatRef,
+    start: Start,
+    threads: usize,
+) -> candle_core::Result<()> {
+    match (products, a) {
+        (Products::F32, Input::F32(a)) => zgemm::gemm(c, a, b, 1.0, start, threads),
+        (Products::Bf16, Input::F32(a)) => zgemm::gemm_bf16(c, a, b, 1.0, start, threads),
+        (Products::Bf16, Input::Bf16(a)) => zgemm::gemm_bf16(c, a, b, 1.0, start, threads),
+        (Products::F32, Input::Bf16(_)) => {
+            return Err(candle_core::Error::Msg(
+                "linear layer: a bf16 input needs bf16 products".into(),
+            ))
+        }
+    }
+    .map_err(shape)
 }
 
 fn shape(e: zgemm::ShapeError) -> candle_core::Error {

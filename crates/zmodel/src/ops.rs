@@ -13,6 +13,7 @@
 use std::mem::MaybeUninit;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, D};
+use half::vec::HalfBitsVecExt;
 use rayon::prelude::*;
 
 use crate::simd::{assume_init, exp, par_rows, uninit_floats, vectorised, ROWS_PER_TASK};
@@ -28,8 +29,23 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Gelu)
 }
 
+/// [`gelu`] with its output rounded to bf16 (a `BF16` tensor), for an
+/// activation whose only readers are bf16 products (zgemm's `MatRef<u16>`):
+/// the bits they would have rounded the f32 output to, in half the bytes
+/// written, kept and read, and no rounding pass of their own. No backward:
+/// the explicit one reads GELU's input.
+pub fn gelu_bf16(x: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op1_no_bwd(&GeluBf16)
+}
+
 const GELU_K: f32 = 0.797_884_6; // sqrt(2 / pi)
 const GELU_C: f32 = 0.044_715;
+
+/// GELU of one value (both ops compute it alike).
+#[inline(always)]
+fn gelu_of(v: f32) -> f32 {
+    0.5 * v * (1.0 + tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v)))
+}
 
 #[inline(always)]
 fn tanh_via_exp(u: f32) -> f32 {
@@ -66,7 +82,7 @@ impl CustomOp1 for Gelu {
         let mut y = uninit_floats(x.len());
         par_rows(x, &mut y, ELEMS_PER_TASK / ROWS_PER_TASK, |x, y| {
             for (o, &v) in y.iter_mut().zip(x) {
-                o.write(0.5 * v * (1.0 + tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v))));
+                o.write(gelu_of(v));
             }
         });
         // SAFETY: par_rows hands every element of y to the loop above.
@@ -76,6 +92,41 @@ impl CustomOp1 for Gelu {
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(gelu_backward(arg, grad_res)?))
+    }
+}
+
+struct GeluBf16;
+
+impl CustomOp1 for GeluBf16 {
+    fn name(&self) -> &'static str {
+        "zrun-gelu-bf16"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_input(self.name(), s, l)?;
+        let mut y = uninit_floats::<u16>(x.len());
+        y.par_chunks_mut(ELEMS_PER_TASK)
+            .zip(x.par_chunks(ELEMS_PER_TASK))
+            .for_each(|(y, x)| {
+                // GELU into L1, then zgemm's rounding (16 lanes where it has
+                // AVX-512; in GELU's 8-lane loop it cost a third of GELU).
+                let (mut wide, mut bits) = ([0f32; 256], [0u16; 256]);
+                for (y, x) in y.chunks_mut(256).zip(x.chunks(256)) {
+                    let (wide, bits) = (&mut wide[..x.len()], &mut bits[..x.len()]);
+                    vectorised(|| {
+                        for (w, &v) in wide.iter_mut().zip(x) {
+                            *w = gelu_of(v);
+                        }
+                    });
+                    zgemm::bf16_bits_into(wide, bits);
+                    for (o, &b) in y.iter_mut().zip(bits.iter()) {
+                        o.write(b);
+                    }
+                }
+            });
+        // SAFETY: the chunks of y match those of x, and each element got a value.
+        let y = unsafe { assume_init(y) };
+        Ok((CpuStorage::BF16(y.reinterpret_into()), l.shape().clone()))
     }
 }
 
@@ -634,6 +685,45 @@ mod tests {
         let dev = Device::Cpu;
         let t = Tensor::new(&[3u32, 0], &dev).unwrap();
         check_grad(|x| cross_entropy(x, &t), weights(10), &[2, 5]);
+    }
+
+    #[test]
+    fn gelu_in_bf16_is_gelu_rounded_as_bf16_products_round() {
+        // Lengths past a task and with a tail of its 256-value blocks;
+        // NaN (one that rounding by adding would carry into -0), ±inf and
+        // values whose GELU rounds on a tie among them.
+        let n = (1 << 14) + 300;
+        let mut xs: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 2001) as f32 / 100.0 - 10.0)
+            .collect();
+        for (i, special) in [
+            f32::from_bits(0x7fff_ffff),
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            -0.0,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            xs[257 * i + 3] = special;
+        }
+        let x = Tensor::from_vec(xs, (n,), &Device::Cpu).unwrap();
+        let want: Vec<u16> = gelu(&x)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(zgemm::bf16_bits)
+            .collect();
+        let got = gelu_bf16(&x).unwrap();
+        assert_eq!(got.dtype(), candle_core::DType::BF16);
+        let got: Vec<u16> = got
+            .to_vec1::<half::bf16>()
+            .unwrap()
+            .into_iter()
+            .map(half::bf16::to_bits)
+            .collect();
+        assert_eq!(got, want);
     }
 
     #[test]

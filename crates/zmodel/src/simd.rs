@@ -90,11 +90,11 @@ pub(crate) fn par_rows(
         .for_each(|(o, i)| vectorised(|| f(i, o)));
 }
 
-/// `len` floats' worth of fresh memory for a product or an op to fill: no
+/// `len` values (f32, or bf16 bits) of fresh memory for a product or an op to fill: no
 /// zeroing pass (on memory reused from the heap, the allocator's zeroing of a
 /// large output was a serial 2% of a step, and of the ops' outputs another
 /// 1%).
-pub(crate) fn uninit_floats(len: usize) -> Vec<MaybeUninit<f32>> {
+pub(crate) fn uninit_floats<T>(len: usize) -> Vec<MaybeUninit<T>> {
     let mut v = Vec::with_capacity(len);
     // SAFETY: `MaybeUninit` values need no initialisation.
     unsafe { v.set_len(len) };
@@ -106,10 +106,10 @@ pub(crate) fn uninit_floats(len: usize) -> Vec<MaybeUninit<f32>> {
 /// # Safety
 ///
 /// Every element of `v` must have been written.
-pub(crate) unsafe fn assume_init(v: Vec<MaybeUninit<f32>>) -> Vec<f32> {
+pub(crate) unsafe fn assume_init<T>(v: Vec<MaybeUninit<T>>) -> Vec<T> {
     let mut v = std::mem::ManuallyDrop::new(v);
     // SAFETY: same allocation, layout and length; initialised (caller).
-    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<f32>(), v.len(), v.capacity()) }
+    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast::<T>(), v.len(), v.capacity()) }
 }
 
 #[cfg(test)]
