@@ -64,7 +64,7 @@ pub trait Bf16Operand: Copy + Send + Sync + sealed::Sealed {
     fn rows_of(m: MatRef<Self>) -> RowSource;
 
     /// `m` read in place as the matrix of pairs along its rows that
-    /// [`pair_columns`] would write, where its layout already is that.
+    /// `pair_columns` would write, where its layout already is that.
     fn pairs_in_place(_m: MatRef<Self>) -> Option<MatRef<f32>> {
         None
     }
@@ -124,7 +124,7 @@ impl Bf16Operand for u16 {
     /// Row-major bf16 values are pairs along their rows already: read in
     /// place where the rows are whole steps of 16 pairs, whole 32-row
     /// tiles, 4-byte aligned, and not a multiple of 4 KiB apart (see
-    /// [`pair_columns`]).
+    /// `pair_columns`).
     fn pairs_in_place(m: MatRef<u16>) -> Option<MatRef<f32>> {
         let fits = m.cs == 1
             && m.cols.is_multiple_of(32)
