@@ -91,7 +91,7 @@ impl Bf16Operand for f32 {
     }
 
     fn bits_into(src: &[f32], dst: &mut [u16]) {
-        round_into(src, dst);
+        bf16_bits_into(src, dst);
     }
 
     fn rows_of(m: MatRef<f32>) -> RowSource {
@@ -269,12 +269,6 @@ pub fn bf16_bits(x: f32) -> u16 {
     round(x) as u16
 }
 
-/// [`bf16_bits`] of every value of `src` into `dst` (of the same length),
-/// 16 at a time with AVX-512 where the CPU has it.
-pub fn bf16_bits_into(src: &[f32], dst: &mut [u16]) {
-    round_into(src, dst);
-}
-
 /// Two values' bf16 bits as one pair element: `lo` is the one of even `k`.
 #[inline(always)]
 fn pair(lo: u32, hi: u32) -> f32 {
@@ -434,13 +428,13 @@ pub(crate) fn pack_row_pairs<T: Bf16Operand>(
     }
 }
 
-/// `dst[j]` = the bf16 bits of `src[j]` ([`round`]), 16 at a time with
-/// AVX-512 where the CPU has it.
-pub(crate) fn round_into(src: &[f32], dst: &mut [u16]) {
+/// [`bf16_bits`] of every value of `src` into `dst` (of the same length),
+/// 16 at a time with AVX-512 where the CPU has it.
+pub fn bf16_bits_into(src: &[f32], dst: &mut [u16]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx512bw() {
         // SAFETY: the CPU has AVX-512F and BW.
-        return unsafe { x86::round_into(src, dst) };
+        return unsafe { x86::bf16_bits_into(src, dst) };
     }
     for (h, &v) in dst.iter_mut().zip(src) {
         *h = round(v) as u16;
@@ -489,13 +483,13 @@ mod x86 {
         _mm512_mask_blend_epi32(nan, rounded, quiet_nan)
     }
 
-    /// [`super::round_into`].
+    /// [`super::bf16_bits_into`].
     ///
     /// # Safety
     ///
     /// The CPU has AVX-512F and BW.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn round_into(src: &[f32], dst: &mut [u16]) {
+    pub(super) unsafe fn bf16_bits_into(src: &[f32], dst: &mut [u16]) {
         let n = src.len().min(dst.len());
         let whole = n / 16 * 16;
         for j in (0..whole).step_by(16) {
