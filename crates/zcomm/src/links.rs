@@ -1,7 +1,9 @@
 //! The point-to-point layer under every algorithm.
 //!
 //! An algorithm sees numbered peers, a non-blocking `send` (the transport copies
-//! the payload and a writer drains it) and a blocking `recv` bounded by the current
+//! the payload and a writer drains it), a non-blocking `send_in_place` (the
+//! writer reads the payload where the algorithm keeps it, until `wait_sent`
+//! says it is done with it) and a blocking `recv` bounded by the current
 //! operation's deadline. Transports stamp each message with the operation's
 //! sequence number and length, so ranks that disagree about the next collective
 //! get a [`crate::CommError::Mismatch`] instead of silently exchanging wrong bytes.
@@ -38,15 +40,36 @@ pub(crate) trait Links {
     fn world_size(&self) -> usize;
     /// Queues `payload` for `peer` and returns.
     fn send(&mut self, peer: usize, payload: &[u8]) -> Result<(), CommError>;
+    /// Queues the `len` bytes at `ptr` for `peer`, to be sent from where they
+    /// are; returns the message's ticket for [`Links::wait_sent`]. This
+    /// default copies them at once, as [`Links::send`] does (ticket 0).
+    ///
+    /// # Safety
+    ///
+    /// The bytes must stay valid and unchanged until `wait_sent(peer,
+    /// ticket)` has returned `Ok` or [`Links::abandon_sends`] has returned.
+    unsafe fn send_in_place(
+        &mut self,
+        peer: usize,
+        ptr: *const u8,
+        len: usize,
+    ) -> Result<u64, CommError> {
+        // SAFETY: valid for `len` bytes (caller).
+        self.send(peer, unsafe { std::slice::from_raw_parts(ptr, len) })?;
+        Ok(0)
+    }
+    /// Waits (until the operation's deadline) until the transport is done
+    /// with the payload of `peer`'s message `ticket` and every one before it.
+    fn wait_sent(&mut self, _peer: usize, _ticket: u64) -> Result<(), CommError> {
+        Ok(())
+    }
+    /// After a failed operation: returns once the transport reads no
+    /// payload queued in place any more (those not yet sent are dropped).
+    fn abandon_sends(&mut self) {}
     /// Receives the next message from `peer`; it must be exactly `out.len()` bytes.
     fn recv_into(&mut self, peer: usize, out: &mut [u8]) -> Result<(), CommError>;
     /// Receives the next message from `peer`, of any length.
     fn recv(&mut self, peer: usize) -> Result<Vec<u8>, CommError>;
-}
-
-/// Sends `data` as bytes.
-pub(crate) fn send_f32(l: &mut dyn Links, peer: usize, data: &[f32]) -> Result<(), CommError> {
-    l.send(peer, bytemuck::cast_slice(data))
 }
 
 /// Receives exactly `out.len()` floats.

@@ -783,4 +783,24 @@ fn a_peer_that_is_gone_is_reported_at_once_not_at_the_deadline(t: Transport) {
         "{t:?}: {e} after {:?}",
         started.elapsed()
     );
+    // The same in the middle of a ring whose writer still holds pieces of
+    // the buffer to send in place (64 MiB: more than the sockets hold): the
+    // error comes at once, and the buffer is given up only after the writer
+    // has let go of it (abandon_sends; a later collective fails the same way).
+    let mut comms = world(t, 2, &[0, 1], Duration::from_secs(20));
+    let c0 = comms[0].clone();
+    let started = std::time::Instant::now();
+    let waiting = std::thread::spawn(move || {
+        let e = c0.all_reduce(vec![1.0; 16 << 20]).unwrap_err();
+        (e, c0.all_reduce(vec![1.0; 16]).unwrap_err())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    drop(comms.pop());
+    let (e, later) = waiting.join().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(10) && !matches!(e, CommError::Timeout { .. }),
+        "{t:?}: {e} after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(e.to_string(), later.to_string(), "{t:?}: poisoned");
 }

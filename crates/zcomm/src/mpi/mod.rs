@@ -409,7 +409,6 @@ impl Communicator for MpiCommunicator {
         self.submit(Op::ReduceScatter, bytes, len, move |l| {
             let own = chunk_range(buf.len(), l.world_size(), l.rank());
             ring::reduce_scatter(l, &mut buf)?;
-            buf.copy_within(own.clone(), 0);
             buf.truncate(own.len());
             buf.shrink_to_fit();
             Ok(buf)

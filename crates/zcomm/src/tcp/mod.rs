@@ -26,7 +26,7 @@ use crate::{
     chunk_range, CommError, Communicator, CounterSnapshot, Counters, Op, SetupError, Work,
 };
 use crate::{pairwise, quantized, ring, star, Quantization};
-use peers::{writer_loop, Peer, TcpLinks, Wire};
+use peers::{writer_loop, Outgoing, Peer, TcpLinks, Wire, WriterState};
 
 /// How to build a [`TcpCommunicator`].
 #[derive(Debug, Clone)]
@@ -130,20 +130,21 @@ impl TcpCommunicator {
                         (Box::new(socket), Box::new(writer))
                     }
                 };
-            let (tx, rx) = mpsc::channel::<Vec<u8>>();
+            let (tx, rx) = mpsc::channel::<Outgoing>();
             let (spent_tx, spent) = mpsc::channel::<Vec<u8>>();
-            let error = Arc::new(Mutex::new(None));
-            let err2 = error.clone();
+            let state = Arc::new(WriterState::default());
+            let state2 = state.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("zcomm-send-{peer}"))
-                .spawn(move || writer_loop(writer, rx, spent_tx, err2))
+                .spawn(move || writer_loop(writer, rx, spent_tx, state2))
                 .map_err(|e| setup(e.into()))?;
             peers.push(Some(Peer {
                 reader,
                 spent,
                 queue: tx,
+                queued: 0,
                 writer: Some(thread),
-                error,
+                state,
                 same_node: opts.node_of_rank[peer] == opts.node_of_rank[rank],
             }));
         }
@@ -239,7 +240,6 @@ impl Communicator for TcpCommunicator {
                 Some(r) => r?,
                 None => {
                     ring::reduce_scatter(l, &mut buf)?;
-                    buf.copy_within(own.clone(), 0);
                 }
             }
             buf.truncate(own.len());

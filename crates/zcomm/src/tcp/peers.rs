@@ -3,8 +3,9 @@
 //! number, operation, length), per-operation deadlines, byte accounting, and the record of
 //! which peer the operation thread waits for (hang diagnosis).
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -39,32 +40,117 @@ impl Wire for crate::shm::ShmReader {
     }
 }
 
+/// A message on its way to a peer's writer thread.
+pub(super) enum Outgoing {
+    /// Header and payload, copied.
+    Copied(Vec<u8>),
+    /// A header, and a payload the writer reads where the operation thread
+    /// keeps it (`Links::send_in_place`): no copy on the operation thread.
+    InPlace {
+        header: [u8; HEADER],
+        payload: InPlace,
+    },
+}
+
+/// Bytes that the operation thread keeps valid and unchanged until the
+/// writer has counted the message as written (`Links::send_in_place`'s
+/// contract), or until `abandon_sends` has returned.
+pub(super) struct InPlace {
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: only the writer thread reads through the pointer, within the
+// window in which the operation thread promises the bytes stay put (above).
+unsafe impl Send for InPlace {}
+
+/// The writer thread's side of a peer, shared with the operation thread.
+#[derive(Default)]
+pub(super) struct WriterState {
+    /// The first error a write met (the writer stops there).
+    pub(super) error: Mutex<Option<String>>,
+    /// Messages written so far, in queue order: message `t` (counting from
+    /// 1) is done with its payload once `written >= t`.
+    pub(super) written: AtomicU64,
+    /// Set after a failed operation: in-place messages still queued are
+    /// dropped unread (their bytes may be gone).
+    pub(super) dropping: AtomicBool,
+}
+
 pub(super) struct Peer {
     pub(super) reader: Box<dyn Wire>,
     /// Buffers the writer thread has sent, for reuse.
     pub(super) spent: mpsc::Receiver<Vec<u8>>,
-    pub(super) queue: mpsc::Sender<Vec<u8>>,
+    pub(super) queue: mpsc::Sender<Outgoing>,
+    /// Messages queued so far (the ticket of the last one).
+    pub(super) queued: u64,
     pub(super) writer: Option<std::thread::JoinHandle<()>>,
-    pub(super) error: Arc<Mutex<Option<String>>>,
+    pub(super) state: Arc<WriterState>,
     pub(super) same_node: bool,
 }
 
-/// Drains a peer's queue onto its link, handing each buffer back for reuse (a
-/// fresh multi-megabyte buffer per message costs a page fault per 4 KiB).
+impl Peer {
+    fn writer_error(&self) -> Option<String> {
+        self.state
+            .error
+            .lock()
+            .map(|e| e.clone())
+            .unwrap_or_default()
+    }
+
+    fn writer_gone(&self) -> bool {
+        self.writer.as_ref().is_none_or(|w| w.is_finished())
+    }
+}
+
+/// Drains a peer's queue onto its link, handing each copied buffer back for
+/// reuse (a fresh multi-megabyte buffer per message costs a page fault per
+/// 4 KiB) and counting every message written.
 pub(super) fn writer_loop(
     mut s: Box<dyn Write + Send>,
-    rx: mpsc::Receiver<Vec<u8>>,
+    rx: mpsc::Receiver<Outgoing>,
     spent: mpsc::Sender<Vec<u8>>,
-    error: Arc<Mutex<Option<String>>>,
+    state: Arc<WriterState>,
 ) {
     for msg in rx {
-        if let Err(e) = s.write_all(&msg) {
-            *error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+        let written = match &msg {
+            Outgoing::Copied(bytes) => s.write_all(bytes),
+            Outgoing::InPlace { .. } if state.dropping.load(Ordering::Acquire) => Ok(()),
+            Outgoing::InPlace { header, payload } => {
+                // SAFETY: the operation thread keeps these bytes valid and
+                // unchanged until `written` counts this message (InPlace).
+                let payload = unsafe { std::slice::from_raw_parts(payload.ptr, payload.len) };
+                write_both(s.as_mut(), header, payload)
+            }
+        };
+        if let Err(e) = written {
+            *state.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
             return;
         }
-        let _ = spent.send(msg);
+        state.written.fetch_add(1, Ordering::Release);
+        if let Outgoing::Copied(bytes) = msg {
+            let _ = spent.send(bytes);
+        }
     }
     let _ = s.flush();
+}
+
+/// Writes `a` then `b`, gathered into as few writes as the link takes (one
+/// header of 16 bytes in a segment of its own would cost a packet).
+fn write_both(s: &mut dyn Write, mut a: &[u8], mut b: &[u8]) -> std::io::Result<()> {
+    while !a.is_empty() {
+        match s.write_vectored(&[IoSlice::new(a), IoSlice::new(b)]) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) if n < a.len() => a = &a[n..],
+            Ok(n) => {
+                b = &b[n - a.len()..];
+                a = &[];
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    s.write_all(b)
 }
 
 pub(crate) struct TcpLinks {
@@ -189,13 +275,7 @@ impl TcpLinks {
         while off < out.len() {
             let now = Instant::now();
             if now >= deadline {
-                let writer_err = self
-                    .peer(peer)?
-                    .error
-                    .lock()
-                    .map(|e| e.clone())
-                    .unwrap_or_default();
-                if let Some(e) = writer_err {
+                if let Some(e) = self.peer(peer)?.writer_error() {
                     return Err(self.link_error(peer, format!("sending failed: {e}")));
                 }
                 return Err(CommError::Timeout {
@@ -230,6 +310,30 @@ impl TcpLinks {
             }
         }
         Ok(())
+    }
+
+    /// The header of this operation's next message of `len` bytes.
+    fn header(&self, len: usize) -> [u8; HEADER] {
+        let mut h = [0u8; HEADER];
+        h[..8].copy_from_slice(&self.seq.to_le_bytes());
+        let word = (self.op.index() as u64) << OP_SHIFT | len as u64;
+        h[8..].copy_from_slice(&word.to_le_bytes());
+        h
+    }
+
+    /// Hands `msg` (a payload of `len` bytes) to `peer`'s writer; its ticket.
+    fn enqueue(&mut self, peer: usize, msg: Outgoing, len: usize) -> Result<u64, CommError> {
+        let (op, counters) = (self.op, self.counters.clone());
+        let p = self.peer(peer)?;
+        if let Some(e) = p.writer_error() {
+            return Err(self.link_error(peer, format!("sending failed: {e}")));
+        }
+        counters.add(op, len as u64, p.same_node);
+        if p.queue.send(msg).is_err() {
+            return Err(self.link_error(peer, "the sender thread has stopped".into()));
+        }
+        p.queued += 1;
+        Ok(p.queued)
     }
 
     fn read_header(&mut self, peer: usize) -> Result<usize, CommError> {
@@ -270,27 +374,75 @@ impl Links for TcpLinks {
     }
 
     fn send(&mut self, peer: usize, payload: &[u8]) -> Result<(), CommError> {
-        let (seq, op) = (self.seq, self.op);
-        let counters = self.counters.clone();
+        let header = self.header(payload.len());
         let p = self.peer(peer)?;
-        if let Some(e) = p.error.lock().map(|e| e.clone()).unwrap_or_default() {
-            return Err(self.link_error(peer, format!("sending failed: {e}")));
-        }
         // Reuse a buffer the writer has finished with, if one is big enough.
         let need = HEADER + payload.len();
         let mut msg = std::iter::from_fn(|| p.spent.try_recv().ok())
             .find(|b: &Vec<u8>| b.capacity() >= need)
             .unwrap_or_else(|| Vec::with_capacity(need));
         msg.clear();
-        msg.extend_from_slice(&seq.to_le_bytes());
-        let word = (op.index() as u64) << OP_SHIFT | payload.len() as u64;
-        msg.extend_from_slice(&word.to_le_bytes());
+        msg.extend_from_slice(&header);
         msg.extend_from_slice(payload);
-        counters.add(op, payload.len() as u64, p.same_node);
-        if p.queue.send(msg).is_err() {
-            return Err(self.link_error(peer, "the sender thread has stopped".into()));
+        self.enqueue(peer, Outgoing::Copied(msg), payload.len())
+            .map(drop)
+    }
+
+    unsafe fn send_in_place(
+        &mut self,
+        peer: usize,
+        ptr: *const u8,
+        len: usize,
+    ) -> Result<u64, CommError> {
+        let header = self.header(len);
+        let payload = InPlace { ptr, len };
+        self.enqueue(peer, Outgoing::InPlace { header, payload }, len)
+    }
+
+    fn wait_sent(&mut self, peer: usize, ticket: u64) -> Result<(), CommError> {
+        let mut round = 0u32;
+        loop {
+            let p = self.peer(peer)?;
+            if p.state.written.load(Ordering::Acquire) >= ticket {
+                return Ok(());
+            }
+            if let Some(e) = p.writer_error() {
+                return Err(self.link_error(peer, format!("sending failed: {e}")));
+            }
+            if p.writer_gone() {
+                return Err(self.link_error(peer, "the sender thread has stopped".into()));
+            }
+            let now = Instant::now();
+            if now >= self.deadline {
+                return Err(CommError::Timeout {
+                    op: self.op.name(),
+                    group: self.group.clone(),
+                    peer: Some(peer),
+                    waited_s: (now - self.started).as_secs_f64(),
+                });
+            }
+            // Mostly done at once (a ring waits for bytes its peer has
+            // already answered): spin briefly, then sleep in short steps.
+            round += 1;
+            if round < 256 {
+                std::hint::spin_loop();
+            } else {
+                self.waiting_for(peer);
+                std::thread::sleep(Duration::from_micros(50));
+            }
         }
-        Ok(())
+    }
+
+    fn abandon_sends(&mut self) {
+        for p in self.peers.iter().flatten() {
+            p.state.dropping.store(true, Ordering::Release);
+        }
+        // The write under way ends within the writers' write timeout.
+        for p in self.peers.iter().flatten() {
+            while p.state.written.load(Ordering::Acquire) < p.queued && !p.writer_gone() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
     }
 
     fn recv_into(&mut self, peer: usize, out: &mut [u8]) -> Result<(), CommError> {
