@@ -18,6 +18,9 @@ use crate::{CommError, Counters, Op};
 /// running different collectives whose pieces happen to have the same length
 /// get a mismatch instead of each other's bytes.
 pub(super) const HEADER: usize = 16;
+/// How long a failed operation lets its writers go on sending what it had
+/// queued in place before it drops the rest (`Links::abandon_sends`).
+const ABANDON_GRACE: Duration = Duration::from_secs(2);
 const OP_SHIFT: u32 = 56;
 const LEN_MASK: u64 = (1 << OP_SHIFT) - 1;
 
@@ -434,12 +437,24 @@ impl Links for TcpLinks {
     }
 
     fn abandon_sends(&mut self) {
+        // First let the writers send what is queued, as they would a copied
+        // message: a peer waiting for those bytes (say, to find that the
+        // ranks disagree about the collective) then fails on them, not at
+        // its deadline. A peer that is gone fails the writes at once.
+        let grace = Instant::now() + ABANDON_GRACE.min(self.timeout);
+        let pending = |p: &Peer| p.state.written.load(Ordering::Acquire) < p.queued;
+        for p in self.peers.iter().flatten() {
+            while pending(p) && !p.writer_gone() && Instant::now() < grace {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        // Then drop the rest unread; the write under way ends within the
+        // writers' write timeout.
         for p in self.peers.iter().flatten() {
             p.state.dropping.store(true, Ordering::Release);
         }
-        // The write under way ends within the writers' write timeout.
         for p in self.peers.iter().flatten() {
-            while p.state.written.load(Ordering::Acquire) < p.queued && !p.writer_gone() {
+            while pending(p) && !p.writer_gone() {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
