@@ -20,6 +20,7 @@ use std::ops::Range;
 
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
+use rayon::prelude::*;
 use zconfig::{Dtype, LossScaleSpec};
 
 /// A 16-bit working type.
@@ -96,6 +97,14 @@ fn bf16_widen(b: u16) -> f32 {
 /// Elements converted at a time through a stack buffer.
 const BLOCK: usize = 1024;
 
+/// Elements of one parallel task in the passes over whole buffers (widening,
+/// adding a gradient, zeroing, the squared norm): 128 KiB of f32, a hand-off
+/// worth its cost, and a group's buffer (a block's 1.8M parameters in the
+/// model of the README) still makes tens of tasks. These passes used to run on
+/// the training thread alone, 8% of a bf16 step on one worker with two
+/// threads while the other core waited.
+const TASK: usize = 1 << 15;
+
 /// A flat buffer in the working precision.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Flat {
@@ -166,13 +175,20 @@ impl Flat {
     /// Elements `r` as f32.
     pub fn to_f32(&self, r: Range<usize>) -> Vec<f32> {
         match self {
-            Flat::F32(v) => v[r].to_vec(),
+            Flat::F32(v) => v[r].par_iter().with_min_len(TASK).copied().collect(),
             // Written once, not zeroed first (calloc's memset of reused
-            // memory was 3% of a bf16 step).
-            Flat::Half(Half::Bf16, v) => v[r].iter().map(|&b| bf16_widen(b)).collect(),
+            // memory was 3% of a bf16 step): rayon collects an indexed
+            // iterator straight into the vector.
+            Flat::Half(Half::Bf16, v) => v[r]
+                .par_iter()
+                .with_min_len(TASK)
+                .map(|&b| bf16_widen(b))
+                .collect(),
             Flat::Half(h, v) => {
                 let mut out = vec![0f32; r.len()];
-                h.widen_slice(&v[r], &mut out);
+                out.par_chunks_mut(TASK)
+                    .zip(v[r].par_chunks(TASK))
+                    .for_each(|(o, s)| h.widen_slice(s, o));
                 out
             }
         }
@@ -204,40 +220,57 @@ impl Flat {
     pub fn add_f32(&mut self, at: usize, src: &[f32]) {
         match self {
             Flat::F32(v) => v[at..at + src.len()]
-                .iter_mut()
-                .zip(src)
-                .for_each(|(d, &s)| *d += s),
-            Flat::Half(h, v) => {
-                let mut wide = [0f32; BLOCK];
-                for (d, s) in v[at..at + src.len()]
-                    .chunks_mut(BLOCK)
-                    .zip(src.chunks(BLOCK))
-                {
-                    let wide = &mut wide[..d.len()];
-                    h.widen_slice(d, wide);
-                    wide.iter_mut().zip(s).for_each(|(w, &x)| *w += x);
-                    h.round_slice(wide, d);
-                }
-            }
+                .par_chunks_mut(TASK)
+                .zip(src.par_chunks(TASK))
+                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d += s)),
+            Flat::Half(h, v) => v[at..at + src.len()]
+                .par_chunks_mut(TASK)
+                .zip(src.par_chunks(TASK))
+                .for_each(|(d, s)| {
+                    let mut wide = [0f32; BLOCK];
+                    for (d, s) in d.chunks_mut(BLOCK).zip(s.chunks(BLOCK)) {
+                        let wide = &mut wide[..d.len()];
+                        h.widen_slice(d, wide);
+                        wide.iter_mut().zip(s).for_each(|(w, &x)| *w += x);
+                        h.round_slice(wide, d);
+                    }
+                }),
         }
     }
 
     /// Sets every element to zero.
     pub fn fill_zero(&mut self) {
         match self {
-            Flat::F32(v) => v.fill(0.0),
-            Flat::Half(_, v) => v.fill(0),
+            Flat::F32(v) => v.par_chunks_mut(TASK).for_each(|c| c.fill(0.0)),
+            Flat::Half(_, v) => v.par_chunks_mut(TASK).for_each(|c| c.fill(0)),
+        }
+    }
+
+    /// Multiplies f32 elements `r` by `scale` in place (16-bit buffers are
+    /// scaled as they are read instead; see the step).
+    pub fn scale_f32(&mut self, r: Range<usize>, scale: f32) {
+        if let Flat::F32(v) = self {
+            v[r].par_chunks_mut(TASK)
+                .for_each(|c| c.iter_mut().for_each(|x| *x *= scale));
         }
     }
 
     /// Σ (x·scale)² over elements `r`, each term rounded to f32 first, added in
-    /// f64 in 8 interleaved partial sums combined in a fixed order (so that the
-    /// loop vectorises and the bits depend only on the slice).
+    /// f64: in tasks of [`TASK`] elements from the start of `r`, each in 8
+    /// interleaved partial sums combined in a fixed order (so that the loop
+    /// vectorises), the tasks' sums then added in order, so that the bits
+    /// depend only on the slice, not on the threads.
     pub fn sum_sq(&self, r: Range<usize>, scale: f32) -> f64 {
+        fn in_tasks<T: Copy + Sync>(v: &[T], f: impl Fn(&[T]) -> f64 + Sync + Send) -> f64 {
+            let parts: Vec<f64> = v.par_chunks(TASK).map(f).collect();
+            parts.iter().sum()
+        }
         match self {
-            Flat::F32(v) => sum_sq8(&v[r], scale, |x| x),
-            Flat::Half(Half::Bf16, v) => sum_sq8(&v[r], scale, bf16_widen),
-            Flat::Half(Half::F16, v) => sum_sq8(&v[r], scale, |b| f16::from_bits(b).to_f32()),
+            Flat::F32(v) => in_tasks(&v[r], |c| sum_sq8(c, scale, |x| x)),
+            Flat::Half(Half::Bf16, v) => in_tasks(&v[r], |c| sum_sq8(c, scale, bf16_widen)),
+            Flat::Half(Half::F16, v) => {
+                in_tasks(&v[r], |c| sum_sq8(c, scale, |b| f16::from_bits(b).to_f32()))
+            }
         }
     }
 

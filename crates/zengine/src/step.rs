@@ -127,12 +127,13 @@ impl Engine {
         if self.half.is_some() {
             return scale;
         }
+        if scale == 1.0 {
+            return 1.0; // one worker, one micro-batch: nothing to average
+        }
         let (rank, stage) = (self.comm.rank(), self.stage);
         for g in &mut self.groups {
             let r = g.used_grads(rank, stage);
-            if let Flat::F32(v) = &mut g.grads {
-                v[r].iter_mut().for_each(|x| *x *= scale);
-            }
+            g.grads.scale_f32(r, scale);
         }
         1.0
     }
@@ -221,9 +222,7 @@ impl Engine {
         let (rank, stage) = (self.comm.rank(), self.stage);
         for g in &mut self.groups {
             let r = g.used_grads(rank, stage);
-            if let Flat::F32(v) = &mut g.grads {
-                v[r].iter_mut().for_each(|x| *x *= coef);
-            }
+            g.grads.scale_f32(r, coef);
         }
         (grad_scale, swapped.then_some(coef))
     }

@@ -20,7 +20,8 @@
 //! round-half-even are exact IEEE operations on every path and Rust never forms
 //! a fused multiply-add, so every path gives the same bits (tested). Blocks are
 //! independent and spread over rayon's threads in tasks of whole blocks, so the
-//! thread count does not change a bit either.
+//! thread count does not change a bit either. Called from outside a rayon
+//! pool, the calling thread does all the blocks itself (see [`quantize_with`]).
 
 use rayon::prelude::*;
 
@@ -238,7 +239,9 @@ pub fn quantize(x: &[f32], bits: Bits, block_size: usize) -> Result<Quantized, Q
     quantize_with(Path::best(), x, bits, block_size)
 }
 
-/// Quantizes `x` on `path` (which must run here).
+/// Quantizes `x` on `path` (which must run here): on a rayon pool's worker
+/// the blocks are spread over that pool, on any other thread this one does them
+/// all.
 pub fn quantize_with(
     path: Path,
     x: &[f32],
@@ -254,20 +257,30 @@ pub fn quantize_with(
         data: vec![0; bits.data_bytes(x.len())],
     };
     let per = BLOCKS_PER_TASK * block_size;
-    x.par_chunks(per)
-        .zip(q.scales.par_chunks_mut(BLOCKS_PER_TASK))
-        .zip(q.data.par_chunks_mut(bits.data_bytes(per)))
-        .enumerate()
-        .try_for_each(|(task, ((x, scales), data))| {
-            path.run(|| quantize_blocks(x, bits, block_size, scales, data))
-                .map_err(|e| match e {
-                    QuantError::NonFinite { index, value } => QuantError::NonFinite {
-                        index: task * per + index,
-                        value,
-                    },
-                    e => e,
-                })
-        })?;
+    let task = |(task, ((x, scales), data)): (usize, ((&[f32], &mut [f32]), &mut [u8]))| {
+        path.run(|| quantize_blocks(x, bits, block_size, scales, data))
+            .map_err(|e| match e {
+                QuantError::NonFinite { index, value } => QuantError::NonFinite {
+                    index: task * per + index,
+                    value,
+                },
+                e => e,
+            })
+    };
+    let data_per = bits.data_bytes(per);
+    if on_pool() {
+        x.par_chunks(per)
+            .zip(q.scales.par_chunks_mut(BLOCKS_PER_TASK))
+            .zip(q.data.par_chunks_mut(data_per))
+            .enumerate()
+            .try_for_each(task)?;
+    } else {
+        x.chunks(per)
+            .zip(q.scales.chunks_mut(BLOCKS_PER_TASK))
+            .zip(q.data.chunks_mut(data_per))
+            .enumerate()
+            .try_for_each(task)?;
+    }
     Ok(q)
 }
 
@@ -280,12 +293,29 @@ pub fn dequantize(q: &Quantized, out: &mut [f32]) {
 pub fn dequantize_with(path: Path, q: &Quantized, out: &mut [f32]) {
     assert_eq!(out.len(), q.len, "dequantize: output length");
     let per = BLOCKS_PER_TASK * q.block_size;
-    out.par_chunks_mut(per)
-        .zip(q.scales.par_chunks(BLOCKS_PER_TASK))
-        .zip(q.data.par_chunks(q.bits.data_bytes(per)))
-        .for_each(|((out, scales), data)| {
-            path.run(|| dequantize_blocks(q.bits, q.block_size, scales, data, out))
-        });
+    let data_per = q.bits.data_bytes(per);
+    let task = |((out, scales), data): ((&mut [f32], &[f32]), &[u8])| {
+        path.run(|| dequantize_blocks(q.bits, q.block_size, scales, data, out))
+    };
+    if on_pool() {
+        out.par_chunks_mut(per)
+            .zip(q.scales.par_chunks(BLOCKS_PER_TASK))
+            .zip(q.data.par_chunks(data_per))
+            .for_each(task);
+    } else {
+        out.chunks_mut(per)
+            .zip(q.scales.chunks(BLOCKS_PER_TASK))
+            .zip(q.data.chunks(data_per))
+            .for_each(task);
+    }
+}
+
+/// Whether this thread is one of a rayon pool's workers, where the blocks are
+/// spread over the pool. Any other thread (a communicator's, which the
+/// training thread on the pool may be waiting for) quantizes alone: were it to
+/// hand blocks to the pool, it could wait for workers that all wait for it.
+fn on_pool() -> bool {
+    rayon::current_thread_index().is_some()
 }
 
 /// The scale of a block whose largest magnitude is `amax` (0 for a zero

@@ -150,7 +150,7 @@ fn run_task(
                     .collect(),
             );
             let groups = zengine::ProcessGroups { world: comm, hpz };
-            train::train(&t.spec, t.resume.as_deref(), env, nodes, groups, client)
+            rayon::scope(|_| train::train(&t.spec, t.resume.as_deref(), env, nodes, groups, client))
         }
         Task::BenchComm(b) => bench::bench_comm(&b, comm, client),
         Task::BenchKernels { .. } => unreachable!("handled before connecting"),

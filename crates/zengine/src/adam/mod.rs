@@ -267,12 +267,12 @@ pub fn adamw_with(path: Path, threads: usize, b: Buffers<'_>, decay: bool, s: &A
     }
     // Split on 64-byte boundaries so no two threads share a cache line.
     let per = n.div_ceil(threads).div_ceil(16) * 16;
-    std::thread::scope(|scope| {
+    rayon::scope(|scope| {
         let mut rest = b;
         while rest.len() > 0 {
             let k = per.min(rest.len());
             let (head, tail) = rest.split_at(k);
-            scope.spawn(move || run(path, head, &c));
+            scope.spawn(move |_| run(path, head, &c));
             rest = tail;
         }
     });
