@@ -257,7 +257,7 @@ pub fn quantize_with(
         data: vec![0; bits.data_bytes(x.len())],
     };
     let per = BLOCKS_PER_TASK * block_size;
-    let task = |(task, ((x, scales), data)): (usize, ((&[f32], &mut [f32]), &mut [u8]))| {
+    let task = |(task, ((x, scales), data)): QuantizeTask| {
         path.run(|| quantize_blocks(x, bits, block_size, scales, data))
             .map_err(|e| match e {
                 QuantError::NonFinite { index, value } => QuantError::NonFinite {
@@ -283,6 +283,10 @@ pub fn quantize_with(
     }
     Ok(q)
 }
+
+/// One task of [`quantize_with`]: its index, its values, their blocks' scales
+/// and codes.
+type QuantizeTask<'a> = (usize, ((&'a [f32], &'a mut [f32]), &'a mut [u8]));
 
 /// Dequantizes `q` into `out` (of `q.len` values) on the fastest path.
 pub fn dequantize(q: &Quantized, out: &mut [f32]) {
