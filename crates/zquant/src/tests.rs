@@ -174,6 +174,8 @@ fn every_path_and_thread_count_gives_the_same_bits() {
     let x = values(300_001, 9, 50.0);
     let checked = Path::available();
     for bits in [Bits::Int8, Bits::Int4] {
+        // Off any pool: the test's own thread does every block.
+        assert!(rayon::current_thread_index().is_none());
         let want = quantize_with(Path::Portable, &x, bits, 2048).unwrap();
         let mut want_back = vec![0f32; x.len()];
         dequantize_with(Path::Portable, &want, &mut want_back);
