@@ -268,7 +268,11 @@ fn a_killed_worker_leaves_no_swap_files_and_a_loadable_checkpoint() {
 
 /// The disk fills up under a running job (here: another file takes the last
 /// free bytes before the first step writes Adam's moments): the job fails with
-/// exit 1 naming the swap file, its swap files go, the other file stays.
+/// exit 1 naming the swap file, its swap files go, the other file stays. The
+/// ranks wait 3 s after creating their (sparse) swap files, so that the disk
+/// is full before the first write however fast the step: without the wait a
+/// fast first step could write every block before the filler took the rest,
+/// and the job would run on (seen once steps got faster).
 #[test]
 fn a_disk_full_during_a_step_fails_naming_the_swap_file() {
     let d = tempfile::tempdir().unwrap();
@@ -285,6 +289,7 @@ fn a_disk_full_during_a_step_fails_naming_the_swap_file() {
     .set("zero.stage=1")
     .set("model.d_model=128")
     .set("train.grad_accum=16")
+    .set("env.ZRUN_FAULT_SWAP_DELAY_MS=3000")
     .start(dir);
     // The swap files exist before the first step: fill what is left.
     let moments = |r: u32| {

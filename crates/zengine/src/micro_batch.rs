@@ -124,14 +124,16 @@ impl Engine {
             ),
             false => None,
         };
-        let loss = self.model.head_loss(&head, wte.as_ref(), &x, &targets)?;
+        let loss = self
+            .model
+            .head_loss_value(&head, wte.as_ref(), &x, &targets)?;
         drop((ph, head, wte));
         self.release(l + 1);
         if tied {
             self.release(0);
         }
         assert!(gather.finished(), "planned evaluation gathers left unused");
-        Ok(f64::from(loss.to_scalar::<f32>()?))
+        Ok(loss)
     }
 
     fn begin_micro_batch(&mut self, batch: &Batch) -> Result<MicroBatch, EngineError> {
@@ -221,43 +223,39 @@ impl Engine {
         let head = self.model.config().n_layers + 1;
         let layout = self.model.layout();
         let ph = self.params_for(head, &mut mb.gather)?;
-        let head_params = HeadParams::from_vec(tensors(&ph), layout)?;
+        let head_params = HeadParams::from_vec(detached(&ph), layout)?;
         let tied = head_params.lm_head.is_none();
         let pw = match tied {
             true => Some(self.params_for(0, &mut mb.gather)?),
             false => None,
         };
-        let head_in = Var::from_tensor(x)?;
         let wte = match &pw {
-            Some(pw) => Some(EmbeddingParams::from_vec(tensors(pw), layout)?.wte),
+            Some(pw) => Some(EmbeddingParams::from_vec(detached(pw), layout)?.wte),
             None => None,
         };
-        let loss =
-            self.model
-                .head_loss(&head_params, wte.as_ref(), head_in.as_tensor(), &mb.targets)?;
-        let loss_value = f64::from(loss.to_scalar::<f32>()?);
-        if !loss_value.is_finite() {
+        let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let back = self
+            .model
+            .head_backward(&head_params, wte.as_ref(), x, &mb.targets, scale)?;
+        if !back.loss.is_finite() {
             return Err(EngineError::NonFinite {
                 step: self.step + 1,
                 what: "loss",
-                value: loss_value,
+                value: back.loss,
             });
         }
-        let grads = match &self.scaler {
-            Some(s) => (&loss * s.scale)?.backward()?,
-            None => loss.backward()?,
-        };
-        self.accumulate(head, &ph, &grads)?;
-        if let Some(wte) = &wte {
-            let dwte = grads.get(wte).ok_or_else(|| missing("wte (tied head)"))?;
-            let wte_range = self.groups[0].layout.params[0].range.clone();
-            add_grad(self.micro_grads(0), wte_range, dwte, "wte (tied head)")?;
+        let grads = HeadParams {
+            norm: back.norm,
+            lm_head: (!tied).then(|| back.out.clone()),
         }
-        let dx = grads
-            .get(head_in.as_tensor())
-            .cloned()
-            .ok_or_else(|| missing("the head's input"))?;
-        drop((grads, loss, ph, pw, wte, head_params));
+        .into_vec();
+        self.accumulate_tensors(head, &grads.iter().collect::<Vec<_>>())?;
+        if tied {
+            let wte_range = self.groups[0].layout.params[0].range.clone();
+            add_grad(self.micro_grads(0), wte_range, &back.out, "wte (tied head)")?;
+        }
+        let (loss_value, dx) = (back.loss, back.dx);
+        drop((grads, ph, pw, wte, head_params));
         self.release(head);
         if tied {
             self.release(0);

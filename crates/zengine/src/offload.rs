@@ -196,6 +196,19 @@ impl PieceReads {
     }
 }
 
+/// Fault injection for tests: `ZRUN_FAULT_SWAP_DELAY_MS` stalls a rank right
+/// after it has created its swap files (sparse: nothing is written to them
+/// yet), so that a test can fill the disk under a running job before the
+/// first write, however fast the machine.
+fn fault_delay_after_create() {
+    if let Some(ms) = std::env::var("ZRUN_FAULT_SWAP_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
 impl Offload {
     /// The swap files of `spec`'s NVMe offload on `rank` of job `job_id`, for
     /// groups laid out as `layouts` (with `partitioned[g]` at stage 3); `None`
@@ -301,6 +314,7 @@ impl Offload {
         } else {
             None
         };
+        fault_delay_after_create();
         Ok(Some(Offload {
             swapper,
             optimizer,

@@ -15,10 +15,11 @@
 //! positions or rotary ones applied to q and k after the projection, GELU or
 //! SwiGLU, multi-head or grouped-query attention, biases or none.
 
-use candle_core::{Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
+use zgemm::MatRef;
 
 use std::ops::Range;
 
@@ -26,7 +27,8 @@ use crate::attention::{causal_attention, causal_attention_backward, Heads};
 use zconfig::spec::{ModelKind, ModelSpec};
 use zconfig::tiles::{column_tiles, ColumnTile, TileError};
 
-use crate::linear::{self, BlockLinear, BlockNorm, BlockSource, Products, Whole};
+use crate::head::{self, HeadBackward};
+use crate::linear::{self, f32s, BlockLinear, BlockNorm, BlockSource, Products, Whole};
 use crate::llama_ops::{rms_norm, rms_norm_backward, rope, swiglu, swiglu_backward};
 use crate::ops::{cross_entropy, gelu, gelu_backward, gelu_bf16, layer_norm, layer_norm_backward};
 use crate::params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};
@@ -435,9 +437,8 @@ impl Gpt {
         x: &Tensor,
         n: &WeightBias<Tensor>,
         dy: &Tensor,
-        residual: &Tensor,
+        residual: Option<&Tensor>,
     ) -> Result<(Tensor, WeightBias<Tensor>)> {
-        let residual = Some(residual);
         let eps = self.cfg.norm_eps();
         Ok(match n.bias {
             Some(_) => {
@@ -468,7 +469,7 @@ impl Gpt {
         residual: &Tensor,
     ) -> std::result::Result<Tensor, S::Error> {
         let n = src.norm(which)?;
-        let (dx, grad) = self.norm_backward(x, &n, dy, residual)?;
+        let (dx, grad) = self.norm_backward(x, &n, dy, Some(residual))?;
         src.norm_grad(which, grad)?;
         Ok(dx)
     }
@@ -616,7 +617,9 @@ impl Gpt {
     }
 
     /// Group L+1: final norm, output matrix (its own, or `wte` when tied),
-    /// mean cross-entropy against `targets` `[b, t]`.
+    /// mean cross-entropy against `targets` `[b, t]`, in candle's operations
+    /// that autograd follows: the reference that [`Gpt::head_backward`] is
+    /// tested against.
     pub fn head_loss(
         &self,
         params: &HeadParams<Tensor>,
@@ -626,6 +629,90 @@ impl Gpt {
     ) -> Result<Tensor> {
         let logits = self.head_logits(params, wte, x)?;
         cross_entropy(&logits, &targets.flatten_all()?)
+    }
+
+    /// Group L+1's forward and backward in one call, without autograd (see
+    /// [`crate::head`]): the mean cross-entropy of `x` `[b, t, d]` against
+    /// `targets` `[b, t]` (u32), and the gradients of the loss times `scale`
+    /// (f16's loss scale, else 1). The products are f32 whatever the
+    /// training dtype, as in [`Gpt::head_loss`].
+    pub fn head_backward(
+        &self,
+        params: &HeadParams<Tensor>,
+        wte: Option<&Tensor>,
+        x: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+    ) -> Result<HeadBackward> {
+        let (b, t, d) = x.dims3()?;
+        let n = b * t;
+        let rows = x.reshape((n, d))?.contiguous()?;
+        let normed = self.norm(&rows, &params.norm)?.contiguous()?;
+        let out = Self::output_matrix(params, wte)?;
+        let vocab = out.dim(0)?;
+        let (loss, dnormed, dout) = {
+            let (ns, nl) = normed.storage_and_layout();
+            let (os, ol) = out.storage_and_layout();
+            let xm = MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?;
+            let om = MatRef::row_major(f32s(&os, ol)?, vocab, d).map_err(head::shape)?;
+            let (loss, dlogits) = Self::loss_and_dlogits(xm, om, targets, scale)?;
+            let dl = MatRef::row_major(&dlogits, n, vocab).map_err(head::shape)?;
+            (loss, head::product(dl, om)?, head::product(dl.t(), xm)?)
+        };
+        let dnormed = Tensor::from_vec(dnormed, (n, d), &Device::Cpu)?;
+        let (dx, norm) = self.norm_backward(&rows, &params.norm, &dnormed, None)?;
+        Ok(HeadBackward {
+            loss,
+            dx: dx.reshape((b, t, d))?,
+            norm,
+            out: Tensor::from_vec(dout, (vocab, d), &Device::Cpu)?,
+        })
+    }
+
+    /// The loss that [`Gpt::head_backward`] returns, to the bit, without the
+    /// backward (evaluation).
+    pub fn head_loss_value(
+        &self,
+        params: &HeadParams<Tensor>,
+        wte: Option<&Tensor>,
+        x: &Tensor,
+        targets: &Tensor,
+    ) -> Result<f64> {
+        let (b, t, d) = x.dims3()?;
+        let n = b * t;
+        let normed = self
+            .norm(&x.reshape((n, d))?.contiguous()?, &params.norm)?
+            .contiguous()?;
+        let out = Self::output_matrix(params, wte)?;
+        let vocab = out.dim(0)?;
+        let (ns, nl) = normed.storage_and_layout();
+        let (os, ol) = out.storage_and_layout();
+        let xm = MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?;
+        let om = MatRef::row_major(f32s(&os, ol)?, vocab, d).map_err(head::shape)?;
+        Ok(Self::loss_and_dlogits(xm, om, targets, 1.0)?.0)
+    }
+
+    /// The head's output matrix `[vocab, d]`: its own, or `wte` when tied.
+    fn output_matrix(params: &HeadParams<Tensor>, wte: Option<&Tensor>) -> Result<Tensor> {
+        match (&params.lm_head, wte) {
+            (Some(m), _) => m.contiguous(),
+            (None, Some(wte)) => wte.contiguous(),
+            (None, None) => candle_core::bail!("a tied head needs the token embedding"),
+        }
+    }
+
+    /// The logits `normed · outᵀ` turned into the mean cross-entropy against
+    /// `targets` and `dlogits` (for the loss times `scale`).
+    fn loss_and_dlogits(
+        normed: MatRef,
+        out: MatRef,
+        targets: &Tensor,
+        scale: f64,
+    ) -> Result<(f64, Vec<f32>)> {
+        let targets = targets.flatten_all()?.to_vec1::<u32>()?;
+        let mut logits = head::product(normed, out.t())?;
+        let loss = head::cross_entropy_in_place(&mut logits, &targets, out.rows(), scale)?;
+        Ok((loss, logits))
     }
 
     /// Group L+1 without the loss: the final norm and the output matrix, `x`
@@ -695,6 +782,118 @@ mod tests {
         for cfg in [gpt(11, 12, 1, 3, 40), llama(11, 16, 1, 40, 24)] {
             block_backward_matches_autograd_for(Gpt::new(&cfg).unwrap());
         }
+    }
+
+    /// The hand-written head (norm, product, cross-entropy) equals autograd
+    /// through `head_loss`, tied (GPT-2) and untied (LLaMA), with a loss scale.
+    #[test]
+    fn head_backward_matches_autograd() {
+        for cfg in [gpt(11, 12, 1, 3, 40), llama(11, 16, 1, 40, 24)] {
+            for scale in [1.0, 8.0] {
+                head_backward_matches_autograd_for(Gpt::new(&cfg).unwrap(), scale);
+            }
+        }
+    }
+
+    fn head_backward_matches_autograd_for(g: Gpt, scale: f64) {
+        let (d, v) = (g.cfg.d_model, g.cfg.vocab_size);
+        let dev = Device::Cpu;
+        let head = g.cfg.n_layers + 1;
+        let vars = |group: usize| -> Vec<Var> {
+            g.init_group(group, 5)
+                .into_iter()
+                .zip(&g.groups()[group].params)
+                .map(|(vals, ps)| {
+                    let vals: Vec<f32> = vals
+                        .iter()
+                        .enumerate()
+                        .map(|(k, x)| x * 20.0 + 0.1 * (k % 7) as f32 - 0.3)
+                        .collect();
+                    Var::from_vec(vals, ps.shape.as_slice(), &dev).unwrap()
+                })
+                .collect()
+        };
+        let (hv, ev) = (vars(head), vars(0));
+        let tensors =
+            |vs: &[Var]| -> Vec<Tensor> { vs.iter().map(|v| v.as_tensor().clone()).collect() };
+        let params = HeadParams::from_vec(tensors(&hv), g.layout()).unwrap();
+        let tied = params.lm_head.is_none();
+        let wte = ev[0].as_tensor();
+        let n = 2 * 40 * d;
+        let x = Var::from_vec(
+            (0..n)
+                .map(|i| ((i * 7 % 19) as f32 - 9.0) / 4.0)
+                .collect::<Vec<f32>>(),
+            (2, 40, d),
+            &dev,
+        )
+        .unwrap();
+        let targets: Vec<u32> = (0..80u32).map(|i| (i * 5 + 3) % v as u32).collect();
+        let targets = Tensor::from_vec(targets, (2, 40), &dev).unwrap();
+        let loss = g
+            .head_loss(&params, tied.then_some(wte), x.as_tensor(), &targets)
+            .unwrap();
+        let auto = (loss.clone() * scale).unwrap().backward().unwrap();
+        let detached = HeadParams::from_vec(
+            tensors(&hv).iter().map(Tensor::detach).collect(),
+            g.layout(),
+        )
+        .unwrap();
+        let back = g
+            .head_backward(
+                &detached,
+                tied.then(|| wte.detach()).as_ref(),
+                &x.as_tensor().detach(),
+                &targets,
+                scale,
+            )
+            .unwrap();
+        let eval = g
+            .head_loss_value(
+                &detached,
+                tied.then(|| wte.detach()).as_ref(),
+                &x.as_tensor().detach(),
+                &targets,
+            )
+            .unwrap();
+        assert_eq!(eval.to_bits(), back.loss.to_bits(), "evaluation's loss");
+        let want_loss = f64::from(loss.to_scalar::<f32>().unwrap());
+        assert!(
+            (back.loss - want_loss).abs() <= 1e-5 * want_loss.abs(),
+            "loss {} vs {want_loss}",
+            back.loss
+        );
+        let close = |a: &Tensor, b: &Tensor, what: &str| {
+            let (a, b) = (
+                a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert_eq!(a.len(), b.len(), "{what}");
+            let top = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+            assert!(top > 0.0, "{what}: an all-zero gradient tests nothing");
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() <= 1e-5 * top, "{what}: {x} vs {y}");
+            }
+        };
+        close(
+            auto.get(&params.norm.weight).unwrap(),
+            &back.norm.weight,
+            "norm weight",
+        );
+        if let (Some(want), Some(got)) = (&params.norm.bias, &back.norm.bias) {
+            close(auto.get(want).unwrap(), got, "norm bias");
+        }
+        assert_eq!(params.norm.bias.is_some(), back.norm.bias.is_some());
+        let out = params.lm_head.as_ref().unwrap_or(wte);
+        close(auto.get(out).unwrap(), &back.out, "output matrix");
+        close(auto.get(x.as_tensor()).unwrap(), &back.dx, "input");
+    }
+
+    #[test]
+    fn cross_entropy_refuses_a_target_outside_the_vocabulary() {
+        let mut logits = vec![0f32; 6];
+        let err = crate::head::cross_entropy_in_place(&mut logits, &[1, 3], 3, 1.0).unwrap_err();
+        assert!(err.to_string().contains("target 3 at position 1"), "{err}");
     }
 
     fn block_backward_matches_autograd_for(g: Gpt) {

@@ -10,6 +10,8 @@
 //! - [`params`]: a block's parameters by slot (`BlockParams { norm_1, qkv,
 //!   ... }`), generic over values, gradients and specs; the one place their flat
 //!   order is written.
+//! - [`head`]: the final norm, output product and cross-entropy with their
+//!   backward in one call (no autograd in a training step's head).
 //! - [`linear`]: a block's linear layers whole or in column tiles
 //!   (memory-centric tiling) behind one [`BlockSource`], with a backward whose
 //!   input gradient adds in the same order either way.
@@ -31,6 +33,7 @@
 pub mod attention;
 pub mod data;
 pub mod gpt;
+pub mod head;
 pub mod linear;
 pub mod llama_ops;
 pub mod ops;
@@ -39,6 +42,7 @@ mod simd;
 
 pub use data::{Batch, Batcher, Corpus, DataError};
 pub use gpt::{BlockActs, Gpt, GroupSpec, Init, ParamSpec};
+pub use head::HeadBackward;
 pub use linear::{BlockLinear, BlockNorm, BlockSource, Products};
 pub use params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};
 pub use zconfig::tiles::{ColumnTile, TileError};

@@ -411,11 +411,11 @@ fn shape(e: zgemm::ShapeError) -> candle_core::Error {
 }
 
 /// The values of a contiguous f32 CPU tensor's storage, without a copy.
-fn f32s<'a>(storage: &'a Storage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
+pub(crate) fn f32s<'a>(storage: &'a Storage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
     match (storage, layout.contiguous_offsets()) {
         (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(&v[a..b]),
         _ => Err(candle_core::Error::Msg(
-            "a linear layer needs contiguous f32 tensors on the CPU".into(),
+            "a linear layer or the head needs contiguous f32 tensors on the CPU".into(),
         )),
     }
 }
