@@ -241,16 +241,10 @@ impl Engine {
         self.scaler.as_ref()
     }
 
-    /// Whether the embedding keeps its autograd graph from forward to backward
-    /// (else backward recomputes the lookup, so that no gathered or
-    /// checkpointed parameter is held in between).
-    pub(crate) fn embedding_keeps_graph(&self) -> bool {
-        !self.stage.partitions_parameters() && !self.spec.train.activation_checkpointing
-    }
-
     /// The order of stage-3 gathers in one micro-batch: forward blocks, the head
-    /// (with the embedding, if tied), backward blocks in reverse, the embedding; a
-    /// block's tiles after its own group, in the order its pass uses them.
+    /// (with the embedding, if tied), backward blocks in reverse (the
+    /// embedding's backward needs no parameter); a block's tiles after its own
+    /// group, in the order its pass uses them.
     /// With qwZ the forward gathers of the embedding and the blocks are
     /// quantized; the head's serves its backward too, so it is not. With hpZ
     /// those forward gathers keep secondary shards, and the embedding's and
@@ -281,13 +275,13 @@ impl Engine {
         for b in (1..=l).rev() {
             order.extend(block_uses(&self.model, b, Pass::Backward { checkpointing }).map(later));
         }
-        order.push(later(0));
         order.retain(|g| self.groups[g.group].partitioned);
         order
     }
 
     /// The forward gathers of the embedding and the blocks: quantized with
-    /// qwZ; with `keep`, leaving hpZ's secondary shards.
+    /// qwZ; with `keep`, leaving hpZ's secondary shards (the embedding's only
+    /// where a tied head gathers it again: its backward gathers nothing).
     fn forward_gathers(&self, keep: bool) -> impl Iterator<Item = Gather> + '_ {
         let z = &self.spec.zero;
         let quant = z.quantized_weights.then(|| WeightQuant {
@@ -295,12 +289,13 @@ impl Engine {
             block_size: z.quantization.block_size,
         });
         let l = self.model.config().n_layers;
+        let tied = self.model.config().tied();
         std::iter::once(0)
             .chain((1..=l).flat_map(|b| block_uses(&self.model, b, Pass::Forward)))
             .map(move |group| Gather {
                 group,
                 source: Source::World(quant),
-                keep,
+                keep: keep && (group != 0 || tied),
             })
     }
 

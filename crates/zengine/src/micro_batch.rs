@@ -4,17 +4,16 @@
 //!
 //! zmodel's `block_forward` keeps a block's activations (tensors that reference
 //! no parameter) and `block_backward` turns them and `dy` into the block's
-//! parameter gradients and `dx` without an autograd graph. The embedding and
-//! the head (with the loss) use candle's autograd. With activation
-//! checkpointing a block keeps only its input and backward recomputes its
-//! forward on the parameters it gathered for backward anyway, so checkpointing
-//! at stage 3 costs no third gather. The embedding's autograd graph would hold
-//! its parameters, so at stage 3 (or with checkpointing) backward recomputes the
-//! lookup.
+//! parameter gradients and `dx` without an autograd graph; so do the head
+//! (`Gpt::head_backward`: norm, output product and loss in one call) and the
+//! embedding (`Gpt::embed_backward`). With activation checkpointing a block
+//! keeps only its input and backward recomputes its forward on the
+//! parameters it gathered for backward anyway, so checkpointing at stage 3
+//! costs no third gather. The embedding's backward needs only the tokens and
+//! `dx`, no parameter: at stage 3 it gathers nothing.
 
 use std::ops::Range;
 
-use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, Device, Storage, Tensor, Var};
 use zmodel::{
     Batch, BlockActs, BlockLinear, BlockNorm, BlockSource, EmbeddingParams, HeadParams, WeightBias,
@@ -38,16 +37,10 @@ struct MicroBatch {
     tokens: Tensor,
     targets: Tensor,
     gather: Prefetcher,
-    /// The embedding's output with its autograd graph, where it is kept.
-    embedded: Option<Tensor>,
     /// Per block, what its backward needs.
     saved: Vec<Saved>,
     /// Whether this micro-batch's gradients are reduced as backward goes.
     reduce_now: bool,
-}
-
-fn tensors(vars: &[Var]) -> Vec<Tensor> {
-    vars.iter().map(|v| v.as_tensor().clone()).collect()
 }
 
 fn detached(vars: &[Var]) -> Vec<Tensor> {
@@ -150,7 +143,6 @@ impl Engine {
             tokens: Tensor::from_slice(&batch.inputs, shape, &Device::Cpu)?,
             targets: Tensor::from_slice(&batch.targets, shape, &Device::Cpu)?,
             gather: self.prefetcher(),
-            embedded: None,
             saved: Vec::with_capacity(self.model.config().n_layers),
             reduce_now: self.stage.partitions_gradients() || self.micro + 1 == accum,
         })
@@ -159,20 +151,10 @@ impl Engine {
     /// Group 0's forward; returns the blocks' input (without a graph).
     fn forward_embedding(&mut self, mb: &mut MicroBatch) -> Result<Tensor, EngineError> {
         let p0 = self.params_for(0, &mut mb.gather)?;
-        let x = if self.embedding_keeps_graph() {
-            let y = self.model.embed(
-                &EmbeddingParams::from_vec(tensors(&p0), self.model.layout())?,
-                &mb.tokens,
-            )?;
-            let x = y.detach();
-            mb.embedded = Some(y);
-            x
-        } else {
-            self.model.embed(
-                &EmbeddingParams::from_vec(detached(&p0), self.model.layout())?,
-                &mb.tokens,
-            )?
-        };
+        let x = self.model.embed(
+            &EmbeddingParams::from_vec(detached(&p0), self.model.layout())?,
+            &mb.tokens,
+        )?;
         drop(p0);
         self.release(0);
         Ok(x)
@@ -288,20 +270,10 @@ impl Engine {
         Ok(dx)
     }
 
-    /// The embedding's backward (recomputing the lookup where no graph was kept).
+    /// The embedding's backward, from the tokens and `dx` alone.
     fn backward_embedding(&mut self, mb: &mut MicroBatch, dx: &Tensor) -> Result<(), EngineError> {
-        let p0 = self.params_for(0, &mut mb.gather)?;
-        let y0 = match mb.embedded.take() {
-            Some(y) => y,
-            None => self.model.embed(
-                &EmbeddingParams::from_vec(tensors(&p0), self.model.layout())?,
-                &mb.tokens,
-            )?,
-        };
-        let grads = (y0 * dx)?.sum_all()?.backward()?;
-        self.accumulate(0, &p0, &grads)?;
-        drop((grads, p0));
-        self.release(0);
+        let grads = self.model.embed_backward(&mb.tokens, dx)?.into_vec();
+        self.accumulate_tensors(0, &grads.iter().collect::<Vec<_>>())?;
         if mb.reduce_now {
             self.group_done(0)?;
         }
@@ -323,22 +295,6 @@ impl Engine {
             comm_buffers.add(staging.bytes());
             staging
         })
-    }
-
-    /// Adds a group's parameter gradients (from autograd) into its micro-batch
-    /// gradient buffer.
-    fn accumulate(&mut self, g: usize, vars: &[Var], grads: &GradStore) -> Result<(), EngineError> {
-        let slots = &self.groups[g].layout.params;
-        let tensors = slots
-            .iter()
-            .zip(vars)
-            .map(|(slot, var)| {
-                grads
-                    .get(var.as_tensor())
-                    .ok_or_else(|| missing(&slot.name))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        self.accumulate_tensors(g, &tensors)
     }
 
     /// Adds a group's parameter gradients, in slot order, into its micro-batch

@@ -421,6 +421,52 @@ impl Gpt {
         }
     }
 
+    /// Group 0's backward: the gradients of `wte` (and GPT-2's `wpe`) from
+    /// the tokens `[b, t]` and the gradient `dx` `[b, t, d]` of
+    /// [`Gpt::embed`]'s output. It needs no parameter: each row of `dx` is
+    /// added to its token's row of `wte` (rows in order) and summed over the
+    /// batch into its position's row of `wpe`.
+    pub fn embed_backward(&self, tokens: &Tensor, dx: &Tensor) -> Result<EmbeddingParams<Tensor>> {
+        let (b, t) = tokens.dims2()?;
+        let d = self.cfg.d_model;
+        let (v, positions) = (self.cfg.vocab_size, self.cfg.seq_len);
+        if dx.dims() != [b, t, d] || t > positions {
+            candle_core::bail!(
+                "embedding backward: dx {:?} for tokens [{b}, {t}] (d_model {d}, seq_len {positions})",
+                dx.dims()
+            );
+        }
+        let tokens = tokens.flatten_all()?.to_vec1::<u32>()?;
+        let dx = dx.contiguous()?;
+        let (ds, dl) = dx.storage_and_layout();
+        let dxv = f32s(&ds, dl)?;
+        let mut wte = vec![0f32; v * d];
+        for (&tok, row) in tokens.iter().zip(dxv.chunks_exact(d)) {
+            let tok = tok as usize;
+            if tok >= v {
+                candle_core::bail!("embedding backward: token {tok} outside the vocabulary of {v}");
+            }
+            wte[tok * d..(tok + 1) * d]
+                .iter_mut()
+                .zip(row)
+                .for_each(|(g, &x)| *g += x);
+        }
+        let wpe = match self.layout().positions {
+            true => {
+                let mut wpe = vec![0f32; positions * d];
+                for seq in dxv.chunks_exact(t * d) {
+                    wpe[..t * d].iter_mut().zip(seq).for_each(|(g, &x)| *g += x);
+                }
+                Some(Tensor::from_vec(wpe, (positions, d), &Device::Cpu)?)
+            }
+            false => None,
+        };
+        Ok(EmbeddingParams {
+            wte: Tensor::from_vec(wte, (v, d), &Device::Cpu)?,
+            wpe,
+        })
+    }
+
     /// The family's norm of `x` rows.
     fn norm(&self, x: &Tensor, n: &WeightBias<Tensor>) -> Result<Tensor> {
         let eps = self.cfg.norm_eps();
@@ -887,6 +933,54 @@ mod tests {
         let out = params.lm_head.as_ref().unwrap_or(wte);
         close(auto.get(out).unwrap(), &back.out, "output matrix");
         close(auto.get(x.as_tensor()).unwrap(), &back.dx, "input");
+    }
+
+    /// The hand-written embedding backward equals autograd through `embed`,
+    /// with and without position embeddings, a token repeated in the batch.
+    #[test]
+    fn embed_backward_matches_autograd() {
+        for cfg in [gpt(11, 12, 1, 3, 40), llama(11, 16, 1, 40, 24)] {
+            let g = Gpt::new(&cfg).unwrap();
+            let (d, dev) = (g.cfg.d_model, Device::Cpu);
+            let vars: Vec<Var> = g
+                .init_group(0, 2)
+                .into_iter()
+                .zip(&g.groups()[0].params)
+                .map(|(vals, ps)| Var::from_vec(vals, ps.shape.as_slice(), &dev).unwrap())
+                .collect();
+            let params = EmbeddingParams::from_vec(
+                vars.iter().map(|v| v.as_tensor().clone()).collect(),
+                g.layout(),
+            )
+            .unwrap();
+            // 30 of the 40 positions: wpe's last rows get no gradient.
+            let tokens: Vec<u32> = (0..60u32).map(|i| (i * 7) % 11).collect();
+            let tokens = Tensor::from_vec(tokens, (2, 30), &dev).unwrap();
+            let dy: Vec<f32> = (0..60 * d)
+                .map(|i| ((i * 13 % 23) as f32 - 11.0) / 8.0)
+                .collect();
+            let dy = Tensor::from_vec(dy, (2, 30, d), &dev).unwrap();
+            let y = g.embed(&params, &tokens).unwrap();
+            let auto = (y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+            let got = g.embed_backward(&tokens, &dy).unwrap().into_vec();
+            assert_eq!(got.len(), vars.len());
+            for ((v, grad), ps) in vars.iter().zip(&got).zip(&g.groups()[0].params) {
+                let want = auto.get(v.as_tensor()).unwrap();
+                let (a, b) = (
+                    want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    grad.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                assert_eq!(a.len(), b.len(), "{}", ps.name);
+                assert!(a.iter().any(|x| *x != 0.0), "{}: all zero", ps.name);
+                for (x, y) in a.iter().zip(&b) {
+                    assert!(
+                        (x - y).abs() <= 1e-5 * (1.0 + x.abs()),
+                        "{}: {x} vs {y}",
+                        ps.name
+                    );
+                }
+            }
+        }
     }
 
     #[test]
