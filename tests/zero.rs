@@ -13,7 +13,7 @@ fn zero_memory_and_volume_follow_the_paper_at_4_workers() {
     let job = small_job(dir.path(), "formulas", 3);
     let n = 4.0;
     // The small job's model: vocab 64, d 32, 2 layers, seq 32.
-    let (v, d, l, t) = (64.0, 32.0, 2.0, 32.0);
+    let (d, l) = (32.0, 2.0);
     let groups = l + 2.0;
     for dtype in ["f32", "bf16"] {
         for stage in 0..=3 {
