@@ -256,7 +256,7 @@ impl Flat {
     }
 
     /// Σ (x·scale)² over elements `r`, each term rounded to f32 first, added in
-    /// f64: in tasks of [`TASK`] elements from the start of `r`, each in 8
+    /// f64: in tasks of `TASK` elements from the start of `r`, each in 8
     /// interleaved partial sums combined in a fixed order (so that the loop
     /// vectorises), the tasks' sums then added in order, so that the bits
     /// depend only on the slice, not on the threads.

@@ -21,8 +21,9 @@
 //! - [`llama_ops`]: fused RMSNorm, SwiGLU and rotary embeddings with their
 //!   own backward.
 //! - [`ops`]: fused layer norm and GELU with their own backward; cross-entropy
-//!   composed from candle primitives so that it has a backward (candle-nn's fused
-//!   versions silently have none).
+//!   composed from candle primitives, the autograd reference that [`head`]'s
+//!   fused one is tested against (candle-nn's fused versions silently have no
+//!   backward).
 //! - `simd`: a vectorisable `exp`, AVX2 dispatch and thread-count-independent
 //!   row splitting for the fused ops.
 //! - [`data`]: corpora (text bytes, u16 tokens, synthetic) and the batcher that gives
