@@ -458,6 +458,74 @@ mod tests {
         }
     }
 
+    /// The whole-buffer passes spread over the pool give, at 1 and 3
+    /// threads, each element's own arithmetic (widen, add then round, scale,
+    /// zero) and a squared norm whose bits are the tasks' sums added in order,
+    /// over several tasks and a partial one, from an offset.
+    #[test]
+    fn parallel_passes_are_element_wise_and_thread_count_free() {
+        let n = 3 * TASK + 123;
+        let at = 5;
+        // Magnitudes over six decades, so that the order of a sum shows in its bits.
+        let x: Vec<f32> = (0..n)
+            .map(|i| (i as f32 * 0.7311).sin() * 10f32.powi((i % 7) as i32 - 3))
+            .collect();
+        let y: Vec<f32> = (0..n)
+            .map(|i| ((i * 11 % 13) as f32 - 6.0) / 64.0)
+            .collect();
+        for kind in [None, Some(Half::Bf16), Some(Half::F16)] {
+            let base = |f: &mut Flat| f.set_f32(at, &x);
+            let mut norms = Vec::new();
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                pool.install(|| {
+                    let mut f = Flat::zeros(kind, n + at);
+                    base(&mut f);
+                    let stored = f.to_f32(at..at + n);
+                    let want: Vec<f32> = x
+                        .iter()
+                        .map(|&v| kind.map_or(v, |h| h.widen(h.round(v))))
+                        .collect();
+                    assert!(stored
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()));
+                    f.add_f32(at, &y);
+                    let sums = f.to_f32(at..at + n);
+                    let want: Vec<f32> = want
+                        .iter()
+                        .zip(&y)
+                        .map(|(&a, &b)| kind.map_or(a + b, |h| h.widen(h.round(a + b))))
+                        .collect();
+                    assert!(sums
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()));
+                    let norm = f.sum_sq(at..at + n, 0.5);
+                    let by_task: f64 = want
+                        .chunks(TASK)
+                        .map(|c| sum_sq8(c, 0.5, |v| v))
+                        .collect::<Vec<f64>>()
+                        .iter()
+                        .sum();
+                    assert_eq!(norm.to_bits(), by_task.to_bits(), "{kind:?} {threads}");
+                    norms.push(norm);
+                    f.scale_f32(at..at + n, 0.25);
+                    if kind.is_none() {
+                        let scaled = f.to_f32(at..at + n);
+                        assert!(scaled.iter().zip(&want).all(|(a, b)| *a == b * 0.25));
+                    }
+                    f.fill_zero();
+                    assert!(f.to_f32(0..n + at).iter().all(|v| v.to_bits() == 0));
+                });
+            }
+            assert_eq!(norms[0].to_bits(), norms[1].to_bits(), "{kind:?}");
+        }
+    }
+
     #[test]
     fn add_rounds_once_per_add() {
         let mut f = Flat::zeros(Some(Half::Bf16), 2);
