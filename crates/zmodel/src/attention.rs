@@ -290,18 +290,21 @@ fn probabilities(
         // call holds.
         unsafe { product(blk.products, c, t, i1, q, kt, 0..hd, scale, false) };
     }
-    vectorised(|| {
-        for (i, row) in p.chunks_exact_mut(t).enumerate() {
-            let (live, masked) = row.split_at_mut(i + 1);
-            // Reductions in 8 lanes: a sum in one chain of adds waited
-            // on each add's latency, a fifth of attention's time.
-            let max = max8(live);
-            live.iter_mut().for_each(|v| *v = exp(*v - max));
-            let inv = 1.0 / sum8(live.len(), |j| live[j]);
-            live.iter_mut().for_each(|v| *v *= inv);
-            masked.fill(0.0);
-        }
-    });
+    vectorised(
+        #[inline(always)]
+        || {
+            for (i, row) in p.chunks_exact_mut(t).enumerate() {
+                let (live, masked) = row.split_at_mut(i + 1);
+                // Reductions in 8 lanes: a sum in one chain of adds waited
+                // on each add's latency, a fifth of attention's time.
+                let max = max8(live);
+                live.iter_mut().for_each(|v| *v = exp(*v - max));
+                let inv = 1.0 / sum8(live.len(), |j| live[j]);
+                live.iter_mut().for_each(|v| *v *= inv);
+                masked.fill(0.0);
+            }
+        },
+    );
 }
 
 impl CustomOp1 for CausalAttention {
@@ -437,18 +440,21 @@ impl CustomOp2 for CausalAttentionGrad {
                         // dS = P ⊙ (dP − rowsum(dP ⊙ P)) over the live
                         // entries, in place; the masked ones zero (the
                         // blocks read them).
-                        vectorised(|| {
-                            for (i, (prow, dsrow)) in
-                                p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate()
-                            {
-                                let (live, masked) = dsrow.split_at_mut(i + 1);
-                                let c = sum8(live.len(), |j| prow[j] * live[j]);
-                                live.iter_mut()
-                                    .zip(prow)
-                                    .for_each(|(g, &pv)| *g = pv * (*g - c));
-                                masked.fill(0.0);
-                            }
-                        });
+                        vectorised(
+                            #[inline(always)]
+                            || {
+                                for (i, (prow, dsrow)) in
+                                    p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate()
+                                {
+                                    let (live, masked) = dsrow.split_at_mut(i + 1);
+                                    let c = sum8(live.len(), |j| prow[j] * live[j]);
+                                    live.iter_mut()
+                                        .zip(prow)
+                                        .for_each(|(g, &pv)| *g = pv * (*g - c));
+                                    masked.fill(0.0);
+                                }
+                            },
+                        );
                         for (i0, i1) in blocks(t, rows) {
                             let ds_blk = view(ds, i0 * t, i1 - i0, i1, t);
                             // SAFETY: dQ rows i0..i1 of query head h: this

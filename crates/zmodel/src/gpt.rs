@@ -1265,17 +1265,17 @@ mod tests {
         }
     }
 
-    /// The fused ops' AVX2 build and their baseline build give the same bits
+    /// The fused ops' AVX-512, AVX2 and baseline builds give the same bits
     /// (no fused multiply-add is ever formed), through a whole block forward and
     /// backward and the head's loss. Says on stderr which paths it compared.
     #[test]
-    fn avx2_and_baseline_fused_ops_give_the_same_bits() {
+    fn every_vector_width_of_the_fused_ops_gives_the_same_bits() {
         for cfg in [gpt(11, 16, 1, 2, 40), llama(11, 16, 1, 40, 24)] {
-            same_bits_avx2_and_baseline(Gpt::new(&cfg).unwrap());
+            same_bits_at_every_width(Gpt::new(&cfg).unwrap());
         }
     }
 
-    fn same_bits_avx2_and_baseline(g: Gpt) {
+    fn same_bits_at_every_width(g: Gpt) {
         use std::io::Write;
         use std::sync::atomic::Ordering;
         let dev = Device::Cpu;
@@ -1321,22 +1321,28 @@ mod tests {
                 })
                 .collect()
         };
-        let best = run();
-        crate::simd::FORCE_BASELINE.store(true, Ordering::SeqCst);
-        let baseline = run();
-        crate::simd::FORCE_BASELINE.store(false, Ordering::SeqCst);
-        assert!(best == baseline, "the AVX2 and baseline builds differ");
-        #[cfg(target_arch = "x86_64")]
-        let avx2 = std::arch::is_x86_feature_detected!("avx2");
-        #[cfg(not(target_arch = "x86_64"))]
-        let avx2 = false;
+        use crate::simd::{widest_here, Width, WIDEST};
+        let at = |w: Width| {
+            WIDEST.store(w as u8, Ordering::SeqCst);
+            let out = run();
+            WIDEST.store(Width::Avx512 as u8, Ordering::SeqCst);
+            out
+        };
+        let baseline = at(Width::Baseline);
+        let widths: Vec<Width> = [Width::Avx2, Width::Avx512]
+            .into_iter()
+            .filter(|w| *w <= widest_here())
+            .collect();
+        for w in &widths {
+            assert!(at(*w) == baseline, "the {w:?} and baseline builds differ");
+        }
         let _ = writeln!(
             std::io::stderr(),
-            "fused ops: {}",
-            if avx2 {
-                "AVX2 and baseline builds compared, same bits"
+            "fused ops: baseline and {widths:?} compared, same bits{}",
+            if widths.is_empty() {
+                " (no AVX2 on this CPU: only the baseline ran, nothing compared)"
             } else {
-                "no AVX2 on this CPU: only the baseline build ran, nothing compared"
+                ""
             }
         );
     }

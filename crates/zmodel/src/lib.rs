@@ -24,7 +24,7 @@
 //!   composed from candle primitives, the autograd reference that [`head`]'s
 //!   fused one is tested against (candle-nn's fused versions silently have no
 //!   backward).
-//! - `simd`: a vectorisable `exp`, AVX2 dispatch and thread-count-independent
+//! - `simd`: a vectorisable `exp`, AVX-512 / AVX2 dispatch and thread-count-independent
 //!   row splitting for the fused ops.
 //! - [`data`]: corpora (text bytes, u16 tokens, synthetic) and the batcher that gives
 //!   each rank a disjoint, deterministic share of every global batch.

@@ -58,14 +58,20 @@ impl CustomOp2 for RmsNorm {
             candle_core::bail!("rms norm: rows of {} do not match a weight of {d}", x.len());
         }
         let mut y = uninit_floats(x.len());
-        par_rows(x, &mut y, d, |x, y| {
-            for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
-                let r = rms_inv(row, self.eps);
-                for i in 0..d {
-                    out[i].write(row[i] * r * w[i]);
+        par_rows(
+            x,
+            &mut y,
+            d,
+            #[inline(always)]
+            |x, y| {
+                for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+                    let r = rms_inv(row, self.eps);
+                    for i in 0..d {
+                        out[i].write(row[i] * r * w[i]);
+                    }
                 }
-            }
-        });
+            },
+        );
         // SAFETY: the rows cover x (checked above), and so y, whole.
         let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), l1.shape().clone()))
@@ -133,24 +139,28 @@ impl RmsNormGrad {
                 let span = task * per..task * per + dx.len();
                 let (x, dy) = (&x[span.clone()], &dy[span.clone()]);
                 let residual = residual.map(|r| &r[span]);
-                vectorised(|| {
-                    let mut dw = vec![0f32; d];
-                    let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
-                    for (k, (row, out)) in x.chunks_exact(d).zip(dx.chunks_exact_mut(d)).enumerate()
-                    {
-                        let dyr = &dy[k * d..][..d];
-                        let r = rms_inv(row, self.eps);
-                        for i in 0..d {
-                            xhat[i] = row[i] * r;
-                            g[i] = dyr[i] * w[i];
-                            dw[i] += dyr[i] * xhat[i];
+                vectorised(
+                    #[inline(always)]
+                    || {
+                        let mut dw = vec![0f32; d];
+                        let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
+                        for (k, (row, out)) in
+                            x.chunks_exact(d).zip(dx.chunks_exact_mut(d)).enumerate()
+                        {
+                            let dyr = &dy[k * d..][..d];
+                            let r = rms_inv(row, self.eps);
+                            for i in 0..d {
+                                xhat[i] = row[i] * r;
+                                g[i] = dyr[i] * w[i];
+                                dw[i] += dyr[i] * xhat[i];
+                            }
+                            let gx_mean = sum8(d, |i| g[i] * xhat[i]) / d as f32;
+                            let dx_i = |i: usize| r * (g[i] - xhat[i] * gx_mean);
+                            write_row(out, residual.map(|res| &res[k * d..][..d]), dx_i);
                         }
-                        let gx_mean = sum8(d, |i| g[i] * xhat[i]) / d as f32;
-                        let dx_i = |i: usize| r * (g[i] - xhat[i] * gx_mean);
-                        write_row(out, residual.map(|res| &res[k * d..][..d]), dx_i);
-                    }
-                    dw
-                })
+                        dw
+                    },
+                )
             })
             .collect();
         tail.fill(std::mem::MaybeUninit::new(0.0));
@@ -195,14 +205,17 @@ impl CustomOp1 for SwiGlu {
         y.par_chunks_mut(ROWS_PER_TASK * f)
             .zip(h.par_chunks(ROWS_PER_TASK * f2))
             .for_each(|(y, h)| {
-                vectorised(|| {
-                    for (out, row) in y.chunks_exact_mut(f).zip(h.chunks_exact(f2)) {
-                        let (gate, up) = row.split_at(f);
-                        for i in 0..f {
-                            out[i].write(gate[i] * sigmoid(gate[i]) * up[i]);
+                vectorised(
+                    #[inline(always)]
+                    || {
+                        for (out, row) in y.chunks_exact_mut(f).zip(h.chunks_exact(f2)) {
+                            let (gate, up) = row.split_at(f);
+                            for i in 0..f {
+                                out[i].write(gate[i] * sigmoid(gate[i]) * up[i]);
+                            }
                         }
-                    }
-                })
+                    },
+                )
             });
         // SAFETY: the chunks of y match the rows of h (n of them), each written whole.
         let y = unsafe { assume_init(y) };
@@ -248,22 +261,25 @@ impl CustomOp2 for SwiGluGrad {
                     .zip(dy.par_chunks(ROWS_PER_TASK * f)),
             )
             .for_each(|(dh, (h, dy))| {
-                vectorised(|| {
-                    for ((out, row), g) in dh
-                        .chunks_exact_mut(f2)
-                        .zip(h.chunks_exact(f2))
-                        .zip(dy.chunks_exact(f))
-                    {
-                        let (gate, up) = row.split_at(f);
-                        let (dgate, dup) = out.split_at_mut(f);
-                        for i in 0..f {
-                            let s = sigmoid(gate[i]);
-                            let silu = gate[i] * s;
-                            dgate[i].write(g[i] * up[i] * (s + silu * (1.0 - s)));
-                            dup[i].write(g[i] * silu);
+                vectorised(
+                    #[inline(always)]
+                    || {
+                        for ((out, row), g) in dh
+                            .chunks_exact_mut(f2)
+                            .zip(h.chunks_exact(f2))
+                            .zip(dy.chunks_exact(f))
+                        {
+                            let (gate, up) = row.split_at(f);
+                            let (dgate, dup) = out.split_at_mut(f);
+                            for i in 0..f {
+                                let s = sigmoid(gate[i]);
+                                let silu = gate[i] * s;
+                                dgate[i].write(g[i] * up[i] * (s + silu * (1.0 - s)));
+                                dup[i].write(g[i] * silu);
+                            }
                         }
-                    }
-                })
+                    },
+                )
             });
         // SAFETY: the chunks of dh match the rows of h and dy (n of them), each written whole.
         let dh = unsafe { assume_init(dh) };
@@ -338,16 +354,19 @@ impl CustomOp1 for Rope {
                 &cos[p * half..(p + 1) * half],
                 &sin[p * half..(p + 1) * half],
             );
-            vectorised(|| {
-                for head in row[..rotated].chunks_exact_mut(hd) {
-                    let (a, b) = head.split_at_mut(half);
-                    for i in 0..half {
-                        let (x1, x2) = (a[i], b[i]);
-                        a[i] = x1 * c[i] - x2 * s[i];
-                        b[i] = x2 * c[i] + x1 * s[i];
+            vectorised(
+                #[inline(always)]
+                || {
+                    for head in row[..rotated].chunks_exact_mut(hd) {
+                        let (a, b) = head.split_at_mut(half);
+                        for i in 0..half {
+                            let (x1, x2) = (a[i], b[i]);
+                            a[i] = x1 * c[i] - x2 * s[i];
+                            b[i] = x2 * c[i] + x1 * s[i];
+                        }
                     }
-                }
-            })
+                },
+            )
         });
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }

@@ -80,11 +80,17 @@ impl CustomOp1 for Gelu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_input(self.name(), s, l)?;
         let mut y = uninit_floats(x.len());
-        par_rows(x, &mut y, ELEMS_PER_TASK / ROWS_PER_TASK, |x, y| {
-            for (o, &v) in y.iter_mut().zip(x) {
-                o.write(gelu_of(v));
-            }
-        });
+        par_rows(
+            x,
+            &mut y,
+            ELEMS_PER_TASK / ROWS_PER_TASK,
+            #[inline(always)]
+            |x, y| {
+                for (o, &v) in y.iter_mut().zip(x) {
+                    o.write(gelu_of(v));
+                }
+            },
+        );
         // SAFETY: par_rows hands every element of y to the loop above.
         let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), l.shape().clone()))
@@ -113,11 +119,14 @@ impl CustomOp1 for GeluBf16 {
                 let (mut wide, mut bits) = ([0f32; 256], [0u16; 256]);
                 for (y, x) in y.chunks_mut(256).zip(x.chunks(256)) {
                     let (wide, bits) = (&mut wide[..x.len()], &mut bits[..x.len()]);
-                    vectorised(|| {
-                        for (w, &v) in wide.iter_mut().zip(x) {
-                            *w = gelu_of(v);
-                        }
-                    });
+                    vectorised(
+                        #[inline(always)]
+                        || {
+                            for (w, &v) in wide.iter_mut().zip(x) {
+                                *w = gelu_of(v);
+                            }
+                        },
+                    );
                     zgemm::bf16_bits_into(wide, bits);
                     for (o, &b) in y.iter_mut().zip(bits.iter()) {
                         o.write(b);
@@ -162,14 +171,17 @@ impl CustomOp2 for GeluGrad {
                     .zip(dy.par_chunks(ELEMS_PER_TASK)),
             )
             .for_each(|(dx, (x, dy))| {
-                vectorised(|| {
-                    for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-                        let t = tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v));
-                        let d = 0.5 * (1.0 + t)
-                            + 0.5 * v * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * v * v);
-                        o.write(g * d);
-                    }
-                })
+                vectorised(
+                    #[inline(always)]
+                    || {
+                        for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
+                            let t = tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v));
+                            let d = 0.5 * (1.0 + t)
+                                + 0.5 * v * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * v * v);
+                            o.write(g * d);
+                        }
+                    },
+                )
             });
         // SAFETY: the chunks of dx match those of x, and each element got a value.
         let dx = unsafe { assume_init(dx) };
@@ -266,14 +278,20 @@ impl CustomOp3 for LayerNorm {
             );
         }
         let mut y = uninit_floats(x.len());
-        par_rows(x, &mut y, d, |x, y| {
-            for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
-                let (mean, rstd) = row_stats(row, self.eps);
-                for i in 0..d {
-                    out[i].write((row[i] - mean) * rstd * w[i] + b[i]);
+        par_rows(
+            x,
+            &mut y,
+            d,
+            #[inline(always)]
+            |x, y| {
+                for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+                    let (mean, rstd) = row_stats(row, self.eps);
+                    for i in 0..d {
+                        out[i].write((row[i] - mean) * rstd * w[i] + b[i]);
+                    }
                 }
-            }
-        });
+            },
+        );
         // SAFETY: the rows cover x, and so y (same length), whole.
         let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), l1.shape().clone()))
@@ -336,13 +354,16 @@ impl CustomOp1 for ColumnSums {
         let parts: Vec<Vec<f32>> = m
             .par_chunks(per)
             .map(|rows| {
-                vectorised(|| {
-                    let mut acc = vec![0f32; k];
-                    for row in rows.chunks_exact(k) {
-                        acc.iter_mut().zip(row).for_each(|(a, v)| *a += v);
-                    }
-                    acc
-                })
+                vectorised(
+                    #[inline(always)]
+                    || {
+                        let mut acc = vec![0f32; k];
+                        for row in rows.chunks_exact(k) {
+                            acc.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+                        }
+                        acc
+                    },
+                )
             })
             .collect();
         let mut out = vec![0f32; k];
@@ -386,27 +407,31 @@ impl LayerNormGrad {
                 let span = task * per..task * per + dx.len();
                 let (x, dy) = (&x[span.clone()], &dy[span.clone()]);
                 let residual = residual.map(|r| &r[span]);
-                vectorised(|| {
-                    let mut sums = vec![0f32; 2 * d];
-                    let (dw, db) = sums.split_at_mut(d);
-                    let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
-                    for (r, (row, out)) in x.chunks_exact(d).zip(dx.chunks_exact_mut(d)).enumerate()
-                    {
-                        let dyr = &dy[r * d..][..d];
-                        let (mean, rstd) = row_stats(row, self.eps);
-                        for i in 0..d {
-                            xhat[i] = (row[i] - mean) * rstd;
-                            g[i] = dyr[i] * w[i];
-                            dw[i] += dyr[i] * xhat[i];
-                            db[i] += dyr[i];
+                vectorised(
+                    #[inline(always)]
+                    || {
+                        let mut sums = vec![0f32; 2 * d];
+                        let (dw, db) = sums.split_at_mut(d);
+                        let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
+                        for (r, (row, out)) in
+                            x.chunks_exact(d).zip(dx.chunks_exact_mut(d)).enumerate()
+                        {
+                            let dyr = &dy[r * d..][..d];
+                            let (mean, rstd) = row_stats(row, self.eps);
+                            for i in 0..d {
+                                xhat[i] = (row[i] - mean) * rstd;
+                                g[i] = dyr[i] * w[i];
+                                dw[i] += dyr[i] * xhat[i];
+                                db[i] += dyr[i];
+                            }
+                            let g_mean = sum8(d, |i| g[i]) / d as f32;
+                            let gx_mean = sum8(d, |i| g[i] * xhat[i]) / d as f32;
+                            let dx_i = |i: usize| rstd * (g[i] - g_mean - xhat[i] * gx_mean);
+                            write_row(out, residual.map(|res| &res[r * d..][..d]), dx_i);
                         }
-                        let g_mean = sum8(d, |i| g[i]) / d as f32;
-                        let gx_mean = sum8(d, |i| g[i] * xhat[i]) / d as f32;
-                        let dx_i = |i: usize| rstd * (g[i] - g_mean - xhat[i] * gx_mean);
-                        write_row(out, residual.map(|res| &res[r * d..][..d]), dx_i);
-                    }
-                    sums
-                })
+                        sums
+                    },
+                )
             })
             .collect();
         tail.fill(MaybeUninit::new(0.0));

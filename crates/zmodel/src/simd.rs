@@ -1,14 +1,14 @@
 //! What the fused CPU ops share: an `exp` the compiler can vectorise, running a
-//! loop with AVX2 enabled where the CPU has it, and splitting rows over rayon's
+//! loop with AVX-512 or AVX2 enabled where the CPU has it, and splitting rows over rayon's
 //! threads in chunks that do not depend on the thread count (so results are the
 //! same bits with 1 thread or 16).
 //!
 //! libm's `expf` is a scalar call, and it was most of GELU's time: an element of
 //! GELU cost about 6 ns. `exp` below is Cephes' `expf` (range reduction by ln 2,
 //! a degree-6 polynomial, about 1 ulp) written with plain arithmetic and bit
-//! operations, which LLVM turns into 8-lane AVX2 code. No fused multiply-add is
-//! ever formed (Rust does not contract), so the AVX2 and baseline paths give the
-//! same bits.
+//! operations, which LLVM turns into 16-lane AVX-512 or 8-lane AVX2 code. No
+//! fused multiply-add is ever formed (Rust does not contract), so the AVX-512,
+//! AVX2 and baseline paths give the same bits.
 
 use std::mem::MaybeUninit;
 
@@ -39,39 +39,82 @@ pub(crate) fn exp(x: f32) -> f32 {
     poly * f32::from_bits(((ni + 127) << 23) as u32)
 }
 
-/// Runs `f` in a function compiled for AVX2 when this CPU has it (the closure
-/// is inlined into it), else as is.
+/// Runs `f` in a function compiled for AVX-512 (16 lanes) or AVX2 (8 lanes),
+/// the widest this CPU has, else as is. Callers mark the closure
+/// `#[inline(always)]`: only code inlined into these functions is compiled
+/// for their features, and LLVM kept the larger kernels (layer norm's
+/// backward, attention's softmax) out of line, as baseline SSE code, until
+/// they were marked. The loops are plain arithmetic without fused
+/// multiply-adds, so every width gives the same bits (tested).
 #[inline(always)]
 pub(crate) fn vectorised<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2")]
+        fn avx512<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
         #[target_feature(enable = "avx2")]
         fn avx2<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        if !baseline_forced() && std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2 (checked just above).
-            return unsafe { avx2(f) };
+        match widest_here().min(widest_allowed()) {
+            // SAFETY: the CPU has these AVX-512 subsets and AVX2 (`widest_here`).
+            Width::Avx512 => return unsafe { avx512(f) },
+            // SAFETY: the CPU has AVX2 (`widest_here`).
+            Width::Avx2 => return unsafe { avx2(f) },
+            Width::Baseline => {}
         }
     }
     f()
 }
 
-/// Tests set this to run the baseline path on an AVX2 machine (the claim that
-/// both give the same bits is tested, not assumed).
+/// The vector widths [`vectorised`] picks from, narrowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Width {
+    Baseline = 0,
+    Avx2 = 1,
+    Avx512 = 2,
+}
+
+/// The widest path [`vectorised`] can take on this CPU.
+#[inline(always)]
+pub(crate) fn widest_here() -> Width {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+        {
+            return Width::Avx512;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return Width::Avx2;
+        }
+    }
+    Width::Baseline
+}
+
+/// Tests cap the width to run the narrower paths on a machine that has the
+/// wider ones (the claim that all give the same bits is tested, not assumed).
 #[cfg(test)]
-pub(crate) static FORCE_BASELINE: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
+pub(crate) static WIDEST: std::sync::atomic::AtomicU8 =
+    std::sync::atomic::AtomicU8::new(Width::Avx512 as u8);
 
 #[cfg(test)]
-fn baseline_forced() -> bool {
-    FORCE_BASELINE.load(std::sync::atomic::Ordering::SeqCst)
+fn widest_allowed() -> Width {
+    match WIDEST.load(std::sync::atomic::Ordering::SeqCst) {
+        0 => Width::Baseline,
+        1 => Width::Avx2,
+        _ => Width::Avx512,
+    }
 }
 
 #[cfg(not(test))]
 #[inline(always)]
-fn baseline_forced() -> bool {
-    false
+fn widest_allowed() -> Width {
+    Width::Avx512
 }
 
 /// Applies `f` to matching chunks of `rows` rows of `width` elements of `input`
@@ -87,7 +130,12 @@ pub(crate) fn par_rows(
     let per = width.max(1) * ROWS_PER_TASK;
     out.par_chunks_mut(per)
         .zip(input.par_chunks(per))
-        .for_each(|(o, i)| vectorised(|| f(i, o)));
+        .for_each(|(o, i)| {
+            vectorised(
+                #[inline(always)]
+                || f(i, o),
+            )
+        });
 }
 
 /// `len` values (f32, or bf16 bits) of fresh memory for a product or an op to fill: no
