@@ -27,7 +27,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{Device, Var};
+use candle_core::{Device, Tensor};
 use zcomm::{Communicator, CounterSnapshot, Quantization};
 use zconfig::{Dtype, JobSpec, ZeroStage};
 use zmodel::Gpt;
@@ -60,9 +60,9 @@ pub struct Engine {
     pub(crate) updates: u64,
     /// Gradient buckets and the reductions in flight.
     pub(crate) reducer: Reducer,
-    /// Parameter Vars of the current step, for groups that keep parameters
-    /// whole (rebuilt after each update).
-    pub(crate) vars: Vec<Option<Vec<Var>>>,
+    /// Parameter tensors of the current step, for groups that keep
+    /// parameters whole (rebuilt after each update).
+    pub(crate) vars: Vec<Option<Vec<Tensor>>>,
     pub(crate) step: u64,
     /// Micro-batches run since the last step.
     pub(crate) micro: usize,
@@ -358,16 +358,23 @@ impl Engine {
         )
     }
 
-    /// Parameter Vars (f32) of group `g` built from a full flat buffer. (Forward
-    /// without a graph uses their detached tensors, which autograd does not track.)
-    fn vars_from(&self, g: usize, full: &Flat) -> Result<Vec<Var>, EngineError> {
+    /// Parameter tensors (f32) of group `g` from a full flat buffer: views of
+    /// one storage, so an f32 buffer (a stage-3 gather) becomes the model's
+    /// parameters without a copy; 16-bit values are widened once. They are
+    /// plain tensors, not Vars: the step's backward is explicit, and the
+    /// linear layers take their fast path only for tensors autograd does not
+    /// follow.
+    fn tensors_from(&self, g: usize, full: Flat) -> Result<Vec<Tensor>, EngineError> {
+        let values = match full {
+            Flat::F32(v) => v,
+            half => half.to_f32(0..half.len()),
+        };
+        let len = values.len();
+        let all = Tensor::from_vec(values, len, &Device::Cpu)?;
         let mut out = Vec::with_capacity(self.groups[g].layout.params.len());
         for slot in &self.groups[g].layout.params {
-            out.push(Var::from_vec(
-                full.to_f32(slot.range.clone()),
-                slot.shape.as_slice(),
-                &Device::Cpu,
-            )?);
+            let view = all.narrow(0, slot.range.start, slot.range.len())?;
+            out.push(view.reshape(slot.shape.as_slice())?);
         }
         Ok(out)
     }
@@ -377,13 +384,13 @@ impl Engine {
         (Flat::words_for(self.half, self.groups[g].layout.padded) * 4) as u64
     }
 
-    /// Group `g`'s parameters for one use: cached Vars for whole groups,
+    /// Group `g`'s parameters for one use: cached tensors for whole groups,
     /// fresh ones for partitioned groups, which are gathered.
     pub(crate) fn params_for(
         &mut self,
         g: usize,
         gather: &mut Prefetcher,
-    ) -> Result<Vec<Var>, EngineError> {
+    ) -> Result<Vec<Tensor>, EngineError> {
         if self.groups[g].partitioned {
             let (groups, offload) = (&self.groups, self.offload.as_ref());
             let reads = &mut self.param_reads;
@@ -393,12 +400,14 @@ impl Engine {
             };
             let full = gather.fetch(g, &mut own)?;
             self.comm_buffers.add(full.bytes());
-            return self.vars_from(g, &full);
+            return self.tensors_from(g, full);
         }
         match &self.vars[g] {
             Some(vars) => Ok(vars.clone()),
             None => {
-                let vars = self.vars_from(g, &self.groups[g].params)?;
+                let params = &self.groups[g].params;
+                let values = Flat::F32(params.to_f32(0..params.len()));
+                let vars = self.tensors_from(g, values)?;
                 self.vars[g] = Some(vars.clone());
                 Ok(vars)
             }

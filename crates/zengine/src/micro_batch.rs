@@ -14,7 +14,7 @@
 
 use std::ops::Range;
 
-use candle_core::{CpuStorage, Device, Storage, Tensor, Var};
+use candle_core::{CpuStorage, Device, Storage, Tensor};
 use zmodel::{
     Batch, BlockActs, BlockLinear, BlockNorm, BlockSource, EmbeddingParams, HeadParams, WeightBias,
 };
@@ -41,10 +41,6 @@ struct MicroBatch {
     saved: Vec<Saved>,
     /// Whether this micro-batch's gradients are reduced as backward goes.
     reduce_now: bool,
-}
-
-fn detached(vars: &[Var]) -> Vec<Tensor> {
-    vars.iter().map(|v| v.as_tensor().detach()).collect()
 }
 
 impl Engine {
@@ -98,8 +94,7 @@ impl Engine {
         let layout = self.model.layout();
         let mut x = self
             .model
-            .embed(&EmbeddingParams::from_vec(detached(&p0), layout)?, &tokens)?;
-        drop(p0);
+            .embed(&EmbeddingParams::from_vec(p0, layout)?, &tokens)?;
         self.release(0);
         let l = self.model.config().n_layers;
         let model = self.model.clone();
@@ -109,18 +104,16 @@ impl Engine {
             src.release_block();
         }
         let ph = self.params_for(l + 1, &mut gather)?;
-        let head = HeadParams::from_vec(detached(&ph), layout)?;
+        let head = HeadParams::from_vec(ph, layout)?;
         let tied = head.lm_head.is_none();
         let wte = match tied {
-            true => Some(
-                EmbeddingParams::from_vec(detached(&self.params_for(0, &mut gather)?), layout)?.wte,
-            ),
+            true => Some(EmbeddingParams::from_vec(self.params_for(0, &mut gather)?, layout)?.wte),
             false => None,
         };
         let loss = self
             .model
             .head_loss_value(&head, wte.as_ref(), &x, &targets)?;
-        drop((ph, head, wte));
+        drop((head, wte));
         self.release(l + 1);
         if tied {
             self.release(0);
@@ -152,10 +145,9 @@ impl Engine {
     fn forward_embedding(&mut self, mb: &mut MicroBatch) -> Result<Tensor, EngineError> {
         let p0 = self.params_for(0, &mut mb.gather)?;
         let x = self.model.embed(
-            &EmbeddingParams::from_vec(detached(&p0), self.model.layout())?,
+            &EmbeddingParams::from_vec(p0, self.model.layout())?,
             &mb.tokens,
         )?;
-        drop(p0);
         self.release(0);
         Ok(x)
     }
@@ -205,15 +197,13 @@ impl Engine {
         let head = self.model.config().n_layers + 1;
         let layout = self.model.layout();
         let ph = self.params_for(head, &mut mb.gather)?;
-        let head_params = HeadParams::from_vec(detached(&ph), layout)?;
+        let head_params = HeadParams::from_vec(ph, layout)?;
         let tied = head_params.lm_head.is_none();
-        let pw = match tied {
-            true => Some(self.params_for(0, &mut mb.gather)?),
+        let wte = match tied {
+            true => {
+                Some(EmbeddingParams::from_vec(self.params_for(0, &mut mb.gather)?, layout)?.wte)
+            }
             false => None,
-        };
-        let wte = match &pw {
-            Some(pw) => Some(EmbeddingParams::from_vec(detached(pw), layout)?.wte),
-            None => None,
         };
         let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
         let back = self
@@ -237,7 +227,7 @@ impl Engine {
             add_grad(self.micro_grads(0), wte_range, &back.out, "wte (tied head)")?;
         }
         let (loss_value, dx) = (back.loss, back.dx);
-        drop((grads, ph, pw, wte, head_params));
+        drop((grads, wte, head_params));
         self.release(head);
         if tied {
             self.release(0);
@@ -344,7 +334,7 @@ impl<'a> BlockFromEngine<'a> {
         block: usize,
         reduce_now: bool,
     ) -> Result<BlockFromEngine<'a>, EngineError> {
-        let own = detached(&engine.params_for(block, gather)?);
+        let own = engine.params_for(block, gather)?;
         let tiles = engine.model.tile_groups(block);
         Ok(BlockFromEngine {
             own_grads: vec![None; own.len()],
@@ -442,7 +432,7 @@ impl BlockSource for BlockFromEngine<'_> {
         let Some(g) = self.tile_group(linear, tile) else {
             return self.own_pair(name);
         };
-        let mut p = detached(&self.engine.params_for(g, self.gather)?).into_iter();
+        let mut p = self.engine.params_for(g, self.gather)?.into_iter();
         let weight = p.next().ok_or_else(|| missing(name))?;
         let bias = p.next();
         assert_eq!(weight.dim(1)?, columns.len(), "tile {tile} of {name}");

@@ -323,7 +323,7 @@ impl Engine {
 
     /// Shares the updated slices where ranks hold whole parameters but update
     /// only their slice (stages 1-2, and whole groups at stage 3), and drops
-    /// the cached parameter Vars.
+    /// the cached parameter tensors.
     fn share_updated_params(&mut self) -> Result<(), EngineError> {
         let world = self.comm.world_size();
         if self.stage.partitions_optimizer() && world > 1 {
