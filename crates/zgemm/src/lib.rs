@@ -634,11 +634,16 @@ pub(crate) fn drive(
             // them that every thread has two, numbered so that rayon's
             // halving hands each thread its own range of panels (half the
             // packed B each to stream) where A needs no packing, which a
-            // task of each range would otherwise repeat.
+            // task of each range would otherwise repeat, or where A has so
+            // few blocks that repeating their packing costs less than every
+            // thread streaming all of B (a weight gradient xᵀ·dy with 384
+            // rows: 0.91x OpenBLAS at 2 threads before, 1.03-1.09x after).
             let m_blocks = m.div_ceil(mc);
             let splits = match threads {
                 1 => 1,
-                _ if a.cs == 1 => threads.max((2 * threads).div_ceil(m_blocks)),
+                _ if a.cs == 1 || m_blocks <= 2 * threads => {
+                    threads.max((2 * threads).div_ceil(m_blocks))
+                }
                 _ => (2 * threads).div_ceil(m_blocks),
             }
             .clamp(1, panels);
