@@ -62,7 +62,7 @@ pub struct Engine {
     pub(crate) reducer: Reducer,
     /// Parameter tensors of the current step, for groups that keep
     /// parameters whole (rebuilt after each update).
-    pub(crate) vars: Vec<Option<Vec<Tensor>>>,
+    pub(crate) param_tensors: Vec<Option<Vec<Tensor>>>,
     pub(crate) step: u64,
     /// Micro-batches run since the last step.
     pub(crate) micro: usize,
@@ -180,7 +180,7 @@ impl Engine {
             quantized,
         );
         Ok(Engine {
-            vars: (0..groups.len()).map(|_| None).collect(),
+            param_tensors: (0..groups.len()).map(|_| None).collect(),
             model,
             comm,
             hpz,
@@ -402,13 +402,13 @@ impl Engine {
             self.comm_buffers.add(full.bytes());
             return self.tensors_from(g, full);
         }
-        match &self.vars[g] {
+        match &self.param_tensors[g] {
             Some(vars) => Ok(vars.clone()),
             None => {
                 let params = &self.groups[g].params;
                 let values = Flat::F32(params.to_f32(0..params.len()));
                 let vars = self.tensors_from(g, values)?;
-                self.vars[g] = Some(vars.clone());
+                self.param_tensors[g] = Some(vars.clone());
                 Ok(vars)
             }
         }

@@ -135,7 +135,7 @@ impl Engine {
                 scaler.skipped = s.skipped;
             }
         }
-        self.vars.iter_mut().for_each(|v| *v = None);
+        self.param_tensors.iter_mut().for_each(|v| *v = None);
         Ok(())
     }
 
@@ -259,7 +259,7 @@ impl Engine {
                 problem: format!("the file has {} tensors, the model {used}", weights.len()),
             });
         }
-        self.vars.iter_mut().for_each(|v| *v = None);
+        self.param_tensors.iter_mut().for_each(|v| *v = None);
         Ok(())
     }
 }

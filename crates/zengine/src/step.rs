@@ -340,7 +340,7 @@ impl Engine {
                 self.groups[i].params = Flat::from_words(self.half, w.wait()?);
             }
         }
-        self.vars.iter_mut().for_each(|v| *v = None);
+        self.param_tensors.iter_mut().for_each(|v| *v = None);
         Ok(())
     }
 
