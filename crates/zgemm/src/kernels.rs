@@ -174,8 +174,15 @@ mod x86 {
         }
     }
 
-    /// 6×16 with AVX2 and FMA: 12 accumulators, two `B` vectors and one
-    /// broadcast of `A` per update.
+    /// 6×16 with AVX2 and FMA: 12 accumulators, two `B` vectors and six
+    /// broadcasts of `A` per update.
+    ///
+    /// The updates are assembly for the same reason as [`avx512`]'s: the six
+    /// rows of `A` are reached from two base pointers (rows 0 and 3) with the
+    /// row stride scaled by 1 and 2, three pointer adds a step. Compiled Rust
+    /// walked the rows with a chain of dependent adds as long as the step's
+    /// twelve FMAs (0.87-0.97x OpenBLAS's Haswell kernel on this crate's
+    /// shapes). The order of every update is that of the Rust it replaced.
     ///
     /// # Safety
     ///
@@ -190,30 +197,53 @@ mod x86 {
         const NR: usize = 16;
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
         prefetch_c(t, NR);
-        let (mut a, mut b, a_rs, a_cs) = (t.a, t.b, t.a_rs, t.a_cs);
-        let mut update = || {
-            // SAFETY: update p reads A's column p and b[p·16..p·16+16],
-            // inside the panels (caller).
-            unsafe {
-                let b0 = _mm256_loadu_ps(b);
-                let b1 = _mm256_loadu_ps(b.add(8));
-                for (i, row) in acc.iter_mut().enumerate() {
-                    let ai = _mm256_set1_ps(*a.add(i * a_rs));
-                    row[0] = _mm256_fmadd_ps(ai, b0, row[0]);
-                    row[1] = _mm256_fmadd_ps(ai, b1, row[1]);
-                }
-                a = a.add(a_cs);
-                b = b.add(NR);
-            }
-        };
-        for _ in 0..t.k / 4 {
-            update();
-            update();
-            update();
-            update();
-        }
-        for _ in 0..t.k % 4 {
-            update();
+        let [[c0, c1], [c2, c3], [c4, c5], [c6, c7], [c8, c9], [c10, c11]] = &mut acc;
+        // SAFETY: the updates read A's columns 0..k at its strides and
+        // b[..16·k], inside the panels (caller); the CPU has AVX2 and FMA.
+        unsafe {
+            std::arch::asm!(
+                "test {k}, {k}",
+                "jz 3f",
+                ".p2align 5",
+                "2:",
+                "vmovups ymm12, [{b}]",
+                "vmovups ymm13, [{b} + 32]",
+                "vbroadcastss ymm14, dword ptr [{a0}]",
+                "vbroadcastss ymm15, dword ptr [{a0} + {rs}]",
+                "vfmadd231ps ymm0, ymm12, ymm14",
+                "vfmadd231ps ymm1, ymm13, ymm14",
+                "vbroadcastss ymm14, dword ptr [{a0} + {rs}*2]",
+                "vfmadd231ps ymm2, ymm12, ymm15",
+                "vfmadd231ps ymm3, ymm13, ymm15",
+                "vbroadcastss ymm15, dword ptr [{a3}]",
+                "vfmadd231ps ymm4, ymm12, ymm14",
+                "vfmadd231ps ymm5, ymm13, ymm14",
+                "vbroadcastss ymm14, dword ptr [{a3} + {rs}]",
+                "vfmadd231ps ymm6, ymm12, ymm15",
+                "vfmadd231ps ymm7, ymm13, ymm15",
+                "vbroadcastss ymm15, dword ptr [{a3} + {rs}*2]",
+                "vfmadd231ps ymm8, ymm12, ymm14",
+                "vfmadd231ps ymm9, ymm13, ymm14",
+                "vfmadd231ps ymm10, ymm12, ymm15",
+                "vfmadd231ps ymm11, ymm13, ymm15",
+                "add {a0}, {cs}",
+                "add {a3}, {cs}",
+                "add {b}, 64",
+                "dec {k}",
+                "jnz 2b",
+                "3:",
+                k = inout(reg) t.k => _,
+                a0 = inout(reg) t.a => _,
+                a3 = inout(reg) t.a.wrapping_add(3 * t.a_rs) => _,
+                b = inout(reg) t.b => _,
+                rs = in(reg) t.a_rs * 4,
+                cs = in(reg) t.a_cs * 4,
+                inout("ymm0") *c0, inout("ymm1") *c1, inout("ymm2") *c2, inout("ymm3") *c3,
+                inout("ymm4") *c4, inout("ymm5") *c5, inout("ymm6") *c6, inout("ymm7") *c7,
+                inout("ymm8") *c8, inout("ymm9") *c9, inout("ymm10") *c10, inout("ymm11") *c11,
+                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+                options(nostack, readonly),
+            );
         }
         let alpha = _mm256_set1_ps(t.alpha);
         if t.rows == MR && t.cols == NR {
