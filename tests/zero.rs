@@ -320,3 +320,42 @@ fn hpz_on_two_loopback_nodes_is_stage_3_with_less_cross_node_traffic() {
         "an hpZ shared-memory segment was left in /dev/shm"
     );
 }
+
+/// Two workers in separate processes on one node, where shared-memory
+/// all-gathers (and all-reduces) of 2-24 MiB read each peer's buffer
+/// directly (`process_vm_readv`, falling back to the segment's slots where
+/// the system refuses): every loss at stages 0-3 has the bits of the same job
+/// over TCP. The model is sized so that its gathers take that path (a
+/// block's parameters, 3 MiB in f32; all of them, 13 MiB).
+#[test]
+fn shared_memory_between_processes_trains_with_the_bits_of_tcp() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("direct.yaml");
+    std::fs::write(
+        &job,
+        format!(
+            "name: direct\n\
+             model: {{vocab_size: 256, d_model: 256, n_layers: 2, n_heads: 4, seq_len: 32}}\n\
+             data: {{format: synthetic}}\n\
+             train: {{steps: 3, micro_batch_size: 2, lr: 1.0e-3, warmup_steps: 0}}\n\
+             run_dir: {}/runs/direct\n",
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    for stage in 0..=3 {
+        let run = |backend: &str| {
+            let m = dir.path().join(format!("s{stage}-{backend}.jsonl"));
+            let f = TrainArgs::new(&job, &m)
+                .args(&["--workers-per-node", "2"])
+                .set(format!("zero.stage={stage}"))
+                .set(format!("comm.backend={backend}"))
+                .run(dir.path());
+            assert_eq!(f.code(), 0, "stage {stage} {backend}: {f:?}");
+            losses(&metrics(&m))
+        };
+        let (shm, tcp) = (run("shm"), run("tcp"));
+        assert_eq!(shm.len(), 3);
+        assert_eq!(shm, tcp, "stage {stage}: shared memory differs from TCP");
+    }
+}

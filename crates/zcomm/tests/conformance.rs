@@ -16,11 +16,15 @@ use zquant::{Bits, Quantized};
 enum Transport {
     /// TCP between every pair of ranks.
     Tcp,
-    /// Shared memory within a node (TCP between nodes).
+    /// Shared memory within a node (TCP between nodes), all-gathers reading
+    /// peers' buffers directly where the system allows.
     Shm,
+    /// Shared memory with every all-gather copied through the segment.
+    ShmSlots,
 }
 
-/// Stamps each test body out once per transport: `tcp::NAME` and `shm::NAME`.
+/// Stamps each test body out once per transport: `tcp::NAME`, `shm::NAME`
+/// and `shm_slots::NAME`.
 macro_rules! per_transport {
     ($($name:ident),* $(,)?) => {
         mod tcp {
@@ -33,6 +37,12 @@ macro_rules! per_transport {
             $(#[test]
             fn $name() {
                 super::$name(super::Transport::Shm)
+            })*
+        }
+        mod shm_slots {
+            $(#[test]
+            fn $name() {
+                super::$name(super::Transport::ShmSlots)
             })*
         }
     };
@@ -89,8 +99,9 @@ fn numbered_world(
                 node_of_rank: nodes.to_vec(),
                 group: "world".into(),
                 // One segment per simulated node.
-                shm: matches!(t, Transport::Shm)
+                shm: matches!(t, Transport::Shm | Transport::ShmSlots)
                     .then(|| format!("zcomm-test-{}-{id}-n{}", std::process::id(), nodes[rank])),
+                single_copy: matches!(t, Transport::Shm),
             };
             std::thread::spawn(move || TcpCommunicator::connect(rank, l, &addrs, opts).unwrap())
         })
@@ -468,6 +479,7 @@ fn a_stranger_on_the_data_port_cannot_join() {
     let _stall = std::net::TcpStream::connect(addrs[0]).unwrap();
     let opts = |t: &Token| TcpOptions {
         shm: None,
+        single_copy: true,
         token: t.clone(),
         timeout: Duration::from_secs(10),
         node_of_rank: vec![0, 0],
@@ -675,6 +687,7 @@ fn a_topology_that_does_not_fit_the_world_is_refused() {
             node_of_rank: nodes.clone(),
             group: "world".into(),
             shm: None,
+            single_copy: true,
         };
         let e = TcpCommunicator::connect(rank, l, &addrs, opts)
             .err()

@@ -331,6 +331,7 @@ fn tcp_lines(nodes: &[usize]) -> Vec<Vec<String>> {
                 node_of_rank: nodes.to_vec(),
                 group: "world".into(),
                 shm: None,
+                single_copy: true,
             };
             let addrs = addrs.clone();
             std::thread::spawn(move || {

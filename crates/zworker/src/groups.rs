@@ -208,6 +208,7 @@ fn connect_tcp(
         node_of_rank: plan.members.iter().map(|&r| node_of_rank[r]).collect(),
         group: plan.name,
         shm: plan.shm,
+        single_copy: true,
     };
     Ok(Arc::new(TcpCommunicator::connect(
         me, listener, &addrs, opts,

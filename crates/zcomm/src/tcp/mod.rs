@@ -42,6 +42,11 @@ pub struct TcpOptions {
     /// Name of this node's shared-memory segment: when set, peers on the same
     /// node talk through shared memory instead of TCP.
     pub shm: Option<String>,
+    /// Within a node, whether all-gathers may read each peer's chunk straight
+    /// from its memory (one copy, `process_vm_readv`) where the system allows
+    /// it, instead of copying through the segment (two). The same on every
+    /// rank of the group.
+    pub single_copy: bool,
 }
 
 /// A [`Communicator`] over TCP sockets.
@@ -150,7 +155,9 @@ impl TcpCommunicator {
         }
         // Every rank on this node: collectives go through the segment directly.
         let direct = match &segment {
-            Some((me, seg)) if local.len() == world => Some(Direct::new(seg.clone(), *me)),
+            Some((me, seg)) if local.len() == world => {
+                Some(Direct::new(seg.clone(), *me, opts.single_copy))
+            }
             _ => None,
         };
         let links = TcpLinks {

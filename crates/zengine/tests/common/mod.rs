@@ -80,6 +80,7 @@ pub fn comms_over(
                         node_of_rank[r]
                     )
                 }),
+                single_copy: true,
             };
             std::thread::spawn(move || {
                 Arc::new(TcpCommunicator::connect(r, l, &addrs, o).unwrap())
