@@ -48,12 +48,28 @@ fn main() -> ExitCode {
 /// less than half the system time (2.3-2.9 s → 1.0-1.1 s, about 2.5% of the
 /// run's CPU time); peak RSS did not change (a step reaches it anyway). Larger
 /// blocks are still mapped and returned.
+///
+/// Training runs on a rayon thread, and glibc gives threads other than the
+/// first arenas of their own, whose 64 MiB heaps are unmapped whole as they
+/// empty, whatever the trim threshold: a worker with one compute thread
+/// (`RAYON_NUM_THREADS=1`, as zrun sets it for two workers on two cores)
+/// still faulted in about 10k pages a step. There every thread shares the
+/// first arena (`M_ARENA_MAX=1`): under 100 faults a step, and 2 workers f32
+/// +2-3% (stage 0 and 3, beside the build before, three rounds). Where two
+/// compute threads allocate, one arena made them wait on each other (1
+/// worker × 2 threads bf16 1-4% slower in six rounds), so they keep theirs.
 fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets glibc's allocator parameters; it is called
-    // first thing in main, before any other thread exists.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    {
+        let one_thread = std::env::var("RAYON_NUM_THREADS").is_ok_and(|t| t.trim() == "1");
+        // SAFETY: mallopt only sets glibc's allocator parameters; it is
+        // called first thing in main, before any other thread exists.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+            if one_thread {
+                libc::mallopt(libc::M_ARENA_MAX, 1);
+            }
+        }
     }
 }
