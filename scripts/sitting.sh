@@ -16,6 +16,9 @@ cargo build --release --quiet && cargo build --release --quiet -p zgemm --exampl
 export TORCH_EXTENSIONS_DIR="$PEERENV/torch_ext"
 for r in 1 2 3; do
   for t in 1 2; do OPENBLAS_NUM_THREADS=$t python3 scripts/gemm_openblas.py >> "$OUT/openblas.txt"; done
+  # OpenBLAS's AVX2 kernels (its Haswell core type), beside zgemm's AVX2
+  # column: how the AVX2 path compares where the CPU has AVX-512 too.
+  for t in 1 2; do OPENBLAS_CORETYPE=Haswell OPENBLAS_NUM_THREADS=$t python3 scripts/gemm_openblas.py >> "$OUT/openblas_haswell.txt"; done
   target/release/examples/gemm_bench >> "$OUT/zgemm.txt"
 done
 step() { # workers stage dtype
@@ -37,6 +40,6 @@ done
 ZBIN=$PWD/target/release PEERENV=$PEERENV "$PEERS/side.sh" 1 > "$OUT/side.txt" 2>&1
 THREADS=2 python3 scripts/torch_bf16_peer.py > "$OUT/torch_bf16.txt" 2>&1
 python3 scripts/ds_bf16_peer.py 2>/dev/null | grep "^deepspeed bf16" > "$OUT/ds_bf16.txt"
-target/release/zrun bench comm --transports tcp,shm --sizes 256MiB > "$OUT/comm.txt" 2>&1
-timeout 300 python3 scripts/gloo_comm.py --sizes 256MiB > "$OUT/gloo.txt" 2>&1
+target/release/zrun bench comm --transports tcp,shm --sizes 16MiB,256MiB > "$OUT/comm.txt" 2>&1
+timeout 300 python3 scripts/gloo_comm.py --sizes 16MiB,256MiB > "$OUT/gloo.txt" 2>&1
 echo "sitting written to $OUT"
