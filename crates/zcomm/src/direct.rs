@@ -24,17 +24,19 @@
 //! checks that all agree, the rings' mismatch check in this path.
 //!
 //! **Single copy.** Through the slots an all-gather copies every byte twice
-//! (its owner into the slot, each reader out of it), and a core copies at
-//! about memcpy's rate whichever way, so the slots cap an all-gather's bus
-//! bandwidth near half of memcpy's. Where the system lets one process read
-//! another's memory (`process_vm_readv`: same user, and no Yama or seccomp
-//! policy against it), an all-gather whose chunks span at least a slot
-//! instead publishes its buffer's address with the sequence number, and after
-//! the first barrier each rank reads every peer's chunk straight from that
-//! peer's buffer into its own: one copy, in the kernel. A second barrier keeps
-//! every buffer in place until its readers are done. Whether the system
-//! allows it is found out once, by the first such all-gather, and all ranks
-//! agree on the outcome (any refusal: everyone uses the slots from then on).
+//! (its owner into the slot, each reader out of it). Where the system lets
+//! one process read another's memory (`process_vm_readv`: same user, and no
+//! Yama or seccomp policy against it), an all-gather whose chunks span at
+//! least a slot, and whose buffers fit in the cache together
+//! ([`DIRECT_MAX_BYTES`]), instead reads every peer's chunk straight from
+//! that peer's buffer into its own after the first barrier (`begin`
+//! publishes each buffer's address with the sequence number): one copy, in
+//! the kernel. A second barrier keeps every buffer in place until its
+//! readers are done. An all-reduce that size leaves its sums in place and
+//! gathers them the same way. Whether the system allows it is found out
+//! once, by the first such gather, and all ranks agree on the outcome (any
+//! refusal: everyone uses the slots from then on, and the refused rank says
+//! why at `ZRUN_LOG=info`).
 
 use std::io;
 use std::ops::Range;
@@ -354,6 +356,9 @@ impl Direct {
                 }
                 // Some rank was refused: the slots, now and from now on
                 // (rewriting what this rank may have read already).
+                if let Err(e) = read {
+                    tracing::info!("shared-memory gathers go through the segment: {e}");
+                }
                 self.single_copy = SingleCopy::Off;
             } else {
                 read?;
