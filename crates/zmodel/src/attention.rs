@@ -39,7 +39,7 @@ use zgemm::{MatMut, MatRef, PackedB, Start};
 
 use crate::linear::Products;
 
-use crate::ops::{f32_input, max8, sum8};
+use crate::ops::{f32_input, max8, sum_lanes};
 use crate::simd::{assume_init, exp, uninit_floats, vectorised};
 
 /// The heads of one attention: `heads` query heads sharing `kv` key/value heads.
@@ -299,7 +299,7 @@ fn probabilities(
                 // on each add's latency, a fifth of attention's time.
                 let max = max8(live);
                 live.iter_mut().for_each(|v| *v = exp(*v - max));
-                let inv = 1.0 / sum8(live.len(), |j| live[j]);
+                let inv = 1.0 / sum_lanes([live], |[v]| v);
                 live.iter_mut().for_each(|v| *v *= inv);
                 masked.fill(0.0);
             }
@@ -447,7 +447,7 @@ impl CustomOp2 for CausalAttentionGrad {
                                     p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate()
                                 {
                                     let (live, masked) = dsrow.split_at_mut(i + 1);
-                                    let c = sum8(live.len(), |j| prow[j] * live[j]);
+                                    let c = sum_lanes([prow, live], |[p, g]| p * g);
                                     live.iter_mut()
                                         .zip(prow)
                                         .for_each(|(g, &pv)| *g = pv * (*g - c));

@@ -19,7 +19,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::ops::{f32_input, sum8, write_row};
+use crate::ops::{f32_input, sum_lanes, write_row};
 use crate::simd::{assume_init, exp, par_rows, uninit_floats, vectorised, ROWS_PER_TASK};
 
 /// RMSNorm over the last dimension with weight `w`.
@@ -31,7 +31,7 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// 1 / sqrt(mean(x²) + eps) of one row.
 #[inline(always)]
 fn rms_inv(row: &[f32], eps: f32) -> f32 {
-    let ms = sum8(row.len(), |i| row[i] * row[i]) / row.len() as f32;
+    let ms = sum_lanes([row], |[v]| v * v) / row.len() as f32;
     1.0 / (ms + eps).sqrt()
 }
 
@@ -66,9 +66,7 @@ impl CustomOp2 for RmsNorm {
             |x, y| {
                 for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
                     let r = rms_inv(row, self.eps);
-                    for i in 0..d {
-                        out[i].write(row[i] * r * w[i]);
-                    }
+                    write_row(out, None, [row, w], |[v, w]| v * r * w);
                 }
             },
         );
@@ -149,14 +147,21 @@ impl RmsNormGrad {
                         {
                             let dyr = &dy[k * d..][..d];
                             let r = rms_inv(row, self.eps);
-                            for i in 0..d {
-                                xhat[i] = row[i] * r;
-                                g[i] = dyr[i] * w[i];
-                                dw[i] += dyr[i] * xhat[i];
+                            let each = xhat.iter_mut().zip(g.iter_mut()).zip(dw.iter_mut());
+                            for (((xh, g), dw), ((&v, &dy), &w)) in
+                                each.zip(row.iter().zip(dyr).zip(w))
+                            {
+                                *xh = v * r;
+                                *g = dy * w;
+                                *dw += dy * *xh;
                             }
-                            let gx_mean = sum8(d, |i| g[i] * xhat[i]) / d as f32;
-                            let dx_i = |i: usize| r * (g[i] - xhat[i] * gx_mean);
-                            write_row(out, residual.map(|res| &res[k * d..][..d]), dx_i);
+                            let gx_mean = sum_lanes([&g, &xhat], |[g, xh]| g * xh) / d as f32;
+                            write_row(
+                                out,
+                                residual.map(|res| &res[k * d..][..d]),
+                                [&g, &xhat],
+                                |[g, xh]| r * (g - xh * gx_mean),
+                            );
                         }
                         dw
                     },
@@ -448,7 +453,7 @@ mod tests {
     #[test]
     fn rms_norm_matches_the_composed_version() {
         let dev = Device::Cpu;
-        // 40 rows: several parallel tasks; 12 wide: a tail after sum8's 8 lanes.
+        // 40 rows: several parallel tasks; 12 wide: a run of 8 and a tail in sum_lanes.
         let x = Var::from_vec(wave(40 * 12, 5), (40, 12), &dev).unwrap();
         let w = Var::from_vec(wave(12, 3), 12, &dev).unwrap();
         check(

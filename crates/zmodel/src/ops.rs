@@ -201,23 +201,38 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
     )
 }
 
-/// Σ `f(i)` over `0..n`, in 8 interleaved partial sums added in a fixed order
-/// (so the compiler can vectorise it and the bits do not depend on the CPU).
+/// Σ `f` of the values at each index of `cols` (over the shortest) in a
+/// fixed order that the compiler can vectorise and that does not depend on
+/// the CPU: 32 interleaved partial sums over whole runs of 32 values, the
+/// runs of 8 after them into the first 8, those folded in a fixed tree, then
+/// the last few values one by one. One vector of partial sums was one chain
+/// of dependent adds, each waiting out the last's latency: half of layer
+/// norm's time at d = 384. The columns are read as fixed-size arrays: an
+/// index closure (`|i| row[i]`) kept a bounds check per value and compiled
+/// to scalar adds.
 #[inline(always)]
-pub(crate) fn sum8(n: usize, f: impl Fn(usize) -> f32) -> f32 {
-    let mut acc = [0f32; 8];
-    let whole = n / 8 * 8;
-    for i in (0..whole).step_by(8) {
+pub(crate) fn sum_lanes<const N: usize>(cols: [&[f32]; N], f: impl Fn([f32; N]) -> f32) -> f32 {
+    let n = cols.iter().map(|c| c.len()).min().unwrap_or(0);
+    let mut acc = [0f32; 32];
+    let runs: [&[[f32; 32]]; N] = cols.map(|c| c[..n].as_chunks::<32>().0);
+    let long = n / 32 * 32;
+    (0..n / 32).for_each(|i| {
+        let v: [&[f32; 32]; N] = std::array::from_fn(|k| &runs[k][i]);
         for (l, a) in acc.iter_mut().enumerate() {
-            *a += f(i + l);
+            *a += f(std::array::from_fn(|k| v[k][l]));
         }
-    }
-    let mut total =
-        ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for i in whole..n {
-        total += f(i);
-    }
-    total
+    });
+    let eights: [&[[f32; 8]]; N] = cols.map(|c| c[long..n].as_chunks::<8>().0);
+    let short = (n - long) / 8;
+    (0..short).for_each(|i| {
+        let v: [&[f32; 8]; N] = std::array::from_fn(|k| &eights[k][i]);
+        for (l, a) in acc[..8].iter_mut().enumerate() {
+            *a += f(std::array::from_fn(|k| v[k][l]));
+        }
+    });
+    let a8: [f32; 8] = std::array::from_fn(|l| (acc[l] + acc[l + 16]) + (acc[l + 8] + acc[l + 24]));
+    let total = ((a8[0] + a8[4]) + (a8[1] + a8[5])) + ((a8[2] + a8[6]) + (a8[3] + a8[7]));
+    (long + 8 * short..n).fold(total, |t, i| t + f(std::array::from_fn(|k| cols[k][i])))
 }
 
 /// The largest value of `row` (−∞ when empty) in 8 interleaved lanes, so
@@ -242,8 +257,8 @@ pub(crate) fn max8(row: &[f32]) -> f32 {
 #[inline(always)]
 fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len() as f32;
-    let mean = sum8(row.len(), |i| row[i]) / n;
-    let var = sum8(row.len(), |i| (row[i] - mean) * (row[i] - mean)) / n;
+    let mean = sum_lanes([row], |[v]| v) / n;
+    let var = sum_lanes([row], |[v]| (v - mean) * (v - mean)) / n;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
@@ -286,9 +301,9 @@ impl CustomOp3 for LayerNorm {
             |x, y| {
                 for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
                     let (mean, rstd) = row_stats(row, self.eps);
-                    for i in 0..d {
-                        out[i].write((row[i] - mean) * rstd * w[i] + b[i]);
-                    }
+                    write_row(out, None, [row, w, b], |[v, w, b]| {
+                        (v - mean) * rstd * w + b
+                    });
                 }
             },
         );
@@ -418,16 +433,24 @@ impl LayerNormGrad {
                         {
                             let dyr = &dy[r * d..][..d];
                             let (mean, rstd) = row_stats(row, self.eps);
-                            for i in 0..d {
-                                xhat[i] = (row[i] - mean) * rstd;
-                                g[i] = dyr[i] * w[i];
-                                dw[i] += dyr[i] * xhat[i];
-                                db[i] += dyr[i];
+                            let each = xhat.iter_mut().zip(g.iter_mut());
+                            let sums = dw.iter_mut().zip(db.iter_mut());
+                            let inputs = row.iter().zip(dyr).zip(w);
+                            for (((xh, g), (dw, db)), ((&v, &dy), &w)) in each.zip(sums).zip(inputs)
+                            {
+                                *xh = (v - mean) * rstd;
+                                *g = dy * w;
+                                *dw += dy * *xh;
+                                *db += dy;
                             }
-                            let g_mean = sum8(d, |i| g[i]) / d as f32;
-                            let gx_mean = sum8(d, |i| g[i] * xhat[i]) / d as f32;
-                            let dx_i = |i: usize| rstd * (g[i] - g_mean - xhat[i] * gx_mean);
-                            write_row(out, residual.map(|res| &res[r * d..][..d]), dx_i);
+                            let g_mean = sum_lanes([&g], |[g]| g) / d as f32;
+                            let gx_mean = sum_lanes([&g, &xhat], |[g, xh]| g * xh) / d as f32;
+                            write_row(
+                                out,
+                                residual.map(|res| &res[r * d..][..d]),
+                                [&g, &xhat],
+                                |[g, xh]| rstd * (g - g_mean - xh * gx_mean),
+                            );
                         }
                         sums
                     },
@@ -445,23 +468,29 @@ impl LayerNormGrad {
     }
 }
 
-/// Writes a row of a norm's input gradient: `dx(i)`, or `residual[i] + dx(i)`
-/// (the order in which a separate add of the residual summed them).
+/// Writes a row of an op's output: `f` of the values at each index of
+/// `cols`, or `residual[i] + f(…)` (the order in which a separate add of the
+/// residual summed them). The columns are cut to the row's length first, so
+/// that the loop has no bounds checks left and vectorises.
 #[inline(always)]
-pub(crate) fn write_row(
+pub(crate) fn write_row<const N: usize>(
     out: &mut [MaybeUninit<f32>],
     residual: Option<&[f32]>,
-    dx: impl Fn(usize) -> f32,
+    cols: [&[f32]; N],
+    f: impl Fn([f32; N]) -> f32,
 ) {
+    let n = out.len();
+    let cols = cols.map(|c| &c[..n]);
     match residual {
         Some(res) => {
-            for (i, (o, r)) in out.iter_mut().zip(res).enumerate() {
-                o.write(r + dx(i));
+            let res = &res[..n];
+            for i in 0..n {
+                out[i].write(res[i] + f(std::array::from_fn(|k| cols[k][i])));
             }
         }
         None => {
-            for (i, o) in out.iter_mut().enumerate() {
-                o.write(dx(i));
+            for i in 0..n {
+                out[i].write(f(std::array::from_fn(|k| cols[k][i])));
             }
         }
     }

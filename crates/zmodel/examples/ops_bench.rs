@@ -1,0 +1,98 @@
+//! Times the fused element-wise ops at the `gpt-anchor` job's shapes (2048
+//! rows of d = 384, the MLP's 1536), best of 30 calls each, and prints each
+//! op's rate in the bytes it must move (inputs read once, outputs written
+//! once) beside a triad (`a = b + s·c`) over arrays as large, timed in the
+//! same run: a ratio near 1 is an op bound by memory, far below it one bound
+//! by its arithmetic or its code.
+//!
+//!     RAYON_NUM_THREADS=1 cargo run --release -p zmodel --example ops_bench
+//!     cargo run --release -p zmodel --example ops_bench
+
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use zmodel::ops;
+
+fn best_of(f: &mut dyn FnMut() -> candle_core::Result<()>) -> candle_core::Result<f64> {
+    let mut best = f64::MAX;
+    for _ in 0..30 {
+        let start = Instant::now();
+        f()?;
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+fn values(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 37 + seed * 11) % 101) as f32 / 50.0 - 1.0)
+        .collect()
+}
+
+fn main() -> candle_core::Result<()> {
+    let (rows, d, wide) = (2048, 384, 1536);
+    let cpu = &Device::Cpu;
+    let t = |n: usize, cols: usize, seed: usize| {
+        Tensor::from_vec(values(n * cols, seed), (n, cols), cpu)
+    };
+    let (x, dy, res) = (t(rows, d, 1)?, t(rows, d, 2)?, t(rows, d, 3)?);
+    let (h, dh) = (t(rows, wide, 4)?, t(rows, wide, 5)?);
+    let w = Tensor::from_vec(values(d, 6), d, cpu)?;
+    let b = Tensor::from_vec(values(d, 7), d, cpu)?;
+
+    // The triad over arrays of the MLP's size, 12 bytes an element.
+    let n = rows * wide;
+    let (tb, tc) = (values(n, 8), values(n, 9));
+    let mut ta = vec![0f32; n];
+    let triad = best_of(&mut || {
+        use rayon::prelude::*;
+        ta.par_chunks_mut(1 << 14)
+            .zip(tb.par_chunks(1 << 14).zip(tc.par_chunks(1 << 14)))
+            .for_each(|(a, (b, c))| {
+                for ((a, b), c) in a.iter_mut().zip(b).zip(c) {
+                    *a = b + 1.5 * c;
+                }
+            });
+        Ok(())
+    })?;
+    let triad_rate = 12.0 * n as f64 / triad;
+    println!("{:<32} {:>9} {:>8} {:>6}", "op", "ms", "GB/s", "ratio");
+    println!(
+        "{:<32} {:>9.3} {:>8.2} {:>6.2}",
+        "triad (a = b + s*c)",
+        triad * 1e3,
+        triad_rate / 1e9,
+        1.0
+    );
+    let row = |name: &str, bytes: f64, f: &mut dyn FnMut() -> candle_core::Result<()>| {
+        let s = best_of(f)?;
+        let rate = bytes / s;
+        println!(
+            "{name:<32} {:>9.3} {:>8.2} {:>6.2}",
+            s * 1e3,
+            rate / 1e9,
+            rate / triad_rate
+        );
+        Ok::<_, candle_core::Error>(())
+    };
+    let e = (rows * d) as f64;
+    let m = (rows * wide) as f64;
+    row("layer_norm", 8.0 * e, &mut || {
+        ops::layer_norm(&x, &w, &b, 1e-5).map(drop)
+    })?;
+    row("layer_norm_backward + residual", 16.0 * e, &mut || {
+        ops::layer_norm_backward(&x, &w, &dy, 1e-5, Some(&res)).map(drop)
+    })?;
+    row("gelu", 8.0 * m, &mut || ops::gelu(&h).map(drop))?;
+    row("gelu_bf16", 6.0 * m, &mut || ops::gelu_bf16(&h).map(drop))?;
+    row("gelu_backward", 12.0 * m, &mut || {
+        ops::gelu_backward(&h, &dh).map(drop)
+    })?;
+    row("column_sums (1536 wide)", 4.0 * m, &mut || {
+        ops::column_sums(&dh).map(drop)
+    })?;
+    println!(
+        "(GB/s: the bytes an op must read and write; ratio: over the triad's GB/s in this run)"
+    );
+    Ok(())
+}
