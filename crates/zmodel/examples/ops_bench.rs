@@ -91,6 +91,10 @@ fn main() -> candle_core::Result<()> {
     row("column_sums (1536 wide)", 4.0 * m, &mut || {
         ops::column_sums(&dh).map(drop)
     })?;
+    let dhv = dh.flatten_all()?.to_vec1::<f32>()?;
+    row("bf16_with_column_sums (1536 wide)", 6.0 * m, &mut || {
+        ops::bf16_with_column_sums(&dhv, wide).map(drop)
+    })?;
     println!(
         "(GB/s: the bytes an op must read and write; ratio: over the triad's GB/s in this run)"
     );

@@ -29,8 +29,10 @@ use zconfig::tiles::{column_tiles, ColumnTile, TileError};
 
 use crate::head::{self, HeadBackward};
 use crate::linear::{self, f32s, BlockLinear, BlockNorm, BlockSource, Products, Whole};
-use crate::llama_ops::{rms_norm, rms_norm_backward, rope, swiglu, swiglu_backward};
-use crate::ops::{cross_entropy, gelu, gelu_backward, gelu_bf16, layer_norm, layer_norm_backward};
+use crate::llama_ops::{rms_norm, rms_norm_backward, rms_norm_bf16, rope, swiglu, swiglu_backward};
+use crate::ops::{
+    cross_entropy, gelu, gelu_backward, gelu_bf16, layer_norm, layer_norm_backward, layer_norm_bf16,
+};
 use crate::params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};
 
 /// How a parameter starts.
@@ -476,6 +478,20 @@ impl Gpt {
         }
     }
 
+    /// A block's norm of `x` rows, whose only readers are the block's
+    /// products: in bf16 where those are (the bits they would round the f32
+    /// norm to, half the bytes; autograd's reference stays f32).
+    fn block_norm(&self, x: &Tensor, n: &WeightBias<Tensor>) -> Result<Tensor> {
+        if self.products != Products::Bf16 || x.track_op() {
+            return self.norm(x, n);
+        }
+        let eps = self.cfg.norm_eps();
+        match &n.bias {
+            Some(b) => layer_norm_bf16(x, &n.weight, b, eps),
+            None => rms_norm_bf16(x, &n.weight, eps),
+        }
+    }
+
     /// The norm's backward: (`residual + dx`, its gradient), the residual's
     /// gradient summed as the norm writes dx.
     fn norm_backward(
@@ -580,7 +596,7 @@ impl Gpt {
         let rows = x.reshape((b * t, d))?;
         let norm = |src: &mut S, which: BlockNorm, x: &Tensor| {
             let n = src.norm(which)?;
-            Ok::<_, S::Error>(self.norm(x, &n)?)
+            Ok::<_, S::Error>(self.block_norm(x, &n)?)
         };
         let linear = |src: &mut S, l: BlockLinear, x: &Tensor, residual: Option<&Tensor>| {
             linear::forward(src, l, &self.linear_tiles(l), x, residual, self.products)

@@ -18,7 +18,11 @@
 //!
 //! The GEMMs are zgemm's: the forward's bias is its starting value (no second
 //! pass over `y`), tiles write their columns of `y` in place, and `dy_t` and
-//! `Wᵀ` are strided views (no copies). Autograd cannot follow zgemm, so
+//! `Wᵀ` are strided views (no copies). Under bf16 products the backward
+//! rounds `dy` once, with its column sums (the bias gradient) in the same
+//! pass, and both products read that bf16 copy; the norms and GELU before
+//! the layers write their outputs in bf16 for the same reason
+//! ([`crate::ops::layer_norm_bf16`]). Autograd cannot follow zgemm, so
 //! tensors that it tracks (the reference that tests compare the explicit
 //! backward with) take candle's matmul instead.
 //!
@@ -33,7 +37,7 @@ use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
 
 use zgemm::{MatMut, MatRef, Start};
 
-use crate::ops::column_sums;
+use crate::ops::{bf16_with_column_sums, column_sums};
 use crate::params::{BlockParams, WeightBias};
 use crate::simd::{assume_init, uninit_floats};
 
@@ -204,7 +208,7 @@ pub(crate) fn forward<S: BlockSource>(
                 products,
                 MatMut::uninit(&mut y[cols.start..], rows, cols.len(), width).map_err(shape)?,
                 xm,
-                MatRef::row_major(f32s(&ws, wl)?, inputs, cols.len()).map_err(shape)?,
+                Input::F32(MatRef::row_major(f32s(&ws, wl)?, inputs, cols.len()).map_err(shape)?),
                 start,
                 threads,
             )?;
@@ -263,6 +267,25 @@ pub(crate) fn backward<S: BlockSource>(
     let (rows, inputs) = x.dims2()?;
     let width = dy.dim(1)?;
     let threads = rayon::current_num_threads();
+    let (ds, dl) = dy.storage_and_layout();
+    let dyv = f32s(&ds, dl)?;
+    // Under bf16 products, dy rounded once with its column sums (the bias
+    // gradient's bits) in one pass; both products read the bf16 copy
+    // (`dy·Wᵀ` in place), where each rounded dy as it laid it out and the
+    // bias took a pass of its own.
+    let rounded = match products {
+        Products::Bf16 => Some(bf16_with_column_sums(dyv, width)?),
+        Products::F32 => None,
+    };
+    // dy's columns `c0..c0 + c` as an operand.
+    let dy_cols = |c0: usize, c: usize| -> candle_core::Result<Input> {
+        Ok(match &rounded {
+            Some((bits, _)) => {
+                Input::Bf16(MatRef::new(&bits[c0..], rows, c, width, 1).map_err(shape)?)
+            }
+            None => Input::F32(MatRef::new(&dyv[c0..], rows, c, width, 1).map_err(shape)?),
+        })
+    };
     // Made by the first chunk's product (a Zero start writes every element).
     let mut dx: Option<Vec<f32>> = None;
     for (t, cols) in tiles.iter().enumerate() {
@@ -272,15 +295,14 @@ pub(crate) fn backward<S: BlockSource>(
         let mut dw = uninit_floats(inputs * w);
         {
             let (xs, xl) = x.storage_and_layout();
-            let (ds, dl) = dy.storage_and_layout();
             let (ws, wl) = weight.storage_and_layout();
-            let (dyv, wv) = (f32s(&ds, dl)?, f32s(&ws, wl)?);
+            let wv = f32s(&ws, wl)?;
             // dW = xᵀ·dy_t
             multiply(
                 products,
                 MatMut::uninit(&mut dw, inputs, w, w).map_err(shape)?,
                 Input::of(&xs, xl, rows, inputs)?.t(),
-                MatRef::new(&dyv[cols.start..], rows, w, width, 1).map_err(shape)?,
+                dy_cols(cols.start, w)?,
                 Start::Zero,
                 threads,
             )?;
@@ -292,13 +314,13 @@ pub(crate) fn backward<S: BlockSource>(
             };
             for c0 in (0..w).step_by(chunk) {
                 let c = chunk.min(w - c0);
-                let a = MatRef::new(&dyv[cols.start + c0..], rows, c, width, 1).map_err(shape)?;
-                let b = MatRef::new(&wv[c0..], inputs, c, w, 1).map_err(shape)?.t();
+                let a = dy_cols(cols.start + c0, c)?;
+                let b = Input::F32(MatRef::new(&wv[c0..], inputs, c, w, 1).map_err(shape)?.t());
                 match dx.as_mut() {
                     Some(dx) => multiply(
                         products,
                         MatMut::row_major(dx, rows, inputs).map_err(shape)?,
-                        Input::F32(a),
+                        a,
                         b,
                         Start::Keep,
                         threads,
@@ -308,7 +330,7 @@ pub(crate) fn backward<S: BlockSource>(
                         multiply(
                             products,
                             MatMut::uninit(&mut fresh, rows, inputs, inputs).map_err(shape)?,
-                            Input::F32(a),
+                            a,
                             b,
                             Start::Zero,
                             threads,
@@ -319,9 +341,12 @@ pub(crate) fn backward<S: BlockSource>(
                 }
             }
         }
-        let bias = match p.bias {
-            Some(_) => Some(column_sums(&dy.narrow(1, cols.start, w)?)?),
-            None => None,
+        let bias = match (&p.bias, &rounded) {
+            (Some(_), Some((_, sums))) => {
+                Some(Tensor::from_slice(&sums[cols.clone()], w, &Device::Cpu)?)
+            }
+            (Some(_), None) => Some(column_sums(&dy.narrow(1, cols.start, w)?)?),
+            (None, _) => None,
         };
         // SAFETY: a Zero start wrote every element of dW.
         let dw = unsafe { assume_init(dw) };
@@ -389,17 +414,20 @@ fn multiply(
     products: Products,
     c: MatMut,
     a: Input,
-    b: MatRef,
+    b: Input,
     start: Start,
     threads: usize,
 ) -> candle_core::Result<()> {
-    match (products, a) {
-        (Products::F32, Input::F32(a)) => zgemm::gemm(c, a, b, 1.0, start, threads),
-        (Products::Bf16, Input::F32(a)) => zgemm::gemm_bf16(c, a, b, 1.0, start, threads),
-        (Products::Bf16, Input::Bf16(a)) => zgemm::gemm_bf16(c, a, b, 1.0, start, threads),
-        (Products::F32, Input::Bf16(_)) => {
+    use zgemm::gemm_bf16;
+    match (products, a, b) {
+        (Products::F32, Input::F32(a), Input::F32(b)) => zgemm::gemm(c, a, b, 1.0, start, threads),
+        (Products::Bf16, Input::F32(a), Input::F32(b)) => gemm_bf16(c, a, b, 1.0, start, threads),
+        (Products::Bf16, Input::Bf16(a), Input::F32(b)) => gemm_bf16(c, a, b, 1.0, start, threads),
+        (Products::Bf16, Input::F32(a), Input::Bf16(b)) => gemm_bf16(c, a, b, 1.0, start, threads),
+        (Products::Bf16, Input::Bf16(a), Input::Bf16(b)) => gemm_bf16(c, a, b, 1.0, start, threads),
+        (Products::F32, _, _) => {
             return Err(candle_core::Error::Msg(
-                "linear layer: a bf16 input needs bf16 products".into(),
+                "linear layer: a bf16 operand needs bf16 products".into(),
             ))
         }
     }

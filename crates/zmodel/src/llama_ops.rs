@@ -20,12 +20,31 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 
 use crate::ops::{f32_input, sum_lanes, write_row};
-use crate::simd::{assume_init, exp, par_rows, uninit_floats, vectorised, ROWS_PER_TASK};
+use crate::simd::{
+    assume_init, exp, par_rows, par_rows_bf16, row_op, uninit_floats, vectorised, ROWS_PER_TASK,
+};
 
 /// RMSNorm over the last dimension with weight `w`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    x.contiguous()?
-        .apply_op2(&w.contiguous()?, RmsNorm { eps: eps as f32 })
+    x.contiguous()?.apply_op2(
+        &w.contiguous()?,
+        RmsNorm {
+            eps: eps as f32,
+            bf16: false,
+        },
+    )
+}
+
+/// [`rms_norm`] with its output rounded to bf16, for bf16 products only
+/// (as [`crate::ops::layer_norm_bf16`]); no backward.
+pub fn rms_norm_bf16(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?.apply_op2_no_bwd(
+        &w.contiguous()?,
+        &RmsNorm {
+            eps: eps as f32,
+            bf16: true,
+        },
+    )
 }
 
 /// 1 / sqrt(mean(x²) + eps) of one row.
@@ -37,6 +56,8 @@ fn rms_inv(row: &[f32], eps: f32) -> f32 {
 
 struct RmsNorm {
     eps: f32,
+    /// Output in bf16 ([`rms_norm_bf16`]).
+    bf16: bool,
 }
 
 impl CustomOp2 for RmsNorm {
@@ -57,19 +78,22 @@ impl CustomOp2 for RmsNorm {
         if d == 0 || !x.len().is_multiple_of(d) {
             candle_core::bail!("rms norm: rows of {} do not match a weight of {d}", x.len());
         }
-        let mut y = uninit_floats(x.len());
-        par_rows(
-            x,
-            &mut y,
-            d,
+        let rows = row_op(
             #[inline(always)]
-            |x, y| {
+            |x: &[f32], y: &mut [std::mem::MaybeUninit<f32>]| {
                 for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
                     let r = rms_inv(row, self.eps);
                     write_row(out, None, [row, w], |[v, w]| v * r * w);
                 }
             },
         );
+        if self.bf16 {
+            use half::vec::HalfBitsVecExt;
+            let y = par_rows_bf16(x, d, rows);
+            return Ok((CpuStorage::BF16(y.reinterpret_into()), l1.shape().clone()));
+        }
+        let mut y = uninit_floats(x.len());
+        par_rows(x, &mut y, d, rows);
         // SAFETY: the rows cover x (checked above), and so y, whole.
         let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), l1.shape().clone()))
@@ -391,6 +415,16 @@ impl CustomOp1 for Rope {
 mod tests {
     use super::*;
     use candle_core::{Device, Var, D};
+
+    #[test]
+    fn rms_norm_in_bf16_is_rms_norm_rounded_as_bf16_products_round() {
+        use crate::ops::tests::{bf16_bits_of, rounded};
+        let (rows, d) = (37, 44);
+        let x = Tensor::from_vec(wave(rows * d, 7), (rows, d), &Device::Cpu).unwrap();
+        let w = Tensor::from_vec(wave(d, 5), d, &Device::Cpu).unwrap();
+        let want = rounded(&rms_norm(&x, &w, 1e-5).unwrap());
+        assert_eq!(bf16_bits_of(&rms_norm_bf16(&x, &w, 1e-5).unwrap()), want);
+    }
 
     fn wave(n: usize, k: usize) -> Vec<f32> {
         (0..n).map(|i| ((i * k % 29) as f32 - 14.0) / 9.0).collect()

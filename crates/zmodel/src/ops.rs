@@ -16,7 +16,9 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, S
 use half::vec::HalfBitsVecExt;
 use rayon::prelude::*;
 
-use crate::simd::{assume_init, exp, par_rows, uninit_floats, vectorised, ROWS_PER_TASK};
+use crate::simd::{
+    assume_init, exp, par_rows, par_rows_bf16, row_op, uninit_floats, vectorised, ROWS_PER_TASK,
+};
 
 /// GELU (GPT-2's tanh approximation) as one fused pass forward and one backward.
 ///
@@ -197,7 +199,27 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
     x.contiguous()?.apply_op3(
         &w.contiguous()?,
         &b.contiguous()?,
-        LayerNorm { eps: eps as f32 },
+        LayerNorm {
+            eps: eps as f32,
+            bf16: false,
+        },
+    )
+}
+
+/// [`layer_norm`] with its output rounded to bf16 (a `BF16` tensor), for a
+/// norm whose only readers are bf16 products (a block's q, k, v projection
+/// and MLP under `train.dtype: bf16` on AMX): the bits they would have
+/// rounded the f32 output to, in half the bytes written, kept and read
+/// (forward, and again as the weight gradient's `xᵀ`), and no rounding pass
+/// of their own. No backward: the explicit one reads the norm's input.
+pub fn layer_norm_bf16(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?.apply_op3_no_bwd(
+        &w.contiguous()?,
+        &b.contiguous()?,
+        &LayerNorm {
+            eps: eps as f32,
+            bf16: true,
+        },
     )
 }
 
@@ -264,6 +286,8 @@ fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
 
 struct LayerNorm {
     eps: f32,
+    /// Output in bf16 ([`layer_norm_bf16`]).
+    bf16: bool,
 }
 
 impl CustomOp3 for LayerNorm {
@@ -292,13 +316,9 @@ impl CustomOp3 for LayerNorm {
                 x.len()
             );
         }
-        let mut y = uninit_floats(x.len());
-        par_rows(
-            x,
-            &mut y,
-            d,
+        let rows = row_op(
             #[inline(always)]
-            |x, y| {
+            |x: &[f32], y: &mut [MaybeUninit<f32>]| {
                 for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
                     let (mean, rstd) = row_stats(row, self.eps);
                     write_row(out, None, [row, w, b], |[v, w, b]| {
@@ -307,6 +327,12 @@ impl CustomOp3 for LayerNorm {
                 }
             },
         );
+        if self.bf16 {
+            let y = par_rows_bf16(x, d, rows);
+            return Ok((CpuStorage::BF16(y.reinterpret_into()), l1.shape().clone()));
+        }
+        let mut y = uninit_floats(x.len());
+        par_rows(x, &mut y, d, rows);
         // SAFETY: the rows cover x, and so y (same length), whole.
         let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), l1.shape().clone()))
@@ -387,6 +413,49 @@ impl CustomOp1 for ColumnSums {
         }
         Ok((CpuStorage::F32(out), Shape::from_dims(&[k])))
     }
+}
+
+/// `m` (`[n, k]`, row-major f32) rounded to bf16 (zgemm's rounding, as its
+/// bits), and its column sums as [`column_sums`] adds them (the same bits),
+/// in one pass: a linear layer's output gradient under bf16 products, which
+/// both of its backward products then read in half the bytes, with nothing
+/// left to round and no pass of their own for the bias gradient.
+pub fn bf16_with_column_sums(m: &[f32], k: usize) -> Result<(Vec<u16>, Vec<f32>)> {
+    if k == 0 || !m.len().is_multiple_of(k) {
+        candle_core::bail!("bf16 rounding: {} values are not rows of {k}", m.len());
+    }
+    let mut bits = uninit_floats::<u16>(m.len());
+    let per = ROWS_PER_TASK * k.max(1);
+    let parts: Vec<Vec<f32>> = bits
+        .par_chunks_mut(per)
+        .zip(m.par_chunks(per))
+        .map(|(out, rows)| {
+            let mut row_bits = vec![0u16; k];
+            for (o, row) in out.chunks_exact_mut(k).zip(rows.chunks_exact(k)) {
+                zgemm::bf16_bits_into(row, &mut row_bits);
+                for (o, &b) in o.iter_mut().zip(&row_bits) {
+                    o.write(b);
+                }
+            }
+            vectorised(
+                #[inline(always)]
+                || {
+                    let mut acc = vec![0f32; k];
+                    for row in rows.chunks_exact(k) {
+                        acc.iter_mut().zip(row).for_each(|(a, v)| *a += v);
+                    }
+                    acc
+                },
+            )
+        })
+        .collect();
+    let mut sums = vec![0f32; k];
+    for p in &parts {
+        sums.iter_mut().zip(p).for_each(|(o, v)| *o += v);
+    }
+    // SAFETY: the chunks cover `bits` in whole rows (k divides m.len():
+    // checked), each written above.
+    Ok((unsafe { assume_init(bits) }, sums))
 }
 
 /// Layer norm's backward from (x, dy), or (x, dy, residual): `[rows + 2, d]`
@@ -588,7 +657,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
@@ -778,6 +847,61 @@ mod tests {
             .map(half::bf16::to_bits)
             .collect();
         assert_eq!(got, want);
+    }
+
+    /// The bits of a BF16 tensor.
+    pub(crate) fn bf16_bits_of(t: &Tensor) -> Vec<u16> {
+        assert_eq!(t.dtype(), candle_core::DType::BF16);
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<half::bf16>()
+            .unwrap()
+            .into_iter()
+            .map(half::bf16::to_bits)
+            .collect()
+    }
+
+    /// `t`'s f32 values rounded as bf16 products round them.
+    pub(crate) fn rounded(t: &Tensor) -> Vec<u16> {
+        let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v.into_iter().map(zgemm::bf16_bits).collect()
+    }
+
+    #[test]
+    fn layer_norm_in_bf16_is_layer_norm_rounded_as_bf16_products_round() {
+        let dev = Device::Cpu;
+        // 37 rows of 44: several tasks, a last short one, rows with a tail
+        // after the runs of 32 and 8.
+        let (rows, d) = (37, 44);
+        let x = Tensor::from_vec(weights(rows * d), (rows, d), &dev).unwrap();
+        let w = Tensor::from_vec(weights(d + 3)[3..].to_vec(), d, &dev).unwrap();
+        let b = Tensor::from_vec(weights(d + 1)[1..].to_vec(), d, &dev).unwrap();
+        let want = rounded(&layer_norm(&x, &w, &b, 1e-5).unwrap());
+        assert_eq!(
+            bf16_bits_of(&layer_norm_bf16(&x, &w, &b, 1e-5).unwrap()),
+            want
+        );
+    }
+
+    #[test]
+    fn a_gradient_in_bf16_keeps_the_bits_and_the_column_sums() {
+        let dev = Device::Cpu;
+        let (rows, k) = (53, 40);
+        let mut m: Vec<f32> = (0..rows * k)
+            .map(|i| ((i * 7919) % 2001) as f32 / 300.0 - 3.3)
+            .collect();
+        m[5] = f32::NAN;
+        m[77] = f32::INFINITY;
+        let (bits, sums) = bf16_with_column_sums(&m, k).unwrap();
+        assert_eq!(
+            bits,
+            m.iter().map(|&v| zgemm::bf16_bits(v)).collect::<Vec<_>>()
+        );
+        let t = Tensor::from_vec(m, (rows, k), &dev).unwrap();
+        let want = column_sums(&t).unwrap().to_vec1::<f32>().unwrap();
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same(&sums, &want), "{sums:?} vs {want:?}");
+        assert!(bf16_with_column_sums(&[1.0; 10], 3).is_err());
     }
 
     #[test]

@@ -138,6 +138,52 @@ pub(crate) fn par_rows(
         });
 }
 
+/// A row op for [`par_rows`] or [`par_rows_bf16`], named once for both:
+/// the closure's `#[inline(always)]` is allowed on an argument, not on a
+/// `let`, and it must stay (see [`vectorised`]).
+pub(crate) fn row_op<F>(f: F) -> F
+where
+    F: Fn(&[f32], &mut [MaybeUninit<f32>]) + Sync,
+{
+    f
+}
+
+/// [`par_rows`] for an op whose output only bf16 products read: `f` writes
+/// each row in f32 into a scratch row in L1, which is stored rounded to bf16
+/// (zgemm's rounding, as its bits: what the products would have rounded
+/// the f32 output to, in half the bytes and without their pass).
+pub(crate) fn par_rows_bf16(
+    input: &[f32],
+    width: usize,
+    f: impl Fn(&[f32], &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<u16> {
+    use rayon::prelude::*;
+    let width = width.max(1);
+    let per = width * ROWS_PER_TASK;
+    let mut out = uninit_floats::<u16>(input.len());
+    out.par_chunks_mut(per)
+        .zip(input.par_chunks(per))
+        .for_each(|(o, i)| {
+            let (mut wide, mut bits) = (uninit_floats::<f32>(width), vec![0u16; width]);
+            for (o, row) in o.chunks_mut(width).zip(i.chunks(width)) {
+                let wide = &mut wide[..row.len()];
+                vectorised(
+                    #[inline(always)]
+                    || f(row, wide),
+                );
+                // SAFETY: `f` writes every element of its output row (as
+                // every `par_rows` op does).
+                let wide = unsafe { &*(wide as *const [MaybeUninit<f32>] as *const [f32]) };
+                zgemm::bf16_bits_into(wide, &mut bits[..row.len()]);
+                for (o, &b) in o.iter_mut().zip(&bits) {
+                    o.write(b);
+                }
+            }
+        });
+    // SAFETY: the chunks of `out` match those of `input`, each element written.
+    unsafe { assume_init(out) }
+}
+
 /// `len` values (f32, or bf16 bits) of fresh memory for a product or an op to fill: no
 /// zeroing pass (on memory reused from the heap, the allocator's zeroing of a
 /// large output was a serial 2% of a step, and of the ops' outputs another
