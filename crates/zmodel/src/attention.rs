@@ -39,7 +39,7 @@ use zgemm::{MatMut, MatRef, PackedB, Start};
 
 use crate::linear::Products;
 
-use crate::ops::{f32_input, max8, sum_lanes};
+use crate::ops::{f32_input, max_lanes, sum_lanes};
 use crate::simd::{assume_init, exp, uninit_floats, vectorised};
 
 /// The heads of one attention: `heads` query heads sharing `kv` key/value heads.
@@ -297,7 +297,7 @@ fn probabilities(
                 let (live, masked) = row.split_at_mut(i + 1);
                 // Reductions in 8 lanes: a sum in one chain of adds waited
                 // on each add's latency, a fifth of attention's time.
-                let max = max8(live);
+                let max = max_lanes(live);
                 live.iter_mut().for_each(|v| *v = exp(*v - max));
                 let inv = 1.0 / sum_lanes([live], |[v]| v);
                 live.iter_mut().for_each(|v| *v *= inv);
