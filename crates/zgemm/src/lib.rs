@@ -477,6 +477,21 @@ impl Kernel {
         self.mr() * 16
     }
 
+    /// Rows of `A` a task takes in a product of `m` rows on `threads`
+    /// threads: [`Kernel::mc`], but on AMX (which reads `A` in place, so
+    /// that the block is not a packing size) cut so that the blocks come in
+    /// a multiple of `threads`, whole tiles each: 384 rows on two threads
+    /// are two blocks of 192, 1536 four of 384. Which rows share a task
+    /// changes no element's sums.
+    fn row_block(self, m: usize, threads: usize) -> usize {
+        let mc = self.mc();
+        if self != Kernel::AmxBf16 || threads < 2 {
+            return mc;
+        }
+        let blocks = m.div_ceil(mc).div_ceil(threads) * threads;
+        m.div_ceil(blocks).div_ceil(self.mr()) * self.mr()
+    }
+
     /// Runs one tile: see [`kernels::Tile`].
     fn tile(self, t: &kernels::Tile) {
         match self {
@@ -579,7 +594,7 @@ pub(crate) fn drive(
         return Ok(());
     };
     let (m, n, k) = (c.rows, c.cols, a.cols);
-    let (nr, mc) = (kernel.nr(), kernel.mc());
+    let (nr, mc) = (kernel.nr(), kernel.row_block(m, threads));
     // Taken, not borrowed: while this thread waits for the tasks, rayon may
     // run another job on it that multiplies too.
     let mut packed_b = PACKED_B.take();
@@ -638,9 +653,19 @@ pub(crate) fn drive(
             // few blocks that repeating their packing costs less than every
             // thread streaming all of B (a weight gradient xᵀ·dy with 384
             // rows: 0.91x OpenBLAS at 2 threads before, 1.03-1.09x after).
+            //
+            // AMX's tasks take whole rows of C instead wherever each thread
+            // can have its own blocks of them (its row blocks are cut to
+            // fit): two threads writing the two halves of every row of C
+            // ran at 0.6-0.7x the rate of each writing its own rows (2048
+            // rows × 384 columns), though A, read in place, costs the same
+            // either way. (The f32 kernels measured 3-9% slower with whole
+            // rows: their B block is near L2's size, and half of it each is
+            // what they gain.)
             let m_blocks = m.div_ceil(mc);
             let splits = match threads {
                 1 => 1,
+                _ if kernel == Kernel::AmxBf16 && m_blocks >= threads => 1,
                 _ if a.cs == 1 || m_blocks <= 2 * threads => {
                     threads.max((2 * threads).div_ceil(m_blocks))
                 }
