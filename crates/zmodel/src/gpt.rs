@@ -28,10 +28,11 @@ use zconfig::spec::{ModelKind, ModelSpec};
 use zconfig::tiles::{column_tiles, ColumnTile, TileError};
 
 use crate::head::{self, HeadBackward};
-use crate::linear::{self, f32s, BlockLinear, BlockNorm, BlockSource, Products, Whole};
+use crate::linear::{self, f32s, BlockLinear, BlockNorm, BlockSource, OutputGrad, Products, Whole};
 use crate::llama_ops::{rms_norm, rms_norm_backward, rms_norm_bf16, rope, swiglu, swiglu_backward};
 use crate::ops::{
-    cross_entropy, gelu, gelu_backward, gelu_bf16, layer_norm, layer_norm_backward, layer_norm_bf16,
+    cross_entropy, gelu, gelu_backward, gelu_backward_bf16, gelu_bf16, layer_norm,
+    layer_norm_backward, layer_norm_bf16,
 };
 use crate::params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};
 
@@ -548,11 +549,17 @@ impl Gpt {
         }
     }
 
-    fn activation_backward(&self, h: &Tensor, dg: &Tensor) -> Result<Tensor> {
-        match self.cfg.kind {
-            ModelKind::Gpt => gelu_backward(h, dg),
-            ModelKind::Llama => swiglu_backward(h, dg),
-        }
+    /// The activation's input gradient, as the MLP's first layer takes it:
+    /// with bf16 products, GELU's is rounded (and its column sums taken) as
+    /// it is written, in one pass.
+    fn activation_backward(&self, h: &Tensor, dg: &Tensor) -> Result<OutputGrad> {
+        Ok(match self.cfg.kind {
+            ModelKind::Gpt if self.products == Products::Bf16 => {
+                OutputGrad::Rounded(gelu_backward_bf16(h, dg)?)
+            }
+            ModelKind::Gpt => OutputGrad::F32(gelu_backward(h, dg)?),
+            ModelKind::Llama => OutputGrad::F32(swiglu_backward(h, dg)?),
+        })
     }
 
     /// LLaMA's rotary embedding of q and k (`inverse`: its backward); GPT-2's
@@ -653,17 +660,27 @@ impl Gpt {
     ) -> std::result::Result<Tensor, S::Error> {
         let (b, t, d) = dy.dims3()?;
         let dy = dy.reshape((b * t, d))?;
-        let linear = |src: &mut S, l: BlockLinear, x: &Tensor, dy: &Tensor| {
+        let linear = |src: &mut S, l: BlockLinear, x: &Tensor, dy: OutputGrad| {
             linear::backward(src, l, &self.linear_tiles(l), x, dy, self.products)
         };
         // y = rows1 + act(h)·W_out (+ b_out)
-        let dg = linear(src, BlockLinear::MlpOut, &acts.g, &dy)?;
+        let dg = linear(
+            src,
+            BlockLinear::MlpOut,
+            &acts.g,
+            OutputGrad::F32(dy.clone()),
+        )?;
         let dh = self.activation_backward(&acts.h, &dg)?;
-        let da2 = linear(src, BlockLinear::MlpIn, &acts.a2, &dh)?;
+        let da2 = linear(src, BlockLinear::MlpIn, &acts.a2, dh)?;
         // Each residual's gradient is added as the norm's backward writes dx.
         let drows1 = self.norm_backward_from(src, BlockNorm::Norm2, &acts.rows1, &da2, &dy)?;
         // rows1 = rows + att·W_o (+ b_o)
-        let datt = linear(src, BlockLinear::AttnOut, &acts.att, &drows1)?;
+        let datt = linear(
+            src,
+            BlockLinear::AttnOut,
+            &acts.att,
+            OutputGrad::F32(drows1.clone()),
+        )?;
         let dqkv = causal_attention_backward(
             &acts.qkv,
             &datt.reshape((b, t, d))?,
@@ -673,7 +690,7 @@ impl Gpt {
         let dqkv = self
             .rotate(dqkv, true)?
             .reshape((b * t, self.cfg.qkv_width()))?;
-        let da1 = linear(src, BlockLinear::Qkv, &acts.a1, &dqkv)?;
+        let da1 = linear(src, BlockLinear::Qkv, &acts.a1, OutputGrad::F32(dqkv))?;
         let dx = self.norm_backward_from(src, BlockNorm::Norm1, &acts.rows, &da1, &drows1)?;
         Ok(dx.reshape((b, t, d))?)
     }

@@ -37,7 +37,7 @@ use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
 
 use zgemm::{MatMut, MatRef, Start};
 
-use crate::ops::{bf16_with_column_sums, column_sums};
+use crate::ops::{bf16_with_column_sums, column_sums, RoundedGrad};
 use crate::params::{BlockParams, WeightBias};
 use crate::simd::{assume_init, uninit_floats};
 
@@ -252,6 +252,15 @@ fn forward_tracked<S: BlockSource>(
     })
 }
 
+/// A layer's output gradient as its backward takes it.
+pub(crate) enum OutputGrad {
+    /// f32 values (which the backward rounds itself under bf16 products).
+    F32(Tensor),
+    /// Rounded to bf16 by the op that made it, with its column sums: for
+    /// bf16 products only.
+    Rounded(RoundedGrad),
+}
+
 /// The backward of [`forward`]: hands each tile's `(dW, db)` to `src` and
 /// returns `dx = dy·Wᵀ`, accumulated over chunks of [`DX_CHUNK`] columns.
 /// Tiles are read out of `dy` in place (strided views, no copies).
@@ -260,30 +269,61 @@ pub(crate) fn backward<S: BlockSource>(
     linear: BlockLinear,
     tiles: &[Range<usize>],
     x: &Tensor,
-    dy: &Tensor,
+    dy: OutputGrad,
     products: Products,
 ) -> Result<Tensor, S::Error> {
-    let (x, dy) = (x.contiguous()?, dy.contiguous()?);
+    let x = x.contiguous()?;
     let (rows, inputs) = x.dims2()?;
-    let width = dy.dim(1)?;
     let threads = rayon::current_num_threads();
-    let (ds, dl) = dy.storage_and_layout();
-    let dyv = f32s(&ds, dl)?;
     // Under bf16 products, dy rounded once with its column sums (the bias
-    // gradient's bits) in one pass; both products read the bf16 copy
-    // (`dy·Wᵀ` in place), where each rounded dy as it laid it out and the
-    // bias took a pass of its own.
-    let rounded = match products {
-        Products::Bf16 => Some(bf16_with_column_sums(dyv, width)?),
-        Products::F32 => None,
+    // gradient's bits) in one pass, by the op that made it or here; both
+    // products read the bf16 copy (`dy·Wᵀ` in place), where each rounded dy
+    // as it laid it out and the bias took a pass of its own.
+    let (dy, rounded) = match (dy, products) {
+        (OutputGrad::F32(dy), Products::F32) => (Some(dy.contiguous()?), None),
+        (OutputGrad::F32(dy), Products::Bf16) => {
+            let dy = dy.contiguous()?;
+            let (ds, dl) = dy.storage_and_layout();
+            (
+                None,
+                Some(bf16_with_column_sums(f32s(&ds, dl)?, dy.dim(1)?)?),
+            )
+        }
+        (OutputGrad::Rounded(r), Products::Bf16) => (None, Some(r)),
+        (OutputGrad::Rounded(_), Products::F32) => {
+            return Err(candle_core::Error::Msg(format!(
+                "{linear:?}: a bf16 output gradient needs bf16 products"
+            ))
+            .into())
+        }
     };
+    let f32_dy = dy.as_ref().map(Tensor::storage_and_layout);
+    let dyv = f32_dy.as_ref().map(|(ds, dl)| f32s(ds, dl)).transpose()?;
+    let width = match (&dy, &rounded) {
+        (Some(dy), _) => dy.dim(1)?,
+        (None, Some(r)) => r.width,
+        (None, None) => unreachable!("dy is f32 or rounded"),
+    };
+    if rounded
+        .as_ref()
+        .is_some_and(|r| r.bits.len() != rows * width)
+    {
+        return Err(candle_core::Error::Msg(format!(
+            "{linear:?}: an output gradient of {} values for {rows} rows of {width}",
+            rounded.as_ref().map_or(0, |r| r.bits.len())
+        ))
+        .into());
+    }
     // dy's columns `c0..c0 + c` as an operand.
     let dy_cols = |c0: usize, c: usize| -> candle_core::Result<Input> {
-        Ok(match &rounded {
-            Some((bits, _)) => {
-                Input::Bf16(MatRef::new(&bits[c0..], rows, c, width, 1).map_err(shape)?)
+        Ok(match (&rounded, dyv) {
+            (Some(r), _) => {
+                Input::Bf16(MatRef::new(&r.bits[c0..], rows, c, width, 1).map_err(shape)?)
             }
-            None => Input::F32(MatRef::new(&dyv[c0..], rows, c, width, 1).map_err(shape)?),
+            (None, Some(dyv)) => {
+                Input::F32(MatRef::new(&dyv[c0..], rows, c, width, 1).map_err(shape)?)
+            }
+            (None, None) => unreachable!("dy is f32 or rounded"),
         })
     };
     // Made by the first chunk's product (a Zero start writes every element).
@@ -341,12 +381,12 @@ pub(crate) fn backward<S: BlockSource>(
                 }
             }
         }
-        let bias = match (&p.bias, &rounded) {
-            (Some(_), Some((_, sums))) => {
-                Some(Tensor::from_slice(&sums[cols.clone()], w, &Device::Cpu)?)
+        let bias = match (&p.bias, &rounded, &dy) {
+            (Some(_), Some(r), _) => {
+                Some(Tensor::from_slice(&r.sums[cols.clone()], w, &Device::Cpu)?)
             }
-            (Some(_), None) => Some(column_sums(&dy.narrow(1, cols.start, w)?)?),
-            (None, _) => None,
+            (Some(_), None, Some(dy)) => Some(column_sums(&dy.narrow(1, cols.start, w)?)?),
+            _ => None,
         };
         // SAFETY: a Zero start wrote every element of dW.
         let dw = unsafe { assume_init(dw) };

@@ -12,7 +12,9 @@
 
 use std::mem::MaybeUninit;
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, D};
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor, D,
+};
 use half::vec::HalfBitsVecExt;
 use rayon::prelude::*;
 
@@ -147,6 +149,47 @@ pub fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
         .apply_op2_no_bwd(&dy.contiguous()?, &GeluGrad)
 }
 
+/// `g · gelu'(v)` (both backward ops compute it alike).
+#[inline(always)]
+fn gelu_grad_of(v: f32, g: f32) -> f32 {
+    let t = tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v));
+    let d = 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * v * v);
+    g * d
+}
+
+/// [`gelu_backward`] for a layer whose products are bf16: `dx` of `[n, k]`
+/// inputs as a [`RoundedGrad`] (the bits and column sums of rounding
+/// `gelu_backward`'s output with [`bf16_with_column_sums`]), in one pass
+/// that writes half the bytes and leaves the layer's backward nothing to
+/// round or sum.
+pub fn gelu_backward_bf16(x: &Tensor, dy: &Tensor) -> Result<RoundedGrad> {
+    let (x, dy) = (x.contiguous()?, dy.contiguous()?);
+    let k = x.dims().last().copied().unwrap_or(0);
+    let (xs, xl) = x.storage_and_layout();
+    let (ds, dl) = dy.storage_and_layout();
+    let name = "zrun-gelu-grad-bf16";
+    let (xv, dv) = match (&*xs, &*ds) {
+        (Storage::Cpu(xs), Storage::Cpu(ds)) => {
+            (f32_input(name, xs, xl)?, f32_input(name, ds, dl)?)
+        }
+        _ => candle_core::bail!("{name}: CPU tensors only"),
+    };
+    if xv.len() != dv.len() || k == 0 || !xv.len().is_multiple_of(k) {
+        candle_core::bail!("gelu backward: {} inputs, {} gradients", xv.len(), dv.len());
+    }
+    Ok(rounded_rows(
+        xv.len() / k,
+        k,
+        #[inline(always)]
+        |i, out| {
+            let (x, dy) = (&xv[i * k..][..k], &dv[i * k..][..k]);
+            for ((o, &v), &g) in out.iter_mut().zip(x).zip(dy) {
+                *o = gelu_grad_of(v, g);
+            }
+        },
+    ))
+}
+
 struct GeluGrad;
 
 impl CustomOp2 for GeluGrad {
@@ -177,10 +220,7 @@ impl CustomOp2 for GeluGrad {
                     #[inline(always)]
                     || {
                         for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-                            let t = tanh_via_exp(GELU_K * v * (1.0 + GELU_C * v * v));
-                            let d = 0.5 * (1.0 + t)
-                                + 0.5 * v * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * v * v);
-                            o.write(g * d);
+                            o.write(gelu_grad_of(v, g));
                         }
                     },
                 )
@@ -420,47 +460,75 @@ impl CustomOp1 for ColumnSums {
     }
 }
 
-/// `m` (`[n, k]`, row-major f32) rounded to bf16 (zgemm's rounding, as its
-/// bits), and its column sums as [`column_sums`] adds them (the same bits),
-/// in one pass: a linear layer's output gradient under bf16 products, which
-/// both of its backward products then read in half the bytes, with nothing
-/// left to round and no pass of their own for the bias gradient.
-pub fn bf16_with_column_sums(m: &[f32], k: usize) -> Result<(Vec<u16>, Vec<f32>)> {
-    if k == 0 || !m.len().is_multiple_of(k) {
-        candle_core::bail!("bf16 rounding: {} values are not rows of {k}", m.len());
-    }
-    let mut bits = uninit_floats::<u16>(m.len());
-    let per = ROWS_PER_TASK * k.max(1);
+/// A layer's output gradient as bf16 products read it: its values rounded
+/// to bf16 (zgemm's rounding, as bits), row-major with `width` columns,
+/// and its column sums in f32 as [`column_sums`] adds them (the bias
+/// gradient, to the bit).
+#[derive(Debug, Clone)]
+pub struct RoundedGrad {
+    /// The rounded values.
+    pub bits: Vec<u16>,
+    /// Σ over rows of the f32 values, per column.
+    pub sums: Vec<f32>,
+    /// Columns.
+    pub width: usize,
+}
+
+/// `rows` rows of `k` values, row `i` made in f32 by `row(i, out)`, stored
+/// rounded, with their column sums: tasks of [`ROWS_PER_TASK`] rows each
+/// sum theirs, and the parts are added in task order (the same bits as
+/// [`column_sums`], for any thread count).
+fn rounded_rows(rows: usize, k: usize, row: impl Fn(usize, &mut [f32]) + Sync) -> RoundedGrad {
+    let mut bits = uninit_floats::<u16>(rows * k);
     let parts: Vec<Vec<f32>> = bits
-        .par_chunks_mut(per)
-        .zip(m.par_chunks(per))
-        .map(|(out, rows)| {
-            let mut row_bits = vec![0u16; k];
-            for (o, row) in out.chunks_exact_mut(k).zip(rows.chunks_exact(k)) {
-                zgemm::bf16_bits_into(row, &mut row_bits);
-                for (o, &b) in o.iter_mut().zip(&row_bits) {
+        .par_chunks_mut(ROWS_PER_TASK * k.max(1))
+        .enumerate()
+        .map(|(task, out)| {
+            let (mut values, mut row_bits) = (vec![0f32; k], vec![0u16; k]);
+            let mut acc = vec![0f32; k];
+            for (r, out) in out.chunks_exact_mut(k).enumerate() {
+                vectorised(
+                    #[inline(always)]
+                    || {
+                        row(task * ROWS_PER_TASK + r, &mut values);
+                        acc.iter_mut().zip(&values).for_each(|(a, v)| *a += v);
+                    },
+                );
+                zgemm::bf16_bits_into(&values, &mut row_bits);
+                for (o, &b) in out.iter_mut().zip(&row_bits) {
                     o.write(b);
                 }
             }
-            vectorised(
-                #[inline(always)]
-                || {
-                    let mut acc = vec![0f32; k];
-                    for row in rows.chunks_exact(k) {
-                        acc.iter_mut().zip(row).for_each(|(a, v)| *a += v);
-                    }
-                    acc
-                },
-            )
+            acc
         })
         .collect();
     let mut sums = vec![0f32; k];
     for p in &parts {
         sums.iter_mut().zip(p).for_each(|(o, v)| *o += v);
     }
-    // SAFETY: the chunks cover `bits` in whole rows (k divides m.len():
-    // checked), each written above.
-    Ok((unsafe { assume_init(bits) }, sums))
+    // SAFETY: the chunks are whole rows of `bits`, each written above.
+    let bits = unsafe { assume_init(bits) };
+    RoundedGrad {
+        bits,
+        sums,
+        width: k,
+    }
+}
+
+/// `m` (`[n, k]`, row-major f32) as a [`RoundedGrad`], in one pass: a
+/// linear layer's output gradient under bf16 products, which both of its
+/// backward products then read in half the bytes, with nothing left to
+/// round and no pass of their own for the bias gradient.
+pub fn bf16_with_column_sums(m: &[f32], k: usize) -> Result<RoundedGrad> {
+    if k == 0 || !m.len().is_multiple_of(k) {
+        candle_core::bail!("bf16 rounding: {} values are not rows of {k}", m.len());
+    }
+    Ok(rounded_rows(
+        m.len() / k,
+        k,
+        #[inline(always)]
+        |i, out| out.copy_from_slice(&m[i * k..][..k]),
+    ))
 }
 
 /// Layer norm's backward from (x, dy), or (x, dy, residual): `[rows + 2, d]`
@@ -897,7 +965,8 @@ pub(crate) mod tests {
             .collect();
         m[5] = f32::NAN;
         m[77] = f32::INFINITY;
-        let (bits, sums) = bf16_with_column_sums(&m, k).unwrap();
+        let RoundedGrad { bits, sums, width } = bf16_with_column_sums(&m, k).unwrap();
+        assert_eq!(width, k);
         assert_eq!(
             bits,
             m.iter().map(|&v| zgemm::bf16_bits(v)).collect::<Vec<_>>()
@@ -907,6 +976,25 @@ pub(crate) mod tests {
         let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
         assert!(same(&sums, &want), "{sums:?} vs {want:?}");
         assert!(bf16_with_column_sums(&[1.0; 10], 3).is_err());
+    }
+
+    #[test]
+    fn gelu_backward_in_bf16_is_the_rounded_backward_with_its_column_sums() {
+        let dev = Device::Cpu;
+        // 37 rows: several tasks and a short last one.
+        let (rows, k) = (37, 48);
+        let x = Tensor::from_vec(weights(rows * k), (rows, k), &dev).unwrap();
+        let dy: Vec<f32> = (0..rows * k)
+            .map(|i| ((i * 13) % 17) as f32 / 7.0 - 1.1)
+            .collect();
+        let dy = Tensor::from_vec(dy, (rows, k), &dev).unwrap();
+        let f32_grad = gelu_backward(&x, &dy).unwrap().flatten_all().unwrap();
+        let want = bf16_with_column_sums(&f32_grad.to_vec1::<f32>().unwrap(), k).unwrap();
+        let got = gelu_backward_bf16(&x, &dy).unwrap();
+        assert_eq!(got.bits, want.bits);
+        assert_eq!(got.width, k);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got.sums), bits(&want.sums));
     }
 
     #[test]
