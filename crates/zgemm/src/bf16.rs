@@ -51,6 +51,27 @@ pub fn has_native_bf16() -> bool {
     Kernel::best_bf16() == Kernel::AmxBf16
 }
 
+/// The row stride, in values, at which a producer should lay out bf16 rows
+/// of `cols` values for [`gemm_bf16`] to read them in place (see
+/// `pairs_in_place`): whole 64-byte lines, and not a multiple of 512 bytes
+/// (1536 columns become 1568). The rows must also start on a 64-byte line
+/// ([`bf16_line_start`]).
+pub fn bf16_row_stride(cols: usize) -> usize {
+    let stride = cols.div_ceil(32) * 32;
+    if (2 * stride).is_multiple_of(512) {
+        stride + 32
+    } else {
+        stride
+    }
+}
+
+/// The first index of `v` at a 64-byte boundary (under 32): where a
+/// producer starts its bf16 rows in a buffer 32 values longer than they
+/// need.
+pub fn bf16_line_start<T>(v: &[T]) -> usize {
+    v.as_ptr().align_offset(64).min(v.len())
+}
+
 /// What a bf16 product's operand holds: f32 values (rounded as they are
 /// laid out) or `u16`, bf16 values as their bits (taken as they are).
 pub trait Bf16Operand: Copy + Send + Sync + sealed::Sealed {

@@ -151,7 +151,7 @@ pub(crate) fn forward<S: BlockSource>(
     if x.track_op() || residual.is_some_and(Tensor::track_op) {
         return forward_tracked(src, linear, tiles, x, residual);
     }
-    let x = x.contiguous()?;
+    let x = rows_of(x)?;
     let residual = residual.map(Tensor::contiguous).transpose()?;
     let (rows, inputs) = x.dims2()?;
     let (xs, xl) = x.storage_and_layout();
@@ -272,7 +272,7 @@ pub(crate) fn backward<S: BlockSource>(
     dy: OutputGrad,
     products: Products,
 ) -> Result<Tensor, S::Error> {
-    let x = x.contiguous()?;
+    let x = rows_of(x)?;
     let (rows, inputs) = x.dims2()?;
     let threads = rayon::current_num_threads();
     // Under bf16 products, dy rounded once with its column sums (the bias
@@ -301,25 +301,20 @@ pub(crate) fn backward<S: BlockSource>(
     let dyv = f32_dy.as_ref().map(|(ds, dl)| f32s(ds, dl)).transpose()?;
     let width = match (&dy, &rounded) {
         (Some(dy), _) => dy.dim(1)?,
-        (None, Some(r)) => r.width,
+        (None, Some(r)) => r.width(),
         (None, None) => unreachable!("dy is f32 or rounded"),
     };
-    if rounded
-        .as_ref()
-        .is_some_and(|r| r.bits.len() != rows * width)
-    {
+    if let Some(r) = rounded.as_ref().filter(|r| r.rows() != rows) {
         return Err(candle_core::Error::Msg(format!(
-            "{linear:?}: an output gradient of {} values for {rows} rows of {width}",
-            rounded.as_ref().map_or(0, |r| r.bits.len())
+            "{linear:?}: an output gradient of {} rows for an input of {rows}",
+            r.rows()
         ))
         .into());
     }
     // dy's columns `c0..c0 + c` as an operand.
     let dy_cols = |c0: usize, c: usize| -> candle_core::Result<Input> {
         Ok(match (&rounded, dyv) {
-            (Some(r), _) => {
-                Input::Bf16(MatRef::new(&r.bits[c0..], rows, c, width, 1).map_err(shape)?)
-            }
+            (Some(r), _) => Input::Bf16(r.columns(c0, c)?),
             (None, Some(dyv)) => {
                 Input::F32(MatRef::new(&dyv[c0..], rows, c, width, 1).map_err(shape)?)
             }
@@ -382,9 +377,11 @@ pub(crate) fn backward<S: BlockSource>(
             }
         }
         let bias = match (&p.bias, &rounded, &dy) {
-            (Some(_), Some(r), _) => {
-                Some(Tensor::from_slice(&r.sums[cols.clone()], w, &Device::Cpu)?)
-            }
+            (Some(_), Some(r), _) => Some(Tensor::from_slice(
+                &r.sums()[cols.clone()],
+                w,
+                &Device::Cpu,
+            )?),
             (Some(_), None, Some(dy)) => Some(column_sums(&dy.narrow(1, cols.start, w)?)?),
             _ => None,
         };
@@ -423,7 +420,9 @@ enum Input<'a> {
 }
 
 impl<'a> Input<'a> {
-    /// A contiguous f32 or bf16 CPU tensor's values as `rows × cols`.
+    /// A CPU tensor's values as `rows × cols`: contiguous f32, or bf16 in
+    /// rows with adjacent columns (a producer's padded rows,
+    /// `simd::par_rows_bf16`, read where they are).
     fn of(
         storage: &'a Storage,
         layout: &Layout,
@@ -431,10 +430,23 @@ impl<'a> Input<'a> {
         cols: usize,
     ) -> candle_core::Result<Input<'a>> {
         use half::slice::HalfFloatSliceExt;
-        match (storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(CpuStorage::BF16(v)), Some((a, b))) => Ok(Input::Bf16(
-                MatRef::row_major(v[a..b].reinterpret_cast(), rows, cols).map_err(shape)?,
-            )),
+        match storage {
+            Storage::Cpu(CpuStorage::BF16(v)) => {
+                let rs = match layout.stride() {
+                    [rs, 1] => *rs,
+                    [_] | [] => cols,
+                    _ if layout.is_contiguous() => cols,
+                    _ => {
+                        return Err(candle_core::Error::Msg(
+                            "linear layer: bf16 input rows must have adjacent columns".into(),
+                        ))
+                    }
+                };
+                let v: &[u16] = v.reinterpret_cast();
+                Ok(Input::Bf16(
+                    MatRef::new(&v[layout.start_offset()..], rows, cols, rs, 1).map_err(shape)?,
+                ))
+            }
             _ => Ok(Input::F32(
                 MatRef::row_major(f32s(storage, layout)?, rows, cols).map_err(shape)?,
             )),
@@ -446,6 +458,17 @@ impl<'a> Input<'a> {
             Input::F32(m) => Input::F32(m.t()),
             Input::Bf16(m) => Input::Bf16(m.t()),
         }
+    }
+}
+
+/// `x` as a layer's input: as it is where its values are bf16 rows with
+/// adjacent columns (what the products read in place), else contiguous.
+fn rows_of(x: &Tensor) -> candle_core::Result<Tensor> {
+    let strided_rows = matches!(x.layout().stride(), [_, 1]);
+    if x.dtype() == candle_core::DType::BF16 && strided_rows {
+        Ok(x.clone())
+    } else {
+        x.contiguous()
     }
 }
 

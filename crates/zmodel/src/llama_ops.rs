@@ -19,30 +19,37 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::ops::{f32_input, sum_lanes, write_row};
+use crate::ops::{cpu_f32, f32_input, sum_lanes, write_row};
 use crate::simd::{
-    assume_init, exp, par_rows, par_rows_bf16, row_op, uninit_floats, vectorised, ROWS_PER_TASK,
+    assume_init, exp, par_rows, par_rows_bf16, uninit_floats, vectorised, ROWS_PER_TASK,
 };
 
 /// RMSNorm over the last dimension with weight `w`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    x.contiguous()?.apply_op2(
-        &w.contiguous()?,
-        RmsNorm {
-            eps: eps as f32,
-            bf16: false,
-        },
-    )
+    x.contiguous()?
+        .apply_op2(&w.contiguous()?, RmsNorm { eps: eps as f32 })
 }
 
-/// [`rms_norm`] with its output rounded to bf16, for bf16 products only
-/// (as [`crate::ops::layer_norm_bf16`]); no backward.
+/// [`rms_norm`] with its output rounded to bf16 (`[rows, d]`, laid out for
+/// zgemm), for bf16 products only (as [`crate::ops::layer_norm_bf16`]); no
+/// backward.
 pub fn rms_norm_bf16(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    x.contiguous()?.apply_op2_no_bwd(
-        &w.contiguous()?,
-        &RmsNorm {
-            eps: eps as f32,
-            bf16: true,
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let (xs, xl) = x.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    let (x, w) = (cpu_f32("rms norm", &xs, xl)?, cpu_f32("rms norm", &ws, wl)?);
+    let d = w.len();
+    if d == 0 || !x.len().is_multiple_of(d) {
+        candle_core::bail!("rms norm: rows of {} do not match a weight of {d}", x.len());
+    }
+    let eps = eps as f32;
+    par_rows_bf16(
+        x,
+        d,
+        #[inline(always)]
+        |row, out| {
+            let r = rms_inv(row, eps);
+            write_row(out, None, [row, w], |[v, w]| v * r * w);
         },
     )
 }
@@ -56,8 +63,6 @@ fn rms_inv(row: &[f32], eps: f32) -> f32 {
 
 struct RmsNorm {
     eps: f32,
-    /// Output in bf16 ([`rms_norm_bf16`]).
-    bf16: bool,
 }
 
 impl CustomOp2 for RmsNorm {
@@ -78,22 +83,19 @@ impl CustomOp2 for RmsNorm {
         if d == 0 || !x.len().is_multiple_of(d) {
             candle_core::bail!("rms norm: rows of {} do not match a weight of {d}", x.len());
         }
-        let rows = row_op(
+        let mut y = uninit_floats(x.len());
+        par_rows(
+            x,
+            &mut y,
+            d,
             #[inline(always)]
-            |x: &[f32], y: &mut [std::mem::MaybeUninit<f32>]| {
+            |x, y| {
                 for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
                     let r = rms_inv(row, self.eps);
                     write_row(out, None, [row, w], |[v, w]| v * r * w);
                 }
             },
         );
-        if self.bf16 {
-            use half::vec::HalfBitsVecExt;
-            let y = par_rows_bf16(x, d, rows);
-            return Ok((CpuStorage::BF16(y.reinterpret_into()), l1.shape().clone()));
-        }
-        let mut y = uninit_floats(x.len());
-        par_rows(x, &mut y, d, rows);
         // SAFETY: the rows cover x (checked above), and so y, whole.
         let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), l1.shape().clone()))

@@ -15,11 +15,10 @@ use std::mem::MaybeUninit;
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor, D,
 };
-use half::vec::HalfBitsVecExt;
 use rayon::prelude::*;
 
 use crate::simd::{
-    assume_init, exp, par_rows, par_rows_bf16, row_op, uninit_floats, vectorised, ROWS_PER_TASK,
+    assume_init, exp, par_rows, par_rows_bf16, uninit_floats, vectorised, ROWS_PER_TASK,
 };
 
 /// GELU (GPT-2's tanh approximation) as one fused pass forward and one backward.
@@ -33,13 +32,27 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Gelu)
 }
 
-/// [`gelu`] with its output rounded to bf16 (a `BF16` tensor), for an
-/// activation whose only readers are bf16 products (zgemm's `MatRef<u16>`):
-/// the bits they would have rounded the f32 output to, in half the bytes
-/// written, kept and read, and no rounding pass of their own. No backward:
-/// the explicit one reads GELU's input.
+/// [`gelu`] with its output rounded to bf16 (a `BF16` tensor of rows of the
+/// last dimension, `[rows, width]`, laid out for zgemm to read in place),
+/// for an activation whose only readers are bf16 products (zgemm's
+/// `MatRef<u16>`): the bits they would have rounded the f32 output to, in
+/// half the bytes written, kept and read, and no rounding pass of their
+/// own. No backward: the explicit one reads GELU's input.
 pub fn gelu_bf16(x: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op1_no_bwd(&GeluBf16)
+    let x = x.contiguous()?;
+    let width = x.dims().last().copied().unwrap_or(1);
+    let (s, l) = x.storage_and_layout();
+    let xs = cpu_f32("gelu", &s, l)?;
+    par_rows_bf16(
+        xs,
+        width,
+        #[inline(always)]
+        |x, y| {
+            for (o, &v) in y.iter_mut().zip(x) {
+                o.write(gelu_of(v));
+            }
+        },
+    )
 }
 
 const GELU_K: f32 = 0.797_884_6; // sqrt(2 / pi)
@@ -68,6 +81,15 @@ pub(crate) fn f32_input<'a>(name: &str, s: &'a CpuStorage, l: &Layout) -> Result
         _ => Err(candle_core::Error::Msg(format!(
             "{name}: only f32 is implemented"
         ))),
+    }
+}
+
+/// A contiguous f32 CPU tensor's values (for the ops that are plain
+/// functions, without autograd).
+pub(crate) fn cpu_f32<'a>(name: &str, s: &'a Storage, l: &Layout) -> Result<&'a [f32]> {
+    match s {
+        Storage::Cpu(s) => f32_input(name, s, l),
+        _ => candle_core::bail!("{name}: CPU tensors only"),
     }
 }
 
@@ -102,44 +124,6 @@ impl CustomOp1 for Gelu {
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(gelu_backward(arg, grad_res)?))
-    }
-}
-
-struct GeluBf16;
-
-impl CustomOp1 for GeluBf16 {
-    fn name(&self) -> &'static str {
-        "zrun-gelu-bf16"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = f32_input(self.name(), s, l)?;
-        let mut y = uninit_floats::<u16>(x.len());
-        y.par_chunks_mut(ELEMS_PER_TASK)
-            .zip(x.par_chunks(ELEMS_PER_TASK))
-            .for_each(|(y, x)| {
-                // GELU into L1, then zgemm's rounding (16 lanes where it has
-                // AVX-512; in GELU's 8-lane loop it cost a third of GELU).
-                let (mut wide, mut bits) = ([0f32; 256], [0u16; 256]);
-                for (y, x) in y.chunks_mut(256).zip(x.chunks(256)) {
-                    let (wide, bits) = (&mut wide[..x.len()], &mut bits[..x.len()]);
-                    vectorised(
-                        #[inline(always)]
-                        || {
-                            for (w, &v) in wide.iter_mut().zip(x) {
-                                *w = gelu_of(v);
-                            }
-                        },
-                    );
-                    zgemm::bf16_bits_into(wide, bits);
-                    for (o, &b) in y.iter_mut().zip(bits.iter()) {
-                        o.write(b);
-                    }
-                }
-            });
-        // SAFETY: the chunks of y match those of x, and each element got a value.
-        let y = unsafe { assume_init(y) };
-        Ok((CpuStorage::BF16(y.reinterpret_into()), l.shape().clone()))
     }
 }
 
@@ -239,26 +223,44 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
     x.contiguous()?.apply_op3(
         &w.contiguous()?,
         &b.contiguous()?,
-        LayerNorm {
-            eps: eps as f32,
-            bf16: false,
-        },
+        LayerNorm { eps: eps as f32 },
     )
 }
 
-/// [`layer_norm`] with its output rounded to bf16 (a `BF16` tensor), for a
+/// [`layer_norm`] with its output rounded to bf16 (a `BF16` tensor
+/// `[rows, d]`, laid out for zgemm to read in place), for a
 /// norm whose only readers are bf16 products (a block's q, k, v projection
 /// and MLP under `train.dtype: bf16` on AMX): the bits they would have
 /// rounded the f32 output to, in half the bytes written, kept and read
 /// (forward, and again as the weight gradient's `xᵀ`), and no rounding pass
 /// of their own. No backward: the explicit one reads the norm's input.
 pub fn layer_norm_bf16(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
-    x.contiguous()?.apply_op3_no_bwd(
-        &w.contiguous()?,
-        &b.contiguous()?,
-        &LayerNorm {
-            eps: eps as f32,
-            bf16: true,
+    let (x, w, b) = (x.contiguous()?, w.contiguous()?, b.contiguous()?);
+    let (xs, xl) = x.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    let (bs, bl) = b.storage_and_layout();
+    let (x, w, b) = (
+        cpu_f32("layer norm", &xs, xl)?,
+        cpu_f32("layer norm", &ws, wl)?,
+        cpu_f32("layer norm", &bs, bl)?,
+    );
+    let d = w.len();
+    if d == 0 || !x.len().is_multiple_of(d) || b.len() != d {
+        candle_core::bail!(
+            "layer norm: rows of {} do not match a weight of {d}",
+            x.len()
+        );
+    }
+    let eps = eps as f32;
+    par_rows_bf16(
+        x,
+        d,
+        #[inline(always)]
+        |row, out| {
+            let (mean, rstd) = row_stats(row, eps);
+            write_row(out, None, [row, w, b], |[v, w, b]| {
+                (v - mean) * rstd * w + b
+            });
         },
     )
 }
@@ -331,8 +333,6 @@ fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
 
 struct LayerNorm {
     eps: f32,
-    /// Output in bf16 ([`layer_norm_bf16`]).
-    bf16: bool,
 }
 
 impl CustomOp3 for LayerNorm {
@@ -361,9 +361,13 @@ impl CustomOp3 for LayerNorm {
                 x.len()
             );
         }
-        let rows = row_op(
+        let mut y = uninit_floats(x.len());
+        par_rows(
+            x,
+            &mut y,
+            d,
             #[inline(always)]
-            |x: &[f32], y: &mut [MaybeUninit<f32>]| {
+            |x, y| {
                 for (row, out) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
                     let (mean, rstd) = row_stats(row, self.eps);
                     write_row(out, None, [row, w, b], |[v, w, b]| {
@@ -372,12 +376,6 @@ impl CustomOp3 for LayerNorm {
                 }
             },
         );
-        if self.bf16 {
-            let y = par_rows_bf16(x, d, rows);
-            return Ok((CpuStorage::BF16(y.reinterpret_into()), l1.shape().clone()));
-        }
-        let mut y = uninit_floats(x.len());
-        par_rows(x, &mut y, d, rows);
         // SAFETY: the rows cover x, and so y (same length), whole.
         let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), l1.shape().clone()))
@@ -461,17 +459,51 @@ impl CustomOp1 for ColumnSums {
 }
 
 /// A layer's output gradient as bf16 products read it: its values rounded
-/// to bf16 (zgemm's rounding, as bits), row-major with `width` columns,
-/// and its column sums in f32 as [`column_sums`] adds them (the bias
-/// gradient, to the bit).
+/// to bf16 (zgemm's rounding, as bits), `rows × width` laid out for the
+/// products to read in place (rows from a 64-byte line, at
+/// [`zgemm::bf16_row_stride`]), and its column sums in f32 as
+/// [`column_sums`] adds them (the bias gradient, to the bit).
 #[derive(Debug, Clone)]
 pub struct RoundedGrad {
-    /// The rounded values.
-    pub bits: Vec<u16>,
+    /// The buffer; the values start at `start`, rows `stride` apart.
+    bits: Vec<u16>,
+    start: usize,
+    stride: usize,
+    rows: usize,
+    width: usize,
     /// Σ over rows of the f32 values, per column.
-    pub sums: Vec<f32>,
+    sums: Vec<f32>,
+}
+
+impl RoundedGrad {
+    /// Rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
     /// Columns.
-    pub width: usize,
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// Columns `c0..c0 + c` of every row, as a product's operand.
+    pub fn columns(&self, c0: usize, c: usize) -> Result<zgemm::MatRef<'_, u16>> {
+        if c0 + c > self.width {
+            candle_core::bail!("columns {c0}..{} of a {}-wide gradient", c0 + c, self.width);
+        }
+        zgemm::MatRef::new(&self.bits[self.start + c0..], self.rows, c, self.stride, 1)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
+
+    /// Σ over rows of the f32 values, per column.
+    pub fn sums(&self) -> &[f32] {
+        &self.sums
+    }
+
+    /// Row `i`'s values.
+    pub fn row(&self, i: usize) -> &[u16] {
+        &self.bits[self.start + i * self.stride..][..self.width]
+    }
 }
 
 /// `rows` rows of `k` values, row `i` made in f32 by `row(i, out)`, stored
@@ -479,14 +511,22 @@ pub struct RoundedGrad {
 /// sum theirs, and the parts are added in task order (the same bits as
 /// [`column_sums`], for any thread count).
 fn rounded_rows(rows: usize, k: usize, row: impl Fn(usize, &mut [f32]) + Sync) -> RoundedGrad {
-    let mut bits = uninit_floats::<u16>(rows * k);
-    let parts: Vec<Vec<f32>> = bits
-        .par_chunks_mut(ROWS_PER_TASK * k.max(1))
+    let stride = zgemm::bf16_row_stride(k);
+    // 32 values more: room to start on a line.
+    let mut bits = uninit_floats::<u16>(rows * stride + 32);
+    let start = zgemm::bf16_line_start(&bits);
+    let (head, body) = bits.split_at_mut(start);
+    let (body, tail) = body.split_at_mut(rows * stride);
+    for v in head.iter_mut().chain(tail) {
+        v.write(0);
+    }
+    let parts: Vec<Vec<f32>> = body
+        .par_chunks_mut(ROWS_PER_TASK * stride.max(1))
         .enumerate()
         .map(|(task, out)| {
             let (mut values, mut row_bits) = (vec![0f32; k], vec![0u16; k]);
             let mut acc = vec![0f32; k];
-            for (r, out) in out.chunks_exact_mut(k).enumerate() {
+            for (r, out) in out.chunks_exact_mut(stride).enumerate() {
                 vectorised(
                     #[inline(always)]
                     || {
@@ -495,8 +535,12 @@ fn rounded_rows(rows: usize, k: usize, row: impl Fn(usize, &mut [f32]) + Sync) -
                     },
                 );
                 zgemm::bf16_bits_into(&values, &mut row_bits);
+                let (out, pad) = out.split_at_mut(k);
                 for (o, &b) in out.iter_mut().zip(&row_bits) {
                     o.write(b);
+                }
+                for o in pad {
+                    o.write(0);
                 }
             }
             acc
@@ -506,12 +550,16 @@ fn rounded_rows(rows: usize, k: usize, row: impl Fn(usize, &mut [f32]) + Sync) -
     for p in &parts {
         sums.iter_mut().zip(p).for_each(|(o, v)| *o += v);
     }
-    // SAFETY: the chunks are whole rows of `bits`, each written above.
+    // SAFETY: the head, the tail and every row with its padding were
+    // written above.
     let bits = unsafe { assume_init(bits) };
     RoundedGrad {
         bits,
-        sums,
+        start,
+        stride,
+        rows,
         width: k,
+        sums,
     }
 }
 
@@ -911,15 +959,18 @@ pub(crate) mod tests {
             .into_iter()
             .map(zgemm::bf16_bits)
             .collect();
-        let got = gelu_bf16(&x).unwrap();
-        assert_eq!(got.dtype(), candle_core::DType::BF16);
-        let got: Vec<u16> = got
-            .to_vec1::<half::bf16>()
+        assert_eq!(bf16_bits_of(&gelu_bf16(&x).unwrap()), want);
+        // Rows of 1536 (3072 bytes) are laid out 1568 apart, from a line,
+        // for the products to read in place: the values are the same.
+        let rows = x
+            .narrow(0, 0, 3 * 1536)
             .unwrap()
-            .into_iter()
-            .map(half::bf16::to_bits)
-            .collect();
-        assert_eq!(got, want);
+            .reshape((3, 1536))
+            .unwrap();
+        let got = gelu_bf16(&rows).unwrap();
+        assert_eq!(got.dims(), &[3, 1536]);
+        assert_eq!(got.layout().stride(), &[1568, 1]);
+        assert_eq!(bf16_bits_of(&got), want[..3 * 1536]);
     }
 
     /// The bits of a BF16 tensor.
@@ -965,8 +1016,11 @@ pub(crate) mod tests {
             .collect();
         m[5] = f32::NAN;
         m[77] = f32::INFINITY;
-        let RoundedGrad { bits, sums, width } = bf16_with_column_sums(&m, k).unwrap();
-        assert_eq!(width, k);
+        let got = bf16_with_column_sums(&m, k).unwrap();
+        assert_eq!((got.rows(), got.width()), (rows, k));
+        let bits: Vec<u16> = (0..rows).flat_map(|i| got.row(i).to_vec()).collect();
+        let sums = got.sums().to_vec();
+        assert!(got.columns(0, k + 1).is_err());
         assert_eq!(
             bits,
             m.iter().map(|&v| zgemm::bf16_bits(v)).collect::<Vec<_>>()
@@ -991,10 +1045,14 @@ pub(crate) mod tests {
         let f32_grad = gelu_backward(&x, &dy).unwrap().flatten_all().unwrap();
         let want = bf16_with_column_sums(&f32_grad.to_vec1::<f32>().unwrap(), k).unwrap();
         let got = gelu_backward_bf16(&x, &dy).unwrap();
-        assert_eq!(got.bits, want.bits);
-        assert_eq!(got.width, k);
+        let values = |g: &RoundedGrad| {
+            (0..rows)
+                .flat_map(|i| g.row(i).to_vec())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(values(&got), values(&want));
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&got.sums), bits(&want.sums));
+        assert_eq!(bits(got.sums()), bits(want.sums()));
     }
 
     #[test]
