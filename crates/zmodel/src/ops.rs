@@ -18,7 +18,8 @@ use candle_core::{
 use rayon::prelude::*;
 
 use crate::simd::{
-    assume_init, exp, par_rows, par_rows_bf16, uninit_floats, vectorised, ROWS_PER_TASK,
+    assume_init, bf16_rows_buffer, exp, par_rows, par_rows_bf16, uninit_floats, vectorised,
+    ROWS_PER_TASK,
 };
 
 /// GELU (GPT-2's tanh approximation) as one fused pass forward and one backward.
@@ -511,16 +512,8 @@ impl RoundedGrad {
 /// sum theirs, and the parts are added in task order (the same bits as
 /// [`column_sums`], for any thread count).
 fn rounded_rows(rows: usize, k: usize, row: impl Fn(usize, &mut [f32]) + Sync) -> RoundedGrad {
-    let stride = zgemm::bf16_row_stride(k);
-    // 32 values more: room to start on a line.
-    let mut bits = uninit_floats::<u16>(rows * stride + 32);
-    let start = zgemm::bf16_line_start(&bits);
-    let (head, body) = bits.split_at_mut(start);
-    let (body, tail) = body.split_at_mut(rows * stride);
-    for v in head.iter_mut().chain(tail) {
-        v.write(0);
-    }
-    let parts: Vec<Vec<f32>> = body
+    let (mut bits, start, stride) = bf16_rows_buffer(rows, k);
+    let parts: Vec<Vec<f32>> = bits[start..start + rows * stride]
         .par_chunks_mut(ROWS_PER_TASK * stride.max(1))
         .enumerate()
         .map(|(task, out)| {

@@ -138,6 +138,23 @@ pub(crate) fn par_rows(
         });
 }
 
+/// A buffer for `rows` bf16 rows of `width` values laid out for zgemm's
+/// products to read in place: `(buffer, start, stride)`, the rows from
+/// `start` (a 64-byte line), [`zgemm::bf16_row_stride`] apart. Everything
+/// outside the rows is written (zero); the rows, padding included, are the
+/// caller's to write.
+pub(crate) fn bf16_rows_buffer(rows: usize, width: usize) -> (Vec<MaybeUninit<u16>>, usize, usize) {
+    let stride = zgemm::bf16_row_stride(width);
+    // 32 values more: room to start on a line.
+    let mut out = uninit_floats::<u16>(rows * stride + 32);
+    let start = zgemm::bf16_line_start(&out);
+    let (head, body) = out.split_at_mut(start);
+    for v in head.iter_mut().chain(&mut body[rows * stride..]) {
+        v.write(0);
+    }
+    (out, start, stride)
+}
+
 /// [`par_rows`] for an op whose output only bf16 products read: `f` writes
 /// each row in f32 into a scratch row in L1, which is stored rounded to bf16
 /// (zgemm's rounding, as its bits: what the products would have rounded
@@ -158,16 +175,9 @@ pub(crate) fn par_rows_bf16(
         candle_core::bail!("{} values are not rows of {width}", input.len());
     }
     let rows = input.len() / width;
-    let stride = zgemm::bf16_row_stride(width);
-    // 32 values more: room to start on a line.
-    let mut out = uninit_floats::<u16>(rows * stride + 32);
-    let start = zgemm::bf16_line_start(&out);
-    let (head, body) = out.split_at_mut(start);
-    let (body, tail) = body.split_at_mut(rows * stride);
-    for v in head.iter_mut().chain(tail) {
-        v.write(0);
-    }
-    body.par_chunks_mut(stride * ROWS_PER_TASK)
+    let (mut out, start, stride) = bf16_rows_buffer(rows, width);
+    out[start..start + rows * stride]
+        .par_chunks_mut(stride * ROWS_PER_TASK)
         .zip(input.par_chunks(width * ROWS_PER_TASK))
         .for_each(|(o, i)| {
             let (mut wide, mut bits) = (uninit_floats::<f32>(width), vec![0u16; width]);
