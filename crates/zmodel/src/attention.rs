@@ -295,8 +295,9 @@ fn probabilities(
         || {
             for (i, row) in p.chunks_exact_mut(t).enumerate() {
                 let (live, masked) = row.split_at_mut(i + 1);
-                // Reductions in 8 lanes: a sum in one chain of adds waited
-                // on each add's latency, a fifth of attention's time.
+                // Reductions in several lanes (`max_lanes`, `sum_lanes`): a
+                // sum in one chain of adds waited on each add's latency, a
+                // fifth of attention's time.
                 let max = max_lanes(live);
                 live.iter_mut().for_each(|v| *v = exp(*v - max));
                 let inv = 1.0 / sum_lanes([live], |[v]| v);

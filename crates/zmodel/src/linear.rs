@@ -412,7 +412,7 @@ pub enum Products {
 }
 
 /// A layer's input as its products read it: f32 values, or the bf16 values
-/// that its producer wrote for bf16 products (GELU's output, `gelu_bf16`).
+/// that its producer wrote for bf16 products (`layer_norm_bf16`, `gelu_bf16`).
 #[derive(Clone, Copy)]
 enum Input<'a> {
     F32(MatRef<'a>),

@@ -856,7 +856,7 @@ pub(crate) mod tests {
 
     #[test]
     fn a_residual_in_the_norm_backward_gives_the_bits_of_adding_it_after() {
-        // 50 rows (several tasks), 12 wide (a tail after 8 lanes): dx with
+        // 50 rows (several tasks), 12 wide (a run of 8 and a tail): dx with
         // the residual summed in must be r + dx of the plain backward, bit
         // for bit, and dw, db unchanged.
         let dev = Device::Cpu;
