@@ -610,3 +610,101 @@ impl BlockSource for Whole<'_> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::{gelu_backward, gelu_backward_bf16, gelu_bf16};
+    use crate::Gpt;
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v.into_iter().map(f32::to_bits).collect()
+    }
+
+    fn values(n: usize, k: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i * k % 23) as f32 - 11.0) / 9.0).collect()
+    }
+
+    /// With bf16 products, a layer reads a producer's padded bf16 rows in
+    /// place (GELU's 256 columns laid out 288 apart) with the bits it gets
+    /// from a contiguous copy of them (which zgemm copies again to read),
+    /// forward and backward; and an output gradient rounded by its producer
+    /// (GELU's backward) gives the bits of the f32 one rounded here.
+    #[test]
+    fn bf16_layers_read_padded_rows_and_rounded_gradients_with_the_bits_of_copies() {
+        if !zgemm::has_native_bf16() {
+            eprintln!("skipped: no AMX-BF16 here, so there are no bf16 products to check");
+            return;
+        }
+        let spec: zconfig::spec::ModelSpec = serde_json::from_value(serde_json::json!({
+            "vocab_size": 11, "d_model": 64, "n_layers": 1, "n_heads": 2, "seq_len": 64
+        }))
+        .unwrap();
+        let g = Gpt::new(&spec).unwrap();
+        let dev = Device::Cpu;
+        let params: Vec<Tensor> = g
+            .init_group(1, 3)
+            .into_iter()
+            .zip(&g.groups()[1].params)
+            .map(|(v, ps)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
+            .collect();
+        let params = BlockParams::from_vec(params, g.layout()).unwrap();
+        let (rows, d, wide) = (64, 64, 256);
+        let h = Tensor::from_vec(values(rows * wide, 7), (rows, wide), &dev).unwrap();
+        let padded = gelu_bf16(&h).unwrap();
+        assert_eq!(padded.layout().stride(), &[288, 1]);
+        let copy = padded.contiguous().unwrap();
+        let dy = Tensor::from_vec(values(rows * d, 5), (rows, d), &dev).unwrap();
+        let bf16 = Products::Bf16;
+        // One tile each: the whole layer.
+        let (out_cols, in_cols) = (0..d, 0..wide);
+        let (out_tiles, in_tiles) = (
+            std::slice::from_ref(&out_cols),
+            std::slice::from_ref(&in_cols),
+        );
+
+        // The MLP's projection: forward, and backward with an f32 dy.
+        let run_out = |x: &Tensor| {
+            let mut src = Whole::new(&params);
+            let y = forward(&mut src, BlockLinear::MlpOut, out_tiles, x, None, bf16).unwrap();
+            let out = OutputGrad::F32(dy.clone());
+            let dx = backward(&mut src, BlockLinear::MlpOut, out_tiles, x, out, bf16).unwrap();
+            let grad = src.tiles[BlockLinear::MlpOut as usize].pop().unwrap();
+            (
+                bits(&y),
+                bits(&dx),
+                bits(&grad.weight),
+                bits(&grad.bias.unwrap()),
+            )
+        };
+        assert_eq!(run_out(&padded), run_out(&copy));
+
+        // The MLP's expansion, its output gradient from GELU's backward.
+        let x = Tensor::from_vec(values(rows * d, 3), (rows, d), &dev).unwrap();
+        let dg = Tensor::from_vec(values(rows * wide, 11), (rows, wide), &dev).unwrap();
+        let run_in = |out: OutputGrad| {
+            let mut src = Whole::new(&params);
+            let dx = backward(&mut src, BlockLinear::MlpIn, in_tiles, &x, out, bf16).unwrap();
+            let grad = src.tiles[BlockLinear::MlpIn as usize].pop().unwrap();
+            (bits(&dx), bits(&grad.weight), bits(&grad.bias.unwrap()))
+        };
+        let rounded = run_in(OutputGrad::Rounded(gelu_backward_bf16(&h, &dg).unwrap()));
+        assert_eq!(
+            rounded,
+            run_in(OutputGrad::F32(gelu_backward(&h, &dg).unwrap()))
+        );
+        // A rounded gradient asks for bf16 products.
+        let mut src = Whole::new(&params);
+        let out = OutputGrad::Rounded(gelu_backward_bf16(&h, &dg).unwrap());
+        assert!(backward(
+            &mut src,
+            BlockLinear::MlpIn,
+            in_tiles,
+            &x,
+            out,
+            Products::F32
+        )
+        .is_err());
+    }
+}
