@@ -398,6 +398,42 @@ fn damaged_checkpoints_are_refused_with_exit_2() {
     assert_eq!(f.code(), 2, "{f:?}");
 }
 
+/// A fresh run into a `checkpoint.dir` that holds an earlier run's
+/// checkpoints would save over them at the same steps: it is refused (exit
+/// 2, naming the newest and `--resume auto`) before anything is written,
+/// and `--resume auto` continues the earlier run there.
+#[test]
+fn a_fresh_run_refuses_a_checkpoint_dir_with_checkpoints_in_it() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let job = ckpt_job(dir, "twice", 2, 2);
+    train(dir, &job, "m.jsonl", &[]);
+    let ck = dir.join("ckpt/step-00000002");
+    let manifest = std::fs::read(ck.join("manifest.json")).unwrap();
+    let args = TrainArgs::new(&job, dir.join("again.jsonl"));
+    let f = args.run(dir);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("step-00000002") && f.stderr.contains("--resume auto"),
+        "{}",
+        f.stderr
+    );
+    assert_eq!(std::fs::read(ck.join("manifest.json")).unwrap(), manifest);
+    let f = zrun(
+        dir,
+        &[
+            "train",
+            job.to_str().unwrap(),
+            "--resume",
+            "auto",
+            "--set",
+            "train.steps=4",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(dir.join("ckpt/step-00000004/manifest.json").exists());
+}
+
 #[test]
 fn a_worker_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
     let d = tempfile::tempdir().unwrap();

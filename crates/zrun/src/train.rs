@@ -93,6 +93,17 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                     p.display()
                 );
             }
+            // A fresh run would save over an earlier run's checkpoints of
+            // the same steps: refused, before anything is written.
+            if resume.is_none() {
+                if let Some(newest) = zckpt::list(Path::new(d)).pop() {
+                    return Err(Failure::bad_input(format!(
+                        "checkpoint.dir: {d} holds an earlier run's checkpoints (newest {}); \
+                         `--resume auto` continues from it, or give the job another checkpoint.dir",
+                        newest.display()
+                    )));
+                }
+            }
             Some(lock)
         }
         None => None,
