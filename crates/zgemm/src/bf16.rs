@@ -456,13 +456,24 @@ pub(crate) fn pack_row_pairs<T: Bf16Operand>(
 /// [`bf16_bits`] of every value of `src` into `dst` (of the same length),
 /// 16 at a time with AVX-512 where the CPU has it.
 pub fn bf16_bits_into(src: &[f32], dst: &mut [u16]) {
+    // SAFETY: `MaybeUninit<u16>` has the layout of `u16`, and
+    // `bf16_bits_write` stores only initialised values.
+    bf16_bits_write(src, unsafe {
+        &mut *(dst as *mut [u16] as *mut [std::mem::MaybeUninit<u16>])
+    });
+}
+
+/// [`bf16_bits_into`] a buffer not yet written: a producer rounds its f32
+/// row straight into the bf16 rows that products read, with no row of bits
+/// in between to copy.
+pub fn bf16_bits_write(src: &[f32], dst: &mut [std::mem::MaybeUninit<u16>]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx512bw() {
         // SAFETY: the CPU has AVX-512F and BW.
-        return unsafe { x86::bf16_bits_into(src, dst) };
+        return unsafe { x86::bf16_bits_write(src, dst) };
     }
     for (h, &v) in dst.iter_mut().zip(src) {
-        *h = round(v) as u16;
+        h.write(round(v) as u16);
     }
 }
 
@@ -493,6 +504,7 @@ fn has_avx512bw() -> bool {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
 
     use super::{round, Bf16Operand};
 
@@ -508,13 +520,13 @@ mod x86 {
         _mm512_mask_blend_epi32(nan, rounded, quiet_nan)
     }
 
-    /// [`super::bf16_bits_into`].
+    /// [`super::bf16_bits_write`].
     ///
     /// # Safety
     ///
     /// The CPU has AVX-512F and BW.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn bf16_bits_into(src: &[f32], dst: &mut [u16]) {
+    pub(super) unsafe fn bf16_bits_write(src: &[f32], dst: &mut [MaybeUninit<u16>]) {
         let n = src.len().min(dst.len());
         let whole = n / 16 * 16;
         for j in (0..whole).step_by(16) {
@@ -525,7 +537,7 @@ mod x86 {
             }
         }
         for j in whole..n {
-            dst[j] = round(src[j]) as u16;
+            dst[j].write(round(src[j]) as u16);
         }
     }
 

@@ -1299,7 +1299,7 @@ mod tests {
     }
 
     /// The fused ops' AVX-512, AVX2 and baseline builds give the same bits
-    /// (no fused multiply-add is ever formed), through a whole block forward and
+    /// (fused multiply-adds only where written), through a whole block forward and
     /// backward and the head's loss. Says on stderr which paths it compared.
     #[test]
     fn every_vector_width_of_the_fused_ops_gives_the_same_bits() {

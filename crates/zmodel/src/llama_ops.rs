@@ -21,7 +21,7 @@ use rayon::prelude::*;
 
 use crate::ops::{cpu_f32, f32_input, sum_lanes, write_row};
 use crate::simd::{
-    assume_init, exp, par_rows, par_rows_bf16, uninit_floats, vectorised, ROWS_PER_TASK,
+    assume_init, par_rows, par_rows_bf16, sigmoid, uninit_floats, vectorised, ROWS_PER_TASK,
 };
 
 /// RMSNorm over the last dimension with weight `w`.
@@ -210,12 +210,6 @@ crate::ops::norm_backward_ops!(RmsNormGrad);
 /// `silu(gate) · up` of `h` `[n, 2f]` holding gate and up side by side: `[n, f]`.
 pub fn swiglu(h: &Tensor) -> Result<Tensor> {
     h.contiguous()?.apply_op1(SwiGlu)
-}
-
-/// sigmoid(x), from the vectorised `exp`.
-#[inline(always)]
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + exp(-x))
 }
 
 struct SwiGlu;

@@ -1,14 +1,17 @@
-//! What the fused CPU ops share: an `exp` the compiler can vectorise, running a
-//! loop with AVX-512 or AVX2 enabled where the CPU has it, and splitting rows over rayon's
-//! threads in chunks that do not depend on the thread count (so results are the
-//! same bits with 1 thread or 16).
+//! What the fused CPU ops share: an `exp` and a reciprocal the compiler can
+//! vectorise, running a loop with AVX-512 or AVX2 (with FMA) enabled where the
+//! CPU has it, and splitting rows over rayon's threads in chunks that do not
+//! depend on the thread count (so results are the same bits with 1 thread or
+//! 16).
 //!
 //! libm's `expf` is a scalar call, and it was most of GELU's time: an element of
 //! GELU cost about 6 ns. `exp` below is Cephes' `expf` (range reduction by ln 2,
-//! a degree-6 polynomial, about 1 ulp) written with plain arithmetic and bit
-//! operations, which LLVM turns into 16-lane AVX-512 or 8-lane AVX2 code. No
-//! fused multiply-add is ever formed (Rust does not contract), so the AVX-512,
-//! AVX2 and baseline paths give the same bits.
+//! a degree-6 polynomial, about 1 ulp) written with plain arithmetic, fused
+//! multiply-adds and bit operations, which LLVM turns into 16-lane AVX-512 or
+//! 8-lane AVX2 code. Rust never contracts `a * b + c` on its own; a fused
+//! multiply-add is formed only where the code says `mul_add`, which rounds
+//! once on every path (an instruction on AVX-512 and AVX2, libm's `fmaf` on
+//! the baseline), so the AVX-512, AVX2 and baseline paths give the same bits.
 
 use std::mem::MaybeUninit;
 
@@ -20,23 +23,54 @@ pub(crate) const ROWS_PER_TASK: usize = 16;
 const ROUNDER: f32 = 12_582_912.0;
 
 /// e^x for x in about [-87, 88] (1 ulp); 0 below, +inf above.
+///
+/// Every step that multiplies and adds is one fused multiply-add
+/// (`mul_add`: one rounding, the same bits on every path).
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
     let x = x.clamp(-87.0, 88.0);
-    let shifted = x * LOG2E + ROUNDER;
+    let shifted = x.mul_add(LOG2E, ROUNDER);
     let n = shifted - ROUNDER;
     let ni = (shifted.to_bits() as i32).wrapping_sub(ROUNDER.to_bits() as i32);
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let r2 = r * r;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-        + 1.666_666_5e-1)
-        * r
-        + 0.5;
-    let poly = p * r2 + r + 1.0;
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
+    let p = 1.987_569_1e-4f32.mul_add(r, 1.398_199_9e-3);
+    let p = p.mul_add(r, 8.333_452e-3);
+    let p = p.mul_add(r, 4.166_579_6e-2);
+    let p = p.mul_add(r, 1.666_666_5e-1);
+    let p = p.mul_add(r, 0.5);
+    let poly = p.mul_add(r * r, r) + 1.0;
     poly * f32::from_bits(((ni + 127) << 23) as u32)
+}
+
+/// 1 / x for x in [1, 2^126], within 2 ulp, without a division.
+///
+/// A divide of 16 lanes occupies AVX-512's divider for about as long as
+/// thirty other instructions, and GELU's and SiLU's sigmoids were bound by
+/// it. Here a first guess from the exponent bits (within 1/8) is refined by
+/// three Newton steps of two fused multiply-adds each (the error squares:
+/// 2^-3, 2^-6, 2^-12, 2^-24), the same arithmetic on every path, so the
+/// same bits; a reciprocal estimate instruction would differ between
+/// AVX-512 and AVX2.
+#[inline(always)]
+pub(crate) fn recip(x: f32) -> f32 {
+    let mut y = f32::from_bits(0x7ef3_11c3u32.wrapping_sub(x.to_bits()));
+    for _ in 0..3 {
+        y = y.mul_add((-x).mul_add(y, 1.0), y);
+    }
+    y
+}
+
+/// 1 / (1 + e^-x), the logistic sigmoid, for every finite x (e^-x is held to
+/// e^80 so that its reciprocal stays a normal float: below x = -80 the
+/// sigmoid is within 2^-115 of 0 either way); NaN stays NaN.
+#[inline(always)]
+pub(crate) fn sigmoid(x: f32) -> f32 {
+    // Not `f32::min`, which would turn NaN into 80.
+    let z = if -x > 80.0 { 80.0 } else { -x };
+    recip(1.0 + exp(z))
 }
 
 /// Runs `f` in a function compiled for AVX-512 (16 lanes) or AVX2 (8 lanes),
@@ -44,17 +78,18 @@ pub(crate) fn exp(x: f32) -> f32 {
 /// `#[inline(always)]`: only code inlined into these functions is compiled
 /// for their features, and LLVM kept the larger kernels (layer norm's
 /// backward, attention's softmax) out of line, as baseline SSE code, until
-/// they were marked. The loops are plain arithmetic without fused
-/// multiply-adds, so every width gives the same bits (tested).
+/// they were marked. The loops are plain arithmetic, with fused multiply-adds
+/// only where written as `mul_add`, so every width gives the same bits
+/// (tested).
 #[inline(always)]
 pub(crate) fn vectorised<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2")]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
         fn avx512<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        #[target_feature(enable = "avx2")]
+        #[target_feature(enable = "avx2,fma")]
         fn avx2<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
@@ -89,7 +124,8 @@ pub(crate) fn widest_here() -> Width {
         {
             return Width::Avx512;
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
             return Width::Avx2;
         }
     }
@@ -180,7 +216,7 @@ pub(crate) fn par_rows_bf16(
         .par_chunks_mut(stride * ROWS_PER_TASK)
         .zip(input.par_chunks(width * ROWS_PER_TASK))
         .for_each(|(o, i)| {
-            let (mut wide, mut bits) = (uninit_floats::<f32>(width), vec![0u16; width]);
+            let mut wide = uninit_floats::<f32>(width);
             for (o, row) in o.chunks_mut(stride).zip(i.chunks(width)) {
                 vectorised(
                     #[inline(always)]
@@ -189,11 +225,8 @@ pub(crate) fn par_rows_bf16(
                 // SAFETY: `f` writes every element of its output row (as
                 // every `par_rows` op does).
                 let wide = unsafe { &*(&wide[..] as *const [MaybeUninit<f32>] as *const [f32]) };
-                zgemm::bf16_bits_into(wide, &mut bits);
                 let (o, pad) = o.split_at_mut(width);
-                for (o, &b) in o.iter_mut().zip(&bits) {
-                    o.write(b);
-                }
+                zgemm::bf16_bits_write(wide, o);
                 for o in pad {
                     o.write(0);
                 }
@@ -252,5 +285,41 @@ mod tests {
         assert_eq!(exp(0.0), 1.0);
         assert_eq!(exp(-1000.0), exp(-87.0));
         assert!(exp(1000.0).is_finite());
+    }
+
+    #[test]
+    fn recip_is_within_two_ulp_of_a_division() {
+        // Every mantissa step of [1, 2) (the guess's error depends only on
+        // the mantissa) at several exponents, up to 2^126.
+        let mut worst = 0u32;
+        for e in [0, 1, 7, 40, 100, 125] {
+            for m in (0..1u32 << 23).step_by(97) {
+                let x = f32::from_bits(((127 + e) << 23) | m);
+                let (got, want) = (recip(x), 1.0 / x);
+                assert!(want.is_normal() && got.is_normal(), "1/{x}: {got}");
+                let ulp = (got.to_bits() as i64 - want.to_bits() as i64).unsigned_abs() as u32;
+                worst = worst.max(ulp);
+            }
+        }
+        assert!(worst <= 2, "worst error {worst} ulp");
+        assert_eq!(recip(1.0), 1.0);
+        assert_eq!(recip(2.0), 0.5);
+    }
+
+    #[test]
+    fn sigmoid_is_within_four_ulp_of_libm_and_saturates() {
+        let mut worst = 0u32;
+        let mut x = -80.0f32;
+        while x < 88.0 {
+            let (got, want) = (sigmoid(x), 1.0 / (1.0 + (-x).exp()));
+            let ulp = (got.to_bits() as i64 - want.to_bits() as i64).unsigned_abs() as u32;
+            worst = worst.max(ulp);
+            x += 0.003_7;
+        }
+        assert!(worst <= 4, "worst error {worst} ulp");
+        assert_eq!(sigmoid(100.0), 1.0);
+        let far = sigmoid(-1e30);
+        assert!(far.is_normal() && far < 1e-34, "sigmoid(-1e30) = {far}");
+        assert!(sigmoid(f32::NAN).is_nan());
     }
 }
