@@ -13,7 +13,8 @@ use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 use zgemm::{MatMut, MatRef, Start};
 
-use crate::simd::{assume_init, uninit_floats};
+use crate::ops::{max_lanes, sum_lanes};
+use crate::simd::{assume_init, exp, uninit_floats, vectorised};
 
 /// What [`crate::Gpt::head_backward`] returns.
 #[derive(Debug)]
@@ -33,7 +34,9 @@ pub struct HeadBackward {
 /// `targets`, and its gradient scaled by `scale`:
 /// `dlogits = scale · (softmax(logits) − onehot(target)) / rows`, written over
 /// `logits` in place. Each row's log-sum-exp is taken after subtracting the
-/// row's maximum; the loss adds the rows' terms in f64, in row order.
+/// row's maximum; the loss adds the rows' terms in f64, in row order. Each
+/// row is one vectorised pass per step (the fused ops' `exp` and lane-wise
+/// reductions: the same bits at every vector width).
 pub(crate) fn cross_entropy_in_place(
     logits: &mut [f32],
     targets: &[u32],
@@ -62,18 +65,20 @@ pub(crate) fn cross_entropy_in_place(
         .zip(targets.par_iter())
         .with_min_len(16)
         .map(|(row, &t)| {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let picked = row[t as usize] - max;
-            let mut sum = 0f32;
-            for x in row.iter_mut() {
-                *x = (*x - max).exp();
-                sum += *x;
-            }
-            let inv = coef / sum;
-            row.iter_mut().for_each(|x| *x *= inv);
-            row[t as usize] -= coef;
-            // −log p(target) = log Σ exp(x − max) − (x_t − max).
-            f64::from(sum.ln()) - f64::from(picked)
+            vectorised(
+                #[inline(always)]
+                || {
+                    let max = max_lanes(row);
+                    let picked = row[t as usize] - max;
+                    row.iter_mut().for_each(|x| *x = exp(*x - max));
+                    let sum = sum_lanes([row], |[x]| x);
+                    let inv = coef / sum;
+                    row.iter_mut().for_each(|x| *x *= inv);
+                    row[t as usize] -= coef;
+                    // −log p(target) = log Σ exp(x − max) − (x_t − max).
+                    f64::from(sum.ln()) - f64::from(picked)
+                },
+            )
         })
         .collect();
     Ok(losses.iter().sum::<f64>() / rows as f64)
