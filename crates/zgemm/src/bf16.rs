@@ -520,6 +520,17 @@ mod x86 {
         _mm512_mask_blend_epi32(nan, rounded, quiet_nan)
     }
 
+    /// [`round16`] with each value's bits in the high 16 of its lane (the
+    /// low 16 are left over from the rounding).
+    #[target_feature(enable = "avx512f")]
+    fn round16_high(v: __m512) -> __m512i {
+        let b = _mm512_castps_si512(v);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+        let rounded = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+        _mm512_mask_or_epi32(rounded, nan, b, _mm512_set1_epi32(0x40 << 16))
+    }
+
     /// [`super::bf16_bits_write`].
     ///
     /// # Safety
@@ -528,8 +539,26 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn bf16_bits_write(src: &[f32], dst: &mut [MaybeUninit<u16>]) {
         let n = src.len().min(dst.len());
+        // 32 values a step: each rounded in the high half of its 32 bits,
+        // the high halves of two vectors gathered by one word permute into
+        // one 64-byte store (a shift and a narrowing store per 16 were 0.09
+        // ns a value, three instructions of eleven on the shuffle port).
+        let high_halves = _mm512_set_epi16(
+            63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21,
+            19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+        );
+        let pairs = n / 32 * 32;
+        for j in (0..pairs).step_by(32) {
+            // SAFETY: j + 32 ≤ n, inside both slices.
+            unsafe {
+                let lo = round16_high(_mm512_loadu_ps(src.as_ptr().add(j)));
+                let hi = round16_high(_mm512_loadu_ps(src.as_ptr().add(j + 16)));
+                let words = _mm512_permutex2var_epi16(lo, high_halves, hi);
+                _mm512_storeu_si512(dst.as_mut_ptr().add(j).cast(), words);
+            }
+        }
         let whole = n / 16 * 16;
-        for j in (0..whole).step_by(16) {
+        for j in (pairs..whole).step_by(16) {
             // SAFETY: j + 16 ≤ n, inside both slices.
             unsafe {
                 let r = round16(_mm512_loadu_ps(src.as_ptr().add(j)));
