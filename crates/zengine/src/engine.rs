@@ -178,6 +178,7 @@ impl Engine {
             z.reduce_bucket_size.0.max(1) as usize,
             z.overlap_comm,
             quantized,
+            !stage.partitions_parameters(),
         );
         Ok(Engine {
             param_tensors: (0..groups.len()).map(|_| None).collect(),

@@ -146,10 +146,18 @@ impl Bucket {
         out
     }
 
-    /// Copies the groups' buffers into one rank-major bucket buffer.
+    /// Copies the groups' buffers into one rank-major bucket buffer, `out`
+    /// (emptied first: a buffer an earlier reduction gave back).
     /// `bufs` is indexed by group; only this bucket's groups are read.
-    pub fn pack(&self, layouts: &[GroupLayout], bufs: &[&Flat], world: usize) -> Vec<f32> {
-        let mut out = Vec::with_capacity(self.len);
+    pub fn pack(
+        &self,
+        layouts: &[GroupLayout],
+        bufs: &[&Flat],
+        world: usize,
+        mut out: Vec<f32>,
+    ) -> Vec<f32> {
+        out.clear();
+        out.reserve(self.len);
         for r in 0..world {
             for &g in &self.groups {
                 bufs[g].extend_f32(layouts[g].slice(r), &mut out);
@@ -238,7 +246,9 @@ mod tests {
         let b = &buckets[1];
         let flats: Vec<Flat> = bufs.iter().map(|v| Flat::F32(v.clone())).collect();
         let views: Vec<&Flat> = flats.iter().collect();
-        let packed = b.pack(&layouts, &views, world);
+        // Into a used buffer, as the engine packs into one a reduction gave back.
+        let packed = b.pack(&layouts, &views, world, vec![7.0; 3]);
+        assert_eq!(packed.len(), b.len);
         let chunk = zcomm::chunk_range(packed.len(), world, 1);
         let mut want = bufs[1][layouts[1].slice(1)].to_vec();
         want.extend_from_slice(&bufs[0][layouts[0].slice(1)]);

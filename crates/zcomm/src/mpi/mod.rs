@@ -409,8 +409,10 @@ impl Communicator for MpiCommunicator {
         self.submit(Op::ReduceScatter, bytes, len, move |l| {
             let own = chunk_range(buf.len(), l.world_size(), l.rank());
             ring::reduce_scatter(l, &mut buf)?;
+            // Truncated, not shrunk: the caller packs its next bucket into
+            // this allocation (a shrink maps the tail away, and the next
+            // bucket faults it in again).
             buf.truncate(own.len());
-            buf.shrink_to_fit();
             Ok(buf)
         })
     }

@@ -249,8 +249,10 @@ impl Communicator for TcpCommunicator {
                     ring::reduce_scatter(l, &mut buf)?;
                 }
             }
+            // Truncated, not shrunk: the caller packs its next bucket into
+            // this allocation (a shrink maps the tail away, and the next
+            // bucket faults it in again).
             buf.truncate(own.len());
-            buf.shrink_to_fit();
             Ok(buf)
         })
     }
