@@ -511,17 +511,13 @@ mod x86 {
     /// [`round`] of 16 floats, each result in the low half of its lane.
     #[target_feature(enable = "avx512f")]
     pub(super) fn round16(v: __m512) -> __m512i {
-        let b = _mm512_castps_si512(v);
-        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
-        let bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb);
-        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, bias));
-        let quiet_nan = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40));
-        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-        _mm512_mask_blend_epi32(nan, rounded, quiet_nan)
+        _mm512_srli_epi32::<16>(round16_high(v))
     }
 
-    /// [`round16`] with each value's bits in the high 16 of its lane (the
-    /// low 16 are left over from the rounding).
+    /// [`round`] of 16 floats, each result in the high half of its lane (the
+    /// low half is what the rounding left there): a quiet NaN keeps its
+    /// bits with bit 6 of the high half set, every other value has the
+    /// rounding bias added (`0x7fff` plus the kept half's lowest bit).
     #[target_feature(enable = "avx512f")]
     fn round16_high(v: __m512) -> __m512i {
         let b = _mm512_castps_si512(v);

@@ -330,8 +330,9 @@ fn bf16_products_of_values_bf16_holds_exactly_equal_the_f32_product() {
 
 #[test]
 fn bf16_rounding_of_slices_equals_the_scalar_rounding() {
-    // The SIMD path (16 at a time) and its scalar tail against `round`,
-    // on ties, NaN, infinities, zeros, subnormals and random values.
+    // The SIMD paths (32 and 16 at a time) and the scalar tail against
+    // `round`, on ties, NaN, infinities, zeros, subnormals and random
+    // values, the special values moved through every path in turn.
     let mut v = vec![
         1.0 + 1.0 / 256.0,
         1.0 + 3.0 / 256.0,
@@ -349,10 +350,14 @@ fn bf16_rounding_of_slices_equals_the_scalar_rounding() {
         f32::from_bits(0x7fff_ffff),
     ];
     v.extend(random(9, 40));
-    let mut got = vec![0u16; v.len()];
-    bf16_bits_into(&v, &mut got);
-    for (x, g) in v.iter().zip(&got) {
-        assert_eq!(u32::from(*g), bf16::round(*x), "{x:e}");
+    // 53 values: 32 at once, then 16, then 5 one by one.
+    for turn in 0..v.len() {
+        v.rotate_right(1);
+        let mut got = vec![0u16; v.len()];
+        bf16_bits_into(&v, &mut got);
+        for (x, g) in v.iter().zip(&got) {
+            assert_eq!(u32::from(*g), bf16::round(*x), "{x:e} (turn {turn})");
+        }
     }
 }
 

@@ -22,7 +22,7 @@ pub(crate) const ROWS_PER_TASK: usize = 16;
 /// which then sits in the low mantissa bits.
 const ROUNDER: f32 = 12_582_912.0;
 
-/// e^x for x in about [-87, 88] (1 ulp); 0 below, +inf above.
+/// e^x for x in about [-87, 88] (1 ulp); held to e^-87 below and e^88 above.
 ///
 /// Every step that multiplies and adds is one fused multiply-add
 /// (`mul_add`: one rounding, the same bits on every path).
