@@ -648,6 +648,26 @@ pub enum Device {
     Cuda,
 }
 
+impl JobSpec {
+    /// What of this job the GPU path (`device: cuda`) cannot run yet, or
+    /// `None`: the GPU model is GPT-2's family in f32 with whole linears.
+    pub fn gpu_unsupported(&self) -> Option<String> {
+        if self.model.kind != ModelKind::Gpt {
+            return Some("the GPU model is GPT-2's family only (model.kind: gpt)".into());
+        }
+        if self.train.dtype != Dtype::F32 {
+            return Some(format!(
+                "the GPU model computes in f32 only, not train.dtype: {}",
+                self.train.dtype
+            ));
+        }
+        if self.model.tile_size.is_some() {
+            return Some("the GPU model keeps linears whole: drop model.tile_size".into());
+        }
+        None
+    }
+}
+
 /// A count that accepts `5e7`, `50000000`, `"64MiB"`, `"2k"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(transparent)]

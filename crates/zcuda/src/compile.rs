@@ -27,24 +27,50 @@ pub struct KernelSource {
     pub code: &'static str,
     /// The `extern "C"` functions it defines.
     pub functions: &'static [&'static str],
+    /// Whether it promises the CPU kernel's bits (AdamW, quantization, the
+    /// collectives' sums: every operation rounded on its own, no FMA, no
+    /// math library), or only the CPU model's function in f32 (the model's
+    /// kernels, whose exp, tanh and log come from CUDA's math library).
+    pub same_bits_as_cpu: bool,
 }
 
 /// Every kernel zrun ships.
-pub const KERNELS: [KernelSource; 3] = [
+pub const KERNELS: [KernelSource; 4] = [
     KernelSource {
         name: "adamw.cu",
         code: include_str!("../../../kernels/adamw.cu"),
         functions: &["adamw"],
+        same_bits_as_cpu: true,
     },
     KernelSource {
         name: "quantize.cu",
         code: include_str!("../../../kernels/quantize.cu"),
         functions: &["quantize", "dequantize"],
+        same_bits_as_cpu: true,
     },
     KernelSource {
         name: "reduce.cu",
         code: include_str!("../../../kernels/reduce.cu"),
         functions: &["add_f32"],
+        same_bits_as_cpu: true,
+    },
+    KernelSource {
+        name: "gpt.cu",
+        code: include_str!("../../../kernels/gpt.cu"),
+        functions: &[
+            "embed",
+            "layer_norm",
+            "layer_norm_backward",
+            "layer_norm_param_partials",
+            "column_sums",
+            "bias_residual",
+            "gelu",
+            "gelu_backward",
+            "causal_softmax",
+            "causal_softmax_backward",
+            "cross_entropy",
+        ],
+        same_bits_as_cpu: false,
     },
 ];
 

@@ -4,6 +4,7 @@
 //! Launches are asynchronous on the stream; the calls that return host data
 //! (downloads, the quantizer's non-finite check) wait for it.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -100,10 +101,8 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     name: String,
     arch: String,
-    adamw: CudaFunction,
-    quantize: CudaFunction,
-    dequantize: CudaFunction,
-    add_f32: CudaFunction,
+    /// Every kernel function of `kernels/`, by name.
+    functions: HashMap<&'static str, CudaFunction>,
 }
 
 impl Gpu {
@@ -127,35 +126,39 @@ impl Gpu {
             .map_err(driver("reading the compute capability"))?;
         let name = ctx.name().map_err(driver("reading the GPU's name"))?;
         let arch = format!("compute_{major}{minor}");
-        let mut functions = Vec::new();
+        let mut functions = HashMap::new();
         for src in &KERNELS {
             let ptx = compile(src, &arch)?.ptx;
             let module = ctx
                 .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
                 .map_err(driver(&format!("loading {}", src.name)))?;
             for f in src.functions {
-                functions.push(
-                    module
-                        .load_function(f)
-                        .map_err(driver(&format!("loading {} from {}", f, src.name)))?,
-                );
+                let function = module
+                    .load_function(f)
+                    .map_err(driver(&format!("loading {} from {}", f, src.name)))?;
+                functions.insert(*f, function);
             }
         }
-        let [adamw, quantize, dequantize, add_f32]: [CudaFunction; 4] =
-            functions.try_into().map_err(|f: Vec<_>| {
-                CudaError::Invalid(format!("expected 4 kernel functions, loaded {}", f.len()))
-            })?;
         let stream = ctx.default_stream();
         Ok(Gpu {
             ctx,
             stream,
             name,
             arch,
-            adamw,
-            quantize,
-            dequantize,
-            add_f32,
+            functions,
         })
+    }
+
+    /// Kernel function `name` (one of `KERNELS`' functions).
+    pub(crate) fn function(&self, name: &str) -> &CudaFunction {
+        self.functions
+            .get(name)
+            .unwrap_or_else(|| panic!("no kernel function `{name}` in kernels/"))
+    }
+
+    /// The stream every launch and copy of this GPU goes to.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
 
     /// The GPU's name, as the driver reports it.
@@ -243,7 +246,7 @@ impl Gpu {
             Some((h, w)) => (h.code(), Some(w)),
             None => (0i32, None),
         };
-        let mut launch = self.stream.launch_builder(&self.adamw);
+        let mut launch = self.stream.launch_builder(self.function("adamw"));
         launch.arg(p);
         match g {
             DeviceGrads::F32(g) => launch.arg(g),
@@ -298,7 +301,7 @@ impl Gpu {
         let mut data = self.zeros::<u8>(bits.data_bytes(len))?;
         let mut bad = self.upload(&[u64::MAX])?;
         let (len64, nbits) = (len as u64, if bits == Bits::Int8 { 8i32 } else { 4 });
-        let mut launch = self.stream.launch_builder(&self.quantize);
+        let mut launch = self.stream.launch_builder(self.function("quantize"));
         launch
             .arg(x)
             .arg(&len64)
@@ -361,7 +364,7 @@ impl Gpu {
         }
         let (len64, block_u32) = (q.len as u64, q.block_size as u32);
         let nbits = if q.bits == Bits::Int8 { 8i32 } else { 4 };
-        let mut launch = self.stream.launch_builder(&self.dequantize);
+        let mut launch = self.stream.launch_builder(self.function("dequantize"));
         launch
             .arg(&q.scales)
             .arg(&q.data)
@@ -391,7 +394,7 @@ impl Gpu {
             return Ok(());
         }
         let n = x.len() as u64;
-        let mut launch = self.stream.launch_builder(&self.add_f32);
+        let mut launch = self.stream.launch_builder(self.function("add_f32"));
         launch.arg(&mut *acc).arg(x).arg(&n);
         // SAFETY: the arguments match `add_f32` in reduce.cu; both buffers
         // hold n values.
@@ -417,7 +420,7 @@ impl DeviceQuantized {
     }
 }
 
-fn grid_stride(n: usize) -> LaunchConfig {
+pub(crate) fn grid_stride(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(THREADS as usize).min(MAX_BLOCKS as usize) as u32;
     LaunchConfig {
         grid_dim: (blocks.max(1), 1, 1),

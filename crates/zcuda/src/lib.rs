@@ -13,6 +13,9 @@
 //!   at hand and cached on disk by a hash of source, options and compiler.
 //! - `gpu`: [`Gpu`], one device with its stream and the loaded kernels, and
 //!   typed launches of each kernel on device buffers.
+//! - `gpt`: [`GptGpu`], the GPT-2 model's forward and backward on one GPU
+//!   (cuBLAS for the products, `kernels/gpt.cu` for the rest), its
+//!   parameters and gradients crossing to and from the host's flat buffers.
 //!
 //! Every kernel is written to give the same bits as zrun's CPU kernel of the
 //! same job (AdamW, blockwise quantization, the collectives' f32 sums), so the
@@ -21,9 +24,11 @@
 #![deny(missing_docs)]
 
 mod compile;
+mod gpt;
 mod gpu;
 
 pub use compile::{compile, compile_with, kernel, CacheUse, Compiled, KernelSource, KERNELS};
+pub use gpt::{BlockActs, GptGpu, GptShape, HeadOut, Rows, Weights, BLOCK_PARAMS};
 pub use gpu::{AdamConsts, DeviceGrads, DeviceQuantized, Gpu, Half16};
 
 /// Re-exported so that callers hold device buffers without naming cudarc.
@@ -68,6 +73,8 @@ pub struct Probe {
     pub devices: Result<usize, String>,
     /// NVRTC is loadable (kernels can be compiled).
     pub nvrtc: bool,
+    /// cuBLAS is loadable (the model's products can run).
+    pub cublas: bool,
 }
 
 impl Probe {
@@ -79,9 +86,20 @@ impl Probe {
         }
         Ok(n)
     }
+
+    /// The GPU count where training can run (driver, GPU, NVRTC and
+    /// cuBLAS), or a sentence saying what is missing.
+    pub fn training_devices(&self) -> Result<usize, String> {
+        let n = self.usable_devices()?;
+        if !self.cublas {
+            return Err(NO_CUBLAS.to_string());
+        }
+        Ok(n)
+    }
 }
 
 const NO_DRIVER: &str = "no CUDA driver on this host (libcuda.so was not found: install the NVIDIA driver, or add its directory to LD_LIBRARY_PATH)";
+const NO_CUBLAS: &str = "cuBLAS (libcublas.so) was not found: install the CUDA toolkit's cuBLAS, e.g. `pip install nvidia-cublas-cu12`, and add its lib/ directory to LD_LIBRARY_PATH";
 const NO_NVRTC: &str = "NVRTC (libnvrtc.so.12) was not found: install the CUDA toolkit's runtime compiler, e.g. `pip install nvidia-cuda-nvrtc-cu12`, and add its lib/ directory to LD_LIBRARY_PATH";
 
 /// The driver is loadable (it may still see no GPU).
@@ -94,6 +112,12 @@ pub fn driver_present() -> bool {
 pub fn nvrtc_present() -> bool {
     // SAFETY: only tries to dlopen the library's candidate names.
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// cuBLAS is loadable.
+pub fn cublas_present() -> bool {
+    // SAFETY: only tries to dlopen the library's candidate names.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
 }
 
 /// What this host has, without panicking where it has nothing.
@@ -112,8 +136,11 @@ pub fn probe() -> Probe {
     Probe {
         devices,
         nvrtc: nvrtc_present(),
+        cublas: cublas_present(),
     }
 }
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_gpt;

@@ -81,6 +81,13 @@ pub struct Engine {
     /// Swap buffers held by the optimizer step (peak per step).
     pub(crate) swap_buffers: Transient,
     pub(crate) io_at_start: Option<zswap::IoStats>,
+    /// `device: cuda`: the GPU the micro-batches run on.
+    #[cfg(feature = "cuda")]
+    pub(crate) gpu: Option<Arc<zcuda::GptGpu>>,
+    /// `device: cuda`: per group, its parameters' copy on the GPU, where the
+    /// stage keeps the group whole.
+    #[cfg(feature = "cuda")]
+    pub(crate) gpu_copies: Vec<Option<crate::gpu::DeviceCopy>>,
 }
 
 impl Engine {
@@ -204,6 +211,10 @@ impl Engine {
             param_reads: ParamReadAhead::default(),
             swap_buffers: Transient::default(),
             io_at_start: None,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+            #[cfg(feature = "cuda")]
+            gpu_copies: Vec::new(),
         })
     }
 

@@ -9,6 +9,10 @@ use zcomm::CommError;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum EngineError {
+    /// The GPU failed (a CUDA call, a kernel launch, a shape the GPU model
+    /// does not take).
+    #[error("GPU: {0}")]
+    Gpu(String),
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] CommError),

@@ -33,14 +33,14 @@ enum Saved {
 }
 
 /// The state one micro-batch carries from phase to phase.
-struct MicroBatch {
+pub(crate) struct MicroBatch {
     tokens: Tensor,
     targets: Tensor,
-    gather: Prefetcher,
+    pub(crate) gather: Prefetcher,
     /// Per block, what its backward needs.
     saved: Vec<Saved>,
     /// Whether this micro-batch's gradients are reduced as backward goes.
-    reduce_now: bool,
+    pub(crate) reduce_now: bool,
 }
 
 impl Engine {
@@ -48,11 +48,18 @@ impl Engine {
     /// Returns the micro-batch's mean loss.
     pub fn forward_backward(&mut self, batch: &Batch) -> Result<f64, EngineError> {
         let mut mb = self.begin_micro_batch(batch)?;
-        let x = self.forward_embedding(&mut mb)?;
-        let x = self.forward_blocks(&mut mb, x)?;
-        let (loss, dx) = self.head_forward_backward(&mut mb, &x)?;
-        let dx = self.backward_blocks(&mut mb, dx)?;
-        self.backward_embedding(&mut mb, &dx)?;
+        let loss = match self.on_gpu() {
+            #[cfg(feature = "cuda")]
+            true => self.gpu_forward_backward(&mut mb, batch)?,
+            _ => {
+                let x = self.forward_embedding(&mut mb)?;
+                let x = self.forward_blocks(&mut mb, x)?;
+                let (loss, dx) = self.head_forward_backward(&mut mb, &x)?;
+                let dx = self.backward_blocks(&mut mb, dx)?;
+                self.backward_embedding(&mut mb, &dx)?;
+                loss
+            }
+        };
         assert!(mb.gather.finished(), "planned stage-3 gathers left unused");
         if let Some(o) = &self.offload {
             assert!(
@@ -87,6 +94,12 @@ impl Engine {
     /// One batch's loss without backward.
     fn forward_loss(&mut self, batch: &Batch) -> Result<f64, EngineError> {
         let mut gather = self.eval_prefetcher();
+        #[cfg(feature = "cuda")]
+        if self.on_gpu() {
+            let loss = self.gpu_forward_loss(&mut gather, batch)?;
+            assert!(gather.finished(), "planned evaluation gathers left unused");
+            return Ok(loss);
+        }
         let shape = (batch.rows, batch.seq_len);
         let tokens = Tensor::from_slice(&batch.inputs, shape, &Device::Cpu)?;
         let targets = Tensor::from_slice(&batch.targets, shape, &Device::Cpu)?;
@@ -224,7 +237,7 @@ impl Engine {
         self.accumulate_tensors(head, &grads.iter().collect::<Vec<_>>())?;
         if tied {
             let wte_range = self.groups[0].layout.params[0].range.clone();
-            add_grad(self.micro_grads(0), wte_range, &back.out, "wte (tied head)")?;
+            self.add_grad_to(0, wte_range, &back.out, "wte (tied head)")?;
         }
         let (loss_value, dx) = (back.loss, back.dx);
         drop((grads, wte, head_params));
@@ -261,7 +274,11 @@ impl Engine {
     }
 
     /// The embedding's backward, from the tokens and `dx` alone.
-    fn backward_embedding(&mut self, mb: &mut MicroBatch, dx: &Tensor) -> Result<(), EngineError> {
+    pub(crate) fn backward_embedding(
+        &mut self,
+        mb: &mut MicroBatch,
+        dx: &Tensor,
+    ) -> Result<(), EngineError> {
         let grads = self.model.embed_backward(&mb.tokens, dx)?.into_vec();
         self.accumulate_tensors(0, &grads.iter().collect::<Vec<_>>())?;
         if mb.reduce_now {
@@ -287,9 +304,32 @@ impl Engine {
         })
     }
 
+    /// Adds `grad` into `range` of group `g`'s micro-batch gradient buffer.
+    pub(crate) fn add_grad_to(
+        &mut self,
+        g: usize,
+        range: Range<usize>,
+        grad: &Tensor,
+        name: &str,
+    ) -> Result<(), EngineError> {
+        add_grad(self.micro_grads(g), range, grad, name)
+    }
+
+    /// Whether the micro-batches run on a GPU.
+    fn on_gpu(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.gpu.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
     /// Adds a group's parameter gradients, in slot order, into its micro-batch
     /// gradient buffer.
-    fn accumulate_tensors(&mut self, g: usize, grads: &[&Tensor]) -> Result<(), EngineError> {
+    pub(crate) fn accumulate_tensors(
+        &mut self,
+        g: usize,
+        grads: &[&Tensor],
+    ) -> Result<(), EngineError> {
         let slots = self.groups[g].layout.params.clone();
         if slots.len() != grads.len() {
             return Err(EngineError::BadGradient {

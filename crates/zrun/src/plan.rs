@@ -186,10 +186,12 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
     })
 }
 
-/// `device: cuda` is bad input (exit 2) before launch: training on GPUs is not
-/// built yet. The message says so and, where the worker binary is on this
-/// host, what the host has (the worker's `--cuda-probe`: its `cuda` feature,
-/// driver, GPUs, NVRTC), so that a user sees every missing piece at once.
+/// `device: cuda` is checked before launch (bad input, exit 2): that the GPU
+/// model runs the job (GPT-2's family, f32, whole linears) and, where the
+/// workers start on this host, that its zworker finds GPUs to train on (its
+/// `--cuda-devices`: the `cuda` feature, the driver, a GPU, NVRTC, cuBLAS),
+/// so that a user hears what is missing before anything starts. Over SSH
+/// each worker checks its own host when it starts.
 pub fn check_device(
     spec: &JobSpec,
     launcher: Launcher,
@@ -198,31 +200,54 @@ pub fn check_device(
     if spec.device != zconfig::spec::Device::Cuda {
         return Ok(());
     }
-    let host = if launcher == Launcher::Ssh {
-        String::new()
-    } else {
-        let out = std::process::Command::new(worker_bin)
-            .arg("--cuda-probe")
-            .output()
-            .map_err(|e| {
-                Failure::launch(format!(
-                    "running {} --cuda-probe: {e}",
-                    worker_bin.display()
-                ))
-            })?;
-        let report = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        if out.status.success() && !report.is_empty() {
-            format!("; on this host: {report}")
-        } else {
-            format!(
-                "; on this host: {} predates --cuda-probe (rebuild it)",
-                worker_bin.display()
-            )
+    if let Some(why) = spec.gpu_unsupported() {
+        return Err(Failure::bad_input(format!("device: cuda: {why}")));
+    }
+    if launcher == Launcher::Ssh {
+        return Ok(());
+    }
+    local_gpus(worker_bin)
+        .map(|_| ())
+        .map_err(|why| Failure::bad_input(format!("device: cuda: {why}")))
+}
+
+/// The GPUs the zworker at `worker_bin` can train on here, or why none.
+fn local_gpus(worker_bin: &std::path::Path) -> std::result::Result<usize, String> {
+    let out = std::process::Command::new(worker_bin)
+        .arg("--cuda-devices")
+        .output()
+        .map_err(|e| format!("running {} --cuda-devices: {e}", worker_bin.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    match (out.status.success(), text.parse::<usize>()) {
+        (true, Ok(n)) => Ok(n),
+        (false, _) if !text.is_empty() && !text.contains('\n') => Err(text),
+        _ => Err(format!(
+            "{} does not answer --cuda-devices (rebuild it)",
+            worker_bin.display()
+        )),
+    }
+}
+
+/// `device: cuda` on this host with neither a hostfile nor
+/// `--workers-per-node`: one worker per GPU that its zworker finds (as
+/// torchrun's `--nproc-per-node gpu`). Anything else is left as given.
+pub fn with_gpu_defaults(args: &LaunchArgs, spec: &JobSpec) -> LaunchArgs {
+    let mut out = args.clone();
+    let local = matches!(args.launcher, None | Some(Launcher::Local));
+    if spec.device == zconfig::spec::Device::Cuda
+        && local
+        && args.hostfile.is_none()
+        && args.workers_per_node.is_none()
+    {
+        let bin = args
+            .worker_bin
+            .clone()
+            .or_else(|| default_worker_bin().ok());
+        if let Some(Ok(n)) = bin.map(|b| local_gpus(&b)) {
+            out.workers_per_node = Some(n);
         }
-    };
-    Err(Failure::bad_input(format!(
-        "device: cuda: training on GPUs is not in zrun yet (the GPU kernels compile and are tested where a GPU is; the GPU model, device buffers and NCCL transport are not built: docs/GPU.md){host}"
-    )))
+    }
+    out
 }
 
 /// `comm.backend: mpi` needs workers started by mpirun and built with MPI;

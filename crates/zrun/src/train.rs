@@ -48,9 +48,10 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
             plan
         }
         None => {
-            let topo = topology(&args.launch)?;
+            let launch = crate::plan::with_gpu_defaults(&args.launch, &job.spec);
+            let topo = topology(&launch)?;
             job.validate_on(&topo)?;
-            plan_launch(&args.launch, job.spec.clone(), topo)?
+            plan_launch(&launch, job.spec.clone(), topo)?
         }
     };
     check_memory(&plan)?;

@@ -1,31 +1,72 @@
-//! What the GPU path can do on this host, for `device: cuda`.
+//! What the GPU path can do on this host, for `device: cuda`, and which GPU
+//! a worker trains on.
 //!
-//! Training on GPUs is not built yet (the model and the engine's device
-//! buffers are CPU-only; docs/GPU.md says what exists). A job that asks for it
-//! is refused before launch by zrun, which prints [`host_report`] from
-//! `zworker --cuda-probe`, and by a worker started some other way.
+//! zrun asks before launch (`zworker --cuda-devices`: how many GPUs this
+//! host can train on, or what is missing; `--cuda-probe`: one line for a
+//! person) and refuses the job where the answer is none.
 
-/// Why `device: cuda` is refused, whatever the host has.
-pub const NOT_BUILT: &str = "training on GPUs is not in zrun yet: its kernels compile with NVRTC and are tested against the CPU kernels where a GPU is (kernels/, crates/zcuda), but the GPU model, the engine's device buffers and the NCCL transport are not built (docs/GPU.md)";
-
-/// One line on this host's GPU support: the feature, the driver, the GPUs and
-/// NVRTC, or what is missing.
+/// One line on this host's GPU support: the feature, the driver, the GPUs,
+/// NVRTC and cuBLAS, or what is missing.
 #[cfg(feature = "cuda")]
 pub fn host_report() -> String {
     let p = zcuda::probe();
-    match p.devices {
-        Ok(n) if p.nvrtc => format!("zworker has the `cuda` feature; {n} GPU(s) and NVRTC found"),
-        Ok(n) => format!(
-            "zworker has the `cuda` feature; {n} GPU(s) found; {}",
-            p.usable_devices().unwrap_err()
-        ),
+    match p.training_devices() {
+        Ok(n) => format!("zworker has the `cuda` feature; {n} GPU(s), NVRTC and cuBLAS found"),
         Err(why) => format!("zworker has the `cuda` feature; {why}"),
     }
 }
 
-/// One line on this host's GPU support: the feature, the driver, the GPUs and
-/// NVRTC, or what is missing.
+/// One line on this host's GPU support: the feature, the driver, the GPUs,
+/// NVRTC and cuBLAS, or what is missing.
 #[cfg(not(feature = "cuda"))]
 pub fn host_report() -> String {
-    "zworker was built without the `cuda` feature (cargo build --release --features cuda)".into()
+    NO_FEATURE.into()
+}
+
+#[cfg(not(feature = "cuda"))]
+const NO_FEATURE: &str =
+    "zworker was built without the `cuda` feature (cargo build --release --features zworker/cuda)";
+
+/// The GPUs this host can train on, or what is missing.
+pub fn training_devices() -> Result<usize, String> {
+    #[cfg(feature = "cuda")]
+    return zcuda::probe().training_devices();
+    #[cfg(not(feature = "cuda"))]
+    Err(NO_FEATURE.into())
+}
+
+/// Opens the GPU of local rank `local_rank` for `spec`'s model and attaches
+/// it to `engine`. With more workers on a host than GPUs they share them
+/// round-robin (each its own context): zrun's collectives run on the host,
+/// so nothing stops two ranks from sharing a GPU, which is how a one-GPU
+/// machine tests ZeRO's stages at a world size of two.
+#[cfg(feature = "cuda")]
+pub fn attach(
+    engine: &mut zengine::engine::Engine,
+    spec: &zconfig::spec::JobSpec,
+    local_rank: usize,
+) -> anyhow::Result<()> {
+    let shape =
+        zengine::gpu::gpu_shape(spec).map_err(|why| anyhow::anyhow!("device: cuda: {why}"))?;
+    let n = training_devices().map_err(|why| anyhow::anyhow!("device: cuda: {why}"))?;
+    let ordinal = local_rank % n;
+    let gpu = zcuda::GptGpu::open(ordinal, shape)
+        .map_err(|e| anyhow::anyhow!("device: cuda: GPU {ordinal}: {e}"))?;
+    tracing::info!(
+        "local rank {local_rank} on GPU {ordinal} ({}, {})",
+        gpu.gpu().name(),
+        gpu.gpu().arch()
+    );
+    engine.attach_gpu(gpu);
+    Ok(())
+}
+
+/// Without the `cuda` feature there is no GPU to attach.
+#[cfg(not(feature = "cuda"))]
+pub fn attach(
+    _engine: &mut zengine::engine::Engine,
+    _spec: &zconfig::spec::JobSpec,
+    _local_rank: usize,
+) -> anyhow::Result<()> {
+    anyhow::bail!("device: cuda: {NO_FEATURE}")
 }

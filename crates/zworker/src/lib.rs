@@ -99,9 +99,6 @@ fn run_task(
     groups: &mut Option<Groups>,
 ) -> Result<()> {
     let (timeout_s, heartbeat_s) = match &welcome.task {
-        Task::Train(t) if t.spec.device == zconfig::spec::Device::Cuda => {
-            anyhow::bail!("device: cuda: {}; {}", gpu::NOT_BUILT, gpu::host_report())
-        }
         Task::Train(t) => (t.spec.comm.timeout_s, t.spec.comm.heartbeat_s),
         Task::BenchComm(b) => (b.timeout_s, 30.0),
         Task::BenchKernels {

@@ -27,6 +27,16 @@ fn main() -> ExitCode {
             println!("{}", zworker::gpu::host_report());
             Ok(())
         }
+        Some("--cuda-devices") => match zworker::gpu::training_devices() {
+            Ok(n) => {
+                println!("{n}");
+                Ok(())
+            }
+            Err(why) => {
+                println!("{why}");
+                return ExitCode::from(1);
+            }
+        },
         _ => zworker::run(),
     };
     match result {

@@ -66,6 +66,9 @@ pub fn train(
     )?;
     let comm = groups.world.clone();
     let mut engine = Engine::with_groups(spec, groups, &env.job_id)?;
+    if spec.device == zconfig::spec::Device::Cuda {
+        crate::gpu::attach(&mut engine, spec, env.local_rank)?;
+    }
     if let Some(path) = &spec.model.init_from {
         let weights = zckpt::read_init_weights(
             Path::new(path),

@@ -1,0 +1,178 @@
+//! The GPU model against the CPU model (zmodel), the oracle: one GPT-2
+//! block with its embedding and head, forward and backward, every output
+//! and gradient within a stated relative error of the CPU's; and the GPU run
+//! repeated gives the same bits. Skipped without a GPU (mandatory under
+//! `ZRUN_REQUIRE_GPU=1`).
+
+use candle_core::{Device, Tensor};
+use zmodel::{BlockParams, EmbeddingParams, Gpt, HeadParams};
+
+use super::*;
+
+/// f32 products of depth ≤ 256 in other orders: far below this.
+const BOUND: f64 = 1e-4;
+
+fn gpu_model_or_skip(test: &str, shape: GptShape) -> Option<GptGpu> {
+    match probe().training_devices() {
+        Ok(_) => Some(GptGpu::open(0, shape).expect("opening GPU 0 for the model")),
+        Err(why) => {
+            assert!(
+                std::env::var("ZRUN_REQUIRE_GPU").as_deref() != Ok("1"),
+                "ZRUN_REQUIRE_GPU=1 but: {why}"
+            );
+            eprintln!("SKIPPED {test}: {why}");
+            None
+        }
+    }
+}
+
+/// ‖got − want‖ / ‖want‖, after checking that both are finite.
+fn rel_err(what: &str, got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    assert!(got.iter().all(|v| v.is_finite()), "{what}: GPU non-finite");
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        num += (f64::from(g) - f64::from(w)).powi(2);
+        den += f64::from(w).powi(2);
+    }
+    assert!(den > 0.0, "{what}: the CPU's values are all zero");
+    (num / den).sqrt()
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+/// Every parameter moved off its initial value (norms start at 1 and 0,
+/// which would hide a swapped weight and bias), by a fixed sequence.
+fn perturbed(group: Vec<Vec<f32>>, salt: u32) -> Vec<Vec<f32>> {
+    let mut state = 0x9E37_79B9u32 ^ salt;
+    group
+        .into_iter()
+        .map(|p| {
+            p.into_iter()
+                .map(|v| {
+                    state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    v + ((state >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 0.2
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn tensors(group: &[Vec<f32>], shapes: &[Vec<usize>]) -> Vec<Tensor> {
+    group
+        .iter()
+        .zip(shapes)
+        .map(|(v, s)| Tensor::from_vec(v.clone(), s.as_slice(), &Device::Cpu).unwrap())
+        .collect()
+}
+
+#[test]
+fn gpu_block_embedding_and_head_match_the_cpu_model() {
+    let (vocab, d, heads, t, b) = (97usize, 64usize, 4usize, 48usize, 3usize);
+    let spec: zconfig::spec::ModelSpec = serde_json::from_value(serde_json::json!({
+        "vocab_size": vocab, "d_model": d, "n_layers": 1, "n_heads": heads, "seq_len": t
+    }))
+    .unwrap();
+    let model = Gpt::new(&spec).unwrap();
+    let shape = GptShape {
+        d_model: d,
+        n_heads: heads,
+        vocab,
+        seq_len: t,
+        eps: spec.norm_eps() as f32,
+    };
+    let Some(gpu) = gpu_model_or_skip("gpu_block_embedding_and_head_match_the_cpu_model", shape)
+    else {
+        return;
+    };
+    let layout = model.layout();
+    let groups = model.groups();
+    let shapes = |g: usize| -> Vec<Vec<usize>> {
+        groups[g].params.iter().map(|p| p.shape.clone()).collect()
+    };
+    let emb = perturbed(model.init_group(0, 3), 1);
+    let block = perturbed(model.init_group(1, 3), 2);
+    let head = perturbed(model.init_group(2, 3), 3);
+    let tokens: Vec<u32> = (0..b * t).map(|i| ((i * 31 + 7) % vocab) as u32).collect();
+    let targets: Vec<u32> = (0..b * t).map(|i| ((i * 17 + 3) % vocab) as u32).collect();
+
+    // The CPU model.
+    let tok = Tensor::from_vec(tokens.clone(), (b, t), &Device::Cpu).unwrap();
+    let tgt = Tensor::from_vec(targets.clone(), (b, t), &Device::Cpu).unwrap();
+    let ep = EmbeddingParams::from_vec(tensors(&emb, &shapes(0)), layout).unwrap();
+    let bp = BlockParams::from_vec(tensors(&block, &shapes(1)), layout).unwrap();
+    let hp = HeadParams::from_vec(tensors(&head, &shapes(2)), layout).unwrap();
+    let x = model.embed(&ep, &tok).unwrap();
+    let (y, acts) = model.block_forward(&bp, &x).unwrap();
+    let hb = model
+        .head_backward(&hp, Some(&ep.wte), &y, &tgt, 1.0)
+        .unwrap();
+    let (bgrads, dx) = model.block_backward(&bp, &acts, &hb.dx).unwrap();
+    let bgrads: Vec<Vec<f32>> = bgrads.into_vec().iter().map(values).collect();
+
+    // The GPU model, twice: the second run must repeat the first's bits.
+    let run = || {
+        let up = |g: &[Vec<f32>]| {
+            let refs: Vec<&[f32]> = g.iter().map(|v| v.as_slice()).collect();
+            gpu.upload(&refs).unwrap()
+        };
+        let (ew, w, hw) = (up(&emb), up(&block), up(&head));
+        let gx = gpu.embed(&tokens, b, t, &ew).unwrap();
+        let (gy, gacts) = gpu.block_forward(&w, gx).unwrap();
+        let y_host = gpu.download(&gy).unwrap();
+        let out = gpu.head(&gy, &hw, Some(&ew), &targets, 1.0, true).unwrap();
+        let gdy = out.dx.as_ref().unwrap();
+        let dy_host = gpu.download(gdy).unwrap();
+        let (grads, gdx) = gpu.block_backward(&w, &gacts, gdy).unwrap();
+        let dx_host = gpu.download(&gdx).unwrap();
+        (
+            y_host,
+            out.loss,
+            out.grads.unwrap(),
+            dy_host,
+            grads,
+            dx_host,
+        )
+    };
+    let first = run();
+    let (gy, gloss, ghead, gdy, ggrads, gdx) = &first;
+
+    let mut report = Vec::new();
+    let mut check = |what: String, got: &[f32], want: &[f32]| {
+        let e = rel_err(&what, got, want);
+        report.push(format!("{what}: {e:.2e}"));
+        assert!(e < BOUND, "{what}: relative error {e:.3e} ≥ {BOUND:e}");
+    };
+    check("block output".into(), gy, &values(&y));
+    check("head dx".into(), gdy, &values(&hb.dx));
+    check(
+        "final norm weight grad".into(),
+        &ghead[0],
+        &values(&hb.norm.weight),
+    );
+    check(
+        "final norm bias grad".into(),
+        &ghead[1],
+        &values(hb.norm.bias.as_ref().unwrap()),
+    );
+    check(
+        "output matrix (wte) grad".into(),
+        &ghead[2],
+        &values(&hb.out),
+    );
+    for (i, (g, c)) in ggrads.iter().zip(&bgrads).enumerate() {
+        check(format!("block {}", groups[1].params[i].name), g, c);
+    }
+    check("block dx".into(), gdx, &values(&dx));
+    let loss_err = (gloss - hb.loss).abs() / hb.loss.abs();
+    assert!(loss_err < 1e-6, "loss {gloss} against {}", hb.loss);
+    eprintln!(
+        "GPU against CPU (relative error):\n  {}",
+        report.join("\n  ")
+    );
+
+    let second = run();
+    assert!(first == second, "the GPU's second run changed bits");
+}

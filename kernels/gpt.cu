@@ -1,0 +1,252 @@
+// The GPT-2 block's kernels that are not matrix products (those run on
+// cuBLAS): the embedding, layer norm and its backward, bias and residual
+// adds, GELU and its backward, the causal softmax of attention and its
+// backward, cross-entropy, and the column sums that parameter gradients need.
+//
+// These compute the same functions as zrun's CPU model (crates/zmodel) in
+// f32, not the same bits: exp, tanh and log come from CUDA's math library
+// and sums run in other orders. Each is deterministic, though: no atomics,
+// every sum in a fixed order (a gradient's column sums first per chunk of
+// rows, then over the chunks in order), so a GPU run repeats to the bit and
+// ZeRO's stages stay bit-identical to each other on the GPU. The CPU model
+// is the oracle of the tests (crates/zcuda/src/tests.rs).
+
+#define WARP 32
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = WARP / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = WARP / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a block of blockDim.x threads (a multiple of 32, at most 1024);
+// every thread gets the total. `scratch` holds 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int warps = blockDim.x / WARP;
+    v = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+__device__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int warps = blockDim.x / WARP;
+    v = lane < warps ? scratch[lane] : NEG_INF;
+    return warp_max(v);
+}
+
+// x[r, c] = wte[tok[r], c] + wpe[r % t, c]; tokens were checked on the host.
+extern "C" __global__ void embed(const unsigned int* tok, const float* wte, const float* wpe,
+                                 float* x, unsigned long long n, int t, int d)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n * d; i += stride) {
+        unsigned long long r = i / d, c = i % d;
+        x[i] = wte[(unsigned long long)tok[r] * d + c] + wpe[(r % t) * d + c];
+    }
+}
+
+// One block per row: y = (x - mean) * rstd * w + b, keeping mean and rstd
+// for the backward. Variance in two passes, as the CPU's.
+extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b,
+                                      float* y, float* mean_out, float* rstd_out,
+                                      int d, float eps)
+{
+    __shared__ float scratch[WARP];
+    const float* row = x + (unsigned long long)blockIdx.x * d;
+    float* out = y + (unsigned long long)blockIdx.x * d;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) s += row[c];
+    float mean = block_sum(s, scratch) / d;
+    float q = 0.0f;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float v = row[c] - mean;
+        q += v * v;
+    }
+    float var = block_sum(q, scratch) / d;
+    float rstd = 1.0f / sqrtf(var + eps);
+    for (int c = threadIdx.x; c < d; c += blockDim.x) out[c] = (row[c] - mean) * rstd * w[c] + b[c];
+    if (threadIdx.x == 0) {
+        mean_out[blockIdx.x] = mean;
+        rstd_out[blockIdx.x] = rstd;
+    }
+}
+
+// One block per row: dx = rstd * (w·dy - mean(w·dy) - x̂ · mean(w·dy · x̂)),
+// plus the residual's gradient `dres` where there is one (may be null).
+extern "C" __global__ void layer_norm_backward(const float* x, const float* w,
+                                               const float* mean, const float* rstd,
+                                               const float* dy, const float* dres,
+                                               float* dx, int d)
+{
+    __shared__ float scratch[WARP];
+    unsigned long long off = (unsigned long long)blockIdx.x * d;
+    float mu = mean[blockIdx.x], rs = rstd[blockIdx.x];
+    float sg = 0.0f, sgx = 0.0f;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float g = w[c] * dy[off + c];
+        sg += g;
+        sgx += g * (x[off + c] - mu) * rs;
+    }
+    float mg = block_sum(sg, scratch) / d;
+    float mgx = block_sum(sgx, scratch) / d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float xh = (x[off + c] - mu) * rs;
+        float v = rs * (w[c] * dy[off + c] - mg - xh * mgx);
+        dx[off + c] = dres ? v + dres[off + c] : v;
+    }
+}
+
+// Layer norm's parameter gradients, part 1: for rows [chunk·rows_per,
+// (chunk+1)·rows_per) of blockIdx.y's chunk, one thread per column adds
+// dy·x̂ and dy down the rows in order. Part 2 is `column_sums` over chunks.
+extern "C" __global__ void layer_norm_param_partials(const float* x, const float* mean,
+                                                     const float* rstd, const float* dy,
+                                                     float* dw_part, float* db_part,
+                                                     int n, int d, int rows_per)
+{
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= d) return;
+    int r0 = blockIdx.y * rows_per, r1 = min(n, r0 + rows_per);
+    float sw = 0.0f, sb = 0.0f;
+    for (int r = r0; r < r1; r++) {
+        unsigned long long i = (unsigned long long)r * d + c;
+        float g = dy[i];
+        sw += g * (x[i] - mean[r]) * rstd[r];
+        sb += g;
+    }
+    dw_part[(unsigned long long)blockIdx.y * d + c] = sw;
+    db_part[(unsigned long long)blockIdx.y * d + c] = sb;
+}
+
+// out[c] = Σ_r a[r, c] over `rows` rows of `width`, in row order; with
+// rows_per < rows, blockIdx.y sums its chunk into part[chunk, c] instead (a
+// bias gradient over many rows: chunks first, then the chunks' sums).
+extern "C" __global__ void column_sums(const float* a, float* out, int rows, int width,
+                                       int rows_per)
+{
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= width) return;
+    int r0 = blockIdx.y * rows_per, r1 = min(rows, r0 + rows_per);
+    float s = 0.0f;
+    for (int r = r0; r < r1; r++) s += a[(unsigned long long)r * width + c];
+    out[(unsigned long long)blockIdx.y * width + c] = s;
+}
+
+// y = (y + b) [+ res], per row of `width`.
+extern "C" __global__ void bias_residual(float* y, const float* b, const float* res,
+                                         unsigned long long n, int width)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n * width; i += stride) {
+        float v = y[i] + b[i % width];
+        y[i] = res ? res[i] + v : v;
+    }
+}
+
+#define GELU_K 0.7978845608f
+#define GELU_C 0.044715f
+
+// GPT-2's GELU, tanh form: 0.5·v·(1 + tanh(k·(v + c·v³))).
+extern "C" __global__ void gelu(const float* h, float* g, unsigned long long n)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        float v = h[i];
+        g[i] = 0.5f * v * (1.0f + tanhf(GELU_K * (v + GELU_C * v * v * v)));
+    }
+}
+
+extern "C" __global__ void gelu_backward(const float* h, const float* dg, float* dh,
+                                         unsigned long long n)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        float v = h[i];
+        float th = tanhf(GELU_K * (v + GELU_C * v * v * v));
+        float dudv = GELU_K * (1.0f + 3.0f * GELU_C * v * v);
+        dh[i] = dg[i] * (0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * dudv);
+    }
+}
+
+// Causal softmax of scores s[rows, t] (each row i of a t × t matrix, i =
+// row % t), in place: p[j] = exp(scale·s[j] - m) / Σ for j ≤ i, 0 above the
+// diagonal. One warp per row.
+extern "C" __global__ void causal_softmax(float* s, unsigned long long rows, int t, float scale)
+{
+    unsigned long long row = (unsigned long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (row >= rows) return;
+    int lane = threadIdx.x % WARP, i = (int)(row % t);
+    float* p = s + row * t;
+    float m = NEG_INF;
+    for (int j = lane; j <= i; j += WARP) m = fmaxf(m, p[j] * scale);
+    m = warp_max(m);
+    float sum = 0.0f;
+    for (int j = lane; j <= i; j += WARP) {
+        float e = expf(p[j] * scale - m);
+        p[j] = e;
+        sum += e;
+    }
+    sum = warp_sum(sum);
+    float inv = 1.0f / sum;
+    for (int j = lane; j < t; j += WARP) p[j] = j <= i ? p[j] * inv : 0.0f;
+}
+
+// The softmax's backward, in place on dp: ds = scale · p ⊙ (dp - Σ dp ⊙ p),
+// 0 above the diagonal. One warp per row.
+extern "C" __global__ void causal_softmax_backward(const float* p, float* dp,
+                                                   unsigned long long rows, int t, float scale)
+{
+    unsigned long long row = (unsigned long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (row >= rows) return;
+    int lane = threadIdx.x % WARP, i = (int)(row % t);
+    const float* pr = p + row * t;
+    float* g = dp + row * t;
+    float dot = 0.0f;
+    for (int j = lane; j <= i; j += WARP) dot += g[j] * pr[j];
+    dot = warp_sum(dot);
+    for (int j = lane; j < t; j += WARP) g[j] = j <= i ? scale * pr[j] * (g[j] - dot) : 0.0f;
+}
+
+// One block per row of logits [rows, vocab]: loss[r] = log Σ exp(x - max) -
+// (x_target - max); with `grad`, the row becomes coef·(softmax - onehot), the
+// gradient of the mean loss times the loss scale (coef = scale / rows).
+extern "C" __global__ void cross_entropy(float* logits, const unsigned int* targets,
+                                         float* loss, int vocab, float coef, int grad)
+{
+    __shared__ float scratch[WARP];
+    float* x = logits + (unsigned long long)blockIdx.x * vocab;
+    unsigned int tgt = targets[blockIdx.x];
+    float m = NEG_INF;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, x[j]);
+    m = block_max(m, scratch);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) s += expf(x[j] - m);
+    s = block_sum(s, scratch);
+    float picked = x[tgt] - m;
+    __syncthreads();
+    if (threadIdx.x == 0) loss[blockIdx.x] = logf(s) - picked;
+    if (!grad) return;
+    float inv = coef / s;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        float p = expf(x[j] - m) * inv;
+        x[j] = j == (int)tgt ? p - coef : p;
+    }
+}
