@@ -9,12 +9,17 @@
 //!
 //! With a GPU (skipped without one, saying so; `ZRUN_REQUIRE_GPU=1` makes
 //! them mandatory): training on the GPU follows the CPU run's loss curve
-//! within f32 rounding, and ZeRO's stages 0-3 (two workers sharing the GPU)
-//! give the same losses to the bit, with activation checkpointing too.
+//! within f32 rounding; ZeRO's stages 0-3 (two workers sharing the GPU)
+//! give the same losses to the bit, with activation checkpointing too; Adam
+//! on the GPU (one worker's resident flow) gives ZeRO-Offload's bits (Adam on
+//! the host), with gradient accumulation and clipping; and a resumed GPU run
+//! continues the uninterrupted one to the bit.
 
 use std::process::Command;
 
-use e2e::{bin, losses, metrics, repo_root, small_job, zrun, TrainArgs};
+use std::path::Path;
+
+use e2e::{bin, ckpt_job, losses, losses_by_step, metrics, repo_root, small_job, zrun, TrainArgs};
 
 fn worker_has_cuda() -> bool {
     let out = Command::new(bin("zworker"))
@@ -120,18 +125,31 @@ fn device_cuda_refuses_what_the_gpu_model_does_not_run() {
     }
 }
 
-/// Trains the small job and returns every step's loss.
-fn train(dir: &std::path::Path, name: &str, workers: usize, sets: &[String]) -> Vec<f64> {
-    let job = small_job(dir, name, 20);
-    let m = dir.join(format!("{name}.jsonl"));
+/// Runs `job` with `workers` workers and the `sets`; its metrics file.
+fn run(
+    job: &Path,
+    name: &str,
+    workers: usize,
+    sets: &[String],
+    more: &[&str],
+) -> std::path::PathBuf {
+    let m = job.with_file_name(format!("{name}.jsonl"));
     let w = workers.to_string();
-    let mut args = TrainArgs::new(&job, &m).args(&["--workers-per-node", &w]);
+    let mut args = TrainArgs::new(job, &m)
+        .args(&["--workers-per-node", &w])
+        .args(more);
     for s in sets {
         args = args.set(s.clone());
     }
     let f = args.run(&repo_root());
     assert_eq!(f.code(), 0, "{name}: {f:?}");
-    let l = losses(&metrics(&m));
+    m
+}
+
+/// Trains the small job and returns every step's loss.
+fn train(dir: &Path, name: &str, workers: usize, sets: &[String]) -> Vec<f64> {
+    let job = small_job(dir, name, 20);
+    let l = losses(&metrics(&run(&job, name, workers, sets, &[])));
     assert_eq!(l.len(), 20, "{name}: steps");
     l
 }
@@ -182,4 +200,63 @@ fn zero_stages_on_the_gpu_are_bit_identical() {
         checkpointed, stage0,
         "stage 3 with activation checkpointing"
     );
+}
+
+#[test]
+fn adam_on_the_gpu_gives_zero_offloads_bits() {
+    if gpus_or_skip("adam_on_the_gpu_gives_zero_offloads_bits").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Stage 1: DeepSpeed's rule, which zrun keeps, is that offloading the
+    // optimizer needs a partitioning stage; one worker holds every slice.
+    let sets: Vec<String> = [
+        "device=cuda",
+        "zero.stage=1",
+        "train.grad_accum=2",
+        "train.grad_clip=0.5",
+    ]
+    .map(String::from)
+    .to_vec();
+    let with =
+        |extra: &[&str]| [sets.clone(), extra.iter().map(|s| s.to_string()).collect()].concat();
+    let steps = |name: &str, extra: &[&str]| -> Vec<(f64, f64)> {
+        let job = small_job(dir.path(), name, 12);
+        metrics(&run(&job, name, 1, &with(extra), &[]))
+            .iter()
+            .filter(|l| l.get("loss").is_some())
+            .map(|l| {
+                (
+                    l["loss"].as_f64().unwrap(),
+                    l["grad_norm"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let resident = steps("resident", &[]);
+    let offload = steps("offload", &["zero.offload_optimizer.device=cpu"]);
+    assert_eq!(resident.len(), 12);
+    assert!(
+        resident.iter().any(|&(_, norm)| norm > 0.5),
+        "no step clipped: {resident:?}"
+    );
+    assert_eq!(resident, offload, "(loss, grad norm) per step");
+}
+
+#[test]
+fn a_resumed_gpu_run_continues_the_uninterrupted_one_to_the_bit() {
+    if gpus_or_skip("a_resumed_gpu_run_continues_the_uninterrupted_one").is_none() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let job = ckpt_job(d.path(), "gpu-resume", 12, 6);
+    let sets = vec!["device=cuda".to_string()];
+    let straight = losses_by_step(&run(&job, "straight", 1, &sets, &[]));
+    std::fs::remove_dir_all(d.path().join("ckpt/step-00000012")).unwrap();
+    let resumed = losses_by_step(&run(&job, "resumed", 1, &sets, &["--resume", "auto"]));
+    assert_eq!(
+        resumed.iter().map(|x| x.0).collect::<Vec<_>>(),
+        (7..=12).collect::<Vec<u64>>()
+    );
+    assert_eq!(resumed, straight[6..].to_vec());
 }

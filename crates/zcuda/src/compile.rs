@@ -51,7 +51,7 @@ pub const KERNELS: [KernelSource; 4] = [
     KernelSource {
         name: "reduce.cu",
         code: include_str!("../../../kernels/reduce.cu"),
-        functions: &["add_f32"],
+        functions: &["add_f32", "scale_f32", "sum_sq_chunks"],
         same_bits_as_cpu: true,
     },
     KernelSource {
@@ -68,6 +68,8 @@ pub const KERNELS: [KernelSource; 4] = [
             "gelu_backward",
             "causal_softmax",
             "causal_softmax_backward",
+            "rows_to_heads",
+            "heads_to_rows",
             "cross_entropy",
         ],
         same_bits_as_cpu: false,

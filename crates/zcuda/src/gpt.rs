@@ -66,6 +66,26 @@ pub struct Weights {
 }
 
 impl Weights {
+    /// Tensors already on the device, in the group's order.
+    pub fn from_parts(p: Vec<CudaSlice<f32>>) -> Weights {
+        Weights { p }
+    }
+
+    /// The tensors.
+    pub fn parts(&self) -> &[CudaSlice<f32>] {
+        &self.p
+    }
+
+    /// The tensors, owned.
+    pub fn into_parts(self) -> Vec<CudaSlice<f32>> {
+        self.p
+    }
+
+    /// The tensors, to update in place (the optimizer).
+    pub fn parts_mut(&mut self) -> &mut [CudaSlice<f32>] {
+        &mut self.p
+    }
+
     /// Values held, over every tensor.
     pub fn len(&self) -> usize {
         self.p.iter().map(|p| p.len()).sum()
@@ -82,9 +102,7 @@ pub struct BlockActs {
     x: Rows,
     a1: CudaSlice<f32>,
     stats1: Stats,
-    qkv: CudaSlice<f32>,
-    probs: CudaSlice<f32>,
-    att: CudaSlice<f32>,
+    attention: Attention,
     rows1: CudaSlice<f32>,
     a2: CudaSlice<f32>,
     stats2: Stats,
@@ -107,16 +125,32 @@ pub struct HeadOut {
     /// The gradient of the head's input (backward only).
     pub dx: Option<Rows>,
     /// Gradients of the final norm's weight and bias and of the output
-    /// matrix `[vocab, d]` (backward only), on the host.
-    pub grads: Option<[Vec<f32>; 3]>,
+    /// matrix `[vocab, d]` (backward only).
+    pub grads: Option<[CudaSlice<f32>; 3]>,
 }
 
 /// Layer norm's per-row mean and 1/σ, kept for its backward.
 type Stats = (CudaSlice<f32>, CudaSlice<f32>);
 
-/// A layer's backward: its input's gradient on the GPU, its parameters'
-/// (weight, bias) on the host.
-type Backward = (CudaSlice<f32>, Vec<f32>, Vec<f32>);
+/// A layer's backward: its input's gradient and its parameters' (weight,
+/// bias).
+type Backward = (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>);
+
+/// What attention keeps for its backward: q, k, v head-major (`[b·heads,
+/// t, hd]`), the probabilities (`[b·heads, t, t]`) and the output rows
+/// (`[b, t, d]`, the output projection's input).
+struct Attention {
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    probs: CudaSlice<f32>,
+    out: CudaSlice<f32>,
+}
+
+/// `count` products of one head each, at strides (a, b, c) apart.
+fn per_head(count: usize, strides: [usize; 3]) -> Batch {
+    Batch { count, strides }
+}
 
 /// A row-major operand: the buffer, its first element, its row stride.
 #[derive(Clone, Copy)]
@@ -282,8 +316,9 @@ impl GptGpu {
         let p = self.block_params(w)?;
         let (a1, stats1) = self.layer_norm(&x.buf, &p[0], &p[1], n)?;
         let qkv = self.linear(&a1, n, d, &p[2], &p[3], 3 * d, None)?;
-        let (probs, att) = self.attention(&qkv, b, t)?;
-        let rows1 = self.linear(&att, n, d, &p[4], &p[5], d, Some(&x.buf))?;
+        let attention = self.attention(&qkv, b, t)?;
+        drop(qkv);
+        let rows1 = self.linear(&attention.out, n, d, &p[4], &p[5], d, Some(&x.buf))?;
         let (a2, stats2) = self.layer_norm(&rows1, &p[6], &p[7], n)?;
         let h = self.linear(&a2, n, d, &p[8], &p[9], 4 * d, None)?;
         let mut g = self.alloc(n * 4 * d)?;
@@ -293,9 +328,7 @@ impl GptGpu {
             x,
             a1,
             stats1,
-            qkv,
-            probs,
-            att,
+            attention,
             rows1,
             a2,
             stats2,
@@ -305,42 +338,46 @@ impl GptGpu {
         Ok((Rows { buf: y, b, t }, acts))
     }
 
-    /// A block's backward from `dy`: its parameters' gradients on the host
-    /// (zmodel's flat order) and its input's gradient.
+    /// A block's backward from `dy`: its parameters' gradients (zmodel's
+    /// flat order) and its input's gradient.
     pub fn block_backward(
         &self,
         w: &Weights,
         acts: &BlockActs,
         dy: &Rows,
-    ) -> Result<(Vec<Vec<f32>>, Rows), CudaError> {
+    ) -> Result<(Vec<CudaSlice<f32>>, Rows), CudaError> {
         let d = self.shape.d_model;
         let (b, t) = dy.dims();
         let n = b * t;
         let p = self.block_params(w)?;
         let dy = &dy.buf;
-        let mut grads: Vec<Vec<f32>> = vec![Vec::new(); BLOCK_PARAMS];
+        let mut grads: Vec<Option<CudaSlice<f32>>> = (0..BLOCK_PARAMS).map(|_| None).collect();
         // y = rows1 + g·W_out + b_out
         let (dg, dw, db) = self.linear_backward(&acts.g, n, 4 * d, &p[10], d, dy)?;
-        (grads[10], grads[11]) = (dw, db);
+        (grads[10], grads[11]) = (Some(dw), Some(db));
         let mut dh = self.alloc(n * 4 * d)?;
         self.elementwise("gelu_backward", &acts.h, Some(&dg), &mut dh)?;
         drop(dg);
         let (da2, dw, db) = self.linear_backward(&acts.a2, n, d, &p[8], 4 * d, &dh)?;
-        (grads[8], grads[9]) = (dw, db);
+        (grads[8], grads[9]) = (Some(dw), Some(db));
         drop(dh);
         let (drows1, dw, db) =
             self.layer_norm_backward(&acts.rows1, &p[6], &acts.stats2, &da2, Some(dy), n)?;
-        (grads[6], grads[7]) = (dw, db);
+        (grads[6], grads[7]) = (Some(dw), Some(db));
         // rows1 = x + att·W_o + b_o
-        let (datt, dw, db) = self.linear_backward(&acts.att, n, d, &p[4], d, &drows1)?;
-        (grads[4], grads[5]) = (dw, db);
-        let dqkv = self.attention_backward(&acts.qkv, &acts.probs, &datt, b, t)?;
+        let (datt, dw, db) = self.linear_backward(&acts.attention.out, n, d, &p[4], d, &drows1)?;
+        (grads[4], grads[5]) = (Some(dw), Some(db));
+        let dqkv = self.attention_backward(&acts.attention, &datt, b, t)?;
         drop(datt);
         let (da1, dw, db) = self.linear_backward(&acts.a1, n, d, &p[2], 3 * d, &dqkv)?;
-        (grads[2], grads[3]) = (dw, db);
+        (grads[2], grads[3]) = (Some(dw), Some(db));
         let (dx, dw, db) =
             self.layer_norm_backward(&acts.x.buf, &p[0], &acts.stats1, &da1, Some(&drows1), n)?;
-        (grads[0], grads[1]) = (dw, db);
+        (grads[0], grads[1]) = (Some(dw), Some(db));
+        let grads = grads
+            .into_iter()
+            .map(|g| g.expect("every gradient set"))
+            .collect();
         Ok((grads, Rows { buf: dx, b, t }))
     }
 
@@ -458,13 +495,18 @@ impl GptGpu {
         Ok(HeadOut {
             loss,
             dx: Some(Rows { buf: dx, b, t }),
-            grads: Some([dw, db, self.gpu.download(&dout)?]),
+            grads: Some([dw, db, dout]),
         })
     }
 
     /// Copies rows back to the host (`[b·t·d]`).
     pub fn download(&self, rows: &Rows) -> Result<Vec<f32>, CudaError> {
         self.gpu.download(&rows.buf)
+    }
+
+    /// Copies gradients back to the host, in order.
+    pub fn download_all(&self, grads: &[CudaSlice<f32>]) -> Result<Vec<Vec<f32>>, CudaError> {
+        grads.iter().map(|g| self.gpu.download(g)).collect()
     }
 
     fn alloc(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
@@ -555,7 +597,7 @@ impl GptGpu {
             ONE,
         )?;
         let db = self.column_sums(dy, n, width)?;
-        Ok((dx, self.gpu.download(&dw)?, self.gpu.download(&db)?))
+        Ok((dx, dw, db))
     }
 
     /// `Σ_r a[r, ·]` over `rows` rows of `width`: per chunk of rows, then
@@ -684,7 +726,7 @@ impl GptGpu {
         let (mut dw, mut db) = (self.alloc(d)?, self.alloc(d)?);
         self.column_sums_into(&dw_part, chunks, d, chunks, &mut dw)?;
         self.column_sums_into(&db_part, chunks, d, chunks, &mut db)?;
-        Ok((dx, self.gpu.download(&dw)?, self.gpu.download(&db)?))
+        Ok((dx, dw, db))
     }
 
     /// `out = f(a)` (`gelu`) or `out = f'(a)·b` (`gelu_backward`).
@@ -708,118 +750,179 @@ impl GptGpu {
         self.launched(kernel, unsafe { l.launch(grid_stride(n)) })
     }
 
-    /// Causal attention over `qkv` `[b, t, 3d]`: (probabilities `[b·heads,
-    /// t, t]`, output `[b, t, d]`, head h in columns h·hd..).
-    fn attention(
-        &self,
-        qkv: &CudaSlice<f32>,
-        b: usize,
-        t: usize,
-    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>), CudaError> {
+    /// Causal attention over `qkv` `[b, t, 3d]`: (q, k, v as `[b·heads, t,
+    /// hd]`, probabilities `[b·heads, t, t]`, output `[b, t, d]` with head h
+    /// in columns h·hd..). In the head-major layout every head of every
+    /// sequence is one entry of a single strided batched product.
+    fn attention(&self, qkv: &CudaSlice<f32>, b: usize, t: usize) -> Result<Attention, CudaError> {
         let (d, heads) = (self.shape.d_model, self.shape.n_heads);
         let hd = d / heads;
-        let mut probs = self.alloc(b * heads * t * t)?;
+        let q = self.to_heads(qkv, 3 * d, 0, b, t)?;
+        let k = self.to_heads(qkv, 3 * d, d, b, t)?;
+        let v = self.to_heads(qkv, 3 * d, 2 * d, b, t)?;
+        let bh = b * heads;
+        let mut probs = self.alloc(bh * t * t)?;
+        // S = Q · Kᵀ
+        self.gemm(
+            false,
+            true,
+            (t, t, hd),
+            op(&q, 0, hd),
+            op(&k, 0, hd),
+            (&mut probs, 0, t),
+            per_head(bh, [t * hd, t * hd, t * t]),
+        )?;
+        self.softmax(&mut probs, None, bh * t, t)?;
+        // O = P · V
+        let mut o = self.alloc(bh * t * hd)?;
+        self.gemm(
+            false,
+            false,
+            (t, hd, t),
+            op(&probs, 0, t),
+            op(&v, 0, hd),
+            (&mut o, 0, hd),
+            per_head(bh, [t * t, t * hd, t * hd]),
+        )?;
         let mut att = self.alloc(b * t * d)?;
-        for s in 0..b {
-            let (q, pb) = (s * t * 3 * d, s * heads * t * t);
-            // S_h = Q_h · K_hᵀ, every head at once.
-            self.gemm(
-                false,
-                true,
-                (t, t, hd),
-                op(qkv, q, 3 * d),
-                op(qkv, q + d, 3 * d),
-                (&mut probs, pb, t),
-                Batch {
-                    count: heads,
-                    strides: [hd, hd, t * t],
-                },
-            )?;
-        }
-        self.softmax(&mut probs, None, b * heads * t, t)?;
-        for s in 0..b {
-            let (q, pb) = (s * t * 3 * d, s * heads * t * t);
-            // O_h = P_h · V_h into columns h·hd of att.
-            self.gemm(
-                false,
-                false,
-                (t, hd, t),
-                op(&probs, pb, t),
-                op(qkv, q + 2 * d, 3 * d),
-                (&mut att, s * t * d, d),
-                Batch {
-                    count: heads,
-                    strides: [t * t, hd, hd],
-                },
-            )?;
-        }
-        Ok((probs, att))
+        self.heads_into_rows(&o, &mut att, d, 0, b, t)?;
+        Ok(Attention {
+            q,
+            k,
+            v,
+            probs,
+            out: att,
+        })
     }
 
     /// Attention's backward: dqkv `[b, t, 3d]` from the output's gradient.
     fn attention_backward(
         &self,
-        qkv: &CudaSlice<f32>,
-        probs: &CudaSlice<f32>,
+        a: &Attention,
         datt: &CudaSlice<f32>,
         b: usize,
         t: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
         let (d, heads) = (self.shape.d_model, self.shape.n_heads);
         let hd = d / heads;
-        let mut ds = self.alloc(b * heads * t * t)?;
+        let bh = b * heads;
+        let dout = self.to_heads(datt, d, 0, b, t)?;
+        let (th, tt) = (t * hd, t * t);
+        // dP = dO · Vᵀ, then dS in place.
+        let mut ds = self.alloc(bh * tt)?;
+        self.gemm(
+            false,
+            true,
+            (t, t, hd),
+            op(&dout, 0, hd),
+            op(&a.v, 0, hd),
+            (&mut ds, 0, t),
+            per_head(bh, [th, th, tt]),
+        )?;
+        // dV = Pᵀ · dO
+        let mut dv = self.alloc(bh * th)?;
+        self.gemm(
+            true,
+            false,
+            (t, hd, t),
+            op(&a.probs, 0, t),
+            op(&dout, 0, hd),
+            (&mut dv, 0, hd),
+            per_head(bh, [tt, th, th]),
+        )?;
+        drop(dout);
+        self.softmax(&mut ds, Some(&a.probs), bh * t, t)?;
+        // dQ = dS · K; dK = dSᵀ · Q
+        let mut dq = self.alloc(bh * th)?;
+        self.gemm(
+            false,
+            false,
+            (t, hd, t),
+            op(&ds, 0, t),
+            op(&a.k, 0, hd),
+            (&mut dq, 0, hd),
+            per_head(bh, [tt, th, th]),
+        )?;
+        let mut dk = self.alloc(bh * th)?;
+        self.gemm(
+            true,
+            false,
+            (t, hd, t),
+            op(&ds, 0, t),
+            op(&a.q, 0, hd),
+            (&mut dk, 0, hd),
+            per_head(bh, [tt, th, th]),
+        )?;
         let mut dqkv = self.alloc(b * t * 3 * d)?;
-        let per_head = |a: usize, bb: usize, c: usize| Batch {
-            count: heads,
-            strides: [a, bb, c],
-        };
-        for s in 0..b {
-            let (q, o, pb) = (s * t * 3 * d, s * t * d, s * heads * t * t);
-            // dP_h = dO_h · V_hᵀ
-            self.gemm(
-                false,
-                true,
-                (t, t, hd),
-                op(datt, o, d),
-                op(qkv, q + 2 * d, 3 * d),
-                (&mut ds, pb, t),
-                per_head(hd, hd, t * t),
-            )?;
-            // dV_h = P_hᵀ · dO_h
-            self.gemm(
-                true,
-                false,
-                (t, hd, t),
-                op(probs, pb, t),
-                op(datt, o, d),
-                (&mut dqkv, q + 2 * d, 3 * d),
-                per_head(t * t, hd, hd),
-            )?;
-        }
-        self.softmax(&mut ds, Some(probs), b * heads * t, t)?;
-        for s in 0..b {
-            let (q, pb) = (s * t * 3 * d, s * heads * t * t);
-            // dQ_h = dS_h · K_h; dK_h = dS_hᵀ · Q_h
-            self.gemm(
-                false,
-                false,
-                (t, hd, t),
-                op(&ds, pb, t),
-                op(qkv, q + d, 3 * d),
-                (&mut dqkv, q, 3 * d),
-                per_head(t * t, hd, hd),
-            )?;
-            self.gemm(
-                true,
-                false,
-                (t, hd, t),
-                op(&ds, pb, t),
-                op(qkv, q, 3 * d),
-                (&mut dqkv, q + d, 3 * d),
-                per_head(t * t, hd, hd),
-            )?;
-        }
+        self.heads_into_rows(&dq, &mut dqkv, 3 * d, 0, b, t)?;
+        self.heads_into_rows(&dk, &mut dqkv, 3 * d, d, b, t)?;
+        self.heads_into_rows(&dv, &mut dqkv, 3 * d, 2 * d, b, t)?;
         Ok(dqkv)
+    }
+
+    /// Columns `col0..col0 + d` of `rows` (rows of `ld`) as `[b·heads, t, hd]`.
+    fn to_heads(
+        &self,
+        rows: &CudaSlice<f32>,
+        ld: usize,
+        col0: usize,
+        b: usize,
+        t: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let mut heads = self.alloc(b * t * self.shape.d_model)?;
+        self.relayout("rows_to_heads", rows, &mut heads, ld, col0, b, t)?;
+        Ok(heads)
+    }
+
+    /// `[b·heads, t, hd]` into columns `col0..col0 + d` of `rows` (rows of `ld`).
+    #[allow(clippy::too_many_arguments)]
+    fn heads_into_rows(
+        &self,
+        heads: &CudaSlice<f32>,
+        rows: &mut CudaSlice<f32>,
+        ld: usize,
+        col0: usize,
+        b: usize,
+        t: usize,
+    ) -> Result<(), CudaError> {
+        self.relayout("heads_to_rows", heads, rows, ld, col0, b, t)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn relayout(
+        &self,
+        kernel: &'static str,
+        src: &CudaSlice<f32>,
+        dst: &mut CudaSlice<f32>,
+        ld: usize,
+        col0: usize,
+        b: usize,
+        t: usize,
+    ) -> Result<(), CudaError> {
+        let (d, heads) = (self.shape.d_model, self.shape.n_heads);
+        let rows_len = if kernel == "rows_to_heads" {
+            src.len()
+        } else {
+            dst.len()
+        };
+        if col0 + d > ld || rows_len < b * t * ld || src.len().min(dst.len()) < b * t * d {
+            return Err(CudaError::Invalid(format!(
+                "{kernel}: [{b}, {t}] rows of {ld} from column {col0}, buffers {} and {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        let ints = [ld, col0, b, t, heads, d / heads].map(|x| x as i32);
+        let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
+        match kernel {
+            "rows_to_heads" => l.arg(src).arg(&ints[0]).arg(&ints[1]).arg(&mut *dst),
+            _ => l.arg(src).arg(&mut *dst).arg(&ints[0]).arg(&ints[1]),
+        };
+        l.arg(&ints[2]).arg(&ints[3]).arg(&ints[4]).arg(&ints[5]);
+        // SAFETY: rows_to_heads(rows, ld, col0, heads, b, t, h, hd) /
+        // heads_to_rows(heads, rows, ld, col0, b, t, h, hd): b·t rows of ld
+        // with col0 + d ≤ ld, and b·t·d head values (checked above).
+        self.launched(kernel, unsafe { l.launch(grid_stride(b * t * d)) })
     }
 
     /// The causal softmax of `rows` rows of `t` in place, or with `probs`

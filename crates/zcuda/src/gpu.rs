@@ -8,7 +8,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 use zquant::{Bits, QuantError, Quantized};
 
@@ -71,12 +72,12 @@ impl Half16 {
 }
 
 /// The gradient an AdamW launch reads.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub enum DeviceGrads<'a> {
     /// f32 values.
-    F32(&'a CudaSlice<f32>),
+    F32(CudaView<'a, f32>),
     /// 16-bit values, as bits.
-    Half(Half16, &'a CudaSlice<u16>),
+    Half(Half16, CudaView<'a, u16>),
 }
 
 /// Quantized values in device memory: the CPU's [`Quantized`], split in the
@@ -222,7 +223,7 @@ impl Gpu {
         c: &AdamConsts,
     ) -> Result<(), CudaError> {
         let n = p.len();
-        let g_len = match g {
+        let g_len = match &g {
             DeviceGrads::F32(g) => g.len(),
             DeviceGrads::Half(_, g) => g.len(),
         };
@@ -237,7 +238,7 @@ impl Gpu {
             return Ok(());
         }
         let n64 = n as u64;
-        let grad_fmt = match g {
+        let grad_fmt = match &g {
             DeviceGrads::F32(_) => 0i32,
             DeviceGrads::Half(h, _) => h.code(),
         };
@@ -248,7 +249,7 @@ impl Gpu {
         };
         let mut launch = self.stream.launch_builder(self.function("adamw"));
         launch.arg(p);
-        match g {
+        match &g {
             DeviceGrads::F32(g) => launch.arg(g),
             DeviceGrads::Half(_, g) => launch.arg(g),
         };
@@ -383,9 +384,19 @@ impl Gpu {
 
     /// `acc[i] += x[i]`, one IEEE addition each.
     pub fn add(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> Result<(), CudaError> {
-        if acc.len() != x.len() {
+        self.add_at(acc, 0, x)
+    }
+
+    /// `acc[at + i] += x[i]`, one IEEE addition each.
+    pub fn add_at(
+        &self,
+        acc: &mut CudaSlice<f32>,
+        at: usize,
+        x: &CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        if at + x.len() > acc.len() {
             return Err(CudaError::Invalid(format!(
-                "add: {} values onto {}",
+                "add: {} values at {at} onto {}",
                 x.len(),
                 acc.len()
             )));
@@ -394,15 +405,79 @@ impl Gpu {
             return Ok(());
         }
         let n = x.len() as u64;
+        let mut dst = acc.slice_mut(at..at + x.len());
         let mut launch = self.stream.launch_builder(self.function("add_f32"));
-        launch.arg(&mut *acc).arg(x).arg(&n);
-        // SAFETY: the arguments match `add_f32` in reduce.cu; both buffers
-        // hold n values.
+        launch.arg(&mut dst).arg(x).arg(&n);
+        // SAFETY: the arguments match `add_f32` in reduce.cu; both hold n
+        // values (the destination a view of n inside acc, checked above).
         unsafe { launch.launch(grid_stride(x.len())) }.map_err(|source| CudaError::Driver {
             what: "launching add_f32".into(),
             source,
         })?;
         Ok(())
+    }
+
+    /// `x[i] *= s`, one IEEE multiplication each.
+    pub fn scale(&self, x: &mut CudaSlice<f32>, s: f32) -> Result<(), CudaError> {
+        if x.is_empty() {
+            return Ok(());
+        }
+        let (len, n) = (x.len(), x.len() as u64);
+        let mut launch = self.stream.launch_builder(self.function("scale_f32"));
+        launch.arg(&mut *x).arg(&s).arg(&n);
+        // SAFETY: scale_f32(x[n], s, n).
+        unsafe { launch.launch(grid_stride(len)) }.map_err(|source| CudaError::Driver {
+            what: "launching scale_f32".into(),
+            source,
+        })?;
+        Ok(())
+    }
+
+    /// The sums of squares of `x·scale` over chunks of `chunk` values (a
+    /// multiple of 8), each added as zengine's CPU gradient norm adds a
+    /// chunk (eight f64 lanes, then the tail): the same bits.
+    pub fn sum_sq_chunks(
+        &self,
+        x: &CudaSlice<f32>,
+        chunk: usize,
+        scale: f32,
+    ) -> Result<Vec<f64>, CudaError> {
+        if chunk == 0 || !chunk.is_multiple_of(8) {
+            return Err(CudaError::Invalid(format!(
+                "sum_sq_chunks: chunks of {chunk} (a multiple of 8 is needed)"
+            )));
+        }
+        let chunks = x.len().div_ceil(chunk);
+        if chunks == 0 {
+            return Ok(Vec::new());
+        }
+        let mut out = self.zeros::<f64>(chunks)?;
+        let (n, c) = (x.len() as u64, chunk as u64);
+        let mut launch = self.stream.launch_builder(self.function("sum_sq_chunks"));
+        launch.arg(x).arg(&n).arg(&c).arg(&scale).arg(&mut out);
+        let cfg = LaunchConfig {
+            grid_dim: ((chunks * 8).div_ceil(THREADS as usize) as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sum_sq_chunks(x[n], n, chunk, scale, out[chunks]): eight
+        // threads per chunk, every thread of a launched warp reaching the
+        // shuffle, chunk c's lane 0 writing out[c] for c < chunks.
+        unsafe { launch.launch(cfg) }.map_err(|source| CudaError::Driver {
+            what: "launching sum_sq_chunks".into(),
+            source,
+        })?;
+        self.download(&out)
+    }
+
+    /// Sets every value of `x` to zero.
+    pub fn fill_zero(&self, x: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        self.stream
+            .memset_zeros(x)
+            .map_err(|source| CudaError::Driver {
+                what: "zeroing a device buffer".into(),
+                source,
+            })
     }
 }
 

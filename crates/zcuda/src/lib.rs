@@ -32,7 +32,7 @@ pub use gpt::{BlockActs, GptGpu, GptShape, HeadOut, Rows, Weights, BLOCK_PARAMS}
 pub use gpu::{AdamConsts, DeviceGrads, DeviceQuantized, Gpu, Half16};
 
 /// Re-exported so that callers hold device buffers without naming cudarc.
-pub use cudarc::driver::CudaSlice;
+pub use cudarc::driver::{CudaSlice, CudaView};
 
 /// What can go wrong.
 #[derive(Debug, thiserror::Error)]

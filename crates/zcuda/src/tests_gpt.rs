@@ -127,14 +127,9 @@ fn gpu_block_embedding_and_head_match_the_cpu_model() {
         let dy_host = gpu.download(gdy).unwrap();
         let (grads, gdx) = gpu.block_backward(&w, &gacts, gdy).unwrap();
         let dx_host = gpu.download(&gdx).unwrap();
-        (
-            y_host,
-            out.loss,
-            out.grads.unwrap(),
-            dy_host,
-            grads,
-            dx_host,
-        )
+        let head_grads = gpu.download_all(&out.grads.unwrap()).unwrap();
+        let grads = gpu.download_all(&grads).unwrap();
+        (y_host, out.loss, head_grads, dy_host, grads, dx_host)
     };
     let first = run();
     let (gy, gloss, ghead, gdy, ggrads, gdx) = &first;

@@ -88,6 +88,10 @@ pub struct Engine {
     /// stage keeps the group whole.
     #[cfg(feature = "cuda")]
     pub(crate) gpu_copies: Vec<Option<crate::gpu::DeviceCopy>>,
+    /// `device: cuda`, one worker: parameters, gradients and moments on the
+    /// GPU (made at the first micro-batch, dropped by a load).
+    #[cfg(feature = "cuda")]
+    pub(crate) gpu_resident: Option<crate::gpu::Resident>,
 }
 
 impl Engine {
@@ -215,6 +219,8 @@ impl Engine {
             gpu: None,
             #[cfg(feature = "cuda")]
             gpu_copies: Vec::new(),
+            #[cfg(feature = "cuda")]
+            gpu_resident: None,
         })
     }
 
@@ -234,7 +240,7 @@ impl Engine {
     pub fn full_params(&self) -> Result<Vec<Vec<f32>>, EngineError> {
         let mut out = Vec::with_capacity(self.groups.len());
         for (gi, g) in self.groups.iter().enumerate() {
-            let mut full = if self.half.is_none() && !g.partitioned {
+            let mut full = if self.half.is_none() && !g.partitioned && !self.params_on_gpu() {
                 g.params.to_f32(0..g.layout.padded)
             } else if !self.stage.partitions_optimizer() {
                 self.updated_params(gi)?
@@ -246,6 +252,15 @@ impl Engine {
             out.push(full);
         }
         Ok(out)
+    }
+
+    /// Whether the current parameters are on the GPU only (the resident
+    /// flow of `device: cuda`), the host's buffers stale.
+    fn params_on_gpu(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.gpu_resident.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
     }
 
     /// f16's loss-scaler state (for checkpoints).

@@ -1,32 +1,47 @@
 //! `device: cuda`: the micro-batch's forward and backward on a GPU
-//! ([`zcuda::GptGpu`]), everything else as on the CPU.
+//! ([`zcuda::GptGpu`]), the optimizer where the job puts it.
 //!
-//! The engine's flat buffers, their partition over ranks, the gathers, the
-//! gradient buckets and AdamW stay on the host. A group's parameters come
-//! from `Engine::params_for` exactly as the CPU path takes them (gathered
-//! at stage 3), go up to the GPU for that group's forward or backward, and
-//! its gradients come down into the group's micro-batch buffer as soon as
-//! they exist, which hands the bucket to the reduction pipeline as on the
-//! CPU: ZeRO-Offload's data flow (optimizer state and Adam on the host), with
-//! every stage computing the same values on the GPU, so stages 0-3 stay
-//! bit-identical to each other there too. Activations stay on the GPU from a
-//! block's forward to its backward (with activation checkpointing, only the
-//! block's input, and the backward recomputes the rest).
+//! Two data flows, each giving the same bits:
 //!
-//! The embedding's backward (a scatter-add of `dx` rows into `wte`) runs on
-//! the host from the downloaded `dx`, in row order: deterministic without
-//! atomics, and small (`b·t·d` floats).
+//! - **Resident** (one worker, no offload: the single-GPU job). Every group's
+//!   parameters, gradients and Adam moments live on the GPU for the whole run
+//!   (`Resident`): gradients are added into a device copy of the group's
+//!   flat gradient buffer, the step averages, measures the norm, clips and
+//!   runs AdamW there (`kernels/`: the CPU's operations in the CPU's order,
+//!   so the same bits as the host flow), and nothing crosses PCIe but the
+//!   tokens, the embedding's `dx` and `wte`/`wpe`'s gradients, and a
+//!   checkpoint's state when one is written.
+//! - **Host** (several workers, or `zero.offload_optimizer.device: cpu`:
+//!   ZeRO-Offload). The engine's flat buffers, their partition over ranks,
+//!   stage 3's gathers, the gradient buckets and AdamW stay on the host. A
+//!   group's parameters come from `Engine::params_for` exactly as the CPU path
+//!   takes them, go up for the group's forward or backward, and its gradients
+//!   come down into the group's micro-batch buffer as soon as they exist,
+//!   which hands the bucket to the reduction pipeline as on the CPU. Every
+//!   stage computes the same values on the GPU, so stages 0-3 stay
+//!   bit-identical to each other there too. Where the stage keeps a group
+//!   whole its device copy is reused until the parameters change.
+//!
+//! In both, activations stay on the GPU from a block's forward to its
+//! backward (with activation checkpointing, only the block's input, and the
+//! backward recomputes the rest), and the embedding's backward (a scatter-add
+//! of `dx` rows into `wte`) runs on the host from the downloaded `dx`, in row
+//! order: deterministic without atomics, and small (`b·t·d` floats).
 
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, Device, Storage, Tensor, TensorId};
-use zcuda::{BlockActs, GptGpu, GptShape, Rows, Weights};
+use zcuda::{BlockActs, CudaSlice, DeviceGrads, GptGpu, GptShape, Rows, Weights};
 use zmodel::Batch;
 
+use crate::adam::{device_consts, AdamStep};
 use crate::engine::Engine;
 use crate::error::EngineError;
 use crate::gather::Prefetcher;
 use crate::micro_batch::MicroBatch;
+use crate::precision::{Flat, TASK};
+use crate::schedule::lr_at;
+use crate::StepStats;
 
 impl From<zcuda::CudaError> for EngineError {
     fn from(e: zcuda::CudaError) -> EngineError {
@@ -56,16 +71,6 @@ pub fn gpu_shape(spec: &zconfig::spec::JobSpec) -> Result<GptShape, String> {
     })
 }
 
-fn grad_tensors(grads: Vec<Vec<f32>>) -> Result<Vec<Tensor>, EngineError> {
-    grads
-        .into_iter()
-        .map(|g| {
-            let n = g.len();
-            Ok(Tensor::from_vec(g, n, &Device::Cpu)?)
-        })
-        .collect()
-}
-
 /// Uploads `tensors` (f32 on the CPU) read in place from their storage.
 fn upload(gpu: &GptGpu, tensors: &[Tensor]) -> Result<Weights, EngineError> {
     let bad = || EngineError::Gpu("a parameter is not contiguous f32 on the CPU".into());
@@ -89,11 +94,31 @@ pub(crate) struct DeviceCopy {
     weights: Arc<Weights>,
 }
 
+/// The resident flow's state of one group on the GPU.
+struct ResidentGroup {
+    /// Parameters, one buffer per slot (what the model reads).
+    params: Arc<Weights>,
+    /// Gradients, the group's whole flat buffer (padding included), laid
+    /// out as the host's: the norm adds it in the host's chunks.
+    grads: CudaSlice<f32>,
+    /// Adam's moments, one buffer per slot.
+    exp_avg: Vec<CudaSlice<f32>>,
+    exp_avg_sq: Vec<CudaSlice<f32>>,
+}
+
+/// Every group's parameters, gradients and moments on the GPU (the resident
+/// flow). The host's buffers are stale meanwhile: the state readers
+/// (checkpoints, exports) download from here.
+pub(crate) struct Resident {
+    groups: Vec<ResidentGroup>,
+}
+
 impl Engine {
     /// Runs this engine's forward and backward on `gpu` from now on.
     pub fn attach_gpu(&mut self, gpu: GptGpu) {
         self.gpu = Some(Arc::new(gpu));
         self.gpu_copies = (0..self.groups.len()).map(|_| None).collect();
+        self.gpu_resident = None;
     }
 
     /// The GPU the micro-batches run on, if any.
@@ -101,18 +126,62 @@ impl Engine {
         self.gpu.as_deref()
     }
 
-    /// Group `g`'s parameters on the GPU. Where the engine keeps the group
-    /// whole (stages 0-2) its device copy lasts until the parameters change
-    /// (an update, a load): its tensors are then rebuilt, with new ids, and
-    /// the next use uploads again; so forward and backward, and every
-    /// micro-batch of a step, upload a group once. Stage 3's gathered
-    /// groups are uploaded at each use, as they are gathered at each use.
+    /// Whether the optimizer runs on the GPU with every state resident there
+    /// (one worker, no offload, every group whole), rather than on the host.
+    pub fn gpu_resident(&self) -> bool {
+        let z = &self.spec.zero;
+        self.gpu.is_some()
+            && self.comm.world_size() == 1
+            && self.hpz.is_none()
+            && self.offload.is_none()
+            && self.half.is_none()
+            && z.offload_optimizer.device == zconfig::spec::OffloadDevice::None
+            && z.offload_param.device == zconfig::spec::OffloadDevice::None
+            && self.groups.iter().all(|g| !g.partitioned)
+    }
+
+    /// The resident state, uploaded from the host's buffers the first time
+    /// (and after a load, which drops it).
+    fn resident(&mut self, gpu: &GptGpu) -> Result<&mut Resident, EngineError> {
+        if self.gpu_resident.is_none() {
+            let mut groups = Vec::with_capacity(self.groups.len());
+            for g in &self.groups {
+                let Flat::F32(p) = &g.params else {
+                    return Err(EngineError::Gpu("resident parameters must be f32".into()));
+                };
+                let slots = &g.layout.params;
+                let up = |v: &[f32]| -> Result<Vec<CudaSlice<f32>>, EngineError> {
+                    let parts: Vec<&[f32]> = slots.iter().map(|s| &v[s.range.clone()]).collect();
+                    Ok(gpu.upload(&parts)?.into_parts())
+                };
+                groups.push(ResidentGroup {
+                    params: Arc::new(Weights::from_parts(up(p)?)),
+                    grads: gpu.gpu().zeros(g.layout.padded)?,
+                    exp_avg: up(&g.exp_avg)?,
+                    exp_avg_sq: up(&g.exp_avg_sq)?,
+                });
+            }
+            self.gpu_resident = Some(Resident { groups });
+        }
+        Ok(self.gpu_resident.as_mut().expect("just made"))
+    }
+
+    /// Group `g`'s parameters on the GPU. Resident: the group's own. Host
+    /// flow: where the engine keeps the group whole (stages 0-2) its device
+    /// copy lasts until the parameters change (an update, a load): its
+    /// tensors are then rebuilt, with new ids, and the next use uploads
+    /// again; so forward and backward, and every micro-batch of a step,
+    /// upload a group once. Stage 3's gathered groups are uploaded at each
+    /// use, as they are gathered at each use.
     fn gpu_weights(
         &mut self,
         gpu: &GptGpu,
         gather: &mut Prefetcher,
         g: usize,
     ) -> Result<Arc<Weights>, EngineError> {
+        if self.gpu_resident() {
+            return Ok(self.resident(gpu)?.groups[g].params.clone());
+        }
         let tensors = self.params_for(g, gather)?;
         let id = tensors.first().map(|t| t.id());
         if let (Some(copy), Some(id)) = (&self.gpu_copies[g], id) {
@@ -131,6 +200,49 @@ impl Engine {
         Ok(weights)
     }
 
+    /// Done with group `g`'s parameters (host flow: its gather released).
+    fn gpu_release(&mut self, g: usize) {
+        if !self.gpu_resident() {
+            self.release(g);
+        }
+    }
+
+    /// Adds gradients of group `g`'s slots (`(slot, gradient)`, each the
+    /// slot's whole length) into the micro-batch's gradient: on the GPU
+    /// (resident), or downloaded into the host's buffer (host flow).
+    fn gpu_add_grads(
+        &mut self,
+        gpu: &GptGpu,
+        g: usize,
+        grads: &[(usize, &CudaSlice<f32>)],
+    ) -> Result<(), EngineError> {
+        let slots = self.groups[g].layout.params.clone();
+        if self.gpu_resident() {
+            let r = self.resident(gpu)?;
+            for &(slot, grad) in grads {
+                let at = slots[slot].range.start;
+                gpu.gpu().add_at(&mut r.groups[g].grads, at, grad)?;
+            }
+            return Ok(());
+        }
+        for &(slot, grad) in grads {
+            let values = gpu.gpu().download(grad)?;
+            let n = values.len();
+            let t = Tensor::from_vec(values, n, &Device::Cpu)?;
+            self.add_grad_to(g, slots[slot].range.clone(), &t, &slots[slot].name)?;
+        }
+        Ok(())
+    }
+
+    /// Group `g`'s gradient is complete for this micro-batch (host flow: its
+    /// bucket may leave).
+    fn gpu_group_done(&mut self, g: usize, reduce_now: bool) -> Result<(), EngineError> {
+        if reduce_now && !self.gpu_resident() {
+            self.group_done(g)?;
+        }
+        Ok(())
+    }
+
     /// The embedding on the GPU: `[b, t, d]` rows.
     fn gpu_embed(
         &mut self,
@@ -140,12 +252,12 @@ impl Engine {
     ) -> Result<Rows, EngineError> {
         let w = self.gpu_weights(gpu, gather, 0)?;
         let x = gpu.embed(&batch.inputs, batch.rows, batch.seq_len, &w)?;
-        self.release(0);
+        self.gpu_release(0);
         Ok(x)
     }
 
     /// The head's parameters, and the embedding's when the head is tied to
-    /// it (released, as their gathers, by [`Engine::gpu_release_head`]).
+    /// it (released by [`Engine::gpu_release_head`]).
     fn gpu_head_weights(
         &mut self,
         gpu: &GptGpu,
@@ -162,9 +274,9 @@ impl Engine {
     }
 
     fn gpu_release_head(&mut self, tied: bool) {
-        self.release(self.model.config().n_layers + 1);
+        self.gpu_release(self.model.config().n_layers + 1);
         if tied {
-            self.release(0);
+            self.gpu_release(0);
         }
     }
 
@@ -182,7 +294,7 @@ impl Engine {
         let mut saved = Vec::with_capacity(n_layers);
         for block in 1..=n_layers {
             let w = self.gpu_weights(&gpu, gather, block)?;
-            self.release(block);
+            self.gpu_release(block);
             let (y, acts) = gpu.block_forward(&w, x)?;
             saved.push(match checkpointing {
                 true => Saved::Input(acts.into_input()),
@@ -204,22 +316,17 @@ impl Engine {
                 value: res.loss,
             });
         }
-        let [dw, db, dout] = res.grads.expect("the head's backward ran");
-        let mut grads = vec![dw, db];
+        let [dw, db, dout] = res.grads.as_ref().expect("the head's backward ran");
+        let mut grads = vec![(0, dw), (1, db)];
         if !tied {
-            grads.push(dout.clone());
+            grads.push((2, dout));
         }
-        self.accumulate_tensors(head, &grad_tensors(grads)?.iter().collect::<Vec<_>>())?;
+        self.gpu_add_grads(&gpu, head, &grads)?;
         if tied {
-            let wte_range = self.groups[0].layout.params[0].range.clone();
-            let n = dout.len();
-            let dout = Tensor::from_vec(dout, n, &Device::Cpu)?;
-            self.add_grad_to(0, wte_range, &dout, "wte (tied head)")?;
+            self.gpu_add_grads(&gpu, 0, &[(0, dout)])?;
         }
         self.gpu_release_head(tied);
-        if reduce_now {
-            self.group_done(head)?;
-        }
+        self.gpu_group_done(head, reduce_now)?;
 
         let mut dx = res.dx.expect("the head's backward ran");
         let gather = &mut mb.gather;
@@ -232,17 +339,28 @@ impl Engine {
             };
             let (grads, next) = gpu.block_backward(&w, &acts, &dx)?;
             drop((acts, w));
-            self.accumulate_tensors(block, &grad_tensors(grads)?.iter().collect::<Vec<_>>())?;
-            self.release(block);
-            if reduce_now {
-                self.group_done(block)?;
-            }
+            let by_slot: Vec<_> = grads.iter().enumerate().collect();
+            self.gpu_add_grads(&gpu, block, &by_slot)?;
+            self.gpu_release(block);
+            self.gpu_group_done(block, reduce_now)?;
             dx = next;
         }
         let (b, t) = dx.dims();
         let d = self.spec.model.d_model;
         let dx = Tensor::from_vec(gpu.download(&dx)?, (b, t, d), &Device::Cpu)?;
-        self.backward_embedding(mb, &dx)?;
+        if self.gpu_resident() {
+            // The host's scatter-add, its result added on the GPU.
+            let tokens = Tensor::from_slice(&batch.inputs, (b, t), &Device::Cpu)?;
+            let grads = self.model.embed_backward(&tokens, &dx)?.into_vec();
+            let up = grads
+                .iter()
+                .map(|g| Ok(gpu.gpu().upload(&g.flatten_all()?.to_vec1::<f32>()?)?))
+                .collect::<Result<Vec<_>, EngineError>>()?;
+            let by_slot: Vec<_> = up.iter().enumerate().collect();
+            self.gpu_add_grads(&gpu, 0, &by_slot)?;
+        } else {
+            self.backward_embedding(mb, &dx)?;
+        }
         Ok(res.loss)
     }
 
@@ -256,7 +374,7 @@ impl Engine {
         let mut x = self.gpu_embed(&gpu, gather, batch)?;
         for block in 1..=self.model.config().n_layers {
             let w = self.gpu_weights(&gpu, gather, block)?;
-            self.release(block);
+            self.gpu_release(block);
             x = gpu.block_forward(&w, x)?.0;
         }
         let (hw, wte) = self.gpu_head_weights(&gpu, gather)?;
@@ -266,5 +384,185 @@ impl Engine {
             .loss;
         self.gpu_release_head(tied);
         Ok(loss)
+    }
+
+    /// The resident flow's optimizer step: the host step's phases on the
+    /// GPU's buffers, in its order and with its operations (averaging and
+    /// clipping by in-place multiplies, the norm in the host's chunks and f64
+    /// lanes, AdamW's kernel per slot), so the same bits as the host flow.
+    pub(crate) fn gpu_step(&mut self) -> Result<StepStats, EngineError> {
+        let gpu = self.gpu.clone().expect("a GPU attached");
+        let step = self.step + 1;
+        let scale = self.average_scale();
+        let clip = self.spec.train.grad_clip;
+        let slots: Vec<Vec<(std::ops::Range<usize>, bool)>> = self
+            .groups
+            .iter()
+            .map(|g| {
+                g.layout
+                    .params
+                    .iter()
+                    .map(|s| (s.range.clone(), s.decay))
+                    .collect()
+            })
+            .collect();
+        let r = self.resident(&gpu)?;
+        if scale != 1.0 {
+            for g in &mut r.groups {
+                gpu.gpu().scale(&mut g.grads, scale)?;
+            }
+        }
+        let mut own_sq = 0f64;
+        for g in &r.groups {
+            let parts = gpu.gpu().sum_sq_chunks(&g.grads, TASK, 1.0)?;
+            own_sq += parts.iter().sum::<f64>();
+        }
+        let grad_norm = self.norm_from_own_sq(own_sq)?;
+        let overflow = self.check_overflow(step, grad_norm)?;
+        let t = &self.spec.train;
+        let lr = lr_at(self.updates + 1, t);
+        let [beta1, beta2] = t.optimizer.betas.map(|b| b as f32);
+        let (eps, weight_decay) = (t.optimizer.eps as f32, t.weight_decay as f32);
+        if !overflow {
+            let r = self.gpu_resident.as_mut().expect("resident");
+            if clip > 0.0 && grad_norm > clip {
+                let coef = (clip / (grad_norm + 1e-6)) as f32;
+                for g in &mut r.groups {
+                    gpu.gpu().scale(&mut g.grads, coef)?;
+                }
+            }
+            self.updates += 1;
+            let hp = AdamStep {
+                lr: lr as f32,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                step: self.updates,
+                grad_scale: 1.0,
+            };
+            for (g, slots) in r.groups.iter_mut().zip(&slots) {
+                let params = Arc::get_mut(&mut g.params)
+                    .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
+                    .parts_mut();
+                for (i, (range, decay)) in slots.iter().enumerate() {
+                    gpu.gpu().adamw(
+                        &mut params[i],
+                        DeviceGrads::F32(g.grads.slice(range.clone())),
+                        &mut g.exp_avg[i],
+                        &mut g.exp_avg_sq[i],
+                        None,
+                        &device_consts(&hp, *decay),
+                    )?;
+                }
+            }
+        }
+        let r = self.gpu_resident.as_mut().expect("resident");
+        for g in &mut r.groups {
+            gpu.gpu().fill_zero(&mut g.grads)?;
+        }
+        Ok(self.finish_step(step, lr, grad_norm, None, overflow))
+    }
+
+    /// Resident: group `gi`'s [f32 parameters, exp_avg, exp_avg_sq] copied
+    /// from the GPU, laid out as the host's (padding zero), or `None` where
+    /// the host's buffers are current.
+    pub(crate) fn gpu_state(&self, gi: usize) -> Result<Option<[Vec<f32>; 3]>, EngineError> {
+        let Some(r) = &self.gpu_resident else {
+            return Ok(None);
+        };
+        let g = &r.groups[gi];
+        Ok(Some([
+            self.gpu_flat(gi, g.params.parts())?,
+            self.gpu_flat(gi, &g.exp_avg)?,
+            self.gpu_flat(gi, &g.exp_avg_sq)?,
+        ]))
+    }
+
+    /// Resident: group `gi`'s f32 parameters copied from the GPU, or `None`.
+    pub(crate) fn gpu_params(&self, gi: usize) -> Result<Option<Vec<f32>>, EngineError> {
+        match &self.gpu_resident {
+            Some(r) => Ok(Some(self.gpu_flat(gi, r.groups[gi].params.parts())?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Per-slot device buffers of group `gi` as its padded host layout.
+    fn gpu_flat(&self, gi: usize, parts: &[CudaSlice<f32>]) -> Result<Vec<f32>, EngineError> {
+        let gpu = self.gpu.as_ref().expect("a GPU attached");
+        let layout = &self.groups[gi].layout;
+        let mut out = vec![0f32; layout.padded];
+        for (slot, part) in layout.params.iter().zip(parts) {
+            out[slot.range.clone()].copy_from_slice(&gpu.gpu().download(part)?);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Values over many magnitudes, subnormals and signed zeros among them.
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|i| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                match i % 97 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    2 => f32::from_bits(s >> 9), // subnormal
+                    _ => f32::from_bits(((s >> 1) % 0x7F00_0000) | (s << 31)),
+                }
+            })
+            .collect()
+    }
+
+    /// The resident step's norm and in-place scaling against the host's
+    /// (`Flat::sum_sq` in its chunks, `Flat::scale_f32`): the same bits,
+    /// which is what keeps Adam on the GPU equal to ZeRO-Offload's.
+    #[test]
+    fn the_gpu_norm_and_scaling_equal_the_hosts_bit_for_bit() {
+        let gpu = match zcuda::probe().usable_devices() {
+            Ok(_) => zcuda::Gpu::open(0).expect("opening GPU 0"),
+            Err(why) => {
+                assert!(
+                    std::env::var("ZRUN_REQUIRE_GPU").as_deref() != Ok("1"),
+                    "ZRUN_REQUIRE_GPU=1 but: {why}"
+                );
+                eprintln!("SKIPPED the_gpu_norm_and_scaling_equal_the_hosts: {why}");
+                return;
+            }
+        };
+        for (n, seed) in [(5, 1), (TASK, 2), (3 * TASK + 13, 3), ((1 << 20) + 7, 4)] {
+            let v = values(n, seed);
+            let d = gpu.upload(&v).unwrap();
+            for scale in [1.0f32, 0.37] {
+                let host = Flat::F32(v.clone()).sum_sq(0..n, scale);
+                let parts = gpu.sum_sq_chunks(&d, TASK, scale).unwrap();
+                assert_eq!(parts.len(), n.div_ceil(TASK));
+                let dev: f64 = parts.iter().sum();
+                assert_eq!(
+                    dev.to_bits(),
+                    host.to_bits(),
+                    "n {n} scale {scale}: {dev} vs {host}"
+                );
+            }
+            let mut host = Flat::F32(v.clone());
+            host.scale_f32(0..n, 0.37);
+            let mut d = d;
+            gpu.scale(&mut d, 0.37).unwrap();
+            let Flat::F32(want) = host else {
+                unreachable!()
+            };
+            let got = gpu.download(&d).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "scale, n {n}"
+            );
+        }
     }
 }

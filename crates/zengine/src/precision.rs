@@ -103,7 +103,7 @@ const BLOCK: usize = 1024;
 /// model of the README) still makes tens of tasks. These passes used to run on
 /// the training thread alone, 8% of a bf16 step on one worker with two
 /// threads while the other core waited.
-const TASK: usize = 1 << 15;
+pub(crate) const TASK: usize = 1 << 15;
 
 /// A flat buffer in the working precision.
 #[derive(Debug, Clone, PartialEq)]

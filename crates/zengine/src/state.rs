@@ -61,6 +61,10 @@ impl Engine {
     /// The f32 parameters of the region this rank updates in group `gi` (the
     /// master copy under mixed precision), from memory or swap.
     pub(crate) fn updated_params(&self, gi: usize) -> Result<Vec<f32>, EngineError> {
+        #[cfg(feature = "cuda")]
+        if let Some(p) = self.gpu_params(gi)? {
+            return Ok(p);
+        }
         let (rank, stage) = (self.comm.rank(), self.stage);
         let g = &self.groups[gi];
         let Some(o) = &self.offload else {
@@ -82,6 +86,10 @@ impl Engine {
 
     /// Group `gi`'s updated region: [f32 parameters, exp_avg, exp_avg_sq].
     fn updated_state(&self, gi: usize) -> Result<[Vec<f32>; 3], EngineError> {
+        #[cfg(feature = "cuda")]
+        if let Some(state) = self.gpu_state(gi)? {
+            return Ok(state);
+        }
         let g = &self.groups[gi];
         let moments = match self.offload.as_ref().map(|o| o.read_optimizer(gi)) {
             Some(read) => read?.map(|s| (s.exp_avg, s.exp_avg_sq)),
@@ -104,6 +112,11 @@ impl Engine {
     /// (its f32 parameters become the master copy; the working copy is rounded
     /// from them, as after an update), tiled or not.
     pub fn load(&mut self, ckpt: &Checkpoint) -> Result<(), EngineError> {
+        // The GPU's resident state is made again from the loaded buffers.
+        #[cfg(feature = "cuda")]
+        {
+            self.gpu_resident = None;
+        }
         let mine = self.manifest_groups();
         let theirs = &ckpt.manifest.groups;
         let same = mine.len() == theirs.len()
@@ -219,6 +232,12 @@ impl Engine {
 
     /// Replaces the parameters with consolidated weights by name (an export).
     pub fn load_weights(&mut self, weights: &zckpt::Weights) -> Result<(), EngineError> {
+        // The GPU's resident state is made again from the loaded buffers
+        // (this runs before training: the moments are the host's zeros).
+        #[cfg(feature = "cuda")]
+        {
+            self.gpu_resident = None;
+        }
         let rank = self.comm.rank();
         let (stage, half) = (self.stage, self.half);
         let mut used = 0;

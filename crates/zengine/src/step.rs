@@ -69,6 +69,10 @@ impl Engine {
                 accum,
             });
         }
+        #[cfg(feature = "cuda")]
+        if self.gpu_resident() {
+            return self.gpu_step();
+        }
         self.wait_for_reductions()?;
         self.check_swapped_grads()?;
         let step = self.step + 1;
@@ -159,7 +163,7 @@ impl Engine {
     /// in rank order (an f64 sum sent as two f32 words, so it is exact enough
     /// and the same on every rank).
     fn global_grad_norm(&self, grad_scale: f32) -> Result<f64, EngineError> {
-        let (world, rank) = (self.comm.world_size(), self.comm.rank());
+        let rank = self.comm.rank();
         let swapped = |i: usize| self.offload.as_ref().and_then(|o| o.grad_sum_sq(i));
         let own_sq: f64 = self
             .groups
@@ -170,6 +174,14 @@ impl Engine {
                     .unwrap_or_else(|| g.grads.sum_sq(g.owned_grads(rank, self.stage), grad_scale))
             })
             .sum();
+        self.norm_from_own_sq(own_sq)
+    }
+
+    /// The global norm from this rank's sum of squares: the ranks' sums
+    /// added in rank order (each an f64 sent as two f32 words, so exact
+    /// enough and the same on every rank).
+    pub(crate) fn norm_from_own_sq(&self, own_sq: f64) -> Result<f64, EngineError> {
+        let world = self.comm.world_size();
         let hi = own_sq as f32;
         let lo = (own_sq - f64::from(hi)) as f32;
         let parts = self.comm.all_gather(vec![hi, lo], 2 * world)?;
@@ -182,7 +194,11 @@ impl Engine {
 
     /// Whether the gradients overflowed. f16: updates the loss scale, and an
     /// overflow at the minimum scale fails; other dtypes: an overflow fails.
-    fn check_overflow(&mut self, step: u64, grad_norm: f64) -> Result<bool, EngineError> {
+    pub(crate) fn check_overflow(
+        &mut self,
+        step: u64,
+        grad_norm: f64,
+    ) -> Result<bool, EngineError> {
         let overflow = !grad_norm.is_finite();
         let Some(scaler) = &mut self.scaler else {
             if overflow {
@@ -345,7 +361,7 @@ impl Engine {
     }
 
     /// The step's statistics; resets the per-step accounting.
-    fn finish_step(
+    pub(crate) fn finish_step(
         &mut self,
         step: u64,
         lr: f64,

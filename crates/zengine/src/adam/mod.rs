@@ -507,8 +507,8 @@ mod tests {
                     Half::F16 => zcuda::Half16::F16,
                 };
                 let grads = match kind {
-                    None => zcuda::DeviceGrads::F32(&dg32),
-                    Some(h) => zcuda::DeviceGrads::Half(half(h), &dgh),
+                    None => zcuda::DeviceGrads::F32(dg32.slice(..)),
+                    Some(h) => zcuda::DeviceGrads::Half(half(h), dgh.slice(..)),
                 };
                 let working = kind.map(|h| (half(h), &mut dw));
                 gpu.adamw(
