@@ -60,6 +60,39 @@ extern "C" __global__ void embed(const unsigned int* tok, const float* wte, cons
     }
 }
 
+// The embedding's backward, token part: for the present token j (block j),
+// dwte[token, c] = the sum of dx[r, c] over its rows r, added in row order
+// from zero (rows[start[j] .. start[j + 1]], listed in order by the host) —
+// the CPU's scatter-add, the same bits, without atomics.
+extern "C" __global__ void embed_backward_tokens(const float* dx, const unsigned int* present,
+                                                 const unsigned int* start,
+                                                 const unsigned int* rows, float* dwte, int d)
+{
+    unsigned int tok = present[blockIdx.x];
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.0f;
+        for (unsigned int i = start[blockIdx.x]; i < start[blockIdx.x + 1]; i++) {
+            acc = __fadd_rn(acc, dx[(unsigned long long)rows[i] * d + c]);
+        }
+        dwte[(unsigned long long)tok * d + c] = acc;
+    }
+}
+
+// The position part: dwpe[p, c] = the sum over sequences s of dx[s, p, c],
+// in sequence order from zero (the CPU's order).
+extern "C" __global__ void embed_backward_positions(const float* dx, float* dwpe, int b, int t,
+                                                    int d)
+{
+    unsigned long long n = (unsigned long long)t * d;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        float acc = 0.0f;
+        for (int s = 0; s < b; s++) acc = __fadd_rn(acc, dx[(unsigned long long)s * n + i]);
+        dwpe[i] = acc;
+    }
+}
+
 // One block per row: y = (x - mean) * rstd * w + b, keeping mean and rstd
 // for the backward. Variance in two passes, as the CPU's.
 extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b,

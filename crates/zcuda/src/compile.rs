@@ -59,6 +59,8 @@ pub const KERNELS: [KernelSource; 4] = [
         code: include_str!("../../../kernels/gpt.cu"),
         functions: &[
             "embed",
+            "embed_backward_tokens",
+            "embed_backward_positions",
             "layer_norm",
             "layer_norm_backward",
             "layer_norm_param_partials",

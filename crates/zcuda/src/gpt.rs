@@ -32,6 +32,8 @@ pub struct GptShape {
     pub d_model: usize,
     /// Attention heads (dividing `d_model`).
     pub n_heads: usize,
+    /// The MLP's hidden width.
+    pub ffn: usize,
     /// Vocabulary (rows of the token embedding).
     pub vocab: usize,
     /// Positions (rows of the position embedding).
@@ -224,21 +226,8 @@ impl GptGpu {
 
     /// `w` as a block's parameters: twelve tensors of the block's shapes.
     fn block_params<'w>(&self, w: &'w Weights) -> Result<&'w [CudaSlice<f32>], CudaError> {
-        let d = self.shape.d_model;
-        let want = [
-            d,
-            d,
-            d * 3 * d,
-            3 * d,
-            d * d,
-            d,
-            d,
-            d,
-            d * 4 * d,
-            4 * d,
-            4 * d * d,
-            d,
-        ];
+        let (d, f) = (self.shape.d_model, self.shape.ffn);
+        let want = [d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * f, f, f * d, d];
         let have: Vec<usize> = w.p.iter().map(|p| p.len()).collect();
         if have != want {
             return Err(CudaError::Invalid(format!(
@@ -308,6 +297,91 @@ impl GptGpu {
         Ok(Rows { buf: x, b, t })
     }
 
+    /// The embedding's backward: the gradients of `wte` `[vocab, d]` and
+    /// `wpe` `[seq_len, d]` from the tokens and `dx`, each a sum in row (or
+    /// sequence) order from zero: the CPU's scatter-add to the bit.
+    pub fn embed_backward(
+        &self,
+        tokens: &[u32],
+        dx: &Rows,
+    ) -> Result<[CudaSlice<f32>; 2], CudaError> {
+        let GptShape {
+            d_model: d,
+            vocab,
+            seq_len,
+            ..
+        } = self.shape;
+        let (b, t) = dx.dims();
+        if tokens.len() != b * t {
+            return Err(CudaError::Invalid(format!(
+                "embedding backward: {} tokens for [{b}, {t}]",
+                tokens.len()
+            )));
+        }
+        if let Some((i, tok)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &k)| k as usize >= vocab)
+        {
+            return Err(CudaError::Invalid(format!(
+                "embedding backward: token {tok} at position {i} is outside the vocabulary of {vocab}"
+            )));
+        }
+        // Rows grouped by token, each group in row order (a stable sort).
+        let mut rows: Vec<u32> = (0..tokens.len() as u32).collect();
+        rows.sort_by_key(|&r| tokens[r as usize]);
+        let (mut present, mut start) = (Vec::new(), Vec::new());
+        for (i, &r) in rows.iter().enumerate() {
+            let tok = tokens[r as usize];
+            if present.last() != Some(&tok) {
+                present.push(tok);
+                start.push(i as u32);
+            }
+        }
+        start.push(rows.len() as u32);
+        let mut dwte = self.gpu.zeros::<f32>(vocab * d)?;
+        let mut dwpe = self.gpu.zeros::<f32>(seq_len * d)?;
+        if present.is_empty() {
+            return Ok([dwte, dwpe]);
+        }
+        let (present_d, start_d, rows_d) = (
+            self.gpu.upload(&present)?,
+            self.gpu.upload(&start)?,
+            self.gpu.upload(&rows)?,
+        );
+        let d32 = d as i32;
+        let mut l = self
+            .gpu
+            .stream()
+            .launch_builder(self.gpu.function("embed_backward_tokens"));
+        l.arg(&dx.buf)
+            .arg(&present_d)
+            .arg(&start_d)
+            .arg(&rows_d)
+            .arg(&mut dwte)
+            .arg(&d32);
+        let cfg = LaunchConfig {
+            grid_dim: (present.len() as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block per present token (below vocab, checked), its
+        // rows below b·t, dwte of vocab·d, dx of b·t·d.
+        self.launched("embed_backward_tokens", unsafe { l.launch(cfg) })?;
+        let (b32, t32) = (b as i32, t as i32);
+        let mut l = self
+            .gpu
+            .stream()
+            .launch_builder(self.gpu.function("embed_backward_positions"));
+        l.arg(&dx.buf).arg(&mut dwpe).arg(&b32).arg(&t32).arg(&d32);
+        // SAFETY: t ≤ seq_len (the embedding checked it): t·d values of
+        // dwpe written, dx holds b·t·d.
+        self.launched("embed_backward_positions", unsafe {
+            l.launch(grid_stride(t * d))
+        })?;
+        Ok([dwte, dwpe])
+    }
+
     /// A block's forward: its output, and what its backward needs.
     pub fn block_forward(&self, w: &Weights, x: Rows) -> Result<(Rows, BlockActs), CudaError> {
         let d = self.shape.d_model;
@@ -320,10 +394,11 @@ impl GptGpu {
         drop(qkv);
         let rows1 = self.linear(&attention.out, n, d, &p[4], &p[5], d, Some(&x.buf))?;
         let (a2, stats2) = self.layer_norm(&rows1, &p[6], &p[7], n)?;
-        let h = self.linear(&a2, n, d, &p[8], &p[9], 4 * d, None)?;
-        let mut g = self.alloc(n * 4 * d)?;
+        let f = self.shape.ffn;
+        let h = self.linear(&a2, n, d, &p[8], &p[9], f, None)?;
+        let mut g = self.alloc(n * f)?;
         self.elementwise("gelu", &h, None, &mut g)?;
-        let y = self.linear(&g, n, 4 * d, &p[10], &p[11], d, Some(&rows1))?;
+        let y = self.linear(&g, n, f, &p[10], &p[11], d, Some(&rows1))?;
         let acts = BlockActs {
             x,
             a1,
@@ -353,12 +428,13 @@ impl GptGpu {
         let dy = &dy.buf;
         let mut grads: Vec<Option<CudaSlice<f32>>> = (0..BLOCK_PARAMS).map(|_| None).collect();
         // y = rows1 + g·W_out + b_out
-        let (dg, dw, db) = self.linear_backward(&acts.g, n, 4 * d, &p[10], d, dy)?;
+        let f = self.shape.ffn;
+        let (dg, dw, db) = self.linear_backward(&acts.g, n, f, &p[10], d, dy)?;
         (grads[10], grads[11]) = (Some(dw), Some(db));
-        let mut dh = self.alloc(n * 4 * d)?;
+        let mut dh = self.alloc(n * f)?;
         self.elementwise("gelu_backward", &acts.h, Some(&dg), &mut dh)?;
         drop(dg);
-        let (da2, dw, db) = self.linear_backward(&acts.a2, n, d, &p[8], 4 * d, &dh)?;
+        let (da2, dw, db) = self.linear_backward(&acts.a2, n, d, &p[8], f, &dh)?;
         (grads[8], grads[9]) = (Some(dw), Some(db));
         drop(dh);
         let (drows1, dw, db) =
@@ -496,6 +572,23 @@ impl GptGpu {
             loss,
             dx: Some(Rows { buf: dx, b, t }),
             grads: Some([dw, db, dout]),
+        })
+    }
+
+    /// Rows `[b, t, d]` from host values (tests, and callers that start from
+    /// the host).
+    pub fn rows_from_host(&self, values: &[f32], b: usize, t: usize) -> Result<Rows, CudaError> {
+        if values.len() != b * t * self.shape.d_model {
+            return Err(CudaError::Invalid(format!(
+                "{} values for rows [{b}, {t}, {}]",
+                values.len(),
+                self.shape.d_model
+            )));
+        }
+        Ok(Rows {
+            buf: self.gpu.upload(values)?,
+            b,
+            t,
         })
     }
 

@@ -72,13 +72,15 @@ fn tensors(group: &[Vec<f32>], shapes: &[Vec<usize>]) -> Vec<Tensor> {
 fn gpu_block_embedding_and_head_match_the_cpu_model() {
     let (vocab, d, heads, t, b) = (97usize, 64usize, 4usize, 48usize, 3usize);
     let spec: zconfig::spec::ModelSpec = serde_json::from_value(serde_json::json!({
-        "vocab_size": vocab, "d_model": d, "n_layers": 1, "n_heads": heads, "seq_len": t
+        "vocab_size": vocab, "d_model": d, "n_layers": 1, "n_heads": heads, "seq_len": t,
+        "ffn_hidden": 160
     }))
     .unwrap();
     let model = Gpt::new(&spec).unwrap();
     let shape = GptShape {
         d_model: d,
         n_heads: heads,
+        ffn: spec.ffn(),
         vocab,
         seq_len: t,
         eps: spec.norm_eps() as f32,
@@ -170,4 +172,20 @@ fn gpu_block_embedding_and_head_match_the_cpu_model() {
 
     let second = run();
     assert!(first == second, "the GPU's second run changed bits");
+
+    // The embedding's backward on the GPU is the CPU's scatter-add to the
+    // bit, given the same dx (repeated tokens included: 97 ids over 144 rows).
+    let dx_host: Vec<f32> = gdx.clone();
+    let dx_cpu = Tensor::from_vec(dx_host.clone(), (b, t, d), &Device::Cpu).unwrap();
+    let want = model.embed_backward(&tok, &dx_cpu).unwrap();
+    let dx_dev = gpu.rows_from_host(&dx_host, b, t).unwrap();
+    let got = gpu.embed_backward(&tokens, &dx_dev).unwrap();
+    let got = gpu.download_all(&got).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got[0]), bits(&values(&want.wte)), "wte's gradient");
+    assert_eq!(
+        bits(&got[1]),
+        bits(&values(want.wpe.as_ref().unwrap())),
+        "wpe's gradient"
+    );
 }

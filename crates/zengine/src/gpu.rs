@@ -9,8 +9,7 @@
 //!   flat gradient buffer, the step averages, measures the norm, clips and
 //!   runs AdamW there (`kernels/`: the CPU's operations in the CPU's order,
 //!   so the same bits as the host flow), and nothing crosses PCIe but the
-//!   tokens, the embedding's `dx` and `wte`/`wpe`'s gradients, and a
-//!   checkpoint's state when one is written.
+//!   tokens, the losses and a checkpoint's state when one is written.
 //! - **Host** (several workers, or `zero.offload_optimizer.device: cpu`:
 //!   ZeRO-Offload). The engine's flat buffers, their partition over ranks,
 //!   stage 3's gathers, the gradient buckets and AdamW stay on the host. A
@@ -24,9 +23,10 @@
 //!
 //! In both, activations stay on the GPU from a block's forward to its
 //! backward (with activation checkpointing, only the block's input, and the
-//! backward recomputes the rest), and the embedding's backward (a scatter-add
-//! of `dx` rows into `wte`) runs on the host from the downloaded `dx`, in row
-//! order: deterministic without atomics, and small (`b·t·d` floats).
+//! backward recomputes the rest). The embedding's backward (a scatter-add of
+//! `dx` rows into `wte`) adds each token's rows in row order, without atomics:
+//! on the GPU where the state is resident, on the host from the downloaded
+//! `dx` in the host flow; the same bits either way.
 
 use std::sync::Arc;
 
@@ -65,6 +65,7 @@ pub fn gpu_shape(spec: &zconfig::spec::JobSpec) -> Result<GptShape, String> {
     Ok(GptShape {
         d_model: m.d_model,
         n_heads: m.n_heads,
+        ffn: m.ffn(),
         vocab: m.vocab_size,
         seq_len: m.seq_len,
         eps: m.norm_eps() as f32,
@@ -345,20 +346,15 @@ impl Engine {
             self.gpu_group_done(block, reduce_now)?;
             dx = next;
         }
-        let (b, t) = dx.dims();
-        let d = self.spec.model.d_model;
-        let dx = Tensor::from_vec(gpu.download(&dx)?, (b, t, d), &Device::Cpu)?;
         if self.gpu_resident() {
-            // The host's scatter-add, its result added on the GPU.
-            let tokens = Tensor::from_slice(&batch.inputs, (b, t), &Device::Cpu)?;
-            let grads = self.model.embed_backward(&tokens, &dx)?.into_vec();
-            let up = grads
-                .iter()
-                .map(|g| Ok(gpu.gpu().upload(&g.flatten_all()?.to_vec1::<f32>()?)?))
-                .collect::<Result<Vec<_>, EngineError>>()?;
-            let by_slot: Vec<_> = up.iter().enumerate().collect();
+            // The host's scatter-add, to the bit, on the GPU.
+            let grads = gpu.embed_backward(&batch.inputs, &dx)?;
+            let by_slot: Vec<_> = grads.iter().enumerate().collect();
             self.gpu_add_grads(&gpu, 0, &by_slot)?;
         } else {
+            let (b, t) = dx.dims();
+            let d = self.spec.model.d_model;
+            let dx = Tensor::from_vec(gpu.download(&dx)?, (b, t, d), &Device::Cpu)?;
             self.backward_embedding(mb, &dx)?;
         }
         Ok(res.loss)

@@ -8,7 +8,7 @@
 //!   each use of a block needs.
 //! - `group`: one block's flat buffers and which of them are whole or a slice.
 //! - `micro_batch`: forward and backward of one micro-batch, block by block.
-//! - [`gpu`] (feature `cuda`): the same micro-batch on a GPU, the engine's
+//! - `gpu` (feature `cuda`): the same micro-batch on a GPU, the engine's
 //!   buffers and optimizer staying on the host.
 //! - `reduce`: gradient buckets reduced while backward continues.
 //! - `step`: the optimizer step as named phases (norm, loss scale, clipping,
