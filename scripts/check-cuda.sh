@@ -24,7 +24,7 @@ echo "== doc (cuda)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features zworker/cuda
 echo "== kernels: NVRTC compiles each for compute_70/80/90; GPU oracles (skip without a GPU)"
 cargo test --release -p zcuda -- --nocapture
-cargo test --release -p zengine --features cuda --lib adam:: -- --nocapture
+cargo test --release -p zengine --features cuda --lib -- --nocapture adam:: gpu::
 echo "== device: cuda refused before launch, by a zworker with the feature"
 cargo build --release --features zworker/cuda
 ./target/release/zworker --cuda-probe

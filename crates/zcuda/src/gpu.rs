@@ -7,9 +7,10 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr,
+    LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use zquant::{Bits, QuantError, Quantized};
 
@@ -94,6 +95,39 @@ pub struct DeviceQuantized {
     pub scales: CudaSlice<f32>,
     /// `bits.data_bytes(len)` bytes.
     pub data: CudaSlice<u8>,
+}
+
+/// Page-locked host memory that device copies land in without staging
+/// through the driver's own buffers (not write-combined: the CPU reads it).
+pub struct Pinned {
+    buf: PinnedHostSlice<f32>,
+    /// Recorded after each copy into `buf`. cudarc's own event on a pinned
+    /// slice is recorded only when a context has several streams, so with
+    /// one stream waiting on it would not wait at all (found on an H200: the
+    /// host read gradients before they landed).
+    landed: CudaEvent,
+}
+
+impl Pinned {
+    /// Values it holds.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    /// The values, once the last copy into them has landed (waits for it).
+    pub fn values(&self) -> Result<&[f32], CudaError> {
+        let wait = |source| CudaError::Driver {
+            what: "waiting for a copy to the host".into(),
+            source,
+        };
+        self.landed.synchronize().map_err(wait)?;
+        self.buf.as_slice().map_err(wait)
+    }
 }
 
 /// One GPU with zrun's kernels loaded.
@@ -195,6 +229,40 @@ impl Gpu {
                 what: format!("copying {} values from the GPU", dev.len()),
                 source,
             })
+    }
+
+    /// `len` values of page-locked host memory, unset until a copy lands.
+    pub fn pinned(&self, len: usize) -> Result<Pinned, CudaError> {
+        let driver = |source| CudaError::Driver {
+            what: format!("allocating {len} floats of page-locked host memory"),
+            source,
+        };
+        // SAFETY: the values are read only through `Pinned::values`, after a
+        // copy into them (the only way callers fill it) has completed.
+        let buf = unsafe { self.ctx.alloc_pinned_with_flags::<f32>(len, 0) }.map_err(driver)?;
+        let landed = self
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(driver)?;
+        Ok(Pinned { buf, landed })
+    }
+
+    /// Starts copying `src` into `dst` (of the same length); returns at once,
+    /// and [`Pinned::values`] waits for it.
+    pub fn copy_to_pinned(&self, src: &CudaSlice<f32>, dst: &mut Pinned) -> Result<(), CudaError> {
+        if src.len() != dst.len() {
+            return Err(CudaError::Invalid(format!(
+                "copy to the host: {} values into {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        let driver = |source| CudaError::Driver {
+            what: format!("copying {} values from the GPU", src.len()),
+            source,
+        };
+        self.stream.memcpy_dtoh(src, &mut dst.buf).map_err(driver)?;
+        dst.landed.record(&self.stream).map_err(driver)
     }
 
     /// `len` zeros in device memory.

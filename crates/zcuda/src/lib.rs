@@ -29,7 +29,7 @@ mod gpu;
 
 pub use compile::{compile, compile_with, kernel, CacheUse, Compiled, KernelSource, KERNELS};
 pub use gpt::{BlockActs, GptGpu, GptShape, HeadOut, Rows, Weights, BLOCK_PARAMS};
-pub use gpu::{AdamConsts, DeviceGrads, DeviceQuantized, Gpu, Half16};
+pub use gpu::{AdamConsts, DeviceGrads, DeviceQuantized, Gpu, Half16, Pinned};
 
 /// Re-exported so that callers hold device buffers without naming cudarc.
 pub use cudarc::driver::{CudaSlice, CudaView};

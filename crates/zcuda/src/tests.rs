@@ -246,3 +246,26 @@ fn gpu_add_equals_the_cpu_sum() {
         assert_eq!(g.to_bits(), (x + y).to_bits(), "element {i}");
     }
 }
+
+#[test]
+fn a_copy_to_pinned_memory_is_waited_for_before_it_is_read() {
+    let Some(gpu) = gpu_or_skip("a_copy_to_pinned_memory_is_waited_for") else {
+        return;
+    };
+    // Large enough that the copy is still in flight when `values` is called,
+    // queued behind a kernel that rewrites every value first.
+    let n = 1 << 24;
+    let x: Vec<f32> = (0..n).map(|i| (i % 1013) as f32).collect();
+    let mut d = gpu.upload(&x).unwrap();
+    let mut pinned = gpu.pinned(n).unwrap();
+    for round in 0..3 {
+        gpu.scale(&mut d, 2.0).unwrap();
+        gpu.copy_to_pinned(&d, &mut pinned).unwrap();
+        let got = pinned.values().unwrap();
+        let k = 2f32.powi(round + 1);
+        assert!(
+            got.iter().zip(&x).all(|(g, v)| *g == v * k),
+            "round {round}: read before the copy landed"
+        );
+    }
+}

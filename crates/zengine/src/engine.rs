@@ -84,10 +84,10 @@ pub struct Engine {
     /// `device: cuda`: the GPU the micro-batches run on.
     #[cfg(feature = "cuda")]
     pub(crate) gpu: Option<Arc<zcuda::GptGpu>>,
-    /// `device: cuda`: per group, its parameters' copy on the GPU, where the
-    /// stage keeps the group whole.
+    /// `device: cuda`, host flow: per group, its parameters' copy on the GPU
+    /// and the page-locked buffers its gradients land in.
     #[cfg(feature = "cuda")]
-    pub(crate) gpu_copies: Vec<Option<crate::gpu::DeviceCopy>>,
+    pub(crate) gpu_host: crate::gpu::HostFlow,
     /// `device: cuda`, one worker: parameters, gradients and moments on the
     /// GPU (made at the first micro-batch, dropped by a load).
     #[cfg(feature = "cuda")]
@@ -218,7 +218,7 @@ impl Engine {
             #[cfg(feature = "cuda")]
             gpu: None,
             #[cfg(feature = "cuda")]
-            gpu_copies: Vec::new(),
+            gpu_host: Default::default(),
             #[cfg(feature = "cuda")]
             gpu_resident: None,
         })

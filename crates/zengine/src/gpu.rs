@@ -31,7 +31,7 @@
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, Device, Storage, Tensor, TensorId};
-use zcuda::{BlockActs, CudaSlice, DeviceGrads, GptGpu, GptShape, Rows, Weights};
+use zcuda::{BlockActs, CudaSlice, DeviceGrads, GptGpu, GptShape, Pinned, Rows, Weights};
 use zmodel::Batch;
 
 use crate::adam::{device_consts, AdamStep};
@@ -90,9 +90,27 @@ fn upload(gpu: &GptGpu, tensors: &[Tensor]) -> Result<Weights, EngineError> {
 
 /// A group's parameters on the GPU, with the tensor they were uploaded from
 /// (its id says whether the engine's parameters are still those).
-pub(crate) struct DeviceCopy {
+struct DeviceCopy {
     from: TensorId,
     weights: Arc<Weights>,
+}
+
+/// The host flow's buffers, per group.
+#[derive(Default)]
+pub(crate) struct HostFlow {
+    /// The group's parameters on the GPU, where the stage keeps it whole.
+    copies: Vec<Option<DeviceCopy>>,
+    /// Per slot, the page-locked buffer its gradient lands in (made at first
+    /// use, kept: allocating page-locked memory costs milliseconds).
+    landing: Vec<Vec<Option<Pinned>>>,
+}
+
+/// A group's gradients on their way down: copies queued on the stream into
+/// page-locked buffers, added into the host's buffers by
+/// `Engine::gpu_finish_landing` once the GPU has more work queued.
+struct Landing {
+    group: usize,
+    parts: Vec<(usize, Pinned)>,
 }
 
 /// The resident flow's state of one group on the GPU.
@@ -118,7 +136,14 @@ impl Engine {
     /// Runs this engine's forward and backward on `gpu` from now on.
     pub fn attach_gpu(&mut self, gpu: GptGpu) {
         self.gpu = Some(Arc::new(gpu));
-        self.gpu_copies = (0..self.groups.len()).map(|_| None).collect();
+        self.gpu_host = HostFlow {
+            copies: (0..self.groups.len()).map(|_| None).collect(),
+            landing: self
+                .groups
+                .iter()
+                .map(|g| g.layout.params.iter().map(|_| None).collect())
+                .collect(),
+        };
         self.gpu_resident = None;
     }
 
@@ -185,13 +210,13 @@ impl Engine {
         }
         let tensors = self.params_for(g, gather)?;
         let id = tensors.first().map(|t| t.id());
-        if let (Some(copy), Some(id)) = (&self.gpu_copies[g], id) {
+        if let (Some(copy), Some(id)) = (&self.gpu_host.copies[g], id) {
             if copy.from == id {
                 return Ok(copy.weights.clone());
             }
         }
         let weights = Arc::new(upload(gpu, &tensors)?);
-        self.gpu_copies[g] = match (self.groups[g].partitioned, id) {
+        self.gpu_host.copies[g] = match (self.groups[g].partitioned, id) {
             (false, Some(from)) => Some(DeviceCopy {
                 from,
                 weights: weights.clone(),
@@ -217,20 +242,62 @@ impl Engine {
         g: usize,
         grads: &[(usize, &CudaSlice<f32>)],
     ) -> Result<(), EngineError> {
-        let slots = self.groups[g].layout.params.clone();
+        match self.gpu_send_grads(gpu, g, grads)? {
+            Some(landing) => self.gpu_finish_landing(landing),
+            None => Ok(()),
+        }
+    }
+
+    /// Resident: adds the gradients on the GPU (returns `None`). Host flow:
+    /// queues their copies down into the group's page-locked buffers and
+    /// returns them, to be added by [`Engine::gpu_finish_landing`] after
+    /// more work for the GPU is queued, so that the host's adds overlap the
+    /// GPU's next block.
+    fn gpu_send_grads(
+        &mut self,
+        gpu: &GptGpu,
+        g: usize,
+        grads: &[(usize, &CudaSlice<f32>)],
+    ) -> Result<Option<Landing>, EngineError> {
         if self.gpu_resident() {
+            let starts: Vec<usize> = self.groups[g]
+                .layout
+                .params
+                .iter()
+                .map(|s| s.range.start)
+                .collect();
             let r = self.resident(gpu)?;
             for &(slot, grad) in grads {
-                let at = slots[slot].range.start;
-                gpu.gpu().add_at(&mut r.groups[g].grads, at, grad)?;
+                gpu.gpu()
+                    .add_at(&mut r.groups[g].grads, starts[slot], grad)?;
             }
-            return Ok(());
+            return Ok(None);
         }
+        let mut parts = Vec::with_capacity(grads.len());
         for &(slot, grad) in grads {
-            let values = gpu.gpu().download(grad)?;
-            let n = values.len();
-            let t = Tensor::from_vec(values, n, &Device::Cpu)?;
-            self.add_grad_to(g, slots[slot].range.clone(), &t, &slots[slot].name)?;
+            let mut pinned = match self.gpu_host.landing[g][slot].take() {
+                Some(p) if p.len() == grad.len() => p,
+                _ => gpu.gpu().pinned(grad.len())?,
+            };
+            gpu.gpu().copy_to_pinned(grad, &mut pinned)?;
+            parts.push((slot, pinned));
+        }
+        Ok(Some(Landing { group: g, parts }))
+    }
+
+    /// Waits for a landing's copies and adds them into the group's
+    /// micro-batch gradient on the host; keeps the buffers for the next.
+    fn gpu_finish_landing(&mut self, landing: Landing) -> Result<(), EngineError> {
+        let g = landing.group;
+        let slots = self.groups[g].layout.params.clone();
+        for (slot, pinned) in landing.parts {
+            self.add_values_to(
+                g,
+                slots[slot].range.clone(),
+                pinned.values()?,
+                &slots[slot].name,
+            )?;
+            self.gpu_host.landing[g][slot] = Some(pinned);
         }
         Ok(())
     }
@@ -242,6 +309,19 @@ impl Engine {
             self.group_done(g)?;
         }
         Ok(())
+    }
+
+    /// Host flow: block `b`'s gradients added, its parameters released, its
+    /// bucket handed on.
+    fn gpu_finish_block(
+        &mut self,
+        b: usize,
+        l: Landing,
+        reduce_now: bool,
+    ) -> Result<(), EngineError> {
+        self.gpu_finish_landing(l)?;
+        self.gpu_release(b);
+        self.gpu_group_done(b, reduce_now)
     }
 
     /// The embedding on the GPU: `[b, t, d]` rows.
@@ -331,6 +411,9 @@ impl Engine {
 
         let mut dx = res.dx.expect("the head's backward ran");
         let gather = &mut mb.gather;
+        // Host flow: block b's gradients are added on the host while the GPU
+        // runs block b - 1's backward.
+        let mut landing: Option<(usize, Landing)> = None;
         for block in (1..=n_layers).rev() {
             let w = self.gpu_weights(&gpu, gather, block)?;
             let acts = match saved.pop() {
@@ -341,10 +424,21 @@ impl Engine {
             let (grads, next) = gpu.block_backward(&w, &acts, &dx)?;
             drop((acts, w));
             let by_slot: Vec<_> = grads.iter().enumerate().collect();
-            self.gpu_add_grads(&gpu, block, &by_slot)?;
-            self.gpu_release(block);
-            self.gpu_group_done(block, reduce_now)?;
+            let sent = self.gpu_send_grads(&gpu, block, &by_slot)?;
+            if let Some((b, l)) = landing.take() {
+                self.gpu_finish_block(b, l, reduce_now)?;
+            }
+            match sent {
+                Some(l) => landing = Some((block, l)),
+                None => {
+                    self.gpu_release(block);
+                    self.gpu_group_done(block, reduce_now)?;
+                }
+            }
             dx = next;
+        }
+        if let Some((b, l)) = landing.take() {
+            self.gpu_finish_block(b, l, reduce_now)?;
         }
         if self.gpu_resident() {
             // The host's scatter-add, to the bit, on the GPU.

@@ -315,6 +315,29 @@ impl Engine {
         add_grad(self.micro_grads(g), range, grad, name)
     }
 
+    /// Adds `values` into `range` of group `g`'s micro-batch gradient buffer.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn add_values_to(
+        &mut self,
+        g: usize,
+        range: Range<usize>,
+        values: &[f32],
+        name: &str,
+    ) -> Result<(), EngineError> {
+        if values.len() != range.len() {
+            return Err(EngineError::BadGradient {
+                param: name.to_string(),
+                problem: format!(
+                    "{} elements for a parameter of {}",
+                    values.len(),
+                    range.len()
+                ),
+            });
+        }
+        self.micro_grads(g).add_f32(range.start, values);
+        Ok(())
+    }
+
     /// Whether the micro-batches run on a GPU.
     fn on_gpu(&self) -> bool {
         #[cfg(feature = "cuda")]
