@@ -104,24 +104,22 @@ fn device_cuda_without_a_gpu_is_refused_before_launch_naming_what_is_missing() {
 fn device_cuda_refuses_what_the_gpu_model_does_not_run() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "gpu-limits", 2);
-    for (set, says) in [
-        ("train.dtype=bf16", "f32 only"),
-        ("model.kind=llama", "GPT-2's family only"),
-        ("model.tile_size=512", "drop model.tile_size"),
+    for (sets, says) in [
+        (&["train.dtype=bf16"][..], "f32 only"),
+        (&["model.kind=llama"], "GPT-2's family only"),
+        (&["model.tile_size=512"], "drop model.tile_size"),
+        (
+            &["zero.stage=3", "zero.zero_quantized_weights=true"],
+            "ZeRO++ (",
+        ),
     ] {
-        let f = zrun(
-            &repo_root(),
-            &[
-                "check",
-                job.to_str().unwrap(),
-                "--set",
-                "device=cuda",
-                "--set",
-                set,
-            ],
-        );
-        assert_eq!(f.code(), 2, "{set}: {f:?}");
-        assert!(f.stderr.contains(says), "{set}: {}", f.stderr);
+        let mut args = vec!["check", job.to_str().unwrap(), "--set", "device=cuda"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let f = zrun(&repo_root(), &args);
+        assert_eq!(f.code(), 2, "{sets:?}: {f:?}");
+        assert!(f.stderr.contains(says), "{sets:?}: {}", f.stderr);
     }
 }
 
