@@ -192,10 +192,21 @@ extern "C" __global__ void bias_residual(float* y, const float* b, const float* 
     }
 }
 
-// heads[s, h, t, c] = rows[s, t, col0 + h·hd + c] (rows of `ld` values):
-// one attention operand (q, k or v, or dO) as [b·heads, t, hd], each head's
-// rows contiguous, so that every head of every sequence is one batch entry
-// of a single strided cuBLAS call.
+// Where value i of a head-major [b·heads, t, hd] operand sits in rows of
+// `ld` values whose columns col0 + h·hd + c hold head h.
+__device__ __forceinline__ unsigned long long row_index(unsigned long long i, int ld, int col0,
+                                                       int t, int h, int hd)
+{
+    unsigned long long c = i % hd, r = i / hd;
+    unsigned long long tt = r % t, sh = r / t;
+    unsigned long long hh = sh % h, s = sh / h;
+    return (s * t + tt) * ld + col0 + hh * hd + c;
+}
+
+// heads[s, h, t, c] = rows[s, t, col0 + h·hd + c]: one attention operand (q,
+// k or v, or dO) as [b·heads, t, hd], each head's rows contiguous, so that
+// every head of every sequence is one batch entry of a single strided cuBLAS
+// call.
 extern "C" __global__ void rows_to_heads(const float* rows, int ld, int col0, float* heads,
                                          int b, int t, int h, int hd)
 {
@@ -203,10 +214,7 @@ extern "C" __global__ void rows_to_heads(const float* rows, int ld, int col0, fl
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < n; i += stride) {
-        unsigned long long c = i % hd, r = i / hd;
-        unsigned long long tt = r % t, sh = r / t;
-        unsigned long long hh = sh % h, s = sh / h;
-        heads[i] = rows[(s * t + tt) * ld + col0 + hh * hd + c];
+        heads[i] = rows[row_index(i, ld, col0, t, h, hd)];
     }
 }
 
@@ -218,10 +226,7 @@ extern "C" __global__ void heads_to_rows(const float* heads, float* rows, int ld
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < n; i += stride) {
-        unsigned long long c = i % hd, r = i / hd;
-        unsigned long long tt = r % t, sh = r / t;
-        unsigned long long hh = sh % h, s = sh / h;
-        rows[(s * t + tt) * ld + col0 + hh * hd + c] = heads[i];
+        rows[row_index(i, ld, col0, t, h, hd)] = heads[i];
     }
 }
 

@@ -120,6 +120,24 @@ pub fn cublas_present() -> bool {
     unsafe { cudarc::cublas::sys::is_culib_present() }
 }
 
+/// For tests that need a GPU: whether `have` (a probe's answer, e.g.
+/// [`Probe::usable_devices`]) found one. Where it did not, prints
+/// `SKIPPED {test}: {why}`, or fails under `ZRUN_REQUIRE_GPU=1` (a GPU host
+/// where the test must run).
+pub fn gpu_or_skip(test: &str, have: Result<usize, String>) -> bool {
+    match have {
+        Ok(_) => true,
+        Err(why) => {
+            assert!(
+                std::env::var("ZRUN_REQUIRE_GPU").as_deref() != Ok("1"),
+                "ZRUN_REQUIRE_GPU=1 but: {why}"
+            );
+            eprintln!("SKIPPED {test}: {why}");
+            false
+        }
+    }
+}
+
 /// What this host has, without panicking where it has nothing.
 pub fn probe() -> Probe {
     let devices = if !driver_present() {

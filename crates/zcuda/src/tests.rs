@@ -21,20 +21,9 @@ fn nvrtc_or_skip(test: &str) -> bool {
     false
 }
 
-/// A GPU is here, or the test says it skipped (and fails under
-/// `ZRUN_REQUIRE_GPU=1`).
-fn gpu_or_skip(test: &str) -> Option<Gpu> {
-    match probe().usable_devices() {
-        Ok(_) => Some(Gpu::open(0).expect("opening GPU 0")),
-        Err(why) => {
-            assert!(
-                std::env::var("ZRUN_REQUIRE_GPU").as_deref() != Ok("1"),
-                "ZRUN_REQUIRE_GPU=1 but: {why}"
-            );
-            eprintln!("SKIPPED {test}: {why}");
-            None
-        }
-    }
+/// GPU 0, or `None` after saying the test skipped (see [`gpu_or_skip`]).
+fn gpu_for(test: &str) -> Option<Gpu> {
+    gpu_or_skip(test, probe().usable_devices()).then(|| Gpu::open(0).expect("opening GPU 0"))
 }
 
 #[test]
@@ -181,7 +170,7 @@ fn quant_inputs(n: usize) -> Vec<f32> {
 
 #[test]
 fn gpu_quantize_and_dequantize_equal_the_cpu_bit_for_bit() {
-    let Some(gpu) = gpu_or_skip("gpu_quantize_and_dequantize") else {
+    let Some(gpu) = gpu_for("gpu_quantize_and_dequantize") else {
         return;
     };
     for bits in [Bits::Int8, Bits::Int4] {
@@ -214,7 +203,7 @@ fn gpu_quantize_and_dequantize_equal_the_cpu_bit_for_bit() {
 
 #[test]
 fn gpu_quantize_refuses_a_non_finite_value_naming_the_first() {
-    let Some(gpu) = gpu_or_skip("gpu_quantize_refuses_a_non_finite_value") else {
+    let Some(gpu) = gpu_for("gpu_quantize_refuses_a_non_finite_value") else {
         return;
     };
     let mut x = quant_inputs(5000);
@@ -234,7 +223,7 @@ fn gpu_quantize_refuses_a_non_finite_value_naming_the_first() {
 
 #[test]
 fn gpu_add_equals_the_cpu_sum() {
-    let Some(gpu) = gpu_or_skip("gpu_add_equals_the_cpu_sum") else {
+    let Some(gpu) = gpu_for("gpu_add_equals_the_cpu_sum") else {
         return;
     };
     let a = quant_inputs(100_003);
@@ -249,7 +238,7 @@ fn gpu_add_equals_the_cpu_sum() {
 
 #[test]
 fn a_copy_to_pinned_memory_is_waited_for_before_it_is_read() {
-    let Some(gpu) = gpu_or_skip("a_copy_to_pinned_memory_is_waited_for") else {
+    let Some(gpu) = gpu_for("a_copy_to_pinned_memory_is_waited_for") else {
         return;
     };
     // Large enough that the copy is still in flight when `values` is called,

@@ -13,17 +13,8 @@ use super::*;
 const BOUND: f64 = 1e-4;
 
 fn gpu_model_or_skip(test: &str, shape: GptShape) -> Option<GptGpu> {
-    match probe().training_devices() {
-        Ok(_) => Some(GptGpu::open(0, shape).expect("opening GPU 0 for the model")),
-        Err(why) => {
-            assert!(
-                std::env::var("ZRUN_REQUIRE_GPU").as_deref() != Ok("1"),
-                "ZRUN_REQUIRE_GPU=1 but: {why}"
-            );
-            eprintln!("SKIPPED {test}: {why}");
-            None
-        }
-    }
+    gpu_or_skip(test, probe().training_devices())
+        .then(|| GptGpu::open(0, shape).expect("opening GPU 0 for the model"))
 }
 
 /// ‖got − want‖ / ‖want‖, after checking that both are finite.

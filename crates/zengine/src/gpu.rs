@@ -34,7 +34,7 @@ use candle_core::{CpuStorage, Device, Storage, Tensor, TensorId};
 use zcuda::{BlockActs, CudaSlice, DeviceGrads, GptGpu, GptShape, Pinned, Rows, Weights};
 use zmodel::Batch;
 
-use crate::adam::{device_consts, AdamStep};
+use crate::adam::device_consts;
 use crate::engine::Engine;
 use crate::error::EngineError;
 use crate::gather::Prefetcher;
@@ -509,11 +509,10 @@ impl Engine {
         }
         let grad_norm = self.norm_from_own_sq(own_sq)?;
         let overflow = self.check_overflow(step, grad_norm)?;
-        let t = &self.spec.train;
-        let lr = lr_at(self.updates + 1, t);
-        let [beta1, beta2] = t.optimizer.betas.map(|b| b as f32);
-        let (eps, weight_decay) = (t.optimizer.eps as f32, t.weight_decay as f32);
+        let lr = lr_at(self.updates + 1, &self.spec.train);
         if !overflow {
+            self.updates += 1;
+            let hp = self.adam_step(lr, 1.0);
             let r = self.gpu_resident.as_mut().expect("resident");
             if clip > 0.0 && grad_norm > clip {
                 let coef = (clip / (grad_norm + 1e-6)) as f32;
@@ -521,16 +520,6 @@ impl Engine {
                     gpu.gpu().scale(&mut g.grads, coef)?;
                 }
             }
-            self.updates += 1;
-            let hp = AdamStep {
-                lr: lr as f32,
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-                step: self.updates,
-                grad_scale: 1.0,
-            };
             for (g, slots) in r.groups.iter_mut().zip(&slots) {
                 let params = Arc::get_mut(&mut g.params)
                     .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
@@ -614,17 +603,13 @@ mod tests {
     /// which is what keeps Adam on the GPU equal to ZeRO-Offload's.
     #[test]
     fn the_gpu_norm_and_scaling_equal_the_hosts_bit_for_bit() {
-        let gpu = match zcuda::probe().usable_devices() {
-            Ok(_) => zcuda::Gpu::open(0).expect("opening GPU 0"),
-            Err(why) => {
-                assert!(
-                    std::env::var("ZRUN_REQUIRE_GPU").as_deref() != Ok("1"),
-                    "ZRUN_REQUIRE_GPU=1 but: {why}"
-                );
-                eprintln!("SKIPPED the_gpu_norm_and_scaling_equal_the_hosts: {why}");
-                return;
-            }
-        };
+        if !zcuda::gpu_or_skip(
+            "the_gpu_norm_and_scaling_equal_the_hosts",
+            zcuda::probe().usable_devices(),
+        ) {
+            return;
+        }
+        let gpu = zcuda::Gpu::open(0).expect("opening GPU 0");
         for (n, seed) in [(5, 1), (TASK, 2), (3 * TASK + 13, 3), ((1 << 20) + 7, 4)] {
             let v = values(n, seed);
             let d = gpu.upload(&v).unwrap();

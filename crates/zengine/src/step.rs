@@ -82,20 +82,10 @@ impl Engine {
         let overflow = self.check_overflow(step, grad_norm)?;
         let t = &self.spec.train;
         let lr = lr_at(self.updates + 1, t);
-        let [beta1, beta2] = t.optimizer.betas.map(|b| b as f32);
-        let eps = t.optimizer.eps as f32;
         if !overflow {
             let (grad_scale, swapped_coef) = self.clip_gradients(grad_norm, grad_scale);
             self.updates += 1;
-            let hp = AdamStep {
-                lr: lr as f32,
-                beta1,
-                beta2,
-                eps,
-                weight_decay: self.spec.train.weight_decay as f32,
-                step: self.updates,
-                grad_scale,
-            };
+            let hp = self.adam_step(lr, grad_scale);
             let subs = self.sub_groups();
             if self.offload.is_some() {
                 self.swapped_optimizer_steps(&subs, &hp, swapped_coef)?;
@@ -113,6 +103,21 @@ impl Engine {
             o.reset_grads();
         }
         Ok(self.finish_step(step, lr, grad_norm, loss_scale, overflow))
+    }
+
+    /// AdamW's hyperparameters for update number `self.updates` at `lr`.
+    pub(crate) fn adam_step(&self, lr: f64, grad_scale: f32) -> AdamStep {
+        let o = &self.spec.train.optimizer;
+        let [beta1, beta2] = o.betas.map(|b| b as f32);
+        AdamStep {
+            lr: lr as f32,
+            beta1,
+            beta2,
+            eps: o.eps as f32,
+            weight_decay: self.spec.train.weight_decay as f32,
+            step: self.updates,
+            grad_scale,
+        }
     }
 
     /// The factor that averages gradients over ranks and micro-batches and

@@ -473,17 +473,13 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn the_gpu_kernel_equals_the_cpu_bit_for_bit() {
-        let gpu = match zcuda::probe().usable_devices() {
-            Ok(_) => zcuda::Gpu::open(0).expect("opening GPU 0"),
-            Err(why) => {
-                assert!(
-                    std::env::var("ZRUN_REQUIRE_GPU").as_deref() != Ok("1"),
-                    "ZRUN_REQUIRE_GPU=1 but: {why}"
-                );
-                eprintln!("SKIPPED the_gpu_kernel_equals_the_cpu_bit_for_bit: {why}");
-                return;
-            }
-        };
+        if !zcuda::gpu_or_skip(
+            "the_gpu_kernel_equals_the_cpu_bit_for_bit",
+            zcuda::probe().usable_devices(),
+        ) {
+            return;
+        }
+        let gpu = zcuda::Gpu::open(0).expect("opening GPU 0");
         let s = AdamStep {
             grad_scale: 0.37,
             ..step(3)
