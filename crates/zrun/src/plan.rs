@@ -579,4 +579,58 @@ mod tests {
         assert_eq!(local_address("10.1.2.3"), None);
         assert_eq!(local_address("gpu-node-17.invalid"), None);
     }
+
+    /// A stand-in zworker that answers `--cuda-devices` with `answer` and
+    /// exit status `status`.
+    fn fake_worker(dir: &std::path::Path, answer: &str, status: i32) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let p = dir.join(format!("zworker-{status}"));
+        std::fs::write(&p, format!("#!/bin/sh\necho '{answer}'\nexit {status}\n")).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    }
+
+    fn job(dir: &std::path::Path, device: &str) -> JobSpec {
+        let p = dir.join(format!("{device}.yaml"));
+        std::fs::write(
+            &p,
+            format!("model: {{d_model: 32, n_heads: 4}}\ndata: {{format: synthetic}}\ndevice: {device}\n"),
+        )
+        .unwrap();
+        zconfig::load::load_job(&p, &[]).unwrap().spec
+    }
+
+    fn launch(args: &[&str]) -> LaunchArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            launch: LaunchArgs,
+        }
+        <Cli as clap::Parser>::parse_from(std::iter::once("zrun").chain(args.iter().copied()))
+            .launch
+    }
+
+    #[test]
+    fn device_cuda_defaults_to_one_worker_per_gpu_the_worker_finds() {
+        let dir = tempfile::tempdir().unwrap();
+        let three = fake_worker(dir.path(), "3", 0);
+        let bin = three.to_str().unwrap();
+        let (cuda, cpu) = (job(dir.path(), "cuda"), job(dir.path(), "cpu"));
+        let chosen =
+            |args: &[&str], spec: &JobSpec| with_gpu_defaults(&launch(args), spec).workers_per_node;
+        assert_eq!(chosen(&["--worker-bin", bin], &cuda), Some(3));
+        // What the user said stands; a CPU job keeps the CPU default.
+        let one = ["--worker-bin", bin, "--workers-per-node", "1"];
+        assert_eq!(chosen(&one, &cuda), Some(1));
+        assert_eq!(chosen(&["--worker-bin", bin], &cpu), None);
+        assert!(check_device(&cuda, Launcher::Local, &three).is_ok());
+        // A worker that finds none leaves the default, and the check says why.
+        let none = fake_worker(dir.path(), "no CUDA driver on this host", 1);
+        let bin = none.to_str().unwrap();
+        assert_eq!(chosen(&["--worker-bin", bin], &cuda), None);
+        let err = check_device(&cuda, Launcher::Local, &none).unwrap_err();
+        let f = err.downcast_ref::<Failure>().expect("a Failure");
+        assert_eq!(f.code, crate::exit::BAD_INPUT);
+        assert_eq!(f.message, "device: cuda: no CUDA driver on this host");
+    }
 }
