@@ -28,6 +28,32 @@ fn bench_commands_report_rows() {
             assert_eq!(r["ratio"].as_f64(), Some(1.0));
         }
     }
+    // The arithmetic ceiling wherever zgemm has a SIMD kernel, and every
+    // GEMM row's ratio over it at the same threads.
+    let ceiling: Vec<_> = rows.iter().filter(|r| r["kernel"] == "fma_peak").collect();
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        assert!(!ceiling.is_empty(), "no fma_peak row on a CPU with AVX2");
+    }
+    for c in &ceiling {
+        assert!(c["gflops"].as_f64().unwrap() > 0.0, "{c}");
+        let gemms = rows.iter().filter(|r| {
+            r["threads"] == c["threads"]
+                && (r["kernel"] == "gemm_f32"
+                    || r["kernel"].as_str().unwrap().starts_with("zgemm_"))
+        });
+        let mut seen = 0;
+        for r in gemms {
+            let expected = r["gflops"].as_f64().unwrap() / c["gflops"].as_f64().unwrap();
+            let ratio = r["ratio"].as_f64().unwrap();
+            assert!(
+                (ratio - expected).abs() <= 1e-9 * expected,
+                "{r} against {c}"
+            );
+            seen += 1;
+        }
+        assert!(seen > 0, "no GEMM row at {} threads", c["threads"]);
+    }
     let f = zrun(
         dir.path(),
         &[

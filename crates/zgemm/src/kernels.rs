@@ -151,7 +151,7 @@ pub(crate) unsafe fn portable_bf16(t: &Tile) {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86::{amx_bf16, avx2, avx512, avx512_bf16};
+pub(crate) use x86::{amx_bf16, avx2, avx512, avx512_bf16, fma_chains_avx2, fma_chains_avx512};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -172,6 +172,91 @@ mod x86 {
                 unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(j) as *const i8) };
             }
         }
+    }
+
+    /// `iterations` steps of twelve independent chains of `vfmadd231ps` on
+    /// 256-bit registers, nothing else: the most FLOPs this core's FMA units
+    /// can do (twelve chains cover the latency times the ports of every
+    /// AVX2 CPU so far). Returns the FLOPs done.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn fma_chains_avx2(iterations: u64) -> u64 {
+        if iterations == 0 {
+            return 0;
+        }
+        // SAFETY: registers only; the CPU has AVX2 and FMA (caller).
+        unsafe {
+            std::arch::asm!(
+                "vxorps ymm0, ymm0, ymm0", "vxorps ymm1, ymm1, ymm1",
+                "vxorps ymm2, ymm2, ymm2", "vxorps ymm3, ymm3, ymm3",
+                "vxorps ymm4, ymm4, ymm4", "vxorps ymm5, ymm5, ymm5",
+                "vxorps ymm6, ymm6, ymm6", "vxorps ymm7, ymm7, ymm7",
+                "vxorps ymm8, ymm8, ymm8", "vxorps ymm9, ymm9, ymm9",
+                "vxorps ymm10, ymm10, ymm10", "vxorps ymm11, ymm11, ymm11",
+                "vxorps ymm12, ymm12, ymm12", "vxorps ymm13, ymm13, ymm13",
+                ".p2align 5",
+                "2:",
+                "vfmadd231ps ymm0, ymm12, ymm13", "vfmadd231ps ymm1, ymm12, ymm13",
+                "vfmadd231ps ymm2, ymm12, ymm13", "vfmadd231ps ymm3, ymm12, ymm13",
+                "vfmadd231ps ymm4, ymm12, ymm13", "vfmadd231ps ymm5, ymm12, ymm13",
+                "vfmadd231ps ymm6, ymm12, ymm13", "vfmadd231ps ymm7, ymm12, ymm13",
+                "vfmadd231ps ymm8, ymm12, ymm13", "vfmadd231ps ymm9, ymm12, ymm13",
+                "vfmadd231ps ymm10, ymm12, ymm13", "vfmadd231ps ymm11, ymm12, ymm13",
+                "dec {n}",
+                "jnz 2b",
+                n = inout(reg) iterations => _,
+                out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                out("ymm12") _, out("ymm13") _,
+                options(nostack, nomem),
+            );
+        }
+        iterations * 12 * 8 * 2
+    }
+
+    /// [`fma_chains_avx2`] on 512-bit registers.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn fma_chains_avx512(iterations: u64) -> u64 {
+        if iterations == 0 {
+            return 0;
+        }
+        // SAFETY: registers only; the CPU has AVX-512F (caller).
+        unsafe {
+            std::arch::asm!(
+                "vxorps zmm0, zmm0, zmm0", "vxorps zmm1, zmm1, zmm1",
+                "vxorps zmm2, zmm2, zmm2", "vxorps zmm3, zmm3, zmm3",
+                "vxorps zmm4, zmm4, zmm4", "vxorps zmm5, zmm5, zmm5",
+                "vxorps zmm6, zmm6, zmm6", "vxorps zmm7, zmm7, zmm7",
+                "vxorps zmm8, zmm8, zmm8", "vxorps zmm9, zmm9, zmm9",
+                "vxorps zmm10, zmm10, zmm10", "vxorps zmm11, zmm11, zmm11",
+                "vxorps zmm12, zmm12, zmm12", "vxorps zmm13, zmm13, zmm13",
+                ".p2align 5",
+                "2:",
+                "vfmadd231ps zmm0, zmm12, zmm13", "vfmadd231ps zmm1, zmm12, zmm13",
+                "vfmadd231ps zmm2, zmm12, zmm13", "vfmadd231ps zmm3, zmm12, zmm13",
+                "vfmadd231ps zmm4, zmm12, zmm13", "vfmadd231ps zmm5, zmm12, zmm13",
+                "vfmadd231ps zmm6, zmm12, zmm13", "vfmadd231ps zmm7, zmm12, zmm13",
+                "vfmadd231ps zmm8, zmm12, zmm13", "vfmadd231ps zmm9, zmm12, zmm13",
+                "vfmadd231ps zmm10, zmm12, zmm13", "vfmadd231ps zmm11, zmm12, zmm13",
+                "dec {n}",
+                "jnz 2b",
+                n = inout(reg) iterations => _,
+                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                out("zmm12") _, out("zmm13") _,
+                options(nostack, nomem),
+            );
+        }
+        iterations * 12 * 16 * 2
     }
 
     /// 6×16 with AVX2 and FMA: 12 accumulators, two `B` vectors and six

@@ -445,6 +445,29 @@ impl Kernel {
         DETECTED.get_or_init(Kernel::available)
     }
 
+    /// Runs `iterations` steps of twelve independent fused multiply-add
+    /// chains on this kernel's vectors and nothing else, and returns the
+    /// FLOPs done: timed, the arithmetic ceiling of one core, which a
+    /// product's FLOP/s can be set against (`zrun bench kernels`' `fma_peak`
+    /// rows). `None` for kernels that are not one vector width of f32 FMAs
+    /// (the portable and bf16 ones).
+    pub fn fma_chains(self, iterations: u64) -> Option<u64> {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 if Kernel::detected().contains(&self) => {
+                // SAFETY: `available()` offers this kernel only where the
+                // CPU has AVX-512F.
+                Some(unsafe { kernels::fma_chains_avx512(iterations) })
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 if Kernel::detected().contains(&self) => {
+                // SAFETY: as above, with AVX2 and FMA.
+                Some(unsafe { kernels::fma_chains_avx2(iterations) })
+            }
+            _ => None,
+        }
+    }
+
     /// Whether the kernel multiplies bf16 pairs ([`gemm_bf16`]).
     pub fn is_bf16(self) -> bool {
         matches!(

@@ -1053,3 +1053,23 @@ fn packed_b_products_refuse_parts_it_does_not_hold() {
     let out = MatMut::row_major(&mut c, 4, 10).unwrap();
     gemm_packed_bf16(out, a, &paired, 0..100, 1.0, Start::Zero).unwrap();
 }
+
+#[test]
+fn the_fma_ceiling_counts_its_flops_on_simd_kernels_only() {
+    for kernel in Kernel::available() {
+        let per_step = match kernel {
+            Kernel::Avx512 => Some(12 * 16 * 2),
+            Kernel::Avx2 => Some(12 * 8 * 2),
+            _ => None,
+        };
+        assert_eq!(kernel.fma_chains(0), per_step.map(|_| 0), "{kernel:?}");
+        assert_eq!(
+            kernel.fma_chains(1000),
+            per_step.map(|f| 1000 * f),
+            "{kernel:?}"
+        );
+    }
+    for kernel in Kernel::available_bf16() {
+        assert_eq!(kernel.fma_chains(10), None, "{kernel:?}");
+    }
+}

@@ -195,7 +195,8 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
             r.ratio
         );
     }
-    say!("(GB/s counts the bytes a kernel must read and write; ratio is GB/s over the triad's at the same threads)");
+    say!("(GB/s counts the bytes a kernel must read and write; ratio is GB/s over the triad's at the same threads,");
+    say!(" and for the GEMM rows GFLOP/s over fma_peak's: the cores doing nothing but fused multiply-adds)");
     Ok(ExitCode::SUCCESS)
 }
 

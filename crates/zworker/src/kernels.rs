@@ -9,7 +9,9 @@
 //! GEMM row (zgemm at 2048³ on all cores, what the model's linear layers run)
 //! gives the FLOP/s peak that MFU is computed against; the rows after it time
 //! the model's own GEMM shapes with each zgemm kernel and with the `gemm` crate
-//! (candle's matmul) at 1 thread and all cores. ZeRO++'s quantization kernels move 4
+//! (candle's matmul) at 1 thread and all cores, each with its ratio to the
+//! `fma_peak` row at its thread count: the cores doing nothing but fused
+//! multiply-adds on zgemm's vectors, the ceiling no product passes. ZeRO++'s quantization kernels move 4
 //! bytes a value one way and their code (1 byte, or half) plus block scales the
 //! other. Each figure is the best of several runs.
 
@@ -191,14 +193,64 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
             ratio: gbps / triad_gbps,
         });
     }
-    // GEMM: the peak MFU is computed against, then the model's own shapes
-    // at 1 thread and all cores, zgemm beside the `gemm` crate it replaced.
-    rows.push(gemm_peak()?);
+    // The arithmetic ceiling, then GEMM: the peak MFU is computed against,
+    // then the model's own shapes at 1 thread and all cores, zgemm beside
+    // the `gemm` crate it replaced; each GEMM row's ratio is its FLOP/s over
+    // the ceiling at its thread count.
+    let ceiling: Vec<KernelRow> = thread_counts.iter().filter_map(|&t| fma_peak(t)).collect();
+    let over_ceiling = |mut row: KernelRow| {
+        if let Some(c) = ceiling.iter().find(|c| c.threads == row.threads) {
+            row.ratio = row.gflops / c.gflops;
+        }
+        row
+    };
+    rows.extend(ceiling.iter().cloned());
+    rows.push(over_ceiling(gemm_peak()?));
     for &t in &thread_counts {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
-        rows.extend(pool.install(|| gemm_shape_rows(t))?);
+        rows.extend(
+            pool.install(|| gemm_shape_rows(t))?
+                .into_iter()
+                .map(over_ceiling),
+        );
     }
     Ok(rows)
+}
+
+/// The `fma_peak` row at `threads`: every thread running nothing but
+/// independent f32 fused multiply-adds on the widest vectors zgemm uses
+/// (`zgemm::Kernel::fma_chains`) at once, in GFLOP/s, the best of three
+/// runs of about a fifth of a second. No product can pass it, so a GEMM's
+/// ratio to it says how much of the machine the kernel uses. `None` where
+/// the CPU has no SIMD kernel.
+fn fma_peak(threads: usize) -> Option<KernelRow> {
+    let kernel = zgemm::Kernel::best();
+    kernel.fma_chains(1)?;
+    // A first run sizes the timed ones.
+    let t = Instant::now();
+    kernel.fma_chains(1 << 20);
+    let per_iteration = t.elapsed().as_secs_f64() / f64::from(1 << 20);
+    let iterations = ((0.2 / per_iteration.max(1e-12)) as u64).clamp(1 << 20, 1 << 32);
+    let gflops = (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            let flops: u64 = std::thread::scope(|sc| {
+                let runs: Vec<_> = (0..threads)
+                    .map(|_| sc.spawn(move || kernel.fma_chains(iterations).unwrap_or(0)))
+                    .collect();
+                runs.into_iter().map(|r| r.join().unwrap_or(0)).sum()
+            });
+            flops as f64 / t.elapsed().as_secs_f64() / 1e9
+        })
+        .fold(0.0, f64::max);
+    Some(KernelRow {
+        kernel: "fma_peak".into(),
+        elements: 0,
+        threads,
+        gbps: 0.0,
+        gflops,
+        ratio: 1.0,
+    })
 }
 
 /// The FLOP/s peak that MFU is computed against: zgemm's 2048³ with the
