@@ -22,10 +22,37 @@ echo "== clippy (cuda)"
 cargo clippy --workspace --all-targets --release --features zworker/cuda -- -D warnings
 echo "== doc (cuda)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features zworker/cuda
+# The test binaries are built for the whole workspace with the feature, so
+# that dependencies keep the features the README's test command built them
+# with: `cargo test -p zcuda` alone resolved them afresh and rebuilt candle,
+# tokenizers and the rest twice (7-8 minutes of a CI run on a slow 2-core
+# machine). Then the ones wanted here are run, each from its package's
+# directory as cargo would.
+test_exe() { # package-directory target-name: the test executable built for it
+  python3 -c '
+import json, sys
+folder, name, artifacts = sys.argv[1:]
+for line in open(artifacts):
+    m = json.loads(line)
+    if (m.get("reason") == "compiler-artifact" and m.get("executable")
+            and m["profile"]["test"] and m["target"]["name"] == name
+            and m["manifest_path"].endswith("/" + folder + "/Cargo.toml")):
+        print(m["executable"])
+        break
+else:
+    sys.exit(f"no test executable {name} in {folder}")' "$1" "$2" "$artifacts"
+}
+artifacts=$(mktemp)
+cargo test --release --workspace --features zworker/cuda --lib --test gpu --no-run \
+  --message-format=json-render-diagnostics > "$artifacts"
+zcuda_tests=$(test_exe zcuda zcuda)
+zengine_tests=$(test_exe zengine zengine)
+gpu_tests=$(test_exe tests gpu)
 echo "== kernels: NVRTC compiles each for compute_70/80/90; GPU oracles (skip without a GPU)"
-cargo test --release -p zcuda -- --nocapture
-cargo test --release -p zengine --features cuda --lib -- --nocapture adam:: gpu::
+(cd crates/zcuda && "$zcuda_tests" --nocapture)
+(cd crates/zengine && "$zengine_tests" --nocapture adam:: gpu::)
 echo "== device: cuda refused before launch, by a zworker with the feature"
 cargo build --release --features zworker/cuda
 ./target/release/zworker --cuda-probe
-cargo test --release -p e2e --test gpu
+(cd tests && "$gpu_tests")
+rm -f "$artifacts"
