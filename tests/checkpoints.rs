@@ -296,6 +296,31 @@ fn export_feeds_init_from_and_reproduces_the_next_loss() {
         "{}",
         f.stdout
     );
+    // A second export to the same file keeps the first (an export may be
+    // the only copy of weights whose checkpoint has rotated away); with
+    // --overwrite it is replaced. The same for a Hugging Face directory.
+    let first = std::fs::read(&out).unwrap();
+    std::fs::write(&out, b"an earlier export").unwrap();
+    let again = |extra: &[&str]| {
+        let ck = dir.join("ckpt/step-00000004");
+        let args = [&["export", ck.to_str().unwrap()][..], extra].concat();
+        zrun(dir, &args)
+    };
+    let f = again(&["--out", out.to_str().unwrap()]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("exists; it is kept"), "{}", f.stderr);
+    assert_eq!(std::fs::read(&out).unwrap(), b"an earlier export");
+    let f = again(&["--out", out.to_str().unwrap(), "--overwrite"]);
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert_eq!(std::fs::read(&out).unwrap(), first);
+    let hf = dir.join("hf");
+    assert_eq!(
+        again(&["--format", "hf", "--out", hf.to_str().unwrap()]).code(),
+        0
+    );
+    let f = again(&["--format", "hf", "--out", hf.to_str().unwrap()]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("config.json exists"), "{}", f.stderr);
     // An independent reader of GPT-2 files computes the same next loss from
     // the export: its names, shapes and layout are GPT-2's. Measured: within
     // 6e-8 relative of zrun's f32 loss; the bound is 2e-6.

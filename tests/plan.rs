@@ -1,6 +1,7 @@
 //! `zrun plan` end to end: the machine is measured once and cached, the
 //! configurations that fit are ranked, the best is written as a job file that
-//! `zrun train` runs as it is, and a memory budget nothing fits is exit 2.
+//! `zrun train` runs as it is (and kept from a second `--out` unless
+//! `--overwrite`), and a memory budget nothing fits is exit 2.
 
 use std::time::Duration;
 
@@ -57,6 +58,24 @@ fn plan_writes_a_job_that_trains_and_refuses_an_impossible_budget() {
         ],
     );
     assert_eq!(f.code(), 0, "the written job trains as it is: {f:?}");
+
+    // The written job is the user's now (maybe edited): a second --out to
+    // it is refused before anything is measured, and --overwrite replaces it.
+    std::fs::write(&best, format!("{text}# edited\n")).unwrap();
+    let f = plan(&["--out", best.to_str().unwrap()]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("--overwrite"), "{}", f.stderr);
+    assert!(!f.stdout.contains("configurations fit"), "{}", f.stdout);
+    assert!(std::fs::read_to_string(&best)
+        .unwrap()
+        .ends_with("# edited\n"));
+    let f = plan(&["--out", best.to_str().unwrap(), "--overwrite"]);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let replaced = std::fs::read_to_string(&best).unwrap();
+    assert!(
+        replaced.starts_with("# Written by `zrun plan") && !replaced.contains("# edited"),
+        "{replaced}"
+    );
 
     let f = plan(&["--memory-gib", "0.00001"]);
     assert_eq!(f.code(), 2, "{f:?}");

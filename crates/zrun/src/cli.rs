@@ -106,6 +106,11 @@ pub struct ExportArgs {
     /// (`config.json` + `model.safetensors`) that `transformers` loads.
     #[arg(long, value_enum, default_value_t = ExportFormat::Zrun)]
     pub format: ExportFormat,
+    /// Replace an earlier export at `--out` (by default an existing file,
+    /// or a directory holding `config.json` or `model.safetensors`, is kept
+    /// and the command exits 2).
+    #[arg(long)]
+    pub overwrite: bool,
 }
 
 /// What `zrun export` writes.
@@ -298,6 +303,10 @@ pub struct PlanArgs {
     /// Write the best configuration as a job file that `zrun train` runs.
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
+    /// Replace an existing `--out` file (by default it is kept, exit 2,
+    /// before anything is measured).
+    #[arg(long)]
+    pub overwrite: bool,
     /// Train the best three for a few steps; print predicted against measured.
     #[arg(long)]
     pub verify: bool,

@@ -216,6 +216,24 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// Refuses (exit 2) to replace files a user already has: `what` names the
+/// flag, `paths` what the command would write. An export or a plan's job
+/// file may be the only copy (checkpoints rotate; a job file gets edited),
+/// so replacing one takes `--overwrite`, as `zrun prepare` does.
+pub(crate) fn keep_existing(
+    what: &str,
+    paths: &[std::path::PathBuf],
+    overwrite: bool,
+) -> anyhow::Result<()> {
+    match paths.iter().find(|p| p.exists()) {
+        Some(p) if !overwrite => Err(Failure::bad_input(format!(
+            "{what}: {} exists; it is kept (pass --overwrite to replace it)",
+            p.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
     let bad = |e: zckpt::CkptError| Failure::bad_input(e.to_string());
     let dir = zckpt::resolve(&args.checkpoint).map_err(bad)?;
@@ -250,6 +268,14 @@ fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
             )));
         }
     }
+    let written = match hf {
+        true => vec![
+            args.out.join(zckpt::hf::HF_CONFIG),
+            args.out.join(zckpt::hf::HF_WEIGHTS),
+        ],
+        false => vec![args.out.clone()],
+    };
+    keep_existing("--out", &written, args.overwrite)?;
     let n = match hf {
         true => ckpt.export_hf(&args.out),
         false => ckpt.export(&args.out),

@@ -441,6 +441,9 @@ fn available_memory() -> Option<f64> {
 
 /// `zrun plan`.
 pub fn plan(args: PlanArgs) -> Result<ExitCode> {
+    if let Some(out) = &args.out {
+        crate::keep_existing("--out", std::slice::from_ref(out), args.overwrite)?;
+    }
     let topo: Topology = topology(&args.launch)?;
     let mut base = load_job_with(&args.job, &args.set, args.deepspeed.as_deref())?;
     base.validate_on(&topo)?;
