@@ -276,7 +276,8 @@ mod x86 {
     /// with half-width FMA units the loop alone, A and B in L1, ran at 0.99
     /// of `fma_peak`, cycling 72 panels at 0.955, and 0.97 with the
     /// prefetch; zgemm's shapes +0.6-1% (21 and 14 alternated pairs, 1 and 2
-    /// threads). A prefetch never changes a value.
+    /// threads), a transformer block (`block_bench`) unchanged within its 1%
+    /// noise. A prefetch never changes a value.
     ///
     /// # Safety
     ///
