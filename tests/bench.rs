@@ -203,6 +203,21 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
     );
     assert_eq!(f.code(), 2, "{f:?}");
     assert!(f.stderr.contains("workers=none"), "{}", f.stderr);
+    // A second sweep into the same --out keeps the first one's tables.
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            job.to_str().unwrap(),
+            "--sweep",
+            "zero.stage=1",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("exists; it is kept"), "{}", f.stderr);
+    assert_eq!(std::fs::read_to_string(out.join("bench.csv")).unwrap(), csv);
 }
 
 /// `zrun bench io` measures every method (both swapper paths, or says why

@@ -373,6 +373,10 @@ pub struct BenchJobArgs {
     /// Where bench.csv, bench.json, bench.svg and the runs' metrics go.
     #[arg(long, value_name = "DIR", default_value = "bench-out")]
     pub out: PathBuf,
+    /// Replace an earlier sweep's tables in `--out` (by default they are
+    /// kept, exit 2, before anything runs).
+    #[arg(long)]
+    pub overwrite: bool,
     /// Fixed overrides for every configuration (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,

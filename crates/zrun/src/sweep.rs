@@ -161,6 +161,8 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
         loaded.validate_on(&topology)?;
         nodes.push(topology.nodes.len());
     }
+    let tables = ["bench.csv", "bench.json", "bench.svg"].map(|f| args.out.join(f));
+    crate::keep_existing("--out", &tables, args.overwrite)?;
     let worker_bin = crate::bench::worker_bin(args.launch.worker_bin.clone())?;
     let peak_before = crate::bench::measure_gemm_peak(&worker_bin)?;
     std::fs::create_dir_all(&args.out)
