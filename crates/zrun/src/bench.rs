@@ -175,8 +175,14 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
         );
         return Ok(ExitCode::SUCCESS);
     }
+    let width = rows
+        .iter()
+        .map(|r| r.kernel.len())
+        .max()
+        .unwrap_or(0)
+        .max(6);
     say!(
-        "{:<20} {:>10} {:>8} {:>10} {:>10} {:>8}",
+        "{:<width$} {:>10} {:>8} {:>10} {:>10} {:>8}",
         "kernel",
         "elements",
         "threads",
@@ -184,14 +190,20 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
         "GFLOP/s",
         "ratio"
     );
+    // A figure a kernel does not have (the GEMMs' bytes, the quantizers'
+    // FLOPs) is 0 in the rows: shown as "-" rather than as a measurement.
+    let figure = |v: f64| match v {
+        0.0 => "-".to_string(),
+        v => format!("{v:.2}"),
+    };
     for r in &rows {
         say!(
-            "{:<20} {:>10} {:>8} {:>10.2} {:>10.2} {:>8.2}",
+            "{:<width$} {:>10} {:>8} {:>10} {:>10} {:>8.2}",
             r.kernel,
             r.elements,
             r.threads,
-            r.gbps,
-            r.gflops,
+            figure(r.gbps),
+            figure(r.gflops),
             r.ratio
         );
     }
