@@ -162,6 +162,16 @@ pub fn measure_comm(
     Ok(all_rows)
 }
 
+/// A figure of a `bench kernels` row as the table prints it. One a kernel
+/// does not have (the GEMMs' bytes, the quantizers' FLOPs) is 0 in the rows:
+/// shown as "-" rather than as a measurement.
+fn figure(v: f64) -> String {
+    match v {
+        0.0 => "-".to_string(),
+        v => format!("{v:.2}"),
+    }
+}
+
 /// `zrun bench kernels`.
 pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
     if args.elements < 1024 {
@@ -190,12 +200,6 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
         "GFLOP/s",
         "ratio"
     );
-    // A figure a kernel does not have (the GEMMs' bytes, the quantizers'
-    // FLOPs) is 0 in the rows: shown as "-" rather than as a measurement.
-    let figure = |v: f64| match v {
-        0.0 => "-".to_string(),
-        v => format!("{v:.2}"),
-    };
     for r in &rows {
         say!(
             "{:<width$} {:>10} {:>8} {:>10} {:>10} {:>8.2}",
@@ -412,5 +416,12 @@ mod tests {
         assert_eq!(parse_bytes("4096").unwrap(), 4096);
         assert!(parse_bytes("3").is_err());
         assert!(parse_bytes("lots").is_err());
+    }
+
+    #[test]
+    fn a_figure_a_kernel_lacks_prints_as_a_dash() {
+        assert_eq!(figure(0.0), "-");
+        assert_eq!(figure(12.345), "12.35");
+        assert_eq!(figure(0.004), "0.00");
     }
 }

@@ -134,19 +134,8 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     };
     std::fs::create_dir_all(&args.out)
         .map_err(|e| Failure::bad_input(format!("--out {}: {e}", args.out.display())))?;
-    let outputs = ["train.bin", "val.bin", MANIFEST_NAME];
-    if !args.overwrite {
-        if let Some(existing) = outputs
-            .iter()
-            .map(|n| args.out.join(n))
-            .find(|p| p.exists())
-        {
-            return Err(Failure::bad_input(format!(
-                "{} exists: zrun prepare does not replace earlier output unless --overwrite",
-                existing.display()
-            )));
-        }
-    }
+    let outputs = ["train.bin", "val.bin", MANIFEST_NAME].map(|n| args.out.join(n));
+    crate::keep_existing("--out", &outputs, args.overwrite)?;
     let total: u64 = inputs
         .iter()
         .map(|(p, _)| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
