@@ -8,9 +8,9 @@
 //! (strides, no copies; each task packs its K, V, Q and dY once for all its
 //! blocks), the causal softmax row by row, then `Y = P·V` written
 //! into the `[b, t, d]` layout the output projection reads. Every product runs
-//! in blocks of 64 query rows (or key columns), each seeing only the keys (or
-//! queries) the mask lets through: at t = 256 that skips 3/8 of the work of
-//! the full t × t products. zgemm adds each element's terms in one fixed order
+//! in blocks of 24 query rows (or key columns; 64 with bf16 products), each
+//! seeing only the keys (or queries) the mask lets through: at t = 256 that
+//! skips 45% of the work of the full t × t products (blocks of 64: 3/8). zgemm adds each element's terms in one fixed order
 //! (one FMA chain over the depth), and the terms the full products would add
 //! on top are exact zeros, so up to zgemm's depth block (t ≤ 384) the blocking
 //! changes no bit (tested); beyond it only the rounding differs, and the bits
@@ -56,7 +56,7 @@ pub struct Heads {
 /// ones (AMX: the four tile steps of a 64×64 block at head size 64 in the
 /// time of one f32 one; autocast rounds attention's inputs alike).
 pub fn causal_attention(qkv: &Tensor, heads: Heads, products: Products) -> Result<Tensor> {
-    forward_in_blocks(qkv, Blocks::new(heads, BLOCK_ROWS, products))
+    forward_in_blocks(qkv, Blocks::new(heads, block_rows(products), products))
 }
 
 fn forward_in_blocks(qkv: &Tensor, blocks: Blocks) -> Result<Tensor> {
@@ -70,7 +70,7 @@ pub fn causal_attention_backward(
     heads: Heads,
     products: Products,
 ) -> Result<Tensor> {
-    backward_in_blocks(qkv, dy, Blocks::new(heads, BLOCK_ROWS, products))
+    backward_in_blocks(qkv, dy, Blocks::new(heads, block_rows(products), products))
 }
 
 fn backward_in_blocks(qkv: &Tensor, dy: &Tensor, blocks: Blocks) -> Result<Tensor> {
@@ -83,7 +83,7 @@ fn backward_in_blocks(qkv: &Tensor, dy: &Tensor, blocks: Blocks) -> Result<Tenso
 #[derive(Debug, Clone, Copy)]
 struct Blocks {
     heads: Heads,
-    /// Rows per causal block ([`BLOCK_ROWS`]; tests use fewer).
+    /// Rows per causal block ([`block_rows`]; tests use others).
     rows: usize,
     products: Products,
 }
@@ -183,9 +183,25 @@ impl Shared {
 }
 
 /// Rows per block of the causal products: a block of query rows `[i0, i1)`
-/// sees keys `[0, i1)` only, so blocking skips the masked upper triangle
-/// (about 3/8 of each score matrix's work at t = 256 with blocks of 64).
-const BLOCK_ROWS: usize = 64;
+/// sees keys `[0, i1)` only, so blocking skips the masked upper triangle.
+///
+/// f32: 24 rows, four of the micro-kernel's 6-row tiles (AVX2 and AVX-512
+/// alike). Smaller blocks waste less of the diagonal (a block computes
+/// `(i1 - i0)·i1` scores where the triangle needs about half of its last
+/// `(i1 - i0)²`) but run more, shorter products. Counting the kernel's tile
+/// steps of all seven products at t = 256, head size 64, 6×16 tiles, with a
+/// tile's store as 10 steps: blocks of 64 do 1.42x the triangle's work, 24
+/// 1.23x, 6 (one tile of rows) 1.17x; on a 2-core EPYC (AVX2) attention
+/// forward and backward took 68-70 ms with 64 rows, 60-61 ms with 12, 18 or
+/// 24, and 64-65 ms with 6, whose calls cost more than they save.
+/// bf16 products keep 64: their packed parts start on multiples of 32 rows
+/// (AMX reads 16-row tiles of pairs), and AMX was measured there.
+fn block_rows(products: Products) -> usize {
+    match products {
+        Products::F32 => 24,
+        Products::Bf16 => 64,
+    }
+}
 
 /// The row blocks `[i0, i1)` of `0..t`.
 fn blocks(t: usize, rows: usize) -> impl Iterator<Item = (usize, usize)> {
@@ -554,7 +570,8 @@ mod tests {
     }
 
     /// The blocking skips masked work without changing a bit: forward and
-    /// backward in blocks of 1, 5 and 64 rows are equal, element for element.
+    /// backward in blocks of 1, 5 and 24 rows (two blocks over 37 tokens)
+    /// are equal, element for element.
     #[test]
     fn the_block_size_does_not_change_a_bit() {
         let heads = Heads { heads: 4, kv: 2 };
@@ -572,8 +589,9 @@ mod tests {
         let y = |rows| bits(forward_in_blocks(&x, f32_blocks(heads, rows)).unwrap());
         let dx = |rows| bits(backward_in_blocks(&x, &dy, f32_blocks(heads, rows)).unwrap());
         for rows in [1, 5] {
-            assert!(y(rows) == y(BLOCK_ROWS), "forward, blocks of {rows}");
-            assert!(dx(rows) == dx(BLOCK_ROWS), "backward, blocks of {rows}");
+            let f32_rows = block_rows(Products::F32);
+            assert!(y(rows) == y(f32_rows), "forward, blocks of {rows}");
+            assert!(dx(rows) == dx(f32_rows), "backward, blocks of {rows}");
         }
     }
 
@@ -602,8 +620,8 @@ mod tests {
             (y, dx)
         };
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        let (y32, dx32) = run(Products::F32, BLOCK_ROWS);
-        let (y, dx) = run(Products::Bf16, BLOCK_ROWS);
+        let (y32, dx32) = run(Products::F32, block_rows(Products::F32));
+        let (y, dx) = run(Products::Bf16, block_rows(Products::Bf16));
         let (y_32, dx_32) = run(Products::Bf16, 32);
         assert!(bits(&y) == bits(&y_32) && bits(&dx) == bits(&dx_32));
         assert!(bits(&y) != bits(&y32) && bits(&dx) != bits(&dx32));
@@ -623,12 +641,12 @@ mod tests {
     }
 
     /// Multi-head (3 of 3) and grouped-query (4 query heads on 2), in causal
-    /// blocks of 1, 3 and 64 rows (one block, several with a short last one).
+    /// blocks of 1, 3 and 24 rows (one block, several with a short last one).
     #[test]
     fn matches_the_composed_version_forward_and_backward() {
         for ((heads, kv), rows) in [(3, 3), (4, 2), (4, 1)]
             .into_iter()
-            .flat_map(|h| [1, 3, BLOCK_ROWS].map(|r| (h, r)))
+            .flat_map(|h| [1, 3, block_rows(Products::F32)].map(|r| (h, r)))
         {
             let heads = Heads { heads, kv };
             let (b, t, hd) = (2, 7, 4);
