@@ -10,7 +10,8 @@
 //! into the `[b, t, d]` layout the output projection reads. Every product runs
 //! in blocks of 24 query rows (or key columns; 64 with bf16 products), each
 //! seeing only the keys (or queries) the mask lets through: at t = 256 that
-//! skips 45% of the work of the full t × t products (blocks of 64: 3/8). zgemm adds each element's terms in one fixed order
+//! skips 45% of the work of the full t × t products (blocks of 64: 3/8).
+//! zgemm adds each element's terms in one fixed order
 //! (one FMA chain over the depth), and the terms the full products would add
 //! on top are exact zeros, so up to zgemm's depth block (t ≤ 384) the blocking
 //! changes no bit (tested); beyond it only the rounding differs, and the bits
