@@ -6,8 +6,10 @@
 # s0 (2 workers beside DDP), s1 s2 s3 (2 workers beside DeepSpeed's stage);
 # default all five. DTYPE=bf16 for mixed precision (where the CPU has no
 # native bf16, PyTorch emulates it many times slower than f32: compare bf16 on
-# CPUs with AVX512_BF16 or AMX). Prints one line a pair:
-#   round config zrun_tokens/s peer_tokens/s zrun/peer
+# CPUs with AVX512_BF16 or AMX). Prints one line a pair,
+#   round config zrun_tokens/s peer_tokens/s zrun/peer zrun_model_GFLOP/s
+# and last the `gemm_f32` row of `zrun bench kernels` (every core), the GEMM
+# rate the step's model GFLOP/s compare against.
 # Build first (cargo build --release); run on an otherwise idle machine.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -20,16 +22,17 @@ CONFIGS=("$@"); [ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=(single s0 s1 s2 s3)
 export TORCH_EXTENSIONS_DIR="$PEERENV/torch_ext"
 W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 
-zrun_rate() { # workers stage -> median tokens/s of steps 4-14
+zrun_rate() { # workers stage -> median tokens/s and model GFLOP/s of steps 4-14
   rm -rf "$W/run"
   "$ROOT/target/release/zrun" train "$ROOT/configs/gpt-anchor.yaml" --no-progress \
     --workers-per-node "$1" --set zero.stage="$2" --set train.dtype="$DTYPE" --set train.steps=14 \
     --set run_dir="$W/run" --metrics "$W/run/m.jsonl" > "$W/zrun.log" 2>&1 \
-    || { echo "zrun failed: $(tail -1 "$W/zrun.log")" >&2; echo 0; return; }
+    || { echo "zrun failed: $(tail -1 "$W/zrun.log")" >&2; echo 0 0; return; }
   python3 - "$W/run/m.jsonl" <<'PY'
 import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-print(round(statistics.median([r["tokens_per_s"] for r in rows if "tokens_per_s" in r][3:])))
+rows = [r for r in map(json.loads, filter(str.strip, open(sys.argv[1]))) if "tokens_per_s" in r][3:]
+median = lambda key: statistics.median(r[key] for r in rows)
+print(round(median("tokens_per_s")), round(median("tflops") * 1e3, 1))
 PY
 }
 
@@ -43,11 +46,16 @@ print(rates[0] if rates else 0)'
 for r in $(seq "$ROUNDS"); do
   for c in "${CONFIGS[@]}"; do
     case $c in
-      single) z=$(zrun_rate 1 0); p=$(THREADS=2 peer_rate torch_peer.py single) ;;
-      s0) z=$(zrun_rate 2 0); p=$(peer_rate torch_peer.py ddp) ;;
-      s1|s2|s3) z=$(zrun_rate 2 "${c#s}"); p=$(peer_rate ds_peer.py "z${c#s}") ;;
+      single) read -r z g < <(zrun_rate 1 0); p=$(THREADS=2 peer_rate torch_peer.py single) ;;
+      s0) read -r z g < <(zrun_rate 2 0); p=$(peer_rate torch_peer.py ddp) ;;
+      s1|s2|s3) read -r z g < <(zrun_rate 2 "${c#s}"); p=$(peer_rate ds_peer.py "z${c#s}") ;;
       *) echo "unknown configuration $c (single s0 s1 s2 s3)" >&2; exit 2 ;;
     esac
-    python3 -c "import sys; z, p = int(sys.argv[3]), int(sys.argv[4]); print(sys.argv[1], sys.argv[2], z, p, f'{z / p:.2f}x' if p else 'peer failed')" "$r" "$c" "$z" "$p"
+    python3 -c "import sys; z, p = int(sys.argv[3]), int(sys.argv[4]); print(*sys.argv[1:3], z, p, f'{z / p:.2f}x' if p else 'peer failed', sys.argv[5])" "$r" "$c" "$z" "$p" "$g"
   done
 done
+"$ROOT/target/release/zrun" bench kernels --json 2>/dev/null | python3 -c '
+import json, sys
+rows = [r for r in json.load(sys.stdin)["rows"] if r["kernel"] == "gemm_f32"]
+best = max(rows, key=lambda r: r["threads"])
+print("gemm_f32", best["threads"], "threads", round(best["gflops"], 1), "GFLOP/s")'
