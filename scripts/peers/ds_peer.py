@@ -40,7 +40,7 @@ def run(rank, world, stage, bf16, port):
         engine.backward(loss)
         engine.step()  # zeroes the gradients too
 
-    rates = train(engine, step, rank, world)
+    rates = train(step, rank, world)
     if rank == 0:
         report(f"deepspeed z{stage} {'bf16' if bf16 else 'f32'} 2 ranks", rates)
     torch.distributed.barrier()

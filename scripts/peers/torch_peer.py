@@ -65,7 +65,7 @@ def batches(rank):
     return torch.randint(0, V, (WARMUP + STEPS, B, S + 1), generator=g)
 
 
-def train(model, step, rank, world):
+def train(step, rank, world):
     """Runs the steps; the job-wide tokens/s of each measured one."""
     rates = []
     for i, batch in enumerate(batches(rank)):
@@ -101,7 +101,7 @@ def run(rank, world, bf16, port):
         loss.backward()
         opt.step()
 
-    rates = train(model, step, rank, world)
+    rates = train(step, rank, world)
     dtype = "bf16" if bf16 else "f32"
     if rank == 0:
         name = f"torch ddp {dtype} 2 ranks" if world > 1 else f"torch single {dtype} {torch.get_num_threads()} threads"
