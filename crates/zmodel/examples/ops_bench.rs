@@ -83,10 +83,21 @@ fn main() -> candle_core::Result<()> {
     row("layer_norm_backward + residual", 16.0 * e, &mut || {
         ops::layer_norm_backward(&x, &w, &dy, 1e-5, Some(&res)).map(drop)
     })?;
-    row("gelu", 8.0 * m, &mut || ops::gelu(&h).map(drop))?;
-    row("gelu_bf16", 6.0 * m, &mut || ops::gelu_bf16(&h).map(drop))?;
-    row("gelu_backward", 12.0 * m, &mut || {
+    row("gelu (autograd's)", 8.0 * m, &mut || {
+        ops::gelu(&h).map(drop)
+    })?;
+    row("gelu_and_slope", 12.0 * m, &mut || {
+        ops::gelu_and_slope(&h).map(drop)
+    })?;
+    row("gelu_bf16_and_slope", 10.0 * m, &mut || {
+        ops::gelu_bf16_and_slope(&h).map(drop)
+    })?;
+    row("gelu_backward (from the input)", 12.0 * m, &mut || {
         ops::gelu_backward(&h, &dh).map(drop)
+    })?;
+    let (_, slope) = ops::gelu_and_slope(&h)?;
+    row("gelu_backward_by_slope", 12.0 * m, &mut || {
+        ops::gelu_backward_by_slope(&slope, &dh).map(drop)
     })?;
     row("column_sums (1536 wide)", 4.0 * m, &mut || {
         ops::column_sums(&dh).map(drop)

@@ -31,8 +31,8 @@ use crate::head::{self, HeadBackward};
 use crate::linear::{self, f32s, BlockLinear, BlockNorm, BlockSource, OutputGrad, Products, Whole};
 use crate::llama_ops::{rms_norm, rms_norm_backward, rms_norm_bf16, rope, swiglu, swiglu_backward};
 use crate::ops::{
-    cross_entropy, gelu, gelu_backward, gelu_backward_bf16, gelu_bf16, layer_norm,
-    layer_norm_backward, layer_norm_bf16,
+    cross_entropy, gelu, gelu_and_slope, gelu_backward_bf16, gelu_backward_by_slope,
+    gelu_bf16_and_slope, layer_norm, layer_norm_backward, layer_norm_bf16,
 };
 use crate::params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};
 
@@ -89,7 +89,9 @@ pub struct BlockActs {
     att: Tensor,
     rows1: Tensor,
     a2: Tensor,
-    h: Tensor,
+    /// What the activation's backward reads in place of its input `h`:
+    /// GELU's slope at `h` (the same size), or SwiGLU's `h`.
+    act_kept: Tensor,
     g: Tensor,
 }
 
@@ -537,28 +539,32 @@ impl Gpt {
         Ok(dx)
     }
 
-    /// The MLP's activation: GELU, or SwiGLU of gate and up. With bf16
-    /// products GELU writes bf16, which the projection reads as it is (its
-    /// only reader, forward and backward: the same bits as rounding an f32
-    /// output, half the bytes kept); autograd's reference stays f32.
-    fn activation(&self, h: &Tensor) -> Result<Tensor> {
+    /// The MLP's activation: GELU, or SwiGLU of gate and up; and what its
+    /// backward reads (GELU's slope at `h`, SwiGLU's input itself). With
+    /// bf16 products GELU writes bf16, which the projection reads as it is
+    /// (its only reader, forward and backward: the same bits as rounding an
+    /// f32 output, half the bytes kept); autograd's reference stays f32.
+    fn activation(&self, h: &Tensor) -> Result<(Tensor, Tensor)> {
         match self.cfg.kind {
-            ModelKind::Gpt if self.products == Products::Bf16 && !h.track_op() => gelu_bf16(h),
-            ModelKind::Gpt => gelu(h),
-            ModelKind::Llama => swiglu(h),
+            // Autograd's reference: differentiable GELU, and the slope for
+            // the explicit backward beside it.
+            ModelKind::Gpt if h.track_op() => Ok((gelu(h)?, gelu_and_slope(&h.detach())?.1)),
+            ModelKind::Gpt if self.products == Products::Bf16 => gelu_bf16_and_slope(h),
+            ModelKind::Gpt => gelu_and_slope(h),
+            ModelKind::Llama => Ok((swiglu(h)?, h.clone())),
         }
     }
 
-    /// The activation's input gradient, as the MLP's first layer takes it:
-    /// with bf16 products, GELU's is rounded (and its column sums taken) as
-    /// it is written, in one pass.
-    fn activation_backward(&self, h: &Tensor, dg: &Tensor) -> Result<OutputGrad> {
+    /// The activation's input gradient from what [`Gpt::activation`] kept,
+    /// as the MLP's first layer takes it: with bf16 products, GELU's is
+    /// rounded (and its column sums taken) as it is written, in one pass.
+    fn activation_backward(&self, kept: &Tensor, dg: &Tensor) -> Result<OutputGrad> {
         Ok(match self.cfg.kind {
             ModelKind::Gpt if self.products == Products::Bf16 => {
-                OutputGrad::Rounded(gelu_backward_bf16(h, dg)?)
+                OutputGrad::Rounded(gelu_backward_bf16(kept, dg)?)
             }
-            ModelKind::Gpt => OutputGrad::F32(gelu_backward(h, dg)?),
-            ModelKind::Llama => OutputGrad::F32(swiglu_backward(h, dg)?),
+            ModelKind::Gpt => OutputGrad::F32(gelu_backward_by_slope(kept, dg)?),
+            ModelKind::Llama => OutputGrad::F32(swiglu_backward(kept, dg)?),
         })
     }
 
@@ -618,7 +624,7 @@ impl Gpt {
 
         let a2 = norm(src, BlockNorm::Norm2, &rows1)?;
         let h = linear(src, BlockLinear::MlpIn, &a2, None)?;
-        let g = self.activation(&h)?;
+        let (g, act_kept) = self.activation(&h)?;
         let y = linear(src, BlockLinear::MlpOut, &g, Some(&rows1))?.reshape((b, t, d))?;
         let acts = BlockActs {
             rows,
@@ -627,7 +633,7 @@ impl Gpt {
             att,
             rows1,
             a2,
-            h,
+            act_kept,
             g,
         };
         Ok((y, acts))
@@ -670,7 +676,7 @@ impl Gpt {
             &acts.g,
             OutputGrad::F32(dy.clone()),
         )?;
-        let dh = self.activation_backward(&acts.h, &dg)?;
+        let dh = self.activation_backward(&acts.act_kept, &dg)?;
         let da2 = linear(src, BlockLinear::MlpIn, &acts.a2, dh)?;
         // Each residual's gradient is added as the norm's backward writes dx.
         let drows1 = self.norm_backward_from(src, BlockNorm::Norm2, &acts.rows1, &da2, &dy)?;

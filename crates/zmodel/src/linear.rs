@@ -614,7 +614,7 @@ impl BlockSource for Whole<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::{gelu_backward, gelu_backward_bf16, gelu_bf16};
+    use crate::ops::{gelu_backward, gelu_backward_bf16, gelu_bf16_and_slope};
     use crate::Gpt;
 
     fn bits(t: &Tensor) -> Vec<u32> {
@@ -652,7 +652,7 @@ mod tests {
         let params = BlockParams::from_vec(params, g.layout()).unwrap();
         let (rows, d, wide) = (64, 64, 256);
         let h = Tensor::from_vec(values(rows * wide, 7), (rows, wide), &dev).unwrap();
-        let padded = gelu_bf16(&h).unwrap();
+        let (padded, slope) = gelu_bf16_and_slope(&h).unwrap();
         assert_eq!(padded.layout().stride(), &[288, 1]);
         let copy = padded.contiguous().unwrap();
         let dy = Tensor::from_vec(values(rows * d, 5), (rows, d), &dev).unwrap();
@@ -689,14 +689,16 @@ mod tests {
             let grad = src.tiles[BlockLinear::MlpIn as usize].pop().unwrap();
             (bits(&dx), bits(&grad.weight), bits(&grad.bias.unwrap()))
         };
-        let rounded = run_in(OutputGrad::Rounded(gelu_backward_bf16(&h, &dg).unwrap()));
+        let rounded = run_in(OutputGrad::Rounded(
+            gelu_backward_bf16(&slope, &dg).unwrap(),
+        ));
         assert_eq!(
             rounded,
             run_in(OutputGrad::F32(gelu_backward(&h, &dg).unwrap()))
         );
         // A rounded gradient asks for bf16 products.
         let mut src = Whole::new(&params);
-        let out = OutputGrad::Rounded(gelu_backward_bf16(&h, &dg).unwrap());
+        let out = OutputGrad::Rounded(gelu_backward_bf16(&slope, &dg).unwrap());
         assert!(backward(
             &mut src,
             BlockLinear::MlpIn,

@@ -18,8 +18,8 @@ use candle_core::{
 use rayon::prelude::*;
 
 use crate::simd::{
-    assume_init, bf16_rows_buffer, par_rows, par_rows_bf16, sigmoid, uninit_floats, vectorised,
-    ROWS_PER_TASK,
+    assume_init, bf16_rows_buffer, par_rows, par_rows_bf16, par_rows_bf16_and_f32, sigmoid,
+    uninit_floats, vectorised, ROWS_PER_TASK,
 };
 
 /// GELU (GPT-2's tanh approximation) as one fused pass forward and one backward.
@@ -34,27 +34,65 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Gelu)
 }
 
-/// [`gelu`] with its output rounded to bf16 (a `BF16` tensor of rows of the
-/// last dimension, `[rows, width]`, laid out for zgemm to read in place),
-/// for an activation whose only readers are bf16 products (zgemm's
-/// `MatRef<u16>`): the bits they would have rounded the f32 output to, in
-/// half the bytes written, kept and read, and no rounding pass of their
-/// own. No backward: the explicit one reads GELU's input.
-pub fn gelu_bf16(x: &Tensor) -> Result<Tensor> {
+/// [`gelu`] without autograd, and its slope `gelu'(x)` beside it, in one
+/// pass: what the block's own backward reads instead of GELU's input
+/// ([`gelu_backward_by_slope`]: a multiply, where recomputing the slope from
+/// the input, an exponential and a reciprocal an element, was 1.6% of a
+/// step). The two share the exponential, so the forward pass costs a few
+/// multiply-adds more and the slope takes the input's place in memory.
+pub fn gelu_and_slope(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let x = x.contiguous()?;
+    let (s, l) = x.storage_and_layout();
+    let xs = cpu_f32("gelu", &s, l)?;
+    let (mut y, mut slope) = (uninit_floats(xs.len()), uninit_floats(xs.len()));
+    y.par_chunks_mut(ELEMS_PER_TASK)
+        .zip(slope.par_chunks_mut(ELEMS_PER_TASK))
+        .zip(xs.par_chunks(ELEMS_PER_TASK))
+        .for_each(|((y, slope), x)| {
+            vectorised(
+                #[inline(always)]
+                || {
+                    for ((y, d), &v) in y.iter_mut().zip(slope.iter_mut()).zip(x) {
+                        let (value, dv) = gelu_and_slope_of(v);
+                        y.write(value);
+                        d.write(dv);
+                    }
+                },
+            )
+        });
+    // SAFETY: the chunks of y and slope match those of x; each element got a value.
+    let (y, slope) = unsafe { (assume_init(y), assume_init(slope)) };
+    let shape = l.shape().clone();
+    Ok((
+        Tensor::from_vec(y, shape.clone(), x.device())?,
+        Tensor::from_vec(slope, shape, x.device())?,
+    ))
+}
+
+/// [`gelu_and_slope`] with the value rounded to bf16 (a `BF16` tensor of
+/// rows of the last dimension, `[rows, width]`, laid out for zgemm to read
+/// in place), for an activation whose only readers are bf16 products
+/// (zgemm's `MatRef<u16>`): the bits they would have rounded the f32 output
+/// to, in half the bytes written, kept and read, and no rounding pass of
+/// their own. The slope stays f32.
+pub fn gelu_bf16_and_slope(x: &Tensor) -> Result<(Tensor, Tensor)> {
     let x = x.contiguous()?;
     let width = x.dims().last().copied().unwrap_or(1);
     let (s, l) = x.storage_and_layout();
     let xs = cpu_f32("gelu", &s, l)?;
-    par_rows_bf16(
+    let (rounded, slope) = par_rows_bf16_and_f32(
         xs,
         width,
         #[inline(always)]
-        |x, y| {
-            for (o, &v) in y.iter_mut().zip(x) {
-                o.write(gelu_of(v));
+        |x, y, slope| {
+            for ((o, d), &v) in y.iter_mut().zip(slope.iter_mut()).zip(x) {
+                let (value, dv) = gelu_and_slope_of(v);
+                o.write(value);
+                d.write(dv);
             }
         },
-    )
+    )?;
+    Ok((rounded, slope.reshape(l.shape())?))
 }
 
 const GELU_K: f32 = 0.797_884_6; // sqrt(2 / pi)
@@ -67,7 +105,7 @@ const GELU_6KC: f32 = 3.0 * GELU_2KC;
 /// with `2u = v·(2k + 2kc·v²)` (one exponential, one reciprocal).
 #[inline(always)]
 fn gelu_of(v: f32) -> f32 {
-    v * sigmoid(v * (v * v).mul_add(GELU_2KC, GELU_2K))
+    gelu_and_slope_of(v).0
 }
 
 /// A custom op's contiguous f32 input.
@@ -126,55 +164,76 @@ impl CustomOp1 for Gelu {
     }
 }
 
-/// dx = dy · gelu'(x), element-wise in one pass.
+/// dx = dy · gelu'(x), element-wise in one pass (autograd's backward).
 pub fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     x.contiguous()?
-        .apply_op2_no_bwd(&dy.contiguous()?, &GeluGrad)
+        .apply_op2_no_bwd(&dy.contiguous()?, &GeluGrad(SlopeFrom::Input))
 }
 
-/// `g · gelu'(v)` (both backward ops compute it alike): with `s = σ(2u)`,
+/// dx = dy · slope, from the slope [`gelu_and_slope`] kept: the same bits as
+/// [`gelu_backward`] on GELU's input, at the cost of a multiply.
+pub fn gelu_backward_by_slope(slope: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    slope
+        .contiguous()?
+        .apply_op2_no_bwd(&dy.contiguous()?, &GeluGrad(SlopeFrom::Kept))
+}
+
+/// `gelu(v)` and `gelu'(v)`: with `s = σ(2u)`, `gelu(v) = v·s` and
 /// `d(v·s)/dv = s + v·s·(1 - s)·(2u)' = s·(1 + v·(1 - s)·(2k + 6kc·v²))`.
+/// Every backward multiplies the gradient by this slope, computed here from
+/// the input or kept by the forward: the same bits either way.
 #[inline(always)]
-fn gelu_grad_of(v: f32, g: f32) -> f32 {
+fn gelu_and_slope_of(v: f32) -> (f32, f32) {
     let v2 = v * v;
     let s = sigmoid(v * v2.mul_add(GELU_2KC, GELU_2K));
-    g * s.mul_add(v * (1.0 - s) * v2.mul_add(GELU_6KC, GELU_2K), s)
+    (
+        v * s,
+        s.mul_add(v * (1.0 - s) * v2.mul_add(GELU_6KC, GELU_2K), s),
+    )
 }
 
-/// [`gelu_backward`] for a layer whose products are bf16: `dx` of `[n, k]`
-/// inputs as a [`RoundedGrad`] (the bits and column sums of rounding
-/// `gelu_backward`'s output with [`bf16_with_column_sums`]), in one pass
-/// that writes half the bytes and leaves the layer's backward nothing to
-/// round or sum.
-pub fn gelu_backward_bf16(x: &Tensor, dy: &Tensor) -> Result<RoundedGrad> {
-    let (x, dy) = (x.contiguous()?, dy.contiguous()?);
-    let k = x.dims().last().copied().unwrap_or(0);
-    let (xs, xl) = x.storage_and_layout();
+/// [`gelu_backward_by_slope`] for a layer whose products are bf16: `dx` of
+/// `[n, k]` inputs as a [`RoundedGrad`] (the bits and column sums of rounding
+/// its output with [`bf16_with_column_sums`]), in one pass that writes half
+/// the bytes and leaves the layer's backward nothing to round or sum.
+pub fn gelu_backward_bf16(slope: &Tensor, dy: &Tensor) -> Result<RoundedGrad> {
+    let (slope, dy) = (slope.contiguous()?, dy.contiguous()?);
+    let k = slope.dims().last().copied().unwrap_or(0);
+    let (ss, sl) = slope.storage_and_layout();
     let (ds, dl) = dy.storage_and_layout();
     let name = "zrun-gelu-grad-bf16";
-    let (xv, dv) = match (&*xs, &*ds) {
-        (Storage::Cpu(xs), Storage::Cpu(ds)) => {
-            (f32_input(name, xs, xl)?, f32_input(name, ds, dl)?)
+    let (sv, dv) = match (&*ss, &*ds) {
+        (Storage::Cpu(ss), Storage::Cpu(ds)) => {
+            (f32_input(name, ss, sl)?, f32_input(name, ds, dl)?)
         }
         _ => candle_core::bail!("{name}: CPU tensors only"),
     };
-    if xv.len() != dv.len() || k == 0 || !xv.len().is_multiple_of(k) {
-        candle_core::bail!("gelu backward: {} inputs, {} gradients", xv.len(), dv.len());
+    if sv.len() != dv.len() || k == 0 || !sv.len().is_multiple_of(k) {
+        candle_core::bail!("gelu backward: {} slopes, {} gradients", sv.len(), dv.len());
     }
     Ok(rounded_rows(
-        xv.len() / k,
+        sv.len() / k,
         k,
         #[inline(always)]
         |i, out| {
-            let (x, dy) = (&xv[i * k..][..k], &dv[i * k..][..k]);
-            for ((o, &v), &g) in out.iter_mut().zip(x).zip(dy) {
-                *o = gelu_grad_of(v, g);
+            let (slope, dy) = (&sv[i * k..][..k], &dv[i * k..][..k]);
+            for ((o, &d), &g) in out.iter_mut().zip(slope).zip(dy) {
+                *o = g * d;
             }
         },
     ))
 }
 
-struct GeluGrad;
+/// Where [`GeluGrad`]'s first operand's values give the slope.
+#[derive(Clone, Copy, PartialEq)]
+enum SlopeFrom {
+    /// They are GELU's input: the slope is computed.
+    Input,
+    /// They are the slope, kept by [`gelu_and_slope`].
+    Kept,
+}
+
+struct GeluGrad(SlopeFrom);
 
 impl CustomOp2 for GeluGrad {
     fn name(&self) -> &'static str {
@@ -193,6 +252,7 @@ impl CustomOp2 for GeluGrad {
         if x.len() != dy.len() {
             candle_core::bail!("gelu backward: {} inputs, {} gradients", x.len(), dy.len());
         }
+        let from = self.0;
         let mut dx = uninit_floats(x.len());
         dx.par_chunks_mut(ELEMS_PER_TASK)
             .zip(
@@ -203,8 +263,15 @@ impl CustomOp2 for GeluGrad {
                 vectorised(
                     #[inline(always)]
                     || {
-                        for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-                            o.write(gelu_grad_of(v, g));
+                        let pairs = dx.iter_mut().zip(x).zip(dy);
+                        if from == SlopeFrom::Input {
+                            for ((o, &v), &g) in pairs {
+                                o.write(g * gelu_and_slope_of(v).1);
+                            }
+                        } else {
+                            for ((o, &d), &g) in pairs {
+                                o.write(g * d);
+                            }
                         }
                     },
                 )
@@ -940,14 +1007,35 @@ pub(crate) mod tests {
             xs[257 * i + 3] = special;
         }
         let x = Tensor::from_vec(xs, (n,), &Device::Cpu).unwrap();
+        // NaN stays NaN, its sign as the compiler orders the operands.
+        let nan_as_one = |b: u16| if b & 0x7fff > 0x7f80 { 0x7fc0 } else { b };
         let want: Vec<u16> = gelu(&x)
             .unwrap()
             .to_vec1::<f32>()
             .unwrap()
             .into_iter()
-            .map(zgemm::bf16_bits)
+            .map(|v| nan_as_one(zgemm::bf16_bits(v)))
             .collect();
-        assert_eq!(bf16_bits_of(&gelu_bf16(&x).unwrap()), want);
+        let values =
+            |t: &Tensor| -> Vec<u16> { bf16_bits_of(t).into_iter().map(nan_as_one).collect() };
+        let bits = |t: &Tensor| {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let nan_as_one = |b: u32| {
+                if b & 0x7fff_ffff > 0x7f80_0000 {
+                    0x7fc0_0000
+                } else {
+                    b
+                }
+            };
+            v.iter()
+                .map(|x| nan_as_one(x.to_bits()))
+                .collect::<Vec<_>>()
+        };
+        // The slope, kept in f32, is the f32 path's to the bit.
+        let (_, want_slope) = gelu_and_slope(&x).unwrap();
+        let (got, slope) = gelu_bf16_and_slope(&x).unwrap();
+        assert_eq!(values(&got), want);
+        assert_eq!(bits(&slope), bits(&want_slope));
         // Rows of 1536 (3072 bytes) are laid out 1568 apart, from a line,
         // for the products to read in place: the values are the same.
         let rows = x
@@ -955,10 +1043,12 @@ pub(crate) mod tests {
             .unwrap()
             .reshape((3, 1536))
             .unwrap();
-        let got = gelu_bf16(&rows).unwrap();
+        let (got, slope) = gelu_bf16_and_slope(&rows).unwrap();
         assert_eq!(got.dims(), &[3, 1536]);
+        assert_eq!(slope.dims(), &[3, 1536]);
+        assert_eq!(bits(&slope), bits(&want_slope)[..3 * 1536]);
         assert_eq!(got.layout().stride(), &[1568, 1]);
-        assert_eq!(bf16_bits_of(&got), want[..3 * 1536]);
+        assert_eq!(values(&got), want[..3 * 1536]);
     }
 
     /// The bits of a BF16 tensor.
@@ -1032,7 +1122,8 @@ pub(crate) mod tests {
         let dy = Tensor::from_vec(dy, (rows, k), &dev).unwrap();
         let f32_grad = gelu_backward(&x, &dy).unwrap().flatten_all().unwrap();
         let want = bf16_with_column_sums(&f32_grad.to_vec1::<f32>().unwrap(), k).unwrap();
-        let got = gelu_backward_bf16(&x, &dy).unwrap();
+        let (_, slope) = gelu_and_slope(&x).unwrap();
+        let got = gelu_backward_bf16(&slope, &dy).unwrap();
         let values = |g: &RoundedGrad| {
             (0..rows)
                 .flat_map(|i| g.row(i).to_vec())
@@ -1082,6 +1173,29 @@ pub(crate) mod tests {
         }
         let probe = Tensor::from_vec(weights(41), (41,), &dev).unwrap();
         check_grad(|x| gelu(x)?.mul(&probe)?.sum_all(), xs, &[41]);
+    }
+
+    #[test]
+    fn gelu_with_its_slope_kept_gives_autograds_bits() {
+        // Past a task of 2^14 elements, with a short last one.
+        let n = (1 << 14) + 1000;
+        let x = Tensor::from_vec(
+            (0..n).map(|i| (i as f32 - 8000.0) * 1.3e-3).collect(),
+            (n,),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let dy = Tensor::from_vec(weights(n), (n,), &Device::Cpu).unwrap();
+        let bits = |t: &Tensor| {
+            let v = t.to_vec1::<f32>().unwrap();
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        let (y, slope) = gelu_and_slope(&x).unwrap();
+        assert_eq!(bits(&y), bits(&gelu(&x).unwrap()));
+        assert_eq!(
+            bits(&gelu_backward_by_slope(&slope, &dy).unwrap()),
+            bits(&gelu_backward(&x, &dy).unwrap())
+        );
     }
 
     #[test]

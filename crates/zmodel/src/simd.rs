@@ -204,6 +204,35 @@ pub(crate) fn par_rows_bf16(
     width: usize,
     f: impl Fn(&[f32], &mut [MaybeUninit<f32>]) + Sync,
 ) -> candle_core::Result<candle_core::Tensor> {
+    let (rounded, _) = rows_bf16(
+        input,
+        width,
+        false,
+        #[inline(always)]
+        |row, out, _| f(row, out),
+    )?;
+    Ok(rounded)
+}
+
+/// [`par_rows_bf16`] with a second output kept in f32, `[rows, width]` too:
+/// `f(row, out, second)` writes both rows (GELU's value, rounded for the
+/// products, and its slope, which its backward reads).
+pub(crate) fn par_rows_bf16_and_f32(
+    input: &[f32],
+    width: usize,
+    f: impl Fn(&[f32], &mut [MaybeUninit<f32>], &mut [MaybeUninit<f32>]) + Sync,
+) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> {
+    rows_bf16(input, width, true, f)
+}
+
+/// What [`par_rows_bf16`] and [`par_rows_bf16_and_f32`] share; without
+/// `second`, `f`'s third row is empty and the second tensor too.
+fn rows_bf16(
+    input: &[f32],
+    width: usize,
+    second: bool,
+    f: impl Fn(&[f32], &mut [MaybeUninit<f32>], &mut [MaybeUninit<f32>]) + Sync,
+) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> {
     use half::vec::HalfBitsVecExt;
     use rayon::prelude::*;
     let width = width.max(1);
@@ -212,15 +241,25 @@ pub(crate) fn par_rows_bf16(
     }
     let rows = input.len() / width;
     let (mut out, start, stride) = bf16_rows_buffer(rows, width);
+    let mut kept = uninit_floats::<f32>(if second { input.len() } else { 0 });
+    let tasks = rows.div_ceil(ROWS_PER_TASK);
+    let kept_parts: Vec<&mut [MaybeUninit<f32>]> = if second {
+        kept.chunks_mut(width * ROWS_PER_TASK).collect()
+    } else {
+        (0..tasks).map(|_| Default::default()).collect()
+    };
     out[start..start + rows * stride]
         .par_chunks_mut(stride * ROWS_PER_TASK)
         .zip(input.par_chunks(width * ROWS_PER_TASK))
-        .for_each(|(o, i)| {
+        .zip(kept_parts)
+        .for_each(|((o, i), k)| {
             let mut wide = uninit_floats::<f32>(width);
+            let mut kept_rows = k.chunks_mut(width);
             for (o, row) in o.chunks_mut(stride).zip(i.chunks(width)) {
+                let kept_row = kept_rows.next().unwrap_or_default();
                 vectorised(
                     #[inline(always)]
-                    || f(row, &mut wide),
+                    || f(row, &mut wide, kept_row),
                 );
                 // SAFETY: `f` writes every element of its output row (as
                 // every `par_rows` op does).
@@ -232,17 +271,22 @@ pub(crate) fn par_rows_bf16(
                 }
             }
         });
-    // SAFETY: the head, the tail and every row with its padding were written.
-    let out = unsafe { assume_init(out) };
+    // SAFETY: the head, the tail and every row with its padding were
+    // written, and `f` wrote every element of every row of `kept`.
+    let (out, kept) = unsafe { (assume_init(out), assume_init(kept)) };
     let len = out.len();
     let all = candle_core::Tensor::from_vec(
         out.reinterpret_into::<half::bf16>(),
         len,
         &candle_core::Device::Cpu,
     )?;
-    all.narrow(0, start, rows * stride)?
+    let rounded = all
+        .narrow(0, start, rows * stride)?
         .reshape((rows, stride))?
-        .narrow(1, 0, width)
+        .narrow(1, 0, width)?;
+    let kept_rows = if second { rows } else { 0 };
+    let kept = candle_core::Tensor::from_vec(kept, (kept_rows, width), &candle_core::Device::Cpu)?;
+    Ok((rounded, kept))
 }
 
 /// `len` values (f32, or bf16 bits) of fresh memory for a product or an op to fill: no
