@@ -7,8 +7,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use e2e::{
-    alive, assert_gone, children_of, ckpt_job, losses, metrics, small_job, start_long_job,
-    wait_until, zrun, TrainArgs,
+    alive, assert_gone, children_of, ckpt_job, losses, losses_by_step, metrics, small_job,
+    start_long_job, wait_until, zrun, TrainArgs,
 };
 use nix::sys::signal::Signal;
 
@@ -335,4 +335,70 @@ fn a_full_disk_fails_the_save_cleanly() {
     assert!(stderr.contains(".tmp: No space left on device"), "{stderr}");
     let left = stdout.split("left:").nth(1).unwrap_or_default();
     assert!(left.trim().is_empty(), "temporary files left: {left}");
+}
+
+/// A preemption notice (SIGUSR1, what Slurm's `--signal=B:USR1@90` sends),
+/// to zrun or to one worker only: the job ends after the step in progress
+/// with a checkpoint of it (exit 75 and a `stopped` line naming it), and
+/// `--resume auto` goes on to the uninterrupted run's losses, to the bit.
+/// Without a checkpoint directory the job goes on to its end.
+#[test]
+fn sigusr1_stops_after_a_step_with_its_checkpoint_and_the_resume_matches() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 3000;
+    let reference = dir.path().join("whole.jsonl");
+    let whole = small_job(dir.path(), "whole", steps);
+    assert_eq!(TrainArgs::new(&whole, &reference).run(dir.path()).code(), 0);
+    let want = losses_by_step(&reference);
+    assert_eq!(want.len(), steps as usize);
+    let started = |m: &Path| wait_until(Duration::from_secs(60), || metrics(m).len() >= 20);
+    for to_a_worker in [false, true] {
+        let sub = dir.path().join(format!("to-a-worker-{to_a_worker}"));
+        std::fs::create_dir_all(&sub).unwrap();
+        let job = ckpt_job(&sub, "preempted", steps, 100_000);
+        let m = sub.join("m.jsonl");
+        let z = TrainArgs::new(&job, &m).start(&sub);
+        assert!(started(&m), "{}", z.stdout_so_far());
+        if to_a_worker {
+            let workers = children_of(z.pid());
+            assert_eq!(workers.len(), 2);
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(workers[1] as i32),
+                Signal::SIGUSR1,
+            )
+            .unwrap();
+        } else {
+            z.signal(Signal::SIGUSR1);
+        }
+        let f = z.wait(Duration::from_secs(60));
+        assert_eq!(f.code(), 75, "to a worker: {to_a_worker}: {f:?}");
+        let last = metrics(&m).pop().unwrap();
+        assert_eq!(last["event"], "stopped", "{last}");
+        let step = last["step"].as_u64().unwrap();
+        assert!((20..steps).contains(&step), "stopped after step {step}");
+        let saved = format!("step-{step:08}");
+        assert!(
+            last["checkpoint"].as_str().unwrap().ends_with(&saved),
+            "{last}"
+        );
+        assert!(sub.join("ckpt").join(&saved).is_dir());
+        assert!(f.stdout.contains("--resume auto"), "{}", f.stdout);
+        let f = TrainArgs::new(&job, &m)
+            .args(&["--resume", "auto"])
+            .run(&sub);
+        assert_eq!(f.code(), 0, "{f:?}");
+        assert!(
+            losses_by_step(&m) == want,
+            "to a worker: {to_a_worker}: stopped at {step} and resumed, the losses differ"
+        );
+    }
+    // No checkpoint directory: nothing to save into, so the job goes on.
+    let m = dir.path().join("on.jsonl");
+    let z = TrainArgs::new(&whole, &m).start(dir.path());
+    assert!(started(&m), "{}", z.stdout_so_far());
+    z.signal(Signal::SIGUSR1);
+    let f = z.wait(Duration::from_secs(60));
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(f.stdout.contains("SIGUSR1 ignored"), "{}", f.stdout);
+    assert_eq!(losses_by_step(&m), want);
 }

@@ -282,3 +282,29 @@ fn per_node_mistakes_are_clear_errors() {
         lonely.stderr
     );
 }
+
+/// A preemption notice (SIGUSR1) to node 1's zrun: its workers pass it to
+/// every rank, the job ends after one step with a checkpoint of it on both
+/// nodes' behalf, and both zruns exit 75.
+#[test]
+fn sigusr1_to_a_node_stops_the_job_with_a_checkpoint() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let job = ckpt_job(dir, "preempted", 100_000, 100_000);
+    let m = dir.join("preempted.jsonl");
+    let nodes = start_nodes(dir, &job, &m, free_port(), &[]);
+    assert!(
+        wait_until(Duration::from_secs(60), || metrics(&m).len() >= 2),
+        "the job did not start training: {}",
+        nodes.head.stdout_so_far()
+    );
+    nodes.node1.signal(Signal::SIGUSR1);
+    let node1 = nodes.node1.wait(Duration::from_secs(60));
+    let head = nodes.head.wait(Duration::from_secs(60));
+    assert_eq!(head.code(), 75, "{head:?}");
+    assert_eq!(node1.code(), 75, "{node1:?}");
+    let last = metrics(&m).pop().unwrap();
+    assert_eq!(last["event"], "stopped", "{last}");
+    let saved = last["checkpoint"].as_str().unwrap();
+    assert!(Path::new(saved).join("manifest.json").is_file(), "{last}");
+}

@@ -84,7 +84,9 @@ fn zero_memory_and_volume_follow_the_paper_at_4_workers() {
                 bytes * (n - 1.0) / n
             };
             let head = 2.0 * d;
-            let norm_bytes = 8.0 * (n - 1.0);
+            // The gradient norm's all-gather: three words a rank (its
+            // sum of squares as two, its stop flag).
+            let norm_bytes = 12.0 * (n - 1.0);
             let lo = volume(psi, head) + norm_bytes;
             let hi = volume(psi_pad, head + n * 16.0) + norm_bytes;
             assert!(

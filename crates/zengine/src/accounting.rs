@@ -53,6 +53,10 @@ pub struct StepStats {
     pub comm: CounterSnapshot,
     /// NVMe offload: the step's swap I/O.
     pub io: Option<zswap::IoStats>,
+    /// Some rank was asked to stop ([`crate::Engine::stop_on`]) before this
+    /// step's gradient norm: every rank sees the same value, so all end the
+    /// job after this step.
+    pub stop: bool,
 }
 
 /// Bytes of memory transiently held, with the peak since the last step.

@@ -25,6 +25,7 @@
 //! bit-identical parameters; with accumulation, stages 2-3 reduce every
 //! micro-batch (as DeepSpeed does) and agree with 0-1 to rounding.
 
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
@@ -81,6 +82,12 @@ pub struct Engine {
     /// Swap buffers held by the optimizer step (peak per step).
     pub(crate) swap_buffers: Transient,
     pub(crate) io_at_start: Option<zswap::IoStats>,
+    /// Set from outside (a signal, zrun's message) to end the job after a
+    /// step: this rank's word in the gradient norm's all-gather.
+    pub(crate) stop_asked: Arc<AtomicBool>,
+    /// Whether any rank's `stop_asked` was set when this step's norm was
+    /// gathered: the same answer on every rank.
+    pub(crate) stop_agreed: AtomicBool,
     /// `device: cuda`: the GPU the micro-batches run on.
     #[cfg(feature = "cuda")]
     pub(crate) gpu: Option<Arc<zcuda::GptGpu>>,
@@ -215,6 +222,8 @@ impl Engine {
             param_reads: ParamReadAhead::default(),
             swap_buffers: Transient::default(),
             io_at_start: None,
+            stop_asked: Arc::default(),
+            stop_agreed: AtomicBool::new(false),
             #[cfg(feature = "cuda")]
             gpu: None,
             #[cfg(feature = "cuda")]
@@ -227,6 +236,13 @@ impl Engine {
     /// The model.
     pub fn model(&self) -> &Gpt {
         &self.model
+    }
+
+    /// The flag that asks the job to end after a step (a preemption notice):
+    /// set on any rank, every rank's next [`crate::StepStats::stop`] says so, after
+    /// the same step, so that all of them save the same checkpoint.
+    pub fn stop_on(&mut self, flag: Arc<AtomicBool>) {
+        self.stop_asked = flag;
     }
 
     /// Optimizer steps taken.

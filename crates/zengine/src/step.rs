@@ -10,6 +10,7 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::atomic::Ordering;
 
 use crate::accounting::{peak_rss_bytes, MemoryUse, StepStats, Transient};
 use crate::adam::AdamStep;
@@ -184,16 +185,21 @@ impl Engine {
 
     /// The global norm from this rank's sum of squares: the ranks' sums
     /// added in rank order (each an f64 sent as two f32 words, so exact
-    /// enough and the same on every rank).
+    /// enough and the same on every rank). A third word carries the rank's
+    /// stop flag ([`Engine::stop_on`]): every rank learns in the same
+    /// collective whether any was asked to stop, with no message of its own.
     pub(crate) fn norm_from_own_sq(&self, own_sq: f64) -> Result<f64, EngineError> {
         let world = self.comm.world_size();
         let hi = own_sq as f32;
         let lo = (own_sq - f64::from(hi)) as f32;
-        let parts = self.comm.all_gather(vec![hi, lo], 2 * world)?;
+        let stop = f32::from(u8::from(self.stop_asked.load(Ordering::SeqCst)));
+        let parts = self.comm.all_gather(vec![hi, lo, stop], 3 * world)?;
         let total_sq: f64 = parts
-            .chunks(2)
+            .chunks(3)
             .map(|p| f64::from(p[0]) + f64::from(p[1]))
             .sum();
+        let any_stop = parts.chunks(3).any(|p| p[2] != 0.0);
+        self.stop_agreed.store(any_stop, Ordering::SeqCst);
         Ok(total_sq.sqrt())
     }
 
@@ -404,6 +410,7 @@ impl Engine {
             mem,
             comm,
             io,
+            stop: self.stop_agreed.swap(false, Ordering::SeqCst),
         };
         self.step = step;
         self.micro = 0;

@@ -80,6 +80,12 @@ pub enum ToServer {
     },
     /// The worker finished its task and will exit 0.
     Done,
+    /// The job was asked to stop (SIGUSR1): the worker saved the checkpoint
+    /// of `step`, ended early and will exit 0 (instead of `Done`).
+    Stopped {
+        /// The last step trained, whose checkpoint was saved.
+        step: u64,
+    },
     /// Per-node mode: a node's zrun answers the challenge (instead of `Hello`).
     NodeHello {
         /// Its node rank (1 or more: node 0 is the head).
@@ -143,6 +149,9 @@ pub enum ToWorker {
         /// `Ok(values)` or `Err(missing keys)` at the deadline.
         result: Result<Vec<String>, Vec<String>>,
     },
+    /// Save a checkpoint after the step in progress and end (zrun got
+    /// SIGUSR1: a preemption notice).
+    Stop,
     /// Stop now.
     Abort {
         /// Why.

@@ -94,6 +94,9 @@ pub mod exit {
     pub const BAD_INPUT: u8 = 2;
     /// Launch failed (spawn, rendezvous, SSH).
     pub const LAUNCH_FAILED: u8 = 3;
+    /// Stopped on request (SIGUSR1) after saving a checkpoint: `--resume
+    /// auto` continues (sysexits' `EX_TEMPFAIL`, "try again later").
+    pub const STOPPED: u8 = 75;
     /// Interrupted.
     pub const INTERRUPTED: u8 = 130;
 }

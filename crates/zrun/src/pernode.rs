@@ -412,6 +412,7 @@ async fn run_node(plan: &LaunchPlan, p: &PerNode, stream: TcpStream, job_id: &st
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sighup = signal(SignalKind::hangup())?;
+    let mut sigusr1 = signal(SignalKind::user_defined1())?;
     let mut running: Vec<usize> = workers.iter().map(|w| w.rank).collect();
     let kill_all = |running: &[usize]| {
         for w in workers.iter().filter(|w| running.contains(&w.rank)) {
@@ -438,6 +439,14 @@ async fn run_node(plan: &LaunchPlan, p: &PerNode, stream: TcpStream, job_id: &st
             _ = sigint.recv() => { stop("interrupted (SIGINT)", &out_tx); interrupted = true; kill_at = kill_at.min(tokio::time::Instant::now() + ABORT_GRACE * 2); }
             _ = sigterm.recv() => { stop("terminated (SIGTERM)", &out_tx); interrupted = true; kill_at = kill_at.min(tokio::time::Instant::now() + ABORT_GRACE * 2); }
             _ = sighup.recv() => { stop("hung up (SIGHUP)", &out_tx); interrupted = true; kill_at = kill_at.min(tokio::time::Instant::now() + ABORT_GRACE * 2); }
+            // A preemption notice: handed to this node's workers, which
+            // agree with every other rank to stop after the same step.
+            _ = sigusr1.recv() => {
+                say!("zrun: node {}: SIGUSR1: passed to its workers (the job stops after the step in progress)", p.node_rank);
+                for w in workers.iter().filter(|w| running.contains(&w.rank)) {
+                    signal_group(w.pid(), nix::sys::signal::Signal::SIGUSR1);
+                }
+            }
             Some(ev) = procs.recv() => match ev {
                 ProcEvent::Output { rank, line, stderr } => {
                     if stderr { shout!("[rank {rank}] {line}") } else { say!("[rank {rank}] {line}") }

@@ -54,6 +54,12 @@ const CAUSE_GRACE: Duration = Duration::from_millis(1000);
 pub enum Outcome {
     /// Every rank finished.
     Success,
+    /// Asked to stop (SIGUSR1), every rank saved the checkpoint of `step`
+    /// and ended early.
+    Stopped {
+        /// The last step trained.
+        step: u64,
+    },
     /// Something failed; exit with `code`.
     Failed {
         /// Exit code.
@@ -120,6 +126,7 @@ pub fn run_job(
             Failure::launch(format!("cannot open the control socket on {bind}: {e}"))
         })?;
         let (ev_tx, ev_rx) = mpsc::unbounded_channel();
+        let is_training = matches!(task, Task::Train(_));
         let info = JobInfo {
             token: token.clone(),
             job_id: job_id.clone(),
@@ -171,10 +178,12 @@ pub fn run_job(
             plan.ssh.clone(),
         );
         sup.nodes = vec![NodeState::Expected; per_node.as_ref().map_or(0, |p| p.nnodes)];
+        sup.can_stop = is_training && plan.spec.checkpoint.dir.is_some();
         let outcome = sup.watch(ev_rx, proc_rx).await;
         if per_node.is_some() {
             let code = match &outcome {
                 Ok(Outcome::Success) => exit::OK,
+                Ok(Outcome::Stopped { .. }) => exit::STOPPED,
                 Ok(Outcome::Failed { code, .. }) => *code,
                 Err(_) => exit::TRAINING_FAILED,
             };
@@ -239,6 +248,13 @@ struct Supervisor {
     /// When zrun last resumed from a stall, and the extra silence allowed
     /// until `heartbeat` past that (see [`PROBE_MAX`]).
     resumed: Option<(Instant, Duration)>,
+    /// A training job with a checkpoint directory: SIGUSR1 can stop it with
+    /// a checkpoint.
+    can_stop: bool,
+    /// SIGUSR1 came and the workers were asked to stop.
+    stop_asked: bool,
+    /// The step the workers stopped after, once one said so.
+    stopped_at: Option<u64>,
 }
 
 impl Supervisor {
@@ -276,6 +292,9 @@ impl Supervisor {
             nodes: Vec::new(),
             reported: None,
             ssh,
+            can_stop: false,
+            stop_asked: false,
+            stopped_at: None,
         }
     }
 
@@ -312,6 +331,7 @@ impl Supervisor {
         let mut sigint = signal(SignalKind::interrupt())?;
         let mut sigterm = signal(SignalKind::terminate())?;
         let mut sighup = signal(SignalKind::hangup())?;
+        let mut sigusr1 = signal(SignalKind::user_defined1())?;
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         let outcome = loop {
             // Biased, ticks last: silence is judged only once every message
@@ -322,6 +342,7 @@ impl Supervisor {
                 _ = sigint.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "interrupted (SIGINT); all workers stopped".into(), culprit: None }),
                 _ = sigterm.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "terminated (SIGTERM); all workers stopped".into(), culprit: None }),
                 _ = sighup.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "hung up (SIGHUP: the terminal closed); all workers stopped".into(), culprit: None }),
+                _ = sigusr1.recv() => { self.ask_to_stop(); None }
                 Some(ev) = events.recv() => self.on_event(ev)?,
                 Some(ev) = procs.recv() => self.on_proc(ev),
                 _ = tick.tick() => self.on_tick(),
@@ -376,6 +397,10 @@ impl Supervisor {
                         self.ranks[rank].done = false;
                     }
                     ToServer::Done => self.ranks[rank].done = true,
+                    ToServer::Stopped { step } => {
+                        self.ranks[rank].done = true;
+                        self.stopped_at = Some(step);
+                    }
                     ToServer::Heartbeat { op } => self.ranks[rank].op = op,
                     other => tracing::warn!("rank {rank} sent an unexpected message: {other:?}"),
                 }
@@ -638,7 +663,35 @@ impl Supervisor {
             .ranks
             .iter()
             .all(|r| r.done && r.exited.is_some_and(|(s, _)| s.success()));
-        all.then_some(Outcome::Success)
+        all.then_some(match self.stopped_at {
+            Some(step) => Outcome::Stopped { step },
+            None => Outcome::Success,
+        })
+    }
+
+    /// SIGUSR1 (a preemption notice: Slurm's `--signal=B:USR1@90`): asks
+    /// every worker to end after the step in progress with a checkpoint of
+    /// it. The workers agree on the step among themselves (a worker that
+    /// got the signal directly asks the same), so that every rank saves
+    /// the same one; a job without a checkpoint directory goes on.
+    fn ask_to_stop(&mut self) {
+        if !self.can_stop {
+            self.sink.println(
+                "zrun: SIGUSR1 ignored: the job has no checkpoint.dir to save into",
+                true,
+            );
+            return;
+        }
+        if !self.stop_asked {
+            self.stop_asked = true;
+            self.sink.println(
+                "zrun: SIGUSR1: the workers stop after the step in progress and save a checkpoint of it",
+                false,
+            );
+            for rank in 0..self.ranks.len() {
+                self.server.send(rank, ToWorker::Stop);
+            }
+        }
     }
 
     /// Waits for every worker to exit; kills the process groups of those that

@@ -11,6 +11,7 @@ use zconfig::{load_job_with, Topology};
 use zproto::{MemBytes, Task, TrainTask};
 
 use crate::cli::TrainArgs;
+use crate::exit;
 use crate::metrics::{Aggregator, DoneLine};
 use crate::plan::{plan_launch, plan_per_node, topology, LaunchPlan};
 use crate::progress::Progress;
@@ -193,6 +194,26 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                 );
                 return Ok(ExitCode::SUCCESS);
             }
+            Outcome::Stopped { step } => {
+                progress.finish();
+                let checkpoint = newest_checkpoint(&plan.spec)
+                    .filter(|(_, at)| *at == step)
+                    .map(|(dir, _)| dir);
+                writer.write(&StoppedLine {
+                    event: "stopped",
+                    step,
+                    checkpoint: checkpoint.clone(),
+                })?;
+                match checkpoint {
+                    Some(dir) => say!(
+                        "zrun: stopped on SIGUSR1 after step {step} of {steps}; saved {dir}; run again with --resume auto to go on"
+                    ),
+                    None => shout!(
+                        "zrun: stopped on SIGUSR1 after step {step} of {steps}, but its checkpoint is not complete"
+                    ),
+                }
+                return Ok(ExitCode::from(exit::STOPPED));
+            }
             Outcome::Failed {
                 code,
                 message,
@@ -251,6 +272,15 @@ struct RestartLine {
     step: u64,
     world_size: usize,
     restarts_left: u32,
+}
+
+/// The metrics line of a run stopped on SIGUSR1: after which step, and the
+/// checkpoint of it that `--resume auto` will take.
+#[derive(serde::Serialize)]
+struct StoppedLine {
+    event: &'static str,
+    step: u64,
+    checkpoint: Option<String>,
 }
 
 /// `topo` without the node of `rank`, if any node remains.

@@ -8,6 +8,7 @@
 
 use std::io::Write;
 use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -30,9 +31,17 @@ pub struct ControlClient {
     /// The world communicator once it exists: heartbeats say which collective
     /// the worker is in, for zrun's hang diagnosis.
     comms: Mutex<Vec<Arc<dyn Communicator>>>,
+    /// Set by zrun's `Stop` or by SIGUSR1: end the job after a step.
+    stop: Arc<AtomicBool>,
 }
 
 impl ControlClient {
+    /// The flag that zrun's `Stop` and SIGUSR1 set (for
+    /// `zengine::Engine::stop_on`).
+    pub fn stop_flag(&self) -> Arc<AtomicBool> {
+        self.stop.clone()
+    }
+
     /// Connects, proves the token, checks zrun's proof, and returns the task.
     pub fn connect(env: &WorkerEnv) -> Result<(Arc<ControlClient>, Welcome)> {
         let target = format!("{}:{}", env.master_addr, env.master_port);
@@ -95,6 +104,13 @@ impl ControlClient {
         let mut reader = stream.try_clone()?;
         let (tx, rx) = mpsc::channel();
         let rank = env.rank;
+        let stop = Arc::new(AtomicBool::new(false));
+        // SIGUSR1 to the worker itself (Slurm's `--signal=USR1@90`, or
+        // `scancel --signal=USR1`, reach every process of the step) asks
+        // for the same as zrun's `Stop`; without a handler it would kill it.
+        signal_hook::flag::register(signal_hook::consts::SIGUSR1, stop.clone())
+            .context("installing the SIGUSR1 handler")?;
+        let flag = stop.clone();
         std::thread::Builder::new()
             .name("zworker-control".into())
             .spawn(move || loop {
@@ -109,6 +125,7 @@ impl ControlClient {
                         std::process::exit(1);
                     }
                     Ok(ToWorker::Ping) => {}
+                    Ok(ToWorker::Stop) => stop.store(true, Ordering::SeqCst),
                     Ok(reply) => {
                         let _ = tx.send(reply);
                     }
@@ -126,6 +143,7 @@ impl ControlClient {
             replies: Mutex::new(rx),
             rank,
             comms: Mutex::new(Vec::new()),
+            stop: flag,
         };
         Ok((Arc::new(client), welcome))
     }

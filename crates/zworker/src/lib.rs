@@ -64,14 +64,27 @@ pub fn run() -> Result<()> {
     let result = run_task(&env, &client, welcome, &mut groups);
     client.watch_comms(Vec::new());
     match &result {
-        Ok(()) => client.send(&ToServer::Done)?,
+        Ok(Ended::Done) => client.send(&ToServer::Done)?,
+        Ok(Ended::Stopped { step }) => client.send(&ToServer::Stopped { step: *step })?,
         Err(e) => {
             let _ = client.send(&ToServer::Failed {
                 message: format!("{e:#}"),
             });
         }
     }
-    result
+    result.map(drop)
+}
+
+/// How a task ended well.
+pub enum Ended {
+    /// All of it was done.
+    Done,
+    /// Training was asked to stop (SIGUSR1) and ended after `step`, whose
+    /// checkpoint it saved.
+    Stopped {
+        /// The last step trained.
+        step: u64,
+    },
 }
 
 /// A local worker (zrun sets `ZRUN_PARENT_PID`) asks the kernel to kill it
@@ -97,7 +110,7 @@ fn run_task(
     client: &Arc<ControlClient>,
     welcome: zproto::Welcome,
     groups: &mut Option<Groups>,
-) -> Result<()> {
+) -> Result<Ended> {
     let (timeout_s, heartbeat_s) = match &welcome.task {
         Task::Train(t) => (t.spec.comm.timeout_s, t.spec.comm.heartbeat_s),
         Task::BenchComm(b) => (b.timeout_s, 30.0),
@@ -112,7 +125,8 @@ fn run_task(
             } else {
                 kernels::bench_kernels(*elements)?
             };
-            return client.send(&ToServer::KernelRows(rows));
+            client.send(&ToServer::KernelRows(rows))?;
+            return Ok(Ended::Done);
         }
     };
     client.start_heartbeat(Duration::from_secs_f64(
@@ -149,7 +163,7 @@ fn run_task(
             let groups = zengine::ProcessGroups { world: comm, hpz };
             rayon::scope(|_| train::train(&t.spec, t.resume.as_deref(), env, nodes, groups, client))
         }
-        Task::BenchComm(b) => bench::bench_comm(&b, comm, client),
+        Task::BenchComm(b) => bench::bench_comm(&b, comm, client).map(|()| Ended::Done),
         Task::BenchKernels { .. } => unreachable!("handled before connecting"),
     }
 }

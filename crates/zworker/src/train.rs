@@ -1,6 +1,7 @@
 //! The training loop: data, engine, one report per optimizer step, checkpoints.
 
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -17,6 +18,12 @@ use crate::env::WorkerEnv;
 
 /// Trains `spec` on this rank (from `resume` if given) and reports each step.
 /// `groups.hpz` is this rank's hpZ group when `zero.hpz_partition_size` > 1.
+///
+/// A stop request (SIGUSR1 to this worker, or zrun's `Stop` after zrun got
+/// one: a preemption notice) ends the run after the step in progress, every
+/// rank after the same step (the request rides on the gradient norm's
+/// all-gather), with a checkpoint of it; without `checkpoint.dir` there is
+/// nothing to save into, and the request is ignored with a warning.
 pub fn train(
     spec: &JobSpec,
     resume: Option<&str>,
@@ -24,7 +31,7 @@ pub fn train(
     nodes: usize,
     groups: ProcessGroups,
     client: &ControlClient,
-) -> Result<()> {
+) -> Result<crate::Ended> {
     let t = &spec.train;
     let d = &spec.data;
     let vocab = spec.model.vocab_size;
@@ -66,6 +73,9 @@ pub fn train(
     )?;
     let comm = groups.world.clone();
     let mut engine = Engine::with_groups(spec, groups, &env.job_id)?;
+    if spec.checkpoint.dir.is_some() {
+        engine.stop_on(client.stop_flag());
+    }
     if spec.device == zconfig::spec::Device::Cuda {
         crate::gpu::attach(&mut engine, spec, env.local_rank)?;
     }
@@ -138,12 +148,24 @@ pub fn train(
             save_now(&engine, &data)?;
             saved_at = Some(st.step);
         }
+        if spec.checkpoint.dir.is_none() && client.stop_flag().swap(false, Ordering::SeqCst) {
+            tracing::warn!(
+                "asked to stop (SIGUSR1) at step {}: the job has no checkpoint.dir to save into, so it goes on",
+                st.step
+            );
+        }
+        if st.stop && st.step < t.steps {
+            if saved_at != Some(st.step) {
+                save_now(&engine, &data)?;
+            }
+            return Ok(crate::Ended::Stopped { step: st.step });
+        }
     }
     // A run with a checkpoint directory always ends with a checkpoint.
     if spec.checkpoint.dir.is_some() && saved_at != Some(engine.steps_done()) {
         save_now(&engine, &data)?;
     }
-    Ok(())
+    Ok(crate::Ended::Done)
 }
 
 /// The engine's memory accounting as the control protocol reports it.
