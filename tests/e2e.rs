@@ -56,6 +56,42 @@ fn tiny_config_trains_and_its_loss_falls() {
     let c = &s["comm_bytes"];
     assert_eq!(c["by_op"]["all_reduce"].as_u64().unwrap(), p);
     assert_eq!(c["inter_node"], 0);
+    // Where each step went: the slowest rank's phases add up to step_ms, and
+    // its waits for collectives fall inside them, each under its op.
+    let ms = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    let mut forward = Vec::new();
+    let mut backward = Vec::new();
+    for s in &lines[..60] {
+        let t = &s["time_ms"];
+        assert!(t["rank"].as_u64().unwrap() < 2, "{t}");
+        let phases: f64 = ["forward", "backward", "optimizer", "other"]
+            .iter()
+            .map(|k| ms(t, k))
+            .sum();
+        let step = ms(s, "step_ms");
+        assert!(
+            (phases - step).abs() <= 1e-6 * step,
+            "{phases} ms of {step}: {t}"
+        );
+        assert!(ms(t, "forward") > 0.0 && ms(t, "optimizer") > 0.0, "{t}");
+        let by_op: f64 = t["comm_wait_by_op"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .sum();
+        let wait = ms(t, "comm_wait");
+        assert!((by_op - wait).abs() <= 1e-6 * step && wait <= step, "{t}");
+        forward.push(ms(t, "forward"));
+        backward.push(ms(t, "backward"));
+    }
+    // Backward does about twice forward's FLOPs (and the head's forward).
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (f, b) = (median(&mut forward), median(&mut backward));
+    assert!(b > 1.3 * f, "median backward {b} ms, forward {f} ms");
     let done = lines.last().unwrap();
     assert_eq!(done["event"], "done");
     assert_eq!(done["steps"], 60);

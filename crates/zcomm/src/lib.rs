@@ -40,7 +40,7 @@ mod star;
 mod tcp;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 pub use error::{CommError, SetupError};
@@ -54,6 +54,8 @@ pub struct Work<T> {
     op: Op,
     group: String,
     deadline: Instant,
+    /// Where the time `wait` blocks is added up.
+    counters: Arc<Counters>,
 }
 
 impl<T> Work<T> {
@@ -62,12 +64,14 @@ impl<T> Work<T> {
         op: Op,
         group: String,
         deadline: Instant,
+        counters: Arc<Counters>,
     ) -> Self {
         Work {
             rx,
             op,
             group,
             deadline,
+            counters,
         }
     }
 
@@ -83,10 +87,14 @@ impl<T> Work<T> {
         }
     }
 
-    /// Blocks until the collective finishes or its deadline passes.
+    /// Blocks until the collective finishes or its deadline passes; the
+    /// time blocked counts in the communicator's [`CounterSnapshot::waited_ns`].
     pub fn wait(self) -> Result<T, CommError> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        match self.rx.recv_timeout(left) {
+        let started = Instant::now();
+        let left = self.deadline.saturating_duration_since(started);
+        let got = self.rx.recv_timeout(left);
+        self.counters.waited(self.op, started.elapsed());
+        match got {
             Ok(r) => r,
             Err(mpsc::RecvTimeoutError::Timeout) => Err(CommError::Timeout {
                 op: self.op.name(),
@@ -102,12 +110,14 @@ impl<T> Work<T> {
     }
 }
 
-/// Bytes sent by this rank: by operation, and to peers on this node or others.
+/// Bytes sent by this rank: by operation, and to peers on this node or others;
+/// and the time its callers blocked waiting for each operation.
 #[derive(Debug, Default)]
 pub struct Counters {
     by_op: [AtomicU64; Op::ALL.len()],
     intra_node: AtomicU64,
     inter_node: AtomicU64,
+    waited_ns: [AtomicU64; Op::ALL.len()],
 }
 
 /// A snapshot of [`Counters`].
@@ -119,6 +129,10 @@ pub struct CounterSnapshot {
     pub intra_node: u64,
     /// To ranks on other nodes.
     pub inter_node: u64,
+    /// Nanoseconds callers spent blocked in [`Work::wait`] (every blocking
+    /// collective is one), by [`Op`]: communication that compute did not
+    /// hide, and time waiting for slower ranks to arrive.
+    pub waited_ns: [u64; Op::ALL.len()],
 }
 
 impl CounterSnapshot {
@@ -127,29 +141,33 @@ impl CounterSnapshot {
         self.by_op[op.index()]
     }
 
-    /// Bytes of `self` and `other` together (two groups' counters).
+    /// Time blocked waiting for one operation.
+    pub fn waited(&self, op: Op) -> Duration {
+        Duration::from_nanos(self.waited_ns[op.index()])
+    }
+
+    /// Time blocked waiting for any operation.
+    pub fn waited_total(&self) -> Duration {
+        Duration::from_nanos(self.waited_ns.iter().sum())
+    }
+
+    /// `self` and `other` together (two groups' counters).
     pub fn plus(&self, other: &CounterSnapshot) -> CounterSnapshot {
-        let mut by_op = self.by_op;
-        for (b, o) in by_op.iter_mut().zip(other.by_op) {
-            *b += o;
-        }
         CounterSnapshot {
-            by_op,
+            by_op: std::array::from_fn(|i| self.by_op[i] + other.by_op[i]),
             intra_node: self.intra_node + other.intra_node,
             inter_node: self.inter_node + other.inter_node,
+            waited_ns: std::array::from_fn(|i| self.waited_ns[i] + other.waited_ns[i]),
         }
     }
 
-    /// Bytes sent between `earlier` and `self`.
+    /// What happened between `earlier` and `self`.
     pub fn since(&self, earlier: &CounterSnapshot) -> CounterSnapshot {
-        let mut by_op = [0; Op::ALL.len()];
-        for (i, b) in by_op.iter_mut().enumerate() {
-            *b = self.by_op[i] - earlier.by_op[i];
-        }
         CounterSnapshot {
-            by_op,
+            by_op: std::array::from_fn(|i| self.by_op[i] - earlier.by_op[i]),
             intra_node: self.intra_node - earlier.intra_node,
             inter_node: self.inter_node - earlier.inter_node,
+            waited_ns: std::array::from_fn(|i| self.waited_ns[i] - earlier.waited_ns[i]),
         }
     }
 }
@@ -165,16 +183,19 @@ impl Counters {
         side.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    fn waited(&self, op: Op, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.waited_ns[op.index()].fetch_add(ns, Ordering::Relaxed);
+    }
+
     /// Current totals.
     pub fn snapshot(&self) -> CounterSnapshot {
-        let mut by_op = [0; Op::ALL.len()];
-        for (i, b) in by_op.iter_mut().enumerate() {
-            *b = self.by_op[i].load(Ordering::Relaxed);
-        }
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         CounterSnapshot {
-            by_op,
-            intra_node: self.intra_node.load(Ordering::Relaxed),
-            inter_node: self.inter_node.load(Ordering::Relaxed),
+            by_op: std::array::from_fn(|i| load(&self.by_op[i])),
+            intra_node: load(&self.intra_node),
+            inter_node: load(&self.inter_node),
+            waited_ns: std::array::from_fn(|i| load(&self.waited_ns[i])),
         }
     }
 }

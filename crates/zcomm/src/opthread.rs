@@ -9,7 +9,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::links::Current;
-use crate::{CommError, InFlight, Op, Work};
+use crate::{CommError, Counters, InFlight, Op, Work};
 
 type Job<L> = Box<dyn FnOnce(&mut L) + Send>;
 
@@ -20,11 +20,14 @@ pub(crate) struct OpThread<L> {
     group: String,
     timeout: Duration,
     current: Arc<Mutex<Option<Current>>>,
+    /// The communicator's counters, where its `Work`s add their waits.
+    counters: Arc<Counters>,
 }
 
 impl<L: Send + 'static> OpThread<L> {
     /// Starts the thread `name` over `links`; `last` runs on them once every
-    /// job has. `current` is what the links record of the running job.
+    /// job has. `current` is what the links record of the running job;
+    /// `counters` the communicator's.
     pub(crate) fn spawn(
         name: &str,
         mut links: L,
@@ -32,6 +35,7 @@ impl<L: Send + 'static> OpThread<L> {
         group: String,
         timeout: Duration,
         current: Arc<Mutex<Option<Current>>>,
+        counters: Arc<Counters>,
     ) -> std::io::Result<OpThread<L>> {
         let (jobs, rx) = mpsc::channel::<Job<L>>();
         let thread = std::thread::Builder::new()
@@ -48,6 +52,7 @@ impl<L: Send + 'static> OpThread<L> {
             group,
             timeout,
             current,
+            counters,
         })
     }
 
@@ -66,7 +71,7 @@ impl<L: Send + 'static> OpThread<L> {
         // The operation enforces its own deadline once it starts; this bounds the
         // wait for work queued ahead of it too.
         let deadline = Instant::now() + self.timeout * 2 + Duration::from_secs(5);
-        Work::new(rx, op, self.group.clone(), deadline)
+        Work::new(rx, op, self.group.clone(), deadline, self.counters.clone())
     }
 
     /// The job running now, if any.

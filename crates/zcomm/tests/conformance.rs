@@ -57,6 +57,7 @@ per_transport!(
     barrier_returns_only_after_every_rank_entered,
     async_work_overlaps_and_completes_in_issue_order,
     bytes_are_counted_per_op_and_split_by_node,
+    waits_are_counted_per_op_where_a_rank_comes_late,
     a_missing_peer_times_out_naming_op_group_and_peer,
     mismatched_collectives_are_reported_not_mixed,
     large_uneven_messages_cross_slots_and_ring_wraps_in_mixed_topologies,
@@ -351,6 +352,35 @@ fn bytes_are_counted_per_op_and_split_by_node(t: Transport) {
         let (intra, inter) = if r % 2 == 0 { (6000, 0) } else { (0, 6000) };
         assert_eq!((d.intra_node, d.inter_node), (intra, inter), "rank {r}");
     }
+}
+
+/// The time a caller blocks in `wait` is counted under the op it waited for:
+/// while rank 0 arrives 300 ms late at an all-gather, the others wait at
+/// least that long there and nowhere else; rank 0, arriving last, waits far
+/// less. (Lower bounds only: a wait cannot end before the late rank arrives.)
+fn waits_are_counted_per_op_where_a_rank_comes_late(t: Transport) {
+    let late = Duration::from_millis(300);
+    let comms = world(t, 3, &[0, 0, 0], Duration::from_secs(20));
+    let out = on_all(&comms, move |r, c| {
+        c.all_reduce(vec![1.0; 64]).unwrap();
+        let before = c.counters();
+        if r == 0 {
+            std::thread::sleep(late);
+        }
+        c.all_gather(vec![r as f32; 1000], 3000).unwrap();
+        c.counters().since(&before)
+    });
+    for (r, d) in out.iter().enumerate().skip(1) {
+        let waited = d.waited(Op::AllGather);
+        assert!(waited >= late * 9 / 10, "rank {r} waited {waited:?}");
+        assert_eq!(d.waited_total(), waited, "rank {r}: only the all-gather");
+    }
+    assert!(
+        out[0].waited_total() < out[1].waited(Op::AllGather) / 2,
+        "the late rank waited {:?}, the others {:?}",
+        out[0].waited_total(),
+        out[1].waited(Op::AllGather)
+    );
 }
 
 /// The direct path (every rank on one node, shared memory) counts, per rank, the

@@ -2,7 +2,26 @@
 //! bookkeeping (not sampled), so that the ZeRO formulas can be checked exactly.
 //! The worker converts these to the control protocol's report types.
 
+use std::time::Duration;
+
 use zcomm::CounterSnapshot;
+
+/// Where a step's time went on this rank (DeepSpeed's
+/// `wall_clock_breakdown`). Blocking waits for collectives fall inside these
+/// phases and are counted apart in [`StepStats::comm`]'s `waited_ns`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimes {
+    /// The micro-batches' forward passes: embedding and blocks, waits for
+    /// stage-3 gathers included. On a GPU the time to queue them: their
+    /// kernels finish inside `backward`, which waits for the loss.
+    pub forward: Duration,
+    /// Their backward passes: the head (its loss and gradient are one fused
+    /// pass), the blocks and the embedding, reductions started on the way.
+    pub backward: Duration,
+    /// The optimizer step: the last reductions, the gradient norm, clipping,
+    /// AdamW and sharing the updated parameters.
+    pub optimizer: Duration,
+}
 
 /// Memory by category on this rank, in bytes.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -49,8 +68,11 @@ pub struct StepStats {
     pub tokens: u64,
     /// Memory by category at the end of the step (activations and buffers: peak).
     pub mem: MemoryUse,
-    /// Bytes this rank sent during the step, by op and by link.
+    /// Bytes this rank sent during the step, by op and by link, and the time
+    /// it waited for collectives.
     pub comm: CounterSnapshot,
+    /// Where the step's time went.
+    pub times: StepTimes,
     /// NVMe offload: the step's swap I/O.
     pub io: Option<zswap::IoStats>,
     /// Some rank was asked to stop ([`crate::Engine::stop_on`]) before this

@@ -27,13 +27,14 @@
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use zcomm::{Communicator, CounterSnapshot, Quantization};
 use zconfig::{Dtype, JobSpec, ZeroStage};
 use zmodel::Gpt;
 
-use crate::accounting::Transient;
+use crate::accounting::{StepTimes, Transient};
 use crate::error::EngineError;
 use crate::flat::GroupLayout;
 use crate::gather::{Gather, Prefetcher, ProcessGroups, Source, WeightQuant};
@@ -75,6 +76,11 @@ pub struct Engine {
     pub(crate) secondary_peak: u64,
     pub(crate) peak_activations: u64,
     pub(crate) counters_at_start: Option<CounterSnapshot>,
+    /// Forward and backward time of the step so far.
+    pub(crate) times: StepTimes,
+    /// When the micro-batch in progress finished its forward (the
+    /// forward/backward split of [`Engine::forward_backward`]).
+    pub(crate) forward_done: Option<Instant>,
     /// NVMe offload: the swap files and their I/O.
     pub(crate) offload: Option<Offload>,
     /// Stage-3 parameter slices read from swap ahead of their gathers.
@@ -218,6 +224,8 @@ impl Engine {
             secondary_peak: 0,
             peak_activations: 0,
             counters_at_start: None,
+            times: StepTimes::default(),
+            forward_done: None,
             offload,
             param_reads: ParamReadAhead::default(),
             swap_buffers: Transient::default(),

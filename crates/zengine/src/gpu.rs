@@ -383,6 +383,7 @@ impl Engine {
             });
             x = y;
         }
+        self.forward_done = Some(std::time::Instant::now());
 
         let head = n_layers + 1;
         let (hw, wte) = self.gpu_head_weights(&gpu, gather)?;

@@ -13,6 +13,7 @@
 //! `dx`, no parameter: at stage 3 it gathers nothing.
 
 use std::ops::Range;
+use std::time::Instant;
 
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use zmodel::{
@@ -47,6 +48,7 @@ impl Engine {
     /// Runs forward and backward of one micro-batch and accumulates its gradients.
     /// Returns the micro-batch's mean loss.
     pub fn forward_backward(&mut self, batch: &Batch) -> Result<f64, EngineError> {
+        let started = Instant::now();
         let mut mb = self.begin_micro_batch(batch)?;
         let loss = match self.on_gpu() {
             #[cfg(feature = "cuda")]
@@ -54,6 +56,7 @@ impl Engine {
             _ => {
                 let x = self.forward_embedding(&mut mb)?;
                 let x = self.forward_blocks(&mut mb, x)?;
+                self.forward_done = Some(Instant::now());
                 let (loss, dx) = self.head_forward_backward(&mut mb, &x)?;
                 let dx = self.backward_blocks(&mut mb, dx)?;
                 self.backward_embedding(&mut mb, &dx)?;
@@ -68,6 +71,10 @@ impl Engine {
             );
         }
         self.secondary_peak = self.secondary_peak.max(mb.gather.secondary_peak());
+        let ended = Instant::now();
+        let split = self.forward_done.take().unwrap_or(ended);
+        self.times.forward += split - started;
+        self.times.backward += ended - split;
         self.loss_sum += loss;
         self.tokens += (batch.rows * batch.seq_len) as u64;
         self.micro += 1;

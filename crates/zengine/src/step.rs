@@ -11,6 +11,7 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use crate::accounting::{peak_rss_bytes, MemoryUse, StepStats, Transient};
 use crate::adam::AdamStep;
@@ -63,6 +64,14 @@ pub(crate) fn plan_sub_groups(regions: &[Range<usize>], max: usize, align: usize
 impl Engine {
     /// Finishes the optimizer step after `grad_accum` micro-batches.
     pub fn step(&mut self) -> Result<StepStats, EngineError> {
+        let started = Instant::now();
+        let mut stats = self.step_after_micro_batches()?;
+        stats.times.optimizer = started.elapsed();
+        Ok(stats)
+    }
+
+    /// [`Engine::step`]'s work.
+    fn step_after_micro_batches(&mut self) -> Result<StepStats, EngineError> {
         let accum = self.spec.train.grad_accum;
         if self.micro != accum {
             return Err(EngineError::StepTooEarly {
@@ -410,6 +419,7 @@ impl Engine {
             mem,
             comm,
             io,
+            times: std::mem::take(&mut self.times),
             stop: self.stop_agreed.swap(false, Ordering::SeqCst),
         };
         self.step = step;

@@ -49,7 +49,7 @@ pub enum ToServer {
         op: Option<String>,
     },
     /// One optimizer step done.
-    Report(StepReport),
+    Report(Box<StepReport>),
     /// Results of `bench comm`.
     BenchRows(Vec<BenchRow>),
     /// Results of `bench kernels`.
@@ -347,43 +347,75 @@ pub struct CommBytes {
     pub by_op: OpBytes,
 }
 
-/// Bytes sent by collective.
+/// One value per collective: bytes sent ([`OpBytes`]) or milliseconds waited.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct OpBytes {
+#[serde(bound(deserialize = "T: Deserialize<'de> + Default"))]
+pub struct ByOp<T> {
     /// all_reduce.
-    pub all_reduce: u64,
+    pub all_reduce: T,
     /// reduce_scatter.
-    pub reduce_scatter: u64,
+    pub reduce_scatter: T,
     /// all_gather.
-    pub all_gather: u64,
+    pub all_gather: T,
     /// all_to_all.
-    pub all_to_all: u64,
+    pub all_to_all: T,
     /// broadcast.
-    pub broadcast: u64,
+    pub broadcast: T,
     /// ZeRO++ qgZ's quantized reduce-scatter.
     #[serde(default)]
-    pub quantized_reduce_scatter: u64,
+    pub quantized_reduce_scatter: T,
+}
+
+/// Bytes sent by collective.
+pub type OpBytes = ByOp<u64>;
+
+impl<T: PartialOrd + Copy> ByOp<T> {
+    /// Field-wise maximum.
+    pub fn max(self, o: ByOp<T>) -> ByOp<T> {
+        let max = |a: T, b: T| if b > a { b } else { a };
+        ByOp {
+            all_reduce: max(self.all_reduce, o.all_reduce),
+            reduce_scatter: max(self.reduce_scatter, o.reduce_scatter),
+            all_gather: max(self.all_gather, o.all_gather),
+            all_to_all: max(self.all_to_all, o.all_to_all),
+            broadcast: max(self.broadcast, o.broadcast),
+            quantized_reduce_scatter: max(
+                self.quantized_reduce_scatter,
+                o.quantized_reduce_scatter,
+            ),
+        }
+    }
 }
 
 impl CommBytes {
     /// Field-wise maximum.
     pub fn max(self, o: CommBytes) -> CommBytes {
-        let (a, b) = (self.by_op, o.by_op);
         CommBytes {
             intra_node: self.intra_node.max(o.intra_node),
             inter_node: self.inter_node.max(o.inter_node),
-            by_op: OpBytes {
-                all_reduce: a.all_reduce.max(b.all_reduce),
-                reduce_scatter: a.reduce_scatter.max(b.reduce_scatter),
-                all_gather: a.all_gather.max(b.all_gather),
-                all_to_all: a.all_to_all.max(b.all_to_all),
-                broadcast: a.broadcast.max(b.broadcast),
-                quantized_reduce_scatter: a
-                    .quantized_reduce_scatter
-                    .max(b.quantized_reduce_scatter),
-            },
+            by_op: self.by_op.max(o.by_op),
         }
     }
+}
+
+/// Where one rank's step went, in milliseconds (`time_ms` in
+/// docs/CONFIG.md): DeepSpeed's `wall_clock_breakdown`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepTimesMs {
+    /// The micro-batches' forward passes (embedding and blocks).
+    pub forward: f64,
+    /// Their backward passes (the head's loss and gradient, blocks, embedding).
+    pub backward: f64,
+    /// The optimizer step: the last reductions, gradient norm, clipping,
+    /// AdamW, sharing updated parameters.
+    pub optimizer: f64,
+    /// The rest of the step (loading batches): `step_ms` less the three above.
+    pub other: f64,
+    /// Blocked waiting for collectives, inside the phases above:
+    /// communication that compute did not hide, and waiting for slower ranks.
+    pub comm_wait: f64,
+    /// `comm_wait` by collective (a barrier's wait counts in the total only).
+    pub comm_wait_by_op: ByOp<f64>,
 }
 
 /// One rank's account of one optimizer step.
@@ -412,6 +444,9 @@ pub struct StepReport {
     pub mem: MemBytes,
     /// Bytes sent during the step.
     pub comm: CommBytes,
+    /// Where the step's time went.
+    #[serde(default)]
+    pub times: StepTimesMs,
     /// f16 loss scale.
     pub loss_scale: Option<f64>,
     /// NVMe offload: the step's swap I/O.

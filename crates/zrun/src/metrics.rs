@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use serde::Serialize;
-use zproto::{CommBytes, MemBytes, StepReport};
+use zproto::{CommBytes, MemBytes, StepReport, StepTimesMs};
 
 /// One `metrics.jsonl` line.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -35,6 +35,8 @@ pub struct StepLine {
     pub mem_bytes: MemBytes,
     /// Maximum over ranks.
     pub comm_bytes: CommBytes,
+    /// Where the slowest rank's step went.
+    pub time_ms: TimeLine,
     /// f16 loss scale.
     pub loss_scale: Option<f64>,
     /// Global gradient norm (null on a step f16 skipped for overflow).
@@ -45,6 +47,18 @@ pub struct StepLine {
     /// Validation loss after the step, on the steps that computed one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+}
+
+/// A step's time by phase in `metrics.jsonl`: the slowest rank's (its
+/// phases add up to the line's `step_ms`; the others waited for it inside
+/// their collectives).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TimeLine {
+    /// The slowest rank.
+    pub rank: usize,
+    /// Its phases.
+    #[serde(flatten)]
+    pub phases: StepTimesMs,
 }
 
 /// A step's swap I/O in `metrics.jsonl`.
@@ -113,7 +127,11 @@ impl Aggregator {
 
 fn combine(rs: &[StepReport]) -> StepLine {
     let n = rs.len() as f64;
-    let step_ms = rs.iter().map(|r| r.step_ms).fold(0.0, f64::max);
+    let (slowest, step_ms) = rs
+        .iter()
+        .map(|r| r.step_ms)
+        .enumerate()
+        .fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a });
     let secs = (step_ms / 1e3).max(1e-9);
     let tokens: u64 = rs.iter().map(|r| r.tokens).sum();
     let flops: f64 = rs.iter().map(|r| r.flops).sum();
@@ -129,6 +147,10 @@ fn combine(rs: &[StepReport]) -> StepLine {
         params: rs[0].params,
         mem_bytes: rs.iter().fold(MemBytes::default(), |m, r| m.max(r.mem)),
         comm_bytes: rs.iter().fold(CommBytes::default(), |m, r| m.max(r.comm)),
+        time_ms: TimeLine {
+            rank: slowest,
+            phases: rs[slowest].times,
+        },
         loss_scale: rs[0].loss_scale,
         grad_norm: rs[0].grad_norm,
         io: combine_io(rs),
@@ -167,6 +189,10 @@ mod tests {
                 ..Default::default()
             },
             comm: CommBytes::default(),
+            times: StepTimesMs {
+                forward: ms / 4.0,
+                ..Default::default()
+            },
             loss_scale: None,
             io: None,
             val_loss: None,
@@ -210,6 +236,8 @@ mod tests {
         );
         assert!((line.tokens_per_s - 10_000.0).abs() < 1e-9);
         assert!((line.tflops - 0.01).abs() < 1e-12);
+        assert_eq!(line.time_ms.rank, 1, "the phases are the slowest rank's");
+        assert_eq!(line.time_ms.phases.forward, 50.0);
         let json = serde_json::to_value(&line).unwrap();
         for key in [
             "step",
@@ -229,6 +257,11 @@ mod tests {
             assert!(json.get(key).is_some(), "{key} missing");
         }
         assert!(json["comm_bytes"]["by_op"].get("all_reduce").is_some());
+        assert_eq!(json["time_ms"]["rank"], 1);
+        assert_eq!(json["time_ms"]["forward"], 50.0);
+        assert!(json["time_ms"]["comm_wait_by_op"]
+            .get("all_gather")
+            .is_some());
         assert!(json["mem_bytes"].get("offload_buffers").is_some());
     }
 }

@@ -384,7 +384,7 @@ impl Supervisor {
             Event::Message { rank, msg } => {
                 self.ranks[rank].last_seen = Instant::now();
                 match *msg {
-                    ToServer::Report(report) => self.sink.report(rank, report)?,
+                    ToServer::Report(report) => self.sink.report(rank, *report)?,
                     ToServer::KernelRows(rows) => self.sink.kernel_rows(rows),
                     ToServer::BenchRows(rows) => self.sink.bench_rows(rows),
                     ToServer::Failed { message } => {

@@ -2,15 +2,15 @@
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use zckpt::Checkpoint;
 use zcomm::{CounterSnapshot, Op};
 use zconfig::JobSpec;
-use zengine::{Engine, MemoryUse, ProcessGroups};
+use zengine::{Engine, MemoryUse, ProcessGroups, StepStats};
 use zmodel::{Batcher, Corpus};
-use zproto::{CommBytes, IoReport, MemBytes, OpBytes, StepReport, ToServer};
+use zproto::{ByOp, CommBytes, IoReport, MemBytes, StepReport, StepTimesMs, ToServer};
 
 use crate::checkpoint::save;
 use crate::control::ControlClient;
@@ -123,7 +123,7 @@ pub fn train(
             Some(batches) if evaluate => Some(engine.eval_loss(batches)?),
             _ => None,
         };
-        client.send(&ToServer::Report(StepReport {
+        client.send(&ToServer::Report(Box::new(StepReport {
             step: st.step,
             loss: st.loss,
             lr: st.lr,
@@ -135,6 +135,7 @@ pub fn train(
             zero_stage: spec.zero.stage.number(),
             mem: mem_bytes(&st.mem),
             comm: comm_bytes(&st.comm),
+            times: step_times(&st, step_ms),
             loss_scale: st.loss_scale,
             io: st.io.map(|io| IoReport {
                 read_bytes: io.read_bytes,
@@ -143,7 +144,7 @@ pub fn train(
                 busy_s: io.busy_s,
             }),
             val_loss,
-        }))?;
+        })))?;
         if spec.checkpoint.dir.is_some() && every > 0 && st.step % every == 0 {
             save_now(&engine, &data)?;
             saved_at = Some(st.step);
@@ -189,13 +190,37 @@ fn comm_bytes(d: &CounterSnapshot) -> CommBytes {
     CommBytes {
         intra_node: d.intra_node,
         inter_node: d.inter_node,
-        by_op: OpBytes {
-            all_reduce: d.op(Op::AllReduce),
-            reduce_scatter: d.op(Op::ReduceScatter),
-            all_gather: d.op(Op::AllGather),
-            all_to_all: d.op(Op::AllToAll),
-            broadcast: d.op(Op::Broadcast),
-            quantized_reduce_scatter: d.op(Op::QuantizedReduceScatter),
-        },
+        by_op: by_op(|op| d.op(op)),
+    }
+}
+
+/// Where the step's `step_ms` went, from the engine's phases and the
+/// communicator's waits.
+fn step_times(st: &StepStats, step_ms: f64) -> StepTimesMs {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let (forward, backward, optimizer) = (
+        ms(st.times.forward),
+        ms(st.times.backward),
+        ms(st.times.optimizer),
+    );
+    StepTimesMs {
+        forward,
+        backward,
+        optimizer,
+        other: (step_ms - forward - backward - optimizer).max(0.0),
+        comm_wait: ms(st.comm.waited_total()),
+        comm_wait_by_op: by_op(|op| ms(st.comm.waited(op))),
+    }
+}
+
+/// One value per collective, from `f`.
+fn by_op<T>(f: impl Fn(Op) -> T) -> ByOp<T> {
+    ByOp {
+        all_reduce: f(Op::AllReduce),
+        reduce_scatter: f(Op::ReduceScatter),
+        all_gather: f(Op::AllGather),
+        all_to_all: f(Op::AllToAll),
+        broadcast: f(Op::Broadcast),
+        quantized_reduce_scatter: f(Op::QuantizedReduceScatter),
     }
 }

@@ -238,6 +238,7 @@ impl MpiCommunicator {
             opts.group.clone(),
             opts.timeout,
             current,
+            counters.clone(),
         )
         .map_err(|e| CommError::Setup {
             group: opts.group.clone(),

@@ -183,6 +183,7 @@ impl TcpCommunicator {
             opts.group.clone(),
             opts.timeout,
             current,
+            counters.clone(),
         )
         .map_err(|e| setup(e.into()))?;
         Ok(TcpCommunicator {
