@@ -27,7 +27,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-L, D, H, S, V, B = 6, 384, 6, 256, 256, 8
+# PEER_SHAPE=layers,d_model,heads,seq (in the environment, which the DDP
+# ranks inherit) trains another shape of the same family, beside zrun's
+# `--set model.n_layers=… --set model.d_model=… --set model.n_heads=… --set model.seq_len=…`.
+L, D, H, S = (int(x) for x in os.environ.get("PEER_SHAPE", "6,384,6,256").split(","))
+V, B = 256, 8
 WARMUP, STEPS = 3, 10
 
 
