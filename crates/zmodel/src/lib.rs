@@ -35,6 +35,8 @@ pub mod attention;
 pub mod data;
 pub mod gpt;
 pub mod head;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 pub mod linear;
 pub mod llama_ops;
 pub mod ops;

@@ -51,13 +51,7 @@ pub fn gelu_and_slope(x: &Tensor) -> Result<(Tensor, Tensor)> {
         .for_each(|((y, slope), x)| {
             vectorised(
                 #[inline(always)]
-                || {
-                    for ((y, d), &v) in y.iter_mut().zip(slope.iter_mut()).zip(x) {
-                        let (value, dv) = gelu_and_slope_of(v);
-                        y.write(value);
-                        d.write(dv);
-                    }
-                },
+                || gelu_and_slope_into(x, y, slope),
             )
         });
     // SAFETY: the chunks of y and slope match those of x; each element got a value.
@@ -80,26 +74,34 @@ pub fn gelu_bf16_and_slope(x: &Tensor) -> Result<(Tensor, Tensor)> {
     let width = x.dims().last().copied().unwrap_or(1);
     let (s, l) = x.storage_and_layout();
     let xs = cpu_f32("gelu", &s, l)?;
-    let (rounded, slope) = par_rows_bf16_and_f32(
-        xs,
-        width,
-        #[inline(always)]
-        |x, y, slope| {
-            for ((o, d), &v) in y.iter_mut().zip(slope.iter_mut()).zip(x) {
-                let (value, dv) = gelu_and_slope_of(v);
-                o.write(value);
-                d.write(dv);
-            }
-        },
-    )?;
+    let (rounded, slope) = par_rows_bf16_and_f32(xs, width, gelu_and_slope_into)?;
     Ok((rounded, slope.reshape(l.shape())?))
 }
 
 const GELU_K: f32 = 0.797_884_6; // sqrt(2 / pi)
 const GELU_C: f32 = 0.044_715;
-const GELU_2K: f32 = 2.0 * GELU_K;
-const GELU_2KC: f32 = GELU_2K * GELU_C;
-const GELU_6KC: f32 = 3.0 * GELU_2KC;
+pub(crate) const GELU_2K: f32 = 2.0 * GELU_K;
+pub(crate) const GELU_2KC: f32 = GELU_2K * GELU_C;
+pub(crate) const GELU_6KC: f32 = 3.0 * GELU_2KC;
+
+/// GELU of `x` into `y` and its slope into `slope`, element by element (the
+/// bits of [`gelu_and_slope_of`]); inside [`vectorised`], which compiles the
+/// loop for this CPU's widest vectors. On AVX2, the intrinsics of
+/// [`crate::lanes`], which keep several vectors' chains in flight.
+#[inline(always)]
+fn gelu_and_slope_into(x: &[f32], y: &mut [MaybeUninit<f32>], slope: &mut [MaybeUninit<f32>]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::chosen_width() == crate::simd::Width::Avx2 {
+        // SAFETY: the CPU has AVX2 and FMA (chosen_width); y and slope are
+        // x's chunks' partners, as long as x.
+        return unsafe { crate::lanes::gelu_and_slope(x, y, slope) };
+    }
+    for ((y, d), &v) in y.iter_mut().zip(slope.iter_mut()).zip(x) {
+        let (value, dv) = gelu_and_slope_of(v);
+        y.write(value);
+        d.write(dv);
+    }
+}
 
 /// GELU's tanh form written as a sigmoid: `0.5·v·(1 + tanh(u)) = v·σ(2u)`
 /// with `2u = v·(2k + 2kc·v²)` (one exponential, one reciprocal).
@@ -183,7 +185,7 @@ pub fn gelu_backward_by_slope(slope: &Tensor, dy: &Tensor) -> Result<Tensor> {
 /// Every backward multiplies the gradient by this slope, computed here from
 /// the input or kept by the forward: the same bits either way.
 #[inline(always)]
-fn gelu_and_slope_of(v: f32) -> (f32, f32) {
+pub(crate) fn gelu_and_slope_of(v: f32) -> (f32, f32) {
     let v2 = v * v;
     let s = sigmoid(v * v2.mul_add(GELU_2KC, GELU_2K));
     (

@@ -93,7 +93,7 @@ pub(crate) fn vectorised<R>(f: impl FnOnce() -> R) -> R {
         fn avx2<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        match widest_here().min(widest_allowed()) {
+        match chosen_width() {
             // SAFETY: the CPU has these AVX-512 subsets and AVX2 (`widest_here`).
             Width::Avx512 => return unsafe { avx512(f) },
             // SAFETY: the CPU has AVX2 (`widest_here`).
@@ -102,6 +102,13 @@ pub(crate) fn vectorised<R>(f: impl FnOnce() -> R) -> R {
         }
     }
     f()
+}
+
+/// The width [`vectorised`] runs at: this CPU's widest, or narrower where a
+/// test caps it.
+#[inline(always)]
+pub(crate) fn chosen_width() -> Width {
+    widest_here().min(widest_allowed())
 }
 
 /// The vector widths [`vectorised`] picks from, narrowest first.
