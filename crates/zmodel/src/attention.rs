@@ -41,7 +41,7 @@ use zgemm::{MatMut, MatRef, PackedB, Start};
 use crate::linear::Products;
 
 use crate::ops::{f32_input, max_lanes, sum_lanes};
-use crate::simd::{assume_init, exp, uninit_floats, vectorised};
+use crate::simd::{assume_init, exp_minus, uninit_floats, vectorised};
 
 /// The heads of one attention: `heads` query heads sharing `kv` key/value heads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -316,7 +316,7 @@ fn probabilities(
                 // sum in one chain of adds waited on each add's latency, a
                 // fifth of attention's time.
                 let max = max_lanes(live);
-                live.iter_mut().for_each(|v| *v = exp(*v - max));
+                exp_minus(live, max);
                 let inv = 1.0 / sum_lanes([live], |[v]| v);
                 live.iter_mut().for_each(|v| *v *= inv);
                 masked.fill(0.0);

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use zgemm::{MatMut, MatRef, Start};
 
 use crate::ops::{max_lanes, sum_lanes};
-use crate::simd::{assume_init, exp, uninit_floats, vectorised};
+use crate::simd::{assume_init, exp_minus, uninit_floats, vectorised};
 
 /// What [`crate::Gpt::head_backward`] returns.
 #[derive(Debug)]
@@ -70,7 +70,7 @@ pub(crate) fn cross_entropy_in_place(
                 || {
                     let max = max_lanes(row);
                     let picked = row[t as usize] - max;
-                    row.iter_mut().for_each(|x| *x = exp(*x - max));
+                    exp_minus(row, max);
                     let sum = sum_lanes([row], |[x]| x);
                     let inv = coef / sum;
                     row.iter_mut().for_each(|x| *x *= inv);

@@ -1,33 +1,37 @@
-//! GELU's forward on AVX2 written with intrinsics, several vectors at a time
-//! and operation by operation, because the compiler's loop is bound by the
-//! latency of one vector's chain, not by the arithmetic.
+//! GELU's forward and a softmax's exponentials on AVX2, written with
+//! intrinsics several vectors at a time and operation by operation, because
+//! the compiler's loops are bound by the latency of one vector's chain, not
+//! by the arithmetic.
 //!
-//! GELU and its slope take about 41 vector operations an element group (the
+//! GELU and its slope take about 41 vector operations per eight values (the
 //! exponential's polynomial, three Newton steps of the reciprocal, the
 //! slope), one dependent chain of about 120 cycles. LLVM vectorises the
 //! scalar loop one vector an iteration; on cores whose FMA units are 128 bits
 //! wide every 256-bit operation is two micro-ops, the scheduler holds little
 //! more than one iteration, and the loop ran at a third of its arithmetic
-//! bound (2048 × 1536 values: 11.8 ms, where the multiplies and fused
-//! multiply-adds alone need about 4 on one core). Writing it per element
-//! over two interleaved halves, or over arrays, left the schedule to LLVM,
-//! which kept one chain at a time or spilled (0.85x and 1.4x the time). Here
+//! bound (2048 × 1536 values: 12.1 ms on one core, where its multiplies and
+//! fused multiply-adds alone need about 4). Written per element over two
+//! interleaved halves, or over arrays, the schedule stayed LLVM's, which
+//! kept one chain at a time or spilled (0.85x and 1.4x the time). Here
 //! [`CHAINS`] vectors go through each operation before the next one starts,
-//! their constants read from memory as operands (sixteen registers hold the
-//! chains' values, not the constants): 1.6x faster on that core.
+//! their constants read from memory as operands (the sixteen registers hold
+//! the chains' values): 7.3 ms, 1.66x (`ops_bench`). The same for attention's
+//! and the loss's `e^(v − max)`: attention's forward 2-3% faster
+//! (`attention_bench`), its rows being short.
 //!
 //! Every operation is the scalar code's operation, in its order (the clamps
 //! with the constant first, as the compiler emits the scalar ones: `min`
 //! and `max` return their second operand where one is NaN), so the results
-//! are [`crate::ops`]' bits on every input (tested against the scalar path,
-//! NaN, infinities, subnormals and the clamps' edges included). AVX-512
-//! keeps the compiler's loop: thirty-two registers, and no machine at hand
-//! to measure it on.
+//! are [`crate::ops`]' and [`crate::simd::exp`]'s bits on every input
+//! (tested against the scalar code, NaN, infinities, subnormals and the
+//! clamps' edges included). AVX-512 keeps the compiler's loops: thirty-two
+//! registers, and no machine at hand to measure it on.
 
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
 use crate::ops::{gelu_and_slope_of, GELU_2K, GELU_2KC, GELU_6KC};
+use crate::simd::exp;
 
 /// Vectors in flight (8 values each): 4 and 6 measured alike, 8 spilled.
 const CHAINS: usize = 4;
@@ -58,6 +62,7 @@ static SIX_KC: Splat = Splat::of(GELU_6KC);
 static MINUS_ZERO: Splat = Splat::of(-0.0);
 static EIGHTY: Splat = Splat::of(80.0);
 static FLOOR: Splat = Splat::of(-87.0);
+static CEILING: Splat = Splat::of(88.0);
 static LOG2E: Splat = Splat::of(std::f32::consts::LOG2_E);
 static ROUND: Splat = Splat::of(ROUNDER);
 static MINUS_LN2_HI: Splat = Splat::of(-0.693_359_4);
@@ -79,6 +84,62 @@ macro_rules! each {
     };
 }
 
+/// e^z of each chain (`z` already held to [-87, 88]): `simd::exp`'s
+/// operations, Cephes' reduction by ln 2 and degree-6 polynomial.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn exp_of(z: [__m256; CHAINS]) -> [__m256; CHAINS] {
+    let [mut t, mut e, mut r, mut p] = [[_mm256_setzero_ps(); CHAINS]; 4];
+    each!(k => t[k] = _mm256_fmadd_ps(z[k], LOG2E.get(), ROUND.get()));
+    each!(k => e[k] = _mm256_sub_ps(t[k], ROUND.get()));
+    each!(k => r[k] = _mm256_fmadd_ps(e[k], MINUS_LN2_HI.get(), z[k]));
+    each!(k => r[k] = _mm256_fmadd_ps(e[k], MINUS_LN2_LO.get(), r[k]));
+    each!(k => p[k] = _mm256_fmadd_ps(P0.get(), r[k], P1.get()));
+    each!(k => p[k] = _mm256_fmadd_ps(p[k], r[k], P2.get()));
+    each!(k => p[k] = _mm256_fmadd_ps(p[k], r[k], P3.get()));
+    each!(k => p[k] = _mm256_fmadd_ps(p[k], r[k], P4.get()));
+    each!(k => p[k] = _mm256_fmadd_ps(p[k], r[k], HALF.get()));
+    each!(k => e[k] = _mm256_mul_ps(r[k], r[k]));
+    each!(k => p[k] = _mm256_add_ps(_mm256_fmadd_ps(p[k], e[k], r[k]), ONE.get()));
+    each!(k => {
+        let n = _mm256_sub_epi32(_mm256_castps_si256(t[k]), _mm256_castps_si256(ROUND.get()));
+        let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(n, _mm256_set1_epi32(127)));
+        p[k] = _mm256_mul_ps(p[k], _mm256_castsi256_ps(scale));
+    });
+    p
+}
+
+/// `v = e^(v − max)` for each value of `row` (a softmax's numerators): per
+/// element the bits of `simd::exp(v - max)`.
+///
+/// # Safety
+///
+/// The CPU has AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn exp_minus(row: &mut [f32], max: f32) {
+    let whole = row.len() / (8 * CHAINS) * (8 * CHAINS);
+    let m = _mm256_set1_ps(max);
+    for i in (0..whole).step_by(8 * CHAINS) {
+        let mut z = [_mm256_setzero_ps(); CHAINS];
+        for (k, z) in z.iter_mut().enumerate() {
+            // SAFETY: i + 8·CHAINS ≤ whole ≤ row.len().
+            *z = unsafe { _mm256_loadu_ps(row.as_ptr().add(i + 8 * k)) };
+        }
+        // `exp`'s clamp of v − max to [-87, 88].
+        each!(k => z[k] = _mm256_sub_ps(z[k], m));
+        each!(k => z[k] = _mm256_min_ps(CEILING.get(), _mm256_max_ps(FLOOR.get(), z[k])));
+        let p = exp_of(z);
+        let out = row.as_mut_ptr();
+        for (k, p) in p.iter().enumerate() {
+            // SAFETY: as for the loads.
+            unsafe { _mm256_storeu_ps(out.add(i + 8 * k), *p) };
+        }
+    }
+    for v in &mut row[whole..] {
+        *v = exp(*v - max);
+    }
+}
+
 /// GELU of `x` into `y` and its slope into `slope`: per element the bits of
 /// [`gelu_and_slope_of`].
 ///
@@ -95,7 +156,7 @@ pub(crate) unsafe fn gelu_and_slope(
     let whole = x.len() / (8 * CHAINS) * (8 * CHAINS);
     let zero = _mm256_setzero_ps();
     for i in (0..whole).step_by(8 * CHAINS) {
-        let [mut v, mut v2, mut z, mut t, mut r, mut p, mut e] = [[zero; CHAINS]; 7];
+        let [mut v, mut v2, mut z, mut t, mut e] = [[zero; CHAINS]; 5];
         for (k, v) in v.iter_mut().enumerate() {
             // SAFETY: i + 8·CHAINS ≤ whole ≤ x.len().
             *v = unsafe { _mm256_loadu_ps(x.as_ptr().add(i + 8 * k)) };
@@ -106,23 +167,7 @@ pub(crate) unsafe fn gelu_and_slope(
         each!(k => z[k] = _mm256_fmadd_ps(v2[k], TWO_KC.get(), TWO_K.get()));
         each!(k => z[k] = _mm256_xor_ps(_mm256_mul_ps(v[k], z[k]), MINUS_ZERO.get()));
         each!(k => z[k] = _mm256_max_ps(FLOOR.get(), _mm256_min_ps(EIGHTY.get(), z[k])));
-        // e^z: Cephes' reduction by ln 2 and degree-6 polynomial.
-        each!(k => t[k] = _mm256_fmadd_ps(z[k], LOG2E.get(), ROUND.get()));
-        each!(k => e[k] = _mm256_sub_ps(t[k], ROUND.get()));
-        each!(k => r[k] = _mm256_fmadd_ps(e[k], MINUS_LN2_HI.get(), z[k]));
-        each!(k => r[k] = _mm256_fmadd_ps(e[k], MINUS_LN2_LO.get(), r[k]));
-        each!(k => p[k] = _mm256_fmadd_ps(P0.get(), r[k], P1.get()));
-        each!(k => p[k] = _mm256_fmadd_ps(p[k], r[k], P2.get()));
-        each!(k => p[k] = _mm256_fmadd_ps(p[k], r[k], P3.get()));
-        each!(k => p[k] = _mm256_fmadd_ps(p[k], r[k], P4.get()));
-        each!(k => p[k] = _mm256_fmadd_ps(p[k], r[k], HALF.get()));
-        each!(k => e[k] = _mm256_mul_ps(r[k], r[k]));
-        each!(k => p[k] = _mm256_add_ps(_mm256_fmadd_ps(p[k], e[k], r[k]), ONE.get()));
-        each!(k => {
-            let n = _mm256_sub_epi32(_mm256_castps_si256(t[k]), _mm256_castps_si256(ROUND.get()));
-            let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(n, _mm256_set1_epi32(127)));
-            p[k] = _mm256_mul_ps(p[k], _mm256_castsi256_ps(scale));
-        });
+        let p = exp_of(z);
         // s = 1 / (1 + e^z): the guess from the exponent bits, three Newton steps.
         each!(k => z[k] = _mm256_add_ps(ONE.get(), p[k]));
         each!(k => {
@@ -208,6 +253,39 @@ mod tests {
                 (want_y.to_bits(), want_d.to_bits()),
                 "x[{i}] = {v:e}: AVX2 gave ({got_y:e}, {got_d:e}), the scalar code ({want_y:e}, {want_d:e})"
             );
+        }
+    }
+
+    /// `exp_minus` gives `simd::exp(v - max)`'s bits on rows of every length
+    /// from 0 to 100 (whole groups of 32 and tails), on values that reach
+    /// both clamps, infinities and NaN.
+    #[test]
+    fn exp_minus_on_avx2_is_the_scalar_codes_bits() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            eprintln!("skipped: this CPU has no AVX2 and FMA, so the AVX2 exp cannot run");
+            return;
+        }
+        let special = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e-40];
+        for len in 0..=100 {
+            let row: Vec<f32> = (0..len)
+                .map(|i| match i % 17 {
+                    16 => special[i / 17 % special.len()],
+                    k => (k as f32 - 8.0) * 13.0 + i as f32 * 0.37,
+                })
+                .collect();
+            for max in [0.0, 3.5, -120.0, 200.0] {
+                let mut got = row.clone();
+                // SAFETY: AVX2 and FMA checked above.
+                unsafe { exp_minus(&mut got, max) };
+                for (i, (&g, &v)) in got.iter().zip(&row).enumerate() {
+                    let want = exp(v - max);
+                    assert_eq!(
+                        g.to_bits(),
+                        want.to_bits(),
+                        "row of {len}, [{i}] = {v:e}, max {max}: AVX2 gave {g:e}, the scalar code {want:e}"
+                    );
+                }
+            }
         }
     }
 }

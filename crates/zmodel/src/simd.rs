@@ -73,6 +73,20 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
     recip(1.0 + exp(z))
 }
 
+/// `v = e^(v − max)` for each value of `row`: a softmax's numerators, with
+/// [`exp`]'s bits. Inside [`vectorised`]; on AVX2, the intrinsics of
+/// [`crate::lanes`], which keep four vectors' chains in flight where the
+/// compiler's loop waited on one (`attention_bench`: see `lanes`).
+#[inline(always)]
+pub(crate) fn exp_minus(row: &mut [f32], max: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if chosen_width() == Width::Avx2 {
+        // SAFETY: the CPU has AVX2 and FMA (chosen_width).
+        return unsafe { crate::lanes::exp_minus(row, max) };
+    }
+    row.iter_mut().for_each(|v| *v = exp(*v - max));
+}
+
 /// Runs `f` in a function compiled for AVX-512 (16 lanes) or AVX2 (8 lanes),
 /// the widest this CPU has, else as is. Callers mark the closure
 /// `#[inline(always)]`: only code inlined into these functions is compiled
