@@ -106,6 +106,18 @@ fn main() -> candle_core::Result<()> {
     row("bf16_with_column_sums (1536 wide)", 6.0 * m, &mut || {
         ops::bf16_with_column_sums(&dhv, wide).map(drop)
     })?;
+    // LLaMA's SwiGLU over gate and up side by side (each half as wide as h).
+    let (gu, half) = (
+        h.narrow(1, 0, wide / 2 * 2)?.contiguous()?,
+        (rows * (wide / 2)) as f64,
+    );
+    let dy_half = dh.narrow(1, 0, wide / 2)?.contiguous()?;
+    row("swiglu (LLaMA)", 12.0 * half, &mut || {
+        zmodel::llama_ops::swiglu(&gu).map(drop)
+    })?;
+    row("swiglu_backward", 20.0 * half, &mut || {
+        zmodel::llama_ops::swiglu_backward(&gu, &dy_half).map(drop)
+    })?;
     println!(
         "(GB/s: the bytes an op must read and write; ratio: over the triad's GB/s in this run)"
     );

@@ -16,6 +16,8 @@
 //!   `transformers` unpermuted. The rotation is orthogonal: its backward is
 //!   the rotation by the opposite angle, and needs no saved input.
 
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -235,9 +237,7 @@ impl CustomOp1 for SwiGlu {
                     || {
                         for (out, row) in y.chunks_exact_mut(f).zip(h.chunks_exact(f2)) {
                             let (gate, up) = row.split_at(f);
-                            for i in 0..f {
-                                out[i].write(gate[i] * sigmoid(gate[i]) * up[i]);
-                            }
+                            swiglu_row(gate, up, out);
                         }
                     },
                 )
@@ -249,6 +249,45 @@ impl CustomOp1 for SwiGlu {
 
     fn bwd(&self, h: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(swiglu_backward(h, dy)?))
+    }
+}
+
+/// `out = gate · σ(gate) · up` element by element; inside `vectorised`, on
+/// AVX2 through [`crate::lanes`] (the same bits).
+#[inline(always)]
+fn swiglu_row(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::chosen_width() == crate::simd::Width::Avx2 {
+        // SAFETY: the CPU has AVX2 and FMA (chosen_width); up and out are
+        // the row's other halves, as long as gate.
+        return unsafe { crate::lanes::swiglu(gate, up, out) };
+    }
+    for i in 0..gate.len() {
+        out[i].write(gate[i] * sigmoid(gate[i]) * up[i]);
+    }
+}
+
+/// SwiGLU's gradients of one row (`dgate`, `dup` from `dy`); inside
+/// `vectorised`, on AVX2 through [`crate::lanes`] (the same bits).
+#[inline(always)]
+fn swiglu_backward_row(
+    gate: &[f32],
+    up: &[f32],
+    dy: &[f32],
+    dgate: &mut [MaybeUninit<f32>],
+    dup: &mut [MaybeUninit<f32>],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::chosen_width() == crate::simd::Width::Avx2 {
+        // SAFETY: the CPU has AVX2 and FMA (chosen_width); every slice is
+        // one row's part, as long as gate.
+        return unsafe { crate::lanes::swiglu_backward(gate, up, dy, dgate, dup) };
+    }
+    for i in 0..gate.len() {
+        let s = sigmoid(gate[i]);
+        let silu = gate[i] * s;
+        dgate[i].write(dy[i] * up[i] * (s + silu * (1.0 - s)));
+        dup[i].write(dy[i] * silu);
     }
 }
 
@@ -296,12 +335,7 @@ impl CustomOp2 for SwiGluGrad {
                         {
                             let (gate, up) = row.split_at(f);
                             let (dgate, dup) = out.split_at_mut(f);
-                            for i in 0..f {
-                                let s = sigmoid(gate[i]);
-                                let silu = gate[i] * s;
-                                dgate[i].write(g[i] * up[i] * (s + silu * (1.0 - s)));
-                                dup[i].write(g[i] * silu);
-                            }
+                            swiglu_backward_row(gate, up, g, dgate, dup);
                         }
                     },
                 )
