@@ -16,9 +16,10 @@
 //! [`CHAINS`] vectors go through each operation before the next one starts,
 //! their constants read from memory as operands (the sixteen registers hold
 //! the chains' values): 7.3 ms, 1.66x (`ops_bench`). SwiGLU's sigmoid the
-//! same way: forward 1.55x, backward 6.3x (the compiler's loop over five
-//! slices of one row kept its bounds checks and ran scalar); a LLaMA of
-//! gpt-anchor's size trains 1.5-2.7% faster. Attention's and the loss's
+//! same way: forward and backward 1.5x the compiler's loops (which until
+//! then had kept bounds checks in the backward and ran it scalar, 6.3x
+//! slower than here); a LLaMA of gpt-anchor's size trains 1.5-2.7% faster.
+//! Attention's and the loss's
 //! `e^(v − max)`: attention's forward 2-3% faster (`attention_bench`), its
 //! rows being short.
 //!
