@@ -106,6 +106,18 @@ fn main() -> candle_core::Result<()> {
     row("bf16_with_column_sums (1536 wide)", 6.0 * m, &mut || {
         ops::bf16_with_column_sums(&dhv, wide).map(drop)
     })?;
+    // LLaMA's norm and rotary embedding (6 heads of 64 for q, k and v: qkv
+    // as wide as 3·d).
+    row("rms_norm (LLaMA)", 8.0 * e, &mut || {
+        zmodel::llama_ops::rms_norm(&x, &w, 1e-5).map(drop)
+    })?;
+    row("rms_norm_backward + residual", 16.0 * e, &mut || {
+        zmodel::llama_ops::rms_norm_backward(&x, &w, &dy, 1e-5, Some(&res)).map(drop)
+    })?;
+    let qkv = t(rows, 3 * d, 10)?.reshape((8, rows / 8, 3 * d))?;
+    row("rope (q and k)", 8.0 * e * 3.0, &mut || {
+        zmodel::llama_ops::rope(&qkv, 6, 6, 10000.0, false).map(drop)
+    })?;
     // LLaMA's SwiGLU over gate and up side by side (each half as wide as h).
     let (gu, half) = (
         h.narrow(1, 0, wide / 2 * 2)?.contiguous()?,

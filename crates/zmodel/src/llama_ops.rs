@@ -383,9 +383,11 @@ impl Rope {
         let sign = if self.inverse { -1.0 } else { 1.0 };
         let mut cos = Vec::with_capacity(t * half);
         let mut sin = Vec::with_capacity(t * half);
+        let inv_freq: Vec<f64> = (0..half)
+            .map(|i| self.theta.powf(-((2 * i) as f64) / hd as f64))
+            .collect();
         for p in 0..t {
-            for i in 0..half {
-                let inv_freq = self.theta.powf(-((2 * i) as f64) / hd as f64);
+            for &inv_freq in &inv_freq {
                 let angle = p as f64 * inv_freq;
                 cos.push(angle.cos() as f32);
                 sin.push((sign * angle.sin()) as f32);
@@ -411,27 +413,37 @@ impl CustomOp1 for Rope {
         let half = hd / 2;
         let rotated = (self.heads + self.kv_heads) * hd;
         let (cos, sin) = self.table(t, hd);
-        let mut y = x.to_vec();
-        y.par_chunks_mut(w).enumerate().for_each(|(r, row)| {
-            let p = r % t;
-            let (c, s) = (
-                &cos[p * half..(p + 1) * half],
-                &sin[p * half..(p + 1) * half],
-            );
-            vectorised(
-                #[inline(always)]
-                || {
-                    for head in row[..rotated].chunks_exact_mut(hd) {
-                        let (a, b) = head.split_at_mut(half);
-                        for i in 0..half {
-                            let (x1, x2) = (a[i], b[i]);
-                            a[i] = x1 * c[i] - x2 * s[i];
-                            b[i] = x2 * c[i] + x1 * s[i];
+        let mut y = uninit_floats(x.len());
+        y.par_chunks_mut(w)
+            .zip(x.par_chunks(w))
+            .enumerate()
+            .for_each(|(r, (out, row))| {
+                let p = r % t;
+                let (c, s) = (&cos[p * half..][..half], &sin[p * half..][..half]);
+                vectorised(
+                    #[inline(always)]
+                    || {
+                        let (out_rotated, out_v) = out.split_at_mut(rotated);
+                        let heads = out_rotated.chunks_exact_mut(hd).zip(row.chunks_exact(hd));
+                        for (out, head) in heads {
+                            // Every slice cut to `half`: no bounds checks
+                            // are left, and the loop vectorises.
+                            let (a, b) = (&head[..half], &head[half..][..half]);
+                            let (oa, ob) = out.split_at_mut(half);
+                            let (oa, ob) = (&mut oa[..half], &mut ob[..half]);
+                            for i in 0..half {
+                                oa[i].write(a[i] * c[i] - b[i] * s[i]);
+                                ob[i].write(b[i] * c[i] + a[i] * s[i]);
+                            }
                         }
-                    }
-                },
-            )
-        });
+                        for (o, &v) in out_v.iter_mut().zip(&row[rotated..]) {
+                            o.write(v);
+                        }
+                    },
+                )
+            });
+        // SAFETY: every row of y was written whole: its rotated heads and the rest.
+        let y = unsafe { assume_init(y) };
         Ok((CpuStorage::F32(y), l.shape().clone()))
     }
 
