@@ -251,7 +251,7 @@ pub fn gemm_bf16_with<A: Bf16Operand, B: Bf16Operand>(
         } else {
             Packs::Values(pair_columns(b.t(), &mut pb, threads).t())
         };
-        drive(kernel, c, a2, b2, alpha, start, threads)
+        drive(kernel, c, a2, b2, alpha, start, threads, None)
     };
     PAIRS_A.set(pa);
     PAIRS_B.set(pb);

@@ -27,6 +27,11 @@
 //! **Threads** (rayon, in the caller's pool) take blocks of `A`'s rows (and,
 //! when there are few, ranges of `B`'s panels); the packed `B` block is shared.
 //!
+//! **`B`'s column sums on the way** ([`gemm_summing_b`]): the packing reads
+//! every element of `B` once, so it can add up `B`'s columns as it goes; a
+//! linear layer's bias gradient is exactly that for its weight gradient's
+//! `B`, and takes no pass of its own over the output gradient.
+//!
 //! **Packed once** ([`PackedB`], [`gemm_packed`]): a caller that multiplies
 //! many small `A`s by parts of one `B` (attention: each block of queries by
 //! the keys it may see) packs `B` once, whole-depth panels, and each product
@@ -95,6 +100,12 @@ pub enum ShapeError {
     /// `Start::Keep` on a `C` of uninitialised memory.
     #[error("C is uninitialised memory, which Start::Keep would read")]
     KeepUninit,
+    /// Column sums of a length other than `B`'s columns.
+    #[error("{len} column sums for a B of {cols} columns")]
+    Sums { len: usize, cols: usize },
+    /// Column sums of a `B` whose columns are not adjacent.
+    #[error("column sums need B's columns adjacent (column stride 1, not {cs})")]
+    SumsLayout { cs: usize },
 }
 
 impl ShapeError {
@@ -574,7 +585,70 @@ pub fn gemm_with(
         Kernel::detected().contains(&kernel),
         "the {kernel:?} GEMM kernel needs a CPU feature this one lacks, or is not an f32 kernel"
     );
-    drive(kernel, c, a, Packs::Values(b), alpha, start, threads)
+    drive(kernel, c, a, Packs::Values(b), alpha, start, threads, None)
+}
+
+/// Rows of `B` that [`gemm_summing_b`]'s column sums add as a group.
+pub const SUM_GROUP: usize = 16;
+const _: () = assert!(
+    KC.is_multiple_of(SUM_GROUP),
+    "groups must not straddle depth blocks"
+);
+
+/// [`gemm`] that also writes `B`'s column sums, `sums[j] = Σᵢ B[i][j]`,
+/// added up as the packing reads `B`: a linear layer's bias gradient is the
+/// column sums of the output gradient that its weight gradient multiplies
+/// by, and this takes them without a pass of its own over that gradient.
+/// Each sum takes `B`'s rows in groups of [`SUM_GROUP`] from the first: a
+/// group summed from zero in row order, the groups added in order to a sum
+/// from zero, whatever the threads (which split columns, not rows).
+/// `B` must be row-major (adjacent columns).
+pub fn gemm_summing_b(
+    c: MatMut,
+    a: MatRef,
+    b: MatRef,
+    alpha: f32,
+    start: Start,
+    threads: usize,
+    sums: &mut [f32],
+) -> Result<(), ShapeError> {
+    if sums.len() != b.cols {
+        return Err(ShapeError::Sums {
+            len: sums.len(),
+            cols: b.cols,
+        });
+    }
+    if b.cs != 1 && b.cols > 1 {
+        return Err(ShapeError::SumsLayout { cs: b.cs });
+    }
+    let kernel = Kernel::best();
+    drive(
+        kernel,
+        c,
+        a,
+        Packs::Values(b),
+        alpha,
+        start,
+        threads,
+        Some(sums),
+    )
+}
+
+/// `B`'s column sums in [`gemm_summing_b`]'s groups, for a product with
+/// nothing to multiply.
+fn sum_columns(b: &MatRef, sums: &mut [f32]) {
+    let mut group = vec![0f32; b.cols];
+    for i in 0..b.rows {
+        for (j, g) in group.iter_mut().enumerate() {
+            *g += b.at(i, j);
+        }
+        if (i + 1) % SUM_GROUP == 0 || i + 1 == b.rows {
+            sums.iter_mut().zip(&mut group).for_each(|(s, g)| {
+                *s += *g;
+                *g = 0.0;
+            });
+        }
+    }
 }
 
 /// What the driver packs `B`'s panels from.
@@ -599,7 +673,9 @@ impl Packs<'_> {
 }
 
 /// The blocked product with `kernel`, whose elements are f32 values or
-/// (bf16 kernels) pairs of bf16 values.
+/// (bf16 kernels) pairs of bf16 values; with `sums`, `B`'s column sums too
+/// ([`gemm_summing_b`]: f32 values of a row-major `B` only).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn drive(
     kernel: Kernel,
     c: MatMut,
@@ -608,12 +684,22 @@ pub(crate) fn drive(
     alpha: f32,
     start: Start,
     threads: usize,
+    mut sums: Option<&mut [f32]>,
 ) -> Result<(), ShapeError> {
+    let first = begin(&c, &a, b.shape().0, b.shape().1, start)?;
+    if let (Some(sums), Packs::Values(b)) = (sums.as_deref_mut(), &b) {
+        sums.fill(0.0);
+        if first.is_none() {
+            // Nothing to multiply (no rows of A, or no depth): no packing
+            // will read B, so the sums read it here.
+            sum_columns(b, sums);
+        }
+    }
     let Some(First {
         add: add_first,
         bias,
         residual,
-    }) = begin(&c, &a, b.shape().0, b.shape().1, start)?
+    }) = first
     else {
         return Ok(());
     };
@@ -631,11 +717,11 @@ pub(crate) fn drive(
             // Each thread packs a run of whole panels (rows of B read along,
             // see pack_b_panels).
             let run = panels.div_ceil(threads) * nr * kc;
-            let pack = |(r, dst): (usize, &mut [f32])| {
+            let pack = |((r, dst), sums): ((usize, &mut [f32]), Option<&mut [f32]>)| {
                 let j = jc + r * run / kc;
                 let j1 = (jc + nc).min(j + dst.len() / kc);
                 match &b {
-                    Packs::Values(b) => pack_b_panels(b, pc, kc, j, j1, nr, dst),
+                    Packs::Values(b) => pack_b_panels(b, pc, kc, j, j1, nr, dst, sums),
                     Packs::RowPairs {
                         of: RowSource::F32(m),
                         ..
@@ -646,10 +732,21 @@ pub(crate) fn drive(
                     } => bf16::pack_row_pairs(m, pc, kc, j, j1, nr, dst),
                 }
             };
-            if threads > 1 {
-                b_block.par_chunks_mut(run).enumerate().for_each(pack);
-            } else {
-                pack((0, b_block));
+            // Each run of panels sums its own columns (module doc: `B`'s
+            // column sums).
+            let block_sums = sums.as_deref_mut().map(|s| &mut s[jc..jc + nc]);
+            match (threads > 1, block_sums) {
+                (true, Some(s)) => b_block
+                    .par_chunks_mut(run)
+                    .enumerate()
+                    .zip(s.par_chunks_mut(run / kc).map(Some))
+                    .for_each(pack),
+                (true, None) => b_block
+                    .par_chunks_mut(run)
+                    .enumerate()
+                    .map(|chunk| (chunk, None))
+                    .for_each(pack),
+                (false, s) => pack(((0, b_block), s)),
             }
             let pass = Pass {
                 kernel,
@@ -837,7 +934,7 @@ impl PackedB {
         let nr = kernel.nr();
         let len = b.cols.div_ceil(nr) * nr * b.rows;
         let panels = aligned(&mut self.data, len);
-        pack_b_panels(&b, 0, b.rows, 0, b.cols, nr, panels);
+        pack_b_panels(&b, 0, b.rows, 0, b.cols, nr, panels, None);
         self.start = self.data.as_ptr().align_offset(64);
         (self.rows, self.cols, self.depth) = (b.rows, b.cols, b.rows);
         self.kernel = Some(kernel);
@@ -857,7 +954,7 @@ impl PackedB {
             // columns are contiguous), then panels of their transpose.
             bf16::with_pairs(|buf| {
                 let pairs = bf16::pair_columns(b.t(), buf, 1);
-                pack_b_panels(&pairs.t(), 0, depth, 0, b.cols, nr, panels);
+                pack_b_panels(&pairs.t(), 0, depth, 0, b.cols, nr, panels, None);
             });
         }
         self.start = self.data.as_ptr().align_offset(64);
@@ -1154,6 +1251,7 @@ fn pack_a(a: &MatRef, i0: usize, rows: usize, p0: usize, kc: usize, mr: usize, d
 /// another page for any `B` wider than 1024 columns, which the hardware
 /// prefetchers do not follow across, so every line waited on memory (a
 /// tenth of a 384×2048×1152 product). Other layouts go a panel at a time.
+#[allow(clippy::too_many_arguments)]
 fn pack_b_panels(
     b: &MatRef,
     p0: usize,
@@ -1162,14 +1260,21 @@ fn pack_b_panels(
     j1: usize,
     nr: usize,
     dst: &mut [f32],
+    sums: Option<&mut [f32]>,
 ) {
     let panels = dst.chunks_mut(nr * kc).zip((j0..j1).step_by(nr));
     if b.cs != 1 {
+        assert!(
+            sums.is_none(),
+            "column sums need a row-major B (gemm_summing_b)"
+        );
         for (d, j) in panels {
             pack_b(b, p0, kc, j, nr.min(j1 - j), nr, d);
         }
         return;
     }
+    // Column sums (gemm_summing_b): the group of rows so far, per column.
+    let mut sums = sums.map(|s| (vec![0f32; j1 - j0], &mut s[..j1 - j0]));
     let mut panels: Vec<(&mut [f32], usize)> = panels.collect();
     for (d, j) in panels.iter_mut() {
         if j1 - *j < nr {
@@ -1181,6 +1286,18 @@ fn pack_b_panels(
         for (d, j) in panels.iter_mut() {
             let cols = nr.min(j1 - *j);
             copy_short(&mut d[p * nr..p * nr + cols], &row[*j..*j + cols]);
+        }
+        if let Some((group, sums)) = sums.as_mut() {
+            let row = &row[j0..j1];
+            group.iter_mut().zip(row).for_each(|(g, v)| *g += v);
+            // Groups start at row 0 and KC is a multiple of SUM_GROUP: a
+            // block ends a group, its last row the last group.
+            if (p0 + p + 1).is_multiple_of(SUM_GROUP) || p + 1 == kc {
+                sums.iter_mut().zip(group.iter_mut()).for_each(|(s, g)| {
+                    *s += *g;
+                    *g = 0.0;
+                });
+            }
         }
     }
 }

@@ -861,7 +861,7 @@ fn panels_pack_to_the_values_they_hold() {
         ] {
             let panels = (j1 - j0).div_ceil(nr);
             let mut dst = vec![f32::NAN; panels * kc * nr];
-            pack_b_panels(&b, p0, kc, j0, j1, nr, &mut dst);
+            pack_b_panels(&b, p0, kc, j0, j1, nr, &mut dst, None);
             for (q, panel) in dst.chunks(kc * nr).enumerate() {
                 for p in 0..kc {
                     for c in 0..nr {
@@ -1072,4 +1072,91 @@ fn the_fma_ceiling_counts_its_flops_on_simd_kernels_only() {
     for kernel in Kernel::available_bf16() {
         assert_eq!(kernel.fma_chains(10), None, "{kernel:?}");
     }
+}
+
+/// `B`'s column sums as `gemm_summing_b` documents them, written out: each
+/// column's rows in groups of `SUM_GROUP`, each group from zero in row
+/// order, the groups added in order to a sum from zero.
+fn grouped_column_sums(b: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut sums = vec![0f32; cols];
+    for (j, sum) in sums.iter_mut().enumerate() {
+        for group in (0..rows).step_by(SUM_GROUP) {
+            let mut g = 0f32;
+            for i in group..rows.min(group + SUM_GROUP) {
+                g += b[i * cols + j];
+            }
+            *sum += g;
+        }
+    }
+    sums
+}
+
+/// The product of `gemm_summing_b` is `gemm`'s, bit for bit, and its sums
+/// are the written-out grouping's bits, at 1-3 threads: depths that end
+/// inside a group, cross one and several depth blocks (KC), none at all;
+/// more columns than one block of them (NC); no rows of A; every start.
+#[test]
+fn column_sums_of_b_come_with_the_product() {
+    let starts = |bias: &'static [f32]| [Start::Zero, Start::Bias(bias), Start::Keep];
+    let bias: &'static [f32] = Box::leak(random(9, 2100).into_boxed_slice());
+    for (m, n, k) in [
+        (7, 5, 3),
+        (13, 33, 16),
+        (6, 40, 17),
+        (25, 47, 513),
+        (3, 2100, 40),
+        (0, 9, 70),
+        (5, 9, 0),
+        (40, 16, KC * 2 + 35),
+    ] {
+        let (a, b) = (random(1, m * k), random(2, k * n));
+        let want_sums = grouped_column_sums(&b, k, n);
+        for start in starts(&bias[..n]) {
+            for threads in 1..=3 {
+                let c0 = random(3, m * n);
+                let (mut want, mut got) = (c0.clone(), c0.clone());
+                let (am, bm) = (
+                    MatRef::row_major(&a, m, k).unwrap(),
+                    MatRef::row_major(&b, k, n).unwrap(),
+                );
+                gemm(
+                    MatMut::row_major(&mut want, m, n).unwrap(),
+                    am,
+                    bm,
+                    0.75,
+                    start,
+                    threads,
+                )
+                .unwrap();
+                let mut sums = vec![f32::NAN; n];
+                let c = MatMut::row_major(&mut got, m, n).unwrap();
+                gemm_summing_b(c, am, bm, 0.75, start, threads, &mut sums).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "C, {m}x{n}x{k}, {threads} threads");
+                assert_eq!(
+                    bits(&sums),
+                    bits(&want_sums),
+                    "sums, {m}x{n}x{k}, {threads} threads"
+                );
+            }
+        }
+    }
+    // Refused: sums of another length, and a B whose columns are not adjacent.
+    let (a, b) = (random(1, 12), random(2, 12));
+    let mut c = vec![0f32; 9];
+    let am = MatRef::row_major(&a, 3, 4).unwrap();
+    let run = |b: MatRef, sums: &mut [f32], c: &mut [f32]| {
+        let c = MatMut::row_major(c, 3, 3).unwrap();
+        gemm_summing_b(c, am, b, 1.0, Start::Zero, 1, sums)
+    };
+    let bm = MatRef::row_major(&b, 4, 3).unwrap();
+    assert!(matches!(
+        run(bm, &mut [0.0; 2], &mut c),
+        Err(ShapeError::Sums { len: 2, cols: 3 })
+    ));
+    let bt = MatRef::row_major(&b, 3, 4).unwrap().t();
+    assert!(matches!(
+        run(bt, &mut [0.0; 3], &mut c),
+        Err(ShapeError::SumsLayout { .. })
+    ));
 }

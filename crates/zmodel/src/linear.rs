@@ -37,7 +37,7 @@ use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
 
 use zgemm::{MatMut, MatRef, Start};
 
-use crate::ops::{bf16_with_column_sums, column_sums, RoundedGrad};
+use crate::ops::{bf16_with_column_sums, RoundedGrad};
 use crate::params::{BlockParams, WeightBias};
 use crate::simd::{assume_init, uninit_floats};
 
@@ -328,19 +328,25 @@ pub(crate) fn backward<S: BlockSource>(
         let weight = p.weight.contiguous()?;
         let w = cols.len();
         let mut dw = uninit_floats(inputs * w);
+        let mut bias_sums = None;
         {
             let (xs, xl) = x.storage_and_layout();
             let (ws, wl) = weight.storage_and_layout();
             let wv = f32s(&ws, wl)?;
-            // dW = xᵀ·dy_t
-            multiply(
-                products,
-                MatMut::uninit(&mut dw, inputs, w, w).map_err(shape)?,
-                Input::of(&xs, xl, rows, inputs)?.t(),
-                dy_cols(cols.start, w)?,
-                Start::Zero,
-                threads,
-            )?;
+            // dW = xᵀ·dy_t, and under f32 products the bias gradient (dy_t's
+            // column sums) as the product packs dy_t: `column_sums`' bits
+            // without a pass of its own over dy.
+            let dw_c = MatMut::uninit(&mut dw, inputs, w, w).map_err(shape)?;
+            let xt = Input::of(&xs, xl, rows, inputs)?.t();
+            match (&p.bias, xt, dy_cols(cols.start, w)?) {
+                (Some(_), Input::F32(xt), Input::F32(dy_t)) if products == Products::F32 => {
+                    let mut sums = vec![0f32; w];
+                    zgemm::gemm_summing_b(dw_c, xt, dy_t, 1.0, Start::Zero, threads, &mut sums)
+                        .map_err(shape)?;
+                    bias_sums = Some(sums);
+                }
+                (_, xt, dy_t) => multiply(products, dw_c, xt, dy_t, Start::Zero, threads)?,
+            }
             // dx += dy_t·Wᵀ, a chunk of DX_CHUNK columns at a time, in order
             // (on AMX one product of them all: the same bits, module doc).
             let chunk = match products {
@@ -376,13 +382,19 @@ pub(crate) fn backward<S: BlockSource>(
                 }
             }
         }
-        let bias = match (&p.bias, &rounded, &dy) {
+        let bias = match (&p.bias, &rounded, bias_sums) {
             (Some(_), Some(r), _) => Some(Tensor::from_slice(
                 &r.sums()[cols.clone()],
                 w,
                 &Device::Cpu,
             )?),
-            (Some(_), None, Some(dy)) => Some(column_sums(&dy.narrow(1, cols.start, w)?)?),
+            (Some(_), None, Some(sums)) => Some(Tensor::from_vec(sums, w, &Device::Cpu)?),
+            (Some(_), None, None) => {
+                return Err(candle_core::Error::Msg(format!(
+                    "{linear:?}: no bias gradient (f32 products take it with dW)"
+                ))
+                .into())
+            }
             _ => None,
         };
         // SAFETY: a Zero start wrote every element of dW.
@@ -624,6 +636,51 @@ mod tests {
 
     fn values(n: usize, k: usize) -> Vec<f32> {
         (0..n).map(|i| ((i * k % 23) as f32 - 11.0) / 9.0).collect()
+    }
+
+    /// Under f32 products the bias gradient comes with dW's product (zgemm
+    /// sums dy's columns as it packs them) and has `column_sums`' bits: its
+    /// groups of rows are the tasks' rows, at one tile and at several, over
+    /// row counts that end inside a group; dW is `xᵀ·dy`'s.
+    #[test]
+    fn f32_bias_gradients_are_column_sums_to_the_bit() {
+        assert_eq!(zgemm::SUM_GROUP, crate::simd::ROWS_PER_TASK);
+        let spec: zconfig::spec::ModelSpec = serde_json::from_value(serde_json::json!({
+            "vocab_size": 11, "d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 64
+        }))
+        .unwrap();
+        let g = Gpt::new(&spec).unwrap();
+        let dev = Device::Cpu;
+        let params: Vec<Tensor> = g
+            .init_group(1, 3)
+            .into_iter()
+            .zip(&g.groups()[1].params)
+            .map(|(v, ps)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
+            .collect();
+        let params = BlockParams::from_vec(params, g.layout()).unwrap();
+        let (d, wide) = (32, 128);
+        for rows in [1, 16, 37, 400] {
+            let x = Tensor::from_vec(values(rows * d, 7), (rows, d), &dev).unwrap();
+            let dy = Tensor::from_vec(values(rows * wide, 5), (rows, wide), &dev).unwrap();
+            let whole = 0..wide;
+            let two = [0..48, 48..wide];
+            for tiles in [std::slice::from_ref(&whole), &two] {
+                let mut src = Whole::new(&params);
+                let out = OutputGrad::F32(dy.clone());
+                backward(&mut src, BlockLinear::MlpIn, tiles, &x, out, Products::F32).unwrap();
+                for (t, cols) in tiles.iter().enumerate().rev() {
+                    let grad = src.tiles[BlockLinear::MlpIn as usize].pop().unwrap();
+                    let dy_t = dy.narrow(1, cols.start, cols.len()).unwrap();
+                    let want = crate::ops::column_sums(&dy_t).unwrap();
+                    let db = grad.bias.expect("the MLP's input layer has a bias");
+                    assert_eq!(bits(&db), bits(&want), "{rows} rows, tile {t}");
+                    let dw = x.t().unwrap().matmul(&dy_t.contiguous().unwrap()).unwrap();
+                    let diff = (grad.weight - dw).unwrap().abs().unwrap();
+                    let worst = diff.max_all().unwrap().to_scalar::<f32>().unwrap();
+                    assert!(worst < 1e-4, "dW off by {worst}, {rows} rows, tile {t}");
+                }
+            }
+        }
     }
 
     /// With bf16 products, a layer reads a producer's padded bf16 rows in
