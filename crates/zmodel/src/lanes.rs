@@ -312,6 +312,15 @@ mod tests {
     use super::*;
     use crate::simd::uninit_floats;
 
+    /// Whether this CPU can run the kernels; says so on stderr where not.
+    fn runs_here(what: &str) -> bool {
+        let yes = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        if !yes {
+            eprintln!("skipped: this CPU has no AVX2 and FMA, so the AVX2 {what} cannot run");
+        }
+        yes
+    }
+
     /// The same bits, or both NaN: which NaN's payload a product of two NaNs
     /// keeps is the compiler's choice (LLVM commutes a product's operands),
     /// in the scalar code as much as here.
@@ -325,8 +334,7 @@ mod tests {
     /// ordinary ones, over a length that leaves a tail for the scalar loop.
     #[test]
     fn gelu_and_slope_on_avx2_is_the_scalar_codes_bits() {
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            eprintln!("skipped: this CPU has no AVX2 and FMA, so the AVX2 GELU cannot run");
+        if !runs_here("GELU") {
             return;
         }
         let mut x = vec![
@@ -369,8 +377,7 @@ mod tests {
     /// both clamps, infinities and NaN.
     #[test]
     fn exp_minus_on_avx2_is_the_scalar_codes_bits() {
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            eprintln!("skipped: this CPU has no AVX2 and FMA, so the AVX2 exp cannot run");
+        if !runs_here("exp") {
             return;
         }
         let special = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e-40];
@@ -401,8 +408,7 @@ mod tests {
     /// row with a tail.
     #[test]
     fn swiglu_on_avx2_is_the_scalar_codes_bits() {
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            eprintln!("skipped: this CPU has no AVX2 and FMA, so the AVX2 SwiGLU cannot run");
+        if !runs_here("SwiGLU") {
             return;
         }
         let n = 32 * 40 + 13;

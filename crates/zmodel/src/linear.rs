@@ -638,6 +638,22 @@ mod tests {
         (0..n).map(|i| ((i * k % 23) as f32 - 11.0) / 9.0).collect()
     }
 
+    /// A one-block GPT's block parameters, initialised, at width `d_model`.
+    fn block_params(d_model: usize) -> BlockParams<Tensor> {
+        let spec: zconfig::spec::ModelSpec = serde_json::from_value(serde_json::json!({
+            "vocab_size": 11, "d_model": d_model, "n_layers": 1, "n_heads": 2, "seq_len": 64
+        }))
+        .unwrap();
+        let g = Gpt::new(&spec).unwrap();
+        let params: Vec<Tensor> = g
+            .init_group(1, 3)
+            .into_iter()
+            .zip(&g.groups()[1].params)
+            .map(|(v, ps)| Tensor::from_vec(v, ps.shape.as_slice(), &Device::Cpu).unwrap())
+            .collect();
+        BlockParams::from_vec(params, g.layout()).unwrap()
+    }
+
     /// Under f32 products the bias gradient comes with dW's product (zgemm
     /// sums dy's columns as it packs them) and has `column_sums`' bits: its
     /// groups of rows are the tasks' rows, at one tile and at several, over
@@ -645,19 +661,8 @@ mod tests {
     #[test]
     fn f32_bias_gradients_are_column_sums_to_the_bit() {
         assert_eq!(zgemm::SUM_GROUP, crate::simd::ROWS_PER_TASK);
-        let spec: zconfig::spec::ModelSpec = serde_json::from_value(serde_json::json!({
-            "vocab_size": 11, "d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 64
-        }))
-        .unwrap();
-        let g = Gpt::new(&spec).unwrap();
+        let params = block_params(32);
         let dev = Device::Cpu;
-        let params: Vec<Tensor> = g
-            .init_group(1, 3)
-            .into_iter()
-            .zip(&g.groups()[1].params)
-            .map(|(v, ps)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
-            .collect();
-        let params = BlockParams::from_vec(params, g.layout()).unwrap();
         let (d, wide) = (32, 128);
         for rows in [1, 16, 37, 400] {
             let x = Tensor::from_vec(values(rows * d, 7), (rows, d), &dev).unwrap();
@@ -694,19 +699,8 @@ mod tests {
             eprintln!("skipped: no AMX-BF16 here, so there are no bf16 products to check");
             return;
         }
-        let spec: zconfig::spec::ModelSpec = serde_json::from_value(serde_json::json!({
-            "vocab_size": 11, "d_model": 64, "n_layers": 1, "n_heads": 2, "seq_len": 64
-        }))
-        .unwrap();
-        let g = Gpt::new(&spec).unwrap();
+        let params = block_params(64);
         let dev = Device::Cpu;
-        let params: Vec<Tensor> = g
-            .init_group(1, 3)
-            .into_iter()
-            .zip(&g.groups()[1].params)
-            .map(|(v, ps)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
-            .collect();
-        let params = BlockParams::from_vec(params, g.layout()).unwrap();
         let (rows, d, wide) = (64, 64, 256);
         let h = Tensor::from_vec(values(rows * wide, 7), (rows, wide), &dev).unwrap();
         let (padded, slope) = gelu_bf16_and_slope(&h).unwrap();
