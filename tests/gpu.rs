@@ -12,8 +12,12 @@
 //! within f32 rounding; ZeRO's stages 0-3 (two workers sharing the GPU)
 //! give the same losses to the bit, with activation checkpointing too; Adam
 //! on the GPU (one worker's resident flow) gives ZeRO-Offload's bits (Adam on
-//! the host), with gradient accumulation and clipping; and a resumed GPU run
-//! continues the uninterrupted one to the bit.
+//! the host), with gradient accumulation and clipping; a resumed GPU run
+//! continues the uninterrupted one to the bit; and two workers reducing
+//! their gradients over NCCL (resident, stages 0 and 1) give the bits of the
+//! host flow's reduction, and a resumed stage-1 NCCL run continues the
+//! uninterrupted one to the bit. `comm.backend: nccl` where it cannot run is refused
+//! before launch, GPU or not.
 
 use std::process::Command;
 
@@ -114,6 +118,39 @@ fn device_cuda_refuses_what_the_gpu_model_does_not_run() {
         ),
     ] {
         let mut args = vec!["check", job.to_str().unwrap(), "--set", "device=cuda"];
+        for s in sets {
+            args.extend(["--set", s]);
+        }
+        let f = zrun(&repo_root(), &args);
+        assert_eq!(f.code(), 2, "{sets:?}: {f:?}");
+        assert!(f.stderr.contains(says), "{sets:?}: {}", f.stderr);
+    }
+}
+
+#[test]
+fn comm_backend_nccl_is_refused_where_it_cannot_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "nccl-limits", 2);
+    for (sets, says) in [
+        (
+            &["comm.backend=nccl"][..],
+            "comm.backend: nccl needs device: cuda",
+        ),
+        (
+            &["comm.backend=nccl", "device=cuda", "zero.stage=2"],
+            "nccl runs ZeRO stages 0-1",
+        ),
+        (
+            &[
+                "comm.backend=nccl",
+                "device=cuda",
+                "zero.stage=1",
+                "zero.offload_optimizer.device=cpu",
+            ],
+            "zero.offload_optimizer moves it to the host",
+        ),
+    ] {
+        let mut args = vec!["check", job.to_str().unwrap()];
         for s in sets {
             args.extend(["--set", s]);
         }
@@ -252,6 +289,72 @@ fn a_resumed_gpu_run_continues_the_uninterrupted_one_to_the_bit() {
     let straight = losses_by_step(&run(&job, "straight", 1, &sets, &[]));
     std::fs::remove_dir_all(d.path().join("ckpt/step-00000012")).unwrap();
     let resumed = losses_by_step(&run(&job, "resumed", 1, &sets, &["--resume", "auto"]));
+    assert_eq!(
+        resumed.iter().map(|x| x.0).collect::<Vec<_>>(),
+        (7..=12).collect::<Vec<u64>>()
+    );
+    assert_eq!(resumed, straight[6..].to_vec());
+}
+
+#[test]
+fn nccl_between_two_workers_gives_the_host_reductions_bits() {
+    if gpus_or_skip("nccl_between_two_workers_gives_the_host_reductions_bits").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Two workers share the one GPU a test machine has: NCCL then runs
+    // between them over loopback (each its own NCCL_HOSTID).
+    let steps = |name: &str, stage: u8, backend: &str| -> Vec<(f64, f64)> {
+        let sets: Vec<String> = [
+            "device=cuda".to_string(),
+            format!("zero.stage={stage}"),
+            "train.grad_accum=2".into(),
+            "train.grad_clip=0.5".into(),
+            format!("comm.backend={backend}"),
+        ]
+        .to_vec();
+        let job = small_job(dir.path(), name, 12);
+        metrics(&run(&job, name, 2, &sets, &[]))
+            .iter()
+            .filter(|l| l.get("loss").is_some())
+            .map(|l| {
+                (
+                    l["loss"].as_f64().unwrap(),
+                    l["grad_norm"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let host = steps("host", 0, "auto");
+    assert_eq!(host.len(), 12);
+    assert!(
+        host.iter().any(|&(_, norm)| norm > 0.5),
+        "no step clipped: {host:?}"
+    );
+    for stage in [0, 1] {
+        let nccl = steps(&format!("nccl{stage}"), stage, "nccl");
+        assert_eq!(
+            nccl, host,
+            "stage {stage} over NCCL: (loss, grad norm) per step"
+        );
+    }
+}
+
+#[test]
+fn a_resumed_nccl_stage_1_run_continues_the_uninterrupted_one_to_the_bit() {
+    if gpus_or_skip("a_resumed_nccl_stage_1_run_continues_the_uninterrupted_one").is_none() {
+        return;
+    }
+    // Each rank's checkpoint holds Adam's moments of its slice, downloaded
+    // from its GPU; the resumed ranks upload them again.
+    let d = tempfile::tempdir().unwrap();
+    let job = ckpt_job(d.path(), "nccl-resume", 12, 6);
+    let sets: Vec<String> = ["device=cuda", "zero.stage=1", "comm.backend=nccl"]
+        .map(String::from)
+        .to_vec();
+    let straight = losses_by_step(&run(&job, "straight", 2, &sets, &[]));
+    std::fs::remove_dir_all(d.path().join("ckpt/step-00000012")).unwrap();
+    let resumed = losses_by_step(&run(&job, "resumed", 2, &sets, &["--resume", "auto"]));
     assert_eq!(
         resumed.iter().map(|x| x.0).collect::<Vec<_>>(),
         (7..=12).collect::<Vec<u64>>()

@@ -38,16 +38,6 @@ pub enum ConfigError {
         /// What is wrong.
         message: String,
     },
-    /// A key whose feature has not landed yet.
-    #[error("{location}: {key}: {what} is not supported yet")]
-    Unsupported {
-        /// `file:line:col` where known.
-        location: String,
-        /// Dotted key path.
-        key: String,
-        /// The feature.
-        what: String,
-    },
     /// A `--set KEY=VALUE` override that is malformed or names no key.
     #[error("--set {assignment}: {message}")]
     Override {

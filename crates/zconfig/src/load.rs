@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, ConfigError};
 use crate::hostfile::Topology;
-use crate::spec::{Backend, JobSpec, ModelKind, ZeroStage};
+use crate::spec::{Backend, Device, JobSpec, ModelKind, OffloadDevice, ZeroStage};
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
 #[derive(Debug, Clone)]
@@ -364,12 +364,27 @@ impl LoadedJob {
         }
     }
 
-    fn unsupported(&self, key: &str, what: &str) -> ConfigError {
-        ConfigError::Unsupported {
-            location: self.locate(key),
-            key: key.into(),
-            what: what.into(),
-        }
+    /// `comm.backend: nccl`: gradients reduced between GPUs, each rank
+    /// keeping its state on its GPU (ZeRO stage 0, DDP's data flow, or stage
+    /// 1, Adam's moments partitioned). Stages 2-3 and offload, which keep
+    /// partitions or the optimizer on the host, are refused, naming the key.
+    fn validate_nccl(&self) -> Result<(), ConfigError> {
+        let s = &self.spec;
+        let z = &s.zero;
+        let why = if s.device != Device::Cuda {
+            "needs device: cuda (NCCL runs between GPUs; CPU jobs use auto, tcp, shm or mpi)"
+                .to_string()
+        } else if z.stage > ZeroStage::OptimizerStates {
+            format!(
+                "runs ZeRO stages 0-1 on the GPUs (gradients reduced there); stage {} keeps its partitions on the host: use comm.backend: auto",
+                z.stage
+            )
+        } else if z.offload_optimizer.device != OffloadDevice::None {
+            "keeps the optimizer on the GPUs, but zero.offload_optimizer moves it to the host: use comm.backend: auto".to_string()
+        } else {
+            return Ok(());
+        };
+        Err(self.invalid("comm.backend", format!("nccl {why}")))
     }
 
     /// [`Self::validate`] for the nodes of `topo`, plus what depends on their
@@ -636,7 +651,7 @@ impl LoadedJob {
         self.validate_offload()?;
         let c = &s.comm;
         if c.backend == Backend::Nccl {
-            return Err(self.unsupported("comm.backend", "NCCL"));
+            self.validate_nccl()?;
         }
         // Bounded, so that every deadline is a valid Duration; the heartbeat at
         // least 2 s, since zrun checks heartbeats once a second and workers send

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
     LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use zquant::{Bits, QuantError, Quantized};
@@ -283,10 +283,10 @@ impl Gpu {
     /// bits as the CPU kernel given the same [`AdamConsts`].
     pub fn adamw(
         &self,
-        p: &mut CudaSlice<f32>,
+        p: &mut CudaViewMut<f32>,
         g: DeviceGrads<'_>,
-        m: &mut CudaSlice<f32>,
-        v: &mut CudaSlice<f32>,
+        m: &mut CudaViewMut<f32>,
+        v: &mut CudaViewMut<f32>,
         working: Option<(Half16, &mut CudaSlice<u16>)>,
         c: &AdamConsts,
     ) -> Result<(), CudaError> {
@@ -486,7 +486,7 @@ impl Gpu {
     }
 
     /// `x[i] *= s`, one IEEE multiplication each.
-    pub fn scale(&self, x: &mut CudaSlice<f32>, s: f32) -> Result<(), CudaError> {
+    pub fn scale(&self, x: &mut CudaViewMut<f32>, s: f32) -> Result<(), CudaError> {
         if x.is_empty() {
             return Ok(());
         }
@@ -506,7 +506,7 @@ impl Gpu {
     /// chunk (eight f64 lanes, then the tail): the same bits.
     pub fn sum_sq_chunks(
         &self,
-        x: &CudaSlice<f32>,
+        x: &CudaView<f32>,
         chunk: usize,
         scale: f32,
     ) -> Result<Vec<f64>, CudaError> {
@@ -536,6 +536,23 @@ impl Gpu {
             source,
         })?;
         self.download(&out)
+    }
+
+    /// Copies `src` into `dst` (the same length) on the stream.
+    pub fn copy(&self, src: &CudaView<f32>, dst: &mut CudaViewMut<f32>) -> Result<(), CudaError> {
+        if src.len() != dst.len() {
+            return Err(CudaError::Invalid(format!(
+                "copy: {} values into {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        self.stream
+            .memcpy_dtod(src, dst)
+            .map_err(|source| CudaError::Driver {
+                what: format!("copying {} values on the GPU", src.len()),
+                source,
+            })
     }
 
     /// Sets every value of `x` to zero.

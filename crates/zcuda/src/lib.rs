@@ -13,6 +13,8 @@
 //!   at hand and cached on disk by a hash of source, options and compiler.
 //! - `gpu`: [`Gpu`], one device with its stream and the loaded kernels, and
 //!   typed launches of each kernel on device buffers.
+//! - `nccl`: [`Nccl`], collectives between GPUs on device buffers, with
+//!   deadlines (NCCL's non-blocking mode, polled, aborted at the deadline).
 //! - `gpt`: [`GptGpu`], the GPT-2 model's forward and backward on one GPU
 //!   (cuBLAS for the products, `kernels/gpt.cu` for the rest), its
 //!   parameters and gradients crossing to and from the host's flat buffers.
@@ -26,13 +28,15 @@
 mod compile;
 mod gpt;
 mod gpu;
+mod nccl;
 
 pub use compile::{compile, compile_with, kernel, CacheUse, Compiled, KernelSource, KERNELS};
 pub use gpt::{BlockActs, GptGpu, GptShape, HeadOut, Rows, Weights, BLOCK_PARAMS};
 pub use gpu::{AdamConsts, DeviceGrads, DeviceQuantized, Gpu, Half16, Pinned};
+pub use nccl::{host_id_for_shared_gpu, nccl_present, nccl_version, Nccl, NcclId, NcclOp};
 
 /// Re-exported so that callers hold device buffers without naming cudarc.
-pub use cudarc::driver::{CudaSlice, CudaView};
+pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
 /// What can go wrong.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +68,9 @@ pub enum CudaError {
     /// Arguments that do not fit the kernel (lengths, sizes).
     #[error("{0}")]
     Invalid(String),
+    /// NCCL failed or missed its deadline (the communicator is aborted).
+    #[error("{0}")]
+    Nccl(String),
 }
 
 /// What this host offers the GPU path.
@@ -162,3 +169,5 @@ pub fn probe() -> Probe {
 mod tests;
 #[cfg(test)]
 mod tests_gpt;
+#[cfg(test)]
+mod tests_nccl;

@@ -248,7 +248,7 @@ fn a_copy_to_pinned_memory_is_waited_for_before_it_is_read() {
     let mut d = gpu.upload(&x).unwrap();
     let mut pinned = gpu.pinned(n).unwrap();
     for round in 0..3 {
-        gpu.scale(&mut d, 2.0).unwrap();
+        gpu.scale(&mut d.slice_mut(..), 2.0).unwrap();
         gpu.copy_to_pinned(&d, &mut pinned).unwrap();
         let got = pinned.values().unwrap();
         let k = 2f32.powi(round + 1);

@@ -105,6 +105,11 @@ pub struct Engine {
     /// GPU (made at the first micro-batch, dropped by a load).
     #[cfg(feature = "cuda")]
     pub(crate) gpu_resident: Option<crate::gpu::Resident>,
+    /// `comm.backend: nccl`: the communicator between the ranks' GPUs, over
+    /// which the resident flow reduces gradients and shares updated slices
+    /// (ZeRO stages 0-1).
+    #[cfg(feature = "cuda")]
+    pub(crate) nccl: Option<zcuda::Nccl>,
 }
 
 impl Engine {
@@ -238,6 +243,8 @@ impl Engine {
             gpu_host: Default::default(),
             #[cfg(feature = "cuda")]
             gpu_resident: None,
+            #[cfg(feature = "cuda")]
+            nccl: None,
         })
     }
 
@@ -468,6 +475,11 @@ impl Engine {
     /// Bytes this rank has sent, over every process group.
     pub(crate) fn counters(&self) -> CounterSnapshot {
         let world = self.comm.counters();
+        #[cfg(feature = "cuda")]
+        let world = match &self.nccl {
+            Some(n) => world.plus(&crate::gpu::nccl_counters(n)),
+            None => world,
+        };
         match &self.hpz {
             Some(h) => world.plus(&h.counters()),
             None => world,

@@ -10,7 +10,14 @@
 //!   runs AdamW there (`kernels/`: the CPU's operations in the CPU's order,
 //!   so the same bits as the host flow), and nothing crosses PCIe but the
 //!   tokens, the losses and a checkpoint's state when one is written.
-//! - **Host** (several workers, or `zero.offload_optimizer.device: cpu`:
+//!   With `comm.backend: nccl` several workers run it too, at ZeRO stages
+//!   0 and 1: at the step each group's gradient buffer is all-reduced (stage
+//!   0: every rank holds the whole state, as DDP does) or reduce-scattered in
+//!   place (stage 1: each rank holds Adam's moments of its slice only,
+//!   updates that slice, and the slices are all-gathered in place) between
+//!   the GPUs over NCCL; the norm adds this rank's slice as the host does.
+//!   Two ranks add each value once, so the bits are the host flow's.
+//! - **Host** (several workers without NCCL, or `zero.offload_optimizer.device: cpu`:
 //!   ZeRO-Offload). The engine's flat buffers, their partition over ranks,
 //!   stage 3's gathers, the gradient buckets and AdamW stay on the host. A
 //!   group's parameters come from `Engine::params_for` exactly as the CPU path
@@ -118,11 +125,33 @@ struct ResidentGroup {
     /// Parameters, one buffer per slot (what the model reads).
     params: Arc<Weights>,
     /// Gradients, the group's whole flat buffer (padding included), laid
-    /// out as the host's: the norm adds it in the host's chunks.
+    /// out as the host's: the norm adds it in the host's chunks. At stage 1
+    /// on several ranks it is also where the updated slices are gathered.
     grads: CudaSlice<f32>,
-    /// Adam's moments, one buffer per slot.
-    exp_avg: Vec<CudaSlice<f32>>,
-    exp_avg_sq: Vec<CudaSlice<f32>>,
+    /// Adam's moments over the region this rank updates (the group's whole
+    /// flat buffer at stage 0, this rank's slice at stage 1), as the host's.
+    exp_avg: CudaSlice<f32>,
+    exp_avg_sq: CudaSlice<f32>,
+}
+
+/// What the resident step needs of a group's layout.
+struct StepPlan {
+    /// This rank's slice: the gradient norm adds it.
+    own: std::ops::Range<usize>,
+    /// The region this rank updates (flat indices).
+    region: std::ops::Range<usize>,
+    /// Each slot's flat range and whether it decays.
+    slots: Vec<(std::ops::Range<usize>, bool)>,
+}
+
+impl StepPlan {
+    /// Each slot's part inside the region: (slot, flat range).
+    fn pieces(&self) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + '_ {
+        self.slots.iter().enumerate().filter_map(|(i, (r, _))| {
+            let (lo, hi) = (r.start.max(self.region.start), r.end.min(self.region.end));
+            (lo < hi).then_some((i, lo..hi))
+        })
+    }
 }
 
 /// Every group's parameters, gradients and moments on the GPU (the resident
@@ -152,12 +181,21 @@ impl Engine {
         self.gpu.as_deref()
     }
 
+    /// Reduces gradients between the GPUs over `nccl` from now on (the
+    /// resident flow at ZeRO stages 0-1 on several workers).
+    pub fn attach_nccl(&mut self, nccl: zcuda::Nccl) {
+        self.nccl = Some(nccl);
+        self.gpu_resident = None;
+    }
+
     /// Whether the optimizer runs on the GPU with every state resident there
-    /// (one worker, no offload, every group whole), rather than on the host.
+    /// (one worker, or several over NCCL at stages 0-1; no offload, every
+    /// group whole), rather than on the host.
     pub fn gpu_resident(&self) -> bool {
         let z = &self.spec.zero;
         self.gpu.is_some()
-            && self.comm.world_size() == 1
+            && (self.comm.world_size() == 1
+                || (self.nccl.is_some() && !self.stage.partitions_gradients()))
             && self.hpz.is_none()
             && self.offload.is_none()
             && self.half.is_none()
@@ -183,8 +221,8 @@ impl Engine {
                 groups.push(ResidentGroup {
                     params: Arc::new(Weights::from_parts(up(p)?)),
                     grads: gpu.gpu().zeros(g.layout.padded)?,
-                    exp_avg: up(&g.exp_avg)?,
-                    exp_avg_sq: up(&g.exp_avg_sq)?,
+                    exp_avg: gpu.gpu().upload(&g.exp_avg)?,
+                    exp_avg_sq: gpu.gpu().upload(&g.exp_avg_sq)?,
                 });
             }
             self.gpu_resident = Some(Resident { groups });
@@ -478,34 +516,55 @@ impl Engine {
     }
 
     /// The resident flow's optimizer step: the host step's phases on the
-    /// GPU's buffers, in its order and with its operations (averaging and
-    /// clipping by in-place multiplies, the norm in the host's chunks and f64
-    /// lanes, AdamW's kernel per slot), so the same bits as the host flow.
+    /// GPU's buffers, in its order and with its operations (the reduction
+    /// between GPUs, averaging and clipping by in-place multiplies over the
+    /// region this rank updates, the norm over its slice in the host's chunks
+    /// and f64 lanes, AdamW's kernel per slot, the updated slices gathered),
+    /// so the same bits as the host flow.
     pub(crate) fn gpu_step(&mut self) -> Result<StepStats, EngineError> {
         let gpu = self.gpu.clone().expect("a GPU attached");
         let step = self.step + 1;
         let scale = self.average_scale();
         let clip = self.spec.train.grad_clip;
-        let slots: Vec<Vec<(std::ops::Range<usize>, bool)>> = self
+        let (rank, stage) = (self.comm.rank(), self.stage);
+        let sliced = stage.partitions_optimizer() && self.comm.world_size() > 1;
+        let plans: Vec<StepPlan> = self
             .groups
             .iter()
-            .map(|g| {
-                g.layout
+            .map(|g| StepPlan {
+                own: g.layout.slice(rank),
+                region: g.updated_region(rank, stage),
+                slots: g
+                    .layout
                     .params
                     .iter()
                     .map(|s| (s.range.clone(), s.decay))
-                    .collect()
+                    .collect(),
             })
             .collect();
-        let r = self.resident(&gpu)?;
+        self.resident(&gpu)?;
+        let r = self.gpu_resident.as_mut().expect("just made");
+        if let Some(nccl) = &mut self.nccl {
+            for (i, g) in r.groups.iter_mut().enumerate() {
+                let what = format!("group {i}'s gradients");
+                match sliced {
+                    true => nccl.reduce_scatter_sum_in_place(&mut g.grads, &what)?,
+                    false => nccl.all_reduce_sum(&mut g.grads, &what)?,
+                }
+            }
+            nccl.wait()?;
+        }
         if scale != 1.0 {
-            for g in &mut r.groups {
-                gpu.gpu().scale(&mut g.grads, scale)?;
+            for (g, p) in r.groups.iter_mut().zip(&plans) {
+                gpu.gpu()
+                    .scale(&mut g.grads.slice_mut(p.region.clone()), scale)?;
             }
         }
         let mut own_sq = 0f64;
-        for g in &r.groups {
-            let parts = gpu.gpu().sum_sq_chunks(&g.grads, TASK, 1.0)?;
+        for (g, p) in r.groups.iter().zip(&plans) {
+            let parts = gpu
+                .gpu()
+                .sum_sq_chunks(&g.grads.slice(p.own.clone()), TASK, 1.0)?;
             own_sq += parts.iter().sum::<f64>();
         }
         let grad_norm = self.norm_from_own_sq(own_sq)?;
@@ -517,24 +576,35 @@ impl Engine {
             let r = self.gpu_resident.as_mut().expect("resident");
             if clip > 0.0 && grad_norm > clip {
                 let coef = (clip / (grad_norm + 1e-6)) as f32;
-                for g in &mut r.groups {
-                    gpu.gpu().scale(&mut g.grads, coef)?;
+                for (g, p) in r.groups.iter_mut().zip(&plans) {
+                    gpu.gpu()
+                        .scale(&mut g.grads.slice_mut(p.region.clone()), coef)?;
                 }
             }
-            for (g, slots) in r.groups.iter_mut().zip(&slots) {
-                let params = Arc::get_mut(&mut g.params)
+            for (g, p) in r.groups.iter_mut().zip(&plans) {
+                let ResidentGroup {
+                    params,
+                    grads,
+                    exp_avg,
+                    exp_avg_sq,
+                } = g;
+                let params = Arc::get_mut(params)
                     .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
                     .parts_mut();
-                for (i, (range, decay)) in slots.iter().enumerate() {
+                for (i, at) in p.pieces() {
+                    let (slot, moment) = (p.slots[i].0.start, p.region.start);
                     gpu.gpu().adamw(
-                        &mut params[i],
-                        DeviceGrads::F32(g.grads.slice(range.clone())),
-                        &mut g.exp_avg[i],
-                        &mut g.exp_avg_sq[i],
+                        &mut params[i].slice_mut(at.start - slot..at.end - slot),
+                        DeviceGrads::F32(grads.slice(at.clone())),
+                        &mut exp_avg.slice_mut(at.start - moment..at.end - moment),
+                        &mut exp_avg_sq.slice_mut(at.start - moment..at.end - moment),
                         None,
-                        &device_consts(&hp, *decay),
+                        &device_consts(&hp, p.slots[i].1),
                     )?;
                 }
+            }
+            if sliced {
+                self.gpu_share_params(&gpu, &plans)?;
             }
         }
         let r = self.gpu_resident.as_mut().expect("resident");
@@ -544,27 +614,62 @@ impl Engine {
         Ok(self.finish_step(step, lr, grad_norm, None, overflow))
     }
 
-    /// Resident: group `gi`'s [f32 parameters, exp_avg, exp_avg_sq] copied
-    /// from the GPU, laid out as the host's (padding zero), or `None` where
-    /// the host's buffers are current.
+    /// Stage 1 over NCCL: every rank's updated slice to every rank. Each
+    /// group's gradient buffer (spent by now) carries its slice of the
+    /// parameters into an in-place all-gather, and each slot's values come
+    /// back from it.
+    fn gpu_share_params(&mut self, gpu: &GptGpu, plans: &[StepPlan]) -> Result<(), EngineError> {
+        let (Some(r), Some(nccl)) = (self.gpu_resident.as_mut(), self.nccl.as_mut()) else {
+            return Err(EngineError::Gpu("sharing parameters needs NCCL".into()));
+        };
+        for (gi, (g, p)) in r.groups.iter_mut().zip(plans).enumerate() {
+            for (i, at) in p.pieces() {
+                let slot = p.slots[i].0.start;
+                gpu.gpu().copy(
+                    &g.params.parts()[i].slice(at.start - slot..at.end - slot),
+                    &mut g.grads.slice_mut(at),
+                )?;
+            }
+            nccl.all_gather_in_place(&mut g.grads, &format!("group {gi}'s parameters"))?;
+        }
+        nccl.wait()?;
+        for (g, p) in r.groups.iter_mut().zip(plans) {
+            let params = Arc::get_mut(&mut g.params)
+                .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
+                .parts_mut();
+            for (i, (range, _)) in p.slots.iter().enumerate() {
+                gpu.gpu()
+                    .copy(&g.grads.slice(range.clone()), &mut params[i].slice_mut(..))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Resident: group `gi`'s [f32 parameters, exp_avg, exp_avg_sq] over the
+    /// region this rank updates, copied from the GPU and laid out as the
+    /// host's (padding zero), or `None` where the host's buffers are current.
     pub(crate) fn gpu_state(&self, gi: usize) -> Result<Option<[Vec<f32>; 3]>, EngineError> {
         let Some(r) = &self.gpu_resident else {
             return Ok(None);
         };
         let g = &r.groups[gi];
+        let gpu = self.gpu.as_ref().expect("a GPU attached").gpu();
         Ok(Some([
-            self.gpu_flat(gi, g.params.parts())?,
-            self.gpu_flat(gi, &g.exp_avg)?,
-            self.gpu_flat(gi, &g.exp_avg_sq)?,
+            self.gpu_params(gi)?.expect("resident"),
+            gpu.download(&g.exp_avg)?,
+            gpu.download(&g.exp_avg_sq)?,
         ]))
     }
 
-    /// Resident: group `gi`'s f32 parameters copied from the GPU, or `None`.
+    /// Resident: group `gi`'s f32 parameters over the region this rank
+    /// updates, copied from the GPU, or `None`.
     pub(crate) fn gpu_params(&self, gi: usize) -> Result<Option<Vec<f32>>, EngineError> {
-        match &self.gpu_resident {
-            Some(r) => Ok(Some(self.gpu_flat(gi, r.groups[gi].params.parts())?)),
-            None => Ok(None),
-        }
+        let Some(r) = &self.gpu_resident else {
+            return Ok(None);
+        };
+        let region = self.groups[gi].updated_region(self.comm.rank(), self.stage);
+        let full = self.gpu_flat(gi, r.groups[gi].params.parts())?;
+        Ok(Some(full[region].to_vec()))
     }
 
     /// Per-slot device buffers of group `gi` as its padded host layout.
@@ -577,6 +682,21 @@ impl Engine {
         }
         Ok(out)
     }
+}
+
+/// NCCL's bytes as the engine counts them, by operation. NCCL picks its own
+/// routes, so they count in neither `intra_node` nor `inter_node`.
+pub(crate) fn nccl_counters(nccl: &zcuda::Nccl) -> zcomm::CounterSnapshot {
+    use zcomm::Op;
+    let mut c = zcomm::CounterSnapshot::default();
+    for (op, theirs) in [
+        (Op::AllReduce, zcuda::NcclOp::AllReduce),
+        (Op::ReduceScatter, zcuda::NcclOp::ReduceScatter),
+        (Op::AllGather, zcuda::NcclOp::AllGather),
+    ] {
+        c.by_op[op.index()] = nccl.bytes_sent(theirs);
+    }
+    c
 }
 
 #[cfg(test)]
@@ -616,7 +736,7 @@ mod tests {
             let d = gpu.upload(&v).unwrap();
             for scale in [1.0f32, 0.37] {
                 let host = Flat::F32(v.clone()).sum_sq(0..n, scale);
-                let parts = gpu.sum_sq_chunks(&d, TASK, scale).unwrap();
+                let parts = gpu.sum_sq_chunks(&d.slice(..), TASK, scale).unwrap();
                 assert_eq!(parts.len(), n.div_ceil(TASK));
                 let dev: f64 = parts.iter().sum();
                 assert_eq!(
@@ -628,7 +748,7 @@ mod tests {
             let mut host = Flat::F32(v.clone());
             host.scale_f32(0..n, 0.37);
             let mut d = d;
-            gpu.scale(&mut d, 0.37).unwrap();
+            gpu.scale(&mut d.slice_mut(..), 0.37).unwrap();
             let Flat::F32(want) = host else {
                 unreachable!()
             };

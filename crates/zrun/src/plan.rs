@@ -189,7 +189,8 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
 /// `device: cuda` is checked before launch (bad input, exit 2): that the GPU
 /// model runs the job (GPT-2's family, f32, whole linears) and, where the
 /// workers start on this host, that its zworker finds GPUs to train on (its
-/// `--cuda-devices`: the `cuda` feature, the driver, a GPU, NVRTC, cuBLAS),
+/// `--cuda-devices`: the `cuda` feature, the driver, a GPU, NVRTC, cuBLAS;
+/// NCCL with `comm.backend: nccl`),
 /// so that a user hears what is missing before anything starts. Over SSH
 /// each worker checks its own host when it starts.
 pub fn check_device(
@@ -206,15 +207,18 @@ pub fn check_device(
     if launcher == Launcher::Ssh {
         return Ok(());
     }
-    local_gpus(worker_bin)
+    let nccl = spec.comm.backend == zconfig::spec::Backend::Nccl;
+    local_gpus(worker_bin, nccl)
         .map(|_| ())
         .map_err(|why| Failure::bad_input(format!("device: cuda: {why}")))
 }
 
-/// The GPUs the zworker at `worker_bin` can train on here, or why none.
-fn local_gpus(worker_bin: &std::path::Path) -> std::result::Result<usize, String> {
+/// The GPUs the zworker at `worker_bin` can train on here (with NCCL, if
+/// `nccl`), or why none.
+fn local_gpus(worker_bin: &std::path::Path, nccl: bool) -> std::result::Result<usize, String> {
     let out = std::process::Command::new(worker_bin)
         .arg("--cuda-devices")
+        .args(nccl.then_some("nccl"))
         .output()
         .map_err(|e| format!("running {} --cuda-devices: {e}", worker_bin.display()))?;
     let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
@@ -243,7 +247,7 @@ pub fn with_gpu_defaults(args: &LaunchArgs, spec: &JobSpec) -> LaunchArgs {
             .worker_bin
             .clone()
             .or_else(|| default_worker_bin().ok());
-        if let Some(Ok(n)) = bin.map(|b| local_gpus(&b)) {
+        if let Some(Ok(n)) = bin.map(|b| local_gpus(&b, false)) {
             out.workers_per_node = Some(n);
         }
     }

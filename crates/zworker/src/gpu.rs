@@ -1,9 +1,10 @@
 //! What the GPU path can do on this host, for `device: cuda`, and which GPU
 //! a worker trains on.
 //!
-//! zrun asks before launch (`zworker --cuda-devices`: how many GPUs this
-//! host can train on, or what is missing; `--cuda-probe`: one line for a
-//! person) and refuses the job where the answer is none.
+//! zrun asks before launch (`zworker --cuda-devices [nccl]`: how many GPUs
+//! this host can train on, with NCCL if asked, or what is missing;
+//! `--cuda-probe`: one line for a person) and refuses the job where the
+//! answer is none.
 
 /// One line on this host's GPU support: the feature, the driver, the GPUs,
 /// NVRTC and cuBLAS, or what is missing.
@@ -27,38 +28,113 @@ pub fn host_report() -> String {
 const NO_FEATURE: &str =
     "zworker was built without the `cuda` feature (cargo build --release --features zworker/cuda)";
 
-/// The GPUs this host can train on, or what is missing.
-pub fn training_devices() -> Result<usize, String> {
+/// The GPUs this host can train on (with NCCL between them, if `nccl`), or
+/// what is missing.
+pub fn training_devices(nccl: bool) -> Result<usize, String> {
     #[cfg(feature = "cuda")]
-    return zcuda::probe().training_devices();
+    {
+        let n = zcuda::probe().training_devices()?;
+        if nccl {
+            zcuda::nccl_version().map_err(|e| format!("comm.backend: nccl: {e}"))?;
+        }
+        Ok(n)
+    }
     #[cfg(not(feature = "cuda"))]
-    Err(NO_FEATURE.into())
+    {
+        let _ = nccl;
+        Err(NO_FEATURE.into())
+    }
 }
 
-/// Opens the GPU of local rank `local_rank` for `spec`'s model and attaches
-/// it to `engine`. With more workers on a host than GPUs they share them
-/// round-robin (each its own context): zrun's collectives run on the host,
-/// so nothing stops two ranks from sharing a GPU, which is how a one-GPU
-/// machine tests ZeRO's stages at a world size of two.
+/// Opens the GPU of this worker's local rank for `spec`'s model and attaches
+/// it to `engine`; with `comm.backend: nccl`, joins the GPUs' communicator
+/// too. With more workers on a host than GPUs they share them round-robin
+/// (each its own context): zrun's host collectives let two ranks share a
+/// GPU, which is how a one-GPU machine tests ZeRO's stages, and NCCL at a
+/// world size of two, on one GPU.
 #[cfg(feature = "cuda")]
 pub fn attach(
     engine: &mut zengine::engine::Engine,
     spec: &zconfig::spec::JobSpec,
-    local_rank: usize,
+    env: &crate::env::WorkerEnv,
+    comm: &dyn zcomm::Communicator,
 ) -> anyhow::Result<()> {
     let shape =
         zengine::gpu::gpu_shape(spec).map_err(|why| anyhow::anyhow!("device: cuda: {why}"))?;
-    let n = training_devices().map_err(|why| anyhow::anyhow!("device: cuda: {why}"))?;
-    let ordinal = local_rank % n;
+    let nccl = spec.comm.backend == zconfig::spec::Backend::Nccl;
+    let n = training_devices(nccl).map_err(|why| anyhow::anyhow!("device: cuda: {why}"))?;
+    let ordinal = env.local_rank % n;
     let gpu = zcuda::GptGpu::open(ordinal, shape)
         .map_err(|e| anyhow::anyhow!("device: cuda: GPU {ordinal}: {e}"))?;
     tracing::info!(
-        "local rank {local_rank} on GPU {ordinal} ({}, {})",
+        "local rank {} on GPU {ordinal} ({}, {})",
+        env.local_rank,
         gpu.gpu().name(),
         gpu.gpu().arch()
     );
+    let nccl = match nccl {
+        true => Some(join_nccl(gpu.gpu(), spec, env, comm, n)?),
+        false => None,
+    };
     engine.attach_gpu(gpu);
+    if let Some(nccl) = nccl {
+        engine.attach_nccl(nccl);
+    }
     Ok(())
+}
+
+/// Joins the job's NCCL communicator: rank 0 makes its id and sends it to
+/// every rank over the host communicator (authenticated at the rendezvous).
+/// Ranks that share a GPU get host ids of their own (`NCCL_HOSTID`, see
+/// [`zcuda::host_id_for_shared_gpu`]) and talk over loopback.
+#[cfg(feature = "cuda")]
+fn join_nccl(
+    gpu: &zcuda::Gpu,
+    spec: &zconfig::spec::JobSpec,
+    env: &crate::env::WorkerEnv,
+    comm: &dyn zcomm::Communicator,
+    gpus: usize,
+) -> anyhow::Result<zcuda::Nccl> {
+    use anyhow::Context;
+    let shared =
+        zcuda::host_id_for_shared_gpu(&env.node_addr, env.rank, env.local_world_size, gpus);
+    if let Some(host_id) = shared {
+        // Set before this process's first NCCL call (below), which reads it.
+        if std::env::var_os("NCCL_HOSTID").is_none() {
+            std::env::set_var("NCCL_HOSTID", host_id);
+        }
+        if std::env::var_os("NCCL_SOCKET_IFNAME").is_none() {
+            std::env::set_var("NCCL_SOCKET_IFNAME", "lo");
+        }
+        tracing::info!(
+            "rank {}: {} ranks share {gpus} GPU(s) here; NCCL runs between them over loopback",
+            env.rank,
+            env.local_world_size
+        );
+    }
+    let mine = match env.rank {
+        0 => zcuda::NcclId::new()
+            .context("comm.backend: nccl")?
+            .0
+            .to_vec(),
+        _ => vec![0; 128],
+    };
+    let id = comm
+        .broadcast(mine, 0)
+        .context("comm.backend: nccl: sending NCCL's id from rank 0")?;
+    let id = zcuda::NcclId(id.try_into().map_err(|v: Vec<u8>| {
+        anyhow::anyhow!("NCCL's id arrived as {} bytes, not 128", v.len())
+    })?);
+    let timeout = std::time::Duration::from_secs_f64(spec.comm.timeout_s);
+    let nccl = zcuda::Nccl::init(gpu, env.rank, env.world_size, &id, timeout)
+        .context("comm.backend: nccl")?;
+    tracing::info!(
+        "rank {} joined NCCL {} ({} ranks)",
+        env.rank,
+        zcuda::nccl_version().unwrap_or(0),
+        env.world_size
+    );
+    Ok(nccl)
 }
 
 /// Without the `cuda` feature there is no GPU to attach.
@@ -66,7 +142,8 @@ pub fn attach(
 pub fn attach(
     _engine: &mut zengine::engine::Engine,
     _spec: &zconfig::spec::JobSpec,
-    _local_rank: usize,
+    _env: &crate::env::WorkerEnv,
+    _comm: &dyn zcomm::Communicator,
 ) -> anyhow::Result<()> {
     anyhow::bail!("device: cuda: {NO_FEATURE}")
 }

@@ -46,7 +46,10 @@ impl Transport {
                 Backend::Auto if mpi_here => Transport::Mpi,
                 Backend::Auto => Transport::Tcp { shm: true },
                 Backend::Mpi => Transport::Mpi,
-                Backend::Nccl => bail!("comm.backend: nccl is not available on CPU workers"),
+                // NCCL carries the GPUs' gradients; the host's collectives
+                // (the norm, stop flags, checkpoints' gathers) stay on the
+                // host transport.
+                Backend::Nccl => Transport::Tcp { shm: true },
             },
             Task::BenchComm(b) => match b.transport.as_str() {
                 "mpi" => Transport::Mpi,

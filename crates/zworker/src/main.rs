@@ -27,16 +27,18 @@ fn main() -> ExitCode {
             println!("{}", zworker::gpu::host_report());
             Ok(())
         }
-        Some("--cuda-devices") => match zworker::gpu::training_devices() {
-            Ok(n) => {
-                println!("{n}");
-                Ok(())
+        Some("--cuda-devices") => {
+            match zworker::gpu::training_devices(args.get(1).map(String::as_str) == Some("nccl")) {
+                Ok(n) => {
+                    println!("{n}");
+                    Ok(())
+                }
+                Err(why) => {
+                    println!("{why}");
+                    return ExitCode::from(1);
+                }
             }
-            Err(why) => {
-                println!("{why}");
-                return ExitCode::from(1);
-            }
-        },
+        }
         _ => zworker::run(),
     };
     match result {

@@ -77,7 +77,7 @@ pub fn train(
         engine.stop_on(client.stop_flag());
     }
     if spec.device == zconfig::spec::Device::Cuda {
-        crate::gpu::attach(&mut engine, spec, env.local_rank)?;
+        crate::gpu::attach(&mut engine, spec, env, comm.as_ref())?;
     }
     if let Some(path) = &spec.model.init_from {
         let weights = zckpt::read_init_weights(

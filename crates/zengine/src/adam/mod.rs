@@ -508,10 +508,10 @@ mod tests {
                 };
                 let working = kind.map(|h| (half(h), &mut dw));
                 gpu.adamw(
-                    &mut dp,
+                    &mut dp.slice_mut(..),
                     grads,
-                    &mut dm,
-                    &mut dv,
+                    &mut dm.slice_mut(..),
+                    &mut dv.slice_mut(..),
                     working,
                     &device_consts(&s, true),
                 )
