@@ -14,8 +14,8 @@
 //! on the GPU (one worker's resident flow) gives ZeRO-Offload's bits (Adam on
 //! the host), with gradient accumulation and clipping; a resumed GPU run
 //! continues the uninterrupted one to the bit; and two workers reducing
-//! their gradients over NCCL (resident, stages 0 and 1) give the bits of the
-//! host flow's reduction, and a resumed stage-1 NCCL run continues the
+//! their gradients over NCCL (resident, stages 0-2) give the bits of the
+//! host flow's reduction, and a resumed stage-2 NCCL run continues the
 //! uninterrupted one to the bit. `comm.backend: nccl` where it cannot run is refused
 //! before launch, GPU or not.
 
@@ -137,8 +137,8 @@ fn comm_backend_nccl_is_refused_where_it_cannot_run() {
             "comm.backend: nccl needs device: cuda",
         ),
         (
-            &["comm.backend=nccl", "device=cuda", "zero.stage=2"],
-            "nccl runs ZeRO stages 0-1",
+            &["comm.backend=nccl", "device=cuda", "zero.stage=3"],
+            "nccl runs ZeRO stages 0-2",
         ),
         (
             &[
@@ -304,7 +304,9 @@ fn nccl_between_two_workers_gives_the_host_reductions_bits() {
     let dir = tempfile::tempdir().unwrap();
     // Two workers share the one GPU a test machine has: NCCL then runs
     // between them over loopback (each its own NCCL_HOSTID).
-    let steps = |name: &str, stage: u8, backend: &str| -> Vec<(f64, f64)> {
+    // Per step: loss, gradient norm, and the bytes sent by operation.
+    type Step = (f64, f64, Vec<(String, u64)>);
+    let steps = |name: &str, stage: u8, backend: &str| -> Vec<Step> {
         let sets: Vec<String> = [
             "device=cuda".to_string(),
             format!("zero.stage={stage}"),
@@ -318,38 +320,50 @@ fn nccl_between_two_workers_gives_the_host_reductions_bits() {
             .iter()
             .filter(|l| l.get("loss").is_some())
             .map(|l| {
+                let by_op = l["comm_bytes"]["by_op"].as_object().unwrap();
                 (
                     l["loss"].as_f64().unwrap(),
                     l["grad_norm"].as_f64().unwrap(),
+                    by_op
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+                        .collect(),
                 )
             })
             .collect()
     };
-    let host = steps("host", 0, "auto");
-    assert_eq!(host.len(), 12);
-    assert!(
-        host.iter().any(|&(_, norm)| norm > 0.5),
-        "no step clipped: {host:?}"
-    );
-    for stage in [0, 1] {
+    // Stage 2 adds each micro-batch's reduced slice, stages 0-1 reduce the
+    // accumulated gradient: with two micro-batches their bits differ, on
+    // the host as over NCCL, so each stage is held to the host flow's.
+    for stage in [0, 1, 2] {
+        let host = steps(&format!("host{stage}"), stage, "auto");
+        assert_eq!(host.len(), 12);
+        assert!(host.iter().any(|s| s.1 > 0.5), "no step clipped: {host:?}");
         let nccl = steps(&format!("nccl{stage}"), stage, "nccl");
+        let bits = |v: &[Step]| v.iter().map(|s| (s.0, s.1)).collect::<Vec<_>>();
         assert_eq!(
-            nccl, host,
+            bits(&nccl),
+            bits(&host),
             "stage {stage} over NCCL: (loss, grad norm) per step"
+        );
+        // NCCL's bytes are counted by the ring factors the host's are.
+        assert_eq!(
+            nccl[5].2, host[5].2,
+            "stage {stage}: bytes sent by operation, NCCL against the host"
         );
     }
 }
 
 #[test]
-fn a_resumed_nccl_stage_1_run_continues_the_uninterrupted_one_to_the_bit() {
-    if gpus_or_skip("a_resumed_nccl_stage_1_run_continues_the_uninterrupted_one").is_none() {
+fn a_resumed_nccl_stage_2_run_continues_the_uninterrupted_one_to_the_bit() {
+    if gpus_or_skip("a_resumed_nccl_stage_2_run_continues_the_uninterrupted_one").is_none() {
         return;
     }
-    // Each rank's checkpoint holds Adam's moments of its slice, downloaded
-    // from its GPU; the resumed ranks upload them again.
+    // Each rank's checkpoint holds Adam's moments and parameters of its
+    // slice, downloaded from its GPU; the resumed ranks upload them again.
     let d = tempfile::tempdir().unwrap();
     let job = ckpt_job(d.path(), "nccl-resume", 12, 6);
-    let sets: Vec<String> = ["device=cuda", "zero.stage=1", "comm.backend=nccl"]
+    let sets: Vec<String> = ["device=cuda", "zero.stage=2", "comm.backend=nccl"]
         .map(String::from)
         .to_vec();
     let straight = losses_by_step(&run(&job, "straight", 2, &sets, &[]));

@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
-    LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use zquant::{Bits, QuantError, Quantized};
 
@@ -451,8 +451,27 @@ impl Gpu {
     }
 
     /// `acc[i] += x[i]`, one IEEE addition each.
-    pub fn add(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> Result<(), CudaError> {
-        self.add_at(acc, 0, x)
+    pub fn add(&self, acc: &mut CudaViewMut<f32>, x: &CudaView<f32>) -> Result<(), CudaError> {
+        if x.len() != acc.len() {
+            return Err(CudaError::Invalid(format!(
+                "add: {} values onto {}",
+                x.len(),
+                acc.len()
+            )));
+        }
+        if x.is_empty() {
+            return Ok(());
+        }
+        let n = x.len() as u64;
+        let mut launch = self.stream.launch_builder(self.function("add_f32"));
+        launch.arg(&mut *acc).arg(x).arg(&n);
+        // SAFETY: the arguments match `add_f32` in reduce.cu; both hold n
+        // values (checked above).
+        unsafe { launch.launch(grid_stride(x.len())) }.map_err(|source| CudaError::Driver {
+            what: "launching add_f32".into(),
+            source,
+        })?;
+        Ok(())
     }
 
     /// `acc[at + i] += x[i]`, one IEEE addition each.
@@ -469,20 +488,7 @@ impl Gpu {
                 acc.len()
             )));
         }
-        if x.is_empty() {
-            return Ok(());
-        }
-        let n = x.len() as u64;
-        let mut dst = acc.slice_mut(at..at + x.len());
-        let mut launch = self.stream.launch_builder(self.function("add_f32"));
-        launch.arg(&mut dst).arg(x).arg(&n);
-        // SAFETY: the arguments match `add_f32` in reduce.cu; both hold n
-        // values (the destination a view of n inside acc, checked above).
-        unsafe { launch.launch(grid_stride(x.len())) }.map_err(|source| CudaError::Driver {
-            what: "launching add_f32".into(),
-            source,
-        })?;
-        Ok(())
+        self.add(&mut acc.slice_mut(at..at + x.len()), &x.slice(..))
     }
 
     /// `x[i] *= s`, one IEEE multiplication each.
@@ -556,7 +562,7 @@ impl Gpu {
     }
 
     /// Sets every value of `x` to zero.
-    pub fn fill_zero(&self, x: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+    pub fn fill_zero<D: DevicePtrMut<f32>>(&self, x: &mut D) -> Result<(), CudaError> {
         self.stream
             .memset_zeros(x)
             .map_err(|source| CudaError::Driver {

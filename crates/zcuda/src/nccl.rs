@@ -24,7 +24,7 @@ use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut};
 use cudarc::nccl::sys;
 
 use crate::{CudaError, Gpu};
@@ -127,6 +127,10 @@ pub struct Nccl {
     in_flight: Vec<String>,
     /// Bytes sent, by [`NcclOp`] as declared.
     sent: [u64; 3],
+    /// Time [`Nccl::wait`] blocked, by the kind of the last operation
+    /// enqueued before it (the callers wait on one kind at a time).
+    waited: [Duration; 3],
+    last_op: Option<NcclOp>,
     aborted: bool,
 }
 
@@ -170,6 +174,8 @@ impl Nccl {
             timeout,
             in_flight: vec![format!("joining the communicator (rank {rank} of {world})")],
             sent: [0; 3],
+            waited: [Duration::ZERO; 3],
+            last_op: None,
             aborted: false,
         };
         if comm.is_null() {
@@ -197,6 +203,11 @@ impl Nccl {
     /// Bytes this rank sent, per [`NcclOp`] (nccl-tests' ring factors).
     pub fn bytes_sent(&self, op: NcclOp) -> u64 {
         self.sent[op as usize]
+    }
+
+    /// Time [`Nccl::wait`] blocked on operations of kind `op`.
+    pub fn waited(&self, op: NcclOp) -> Duration {
+        self.waited[op as usize]
     }
 
     /// Enqueues the sum over ranks of `buf`, in place; `what` names it in a
@@ -297,7 +308,7 @@ impl Nccl {
     /// other chunks are left undefined.
     pub fn reduce_scatter_sum_in_place(
         &mut self,
-        buf: &mut CudaSlice<f32>,
+        buf: &mut CudaViewMut<f32>,
         what: &str,
     ) -> Result<(), CudaError> {
         let (len, n) = (buf.len(), self.chunk_of(buf.len(), "reduce_scatter", what)?);
@@ -324,7 +335,7 @@ impl Nccl {
     /// all-gather).
     pub fn all_gather_in_place(
         &mut self,
-        buf: &mut CudaSlice<f32>,
+        buf: &mut CudaViewMut<f32>,
         what: &str,
     ) -> Result<(), CudaError> {
         let (len, n) = (buf.len(), self.chunk_of(buf.len(), "all_gather", what)?);
@@ -361,7 +372,15 @@ impl Nccl {
     /// (a peer gone), the communicator is aborted and the error names the
     /// operations in flight.
     pub fn wait(&mut self) -> Result<(), CudaError> {
-        let deadline = Instant::now() + self.timeout;
+        let started = Instant::now();
+        let result = self.wait_until(started + self.timeout);
+        if let Some(op) = self.last_op.take() {
+            self.waited[op as usize] += started.elapsed();
+        }
+        result
+    }
+
+    fn wait_until(&mut self, deadline: Instant) -> Result<(), CudaError> {
         self.settle(deadline)?;
         let done = self
             .stream
@@ -407,6 +426,7 @@ impl Nccl {
     ) -> Result<(), CudaError> {
         self.in_flight
             .push(format!("{} of {what} ({elems} f32)", op.name()));
+        self.last_op = Some(op);
         self.sent[op as usize] += op.bytes_sent(4 * elems as u64, self.world);
         self.enqueued(r)?;
         if r == sys::ncclResult_t::ncclInProgress {

@@ -229,7 +229,8 @@ fn gpu_add_equals_the_cpu_sum() {
     let a = quant_inputs(100_003);
     let b: Vec<f32> = a.iter().rev().map(|v| v * 0.3).collect();
     let mut acc = gpu.upload(&a).unwrap();
-    gpu.add(&mut acc, &gpu.upload(&b).unwrap()).unwrap();
+    gpu.add(&mut acc.slice_mut(..), &gpu.upload(&b).unwrap().slice(..))
+        .unwrap();
     let got = gpu.download(&acc).unwrap();
     for (i, ((g, x), y)) in got.iter().zip(&a).zip(&b).enumerate() {
         assert_eq!(g.to_bits(), (x + y).to_bits(), "element {i}");

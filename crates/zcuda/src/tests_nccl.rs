@@ -158,6 +158,11 @@ fn nccl_rank() {
             "{}",
             op.name()
         );
+        assert!(
+            nccl.waited(op) > Duration::ZERO,
+            "{}: no wait counted",
+            op.name()
+        );
     }
     let bad = nccl.all_gather(&gpu.zeros(3).unwrap(), &mut gpu.zeros(5).unwrap(), "x");
     assert!(

@@ -107,7 +107,7 @@ pub struct Engine {
     pub(crate) gpu_resident: Option<crate::gpu::Resident>,
     /// `comm.backend: nccl`: the communicator between the ranks' GPUs, over
     /// which the resident flow reduces gradients and shares updated slices
-    /// (ZeRO stages 0-1).
+    /// (ZeRO stages 0-2).
     #[cfg(feature = "cuda")]
     pub(crate) nccl: Option<zcuda::Nccl>,
 }

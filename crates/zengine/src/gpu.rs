@@ -11,12 +11,16 @@
 //!   so the same bits as the host flow), and nothing crosses PCIe but the
 //!   tokens, the losses and a checkpoint's state when one is written.
 //!   With `comm.backend: nccl` several workers run it too, at ZeRO stages
-//!   0 and 1: at the step each group's gradient buffer is all-reduced (stage
-//!   0: every rank holds the whole state, as DDP does) or reduce-scattered in
-//!   place (stage 1: each rank holds Adam's moments of its slice only,
-//!   updates that slice, and the slices are all-gathered in place) between
-//!   the GPUs over NCCL; the norm adds this rank's slice as the host does.
-//!   Two ranks add each value once, so the bits are the host flow's.
+//!   0-2, reducing between the GPUs over NCCL where the host flow reduces:
+//!   at stage 0 each group's gradient is all-reduced at the step and every
+//!   rank holds the whole state, as DDP does; at stage 1 it is
+//!   reduce-scattered in place at the step, each rank holds Adam's moments
+//!   of its slice only, updates that slice, and the slices are all-gathered
+//!   in place; at stage 2 each micro-batch's gradient of a group lands in a
+//!   buffer shared by the groups (the embedding's its own), is
+//!   reduce-scattered as soon as the group is complete, and only this rank's
+//!   slice is kept. The norm adds this rank's slice as the host does. Two
+//!   ranks add each value once, so the bits are the host flow's.
 //! - **Host** (several workers without NCCL, or `zero.offload_optimizer.device: cpu`:
 //!   ZeRO-Offload). The engine's flat buffers, their partition over ranks,
 //!   stage 3's gathers, the gradient buckets and AdamW stay on the host. A
@@ -38,7 +42,10 @@
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, Device, Storage, Tensor, TensorId};
-use zcuda::{BlockActs, CudaSlice, DeviceGrads, GptGpu, GptShape, Pinned, Rows, Weights};
+use zcuda::{
+    BlockActs, CudaSlice, CudaView, CudaViewMut, DeviceGrads, GptGpu, GptShape, Pinned, Rows,
+    Weights,
+};
 use zmodel::Batch;
 
 use crate::adam::device_consts;
@@ -124,14 +131,40 @@ struct Landing {
 struct ResidentGroup {
     /// Parameters, one buffer per slot (what the model reads).
     params: Arc<Weights>,
-    /// Gradients, the group's whole flat buffer (padding included), laid
-    /// out as the host's: the norm adds it in the host's chunks. At stage 1
-    /// on several ranks it is also where the updated slices are gathered.
+    /// Gradients over the flat range `held`, laid out as the host's: the
+    /// group's whole buffer (padding included), into which micro-batches
+    /// add, or at stage 2 on several ranks this rank's slice, to which each
+    /// micro-batch's reduced slice is added.
     grads: CudaSlice<f32>,
+    held: std::ops::Range<usize>,
     /// Adam's moments over the region this rank updates (the group's whole
-    /// flat buffer at stage 0, this rank's slice at stage 1), as the host's.
+    /// flat buffer at stage 0, this rank's slice at stages 1-2), as the host's.
     exp_avg: CudaSlice<f32>,
     exp_avg_sq: CudaSlice<f32>,
+}
+
+impl ResidentGroup {
+    /// The gradient at flat range `r` (inside `held`).
+    fn grad(&self, r: std::ops::Range<usize>) -> CudaView<'_, f32> {
+        self.grads
+            .slice(r.start - self.held.start..r.end - self.held.start)
+    }
+
+    fn grad_mut(&mut self, r: std::ops::Range<usize>) -> CudaViewMut<'_, f32> {
+        let at = self.held.start;
+        self.grads.slice_mut(r.start - at..r.end - at)
+    }
+}
+
+/// Stage 2 on several ranks: where a micro-batch's whole gradient of one
+/// group lands before its reduce-scatter.
+struct Landings {
+    /// The embedding's (the tied head's part waits there for the
+    /// embedding's backward, which comes last).
+    embedding: CudaSlice<f32>,
+    /// Every other group's, one at a time, and the buffer the updated
+    /// slices are gathered in (the largest group's length).
+    shared: CudaSlice<f32>,
 }
 
 /// What the resident step needs of a group's layout.
@@ -159,6 +192,20 @@ impl StepPlan {
 /// (checkpoints, exports) download from here.
 pub(crate) struct Resident {
     groups: Vec<ResidentGroup>,
+    /// Stage 2 on several ranks (gradients partitioned).
+    landings: Option<Landings>,
+}
+
+impl Resident {
+    /// Where group `g`'s micro-batch gradients are added: its own buffer,
+    /// or at stage 2 its landing (the first `padded` values).
+    fn landing(&mut self, g: usize, padded: usize) -> CudaViewMut<'_, f32> {
+        match (&mut self.landings, g) {
+            (Some(l), 0) => l.embedding.slice_mut(..padded),
+            (Some(l), _) => l.shared.slice_mut(..padded),
+            (None, _) => self.groups[g].grads.slice_mut(..),
+        }
+    }
 }
 
 impl Engine {
@@ -182,20 +229,19 @@ impl Engine {
     }
 
     /// Reduces gradients between the GPUs over `nccl` from now on (the
-    /// resident flow at ZeRO stages 0-1 on several workers).
+    /// resident flow at ZeRO stages 0-2 on several workers).
     pub fn attach_nccl(&mut self, nccl: zcuda::Nccl) {
         self.nccl = Some(nccl);
         self.gpu_resident = None;
     }
 
     /// Whether the optimizer runs on the GPU with every state resident there
-    /// (one worker, or several over NCCL at stages 0-1; no offload, every
+    /// (one worker, or several over NCCL at stages 0-2; no offload, every
     /// group whole), rather than on the host.
     pub fn gpu_resident(&self) -> bool {
         let z = &self.spec.zero;
         self.gpu.is_some()
-            && (self.comm.world_size() == 1
-                || (self.nccl.is_some() && !self.stage.partitions_gradients()))
+            && (self.comm.world_size() == 1 || self.nccl.is_some())
             && self.hpz.is_none()
             && self.offload.is_none()
             && self.half.is_none()
@@ -204,10 +250,19 @@ impl Engine {
             && self.groups.iter().all(|g| !g.partitioned)
     }
 
+    /// Resident at stage 2 on several ranks: each micro-batch's gradients
+    /// are reduce-scattered over NCCL as each group's are complete, and
+    /// this rank keeps its slice only.
+    fn gpu_sliced_grads(&self) -> bool {
+        self.nccl.is_some() && self.stage.partitions_gradients() && self.comm.world_size() > 1
+    }
+
     /// The resident state, uploaded from the host's buffers the first time
     /// (and after a load, which drops it).
     fn resident(&mut self, gpu: &GptGpu) -> Result<&mut Resident, EngineError> {
         if self.gpu_resident.is_none() {
+            let rank = self.comm.rank();
+            let sliced = self.gpu_sliced_grads();
             let mut groups = Vec::with_capacity(self.groups.len());
             for g in &self.groups {
                 let Flat::F32(p) = &g.params else {
@@ -218,14 +273,32 @@ impl Engine {
                     let parts: Vec<&[f32]> = slots.iter().map(|s| &v[s.range.clone()]).collect();
                     Ok(gpu.upload(&parts)?.into_parts())
                 };
+                let held = match sliced {
+                    true => g.layout.slice(rank),
+                    false => 0..g.layout.padded,
+                };
                 groups.push(ResidentGroup {
                     params: Arc::new(Weights::from_parts(up(p)?)),
-                    grads: gpu.gpu().zeros(g.layout.padded)?,
+                    grads: gpu.gpu().zeros(held.len())?,
+                    held,
                     exp_avg: gpu.gpu().upload(&g.exp_avg)?,
                     exp_avg_sq: gpu.gpu().upload(&g.exp_avg_sq)?,
                 });
             }
-            self.gpu_resident = Some(Resident { groups });
+            let landings = match sliced {
+                true => Some(Landings {
+                    embedding: gpu.gpu().zeros(self.groups[0].layout.padded)?,
+                    shared: gpu.gpu().zeros(
+                        self.groups
+                            .iter()
+                            .map(|g| g.layout.padded)
+                            .max()
+                            .unwrap_or(0),
+                    )?,
+                }),
+                false => None,
+            };
+            self.gpu_resident = Some(Resident { groups, landings });
         }
         Ok(self.gpu_resident.as_mut().expect("just made"))
     }
@@ -304,10 +377,12 @@ impl Engine {
                 .iter()
                 .map(|s| s.range.start)
                 .collect();
-            let r = self.resident(gpu)?;
+            let padded = self.groups[g].layout.padded;
+            let mut landing = self.resident(gpu)?.landing(g, padded);
             for &(slot, grad) in grads {
+                let at = starts[slot];
                 gpu.gpu()
-                    .add_at(&mut r.groups[g].grads, starts[slot], grad)?;
+                    .add(&mut landing.slice_mut(at..at + grad.len()), &grad.slice(..))?;
             }
             return Ok(None);
         }
@@ -343,9 +418,45 @@ impl Engine {
     /// Group `g`'s gradient is complete for this micro-batch (host flow: its
     /// bucket may leave).
     fn gpu_group_done(&mut self, g: usize, reduce_now: bool) -> Result<(), EngineError> {
-        if reduce_now && !self.gpu_resident() {
-            self.group_done(g)?;
+        if !self.gpu_resident() {
+            if reduce_now {
+                self.group_done(g)?;
+            }
+        } else if self.gpu_sliced_grads() {
+            self.gpu_reduce_scatter_group(g)?;
         }
+        Ok(())
+    }
+
+    /// Stage 2 over NCCL: group `g`'s micro-batch gradient, complete in its
+    /// landing, reduce-scattered in place; this rank's slice added into the
+    /// group's, as the host adds each micro-batch's reduced slice; the
+    /// landing zeroed for the next group.
+    fn gpu_reduce_scatter_group(&mut self, g: usize) -> Result<(), EngineError> {
+        let gpu = self.gpu.clone().expect("a GPU attached");
+        let (padded, own) = (
+            self.groups[g].layout.padded,
+            self.groups[g].layout.slice(self.comm.rank()),
+        );
+        let (Some(r), Some(nccl)) = (self.gpu_resident.as_mut(), self.nccl.as_mut()) else {
+            return Err(EngineError::Gpu(
+                "stage 2 over NCCL without its state".into(),
+            ));
+        };
+        let mut landing = match (&mut r.landings, g) {
+            (Some(l), 0) => l.embedding.slice_mut(..padded),
+            (Some(l), _) => l.shared.slice_mut(..padded),
+            (None, _) => {
+                return Err(EngineError::Gpu(
+                    "stage 2 over NCCL without landings".into(),
+                ))
+            }
+        };
+        nccl.reduce_scatter_sum_in_place(&mut landing, &format!("group {g}'s gradients"))?;
+        let group = &mut r.groups[g];
+        gpu.gpu()
+            .add(&mut group.grad_mut(own.clone()), &landing.slice(own))?;
+        gpu.gpu().fill_zero(&mut landing)?;
         Ok(())
     }
 
@@ -484,6 +595,12 @@ impl Engine {
             let grads = gpu.embed_backward(&batch.inputs, &dx)?;
             let by_slot: Vec<_> = grads.iter().enumerate().collect();
             self.gpu_add_grads(&gpu, 0, &by_slot)?;
+            self.gpu_group_done(0, reduce_now)?;
+            if let Some(nccl) = self.nccl.as_mut().filter(|_| reduce_now) {
+                // The next micro-batch's first download would wait on these
+                // reductions with no deadline: wait here, with one.
+                nccl.wait()?;
+            }
         } else {
             let (b, t) = dx.dims();
             let d = self.spec.model.d_model;
@@ -542,29 +659,30 @@ impl Engine {
                     .collect(),
             })
             .collect();
+        let reduced_already = self.gpu_sliced_grads();
         self.resident(&gpu)?;
         let r = self.gpu_resident.as_mut().expect("just made");
         if let Some(nccl) = &mut self.nccl {
             for (i, g) in r.groups.iter_mut().enumerate() {
                 let what = format!("group {i}'s gradients");
-                match sliced {
-                    true => nccl.reduce_scatter_sum_in_place(&mut g.grads, &what)?,
-                    false => nccl.all_reduce_sum(&mut g.grads, &what)?,
+                match (reduced_already, sliced) {
+                    (true, _) => {} // stage 2: as each micro-batch ended
+                    (false, true) => {
+                        nccl.reduce_scatter_sum_in_place(&mut g.grads.slice_mut(..), &what)?
+                    }
+                    (false, false) => nccl.all_reduce_sum(&mut g.grads, &what)?,
                 }
             }
             nccl.wait()?;
         }
         if scale != 1.0 {
             for (g, p) in r.groups.iter_mut().zip(&plans) {
-                gpu.gpu()
-                    .scale(&mut g.grads.slice_mut(p.region.clone()), scale)?;
+                gpu.gpu().scale(&mut g.grad_mut(p.region.clone()), scale)?;
             }
         }
         let mut own_sq = 0f64;
         for (g, p) in r.groups.iter().zip(&plans) {
-            let parts = gpu
-                .gpu()
-                .sum_sq_chunks(&g.grads.slice(p.own.clone()), TASK, 1.0)?;
+            let parts = gpu.gpu().sum_sq_chunks(&g.grad(p.own.clone()), TASK, 1.0)?;
             own_sq += parts.iter().sum::<f64>();
         }
         let grad_norm = self.norm_from_own_sq(own_sq)?;
@@ -577,14 +695,14 @@ impl Engine {
             if clip > 0.0 && grad_norm > clip {
                 let coef = (clip / (grad_norm + 1e-6)) as f32;
                 for (g, p) in r.groups.iter_mut().zip(&plans) {
-                    gpu.gpu()
-                        .scale(&mut g.grads.slice_mut(p.region.clone()), coef)?;
+                    gpu.gpu().scale(&mut g.grad_mut(p.region.clone()), coef)?;
                 }
             }
             for (g, p) in r.groups.iter_mut().zip(&plans) {
                 let ResidentGroup {
                     params,
                     grads,
+                    held,
                     exp_avg,
                     exp_avg_sq,
                 } = g;
@@ -595,7 +713,7 @@ impl Engine {
                     let (slot, moment) = (p.slots[i].0.start, p.region.start);
                     gpu.gpu().adamw(
                         &mut params[i].slice_mut(at.start - slot..at.end - slot),
-                        DeviceGrads::F32(grads.slice(at.clone())),
+                        DeviceGrads::F32(grads.slice(at.start - held.start..at.end - held.start)),
                         &mut exp_avg.slice_mut(at.start - moment..at.end - moment),
                         &mut exp_avg_sq.slice_mut(at.start - moment..at.end - moment),
                         None,
@@ -614,34 +732,41 @@ impl Engine {
         Ok(self.finish_step(step, lr, grad_norm, None, overflow))
     }
 
-    /// Stage 1 over NCCL: every rank's updated slice to every rank. Each
-    /// group's gradient buffer (spent by now) carries its slice of the
-    /// parameters into an in-place all-gather, and each slot's values come
-    /// back from it.
+    /// Stages 1-2 over NCCL: every rank's updated slice to every rank. A
+    /// buffer spent by now (the group's gradient at stage 1, the shared
+    /// landing at stage 2) carries the group's slice of the parameters into
+    /// an in-place all-gather, and each slot's values come back from it.
     fn gpu_share_params(&mut self, gpu: &GptGpu, plans: &[StepPlan]) -> Result<(), EngineError> {
         let (Some(r), Some(nccl)) = (self.gpu_resident.as_mut(), self.nccl.as_mut()) else {
             return Err(EngineError::Gpu("sharing parameters needs NCCL".into()));
         };
-        for (gi, (g, p)) in r.groups.iter_mut().zip(plans).enumerate() {
+        for (gi, p) in plans.iter().enumerate() {
+            let padded = self.groups[gi].layout.padded;
+            let g = &mut r.groups[gi];
+            let mut buf = match &mut r.landings {
+                Some(l) => l.shared.slice_mut(..padded),
+                None => g.grads.slice_mut(..),
+            };
             for (i, at) in p.pieces() {
                 let slot = p.slots[i].0.start;
                 gpu.gpu().copy(
                     &g.params.parts()[i].slice(at.start - slot..at.end - slot),
-                    &mut g.grads.slice_mut(at),
+                    &mut buf.slice_mut(at),
                 )?;
             }
-            nccl.all_gather_in_place(&mut g.grads, &format!("group {gi}'s parameters"))?;
-        }
-        nccl.wait()?;
-        for (g, p) in r.groups.iter_mut().zip(plans) {
+            nccl.all_gather_in_place(&mut buf, &format!("group {gi}'s parameters"))?;
             let params = Arc::get_mut(&mut g.params)
                 .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
                 .parts_mut();
             for (i, (range, _)) in p.slots.iter().enumerate() {
                 gpu.gpu()
-                    .copy(&g.grads.slice(range.clone()), &mut params[i].slice_mut(..))?;
+                    .copy(&buf.slice(range.clone()), &mut params[i].slice_mut(..))?;
             }
         }
+        if let Some(l) = &mut r.landings {
+            gpu.gpu().fill_zero(&mut l.shared)?;
+        }
+        nccl.wait()?;
         Ok(())
     }
 
@@ -684,8 +809,9 @@ impl Engine {
     }
 }
 
-/// NCCL's bytes as the engine counts them, by operation. NCCL picks its own
-/// routes, so they count in neither `intra_node` nor `inter_node`.
+/// NCCL's bytes and waits as the engine counts them, by operation. NCCL
+/// picks its own routes, so its bytes count in neither `intra_node` nor
+/// `inter_node`.
 pub(crate) fn nccl_counters(nccl: &zcuda::Nccl) -> zcomm::CounterSnapshot {
     use zcomm::Op;
     let mut c = zcomm::CounterSnapshot::default();
@@ -695,6 +821,7 @@ pub(crate) fn nccl_counters(nccl: &zcuda::Nccl) -> zcomm::CounterSnapshot {
         (Op::AllGather, zcuda::NcclOp::AllGather),
     ] {
         c.by_op[op.index()] = nccl.bytes_sent(theirs);
+        c.waited_ns[op.index()] = u64::try_from(nccl.waited(theirs).as_nanos()).unwrap_or(u64::MAX);
     }
     c
 }
