@@ -14,9 +14,9 @@
 //! on the GPU (one worker's resident flow) gives ZeRO-Offload's bits (Adam on
 //! the host), with gradient accumulation and clipping; a resumed GPU run
 //! continues the uninterrupted one to the bit; and two workers reducing
-//! their gradients over NCCL (resident, stages 0-2) give the bits of the
-//! host flow's reduction, and a resumed stage-2 NCCL run continues the
-//! uninterrupted one to the bit. `comm.backend: nccl` where it cannot run is refused
+//! their gradients over NCCL (resident, stages 0-3) give the bits and the
+//! bytes of the host flow's reductions, and a resumed stage-3 NCCL run
+//! continues the uninterrupted one to the bit. `comm.backend: nccl` where it cannot run is refused
 //! before launch, GPU or not.
 
 use std::process::Command;
@@ -137,17 +137,13 @@ fn comm_backend_nccl_is_refused_where_it_cannot_run() {
             "comm.backend: nccl needs device: cuda",
         ),
         (
-            &["comm.backend=nccl", "device=cuda", "zero.stage=3"],
-            "nccl runs ZeRO stages 0-2",
-        ),
-        (
             &[
                 "comm.backend=nccl",
                 "device=cuda",
                 "zero.stage=1",
                 "zero.offload_optimizer.device=cpu",
             ],
-            "zero.offload_optimizer moves it to the host",
+            "offload moves it to the host",
         ),
     ] {
         let mut args = vec!["check", job.to_str().unwrap()];
@@ -313,6 +309,9 @@ fn nccl_between_two_workers_gives_the_host_reductions_bits() {
             "train.grad_accum=2".into(),
             "train.grad_clip=0.5".into(),
             format!("comm.backend={backend}"),
+            // Stage 3: the blocks and the embedding partitioned, the final
+            // norm (the tied head's only own parameters) whole.
+            "zero.param_persistence_threshold=1000".into(),
         ]
         .to_vec();
         let job = small_job(dir.path(), name, 12);
@@ -332,10 +331,10 @@ fn nccl_between_two_workers_gives_the_host_reductions_bits() {
             })
             .collect()
     };
-    // Stage 2 adds each micro-batch's reduced slice, stages 0-1 reduce the
+    // Stages 2-3 add each micro-batch's reduced slice, stages 0-1 reduce the
     // accumulated gradient: with two micro-batches their bits differ, on
     // the host as over NCCL, so each stage is held to the host flow's.
-    for stage in [0, 1, 2] {
+    for stage in [0, 1, 2, 3] {
         let host = steps(&format!("host{stage}"), stage, "auto");
         assert_eq!(host.len(), 12);
         assert!(host.iter().any(|s| s.1 > 0.5), "no step clipped: {host:?}");
@@ -355,17 +354,22 @@ fn nccl_between_two_workers_gives_the_host_reductions_bits() {
 }
 
 #[test]
-fn a_resumed_nccl_stage_2_run_continues_the_uninterrupted_one_to_the_bit() {
-    if gpus_or_skip("a_resumed_nccl_stage_2_run_continues_the_uninterrupted_one").is_none() {
+fn a_resumed_nccl_stage_3_run_continues_the_uninterrupted_one_to_the_bit() {
+    if gpus_or_skip("a_resumed_nccl_stage_3_run_continues_the_uninterrupted_one").is_none() {
         return;
     }
     // Each rank's checkpoint holds Adam's moments and parameters of its
     // slice, downloaded from its GPU; the resumed ranks upload them again.
     let d = tempfile::tempdir().unwrap();
     let job = ckpt_job(d.path(), "nccl-resume", 12, 6);
-    let sets: Vec<String> = ["device=cuda", "zero.stage=2", "comm.backend=nccl"]
-        .map(String::from)
-        .to_vec();
+    let sets: Vec<String> = [
+        "device=cuda",
+        "zero.stage=3",
+        "comm.backend=nccl",
+        "zero.param_persistence_threshold=1000",
+    ]
+    .map(String::from)
+    .to_vec();
     let straight = losses_by_step(&run(&job, "straight", 2, &sets, &[]));
     std::fs::remove_dir_all(d.path().join("ckpt/step-00000012")).unwrap();
     let resumed = losses_by_step(&run(&job, "resumed", 2, &sets, &["--resume", "auto"]));

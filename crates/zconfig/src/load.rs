@@ -364,21 +364,18 @@ impl LoadedJob {
         }
     }
 
-    /// `comm.backend: nccl`: gradients reduced between GPUs, each rank
-    /// keeping its state on its GPU (ZeRO stage 0, DDP's data flow, to stage
-    /// 2, Adam's moments and gradients partitioned). Stage 3 and offload,
-    /// which keep partitions or the optimizer on the host, are refused,
-    /// naming the key.
+    /// `comm.backend: nccl`: ZeRO's collectives between GPUs, every state
+    /// on the ranks' GPUs (stages 0-3). Offload, which keeps the optimizer
+    /// or the parameters on the host, is refused, naming the key.
     fn validate_nccl(&self) -> Result<(), ConfigError> {
         let s = &self.spec;
         let z = &s.zero;
         let why = if s.device != Device::Cuda {
             "needs device: cuda (NCCL runs between GPUs; CPU jobs use auto, tcp, shm or mpi)"
-                .to_string()
-        } else if z.stage == ZeroStage::Weights {
-            "runs ZeRO stages 0-2 on the GPUs (gradients reduced there); stage 3 gathers its parameters on the host: use comm.backend: auto".to_string()
-        } else if z.offload_optimizer.device != OffloadDevice::None {
-            "keeps the optimizer on the GPUs, but zero.offload_optimizer moves it to the host: use comm.backend: auto".to_string()
+        } else if z.offload_optimizer.device != OffloadDevice::None
+            || z.offload_param.device != OffloadDevice::None
+        {
+            "keeps every state on the GPUs, but offload moves it to the host: use comm.backend: auto with offload"
         } else {
             return Ok(());
         };

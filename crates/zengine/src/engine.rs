@@ -106,8 +106,8 @@ pub struct Engine {
     #[cfg(feature = "cuda")]
     pub(crate) gpu_resident: Option<crate::gpu::Resident>,
     /// `comm.backend: nccl`: the communicator between the ranks' GPUs, over
-    /// which the resident flow reduces gradients and shares updated slices
-    /// (ZeRO stages 0-2).
+    /// which the resident flow reduces gradients and gathers parameters
+    /// (every ZeRO stage).
     #[cfg(feature = "cuda")]
     pub(crate) nccl: Option<zcuda::Nccl>,
 }
@@ -381,14 +381,29 @@ impl Engine {
     /// A prefetcher for one micro-batch's stage-3 gathers (and, with parameter
     /// offload, the read-ahead of their slices from swap).
     pub(crate) fn prefetcher(&mut self) -> Prefetcher {
-        let order = self.gather_order();
+        let order = match self.gathers_on_gpu() {
+            true => Vec::new(),
+            false => self.gather_order(),
+        };
         self.prefetcher_for(order)
     }
 
     /// A prefetcher for one forward-only pass.
     pub(crate) fn eval_prefetcher(&mut self) -> Prefetcher {
-        let order = self.eval_gather_order();
+        let order = match self.gathers_on_gpu() {
+            true => Vec::new(),
+            false => self.eval_gather_order(),
+        };
         self.prefetcher_for(order)
+    }
+
+    /// Whether the GPU's resident flow gathers stage 3's parameters itself
+    /// (over NCCL), so that the host plans none.
+    fn gathers_on_gpu(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.gpu_resident();
+        #[cfg(not(feature = "cuda"))]
+        false
     }
 
     fn prefetcher_for(&mut self, order: Vec<Gather>) -> Prefetcher {

@@ -10,17 +10,19 @@
 //!   runs AdamW there (`kernels/`: the CPU's operations in the CPU's order,
 //!   so the same bits as the host flow), and nothing crosses PCIe but the
 //!   tokens, the losses and a checkpoint's state when one is written.
-//!   With `comm.backend: nccl` several workers run it too, at ZeRO stages
-//!   0-2, reducing between the GPUs over NCCL where the host flow reduces:
-//!   at stage 0 each group's gradient is all-reduced at the step and every
-//!   rank holds the whole state, as DDP does; at stage 1 it is
-//!   reduce-scattered in place at the step, each rank holds Adam's moments
-//!   of its slice only, updates that slice, and the slices are all-gathered
-//!   in place; at stage 2 each micro-batch's gradient of a group lands in a
-//!   buffer shared by the groups (the embedding's its own), is
-//!   reduce-scattered as soon as the group is complete, and only this rank's
-//!   slice is kept. The norm adds this rank's slice as the host does. Two
-//!   ranks add each value once, so the bits are the host flow's.
+//!   With `comm.backend: nccl` several workers run it too, at every ZeRO
+//!   stage, reducing and gathering between the GPUs over NCCL where the
+//!   host flow does on the host: at stage 0 each group's gradient is
+//!   all-reduced at the step and every rank holds the whole state, as DDP
+//!   does; at stage 1 it is reduce-scattered in place at the step, each rank
+//!   holds Adam's moments of its slice only, updates that slice, and the
+//!   slices are all-gathered in place; at stages 2-3 each micro-batch's
+//!   gradient of a group lands in a buffer shared by the groups (the
+//!   embedding's its own), is reduce-scattered as soon as the group is
+//!   complete, and only this rank's slice is kept; at stage 3 a partitioned
+//!   group's parameters are this rank's slice, all-gathered for each use
+//!   and freed after it. The norm adds this rank's slice as the host does.
+//!   Two ranks add each value once, so the bits are the host flow's.
 //! - **Host** (several workers without NCCL, or `zero.offload_optimizer.device: cpu`:
 //!   ZeRO-Offload). The engine's flat buffers, their partition over ranks,
 //!   stage 3's gathers, the gradient buckets and AdamW stay on the host. A
@@ -127,13 +129,21 @@ struct Landing {
     parts: Vec<(usize, Pinned)>,
 }
 
+/// A resident group's parameters.
+enum ResidentParams {
+    /// Whole, one buffer per slot (what the model reads).
+    Whole(Arc<Weights>),
+    /// Stage 3 over NCCL: this rank's slice of the flat buffer, gathered
+    /// at each use.
+    Slice(CudaSlice<f32>),
+}
+
 /// The resident flow's state of one group on the GPU.
 struct ResidentGroup {
-    /// Parameters, one buffer per slot (what the model reads).
-    params: Arc<Weights>,
+    params: ResidentParams,
     /// Gradients over the flat range `held`, laid out as the host's: the
     /// group's whole buffer (padding included), into which micro-batches
-    /// add, or at stage 2 on several ranks this rank's slice, to which each
+    /// add, or at stages 2-3 on several ranks this rank's slice, to which each
     /// micro-batch's reduced slice is added.
     grads: CudaSlice<f32>,
     held: std::ops::Range<usize>,
@@ -156,7 +166,7 @@ impl ResidentGroup {
     }
 }
 
-/// Stage 2 on several ranks: where a micro-batch's whole gradient of one
+/// Stages 2-3 on several ranks: where a micro-batch's whole gradient of one
 /// group lands before its reduce-scatter.
 struct Landings {
     /// The embedding's (the tied head's part waits there for the
@@ -192,13 +202,13 @@ impl StepPlan {
 /// (checkpoints, exports) download from here.
 pub(crate) struct Resident {
     groups: Vec<ResidentGroup>,
-    /// Stage 2 on several ranks (gradients partitioned).
+    /// Stages 2-3 on several ranks (gradients partitioned).
     landings: Option<Landings>,
 }
 
 impl Resident {
     /// Where group `g`'s micro-batch gradients are added: its own buffer,
-    /// or at stage 2 its landing (the first `padded` values).
+    /// or at stages 2-3 its landing (the first `padded` values).
     fn landing(&mut self, g: usize, padded: usize) -> CudaViewMut<'_, f32> {
         match (&mut self.landings, g) {
             (Some(l), 0) => l.embedding.slice_mut(..padded),
@@ -229,15 +239,15 @@ impl Engine {
     }
 
     /// Reduces gradients between the GPUs over `nccl` from now on (the
-    /// resident flow at ZeRO stages 0-2 on several workers).
+    /// resident flow on several workers, at every ZeRO stage).
     pub fn attach_nccl(&mut self, nccl: zcuda::Nccl) {
         self.nccl = Some(nccl);
         self.gpu_resident = None;
     }
 
     /// Whether the optimizer runs on the GPU with every state resident there
-    /// (one worker, or several over NCCL at stages 0-2; no offload, every
-    /// group whole), rather than on the host.
+    /// (one worker with every group whole, or several over NCCL; no
+    /// offload), rather than on the host.
     pub fn gpu_resident(&self) -> bool {
         let z = &self.spec.zero;
         self.gpu.is_some()
@@ -247,10 +257,10 @@ impl Engine {
             && self.half.is_none()
             && z.offload_optimizer.device == zconfig::spec::OffloadDevice::None
             && z.offload_param.device == zconfig::spec::OffloadDevice::None
-            && self.groups.iter().all(|g| !g.partitioned)
+            && (self.nccl.is_some() || self.groups.iter().all(|g| !g.partitioned))
     }
 
-    /// Resident at stage 2 on several ranks: each micro-batch's gradients
+    /// Resident at stages 2-3 on several ranks: each micro-batch's gradients
     /// are reduce-scattered over NCCL as each group's are complete, and
     /// this rank keeps its slice only.
     fn gpu_sliced_grads(&self) -> bool {
@@ -277,8 +287,12 @@ impl Engine {
                     true => g.layout.slice(rank),
                     false => 0..g.layout.padded,
                 };
+                let params = match g.partitioned {
+                    true => ResidentParams::Slice(gpu.gpu().upload(p)?),
+                    false => ResidentParams::Whole(Arc::new(Weights::from_parts(up(p)?))),
+                };
                 groups.push(ResidentGroup {
-                    params: Arc::new(Weights::from_parts(up(p)?)),
+                    params,
                     grads: gpu.gpu().zeros(held.len())?,
                     held,
                     exp_avg: gpu.gpu().upload(&g.exp_avg)?,
@@ -317,7 +331,10 @@ impl Engine {
         g: usize,
     ) -> Result<Arc<Weights>, EngineError> {
         if self.gpu_resident() {
-            return Ok(self.resident(gpu)?.groups[g].params.clone());
+            if let ResidentParams::Whole(w) = &self.resident(gpu)?.groups[g].params {
+                return Ok(w.clone());
+            }
+            return self.gpu_gather_params(gpu, g);
         }
         let tensors = self.params_for(g, gather)?;
         let id = tensors.first().map(|t| t.id());
@@ -335,6 +352,42 @@ impl Engine {
             _ => None,
         };
         Ok(weights)
+    }
+
+    /// Stage 3 over NCCL: group `g`'s parameters for one use, gathered from
+    /// every rank's slice (an in-place all-gather), then cut into the
+    /// slots' tensors. Freed when the use drops them.
+    fn gpu_gather_params(&mut self, gpu: &GptGpu, g: usize) -> Result<Arc<Weights>, EngineError> {
+        let layout = &self.groups[g].layout;
+        let (padded, own) = (layout.padded, layout.slice(self.comm.rank()));
+        let slots: Vec<_> = layout.params.iter().map(|s| s.range.clone()).collect();
+        let (Some(r), Some(nccl)) = (self.gpu_resident.as_ref(), self.nccl.as_mut()) else {
+            return Err(EngineError::Gpu(
+                "stage 3 over NCCL without its state".into(),
+            ));
+        };
+        let ResidentParams::Slice(mine) = &r.groups[g].params else {
+            return Err(EngineError::Gpu(format!("group {g} is not partitioned")));
+        };
+        let mut buf = gpu.gpu().zeros(padded)?;
+        gpu.gpu().copy(&mine.slice(..), &mut buf.slice_mut(own))?;
+        nccl.all_gather_in_place(&mut buf.slice_mut(..), &format!("group {g}'s parameters"))?;
+        let mut parts = Vec::with_capacity(slots.len());
+        for range in slots {
+            let mut t = gpu.gpu().zeros(range.len())?;
+            gpu.gpu().copy(&buf.slice(range), &mut t.slice_mut(..))?;
+            parts.push(t);
+        }
+        Ok(Arc::new(Weights::from_parts(parts)))
+    }
+
+    /// Stage 3 over NCCL: waits (to the deadline) for the gathers queued
+    /// so far, before a call that waits for the GPU without one.
+    fn gpu_nccl_wait(&mut self) -> Result<(), EngineError> {
+        if let Some(nccl) = self.nccl.as_mut() {
+            nccl.wait()?;
+        }
+        Ok(())
     }
 
     /// Done with group `g`'s parameters (host flow: its gather released).
@@ -428,7 +481,7 @@ impl Engine {
         Ok(())
     }
 
-    /// Stage 2 over NCCL: group `g`'s micro-batch gradient, complete in its
+    /// Stages 2-3 over NCCL: group `g`'s micro-batch gradient, complete in its
     /// landing, reduce-scattered in place; this rank's slice added into the
     /// group's, as the host adds each micro-batch's reduced slice; the
     /// landing zeroed for the next group.
@@ -538,6 +591,7 @@ impl Engine {
         let (hw, wte) = self.gpu_head_weights(&gpu, gather)?;
         let tied = wte.is_some();
         let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        self.gpu_nccl_wait()?; // the head downloads its loss
         let res = gpu.head(&x, &hw, wte.as_deref(), &batch.targets, scale, true)?;
         drop((x, hw, wte));
         if !res.loss.is_finite() {
@@ -625,6 +679,7 @@ impl Engine {
         }
         let (hw, wte) = self.gpu_head_weights(&gpu, gather)?;
         let tied = wte.is_some();
+        self.gpu_nccl_wait()?; // the head downloads its loss
         let loss = gpu
             .head(&x, &hw, wte.as_deref(), &batch.targets, 1.0, false)?
             .loss;
@@ -666,7 +721,7 @@ impl Engine {
             for (i, g) in r.groups.iter_mut().enumerate() {
                 let what = format!("group {i}'s gradients");
                 match (reduced_already, sliced) {
-                    (true, _) => {} // stage 2: as each micro-batch ended
+                    (true, _) => {} // stages 2-3: as each micro-batch ended
                     (false, true) => {
                         nccl.reduce_scatter_sum_in_place(&mut g.grads.slice_mut(..), &what)?
                     }
@@ -706,13 +761,23 @@ impl Engine {
                     exp_avg,
                     exp_avg_sq,
                 } = g;
-                let params = Arc::get_mut(params)
-                    .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
-                    .parts_mut();
+                let mut params = match params {
+                    ResidentParams::Whole(w) => Ok(Arc::get_mut(w)
+                        .ok_or_else(|| {
+                            EngineError::Gpu("parameters still in use at the step".into())
+                        })?
+                        .parts_mut()),
+                    ResidentParams::Slice(mine) => Err(mine),
+                };
                 for (i, at) in p.pieces() {
                     let (slot, moment) = (p.slots[i].0.start, p.region.start);
+                    // Whole: the slot's tensor; a slice: the region's values.
+                    let mut target = match &mut params {
+                        Ok(parts) => parts[i].slice_mut(at.start - slot..at.end - slot),
+                        Err(mine) => mine.slice_mut(at.start - moment..at.end - moment),
+                    };
                     gpu.gpu().adamw(
-                        &mut params[i].slice_mut(at.start - slot..at.end - slot),
+                        &mut target,
                         DeviceGrads::F32(grads.slice(at.start - held.start..at.end - held.start)),
                         &mut exp_avg.slice_mut(at.start - moment..at.end - moment),
                         &mut exp_avg_sq.slice_mut(at.start - moment..at.end - moment),
@@ -732,9 +797,9 @@ impl Engine {
         Ok(self.finish_step(step, lr, grad_norm, None, overflow))
     }
 
-    /// Stages 1-2 over NCCL: every rank's updated slice to every rank. A
-    /// buffer spent by now (the group's gradient at stage 1, the shared
-    /// landing at stage 2) carries the group's slice of the parameters into
+    /// Stages 1-3 over NCCL: every rank's updated slice of each whole group
+    /// to every rank. A buffer spent by now (the group's gradient at stage
+    /// 1, the shared landing at stages 2-3) carries the group's slice of the parameters into
     /// an in-place all-gather, and each slot's values come back from it.
     fn gpu_share_params(&mut self, gpu: &GptGpu, plans: &[StepPlan]) -> Result<(), EngineError> {
         let (Some(r), Some(nccl)) = (self.gpu_resident.as_mut(), self.nccl.as_mut()) else {
@@ -743,6 +808,9 @@ impl Engine {
         for (gi, p) in plans.iter().enumerate() {
             let padded = self.groups[gi].layout.padded;
             let g = &mut r.groups[gi];
+            let ResidentParams::Whole(whole) = &mut g.params else {
+                continue; // stage 3's slices stay where they are
+            };
             let mut buf = match &mut r.landings {
                 Some(l) => l.shared.slice_mut(..padded),
                 None => g.grads.slice_mut(..),
@@ -750,12 +818,12 @@ impl Engine {
             for (i, at) in p.pieces() {
                 let slot = p.slots[i].0.start;
                 gpu.gpu().copy(
-                    &g.params.parts()[i].slice(at.start - slot..at.end - slot),
+                    &whole.parts()[i].slice(at.start - slot..at.end - slot),
                     &mut buf.slice_mut(at),
                 )?;
             }
             nccl.all_gather_in_place(&mut buf, &format!("group {gi}'s parameters"))?;
-            let params = Arc::get_mut(&mut g.params)
+            let params = Arc::get_mut(whole)
                 .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
                 .parts_mut();
             for (i, (range, _)) in p.slots.iter().enumerate() {
@@ -792,9 +860,16 @@ impl Engine {
         let Some(r) = &self.gpu_resident else {
             return Ok(None);
         };
-        let region = self.groups[gi].updated_region(self.comm.rank(), self.stage);
-        let full = self.gpu_flat(gi, r.groups[gi].params.parts())?;
-        Ok(Some(full[region].to_vec()))
+        match &r.groups[gi].params {
+            ResidentParams::Whole(w) => {
+                let region = self.groups[gi].updated_region(self.comm.rank(), self.stage);
+                Ok(Some(self.gpu_flat(gi, w.parts())?[region].to_vec()))
+            }
+            ResidentParams::Slice(mine) => {
+                let gpu = self.gpu.as_ref().expect("a GPU attached");
+                Ok(Some(gpu.gpu().download(mine)?))
+            }
+        }
     }
 
     /// Per-slot device buffers of group `gi` as its padded host layout.
