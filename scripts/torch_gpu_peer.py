@@ -4,7 +4,8 @@ device=cuda --workers-per-node 1` is measured beside. Same model as zrun's
 GPT-2 family: 6 layers, d 384, 6 heads, seq 256, byte vocab, learned positions,
 pre-LN, GELU (tanh) MLP 4x, biases, LM head tied to the token embedding,
 micro-batch 8, random bytes (LAYERS, D_MODEL, HEADS, SEQ, VOCAB, BATCH change the
-shape, as `--set model.…` does for zrun). Prints the median tokens/s over STEPS steps after
+shape, as `--set model.…` does for zrun; TF32=1 allows TF32 products, as
+`--set train.allow_tf32=true` does). Prints the median tokens/s over STEPS steps after
 WARMUP (each step synchronised: zero_grad + forward + backward + AdamW).
 
     python3 scripts/torch_gpu_peer.py [eager|compile]
@@ -17,8 +18,9 @@ import torch.nn.functional as F
 env = lambda k, v: int(os.environ.get(k, v))
 L, D, H, S, V, B = env("LAYERS", 6), env("D_MODEL", 384), env("HEADS", 6), env("SEQ", 256), env("VOCAB", 256), env("BATCH", 8)
 WARMUP, STEPS = int(os.environ.get("WARMUP", "5")), int(os.environ.get("STEPS", "30"))
-torch.backends.cuda.matmul.allow_tf32 = False
-torch.backends.cudnn.allow_tf32 = False
+TF32 = os.environ.get("TF32", "0") == "1"  # zrun's train.allow_tf32
+torch.backends.cuda.matmul.allow_tf32 = TF32
+torch.backends.cudnn.allow_tf32 = TF32
 
 
 class Block(nn.Module):

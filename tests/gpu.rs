@@ -128,10 +128,14 @@ fn device_cuda_refuses_what_the_gpu_model_does_not_run() {
 }
 
 #[test]
-fn comm_backend_nccl_is_refused_where_it_cannot_run() {
+fn nccl_and_tf32_are_refused_where_they_cannot_run() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "nccl-limits", 2);
     for (sets, says) in [
+        (
+            &["train.allow_tf32=true"][..],
+            "train.allow_tf32: needs device: cuda",
+        ),
         (
             &["comm.backend=nccl"][..],
             "comm.backend: nccl needs device: cuda",
@@ -209,6 +213,50 @@ fn training_on_the_gpu_follows_the_cpu_loss_curve() {
             .map(|(g, c)| (g - c).abs() / c.abs())
             .fold(0.0, f64::max)
     );
+}
+
+#[test]
+fn tf32_follows_the_cpu_loss_curve_within_its_rounding() {
+    if gpus_or_skip("tf32_follows_the_cpu_loss_curve_within_its_rounding").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Products large enough that cuBLAS picks its tensor-core kernels.
+    let shape = ["model.d_model=256", "model.n_heads=4"].map(String::from);
+    let with = |extra: &[&str]| {
+        [
+            &shape[..],
+            &extra.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        ]
+        .concat()
+    };
+    let cpu = train(dir.path(), "cpu", 1, &with(&[]));
+    let f32 = train(dir.path(), "f32", 1, &with(&["device=cuda"]));
+    let tf32 = train(
+        dir.path(),
+        "tf32",
+        1,
+        &with(&["device=cuda", "train.allow_tf32=true"]),
+    );
+    let worst = |a: &[f64]| {
+        a.iter()
+            .zip(&cpu)
+            .map(|(g, c)| (g - c).abs() / c.abs())
+            .fold(0.0, f64::max)
+    };
+    eprintln!(
+        "largest relative loss difference from the CPU over 20 steps: f32 {:.2e}, TF32 {:.2e}",
+        worst(&f32),
+        worst(&tf32)
+    );
+    // TF32 rounds each product's inputs to 2^-11: the losses move by
+    // about that much, not by f32's rounding alone.
+    assert!(worst(&tf32) <= 1e-2, "TF32 strays from the CPU run");
+    assert!(
+        worst(&tf32) > worst(&f32),
+        "TF32 changed nothing: was it on?"
+    );
+    assert!(tf32[19] < tf32[0] - 0.1, "no learning in TF32: {tf32:?}");
 }
 
 #[test]

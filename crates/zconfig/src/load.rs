@@ -648,6 +648,12 @@ impl LoadedJob {
         if c.backend == Backend::Nccl {
             self.validate_nccl()?;
         }
+        if s.train.allow_tf32 && s.device != Device::Cuda {
+            return Err(self.invalid(
+                "train.allow_tf32",
+                "needs device: cuda (TF32 is the GPU tensor cores' format for f32 products; the CPU computes in f32)",
+            ));
+        }
         // Bounded, so that every deadline is a valid Duration; the heartbeat at
         // least 2 s, since zrun checks heartbeats once a second and workers send
         // one every quarter of the period (at most every 0.2 s).

@@ -249,6 +249,10 @@ pub struct TrainSpec {
     pub loss_scale: LossScaleSpec,
     /// Recompute each block in backward.
     pub activation_checkpointing: bool,
+    /// `device: cuda`: f32 products on the tensor cores in TF32 (inputs
+    /// rounded to 10 mantissa bits, f32 sums), as PyTorch's
+    /// `torch.backends.cuda.matmul.allow_tf32`.
+    pub allow_tf32: bool,
     /// Steps between validation losses (0: only after the last step); needs
     /// `data.val_fraction`.
     pub eval_every: u64,
@@ -304,6 +308,7 @@ impl Default for TrainSpec {
             dtype: Dtype::F32,
             loss_scale: LossScaleSpec::default(),
             activation_checkpointing: false,
+            allow_tf32: false,
             eval_every: 0,
             eval_steps: 4,
             log_every: 0,

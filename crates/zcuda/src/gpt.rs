@@ -210,6 +210,24 @@ impl GptGpu {
         Ok(GptGpu { gpu, blas, shape })
     }
 
+    /// Runs the f32 products on the tensor cores in TF32 from now on
+    /// (cuBLAS's `CUBLAS_TF32_TENSOR_OP_MATH`: inputs rounded to TF32, f32
+    /// sums), as PyTorch's `allow_tf32` does; off by default.
+    pub fn allow_tf32(&mut self) -> Result<(), CudaError> {
+        use cudarc::cublas::sys;
+        // SAFETY: the handle is live; the call only sets its math mode.
+        let status = unsafe {
+            sys::cublasSetMathMode(
+                *self.blas.handle(),
+                sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH,
+            )
+        };
+        match status {
+            sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => Ok(()),
+            e => Err(CudaError::Invalid(format!("cuBLAS refused TF32: {e:?}"))),
+        }
+    }
+
     /// The GPU underneath.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu

@@ -64,8 +64,12 @@ pub fn attach(
     let nccl = spec.comm.backend == zconfig::spec::Backend::Nccl;
     let n = training_devices(nccl).map_err(|why| anyhow::anyhow!("device: cuda: {why}"))?;
     let ordinal = env.local_rank % n;
-    let gpu = zcuda::GptGpu::open(ordinal, shape)
+    let mut gpu = zcuda::GptGpu::open(ordinal, shape)
         .map_err(|e| anyhow::anyhow!("device: cuda: GPU {ordinal}: {e}"))?;
+    if spec.train.allow_tf32 {
+        gpu.allow_tf32()
+            .map_err(|e| anyhow::anyhow!("train.allow_tf32: GPU {ordinal}: {e}"))?;
+    }
     tracing::info!(
         "local rank {} on GPU {ordinal} ({}, {})",
         env.local_rank,
