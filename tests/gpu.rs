@@ -181,6 +181,21 @@ fn run(
     m
 }
 
+/// The step lines of a metrics file.
+fn step_lines(m: &Path) -> Vec<serde_json::Value> {
+    let mut lines = metrics(m);
+    lines.retain(|l| l.get("loss").is_some());
+    lines
+}
+
+/// A step line's (loss, gradient norm).
+fn loss_and_norm(l: &serde_json::Value) -> (f64, f64) {
+    (
+        l["loss"].as_f64().unwrap(),
+        l["grad_norm"].as_f64().unwrap(),
+    )
+}
+
 /// Trains the small job and returns every step's loss.
 fn train(dir: &Path, name: &str, workers: usize, sets: &[String]) -> Vec<f64> {
     let job = small_job(dir, name, 20);
@@ -301,15 +316,9 @@ fn adam_on_the_gpu_gives_zero_offloads_bits() {
         |extra: &[&str]| [sets.clone(), extra.iter().map(|s| s.to_string()).collect()].concat();
     let steps = |name: &str, extra: &[&str]| -> Vec<(f64, f64)> {
         let job = small_job(dir.path(), name, 12);
-        metrics(&run(&job, name, 1, &with(extra), &[]))
+        step_lines(&run(&job, name, 1, &with(extra), &[]))
             .iter()
-            .filter(|l| l.get("loss").is_some())
-            .map(|l| {
-                (
-                    l["loss"].as_f64().unwrap(),
-                    l["grad_norm"].as_f64().unwrap(),
-                )
-            })
+            .map(loss_and_norm)
             .collect()
     };
     let resident = steps("resident", &[]);
@@ -363,19 +372,13 @@ fn nccl_between_two_workers_gives_the_host_reductions_bits() {
         ]
         .to_vec();
         let job = small_job(dir.path(), name, 12);
-        metrics(&run(&job, name, 2, &sets, &[]))
+        step_lines(&run(&job, name, 2, &sets, &[]))
             .iter()
-            .filter(|l| l.get("loss").is_some())
             .map(|l| {
+                let (loss, norm) = loss_and_norm(l);
                 let by_op = l["comm_bytes"]["by_op"].as_object().unwrap();
-                (
-                    l["loss"].as_f64().unwrap(),
-                    l["grad_norm"].as_f64().unwrap(),
-                    by_op
-                        .iter()
-                        .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
-                        .collect(),
-                )
+                let bytes = by_op.iter().map(|(k, v)| (k.clone(), v.as_u64().unwrap()));
+                (loss, norm, bytes.collect())
             })
             .collect()
     };

@@ -24,7 +24,7 @@ use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtrMut};
 use cudarc::nccl::sys;
 
 use crate::{CudaError, Gpu};
@@ -221,86 +221,8 @@ impl Nccl {
         let n = buf.len();
         let stream = self.stream.clone();
         let (ptr, _sync) = buf.device_ptr_mut(&stream);
-        // SAFETY: `ptr` holds `n` f32 on this communicator's GPU; the stream
-        // orders the kernel after the writes queued before it.
-        let r = unsafe {
-            sys::ncclAllReduce(
-                ptr as *const c_void,
-                ptr as *mut c_void,
-                n,
-                sys::ncclDataType_t::ncclFloat32,
-                sys::ncclRedOp_t::ncclSum,
-                self.comm,
-                stream.cu_stream() as _,
-            )
-        };
-        self.issued(NcclOp::AllReduce, n, what, r)
-    }
-
-    /// Enqueues the sum over ranks of `send` (`world` chunks of
-    /// `recv.len()`), this rank's chunk into `recv`.
-    pub fn reduce_scatter_sum(
-        &mut self,
-        send: &CudaSlice<f32>,
-        recv: &mut CudaSlice<f32>,
-        what: &str,
-    ) -> Result<(), CudaError> {
-        let n = recv.len();
-        if send.len() != n * self.world {
-            return Err(CudaError::Invalid(format!(
-                "NCCL reduce_scatter of {what}: {} values sent, {n} received on {} ranks",
-                send.len(),
-                self.world
-            )));
-        }
-        let stream = self.stream.clone();
-        let (src, _s) = send.device_ptr(&stream);
-        let (dst, _d) = recv.device_ptr_mut(&stream);
-        // SAFETY: lengths checked above; both on this GPU, ordered by the stream.
-        let r = unsafe {
-            sys::ncclReduceScatter(
-                src as *const c_void,
-                dst as *mut c_void,
-                n,
-                sys::ncclDataType_t::ncclFloat32,
-                sys::ncclRedOp_t::ncclSum,
-                self.comm,
-                stream.cu_stream() as _,
-            )
-        };
-        self.issued(NcclOp::ReduceScatter, n * self.world, what, r)
-    }
-
-    /// Enqueues every rank's `send` into `recv` (`world` chunks, rank order).
-    pub fn all_gather(
-        &mut self,
-        send: &CudaSlice<f32>,
-        recv: &mut CudaSlice<f32>,
-        what: &str,
-    ) -> Result<(), CudaError> {
-        let n = send.len();
-        if recv.len() != n * self.world {
-            return Err(CudaError::Invalid(format!(
-                "NCCL all_gather of {what}: {n} values sent, {} received on {} ranks",
-                recv.len(),
-                self.world
-            )));
-        }
-        let stream = self.stream.clone();
-        let (src, _s) = send.device_ptr(&stream);
-        let (dst, _d) = recv.device_ptr_mut(&stream);
-        // SAFETY: lengths checked above; both on this GPU, ordered by the stream.
-        let r = unsafe {
-            sys::ncclAllGather(
-                src as *const c_void,
-                dst as *mut c_void,
-                n,
-                sys::ncclDataType_t::ncclFloat32,
-                self.comm,
-                stream.cu_stream() as _,
-            )
-        };
-        self.issued(NcclOp::AllGather, n * self.world, what, r)
+        // SAFETY: `ptr` holds the `n` values sent and received.
+        unsafe { self.enqueue(NcclOp::AllReduce, ptr, ptr, n, n, what) }
     }
 
     /// Enqueues the sum over ranks of `buf` (`world` equal chunks), this
@@ -312,22 +234,11 @@ impl Nccl {
         what: &str,
     ) -> Result<(), CudaError> {
         let (len, n) = (buf.len(), self.chunk_of(buf.len(), "reduce_scatter", what)?);
-        let (stream, rank) = (self.stream.clone(), self.rank as u64);
+        let (stream, at) = (self.stream.clone(), (self.rank * n * 4) as u64);
         let (ptr, _sync) = buf.device_ptr_mut(&stream);
-        // SAFETY: `buf` holds world·n f32 on this GPU; the output is its
-        // chunk `rank`, as NCCL's in-place form requires.
-        let r = unsafe {
-            sys::ncclReduceScatter(
-                ptr as *const c_void,
-                (ptr + rank * n as u64 * 4) as *mut c_void,
-                n,
-                sys::ncclDataType_t::ncclFloat32,
-                sys::ncclRedOp_t::ncclSum,
-                self.comm,
-                stream.cu_stream() as _,
-            )
-        };
-        self.issued(NcclOp::ReduceScatter, len, what, r)
+        // SAFETY: `buf` holds world·n values; the output is its chunk
+        // `rank`, as NCCL's in-place form requires.
+        unsafe { self.enqueue(NcclOp::ReduceScatter, ptr, ptr + at, n, len, what) }
     }
 
     /// Enqueues every rank's chunk of `buf` (`world` equal chunks, this
@@ -339,21 +250,43 @@ impl Nccl {
         what: &str,
     ) -> Result<(), CudaError> {
         let (len, n) = (buf.len(), self.chunk_of(buf.len(), "all_gather", what)?);
-        let (stream, rank) = (self.stream.clone(), self.rank as u64);
+        let (stream, at) = (self.stream.clone(), (self.rank * n * 4) as u64);
         let (ptr, _sync) = buf.device_ptr_mut(&stream);
-        // SAFETY: `buf` holds world·n f32 on this GPU; the input is its
-        // chunk `rank`, as NCCL's in-place form requires.
-        let r = unsafe {
-            sys::ncclAllGather(
-                (ptr + rank * n as u64 * 4) as *const c_void,
-                ptr as *mut c_void,
-                n,
-                sys::ncclDataType_t::ncclFloat32,
-                self.comm,
-                stream.cu_stream() as _,
-            )
+        // SAFETY: `buf` holds world·n values; the input is its chunk `rank`,
+        // as NCCL's in-place form requires.
+        unsafe { self.enqueue(NcclOp::AllGather, ptr + at, ptr, n, len, what) }
+    }
+
+    /// Calls NCCL's collective `op` on the stream: `count` f32 per rank's
+    /// chunk (all of them for an all-reduce), `elems` in the whole buffer.
+    ///
+    /// # Safety
+    /// `send` and `recv` address f32 buffers on this communicator's GPU of
+    /// the lengths `op` reads and writes for `count` on this world size,
+    /// live until the stream has run the collective.
+    unsafe fn enqueue(
+        &mut self,
+        op: NcclOp,
+        send: u64,
+        recv: u64,
+        count: usize,
+        elems: usize,
+        what: &str,
+    ) -> Result<(), CudaError> {
+        let (s, r) = (send as *const c_void, recv as *mut c_void);
+        let (f32, sum) = (sys::ncclDataType_t::ncclFloat32, sys::ncclRedOp_t::ncclSum);
+        let (comm, stream) = (self.comm, self.stream.cu_stream() as _);
+        // SAFETY: as the caller promises.
+        let result = unsafe {
+            match op {
+                NcclOp::AllReduce => sys::ncclAllReduce(s, r, count, f32, sum, comm, stream),
+                NcclOp::ReduceScatter => {
+                    sys::ncclReduceScatter(s, r, count, f32, sum, comm, stream)
+                }
+                NcclOp::AllGather => sys::ncclAllGather(s, r, count, f32, comm, stream),
+            }
         };
-        self.issued(NcclOp::AllGather, len, what, r)
+        self.issued(op, elems, what, result)
     }
 
     /// The chunk length of a `len`-value buffer split over the ranks.

@@ -124,9 +124,8 @@ fn nccl_rank() {
         expect_bytes[NcclOp::AllReduce as usize] += 4 * n as u64; // 2·(n-1)/n = 1
 
         let whole = |r: usize| values(2 * n, (i * 10 + 5 + r) as u32);
-        let send = gpu.upload(&whole(rank)).unwrap();
-        let mut recv = gpu.zeros::<f32>(n).unwrap();
-        nccl.reduce_scatter_sum(&send, &mut recv, "test values")
+        let mut buf = gpu.upload(&whole(rank)).unwrap();
+        nccl.reduce_scatter_sum_in_place(&mut buf.slice_mut(..), "test values")
             .unwrap();
         nccl.wait().unwrap();
         let own: Vec<f32> = whole(0)[rank * n..(rank + 1) * n]
@@ -134,15 +133,19 @@ fn nccl_rank() {
             .zip(&whole(1)[rank * n..(rank + 1) * n])
             .map(|(a, b)| a + b)
             .collect();
+        let got = gpu.download(&buf).unwrap();
         assert!(
-            same_bits(&gpu.download(&recv).unwrap(), &own),
+            same_bits(&got[rank * n..(rank + 1) * n], &own),
             "reduce_scatter of {n}"
         );
         expect_bytes[NcclOp::ReduceScatter as usize] += 4 * n as u64;
 
-        let send = gpu.upload(&mine(rank)).unwrap();
-        let mut all = gpu.zeros::<f32>(2 * n).unwrap();
-        nccl.all_gather(&send, &mut all, "test values").unwrap();
+        // This rank's chunk in place, the other NaN until the gather.
+        let mut start = vec![f32::NAN; 2 * n];
+        start[rank * n..(rank + 1) * n].copy_from_slice(&mine(rank));
+        let mut all = gpu.upload(&start).unwrap();
+        nccl.all_gather_in_place(&mut all.slice_mut(..), "test values")
+            .unwrap();
         nccl.wait().unwrap();
         let both: Vec<f32> = mine(0).into_iter().chain(mine(1)).collect();
         assert!(
@@ -164,10 +167,10 @@ fn nccl_rank() {
             op.name()
         );
     }
-    let bad = nccl.all_gather(&gpu.zeros(3).unwrap(), &mut gpu.zeros(5).unwrap(), "x");
+    let bad = nccl.all_gather_in_place(&mut gpu.zeros(5).unwrap().slice_mut(..), "x");
     assert!(
         matches!(bad, Err(CudaError::Invalid(_))),
-        "lengths are checked"
+        "a buffer that does not split over the ranks is refused"
     );
 
     if rank == 1 {
