@@ -148,7 +148,7 @@ struct ResidentGroup {
     grads: CudaSlice<f32>,
     held: std::ops::Range<usize>,
     /// Adam's moments over the region this rank updates (the group's whole
-    /// flat buffer at stage 0, this rank's slice at stages 1-2), as the host's.
+    /// flat buffer at stage 0, this rank's slice at stages 1-3), as the host's.
     exp_avg: CudaSlice<f32>,
     exp_avg_sq: CudaSlice<f32>,
 }
@@ -175,6 +175,16 @@ struct Landings {
     /// Every other group's, one at a time, and the buffer the updated
     /// slices are gathered in (the largest group's length).
     shared: CudaSlice<f32>,
+}
+
+impl Landings {
+    /// Group `g`'s landing (the first `padded` values of its buffer).
+    fn of(&mut self, g: usize, padded: usize) -> CudaViewMut<'_, f32> {
+        match g {
+            0 => self.embedding.slice_mut(..padded),
+            _ => self.shared.slice_mut(..padded),
+        }
+    }
 }
 
 /// What the resident step needs of a group's layout.
@@ -210,10 +220,9 @@ impl Resident {
     /// Where group `g`'s micro-batch gradients are added: its own buffer,
     /// or at stages 2-3 its landing (the first `padded` values).
     fn landing(&mut self, g: usize, padded: usize) -> CudaViewMut<'_, f32> {
-        match (&mut self.landings, g) {
-            (Some(l), 0) => l.embedding.slice_mut(..padded),
-            (Some(l), _) => l.shared.slice_mut(..padded),
-            (None, _) => self.groups[g].grads.slice_mut(..),
+        match &mut self.landings {
+            Some(l) => l.of(g, padded),
+            None => self.groups[g].grads.slice_mut(..),
         }
     }
 }
@@ -493,18 +502,15 @@ impl Engine {
         );
         let (Some(r), Some(nccl)) = (self.gpu_resident.as_mut(), self.nccl.as_mut()) else {
             return Err(EngineError::Gpu(
-                "stage 2 over NCCL without its state".into(),
+                "stages 2-3 over NCCL without their state".into(),
             ));
         };
-        let mut landing = match (&mut r.landings, g) {
-            (Some(l), 0) => l.embedding.slice_mut(..padded),
-            (Some(l), _) => l.shared.slice_mut(..padded),
-            (None, _) => {
-                return Err(EngineError::Gpu(
-                    "stage 2 over NCCL without landings".into(),
-                ))
-            }
+        let Some(landings) = r.landings.as_mut() else {
+            return Err(EngineError::Gpu(
+                "stages 2-3 over NCCL without landings".into(),
+            ));
         };
+        let mut landing = landings.of(g, padded);
         nccl.reduce_scatter_sum_in_place(&mut landing, &format!("group {g}'s gradients"))?;
         let group = &mut r.groups[g];
         gpu.gpu()
