@@ -1,7 +1,9 @@
-// The GPT-2 block's kernels that are not matrix products (those run on
-// cuBLAS): the embedding, layer norm and its backward, bias and residual
-// adds, GELU and its backward, the causal softmax of attention and its
-// backward, cross-entropy, and the column sums that parameter gradients need.
+// The GPT-2 and LLaMA blocks' kernels that are not matrix products (those
+// run on cuBLAS): the embedding, layer norm and RMSNorm and their backward,
+// bias and residual adds, GELU and SwiGLU and their backward, rotary
+// positions, the causal softmax of attention and its backward, grouped-query
+// attention's key/value heads, cross-entropy, and the column sums that
+// parameter gradients need.
 //
 // These compute the same functions as zrun's CPU model (crates/zmodel) in
 // f32, not the same bits: exp, tanh and log come from CUDA's math library
@@ -48,7 +50,8 @@ __device__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
-// x[r, c] = wte[tok[r], c] + wpe[r % t, c]; tokens were checked on the host.
+// x[r, c] = wte[tok[r], c] + wpe[r % t, c] (LLaMA: wpe null, no positions
+// added); tokens were checked on the host.
 extern "C" __global__ void embed(const unsigned int* tok, const float* wte, const float* wpe,
                                  float* x, unsigned long long n, int t, int d)
 {
@@ -56,7 +59,8 @@ extern "C" __global__ void embed(const unsigned int* tok, const float* wte, cons
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < n * d; i += stride) {
         unsigned long long r = i / d, c = i % d;
-        x[i] = wte[(unsigned long long)tok[r] * d + c] + wpe[(r % t) * d + c];
+        float v = wte[(unsigned long long)tok[r] * d + c];
+        x[i] = wpe ? v + wpe[(r % t) * d + c] : v;
     }
 }
 
@@ -166,6 +170,57 @@ extern "C" __global__ void layer_norm_param_partials(const float* x, const float
     db_part[(unsigned long long)blockIdx.y * d + c] = sb;
 }
 
+// LLaMA's RMSNorm, one block per row: y = x · r · w with r = 1/sqrt(mean(x²)
+// + eps), keeping r for the backward.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, float* rstd_out,
+                                    int d, float eps)
+{
+    __shared__ float scratch[WARP];
+    const float* row = x + (unsigned long long)blockIdx.x * d;
+    float* out = y + (unsigned long long)blockIdx.x * d;
+    float q = 0.0f;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) q += row[c] * row[c];
+    float r = 1.0f / sqrtf(block_sum(q, scratch) / d + eps);
+    for (int c = threadIdx.x; c < d; c += blockDim.x) out[c] = row[c] * r * w[c];
+    if (threadIdx.x == 0) rstd_out[blockIdx.x] = r;
+}
+
+// One block per row: dx = r · (g − x̂ · mean(g · x̂)) with g = dy · w and x̂ =
+// x · r, plus the residual's gradient `dres` where there is one (may be null).
+extern "C" __global__ void rms_norm_backward(const float* x, const float* w, const float* rstd,
+                                             const float* dy, const float* dres, float* dx,
+                                             int d)
+{
+    __shared__ float scratch[WARP];
+    unsigned long long off = (unsigned long long)blockIdx.x * d;
+    float r = rstd[blockIdx.x];
+    float sgx = 0.0f;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) sgx += dy[off + c] * w[c] * (x[off + c] * r);
+    float mgx = block_sum(sgx, scratch) / d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float v = r * (dy[off + c] * w[c] - x[off + c] * r * mgx);
+        dx[off + c] = dres ? v + dres[off + c] : v;
+    }
+}
+
+// RMSNorm's weight gradient, part 1: for the rows of blockIdx.y's chunk, one
+// thread per column adds dy · x̂ down the rows in order; part 2 is
+// `column_sums` over the chunks.
+extern "C" __global__ void rms_norm_param_partials(const float* x, const float* rstd,
+                                                   const float* dy, float* dw_part, int n, int d,
+                                                   int rows_per)
+{
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= d) return;
+    int r0 = blockIdx.y * rows_per, r1 = min(n, r0 + rows_per);
+    float sw = 0.0f;
+    for (int r = r0; r < r1; r++) {
+        unsigned long long i = (unsigned long long)r * d + c;
+        sw += dy[i] * (x[i] * rstd[r]);
+    }
+    dw_part[(unsigned long long)blockIdx.y * d + c] = sw;
+}
+
 // out[c] = Σ_r a[r, c] over `rows` rows of `width`, in row order; with
 // rows_per < rows, blockIdx.y sums its chunk into part[chunk, c] instead (a
 // bias gradient over many rows: chunks first, then the chunks' sums).
@@ -180,14 +235,15 @@ extern "C" __global__ void column_sums(const float* a, float* out, int rows, int
     out[(unsigned long long)blockIdx.y * width + c] = s;
 }
 
-// y = (y + b) [+ res], per row of `width`.
+// y = (y [+ b]) [+ res], per row of `width` (b null: LLaMA's linears have
+// no bias).
 extern "C" __global__ void bias_residual(float* y, const float* b, const float* res,
                                          unsigned long long n, int width)
 {
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < n * width; i += stride) {
-        float v = y[i] + b[i % width];
+        float v = b ? y[i] + b[i % width] : y[i];
         y[i] = res ? res[i] + v : v;
     }
 }
@@ -230,6 +286,72 @@ extern "C" __global__ void heads_to_rows(const float* heads, float* rows, int ld
     }
 }
 
+// Grouped-query attention's keys or values for every query head:
+// heads[s, h, t, c] = rows[s, t, col0 + (h / group)·hd + c], each of the
+// `group` query heads of a key/value head reading that head's columns.
+extern "C" __global__ void kv_rows_to_heads(const float* rows, int ld, int col0, float* heads,
+                                            int b, int t, int h, int hd, int group)
+{
+    unsigned long long n = (unsigned long long)b * t * h * hd;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        unsigned long long c = i % hd, r = i / hd;
+        unsigned long long tt = r % t, sh = r / t;
+        unsigned long long hh = sh % h, s = sh / h;
+        heads[i] = rows[(s * t + tt) * ld + col0 + (hh / group) * hd + c];
+    }
+}
+
+// Its backward: rows[s, t, col0 + k·hd + c] = the sum over the group's query
+// heads j = k·group .. k·group + group − 1, in that order from zero, of
+// heads[s, j, t, c] (h/group key/value heads).
+extern "C" __global__ void heads_to_kv_rows(const float* heads, float* rows, int ld, int col0,
+                                            int b, int t, int h, int hd, int group)
+{
+    int kv = h / group;
+    unsigned long long n = (unsigned long long)b * t * kv * hd;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        unsigned long long c = i % hd, r = i / hd;
+        unsigned long long k = r % kv, st = r / kv;
+        unsigned long long tt = st % t, s = st / t;
+        float acc = 0.0f;
+        for (int j = 0; j < group; j++) {
+            unsigned long long head = s * h + k * group + j;
+            acc = __fadd_rn(acc, heads[(head * t + tt) * hd + c]);
+        }
+        rows[(s * t + tt) * ld + col0 + k * hd + c] = acc;
+    }
+}
+
+// LLaMA's rotary positions in place on rows of `ld` values (q's and k's
+// `heads` heads of hd from column 0; v's columns untouched), Hugging Face's
+// layout: in each head the pair (i, i + hd/2) at position p = row % t turns
+// by the angle whose cosine and sine are cos[p, i], sin[p, i] (a table the
+// host computes in f64, as the CPU model does), times `sign` for the sine:
+// −1 turns back, which is the backward.
+extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t,
+                                unsigned long long rows, int ld, int heads, int hd, int t,
+                                float sign)
+{
+    int half = hd / 2;
+    unsigned long long n = rows * heads * half;
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        unsigned long long k = i % half, rh = i / half;
+        unsigned long long hh = rh % heads, r = rh / heads;
+        unsigned long long p = r % t;
+        float c = cos_t[p * half + k], s = sign * sin_t[p * half + k];
+        float* head = x + r * ld + hh * hd;
+        float a = head[k], b = head[k + half];
+        head[k] = a * c - b * s;
+        head[k + half] = b * c + a * s;
+    }
+}
+
 #define GELU_K 0.7978845608f
 #define GELU_C 0.044715f
 
@@ -254,6 +376,37 @@ extern "C" __global__ void gelu_backward(const float* h, const float* dg, float*
         float th = tanhf(GELU_K * (v + GELU_C * v * v * v));
         float dudv = GELU_K * (1.0f + 3.0f * GELU_C * v * v);
         dh[i] = dg[i] * (0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * dudv);
+    }
+}
+
+// LLaMA's SwiGLU on h [n, 2f] holding gate and up side by side: y[r, c] =
+// silu(gate) · up, silu(v) = v · σ(v).
+extern "C" __global__ void swiglu(const float* h, float* y, unsigned long long n, int f)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n * f; i += stride) {
+        unsigned long long r = i / f, c = i % f;
+        float g = h[r * 2 * f + c], u = h[r * 2 * f + f + c];
+        float s = 1.0f / (1.0f + expf(-g));
+        y[i] = g * s * u;
+    }
+}
+
+// Its backward: dh [n, 2f] from h and dy [n, f]: dgate = dy · up · (σ +
+// silu · (1 − σ)), dup = dy · silu.
+extern "C" __global__ void swiglu_backward(const float* h, const float* dy, float* dh,
+                                           unsigned long long n, int f)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n * f; i += stride) {
+        unsigned long long r = i / f, c = i % f;
+        float g = h[r * 2 * f + c], u = h[r * 2 * f + f + c];
+        float s = 1.0f / (1.0f + expf(-g));
+        float silu = g * s;
+        dh[r * 2 * f + c] = dy[i] * u * (s + silu * (1.0f - s));
+        dh[r * 2 * f + f + c] = dy[i] * silu;
     }
 }
 

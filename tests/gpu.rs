@@ -5,11 +5,12 @@
 //! without the `cuda` feature" for the default build, the missing driver for
 //! `--features zworker/cuda` (CI builds that zworker and sets
 //! `ZRUN_REQUIRE_CUDA_BUILD=1`, which makes the second case mandatory); and a
-//! job the GPU model cannot run (bf16, LLaMA, tiles) is refused for that.
+//! job the GPU model cannot run (bf16, tiles) is refused for that.
 //!
 //! With a GPU (skipped without one, saying so; `ZRUN_REQUIRE_GPU=1` makes
 //! them mandatory): training on the GPU follows the CPU run's loss curve
-//! within f32 rounding; ZeRO's stages 0-3 (two workers sharing the GPU)
+//! within f32 rounding, a LLaMA too (grouped-query attention, tied and
+//! untied heads); ZeRO's stages 0-3 (two workers sharing the GPU)
 //! give the same losses to the bit, with activation checkpointing too; Adam
 //! on the GPU (one worker's resident flow) gives ZeRO-Offload's bits (Adam on
 //! the host), with gradient accumulation and clipping; a resumed GPU run
@@ -110,7 +111,6 @@ fn device_cuda_refuses_what_the_gpu_model_does_not_run() {
     let job = small_job(dir.path(), "gpu-limits", 2);
     for (sets, says) in [
         (&["train.dtype=bf16"][..], "f32 only"),
-        (&["model.kind=llama"], "GPT-2's family only"),
         (&["model.tile_size=512"], "drop model.tile_size"),
         (
             &["zero.stage=3", "zero.zero_quantized_weights=true"],
@@ -228,6 +228,45 @@ fn training_on_the_gpu_follows_the_cpu_loss_curve() {
             .map(|(g, c)| (g - c).abs() / c.abs())
             .fold(0.0, f64::max)
     );
+}
+
+#[test]
+fn llama_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
+    if gpus_or_skip("llama_on_the_gpu_follows_the_cpu_loss_curve").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // 4 query heads on 2 key/value heads; stage 3 partitions every group.
+    let llama = |extra: &[&str]| -> Vec<String> {
+        [
+            "model.kind=llama",
+            "model.n_kv_heads=2",
+            "zero.param_persistence_threshold=0",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let cpu = train(dir.path(), "llama-cpu", 1, &llama(&[]));
+    let gpu = train(dir.path(), "llama-gpu", 1, &llama(&["device=cuda"]));
+    for (s, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+        assert!(
+            (g - c).abs() <= 1e-3 * c.abs(),
+            "step {}: GPU loss {g}, CPU {c}",
+            s + 1
+        );
+    }
+    assert!(gpu[19] < gpu[0] - 0.1, "no learning on the GPU: {gpu:?}");
+    for tied in [false, true] {
+        let tie = format!("model.tie_embeddings={tied}");
+        let stage = |n: u8| {
+            let sets = llama(&["device=cuda", &tie, &format!("zero.stage={n}")]);
+            train(dir.path(), &format!("llama-s{n}-tied-{tied}"), 2, &sets)
+        };
+        let stage0 = stage(0);
+        assert_eq!(stage(3), stage0, "LLaMA stage 3 against stage 0 ({tie})");
+    }
 }
 
 #[test]

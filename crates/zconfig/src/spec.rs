@@ -655,13 +655,10 @@ pub enum Device {
 
 impl JobSpec {
     /// What of this job the GPU path (`device: cuda`) cannot run yet, or
-    /// `None`: the GPU model is GPT-2's family in f32 with whole linears,
+    /// `None`: the GPU model is GPT-2's or LLaMA's family in f32 with whole linears,
     /// and NVMe offload and ZeRO++, whose host code the GPU path would share,
     /// are refused until they have run on a GPU.
     pub fn gpu_unsupported(&self) -> Option<String> {
-        if self.model.kind != ModelKind::Gpt {
-            return Some("the GPU model is GPT-2's family only (model.kind: gpt)".into());
-        }
         if self.train.dtype != Dtype::F32 {
             return Some(format!(
                 "the GPU model computes in f32 only, not train.dtype: {}",

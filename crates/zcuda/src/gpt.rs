@@ -1,6 +1,11 @@
-//! The GPT-2 model on one GPU: the embedding, the blocks and the head,
-//! forward and backward, in f32, with the matrix products on cuBLAS and the
-//! rest on `kernels/gpt.cu`.
+//! The GPT-2 and LLaMA models on one GPU: the embedding, the blocks and the
+//! head, forward and backward, in f32, with the matrix products on cuBLAS
+//! and the rest on `kernels/gpt.cu`. Both families are one chain of blocks
+//! with two norms and four linears in the same places (zconfig's `arch`),
+//! so one forward and one backward serve both: a [`Family`] picks the norm
+//! (layer norm or RMSNorm), the MLP's activation (GELU or SwiGLU on gate and
+//! up side by side), the positions (learned, or rotary on q and k), biases
+//! or none, and grouped-query attention's key/value heads.
 //!
 //! What stays on the host: the parameters, their gradients and the optimizer
 //! (zengine's flat buffers, partitioned by ZeRO's stage exactly as on the
@@ -25,9 +30,26 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use crate::gpu::grid_stride;
 use crate::{CudaError, Gpu};
 
-/// The shape of a GPT-2 model, as far as the GPU needs it.
+/// The decoder family: what a block's norms, MLP, positions and biases are.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Family {
+    /// GPT-2: layer norms and linears with biases, GELU, learned positions.
+    Gpt2,
+    /// LLaMA: RMSNorm, SwiGLU, rotary positions, no biases, `kv_heads`
+    /// key/value heads (dividing the query heads).
+    Llama {
+        /// Key/value heads.
+        kv_heads: usize,
+        /// The rotary embeddings' base.
+        rope_theta: f64,
+    },
+}
+
+/// The shape of a GPT-2 or LLaMA model, as far as the GPU needs it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GptShape {
+    /// The decoder family.
+    pub family: Family,
     /// Model width.
     pub d_model: usize,
     /// Attention heads (dividing `d_model`).
@@ -36,15 +58,60 @@ pub struct GptShape {
     pub ffn: usize,
     /// Vocabulary (rows of the token embedding).
     pub vocab: usize,
-    /// Positions (rows of the position embedding).
+    /// Positions (rows of GPT-2's position embedding; LLaMA's rotary table).
     pub seq_len: usize,
-    /// Layer norm's epsilon.
+    /// The norms' epsilon.
     pub eps: f32,
 }
 
-/// Parameters of a block: norm 1 (w, b), qkv (w, b), attention output
-/// (w, b), norm 2 (w, b), MLP in (w, b), MLP out (w, b): zmodel's flat order.
+impl GptShape {
+    fn llama(&self) -> bool {
+        matches!(self.family, Family::Llama { .. })
+    }
+
+    /// Key/value heads (all heads but in grouped-query attention).
+    fn kv_heads(&self) -> usize {
+        match self.family {
+            Family::Gpt2 => self.n_heads,
+            Family::Llama { kv_heads, .. } => kv_heads,
+        }
+    }
+
+    fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads
+    }
+
+    /// Width of the fused projection's output: q, k and v side by side.
+    fn qkv_width(&self) -> usize {
+        (self.n_heads + 2 * self.kv_heads()) * self.head_dim()
+    }
+
+    /// Width of the MLP's first linear: GPT-2's hidden layer, or LLaMA's
+    /// gate and up side by side.
+    fn mlp_in_width(&self) -> usize {
+        match self.family {
+            Family::Gpt2 => self.ffn,
+            Family::Llama { .. } => 2 * self.ffn,
+        }
+    }
+}
+
+/// Parameters of a GPT-2 block: norm 1 (w, b), qkv (w, b), attention
+/// output (w, b), norm 2 (w, b), MLP in (w, b), MLP out (w, b): zmodel's
+/// flat order. A LLaMA block has the six weights alone, in the same order.
 pub const BLOCK_PARAMS: usize = 12;
+
+/// A block's six parts in forward order: norm 1, qkv, attention output,
+/// norm 2, MLP in, MLP out.
+const PARTS: usize = 6;
+
+/// A part's gradients: its weight's, and its bias's where it has one.
+type PartGrads = (CudaSlice<f32>, Option<CudaSlice<f32>>);
+
+/// A block's parameters by part: each part's weight and (GPT-2) bias.
+struct BlockWeights<'w> {
+    parts: [(&'w CudaSlice<f32>, Option<&'w CudaSlice<f32>>); PARTS],
+}
 
 /// Rows `[b, t, d]` of activations (or their gradient) in device memory.
 pub struct Rows {
@@ -61,8 +128,9 @@ impl Rows {
 }
 
 /// A parameter group's tensors in device memory, in the group's order
-/// (embedding: wte, wpe; block: zmodel's flat order of [`BLOCK_PARAMS`];
-/// head: the final norm's weight and bias, and an untied output matrix).
+/// (embedding: wte and GPT-2's wpe; block: zmodel's flat order, see
+/// [`BLOCK_PARAMS`]; head: the final norm's weight and GPT-2's bias, and an
+/// untied output matrix).
 pub struct Weights {
     p: Vec<CudaSlice<f32>>,
 }
@@ -99,7 +167,8 @@ impl Weights {
     }
 }
 
-/// What a block's forward keeps for its backward.
+/// What a block's forward keeps for its backward (`h`: the MLP's first
+/// linear's output, `g`: its activation).
 pub struct BlockActs {
     x: Rows,
     a1: CudaSlice<f32>,
@@ -126,17 +195,30 @@ pub struct HeadOut {
     pub loss: f64,
     /// The gradient of the head's input (backward only).
     pub dx: Option<Rows>,
-    /// Gradients of the final norm's weight and bias and of the output
-    /// matrix `[vocab, d]` (backward only).
-    pub grads: Option<[CudaSlice<f32>; 3]>,
+    /// Gradients (backward only).
+    pub grads: Option<HeadGrads>,
 }
 
-/// Layer norm's per-row mean and 1/σ, kept for its backward.
-type Stats = (CudaSlice<f32>, CudaSlice<f32>);
+/// The head's parameter gradients.
+pub struct HeadGrads {
+    /// The final norm's weight and (GPT-2) bias, in the group's order.
+    pub norm: Vec<CudaSlice<f32>>,
+    /// The output matrix `[vocab, d]`: the head's own, or the token
+    /// embedding's when tied.
+    pub out: CudaSlice<f32>,
+}
+
+/// A norm's per-row statistics, kept for its backward.
+enum Stats {
+    /// Layer norm's mean and 1/σ.
+    Layer(CudaSlice<f32>, CudaSlice<f32>),
+    /// RMSNorm's 1/rms.
+    Rms(CudaSlice<f32>),
+}
 
 /// A layer's backward: its input's gradient and its parameters' (weight,
-/// bias).
-type Backward = (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>);
+/// and bias where it has one).
+type Backward = (CudaSlice<f32>, CudaSlice<f32>, Option<CudaSlice<f32>>);
 
 /// What attention keeps for its backward: q, k, v head-major (`[b·heads,
 /// t, hd]`), the probabilities (`[b·heads, t, t]`) and the output rows
@@ -183,11 +265,13 @@ const ROW_THREADS: u32 = 256;
 /// Rows a column-sum thread adds before the chunks are added.
 const ROWS_PER_CHUNK: usize = 64;
 
-/// The GPT-2 model's forward and backward on one GPU.
+/// The model's forward and backward on one GPU.
 pub struct GptGpu {
     gpu: Gpu,
     blas: CudaBlas,
     shape: GptShape,
+    /// LLaMA's rotary table `[seq_len, hd/2]`: cosines and sines.
+    rotary: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
 }
 
 impl GptGpu {
@@ -200,6 +284,16 @@ impl GptGpu {
                 shape.n_heads, shape.d_model
             )));
         }
+        let kv = shape.kv_heads();
+        if kv == 0
+            || !shape.n_heads.is_multiple_of(kv)
+            || (shape.llama() && !shape.head_dim().is_multiple_of(2))
+        {
+            return Err(CudaError::Invalid(format!(
+                "{kv} key/value heads do not divide {} heads of even width",
+                shape.n_heads
+            )));
+        }
         if !crate::cublas_present() {
             return Err(CudaError::Missing(crate::NO_CUBLAS.into()));
         }
@@ -207,7 +301,19 @@ impl GptGpu {
         let blas = CudaBlas::new(gpu.stream().clone()).map_err(|e| {
             CudaError::Missing(format!("cuBLAS did not start on GPU {ordinal}: {e}"))
         })?;
-        Ok(GptGpu { gpu, blas, shape })
+        let rotary = match shape.family {
+            Family::Gpt2 => None,
+            Family::Llama { rope_theta, .. } => {
+                let (cos, sin) = rotary_table(rope_theta, shape.seq_len, shape.head_dim());
+                Some((gpu.upload(&cos)?, gpu.upload(&sin)?))
+            }
+        };
+        Ok(GptGpu {
+            gpu,
+            blas,
+            shape,
+            rotary,
+        })
     }
 
     /// Runs the f32 products on the tensor cores in TF32 from now on
@@ -242,21 +348,42 @@ impl GptGpu {
         Ok(Weights { p })
     }
 
-    /// `w` as a block's parameters: twelve tensors of the block's shapes.
-    fn block_params<'w>(&self, w: &'w Weights) -> Result<&'w [CudaSlice<f32>], CudaError> {
-        let (d, f) = (self.shape.d_model, self.shape.ffn);
-        let want = [d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * f, f, f * d, d];
+    /// `w` as a block's parameters, checked against the block's shapes:
+    /// each part's weight and (GPT-2) bias.
+    fn block_params<'w>(&self, w: &'w Weights) -> Result<BlockWeights<'w>, CudaError> {
+        let (d, f, q) = (self.shape.d_model, self.shape.ffn, self.shape.qkv_width());
+        let fi = self.shape.mlp_in_width();
+        // Each part's weight and output width (its bias's length).
+        let parts = [
+            (d, d),
+            (d * q, q),
+            (d * d, d),
+            (d, d),
+            (d * fi, fi),
+            (f * d, d),
+        ];
+        let biases = !self.shape.llama();
+        let want: Vec<usize> = parts
+            .iter()
+            .flat_map(|&(w, b)| std::iter::once(w).chain(biases.then_some(b)))
+            .collect();
         let have: Vec<usize> = w.p.iter().map(|p| p.len()).collect();
         if have != want {
             return Err(CudaError::Invalid(format!(
-                "a GPT-2 block of d_model {d} has tensors of {want:?} values, got {have:?}"
+                "a block of d_model {d} ({:?}) has tensors of {want:?} values, got {have:?}",
+                self.shape.family
             )));
         }
-        Ok(&w.p)
+        let per = 1 + usize::from(biases);
+        Ok(BlockWeights {
+            parts: std::array::from_fn(|k| {
+                (&w.p[k * per], w.p.get(k * per + 1).filter(|_| biases))
+            }),
+        })
     }
 
     /// The embedding of `tokens` `[b, t]`: `wte[token] + wpe[position]`
-    /// (`w`: wte, wpe).
+    /// (`w`: wte, wpe), or LLaMA's `wte[token]` (`w`: wte).
     pub fn embed(
         &self,
         tokens: &[u32],
@@ -264,11 +391,20 @@ impl GptGpu {
         t: usize,
         w: &Weights,
     ) -> Result<Rows, CudaError> {
-        let [wte, wpe] = w.p.as_slice() else {
-            return Err(CudaError::Invalid(format!(
-                "embedding: {} tensors, not wte and wpe",
-                w.p.len()
-            )));
+        let (wte, wpe) = match (w.p.as_slice(), self.shape.llama()) {
+            ([wte, wpe], false) => (wte, Some(wpe)),
+            ([wte], true) => (wte, None),
+            (p, _) => {
+                return Err(CudaError::Invalid(format!(
+                    "embedding: {} tensors, not {}",
+                    p.len(),
+                    if self.shape.llama() {
+                        "wte"
+                    } else {
+                        "wte and wpe"
+                    }
+                )))
+            }
         };
         let GptShape {
             d_model: d,
@@ -276,16 +412,13 @@ impl GptGpu {
             seq_len,
             ..
         } = self.shape;
-        if tokens.len() != b * t
-            || t > seq_len
-            || wte.len() != vocab * d
-            || wpe.len() != seq_len * d
+        let wpe_len = wpe.map_or(seq_len * d, |p| p.len());
+        if tokens.len() != b * t || t > seq_len || wte.len() != vocab * d || wpe_len != seq_len * d
         {
             return Err(CudaError::Invalid(format!(
-                "embedding: {} tokens for [{b}, {t}], wte {} and wpe {} values (vocab {vocab}, seq_len {seq_len}, d {d})",
+                "embedding: {} tokens for [{b}, {t}], wte {} and wpe {wpe_len} values (vocab {vocab}, seq_len {seq_len}, d {d})",
                 tokens.len(),
                 wte.len(),
-                wpe.len()
             )));
         }
         if let Some((i, tok)) = tokens
@@ -300,29 +433,28 @@ impl GptGpu {
         let tok = self.gpu.upload(tokens)?;
         let n = b * t;
         let mut x = self.alloc(n * d)?;
-        let (n64, t32, d32) = (n as u64, t as i32, d as i32);
+        let (n64, t32, d32, null) = (n as u64, t as i32, d as i32, 0u64);
         let mut l = self.gpu.stream().launch_builder(self.gpu.function("embed"));
-        l.arg(&tok)
-            .arg(wte)
-            .arg(wpe)
-            .arg(&mut x)
-            .arg(&n64)
-            .arg(&t32)
-            .arg(&d32);
-        // SAFETY: embed(tok[n], wte[vocab·d], wpe[seq_len·d], x[n·d], n, t, d),
-        // tokens below vocab (checked), positions below t ≤ seq_len.
+        l.arg(&tok).arg(wte);
+        match wpe {
+            Some(p) => l.arg(p),
+            None => l.arg(&null),
+        };
+        l.arg(&mut x).arg(&n64).arg(&t32).arg(&d32);
+        // SAFETY: embed(tok[n], wte[vocab·d], wpe[seq_len·d] or null, x[n·d],
+        // n, t, d), tokens below vocab (checked), positions below t ≤ seq_len.
         self.launched("embed", unsafe { l.launch(grid_stride(n * d)) })?;
         Ok(Rows { buf: x, b, t })
     }
 
     /// The embedding's backward: the gradients of `wte` `[vocab, d]` and
-    /// `wpe` `[seq_len, d]` from the tokens and `dx`, each a sum in row (or
-    /// sequence) order from zero: the CPU's scatter-add to the bit.
+    /// GPT-2's `wpe` `[seq_len, d]` from the tokens and `dx`, each a sum in
+    /// row (or sequence) order from zero: the CPU's scatter-add to the bit.
     pub fn embed_backward(
         &self,
         tokens: &[u32],
         dx: &Rows,
-    ) -> Result<[CudaSlice<f32>; 2], CudaError> {
+    ) -> Result<Vec<CudaSlice<f32>>, CudaError> {
         let GptShape {
             d_model: d,
             vocab,
@@ -358,9 +490,12 @@ impl GptGpu {
         }
         start.push(rows.len() as u32);
         let mut dwte = self.gpu.zeros::<f32>(vocab * d)?;
-        let mut dwpe = self.gpu.zeros::<f32>(seq_len * d)?;
+        let mut dwpe = match self.shape.llama() {
+            true => None,
+            false => Some(self.gpu.zeros::<f32>(seq_len * d)?),
+        };
         if present.is_empty() {
-            return Ok([dwte, dwpe]);
+            return Ok([Some(dwte), dwpe].into_iter().flatten().collect());
         }
         let (present_d, start_d, rows_d) = (
             self.gpu.upload(&present)?,
@@ -386,37 +521,47 @@ impl GptGpu {
         // SAFETY: one block per present token (below vocab, checked), its
         // rows below b·t, dwte of vocab·d, dx of b·t·d.
         self.launched("embed_backward_tokens", unsafe { l.launch(cfg) })?;
-        let (b32, t32) = (b as i32, t as i32);
-        let mut l = self
-            .gpu
-            .stream()
-            .launch_builder(self.gpu.function("embed_backward_positions"));
-        l.arg(&dx.buf).arg(&mut dwpe).arg(&b32).arg(&t32).arg(&d32);
-        // SAFETY: t ≤ seq_len (the embedding checked it): t·d values of
-        // dwpe written, dx holds b·t·d.
-        self.launched("embed_backward_positions", unsafe {
-            l.launch(grid_stride(t * d))
-        })?;
-        Ok([dwte, dwpe])
+        if let Some(dwpe) = dwpe.as_mut() {
+            let (b32, t32) = (b as i32, t as i32);
+            let mut l = self
+                .gpu
+                .stream()
+                .launch_builder(self.gpu.function("embed_backward_positions"));
+            l.arg(&dx.buf).arg(dwpe).arg(&b32).arg(&t32).arg(&d32);
+            // SAFETY: t ≤ seq_len (the embedding checked it): t·d values of
+            // dwpe written, dx holds b·t·d.
+            self.launched("embed_backward_positions", unsafe {
+                l.launch(grid_stride(t * d))
+            })?;
+        }
+        Ok([Some(dwte), dwpe].into_iter().flatten().collect())
     }
 
     /// A block's forward: its output, and what its backward needs.
     pub fn block_forward(&self, w: &Weights, x: Rows) -> Result<(Rows, BlockActs), CudaError> {
-        let d = self.shape.d_model;
+        let (d, q, fi) = (
+            self.shape.d_model,
+            self.shape.qkv_width(),
+            self.shape.mlp_in_width(),
+        );
         let (b, t) = x.dims();
         let n = b * t;
-        let p = self.block_params(w)?;
-        let (a1, stats1) = self.layer_norm(&x.buf, &p[0], &p[1], n)?;
-        let qkv = self.linear(&a1, n, d, &p[2], &p[3], 3 * d, None)?;
+        let [norm1, qkv_w, out_w, norm2, in_w, mlp_out] = self.block_params(w)?.parts;
+        let (a1, stats1) = self.norm(&x.buf, norm1, n)?;
+        let mut qkv = self.linear(&a1, n, d, qkv_w, q, None)?;
+        self.rotate(&mut qkv, b, t, 1.0)?;
         let attention = self.attention(&qkv, b, t)?;
         drop(qkv);
-        let rows1 = self.linear(&attention.out, n, d, &p[4], &p[5], d, Some(&x.buf))?;
-        let (a2, stats2) = self.layer_norm(&rows1, &p[6], &p[7], n)?;
+        let rows1 = self.linear(&attention.out, n, d, out_w, d, Some(&x.buf))?;
+        let (a2, stats2) = self.norm(&rows1, norm2, n)?;
         let f = self.shape.ffn;
-        let h = self.linear(&a2, n, d, &p[8], &p[9], f, None)?;
+        let h = self.linear(&a2, n, d, in_w, fi, None)?;
         let mut g = self.alloc(n * f)?;
-        self.elementwise("gelu", &h, None, &mut g)?;
-        let y = self.linear(&g, n, f, &p[10], &p[11], d, Some(&rows1))?;
+        match self.shape.family {
+            Family::Gpt2 => self.elementwise("gelu", &h, None, &mut g)?,
+            Family::Llama { .. } => self.swiglu("swiglu", &h, None, &mut g, n)?,
+        }
+        let y = self.linear(&g, n, f, mlp_out, d, Some(&rows1))?;
         let acts = BlockActs {
             x,
             a1,
@@ -439,46 +584,62 @@ impl GptGpu {
         acts: &BlockActs,
         dy: &Rows,
     ) -> Result<(Vec<CudaSlice<f32>>, Rows), CudaError> {
-        let d = self.shape.d_model;
+        let (d, q, fi) = (
+            self.shape.d_model,
+            self.shape.qkv_width(),
+            self.shape.mlp_in_width(),
+        );
         let (b, t) = dy.dims();
         let n = b * t;
-        let p = self.block_params(w)?;
+        let [norm1, qkv_w, out_w, norm2, in_w, mlp_out] = self.block_params(w)?.parts;
         let dy = &dy.buf;
-        let mut grads: Vec<Option<CudaSlice<f32>>> = (0..BLOCK_PARAMS).map(|_| None).collect();
-        // y = rows1 + g·W_out + b_out
+        // Each part's (weight, bias) gradients, filled from the last part.
+        let mut grads: [Option<PartGrads>; PARTS] = Default::default();
+        // y = rows1 + g·W_out (+ b_out)
         let f = self.shape.ffn;
-        let (dg, dw, db) = self.linear_backward(&acts.g, n, f, &p[10], d, dy)?;
-        (grads[10], grads[11]) = (Some(dw), Some(db));
-        let mut dh = self.alloc(n * f)?;
-        self.elementwise("gelu_backward", &acts.h, Some(&dg), &mut dh)?;
+        let (dg, dw, db) = self.linear_backward(&acts.g, n, f, mlp_out, d, dy)?;
+        grads[5] = Some((dw, db));
+        let mut dh = self.alloc(n * fi)?;
+        match self.shape.family {
+            Family::Gpt2 => self.elementwise("gelu_backward", &acts.h, Some(&dg), &mut dh)?,
+            Family::Llama { .. } => {
+                self.swiglu("swiglu_backward", &acts.h, Some(&dg), &mut dh, n)?
+            }
+        }
         drop(dg);
-        let (da2, dw, db) = self.linear_backward(&acts.a2, n, d, &p[8], f, &dh)?;
-        (grads[8], grads[9]) = (Some(dw), Some(db));
+        let (da2, dw, db) = self.linear_backward(&acts.a2, n, d, in_w, fi, &dh)?;
+        grads[4] = Some((dw, db));
         drop(dh);
         let (drows1, dw, db) =
-            self.layer_norm_backward(&acts.rows1, &p[6], &acts.stats2, &da2, Some(dy), n)?;
-        (grads[6], grads[7]) = (Some(dw), Some(db));
-        // rows1 = x + att·W_o + b_o
-        let (datt, dw, db) = self.linear_backward(&acts.attention.out, n, d, &p[4], d, &drows1)?;
-        (grads[4], grads[5]) = (Some(dw), Some(db));
-        let dqkv = self.attention_backward(&acts.attention, &datt, b, t)?;
+            self.norm_backward(&acts.rows1, norm2, &acts.stats2, &da2, Some(dy), n)?;
+        grads[3] = Some((dw, db));
+        // rows1 = x + att·W_o (+ b_o)
+        let (datt, dw, db) = self.linear_backward(&acts.attention.out, n, d, out_w, d, &drows1)?;
+        grads[2] = Some((dw, db));
+        let mut dqkv = self.attention_backward(&acts.attention, &datt, b, t)?;
         drop(datt);
-        let (da1, dw, db) = self.linear_backward(&acts.a1, n, d, &p[2], 3 * d, &dqkv)?;
-        (grads[2], grads[3]) = (Some(dw), Some(db));
+        // The rotation's backward is the rotation back.
+        self.rotate(&mut dqkv, b, t, -1.0)?;
+        let (da1, dw, db) = self.linear_backward(&acts.a1, n, d, qkv_w, q, &dqkv)?;
+        grads[1] = Some((dw, db));
         let (dx, dw, db) =
-            self.layer_norm_backward(&acts.x.buf, &p[0], &acts.stats1, &da1, Some(&drows1), n)?;
-        (grads[0], grads[1]) = (Some(dw), Some(db));
+            self.norm_backward(&acts.x.buf, norm1, &acts.stats1, &da1, Some(&drows1), n)?;
+        grads[0] = Some((dw, db));
         let grads = grads
             .into_iter()
-            .map(|g| g.expect("every gradient set"))
+            .flat_map(|g| {
+                let (w, b) = g.expect("every part's gradient set");
+                std::iter::once(w).chain(b)
+            })
             .collect();
         Ok((grads, Rows { buf: dx, b, t }))
     }
 
-    /// The head: the final norm (`head`'s weight and bias), logits against
-    /// the output matrix `[vocab, d]` (`head`'s third tensor, or when tied
-    /// the token embedding, `wte`'s first), the mean cross-entropy against
-    /// `targets`; with `backward`, the gradients of the loss times `scale`.
+    /// The head: the final norm (`head`'s weight and GPT-2's bias), logits
+    /// against the output matrix `[vocab, d]` (`head`'s last tensor, or when
+    /// tied the token embedding, `wte`'s first), the mean cross-entropy
+    /// against `targets`; with `backward`, the gradients of the loss times
+    /// `scale`.
     pub fn head(
         &self,
         x: &Rows,
@@ -493,9 +654,11 @@ impl GptGpu {
         } = self.shape;
         let (b, t) = x.dims();
         let n = b * t;
-        let (nw, nb, om) = match (head.p.as_slice(), wte) {
-            ([w, b, out], _) => (w, b, out),
-            ([w, b], Some(wte)) if !wte.p.is_empty() => (w, b, &wte.p[0]),
+        let norm_len = 2 - usize::from(self.shape.llama());
+        let tied = wte.and_then(|w| w.p.first());
+        let (norm, om) = match (head.p.len().checked_sub(norm_len), tied) {
+            (Some(1), _) => (&head.p[..norm_len], &head.p[norm_len]),
+            (Some(0), Some(wte)) => (&head.p[..], wte),
             _ => {
                 return Err(CudaError::Invalid(format!(
                     "head: {} tensors and {} output matrix",
@@ -504,11 +667,15 @@ impl GptGpu {
                 )))
             }
         };
-        if nw.len() != d || nb.len() != d || om.len() != vocab * d || targets.len() != n {
+        let (nw, nb) = (&norm[0], norm.get(1));
+        if nw.len() != d
+            || nb.is_some_and(|b| b.len() != d)
+            || om.len() != vocab * d
+            || targets.len() != n
+        {
             return Err(CudaError::Invalid(format!(
-                "head: norm {} and {}, output matrix {}, {} targets (d {d}, vocab {vocab}, {n} rows)",
+                "head: norm {} values, output matrix {}, {} targets (d {d}, vocab {vocab}, {n} rows)",
                 nw.len(),
-                nb.len(),
                 om.len(),
                 targets.len()
             )));
@@ -523,7 +690,7 @@ impl GptGpu {
             )));
         }
         let tg = self.gpu.upload(targets)?;
-        let (normed, stats) = self.layer_norm(&x.buf, nw, nb, n)?;
+        let (normed, stats) = self.norm(&x.buf, (nw, nb), n)?;
         // logits [n, vocab] = normed · outᵀ
         let mut logits = self.alloc(n * vocab)?;
         self.gemm(
@@ -585,11 +752,14 @@ impl GptGpu {
             (&mut dout, 0, d),
             ONE,
         )?;
-        let (dx, dw, db) = self.layer_norm_backward(&x.buf, nw, &stats, &dnormed, None, n)?;
+        let (dx, dw, db) = self.norm_backward(&x.buf, (nw, nb), &stats, &dnormed, None, n)?;
         Ok(HeadOut {
             loss,
             dx: Some(Rows { buf: dx, b, t }),
-            grads: Some([dw, db, dout]),
+            grads: Some(HeadGrads {
+                norm: std::iter::once(dw).chain(db).collect(),
+                out: dout,
+            }),
         })
     }
 
@@ -639,15 +809,14 @@ impl GptGpu {
         })
     }
 
-    /// `y = x·W + b` (+ `residual`): x `[n, k]`, W `[k, width]`.
-    #[allow(clippy::too_many_arguments)]
+    /// `y = x·W (+ b) (+ residual)`: x `[n, k]`, `(W, b)`: W `[k, width]`
+    /// and its bias if it has one.
     fn linear(
         &self,
         x: &CudaSlice<f32>,
         n: usize,
         k: usize,
-        w: &CudaSlice<f32>,
-        bias: &CudaSlice<f32>,
+        (w, bias): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
         width: usize,
         residual: Option<&CudaSlice<f32>>,
     ) -> Result<CudaSlice<f32>, CudaError> {
@@ -661,29 +830,38 @@ impl GptGpu {
             (&mut y, 0, width),
             ONE,
         )?;
+        if bias.is_none() && residual.is_none() {
+            return Ok(y);
+        }
         let (n64, w32, null) = (n as u64, width as i32, 0u64);
         let mut l = self
             .gpu
             .stream()
             .launch_builder(self.gpu.function("bias_residual"));
-        l.arg(&mut y).arg(bias);
+        l.arg(&mut y);
+        match bias {
+            Some(b) => l.arg(b),
+            None => l.arg(&null),
+        };
         match residual {
             Some(r) => l.arg(r),
             None => l.arg(&null),
         };
         l.arg(&n64).arg(&w32);
-        // SAFETY: bias_residual(y[n·width], b[width], res[n·width] or null, n, width).
+        // SAFETY: bias_residual(y[n·width], b[width] or null, res[n·width]
+        // or null, n, width).
         self.launched("bias_residual", unsafe { l.launch(grid_stride(n * width)) })?;
         Ok(y)
     }
 
-    /// The backward of [`GptGpu::linear`]: (dx `[n, k]`, dW and db on the host).
+    /// The backward of [`GptGpu::linear`]: (dx `[n, k]`, dW, and db where
+    /// the layer has a bias).
     fn linear_backward(
         &self,
         x: &CudaSlice<f32>,
         n: usize,
         k: usize,
-        w: &CudaSlice<f32>,
+        (w, bias): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
         width: usize,
         dy: &CudaSlice<f32>,
     ) -> Result<Backward, CudaError> {
@@ -707,7 +885,10 @@ impl GptGpu {
             (&mut dx, 0, k),
             ONE,
         )?;
-        let db = self.column_sums(dy, n, width)?;
+        let db = match bias {
+            Some(_) => Some(self.column_sums(dy, n, width)?),
+            None => None,
+        };
         Ok((dx, dw, db))
     }
 
@@ -755,6 +936,116 @@ impl GptGpu {
         self.launched("column_sums", unsafe { l.launch(cfg) })
     }
 
+    /// The block's norm of `n` rows, `(w, b)`: layer norm (GPT-2, with its
+    /// bias) or RMSNorm (LLaMA); the output and what its backward needs.
+    fn norm(
+        &self,
+        x: &CudaSlice<f32>,
+        (w, b): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
+        n: usize,
+    ) -> Result<(CudaSlice<f32>, Stats), CudaError> {
+        match b {
+            Some(b) => self.layer_norm(x, w, b, n),
+            None => self.rms_norm(x, w, n),
+        }
+    }
+
+    /// [`GptGpu::norm`]'s backward: (dx [+ dres], dw, db where there is a
+    /// bias).
+    fn norm_backward(
+        &self,
+        x: &CudaSlice<f32>,
+        (w, _): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
+        stats: &Stats,
+        dy: &CudaSlice<f32>,
+        dres: Option<&CudaSlice<f32>>,
+        n: usize,
+    ) -> Result<Backward, CudaError> {
+        match stats {
+            Stats::Layer(mean, rstd) => self.layer_norm_backward(x, w, (mean, rstd), dy, dres, n),
+            Stats::Rms(rstd) => self.rms_norm_backward(x, w, rstd, dy, dres, n),
+        }
+    }
+
+    /// RMSNorm of `n` rows: the output and 1/rms per row.
+    fn rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(CudaSlice<f32>, Stats), CudaError> {
+        let d = self.shape.d_model;
+        let (mut y, mut rstd) = (self.alloc(n * d)?, self.alloc(n)?);
+        let (d32, eps) = (d as i32, self.shape.eps);
+        let mut l = self
+            .gpu
+            .stream()
+            .launch_builder(self.gpu.function("rms_norm"));
+        l.arg(x)
+            .arg(w)
+            .arg(&mut y)
+            .arg(&mut rstd)
+            .arg(&d32)
+            .arg(&eps);
+        // SAFETY: rms_norm(x[n·d], w[d], y[n·d], rstd[n], d, eps), one block
+        // per row.
+        self.launched("rms_norm", unsafe { l.launch(rows_config(n)) })?;
+        Ok((y, Stats::Rms(rstd)))
+    }
+
+    /// RMSNorm's backward: (dx [+ dres], dw).
+    fn rms_norm_backward(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rstd: &CudaSlice<f32>,
+        dy: &CudaSlice<f32>,
+        dres: Option<&CudaSlice<f32>>,
+        n: usize,
+    ) -> Result<Backward, CudaError> {
+        let d = self.shape.d_model;
+        let mut dx = self.alloc(n * d)?;
+        let (d32, n32, null) = (d as i32, n as i32, 0u64);
+        let mut l = self
+            .gpu
+            .stream()
+            .launch_builder(self.gpu.function("rms_norm_backward"));
+        l.arg(x).arg(w).arg(rstd).arg(dy);
+        match dres {
+            Some(r) => l.arg(r),
+            None => l.arg(&null),
+        };
+        l.arg(&mut dx).arg(&d32);
+        // SAFETY: rms_norm_backward(x, w, rstd, dy, dres or null, dx, d)
+        // over n rows of d, one block per row.
+        self.launched("rms_norm_backward", unsafe { l.launch(rows_config(n)) })?;
+        let chunks = n.div_ceil(ROWS_PER_CHUNK).max(1);
+        let mut dw_part = self.alloc(chunks * d)?;
+        let per32 = ROWS_PER_CHUNK as i32;
+        let mut l = self
+            .gpu
+            .stream()
+            .launch_builder(self.gpu.function("rms_norm_param_partials"));
+        l.arg(x)
+            .arg(rstd)
+            .arg(dy)
+            .arg(&mut dw_part)
+            .arg(&n32)
+            .arg(&d32)
+            .arg(&per32);
+        let cfg = LaunchConfig {
+            grid_dim: (d.div_ceil(ROW_THREADS as usize) as u32, chunks as u32, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: chunk y writes dw_part[y·d + c], c < d, from rows of its
+        // chunk below n.
+        self.launched("rms_norm_param_partials", unsafe { l.launch(cfg) })?;
+        let mut dw = self.alloc(d)?;
+        self.column_sums_into(&dw_part, chunks, d, chunks, &mut dw)?;
+        Ok((dx, dw, None))
+    }
+
     /// Layer norm of `n` rows: the output and (mean, rstd) per row.
     fn layer_norm(
         &self,
@@ -781,15 +1072,15 @@ impl GptGpu {
         // SAFETY: layer_norm(x[n·d], w[d], b[d], y[n·d], mean[n], rstd[n], d,
         // eps), one block per row.
         self.launched("layer_norm", unsafe { l.launch(rows_config(n)) })?;
-        Ok((y, (mean, rstd)))
+        Ok((y, Stats::Layer(mean, rstd)))
     }
 
-    /// Layer norm's backward: (dx [+ dres], dw and db on the host).
+    /// Layer norm's backward from its (mean, rstd): (dx [+ dres], dw, db).
     fn layer_norm_backward(
         &self,
         x: &CudaSlice<f32>,
         w: &CudaSlice<f32>,
-        stats: &Stats,
+        stats: (&CudaSlice<f32>, &CudaSlice<f32>),
         dy: &CudaSlice<f32>,
         dres: Option<&CudaSlice<f32>>,
         n: usize,
@@ -801,7 +1092,7 @@ impl GptGpu {
             .gpu
             .stream()
             .launch_builder(self.gpu.function("layer_norm_backward"));
-        l.arg(x).arg(w).arg(&stats.0).arg(&stats.1).arg(dy);
+        l.arg(x).arg(w).arg(stats.0).arg(stats.1).arg(dy);
         match dres {
             Some(r) => l.arg(r),
             None => l.arg(&null),
@@ -818,8 +1109,8 @@ impl GptGpu {
             .stream()
             .launch_builder(self.gpu.function("layer_norm_param_partials"));
         l.arg(x)
-            .arg(&stats.0)
-            .arg(&stats.1)
+            .arg(stats.0)
+            .arg(stats.1)
             .arg(dy)
             .arg(&mut dw_part)
             .arg(&mut db_part)
@@ -837,7 +1128,7 @@ impl GptGpu {
         let (mut dw, mut db) = (self.alloc(d)?, self.alloc(d)?);
         self.column_sums_into(&dw_part, chunks, d, chunks, &mut dw)?;
         self.column_sums_into(&db_part, chunks, d, chunks, &mut db)?;
-        Ok((dx, dw, db))
+        Ok((dx, dw, Some(db)))
     }
 
     /// `out = f(a)` (`gelu`) or `out = f'(a)·b` (`gelu_backward`).
@@ -861,16 +1152,86 @@ impl GptGpu {
         self.launched(kernel, unsafe { l.launch(grid_stride(n)) })
     }
 
-    /// Causal attention over `qkv` `[b, t, 3d]`: (q, k, v as `[b·heads, t,
-    /// hd]`, probabilities `[b·heads, t, t]`, output `[b, t, d]` with head h
-    /// in columns h·hd..). In the head-major layout every head of every
-    /// sequence is one entry of a single strided batched product.
+    /// `[gate | up]` rows `h` → `silu(gate)·up` (`swiglu`), or with `dy`
+    /// their gradient (`swiglu_backward`), over `n` rows.
+    fn swiglu(
+        &self,
+        kernel: &'static str,
+        h: &CudaSlice<f32>,
+        dy: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let f = self.shape.ffn;
+        if h.len() != n * 2 * f || out.len() != n * f * if dy.is_some() { 2 } else { 1 } {
+            return Err(CudaError::Invalid(format!(
+                "{kernel}: {} and {} values for {n} rows of width {f}",
+                h.len(),
+                out.len()
+            )));
+        }
+        let (n64, f32_) = (n as u64, f as i32);
+        let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
+        l.arg(h);
+        if let Some(dy) = dy {
+            l.arg(dy);
+        }
+        l.arg(&mut *out).arg(&n64).arg(&f32_);
+        // SAFETY: swiglu(h[n·2f], y[n·f], n, f) / swiglu_backward(h[n·2f],
+        // dy[n·f], dh[n·2f], n, f) (lengths checked above).
+        self.launched(kernel, unsafe { l.launch(grid_stride(n * f)) })
+    }
+
+    /// LLaMA's rotary positions on q and k of `qkv` `[b, t, qkv_width]` in
+    /// place (`sign` −1: the rotation back, which is its backward); GPT-2
+    /// has none.
+    fn rotate(
+        &self,
+        qkv: &mut CudaSlice<f32>,
+        b: usize,
+        t: usize,
+        sign: f32,
+    ) -> Result<(), CudaError> {
+        let Some((cos, sin)) = &self.rotary else {
+            return Ok(());
+        };
+        let (ld, hd) = (self.shape.qkv_width(), self.shape.head_dim());
+        let heads = self.shape.n_heads + self.shape.kv_heads();
+        if t > self.shape.seq_len || qkv.len() != b * t * ld {
+            return Err(CudaError::Invalid(format!(
+                "rope: {} values for [{b}, {t}] rows of {ld}",
+                qkv.len()
+            )));
+        }
+        let rows = (b * t) as u64;
+        let ints = [ld, heads, hd, t].map(|x| x as i32);
+        let mut l = self.gpu.stream().launch_builder(self.gpu.function("rope"));
+        l.arg(&mut *qkv).arg(cos).arg(sin).arg(&rows);
+        l.arg(&ints[0])
+            .arg(&ints[1])
+            .arg(&ints[2])
+            .arg(&ints[3])
+            .arg(&sign);
+        // SAFETY: rope(x[rows·ld], cos/sin[seq_len·hd/2], rows, ld, heads,
+        // hd, t, sign): heads·hd ≤ ld, positions below t ≤ seq_len (checked).
+        self.launched("rope", unsafe {
+            l.launch(grid_stride(b * t * heads * hd / 2))
+        })
+    }
+
+    /// Causal attention over `qkv` `[b, t, qkv_width]`: (q, k, v as
+    /// `[b·heads, t, hd]`, probabilities `[b·heads, t, t]`, output `[b, t,
+    /// d]` with head h in columns h·hd..). In the head-major layout every
+    /// head of every sequence is one entry of a single strided batched
+    /// product; with grouped-query attention each query head gets its
+    /// key/value head's values.
     fn attention(&self, qkv: &CudaSlice<f32>, b: usize, t: usize) -> Result<Attention, CudaError> {
         let (d, heads) = (self.shape.d_model, self.shape.n_heads);
         let hd = d / heads;
-        let q = self.to_heads(qkv, 3 * d, 0, b, t)?;
-        let k = self.to_heads(qkv, 3 * d, d, b, t)?;
-        let v = self.to_heads(qkv, 3 * d, 2 * d, b, t)?;
+        let (ld, kv_cols) = (self.shape.qkv_width(), self.shape.kv_heads() * hd);
+        let q = self.to_heads(qkv, ld, 0, b, t, 1)?;
+        let k = self.to_heads(qkv, ld, d, b, t, self.group())?;
+        let v = self.to_heads(qkv, ld, d + kv_cols, b, t, self.group())?;
         let bh = b * heads;
         let mut probs = self.alloc(bh * t * t)?;
         // S = Q · Kᵀ
@@ -896,7 +1257,7 @@ impl GptGpu {
             per_head(bh, [t * t, t * hd, t * hd]),
         )?;
         let mut att = self.alloc(b * t * d)?;
-        self.heads_into_rows(&o, &mut att, d, 0, b, t)?;
+        self.heads_into_rows(&o, &mut att, d, 0, b, t, 1)?;
         Ok(Attention {
             q,
             k,
@@ -917,7 +1278,7 @@ impl GptGpu {
         let (d, heads) = (self.shape.d_model, self.shape.n_heads);
         let hd = d / heads;
         let bh = b * heads;
-        let dout = self.to_heads(datt, d, 0, b, t)?;
+        let dout = self.to_heads(datt, d, 0, b, t, 1)?;
         let (th, tt) = (t * hd, t * t);
         // dP = dO · Vᵀ, then dS in place.
         let mut ds = self.alloc(bh * tt)?;
@@ -964,14 +1325,26 @@ impl GptGpu {
             (&mut dk, 0, hd),
             per_head(bh, [tt, th, th]),
         )?;
-        let mut dqkv = self.alloc(b * t * 3 * d)?;
-        self.heads_into_rows(&dq, &mut dqkv, 3 * d, 0, b, t)?;
-        self.heads_into_rows(&dk, &mut dqkv, 3 * d, d, b, t)?;
-        self.heads_into_rows(&dv, &mut dqkv, 3 * d, 2 * d, b, t)?;
+        let (ld, kv_cols, group) = (
+            self.shape.qkv_width(),
+            self.shape.kv_heads() * hd,
+            self.group(),
+        );
+        let mut dqkv = self.alloc(b * t * ld)?;
+        self.heads_into_rows(&dq, &mut dqkv, ld, 0, b, t, 1)?;
+        self.heads_into_rows(&dk, &mut dqkv, ld, d, b, t, group)?;
+        self.heads_into_rows(&dv, &mut dqkv, ld, d + kv_cols, b, t, group)?;
         Ok(dqkv)
     }
 
-    /// Columns `col0..col0 + d` of `rows` (rows of `ld`) as `[b·heads, t, hd]`.
+    /// Query heads per key/value head (1 but in grouped-query attention).
+    fn group(&self) -> usize {
+        self.shape.n_heads / self.shape.kv_heads()
+    }
+
+    /// The `heads / group` heads in columns `col0..` of `rows` (rows of
+    /// `ld`) as `[b·heads, t, hd]`, each of a group's query heads getting
+    /// its key/value head.
     fn to_heads(
         &self,
         rows: &CudaSlice<f32>,
@@ -979,13 +1352,20 @@ impl GptGpu {
         col0: usize,
         b: usize,
         t: usize,
+        group: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
         let mut heads = self.alloc(b * t * self.shape.d_model)?;
-        self.relayout("rows_to_heads", rows, &mut heads, ld, col0, b, t)?;
+        let kernel = if group == 1 {
+            "rows_to_heads"
+        } else {
+            "kv_rows_to_heads"
+        };
+        self.relayout(kernel, rows, &mut heads, ld, col0, b, t, group)?;
         Ok(heads)
     }
 
-    /// `[b·heads, t, hd]` into columns `col0..col0 + d` of `rows` (rows of `ld`).
+    /// `[b·heads, t, hd]` into the `heads / group` heads in columns `col0..`
+    /// of `rows` (rows of `ld`), a group's query heads summed in order.
     #[allow(clippy::too_many_arguments)]
     fn heads_into_rows(
         &self,
@@ -995,8 +1375,14 @@ impl GptGpu {
         col0: usize,
         b: usize,
         t: usize,
+        group: usize,
     ) -> Result<(), CudaError> {
-        self.relayout("heads_to_rows", heads, rows, ld, col0, b, t)
+        let kernel = if group == 1 {
+            "heads_to_rows"
+        } else {
+            "heads_to_kv_rows"
+        };
+        self.relayout(kernel, heads, rows, ld, col0, b, t, group)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1009,31 +1395,43 @@ impl GptGpu {
         col0: usize,
         b: usize,
         t: usize,
+        group: usize,
     ) -> Result<(), CudaError> {
         let (d, heads) = (self.shape.d_model, self.shape.n_heads);
-        let rows_len = if kernel == "rows_to_heads" {
-            src.len()
-        } else {
-            dst.len()
+        let to_heads = kernel.ends_with("to_heads");
+        let (rows_len, heads_len) = match to_heads {
+            true => (src.len(), dst.len()),
+            false => (dst.len(), src.len()),
         };
-        if col0 + d > ld || rows_len < b * t * ld || src.len().min(dst.len()) < b * t * d {
+        // Columns of `rows` read or written: heads / group heads of hd.
+        let cols = d / group;
+        if col0 + cols > ld || rows_len < b * t * ld || heads_len < b * t * d {
             return Err(CudaError::Invalid(format!(
                 "{kernel}: [{b}, {t}] rows of {ld} from column {col0}, buffers {} and {}",
                 src.len(),
                 dst.len()
             )));
         }
-        let ints = [ld, col0, b, t, heads, d / heads].map(|x| x as i32);
+        let ints = [ld, col0, b, t, heads, d / heads, group].map(|x| x as i32);
         let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
-        match kernel {
-            "rows_to_heads" => l.arg(src).arg(&ints[0]).arg(&ints[1]).arg(&mut *dst),
-            _ => l.arg(src).arg(&mut *dst).arg(&ints[0]).arg(&ints[1]),
+        match to_heads {
+            true => l.arg(src).arg(&ints[0]).arg(&ints[1]).arg(&mut *dst),
+            false => l.arg(src).arg(&mut *dst).arg(&ints[0]).arg(&ints[1]),
         };
         l.arg(&ints[2]).arg(&ints[3]).arg(&ints[4]).arg(&ints[5]);
+        if group > 1 {
+            l.arg(&ints[6]);
+        }
+        let n = if to_heads || group == 1 {
+            b * t * d
+        } else {
+            b * t * cols
+        };
         // SAFETY: rows_to_heads(rows, ld, col0, heads, b, t, h, hd) /
-        // heads_to_rows(heads, rows, ld, col0, b, t, h, hd): b·t rows of ld
-        // with col0 + d ≤ ld, and b·t·d head values (checked above).
-        self.launched(kernel, unsafe { l.launch(grid_stride(b * t * d)) })
+        // heads_to_rows(heads, rows, ld, col0, b, t, h, hd), and the
+        // kv_ forms with `group` last: b·t rows of ld with col0 + d/group ≤
+        // ld, and b·t·d head values (checked above).
+        self.launched(kernel, unsafe { l.launch(grid_stride(n)) })
     }
 
     /// The causal softmax of `rows` rows of `t` in place, or with `probs`
@@ -1153,6 +1551,25 @@ impl GptGpu {
         };
         r.map_err(|e| CudaError::Invalid(format!("cuBLAS gemm ({m}×{n}×{k}): {e}")))
     }
+}
+
+/// LLaMA's rotary table `[seq_len, hd/2]` (cosines, sines): position `p`,
+/// pair `i` turns by `p · theta^(−2i/hd)`, computed in f64 and rounded, as
+/// the CPU model's table (zmodel's `rope`).
+fn rotary_table(theta: f64, seq_len: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = hd / 2;
+    let inv_freq: Vec<f64> = (0..half)
+        .map(|i| theta.powf(-((2 * i) as f64) / hd as f64))
+        .collect();
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for p in 0..seq_len {
+        for &f in &inv_freq {
+            let angle = p as f64 * f;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
 }
 
 /// One block of [`ROW_THREADS`] per row.

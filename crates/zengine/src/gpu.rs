@@ -45,8 +45,8 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, Device, Storage, Tensor, TensorId};
 use zcuda::{
-    BlockActs, CudaSlice, CudaView, CudaViewMut, DeviceGrads, GptGpu, GptShape, Pinned, Rows,
-    Weights,
+    BlockActs, CudaSlice, CudaView, CudaViewMut, DeviceGrads, Family, GptGpu, GptShape, Pinned,
+    Rows, Weights,
 };
 use zmodel::Batch;
 
@@ -78,7 +78,15 @@ pub fn gpu_shape(spec: &zconfig::spec::JobSpec) -> Result<GptShape, String> {
         return Err(why);
     }
     let m = &spec.model;
+    let family = match m.kind {
+        zconfig::spec::ModelKind::Gpt => Family::Gpt2,
+        zconfig::spec::ModelKind::Llama => Family::Llama {
+            kv_heads: m.kv_heads(),
+            rope_theta: m.rope_theta(),
+        },
+    };
     Ok(GptShape {
+        family,
         d_model: m.d_model,
         n_heads: m.n_heads,
         ffn: m.ffn(),
@@ -554,7 +562,7 @@ impl Engine {
     ) -> Result<(Arc<Weights>, Option<Arc<Weights>>), EngineError> {
         let head = self.model.config().n_layers + 1;
         let w = self.gpu_weights(gpu, gather, head)?;
-        let tied = self.groups[head].layout.params.len() == 2;
+        let tied = self.spec.model.tied();
         let wte = match tied {
             true => Some(self.gpu_weights(gpu, gather, 0)?),
             false => None,
@@ -607,14 +615,15 @@ impl Engine {
                 value: res.loss,
             });
         }
-        let [dw, db, dout] = res.grads.as_ref().expect("the head's backward ran");
-        let mut grads = vec![(0, dw), (1, db)];
+        let hg = res.grads.as_ref().expect("the head's backward ran");
+        // The norm's gradients, then an untied output matrix's.
+        let mut grads: Vec<_> = hg.norm.iter().enumerate().collect();
         if !tied {
-            grads.push((2, dout));
+            grads.push((hg.norm.len(), &hg.out));
         }
         self.gpu_add_grads(&gpu, head, &grads)?;
         if tied {
-            self.gpu_add_grads(&gpu, 0, &[(0, dout)])?;
+            self.gpu_add_grads(&gpu, 0, &[(0, &hg.out)])?;
         }
         self.gpu_release_head(tied);
         self.gpu_group_done(head, reduce_now)?;
