@@ -1556,7 +1556,7 @@ impl GptGpu {
 /// LLaMA's rotary table `[seq_len, hd/2]` (cosines, sines): position `p`,
 /// pair `i` turns by `p · theta^(−2i/hd)`, computed in f64 and rounded, as
 /// the CPU model's table (zmodel's `rope`).
-fn rotary_table(theta: f64, seq_len: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
+pub fn rotary_table(theta: f64, seq_len: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
     let half = hd / 2;
     let inv_freq: Vec<f64> = (0..half)
         .map(|i| theta.powf(-((2 * i) as f64) / hd as f64))

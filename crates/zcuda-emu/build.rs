@@ -1,0 +1,31 @@
+//! Compiles `kernels/gpt.cu` as C++ for the CPU (see `cpp/emu.h`): its
+//! kernels lose `extern "C"` and go into a namespace, so that only the
+//! launchers of `cpp/emu.cpp` are exported.
+
+use std::path::PathBuf;
+
+fn main() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let source = root.join("../../kernels/gpt.cu");
+    let cuda = std::fs::read_to_string(&source).expect("kernels/gpt.cu");
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    std::fs::write(
+        out.join("gpt_kernels.cu"),
+        cuda.replace("extern \"C\" __global__", "__global__"),
+    )
+    .expect("writing the kernels for C++");
+    cc::Build::new()
+        .cpp(true)
+        .std("c++20")
+        .file(root.join("cpp/emu.cpp"))
+        .include(&out)
+        .include(root.join("cpp"))
+        // NVRTC compiles zrun's kernels with --fmad=false: no FMA here either.
+        .flag("-ffp-contract=off")
+        .flag("-pthread")
+        .warnings(false)
+        .compile("zcuda_emu");
+    for f in ["cpp/emu.cpp", "cpp/emu.h", "../../kernels/gpt.cu"] {
+        println!("cargo:rerun-if-changed={}", root.join(f).display());
+    }
+}

@@ -1,0 +1,79 @@
+// Launchers of kernels/gpt.cu on the CPU emulation of emu.h, with the launch
+// configurations crates/zcuda/src/gpt.rs uses: one block of ROW_THREADS per
+// row for the row kernels, parameter gradients in chunks of ROWS_PER_CHUNK
+// rows then summed over the chunks; the grid-stride kernels get a small grid
+// so that their loops take several strides.
+#include "emu.h"
+
+namespace k {
+#include "gpt_kernels.cu"
+}
+
+namespace {
+const unsigned ROW_THREADS = 256;
+const int ROWS_PER_CHUNK = 64;
+const dim3 STRIDED_GRID{3}, STRIDED_BLOCK{64};
+
+dim3 rows(int n) { return dim3{(unsigned)n}; }
+dim3 threads() { return dim3{ROW_THREADS}; }
+dim3 columns(int d, int chunks) { return dim3{(d + ROW_THREADS - 1) / ROW_THREADS, (unsigned)chunks}; }
+}  // namespace
+
+extern "C" {
+
+void emu_layer_norm(const float* x, const float* w, const float* b, float* y, float* mean,
+                    float* rstd, int n, int d, float eps) {
+    emu_launch(k::layer_norm, rows(n), threads(), x, w, b, y, mean, rstd, d, eps);
+}
+
+void emu_rms_norm(const float* x, const float* w, float* y, float* rstd, int n, int d, float eps) {
+    emu_launch(k::rms_norm, rows(n), threads(), x, w, y, rstd, d, eps);
+}
+
+// dx (+ dres) and dw, as GptGpu::rms_norm_backward launches them.
+void emu_rms_norm_backward(const float* x, const float* w, const float* rstd, const float* dy,
+                           const float* dres, float* dx, float* dw, int n, int d) {
+    emu_launch(k::rms_norm_backward, rows(n), threads(), x, w, rstd, dy, dres, dx, d);
+    int chunks = std::max(1, (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK);
+    std::vector<float> part((size_t)chunks * d);
+    emu_launch(k::rms_norm_param_partials, columns(d, chunks), threads(), x, rstd, dy, part.data(),
+               n, d, ROWS_PER_CHUNK);
+    emu_launch(k::column_sums, columns(d, 1), threads(), (const float*)part.data(), dw, chunks, d,
+               chunks);
+}
+
+void emu_swiglu(const float* h, float* y, unsigned long long n, int f) {
+    emu_launch(k::swiglu, STRIDED_GRID, STRIDED_BLOCK, h, y, n, f);
+}
+
+void emu_swiglu_backward(const float* h, const float* dy, float* dh, unsigned long long n, int f) {
+    emu_launch(k::swiglu_backward, STRIDED_GRID, STRIDED_BLOCK, h, dy, dh, n, f);
+}
+
+void emu_rope(float* x, const float* cos_t, const float* sin_t, unsigned long long rows, int ld,
+              int heads, int hd, int t, float sign) {
+    emu_launch(k::rope, STRIDED_GRID, STRIDED_BLOCK, x, cos_t, sin_t, rows, ld, heads, hd, t, sign);
+}
+
+void emu_kv_rows_to_heads(const float* rows, int ld, int col0, float* heads, int b, int t, int h,
+                          int hd, int group) {
+    emu_launch(k::kv_rows_to_heads, STRIDED_GRID, STRIDED_BLOCK, rows, ld, col0, heads, b, t, h,
+               hd, group);
+}
+
+void emu_heads_to_kv_rows(const float* heads, float* rows, int ld, int col0, int b, int t, int h,
+                          int hd, int group) {
+    emu_launch(k::heads_to_kv_rows, STRIDED_GRID, STRIDED_BLOCK, heads, rows, ld, col0, b, t, h,
+               hd, group);
+}
+
+void emu_embed(const unsigned* tok, const float* wte, const float* wpe, float* x,
+               unsigned long long n, int t, int d) {
+    emu_launch(k::embed, STRIDED_GRID, STRIDED_BLOCK, tok, wte, wpe, x, n, t, d);
+}
+
+void emu_bias_residual(float* y, const float* b, const float* res, unsigned long long n,
+                       int width) {
+    emu_launch(k::bias_residual, STRIDED_GRID, STRIDED_BLOCK, y, b, res, n, width);
+}
+}

@@ -1,0 +1,85 @@
+// CUDA's kernel dialect on the CPU, as much of it as kernels/gpt.cu uses:
+// a launch runs the grid's blocks one after another and each block's
+// threads as OS threads, so that __syncthreads is a barrier of the block's
+// threads, a warp shuffle an exchange through memory between a barrier of
+// the warp's 32 threads, and __shared__ memory a static (one block at a
+// time). Arithmetic is the CPU's IEEE f32 without contraction into FMA
+// (build.rs: -ffp-contract=off), as NVRTC compiles zrun's kernels
+// (--fmad=false); expf, tanhf, logf and sqrtf come from the C library,
+// not CUDA's, so results agree with the GPU's to the math library's ulps.
+#pragma once
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
+
+// The running block's barrier and its warps' barriers and exchange slots;
+// one launch at a time (as on one stream), since these are the process's.
+inline std::mutex emu_one_launch;
+inline std::barrier<>* emu_block;
+inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
+inline float emu_lanes[32][32];
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+
+inline void __syncthreads() { emu_block->arrive_and_wait(); }
+
+inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+    unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    emu_lanes[warp][lane] = v;
+    emu_warps[warp]->arrive_and_wait();
+    float other = emu_lanes[warp][lane ^ (unsigned)lane_mask];
+    emu_warps[warp]->arrive_and_wait();
+    return other;
+}
+
+inline float __fadd_rn(float a, float b) { return a + b; }
+
+inline float __int_as_float(unsigned bits) {
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+using std::min;
+
+// Runs `kernel` over `grid` blocks of `block.x` threads (at most 1024, whole
+// warps): the blocks in order, each block's threads at once.
+template <class... P, class... A>
+void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
+    std::lock_guard<std::mutex> one(emu_one_launch);
+    gridDim = grid;
+    blockDim = block;
+    for (unsigned by = 0; by < grid.y; by++) {
+        for (unsigned bx = 0; bx < grid.x; bx++) {
+            std::barrier<> barrier(block.x);
+            emu_block = &barrier;
+            emu_warps.clear();
+            for (unsigned w = 0; w < block.x / 32; w++) emu_warps.push_back(std::make_unique<std::barrier<>>(32));
+            std::vector<std::thread> threads;
+            for (unsigned tx = 0; tx < block.x; tx++) {
+                threads.emplace_back([=] {
+                    threadIdx = {tx, 0, 0};
+                    blockIdx = {bx, by, 0};
+                    kernel(args...);
+                });
+            }
+            for (auto& t : threads) t.join();
+        }
+    }
+}

@@ -1,0 +1,374 @@
+//! The GPU model's kernels (`kernels/gpt.cu`) run on the CPU, for tests on
+//! machines without a GPU: `build.rs` compiles the CUDA source as C++ with
+//! `cpp/emu.h`, which runs a launch's blocks one after another and each
+//! block's threads as OS threads (`__syncthreads` a barrier, warp shuffles
+//! an exchange between the warp's threads, `__shared__` a static), and
+//! `cpp/emu.cpp` launches each kernel as `crates/zcuda/src/gpt.rs` does.
+//!
+//! What this checks: each kernel's indexing and arithmetic against the CPU
+//! model (zmodel), the oracle the GPU tests use too; where no GPU has been
+//! lent, the only run a kernel gets. What it does not: cuBLAS, streams,
+//! the Rust launch code's argument lists (the GPU tests cover those), or
+//! the GPU's own math library (expf and friends come from the C library
+//! here, so the bounds are the same relative ones the GPU tests state).
+//!
+//! Test-only: nothing in zrun links it.
+
+#[cfg(test)]
+mod tests;
+
+use std::os::raw::{c_float, c_int, c_uint, c_ulonglong};
+
+extern "C" {
+    fn emu_layer_norm(
+        x: *const c_float,
+        w: *const c_float,
+        b: *const c_float,
+        y: *mut c_float,
+        mean: *mut c_float,
+        rstd: *mut c_float,
+        n: c_int,
+        d: c_int,
+        eps: c_float,
+    );
+    fn emu_rms_norm(
+        x: *const c_float,
+        w: *const c_float,
+        y: *mut c_float,
+        rstd: *mut c_float,
+        n: c_int,
+        d: c_int,
+        eps: c_float,
+    );
+    fn emu_rms_norm_backward(
+        x: *const c_float,
+        w: *const c_float,
+        rstd: *const c_float,
+        dy: *const c_float,
+        dres: *const c_float,
+        dx: *mut c_float,
+        dw: *mut c_float,
+        n: c_int,
+        d: c_int,
+    );
+    fn emu_swiglu(h: *const c_float, y: *mut c_float, n: c_ulonglong, f: c_int);
+    fn emu_swiglu_backward(
+        h: *const c_float,
+        dy: *const c_float,
+        dh: *mut c_float,
+        n: c_ulonglong,
+        f: c_int,
+    );
+    fn emu_rope(
+        x: *mut c_float,
+        cos: *const c_float,
+        sin: *const c_float,
+        rows: c_ulonglong,
+        ld: c_int,
+        heads: c_int,
+        hd: c_int,
+        t: c_int,
+        sign: c_float,
+    );
+    fn emu_kv_rows_to_heads(
+        rows: *const c_float,
+        ld: c_int,
+        col0: c_int,
+        heads: *mut c_float,
+        b: c_int,
+        t: c_int,
+        h: c_int,
+        hd: c_int,
+        group: c_int,
+    );
+    fn emu_heads_to_kv_rows(
+        heads: *const c_float,
+        rows: *mut c_float,
+        ld: c_int,
+        col0: c_int,
+        b: c_int,
+        t: c_int,
+        h: c_int,
+        hd: c_int,
+        group: c_int,
+    );
+    fn emu_embed(
+        tok: *const c_uint,
+        wte: *const c_float,
+        wpe: *const c_float,
+        x: *mut c_float,
+        n: c_ulonglong,
+        t: c_int,
+        d: c_int,
+    );
+    fn emu_bias_residual(
+        y: *mut c_float,
+        b: *const c_float,
+        res: *const c_float,
+        n: c_ulonglong,
+        width: c_int,
+    );
+}
+
+fn int(v: usize) -> c_int {
+    c_int::try_from(v).expect("a size that fits the kernels' int")
+}
+
+fn ptr_or_null(v: Option<&[f32]>) -> *const f32 {
+    v.map_or(std::ptr::null(), <[f32]>::as_ptr)
+}
+
+/// Layer norm of `x`'s rows of `w.len()`: (y, mean, rstd).
+pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (d, n) = (w.len(), x.len() / w.len());
+    assert!(b.len() == d && x.len() == n * d, "layer norm: shapes");
+    let (mut y, mut mean, mut rstd) = (vec![0.0; n * d], vec![0.0; n], vec![0.0; n]);
+    // SAFETY: x and y hold n·d values, w and b d, mean and rstd n (checked
+    // and allocated above): the kernel's extents for one block per row.
+    unsafe {
+        emu_layer_norm(
+            x.as_ptr(),
+            w.as_ptr(),
+            b.as_ptr(),
+            y.as_mut_ptr(),
+            mean.as_mut_ptr(),
+            rstd.as_mut_ptr(),
+            int(n),
+            int(d),
+            eps,
+        )
+    };
+    (y, mean, rstd)
+}
+
+/// RMSNorm of `x`'s rows of `w.len()`: (y, 1/rms per row).
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
+    let (d, n) = (w.len(), x.len() / w.len());
+    assert_eq!(x.len(), n * d, "rms norm: shapes");
+    let (mut y, mut rstd) = (vec![0.0; n * d], vec![0.0; n]);
+    // SAFETY: x and y hold n·d values, w d, rstd n (checked and allocated above).
+    unsafe {
+        emu_rms_norm(
+            x.as_ptr(),
+            w.as_ptr(),
+            y.as_mut_ptr(),
+            rstd.as_mut_ptr(),
+            int(n),
+            int(d),
+            eps,
+        )
+    };
+    (y, rstd)
+}
+
+/// RMSNorm's backward: (dx [+ dres], dw).
+pub fn rms_norm_backward(
+    x: &[f32],
+    w: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+    dres: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>) {
+    let (d, n) = (w.len(), x.len() / w.len());
+    assert!(
+        x.len() == n * d && dy.len() == n * d && rstd.len() == n,
+        "rms norm backward: shapes"
+    );
+    assert!(
+        dres.is_none_or(|r| r.len() == n * d),
+        "rms norm backward: dres"
+    );
+    let (mut dx, mut dw) = (vec![0.0; n * d], vec![0.0; d]);
+    // SAFETY: every buffer holds the extent the kernels read or write for n
+    // rows of d (checked and allocated above); dres is null or n·d values.
+    unsafe {
+        emu_rms_norm_backward(
+            x.as_ptr(),
+            w.as_ptr(),
+            rstd.as_ptr(),
+            dy.as_ptr(),
+            ptr_or_null(dres),
+            dx.as_mut_ptr(),
+            dw.as_mut_ptr(),
+            int(n),
+            int(d),
+        )
+    };
+    (dx, dw)
+}
+
+/// SwiGLU of `h`'s rows of `[gate | up]` (`2f` wide): `[n, f]`.
+pub fn swiglu(h: &[f32], f: usize) -> Vec<f32> {
+    let n = h.len() / (2 * f);
+    assert_eq!(h.len(), n * 2 * f, "swiglu: shapes");
+    let mut y = vec![0.0; n * f];
+    // SAFETY: h holds n·2f values, y n·f (checked and allocated above).
+    unsafe { emu_swiglu(h.as_ptr(), y.as_mut_ptr(), n as u64, int(f)) };
+    y
+}
+
+/// SwiGLU's backward: dh `[n, 2f]` from h and dy `[n, f]`.
+pub fn swiglu_backward(h: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
+    let n = h.len() / (2 * f);
+    assert!(
+        h.len() == n * 2 * f && dy.len() == n * f,
+        "swiglu backward: shapes"
+    );
+    let mut dh = vec![0.0; n * 2 * f];
+    // SAFETY: h and dh hold n·2f values, dy n·f (checked and allocated above).
+    unsafe { emu_swiglu_backward(h.as_ptr(), dy.as_ptr(), dh.as_mut_ptr(), n as u64, int(f)) };
+    dh
+}
+
+/// The rotary turn of the first `heads` heads of `hd` in rows of `ld`, in
+/// place, at positions `row % t`, with tables `[t_max, hd/2]`; `sign` −1
+/// turns back.
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    x: &mut [f32],
+    cos: &[f32],
+    sin: &[f32],
+    ld: usize,
+    heads: usize,
+    hd: usize,
+    t: usize,
+    sign: f32,
+) {
+    let rows = x.len() / ld;
+    assert!(x.len() == rows * ld && heads * hd <= ld, "rope: shapes");
+    assert!(
+        cos.len() >= t * hd / 2 && sin.len() == cos.len(),
+        "rope: tables"
+    );
+    // SAFETY: x holds rows·ld values with heads·hd ≤ ld, the tables t·hd/2
+    // at least (positions below t): the kernel's extents (checked above).
+    unsafe {
+        emu_rope(
+            x.as_mut_ptr(),
+            cos.as_ptr(),
+            sin.as_ptr(),
+            rows as u64,
+            int(ld),
+            int(heads),
+            int(hd),
+            int(t),
+            sign,
+        )
+    };
+}
+
+/// Key/value heads in columns `col0..` of rows `[b, t, ld]` as `[b·h, t,
+/// hd]`, query head `j` getting key/value head `j / group`.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_rows_to_heads(
+    rows: &[f32],
+    ld: usize,
+    col0: usize,
+    b: usize,
+    t: usize,
+    h: usize,
+    hd: usize,
+    group: usize,
+) -> Vec<f32> {
+    assert!(
+        rows.len() == b * t * ld && col0 + h / group * hd <= ld,
+        "kv rows to heads: shapes"
+    );
+    let mut heads = vec![0.0; b * h * t * hd];
+    // SAFETY: rows holds b·t·ld values with col0 + (h/group)·hd ≤ ld, heads
+    // b·h·t·hd (checked and allocated above).
+    unsafe {
+        emu_kv_rows_to_heads(
+            rows.as_ptr(),
+            int(ld),
+            int(col0),
+            heads.as_mut_ptr(),
+            int(b),
+            int(t),
+            int(h),
+            int(hd),
+            int(group),
+        )
+    };
+    heads
+}
+
+/// Its backward into `rows` (columns `col0..col0 + h/group·hd` written):
+/// each key/value head the sum of its group's query heads.
+#[allow(clippy::too_many_arguments)]
+pub fn heads_to_kv_rows(
+    heads: &[f32],
+    rows: &mut [f32],
+    ld: usize,
+    col0: usize,
+    b: usize,
+    t: usize,
+    h: usize,
+    hd: usize,
+    group: usize,
+) {
+    assert!(
+        heads.len() == b * h * t * hd && rows.len() == b * t * ld && col0 + h / group * hd <= ld,
+        "heads to kv rows: shapes"
+    );
+    // SAFETY: as in kv_rows_to_heads, the other way (checked above).
+    unsafe {
+        emu_heads_to_kv_rows(
+            heads.as_ptr(),
+            rows.as_mut_ptr(),
+            int(ld),
+            int(col0),
+            int(b),
+            int(t),
+            int(h),
+            int(hd),
+            int(group),
+        )
+    };
+}
+
+/// The embedding of `tokens` (rows of `t` positions): `wte[token]`, plus
+/// `wpe[position]` where given.
+pub fn embed(tokens: &[u32], wte: &[f32], wpe: Option<&[f32]>, t: usize, d: usize) -> Vec<f32> {
+    let n = tokens.len();
+    let vocab = wte.len() / d;
+    assert!(
+        tokens.iter().all(|&k| (k as usize) < vocab) && wpe.is_none_or(|p| p.len() >= t * d),
+        "embed: tokens or tables"
+    );
+    let mut x = vec![0.0; n * d];
+    // SAFETY: tokens below vocab, wpe (or null) t·d values at least, x n·d
+    // (checked and allocated above).
+    unsafe {
+        emu_embed(
+            tokens.as_ptr(),
+            wte.as_ptr(),
+            ptr_or_null(wpe),
+            x.as_mut_ptr(),
+            n as u64,
+            int(t),
+            int(d),
+        )
+    };
+    x
+}
+
+/// `y = y (+ b) (+ res)` over rows of `width`, in place.
+pub fn bias_residual(y: &mut [f32], b: Option<&[f32]>, res: Option<&[f32]>, width: usize) {
+    let n = y.len() / width;
+    assert!(
+        b.is_none_or(|b| b.len() == width) && res.is_none_or(|r| r.len() == y.len()),
+        "bias residual: shapes"
+    );
+    // SAFETY: y holds n·width values, b (or null) width, res (or null) as
+    // many as y (checked above).
+    unsafe {
+        emu_bias_residual(
+            y.as_mut_ptr(),
+            ptr_or_null(b),
+            ptr_or_null(res),
+            n as u64,
+            int(width),
+        )
+    };
+}
