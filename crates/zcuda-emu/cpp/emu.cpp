@@ -76,4 +76,71 @@ void emu_bias_residual(float* y, const float* b, const float* res, unsigned long
                        int width) {
     emu_launch(k::bias_residual, STRIDED_GRID, STRIDED_BLOCK, y, b, res, n, width);
 }
+
+void emu_layer_norm_backward(const float* x, const float* w, const float* mean, const float* rstd,
+                             const float* dy, const float* dres, float* dx, float* dw, float* db,
+                             int n, int d) {
+    emu_launch(k::layer_norm_backward, rows(n), threads(), x, w, mean, rstd, dy, dres, dx, d);
+    int chunks = std::max(1, (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK);
+    std::vector<float> dw_part((size_t)chunks * d), db_part((size_t)chunks * d);
+    emu_launch(k::layer_norm_param_partials, columns(d, chunks), threads(), x, mean, rstd, dy,
+               dw_part.data(), db_part.data(), n, d, ROWS_PER_CHUNK);
+    emu_launch(k::column_sums, columns(d, 1), threads(), (const float*)dw_part.data(), dw, chunks,
+               d, chunks);
+    emu_launch(k::column_sums, columns(d, 1), threads(), (const float*)db_part.data(), db, chunks,
+               d, chunks);
+}
+
+// A bias gradient as GptGpu::column_sums takes it: chunks of rows, then
+// the chunks' sums.
+void emu_column_sums(const float* a, float* out, int n, int width) {
+    int chunks = std::max(1, (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK);
+    std::vector<float> part((size_t)chunks * width);
+    emu_launch(k::column_sums, columns(width, chunks), threads(), a, part.data(), n, width,
+               ROWS_PER_CHUNK);
+    emu_launch(k::column_sums, columns(width, 1), threads(), (const float*)part.data(), out,
+               chunks, width, chunks);
+}
+
+void emu_gelu(const float* h, float* g, unsigned long long n) {
+    emu_launch(k::gelu, STRIDED_GRID, STRIDED_BLOCK, h, g, n);
+}
+
+void emu_gelu_backward(const float* h, const float* dg, float* dh, unsigned long long n) {
+    emu_launch(k::gelu_backward, STRIDED_GRID, STRIDED_BLOCK, h, dg, dh, n);
+}
+
+// One warp per row, ROW_THREADS / 32 rows a block, as GptGpu::softmax.
+void emu_causal_softmax(const float* probs, float* s, unsigned long long n, int t, float scale) {
+    unsigned warps = ROW_THREADS / 32;
+    dim3 grid{(unsigned)((n + warps - 1) / warps)};
+    if (probs) {
+        emu_launch(k::causal_softmax_backward, grid, threads(), probs, s, n, t, scale);
+    } else {
+        emu_launch(k::causal_softmax, grid, threads(), s, n, t, scale);
+    }
+}
+
+void emu_cross_entropy(float* logits, const unsigned* targets, float* loss, int n, int vocab,
+                       float coef, int grad) {
+    emu_launch(k::cross_entropy, rows(n), threads(), logits, targets, loss, vocab, coef, grad);
+}
+
+void emu_embed_backward(const float* dx, const unsigned* present, const unsigned* start,
+                        const unsigned* rows_by_token, int tokens, float* dwte, float* dwpe, int b,
+                        int t, int d) {
+    emu_launch(k::embed_backward_tokens, dim3{(unsigned)tokens}, threads(), dx, present, start,
+               rows_by_token, dwte, d);
+    emu_launch(k::embed_backward_positions, STRIDED_GRID, STRIDED_BLOCK, dx, dwpe, b, t, d);
+}
+
+void emu_rows_to_heads(const float* rows, int ld, int col0, float* heads, int b, int t, int h,
+                       int hd) {
+    emu_launch(k::rows_to_heads, STRIDED_GRID, STRIDED_BLOCK, rows, ld, col0, heads, b, t, h, hd);
+}
+
+void emu_heads_to_rows(const float* heads, float* rows, int ld, int col0, int b, int t, int h,
+                       int hd) {
+    emu_launch(k::heads_to_rows, STRIDED_GRID, STRIDED_BLOCK, heads, rows, ld, col0, b, t, h, hd);
+}
 }

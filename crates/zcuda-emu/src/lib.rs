@@ -101,6 +101,70 @@ extern "C" {
         t: c_int,
         d: c_int,
     );
+    fn emu_layer_norm_backward(
+        x: *const c_float,
+        w: *const c_float,
+        mean: *const c_float,
+        rstd: *const c_float,
+        dy: *const c_float,
+        dres: *const c_float,
+        dx: *mut c_float,
+        dw: *mut c_float,
+        db: *mut c_float,
+        n: c_int,
+        d: c_int,
+    );
+    fn emu_column_sums(a: *const c_float, out: *mut c_float, n: c_int, width: c_int);
+    fn emu_gelu(h: *const c_float, g: *mut c_float, n: c_ulonglong);
+    fn emu_gelu_backward(h: *const c_float, dg: *const c_float, dh: *mut c_float, n: c_ulonglong);
+    fn emu_causal_softmax(
+        probs: *const c_float,
+        s: *mut c_float,
+        n: c_ulonglong,
+        t: c_int,
+        scale: c_float,
+    );
+    fn emu_cross_entropy(
+        logits: *mut c_float,
+        targets: *const c_uint,
+        loss: *mut c_float,
+        n: c_int,
+        vocab: c_int,
+        coef: c_float,
+        grad: c_int,
+    );
+    fn emu_embed_backward(
+        dx: *const c_float,
+        present: *const c_uint,
+        start: *const c_uint,
+        rows_by_token: *const c_uint,
+        tokens: c_int,
+        dwte: *mut c_float,
+        dwpe: *mut c_float,
+        b: c_int,
+        t: c_int,
+        d: c_int,
+    );
+    fn emu_rows_to_heads(
+        rows: *const c_float,
+        ld: c_int,
+        col0: c_int,
+        heads: *mut c_float,
+        b: c_int,
+        t: c_int,
+        h: c_int,
+        hd: c_int,
+    );
+    fn emu_heads_to_rows(
+        heads: *const c_float,
+        rows: *mut c_float,
+        ld: c_int,
+        col0: c_int,
+        b: c_int,
+        t: c_int,
+        h: c_int,
+        hd: c_int,
+    );
     fn emu_bias_residual(
         y: *mut c_float,
         b: *const c_float,
@@ -370,5 +434,199 @@ pub fn bias_residual(y: &mut [f32], b: Option<&[f32]>, res: Option<&[f32]>, widt
             n as u64,
             int(width),
         )
+    };
+}
+
+/// Layer norm's backward from its (mean, rstd): (dx [+ dres], dw, db).
+pub fn layer_norm_backward(
+    x: &[f32],
+    w: &[f32],
+    (mean, rstd): (&[f32], &[f32]),
+    dy: &[f32],
+    dres: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (d, n) = (w.len(), x.len() / w.len());
+    assert!(
+        x.len() == n * d && dy.len() == n * d && mean.len() == n && rstd.len() == n,
+        "layer norm backward: shapes"
+    );
+    assert!(
+        dres.is_none_or(|r| r.len() == n * d),
+        "layer norm backward: dres"
+    );
+    let (mut dx, mut dw, mut db) = (vec![0.0; n * d], vec![0.0; d], vec![0.0; d]);
+    // SAFETY: every buffer holds the extent the kernels read or write for n
+    // rows of d (checked and allocated above); dres is null or n·d values.
+    unsafe {
+        emu_layer_norm_backward(
+            x.as_ptr(),
+            w.as_ptr(),
+            mean.as_ptr(),
+            rstd.as_ptr(),
+            dy.as_ptr(),
+            ptr_or_null(dres),
+            dx.as_mut_ptr(),
+            dw.as_mut_ptr(),
+            db.as_mut_ptr(),
+            int(n),
+            int(d),
+        )
+    };
+    (dx, dw, db)
+}
+
+/// The column sums of `a`'s rows of `width`, as a bias gradient is taken.
+pub fn column_sums(a: &[f32], width: usize) -> Vec<f32> {
+    let n = a.len() / width;
+    assert_eq!(a.len(), n * width, "column sums: shapes");
+    let mut out = vec![0.0; width];
+    // SAFETY: a holds n·width values, out width (checked and allocated above).
+    unsafe { emu_column_sums(a.as_ptr(), out.as_mut_ptr(), int(n), int(width)) };
+    out
+}
+
+/// GPT-2's GELU of every value.
+pub fn gelu(h: &[f32]) -> Vec<f32> {
+    let mut g = vec![0.0; h.len()];
+    // SAFETY: h and g hold h.len() values.
+    unsafe { emu_gelu(h.as_ptr(), g.as_mut_ptr(), h.len() as u64) };
+    g
+}
+
+/// GELU's backward: `gelu'(h)·dg`.
+pub fn gelu_backward(h: &[f32], dg: &[f32]) -> Vec<f32> {
+    assert_eq!(h.len(), dg.len(), "gelu backward: shapes");
+    let mut dh = vec![0.0; h.len()];
+    // SAFETY: h, dg and dh hold h.len() values (checked and allocated above).
+    unsafe { emu_gelu_backward(h.as_ptr(), dg.as_ptr(), dh.as_mut_ptr(), h.len() as u64) };
+    dh
+}
+
+/// The causal softmax of `s`'s rows of `t` (row `r` is row `r % t` of a
+/// `t × t` matrix) in place, scores times `scale`; with `probs`, its
+/// backward (dP in, dS out).
+pub fn causal_softmax(s: &mut [f32], probs: Option<&[f32]>, t: usize, scale: f32) {
+    let n = s.len() / t;
+    assert!(
+        s.len() == n * t && probs.is_none_or(|p| p.len() == s.len()),
+        "causal softmax: shapes"
+    );
+    // SAFETY: s (and probs) hold n rows of t (checked above).
+    unsafe { emu_causal_softmax(ptr_or_null(probs), s.as_mut_ptr(), n as u64, int(t), scale) };
+}
+
+/// Cross-entropy of `logits`' rows of `vocab` against `targets`: each row's
+/// loss; with `coef`, the row becomes `coef·(softmax − onehot)` in place.
+pub fn cross_entropy(
+    logits: &mut [f32],
+    targets: &[u32],
+    vocab: usize,
+    coef: Option<f32>,
+) -> Vec<f32> {
+    let n = targets.len();
+    assert!(
+        logits.len() == n * vocab && targets.iter().all(|&k| (k as usize) < vocab),
+        "cross entropy: shapes"
+    );
+    let mut loss = vec![0.0; n];
+    // SAFETY: logits hold n rows of vocab, targets are below vocab, loss n
+    // values (checked and allocated above).
+    unsafe {
+        emu_cross_entropy(
+            logits.as_mut_ptr(),
+            targets.as_ptr(),
+            loss.as_mut_ptr(),
+            int(n),
+            int(vocab),
+            coef.unwrap_or(0.0),
+            i32::from(coef.is_some()),
+        )
+    };
+    loss
+}
+
+/// The embedding's backward from `dx` `[b, t, d]` and the rows grouped by
+/// token (`zcuda::rows_by_token`): (dwte `[vocab, d]`, dwpe `[t, d]`).
+#[allow(clippy::too_many_arguments)]
+pub fn embed_backward(
+    dx: &[f32],
+    (present, start, rows): (&[u32], &[u32], &[u32]),
+    vocab: usize,
+    b: usize,
+    t: usize,
+    d: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    assert!(
+        dx.len() == b * t * d
+            && start.len() == present.len() + 1
+            && rows.len() == b * t
+            && present.iter().all(|&k| (k as usize) < vocab)
+            && rows.iter().all(|&r| (r as usize) < b * t),
+        "embed backward: shapes"
+    );
+    let (mut dwte, mut dwpe) = (vec![0.0; vocab * d], vec![0.0; t * d]);
+    // SAFETY: the tokens present are below vocab and the rows below b·t,
+    // dx holds b·t·d values, dwte vocab·d, dwpe t·d (checked above).
+    unsafe {
+        emu_embed_backward(
+            dx.as_ptr(),
+            present.as_ptr(),
+            start.as_ptr(),
+            rows.as_ptr(),
+            int(present.len()),
+            dwte.as_mut_ptr(),
+            dwpe.as_mut_ptr(),
+            int(b),
+            int(t),
+            int(d),
+        )
+    };
+    (dwte, dwpe)
+}
+
+/// Columns `col0..col0 + h·hd` of rows `[b, t, ld]` as `[b·h, t, hd]`, or
+/// (`back`) the other way into `rows`.
+#[allow(clippy::too_many_arguments)]
+pub fn relayout_heads(
+    rows: &mut [f32],
+    heads: &mut [f32],
+    back: bool,
+    ld: usize,
+    col0: usize,
+    b: usize,
+    t: usize,
+    h: usize,
+    hd: usize,
+) {
+    assert!(
+        rows.len() == b * t * ld && heads.len() == b * t * h * hd && col0 + h * hd <= ld,
+        "relayout: shapes"
+    );
+    let ints = [ld, col0, b, t, h, hd].map(int);
+    // SAFETY: rows hold b·t·ld values with col0 + h·hd ≤ ld, heads b·h·t·hd
+    // (checked above).
+    unsafe {
+        match back {
+            false => emu_rows_to_heads(
+                rows.as_ptr(),
+                ints[0],
+                ints[1],
+                heads.as_mut_ptr(),
+                ints[2],
+                ints[3],
+                ints[4],
+                ints[5],
+            ),
+            true => emu_heads_to_rows(
+                heads.as_ptr(),
+                rows.as_mut_ptr(),
+                ints[0],
+                ints[1],
+                ints[2],
+                ints[3],
+                ints[4],
+                ints[5],
+            ),
+        }
     };
 }

@@ -216,3 +216,177 @@ fn embedding_without_positions_and_linears_without_bias() {
         }
     }
 }
+
+#[test]
+fn layer_norm_backward_matches_the_cpu_model() {
+    let eps = 1e-5;
+    let (x, w, b) = (wave(ROWS * D, 18), wave(D, 19), wave(D, 20));
+    let (dy, res) = (wave(ROWS * D, 21), wave(ROWS * D, 22));
+    let (_, mean, rstd) = layer_norm(&x, &w, &b, eps as f32);
+    let (dx, dw, db) = layer_norm_backward(&x, &w, (&mean, &rstd), &dy, Some(&res));
+    let (want_dx, want_dw, want_db) = zmodel::ops::layer_norm_backward(
+        &tensor(&x, &[ROWS, D]),
+        &tensor(&w, &[D]),
+        &tensor(&dy, &[ROWS, D]),
+        eps,
+        Some(&tensor(&res, &[ROWS, D])),
+    )
+    .unwrap();
+    close("layer norm dx + residual", &dx, &values(&want_dx));
+    close("layer norm dw", &dw, &values(&want_dw));
+    close("layer norm db", &db, &values(&want_db));
+}
+
+#[test]
+fn column_sums_add_chunks_of_64_rows_then_the_chunks_in_order() {
+    let (n, width) = (150, 37);
+    let a = wave(n * width, 23);
+    let mut want = vec![0f32; width];
+    for chunk in a.chunks(64 * width) {
+        let mut part = vec![0f32; width];
+        for row in chunk.chunks(width) {
+            part.iter_mut().zip(row).for_each(|(p, v)| *p += v);
+        }
+        want.iter_mut().zip(&part).for_each(|(w, p)| *w += p);
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&column_sums(&a, width)), bits(&want));
+}
+
+#[test]
+fn gelu_and_its_backward_match_the_cpu_model() {
+    let h: Vec<f32> = wave(ROWS * D, 24).iter().map(|v| 6.0 * v).collect();
+    let dg = wave(ROWS * D, 25);
+    let (ht, dgt) = (tensor(&h, &[ROWS, D]), tensor(&dg, &[ROWS, D]));
+    close("gelu", &gelu(&h), &values(&zmodel::ops::gelu(&ht).unwrap()));
+    let want = zmodel::ops::gelu_backward(&ht, &dgt).unwrap();
+    close("gelu backward", &gelu_backward(&h, &dg), &values(&want));
+}
+
+#[test]
+fn causal_softmax_and_its_backward_match_an_f64_reference() {
+    // Rows of 40 (a warp and some), two matrices.
+    let (t, scale) = (40usize, 0.25f32);
+    let s: Vec<f32> = wave(2 * t * t, 26).iter().map(|v| 8.0 * v).collect();
+    let dp = wave(2 * t * t, 27);
+    let mut probs = s.clone();
+    causal_softmax(&mut probs, None, t, scale);
+    let mut want = vec![0f32; s.len()];
+    let mut want_ds = vec![0f32; s.len()];
+    for (r, row) in s.chunks(t).enumerate() {
+        let i = r % t;
+        let m = row[..=i]
+            .iter()
+            .map(|&v| f64::from(v * scale))
+            .fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = row[..=i]
+            .iter()
+            .map(|&v| (f64::from(v * scale) - m).exp())
+            .collect();
+        let sum: f64 = e.iter().sum();
+        let p: Vec<f64> = e.iter().map(|v| v / sum).collect();
+        let g = &dp[r * t..][..=i];
+        let dot: f64 = p.iter().zip(g).map(|(p, &g)| p * f64::from(g)).sum();
+        for j in 0..=i {
+            want[r * t + j] = p[j] as f32;
+            want_ds[r * t + j] = (f64::from(scale) * p[j] * (f64::from(g[j]) - dot)) as f32;
+        }
+    }
+    close("causal softmax", &probs, &want);
+    for (r, row) in probs.chunks(t).enumerate() {
+        assert!(
+            row[r % t + 1..].iter().all(|&v| v == 0.0),
+            "row {r} above the diagonal"
+        );
+    }
+    let mut ds = dp.clone();
+    causal_softmax(&mut ds, Some(&probs), t, scale);
+    close("causal softmax backward", &ds, &want_ds);
+}
+
+#[test]
+fn cross_entropy_and_its_gradient_match_an_f64_reference() {
+    let (n, vocab) = (30usize, 300usize);
+    let logits: Vec<f32> = wave(n * vocab, 28).iter().map(|v| 5.0 * v).collect();
+    let targets: Vec<u32> = (0..n as u32)
+        .map(|i| (i * 37 + 11) % vocab as u32)
+        .collect();
+    let coef = 0.5 / n as f32;
+    let mut grad = logits.clone();
+    let loss = cross_entropy(&mut grad, &targets, vocab, Some(coef));
+    let mut plain = logits.clone();
+    assert_eq!(cross_entropy(&mut plain, &targets, vocab, None), loss);
+    assert_eq!(plain, logits, "without the gradient the logits stay");
+    let (mut want_loss, mut want_grad) = (vec![0f32; n], vec![0f32; n * vocab]);
+    for (r, row) in logits.chunks(vocab).enumerate() {
+        let m = row
+            .iter()
+            .map(|&v| f64::from(v))
+            .fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = row.iter().map(|&v| (f64::from(v) - m).exp()).sum();
+        let tgt = targets[r] as usize;
+        want_loss[r] = (sum.ln() - (f64::from(row[tgt]) - m)) as f32;
+        for (j, &v) in row.iter().enumerate() {
+            let p = (f64::from(v) - m).exp() / sum;
+            let onehot = if j == tgt { 1.0 } else { 0.0 };
+            want_grad[r * vocab + j] = (f64::from(coef) * (p - onehot)) as f32;
+        }
+    }
+    close("cross-entropy losses", &loss, &want_loss);
+    close("cross-entropy gradient", &grad, &want_grad);
+}
+
+#[test]
+fn embedding_backward_is_the_scatter_add_in_row_order_to_the_bit() {
+    let (b, t, d, vocab) = (3usize, 20usize, 24usize, 13usize);
+    // Repeated tokens, and one id never used.
+    let tokens: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 7 + 3) % 12).collect();
+    let dx = wave(b * t * d, 29);
+    let (present, start, rows) = zcuda::rows_by_token(&tokens);
+    let (dwte, dwpe) = embed_backward(&dx, (&present, &start, &rows), vocab, b, t, d);
+    let (mut want_te, mut want_pe) = (vec![0f32; vocab * d], vec![0f32; t * d]);
+    for (r, &tok) in tokens.iter().enumerate() {
+        for c in 0..d {
+            want_te[tok as usize * d + c] += dx[r * d + c];
+        }
+    }
+    for s in 0..b {
+        for i in 0..t * d {
+            want_pe[i] += dx[s * t * d + i];
+        }
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    // Rows of the id never used are untouched: the GPU zeroes dwte first.
+    assert_eq!(bits(&dwte), bits(&want_te), "wte's gradient");
+    assert_eq!(bits(&dwpe), bits(&want_pe), "wpe's gradient");
+}
+
+#[test]
+fn heads_and_rows_relayouts_are_inverse_moves() {
+    let (b, t, h, hd) = (2, 6, 3, 8);
+    let ld = 3 * h * hd;
+    let col0 = h * hd; // the keys of GPT-2's qkv
+    let mut rows = wave(b * t * ld, 30);
+    let mut heads = vec![0f32; b * h * t * hd];
+    relayout_heads(&mut rows, &mut heads, false, ld, col0, b, t, h, hd);
+    for s in 0..b {
+        for j in 0..h {
+            for p in 0..t {
+                for c in 0..hd {
+                    assert_eq!(
+                        heads[((s * h + j) * t + p) * hd + c],
+                        rows[(s * t + p) * ld + col0 + j * hd + c]
+                    );
+                }
+            }
+        }
+    }
+    let mut back = vec![f32::NAN; rows.len()];
+    relayout_heads(&mut back, &mut heads, true, ld, col0, b, t, h, hd);
+    for (i, (&got, &want)) in back.iter().zip(&rows).enumerate() {
+        match (col0..col0 + h * hd).contains(&(i % ld)) {
+            true => assert_eq!(got, want, "value {i}"),
+            false => assert!(got.is_nan(), "value {i} outside the columns moved"),
+        }
+    }
+}

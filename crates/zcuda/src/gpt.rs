@@ -477,18 +477,7 @@ impl GptGpu {
                 "embedding backward: token {tok} at position {i} is outside the vocabulary of {vocab}"
             )));
         }
-        // Rows grouped by token, each group in row order (a stable sort).
-        let mut rows: Vec<u32> = (0..tokens.len() as u32).collect();
-        rows.sort_by_key(|&r| tokens[r as usize]);
-        let (mut present, mut start) = (Vec::new(), Vec::new());
-        for (i, &r) in rows.iter().enumerate() {
-            let tok = tokens[r as usize];
-            if present.last() != Some(&tok) {
-                present.push(tok);
-                start.push(i as u32);
-            }
-        }
-        start.push(rows.len() as u32);
+        let (present, start, rows) = rows_by_token(tokens);
         let mut dwte = self.gpu.zeros::<f32>(vocab * d)?;
         let mut dwpe = match self.shape.llama() {
             true => None,
@@ -1551,6 +1540,25 @@ impl GptGpu {
         };
         r.map_err(|e| CudaError::Invalid(format!("cuBLAS gemm ({m}×{n}×{k}): {e}")))
     }
+}
+
+/// The rows of `tokens` grouped by token for the embedding's backward:
+/// (the tokens present, ascending; where each one's rows start in the list,
+/// and the list's end last; the rows, each token's in row order).
+pub fn rows_by_token(tokens: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    // A stable sort keeps each token's rows in row order.
+    let mut rows: Vec<u32> = (0..tokens.len() as u32).collect();
+    rows.sort_by_key(|&r| tokens[r as usize]);
+    let (mut present, mut start) = (Vec::new(), Vec::new());
+    for (i, &r) in rows.iter().enumerate() {
+        let tok = tokens[r as usize];
+        if present.last() != Some(&tok) {
+            present.push(tok);
+            start.push(i as u32);
+        }
+    }
+    start.push(rows.len() as u32);
+    (present, start, rows)
 }
 
 /// LLaMA's rotary table `[seq_len, hd/2]` (cosines, sines): position `p`,

@@ -32,8 +32,8 @@ mod nccl;
 
 pub use compile::{compile, compile_with, kernel, CacheUse, Compiled, KernelSource, KERNELS};
 pub use gpt::{
-    rotary_table, BlockActs, Family, GptGpu, GptShape, HeadGrads, HeadOut, Rows, Weights,
-    BLOCK_PARAMS,
+    rotary_table, rows_by_token, BlockActs, Family, GptGpu, GptShape, HeadGrads, HeadOut, Rows,
+    Weights, BLOCK_PARAMS,
 };
 pub use gpu::{AdamConsts, DeviceGrads, DeviceQuantized, Gpu, Half16, Pinned};
 pub use nccl::{host_id_for_shared_gpu, nccl_present, nccl_version, Nccl, NcclId, NcclOp};
