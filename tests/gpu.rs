@@ -10,7 +10,8 @@
 //! With a GPU (skipped without one, saying so; `ZRUN_REQUIRE_GPU=1` makes
 //! them mandatory): training on the GPU follows the CPU run's loss curve
 //! within f32 rounding, a LLaMA too (grouped-query attention, tied and
-//! untied heads); ZeRO's stages 0-3 (two workers sharing the GPU)
+//! untied heads, its stages 0 and 3 and stage 3 over NCCL to the bit);
+//! ZeRO's stages 0-3 (two workers sharing the GPU)
 //! give the same losses to the bit, with activation checkpointing too; Adam
 //! on the GPU (one worker's resident flow) gives ZeRO-Offload's bits (Adam on
 //! the host), with gradient accumulation and clipping; a resumed GPU run
@@ -260,12 +261,15 @@ fn llama_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
     assert!(gpu[19] < gpu[0] - 0.1, "no learning on the GPU: {gpu:?}");
     for tied in [false, true] {
         let tie = format!("model.tie_embeddings={tied}");
-        let stage = |n: u8| {
-            let sets = llama(&["device=cuda", &tie, &format!("zero.stage={n}")]);
-            train(dir.path(), &format!("llama-s{n}-tied-{tied}"), 2, &sets)
+        let stage = |n: u8, backend: &str| {
+            let (s, b) = (format!("zero.stage={n}"), format!("comm.backend={backend}"));
+            let sets = llama(&["device=cuda", &tie, &s, &b]);
+            train(dir.path(), &format!("llama-s{n}-{backend}-tied-{tied}"), 2, &sets)
         };
-        let stage0 = stage(0);
-        assert_eq!(stage(3), stage0, "LLaMA stage 3 against stage 0 ({tie})");
+        let stage0 = stage(0, "auto");
+        assert_eq!(stage(3, "auto"), stage0, "LLaMA stage 3 against stage 0 ({tie})");
+        // Resident on the GPUs over NCCL, stage 3's gathers there: the same.
+        assert_eq!(stage(3, "nccl"), stage0, "LLaMA stage 3 over NCCL ({tie})");
     }
 }
 
