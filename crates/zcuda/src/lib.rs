@@ -15,7 +15,7 @@
 //!   typed launches of each kernel on device buffers.
 //! - `nccl`: [`Nccl`], collectives between GPUs on device buffers, with
 //!   deadlines (NCCL's non-blocking mode, polled, aborted at the deadline).
-//! - `gpt`: [`GptGpu`], the GPT-2 model's forward and backward on one GPU
+//! - `gpt`: [`GptGpu`], the GPT-2 and LLaMA models' forward and backward on one GPU
 //!   (cuBLAS for the products, `kernels/gpt.cu` for the rest), its
 //!   parameters and gradients crossing to and from the host's flat buffers.
 //!
