@@ -911,15 +911,7 @@ impl GptGpu {
             .stream()
             .launch_builder(self.gpu.function("column_sums"));
         l.arg(a).arg(&mut *out).arg(&r32).arg(&w32).arg(&per32);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                width.div_ceil(ROW_THREADS as usize) as u32,
-                rows.div_ceil(rows_per).max(1) as u32,
-                1,
-            ),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = columns_config(width, rows.div_ceil(rows_per).max(1));
         // SAFETY: column_sums(a[rows·width], out[chunks·width], rows, width,
         // rows_per): chunk y writes out[y·width + c] for c < width.
         self.launched("column_sums", unsafe { l.launch(cfg) })
@@ -1022,11 +1014,7 @@ impl GptGpu {
             .arg(&n32)
             .arg(&d32)
             .arg(&per32);
-        let cfg = LaunchConfig {
-            grid_dim: (d.div_ceil(ROW_THREADS as usize) as u32, chunks as u32, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = columns_config(d, chunks);
         // SAFETY: chunk y writes dw_part[y·d + c], c < d, from rows of its
         // chunk below n.
         self.launched("rms_norm_param_partials", unsafe { l.launch(cfg) })?;
@@ -1106,11 +1094,7 @@ impl GptGpu {
             .arg(&n32)
             .arg(&d32)
             .arg(&per32);
-        let cfg = LaunchConfig {
-            grid_dim: (d.div_ceil(ROW_THREADS as usize) as u32, chunks as u32, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = columns_config(d, chunks);
         // SAFETY: chunk y writes dw_part/db_part[y·d + c], c < d, from rows
         // of its chunk below n.
         self.launched("layer_norm_param_partials", unsafe { l.launch(cfg) })?;
@@ -1578,6 +1562,20 @@ pub fn rotary_table(theta: f64, seq_len: usize, hd: usize) -> (Vec<f32>, Vec<f32
         }
     }
     (cos, sin)
+}
+
+/// A thread per column of `width` (blocks of [`ROW_THREADS`]) for each of
+/// `chunks` chunks of rows (the grid's y).
+fn columns_config(width: usize, chunks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            width.div_ceil(ROW_THREADS as usize) as u32,
+            chunks as u32,
+            1,
+        ),
+        block_dim: (ROW_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// One block of [`ROW_THREADS`] per row.
