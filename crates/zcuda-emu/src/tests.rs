@@ -6,7 +6,7 @@
 use candle_core::{Device, Tensor};
 use zmodel::llama_ops;
 
-use super::*;
+use crate::*;
 
 /// Relative error bound of f32 results computed in another order.
 const BOUND: f64 = 1e-5;

@@ -1,0 +1,616 @@
+//! The launchers of `cpp/emu.cpp` and safe wrappers that check each
+//! kernel's extents before the call.
+
+use std::os::raw::{c_float, c_int, c_uint, c_ulonglong};
+
+extern "C" {
+    fn emu_layer_norm(
+        x: *const c_float,
+        w: *const c_float,
+        b: *const c_float,
+        y: *mut c_float,
+        mean: *mut c_float,
+        rstd: *mut c_float,
+        n: c_int,
+        d: c_int,
+        eps: c_float,
+    );
+    fn emu_rms_norm(
+        x: *const c_float,
+        w: *const c_float,
+        y: *mut c_float,
+        rstd: *mut c_float,
+        n: c_int,
+        d: c_int,
+        eps: c_float,
+    );
+    fn emu_rms_norm_backward(
+        x: *const c_float,
+        w: *const c_float,
+        rstd: *const c_float,
+        dy: *const c_float,
+        dres: *const c_float,
+        dx: *mut c_float,
+        dw: *mut c_float,
+        n: c_int,
+        d: c_int,
+    );
+    fn emu_swiglu(h: *const c_float, y: *mut c_float, n: c_ulonglong, f: c_int);
+    fn emu_swiglu_backward(
+        h: *const c_float,
+        dy: *const c_float,
+        dh: *mut c_float,
+        n: c_ulonglong,
+        f: c_int,
+    );
+    fn emu_rope(
+        x: *mut c_float,
+        cos: *const c_float,
+        sin: *const c_float,
+        rows: c_ulonglong,
+        ld: c_int,
+        heads: c_int,
+        hd: c_int,
+        t: c_int,
+        sign: c_float,
+    );
+    fn emu_kv_rows_to_heads(
+        rows: *const c_float,
+        ld: c_int,
+        col0: c_int,
+        heads: *mut c_float,
+        b: c_int,
+        t: c_int,
+        h: c_int,
+        hd: c_int,
+        group: c_int,
+    );
+    fn emu_heads_to_kv_rows(
+        heads: *const c_float,
+        rows: *mut c_float,
+        ld: c_int,
+        col0: c_int,
+        b: c_int,
+        t: c_int,
+        h: c_int,
+        hd: c_int,
+        group: c_int,
+    );
+    fn emu_embed(
+        tok: *const c_uint,
+        wte: *const c_float,
+        wpe: *const c_float,
+        x: *mut c_float,
+        n: c_ulonglong,
+        t: c_int,
+        d: c_int,
+    );
+    fn emu_layer_norm_backward(
+        x: *const c_float,
+        w: *const c_float,
+        mean: *const c_float,
+        rstd: *const c_float,
+        dy: *const c_float,
+        dres: *const c_float,
+        dx: *mut c_float,
+        dw: *mut c_float,
+        db: *mut c_float,
+        n: c_int,
+        d: c_int,
+    );
+    fn emu_column_sums(a: *const c_float, out: *mut c_float, n: c_int, width: c_int);
+    fn emu_gelu(h: *const c_float, g: *mut c_float, n: c_ulonglong);
+    fn emu_gelu_backward(h: *const c_float, dg: *const c_float, dh: *mut c_float, n: c_ulonglong);
+    fn emu_causal_softmax(
+        probs: *const c_float,
+        s: *mut c_float,
+        n: c_ulonglong,
+        t: c_int,
+        scale: c_float,
+    );
+    fn emu_cross_entropy(
+        logits: *mut c_float,
+        targets: *const c_uint,
+        loss: *mut c_float,
+        n: c_int,
+        vocab: c_int,
+        coef: c_float,
+        grad: c_int,
+    );
+    fn emu_embed_backward(
+        dx: *const c_float,
+        present: *const c_uint,
+        start: *const c_uint,
+        rows_by_token: *const c_uint,
+        tokens: c_int,
+        dwte: *mut c_float,
+        dwpe: *mut c_float,
+        b: c_int,
+        t: c_int,
+        d: c_int,
+    );
+    fn emu_rows_to_heads(
+        rows: *const c_float,
+        ld: c_int,
+        col0: c_int,
+        heads: *mut c_float,
+        b: c_int,
+        t: c_int,
+        h: c_int,
+        hd: c_int,
+    );
+    fn emu_heads_to_rows(
+        heads: *const c_float,
+        rows: *mut c_float,
+        ld: c_int,
+        col0: c_int,
+        b: c_int,
+        t: c_int,
+        h: c_int,
+        hd: c_int,
+    );
+    fn emu_bias_residual(
+        y: *mut c_float,
+        b: *const c_float,
+        res: *const c_float,
+        n: c_ulonglong,
+        width: c_int,
+    );
+}
+
+fn int(v: usize) -> c_int {
+    c_int::try_from(v).expect("a size that fits the kernels' int")
+}
+
+fn ptr_or_null(v: Option<&[f32]>) -> *const f32 {
+    v.map_or(std::ptr::null(), <[f32]>::as_ptr)
+}
+
+/// Layer norm of `x`'s rows of `w.len()`: (y, mean, rstd).
+pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (d, n) = (w.len(), x.len() / w.len());
+    assert!(b.len() == d && x.len() == n * d, "layer norm: shapes");
+    let (mut y, mut mean, mut rstd) = (vec![0.0; n * d], vec![0.0; n], vec![0.0; n]);
+    // SAFETY: x and y hold n·d values, w and b d, mean and rstd n (checked
+    // and allocated above): the kernel's extents for one block per row.
+    unsafe {
+        emu_layer_norm(
+            x.as_ptr(),
+            w.as_ptr(),
+            b.as_ptr(),
+            y.as_mut_ptr(),
+            mean.as_mut_ptr(),
+            rstd.as_mut_ptr(),
+            int(n),
+            int(d),
+            eps,
+        )
+    };
+    (y, mean, rstd)
+}
+
+/// RMSNorm of `x`'s rows of `w.len()`: (y, 1/rms per row).
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
+    let (d, n) = (w.len(), x.len() / w.len());
+    assert_eq!(x.len(), n * d, "rms norm: shapes");
+    let (mut y, mut rstd) = (vec![0.0; n * d], vec![0.0; n]);
+    // SAFETY: x and y hold n·d values, w d, rstd n (checked and allocated above).
+    unsafe {
+        emu_rms_norm(
+            x.as_ptr(),
+            w.as_ptr(),
+            y.as_mut_ptr(),
+            rstd.as_mut_ptr(),
+            int(n),
+            int(d),
+            eps,
+        )
+    };
+    (y, rstd)
+}
+
+/// RMSNorm's backward: (dx [+ dres], dw).
+pub fn rms_norm_backward(
+    x: &[f32],
+    w: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+    dres: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>) {
+    let (d, n) = (w.len(), x.len() / w.len());
+    assert!(
+        x.len() == n * d && dy.len() == n * d && rstd.len() == n,
+        "rms norm backward: shapes"
+    );
+    assert!(
+        dres.is_none_or(|r| r.len() == n * d),
+        "rms norm backward: dres"
+    );
+    let (mut dx, mut dw) = (vec![0.0; n * d], vec![0.0; d]);
+    // SAFETY: every buffer holds the extent the kernels read or write for n
+    // rows of d (checked and allocated above); dres is null or n·d values.
+    unsafe {
+        emu_rms_norm_backward(
+            x.as_ptr(),
+            w.as_ptr(),
+            rstd.as_ptr(),
+            dy.as_ptr(),
+            ptr_or_null(dres),
+            dx.as_mut_ptr(),
+            dw.as_mut_ptr(),
+            int(n),
+            int(d),
+        )
+    };
+    (dx, dw)
+}
+
+/// SwiGLU of `h`'s rows of `[gate | up]` (`2f` wide): `[n, f]`.
+pub fn swiglu(h: &[f32], f: usize) -> Vec<f32> {
+    let n = h.len() / (2 * f);
+    assert_eq!(h.len(), n * 2 * f, "swiglu: shapes");
+    let mut y = vec![0.0; n * f];
+    // SAFETY: h holds n·2f values, y n·f (checked and allocated above).
+    unsafe { emu_swiglu(h.as_ptr(), y.as_mut_ptr(), n as u64, int(f)) };
+    y
+}
+
+/// SwiGLU's backward: dh `[n, 2f]` from h and dy `[n, f]`.
+pub fn swiglu_backward(h: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
+    let n = h.len() / (2 * f);
+    assert!(
+        h.len() == n * 2 * f && dy.len() == n * f,
+        "swiglu backward: shapes"
+    );
+    let mut dh = vec![0.0; n * 2 * f];
+    // SAFETY: h and dh hold n·2f values, dy n·f (checked and allocated above).
+    unsafe { emu_swiglu_backward(h.as_ptr(), dy.as_ptr(), dh.as_mut_ptr(), n as u64, int(f)) };
+    dh
+}
+
+/// The rotary turn of the first `heads` heads of `hd` in rows of `ld`, in
+/// place, at positions `row % t`, with tables `[t_max, hd/2]`; `sign` −1
+/// turns back.
+#[allow(clippy::too_many_arguments)]
+pub fn rope(
+    x: &mut [f32],
+    cos: &[f32],
+    sin: &[f32],
+    ld: usize,
+    heads: usize,
+    hd: usize,
+    t: usize,
+    sign: f32,
+) {
+    let rows = x.len() / ld;
+    assert!(x.len() == rows * ld && heads * hd <= ld, "rope: shapes");
+    assert!(
+        cos.len() >= t * hd / 2 && sin.len() == cos.len(),
+        "rope: tables"
+    );
+    // SAFETY: x holds rows·ld values with heads·hd ≤ ld, the tables t·hd/2
+    // at least (positions below t): the kernel's extents (checked above).
+    unsafe {
+        emu_rope(
+            x.as_mut_ptr(),
+            cos.as_ptr(),
+            sin.as_ptr(),
+            rows as u64,
+            int(ld),
+            int(heads),
+            int(hd),
+            int(t),
+            sign,
+        )
+    };
+}
+
+/// Key/value heads in columns `col0..` of rows `[b, t, ld]` as `[b·h, t,
+/// hd]`, query head `j` getting key/value head `j / group`.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_rows_to_heads(
+    rows: &[f32],
+    ld: usize,
+    col0: usize,
+    b: usize,
+    t: usize,
+    h: usize,
+    hd: usize,
+    group: usize,
+) -> Vec<f32> {
+    assert!(
+        rows.len() == b * t * ld && col0 + h / group * hd <= ld,
+        "kv rows to heads: shapes"
+    );
+    let mut heads = vec![0.0; b * h * t * hd];
+    // SAFETY: rows holds b·t·ld values with col0 + (h/group)·hd ≤ ld, heads
+    // b·h·t·hd (checked and allocated above).
+    unsafe {
+        emu_kv_rows_to_heads(
+            rows.as_ptr(),
+            int(ld),
+            int(col0),
+            heads.as_mut_ptr(),
+            int(b),
+            int(t),
+            int(h),
+            int(hd),
+            int(group),
+        )
+    };
+    heads
+}
+
+/// Its backward into `rows` (columns `col0..col0 + h/group·hd` written):
+/// each key/value head the sum of its group's query heads.
+#[allow(clippy::too_many_arguments)]
+pub fn heads_to_kv_rows(
+    heads: &[f32],
+    rows: &mut [f32],
+    ld: usize,
+    col0: usize,
+    b: usize,
+    t: usize,
+    h: usize,
+    hd: usize,
+    group: usize,
+) {
+    assert!(
+        heads.len() == b * h * t * hd && rows.len() == b * t * ld && col0 + h / group * hd <= ld,
+        "heads to kv rows: shapes"
+    );
+    // SAFETY: as in kv_rows_to_heads, the other way (checked above).
+    unsafe {
+        emu_heads_to_kv_rows(
+            heads.as_ptr(),
+            rows.as_mut_ptr(),
+            int(ld),
+            int(col0),
+            int(b),
+            int(t),
+            int(h),
+            int(hd),
+            int(group),
+        )
+    };
+}
+
+/// The embedding of `tokens` (rows of `t` positions): `wte[token]`, plus
+/// `wpe[position]` where given.
+pub fn embed(tokens: &[u32], wte: &[f32], wpe: Option<&[f32]>, t: usize, d: usize) -> Vec<f32> {
+    let n = tokens.len();
+    let vocab = wte.len() / d;
+    assert!(
+        tokens.iter().all(|&k| (k as usize) < vocab) && wpe.is_none_or(|p| p.len() >= t * d),
+        "embed: tokens or tables"
+    );
+    let mut x = vec![0.0; n * d];
+    // SAFETY: tokens below vocab, wpe (or null) t·d values at least, x n·d
+    // (checked and allocated above).
+    unsafe {
+        emu_embed(
+            tokens.as_ptr(),
+            wte.as_ptr(),
+            ptr_or_null(wpe),
+            x.as_mut_ptr(),
+            n as u64,
+            int(t),
+            int(d),
+        )
+    };
+    x
+}
+
+/// `y = y (+ b) (+ res)` over rows of `width`, in place.
+pub fn bias_residual(y: &mut [f32], b: Option<&[f32]>, res: Option<&[f32]>, width: usize) {
+    let n = y.len() / width;
+    assert!(
+        b.is_none_or(|b| b.len() == width) && res.is_none_or(|r| r.len() == y.len()),
+        "bias residual: shapes"
+    );
+    // SAFETY: y holds n·width values, b (or null) width, res (or null) as
+    // many as y (checked above).
+    unsafe {
+        emu_bias_residual(
+            y.as_mut_ptr(),
+            ptr_or_null(b),
+            ptr_or_null(res),
+            n as u64,
+            int(width),
+        )
+    };
+}
+
+/// Layer norm's backward from its (mean, rstd): (dx [+ dres], dw, db).
+pub fn layer_norm_backward(
+    x: &[f32],
+    w: &[f32],
+    (mean, rstd): (&[f32], &[f32]),
+    dy: &[f32],
+    dres: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (d, n) = (w.len(), x.len() / w.len());
+    assert!(
+        x.len() == n * d && dy.len() == n * d && mean.len() == n && rstd.len() == n,
+        "layer norm backward: shapes"
+    );
+    assert!(
+        dres.is_none_or(|r| r.len() == n * d),
+        "layer norm backward: dres"
+    );
+    let (mut dx, mut dw, mut db) = (vec![0.0; n * d], vec![0.0; d], vec![0.0; d]);
+    // SAFETY: every buffer holds the extent the kernels read or write for n
+    // rows of d (checked and allocated above); dres is null or n·d values.
+    unsafe {
+        emu_layer_norm_backward(
+            x.as_ptr(),
+            w.as_ptr(),
+            mean.as_ptr(),
+            rstd.as_ptr(),
+            dy.as_ptr(),
+            ptr_or_null(dres),
+            dx.as_mut_ptr(),
+            dw.as_mut_ptr(),
+            db.as_mut_ptr(),
+            int(n),
+            int(d),
+        )
+    };
+    (dx, dw, db)
+}
+
+/// The column sums of `a`'s rows of `width`, as a bias gradient is taken.
+pub fn column_sums(a: &[f32], width: usize) -> Vec<f32> {
+    let n = a.len() / width;
+    assert_eq!(a.len(), n * width, "column sums: shapes");
+    let mut out = vec![0.0; width];
+    // SAFETY: a holds n·width values, out width (checked and allocated above).
+    unsafe { emu_column_sums(a.as_ptr(), out.as_mut_ptr(), int(n), int(width)) };
+    out
+}
+
+/// GPT-2's GELU of every value.
+pub fn gelu(h: &[f32]) -> Vec<f32> {
+    let mut g = vec![0.0; h.len()];
+    // SAFETY: h and g hold h.len() values.
+    unsafe { emu_gelu(h.as_ptr(), g.as_mut_ptr(), h.len() as u64) };
+    g
+}
+
+/// GELU's backward: `gelu'(h)·dg`.
+pub fn gelu_backward(h: &[f32], dg: &[f32]) -> Vec<f32> {
+    assert_eq!(h.len(), dg.len(), "gelu backward: shapes");
+    let mut dh = vec![0.0; h.len()];
+    // SAFETY: h, dg and dh hold h.len() values (checked and allocated above).
+    unsafe { emu_gelu_backward(h.as_ptr(), dg.as_ptr(), dh.as_mut_ptr(), h.len() as u64) };
+    dh
+}
+
+/// The causal softmax of `s`'s rows of `t` (row `r` is row `r % t` of a
+/// `t × t` matrix) in place, scores times `scale`; with `probs`, its
+/// backward (dP in, dS out).
+pub fn causal_softmax(s: &mut [f32], probs: Option<&[f32]>, t: usize, scale: f32) {
+    let n = s.len() / t;
+    assert!(
+        s.len() == n * t && probs.is_none_or(|p| p.len() == s.len()),
+        "causal softmax: shapes"
+    );
+    // SAFETY: s (and probs) hold n rows of t (checked above).
+    unsafe { emu_causal_softmax(ptr_or_null(probs), s.as_mut_ptr(), n as u64, int(t), scale) };
+}
+
+/// Cross-entropy of `logits`' rows of `vocab` against `targets`: each row's
+/// loss; with `coef`, the row becomes `coef·(softmax − onehot)` in place.
+pub fn cross_entropy(
+    logits: &mut [f32],
+    targets: &[u32],
+    vocab: usize,
+    coef: Option<f32>,
+) -> Vec<f32> {
+    let n = targets.len();
+    assert!(
+        logits.len() == n * vocab && targets.iter().all(|&k| (k as usize) < vocab),
+        "cross entropy: shapes"
+    );
+    let mut loss = vec![0.0; n];
+    // SAFETY: logits hold n rows of vocab, targets are below vocab, loss n
+    // values (checked and allocated above).
+    unsafe {
+        emu_cross_entropy(
+            logits.as_mut_ptr(),
+            targets.as_ptr(),
+            loss.as_mut_ptr(),
+            int(n),
+            int(vocab),
+            coef.unwrap_or(0.0),
+            i32::from(coef.is_some()),
+        )
+    };
+    loss
+}
+
+/// The embedding's backward from `dx` `[b, t, d]` and the rows grouped by
+/// token (`zcuda::rows_by_token`): (dwte `[vocab, d]`, dwpe `[t, d]`).
+#[allow(clippy::too_many_arguments)]
+pub fn embed_backward(
+    dx: &[f32],
+    (present, start, rows): (&[u32], &[u32], &[u32]),
+    vocab: usize,
+    b: usize,
+    t: usize,
+    d: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    assert!(
+        dx.len() == b * t * d
+            && start.len() == present.len() + 1
+            && rows.len() == b * t
+            && present.iter().all(|&k| (k as usize) < vocab)
+            && rows.iter().all(|&r| (r as usize) < b * t),
+        "embed backward: shapes"
+    );
+    let (mut dwte, mut dwpe) = (vec![0.0; vocab * d], vec![0.0; t * d]);
+    // SAFETY: the tokens present are below vocab and the rows below b·t,
+    // dx holds b·t·d values, dwte vocab·d, dwpe t·d (checked above).
+    unsafe {
+        emu_embed_backward(
+            dx.as_ptr(),
+            present.as_ptr(),
+            start.as_ptr(),
+            rows.as_ptr(),
+            int(present.len()),
+            dwte.as_mut_ptr(),
+            dwpe.as_mut_ptr(),
+            int(b),
+            int(t),
+            int(d),
+        )
+    };
+    (dwte, dwpe)
+}
+
+/// Columns `col0..col0 + h·hd` of rows `[b, t, ld]` as `[b·h, t, hd]`, or
+/// (`back`) the other way into `rows`.
+#[allow(clippy::too_many_arguments)]
+pub fn relayout_heads(
+    rows: &mut [f32],
+    heads: &mut [f32],
+    back: bool,
+    ld: usize,
+    col0: usize,
+    b: usize,
+    t: usize,
+    h: usize,
+    hd: usize,
+) {
+    assert!(
+        rows.len() == b * t * ld && heads.len() == b * t * h * hd && col0 + h * hd <= ld,
+        "relayout: shapes"
+    );
+    let ints = [ld, col0, b, t, h, hd].map(int);
+    // SAFETY: rows hold b·t·ld values with col0 + h·hd ≤ ld, heads b·h·t·hd
+    // (checked above).
+    unsafe {
+        match back {
+            false => emu_rows_to_heads(
+                rows.as_ptr(),
+                ints[0],
+                ints[1],
+                heads.as_mut_ptr(),
+                ints[2],
+                ints[3],
+                ints[4],
+                ints[5],
+            ),
+            true => emu_heads_to_rows(
+                heads.as_ptr(),
+                rows.as_mut_ptr(),
+                ints[0],
+                ints[1],
+                ints[2],
+                ints[3],
+                ints[4],
+                ints[5],
+            ),
+        }
+    };
+}
