@@ -64,12 +64,6 @@ pub fn attach(
     let nccl = spec.comm.backend == zconfig::spec::Backend::Nccl;
     let n = training_devices(nccl).map_err(|why| anyhow::anyhow!("device: cuda: {why}"))?;
     let ordinal = env.local_rank % n;
-    if spec.model.kind == zconfig::spec::ModelKind::Llama && env.rank == 0 {
-        tracing::warn!(
-            "LLaMA on the GPU has not yet run on a GPU in zrun's own tests (docs/GPU.md); \
-             compare its first steps with device: cpu"
-        );
-    }
     let mut gpu = zcuda::GptGpu::open(ordinal, shape)
         .map_err(|e| anyhow::anyhow!("device: cuda: GPU {ordinal}: {e}"))?;
     if spec.train.allow_tf32 {
