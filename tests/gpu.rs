@@ -5,12 +5,14 @@
 //! without the `cuda` feature" for the default build, the missing driver for
 //! `--features zworker/cuda` (CI builds that zworker and sets
 //! `ZRUN_REQUIRE_CUDA_BUILD=1`, which makes the second case mandatory); and a
-//! job the GPU model cannot run (bf16, tiles) is refused for that.
+//! job the GPU model cannot run (tiles) is refused for that.
 //!
 //! With a GPU (skipped without one, saying so; `ZRUN_REQUIRE_GPU=1` makes
 //! them mandatory): training on the GPU follows the CPU run's loss curve
 //! within f32 rounding, a LLaMA too (grouped-query attention, tied and
-//! untied heads, its stages 0 and 3 and stage 3 over NCCL to the bit);
+//! untied heads, its stages 0 and 3 and stage 3 over NCCL to the bit), and
+//! so does a bf16 or f16 run (16-bit working parameters and gradients) the
+//! CPU's run of the same dtype, its stages 0 and 3 to the bit;
 //! ZeRO's stages 0-3 (two workers sharing the GPU)
 //! give the same losses to the bit, with activation checkpointing too; Adam
 //! on the GPU (one worker's resident flow) gives ZeRO-Offload's bits (Adam on
@@ -111,8 +113,7 @@ fn device_cuda_refuses_what_the_gpu_model_does_not_run() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "gpu-limits", 2);
     for (sets, says) in [
-        (&["train.dtype=bf16"][..], "f32 only"),
-        (&["model.tile_size=512"], "drop model.tile_size"),
+        (&["model.tile_size=512"][..], "drop model.tile_size"),
         (
             &["zero.stage=3", "zero.zero_quantized_weights=true"],
             "ZeRO++ (",
@@ -149,6 +150,10 @@ fn nccl_and_tf32_are_refused_where_they_cannot_run() {
                 "zero.offload_optimizer.device=cpu",
             ],
             "offload moves it to the host",
+        ),
+        (
+            &["comm.backend=nccl", "device=cuda", "train.dtype=bf16"],
+            "use comm.backend: auto",
         ),
     ] {
         let mut args = vec!["check", job.to_str().unwrap()];
@@ -277,6 +282,67 @@ fn llama_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
         );
         // Resident on the GPUs over NCCL, stage 3's gathers there: the same.
         assert_eq!(stage(3, "nccl"), stage0, "LLaMA stage 3 over NCCL ({tie})");
+    }
+}
+
+#[test]
+fn bf16_and_f16_on_the_gpu_follow_the_cpu_run_and_their_stages_agree() {
+    if gpus_or_skip("bf16_and_f16_on_the_gpu_follow_the_cpu_run").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let gpu_f32 = train(dir.path(), "f32", 1, &["device=cuda".into()]);
+    let worst = |a: &[f64], b: &[f64]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs() / y.abs())
+            .fold(0.0, f64::max)
+    };
+    for dtype in ["bf16", "f16"] {
+        let with = |extra: &[&str]| -> Vec<String> {
+            [format!("train.dtype={dtype}")]
+                .into_iter()
+                .chain(extra.iter().map(|s| s.to_string()))
+                .collect()
+        };
+        let cpu = train(dir.path(), &format!("{dtype}-cpu"), 1, &with(&[]));
+        let gpu = train(
+            dir.path(),
+            &format!("{dtype}-gpu"),
+            1,
+            &with(&["device=cuda"]),
+        );
+        // Both multiply f32 values of the same 16-bit parameters and round
+        // the gradients alike, so they part by f32's rounding (and the odd
+        // gradient element it carries across a 16-bit rounding boundary),
+        // far less than 16 bits part from f32. Where the CPU has AMX, its
+        // bf16 run rounds the products' operands to bf16 too.
+        let amx = dtype == "bf16" && zgemm::has_native_bf16();
+        let (from_cpu, from_f32) = (worst(&gpu, &cpu), worst(&gpu, &gpu_f32));
+        eprintln!(
+            "{dtype} on the GPU, 20 steps: largest relative loss difference from the CPU's {dtype} run {from_cpu:.2e}, from the GPU's f32 run {from_f32:.2e}{}",
+            if amx { " (the CPU multiplies bf16 on AMX)" } else { "" }
+        );
+        assert!(
+            from_cpu <= if amx { 1e-2 } else { 1e-3 },
+            "{dtype}: the GPU strays from the CPU: {gpu:?} against {cpu:?}"
+        );
+        if !amx {
+            assert!(
+                from_cpu < from_f32 / 4.0,
+                "{dtype}: the GPU run is not nearer the CPU's {dtype} than f32: was {dtype} on?"
+            );
+        }
+        assert!(gpu[19] < gpu[0] - 0.1, "no learning in {dtype}: {gpu:?}");
+        let stage = |n: u8| {
+            let sets = with(&[
+                "device=cuda",
+                &format!("zero.stage={n}"),
+                "zero.param_persistence_threshold=0",
+            ]);
+            train(dir.path(), &format!("{dtype}-s{n}"), 2, &sets)
+        };
+        assert_eq!(stage(3), stage(0), "{dtype}: stage 3 against stage 0");
     }
 }
 

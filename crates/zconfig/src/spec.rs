@@ -655,16 +655,11 @@ pub enum Device {
 
 impl JobSpec {
     /// What of this job the GPU path (`device: cuda`) cannot run yet, or
-    /// `None`: the GPU model is GPT-2's or LLaMA's family in f32 with whole linears,
-    /// and NVMe offload and ZeRO++, whose host code the GPU path would share,
-    /// are refused until they have run on a GPU.
+    /// `None`: the GPU model is GPT-2's or LLaMA's family with whole linears
+    /// (its products in f32 or TF32, on 16-bit working parameters under
+    /// bf16/f16), and NVMe offload and ZeRO++, whose host code the GPU path
+    /// would share, are refused until they have run on a GPU.
     pub fn gpu_unsupported(&self) -> Option<String> {
-        if self.train.dtype != Dtype::F32 {
-            return Some(format!(
-                "the GPU model computes in f32 only, not train.dtype: {}",
-                self.train.dtype
-            ));
-        }
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
         }
