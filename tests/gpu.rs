@@ -16,8 +16,8 @@
 //! ZeRO's stages 0-3 (two workers sharing the GPU)
 //! give the same losses to the bit, with activation checkpointing too; Adam
 //! on the GPU (one worker's resident flow) gives ZeRO-Offload's bits (Adam on
-//! the host), with gradient accumulation and clipping; a resumed GPU run
-//! continues the uninterrupted one to the bit; and two workers reducing
+//! the host), with gradient accumulation and clipping, in f32, bf16 and f16;
+//! a resumed GPU run continues the uninterrupted one to the bit (f32, bf16); and two workers reducing
 //! their gradients over NCCL (resident, stages 0-3) give the bits and the
 //! bytes of the host flow's reductions, and a resumed stage-3 NCCL run
 //! continues the uninterrupted one to the bit. `comm.backend: nccl` where it cannot run is refused
@@ -444,14 +444,22 @@ fn adam_on_the_gpu_gives_zero_offloads_bits() {
             .map(loss_and_norm)
             .collect()
     };
-    let resident = steps("resident", &[]);
-    let offload = steps("offload", &["zero.offload_optimizer.device=cpu"]);
-    assert_eq!(resident.len(), 12);
-    assert!(
-        resident.iter().any(|&(_, norm)| norm > 0.5),
-        "no step clipped: {resident:?}"
-    );
-    assert_eq!(resident, offload, "(loss, grad norm) per step");
+    // 16 bits: the gradients summed in 16 bits on the GPU, AdamW on the f32
+    // master writing the working copy there; f16 with its loss scale.
+    for dtype in ["f32", "bf16", "f16"] {
+        let d = format!("train.dtype={dtype}");
+        let resident = steps(&format!("resident-{dtype}"), &[&d]);
+        let offload = steps(
+            &format!("offload-{dtype}"),
+            &[&d, "zero.offload_optimizer.device=cpu"],
+        );
+        assert_eq!(resident.len(), 12);
+        assert!(
+            resident.iter().any(|&(_, norm)| norm > 0.5),
+            "{dtype}: no step clipped: {resident:?}"
+        );
+        assert_eq!(resident, offload, "{dtype}: (loss, grad norm) per step");
+    }
 }
 
 #[test]
@@ -459,17 +467,21 @@ fn a_resumed_gpu_run_continues_the_uninterrupted_one_to_the_bit() {
     if gpus_or_skip("a_resumed_gpu_run_continues_the_uninterrupted_one").is_none() {
         return;
     }
-    let d = tempfile::tempdir().unwrap();
-    let job = ckpt_job(d.path(), "gpu-resume", 12, 6);
-    let sets = vec!["device=cuda".to_string()];
-    let straight = losses_by_step(&run(&job, "straight", 1, &sets, &[]));
-    std::fs::remove_dir_all(d.path().join("ckpt/step-00000012")).unwrap();
-    let resumed = losses_by_step(&run(&job, "resumed", 1, &sets, &["--resume", "auto"]));
-    assert_eq!(
-        resumed.iter().map(|x| x.0).collect::<Vec<_>>(),
-        (7..=12).collect::<Vec<u64>>()
-    );
-    assert_eq!(resumed, straight[6..].to_vec());
+    // bf16: the checkpoint holds the f32 master, from which the resumed
+    // run rounds the working copy again.
+    for dtype in ["f32", "bf16"] {
+        let d = tempfile::tempdir().unwrap();
+        let job = ckpt_job(d.path(), "gpu-resume", 12, 6);
+        let sets = vec!["device=cuda".to_string(), format!("train.dtype={dtype}")];
+        let straight = losses_by_step(&run(&job, "straight", 1, &sets, &[]));
+        std::fs::remove_dir_all(d.path().join("ckpt/step-00000012")).unwrap();
+        let resumed = losses_by_step(&run(&job, "resumed", 1, &sets, &["--resume", "auto"]));
+        assert_eq!(
+            resumed.iter().map(|x| x.0).collect::<Vec<_>>(),
+            (7..=12).collect::<Vec<u64>>()
+        );
+        assert_eq!(resumed, straight[6..].to_vec(), "{dtype}");
+    }
 }
 
 #[test]

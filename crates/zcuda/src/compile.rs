@@ -23,7 +23,8 @@ use crate::{nvrtc_present, CudaError, NO_NVRTC};
 pub struct KernelSource {
     /// File name in `kernels/`.
     pub name: &'static str,
-    /// The source text.
+    /// The source text (with `half16.cuh`'s before it where the file uses
+    /// the 16-bit formats).
     pub code: &'static str,
     /// The `extern "C"` functions it defines.
     pub functions: &'static [&'static str],
@@ -38,7 +39,10 @@ pub struct KernelSource {
 pub const KERNELS: [KernelSource; 4] = [
     KernelSource {
         name: "adamw.cu",
-        code: include_str!("../../../kernels/adamw.cu"),
+        code: concat!(
+            include_str!("../../../kernels/half16.cuh"),
+            include_str!("../../../kernels/adamw.cu")
+        ),
         functions: &["adamw"],
         same_bits_as_cpu: true,
     },
@@ -50,8 +54,17 @@ pub const KERNELS: [KernelSource; 4] = [
     },
     KernelSource {
         name: "reduce.cu",
-        code: include_str!("../../../kernels/reduce.cu"),
-        functions: &["add_f32", "scale_f32", "sum_sq_chunks"],
+        code: concat!(
+            include_str!("../../../kernels/half16.cuh"),
+            include_str!("../../../kernels/reduce.cu")
+        ),
+        functions: &[
+            "add_f32",
+            "scale_f32",
+            "add_into16",
+            "widen16_into",
+            "sum_sq_chunks",
+        ],
         same_bits_as_cpu: true,
     },
     KernelSource {

@@ -72,7 +72,24 @@ impl Half16 {
     }
 }
 
-/// The gradient an AdamW launch reads.
+impl DeviceGrads<'_> {
+    fn len(&self) -> usize {
+        match self {
+            DeviceGrads::F32(g) => g.len(),
+            DeviceGrads::Half(_, g) => g.len(),
+        }
+    }
+
+    /// The format's number in the kernels (`FMT_F32` for f32).
+    fn code(&self) -> i32 {
+        match self {
+            DeviceGrads::F32(_) => 0,
+            DeviceGrads::Half(h, _) => h.code(),
+        }
+    }
+}
+
+/// Gradients on the device, as AdamW and the norm read them.
 #[derive(Debug)]
 pub enum DeviceGrads<'a> {
     /// f32 values.
@@ -287,15 +304,11 @@ impl Gpu {
         g: DeviceGrads<'_>,
         m: &mut CudaViewMut<f32>,
         v: &mut CudaViewMut<f32>,
-        working: Option<(Half16, &mut CudaSlice<u16>)>,
+        working: Option<(Half16, &mut CudaViewMut<u16>)>,
         c: &AdamConsts,
     ) -> Result<(), CudaError> {
         let n = p.len();
-        let g_len = match &g {
-            DeviceGrads::F32(g) => g.len(),
-            DeviceGrads::Half(_, g) => g.len(),
-        };
-        if g_len != n
+        if g.len() != n
             || m.len() != n
             || v.len() != n
             || working.as_ref().is_some_and(|(_, w)| w.len() != n)
@@ -306,10 +319,7 @@ impl Gpu {
             return Ok(());
         }
         let n64 = n as u64;
-        let grad_fmt = match &g {
-            DeviceGrads::F32(_) => 0i32,
-            DeviceGrads::Half(h, _) => h.code(),
-        };
+        let grad_fmt = g.code();
         let null = 0u64;
         let (working_fmt, mut working) = match working {
             Some((h, w)) => (h.code(), Some(w)),
@@ -507,12 +517,73 @@ impl Gpu {
         Ok(())
     }
 
+    /// `acc[i] = round(widen(acc[i]) + x[i])` in the 16-bit format `h`: a
+    /// micro-batch's f32 gradient added into a 16-bit gradient buffer, as
+    /// zengine's host buffers add it (the same bits).
+    pub fn add_into16(
+        &self,
+        h: Half16,
+        acc: &mut CudaViewMut<u16>,
+        x: &CudaView<f32>,
+    ) -> Result<(), CudaError> {
+        if x.len() != acc.len() {
+            return Err(CudaError::Invalid(format!(
+                "add_into16: {} values onto {}",
+                x.len(),
+                acc.len()
+            )));
+        }
+        if x.is_empty() {
+            return Ok(());
+        }
+        let (n, fmt) = (x.len() as u64, h.code());
+        let mut launch = self.stream.launch_builder(self.function("add_into16"));
+        launch.arg(&mut *acc).arg(x).arg(&n).arg(&fmt);
+        // SAFETY: add_into16(acc[n] 16-bit, x[n] f32, n, fmt), lengths
+        // checked above.
+        unsafe { launch.launch(grid_stride(x.len())) }.map_err(|source| CudaError::Driver {
+            what: "launching add_into16".into(),
+            source,
+        })?;
+        Ok(())
+    }
+
+    /// `out[i]` = the f32 value of the 16-bit `x[i]` in format `h` (exact).
+    pub fn widen16(
+        &self,
+        h: Half16,
+        x: &CudaView<u16>,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<(), CudaError> {
+        if x.len() != out.len() {
+            return Err(CudaError::Invalid(format!(
+                "widen16: {} values into {}",
+                x.len(),
+                out.len()
+            )));
+        }
+        if x.is_empty() {
+            return Ok(());
+        }
+        let (n, fmt) = (x.len() as u64, h.code());
+        let mut launch = self.stream.launch_builder(self.function("widen16_into"));
+        launch.arg(&mut *out).arg(x).arg(&n).arg(&fmt);
+        // SAFETY: widen16_into(out[n] f32, x[n] 16-bit, n, fmt), lengths
+        // checked above.
+        unsafe { launch.launch(grid_stride(x.len())) }.map_err(|source| CudaError::Driver {
+            what: "launching widen16_into".into(),
+            source,
+        })?;
+        Ok(())
+    }
+
     /// The sums of squares of `x·scale` over chunks of `chunk` values (a
     /// multiple of 8), each added as zengine's CPU gradient norm adds a
-    /// chunk (eight f64 lanes, then the tail): the same bits.
+    /// chunk (eight f64 lanes, then the tail; 16-bit values widened
+    /// first): the same bits.
     pub fn sum_sq_chunks(
         &self,
-        x: &CudaView<f32>,
+        x: DeviceGrads<'_>,
         chunk: usize,
         scale: f32,
     ) -> Result<Vec<f64>, CudaError> {
@@ -526,15 +597,20 @@ impl Gpu {
             return Ok(Vec::new());
         }
         let mut out = self.zeros::<f64>(chunks)?;
-        let (n, c) = (x.len() as u64, chunk as u64);
+        let (n, c, fmt) = (x.len() as u64, chunk as u64, x.code());
         let mut launch = self.stream.launch_builder(self.function("sum_sq_chunks"));
-        launch.arg(x).arg(&n).arg(&c).arg(&scale).arg(&mut out);
+        match &x {
+            DeviceGrads::F32(x) => launch.arg(x),
+            DeviceGrads::Half(_, x) => launch.arg(x),
+        };
+        launch.arg(&n).arg(&c).arg(&scale).arg(&mut out).arg(&fmt);
         let cfg = LaunchConfig {
             grid_dim: ((chunks * 8).div_ceil(THREADS as usize) as u32, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: sum_sq_chunks(x[n], n, chunk, scale, out[chunks]): eight
+        // SAFETY: sum_sq_chunks(x[n] in format fmt, n, chunk, scale,
+        // out[chunks], fmt): eight
         // threads per chunk, every thread of a launched warp reaching the
         // shuffle, chunk c's lane 0 writing out[c] for c < chunks.
         unsafe { launch.launch(cfg) }.map_err(|source| CudaError::Driver {
@@ -562,7 +638,10 @@ impl Gpu {
     }
 
     /// Sets every value of `x` to zero.
-    pub fn fill_zero<D: DevicePtrMut<f32>>(&self, x: &mut D) -> Result<(), CudaError> {
+    pub fn fill_zero<T: DeviceRepr + cudarc::driver::ValidAsZeroBits, D: DevicePtrMut<T>>(
+        &self,
+        x: &mut D,
+    ) -> Result<(), CudaError> {
         self.stream
             .memset_zeros(x)
             .map_err(|source| CudaError::Driver {

@@ -55,9 +55,18 @@ use crate::engine::Engine;
 use crate::error::EngineError;
 use crate::gather::Prefetcher;
 use crate::micro_batch::MicroBatch;
-use crate::precision::{Flat, TASK};
+use crate::precision::{Half, TASK};
 use crate::schedule::lr_at;
 use crate::StepStats;
+
+impl From<Half> for zcuda::Half16 {
+    fn from(h: Half) -> zcuda::Half16 {
+        match h {
+            Half::Bf16 => zcuda::Half16::Bf16,
+            Half::F16 => zcuda::Half16::F16,
+        }
+    }
+}
 
 impl From<zcuda::CudaError> for EngineError {
     fn from(e: zcuda::CudaError) -> EngineError {
@@ -148,17 +157,36 @@ enum ResidentParams {
 
 /// The resident flow's state of one group on the GPU.
 struct ResidentGroup {
+    /// The model's f32 weights (under 16 bits, the working copy's values).
     params: ResidentParams,
-    /// Gradients over the flat range `held`, laid out as the host's: the
+    /// f32 gradients over the flat range `held`, laid out as the host's: the
     /// group's whole buffer (padding included), into which micro-batches
     /// add, or at stages 2-3 on several ranks this rank's slice, to which each
-    /// micro-batch's reduced slice is added.
+    /// micro-batch's reduced slice is added. Empty under 16 bits (`half`
+    /// holds the gradients).
     grads: CudaSlice<f32>,
     held: std::ops::Range<usize>,
     /// Adam's moments over the region this rank updates (the group's whole
     /// flat buffer at stage 0, this rank's slice at stages 1-3), as the host's.
     exp_avg: CudaSlice<f32>,
     exp_avg_sq: CudaSlice<f32>,
+    /// `train.dtype: bf16 | f16` (one worker).
+    half: Option<HalfGroup>,
+}
+
+/// A resident group's 16-bit state, as the host keeps it under mixed
+/// precision: gradients in the working type, an f32 master copy.
+struct HalfGroup {
+    kind: zcuda::Half16,
+    /// The group's whole gradient buffer (padding included), each
+    /// micro-batch's f32 gradient added and rounded as the host adds it.
+    grads: CudaSlice<u16>,
+    /// The f32 master weights over the region this rank updates: AdamW's
+    /// target.
+    master: CudaSlice<f32>,
+    /// The rounded copy of `master` AdamW writes, widened into the model's
+    /// weights after each update.
+    working: CudaSlice<u16>,
 }
 
 impl ResidentGroup {
@@ -263,15 +291,15 @@ impl Engine {
     }
 
     /// Whether the optimizer runs on the GPU with every state resident there
-    /// (one worker with every group whole, or several over NCCL; no
-    /// offload), rather than on the host.
+    /// (one worker with every group whole, in f32 or 16 bits, or several
+    /// over NCCL in f32; no offload), rather than on the host.
     pub fn gpu_resident(&self) -> bool {
         let z = &self.spec.zero;
         self.gpu.is_some()
             && (self.comm.world_size() == 1 || self.nccl.is_some())
             && self.hpz.is_none()
             && self.offload.is_none()
-            && self.half.is_none()
+            && (self.half.is_none() || self.nccl.is_none())
             && z.offload_optimizer.device == zconfig::spec::OffloadDevice::None
             && z.offload_param.device == zconfig::spec::OffloadDevice::None
             && (self.nccl.is_some() || self.groups.iter().all(|g| !g.partitioned))
@@ -292,9 +320,8 @@ impl Engine {
             let sliced = self.gpu_sliced_grads();
             let mut groups = Vec::with_capacity(self.groups.len());
             for g in &self.groups {
-                let Flat::F32(p) = &g.params else {
-                    return Err(EngineError::Gpu("resident parameters must be f32".into()));
-                };
+                // Under 16 bits, the working copy's values.
+                let p = &g.params.to_f32(0..g.params.len());
                 let slots = &g.layout.params;
                 let up = |v: &[f32]| -> Result<Vec<CudaSlice<f32>>, EngineError> {
                     let parts: Vec<&[f32]> = slots.iter().map(|s| &v[s.range.clone()]).collect();
@@ -308,12 +335,30 @@ impl Engine {
                     true => ResidentParams::Slice(gpu.gpu().upload(p)?),
                     false => ResidentParams::Whole(Arc::new(Weights::from_parts(up(p)?))),
                 };
+                let half = match (self.half, &g.master) {
+                    (None, _) => None,
+                    (Some(h), Some(master)) => Some(HalfGroup {
+                        kind: h.into(),
+                        grads: gpu.gpu().zeros(held.len())?,
+                        master: gpu.gpu().upload(master)?,
+                        working: gpu.gpu().zeros(master.len())?,
+                    }),
+                    (Some(_), None) => {
+                        return Err(EngineError::Gpu(format!(
+                            "group {}: 16-bit parameters without their master copy",
+                            g.layout.name
+                        )))
+                    }
+                };
                 groups.push(ResidentGroup {
                     params,
-                    grads: gpu.gpu().zeros(held.len())?,
+                    grads: gpu
+                        .gpu()
+                        .zeros(if half.is_some() { 0 } else { held.len() })?,
                     held,
                     exp_avg: gpu.gpu().upload(&g.exp_avg)?,
                     exp_avg_sq: gpu.gpu().upload(&g.exp_avg_sq)?,
+                    half,
                 });
             }
             let landings = match sliced {
@@ -448,7 +493,16 @@ impl Engine {
                 .map(|s| s.range.start)
                 .collect();
             let padded = self.groups[g].layout.padded;
-            let mut landing = self.resident(gpu)?.landing(g, padded);
+            let r = self.resident(gpu)?;
+            if let Some(h) = r.groups[g].half.as_mut() {
+                for &(slot, grad) in grads {
+                    let at = starts[slot]..starts[slot] + grad.len();
+                    gpu.gpu()
+                        .add_into16(h.kind, &mut h.grads.slice_mut(at), &grad.slice(..))?;
+                }
+                return Ok(None);
+            }
+            let mut landing = r.landing(g, padded);
             for &(slot, grad) in grads {
                 let at = starts[slot];
                 gpu.gpu()
@@ -731,6 +785,9 @@ impl Engine {
             .collect();
         let reduced_already = self.gpu_sliced_grads();
         self.resident(&gpu)?;
+        if self.half.is_some() {
+            return self.gpu_step_half(&gpu, &plans);
+        }
         let r = self.gpu_resident.as_mut().expect("just made");
         if let Some(nccl) = &mut self.nccl {
             for (i, g) in r.groups.iter_mut().enumerate() {
@@ -752,7 +809,9 @@ impl Engine {
         }
         let mut own_sq = 0f64;
         for (g, p) in r.groups.iter().zip(&plans) {
-            let parts = gpu.gpu().sum_sq_chunks(&g.grad(p.own.clone()), TASK, 1.0)?;
+            let parts =
+                gpu.gpu()
+                    .sum_sq_chunks(DeviceGrads::F32(g.grad(p.own.clone())), TASK, 1.0)?;
             own_sq += parts.iter().sum::<f64>();
         }
         let grad_norm = self.norm_from_own_sq(own_sq)?;
@@ -775,6 +834,7 @@ impl Engine {
                     held,
                     exp_avg,
                     exp_avg_sq,
+                    ..
                 } = g;
                 let mut params = match params {
                     ResidentParams::Whole(w) => Ok(Arc::get_mut(w)
@@ -810,6 +870,85 @@ impl Engine {
             gpu.gpu().fill_zero(&mut g.grads)?;
         }
         Ok(self.finish_step(step, lr, grad_norm, None, overflow))
+    }
+
+    /// The resident step under bf16/f16 (one worker): the host's 16-bit step
+    /// on the GPU's buffers, so its bits. The gradients stay unscaled in 16
+    /// bits: averaging, the loss scale and clipping fold into one factor
+    /// that the norm and AdamW apply as they read them; AdamW updates the
+    /// f32 master and writes its rounded working copy, whose values become
+    /// the model's weights.
+    fn gpu_step_half(
+        &mut self,
+        gpu: &GptGpu,
+        plans: &[StepPlan],
+    ) -> Result<StepStats, EngineError> {
+        let step = self.step + 1;
+        let loss_scale = self.scaler.as_ref().map(|s| s.scale);
+        let mut grad_scale = self.average_scale();
+        let no_half = || EngineError::Gpu("16-bit gradients missing on the GPU".into());
+        let r = self.gpu_resident.as_ref().expect("resident");
+        let mut own_sq = 0f64;
+        for (g, p) in r.groups.iter().zip(plans) {
+            let h = g.half.as_ref().ok_or_else(no_half)?;
+            let grads = DeviceGrads::Half(h.kind, h.grads.slice(p.own.clone()));
+            own_sq += gpu
+                .gpu()
+                .sum_sq_chunks(grads, TASK, grad_scale)?
+                .iter()
+                .sum::<f64>();
+        }
+        let grad_norm = self.norm_from_own_sq(own_sq)?;
+        let overflow = self.check_overflow(step, grad_norm)?;
+        let lr = lr_at(self.updates + 1, &self.spec.train);
+        if !overflow {
+            let clip = self.spec.train.grad_clip;
+            if clip > 0.0 && grad_norm > clip {
+                grad_scale *= (clip / (grad_norm + 1e-6)) as f32;
+            }
+            self.updates += 1;
+            let hp = self.adam_step(lr, grad_scale);
+            let r = self.gpu_resident.as_mut().expect("resident");
+            for (g, p) in r.groups.iter_mut().zip(plans) {
+                let ResidentGroup {
+                    params,
+                    exp_avg,
+                    exp_avg_sq,
+                    half,
+                    ..
+                } = g;
+                let h = half.as_mut().ok_or_else(no_half)?;
+                let ResidentParams::Whole(w) = params else {
+                    return Err(EngineError::Gpu("16-bit parameters partitioned".into()));
+                };
+                let weights = Arc::get_mut(w)
+                    .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
+                    .parts_mut();
+                for (i, at) in p.pieces() {
+                    let slot = p.slots[i].0.start;
+                    let rel = at.start - p.region.start..at.end - p.region.start;
+                    gpu.gpu().adamw(
+                        &mut h.master.slice_mut(rel.clone()),
+                        DeviceGrads::Half(h.kind, h.grads.slice(at.clone())),
+                        &mut exp_avg.slice_mut(rel.clone()),
+                        &mut exp_avg_sq.slice_mut(rel.clone()),
+                        Some((h.kind, &mut h.working.slice_mut(rel.clone()))),
+                        &device_consts(&hp, p.slots[i].1),
+                    )?;
+                    gpu.gpu().widen16(
+                        h.kind,
+                        &h.working.slice(rel),
+                        &mut weights[i].slice_mut(at.start - slot..at.end - slot),
+                    )?;
+                }
+            }
+        }
+        let r = self.gpu_resident.as_mut().expect("resident");
+        for g in &mut r.groups {
+            gpu.gpu()
+                .fill_zero(&mut g.half.as_mut().ok_or_else(no_half)?.grads)?;
+        }
+        Ok(self.finish_step(step, lr, grad_norm, loss_scale, overflow))
     }
 
     /// Stages 1-3 over NCCL: every rank's updated slice of each whole group
@@ -869,12 +1008,16 @@ impl Engine {
         ]))
     }
 
-    /// Resident: group `gi`'s f32 parameters over the region this rank
-    /// updates, copied from the GPU, or `None`.
+    /// Resident: group `gi`'s f32 parameters (the master copy under 16 bits)
+    /// over the region this rank updates, copied from the GPU, or `None`.
     pub(crate) fn gpu_params(&self, gi: usize) -> Result<Option<Vec<f32>>, EngineError> {
         let Some(r) = &self.gpu_resident else {
             return Ok(None);
         };
+        if let Some(h) = &r.groups[gi].half {
+            let gpu = self.gpu.as_ref().expect("a GPU attached");
+            return Ok(Some(gpu.gpu().download(&h.master)?));
+        }
         match &r.groups[gi].params {
             ResidentParams::Whole(w) => {
                 let region = self.groups[gi].updated_region(self.comm.rank(), self.stage);
@@ -919,6 +1062,7 @@ pub(crate) fn nccl_counters(nccl: &zcuda::Nccl) -> zcomm::CounterSnapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::precision::Flat;
 
     /// Values over many magnitudes, subnormals and signed zeros among them.
     fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -953,7 +1097,9 @@ mod tests {
             let d = gpu.upload(&v).unwrap();
             for scale in [1.0f32, 0.37] {
                 let host = Flat::F32(v.clone()).sum_sq(0..n, scale);
-                let parts = gpu.sum_sq_chunks(&d.slice(..), TASK, scale).unwrap();
+                let parts = gpu
+                    .sum_sq_chunks(zcuda::DeviceGrads::F32(d.slice(..)), TASK, scale)
+                    .unwrap();
                 assert_eq!(parts.len(), n.div_ceil(TASK));
                 let dev: f64 = parts.iter().sum();
                 assert_eq!(
@@ -976,6 +1122,61 @@ mod tests {
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "scale, n {n}"
             );
+        }
+    }
+
+    /// The resident 16-bit step's gradient kernels against the host's
+    /// 16-bit buffers: a micro-batch added and rounded (`Flat::add_f32`),
+    /// the norm of the scaled 16-bit values (`Flat::sum_sq`), the working
+    /// copy widened; the same bits, overflow to infinity included.
+    #[test]
+    fn the_gpus_16_bit_gradients_equal_the_hosts_bit_for_bit() {
+        if !zcuda::gpu_or_skip(
+            "the_gpus_16_bit_gradients_equal_the_hosts",
+            zcuda::probe().usable_devices(),
+        ) {
+            return;
+        }
+        let gpu = zcuda::Gpu::open(0).expect("opening GPU 0");
+        for h in [Half::Bf16, Half::F16] {
+            for (n, seed) in [(5, 1), (TASK, 2), (3 * TASK + 13, 3)] {
+                // Two micro-batches: magnitudes that f16 rounds, flushes
+                // to subnormals and overflows, and their sums.
+                let (a, b) = (values(n, seed), values(n, seed + 10));
+                let mut host = Flat::zeros(Some(h), n);
+                let mut dev = gpu.zeros::<u16>(n).unwrap();
+                for x in [&a, &b] {
+                    host.add_f32(0, x);
+                    let dx = gpu.upload(x).unwrap();
+                    gpu.add_into16(h.into(), &mut dev.slice_mut(..), &dx.slice(..))
+                        .unwrap();
+                }
+                let Flat::Half(_, want) = &host else {
+                    unreachable!()
+                };
+                assert_eq!(&gpu.download(&dev).unwrap(), want, "{h:?} sums, n {n}");
+                for scale in [1.0f32, 0.37, 3e-5] {
+                    let host = host.sum_sq(0..n, scale);
+                    let grads = zcuda::DeviceGrads::Half(h.into(), dev.slice(..));
+                    let dev: f64 = gpu.sum_sq_chunks(grads, TASK, scale).unwrap().iter().sum();
+                    assert_eq!(
+                        dev.to_bits(),
+                        host.to_bits(),
+                        "{h:?} n {n} scale {scale}: {dev} vs {host}"
+                    );
+                }
+                let mut wide = gpu.zeros::<f32>(n).unwrap();
+                gpu.widen16(h.into(), &dev.slice(..), &mut wide.slice_mut(..))
+                    .unwrap();
+                let want = host.to_f32(0..n);
+                let got = gpu.download(&wide).unwrap();
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{h:?} widened, n {n}"
+                );
+            }
         }
     }
 }

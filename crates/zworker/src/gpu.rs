@@ -70,13 +70,6 @@ pub fn attach(
         gpu.allow_tf32()
             .map_err(|e| anyhow::anyhow!("train.allow_tf32: GPU {ordinal}: {e}"))?;
     }
-    if spec.train.dtype != zconfig::spec::Dtype::F32 && env.rank == 0 {
-        tracing::info!(
-            "train.dtype: {}: the GPU multiplies in f32 (TF32 with train.allow_tf32) on the 16-bit working parameters; \
-             those, the gradients, the f32 master weights and AdamW stay on the host (ZeRO-Offload's flow)",
-            spec.train.dtype
-        );
-    }
     tracing::info!(
         "local rank {} on GPU {ordinal} ({}, {})",
         env.local_rank,
@@ -90,6 +83,17 @@ pub fn attach(
     engine.attach_gpu(gpu);
     if let Some(nccl) = nccl {
         engine.attach_nccl(nccl);
+    }
+    if spec.train.dtype != zconfig::spec::Dtype::F32 && env.rank == 0 {
+        let state = match engine.gpu_resident() {
+            true => "the GPU",
+            false => "the host (ZeRO-Offload's flow)",
+        };
+        tracing::info!(
+            "train.dtype: {}: the GPU multiplies f32 values of the 16-bit working parameters \
+             (TF32 with train.allow_tf32); the 16-bit state and AdamW on {state}",
+            spec.train.dtype
+        );
     }
     Ok(())
 }

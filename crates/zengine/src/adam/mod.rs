@@ -498,15 +498,12 @@ mod tests {
                     .upload(&if kind.is_some() { gh } else { vec![0] })
                     .unwrap();
                 let mut dw = gpu.zeros::<u16>(n).unwrap();
-                let half = |h: Half| match h {
-                    Half::Bf16 => zcuda::Half16::Bf16,
-                    Half::F16 => zcuda::Half16::F16,
-                };
                 let grads = match kind {
                     None => zcuda::DeviceGrads::F32(dg32.slice(..)),
-                    Some(h) => zcuda::DeviceGrads::Half(half(h), dgh.slice(..)),
+                    Some(h) => zcuda::DeviceGrads::Half(h.into(), dgh.slice(..)),
                 };
-                let working = kind.map(|h| (half(h), &mut dw));
+                let mut dwv = dw.slice_mut(..);
+                let working = kind.map(|h| (h.into(), &mut dwv));
                 gpu.adamw(
                     &mut dp.slice_mut(..),
                     grads,
