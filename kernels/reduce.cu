@@ -47,6 +47,18 @@ extern "C" __global__ void widen16_into(float* out, const unsigned short* x,
     }
 }
 
+// out[i] = x[i] rounded to the 16-bit format (nearest even): bf16 products'
+// operands, rounded as the CPU's bf16 products round theirs.
+extern "C" __global__ void round16_into(unsigned short* out, const float* x,
+                                        unsigned long long n, int fmt)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        out[i] = round16(x[i], fmt);
+    }
+}
+
 // x[i] in f32: x holds f32 values (fmt FMT_F32) or 16-bit ones.
 __device__ __forceinline__ float load_any(const void* x, unsigned long long i, int fmt) {
     return fmt == FMT_F32 ? ((const float*)x)[i] : widen16(((const unsigned short*)x)[i], fmt);

@@ -63,6 +63,7 @@ pub const KERNELS: [KernelSource; 4] = [
             "scale_f32",
             "add_into16",
             "widen16_into",
+            "round16_into",
             "sum_sq_chunks",
         ],
         same_bits_as_cpu: true,

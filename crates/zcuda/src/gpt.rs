@@ -17,7 +17,7 @@
 //! block's forward to its backward.
 //!
 //! Numerics: the same function as the CPU model in f32 (cuBLAS's SGEMM
-//! without TF32, the kernels' f32 arithmetic), not the same bits; the tests
+//! without TF32 or bf16 products, the kernels' f32 arithmetic), not the same bits; the tests
 //! hold each gradient to the CPU model's within a stated relative error.
 //! Deterministic: cuBLAS on one stream and kernels without atomics repeat
 //! to the bit. Attention keeps its probabilities `[b·heads, t, t]` for the
@@ -25,10 +25,12 @@
 
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 
 use crate::gpu::grid_stride;
-use crate::{CudaError, Gpu};
+use crate::{CudaError, Gpu, Half16};
 
 /// The decoder family: what a block's norms, MLP, positions and biases are.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -238,21 +240,21 @@ fn per_head(count: usize, strides: [usize; 3]) -> Batch {
 
 /// A row-major operand: the buffer, its first element, its row stride.
 #[derive(Clone, Copy)]
-struct Operand<'a> {
+pub(crate) struct Operand<'a> {
     buf: &'a CudaSlice<f32>,
     off: usize,
     ld: usize,
 }
 
-fn op<'a>(buf: &'a CudaSlice<f32>, off: usize, ld: usize) -> Operand<'a> {
+pub(crate) fn op<'a>(buf: &'a CudaSlice<f32>, off: usize, ld: usize) -> Operand<'a> {
     Operand { buf, off, ld }
 }
 
 /// `count` products at strides (a, b, c) apart.
 #[derive(Clone, Copy)]
-struct Batch {
-    count: usize,
-    strides: [usize; 3],
+pub(crate) struct Batch {
+    pub(crate) count: usize,
+    pub(crate) strides: [usize; 3],
 }
 
 const ONE: Batch = Batch {
@@ -272,6 +274,8 @@ pub struct GptGpu {
     shape: GptShape,
     /// LLaMA's rotary table `[seq_len, hd/2]`: cosines and sines.
     rotary: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    /// Whether the products multiply bf16 operands ([`GptGpu::use_bf16_products`]).
+    bf16_products: bool,
 }
 
 impl GptGpu {
@@ -313,7 +317,36 @@ impl GptGpu {
             blas,
             shape,
             rotary,
+            bf16_products: false,
         })
+    }
+
+    /// Multiplies bf16 from now on: every product's operands rounded to
+    /// bf16 (to nearest even, as the CPU's bf16 products round them), the
+    /// sums in f32 on the tensor cores (`cublasGemmStridedBatchedEx`,
+    /// `CUBLAS_COMPUTE_32F`), as PyTorch's bf16 autocast multiplies. An
+    /// error on a GPU older than compute capability 8.0, whose tensor cores
+    /// have no bf16.
+    pub fn use_bf16_products(&mut self) -> Result<(), CudaError> {
+        let cc: u32 = self
+            .gpu
+            .arch()
+            .trim_start_matches("compute_")
+            .parse()
+            .unwrap_or(0);
+        if cc < 80 {
+            return Err(CudaError::Invalid(format!(
+                "bf16 products need compute capability 8.0 or newer; this GPU is {}",
+                self.gpu.arch()
+            )));
+        }
+        self.bf16_products = true;
+        Ok(())
+    }
+
+    /// Whether the products multiply bf16 operands.
+    pub fn bf16_products(&self) -> bool {
+        self.bf16_products
     }
 
     /// Runs the f32 products on the tensor cores in TF32 from now on
@@ -1437,11 +1470,80 @@ impl GptGpu {
         self.launched(kernel, unsafe { l.launch(cfg) })
     }
 
+    /// `buf[range]` rounded to bf16, in a fresh buffer.
+    fn rounded_bf16(
+        &self,
+        buf: &CudaSlice<f32>,
+        range: std::ops::Range<usize>,
+    ) -> Result<CudaSlice<u16>, CudaError> {
+        let len = range.len();
+        // SAFETY: round16 writes all `len` values before any is read.
+        let mut out =
+            unsafe { self.gpu.stream().alloc::<u16>(len) }.map_err(|source| CudaError::Driver {
+                what: format!("allocating {len} bf16 values on the GPU"),
+                source,
+            })?;
+        self.gpu
+            .round16(Half16::Bf16, &buf.slice(range), &mut out.slice_mut(..))?;
+        Ok(out)
+    }
+
+    /// [`GptGpu::gemm`]'s product on bf16 operands (`a16`, `b16`: the
+    /// operands' extents from their offsets, rounded), f32 sums and result.
+    fn gemm_bf16(
+        &self,
+        g: GemmConfig<f32>,
+        batch: Batch,
+        a16: &CudaSlice<u16>,
+        b16: &CudaSlice<u16>,
+        c: &mut CudaViewMut<f32>,
+    ) -> Result<(), CudaError> {
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
+        use std::ffi::c_void;
+        let stream = self.gpu.stream();
+        let (ap, _a) = a16.device_ptr(stream);
+        let (bp, _b) = b16.device_ptr(stream);
+        let (cp, _c) = c.device_ptr_mut(stream);
+        // SAFETY: cuBLAS's A is our B and its B our A (column-major, see
+        // `gemm`), each operand's extent checked by `gemm` and held by the
+        // rounded copies from their offsets; C's view starts at its offset;
+        // alpha and beta are f32 for CUBLAS_COMPUTE_32F, and live until the
+        // call returns (cuBLAS reads host scalars before it returns).
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                g.transa,
+                g.transb,
+                g.m,
+                g.n,
+                g.k,
+                (&g.alpha) as *const f32 as *const c_void,
+                bp as *const c_void,
+                cudaDataType::CUDA_R_16BF,
+                g.lda,
+                batch.strides[1] as i64,
+                ap as *const c_void,
+                cudaDataType::CUDA_R_16BF,
+                g.ldb,
+                batch.strides[0] as i64,
+                (&g.beta) as *const f32 as *const c_void,
+                cp as *mut c_void,
+                cudaDataType::CUDA_R_32F,
+                g.ldc,
+                batch.strides[2] as i64,
+                batch.count as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| CudaError::Invalid(format!("cuBLAS bf16 gemm ({}×{}×{}): {e}", g.n, g.m, g.k)))
+    }
+
     /// Row-major `C = op(A)·op(B)` of (m, n, k), `count` times at the
     /// batch's strides, on cuBLAS (column-major, so it computes `Cᵀ =
     /// op(B)ᵀ·op(A)ᵀ`). Every operand's extent is checked against its buffer.
     #[allow(clippy::too_many_arguments)]
-    fn gemm(
+    pub(crate) fn gemm(
         &self,
         ta: bool,
         tb: bool,
@@ -1501,6 +1603,11 @@ impl GptGpu {
             beta: 0.0f32,
             ldc: ldc as i32,
         };
+        if self.bf16_products {
+            let a16 = self.rounded_bf16(a.buf, a.off..checks[0].1)?;
+            let b16 = self.rounded_bf16(b.buf, b.off..checks[1].1)?;
+            return self.gemm_bf16(gemm, batch, &a16, &b16, &mut c.slice_mut(c_off..));
+        }
         let (av, bv) = (a.buf.slice(a.off..), b.buf.slice(b.off..));
         let mut cv = c.slice_mut(c_off..);
         // SAFETY: every operand's extent lies inside its buffer (checked

@@ -577,6 +577,35 @@ impl Gpu {
         Ok(())
     }
 
+    /// `out[i]` = `x[i]` rounded to nearest even in format `h`.
+    pub fn round16(
+        &self,
+        h: Half16,
+        x: &CudaView<f32>,
+        out: &mut CudaViewMut<u16>,
+    ) -> Result<(), CudaError> {
+        if x.len() != out.len() {
+            return Err(CudaError::Invalid(format!(
+                "round16: {} values into {}",
+                x.len(),
+                out.len()
+            )));
+        }
+        if x.is_empty() {
+            return Ok(());
+        }
+        let (n, fmt) = (x.len() as u64, h.code());
+        let mut launch = self.stream.launch_builder(self.function("round16_into"));
+        launch.arg(&mut *out).arg(x).arg(&n).arg(&fmt);
+        // SAFETY: round16_into(out[n] 16-bit, x[n] f32, n, fmt), lengths
+        // checked above.
+        unsafe { launch.launch(grid_stride(x.len())) }.map_err(|source| CudaError::Driver {
+            what: "launching round16_into".into(),
+            source,
+        })?;
+        Ok(())
+    }
+
     /// The sums of squares of `x·scale` over chunks of `chunk` values (a
     /// multiple of 8), each added as zengine's CPU gradient norm adds a
     /// chunk (eight f64 lanes, then the tail; 16-bit values widened

@@ -2,7 +2,8 @@
 //! block, and one LLaMA block (grouped-query attention, an untied head),
 //! with its embedding and head, forward and backward, every output and
 //! gradient within a stated relative error of the CPU's; and the GPU run
-//! repeated gives the same bits. Skipped without a GPU (mandatory under
+//! repeated gives the same bits. bf16 products against an f64 product of
+//! the bf16-rounded operands. Skipped without a GPU (mandatory under
 //! `ZRUN_REQUIRE_GPU=1`).
 
 use candle_core::{Device, Tensor};
@@ -61,6 +62,93 @@ fn tensors(group: &[Vec<f32>], shapes: &[Vec<usize>]) -> Vec<Tensor> {
 }
 
 const VOCAB: usize = 97;
+
+/// `x` rounded to bf16 to nearest even (finite values), as f32.
+fn bf16_value(x: f32) -> f32 {
+    let b = x.to_bits();
+    f32::from_bits(((b + 0x7fff + ((b >> 16) & 1)) >> 16) << 16)
+}
+
+#[test]
+fn bf16_products_multiply_bf16_rounded_operands_in_f32() {
+    let shape = GptShape {
+        family: Family::Gpt2,
+        d_model: 64,
+        n_heads: 4,
+        ffn: 256,
+        vocab: VOCAB,
+        seq_len: 48,
+        eps: 1e-5,
+    };
+    let test = "bf16_products_multiply_bf16_rounded_operands_in_f32";
+    let Some(mut gpu) = gpu_model_or_skip(test, shape) else {
+        return;
+    };
+    if let Err(e) = gpu.use_bf16_products() {
+        eprintln!("{test}: skipped: {e}");
+        return;
+    }
+    // Two products of Aᵀ·B at batch strides, A stored [k, m], B [k, n];
+    // values with every mantissa bit set somewhere, which bf16 cuts.
+    let (m, n, k, count) = (37, 29, 300, 2);
+    let mut s = 12345u32;
+    let mut vals = |len: usize| -> Vec<f32> {
+        (0..len)
+            .map(|_| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (s >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+            })
+            .collect()
+    };
+    let (a, b) = (vals(count * k * m), vals(count * k * n));
+    let product = |round: fn(f32) -> f32| -> Vec<f32> {
+        let mut c = Vec::with_capacity(count * m * n);
+        for q in 0..count {
+            for i in 0..m {
+                for j in 0..n {
+                    let sum: f64 = (0..k)
+                        .map(|p| {
+                            let x = round(a[q * k * m + p * m + i]);
+                            let y = round(b[q * k * n + p * n + j]);
+                            f64::from(x) * f64::from(y)
+                        })
+                        .sum();
+                    c.push(sum as f32);
+                }
+            }
+        }
+        c
+    };
+    let (rounded, exact) = (product(bf16_value), product(|x| x));
+    let (da, db) = (gpu.gpu().upload(&a).unwrap(), gpu.gpu().upload(&b).unwrap());
+    let mut dc = gpu.gpu().zeros::<f32>(count * m * n).unwrap();
+    let batch = crate::gpt::Batch {
+        count,
+        strides: [k * m, k * n, m * n],
+    };
+    gpu.gemm(
+        true,
+        false,
+        (m, n, k),
+        crate::gpt::op(&da, 0, m),
+        crate::gpt::op(&db, 0, n),
+        (&mut dc, 0, n),
+        batch,
+    )
+    .unwrap();
+    let got = gpu.gpu().download(&dc).unwrap();
+    let (to_rounded, to_exact) = (
+        rel_err("against bf16 operands", &got, &rounded),
+        rel_err("against f32 operands", &got, &exact),
+    );
+    eprintln!(
+        "bf16 products, relative error: {to_rounded:.2e} against the f64 product of the rounded operands, {to_exact:.2e} against the unrounded ones"
+    );
+    // f32 sums of 300 terms: about 2^-24·√300; bf16 operands move the
+    // product by about 2^-9 of its terms.
+    assert!(to_rounded < 1e-5, "not the rounded operands' product");
+    assert!(to_exact > 3e-4, "the operands were not rounded to bf16");
+}
 
 #[test]
 fn gpu_block_embedding_and_head_match_the_cpu_model() {

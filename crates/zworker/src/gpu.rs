@@ -70,6 +70,16 @@ pub fn attach(
         gpu.allow_tf32()
             .map_err(|e| anyhow::anyhow!("train.allow_tf32: GPU {ordinal}: {e}"))?;
     }
+    // bf16 multiplies bf16 where the tensor cores can (as autocast does);
+    // an older GPU multiplies f32 values of the bf16 weights, as a CPU
+    // without AMX does.
+    let products = match spec.train.dtype {
+        zconfig::spec::Dtype::Bf16 => match gpu.use_bf16_products() {
+            Ok(()) => "bf16 operands, f32 sums, on the tensor cores".to_string(),
+            Err(e) => format!("f32 values of the 16-bit parameters ({e})"),
+        },
+        _ => "f32 values of the 16-bit parameters (TF32 with train.allow_tf32)".to_string(),
+    };
     tracing::info!(
         "local rank {} on GPU {ordinal} ({}, {})",
         env.local_rank,
@@ -90,8 +100,7 @@ pub fn attach(
             false => "the host (ZeRO-Offload's flow)",
         };
         tracing::info!(
-            "train.dtype: {}: the GPU multiplies f32 values of the 16-bit working parameters \
-             (TF32 with train.allow_tf32); the 16-bit state and AdamW on {state}",
+            "train.dtype: {}: the products multiply {products}; the 16-bit state and AdamW on {state}",
             spec.train.dtype
         );
     }
