@@ -410,10 +410,23 @@ extern "C" __global__ void swiglu_backward(const float* h, const float* dy, floa
     }
 }
 
+// x's bf16 bits, to nearest even (NaN made quiet): an operand of the bf16
+// products written where it is made (half16.cuh's round16 for bf16; this
+// file keeps to what the CPU emulation of crates/zcuda-emu compiles).
+__device__ __forceinline__ unsigned short bf16_bits(float x) {
+    unsigned int b = __float_as_uint(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((b >> 16) | 0x40u);
+    }
+    return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
 // Causal softmax of scores s[rows, t] (each row i of a t × t matrix, i =
 // row % t), in place: p[j] = exp(scale·s[j] - m) / Σ for j ≤ i, 0 above the
-// diagonal. One warp per row.
-extern "C" __global__ void causal_softmax(float* s, unsigned long long rows, int t, float scale)
+// diagonal; with s16, each probability's bf16 bits there too. One warp per
+// row.
+extern "C" __global__ void causal_softmax(float* s, unsigned short* s16, unsigned long long rows,
+                                          int t, float scale)
 {
     unsigned long long row = (unsigned long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (row >= rows) return;
@@ -430,12 +443,17 @@ extern "C" __global__ void causal_softmax(float* s, unsigned long long rows, int
     }
     sum = warp_sum(sum);
     float inv = 1.0f / sum;
-    for (int j = lane; j < t; j += WARP) p[j] = j <= i ? p[j] * inv : 0.0f;
+    for (int j = lane; j < t; j += WARP) {
+        float v = j <= i ? p[j] * inv : 0.0f;
+        p[j] = v;
+        if (s16) s16[row * t + j] = bf16_bits(v);
+    }
 }
 
 // The softmax's backward, in place on dp: ds = scale · p ⊙ (dp - Σ dp ⊙ p),
-// 0 above the diagonal. One warp per row.
-extern "C" __global__ void causal_softmax_backward(const float* p, float* dp,
+// 0 above the diagonal; with ds16, ds's bf16 bits written there instead
+// (dp is then left as it was). One warp per row.
+extern "C" __global__ void causal_softmax_backward(const float* p, float* dp, unsigned short* ds16,
                                                    unsigned long long rows, int t, float scale)
 {
     unsigned long long row = (unsigned long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
@@ -446,7 +464,14 @@ extern "C" __global__ void causal_softmax_backward(const float* p, float* dp,
     float dot = 0.0f;
     for (int j = lane; j <= i; j += WARP) dot += g[j] * pr[j];
     dot = warp_sum(dot);
-    for (int j = lane; j < t; j += WARP) g[j] = j <= i ? scale * pr[j] * (g[j] - dot) : 0.0f;
+    for (int j = lane; j < t; j += WARP) {
+        float v = j <= i ? scale * pr[j] * (g[j] - dot) : 0.0f;
+        if (ds16) {
+            ds16[row * t + j] = bf16_bits(v);
+        } else {
+            g[j] = v;
+        }
+    }
 }
 
 // One block per row of logits [rows, vocab]: loss[r] = log Σ exp(x - max) -

@@ -111,13 +111,14 @@ void emu_gelu_backward(const float* h, const float* dg, float* dh, unsigned long
 }
 
 // One warp per row, ROW_THREADS / 32 rows a block, as GptGpu::softmax.
-void emu_causal_softmax(const float* probs, float* s, unsigned long long n, int t, float scale) {
+void emu_causal_softmax(const float* probs, float* s, unsigned short* s16, unsigned long long n,
+                        int t, float scale) {
     unsigned warps = ROW_THREADS / 32;
     dim3 grid{(unsigned)((n + warps - 1) / warps)};
     if (probs) {
-        emu_launch(k::causal_softmax_backward, grid, threads(), probs, s, n, t, scale);
+        emu_launch(k::causal_softmax_backward, grid, threads(), probs, s, s16, n, t, scale);
     } else {
-        emu_launch(k::causal_softmax, grid, threads(), s, n, t, scale);
+        emu_launch(k::causal_softmax, grid, threads(), s, s16, n, t, scale);
     }
 }
 

@@ -56,6 +56,12 @@ inline float __int_as_float(unsigned bits) {
     return f;
 }
 
+inline unsigned __float_as_uint(float f) {
+    unsigned bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    return bits;
+}
+
 using std::min;
 
 // Runs `kernel` over `grid` blocks of `block.x` threads (at most 1024, whole

@@ -1,7 +1,7 @@
 //! The launchers of `cpp/emu.cpp` and safe wrappers that check each
 //! kernel's extents before the call.
 
-use std::os::raw::{c_float, c_int, c_uint, c_ulonglong};
+use std::os::raw::{c_float, c_int, c_uint, c_ulonglong, c_ushort};
 
 extern "C" {
     fn emu_layer_norm(
@@ -104,6 +104,7 @@ extern "C" {
     fn emu_causal_softmax(
         probs: *const c_float,
         s: *mut c_float,
+        s16: *mut c_ushort,
         n: c_ulonglong,
         t: c_int,
         scale: c_float,
@@ -488,15 +489,34 @@ pub fn gelu_backward(h: &[f32], dg: &[f32]) -> Vec<f32> {
 
 /// The causal softmax of `s`'s rows of `t` (row `r` is row `r % t` of a
 /// `t × t` matrix) in place, scores times `scale`; with `probs`, its
-/// backward (dP in, dS out).
-pub fn causal_softmax(s: &mut [f32], probs: Option<&[f32]>, t: usize, scale: f32) {
+/// backward (dP in, dS out). With `bf16`, the result's bf16 bits are
+/// written there too (the backward's instead of into `s`).
+pub fn causal_softmax(
+    s: &mut [f32],
+    probs: Option<&[f32]>,
+    bf16: Option<&mut [u16]>,
+    t: usize,
+    scale: f32,
+) {
     let n = s.len() / t;
     assert!(
-        s.len() == n * t && probs.is_none_or(|p| p.len() == s.len()),
+        s.len() == n * t
+            && probs.is_none_or(|p| p.len() == s.len())
+            && bf16.as_ref().is_none_or(|b| b.len() == s.len()),
         "causal softmax: shapes"
     );
-    // SAFETY: s (and probs) hold n rows of t (checked above).
-    unsafe { emu_causal_softmax(ptr_or_null(probs), s.as_mut_ptr(), n as u64, int(t), scale) };
+    let s16 = bf16.map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
+    // SAFETY: s (and probs, and bf16) hold n rows of t (checked above).
+    unsafe {
+        emu_causal_softmax(
+            ptr_or_null(probs),
+            s.as_mut_ptr(),
+            s16,
+            n as u64,
+            int(t),
+            scale,
+        )
+    };
 }
 
 /// Cross-entropy of `logits`' rows of `vocab` against `targets`: each row's

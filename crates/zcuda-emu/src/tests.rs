@@ -270,7 +270,7 @@ fn causal_softmax_and_its_backward_match_an_f64_reference() {
     let s: Vec<f32> = wave(2 * t * t, 26).iter().map(|v| 8.0 * v).collect();
     let dp = wave(2 * t * t, 27);
     let mut probs = s.clone();
-    causal_softmax(&mut probs, None, t, scale);
+    causal_softmax(&mut probs, None, None, t, scale);
     let mut want = vec![0f32; s.len()];
     let mut want_ds = vec![0f32; s.len()];
     for (r, row) in s.chunks(t).enumerate() {
@@ -300,8 +300,20 @@ fn causal_softmax_and_its_backward_match_an_f64_reference() {
         );
     }
     let mut ds = dp.clone();
-    causal_softmax(&mut ds, Some(&probs), t, scale);
+    causal_softmax(&mut ds, Some(&probs), None, t, scale);
     close("causal softmax backward", &ds, &want_ds);
+
+    // For bf16 products: the same values, and their bf16 bits as zgemm
+    // rounds an operand (the backward's instead of its f32 values).
+    let rounded = |v: &[f32]| v.iter().map(|&x| zgemm::bf16_bits(x)).collect::<Vec<u16>>();
+    let (mut again, mut p16) = (s.clone(), vec![0u16; s.len()]);
+    causal_softmax(&mut again, None, Some(&mut p16), t, scale);
+    assert_eq!(again, probs, "the probabilities with their bf16 bits");
+    assert_eq!(p16, rounded(&probs), "the probabilities' bf16 bits");
+    let (mut g, mut ds16) = (dp.clone(), vec![0u16; s.len()]);
+    causal_softmax(&mut g, Some(&probs), Some(&mut ds16), t, scale);
+    assert_eq!(g, dp, "dP stays when dS goes to bf16");
+    assert_eq!(ds16, rounded(&ds), "dS's bf16 bits");
 }
 
 #[test]

@@ -230,6 +230,9 @@ struct Attention {
     k: CudaSlice<f32>,
     v: CudaSlice<f32>,
     probs: CudaSlice<f32>,
+    /// With bf16 products: the probabilities' bf16 bits, written by the
+    /// softmax for the products with v and (backward) with dO.
+    probs16: Option<CudaSlice<u16>>,
     out: CudaSlice<f32>,
 }
 
@@ -241,13 +244,42 @@ fn per_head(count: usize, strides: [usize; 3]) -> Batch {
 /// A row-major operand: the buffer, its first element, its row stride.
 #[derive(Clone, Copy)]
 pub(crate) struct Operand<'a> {
-    buf: &'a CudaSlice<f32>,
+    buf: Values<'a>,
     off: usize,
     ld: usize,
 }
 
+/// An operand's values: f32, or bf16 bits written by the kernel that made
+/// them (for bf16 products, which would otherwise round a copy).
+#[derive(Clone, Copy)]
+enum Values<'a> {
+    F32(&'a CudaSlice<f32>),
+    Bf16(&'a CudaSlice<u16>),
+}
+
+impl Values<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Values::F32(v) => v.len(),
+            Values::Bf16(v) => v.len(),
+        }
+    }
+}
+
 pub(crate) fn op<'a>(buf: &'a CudaSlice<f32>, off: usize, ld: usize) -> Operand<'a> {
-    Operand { buf, off, ld }
+    Operand {
+        buf: Values::F32(buf),
+        off,
+        ld,
+    }
+}
+
+fn op16(buf: &CudaSlice<u16>, off: usize, ld: usize) -> Operand<'_> {
+    Operand {
+        buf: Values::Bf16(buf),
+        off,
+        ld,
+    }
 }
 
 /// `count` products at strides (a, b, c) apart.
@@ -820,6 +852,15 @@ impl GptGpu {
         })
     }
 
+    fn alloc16(&self, len: usize) -> Result<CudaSlice<u16>, CudaError> {
+        // SAFETY: every caller has all `len` values written before any is
+        // read.
+        unsafe { self.gpu.stream().alloc::<u16>(len) }.map_err(|source| CudaError::Driver {
+            what: format!("allocating {len} bf16 values on the GPU"),
+            source,
+        })
+    }
+
     fn launched<T>(
         &self,
         what: &str,
@@ -1240,6 +1281,10 @@ impl GptGpu {
         let v = self.to_heads(qkv, ld, d + kv_cols, b, t, self.group())?;
         let bh = b * heads;
         let mut probs = self.alloc(bh * t * t)?;
+        let mut probs16 = match self.bf16_products {
+            true => Some(self.alloc16(bh * t * t)?),
+            false => None,
+        };
         // S = Q · Kᵀ
         self.gemm(
             false,
@@ -1250,14 +1295,18 @@ impl GptGpu {
             (&mut probs, 0, t),
             per_head(bh, [t * hd, t * hd, t * t]),
         )?;
-        self.softmax(&mut probs, None, bh * t, t)?;
+        self.softmax(&mut probs, None, probs16.as_mut(), bh * t, t)?;
         // O = P · V
         let mut o = self.alloc(bh * t * hd)?;
+        let p = match &probs16 {
+            Some(p16) => op16(p16, 0, t),
+            None => op(&probs, 0, t),
+        };
         self.gemm(
             false,
             false,
             (t, hd, t),
-            op(&probs, 0, t),
+            p,
             op(&v, 0, hd),
             (&mut o, 0, hd),
             per_head(bh, [t * t, t * hd, t * hd]),
@@ -1269,6 +1318,7 @@ impl GptGpu {
             k,
             v,
             probs,
+            probs16,
             out: att,
         })
     }
@@ -1299,24 +1349,37 @@ impl GptGpu {
         )?;
         // dV = Pᵀ · dO
         let mut dv = self.alloc(bh * th)?;
+        let p = match &a.probs16 {
+            Some(p16) => op16(p16, 0, t),
+            None => op(&a.probs, 0, t),
+        };
         self.gemm(
             true,
             false,
             (t, hd, t),
-            op(&a.probs, 0, t),
+            p,
             op(&dout, 0, hd),
             (&mut dv, 0, hd),
             per_head(bh, [tt, th, th]),
         )?;
         drop(dout);
-        self.softmax(&mut ds, Some(&a.probs), bh * t, t)?;
+        // With bf16 products, dS goes straight to bf16 (its only readers).
+        let mut ds16 = match self.bf16_products {
+            true => Some(self.alloc16(bh * tt)?),
+            false => None,
+        };
+        self.softmax(&mut ds, Some(&a.probs), ds16.as_mut(), bh * t, t)?;
+        let ds_op = || match &ds16 {
+            Some(d16) => op16(d16, 0, t),
+            None => op(&ds, 0, t),
+        };
         // dQ = dS · K; dK = dSᵀ · Q
         let mut dq = self.alloc(bh * th)?;
         self.gemm(
             false,
             false,
             (t, hd, t),
-            op(&ds, 0, t),
+            ds_op(),
             op(&a.k, 0, hd),
             (&mut dq, 0, hd),
             per_head(bh, [tt, th, th]),
@@ -1326,7 +1389,7 @@ impl GptGpu {
             true,
             false,
             (t, hd, t),
-            op(&ds, 0, t),
+            ds_op(),
             op(&a.q, 0, hd),
             (&mut dk, 0, hd),
             per_head(bh, [tt, th, th]),
@@ -1441,14 +1504,25 @@ impl GptGpu {
     }
 
     /// The causal softmax of `rows` rows of `t` in place, or with `probs`
-    /// its backward (dP in, dS out).
+    /// its backward (dP in, dS out); with `out16`, the result's bf16 bits
+    /// written there too (the backward's instead of into `s`).
     fn softmax(
         &self,
         s: &mut CudaSlice<f32>,
         probs: Option<&CudaSlice<f32>>,
+        out16: Option<&mut CudaSlice<u16>>,
         rows: usize,
         t: usize,
     ) -> Result<(), CudaError> {
+        if s.len() < rows * t
+            || probs.is_some_and(|p| p.len() < rows * t)
+            || out16.as_ref().is_some_and(|o| o.len() < rows * t)
+        {
+            return Err(CudaError::Invalid(format!(
+                "softmax: {rows} rows of {t} in buffers of {}",
+                s.len()
+            )));
+        }
         let scale = 1.0 / ((self.shape.d_model / self.shape.n_heads) as f32).sqrt();
         let (rows64, t32) = (rows as u64, t as i32);
         let kernel = match probs {
@@ -1459,14 +1533,23 @@ impl GptGpu {
         if let Some(p) = probs {
             l.arg(p);
         }
-        l.arg(&mut *s).arg(&rows64).arg(&t32).arg(&scale);
+        l.arg(&mut *s);
+        let null = 0u64;
+        match out16 {
+            Some(o) => l.arg(o),
+            None => l.arg(&null),
+        };
+        l.arg(&rows64).arg(&t32).arg(&scale);
         let warps = ROW_THREADS as usize / 32;
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(warps) as u32, 1, 1),
             block_dim: (ROW_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: one warp per row of t, rows·t values in s (and probs).
+        // SAFETY: causal_softmax(s, s16, rows, t, scale) /
+        // causal_softmax_backward(p, dp, ds16, rows, t, scale): one warp per
+        // row of t, rows·t values in s (and probs, and out16 or null;
+        // checked above).
         self.launched(kernel, unsafe { l.launch(cfg) })
     }
 
@@ -1488,25 +1571,42 @@ impl GptGpu {
         Ok(out)
     }
 
-    /// [`GptGpu::gemm`]'s product on bf16 operands (`a16`, `b16`: the
-    /// operands' extents from their offsets, rounded), f32 sums and result.
+    /// A bf16 product's operand: its bf16 buffer and the element its first
+    /// row starts at. Values in bf16 already are read in place; f32 ones
+    /// (up to `end`) are rounded into `copy` from their offset.
+    fn bf16_source<'s>(
+        &self,
+        o: &Operand<'s>,
+        end: usize,
+        copy: &'s mut Option<CudaSlice<u16>>,
+    ) -> Result<(&'s CudaSlice<u16>, usize), CudaError> {
+        match o.buf {
+            Values::Bf16(v) => Ok((v, o.off)),
+            Values::F32(v) => Ok((copy.insert(self.rounded_bf16(v, o.off..end)?), 0)),
+        }
+    }
+
+    /// [`GptGpu::gemm`]'s product on bf16 operands (`a16`, `b16`: buffers
+    /// and the elements the operands start at), f32 sums and result.
     fn gemm_bf16(
         &self,
         g: GemmConfig<f32>,
         batch: Batch,
-        a16: &CudaSlice<u16>,
-        b16: &CudaSlice<u16>,
+        a16: (&CudaSlice<u16>, usize),
+        b16: (&CudaSlice<u16>, usize),
         c: &mut CudaViewMut<f32>,
     ) -> Result<(), CudaError> {
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
         use std::ffi::c_void;
         let stream = self.gpu.stream();
-        let (ap, _a) = a16.device_ptr(stream);
-        let (bp, _b) = b16.device_ptr(stream);
+        let (ap, _a) = a16.0.device_ptr(stream);
+        let (bp, _b) = b16.0.device_ptr(stream);
+        let (ap, bp) = (ap + 2 * a16.1 as u64, bp + 2 * b16.1 as u64);
         let (cp, _c) = c.device_ptr_mut(stream);
         // SAFETY: cuBLAS's A is our B and its B our A (column-major, see
-        // `gemm`), each operand's extent checked by `gemm` and held by the
-        // rounded copies from their offsets; C's view starts at its offset;
+        // `gemm`), each operand's extent checked by `gemm` against its
+        // buffer and held from the start given (a rounded copy from the
+        // operand's offset, or the bf16 buffer at it); C's view starts at its offset;
         // alpha and beta are f32 for CUBLAS_COMPUTE_32F, and live until the
         // call returns (cuBLAS reads host scalars before it returns).
         unsafe {
@@ -1604,11 +1704,17 @@ impl GptGpu {
             ldc: ldc as i32,
         };
         if self.bf16_products {
-            let a16 = self.rounded_bf16(a.buf, a.off..checks[0].1)?;
-            let b16 = self.rounded_bf16(b.buf, b.off..checks[1].1)?;
-            return self.gemm_bf16(gemm, batch, &a16, &b16, &mut c.slice_mut(c_off..));
+            let (mut a_copy, mut b_copy) = (None, None);
+            let a16 = self.bf16_source(&a, checks[0].1, &mut a_copy)?;
+            let b16 = self.bf16_source(&b, checks[1].1, &mut b_copy)?;
+            return self.gemm_bf16(gemm, batch, a16, b16, &mut c.slice_mut(c_off..));
         }
-        let (av, bv) = (a.buf.slice(a.off..), b.buf.slice(b.off..));
+        let (Values::F32(abuf), Values::F32(bbuf)) = (a.buf, b.buf) else {
+            return Err(CudaError::Invalid(
+                "gemm: bf16 operands without bf16 products".into(),
+            ));
+        };
+        let (av, bv) = (abuf.slice(a.off..), bbuf.slice(b.off..));
         let mut cv = c.slice_mut(c_off..);
         // SAFETY: every operand's extent lies inside its buffer (checked
         // above); C does not alias A or B (distinct buffers by borrow).
