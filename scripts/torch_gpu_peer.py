@@ -5,7 +5,8 @@ GPT-2 family: 6 layers, d 384, 6 heads, seq 256, byte vocab, learned positions,
 pre-LN, GELU (tanh) MLP 4x, biases, LM head tied to the token embedding,
 micro-batch 8, random bytes (LAYERS, D_MODEL, HEADS, SEQ, VOCAB, BATCH change the
 shape, as `--set model.…` does for zrun; TF32=1 allows TF32 products, as
-`--set train.allow_tf32=true` does). Prints the median tokens/s over STEPS steps after
+`--set train.allow_tf32=true` does; BF16=1 runs the forward and the loss under
+bf16 autocast, PyTorch's mixed precision beside `--set train.dtype=bf16`). Prints the median tokens/s over STEPS steps after
 WARMUP (each step synchronised: zero_grad + forward + backward + AdamW).
 
     python3 scripts/torch_gpu_peer.py [eager|compile]
@@ -21,6 +22,7 @@ WARMUP, STEPS = int(os.environ.get("WARMUP", "5")), int(os.environ.get("STEPS", 
 TF32 = os.environ.get("TF32", "0") == "1"  # zrun's train.allow_tf32
 torch.backends.cuda.matmul.allow_tf32 = TF32
 torch.backends.cudnn.allow_tf32 = TF32
+BF16 = os.environ.get("BF16", "0") == "1"  # zrun's train.dtype: bf16
 
 
 class Block(nn.Module):
@@ -71,7 +73,9 @@ def main():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(step_model(x).reshape(-1, V), y.reshape(-1))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=BF16):
+            logits = step_model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, V), y.reshape(-1))
         loss.backward()
         opt.step()
         torch.cuda.synchronize()
