@@ -526,26 +526,7 @@ impl Gpu {
         acc: &mut CudaViewMut<u16>,
         x: &CudaView<f32>,
     ) -> Result<(), CudaError> {
-        if x.len() != acc.len() {
-            return Err(CudaError::Invalid(format!(
-                "add_into16: {} values onto {}",
-                x.len(),
-                acc.len()
-            )));
-        }
-        if x.is_empty() {
-            return Ok(());
-        }
-        let (n, fmt) = (x.len() as u64, h.code());
-        let mut launch = self.stream.launch_builder(self.function("add_into16"));
-        launch.arg(&mut *acc).arg(x).arg(&n).arg(&fmt);
-        // SAFETY: add_into16(acc[n] 16-bit, x[n] f32, n, fmt), lengths
-        // checked above.
-        unsafe { launch.launch(grid_stride(x.len())) }.map_err(|source| CudaError::Driver {
-            what: "launching add_into16".into(),
-            source,
-        })?;
-        Ok(())
+        self.launch16("add_into16", h, acc, x)
     }
 
     /// `out[i]` = the f32 value of the 16-bit `x[i]` in format `h` (exact).
@@ -555,26 +536,7 @@ impl Gpu {
         x: &CudaView<u16>,
         out: &mut CudaViewMut<f32>,
     ) -> Result<(), CudaError> {
-        if x.len() != out.len() {
-            return Err(CudaError::Invalid(format!(
-                "widen16: {} values into {}",
-                x.len(),
-                out.len()
-            )));
-        }
-        if x.is_empty() {
-            return Ok(());
-        }
-        let (n, fmt) = (x.len() as u64, h.code());
-        let mut launch = self.stream.launch_builder(self.function("widen16_into"));
-        launch.arg(&mut *out).arg(x).arg(&n).arg(&fmt);
-        // SAFETY: widen16_into(out[n] f32, x[n] 16-bit, n, fmt), lengths
-        // checked above.
-        unsafe { launch.launch(grid_stride(x.len())) }.map_err(|source| CudaError::Driver {
-            what: "launching widen16_into".into(),
-            source,
-        })?;
-        Ok(())
+        self.launch16("widen16_into", h, out, x)
     }
 
     /// `out[i]` = `x[i]` rounded to nearest even in format `h`.
@@ -584,9 +546,21 @@ impl Gpu {
         x: &CudaView<f32>,
         out: &mut CudaViewMut<u16>,
     ) -> Result<(), CudaError> {
+        self.launch16("round16_into", h, out, x)
+    }
+
+    /// Launches one of reduce.cu's element-wise 16-bit kernels, all
+    /// `kernel(out[n], x[n], n, fmt)`.
+    fn launch16<O: DeviceRepr, I: DeviceRepr>(
+        &self,
+        kernel: &'static str,
+        h: Half16,
+        out: &mut CudaViewMut<O>,
+        x: &CudaView<I>,
+    ) -> Result<(), CudaError> {
         if x.len() != out.len() {
             return Err(CudaError::Invalid(format!(
-                "round16: {} values into {}",
+                "{kernel}: {} values into {}",
                 x.len(),
                 out.len()
             )));
@@ -595,12 +569,13 @@ impl Gpu {
             return Ok(());
         }
         let (n, fmt) = (x.len() as u64, h.code());
-        let mut launch = self.stream.launch_builder(self.function("round16_into"));
+        let mut launch = self.stream.launch_builder(self.function(kernel));
         launch.arg(&mut *out).arg(x).arg(&n).arg(&fmt);
-        // SAFETY: round16_into(out[n] 16-bit, x[n] f32, n, fmt), lengths
-        // checked above.
+        // SAFETY: add_into16(acc u16, x f32, n, fmt), widen16_into(out f32,
+        // x u16, n, fmt) and round16_into(out u16, x f32, n, fmt): the
+        // callers give each its types; both hold n values (checked above).
         unsafe { launch.launch(grid_stride(x.len())) }.map_err(|source| CudaError::Driver {
-            what: "launching round16_into".into(),
+            what: format!("launching {kernel}"),
             source,
         })?;
         Ok(())

@@ -1064,6 +1064,10 @@ mod tests {
     use super::*;
     use crate::precision::Flat;
 
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
     /// Values over many magnitudes, subnormals and signed zeros among them.
     fn values(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed;
@@ -1115,13 +1119,7 @@ mod tests {
             let Flat::F32(want) = host else {
                 unreachable!()
             };
-            let got = gpu.download(&d).unwrap();
-            assert!(
-                got.iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "scale, n {n}"
-            );
+            assert!(same_bits(&gpu.download(&d).unwrap(), &want), "scale, n {n}");
         }
     }
 
@@ -1170,12 +1168,7 @@ mod tests {
                     .unwrap();
                 let want = host.to_f32(0..n);
                 let got = gpu.download(&wide).unwrap();
-                assert!(
-                    got.iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{h:?} widened, n {n}"
-                );
+                assert!(same_bits(&got, &want), "{h:?} widened, n {n}");
             }
         }
     }
