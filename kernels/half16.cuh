@@ -11,9 +11,14 @@ __device__ __forceinline__ float widen16(unsigned short h, int fmt) {
     if (fmt == FMT_BF16) {
         return __uint_as_float(((unsigned int)h) << 16);
     }
+#ifdef ZRUN_CPU_EMULATION
+    // crates/zcuda-emu: the C++ compiler's binary16 (exact either way).
+    return (float)std::bit_cast<_Float16>(h);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#endif
 }
 
 // bf16 by integer rounding (ties to even; NaN made quiet), the CPU's formula;
@@ -26,7 +31,12 @@ __device__ __forceinline__ unsigned short round16(float x, int fmt) {
         }
         return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
     }
+#ifdef ZRUN_CPU_EMULATION
+    // crates/zcuda-emu: the C++ compiler's conversion, to nearest even too.
+    return std::bit_cast<unsigned short>((_Float16)x);
+#else
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
     return h;
+#endif
 }

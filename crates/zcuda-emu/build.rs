@@ -1,5 +1,6 @@
-//! Compiles `kernels/gpt.cu` as C++ for the CPU (see `cpp/emu.h`): its
-//! kernels lose `extern "C"` and go into a namespace, so that only the
+//! Compiles `kernels/gpt.cu`, and `kernels/reduce.cu` after `half16.cuh`
+//! as zcuda compiles it, as C++ for the CPU (see `cpp/emu.h`): their
+//! kernels lose `extern "C"` and go into namespaces, so that only the
 //! launchers of `cpp/emu.cpp` are exported. Sets `cfg(emulator)` when that
 //! worked; a machine without a C++20 compiler builds the rest, and the
 //! tests skip saying why.
@@ -8,14 +9,21 @@ use std::path::PathBuf;
 
 fn main() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let source = root.join("../../kernels/gpt.cu");
-    let cuda = std::fs::read_to_string(&source).expect("kernels/gpt.cu");
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
-    std::fs::write(
-        out.join("gpt_kernels.cu"),
-        cuda.replace("extern \"C\" __global__", "__global__"),
-    )
-    .expect("writing the kernels for C++");
+    let read = |f: &str| {
+        std::fs::read_to_string(root.join("../../kernels").join(f))
+            .unwrap_or_else(|e| panic!("kernels/{f}: {e}"))
+    };
+    for (name, cuda) in [
+        ("gpt_kernels.cu", read("gpt.cu")),
+        ("reduce_kernels.cu", read("half16.cuh") + &read("reduce.cu")),
+    ] {
+        std::fs::write(
+            out.join(name),
+            cuda.replace("extern \"C\" __global__", "__global__"),
+        )
+        .expect("writing the kernels for C++");
+    }
     println!("cargo::rustc-check-cfg=cfg(emulator)");
     let built = cc::Build::new()
         .cpp(true)
@@ -41,7 +49,13 @@ fn main() {
             );
         }
     }
-    for f in ["cpp/emu.cpp", "cpp/emu.h", "../../kernels/gpt.cu"] {
+    for f in [
+        "cpp/emu.cpp",
+        "cpp/emu.h",
+        "../../kernels/gpt.cu",
+        "../../kernels/half16.cuh",
+        "../../kernels/reduce.cu",
+    ] {
         println!("cargo:rerun-if-changed={}", root.join(f).display());
     }
 }

@@ -9,6 +9,10 @@ namespace k {
 #include "gpt_kernels.cu"
 }
 
+namespace r {
+#include "reduce_kernels.cu"
+}
+
 namespace {
 const unsigned ROW_THREADS = 256;
 const int ROWS_PER_CHUNK = 64;
@@ -144,4 +148,27 @@ void emu_heads_to_rows(const float* heads, float* rows, int ld, int col0, int b,
                        int hd) {
     emu_launch(k::heads_to_rows, STRIDED_GRID, STRIDED_BLOCK, heads, rows, ld, col0, b, t, h, hd);
 }
+
+// reduce.cu's 16-bit kernels, grid-stride as Gpu::launch16 launches them
+// (a small grid here, so that the loops take several strides).
+void emu_add_into16(unsigned short* acc, const float* x, unsigned long long n, int fmt) {
+    emu_launch(r::add_into16, STRIDED_GRID, STRIDED_BLOCK, acc, x, n, fmt);
 }
+
+void emu_widen16(float* out, const unsigned short* x, unsigned long long n, int fmt) {
+    emu_launch(r::widen16_into, STRIDED_GRID, STRIDED_BLOCK, out, x, n, fmt);
+}
+
+void emu_round16(unsigned short* out, const float* x, unsigned long long n, int fmt) {
+    emu_launch(r::round16_into, STRIDED_GRID, STRIDED_BLOCK, out, x, n, fmt);
+}
+
+// Eight threads per chunk in blocks of 256, as Gpu::sum_sq_chunks.
+void emu_sum_sq_chunks(const void* x, unsigned long long n, unsigned long long chunk, float scale,
+                       double* out, int fmt) {
+    unsigned long long chunks = (n + chunk - 1) / chunk;
+    dim3 grid{(unsigned)((chunks * 8 + 255) / 256)};
+    emu_launch(r::sum_sq_chunks, grid, dim3{256}, x, n, chunk, scale, out, fmt);
+}
+
+}  // extern "C"

@@ -1,4 +1,5 @@
-// CUDA's kernel dialect on the CPU, as much of it as kernels/gpt.cu uses:
+// CUDA's kernel dialect on the CPU, as much of it as kernels/gpt.cu and
+// reduce.cu (with half16.cuh) use:
 // a launch runs the grid's blocks one after another and each block's
 // threads as OS threads, so that __syncthreads is a barrier of the block's
 // threads, a warp shuffle an exchange through memory between a barrier of
@@ -11,6 +12,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -31,6 +33,10 @@ inline std::mutex emu_one_launch;
 inline std::barrier<>* emu_block;
 inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
 inline float emu_lanes[32][32];
+inline double emu_lanes_f64[32][32];
+
+// half16.cuh's f16 conversions take the C++ compiler's _Float16 here.
+#define ZRUN_CPU_EMULATION 1
 
 #define __global__
 #define __device__
@@ -48,13 +54,33 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     return other;
 }
 
+// The shuffle reduce.cu's norm uses: lane `src` of the warp's `width`.
+inline double __shfl_sync(unsigned, double v, int src, int width) {
+    unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    emu_lanes_f64[warp][lane] = v;
+    emu_warps[warp]->arrive_and_wait();
+    double other = emu_lanes_f64[warp][(lane / width) * width + (unsigned)src % width];
+    emu_warps[warp]->arrive_and_wait();
+    return other;
+}
+
+// Each operation rounded on its own, as the _rn intrinsics (no contraction:
+// build.rs compiles with -ffp-contract=off).
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
 
 inline float __int_as_float(unsigned bits) {
     float f;
     std::memcpy(&f, &bits, sizeof f);
     return f;
 }
+
+inline float __uint_as_float(unsigned bits) { return __int_as_float(bits); }
 
 inline unsigned __float_as_uint(float f) {
     unsigned bits;

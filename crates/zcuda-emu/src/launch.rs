@@ -4,6 +4,17 @@
 use std::os::raw::{c_float, c_int, c_uint, c_ulonglong, c_ushort};
 
 extern "C" {
+    fn emu_add_into16(acc: *mut c_ushort, x: *const c_float, n: c_ulonglong, fmt: c_int);
+    fn emu_widen16(out: *mut c_float, x: *const c_ushort, n: c_ulonglong, fmt: c_int);
+    fn emu_round16(out: *mut c_ushort, x: *const c_float, n: c_ulonglong, fmt: c_int);
+    fn emu_sum_sq_chunks(
+        x: *const std::ffi::c_void,
+        n: c_ulonglong,
+        chunk: c_ulonglong,
+        scale: c_float,
+        out: *mut f64,
+        fmt: c_int,
+    );
     fn emu_layer_norm(
         x: *const c_float,
         w: *const c_float,
@@ -633,4 +644,64 @@ pub fn relayout_heads(
             ),
         }
     };
+}
+
+/// A 16-bit format of `kernels/half16.cuh` (`FMT_BF16`, `FMT_F16`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fmt16 {
+    /// bfloat16.
+    Bf16 = 1,
+    /// IEEE binary16.
+    F16 = 2,
+}
+
+/// `acc[i] = round(widen(acc[i]) + x[i])` in `fmt` (reduce.cu's `add_into16`).
+pub fn add_into16(fmt: Fmt16, acc: &mut [u16], x: &[f32]) {
+    assert_eq!(acc.len(), x.len(), "add_into16: lengths");
+    // SAFETY: both hold x.len() values (checked above).
+    unsafe { emu_add_into16(acc.as_mut_ptr(), x.as_ptr(), x.len() as u64, fmt as c_int) };
+}
+
+/// The f32 values of 16-bit `x` (reduce.cu's `widen16_into`).
+pub fn widen16(fmt: Fmt16, x: &[u16]) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    // SAFETY: out holds x.len() values (allocated above).
+    unsafe { emu_widen16(out.as_mut_ptr(), x.as_ptr(), x.len() as u64, fmt as c_int) };
+    out
+}
+
+/// `x` rounded to nearest even in `fmt` (reduce.cu's `round16_into`).
+pub fn round16(fmt: Fmt16, x: &[f32]) -> Vec<u16> {
+    let mut out = vec![0u16; x.len()];
+    // SAFETY: out holds x.len() values (allocated above).
+    unsafe { emu_round16(out.as_mut_ptr(), x.as_ptr(), x.len() as u64, fmt as c_int) };
+    out
+}
+
+/// Gradients for reduce.cu's norm: f32 values, or 16-bit ones in a format.
+pub enum Grads<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// 16-bit values, as bits.
+    Half(Fmt16, &'a [u16]),
+}
+
+/// The sums of squares of `x·scale` over chunks of `chunk` values (a
+/// multiple of 8; reduce.cu's `sum_sq_chunks`).
+pub fn sum_sq_chunks(x: Grads<'_>, chunk: usize, scale: f32) -> Vec<f64> {
+    assert!(
+        chunk > 0 && chunk.is_multiple_of(8),
+        "sum_sq_chunks: chunks of {chunk}"
+    );
+    let (ptr, n, fmt) = match x {
+        Grads::F32(v) => (v.as_ptr().cast::<std::ffi::c_void>(), v.len(), 0),
+        Grads::Half(f, v) => (v.as_ptr().cast(), v.len(), f as c_int),
+    };
+    let mut out = vec![0f64; n.div_ceil(chunk)];
+    if n == 0 {
+        return out;
+    }
+    // SAFETY: x holds n values of the format fmt names; out one per chunk.
+    unsafe { emu_sum_sq_chunks(ptr, n as u64, chunk as u64, scale, out.as_mut_ptr(), fmt) };
+    out
 }

@@ -1,7 +1,8 @@
 //! Each kernel on the CPU emulation against the CPU model (zmodel), as
 //! `crates/zcuda/src/tests_gpt.rs` holds the GPU's: relative errors in f32
 //! (products and sums in other orders, the C library's exp), or exact
-//! where a kernel only moves values.
+//! where a kernel only moves values; reduce.cu's kernels bit for bit
+//! against zengine's host buffers.
 
 use candle_core::{Device, Tensor};
 use zmodel::llama_ops;
@@ -400,5 +401,80 @@ fn heads_and_rows_relayouts_are_inverse_moves() {
             true => assert_eq!(got, want, "value {i}"),
             false => assert!(got.is_nan(), "value {i} outside the columns moved"),
         }
+    }
+}
+
+/// Values over many magnitudes for the 16-bit kernels: some that f16 rounds
+/// to subnormals or to infinity, signed zeros, and ties.
+fn magnitudes(n: usize, salt: u32) -> Vec<f32> {
+    let mut state = 0x9E37_79B9u32 ^ salt;
+    (0..n)
+        .map(|i| {
+            state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            match i % 61 {
+                0 => 0.0,
+                1 => -0.0,
+                2 => 7e4,                         // past f16's largest
+                3 => 3e-6,                        // an f16 subnormal
+                4 => f32::from_bits(0x3f80_8000), // a bf16 tie, to even
+                _ => {
+                    let e = (state >> 27) as i32 - 16; // 2^-16 .. 2^15
+                    let m = (state >> 4) as f32 / (1u32 << 28) as f32 - 0.5;
+                    m * 2f32.powi(e)
+                }
+            }
+        })
+        .collect()
+}
+
+/// reduce.cu's 16-bit kernels against the host's 16-bit buffers (zengine's
+/// `Flat`), which the resident 16-bit GPU step must equal: a micro-batch
+/// added and rounded, the norm of scaled 16-bit values, the working copy
+/// widened, an operand rounded; every bit, f16's overflow included.
+#[test]
+fn the_16_bit_gradient_kernels_equal_the_hosts_buffers_bit_for_bit() {
+    use zengine::precision::{Flat, Half};
+    let chunk = 32_768; // zengine's TASK, the chunks the norm adds
+    for (h, fmt) in [(Half::Bf16, Fmt16::Bf16), (Half::F16, Fmt16::F16)] {
+        for (n, salt) in [(5usize, 1u32), (chunk + 13, 2)] {
+            let (a, b) = (magnitudes(n, salt), magnitudes(n, salt + 7));
+            let mut host = Flat::zeros(Some(h), n);
+            let mut dev = vec![0u16; n];
+            for x in [&a, &b] {
+                host.add_f32(0, x);
+                add_into16(fmt, &mut dev, x);
+            }
+            let Flat::Half(_, want) = &host else {
+                unreachable!()
+            };
+            assert_eq!(&dev, want, "{h:?}: two micro-batches added, n {n}");
+            for scale in [1.0f32, 0.37, 3e-5] {
+                let want = host.sum_sq(0..n, scale);
+                let got: f64 = sum_sq_chunks(Grads::Half(fmt, &dev), chunk, scale)
+                    .iter()
+                    .sum();
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "{h:?} norm, n {n}, scale {scale}"
+                );
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&widen16(fmt, &dev)),
+                bits(&host.to_f32(0..n)),
+                "{h:?} widened"
+            );
+            let mut rounded = vec![0u16; n];
+            h.round_slice(&a, &mut rounded);
+            assert_eq!(round16(fmt, &a), rounded, "{h:?} rounded, n {n}");
+        }
+    }
+    // f32 gradients' norm, as the resident f32 step reads it.
+    let v = magnitudes(chunk + 13, 9);
+    for scale in [1.0f32, 0.37] {
+        let want = Flat::F32(v.clone()).sum_sq(0..v.len(), scale);
+        let got: f64 = sum_sq_chunks(Grads::F32(&v), chunk, scale).iter().sum();
+        assert_eq!(got.to_bits(), want.to_bits(), "f32 norm, scale {scale}");
     }
 }
