@@ -1,5 +1,5 @@
-//! Compiles `kernels/gpt.cu`, and `kernels/reduce.cu` after `half16.cuh`
-//! as zcuda compiles it, as C++ for the CPU (see `cpp/emu.h`): their
+//! Compiles `kernels/gpt.cu`, and `kernels/reduce.cu` and `adamw.cu` each
+//! after `half16.cuh` as zcuda compiles them, as C++ for the CPU (see `cpp/emu.h`): their
 //! kernels lose `extern "C"` and go into namespaces, so that only the
 //! launchers of `cpp/emu.cpp` are exported. Sets `cfg(emulator)` when that
 //! worked; a machine without a C++20 compiler builds the rest, and the
@@ -17,6 +17,7 @@ fn main() {
     for (name, cuda) in [
         ("gpt_kernels.cu", read("gpt.cu")),
         ("reduce_kernels.cu", read("half16.cuh") + &read("reduce.cu")),
+        ("adamw_kernels.cu", read("half16.cuh") + &read("adamw.cu")),
     ] {
         std::fs::write(
             out.join(name),
@@ -55,6 +56,7 @@ fn main() {
         "../../kernels/gpt.cu",
         "../../kernels/half16.cuh",
         "../../kernels/reduce.cu",
+        "../../kernels/adamw.cu",
     ] {
         println!("cargo:rerun-if-changed={}", root.join(f).display());
     }

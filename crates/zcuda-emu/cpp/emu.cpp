@@ -13,6 +13,10 @@ namespace r {
 #include "reduce_kernels.cu"
 }
 
+namespace a {
+#include "adamw_kernels.cu"
+}
+
 namespace {
 const unsigned ROW_THREADS = 256;
 const int ROWS_PER_CHUNK = 64;
@@ -169,6 +173,13 @@ void emu_sum_sq_chunks(const void* x, unsigned long long n, unsigned long long c
     unsigned long long chunks = (n + chunk - 1) / chunk;
     dim3 grid{(unsigned)((chunks * 8 + 255) / 256)};
     emu_launch(r::sum_sq_chunks, grid, dim3{256}, x, n, chunk, scale, out, fmt);
+}
+
+// AdamW over one slice, grid-stride as Gpu::adamw launches it.
+void emu_adamw(float* p, const void* g, float* m, float* v, unsigned short* working,
+               unsigned long long n, const a::AdamConsts* c, int grad_fmt, int working_fmt) {
+    emu_launch(a::adamw, STRIDED_GRID, STRIDED_BLOCK, p, g, m, v, working, n, *c, grad_fmt,
+               working_fmt);
 }
 
 }  // extern "C"

@@ -4,6 +4,17 @@
 use std::os::raw::{c_float, c_int, c_uint, c_ulonglong, c_ushort};
 
 extern "C" {
+    fn emu_adamw(
+        p: *mut c_float,
+        g: *const std::ffi::c_void,
+        m: *mut c_float,
+        v: *mut c_float,
+        working: *mut c_ushort,
+        n: c_ulonglong,
+        c: *const zcuda::AdamConsts,
+        grad_fmt: c_int,
+        working_fmt: c_int,
+    );
     fn emu_add_into16(acc: *mut c_ushort, x: *const c_float, n: c_ulonglong, fmt: c_int);
     fn emu_widen16(out: *mut c_float, x: *const c_ushort, n: c_ulonglong, fmt: c_int);
     fn emu_round16(out: *mut c_ushort, x: *const c_float, n: c_ulonglong, fmt: c_int);
@@ -704,4 +715,48 @@ pub fn sum_sq_chunks(x: Grads<'_>, chunk: usize, scale: f32) -> Vec<f64> {
     // SAFETY: x holds n values of the format fmt names; out one per chunk.
     unsafe { emu_sum_sq_chunks(ptr, n as u64, chunk as u64, scale, out.as_mut_ptr(), fmt) };
     out
+}
+
+/// One AdamW step of adamw.cu over `p`, `m`, `v` with gradient `g`, and with
+/// `working` the updated `p` rounded to 16 bits there.
+pub fn adamw(
+    p: &mut [f32],
+    g: Grads<'_>,
+    m: &mut [f32],
+    v: &mut [f32],
+    working: Option<(Fmt16, &mut [u16])>,
+    c: &zcuda::AdamConsts,
+) {
+    let n = p.len();
+    let (gptr, glen, grad_fmt) = match g {
+        Grads::F32(x) => (x.as_ptr().cast::<std::ffi::c_void>(), x.len(), 0),
+        Grads::Half(f, x) => (x.as_ptr().cast(), x.len(), f as c_int),
+    };
+    assert!(
+        glen == n
+            && m.len() == n
+            && v.len() == n
+            && working.as_ref().is_none_or(|w| w.1.len() == n),
+        "adamw: buffer lengths differ"
+    );
+    let (wptr, working_fmt) = match working {
+        Some((f, w)) => (w.as_mut_ptr(), f as c_int),
+        None => (std::ptr::null_mut(), 0),
+    };
+    // SAFETY: every buffer holds n values (checked above), the gradient in
+    // the format grad_fmt names, the working copy only when working_fmt is
+    // not 0; c is adamw.cu's AdamConsts (zcuda's repr(C) twin).
+    unsafe {
+        emu_adamw(
+            p.as_mut_ptr(),
+            gptr,
+            m.as_mut_ptr(),
+            v.as_mut_ptr(),
+            wptr,
+            n as u64,
+            c,
+            grad_fmt,
+            working_fmt,
+        )
+    };
 }

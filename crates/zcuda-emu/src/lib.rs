@@ -1,6 +1,6 @@
 //! The GPU model's kernels (`kernels/gpt.cu`), and the optimizer step's
-//! reductions and 16-bit conversions (`kernels/reduce.cu` after
-//! `half16.cuh`), run on the CPU, for tests on machines without a GPU:
+//! reductions, 16-bit conversions and AdamW (`kernels/reduce.cu`,
+//! `adamw.cu`, each after `half16.cuh`), run on the CPU, for tests on machines without a GPU:
 //! `build.rs` compiles the CUDA source as C++ with
 //! `cpp/emu.h`, which runs a launch's blocks one after another and each
 //! block's threads as OS threads (`__syncthreads` a barrier, warp shuffles
@@ -8,8 +8,8 @@
 //! `cpp/emu.cpp` launches each kernel as `crates/zcuda/src/gpt.rs` does.
 //!
 //! What this checks: each kernel's indexing and arithmetic against the CPU
-//! model (zmodel), and the reductions' bits against the host's 16-bit
-//! buffers (zengine's `Flat`), the oracles the GPU tests use too; where no GPU has been
+//! model (zmodel), and the reductions' and AdamW's bits against the host's
+//! (zengine's `Flat` and CPU AdamW), the oracles the GPU tests use too; where no GPU has been
 //! lent, the only run a kernel gets. What it does not: cuBLAS, streams,
 //! the Rust launch code's argument lists (the GPU tests cover those), or
 //! the GPU's own math library (expf and friends come from the C library

@@ -478,3 +478,73 @@ fn the_16_bit_gradient_kernels_equal_the_hosts_buffers_bit_for_bit() {
         assert_eq!(got.to_bits(), want.to_bits(), "f32 norm, scale {scale}");
     }
 }
+
+/// adamw.cu against zengine's CPU AdamW, bit for bit, as the GPU's kernel
+/// is held to it: f32, bf16 and f16 gradients (the 16-bit ones with their
+/// working copy), with and without decay, a gradient scale that is not a
+/// power of two.
+#[test]
+fn adamw_equals_the_cpu_kernel_bit_for_bit() {
+    use zengine::adam::{adamw as cpu_adamw, device_consts, AdamStep, Buffers, Grads as CpuGrads};
+    use zengine::precision::Half;
+    let s = AdamStep {
+        lr: 3e-4,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 3,
+        grad_scale: 0.37,
+    };
+    for n in [1usize, 1001, 70_001] {
+        let p0 = magnitudes(n, 11);
+        let g = magnitudes(n, 12);
+        let m0: Vec<f32> = magnitudes(n, 13).iter().map(|x| x * 0.1).collect();
+        let v0: Vec<f32> = magnitudes(n, 14).iter().map(|x| x.abs() * 0.01).collect();
+        for kind in [
+            None,
+            Some((Half::Bf16, Fmt16::Bf16)),
+            Some((Half::F16, Fmt16::F16)),
+        ] {
+            let gh: Vec<u16> =
+                kind.map_or(Vec::new(), |(h, _)| g.iter().map(|&x| h.round(x)).collect());
+            for decay in [true, false] {
+                let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+                let mut w = vec![0u16; if kind.is_some() { n } else { 0 }];
+                cpu_adamw(
+                    Buffers {
+                        p: &mut p,
+                        g: match kind {
+                            None => CpuGrads::F32(&g),
+                            Some((h, _)) => CpuGrads::Half(h, &gh),
+                        },
+                        m: &mut m,
+                        v: &mut v,
+                        working: kind.map(|(h, _)| (h, w.as_mut_slice())),
+                    },
+                    decay,
+                    &s,
+                );
+                let (mut ep, mut em, mut ev) = (p0.clone(), m0.clone(), v0.clone());
+                let mut ew = vec![0u16; w.len()];
+                adamw(
+                    &mut ep,
+                    match kind {
+                        None => Grads::F32(&g),
+                        Some((_, f)) => Grads::Half(f, &gh),
+                    },
+                    &mut em,
+                    &mut ev,
+                    kind.map(|(_, f)| (f, ew.as_mut_slice())),
+                    &device_consts(&s, decay),
+                );
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let what = format!("{kind:?}, decay {decay}, n {n}");
+                assert_eq!(bits(&ep), bits(&p), "p, {what}");
+                assert_eq!(bits(&em), bits(&m), "m, {what}");
+                assert_eq!(bits(&ev), bits(&v), "v, {what}");
+                assert_eq!(ew, w, "working copy, {what}");
+            }
+        }
+    }
+}
