@@ -1,5 +1,5 @@
-//! Compiles `kernels/gpt.cu`, and `kernels/reduce.cu` and `adamw.cu` each
-//! after `half16.cuh` as zcuda compiles them, as C++ for the CPU (see `cpp/emu.h`): their
+//! Compiles `kernels/gpt.cu` and `quantize.cu`, and `kernels/reduce.cu` and
+//! `adamw.cu` each after `half16.cuh` as zcuda compiles them, as C++ for the CPU (see `cpp/emu.h`): their
 //! kernels lose `extern "C"` and go into namespaces, so that only the
 //! launchers of `cpp/emu.cpp` are exported. Sets `cfg(emulator)` when that
 //! worked; a machine without a C++20 compiler builds the rest, and the
@@ -18,6 +18,7 @@ fn main() {
         ("gpt_kernels.cu", read("gpt.cu")),
         ("reduce_kernels.cu", read("half16.cuh") + &read("reduce.cu")),
         ("adamw_kernels.cu", read("half16.cuh") + &read("adamw.cu")),
+        ("quantize_kernels.cu", read("quantize.cu")),
     ] {
         std::fs::write(
             out.join(name),
@@ -57,6 +58,7 @@ fn main() {
         "../../kernels/half16.cuh",
         "../../kernels/reduce.cu",
         "../../kernels/adamw.cu",
+        "../../kernels/quantize.cu",
     ] {
         println!("cargo:rerun-if-changed={}", root.join(f).display());
     }

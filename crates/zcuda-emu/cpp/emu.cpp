@@ -17,6 +17,13 @@ namespace a {
 #include "adamw_kernels.cu"
 }
 
+namespace q {
+using std::fmaxf;
+using std::isinf;
+using std::rintf;
+#include "quantize_kernels.cu"
+}
+
 namespace {
 const unsigned ROW_THREADS = 256;
 const int ROWS_PER_CHUNK = 64;
@@ -180,6 +187,20 @@ void emu_adamw(float* p, const void* g, float* m, float* v, unsigned short* work
                unsigned long long n, const a::AdamConsts* c, int grad_fmt, int working_fmt) {
     emu_launch(a::adamw, STRIDED_GRID, STRIDED_BLOCK, p, g, m, v, working, n, *c, grad_fmt,
                working_fmt);
+}
+
+// One block of 256 threads per quantization block, as Gpu::quantize;
+// *bad starts at all ones.
+void emu_quantize(const float* x, unsigned long long n, unsigned block_size, int bits, float* scales,
+                  unsigned char* data, unsigned long long* bad) {
+    unsigned long long blocks = (n + block_size - 1) / block_size;
+    emu_launch(q::quantize, dim3{(unsigned)blocks}, dim3{256}, x, n, block_size, bits, scales, data,
+               bad);
+}
+
+void emu_dequantize(const float* scales, const unsigned char* data, unsigned long long n,
+                    unsigned block_size, int bits, float* out) {
+    emu_launch(q::dequantize, STRIDED_GRID, STRIDED_BLOCK, scales, data, n, block_size, bits, out);
 }
 
 }  // extern "C"

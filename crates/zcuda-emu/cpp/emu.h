@@ -1,5 +1,5 @@
-// CUDA's kernel dialect on the CPU, as much of it as kernels/gpt.cu and
-// reduce.cu (with half16.cuh) use:
+// CUDA's kernel dialect on the CPU, as much of it as kernels/gpt.cu,
+// quantize.cu, and reduce.cu and adamw.cu (with half16.cuh) use:
 // a launch runs the grid's blocks one after another and each block's
 // threads as OS threads, so that __syncthreads is a barrier of the block's
 // threads, a warp shuffle an exchange through memory between a barrier of
@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <bit>
 #include <cmath>
@@ -81,6 +82,15 @@ inline float __int_as_float(unsigned bits) {
 }
 
 inline float __uint_as_float(unsigned bits) { return __int_as_float(bits); }
+
+// quantize.cu's one atomic: the lowest index of a non-finite value.
+inline unsigned long long atomicMin(unsigned long long* at, unsigned long long v) {
+    std::atomic_ref<unsigned long long> r(*at);
+    unsigned long long old = r.load();
+    while (v < old && !r.compare_exchange_weak(old, v)) {
+    }
+    return old;
+}
 
 inline unsigned __float_as_uint(float f) {
     unsigned bits;

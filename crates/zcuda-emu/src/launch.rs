@@ -4,6 +4,23 @@
 use std::os::raw::{c_float, c_int, c_uint, c_ulonglong, c_ushort};
 
 extern "C" {
+    fn emu_quantize(
+        x: *const c_float,
+        n: c_ulonglong,
+        block_size: c_uint,
+        bits: c_int,
+        scales: *mut c_float,
+        data: *mut u8,
+        bad: *mut c_ulonglong,
+    );
+    fn emu_dequantize(
+        scales: *const c_float,
+        data: *const u8,
+        n: c_ulonglong,
+        block_size: c_uint,
+        bits: c_int,
+        out: *mut c_float,
+    );
     fn emu_adamw(
         p: *mut c_float,
         g: *const std::ffi::c_void,
@@ -759,4 +776,59 @@ pub fn adamw(
             working_fmt,
         )
     };
+}
+
+/// quantize.cu's blockwise quantization of `x` with `bits` (8 or 4) per
+/// value in blocks of `block_size` (even): the scales and the data bytes,
+/// or the lowest index of a NaN or an infinity.
+pub fn quantize(x: &[f32], bits: u32, block_size: usize) -> Result<(Vec<f32>, Vec<u8>), u64> {
+    assert!(
+        (bits == 8 || bits == 4) && block_size > 0 && block_size.is_multiple_of(2),
+        "quantize: {bits} bits, blocks of {block_size}"
+    );
+    let n = x.len();
+    let mut scales = vec![0f32; n.div_ceil(block_size)];
+    let mut data = vec![0u8; if bits == 8 { n } else { n.div_ceil(2) }];
+    let mut bad = u64::MAX;
+    if n > 0 {
+        // SAFETY: x holds n values, scales one per block, data the bytes
+        // of n values at `bits`; one block per quantization block.
+        unsafe {
+            emu_quantize(
+                x.as_ptr(),
+                n as u64,
+                int(block_size) as c_uint,
+                bits as c_int,
+                scales.as_mut_ptr(),
+                data.as_mut_ptr(),
+                &mut bad,
+            )
+        };
+    }
+    match bad {
+        u64::MAX => Ok((scales, data)),
+        i => Err(i),
+    }
+}
+
+/// quantize.cu's dequantization of `n` values.
+pub fn dequantize(scales: &[f32], data: &[u8], n: usize, bits: u32, block_size: usize) -> Vec<f32> {
+    assert!(
+        scales.len() == n.div_ceil(block_size)
+            && data.len() == if bits == 8 { n } else { n.div_ceil(2) },
+        "dequantize: shapes"
+    );
+    let mut out = vec![0f32; n];
+    // SAFETY: scales, data and out hold what n values need (checked above).
+    unsafe {
+        emu_dequantize(
+            scales.as_ptr(),
+            data.as_ptr(),
+            n as u64,
+            int(block_size) as c_uint,
+            bits as c_int,
+            out.as_mut_ptr(),
+        )
+    };
+    out
 }

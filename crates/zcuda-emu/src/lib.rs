@@ -1,19 +1,21 @@
-//! The GPU model's kernels (`kernels/gpt.cu`), and the optimizer step's
-//! reductions, 16-bit conversions and AdamW (`kernels/reduce.cu`,
-//! `adamw.cu`, each after `half16.cuh`), run on the CPU, for tests on machines without a GPU:
-//! `build.rs` compiles the CUDA source as C++ with
-//! `cpp/emu.h`, which runs a launch's blocks one after another and each
-//! block's threads as OS threads (`__syncthreads` a barrier, warp shuffles
-//! an exchange between the warp's threads, `__shared__` a static), and
-//! `cpp/emu.cpp` launches each kernel as `crates/zcuda/src/gpt.rs` does.
+//! Every CUDA kernel of `kernels/` runs on the CPU here, for tests on
+//! machines without a GPU: the GPU model's (`gpt.cu`), the optimizer step's
+//! reductions, 16-bit conversions and AdamW (`reduce.cu`, `adamw.cu`, each
+//! after `half16.cuh`) and ZeRO++'s quantization (`quantize.cu`). `build.rs`
+//! compiles the CUDA source as C++ with `cpp/emu.h`, which runs a launch's
+//! blocks one after another and each block's threads as OS threads
+//! (`__syncthreads` a barrier, warp shuffles an exchange between the warp's
+//! threads, `__shared__` a static, atomics `std::atomic_ref`), and
+//! `cpp/emu.cpp` launches each kernel as zcuda does.
 //!
-//! What this checks: each kernel's indexing and arithmetic against the CPU
-//! model (zmodel), and the reductions' and AdamW's bits against the host's
-//! (zengine's `Flat` and CPU AdamW), the oracles the GPU tests use too; where no GPU has been
-//! lent, the only run a kernel gets. What it does not: cuBLAS, streams,
-//! the Rust launch code's argument lists (the GPU tests cover those), or
-//! the GPU's own math library (expf and friends come from the C library
-//! here, so the bounds are the same relative ones the GPU tests state).
+//! What this checks: each kernel's indexing and arithmetic, the model's
+//! against the CPU model (zmodel), the others' bits against the host's
+//! kernels (zengine's `Flat` and CPU AdamW, zquant), the oracles the GPU
+//! tests use too; where no GPU has been lent, the only run a kernel gets.
+//! What it does not: cuBLAS, streams, the Rust launch code's argument lists
+//! (the GPU tests cover those), or the GPU's own math library (expf and
+//! friends come from the C library here, so the bounds are the same
+//! relative ones the GPU tests state).
 //!
 //! Test-only: nothing in zrun links it.
 

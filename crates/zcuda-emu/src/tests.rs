@@ -548,3 +548,47 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit() {
         }
     }
 }
+
+/// quantize.cu against zquant's CPU quantizer, bit for bit (ZeRO++'s wire
+/// format): int8 and int4, a last block that is short (and odd for int4), a
+/// block of zeros, one of subnormals, one near f32's largest; dequantized
+/// against zquant's too; a NaN and an infinity refused at the lowest index,
+/// as zquant names the first.
+#[test]
+fn quantize_equals_the_cpu_quantizer_bit_for_bit() {
+    let block = 64;
+    let mut x = magnitudes(5 * block + 13, 21);
+    x[block..2 * block].fill(0.0);
+    for (i, v) in x[2 * block..3 * block].iter_mut().enumerate() {
+        *v = f32::from_bits(1 + 7 * i as u32) * if i % 2 == 0 { 1.0 } else { -1.0 };
+    }
+    x[3 * block] = f32::MAX;
+    x[3 * block + 1] = -3e38;
+    for (bits, zbits) in [(8, zquant::Bits::Int8), (4, zquant::Bits::Int4)] {
+        let want = zquant::quantize(&x, zbits, block).unwrap();
+        let (scales, data) = quantize(&x, bits, block).unwrap();
+        let fbits = |v: &[f32]| v.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
+        assert_eq!(fbits(&scales), fbits(&want.scales), "{bits}-bit scales");
+        assert_eq!(data, want.data, "{bits}-bit data");
+        let mut back = vec![0f32; x.len()];
+        zquant::dequantize(&want, &mut back);
+        assert_eq!(
+            fbits(&dequantize(&scales, &data, x.len(), bits, block)),
+            fbits(&back),
+            "{bits}-bit dequantized"
+        );
+    }
+    let mut y = x.clone();
+    y[4 * block + 3] = f32::INFINITY;
+    y[2 * block + 9] = f32::NAN;
+    let Err(zquant::QuantError::NonFinite { index, .. }) =
+        zquant::quantize(&y, zquant::Bits::Int8, block)
+    else {
+        panic!("zquant took a NaN")
+    };
+    assert_eq!(
+        quantize(&y, 8, block),
+        Err(index as u64),
+        "the first non-finite value"
+    );
+}
