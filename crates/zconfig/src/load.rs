@@ -367,7 +367,7 @@ impl LoadedJob {
     /// `comm.backend: nccl`: ZeRO's collectives between GPUs, every state
     /// on the ranks' GPUs (stages 0-3), in f32. Offload, which keeps the
     /// optimizer or the parameters on the host, is refused, naming the key,
-    /// and so is a 16-bit dtype, whose state the GPU path keeps on the host.
+    /// and so is a 16-bit dtype, whose state several GPUs keep on the host.
     fn validate_nccl(&self) -> Result<(), ConfigError> {
         let s = &self.spec;
         let z = &s.zero;
@@ -378,7 +378,7 @@ impl LoadedJob {
         {
             "keeps every state on the GPUs, but offload moves it to the host: use comm.backend: auto with offload"
         } else if s.train.dtype != Dtype::F32 {
-            "keeps f32 state on the GPUs, but with train.dtype: bf16 or f16 the GPU path keeps the 16-bit state and the optimizer on the host: use comm.backend: auto"
+            "reduces and gathers f32 state only; with train.dtype: bf16 or f16 several GPUs keep the 16-bit state and reduce on the host: use comm.backend: auto"
         } else {
             return Ok(());
         };
