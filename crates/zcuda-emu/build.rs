@@ -1,5 +1,5 @@
-//! Compiles `kernels/gpt.cu` and `quantize.cu`, and `kernels/reduce.cu` and
-//! `adamw.cu` each after `half16.cuh` as zcuda compiles them, as C++ for the CPU (see `cpp/emu.h`): their
+//! Compiles `kernels/gpt.cu` and `quantize.cu`, and `kernels/reduce.cu`,
+//! `adamw.cu` and `attention.cu` each after `half16.cuh` as zcuda compiles them, as C++ for the CPU (see `cpp/emu.h`): their
 //! kernels lose `extern "C"` and go into namespaces, so that only the
 //! launchers of `cpp/emu.cpp` are exported. Sets `cfg(emulator)` when that
 //! worked; a machine without a C++20 compiler builds the rest, and the
@@ -19,6 +19,10 @@ fn main() {
         ("reduce_kernels.cu", read("half16.cuh") + &read("reduce.cu")),
         ("adamw_kernels.cu", read("half16.cuh") + &read("adamw.cu")),
         ("quantize_kernels.cu", read("quantize.cu")),
+        (
+            "attention_kernels.cu",
+            read("half16.cuh") + &read("attention.cu"),
+        ),
     ] {
         std::fs::write(
             out.join(name),
@@ -59,6 +63,7 @@ fn main() {
         "../../kernels/reduce.cu",
         "../../kernels/adamw.cu",
         "../../kernels/quantize.cu",
+        "../../kernels/attention.cu",
     ] {
         println!("cargo:rerun-if-changed={}", root.join(f).display());
     }

@@ -1,5 +1,6 @@
 // CUDA's kernel dialect on the CPU, as much of it as kernels/gpt.cu,
-// quantize.cu, and reduce.cu and adamw.cu (with half16.cuh) use:
+// quantize.cu, and reduce.cu, adamw.cu and attention.cu (with half16.cuh)
+// use:
 // a launch runs the grid's blocks one after another and each block's
 // threads as OS threads, so that __syncthreads is a barrier of the block's
 // threads, a warp shuffle an exchange through memory between a barrier of
@@ -43,6 +44,7 @@ inline double emu_lanes_f64[32][32];
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 inline void __syncthreads() { emu_block->arrive_and_wait(); }
 
@@ -63,6 +65,45 @@ inline double __shfl_sync(unsigned, double v, int src, int width) {
     double other = emu_lanes_f64[warp][(lane / width) * width + (unsigned)src % width];
     emu_warps[warp]->arrive_and_wait();
     return other;
+}
+
+// attention.cu's tensor-core product, mma.sync.aligned.m16n8k16.row.col
+// .f32.bf16.bf16.f32, c += a·b for one warp: each lane's fragments gathered
+// through memory by PTX's layout (lane l, g = l / 4, q = l % 4: A register r
+// holds row g + 8·(r % 2), columns 2q, 2q+1 (+8 for r ≥ 2), low half first;
+// B register r rows 2q, 2q+1 (+8 for r = 1) of column g; C register r row
+// g + 8·(r / 2), column 2q + r % 2). Products of bf16 values are exact in
+// f32; the 16 terms are summed in order, then added to c (the hardware's
+// order and intermediate rounding are its own).
+inline unsigned emu_mma_a[32][32][4], emu_mma_b[32][32][2];
+
+inline float emu_bf16_half(unsigned word, unsigned high) {
+    unsigned bits = high ? word & 0xffff0000u : word << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int r = 0; r < 4; r++) emu_mma_a[warp][lane][r] = a[r];
+    emu_mma_b[warp][lane][0] = b0;
+    emu_mma_b[warp][lane][1] = b1;
+    emu_warps[warp]->arrive_and_wait();
+    unsigned g = lane / 4, q = lane % 4;
+    float out[4];
+    for (unsigned r = 0; r < 4; r++) {
+        unsigned row = g + 8 * (r / 2), col = 2 * q + r % 2;
+        float sum = 0.0f;
+        for (unsigned k = 0; k < 16; k++) {
+            unsigned aw = emu_mma_a[warp][(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
+            unsigned bw = emu_mma_b[warp][col * 4 + (k % 8) / 2][k >= 8];
+            sum += emu_bf16_half(aw, k % 2) * emu_bf16_half(bw, k % 2);
+        }
+        out[r] = sum;
+    }
+    emu_warps[warp]->arrive_and_wait();
+    for (int r = 0; r < 4; r++) c[r] += out[r];
 }
 
 // Each operation rounded on its own, as the _rn intrinsics (no contraction:

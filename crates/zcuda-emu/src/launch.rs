@@ -4,6 +4,33 @@
 use std::os::raw::{c_float, c_int, c_uint, c_ulonglong, c_ushort};
 
 extern "C" {
+    fn emu_flash_forward(
+        qkv: *const c_float,
+        out: *mut c_float,
+        lse: *mut c_float,
+        b: c_int,
+        t: c_int,
+        heads: c_int,
+        kv: c_int,
+        hd: c_int,
+        ld: c_int,
+        scale: c_float,
+    );
+    fn emu_flash_backward(
+        qkv: *const c_float,
+        out: *const c_float,
+        dout: *const c_float,
+        lse: *const c_float,
+        delta: *mut c_float,
+        dqkv: *mut c_float,
+        b: c_int,
+        t: c_int,
+        heads: c_int,
+        kv: c_int,
+        hd: c_int,
+        ld: c_int,
+        scale: c_float,
+    );
     fn emu_quantize(
         x: *const c_float,
         n: c_ulonglong,
@@ -831,4 +858,110 @@ pub fn dequantize(scales: &[f32], data: &[u8], n: usize, bits: u32, block_size: 
         )
     };
     out
+}
+
+/// The shape of `attention.cu`'s fused attention: `b` sequences of `t`
+/// rows, `heads` query heads of `hd` (16, 32 or 64) on `kv` key/value heads,
+/// q, k and v side by side in rows of `(heads + 2·kv)·hd`.
+#[derive(Clone, Copy, Debug)]
+pub struct FlashShape {
+    pub b: usize,
+    pub t: usize,
+    pub heads: usize,
+    pub kv: usize,
+    pub hd: usize,
+}
+
+impl FlashShape {
+    fn check(&self) {
+        let FlashShape {
+            b,
+            t,
+            heads,
+            kv,
+            hd,
+        } = *self;
+        assert!(
+            b > 0 && t > 0 && kv > 0 && heads.is_multiple_of(kv) && [16, 32, 64].contains(&hd),
+            "fused attention: shape {self:?}"
+        );
+    }
+
+    fn ld(&self) -> usize {
+        (self.heads + 2 * self.kv) * self.hd
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.hd as f32).sqrt()
+    }
+}
+
+/// The fused causal attention of `qkv` `[b, t, (heads + 2·kv)·hd]`: the
+/// output `[b, t, heads·hd]` and each row's log-sum-exp `[b·heads, t]`.
+pub fn flash_attention(qkv: &[f32], sh: FlashShape) -> (Vec<f32>, Vec<f32>) {
+    sh.check();
+    let (rows, ld) = (sh.b * sh.t, sh.ld());
+    assert_eq!(qkv.len(), rows * ld, "fused attention: qkv");
+    let mut out = vec![0.0; rows * sh.heads * sh.hd];
+    let mut lse = vec![0.0; rows * sh.heads];
+    // SAFETY: qkv holds b·t rows of ld, out b·t·heads·hd values and lse
+    // b·heads·t (checked and allocated above); hd is one of the kernel's.
+    unsafe {
+        emu_flash_forward(
+            qkv.as_ptr(),
+            out.as_mut_ptr(),
+            lse.as_mut_ptr(),
+            int(sh.b),
+            int(sh.t),
+            int(sh.heads),
+            int(sh.kv),
+            int(sh.hd),
+            int(ld),
+            sh.scale(),
+        )
+    };
+    (out, lse)
+}
+
+/// Its backward: dqkv `[b, t, (heads + 2·kv)·hd]` from the forward's input,
+/// output and log-sum-exp and the output's gradient.
+pub fn flash_attention_backward(
+    qkv: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    sh: FlashShape,
+) -> Vec<f32> {
+    sh.check();
+    let (rows, ld) = (sh.b * sh.t, sh.ld());
+    let width = sh.heads * sh.hd;
+    assert!(
+        qkv.len() == rows * ld
+            && out.len() == rows * width
+            && dout.len() == rows * width
+            && lse.len() == rows * sh.heads,
+        "fused attention backward: shapes"
+    );
+    let mut delta = vec![0.0; rows * sh.heads];
+    let mut dqkv = vec![f32::NAN; rows * ld];
+    // SAFETY: as the forward, with out and dout b·t·heads·hd values and
+    // delta b·heads·t (checked and allocated above).
+    unsafe {
+        emu_flash_backward(
+            qkv.as_ptr(),
+            out.as_ptr(),
+            dout.as_ptr(),
+            lse.as_ptr(),
+            delta.as_mut_ptr(),
+            dqkv.as_mut_ptr(),
+            int(sh.b),
+            int(sh.t),
+            int(sh.heads),
+            int(sh.kv),
+            int(sh.hd),
+            int(ld),
+            sh.scale(),
+        )
+    };
+    dqkv
 }

@@ -1,7 +1,9 @@
 //! Every CUDA kernel of `kernels/` runs on the CPU here, for tests on
 //! machines without a GPU: the GPU model's (`gpt.cu`), the optimizer step's
 //! reductions, 16-bit conversions and AdamW (`reduce.cu`, `adamw.cu`, each
-//! after `half16.cuh`) and ZeRO++'s quantization (`quantize.cu`). `build.rs`
+//! after `half16.cuh`), ZeRO++'s quantization (`quantize.cu`) and the fused
+//! attention of bf16 products (`attention.cu`, its tensor-core products
+//! emulated from PTX's fragment layout). `build.rs`
 //! compiles the CUDA source as C++ with `cpp/emu.h`, which runs a launch's
 //! blocks one after another and each block's threads as OS threads
 //! (`__syncthreads` a barrier, warp shuffles an exchange between the warp's
@@ -21,6 +23,8 @@
 
 #[cfg(all(test, emulator))]
 mod tests;
+#[cfg(all(test, emulator))]
+mod tests_attention;
 
 #[cfg(emulator)]
 mod launch;

@@ -36,7 +36,7 @@ pub struct KernelSource {
 }
 
 /// Every kernel zrun ships.
-pub const KERNELS: [KernelSource; 4] = [
+pub const KERNELS: [KernelSource; 5] = [
     KernelSource {
         name: "adamw.cu",
         code: concat!(
@@ -95,6 +95,26 @@ pub const KERNELS: [KernelSource; 4] = [
             "swiglu",
             "swiglu_backward",
             "cross_entropy",
+        ],
+        same_bits_as_cpu: false,
+    },
+    KernelSource {
+        name: "attention.cu",
+        code: concat!(
+            include_str!("../../../kernels/half16.cuh"),
+            include_str!("../../../kernels/attention.cu")
+        ),
+        functions: &[
+            "flash_forward_16",
+            "flash_forward_32",
+            "flash_forward_64",
+            "flash_backward_kv_16",
+            "flash_backward_kv_32",
+            "flash_backward_kv_64",
+            "flash_backward_q_16",
+            "flash_backward_q_32",
+            "flash_backward_q_64",
+            "attention_delta",
         ],
         same_bits_as_cpu: false,
     },

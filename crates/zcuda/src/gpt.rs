@@ -26,7 +26,7 @@
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{
-    CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 
 use crate::gpu::grid_stride;
@@ -222,18 +222,31 @@ enum Stats {
 /// and bias where it has one).
 type Backward = (CudaSlice<f32>, CudaSlice<f32>, Option<CudaSlice<f32>>);
 
-/// What attention keeps for its backward: q, k, v head-major (`[b·heads,
-/// t, hd]`), the probabilities (`[b·heads, t, t]`) and the output rows
-/// (`[b, t, d]`, the output projection's input).
+/// What attention keeps for its backward: the output rows (`[b, t, d]`,
+/// the output projection's input) and what its way of running needs.
 struct Attention {
-    q: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
-    probs: CudaSlice<f32>,
-    /// With bf16 products: the probabilities' bf16 bits, written by the
-    /// softmax for the products with v and (backward) with dO.
-    probs16: Option<CudaSlice<u16>>,
     out: CudaSlice<f32>,
+    kept: AttentionKept,
+}
+
+enum AttentionKept {
+    /// cuBLAS products around gpt.cu's softmax: q, k, v head-major
+    /// (`[b·heads, t, hd]`) and the probabilities (`[b·heads, t, t]`).
+    Unfused {
+        q: CudaSlice<f32>,
+        k: CudaSlice<f32>,
+        v: CudaSlice<f32>,
+        probs: CudaSlice<f32>,
+        /// With bf16 products: the probabilities' bf16 bits, written by the
+        /// softmax for the products with v and (backward) with dO.
+        probs16: Option<CudaSlice<u16>>,
+    },
+    /// attention.cu's fused kernels ([`GptGpu::use_fused_attention`]): the
+    /// qkv rows themselves and each row's log-sum-exp (`[b·heads, t]`).
+    Fused {
+        qkv: CudaSlice<f32>,
+        lse: CudaSlice<f32>,
+    },
 }
 
 /// `count` products of one head each, at strides (a, b, c) apart.
@@ -308,6 +321,9 @@ pub struct GptGpu {
     rotary: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// Whether the products multiply bf16 operands ([`GptGpu::use_bf16_products`]).
     bf16_products: bool,
+    /// Whether attention runs attention.cu's fused kernels
+    /// ([`GptGpu::use_fused_attention`]).
+    fused_attention: bool,
 }
 
 impl GptGpu {
@@ -350,6 +366,7 @@ impl GptGpu {
             shape,
             rotary,
             bf16_products: false,
+            fused_attention: false,
         })
     }
 
@@ -379,6 +396,32 @@ impl GptGpu {
     /// Whether the products multiply bf16 operands.
     pub fn bf16_products(&self) -> bool {
         self.bf16_products
+    }
+
+    /// Runs attention as attention.cu's fused kernels from now on (after
+    /// [`GptGpu::use_bf16_products`]; head widths 16, 32 and 64): the
+    /// products on the tensor cores with the probabilities never written,
+    /// the masked triangle never multiplied. An error otherwise, naming
+    /// what is missing.
+    pub fn use_fused_attention(&mut self) -> Result<(), CudaError> {
+        let hd = self.shape.head_dim();
+        if !self.bf16_products {
+            return Err(CudaError::Invalid(
+                "fused attention multiplies bf16: it needs bf16 products".into(),
+            ));
+        }
+        if ![16, 32, 64].contains(&hd) {
+            return Err(CudaError::Invalid(format!(
+                "fused attention has kernels for head widths 16, 32 and 64, not {hd}"
+            )));
+        }
+        self.fused_attention = true;
+        Ok(())
+    }
+
+    /// Whether attention runs the fused kernels.
+    pub fn fused_attention(&self) -> bool {
+        self.fused_attention
     }
 
     /// Runs the f32 products on the tensor cores in TF32 from now on
@@ -604,8 +647,7 @@ impl GptGpu {
         let (a1, stats1) = self.norm(&x.buf, norm1, n)?;
         let mut qkv = self.linear(&a1, n, d, qkv_w, q, None)?;
         self.rotate(&mut qkv, b, t, 1.0)?;
-        let attention = self.attention(&qkv, b, t)?;
-        drop(qkv);
+        let attention = self.attention(qkv, b, t)?;
         let rows1 = self.linear(&attention.out, n, d, out_w, d, Some(&x.buf))?;
         let (a2, stats2) = self.norm(&rows1, norm2, n)?;
         let f = self.shape.ffn;
@@ -1272,7 +1314,11 @@ impl GptGpu {
     /// head of every sequence is one entry of a single strided batched
     /// product; with grouped-query attention each query head gets its
     /// key/value head's values.
-    fn attention(&self, qkv: &CudaSlice<f32>, b: usize, t: usize) -> Result<Attention, CudaError> {
+    fn attention(&self, qkv: CudaSlice<f32>, b: usize, t: usize) -> Result<Attention, CudaError> {
+        if self.fused_attention {
+            return self.fused_attention_forward(qkv, b, t);
+        }
+        let qkv = &qkv;
         let (d, heads) = (self.shape.d_model, self.shape.n_heads);
         let hd = d / heads;
         let (ld, kv_cols) = (self.shape.qkv_width(), self.shape.kv_heads() * hd);
@@ -1314,13 +1360,152 @@ impl GptGpu {
         let mut att = self.alloc(b * t * d)?;
         self.heads_into_rows(&o, &mut att, d, 0, b, t, 1)?;
         Ok(Attention {
-            q,
-            k,
-            v,
-            probs,
-            probs16,
             out: att,
+            kept: AttentionKept::Unfused {
+                q,
+                k,
+                v,
+                probs,
+                probs16,
+            },
         })
+    }
+
+    /// attention.cu's forward: one block of 4 warps per 64 query rows of
+    /// each head of each sequence.
+    fn fused_attention_forward(
+        &self,
+        qkv: CudaSlice<f32>,
+        b: usize,
+        t: usize,
+    ) -> Result<Attention, CudaError> {
+        let (d, heads) = (self.shape.d_model, self.shape.n_heads);
+        let ld = self.shape.qkv_width();
+        if qkv.len() < b * t * ld {
+            return Err(CudaError::Invalid(format!(
+                "fused attention: [{b}, {t}] rows of {ld} in a buffer of {}",
+                qkv.len()
+            )));
+        }
+        let mut out = self.alloc(b * t * d)?;
+        let mut lse = self.alloc(b * heads * t)?;
+        let kernel = self.fused_kernel("flash_forward");
+        let args = self.fused_args(t);
+        let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
+        l.arg(&qkv).arg(&mut out).arg(&mut lse);
+        args.push(&mut l);
+        // SAFETY: flash_forward_<hd>(qkv, out, lse, t, heads, kv, ld,
+        // scale): b·t rows of ld in qkv (checked above), b·t·d values in
+        // out and b·heads·t in lse (allocated above); the grid covers
+        // ⌈t/64⌉ tiles of b·heads heads, blocks of 128 threads as the
+        // kernel assumes.
+        self.launched(kernel, unsafe { l.launch(fused_config(t, b * heads)) })?;
+        Ok(Attention {
+            out,
+            kept: AttentionKept::Fused { qkv, lse },
+        })
+    }
+
+    /// attention.cu's backward: each row's Σ out ⊙ dout, then the keys' and
+    /// values' gradients (a block per 64 keys of each key/value head) and
+    /// the queries' (a block per 64 query rows of each head), each written
+    /// into its own columns of dqkv.
+    fn fused_attention_backward(
+        &self,
+        qkv: &CudaSlice<f32>,
+        out: &CudaSlice<f32>,
+        lse: &CudaSlice<f32>,
+        datt: &CudaSlice<f32>,
+        b: usize,
+        t: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        let (d, heads) = (self.shape.d_model, self.shape.n_heads);
+        let ld = self.shape.qkv_width();
+        if datt.len() < b * t * d || out.len() < b * t * d {
+            return Err(CudaError::Invalid(format!(
+                "fused attention backward: [{b}, {t}] rows of {d} in buffers of {} and {}",
+                datt.len(),
+                out.len()
+            )));
+        }
+        let mut delta = self.alloc(b * heads * t)?;
+        let (rows64, t32, heads32, hd32) =
+            ((b * t) as u64, t as i32, heads as i32, (d / heads) as i32);
+        let mut l = self
+            .gpu
+            .stream()
+            .launch_builder(self.gpu.function("attention_delta"));
+        l.arg(out)
+            .arg(datt)
+            .arg(&mut delta)
+            .arg(&rows64)
+            .arg(&t32)
+            .arg(&heads32)
+            .arg(&hd32);
+        let warps = ROW_THREADS as usize / 32;
+        let cfg = LaunchConfig {
+            grid_dim: ((b * t * heads).div_ceil(warps) as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: attention_delta(out, dout, delta, rows, t, heads, hd): one
+        // warp per (row, head) of b·t rows of d = heads·hd (checked above),
+        // b·heads·t values in delta (allocated above).
+        self.launched("attention_delta", unsafe { l.launch(cfg) })?;
+        let mut dqkv = self.alloc(b * t * ld)?;
+        let args = self.fused_args(t);
+        for (name, grid_heads) in [
+            ("flash_backward_kv", self.shape.kv_heads()),
+            ("flash_backward_q", heads),
+        ] {
+            let kernel = self.fused_kernel(name);
+            let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
+            l.arg(qkv).arg(datt).arg(lse).arg(&delta).arg(&mut dqkv);
+            args.push(&mut l);
+            // SAFETY: flash_backward_{kv,q}_<hd>(qkv, dout, lse, delta,
+            // dqkv, t, heads, kv, ld, scale): qkv and dqkv b·t rows of ld,
+            // dout b·t rows of d, lse and delta b·heads·t values (the
+            // forward's and above); the kv kernel's grid covers the
+            // key/value heads, the q kernel's the query heads, blocks of
+            // 128 threads.
+            self.launched(kernel, unsafe { l.launch(fused_config(t, b * grid_heads)) })?;
+        }
+        Ok(dqkv)
+    }
+
+    /// The fused kernel `name` for this model's head width.
+    fn fused_kernel(&self, name: &str) -> &'static str {
+        let hd = self.shape.head_dim();
+        [
+            "flash_forward_16",
+            "flash_forward_32",
+            "flash_forward_64",
+            "flash_backward_kv_16",
+            "flash_backward_kv_32",
+            "flash_backward_kv_64",
+            "flash_backward_q_16",
+            "flash_backward_q_32",
+            "flash_backward_q_64",
+        ]
+        .into_iter()
+        .find(|k| *k == format!("{name}_{hd}"))
+        .expect("use_fused_attention admits widths with kernels")
+    }
+
+    /// The fused kernels' trailing arguments: t, heads, kv heads, the qkv
+    /// rows' width and the scores' scale.
+    fn fused_args(&self, t: usize) -> FusedArgs {
+        let hd = self.shape.head_dim();
+        FusedArgs {
+            ints: [
+                t,
+                self.shape.n_heads,
+                self.shape.kv_heads(),
+                self.shape.qkv_width(),
+            ]
+            .map(|x| x as i32),
+            scale: 1.0 / (hd as f32).sqrt(),
+        }
     }
 
     /// Attention's backward: dqkv `[b, t, 3d]` from the output's gradient.
@@ -1331,6 +1516,18 @@ impl GptGpu {
         b: usize,
         t: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
+        let (q, k, v, probs, probs16) = match &a.kept {
+            AttentionKept::Fused { qkv, lse } => {
+                return self.fused_attention_backward(qkv, &a.out, lse, datt, b, t)
+            }
+            AttentionKept::Unfused {
+                q,
+                k,
+                v,
+                probs,
+                probs16,
+            } => (q, k, v, probs, probs16),
+        };
         let (d, heads) = (self.shape.d_model, self.shape.n_heads);
         let hd = d / heads;
         let bh = b * heads;
@@ -1343,15 +1540,15 @@ impl GptGpu {
             true,
             (t, t, hd),
             op(&dout, 0, hd),
-            op(&a.v, 0, hd),
+            op(v, 0, hd),
             (&mut ds, 0, t),
             per_head(bh, [th, th, tt]),
         )?;
         // dV = Pᵀ · dO
         let mut dv = self.alloc(bh * th)?;
-        let p = match &a.probs16 {
+        let p = match probs16 {
             Some(p16) => op16(p16, 0, t),
-            None => op(&a.probs, 0, t),
+            None => op(probs, 0, t),
         };
         self.gemm(
             true,
@@ -1368,7 +1565,7 @@ impl GptGpu {
             true => Some(self.alloc16(bh * tt)?),
             false => None,
         };
-        self.softmax(&mut ds, Some(&a.probs), ds16.as_mut(), bh * t, t)?;
+        self.softmax(&mut ds, Some(probs), ds16.as_mut(), bh * t, t)?;
         let ds_op = || match &ds16 {
             Some(d16) => op16(d16, 0, t),
             None => op(&ds, 0, t),
@@ -1380,7 +1577,7 @@ impl GptGpu {
             false,
             (t, hd, t),
             ds_op(),
-            op(&a.k, 0, hd),
+            op(k, 0, hd),
             (&mut dq, 0, hd),
             per_head(bh, [tt, th, th]),
         )?;
@@ -1390,7 +1587,7 @@ impl GptGpu {
             false,
             (t, hd, t),
             ds_op(),
-            op(&a.q, 0, hd),
+            op(q, 0, hd),
             (&mut dk, 0, hd),
             per_head(bh, [tt, th, th]),
         )?;
@@ -1787,6 +1984,31 @@ fn columns_config(width: usize, chunks: usize) -> LaunchConfig {
             1,
         ),
         block_dim: (ROW_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The fused attention kernels' trailing arguments ([`GptGpu::fused_args`]).
+struct FusedArgs {
+    ints: [i32; 4],
+    scale: f32,
+}
+
+impl FusedArgs {
+    fn push<'a>(&'a self, l: &mut LaunchArgs<'a>) {
+        for x in &self.ints {
+            l.arg(x);
+        }
+        l.arg(&self.scale);
+    }
+}
+
+/// The fused attention kernels' grid: ⌈t / 64⌉ tiles of rows for each of
+/// `heads` (sequence, head) pairs, blocks of 4 warps.
+fn fused_config(t: usize, heads: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (t.div_ceil(64) as u32, heads as u32, 1),
+        block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     }
 }

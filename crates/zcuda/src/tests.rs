@@ -66,6 +66,74 @@ fn every_kernel_compiles_to_ptx_for_volta_ampere_and_hopper() {
     }
 }
 
+/// ptxas (NVIDIA's PTX assembler: `ZRUN_PTXAS`, else on PATH; the
+/// `nvidia-cuda-nvcc-cu12` wheel has one), or `None` after saying the test
+/// skipped (and failing under `ZRUN_REQUIRE_PTXAS=1`).
+fn ptxas_or_skip(test: &str) -> Option<std::path::PathBuf> {
+    let named = std::env::var_os("ZRUN_PTXAS").map(std::path::PathBuf::from);
+    let found = named.or_else(|| {
+        std::env::var_os("PATH").and_then(|path| {
+            std::env::split_paths(&path)
+                .map(|d| d.join("ptxas"))
+                .find(|p| p.is_file())
+        })
+    });
+    if found.is_none() {
+        assert!(
+            std::env::var("ZRUN_REQUIRE_PTXAS").as_deref() != Ok("1"),
+            "ZRUN_REQUIRE_PTXAS=1 but no ptxas (ZRUN_PTXAS or PATH)"
+        );
+        eprintln!("SKIPPED {test}: no ptxas (pip install nvidia-cuda-nvcc-cu12 and set ZRUN_PTXAS to its bin/ptxas)");
+    }
+    found
+}
+
+/// What NVRTC's PTX check leaves out, ptxas checks: inline assembly (the
+/// tensor-core `mma.sync` of attention.cu, half16.cuh's conversions) and
+/// register allocation, for the GPUs that run bf16 products. Prints each
+/// function's registers and spills (attention.cu's are the ones to watch).
+#[test]
+fn every_kernel_assembles_with_ptxas_for_ampere_and_hopper() {
+    if !nvrtc_or_skip("every_kernel_assembles_with_ptxas") {
+        return;
+    }
+    let Some(ptxas) = ptxas_or_skip("every_kernel_assembles_with_ptxas") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for sm in ["80", "90"] {
+        for k in &KERNELS {
+            let ptx = compile_with(k, &format!("compute_{sm}"), None)
+                .unwrap_or_else(|e| panic!("{e}"))
+                .ptx;
+            if k.name == "attention.cu" {
+                assert!(
+                    ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
+                    "attention.cu for sm_{sm}: no bf16 mma"
+                );
+            }
+            let src = dir.path().join(format!("{}.{sm}.ptx", k.name));
+            std::fs::write(&src, &ptx).unwrap();
+            let out = std::process::Command::new(&ptxas)
+                .arg(format!("-arch=sm_{sm}"))
+                .arg("--verbose")
+                .arg(&src)
+                .arg("-o")
+                .arg(dir.path().join(format!("{}.{sm}.cubin", k.name)))
+                .output()
+                .unwrap_or_else(|e| panic!("running {}: {e}", ptxas.display()));
+            let log = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "ptxas sm_{sm} {}: {log}", k.name);
+            if k.name == "attention.cu" {
+                let shown = ["entry function", "registers", "spill"];
+                for line in log.lines().filter(|l| shown.iter().any(|w| l.contains(w))) {
+                    eprintln!("sm_{sm} attention.cu: {}", line.trim());
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_kernel_that_does_not_compile_names_its_file_and_line() {
     if !nvrtc_or_skip("a_kernel_that_does_not_compile") {

@@ -156,7 +156,7 @@ fn gpu_block_embedding_and_head_match_the_cpu_model() {
         "gpu_block_embedding_and_head_match_the_cpu_model",
         serde_json::json!({"ffn_hidden": 160}),
         Family::Gpt2,
-        false,
+        Products::F32,
     );
 }
 
@@ -175,7 +175,7 @@ fn gpu_llama_block_embedding_and_head_match_the_cpu_model() {
             kv_heads,
             rope_theta,
         },
-        false,
+        Products::F32,
     );
 }
 
@@ -187,15 +187,56 @@ fn gpu_block_with_bf16_products_matches_the_cpu_model_within_bf16_rounding() {
         "gpu_block_with_bf16_products_matches_the_cpu_model",
         serde_json::json!({"ffn_hidden": 160}),
         Family::Gpt2,
-        true,
+        Products::Bf16,
     );
 }
 
-/// One block of the model `extra` describes (on top of a small shape) on
-/// the GPU against the CPU model (f32), the GPU's products in f32 or in
-/// bf16.
-fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, bf16: bool) {
-    let (vocab, d, heads, t, b) = (VOCAB, 64usize, 4usize, 48usize, 3usize);
+#[test]
+fn gpu_block_with_fused_attention_matches_the_cpu_model_within_bf16_rounding() {
+    // attention.cu's kernels (bf16 products, probabilities never written)
+    // over two tiles of query rows, the second partial (t = 100).
+    matches_the_cpu_model(
+        "gpu_block_with_fused_attention_matches_the_cpu_model",
+        serde_json::json!({"ffn_hidden": 160, "seq_len": 100}),
+        Family::Gpt2,
+        Products::Bf16FusedAttention,
+    );
+}
+
+#[test]
+fn gpu_llama_block_with_fused_attention_matches_the_cpu_model_within_bf16_rounding() {
+    // The fused kernels' grouped-query heads (4 on 2) and rotary positions.
+    let (kv_heads, rope_theta) = (2, 100.0);
+    matches_the_cpu_model(
+        "gpu_llama_block_with_fused_attention_matches_the_cpu_model",
+        serde_json::json!({
+            "kind": "llama", "n_kv_heads": kv_heads, "ffn_hidden": 96, "rope_theta": rope_theta,
+            "seq_len": 100
+        }),
+        Family::Llama {
+            kv_heads,
+            rope_theta,
+        },
+        Products::Bf16FusedAttention,
+    );
+}
+
+/// How the GPU multiplies in [`matches_the_cpu_model`].
+#[derive(Clone, Copy, PartialEq)]
+enum Products {
+    F32,
+    Bf16,
+    /// bf16 products with attention.cu's fused attention.
+    Bf16FusedAttention,
+}
+
+/// One block of the model `extra` describes (on top of a small shape, seq
+/// 48 unless `extra` says) on the GPU against the CPU model (f32), the
+/// GPU's products in f32 or in bf16.
+fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, products: Products) {
+    let bf16 = products != Products::F32;
+    let (vocab, d, heads, b) = (VOCAB, 64usize, 4usize, 3usize);
+    let t = extra["seq_len"].as_u64().unwrap_or(48) as usize;
     let mut json = serde_json::json!({
         "vocab_size": vocab, "d_model": d, "n_layers": 1, "n_heads": heads, "seq_len": t
     });
@@ -221,6 +262,10 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, b
             eprintln!("{test}: skipped: {e}");
             return;
         }
+    }
+    if products == Products::Bf16FusedAttention {
+        gpu.use_fused_attention()
+            .expect("fused attention at head width 16");
     }
     // bf16 operands carry 8 bits: each product moves by about 2^-9 of its
     // terms, and a block chains a few of them.
@@ -308,7 +353,11 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, b
     assert!(loss_err < loss_bound, "loss {gloss} against {}", hb.loss);
     eprintln!(
         "GPU{} against CPU (relative error):\n  {}",
-        if bf16 { " with bf16 products" } else { "" },
+        match products {
+            Products::F32 => "",
+            Products::Bf16 => " with bf16 products",
+            Products::Bf16FusedAttention => " with bf16 products and fused attention",
+        },
         report.join("\n  ")
     );
     if bf16 {

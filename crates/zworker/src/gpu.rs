@@ -80,6 +80,22 @@ pub fn attach(
         },
         _ => "f32 values of the 16-bit parameters (TF32 with train.allow_tf32)".to_string(),
     };
+    // attention.cu's fused attention has run only on the CPU emulation so
+    // far (crates/zcuda-emu): opt-in until a GPU has measured it.
+    match std::env::var("ZRUN_GPU_ATTENTION").as_deref() {
+        Err(_) | Ok("unfused") => {}
+        Ok("fused") => {
+            gpu.use_fused_attention()
+                .map_err(|e| anyhow::anyhow!("ZRUN_GPU_ATTENTION=fused: GPU {ordinal}: {e}"))?;
+            if env.rank == 0 {
+                tracing::warn!(
+                    "attention runs the fused kernels of kernels/attention.cu \
+                     (ZRUN_GPU_ATTENTION=fused), checked so far on the CPU emulation only"
+                );
+            }
+        }
+        Ok(other) => anyhow::bail!("ZRUN_GPU_ATTENTION = `{other}`: use fused or unfused"),
+    }
     tracing::info!(
         "local rank {} on GPU {ordinal} ({}, {})",
         env.local_rank,

@@ -1,0 +1,461 @@
+// Causal attention fused into three kernels for bf16 products (put after
+// half16.cuh): the forward and the two halves of its backward, each reading
+// q, k and v straight from the qkv projection's rows and never writing the
+// t × t probabilities, in the manner of FlashAttention-2 (Dao, 2023).
+//
+// Why: with bf16 products the unfused attention (gpt.cu's softmax between
+// cuBLAS products) writes and reads the [b·heads, t, t] scores, their
+// probabilities and their gradients several times a layer and multiplies the
+// whole square; here each block keeps a tile of 64 query rows in registers,
+// walks the key tiles up to the diagonal only (the masked triangle is never
+// multiplied) and keeps a running maximum and sum per row (the online
+// softmax), so memory traffic is the inputs and outputs alone.
+//
+// Products run on the tensor cores through mma.sync m16n8k16 (bf16 operands,
+// f32 sums; compute capability 8.0 and newer, as bf16 products need): each
+// warp owns 16 rows. Operands are rounded to bf16 as they are loaded, as the
+// unfused path rounds them; the probabilities and their gradient are rounded
+// to bf16 as the operands of the second products, the running sums stay f32.
+// No atomics: the backward's two kernels each own what they write (one the
+// keys' and values' gradients, summed over a grouped-query group's heads in
+// order; the other the queries'), so a run repeats to the bit.
+//
+// crates/zcuda-emu runs these on the CPU (mma.sync emulated from PTX's
+// fragment layout) against an f64 reference.
+
+#define FA_WARP 32
+#define FA_ROWS 64    // query rows (or keys) of a block: 4 warps × 16
+#define FA_KEYS 64    // keys (or query rows) per tile walked
+#define FA_THREADS 128
+#define FA_NEG_INF __int_as_float(0xff800000)
+
+// Two values rounded to bf16 in one register, the first in the low half
+// (the lower-indexed element of an mma fragment's pair).
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    return (unsigned)round16(lo, FMT_BF16) | ((unsigned)round16(hi, FMT_BF16) << 16);
+}
+
+// Two adjacent bf16 values of shared memory (4-byte aligned) in one register.
+__device__ __forceinline__ unsigned load_pair(const unsigned short* p) {
+#ifdef ZRUN_CPU_EMULATION
+    unsigned v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+#else
+    return *(const unsigned*)p;
+#endif
+}
+
+// Two bf16 values of shared memory at `p` and `p + stride` in one register.
+__device__ __forceinline__ unsigned pair_bf16(const unsigned short* p, int stride) {
+    return (unsigned)p[0] | ((unsigned)p[stride] << 16);
+}
+
+#ifndef ZRUN_CPU_EMULATION
+// c += a · b on the tensor cores: a 16×16 bf16 (row), b 16×8 bf16 (col),
+// c 16×8 f32, in PTX's fragment layout for lane l, g = l / 4, q = l % 4:
+// a[r] holds row g + 8·(r % 2), columns 2q, 2q+1 (+ 8 for r ≥ 2); b0 rows
+// 2q, 2q+1 and b1 rows 2q+8, 2q+9 of column g; c[r] row g + 8·(r / 2),
+// column 2q + r % 2. (The CPU emulation brings its own.)
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+#endif
+
+// Sum and maximum over the 4 lanes that share a fragment row.
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// Where things are: qkv rows [b, t, ld] hold the query heads in columns
+// 0..d, the key heads from d and the value heads from d + kv·hd (kv
+// key/value heads; query head h reads key/value head h / (heads / kv)).
+struct FaShape {
+    int t, heads, kv, ld;
+    float scale;
+};
+
+// A warp's 16 rows × HD of `rows` (rows of `ld` from column `col`, row r0
+// first; rows at or past t are zeros) as mma A fragments in bf16.
+template <int HD>
+__device__ __forceinline__ void load_a(unsigned (&a)[HD / 16][4], const float* rows, int ld, int col,
+                                       int r0, int t) {
+    int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int row = r0 + g + 8 * (r % 2), c = col + kk * 16 + 2 * q + 8 * (r / 2);
+            float lo = 0.0f, hi = 0.0f;
+            if (row < t) {
+                const float* p = rows + (unsigned long long)row * ld + c;
+                lo = p[0];
+                hi = p[1];
+            }
+            a[kk][r] = pack_bf16(lo, hi);
+        }
+    }
+}
+
+// FA_KEYS rows × HD from column `col` of `rows` (rows from r0; past t
+// zeros) into shared memory in bf16: row-major with rows of HD + 8 (the
+// padding spreads a fragment's reads over the banks), and with `trans`
+// also column-major with columns of FA_KEYS + 8.
+template <int HD>
+__device__ __forceinline__ void load_tile(unsigned short* tile, unsigned short* trans,
+                                          const float* rows, int ld, int col, int r0, int t) {
+    for (int i = threadIdx.x; i < FA_KEYS * HD / 2; i += blockDim.x) {
+        int r = i / (HD / 2), c = (i % (HD / 2)) * 2;
+        float lo = 0.0f, hi = 0.0f;
+        if (r0 + r < t) {
+            const float* p = rows + (unsigned long long)(r0 + r) * ld + col + c;
+            lo = p[0];
+            hi = p[1];
+        }
+        unsigned short l16 = round16(lo, FMT_BF16), h16 = round16(hi, FMT_BF16);
+        if (tile) {
+            tile[r * (HD + 8) + c] = l16;
+            tile[r * (HD + 8) + c + 1] = h16;
+        }
+        if (trans) {
+            trans[c * (FA_KEYS + 8) + r] = l16;
+            trans[(c + 1) * (FA_KEYS + 8) + r] = h16;
+        }
+    }
+}
+
+// s = a · tileᵀ for a warp's 16 rows against the tile's FA_KEYS rows (tile
+// row-major, rows of HD + 8): n-tiles of 8 columns at or past `span` are
+// skipped and left at -inf.
+template <int HD>
+__device__ __forceinline__ void scores(float (&s)[FA_KEYS / 8][4], const unsigned (&a)[HD / 16][4],
+                                       const unsigned short* tile, int span) {
+    int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) s[nt][r] = nt * 8 < span ? 0.0f : FA_NEG_INF;
+        if (nt * 8 >= span) continue;
+        const unsigned short* row = tile + (nt * 8 + g) * (HD + 8) + 2 * q;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            mma_bf16(s[nt], a[kk], load_pair(row + kk * 16), load_pair(row + kk * 16 + 8));
+        }
+    }
+}
+
+// acc += p · tile for p, 16 rows × FA_KEYS in the C layout of `scores`
+// (rounded to bf16 here: a C fragment pair is an A fragment pair), against
+// the tile as FA_KEYS rows × HD given column-major (`trans`, columns of
+// FA_KEYS + 8). K-steps of 16 at or past `span` are skipped (p is 0 there).
+template <int HD>
+__device__ __forceinline__ void times_tile(float (&acc)[HD / 8][4], const float (&p)[FA_KEYS / 8][4],
+                                           const unsigned short* trans, int span) {
+    int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int kk = 0; kk < FA_KEYS / 16; kk++) {
+        if (kk * 16 >= span) continue;
+        unsigned a[4] = {
+            pack_bf16(p[2 * kk][0], p[2 * kk][1]),
+            pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+            pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+            pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]),
+        };
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++) {
+            const unsigned short* col = trans + (nt * 8 + g) * (FA_KEYS + 8) + kk * 16 + 2 * q;
+            mma_bf16(acc[nt], a, load_pair(col), load_pair(col + 8));
+        }
+    }
+}
+
+// The same product against a row-major tile (rows of HD + 8): each b pair
+// is two rows of one column.
+template <int HD>
+__device__ __forceinline__ void times_rows(float (&acc)[HD / 8][4], const float (&p)[FA_KEYS / 8][4],
+                                           const unsigned short* tile, int span) {
+    int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int kk = 0; kk < FA_KEYS / 16; kk++) {
+        if (kk * 16 >= span) continue;
+        unsigned a[4] = {
+            pack_bf16(p[2 * kk][0], p[2 * kk][1]),
+            pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+            pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+            pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]),
+        };
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++) {
+            const unsigned short* col = tile + (kk * 16 + 2 * q) * (HD + 8) + nt * 8 + g;
+            mma_bf16(acc[nt], a, pair_bf16(col, HD + 8), pair_bf16(col + 8 * (HD + 8), HD + 8));
+        }
+    }
+}
+
+// A warp's 16 rows × HD accumulator (C layout, times `mul`) into columns
+// col.. of rows r0.. of `out` (rows of ld; rows at or past t skipped).
+template <int HD>
+__device__ __forceinline__ void store_rows(float* out, int ld, int col, int r0, int t,
+                                           const float (&acc)[HD / 8][4], float mul_lo, float mul_hi) {
+    int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < HD / 8; nt++) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int row = r0 + g + 8 * (r / 2);
+            if (row < t) {
+                out[(unsigned long long)row * ld + col + nt * 8 + 2 * q + r % 2] =
+                    acc[nt][r] * (r < 2 ? mul_lo : mul_hi);
+            }
+        }
+    }
+}
+
+// The forward: out[b, t, heads·hd] (head h in columns h·hd..) and each
+// row's log-sum-exp of its scaled scores, lse[b·heads, t], for the
+// backward. Grid (⌈t / 64⌉, b·heads), 128 threads.
+template <int HD>
+__device__ void fa_forward(const float* qkv, float* out, float* lse, FaShape sh) {
+    __shared__ __align__(16) unsigned short k_tile[FA_KEYS * (HD + 8)];
+    __shared__ __align__(16) unsigned short v_trans[HD * (FA_KEYS + 8)];
+    int warp = threadIdx.x / FA_WARP, lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
+    int bh = blockIdx.y, s = bh / sh.heads, h = bh % sh.heads, kvh = h / (sh.heads / sh.kv);
+    int d = sh.heads * HD, k_col = d + kvh * HD, v_col = d + (sh.kv + kvh) * HD;
+    int q0 = blockIdx.x * FA_ROWS + warp * 16;
+    const float* rows = qkv + (unsigned long long)s * sh.t * sh.ld;
+    unsigned qa[HD / 16][4];
+    load_a<HD>(qa, rows, sh.ld, h * HD, q0, sh.t);
+    float acc[HD / 8][4] = {};
+    float m[2] = {FA_NEG_INF, FA_NEG_INF}, l[2] = {0.0f, 0.0f};
+    int keys = min(sh.t, (int)(blockIdx.x + 1) * FA_ROWS);
+    for (int k0 = 0; k0 < keys; k0 += FA_KEYS) {
+        __syncthreads();
+        load_tile<HD>(k_tile, nullptr, rows, sh.ld, k_col, k0, sh.t);
+        load_tile<HD>(nullptr, v_trans, rows, sh.ld, v_col, k0, sh.t);
+        __syncthreads();
+        // Keys this warp's rows can see in the tile: k0 .. q0 + 15.
+        int span = min(FA_KEYS, q0 + 16 - k0);
+        if (span <= 0) continue;
+        float sc[FA_KEYS / 8][4];
+        scores<HD>(sc, qa, k_tile, span);
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                int key = k0 + nt * 8 + 2 * q + r % 2, row = q0 + g + 8 * (r / 2);
+                float v = key <= row && key < sh.t ? sc[nt][r] * sh.scale : FA_NEG_INF;
+                sc[nt][r] = v;
+                mx[r / 2] = fmaxf(mx[r / 2], v);
+            }
+        }
+        // Every row sees key k0 here, so the maxima are finite.
+        float corr[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            mx[i] = quad_max(mx[i]);
+            corr[i] = expf(m[i] - mx[i]);
+            m[i] = mx[i];
+            l[i] *= corr[i];
+        }
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                float p = expf(sc[nt][r] - m[r / 2]);
+                sc[nt][r] = p;
+                l[r / 2] += p;
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[nt][r] *= corr[r / 2];
+        }
+        times_tile<HD>(acc, sc, v_trans, span);
+    }
+    float sum_lo = quad_sum(l[0]), sum_hi = quad_sum(l[1]);
+    store_rows<HD>(out + (unsigned long long)s * sh.t * d, d, h * HD, q0, sh.t, acc, 1.0f / sum_lo,
+                   1.0f / sum_hi);
+    if (q == 0) {
+        float* at = lse + (unsigned long long)bh * sh.t;
+        if (q0 + g < sh.t) at[q0 + g] = m[0] + logf(sum_lo);
+        if (q0 + g + 8 < sh.t) at[q0 + g + 8] = m[1] + logf(sum_hi);
+    }
+}
+
+// delta[b·heads, t] = Σ_c out ⊙ dout over each head's columns (rows of
+// [b, t, heads·hd]): the softmax backward's row term (Σ p ⊙ dp). One warp
+// per (row, head), blocks of 256 threads.
+extern "C" __global__ void attention_delta(const float* out, const float* dout, float* delta,
+                                           unsigned long long rows, int t, int heads, int hd)
+{
+    unsigned long long i = (unsigned long long)blockIdx.x * (blockDim.x / FA_WARP) + threadIdx.x / FA_WARP;
+    if (i >= rows * heads) return;
+    int lane = threadIdx.x % FA_WARP;
+    unsigned long long row = i / heads;
+    int h = (int)(i % heads);
+    const float* o = out + row * heads * hd + h * hd;
+    const float* g = dout + row * heads * hd + h * hd;
+    float v = 0.0f;
+    for (int c = lane; c < hd; c += FA_WARP) v += o[c] * g[c];
+    for (int off = FA_WARP / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if (lane == 0) {
+        unsigned long long s = row / t;
+        delta[(s * heads + h) * t + row % t] = v;
+    }
+}
+
+// p = exp(scale·s − lse) (0 where masked), and with dp given, ds = p ⊙ (dp −
+// delta), for fragments in the C layout; `keys_in_rows` says whether the
+// fragment's rows are keys (the key/value kernel's transposed products) or
+// query rows. `lse` and `delta` are the query rows' (indexed by row − r0).
+__device__ __forceinline__ void probs_and_grads(float (&s)[FA_KEYS / 8][4], float (&dp)[FA_KEYS / 8][4],
+                                                int row0, int col0, bool keys_in_rows, int t,
+                                                float scale, const float* lse, const float* delta,
+                                                int lse0) {
+    int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int row = row0 + g + 8 * (r / 2), col = col0 + nt * 8 + 2 * q + r % 2;
+            int query = keys_in_rows ? col : row, key = keys_in_rows ? row : col;
+            float p = 0.0f, ds = 0.0f;
+            if (key <= query && query < t && key < t) {
+                p = expf(s[nt][r] * scale - lse[query - lse0]);
+                ds = p * (dp[nt][r] - delta[query - lse0]);
+            }
+            s[nt][r] = p;
+            dp[nt][r] = ds;
+        }
+    }
+}
+
+// The backward's keys and values: dk and dv of key/value head kvh written
+// into their columns of dqkv [b, t, ld] (dk times scale), summed over the
+// group's query heads in order. Grid (⌈t / 64⌉, b·kv), 128 threads; each
+// warp owns 16 keys and walks the query tiles from the diagonal on.
+template <int HD>
+__device__ void fa_backward_kv(const float* qkv, const float* dout, const float* lse,
+                               const float* delta, float* dqkv, FaShape sh) {
+    __shared__ __align__(16) unsigned short q_tile[FA_KEYS * (HD + 8)];
+    __shared__ __align__(16) unsigned short do_tile[FA_KEYS * (HD + 8)];
+    __shared__ float lse_tile[FA_KEYS], delta_tile[FA_KEYS];
+    int warp = threadIdx.x / FA_WARP;
+    int s = blockIdx.y / sh.kv, kvh = blockIdx.y % sh.kv, group = sh.heads / sh.kv;
+    int d = sh.heads * HD, k_col = d + kvh * HD, v_col = d + (sh.kv + kvh) * HD;
+    int k0 = blockIdx.x * FA_ROWS, kw = k0 + warp * 16;
+    const float* rows = qkv + (unsigned long long)s * sh.t * sh.ld;
+    const float* drows = dout + (unsigned long long)s * sh.t * d;
+    unsigned ka[HD / 16][4], va[HD / 16][4];
+    load_a<HD>(ka, rows, sh.ld, k_col, kw, sh.t);
+    load_a<HD>(va, rows, sh.ld, v_col, kw, sh.t);
+    float dk[HD / 8][4] = {}, dv[HD / 8][4] = {};
+    for (int j = 0; j < group; j++) {
+        int h = kvh * group + j;
+        const float* head_lse = lse + (unsigned long long)(s * sh.heads + h) * sh.t;
+        const float* head_delta = delta + (unsigned long long)(s * sh.heads + h) * sh.t;
+        for (int r0 = k0; r0 < sh.t; r0 += FA_KEYS) {
+            __syncthreads();
+            load_tile<HD>(q_tile, nullptr, rows, sh.ld, h * HD, r0, sh.t);
+            load_tile<HD>(do_tile, nullptr, drows, d, h * HD, r0, sh.t);
+            for (int i = threadIdx.x; i < FA_KEYS; i += blockDim.x) {
+                bool in = r0 + i < sh.t;
+                lse_tile[i] = in ? head_lse[r0 + i] : 0.0f;
+                delta_tile[i] = in ? head_delta[r0 + i] : 0.0f;
+            }
+            __syncthreads();
+            float st[FA_KEYS / 8][4], dpt[FA_KEYS / 8][4];
+            // Sᵀ = K · Qᵀ and dPᵀ = V · dOᵀ, 16 keys × 64 query rows.
+            scores<HD>(st, ka, q_tile, FA_KEYS);
+            scores<HD>(dpt, va, do_tile, FA_KEYS);
+            probs_and_grads(st, dpt, kw, r0, true, sh.t, sh.scale, lse_tile, delta_tile, r0);
+            // dV += Pᵀ · dO, dK += dSᵀ · Q (row-major tiles: pairs of rows).
+            times_rows<HD>(dv, st, do_tile, FA_KEYS);
+            times_rows<HD>(dk, dpt, q_tile, FA_KEYS);
+        }
+    }
+    float* out = dqkv + (unsigned long long)s * sh.t * sh.ld;
+    store_rows<HD>(out, sh.ld, k_col, kw, sh.t, dk, sh.scale, sh.scale);
+    store_rows<HD>(out, sh.ld, v_col, kw, sh.t, dv, 1.0f, 1.0f);
+}
+
+// The backward's queries: dq of query head h (times scale) into its columns
+// of dqkv. Grid (⌈t / 64⌉, b·heads), 128 threads; each warp owns 16 query
+// rows and walks the key tiles up to the diagonal.
+template <int HD>
+__device__ void fa_backward_q(const float* qkv, const float* dout, const float* lse,
+                              const float* delta, float* dqkv, FaShape sh) {
+    __shared__ __align__(16) unsigned short k_tile[FA_KEYS * (HD + 8)];
+    __shared__ __align__(16) unsigned short v_tile[FA_KEYS * (HD + 8)];
+    int warp = threadIdx.x / FA_WARP;
+    int bh = blockIdx.y, s = bh / sh.heads, h = bh % sh.heads, kvh = h / (sh.heads / sh.kv);
+    int d = sh.heads * HD, k_col = d + kvh * HD, v_col = d + (sh.kv + kvh) * HD;
+    int q0 = blockIdx.x * FA_ROWS + warp * 16;
+    const float* rows = qkv + (unsigned long long)s * sh.t * sh.ld;
+    unsigned qa[HD / 16][4], da[HD / 16][4];
+    load_a<HD>(qa, rows, sh.ld, h * HD, q0, sh.t);
+    load_a<HD>(da, dout + (unsigned long long)s * sh.t * d, d, h * HD, q0, sh.t);
+    const float* row_lse = lse + (unsigned long long)bh * sh.t + q0;
+    const float* row_delta = delta + (unsigned long long)bh * sh.t + q0;
+    float dq[HD / 8][4] = {};
+    int keys = min(sh.t, (int)(blockIdx.x + 1) * FA_ROWS);
+    for (int k0 = 0; k0 < keys; k0 += FA_KEYS) {
+        __syncthreads();
+        load_tile<HD>(k_tile, nullptr, rows, sh.ld, k_col, k0, sh.t);
+        load_tile<HD>(v_tile, nullptr, rows, sh.ld, v_col, k0, sh.t);
+        __syncthreads();
+        int span = min(FA_KEYS, q0 + 16 - k0);
+        if (span <= 0) continue;
+        float sc[FA_KEYS / 8][4], dp[FA_KEYS / 8][4];
+        scores<HD>(sc, qa, k_tile, span);
+        scores<HD>(dp, da, v_tile, span);
+        probs_and_grads(sc, dp, q0, k0, false, sh.t, sh.scale, row_lse, row_delta, q0);
+        // dQ += dS · K (K row-major: pairs of keys).
+        times_rows<HD>(dq, dp, k_tile, span);
+    }
+    store_rows<HD>(dqkv + (unsigned long long)s * sh.t * sh.ld, sh.ld, h * HD, q0, sh.t, dq,
+                   sh.scale, sh.scale);
+}
+
+// Entry points per head width (16, 32 and 64; other widths take the
+// unfused path).
+#define FA_ENTRIES(HD)                                                                          \
+    extern "C" __global__ void flash_forward_##HD(const float* qkv, float* out, float* lse,    \
+                                                  int t, int heads, int kv, int ld, float scale) \
+    {                                                                                           \
+        fa_forward<HD>(qkv, out, lse, FaShape{t, heads, kv, ld, scale});                        \
+    }                                                                                           \
+    extern "C" __global__ void flash_backward_kv_##HD(const float* qkv, const float* dout,     \
+                                                      const float* lse, const float* delta,    \
+                                                      float* dqkv, int t, int heads, int kv,   \
+                                                      int ld, float scale)                     \
+    {                                                                                           \
+        fa_backward_kv<HD>(qkv, dout, lse, delta, dqkv, FaShape{t, heads, kv, ld, scale});     \
+    }                                                                                           \
+    extern "C" __global__ void flash_backward_q_##HD(const float* qkv, const float* dout,      \
+                                                     const float* lse, const float* delta,     \
+                                                     float* dqkv, int t, int heads, int kv,    \
+                                                     int ld, float scale)                      \
+    {                                                                                           \
+        fa_backward_q<HD>(qkv, dout, lse, delta, dqkv, FaShape{t, heads, kv, ld, scale});      \
+    }
+
+FA_ENTRIES(16)
+FA_ENTRIES(32)
+FA_ENTRIES(64)
