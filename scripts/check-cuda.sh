@@ -32,18 +32,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features zworker/cu
 # machine). Then the ones wanted here are run, each from its package's
 # directory as cargo would.
 test_exe() { # package-directory target-name: the test executable built for it
-  python3 -c '
-import json, sys
-folder, name, artifacts = sys.argv[1:]
-for line in open(artifacts):
-    m = json.loads(line)
-    if (m.get("reason") == "compiler-artifact" and m.get("executable")
-            and m["profile"]["test"] and m["target"]["name"] == name
-            and m["manifest_path"].endswith("/" + folder + "/Cargo.toml")):
-        print(m["executable"])
-        break
-else:
-    sys.exit(f"no test executable {name} in {folder}")' "$1" "$2" "$artifacts"
+  python3 scripts/test_exe.py "$1" "$2" "$artifacts"
 }
 artifacts=$(mktemp)
 cargo test --release --workspace --features zworker/cuda --lib --test gpu --no-run \

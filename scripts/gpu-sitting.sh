@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# A GPU sitting in one call, on a GPU host, from what scripts/gpu-pack.sh
+# packed elsewhere (no toolchain or build needed here): every GPU test made
+# mandatory (ZRUN_REQUIRE_GPU=1), then step times of one worker at 85M and
+# 152M parameters in TF32 and bf16, the bf16 runs with the unfused and the
+# fused attention alternated (ZRUN_GPU_ATTENTION), and PyTorch eager beside
+# them where python3 has torch. Prints medians of steps 4-12 (zrun) and
+# PyTorch's own median; compare only within one sitting.
+#
+#   scripts/gpu-sitting.sh [DIR] [tests|time|all]     # default .gpu all
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=$(realpath "${1:-.gpu}")
+what=${2:-all}
+[ -x "$dir/release/zrun" ] || { echo "no $dir/release/zrun: run scripts/gpu-pack.sh first" >&2; exit 2; }
+echo "== packed from commit $(cat "$dir/commit"); $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+
+# CUDA's libraries from Python's NVIDIA wheels where no toolkit is installed
+# (PyTorch brings NVRTC, cuBLAS and NCCL); NCCL's wheel has libnccl.so.2
+# only, and cudarc loads libnccl.so: a link in a folder of our own.
+libs=$(python3 -c 'import glob, site
+for s in site.getsitepackages():
+    print(":".join(sorted(glob.glob(s + "/nvidia/*/lib"))))' 2>/dev/null | tr '\n' ':' || true)
+links=$(mktemp -d)
+for d in ${libs//:/ }; do
+  [ -e "$d/libnccl.so.2" ] && [ ! -e "$d/libnccl.so" ] && ln -sf "$d/libnccl.so.2" "$links/libnccl.so"
+done
+export LD_LIBRARY_PATH="$links:${libs}${LD_LIBRARY_PATH:-}"
+export ZRUN_KERNEL_CACHE=${ZRUN_KERNEL_CACHE:-$(mktemp -d)}
+
+if [ "$what" != time ]; then
+  # The e2e tests look for the repository where they were built.
+  built_in=$(cat "$dir/repo")
+  if [ ! -e "$built_in/Cargo.toml" ]; then
+    mkdir -p "$(dirname "$built_in")" && ln -sfn "$PWD" "$built_in"
+  fi
+  export ZRUN_REQUIRE_GPU=1
+  echo "== GPU tests"
+  (cd crates/zcuda && "$dir/release/deps/zcuda" --nocapture)
+  (cd crates/zengine && "$dir/release/deps/zengine" --nocapture adam:: gpu::)
+  (cd tests && "$dir/release/deps/gpu" --nocapture)
+fi
+[ "$what" = tests ] && exit 0
+
+median() { # metrics file: the median step_ms of steps 4-12
+  python3 -c 'import json, statistics, sys
+ms = [json.loads(l)["step_ms"] for l in open(sys.argv[1]) if "\"step_ms\"" in l]
+print(f"{statistics.median(ms[3:12]):.1f}")' "$1"
+}
+out=$(mktemp -d)
+zrun_step() { # label shape-sets... : one run of 12 steps, its median step
+  local label=$1; shift
+  local sets=()
+  for s in "$@"; do sets+=(--set "$s"); done
+  "$dir/release/zrun" train configs/gpt-anchor.yaml --metrics "$out/$label.jsonl" --no-progress \
+    --workers-per-node 1 --set device=cuda --set train.steps=12 "${sets[@]}" > "$out/$label.log" 2>&1 \
+    || { echo "$label failed:"; tail -5 "$out/$label.log"; return 0; }
+  echo "$label: $(median "$out/$label.jsonl") ms"
+}
+torch_step() { # label env...: PyTorch eager's median step
+  python3 -c 'import torch' 2>/dev/null || { echo "$1: no torch here"; return 0; }
+  local label=$1; shift
+  env "$@" STEPS=12 WARMUP=3 python3 scripts/torch_gpu_peer.py eager > "$out/$label.log" 2>&1 \
+    || { echo "$label failed:"; tail -5 "$out/$label.log"; return 0; }
+  echo "$label: $(tail -1 "$out/$label.log" | python3 -c 'import json, sys; print(json.load(sys.stdin)["step_ms"])') ms"
+}
+for shape in 85M 152M; do
+  case $shape in
+    85M) s=(model.d_model=768 model.n_layers=12 model.n_heads=12 model.seq_len=256)
+         t=(LAYERS=12 D_MODEL=768 HEADS=12 SEQ=256) ;;
+    152M) s=(model.d_model=1024 model.n_layers=12 model.n_heads=16 model.seq_len=512)
+          t=(LAYERS=12 D_MODEL=1024 HEADS=16 SEQ=512) ;;
+  esac
+  echo "== $shape (8 sequences a step), two rounds"
+  for round in 1 2; do
+    zrun_step "$shape-tf32-$round" "${s[@]}" train.allow_tf32=true
+    ZRUN_GPU_ATTENTION=unfused zrun_step "$shape-bf16-$round" "${s[@]}" train.dtype=bf16
+    ZRUN_GPU_ATTENTION=fused zrun_step "$shape-bf16-fused-$round" "${s[@]}" train.dtype=bf16
+    torch_step "$shape-torch-bf16-$round" "${t[@]}" BF16=1
+  done
+done
