@@ -160,33 +160,12 @@ __device__ __forceinline__ void scores(float (&s)[FA_KEYS / 8][4], const unsigne
 
 // acc += p · tile for p, 16 rows × FA_KEYS in the C layout of `scores`
 // (rounded to bf16 here: a C fragment pair is an A fragment pair), against
-// the tile as FA_KEYS rows × HD given column-major (`trans`, columns of
-// FA_KEYS + 8). K-steps of 16 at or past `span` are skipped (p is 0 there).
-template <int HD>
+// the tile's FA_KEYS rows × HD, given column-major (TRANS: columns of
+// FA_KEYS + 8, each b pair two adjacent values) or row-major (rows of HD +
+// 8, each b pair two rows of one column). K-steps of 16 at or past `span`
+// are skipped (p is 0 there).
+template <int HD, bool TRANS>
 __device__ __forceinline__ void times_tile(float (&acc)[HD / 8][4], const float (&p)[FA_KEYS / 8][4],
-                                           const unsigned short* trans, int span) {
-    int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
-#pragma unroll
-    for (int kk = 0; kk < FA_KEYS / 16; kk++) {
-        if (kk * 16 >= span) continue;
-        unsigned a[4] = {
-            pack_bf16(p[2 * kk][0], p[2 * kk][1]),
-            pack_bf16(p[2 * kk][2], p[2 * kk][3]),
-            pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-            pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]),
-        };
-#pragma unroll
-        for (int nt = 0; nt < HD / 8; nt++) {
-            const unsigned short* col = trans + (nt * 8 + g) * (FA_KEYS + 8) + kk * 16 + 2 * q;
-            mma_bf16(acc[nt], a, load_pair(col), load_pair(col + 8));
-        }
-    }
-}
-
-// The same product against a row-major tile (rows of HD + 8): each b pair
-// is two rows of one column.
-template <int HD>
-__device__ __forceinline__ void times_rows(float (&acc)[HD / 8][4], const float (&p)[FA_KEYS / 8][4],
                                            const unsigned short* tile, int span) {
     int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
@@ -200,8 +179,13 @@ __device__ __forceinline__ void times_rows(float (&acc)[HD / 8][4], const float 
         };
 #pragma unroll
         for (int nt = 0; nt < HD / 8; nt++) {
-            const unsigned short* col = tile + (kk * 16 + 2 * q) * (HD + 8) + nt * 8 + g;
-            mma_bf16(acc[nt], a, pair_bf16(col, HD + 8), pair_bf16(col + 8 * (HD + 8), HD + 8));
+            if (TRANS) {
+                const unsigned short* col = tile + (nt * 8 + g) * (FA_KEYS + 8) + kk * 16 + 2 * q;
+                mma_bf16(acc[nt], a, load_pair(col), load_pair(col + 8));
+            } else {
+                const unsigned short* col = tile + (kk * 16 + 2 * q) * (HD + 8) + nt * 8 + g;
+                mma_bf16(acc[nt], a, pair_bf16(col, HD + 8), pair_bf16(col + 8 * (HD + 8), HD + 8));
+            }
         }
     }
 }
@@ -286,7 +270,7 @@ __device__ void fa_forward(const float* qkv, float* out, float* lse, FaShape sh)
 #pragma unroll
             for (int r = 0; r < 4; r++) acc[nt][r] *= corr[r / 2];
         }
-        times_tile<HD>(acc, sc, v_trans, span);
+        times_tile<HD, true>(acc, sc, v_trans, span);
     }
     float sum_lo = quad_sum(l[0]), sum_hi = quad_sum(l[1]);
     store_rows<HD>(out + (unsigned long long)s * sh.t * d, d, h * HD, q0, sh.t, acc, 1.0f / sum_lo,
@@ -386,8 +370,8 @@ __device__ void fa_backward_kv(const float* qkv, const float* dout, const float*
             scores<HD>(dpt, va, do_tile, FA_KEYS);
             probs_and_grads(st, dpt, kw, r0, true, sh.t, sh.scale, lse_tile, delta_tile, r0);
             // dV += Pᵀ · dO, dK += dSᵀ · Q (row-major tiles: pairs of rows).
-            times_rows<HD>(dv, st, do_tile, FA_KEYS);
-            times_rows<HD>(dk, dpt, q_tile, FA_KEYS);
+            times_tile<HD, false>(dv, st, do_tile, FA_KEYS);
+            times_tile<HD, false>(dk, dpt, q_tile, FA_KEYS);
         }
     }
     float* out = dqkv + (unsigned long long)s * sh.t * sh.ld;
@@ -427,7 +411,7 @@ __device__ void fa_backward_q(const float* qkv, const float* dout, const float* 
         scores<HD>(dp, da, v_tile, span);
         probs_and_grads(sc, dp, q0, k0, false, sh.t, sh.scale, row_lse, row_delta, q0);
         // dQ += dS · K (K row-major: pairs of keys).
-        times_rows<HD>(dq, dp, k_tile, span);
+        times_tile<HD, false>(dq, dp, k_tile, span);
     }
     store_rows<HD>(dqkv + (unsigned long long)s * sh.t * sh.ld, sh.ld, h * HD, q0, sh.t, dq,
                    sh.scale, sh.scale);

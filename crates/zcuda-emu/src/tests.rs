@@ -13,7 +13,7 @@ use crate::*;
 const BOUND: f64 = 1e-5;
 
 /// Values in [-1, 1) from a fixed sequence.
-fn wave(len: usize, salt: u32) -> Vec<f32> {
+pub(crate) fn wave(len: usize, salt: u32) -> Vec<f32> {
     let mut state = 0x2545_F491u32 ^ salt.wrapping_mul(0x9E37_79B9);
     (0..len)
         .map(|_| {

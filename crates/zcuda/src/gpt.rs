@@ -1475,21 +1475,10 @@ impl GptGpu {
 
     /// The fused kernel `name` for this model's head width.
     fn fused_kernel(&self, name: &str) -> &'static str {
-        let hd = self.shape.head_dim();
-        [
-            "flash_forward_16",
-            "flash_forward_32",
-            "flash_forward_64",
-            "flash_backward_kv_16",
-            "flash_backward_kv_32",
-            "flash_backward_kv_64",
-            "flash_backward_q_16",
-            "flash_backward_q_32",
-            "flash_backward_q_64",
-        ]
-        .into_iter()
-        .find(|k| *k == format!("{name}_{hd}"))
-        .expect("use_fused_attention admits widths with kernels")
+        let want = format!("{name}_{}", self.shape.head_dim());
+        crate::compile::kernel("attention.cu")
+            .and_then(|k| k.functions.iter().find(|f| **f == want))
+            .expect("use_fused_attention admits widths with kernels")
     }
 
     /// The fused kernels' trailing arguments: t, heads, kv heads, the qkv
