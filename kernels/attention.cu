@@ -1,27 +1,33 @@
-// Causal attention fused into three kernels for bf16 products (put after
-// half16.cuh): the forward and the two halves of its backward, each reading
-// q, k and v straight from the qkv projection's rows and never writing the
-// t × t probabilities, in the manner of FlashAttention-2 (Dao, 2023).
+// Causal attention fused into three kernels for the tensor cores' products
+// (put after half16.cuh): the forward and the two halves of its backward,
+// each reading q, k and v straight from the qkv projection's rows and never
+// writing the t × t probabilities, in the manner of FlashAttention-2 (Dao,
+// 2023). Two kinds of products, as the model multiplies: bf16 (bf16
+// products: mma.sync m16n8k16) and TF32 (`train.allow_tf32`: m16n8k8).
 //
-// Why: with bf16 products the unfused attention (gpt.cu's softmax between
-// cuBLAS products) writes and reads the [b·heads, t, t] scores, their
-// probabilities and their gradients several times a layer and multiplies the
-// whole square; here each block keeps a tile of 64 query rows in registers,
-// walks the key tiles up to the diagonal only (the masked triangle is never
-// multiplied) and keeps a running maximum and sum per row (the online
-// softmax), so memory traffic is the inputs and outputs alone.
+// Why: the unfused attention (gpt.cu's softmax between cuBLAS products)
+// writes and reads the [b·heads, t, t] scores, their probabilities and their
+// gradients several times a layer and multiplies the whole square; here each
+// block keeps a tile of 64 query rows in registers, walks the key tiles up
+// to the diagonal only (the masked triangle is never multiplied) and keeps a
+// running maximum and sum per row (the online softmax), so memory traffic is
+// the inputs and outputs alone.
 //
-// Products run on the tensor cores through mma.sync m16n8k16 (bf16 operands,
-// f32 sums; compute capability 8.0 and newer, as bf16 products need): each
-// warp owns 16 rows. Operands are rounded to bf16 as they are loaded, as the
-// unfused path rounds them; the probabilities and their gradient are rounded
-// to bf16 as the operands of the second products, the running sums stay f32.
+// Products run on the tensor cores through mma.sync (f32 sums; compute
+// capability 8.0 and newer): each warp owns 16 rows. Operands are rounded to
+// bf16 or TF32 as they are loaded, as the unfused path's products round
+// them; the probabilities and their gradient are rounded so as the operands
+// of the second products, the running sums stay f32. A product's result
+// fragment becomes the next product's operand fragment in registers: for
+// bf16 a pair of result columns is a pair of operand columns; for TF32 the
+// depth index is permuted instead (operand column q is result column 2q,
+// q + 4 is 2q + 1), and the other operand's rows are read in that order.
 // No atomics: the backward's two kernels each own what they write (one the
 // keys' and values' gradients, summed over a grouped-query group's heads in
 // order; the other the queries'), so a run repeats to the bit.
 //
 // crates/zcuda-emu runs these on the CPU (mma.sync emulated from PTX's
-// fragment layout) against an f64 reference.
+// fragment layouts) against an f64 reference.
 
 #define FA_WARP 32
 #define FA_ROWS 64    // query rows (or keys) of a block: 4 warps × 16
@@ -51,6 +57,14 @@ __device__ __forceinline__ unsigned pair_bf16(const unsigned short* p, int strid
     return (unsigned)p[0] | ((unsigned)p[stride] << 16);
 }
 
+// f32 rounded to TF32 (10 significand bits; to nearest, ties away from
+// zero, as cvt.rna.tf32.f32) as f32 bits; infinities and NaN as they are.
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned b = __float_as_uint(x);
+    if ((b & 0x7f800000u) == 0x7f800000u) return b;
+    return (b + 0x1000u) & 0xffffe000u;
+}
+
 #ifndef ZRUN_CPU_EMULATION
 // c += a · b on the tensor cores: a 16×16 bf16 (row), b 16×8 bf16 (col),
 // c 16×8 f32, in PTX's fragment layout for lane l, g = l / 4, q = l % 4:
@@ -68,7 +82,88 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
     __trap();
 #endif
 }
+
+// The same for TF32, m16n8k8: a[r] holds row g + 8·(r % 2), column q (+ 4
+// for r ≥ 2); b0 row q and b1 row q + 4 of column g; c as above.
+__device__ __forceinline__ void mma_tf32(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
 #endif
+}
+#endif
+
+// The two kinds of products: their depth K, how shared memory holds a
+// tile's values (Elem), and how fragments are made. `q` is the lane's index
+// in its group of 4. b_row: the b registers of a depth step whose depth
+// runs along a tile row (`row` at the step's first column; the scores'
+// Q·Kᵀ). b_keys: those of a step over keys (or query rows) whose depth runs
+// down a row-major tile (`col` at the step's first row, rows `stride`
+// apart) or along a column-major one (stride 1). a_from_c: the a registers
+// of depth step ks from a result fragment over FA_KEYS columns.
+struct Bf16 {
+    static constexpr int K = 16;
+    typedef unsigned short Elem;
+    static __device__ __forceinline__ Elem elem(float x) { return round16(x, FMT_BF16); }
+    // Register r of a row's A fragment at `p` (the step's first column).
+    static __device__ __forceinline__ unsigned a_word(const float* p, int r, int q) {
+        p += 2 * q + 8 * (r / 2);
+        return pack_bf16(p[0], p[1]);
+    }
+    static __device__ __forceinline__ void b_row(const Elem* row, int q, unsigned& b0, unsigned& b1) {
+        b0 = load_pair(row + 2 * q);
+        b1 = load_pair(row + 2 * q + 8);
+    }
+    static __device__ __forceinline__ void b_keys(const Elem* col, int stride, int q, unsigned& b0,
+                                                  unsigned& b1) {
+        b0 = pair_bf16(col + 2 * q * stride, stride);
+        b1 = pair_bf16(col + (2 * q + 8) * stride, stride);
+    }
+    static __device__ __forceinline__ void a_from_c(const float (&p)[FA_KEYS / 8][4], int ks,
+                                                    unsigned (&a)[4]) {
+        a[0] = pack_bf16(p[2 * ks][0], p[2 * ks][1]);
+        a[1] = pack_bf16(p[2 * ks][2], p[2 * ks][3]);
+        a[2] = pack_bf16(p[2 * ks + 1][0], p[2 * ks + 1][1]);
+        a[3] = pack_bf16(p[2 * ks + 1][2], p[2 * ks + 1][3]);
+    }
+    static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+        mma_bf16(c, a, b0, b1);
+    }
+};
+
+struct Tf32 {
+    static constexpr int K = 8;
+    typedef unsigned Elem;
+    static __device__ __forceinline__ Elem elem(float x) { return to_tf32(x); }
+    static __device__ __forceinline__ unsigned a_word(const float* p, int r, int q) {
+        return to_tf32(p[q + 4 * (r / 2)]);
+    }
+    static __device__ __forceinline__ void b_row(const Elem* row, int q, unsigned& b0, unsigned& b1) {
+        b0 = row[q];
+        b1 = row[q + 4];
+    }
+    // Depth q is result column 2q and q + 4 is 2q + 1 (see a_from_c).
+    static __device__ __forceinline__ void b_keys(const Elem* col, int stride, int q, unsigned& b0,
+                                                  unsigned& b1) {
+        b0 = col[2 * q * stride];
+        b1 = col[(2 * q + 1) * stride];
+    }
+    static __device__ __forceinline__ void a_from_c(const float (&p)[FA_KEYS / 8][4], int ks,
+                                                    unsigned (&a)[4]) {
+        a[0] = to_tf32(p[ks][0]);
+        a[1] = to_tf32(p[ks][2]);
+        a[2] = to_tf32(p[ks][1]);
+        a[3] = to_tf32(p[ks][3]);
+    }
+    static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+        mma_tf32(c, a, b0, b1);
+    }
+};
 
 // Sum and maximum over the 4 lanes that share a fragment row.
 __device__ __forceinline__ float quad_sum(float v) {
@@ -90,33 +185,28 @@ struct FaShape {
 };
 
 // A warp's 16 rows × HD of `rows` (rows of `ld` from column `col`, row r0
-// first; rows at or past t are zeros) as mma A fragments in bf16.
-template <int HD>
-__device__ __forceinline__ void load_a(unsigned (&a)[HD / 16][4], const float* rows, int ld, int col,
-                                       int r0, int t) {
+// first; rows at or past t are zeros) as mma A fragments.
+template <class M, int HD>
+__device__ __forceinline__ void load_a(unsigned (&a)[HD / M::K][4], const float* rows, int ld,
+                                       int col, int r0, int t) {
     int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) {
+    for (int kk = 0; kk < HD / M::K; kk++) {
 #pragma unroll
         for (int r = 0; r < 4; r++) {
-            int row = r0 + g + 8 * (r % 2), c = col + kk * 16 + 2 * q + 8 * (r / 2);
-            float lo = 0.0f, hi = 0.0f;
-            if (row < t) {
-                const float* p = rows + (unsigned long long)row * ld + c;
-                lo = p[0];
-                hi = p[1];
-            }
-            a[kk][r] = pack_bf16(lo, hi);
+            int row = r0 + g + 8 * (r % 2);
+            a[kk][r] = row < t ? M::a_word(rows + (unsigned long long)row * ld + col + kk * M::K, r, q)
+                               : 0u;
         }
     }
 }
 
 // FA_KEYS rows × HD from column `col` of `rows` (rows from r0; past t
-// zeros) into shared memory in bf16: row-major with rows of HD + 8 (the
+// zeros) into shared memory, rounded: row-major with rows of HD + 8 (the
 // padding spreads a fragment's reads over the banks), and with `trans`
 // also column-major with columns of FA_KEYS + 8.
-template <int HD>
-__device__ __forceinline__ void load_tile(unsigned short* tile, unsigned short* trans,
+template <class M, int HD>
+__device__ __forceinline__ void load_tile(typename M::Elem* tile, typename M::Elem* trans,
                                           const float* rows, int ld, int col, int r0, int t) {
     for (int i = threadIdx.x; i < FA_KEYS * HD / 2; i += blockDim.x) {
         int r = i / (HD / 2), c = (i % (HD / 2)) * 2;
@@ -126,14 +216,14 @@ __device__ __forceinline__ void load_tile(unsigned short* tile, unsigned short* 
             lo = p[0];
             hi = p[1];
         }
-        unsigned short l16 = round16(lo, FMT_BF16), h16 = round16(hi, FMT_BF16);
+        typename M::Elem l = M::elem(lo), h = M::elem(hi);
         if (tile) {
-            tile[r * (HD + 8) + c] = l16;
-            tile[r * (HD + 8) + c + 1] = h16;
+            tile[r * (HD + 8) + c] = l;
+            tile[r * (HD + 8) + c + 1] = h;
         }
         if (trans) {
-            trans[c * (FA_KEYS + 8) + r] = l16;
-            trans[(c + 1) * (FA_KEYS + 8) + r] = h16;
+            trans[c * (FA_KEYS + 8) + r] = l;
+            trans[(c + 1) * (FA_KEYS + 8) + r] = h;
         }
     }
 }
@@ -141,51 +231,48 @@ __device__ __forceinline__ void load_tile(unsigned short* tile, unsigned short* 
 // s = a · tileᵀ for a warp's 16 rows against the tile's FA_KEYS rows (tile
 // row-major, rows of HD + 8): n-tiles of 8 columns at or past `span` are
 // skipped and left at -inf.
-template <int HD>
-__device__ __forceinline__ void scores(float (&s)[FA_KEYS / 8][4], const unsigned (&a)[HD / 16][4],
-                                       const unsigned short* tile, int span) {
+template <class M, int HD>
+__device__ __forceinline__ void scores(float (&s)[FA_KEYS / 8][4], const unsigned (&a)[HD / M::K][4],
+                                       const typename M::Elem* tile, int span) {
     int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
     for (int nt = 0; nt < FA_KEYS / 8; nt++) {
 #pragma unroll
         for (int r = 0; r < 4; r++) s[nt][r] = nt * 8 < span ? 0.0f : FA_NEG_INF;
         if (nt * 8 >= span) continue;
-        const unsigned short* row = tile + (nt * 8 + g) * (HD + 8) + 2 * q;
+        const typename M::Elem* row = tile + (nt * 8 + g) * (HD + 8);
 #pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-            mma_bf16(s[nt], a[kk], load_pair(row + kk * 16), load_pair(row + kk * 16 + 8));
+        for (int kk = 0; kk < HD / M::K; kk++) {
+            unsigned b0, b1;
+            M::b_row(row + kk * M::K, q, b0, b1);
+            M::mma(s[nt], a[kk], b0, b1);
         }
     }
 }
 
 // acc += p · tile for p, 16 rows × FA_KEYS in the C layout of `scores`
-// (rounded to bf16 here: a C fragment pair is an A fragment pair), against
-// the tile's FA_KEYS rows × HD, given column-major (TRANS: columns of
-// FA_KEYS + 8, each b pair two adjacent values) or row-major (rows of HD +
-// 8, each b pair two rows of one column). K-steps of 16 at or past `span`
-// are skipped (p is 0 there).
-template <int HD, bool TRANS>
+// (rounded here as the product's operand), against the tile's FA_KEYS rows
+// × HD, given column-major (TRANS: columns of FA_KEYS + 8) or row-major
+// (rows of HD + 8). Depth steps at or past `span` are skipped (p is 0
+// there).
+template <class M, int HD, bool TRANS>
 __device__ __forceinline__ void times_tile(float (&acc)[HD / 8][4], const float (&p)[FA_KEYS / 8][4],
-                                           const unsigned short* tile, int span) {
+                                           const typename M::Elem* tile, int span) {
     int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
-    for (int kk = 0; kk < FA_KEYS / 16; kk++) {
-        if (kk * 16 >= span) continue;
-        unsigned a[4] = {
-            pack_bf16(p[2 * kk][0], p[2 * kk][1]),
-            pack_bf16(p[2 * kk][2], p[2 * kk][3]),
-            pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-            pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]),
-        };
+    for (int ks = 0; ks < FA_KEYS / M::K; ks++) {
+        if (ks * M::K >= span) continue;
+        unsigned a[4];
+        M::a_from_c(p, ks, a);
 #pragma unroll
         for (int nt = 0; nt < HD / 8; nt++) {
+            unsigned b0, b1;
             if (TRANS) {
-                const unsigned short* col = tile + (nt * 8 + g) * (FA_KEYS + 8) + kk * 16 + 2 * q;
-                mma_bf16(acc[nt], a, load_pair(col), load_pair(col + 8));
+                M::b_keys(tile + (nt * 8 + g) * (FA_KEYS + 8) + ks * M::K, 1, q, b0, b1);
             } else {
-                const unsigned short* col = tile + (kk * 16 + 2 * q) * (HD + 8) + nt * 8 + g;
-                mma_bf16(acc[nt], a, pair_bf16(col, HD + 8), pair_bf16(col + 8 * (HD + 8), HD + 8));
+                M::b_keys(tile + ks * M::K * (HD + 8) + nt * 8 + g, HD + 8, q, b0, b1);
             }
+            M::mma(acc[nt], a, b0, b1);
         }
     }
 }
@@ -212,30 +299,30 @@ __device__ __forceinline__ void store_rows(float* out, int ld, int col, int r0, 
 // The forward: out[b, t, heads·hd] (head h in columns h·hd..) and each
 // row's log-sum-exp of its scaled scores, lse[b·heads, t], for the
 // backward. Grid (⌈t / 64⌉, b·heads), 128 threads.
-template <int HD>
+template <class M, int HD>
 __device__ void fa_forward(const float* qkv, float* out, float* lse, FaShape sh) {
-    __shared__ __align__(16) unsigned short k_tile[FA_KEYS * (HD + 8)];
-    __shared__ __align__(16) unsigned short v_trans[HD * (FA_KEYS + 8)];
+    __shared__ __align__(16) typename M::Elem k_tile[FA_KEYS * (HD + 8)];
+    __shared__ __align__(16) typename M::Elem v_trans[HD * (FA_KEYS + 8)];
     int warp = threadIdx.x / FA_WARP, lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
     int bh = blockIdx.y, s = bh / sh.heads, h = bh % sh.heads, kvh = h / (sh.heads / sh.kv);
     int d = sh.heads * HD, k_col = d + kvh * HD, v_col = d + (sh.kv + kvh) * HD;
     int q0 = blockIdx.x * FA_ROWS + warp * 16;
     const float* rows = qkv + (unsigned long long)s * sh.t * sh.ld;
-    unsigned qa[HD / 16][4];
-    load_a<HD>(qa, rows, sh.ld, h * HD, q0, sh.t);
+    unsigned qa[HD / M::K][4];
+    load_a<M, HD>(qa, rows, sh.ld, h * HD, q0, sh.t);
     float acc[HD / 8][4] = {};
     float m[2] = {FA_NEG_INF, FA_NEG_INF}, l[2] = {0.0f, 0.0f};
     int keys = min(sh.t, (int)(blockIdx.x + 1) * FA_ROWS);
     for (int k0 = 0; k0 < keys; k0 += FA_KEYS) {
         __syncthreads();
-        load_tile<HD>(k_tile, nullptr, rows, sh.ld, k_col, k0, sh.t);
-        load_tile<HD>(nullptr, v_trans, rows, sh.ld, v_col, k0, sh.t);
+        load_tile<M, HD>(k_tile, nullptr, rows, sh.ld, k_col, k0, sh.t);
+        load_tile<M, HD>(nullptr, v_trans, rows, sh.ld, v_col, k0, sh.t);
         __syncthreads();
         // Keys this warp's rows can see in the tile: k0 .. q0 + 15.
         int span = min(FA_KEYS, q0 + 16 - k0);
         if (span <= 0) continue;
         float sc[FA_KEYS / 8][4];
-        scores<HD>(sc, qa, k_tile, span);
+        scores<M, HD>(sc, qa, k_tile, span);
         float mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int nt = 0; nt < FA_KEYS / 8; nt++) {
@@ -270,7 +357,7 @@ __device__ void fa_forward(const float* qkv, float* out, float* lse, FaShape sh)
 #pragma unroll
             for (int r = 0; r < 4; r++) acc[nt][r] *= corr[r / 2];
         }
-        times_tile<HD, true>(acc, sc, v_trans, span);
+        times_tile<M, HD, true>(acc, sc, v_trans, span);
     }
     float sum_lo = quad_sum(l[0]), sum_hi = quad_sum(l[1]);
     store_rows<HD>(out + (unsigned long long)s * sh.t * d, d, h * HD, q0, sh.t, acc, 1.0f / sum_lo,
@@ -334,11 +421,11 @@ __device__ __forceinline__ void probs_and_grads(float (&s)[FA_KEYS / 8][4], floa
 // into their columns of dqkv [b, t, ld] (dk times scale), summed over the
 // group's query heads in order. Grid (⌈t / 64⌉, b·kv), 128 threads; each
 // warp owns 16 keys and walks the query tiles from the diagonal on.
-template <int HD>
+template <class M, int HD>
 __device__ void fa_backward_kv(const float* qkv, const float* dout, const float* lse,
                                const float* delta, float* dqkv, FaShape sh) {
-    __shared__ __align__(16) unsigned short q_tile[FA_KEYS * (HD + 8)];
-    __shared__ __align__(16) unsigned short do_tile[FA_KEYS * (HD + 8)];
+    __shared__ __align__(16) typename M::Elem q_tile[FA_KEYS * (HD + 8)];
+    __shared__ __align__(16) typename M::Elem do_tile[FA_KEYS * (HD + 8)];
     __shared__ float lse_tile[FA_KEYS], delta_tile[FA_KEYS];
     int warp = threadIdx.x / FA_WARP;
     int s = blockIdx.y / sh.kv, kvh = blockIdx.y % sh.kv, group = sh.heads / sh.kv;
@@ -346,9 +433,9 @@ __device__ void fa_backward_kv(const float* qkv, const float* dout, const float*
     int k0 = blockIdx.x * FA_ROWS, kw = k0 + warp * 16;
     const float* rows = qkv + (unsigned long long)s * sh.t * sh.ld;
     const float* drows = dout + (unsigned long long)s * sh.t * d;
-    unsigned ka[HD / 16][4], va[HD / 16][4];
-    load_a<HD>(ka, rows, sh.ld, k_col, kw, sh.t);
-    load_a<HD>(va, rows, sh.ld, v_col, kw, sh.t);
+    unsigned ka[HD / M::K][4], va[HD / M::K][4];
+    load_a<M, HD>(ka, rows, sh.ld, k_col, kw, sh.t);
+    load_a<M, HD>(va, rows, sh.ld, v_col, kw, sh.t);
     float dk[HD / 8][4] = {}, dv[HD / 8][4] = {};
     for (int j = 0; j < group; j++) {
         int h = kvh * group + j;
@@ -356,8 +443,8 @@ __device__ void fa_backward_kv(const float* qkv, const float* dout, const float*
         const float* head_delta = delta + (unsigned long long)(s * sh.heads + h) * sh.t;
         for (int r0 = k0; r0 < sh.t; r0 += FA_KEYS) {
             __syncthreads();
-            load_tile<HD>(q_tile, nullptr, rows, sh.ld, h * HD, r0, sh.t);
-            load_tile<HD>(do_tile, nullptr, drows, d, h * HD, r0, sh.t);
+            load_tile<M, HD>(q_tile, nullptr, rows, sh.ld, h * HD, r0, sh.t);
+            load_tile<M, HD>(do_tile, nullptr, drows, d, h * HD, r0, sh.t);
             for (int i = threadIdx.x; i < FA_KEYS; i += blockDim.x) {
                 bool in = r0 + i < sh.t;
                 lse_tile[i] = in ? head_lse[r0 + i] : 0.0f;
@@ -366,12 +453,12 @@ __device__ void fa_backward_kv(const float* qkv, const float* dout, const float*
             __syncthreads();
             float st[FA_KEYS / 8][4], dpt[FA_KEYS / 8][4];
             // Sᵀ = K · Qᵀ and dPᵀ = V · dOᵀ, 16 keys × 64 query rows.
-            scores<HD>(st, ka, q_tile, FA_KEYS);
-            scores<HD>(dpt, va, do_tile, FA_KEYS);
+            scores<M, HD>(st, ka, q_tile, FA_KEYS);
+            scores<M, HD>(dpt, va, do_tile, FA_KEYS);
             probs_and_grads(st, dpt, kw, r0, true, sh.t, sh.scale, lse_tile, delta_tile, r0);
-            // dV += Pᵀ · dO, dK += dSᵀ · Q (row-major tiles: pairs of rows).
-            times_tile<HD, false>(dv, st, do_tile, FA_KEYS);
-            times_tile<HD, false>(dk, dpt, q_tile, FA_KEYS);
+            // dV += Pᵀ · dO, dK += dSᵀ · Q (row-major tiles).
+            times_tile<M, HD, false>(dv, st, do_tile, FA_KEYS);
+            times_tile<M, HD, false>(dk, dpt, q_tile, FA_KEYS);
         }
     }
     float* out = dqkv + (unsigned long long)s * sh.t * sh.ld;
@@ -382,64 +469,65 @@ __device__ void fa_backward_kv(const float* qkv, const float* dout, const float*
 // The backward's queries: dq of query head h (times scale) into its columns
 // of dqkv. Grid (⌈t / 64⌉, b·heads), 128 threads; each warp owns 16 query
 // rows and walks the key tiles up to the diagonal.
-template <int HD>
+template <class M, int HD>
 __device__ void fa_backward_q(const float* qkv, const float* dout, const float* lse,
                               const float* delta, float* dqkv, FaShape sh) {
-    __shared__ __align__(16) unsigned short k_tile[FA_KEYS * (HD + 8)];
-    __shared__ __align__(16) unsigned short v_tile[FA_KEYS * (HD + 8)];
+    __shared__ __align__(16) typename M::Elem k_tile[FA_KEYS * (HD + 8)];
+    __shared__ __align__(16) typename M::Elem v_tile[FA_KEYS * (HD + 8)];
     int warp = threadIdx.x / FA_WARP;
     int bh = blockIdx.y, s = bh / sh.heads, h = bh % sh.heads, kvh = h / (sh.heads / sh.kv);
     int d = sh.heads * HD, k_col = d + kvh * HD, v_col = d + (sh.kv + kvh) * HD;
     int q0 = blockIdx.x * FA_ROWS + warp * 16;
     const float* rows = qkv + (unsigned long long)s * sh.t * sh.ld;
-    unsigned qa[HD / 16][4], da[HD / 16][4];
-    load_a<HD>(qa, rows, sh.ld, h * HD, q0, sh.t);
-    load_a<HD>(da, dout + (unsigned long long)s * sh.t * d, d, h * HD, q0, sh.t);
+    unsigned qa[HD / M::K][4], da[HD / M::K][4];
+    load_a<M, HD>(qa, rows, sh.ld, h * HD, q0, sh.t);
+    load_a<M, HD>(da, dout + (unsigned long long)s * sh.t * d, d, h * HD, q0, sh.t);
     const float* row_lse = lse + (unsigned long long)bh * sh.t + q0;
     const float* row_delta = delta + (unsigned long long)bh * sh.t + q0;
     float dq[HD / 8][4] = {};
     int keys = min(sh.t, (int)(blockIdx.x + 1) * FA_ROWS);
     for (int k0 = 0; k0 < keys; k0 += FA_KEYS) {
         __syncthreads();
-        load_tile<HD>(k_tile, nullptr, rows, sh.ld, k_col, k0, sh.t);
-        load_tile<HD>(v_tile, nullptr, rows, sh.ld, v_col, k0, sh.t);
+        load_tile<M, HD>(k_tile, nullptr, rows, sh.ld, k_col, k0, sh.t);
+        load_tile<M, HD>(v_tile, nullptr, rows, sh.ld, v_col, k0, sh.t);
         __syncthreads();
         int span = min(FA_KEYS, q0 + 16 - k0);
         if (span <= 0) continue;
         float sc[FA_KEYS / 8][4], dp[FA_KEYS / 8][4];
-        scores<HD>(sc, qa, k_tile, span);
-        scores<HD>(dp, da, v_tile, span);
+        scores<M, HD>(sc, qa, k_tile, span);
+        scores<M, HD>(dp, da, v_tile, span);
         probs_and_grads(sc, dp, q0, k0, false, sh.t, sh.scale, row_lse, row_delta, q0);
-        // dQ += dS · K (K row-major: pairs of keys).
-        times_tile<HD, false>(dq, dp, k_tile, span);
+        // dQ += dS · K (K row-major).
+        times_tile<M, HD, false>(dq, dp, k_tile, span);
     }
     store_rows<HD>(dqkv + (unsigned long long)s * sh.t * sh.ld, sh.ld, h * HD, q0, sh.t, dq,
                    sh.scale, sh.scale);
 }
 
-// Entry points per head width (16, 32 and 64; other widths take the
-// unfused path).
-#define FA_ENTRIES(HD)                                                                          \
-    extern "C" __global__ void flash_forward_##HD(const float* qkv, float* out, float* lse,    \
-                                                  int t, int heads, int kv, int ld, float scale) \
+// Entry points per kind of product and head width (16, 32 and 64; other
+// widths take the unfused path).
+#define FA_ENTRIES(KIND, M, HD)                                                                 \
+    extern "C" __global__ void flash_forward_##KIND##_##HD(                                     \
+        const float* qkv, float* out, float* lse, int t, int heads, int kv, int ld, float scale) \
     {                                                                                           \
-        fa_forward<HD>(qkv, out, lse, FaShape{t, heads, kv, ld, scale});                        \
+        fa_forward<M, HD>(qkv, out, lse, FaShape{t, heads, kv, ld, scale});                     \
     }                                                                                           \
-    extern "C" __global__ void flash_backward_kv_##HD(const float* qkv, const float* dout,     \
-                                                      const float* lse, const float* delta,    \
-                                                      float* dqkv, int t, int heads, int kv,   \
-                                                      int ld, float scale)                     \
+    extern "C" __global__ void flash_backward_kv_##KIND##_##HD(                                 \
+        const float* qkv, const float* dout, const float* lse, const float* delta, float* dqkv, \
+        int t, int heads, int kv, int ld, float scale)                                          \
     {                                                                                           \
-        fa_backward_kv<HD>(qkv, dout, lse, delta, dqkv, FaShape{t, heads, kv, ld, scale});     \
+        fa_backward_kv<M, HD>(qkv, dout, lse, delta, dqkv, FaShape{t, heads, kv, ld, scale});   \
     }                                                                                           \
-    extern "C" __global__ void flash_backward_q_##HD(const float* qkv, const float* dout,      \
-                                                     const float* lse, const float* delta,     \
-                                                     float* dqkv, int t, int heads, int kv,    \
-                                                     int ld, float scale)                      \
+    extern "C" __global__ void flash_backward_q_##KIND##_##HD(                                  \
+        const float* qkv, const float* dout, const float* lse, const float* delta, float* dqkv, \
+        int t, int heads, int kv, int ld, float scale)                                          \
     {                                                                                           \
-        fa_backward_q<HD>(qkv, dout, lse, delta, dqkv, FaShape{t, heads, kv, ld, scale});      \
+        fa_backward_q<M, HD>(qkv, dout, lse, delta, dqkv, FaShape{t, heads, kv, ld, scale});    \
     }
 
-FA_ENTRIES(16)
-FA_ENTRIES(32)
-FA_ENTRIES(64)
+FA_ENTRIES(bf16, Bf16, 16)
+FA_ENTRIES(bf16, Bf16, 32)
+FA_ENTRIES(bf16, Bf16, 64)
+FA_ENTRIES(tf32, Tf32, 16)
+FA_ENTRIES(tf32, Tf32, 32)
+FA_ENTRIES(tf32, Tf32, 64)

@@ -2,9 +2,9 @@
 # A GPU sitting in one call, on a GPU host, from what scripts/gpu-pack.sh
 # packed elsewhere (no toolchain or build needed here): every GPU test made
 # mandatory (ZRUN_REQUIRE_GPU=1), then step times of one worker at 85M and
-# 152M parameters in TF32 and bf16, the bf16 runs with the unfused and the
-# fused attention alternated (ZRUN_GPU_ATTENTION), and PyTorch eager beside
-# them where python3 has torch. Prints medians of steps 4-12 (zrun) and
+# 152M parameters in TF32 and bf16, each with the unfused and the fused
+# attention (ZRUN_GPU_ATTENTION), alternated, and PyTorch eager beside them
+# where python3 has torch. Prints medians of steps 4-12 (zrun) and
 # PyTorch's own median; compare only within one sitting.
 #
 #   scripts/gpu-sitting.sh [DIR] [tests|time|all]     # default .gpu all
@@ -73,7 +73,9 @@ for shape in 85M 152M; do
   esac
   echo "== $shape (8 sequences a step), two rounds"
   for round in 1 2; do
-    zrun_step "$shape-tf32-$round" "${s[@]}" train.allow_tf32=true
+    ZRUN_GPU_ATTENTION=unfused zrun_step "$shape-tf32-$round" "${s[@]}" train.allow_tf32=true
+    ZRUN_GPU_ATTENTION=fused zrun_step "$shape-tf32-fused-$round" "${s[@]}" train.allow_tf32=true
+    torch_step "$shape-torch-tf32-$round" "${t[@]}" TF32=1
     ZRUN_GPU_ATTENTION=unfused zrun_step "$shape-bf16-$round" "${s[@]}" train.dtype=bf16
     ZRUN_GPU_ATTENTION=fused zrun_step "$shape-bf16-fused-$round" "${s[@]}" train.dtype=bf16
     torch_step "$shape-torch-bf16-$round" "${t[@]}" BF16=1

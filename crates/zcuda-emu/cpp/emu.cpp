@@ -209,31 +209,38 @@ void emu_dequantize(const float* scales, const unsigned char* data, unsigned lon
 
 // attention.cu as GptGpu launches it: blocks of 128 threads over
 // (⌈t / 64⌉ tiles, b·heads) (the key/value kernel b·kv), one warp per
-// (row, head) for the row terms; head widths 16, 32 and 64.
-#define FA_BY_WIDTH(kernel, ...)                        \
-    switch (hd) {                                       \
-        case 16: emu_launch(fa::kernel##_16, __VA_ARGS__); break; \
-        case 32: emu_launch(fa::kernel##_32, __VA_ARGS__); break; \
-        case 64: emu_launch(fa::kernel##_64, __VA_ARGS__); break; \
+// (row, head) for the row terms; bf16 (kind 0) or TF32 (kind 1) products,
+// head widths 16, 32 and 64.
+#define FA_WIDTH(kernel, KIND, ...)                                  \
+    switch (hd) {                                                    \
+        case 16: emu_launch(fa::kernel##_##KIND##_16, __VA_ARGS__); break; \
+        case 32: emu_launch(fa::kernel##_##KIND##_32, __VA_ARGS__); break; \
+        case 64: emu_launch(fa::kernel##_##KIND##_64, __VA_ARGS__); break; \
+    }
+#define FA_BY_KIND(kernel, ...)                         \
+    if (kind == 0) {                                    \
+        FA_WIDTH(kernel, bf16, __VA_ARGS__)             \
+    } else {                                            \
+        FA_WIDTH(kernel, tf32, __VA_ARGS__)             \
     }
 
 void emu_flash_forward(const float* qkv, float* out, float* lse, int b, int t, int heads, int kv,
-                       int hd, int ld, float scale) {
+                       int hd, int ld, float scale, int kind) {
     dim3 grid{(unsigned)((t + 63) / 64), (unsigned)(b * heads)};
-    FA_BY_WIDTH(flash_forward, grid, dim3{128}, qkv, out, lse, t, heads, kv, ld, scale)
+    FA_BY_KIND(flash_forward, grid, dim3{128}, qkv, out, lse, t, heads, kv, ld, scale)
 }
 
 void emu_flash_backward(const float* qkv, const float* out, const float* dout, const float* lse,
                         float* delta, float* dqkv, int b, int t, int heads, int kv, int hd, int ld,
-                        float scale) {
+                        float scale, int kind) {
     unsigned long long rows = (unsigned long long)b * t;
     emu_launch(fa::attention_delta, dim3{(unsigned)((rows * heads + 7) / 8)}, dim3{256}, out, dout,
                delta, rows, t, heads, hd);
     unsigned tiles = (t + 63) / 64;
-    FA_BY_WIDTH(flash_backward_kv, dim3{tiles, (unsigned)(b * kv)}, dim3{128}, qkv, dout,
-                (const float*)lse, (const float*)delta, dqkv, t, heads, kv, ld, scale)
-    FA_BY_WIDTH(flash_backward_q, dim3{tiles, (unsigned)(b * heads)}, dim3{128}, qkv, dout,
-                (const float*)lse, (const float*)delta, dqkv, t, heads, kv, ld, scale)
+    FA_BY_KIND(flash_backward_kv, dim3{tiles, (unsigned)(b * kv)}, dim3{128}, qkv, dout,
+               (const float*)lse, (const float*)delta, dqkv, t, heads, kv, ld, scale)
+    FA_BY_KIND(flash_backward_q, dim3{tiles, (unsigned)(b * heads)}, dim3{128}, qkv, dout,
+               (const float*)lse, (const float*)delta, dqkv, t, heads, kv, ld, scale)
 }
 
 }  // extern "C"

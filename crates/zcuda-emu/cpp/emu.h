@@ -67,7 +67,7 @@ inline double __shfl_sync(unsigned, double v, int src, int width) {
     return other;
 }
 
-// attention.cu's tensor-core product, mma.sync.aligned.m16n8k16.row.col
+// attention.cu's tensor-core products: mma.sync.aligned.m16n8k16.row.col
 // .f32.bf16.bf16.f32, c += a·b for one warp: each lane's fragments gathered
 // through memory by PTX's layout (lane l, g = l / 4, q = l % 4: A register r
 // holds row g + 8·(r % 2), columns 2q, 2q+1 (+8 for r ≥ 2), low half first;
@@ -99,6 +99,35 @@ inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
             unsigned aw = emu_mma_a[warp][(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
             unsigned bw = emu_mma_b[warp][col * 4 + (k % 8) / 2][k >= 8];
             sum += emu_bf16_half(aw, k % 2) * emu_bf16_half(bw, k % 2);
+        }
+        out[r] = sum;
+    }
+    emu_warps[warp]->arrive_and_wait();
+    for (int r = 0; r < 4; r++) c[r] += out[r];
+}
+
+// The TF32 form, mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: A
+// register r holds row g + 8·(r % 2), column q (+4 for r ≥ 2); B register r
+// row q + 4·r of column g; C as above. Products of TF32 values are exact in
+// f32; the 8 terms are summed in order, then added to c.
+inline void mma_tf32(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int r = 0; r < 4; r++) emu_mma_a[warp][lane][r] = a[r];
+    emu_mma_b[warp][lane][0] = b0;
+    emu_mma_b[warp][lane][1] = b1;
+    emu_warps[warp]->arrive_and_wait();
+    unsigned g = lane / 4, q = lane % 4;
+    float out[4];
+    for (unsigned r = 0; r < 4; r++) {
+        unsigned row = g + 8 * (r / 2), col = 2 * q + r % 2;
+        float sum = 0.0f;
+        for (unsigned k = 0; k < 8; k++) {
+            unsigned aw = emu_mma_a[warp][(row % 8) * 4 + k % 4][(row >= 8) + 2 * (k >= 4)];
+            unsigned bw = emu_mma_b[warp][col * 4 + k % 4][k >= 4];
+            float av, bv;
+            std::memcpy(&av, &aw, sizeof av);
+            std::memcpy(&bv, &bw, sizeof bv);
+            sum += av * bv;
         }
         out[r] = sum;
     }

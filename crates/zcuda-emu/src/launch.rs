@@ -15,6 +15,7 @@ extern "C" {
         hd: c_int,
         ld: c_int,
         scale: c_float,
+        kind: c_int,
     );
     fn emu_flash_backward(
         qkv: *const c_float,
@@ -30,6 +31,7 @@ extern "C" {
         hd: c_int,
         ld: c_int,
         scale: c_float,
+        kind: c_int,
     );
     fn emu_quantize(
         x: *const c_float,
@@ -862,7 +864,8 @@ pub fn dequantize(scales: &[f32], data: &[u8], n: usize, bits: u32, block_size: 
 
 /// The shape of `attention.cu`'s fused attention: `b` sequences of `t`
 /// rows, `heads` query heads of `hd` (16, 32 or 64) on `kv` key/value heads,
-/// q, k and v side by side in rows of `(heads + 2·kv)·hd`.
+/// q, k and v side by side in rows of `(heads + 2·kv)·hd`; and its kind of
+/// products.
 #[derive(Clone, Copy, Debug)]
 pub struct FlashShape {
     pub b: usize,
@@ -870,6 +873,14 @@ pub struct FlashShape {
     pub heads: usize,
     pub kv: usize,
     pub hd: usize,
+    pub products: FlashProducts,
+}
+
+/// The fused attention's products: bf16 (m16n8k16) or TF32 (m16n8k8).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum FlashProducts {
+    Bf16,
+    Tf32,
 }
 
 impl FlashShape {
@@ -880,6 +891,7 @@ impl FlashShape {
             heads,
             kv,
             hd,
+            ..
         } = *self;
         assert!(
             b > 0 && t > 0 && kv > 0 && heads.is_multiple_of(kv) && [16, 32, 64].contains(&hd),
@@ -893,6 +905,13 @@ impl FlashShape {
 
     fn scale(&self) -> f32 {
         1.0 / (self.hd as f32).sqrt()
+    }
+
+    fn kind(&self) -> c_int {
+        match self.products {
+            FlashProducts::Bf16 => 0,
+            FlashProducts::Tf32 => 1,
+        }
     }
 }
 
@@ -918,6 +937,7 @@ pub fn flash_attention(qkv: &[f32], sh: FlashShape) -> (Vec<f32>, Vec<f32>) {
             int(sh.hd),
             int(ld),
             sh.scale(),
+            sh.kind(),
         )
     };
     (out, lse)
@@ -961,6 +981,7 @@ pub fn flash_attention_backward(
             int(sh.hd),
             int(ld),
             sh.scale(),
+            sh.kind(),
         )
     };
     dqkv

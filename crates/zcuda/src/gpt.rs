@@ -321,6 +321,8 @@ pub struct GptGpu {
     rotary: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// Whether the products multiply bf16 operands ([`GptGpu::use_bf16_products`]).
     bf16_products: bool,
+    /// Whether the f32 products run in TF32 ([`GptGpu::allow_tf32`]).
+    tf32: bool,
     /// Whether attention runs attention.cu's fused kernels
     /// ([`GptGpu::use_fused_attention`]).
     fused_attention: bool,
@@ -366,6 +368,7 @@ impl GptGpu {
             shape,
             rotary,
             bf16_products: false,
+            tf32: false,
             fused_attention: false,
         })
     }
@@ -377,13 +380,7 @@ impl GptGpu {
     /// error on a GPU older than compute capability 8.0, whose tensor cores
     /// have no bf16.
     pub fn use_bf16_products(&mut self) -> Result<(), CudaError> {
-        let cc: u32 = self
-            .gpu
-            .arch()
-            .trim_start_matches("compute_")
-            .parse()
-            .unwrap_or(0);
-        if cc < 80 {
+        if self.compute_capability() < 80 {
             return Err(CudaError::Invalid(format!(
                 "bf16 products need compute capability 8.0 or newer; this GPU is {}",
                 self.gpu.arch()
@@ -398,17 +395,35 @@ impl GptGpu {
         self.bf16_products
     }
 
-    /// Runs attention as attention.cu's fused kernels from now on (after
-    /// [`GptGpu::use_bf16_products`]; head widths 16, 32 and 64): the
-    /// products on the tensor cores with the probabilities never written,
-    /// the masked triangle never multiplied. An error otherwise, naming
-    /// what is missing.
+    /// The GPU's compute capability as major·10 + minor (0 if unknown).
+    fn compute_capability(&self) -> u32 {
+        self.gpu
+            .arch()
+            .trim_start_matches("compute_")
+            .parse()
+            .unwrap_or(0)
+    }
+
+    /// Runs attention as attention.cu's fused kernels from now on, its
+    /// products as the model's: after [`GptGpu::use_bf16_products`] in
+    /// bf16, after [`GptGpu::allow_tf32`] in TF32 (compute capability 8.0
+    /// and newer; head widths 16, 32 and 64): on the tensor cores with the
+    /// probabilities never written, the masked triangle never multiplied.
+    /// An error otherwise, naming what is missing.
     pub fn use_fused_attention(&mut self) -> Result<(), CudaError> {
         let hd = self.shape.head_dim();
-        if !self.bf16_products {
+        if !self.bf16_products && !self.tf32 {
             return Err(CudaError::Invalid(
-                "fused attention multiplies bf16: it needs bf16 products".into(),
+                "fused attention multiplies on the tensor cores: it needs bf16 products \
+                 (train.dtype: bf16) or TF32 (train.allow_tf32: true)"
+                    .into(),
             ));
+        }
+        if self.compute_capability() < 80 {
+            return Err(CudaError::Invalid(format!(
+                "fused attention needs compute capability 8.0 or newer; this GPU is {}",
+                self.gpu.arch()
+            )));
         }
         if ![16, 32, 64].contains(&hd) {
             return Err(CudaError::Invalid(format!(
@@ -437,7 +452,10 @@ impl GptGpu {
             )
         };
         match status {
-            sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => Ok(()),
+            sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => {
+                self.tf32 = true;
+                Ok(())
+            }
             e => Err(CudaError::Invalid(format!("cuBLAS refused TF32: {e:?}"))),
         }
     }
@@ -1473,9 +1491,10 @@ impl GptGpu {
         Ok(dqkv)
     }
 
-    /// The fused kernel `name` for this model's head width.
+    /// The fused kernel `name` for this model's products and head width.
     fn fused_kernel(&self, name: &str) -> &'static str {
-        let want = format!("{name}_{}", self.shape.head_dim());
+        let kind = if self.bf16_products { "bf16" } else { "tf32" };
+        let want = format!("{name}_{kind}_{}", self.shape.head_dim());
         crate::compile::kernel("attention.cu")
             .and_then(|k| k.functions.iter().find(|f| **f == want))
             .expect("use_fused_attention admits widths with kernels")

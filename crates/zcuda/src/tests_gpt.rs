@@ -221,6 +221,18 @@ fn gpu_llama_block_with_fused_attention_matches_the_cpu_model_within_bf16_roundi
     );
 }
 
+#[test]
+fn gpu_block_with_tf32_fused_attention_matches_the_cpu_model_within_tf32_rounding() {
+    // attention.cu's TF32 kernels (m16n8k8, the depth order permuted so that
+    // results feed the next product in registers), the rest in TF32 too.
+    matches_the_cpu_model(
+        "gpu_block_with_tf32_fused_attention_matches_the_cpu_model",
+        serde_json::json!({"ffn_hidden": 160, "seq_len": 100}),
+        Family::Gpt2,
+        Products::Tf32FusedAttention,
+    );
+}
+
 /// How the GPU multiplies in [`matches_the_cpu_model`].
 #[derive(Clone, Copy, PartialEq)]
 enum Products {
@@ -228,13 +240,15 @@ enum Products {
     Bf16,
     /// bf16 products with attention.cu's fused attention.
     Bf16FusedAttention,
+    /// TF32 products with attention.cu's fused attention.
+    Tf32FusedAttention,
 }
 
 /// One block of the model `extra` describes (on top of a small shape, seq
 /// 48 unless `extra` says) on the GPU against the CPU model (f32), the
 /// GPU's products in f32 or in bf16.
 fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, products: Products) {
-    let bf16 = products != Products::F32;
+    let bf16 = matches!(products, Products::Bf16 | Products::Bf16FusedAttention);
     let (vocab, d, heads, b) = (VOCAB, 64usize, 4usize, 3usize);
     let t = extra["seq_len"].as_u64().unwrap_or(48) as usize;
     let mut json = serde_json::json!({
@@ -263,13 +277,24 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
             return;
         }
     }
-    if products == Products::Bf16FusedAttention {
+    if products == Products::Tf32FusedAttention {
+        gpu.allow_tf32().unwrap();
+    }
+    if matches!(
+        products,
+        Products::Bf16FusedAttention | Products::Tf32FusedAttention
+    ) {
         gpu.use_fused_attention()
             .expect("fused attention at head width 16");
     }
     // bf16 operands carry 8 bits: each product moves by about 2^-9 of its
-    // terms, and a block chains a few of them.
-    let bound = if bf16 { 5e-2 } else { BOUND };
+    // terms, and a block chains a few of them; TF32's 11 bits, 2^-12. The
+    // least error says the rounding was on.
+    let (bound, loss_bound, least) = match products {
+        Products::F32 => (BOUND, 1e-6, 0.0),
+        Products::Bf16 | Products::Bf16FusedAttention => (5e-2, 1e-2, 1e-4),
+        Products::Tf32FusedAttention => (1e-2, 2e-3, 1e-6),
+    };
     let tied = spec.tied();
     let layout = model.layout();
     let groups = model.groups();
@@ -349,7 +374,6 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
     }
     check("block dx".into(), gdx, &values(&dx));
     let loss_err = (gloss - hb.loss).abs() / hb.loss.abs();
-    let loss_bound = if bf16 { 1e-2 } else { 1e-6 };
     assert!(loss_err < loss_bound, "loss {gloss} against {}", hb.loss);
     eprintln!(
         "GPU{} against CPU (relative error):\n  {}",
@@ -357,15 +381,14 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
             Products::F32 => "",
             Products::Bf16 => " with bf16 products",
             Products::Bf16FusedAttention => " with bf16 products and fused attention",
+            Products::Tf32FusedAttention => " with TF32 products and fused attention",
         },
         report.join("\n  ")
     );
-    if bf16 {
-        assert!(
-            worst > 1e-4,
-            "bf16 products within f32's rounding: were they on?"
-        );
-    }
+    assert!(
+        worst >= least,
+        "products within f32's rounding ({worst:.2e}): were bf16 or TF32 on?"
+    );
 
     let second = run();
     assert!(first == second, "the GPU's second run changed bits");
