@@ -66,35 +66,32 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
 }
 
 #ifndef ZRUN_CPU_EMULATION
-// c += a · b on the tensor cores: a 16×16 bf16 (row), b 16×8 bf16 (col),
-// c 16×8 f32, in PTX's fragment layout for lane l, g = l / 4, q = l % 4:
-// a[r] holds row g + 8·(r % 2), columns 2q, 2q+1 (+ 8 for r ≥ 2); b0 rows
-// 2q, 2q+1 and b1 rows 2q+8, 2q+9 of column g; c[r] row g + 8·(r / 2),
-// column 2q + r % 2. (The CPU emulation brings its own.)
-__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+// c += a · b on the tensor cores, one warp's mma.sync of the form given,
+// accumulating in place (before compute capability 8.0, which has neither
+// form, a trap: GptGpu refuses fused attention there).
 #if __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#define FA_MMA(form)                                                           \
+    asm volatile("mma.sync.aligned." form                                      \
+                 " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"    \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])              \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 #else
-    __trap();
+#define FA_MMA(form) __trap()
 #endif
+
+// a 16×16 bf16 (row), b 16×8 bf16 (col), c 16×8 f32, in PTX's fragment
+// layout for lane l, g = l / 4, q = l % 4: a[r] holds row g + 8·(r % 2),
+// columns 2q, 2q+1 (+ 8 for r ≥ 2); b0 rows 2q, 2q+1 and b1 rows 2q+8,
+// 2q+9 of column g; c[r] row g + 8·(r / 2), column 2q + r % 2. (The CPU
+// emulation brings its own.)
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    FA_MMA("m16n8k16.row.col.f32.bf16.bf16.f32");
 }
 
 // The same for TF32, m16n8k8: a[r] holds row g + 8·(r % 2), column q (+ 4
 // for r ≥ 2); b0 row q and b1 row q + 4 of column g; c as above.
 __device__ __forceinline__ void mma_tf32(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    __trap();
-#endif
+    FA_MMA("m16n8k8.row.col.f32.tf32.tf32.f32");
 }
 #endif
 

@@ -84,7 +84,11 @@ inline float emu_bf16_half(unsigned word, unsigned high) {
     return f;
 }
 
-inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+// c += a·b for one warp at depth K: every lane's registers gathered, then
+// each lane's four results from `a_at(warp, row, k)` and `b_at(warp, k,
+// col)`, which read an element where the form's layout puts it.
+template <unsigned K, class A, class B>
+inline void emu_mma(float* c, const unsigned* a, unsigned b0, unsigned b1, A a_at, B b_at) {
     unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (int r = 0; r < 4; r++) emu_mma_a[warp][lane][r] = a[r];
     emu_mma_b[warp][lane][0] = b0;
@@ -95,15 +99,23 @@ inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     for (unsigned r = 0; r < 4; r++) {
         unsigned row = g + 8 * (r / 2), col = 2 * q + r % 2;
         float sum = 0.0f;
-        for (unsigned k = 0; k < 16; k++) {
-            unsigned aw = emu_mma_a[warp][(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)];
-            unsigned bw = emu_mma_b[warp][col * 4 + (k % 8) / 2][k >= 8];
-            sum += emu_bf16_half(aw, k % 2) * emu_bf16_half(bw, k % 2);
-        }
+        for (unsigned k = 0; k < K; k++) sum += a_at(warp, row, k) * b_at(warp, k, col);
         out[r] = sum;
     }
     emu_warps[warp]->arrive_and_wait();
     for (int r = 0; r < 4; r++) c[r] += out[r];
+}
+
+inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    emu_mma<16>(
+        c, a, b0, b1,
+        [](unsigned warp, unsigned row, unsigned k) {
+            return emu_bf16_half(emu_mma_a[warp][(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)],
+                                 k % 2);
+        },
+        [](unsigned warp, unsigned k, unsigned col) {
+            return emu_bf16_half(emu_mma_b[warp][col * 4 + (k % 8) / 2][k >= 8], k % 2);
+        });
 }
 
 // The TF32 form, mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: A
@@ -111,28 +123,17 @@ inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
 // row q + 4·r of column g; C as above. Products of TF32 values are exact in
 // f32; the 8 terms are summed in order, then added to c.
 inline void mma_tf32(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    for (int r = 0; r < 4; r++) emu_mma_a[warp][lane][r] = a[r];
-    emu_mma_b[warp][lane][0] = b0;
-    emu_mma_b[warp][lane][1] = b1;
-    emu_warps[warp]->arrive_and_wait();
-    unsigned g = lane / 4, q = lane % 4;
-    float out[4];
-    for (unsigned r = 0; r < 4; r++) {
-        unsigned row = g + 8 * (r / 2), col = 2 * q + r % 2;
-        float sum = 0.0f;
-        for (unsigned k = 0; k < 8; k++) {
-            unsigned aw = emu_mma_a[warp][(row % 8) * 4 + k % 4][(row >= 8) + 2 * (k >= 4)];
-            unsigned bw = emu_mma_b[warp][col * 4 + k % 4][k >= 4];
-            float av, bv;
-            std::memcpy(&av, &aw, sizeof av);
-            std::memcpy(&bv, &bw, sizeof bv);
-            sum += av * bv;
-        }
-        out[r] = sum;
-    }
-    emu_warps[warp]->arrive_and_wait();
-    for (int r = 0; r < 4; r++) c[r] += out[r];
+    auto f32 = [](unsigned bits) {
+        float f;
+        std::memcpy(&f, &bits, sizeof f);
+        return f;
+    };
+    emu_mma<8>(
+        c, a, b0, b1,
+        [&](unsigned warp, unsigned row, unsigned k) {
+            return f32(emu_mma_a[warp][(row % 8) * 4 + k % 4][(row >= 8) + 2 * (k >= 4)]);
+        },
+        [&](unsigned warp, unsigned k, unsigned col) { return f32(emu_mma_b[warp][col * 4 + k % 4][k >= 4]); });
 }
 
 // Each operation rounded on its own, as the _rn intrinsics (no contraction:

@@ -107,10 +107,15 @@ fn every_kernel_assembles_with_ptxas_for_ampere_and_hopper() {
                 .unwrap_or_else(|e| panic!("{e}"))
                 .ptx;
             if k.name == "attention.cu" {
-                assert!(
-                    ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"),
-                    "attention.cu for sm_{sm}: no bf16 mma"
-                );
+                for form in [
+                    "m16n8k16.row.col.f32.bf16.bf16.f32",
+                    "m16n8k8.row.col.f32.tf32.tf32.f32",
+                ] {
+                    assert!(
+                        ptx.contains(&format!("mma.sync.aligned.{form}")),
+                        "attention.cu for sm_{sm}: no mma {form}"
+                    );
+                }
             }
             let src = dir.path().join(format!("{}.{sm}.ptx", k.name));
             std::fs::write(&src, &ptx).unwrap();
