@@ -100,35 +100,57 @@ fn reference(qkv: &[f32], dout: &[f32], sh: FlashShape) -> (Vec<f64>, Vec<f64>, 
     (out, lse, dqkv)
 }
 
-/// For each kind of products: one tile and a partial one (t = 80), more
-/// than two tiles with grouped heads (t = 130, 4 on 2), a whole tile at head
-/// width 64 with every query head on one key/value head, and a sequence
-/// shorter than a warp's rows.
-fn shapes() -> Vec<FlashShape> {
-    let shape = |b, t, heads, kv, hd, products| FlashShape {
-        b,
-        t,
-        heads,
-        kv,
-        hd,
-        products,
-    };
-    [FlashProducts::Bf16, FlashProducts::Tf32]
-        .into_iter()
-        .flat_map(|p| {
-            [
-                shape(2, 80, 3, 3, 16, p),
-                shape(1, 130, 4, 2, 32, p),
-                shape(2, 64, 2, 1, 64, p),
-                shape(1, 5, 2, 2, 16, p),
-            ]
+/// One tile and a partial one (t = 80), more than two tiles with grouped
+/// heads (t = 130, 4 on 2), a whole tile at head width 64 with every query
+/// head on one key/value head, and a sequence shorter than a warp's rows;
+/// `which` picks among them (the emulation runs a block's 128 threads as
+/// OS threads, two barriers a product: seconds a shape).
+fn shapes(products: FlashProducts, which: &[usize]) -> Vec<FlashShape> {
+    let all = [
+        (2, 80, 3, 3, 16),
+        (1, 130, 4, 2, 32),
+        (2, 64, 2, 1, 64),
+        (1, 5, 2, 2, 16),
+    ];
+    which
+        .iter()
+        .map(|&i| {
+            let (b, t, heads, kv, hd) = all[i];
+            FlashShape {
+                b,
+                t,
+                heads,
+                kv,
+                hd,
+                products,
+            }
         })
         .collect()
 }
 
+/// Every shape in bf16; in TF32 (the same kernels but for how fragments
+/// are made) grouped heads over three tiles and the short sequence.
+fn reference_shapes() -> Vec<FlashShape> {
+    [
+        shapes(FlashProducts::Bf16, &[0, 1, 2, 3]),
+        shapes(FlashProducts::Tf32, &[1, 3]),
+    ]
+    .concat()
+}
+
+/// The layout's oracle needs fewer: grouped heads over three tiles and head
+/// width 64 in bf16, two tiles in TF32.
+fn model_shapes() -> Vec<FlashShape> {
+    [
+        shapes(FlashProducts::Bf16, &[1, 2]),
+        shapes(FlashProducts::Tf32, &[0]),
+    ]
+    .concat()
+}
+
 #[test]
 fn fused_attention_matches_an_f64_reference_of_its_rounded_operands() {
-    for (n, sh) in shapes().into_iter().enumerate() {
+    for (n, sh) in reference_shapes().into_iter().enumerate() {
         let ld = (sh.heads + 2 * sh.kv) * sh.hd;
         let qkv = wave(sh.b * sh.t * ld, 2 * n as u32);
         let dout = wave(sh.b * sh.t * sh.heads * sh.hd, 2 * n as u32 + 1);
@@ -141,8 +163,8 @@ fn fused_attention_matches_an_f64_reference_of_its_rounded_operands() {
         eprintln!("{sh:?}: out {e_out:.2e}, lse {e_lse:.2e}, dqkv {e_dqkv:.2e}");
         // The probabilities and their gradient rounded as operands (bf16:
         // 2⁻⁹ relative each; TF32: 2⁻¹²). The emulation measured, bf16:
-        // 0.6-0.9e-3 (out) and 1.9-2.3e-3 (dqkv); TF32: 0.5-1.2e-4 and
-        // 2.4-3.3e-4; the log-sum-exp is f32 throughout (3-4e-8).
+        // 0.6-0.9e-3 (out) and 1.9-2.3e-3 (dqkv); TF32: 0.7-1.2e-4 and
+        // 2.4-3.3e-4; the log-sum-exp is f32 throughout (3-5e-8).
         let (out_bound, dqkv_bound) = match sh.products {
             FlashProducts::Bf16 => (2.5e-3, 5e-3),
             FlashProducts::Tf32 => (3e-4, 8e-4),
@@ -155,7 +177,7 @@ fn fused_attention_matches_an_f64_reference_of_its_rounded_operands() {
 
 #[test]
 fn fused_attention_is_the_cpu_models_attention() {
-    for (n, sh) in shapes().into_iter().enumerate() {
+    for (n, sh) in model_shapes().into_iter().enumerate() {
         let ld = (sh.heads + 2 * sh.kv) * sh.hd;
         let qkv = wave(sh.b * sh.t * ld, 10 + n as u32);
         let dout = wave(sh.b * sh.t * sh.heads * sh.hd, 20 + n as u32);
@@ -185,8 +207,8 @@ fn fused_attention_is_the_cpu_models_attention() {
         let e_dqkv = rel_err("dqkv", &dqkv, &f64s(&want_d));
         eprintln!("{sh:?} against the CPU model: out {e_out:.2e}, dqkv {e_dqkv:.2e}");
         // q, k, v and dout rounded too, as the GPU's unfused products round
-        // them: measured 2.4-2.7e-3 (out) and 3.5-3.8e-3 (dqkv) in bf16,
-        // 2.4-3.6e-4 and 3.7-4.7e-4 in TF32.
+        // them: measured 2.6-2.7e-3 (out) and 3.7-3.9e-3 (dqkv) in bf16,
+        // 3.3e-4 and 4.8e-4 in TF32.
         let (out_bound, dqkv_bound) = match sh.products {
             FlashProducts::Bf16 => (8e-3, 1e-2),
             FlashProducts::Tf32 => (1e-3, 1.5e-3),
