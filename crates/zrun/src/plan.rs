@@ -204,6 +204,10 @@ pub fn check_device(
     if let Some(why) = spec.gpu_unsupported() {
         return Err(Failure::bad_input(format!("device: cuda: {why}")));
     }
+    let attention = std::env::var("ZRUN_GPU_ATTENTION").ok();
+    if let Some(why) = fused_attention_refused(spec, attention.as_deref()) {
+        return Err(Failure::bad_input(why));
+    }
     if launcher == Launcher::Ssh {
         return Ok(());
     }
@@ -211,6 +215,36 @@ pub fn check_device(
     local_gpus(worker_bin, nccl)
         .map(|_| ())
         .map_err(|why| Failure::bad_input(format!("device: cuda: {why}")))
+}
+
+/// Why `ZRUN_GPU_ATTENTION` (the fused attention's opt-in, read by local
+/// workers, which inherit zrun's environment) cannot run this job, if it
+/// cannot: a value other than `fused` or `unfused`, or `fused` without
+/// tensor-core products (bf16, or TF32) or at a head width the kernels lack.
+fn fused_attention_refused(spec: &JobSpec, value: Option<&str>) -> Option<String> {
+    match value {
+        None | Some("unfused") => None,
+        Some("fused") => {
+            let hd = spec.model.d_model / spec.model.n_heads.max(1);
+            if spec.train.dtype != zconfig::spec::Dtype::Bf16 && !spec.train.allow_tf32 {
+                Some(
+                    "ZRUN_GPU_ATTENTION=fused multiplies on the tensor cores: set \
+                     train.dtype: bf16 or train.allow_tf32: true"
+                        .into(),
+                )
+            } else if ![16, 32, 64].contains(&hd) {
+                Some(format!(
+                    "ZRUN_GPU_ATTENTION=fused has kernels for head widths 16, 32 and 64; \
+                     model.d_model / model.n_heads is {hd}"
+                ))
+            } else {
+                None
+            }
+        }
+        Some(other) => Some(format!(
+            "ZRUN_GPU_ATTENTION = `{other}`: use fused or unfused"
+        )),
+    }
 }
 
 /// The GPUs the zworker at `worker_bin` can train on here (with NCCL, if
@@ -595,13 +629,48 @@ mod tests {
     }
 
     fn job(dir: &std::path::Path, device: &str) -> JobSpec {
+        job_with(dir, device, &[])
+    }
+
+    fn job_with(dir: &std::path::Path, device: &str, sets: &[&str]) -> JobSpec {
         let p = dir.join(format!("{device}.yaml"));
         std::fs::write(
             &p,
             format!("model: {{d_model: 32, n_heads: 4}}\ndata: {{format: synthetic}}\ndevice: {device}\n"),
         )
         .unwrap();
-        zconfig::load::load_job(&p, &[]).unwrap().spec
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        zconfig::load::load_job(&p, &sets).unwrap().spec
+    }
+
+    #[test]
+    fn the_fused_attention_opt_in_is_refused_where_it_cannot_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let refused = |sets: &[&str], value: Option<&str>| {
+            fused_attention_refused(&job_with(dir.path(), "cuda", sets), value)
+        };
+        let (bf16, tf32, heads16) = (
+            "train.dtype=bf16",
+            "train.allow_tf32=true",
+            "model.n_heads=2",
+        );
+        assert_eq!(refused(&[bf16, heads16], Some("fused")), None);
+        assert_eq!(refused(&[tf32, heads16], Some("fused")), None);
+        assert_eq!(refused(&[], None), None);
+        assert_eq!(refused(&[], Some("unfused")), None);
+        let why = refused(&[heads16], Some("fused")).unwrap();
+        assert!(
+            why.contains("train.dtype: bf16 or train.allow_tf32"),
+            "{why}"
+        );
+        // d_model 32 on 4 heads: width 8.
+        let why = refused(&[bf16], Some("fused")).unwrap();
+        assert!(
+            why.contains("head widths 16, 32 and 64") && why.ends_with("is 8"),
+            "{why}"
+        );
+        let why = refused(&[bf16, heads16], Some("flash")).unwrap();
+        assert_eq!(why, "ZRUN_GPU_ATTENTION = `flash`: use fused or unfused");
     }
 
     fn launch(args: &[&str]) -> LaunchArgs {
