@@ -3,7 +3,7 @@
 # a GPU and packs it, stripped, into one folder to carry to the GPU host: zrun
 # and zworker built with the `cuda` feature, and the test executables that
 # hold the GPU to its oracles (zcuda's kernels and model, zengine's optimizer
-# kernels, tests/gpu.rs's training runs). About 60 MB; the GPU host then
+# kernels, tests/gpu.rs's training runs). About 25 MB; the GPU host then
 # needs no Rust toolchain and no build time (its device minutes are few).
 #
 #   scripts/gpu-pack.sh [DIR]      # default .gpu (ignored by git)
