@@ -1412,7 +1412,7 @@ impl GptGpu {
         let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
         l.arg(&qkv).arg(&mut out).arg(&mut lse);
         args.push(&mut l);
-        // SAFETY: flash_forward_<hd>(qkv, out, lse, t, heads, kv, ld,
+        // SAFETY: flash_forward_<kind>_<hd>(qkv, out, lse, t, heads, kv, ld,
         // scale): b·t rows of ld in qkv (checked above), b·t·d values in
         // out and b·heads·t in lse (allocated above); the grid covers
         // ⌈t/64⌉ tiles of b·heads heads, blocks of 128 threads as the
@@ -1480,7 +1480,7 @@ impl GptGpu {
             let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
             l.arg(qkv).arg(datt).arg(lse).arg(&delta).arg(&mut dqkv);
             args.push(&mut l);
-            // SAFETY: flash_backward_{kv,q}_<hd>(qkv, dout, lse, delta,
+            // SAFETY: flash_backward_{kv,q}_<kind>_<hd>(qkv, dout, lse, delta,
             // dqkv, t, heads, kv, ld, scale): qkv and dqkv b·t rows of ld,
             // dout b·t rows of d, lse and delta b·heads·t values (the
             // forward's and above); the kv kernel's grid covers the
