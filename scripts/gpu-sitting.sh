@@ -36,26 +36,31 @@ if [ "$what" != time ]; then
   fi
   export ZRUN_REQUIRE_GPU=1
   echo "== GPU tests"
-  (cd crates/zcuda && "$dir/release/deps/zcuda" --nocapture)
-  (cd crates/zengine && "$dir/release/deps/zengine" --nocapture adam:: gpu::)
-  (cd tests && "$dir/release/deps/gpu" --nocapture)
+  # Each executable runs even when one before it failed (device minutes are
+  # few); the sitting fails at the end if any did.
+  failed=()
+  (cd crates/zcuda && "$dir/release/deps/zcuda" --nocapture) || failed+=(zcuda)
+  (cd crates/zengine && "$dir/release/deps/zengine" --nocapture adam:: gpu::) || failed+=(zengine)
+  (cd tests && "$dir/release/deps/gpu" --nocapture) || failed+=(gpu)
+  [ ${#failed[@]} -eq 0 ] || echo "== GPU tests FAILED in: ${failed[*]}"
 fi
-[ "$what" = tests ] && exit 0
+[ "$what" = tests ] && exit ${#failed[@]}
 
-median() { # metrics file: the median step_ms of steps 4-12
+median() { # metrics file: the median step_ms of steps 4-12, their range, the last loss
   python3 -c 'import json, statistics, sys
-ms = [json.loads(l)["step_ms"] for l in open(sys.argv[1]) if "\"step_ms\"" in l]
-print(f"{statistics.median(ms[3:12]):.1f}")' "$1"
+rows = [json.loads(l) for l in open(sys.argv[1]) if "\"step_ms\"" in l]
+ms, loss = [r["step_ms"] for r in rows][3:12], rows[-1]["loss"]
+print(f"{statistics.median(ms):.1f} ms ({min(ms):.1f}-{max(ms):.1f}), loss {loss:.4f}")' "$1"
 }
 out=$(mktemp -d)
 zrun_step() { # label shape-sets... : one run of 12 steps, its median step
   local label=$1; shift
-  local sets=()
-  for s in "$@"; do sets+=(--set "$s"); done
+  local sets=() set
+  for set in "$@"; do sets+=(--set "$set"); done
   "$dir/release/zrun" train configs/gpt-anchor.yaml --metrics "$out/$label.jsonl" --no-progress \
     --workers-per-node 1 --set device=cuda --set train.steps=12 "${sets[@]}" > "$out/$label.log" 2>&1 \
     || { echo "$label failed:"; tail -5 "$out/$label.log"; return 0; }
-  echo "$label: $(median "$out/$label.jsonl") ms"
+  echo "$label: $(median "$out/$label.jsonl")"
 }
 torch_step() { # label env...: PyTorch eager's median step
   python3 -c 'import torch' 2>/dev/null || { echo "$1: no torch here"; return 0; }

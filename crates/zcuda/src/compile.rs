@@ -243,7 +243,8 @@ fn cache_key(src: &KernelSource, options: &[String]) -> String {
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn nvrtc_version() -> String {
+/// NVRTC's version, `major.minor` (CUDA 13's NVRTC no longer targets Volta).
+pub(crate) fn nvrtc_version() -> String {
     let (mut major, mut minor) = (0, 0);
     // SAFETY: NVRTC is loadable (checked by the caller); nvrtcVersion writes
     // two ints through the pointers it is given.
