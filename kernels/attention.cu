@@ -57,6 +57,42 @@ __device__ __forceinline__ unsigned pair_bf16(const unsigned short* p, int strid
     return (unsigned)p[0] | ((unsigned)p[stride] << 16);
 }
 
+// Four adjacent f32 of global memory (16-byte aligned) in one load.
+struct Quad {
+    float x, y, z, w;
+};
+
+__device__ __forceinline__ Quad load_quad(const float* p) {
+#ifdef ZRUN_CPU_EMULATION
+    Quad v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+#else
+    float4 v = *(const float4*)p;
+    return Quad{v.x, v.y, v.z, v.w};
+#endif
+}
+
+// Two 32-bit words to shared memory (8-byte aligned) in one store, and four
+// (16-byte aligned).
+__device__ __forceinline__ void store_words(void* p, unsigned a, unsigned b) {
+#ifdef ZRUN_CPU_EMULATION
+    unsigned v[2] = {a, b};
+    std::memcpy(p, v, sizeof v);
+#else
+    *(uint2*)p = make_uint2(a, b);
+#endif
+}
+
+__device__ __forceinline__ void store_words(void* p, unsigned a, unsigned b, unsigned c, unsigned d) {
+#ifdef ZRUN_CPU_EMULATION
+    unsigned v[4] = {a, b, c, d};
+    std::memcpy(p, v, sizeof v);
+#else
+    *(uint4*)p = make_uint4(a, b, c, d);
+#endif
+}
+
 // f32 rounded to TF32 (10 significand bits; to nearest, ties away from
 // zero, as cvt.rna.tf32.f32) as f32 bits; infinities and NaN as they are.
 __device__ __forceinline__ unsigned to_tf32(float x) {
@@ -101,8 +137,9 @@ __device__ __forceinline__ void mma_tf32(float* c, const unsigned* a, unsigned b
 // runs along a tile row (`row` at the step's first column; the scores'
 // Q·Kᵀ). b_keys: those of a step over keys (or query rows) whose depth runs
 // down a row-major tile (`col` at the step's first row, rows `stride`
-// apart) or along a column-major one (stride 1). a_from_c: the a registers
-// of depth step ks from a result fragment over FA_KEYS columns.
+// apart). a_from_c: the a registers of depth step ks from a result
+// fragment over FA_KEYS columns. store4: four rounded values of a tile row
+// in one store.
 struct Bf16 {
     static constexpr int K = 16;
     typedef unsigned short Elem;
@@ -130,6 +167,9 @@ struct Bf16 {
     }
     static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
         mma_bf16(c, a, b0, b1);
+    }
+    static __device__ __forceinline__ void store4(Elem* p, Quad v) {
+        store_words(p, pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
     }
 };
 
@@ -159,6 +199,9 @@ struct Tf32 {
     }
     static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
         mma_tf32(c, a, b0, b1);
+    }
+    static __device__ __forceinline__ void store4(Elem* p, Quad v) {
+        store_words(p, to_tf32(v.x), to_tf32(v.y), to_tf32(v.z), to_tf32(v.w));
     }
 };
 
@@ -198,50 +241,77 @@ __device__ __forceinline__ void load_a(unsigned (&a)[HD / M::K][4], const float*
     }
 }
 
-// FA_KEYS rows × HD from column `col` of `rows` (rows from r0; past t
-// zeros) into shared memory, rounded: row-major with rows of HD + 8 (the
-// padding spreads a fragment's reads over the banks), and with `trans`
-// also column-major with columns of FA_KEYS + 8.
-template <class M, int HD>
-__device__ __forceinline__ void load_tile(typename M::Elem* tile, typename M::Elem* trans,
-                                          const float* rows, int ld, int col, int r0, int t) {
-    for (int i = threadIdx.x; i < FA_KEYS * HD / 2; i += blockDim.x) {
-        int r = i / (HD / 2), c = (i % (HD / 2)) * 2;
-        float lo = 0.0f, hi = 0.0f;
-        if (r0 + r < t) {
-            const float* p = rows + (unsigned long long)(r0 + r) * ld + col + c;
-            lo = p[0];
-            hi = p[1];
-        }
-        typename M::Elem l = M::elem(lo), h = M::elem(hi);
-        if (tile) {
-            tile[r * (HD + 8) + c] = l;
-            tile[r * (HD + 8) + c + 1] = h;
-        }
-        if (trans) {
-            trans[c * (FA_KEYS + 8) + r] = l;
-            trans[(c + 1) * (FA_KEYS + 8) + r] = h;
-        }
+// A tile of FA_KEYS rows × HD f32 from column `col` of `rows` (rows of
+// `ld` from r0; rows at or past t zeros), held in a block's registers on
+// its way to shared memory: thread i holds the 16-byte pieces i, i +
+// FA_THREADS, ... in row-major order. Every load of a tile is issued
+// before the first is used (the trip count is a constant, so the loop
+// unrolls): one trip to memory a tile, not one a piece. Needs `rows`, ld
+// and col 16-byte aligned (whole allocations, widths of multiples of 16).
+template <int HD>
+struct TileLoad {
+    Quad piece[FA_KEYS * HD / 4 / FA_THREADS];
+};
+
+template <int HD>
+__device__ __forceinline__ void fetch_tile(TileLoad<HD>& f, const float* rows, int ld, int col, int r0,
+                                           int t) {
+#pragma unroll
+    for (int j = 0; j < FA_KEYS * HD / 4 / FA_THREADS; j++) {
+        int i = threadIdx.x + j * FA_THREADS, r = i / (HD / 4), c = i % (HD / 4) * 4;
+        f.piece[j] = r0 + r < t ? load_quad(rows + (unsigned long long)(r0 + r) * ld + col + c)
+                                : Quad{0.0f, 0.0f, 0.0f, 0.0f};
     }
 }
 
+// The fetched tile, rounded, into shared memory, row-major with rows of HD
+// + 8 (the padding spreads a fragment's reads over the banks).
+template <class M, int HD>
+__device__ __forceinline__ void stash_tile(typename M::Elem* tile, const TileLoad<HD>& f) {
+#pragma unroll
+    for (int j = 0; j < FA_KEYS * HD / 4 / FA_THREADS; j++) {
+        int i = threadIdx.x + j * FA_THREADS, r = i / (HD / 4), c = i % (HD / 4) * 4;
+        M::store4(tile + r * (HD + 8) + c, f.piece[j]);
+    }
+}
+
+// Two tiles from memory into shared memory, both fetched before either is
+// stored, between the barriers that guard them (the first: the last
+// tiles' readers are done); `also` stores whatever else the block shares
+// beside them.
+template <class M, int HD, class Also>
+__device__ __forceinline__ void load_tiles(typename M::Elem* a, const float* a_rows, int a_ld,
+                                           int a_col, typename M::Elem* b, const float* b_rows,
+                                           int b_ld, int b_col, int r0, int t, Also also) {
+    TileLoad<HD> fa, fb;
+    fetch_tile<HD>(fa, a_rows, a_ld, a_col, r0, t);
+    fetch_tile<HD>(fb, b_rows, b_ld, b_col, r0, t);
+    __syncthreads();
+    stash_tile<M, HD>(a, fa);
+    stash_tile<M, HD>(b, fb);
+    also();
+    __syncthreads();
+}
+
 // s = a · tileᵀ for a warp's 16 rows against the tile's FA_KEYS rows (tile
-// row-major, rows of HD + 8): n-tiles of 8 columns at or past `span` are
-// skipped and left at -inf.
+// row-major, rows of HD + 8). Every column is multiplied, masked ones too
+// (the callers mask): the 8 column groups are then independent products
+// the tensor cores overlap, where skipping some would branch between them.
 template <class M, int HD>
 __device__ __forceinline__ void scores(float (&s)[FA_KEYS / 8][4], const unsigned (&a)[HD / M::K][4],
-                                       const typename M::Elem* tile, int span) {
+                                       const typename M::Elem* tile) {
     int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
     for (int nt = 0; nt < FA_KEYS / 8; nt++) {
 #pragma unroll
-        for (int r = 0; r < 4; r++) s[nt][r] = nt * 8 < span ? 0.0f : FA_NEG_INF;
-        if (nt * 8 >= span) continue;
-        const typename M::Elem* row = tile + (nt * 8 + g) * (HD + 8);
+        for (int r = 0; r < 4; r++) s[nt][r] = 0.0f;
+    }
 #pragma unroll
-        for (int kk = 0; kk < HD / M::K; kk++) {
+    for (int kk = 0; kk < HD / M::K; kk++) {
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
             unsigned b0, b1;
-            M::b_row(row + kk * M::K, q, b0, b1);
+            M::b_row(tile + (nt * 8 + g) * (HD + 8) + kk * M::K, q, b0, b1);
             M::mma(s[nt], a[kk], b0, b1);
         }
     }
@@ -249,10 +319,9 @@ __device__ __forceinline__ void scores(float (&s)[FA_KEYS / 8][4], const unsigne
 
 // acc += p · tile for p, 16 rows × FA_KEYS in the C layout of `scores`
 // (rounded here as the product's operand), against the tile's FA_KEYS rows
-// × HD, given column-major (TRANS: columns of FA_KEYS + 8) or row-major
-// (rows of HD + 8). Depth steps at or past `span` are skipped (p is 0
-// there).
-template <class M, int HD, bool TRANS>
+// × HD (row-major, rows of HD + 8). Depth steps at or past `span` are
+// skipped (p is 0 there).
+template <class M, int HD>
 __device__ __forceinline__ void times_tile(float (&acc)[HD / 8][4], const float (&p)[FA_KEYS / 8][4],
                                            const typename M::Elem* tile, int span) {
     int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
@@ -264,11 +333,7 @@ __device__ __forceinline__ void times_tile(float (&acc)[HD / 8][4], const float 
 #pragma unroll
         for (int nt = 0; nt < HD / 8; nt++) {
             unsigned b0, b1;
-            if (TRANS) {
-                M::b_keys(tile + (nt * 8 + g) * (FA_KEYS + 8) + ks * M::K, 1, q, b0, b1);
-            } else {
-                M::b_keys(tile + ks * M::K * (HD + 8) + nt * 8 + g, HD + 8, q, b0, b1);
-            }
+            M::b_keys(tile + ks * M::K * (HD + 8) + nt * 8 + g, HD + 8, q, b0, b1);
             M::mma(acc[nt], a, b0, b1);
         }
     }
@@ -299,7 +364,7 @@ __device__ __forceinline__ void store_rows(float* out, int ld, int col, int r0, 
 template <class M, int HD>
 __device__ void fa_forward(const float* qkv, float* out, float* lse, FaShape sh) {
     __shared__ __align__(16) typename M::Elem k_tile[FA_KEYS * (HD + 8)];
-    __shared__ __align__(16) typename M::Elem v_trans[HD * (FA_KEYS + 8)];
+    __shared__ __align__(16) typename M::Elem v_tile[FA_KEYS * (HD + 8)];
     int warp = threadIdx.x / FA_WARP, lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
     int bh = blockIdx.y, s = bh / sh.heads, h = bh % sh.heads, kvh = h / (sh.heads / sh.kv);
     int d = sh.heads * HD, k_col = d + kvh * HD, v_col = d + (sh.kv + kvh) * HD;
@@ -311,15 +376,12 @@ __device__ void fa_forward(const float* qkv, float* out, float* lse, FaShape sh)
     float m[2] = {FA_NEG_INF, FA_NEG_INF}, l[2] = {0.0f, 0.0f};
     int keys = min(sh.t, (int)(blockIdx.x + 1) * FA_ROWS);
     for (int k0 = 0; k0 < keys; k0 += FA_KEYS) {
-        __syncthreads();
-        load_tile<M, HD>(k_tile, nullptr, rows, sh.ld, k_col, k0, sh.t);
-        load_tile<M, HD>(nullptr, v_trans, rows, sh.ld, v_col, k0, sh.t);
-        __syncthreads();
+        load_tiles<M, HD>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t, [] {});
         // Keys this warp's rows can see in the tile: k0 .. q0 + 15.
         int span = min(FA_KEYS, q0 + 16 - k0);
         if (span <= 0) continue;
         float sc[FA_KEYS / 8][4];
-        scores<M, HD>(sc, qa, k_tile, span);
+        scores<M, HD>(sc, qa, k_tile);
         float mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int nt = 0; nt < FA_KEYS / 8; nt++) {
@@ -354,7 +416,7 @@ __device__ void fa_forward(const float* qkv, float* out, float* lse, FaShape sh)
 #pragma unroll
             for (int r = 0; r < 4; r++) acc[nt][r] *= corr[r / 2];
         }
-        times_tile<M, HD, true>(acc, sc, v_trans, span);
+        times_tile<M, HD>(acc, sc, v_tile, span);
     }
     float sum_lo = quad_sum(l[0]), sum_hi = quad_sum(l[1]);
     store_rows<HD>(out + (unsigned long long)s * sh.t * d, d, h * HD, q0, sh.t, acc, 1.0f / sum_lo,
@@ -439,23 +501,28 @@ __device__ void fa_backward_kv(const float* qkv, const float* dout, const float*
         const float* head_lse = lse + (unsigned long long)(s * sh.heads + h) * sh.t;
         const float* head_delta = delta + (unsigned long long)(s * sh.heads + h) * sh.t;
         for (int r0 = k0; r0 < sh.t; r0 += FA_KEYS) {
-            __syncthreads();
-            load_tile<M, HD>(q_tile, nullptr, rows, sh.ld, h * HD, r0, sh.t);
-            load_tile<M, HD>(do_tile, nullptr, drows, d, h * HD, r0, sh.t);
-            for (int i = threadIdx.x; i < FA_KEYS; i += blockDim.x) {
-                bool in = r0 + i < sh.t;
-                lse_tile[i] = in ? head_lse[r0 + i] : 0.0f;
-                delta_tile[i] = in ? head_delta[r0 + i] : 0.0f;
+            // The tile's rows' log-sum-exp and delta, fetched with the tiles.
+            int i = threadIdx.x;
+            float row_lse = 0.0f, row_delta = 0.0f;
+            if (i < FA_KEYS && r0 + i < sh.t) {
+                row_lse = head_lse[r0 + i];
+                row_delta = head_delta[r0 + i];
             }
-            __syncthreads();
+            load_tiles<M, HD>(q_tile, rows, sh.ld, h * HD, do_tile, drows, d, h * HD, r0, sh.t,
+                              [&] {
+                                  if (i < FA_KEYS) {
+                                      lse_tile[i] = row_lse;
+                                      delta_tile[i] = row_delta;
+                                  }
+                              });
             float st[FA_KEYS / 8][4], dpt[FA_KEYS / 8][4];
             // Sᵀ = K · Qᵀ and dPᵀ = V · dOᵀ, 16 keys × 64 query rows.
-            scores<M, HD>(st, ka, q_tile, FA_KEYS);
-            scores<M, HD>(dpt, va, do_tile, FA_KEYS);
+            scores<M, HD>(st, ka, q_tile);
+            scores<M, HD>(dpt, va, do_tile);
             probs_and_grads(st, dpt, kw, r0, true, sh.t, sh.scale, lse_tile, delta_tile, r0);
             // dV += Pᵀ · dO, dK += dSᵀ · Q (row-major tiles).
-            times_tile<M, HD, false>(dv, st, do_tile, FA_KEYS);
-            times_tile<M, HD, false>(dk, dpt, q_tile, FA_KEYS);
+            times_tile<M, HD>(dv, st, do_tile, FA_KEYS);
+            times_tile<M, HD>(dk, dpt, q_tile, FA_KEYS);
         }
     }
     float* out = dqkv + (unsigned long long)s * sh.t * sh.ld;
@@ -471,6 +538,7 @@ __device__ void fa_backward_q(const float* qkv, const float* dout, const float* 
                               const float* delta, float* dqkv, FaShape sh) {
     __shared__ __align__(16) typename M::Elem k_tile[FA_KEYS * (HD + 8)];
     __shared__ __align__(16) typename M::Elem v_tile[FA_KEYS * (HD + 8)];
+    __shared__ float lse_rows[FA_ROWS], delta_rows[FA_ROWS];
     int warp = threadIdx.x / FA_WARP;
     int bh = blockIdx.y, s = bh / sh.heads, h = bh % sh.heads, kvh = h / (sh.heads / sh.kv);
     int d = sh.heads * HD, k_col = d + kvh * HD, v_col = d + (sh.kv + kvh) * HD;
@@ -479,23 +547,25 @@ __device__ void fa_backward_q(const float* qkv, const float* dout, const float* 
     unsigned qa[HD / M::K][4], da[HD / M::K][4];
     load_a<M, HD>(qa, rows, sh.ld, h * HD, q0, sh.t);
     load_a<M, HD>(da, dout + (unsigned long long)s * sh.t * d, d, h * HD, q0, sh.t);
-    const float* row_lse = lse + (unsigned long long)bh * sh.t + q0;
-    const float* row_delta = delta + (unsigned long long)bh * sh.t + q0;
+    // The block's rows' log-sum-exp and delta, shared from the first tile's
+    // barrier on.
+    int first = blockIdx.x * FA_ROWS;
+    if (threadIdx.x < FA_ROWS && first + (int)threadIdx.x < sh.t) {
+        lse_rows[threadIdx.x] = lse[(unsigned long long)bh * sh.t + first + threadIdx.x];
+        delta_rows[threadIdx.x] = delta[(unsigned long long)bh * sh.t + first + threadIdx.x];
+    }
     float dq[HD / 8][4] = {};
-    int keys = min(sh.t, (int)(blockIdx.x + 1) * FA_ROWS);
+    int keys = min(sh.t, first + FA_ROWS);
     for (int k0 = 0; k0 < keys; k0 += FA_KEYS) {
-        __syncthreads();
-        load_tile<M, HD>(k_tile, nullptr, rows, sh.ld, k_col, k0, sh.t);
-        load_tile<M, HD>(v_tile, nullptr, rows, sh.ld, v_col, k0, sh.t);
-        __syncthreads();
+        load_tiles<M, HD>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t, [] {});
         int span = min(FA_KEYS, q0 + 16 - k0);
         if (span <= 0) continue;
         float sc[FA_KEYS / 8][4], dp[FA_KEYS / 8][4];
-        scores<M, HD>(sc, qa, k_tile, span);
-        scores<M, HD>(dp, da, v_tile, span);
-        probs_and_grads(sc, dp, q0, k0, false, sh.t, sh.scale, row_lse, row_delta, q0);
+        scores<M, HD>(sc, qa, k_tile);
+        scores<M, HD>(dp, da, v_tile);
+        probs_and_grads(sc, dp, q0, k0, false, sh.t, sh.scale, lse_rows, delta_rows, first);
         // dQ += dS · K (K row-major).
-        times_tile<M, HD, false>(dq, dp, k_tile, span);
+        times_tile<M, HD>(dq, dp, k_tile, span);
     }
     store_rows<HD>(dqkv + (unsigned long long)s * sh.t * sh.ld, sh.ld, h * HD, q0, sh.t, dq,
                    sh.scale, sh.scale);

@@ -1414,7 +1414,9 @@ impl GptGpu {
         args.push(&mut l);
         // SAFETY: flash_forward_<kind>_<hd>(qkv, out, lse, t, heads, kv, ld,
         // scale): b·t rows of ld in qkv (checked above), b·t·d values in
-        // out and b·heads·t in lse (allocated above); the grid covers
+        // out and b·heads·t in lse (allocated above); qkv is a whole
+        // allocation and ld a multiple of the head width (16, 32 or 64), so
+        // the kernel's 16-byte loads are aligned; the grid covers
         // ⌈t/64⌉ tiles of b·heads heads, blocks of 128 threads as the
         // kernel assumes.
         self.launched(kernel, unsafe { l.launch(fused_config(t, b * heads)) })?;
@@ -1483,7 +1485,9 @@ impl GptGpu {
             // SAFETY: flash_backward_{kv,q}_<kind>_<hd>(qkv, dout, lse, delta,
             // dqkv, t, heads, kv, ld, scale): qkv and dqkv b·t rows of ld,
             // dout b·t rows of d, lse and delta b·heads·t values (the
-            // forward's and above); the kv kernel's grid covers the
+            // forward's and above); qkv and dout whole allocations with
+            // rows of multiples of the head width (aligned 16-byte loads);
+            // the kv kernel's grid covers the
             // key/value heads, the q kernel's the query heads, blocks of
             // 128 threads.
             self.launched(kernel, unsafe { l.launch(fused_config(t, b * grid_heads)) })?;
