@@ -7,7 +7,10 @@
 # where python3 has torch. Prints medians of steps 4-12 (zrun) and
 # PyTorch's own median; compare only within one sitting.
 #
-#   scripts/gpu-sitting.sh [DIR] [tests|time|all]     # default .gpu all
+#   scripts/gpu-sitting.sh [DIR] [tests|time|profile|all]     # default .gpu all
+#
+# `profile` instead prints, for 152M steps in TF32 and bf16 with either
+# attention, the GPU's time by operation (ZRUN_GPU_PROFILE=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=$(realpath "${1:-.gpu}")
@@ -28,7 +31,7 @@ done
 export LD_LIBRARY_PATH="$links:${libs}${LD_LIBRARY_PATH:-}"
 export ZRUN_KERNEL_CACHE=${ZRUN_KERNEL_CACHE:-$(mktemp -d)}
 
-if [ "$what" != time ]; then
+if [ "$what" = tests ] || [ "$what" = all ]; then
   # The e2e tests look for the repository where they were built.
   built_in=$(cat "$dir/repo")
   if [ ! -e "$built_in/Cargo.toml" ]; then
@@ -69,6 +72,19 @@ torch_step() { # label env...: PyTorch eager's median step
     || { echo "$label failed:"; tail -5 "$out/$label.log"; return 0; }
   echo "$label: $(tail -1 "$out/$label.log" | python3 -c 'import json, sys; print(json.load(sys.stdin)["step_ms"])') ms"
 }
+if [ "$what" = profile ]; then
+  # Where the 152M step's GPU time goes, by operation (ZRUN_GPU_PROFILE):
+  # steps 4-12 of one run each, the 30 largest rows.
+  s=(model.d_model=1024 model.n_layers=12 model.n_heads=16 model.seq_len=512)
+  for run in tf32:train.allow_tf32=true bf16:train.dtype=bf16; do
+    for attention in unfused fused; do
+      label="152M-${run%%:*}-$attention-profile"
+      ZRUN_GPU_PROFILE=1 ZRUN_GPU_ATTENTION=$attention zrun_step "$label" "${s[@]}" "${run#*:}"
+      grep -A 31 "GPU time by operation" "$out/$label.log" || tail -5 "$out/$label.log"
+    done
+  done
+  exit 0
+fi
 for shape in 85M 152M; do
   case $shape in
     85M) s=(model.d_model=768 model.n_layers=12 model.n_heads=12 model.seq_len=256)

@@ -926,10 +926,7 @@ impl GptGpu {
         what: &str,
         r: Result<T, cudarc::driver::DriverError>,
     ) -> Result<(), CudaError> {
-        r.map(|_| ()).map_err(|source| CudaError::Driver {
-            what: format!("launching {what}"),
-            source,
-        })
+        self.gpu.launched(what, r)
     }
 
     /// `y = x·W (+ b) (+ residual)`: x `[n, k]`, `(W, b)`: W `[k, width]`
@@ -1916,7 +1913,10 @@ impl GptGpu {
             let (mut a_copy, mut b_copy) = (None, None);
             let a16 = self.bf16_source(&a, checks[0].1, &mut a_copy)?;
             let b16 = self.bf16_source(&b, checks[1].1, &mut b_copy)?;
-            return self.gemm_bf16(gemm, batch, a16, b16, &mut c.slice_mut(c_off..));
+            self.gemm_bf16(gemm, batch, a16, b16, &mut c.slice_mut(c_off..))?;
+            return self
+                .gpu
+                .mark(|| gemm_name("bf16", (ta, tb), (m, n, k), batch.count));
         }
         let (Values::F32(abuf), Values::F32(bbuf)) = (a.buf, b.buf) else {
             return Err(CudaError::Invalid(
@@ -1944,8 +1944,32 @@ impl GptGpu {
                 ),
             }
         };
-        r.map_err(|e| CudaError::Invalid(format!("cuBLAS gemm ({m}×{n}×{k}): {e}")))
+        r.map_err(|e| CudaError::Invalid(format!("cuBLAS gemm ({m}×{n}×{k}): {e}")))?;
+        let kind = if self.tf32 { "tf32" } else { "f32" };
+        self.gpu
+            .mark(|| gemm_name(kind, (ta, tb), (m, n, k), batch.count))
     }
+}
+
+/// A product's name in the GPU profile: its kind, its shape (m×n×k of the
+/// row-major `C = op(A)·op(B)`), the operands transposed, and how many at
+/// once.
+fn gemm_name(
+    kind: &str,
+    (ta, tb): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    count: usize,
+) -> String {
+    let mark = |t: bool, s: &'static str| if t { s } else { "" };
+    let batch = match count {
+        1 => String::new(),
+        _ => format!(" ×{count}"),
+    };
+    format!(
+        "gemm {kind} {m}×{n}×{k}{}{}{batch}",
+        mark(ta, " Aᵀ"),
+        mark(tb, " Bᵀ")
+    )
 }
 
 /// The rows of `tokens` grouped by token for the embedding's backward:

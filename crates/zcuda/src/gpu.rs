@@ -5,7 +5,7 @@
 //! (downloads, the quantizer's non-finite check) wait for it.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
@@ -15,6 +15,7 @@ use cudarc::driver::{
 use zquant::{Bits, QuantError, Quantized};
 
 use crate::compile::{compile, KERNELS};
+use crate::profile::Profile;
 use crate::{probe, CudaError};
 
 /// Threads per block of the element-wise kernels.
@@ -155,6 +156,8 @@ pub struct Gpu {
     arch: String,
     /// Every kernel function of `kernels/`, by name.
     functions: HashMap<&'static str, CudaFunction>,
+    /// GPU time by operation, with `ZRUN_GPU_PROFILE` set (not empty, not 0).
+    profile: Option<Mutex<Profile>>,
 }
 
 impl Gpu {
@@ -192,13 +195,75 @@ impl Gpu {
             }
         }
         let stream = ctx.default_stream();
+        let profile = match std::env::var("ZRUN_GPU_PROFILE") {
+            Ok(v) if !v.is_empty() && v != "0" => Some(Mutex::new(
+                Profile::start(&stream).map_err(driver("starting the GPU profile"))?,
+            )),
+            _ => None,
+        };
         Ok(Gpu {
             ctx,
             stream,
             name,
             arch,
             functions,
+            profile,
         })
+    }
+
+    /// A launch's result, a failure named by `what`; a launch marked in the
+    /// profile, if there is one.
+    pub(crate) fn launched<T>(
+        &self,
+        what: &str,
+        r: Result<T, cudarc::driver::DriverError>,
+    ) -> Result<(), CudaError> {
+        r.map_err(|source| CudaError::Driver {
+            what: format!("launching {what}"),
+            source,
+        })?;
+        self.mark(|| what.to_string())
+    }
+
+    /// Marks the end of the operation just enqueued (`name` made only when
+    /// profiling).
+    pub(crate) fn mark(&self, name: impl FnOnce() -> String) -> Result<(), CudaError> {
+        let Some(profile) = &self.profile else {
+            return Ok(());
+        };
+        let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
+        p.mark(&self.stream, name())
+            .map_err(|source| CudaError::Driver {
+                what: "recording a profile event".into(),
+                source,
+            })
+    }
+
+    /// With `ZRUN_GPU_PROFILE` set: forgets the profile's times so far.
+    pub fn profile_restart(&self) -> Result<(), CudaError> {
+        let Some(profile) = &self.profile else {
+            return Ok(());
+        };
+        let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
+        p.restart().map_err(|source| CudaError::Driver {
+            what: "reading the GPU profile's events".into(),
+            source,
+        })
+    }
+
+    /// With `ZRUN_GPU_PROFILE` set: GPU time by operation so far (waiting
+    /// for the stream), per step of `steps`, the most first.
+    pub fn profile_report(&self, steps: u64) -> Result<Option<String>, CudaError> {
+        let Some(profile) = &self.profile else {
+            return Ok(None);
+        };
+        let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
+        p.report(steps)
+            .map(Some)
+            .map_err(|source| CudaError::Driver {
+                what: "reading the GPU profile's events".into(),
+                source,
+            })
     }
 
     /// Kernel function `name` (one of `KERNELS`' functions).
@@ -341,10 +406,7 @@ impl Gpu {
         // f32 buffers, the gradient in the format `grad_fmt` names, the
         // working copy or null as `working_fmt` says, all of n elements,
         // checked above), and the grid-stride loop stays below n.
-        unsafe { launch.launch(grid_stride(n)) }.map_err(|source| CudaError::Driver {
-            what: "launching adamw".into(),
-            source,
-        })?;
+        self.launched("adamw", unsafe { launch.launch(grid_stride(n)) })?;
         Ok(())
     }
 
@@ -397,10 +459,7 @@ impl Gpu {
         // SAFETY: the arguments match `quantize` in quantize.cu; one block
         // per quantization block, each reading and writing only its own
         // block's values (below len), scale and bytes.
-        unsafe { launch.launch(cfg) }.map_err(|source| CudaError::Driver {
-            what: "launching quantize".into(),
-            source,
-        })?;
+        self.launched("quantize", unsafe { launch.launch(cfg) })?;
         let index = self.download(&bad)?[0];
         if index != u64::MAX {
             let value = self
@@ -453,10 +512,7 @@ impl Gpu {
             .arg(out);
         // SAFETY: the arguments match `dequantize` in quantize.cu; scales and
         // data were sized for len values by `quantize`, out holds len.
-        unsafe { launch.launch(grid_stride(q.len)) }.map_err(|source| CudaError::Driver {
-            what: "launching dequantize".into(),
-            source,
-        })?;
+        self.launched("dequantize", unsafe { launch.launch(grid_stride(q.len)) })?;
         Ok(())
     }
 
@@ -477,10 +533,7 @@ impl Gpu {
         launch.arg(&mut *acc).arg(x).arg(&n);
         // SAFETY: the arguments match `add_f32` in reduce.cu; both hold n
         // values (checked above).
-        unsafe { launch.launch(grid_stride(x.len())) }.map_err(|source| CudaError::Driver {
-            what: "launching add_f32".into(),
-            source,
-        })?;
+        self.launched("add_f32", unsafe { launch.launch(grid_stride(x.len())) })?;
         Ok(())
     }
 
@@ -510,10 +563,7 @@ impl Gpu {
         let mut launch = self.stream.launch_builder(self.function("scale_f32"));
         launch.arg(&mut *x).arg(&s).arg(&n);
         // SAFETY: scale_f32(x[n], s, n).
-        unsafe { launch.launch(grid_stride(len)) }.map_err(|source| CudaError::Driver {
-            what: "launching scale_f32".into(),
-            source,
-        })?;
+        self.launched("scale_f32", unsafe { launch.launch(grid_stride(len)) })?;
         Ok(())
     }
 
@@ -574,10 +624,7 @@ impl Gpu {
         // SAFETY: add_into16(acc u16, x f32, n, fmt), widen16_into(out f32,
         // x u16, n, fmt) and round16_into(out u16, x f32, n, fmt): the
         // callers give each its types; both hold n values (checked above).
-        unsafe { launch.launch(grid_stride(x.len())) }.map_err(|source| CudaError::Driver {
-            what: format!("launching {kernel}"),
-            source,
-        })?;
+        self.launched(kernel, unsafe { launch.launch(grid_stride(x.len())) })?;
         Ok(())
     }
 
@@ -617,10 +664,7 @@ impl Gpu {
         // out[chunks], fmt): eight
         // threads per chunk, every thread of a launched warp reaching the
         // shuffle, chunk c's lane 0 writing out[c] for c < chunks.
-        unsafe { launch.launch(cfg) }.map_err(|source| CudaError::Driver {
-            what: "launching sum_sq_chunks".into(),
-            source,
-        })?;
+        self.launched("sum_sq_chunks", unsafe { launch.launch(cfg) })?;
         self.download(&out)
     }
 
@@ -638,7 +682,8 @@ impl Gpu {
             .map_err(|source| CudaError::Driver {
                 what: format!("copying {} values on the GPU", src.len()),
                 source,
-            })
+            })?;
+        self.mark(|| "copy on the GPU".into())
     }
 
     /// Sets every value of `x` to zero.
@@ -651,7 +696,8 @@ impl Gpu {
             .map_err(|source| CudaError::Driver {
                 what: "zeroing a device buffer".into(),
                 source,
-            })
+            })?;
+        self.mark(|| "zeroing".into())
     }
 }
 

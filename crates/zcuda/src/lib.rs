@@ -18,6 +18,8 @@
 //! - `gpt`: [`GptGpu`], the GPT-2 and LLaMA models' forward and backward on one GPU
 //!   (cuBLAS for the products, `kernels/gpt.cu` for the rest), its
 //!   parameters and gradients crossing to and from the host's flat buffers.
+//! - `profile`: GPU time by operation (`ZRUN_GPU_PROFILE=1`), from events
+//!   recorded after each launch.
 //!
 //! Every kernel is written to give the same bits as zrun's CPU kernel of the
 //! same job (AdamW, blockwise quantization, the collectives' f32 sums), so the
@@ -29,6 +31,7 @@ mod compile;
 mod gpt;
 mod gpu;
 mod nccl;
+mod profile;
 
 pub use compile::{compile, compile_with, kernel, CacheUse, Compiled, KernelSource, KERNELS};
 pub use gpt::{

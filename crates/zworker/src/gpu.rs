@@ -80,8 +80,9 @@ pub fn attach(
         },
         _ => "f32 values of the 16-bit parameters (TF32 with train.allow_tf32)".to_string(),
     };
-    // attention.cu's fused attention has run only on the CPU emulation so
-    // far (crates/zcuda-emu): opt-in until a GPU has measured it.
+    // attention.cu's fused attention: correct on an H100, but its first
+    // version was slower than the unfused path there and its second is not
+    // yet timed (docs/GPU.md): opt-in until a GPU times it faster.
     match std::env::var("ZRUN_GPU_ATTENTION").as_deref() {
         Err(_) | Ok("unfused") => {}
         Ok("fused") => {
@@ -90,7 +91,8 @@ pub fn attach(
             if env.rank == 0 {
                 tracing::warn!(
                     "attention runs the fused kernels of kernels/attention.cu \
-                     (ZRUN_GPU_ATTENTION=fused), checked so far on the CPU emulation only"
+                     (ZRUN_GPU_ATTENTION=fused): correct on an H100, this version's speed \
+                     not yet measured (docs/GPU.md)"
                 );
             }
         }
@@ -176,6 +178,53 @@ fn join_nccl(
     );
     Ok(nccl)
 }
+
+/// With `ZRUN_GPU_PROFILE` set, the GPU's time by operation: after the
+/// first `WARM_STEPS` steps it starts again (`restart`), at the end it is
+/// written to stderr for `steps` steps (`report`).
+#[cfg(feature = "cuda")]
+pub fn profile(engine: &zengine::engine::Engine, rank: usize, at: ProfileAt) -> anyhow::Result<()> {
+    let Some(gpu) = engine.gpu() else {
+        return Ok(());
+    };
+    match at {
+        ProfileAt::Restart => gpu.gpu().profile_restart()?,
+        ProfileAt::Report { steps } => {
+            if let Some(table) = gpu.gpu().profile_report(steps)? {
+                eprintln!(
+                    "GPU time by operation over the last {steps} steps of rank {rank} \
+                     (ZRUN_GPU_PROFILE; an operation's time runs from the end of the one before):\n{table}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Without the `cuda` feature there is no GPU profile.
+#[cfg(not(feature = "cuda"))]
+pub fn profile(
+    _engine: &zengine::engine::Engine,
+    _rank: usize,
+    _at: ProfileAt,
+) -> anyhow::Result<()> {
+    Ok(())
+}
+
+/// The GPU profile's two moments (see [`profile`]).
+pub enum ProfileAt {
+    /// After the warm-up steps: forget their times.
+    Restart,
+    /// At the end: the table over this many steps.
+    Report {
+        /// Steps since the restart.
+        steps: u64,
+    },
+}
+
+/// Steps the GPU profile leaves out at the start (one-time allocations,
+/// cuBLAS's first choices), where the run has twice as many.
+pub const WARM_STEPS: u64 = 3;
 
 /// Without the `cuda` feature there is no GPU to attach.
 #[cfg(not(feature = "cuda"))]

@@ -103,6 +103,11 @@ pub fn train(
         let consumed = data.samples_consumed(engine.steps_done());
         save(engine, spec, env, comm.as_ref(), nodes, consumed)
     };
+    // ZRUN_GPU_PROFILE: the profile starts again after the warm-up steps
+    // where the run has twice as many.
+    let first = engine.steps_done();
+    let profile_from = (t.steps.saturating_sub(first) >= 2 * crate::gpu::WARM_STEPS)
+        .then_some(first + crate::gpu::WARM_STEPS);
     for s in engine.steps_done()..t.steps {
         let started = Instant::now();
         for micro in 0..t.grad_accum {
@@ -145,6 +150,9 @@ pub fn train(
             }),
             val_loss,
         })))?;
+        if profile_from == Some(st.step) {
+            crate::gpu::profile(&engine, env.rank, crate::gpu::ProfileAt::Restart)?;
+        }
         if spec.checkpoint.dir.is_some() && every > 0 && st.step % every == 0 {
             save_now(&engine, &data)?;
             saved_at = Some(st.step);
@@ -162,6 +170,8 @@ pub fn train(
             return Ok(crate::Ended::Stopped { step: st.step });
         }
     }
+    let steps = engine.steps_done() - profile_from.unwrap_or(first);
+    crate::gpu::profile(&engine, env.rank, crate::gpu::ProfileAt::Report { steps })?;
     // A run with a checkpoint directory always ends with a checkpoint.
     if spec.checkpoint.dir.is_some() && saved_at != Some(engine.steps_done()) {
         save_now(&engine, &data)?;
