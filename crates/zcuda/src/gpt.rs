@@ -985,13 +985,15 @@ impl GptGpu {
         width: usize,
         dy: &CudaSlice<f32>,
     ) -> Result<Backward, CudaError> {
+        let mut dy16 = None;
+        let dy_op = self.operand_twice(dy, n * width, width, &mut dy16)?;
         let mut dw = self.alloc(k * width)?;
         self.gemm(
             true,
             false,
             (k, width, n),
             op(x, 0, k),
-            op(dy, 0, width),
+            dy_op,
             (&mut dw, 0, width),
             ONE,
         )?;
@@ -1000,7 +1002,7 @@ impl GptGpu {
             false,
             true,
             (n, k, width),
-            op(dy, 0, width),
+            dy_op,
             op(w, 0, width),
             (&mut dx, 0, k),
             ONE,
@@ -1542,13 +1544,15 @@ impl GptGpu {
         let bh = b * heads;
         let dout = self.to_heads(datt, d, 0, b, t, 1)?;
         let (th, tt) = (t * hd, t * t);
+        let mut dout16 = None;
+        let dout_op = self.operand_twice(&dout, bh * th, hd, &mut dout16)?;
         // dP = dO · Vᵀ, then dS in place.
         let mut ds = self.alloc(bh * tt)?;
         self.gemm(
             false,
             true,
             (t, t, hd),
-            op(&dout, 0, hd),
+            dout_op,
             op(v, 0, hd),
             (&mut ds, 0, t),
             per_head(bh, [th, th, tt]),
@@ -1564,11 +1568,11 @@ impl GptGpu {
             false,
             (t, hd, t),
             p,
-            op(&dout, 0, hd),
+            dout_op,
             (&mut dv, 0, hd),
             per_head(bh, [tt, th, th]),
         )?;
-        drop(dout);
+        drop((dout16, dout));
         // With bf16 products, dS goes straight to bf16 (its only readers).
         let mut ds16 = match self.bf16_products {
             true => Some(self.alloc16(bh * tt)?),
@@ -1757,6 +1761,22 @@ impl GptGpu {
         // row of t, rows·t values in s (and probs, and out16 or null;
         // checked above).
         self.launched(kernel, unsafe { l.launch(cfg) })
+    }
+
+    /// The first `len` values of `buf` (rows of `ld`) as the operand of more
+    /// than one product: with bf16 products rounded once, into `copy`, not
+    /// at each product (the same bits: the same rounding).
+    fn operand_twice<'s>(
+        &self,
+        buf: &'s CudaSlice<f32>,
+        len: usize,
+        ld: usize,
+        copy: &'s mut Option<CudaSlice<u16>>,
+    ) -> Result<Operand<'s>, CudaError> {
+        match self.bf16_products {
+            true => Ok(op16(copy.insert(self.rounded_bf16(buf, 0..len)?), 0, ld)),
+            false => Ok(op(buf, 0, ld)),
+        }
     }
 
     /// `buf[range]` rounded to bf16, in a fresh buffer.
