@@ -173,14 +173,33 @@ impl Weights {
 /// linear's output, `g`: its activation).
 pub struct BlockActs {
     x: Rows,
-    a1: CudaSlice<f32>,
+    a1: Kept,
     stats1: Stats,
     attention: Attention,
     rows1: CudaSlice<f32>,
-    a2: CudaSlice<f32>,
+    a2: Kept,
     stats2: Stats,
     h: CudaSlice<f32>,
-    g: CudaSlice<f32>,
+    g: Kept,
+}
+
+/// An activation that only products read (a norm's output, GELU's): kept
+/// in f32, or with bf16 products as its bf16 rounding, made once in the
+/// forward for the product there and the weight gradient's in the backward
+/// (the same bits as rounding it before each; half the memory).
+enum Kept {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+impl Kept {
+    /// The activation as a product's operand, rows of `ld`.
+    fn operand(&self, ld: usize) -> Operand<'_> {
+        match self {
+            Kept::F32(v) => op(v, 0, ld),
+            Kept::Bf16(v) => op16(v, 0, ld),
+        }
+    }
 }
 
 impl BlockActs {
@@ -663,19 +682,22 @@ impl GptGpu {
         let n = b * t;
         let [norm1, qkv_w, out_w, norm2, in_w, mlp_out] = self.block_params(w)?.parts;
         let (a1, stats1) = self.norm(&x.buf, norm1, n)?;
-        let mut qkv = self.linear(&a1, n, d, qkv_w, q, None)?;
+        let a1 = self.kept(a1)?;
+        let mut qkv = self.linear(a1.operand(d), n, d, qkv_w, q, None)?;
         self.rotate(&mut qkv, b, t, 1.0)?;
         let attention = self.attention(qkv, b, t)?;
-        let rows1 = self.linear(&attention.out, n, d, out_w, d, Some(&x.buf))?;
+        let rows1 = self.linear(op(&attention.out, 0, d), n, d, out_w, d, Some(&x.buf))?;
         let (a2, stats2) = self.norm(&rows1, norm2, n)?;
+        let a2 = self.kept(a2)?;
         let f = self.shape.ffn;
-        let h = self.linear(&a2, n, d, in_w, fi, None)?;
+        let h = self.linear(a2.operand(d), n, d, in_w, fi, None)?;
         let mut g = self.alloc(n * f)?;
         match self.shape.family {
             Family::Gpt2 => self.elementwise("gelu", &h, None, &mut g)?,
             Family::Llama { .. } => self.swiglu("swiglu", &h, None, &mut g, n)?,
         }
-        let y = self.linear(&g, n, f, mlp_out, d, Some(&rows1))?;
+        let g = self.kept(g)?;
+        let y = self.linear(g.operand(f), n, f, mlp_out, d, Some(&rows1))?;
         let acts = BlockActs {
             x,
             a1,
@@ -711,7 +733,7 @@ impl GptGpu {
         let mut grads: [Option<PartGrads>; PARTS] = Default::default();
         // y = rows1 + g·W_out (+ b_out)
         let f = self.shape.ffn;
-        let (dg, dw, db) = self.linear_backward(&acts.g, n, f, mlp_out, d, dy)?;
+        let (dg, dw, db) = self.linear_backward(acts.g.operand(f), n, f, mlp_out, d, dy)?;
         grads[5] = Some((dw, db));
         let mut dh = self.alloc(n * fi)?;
         match self.shape.family {
@@ -721,20 +743,21 @@ impl GptGpu {
             }
         }
         drop(dg);
-        let (da2, dw, db) = self.linear_backward(&acts.a2, n, d, in_w, fi, &dh)?;
+        let (da2, dw, db) = self.linear_backward(acts.a2.operand(d), n, d, in_w, fi, &dh)?;
         grads[4] = Some((dw, db));
         drop(dh);
         let (drows1, dw, db) =
             self.norm_backward(&acts.rows1, norm2, &acts.stats2, &da2, Some(dy), n)?;
         grads[3] = Some((dw, db));
         // rows1 = x + att·W_o (+ b_o)
-        let (datt, dw, db) = self.linear_backward(&acts.attention.out, n, d, out_w, d, &drows1)?;
+        let att = op(&acts.attention.out, 0, d);
+        let (datt, dw, db) = self.linear_backward(att, n, d, out_w, d, &drows1)?;
         grads[2] = Some((dw, db));
         let mut dqkv = self.attention_backward(&acts.attention, &datt, b, t)?;
         drop(datt);
         // The rotation's backward is the rotation back.
         self.rotate(&mut dqkv, b, t, -1.0)?;
-        let (da1, dw, db) = self.linear_backward(&acts.a1, n, d, qkv_w, q, &dqkv)?;
+        let (da1, dw, db) = self.linear_backward(acts.a1.operand(d), n, d, qkv_w, q, &dqkv)?;
         grads[1] = Some((dw, db));
         let (dx, dw, db) =
             self.norm_backward(&acts.x.buf, norm1, &acts.stats1, &da1, Some(&drows1), n)?;
@@ -933,7 +956,7 @@ impl GptGpu {
     /// and its bias if it has one.
     fn linear(
         &self,
-        x: &CudaSlice<f32>,
+        x: Operand<'_>,
         n: usize,
         k: usize,
         (w, bias): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
@@ -945,7 +968,7 @@ impl GptGpu {
             false,
             false,
             (n, width, k),
-            op(x, 0, k),
+            x,
             op(w, 0, width),
             (&mut y, 0, width),
             ONE,
@@ -978,7 +1001,7 @@ impl GptGpu {
     /// the layer has a bias).
     fn linear_backward(
         &self,
-        x: &CudaSlice<f32>,
+        x: Operand<'_>,
         n: usize,
         k: usize,
         (w, bias): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
@@ -992,7 +1015,7 @@ impl GptGpu {
             true,
             false,
             (k, width, n),
-            op(x, 0, k),
+            x,
             dy_op,
             (&mut dw, 0, width),
             ONE,
@@ -1761,6 +1784,15 @@ impl GptGpu {
         // row of t, rows·t values in s (and probs, and out16 or null;
         // checked above).
         self.launched(kernel, unsafe { l.launch(cfg) })
+    }
+
+    /// `x` as a [`Kept`] activation: with bf16 products its bf16 rounding
+    /// (the f32 values freed), else as it is.
+    fn kept(&self, x: CudaSlice<f32>) -> Result<Kept, CudaError> {
+        match self.bf16_products {
+            true => Ok(Kept::Bf16(self.rounded_bf16(&x, 0..x.len())?)),
+            false => Ok(Kept::F32(x)),
+        }
     }
 
     /// The first `len` values of `buf` (rows of `ld`) as the operand of more
