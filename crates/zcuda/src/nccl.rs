@@ -29,7 +29,31 @@ use cudarc::nccl::sys;
 
 use crate::{CudaError, Gpu};
 
-const NO_NCCL: &str = "NCCL (libnccl.so) was not found: install NCCL (Debian/Ubuntu: libnccl2 and libnccl-dev), or `pip install nvidia-nccl-cu12` and link its lib/libnccl.so.2 as libnccl.so in a directory on LD_LIBRARY_PATH";
+/// Why NCCL cannot be loaded, given the library path: cudarc opens
+/// `libnccl.so`, which NCCL's pip wheel (the one PyTorch brings) lacks; it
+/// has `libnccl.so.2` only. Where that lies in a directory of `ld_path`,
+/// the message says which link to make.
+fn no_nccl(ld_path: Option<&str>) -> String {
+    let found = ld_path
+        .into_iter()
+        .flat_map(|p| p.split(':'))
+        .filter(|d| !d.is_empty())
+        .map(|d| std::path::Path::new(d).join("libnccl.so.2"))
+        .find(|f| f.exists());
+    match found {
+        Some(f) => format!(
+            "NCCL (libnccl.so) was not found, but {} is on LD_LIBRARY_PATH (NCCL's pip \
+             wheel ships no libnccl.so): link it, e.g. `ln -s {} {}`",
+            f.display(),
+            f.display(),
+            f.with_file_name("libnccl.so").display()
+        ),
+        None => "NCCL (libnccl.so) was not found: install NCCL (Debian/Ubuntu: libnccl2 and \
+                 libnccl-dev), or `pip install nvidia-nccl-cu12` and link its lib/libnccl.so.2 \
+                 as libnccl.so in a directory on LD_LIBRARY_PATH"
+            .into(),
+    }
+}
 
 /// NCCL's library is loadable.
 pub fn nccl_present() -> bool {
@@ -40,7 +64,8 @@ pub fn nccl_present() -> bool {
 /// NCCL's version as `major·10000 + minor·100 + patch`, or what is missing.
 pub fn nccl_version() -> Result<i32, CudaError> {
     if !nccl_present() {
-        return Err(CudaError::Missing(NO_NCCL.into()));
+        let ld_path = std::env::var("LD_LIBRARY_PATH").ok();
+        return Err(CudaError::Missing(no_nccl(ld_path.as_deref())));
     }
     let mut v = 0;
     // SAFETY: writes one int.
@@ -533,6 +558,29 @@ mod tests {
         assert_eq!(NcclOp::AllReduce.bytes_sent(4000, 4), 6000);
         assert_eq!(NcclOp::ReduceScatter.bytes_sent(4000, 4), 3000);
         assert_eq!(NcclOp::AllGather.bytes_sent(4000, 2), 2000);
+    }
+
+    /// NCCL's pip wheel on LD_LIBRARY_PATH: the message names its
+    /// libnccl.so.2 and the link to make; without it, how to install NCCL.
+    #[test]
+    fn a_wheels_libnccl_so_2_on_the_path_is_named_with_the_link_to_make() {
+        let (empty, wheel) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let so2 = wheel.path().join("libnccl.so.2");
+        std::fs::write(&so2, b"").unwrap();
+        let path = format!("{}::{}", empty.path().display(), wheel.path().display());
+        let msg = no_nccl(Some(&path));
+        let link = wheel.path().join("libnccl.so");
+        assert!(
+            msg.contains(&format!("`ln -s {} {}`", so2.display(), link.display())),
+            "{msg}"
+        );
+        for path in [None, Some(empty.path().to_str().unwrap())] {
+            let msg = no_nccl(path);
+            assert!(
+                msg.contains("install NCCL") && !msg.contains("ln -s"),
+                "{msg}"
+            );
+        }
     }
 
     /// The sizes NCCL's headers give each version's config (72 bytes in
