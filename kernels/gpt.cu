@@ -50,6 +50,27 @@ __device__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
+// x's bf16 bits, to nearest even (NaN made quiet): an operand of the bf16
+// products written where it is made (half16.cuh's round16 for bf16; this
+// file keeps to what the CPU emulation of crates/zcuda-emu compiles).
+__device__ __forceinline__ unsigned short bf16_bits(float x) {
+    unsigned int b = __float_as_uint(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((b >> 16) | 0x40u);
+    }
+    return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// An output a product reads next: f32 into y[i], or with bf16 products (y16
+// not null) its bf16 bits into y16[i] instead, written where it is made.
+__device__ __forceinline__ void put(float* y, unsigned short* y16, unsigned long long i, float v) {
+    if (y16) {
+        y16[i] = bf16_bits(v);
+    } else {
+        y[i] = v;
+    }
+}
+
 // x[r, c] = wte[tok[r], c] + wpe[r % t, c] (LLaMA: wpe null, no positions
 // added); tokens were checked on the host.
 extern "C" __global__ void embed(const unsigned int* tok, const float* wte, const float* wpe,
@@ -97,15 +118,16 @@ extern "C" __global__ void embed_backward_positions(const float* dx, float* dwpe
     }
 }
 
-// One block per row: y = (x - mean) * rstd * w + b, keeping mean and rstd
-// for the backward. Variance in two passes, as the CPU's.
+// One block per row: y = (x - mean) * rstd * w + b (or its bf16 bits in
+// y16, see put), keeping mean and rstd for the backward. Variance in two
+// passes, as the CPU's.
 extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b,
-                                      float* y, float* mean_out, float* rstd_out,
-                                      int d, float eps)
+                                      float* y, unsigned short* y16, float* mean_out,
+                                      float* rstd_out, int d, float eps)
 {
     __shared__ float scratch[WARP];
     const float* row = x + (unsigned long long)blockIdx.x * d;
-    float* out = y + (unsigned long long)blockIdx.x * d;
+    unsigned long long out = (unsigned long long)blockIdx.x * d;
     float s = 0.0f;
     for (int c = threadIdx.x; c < d; c += blockDim.x) s += row[c];
     float mean = block_sum(s, scratch) / d;
@@ -116,7 +138,9 @@ extern "C" __global__ void layer_norm(const float* x, const float* w, const floa
     }
     float var = block_sum(q, scratch) / d;
     float rstd = 1.0f / sqrtf(var + eps);
-    for (int c = threadIdx.x; c < d; c += blockDim.x) out[c] = (row[c] - mean) * rstd * w[c] + b[c];
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        put(y, y16, out + c, (row[c] - mean) * rstd * w[c] + b[c]);
+    }
     if (threadIdx.x == 0) {
         mean_out[blockIdx.x] = mean;
         rstd_out[blockIdx.x] = rstd;
@@ -170,18 +194,18 @@ extern "C" __global__ void layer_norm_param_partials(const float* x, const float
     db_part[(unsigned long long)blockIdx.y * d + c] = sb;
 }
 
-// LLaMA's RMSNorm, one block per row: y = x · r · w with r = 1/sqrt(mean(x²)
-// + eps), keeping r for the backward.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, float* rstd_out,
-                                    int d, float eps)
+// LLaMA's RMSNorm, one block per row: y = x · r · w (or its bf16 bits in
+// y16, see put) with r = 1/sqrt(mean(x²) + eps), keeping r for the backward.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, unsigned short* y16,
+                                    float* rstd_out, int d, float eps)
 {
     __shared__ float scratch[WARP];
     const float* row = x + (unsigned long long)blockIdx.x * d;
-    float* out = y + (unsigned long long)blockIdx.x * d;
+    unsigned long long out = (unsigned long long)blockIdx.x * d;
     float q = 0.0f;
     for (int c = threadIdx.x; c < d; c += blockDim.x) q += row[c] * row[c];
     float r = 1.0f / sqrtf(block_sum(q, scratch) / d + eps);
-    for (int c = threadIdx.x; c < d; c += blockDim.x) out[c] = row[c] * r * w[c];
+    for (int c = threadIdx.x; c < d; c += blockDim.x) put(y, y16, out + c, row[c] * r * w[c]);
     if (threadIdx.x == 0) rstd_out[blockIdx.x] = r;
 }
 
@@ -355,14 +379,15 @@ extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t
 #define GELU_K 0.7978845608f
 #define GELU_C 0.044715f
 
-// GPT-2's GELU, tanh form: 0.5·v·(1 + tanh(k·(v + c·v³))).
-extern "C" __global__ void gelu(const float* h, float* g, unsigned long long n)
+// GPT-2's GELU, tanh form: 0.5·v·(1 + tanh(k·(v + c·v³))) (or its bf16
+// bits in g16, see put).
+extern "C" __global__ void gelu(const float* h, float* g, unsigned short* g16, unsigned long long n)
 {
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < n; i += stride) {
         float v = h[i];
-        g[i] = 0.5f * v * (1.0f + tanhf(GELU_K * (v + GELU_C * v * v * v)));
+        put(g, g16, i, 0.5f * v * (1.0f + tanhf(GELU_K * (v + GELU_C * v * v * v))));
     }
 }
 
@@ -380,8 +405,9 @@ extern "C" __global__ void gelu_backward(const float* h, const float* dg, float*
 }
 
 // LLaMA's SwiGLU on h [n, 2f] holding gate and up side by side: y[r, c] =
-// silu(gate) · up, silu(v) = v · σ(v).
-extern "C" __global__ void swiglu(const float* h, float* y, unsigned long long n, int f)
+// silu(gate) · up, silu(v) = v · σ(v) (or its bf16 bits in y16, see put).
+extern "C" __global__ void swiglu(const float* h, float* y, unsigned short* y16,
+                                  unsigned long long n, int f)
 {
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -389,7 +415,7 @@ extern "C" __global__ void swiglu(const float* h, float* y, unsigned long long n
         unsigned long long r = i / f, c = i % f;
         float g = h[r * 2 * f + c], u = h[r * 2 * f + f + c];
         float s = 1.0f / (1.0f + expf(-g));
-        y[i] = g * s * u;
+        put(y, y16, i, g * s * u);
     }
 }
 
@@ -408,17 +434,6 @@ extern "C" __global__ void swiglu_backward(const float* h, const float* dy, floa
         dh[r * 2 * f + c] = dy[i] * u * (s + silu * (1.0f - s));
         dh[r * 2 * f + f + c] = dy[i] * silu;
     }
-}
-
-// x's bf16 bits, to nearest even (NaN made quiet): an operand of the bf16
-// products written where it is made (half16.cuh's round16 for bf16; this
-// file keeps to what the CPU emulation of crates/zcuda-emu compiles).
-__device__ __forceinline__ unsigned short bf16_bits(float x) {
-    unsigned int b = __float_as_uint(x);
-    if ((b & 0x7fffffffu) > 0x7f800000u) {
-        return (unsigned short)((b >> 16) | 0x40u);
-    }
-    return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
 // Causal softmax of scores s[rows, t] (each row i of a t × t matrix, i =

@@ -40,13 +40,14 @@ dim3 columns(int d, int chunks) { return dim3{(d + ROW_THREADS - 1) / ROW_THREAD
 
 extern "C" {
 
-void emu_layer_norm(const float* x, const float* w, const float* b, float* y, float* mean,
-                    float* rstd, int n, int d, float eps) {
-    emu_launch(k::layer_norm, rows(n), threads(), x, w, b, y, mean, rstd, d, eps);
+void emu_layer_norm(const float* x, const float* w, const float* b, float* y, unsigned short* y16,
+                    float* mean, float* rstd, int n, int d, float eps) {
+    emu_launch(k::layer_norm, rows(n), threads(), x, w, b, y, y16, mean, rstd, d, eps);
 }
 
-void emu_rms_norm(const float* x, const float* w, float* y, float* rstd, int n, int d, float eps) {
-    emu_launch(k::rms_norm, rows(n), threads(), x, w, y, rstd, d, eps);
+void emu_rms_norm(const float* x, const float* w, float* y, unsigned short* y16, float* rstd, int n,
+                  int d, float eps) {
+    emu_launch(k::rms_norm, rows(n), threads(), x, w, y, y16, rstd, d, eps);
 }
 
 // dx (+ dres) and dw, as GptGpu::rms_norm_backward launches them.
@@ -61,8 +62,8 @@ void emu_rms_norm_backward(const float* x, const float* w, const float* rstd, co
                chunks);
 }
 
-void emu_swiglu(const float* h, float* y, unsigned long long n, int f) {
-    emu_launch(k::swiglu, STRIDED_GRID, STRIDED_BLOCK, h, y, n, f);
+void emu_swiglu(const float* h, float* y, unsigned short* y16, unsigned long long n, int f) {
+    emu_launch(k::swiglu, STRIDED_GRID, STRIDED_BLOCK, h, y, y16, n, f);
 }
 
 void emu_swiglu_backward(const float* h, const float* dy, float* dh, unsigned long long n, int f) {
@@ -121,8 +122,8 @@ void emu_column_sums(const float* a, float* out, int n, int width) {
                chunks, width, chunks);
 }
 
-void emu_gelu(const float* h, float* g, unsigned long long n) {
-    emu_launch(k::gelu, STRIDED_GRID, STRIDED_BLOCK, h, g, n);
+void emu_gelu(const float* h, float* g, unsigned short* g16, unsigned long long n) {
+    emu_launch(k::gelu, STRIDED_GRID, STRIDED_BLOCK, h, g, g16, n);
 }
 
 void emu_gelu_backward(const float* h, const float* dg, float* dh, unsigned long long n) {

@@ -77,6 +77,7 @@ extern "C" {
         w: *const c_float,
         b: *const c_float,
         y: *mut c_float,
+        y16: *mut u16,
         mean: *mut c_float,
         rstd: *mut c_float,
         n: c_int,
@@ -87,6 +88,7 @@ extern "C" {
         x: *const c_float,
         w: *const c_float,
         y: *mut c_float,
+        y16: *mut u16,
         rstd: *mut c_float,
         n: c_int,
         d: c_int,
@@ -103,7 +105,7 @@ extern "C" {
         n: c_int,
         d: c_int,
     );
-    fn emu_swiglu(h: *const c_float, y: *mut c_float, n: c_ulonglong, f: c_int);
+    fn emu_swiglu(h: *const c_float, y: *mut c_float, y16: *mut u16, n: c_ulonglong, f: c_int);
     fn emu_swiglu_backward(
         h: *const c_float,
         dy: *const c_float,
@@ -167,7 +169,7 @@ extern "C" {
         d: c_int,
     );
     fn emu_column_sums(a: *const c_float, out: *mut c_float, n: c_int, width: c_int);
-    fn emu_gelu(h: *const c_float, g: *mut c_float, n: c_ulonglong);
+    fn emu_gelu(h: *const c_float, g: *mut c_float, g16: *mut u16, n: c_ulonglong);
     fn emu_gelu_backward(h: *const c_float, dg: *const c_float, dh: *mut c_float, n: c_ulonglong);
     fn emu_causal_softmax(
         probs: *const c_float,
@@ -235,19 +237,29 @@ fn ptr_or_null(v: Option<&[f32]>) -> *const f32 {
     v.map_or(std::ptr::null(), <[f32]>::as_ptr)
 }
 
-/// Layer norm of `x`'s rows of `w.len()`: (y, mean, rstd).
-pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+/// Layer norm of `x`'s rows of `w.len()`: (y, mean, rstd); with `bf16`, y's
+/// bf16 bits written there instead (y left at zero).
+pub fn layer_norm(
+    x: &[f32],
+    w: &[f32],
+    b: &[f32],
+    eps: f32,
+    bf16: Option<&mut [u16]>,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (d, n) = (w.len(), x.len() / w.len());
     assert!(b.len() == d && x.len() == n * d, "layer norm: shapes");
+    let y16 = out16(bf16, n * d);
     let (mut y, mut mean, mut rstd) = (vec![0.0; n * d], vec![0.0; n], vec![0.0; n]);
-    // SAFETY: x and y hold n·d values, w and b d, mean and rstd n (checked
-    // and allocated above): the kernel's extents for one block per row.
+    // SAFETY: x and y (and y16, if not null) hold n·d values, w and b d,
+    // mean and rstd n (checked and allocated above): the kernel's extents
+    // for one block per row.
     unsafe {
         emu_layer_norm(
             x.as_ptr(),
             w.as_ptr(),
             b.as_ptr(),
             y.as_mut_ptr(),
+            y16,
             mean.as_mut_ptr(),
             rstd.as_mut_ptr(),
             int(n),
@@ -258,17 +270,21 @@ pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> (Vec<f32>, Vec<f
     (y, mean, rstd)
 }
 
-/// RMSNorm of `x`'s rows of `w.len()`: (y, 1/rms per row).
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
+/// RMSNorm of `x`'s rows of `w.len()`: (y, 1/rms per row); with `bf16`,
+/// y's bf16 bits written there instead (y left at zero).
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, bf16: Option<&mut [u16]>) -> (Vec<f32>, Vec<f32>) {
     let (d, n) = (w.len(), x.len() / w.len());
     assert_eq!(x.len(), n * d, "rms norm: shapes");
+    let y16 = out16(bf16, n * d);
     let (mut y, mut rstd) = (vec![0.0; n * d], vec![0.0; n]);
-    // SAFETY: x and y hold n·d values, w d, rstd n (checked and allocated above).
+    // SAFETY: x and y (and y16, if not null) hold n·d values, w d, rstd n
+    // (checked and allocated above).
     unsafe {
         emu_rms_norm(
             x.as_ptr(),
             w.as_ptr(),
             y.as_mut_ptr(),
+            y16,
             rstd.as_mut_ptr(),
             int(n),
             int(d),
@@ -314,13 +330,16 @@ pub fn rms_norm_backward(
     (dx, dw)
 }
 
-/// SwiGLU of `h`'s rows of `[gate | up]` (`2f` wide): `[n, f]`.
-pub fn swiglu(h: &[f32], f: usize) -> Vec<f32> {
+/// SwiGLU of `h`'s rows of `[gate | up]` (`2f` wide): `[n, f]`; with
+/// `bf16`, its bf16 bits written there instead (the result left at zero).
+pub fn swiglu(h: &[f32], f: usize, bf16: Option<&mut [u16]>) -> Vec<f32> {
     let n = h.len() / (2 * f);
     assert_eq!(h.len(), n * 2 * f, "swiglu: shapes");
+    let y16 = out16(bf16, n * f);
     let mut y = vec![0.0; n * f];
-    // SAFETY: h holds n·2f values, y n·f (checked and allocated above).
-    unsafe { emu_swiglu(h.as_ptr(), y.as_mut_ptr(), n as u64, int(f)) };
+    // SAFETY: h holds n·2f values, y (and y16, if not null) n·f (checked
+    // and allocated above).
+    unsafe { emu_swiglu(h.as_ptr(), y.as_mut_ptr(), y16, n as u64, int(f)) };
     y
 }
 
@@ -538,12 +557,26 @@ pub fn column_sums(a: &[f32], width: usize) -> Vec<f32> {
     out
 }
 
-/// GPT-2's GELU of every value.
-pub fn gelu(h: &[f32]) -> Vec<f32> {
+/// GPT-2's GELU of every value; with `bf16`, its bf16 bits written there
+/// instead (the result left at zero).
+pub fn gelu(h: &[f32], bf16: Option<&mut [u16]>) -> Vec<f32> {
+    let g16 = out16(bf16, h.len());
     let mut g = vec![0.0; h.len()];
-    // SAFETY: h and g hold h.len() values.
-    unsafe { emu_gelu(h.as_ptr(), g.as_mut_ptr(), h.len() as u64) };
+    // SAFETY: h and g (and g16, if not null) hold h.len() values.
+    unsafe { emu_gelu(h.as_ptr(), g.as_mut_ptr(), g16, h.len() as u64) };
     g
+}
+
+/// A kernel's optional bf16 output of `len` values, as the pointer it takes
+/// (null: f32 output).
+fn out16(bf16: Option<&mut [u16]>, len: usize) -> *mut u16 {
+    match bf16 {
+        Some(b) => {
+            assert_eq!(b.len(), len, "a bf16 output of {len} values");
+            b.as_mut_ptr()
+        }
+        None => std::ptr::null_mut(),
+    }
 }
 
 /// GELU's backward: `gelu'(h)·dg`.

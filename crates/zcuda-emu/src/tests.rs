@@ -60,7 +60,7 @@ fn the_emulator_gives_layer_norm_as_the_cpu_model() {
     // The kernel that has run on GPUs, as a check of the emulation itself
     // (block sums through shuffles and barriers).
     let (x, w, b) = (wave(ROWS * D, 1), wave(D, 2), wave(D, 3));
-    let (y, _, _) = layer_norm(&x, &w, &b, 1e-5);
+    let (y, _, _) = layer_norm(&x, &w, &b, 1e-5, None);
     let want = zmodel::ops::layer_norm(
         &tensor(&x, &[ROWS, D]),
         &tensor(&w, &[D]),
@@ -80,7 +80,7 @@ fn rms_norm_and_its_backward_match_the_cpu_model() {
         wave(ROWS * D, 6),
         wave(ROWS * D, 7),
     );
-    let (y, rstd) = rms_norm(&x, &w, eps as f32);
+    let (y, rstd) = rms_norm(&x, &w, eps as f32, None);
     let (xt, wt) = (tensor(&x, &[ROWS, D]), tensor(&w, &[D]));
     close(
         "rms norm",
@@ -113,7 +113,7 @@ fn swiglu_and_its_backward_match_the_cpu_model() {
     let ht = tensor(&h, &[ROWS, 2 * f]);
     close(
         "swiglu",
-        &swiglu(&h, f),
+        &swiglu(&h, f, None),
         &values(&llama_ops::swiglu(&ht).unwrap()),
     );
     let want = llama_ops::swiglu_backward(&ht, &tensor(&dy, &[ROWS, f])).unwrap();
@@ -223,7 +223,7 @@ fn layer_norm_backward_matches_the_cpu_model() {
     let eps = 1e-5;
     let (x, w, b) = (wave(ROWS * D, 18), wave(D, 19), wave(D, 20));
     let (dy, res) = (wave(ROWS * D, 21), wave(ROWS * D, 22));
-    let (_, mean, rstd) = layer_norm(&x, &w, &b, eps as f32);
+    let (_, mean, rstd) = layer_norm(&x, &w, &b, eps as f32, None);
     let (dx, dw, db) = layer_norm_backward(&x, &w, (&mean, &rstd), &dy, Some(&res));
     let (want_dx, want_dw, want_db) = zmodel::ops::layer_norm_backward(
         &tensor(&x, &[ROWS, D]),
@@ -259,9 +259,47 @@ fn gelu_and_its_backward_match_the_cpu_model() {
     let h: Vec<f32> = wave(ROWS * D, 24).iter().map(|v| 6.0 * v).collect();
     let dg = wave(ROWS * D, 25);
     let (ht, dgt) = (tensor(&h, &[ROWS, D]), tensor(&dg, &[ROWS, D]));
-    close("gelu", &gelu(&h), &values(&zmodel::ops::gelu(&ht).unwrap()));
+    close(
+        "gelu",
+        &gelu(&h, None),
+        &values(&zmodel::ops::gelu(&ht).unwrap()),
+    );
     let want = zmodel::ops::gelu_backward(&ht, &dgt).unwrap();
     close("gelu backward", &gelu_backward(&h, &dg), &values(&want));
+}
+
+/// For bf16 products the norms, GELU and SwiGLU write their output's bf16
+/// bits instead of its f32 values: zgemm's rounding of the f32 output, bit
+/// for bit, and no f32 output.
+#[test]
+fn the_products_inputs_in_bf16_are_their_f32_outputs_rounded() {
+    let rounded = |v: &[f32]| v.iter().map(|&x| zgemm::bf16_bits(x)).collect::<Vec<u16>>();
+    let zeros = |v: &[f32]| v.iter().all(|&x| x == 0.0);
+    let (x, w, b) = (wave(ROWS * D, 28), wave(D, 29), wave(D, 30));
+    let mut y16 = vec![0u16; ROWS * D];
+    let (y, _, _) = layer_norm(&x, &w, &b, 1e-5, None);
+    let (none, mean, _) = layer_norm(&x, &w, &b, 1e-5, Some(&mut y16));
+    assert_eq!(y16, rounded(&y), "layer norm");
+    assert!(
+        zeros(&none) && !zeros(&mean),
+        "layer norm: bf16 instead, stats kept"
+    );
+    let (y, _) = rms_norm(&x, &w, 1e-5, None);
+    let (none, _) = rms_norm(&x, &w, 1e-5, Some(&mut y16));
+    assert_eq!(y16, rounded(&y), "rms norm");
+    assert!(zeros(&none), "rms norm: bf16 instead");
+    let h: Vec<f32> = wave(ROWS * D, 31).iter().map(|v| 6.0 * v).collect();
+    let g = gelu(&h, None);
+    assert!(zeros(&gelu(&h, Some(&mut y16))), "gelu: bf16 instead");
+    assert_eq!(y16, rounded(&g), "gelu");
+    let f = D / 2;
+    let y = swiglu(&h, f, None);
+    let mut s16 = vec![0u16; ROWS * f];
+    assert!(
+        zeros(&swiglu(&h, f, Some(&mut s16))),
+        "swiglu: bf16 instead"
+    );
+    assert_eq!(s16, rounded(&y), "swiglu");
 }
 
 #[test]

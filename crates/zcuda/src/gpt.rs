@@ -183,10 +183,11 @@ pub struct BlockActs {
     g: Kept,
 }
 
-/// An activation that only products read (a norm's output, GELU's): kept
-/// in f32, or with bf16 products as its bf16 rounding, made once in the
-/// forward for the product there and the weight gradient's in the backward
-/// (the same bits as rounding it before each; half the memory).
+/// An activation that only products read (a norm's output, GELU's or
+/// SwiGLU's): f32, or with bf16 products its bf16 bits, written by the
+/// kernel that makes it and read as they are by the forward's product and
+/// the backward's weight gradient (the same bits as rounding the f32 values
+/// before each product; no rounding pass, half the memory).
 enum Kept {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<u16>),
@@ -199,6 +200,15 @@ impl Kept {
             Kept::F32(v) => op(v, 0, ld),
             Kept::Bf16(v) => op16(v, 0, ld),
         }
+    }
+
+    /// The (y, y16) arguments of the kernel that writes it: this buffer
+    /// where its type goes, `null` for the other.
+    fn push_out<'a>(&'a mut self, l: &mut LaunchArgs<'a>, null: &'a u64) {
+        match self {
+            Kept::F32(v) => l.arg(v).arg(null),
+            Kept::Bf16(v) => l.arg(null).arg(v),
+        };
     }
 }
 
@@ -682,21 +692,14 @@ impl GptGpu {
         let n = b * t;
         let [norm1, qkv_w, out_w, norm2, in_w, mlp_out] = self.block_params(w)?.parts;
         let (a1, stats1) = self.norm(&x.buf, norm1, n)?;
-        let a1 = self.kept(a1)?;
         let mut qkv = self.linear(a1.operand(d), n, d, qkv_w, q, None)?;
         self.rotate(&mut qkv, b, t, 1.0)?;
         let attention = self.attention(qkv, b, t)?;
         let rows1 = self.linear(op(&attention.out, 0, d), n, d, out_w, d, Some(&x.buf))?;
         let (a2, stats2) = self.norm(&rows1, norm2, n)?;
-        let a2 = self.kept(a2)?;
         let f = self.shape.ffn;
         let h = self.linear(a2.operand(d), n, d, in_w, fi, None)?;
-        let mut g = self.alloc(n * f)?;
-        match self.shape.family {
-            Family::Gpt2 => self.elementwise("gelu", &h, None, &mut g)?,
-            Family::Llama { .. } => self.swiglu("swiglu", &h, None, &mut g, n)?,
-        }
-        let g = self.kept(g)?;
+        let g = self.activation(&h, n)?;
         let y = self.linear(g.operand(f), n, f, mlp_out, d, Some(&rows1))?;
         let acts = BlockActs {
             x,
@@ -737,10 +740,8 @@ impl GptGpu {
         grads[5] = Some((dw, db));
         let mut dh = self.alloc(n * fi)?;
         match self.shape.family {
-            Family::Gpt2 => self.elementwise("gelu_backward", &acts.h, Some(&dg), &mut dh)?,
-            Family::Llama { .. } => {
-                self.swiglu("swiglu_backward", &acts.h, Some(&dg), &mut dh, n)?
-            }
+            Family::Gpt2 => self.gelu_backward(&acts.h, &dg, &mut dh)?,
+            Family::Llama { .. } => self.swiglu_backward(&acts.h, &dg, &mut dh, n)?,
         }
         drop(dg);
         let (da2, dw, db) = self.linear_backward(acts.a2.operand(d), n, d, in_w, fi, &dh)?;
@@ -834,7 +835,7 @@ impl GptGpu {
             false,
             true,
             (n, vocab, d),
-            op(&normed, 0, d),
+            normed.operand(d),
             op(om, 0, d),
             (&mut logits, 0, vocab),
             ONE,
@@ -869,12 +870,14 @@ impl GptGpu {
             });
         }
         // dnormed [n, d] = dlogits · out; dout [vocab, d] = dlogitsᵀ · normed
+        let mut dlogits16 = None;
+        let dlogits = self.operand_twice(&logits, n * vocab, vocab, &mut dlogits16)?;
         let mut dnormed = self.alloc(n * d)?;
         self.gemm(
             false,
             false,
             (n, d, vocab),
-            op(&logits, 0, vocab),
+            dlogits,
             op(om, 0, d),
             (&mut dnormed, 0, d),
             ONE,
@@ -884,8 +887,8 @@ impl GptGpu {
             true,
             false,
             (vocab, d, n),
-            op(&logits, 0, vocab),
-            op(&normed, 0, d),
+            dlogits,
+            normed.operand(d),
             (&mut dout, 0, d),
             ONE,
         )?;
@@ -1080,7 +1083,7 @@ impl GptGpu {
         x: &CudaSlice<f32>,
         (w, b): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
         n: usize,
-    ) -> Result<(CudaSlice<f32>, Stats), CudaError> {
+    ) -> Result<(Kept, Stats), CudaError> {
         match b {
             Some(b) => self.layer_norm(x, w, b, n),
             None => self.rms_norm(x, w, n),
@@ -1110,22 +1113,19 @@ impl GptGpu {
         x: &CudaSlice<f32>,
         w: &CudaSlice<f32>,
         n: usize,
-    ) -> Result<(CudaSlice<f32>, Stats), CudaError> {
+    ) -> Result<(Kept, Stats), CudaError> {
         let d = self.shape.d_model;
-        let (mut y, mut rstd) = (self.alloc(n * d)?, self.alloc(n)?);
-        let (d32, eps) = (d as i32, self.shape.eps);
+        let (mut y, mut rstd) = (self.kept_output(n * d)?, self.alloc(n)?);
+        let (d32, eps, null) = (d as i32, self.shape.eps, 0u64);
         let mut l = self
             .gpu
             .stream()
             .launch_builder(self.gpu.function("rms_norm"));
-        l.arg(x)
-            .arg(w)
-            .arg(&mut y)
-            .arg(&mut rstd)
-            .arg(&d32)
-            .arg(&eps);
-        // SAFETY: rms_norm(x[n·d], w[d], y[n·d], rstd[n], d, eps), one block
-        // per row.
+        l.arg(x).arg(w);
+        y.push_out(&mut l, &null);
+        l.arg(&mut rstd).arg(&d32).arg(&eps);
+        // SAFETY: rms_norm(x[n·d], w[d], y[n·d] or null, y16[n·d] or null,
+        // rstd[n], d, eps), one block per row.
         self.launched("rms_norm", unsafe { l.launch(rows_config(n)) })?;
         Ok((y, Stats::Rms(rstd)))
     }
@@ -1186,24 +1186,20 @@ impl GptGpu {
         w: &CudaSlice<f32>,
         b: &CudaSlice<f32>,
         n: usize,
-    ) -> Result<(CudaSlice<f32>, Stats), CudaError> {
+    ) -> Result<(Kept, Stats), CudaError> {
         let d = self.shape.d_model;
-        let (mut y, mut mean, mut rstd) = (self.alloc(n * d)?, self.alloc(n)?, self.alloc(n)?);
-        let (d32, eps) = (d as i32, self.shape.eps);
+        let (mut y, mut mean, mut rstd) =
+            (self.kept_output(n * d)?, self.alloc(n)?, self.alloc(n)?);
+        let (d32, eps, null) = (d as i32, self.shape.eps, 0u64);
         let mut l = self
             .gpu
             .stream()
             .launch_builder(self.gpu.function("layer_norm"));
-        l.arg(x)
-            .arg(w)
-            .arg(b)
-            .arg(&mut y)
-            .arg(&mut mean)
-            .arg(&mut rstd)
-            .arg(&d32)
-            .arg(&eps);
-        // SAFETY: layer_norm(x[n·d], w[d], b[d], y[n·d], mean[n], rstd[n], d,
-        // eps), one block per row.
+        l.arg(x).arg(w).arg(b);
+        y.push_out(&mut l, &null);
+        l.arg(&mut mean).arg(&mut rstd).arg(&d32).arg(&eps);
+        // SAFETY: layer_norm(x[n·d], w[d], b[d], y[n·d] or null, y16[n·d]
+        // or null, mean[n], rstd[n], d, eps), one block per row.
         self.launched("layer_norm", unsafe { l.launch(rows_config(n)) })?;
         Ok((y, Stats::Layer(mean, rstd)))
     }
@@ -1260,55 +1256,90 @@ impl GptGpu {
         Ok((dx, dw, Some(db)))
     }
 
-    /// `out = f(a)` (`gelu`) or `out = f'(a)·b` (`gelu_backward`).
-    fn elementwise(
-        &self,
-        kernel: &'static str,
-        a: &CudaSlice<f32>,
-        b: Option<&CudaSlice<f32>>,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
-        let n = a.len();
-        let n64 = n as u64;
-        let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
-        l.arg(a);
-        if let Some(b) = b {
-            l.arg(b);
+    /// The MLP's activation of `h` (`n` rows of the up projection): GPT-2's
+    /// GELU or LLaMA's SwiGLU (on `[gate | up]`), an output only the next
+    /// product reads.
+    fn activation(&self, h: &CudaSlice<f32>, n: usize) -> Result<Kept, CudaError> {
+        let (f, width) = (self.shape.ffn, self.shape.mlp_in_width());
+        if h.len() != n * width {
+            return Err(CudaError::Invalid(format!(
+                "activation: {} values for {n} rows of width {width}",
+                h.len()
+            )));
         }
-        l.arg(&mut *out).arg(&n64);
-        // SAFETY: gelu(h, g, n) / gelu_backward(h, dg, dh, n), every buffer
-        // of n values.
-        self.launched(kernel, unsafe { l.launch(grid_stride(n)) })
+        let kernel = match self.shape.family {
+            Family::Gpt2 => "gelu",
+            Family::Llama { .. } => "swiglu",
+        };
+        let mut g = self.kept_output(n * f)?;
+        let (values, rows, f32_, null) = ((n * f) as u64, n as u64, f as i32, 0u64);
+        let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
+        l.arg(h);
+        g.push_out(&mut l, &null);
+        match self.shape.family {
+            Family::Gpt2 => l.arg(&values),
+            Family::Llama { .. } => l.arg(&rows).arg(&f32_),
+        };
+        // SAFETY: gelu(h[n·f], g[n·f] or null, g16[n·f] or null, n·f) /
+        // swiglu(h[n·2f], y[n·f] or null, y16[n·f] or null, n, f): h's
+        // length checked above, the output allocated for n·f.
+        self.launched(kernel, unsafe { l.launch(grid_stride(n * f)) })?;
+        Ok(g)
     }
 
-    /// `[gate | up]` rows `h` → `silu(gate)·up` (`swiglu`), or with `dy`
-    /// their gradient (`swiglu_backward`), over `n` rows.
-    fn swiglu(
+    /// GELU's backward: `dh = gelu'(h)·dg`, every buffer of `h.len()`.
+    fn gelu_backward(
         &self,
-        kernel: &'static str,
         h: &CudaSlice<f32>,
-        dy: Option<&CudaSlice<f32>>,
-        out: &mut CudaSlice<f32>,
+        dg: &CudaSlice<f32>,
+        dh: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let n = h.len();
+        if dg.len() != n || dh.len() != n {
+            return Err(CudaError::Invalid(format!(
+                "gelu_backward: {n}, {} and {} values",
+                dg.len(),
+                dh.len()
+            )));
+        }
+        let n64 = n as u64;
+        let mut l = self
+            .gpu
+            .stream()
+            .launch_builder(self.gpu.function("gelu_backward"));
+        l.arg(h).arg(dg).arg(&mut *dh).arg(&n64);
+        // SAFETY: gelu_backward(h, dg, dh, n), every buffer of n values
+        // (checked above).
+        self.launched("gelu_backward", unsafe { l.launch(grid_stride(n)) })
+    }
+
+    /// SwiGLU's backward: `[gate | up]` gradients `dh` from `h` and `dy`,
+    /// over `n` rows.
+    fn swiglu_backward(
+        &self,
+        h: &CudaSlice<f32>,
+        dy: &CudaSlice<f32>,
+        dh: &mut CudaSlice<f32>,
         n: usize,
     ) -> Result<(), CudaError> {
         let f = self.shape.ffn;
-        if h.len() != n * 2 * f || out.len() != n * f * if dy.is_some() { 2 } else { 1 } {
+        if h.len() != n * 2 * f || dy.len() != n * f || dh.len() != n * 2 * f {
             return Err(CudaError::Invalid(format!(
-                "{kernel}: {} and {} values for {n} rows of width {f}",
+                "swiglu_backward: {}, {} and {} values for {n} rows of width {f}",
                 h.len(),
-                out.len()
+                dy.len(),
+                dh.len()
             )));
         }
         let (n64, f32_) = (n as u64, f as i32);
-        let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
-        l.arg(h);
-        if let Some(dy) = dy {
-            l.arg(dy);
-        }
-        l.arg(&mut *out).arg(&n64).arg(&f32_);
-        // SAFETY: swiglu(h[n·2f], y[n·f], n, f) / swiglu_backward(h[n·2f],
-        // dy[n·f], dh[n·2f], n, f) (lengths checked above).
-        self.launched(kernel, unsafe { l.launch(grid_stride(n * f)) })
+        let mut l = self
+            .gpu
+            .stream()
+            .launch_builder(self.gpu.function("swiglu_backward"));
+        l.arg(h).arg(dy).arg(&mut *dh).arg(&n64).arg(&f32_);
+        // SAFETY: swiglu_backward(h[n·2f], dy[n·f], dh[n·2f], n, f) (lengths
+        // checked above).
+        self.launched("swiglu_backward", unsafe { l.launch(grid_stride(n * f)) })
     }
 
     /// LLaMA's rotary positions on q and k of `qkv` `[b, t, qkv_width]` in
@@ -1786,12 +1817,12 @@ impl GptGpu {
         self.launched(kernel, unsafe { l.launch(cfg) })
     }
 
-    /// `x` as a [`Kept`] activation: with bf16 products its bf16 rounding
-    /// (the f32 values freed), else as it is.
-    fn kept(&self, x: CudaSlice<f32>) -> Result<Kept, CudaError> {
+    /// A buffer for `len` values of an output that only products read
+    /// ([`Kept`]): bf16 with bf16 products, else f32.
+    fn kept_output(&self, len: usize) -> Result<Kept, CudaError> {
         match self.bf16_products {
-            true => Ok(Kept::Bf16(self.rounded_bf16(&x, 0..x.len())?)),
-            false => Ok(Kept::F32(x)),
+            true => Ok(Kept::Bf16(self.alloc16(len)?)),
+            false => Ok(Kept::F32(self.alloc(len)?)),
         }
     }
 
