@@ -12,13 +12,18 @@ venv=${ZRUN_NVRTC_VENV:-/tmp/zrun-nvrtc-venv}
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
-"$venv/bin/pip" install -q --disable-pip-version-check nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12
+"$venv/bin/pip" install -q --disable-pip-version-check nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12 \
+  nvidia-cuda-nvdisasm
 nvrtc_lib=$("$venv/bin/python" -c 'import nvidia.cuda_nvrtc as m; print(list(m.__path__)[0])')/lib
 export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # ptxas (from the nvcc wheel, which has no nvcc) assembles the PTX, checking
 # the inline assembly and register allocation that NVRTC passes through.
 export ZRUN_PTXAS=$("$venv/bin/python" -c 'import nvidia.cuda_nvcc as m; print(list(m.__path__)[0])')/bin/ptxas
-export ZRUN_REQUIRE_NVRTC=1 ZRUN_REQUIRE_PTXAS=1 ZRUN_REQUIRE_CUDA_BUILD=1
+# nvdisasm (its own wheel) turns the assembled kernels into machine code, in
+# which a test checks how attention.cu fetches its tiles.
+export ZRUN_NVDISASM=$("$venv/bin/python" -c 'import glob, site
+print(sorted(glob.glob(site.getsitepackages()[0] + "/nvidia/*/bin/nvdisasm"))[-1])')
+export ZRUN_REQUIRE_NVRTC=1 ZRUN_REQUIRE_PTXAS=1 ZRUN_REQUIRE_NVDISASM=1 ZRUN_REQUIRE_CUDA_BUILD=1
 export ZRUN_KERNEL_CACHE=${ZRUN_KERNEL_CACHE:-$(mktemp -d)}
 
 echo "== clippy (cuda)"
@@ -40,7 +45,7 @@ cargo test --release --workspace --features zworker/cuda --lib --test gpu --no-r
 zcuda_tests=$(test_exe zcuda zcuda)
 zengine_tests=$(test_exe zengine zengine)
 gpu_tests=$(test_exe tests gpu)
-echo "== kernels: NVRTC compiles each for compute_70/80/90, ptxas assembles them for sm_80/90; GPU oracles (skip without a GPU)"
+echo "== kernels: NVRTC compiles each for compute_70/80/90, ptxas assembles them for sm_80/90, attention's tile loads in nvdisasm's machine code; GPU oracles (skip without a GPU)"
 (cd crates/zcuda && "$zcuda_tests" --nocapture)
 (cd crates/zengine && "$zengine_tests" --nocapture adam:: gpu::)
 echo "== device: cuda refused before launch, by a zworker with the feature"

@@ -72,24 +72,31 @@ fn every_kernel_compiles_to_ptx_for_volta_ampere_and_hopper() {
     }
 }
 
-/// ptxas (NVIDIA's PTX assembler: `ZRUN_PTXAS`, else on PATH; the
-/// `nvidia-cuda-nvcc-cu12` wheel has one), or `None` after saying the test
-/// skipped (and failing under `ZRUN_REQUIRE_PTXAS=1`).
-fn ptxas_or_skip(test: &str) -> Option<std::path::PathBuf> {
-    let named = std::env::var_os("ZRUN_PTXAS").map(std::path::PathBuf::from);
+/// NVIDIA's tool `name` (`ptxas`, `nvdisasm`): the path in `var`
+/// (`ZRUN_PTXAS`, `ZRUN_NVDISASM`), else on PATH, or `None` after saying the
+/// test skipped, which `ZRUN_REQUIRE_<NAME>=1` makes a failure. `wheel`: the
+/// pip package that has it.
+fn tool_or_skip(test: &str, name: &str, wheel: &str) -> Option<std::path::PathBuf> {
+    let var = format!("ZRUN_{}", name.to_uppercase());
+    let named = std::env::var_os(&var)
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from);
     let found = named.or_else(|| {
         std::env::var_os("PATH").and_then(|path| {
             std::env::split_paths(&path)
-                .map(|d| d.join("ptxas"))
+                .map(|d| d.join(name))
                 .find(|p| p.is_file())
         })
     });
     if found.is_none() {
+        let require = format!("ZRUN_REQUIRE_{}", name.to_uppercase());
         assert!(
-            std::env::var("ZRUN_REQUIRE_PTXAS").as_deref() != Ok("1"),
-            "ZRUN_REQUIRE_PTXAS=1 but no ptxas (ZRUN_PTXAS or PATH)"
+            std::env::var(&require).as_deref() != Ok("1"),
+            "{require}=1 but no {name} ({var} or PATH)"
         );
-        eprintln!("SKIPPED {test}: no ptxas (pip install nvidia-cuda-nvcc-cu12 and set ZRUN_PTXAS to its bin/ptxas)");
+        eprintln!(
+            "SKIPPED {test}: no {name} (pip install {wheel} and set {var} to its bin/{name})"
+        );
     }
     found
 }
@@ -103,7 +110,11 @@ fn every_kernel_assembles_with_ptxas_for_ampere_and_hopper() {
     if !nvrtc_or_skip("every_kernel_assembles_with_ptxas") {
         return;
     }
-    let Some(ptxas) = ptxas_or_skip("every_kernel_assembles_with_ptxas") else {
+    let Some(ptxas) = tool_or_skip(
+        "every_kernel_assembles_with_ptxas",
+        "ptxas",
+        "nvidia-cuda-nvcc-cu12",
+    ) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -142,6 +153,74 @@ fn every_kernel_assembles_with_ptxas_for_ampere_and_hopper() {
                 }
             }
         }
+    }
+}
+
+/// The fused attention's tile loads as sm_90 machine code (ptxas, then
+/// nvdisasm; no GPU needed): each kernel's first tile fetch issues the
+/// thread's whole share of both tiles as 16-byte loads (`LDG.E.128`, HD / 8
+/// a tile) before its barrier. Sitting 11 on an H100 found the first
+/// version slower than the unfused path: its fetch stayed a loop of two
+/// 4-byte loads, a wait and a store, one trip to memory a piece.
+#[test]
+fn attention_fetches_each_tile_in_one_trip() {
+    let test = "attention_fetches_each_tile_in_one_trip";
+    if !nvrtc_or_skip(test) {
+        return;
+    }
+    let Some(ptxas) = tool_or_skip(test, "ptxas", "nvidia-cuda-nvcc-cu12") else {
+        return;
+    };
+    let Some(nvdisasm) = tool_or_skip(test, "nvdisasm", "nvidia-cuda-nvdisasm") else {
+        return;
+    };
+    let k = crate::compile::kernel("attention.cu").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (src, cubin) = (dir.path().join("a.ptx"), dir.path().join("a.cubin"));
+    std::fs::write(&src, compile_with(k, "compute_90", None).unwrap().ptx).unwrap();
+    let run = |tool: &std::path::Path, args: &[&std::ffi::OsStr]| {
+        let out = std::process::Command::new(tool)
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{}: {err}", tool.display());
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    run(
+        &ptxas,
+        &[
+            "-arch=sm_90".as_ref(),
+            src.as_os_str(),
+            "-o".as_ref(),
+            cubin.as_os_str(),
+        ],
+    );
+    let sass = run(&nvdisasm, &["-c".as_ref(), cubin.as_os_str()]);
+    let flash: Vec<_> = k
+        .functions
+        .iter()
+        .filter(|f| f.starts_with("flash_"))
+        .collect();
+    assert_eq!(flash.len(), 18, "three kernels, two kinds, three widths");
+    for f in flash {
+        let body = sass
+            .split(&format!(".text.{f},"))
+            .nth(1)
+            .unwrap_or_else(|| panic!("{f} not in nvdisasm's output"));
+        let body = body.split(".section\t.text.").next().unwrap();
+        let fetched = body
+            .lines()
+            .skip_while(|l| !l.contains("LDG.E.128"))
+            .take_while(|l| !l.contains("BAR.SYNC"))
+            .filter(|l| l.contains("LDG.E.128"))
+            .count();
+        let hd: usize = f.rsplit('_').next().unwrap().parse().unwrap();
+        assert!(
+            fetched >= 2 * hd / 8,
+            "{f}: {fetched} 16-byte loads before the first barrier, want {}",
+            2 * hd / 8
+        );
     }
 }
 
