@@ -228,42 +228,38 @@ impl Gpu {
     /// Marks the end of the operation just enqueued (`name` made only when
     /// profiling).
     pub(crate) fn mark(&self, name: impl FnOnce() -> String) -> Result<(), CudaError> {
-        let Some(profile) = &self.profile else {
-            return Ok(());
-        };
-        let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
-        p.mark(&self.stream, name())
-            .map_err(|source| CudaError::Driver {
-                what: "recording a profile event".into(),
-                source,
-            })
+        self.with_profile("recording a profile event", |p| {
+            p.mark(&self.stream, name())
+        })
+        .map(|_| ())
     }
 
     /// With `ZRUN_GPU_PROFILE` set: forgets the profile's times so far.
     pub fn profile_restart(&self) -> Result<(), CudaError> {
-        let Some(profile) = &self.profile else {
-            return Ok(());
-        };
-        let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
-        p.restart().map_err(|source| CudaError::Driver {
-            what: "reading the GPU profile's events".into(),
-            source,
-        })
+        self.with_profile("reading the GPU profile's events", Profile::restart)
+            .map(|_| ())
     }
 
     /// With `ZRUN_GPU_PROFILE` set: GPU time by operation so far (waiting
     /// for the stream), per step of `steps`, the most first.
     pub fn profile_report(&self, steps: u64) -> Result<Option<String>, CudaError> {
+        self.with_profile("reading the GPU profile's events", |p| p.report(steps))
+    }
+
+    /// `f` on the profile, if there is one; a failure named by `what`.
+    fn with_profile<T>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&mut Profile) -> Result<T, cudarc::driver::DriverError>,
+    ) -> Result<Option<T>, CudaError> {
         let Some(profile) = &self.profile else {
             return Ok(None);
         };
         let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
-        p.report(steps)
-            .map(Some)
-            .map_err(|source| CudaError::Driver {
-                what: "reading the GPU profile's events".into(),
-                source,
-            })
+        f(&mut p).map(Some).map_err(|source| CudaError::Driver {
+            what: what.into(),
+            source,
+        })
     }
 
     /// Kernel function `name` (one of `KERNELS`' functions).
