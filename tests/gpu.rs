@@ -18,9 +18,9 @@
 //! on the GPU (one worker's resident flow) gives ZeRO-Offload's bits (Adam on
 //! the host), with gradient accumulation and clipping, in f32, bf16 and f16;
 //! a resumed GPU run continues the uninterrupted one to the bit (f32, bf16); and two workers reducing
-//! their gradients over NCCL (resident, stages 0-3) give the bits and the
-//! bytes of the host flow's reductions, and a resumed stage-3 NCCL run
-//! continues the uninterrupted one to the bit. With the fused attention
+//! their gradients over NCCL (resident, stages 0-3; f32, bf16 and f16) give
+//! the bits and the bytes of the host flow's reductions, and a resumed
+//! stage-3 NCCL run continues the uninterrupted one to the bit (f32, bf16). With the fused attention
 //! (`ZRUN_GPU_ATTENTION=fused`) a bf16 or TF32 run follows the unfused run
 //! within that rounding and repeats to the bit. `comm.backend: nccl` where it cannot run is refused
 //! before launch, GPU or not.
@@ -154,10 +154,6 @@ fn nccl_and_tf32_are_refused_where_they_cannot_run() {
                 "zero.offload_optimizer.device=cpu",
             ],
             "offload moves it to the host",
-        ),
-        (
-            &["comm.backend=nccl", "device=cuda", "train.dtype=bf16"],
-            "use comm.backend: auto",
         ),
     ] {
         let mut args = vec!["check", job.to_str().unwrap()];
@@ -556,19 +552,18 @@ fn a_resumed_gpu_run_continues_the_uninterrupted_one_to_the_bit() {
     }
 }
 
-#[test]
-fn nccl_between_two_workers_gives_the_host_reductions_bits() {
-    if gpus_or_skip("nccl_between_two_workers_gives_the_host_reductions_bits").is_none() {
-        return;
-    }
+/// Two workers sharing the one GPU a test machine has (NCCL then runs
+/// between them over loopback, each its own NCCL_HOSTID) at each of
+/// `stages` in `dtype`: over NCCL against the host flow, (loss, gradient
+/// norm) per step to the bit and the bytes sent by operation.
+fn nccl_against_the_host_flow(dtype: &str, stages: &[u8]) {
     let dir = tempfile::tempdir().unwrap();
-    // Two workers share the one GPU a test machine has: NCCL then runs
-    // between them over loopback (each its own NCCL_HOSTID).
     // Per step: loss, gradient norm, and the bytes sent by operation.
     type Step = (f64, f64, Vec<(String, u64)>);
     let steps = |name: &str, stage: u8, backend: &str| -> Vec<Step> {
         let sets: Vec<String> = [
             "device=cuda".to_string(),
+            format!("train.dtype={dtype}"),
             format!("zero.stage={stage}"),
             "train.grad_accum=2".into(),
             "train.grad_clip=0.5".into(),
@@ -592,7 +587,7 @@ fn nccl_between_two_workers_gives_the_host_reductions_bits() {
     // Stages 2-3 add each micro-batch's reduced slice, stages 0-1 reduce the
     // accumulated gradient: with two micro-batches their bits differ, on
     // the host as over NCCL, so each stage is held to the host flow's.
-    for stage in [0, 1, 2, 3] {
+    for &stage in stages {
         let host = steps(&format!("host{stage}"), stage, "auto");
         assert_eq!(host.len(), 12);
         assert!(host.iter().any(|s| s.1 > 0.5), "no step clipped: {host:?}");
@@ -601,14 +596,34 @@ fn nccl_between_two_workers_gives_the_host_reductions_bits() {
         assert_eq!(
             bits(&nccl),
             bits(&host),
-            "stage {stage} over NCCL: (loss, grad norm) per step"
+            "{dtype} stage {stage} over NCCL: (loss, grad norm) per step"
         );
-        // NCCL's bytes are counted by the ring factors the host's are.
+        // NCCL's bytes are counted by the ring factors the host's are (under
+        // 16 bits: gradients summed in f32, parameters gathered in 16 bits).
         assert_eq!(
             nccl[5].2, host[5].2,
-            "stage {stage}: bytes sent by operation, NCCL against the host"
+            "{dtype} stage {stage}: bytes sent by operation, NCCL against the host"
         );
     }
+}
+
+#[test]
+fn nccl_between_two_workers_gives_the_host_reductions_bits() {
+    if gpus_or_skip("nccl_between_two_workers_gives_the_host_reductions_bits").is_none() {
+        return;
+    }
+    nccl_against_the_host_flow("f32", &[0, 1, 2, 3]);
+}
+
+#[test]
+fn sixteen_bit_state_over_nccl_gives_the_host_flows_bits() {
+    if gpus_or_skip("sixteen_bit_state_over_nccl_gives_the_host_flows_bits").is_none() {
+        return;
+    }
+    // Every stage's code path in bf16; f16 (which differs in the format and
+    // its loss scale) at the all-reduce and the partitioned ends.
+    nccl_against_the_host_flow("bf16", &[0, 1, 2, 3]);
+    nccl_against_the_host_flow("f16", &[0, 3]);
 }
 
 #[test]
@@ -617,23 +632,26 @@ fn a_resumed_nccl_stage_3_run_continues_the_uninterrupted_one_to_the_bit() {
         return;
     }
     // Each rank's checkpoint holds Adam's moments and parameters of its
-    // slice, downloaded from its GPU; the resumed ranks upload them again.
-    let d = tempfile::tempdir().unwrap();
-    let job = ckpt_job(d.path(), "nccl-resume", 12, 6);
-    let sets: Vec<String> = [
-        "device=cuda",
-        "zero.stage=3",
-        "comm.backend=nccl",
-        "zero.param_persistence_threshold=1000",
-    ]
-    .map(String::from)
-    .to_vec();
-    let straight = losses_by_step(&run(&job, "straight", 2, &sets, &[]));
-    std::fs::remove_dir_all(d.path().join("ckpt/step-00000012")).unwrap();
-    let resumed = losses_by_step(&run(&job, "resumed", 2, &sets, &["--resume", "auto"]));
-    assert_eq!(
-        resumed.iter().map(|x| x.0).collect::<Vec<_>>(),
-        (7..=12).collect::<Vec<u64>>()
-    );
-    assert_eq!(resumed, straight[6..].to_vec());
+    // slice (under bf16 the f32 master), downloaded from its GPU; the
+    // resumed ranks upload them again (and round the working copy).
+    for dtype in ["f32", "bf16"] {
+        let d = tempfile::tempdir().unwrap();
+        let job = ckpt_job(d.path(), "nccl-resume", 12, 6);
+        let sets: Vec<String> = [
+            "device=cuda".to_string(),
+            format!("train.dtype={dtype}"),
+            "zero.stage=3".into(),
+            "comm.backend=nccl".into(),
+            "zero.param_persistence_threshold=1000".into(),
+        ]
+        .to_vec();
+        let straight = losses_by_step(&run(&job, "straight", 2, &sets, &[]));
+        std::fs::remove_dir_all(d.path().join("ckpt/step-00000012")).unwrap();
+        let resumed = losses_by_step(&run(&job, "resumed", 2, &sets, &["--resume", "auto"]));
+        assert_eq!(
+            resumed.iter().map(|x| x.0).collect::<Vec<_>>(),
+            (7..=12).collect::<Vec<u64>>()
+        );
+        assert_eq!(resumed, straight[6..].to_vec(), "{dtype}");
+    }
 }

@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, ConfigError};
 use crate::hostfile::Topology;
-use crate::spec::{Backend, Device, Dtype, JobSpec, ModelKind, OffloadDevice, ZeroStage};
+use crate::spec::{Backend, Device, JobSpec, ModelKind, OffloadDevice, ZeroStage};
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
 #[derive(Debug, Clone)]
@@ -365,9 +365,9 @@ impl LoadedJob {
     }
 
     /// `comm.backend: nccl`: ZeRO's collectives between GPUs, every state
-    /// on the ranks' GPUs (stages 0-3), in f32. Offload, which keeps the
-    /// optimizer or the parameters on the host, is refused, naming the key,
-    /// and so is a 16-bit dtype, whose state several GPUs keep on the host.
+    /// on the ranks' GPUs (stages 0-3; f32, bf16 or f16). Offload, which
+    /// keeps the optimizer or the parameters on the host, is refused,
+    /// naming the key.
     fn validate_nccl(&self) -> Result<(), ConfigError> {
         let s = &self.spec;
         let z = &s.zero;
@@ -377,8 +377,6 @@ impl LoadedJob {
             || z.offload_param.device != OffloadDevice::None
         {
             "keeps every state on the GPUs, but offload moves it to the host: use comm.backend: auto with offload"
-        } else if s.train.dtype != Dtype::F32 {
-            "reduces and gathers f32 state only; with train.dtype: bf16 or f16 several GPUs keep the 16-bit state and reduce on the host: use comm.backend: auto"
         } else {
             return Ok(());
         };

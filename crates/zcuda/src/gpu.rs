@@ -665,7 +665,11 @@ impl Gpu {
     }
 
     /// Copies `src` into `dst` (the same length) on the stream.
-    pub fn copy(&self, src: &CudaView<f32>, dst: &mut CudaViewMut<f32>) -> Result<(), CudaError> {
+    pub fn copy<T: DeviceRepr>(
+        &self,
+        src: &CudaView<T>,
+        dst: &mut CudaViewMut<T>,
+    ) -> Result<(), CudaError> {
         if src.len() != dst.len() {
             return Err(CudaError::Invalid(format!(
                 "copy: {} values into {}",

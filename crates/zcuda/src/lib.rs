@@ -42,7 +42,7 @@ pub use gpu::{AdamConsts, DeviceGrads, DeviceQuantized, Gpu, Half16, Pinned};
 pub use nccl::{host_id_for_shared_gpu, nccl_present, nccl_version, Nccl, NcclId, NcclOp};
 
 /// Re-exported so that callers hold device buffers without naming cudarc.
-pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 
 /// What can go wrong.
 #[derive(Debug, thiserror::Error)]

@@ -24,7 +24,7 @@ use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut, DevicePtrMut};
+use cudarc::driver::{CudaStream, CudaViewMut, DevicePtrMut};
 use cudarc::nccl::sys;
 
 use crate::{CudaError, Gpu};
@@ -141,6 +141,15 @@ impl NcclOp {
     }
 }
 
+/// What a collective's buffer holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wire {
+    /// f32 values, summed by the reductions.
+    F32,
+    /// bf16 or f16 values, only ever gathered.
+    Bits16,
+}
+
 /// One rank's NCCL communicator on one GPU's stream.
 pub struct Nccl {
     comm: sys::ncclComm_t,
@@ -240,14 +249,14 @@ impl Nccl {
     /// same stream, in stream order).
     pub fn all_reduce_sum(
         &mut self,
-        buf: &mut CudaSlice<f32>,
+        buf: &mut CudaViewMut<f32>,
         what: &str,
     ) -> Result<(), CudaError> {
         let n = buf.len();
         let stream = self.stream.clone();
         let (ptr, _sync) = buf.device_ptr_mut(&stream);
         // SAFETY: `ptr` holds the `n` values sent and received.
-        unsafe { self.enqueue(NcclOp::AllReduce, ptr, ptr, n, n, what) }
+        unsafe { self.enqueue(NcclOp::AllReduce, Wire::F32, ptr, ptr, n, what) }
     }
 
     /// Enqueues the sum over ranks of `buf` (`world` equal chunks), this
@@ -258,12 +267,12 @@ impl Nccl {
         buf: &mut CudaViewMut<f32>,
         what: &str,
     ) -> Result<(), CudaError> {
-        let (len, n) = (buf.len(), self.chunk_of(buf.len(), "reduce_scatter", what)?);
+        let n = self.chunk_of(buf.len(), "reduce_scatter", what)?;
         let (stream, at) = (self.stream.clone(), (self.rank * n * 4) as u64);
         let (ptr, _sync) = buf.device_ptr_mut(&stream);
         // SAFETY: `buf` holds world·n values; the output is its chunk
         // `rank`, as NCCL's in-place form requires.
-        unsafe { self.enqueue(NcclOp::ReduceScatter, ptr, ptr + at, n, len, what) }
+        unsafe { self.enqueue(NcclOp::ReduceScatter, Wire::F32, ptr, ptr + at, n, what) }
     }
 
     /// Enqueues every rank's chunk of `buf` (`world` equal chunks, this
@@ -274,44 +283,80 @@ impl Nccl {
         buf: &mut CudaViewMut<f32>,
         what: &str,
     ) -> Result<(), CudaError> {
-        let (len, n) = (buf.len(), self.chunk_of(buf.len(), "all_gather", what)?);
+        let n = self.chunk_of(buf.len(), "all_gather", what)?;
         let (stream, at) = (self.stream.clone(), (self.rank * n * 4) as u64);
         let (ptr, _sync) = buf.device_ptr_mut(&stream);
         // SAFETY: `buf` holds world·n values; the input is its chunk `rank`,
         // as NCCL's in-place form requires.
-        unsafe { self.enqueue(NcclOp::AllGather, ptr + at, ptr, n, len, what) }
+        unsafe { self.enqueue(NcclOp::AllGather, Wire::F32, ptr + at, ptr, n, what) }
     }
 
-    /// Calls NCCL's collective `op` on the stream: `count` f32 per rank's
-    /// chunk (all of them for an all-reduce), `elems` in the whole buffer.
+    /// [`Nccl::all_gather_in_place`] of 16-bit values (a bf16 or f16
+    /// working copy), moved as they are: half the bytes of their f32
+    /// values, as the host gathers them.
+    pub fn all_gather16_in_place(
+        &mut self,
+        buf: &mut CudaViewMut<u16>,
+        what: &str,
+    ) -> Result<(), CudaError> {
+        let n = self.chunk_of(buf.len(), "all_gather", what)?;
+        let (stream, at) = (self.stream.clone(), (self.rank * n * 2) as u64);
+        let (ptr, _sync) = buf.device_ptr_mut(&stream);
+        // SAFETY: `buf` holds world·n 16-bit values; the input is its chunk
+        // `rank`, as NCCL's in-place form requires.
+        unsafe { self.enqueue(NcclOp::AllGather, Wire::Bits16, ptr + at, ptr, n, what) }
+    }
+
+    /// Calls NCCL's collective `op` on the stream: `count` values of `wire`
+    /// per rank's chunk (all of them for an all-reduce).
     ///
     /// # Safety
-    /// `send` and `recv` address f32 buffers on this communicator's GPU of
-    /// the lengths `op` reads and writes for `count` on this world size,
-    /// live until the stream has run the collective.
+    /// `send` and `recv` address buffers of `wire`'s values on this
+    /// communicator's GPU of the lengths `op` reads and writes for `count`
+    /// on this world size, live until the stream has run the collective;
+    /// the reductions take f32 only.
     unsafe fn enqueue(
         &mut self,
         op: NcclOp,
+        wire: Wire,
         send: u64,
         recv: u64,
         count: usize,
-        elems: usize,
         what: &str,
     ) -> Result<(), CudaError> {
         let (s, r) = (send as *const c_void, recv as *mut c_void);
         let (f32, sum) = (sys::ncclDataType_t::ncclFloat32, sys::ncclRedOp_t::ncclSum);
         let (comm, stream) = (self.comm, self.stream.cu_stream() as _);
-        // SAFETY: as the caller promises.
+        // SAFETY: as the caller promises; 16-bit values are gathered as
+        // bytes, which NCCL copies without reading them as numbers.
         let result = unsafe {
-            match op {
-                NcclOp::AllReduce => sys::ncclAllReduce(s, r, count, f32, sum, comm, stream),
-                NcclOp::ReduceScatter => {
+            match (op, wire) {
+                (NcclOp::AllReduce, Wire::F32) => {
+                    sys::ncclAllReduce(s, r, count, f32, sum, comm, stream)
+                }
+                (NcclOp::ReduceScatter, Wire::F32) => {
                     sys::ncclReduceScatter(s, r, count, f32, sum, comm, stream)
                 }
-                NcclOp::AllGather => sys::ncclAllGather(s, r, count, f32, comm, stream),
+                (NcclOp::AllGather, Wire::F32) => {
+                    sys::ncclAllGather(s, r, count, f32, comm, stream)
+                }
+                (NcclOp::AllGather, Wire::Bits16) => {
+                    let bytes = sys::ncclDataType_t::ncclUint8;
+                    sys::ncclAllGather(s, r, 2 * count, bytes, comm, stream)
+                }
+                (_, Wire::Bits16) => {
+                    return Err(CudaError::Invalid(format!(
+                        "NCCL {} of {what}: 16-bit values are gathered, never summed",
+                        op.name()
+                    )))
+                }
             }
         };
-        self.issued(op, elems, what, result)
+        let elems = match op {
+            NcclOp::AllReduce => count,
+            _ => count * self.world,
+        };
+        self.issued(op, wire, elems, what, result)
     }
 
     /// The chunk length of a `len`-value buffer split over the ranks.
@@ -378,14 +423,19 @@ impl Nccl {
     fn issued(
         &mut self,
         op: NcclOp,
+        wire: Wire,
         elems: usize,
         what: &str,
         r: sys::ncclResult_t,
     ) -> Result<(), CudaError> {
+        let (name, size) = match wire {
+            Wire::F32 => ("f32", 4),
+            Wire::Bits16 => ("16-bit", 2),
+        };
         self.in_flight
-            .push(format!("{} of {what} ({elems} f32)", op.name()));
+            .push(format!("{} of {what} ({elems} {name})", op.name()));
         self.last_op = Some(op);
-        self.sent[op as usize] += op.bytes_sent(4 * elems as u64, self.world);
+        self.sent[op as usize] += op.bytes_sent(size * elems as u64, self.world);
         self.enqueued(r)?;
         if r == sys::ncclResult_t::ncclInProgress {
             // Non-blocking mode: the next call waits for this one's enqueue.

@@ -115,7 +115,8 @@ fn nccl_rank() {
         let sum: Vec<f32> = mine(0).iter().zip(mine(1)).map(|(a, b)| a + b).collect();
 
         let mut buf = gpu.upload(&mine(rank)).unwrap();
-        nccl.all_reduce_sum(&mut buf, "test values").unwrap();
+        nccl.all_reduce_sum(&mut buf.slice_mut(..), "test values")
+            .unwrap();
         nccl.wait().unwrap();
         assert!(
             same_bits(&gpu.download(&buf).unwrap(), &sum),
@@ -153,6 +154,22 @@ fn nccl_rank() {
             "all_gather of {n}"
         );
         expect_bytes[NcclOp::AllGather as usize] += 4 * n as u64;
+
+        // 16-bit words (any bits, NaN patterns among them) move unchanged.
+        let words = |r: usize| -> Vec<u16> { mine(r).iter().map(|x| x.to_bits() as u16).collect() };
+        let mut start = vec![0x7FC1u16; 2 * n];
+        start[rank * n..(rank + 1) * n].copy_from_slice(&words(rank));
+        let mut all = gpu.upload(&start).unwrap();
+        nccl.all_gather16_in_place(&mut all.slice_mut(..), "test words")
+            .unwrap();
+        nccl.wait().unwrap();
+        let both: Vec<u16> = words(0).into_iter().chain(words(1)).collect();
+        assert_eq!(
+            gpu.download(&all).unwrap(),
+            both,
+            "16-bit all_gather of {n}"
+        );
+        expect_bytes[NcclOp::AllGather as usize] += 2 * n as u64;
     }
     for op in [NcclOp::AllReduce, NcclOp::ReduceScatter, NcclOp::AllGather] {
         assert_eq!(
@@ -183,7 +200,7 @@ fn nccl_rank() {
     let mut buf = gpu.upload(&values(1000, 99)).unwrap();
     let started = Instant::now();
     let err = nccl
-        .all_reduce_sum(&mut buf, "the lone collective")
+        .all_reduce_sum(&mut buf.slice_mut(..), "the lone collective")
         .and_then(|()| nccl.wait())
         .expect_err("a collective no peer joins must fail");
     let waited = started.elapsed();

@@ -45,8 +45,8 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, Device, Storage, Tensor, TensorId};
 use zcuda::{
-    BlockActs, CudaSlice, CudaView, CudaViewMut, DeviceGrads, Family, GptGpu, GptShape, Pinned,
-    Rows, Weights,
+    BlockActs, CudaSlice, CudaView, CudaViewMut, DeviceGrads, DeviceRepr, Family, GptGpu, GptShape,
+    Pinned, Rows, ValidAsZeroBits, Weights,
 };
 use zmodel::Batch;
 
@@ -54,6 +54,7 @@ use crate::adam::device_consts;
 use crate::engine::Engine;
 use crate::error::EngineError;
 use crate::gather::Prefetcher;
+use crate::group::Group;
 use crate::micro_batch::MicroBatch;
 use crate::precision::{Half, TASK};
 use crate::schedule::lr_at;
@@ -153,6 +154,9 @@ enum ResidentParams {
     /// Stage 3 over NCCL: this rank's slice of the flat buffer, gathered
     /// at each use.
     Slice(CudaSlice<f32>),
+    /// Stage 3 over NCCL under 16 bits: the slice is the working copy
+    /// (`HalfGroup::working`), gathered in 16 bits at each use.
+    HalfSlice,
 }
 
 /// The resident flow's state of one group on the GPU.
@@ -178,8 +182,10 @@ struct ResidentGroup {
 /// precision: gradients in the working type, an f32 master copy.
 struct HalfGroup {
     kind: zcuda::Half16,
-    /// The group's whole gradient buffer (padding included), each
-    /// micro-batch's f32 gradient added and rounded as the host adds it.
+    /// The gradients over the flat range `held` of the group's
+    /// `ResidentGroup`, each f32 addend added and rounded as the host adds
+    /// it (a micro-batch's gradient, or at stages 2-3 on several ranks
+    /// each micro-batch's reduced slice).
     grads: CudaSlice<u16>,
     /// The f32 master weights over the region this rank updates: AdamW's
     /// target.
@@ -192,35 +198,66 @@ struct HalfGroup {
 impl ResidentGroup {
     /// The gradient at flat range `r` (inside `held`).
     fn grad(&self, r: std::ops::Range<usize>) -> CudaView<'_, f32> {
-        self.grads
-            .slice(r.start - self.held.start..r.end - self.held.start)
+        self.grads.slice(self.local(r))
     }
 
     fn grad_mut(&mut self, r: std::ops::Range<usize>) -> CudaViewMut<'_, f32> {
-        let at = self.held.start;
-        self.grads.slice_mut(r.start - at..r.end - at)
+        let r = self.local(r);
+        self.grads.slice_mut(r)
+    }
+
+    /// Flat range `r` (inside `held`) as indices into the held gradients.
+    fn local(&self, r: std::ops::Range<usize>) -> std::ops::Range<usize> {
+        r.start - self.held.start..r.end - self.held.start
     }
 }
 
 /// Stages 2-3 on several ranks: where a micro-batch's whole gradient of one
-/// group lands before its reduce-scatter.
-struct Landings {
+/// group lands before its reduce-scatter: f32, or under 16 bits the
+/// working type, in which the host stages it (rounding each add).
+struct Landings<T> {
     /// The embedding's (the tied head's part waits there for the
     /// embedding's backward, which comes last).
-    embedding: CudaSlice<f32>,
-    /// Every other group's, one at a time, and the buffer the updated
-    /// slices are gathered in (the largest group's length).
-    shared: CudaSlice<f32>,
+    embedding: CudaSlice<T>,
+    /// Every other group's, one at a time; in f32 also the buffer the
+    /// updated slices are gathered in (the largest group's length).
+    shared: CudaSlice<T>,
 }
 
-impl Landings {
+impl<T: DeviceRepr + ValidAsZeroBits> Landings<T> {
+    /// Landings for `groups`.
+    fn new(gpu: &GptGpu, groups: &[Group]) -> Result<Landings<T>, EngineError> {
+        Ok(Landings {
+            embedding: gpu.gpu().zeros(groups[0].layout.padded)?,
+            shared: gpu.gpu().zeros(largest(groups))?,
+        })
+    }
+
     /// Group `g`'s landing (the first `padded` values of its buffer).
-    fn of(&mut self, g: usize, padded: usize) -> CudaViewMut<'_, f32> {
+    fn of(&mut self, g: usize, padded: usize) -> CudaViewMut<'_, T> {
         match g {
             0 => self.embedding.slice_mut(..padded),
             _ => self.shared.slice_mut(..padded),
         }
     }
+}
+
+/// The largest group's padded length.
+fn largest(groups: &[Group]) -> usize {
+    groups.iter().map(|g| g.layout.padded).max().unwrap_or(0)
+}
+
+/// Under 16 bits over NCCL, what the collectives pass through, so that
+/// they move what the host's move: gradients summed in f32 (widened,
+/// reduced, rounded or added back into 16 bits) and the updated working
+/// copies gathered in 16 bits.
+struct HalfComm {
+    /// Stages 2-3 on several ranks.
+    landings: Option<Landings<u16>>,
+    /// A group's gradient widened for its reduction.
+    wide: CudaSlice<f32>,
+    /// A group's working copy gathered from every rank's slice.
+    gathered: CudaSlice<u16>,
 }
 
 /// What the resident step needs of a group's layout.
@@ -248,8 +285,10 @@ impl StepPlan {
 /// (checkpoints, exports) download from here.
 pub(crate) struct Resident {
     groups: Vec<ResidentGroup>,
-    /// Stages 2-3 on several ranks (gradients partitioned).
-    landings: Option<Landings>,
+    /// Stages 2-3 on several ranks in f32 (gradients partitioned).
+    landings: Option<Landings<f32>>,
+    /// 16 bits over NCCL.
+    half_comm: Option<HalfComm>,
 }
 
 impl Resident {
@@ -291,15 +330,14 @@ impl Engine {
     }
 
     /// Whether the optimizer runs on the GPU with every state resident there
-    /// (one worker with every group whole, in f32 or 16 bits, or several
-    /// over NCCL in f32; no offload), rather than on the host.
+    /// (one worker with every group whole, or several over NCCL; f32 or 16
+    /// bits; no offload), rather than on the host.
     pub fn gpu_resident(&self) -> bool {
         let z = &self.spec.zero;
         self.gpu.is_some()
             && (self.comm.world_size() == 1 || self.nccl.is_some())
             && self.hpz.is_none()
             && self.offload.is_none()
-            && (self.half.is_none() || self.nccl.is_none())
             && z.offload_optimizer.device == zconfig::spec::OffloadDevice::None
             && z.offload_param.device == zconfig::spec::OffloadDevice::None
             && (self.nccl.is_some() || self.groups.iter().all(|g| !g.partitioned))
@@ -331,18 +369,26 @@ impl Engine {
                     true => g.layout.slice(rank),
                     false => 0..g.layout.padded,
                 };
-                let params = match g.partitioned {
-                    true => ResidentParams::Slice(gpu.gpu().upload(p)?),
-                    false => ResidentParams::Whole(Arc::new(Weights::from_parts(up(p)?))),
+                let params = match (g.partitioned, self.half) {
+                    (true, None) => ResidentParams::Slice(gpu.gpu().upload(p)?),
+                    (true, Some(_)) => ResidentParams::HalfSlice,
+                    (false, _) => ResidentParams::Whole(Arc::new(Weights::from_parts(up(p)?))),
                 };
                 let half = match (self.half, &g.master) {
                     (None, _) => None,
-                    (Some(h), Some(master)) => Some(HalfGroup {
-                        kind: h.into(),
-                        grads: gpu.gpu().zeros(held.len())?,
-                        master: gpu.gpu().upload(master)?,
-                        working: gpu.gpu().zeros(master.len())?,
-                    }),
+                    (Some(h), Some(master)) => {
+                        let (kind, master) = (h.into(), gpu.gpu().upload(master)?);
+                        // The host's working copy is the master's rounding.
+                        let mut working = gpu.gpu().zeros(master.len())?;
+                        gpu.gpu()
+                            .round16(kind, &master.slice(..), &mut working.slice_mut(..))?;
+                        Some(HalfGroup {
+                            kind,
+                            grads: gpu.gpu().zeros(held.len())?,
+                            master,
+                            working,
+                        })
+                    }
                     (Some(_), None) => {
                         return Err(EngineError::Gpu(format!(
                             "group {}: 16-bit parameters without their master copy",
@@ -361,20 +407,31 @@ impl Engine {
                     half,
                 });
             }
-            let landings = match sliced {
-                true => Some(Landings {
-                    embedding: gpu.gpu().zeros(self.groups[0].layout.padded)?,
-                    shared: gpu.gpu().zeros(
-                        self.groups
-                            .iter()
-                            .map(|g| g.layout.padded)
-                            .max()
-                            .unwrap_or(0),
-                    )?,
-                }),
-                false => None,
+            let (landings, half_comm) = match (self.half, &self.nccl) {
+                (None, _) => (
+                    sliced
+                        .then(|| Landings::new(gpu, &self.groups))
+                        .transpose()?,
+                    None,
+                ),
+                (Some(_), None) => (None, None),
+                (Some(_), Some(_)) => {
+                    let n = largest(&self.groups);
+                    let half_comm = HalfComm {
+                        landings: sliced
+                            .then(|| Landings::new(gpu, &self.groups))
+                            .transpose()?,
+                        wide: gpu.gpu().zeros(n)?,
+                        gathered: gpu.gpu().zeros(n)?,
+                    };
+                    (None, Some(half_comm))
+                }
             };
-            self.gpu_resident = Some(Resident { groups, landings });
+            self.gpu_resident = Some(Resident {
+                groups,
+                landings,
+                half_comm,
+            });
         }
         Ok(self.gpu_resident.as_mut().expect("just made"))
     }
@@ -417,28 +474,47 @@ impl Engine {
     }
 
     /// Stage 3 over NCCL: group `g`'s parameters for one use, gathered from
-    /// every rank's slice (an in-place all-gather), then cut into the
-    /// slots' tensors. Freed when the use drops them.
+    /// every rank's slice (an in-place all-gather; under 16 bits of the
+    /// working copies, as the host gathers them), then cut into the slots'
+    /// f32 tensors. Freed when the use drops them.
     fn gpu_gather_params(&mut self, gpu: &GptGpu, g: usize) -> Result<Arc<Weights>, EngineError> {
         let layout = &self.groups[g].layout;
         let (padded, own) = (layout.padded, layout.slice(self.comm.rank()));
         let slots: Vec<_> = layout.params.iter().map(|s| s.range.clone()).collect();
-        let (Some(r), Some(nccl)) = (self.gpu_resident.as_ref(), self.nccl.as_mut()) else {
+        let (Some(r), Some(nccl)) = (self.gpu_resident.as_mut(), self.nccl.as_mut()) else {
             return Err(EngineError::Gpu(
                 "stage 3 over NCCL without its state".into(),
             ));
         };
-        let ResidentParams::Slice(mine) = &r.groups[g].params else {
-            return Err(EngineError::Gpu(format!("group {g} is not partitioned")));
-        };
-        let mut buf = gpu.gpu().zeros(padded)?;
-        gpu.gpu().copy(&mine.slice(..), &mut buf.slice_mut(own))?;
-        nccl.all_gather_in_place(&mut buf.slice_mut(..), &format!("group {g}'s parameters"))?;
+        let what = format!("group {g}'s parameters");
+        let group = &r.groups[g];
         let mut parts = Vec::with_capacity(slots.len());
-        for range in slots {
-            let mut t = gpu.gpu().zeros(range.len())?;
-            gpu.gpu().copy(&buf.slice(range), &mut t.slice_mut(..))?;
-            parts.push(t);
+        match (&group.params, &group.half, r.half_comm.as_mut()) {
+            (ResidentParams::Slice(mine), _, _) => {
+                let mut buf = gpu.gpu().zeros(padded)?;
+                gpu.gpu().copy(&mine.slice(..), &mut buf.slice_mut(own))?;
+                nccl.all_gather_in_place(&mut buf.slice_mut(..), &what)?;
+                for range in slots {
+                    let mut t = gpu.gpu().zeros(range.len())?;
+                    gpu.gpu().copy(&buf.slice(range), &mut t.slice_mut(..))?;
+                    parts.push(t);
+                }
+            }
+            (ResidentParams::HalfSlice, Some(h), Some(hc)) => {
+                // The stream runs each gather's widening before the next
+                // gather overwrites the buffer.
+                let mut buf = hc.gathered.slice_mut(..padded);
+                gpu.gpu()
+                    .copy(&h.working.slice(..), &mut buf.slice_mut(own))?;
+                nccl.all_gather16_in_place(&mut buf, &what)?;
+                for range in slots {
+                    let mut t = gpu.gpu().zeros(range.len())?;
+                    gpu.gpu()
+                        .widen16(h.kind, &buf.slice(range), &mut t.slice_mut(..))?;
+                    parts.push(t);
+                }
+            }
+            _ => return Err(EngineError::Gpu(format!("group {g} is not partitioned"))),
         }
         Ok(Arc::new(Weights::from_parts(parts)))
     }
@@ -495,10 +571,15 @@ impl Engine {
             let padded = self.groups[g].layout.padded;
             let r = self.resident(gpu)?;
             if let Some(h) = r.groups[g].half.as_mut() {
+                // Stages 2-3 on several ranks: the 16-bit landing.
+                let mut acc = match r.half_comm.as_mut().and_then(|c| c.landings.as_mut()) {
+                    Some(l) => l.of(g, padded),
+                    None => h.grads.slice_mut(..),
+                };
                 for &(slot, grad) in grads {
                     let at = starts[slot]..starts[slot] + grad.len();
                     gpu.gpu()
-                        .add_into16(h.kind, &mut h.grads.slice_mut(at), &grad.slice(..))?;
+                        .add_into16(h.kind, &mut acc.slice_mut(at), &grad.slice(..))?;
                 }
                 return Ok(None);
             }
@@ -553,28 +634,35 @@ impl Engine {
     }
 
     /// Stages 2-3 over NCCL: group `g`'s micro-batch gradient, complete in its
-    /// landing, reduce-scattered in place; this rank's slice added into the
-    /// group's, as the host adds each micro-batch's reduced slice; the
-    /// landing zeroed for the next group.
+    /// landing, reduce-scattered in place (under 16 bits, widened first);
+    /// this rank's slice added into the group's, as the host adds each
+    /// micro-batch's reduced slice; the landing zeroed for the next group.
     fn gpu_reduce_scatter_group(&mut self, g: usize) -> Result<(), EngineError> {
         let gpu = self.gpu.clone().expect("a GPU attached");
         let (padded, own) = (
             self.groups[g].layout.padded,
             self.groups[g].layout.slice(self.comm.rank()),
         );
+        let what = format!("group {g}'s gradients");
+        let no_landings = || EngineError::Gpu("stages 2-3 over NCCL without landings".into());
         let (Some(r), Some(nccl)) = (self.gpu_resident.as_mut(), self.nccl.as_mut()) else {
             return Err(EngineError::Gpu(
                 "stages 2-3 over NCCL without their state".into(),
             ));
         };
-        let Some(landings) = r.landings.as_mut() else {
-            return Err(EngineError::Gpu(
-                "stages 2-3 over NCCL without landings".into(),
-            ));
-        };
-        let mut landing = landings.of(g, padded);
-        nccl.reduce_scatter_sum_in_place(&mut landing, &format!("group {g}'s gradients"))?;
         let group = &mut r.groups[g];
+        if let (Some(h), Some(hc)) = (group.half.as_mut(), r.half_comm.as_mut()) {
+            let mut landing = hc.landings.as_mut().ok_or_else(no_landings)?.of(g, padded);
+            let mut wide = hc.wide.slice_mut(..padded);
+            gpu.gpu().widen16(h.kind, &landing.slice(..), &mut wide)?;
+            nccl.reduce_scatter_sum_in_place(&mut wide, &what)?;
+            gpu.gpu()
+                .add_into16(h.kind, &mut h.grads.slice_mut(..), &wide.slice(own))?;
+            gpu.gpu().fill_zero(&mut landing)?;
+            return Ok(());
+        }
+        let mut landing = r.landings.as_mut().ok_or_else(no_landings)?.of(g, padded);
+        nccl.reduce_scatter_sum_in_place(&mut landing, &what)?;
         gpu.gpu()
             .add(&mut group.grad_mut(own.clone()), &landing.slice(own))?;
         gpu.gpu().fill_zero(&mut landing)?;
@@ -786,7 +874,7 @@ impl Engine {
         let reduced_already = self.gpu_sliced_grads();
         self.resident(&gpu)?;
         if self.half.is_some() {
-            return self.gpu_step_half(&gpu, &plans);
+            return self.gpu_step_half(&gpu, &plans, reduced_already, sliced);
         }
         let r = self.gpu_resident.as_mut().expect("just made");
         if let Some(nccl) = &mut self.nccl {
@@ -797,7 +885,7 @@ impl Engine {
                     (false, true) => {
                         nccl.reduce_scatter_sum_in_place(&mut g.grads.slice_mut(..), &what)?
                     }
-                    (false, false) => nccl.all_reduce_sum(&mut g.grads, &what)?,
+                    (false, false) => nccl.all_reduce_sum(&mut g.grads.slice_mut(..), &what)?,
                 }
             }
             nccl.wait()?;
@@ -843,6 +931,9 @@ impl Engine {
                         })?
                         .parts_mut()),
                     ResidentParams::Slice(mine) => Err(mine),
+                    ResidentParams::HalfSlice => {
+                        return Err(EngineError::Gpu("16-bit parameters in an f32 step".into()))
+                    }
                 };
                 for (i, at) in p.pieces() {
                     let (slot, moment) = (p.slots[i].0.start, p.region.start);
@@ -872,26 +963,60 @@ impl Engine {
         Ok(self.finish_step(step, lr, grad_norm, None, overflow))
     }
 
-    /// The resident step under bf16/f16 (one worker): the host's 16-bit step
-    /// on the GPU's buffers, so its bits. The gradients stay unscaled in 16
-    /// bits: averaging, the loss scale and clipping fold into one factor
-    /// that the norm and AdamW apply as they read them; AdamW updates the
-    /// f32 master and writes its rounded working copy, whose values become
-    /// the model's weights.
+    /// The resident step under bf16/f16: the host's 16-bit step on the
+    /// GPU's buffers, so its bits. Over NCCL the gradients are first reduced
+    /// as the host reduces them (stages 0-1 here, widened to f32, summed,
+    /// rounded back; stages 2-3 as each micro-batch ended). The gradients
+    /// stay unscaled in 16 bits: averaging, the loss scale and clipping
+    /// fold into one factor that the norm and AdamW apply as they read
+    /// them; AdamW updates the f32 master and writes its rounded working
+    /// copy, whose values become the model's weights (and are gathered
+    /// where ranks update slices).
     fn gpu_step_half(
         &mut self,
         gpu: &GptGpu,
         plans: &[StepPlan],
+        reduced_already: bool,
+        sliced: bool,
     ) -> Result<StepStats, EngineError> {
         let step = self.step + 1;
         let loss_scale = self.scaler.as_ref().map(|s| s.scale);
         let mut grad_scale = self.average_scale();
         let no_half = || EngineError::Gpu("16-bit gradients missing on the GPU".into());
+        if let (Some(nccl), false) = (self.nccl.as_mut(), reduced_already) {
+            let r = self.gpu_resident.as_mut().expect("resident");
+            let hc = r.half_comm.as_mut().ok_or_else(no_half)?;
+            for (i, (g, p)) in r.groups.iter_mut().zip(plans).enumerate() {
+                let h = g.half.as_mut().ok_or_else(no_half)?;
+                let what = format!("group {i}'s gradients");
+                let mut wide = hc.wide.slice_mut(..h.grads.len());
+                gpu.gpu().widen16(h.kind, &h.grads.slice(..), &mut wide)?;
+                // The stream runs each group's rounding before the next
+                // group's widening overwrites the buffer.
+                let kept = match sliced {
+                    true => {
+                        nccl.reduce_scatter_sum_in_place(&mut wide, &what)?;
+                        p.own.clone()
+                    }
+                    false => {
+                        nccl.all_reduce_sum(&mut wide, &what)?;
+                        0..h.grads.len()
+                    }
+                };
+                gpu.gpu().round16(
+                    h.kind,
+                    &wide.slice(kept.clone()),
+                    &mut h.grads.slice_mut(kept),
+                )?;
+            }
+            nccl.wait()?;
+        }
         let r = self.gpu_resident.as_ref().expect("resident");
         let mut own_sq = 0f64;
         for (g, p) in r.groups.iter().zip(plans) {
             let h = g.half.as_ref().ok_or_else(no_half)?;
-            let grads = DeviceGrads::Half(h.kind, h.grads.slice(p.own.clone()));
+            let own = g.local(p.own.clone());
+            let grads = DeviceGrads::Half(h.kind, h.grads.slice(own));
             own_sq += gpu
                 .gpu()
                 .sum_sq_chunks(grads, TASK, grad_scale)?
@@ -910,6 +1035,7 @@ impl Engine {
             let hp = self.adam_step(lr, grad_scale);
             let r = self.gpu_resident.as_mut().expect("resident");
             for (g, p) in r.groups.iter_mut().zip(plans) {
+                let held = g.held.clone();
                 let ResidentGroup {
                     params,
                     exp_avg,
@@ -918,29 +1044,43 @@ impl Engine {
                     ..
                 } = g;
                 let h = half.as_mut().ok_or_else(no_half)?;
-                let ResidentParams::Whole(w) = params else {
-                    return Err(EngineError::Gpu("16-bit parameters partitioned".into()));
+                // Stage 3's slice is the working copy itself.
+                let mut weights = match params {
+                    ResidentParams::Whole(w) => Some(
+                        Arc::get_mut(w)
+                            .ok_or_else(|| {
+                                EngineError::Gpu("parameters still in use at the step".into())
+                            })?
+                            .parts_mut(),
+                    ),
+                    ResidentParams::HalfSlice => None,
+                    ResidentParams::Slice(_) => {
+                        return Err(EngineError::Gpu("f32 parameters in a 16-bit step".into()))
+                    }
                 };
-                let weights = Arc::get_mut(w)
-                    .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
-                    .parts_mut();
                 for (i, at) in p.pieces() {
                     let slot = p.slots[i].0.start;
                     let rel = at.start - p.region.start..at.end - p.region.start;
+                    let grads = at.start - held.start..at.end - held.start;
                     gpu.gpu().adamw(
                         &mut h.master.slice_mut(rel.clone()),
-                        DeviceGrads::Half(h.kind, h.grads.slice(at.clone())),
+                        DeviceGrads::Half(h.kind, h.grads.slice(grads)),
                         &mut exp_avg.slice_mut(rel.clone()),
                         &mut exp_avg_sq.slice_mut(rel.clone()),
                         Some((h.kind, &mut h.working.slice_mut(rel.clone()))),
                         &device_consts(&hp, p.slots[i].1),
                     )?;
-                    gpu.gpu().widen16(
-                        h.kind,
-                        &h.working.slice(rel),
-                        &mut weights[i].slice_mut(at.start - slot..at.end - slot),
-                    )?;
+                    if let Some(weights) = weights.as_mut() {
+                        gpu.gpu().widen16(
+                            h.kind,
+                            &h.working.slice(rel),
+                            &mut weights[i].slice_mut(at.start - slot..at.end - slot),
+                        )?;
+                    }
                 }
+            }
+            if sliced {
+                self.gpu_share_params(gpu, plans)?;
             }
         }
         let r = self.gpu_resident.as_mut().expect("resident");
@@ -955,16 +1095,36 @@ impl Engine {
     /// to every rank. A buffer spent by now (the group's gradient at stage
     /// 1, the shared landing at stages 2-3) carries the group's slice of the parameters into
     /// an in-place all-gather, and each slot's values come back from it.
+    /// Under 16 bits the working copies' slices are gathered, as the host
+    /// gathers them, and widened into the slots.
     fn gpu_share_params(&mut self, gpu: &GptGpu, plans: &[StepPlan]) -> Result<(), EngineError> {
         let (Some(r), Some(nccl)) = (self.gpu_resident.as_mut(), self.nccl.as_mut()) else {
             return Err(EngineError::Gpu("sharing parameters needs NCCL".into()));
         };
         for (gi, p) in plans.iter().enumerate() {
             let padded = self.groups[gi].layout.padded;
+            let what = format!("group {gi}'s parameters");
             let g = &mut r.groups[gi];
             let ResidentParams::Whole(whole) = &mut g.params else {
                 continue; // stage 3's slices stay where they are
             };
+            if let (Some(h), Some(hc)) = (&g.half, r.half_comm.as_mut()) {
+                let mut buf = hc.gathered.slice_mut(..padded);
+                gpu.gpu()
+                    .copy(&h.working.slice(..), &mut buf.slice_mut(p.region.clone()))?;
+                nccl.all_gather16_in_place(&mut buf, &what)?;
+                let params = Arc::get_mut(whole)
+                    .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
+                    .parts_mut();
+                for (i, (range, _)) in p.slots.iter().enumerate() {
+                    gpu.gpu().widen16(
+                        h.kind,
+                        &buf.slice(range.clone()),
+                        &mut params[i].slice_mut(..),
+                    )?;
+                }
+                continue;
+            }
             let mut buf = match &mut r.landings {
                 Some(l) => l.shared.slice_mut(..padded),
                 None => g.grads.slice_mut(..),
@@ -976,7 +1136,7 @@ impl Engine {
                     &mut buf.slice_mut(at),
                 )?;
             }
-            nccl.all_gather_in_place(&mut buf, &format!("group {gi}'s parameters"))?;
+            nccl.all_gather_in_place(&mut buf, &what)?;
             let params = Arc::get_mut(whole)
                 .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
                 .parts_mut();
@@ -1027,6 +1187,9 @@ impl Engine {
                 let gpu = self.gpu.as_ref().expect("a GPU attached");
                 Ok(Some(gpu.gpu().download(mine)?))
             }
+            ResidentParams::HalfSlice => Err(EngineError::Gpu(format!(
+                "group {gi}: 16-bit parameters without their master copy"
+            ))),
         }
     }
 
