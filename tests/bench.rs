@@ -103,9 +103,25 @@ fn bench_commands_report_rows() {
         assert!((bus - alg * factor).abs() <= 1e-9 * alg.max(1.0), "{r}");
         assert_eq!(r["workers"], 3);
     }
-    assert_eq!(
-        zrun(dir.path(), &["bench", "comm", "--transports", "nccl"]).code(),
-        2
+    // NCCL needs a zworker with `cuda`, a GPU and NCCL (tests/gpu.rs); an
+    // op it does not time is refused before that is asked.
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            "comm",
+            "--transports",
+            "nccl",
+            "--ops",
+            "all_to_all",
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("--ops all_to_all: not timed over nccl (it times all_reduce, reduce_scatter, all_gather)"),
+        "{}",
+        f.stderr
     );
     assert_eq!(
         zrun(

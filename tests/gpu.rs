@@ -110,6 +110,14 @@ fn device_cuda_without_a_gpu_is_refused_before_launch_naming_what_is_missing() {
     );
     assert_eq!(f.code(), 2, "{f:?}");
     assert!(f.stderr.contains("device: cuda"), "{}", f.stderr);
+    // And so does the NCCL benchmark, before any worker starts.
+    let f = zrun(dir.path(), &["bench", "comm", "--transports", "nccl"]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains(&format!("--transports nccl: {why}")),
+        "{}",
+        f.stderr
+    );
 }
 
 #[test]
@@ -624,6 +632,74 @@ fn sixteen_bit_state_over_nccl_gives_the_host_flows_bits() {
     // its loss scale) at the all-reduce and the partitioned ends.
     nccl_against_the_host_flow("bf16", &[0, 1, 2, 3]);
     nccl_against_the_host_flow("f16", &[0, 3]);
+}
+
+#[test]
+fn bench_comm_times_nccl_on_device_buffers() {
+    if gpus_or_skip("bench_comm_times_nccl_on_device_buffers").is_none() {
+        return;
+    }
+    // Two workers sharing the GPU: NCCL over loopback between them. Each
+    // size is checked on known values before it is timed (a wrong result
+    // fails the run); 1000004 bytes are 250001 f32, rounded down to whole
+    // chunks of the two ranks.
+    let dir = tempfile::tempdir().unwrap();
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            "comm",
+            "--workers",
+            "2",
+            "--transports",
+            "nccl",
+            "--sizes",
+            "64KiB,1000004",
+            "--json",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    eprintln!("{}", serde_json::to_string_pretty(rows).unwrap());
+    let nccl: Vec<_> = rows.iter().filter(|r| r["transport"] == "nccl").collect();
+    let mut ops: Vec<(String, u64)> = nccl
+        .iter()
+        .map(|r| {
+            (
+                r["op"].as_str().unwrap().to_string(),
+                r["bytes"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    ops.sort();
+    let want: Vec<(String, u64)> = ["all_gather", "all_reduce", "reduce_scatter"]
+        .iter()
+        .flat_map(|op| [(op.to_string(), 65536), (op.to_string(), 1_000_000)])
+        .collect();
+    assert_eq!(ops, want);
+    for r in nccl {
+        let (alg, bus) = (
+            r["algbw_gbps"].as_f64().unwrap(),
+            r["busbw_gbps"].as_f64().unwrap(),
+        );
+        let factor = if r["op"] == "all_reduce" { 1.0 } else { 0.5 };
+        assert!(alg > 0.0 && (bus - alg * factor).abs() <= 1e-9 * alg, "{r}");
+        assert_eq!(r["workers"], 2);
+    }
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            "comm",
+            "--transports",
+            "nccl",
+            "--ops",
+            "broadcast",
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("not timed over nccl"), "{}", f.stderr);
 }
 
 #[test]

@@ -21,6 +21,18 @@ use crate::Failure;
 /// Measured when `--transports` is not given.
 const TRANSPORTS: [&str; 2] = ["tcp", "shm"];
 
+/// The collectives NCCL times (on device buffers, as nccl-tests does).
+const NCCL_OPS: [Op; 3] = [Op::AllReduce, Op::ReduceScatter, Op::AllGather];
+
+/// The collectives `transport` times when `--ops` is not given.
+fn default_ops(transport: &str) -> Vec<String> {
+    let ops: &[Op] = match transport {
+        "nccl" => &NCCL_OPS,
+        _ => &Op::DATA,
+    };
+    ops.iter().map(|o| o.name().to_string()).collect()
+}
+
 /// Parses a message size (zconfig's units: `64MiB` binary, `64M` decimal) that
 /// is a positive multiple of 4 bytes (f32 elements).
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -119,7 +131,8 @@ fn kernel_rows(
 }
 
 /// Runs `bench comm` with `workers` local workers over each transport and
-/// returns the rows (the memcpy reference once).
+/// returns the rows (the memcpy reference once). No `ops`: each transport's
+/// own list.
 pub fn measure_comm(
     workers: usize,
     ops: &[String],
@@ -135,7 +148,10 @@ pub fn measure_comm(
             plan.launcher = crate::cli::Launcher::Mpirun;
         }
         let task = Task::BenchComm(BenchCommTask {
-            ops: ops.to_vec(),
+            ops: match ops.is_empty() {
+                true => default_ops(transport),
+                false => ops.to_vec(),
+            },
             sizes: sizes.to_vec(),
             transport: transport.clone(),
             timeout_s: 120.0,
@@ -242,18 +258,24 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
         args.transports.clone()
     };
     for t in &transports {
-        if t == "nccl" {
+        if !TRANSPORTS.contains(&t.as_str()) && t != "mpi" && t != "nccl" {
             return Err(Failure::bad_input(format!(
-                "--transports {t}: that transport is not supported yet"
-            )));
-        }
-        if !TRANSPORTS.contains(&t.as_str()) && t != "mpi" {
-            return Err(Failure::bad_input(format!(
-                "--transports: unknown transport `{t}` (valid: tcp, shm, mpi)"
+                "--transports: unknown transport `{t}` (valid: tcp, shm, mpi, nccl)"
             )));
         }
     }
     let worker_bin = worker_bin(args.worker_bin.clone())?;
+    if transports.iter().any(|t| t == "nccl") {
+        let theirs: Vec<&str> = NCCL_OPS.iter().map(|o| o.name()).collect();
+        if let Some(op) = args.ops.iter().find(|o| !theirs.contains(&o.as_str())) {
+            return Err(Failure::bad_input(format!(
+                "--ops {op}: not timed over nccl (it times {})",
+                theirs.join(", ")
+            )));
+        }
+        crate::plan::local_gpus(&worker_bin, true)
+            .map_err(|why| Failure::bad_input(format!("--transports nccl: {why}")))?;
+    }
     if transports.iter().any(|t| t == "mpi") {
         if crate::plan::which("mpirun").is_none() {
             return Err(Failure::bad_input(

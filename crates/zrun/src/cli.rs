@@ -449,10 +449,11 @@ pub struct BenchCommArgs {
     /// Message sizes in bytes: `64MiB` (binary) or `64M` (decimal), as everywhere.
     #[arg(long, value_delimiter = ',', default_values_t = ["1MiB".to_string(), "16MiB".to_string(), "64MiB".to_string()])]
     pub sizes: Vec<String>,
-    /// Collectives to time.
-    #[arg(long, value_delimiter = ',', default_values_t = zproto::Op::DATA.map(|op| op.name().to_string()))]
+    /// Collectives to time (default: every one the transport runs: all_reduce,
+    /// reduce_scatter, all_gather, all_to_all, broadcast; over nccl the first three).
+    #[arg(long, value_delimiter = ',')]
     pub ops: Vec<String>,
-    /// Transports to measure (default: every one available).
+    /// Transports to measure: tcp, shm, mpi, nccl (default: tcp and shm).
     #[arg(long, value_delimiter = ',')]
     pub transports: Vec<String>,
     /// Print JSON instead of a table.

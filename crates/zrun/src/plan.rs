@@ -249,7 +249,10 @@ fn fused_attention_refused(spec: &JobSpec, value: Option<&str>) -> Option<String
 
 /// The GPUs the zworker at `worker_bin` can train on here (with NCCL, if
 /// `nccl`), or why none.
-fn local_gpus(worker_bin: &std::path::Path, nccl: bool) -> std::result::Result<usize, String> {
+pub(crate) fn local_gpus(
+    worker_bin: &std::path::Path,
+    nccl: bool,
+) -> std::result::Result<usize, String> {
     let out = std::process::Command::new(worker_bin)
         .arg("--cuda-devices")
         .args(nccl.then_some("nccl"))

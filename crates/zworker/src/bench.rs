@@ -10,6 +10,14 @@
 //! torch's preallocated outputs measure it. References:
 //! `memcpy` (one thread copying the bytes) and, for TCP, `tcp_stream` (one
 //! plain loopback socket, what the transport could carry).
+//!
+//! NCCL (`--transports nccl`, a zworker built with `cuda`) is timed on
+//! buffers in GPU memory, in place, the way nccl-tests times it: after a
+//! barrier a batch of calls is enqueued back to back and waited for once
+//! (a wait polls, so a call timed alone would carry the poll's delay), the
+//! time per call is the batch's over its calls, and the row is the median
+//! of five batches of the slowest rank (`gpu::bench_nccl`). Each size is
+//! checked first: one call on known values, its result compared whole.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,17 +27,60 @@ use zcomm::{Communicator, Op};
 use zproto::{BenchCommTask, BenchRow, ToServer};
 
 use crate::control::ControlClient;
+use crate::env::WorkerEnv;
 
 /// Time spent timing one (op, size) pair, roughly.
-const BUDGET: Duration = Duration::from_millis(300);
+pub(crate) const BUDGET: Duration = Duration::from_millis(300);
 
 /// Runs the benchmark; rank 0 reports the rows.
 pub fn bench_comm(
     task: &BenchCommTask,
     comm: Arc<dyn Communicator>,
+    env: &WorkerEnv,
     client: &ControlClient,
 ) -> Result<()> {
     let (n, r) = (comm.world_size(), comm.rank());
+    let mut rows = match task.transport.as_str() {
+        "nccl" => crate::gpu::bench_nccl(task, comm.as_ref(), env)?,
+        _ => host_rows(task, comm.as_ref())?,
+    };
+    if task.transport == "tcp" && n >= 2 {
+        rows.extend(tcp_stream_rows(&task.sizes, comm.as_ref())?);
+    }
+    if r == 0 {
+        // The reference the transports are judged against: one thread copying
+        // the same bytes within this process.
+        for &bytes in &task.sizes {
+            let src = vec![1u8; bytes as usize];
+            let mut dst = vec![0u8; bytes as usize];
+            dst.copy_from_slice(&src); // fault the pages in
+            let secs = (0..5)
+                .map(|_| {
+                    let t0 = Instant::now();
+                    dst.copy_from_slice(std::hint::black_box(&src));
+                    t0.elapsed().as_secs_f64()
+                })
+                .fold(f64::MAX, f64::min);
+            let gbps = bytes as f64 / secs / 1e9;
+            rows.push(BenchRow {
+                op: "memcpy".into(),
+                bytes,
+                workers: 1,
+                transport: "local".into(),
+                time_us: secs * 1e6,
+                algbw_gbps: gbps,
+                busbw_gbps: gbps,
+            });
+        }
+        client.send(&ToServer::BenchRows(rows))?;
+    }
+    Ok(())
+}
+
+/// The rows of the host transports (TCP, shared memory, MPI): each call
+/// timed alone after a barrier.
+fn host_rows(task: &BenchCommTask, comm: &dyn Communicator) -> Result<Vec<BenchRow>> {
+    let n = comm.world_size();
     let mut rows = Vec::new();
     for name in &task.ops {
         let Some(op) = Op::from_name(name) else {
@@ -71,73 +122,60 @@ pub fn bench_comm(
                 drop(out);
                 Ok(secs)
             };
-            // Warm up, and agree on how many calls fit in about 0.3 s (every rank
-            // must make the same number of calls).
-            let warm = call(comm.as_ref())?;
-            let warm = comm
-                .all_gather(vec![warm as f32], n)?
-                .into_iter()
-                .fold(0.0, f32::max);
-            let calls = ((BUDGET.as_secs_f32() / warm.max(1e-6)) as usize).clamp(3, 50);
-            let mut times = Vec::with_capacity(calls);
-            for _ in 0..calls {
-                times.push(call(comm.as_ref())? as f32);
-            }
-            // Agree on the slowest rank's time per call, then take the median.
-            let all = comm.all_gather(times.clone(), times.len() * n)?;
-            let mut slowest: Vec<f32> = (0..times.len())
-                .map(|i| (0..n).map(|k| all[k * times.len() + i]).fold(0.0, f32::max))
-                .collect();
-            slowest.sort_by(f32::total_cmp);
-            let secs = f64::from(slowest[slowest.len() / 2]);
-            let algbw = bytes as f64 / secs / 1e9;
-            let factor = match op {
-                Op::AllReduce => 2.0 * (n as f64 - 1.0) / n as f64,
-                Op::Broadcast => 1.0,
-                _ => (n as f64 - 1.0) / n as f64,
-            };
-            rows.push(BenchRow {
-                op: name.clone(),
-                bytes,
-                workers: n,
-                transport: task.transport.clone(),
-                time_us: secs * 1e6,
-                algbw_gbps: algbw,
-                busbw_gbps: algbw * factor,
-            });
+            let warm = call(comm)?;
+            let calls = agree_calls(comm, warm, BUDGET)?;
+            let times = (0..calls)
+                .map(|_| call(comm).map(|s| s as f32))
+                .collect::<Result<Vec<f32>>>()?;
+            let secs = slowest_median(comm, &times)?;
+            rows.push(row(op, bytes, n, &task.transport, secs));
         }
     }
-    if task.transport == "tcp" && n >= 2 {
-        rows.extend(tcp_stream_rows(&task.sizes, comm.as_ref())?);
+    Ok(rows)
+}
+
+/// Warm up, and agree on how many calls of the slowest rank's `warm`
+/// seconds fit in `budget` (3 to 50: every rank must make the same number
+/// of calls).
+pub(crate) fn agree_calls(comm: &dyn Communicator, warm: f64, budget: Duration) -> Result<usize> {
+    let n = comm.world_size();
+    let warm = comm
+        .all_gather(vec![warm as f32], n)?
+        .into_iter()
+        .fold(0.0, f32::max);
+    Ok(((budget.as_secs_f32() / warm.max(1e-6)) as usize).clamp(3, 50))
+}
+
+/// The median over `times` (each rank's, in the same order) of the slowest
+/// rank's time, which every rank agrees on.
+pub(crate) fn slowest_median(comm: &dyn Communicator, times: &[f32]) -> Result<f64> {
+    let n = comm.world_size();
+    let all = comm.all_gather(times.to_vec(), times.len() * n)?;
+    let mut slowest: Vec<f32> = (0..times.len())
+        .map(|i| (0..n).map(|k| all[k * times.len() + i]).fold(0.0, f32::max))
+        .collect();
+    slowest.sort_by(f32::total_cmp);
+    Ok(f64::from(slowest[slowest.len() / 2]))
+}
+
+/// A row for `op` moving `bytes` between `n` ranks in `secs`, with
+/// nccl-tests' bus-bandwidth factor.
+pub(crate) fn row(op: Op, bytes: u64, n: usize, transport: &str, secs: f64) -> BenchRow {
+    let algbw = bytes as f64 / secs / 1e9;
+    let factor = match op {
+        Op::AllReduce => 2.0 * (n as f64 - 1.0) / n as f64,
+        Op::Broadcast => 1.0,
+        _ => (n as f64 - 1.0) / n as f64,
+    };
+    BenchRow {
+        op: op.name().to_string(),
+        bytes,
+        workers: n,
+        transport: transport.to_string(),
+        time_us: secs * 1e6,
+        algbw_gbps: algbw,
+        busbw_gbps: algbw * factor,
     }
-    if r == 0 {
-        // The reference the transports are judged against: one thread copying
-        // the same bytes within this process.
-        for &bytes in &task.sizes {
-            let src = vec![1u8; bytes as usize];
-            let mut dst = vec![0u8; bytes as usize];
-            dst.copy_from_slice(&src); // fault the pages in
-            let secs = (0..5)
-                .map(|_| {
-                    let t0 = Instant::now();
-                    dst.copy_from_slice(std::hint::black_box(&src));
-                    t0.elapsed().as_secs_f64()
-                })
-                .fold(f64::MAX, f64::min);
-            let gbps = bytes as f64 / secs / 1e9;
-            rows.push(BenchRow {
-                op: "memcpy".into(),
-                bytes,
-                workers: 1,
-                transport: "local".into(),
-                time_us: secs * 1e6,
-                algbw_gbps: gbps,
-                busbw_gbps: gbps,
-            });
-        }
-        client.send(&ToServer::BenchRows(rows))?;
-    }
-    Ok(())
 }
 
 /// The reference for the TCP transport: one plain loopback stream from rank 0

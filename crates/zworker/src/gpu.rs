@@ -6,6 +6,9 @@
 //! `--cuda-probe`: one line for a person) and refuses the job where the
 //! answer is none.
 
+#[cfg(feature = "cuda")]
+use anyhow::Context;
+
 /// One line on this host's GPU support: the feature, the driver, the GPUs,
 /// NVRTC and cuBLAS, or what is missing.
 #[cfg(feature = "cuda")]
@@ -105,7 +108,10 @@ pub fn attach(
         gpu.gpu().arch()
     );
     let nccl = match nccl {
-        true => Some(join_nccl(gpu.gpu(), spec, env, comm, n)?),
+        true => {
+            let timeout = std::time::Duration::from_secs_f64(spec.comm.timeout_s);
+            Some(join_nccl(gpu.gpu(), timeout, env, comm, n).context("comm.backend: nccl")?)
+        }
         false => None,
     };
     engine.attach_gpu(gpu);
@@ -132,12 +138,11 @@ pub fn attach(
 #[cfg(feature = "cuda")]
 fn join_nccl(
     gpu: &zcuda::Gpu,
-    spec: &zconfig::spec::JobSpec,
+    timeout: std::time::Duration,
     env: &crate::env::WorkerEnv,
     comm: &dyn zcomm::Communicator,
     gpus: usize,
 ) -> anyhow::Result<zcuda::Nccl> {
-    use anyhow::Context;
     let shared =
         zcuda::host_id_for_shared_gpu(&env.node_addr, env.rank, env.local_world_size, gpus);
     if let Some(host_id) = shared {
@@ -155,21 +160,16 @@ fn join_nccl(
         );
     }
     let mine = match env.rank {
-        0 => zcuda::NcclId::new()
-            .context("comm.backend: nccl")?
-            .0
-            .to_vec(),
+        0 => zcuda::NcclId::new()?.0.to_vec(),
         _ => vec![0; 128],
     };
     let id = comm
         .broadcast(mine, 0)
-        .context("comm.backend: nccl: sending NCCL's id from rank 0")?;
+        .context("sending NCCL's id from rank 0")?;
     let id = zcuda::NcclId(id.try_into().map_err(|v: Vec<u8>| {
         anyhow::anyhow!("NCCL's id arrived as {} bytes, not 128", v.len())
     })?);
-    let timeout = std::time::Duration::from_secs_f64(spec.comm.timeout_s);
-    let nccl = zcuda::Nccl::init(gpu, env.rank, env.world_size, &id, timeout)
-        .context("comm.backend: nccl")?;
+    let nccl = zcuda::Nccl::init(gpu, env.rank, env.world_size, &id, timeout)?;
     tracing::info!(
         "rank {} joined NCCL {} ({} ranks)",
         env.rank,
@@ -177,6 +177,131 @@ fn join_nccl(
         env.world_size
     );
     Ok(nccl)
+}
+
+/// `zrun bench comm --transports nccl`: NCCL's all-reduce, reduce-scatter
+/// and all-gather on buffers in GPU memory, in place (see `bench`'s module
+/// docs for how they are timed). A size is rounded down to whole f32
+/// chunks per rank, and the row says the bytes moved.
+#[cfg(feature = "cuda")]
+pub fn bench_nccl(
+    task: &zproto::BenchCommTask,
+    comm: &dyn zcomm::Communicator,
+    env: &crate::env::WorkerEnv,
+) -> anyhow::Result<Vec<zproto::BenchRow>> {
+    use std::time::{Duration, Instant};
+    use zproto::Op;
+    let gpus = training_devices(true).map_err(|why| anyhow::anyhow!("--transports nccl: {why}"))?;
+    let ordinal = env.local_rank % gpus;
+    let gpu = zcuda::Gpu::open(ordinal)
+        .map_err(|e| anyhow::anyhow!("--transports nccl: GPU {ordinal}: {e}"))?;
+    let timeout = Duration::from_secs_f64(task.timeout_s);
+    let mut nccl = join_nccl(&gpu, timeout, env, comm, gpus).context("--transports nccl")?;
+    let (n, rank) = (comm.world_size(), comm.rank());
+    let mut rows = Vec::new();
+    for name in &task.ops {
+        let op = match Op::from_name(name) {
+            Some(op @ (Op::AllReduce | Op::ReduceScatter | Op::AllGather)) => op,
+            _ => anyhow::bail!("--ops {name}: not timed over nccl"),
+        };
+        for &bytes in &task.sizes {
+            let elems = ((bytes / 4) as usize / n * n).max(n);
+            nccl_check(&gpu, &mut nccl, op, elems, rank, n)?;
+            let mut buf = gpu.zeros::<f32>(elems)?;
+            let mut batch = |calls: usize| -> anyhow::Result<f64> {
+                comm.barrier()?;
+                let t0 = Instant::now();
+                for _ in 0..calls {
+                    nccl_call(&mut nccl, op, &mut buf.slice_mut(..), "the timed buffer")?;
+                }
+                nccl.wait()?;
+                Ok(t0.elapsed().as_secs_f64() / calls as f64)
+            };
+            let warm = batch(1)?;
+            let calls = crate::bench::agree_calls(comm, warm, crate::bench::BUDGET / BATCHES)?;
+            let times = (0..BATCHES)
+                .map(|_| batch(calls).map(|s| s as f32))
+                .collect::<anyhow::Result<Vec<f32>>>()?;
+            let secs = crate::bench::slowest_median(comm, &times)?;
+            rows.push(crate::bench::row(op, (elems * 4) as u64, n, "nccl", secs));
+        }
+    }
+    Ok(rows)
+}
+
+/// Batches of calls a NCCL row's median is taken over.
+#[cfg(feature = "cuda")]
+const BATCHES: u32 = 5;
+
+/// Enqueues NCCL's `op` on `buf`, in place.
+#[cfg(feature = "cuda")]
+fn nccl_call(
+    nccl: &mut zcuda::Nccl,
+    op: zproto::Op,
+    buf: &mut zcuda::CudaViewMut<f32>,
+    what: &str,
+) -> Result<(), zcuda::CudaError> {
+    match op {
+        zproto::Op::AllReduce => nccl.all_reduce_sum(buf, what),
+        zproto::Op::ReduceScatter => nccl.reduce_scatter_sum_in_place(buf, what),
+        _ => nccl.all_gather_in_place(buf, what),
+    }
+}
+
+/// One call of `op` over `elems` f32 on known values, its result compared
+/// whole with what it must be: each rank contributes `rank + 1` (sums
+/// `n(n+1)/2`, exact in f32), all-gather's other chunks start as NaN.
+#[cfg(feature = "cuda")]
+fn nccl_check(
+    gpu: &zcuda::Gpu,
+    nccl: &mut zcuda::Nccl,
+    op: zproto::Op,
+    elems: usize,
+    rank: usize,
+    n: usize,
+) -> anyhow::Result<()> {
+    let chunk = elems / n;
+    let mine = (rank + 1) as f32;
+    let sum = (n * (n + 1) / 2) as f32;
+    let (input, want, kept) = match op {
+        zproto::Op::AllGather => {
+            let mut input = vec![f32::NAN; elems];
+            input[rank * chunk..(rank + 1) * chunk].fill(mine);
+            let want = (0..elems).map(|i| (i / chunk + 1) as f32).collect();
+            (input, want, 0..elems)
+        }
+        zproto::Op::ReduceScatter => (
+            vec![mine; elems],
+            vec![sum; chunk],
+            rank * chunk..(rank + 1) * chunk,
+        ),
+        _ => (vec![mine; elems], vec![sum; elems], 0..elems),
+    };
+    let mut buf = gpu.upload(&input)?;
+    nccl_call(nccl, op, &mut buf.slice_mut(..), "the check")?;
+    nccl.wait()?;
+    let got = gpu.download(&buf)?;
+    let got = &got[kept];
+    match got.iter().zip(&want).position(|(g, w)| g != w) {
+        None => Ok(()),
+        Some(i) => anyhow::bail!(
+            "NCCL's {} of {elems} f32 on {n} ranks gave {} at {i} of rank {rank}'s result, not {}",
+            op.name(),
+            got[i],
+            want[i]
+        ),
+    }
+}
+
+/// Without the `cuda` feature there is no NCCL to time (zrun refuses
+/// `--transports nccl` before launch, for this reason).
+#[cfg(not(feature = "cuda"))]
+pub fn bench_nccl(
+    _task: &zproto::BenchCommTask,
+    _comm: &dyn zcomm::Communicator,
+    _env: &crate::env::WorkerEnv,
+) -> anyhow::Result<Vec<zproto::BenchRow>> {
+    anyhow::bail!("--transports nccl: {NO_FEATURE}")
 }
 
 /// With `ZRUN_GPU_PROFILE` set, the GPU's time by operation: after the

@@ -163,7 +163,7 @@ fn run_task(
             let groups = zengine::ProcessGroups { world: comm, hpz };
             rayon::scope(|_| train::train(&t.spec, t.resume.as_deref(), env, nodes, groups, client))
         }
-        Task::BenchComm(b) => bench::bench_comm(&b, comm, client).map(|()| Ended::Done),
+        Task::BenchComm(b) => bench::bench_comm(&b, comm, env, client).map(|()| Ended::Done),
         Task::BenchKernels { .. } => unreachable!("handled before connecting"),
     }
 }
