@@ -4,8 +4,10 @@
 # mandatory (ZRUN_REQUIRE_GPU=1), then step times of one worker at 85M and
 # 152M parameters in TF32 and bf16, each with the unfused and the fused
 # attention (ZRUN_GPU_ATTENTION), alternated, and PyTorch eager beside them
-# where python3 has torch. Prints medians of steps 4-12 (zrun) and
-# PyTorch's own median; compare only within one sitting.
+# where python3 has torch; then bf16 on two workers sharing the GPU, the
+# host flow against the state resident over NCCL, and `zrun bench comm
+# --transports nccl`. Prints medians of steps 4-12 (zrun) and PyTorch's own
+# median; compare only within one sitting.
 #
 #   scripts/gpu-sitting.sh [DIR] [tests|time|profile|all]     # default .gpu all
 #
@@ -61,7 +63,7 @@ zrun_step() { # label shape-sets... : one run of 12 steps, its median step
   local sets=() set
   for set in "$@"; do sets+=(--set "$set"); done
   "$dir/release/zrun" train configs/gpt-anchor.yaml --metrics "$out/$label.jsonl" --no-progress \
-    --workers-per-node 1 --set device=cuda --set train.steps=12 "${sets[@]}" > "$out/$label.log" 2>&1 \
+    --workers-per-node "${WORKERS:-1}" --set device=cuda --set train.steps=12 "${sets[@]}" > "$out/$label.log" 2>&1 \
     || { echo "$label failed:"; tail -5 "$out/$label.log"; return 0; }
   echo "$label: $(median "$out/$label.jsonl")"
 }
@@ -102,3 +104,11 @@ for shape in 85M 152M; do
     torch_step "$shape-torch-bf16-$round" "${t[@]}" BF16=1
   done
 done
+echo "== bf16 on two workers sharing the GPU (85M, stage 2, 8 sequences each): the host flow, then the state resident over NCCL"
+s=(model.d_model=768 model.n_layers=12 model.n_heads=12 model.seq_len=256)
+for round in 1 2; do
+  WORKERS=2 zrun_step "85M-bf16-2w-host-$round" "${s[@]}" train.dtype=bf16 zero.stage=2
+  WORKERS=2 zrun_step "85M-bf16-2w-nccl-$round" "${s[@]}" train.dtype=bf16 zero.stage=2 comm.backend=nccl
+done
+echo "== NCCL between two workers sharing the GPU (over loopback sockets, not a GPU link)"
+"$dir/release/zrun" bench comm --workers 2 --transports nccl --sizes 1MiB,64MiB || echo "bench comm nccl failed"
