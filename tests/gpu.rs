@@ -124,13 +124,7 @@ fn device_cuda_without_a_gpu_is_refused_before_launch_naming_what_is_missing() {
 fn device_cuda_refuses_what_the_gpu_model_does_not_run() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "gpu-limits", 2);
-    for (sets, says) in [
-        (&["model.tile_size=512"][..], "drop model.tile_size"),
-        (
-            &["zero.stage=3", "zero.zero_quantized_weights=true"],
-            "ZeRO++ (",
-        ),
-    ] {
+    for (sets, says) in [(&["model.tile_size=512"][..], "drop model.tile_size")] {
         let mut args = vec!["check", job.to_str().unwrap(), "--set", "device=cuda"];
         for s in sets {
             args.extend(["--set", s]);
@@ -162,6 +156,15 @@ fn nccl_and_tf32_are_refused_where_they_cannot_run() {
                 "zero.offload_optimizer.device=cpu",
             ],
             "offload moves it to the host",
+        ),
+        (
+            &[
+                "comm.backend=nccl",
+                "device=cuda",
+                "zero.stage=3",
+                "zero.zero_quantized_weights=true",
+            ],
+            "use comm.backend: auto with ZeRO++",
         ),
     ] {
         let mut args = vec!["check", job.to_str().unwrap()];
@@ -632,6 +635,94 @@ fn sixteen_bit_state_over_nccl_gives_the_host_flows_bits() {
     // its loss scale) at the all-reduce and the partitioned ends.
     nccl_against_the_host_flow("bf16", &[0, 1, 2, 3]);
     nccl_against_the_host_flow("f16", &[0, 3]);
+}
+
+#[test]
+fn zero_pp_and_nvme_offload_run_in_the_gpus_host_flow() {
+    if gpus_or_skip("zero_pp_and_nvme_offload_run_in_the_gpus_host_flow").is_none() {
+        return;
+    }
+    // Two workers sharing the GPU, stage 3 with the blocks and the
+    // embedding partitioned: the host flow, whose gathers, reductions and
+    // swap files are the CPU path's own code.
+    let dir = tempfile::tempdir().unwrap();
+    type Step = (f64, f64, u64);
+    let steps = |name: &str, extra: &[String]| -> Vec<Step> {
+        let mut sets: Vec<String> = [
+            "device=cuda",
+            "zero.stage=3",
+            "zero.param_persistence_threshold=1000",
+        ]
+        .map(String::from)
+        .to_vec();
+        sets.extend(extra.iter().cloned());
+        let job = small_job(dir.path(), name, 16);
+        step_lines(&run(&job, name, 2, &sets, &[]))
+            .iter()
+            .map(|l| {
+                let (loss, norm) = loss_and_norm(l);
+                (
+                    loss,
+                    norm,
+                    l["comm_bytes"]["by_op"]["all_gather"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let stage3 = steps("stage3", &[]);
+    assert_eq!(stage3.len(), 16);
+    // hpZ (one node of two workers: the secondary partition is the node):
+    // backward gathers from it, the same values, so the same bits.
+    let hpz = steps("hpz", &["zero.zero_hpz_partition_size=2".into()]);
+    let bits = |v: &[Step]| v.iter().map(|s| (s.0, s.1)).collect::<Vec<_>>();
+    assert_eq!(bits(&hpz), bits(&stage3), "hpZ against stage 3");
+    // qwZ (int8 forward gathers) and qgZ (int4 gradients): fewer bytes
+    // gathered or the same, losses near stage 3's but not its bits (so the
+    // quantization ran).
+    let tail = |v: &[Step]| v[11..].iter().map(|s| s.0).sum::<f64>() / 5.0;
+    for (name, key) in [
+        ("qwz", "zero.zero_quantized_weights=true"),
+        ("qgz", "zero.zero_quantized_gradients=true"),
+    ] {
+        let got = steps(name, &[key.into()]);
+        assert_ne!(bits(&got), bits(&stage3), "{name} changed nothing");
+        let ratio = tail(&got) / tail(&stage3);
+        eprintln!("{name} on the GPU: loss of steps 12-16 {ratio:.4}x stage 3's");
+        assert!(
+            (0.95..1.05).contains(&ratio),
+            "{name}: {got:?} against {stage3:?}"
+        );
+        if name == "qwz" {
+            assert!(got[5].2 < stage3[5].2, "qwZ gathered no fewer bytes");
+        }
+    }
+    // NVMe offload of the optimizer and the parameters: the swap files
+    // hold what memory held, so ZeRO-Offload's bits.
+    let swap = dir.path().join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    let offload = |device: &str| -> Vec<String> {
+        let mut s = vec![
+            format!("zero.offload_optimizer.device={device}"),
+            format!("zero.offload_param.device={device}"),
+        ];
+        if device == "nvme" {
+            let p = swap.display();
+            s.push(format!("zero.offload_optimizer.nvme_path={p}"));
+            s.push(format!("zero.offload_param.nvme_path={p}"));
+        }
+        s
+    };
+    let in_memory = steps("offload-cpu", &offload("cpu"));
+    let nvme = steps("offload-nvme", &offload("nvme"));
+    assert_eq!(
+        bits(&nvme),
+        bits(&in_memory),
+        "NVMe offload against CPU offload"
+    );
+    assert!(
+        std::fs::read_dir(&swap).unwrap().next().is_none(),
+        "swap files left"
+    );
 }
 
 #[test]

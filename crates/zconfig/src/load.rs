@@ -366,8 +366,9 @@ impl LoadedJob {
 
     /// `comm.backend: nccl`: ZeRO's collectives between GPUs, every state
     /// on the ranks' GPUs (stages 0-3; f32, bf16 or f16). Offload, which
-    /// keeps the optimizer or the parameters on the host, is refused,
-    /// naming the key.
+    /// keeps the optimizer or the parameters on the host, and ZeRO++, whose
+    /// quantized and hierarchical collectives run on the host's transports,
+    /// are refused, naming the key.
     fn validate_nccl(&self) -> Result<(), ConfigError> {
         let s = &self.spec;
         let z = &s.zero;
@@ -377,6 +378,8 @@ impl LoadedJob {
             || z.offload_param.device != OffloadDevice::None
         {
             "keeps every state on the GPUs, but offload moves it to the host: use comm.backend: auto with offload"
+        } else if z.quantized_weights || z.quantized_gradients || z.hpz_partition_size > 1 {
+            "runs plain collectives; ZeRO++ (zero_quantized_weights, zero_hpz_partition_size, zero_quantized_gradients) runs its own on the host's transports: use comm.backend: auto with ZeRO++"
         } else {
             return Ok(());
         };

@@ -654,27 +654,14 @@ pub enum Device {
 }
 
 impl JobSpec {
-    /// What of this job the GPU path (`device: cuda`) cannot run yet, or
+    /// What of this job the GPU path (`device: cuda`) cannot run, or
     /// `None`: the GPU model is GPT-2's or LLaMA's family with whole linears
     /// (its products in f32 or TF32, on 16-bit working parameters under
-    /// bf16/f16), and NVMe offload and ZeRO++, whose host code the GPU path
-    /// would share, are refused until they have run on a GPU.
+    /// bf16/f16). NVMe offload and ZeRO++ run in the GPU's host flow, on
+    /// the host code the CPU path runs.
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
-        }
-        let z = &self.zero;
-        if z.offload_optimizer.is_nvme() || z.offload_param.is_nvme() {
-            return Some(
-                "NVMe offload (zero.offload_optimizer / offload_param: nvme) has not run on a GPU yet"
-                    .into(),
-            );
-        }
-        if z.quantized_weights || z.quantized_gradients || z.hpz_partition_size > 1 {
-            return Some(
-                "ZeRO++ (zero.zero_quantized_weights, zero_hpz_partition_size, zero_quantized_gradients) has not run on a GPU yet"
-                    .into(),
-            );
         }
         None
     }
