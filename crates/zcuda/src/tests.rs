@@ -156,24 +156,15 @@ fn every_kernel_assembles_with_ptxas_for_ampere_and_hopper() {
     }
 }
 
-/// The fused attention's tile loads as sm_90 machine code (ptxas, then
-/// nvdisasm; no GPU needed): each kernel's first tile fetch issues the
-/// thread's whole share of both tiles as 16-byte loads (`LDG.E.128`, HD / 8
-/// a tile) before its barrier. Sitting 11 on an H100 found the first
-/// version slower than the unfused path: its fetch stayed a loop of two
-/// 4-byte loads, a wait and a store, one trip to memory a piece.
-#[test]
-fn attention_fetches_each_tile_in_one_trip() {
-    let test = "attention_fetches_each_tile_in_one_trip";
+/// attention.cu's 18 fused kernels as sm_90 machine code (NVRTC's PTX,
+/// ptxas, then nvdisasm; no GPU needed): (name, its lines), or `None` where
+/// a tool is missing (the skip printed).
+fn attention_sass(test: &str) -> Option<Vec<(String, Vec<String>)>> {
     if !nvrtc_or_skip(test) {
-        return;
+        return None;
     }
-    let Some(ptxas) = tool_or_skip(test, "ptxas", "nvidia-cuda-nvcc-cu12") else {
-        return;
-    };
-    let Some(nvdisasm) = tool_or_skip(test, "nvdisasm", "nvidia-cuda-nvdisasm") else {
-        return;
-    };
+    let ptxas = tool_or_skip(test, "ptxas", "nvidia-cuda-nvcc-cu12")?;
+    let nvdisasm = tool_or_skip(test, "nvdisasm", "nvidia-cuda-nvdisasm")?;
     let k = crate::compile::kernel("attention.cu").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (src, cubin) = (dir.path().join("a.ptx"), dir.path().join("a.cubin"));
@@ -201,25 +192,135 @@ fn attention_fetches_each_tile_in_one_trip() {
         .functions
         .iter()
         .filter(|f| f.starts_with("flash_"))
+        .map(|f| {
+            let body = sass
+                .split(&format!(".text.{f},"))
+                .nth(1)
+                .unwrap_or_else(|| panic!("{f} not in nvdisasm's output"));
+            let body = body.split(".section\t.text.").next().unwrap();
+            (f.to_string(), body.lines().map(String::from).collect())
+        })
         .collect();
     assert_eq!(flash.len(), 18, "three kernels, two kinds, three widths");
-    for f in flash {
-        let body = sass
-            .split(&format!(".text.{f},"))
-            .nth(1)
-            .unwrap_or_else(|| panic!("{f} not in nvdisasm's output"));
-        let body = body.split(".section\t.text.").next().unwrap();
+    Some(flash)
+}
+
+/// The head width and the product depth (16 bf16, 8 TF32) of a fused
+/// kernel, from its name.
+fn width_and_depth(name: &str) -> (usize, usize) {
+    let hd = name.rsplit('_').next().unwrap().parse().unwrap();
+    (hd, if name.contains("_bf16_") { 16 } else { 8 })
+}
+
+/// The fused attention's tile loads in machine code: each kernel's first
+/// tile fetch issues the thread's whole share of both tiles as 16-byte
+/// loads (`LDG.E.128`, HD / 8 a tile) before its barrier. Sitting 11 on an
+/// H100 found the first version slower than the unfused path: its fetch
+/// stayed a loop of two 4-byte loads, a wait and a store, one trip to
+/// memory a piece.
+#[test]
+fn attention_fetches_each_tile_in_one_trip() {
+    let Some(flash) = attention_sass("attention_fetches_each_tile_in_one_trip") else {
+        return;
+    };
+    for (f, body) in flash {
         let fetched = body
-            .lines()
+            .iter()
             .skip_while(|l| !l.contains("LDG.E.128"))
             .take_while(|l| !l.contains("BAR.SYNC"))
             .filter(|l| l.contains("LDG.E.128"))
             .count();
-        let hd: usize = f.rsplit('_').next().unwrap().parse().unwrap();
+        let (hd, _) = width_and_depth(&f);
         assert!(
             fetched >= 2 * hd / 8,
             "{f}: {fetched} 16-byte loads before the first barrier, want {}",
             2 * hd / 8
+        );
+    }
+}
+
+/// The loops of a kernel's machine code, innermost only: (first line,
+/// last line) of each range from a label to a branch back to it that holds
+/// no other such range.
+fn innermost_loops(body: &[String]) -> Vec<(usize, usize)> {
+    let label = |l: &str| {
+        let l = l.trim();
+        (l.starts_with(".L_x_") && l.ends_with(':')).then(|| l.trim_end_matches(':').to_string())
+    };
+    let at: std::collections::HashMap<String, usize> = body
+        .iter()
+        .enumerate()
+        .filter_map(|(i, l)| label(l).map(|name| (name, i)))
+        .collect();
+    let loops: Vec<(usize, usize)> = body
+        .iter()
+        .enumerate()
+        .filter_map(|(i, l)| {
+            let target = l.split("BRA `(").nth(1)?.split(')').next()?;
+            at.get(target)
+                .filter(|&&start| start < i)
+                .map(|&start| (start, i))
+        })
+        .collect();
+    loops
+        .iter()
+        .copied()
+        .filter(|&(a, b)| {
+            !loops
+                .iter()
+                .any(|&(c, d)| (c, d) != (a, b) && a <= c && d <= b)
+        })
+        .collect()
+}
+
+/// The fused kernels' tile walk in machine code: the one innermost loop
+/// that multiplies holds every product of a tile step, unrolled (the
+/// forward's scores and its P·V; the query kernel's two scores and dS·K;
+/// the key/value kernel's two scores, Pᵀ·dO and dSᵀ·Q; 8·HD / depth
+/// `HMMA`s a product of either kind: HD / depth steps of 8 column groups
+/// for scores, 64 / depth steps of HD / 8 for a product by a tile), and no
+/// local memory (`LDL`/`STL`:
+/// spilled registers) inside it: a spill there would cost a trip to memory
+/// every step. Fails if a change leaves a product in a loop of its own or
+/// pushes the walk's registers past 255.
+#[test]
+fn attention_tile_walk_is_unrolled_and_keeps_off_local_memory() {
+    let Some(flash) = attention_sass("attention_tile_walk_is_unrolled") else {
+        return;
+    };
+    for (f, body) in flash {
+        let hmma =
+            |(a, b): (usize, usize)| body[a..=b].iter().filter(|l| l.contains("HMMA")).count();
+        let walks: Vec<_> = innermost_loops(&body)
+            .into_iter()
+            .filter(|&r| hmma(r) > 0)
+            .collect();
+        assert_eq!(
+            walks.len(),
+            1,
+            "{f}: {} innermost loops multiply",
+            walks.len()
+        );
+        let (hd, depth) = width_and_depth(&f);
+        let products = match f.split('_').nth(2) {
+            Some("kv") => 4,
+            Some("q") => 3,
+            _ => 2, // flash_forward_...
+        };
+        let per_product = hd * 16 / depth / 2;
+        assert_eq!(
+            hmma(walks[0]),
+            products * per_product,
+            "{f}: mma instructions in the tile walk"
+        );
+        let (a, b) = walks[0];
+        let local: Vec<_> = body[a..=b]
+            .iter()
+            .filter(|l| l.contains("LDL") || l.contains("STL"))
+            .collect();
+        assert!(
+            local.is_empty(),
+            "{f}: local memory in the tile walk: {local:?}"
         );
     }
 }
