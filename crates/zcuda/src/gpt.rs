@@ -932,18 +932,18 @@ impl GptGpu {
 
     fn alloc(&self, len: usize) -> Result<CudaSlice<f32>, CudaError> {
         // SAFETY: every caller writes all `len` values before any is read.
-        unsafe { self.gpu.stream().alloc::<f32>(len) }.map_err(|source| CudaError::Driver {
-            what: format!("allocating {len} floats on the GPU"),
-            source,
+        unsafe { self.gpu.stream().alloc::<f32>(len) }.map_err(|source| {
+            let what = format!("allocating {len} floats on the GPU");
+            self.gpu.alloc_failed(what, 4 * len, source)
         })
     }
 
     fn alloc16(&self, len: usize) -> Result<CudaSlice<u16>, CudaError> {
         // SAFETY: every caller has all `len` values written before any is
         // read.
-        unsafe { self.gpu.stream().alloc::<u16>(len) }.map_err(|source| CudaError::Driver {
-            what: format!("allocating {len} bf16 values on the GPU"),
-            source,
+        unsafe { self.gpu.stream().alloc::<u16>(len) }.map_err(|source| {
+            let what = format!("allocating {len} bf16 values on the GPU");
+            self.gpu.alloc_failed(what, 2 * len, source)
         })
     }
 
@@ -1848,13 +1848,8 @@ impl GptGpu {
         buf: &CudaSlice<f32>,
         range: std::ops::Range<usize>,
     ) -> Result<CudaSlice<u16>, CudaError> {
-        let len = range.len();
-        // SAFETY: round16 writes all `len` values before any is read.
-        let mut out =
-            unsafe { self.gpu.stream().alloc::<u16>(len) }.map_err(|source| CudaError::Driver {
-                what: format!("allocating {len} bf16 values on the GPU"),
-                source,
-            })?;
+        // round16 writes every value before any is read.
+        let mut out = self.alloc16(range.len())?;
         self.gpu
             .round16(Half16::Bf16, &buf.slice(range), &mut out.slice_mut(..))?;
         Ok(out)

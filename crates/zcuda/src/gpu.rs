@@ -291,12 +291,36 @@ impl Gpu {
 
     /// Copies `host` into new device memory.
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
-        self.stream
-            .clone_htod(host)
-            .map_err(|source| CudaError::Driver {
-                what: format!("copying {} values to the GPU", host.len()),
-                source,
-            })
+        self.stream.clone_htod(host).map_err(|source| {
+            let what = format!("copying {} values to the GPU", host.len());
+            self.alloc_failed(what, std::mem::size_of_val(host), source)
+        })
+    }
+
+    /// The error of an allocation of `bytes` that failed with `source`:
+    /// where the GPU is out of memory, how much it had free and in all
+    /// (what a user sizing a job needs), else the driver's error.
+    pub(crate) fn alloc_failed(
+        &self,
+        what: String,
+        bytes: usize,
+        source: cudarc::driver::DriverError,
+    ) -> CudaError {
+        use cudarc::driver::sys::CUresult;
+        if source.0 != CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return CudaError::Driver { what, source };
+        }
+        let (free, total) = self
+            .ctx
+            .bind_to_thread()
+            .and_then(|()| cudarc::driver::result::mem_get_info())
+            .unwrap_or((0, 0));
+        CudaError::OutOfMemory {
+            what,
+            bytes,
+            free,
+            total,
+        }
     }
 
     /// Copies `dev` back to the host (waits for the stream).
@@ -348,12 +372,10 @@ impl Gpu {
         &self,
         len: usize,
     ) -> Result<CudaSlice<T>, CudaError> {
-        self.stream
-            .alloc_zeros(len)
-            .map_err(|source| CudaError::Driver {
-                what: format!("allocating {len} values on the GPU"),
-                source,
-            })
+        self.stream.alloc_zeros(len).map_err(|source| {
+            let what = format!("allocating {len} values on the GPU");
+            self.alloc_failed(what, len * std::mem::size_of::<T>(), source)
+        })
     }
 
     /// One AdamW step over device-resident `p`, `m`, `v` with gradient `g`;

@@ -60,6 +60,21 @@ pub enum CudaError {
         /// NVRTC's log (file, line and message per error).
         log: String,
     },
+    /// The GPU had no room for an allocation.
+    #[error(
+        "{what}: the GPU is out of memory ({} MiB asked, {} MiB free of {} MiB)",
+        mib(*bytes), mib(*free), mib(*total)
+    )]
+    OutOfMemory {
+        /// What was being allocated.
+        what: String,
+        /// Bytes asked for.
+        bytes: usize,
+        /// Bytes free on the GPU when it failed (the driver's count).
+        free: usize,
+        /// The GPU's memory.
+        total: usize,
+    },
     /// A driver call failed.
     #[error("{what}: {source}")]
     Driver {
@@ -77,6 +92,11 @@ pub enum CudaError {
     /// NCCL failed or missed its deadline (the communicator is aborted).
     #[error("{0}")]
     Nccl(String),
+}
+
+/// Bytes in MiB, rounded up (a request of a few bytes shows as 1).
+fn mib(bytes: usize) -> usize {
+    bytes.div_ceil(1 << 20)
 }
 
 /// What this host offers the GPU path.

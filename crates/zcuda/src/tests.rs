@@ -27,6 +27,20 @@ fn gpu_for(test: &str) -> Option<Gpu> {
 }
 
 #[test]
+fn out_of_memory_says_what_was_asked_and_what_the_gpu_had() {
+    let e = CudaError::OutOfMemory {
+        what: "allocating 3 floats on the GPU".into(),
+        bytes: 12,
+        free: 5 << 20,
+        total: 80 << 30,
+    };
+    assert_eq!(
+        e.to_string(),
+        "allocating 3 floats on the GPU: the GPU is out of memory (1 MiB asked, 5 MiB free of 81920 MiB)"
+    );
+}
+
+#[test]
 fn every_kernel_compiles_to_ptx_for_volta_ampere_and_hopper() {
     if !nvrtc_or_skip("every_kernel_compiles_to_ptx") {
         return;

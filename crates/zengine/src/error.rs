@@ -13,6 +13,10 @@ pub enum EngineError {
     /// does not take).
     #[error("GPU: {0}")]
     Gpu(String),
+    /// The GPU had no room for an allocation (what, and the GPU's free and
+    /// total memory).
+    #[error("GPU: {0}")]
+    GpuOutOfMemory(String),
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] CommError),

@@ -71,7 +71,10 @@ impl From<Half> for zcuda::Half16 {
 
 impl From<zcuda::CudaError> for EngineError {
     fn from(e: zcuda::CudaError) -> EngineError {
-        EngineError::Gpu(e.to_string())
+        match e {
+            zcuda::CudaError::OutOfMemory { .. } => EngineError::GpuOutOfMemory(e.to_string()),
+            e => EngineError::Gpu(e.to_string()),
+        }
     }
 }
 

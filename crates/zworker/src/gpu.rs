@@ -179,6 +179,55 @@ fn join_nccl(
     Ok(nccl)
 }
 
+/// A training failure `e`, with what this job is estimated to hold per GPU
+/// and what holds less added where the GPU ran out of memory (the first
+/// thing a user resizing the job needs).
+pub fn with_memory_hint(e: anyhow::Error, spec: &zconfig::JobSpec, world: usize) -> anyhow::Error {
+    let oom = e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<zengine::EngineError>(),
+            Some(zengine::EngineError::GpuOutOfMemory(_))
+        )
+    });
+    match oom {
+        true => e.context(memory_hint(spec, world)),
+        false => e,
+    }
+}
+
+/// What [`with_memory_hint`] adds: the activations (and, where nothing is
+/// offloaded, the model states) `zrun estimate` predicts per worker, and
+/// the settings that hold less.
+fn memory_hint(spec: &zconfig::JobSpec, world: usize) -> String {
+    use zconfig::spec::OffloadDevice;
+    let gib = |b: f64| b / f64::from(1u32 << 30);
+    let t = &spec.train;
+    let (acts, checkpointed) = zconfig::estimate::activation_bytes(&spec.model, t.micro_batch_size);
+    let acts = if t.activation_checkpointing {
+        checkpointed
+    } else {
+        acts
+    };
+    let z = &spec.zero;
+    let states = match (z.offload_optimizer.device, z.offload_param.device) {
+        (OffloadDevice::None, OffloadDevice::None) => format!(
+            "{:.2} GiB of model states (ZeRO stage {}, {world} workers, {}) and ",
+            gib(zconfig::estimate::worker_states(spec, world).memory),
+            z.stage.number(),
+            t.dtype
+        ),
+        _ => String::new(),
+    };
+    format!(
+        "out of GPU memory: a worker of this job is estimated to hold {states}{:.2} GiB of \
+         activations at train.micro_batch_size {} (`zrun estimate`); zero.stage: 3, \
+         train.activation_checkpointing: true, a smaller train.micro_batch_size or \
+         zero.offload_optimizer.device: cpu hold less",
+        gib(acts),
+        t.micro_batch_size
+    )
+}
+
 /// `zrun bench comm --transports nccl`: NCCL's all-reduce, reduce-scatter
 /// and all-gather on buffers in GPU memory, in place (see `bench`'s module
 /// docs for how they are timed). A size is rounded down to whole f32
@@ -360,4 +409,48 @@ pub fn attach(
     _comm: &dyn zcomm::Communicator,
 ) -> anyhow::Result<()> {
     anyhow::bail!("device: cuda: {NO_FEATURE}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(extra: serde_json::Value) -> zconfig::JobSpec {
+        let mut v = serde_json::json!({
+            "model": {}, "data": {"format": "synthetic"}, "name": "oom",
+            "zero": {"stage": 2}
+        });
+        if let (Some(v), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
+            v.extend(extra.clone());
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn a_gpu_out_of_memory_failure_says_what_the_job_holds_and_what_holds_less() {
+        let oom = zengine::EngineError::GpuOutOfMemory(
+            "allocating 3 floats on the GPU: the GPU is out of memory (1 MiB asked, 0 MiB free of 80 MiB)".into(),
+        );
+        let e = anyhow::Error::from(oom).context("step 4");
+        let text = format!("{:#}", with_memory_hint(e, &spec(serde_json::json!({})), 2));
+        assert!(
+            text.starts_with("out of GPU memory: a worker of this job is estimated to hold ")
+                && text.contains(" GiB of model states (ZeRO stage 2, 2 workers, f32) and ")
+                && text.contains("zero.stage: 3, train.activation_checkpointing: true")
+                && text.ends_with("step 4: GPU: allocating 3 floats on the GPU: the GPU is out of memory (1 MiB asked, 0 MiB free of 80 MiB)"),
+            "{text}"
+        );
+        // With offload the model states are not the GPU's: not counted.
+        let offload =
+            spec(serde_json::json!({"zero": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}));
+        let e = anyhow::Error::from(zengine::EngineError::GpuOutOfMemory("x".into()));
+        let text = format!("{:#}", with_memory_hint(e, &offload, 2));
+        assert!(!text.contains("model states"), "{text}");
+        // Any other failure passes as it was.
+        let e = anyhow::Error::from(zengine::EngineError::Gpu("a launch failed".into()));
+        assert_eq!(
+            format!("{:#}", with_memory_hint(e, &spec(serde_json::json!({})), 2)),
+            "GPU: a launch failed"
+        );
+    }
 }

@@ -162,6 +162,7 @@ fn run_task(
             );
             let groups = zengine::ProcessGroups { world: comm, hpz };
             rayon::scope(|_| train::train(&t.spec, t.resume.as_deref(), env, nodes, groups, client))
+                .map_err(|e| gpu::with_memory_hint(e, &t.spec, env.world_size))
         }
         Task::BenchComm(b) => bench::bench_comm(&b, comm, env, client).map(|()| Ended::Done),
         Task::BenchKernels { .. } => unreachable!("handled before connecting"),
