@@ -1,5 +1,6 @@
 //! What the GPU path can do on this host, for `device: cuda`, and which GPU
-//! a worker trains on.
+//! a worker trains on; the worker's side of `zrun bench comm --transports
+//! nccl`; and what a GPU out-of-memory failure tells the user.
 //!
 //! zrun asks before launch (`zworker --cuda-devices [nccl]`: how many GPUs
 //! this host can train on, with NCCL if asked, or what is missing;
