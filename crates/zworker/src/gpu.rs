@@ -298,9 +298,8 @@ fn nccl_call(
     }
 }
 
-/// One call of `op` over `elems` f32 on known values, its result compared
-/// whole with what it must be: each rank contributes `rank + 1` (sums
-/// `n(n+1)/2`, exact in f32), all-gather's other chunks start as NaN.
+/// One call of `op` over `elems` f32 on known values ([`check_case`]), its
+/// result compared whole with what it must be.
 #[cfg(feature = "cuda")]
 fn nccl_check(
     gpu: &zcuda::Gpu,
@@ -310,36 +309,63 @@ fn nccl_check(
     rank: usize,
     n: usize,
 ) -> anyhow::Result<()> {
-    let chunk = elems / n;
-    let mine = (rank + 1) as f32;
-    let sum = (n * (n + 1) / 2) as f32;
-    let (input, want, kept) = match op {
-        zproto::Op::AllGather => {
-            let mut input = vec![f32::NAN; elems];
-            input[rank * chunk..(rank + 1) * chunk].fill(mine);
-            let want = (0..elems).map(|i| (i / chunk + 1) as f32).collect();
-            (input, want, 0..elems)
-        }
-        zproto::Op::ReduceScatter => (
-            vec![mine; elems],
-            vec![sum; chunk],
-            rank * chunk..(rank + 1) * chunk,
-        ),
-        _ => (vec![mine; elems], vec![sum; elems], 0..elems),
-    };
-    let mut buf = gpu.upload(&input)?;
+    let case = check_case(op, elems, rank, n);
+    let mut buf = gpu.upload(&case.input)?;
     nccl_call(nccl, op, &mut buf.slice_mut(..), "the check")?;
     nccl.wait()?;
     let got = gpu.download(&buf)?;
-    let got = &got[kept];
-    match got.iter().zip(&want).position(|(g, w)| g != w) {
+    let got = &got[case.kept];
+    match got.iter().zip(&case.want).position(|(g, w)| g != w) {
         None => Ok(()),
         Some(i) => anyhow::bail!(
             "NCCL's {} of {elems} f32 on {n} ranks gave {} at {i} of rank {rank}'s result, not {}",
             op.name(),
             got[i],
-            want[i]
+            case.want[i]
         ),
+    }
+}
+
+/// A rank's input to an in-place collective and what the part of the
+/// buffer it keeps (`kept`) must hold after.
+#[cfg(any(feature = "cuda", test))]
+struct CheckCase {
+    input: Vec<f32>,
+    want: Vec<f32>,
+    kept: std::ops::Range<usize>,
+}
+
+/// The check of `op` over `elems` f32 (a multiple of `n`) on rank `rank`
+/// of `n`: each rank contributes `rank + 1` (sums `n(n+1)/2`, exact in
+/// f32); all-gather's other chunks start as NaN; reduce-scatter keeps the
+/// rank's chunk.
+#[cfg(any(feature = "cuda", test))]
+fn check_case(op: zproto::Op, elems: usize, rank: usize, n: usize) -> CheckCase {
+    let chunk = elems / n;
+    let mine = (rank + 1) as f32;
+    let sum = (n * (n + 1) / 2) as f32;
+    let own = rank * chunk..(rank + 1) * chunk;
+    match op {
+        zproto::Op::AllGather => {
+            let mut input = vec![f32::NAN; elems];
+            input[own].fill(mine);
+            let want = (0..elems).map(|i| (i / chunk + 1) as f32).collect();
+            CheckCase {
+                input,
+                want,
+                kept: 0..elems,
+            }
+        }
+        zproto::Op::ReduceScatter => CheckCase {
+            input: vec![mine; elems],
+            want: vec![sum; chunk],
+            kept: own,
+        },
+        _ => CheckCase {
+            input: vec![mine; elems],
+            want: vec![sum; elems],
+            kept: 0..elems,
+        },
     }
 }
 
@@ -415,6 +441,58 @@ pub fn attach(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// NCCL's in-place collectives done on the host over every rank's
+    /// input: rank `r`'s buffer after `op`.
+    fn in_place(op: zproto::Op, inputs: &[Vec<f32>], r: usize) -> Vec<f32> {
+        let (n, len) = (inputs.len(), inputs[0].len());
+        let chunk = len / n;
+        let sum: Vec<f32> = (0..len)
+            .map(|i| inputs.iter().map(|x| x[i]).sum())
+            .collect();
+        match op {
+            zproto::Op::AllGather => (0..len).map(|i| inputs[i / chunk][i]).collect(),
+            zproto::Op::ReduceScatter => {
+                let mut out = inputs[r].clone();
+                out[r * chunk..(r + 1) * chunk].copy_from_slice(&sum[r * chunk..(r + 1) * chunk]);
+                out
+            }
+            _ => sum,
+        }
+    }
+
+    #[test]
+    fn the_nccl_benchmarks_checks_expect_what_the_collectives_compute() {
+        use zproto::Op;
+        for op in [Op::AllReduce, Op::ReduceScatter, Op::AllGather] {
+            for n in 1..=4 {
+                let elems = 3 * n;
+                let cases: Vec<_> = (0..n).map(|r| check_case(op, elems, r, n)).collect();
+                let inputs: Vec<_> = cases.iter().map(|c| c.input.clone()).collect();
+                for (r, c) in cases.iter().enumerate() {
+                    let after = in_place(op, &inputs, r);
+                    assert_eq!(
+                        after[c.kept.clone()],
+                        c.want[..],
+                        "{} on {n}, rank {r}",
+                        op.name()
+                    );
+                }
+            }
+        }
+        // A collective that did nothing fails its check on every rank.
+        for op in [Op::AllReduce, Op::ReduceScatter, Op::AllGather] {
+            for r in 0..2 {
+                let c = check_case(op, 6, r, 2);
+                assert_ne!(
+                    c.input[c.kept.clone()],
+                    c.want[..],
+                    "{} rank {r}",
+                    op.name()
+                );
+            }
+        }
+    }
 
     fn spec(extra: serde_json::Value) -> zconfig::JobSpec {
         let mut v = serde_json::json!({
