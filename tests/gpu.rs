@@ -697,9 +697,33 @@ fn zero_pp_and_nvme_offload_run_in_the_gpus_host_flow() {
         }
     }
     // NVMe offload of the optimizer and the parameters: the swap files
-    // hold what memory held, so ZeRO-Offload's bits.
+    // hold what memory held, so ZeRO-Offload's bits. The GPU host's
+    // temporary filesystem may refuse O_DIRECT (tmpfs; some overlays), as
+    // zrun would before launch: that part then says it skipped.
     let swap = dir.path().join("swap");
     std::fs::create_dir_all(&swap).unwrap();
+    // One aligned 4 KiB block written with O_DIRECT, as zrun probes.
+    let probe = swap.join("probe");
+    let direct = {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let buf = vec![7u8; 8192];
+        let at = buf.as_ptr().align_offset(4096);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .custom_flags(nix::libc::O_DIRECT)
+            .open(&probe)
+            .and_then(|mut f| f.write_all(&buf[at..at + 4096]))
+    };
+    let _ = std::fs::remove_file(&probe);
+    if let Err(e) = direct {
+        eprintln!(
+            "SKIPPED the NVMe part: {} refuses O_DIRECT ({e})",
+            swap.display()
+        );
+        return;
+    }
     let offload = |device: &str| -> Vec<String> {
         let mut s = vec![
             format!("zero.offload_optimizer.device={device}"),

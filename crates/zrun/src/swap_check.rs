@@ -24,7 +24,8 @@ pub fn check_offload(plan: &LaunchPlan) -> Result<()> {
         ("zero.offload_param", &z.offload_param),
     ];
     for (key, t) in targets {
-        if t.device == OffloadDevice::Cpu {
+        // On GPU workers `cpu` moves the state off the GPU (ZeRO-Offload).
+        if t.device == OffloadDevice::Cpu && spec.device == zconfig::spec::Device::Cpu {
             say!("zrun: {key}.device: cpu keeps states in host memory, where CPU workers already hold them: nothing moves");
         }
     }
