@@ -15,6 +15,22 @@ use zconfig::JobSpec;
 use crate::plan::LaunchPlan;
 use crate::Failure;
 
+/// What `offload_*.device: cpu` means for a job on CPU workers: nothing
+/// moves (on GPU workers it is ZeRO-Offload, and nothing needs saying).
+fn cpu_offload_notes(spec: &JobSpec) -> Vec<String> {
+    let z = &spec.zero;
+    [
+        ("zero.offload_optimizer", &z.offload_optimizer),
+        ("zero.offload_param", &z.offload_param),
+    ]
+    .into_iter()
+    .filter(|(_, t)| t.device == OffloadDevice::Cpu && spec.device == zconfig::spec::Device::Cpu)
+    .map(|(key, _)| {
+        format!("zrun: {key}.device: cpu keeps states in host memory, where CPU workers already hold them: nothing moves")
+    })
+    .collect()
+}
+
 /// Checks the job's NVMe swap paths; says once what `device: cpu` means here.
 pub fn check_offload(plan: &LaunchPlan) -> Result<()> {
     let spec = &plan.spec;
@@ -23,11 +39,8 @@ pub fn check_offload(plan: &LaunchPlan) -> Result<()> {
         ("zero.offload_optimizer", &z.offload_optimizer),
         ("zero.offload_param", &z.offload_param),
     ];
-    for (key, t) in targets {
-        // On GPU workers `cpu` moves the state off the GPU (ZeRO-Offload).
-        if t.device == OffloadDevice::Cpu && spec.device == zconfig::spec::Device::Cpu {
-            say!("zrun: {key}.device: cpu keeps states in host memory, where CPU workers already hold them: nothing moves");
-        }
+    for note in cpu_offload_notes(spec) {
+        say!("{note}");
     }
     let local = plan.here;
     if !local {
@@ -73,4 +86,25 @@ fn swap_bytes(spec: &JobSpec, world: usize) -> (f64, f64) {
     opt_only.zero.offload_param = OffloadSpec::default();
     let opt = worker_states(&opt_only, world).nvme;
     (opt, all - opt)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_cpu_workers_are_told_that_offload_to_cpu_moves_nothing() {
+        let spec = |device: &str| -> JobSpec {
+            serde_json::from_value(serde_json::json!({
+                "model": {}, "data": {"format": "synthetic"}, "name": "n", "device": device,
+                "zero": {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+            }))
+            .unwrap()
+        };
+        assert_eq!(
+            cpu_offload_notes(&spec("cpu")),
+            vec!["zrun: zero.offload_optimizer.device: cpu keeps states in host memory, where CPU workers already hold them: nothing moves"]
+        );
+        assert!(cpu_offload_notes(&spec("cuda")).is_empty());
+    }
 }
