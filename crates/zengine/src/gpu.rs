@@ -1047,8 +1047,10 @@ impl Engine {
                     ..
                 } = g;
                 let h = half.as_mut().ok_or_else(no_half)?;
-                // Stage 3's slice is the working copy itself.
+                // Stage 3's slice is the working copy itself; where ranks
+                // update slices, the gather below widens every slot anyway.
                 let mut weights = match params {
+                    ResidentParams::Whole(_) if sliced => None,
                     ResidentParams::Whole(w) => Some(
                         Arc::get_mut(w)
                             .ok_or_else(|| {
