@@ -35,6 +35,7 @@ fn main() {
         .cpp(true)
         .std("c++20")
         .file(root.join("cpp/emu.cpp"))
+        .file(root.join("cpp/emu_fiber.cpp"))
         .include(&out)
         .include(root.join("cpp"))
         // NVRTC compiles zrun's kernels with --fmad=false: no FMA here either.
@@ -58,6 +59,8 @@ fn main() {
     for f in [
         "cpp/emu.cpp",
         "cpp/emu.h",
+        "cpp/emu_fiber.h",
+        "cpp/emu_fiber.cpp",
         "../../kernels/gpt.cu",
         "../../kernels/half16.cuh",
         "../../kernels/reduce.cu",

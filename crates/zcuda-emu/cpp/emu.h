@@ -1,11 +1,11 @@
 // CUDA's kernel dialect on the CPU, as much of it as kernels/gpt.cu,
 // quantize.cu, and reduce.cu, adamw.cu and attention.cu (with half16.cuh)
-// use:
-// a launch runs the grid's blocks one after another and each block's
-// threads as OS threads, so that __syncthreads is a barrier of the block's
-// threads, a warp shuffle an exchange through memory between a barrier of
-// the warp's 32 threads, and __shared__ memory a static (one block at a
-// time). Arithmetic is the CPU's IEEE f32 without contraction into FMA
+// use: a launch runs the grid's blocks on a few OS threads, each block's
+// CUDA threads as fibers of one OS thread (emu_fiber.h), so that
+// __syncthreads is a barrier of the block's fibers, a warp shuffle an
+// exchange through memory between barriers of the warp's 32 fibers, and
+// __shared__ memory a thread-local static (the OS thread runs one block at
+// a time). Arithmetic is the CPU's IEEE f32 without contraction into FMA
 // (build.rs: -ffp-contract=off), as NVRTC compiles zrun's kernels
 // (--fmad=false); expf, tanhf, logf and sqrtf come from the C library,
 // not CUDA's, so results agree with the GPU's to the math library's ulps.
@@ -13,29 +13,29 @@
 
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "emu_fiber.h"
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
 
-inline thread_local dim3 threadIdx, blockIdx;
-inline dim3 blockDim, gridDim;
+// Each OS thread runs one block at a time, so that these (and __shared__
+// memory) are its own.
+inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 
-// The running block's barrier and its warps' barriers and exchange slots;
-// one launch at a time (as on one stream), since these are the process's.
-inline std::mutex emu_one_launch;
-inline std::barrier<>* emu_block;
-inline std::vector<std::unique_ptr<std::barrier<>>> emu_warps;
-inline float emu_lanes[32][32];
-inline double emu_lanes_f64[32][32];
+// The running block's barrier, its warps' barriers and exchange slots.
+inline thread_local EmuBarrier emu_block;
+inline thread_local EmuBarrier emu_warps[32];
+inline thread_local float emu_lanes[32][32];
+inline thread_local double emu_lanes_f64[32][32];
 
 // half16.cuh's f16 conversions take the C++ compiler's _Float16 here.
 #define ZRUN_CPU_EMULATION 1
@@ -43,17 +43,17 @@ inline double emu_lanes_f64[32][32];
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __shared__ static
+#define __shared__ static thread_local
 #define __align__(n) __attribute__((aligned(n)))
 
-inline void __syncthreads() { emu_block->arrive_and_wait(); }
+inline void __syncthreads() { emu_block.arrive_and_wait(); }
 
 inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     emu_lanes[warp][lane] = v;
-    emu_warps[warp]->arrive_and_wait();
+    emu_warps[warp].arrive_and_wait();
     float other = emu_lanes[warp][lane ^ (unsigned)lane_mask];
-    emu_warps[warp]->arrive_and_wait();
+    emu_warps[warp].arrive_and_wait();
     return other;
 }
 
@@ -61,9 +61,9 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
 inline double __shfl_sync(unsigned, double v, int src, int width) {
     unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     emu_lanes_f64[warp][lane] = v;
-    emu_warps[warp]->arrive_and_wait();
+    emu_warps[warp].arrive_and_wait();
     double other = emu_lanes_f64[warp][(lane / width) * width + (unsigned)src % width];
-    emu_warps[warp]->arrive_and_wait();
+    emu_warps[warp].arrive_and_wait();
     return other;
 }
 
@@ -75,7 +75,7 @@ inline double __shfl_sync(unsigned, double v, int src, int width) {
 // g + 8·(r / 2), column 2q + r % 2). Products of bf16 values are exact in
 // f32; the 16 terms are summed in order, then added to c (the hardware's
 // order and intermediate rounding are its own).
-inline unsigned emu_mma_a[32][32][4], emu_mma_b[32][32][2];
+inline thread_local unsigned emu_mma_a[32][32][4], emu_mma_b[32][32][2];
 
 inline float emu_bf16_half(unsigned word, unsigned high) {
     unsigned bits = high ? word & 0xffff0000u : word << 16;
@@ -93,7 +93,7 @@ inline void emu_mma(float* c, const unsigned* a, unsigned b0, unsigned b1, A a_a
     for (int r = 0; r < 4; r++) emu_mma_a[warp][lane][r] = a[r];
     emu_mma_b[warp][lane][0] = b0;
     emu_mma_b[warp][lane][1] = b1;
-    emu_warps[warp]->arrive_and_wait();
+    emu_warps[warp].arrive_and_wait();
     unsigned g = lane / 4, q = lane % 4;
     float out[4];
     for (unsigned r = 0; r < 4; r++) {
@@ -102,7 +102,7 @@ inline void emu_mma(float* c, const unsigned* a, unsigned b0, unsigned b1, A a_a
         for (unsigned k = 0; k < K; k++) sum += a_at(warp, row, k) * b_at(warp, k, col);
         out[r] = sum;
     }
-    emu_warps[warp]->arrive_and_wait();
+    emu_warps[warp].arrive_and_wait();
     for (int r = 0; r < 4; r++) c[r] += out[r];
 }
 
@@ -171,28 +171,28 @@ inline unsigned __float_as_uint(float f) {
 
 using std::min;
 
-// Runs `kernel` over `grid` blocks of `block.x` threads (at most 1024, whole
-// warps): the blocks in order, each block's threads at once.
+// Runs `kernel` over `grid` blocks of `block.x` threads (at most 1024,
+// whole warps): the blocks shared out in order over up to `EMU_OS_THREADS`
+// OS threads (blocks of a grid are independent, as on a GPU), each
+// block's threads as fibers. Returns when the whole grid has run.
 template <class... P, class... A>
 void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
-    std::lock_guard<std::mutex> one(emu_one_launch);
-    gridDim = grid;
-    blockDim = block;
-    for (unsigned by = 0; by < grid.y; by++) {
-        for (unsigned bx = 0; bx < grid.x; bx++) {
-            std::barrier<> barrier(block.x);
-            emu_block = &barrier;
-            emu_warps.clear();
-            for (unsigned w = 0; w < block.x / 32; w++) emu_warps.push_back(std::make_unique<std::barrier<>>(32));
-            std::vector<std::thread> threads;
-            for (unsigned tx = 0; tx < block.x; tx++) {
-                threads.emplace_back([=] {
-                    threadIdx = {tx, 0, 0};
-                    blockIdx = {bx, by, 0};
-                    kernel(args...);
-                });
-            }
-            for (auto& t : threads) t.join();
+    unsigned blocks = grid.x * grid.y;
+    auto run_blocks = [=](unsigned first, unsigned step) {
+        gridDim = grid;
+        blockDim = block;
+        for (unsigned i = first; i < blocks; i += step) {
+            blockIdx = {i % grid.x, i / grid.x, 0};
+            emu_block.expect(block.x);
+            for (unsigned w = 0; w < block.x / 32; w++) emu_warps[w].expect(32);
+            emu_run_fibers(block.x, [&](unsigned tx) {
+                threadIdx = {tx, 0, 0};
+            }, [&] { kernel(args...); });
         }
-    }
+    };
+    unsigned os_threads = std::min(blocks, emu_os_threads());
+    std::vector<std::thread> helpers;
+    for (unsigned t = 1; t < os_threads; t++) helpers.emplace_back(run_blocks, t, os_threads);
+    run_blocks(0, os_threads);
+    for (auto& h : helpers) h.join();
 }

@@ -4,10 +4,11 @@
 //! after `half16.cuh`), ZeRO++'s quantization (`quantize.cu`) and the fused
 //! attention of bf16 products (`attention.cu`, its tensor-core products
 //! emulated from PTX's fragment layout). `build.rs`
-//! compiles the CUDA source as C++ with `cpp/emu.h`, which runs a launch's
-//! blocks one after another and each block's threads as OS threads
-//! (`__syncthreads` a barrier, warp shuffles an exchange between the warp's
-//! threads, `__shared__` a static, atomics `std::atomic_ref`), and
+//! compiles the CUDA source as C++ with `cpp/emu.h`, which spreads a
+//! launch's blocks over the CPUs and runs each block's threads as fibers of
+//! one OS thread (`cpp/emu_fiber.h`: `__syncthreads` a barrier of the
+//! fibers, warp shuffles an exchange between the warp's fibers,
+//! `__shared__` a thread-local static, atomics `std::atomic_ref`), and
 //! `cpp/emu.cpp` launches each kernel as zcuda does.
 //!
 //! What this checks: each kernel's indexing and arithmetic, the model's

@@ -102,55 +102,33 @@ fn reference(qkv: &[f32], dout: &[f32], sh: FlashShape) -> (Vec<f64>, Vec<f64>, 
 
 /// One tile and a partial one (t = 80), more than two tiles with grouped
 /// heads (t = 130, 4 on 2), a whole tile at head width 64 with every query
-/// head on one key/value head, and a sequence shorter than a warp's rows;
-/// `which` picks among them (the emulation runs a block's 128 threads as
-/// OS threads, two barriers a product: seconds a shape).
-fn shapes(products: FlashProducts, which: &[usize]) -> Vec<FlashShape> {
+/// head on one key/value head, and a sequence shorter than a warp's rows,
+/// each with bf16 and with TF32 products.
+fn shapes() -> Vec<FlashShape> {
     let all = [
         (2, 80, 3, 3, 16),
         (1, 130, 4, 2, 32),
         (2, 64, 2, 1, 64),
         (1, 5, 2, 2, 16),
     ];
-    which
-        .iter()
-        .map(|&i| {
-            let (b, t, heads, kv, hd) = all[i];
-            FlashShape {
+    [FlashProducts::Bf16, FlashProducts::Tf32]
+        .into_iter()
+        .flat_map(|products| {
+            all.map(|(b, t, heads, kv, hd)| FlashShape {
                 b,
                 t,
                 heads,
                 kv,
                 hd,
                 products,
-            }
+            })
         })
         .collect()
 }
 
-/// Every shape in bf16; in TF32 (the same kernels but for how fragments
-/// are made) grouped heads over three tiles and the short sequence.
-fn reference_shapes() -> Vec<FlashShape> {
-    [
-        shapes(FlashProducts::Bf16, &[0, 1, 2, 3]),
-        shapes(FlashProducts::Tf32, &[1, 3]),
-    ]
-    .concat()
-}
-
-/// The layout's oracle needs fewer: grouped heads over three tiles and head
-/// width 64 in bf16, two tiles in TF32.
-fn model_shapes() -> Vec<FlashShape> {
-    [
-        shapes(FlashProducts::Bf16, &[1, 2]),
-        shapes(FlashProducts::Tf32, &[0]),
-    ]
-    .concat()
-}
-
 #[test]
 fn fused_attention_matches_an_f64_reference_of_its_rounded_operands() {
-    for (n, sh) in reference_shapes().into_iter().enumerate() {
+    for (n, sh) in shapes().into_iter().enumerate() {
         let ld = (sh.heads + 2 * sh.kv) * sh.hd;
         let qkv = wave(sh.b * sh.t * ld, 2 * n as u32);
         let dout = wave(sh.b * sh.t * sh.heads * sh.hd, 2 * n as u32 + 1);
@@ -177,7 +155,7 @@ fn fused_attention_matches_an_f64_reference_of_its_rounded_operands() {
 
 #[test]
 fn fused_attention_is_the_cpu_models_attention() {
-    for (n, sh) in model_shapes().into_iter().enumerate() {
+    for (n, sh) in shapes().into_iter().enumerate() {
         let ld = (sh.heads + 2 * sh.kv) * sh.hd;
         let qkv = wave(sh.b * sh.t * ld, 10 + n as u32);
         let dout = wave(sh.b * sh.t * sh.heads * sh.hd, 20 + n as u32);
