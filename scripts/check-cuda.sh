@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU path's checks: lints with the `cuda` feature, the kernels compiled by
 # NVRTC (libnvrtc from NVIDIA's PyPI wheel, in a throwaway venv outside the
-# repository), the GPU-oracle tests (which skip, saying so, without a GPU) and
-# zrun's refusal of `device: cuda` with the feature-enabled zworker.
-# CI runs it; on a GPU host run it with ZRUN_REQUIRE_GPU=1 to make the GPU
+# repository), the GPU-oracle tests (which skip, saying so, without a GPU),
+# zrun's refusal of `device: cuda` with the feature-enabled zworker, and the
+# GPU tests again on zcuda-emu's CPU GPU (with `--emulated-all`, every one of
+# tests/gpu.rs's). CI runs it; on a GPU host run it with ZRUN_REQUIRE_GPU=1 to make the GPU
 # tests mandatory. Leaves target/release/zworker built WITH the feature.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,4 +53,29 @@ echo "== device: cuda refused before launch, by a zworker with the feature"
 cargo build --release --features zworker/cuda
 ./target/release/zworker --cuda-probe
 (cd tests && "$gpu_tests")
+
+# The GPU tests again, on zcuda-emu's CPU "GPU" (crates/zcuda-emu: libcuda,
+# cuBLAS and NCCL over host memory, every kernel run by the CPU emulation;
+# NVRTC the real one, which it ignores), as they run on a GPU: this runs the
+# Rust launch code, the engine's resident flows and NCCL's deadlines, which
+# the kernels' own CPU tests cannot. Mandatory here (ZRUN_REQUIRE_GPU=1).
+# Of tests/gpu.rs, CI runs the three that fit its time (training against
+# the CPU run; the resident step in f32, bf16 and f16 against
+# ZeRO-Offload's bits; a GPU out of memory), about 40 s; the rest (two
+# workers over NCCL at every stage and dtype, about 8 minutes on 2 cores)
+# run with `scripts/check-cuda.sh --emulated-all`.
+echo "== the GPU tests on zcuda-emu's CPU GPU"
+emu_gpu=$(python3 scripts/test_exe.py --emulated-gpu "$artifacts")
+(
+  export LD_LIBRARY_PATH="$nvrtc_lib:$emu_gpu" ZRUN_REQUIRE_GPU=1
+  (cd crates/zcuda && "$zcuda_tests" gpu_ tests_gpt:: tests_nccl:: out_of_memory a_copy_to_pinned)
+  (cd crates/zengine && "$zengine_tests" adam:: gpu::)
+  if [ "${1:-}" = --emulated-all ]; then
+    (cd tests && "$gpu_tests")
+  else
+    (cd tests && "$gpu_tests" --exact training_on_the_gpu_follows_the_cpu_loss_curve \
+      adam_on_the_gpu_gives_zero_offloads_bits \
+      a_gpu_out_of_memory_is_exit_1_naming_the_allocation_and_what_holds_less)
+  fi
+)
 rm -f "$artifacts"

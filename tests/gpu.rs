@@ -120,6 +120,45 @@ fn device_cuda_without_a_gpu_is_refused_before_launch_naming_what_is_missing() {
     );
 }
 
+/// A GPU out of memory mid-job: exit 1, and the failure names the
+/// allocation, the GPU's memory and what `zrun estimate` says the job holds,
+/// with the settings that hold less. Made to happen on zcuda-emu's CPU GPU,
+/// whose memory `ZCUDA_EMU_MEMORY_MIB` caps; a real GPU ignores the
+/// variable (the job then trains, and the test says it skipped).
+#[test]
+fn a_gpu_out_of_memory_is_exit_1_naming_the_allocation_and_what_holds_less() {
+    let test = "a_gpu_out_of_memory_is_exit_1";
+    if gpus_or_skip(test).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "oom", 2);
+    let args = TrainArgs::new(&job, dir.path().join("oom.jsonl")).set("device=cuda");
+    let f = Zrun::start_with_env(
+        &repo_root(),
+        &args.as_strs(),
+        &[("ZCUDA_EMU_MEMORY_MIB", "1")],
+    )
+    .wait(std::time::Duration::from_secs(300));
+    if f.code() == 0 {
+        eprintln!("SKIPPED {test}: a real GPU (ZCUDA_EMU_MEMORY_MIB caps only zcuda-emu's)");
+        return;
+    }
+    assert_eq!(f.code(), 1, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("failed: out of GPU memory: a worker of this job is estimated to hold ")
+            && f.stderr
+                .contains(" MiB of activations at train.micro_batch_size 4 (`zrun estimate`)")
+            && f.stderr
+                .contains("zero.stage: 3, train.activation_checkpointing: true")
+            && f.stderr.contains("on the GPU: the GPU is out of memory (")
+            && f.stderr.contains(" free of 1 MiB)"),
+        "{}",
+        f.stderr
+    );
+}
+
 #[test]
 fn device_cuda_refuses_what_the_gpu_model_does_not_run() {
     let dir = tempfile::tempdir().unwrap();

@@ -245,3 +245,77 @@ void emu_flash_backward(const float* qkv, const float* out, const float* dout, c
 }
 
 }  // extern "C"
+
+// Every kernel by its name, launched from cuLaunchKernel's arguments
+// (an array of pointers to each parameter's value, in the kernel's
+// order), for the CPU driver of driver.cpp: each entry unpacks the array
+// by its kernel's own signature.
+namespace {
+template <class F, F Kernel>
+struct ByParams;
+
+template <class... P, void (*Kernel)(P...)>
+struct ByParams<void (*)(P...), Kernel> {
+    static void launch(dim3 grid, dim3 block, void** params) {
+        [&]<size_t... I>(std::index_sequence<I...>) {
+            emu_launch(Kernel, grid, block, *static_cast<P*>(params[I])...);
+        }(std::index_sequence_for<P...>{});
+    }
+};
+
+#define EMU_KERNEL(ns, name) {#name, &ByParams<decltype(&ns::name), &ns::name>::launch}
+#define EMU_ATTENTION(name) \
+    EMU_KERNEL(fa, name##_bf16_16), EMU_KERNEL(fa, name##_bf16_32), EMU_KERNEL(fa, name##_bf16_64), \
+    EMU_KERNEL(fa, name##_tf32_16), EMU_KERNEL(fa, name##_tf32_32), EMU_KERNEL(fa, name##_tf32_64)
+
+struct NamedKernel {
+    const char* name;
+    EmuParamLauncher launch;
+};
+
+const NamedKernel EMU_KERNELS[] = {
+    EMU_KERNEL(a, adamw),
+    EMU_KERNEL(q, quantize),
+    EMU_KERNEL(q, dequantize),
+    EMU_KERNEL(r, add_f32),
+    EMU_KERNEL(r, scale_f32),
+    EMU_KERNEL(r, add_into16),
+    EMU_KERNEL(r, widen16_into),
+    EMU_KERNEL(r, round16_into),
+    EMU_KERNEL(r, sum_sq_chunks),
+    EMU_KERNEL(k, embed),
+    EMU_KERNEL(k, embed_backward_tokens),
+    EMU_KERNEL(k, embed_backward_positions),
+    EMU_KERNEL(k, layer_norm),
+    EMU_KERNEL(k, layer_norm_backward),
+    EMU_KERNEL(k, layer_norm_param_partials),
+    EMU_KERNEL(k, rms_norm),
+    EMU_KERNEL(k, rms_norm_backward),
+    EMU_KERNEL(k, rms_norm_param_partials),
+    EMU_KERNEL(k, column_sums),
+    EMU_KERNEL(k, bias_residual),
+    EMU_KERNEL(k, gelu),
+    EMU_KERNEL(k, gelu_backward),
+    EMU_KERNEL(k, causal_softmax),
+    EMU_KERNEL(k, causal_softmax_backward),
+    EMU_KERNEL(k, rows_to_heads),
+    EMU_KERNEL(k, heads_to_rows),
+    EMU_KERNEL(k, kv_rows_to_heads),
+    EMU_KERNEL(k, heads_to_kv_rows),
+    EMU_KERNEL(k, rope),
+    EMU_KERNEL(k, swiglu),
+    EMU_KERNEL(k, swiglu_backward),
+    EMU_KERNEL(k, cross_entropy),
+    EMU_ATTENTION(flash_forward),
+    EMU_ATTENTION(flash_backward_kv),
+    EMU_ATTENTION(flash_backward_q),
+    EMU_KERNEL(fa, attention_delta),
+};
+}  // namespace
+
+EmuParamLauncher emu_kernel_by_name(const char* name) {
+    for (const NamedKernel& k : EMU_KERNELS) {
+        if (std::strcmp(k.name, name) == 0) return k.launch;
+    }
+    return nullptr;
+}

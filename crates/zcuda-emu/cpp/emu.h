@@ -2,8 +2,9 @@
 // quantize.cu, and reduce.cu, adamw.cu and attention.cu (with half16.cuh)
 // use: a launch runs the grid's blocks on a few OS threads, each block's
 // CUDA threads as fibers of one OS thread (emu_fiber.h), so that
-// __syncthreads is a barrier of the block's fibers, a warp shuffle an
-// exchange through memory between barriers of the warp's 32 fibers, and
+// __syncthreads is a barrier of the block's fibers, a warp shuffle (or a
+// tensor-core product) an exchange through memory with a barrier of the
+// warp's 32 fibers, and
 // __shared__ memory a thread-local static (the OS thread runs one block at
 // a time). Arithmetic is the CPU's IEEE f32 without contraction into FMA
 // (build.rs: -ffp-contract=off), as NVRTC compiles zrun's kernels
@@ -19,23 +20,11 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "emu_fiber.h"
 
-struct dim3 {
-    unsigned x = 1, y = 1, z = 1;
-};
-
-// Each OS thread runs one block at a time, so that these (and __shared__
-// memory) are its own.
-inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
-
-// The running block's barrier, its warps' barriers and exchange slots.
-inline thread_local EmuBarrier emu_block;
-inline thread_local EmuBarrier emu_warps[32];
-inline thread_local float emu_lanes[32][32];
-inline thread_local double emu_lanes_f64[32][32];
 
 // half16.cuh's f16 conversions take the C++ compiler's _Float16 here.
 #define ZRUN_CPU_EMULATION 1
@@ -46,24 +35,24 @@ inline thread_local double emu_lanes_f64[32][32];
 #define __shared__ static thread_local
 #define __align__(n) __attribute__((aligned(n)))
 
-inline void __syncthreads() { emu_block.arrive_and_wait(); }
+inline void __syncthreads() { emu_self->block.arrive_and_wait(); }
 
 inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    emu_lanes[warp][lane] = v;
-    emu_warps[warp].arrive_and_wait();
-    float other = emu_lanes[warp][lane ^ (unsigned)lane_mask];
-    emu_warps[warp].arrive_and_wait();
+    auto& lanes = emu_self->lanes[emu_self->warps[warp].generation & 1][warp];
+    lanes[lane] = v;
+    emu_self->warps[warp].arrive_and_wait();
+    float other = lanes[lane ^ (unsigned)lane_mask];
     return other;
 }
 
 // The shuffle reduce.cu's norm uses: lane `src` of the warp's `width`.
 inline double __shfl_sync(unsigned, double v, int src, int width) {
     unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    emu_lanes_f64[warp][lane] = v;
-    emu_warps[warp].arrive_and_wait();
-    double other = emu_lanes_f64[warp][(lane / width) * width + (unsigned)src % width];
-    emu_warps[warp].arrive_and_wait();
+    auto& lanes = emu_self->lanes_f64[emu_self->warps[warp].generation & 1][warp];
+    lanes[lane] = v;
+    emu_self->warps[warp].arrive_and_wait();
+    double other = lanes[(lane / width) * width + (unsigned)src % width];
     return other;
 }
 
@@ -75,7 +64,6 @@ inline double __shfl_sync(unsigned, double v, int src, int width) {
 // g + 8·(r / 2), column 2q + r % 2). Products of bf16 values are exact in
 // f32; the 16 terms are summed in order, then added to c (the hardware's
 // order and intermediate rounding are its own).
-inline thread_local unsigned emu_mma_a[32][32][4], emu_mma_b[32][32][2];
 
 inline float emu_bf16_half(unsigned word, unsigned high) {
     unsigned bits = high ? word & 0xffff0000u : word << 16;
@@ -84,37 +72,39 @@ inline float emu_bf16_half(unsigned word, unsigned high) {
     return f;
 }
 
-// c += a·b for one warp at depth K: every lane's registers gathered, then
-// each lane's four results from `a_at(warp, row, k)` and `b_at(warp, k,
-// col)`, which read an element where the form's layout puts it.
+// c += a·b for one warp at depth K: every lane's registers gathered into
+// the warp's slot, then each lane's four results from `a_at(slot, row, k)`
+// and `b_at(slot, k, col)`, which read an element where the form's layout
+// puts it.
 template <unsigned K, class A, class B>
 inline void emu_mma(float* c, const unsigned* a, unsigned b0, unsigned b1, A a_at, B b_at) {
     unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    for (int r = 0; r < 4; r++) emu_mma_a[warp][lane][r] = a[r];
-    emu_mma_b[warp][lane][0] = b0;
-    emu_mma_b[warp][lane][1] = b1;
-    emu_warps[warp].arrive_and_wait();
+    // The warp's slot in this generation's set (see EmuThread::lanes).
+    unsigned slot = (emu_self->warps[warp].generation & 1) * 32 + warp;
+    for (int r = 0; r < 4; r++) emu_self->mma_a[slot][lane][r] = a[r];
+    emu_self->mma_b[slot][lane][0] = b0;
+    emu_self->mma_b[slot][lane][1] = b1;
+    emu_self->warps[warp].arrive_and_wait();
     unsigned g = lane / 4, q = lane % 4;
     float out[4];
     for (unsigned r = 0; r < 4; r++) {
         unsigned row = g + 8 * (r / 2), col = 2 * q + r % 2;
         float sum = 0.0f;
-        for (unsigned k = 0; k < K; k++) sum += a_at(warp, row, k) * b_at(warp, k, col);
+        for (unsigned k = 0; k < K; k++) sum += a_at(slot, row, k) * b_at(slot, k, col);
         out[r] = sum;
     }
-    emu_warps[warp].arrive_and_wait();
     for (int r = 0; r < 4; r++) c[r] += out[r];
 }
 
 inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     emu_mma<16>(
         c, a, b0, b1,
-        [](unsigned warp, unsigned row, unsigned k) {
-            return emu_bf16_half(emu_mma_a[warp][(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)],
+        [](unsigned slot, unsigned row, unsigned k) {
+            return emu_bf16_half(emu_self->mma_a[slot][(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)],
                                  k % 2);
         },
-        [](unsigned warp, unsigned k, unsigned col) {
-            return emu_bf16_half(emu_mma_b[warp][col * 4 + (k % 8) / 2][k >= 8], k % 2);
+        [](unsigned slot, unsigned k, unsigned col) {
+            return emu_bf16_half(emu_self->mma_b[slot][col * 4 + (k % 8) / 2][k >= 8], k % 2);
         });
 }
 
@@ -130,10 +120,10 @@ inline void mma_tf32(float* c, const unsigned* a, unsigned b0, unsigned b1) {
     };
     emu_mma<8>(
         c, a, b0, b1,
-        [&](unsigned warp, unsigned row, unsigned k) {
-            return f32(emu_mma_a[warp][(row % 8) * 4 + k % 4][(row >= 8) + 2 * (k >= 4)]);
+        [&](unsigned slot, unsigned row, unsigned k) {
+            return f32(emu_self->mma_a[slot][(row % 8) * 4 + k % 4][(row >= 8) + 2 * (k >= 4)]);
         },
-        [&](unsigned warp, unsigned k, unsigned col) { return f32(emu_mma_b[warp][col * 4 + k % 4][k >= 4]); });
+        [&](unsigned slot, unsigned k, unsigned col) { return f32(emu_self->mma_b[slot][col * 4 + k % 4][k >= 4]); });
 }
 
 // Each operation rounded on its own, as the _rn intrinsics (no contraction:
@@ -179,15 +169,14 @@ template <class... P, class... A>
 void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
     unsigned blocks = grid.x * grid.y;
     auto run_blocks = [=](unsigned first, unsigned step) {
+        emu_enter_thread();
         gridDim = grid;
         blockDim = block;
         for (unsigned i = first; i < blocks; i += step) {
             blockIdx = {i % grid.x, i / grid.x, 0};
-            emu_block.expect(block.x);
-            for (unsigned w = 0; w < block.x / 32; w++) emu_warps[w].expect(32);
-            emu_run_fibers(block.x, [&](unsigned tx) {
-                threadIdx = {tx, 0, 0};
-            }, [&] { kernel(args...); });
+            emu_self->block.expect(block.x);
+            for (unsigned w = 0; w < (block.x + 31) / 32; w++) emu_self->warps[w].expect(std::min(32u, block.x - 32 * w));
+            emu_run_fibers(block.x, [&] { kernel(args...); });
         }
     };
     unsigned os_threads = std::min(blocks, emu_os_threads());
@@ -196,3 +185,10 @@ void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
     run_blocks(0, os_threads);
     for (auto& h : helpers) h.join();
 }
+
+// A kernel launched from cuLaunchKernel's parameter array (emu.cpp's
+// table, for driver.cpp).
+using EmuParamLauncher = void (*)(dim3 grid, dim3 block, void** params);
+
+// The launcher of the kernel called `name`, or null.
+EmuParamLauncher emu_kernel_by_name(const char* name);

@@ -42,13 +42,14 @@ emu_fiber_start:
 // A fiber's whole life: the kernel body, then back to the scheduler for
 // good.
 extern "C" [[noreturn]] void emu_fiber_main() {
-    (*emu_fiber_body)();
-    EmuFiber& me = emu_fibers[emu_current];
+    (*emu_self->body)();
+    EmuFiber& me = emu_self->fibers[emu_self->current];
     me.done = true;
+    emu_self->live--;
 #if defined(__x86_64__)
-    emu_switch(&me.sp, emu_scheduler_sp);
+    emu_switch(&me.sp, emu_self->scheduler_sp);
 #else
-    setcontext(&emu_scheduler_fiber->context);
+    setcontext(&emu_self->scheduler_fiber->context);
 #endif
     std::abort();  // a finished fiber is never switched to
 }

@@ -2,7 +2,8 @@
 // block gets its own stack, and runs until it waits at a barrier (then the
 // next runnable one runs) or returns. A barrier releases its waiters when
 // the last of its expected threads arrives; that one goes on at once, the
-// others when the scheduler comes round to them. Switching is a handful of
+// others when their turn comes round (a waiting fiber switches straight to
+// the next runnable one). Switching is a handful of
 // register moves (x86-64 assembly below; ucontext elsewhere), where an OS
 // thread per CUDA thread cost a thread start per thread per block and a
 // futex wake per barrier: the emulation of a GPT step went from minutes to
@@ -18,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -26,13 +28,36 @@
 #include <ucontext.h>
 #endif
 
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+// A barrier of `expected` fibers of the running block: each release starts
+// a new generation; a fiber waits until the generation it arrived in ends.
+struct EmuBarrier {
+    unsigned expected = 0, arrived = 0, generation = 0;
+
+    void expect(unsigned n) {
+        expected = n;
+        arrived = 0;
+    }
+
+    inline void arrive_and_wait();
+};
+
 struct EmuFiber {
     void* sp = nullptr;  // saved stack pointer while switched out
     char* stack = nullptr;
-    bool runnable = true, done = false;
+    const EmuBarrier* waiting_on = nullptr;
+    unsigned wait_generation = 0;
+    bool done = false;
 #if !defined(__x86_64__)
     ucontext_t context;
 #endif
+
+    bool runnable() const {
+        return !done && (!waiting_on || waiting_on->generation != wait_generation);
+    }
 };
 
 // Each fiber's stack: the kernels keep small per-thread arrays (the fused
@@ -70,13 +95,42 @@ inline void emu_stack_give(char* s) {
     emu_stack_pool.push_back(s);
 }
 
-// The running block's fibers, which one runs, the scheduler's saved stack
-// pointer, and what each fiber runs.
-inline thread_local std::vector<EmuFiber> emu_fibers;
-inline thread_local unsigned emu_current;
-inline thread_local void* emu_scheduler_sp;
-inline thread_local EmuFiber* emu_scheduler_fiber;
-inline thread_local const std::function<void()>* emu_fiber_body;
+// An OS thread's emulation state: it runs one block at a time, so that
+// these (and __shared__ memory) are its own. Reached through one pointer,
+// `emu_self`, so that an emulated instruction looks up one thread-local
+// variable, not several (in a library opened with dlopen, each look-up
+// may be a call: a quarter of libcuda.so's time when every variable here
+// was thread_local).
+inline constexpr unsigned EMU_MAX_FIBERS = 1024;
+struct EmuThread {
+    dim3 thread_idx, block_idx, block_dim, grid_dim;
+    // The block's barrier and its warps'.
+    EmuBarrier block, warps[32];
+    // The warps' exchange slots (emu.h: shuffles, tensor-core fragments),
+    // two sets, by the parity of the warp barrier's generation, so that one
+    // barrier per exchange suffices: a set is written again only two
+    // barriers later, when every lane has read it.
+    float lanes[2][32][32];
+    double lanes_f64[2][32][32];
+    unsigned mma_a[2 * 32][32][4], mma_b[2 * 32][32][2];
+    // The block's fibers, which one runs, how many have not returned.
+    EmuFiber fibers[EMU_MAX_FIBERS];
+    unsigned fiber_count = 0, current = 0, live = 0;
+    // The scheduler's saved stack pointer (or context), what fibers run.
+    void* scheduler_sp = nullptr;
+    EmuFiber* scheduler_fiber = nullptr;
+    const std::function<void()>* body = nullptr;
+};
+inline thread_local EmuThread emu_thread;
+inline thread_local EmuThread* emu_self;
+
+// Points emu_self at this OS thread's state (once per launch per thread).
+inline void emu_enter_thread() { emu_self = &emu_thread; }
+
+#define threadIdx (emu_self->thread_idx)
+#define blockIdx (emu_self->block_idx)
+#define blockDim (emu_self->block_dim)
+#define gridDim (emu_self->grid_dim)
 
 // emu_fiber.cpp: the switch (x86-64: pushes the callee-saved registers,
 // stores the stack pointer in *save, loads `to` and pops the registers
@@ -85,54 +139,62 @@ extern "C" void emu_switch(void** save, void* to);
 extern "C" void emu_fiber_start();
 extern "C" [[noreturn]] __attribute__((visibility("hidden"))) void emu_fiber_main();
 
-// The running fiber waits: back to the scheduler until released.
+// The running fiber waits: on to the next runnable fiber after it (in
+// order, round the block), or back to the scheduler where none is (the
+// block is deadlocked, or every other fiber has returned).
 inline void emu_yield() {
-    EmuFiber& me = emu_fibers[emu_current];
+    unsigned me = emu_self->current, n = emu_self->fiber_count;
+    EmuFiber& from = emu_self->fibers[me];
+    for (unsigned k = 1; k < n; k++) {
+        unsigned i = me + k < n ? me + k : me + k - n;
+        EmuFiber& to = emu_self->fibers[i];
+        if (!to.runnable()) continue;
+        to.waiting_on = nullptr;
+        emu_self->current = i;
+        threadIdx = {i, 0, 0};
 #if defined(__x86_64__)
-    emu_switch(&me.sp, emu_scheduler_sp);
+        emu_switch(&from.sp, to.sp);
 #else
-    swapcontext(&me.context, &emu_scheduler_fiber->context);
+        swapcontext(&from.context, &to.context);
+#endif
+        return;
+    }
+#if defined(__x86_64__)
+    emu_switch(&from.sp, emu_self->scheduler_sp);
+#else
+    swapcontext(&from.context, &emu_self->scheduler_fiber->context);
 #endif
 }
 
-// A barrier of `expected` fibers of the running block.
-struct EmuBarrier {
-    unsigned expected = 0, arrived = 0;
-    std::vector<unsigned> waiting;
-
-    void expect(unsigned n) {
-        expected = n;
+inline void EmuBarrier::arrive_and_wait() {
+    if (++arrived == expected) {
         arrived = 0;
-        waiting.clear();
+        generation++;
+        return;
     }
+    EmuFiber& me = emu_self->fibers[emu_self->current];
+    me.waiting_on = this;
+    me.wait_generation = generation;
+    emu_yield();
+}
 
-    void arrive_and_wait() {
-        if (++arrived == expected) {
-            arrived = 0;
-            for (unsigned w : waiting) emu_fibers[w].runnable = true;
-            waiting.clear();
-            return;
-        }
-        waiting.push_back(emu_current);
-        emu_fibers[emu_current].runnable = false;
-        emu_yield();
+// Runs `body` as `n` fibers (threadIdx.x = 0..n-1); returns when all have
+// returned. Fibers that all wait with none to release them are a
+// kernel's deadlock (a barrier some threads skip): reported, then abort.
+inline void emu_run_fibers(unsigned n, const std::function<void()>& body) {
+    if (n > EMU_MAX_FIBERS) {
+        std::fprintf(stderr, "zcuda-emu: a block of %u threads (at most %u)\n", n, EMU_MAX_FIBERS);
+        std::abort();
     }
-};
-
-// Runs `body` as `n` fibers, `enter(i)` called each time fiber i is
-// switched to (it restores threadIdx); returns when all have returned.
-// Fibers that all wait with none to release them are a kernel's deadlock
-// (a barrier some threads skip): reported, then abort.
-template <class Enter>
-void emu_run_fibers(unsigned n, Enter enter, const std::function<void()>& body) {
-    emu_fibers.assign(n, EmuFiber{});
-    emu_fiber_body = &body;
+    emu_self->fiber_count = n;
+    emu_self->body = &body;
 #if !defined(__x86_64__)
     EmuFiber scheduler;
-    emu_scheduler_fiber = &scheduler;
+    emu_self->scheduler_fiber = &scheduler;
 #endif
     for (unsigned i = 0; i < n; i++) {
-        EmuFiber& f = emu_fibers[i];
+        EmuFiber& f = emu_self->fibers[i];
+        f = EmuFiber{};
         f.stack = emu_stack_take();
 #if defined(__x86_64__)
         // The frame emu_switch pops: six registers, then emu_fiber_start
@@ -150,31 +212,33 @@ void emu_run_fibers(unsigned n, Enter enter, const std::function<void()>& body) 
         makecontext(&f.context, reinterpret_cast<void (*)()>(&emu_fiber_main), 0);
 #endif
     }
-    unsigned live = n;
-    while (live > 0) {
-        bool ran = false;
-        for (unsigned i = 0; i < n; i++) {
-            EmuFiber& f = emu_fibers[i];
-            if (f.done || !f.runnable) continue;
-            emu_current = i;
-            enter(i);
-            ran = true;
-#if defined(__x86_64__)
-            emu_switch(&emu_scheduler_sp, f.sp);
-#else
-            swapcontext(&scheduler.context, &f.context);
-#endif
-            if (f.done) live--;
+    emu_self->live = n;
+    unsigned next = 0;
+    while (emu_self->live > 0) {
+        unsigned i = 0, k = 0;
+        for (; k < n; k++) {
+            i = next + k < n ? next + k : next + k - n;
+            if (emu_self->fibers[i].runnable()) break;
         }
-        if (!ran) {
+        if (k == n) {
             std::fprintf(stderr,
                          "zcuda-emu: deadlock: %u of the block's %u threads wait at barriers that "
                          "the others never reach\n",
-                         live, n);
+                         emu_self->live, n);
             std::abort();
         }
+        EmuFiber& f = emu_self->fibers[i];
+        f.waiting_on = nullptr;
+        emu_self->current = i;
+        threadIdx = {i, 0, 0};
+        next = i + 1 < n ? i + 1 : 0;
+#if defined(__x86_64__)
+        emu_switch(&emu_self->scheduler_sp, f.sp);
+#else
+        swapcontext(&scheduler.context, &f.context);
+#endif
     }
-    for (EmuFiber& f : emu_fibers) emu_stack_give(f.stack);
+    for (unsigned i = 0; i < n; i++) emu_stack_give(emu_self->fibers[i].stack);
 }
 
 // OS threads a launch spreads its blocks over: the CPUs this process may

@@ -15,10 +15,19 @@
 //! against the CPU model (zmodel), the others' bits against the host's
 //! kernels (zengine's `Flat` and CPU AdamW, zquant), the oracles the GPU
 //! tests use too; where no GPU has been lent, the only run a kernel gets.
-//! What it does not: cuBLAS, streams, the Rust launch code's argument lists
-//! (the GPU tests cover those), or the GPU's own math library (expf and
+//! What these tests do not: cuBLAS, streams, the Rust launch code's
+//! argument lists (the GPU tests cover those, below), or the GPU's own math library (expf and
 //! friends come from the C library here, so the bounds are the same
 //! relative ones the GPU tests state).
+//!
+//! The same objects also make a CPU "GPU" (`build.rs`: `libcuda.so`,
+//! `libcublas.so`, `libnccl.so`, `libnvrtc.so.12` from `cpp/driver.cpp`,
+//! `cublas.cpp`, `nccl.cpp`, `nvrtc.cpp`): the CUDA driver, cuBLAS, NCCL
+//! and NVRTC as zcuda calls them, over host memory, every kernel launch run
+//! by the emulation. With that directory on `LD_LIBRARY_PATH`, cudarc loads
+//! them as the real libraries, and `scripts/check-cuda.sh` runs the GPU
+//! tests themselves on them: what the kernels' tests here cannot reach (the
+//! Rust launch code, the engine's GPU flows, NCCL's deadlines) runs in CI.
 //!
 //! Test-only: nothing in zrun links it.
 

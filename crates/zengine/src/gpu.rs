@@ -169,9 +169,9 @@ struct ResidentGroup {
     /// f32 gradients over the flat range `held`, laid out as the host's: the
     /// group's whole buffer (padding included), into which micro-batches
     /// add, or at stages 2-3 on several ranks this rank's slice, to which each
-    /// micro-batch's reduced slice is added. Empty under 16 bits (`half`
-    /// holds the gradients).
-    grads: CudaSlice<f32>,
+    /// micro-batch's reduced slice is added. None under 16 bits (`half`
+    /// holds the gradients; CUDA refuses an empty allocation).
+    grads: Option<CudaSlice<f32>>,
     held: std::ops::Range<usize>,
     /// Adam's moments over the region this rank updates (the group's whole
     /// flat buffer at stage 0, this rank's slice at stages 1-3), as the host's.
@@ -201,12 +201,26 @@ struct HalfGroup {
 impl ResidentGroup {
     /// The gradient at flat range `r` (inside `held`).
     fn grad(&self, r: std::ops::Range<usize>) -> CudaView<'_, f32> {
-        self.grads.slice(self.local(r))
+        self.f32_grads().slice(self.local(r))
     }
 
     fn grad_mut(&mut self, r: std::ops::Range<usize>) -> CudaViewMut<'_, f32> {
         let r = self.local(r);
-        self.grads.slice_mut(r)
+        self.f32_grads_mut().slice_mut(r)
+    }
+
+    /// The f32 gradients, which every path but the 16-bit one (`half`)
+    /// made and reads.
+    fn f32_grads(&self) -> &CudaSlice<f32> {
+        self.grads
+            .as_ref()
+            .expect("f32 gradients outside a 16-bit run")
+    }
+
+    fn f32_grads_mut(&mut self) -> &mut CudaSlice<f32> {
+        self.grads
+            .as_mut()
+            .expect("f32 gradients outside a 16-bit run")
     }
 
     /// Flat range `r` (inside `held`) as indices into the held gradients.
@@ -300,7 +314,7 @@ impl Resident {
     fn landing(&mut self, g: usize, padded: usize) -> CudaViewMut<'_, f32> {
         match &mut self.landings {
             Some(l) => l.of(g, padded),
-            None => self.groups[g].grads.slice_mut(..),
+            None => self.groups[g].f32_grads_mut().slice_mut(..),
         }
     }
 }
@@ -401,9 +415,10 @@ impl Engine {
                 };
                 groups.push(ResidentGroup {
                     params,
-                    grads: gpu
-                        .gpu()
-                        .zeros(if half.is_some() { 0 } else { held.len() })?,
+                    grads: match half {
+                        Some(_) => None,
+                        None => Some(gpu.gpu().zeros(held.len())?),
+                    },
                     held,
                     exp_avg: gpu.gpu().upload(&g.exp_avg)?,
                     exp_avg_sq: gpu.gpu().upload(&g.exp_avg_sq)?,
@@ -885,10 +900,11 @@ impl Engine {
                 let what = format!("group {i}'s gradients");
                 match (reduced_already, sliced) {
                     (true, _) => {} // stages 2-3: as each micro-batch ended
-                    (false, true) => {
-                        nccl.reduce_scatter_sum_in_place(&mut g.grads.slice_mut(..), &what)?
+                    (false, true) => nccl
+                        .reduce_scatter_sum_in_place(&mut g.f32_grads_mut().slice_mut(..), &what)?,
+                    (false, false) => {
+                        nccl.all_reduce_sum(&mut g.f32_grads_mut().slice_mut(..), &what)?
                     }
-                    (false, false) => nccl.all_reduce_sum(&mut g.grads.slice_mut(..), &what)?,
                 }
             }
             nccl.wait()?;
@@ -927,6 +943,7 @@ impl Engine {
                     exp_avg_sq,
                     ..
                 } = g;
+                let grads = grads.as_ref().expect("f32 gradients outside a 16-bit run");
                 let mut params = match params {
                     ResidentParams::Whole(w) => Ok(Arc::get_mut(w)
                         .ok_or_else(|| {
@@ -961,7 +978,7 @@ impl Engine {
         }
         let r = self.gpu_resident.as_mut().expect("resident");
         for g in &mut r.groups {
-            gpu.gpu().fill_zero(&mut g.grads)?;
+            gpu.gpu().fill_zero(g.f32_grads_mut())?;
         }
         Ok(self.finish_step(step, lr, grad_norm, None, overflow))
     }
@@ -1132,7 +1149,11 @@ impl Engine {
             }
             let mut buf = match &mut r.landings {
                 Some(l) => l.shared.slice_mut(..padded),
-                None => g.grads.slice_mut(..),
+                None => g
+                    .grads
+                    .as_mut()
+                    .expect("f32 gradients outside a 16-bit run")
+                    .slice_mut(..),
             };
             for (i, at) in p.pieces() {
                 let slot = p.slots[i].0.start;

@@ -201,7 +201,11 @@ pub fn with_memory_hint(e: anyhow::Error, spec: &zconfig::JobSpec, world: usize)
 /// the settings that hold less.
 fn memory_hint(spec: &zconfig::JobSpec, world: usize) -> String {
     use zconfig::spec::OffloadDevice;
-    let gib = |b: f64| b / f64::from(1u32 << 30);
+    // GiB, or MiB under one (a small job on a small GPU is not "0.00 GiB").
+    let size = |b: f64| match b / f64::from(1u32 << 30) {
+        g if g >= 1.0 => format!("{g:.2} GiB"),
+        g => format!("{:.1} MiB", g * 1024.0),
+    };
     let t = &spec.train;
     let (acts, checkpointed) = zconfig::estimate::activation_bytes(&spec.model, t.micro_batch_size);
     let acts = if t.activation_checkpointing {
@@ -212,19 +216,19 @@ fn memory_hint(spec: &zconfig::JobSpec, world: usize) -> String {
     let z = &spec.zero;
     let states = match (z.offload_optimizer.device, z.offload_param.device) {
         (OffloadDevice::None, OffloadDevice::None) => format!(
-            "{:.2} GiB of model states (ZeRO stage {}, {world} workers, {}) and ",
-            gib(zconfig::estimate::worker_states(spec, world).memory),
+            "{} of model states (ZeRO stage {}, {world} workers, {}) and ",
+            size(zconfig::estimate::worker_states(spec, world).memory),
             z.stage.number(),
             t.dtype
         ),
         _ => String::new(),
     };
     format!(
-        "out of GPU memory: a worker of this job is estimated to hold {states}{:.2} GiB of \
+        "out of GPU memory: a worker of this job is estimated to hold {states}{} of \
          activations at train.micro_batch_size {} (`zrun estimate`); zero.stage: 3, \
          train.activation_checkpointing: true, a smaller train.micro_batch_size or \
          zero.offload_optimizer.device: cpu hold less",
-        gib(acts),
+        size(acts),
         t.micro_batch_size
     )
 }
@@ -514,9 +518,17 @@ mod tests {
         let text = format!("{:#}", with_memory_hint(e, &spec(serde_json::json!({})), 2));
         assert!(
             text.starts_with("out of GPU memory: a worker of this job is estimated to hold ")
-                && text.contains(" GiB of model states (ZeRO stage 2, 2 workers, f32) and ")
+                && text.contains(" MiB of model states (ZeRO stage 2, 2 workers, f32) and ")
                 && text.contains("zero.stage: 3, train.activation_checkpointing: true")
                 && text.ends_with("step 4: GPU: allocating 3 floats on the GPU: the GPU is out of memory (1 MiB asked, 0 MiB free of 80 MiB)"),
+            "{text}"
+        );
+        // Sizes past a GiB in GiB.
+        let big = spec(serde_json::json!({"model": {"d_model": 2048, "n_layers": 24}}));
+        let e = anyhow::Error::from(zengine::EngineError::GpuOutOfMemory("x".into()));
+        let text = format!("{:#}", with_memory_hint(e, &big, 2));
+        assert!(
+            text.contains(" GiB of model states (ZeRO stage 2, 2 workers, f32) and "),
             "{text}"
         );
         // With offload the model states are not the GPU's: not counted.
