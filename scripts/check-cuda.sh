@@ -30,7 +30,7 @@ export ZRUN_KERNEL_CACHE=${ZRUN_KERNEL_CACHE:-$(mktemp -d)}
 echo "== clippy (cuda)"
 cargo clippy --workspace --all-targets --release --features zworker/cuda -- -D warnings
 echo "== doc (cuda)"
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features zworker/cuda
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --release --features zworker/cuda
 # The test binaries are built for the whole workspace with the feature, so
 # that dependencies keep the features the README's test command built them
 # with: `cargo test -p zcuda` alone resolved them afresh and rebuilt candle,
@@ -59,11 +59,12 @@ cargo build --release --features zworker/cuda
 # NVRTC the real one, which it ignores), as they run on a GPU: this runs the
 # Rust launch code, the engine's resident flows and NCCL's deadlines, which
 # the kernels' own CPU tests cannot. Mandatory here (ZRUN_REQUIRE_GPU=1).
-# Of tests/gpu.rs, CI runs the three that fit its time (training against
+# Of tests/gpu.rs, CI runs the four that fit its time (training against
 # the CPU run; the resident step in f32, bf16 and f16 against
-# ZeRO-Offload's bits; a GPU out of memory), about 40 s; the rest (two
-# workers over NCCL at every stage and dtype, about 8 minutes on 2 cores)
-# run with `scripts/check-cuda.sh --emulated-all`.
+# ZeRO-Offload's bits; a GPU out of memory; two GPUs, a worker each, stage
+# 3 over NCCL against the host flow), about 50 s; the rest (two workers
+# sharing a GPU over NCCL at every stage and dtype, about 8 minutes on 2
+# cores) run with `scripts/check-cuda.sh --emulated-all`.
 echo "== the GPU tests on zcuda-emu's CPU GPU"
 emu_gpu=$(python3 scripts/test_exe.py --emulated-gpu "$artifacts")
 (
@@ -75,7 +76,8 @@ emu_gpu=$(python3 scripts/test_exe.py --emulated-gpu "$artifacts")
   else
     (cd tests && "$gpu_tests" --exact training_on_the_gpu_follows_the_cpu_loss_curve \
       adam_on_the_gpu_gives_zero_offloads_bits \
-      a_gpu_out_of_memory_is_exit_1_naming_the_allocation_and_what_holds_less)
+      a_gpu_out_of_memory_is_exit_1_naming_the_allocation_and_what_holds_less \
+      two_gpus_get_a_worker_each_bound_to_its_own)
   fi
 )
 rm -f "$artifacts"

@@ -665,6 +665,65 @@ fn nccl_between_two_workers_gives_the_host_reductions_bits() {
     nccl_against_the_host_flow("f32", &[0, 1, 2, 3]);
 }
 
+/// Two GPUs (on a CPU-only machine, zcuda-emu's CPU GPU asked for two by
+/// `ZCUDA_EMU_DEVICES`, which a real driver ignores): without
+/// `--workers-per-node`, zrun starts one worker per GPU, each binds its own
+/// (`LOCAL_RANK`), and stage 3 over NCCL gives the host flow's bits;
+/// `CUDA_VISIBLE_DEVICES` narrows them to one worker.
+#[test]
+fn two_gpus_get_a_worker_each_bound_to_its_own() {
+    let test = "two_gpus_get_a_worker_each_bound_to_its_own";
+    if gpus_or_skip(test).is_none() {
+        return;
+    }
+    let two = [("ZCUDA_EMU_DEVICES", "2"), ("ZRUN_LOG", "info")];
+    let out = Command::new(bin("zworker"))
+        .arg("--cuda-devices")
+        .envs(two)
+        .output()
+        .expect("running zworker --cuda-devices");
+    if String::from_utf8_lossy(&out.stdout).trim() != "2" {
+        eprintln!("SKIPPED {test}: one GPU here (ZCUDA_EMU_DEVICES asks only zcuda-emu's for two)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Stage 3 on the GPU; (loss, gradient norm) per step, and zrun's output.
+    let train = |name: &str, env: &[(&str, &str)], more: &[&str]| {
+        let job = small_job(dir.path(), name, 6);
+        let m = dir.path().join(format!("{name}.jsonl"));
+        let args = TrainArgs::new(&job, &m)
+            .set("device=cuda")
+            .set("zero.stage=3")
+            .args(more);
+        let f = Zrun::start_with_env(&repo_root(), &args.as_strs(), env)
+            .wait(std::time::Duration::from_secs(300));
+        assert_eq!(f.code(), 0, "{name}: {f:?}");
+        let steps: Vec<_> = step_lines(&m).iter().map(loss_and_norm).collect();
+        (f, steps)
+    };
+    let (f, nccl) = train("two-gpus", &two, &["--set", "comm.backend=nccl"]);
+    assert!(f.stdout.contains("2 workers on 1 node(s)"), "{}", f.stdout);
+    let log = format!("{}{}", f.stdout, f.stderr);
+    for rank in 0..2 {
+        assert!(
+            log.contains(&format!("local rank {rank} on GPU {rank} (")),
+            "rank {rank} on its own GPU: {log}"
+        );
+    }
+    // The reference: the host flow, two workers sharing one GPU.
+    let (_, host) = train(
+        "host",
+        &[("ZCUDA_EMU_DEVICES", "1")],
+        &["--workers-per-node", "2"],
+    );
+    assert_eq!(nccl.len(), 6);
+    assert_eq!(nccl, host, "two GPUs over NCCL against the host flow");
+
+    let visible = [("ZCUDA_EMU_DEVICES", "2"), ("CUDA_VISIBLE_DEVICES", "1")];
+    let (f, _) = train("visible", &visible, &[]);
+    assert!(f.stdout.contains("1 workers on 1 node(s)"), "{}", f.stdout);
+}
+
 #[test]
 fn sixteen_bit_state_over_nccl_gives_the_host_flows_bits() {
     if gpus_or_skip("sixteen_bit_state_over_nccl_gives_the_host_flows_bits").is_none() {

@@ -5,7 +5,8 @@
 // (launch argument lists, buffer sizes, streams and events as it uses them)
 // runs end to end on any machine.
 //
-// The model: one "GPU" per ZCUDA_EMU_DEVICES (default 1), compute
+// The model: ZCUDA_EMU_DEVICES "GPUs" (default 1; CUDA_VISIBLE_DEVICES
+// narrows them as it narrows real ones), compute
 // capability 9.0, ZCUDA_EMU_MEMORY_MIB of memory (default 4096; an
 // allocation past it fails with CUDA_ERROR_OUT_OF_MEMORY, as a full GPU
 // does). Device pointers are host addresses; every stream is synchronous
@@ -78,7 +79,23 @@ unsigned long env_number(const char* name, unsigned long fallback) {
     return n;
 }
 
-int device_count() { return (int)env_number("ZCUDA_EMU_DEVICES", 1); }
+// ZCUDA_EMU_DEVICES "GPUs", narrowed as CUDA narrows them by
+// CUDA_VISIBLE_DEVICES: the listed indices, up to the first that is not one
+// of them (CUDA ignores the rest of the list from there).
+int device_count() {
+    int present = (int)env_number("ZCUDA_EMU_DEVICES", 1);
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    if (!visible) return present;
+    int n = 0;
+    for (const char* at = visible; *at;) {
+        char* end;
+        long i = std::strtol(at, &end, 10);
+        if (end == at || i < 0 || i >= present || (*end && *end != ',')) break;
+        n++;
+        at = *end ? end + 1 : end;
+    }
+    return n;
+}
 
 size_t total_memory() { return (size_t)env_number("ZCUDA_EMU_MEMORY_MIB", 4096) << 20; }
 

@@ -35,6 +35,8 @@
 mod tests;
 #[cfg(all(test, emulator))]
 mod tests_attention;
+#[cfg(all(test, emulator))]
+mod tests_driver;
 
 #[cfg(emulator)]
 mod launch;
