@@ -2,8 +2,9 @@
 // (put after half16.cuh): the forward and the two halves of its backward,
 // each reading q, k and v straight from the qkv projection's rows and never
 // writing the t × t probabilities, in the manner of FlashAttention-2 (Dao,
-// 2023). Two kinds of products, as the model multiplies: bf16 (bf16
-// products: mma.sync m16n8k16) and TF32 (`train.allow_tf32`: m16n8k8).
+// 2023). Three kinds of products, as the model multiplies: bf16 and f16
+// (16-bit products: mma.sync m16n8k16) and TF32 (`train.allow_tf32`:
+// m16n8k8).
 //
 // Why: the unfused attention (gpt.cu's softmax between cuBLAS products)
 // writes and reads the [b·heads, t, t] scores, their probabilities and their
@@ -15,11 +16,11 @@
 //
 // Products run on the tensor cores through mma.sync (f32 sums; compute
 // capability 8.0 and newer): each warp owns 16 rows. Operands are rounded to
-// bf16 or TF32 as they are loaded, as the unfused path's products round
+// bf16, f16 or TF32 as they are loaded, as the unfused path's products round
 // them; the probabilities and their gradient are rounded so as the operands
 // of the second products, the running sums stay f32. A product's result
 // fragment becomes the next product's operand fragment in registers: for
-// bf16 a pair of result columns is a pair of operand columns; for TF32 the
+// 16 bits a pair of result columns is a pair of operand columns; for TF32 the
 // depth index is permuted instead (operand column q is result column 2q,
 // q + 4 is 2q + 1), and the other operand's rows are read in that order.
 // No atomics: the backward's two kernels each own what they write (one the
@@ -35,13 +36,13 @@
 #define FA_THREADS 128
 #define FA_NEG_INF __int_as_float(0xff800000)
 
-// Two values rounded to bf16 in one register, the first in the low half
-// (the lower-indexed element of an mma fragment's pair).
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    return (unsigned)round16(lo, FMT_BF16) | ((unsigned)round16(hi, FMT_BF16) << 16);
+// Two values rounded to 16 bits (format fmt) in one register, the first in
+// the low half (the lower-indexed element of an mma fragment's pair).
+__device__ __forceinline__ unsigned pack16(float lo, float hi, int fmt) {
+    return (unsigned)round16(lo, fmt) | ((unsigned)round16(hi, fmt) << 16);
 }
 
-// Two adjacent bf16 values of shared memory (4-byte aligned) in one register.
+// Two adjacent 16-bit values of shared memory (4-byte aligned) in one register.
 __device__ __forceinline__ unsigned load_pair(const unsigned short* p) {
 #ifdef ZRUN_CPU_EMULATION
     unsigned v;
@@ -52,8 +53,8 @@ __device__ __forceinline__ unsigned load_pair(const unsigned short* p) {
 #endif
 }
 
-// Two bf16 values of shared memory at `p` and `p + stride` in one register.
-__device__ __forceinline__ unsigned pair_bf16(const unsigned short* p, int stride) {
+// Two 16-bit values of shared memory at `p` and `p + stride` in one register.
+__device__ __forceinline__ unsigned pair16(const unsigned short* p, int stride) {
     return (unsigned)p[0] | ((unsigned)p[stride] << 16);
 }
 
@@ -124,6 +125,11 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
     FA_MMA("m16n8k16.row.col.f32.bf16.bf16.f32");
 }
 
+// The same for f16 (the same fragment layout).
+__device__ __forceinline__ void mma_f16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    FA_MMA("m16n8k16.row.col.f32.f16.f16.f32");
+}
+
 // The same for TF32, m16n8k8: a[r] holds row g + 8·(r % 2), column q (+ 4
 // for r ≥ 2); b0 row q and b1 row q + 4 of column g; c as above.
 __device__ __forceinline__ void mma_tf32(float* c, const unsigned* a, unsigned b0, unsigned b1) {
@@ -139,15 +145,16 @@ __device__ __forceinline__ void mma_tf32(float* c, const unsigned* a, unsigned b
 // down a row-major tile (`col` at the step's first row, rows `stride`
 // apart). a_from_c: the a registers of depth step ks from a result
 // fragment over FA_KEYS columns. store4: four rounded values of a tile row
-// in one store.
-struct Bf16 {
+// in one store. Half16<FMT_BF16> and Half16<FMT_F16>: the 16-bit kinds.
+template <int FMT>
+struct Half16 {
     static constexpr int K = 16;
     typedef unsigned short Elem;
-    static __device__ __forceinline__ Elem elem(float x) { return round16(x, FMT_BF16); }
+    static __device__ __forceinline__ Elem elem(float x) { return round16(x, FMT); }
     // Register r of a row's A fragment at `p` (the step's first column).
     static __device__ __forceinline__ unsigned a_word(const float* p, int r, int q) {
         p += 2 * q + 8 * (r / 2);
-        return pack_bf16(p[0], p[1]);
+        return pack16(p[0], p[1], FMT);
     }
     static __device__ __forceinline__ void b_row(const Elem* row, int q, unsigned& b0, unsigned& b1) {
         b0 = load_pair(row + 2 * q);
@@ -155,23 +162,29 @@ struct Bf16 {
     }
     static __device__ __forceinline__ void b_keys(const Elem* col, int stride, int q, unsigned& b0,
                                                   unsigned& b1) {
-        b0 = pair_bf16(col + 2 * q * stride, stride);
-        b1 = pair_bf16(col + (2 * q + 8) * stride, stride);
+        b0 = pair16(col + 2 * q * stride, stride);
+        b1 = pair16(col + (2 * q + 8) * stride, stride);
     }
     static __device__ __forceinline__ void a_from_c(const float (&p)[FA_KEYS / 8][4], int ks,
                                                     unsigned (&a)[4]) {
-        a[0] = pack_bf16(p[2 * ks][0], p[2 * ks][1]);
-        a[1] = pack_bf16(p[2 * ks][2], p[2 * ks][3]);
-        a[2] = pack_bf16(p[2 * ks + 1][0], p[2 * ks + 1][1]);
-        a[3] = pack_bf16(p[2 * ks + 1][2], p[2 * ks + 1][3]);
+        a[0] = pack16(p[2 * ks][0], p[2 * ks][1], FMT);
+        a[1] = pack16(p[2 * ks][2], p[2 * ks][3], FMT);
+        a[2] = pack16(p[2 * ks + 1][0], p[2 * ks + 1][1], FMT);
+        a[3] = pack16(p[2 * ks + 1][2], p[2 * ks + 1][3], FMT);
     }
     static __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-        mma_bf16(c, a, b0, b1);
+        if (FMT == FMT_BF16) {
+            mma_bf16(c, a, b0, b1);
+        } else {
+            mma_f16(c, a, b0, b1);
+        }
     }
     static __device__ __forceinline__ void store4(Elem* p, Quad v) {
-        store_words(p, pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+        store_words(p, pack16(v.x, v.y, FMT), pack16(v.z, v.w, FMT));
     }
 };
+typedef Half16<FMT_BF16> Bf16;
+typedef Half16<FMT_F16> F16;
 
 struct Tf32 {
     static constexpr int K = 8;
@@ -595,6 +608,9 @@ __device__ void fa_backward_q(const float* qkv, const float* dout, const float* 
 FA_ENTRIES(bf16, Bf16, 16)
 FA_ENTRIES(bf16, Bf16, 32)
 FA_ENTRIES(bf16, Bf16, 64)
+FA_ENTRIES(f16, F16, 16)
+FA_ENTRIES(f16, F16, 32)
+FA_ENTRIES(f16, F16, 64)
 FA_ENTRIES(tf32, Tf32, 16)
 FA_ENTRIES(tf32, Tf32, 32)
 FA_ENTRIES(tf32, Tf32, 64)

@@ -50,22 +50,13 @@ __device__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
-// x's bf16 bits, to nearest even (NaN made quiet): an operand of the bf16
-// products written where it is made (half16.cuh's round16 for bf16; this
-// file keeps to what the CPU emulation of crates/zcuda-emu compiles).
-__device__ __forceinline__ unsigned short bf16_bits(float x) {
-    unsigned int b = __float_as_uint(x);
-    if ((b & 0x7fffffffu) > 0x7f800000u) {
-        return (unsigned short)((b >> 16) | 0x40u);
-    }
-    return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
-// An output a product reads next: f32 into y[i], or with bf16 products (y16
-// not null) its bf16 bits into y16[i] instead, written where it is made.
-__device__ __forceinline__ void put(float* y, unsigned short* y16, unsigned long long i, float v) {
+// An output a product reads next: f32 into y[i], or with 16-bit products
+// (y16 not null) its bits in format fmt16 (half16.cuh: bf16 or f16, to
+// nearest even) into y16[i] instead, written where it is made.
+__device__ __forceinline__ void put(float* y, unsigned short* y16, int fmt16, unsigned long long i,
+                                    float v) {
     if (y16) {
-        y16[i] = bf16_bits(v);
+        y16[i] = round16(v, fmt16);
     } else {
         y[i] = v;
     }
@@ -118,12 +109,12 @@ extern "C" __global__ void embed_backward_positions(const float* dx, float* dwpe
     }
 }
 
-// One block per row: y = (x - mean) * rstd * w + b (or its bf16 bits in
+// One block per row: y = (x - mean) * rstd * w + b (or its 16-bit value in
 // y16, see put), keeping mean and rstd for the backward. Variance in two
 // passes, as the CPU's.
 extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b,
-                                      float* y, unsigned short* y16, float* mean_out,
-                                      float* rstd_out, int d, float eps)
+                                      float* y, unsigned short* y16, int fmt16,
+                                      float* mean_out, float* rstd_out, int d, float eps)
 {
     __shared__ float scratch[WARP];
     const float* row = x + (unsigned long long)blockIdx.x * d;
@@ -139,7 +130,7 @@ extern "C" __global__ void layer_norm(const float* x, const float* w, const floa
     float var = block_sum(q, scratch) / d;
     float rstd = 1.0f / sqrtf(var + eps);
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        put(y, y16, out + c, (row[c] - mean) * rstd * w[c] + b[c]);
+        put(y, y16, fmt16, out + c, (row[c] - mean) * rstd * w[c] + b[c]);
     }
     if (threadIdx.x == 0) {
         mean_out[blockIdx.x] = mean;
@@ -194,10 +185,10 @@ extern "C" __global__ void layer_norm_param_partials(const float* x, const float
     db_part[(unsigned long long)blockIdx.y * d + c] = sb;
 }
 
-// LLaMA's RMSNorm, one block per row: y = x · r · w (or its bf16 bits in
+// LLaMA's RMSNorm, one block per row: y = x · r · w (or its 16-bit value in
 // y16, see put) with r = 1/sqrt(mean(x²) + eps), keeping r for the backward.
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, unsigned short* y16,
-                                    float* rstd_out, int d, float eps)
+                                    int fmt16, float* rstd_out, int d, float eps)
 {
     __shared__ float scratch[WARP];
     const float* row = x + (unsigned long long)blockIdx.x * d;
@@ -205,7 +196,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, un
     float q = 0.0f;
     for (int c = threadIdx.x; c < d; c += blockDim.x) q += row[c] * row[c];
     float r = 1.0f / sqrtf(block_sum(q, scratch) / d + eps);
-    for (int c = threadIdx.x; c < d; c += blockDim.x) put(y, y16, out + c, row[c] * r * w[c]);
+    for (int c = threadIdx.x; c < d; c += blockDim.x) put(y, y16, fmt16, out + c, row[c] * r * w[c]);
     if (threadIdx.x == 0) rstd_out[blockIdx.x] = r;
 }
 
@@ -379,15 +370,16 @@ extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t
 #define GELU_K 0.7978845608f
 #define GELU_C 0.044715f
 
-// GPT-2's GELU, tanh form: 0.5·v·(1 + tanh(k·(v + c·v³))) (or its bf16
-// bits in g16, see put).
-extern "C" __global__ void gelu(const float* h, float* g, unsigned short* g16, unsigned long long n)
+// GPT-2's GELU, tanh form: 0.5·v·(1 + tanh(k·(v + c·v³))) (or its 16-bit
+// value in g16, see put).
+extern "C" __global__ void gelu(const float* h, float* g, unsigned short* g16, int fmt16,
+                                unsigned long long n)
 {
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < n; i += stride) {
         float v = h[i];
-        put(g, g16, i, 0.5f * v * (1.0f + tanhf(GELU_K * (v + GELU_C * v * v * v))));
+        put(g, g16, fmt16, i, 0.5f * v * (1.0f + tanhf(GELU_K * (v + GELU_C * v * v * v))));
     }
 }
 
@@ -405,8 +397,8 @@ extern "C" __global__ void gelu_backward(const float* h, const float* dg, float*
 }
 
 // LLaMA's SwiGLU on h [n, 2f] holding gate and up side by side: y[r, c] =
-// silu(gate) · up, silu(v) = v · σ(v) (or its bf16 bits in y16, see put).
-extern "C" __global__ void swiglu(const float* h, float* y, unsigned short* y16,
+// silu(gate) · up, silu(v) = v · σ(v) (or its 16-bit value in y16, see put).
+extern "C" __global__ void swiglu(const float* h, float* y, unsigned short* y16, int fmt16,
                                   unsigned long long n, int f)
 {
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
@@ -415,7 +407,7 @@ extern "C" __global__ void swiglu(const float* h, float* y, unsigned short* y16,
         unsigned long long r = i / f, c = i % f;
         float g = h[r * 2 * f + c], u = h[r * 2 * f + f + c];
         float s = 1.0f / (1.0f + expf(-g));
-        put(y, y16, i, g * s * u);
+        put(y, y16, fmt16, i, g * s * u);
     }
 }
 
@@ -438,10 +430,10 @@ extern "C" __global__ void swiglu_backward(const float* h, const float* dy, floa
 
 // Causal softmax of scores s[rows, t] (each row i of a t × t matrix, i =
 // row % t), in place: p[j] = exp(scale·s[j] - m) / Σ for j ≤ i, 0 above the
-// diagonal; with s16, each probability's bf16 bits there too. One warp per
-// row.
-extern "C" __global__ void causal_softmax(float* s, unsigned short* s16, unsigned long long rows,
-                                          int t, float scale)
+// diagonal; with s16, each probability's 16-bit value (fmt16) there too.
+// One warp per row.
+extern "C" __global__ void causal_softmax(float* s, unsigned short* s16, int fmt16,
+                                          unsigned long long rows, int t, float scale)
 {
     unsigned long long row = (unsigned long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (row >= rows) return;
@@ -461,15 +453,16 @@ extern "C" __global__ void causal_softmax(float* s, unsigned short* s16, unsigne
     for (int j = lane; j < t; j += WARP) {
         float v = j <= i ? p[j] * inv : 0.0f;
         p[j] = v;
-        if (s16) s16[row * t + j] = bf16_bits(v);
+        if (s16) s16[row * t + j] = round16(v, fmt16);
     }
 }
 
 // The softmax's backward, in place on dp: ds = scale · p ⊙ (dp - Σ dp ⊙ p),
-// 0 above the diagonal; with ds16, ds's bf16 bits written there instead
-// (dp is then left as it was). One warp per row.
+// 0 above the diagonal; with ds16, ds's 16-bit value (fmt16) written there
+// instead (dp is then left as it was). One warp per row.
 extern "C" __global__ void causal_softmax_backward(const float* p, float* dp, unsigned short* ds16,
-                                                   unsigned long long rows, int t, float scale)
+                                                   int fmt16, unsigned long long rows, int t,
+                                                   float scale)
 {
     unsigned long long row = (unsigned long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (row >= rows) return;
@@ -482,7 +475,7 @@ extern "C" __global__ void causal_softmax_backward(const float* p, float* dp, un
     for (int j = lane; j < t; j += WARP) {
         float v = j <= i ? scale * pr[j] * (g[j] - dot) : 0.0f;
         if (ds16) {
-            ds16[row * t + j] = bf16_bits(v);
+            ds16[row * t + j] = round16(v, fmt16);
         } else {
             g[j] = v;
         }

@@ -1,4 +1,5 @@
-// The 16-bit formats of mixed precision, shared by adamw.cu and reduce.cu
+// The 16-bit formats of mixed precision, shared by adamw.cu, reduce.cu,
+// gpt.cu and attention.cu
 // (zcuda puts this text before each when it compiles them): widening, and
 // rounding to nearest even as the CPU rounds.
 

@@ -21,7 +21,7 @@
 //! their gradients over NCCL (resident, stages 0-3; f32, bf16 and f16) give
 //! the bits and the bytes of the host flow's reductions, and a resumed
 //! stage-3 NCCL run continues the uninterrupted one to the bit (f32, bf16). With the fused attention
-//! (`ZRUN_GPU_ATTENTION=fused`) a bf16 or TF32 run follows the unfused run
+//! (`ZRUN_GPU_ATTENTION=fused`) a bf16, f16 or TF32 run follows the unfused run
 //! within that rounding and repeats to the bit. `comm.backend: nccl` where it cannot run is refused
 //! before launch, GPU or not.
 
@@ -362,14 +362,14 @@ fn bf16_and_f16_on_the_gpu_follow_the_cpu_run_and_their_stages_agree() {
             1,
             &with(&["device=cuda"]),
         );
-        // f16: both multiply f32 values of the same 16-bit parameters and
-        // round the gradients alike, so they part by f32's rounding (and
-        // the odd gradient element it carries across a 16-bit rounding
-        // boundary), far less than 16 bits part from f32. bf16: the GPU
-        // multiplies bf16 operands (compute capability 8.0 and newer), and
-        // so does the CPU where it has AMX, the one elsewhere f32 values:
-        // bf16's rounding of the activations apart.
-        let bf16 = dtype == "bf16";
+        // The GPU multiplies 16-bit operands (bf16 on compute capability
+        // 8.0 and newer, f16 everywhere), the CPU bf16 ones where it has
+        // AMX and f32 values of the 16-bit parameters elsewhere (f16
+        // always): the activations' rounding sets them apart, f16's 8
+        // times less than bf16's. Measured on the CPU GPU (no AMX): bf16
+        // 9.1e-5, f16 3.5e-5 (f32 products of the f16 parameters were
+        // 1.2e-6 from the CPU on an H100).
+        let bound = if dtype == "bf16" { 1e-2 } else { 1e-3 };
         let (from_cpu, from_f32) = (worst(&gpu, &cpu), worst(&gpu, &gpu_f32));
         eprintln!(
             "{dtype} on the GPU, 20 steps: largest relative loss difference from the CPU's {dtype} run {from_cpu:.2e} (the CPU {}), from the GPU's f32 run {from_f32:.2e}",
@@ -379,15 +379,9 @@ fn bf16_and_f16_on_the_gpu_follow_the_cpu_run_and_their_stages_agree() {
             }
         );
         assert!(
-            from_cpu <= if bf16 { 1e-2 } else { 1e-3 },
+            from_cpu <= bound,
             "{dtype}: the GPU strays from the CPU: {gpu:?} against {cpu:?}"
         );
-        if !bf16 {
-            assert!(
-                from_cpu < from_f32 / 4.0,
-                "{dtype}: the GPU run is not nearer the CPU's {dtype} than f32: was {dtype} on?"
-            );
-        }
         assert!(gpu[19] < gpu[0] - 0.1, "no learning in {dtype}: {gpu:?}");
         let stage = |n: u8| {
             let sets = with(&[
@@ -407,13 +401,14 @@ fn fused_attention_follows_the_unfused_run_and_repeats_to_the_bit() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    // bf16 and TF32 products; heads of 16 (the fused kernels' narrowest)
-    // over two tiles of rows. Both paths round q, k, v and the
+    // bf16, f16 and TF32 products; heads of 16 (the fused kernels'
+    // narrowest) over two tiles of rows. Both paths round q, k, v and the
     // probabilities alike, at other points (the unfused path normalises
     // before rounding, the fused one after): bf16 parts them by up to 1e-2,
-    // TF32 by an eighth of that.
+    // f16 and TF32 by an eighth of that.
     for (products, set, bound) in [
         ("bf16", "train.dtype=bf16", 1e-2),
+        ("f16", "train.dtype=f16", 2e-3),
         ("tf32", "train.allow_tf32=true", 2e-3),
     ] {
         let sets = ["device=cuda", set, "model.n_heads=2", "model.seq_len=80"];

@@ -1,4 +1,4 @@
-//! Compiles `kernels/gpt.cu` and `quantize.cu`, and `kernels/reduce.cu`,
+//! Compiles `kernels/quantize.cu`, and `kernels/gpt.cu`, `reduce.cu`,
 //! `adamw.cu` and `attention.cu` each after `half16.cuh` as zcuda compiles
 //! them, as C++ for the CPU (see `cpp/emu.h`): their kernels lose
 //! `extern "C"` and go into namespaces, so that only the launchers of
@@ -17,7 +17,7 @@ fn main() {
             .unwrap_or_else(|e| panic!("kernels/{f}: {e}"))
     };
     for (name, cuda) in [
-        ("gpt_kernels.cu", read("gpt.cu")),
+        ("gpt_kernels.cu", read("half16.cuh") + &read("gpt.cu")),
         ("reduce_kernels.cu", read("half16.cuh") + &read("reduce.cu")),
         ("adamw_kernels.cu", read("half16.cuh") + &read("adamw.cu")),
         ("quantize_kernels.cu", read("quantize.cu")),

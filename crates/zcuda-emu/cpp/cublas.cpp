@@ -1,13 +1,14 @@
 // libcublas.so for driver.cpp's CPU "GPU": the GEMMs zcuda's model calls
 // (cublasSgemm and its strided batches, their operands rounded to TF32 in
-// TF32 math mode, and cublasGemmStridedBatchedEx on bf16 operands with f32
-// results), column-major as cuBLAS defines them:
+// TF32 math mode, and cublasGemmStridedBatchedEx on bf16 or f16 operands
+// with f32 results), column-major as cuBLAS defines them:
 // C = alpha·op(A)·op(B) + beta·C. Each product is summed over k in order
-// in f32 (bf16 operands widened first: their products are exact in f32,
+// in f32 (16-bit operands widened first: their products are exact in f32,
 // as on tensor cores); cuBLAS sums in its own order, so results agree
 // with a GPU's to f32 rounding, which is what zcuda's GPU tests allow.
 // Streams are synchronous (driver.cpp): a call is done when it returns.
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -21,7 +22,7 @@ struct EmuBlas {
 namespace {
 const cublasStatus_t SUCCESS = 0, NOT_INITIALIZED = 1, INVALID_VALUE = 7, NOT_SUPPORTED = 15;
 const int OP_N = 0, OP_T = 1;
-const int R_32F = 0, R_16BF = 14;
+const int R_32F = 0, R_16F = 2, R_16BF = 14;
 const int COMPUTE_32F = 68, COMPUTE_32F_FAST_TF32 = 77;
 
 const int TF32_TENSOR_OP_MATH = 3;
@@ -41,6 +42,10 @@ float widen_bf16(uint16_t h) {
     float f;
     std::memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+float widen_f16(uint16_t h) {
+    return (float)std::bit_cast<_Float16>(h);
 }
 
 // op(X)'s element (row, col) of a column-major X with leading dimension ld.
@@ -126,8 +131,8 @@ cublasStatus_t cublasSgemm_v2(cublasHandle_t h, int ta, int tb, int m, int n, in
                                      0, 1);
 }
 
-// bf16 × bf16 → f32 with f32 compute, the only form zcuda asks for;
-// anything else is refused as unsupported.
+// bf16 × bf16 or f16 × f16 → f32 with f32 compute, the forms zcuda asks
+// for; anything else is refused as unsupported.
 cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, int ta, int tb, int m, int n, int k,
                                           const void* alpha, const void* a, int a_type, int lda,
                                           long long stride_a, const void* b, int b_type, int ldb,
@@ -135,17 +140,20 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, int ta, int tb, int 
                                           int c_type, int ldc, long long stride_c, int count,
                                           int compute, int /*algo*/) {
     if (!h) return NOT_INITIALIZED;
-    if (a_type != R_16BF || b_type != R_16BF || c_type != R_32F) return NOT_SUPPORTED;
+    if ((a_type != R_16BF && a_type != R_16F) || b_type != a_type || c_type != R_32F) {
+        return NOT_SUPPORTED;
+    }
     if (compute != COMPUTE_32F && compute != COMPUTE_32F_FAST_TF32) return NOT_SUPPORTED;
     if (!shape_ok(ta, tb, m, n, k, lda, ldb, ldc) || count < 0) return INVALID_VALUE;
+    float (*widen)(uint16_t) = a_type == R_16BF ? widen_bf16 : widen_f16;
     for (int i = 0; i < count; i++) {
         const uint16_t* ai = static_cast<const uint16_t*>(a) + i * stride_a;
         const uint16_t* bi = static_cast<const uint16_t*>(b) + i * stride_b;
         gemm_one(
             ta, tb, m, n, k, *static_cast<const float*>(alpha),
-            [ai](long long x) { return widen_bf16(ai[x]); }, lda,
-            [bi](long long x) { return widen_bf16(bi[x]); }, ldb, *static_cast<const float*>(beta),
-            static_cast<float*>(c) + i * stride_c, ldc);
+            [ai, widen](long long x) { return widen(ai[x]); }, lda,
+            [bi, widen](long long x) { return widen(bi[x]); }, ldb,
+            *static_cast<const float*>(beta), static_cast<float*>(c) + i * stride_c, ldc);
     }
     return SUCCESS;
 }

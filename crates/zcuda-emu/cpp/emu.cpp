@@ -41,13 +41,13 @@ dim3 columns(int d, int chunks) { return dim3{(d + ROW_THREADS - 1) / ROW_THREAD
 extern "C" {
 
 void emu_layer_norm(const float* x, const float* w, const float* b, float* y, unsigned short* y16,
-                    float* mean, float* rstd, int n, int d, float eps) {
-    emu_launch(k::layer_norm, rows(n), threads(), x, w, b, y, y16, mean, rstd, d, eps);
+                    int fmt16, float* mean, float* rstd, int n, int d, float eps) {
+    emu_launch(k::layer_norm, rows(n), threads(), x, w, b, y, y16, fmt16, mean, rstd, d, eps);
 }
 
-void emu_rms_norm(const float* x, const float* w, float* y, unsigned short* y16, float* rstd, int n,
-                  int d, float eps) {
-    emu_launch(k::rms_norm, rows(n), threads(), x, w, y, y16, rstd, d, eps);
+void emu_rms_norm(const float* x, const float* w, float* y, unsigned short* y16, int fmt16,
+                  float* rstd, int n, int d, float eps) {
+    emu_launch(k::rms_norm, rows(n), threads(), x, w, y, y16, fmt16, rstd, d, eps);
 }
 
 // dx (+ dres) and dw, as GptGpu::rms_norm_backward launches them.
@@ -62,8 +62,9 @@ void emu_rms_norm_backward(const float* x, const float* w, const float* rstd, co
                chunks);
 }
 
-void emu_swiglu(const float* h, float* y, unsigned short* y16, unsigned long long n, int f) {
-    emu_launch(k::swiglu, STRIDED_GRID, STRIDED_BLOCK, h, y, y16, n, f);
+void emu_swiglu(const float* h, float* y, unsigned short* y16, int fmt16, unsigned long long n,
+                int f) {
+    emu_launch(k::swiglu, STRIDED_GRID, STRIDED_BLOCK, h, y, y16, fmt16, n, f);
 }
 
 void emu_swiglu_backward(const float* h, const float* dy, float* dh, unsigned long long n, int f) {
@@ -122,8 +123,8 @@ void emu_column_sums(const float* a, float* out, int n, int width) {
                chunks, width, chunks);
 }
 
-void emu_gelu(const float* h, float* g, unsigned short* g16, unsigned long long n) {
-    emu_launch(k::gelu, STRIDED_GRID, STRIDED_BLOCK, h, g, g16, n);
+void emu_gelu(const float* h, float* g, unsigned short* g16, int fmt16, unsigned long long n) {
+    emu_launch(k::gelu, STRIDED_GRID, STRIDED_BLOCK, h, g, g16, fmt16, n);
 }
 
 void emu_gelu_backward(const float* h, const float* dg, float* dh, unsigned long long n) {
@@ -131,14 +132,14 @@ void emu_gelu_backward(const float* h, const float* dg, float* dh, unsigned long
 }
 
 // One warp per row, ROW_THREADS / 32 rows a block, as GptGpu::softmax.
-void emu_causal_softmax(const float* probs, float* s, unsigned short* s16, unsigned long long n,
-                        int t, float scale) {
+void emu_causal_softmax(const float* probs, float* s, unsigned short* s16, int fmt16,
+                        unsigned long long n, int t, float scale) {
     unsigned warps = ROW_THREADS / 32;
     dim3 grid{(unsigned)((n + warps - 1) / warps)};
     if (probs) {
-        emu_launch(k::causal_softmax_backward, grid, threads(), probs, s, s16, n, t, scale);
+        emu_launch(k::causal_softmax_backward, grid, threads(), probs, s, s16, fmt16, n, t, scale);
     } else {
-        emu_launch(k::causal_softmax, grid, threads(), s, s16, n, t, scale);
+        emu_launch(k::causal_softmax, grid, threads(), s, s16, fmt16, n, t, scale);
     }
 }
 
@@ -210,7 +211,7 @@ void emu_dequantize(const float* scales, const unsigned char* data, unsigned lon
 
 // attention.cu as GptGpu launches it: blocks of 128 threads over
 // (⌈t / 64⌉ tiles, b·heads) (the key/value kernel b·kv), one warp per
-// (row, head) for the row terms; bf16 (kind 0) or TF32 (kind 1) products,
+// (row, head) for the row terms; bf16 (kind 0), TF32 (kind 1) or f16 (kind 2) products,
 // head widths 16, 32 and 64.
 #define FA_WIDTH(kernel, KIND, ...)                                  \
     switch (hd) {                                                    \
@@ -221,8 +222,10 @@ void emu_dequantize(const float* scales, const unsigned char* data, unsigned lon
 #define FA_BY_KIND(kernel, ...)                         \
     if (kind == 0) {                                    \
         FA_WIDTH(kernel, bf16, __VA_ARGS__)             \
-    } else {                                            \
+    } else if (kind == 1) {                             \
         FA_WIDTH(kernel, tf32, __VA_ARGS__)             \
+    } else {                                            \
+        FA_WIDTH(kernel, f16, __VA_ARGS__)              \
     }
 
 void emu_flash_forward(const float* qkv, float* out, float* lse, int b, int t, int heads, int kv,
@@ -266,7 +269,8 @@ struct ByParams<void (*)(P...), Kernel> {
 #define EMU_KERNEL(ns, name) {#name, &ByParams<decltype(&ns::name), &ns::name>::launch}
 #define EMU_ATTENTION(name) \
     EMU_KERNEL(fa, name##_bf16_16), EMU_KERNEL(fa, name##_bf16_32), EMU_KERNEL(fa, name##_bf16_64), \
-    EMU_KERNEL(fa, name##_tf32_16), EMU_KERNEL(fa, name##_tf32_32), EMU_KERNEL(fa, name##_tf32_64)
+    EMU_KERNEL(fa, name##_tf32_16), EMU_KERNEL(fa, name##_tf32_32), EMU_KERNEL(fa, name##_tf32_64), \
+    EMU_KERNEL(fa, name##_f16_16), EMU_KERNEL(fa, name##_f16_32), EMU_KERNEL(fa, name##_f16_64)
 
 struct NamedKernel {
     const char* name;

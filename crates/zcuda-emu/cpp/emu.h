@@ -108,6 +108,22 @@ inline void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
         });
 }
 
+// The f16 form, mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32: the bf16
+// form's layout; products of f16 values are exact in f32 too.
+inline void mma_f16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    auto half = [](unsigned word, unsigned high) {
+        return (float)std::bit_cast<_Float16>((unsigned short)(high ? word >> 16 : word & 0xffffu));
+    };
+    emu_mma<16>(
+        c, a, b0, b1,
+        [&](unsigned slot, unsigned row, unsigned k) {
+            return half(emu_self->mma_a[slot][(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k % 2);
+        },
+        [&](unsigned slot, unsigned k, unsigned col) {
+            return half(emu_self->mma_b[slot][col * 4 + (k % 8) / 2][k >= 8], k % 2);
+        });
+}
+
 // The TF32 form, mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32: A
 // register r holds row g + 8·(r % 2), column q (+4 for r ≥ 2); B register r
 // row q + 4·r of column g; C as above. Products of TF32 values are exact in

@@ -78,6 +78,7 @@ extern "C" {
         b: *const c_float,
         y: *mut c_float,
         y16: *mut u16,
+        fmt16: c_int,
         mean: *mut c_float,
         rstd: *mut c_float,
         n: c_int,
@@ -89,6 +90,7 @@ extern "C" {
         w: *const c_float,
         y: *mut c_float,
         y16: *mut u16,
+        fmt16: c_int,
         rstd: *mut c_float,
         n: c_int,
         d: c_int,
@@ -105,7 +107,14 @@ extern "C" {
         n: c_int,
         d: c_int,
     );
-    fn emu_swiglu(h: *const c_float, y: *mut c_float, y16: *mut u16, n: c_ulonglong, f: c_int);
+    fn emu_swiglu(
+        h: *const c_float,
+        y: *mut c_float,
+        y16: *mut u16,
+        fmt16: c_int,
+        n: c_ulonglong,
+        f: c_int,
+    );
     fn emu_swiglu_backward(
         h: *const c_float,
         dy: *const c_float,
@@ -169,12 +178,13 @@ extern "C" {
         d: c_int,
     );
     fn emu_column_sums(a: *const c_float, out: *mut c_float, n: c_int, width: c_int);
-    fn emu_gelu(h: *const c_float, g: *mut c_float, g16: *mut u16, n: c_ulonglong);
+    fn emu_gelu(h: *const c_float, g: *mut c_float, g16: *mut u16, fmt16: c_int, n: c_ulonglong);
     fn emu_gelu_backward(h: *const c_float, dg: *const c_float, dh: *mut c_float, n: c_ulonglong);
     fn emu_causal_softmax(
         probs: *const c_float,
         s: *mut c_float,
         s16: *mut c_ushort,
+        fmt16: c_int,
         n: c_ulonglong,
         t: c_int,
         scale: c_float,
@@ -237,18 +247,18 @@ fn ptr_or_null(v: Option<&[f32]>) -> *const f32 {
     v.map_or(std::ptr::null(), <[f32]>::as_ptr)
 }
 
-/// Layer norm of `x`'s rows of `w.len()`: (y, mean, rstd); with `bf16`, y's
-/// bf16 bits written there instead (y left at zero).
+/// Layer norm of `x`'s rows of `w.len()`: (y, mean, rstd); with `y16`, y's
+/// 16-bit values written there instead (y left at zero).
 pub fn layer_norm(
     x: &[f32],
     w: &[f32],
     b: &[f32],
     eps: f32,
-    bf16: Option<&mut [u16]>,
+    y16: Option<Out16<'_>>,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (d, n) = (w.len(), x.len() / w.len());
     assert!(b.len() == d && x.len() == n * d, "layer norm: shapes");
-    let y16 = out16(bf16, n * d);
+    let (y16, fmt16) = out16(y16, n * d);
     let (mut y, mut mean, mut rstd) = (vec![0.0; n * d], vec![0.0; n], vec![0.0; n]);
     // SAFETY: x and y (and y16, if not null) hold n·d values, w and b d,
     // mean and rstd n (checked and allocated above): the kernel's extents
@@ -260,6 +270,7 @@ pub fn layer_norm(
             b.as_ptr(),
             y.as_mut_ptr(),
             y16,
+            fmt16,
             mean.as_mut_ptr(),
             rstd.as_mut_ptr(),
             int(n),
@@ -270,12 +281,12 @@ pub fn layer_norm(
     (y, mean, rstd)
 }
 
-/// RMSNorm of `x`'s rows of `w.len()`: (y, 1/rms per row); with `bf16`,
-/// y's bf16 bits written there instead (y left at zero).
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, bf16: Option<&mut [u16]>) -> (Vec<f32>, Vec<f32>) {
+/// RMSNorm of `x`'s rows of `w.len()`: (y, 1/rms per row); with `y16`,
+/// y's 16-bit values written there instead (y left at zero).
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y16: Option<Out16<'_>>) -> (Vec<f32>, Vec<f32>) {
     let (d, n) = (w.len(), x.len() / w.len());
     assert_eq!(x.len(), n * d, "rms norm: shapes");
-    let y16 = out16(bf16, n * d);
+    let (y16, fmt16) = out16(y16, n * d);
     let (mut y, mut rstd) = (vec![0.0; n * d], vec![0.0; n]);
     // SAFETY: x and y (and y16, if not null) hold n·d values, w d, rstd n
     // (checked and allocated above).
@@ -285,6 +296,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, bf16: Option<&mut [u16]>) -> (Ve
             w.as_ptr(),
             y.as_mut_ptr(),
             y16,
+            fmt16,
             rstd.as_mut_ptr(),
             int(n),
             int(d),
@@ -331,15 +343,15 @@ pub fn rms_norm_backward(
 }
 
 /// SwiGLU of `h`'s rows of `[gate | up]` (`2f` wide): `[n, f]`; with
-/// `bf16`, its bf16 bits written there instead (the result left at zero).
-pub fn swiglu(h: &[f32], f: usize, bf16: Option<&mut [u16]>) -> Vec<f32> {
+/// `y16`, its 16-bit values written there instead (the result left at zero).
+pub fn swiglu(h: &[f32], f: usize, y16: Option<Out16<'_>>) -> Vec<f32> {
     let n = h.len() / (2 * f);
     assert_eq!(h.len(), n * 2 * f, "swiglu: shapes");
-    let y16 = out16(bf16, n * f);
+    let (y16, fmt16) = out16(y16, n * f);
     let mut y = vec![0.0; n * f];
     // SAFETY: h holds n·2f values, y (and y16, if not null) n·f (checked
     // and allocated above).
-    unsafe { emu_swiglu(h.as_ptr(), y.as_mut_ptr(), y16, n as u64, int(f)) };
+    unsafe { emu_swiglu(h.as_ptr(), y.as_mut_ptr(), y16, fmt16, n as u64, int(f)) };
     y
 }
 
@@ -557,25 +569,29 @@ pub fn column_sums(a: &[f32], width: usize) -> Vec<f32> {
     out
 }
 
-/// GPT-2's GELU of every value; with `bf16`, its bf16 bits written there
-/// instead (the result left at zero).
-pub fn gelu(h: &[f32], bf16: Option<&mut [u16]>) -> Vec<f32> {
-    let g16 = out16(bf16, h.len());
+/// GPT-2's GELU of every value; with `g16`, its 16-bit values written
+/// there instead (the result left at zero).
+pub fn gelu(h: &[f32], g16: Option<Out16<'_>>) -> Vec<f32> {
+    let (g16, fmt16) = out16(g16, h.len());
     let mut g = vec![0.0; h.len()];
     // SAFETY: h and g (and g16, if not null) hold h.len() values.
-    unsafe { emu_gelu(h.as_ptr(), g.as_mut_ptr(), g16, h.len() as u64) };
+    unsafe { emu_gelu(h.as_ptr(), g.as_mut_ptr(), g16, fmt16, h.len() as u64) };
     g
 }
 
-/// A kernel's optional bf16 output of `len` values, as the pointer it takes
-/// (null: f32 output).
-fn out16(bf16: Option<&mut [u16]>, len: usize) -> *mut u16 {
-    match bf16 {
-        Some(b) => {
-            assert_eq!(b.len(), len, "a bf16 output of {len} values");
-            b.as_mut_ptr()
+/// A kernel's 16-bit output for the products that read it next: its
+/// format and where its values go.
+pub type Out16<'a> = (Fmt16, &'a mut [u16]);
+
+/// A kernel's optional 16-bit output of `len` values, as the (pointer,
+/// format) it takes (null: f32 output).
+fn out16(out: Option<Out16<'_>>, len: usize) -> (*mut u16, c_int) {
+    match out {
+        Some((fmt, b)) => {
+            assert_eq!(b.len(), len, "a 16-bit output of {len} values");
+            (b.as_mut_ptr(), fmt as c_int)
         }
-        None => std::ptr::null_mut(),
+        None => (std::ptr::null_mut(), 0),
     }
 }
 
@@ -590,29 +606,28 @@ pub fn gelu_backward(h: &[f32], dg: &[f32]) -> Vec<f32> {
 
 /// The causal softmax of `s`'s rows of `t` (row `r` is row `r % t` of a
 /// `t × t` matrix) in place, scores times `scale`; with `probs`, its
-/// backward (dP in, dS out). With `bf16`, the result's bf16 bits are
+/// backward (dP in, dS out). With `s16`, the result's 16-bit values are
 /// written there too (the backward's instead of into `s`).
 pub fn causal_softmax(
     s: &mut [f32],
     probs: Option<&[f32]>,
-    bf16: Option<&mut [u16]>,
+    s16: Option<Out16<'_>>,
     t: usize,
     scale: f32,
 ) {
     let n = s.len() / t;
     assert!(
-        s.len() == n * t
-            && probs.is_none_or(|p| p.len() == s.len())
-            && bf16.as_ref().is_none_or(|b| b.len() == s.len()),
+        s.len() == n * t && probs.is_none_or(|p| p.len() == s.len()),
         "causal softmax: shapes"
     );
-    let s16 = bf16.map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
-    // SAFETY: s (and probs, and bf16) hold n rows of t (checked above).
+    let (s16, fmt16) = out16(s16, s.len());
+    // SAFETY: s (and probs, and s16) hold n rows of t (checked above).
     unsafe {
         emu_causal_softmax(
             ptr_or_null(probs),
             s.as_mut_ptr(),
             s16,
+            fmt16,
             n as u64,
             int(t),
             scale,
@@ -909,11 +924,13 @@ pub struct FlashShape {
     pub products: FlashProducts,
 }
 
-/// The fused attention's products: bf16 (m16n8k16) or TF32 (m16n8k8).
+/// The fused attention's products: bf16 or f16 (m16n8k16), or TF32
+/// (m16n8k8).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum FlashProducts {
     Bf16,
     Tf32,
+    F16,
 }
 
 impl FlashShape {
@@ -944,6 +961,7 @@ impl FlashShape {
         match self.products {
             FlashProducts::Bf16 => 0,
             FlashProducts::Tf32 => 1,
+            FlashProducts::F16 => 2,
         }
     }
 }

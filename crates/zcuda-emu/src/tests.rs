@@ -268,38 +268,54 @@ fn gelu_and_its_backward_match_the_cpu_model() {
     close("gelu backward", &gelu_backward(&h, &dg), &values(&want));
 }
 
-/// For bf16 products the norms, GELU and SwiGLU write their output's bf16
-/// bits instead of its f32 values: zgemm's rounding of the f32 output, bit
-/// for bit, and no f32 output.
+/// `v` rounded to `fmt` (to nearest, ties to even) as zgemm rounds bf16
+/// and the `half` crate f16: the references of the kernels' 16-bit
+/// outputs.
+pub(crate) fn rounded16(fmt: Fmt16, v: &[f32]) -> Vec<u16> {
+    v.iter()
+        .map(|&x| match fmt {
+            Fmt16::Bf16 => zgemm::bf16_bits(x),
+            Fmt16::F16 => half::f16::from_f32(x).to_bits(),
+        })
+        .collect()
+}
+
+/// For 16-bit products the norms, GELU and SwiGLU write their output's
+/// bf16 or f16 bits instead of its f32 values: the f32 output rounded to
+/// nearest even, bit for bit, and no f32 output.
 #[test]
-fn the_products_inputs_in_bf16_are_their_f32_outputs_rounded() {
-    let rounded = |v: &[f32]| v.iter().map(|&x| zgemm::bf16_bits(x)).collect::<Vec<u16>>();
+fn the_products_inputs_in_16_bits_are_their_f32_outputs_rounded() {
     let zeros = |v: &[f32]| v.iter().all(|&x| x == 0.0);
-    let (x, w, b) = (wave(ROWS * D, 28), wave(D, 29), wave(D, 30));
-    let mut y16 = vec![0u16; ROWS * D];
-    let (y, _, _) = layer_norm(&x, &w, &b, 1e-5, None);
-    let (none, mean, _) = layer_norm(&x, &w, &b, 1e-5, Some(&mut y16));
-    assert_eq!(y16, rounded(&y), "layer norm");
-    assert!(
-        zeros(&none) && !zeros(&mean),
-        "layer norm: bf16 instead, stats kept"
-    );
-    let (y, _) = rms_norm(&x, &w, 1e-5, None);
-    let (none, _) = rms_norm(&x, &w, 1e-5, Some(&mut y16));
-    assert_eq!(y16, rounded(&y), "rms norm");
-    assert!(zeros(&none), "rms norm: bf16 instead");
-    let h: Vec<f32> = wave(ROWS * D, 31).iter().map(|v| 6.0 * v).collect();
-    let g = gelu(&h, None);
-    assert!(zeros(&gelu(&h, Some(&mut y16))), "gelu: bf16 instead");
-    assert_eq!(y16, rounded(&g), "gelu");
-    let f = D / 2;
-    let y = swiglu(&h, f, None);
-    let mut s16 = vec![0u16; ROWS * f];
-    assert!(
-        zeros(&swiglu(&h, f, Some(&mut s16))),
-        "swiglu: bf16 instead"
-    );
-    assert_eq!(s16, rounded(&y), "swiglu");
+    for fmt in [Fmt16::Bf16, Fmt16::F16] {
+        let (x, w, b) = (wave(ROWS * D, 28), wave(D, 29), wave(D, 30));
+        let mut y16 = vec![0u16; ROWS * D];
+        let (y, _, _) = layer_norm(&x, &w, &b, 1e-5, None);
+        let (none, mean, _) = layer_norm(&x, &w, &b, 1e-5, Some((fmt, &mut y16)));
+        assert_eq!(y16, rounded16(fmt, &y), "layer norm, {fmt:?}");
+        assert!(
+            zeros(&none) && !zeros(&mean),
+            "layer norm: {fmt:?} instead, stats kept"
+        );
+        let (y, _) = rms_norm(&x, &w, 1e-5, None);
+        let (none, _) = rms_norm(&x, &w, 1e-5, Some((fmt, &mut y16)));
+        assert_eq!(y16, rounded16(fmt, &y), "rms norm, {fmt:?}");
+        assert!(zeros(&none), "rms norm: {fmt:?} instead");
+        let h: Vec<f32> = wave(ROWS * D, 31).iter().map(|v| 6.0 * v).collect();
+        let g = gelu(&h, None);
+        assert!(
+            zeros(&gelu(&h, Some((fmt, &mut y16)))),
+            "gelu: {fmt:?} instead"
+        );
+        assert_eq!(y16, rounded16(fmt, &g), "gelu, {fmt:?}");
+        let f = D / 2;
+        let y = swiglu(&h, f, None);
+        let mut s16 = vec![0u16; ROWS * f];
+        assert!(
+            zeros(&swiglu(&h, f, Some((fmt, &mut s16)))),
+            "swiglu: {fmt:?} instead"
+        );
+        assert_eq!(s16, rounded16(fmt, &y), "swiglu, {fmt:?}");
+    }
 }
 
 #[test]
@@ -342,17 +358,22 @@ fn causal_softmax_and_its_backward_match_an_f64_reference() {
     causal_softmax(&mut ds, Some(&probs), None, t, scale);
     close("causal softmax backward", &ds, &want_ds);
 
-    // For bf16 products: the same values, and their bf16 bits as zgemm
-    // rounds an operand (the backward's instead of its f32 values).
-    let rounded = |v: &[f32]| v.iter().map(|&x| zgemm::bf16_bits(x)).collect::<Vec<u16>>();
-    let (mut again, mut p16) = (s.clone(), vec![0u16; s.len()]);
-    causal_softmax(&mut again, None, Some(&mut p16), t, scale);
-    assert_eq!(again, probs, "the probabilities with their bf16 bits");
-    assert_eq!(p16, rounded(&probs), "the probabilities' bf16 bits");
-    let (mut g, mut ds16) = (dp.clone(), vec![0u16; s.len()]);
-    causal_softmax(&mut g, Some(&probs), Some(&mut ds16), t, scale);
-    assert_eq!(g, dp, "dP stays when dS goes to bf16");
-    assert_eq!(ds16, rounded(&ds), "dS's bf16 bits");
+    // For 16-bit products: the same values, and their bf16 or f16 bits
+    // rounded to nearest even (the backward's instead of its f32 values).
+    for fmt in [Fmt16::Bf16, Fmt16::F16] {
+        let (mut again, mut p16) = (s.clone(), vec![0u16; s.len()]);
+        causal_softmax(&mut again, None, Some((fmt, &mut p16)), t, scale);
+        assert_eq!(again, probs, "the probabilities with their {fmt:?} bits");
+        assert_eq!(
+            p16,
+            rounded16(fmt, &probs),
+            "the probabilities' {fmt:?} bits"
+        );
+        let (mut g, mut ds16) = (dp.clone(), vec![0u16; s.len()]);
+        causal_softmax(&mut g, Some(&probs), Some((fmt, &mut ds16)), t, scale);
+        assert_eq!(g, dp, "dP stays when dS goes to {fmt:?}");
+        assert_eq!(ds16, rounded16(fmt, &ds), "dS's {fmt:?} bits");
+    }
 }
 
 #[test]

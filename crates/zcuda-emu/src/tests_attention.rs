@@ -1,5 +1,5 @@
-//! `attention.cu`'s fused attention on the CPU emulation, with bf16 and with
-//! TF32 products: against an f64 reference on the same rounded q, k, v and
+//! `attention.cu`'s fused attention on the CPU emulation, with bf16, f16
+//! and TF32 products: against an f64 reference on the same rounded q, k, v and
 //! output gradient (what is left is the kernels' own rounding: the
 //! probabilities and their gradient rounded as operands of the second
 //! products, f32 sums), and against the CPU model's attention in f32
@@ -22,13 +22,14 @@ fn wave(len: usize, salt: u32) -> Vec<f32> {
         .collect()
 }
 
-/// `x` rounded as the products' operands: to bf16 (nearest, ties to even)
-/// or to TF32 (nearest, ties away from zero), as f64.
+/// `x` rounded as the products' operands: to bf16 or f16 (nearest, ties to
+/// even) or to TF32 (nearest, ties away from zero), as f64.
 fn rounded(x: f32, products: FlashProducts) -> f64 {
     let b = x.to_bits();
     f64::from(f32::from_bits(match products {
         FlashProducts::Bf16 => (b.wrapping_add(0x7fff + ((b >> 16) & 1))) & 0xffff_0000,
         FlashProducts::Tf32 => (b + 0x1000) & 0xffff_e000,
+        FlashProducts::F16 => return f64::from(half::f16::from_f32(x)),
     }))
 }
 
@@ -103,7 +104,7 @@ fn reference(qkv: &[f32], dout: &[f32], sh: FlashShape) -> (Vec<f64>, Vec<f64>, 
 /// One tile and a partial one (t = 80), more than two tiles with grouped
 /// heads (t = 130, 4 on 2), a whole tile at head width 64 with every query
 /// head on one key/value head, and a sequence shorter than a warp's rows,
-/// each with bf16 and with TF32 products.
+/// each with bf16, f16 and TF32 products.
 fn shapes() -> Vec<FlashShape> {
     let all = [
         (2, 80, 3, 3, 16),
@@ -111,7 +112,7 @@ fn shapes() -> Vec<FlashShape> {
         (2, 64, 2, 1, 64),
         (1, 5, 2, 2, 16),
     ];
-    [FlashProducts::Bf16, FlashProducts::Tf32]
+    [FlashProducts::Bf16, FlashProducts::F16, FlashProducts::Tf32]
         .into_iter()
         .flat_map(|products| {
             all.map(|(b, t, heads, kv, hd)| FlashShape {
@@ -140,12 +141,13 @@ fn fused_attention_matches_an_f64_reference_of_its_rounded_operands() {
         let e_dqkv = rel_err("dqkv", &dqkv, &want_dqkv);
         eprintln!("{sh:?}: out {e_out:.2e}, lse {e_lse:.2e}, dqkv {e_dqkv:.2e}");
         // The probabilities and their gradient rounded as operands (bf16:
-        // 2⁻⁹ relative each; TF32: 2⁻¹²). The emulation measured, bf16:
-        // 0.6-0.9e-3 (out) and 1.9-2.3e-3 (dqkv); TF32: 0.7-1.2e-4 and
-        // 2.4-3.3e-4; the log-sum-exp is f32 throughout (3-5e-8).
+        // 2⁻⁹ relative each; f16 and TF32: 2⁻¹²). The emulation measured,
+        // bf16: 0.6-0.9e-3 (out) and 1.9-2.3e-3 (dqkv); f16: 0.5-1.2e-4 and
+        // 2.4-3.3e-4; TF32: 0.7-1.2e-4 and 2.4-3.3e-4; the log-sum-exp is
+        // f32 throughout (3-5e-8).
         let (out_bound, dqkv_bound) = match sh.products {
             FlashProducts::Bf16 => (2.5e-3, 5e-3),
-            FlashProducts::Tf32 => (3e-4, 8e-4),
+            FlashProducts::F16 | FlashProducts::Tf32 => (3e-4, 8e-4),
         };
         assert!(e_out < out_bound, "{sh:?}: out off by {e_out:.3e}");
         assert!(e_lse < 1e-6, "{sh:?}: lse off by {e_lse:.3e}");
@@ -186,10 +188,11 @@ fn fused_attention_is_the_cpu_models_attention() {
         eprintln!("{sh:?} against the CPU model: out {e_out:.2e}, dqkv {e_dqkv:.2e}");
         // q, k, v and dout rounded too, as the GPU's unfused products round
         // them: measured 2.6-2.7e-3 (out) and 3.7-3.9e-3 (dqkv) in bf16,
-        // 3.3e-4 and 4.8e-4 in TF32.
+        // 2.4-3.6e-4 and 3.7-4.7e-4 in f16, 3.3e-4 and 4.8e-4 in TF32 (a
+        // bf16 rounding in place of f16's fails these bounds).
         let (out_bound, dqkv_bound) = match sh.products {
             FlashProducts::Bf16 => (8e-3, 1e-2),
-            FlashProducts::Tf32 => (1e-3, 1.5e-3),
+            FlashProducts::F16 | FlashProducts::Tf32 => (1e-3, 1.5e-3),
         };
         assert!(e_out < out_bound, "{sh:?}: out off by {e_out:.3e}");
         assert!(e_dqkv < dqkv_bound, "{sh:?}: dqkv off by {e_dqkv:.3e}");

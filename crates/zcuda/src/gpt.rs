@@ -17,7 +17,7 @@
 //! block's forward to its backward.
 //!
 //! Numerics: the same function as the CPU model in f32 (cuBLAS's SGEMM
-//! without TF32 or bf16 products, the kernels' f32 arithmetic), not the same bits; the tests
+//! without TF32 or 16-bit products, the kernels' f32 arithmetic), not the same bits; the tests
 //! hold each gradient to the CPU model's within a stated relative error.
 //! Deterministic: cuBLAS on one stream and kernels without atomics repeat
 //! to the bit. Attention keeps its probabilities `[b·heads, t, t]` for the
@@ -184,13 +184,13 @@ pub struct BlockActs {
 }
 
 /// An activation that only products read (a norm's output, GELU's or
-/// SwiGLU's): f32, or with bf16 products its bf16 bits, written by the
-/// kernel that makes it and read as they are by the forward's product and
-/// the backward's weight gradient (the same bits as rounding the f32 values
-/// before each product; no rounding pass, half the memory).
+/// SwiGLU's): f32, or with 16-bit products its bf16 or f16 bits, written by
+/// the kernel that makes it and read as they are by the forward's product
+/// and the backward's weight gradient (the same bits as rounding the f32
+/// values before each product; no rounding pass, half the memory).
 enum Kept {
     F32(CudaSlice<f32>),
-    Bf16(CudaSlice<u16>),
+    Half(CudaSlice<u16>),
 }
 
 impl Kept {
@@ -198,17 +198,19 @@ impl Kept {
     fn operand(&self, ld: usize) -> Operand<'_> {
         match self {
             Kept::F32(v) => op(v, 0, ld),
-            Kept::Bf16(v) => op16(v, 0, ld),
+            Kept::Half(v) => op16(v, 0, ld),
         }
     }
 
-    /// The (y, y16) arguments of the kernel that writes it: this buffer
-    /// where its type goes, `null` for the other.
-    fn push_out<'a>(&'a mut self, l: &mut LaunchArgs<'a>, null: &'a u64) {
+    /// The (y, y16, fmt16) arguments of the kernel that writes it: this
+    /// buffer where its type goes, `null` for the other, and the 16-bit
+    /// format (`fmt16`: the model's [`GptGpu::fmt16`]).
+    fn push_out<'a>(&'a mut self, l: &mut LaunchArgs<'a>, null: &'a u64, fmt16: &'a i32) {
         match self {
             Kept::F32(v) => l.arg(v).arg(null),
-            Kept::Bf16(v) => l.arg(null).arg(v),
+            Kept::Half(v) => l.arg(null).arg(v),
         };
+        l.arg(fmt16);
     }
 }
 
@@ -266,8 +268,8 @@ enum AttentionKept {
         k: CudaSlice<f32>,
         v: CudaSlice<f32>,
         probs: CudaSlice<f32>,
-        /// With bf16 products: the probabilities' bf16 bits, written by the
-        /// softmax for the products with v and (backward) with dO.
+        /// With 16-bit products: the probabilities' 16-bit values, written
+        /// by the softmax for the products with v and (backward) with dO.
         probs16: Option<CudaSlice<u16>>,
     },
     /// attention.cu's fused kernels ([`GptGpu::use_fused_attention`]): the
@@ -291,19 +293,20 @@ pub(crate) struct Operand<'a> {
     ld: usize,
 }
 
-/// An operand's values: f32, or bf16 bits written by the kernel that made
-/// them (for bf16 products, which would otherwise round a copy).
+/// An operand's values: f32, or 16-bit values (in the model's format)
+/// written by the kernel that made them (for 16-bit products, which would
+/// otherwise round a copy).
 #[derive(Clone, Copy)]
 enum Values<'a> {
     F32(&'a CudaSlice<f32>),
-    Bf16(&'a CudaSlice<u16>),
+    Half(&'a CudaSlice<u16>),
 }
 
 impl Values<'_> {
     fn len(&self) -> usize {
         match self {
             Values::F32(v) => v.len(),
-            Values::Bf16(v) => v.len(),
+            Values::Half(v) => v.len(),
         }
     }
 }
@@ -318,7 +321,7 @@ pub(crate) fn op<'a>(buf: &'a CudaSlice<f32>, off: usize, ld: usize) -> Operand<
 
 fn op16(buf: &CudaSlice<u16>, off: usize, ld: usize) -> Operand<'_> {
     Operand {
-        buf: Values::Bf16(buf),
+        buf: Values::Half(buf),
         off,
         ld,
     }
@@ -348,8 +351,12 @@ pub struct GptGpu {
     shape: GptShape,
     /// LLaMA's rotary table `[seq_len, hd/2]`: cosines and sines.
     rotary: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
-    /// Whether the products multiply bf16 operands ([`GptGpu::use_bf16_products`]).
-    bf16_products: bool,
+    /// The 16-bit format the products multiply, if any
+    /// ([`GptGpu::use_half_products`]).
+    half_products: Option<Half16>,
+    /// Its number in the kernels (`half16.cuh`'s `FMT_*`; 0 for none), the
+    /// argument of the kernels that write products' operands.
+    fmt16: i32,
     /// Whether the f32 products run in TF32 ([`GptGpu::allow_tf32`]).
     tf32: bool,
     /// Whether attention runs attention.cu's fused kernels
@@ -396,32 +403,35 @@ impl GptGpu {
             blas,
             shape,
             rotary,
-            bf16_products: false,
+            half_products: None,
+            fmt16: 0,
             tf32: false,
             fused_attention: false,
         })
     }
 
-    /// Multiplies bf16 from now on: every product's operands rounded to
-    /// bf16 (to nearest even, as the CPU's bf16 products round them), the
-    /// sums in f32 on the tensor cores (`cublasGemmStridedBatchedEx`,
-    /// `CUBLAS_COMPUTE_32F`), as PyTorch's bf16 autocast multiplies. An
-    /// error on a GPU older than compute capability 8.0, whose tensor cores
-    /// have no bf16.
-    pub fn use_bf16_products(&mut self) -> Result<(), CudaError> {
-        if self.compute_capability() < 80 {
+    /// Multiplies `format` from now on: every product's operands rounded
+    /// to bf16 or f16 (to nearest even, as the CPU rounds them), the sums in
+    /// f32 on the tensor cores (`cublasGemmStridedBatchedEx`,
+    /// `CUBLAS_COMPUTE_32F`), as PyTorch's bf16 and f16 autocast multiply.
+    /// bf16 is an error on a GPU older than compute capability 8.0, whose
+    /// tensor cores have no bf16; f16 has tensor cores from 7.0 and runs
+    /// (without them) on every GPU cuBLAS supports.
+    pub fn use_half_products(&mut self, format: Half16) -> Result<(), CudaError> {
+        if format == Half16::Bf16 && self.compute_capability() < 80 {
             return Err(CudaError::Invalid(format!(
                 "bf16 products need compute capability 8.0 or newer; this GPU is {}",
                 self.gpu.arch()
             )));
         }
-        self.bf16_products = true;
+        self.half_products = Some(format);
+        self.fmt16 = format.code();
         Ok(())
     }
 
-    /// Whether the products multiply bf16 operands.
-    pub fn bf16_products(&self) -> bool {
-        self.bf16_products
+    /// The 16-bit format the products multiply, if any.
+    pub fn half_products(&self) -> Option<Half16> {
+        self.half_products
     }
 
     /// The GPU's compute capability as major·10 + minor (0 if unknown).
@@ -434,17 +444,17 @@ impl GptGpu {
     }
 
     /// Runs attention as attention.cu's fused kernels from now on, its
-    /// products as the model's: after [`GptGpu::use_bf16_products`] in
-    /// bf16, after [`GptGpu::allow_tf32`] in TF32 (compute capability 8.0
+    /// products as the model's: after [`GptGpu::use_half_products`] in
+    /// bf16 or f16, after [`GptGpu::allow_tf32`] in TF32 (compute capability 8.0
     /// and newer; head widths 16, 32 and 64): on the tensor cores with the
     /// probabilities never written, the masked triangle never multiplied.
     /// An error otherwise, naming what is missing.
     pub fn use_fused_attention(&mut self) -> Result<(), CudaError> {
         let hd = self.shape.head_dim();
-        if !self.bf16_products && !self.tf32 {
+        if self.half_products.is_none() && !self.tf32 {
             return Err(CudaError::Invalid(
-                "fused attention multiplies on the tensor cores: it needs bf16 products \
-                 (train.dtype: bf16) or TF32 (train.allow_tf32: true)"
+                "fused attention multiplies on the tensor cores: it needs 16-bit products \
+                 (train.dtype: bf16 or f16) or TF32 (train.allow_tf32: true)"
                     .into(),
             ));
         }
@@ -942,7 +952,7 @@ impl GptGpu {
         // SAFETY: every caller has all `len` values written before any is
         // read.
         unsafe { self.gpu.stream().alloc::<u16>(len) }.map_err(|source| {
-            let what = format!("allocating {len} bf16 values on the GPU");
+            let what = format!("allocating {len} 16-bit values on the GPU");
             self.gpu.alloc_failed(what, 2 * len, source)
         })
     }
@@ -1122,7 +1132,7 @@ impl GptGpu {
             .stream()
             .launch_builder(self.gpu.function("rms_norm"));
         l.arg(x).arg(w);
-        y.push_out(&mut l, &null);
+        y.push_out(&mut l, &null, &self.fmt16);
         l.arg(&mut rstd).arg(&d32).arg(&eps);
         // SAFETY: rms_norm(x[n·d], w[d], y[n·d] or null, y16[n·d] or null,
         // rstd[n], d, eps), one block per row.
@@ -1196,7 +1206,7 @@ impl GptGpu {
             .stream()
             .launch_builder(self.gpu.function("layer_norm"));
         l.arg(x).arg(w).arg(b);
-        y.push_out(&mut l, &null);
+        y.push_out(&mut l, &null, &self.fmt16);
         l.arg(&mut mean).arg(&mut rstd).arg(&d32).arg(&eps);
         // SAFETY: layer_norm(x[n·d], w[d], b[d], y[n·d] or null, y16[n·d]
         // or null, mean[n], rstd[n], d, eps), one block per row.
@@ -1275,7 +1285,7 @@ impl GptGpu {
         let (values, rows, f32_, null) = ((n * f) as u64, n as u64, f as i32, 0u64);
         let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
         l.arg(h);
-        g.push_out(&mut l, &null);
+        g.push_out(&mut l, &null, &self.fmt16);
         match self.shape.family {
             Family::Gpt2 => l.arg(&values),
             Family::Llama { .. } => l.arg(&rows).arg(&f32_),
@@ -1398,9 +1408,9 @@ impl GptGpu {
         let v = self.to_heads(qkv, ld, d + kv_cols, b, t, self.group())?;
         let bh = b * heads;
         let mut probs = self.alloc(bh * t * t)?;
-        let mut probs16 = match self.bf16_products {
-            true => Some(self.alloc16(bh * t * t)?),
-            false => None,
+        let mut probs16 = match self.half_products {
+            Some(_) => Some(self.alloc16(bh * t * t)?),
+            None => None,
         };
         // S = Q · Kᵀ
         self.gemm(
@@ -1550,7 +1560,10 @@ impl GptGpu {
 
     /// The fused kernel `name` for this model's products and head width.
     fn fused_kernel(&self, name: &str) -> &'static str {
-        let kind = if self.bf16_products { "bf16" } else { "tf32" };
+        let kind = match self.half_products {
+            Some(h) => h.name(),
+            None => "tf32",
+        };
         let want = format!("{name}_{kind}_{}", self.shape.head_dim());
         crate::compile::kernel("attention.cu")
             .and_then(|k| k.functions.iter().find(|f| **f == want))
@@ -1627,10 +1640,11 @@ impl GptGpu {
             per_head(bh, [tt, th, th]),
         )?;
         drop((dout16, dout));
-        // With bf16 products, dS goes straight to bf16 (its only readers).
-        let mut ds16 = match self.bf16_products {
-            true => Some(self.alloc16(bh * tt)?),
-            false => None,
+        // With 16-bit products, dS goes straight to 16 bits (its only
+        // readers).
+        let mut ds16 = match self.half_products {
+            Some(_) => Some(self.alloc16(bh * tt)?),
+            None => None,
         };
         self.softmax(&mut ds, Some(probs), ds16.as_mut(), bh * t, t)?;
         let ds_op = || match &ds16 {
@@ -1768,8 +1782,8 @@ impl GptGpu {
     }
 
     /// The causal softmax of `rows` rows of `t` in place, or with `probs`
-    /// its backward (dP in, dS out); with `out16`, the result's bf16 bits
-    /// written there too (the backward's instead of into `s`).
+    /// its backward (dP in, dS out); with `out16`, the result's 16-bit
+    /// values written there too (the backward's instead of into `s`).
     fn softmax(
         &self,
         s: &mut CudaSlice<f32>,
@@ -1803,32 +1817,32 @@ impl GptGpu {
             Some(o) => l.arg(o),
             None => l.arg(&null),
         };
-        l.arg(&rows64).arg(&t32).arg(&scale);
+        l.arg(&self.fmt16).arg(&rows64).arg(&t32).arg(&scale);
         let warps = ROW_THREADS as usize / 32;
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(warps) as u32, 1, 1),
             block_dim: (ROW_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: causal_softmax(s, s16, rows, t, scale) /
-        // causal_softmax_backward(p, dp, ds16, rows, t, scale): one warp per
+        // SAFETY: causal_softmax(s, s16, fmt16, rows, t, scale) /
+        // causal_softmax_backward(p, dp, ds16, fmt16, rows, t, scale): one warp per
         // row of t, rows·t values in s (and probs, and out16 or null;
         // checked above).
         self.launched(kernel, unsafe { l.launch(cfg) })
     }
 
     /// A buffer for `len` values of an output that only products read
-    /// ([`Kept`]): bf16 with bf16 products, else f32.
+    /// ([`Kept`]): 16 bits with 16-bit products, else f32.
     fn kept_output(&self, len: usize) -> Result<Kept, CudaError> {
-        match self.bf16_products {
-            true => Ok(Kept::Bf16(self.alloc16(len)?)),
-            false => Ok(Kept::F32(self.alloc(len)?)),
+        match self.half_products {
+            Some(_) => Ok(Kept::Half(self.alloc16(len)?)),
+            None => Ok(Kept::F32(self.alloc(len)?)),
         }
     }
 
     /// The first `len` values of `buf` (rows of `ld`) as the operand of more
-    /// than one product: with bf16 products rounded once, into `copy`, not
-    /// at each product (the same bits: the same rounding).
+    /// than one product: with 16-bit products rounded once, into `copy`,
+    /// not at each product (the same bits: the same rounding).
     fn operand_twice<'s>(
         &self,
         buf: &'s CudaSlice<f32>,
@@ -1836,44 +1850,49 @@ impl GptGpu {
         ld: usize,
         copy: &'s mut Option<CudaSlice<u16>>,
     ) -> Result<Operand<'s>, CudaError> {
-        match self.bf16_products {
-            true => Ok(op16(copy.insert(self.rounded_bf16(buf, 0..len)?), 0, ld)),
-            false => Ok(op(buf, 0, ld)),
+        match self.half_products {
+            Some(h) => Ok(op16(copy.insert(self.rounded16(h, buf, 0..len)?), 0, ld)),
+            None => Ok(op(buf, 0, ld)),
         }
     }
 
-    /// `buf[range]` rounded to bf16, in a fresh buffer.
-    fn rounded_bf16(
+    /// `buf[range]` rounded to `h`, in a fresh buffer.
+    fn rounded16(
         &self,
+        h: Half16,
         buf: &CudaSlice<f32>,
         range: std::ops::Range<usize>,
     ) -> Result<CudaSlice<u16>, CudaError> {
         // round16 writes every value before any is read.
         let mut out = self.alloc16(range.len())?;
         self.gpu
-            .round16(Half16::Bf16, &buf.slice(range), &mut out.slice_mut(..))?;
+            .round16(h, &buf.slice(range), &mut out.slice_mut(..))?;
         Ok(out)
     }
 
-    /// A bf16 product's operand: its bf16 buffer and the element its first
-    /// row starts at. Values in bf16 already are read in place; f32 ones
-    /// (up to `end`) are rounded into `copy` from their offset.
-    fn bf16_source<'s>(
+    /// A 16-bit product's operand (format `h`): its 16-bit buffer and the
+    /// element its first row starts at. Values in 16 bits already are read
+    /// in place; f32 ones (up to `end`) are rounded into `copy` from their
+    /// offset.
+    fn half_source<'s>(
         &self,
+        h: Half16,
         o: &Operand<'s>,
         end: usize,
         copy: &'s mut Option<CudaSlice<u16>>,
     ) -> Result<(&'s CudaSlice<u16>, usize), CudaError> {
         match o.buf {
-            Values::Bf16(v) => Ok((v, o.off)),
-            Values::F32(v) => Ok((copy.insert(self.rounded_bf16(v, o.off..end)?), 0)),
+            Values::Half(v) => Ok((v, o.off)),
+            Values::F32(v) => Ok((copy.insert(self.rounded16(h, v, o.off..end)?), 0)),
         }
     }
 
-    /// [`GptGpu::gemm`]'s product on bf16 operands (`a16`, `b16`: buffers
-    /// and the elements the operands start at), f32 sums and result.
-    fn gemm_bf16(
+    /// [`GptGpu::gemm`]'s product on 16-bit operands of format `h` (`a16`,
+    /// `b16`: buffers and the elements the operands start at), f32 sums and
+    /// result.
+    fn gemm_half(
         &self,
+        h: Half16,
         g: GemmConfig<f32>,
         batch: Batch,
         a16: (&CudaSlice<u16>, usize),
@@ -1887,10 +1906,14 @@ impl GptGpu {
         let (bp, _b) = b16.0.device_ptr(stream);
         let (ap, bp) = (ap + 2 * a16.1 as u64, bp + 2 * b16.1 as u64);
         let (cp, _c) = c.device_ptr_mut(stream);
+        let dtype = match h {
+            Half16::Bf16 => cudaDataType::CUDA_R_16BF,
+            Half16::F16 => cudaDataType::CUDA_R_16F,
+        };
         // SAFETY: cuBLAS's A is our B and its B our A (column-major, see
         // `gemm`), each operand's extent checked by `gemm` against its
         // buffer and held from the start given (a rounded copy from the
-        // operand's offset, or the bf16 buffer at it); C's view starts at its offset;
+        // operand's offset, or the 16-bit buffer at it); C's view starts at its offset;
         // alpha and beta are f32 for CUBLAS_COMPUTE_32F, and live until the
         // call returns (cuBLAS reads host scalars before it returns).
         unsafe {
@@ -1903,11 +1926,11 @@ impl GptGpu {
                 g.k,
                 (&g.alpha) as *const f32 as *const c_void,
                 bp as *const c_void,
-                cudaDataType::CUDA_R_16BF,
+                dtype,
                 g.lda,
                 batch.strides[1] as i64,
                 ap as *const c_void,
-                cudaDataType::CUDA_R_16BF,
+                dtype,
                 g.ldb,
                 batch.strides[0] as i64,
                 (&g.beta) as *const f32 as *const c_void,
@@ -1920,7 +1943,10 @@ impl GptGpu {
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| CudaError::Invalid(format!("cuBLAS bf16 gemm ({}×{}×{}): {e}", g.n, g.m, g.k)))
+        .map_err(|e| {
+            let (name, n, m, k) = (h.name(), g.n, g.m, g.k);
+            CudaError::Invalid(format!("cuBLAS {name} gemm ({n}×{m}×{k}): {e}"))
+        })
     }
 
     /// Row-major `C = op(A)·op(B)` of (m, n, k), `count` times at the
@@ -1987,18 +2013,18 @@ impl GptGpu {
             beta: 0.0f32,
             ldc: ldc as i32,
         };
-        if self.bf16_products {
+        if let Some(h) = self.half_products {
             let (mut a_copy, mut b_copy) = (None, None);
-            let a16 = self.bf16_source(&a, checks[0].1, &mut a_copy)?;
-            let b16 = self.bf16_source(&b, checks[1].1, &mut b_copy)?;
-            self.gemm_bf16(gemm, batch, a16, b16, &mut c.slice_mut(c_off..))?;
+            let a16 = self.half_source(h, &a, checks[0].1, &mut a_copy)?;
+            let b16 = self.half_source(h, &b, checks[1].1, &mut b_copy)?;
+            self.gemm_half(h, gemm, batch, a16, b16, &mut c.slice_mut(c_off..))?;
             return self
                 .gpu
-                .mark(|| gemm_name("bf16", (ta, tb), (m, n, k), batch.count));
+                .mark(|| gemm_name(h.name(), (ta, tb), (m, n, k), batch.count));
         }
         let (Values::F32(abuf), Values::F32(bbuf)) = (a.buf, b.buf) else {
             return Err(CudaError::Invalid(
-                "gemm: bf16 operands without bf16 products".into(),
+                "gemm: 16-bit operands without 16-bit products".into(),
             ));
         };
         let (av, bv) = (abuf.slice(a.off..), bbuf.slice(b.off..));

@@ -64,8 +64,16 @@ pub enum Half16 {
 }
 
 impl Half16 {
+    /// The format's name, as the job spells it (`bf16`, `f16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Half16::Bf16 => "bf16",
+            Half16::F16 => "f16",
+        }
+    }
+
     /// The format's number in the kernels (`FMT_BF16`, `FMT_F16`).
-    fn code(self) -> i32 {
+    pub(crate) fn code(self) -> i32 {
         match self {
             Half16::Bf16 => 1,
             Half16::F16 => 2,

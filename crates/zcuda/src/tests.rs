@@ -140,6 +140,7 @@ fn every_kernel_assembles_with_ptxas_for_ampere_and_hopper() {
             if k.name == "attention.cu" {
                 for form in [
                     "m16n8k16.row.col.f32.bf16.bf16.f32",
+                    "m16n8k16.row.col.f32.f16.f16.f32",
                     "m16n8k8.row.col.f32.tf32.tf32.f32",
                 ] {
                     assert!(
@@ -170,7 +171,7 @@ fn every_kernel_assembles_with_ptxas_for_ampere_and_hopper() {
     }
 }
 
-/// attention.cu's 18 fused kernels as sm_90 machine code (NVRTC's PTX,
+/// attention.cu's 27 fused kernels as sm_90 machine code (NVRTC's PTX,
 /// ptxas, then nvdisasm; no GPU needed): (name, its lines), or `None` where
 /// a tool is missing (the skip printed).
 fn attention_sass(test: &str) -> Option<Vec<(String, Vec<String>)>> {
@@ -215,15 +216,15 @@ fn attention_sass(test: &str) -> Option<Vec<(String, Vec<String>)>> {
             (f.to_string(), body.lines().map(String::from).collect())
         })
         .collect();
-    assert_eq!(flash.len(), 18, "three kernels, two kinds, three widths");
+    assert_eq!(flash.len(), 27, "three kernels, three kinds, three widths");
     Some(flash)
 }
 
-/// The head width and the product depth (16 bf16, 8 TF32) of a fused
-/// kernel, from its name.
+/// The head width and the product depth (16 bf16 and f16, 8 TF32) of a
+/// fused kernel, from its name.
 fn width_and_depth(name: &str) -> (usize, usize) {
     let hd = name.rsplit('_').next().unwrap().parse().unwrap();
-    (hd, if name.contains("_bf16_") { 16 } else { 8 })
+    (hd, if name.contains("_tf32_") { 8 } else { 16 })
 }
 
 /// The fused attention's tile loads in machine code: each kernel's first

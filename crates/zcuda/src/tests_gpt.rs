@@ -69,8 +69,28 @@ fn bf16_value(x: f32) -> f32 {
     f32::from_bits(((b + 0x7fff + ((b >> 16) & 1)) >> 16) << 16)
 }
 
+/// `x` rounded to f16 to nearest even, as f32 (the `half` crate's).
+fn f16_value(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
+}
+
 #[test]
 fn bf16_products_multiply_bf16_rounded_operands_in_f32() {
+    half_products_multiply_rounded_operands_in_f32(
+        "bf16_products_multiply_bf16_rounded_operands_in_f32",
+        Half16::Bf16,
+    );
+}
+
+#[test]
+fn f16_products_multiply_f16_rounded_operands_in_f32() {
+    half_products_multiply_rounded_operands_in_f32(
+        "f16_products_multiply_f16_rounded_operands_in_f32",
+        Half16::F16,
+    );
+}
+
+fn half_products_multiply_rounded_operands_in_f32(test: &str, h: Half16) {
     let shape = GptShape {
         family: Family::Gpt2,
         d_model: 64,
@@ -80,16 +100,15 @@ fn bf16_products_multiply_bf16_rounded_operands_in_f32() {
         seq_len: 48,
         eps: 1e-5,
     };
-    let test = "bf16_products_multiply_bf16_rounded_operands_in_f32";
     let Some(mut gpu) = gpu_model_or_skip(test, shape) else {
         return;
     };
-    if let Err(e) = gpu.use_bf16_products() {
+    if let Err(e) = gpu.use_half_products(h) {
         eprintln!("{test}: skipped: {e}");
         return;
     }
     // Two products of Aᵀ·B at batch strides, A stored [k, m], B [k, n];
-    // values with every mantissa bit set somewhere, which bf16 cuts.
+    // values with every mantissa bit set somewhere, which 16 bits cut.
     let (m, n, k, count) = (37, 29, 300, 2);
     let mut s = 12345u32;
     let mut vals = |len: usize| -> Vec<f32> {
@@ -119,7 +138,11 @@ fn bf16_products_multiply_bf16_rounded_operands_in_f32() {
         }
         c
     };
-    let (rounded, exact) = (product(bf16_value), product(|x| x));
+    let round: fn(f32) -> f32 = match h {
+        Half16::Bf16 => bf16_value,
+        Half16::F16 => f16_value,
+    };
+    let (rounded, exact) = (product(round), product(|x| x));
     let (da, db) = (gpu.gpu().upload(&a).unwrap(), gpu.gpu().upload(&b).unwrap());
     let mut dc = gpu.gpu().zeros::<f32>(count * m * n).unwrap();
     let batch = crate::gpt::Batch {
@@ -138,16 +161,21 @@ fn bf16_products_multiply_bf16_rounded_operands_in_f32() {
     .unwrap();
     let got = gpu.gpu().download(&dc).unwrap();
     let (to_rounded, to_exact) = (
-        rel_err("against bf16 operands", &got, &rounded),
+        rel_err("against 16-bit operands", &got, &rounded),
         rel_err("against f32 operands", &got, &exact),
     );
+    let name = h.name();
     eprintln!(
-        "bf16 products, relative error: {to_rounded:.2e} against the f64 product of the rounded operands, {to_exact:.2e} against the unrounded ones"
+        "{name} products, relative error: {to_rounded:.2e} against the f64 product of the rounded operands, {to_exact:.2e} against the unrounded ones"
     );
     // f32 sums of 300 terms: about 2^-24·√300; bf16 operands move the
-    // product by about 2^-9 of its terms.
+    // product by about 2^-9 of its terms, f16 ones by 2^-12.
+    let least = match h {
+        Half16::Bf16 => 3e-4,
+        Half16::F16 => 4e-5,
+    };
     assert!(to_rounded < 1e-5, "not the rounded operands' product");
-    assert!(to_exact > 3e-4, "the operands were not rounded to bf16");
+    assert!(to_exact > least, "the operands were not rounded to {name}");
 }
 
 #[test]
@@ -188,6 +216,36 @@ fn gpu_block_with_bf16_products_matches_the_cpu_model_within_bf16_rounding() {
         serde_json::json!({"ffn_hidden": 160}),
         Family::Gpt2,
         Products::Bf16,
+    );
+}
+
+#[test]
+fn gpu_block_with_f16_products_matches_the_cpu_model_within_f16_rounding() {
+    // Every product on f16 operands, the softmax kernels' outputs in f16.
+    matches_the_cpu_model(
+        "gpu_block_with_f16_products_matches_the_cpu_model",
+        serde_json::json!({"ffn_hidden": 160}),
+        Family::Gpt2,
+        Products::F16,
+    );
+}
+
+#[test]
+fn gpu_llama_block_with_f16_fused_attention_matches_the_cpu_model_within_f16_rounding() {
+    // attention.cu's f16 kernels (m16n8k16 on f16), grouped heads, rotary
+    // positions and SwiGLU's f16 output.
+    let (kv_heads, rope_theta) = (2, 100.0);
+    matches_the_cpu_model(
+        "gpu_llama_block_with_f16_fused_attention_matches_the_cpu_model",
+        serde_json::json!({
+            "kind": "llama", "n_kv_heads": kv_heads, "ffn_hidden": 96, "rope_theta": rope_theta,
+            "seq_len": 100
+        }),
+        Family::Llama {
+            kv_heads,
+            rope_theta,
+        },
+        Products::F16FusedAttention,
     );
 }
 
@@ -240,15 +298,22 @@ enum Products {
     Bf16,
     /// bf16 products with attention.cu's fused attention.
     Bf16FusedAttention,
+    F16,
+    /// f16 products with attention.cu's fused attention.
+    F16FusedAttention,
     /// TF32 products with attention.cu's fused attention.
     Tf32FusedAttention,
 }
 
 /// One block of the model `extra` describes (on top of a small shape, seq
 /// 48 unless `extra` says) on the GPU against the CPU model (f32), the
-/// GPU's products in f32 or in bf16.
+/// GPU's products in f32, TF32, bf16 or f16.
 fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, products: Products) {
-    let bf16 = matches!(products, Products::Bf16 | Products::Bf16FusedAttention);
+    let half = match products {
+        Products::Bf16 | Products::Bf16FusedAttention => Some(Half16::Bf16),
+        Products::F16 | Products::F16FusedAttention => Some(Half16::F16),
+        Products::F32 | Products::Tf32FusedAttention => None,
+    };
     let (vocab, d, heads, b) = (VOCAB, 64usize, 4usize, 3usize);
     let t = extra["seq_len"].as_u64().unwrap_or(48) as usize;
     let mut json = serde_json::json!({
@@ -271,8 +336,8 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
     let Some(mut gpu) = gpu_model_or_skip(test, shape) else {
         return;
     };
-    if bf16 {
-        if let Err(e) = gpu.use_bf16_products() {
+    if let Some(h) = half {
+        if let Err(e) = gpu.use_half_products(h) {
             eprintln!("{test}: skipped: {e}");
             return;
         }
@@ -282,17 +347,20 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
     }
     if matches!(
         products,
-        Products::Bf16FusedAttention | Products::Tf32FusedAttention
+        Products::Bf16FusedAttention | Products::F16FusedAttention | Products::Tf32FusedAttention
     ) {
         gpu.use_fused_attention()
             .expect("fused attention at head width 16");
     }
     // bf16 operands carry 8 bits: each product moves by about 2^-9 of its
-    // terms, and a block chains a few of them; TF32's 11 bits, 2^-12. The
-    // least error says the rounding was on.
+    // terms, and a block chains a few of them; f16's and TF32's 11 bits,
+    // 2^-12. The least error says the rounding was on. f16 measured on the
+    // CPU GPU 2.9e-4 to 9.0e-4 (bf16 2.3e-3 to 7.2e-3, so its bound also
+    // says that f16 was not rounded as bf16).
     let (bound, loss_bound, least) = match products {
         Products::F32 => (BOUND, 1e-6, 0.0),
         Products::Bf16 | Products::Bf16FusedAttention => (5e-2, 1e-2, 1e-4),
+        Products::F16 | Products::F16FusedAttention => (2e-3, 2e-3, 1e-6),
         Products::Tf32FusedAttention => (1e-2, 2e-3, 1e-6),
     };
     let tied = spec.tied();
@@ -381,13 +449,15 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
             Products::F32 => "",
             Products::Bf16 => " with bf16 products",
             Products::Bf16FusedAttention => " with bf16 products and fused attention",
+            Products::F16 => " with f16 products",
+            Products::F16FusedAttention => " with f16 products and fused attention",
             Products::Tf32FusedAttention => " with TF32 products and fused attention",
         },
         report.join("\n  ")
     );
     assert!(
         worst >= least,
-        "products within f32's rounding ({worst:.2e}): were bf16 or TF32 on?"
+        "products within f32's rounding ({worst:.2e}): were 16-bit or TF32 products on?"
     );
 
     let second = run();

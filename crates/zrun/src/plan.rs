@@ -220,16 +220,17 @@ pub fn check_device(
 /// Why `ZRUN_GPU_ATTENTION` (the fused attention's opt-in, read by local
 /// workers, which inherit zrun's environment) cannot run this job, if it
 /// cannot: a value other than `fused` or `unfused`, or `fused` without
-/// tensor-core products (bf16, or TF32) or at a head width the kernels lack.
+/// tensor-core products (bf16 or f16, or TF32) or at a head width the
+/// kernels lack.
 fn fused_attention_refused(spec: &JobSpec, value: Option<&str>) -> Option<String> {
     match value {
         None | Some("unfused") => None,
         Some("fused") => {
             let hd = spec.model.d_model / spec.model.n_heads.max(1);
-            if spec.train.dtype != zconfig::spec::Dtype::Bf16 && !spec.train.allow_tf32 {
+            if spec.train.dtype == zconfig::spec::Dtype::F32 && !spec.train.allow_tf32 {
                 Some(
                     "ZRUN_GPU_ATTENTION=fused multiplies on the tensor cores: set \
-                     train.dtype: bf16 or train.allow_tf32: true"
+                     train.dtype: bf16 (or f16) or train.allow_tf32: true"
                         .into(),
                 )
             } else if ![16, 32, 64].contains(&hd) {
@@ -658,12 +659,13 @@ mod tests {
             "model.n_heads=2",
         );
         assert_eq!(refused(&[bf16, heads16], Some("fused")), None);
+        assert_eq!(refused(&["train.dtype=f16", heads16], Some("fused")), None);
         assert_eq!(refused(&[tf32, heads16], Some("fused")), None);
         assert_eq!(refused(&[], None), None);
         assert_eq!(refused(&[], Some("unfused")), None);
         let why = refused(&[heads16], Some("fused")).unwrap();
         assert!(
-            why.contains("train.dtype: bf16 or train.allow_tf32"),
+            why.contains("train.dtype: bf16 (or f16) or train.allow_tf32"),
             "{why}"
         );
         // d_model 32 on 4 heads: width 8.

@@ -74,15 +74,18 @@ pub fn attach(
         gpu.allow_tf32()
             .map_err(|e| anyhow::anyhow!("train.allow_tf32: GPU {ordinal}: {e}"))?;
     }
-    // bf16 multiplies bf16 where the tensor cores can (as autocast does);
-    // an older GPU multiplies f32 values of the bf16 weights, as a CPU
-    // without AMX does.
-    let products = match spec.train.dtype {
-        zconfig::spec::Dtype::Bf16 => match gpu.use_bf16_products() {
-            Ok(()) => "bf16 operands, f32 sums, on the tensor cores".to_string(),
-            Err(e) => format!("f32 values of the 16-bit parameters ({e})"),
-        },
-        _ => "f32 values of the 16-bit parameters (TF32 with train.allow_tf32)".to_string(),
+    // bf16 and f16 multiply 16-bit operands with f32 sums (as autocast
+    // does); a GPU older than 8.0 multiplies f32 values of the bf16
+    // weights, as a CPU without AMX does.
+    let half = match spec.train.dtype {
+        zconfig::spec::Dtype::Bf16 => Some(zcuda::Half16::Bf16),
+        zconfig::spec::Dtype::F16 => Some(zcuda::Half16::F16),
+        zconfig::spec::Dtype::F32 => None,
+    };
+    let products = match half.map(|h| (h, gpu.use_half_products(h))) {
+        Some((h, Ok(()))) => format!("{} operands, f32 sums, on the tensor cores", h.name()),
+        Some((_, Err(e))) => format!("f32 values of the 16-bit parameters ({e})"),
+        None => "f32 (TF32 with train.allow_tf32)".to_string(),
     };
     // attention.cu's fused attention: correct on an H100, but its first
     // version was slower than the unfused path there and its second is not
