@@ -32,9 +32,27 @@
 
 #define FA_WARP 32
 #define FA_ROWS 64    // query rows (or keys) of a block: 4 warps × 16
-#define FA_KEYS 64    // keys (or query rows) per tile walked
 #define FA_THREADS 128
 #define FA_NEG_INF __int_as_float(0xff800000)
+
+// Keys (or query rows) per tile walked: 64 up to head width 64; at 128,
+// 32 for the forward and the query kernel and 16 for the key/value kernel
+// (which holds two accumulators), so that the walk's fragments fit beside
+// the accumulators (twice as wide there) in 255 registers. Either way a
+// 16-row warp that sees any key of a tile sees the tile's first.
+template <int HD>
+struct FaWalk {
+    static constexpr int KEYS = HD <= 64 ? 64 : 32;
+    static constexpr int KV_KEYS = HD <= 64 ? 64 : 16;
+};
+
+// The parts a tile's fetch is split into (load_tiles): one, or at head
+// width 128 two where a part would hold more than four 16-byte pieces a
+// thread, so that the fetch's registers fit beside the accumulators too.
+template <int HD, int KT>
+struct FaFetch {
+    static constexpr int PARTS = HD > 64 && KT * HD / 4 / FA_THREADS > 4 ? 2 : 1;
+};
 
 // Two values rounded to 16 bits (format fmt) in one register, the first in
 // the low half (the lower-indexed element of an mma fragment's pair).
@@ -144,8 +162,9 @@ __device__ __forceinline__ void mma_tf32(float* c, const unsigned* a, unsigned b
 // Q·Kᵀ). b_keys: those of a step over keys (or query rows) whose depth runs
 // down a row-major tile (`col` at the step's first row, rows `stride`
 // apart). a_from_c: the a registers of depth step ks from a result
-// fragment over FA_KEYS columns. store4: four rounded values of a tile row
-// in one store. Half16<FMT_BF16> and Half16<FMT_F16>: the 16-bit kinds.
+// fragment over a tile's keys (NT groups of 8). store4: four rounded
+// values of a tile row in one store. Half16<FMT_BF16> and Half16<FMT_F16>:
+// the 16-bit kinds.
 template <int FMT>
 struct Half16 {
     static constexpr int K = 16;
@@ -165,8 +184,8 @@ struct Half16 {
         b0 = pair16(col + 2 * q * stride, stride);
         b1 = pair16(col + (2 * q + 8) * stride, stride);
     }
-    static __device__ __forceinline__ void a_from_c(const float (&p)[FA_KEYS / 8][4], int ks,
-                                                    unsigned (&a)[4]) {
+    template <int NT>
+    static __device__ __forceinline__ void a_from_c(const float (&p)[NT][4], int ks, unsigned (&a)[4]) {
         a[0] = pack16(p[2 * ks][0], p[2 * ks][1], FMT);
         a[1] = pack16(p[2 * ks][2], p[2 * ks][3], FMT);
         a[2] = pack16(p[2 * ks + 1][0], p[2 * ks + 1][1], FMT);
@@ -203,8 +222,8 @@ struct Tf32 {
         b0 = col[2 * q * stride];
         b1 = col[(2 * q + 1) * stride];
     }
-    static __device__ __forceinline__ void a_from_c(const float (&p)[FA_KEYS / 8][4], int ks,
-                                                    unsigned (&a)[4]) {
+    template <int NT>
+    static __device__ __forceinline__ void a_from_c(const float (&p)[NT][4], int ks, unsigned (&a)[4]) {
         a[0] = to_tf32(p[ks][0]);
         a[1] = to_tf32(p[ks][2]);
         a[2] = to_tf32(p[ks][1]);
@@ -254,24 +273,28 @@ __device__ __forceinline__ void load_a(unsigned (&a)[HD / M::K][4], const float*
     }
 }
 
-// A tile of FA_KEYS rows × HD f32 from column `col` of `rows` (rows of
-// `ld` from r0; rows at or past t zeros), held in a block's registers on
-// its way to shared memory: thread i holds the 16-byte pieces i, i +
-// FA_THREADS, ... in row-major order. Every load of a tile is issued
-// before the first is used (the trip count is a constant, so the loop
-// unrolls): one trip to memory a tile, not one a piece. Needs `rows`, ld
-// and col 16-byte aligned (whole allocations, widths of multiples of 16).
-template <int HD>
+// A part (FaFetch) of a tile of KT rows × HD f32 from column `col` of
+// `rows` (rows of `ld` from r0; rows at or past t zeros), held in a
+// block's registers on its way to shared memory: thread i holds the
+// 16-byte pieces i, i + FA_THREADS, ... of the part, in row-major order.
+// Every load of a part is issued before the first is used (the trip count
+// is a constant, so the loop unrolls): one trip to memory a part, not one
+// a piece. Needs `rows`, ld and col 16-byte aligned (whole allocations,
+// widths of multiples of 16).
+template <int HD, int KT>
 struct TileLoad {
-    Quad piece[FA_KEYS * HD / 4 / FA_THREADS];
+    static constexpr int N = KT * HD / 4 / FA_THREADS / FaFetch<HD, KT>::PARTS;
+    Quad piece[N];
 };
 
-template <int HD>
-__device__ __forceinline__ void fetch_tile(TileLoad<HD>& f, const float* rows, int ld, int col, int r0,
-                                           int t) {
+template <int HD, int KT>
+__device__ __forceinline__ void fetch_tile(TileLoad<HD, KT>& f, const float* rows, int ld, int col,
+                                           int r0, int t, int part) {
+    constexpr int N = TileLoad<HD, KT>::N;
 #pragma unroll
-    for (int j = 0; j < FA_KEYS * HD / 4 / FA_THREADS; j++) {
-        int i = threadIdx.x + j * FA_THREADS, r = i / (HD / 4), c = i % (HD / 4) * 4;
+    for (int j = 0; j < N; j++) {
+        int i = threadIdx.x + (part * N + j) * FA_THREADS;
+        int r = i / (HD / 4), c = i % (HD / 4) * 4;
         f.piece[j] = r0 + r < t ? load_quad(rows + (unsigned long long)(r0 + r) * ld + col + c)
                                 : Quad{0.0f, 0.0f, 0.0f, 0.0f};
     }
@@ -279,50 +302,57 @@ __device__ __forceinline__ void fetch_tile(TileLoad<HD>& f, const float* rows, i
 
 // The fetched tile, rounded, into shared memory, row-major with rows of HD
 // + 8 (the padding spreads a fragment's reads over the banks).
-template <class M, int HD>
-__device__ __forceinline__ void stash_tile(typename M::Elem* tile, const TileLoad<HD>& f) {
+template <class M, int HD, int KT>
+__device__ __forceinline__ void stash_tile(typename M::Elem* tile, const TileLoad<HD, KT>& f, int part) {
+    constexpr int N = TileLoad<HD, KT>::N;
 #pragma unroll
-    for (int j = 0; j < FA_KEYS * HD / 4 / FA_THREADS; j++) {
-        int i = threadIdx.x + j * FA_THREADS, r = i / (HD / 4), c = i % (HD / 4) * 4;
+    for (int j = 0; j < N; j++) {
+        int i = threadIdx.x + (part * N + j) * FA_THREADS;
+        int r = i / (HD / 4), c = i % (HD / 4) * 4;
         M::store4(tile + r * (HD + 8) + c, f.piece[j]);
     }
 }
 
-// Two tiles from memory into shared memory, both fetched before either is
-// stored, between the barriers that guard them (the first: the last
+// Two tiles of KT rows from memory into shared memory, part by part
+// (FaFetch), both tiles' part fetched before either is stored, between the
+// barriers that guard them (the first, before the first store: the last
 // tiles' readers are done); `also` stores whatever else the block shares
 // beside them.
-template <class M, int HD, class Also>
+template <class M, int HD, int KT, class Also>
 __device__ __forceinline__ void load_tiles(typename M::Elem* a, const float* a_rows, int a_ld,
                                            int a_col, typename M::Elem* b, const float* b_rows,
                                            int b_ld, int b_col, int r0, int t, Also also) {
-    TileLoad<HD> fa, fb;
-    fetch_tile<HD>(fa, a_rows, a_ld, a_col, r0, t);
-    fetch_tile<HD>(fb, b_rows, b_ld, b_col, r0, t);
-    __syncthreads();
-    stash_tile<M, HD>(a, fa);
-    stash_tile<M, HD>(b, fb);
+    TileLoad<HD, KT> fa, fb;
+#pragma unroll
+    for (int part = 0; part < FaFetch<HD, KT>::PARTS; part++) {
+        fetch_tile<HD, KT>(fa, a_rows, a_ld, a_col, r0, t, part);
+        fetch_tile<HD, KT>(fb, b_rows, b_ld, b_col, r0, t, part);
+        if (part == 0) __syncthreads();
+        stash_tile<M, HD, KT>(a, fa, part);
+        stash_tile<M, HD, KT>(b, fb, part);
+    }
     also();
     __syncthreads();
 }
 
-// s = a · tileᵀ for a warp's 16 rows against the tile's FA_KEYS rows (tile
+// s = a · tileᵀ for a warp's 16 rows against the tile's NT·8 rows (tile
 // row-major, rows of HD + 8). Every column is multiplied, masked ones too
 // (the callers mask): the 8 column groups are then independent products
 // the tensor cores overlap, where skipping some would branch between them.
-template <class M, int HD>
-__device__ __forceinline__ void scores(float (&s)[FA_KEYS / 8][4], const unsigned (&a)[HD / M::K][4],
+template <class M, int HD, int NT>
+__device__ __forceinline__ void scores(float (&s)[NT][4],
+                                       const unsigned (&a)[HD / M::K][4],
                                        const typename M::Elem* tile) {
     int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
-    for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+    for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
         for (int r = 0; r < 4; r++) s[nt][r] = 0.0f;
     }
 #pragma unroll
     for (int kk = 0; kk < HD / M::K; kk++) {
 #pragma unroll
-        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+        for (int nt = 0; nt < NT; nt++) {
             unsigned b0, b1;
             M::b_row(tile + (nt * 8 + g) * (HD + 8) + kk * M::K, q, b0, b1);
             M::mma(s[nt], a[kk], b0, b1);
@@ -330,16 +360,17 @@ __device__ __forceinline__ void scores(float (&s)[FA_KEYS / 8][4], const unsigne
     }
 }
 
-// acc += p · tile for p, 16 rows × FA_KEYS in the C layout of `scores`
-// (rounded here as the product's operand), against the tile's FA_KEYS rows
+// acc += p · tile for p, 16 rows × the tile's keys in the C layout of
+// `scores` (rounded here as the product's operand), against the tile's rows
 // × HD (row-major, rows of HD + 8). Depth steps at or past `span` are
 // skipped (p is 0 there).
-template <class M, int HD>
-__device__ __forceinline__ void times_tile(float (&acc)[HD / 8][4], const float (&p)[FA_KEYS / 8][4],
+template <class M, int HD, int NT>
+__device__ __forceinline__ void times_tile(float (&acc)[HD / 8][4],
+                                           const float (&p)[NT][4],
                                            const typename M::Elem* tile, int span) {
     int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
-    for (int ks = 0; ks < FA_KEYS / M::K; ks++) {
+    for (int ks = 0; ks < NT * 8 / M::K; ks++) {
         if (ks * M::K >= span) continue;
         unsigned a[4];
         M::a_from_c(p, ks, a);
@@ -376,8 +407,9 @@ __device__ __forceinline__ void store_rows(float* out, int ld, int col, int r0, 
 // backward. Grid (⌈t / 64⌉, b·heads), 128 threads.
 template <class M, int HD>
 __device__ void fa_forward(const float* qkv, float* out, float* lse, FaShape sh) {
-    __shared__ __align__(16) typename M::Elem k_tile[FA_KEYS * (HD + 8)];
-    __shared__ __align__(16) typename M::Elem v_tile[FA_KEYS * (HD + 8)];
+    constexpr int KT = FaWalk<HD>::KEYS;
+    __shared__ __align__(16) typename M::Elem k_tile[KT * (HD + 8)];
+    __shared__ __align__(16) typename M::Elem v_tile[KT * (HD + 8)];
     int warp = threadIdx.x / FA_WARP, lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
     int bh = blockIdx.y, s = bh / sh.heads, h = bh % sh.heads, kvh = h / (sh.heads / sh.kv);
     int d = sh.heads * HD, k_col = d + kvh * HD, v_col = d + (sh.kv + kvh) * HD;
@@ -388,16 +420,16 @@ __device__ void fa_forward(const float* qkv, float* out, float* lse, FaShape sh)
     float acc[HD / 8][4] = {};
     float m[2] = {FA_NEG_INF, FA_NEG_INF}, l[2] = {0.0f, 0.0f};
     int keys = min(sh.t, (int)(blockIdx.x + 1) * FA_ROWS);
-    for (int k0 = 0; k0 < keys; k0 += FA_KEYS) {
-        load_tiles<M, HD>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t, [] {});
+    for (int k0 = 0; k0 < keys; k0 += KT) {
+        load_tiles<M, HD, KT>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t, [] {});
         // Keys this warp's rows can see in the tile: k0 .. q0 + 15.
-        int span = min(FA_KEYS, q0 + 16 - k0);
+        int span = min(KT, q0 + 16 - k0);
         if (span <= 0) continue;
-        float sc[FA_KEYS / 8][4];
+        float sc[KT / 8][4];
         scores<M, HD>(sc, qa, k_tile);
         float mx[2] = {m[0], m[1]};
 #pragma unroll
-        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+        for (int nt = 0; nt < KT / 8; nt++) {
 #pragma unroll
             for (int r = 0; r < 4; r++) {
                 int key = k0 + nt * 8 + 2 * q + r % 2, row = q0 + g + 8 * (r / 2);
@@ -416,7 +448,7 @@ __device__ void fa_forward(const float* qkv, float* out, float* lse, FaShape sh)
             l[i] *= corr[i];
         }
 #pragma unroll
-        for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+        for (int nt = 0; nt < KT / 8; nt++) {
 #pragma unroll
             for (int r = 0; r < 4; r++) {
                 float p = expf(sc[nt][r] - m[r / 2]);
@@ -467,13 +499,14 @@ extern "C" __global__ void attention_delta(const float* out, const float* dout, 
 // delta), for fragments in the C layout; `keys_in_rows` says whether the
 // fragment's rows are keys (the key/value kernel's transposed products) or
 // query rows. `lse` and `delta` are the query rows' (indexed by row − r0).
-__device__ __forceinline__ void probs_and_grads(float (&s)[FA_KEYS / 8][4], float (&dp)[FA_KEYS / 8][4],
+template <int NT>
+__device__ __forceinline__ void probs_and_grads(float (&s)[NT][4], float (&dp)[NT][4],
                                                 int row0, int col0, bool keys_in_rows, int t,
                                                 float scale, const float* lse, const float* delta,
                                                 int lse0) {
     int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
-    for (int nt = 0; nt < FA_KEYS / 8; nt++) {
+    for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             int row = row0 + g + 8 * (r / 2), col = col0 + nt * 8 + 2 * q + r % 2;
@@ -496,9 +529,10 @@ __device__ __forceinline__ void probs_and_grads(float (&s)[FA_KEYS / 8][4], floa
 template <class M, int HD>
 __device__ void fa_backward_kv(const float* qkv, const float* dout, const float* lse,
                                const float* delta, float* dqkv, FaShape sh) {
-    __shared__ __align__(16) typename M::Elem q_tile[FA_KEYS * (HD + 8)];
-    __shared__ __align__(16) typename M::Elem do_tile[FA_KEYS * (HD + 8)];
-    __shared__ float lse_tile[FA_KEYS], delta_tile[FA_KEYS];
+    constexpr int KT = FaWalk<HD>::KV_KEYS;
+    __shared__ __align__(16) typename M::Elem q_tile[KT * (HD + 8)];
+    __shared__ __align__(16) typename M::Elem do_tile[KT * (HD + 8)];
+    __shared__ float lse_tile[KT], delta_tile[KT];
     int warp = threadIdx.x / FA_WARP;
     int s = blockIdx.y / sh.kv, kvh = blockIdx.y % sh.kv, group = sh.heads / sh.kv;
     int d = sh.heads * HD, k_col = d + kvh * HD, v_col = d + (sh.kv + kvh) * HD;
@@ -513,29 +547,29 @@ __device__ void fa_backward_kv(const float* qkv, const float* dout, const float*
         int h = kvh * group + j;
         const float* head_lse = lse + (unsigned long long)(s * sh.heads + h) * sh.t;
         const float* head_delta = delta + (unsigned long long)(s * sh.heads + h) * sh.t;
-        for (int r0 = k0; r0 < sh.t; r0 += FA_KEYS) {
+        for (int r0 = k0; r0 < sh.t; r0 += KT) {
             // The tile's rows' log-sum-exp and delta, fetched with the tiles.
             int i = threadIdx.x;
             float row_lse = 0.0f, row_delta = 0.0f;
-            if (i < FA_KEYS && r0 + i < sh.t) {
+            if (i < KT && r0 + i < sh.t) {
                 row_lse = head_lse[r0 + i];
                 row_delta = head_delta[r0 + i];
             }
-            load_tiles<M, HD>(q_tile, rows, sh.ld, h * HD, do_tile, drows, d, h * HD, r0, sh.t,
+            load_tiles<M, HD, KT>(q_tile, rows, sh.ld, h * HD, do_tile, drows, d, h * HD, r0, sh.t,
                               [&] {
-                                  if (i < FA_KEYS) {
+                                  if (i < KT) {
                                       lse_tile[i] = row_lse;
                                       delta_tile[i] = row_delta;
                                   }
                               });
-            float st[FA_KEYS / 8][4], dpt[FA_KEYS / 8][4];
-            // Sᵀ = K · Qᵀ and dPᵀ = V · dOᵀ, 16 keys × 64 query rows.
+            float st[KT / 8][4], dpt[KT / 8][4];
+            // Sᵀ = K · Qᵀ and dPᵀ = V · dOᵀ, 16 keys × KT query rows.
             scores<M, HD>(st, ka, q_tile);
             scores<M, HD>(dpt, va, do_tile);
             probs_and_grads(st, dpt, kw, r0, true, sh.t, sh.scale, lse_tile, delta_tile, r0);
             // dV += Pᵀ · dO, dK += dSᵀ · Q (row-major tiles).
-            times_tile<M, HD>(dv, st, do_tile, FA_KEYS);
-            times_tile<M, HD>(dk, dpt, q_tile, FA_KEYS);
+            times_tile<M, HD>(dv, st, do_tile, KT);
+            times_tile<M, HD>(dk, dpt, q_tile, KT);
         }
     }
     float* out = dqkv + (unsigned long long)s * sh.t * sh.ld;
@@ -549,8 +583,9 @@ __device__ void fa_backward_kv(const float* qkv, const float* dout, const float*
 template <class M, int HD>
 __device__ void fa_backward_q(const float* qkv, const float* dout, const float* lse,
                               const float* delta, float* dqkv, FaShape sh) {
-    __shared__ __align__(16) typename M::Elem k_tile[FA_KEYS * (HD + 8)];
-    __shared__ __align__(16) typename M::Elem v_tile[FA_KEYS * (HD + 8)];
+    constexpr int KT = FaWalk<HD>::KEYS;
+    __shared__ __align__(16) typename M::Elem k_tile[KT * (HD + 8)];
+    __shared__ __align__(16) typename M::Elem v_tile[KT * (HD + 8)];
     __shared__ float lse_rows[FA_ROWS], delta_rows[FA_ROWS];
     int warp = threadIdx.x / FA_WARP;
     int bh = blockIdx.y, s = bh / sh.heads, h = bh % sh.heads, kvh = h / (sh.heads / sh.kv);
@@ -569,11 +604,11 @@ __device__ void fa_backward_q(const float* qkv, const float* dout, const float* 
     }
     float dq[HD / 8][4] = {};
     int keys = min(sh.t, first + FA_ROWS);
-    for (int k0 = 0; k0 < keys; k0 += FA_KEYS) {
-        load_tiles<M, HD>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t, [] {});
-        int span = min(FA_KEYS, q0 + 16 - k0);
+    for (int k0 = 0; k0 < keys; k0 += KT) {
+        load_tiles<M, HD, KT>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t, [] {});
+        int span = min(KT, q0 + 16 - k0);
         if (span <= 0) continue;
-        float sc[FA_KEYS / 8][4], dp[FA_KEYS / 8][4];
+        float sc[KT / 8][4], dp[KT / 8][4];
         scores<M, HD>(sc, qa, k_tile);
         scores<M, HD>(dp, da, v_tile);
         probs_and_grads(sc, dp, q0, k0, false, sh.t, sh.scale, lse_rows, delta_rows, first);
@@ -584,8 +619,10 @@ __device__ void fa_backward_q(const float* qkv, const float* dout, const float* 
                    sh.scale, sh.scale);
 }
 
-// Entry points per kind of product and head width (16, 32 and 64; other
-// widths take the unfused path).
+// Entry points per kind of product and head width (16, 32 and 64, and 128
+// for the 16-bit kinds, whose tiles fit the 48 KB of static shared memory
+// there and whose fragments half the registers TF32's take; other widths
+// take the unfused path).
 #define FA_ENTRIES(KIND, M, HD)                                                                 \
     extern "C" __global__ void flash_forward_##KIND##_##HD(                                     \
         const float* qkv, float* out, float* lse, int t, int heads, int kv, int ld, float scale) \
@@ -611,6 +648,8 @@ FA_ENTRIES(bf16, Bf16, 64)
 FA_ENTRIES(f16, F16, 16)
 FA_ENTRIES(f16, F16, 32)
 FA_ENTRIES(f16, F16, 64)
+FA_ENTRIES(bf16, Bf16, 128)
+FA_ENTRIES(f16, F16, 128)
 FA_ENTRIES(tf32, Tf32, 16)
 FA_ENTRIES(tf32, Tf32, 32)
 FA_ENTRIES(tf32, Tf32, 64)

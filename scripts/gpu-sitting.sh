@@ -3,7 +3,8 @@
 # packed elsewhere (no toolchain or build needed here): every GPU test made
 # mandatory (ZRUN_REQUIRE_GPU=1), then step times of one worker at 85M and
 # 152M parameters in TF32 and bf16, each with the unfused and the fused
-# attention (ZRUN_GPU_ATTENTION), and f16 unfused, alternated, and PyTorch eager beside them
+# attention (ZRUN_GPU_ATTENTION), and f16 unfused, alternated, and bf16 at
+# heads of 128 (the fused kernels' widest) both ways, and PyTorch eager beside them
 # where python3 has torch; then bf16 on two workers sharing the GPU, the
 # host flow against the state resident over NCCL, and `zrun bench comm
 # --transports nccl`. Prints medians of steps 4-12 (zrun) and PyTorch's own
@@ -104,6 +105,12 @@ for shape in 85M 152M; do
     torch_step "$shape-torch-bf16-$round" "${t[@]}" BF16=1
     ZRUN_GPU_ATTENTION=unfused zrun_step "$shape-f16-$round" "${s[@]}" train.dtype=f16
   done
+done
+echo "== 152M with heads of 128 (8 heads, seq 1024, 4 sequences a step): bf16, unfused and fused"
+s=(model.d_model=1024 model.n_layers=12 model.n_heads=8 model.seq_len=1024 train.micro_batch_size=4)
+for round in 1 2; do
+  ZRUN_GPU_ATTENTION=unfused zrun_step "152M-h128-bf16-$round" "${s[@]}" train.dtype=bf16
+  ZRUN_GPU_ATTENTION=fused zrun_step "152M-h128-bf16-fused-$round" "${s[@]}" train.dtype=bf16
 done
 echo "== bf16 on two workers sharing the GPU (85M, stage 2, 8 sequences each): the host flow, then the state resident over NCCL"
 s=(model.d_model=768 model.n_layers=12 model.n_heads=12 model.seq_len=256)

@@ -20,7 +20,7 @@
 
 use serde::Serialize;
 
-use crate::spec::{Dtype, JobSpec, ModelSpec, ZeroStage};
+use crate::spec::{Device, Dtype, JobSpec, ModelSpec, ZeroStage};
 
 /// Bytes per parameter of each kind of model state.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -320,9 +320,60 @@ pub fn activation_bytes(m: &ModelSpec, micro_batch: usize) -> (f64, f64) {
     (l * block + head, l * inputs + block + head)
 }
 
+/// Bytes of the probabilities `[b·heads, t, t]` the GPU's unfused attention
+/// keeps for a block's backward: f32, and under 16-bit products their
+/// 16-bit copy too (the operand of the products with v and dO). The CPU
+/// model and the GPU's fused attention recompute them instead.
+pub fn gpu_probabilities_bytes(m: &ModelSpec, b: usize, half_products: bool) -> f64 {
+    let scores = (b * m.n_heads) as f64 * (m.seq_len * m.seq_len) as f64;
+    scores * if half_products { 6.0 } else { 4.0 }
+}
+
+/// Activation bytes of one micro-batch per worker of `spec`'s job, without
+/// and with checkpointing: [`activation_bytes`], and on a GPU whose
+/// attention is unfused (`fused_attention` false) every kept block's
+/// probabilities ([`gpu_probabilities_bytes`]) and, while a block's
+/// backward runs, its dP and dS of the same shape and bytes.
+pub fn job_activation_bytes(spec: &JobSpec, fused_attention: bool) -> (f64, f64) {
+    let micro = spec.train.micro_batch_size;
+    let (plain, checkpointed) = activation_bytes(&spec.model, micro);
+    if spec.device != Device::Cuda || fused_attention {
+        return (plain, checkpointed);
+    }
+    let probs = gpu_probabilities_bytes(&spec.model, micro, spec.train.dtype != Dtype::F32);
+    let l = spec.model.n_layers as f64;
+    (plain + (l + 1.0) * probs, checkpointed + 2.0 * probs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_gpus_unfused_attention_adds_its_probabilities_to_the_activations() {
+        let mut spec: JobSpec = serde_saphyr::from_str(
+            "model: {vocab_size: 1000, d_model: 256, n_layers: 4, n_heads: 8, seq_len: 512}\n\
+             data: {format: synthetic}\ntrain: {micro_batch_size: 2}\n",
+        )
+        .unwrap();
+        let cpu = activation_bytes(&spec.model, 2);
+        assert_eq!(
+            job_activation_bytes(&spec, false),
+            cpu,
+            "the CPU keeps none"
+        );
+        spec.device = Device::Cuda;
+        assert_eq!(job_activation_bytes(&spec, true), cpu, "fused keeps none");
+        // 2 sequences × 8 heads × 512², 4 bytes each in f32: per block kept,
+        // and once more for one block's backward (dP, dS).
+        let scores = 2.0 * 8.0 * 512.0 * 512.0;
+        let (plain, ckpt) = job_activation_bytes(&spec, false);
+        assert_eq!(plain, cpu.0 + 5.0 * 4.0 * scores);
+        assert_eq!(ckpt, cpu.1 + 2.0 * 4.0 * scores);
+        spec.train.dtype = Dtype::Bf16;
+        let (plain, _) = job_activation_bytes(&spec, false);
+        assert_eq!(plain, cpu.0 + 5.0 * 6.0 * scores, "f32 and bf16 copies");
+    }
 
     #[test]
     fn reproduces_table_1_of_the_zero_paper() {

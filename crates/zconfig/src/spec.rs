@@ -665,6 +665,35 @@ impl JobSpec {
         }
         None
     }
+
+    /// Why the GPU's fused attention (`ZRUN_GPU_ATTENTION=fused`) cannot
+    /// run this job, if it cannot: it multiplies on the tensor cores
+    /// (bf16 or f16, or TF32), and has kernels for head widths 16, 32 and
+    /// 64, and 128 in 16 bits.
+    pub fn fused_attention_unsupported(&self) -> Option<String> {
+        let hd = self.model.d_model / self.model.n_heads.max(1);
+        let f32 = self.train.dtype == Dtype::F32;
+        if f32 && !self.train.allow_tf32 {
+            Some(
+                "ZRUN_GPU_ATTENTION=fused multiplies on the tensor cores: set \
+                 train.dtype: bf16 (or f16) or train.allow_tf32: true"
+                    .into(),
+            )
+        } else if hd == 128 && f32 {
+            Some(
+                "ZRUN_GPU_ATTENTION=fused at head width 128 multiplies in 16 bits: set \
+                 train.dtype: bf16 (or f16); TF32 has kernels for widths up to 64"
+                    .into(),
+            )
+        } else if ![16, 32, 64, 128].contains(&hd) {
+            Some(format!(
+                "ZRUN_GPU_ATTENTION=fused has kernels for head widths 16, 32, 64 and 128; \
+                 model.d_model / model.n_heads is {hd}"
+            ))
+        } else {
+            None
+        }
+    }
 }
 
 /// A count that accepts `5e7`, `50000000`, `"64MiB"`, `"2k"`.

@@ -211,21 +211,27 @@ void emu_dequantize(const float* scales, const unsigned char* data, unsigned lon
 
 // attention.cu as GptGpu launches it: blocks of 128 threads over
 // (⌈t / 64⌉ tiles, b·heads) (the key/value kernel b·kv), one warp per
-// (row, head) for the row terms; bf16 (kind 0), TF32 (kind 1) or f16 (kind 2) products,
-// head widths 16, 32 and 64.
+// (row, head) for the row terms; bf16 (kind 0), TF32 (kind 1) or f16
+// (kind 2) products, head widths 16, 32 and 64, and 128 in 16 bits.
 #define FA_WIDTH(kernel, KIND, ...)                                  \
     switch (hd) {                                                    \
         case 16: emu_launch(fa::kernel##_##KIND##_16, __VA_ARGS__); break; \
         case 32: emu_launch(fa::kernel##_##KIND##_32, __VA_ARGS__); break; \
         case 64: emu_launch(fa::kernel##_##KIND##_64, __VA_ARGS__); break; \
     }
+#define FA_WIDTH16(kernel, KIND, ...)                                 \
+    if (hd == 128) {                                                  \
+        emu_launch(fa::kernel##_##KIND##_128, __VA_ARGS__);           \
+    } else {                                                          \
+        FA_WIDTH(kernel, KIND, __VA_ARGS__)                           \
+    }
 #define FA_BY_KIND(kernel, ...)                         \
     if (kind == 0) {                                    \
-        FA_WIDTH(kernel, bf16, __VA_ARGS__)             \
+        FA_WIDTH16(kernel, bf16, __VA_ARGS__)           \
     } else if (kind == 1) {                             \
         FA_WIDTH(kernel, tf32, __VA_ARGS__)             \
     } else {                                            \
-        FA_WIDTH(kernel, f16, __VA_ARGS__)              \
+        FA_WIDTH16(kernel, f16, __VA_ARGS__)            \
     }
 
 void emu_flash_forward(const float* qkv, float* out, float* lse, int b, int t, int heads, int kv,
@@ -270,7 +276,8 @@ struct ByParams<void (*)(P...), Kernel> {
 #define EMU_ATTENTION(name) \
     EMU_KERNEL(fa, name##_bf16_16), EMU_KERNEL(fa, name##_bf16_32), EMU_KERNEL(fa, name##_bf16_64), \
     EMU_KERNEL(fa, name##_tf32_16), EMU_KERNEL(fa, name##_tf32_32), EMU_KERNEL(fa, name##_tf32_64), \
-    EMU_KERNEL(fa, name##_f16_16), EMU_KERNEL(fa, name##_f16_32), EMU_KERNEL(fa, name##_f16_64)
+    EMU_KERNEL(fa, name##_f16_16), EMU_KERNEL(fa, name##_f16_32), EMU_KERNEL(fa, name##_f16_64), \
+    EMU_KERNEL(fa, name##_bf16_128), EMU_KERNEL(fa, name##_f16_128)
 
 struct NamedKernel {
     const char* name;

@@ -943,8 +943,12 @@ impl FlashShape {
             hd,
             ..
         } = *self;
+        let widths: &[usize] = match self.products {
+            FlashProducts::Tf32 => &[16, 32, 64],
+            FlashProducts::Bf16 | FlashProducts::F16 => &[16, 32, 64, 128],
+        };
         assert!(
-            b > 0 && t > 0 && kv > 0 && heads.is_multiple_of(kv) && [16, 32, 64].contains(&hd),
+            b > 0 && t > 0 && kv > 0 && heads.is_multiple_of(kv) && widths.contains(&hd),
             "fused attention: shape {self:?}"
         );
     }

@@ -104,7 +104,9 @@ fn reference(qkv: &[f32], dout: &[f32], sh: FlashShape) -> (Vec<f64>, Vec<f64>, 
 /// One tile and a partial one (t = 80), more than two tiles with grouped
 /// heads (t = 130, 4 on 2), a whole tile at head width 64 with every query
 /// head on one key/value head, and a sequence shorter than a warp's rows,
-/// each with bf16, f16 and TF32 products.
+/// each with bf16, f16 and TF32 products; and at head width 128 (tiles of
+/// 32 and 16 rows walked, bf16 and f16 only) two blocks' rows and a
+/// partial tile with grouped heads (t = 100, 2 on 1) and a short sequence.
 fn shapes() -> Vec<FlashShape> {
     let all = [
         (2, 80, 3, 3, 16),
@@ -112,17 +114,24 @@ fn shapes() -> Vec<FlashShape> {
         (2, 64, 2, 1, 64),
         (1, 5, 2, 2, 16),
     ];
+    let wide = [(1, 100, 2, 1, 128), (2, 9, 1, 1, 128)];
+    let shape = |products| {
+        move |(b, t, heads, kv, hd)| FlashShape {
+            b,
+            t,
+            heads,
+            kv,
+            hd,
+            products,
+        }
+    };
     [FlashProducts::Bf16, FlashProducts::F16, FlashProducts::Tf32]
         .into_iter()
         .flat_map(|products| {
-            all.map(|(b, t, heads, kv, hd)| FlashShape {
-                b,
-                t,
-                heads,
-                kv,
-                hd,
-                products,
-            })
+            let sixteen = products != FlashProducts::Tf32;
+            all.into_iter()
+                .chain(wide.into_iter().filter(move |_| sixteen))
+                .map(shape(products))
         })
         .collect()
 }

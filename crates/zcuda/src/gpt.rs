@@ -446,7 +446,7 @@ impl GptGpu {
     /// Runs attention as attention.cu's fused kernels from now on, its
     /// products as the model's: after [`GptGpu::use_half_products`] in
     /// bf16 or f16, after [`GptGpu::allow_tf32`] in TF32 (compute capability 8.0
-    /// and newer; head widths 16, 32 and 64): on the tensor cores with the
+    /// and newer; head widths 16, 32 and 64, and 128 with 16-bit products): on the tensor cores with the
     /// probabilities never written, the masked triangle never multiplied.
     /// An error otherwise, naming what is missing.
     pub fn use_fused_attention(&mut self) -> Result<(), CudaError> {
@@ -464,9 +464,16 @@ impl GptGpu {
                 self.gpu.arch()
             )));
         }
-        if ![16, 32, 64].contains(&hd) {
+        if hd == 128 && self.half_products.is_none() {
+            return Err(CudaError::Invalid(
+                "fused attention at head width 128 multiplies in 16 bits (train.dtype: bf16 \
+                 or f16), not TF32"
+                    .into(),
+            ));
+        }
+        if ![16, 32, 64, 128].contains(&hd) {
             return Err(CudaError::Invalid(format!(
-                "fused attention has kernels for head widths 16, 32 and 64, not {hd}"
+                "fused attention has kernels for head widths 16, 32, 64 and 128, not {hd}"
             )));
         }
         self.fused_attention = true;

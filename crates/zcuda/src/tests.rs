@@ -171,7 +171,7 @@ fn every_kernel_assembles_with_ptxas_for_ampere_and_hopper() {
     }
 }
 
-/// attention.cu's 27 fused kernels as sm_90 machine code (NVRTC's PTX,
+/// attention.cu's 33 fused kernels as sm_90 machine code (NVRTC's PTX,
 /// ptxas, then nvdisasm; no GPU needed): (name, its lines), or `None` where
 /// a tool is missing (the skip printed).
 fn attention_sass(test: &str) -> Option<Vec<(String, Vec<String>)>> {
@@ -216,7 +216,11 @@ fn attention_sass(test: &str) -> Option<Vec<(String, Vec<String>)>> {
             (f.to_string(), body.lines().map(String::from).collect())
         })
         .collect();
-    assert_eq!(flash.len(), 27, "three kernels, three kinds, three widths");
+    assert_eq!(
+        flash.len(),
+        33,
+        "three kernels, three kinds, three widths, and 128 for two kinds"
+    );
     Some(flash)
 }
 
@@ -225,6 +229,23 @@ fn attention_sass(test: &str) -> Option<Vec<(String, Vec<String>)>> {
 fn width_and_depth(name: &str) -> (usize, usize) {
     let hd = name.rsplit('_').next().unwrap().parse().unwrap();
     (hd, if name.contains("_tf32_") { 8 } else { 16 })
+}
+
+/// attention.cu's `FaWalk` and `FaFetch`: the keys of a tile the fused
+/// kernel `name` walks, and the parts its fetch is split into.
+fn walk(name: &str) -> (usize, usize) {
+    let (hd, _) = width_and_depth(name);
+    let keys = match (hd <= 64, name.contains("_kv_")) {
+        (true, _) => 64,
+        (false, false) => 32,
+        (false, true) => 16,
+    };
+    let parts = if hd > 64 && keys * hd / 4 / 128 > 4 {
+        2
+    } else {
+        1
+    };
+    (keys, parts)
 }
 
 /// The fused attention's tile loads in machine code: each kernel's first
@@ -246,10 +267,12 @@ fn attention_fetches_each_tile_in_one_trip() {
             .filter(|l| l.contains("LDG.E.128"))
             .count();
         let (hd, _) = width_and_depth(&f);
+        // Two tiles' part: rows × hd floats over 128 threads, 4 a load.
+        let (keys, parts) = walk(&f);
+        let want = 2 * keys * hd / 4 / 128 / parts;
         assert!(
-            fetched >= 2 * hd / 8,
-            "{f}: {fetched} 16-byte loads before the first barrier, want {}",
-            2 * hd / 8
+            fetched >= want,
+            "{f}: {fetched} 16-byte loads before the first barrier, want {want}"
         );
     }
 }
@@ -291,9 +314,10 @@ fn innermost_loops(body: &[String]) -> Vec<(usize, usize)> {
 /// The fused kernels' tile walk in machine code: the one innermost loop
 /// that multiplies holds every product of a tile step, unrolled (the
 /// forward's scores and its P·V; the query kernel's two scores and dS·K;
-/// the key/value kernel's two scores, Pᵀ·dO and dSᵀ·Q; 8·HD / depth
-/// `HMMA`s a product of either kind: HD / depth steps of 8 column groups
-/// for scores, 64 / depth steps of HD / 8 for a product by a tile), and no
+/// the key/value kernel's two scores, Pᵀ·dO and dSᵀ·Q; keys·HD / 8 / depth
+/// `HMMA`s a product of either kind, for tiles of `keys` rows (`walk`): HD
+/// / depth steps of keys / 8 column groups for scores, keys / depth steps
+/// of HD / 8 for a product by a tile), and no
 /// local memory (`LDL`/`STL`:
 /// spilled registers) inside it: a spill there would cost a trip to memory
 /// every step. Fails if a change leaves a product in a loop of its own or
@@ -322,7 +346,7 @@ fn attention_tile_walk_is_unrolled_and_keeps_off_local_memory() {
             Some("q") => 3,
             _ => 2, // flash_forward_...
         };
-        let per_product = hd * 16 / depth / 2;
+        let per_product = hd * walk(&f).0 / 8 / depth;
         assert_eq!(
             hmma(walks[0]),
             products * per_product,

@@ -280,6 +280,25 @@ fn gpu_llama_block_with_fused_attention_matches_the_cpu_model_within_bf16_roundi
 }
 
 #[test]
+fn gpu_llama_block_with_fused_attention_at_head_width_128_matches_the_cpu_model() {
+    // attention.cu's widest kernels (tiles of 32 and 16 rows walked, the
+    // fetch in two parts) in bf16, two heads of 128 on one key/value head,
+    // over two blocks of rows.
+    matches_the_cpu_model(
+        "gpu_llama_block_with_fused_attention_at_head_width_128",
+        serde_json::json!({
+            "kind": "llama", "n_kv_heads": 1, "ffn_hidden": 96, "rope_theta": 100.0,
+            "seq_len": 100, "d_model": 256, "n_heads": 2
+        }),
+        Family::Llama {
+            kv_heads: 1,
+            rope_theta: 100.0,
+        },
+        Products::Bf16FusedAttention,
+    );
+}
+
+#[test]
 fn gpu_block_with_tf32_fused_attention_matches_the_cpu_model_within_tf32_rounding() {
     // attention.cu's TF32 kernels (m16n8k8, the depth order permuted so that
     // results feed the next product in registers), the rest in TF32 too.
@@ -305,8 +324,8 @@ enum Products {
     Tf32FusedAttention,
 }
 
-/// One block of the model `extra` describes (on top of a small shape, seq
-/// 48 unless `extra` says) on the GPU against the CPU model (f32), the
+/// One block of the model `extra` describes (on top of a small shape: seq
+/// 48, d_model 64 and 4 heads unless `extra` says) on the GPU against the CPU model (f32), the
 /// GPU's products in f32, TF32, bf16 or f16.
 fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, products: Products) {
     let half = match products {
@@ -314,8 +333,10 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
         Products::F16 | Products::F16FusedAttention => Some(Half16::F16),
         Products::F32 | Products::Tf32FusedAttention => None,
     };
-    let (vocab, d, heads, b) = (VOCAB, 64usize, 4usize, 3usize);
+    let (vocab, b) = (VOCAB, 3usize);
     let t = extra["seq_len"].as_u64().unwrap_or(48) as usize;
+    let d = extra["d_model"].as_u64().unwrap_or(64) as usize;
+    let heads = extra["n_heads"].as_u64().unwrap_or(4) as usize;
     let mut json = serde_json::json!({
         "vocab_size": vocab, "d_model": d, "n_layers": 1, "n_heads": heads, "seq_len": t
     });
@@ -350,7 +371,7 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
         Products::Bf16FusedAttention | Products::F16FusedAttention | Products::Tf32FusedAttention
     ) {
         gpu.use_fused_attention()
-            .expect("fused attention at head width 16");
+            .expect("fused attention at a width it has kernels for");
     }
     // bf16 operands carry 8 bits: each product moves by about 2^-9 of its
     // terms, and a block chains a few of them; f16's and TF32's 11 bits,

@@ -6,13 +6,13 @@ use std::process::ExitCode;
 use anyhow::Result;
 use serde::Serialize;
 use zconfig::estimate::{
-    activation_bytes, largest_group, model_params, model_state_rows, worker_states, CrossNodeBytes,
-    Row, StateBytes, WorkerStates,
+    gpu_probabilities_bytes, job_activation_bytes, largest_group, model_params, model_state_rows,
+    worker_states, CrossNodeBytes, Row, StateBytes, WorkerStates,
 };
 use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
 
 use crate::cli::EstimateArgs;
-use crate::plan::DEFAULT_CPU_WORKERS;
+use crate::plan::{fused_attention_asked, DEFAULT_CPU_WORKERS};
 use crate::Failure;
 
 #[derive(Debug, Serialize)]
@@ -20,6 +20,9 @@ struct Activations {
     micro_batch_size: usize,
     bytes_per_worker: f64,
     bytes_per_worker_checkpointed: f64,
+    /// `device: cuda` with the unfused attention: the probabilities each
+    /// block keeps (counted in the figures above); 0 where none are kept.
+    gpu_probabilities_per_block: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -241,10 +244,16 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
             gb(a.bytes_per_worker),
             gb(a.bytes_per_worker_checkpointed)
         );
+        if a.gpu_probabilities_per_block > 0.0 {
+            say!(
+                "  of which the GPU's unfused attention keeps {} of probabilities a block (ZRUN_GPU_ATTENTION=fused keeps none)",
+                gb(a.gpu_probabilities_per_block)
+            );
+        }
     }
     if let Some(w) = &est.this_job {
         say!(
-            "this job on CPU workers (stage {}, its offload settings): {} of model states in memory and {} in swap files per worker",
+            "this job's workers (stage {}, its offload settings): {} of model states in memory and {} in swap files per worker",
             est.stage.unwrap_or_default(),
             gb(w.memory),
             gb(w.nvme)
@@ -269,7 +278,16 @@ fn gb(b: f64) -> String {
 fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
     let psi = model_params(&spec.model);
     let bytes = StateBytes::for_dtype(spec.train.dtype);
-    let (act, act_ckpt) = activation_bytes(&spec.model, spec.train.micro_batch_size);
+    let fused = fused_attention_asked();
+    let (act, act_ckpt) = job_activation_bytes(spec, fused);
+    let probs = match spec.device == zconfig::spec::Device::Cuda && !fused {
+        true => gpu_probabilities_bytes(
+            &spec.model,
+            spec.train.micro_batch_size,
+            spec.train.dtype != Dtype::F32,
+        ),
+        false => 0.0,
+    };
     Estimate {
         params: psi,
         world_size: nodes * wpn,
@@ -280,6 +298,7 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
             micro_batch_size: spec.train.micro_batch_size,
             bytes_per_worker: act,
             bytes_per_worker_checkpointed: act_ckpt,
+            gpu_probabilities_per_block: probs,
         }),
         stage: Some(spec.zero.stage.number()),
         this_job: Some(worker_states(spec, nodes * wpn)),

@@ -217,31 +217,21 @@ pub fn check_device(
         .map_err(|why| Failure::bad_input(format!("device: cuda: {why}")))
 }
 
+/// Whether zrun's environment asks for the GPU's fused attention
+/// (`ZRUN_GPU_ATTENTION=fused`, which local workers inherit).
+pub(crate) fn fused_attention_asked() -> bool {
+    std::env::var("ZRUN_GPU_ATTENTION").as_deref() == Ok("fused")
+}
+
 /// Why `ZRUN_GPU_ATTENTION` (the fused attention's opt-in, read by local
 /// workers, which inherit zrun's environment) cannot run this job, if it
 /// cannot: a value other than `fused` or `unfused`, or `fused` without
 /// tensor-core products (bf16 or f16, or TF32) or at a head width the
-/// kernels lack.
+/// kernels lack (16, 32, 64, and 128 in 16 bits).
 fn fused_attention_refused(spec: &JobSpec, value: Option<&str>) -> Option<String> {
     match value {
         None | Some("unfused") => None,
-        Some("fused") => {
-            let hd = spec.model.d_model / spec.model.n_heads.max(1);
-            if spec.train.dtype == zconfig::spec::Dtype::F32 && !spec.train.allow_tf32 {
-                Some(
-                    "ZRUN_GPU_ATTENTION=fused multiplies on the tensor cores: set \
-                     train.dtype: bf16 (or f16) or train.allow_tf32: true"
-                        .into(),
-                )
-            } else if ![16, 32, 64].contains(&hd) {
-                Some(format!(
-                    "ZRUN_GPU_ATTENTION=fused has kernels for head widths 16, 32 and 64; \
-                     model.d_model / model.n_heads is {hd}"
-                ))
-            } else {
-                None
-            }
-        }
+        Some("fused") => spec.fused_attention_unsupported(),
         Some(other) => Some(format!(
             "ZRUN_GPU_ATTENTION = `{other}`: use fused or unfused"
         )),
@@ -671,7 +661,15 @@ mod tests {
         // d_model 32 on 4 heads: width 8.
         let why = refused(&[bf16], Some("fused")).unwrap();
         assert!(
-            why.contains("head widths 16, 32 and 64") && why.ends_with("is 8"),
+            why.contains("head widths 16, 32, 64 and 128") && why.ends_with("is 8"),
+            "{why}"
+        );
+        // Width 128: 16 bits, not TF32.
+        let wide = ["model.d_model=256", "model.n_heads=2"];
+        assert_eq!(refused(&[bf16, wide[0], wide[1]], Some("fused")), None);
+        let why = refused(&[tf32, wide[0], wide[1]], Some("fused")).unwrap();
+        assert!(
+            why.contains("head width 128 multiplies in 16 bits"),
             "{why}"
         );
         let why = refused(&[bf16, heads16], Some("flash")).unwrap();

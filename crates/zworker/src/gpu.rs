@@ -194,15 +194,19 @@ pub fn with_memory_hint(e: anyhow::Error, spec: &zconfig::JobSpec, world: usize)
         )
     });
     match oom {
-        true => e.context(memory_hint(spec, world)),
+        true => {
+            let fused = std::env::var("ZRUN_GPU_ATTENTION").as_deref() == Ok("fused");
+            e.context(memory_hint(spec, world, fused))
+        }
         false => e,
     }
 }
 
 /// What [`with_memory_hint`] adds: the activations (and, where nothing is
 /// offloaded, the model states) `zrun estimate` predicts per worker, and
-/// the settings that hold less.
-fn memory_hint(spec: &zconfig::JobSpec, world: usize) -> String {
+/// the settings that hold less; `fused`: whether attention runs the fused
+/// kernels (`ZRUN_GPU_ATTENTION=fused`).
+fn memory_hint(spec: &zconfig::JobSpec, world: usize, fused: bool) -> String {
     use zconfig::spec::OffloadDevice;
     // GiB, or MiB under one (a small job on a small GPU is not "0.00 GiB").
     let size = |b: f64| match b / f64::from(1u32 << 30) {
@@ -210,7 +214,13 @@ fn memory_hint(spec: &zconfig::JobSpec, world: usize) -> String {
         g => format!("{:.1} MiB", g * 1024.0),
     };
     let t = &spec.train;
-    let (acts, checkpointed) = zconfig::estimate::activation_bytes(&spec.model, t.micro_batch_size);
+    let (acts, checkpointed) = zconfig::estimate::job_activation_bytes(spec, fused);
+    // The unfused attention's probabilities, which the fused kernels do
+    // not keep, where this job can run those.
+    let fused_holds_less = match !fused && spec.fused_attention_unsupported().is_none() {
+        true => ", ZRUN_GPU_ATTENTION=fused (its probabilities are not kept)",
+        false => "",
+    };
     let acts = if t.activation_checkpointing {
         checkpointed
     } else {
@@ -229,8 +239,8 @@ fn memory_hint(spec: &zconfig::JobSpec, world: usize) -> String {
     format!(
         "out of GPU memory: a worker of this job is estimated to hold {states}{} of \
          activations at train.micro_batch_size {} (`zrun estimate`); zero.stage: 3, \
-         train.activation_checkpointing: true, a smaller train.micro_batch_size or \
-         zero.offload_optimizer.device: cpu hold less",
+         train.activation_checkpointing: true, a smaller train.micro_batch_size, \
+         zero.offload_optimizer.device: cpu{fused_holds_less} hold less",
         size(acts),
         t.micro_batch_size
     )
@@ -540,6 +550,24 @@ mod tests {
         let e = anyhow::Error::from(zengine::EngineError::GpuOutOfMemory("x".into()));
         let text = format!("{:#}", with_memory_hint(e, &offload, 2));
         assert!(!text.contains("model states"), "{text}");
+        // On the GPU with the unfused attention, its probabilities count,
+        // and the fused kernels are named where the job can run them (16-bit
+        // products at head width 16 here), not where it cannot (f32).
+        let gpu = |dtype: &str| {
+            spec(serde_json::json!({
+                "device": "cuda", "train": {"dtype": dtype},
+                "model": {"d_model": 64, "n_heads": 4, "seq_len": 512}
+            }))
+        };
+        let bf16 = memory_hint(&gpu("bf16"), 2, false);
+        assert!(
+            bf16.contains(
+                "zero.offload_optimizer.device: cpu, ZRUN_GPU_ATTENTION=fused (its probabilities are not kept) hold less"
+            ),
+            "{bf16}"
+        );
+        assert!(!memory_hint(&gpu("f32"), 2, false).contains("ZRUN_GPU_ATTENTION"));
+        assert!(!memory_hint(&gpu("bf16"), 2, true).contains("ZRUN_GPU_ATTENTION"));
         // Any other failure passes as it was.
         let e = anyhow::Error::from(zengine::EngineError::Gpu("a launch failed".into()));
         assert_eq!(
