@@ -415,6 +415,13 @@ impl Nccl {
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(1));
         }
+        // A drained stream is not a success: a collective that failed can
+        // end without its result (the CPU GPU's do, on a peer's exit), and
+        // its error must not pass as done.
+        let state = self.async_state()?;
+        if state != sys::ncclResult_t::ncclSuccess && state != sys::ncclResult_t::ncclInProgress {
+            return Err(self.failed(state));
+        }
         self.in_flight.clear();
         Ok(())
     }

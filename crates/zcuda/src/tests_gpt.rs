@@ -234,17 +234,8 @@ fn gpu_block_with_f16_products_matches_the_cpu_model_within_f16_rounding() {
 fn gpu_llama_block_with_f16_fused_attention_matches_the_cpu_model_within_f16_rounding() {
     // attention.cu's f16 kernels (m16n8k16 on f16), grouped heads, rotary
     // positions and SwiGLU's f16 output.
-    let (kv_heads, rope_theta) = (2, 100.0);
-    matches_the_cpu_model(
+    llama_block_with_fused_attention(
         "gpu_llama_block_with_f16_fused_attention_matches_the_cpu_model",
-        serde_json::json!({
-            "kind": "llama", "n_kv_heads": kv_heads, "ffn_hidden": 96, "rope_theta": rope_theta,
-            "seq_len": 100
-        }),
-        Family::Llama {
-            kv_heads,
-            rope_theta,
-        },
         Products::F16FusedAttention,
     );
 }
@@ -264,9 +255,18 @@ fn gpu_block_with_fused_attention_matches_the_cpu_model_within_bf16_rounding() {
 #[test]
 fn gpu_llama_block_with_fused_attention_matches_the_cpu_model_within_bf16_rounding() {
     // The fused kernels' grouped-query heads (4 on 2) and rotary positions.
+    llama_block_with_fused_attention(
+        "gpu_llama_block_with_fused_attention_matches_the_cpu_model",
+        Products::Bf16FusedAttention,
+    );
+}
+
+/// A LLaMA block (4 query heads on 2 key/value heads, rotary base 100, t =
+/// 100: two tiles of query rows) with the fused attention in `products`.
+fn llama_block_with_fused_attention(test: &str, products: Products) {
     let (kv_heads, rope_theta) = (2, 100.0);
     matches_the_cpu_model(
-        "gpu_llama_block_with_fused_attention_matches_the_cpu_model",
+        test,
         serde_json::json!({
             "kind": "llama", "n_kv_heads": kv_heads, "ffn_hidden": 96, "rope_theta": rope_theta,
             "seq_len": 100
@@ -275,7 +275,7 @@ fn gpu_llama_block_with_fused_attention_matches_the_cpu_model_within_bf16_roundi
             kv_heads,
             rope_theta,
         },
-        Products::Bf16FusedAttention,
+        products,
     );
 }
 

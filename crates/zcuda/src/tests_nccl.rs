@@ -4,8 +4,11 @@
 //! and each checks its results. Two ranks add each value once (`a + b`, which
 //! does not depend on the order), so the host's sum is the oracle to the bit.
 //! The last collective is issued by rank 0 alone, rank 1 alive but silent:
-//! its deadline must end it, abort the communicator and name it. Skipped without a GPU or NCCL (mandatory
-//! under `ZRUN_REQUIRE_GPU=1`).
+//! its deadline must end it, abort the communicator and name it. A second
+//! pair of ranks checks the other way a peer fails: rank 1 exits, and rank
+//! 0's collective must end at once with NCCL's remote error, well before
+//! its deadline. Skipped without a GPU or NCCL (mandatory under
+//! `ZRUN_REQUIRE_GPU=1`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -15,6 +18,8 @@ use super::*;
 
 const RANK_VAR: &str = "ZRUN_NCCL_TEST_RANK";
 const DIR_VAR: &str = "ZRUN_NCCL_TEST_DIR";
+/// `exit`: the ranks of [`a_peer_that_exits_ends_the_collective_at_once`].
+const SCENARIO_VAR: &str = "ZRUN_NCCL_TEST_SCENARIO";
 /// The deadline of the collective that only rank 0 issues.
 const LONE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -45,10 +50,21 @@ fn same_bits(got: &[f32], want: &[f32]) -> bool {
 
 #[test]
 fn nccl_collectives_equal_the_hosts_sums_at_two_ranks() {
+    run_ranks("nccl_collectives_equal_the_hosts_sums", "sums");
+}
+
+#[test]
+fn a_peer_that_exits_ends_the_collective_at_once() {
+    run_ranks("a_peer_that_exits_ends_the_collective_at_once", "exit");
+}
+
+/// Runs [`nccl_rank`] as two processes in `scenario`; each checks its own
+/// results and exits 0 if they hold.
+fn run_ranks(test: &str, scenario: &str) {
     let have = probe()
         .usable_devices()
         .and_then(|n| nccl_version().map(|_| n).map_err(|e| e.to_string()));
-    if !gpu_or_skip("nccl_collectives_equal_the_hosts_sums", have) {
+    if !gpu_or_skip(test, have) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -59,6 +75,7 @@ fn nccl_collectives_equal_the_hosts_sums_at_two_ranks() {
                 .args(["--exact", "tests_nccl::nccl_rank", "--nocapture"])
                 .env(RANK_VAR, rank.to_string())
                 .env(DIR_VAR, dir.path())
+                .env(SCENARIO_VAR, scenario)
                 .env(
                     "NCCL_HOSTID",
                     host_id_for_shared_gpu("test", rank, 2, 1).unwrap(),
@@ -108,6 +125,9 @@ fn nccl_rank() {
     };
     let mut nccl = Nccl::init(&gpu, rank, 2, &id, timeout).expect("joining");
     assert_eq!((nccl.rank(), nccl.world_size()), (rank, 2));
+    if std::env::var(SCENARIO_VAR).as_deref() == Ok("exit") {
+        return peer_exits(rank, &gpu, nccl);
+    }
 
     let mut expect_bytes = [0u64; 3];
     for (i, n) in [1usize, 7, 4096, (1 << 20) + 3].into_iter().enumerate() {
@@ -214,6 +234,35 @@ fn nccl_rank() {
     assert!(
         waited >= LONE_TIMEOUT && waited < LONE_TIMEOUT + Duration::from_secs(3),
         "{waited:?}"
+    );
+}
+
+/// One collective together; then rank 1 exits (its process ends with this
+/// test) and rank 0's next collective must fail with NCCL's remote error
+/// before its deadline, naming the operation.
+fn peer_exits(rank: usize, gpu: &Gpu, mut nccl: Nccl) {
+    let mut buf = gpu.upload(&values(1000, 7)).unwrap();
+    nccl.all_reduce_sum(&mut buf.slice_mut(..), "the shared collective")
+        .unwrap();
+    nccl.wait().unwrap();
+    if rank == 1 {
+        return;
+    }
+    let started = Instant::now();
+    let err = nccl
+        .all_reduce_sum(&mut buf.slice_mut(..), "the orphaned collective")
+        .and_then(|()| nccl.wait())
+        .expect_err("a collective whose peer exited must fail");
+    let waited = started.elapsed();
+    let text = err.to_string();
+    eprintln!("rank 0 after its peer exited: {text} (after {waited:.1?})");
+    assert!(
+        text.contains("all_reduce of the orphaned collective") && text.contains("remote"),
+        "{text}"
+    );
+    assert!(
+        waited < LONE_TIMEOUT,
+        "{waited:?}: the deadline ended it, not the peer's exit"
     );
 }
 
