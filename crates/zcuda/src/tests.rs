@@ -4,8 +4,69 @@
 //! (`ZRUN_REQUIRE_GPU=1` makes them mandatory): each kernel against its CPU
 //! oracle, bit for bit.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
 use super::*;
 use zquant::Bits;
+
+/// Values made once per test process, by key ([`once`]).
+type Memo<T> = OnceLock<Mutex<HashMap<String, Arc<OnceLock<T>>>>>;
+
+/// `make()`'s value for `key`, made once per test process: the NVRTC,
+/// ptxas and nvdisasm tests read the same PTX and machine code, and making
+/// them (attention.cu's 33 kernels above all) is most of their time. A key
+/// being made makes the others asking for it wait, not make it again.
+fn once<T: Send + Sync + 'static>(
+    memo: &'static Memo<T>,
+    key: String,
+    make: impl FnOnce() -> T,
+) -> Arc<OnceLock<T>> {
+    let cell = memo
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap()
+        .entry(key)
+        .or_default()
+        .clone();
+    cell.get_or_init(make);
+    cell
+}
+
+/// NVRTC's output for `k` on `arch`, compiled without the cache, once.
+fn ptx_of(k: &KernelSource, arch: &str) -> Arc<OnceLock<Compiled>> {
+    static MEMO: Memo<Compiled> = OnceLock::new();
+    once(&MEMO, format!("{} {arch}", k.name), || {
+        compile_with(k, arch, None).unwrap_or_else(|e| panic!("{e}"))
+    })
+}
+
+/// ptxas's machine code for `k` on `sm_<sm>` and its `--verbose` log
+/// (registers and spills per function), assembled once.
+fn cubin_of(
+    k: &KernelSource,
+    sm: &str,
+    ptxas: &std::path::Path,
+) -> Arc<OnceLock<(Vec<u8>, String)>> {
+    static MEMO: Memo<(Vec<u8>, String)> = OnceLock::new();
+    once(&MEMO, format!("{} {sm}", k.name), || {
+        let ptx = ptx_of(k, &format!("compute_{sm}"));
+        let dir = tempfile::tempdir().unwrap();
+        let (src, cubin) = (dir.path().join("k.ptx"), dir.path().join("k.cubin"));
+        std::fs::write(&src, &ptx.get().unwrap().ptx).unwrap();
+        let out = std::process::Command::new(ptxas)
+            .arg(format!("-arch=sm_{sm}"))
+            .arg("--verbose")
+            .arg(&src)
+            .arg("-o")
+            .arg(&cubin)
+            .output()
+            .unwrap_or_else(|e| panic!("running {}: {e}", ptxas.display()));
+        let log = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "ptxas sm_{sm} {}: {log}", k.name);
+        (std::fs::read(&cubin).unwrap(), log)
+    })
+}
 
 /// NVRTC is here, or the test says it skipped (and fails under
 /// `ZRUN_REQUIRE_NVRTC=1`).
@@ -53,7 +114,8 @@ fn every_kernel_compiles_to_ptx_for_volta_ampere_and_hopper() {
     let archs = ["compute_70", "compute_80", "compute_90"];
     for arch in &archs[usize::from(!volta)..] {
         for k in &KERNELS {
-            let out = compile_with(k, arch, None).unwrap_or_else(|e| panic!("{e}"));
+            let out = ptx_of(k, arch);
+            let out = out.get().unwrap();
             let target = format!(".target sm_{}", arch.trim_start_matches("compute_"));
             assert!(
                 out.ptx.contains(&target),
@@ -131,12 +193,10 @@ fn every_kernel_assembles_with_ptxas_for_ampere_and_hopper() {
     ) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
     for sm in ["80", "90"] {
         for k in &KERNELS {
-            let ptx = compile_with(k, &format!("compute_{sm}"), None)
-                .unwrap_or_else(|e| panic!("{e}"))
-                .ptx;
+            let ptx = ptx_of(k, &format!("compute_{sm}"));
+            let ptx = &ptx.get().unwrap().ptx;
             if k.name == "attention.cu" {
                 for form in [
                     "m16n8k16.row.col.f32.bf16.bf16.f32",
@@ -149,18 +209,9 @@ fn every_kernel_assembles_with_ptxas_for_ampere_and_hopper() {
                     );
                 }
             }
-            let src = dir.path().join(format!("{}.{sm}.ptx", k.name));
-            std::fs::write(&src, &ptx).unwrap();
-            let out = std::process::Command::new(&ptxas)
-                .arg(format!("-arch=sm_{sm}"))
-                .arg("--verbose")
-                .arg(&src)
-                .arg("-o")
-                .arg(dir.path().join(format!("{}.{sm}.cubin", k.name)))
-                .output()
-                .unwrap_or_else(|e| panic!("running {}: {e}", ptxas.display()));
-            let log = String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "ptxas sm_{sm} {}: {log}", k.name);
+            // Assembled (ptxas fails the test on an error) with its log.
+            let cubin = cubin_of(k, sm, &ptxas);
+            let log = &cubin.get().unwrap().1;
             if k.name == "attention.cu" {
                 let shown = ["entry function", "registers", "spill"];
                 for line in log.lines().filter(|l| shown.iter().any(|w| l.contains(w))) {
@@ -180,29 +231,22 @@ fn attention_sass(test: &str) -> Option<Vec<(String, Vec<String>)>> {
     }
     let ptxas = tool_or_skip(test, "ptxas", "nvidia-cuda-nvcc-cu12")?;
     let nvdisasm = tool_or_skip(test, "nvdisasm", "nvidia-cuda-nvdisasm")?;
+    static MEMO: Memo<String> = OnceLock::new();
     let k = crate::compile::kernel("attention.cu").unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let (src, cubin) = (dir.path().join("a.ptx"), dir.path().join("a.cubin"));
-    std::fs::write(&src, compile_with(k, "compute_90", None).unwrap().ptx).unwrap();
-    let run = |tool: &std::path::Path, args: &[&std::ffi::OsStr]| {
-        let out = std::process::Command::new(tool)
-            .args(args)
+    let sass = once(&MEMO, "attention.cu sm_90".into(), || {
+        let dir = tempfile::tempdir().unwrap();
+        let cubin = dir.path().join("a.cubin");
+        std::fs::write(&cubin, &cubin_of(k, "90", &ptxas).get().unwrap().0).unwrap();
+        let out = std::process::Command::new(&nvdisasm)
+            .arg("-c")
+            .arg(&cubin)
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{}: {err}", tool.display());
+        assert!(out.status.success(), "{}: {err}", nvdisasm.display());
         String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    run(
-        &ptxas,
-        &[
-            "-arch=sm_90".as_ref(),
-            src.as_os_str(),
-            "-o".as_ref(),
-            cubin.as_os_str(),
-        ],
-    );
-    let sass = run(&nvdisasm, &["-c".as_ref(), cubin.as_os_str()]);
+    });
+    let sass = sass.get().unwrap();
     let flash: Vec<_> = k
         .functions
         .iter()
