@@ -1311,6 +1311,9 @@ mod tests {
     fn every_vector_width_of_the_fused_ops_gives_the_same_bits() {
         for cfg in [gpt(11, 16, 1, 2, 40), llama(11, 16, 1, 40, 24)] {
             same_bits_at_every_width(Gpt::new(&cfg).unwrap());
+            // The ops that write bf16 operands (AMX machines only; elsewhere
+            // the same model again).
+            same_bits_at_every_width(Gpt::new(&cfg).unwrap().with_bf16_products(true));
         }
     }
 
@@ -1353,31 +1356,94 @@ mod tests {
             let mut out: Vec<&Tensor> = vec![&y, &dx, &loss];
             let grads = grads.into_vec();
             out.extend(&grads);
-            out.iter()
+            // The producers of bf16 operands, on every CPU (the model takes
+            // them only where it has AMX).
+            let (rows, dy_rows) = (x.reshape((80, 16)).unwrap(), dy.reshape((80, 16)).unwrap());
+            let norm = |k: usize| Tensor::from_vec(wave(k, 16), 16, &dev).unwrap();
+            let (w, b) = (&norm(3), &norm(2));
+            let (gelu, slope) = crate::ops::gelu_bf16_and_slope(&rows).unwrap();
+            let produced = [
+                crate::ops::layer_norm_bf16(&rows, w, b, 1e-5).unwrap(),
+                rms_norm_bf16(&rows, w, 1e-5).unwrap(),
+                gelu,
+                slope,
+            ];
+            out.extend(&produced);
+            let dy_values = dy_rows.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let rounded = [
+                crate::ops::gelu_backward_bf16(&produced[3], &dy_rows).unwrap(),
+                crate::ops::bf16_with_column_sums(&dy_values, 16).unwrap(),
+            ];
+            let mut bits: Vec<Vec<u32>> = out
+                .iter()
                 .map(|t| {
-                    let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                    v.iter().map(|f| f.to_bits()).collect()
+                    let v = t.flatten_all().unwrap();
+                    let v = v.to_dtype(candle_core::DType::F32).unwrap();
+                    v.to_vec1::<f32>()
+                        .unwrap()
+                        .iter()
+                        .map(|f| f.to_bits())
+                        .collect()
                 })
-                .collect()
+                .collect();
+            for r in &rounded {
+                bits.push(
+                    (0..r.rows())
+                        .flat_map(|i| r.row(i))
+                        .map(|&h| h.into())
+                        .collect(),
+                );
+                bits.push(r.sums().iter().map(|f| f.to_bits()).collect());
+            }
+            bits
         };
         use crate::simd::{widest_here, Width, WIDEST};
+        // On one thread of its own, whose libm `fmaf` calls the probe counts
+        // (simd::fmaf_calls): a wider build that calls it has scalar code in it.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
         let at = |w: Width| {
             WIDEST.store(w as u8, Ordering::SeqCst);
-            let out = run();
+            let out = pool.install(|| {
+                let before = crate::simd::fmaf_calls();
+                let out = run();
+                (
+                    out,
+                    crate::simd::fmaf_calls().zip(before).map(|(n, b)| n - b),
+                )
+            });
             WIDEST.store(Width::Avx512 as u8, Ordering::SeqCst);
             out
         };
-        let baseline = at(Width::Baseline);
+        let (baseline, scalar_calls) = at(Width::Baseline);
+        // The probe sees the baseline build's multiply-adds, so a count of
+        // zero below means something (it exists on x86-64 Linux, the only
+        // target with wider builds).
+        assert!(
+            scalar_calls.is_none_or(|n| n > 0),
+            "the probe saw no fmaf call in the baseline build"
+        );
         let widths: Vec<Width> = [Width::Avx2, Width::Avx512]
             .into_iter()
             .filter(|w| *w <= widest_here())
             .collect();
         for w in &widths {
-            assert!(at(*w) == baseline, "the {w:?} and baseline builds differ");
+            let (out, calls) = at(*w);
+            assert!(out == baseline, "the {w:?} and baseline builds differ");
+            assert_eq!(
+                calls,
+                Some(0),
+                "the {w:?} build called libm's fmaf (count {calls:?}; the baseline build \
+                 {scalar_calls:?}): an op's loop runs outside `vectorised`'s builds"
+            );
         }
         let _ = writeln!(
             std::io::stderr(),
-            "fused ops: baseline and {widths:?} compared, same bits{}",
+            "fused ops ({:?} products): baseline and {widths:?} compared, same bits, no scalar \
+             multiply-add in the wider builds ({scalar_calls:?} in the baseline){}",
+            g.products(),
             if widths.is_empty() {
                 " (no AVX2 on this CPU: only the baseline ran, nothing compared)"
             } else {

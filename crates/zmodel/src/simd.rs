@@ -174,6 +174,144 @@ fn widest_allowed() -> Width {
     Width::Avx512
 }
 
+/// Counts this thread's calls to libm's `fmaf`, which `f32::mul_add` becomes
+/// in code compiled without FMA: the baseline build of a fused op calls it
+/// for every multiply-add, the AVX2 and AVX-512 builds never (the
+/// instruction). A test runs the ops at each width and counts, so that an
+/// op whose loop fell out of [`vectorised`]'s builds (as GELU's bf16
+/// forward did, for two days, at 1/15 of its speed) fails a test instead of
+/// only a benchmark. The test binary's own `fmaf` takes the place of the
+/// runtime's for every caller in it; it is exact (the FMA instruction, or
+/// musl's correction of a double-precision sum), as the one it replaces.
+#[cfg(test)]
+pub(crate) fn fmaf_calls() -> Option<u64> {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    return Some(fma_probe::calls());
+    #[allow(unreachable_code)]
+    None
+}
+
+#[cfg(all(test, target_arch = "x86_64", target_os = "linux"))]
+mod fma_probe {
+    use std::cell::Cell;
+
+    thread_local! {
+        static CALLS: Cell<u64> = const { Cell::new(0) };
+    }
+
+    /// This thread's `fmaf` calls so far.
+    pub(crate) fn calls() -> u64 {
+        CALLS.with(Cell::get)
+    }
+
+    /// `a·b + c` rounded once.
+    #[no_mangle]
+    extern "C" fn fmaf(a: f32, b: f32, c: f32) -> f32 {
+        CALLS.with(|n| n.set(n.get() + 1));
+        if std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has FMA (checked).
+            return unsafe { hardware(a, b, c) };
+        }
+        software(a, b, c)
+    }
+
+    /// The FMA instruction.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have FMA.
+    #[target_feature(enable = "fma")]
+    unsafe fn hardware(a: f32, b: f32, c: f32) -> f32 {
+        use std::arch::x86_64::{_mm_cvtss_f32, _mm_fmadd_ss, _mm_set_ss};
+        _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)))
+    }
+
+    /// musl's `fmaf`: the product is exact in f64, the sum rounds once
+    /// there, and where rounding that to f32 would be a tie the f64 sum's
+    /// last bit moves toward the sum's error, so that the second rounding
+    /// goes the way a single one would.
+    fn software(a: f32, b: f32, c: f32) -> f32 {
+        let xy = f64::from(a) * f64::from(b);
+        let z = f64::from(c);
+        let sum = xy + z;
+        let bits = sum.to_bits();
+        let halfway = bits & 0x1fff_ffff == 0x1000_0000;
+        if !halfway || sum.is_nan() || (sum - xy == z && sum - z == xy) {
+            return sum as f32;
+        }
+        let negative = bits >> 63 == 1;
+        let err = if negative == (z > xy) {
+            xy - sum + z
+        } else {
+            z - sum + xy
+        };
+        let nudged = if negative == (err < 0.0) {
+            bits + 1
+        } else {
+            bits - 1
+        };
+        f64::from_bits(nudged) as f32
+    }
+
+    /// The software path against the instruction, on sums whose f64 value
+    /// is an f32 tie (where rounding twice goes wrong) and on a sweep of
+    /// magnitudes.
+    #[test]
+    fn the_software_fma_is_the_instructions_bits() {
+        if !std::arch::is_x86_feature_detected!("fma") {
+            eprintln!("skipped: no FMA instruction here to compare the software fmaf with");
+            return;
+        }
+        let e = f32::EPSILON;
+        let mut cases = vec![
+            (3.0, 1.0 / 3.0, -1.0),
+            (f32::MAX, 2.0, -f32::MAX),
+            (1e-30, 1e-30, 1e-45),
+            (f32::INFINITY, 0.0, 1.0),
+        ];
+        // Ties after a first rounding: (1 + 2^-23)(1 - 2^-23)·2^s = 2^s − 2^(s−46),
+        // and c with an odd last bit worth 2^(s+1), so that c + 2^s is an f32
+        // tie that f64 reaches by rounding the 2^(s−46) away; once rounded, the
+        // sum goes back to c, twice rounded on to the even neighbour.
+        for scale in [-40, -12, 0, 9, 40] {
+            for odd in [1u32, 3, 5, 0x2345] {
+                for (ps, cs) in [(1.0, 1.0), (-1.0, -1.0), (1.0, -1.0), (-1.0, 1.0)] {
+                    let p = 2f32.powi(scale);
+                    let c = cs * 2f32.powi(scale + 24) * (1.0 + odd as f32 * e);
+                    cases.push((ps * (1.0 + e) * p, 1.0 - e, c));
+                }
+            }
+        }
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..200_000 {
+            let r = next();
+            let f = |bits: u64, scale: i32| {
+                (1.0 + (bits & 0x7f_ffff) as f32 * e)
+                    * 2f32.powi(scale)
+                    * if bits & (1 << 23) == 0 { 1.0 } else { -1.0 }
+            };
+            let (a, b) = (f(r, 0), f(r >> 24, (r >> 48) as i32 % 3));
+            let c = -(a * b) + f(next(), -24 - (r >> 60) as i32);
+            cases.push((a, b, c));
+        }
+        for (a, b, c) in cases {
+            // SAFETY: the CPU has FMA (checked above).
+            let want = unsafe { hardware(a, b, c) };
+            let got = software(a, b, c);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "fmaf({a:e}, {b:e}, {c:e}) = {got:e}, the instruction gives {want:e}"
+            );
+        }
+    }
+}
+
 /// Applies `f` to matching chunks of `rows` rows of `width` elements of `input`
 /// and `out`, chunks spread over rayon's threads. `out` is fresh memory
 /// (see [`uninit_floats`]) that `f` writes.
