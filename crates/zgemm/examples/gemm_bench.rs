@@ -1,4 +1,7 @@
-//! Times zgemm (and its bf16 products where the CPU has AMX or AVX512_BF16) on the shapes of `zrun bench kernels` (and of
+//! Times zgemm (and its bf16 products where the CPU has AMX or AVX512_BF16;
+//! where it has AMX, also `bf16-in`: operands that are bf16 already, as a
+//! bf16 model feeds them, the figure to set beside another library's bf16
+//! GEMM) on the shapes of `zrun bench kernels` (and of
 //! `scripts/gemm_openblas.py`), every kernel this CPU has, best of several
 //! calls, in GFLOP/s: a quick loop for work on the kernels, without
 //! building the whole workspace.
@@ -42,13 +45,6 @@ fn main() {
             let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
             let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.01).collect();
             let mut c = vec![0f32; m * n];
-            let view = |d, rows, cols, t: bool| {
-                if t {
-                    MatRef::row_major(d, cols, rows).map(MatRef::t)
-                } else {
-                    MatRef::row_major(d, rows, cols)
-                }
-            };
             let (av, bv) = (
                 view(&a, m, k, op.starts_with('t')).expect("A's shape"),
                 view(&b, k, n, op.ends_with('t')).expect("B's shape"),
@@ -73,7 +69,42 @@ fn main() {
                 });
                 line += &format!("  {kernel:?} {:.1}", flops / best / 1e9);
             }
+            // What a bf16 model feeds the products: operands already bf16.
+            if zgemm::has_native_bf16() {
+                let (a16, b16): (Vec<u16>, Vec<u16>) = (
+                    a.iter().map(|&v| zgemm::bf16_bits(v)).collect(),
+                    b.iter().map(|&v| zgemm::bf16_bits(v)).collect(),
+                );
+                let (av, bv) = (
+                    view(&a16, m, k, op.starts_with('t')).expect("A's shape"),
+                    view(&b16, k, n, op.ends_with('t')).expect("B's shape"),
+                );
+                let mut best = f64::MAX;
+                pool.install(|| {
+                    for _ in 0..reps {
+                        let cv = MatMut::row_major(&mut c, m, n).expect("C's shape");
+                        let start = std::time::Instant::now();
+                        zgemm::gemm_bf16(cv, av, bv, 1.0, Start::Zero, t).expect("shapes");
+                        best = best.min(start.elapsed().as_secs_f64());
+                    }
+                });
+                line += &format!("  bf16-in {:.1}", flops / best / 1e9);
+            }
             println!("{line}  GFLOP/s");
         }
+    }
+}
+
+/// `d` as a `rows × cols` operand, stored transposed if `t`.
+fn view<T: Copy>(
+    d: &[T],
+    rows: usize,
+    cols: usize,
+    t: bool,
+) -> Result<MatRef<'_, T>, zgemm::ShapeError> {
+    if t {
+        MatRef::row_major(d, cols, rows).map(MatRef::t)
+    } else {
+        MatRef::row_major(d, rows, cols)
     }
 }

@@ -48,4 +48,5 @@ pub use gpt::{BlockActs, Gpt, GroupSpec, Init, ParamSpec};
 pub use head::HeadBackward;
 pub use linear::{BlockLinear, BlockNorm, BlockSource, Products};
 pub use params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};
+pub use simd::vectorised;
 pub use zconfig::tiles::{ColumnTile, TileError};

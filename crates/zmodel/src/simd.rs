@@ -94,9 +94,9 @@ pub(crate) fn exp_minus(row: &mut [f32], max: f32) {
 /// backward, attention's softmax) out of line, as baseline SSE code, until
 /// they were marked. The loops are plain arithmetic, with fused multiply-adds
 /// only where written as `mul_add`, so every width gives the same bits
-/// (tested).
+/// (tested). The engine's passes over flat buffers use it too.
 #[inline(always)]
-pub(crate) fn vectorised<R>(f: impl FnOnce() -> R) -> R {
+pub fn vectorised<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")]
