@@ -33,6 +33,8 @@ pub struct ParamSlot {
     pub decay: bool,
     /// The columns it holds when it is a tile of parameter `name`.
     pub tile: Option<ColumnTile>,
+    /// Read only by linear products (`zmodel::ParamSpec::product_operand`).
+    pub product_operand: bool,
 }
 
 /// The flat layout of one group.
@@ -63,6 +65,7 @@ impl GroupLayout {
                 range: off..off + n,
                 decay: p.decay,
                 tile: p.tile,
+                product_operand: p.product_operand,
             });
             off += n;
         }
@@ -211,6 +214,7 @@ mod tests {
                     init: Init::Zeros,
                     decay: i % 2 == 0,
                     tile: None,
+                    product_operand: false,
                 })
                 .collect(),
         }

@@ -3,10 +3,12 @@
 //!
 //! With `train.dtype: bf16 | f16` the working parameters and the gradients are
 //! stored in 2 bytes an element, the f32 master weights and Adam moments only for
-//! the slice a rank updates (ZeRO's K = 12). Activations stay f32 (but GPT's
-//! MLP activation with bf16 products, which GELU writes in bf16). The linear
+//! the slice a rank updates (ZeRO's K = 12). Activations stay f32 (but with
+//! bf16 products those that only products read are written in bf16: the
+//! norms' outputs, attention's output, GPT's MLP activation). The linear
 //! layers and attention multiply bf16 (operands rounded, f32 accumulation) where
-//! the CPU has AMX-BF16 (`zmodel::Gpt::with_bf16_products`); elsewhere they multiply the
+//! the CPU has AMX-BF16 (`zmodel::Gpt::with_bf16_products`), the linear
+//! weights read straight from the bf16 working copy; elsewhere they multiply the
 //! rounded weights in f32, since without AMX a 16-bit product is no faster
 //! here (see README). Each micro-batch's gradient is rounded to the working
 //! dtype as soon as backward produces it, in every stage, so that the stages stay

@@ -294,6 +294,7 @@ mod tests {
                         init: Init::Zeros,
                         decay: true,
                         tile: None,
+                        product_operand: false,
                     }],
                 };
                 GroupLayout::new(&spec, 2)

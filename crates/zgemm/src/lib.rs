@@ -194,6 +194,15 @@ impl<'a, T: Copy> MatRef<'a, T> {
         }
     }
 
+    /// Columns `c0..c1` of the view.
+    ///
+    /// # Panics
+    ///
+    /// If `c0 > c1` or `c1 > self.cols()`.
+    pub fn sub_cols(self, c0: usize, c1: usize) -> MatRef<'a, T> {
+        self.t().sub_rows(c0, c1).t()
+    }
+
     /// The transpose (the same data read the other way).
     pub fn t(self) -> MatRef<'a, T> {
         MatRef {

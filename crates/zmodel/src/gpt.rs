@@ -23,7 +23,7 @@ use zgemm::MatRef;
 
 use std::ops::Range;
 
-use crate::attention::{causal_attention, causal_attention_backward, Heads};
+use crate::attention::{causal_attention, causal_attention_backward, causal_attention_bf16, Heads};
 use zconfig::spec::{ModelKind, ModelSpec};
 use zconfig::tiles::{column_tiles, ColumnTile, TileError};
 
@@ -61,6 +61,11 @@ pub struct ParamSpec {
     /// A column tile of the parameter `name` (whose last dimension is then
     /// longer than `shape`'s), or `None` for the whole parameter.
     pub tile: Option<ColumnTile>,
+    /// Read by nothing but a block's linear products (a linear's weight,
+    /// whole or a tile): under bf16 products the engine may hand it over as
+    /// a `BF16` tensor of its working copy, which the products read as it
+    /// is (every other parameter comes as f32).
+    pub product_operand: bool,
 }
 
 impl ParamSpec {
@@ -128,6 +133,7 @@ fn p(name: String, shape: &[usize], init: Init, decay: bool) -> ParamSpec {
         init,
         decay,
         tile: None,
+        product_operand: false,
     }
 }
 
@@ -299,13 +305,15 @@ impl Gpt {
             let n = |s: &str| format!("{prefix}.{s}");
             let lin = |l: BlockLinear, std: f32| {
                 let (inputs, outputs) = self.linear_shape(l);
-                weight_bias(
+                let mut wb = weight_bias(
                     n(self.linear_name(l)),
                     &[inputs, outputs],
                     Init::Normal(std),
                     true,
                     outputs,
-                )
+                );
+                wb.weight.product_operand = true;
+                wb
             };
             let block = BlockParams {
                 norm_1: norm(n(self.norm_name(BlockNorm::Norm1))),
@@ -495,6 +503,17 @@ impl Gpt {
         }
     }
 
+    /// A block's attention of `qkv` `[b, t, ·]` as rows `[b·t, d]`, whose only
+    /// reader is the output projection: in bf16 where its products are
+    /// (as [`Gpt::block_norm`]).
+    fn block_attention(&self, qkv: &Tensor) -> Result<Tensor> {
+        if self.products == Products::Bf16 && !qkv.track_op() {
+            return causal_attention_bf16(qkv, self.heads());
+        }
+        let (b, t, _) = qkv.dims3()?;
+        causal_attention(qkv, self.heads(), self.products)?.reshape((b * t, self.cfg.d_model))
+    }
+
     /// The norm's backward: (`residual + dx`, its gradient), the residual's
     /// gradient summed as the norm writes dx.
     fn norm_backward(
@@ -618,7 +637,7 @@ impl Gpt {
         let a1 = norm(src, BlockNorm::Norm1, &rows)?;
         let qkv = linear(src, BlockLinear::Qkv, &a1, None)?;
         let qkv = self.rotate(qkv.reshape((b, t, self.cfg.qkv_width()))?, false)?;
-        let att = causal_attention(&qkv, self.heads(), self.products)?.reshape((b * t, d))?;
+        let att = self.block_attention(&qkv)?;
         // The residual adds happen as the projections' tiles store.
         let rows1 = linear(src, BlockLinear::AttnOut, &att, Some(&rows))?;
 

@@ -208,7 +208,7 @@ pub(crate) fn forward<S: BlockSource>(
                 products,
                 MatMut::uninit(&mut y[cols.start..], rows, cols.len(), width).map_err(shape)?,
                 xm,
-                Input::F32(MatRef::row_major(f32s(&ws, wl)?, inputs, cols.len()).map_err(shape)?),
+                Input::of(&ws, wl, inputs, cols.len())?,
                 start,
                 threads,
             )?;
@@ -332,7 +332,8 @@ pub(crate) fn backward<S: BlockSource>(
         {
             let (xs, xl) = x.storage_and_layout();
             let (ws, wl) = weight.storage_and_layout();
-            let wv = f32s(&ws, wl)?;
+            // f32, or (bf16 products) the working copy's bf16 bits.
+            let wm = Input::of(&ws, wl, inputs, w)?;
             // dW = xᵀ·dy_t, and under f32 products the bias gradient (dy_t's
             // column sums) as the product packs dy_t: `column_sums`' bits
             // without a pass of its own over dy.
@@ -356,7 +357,7 @@ pub(crate) fn backward<S: BlockSource>(
             for c0 in (0..w).step_by(chunk) {
                 let c = chunk.min(w - c0);
                 let a = dy_cols(cols.start + c0, c)?;
-                let b = Input::F32(MatRef::new(&wv[c0..], inputs, c, w, 1).map_err(shape)?.t());
+                let b = wm.sub_cols(c0, c0 + c).t();
                 match dx.as_mut() {
                     Some(dx) => multiply(
                         products,
@@ -423,8 +424,10 @@ pub enum Products {
     Bf16,
 }
 
-/// A layer's input as its products read it: f32 values, or the bf16 values
-/// that its producer wrote for bf16 products (`layer_norm_bf16`, `gelu_bf16`).
+/// A layer's input or weight as its products read it: f32 values, or the
+/// bf16 values that its producer wrote for bf16 products
+/// (`layer_norm_bf16`, `gelu_bf16`; a weight: the engine's bf16 working
+/// copy, [`crate::ParamSpec::product_operand`]).
 #[derive(Clone, Copy)]
 enum Input<'a> {
     F32(MatRef<'a>),
@@ -469,6 +472,13 @@ impl<'a> Input<'a> {
         match self {
             Input::F32(m) => Input::F32(m.t()),
             Input::Bf16(m) => Input::Bf16(m.t()),
+        }
+    }
+
+    fn sub_cols(self, c0: usize, c1: usize) -> Input<'a> {
+        match self {
+            Input::F32(m) => Input::F32(m.sub_cols(c0, c1)),
+            Input::Bf16(m) => Input::Bf16(m.sub_cols(c0, c1)),
         }
     }
 }
@@ -686,6 +696,63 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// With bf16 products a weight may come as a `BF16` tensor (the engine's
+    /// working copy, `ParamSpec::product_operand`): forward and backward,
+    /// whole and in tiles, it gives the bits of the same values in f32.
+    #[test]
+    fn bf16_weights_give_the_bits_of_their_values_in_f32() {
+        if !zgemm::has_native_bf16() {
+            eprintln!("skipped: no AMX-BF16 here, so weights are never handed over in bf16");
+            return;
+        }
+        let dev = Device::Cpu;
+        let (rows, d, wide) = (96, 64, 256);
+        let exact = |t: &Tensor| t.to_dtype(candle_core::DType::BF16).unwrap();
+        let with_weights = |p: &BlockParams<Tensor>, f: &dyn Fn(&Tensor) -> Tensor| {
+            let mut q = p.clone();
+            for wb in [&mut q.qkv, &mut q.attn_out, &mut q.mlp_in, &mut q.mlp_out] {
+                wb.weight = f(&wb.weight);
+            }
+            q
+        };
+        // Weights that bf16 holds exactly, in f32 and as bf16.
+        let f32_params = with_weights(&block_params(d), &|w| {
+            exact(w).to_dtype(candle_core::DType::F32).unwrap()
+        });
+        let bf16_params = with_weights(&f32_params, &exact);
+        let x = Tensor::from_vec(values(rows * d, 3), (rows, d), &dev).unwrap();
+        let dy = Tensor::from_vec(values(rows * wide, 11), (rows, wide), &dev).unwrap();
+        let whole = 0..wide;
+        let two = [0..96, 96..wide];
+        for tiles in [std::slice::from_ref(&whole), &two] {
+            let run = |params: &BlockParams<Tensor>| {
+                let mut src = Whole::new(params);
+                let l = BlockLinear::MlpIn;
+                let y = forward(&mut src, l, tiles, &x, None, Products::Bf16).unwrap();
+                let out = OutputGrad::F32(dy.clone());
+                let dx = backward(&mut src, l, tiles, &x, out, Products::Bf16).unwrap();
+                let grads: Vec<_> = std::mem::take(&mut src.tiles[l as usize])
+                    .into_iter()
+                    .map(|g| (bits(&g.weight), bits(&g.bias.unwrap())))
+                    .collect();
+                (bits(&y), bits(&dx), grads)
+            };
+            assert_eq!(run(&bf16_params), run(&f32_params), "{} tiles", tiles.len());
+        }
+        // Under f32 products a bf16 weight is refused, not widened silently.
+        let mut src = Whole::new(&bf16_params);
+        let l = BlockLinear::MlpIn;
+        assert!(forward(
+            &mut src,
+            l,
+            std::slice::from_ref(&whole),
+            &x,
+            None,
+            Products::F32
+        )
+        .is_err());
     }
 
     /// With bf16 products, a layer reads a producer's padded bf16 rows in
