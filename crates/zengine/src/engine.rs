@@ -479,9 +479,10 @@ impl Engine {
     }
 
     /// Whether group `g`'s linear weights go to the model in bf16 (see
-    /// [`Engine::tensors_from`]).
+    /// [`Engine::tensors_from`]): on the CPU only (the GPU path uploads f32).
     fn weights_in_bf16(&self, g: usize) -> bool {
-        self.half == Some(Half::Bf16)
+        self.spec.device == zconfig::spec::Device::Cpu
+            && self.half == Some(Half::Bf16)
             && self.model.products() == Products::Bf16
             && self.groups[g]
                 .layout
