@@ -1,7 +1,7 @@
 //! Times zgemm (and its bf16 products where the CPU has AMX or AVX512_BF16;
 //! where it has AMX, also `bf16-in`: operands that are bf16 already, as a
 //! bf16 model feeds them, the figure to set beside another library's bf16
-//! GEMM) on the shapes of `zrun bench kernels` (and of
+//! GEMM, and `bf16-out`: those with `C` rounded to bf16 as it stores) on the shapes of `zrun bench kernels` (and of
 //! `scripts/gemm_openblas.py`), every kernel this CPU has, best of several
 //! calls, in GFLOP/s: a quick loop for work on the kernels, without
 //! building the whole workspace.
@@ -89,6 +89,18 @@ fn main() {
                     }
                 });
                 line += &format!("  bf16-in {:.1}", flops / best / 1e9);
+                // And its output rounded to bf16 as the tiles store.
+                let mut out = vec![std::mem::MaybeUninit::<u16>::uninit(); m * n];
+                let mut best = f64::MAX;
+                pool.install(|| {
+                    for _ in 0..reps {
+                        let cv = zgemm::BitsMut::new(&mut out, m, n, n).expect("C's shape");
+                        let start = std::time::Instant::now();
+                        zgemm::gemm_bf16_rounded(cv, av, bv, None, t).expect("shapes");
+                        best = best.min(start.elapsed().as_secs_f64());
+                    }
+                });
+                line += &format!("  bf16-out {:.1}", flops / best / 1e9);
             }
             println!("{line}  GFLOP/s");
         }

@@ -37,7 +37,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use crate::{aligned, drive, Kernel, MatMut, MatRef, Packs, SendPtr, ShapeError, Start};
+use crate::{aligned, drive, Kernel, MatMut, MatRef, Packs, Rounded, SendPtr, ShapeError, Start};
 
 // Pairs are written as 16-bit halves where the even value is the low half.
 #[cfg(target_endian = "big")]
@@ -236,6 +236,22 @@ pub fn gemm_bf16_with<A: Bf16Operand, B: Bf16Operand>(
     if a.rows != c.rows || a.cols != b.rows || b.cols != c.cols {
         return Err(ShapeError::mismatch(&c, &a, b.rows, b.cols));
     }
+    multiply(kernel, c, a, b, alpha, start, threads, None)
+}
+
+/// The product of [`gemm_bf16_with`] (shapes checked), `C` rounded as it
+/// stores where `rounded` says where to.
+#[allow(clippy::too_many_arguments)]
+fn multiply<A: Bf16Operand, B: Bf16Operand>(
+    kernel: Kernel,
+    c: MatMut,
+    a: MatRef<A>,
+    b: MatRef<B>,
+    alpha: f32,
+    start: Start,
+    threads: usize,
+    rounded: Option<Rounded>,
+) -> Result<(), ShapeError> {
     // Taken, not borrowed: rayon may run another product on this thread
     // while it waits.
     let (mut pa, mut pb) = (PAIRS_A.take(), PAIRS_B.take());
@@ -251,11 +267,118 @@ pub fn gemm_bf16_with<A: Bf16Operand, B: Bf16Operand>(
         } else {
             Packs::Values(pair_columns(b.t(), &mut pb, threads).t())
         };
-        drive(kernel, c, a2, b2, alpha, start, threads, None)
+        drive(kernel, c, a2, b2, alpha, start, threads, None, rounded)
     };
     PAIRS_A.set(pa);
     PAIRS_B.set(pb);
     result
+}
+
+/// The output of [`gemm_bf16_rounded`]: `rows × cols` bf16 values (their
+/// bits) at row stride `rs`, columns adjacent, over memory that the product
+/// writes whole.
+#[derive(Debug)]
+pub struct BitsMut<'a> {
+    ptr: *mut u16,
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    _data: std::marker::PhantomData<&'a mut [u16]>,
+}
+
+impl<'a> BitsMut<'a> {
+    /// A view with row stride `rs`, checked against `data`.
+    pub fn new(
+        data: &'a mut [std::mem::MaybeUninit<u16>],
+        rows: usize,
+        cols: usize,
+        rs: usize,
+    ) -> Result<BitsMut<'a>, ShapeError> {
+        crate::fits(rows, cols, rs, data.len())?;
+        Ok(BitsMut {
+            ptr: data.as_mut_ptr().cast(),
+            rows,
+            cols,
+            rs,
+            _data: std::marker::PhantomData,
+        })
+    }
+
+    /// Row `i`'s `cols` values, not yet written.
+    fn row(&mut self, i: usize) -> &mut [std::mem::MaybeUninit<u16>] {
+        // SAFETY: row i < rows of the checked view, which this borrows.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * self.rs).cast(), self.cols) }
+    }
+}
+
+/// `C = bias + bf16(A)·bf16(B)` (without a bias, `bf16(A)·bf16(B)`) with the
+/// fastest bf16 kernel, stored rounded to bf16: the bits of
+/// [`bf16_bits_into`] of [`gemm_bf16`]'s f32 `C`, for a product whose every
+/// reader would round it anyway (attention's q, k and v). Each tile is
+/// rounded from L1 as it is finished: half the bytes of an f32 `C` to
+/// write, no read for ownership of them, and no pass of its own to round.
+/// A product deeper than one block of depth (`k` over 768) makes its f32
+/// `C` first, then rounds it.
+pub fn gemm_bf16_rounded<A: Bf16Operand, B: Bf16Operand>(
+    c: BitsMut,
+    a: MatRef<A>,
+    b: MatRef<B>,
+    bias: Option<&[f32]>,
+    threads: usize,
+) -> Result<(), ShapeError> {
+    gemm_bf16_rounded_with(Kernel::best_bf16(), c, a, b, bias, threads)
+}
+
+/// [`gemm_bf16_rounded`] with a given bf16 kernel.
+///
+/// # Panics
+///
+/// If `kernel` is not in [`Kernel::available_bf16`].
+pub fn gemm_bf16_rounded_with<A: Bf16Operand, B: Bf16Operand>(
+    kernel: Kernel,
+    mut c: BitsMut,
+    a: MatRef<A>,
+    b: MatRef<B>,
+    bias: Option<&[f32]>,
+    threads: usize,
+) -> Result<(), ShapeError> {
+    let start = bias.map_or(Start::Zero, Start::Bias);
+    let (m, n) = (c.rows, c.cols);
+    if a.cols.div_ceil(2) > crate::KC || m == 0 || n == 0 || a.cols == 0 {
+        // Deep (or empty): the f32 product, then its rounding.
+        let mut f = vec![0f32; m * n];
+        gemm_bf16_with(
+            kernel,
+            MatMut::row_major(&mut f, m, n)?,
+            a,
+            b,
+            1.0,
+            start,
+            threads,
+        )?;
+        for (i, row) in f.chunks_exact(n.max(1)).take(m).enumerate() {
+            bf16_bits_write(row, c.row(i));
+        }
+        return Ok(());
+    }
+    assert!(
+        Kernel::detected_bf16().contains(&kernel),
+        "{kernel:?} is not a bf16 kernel this CPU can run"
+    );
+    // The f32 `C` the driver checks shapes against is never written: every
+    // tile goes to its scratch and is stored rounded.
+    // SAFETY: the view is never read or written (`rounded` is given) and
+    // has C's shape at a stride that fits it.
+    let shape =
+        unsafe { MatMut::from_raw(std::ptr::NonNull::dangling().as_ptr(), m, n, n, false)? };
+    if a.rows != m || a.cols != b.rows || b.cols != n {
+        return Err(ShapeError::mismatch(&shape, &a, b.rows, b.cols));
+    }
+    let out = Rounded {
+        ptr: c.ptr,
+        rs: c.rs,
+    };
+    multiply(kernel, shape, a, b, 1.0, start, threads, Some(out))
 }
 
 /// Runs `f` on the calling thread's buffer for paired `A`s (taken for the
@@ -477,6 +600,38 @@ pub fn bf16_bits_write(src: &[f32], dst: &mut [std::mem::MaybeUninit<u16>]) {
     }
 }
 
+/// [`bf16_bits_write`] of a tile's live part: `rows` rows of `cols` values
+/// from `src` (rows `src_rs` apart) into `dst` (rows `dst_rs` apart).
+///
+/// # Safety
+///
+/// `src` must hold the `rows × cols` values (written) and `dst` be valid
+/// for writing them, neither overlapping the other.
+pub(crate) unsafe fn round_tile(
+    src: *const f32,
+    src_rs: usize,
+    rows: usize,
+    cols: usize,
+    dst: *mut u16,
+    dst_rs: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if cols == 32 && has_avx512bw() {
+        // SAFETY: the CPU has AVX-512F and BW; the rows as the caller's.
+        return unsafe { x86::round_rows_of_32(src, src_rs, rows, dst, dst_rs) };
+    }
+    for i in 0..rows {
+        // SAFETY: row i of both (caller).
+        let (s, d) = unsafe {
+            (
+                std::slice::from_raw_parts(src.add(i * src_rs), cols),
+                std::slice::from_raw_parts_mut(dst.add(i * dst_rs).cast(), cols),
+            )
+        };
+        bf16_bits_write(s, d);
+    }
+}
+
 /// `dst[i]` = the pair of `c0[i]` and `c1[i]` (zero without `c1`).
 fn pair_into<T: Bf16Operand>(c0: &[T], c1: Option<&[T]>, dst: &mut [f32]) {
     let mut done = 0;
@@ -563,6 +718,35 @@ mod x86 {
         }
         for j in whole..n {
             dst[j].write(round(src[j]) as u16);
+        }
+    }
+
+    /// [`super::round_tile`] of rows of 32 values: one 64-byte store a row.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F and BW; the rows as [`super::round_tile`]'s.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn round_rows_of_32(
+        src: *const f32,
+        src_rs: usize,
+        rows: usize,
+        dst: *mut u16,
+        dst_rs: usize,
+    ) {
+        let high_halves = _mm512_set_epi16(
+            63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21,
+            19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+        );
+        for i in 0..rows {
+            // SAFETY: 32 values of row i of both (caller).
+            unsafe {
+                let s = src.add(i * src_rs);
+                let lo = round16_high(_mm512_loadu_ps(s));
+                let hi = round16_high(_mm512_loadu_ps(s.add(16)));
+                let words = _mm512_permutex2var_epi16(lo, high_halves, hi);
+                _mm512_storeu_si512(dst.add(i * dst_rs).cast(), words);
+            }
         }
     }
 

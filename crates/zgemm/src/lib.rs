@@ -32,6 +32,12 @@
 //! linear layer's bias gradient is exactly that for its weight gradient's
 //! `B`, and takes no pass of its own over the output gradient.
 //!
+//! **Rounded as it stores** ([`gemm_bf16_rounded`]): a bf16 product whose
+//! every reader rounds `C` to bf16 anyway makes each tile in an L1 scratch
+//! tile and stores it as bf16 bits from there (half the bytes of `C`, and
+//! no pass of the readers' own to round it), the bits of rounding the f32
+//! `C`.
+//!
 //! **Packed once** ([`PackedB`], [`gemm_packed`]): a caller that multiplies
 //! many small `A`s by parts of one `B` (attention: each block of queries by
 //! the keys it may see) packs `B` once, whole-depth panels, and each product
@@ -48,7 +54,8 @@ mod kernels;
 use bf16::RowSource;
 pub use bf16::{
     bf16_bits, bf16_bits_into, bf16_bits_write, bf16_line_start, bf16_row_stride, gemm_bf16,
-    gemm_bf16_with, has_native_bf16, Bf16Operand,
+    gemm_bf16_rounded, gemm_bf16_rounded_with, gemm_bf16_with, has_native_bf16, Bf16Operand,
+    BitsMut,
 };
 
 /// Depth of a packed block: an `A` panel of AVX-512's kernel (`6 × KC`
@@ -594,7 +601,17 @@ pub fn gemm_with(
         Kernel::detected().contains(&kernel),
         "the {kernel:?} GEMM kernel needs a CPU feature this one lacks, or is not an f32 kernel"
     );
-    drive(kernel, c, a, Packs::Values(b), alpha, start, threads, None)
+    drive(
+        kernel,
+        c,
+        a,
+        Packs::Values(b),
+        alpha,
+        start,
+        threads,
+        None,
+        None,
+    )
 }
 
 /// Rows of `B` that [`gemm_summing_b`]'s column sums add as a group.
@@ -640,6 +657,7 @@ pub fn gemm_summing_b(
         start,
         threads,
         Some(sums),
+        None,
     )
 }
 
@@ -694,6 +712,7 @@ pub(crate) fn drive(
     start: Start,
     threads: usize,
     mut sums: Option<&mut [f32]>,
+    rounded: Option<Rounded>,
 ) -> Result<(), ShapeError> {
     let first = begin(&c, &a, b.shape().0, b.shape().1, start)?;
     if let (Some(sums), Packs::Values(b)) = (sums.as_deref_mut(), &b) {
@@ -713,6 +732,10 @@ pub(crate) fn drive(
         return Ok(());
     };
     let (m, n, k) = (c.rows, c.cols, a.cols);
+    assert!(
+        rounded.is_none() || k <= KC,
+        "a product rounded as it stores is one block of depth"
+    );
     let (nr, mc) = (kernel.nr(), kernel.row_block(m, threads));
     // Taken, not borrowed: while this thread waits for the tasks, rayon may
     // run another job on it that multiplies too.
@@ -774,6 +797,7 @@ pub(crate) fn drive(
                 bias: bias.filter(|_| pc == 0),
                 residual: residual.filter(|_| pc + kc == k),
                 transposed_a_in_place: false,
+                rounded,
             };
             // Tasks: a block of A's rows × a range of B's panels, enough of
             // them that every thread has two, numbered so that rayon's
@@ -949,9 +973,10 @@ impl PackedB {
         self.kernel = Some(kernel);
     }
 
-    /// Packs `b` rounded to bf16 pairs for the fastest bf16 kernel
-    /// ([`gemm_bf16`]'s rounding and layout), reusing this buffer.
-    pub fn pack_bf16(&mut self, b: MatRef) {
+    /// Packs `b` as bf16 pairs for the fastest bf16 kernel (f32 values
+    /// rounded as [`gemm_bf16`] rounds them, bf16 bits as they are; its
+    /// layout), reusing this buffer.
+    pub fn pack_bf16<T: Bf16Operand>(&mut self, b: MatRef<T>) {
         let kernel = Kernel::best_bf16();
         let nr = kernel.nr();
         let depth = b.rows.div_ceil(2).div_ceil(16) * 16;
@@ -1010,9 +1035,9 @@ pub fn gemm_packed(
 /// by [`PackedB::pack_bf16`]. `b_rows` starts at a multiple of 32 (a pair of
 /// `B`'s rows never straddles it; a tile step of 16 pairs starts there) and
 /// ends at an even row or `B`'s last.
-pub fn gemm_packed_bf16(
+pub fn gemm_packed_bf16<A: Bf16Operand>(
     c: MatMut,
-    a: MatRef,
+    a: MatRef<A>,
     b: &PackedB,
     b_rows: std::ops::Range<usize>,
     alpha: f32,
@@ -1036,7 +1061,7 @@ pub fn gemm_packed_bf16(
 }
 
 /// Whether `b` holds rows `b_rows` and `C`'s columns, and `A` is as deep.
-fn holds(c: &MatMut, a: &MatRef, b: &PackedB, b_rows: &std::ops::Range<usize>) -> bool {
+fn holds<T>(c: &MatMut, a: &MatRef<T>, b: &PackedB, b_rows: &std::ops::Range<usize>) -> bool {
     b_rows.start <= b_rows.end && b_rows.end <= b.rows && c.cols <= b.cols && a.cols == b_rows.len()
 }
 
@@ -1082,6 +1107,7 @@ fn multiply_packed(
             bias: bias.filter(|_| pc == 0),
             residual: residual.filter(|_| pc + kc == k),
             transposed_a_in_place,
+            rounded: None,
         };
         pass.rows(0, m, 0..n.div_ceil(nr));
     }
@@ -1114,7 +1140,27 @@ struct Pass<'a> {
     /// Whether an `A` stored transposed (unit row stride) is read in place
     /// too, rather than packed (a row-major one always is).
     transposed_a_in_place: bool,
+    /// Where `C` goes rounded to bf16 instead ([`gemm_bf16_rounded`]): each
+    /// tile is made in an L1 scratch tile and stored from there as bits.
+    rounded: Option<Rounded>,
 }
+
+/// The bf16 output of [`gemm_bf16_rounded`]: element `(i, j)` at
+/// `ptr[i·rs + j]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Rounded {
+    pub(crate) ptr: *mut u16,
+    pub(crate) rs: usize,
+}
+// SAFETY: the tasks of a product write disjoint tiles of the output.
+unsafe impl Send for Rounded {}
+// SAFETY: as above.
+unsafe impl Sync for Rounded {}
+
+/// One tile of `C` in L1 for a product that rounds it as it stores (the
+/// widest tile, AMX's, is 32 × 32).
+#[repr(C, align(64))]
+struct ScratchTile([f32; 32 * 32]);
 
 impl Pass<'_> {
     /// The tiles of `C`'s rows `i0..i0 + mlen` (at most `mc`) and the
@@ -1123,6 +1169,9 @@ impl Pass<'_> {
         let (a, kernel, kc, pc) = (&self.a, self.kernel, self.kc, self.pc);
         let (mr, nr) = (kernel.mr(), kernel.nr());
         let mut packed_a_buf = PACKED_A.take();
+        // Written by each tile before it is read (its live part only).
+        let mut scratch = std::mem::MaybeUninit::<ScratchTile>::uninit();
+        let scratch_ptr = scratch.as_mut_ptr().cast::<f32>();
         let tall = mlen.div_ceil(mr);
         let packed_a = aligned(&mut packed_a_buf, tall * mr * KC);
         // Whole panels of A are read in place where the kernel can take A's
@@ -1163,13 +1212,35 @@ impl Pass<'_> {
                         .residual
                         .map_or(std::ptr::null(), |r| r.data[i * r.rs + j..].as_ptr()),
                     residual_rs: self.residual.map_or(0, |r| r.rs),
-                    // SAFETY: row i, column j of C are inside its view (i < m, j < n).
-                    c: unsafe { self.c.get().add(i * self.c_rs + j) },
-                    rs: self.c_rs,
+                    c: match self.rounded {
+                        Some(_) => scratch_ptr,
+                        // SAFETY: row i, column j of C are inside its view
+                        // (i < m, j < n).
+                        None => unsafe { self.c.get().add(i * self.c_rs + j) },
+                    },
+                    rs: match self.rounded {
+                        Some(_) => nr,
+                        None => self.c_rs,
+                    },
                     rows,
                     cols,
                 };
                 kernel.tile(&t);
+                if let Some(out) = self.rounded {
+                    // SAFETY: rows i.. and columns j.. of the output, this
+                    // tile's live part, are inside its view (as C's above)
+                    // and this task's alone.
+                    unsafe {
+                        bf16::round_tile(
+                            scratch_ptr,
+                            nr,
+                            rows,
+                            cols,
+                            out.ptr.add(i * out.rs + j),
+                            out.rs,
+                        )
+                    };
+                }
             }
         }
         PACKED_A.set(packed_a_buf);

@@ -1160,3 +1160,60 @@ fn column_sums_of_b_come_with_the_product() {
         Err(ShapeError::SumsLayout { .. })
     ));
 }
+
+#[test]
+fn bf16_products_rounded_as_they_store_give_the_rounded_bits_of_the_f32_product() {
+    // Every bf16 kernel, whole and edge tiles, a bias or none, A as f32 or
+    // as bits, 1 and 2 threads, into a strided output; the last shape is
+    // deeper than one block (the f32 product, then its rounding). The
+    // output's padding columns stay as they were.
+    for (m, n, k) in [(64, 96, 384), (70, 45, 130), (5, 33, 1), (33, 40, 1600)] {
+        let (a, b, bias) = (
+            random(m as u64, m * k),
+            random(k as u64, k * n),
+            random(9, n),
+        );
+        let a16: Vec<u16> = a.iter().map(|&x| bf16_bits(x)).collect();
+        let rs = n + 3;
+        for kernel in Kernel::available_bf16() {
+            for (with_bias, a_bits, threads) in
+                [(true, false, 1), (false, true, 2), (true, true, 2)]
+            {
+                let bias = with_bias.then_some(&bias[..]);
+                let start = bias.map_or(Start::Zero, Start::Bias);
+                let mut f = vec![0f32; m * n];
+                let bm = MatRef::row_major(&b, k, n).unwrap();
+                let am = MatRef::row_major(&a, m, k).unwrap();
+                let cm = MatMut::row_major(&mut f, m, n).unwrap();
+                gemm_bf16_with(kernel, cm, am, bm, 1.0, start, threads).unwrap();
+                let mut want = vec![0u16; m * n];
+                bf16_bits_into(&f, &mut want);
+
+                let mut out = vec![std::mem::MaybeUninit::new(0xdeadu16); m * rs];
+                let c = BitsMut::new(&mut out, m, n, rs).unwrap();
+                if a_bits {
+                    let am = MatRef::row_major(&a16, m, k).unwrap();
+                    gemm_bf16_rounded_with(kernel, c, am, bm, bias, threads).unwrap();
+                } else {
+                    gemm_bf16_rounded_with(kernel, c, am, bm, bias, threads).unwrap();
+                }
+                // SAFETY: every element was initialised (0xdead or the product).
+                let got: Vec<u16> = out.iter().map(|v| unsafe { v.assume_init() }).collect();
+                let what = format!(
+                    "{kernel:?} {m}x{n}x{k} bias {with_bias} A bits {a_bits} {threads} threads"
+                );
+                for i in 0..m {
+                    assert_eq!(
+                        got[i * rs..i * rs + n],
+                        want[i * n..(i + 1) * n],
+                        "row {i}: {what}"
+                    );
+                    assert!(
+                        got[i * rs + n..(i + 1) * rs].iter().all(|&p| p == 0xdead),
+                        "padding of row {i}: {what}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -25,7 +25,12 @@
 //! operands to bf16 and accumulates in f32 (`zgemm::gemm_packed_bf16`, the
 //! packed operands rounded once a task); the softmax and dS stay f32. A
 //! block writes its output in bf16 there ([`causal_attention_bf16`]): its
-//! only reader is the output projection, which would round it. The
+//! only reader is the output projection, which would round it. And it
+//! takes `qkv` in bf16 (GPT's projection stores it rounded,
+//! `zgemm::gemm_bf16_rounded`): every use of q, k and v is a product that
+//! would round them to those bits, so the results are the same, with half
+//! the bytes to read and nothing to round per task (attention's rounding
+//! and pairing of q, k and v was 4-5% of a bf16 step). The
 //! blocking changes no bit there either: a shorter block's depth ends in
 //! zero pairs, which AMX adds exactly.
 //!
@@ -52,6 +57,50 @@ pub struct Heads {
     pub heads: usize,
     /// Key/value heads; divides `heads`.
     pub kv: usize,
+}
+
+/// What attention's input holds: f32 values (for either products) or, for
+/// bf16 products only, bf16 values as their bits (a projection that wrote
+/// its output rounded, `zgemm::gemm_bf16_rounded`: the bits every product
+/// here would round the f32 values to, so the same results).
+trait Values: zgemm::Bf16Operand {
+    /// The values as f32, which f32 products need; `None` for bits.
+    fn f32s(m: MatRef<Self>) -> Option<MatRef<f32>>;
+}
+
+impl Values for f32 {
+    fn f32s(m: MatRef<f32>) -> Option<MatRef<f32>> {
+        Some(m)
+    }
+}
+
+impl Values for u16 {
+    fn f32s(_: MatRef<u16>) -> Option<MatRef<f32>> {
+        None
+    }
+}
+
+/// bf16 bits `Values` are only ever given to bf16 products (the entry
+/// points check it).
+const BITS_NEED_BF16: &str = "attention: bf16 inputs multiply with bf16 products only";
+
+/// The values of a contiguous CPU tensor's storage: f32, or bf16 as bits.
+enum Input<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+fn input<'a>(name: &str, s: &'a CpuStorage, l: &Layout) -> Result<Input<'a>> {
+    use half::slice::HalfFloatSliceExt;
+    match s {
+        CpuStorage::BF16(v) => {
+            let Some((start, end)) = l.contiguous_offsets() else {
+                candle_core::bail!("{name}: input must be contiguous");
+            };
+            Ok(Input::Bf16(v[start..end].reinterpret_cast()))
+        }
+        _ => f32_input(name, s, l).map(Input::F32),
+    }
 }
 
 /// `y[b, t, heads·hd]` of causal attention over `qkv[b, t, (heads + 2·kv)·hd]`
@@ -81,13 +130,15 @@ pub fn causal_attention_bf16(qkv: &Tensor, heads: Heads) -> Result<Tensor> {
     let candle_core::Storage::Cpu(cpu) = &*storage else {
         candle_core::bail!("attention: a CPU tensor");
     };
-    let values = f32_input("zrun-causal-attention-bf16", cpu, layout)?;
     let dm = Dims::of(layout, heads)?;
     let rows = dm.b * dm.t;
     let (mut out, start, stride) = crate::simd::bf16_rows_buffer(rows, dm.d);
     let blocks = Blocks::new(heads, block_rows(Products::Bf16), Products::Bf16);
     let bits = SharedBits(out[start..].as_mut_ptr().cast());
-    forward_tasks(values, dm, blocks, Out::Bf16(bits, stride));
+    match input("zrun-causal-attention-bf16", cpu, layout)? {
+        Input::F32(v) => forward_tasks(v, dm, blocks, Out::Bf16(bits, stride)),
+        Input::Bf16(v) => forward_tasks(v, dm, blocks, Out::Bf16(bits, stride)),
+    }
     for row in out[start..start + rows * stride].chunks_mut(stride) {
         for pad in &mut row[dm.d..] {
             pad.write(0);
@@ -126,7 +177,7 @@ unsafe impl Sync for SharedBits {}
 
 /// The forward's tasks, one per (sequence, head): `y = P·V` of each block of
 /// query rows into `out`.
-fn forward_tasks(qkv: &[f32], dm: Dims, blk: Blocks, out: Out) {
+fn forward_tasks<T: Values>(qkv: &[T], dm: Dims, blk: Blocks, out: Out) {
     let (t, d, w, hd) = (dm.t, dm.d, dm.w, dm.hd);
     let rows = blk.rows;
     (0..dm.b * dm.heads).into_par_iter().for_each(|task| {
@@ -209,9 +260,9 @@ impl Blocks {
     }
 
     /// Packs `b` for this attention's products.
-    fn pack(&self, packed: &mut PackedB, b: MatRef) {
+    fn pack<T: Values>(&self, packed: &mut PackedB, b: MatRef<T>) {
         match self.products {
-            Products::F32 => packed.pack(b),
+            Products::F32 => packed.pack(T::f32s(b).expect(BITS_NEED_BF16)),
             Products::Bf16 => packed.pack_bf16(b),
         }
     }
@@ -363,12 +414,12 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R
 /// valid for writes (initialised when `keep`) and written by no one else
 /// during the call, and must not overlap `a`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn product(
+unsafe fn product<T: Values>(
     products: Products,
     c: *mut f32,
     c_rs: usize,
     cols: usize,
-    a: MatRef,
+    a: MatRef<T>,
     b: &PackedB,
     b_rows: std::ops::Range<usize>,
     alpha: f32,
@@ -377,24 +428,26 @@ unsafe fn product(
     // SAFETY: forwarded from the caller.
     let c = unsafe { MatMut::from_raw(c, a.rows(), cols, c_rs, keep) };
     let start = if keep { Start::Keep } else { Start::Zero };
-    let gemm = match products {
-        Products::F32 => zgemm::gemm_packed,
-        Products::Bf16 => zgemm::gemm_packed_bf16,
-    };
-    c.and_then(|c| gemm(c, a, b, b_rows, alpha, start))
-        .expect("attention: GEMM shapes are built from one Dims");
+    c.and_then(|c| match products {
+        Products::F32 => {
+            let a = T::f32s(a).expect(BITS_NEED_BF16);
+            zgemm::gemm_packed(c, a, b, b_rows, alpha, start)
+        }
+        Products::Bf16 => zgemm::gemm_packed_bf16(c, a, b, b_rows, alpha, start),
+    })
+    .expect("attention: GEMM shapes are built from one Dims");
 }
 
 /// `rows × cols` of `data` from element `off`, rows `rs` apart, unit columns.
-fn view(data: &[f32], off: usize, rows: usize, cols: usize, rs: usize) -> MatRef<'_> {
+fn view<T: Copy>(data: &[T], off: usize, rows: usize, cols: usize, rs: usize) -> MatRef<'_, T> {
     MatRef::new(&data[off..], rows, cols, rs, 1).expect("attention: views lie in their tensor")
 }
 
 /// P = causal softmax(Q·Kᵀ·scale) of sequence `bi`, query head `h` into
 /// `p[t×t]`, from `kt`, its head's Kᵀ packed; the masked entries (column
 /// above the row) are zero.
-fn probabilities(
-    qkv: &[f32],
+fn probabilities<T: Values>(
+    qkv: &[T],
     dm: Dims,
     blk: Blocks,
     bi: usize,
@@ -467,113 +520,123 @@ impl CustomOp2 for CausalAttentionGrad {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let qkv = f32_input(self.name(), s1, l1)?;
         let dy = f32_input(self.name(), s2, l2)?;
-        let blk = self.0;
-        let dm = Dims::of(l1, blk.heads)?;
-        let (t, d, w, hd) = (dm.t, dm.d, dm.w, dm.hd);
-        let rows = blk.rows;
-        if dy.len() != dm.b * t * d {
-            candle_core::bail!("attention backward: dy has {} elements", dy.len());
-        }
-        let scale = 1.0 / (hd as f32).sqrt();
-        // Every element is written: dQ by each query head, dK and dV first by
-        // each group's first head (no zeroing pass).
-        let mut dqkv = uninit_floats(qkv.len());
-        let out = Shared(dqkv.as_mut_ptr().cast());
-        let kv_heads = dm.heads / dm.group;
-        (0..dm.b * kv_heads).into_par_iter().for_each(|task| {
-            with_packs(|[kt, kp, vt, qp, dyp]| {
-                with_scratch(t * t, |p, ds| {
-                    let (bi, g) = (task / kv_heads, task % kv_heads);
-                    let base = bi * t * w;
-                    let k = view(qkv, base + dm.k(g), t, hd, w);
-                    blk.pack(kt, k.t());
-                    blk.pack(kp, k);
-                    blk.pack(vt, view(qkv, base + dm.v(g), t, hd, w).t());
-                    for (nth, h) in (g * dm.group..(g + 1) * dm.group).enumerate() {
-                        // The group's first query head writes dK and dV, the
-                        // others add to them, in order.
-                        let add = nth > 0;
-                        probabilities(qkv, dm, blk, bi, h, kt, p);
-                        blk.pack(qp, view(qkv, base + dm.q(h), t, hd, w));
-                        let dy_h = view(dy, bi * t * d + h * hd, t, hd, d);
-                        blk.pack(dyp, dy_h);
-                        // Blocks of key columns [j0, j1) see query rows [j0, t).
-                        for (j0, j1) in blocks(t, rows) {
-                            let p_t = view(p, j0 * t + j0, t - j0, j1 - j0, t).t();
-                            // SAFETY: dV rows j0..j1 of this task's key/value
-                            // head: its alone (as are dK's, dQ's of its heads).
-                            unsafe {
-                                // dV (+)= Pᵀ · dY
-                                let dv = out.at(base + j0 * w + dm.v(g));
-                                product(blk.products, dv, w, hd, p_t, dyp, j0..t, 1.0, add)
-                            };
-                        }
-                        // dP = dY · Vᵀ, the live blocks only, into ds.
-                        for (i0, i1) in blocks(t, rows) {
-                            let dy_blk = dy_h.sub_rows(i0, i1);
-                            // SAFETY: rows i0..i1, columns < i1 of ds (t × t).
-                            unsafe {
-                                product(
-                                    blk.products,
-                                    ds[i0 * t..].as_mut_ptr(),
-                                    t,
-                                    i1,
-                                    dy_blk,
-                                    vt,
-                                    0..hd,
-                                    1.0,
-                                    false,
-                                )
-                            };
-                        }
-                        // dS = P ⊙ (dP − rowsum(dP ⊙ P)) over the live
-                        // entries, in place; the masked ones zero (the
-                        // blocks read them).
-                        vectorised(
-                            #[inline(always)]
-                            || {
-                                for (i, (prow, dsrow)) in
-                                    p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate()
-                                {
-                                    let (live, masked) = dsrow.split_at_mut(i + 1);
-                                    let c = sum_lanes([prow, live], |[p, g]| p * g);
-                                    live.iter_mut()
-                                        .zip(prow)
-                                        .for_each(|(g, &pv)| *g = pv * (*g - c));
-                                    masked.fill(0.0);
-                                }
-                            },
-                        );
-                        for (i0, i1) in blocks(t, rows) {
-                            let ds_blk = view(ds, i0 * t, i1 - i0, i1, t);
-                            // SAFETY: dQ rows i0..i1 of query head h: this
-                            // task's.
-                            unsafe {
-                                // dQ = dS · K · scale
-                                let dq = out.at(base + i0 * w + dm.q(h));
-                                product(blk.products, dq, w, hd, ds_blk, kp, 0..i1, scale, false)
-                            };
-                        }
-                        for (j0, j1) in blocks(t, rows) {
-                            let ds_t = view(ds, j0 * t + j0, t - j0, j1 - j0, t).t();
-                            // SAFETY: dK rows j0..j1 of this task's key/value
-                            // head.
-                            unsafe {
-                                // dK (+)= dSᵀ · Q · scale
-                                let dk = out.at(base + j0 * w + dm.k(g));
-                                product(blk.products, dk, w, hd, ds_t, qp, j0..t, scale, add)
-                            };
-                        }
-                    }
-                })
-            })
-        });
-        // SAFETY: as the comment above says.
-        let dqkv = unsafe { assume_init(dqkv) };
+        let dm = Dims::of(l1, self.0.heads)?;
+        let dqkv = match input(self.name(), s1, l1)? {
+            Input::F32(qkv) => backward_tasks(qkv, dy, dm, self.0)?,
+            Input::Bf16(_) if self.0.products == Products::F32 => {
+                candle_core::bail!("{BITS_NEED_BF16}")
+            }
+            Input::Bf16(qkv) => backward_tasks(qkv, dy, dm, self.0)?,
+        };
         Ok((CpuStorage::F32(dqkv), l1.shape().clone()))
     }
+}
+
+/// d qkv (f32, qkv's shape) from qkv and dy: one task per (sequence,
+/// key/value head).
+fn backward_tasks<T: Values>(qkv: &[T], dy: &[f32], dm: Dims, blk: Blocks) -> Result<Vec<f32>> {
+    let (t, d, w, hd) = (dm.t, dm.d, dm.w, dm.hd);
+    let rows = blk.rows;
+    if dy.len() != dm.b * t * d {
+        candle_core::bail!("attention backward: dy has {} elements", dy.len());
+    }
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Every element is written: dQ by each query head, dK and dV first by
+    // each group's first head (no zeroing pass).
+    let mut dqkv = uninit_floats(qkv.len());
+    let out = Shared(dqkv.as_mut_ptr().cast());
+    let kv_heads = dm.heads / dm.group;
+    (0..dm.b * kv_heads).into_par_iter().for_each(|task| {
+        with_packs(|[kt, kp, vt, qp, dyp]| {
+            with_scratch(t * t, |p, ds| {
+                let (bi, g) = (task / kv_heads, task % kv_heads);
+                let base = bi * t * w;
+                let k = view(qkv, base + dm.k(g), t, hd, w);
+                blk.pack(kt, k.t());
+                blk.pack(kp, k);
+                blk.pack(vt, view(qkv, base + dm.v(g), t, hd, w).t());
+                for (nth, h) in (g * dm.group..(g + 1) * dm.group).enumerate() {
+                    // The group's first query head writes dK and dV, the
+                    // others add to them, in order.
+                    let add = nth > 0;
+                    probabilities(qkv, dm, blk, bi, h, kt, p);
+                    blk.pack(qp, view(qkv, base + dm.q(h), t, hd, w));
+                    let dy_h = view(dy, bi * t * d + h * hd, t, hd, d);
+                    blk.pack(dyp, dy_h);
+                    // Blocks of key columns [j0, j1) see query rows [j0, t).
+                    for (j0, j1) in blocks(t, rows) {
+                        let p_t = view(p, j0 * t + j0, t - j0, j1 - j0, t).t();
+                        // SAFETY: dV rows j0..j1 of this task's key/value
+                        // head: its alone (as are dK's, dQ's of its heads).
+                        unsafe {
+                            // dV (+)= Pᵀ · dY
+                            let dv = out.at(base + j0 * w + dm.v(g));
+                            product(blk.products, dv, w, hd, p_t, dyp, j0..t, 1.0, add)
+                        };
+                    }
+                    // dP = dY · Vᵀ, the live blocks only, into ds.
+                    for (i0, i1) in blocks(t, rows) {
+                        let dy_blk = dy_h.sub_rows(i0, i1);
+                        // SAFETY: rows i0..i1, columns < i1 of ds (t × t).
+                        unsafe {
+                            product(
+                                blk.products,
+                                ds[i0 * t..].as_mut_ptr(),
+                                t,
+                                i1,
+                                dy_blk,
+                                vt,
+                                0..hd,
+                                1.0,
+                                false,
+                            )
+                        };
+                    }
+                    // dS = P ⊙ (dP − rowsum(dP ⊙ P)) over the live
+                    // entries, in place; the masked ones zero (the
+                    // blocks read them).
+                    vectorised(
+                        #[inline(always)]
+                        || {
+                            for (i, (prow, dsrow)) in
+                                p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate()
+                            {
+                                let (live, masked) = dsrow.split_at_mut(i + 1);
+                                let c = sum_lanes([prow, live], |[p, g]| p * g);
+                                live.iter_mut()
+                                    .zip(prow)
+                                    .for_each(|(g, &pv)| *g = pv * (*g - c));
+                                masked.fill(0.0);
+                            }
+                        },
+                    );
+                    for (i0, i1) in blocks(t, rows) {
+                        let ds_blk = view(ds, i0 * t, i1 - i0, i1, t);
+                        // SAFETY: dQ rows i0..i1 of query head h: this
+                        // task's.
+                        unsafe {
+                            // dQ = dS · K · scale
+                            let dq = out.at(base + i0 * w + dm.q(h));
+                            product(blk.products, dq, w, hd, ds_blk, kp, 0..i1, scale, false)
+                        };
+                    }
+                    for (j0, j1) in blocks(t, rows) {
+                        let ds_t = view(ds, j0 * t + j0, t - j0, j1 - j0, t).t();
+                        // SAFETY: dK rows j0..j1 of this task's key/value
+                        // head.
+                        unsafe {
+                            // dK (+)= dSᵀ · Q · scale
+                            let dk = out.at(base + j0 * w + dm.k(g));
+                            product(blk.products, dk, w, hd, ds_t, qp, j0..t, scale, add)
+                        };
+                    }
+                }
+            })
+        })
+    });
+    // SAFETY: as the comment above says.
+    Ok(unsafe { assume_init(dqkv) })
 }
 
 #[cfg(test)]
@@ -709,6 +772,46 @@ mod tests {
                 .map(half::bf16::to_bits)
                 .collect();
             assert_eq!(got, want, "t {t}, head size {hd}");
+        }
+    }
+
+    /// A bf16 `qkv` (a projection that rounded its output as it stored)
+    /// gives the bits of the f32 one under bf16 products, forward and
+    /// backward: every product rounds its operands to those bits anyway.
+    /// f32 products refuse it.
+    #[test]
+    fn bf16_inputs_give_the_bits_of_their_f32_values() {
+        if !zgemm::has_native_bf16() {
+            eprintln!("zmodel: no AMX here; attention's bf16 inputs NOT covered");
+            return;
+        }
+        let heads = Heads { heads: 4, kv: 2 };
+        let bits = |t: Tensor| -> Vec<u32> {
+            let t = t.to_dtype(candle_core::DType::F32).unwrap();
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.into_iter().map(f32::to_bits).collect()
+        };
+        // Whole 32-row tiles of head size 32 (read in place) and ragged ones.
+        for (b, t, hd) in [(2, 77, 16), (2, 5, 32), (1, 64, 32)] {
+            let (x, dy) = inputs(heads, b, t, hd);
+            let x16 = x.to_dtype(candle_core::DType::BF16).unwrap();
+            let what = format!("b {b}, t {t}, head size {hd}");
+            assert_eq!(
+                bits(causal_attention_bf16(&x16, heads).unwrap()),
+                bits(causal_attention_bf16(&x, heads).unwrap()),
+                "forward: {what}"
+            );
+            let grad = |x: &Tensor| causal_attention_backward(x, &dy, heads, Products::Bf16);
+            assert_eq!(
+                bits(grad(&x16).unwrap()),
+                bits(grad(&x).unwrap()),
+                "backward: {what}"
+            );
+            let refused = causal_attention_backward(&x16, &dy, heads, Products::F32);
+            assert!(refused
+                .unwrap_err()
+                .to_string()
+                .contains("bf16 products only"));
         }
     }
 

@@ -28,7 +28,9 @@ use zconfig::spec::{ModelKind, ModelSpec};
 use zconfig::tiles::{column_tiles, ColumnTile, TileError};
 
 use crate::head::{self, HeadBackward};
-use crate::linear::{self, f32s, BlockLinear, BlockNorm, BlockSource, OutputGrad, Products, Whole};
+use crate::linear::{
+    self, f32s, BlockLinear, BlockNorm, BlockSource, OutputGrad, Products, Store, Whole,
+};
 use crate::llama_ops::{rms_norm, rms_norm_backward, rms_norm_bf16, rope, swiglu, swiglu_backward};
 use crate::ops::{
     cross_entropy, gelu, gelu_and_slope, gelu_backward_bf16, gelu_backward_by_slope,
@@ -630,12 +632,30 @@ impl Gpt {
             let n = src.norm(which)?;
             Ok::<_, S::Error>(self.block_norm(x, &n)?)
         };
+        let linear_to =
+            |src: &mut S, l: BlockLinear, x: &Tensor, residual: Option<&Tensor>, store| {
+                linear::forward(
+                    src,
+                    l,
+                    &self.linear_tiles(l),
+                    x,
+                    residual,
+                    self.products,
+                    store,
+                )
+            };
         let linear = |src: &mut S, l: BlockLinear, x: &Tensor, residual: Option<&Tensor>| {
-            linear::forward(src, l, &self.linear_tiles(l), x, residual, self.products)
+            linear_to(src, l, x, residual, Store::F32)
         };
 
         let a1 = norm(src, BlockNorm::Norm1, &rows)?;
-        let qkv = linear(src, BlockLinear::Qkv, &a1, None)?;
+        // GPT's q, k and v go to attention only, whose bf16 products would
+        // round them: stored in bf16 (LLaMA's rotary embedding reads f32).
+        let qkv_store = match self.cfg.kind {
+            ModelKind::Gpt if self.products == Products::Bf16 => Store::Bf16,
+            _ => Store::F32,
+        };
+        let qkv = linear_to(src, BlockLinear::Qkv, &a1, None, qkv_store)?;
         let qkv = self.rotate(qkv.reshape((b, t, self.cfg.qkv_width()))?, false)?;
         let att = self.block_attention(&qkv)?;
         // The residual adds happen as the projections' tiles store.

@@ -35,7 +35,7 @@ use std::ops::Range;
 
 use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
 
-use zgemm::{MatMut, MatRef, Start};
+use zgemm::{BitsMut, MatMut, MatRef, Start};
 
 use crate::ops::{bf16_with_column_sums, RoundedGrad};
 use crate::params::{BlockParams, WeightBias};
@@ -140,6 +140,12 @@ pub trait BlockSource {
 /// `src`, a tile at a time, each tile's GEMM writing its columns of `y` in
 /// place: the bias and the residual are added as the tiles store, not in
 /// passes of their own.
+///
+/// With [`Store::Bf16`] (bf16 products, no residual) `y` is a contiguous
+/// `BF16` tensor, each tile's product rounded as its tiles store
+/// (`zgemm::gemm_bf16_rounded`): for an output whose every reader rounds
+/// it (attention's q, k and v), the bits they would have rounded it to,
+/// in half the bytes and without their rounding.
 pub(crate) fn forward<S: BlockSource>(
     src: &mut S,
     linear: BlockLinear,
@@ -147,9 +153,16 @@ pub(crate) fn forward<S: BlockSource>(
     x: &Tensor,
     residual: Option<&Tensor>,
     products: Products,
+    store: Store,
 ) -> Result<Tensor, S::Error> {
     if x.track_op() || residual.is_some_and(Tensor::track_op) {
         return forward_tracked(src, linear, tiles, x, residual);
+    }
+    if store == Store::Bf16 && (products != Products::Bf16 || residual.is_some()) {
+        return Err(candle_core::Error::Msg(format!(
+            "{linear:?}: a bf16 output needs bf16 products and no residual"
+        ))
+        .into());
     }
     let x = rows_of(x)?;
     let residual = residual.map(Tensor::contiguous).transpose()?;
@@ -166,7 +179,14 @@ pub(crate) fn forward<S: BlockSource>(
         .into());
     }
     // Every element is written by its tile's product (Zero or Bias start).
-    let mut y = uninit_floats(rows * width);
+    let mut y = uninit_floats(if store == Store::F32 { rows * width } else { 0 });
+    // bf16: rows from a 64-byte line (the products read them in place).
+    let mut y16 = uninit_floats::<u16>(if store == Store::Bf16 {
+        rows * width + 32
+    } else {
+        0
+    });
+    let y16_start = zgemm::bf16_line_start(&y16);
     let threads = rayon::current_num_threads();
     for (t, cols) in tiles.iter().enumerate() {
         let p = src.linear(linear, t, cols.clone())?;
@@ -204,22 +224,55 @@ pub(crate) fn forward<S: BlockSource>(
                 (None, Some(bias)) => Start::Bias(bias),
                 (None, None) => Start::Zero,
             };
-            multiply(
-                products,
-                MatMut::uninit(&mut y[cols.start..], rows, cols.len(), width).map_err(shape)?,
-                xm,
-                Input::of(&ws, wl, inputs, cols.len())?,
-                start,
-                threads,
-            )?;
+            let w = Input::of(&ws, wl, inputs, cols.len())?;
+            match store {
+                Store::F32 => multiply(
+                    products,
+                    MatMut::uninit(&mut y[cols.start..], rows, cols.len(), width).map_err(shape)?,
+                    xm,
+                    w,
+                    start,
+                    threads,
+                )?,
+                Store::Bf16 => multiply_rounded(
+                    BitsMut::new(&mut y16[y16_start + cols.start..], rows, cols.len(), width)
+                        .map_err(shape)?,
+                    xm,
+                    w,
+                    bias,
+                    threads,
+                )?,
+            }
         }
         drop(p);
         src.release(linear, t)?;
+    }
+    if store == Store::Bf16 {
+        use half::vec::HalfBitsVecExt;
+        let len = y16.len();
+        let (head, body) = y16.split_at_mut(y16_start);
+        for v in head.iter_mut().chain(&mut body[rows * width..]) {
+            v.write(0);
+        }
+        // SAFETY: the head and tail are written just now, the rest as below.
+        let y16 = unsafe { assume_init(y16) }.reinterpret_into::<half::bf16>();
+        let all = Tensor::from_vec(y16, len, &Device::Cpu)?;
+        return Ok(all
+            .narrow(0, y16_start, rows * width)?
+            .reshape((rows, width))?);
     }
     // SAFETY: the tiles cover every column (checked above), and each tile's
     // product wrote all its rows.
     let y = unsafe { assume_init(y) };
     Ok(Tensor::from_vec(y, (rows, width), &Device::Cpu)?)
+}
+
+/// How [`forward`] stores its output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Store {
+    F32,
+    /// Rounded to bf16 (bf16 products only).
+    Bf16,
 }
 
 /// [`forward`] with candle's operations, which autograd can follow: the
@@ -519,6 +572,24 @@ fn multiply(
     .map_err(shape)
 }
 
+/// `C = bias + A·B` with bf16 products, stored rounded.
+fn multiply_rounded(
+    c: BitsMut,
+    a: Input,
+    b: Input,
+    bias: Option<&[f32]>,
+    threads: usize,
+) -> candle_core::Result<()> {
+    use zgemm::gemm_bf16_rounded as rounded;
+    match (a, b) {
+        (Input::F32(a), Input::F32(b)) => rounded(c, a, b, bias, threads),
+        (Input::Bf16(a), Input::F32(b)) => rounded(c, a, b, bias, threads),
+        (Input::F32(a), Input::Bf16(b)) => rounded(c, a, b, bias, threads),
+        (Input::Bf16(a), Input::Bf16(b)) => rounded(c, a, b, bias, threads),
+    }
+    .map_err(shape)
+}
+
 fn shape(e: zgemm::ShapeError) -> candle_core::Error {
     candle_core::Error::Msg(format!("linear layer: {e}"))
 }
@@ -730,7 +801,7 @@ mod tests {
             let run = |params: &BlockParams<Tensor>| {
                 let mut src = Whole::new(params);
                 let l = BlockLinear::MlpIn;
-                let y = forward(&mut src, l, tiles, &x, None, Products::Bf16).unwrap();
+                let y = forward(&mut src, l, tiles, &x, None, Products::Bf16, Store::F32).unwrap();
                 let out = OutputGrad::F32(dy.clone());
                 let dx = backward(&mut src, l, tiles, &x, out, Products::Bf16).unwrap();
                 let grads: Vec<_> = std::mem::take(&mut src.tiles[l as usize])
@@ -750,9 +821,79 @@ mod tests {
             std::slice::from_ref(&whole),
             &x,
             None,
-            Products::F32
+            Products::F32,
+            Store::F32,
         )
         .is_err());
+    }
+
+    /// An output stored in bf16 is the f32 output rounded, bit for bit,
+    /// whole and in two tiles, from an f32 or a bf16 input; refused under
+    /// f32 products and with a residual (which the rounding would lose).
+    #[test]
+    fn outputs_stored_in_bf16_are_the_f32_outputs_rounded() {
+        if !zgemm::has_native_bf16() {
+            eprintln!("skipped: no AMX-BF16 here, so outputs are never stored in bf16");
+            return;
+        }
+        let dev = Device::Cpu;
+        let (rows, d, wide) = (70, 64, 256);
+        let params = block_params(d);
+        let x = Tensor::from_vec(values(rows * d, 3), (rows, d), &dev).unwrap();
+        let x16 = x.to_dtype(candle_core::DType::BF16).unwrap();
+        let (whole, two) = (0..wide, [0..96, 96..wide]);
+        let l = BlockLinear::MlpIn;
+        for tiles in [std::slice::from_ref(&whole), &two] {
+            for x in [&x, &x16] {
+                let run = |store| {
+                    let mut src = Whole::new(&params);
+                    forward(&mut src, l, tiles, x, None, Products::Bf16, store).unwrap()
+                };
+                let want: Vec<u16> = run(Store::F32)
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .into_iter()
+                    .map(zgemm::bf16_bits)
+                    .collect();
+                let got = run(Store::Bf16);
+                assert_eq!(got.dims(), &[rows, wide]);
+                assert!(got.is_contiguous());
+                let got: Vec<u16> = got
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<half::bf16>()
+                    .unwrap()
+                    .into_iter()
+                    .map(half::bf16::to_bits)
+                    .collect();
+                assert_eq!(got, want, "{} tiles, input {:?}", tiles.len(), x.dtype());
+            }
+        }
+        let mut src = Whole::new(&params);
+        let y = Tensor::zeros((rows, wide), candle_core::DType::F32, &dev).unwrap();
+        let out = forward(
+            &mut src,
+            l,
+            std::slice::from_ref(&whole),
+            &x,
+            None,
+            Products::F32,
+            Store::Bf16,
+        );
+        assert!(out.is_err());
+        let mut src = Whole::new(&params);
+        let out = forward(
+            &mut src,
+            l,
+            &[whole],
+            &x,
+            Some(&y),
+            Products::Bf16,
+            Store::Bf16,
+        );
+        assert!(out.unwrap_err().to_string().contains("no residual"));
     }
 
     /// With bf16 products, a layer reads a producer's padded bf16 rows in
@@ -785,7 +926,16 @@ mod tests {
         // The MLP's projection: forward, and backward with an f32 dy.
         let run_out = |x: &Tensor| {
             let mut src = Whole::new(&params);
-            let y = forward(&mut src, BlockLinear::MlpOut, out_tiles, x, None, bf16).unwrap();
+            let y = forward(
+                &mut src,
+                BlockLinear::MlpOut,
+                out_tiles,
+                x,
+                None,
+                bf16,
+                Store::F32,
+            )
+            .unwrap();
             let out = OutputGrad::F32(dy.clone());
             let dx = backward(&mut src, BlockLinear::MlpOut, out_tiles, x, out, bf16).unwrap();
             let grad = src.tiles[BlockLinear::MlpOut as usize].pop().unwrap();
