@@ -642,6 +642,7 @@ fn backward_tasks<T: Values>(qkv: &[T], dy: &[f32], dm: Dims, blk: Blocks) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::tests::{bf16_bits_of, rounded};
     use candle_core::{Device, Var, D};
 
     /// The composed reference: heads (each key/value head repeated for its
@@ -750,28 +751,12 @@ mod tests {
         // product then needs more scratch than the probabilities).
         for (b, t, hd) in [(2, 77, 16), (2, 5, 32)] {
             let (x, _) = inputs(heads, b, t, hd);
-            let want: Vec<u16> = causal_attention(&x, heads, Products::Bf16)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .into_iter()
-                .map(zgemm::bf16_bits)
-                .collect();
+            let want = rounded(&causal_attention(&x, heads, Products::Bf16).unwrap());
             let got = causal_attention_bf16(&x, heads).unwrap();
             assert_eq!(got.dims(), &[b * t, heads.heads * hd]);
             let stride = zgemm::bf16_row_stride(heads.heads * hd);
             assert_eq!(got.layout().stride()[0], stride);
-            let got: Vec<u16> = got
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<half::bf16>()
-                .unwrap()
-                .into_iter()
-                .map(half::bf16::to_bits)
-                .collect();
-            assert_eq!(got, want, "t {t}, head size {hd}");
+            assert_eq!(bf16_bits_of(&got), want, "t {t}, head size {hd}");
         }
     }
 

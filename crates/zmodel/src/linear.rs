@@ -707,6 +707,7 @@ impl BlockSource for Whole<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::tests::{bf16_bits_of, rounded};
     use crate::ops::{gelu_backward, gelu_backward_bf16, gelu_bf16_and_slope};
     use crate::Gpt;
 
@@ -849,26 +850,17 @@ mod tests {
                     let mut src = Whole::new(&params);
                     forward(&mut src, l, tiles, x, None, Products::Bf16, store).unwrap()
                 };
-                let want: Vec<u16> = run(Store::F32)
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-                    .into_iter()
-                    .map(zgemm::bf16_bits)
-                    .collect();
+                let want = rounded(&run(Store::F32));
                 let got = run(Store::Bf16);
                 assert_eq!(got.dims(), &[rows, wide]);
                 assert!(got.is_contiguous());
-                let got: Vec<u16> = got
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<half::bf16>()
-                    .unwrap()
-                    .into_iter()
-                    .map(half::bf16::to_bits)
-                    .collect();
-                assert_eq!(got, want, "{} tiles, input {:?}", tiles.len(), x.dtype());
+                assert_eq!(
+                    bf16_bits_of(&got),
+                    want,
+                    "{} tiles, input {:?}",
+                    tiles.len(),
+                    x.dtype()
+                );
             }
         }
         let mut src = Whole::new(&params);
