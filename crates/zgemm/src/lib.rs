@@ -12,7 +12,8 @@
 //! panel streams from L2 (AVX-512's 6×64 tile reads four vectors of `B` and
 //! six broadcasts of `A` a step; its 12×32 predecessor, with two and twelve,
 //! ran 0.80-0.87x as fast in products on a Sapphire Rapids), the `A` block in
-//! L2, the `B` block in L3.
+//! L2, and the `B` block in L2 too where the f32 kernels cut its columns to
+//! fit ([`Kernel::col_block`]; the bf16 kernels' blocks sit in L3).
 //!
 //! **One result on every path.** Every kernel computes each element of `C`
 //! the same way: for each block of `KC` in order, a fused multiply-add chain
@@ -63,8 +64,31 @@ pub use bf16::{
 /// so that every path sums in the same blocks (module doc).
 pub const KC: usize = 384;
 
-/// The widest `nr` of any kernel: columns of `B` per block are a multiple.
+/// Columns of `B` per packed block of the bf16 kernels (the f32 kernels
+/// size theirs to L2: [`Kernel::col_block`]); a multiple of every `nr`.
 const NC: usize = 2048;
+
+/// Bytes of L2 a core has: sysfs's figure on Linux, else 1 MiB (most
+/// server cores of the last years have 1-2 MiB).
+fn l2_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index2/size")
+            .ok()
+            .and_then(|s| {
+                let s = s.trim();
+                let (digits, unit) = s.split_at(s.trim_end_matches(['K', 'M']).len());
+                let scale = match unit {
+                    "K" => 1 << 10,
+                    "M" => 1 << 20,
+                    _ => 1,
+                };
+                digits.parse::<usize>().ok().map(|d| d * scale)
+            })
+            .filter(|&b| b > 0)
+            .unwrap_or(1 << 20)
+    })
+}
 
 /// Bad shapes or views: which operand and what is wrong.
 #[derive(Debug, thiserror::Error)]
@@ -523,6 +547,30 @@ impl Kernel {
         }
     }
 
+    /// Columns of `B` a packed block takes in a product of `n` columns on
+    /// `threads` threads. The f32 kernels read each panel of the block from
+    /// L2 for every tile of a row block, and the whole block again at the
+    /// next row block, so each thread's share of it is cut to half of L2
+    /// (the rest for `A`'s block and `C`'s tiles): 682 columns (1 MiB) a
+    /// thread on a 2 MiB L2. Blocks of 2048 columns (3 MiB, from L3 at each
+    /// new row block) ran 0.86-0.95x as fast on one thread on a Sapphire
+    /// Rapids (2048³ and the model's products wider than 682); on two
+    /// threads, each streaming its half of the panels, the two rules
+    /// measured level. `n` is cut evenly, in a multiple of `nr · threads`
+    /// columns, so that no block is a sliver and each thread's share of
+    /// panels is the same. Which columns share a block changes no
+    /// element's sums.
+    fn col_block(self, n: usize, threads: usize) -> usize {
+        if self.is_bf16() {
+            return NC;
+        }
+        let unit = self.nr() * threads.max(1);
+        let per_thread = (l2_bytes() / 2 / (KC * 4)).clamp(64, 1024);
+        let most = (per_thread * threads.max(1)).max(unit);
+        let blocks = n.div_ceil(most).max(1);
+        n.div_ceil(blocks).next_multiple_of(unit)
+    }
+
     /// Rows of a packed `A` block (`mc × KC` floats stay in L2).
     fn mc(self) -> usize {
         self.mr() * 16
@@ -737,11 +785,12 @@ pub(crate) fn drive(
         "a product rounded as it stores is one block of depth"
     );
     let (nr, mc) = (kernel.nr(), kernel.row_block(m, threads));
+    let col_block = kernel.col_block(n, threads);
     // Taken, not borrowed: while this thread waits for the tasks, rayon may
     // run another job on it that multiplies too.
     let mut packed_b = PACKED_B.take();
-    for jc in (0..n).step_by(NC) {
-        let nc = NC.min(n - jc);
+    for jc in (0..n).step_by(col_block) {
+        let nc = col_block.min(n - jc);
         let panels = nc.div_ceil(nr);
         for pc in (0..k).step_by(KC) {
             let kc = KC.min(k - pc);

@@ -667,9 +667,16 @@ fn an_empty_depth_zeroes_or_keeps_c() {
 fn a_residual_start_gives_the_bits_of_adding_r_after_the_product() {
     // What the model did before the sum moved into the tiles: a Bias (or
     // Zero) product, then R + y in a pass of its own. Depths of one block,
-    // several, and a short last one; every kernel and thread count.
+    // several, and a short last one; columns in several blocks of them
+    // (more than 1024 on one thread: every L2 size cuts them); every kernel
+    // and thread count.
     for kernel in covered() {
-        for (m, k, n) in [(13, 40, 37), (50, 2 * KC + 7, 70), (7, KC, 16)] {
+        for (m, k, n) in [
+            (13, 40, 37),
+            (50, 2 * KC + 7, 70),
+            (7, KC, 16),
+            (9, KC + 5, 1100),
+        ] {
             let (a, b, bias, res) = (
                 random(21, m * k),
                 random(22, k * n),
@@ -1094,7 +1101,7 @@ fn grouped_column_sums(b: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// The product of `gemm_summing_b` is `gemm`'s, bit for bit, and its sums
 /// are the written-out grouping's bits, at 1-3 threads: depths that end
 /// inside a group, cross one and several depth blocks (KC), none at all;
-/// more columns than one block of them (NC); no rows of A; every start.
+/// more columns than one block of them; no rows of A; every start.
 #[test]
 fn column_sums_of_b_come_with_the_product() {
     let starts = |bias: &'static [f32]| [Start::Zero, Start::Bias(bias), Start::Keep];
