@@ -13,7 +13,7 @@
 //! six broadcasts of `A` a step; its 12×32 predecessor, with two and twelve,
 //! ran 0.80-0.87x as fast in products on a Sapphire Rapids), the `A` block in
 //! L2, and the `B` block in L2 too where the f32 kernels cut its columns to
-//! fit ([`Kernel::col_block`]; the bf16 kernels' blocks sit in L3).
+//! fit (`Kernel::col_block`; the bf16 kernels' blocks sit in L3).
 //!
 //! **One result on every path.** Every kernel computes each element of `C`
 //! the same way: for each block of `KC` in order, a fused multiply-add chain
