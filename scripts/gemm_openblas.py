@@ -5,6 +5,10 @@ beside its zgemm rows in one sitting:
     OPENBLAS_NUM_THREADS=1 python3 scripts/gemm_openblas.py
     OPENBLAS_NUM_THREADS=2 python3 scripts/gemm_openblas.py
 
+On a CPU with AVX-512, OPENBLAS_CORETYPE=Haswell makes OpenBLAS run its
+AVX2 kernel: the figure to set beside zgemm's `Avx2` column on the same
+machine.
+
 Shapes are m x k x n; "tn" reads A transposed (a weight gradient x^T.dy), "nt"
 reads B transposed (an input gradient dy.W^T), as the model does. Prints the
 best of several calls in GFLOP/s. Needs numpy (pip install numpy).
