@@ -68,26 +68,38 @@ pub const KC: usize = 384;
 /// size theirs to L2: [`Kernel::col_block`]); a multiple of every `nr`.
 const NC: usize = 2048;
 
-/// Bytes of L2 a core has: sysfs's figure on Linux, else 1 MiB (most
-/// server cores of the last years have 1-2 MiB).
+/// Bytes of L2 a core has: sysfs's level-2 cache of CPU 0 on Linux, else
+/// 1 MiB (most server cores of the last years have 1-2 MiB).
 fn l2_bytes() -> usize {
     static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BYTES.get_or_init(|| {
-        std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index2/size")
-            .ok()
-            .and_then(|s| {
-                let s = s.trim();
-                let (digits, unit) = s.split_at(s.trim_end_matches(['K', 'M']).len());
-                let scale = match unit {
-                    "K" => 1 << 10,
-                    "M" => 1 << 20,
-                    _ => 1,
-                };
-                digits.parse::<usize>().ok().map(|d| d * scale)
+        let dir = "/sys/devices/system/cpu/cpu0/cache";
+        (0..8)
+            .find_map(|i| {
+                let read = |f: &str| std::fs::read_to_string(format!("{dir}/index{i}/{f}")).ok();
+                (read("level")?.trim() == "2" && read("type")?.trim() != "Instruction")
+                    .then(|| cache_size(&read("size")?))
+                    .flatten()
             })
-            .filter(|&b| b > 0)
             .unwrap_or(1 << 20)
     })
+}
+
+/// A sysfs cache size (`2048K`, `1M`, `512`) in bytes; `None` if it is not one.
+fn cache_size(text: &str) -> Option<usize> {
+    let text = text.trim();
+    let (digits, unit) = text.split_at(text.trim_end_matches(['K', 'M']).len());
+    let scale = match unit {
+        "K" => 1 << 10,
+        "M" => 1 << 20,
+        "" => 1,
+        _ => return None,
+    };
+    digits
+        .parse::<usize>()
+        .ok()
+        .map(|d| d * scale)
+        .filter(|&b| b > 0)
 }
 
 /// Bad shapes or views: which operand and what is wrong.

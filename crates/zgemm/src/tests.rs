@@ -1224,3 +1224,15 @@ fn bf16_products_rounded_as_they_store_give_the_rounded_bits_of_the_f32_product(
         }
     }
 }
+
+#[test]
+fn sysfs_cache_sizes_read_as_bytes() {
+    assert_eq!(cache_size("2048K\n"), Some(2 << 20));
+    assert_eq!(cache_size("1M"), Some(1 << 20));
+    assert_eq!(cache_size("512"), Some(512));
+    for bad in ["", "K", "0K", "2G", "12x4K"] {
+        assert_eq!(cache_size(bad), None, "{bad:?}");
+    }
+    // Whatever this machine says, the figure the blocking uses is a size.
+    assert!(l2_bytes() >= 1 << 10);
+}
