@@ -11,7 +11,7 @@
 
 /// One tile's work.
 pub(crate) struct Tile {
-    /// Rank-1 updates (`≤ KC`).
+    /// Rank-1 updates (a block's depth, `≤ DEEP_KC`).
     pub(crate) k: usize,
     /// The `A` panel: element `(i, p)` at `a + i·a_rs + p·a_cs` (packed:
     /// `(1, mr)`; read in place from a row-major `A`: `(row stride, 1)`, or

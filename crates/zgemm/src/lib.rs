@@ -13,14 +13,16 @@
 //! six broadcasts of `A` a step; its 12×32 predecessor, with two and twelve,
 //! ran 0.80-0.87x as fast in products on a Sapphire Rapids), the `A` block in
 //! L2, and the `B` block in L2 too where the f32 kernels cut its columns to
-//! fit (`Kernel::col_block`; the bf16 kernels' blocks sit in L3).
+//! fit (`Kernel::col_block`; the bf16 kernels' blocks sit in L3). A product
+//! whose `C` outgrows L2 and whose `A` is read in place takes deeper blocks
+//! (`depth_block`): each block is a pass over `C`.
 //!
 //! **One result on every path.** Every kernel computes each element of `C`
-//! the same way: for each block of `KC` in order, a fused multiply-add chain
+//! the same way: for each block of depth in order, a fused multiply-add chain
 //! over `p` starting from zero, then `c = α·acc` (first block, or `bias + α·acc`)
 //! or `c = c + α·acc` (a plain multiply and add), and after the last block
-//! `c = r + c` where a residual `R` is given. Since `KC` is shared and
-//! threads split only `M` and `N`, the AVX-512, AVX2 and portable kernels and
+//! `c = r + c` where a residual `R` is given. Since the blocks depend on the
+//! shapes alone and threads split only `M` and `N`, the AVX-512, AVX2 and portable kernels and
 //! every thread count give the same bits: a job's numbers do not depend on the
 //! CPU it ran on, and the portable kernel is the reference the SIMD ones are
 //! tested against bit for bit.
@@ -67,6 +69,33 @@ pub const KC: usize = 384;
 /// Columns of `B` per packed block of the bf16 kernels (the f32 kernels
 /// size theirs to L2: [`Kernel::col_block`]); a multiple of every `nr`.
 const NC: usize = 2048;
+
+/// The deepest block a product whose `C` is larger than [`DEEP_C_BYTES`]
+/// takes (f32 kernels, `A` read in place).
+const DEEP_KC: usize = 1024;
+
+/// `C`'s size above which its passes cost: each block of depth loads and
+/// stores every tile of `C`, from memory once `C` outgrows L2 (2 MiB a core
+/// on the Sapphire Rapids measured). A constant, not the machine's L2: the
+/// blocks decide the bits, and a job's bits must not depend on its CPU.
+const DEEP_C_BYTES: usize = 2 << 20;
+
+/// The depth of a product's blocks, the same for every f32 kernel and
+/// thread count (module doc). [`KC`], but where `C` is large and `A`'s rows
+/// are read in place (no packing that a deeper block would make longer),
+/// up to [`DEEP_KC`], split evenly: fewer passes over `C`. Measured on a
+/// Sapphire Rapids, call by call against `KC` (medians): 2048³ +1-8% on one
+/// thread, the 2048 × 1536 · 1536 × 384 products (an MLP's second layer, and
+/// its input gradient read transposed) +4-14% on two, the model's other
+/// shapes level; a transposed `A` (packed, the weight gradients) lost
+/// 2-22% with deeper blocks, and keeps `KC`. The bf16 kernels keep `KC`
+/// pairs.
+fn depth_block(kernel: Kernel, m: usize, n: usize, k: usize, a_rows_in_place: bool) -> usize {
+    if kernel.is_bf16() || !a_rows_in_place || m * n * 4 <= DEEP_C_BYTES {
+        return KC;
+    }
+    k.div_ceil(k.div_ceil(DEEP_KC)).next_multiple_of(SUM_GROUP)
+}
 
 /// Bytes of L2 a core has: sysfs's level-2 cache of CPU 0 on Linux, else
 /// 1 MiB (most server cores of the last years have 1-2 MiB).
@@ -563,8 +592,8 @@ impl Kernel {
     /// `threads` threads. The f32 kernels read each panel of the block from
     /// L2 for every tile of a row block, and the whole block again at the
     /// next row block, so each thread's share of it is cut to half of L2
-    /// (the rest for `A`'s block and `C`'s tiles): 682 columns (1 MiB) a
-    /// thread on a 2 MiB L2. Blocks of 2048 columns (3 MiB, from L3 at each
+    /// (the rest for `A`'s block and `C`'s tiles): 682 columns of a
+    /// 384-deep block (1 MiB) a thread on a 2 MiB L2. Blocks of 2048 columns (3 MiB, from L3 at each
     /// new row block) ran 0.86-0.95x as fast on one thread on a Sapphire
     /// Rapids (2048³ and the model's products wider than 682); on two
     /// threads, each streaming its half of the panels, the two rules
@@ -573,12 +602,12 @@ impl Kernel {
     /// panels is the same. Which columns share a block changes no
     /// element's sums. (The bf16 kernels keep [`NC`]: cut the same way,
     /// AMX ran 0.90-0.95x as fast on one thread.)
-    fn col_block(self, n: usize, threads: usize) -> usize {
+    fn col_block(self, n: usize, threads: usize, depth: usize) -> usize {
         if self.is_bf16() {
             return NC;
         }
         let unit = self.nr() * threads.max(1);
-        let per_thread = (l2_bytes() / 2 / (KC * 4)).clamp(64, 1024);
+        let per_thread = (l2_bytes() / 2 / (depth * 4)).clamp(64, 1024);
         let most = (per_thread * threads.max(1)).max(unit);
         let blocks = n.div_ceil(most).max(1);
         n.div_ceil(blocks).next_multiple_of(unit)
@@ -798,16 +827,20 @@ pub(crate) fn drive(
         "a product rounded as it stores is one block of depth"
     );
     let (nr, mc) = (kernel.nr(), kernel.row_block(m, threads));
-    let col_block = kernel.col_block(n, threads);
+    let depth = match rounded {
+        Some(_) => KC,
+        None => depth_block(kernel, m, n, k, a.cs == 1),
+    };
+    let col_block = kernel.col_block(n, threads, depth);
     // Taken, not borrowed: while this thread waits for the tasks, rayon may
     // run another job on it that multiplies too.
     let mut packed_b = PACKED_B.take();
     for jc in (0..n).step_by(col_block) {
         let nc = col_block.min(n - jc);
         let panels = nc.div_ceil(nr);
-        for pc in (0..k).step_by(KC) {
-            let kc = KC.min(k - pc);
-            let b_block = &mut aligned(&mut packed_b, panels * nr * KC)[..panels * nr * kc];
+        for pc in (0..k).step_by(depth) {
+            let kc = depth.min(k - pc);
+            let b_block = &mut aligned(&mut packed_b, panels * nr * depth)[..panels * nr * kc];
             // Each thread packs a run of whole panels (rows of B read along,
             // see pack_b_panels).
             let run = panels.div_ceil(threads) * nr * kc;
@@ -1235,7 +1268,7 @@ impl Pass<'_> {
         let mut scratch = std::mem::MaybeUninit::<ScratchTile>::uninit();
         let scratch_ptr = scratch.as_mut_ptr().cast::<f32>();
         let tall = mlen.div_ceil(mr);
-        let packed_a = aligned(&mut packed_a_buf, tall * mr * KC);
+        let packed_a = aligned(&mut packed_a_buf, tall * mr * kc);
         // Whole panels of A are read in place where the kernel can take A's
         // strides; the rest are packed.
         // (AMX's kernel reads whole panels of A, whose rows gemm_bf16 pads.)
@@ -1432,7 +1465,7 @@ fn pack_b_panels(
         if let Some((group, sums)) = sums.as_mut() {
             let row = &row[j0..j1];
             group.iter_mut().zip(row).for_each(|(g, v)| *g += v);
-            // Groups start at row 0 and KC is a multiple of SUM_GROUP: a
+            // Groups start at row 0 and blocks are multiples of SUM_GROUP: a
             // block ends a group, its last row the last group.
             if (p0 + p + 1).is_multiple_of(SUM_GROUP) || p + 1 == kc {
                 sums.iter_mut().zip(group.iter_mut()).for_each(|(s, g)| {

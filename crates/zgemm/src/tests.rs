@@ -186,6 +186,43 @@ fn every_kernel_and_thread_count_gives_the_portable_kernels_bits() {
     }
 }
 
+/// A product whose `C` outgrows [`DEEP_C_BYTES`] takes deeper blocks, and
+/// every f32 kernel and thread count still gives the portable kernel's bits
+/// (A row-major, so the deep rule applies; B read either way); a transposed
+/// `A` keeps [`KC`].
+#[test]
+fn deep_blocks_give_the_portable_kernels_bits_on_every_kernel() {
+    let (m, n, k) = (1024, 520, 1100);
+    assert!(m * n * 4 > DEEP_C_BYTES);
+    assert_eq!(depth_block(Kernel::Portable, m, n, k, true), 560);
+    assert_eq!(depth_block(Kernel::Avx2, m, n, 2048, true), DEEP_KC);
+    assert_eq!(depth_block(Kernel::Portable, m, n, k, false), KC);
+    assert_eq!(depth_block(Kernel::Portable, 384, 1152, 2048, true), KC);
+    let f32_kernels: Vec<Kernel> = covered().into_iter().filter(|k| !k.is_bf16()).collect();
+    for b_t in [false, true] {
+        let case = Case {
+            m,
+            n,
+            k,
+            a_t: false,
+            b_t,
+        };
+        for start in ["keep", "residual"] {
+            let want = run(Kernel::Portable, case, start, 0.75, 1);
+            for &kernel in &f32_kernels {
+                for threads in [1, 2] {
+                    let got = run(kernel, case, start, 0.75, threads);
+                    let same = want
+                        .iter()
+                        .zip(&got)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{kernel:?} {case:?} {start} on {threads} threads");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn the_portable_kernel_is_within_the_rounding_bound_of_an_f64_product() {
     within_the_f64_bound(Kernel::Portable, |x| x);
@@ -1100,7 +1137,8 @@ fn grouped_column_sums(b: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 
 /// The product of `gemm_summing_b` is `gemm`'s, bit for bit, and its sums
 /// are the written-out grouping's bits, at 1-3 threads: depths that end
-/// inside a group, cross one and several depth blocks (KC), none at all;
+/// inside a group, cross one and several depth blocks (KC, and deeper
+/// ones), none at all;
 /// more columns than one block of them; no rows of A; every start.
 #[test]
 fn column_sums_of_b_come_with_the_product() {
@@ -1115,6 +1153,8 @@ fn column_sums_of_b_come_with_the_product() {
         (0, 9, 70),
         (5, 9, 0),
         (40, 16, KC * 2 + 35),
+        // Deep blocks (C over DEEP_C_BYTES): 2 of 560 rows.
+        (1024, 520, 1100),
     ] {
         let (a, b) = (random(1, m * k), random(2, k * n));
         let want_sums = grouped_column_sums(&b, k, n);
