@@ -564,7 +564,6 @@ mod x86 {
         unsafe { store_wide(t, &acc) }
     }
 
-
     /// 12×32 bf16 products with AVX512_BF16: as [`avx512`], with each
     /// 4-byte element of `A` and `B` a pair of bf16 values (see
     /// [`portable_bf16`]) and `vdpbf16ps` for the FMA.

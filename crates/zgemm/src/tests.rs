@@ -172,17 +172,22 @@ fn every_kernel_and_thread_count_gives_the_portable_kernels_bits() {
     for kernel in covered() {
         for case in CASES {
             for start in STARTS {
-                let want = run(Kernel::Portable, case, start, 0.75, 1);
-                for threads in [1, 2, 3] {
-                    let got = run(kernel, case, start, 0.75, threads);
-                    let same = want
-                        .iter()
-                        .zip(&got)
-                        .all(|(x, y)| x.to_bits() == y.to_bits());
-                    assert!(same, "{kernel:?} {case:?} {start} on {threads} threads");
-                }
+                assert_portable_bits(kernel, case, start, &[1, 2, 3]);
             }
         }
+    }
+}
+
+/// `kernel` on each of `threads` gives the portable kernel's bits on one.
+fn assert_portable_bits(kernel: Kernel, case: Case, start: &str, threads: &[usize]) {
+    let want = run(Kernel::Portable, case, start, 0.75, 1);
+    for &threads in threads {
+        let got = run(kernel, case, start, 0.75, threads);
+        let same = want
+            .iter()
+            .zip(&got)
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{kernel:?} {case:?} {start} on {threads} threads");
     }
 }
 
@@ -208,16 +213,8 @@ fn deep_blocks_give_the_portable_kernels_bits_on_every_kernel() {
             b_t,
         };
         for start in ["keep", "residual"] {
-            let want = run(Kernel::Portable, case, start, 0.75, 1);
             for &kernel in &f32_kernels {
-                for threads in [1, 2] {
-                    let got = run(kernel, case, start, 0.75, threads);
-                    let same = want
-                        .iter()
-                        .zip(&got)
-                        .all(|(x, y)| x.to_bits() == y.to_bits());
-                    assert!(same, "{kernel:?} {case:?} {start} on {threads} threads");
-                }
+                assert_portable_bits(kernel, case, start, &[1, 2]);
             }
         }
     }
