@@ -99,7 +99,12 @@ fn zero_memory_and_volume_follow_the_paper_at_4_workers() {
 
 /// bf16 and f16 training of configs/tiny.yaml ends within 2% of f32's loss
 /// after the same steps (the mean of the last 5, so one batch's noise does not
-/// decide it). Measured: bf16 and f16 both within 0.3%.
+/// decide it), at a learning rate of 5e-4. At tiny.yaml's own 2e-3 a loss
+/// spike near the end of warmup can send f32 and bf16 down different paths:
+/// with one version of this repository's sources as data, f32's gradient
+/// norm reached 7.5 at step 24 where bf16's stayed at 3.0, and bf16 ended
+/// 2.1% below f32, which says nothing about bf16's precision. Measured at
+/// 5e-4 on two versions of the sources: bf16 within 0.05%, f16 within 0.01%.
 ///
 /// f16 starts at scale 2^12 so that no step overflows: at the default 2^16 the
 /// first two steps overflow and are skipped, the schedule waits for them, and
@@ -116,6 +121,7 @@ fn mixed_precision_tiny_run_stays_within_2_percent_of_f32() {
         let m = dir.path().join(format!("{dtype}.jsonl"));
         let f = TrainArgs::new("configs/tiny.yaml", &m)
             .set("train.steps=60")
+            .set("train.lr=5.0e-4")
             .set(format!("train.dtype={dtype}"))
             .set("train.loss_scale.initial_scale_power=12")
             .run(&root);
