@@ -22,10 +22,10 @@
 //! over `p` starting from zero, then `c = α·acc` (first block, or `bias + α·acc`)
 //! or `c = c + α·acc` (a plain multiply and add), and after the last block
 //! `c = r + c` where a residual `R` is given. Since the blocks depend on the
-//! shapes alone and threads split only `M` and `N`, the AVX-512, AVX2 and portable kernels and
-//! every thread count give the same bits: a job's numbers do not depend on the
-//! CPU it ran on, and the portable kernel is the reference the SIMD ones are
-//! tested against bit for bit.
+//! shapes alone and threads split only `M` and `N`, the AVX-512, AVX2 and
+//! portable kernels and every thread count give the same bits: a job's
+//! numbers do not depend on the CPU it ran on, and the portable kernel is
+//! the reference the SIMD ones are tested against bit for bit.
 //!
 //! **Threads** (rayon, in the caller's pool) take blocks of `A`'s rows (and,
 //! when there are few, ranges of `B`'s panels); the packed `B` block is shared.
@@ -593,9 +593,9 @@ impl Kernel {
     /// L2 for every tile of a row block, and the whole block again at the
     /// next row block, so each thread's share of it is cut to half of L2
     /// (the rest for `A`'s block and `C`'s tiles): 682 columns of a
-    /// 384-deep block (1 MiB) a thread on a 2 MiB L2. Blocks of 2048 columns (3 MiB, from L3 at each
-    /// new row block) ran 0.86-0.95x as fast on one thread on a Sapphire
-    /// Rapids (2048³ and the model's products wider than 682); on two
+    /// 384-deep block (1 MiB) a thread on a 2 MiB L2. Blocks of 2048
+    /// columns (3 MiB, from L3 at each new row block) ran 0.86-0.95x as fast
+    /// on one thread on a Sapphire Rapids (2048³ and the model's products wider than 682); on two
     /// threads, each streaming its half of the panels, the two rules
     /// measured level. `n` is cut evenly, in a multiple of `nr · threads`
     /// columns, so that no block is a sliver and each thread's share of
@@ -827,10 +827,7 @@ pub(crate) fn drive(
         "a product rounded as it stores is one block of depth"
     );
     let (nr, mc) = (kernel.nr(), kernel.row_block(m, threads));
-    let depth = match rounded {
-        Some(_) => KC,
-        None => depth_block(kernel, m, n, k, a.cs == 1),
-    };
+    let depth = depth_block(kernel, m, n, k, a.cs == 1);
     let col_block = kernel.col_block(n, threads, depth);
     // Taken, not borrowed: while this thread waits for the tasks, rayon may
     // run another job on it that multiplies too.

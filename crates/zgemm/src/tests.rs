@@ -1135,8 +1135,8 @@ fn grouped_column_sums(b: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// The product of `gemm_summing_b` is `gemm`'s, bit for bit, and its sums
 /// are the written-out grouping's bits, at 1-3 threads: depths that end
 /// inside a group, cross one and several depth blocks (KC, and deeper
-/// ones), none at all;
-/// more columns than one block of them; no rows of A; every start.
+/// ones), none at all; more columns than one block of them; no rows of A;
+/// every start.
 #[test]
 fn column_sums_of_b_come_with_the_product() {
     let starts = |bias: &'static [f32]| [Start::Zero, Start::Bias(bias), Start::Keep];
