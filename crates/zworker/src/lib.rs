@@ -8,6 +8,8 @@
 //! - [`control`]: the authenticated control connection, key-value store calls,
 //!   heartbeats, and the abort path.
 //! - [`train`]: the training loop around the engine.
+//! - [`awake`]: the compute pool's other threads wait for work awake while
+//!   it runs.
 //! - [`checkpoint`]: writing a checkpoint (shards, then the manifest).
 //! - [`bench`](mod@bench): `zrun bench comm`'s measurements.
 //! - [`kernels`]: `zrun bench kernels`'s measurements.
@@ -20,6 +22,7 @@
 
 #![deny(missing_docs)]
 
+pub mod awake;
 pub mod bench;
 pub mod checkpoint;
 pub mod control;
@@ -161,8 +164,12 @@ fn run_task(
                     .collect(),
             );
             let groups = zengine::ProcessGroups { world: comm, hpz };
-            rayon::scope(|_| train::train(&t.spec, t.resume.as_deref(), env, nodes, groups, client))
-                .map_err(|e| gpu::with_memory_hint(e, &t.spec, env.world_size))
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            rayon::scope(|s| {
+                let _awake = awake::KeepAwake::start(s, &stop);
+                train::train(&t.spec, t.resume.as_deref(), env, nodes, groups, client)
+            })
+            .map_err(|e| gpu::with_memory_hint(e, &t.spec, env.world_size))
         }
         Task::BenchComm(b) => bench::bench_comm(&b, comm, env, client).map(|()| Ended::Done),
         Task::BenchKernels { .. } => unreachable!("handled before connecting"),
