@@ -519,7 +519,7 @@ impl Engine {
             None => {
                 let params = &self.groups[g].params;
                 let values = if self.weights_in_bf16(g) {
-                    params.clone()
+                    params.parallel_copy()
                 } else {
                     Flat::F32(params.to_f32(0..params.len()))
                 };
