@@ -18,9 +18,12 @@
 //!
 //! The GEMMs are zgemm's: the forward's bias is its starting value (no second
 //! pass over `y`), tiles write their columns of `y` in place, and `dy_t` and
-//! `Wᵀ` are strided views (no copies). Under bf16 products the backward
-//! rounds `dy` once, with its column sums (the bias gradient) in the same
-//! pass, and both products read that bf16 copy; the norms and GELU before
+//! `Wᵀ` are strided views (no copies). The backward runs a tile's two
+//! products, `dW_t` and `dx`'s, side by side on the pool, so that a thread
+//! waiting inside one works on the other (the f32 step on 1 worker × 2
+//! threads 1.03x, its idle samples 6.3% → 4.6%). Under bf16 products the
+//! backward rounds `dy` once, with its column sums (the bias gradient) in the
+//! same pass, and both products read that bf16 copy; the norms and GELU before
 //! the layers write their outputs in bf16 for the same reason
 //! ([`crate::ops::layer_norm_bf16`]). Autograd cannot follow zgemm, so
 //! tensors that it tracks (the reference that tests compare the explicit
@@ -381,7 +384,7 @@ pub(crate) fn backward<S: BlockSource>(
         let weight = p.weight.contiguous()?;
         let w = cols.len();
         let mut dw = uninit_floats(inputs * w);
-        let mut bias_sums = None;
+        let bias_sums;
         {
             let (xs, xl) = x.storage_and_layout();
             let (ws, wl) = weight.storage_and_layout();
@@ -390,51 +393,67 @@ pub(crate) fn backward<S: BlockSource>(
             // dW = xᵀ·dy_t, and under f32 products the bias gradient (dy_t's
             // column sums) as the product packs dy_t: `column_sums`' bits
             // without a pass of its own over dy.
-            let dw_c = MatMut::uninit(&mut dw, inputs, w, w).map_err(shape)?;
             let xt = Input::of(&xs, xl, rows, inputs)?.t();
-            match (&p.bias, xt, dy_cols(cols.start, w)?) {
-                (Some(_), Input::F32(xt), Input::F32(dy_t)) if products == Products::F32 => {
-                    let mut sums = vec![0f32; w];
-                    zgemm::gemm_summing_b(dw_c, xt, dy_t, 1.0, Start::Zero, threads, &mut sums)
-                        .map_err(shape)?;
-                    bias_sums = Some(sums);
+            let has_bias = p.bias.is_some();
+            let weight_grad = || -> candle_core::Result<Option<Vec<f32>>> {
+                let dw_c = MatMut::uninit(&mut dw, inputs, w, w).map_err(shape)?;
+                match (has_bias, xt, dy_cols(cols.start, w)?) {
+                    (true, Input::F32(xt), Input::F32(dy_t)) if products == Products::F32 => {
+                        let mut sums = vec![0f32; w];
+                        zgemm::gemm_summing_b(dw_c, xt, dy_t, 1.0, Start::Zero, threads, &mut sums)
+                            .map_err(shape)?;
+                        Ok(Some(sums))
+                    }
+                    (_, xt, dy_t) => {
+                        multiply(products, dw_c, xt, dy_t, Start::Zero, threads)?;
+                        Ok(None)
+                    }
                 }
-                (_, xt, dy_t) => multiply(products, dw_c, xt, dy_t, Start::Zero, threads)?,
-            }
+            };
             // dx += dy_t·Wᵀ, a chunk of DX_CHUNK columns at a time, in order
             // (on AMX one product of them all: the same bits, module doc).
             let chunk = match products {
                 Products::F32 => DX_CHUNK,
                 Products::Bf16 => w.max(1),
             };
-            for c0 in (0..w).step_by(chunk) {
-                let c = chunk.min(w - c0);
-                let a = dy_cols(cols.start + c0, c)?;
-                let b = wm.sub_cols(c0, c0 + c).t();
-                match dx.as_mut() {
-                    Some(dx) => multiply(
-                        products,
-                        MatMut::row_major(dx, rows, inputs).map_err(shape)?,
-                        a,
-                        b,
-                        Start::Keep,
-                        threads,
-                    )?,
-                    None => {
-                        let mut fresh = uninit_floats(rows * inputs);
-                        multiply(
+            // Side by side: each product still spreads over every thread, and
+            // a thread that waits inside one (its packing, its last tasks)
+            // takes the other's tasks meanwhile. Neither reads what the other
+            // writes, and each product's bits do not depend on its threads.
+            let input_grad = || -> candle_core::Result<()> {
+                for c0 in (0..w).step_by(chunk) {
+                    let c = chunk.min(w - c0);
+                    let a = dy_cols(cols.start + c0, c)?;
+                    let b = wm.sub_cols(c0, c0 + c).t();
+                    match dx.as_mut() {
+                        Some(dx) => multiply(
                             products,
-                            MatMut::uninit(&mut fresh, rows, inputs, inputs).map_err(shape)?,
+                            MatMut::row_major(dx, rows, inputs).map_err(shape)?,
                             a,
                             b,
-                            Start::Zero,
+                            Start::Keep,
                             threads,
-                        )?;
-                        // SAFETY: a Zero start wrote every element.
-                        dx = Some(unsafe { assume_init(fresh) });
+                        )?,
+                        None => {
+                            let mut fresh = uninit_floats(rows * inputs);
+                            multiply(
+                                products,
+                                MatMut::uninit(&mut fresh, rows, inputs, inputs).map_err(shape)?,
+                                a,
+                                b,
+                                Start::Zero,
+                                threads,
+                            )?;
+                            // SAFETY: a Zero start wrote every element.
+                            dx = Some(unsafe { assume_init(fresh) });
+                        }
                     }
                 }
-            }
+                Ok(())
+            };
+            let (sums, done) = rayon::join(weight_grad, input_grad);
+            bias_sums = sums?;
+            done?;
         }
         let bias = match (&p.bias, &rounded, bias_sums) {
             (Some(_), Some(r), _) => Some(Tensor::from_slice(
