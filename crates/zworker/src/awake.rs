@@ -61,8 +61,14 @@ impl Drop for KeepAwake<'_> {
     }
 }
 
+/// Threads inside [`wait_awake`] (the test watches its job start and end).
+#[cfg(test)]
+static WAITING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// Runs the pool's jobs as they come until `stop`.
 fn wait_awake(stop: &AtomicBool) {
+    #[cfg(test)]
+    WAITING.fetch_add(1, Ordering::SeqCst);
     let mut idle_since = Instant::now();
     while !stop.load(Ordering::Acquire) {
         if rayon::yield_now() == Some(rayon::Yield::Executed) {
@@ -73,6 +79,8 @@ fn wait_awake(stop: &AtomicBool) {
             std::thread::sleep(NAP);
         }
     }
+    #[cfg(test)]
+    WAITING.fetch_sub(1, Ordering::SeqCst);
 }
 
 #[cfg(test)]
@@ -80,11 +88,32 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
 
-    /// Regions still run on both threads while the other waits in its job,
-    /// and the scope ends once the guard is dropped, also by a panic (a job
-    /// left waiting would hang the worker).
+    /// The other thread of a 2-thread pool enters the waiting job (and the
+    /// training thread does not), regions still reach that thread, which
+    /// only `yield_now` inside the job can give it, and the job ends once
+    /// the guard is dropped, also by a panic (a job left waiting would hang
+    /// the worker). Run on a thread of its own with a deadline, so that a
+    /// hang fails the test instead of stalling the run.
     #[test]
-    fn regions_run_on_both_threads_and_the_scope_ends_with_the_guard() {
+    fn the_other_thread_waits_in_its_job_takes_regions_and_ends_with_the_guard() {
+        let (done, finished) = std::sync::mpsc::channel();
+        let exercising = std::thread::spawn(move || {
+            exercise();
+            done.send(()).unwrap();
+        });
+        match finished.recv_timeout(Duration::from_secs(60)) {
+            Ok(()) => {}
+            // The exercise panicked: report its own message.
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                std::panic::resume_unwind(exercising.join().unwrap_err())
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                panic!("the pool's scope did not end within 60 s of the guard's drop")
+            }
+        }
+    }
+
+    fn exercise() {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
             .build()
@@ -95,6 +124,11 @@ mod tests {
             let me = rayon::current_thread_index();
             rayon::scope(|s| {
                 let _awake = KeepAwake::start(s, &stop);
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while WAITING.load(Ordering::SeqCst) != 1 {
+                    assert!(Instant::now() < deadline, "no thread entered the job");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
                 for _ in 0..200 {
                     rayon::join(
                         || std::thread::sleep(Duration::from_micros(300)),
@@ -108,9 +142,14 @@ mod tests {
             })
         });
         assert!(stop.load(Ordering::Acquire));
+        assert_eq!(
+            WAITING.load(Ordering::SeqCst),
+            0,
+            "the job outlived its scope"
+        );
         assert!(
             on_other.load(Ordering::Relaxed) > 0,
-            "the waiting thread never took a job"
+            "the waiting thread never took a region's work"
         );
 
         let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -123,5 +162,6 @@ mod tests {
         }));
         assert!(unwound.is_err(), "the panic went through");
         assert!(stop.load(Ordering::Acquire));
+        assert_eq!(WAITING.load(Ordering::SeqCst), 0);
     }
 }
