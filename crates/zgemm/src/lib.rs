@@ -88,13 +88,23 @@ const DEEP_C_BYTES: usize = 2 << 20;
 /// thread, the 2048 × 1536 · 1536 × 384 products (an MLP's second layer, and
 /// its input gradient read transposed) +4-14% on two, the model's other
 /// shapes level; a transposed `A` (packed, the weight gradients) lost
-/// 2-22% with deeper blocks, and keeps `KC`. The bf16 kernels keep `KC`
-/// pairs.
+/// 2-22% with deeper blocks, and keeps `KC`.
+///
+/// AMX takes blocks of up to [`DEEP_KC`] pairs, split evenly, on every
+/// product: its tiles start from `C` in their registers, so a pass that
+/// adds into `C` costs a load of every tile before the first step (which
+/// the tile's prefetches cannot hide) where one pass stores it only. The
+/// model's products of depth 1536 and 2048 (768 and 1024 pairs) run in one
+/// pass. The AVX512_BF16 kernel keeps `KC` pairs.
 fn depth_block(kernel: Kernel, m: usize, n: usize, k: usize, a_rows_in_place: bool) -> usize {
+    let deep = k.div_ceil(k.div_ceil(DEEP_KC)).next_multiple_of(SUM_GROUP);
+    if kernel == Kernel::AmxBf16 {
+        return deep;
+    }
     if kernel.is_bf16() || !a_rows_in_place || m * n * 4 <= DEEP_C_BYTES {
         return KC;
     }
-    k.div_ceil(k.div_ceil(DEEP_KC)).next_multiple_of(SUM_GROUP)
+    deep
 }
 
 /// Bytes of L2 a core has: sysfs's level-2 cache of CPU 0 on Linux, else
@@ -1197,8 +1207,10 @@ fn multiply_packed(
         return Ok(());
     };
     let (m, n, k, nr) = (c.rows, c.cols, a.cols, kernel.nr());
-    for pc in (0..k).step_by(KC) {
-        let kc = KC.min(k - pc);
+    // The blocks of the unpacked product, whose bits these are.
+    let step = depth_block(kernel, m, n, k, a.cs == 1);
+    for pc in (0..k).step_by(step) {
+        let kc = step.min(k - pc);
         let pass = Pass {
             kernel,
             c: SendPtr(c.ptr),
