@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use zconfig::ZeroStage;
 
-use crate::adam::{adamw, AdamStep, Buffers, Grads};
+use crate::adam::{adamw_runs, AdamStep, Buffers, Grads};
 use crate::flat::GroupLayout;
 use crate::precision::{Flat, Half};
 
@@ -183,7 +183,7 @@ impl Group {
         } = self;
         let m_all: &mut [f32] = swapped.exp_avg.unwrap_or(exp_avg);
         let v_all: &mut [f32] = swapped.exp_avg_sq.unwrap_or(exp_avg_sq);
-        let mut master_all: Option<&mut [f32]> = swapped.master.or(master.as_deref_mut());
+        let master_all: Option<&mut [f32]> = swapped.master.or(master.as_deref_mut());
         let mut p_all = match (swapped.params, params) {
             (Some(bytes), Flat::F32(_)) => ParamsMut::F32(bytemuck::cast_slice_mut(bytes)),
             (Some(bytes), Flat::Half(h, _)) => ParamsMut::Half(*h, bytemuck::cast_slice_mut(bytes)),
@@ -196,34 +196,40 @@ impl Group {
             (None, Flat::F32(v)) => Grads::F32(v),
             (None, Flat::Half(h, v)) => Grads::Half(*h, v),
         };
+        let shift = |off: usize| range.start - off..range.end - off;
+        let g = match g_all {
+            Grads::F32(v) => Grads::F32(&v[shift(g_off)]),
+            Grads::Half(h, v) => Grads::Half(h, &v[shift(g_off)]),
+        };
+        let (m, v) = (&mut m_all[shift(m_off)], &mut v_all[shift(m_off)]);
+        let whole = match (master_all, &mut p_all) {
+            (Some(master), ParamsMut::Half(h, w)) => Buffers {
+                p: &mut master[shift(m_off)],
+                g,
+                m,
+                v,
+                working: Some((*h, &mut w[shift(p_off)])),
+            },
+            (_, ParamsMut::F32(p)) => Buffers {
+                p: &mut p[shift(p_off)],
+                g,
+                m,
+                v,
+                working: None,
+            },
+            (None, ParamsMut::Half(..)) => {
+                unreachable!("16-bit parameters always have a master copy")
+            }
+        };
+        // The range cut at its parameters' edges, each decayed or not.
+        let mut rest = whole;
+        let mut runs = Vec::new();
         for (r, decay) in layout.decay_runs(range) {
-            let shift = |off: usize| r.start - off..r.end - off;
-            let g = match g_all {
-                Grads::F32(v) => Grads::F32(&v[shift(g_off)]),
-                Grads::Half(h, v) => Grads::Half(h, &v[shift(g_off)]),
-            };
-            let (m, v) = (&mut m_all[shift(m_off)], &mut v_all[shift(m_off)]);
-            let buffers = match (master_all.as_deref_mut(), &mut p_all) {
-                (Some(master), ParamsMut::Half(h, w)) => Buffers {
-                    p: &mut master[shift(m_off)],
-                    g,
-                    m,
-                    v,
-                    working: Some((*h, &mut w[shift(p_off)])),
-                },
-                (_, ParamsMut::F32(p)) => Buffers {
-                    p: &mut p[shift(p_off)],
-                    g,
-                    m,
-                    v,
-                    working: None,
-                },
-                (None, ParamsMut::Half(..)) => {
-                    unreachable!("16-bit parameters always have a master copy")
-                }
-            };
-            adamw(buffers, decay, hp);
+            let (run, tail) = rest.split_at(r.len());
+            runs.push((run, decay));
+            rest = tail;
         }
+        adamw_runs(runs, hp);
     }
 }
 

@@ -119,7 +119,8 @@ impl<'a> Buffers<'a> {
         );
     }
 
-    fn split_at(self, k: usize) -> (Buffers<'a>, Buffers<'a>) {
+    /// The first `k` elements and the rest.
+    pub(crate) fn split_at(self, k: usize) -> (Buffers<'a>, Buffers<'a>) {
         let (p0, p1) = self.p.split_at_mut(k);
         let (g0, g1) = self.g.split_at(k);
         let (m0, m1) = self.m.split_at_mut(k);
@@ -259,21 +260,53 @@ pub fn default_threads() -> usize {
 
 /// [`adamw`] on a given path and thread count.
 pub fn adamw_with(path: Path, threads: usize, b: Buffers<'_>, decay: bool, s: &AdamStep) {
-    b.check();
-    let c = Consts::new(s, decay);
-    let n = b.len();
+    adamw_runs_with(path, threads, vec![(b, decay)], s);
+}
+
+/// [`adamw`] over the runs of one update that lie side by side (a group's
+/// parameters, each decayed or not), as one parallel region: each thread
+/// takes an equal share of all the runs together. Called a run at a time,
+/// a run below [`PARALLEL_MIN`] (a block's 147k-element output projection,
+/// its biases and norms) ran on one thread while the others waited, and
+/// every larger run forked and joined on its own.
+pub fn adamw_runs(runs: Vec<(Buffers<'_>, bool)>, s: &AdamStep) {
+    adamw_runs_with(Path::best(), default_threads(), runs, s);
+}
+
+/// [`adamw_runs`] on a given path and thread count.
+pub fn adamw_runs_with(path: Path, threads: usize, runs: Vec<(Buffers<'_>, bool)>, s: &AdamStep) {
+    runs.iter().for_each(|(b, _)| b.check());
+    let n: usize = runs.iter().map(|(b, _)| b.len()).sum();
     if threads <= 1 || n < PARALLEL_MIN {
-        return run(path, b, &c);
+        for (b, decay) in runs {
+            run(path, b, &Consts::new(s, decay));
+        }
+        return;
     }
-    // Split on 64-byte boundaries so no two threads share a cache line.
+    // Shares split on 64-byte boundaries (of the first run's start) so that
+    // no two threads share a cache line.
     let per = n.div_ceil(threads).div_ceil(16) * 16;
+    let mut shares = vec![Vec::new()];
+    let mut room = per;
+    for (mut b, decay) in runs {
+        while b.len() > 0 {
+            let k = room.min(b.len());
+            let (head, tail) = b.split_at(k);
+            shares.last_mut().expect("a share").push((head, decay));
+            (b, room) = (tail, room - k);
+            if room == 0 {
+                shares.push(Vec::new());
+                room = per;
+            }
+        }
+    }
     rayon::scope(|scope| {
-        let mut rest = b;
-        while rest.len() > 0 {
-            let k = per.min(rest.len());
-            let (head, tail) = rest.split_at(k);
-            scope.spawn(move |_| run(path, head, &c));
-            rest = tail;
+        for share in shares.into_iter().filter(|s| !s.is_empty()) {
+            scope.spawn(move |_| {
+                for (b, decay) in share {
+                    run(path, b, &Consts::new(s, decay));
+                }
+            });
         }
     });
 }
@@ -462,6 +495,87 @@ mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    impl<'a> Buffers<'a> {
+        /// Buffers over whole vectors, with a working copy in `w` if `kind`.
+        fn of(
+            p: &'a mut [f32],
+            g: Grads<'a>,
+            m: &'a mut [f32],
+            v: &'a mut [f32],
+            kind: Option<Half>,
+            w: &'a mut [u16],
+        ) -> Self {
+            let working = kind.map(|h| (h, w));
+            Buffers {
+                p,
+                g,
+                m,
+                v,
+                working,
+            }
+        }
+    }
+
+    /// `b` cut into `runs` (lengths and decay flags), in order.
+    fn cut<'a>(runs: &[(usize, bool)], b: Buffers<'a>) -> Vec<(Buffers<'a>, bool)> {
+        let mut rest = b;
+        let mut out = Vec::new();
+        for &(len, decay) in runs {
+            let (run, tail) = rest.split_at(len);
+            out.push((run, decay));
+            rest = tail;
+        }
+        out
+    }
+
+    /// Runs of one update, decayed or not, updated as one region give the
+    /// scalar reference's bits run by run, on every path and thread count,
+    /// with threads' shares that start and end inside runs.
+    #[test]
+    fn runs_side_by_side_equal_the_scalar_reference_run_by_run() {
+        let s = AdamStep {
+            grad_scale: 0.37,
+            ..step(5)
+        };
+        let runs = [
+            (5, false),
+            (147_461, true),
+            (17, false),
+            (200_003, true),
+            (1, false),
+        ];
+        let n: usize = runs.iter().map(|r| r.0).sum();
+        assert!(n >= PARALLEL_MIN, "the runs take the parallel path");
+        let [p0, g, m0, v0] = inputs(n, 99);
+        for kind in PRECISIONS {
+            let gh: Vec<u16> = kind.map_or(Vec::new(), |h| g.iter().map(|&x| h.round(x)).collect());
+            let grads = match kind {
+                None => Grads::F32(&g),
+                Some(h) => Grads::Half(h, &gh),
+            };
+            let fresh = || {
+                let w = vec![0u16; if kind.is_some() { n } else { 0 }];
+                (p0.clone(), m0.clone(), v0.clone(), w)
+            };
+            let (mut p, mut m, mut v, mut w) = fresh();
+            for (b, decay) in cut(
+                &runs,
+                Buffers::of(&mut p, grads, &mut m, &mut v, kind, &mut w),
+            ) {
+                scalar(b, 0, &Consts::new(&s, decay));
+            }
+            let want = (p, m, v, w);
+            for path in Path::available() {
+                for threads in [1, 2, 3] {
+                    let (mut p, mut m, mut v, mut w) = fresh();
+                    let b = Buffers::of(&mut p, grads, &mut m, &mut v, kind, &mut w);
+                    adamw_runs_with(path, threads, cut(&runs, b), &s);
+                    assert!((p, m, v, w) == want, "{path:?} {kind:?} threads {threads}");
                 }
             }
         }
