@@ -266,7 +266,7 @@ pub fn adamw_with(path: Path, threads: usize, b: Buffers<'_>, decay: bool, s: &A
 /// [`adamw`] over the runs of one update that lie side by side (a group's
 /// parameters, each decayed or not), as one parallel region: each thread
 /// takes an equal share of all the runs together. Called a run at a time,
-/// a run below [`PARALLEL_MIN`] (a block's 147k-element output projection,
+/// a run below `PARALLEL_MIN` (2^18; a block's 147k-element output projection,
 /// its biases and norms) ran on one thread while the others waited, and
 /// every larger run forked and joined on its own.
 pub fn adamw_runs(runs: Vec<(Buffers<'_>, bool)>, s: &AdamStep) {
