@@ -768,8 +768,9 @@ mod x86 {
         }
         // Steps that ask for three rows of C each (every line a row of 32
         // floats touches, aligned or not), the first ones of the loop.
+        let steps_to_ask = 32usize.div_ceil(3);
         let asking = if spread {
-            (t.k / 16).min(32usize.div_ceil(3))
+            (t.k / 16).min(steps_to_ask)
         } else {
             0
         };
@@ -821,7 +822,7 @@ mod x86 {
                 options(nostack, readonly),
             );
         }
-        if spread && t.k / 16 < 32usize.div_ceil(3) {
+        if spread && t.k / 16 < steps_to_ask {
             // Too short a loop to ask for all of C's rows: the rest now.
             prefetch_c_rows(t, 3 * (t.k / 16)..32, 32);
         }

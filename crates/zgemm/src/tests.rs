@@ -195,6 +195,20 @@ fn assert_portable_bits(kernel: Kernel, case: Case, start: &str, threads: &[usiz
 /// every f32 kernel and thread count still gives the portable kernel's bits
 /// (A row-major, so the deep rule applies; B read either way); a transposed
 /// `A` keeps [`KC`].
+/// AMX takes deep blocks on every product, whatever `C`'s size or `A`'s
+/// layout (one pass where the depth allows: its tiles start from `C`, so
+/// no bits depend on it); the AVX512_BF16 kernel keeps [`KC`] pairs.
+#[test]
+fn amx_takes_deep_blocks_and_avx512_bf16_keeps_kc() {
+    // A weight gradient: small C, transposed A, 1024 pairs deep.
+    assert_eq!(depth_block(Kernel::AmxBf16, 384, 1152, 1024, false), 1024);
+    assert_eq!(depth_block(Kernel::AmxBf16, 2048, 384, 768, true), 768);
+    assert_eq!(depth_block(Kernel::AmxBf16, 2048, 1152, 192, true), 192);
+    // Deeper than DEEP_KC: even blocks, whole steps of 16 pairs.
+    assert_eq!(depth_block(Kernel::AmxBf16, 64, 64, 3000, true), 1008);
+    assert_eq!(depth_block(Kernel::Avx512Bf16, 384, 1152, 1024, false), KC);
+}
+
 #[test]
 fn deep_blocks_give_the_portable_kernels_bits_on_every_kernel() {
     let (m, n, k) = (1024, 520, 1100);
