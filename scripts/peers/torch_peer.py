@@ -31,7 +31,9 @@ import torch.nn.functional as F
 # ranks inherit) trains another shape of the same family, beside zrun's
 # `--set model.n_layers=… --set model.d_model=… --set model.n_heads=… --set model.seq_len=…`.
 L, D, H, S = (int(x) for x in os.environ.get("PEER_SHAPE", "6,384,6,256").split(","))
-V, B = 256, 8
+# PEER_VOCAB=50304 (GPT-2's vocabulary, padded) beside zrun's
+# `--set model.vocab_size=50304`: random tokens from that many.
+V, B = int(os.environ.get("PEER_VOCAB", "256")), 8
 WARMUP, STEPS = 3, 10
 
 

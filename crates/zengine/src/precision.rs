@@ -6,7 +6,7 @@
 //! the slice a rank updates (ZeRO's K = 12). Activations stay f32 (but with
 //! bf16 products those that only products read are written in bf16: the
 //! norms' outputs, attention's output, GPT's MLP activation). The linear
-//! layers and attention multiply bf16 (operands rounded, f32 accumulation) where
+//! layers, attention and the head multiply bf16 (operands rounded, f32 accumulation) where
 //! the CPU has AMX-BF16 (`zmodel::Gpt::with_bf16_products`), the linear
 //! weights read straight from the bf16 working copy; elsewhere they multiply the
 //! rounded weights in f32, since without AMX a 16-bit product is no faster

@@ -1,13 +1,18 @@
 //! Times causal attention and its backward at the `gpt-anchor` job's shape
 //! (8 sequences × 256 tokens, 6 heads of 64), best of 30 calls each, and
 //! prints the rate of the products' useful work (the causal triangle), with
-//! f32 products and, where the CPU has AMX, bf16 ones:
+//! f32 products and, where the CPU has AMX, bf16 ones, the latter also as a
+//! bf16 step runs them (`qkv` in bf16, the output written in bf16):
 //!
 //!     cargo run --release -p zmodel --example attention_bench
 //!     RAYON_NUM_THREADS=1 cargo run --release -p zmodel --example attention_bench
+//!
+//! (an argument, `F32`, `Bf16` or `"Bf16 in and out"`, runs that one only).
 
 use candle_core::{Device, Tensor};
-use zmodel::attention::{causal_attention, causal_attention_backward, Heads};
+use zmodel::attention::{
+    causal_attention, causal_attention_backward, causal_attention_bf16, Heads,
+};
 use zmodel::Products;
 
 fn main() -> candle_core::Result<()> {
@@ -30,18 +35,35 @@ fn main() -> candle_core::Result<()> {
     if zgemm::has_native_bf16() {
         kinds.push(Products::Bf16);
     }
-    for products in kinds {
+    let qkv16 = qkv.to_dtype(candle_core::DType::BF16)?;
+    let mut runs: Vec<(String, Products, bool)> = kinds
+        .iter()
+        .map(|&p| (format!("{p:?}"), p, false))
+        .collect();
+    if zgemm::has_native_bf16() {
+        runs.push(("Bf16 in and out".into(), Products::Bf16, true));
+    }
+    let only = std::env::args().nth(1);
+    for (name, products, bits) in runs {
+        if only.as_deref().is_some_and(|o| o != name) {
+            continue;
+        }
         let (mut fwd, mut bwd) = (f64::MAX, f64::MAX);
+        let input = if bits { &qkv16 } else { &qkv };
         for _ in 0..30 {
             let start = std::time::Instant::now();
-            drop(causal_attention(&qkv, h, products)?);
+            if bits {
+                drop(causal_attention_bf16(input, h)?);
+            } else {
+                drop(causal_attention(input, h, products)?);
+            }
             fwd = fwd.min(start.elapsed().as_secs_f64());
             let start = std::time::Instant::now();
-            drop(causal_attention_backward(&qkv, &dy, h, products)?);
+            drop(causal_attention_backward(input, &dy, h, products)?);
             bwd = bwd.min(start.elapsed().as_secs_f64());
         }
         println!(
-            "{products:?}: forward {:.2} ms ({:.1} GFLOP/s), backward {:.2} ms ({:.1} GFLOP/s), best of 30",
+            "{name}: forward {:.2} ms ({:.1} GFLOP/s), backward {:.2} ms ({:.1} GFLOP/s), best of 30",
             fwd * 1e3,
             2.0 * per_product / fwd / 1e9,
             bwd * 1e3,

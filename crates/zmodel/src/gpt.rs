@@ -153,7 +153,7 @@ impl Gpt {
         })
     }
 
-    /// The same model with its linear layers' and attention's products on
+    /// The same model with its linear layers', attention's and the head's products on
     /// bf16-rounded operands (f32 accumulation) when `bf16` is asked for and the CPU has
     /// AMX-BF16 (which multiplies bf16 at over twice the f32 rate); f32
     /// products otherwise, where bf16 ones would only be slower.
@@ -758,8 +758,8 @@ impl Gpt {
     /// Group L+1's forward and backward in one call, without autograd (see
     /// [`crate::head`]): the mean cross-entropy of `x` `[b, t, d]` against
     /// `targets` `[b, t]` (u32), and the gradients of the loss times `scale`
-    /// (f16's loss scale, else 1). The products are f32 whatever the
-    /// training dtype, as in [`Gpt::head_loss`].
+    /// (f16's loss scale, else 1). The products are the model's
+    /// ([`Gpt::with_bf16_products`]; [`Gpt::head_loss`] takes f32 ones).
     pub fn head_backward(
         &self,
         params: &HeadParams<Tensor>,
@@ -779,9 +779,13 @@ impl Gpt {
             let (os, ol) = out.storage_and_layout();
             let xm = MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?;
             let om = MatRef::row_major(f32s(&os, ol)?, vocab, d).map_err(head::shape)?;
-            let (loss, dlogits) = Self::loss_and_dlogits(xm, om, targets, scale)?;
+            let (loss, dlogits) = self.loss_and_dlogits(xm, om, targets, scale)?;
             let dl = MatRef::row_major(&dlogits, n, vocab).map_err(head::shape)?;
-            (loss, head::product(dl, om)?, head::product(dl.t(), xm)?)
+            (
+                loss,
+                head::product(dl, om, self.products)?,
+                head::product(dl.t(), xm, self.products)?,
+            )
         };
         let dnormed = Tensor::from_vec(dnormed, (n, d), &Device::Cpu)?;
         let (dx, norm) = self.norm_backward(&rows, &params.norm, &dnormed, None)?;
@@ -813,7 +817,7 @@ impl Gpt {
         let (os, ol) = out.storage_and_layout();
         let xm = MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?;
         let om = MatRef::row_major(f32s(&os, ol)?, vocab, d).map_err(head::shape)?;
-        Ok(Self::loss_and_dlogits(xm, om, targets, 1.0)?.0)
+        Ok(self.loss_and_dlogits(xm, om, targets, 1.0)?.0)
     }
 
     /// The head's output matrix `[vocab, d]`: its own, or `wte` when tied.
@@ -828,13 +832,14 @@ impl Gpt {
     /// The logits `normed · outᵀ` turned into the mean cross-entropy against
     /// `targets` and `dlogits` (for the loss times `scale`).
     fn loss_and_dlogits(
+        &self,
         normed: MatRef,
         out: MatRef,
         targets: &Tensor,
         scale: f64,
     ) -> Result<(f64, Vec<f32>)> {
         let targets = targets.flatten_all()?.to_vec1::<u32>()?;
-        let mut logits = head::product(normed, out.t())?;
+        let mut logits = head::product(normed, out.t(), self.products)?;
         let loss = head::cross_entropy_in_place(&mut logits, &targets, out.rows(), scale)?;
         Ok((loss, logits))
     }
@@ -1011,6 +1016,85 @@ mod tests {
         let out = params.lm_head.as_ref().unwrap_or(wte);
         close(auto.get(out).unwrap(), &back.out, "output matrix");
         close(auto.get(x.as_tensor()).unwrap(), &back.dx, "input");
+    }
+
+    /// Under bf16 products the head's products run in bf16 (where the CPU has
+    /// AMX): its loss and gradients leave the f32 head's bits, by no more than
+    /// bf16 rounding of the operands allows, and evaluation gives the
+    /// training loss's bits, tied and untied.
+    #[test]
+    fn bf16_head_stays_near_the_f32_head() {
+        if !zgemm::has_native_bf16() {
+            eprintln!("zmodel: no AMX here; the bf16 head NOT covered");
+            return;
+        }
+        for cfg in [gpt(50, 64, 1, 3, 40), llama(50, 64, 1, 40, 96)] {
+            let plain = Gpt::new(&cfg).unwrap();
+            let bf16 = Gpt::new(&cfg).unwrap().with_bf16_products(true);
+            let (d, v, dev) = (plain.cfg.d_model, plain.cfg.vocab_size, Device::Cpu);
+            let group = |g: usize| -> Vec<Tensor> {
+                plain
+                    .init_group(g, 5)
+                    .into_iter()
+                    .zip(&plain.groups()[g].params)
+                    .map(|(vals, ps)| {
+                        // Output matrices large enough that the logits
+                        // spread over a few units (the init's are near zero,
+                        // whose softmax is flat); the norm's as initialised.
+                        let gain = if ps.shape.len() == 2 { 40.0 } else { 1.0 };
+                        let vals: Vec<f32> = vals.iter().map(|x| x * gain).collect();
+                        Tensor::from_vec(vals, ps.shape.as_slice(), &dev).unwrap()
+                    })
+                    .collect()
+            };
+            let params =
+                HeadParams::from_vec(group(plain.cfg.n_layers + 1), plain.layout()).unwrap();
+            let wte = params.lm_head.is_none().then(|| group(0)[0].clone());
+            let x: Vec<f32> = (0..2 * 40 * d)
+                .map(|i| ((i * 7 % 19) as f32 - 9.0) / 4.0)
+                .collect();
+            let x = Tensor::from_vec(x, (2, 40, d), &dev).unwrap();
+            let targets: Vec<u32> = (0..80u32).map(|i| (i * 5 + 3) % v as u32).collect();
+            let targets = Tensor::from_vec(targets, (2, 40), &dev).unwrap();
+            let run = |g: &Gpt| {
+                g.head_backward(&params, wte.as_ref(), &x, &targets, 1.0)
+                    .unwrap()
+            };
+            let (want, got) = (run(&plain), run(&bf16));
+            let eval = bf16
+                .head_loss_value(&params, wte.as_ref(), &x, &targets)
+                .unwrap();
+            assert_eq!(eval.to_bits(), got.loss.to_bits(), "evaluation's loss");
+            assert!(
+                got.loss != want.loss,
+                "bf16 products gave f32's loss: not used"
+            );
+            // Operands within 2^-9 each, sums of 64-80 terms: the loss
+            // moved by 1-3e-4 of itself, the gradients by 0.3-0.6% of their
+            // norm (measured), bounded here with room to spare.
+            assert!(
+                (got.loss - want.loss).abs() <= 0.002 * want.loss,
+                "loss {} vs {}",
+                got.loss,
+                want.loss
+            );
+            for (what, a, b) in [
+                ("dx", &got.dx, &want.dx),
+                ("output matrix", &got.out, &want.out),
+            ] {
+                let (a, b) = (
+                    a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                let norm = |v: &mut dyn Iterator<Item = f32>| v.map(|x| x * x).sum::<f32>().sqrt();
+                let off = norm(&mut a.iter().zip(&b).map(|(x, y)| x - y));
+                let size = norm(&mut b.iter().copied());
+                assert!(
+                    size > 0.0 && off <= 0.02 * size,
+                    "{what}: off by {off}, norm {size}"
+                );
+            }
+        }
     }
 
     /// The hand-written embedding backward equals autograd through `embed`,
