@@ -9,7 +9,8 @@
 # CPUs with AVX512_BF16 or AMX). Prints one line a pair,
 #   round config zrun_tokens/s peer_tokens/s zrun/peer zrun_model_GFLOP/s
 # and last the `gemm_f32` row of `zrun bench kernels` (every core), the GEMM
-# rate the step's model GFLOP/s compare against.
+# rate the step's model GFLOP/s compare against. PEER_VOCAB=50304 runs all
+# of them with GPT-2's vocabulary (padded) instead of bytes.
 # Build first (cargo build --release); run on an otherwise idle machine.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -17,6 +18,8 @@ PEERS=$ROOT/scripts/peers
 PEERENV=${PEERENV:-/tmp/peerenv}
 DTYPE=${DTYPE:-f32}
 ROUNDS=${1:-2}; shift || true
+VOCAB=()
+if [ -n "${PEER_VOCAB:-}" ]; then export PEER_VOCAB; VOCAB=(--set model.vocab_size="$PEER_VOCAB"); fi
 CONFIGS=("$@"); [ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=(single s0 s1 s2 s3)
 . "$PEERENV/venv/bin/activate"
 export TORCH_EXTENSIONS_DIR="$PEERENV/torch_ext"
@@ -25,7 +28,7 @@ W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 zrun_rate() { # workers stage -> median tokens/s and model GFLOP/s of steps 4-14
   rm -rf "$W/run"
   "$ROOT/target/release/zrun" train "$ROOT/configs/gpt-anchor.yaml" --no-progress \
-    --workers-per-node "$1" --set zero.stage="$2" --set train.dtype="$DTYPE" --set train.steps=14 \
+    --workers-per-node "$1" --set zero.stage="$2" --set train.dtype="$DTYPE" --set train.steps=14 "${VOCAB[@]}" \
     --set run_dir="$W/run" --metrics "$W/run/m.jsonl" > "$W/zrun.log" 2>&1 \
     || { echo "zrun failed: $(tail -1 "$W/zrun.log")" >&2; echo 0 0; return; }
   python3 - "$W/run/m.jsonl" <<'PY'
