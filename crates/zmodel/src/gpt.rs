@@ -779,13 +779,15 @@ impl Gpt {
             let (os, ol) = out.storage_and_layout();
             let xm = MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?;
             let om = MatRef::row_major(f32s(&os, ol)?, vocab, d).map_err(head::shape)?;
-            let (loss, dlogits) = self.loss_and_dlogits(xm, om, targets, scale)?;
-            let dl = MatRef::row_major(&dlogits, n, vocab).map_err(head::shape)?;
-            (
-                loss,
-                head::product(dl, om, self.products)?,
-                head::product(dl.t(), xm, self.products)?,
-            )
+            head::with_logits(n * vocab, |logits| -> Result<_> {
+                let loss = self.loss_and_dlogits(xm, om, targets, scale, logits)?;
+                let dl = MatRef::row_major(logits, n, vocab).map_err(head::shape)?;
+                Ok((
+                    loss,
+                    head::product(dl, om, self.products)?,
+                    head::product(dl.t(), xm, self.products)?,
+                ))
+            })?
         };
         let dnormed = Tensor::from_vec(dnormed, (n, d), &Device::Cpu)?;
         let (dx, norm) = self.norm_backward(&rows, &params.norm, &dnormed, None)?;
@@ -817,7 +819,9 @@ impl Gpt {
         let (os, ol) = out.storage_and_layout();
         let xm = MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?;
         let om = MatRef::row_major(f32s(&os, ol)?, vocab, d).map_err(head::shape)?;
-        Ok(self.loss_and_dlogits(xm, om, targets, 1.0)?.0)
+        head::with_logits(n * vocab, |logits| {
+            self.loss_and_dlogits(xm, om, targets, 1.0, logits)
+        })
     }
 
     /// The head's output matrix `[vocab, d]`: its own, or `wte` when tied.
@@ -830,18 +834,19 @@ impl Gpt {
     }
 
     /// The logits `normed · outᵀ` turned into the mean cross-entropy against
-    /// `targets` and `dlogits` (for the loss times `scale`).
+    /// `targets` (returned) and `dlogits` (for the loss times `scale`), in
+    /// `logits` (`rows × vocab`).
     fn loss_and_dlogits(
         &self,
         normed: MatRef,
         out: MatRef,
         targets: &Tensor,
         scale: f64,
-    ) -> Result<(f64, Vec<f32>)> {
+        logits: &mut [f32],
+    ) -> Result<f64> {
         let targets = targets.flatten_all()?.to_vec1::<u32>()?;
-        let mut logits = head::product(normed, out.t(), self.products)?;
-        let loss = head::cross_entropy_in_place(&mut logits, &targets, out.rows(), scale)?;
-        Ok((loss, logits))
+        head::product_into(logits, normed, out.t(), self.products)?;
+        head::cross_entropy_in_place(logits, &targets, out.rows(), scale)
     }
 
     /// Group L+1 without the loss: the final norm and the output matrix, `x`

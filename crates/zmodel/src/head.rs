@@ -93,6 +93,40 @@ pub(crate) fn cross_entropy_in_place(
     Ok(losses.iter().sum::<f64>() / rows as f64)
 }
 
+thread_local! {
+    /// The thread's logits buffer, kept between calls ([`with_logits`]).
+    static LOGITS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on this thread's logits buffer, `len` floats, kept from call to
+/// call. A micro-batch's logits are large (2048 rows of GPT-2's 50,304-token
+/// vocabulary: 412 MB), and glibc maps any allocation over 32 MiB afresh
+/// from the kernel: in a fresh buffer every page faulted at the product's
+/// first write, and was cleared by the kernel first (13% of a bf16 step's
+/// samples at that vocabulary). Taken out for the call, so a nested use
+/// cannot alias it.
+pub(crate) fn with_logits<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut buf = LOGITS.with(|l| std::mem::take(&mut *l.borrow_mut()));
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    let r = f(&mut buf[..len]);
+    LOGITS.with(|l| *l.borrow_mut() = buf);
+    r
+}
+
+/// `C = A·B` into `c` (`rows × cols`, row-major; every element written).
+pub(crate) fn product_into(c: &mut [f32], a: MatRef, b: MatRef, products: Products) -> Result<()> {
+    let (rows, cols) = (a.rows(), b.cols());
+    let threads = rayon::current_num_threads();
+    let c_mat = MatMut::row_major(c, rows, cols).map_err(shape)?;
+    match products {
+        Products::F32 => zgemm::gemm(c_mat, a, b, 1.0, Start::Zero, threads),
+        Products::Bf16 => zgemm::gemm_bf16(c_mat, a, b, 1.0, Start::Zero, threads),
+    }
+    .map_err(shape)
+}
+
 /// `C = A·B` into a fresh `rows × cols` buffer (zgemm): f32 products, or
 /// bf16 ones (operands rounded, f32 sums) as the blocks' linears take them.
 pub(crate) fn product(a: MatRef, b: MatRef, products: Products) -> Result<Vec<f32>> {
