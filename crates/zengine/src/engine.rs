@@ -478,7 +478,7 @@ impl Engine {
         Ok(out)
     }
 
-    /// Whether group `g`'s linear weights go to the model in bf16 (see
+    /// Whether group `g`'s product operands go to the model in bf16 (see
     /// [`Engine::tensors_from`]): on the CPU only (the GPU path uploads f32).
     fn weights_in_bf16(&self, g: usize) -> bool {
         self.spec.device == zconfig::spec::Device::Cpu

@@ -33,7 +33,7 @@ pub struct ParamSlot {
     pub decay: bool,
     /// The columns it holds when it is a tile of parameter `name`.
     pub tile: Option<ColumnTile>,
-    /// Read only by linear products (`zmodel::ParamSpec::product_operand`).
+    /// Read only by products (and the embedding's row gather): `zmodel::ParamSpec::product_operand`.
     pub product_operand: bool,
 }
 

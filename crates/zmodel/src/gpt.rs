@@ -29,7 +29,7 @@ use zconfig::tiles::{column_tiles, ColumnTile, TileError};
 
 use crate::head::{self, HeadBackward};
 use crate::linear::{
-    self, f32s, BlockLinear, BlockNorm, BlockSource, OutputGrad, Products, Store, Whole,
+    self, f32s, BlockLinear, BlockNorm, BlockSource, Input, OutputGrad, Products, Store, Whole,
 };
 use crate::llama_ops::{rms_norm, rms_norm_backward, rms_norm_bf16, rope, swiglu, swiglu_backward};
 use crate::ops::{
@@ -63,10 +63,14 @@ pub struct ParamSpec {
     /// A column tile of the parameter `name` (whose last dimension is then
     /// longer than `shape`'s), or `None` for the whole parameter.
     pub tile: Option<ColumnTile>,
-    /// Read by nothing but a block's linear products (a linear's weight,
-    /// whole or a tile): under bf16 products the engine may hand it over as
-    /// a `BF16` tensor of its working copy, which the products read as it
-    /// is (every other parameter comes as f32).
+    /// Read by nothing but products (a linear's weight, whole or a tile; the
+    /// head's output matrix) and, for the token table, the embedding's
+    /// gather of the rows a batch uses, which widens them: under bf16
+    /// products the engine may hand it over as a `BF16` tensor of its
+    /// working copy, which the products read as it is (every other
+    /// parameter comes as f32; widening GPT-2's 50,304 × 384 table to f32
+    /// every step was 2-3% of a bf16 step, most of it the page faults of a
+    /// fresh 77 MB buffer).
     pub product_operand: bool,
 }
 
@@ -285,13 +289,14 @@ impl Gpt {
                 bias: biases.then(|| p(format!("{name}.bias"), &[outputs], Init::Zeros, false)),
             };
         let norm = |name: String| weight_bias(name, &[d], Init::Ones, false, d);
+        // The token table and a head's own output matrix are read by the
+        // head's products and the embedding's row gather only.
+        let table = |name: String| ParamSpec {
+            product_operand: true,
+            ..p(name, &[v, d], Init::Normal(std), true)
+        };
         let embedding = EmbeddingParams {
-            wte: p(
-                format!("{}.weight", m.token_table_name()),
-                &[v, d],
-                Init::Normal(std),
-                true,
-            ),
+            wte: table(format!("{}.weight", m.token_table_name())),
             wpe: m
                 .learned_positions()
                 .then(|| p("wpe.weight".into(), &[t, d], Init::Normal(std), true)),
@@ -363,8 +368,7 @@ impl Gpt {
         }
         let head = HeadParams {
             norm: norm(m.final_norm_name().into()),
-            lm_head: (!m.tied())
-                .then(|| p("lm_head.weight".into(), &[v, d], Init::Normal(std), true)),
+            lm_head: (!m.tied()).then(|| table("lm_head.weight".into())),
         };
         groups.push(GroupSpec {
             name: "head".into(),
@@ -426,10 +430,14 @@ impl Gpt {
     /// (u32) → `[b, t, d]`.
     pub fn embed(&self, params: &EmbeddingParams<Tensor>, tokens: &Tensor) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
-        let x = params
-            .wte
-            .index_select(&tokens.flatten_all()?, 0)?
-            .reshape((b, t, self.cfg.d_model))?;
+        let x = params.wte.index_select(&tokens.flatten_all()?, 0)?;
+        // A bf16 working copy handed over as it is (`product_operand`): the
+        // rows the batch uses, widened (exactly).
+        let x = match x.dtype() {
+            candle_core::DType::F32 => x,
+            _ => x.to_dtype(candle_core::DType::F32)?,
+        }
+        .reshape((b, t, self.cfg.d_model))?;
         match &params.wpe {
             Some(wpe) => x.broadcast_add(&wpe.narrow(0, 0, t)?),
             None => Ok(x),
@@ -777,11 +785,11 @@ impl Gpt {
         let (loss, dnormed, dout) = {
             let (ns, nl) = normed.storage_and_layout();
             let (os, ol) = out.storage_and_layout();
-            let xm = MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?;
-            let om = MatRef::row_major(f32s(&os, ol)?, vocab, d).map_err(head::shape)?;
+            let xm = Input::F32(MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?);
+            let om = Input::of(&os, ol, vocab, d)?;
             head::with_logits(n * vocab, |logits| -> Result<_> {
                 let loss = self.loss_and_dlogits(xm, om, targets, scale, logits)?;
-                let dl = MatRef::row_major(logits, n, vocab).map_err(head::shape)?;
+                let dl = Input::F32(MatRef::row_major(logits, n, vocab).map_err(head::shape)?);
                 Ok((
                     loss,
                     head::product(dl, om, self.products)?,
@@ -817,8 +825,8 @@ impl Gpt {
         let vocab = out.dim(0)?;
         let (ns, nl) = normed.storage_and_layout();
         let (os, ol) = out.storage_and_layout();
-        let xm = MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?;
-        let om = MatRef::row_major(f32s(&os, ol)?, vocab, d).map_err(head::shape)?;
+        let xm = Input::F32(MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?);
+        let om = Input::of(&os, ol, vocab, d)?;
         head::with_logits(n * vocab, |logits| {
             self.loss_and_dlogits(xm, om, targets, 1.0, logits)
         })
@@ -838,8 +846,8 @@ impl Gpt {
     /// `logits` (`rows × vocab`).
     fn loss_and_dlogits(
         &self,
-        normed: MatRef,
-        out: MatRef,
+        normed: Input,
+        out: Input,
         targets: &Tensor,
         scale: f64,
         logits: &mut [f32],

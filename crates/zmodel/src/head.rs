@@ -19,9 +19,9 @@
 
 use candle_core::{Result, Tensor};
 use rayon::prelude::*;
-use zgemm::{MatMut, MatRef, Start};
+use zgemm::{MatMut, Start};
 
-use crate::linear::Products;
+use crate::linear::{Input, Products};
 use crate::ops::{max_lanes, sum_lanes};
 use crate::simd::{assume_init, exp_minus, uninit_floats, vectorised};
 
@@ -115,30 +115,22 @@ pub(crate) fn with_logits<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     r
 }
 
-/// `C = A·B` into `c` (`rows × cols`, row-major; every element written).
-pub(crate) fn product_into(c: &mut [f32], a: MatRef, b: MatRef, products: Products) -> Result<()> {
+/// `C = A·B` into `c` (`rows × cols`, row-major; every element written),
+/// the operands f32 or (bf16 products only) bf16 bits.
+pub(crate) fn product_into(c: &mut [f32], a: Input, b: Input, products: Products) -> Result<()> {
     let (rows, cols) = (a.rows(), b.cols());
-    let threads = rayon::current_num_threads();
     let c_mat = MatMut::row_major(c, rows, cols).map_err(shape)?;
-    match products {
-        Products::F32 => zgemm::gemm(c_mat, a, b, 1.0, Start::Zero, threads),
-        Products::Bf16 => zgemm::gemm_bf16(c_mat, a, b, 1.0, Start::Zero, threads),
-    }
-    .map_err(shape)
+    let threads = rayon::current_num_threads();
+    crate::linear::multiply(products, c_mat, a, b, Start::Zero, threads)
 }
 
-/// `C = A·B` into a fresh `rows × cols` buffer (zgemm): f32 products, or
-/// bf16 ones (operands rounded, f32 sums) as the blocks' linears take them.
-pub(crate) fn product(a: MatRef, b: MatRef, products: Products) -> Result<Vec<f32>> {
+/// [`product_into`] a fresh buffer.
+pub(crate) fn product(a: Input, b: Input, products: Products) -> Result<Vec<f32>> {
     let (rows, cols) = (a.rows(), b.cols());
     let mut c = uninit_floats(rows * cols);
-    let threads = rayon::current_num_threads();
     let c_mat = MatMut::uninit(&mut c, rows, cols, cols).map_err(shape)?;
-    match products {
-        Products::F32 => zgemm::gemm(c_mat, a, b, 1.0, Start::Zero, threads),
-        Products::Bf16 => zgemm::gemm_bf16(c_mat, a, b, 1.0, Start::Zero, threads),
-    }
-    .map_err(shape)?;
+    let threads = rayon::current_num_threads();
+    crate::linear::multiply(products, c_mat, a, b, Start::Zero, threads)?;
     // SAFETY: a Zero start wrote every element.
     Ok(unsafe { assume_init(c) })
 }

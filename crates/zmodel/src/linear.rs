@@ -502,7 +502,7 @@ pub enum Products {
 /// (`layer_norm_bf16`, `gelu_bf16`; a weight: the engine's bf16 working
 /// copy, [`crate::ParamSpec::product_operand`]).
 #[derive(Clone, Copy)]
-enum Input<'a> {
+pub(crate) enum Input<'a> {
     F32(MatRef<'a>),
     Bf16(MatRef<'a, u16>),
 }
@@ -511,7 +511,7 @@ impl<'a> Input<'a> {
     /// A CPU tensor's values as `rows × cols`: contiguous f32, or bf16 in
     /// rows with adjacent columns (a producer's padded rows,
     /// `simd::par_rows_bf16`, read where they are).
-    fn of(
+    pub(crate) fn of(
         storage: &'a Storage,
         layout: &Layout,
         rows: usize,
@@ -541,10 +541,24 @@ impl<'a> Input<'a> {
         }
     }
 
-    fn t(self) -> Input<'a> {
+    pub(crate) fn t(self) -> Input<'a> {
         match self {
             Input::F32(m) => Input::F32(m.t()),
             Input::Bf16(m) => Input::Bf16(m.t()),
+        }
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        match self {
+            Input::F32(m) => m.rows(),
+            Input::Bf16(m) => m.rows(),
+        }
+    }
+
+    pub(crate) fn cols(&self) -> usize {
+        match self {
+            Input::F32(m) => m.cols(),
+            Input::Bf16(m) => m.cols(),
         }
     }
 
@@ -568,7 +582,7 @@ fn rows_of(x: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// `C = start ⊕ A·B` with `products`' GEMM.
-fn multiply(
+pub(crate) fn multiply(
     products: Products,
     c: MatMut,
     a: Input,
