@@ -1110,6 +1110,73 @@ mod tests {
         }
     }
 
+    /// The token table and `lm_head` as the engine hands them over under
+    /// bf16 products (`product_operand`: `BF16` tensors of the working copy)
+    /// give the bits of their values widened to f32: the embedding's rows,
+    /// and the head's loss and gradients, tied and untied.
+    #[test]
+    fn bf16_tables_give_the_bits_of_their_f32_values() {
+        let bf16_tensor = |t: &Tensor| t.to_dtype(candle_core::DType::BF16).unwrap();
+        let widened = |t: &Tensor| bf16_tensor(t).to_dtype(candle_core::DType::F32).unwrap();
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.into_iter().map(f32::to_bits).collect()
+        };
+        for cfg in [gpt(50, 64, 1, 3, 40), llama(50, 64, 1, 40, 96)] {
+            let g = Gpt::new(&cfg).unwrap().with_bf16_products(true);
+            let (d, v, dev) = (g.cfg.d_model, g.cfg.vocab_size, Device::Cpu);
+            assert!(g.groups()[0].params[0].product_operand, "wte");
+            let tensors = |group: usize| -> Vec<Tensor> {
+                g.init_group(group, 5)
+                    .into_iter()
+                    .zip(&g.groups()[group].params)
+                    .map(|(vals, ps)| Tensor::from_vec(vals, ps.shape.as_slice(), &dev).unwrap())
+                    .collect()
+            };
+            let emb = EmbeddingParams::from_vec(tensors(0), g.layout()).unwrap();
+            let tokens: Vec<u32> = (0..80u32).map(|i| (i * 7 + 1) % v as u32).collect();
+            let tokens = Tensor::from_vec(tokens, (2, 40), &dev).unwrap();
+            let as_bf16 = EmbeddingParams {
+                wte: bf16_tensor(&emb.wte),
+                wpe: emb.wpe.clone(),
+            };
+            let as_f32 = EmbeddingParams {
+                wte: widened(&emb.wte),
+                wpe: emb.wpe.clone(),
+            };
+            let x = g.embed(&as_bf16, &tokens).unwrap();
+            assert_eq!(
+                bits(&x),
+                bits(&g.embed(&as_f32, &tokens).unwrap()),
+                "embedding"
+            );
+            let head = HeadParams::from_vec(tensors(g.cfg.n_layers + 1), g.layout()).unwrap();
+            let table = |f: &dyn Fn(&Tensor) -> Tensor| -> (HeadParams<Tensor>, Option<Tensor>) {
+                let head = HeadParams {
+                    norm: head.norm.clone(),
+                    lm_head: head.lm_head.as_ref().map(f),
+                };
+                let wte = head.lm_head.is_none().then(|| f(&emb.wte));
+                (head, wte)
+            };
+            let targets: Vec<u32> = (0..80u32).map(|i| (i * 5 + 3) % v as u32).collect();
+            let targets = Tensor::from_vec(targets, (2, 40), &dev).unwrap();
+            let x = (x * 3.0).unwrap();
+            let run = |(h, wte): (HeadParams<Tensor>, Option<Tensor>)| {
+                let b = g
+                    .head_backward(&h, wte.as_ref(), &x, &targets, 1.0)
+                    .unwrap();
+                let eval = g.head_loss_value(&h, wte.as_ref(), &x, &targets).unwrap();
+                (b.loss.to_bits(), eval.to_bits(), bits(&b.dx), bits(&b.out))
+            };
+            assert_eq!(
+                run(table(&bf16_tensor)),
+                run(table(&widened)),
+                "head, d {d}"
+            );
+        }
+    }
+
     /// The hand-written embedding backward equals autograd through `embed`,
     /// with and without position embeddings, a token repeated in the batch.
     #[test]
