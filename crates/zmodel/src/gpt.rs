@@ -1150,6 +1150,11 @@ mod tests {
                 bits(&g.embed(&as_f32, &tokens).unwrap()),
                 "embedding"
             );
+            if g.products() != Products::Bf16 {
+                // The engine hands over bf16 tables under bf16 products only.
+                eprintln!("zmodel: no AMX here; the head's bf16 tables NOT covered");
+                continue;
+            }
             let head = HeadParams::from_vec(tensors(g.cfg.n_layers + 1), g.layout()).unwrap();
             let table = |f: &dyn Fn(&Tensor) -> Tensor| -> (HeadParams<Tensor>, Option<Tensor>) {
                 let head = HeadParams {
