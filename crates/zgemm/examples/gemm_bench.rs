@@ -8,6 +8,9 @@
 //!
 //!     cargo run --release -p zgemm --example gemm_bench            # 1 and 2 threads
 //!     cargo run --release -p zgemm --example gemm_bench -- 2       # 2 threads only
+//!
+//! `GEMM_ONLY=tn_384` times only the shapes whose name contains it, and
+//! `GEMM_REPS=500` calls each that many times (a loop to profile).
 
 use zgemm::{gemm_with, Kernel, MatMut, MatRef, Start};
 
@@ -36,12 +39,19 @@ fn main() {
         .filter(|&k| k != Kernel::PortableBf16)
         .collect();
     kernels.splice(0..0, bf16);
+    let only = std::env::var("GEMM_ONLY").unwrap_or_default();
+    let reps_set: Option<usize> = std::env::var("GEMM_REPS")
+        .ok()
+        .map(|r| r.parse().expect("GEMM_REPS: a number"));
     for &t in &threads {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(t)
             .build()
             .expect("a thread pool");
         for (op, m, k, n) in SHAPES {
+            if !format!("{op}_{m}x{k}x{n}").contains(&only) {
+                continue;
+            }
             let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
             let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.01).collect();
             let mut c = vec![0f32; m * n];
@@ -50,7 +60,7 @@ fn main() {
                 view(&b, k, n, op.ends_with('t')).expect("B's shape"),
             );
             let flops = 2.0 * (m * k * n) as f64;
-            let reps = ((2e10 / flops) as usize).clamp(3, 50);
+            let reps = reps_set.unwrap_or(((2e10 / flops) as usize).clamp(3, 50));
             let mut line = format!("{op}_{m}x{k}x{n} threads {t}:");
             for &kernel in &kernels {
                 let mut best = f64::MAX;

@@ -902,6 +902,41 @@ fn operands_read_through_any_strides_give_the_contiguous_bits() {
 }
 
 #[test]
+fn a_transposed_block_packs_to_the_values_its_panels_hold() {
+    // Aᵀ stored row-major (the weight gradients' xᵀ), a block of rows packed
+    // a stored row at a time: every panel holds A's rows i0 + q·mr.. down the
+    // depth, zero below the block's last row, for blocks that are and are not
+    // multiples of mr, at offsets in both dimensions.
+    let (m, k) = (40, 70);
+    let data = random(8, m * k);
+    let a = MatRef::row_major(&data, k, m).unwrap().t();
+    for (i0, mlen, p0, kc, mr) in [
+        (0usize, 1usize, 0usize, 1usize, 6usize),
+        (0, 36, 0, 70, 6),
+        (3, 25, 5, 19, 6),
+        (8, 32, 64, 6, 4),
+        (1, 39, 2, 67, 4),
+    ] {
+        let tall = mlen.div_ceil(mr);
+        let mut dst = vec![f32::NAN; tall * mr * kc];
+        pack_a_transposed(&a, i0, mlen, p0, kc, mr, &mut dst);
+        for (q, panel) in dst.chunks(mr * kc).enumerate() {
+            for p in 0..kc {
+                for r in 0..mr {
+                    let i = q * mr + r;
+                    let want = if i < mlen { a.at(i0 + i, p0 + p) } else { 0.0 };
+                    assert_eq!(
+                        panel[p * mr + r].to_bits(),
+                        want.to_bits(),
+                        "i0 {i0} mlen {mlen} p0 {p0} kc {kc} mr {mr}: panel {q} ({p}, {r})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn panels_pack_to_the_values_they_hold() {
     // A row-major B (read a row at a time across panels) and one whose
     // columns are contiguous (8×8 AVX tiles where the CPU has AVX, scalar
