@@ -1494,13 +1494,21 @@ fn pack_a(a: &MatRef, i0: usize, rows: usize, p0: usize, kc: usize, mr: usize, d
     }
 }
 
+/// How many stored rows ahead [`pack_a_transposed`] prefetches.
+const PREFETCH_ROWS: usize = 8;
+
 /// [`pack_a`] for all the panels of a block of `mlen` rows of a transposed
 /// `a` (`Aᵀ` stored row-major, the weight gradients' `xᵀ`) at once, a stored
 /// row at a time: each is `mlen` contiguous values that the panels take `mr`
 /// each. Packed a panel at a time, the same block read `mr` values from
 /// each of `kc` rows a stored row apart (6 KiB in a 1536-wide `xᵀ`), every
 /// read waiting on its line: 11% of a 1536 × 2048 · 2048 × 384 product on
-/// a Zen 3 EPYC.
+/// a Zen 3 EPYC. Each stored row is a page of its own to the hardware
+/// prefetchers (rows of `xᵀ` are kilobytes apart), so the rows
+/// [`PREFETCH_ROWS`] ahead are asked for in software: the weight gradients'
+/// shapes 1.03-1.10x (medians of 20 calls alternated with the build
+/// without, one and two threads, Zen 3; 4 and 16 rows ahead measured
+/// alike).
 fn pack_a_transposed(
     a: &MatRef,
     i0: usize,
@@ -1516,6 +1524,15 @@ fn pack_a_transposed(
     }
     for p in 0..kc {
         let row = &a.data[(p0 + p) * a.cs + i0..][..mlen];
+        #[cfg(target_arch = "x86_64")]
+        if p + PREFETCH_ROWS < kc {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let ahead = &a.data[(p0 + p + PREFETCH_ROWS) * a.cs + i0..][..mlen];
+            for line in ahead.chunks(16) {
+                // SAFETY: a prefetch is a hint, its address inside `a`.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+            }
+        }
         for q in 0..full {
             copy_short(&mut dst[(q * kc + p) * mr..][..mr], &row[q * mr..][..mr]);
         }
