@@ -13,7 +13,9 @@
 //! six broadcasts of `A` a step; its 12×32 predecessor, with two and twelve,
 //! ran 0.80-0.87x as fast in products on a Sapphire Rapids), the `A` block in
 //! L2, and the `B` block in L2 too where the f32 kernels cut its columns to
-//! fit (`Kernel::col_block`; the bf16 kernels' blocks sit in L3). A product
+//! fit (`Kernel::col_block`; the bf16 kernels' blocks, and those of
+//! products whose `A` is packed, sit in L3: a cut would pack `A` again for
+//! every block). A product
 //! whose `C` outgrows L2 and whose `A` is read in place takes deeper blocks
 //! (`depth_block`): each block is a pass over `C`.
 //!
@@ -621,6 +623,17 @@ impl Kernel {
     /// packed seven times in a 384 × 2048 · 2048 × 1152 product) the
     /// weight gradients' shapes ran 1.17-1.32x as fast at one thread and
     /// 1.13-1.27x at two (`gemm_bench`, alternated).
+    ///
+    /// On a core whose L2 is under [`SMALL_L2_BYTES`], half of it holds
+    /// too few columns (Zen 3's 512 KiB: 170 at depth 384, 64 at 1024) for
+    /// a block to pay for reading all of `A` again at the next one, and its
+    /// L3 serves `B`'s panels fast: the blocks take at least 512 columns a
+    /// thread. Alternated call by call on a Zen 3 EPYC (medians of 15),
+    /// whole-width blocks against half of L2: the model's untransposed
+    /// products 1.09-1.23x at one thread and 1.04-1.08x at two, 2048³
+    /// 1.16x and 1.04x; 512 columns a thread against whole widths level
+    /// (0.99-1.05x). (The Sapphire Rapids' 2 MiB keeps the rule above: 2048-column blocks lost
+    /// there.)
     fn col_block(self, n: usize, threads: usize, depth: usize, a_packed: bool) -> usize {
         if self.is_bf16() {
             return NC;
@@ -629,7 +642,8 @@ impl Kernel {
         if a_packed && n * depth * 4 <= WHOLE_B_BYTES {
             return n.next_multiple_of(unit);
         }
-        let per_thread = (l2_bytes() / 2 / (depth * 4)).clamp(64, 1024);
+        let fewest = if l2_bytes() < SMALL_L2_BYTES { 512 } else { 64 };
+        let per_thread = (l2_bytes() / 2 / (depth * 4)).clamp(fewest, 1024);
         let most = (per_thread * threads.max(1)).max(unit);
         let blocks = n.div_ceil(most).max(1);
         n.div_ceil(blocks).next_multiple_of(unit)
@@ -707,6 +721,10 @@ impl Kernel {
 /// The largest packed `B` block that takes all of a product's columns where
 /// `A` is packed ([`Kernel::col_block`]): an L3's share, not an L2's.
 const WHOLE_B_BYTES: usize = 8 << 20;
+
+/// An L2 under this size makes the f32 kernels' column blocks at least 512
+/// columns a thread ([`Kernel::col_block`]).
+const SMALL_L2_BYTES: usize = 1 << 20;
 
 /// Row blocks a thread may get in an AMX product (see
 /// [`Kernel::row_block`]). Each thread's run of them is one range of the
