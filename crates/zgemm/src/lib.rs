@@ -632,8 +632,8 @@ impl Kernel {
     /// whole-width blocks against half of L2: the model's untransposed
     /// products 1.09-1.23x at one thread and 1.04-1.08x at two, 2048³
     /// 1.16x and 1.04x; 512 columns a thread against whole widths level
-    /// (0.99-1.05x). (The Sapphire Rapids' 2 MiB keeps the rule above: 2048-column blocks lost
-    /// there.)
+    /// (0.99-1.05x). (The Sapphire Rapids' 2 MiB keeps the rule above:
+    /// 2048-column blocks lost there.)
     fn col_block(self, n: usize, threads: usize, depth: usize, a_packed: bool) -> usize {
         if self.is_bf16() {
             return NC;
