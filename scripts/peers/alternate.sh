@@ -9,7 +9,10 @@
 # CPUs with AVX512_BF16 or AMX). Prints one line a pair,
 #   round config zrun_tokens/s peer_tokens/s zrun/peer zrun_model_GFLOP/s
 # and last the `gemm_f32` row of `zrun bench kernels` (every core), the GEMM
-# rate the step's model GFLOP/s compare against. PEER_VOCAB=50304 runs all
+# rate the step's model GFLOP/s compare against, and fma_peak's scaling with
+# threads (about 2x on 2 cores; near 1x means the host time-sliced the vCPUs
+# onto one core while it measured, and the sitting compares nothing at 2
+# threads). PEER_VOCAB=50304 runs all
 # of them with GPT-2's vocabulary (padded) instead of bytes.
 # Build first (cargo build --release); run on an otherwise idle machine.
 set -euo pipefail
@@ -59,6 +62,13 @@ for r in $(seq "$ROUNDS"); do
 done
 "$ROOT/target/release/zrun" bench kernels --json 2>/dev/null | python3 -c '
 import json, sys
-rows = [r for r in json.load(sys.stdin)["rows"] if r["kernel"] == "gemm_f32"]
+out = json.load(sys.stdin)
+rows = [r for r in out["rows"] if r["kernel"] == "gemm_f32"]
 best = max(rows, key=lambda r: r["threads"])
-print("gemm_f32", best["threads"], "threads", round(best["gflops"], 1), "GFLOP/s")'
+print("gemm_f32", best["threads"], "threads", round(best["gflops"], 1), "GFLOP/s")
+peaks = {r["threads"]: r["gflops"] for r in out["rows"] if r["kernel"] == "fma_peak"}
+if len(peaks) > 1:
+    t = max(peaks)
+    print(f"fma_peak {t} threads / 1 thread: {peaks[t] / peaks[1]:.2f}x")
+if out.get("shared_cores"):
+    print("warning:", out["shared_cores"])'

@@ -11,6 +11,15 @@
 //!
 //! `GEMM_ONLY=tn_384` times only the shapes whose name contains it, and
 //! `GEMM_REPS=500` calls each that many times (a loop to profile).
+//!
+//! `OPENBLAS_LIB=/path/to/libopenblas.so` (numpy's: `numpy.libs/` in its
+//! site-packages) times zgemm's fastest kernel against OpenBLAS's
+//! `cblas_sgemm` instead, the two alternated call by call in this one
+//! process, so that a noisy neighbour's drift falls on both alike (separate
+//! processes minutes apart swung 0.5-1.2x on a shared 2-core host). Prints
+//! each side's best and median and the ratios. Set
+//! `OPENBLAS_THREAD_TIMEOUT=4` with it, or OpenBLAS's idle threads spin
+//! through the next zgemm call.
 
 use zgemm::{gemm_with, Kernel, MatMut, MatRef, Start};
 
@@ -43,6 +52,13 @@ fn main() {
     let reps_set: Option<usize> = std::env::var("GEMM_REPS")
         .ok()
         .map(|r| r.parse().expect("GEMM_REPS: a number"));
+    if let Ok(lib) = std::env::var("OPENBLAS_LIB") {
+        let blas = openblas::Sgemm::open(&lib);
+        for &t in &threads {
+            versus_openblas(&blas, t, &only, reps_set.unwrap_or(30));
+        }
+        return;
+    }
     for &t in &threads {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(t)
@@ -113,6 +129,227 @@ fn main() {
                 line += &format!("  bf16-out {:.1}", flops / best / 1e9);
             }
             println!("{line}  GFLOP/s");
+        }
+    }
+}
+
+/// zgemm and OpenBLAS on every shape at `t` threads, `reps` calls each,
+/// alternated call by call (who goes first alternating too), each call
+/// after a 2 ms pause so that both start from idle threads.
+fn versus_openblas(blas: &openblas::Sgemm, t: usize, only: &str, reps: usize) {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(t)
+        .build()
+        .expect("a thread pool");
+    blas.set_threads(t);
+    let pause = std::time::Duration::from_millis(
+        std::env::var("GEMM_PAUSE_MS").map_or(2, |v| v.parse().expect("GEMM_PAUSE_MS: a number")),
+    );
+    for (op, m, k, n) in SHAPES {
+        if !format!("{op}_{m}x{k}x{n}").contains(only) {
+            continue;
+        }
+        let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.01).collect();
+        let (ta, tb) = (op.starts_with('t'), op.ends_with('t'));
+        let (av, bv) = (
+            view(&a, m, k, ta).expect("A's shape"),
+            view(&b, k, n, tb).expect("B's shape"),
+        );
+        let mut c = vec![0f32; m * n];
+        let mut c_blas = vec![0f32; m * n];
+        let mut times = [Vec::new(), Vec::new()];
+        for rep in 0..2 * reps {
+            for side in [rep % 2, 1 - rep % 2] {
+                std::thread::sleep(pause);
+                let start = std::time::Instant::now();
+                if side == 0 {
+                    pool.install(|| {
+                        let cv = MatMut::row_major(&mut c, m, n).expect("C's shape");
+                        gemm_with(Kernel::best(), cv, av, bv, 1.0, Start::Zero, t).expect("shapes");
+                    });
+                } else {
+                    blas.row_major(ta, tb, m, n, k, &a, &b, &mut c_blas);
+                }
+                times[side].push(start.elapsed().as_secs_f64());
+            }
+        }
+        let worst_gap = c
+            .iter()
+            .zip(&c_blas)
+            .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
+            .fold(0f32, f32::max);
+        assert!(
+            worst_gap < 1e-4,
+            "zgemm and OpenBLAS disagree by {worst_gap}"
+        );
+        let flops = 2.0 * (m * k * n) as f64;
+        let [best, median] = [0, 1].map(|which| {
+            times.clone().map(|mut v| {
+                v.sort_by(f64::total_cmp);
+                flops / if which == 0 { v[0] } else { v[v.len() / 2] } / 1e9
+            })
+        });
+        println!(
+            "{op}_{m}x{k}x{n} threads {t}: best zgemm {:.1} openblas {:.1} ({:.2}x)  \
+             median zgemm {:.1} openblas {:.1} ({:.2}x)  GFLOP/s",
+            best[0],
+            best[1],
+            best[0] / best[1],
+            median[0],
+            median[1],
+            median[0] / median[1],
+        );
+    }
+}
+
+/// OpenBLAS's `cblas_sgemm`, found in a shared library at run time: numpy's
+/// build (64-bit integers, `scipy_`-prefixed symbols) or a plain one.
+mod openblas {
+    use std::ffi::{c_int, c_void, CString};
+
+    type Cblas = unsafe extern "C" fn(
+        c_int,
+        c_int,
+        c_int,
+        i64,
+        i64,
+        i64,
+        f32,
+        *const f32,
+        i64,
+        *const f32,
+        i64,
+        f32,
+        *mut f32,
+        i64,
+    );
+    type Cblas32 = unsafe extern "C" fn(
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        c_int,
+        f32,
+        *const f32,
+        c_int,
+        *const f32,
+        c_int,
+        f32,
+        *mut f32,
+        c_int,
+    );
+
+    enum Entry {
+        Ilp64(Cblas),
+        Lp64(Cblas32),
+    }
+
+    pub struct Sgemm {
+        entry: Entry,
+        set_threads: unsafe extern "C" fn(c_int),
+    }
+
+    fn symbol(lib: *mut c_void, name: &str) -> Option<*mut c_void> {
+        let name = CString::new(name).expect("no NUL");
+        // SAFETY: a valid handle and a NUL-terminated name.
+        let f = unsafe { libc::dlsym(lib, name.as_ptr()) };
+        (!f.is_null()).then_some(f)
+    }
+
+    impl Sgemm {
+        pub fn open(path: &str) -> Sgemm {
+            let c = CString::new(path).expect("no NUL in OPENBLAS_LIB");
+            // SAFETY: a NUL-terminated path; the library's constructors
+            // are OpenBLAS's own.
+            let lib = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW) };
+            assert!(!lib.is_null(), "cannot dlopen {path}");
+            let threads = [
+                "scipy_openblas_set_num_threads64_",
+                "openblas_set_num_threads",
+            ]
+            .iter()
+            .find_map(|n| symbol(lib, n))
+            .expect("no openblas_set_num_threads in the library");
+            // SAFETY: the symbols' C signatures (OpenBLAS's cblas.h).
+            unsafe {
+                let entry = if let Some(f) = symbol(lib, "scipy_cblas_sgemm64_") {
+                    Entry::Ilp64(std::mem::transmute::<*mut c_void, Cblas>(f))
+                } else {
+                    let f = symbol(lib, "cblas_sgemm").expect("no cblas_sgemm in the library");
+                    Entry::Lp64(std::mem::transmute::<*mut c_void, Cblas32>(f))
+                };
+                Sgemm {
+                    entry,
+                    set_threads: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int)>(
+                        threads,
+                    ),
+                }
+            }
+        }
+
+        pub fn set_threads(&self, t: usize) {
+            // SAFETY: OpenBLAS's own setter.
+            unsafe { (self.set_threads)(t as c_int) }
+        }
+
+        /// `c = a·b`, row-major `m × n`; `a` stored `k × m` if `ta`, `b`
+        /// stored `n × k` if `tb`.
+        #[allow(clippy::too_many_arguments)]
+        pub fn row_major(
+            &self,
+            ta: bool,
+            tb: bool,
+            m: usize,
+            n: usize,
+            k: usize,
+            a: &[f32],
+            b: &[f32],
+            c: &mut [f32],
+        ) {
+            const ROW_MAJOR: c_int = 101;
+            let trans = |t: bool| if t { 112 } else { 111 };
+            let (lda, ldb) = (if ta { m } else { k }, if tb { k } else { n });
+            assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+            // SAFETY: the slices hold the operands at these leading
+            // dimensions (asserted).
+            unsafe {
+                match self.entry {
+                    Entry::Ilp64(f) => f(
+                        ROW_MAJOR,
+                        trans(ta),
+                        trans(tb),
+                        m as i64,
+                        n as i64,
+                        k as i64,
+                        1.0,
+                        a.as_ptr(),
+                        lda as i64,
+                        b.as_ptr(),
+                        ldb as i64,
+                        0.0,
+                        c.as_mut_ptr(),
+                        n as i64,
+                    ),
+                    Entry::Lp64(f) => f(
+                        ROW_MAJOR,
+                        trans(ta),
+                        trans(tb),
+                        m as c_int,
+                        n as c_int,
+                        k as c_int,
+                        1.0,
+                        a.as_ptr(),
+                        lda as c_int,
+                        b.as_ptr(),
+                        ldb as c_int,
+                        0.0,
+                        c.as_mut_ptr(),
+                        n as c_int,
+                    ),
+                }
+            }
         }
     }
 }

@@ -188,16 +188,62 @@ fn figure(v: f64) -> String {
     }
 }
 
+/// What `fma_peak` at `n` threads says when it is under this share of `n`
+/// times one thread's: the threads did not each have a core.
+const SHARED_CORES_BELOW: f64 = 0.75;
+
+/// A warning where the `fma_peak` rows show the machine's cores shared
+/// while it was measured: on a cloud host the vCPUs may be time-sliced
+/// onto fewer physical cores than they number, for minutes at a time (a
+/// 2-core EPYC guest measured `fma_peak` at 2 threads 1.0x one thread's
+/// for a quarter of an hour, 2.0x at other times, while the guest counted
+/// no steal time). Every figure at those thread counts then measures fewer
+/// cores than it says, so ratios across sittings mean nothing.
+fn shared_cores_warning(rows: &[KernelRow]) -> Option<String> {
+    let peak = |t: usize| {
+        rows.iter()
+            .find(|r| r.kernel == "fma_peak" && r.threads == t)
+            .map(|r| r.gflops)
+    };
+    let one = peak(1)?;
+    let shared: Vec<String> = rows
+        .iter()
+        .filter(|r| r.kernel == "fma_peak" && r.threads > 1)
+        .filter(|r| r.gflops < SHARED_CORES_BELOW * r.threads as f64 * one)
+        .map(|r| {
+            format!(
+                "{} threads ran {:.2}x one thread's",
+                r.threads,
+                r.gflops / one
+            )
+        })
+        .collect();
+    (!shared.is_empty()).then(|| {
+        format!(
+            "fma_peak at {}: the cores were shared while this ran (a busy or \
+             oversubscribed host), so the rows at those thread counts measure fewer \
+             cores than they say; measure again on a quiet machine before comparing",
+            shared.join(", ")
+        )
+    })
+}
+
 /// `zrun bench kernels`.
 pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
     if args.elements < 1024 {
         return Err(Failure::bad_input("--elements must be at least 1024"));
     }
     let rows = measure_kernels(args.elements, &worker_bin(args.worker_bin.clone())?)?;
+    let warning = shared_cores_warning(&rows);
+    if let Some(w) = &warning {
+        shout!("zrun: warning: {w}");
+    }
     if args.json {
         say!(
             "{}",
-            serde_json::to_string_pretty(&serde_json::json!({ "rows": rows }))?
+            serde_json::to_string_pretty(
+                &serde_json::json!({ "rows": rows, "shared_cores": warning })
+            )?
         );
         return Ok(ExitCode::SUCCESS);
     }
@@ -438,6 +484,29 @@ mod tests {
         assert_eq!(parse_bytes("4096").unwrap(), 4096);
         assert!(parse_bytes("3").is_err());
         assert!(parse_bytes("lots").is_err());
+    }
+
+    #[test]
+    fn an_fma_peak_that_does_not_scale_with_threads_warns() {
+        let row = |kernel: &str, threads, gflops| KernelRow {
+            kernel: kernel.into(),
+            elements: 0,
+            threads,
+            gbps: 0.0,
+            gflops,
+            ratio: 1.0,
+        };
+        let scaled = [row("fma_peak", 1, 94.5), row("fma_peak", 2, 186.6)];
+        assert_eq!(shared_cores_warning(&scaled), None);
+        let shared = [
+            row("fma_peak", 1, 94.5),
+            row("fma_peak", 2, 94.1),
+            row("gemm_f32", 2, 80.0),
+        ];
+        let w = shared_cores_warning(&shared).expect("a warning");
+        assert!(w.contains("2 threads ran 1.00x one thread's"), "{w}");
+        // No one-thread row to compare with: nothing to say.
+        assert_eq!(shared_cores_warning(&shared[1..]), None);
     }
 
     #[test]
