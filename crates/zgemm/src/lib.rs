@@ -971,33 +971,16 @@ pub(crate) fn drive(
                 transposed_a_in_place: false,
                 rounded,
             };
-            // Tasks: a block of A's rows × a range of B's panels, enough of
-            // them that every thread has two, numbered so that rayon's
-            // halving hands each thread its own range of panels (half the
-            // packed B each to stream) where A needs no packing, which a
-            // task of each range would otherwise repeat, or where A has so
-            // few blocks that repeating their packing costs less than every
-            // thread streaming all of B (a weight gradient xᵀ·dy with 384
-            // rows: 0.91x OpenBLAS at 2 threads before, 1.03-1.09x after).
-            //
-            // AMX's tasks take whole rows of C instead wherever each thread
-            // can have its own blocks of them (its row blocks are cut to
-            // fit): two threads writing the two halves of every row of C
-            // ran at 0.6-0.7x the rate of each writing its own rows (2048
-            // rows × 384 columns), though A, read in place, costs the same
-            // either way. (The f32 kernels measured 3-9% slower with whole
-            // rows: their B block is near L2's size, and half of it each is
-            // what they gain.)
             let m_blocks = m.div_ceil(mc);
-            let splits = match threads {
-                1 => 1,
-                _ if kernel == Kernel::AmxBf16 && m_blocks >= threads => 1,
-                _ if a.cs == 1 || m_blocks <= 2 * threads => {
-                    threads.max((2 * threads).div_ceil(m_blocks))
-                }
-                _ => (2 * threads).div_ceil(m_blocks),
-            }
-            .clamp(1, panels);
+            let splits = task_splits(
+                kernel,
+                a.cs != 1,
+                m_blocks,
+                panels * nr * kc * 4,
+                panels,
+                threads,
+                l2_bytes(),
+            );
             let task = |t: usize| {
                 let (s, ib) = (t / m_blocks, t % m_blocks);
                 pass.rows(ib * mc, mc.min(m - ib * mc), chunk(panels, splits, s));
@@ -1011,6 +994,59 @@ pub(crate) fn drive(
     }
     PACKED_B.set(packed_b);
     Ok(())
+}
+
+/// Into how many ranges of `B`'s `panels` (`panel_bytes` in all) the
+/// tasks of one block of depth cut each of `A`'s `m_blocks` row blocks
+/// (`a_packed`: `A` is packed by each task) on `threads` threads, `l2`
+/// bytes of L2 a core. Each task is a row block × a range of panels,
+/// enough of them that every thread has two, numbered so that rayon's
+/// halving hands each thread its own range of panels (half the packed `B`
+/// each to stream) where `A` needs no packing, which a task of each range
+/// would otherwise repeat, or where `A` has so few blocks that repeating
+/// their packing costs less than every thread streaming all of `B` (a
+/// weight gradient xᵀ·dy with 384 rows, on a Sapphire Rapids: 0.91x
+/// OpenBLAS at 2 threads before, 1.03-1.09x after).
+///
+/// That last trade holds where a thread's share of the panels stays in
+/// its L2 (there, 864 KiB of 2 MiB) and each range is streamed from there
+/// once for each row block. Where the share is over half of L2 it comes
+/// from L3 for each row block whichever way the tasks are cut, and only
+/// the repeated packing of `A` is left: so where `A` is packed and its
+/// row blocks divide evenly among the threads, each thread takes whole
+/// rows instead and packs only its own. On a Zen 3 EPYC (512 KiB of L2)
+/// the model's weight gradients with 384 rows (384 × 2048 · 2048 × 384,
+/// 1152 and 1536) ran 1.02-1.11x as fast at 2 threads (medians of 30
+/// alternated calls, two rounds, the host's two vCPUs then sharing one
+/// core: what it saves is the packing twice over).
+///
+/// AMX's tasks take whole rows of `C` wherever each thread can have its
+/// own blocks of them (its row blocks are cut to fit): two threads writing
+/// the two halves of every row of `C` ran at 0.6-0.7x the rate of each
+/// writing its own rows (2048 rows × 384 columns), though `A`, read in
+/// place, costs the same either way. (The f32 kernels measured 3-9% slower
+/// with whole rows on the Sapphire Rapids: their `B` block is near L2's
+/// size, and half of it each is what they gain.)
+///
+/// Which tiles share a task changes no element's sums.
+fn task_splits(
+    kernel: Kernel,
+    a_packed: bool,
+    m_blocks: usize,
+    panel_bytes: usize,
+    panels: usize,
+    threads: usize,
+    l2: usize,
+) -> usize {
+    let share_in_l2 = panel_bytes.div_ceil(threads) <= l2 / 2;
+    match threads {
+        1 => 1,
+        _ if kernel == Kernel::AmxBf16 && m_blocks >= threads => 1,
+        _ if a_packed && m_blocks.is_multiple_of(threads) && !share_in_l2 => 1,
+        _ if !a_packed || m_blocks <= 2 * threads => threads.max((2 * threads).div_ceil(m_blocks)),
+        _ => (2 * threads).div_ceil(m_blocks),
+    }
+    .clamp(1, panels)
 }
 
 /// What the first block of depth starts from.

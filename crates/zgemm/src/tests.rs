@@ -209,6 +209,39 @@ fn amx_takes_deep_blocks_and_avx512_bf16_keeps_kc() {
     assert_eq!(depth_block(Kernel::Avx512Bf16, 384, 1152, 1024, false), KC);
 }
 
+/// A weight gradient's tasks (`A` packed, few row blocks) cut `B`'s panels
+/// between the threads where a thread's share stays in L2, and `A`'s rows
+/// where it would not (each thread then packs only its own rows); a
+/// row-major `A` keeps the panel split, and one thread one task a block.
+#[test]
+fn tasks_split_rows_where_a_threads_share_of_b_outgrows_l2() {
+    // 384 × 2048 · 2048 × 1152 on AVX2: 4 row blocks, 72 panels of 24 KiB.
+    let panels = 72;
+    let split = |a_packed, m_blocks, threads, l2| {
+        task_splits(
+            Kernel::Avx2,
+            a_packed,
+            m_blocks,
+            panels * 16 * KC * 4,
+            panels,
+            threads,
+            l2,
+        )
+    };
+    let (zen3, sapphire_rapids) = (512 << 10, 2 << 20);
+    assert_eq!(split(true, 4, 2, zen3), 1);
+    assert_eq!(split(true, 4, 2, sapphire_rapids), 2);
+    // Row blocks that do not divide among the threads keep the panel split.
+    assert_eq!(split(true, 3, 2, zen3), 2);
+    assert_eq!(split(false, 4, 2, zen3), 2);
+    assert_eq!(split(true, 4, 1, zen3), 1);
+    // Never more ranges than panels.
+    assert_eq!(
+        task_splits(Kernel::Avx2, false, 1, 16 * KC * 4, 1, 2, zen3),
+        1
+    );
+}
+
 #[test]
 fn deep_blocks_give_the_portable_kernels_bits_on_every_kernel() {
     let (m, n, k) = (1024, 520, 1100);
