@@ -10,9 +10,9 @@
 #   round config zrun_tokens/s peer_tokens/s zrun/peer zrun_model_GFLOP/s
 # and last the `gemm_f32` row of `zrun bench kernels` (every core), the GEMM
 # rate the step's model GFLOP/s compare against, and fma_peak's scaling with
-# threads (about 2x on 2 cores; near 1x means the host time-sliced the vCPUs
-# onto one core while it measured, and the sitting compares nothing at 2
-# threads). PEER_VOCAB=50304 runs all
+# threads (about 2x on 2 cores; near 1x means something else ran on the
+# cores, a leftover process or the host, and the sitting compares nothing at
+# 2 threads). PEER_VOCAB=50304 runs all
 # of them with GPT-2's vocabulary (padded) instead of bytes.
 # Build first (cargo build --release); run on an otherwise idle machine.
 set -euo pipefail

@@ -1014,13 +1014,15 @@ pub(crate) fn drive(
 /// from L3 for each row block whichever way the tasks are cut, and only
 /// the repeated packing of `A` is left: so where `A` is packed and its
 /// row blocks divide evenly among the threads, each thread takes whole
-/// rows instead and packs only its own. On a Zen 3 EPYC (512 KiB of L2)
-/// the model's weight gradients with 384 rows (384 × 2048 · 2048 × 384,
-/// 1152 and 1536) ran 1.02-1.11x as fast at 2 threads (medians of 30
-/// alternated calls, two rounds, the host's two vCPUs then sharing one
-/// core: what it saves is the packing twice over). On the Sapphire
-/// Rapids it moves one of the model's products, 384 × 2048 · 2048 × 1536
-/// (a share of 1.15 MiB), unmeasured there.
+/// rows instead and packs only its own: less work for the same bits. On
+/// a Zen 3 EPYC (512 KiB of L2) the model's weight gradients with 384
+/// rows (384 × 2048 · 2048 × 384, 1152 and 1536) measured level at 2
+/// threads on two idle cores (medians of 30 alternated calls, four
+/// rounds: 0.94-1.04x, 384 columns 0.98-1.04x) and 1.01-1.11x with other
+/// processes busy on one of the cores (three rounds), where a thread's
+/// packing is what the busy core runs slowest. On the Sapphire Rapids it
+/// moves one of the model's products, 384 × 2048 · 2048 × 1536 (a share
+/// of 1.15 MiB), unmeasured there.
 ///
 /// AMX's tasks take whole rows of `C` wherever each thread can have its
 /// own blocks of them (its row blocks are cut to fit): two threads writing

@@ -193,12 +193,12 @@ fn figure(v: f64) -> String {
 const SHARED_CORES_BELOW: f64 = 0.75;
 
 /// A warning where the `fma_peak` rows show the machine's cores shared
-/// while it was measured: on a cloud host the vCPUs may be time-sliced
-/// onto fewer physical cores than they number, for minutes at a time (a
-/// 2-core EPYC guest measured `fma_peak` at 2 threads 1.0x one thread's
-/// for a quarter of an hour, 2.0x at other times, while the guest counted
-/// no steal time). Every figure at those thread counts then measures fewer
-/// cores than it says, so ratios across sittings mean nothing.
+/// while it was measured: other processes busy on them (a forgotten busy
+/// loop pinned to one core of a 2-core guest held `fma_peak` at 2 threads
+/// at 1.0x one thread's for an hour and went unnoticed while the
+/// two-thread figures of that hour were taken as the host's noise), or a
+/// host that runs its vCPUs on fewer cores than they number. Every figure
+/// at those thread counts then measures fewer cores than it says.
 fn shared_cores_warning(rows: &[KernelRow]) -> Option<String> {
     let peak = |t: usize| {
         rows.iter()
