@@ -200,12 +200,10 @@ const SHARED_CORES_BELOW: f64 = 0.75;
 /// host that runs its vCPUs on fewer cores than they number. Every figure
 /// at those thread counts then measures fewer cores than it says.
 fn shared_cores_warning(rows: &[KernelRow]) -> Option<String> {
-    let peak = |t: usize| {
-        rows.iter()
-            .find(|r| r.kernel == "fma_peak" && r.threads == t)
-            .map(|r| r.gflops)
-    };
-    let one = peak(1)?;
+    let one = rows
+        .iter()
+        .find(|r| r.kernel == "fma_peak" && r.threads == 1)?
+        .gflops;
     let shared: Vec<String> = rows
         .iter()
         .filter(|r| r.kernel == "fma_peak" && r.threads > 1)
@@ -220,8 +218,8 @@ fn shared_cores_warning(rows: &[KernelRow]) -> Option<String> {
         .collect();
     (!shared.is_empty()).then(|| {
         format!(
-            "fma_peak at {}: the cores were shared while this ran (a busy or \
-             oversubscribed host), so the rows at those thread counts measure fewer \
+            "fma_peak at {}: the cores were shared while this ran (other \
+             processes busy on them, or an oversubscribed host), so the rows at those thread counts measure fewer \
              cores than they say; measure again on a quiet machine before comparing",
             shared.join(", ")
         )
