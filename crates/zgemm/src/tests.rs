@@ -973,7 +973,8 @@ fn a_transposed_block_packs_to_the_values_its_panels_hold() {
 fn panels_pack_to_the_values_they_hold() {
     // A row-major B (read a row at a time across panels) and one whose
     // columns are contiguous (8×8 AVX tiles where the CPU has AVX, scalar
-    // edges everywhere), against element-by-element reads: several panels,
+    // edges everywhere; the row-major one also split by rows across
+    // threads), against element-by-element reads: several panels,
     // offsets, depths and widths that are and are not multiples of 8, and a
     // last panel narrower than nr.
     let (n, k) = (45, 403);
@@ -992,20 +993,31 @@ fn panels_pack_to_the_values_they_hold() {
             (2, 400, 13, 45, 32),
         ] {
             let panels = (j1 - j0).div_ceil(nr);
-            let mut dst = vec![f32::NAN; panels * kc * nr];
-            pack_b_panels(&b, p0, kc, j0, j1, nr, &mut dst, None);
-            for (q, panel) in dst.chunks(kc * nr).enumerate() {
-                for p in 0..kc {
-                    for c in 0..nr {
-                        let j = j0 + q * nr + c;
-                        let want = if j < j1 { b.at(p0 + p, j) } else { 0.0 };
-                        assert_eq!(
-                            panel[p * nr + c].to_bits(),
-                            want.to_bits(),
-                            "strides ({}, {}) p0 {p0} kc {kc} j0 {j0} j1 {j1} nr {nr}: panel {q} ({p}, {c})",
-                            b.rs,
-                            b.cs
-                        );
+            let mut packings = vec![("one thread", vec![f32::NAN; panels * kc * nr])];
+            pack_b_panels(&b, p0, kc, j0, j1, nr, &mut packings[0].1, None);
+            // A row-major B on several threads, each packing a run of rows
+            // (more threads than rows in some cases).
+            if b.cs == 1 {
+                for (threads, name) in [(2, "2 threads"), (3, "3 threads"), (8, "8 threads")] {
+                    let mut dst = vec![f32::NAN; panels * kc * nr];
+                    pack_b_rows_split(&b, p0, kc, j0, j1, nr, threads, &mut dst);
+                    packings.push((name, dst));
+                }
+            }
+            for (how, dst) in &packings {
+                for (q, panel) in dst.chunks(kc * nr).enumerate() {
+                    for p in 0..kc {
+                        for c in 0..nr {
+                            let j = j0 + q * nr + c;
+                            let want = if j < j1 { b.at(p0 + p, j) } else { 0.0 };
+                            assert_eq!(
+                                panel[p * nr + c].to_bits(),
+                                want.to_bits(),
+                                "{how}, strides ({}, {}) p0 {p0} kc {kc} j0 {j0} j1 {j1} nr {nr}: panel {q} ({p}, {c})",
+                                b.rs,
+                                b.cs
+                            );
+                        }
                     }
                 }
             }
