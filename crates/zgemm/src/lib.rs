@@ -919,7 +919,9 @@ pub(crate) fn drive(
             let kc = depth.min(k - pc);
             let b_block = &mut aligned(&mut packed_b, panels * nr * depth)[..panels * nr * kc];
             // Each thread packs a run of whole panels (rows of B read along,
-            // see pack_b_panels).
+            // see pack_b_panels), or, where B is row-major and no sums are
+            // taken, a run of the block's rows across every panel
+            // (pack_b_rows_split).
             let run = panels.div_ceil(threads) * nr * kc;
             let pack = |((r, dst), sums): ((usize, &mut [f32]), Option<&mut [f32]>)| {
                 let j = jc + r * run / kc;
