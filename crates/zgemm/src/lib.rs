@@ -1644,11 +1644,12 @@ fn pack_b_panels(
 
 /// Packs a row-major `B`'s block of depth (rows `p0..p0+kc`, columns
 /// `j0..j1`) into `dst`'s panels (as [`pack_b_panels`]) on `threads`
-/// threads, each taking a run of the rows across every panel: its reads
-/// one contiguous stretch of `B` where `B` is no wider than the block,
-/// where a run of panels each read a part of every row, 64-byte lines
-/// from rows 4.5 KiB apart, which the hardware prefetchers followed less
-/// well. Alternated call by call on a Zen 3 EPYC, 2 threads (medians of
+/// threads, each taking a run of the rows across every panel, so that each
+/// thread reads one contiguous stretch of `B` (where `B` is no wider than
+/// the block). Threads that each took a run of panels read a part of every
+/// row, stretches of 2.3 KiB from rows 4.5 KiB apart in the weight
+/// gradient below, and packed at a third of one thread's rate per thread.
+/// Alternated call by call on a Zen 3 EPYC, 2 threads (medians of
 /// 30): the weight gradients 384 × 2048 · 2048 × 384, 1152 and 1536
 /// 1.05-1.12x, the other shapes level (1.00-1.02x); perf of the 1152 one
 /// put packing at 7% of its samples, from 14%.
