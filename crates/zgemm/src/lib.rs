@@ -941,24 +941,25 @@ pub(crate) fn drive(
             // Each run of panels sums its own columns (module doc: `B`'s
             // column sums).
             let block_sums = sums.as_deref_mut().map(|s| &mut s[jc..jc + nc]);
-            match (threads > 1, block_sums) {
-                (true, None) if matches!(&b, Packs::Values(b) if b.cs == 1) => {
-                    let Packs::Values(b) = &b else {
-                        unreachable!("matched above")
-                    };
-                    pack_b_rows_split(b, pc, kc, jc, jc + nc, nr, threads, b_block);
+            let row_major = match &b {
+                Packs::Values(b) if b.cs == 1 => Some(b),
+                _ => None,
+            };
+            match (threads > 1, block_sums, row_major) {
+                (true, None, Some(b)) => {
+                    pack_b_rows_split(b, pc, kc, jc, jc + nc, nr, threads, b_block)
                 }
-                (true, Some(s)) => b_block
+                (true, Some(s), _) => b_block
                     .par_chunks_mut(run)
                     .enumerate()
                     .zip(s.par_chunks_mut(run / kc).map(Some))
                     .for_each(pack),
-                (true, None) => b_block
+                (true, None, None) => b_block
                     .par_chunks_mut(run)
                     .enumerate()
                     .map(|chunk| (chunk, None))
                     .for_each(pack),
-                (false, s) => pack(((0, b_block), s)),
+                (false, s, _) => pack(((0, b_block), s)),
             }
             let pass = Pass {
                 kernel,
