@@ -653,6 +653,18 @@ pub enum Device {
     Cuda,
 }
 
+/// A job spec from YAML text as it stands: no `${name}` expansion, no
+/// overrides, no validation ([`crate::load_job`] does those for a file).
+/// For programs and tests that write their specs in memory; one
+/// deserializer compiled here, not one in every crate that parses.
+impl std::str::FromStr for JobSpec {
+    type Err = serde_saphyr::Error;
+
+    fn from_str(yaml: &str) -> Result<JobSpec, serde_saphyr::Error> {
+        serde_saphyr::from_str(yaml)
+    }
+}
+
 impl JobSpec {
     /// What of this job the GPU path (`device: cuda`) cannot run, or
     /// `None`: the GPU model is GPT-2's or LLaMA's family with whole linears
@@ -783,13 +795,15 @@ mod tests {
 
     #[test]
     fn env_values_may_be_scalars() {
-        let j: JobSpec = serde_saphyr::from_str(
-            "model: {}\ndata: {format: synthetic}\nenv: {A: 4, B: true, C: x}\n",
-        )
-        .unwrap();
+        let j: JobSpec = "model: {}\ndata: {format: synthetic}\nenv: {A: 4, B: true, C: x}\n"
+            .parse()
+            .unwrap();
         assert_eq!(j.env.get("A").map(String::as_str), Some("4"));
         assert_eq!(j.env.get("B").map(String::as_str), Some("true"));
-        assert!(serde_saphyr::from_str::<JobSpec>("model: {}\ndata: {}\nenv: {A: [1]}\n").is_err());
+        let err = "model: {}\ndata: {}\nenv: {A: [1]}\n"
+            .parse::<JobSpec>()
+            .unwrap_err();
+        assert!(err.to_string().contains("line 3"), "{err}");
     }
 
     #[test]

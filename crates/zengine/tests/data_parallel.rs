@@ -472,7 +472,7 @@ fn llama_stages_are_bit_identical() {
              train: {{steps: 8, micro_batch_size: 4, lr: 3.0e-3, warmup_steps: 2, activation_checkpointing: {ckpt}, dtype: {dtype}}}\n\
              zero: {{stage: {stage}, reduce_bucket_size: 2000, prefetch_bucket_size: 3000, param_persistence_threshold: 100}}\n"
         );
-        serde_saphyr::from_str::<zconfig::JobSpec>(&yaml).unwrap()
+        yaml.parse::<zconfig::JobSpec>().unwrap()
     };
     for dtype in ["f32", "bf16"] {
         // 8192 elements: gate_up_proj (32 x 512) in two tiles of 256 columns.

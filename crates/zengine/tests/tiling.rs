@@ -19,7 +19,7 @@ fn spec(dtype: &str, stage: u8, accum: usize, ckpt: bool, steps: u64) -> JobSpec
          train: {{steps: {steps}, micro_batch_size: 4, grad_accum: {accum}, lr: 3.0e-3, warmup_steps: 2, activation_checkpointing: {ckpt}, dtype: {dtype}, grad_clip: 0.5}}\n\
          zero: {{stage: {stage}, reduce_bucket_size: 60000, overlap_comm: true, prefetch_bucket_size: 100000, param_persistence_threshold: 100}}\n"
     );
-    serde_saphyr::from_str(&yaml).unwrap()
+    yaml.parse().unwrap()
 }
 
 fn tiled(mut spec: JobSpec) -> JobSpec {

@@ -33,7 +33,7 @@ pub fn typed_spec(
          train: {{steps: {steps}, micro_batch_size: 4, grad_accum: {accum}, lr: 3.0e-3, warmup_steps: 2, activation_checkpointing: {ckpt}, dtype: {dtype}}}\n\
          zero: {{stage: {stage}, reduce_bucket_size: {bucket}, overlap_comm: {overlap}, prefetch_bucket_size: 3000, param_persistence_threshold: 100}}\n"
     );
-    serde_saphyr::from_str(&yaml).unwrap()
+    yaml.parse().unwrap()
 }
 
 pub fn comms(n: usize) -> Vec<Arc<dyn Communicator>> {
