@@ -541,10 +541,15 @@ fn the_16_bit_gradient_kernels_equal_the_hosts_buffers_bit_for_bit() {
 /// adamw.cu against zengine's CPU AdamW, bit for bit, as the GPU's kernel
 /// is held to it: f32, bf16 and f16 gradients (the 16-bit ones with their
 /// working copy), with and without decay, a gradient scale that is not a
-/// power of two.
+/// power of two. The kernel gets the CPU's own scalars (`Scalars`), copied
+/// field by field as zengine's `device_consts` copies them; that copy
+/// itself is held to the CPU by zengine's GPU test
+/// (`the_gpu_kernel_equals_the_cpu_bit_for_bit`, which scripts/check-cuda.sh
+/// runs on this CPU GPU), so that zengine's tests here build without its
+/// `cuda` feature.
 #[test]
 fn adamw_equals_the_cpu_kernel_bit_for_bit() {
-    use zengine::adam::{adamw as cpu_adamw, device_consts, AdamStep, Buffers, Grads as CpuGrads};
+    use zengine::adam::{adamw as cpu_adamw, AdamStep, Buffers, Grads as CpuGrads, Scalars};
     use zengine::precision::Half;
     let s = AdamStep {
         lr: 3e-4,
@@ -595,7 +600,20 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit() {
                     &mut em,
                     &mut ev,
                     kind.map(|(_, f)| (f, ew.as_mut_slice())),
-                    &device_consts(&s, decay),
+                    &{
+                        let c = Scalars::new(&s, decay);
+                        zcuda::AdamConsts {
+                            gscale: c.gscale,
+                            b1: c.b1,
+                            omb1: c.omb1,
+                            b2: c.b2,
+                            omb2: c.omb2,
+                            step_size: c.step_size,
+                            inv_sqrt_bc2: c.inv_sqrt_bc2,
+                            eps: c.eps,
+                            shrink: c.shrink,
+                        }
+                    },
                 );
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 let what = format!("{kind:?}, decay {decay}, n {n}");

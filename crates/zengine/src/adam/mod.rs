@@ -151,25 +151,39 @@ impl<'a> Buffers<'a> {
     }
 }
 
-/// Per-step scalars shared by every path.
-#[derive(Debug, Clone, Copy)]
-struct Consts {
-    gscale: f32,
-    b1: f32,
-    omb1: f32,
-    b2: f32,
-    omb2: f32,
-    step_size: f32,
-    inv_sqrt_bc2: f32,
-    eps: f32,
-    shrink: f32,
+/// One step's scalars, shared by every path: the CPU's kernels here and the
+/// GPU's (`kernels/adamw.cu`, through [`device_consts`] where the `cuda`
+/// feature is on), derived once so that both give the same bits. Public
+/// for the GPU kernel's CPU tests (crates/zcuda-emu), which hold it to
+/// these without building the GPU path into this crate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scalars {
+    /// Every gradient is multiplied by this first.
+    pub gscale: f32,
+    /// beta1.
+    pub b1: f32,
+    /// 1 - beta1.
+    pub omb1: f32,
+    /// beta2.
+    pub b2: f32,
+    /// 1 - beta2.
+    pub omb2: f32,
+    /// lr over the first moment's bias correction.
+    pub step_size: f32,
+    /// 1 / sqrt of the second moment's bias correction.
+    pub inv_sqrt_bc2: f32,
+    /// Added to the denominator.
+    pub eps: f32,
+    /// 1 - lr·weight_decay where decay applies, else 1.
+    pub shrink: f32,
 }
 
-impl Consts {
-    fn new(s: &AdamStep, decay: bool) -> Consts {
+impl Scalars {
+    /// The scalars of step `s`, with weight decay or without.
+    pub fn new(s: &AdamStep, decay: bool) -> Scalars {
         let bc1 = 1.0 - (s.beta1 as f64).powi(s.step as i32);
         let bc2 = 1.0 - (s.beta2 as f64).powi(s.step as i32);
-        Consts {
+        Scalars {
             gscale: s.grad_scale,
             b1: s.beta1,
             omb1: 1.0 - s.beta1,
@@ -191,7 +205,7 @@ impl Consts {
 /// the CPU's, so that both give the same bits.
 #[cfg(feature = "cuda")]
 pub fn device_consts(s: &AdamStep, decay: bool) -> zcuda::AdamConsts {
-    let c = Consts::new(s, decay);
+    let c = Scalars::new(s, decay);
     zcuda::AdamConsts {
         gscale: c.gscale,
         b1: c.b1,
@@ -279,7 +293,7 @@ pub fn adamw_runs_with(path: Path, threads: usize, runs: Vec<(Buffers<'_>, bool)
     let n: usize = runs.iter().map(|(b, _)| b.len()).sum();
     if threads <= 1 || n < PARALLEL_MIN {
         for (b, decay) in runs {
-            run(path, b, &Consts::new(s, decay));
+            run(path, b, &Scalars::new(s, decay));
         }
         return;
     }
@@ -304,14 +318,14 @@ pub fn adamw_runs_with(path: Path, threads: usize, runs: Vec<(Buffers<'_>, bool)
         for share in shares.into_iter().filter(|s| !s.is_empty()) {
             scope.spawn(move |_| {
                 for (b, decay) in share {
-                    run(path, b, &Consts::new(s, decay));
+                    run(path, b, &Scalars::new(s, decay));
                 }
             });
         }
     });
 }
 
-fn run(path: Path, b: Buffers<'_>, c: &Consts) {
+fn run(path: Path, b: Buffers<'_>, c: &Scalars) {
     match path {
         #[cfg(target_arch = "x86_64")]
         Path::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
@@ -333,7 +347,7 @@ fn run(path: Path, b: Buffers<'_>, c: &Consts) {
 /// The reference: one element at a time from `from`, in the order every path
 /// follows.
 #[inline(always)]
-fn scalar(b: Buffers<'_>, from: usize, c: &Consts) {
+fn scalar(b: Buffers<'_>, from: usize, c: &Scalars) {
     let Buffers {
         p,
         g,
@@ -467,7 +481,7 @@ mod tests {
             working: kind.map(|h| (h, &mut w[offset..])),
         };
         match path {
-            None => scalar(b, 0, &Consts::new(s, true)),
+            None => scalar(b, 0, &Scalars::new(s, true)),
             Some(path) => adamw_with(path, threads, b, true, s),
         }
         (p, m, v, w)
@@ -567,7 +581,7 @@ mod tests {
                 &runs,
                 Buffers::of(&mut p, grads, &mut m, &mut v, kind, &mut w),
             ) {
-                scalar(b, 0, &Consts::new(&s, decay));
+                scalar(b, 0, &Scalars::new(&s, decay));
             }
             let want = (p, m, v, w);
             for path in Path::available() {

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{scalar, Buffers, Consts, Grads};
+use super::{scalar, Buffers, Grads, Scalars};
 use crate::precision::Half;
 
 /// 16 lanes at a time, then the scalar reference for the tail.
@@ -14,7 +14,7 @@ use crate::precision::Half;
 /// Every buffer must have `b.p`'s length (the caller runs `Buffers::check`);
 /// every load and store relies on it.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn avx512(b: Buffers<'_>, c: &Consts) {
+pub(super) unsafe fn avx512(b: Buffers<'_>, c: &Scalars) {
     let n = b.len() / 16 * 16;
     let gscale = _mm512_set1_ps(c.gscale);
     let (b1, omb1) = (_mm512_set1_ps(c.b1), _mm512_set1_ps(c.omb1));
@@ -98,7 +98,7 @@ fn bf16_bits512(x: __m512) -> __m512i {
 /// time). Every buffer must have `b.p`'s length (the caller runs
 /// `Buffers::check`); every load and store relies on it.
 #[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn avx2(b: Buffers<'_>, c: &Consts) {
+pub(super) unsafe fn avx2(b: Buffers<'_>, c: &Scalars) {
     let n = b.len() / 8 * 8;
     let gscale = _mm256_set1_ps(c.gscale);
     let (b1, omb1) = (_mm256_set1_ps(c.b1), _mm256_set1_ps(c.omb1));
