@@ -152,7 +152,7 @@ impl<'a> Buffers<'a> {
 }
 
 /// One step's scalars, shared by every path: the CPU's kernels here and the
-/// GPU's (`kernels/adamw.cu`, through [`device_consts`] where the `cuda`
+/// GPU's (`kernels/adamw.cu`, through `device_consts` where the `cuda`
 /// feature is on), derived once so that both give the same bits. Public
 /// for the GPU kernel's CPU tests (crates/zcuda-emu), which hold it to
 /// these without building the GPU path into this crate.
