@@ -11,6 +11,10 @@
 //!
 //! `GEMM_ONLY=tn_384` times only the shapes whose name contains it, and
 //! `GEMM_REPS=500` calls each that many times (a loop to profile).
+//! `GEMM_SUMS=1` times the f32 products whose `B` is row-major with `B`'s
+//! column sums taken as it packs (`gemm_summing_b`): what a biased linear's
+//! weight gradient runs in the model (`gemm` packs `B` differently on
+//! several threads, see PERFORMANCE.md's thirty-seventh sitting).
 //!
 //! `OPENBLAS_LIB=/path/to/libopenblas.so` (numpy's: `numpy.libs/` in its
 //! site-packages) times zgemm's fastest kernel against OpenBLAS's
@@ -84,12 +88,12 @@ fn main() {
                     for _ in 0..reps {
                         let cv = MatMut::row_major(&mut c, m, n).expect("C's shape");
                         let start = std::time::Instant::now();
-                        let product = if matches!(kernel, Kernel::AmxBf16 | Kernel::Avx512Bf16) {
-                            zgemm::gemm_bf16_with
+                        if matches!(kernel, Kernel::AmxBf16 | Kernel::Avx512Bf16) {
+                            zgemm::gemm_bf16_with(kernel, cv, av, bv, 1.0, Start::Zero, t)
+                                .expect("shapes");
                         } else {
-                            gemm_with
-                        };
-                        product(kernel, cv, av, bv, 1.0, Start::Zero, t).expect("shapes");
+                            f32_product(kernel, cv, av, bv, !op.ends_with('t'), t);
+                        }
                         best = best.min(start.elapsed().as_secs_f64());
                     }
                 });
@@ -133,6 +137,19 @@ fn main() {
     }
 }
 
+/// One f32 product with `kernel`; with `GEMM_SUMS=1` and a row-major `b`,
+/// `gemm_summing_b` instead (its column sums too; the best kernel only).
+fn f32_product(kernel: Kernel, c: MatMut, a: MatRef, b: MatRef, row_major_b: bool, threads: usize) {
+    static SUMS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let sums = *SUMS.get_or_init(|| std::env::var("GEMM_SUMS").is_ok_and(|v| v == "1"));
+    if sums && row_major_b && kernel == Kernel::best() {
+        let mut sums = vec![0f32; b.cols()];
+        zgemm::gemm_summing_b(c, a, b, 1.0, Start::Zero, threads, &mut sums).expect("shapes");
+    } else {
+        gemm_with(kernel, c, a, b, 1.0, Start::Zero, threads).expect("shapes");
+    }
+}
+
 /// zgemm and OpenBLAS on every shape at `t` threads, `reps` calls each,
 /// alternated call by call (who goes first alternating too), each call
 /// after a 2 ms pause so that both start from idle threads.
@@ -166,7 +183,7 @@ fn versus_openblas(blas: &openblas::Sgemm, t: usize, only: &str, reps: usize) {
                 if side == 0 {
                     pool.install(|| {
                         let cv = MatMut::row_major(&mut c, m, n).expect("C's shape");
-                        gemm_with(Kernel::best(), cv, av, bv, 1.0, Start::Zero, t).expect("shapes");
+                        f32_product(Kernel::best(), cv, av, bv, !tb, t);
                     });
                 } else {
                     blas.row_major(ta, tb, m, n, k, &a, &b, &mut c_blas);
