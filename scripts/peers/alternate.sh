@@ -8,11 +8,13 @@
 # native bf16, PyTorch emulates it many times slower than f32: compare bf16 on
 # CPUs with AVX512_BF16 or AMX). Prints one line a pair,
 #   round config zrun_tokens/s peer_tokens/s zrun/peer zrun_model_GFLOP/s
-# and last the `gemm_f32` row of `zrun bench kernels` (every core), the GEMM
-# rate the step's model GFLOP/s compare against, and fma_peak's scaling with
-# threads (about 2x on 2 cores; near 1x means something else ran on the
-# cores, a leftover process or the host, and the sitting compares nothing at
-# 2 threads). PEER_VOCAB=50304 runs all
+# and after each round the `gemm_f32` row of `zrun bench kernels` (every
+# core) measured then, the GEMM rate the step's model GFLOP/s compare
+# against, each of the round's zrun runs as a share of it (step/GEMM: one
+# closing row caught a slow minute of a noisy host and stood below every
+# step), and fma_peak's scaling with threads (about 2x on 2 cores; near 1x
+# means something else ran on the cores, a leftover process or the host, and
+# that round compares nothing at 2 threads). PEER_VOCAB=50304 runs all
 # of them with GPT-2's vocabulary (padded) instead of bytes.
 # Build first (cargo build --release); run on an otherwise idle machine.
 set -euo pipefail
@@ -49,7 +51,26 @@ rates = [json.loads(l).get("tokens_per_s", 0) for l in sys.stdin if l.startswith
 print(rates[0] if rates else 0)'
 }
 
+gemm_row() { # the round's model GFLOP/s... -> the gemm_f32 row, step/GEMM of each, fma_peak's scaling
+  "$ROOT/target/release/zrun" bench kernels --json 2>/dev/null | python3 -c '
+import json, sys
+out = json.load(sys.stdin)
+rows = [r for r in out["rows"] if r["kernel"] == "gemm_f32"]
+best = max(rows, key=lambda r: r["threads"])
+gflops, threads = best["gflops"], best["threads"]
+shares = " ".join(f"{float(g) / gflops:.2f}" for g in sys.argv[1:])
+line = f"gemm_f32 {threads} threads {gflops:.1f} GFLOP/s, step/GEMM {shares}"
+peaks = {r["threads"]: r["gflops"] for r in out["rows"] if r["kernel"] == "fma_peak"}
+if len(peaks) > 1:
+    t = max(peaks)
+    line += f", fma_peak {t} threads / 1 thread: {peaks[t] / peaks[1]:.2f}x"
+print(line)
+if out.get("shared_cores"):
+    print("warning:", out["shared_cores"])' "$@"
+}
+
 for r in $(seq "$ROUNDS"); do
+  rates=()
   for c in "${CONFIGS[@]}"; do
     case $c in
       single) read -r z g < <(zrun_rate 1 0); p=$(THREADS=2 peer_rate torch_peer.py single) ;;
@@ -58,17 +79,7 @@ for r in $(seq "$ROUNDS"); do
       *) echo "unknown configuration $c (single s0 s1 s2 s3)" >&2; exit 2 ;;
     esac
     python3 -c "import sys; z, p = int(sys.argv[3]), int(sys.argv[4]); print(*sys.argv[1:3], z, p, f'{z / p:.2f}x' if p else 'peer failed', sys.argv[5])" "$r" "$c" "$z" "$p" "$g"
+    rates+=("$g")
   done
+  echo -n "$r "; gemm_row "${rates[@]}"
 done
-"$ROOT/target/release/zrun" bench kernels --json 2>/dev/null | python3 -c '
-import json, sys
-out = json.load(sys.stdin)
-rows = [r for r in out["rows"] if r["kernel"] == "gemm_f32"]
-best = max(rows, key=lambda r: r["threads"])
-print("gemm_f32", best["threads"], "threads", round(best["gflops"], 1), "GFLOP/s")
-peaks = {r["threads"]: r["gflops"] for r in out["rows"] if r["kernel"] == "fma_peak"}
-if len(peaks) > 1:
-    t = max(peaks)
-    print(f"fma_peak {t} threads / 1 thread: {peaks[t] / peaks[1]:.2f}x")
-if out.get("shared_cores"):
-    print("warning:", out["shared_cores"])'
