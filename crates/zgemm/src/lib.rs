@@ -1654,8 +1654,9 @@ fn pack_b_panels(
 /// 30): the weight gradients 384 × 2048 · 2048 × 384, 1152 and 1536
 /// 1.05-1.12x, the other shapes level (1.00-1.02x); perf of the 1152 one
 /// put packing at 7% of its samples, from 14%. A later sitting on the same
-/// kind of machine measured those three at 0.94-0.97x of the runs of
-/// panels (PERFORMANCE.md): which wins moves with the host. Column sums
+/// kind of machine measured those three at 0.94-0.98x of the runs of
+/// panels in six rounds of seven (PERFORMANCE.md): which wins moves with
+/// the host. Column sums
 /// ([`gemm_summing_b`], the model's biased linears) pack by runs of panels.
 #[allow(clippy::too_many_arguments)]
 fn pack_b_rows_split(
