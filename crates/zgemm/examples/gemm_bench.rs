@@ -24,6 +24,9 @@
 //! each side's best and median and the ratios. Set
 //! `OPENBLAS_THREAD_TIMEOUT=4` with it, or OpenBLAS's idle threads spin
 //! through the next zgemm call.
+//! `GEMM_DUMP=1` with it prints every call's rate of both, in the order
+//! they ran: a shared host's quiet and noisy stretches show there, where a
+//! median hides them.
 
 use zgemm::{gemm_with, Kernel, MatMut, MatRef, Start};
 
@@ -201,6 +204,15 @@ fn versus_openblas(blas: &openblas::Sgemm, t: usize, only: &str, reps: usize) {
             "zgemm and OpenBLAS disagree by {worst_gap}"
         );
         let flops = 2.0 * (m * k * n) as f64;
+        if std::env::var("GEMM_DUMP").is_ok() {
+            for (name, v) in ["zgemm", "openblas"].iter().zip(&times) {
+                let rates: Vec<String> = v
+                    .iter()
+                    .map(|t| format!("{:.0}", flops / t / 1e9))
+                    .collect();
+                println!("  {name}: {}", rates.join(" "));
+            }
+        }
         let [best, median] = [0, 1].map(|which| {
             times.clone().map(|mut v| {
                 v.sort_by(f64::total_cmp);

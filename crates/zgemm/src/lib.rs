@@ -726,6 +726,21 @@ const WHOLE_B_BYTES: usize = 8 << 20;
 /// columns a thread ([`Kernel::col_block`]).
 const SMALL_L2_BYTES: usize = 1 << 20;
 
+/// The most tasks that rayon runs as one leaf of a product's parallel loop:
+/// one. Left to itself, rayon splits a loop on two threads into four leaves
+/// and runs each leaf whole once begun, so that when one thread falls
+/// behind (preempted, or its core slowed by a neighbour's) the other waits
+/// for up to a quarter of the product; with leaves of one task it takes
+/// every task that has not started, while each thread still begins on its
+/// own half of the range (so on its own panels of `B`, see
+/// [`task_splits`]). Alternated call by call on a Zen 3 EPYC at 2 threads
+/// (medians of 40-50 calls, four runs): the model's products 0.99-1.17x,
+/// 2048 × 384 · 384 × 1152 1.11-1.12x in two runs and level in two; with the fused ops' loops cut the
+/// same way, one worker × 2 threads trained 1.04-1.23x as fast in seven
+/// alternated rounds (docs/PERFORMANCE.md). Which thread runs a task
+/// changes no bits.
+const TASK_LEAF: usize = 1;
+
 /// Row blocks a thread may get in an AMX product (see
 /// [`Kernel::row_block`]). Each thread's run of them is one range of the
 /// tasks, handed out by rayon's halving; with two or four blocks a product
@@ -735,6 +750,8 @@ const SMALL_L2_BYTES: usize = 1 << 20;
 /// threads 1.02-1.03x (eight alternated rounds, 5 ahead and 3 level), 2048³
 /// on its own 1.1-1.5x; cut finer than 128 rows, the weight gradients'
 /// 384-row products, which stream all of `B` once a block, lost 2-4%.
+/// (Measured with rayon's own leaves, four tasks each; every task is a
+/// leaf of its own since [`TASK_LEAF`], unmeasured on AMX.)
 const AMX_TASKS_PER_THREAD: usize = 8;
 
 /// The fewest rows of an AMX task that [`AMX_TASKS_PER_THREAD`] cuts to.
@@ -995,7 +1012,11 @@ pub(crate) fn drive(
                 pass.rows(ib * mc, mc.min(m - ib * mc), chunk(panels, splits, s));
             };
             if threads > 1 {
-                (0..m_blocks * splits).into_par_iter().for_each(task);
+                // One task a leaf (see TASK_LEAF).
+                (0..m_blocks * splits)
+                    .into_par_iter()
+                    .with_max_len(TASK_LEAF)
+                    .for_each(task);
             } else {
                 (0..m_blocks * splits).for_each(task);
             }

@@ -180,7 +180,9 @@ unsafe impl Sync for SharedBits {}
 fn forward_tasks<T: Values>(qkv: &[T], dm: Dims, blk: Blocks, out: Out) {
     let (t, d, w, hd) = (dm.t, dm.d, dm.w, dm.hd);
     let rows = blk.rows;
-    (0..dm.b * dm.heads).into_par_iter().for_each(|task| {
+    // One task a leaf (simd's module doc).
+    let tasks = (0..dm.b * dm.heads).into_par_iter().with_max_len(1);
+    tasks.for_each(|task| {
         with_packs(|[kt, vp, ..]| {
             // The second matrix holds a block's product under bf16 output.
             with_scratch(t * t.max(hd), |p, y_blk| {
@@ -547,7 +549,9 @@ fn backward_tasks<T: Values>(qkv: &[T], dy: &[f32], dm: Dims, blk: Blocks) -> Re
     let mut dqkv = uninit_floats(qkv.len());
     let out = Shared(dqkv.as_mut_ptr().cast());
     let kv_heads = dm.heads / dm.group;
-    (0..dm.b * kv_heads).into_par_iter().for_each(|task| {
+    // One task a leaf (simd's module doc).
+    let tasks = (0..dm.b * kv_heads).into_par_iter().with_max_len(1);
+    tasks.for_each(|task| {
         with_packs(|[kt, kp, vt, qp, dyp]| {
             with_scratch(t * t, |p, ds| {
                 let (bi, g) = (task / kv_heads, task % kv_heads);

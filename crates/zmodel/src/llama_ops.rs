@@ -161,6 +161,7 @@ impl RmsNormGrad {
         let partials: Vec<Vec<f32>> = dx
             .par_chunks_mut(per)
             .enumerate()
+            .with_max_len(1)
             .map(|(task, dx)| {
                 let span = task * per..task * per + dx.len();
                 let (x, dy) = (&x[span.clone()], &dy[span.clone()]);
@@ -231,6 +232,7 @@ impl CustomOp1 for SwiGlu {
         let mut y = uninit_floats(n * f);
         y.par_chunks_mut(ROWS_PER_TASK * f)
             .zip(h.par_chunks(ROWS_PER_TASK * f2))
+            .with_max_len(1)
             .for_each(|(y, h)| {
                 vectorised(
                     #[inline(always)]
@@ -329,6 +331,7 @@ impl CustomOp2 for SwiGluGrad {
                 h.par_chunks(ROWS_PER_TASK * f2)
                     .zip(dy.par_chunks(ROWS_PER_TASK * f)),
             )
+            .with_max_len(1)
             .for_each(|(dh, (h, dy))| {
                 vectorised(
                     #[inline(always)]
@@ -417,6 +420,7 @@ impl CustomOp1 for Rope {
         y.par_chunks_mut(w)
             .zip(x.par_chunks(w))
             .enumerate()
+            .with_max_len(1)
             .for_each(|(r, (out, row))| {
                 let p = r % t;
                 let (c, s) = (&cos[p * half..][..half], &sin[p * half..][..half]);

@@ -48,6 +48,7 @@ pub fn gelu_and_slope(x: &Tensor) -> Result<(Tensor, Tensor)> {
     y.par_chunks_mut(ELEMS_PER_TASK)
         .zip(slope.par_chunks_mut(ELEMS_PER_TASK))
         .zip(xs.par_chunks(ELEMS_PER_TASK))
+        .with_max_len(1)
         .for_each(|((y, slope), x)| gelu_and_slope_into(x, y, slope));
     // SAFETY: the chunks of y and slope match those of x; each element got a value.
     let (y, slope) = unsafe { (assume_init(y), assume_init(slope)) };
@@ -269,6 +270,7 @@ impl CustomOp2 for GeluGrad {
                 x.par_chunks(ELEMS_PER_TASK)
                     .zip(dy.par_chunks(ELEMS_PER_TASK)),
             )
+            .with_max_len(1)
             .for_each(|(dx, (x, dy))| {
                 vectorised(
                     #[inline(always)]
@@ -514,6 +516,7 @@ impl CustomOp1 for ColumnSums {
         let per = ROWS_PER_TASK * k;
         let parts: Vec<Vec<f32>> = m
             .par_chunks(per)
+            .with_max_len(1)
             .map(|rows| {
                 vectorised(
                     #[inline(always)]
@@ -598,6 +601,7 @@ fn rounded_rows(
     let parts: Vec<Vec<f32>> = bits[start..start + rows * stride]
         .par_chunks_mut(ROWS_PER_TASK * stride.max(1))
         .enumerate()
+        .with_max_len(1)
         .map(|(task, out)| {
             let (mut made, mut acc) = (
                 vec![0f32; if given.is_some() { 0 } else { k }],
@@ -686,6 +690,7 @@ impl LayerNormGrad {
         let partials: Vec<Vec<f32>> = dx
             .par_chunks_mut(per)
             .enumerate()
+            .with_max_len(1)
             .map(|(task, dx)| {
                 let span = task * per..task * per + dx.len();
                 let (x, dy) = (&x[span.clone()], &dy[span.clone()]);

@@ -4,6 +4,14 @@
 //! depend on the thread count (so results are the same bits with 1 thread or
 //! 16).
 //!
+//! Every parallel loop of the fused ops (and attention's loop over heads)
+//! runs each chunk as a leaf of its own (`with_max_len(1)`): rayon otherwise
+//! cuts a loop on two threads into four leaves and runs a leaf whole once
+//! begun, so a thread that falls behind (preempted, or its core slowed by a
+//! neighbour's) kept the other waiting for up to a quarter of the loop. With
+//! zgemm's tasks cut the same way, one worker × 2 threads trained 1.04-1.23x
+//! as fast on a Zen 3 EPYC (seven alternated rounds, docs/PERFORMANCE.md).
+//!
 //! libm's `expf` is a scalar call, and it was most of GELU's time: an element of
 //! GELU cost about 6 ns. `exp` below is Cephes' `expf` (range reduction by ln 2,
 //! a degree-6 polynomial, about 1 ulp) written with plain arithmetic, fused
@@ -325,6 +333,7 @@ pub(crate) fn par_rows(
     let per = width.max(1) * ROWS_PER_TASK;
     out.par_chunks_mut(per)
         .zip(input.par_chunks(per))
+        .with_max_len(1)
         .for_each(|(o, i)| {
             vectorised(
                 #[inline(always)]
@@ -411,6 +420,7 @@ fn rows_bf16(
         .par_chunks_mut(stride * ROWS_PER_TASK)
         .zip(input.par_chunks(width * ROWS_PER_TASK))
         .zip(kept_parts)
+        .with_max_len(1)
         .for_each(|((o, i), k)| {
             let mut wide = uninit_floats::<f32>(width);
             let mut kept_rows = k.chunks_mut(width);
