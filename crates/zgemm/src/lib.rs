@@ -735,10 +735,10 @@ const SMALL_L2_BYTES: usize = 1 << 20;
 /// own half of the range (so on its own panels of `B`, see
 /// [`task_splits`]). Alternated call by call on a Zen 3 EPYC at 2 threads
 /// (medians of 40-50 calls, four runs): the model's products 0.99-1.17x,
-/// 2048 × 384 · 384 × 1152 1.11-1.12x in two runs and level in two; with the fused ops' loops cut the
-/// same way, one worker × 2 threads trained 1.04-1.23x as fast in seven
-/// alternated rounds (docs/PERFORMANCE.md). Which thread runs a task
-/// changes no bits.
+/// 2048 × 384 · 384 × 1152 1.11-1.12x in two runs and level in two; with
+/// the fused ops' loops cut the same way, one worker × 2 threads trained
+/// 1.04-1.23x as fast in seven alternated rounds (docs/PERFORMANCE.md).
+/// Which thread runs a task changes no bits.
 const TASK_LEAF: usize = 1;
 
 /// Row blocks a thread may get in an AMX product (see

@@ -420,7 +420,6 @@ impl CustomOp1 for Rope {
         y.par_chunks_mut(w)
             .zip(x.par_chunks(w))
             .enumerate()
-            .with_max_len(1)
             .for_each(|(r, (out, row))| {
                 let p = r % t;
                 let (c, s) = (&cos[p * half..][..half], &sin[p * half..][..half]);

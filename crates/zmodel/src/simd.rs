@@ -4,13 +4,15 @@
 //! depend on the thread count (so results are the same bits with 1 thread or
 //! 16).
 //!
-//! Every parallel loop of the fused ops (and attention's loop over heads)
-//! runs each chunk as a leaf of its own (`with_max_len(1)`): rayon otherwise
-//! cuts a loop on two threads into four leaves and runs a leaf whole once
-//! begun, so a thread that falls behind (preempted, or its core slowed by a
-//! neighbour's) kept the other waiting for up to a quarter of the loop. With
-//! zgemm's tasks cut the same way, one worker × 2 threads trained 1.04-1.23x
-//! as fast on a Zen 3 EPYC (seven alternated rounds, docs/PERFORMANCE.md).
+//! Every parallel loop of the fused ops over chunks of many rows, and
+//! attention's loop over heads, runs each chunk as a leaf of its own
+//! (`with_max_len(1)`): rayon otherwise cuts a loop on two threads into four
+//! leaves and runs a leaf whole once begun, so a thread that falls behind
+//! (preempted, or its core slowed by a neighbour's) kept the other waiting
+//! for up to a quarter of the loop. With zgemm's tasks cut the same way, one
+//! worker × 2 threads trained 1.04-1.23x as fast on a Zen 3 EPYC (seven
+//! alternated rounds, docs/PERFORMANCE.md). Rotary embeddings' chunks are
+//! single rows, too small to be a leaf each, and keep rayon's leaves.
 //!
 //! libm's `expf` is a scalar call, and it was most of GELU's time: an element of
 //! GELU cost about 6 ns. `exp` below is Cephes' `expf` (range reduction by ln 2,
