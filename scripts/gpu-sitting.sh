@@ -7,7 +7,7 @@
 # heads of 128 (the fused kernels' widest) both ways, and PyTorch eager beside them
 # where python3 has torch; then bf16 on two workers sharing the GPU, the
 # host flow against the state resident over NCCL, and `zrun bench comm
-# --transports nccl`. Prints medians of steps 4-12 (zrun) and PyTorch's own
+# --transports nccl`. ROUNDS (default 2) sets the rounds. Prints medians of steps 4-12 (zrun) and PyTorch's own
 # median; compare only within one sitting.
 #
 #   scripts/gpu-sitting.sh [DIR] [tests|time|profile|all]     # default .gpu all
@@ -96,7 +96,7 @@ for shape in 85M 152M; do
           t=(LAYERS=12 D_MODEL=1024 HEADS=16 SEQ=512) ;;
   esac
   echo "== $shape (8 sequences a step), two rounds"
-  for round in 1 2; do
+  for round in $(seq "${ROUNDS:-2}"); do
     ZRUN_GPU_ATTENTION=unfused zrun_step "$shape-tf32-$round" "${s[@]}" train.allow_tf32=true
     ZRUN_GPU_ATTENTION=fused zrun_step "$shape-tf32-fused-$round" "${s[@]}" train.allow_tf32=true
     torch_step "$shape-torch-tf32-$round" "${t[@]}" TF32=1
@@ -108,13 +108,13 @@ for shape in 85M 152M; do
 done
 echo "== 152M with heads of 128 (8 heads, seq 1024, 4 sequences a step): bf16, unfused and fused"
 s=(model.d_model=1024 model.n_layers=12 model.n_heads=8 model.seq_len=1024 train.micro_batch_size=4)
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
   ZRUN_GPU_ATTENTION=unfused zrun_step "152M-h128-bf16-$round" "${s[@]}" train.dtype=bf16
   ZRUN_GPU_ATTENTION=fused zrun_step "152M-h128-bf16-fused-$round" "${s[@]}" train.dtype=bf16
 done
 echo "== bf16 on two workers sharing the GPU (85M, stage 2, 8 sequences each): the host flow, then the state resident over NCCL"
 s=(model.d_model=768 model.n_layers=12 model.n_heads=12 model.seq_len=256)
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
   WORKERS=2 zrun_step "85M-bf16-2w-host-$round" "${s[@]}" train.dtype=bf16 zero.stage=2
   WORKERS=2 zrun_step "85M-bf16-2w-nccl-$round" "${s[@]}" train.dtype=bf16 zero.stage=2 comm.backend=nccl
 done
