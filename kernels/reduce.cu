@@ -68,43 +68,64 @@ __device__ __forceinline__ float load_any(const void* x, unsigned long long i, i
 // 8), as the CPU's gradient norm adds them: per chunk, eight f64 lanes (lane j
 // adds values j, j+8, ... in order, each widened from x·scale rounded in f32
 // and squared in f64), the values past the last multiple of 8 added after,
-// then ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) + tail. Eight
-// threads per chunk, one per lane; out[c] is chunk c's sum. x holds f32
+// then ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) + tail. x holds f32
 // values, or 16-bit ones (widened first, as the CPU's norm of 16-bit
-// gradients reads them) as fmt says.
+// gradients reads them) as fmt says; out[c] is chunk c's sum.
+//
+// One block of 256 threads per chunk. The lanes' adds are eight chains
+// of chunk/8 dependent f64 adds each, an order the bits depend on; what can
+// run wide is the reading and squaring. So the block's other warps read the
+// chunk a tile at a time (coalesced, many loads in flight) and square it
+// into shared memory, while the first warp's eight lanes add the tile
+// before (two tiles, alternating). Eight threads per chunk reading their
+// own values (the first version) kept a few kilobytes in flight per SM:
+// 0.28 ms a call on an H200 where the bytes take 0.01.
+#define SUM_SQ_TILE 2048
 extern "C" __global__ void sum_sq_chunks(const void* x, unsigned long long n,
                                          unsigned long long chunk, float scale, double* out,
                                          int fmt)
 {
-    unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    unsigned long long c = t / 8;
-    unsigned int lane = (unsigned int)(t % 8);
-    unsigned long long chunks = (n + chunk - 1) / chunk;
-    double acc = 0.0;
+    __shared__ double sq[2][SUM_SQ_TILE];
+    unsigned long long c = blockIdx.x;
     unsigned long long start = c * chunk;
-    unsigned long long len = 0, full = 0;
-    if (c < chunks) {
-        len = n - start < chunk ? n - start : chunk;
-        full = len - len % 8;
-#pragma unroll 8
-        for (unsigned long long i = lane; i < full; i += 8) {
-            double y = (double)__fmul_rn(load_any(x, start + i, fmt), scale);
-            acc = __dadd_rn(acc, __dmul_rn(y, y));
+    unsigned long long len = n - start < chunk ? n - start : chunk;
+    unsigned long long full = len - len % 8;
+    unsigned long long tiles = (full + SUM_SQ_TILE - 1) / SUM_SQ_TILE;
+    unsigned int lane = threadIdx.x;   // an adding lane where < 8
+    double acc = 0.0;
+    // Tile k's squares into sq[k % 2], by every warp but the first.
+    auto fill = [&](unsigned long long k) {
+        if (threadIdx.x < 32) return;
+        unsigned long long base = k * SUM_SQ_TILE;
+        unsigned long long m = full - base < SUM_SQ_TILE ? full - base : SUM_SQ_TILE;
+        for (unsigned long long i = threadIdx.x - 32; i < m; i += blockDim.x - 32) {
+            double y = (double)__fmul_rn(load_any(x, start + base + i, fmt), scale);
+            sq[k % 2][i] = __dmul_rn(y, y);
         }
+    };
+    if (tiles > 0) fill(0);
+    __syncthreads();
+    for (unsigned long long k = 0; k < tiles; k++) {
+        if (k + 1 < tiles) fill(k + 1);
+        if (lane < 8) {
+            unsigned long long base = k * SUM_SQ_TILE;
+            unsigned long long m = full - base < SUM_SQ_TILE ? full - base : SUM_SQ_TILE;
+            for (unsigned long long i = lane; i < m; i += 8) acc = __dadd_rn(acc, sq[k % 2][i]);
+        }
+        __syncthreads();
     }
-    // Lanes of one chunk are eight consecutive threads of one warp.
-    unsigned int base = threadIdx.x & ~7u;
-    unsigned int mask = 0xffu << (threadIdx.x % 32 & ~7u);
-    double l[8];
-    for (int j = 0; j < 8; j++) l[j] = __shfl_sync(mask, acc, base % 32 + j, 32);
-    if (c < chunks && lane == 0) {
-        double tail = 0.0;
-        for (unsigned long long i = full; i < len; i++) {
-            double y = (double)__fmul_rn(load_any(x, start + i, fmt), scale);
-            tail = __dadd_rn(tail, __dmul_rn(y, y));
+    if (threadIdx.x < 32) {
+        double l[8];
+        for (int j = 0; j < 8; j++) l[j] = __shfl_sync(0xffffffffu, acc, j, 32);
+        if (lane == 0) {
+            double tail = 0.0;
+            for (unsigned long long i = full; i < len; i++) {
+                double y = (double)__fmul_rn(load_any(x, start + i, fmt), scale);
+                tail = __dadd_rn(tail, __dmul_rn(y, y));
+            }
+            double s = __dadd_rn(__dadd_rn(__dadd_rn(l[0], l[4]), __dadd_rn(l[1], l[5])),
+                                 __dadd_rn(__dadd_rn(l[2], l[6]), __dadd_rn(l[3], l[7])));
+            out[c] = __dadd_rn(s, tail);
         }
-        double s = __dadd_rn(__dadd_rn(__dadd_rn(l[0], l[4]), __dadd_rn(l[1], l[5])),
-                             __dadd_rn(__dadd_rn(l[2], l[6]), __dadd_rn(l[3], l[7])));
-        out[c] = __dadd_rn(s, tail);
     }
 }

@@ -678,6 +678,23 @@ impl JobSpec {
         None
     }
 
+    /// Whether the GPU runs this job's attention as attention.cu's fused
+    /// kernels, `setting` being `ZRUN_GPU_ATTENTION`'s value: with `fused`
+    /// always (refused where it cannot run), with `unfused` never, and
+    /// unset (or `auto`) where the job can run them at a head width up to
+    /// 64, where an H200 timed them 1.05-1.09x faster than the unfused
+    /// path; at 128 (LLaMA's width, timed 0.97x) they stay opt-in. A GPU
+    /// older than compute capability 8.0 runs the unfused path whatever
+    /// this says.
+    pub fn gpu_attention_fused(&self, setting: Option<&str>) -> bool {
+        let hd = self.model.d_model / self.model.n_heads.max(1);
+        match setting {
+            Some("fused") => true,
+            None | Some("auto") => self.fused_attention_unsupported().is_none() && hd <= 64,
+            Some(_) => false,
+        }
+    }
+
     /// Why the GPU's fused attention (`ZRUN_GPU_ATTENTION=fused`) cannot
     /// run this job, if it cannot: it multiplies on the tensor cores
     /// (bf16 or f16, or TF32), and has kernels for head widths 16, 32 and

@@ -180,11 +180,11 @@ void emu_round16(unsigned short* out, const float* x, unsigned long long n, int 
     emu_launch(r::round16_into, STRIDED_GRID, STRIDED_BLOCK, out, x, n, fmt);
 }
 
-// Eight threads per chunk in blocks of 256, as Gpu::sum_sq_chunks.
+// A block of 256 threads per chunk, as Gpu::sum_sq_chunks.
 void emu_sum_sq_chunks(const void* x, unsigned long long n, unsigned long long chunk, float scale,
                        double* out, int fmt) {
     unsigned long long chunks = (n + chunk - 1) / chunk;
-    dim3 grid{(unsigned)((chunks * 8 + 255) / 256)};
+    dim3 grid{(unsigned)chunks};
     emu_launch(r::sum_sq_chunks, grid, dim3{256}, x, n, chunk, scale, out, fmt);
 }
 

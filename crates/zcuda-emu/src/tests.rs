@@ -529,12 +529,19 @@ fn the_16_bit_gradient_kernels_equal_the_hosts_buffers_bit_for_bit() {
             assert_eq!(round16(fmt, &a), rounded, "{h:?} rounded, n {n}");
         }
     }
-    // f32 gradients' norm, as the resident f32 step reads it.
-    let v = magnitudes(chunk + 13, 9);
-    for scale in [1.0f32, 0.37] {
-        let want = Flat::F32(v.clone()).sum_sq(0..v.len(), scale);
-        let got: f64 = sum_sq_chunks(Grads::F32(&v), chunk, scale).iter().sum();
-        assert_eq!(got.to_bits(), want.to_bits(), "f32 norm, scale {scale}");
+    // f32 gradients' norm, as the resident f32 step reads it: a last
+    // chunk shorter than a tile, and one that ends inside its second tile.
+    for n in [chunk + 13, 2 * chunk + 3001] {
+        let v = magnitudes(n, 9);
+        for scale in [1.0f32, 0.37] {
+            let want = Flat::F32(v.clone()).sum_sq(0..v.len(), scale);
+            let got: f64 = sum_sq_chunks(Grads::F32(&v), chunk, scale).iter().sum();
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "f32 norm, n {n}, scale {scale}"
+            );
+        }
     }
 }
 

@@ -22,6 +22,9 @@ use crate::{probe, CudaError};
 const THREADS: u32 = 256;
 /// Blocks of a grid-stride launch at most (a few per SM on any current GPU).
 const MAX_BLOCKS: u32 = 4096;
+/// The gradient norm's threads per chunk (a block each; `sum_sq_chunks` in
+/// `reduce.cu`: one warp adds, the others read and square).
+const SUM_SQ_THREADS: u32 = 256;
 /// The quantizer's threads per block (`THREADS` in `quantize.cu`).
 const QUANT_THREADS: u32 = 256;
 
@@ -682,14 +685,14 @@ impl Gpu {
         };
         launch.arg(&n).arg(&c).arg(&scale).arg(&mut out).arg(&fmt);
         let cfg = LaunchConfig {
-            grid_dim: ((chunks * 8).div_ceil(THREADS as usize) as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
+            grid_dim: (chunks as u32, 1, 1),
+            block_dim: (SUM_SQ_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: sum_sq_chunks(x[n] in format fmt, n, chunk, scale,
-        // out[chunks], fmt): eight
-        // threads per chunk, every thread of a launched warp reaching the
-        // shuffle, chunk c's lane 0 writing out[c] for c < chunks.
+        // out[chunks], fmt): a block of 256 threads per chunk (grid =
+        // chunks), every thread reaching each barrier and the first warp
+        // the shuffle, block c's thread 0 writing out[c].
         self.launched("sum_sq_chunks", unsafe { launch.launch(cfg) })?;
         self.download(&out)
     }

@@ -12,7 +12,7 @@ use zconfig::estimate::{
 use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
 
 use crate::cli::EstimateArgs;
-use crate::plan::{fused_attention_asked, DEFAULT_CPU_WORKERS};
+use crate::plan::{fused_attention_expected, DEFAULT_CPU_WORKERS};
 use crate::Failure;
 
 #[derive(Debug, Serialize)]
@@ -278,7 +278,7 @@ fn gb(b: f64) -> String {
 fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
     let psi = model_params(&spec.model);
     let bytes = StateBytes::for_dtype(spec.train.dtype);
-    let fused = fused_attention_asked();
+    let fused = spec.device == zconfig::spec::Device::Cuda && fused_attention_expected(spec);
     let (act, act_ckpt) = job_activation_bytes(spec, fused);
     let probs = match spec.device == zconfig::spec::Device::Cuda && !fused {
         true => gpu_probabilities_bytes(

@@ -217,23 +217,24 @@ pub fn check_device(
         .map_err(|why| Failure::bad_input(format!("device: cuda: {why}")))
 }
 
-/// Whether zrun's environment asks for the GPU's fused attention
-/// (`ZRUN_GPU_ATTENTION=fused`, which local workers inherit).
-pub(crate) fn fused_attention_asked() -> bool {
-    std::env::var("ZRUN_GPU_ATTENTION").as_deref() == Ok("fused")
+/// Whether the GPU's workers run `spec`'s attention as the fused kernels,
+/// by `ZRUN_GPU_ATTENTION` in zrun's environment (which local workers
+/// inherit): [`JobSpec::gpu_attention_fused`].
+pub(crate) fn fused_attention_expected(spec: &JobSpec) -> bool {
+    spec.gpu_attention_fused(std::env::var("ZRUN_GPU_ATTENTION").ok().as_deref())
 }
 
-/// Why `ZRUN_GPU_ATTENTION` (the fused attention's opt-in, read by local
-/// workers, which inherit zrun's environment) cannot run this job, if it
-/// cannot: a value other than `fused` or `unfused`, or `fused` without
-/// tensor-core products (bf16 or f16, or TF32) or at a head width the
-/// kernels lack (16, 32, 64, and 128 in 16 bits).
+/// Why `ZRUN_GPU_ATTENTION` (read by local workers, which inherit zrun's
+/// environment) cannot run this job, if it cannot: a value other than
+/// `auto`, `fused` or `unfused`, or `fused` without tensor-core products
+/// (bf16 or f16, or TF32) or at a head width the kernels lack (16, 32, 64,
+/// and 128 in 16 bits).
 fn fused_attention_refused(spec: &JobSpec, value: Option<&str>) -> Option<String> {
     match value {
-        None | Some("unfused") => None,
+        None | Some("auto") | Some("unfused") => None,
         Some("fused") => spec.fused_attention_unsupported(),
         Some(other) => Some(format!(
-            "ZRUN_GPU_ATTENTION = `{other}`: use fused or unfused"
+            "ZRUN_GPU_ATTENTION = `{other}`: use auto, fused or unfused"
         )),
     }
 }
@@ -673,7 +674,36 @@ mod tests {
             "{why}"
         );
         let why = refused(&[bf16, heads16], Some("flash")).unwrap();
-        assert_eq!(why, "ZRUN_GPU_ATTENTION = `flash`: use fused or unfused");
+        assert_eq!(
+            why,
+            "ZRUN_GPU_ATTENTION = `flash`: use auto, fused or unfused"
+        );
+        assert_eq!(refused(&[], Some("auto")), None);
+    }
+
+    #[test]
+    fn attention_is_fused_by_default_where_it_runs_at_widths_up_to_64() {
+        let dir = tempfile::tempdir().unwrap();
+        let fused = |sets: &[&str], value: Option<&str>| {
+            job_with(dir.path(), "cuda", sets).gpu_attention_fused(value)
+        };
+        let (bf16, tf32, heads16) = (
+            "train.dtype=bf16",
+            "train.allow_tf32=true",
+            "model.n_heads=2",
+        );
+        let wide = ["model.d_model=256", "model.n_heads=2"];
+        for default in [None, Some("auto")] {
+            assert!(fused(&[bf16, heads16], default));
+            assert!(fused(&["train.dtype=f16", heads16], default));
+            assert!(fused(&[tf32, heads16], default));
+            // f32 products, a width without kernels, and 128 (slower there).
+            assert!(!fused(&[heads16], default));
+            assert!(!fused(&[bf16], default));
+            assert!(!fused(&[bf16, wide[0], wide[1]], default));
+        }
+        assert!(fused(&[bf16, wide[0], wide[1]], Some("fused")));
+        assert!(!fused(&[bf16, heads16], Some("unfused")));
     }
 
     fn launch(args: &[&str]) -> LaunchArgs {

@@ -87,23 +87,38 @@ pub fn attach(
         Some((_, Err(e))) => format!("f32 values of the 16-bit parameters ({e})"),
         None => "f32 (TF32 with train.allow_tf32)".to_string(),
     };
-    // attention.cu's fused attention: correct on an H100, but its first
-    // version was slower than the unfused path there and its second is not
-    // yet timed (docs/GPU.md): opt-in until a GPU times it faster.
-    match std::env::var("ZRUN_GPU_ATTENTION").as_deref() {
-        Err(_) | Ok("unfused") => {}
-        Ok("fused") => {
+    // attention.cu's fused attention: by default where the job can run it
+    // at head widths up to 64 (timed faster than the unfused path on an
+    // H200, docs/GPU.md), on request (ZRUN_GPU_ATTENTION=fused) at 128 too.
+    let setting = std::env::var("ZRUN_GPU_ATTENTION").ok();
+    match setting.as_deref() {
+        None | Some("auto") | Some("unfused") | Some("fused") => {}
+        Some(other) => {
+            anyhow::bail!("ZRUN_GPU_ATTENTION = `{other}`: use auto, fused or unfused")
+        }
+    }
+    let fused = match (
+        setting.as_deref(),
+        spec.gpu_attention_fused(setting.as_deref()),
+    ) {
+        (Some("fused"), _) => {
             gpu.use_fused_attention()
                 .map_err(|e| anyhow::anyhow!("ZRUN_GPU_ATTENTION=fused: GPU {ordinal}: {e}"))?;
-            if env.rank == 0 {
-                tracing::warn!(
-                    "attention runs the fused kernels of kernels/attention.cu \
-                     (ZRUN_GPU_ATTENTION=fused): correct on an H100, this version's speed \
-                     not yet measured (docs/GPU.md)"
-                );
-            }
+            true
         }
-        Ok(other) => anyhow::bail!("ZRUN_GPU_ATTENTION = `{other}`: use fused or unfused"),
+        // A GPU older than compute capability 8.0 keeps the unfused path.
+        (_, true) => gpu.use_fused_attention().is_ok(),
+        (_, false) => false,
+    };
+    if env.rank == 0 {
+        tracing::info!(
+            "attention: {} (ZRUN_GPU_ATTENTION={})",
+            match fused {
+                true => "the fused kernels of kernels/attention.cu",
+                false => "unfused (its probabilities kept for the backward)",
+            },
+            setting.as_deref().unwrap_or("auto")
+        );
     }
     tracing::info!(
         "local rank {} on GPU {ordinal} ({}, {})",
@@ -195,7 +210,8 @@ pub fn with_memory_hint(e: anyhow::Error, spec: &zconfig::JobSpec, world: usize)
     });
     match oom {
         true => {
-            let fused = std::env::var("ZRUN_GPU_ATTENTION").as_deref() == Ok("fused");
+            let setting = std::env::var("ZRUN_GPU_ATTENTION").ok();
+            let fused = spec.gpu_attention_fused(setting.as_deref());
             e.context(memory_hint(spec, world, fused))
         }
         false => e,
