@@ -159,6 +159,18 @@ impl Pinned {
     }
 }
 
+/// Page-locked host memory that uploads ahead of use go through
+/// ([`Gpu::upload_ahead`]): one buffer per part, kept for the next upload
+/// of parts of the same lengths (allocating page-locked memory costs
+/// milliseconds).
+#[derive(Default)]
+pub struct Staging {
+    parts: Vec<PinnedHostSlice<f32>>,
+    /// Recorded on the upload stream after the last copy out of `parts`:
+    /// they are refilled only once it has passed.
+    copied: Option<CudaEvent>,
+}
+
 /// One GPU with zrun's kernels loaded.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -169,6 +181,9 @@ pub struct Gpu {
     functions: HashMap<&'static str, CudaFunction>,
     /// GPU time by operation, with `ZRUN_GPU_PROFILE` set (not empty, not 0).
     profile: Option<Mutex<Profile>>,
+    /// The stream that uploads ahead of use run on, made by the first
+    /// ([`Gpu::upload_ahead`]); until then the context has one stream.
+    uploads: std::sync::OnceLock<Arc<CudaStream>>,
 }
 
 impl Gpu {
@@ -219,6 +234,7 @@ impl Gpu {
             arch,
             functions,
             profile,
+            uploads: std::sync::OnceLock::new(),
         })
     }
 
@@ -306,6 +322,84 @@ impl Gpu {
             let what = format!("copying {} values to the GPU", host.len());
             self.alloc_failed(what, std::mem::size_of_val(host), source)
         })
+    }
+
+    /// Starts copying `parts` into new device buffers on a stream of their
+    /// own, through `staging`, and returns the buffers at once: the copy
+    /// runs while the compute stream works on what was queued before. Its
+    /// second stream puts cudarc in its multi-stream mode, where each
+    /// buffer's events order its uses across streams: a kernel on the
+    /// compute stream that reads one of these waits for its copy, and a
+    /// buffer is freed only after its last use. `staging` is refilled only
+    /// after its previous copies have run (this waits for them), and the
+    /// host's values are copied into it in parallel (rayon).
+    pub fn upload_ahead(
+        &self,
+        parts: &[&[f32]],
+        staging: &mut Staging,
+    ) -> Result<Vec<CudaSlice<f32>>, CudaError> {
+        use rayon::prelude::*;
+        let driver = |what: &'static str| {
+            move |source| CudaError::Driver {
+                what: what.into(),
+                source,
+            }
+        };
+        if let Some(copied) = staging.copied.take() {
+            copied
+                .synchronize()
+                .map_err(driver("waiting for an upload's copies"))?;
+        }
+        let stream = match self.uploads.get() {
+            Some(s) => s.clone(),
+            None => {
+                let s = self
+                    .ctx
+                    .new_stream()
+                    .map_err(driver("making the upload stream"))?;
+                self.uploads.get_or_init(|| s).clone()
+            }
+        };
+        staging.parts.truncate(parts.len());
+        for (i, part) in parts.iter().enumerate() {
+            match staging.parts.get(i) {
+                Some(p) if p.len() == part.len() => {}
+                _ => {
+                    // SAFETY: every value is written below before the copy
+                    // reads it.
+                    let buf = unsafe { self.ctx.alloc_pinned_with_flags::<f32>(part.len(), 0) }
+                        .map_err(driver("allocating page-locked staging memory"))?;
+                    match i < staging.parts.len() {
+                        true => staging.parts[i] = buf,
+                        false => staging.parts.push(buf),
+                    }
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(parts.len());
+        for (part, buf) in parts.iter().zip(&mut staging.parts) {
+            let host = buf
+                .as_mut_slice()
+                .map_err(driver("waiting for page-locked staging memory"))?;
+            host.par_chunks_mut(1 << 16)
+                .zip(part.par_chunks(1 << 16))
+                .for_each(|(to, from)| to.copy_from_slice(from));
+            // SAFETY: the copy below writes every value before a use.
+            let mut dev = unsafe { stream.alloc::<f32>(part.len()) }.map_err(|source| {
+                let what = format!("allocating {} floats on the GPU", part.len());
+                self.alloc_failed(what, std::mem::size_of_val(*part), source)
+            })?;
+            stream
+                .memcpy_htod(&*buf, &mut dev)
+                .map_err(driver("copying parameters to the GPU ahead of use"))?;
+            out.push(dev);
+        }
+        staging.copied = Some(
+            stream
+                .record_event(None)
+                .map_err(driver("recording an upload's end"))?,
+        );
+        Ok(out)
     }
 
     /// The error of an allocation of `bytes` that failed with `source`:

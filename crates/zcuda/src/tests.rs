@@ -601,3 +601,42 @@ fn a_copy_to_pinned_memory_is_waited_for_before_it_is_read() {
         );
     }
 }
+
+/// Uploads ahead of use ([`Gpu::upload_ahead`], on a stream of their own):
+/// a kernel on the compute stream reads what was uploaded, not what was
+/// there before, and a staging buffer refilled three times over, while the
+/// compute stream is busy with a kernel queued first, hands each round its
+/// own values (a refill before the last copy had run would mix rounds).
+#[test]
+fn an_upload_ahead_is_read_after_it_lands_and_its_staging_refilled_after_the_copy() {
+    let Some(gpu) = gpu_for("an_upload_ahead_is_read_after_it_lands") else {
+        return;
+    };
+    let n = 1 << 22;
+    let mut busy = gpu.upload(&vec![1.0f32; 1 << 24]).unwrap();
+    let mut staging = crate::Staging::default();
+    let mut uploaded = Vec::new();
+    for round in 0..3u32 {
+        gpu.scale(&mut busy.slice_mut(..), 1.5).unwrap();
+        let a: Vec<f32> = (0..n).map(|i| (i % 977 + round as usize) as f32).collect();
+        let b: Vec<f32> = (0..n / 3)
+            .map(|i| -((i % 31) as f32) - round as f32)
+            .collect();
+        let parts = gpu.upload_ahead(&[&a, &b], &mut staging).unwrap();
+        uploaded.push((parts, a, b));
+    }
+    for (round, (parts, a, b)) in uploaded.iter_mut().enumerate() {
+        // A kernel on the compute stream reads the upload in place.
+        gpu.scale(&mut parts[0].slice_mut(..), 2.0).unwrap();
+        let got = gpu.download(&parts[0]).unwrap();
+        assert!(
+            got.iter().zip(a.iter()).all(|(g, v)| *g == 2.0 * v),
+            "round {round}: the first part"
+        );
+        assert_eq!(
+            gpu.download(&parts[1]).unwrap(),
+            *b,
+            "round {round}: the second part"
+        );
+    }
+}

@@ -46,7 +46,7 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, Device, Storage, Tensor, TensorId};
 use zcuda::{
     BlockActs, CudaSlice, CudaView, CudaViewMut, DeviceGrads, DeviceRepr, Family, GptGpu, GptShape,
-    Pinned, Rows, ValidAsZeroBits, Weights,
+    Pinned, Rows, Staging, ValidAsZeroBits, Weights,
 };
 use zmodel::Batch;
 
@@ -109,8 +109,14 @@ pub fn gpu_shape(spec: &zconfig::spec::JobSpec) -> Result<GptShape, String> {
     })
 }
 
-/// Uploads `tensors` (f32 on the CPU) read in place from their storage.
-fn upload(gpu: &GptGpu, tensors: &[Tensor]) -> Result<Weights, EngineError> {
+/// Uploads `tensors` (f32 on the CPU) read in place from their storage:
+/// on the compute stream (`ahead` None), or on the upload stream through
+/// `ahead`'s staging, returning at once ([`zcuda::Gpu::upload_ahead`]).
+fn upload(
+    gpu: &GptGpu,
+    tensors: &[Tensor],
+    ahead: Option<&mut Staging>,
+) -> Result<Weights, EngineError> {
     let bad = || EngineError::Gpu("a parameter is not contiguous f32 on the CPU".into());
     let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
     let slices = guards
@@ -122,7 +128,10 @@ fn upload(gpu: &GptGpu, tensors: &[Tensor]) -> Result<Weights, EngineError> {
             },
         )
         .collect::<Result<Vec<&[f32]>, _>>()?;
-    Ok(gpu.upload(&slices)?)
+    Ok(match ahead {
+        None => gpu.upload(&slices)?,
+        Some(staging) => Weights::from_parts(gpu.gpu().upload_ahead(&slices, staging)?),
+    })
 }
 
 /// A group's parameters on the GPU, with the tensor they were uploaded from
@@ -140,6 +149,10 @@ pub(crate) struct HostFlow {
     /// Per slot, the page-locked buffer its gradient lands in (made at first
     /// use, kept: allocating page-locked memory costs milliseconds).
     landing: Vec<Vec<Option<Pinned>>>,
+    /// The page-locked buffers uploads ahead of use go through, used in
+    /// turn: block `b`'s upload runs while block `b - 1` computes, and the
+    /// one before it, whose staging `b + 1` refills, has run by then.
+    staging: [Staging; 2],
 }
 
 /// A group's gradients on their way down: copies queued on the stream into
@@ -330,6 +343,7 @@ impl Engine {
                 .iter()
                 .map(|g| g.layout.params.iter().map(|_| None).collect())
                 .collect(),
+            staging: Default::default(),
         };
         self.gpu_resident = None;
     }
@@ -480,7 +494,7 @@ impl Engine {
                 return Ok(copy.weights.clone());
             }
         }
-        let weights = Arc::new(upload(gpu, &tensors)?);
+        let weights = Arc::new(upload(gpu, &tensors, None)?);
         self.gpu_host.copies[g] = match (self.groups[g].partitioned, id) {
             (false, Some(from)) => Some(DeviceCopy {
                 from,
@@ -489,6 +503,34 @@ impl Engine {
             _ => None,
         };
         Ok(weights)
+    }
+
+    /// Host flow: starts uploading group `g`'s parameters ahead of their
+    /// use, on the GPU's upload stream, so that the copy runs while the
+    /// block before computes (ZeRO-Offload's updated parameters going back
+    /// to the GPU overlapped with the forward). Only where the stage keeps
+    /// the group whole and its device copy is stale (the first micro-batch
+    /// after an update); a no-op otherwise, and in the resident flow.
+    fn gpu_upload_ahead(
+        &mut self,
+        gpu: &GptGpu,
+        gather: &mut Prefetcher,
+        g: usize,
+    ) -> Result<(), EngineError> {
+        if self.gpu_resident() || self.groups.get(g).is_none_or(|group| group.partitioned) {
+            return Ok(());
+        }
+        let tensors = self.params_for(g, gather)?;
+        let Some(from) = tensors.first().map(|t| t.id()) else {
+            return Ok(());
+        };
+        if matches!(&self.gpu_host.copies[g], Some(copy) if copy.from == from) {
+            return Ok(());
+        }
+        let staging = &mut self.gpu_host.staging[g % 2];
+        let weights = Arc::new(upload(gpu, &tensors, Some(staging))?);
+        self.gpu_host.copies[g] = Some(DeviceCopy { from, weights });
+        Ok(())
     }
 
     /// Stage 3 over NCCL: group `g`'s parameters for one use, gathered from
@@ -747,11 +789,15 @@ impl Engine {
         let (gather, reduce_now) = (&mut mb.gather, mb.reduce_now);
         let n_layers = self.model.config().n_layers;
         let checkpointing = self.spec.train.activation_checkpointing;
+        self.gpu_upload_ahead(&gpu, gather, 1)?;
         let mut x = self.gpu_embed(&gpu, gather, batch)?;
         let mut saved = Vec::with_capacity(n_layers);
         for block in 1..=n_layers {
             let w = self.gpu_weights(&gpu, gather, block)?;
             self.gpu_release(block);
+            if block < n_layers {
+                self.gpu_upload_ahead(&gpu, gather, block + 1)?;
+            }
             let (y, acts) = gpu.block_forward(&w, x)?;
             saved.push(match checkpointing {
                 true => Saved::Input(acts.into_input()),
