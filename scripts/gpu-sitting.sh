@@ -6,7 +6,8 @@
 # attention (ZRUN_GPU_ATTENTION), and f16 unfused, alternated, and bf16 at
 # heads of 128 (the fused kernels' widest) both ways, and PyTorch eager beside them
 # where python3 has torch; then bf16 on two workers sharing the GPU, the
-# host flow against the state resident over NCCL, and `zrun bench comm
+# host flow against the state resident over NCCL, one worker's host flow
+# (ZeRO-Offload: AdamW on the host), and `zrun bench comm
 # --transports nccl`. ROUNDS (default 2) sets the rounds. Prints medians of steps 4-12 (zrun) and PyTorch's own
 # median; compare only within one sitting.
 #
@@ -117,6 +118,12 @@ s=(model.d_model=768 model.n_layers=12 model.n_heads=12 model.seq_len=256)
 for round in $(seq "${ROUNDS:-2}"); do
   WORKERS=2 zrun_step "85M-bf16-2w-host-$round" "${s[@]}" train.dtype=bf16 zero.stage=2
   WORKERS=2 zrun_step "85M-bf16-2w-nccl-$round" "${s[@]}" train.dtype=bf16 zero.stage=2 comm.backend=nccl
+done
+echo "== the host flow, one worker (stage 1, zero.offload_optimizer.device: cpu): AdamW on the host, parameters uploaded ahead of use"
+for round in $(seq "${ROUNDS:-2}"); do
+  zrun_step "anchor-offload-$round" zero.stage=1 zero.offload_optimizer.device=cpu
+  zrun_step "152M-offload-$round" model.d_model=1024 model.n_layers=12 model.n_heads=16 model.seq_len=512 \
+    zero.stage=1 zero.offload_optimizer.device=cpu
 done
 echo "== NCCL between two workers sharing the GPU (over loopback sockets, not a GPU link)"
 "$dir/release/zrun" bench comm --workers 2 --transports nccl --sizes 1MiB,64MiB || echo "bench comm nccl failed"
