@@ -110,9 +110,23 @@ const PARTS: usize = 6;
 /// A part's gradients: its weight's, and its bias's where it has one.
 type PartGrads = (CudaSlice<f32>, Option<CudaSlice<f32>>);
 
+/// A part's weight and (GPT-2) bias.
+type Part<'w> = (Weight<'w>, Option<&'w CudaSlice<f32>>);
+
 /// A block's parameters by part: each part's weight and (GPT-2) bias.
 struct BlockWeights<'w> {
-    parts: [(&'w CudaSlice<f32>, Option<&'w CudaSlice<f32>>); PARTS],
+    parts: [Part<'w>; PARTS],
+}
+
+/// A weight tensor as the model reads it: its f32 values, and where the
+/// products are 16-bit and the optimizer keeps a 16-bit working copy
+/// ([`Weights::with_half`]), that copy's buffer and the element the tensor
+/// starts at, which products read in place of rounding the f32 values (the
+/// same bits: the f32 values are the working copy's, widened).
+#[derive(Clone, Copy)]
+struct Weight<'w> {
+    f32: &'w CudaSlice<f32>,
+    half: Option<(&'w CudaSlice<u16>, usize)>,
 }
 
 /// Rows `[b, t, d]` of activations (or their gradient) in device memory.
@@ -135,12 +149,74 @@ impl Rows {
 /// untied output matrix).
 pub struct Weights {
     p: Vec<CudaSlice<f32>>,
+    half: Option<HalfWeights>,
+}
+
+/// A group's 16-bit working copy, flat in the group's layout: what 16-bit
+/// products read of its weights.
+struct HalfWeights {
+    format: Half16,
+    flat: CudaSlice<u16>,
+    /// Where each tensor starts in `flat`.
+    starts: Vec<usize>,
 }
 
 impl Weights {
     /// Tensors already on the device, in the group's order.
     pub fn from_parts(p: Vec<CudaSlice<f32>>) -> Weights {
-        Weights { p }
+        Weights { p, half: None }
+    }
+
+    /// Tensors with the 16-bit working copy whose widened values they are
+    /// (`flat`, in format `format`, tensor `i` from `starts[i]`): products in
+    /// that format read their weights from it instead of rounding the f32
+    /// tensors, a pass over each weight at every product saved.
+    pub fn with_half(
+        p: Vec<CudaSlice<f32>>,
+        format: Half16,
+        flat: CudaSlice<u16>,
+        starts: Vec<usize>,
+    ) -> Result<Weights, CudaError> {
+        let outside = p
+            .iter()
+            .zip(&starts)
+            .find(|(t, &start)| start + t.len() > flat.len());
+        if starts.len() != p.len() || outside.is_some() {
+            return Err(CudaError::Invalid(format!(
+                "a 16-bit working copy of {} values with {} tensor starts for {} tensors",
+                flat.len(),
+                starts.len(),
+                p.len()
+            )));
+        }
+        Ok(Weights {
+            p,
+            half: Some(HalfWeights {
+                format,
+                flat,
+                starts,
+            }),
+        })
+    }
+
+    /// The f32 tensors and the 16-bit working copy, if any, to update in
+    /// place (the optimizer writes the copy, then widens it into the
+    /// tensors).
+    pub fn parts_and_half_mut(&mut self) -> (&mut [CudaSlice<f32>], Option<&mut CudaSlice<u16>>) {
+        (&mut self.p, self.half.as_mut().map(|h| &mut h.flat))
+    }
+
+    /// Tensor `i` as products in `format` (`None`: f32) read it.
+    fn weight(&self, i: usize, format: Option<Half16>) -> Weight<'_> {
+        let half = self
+            .half
+            .as_ref()
+            .filter(|h| Some(h.format) == format)
+            .map(|h| (&h.flat, h.starts[i]));
+        Weight {
+            f32: &self.p[i],
+            half,
+        }
     }
 
     /// The tensors.
@@ -324,6 +400,15 @@ fn op16(buf: &CudaSlice<u16>, off: usize, ld: usize) -> Operand<'_> {
         buf: Values::Half(buf),
         off,
         ld,
+    }
+}
+
+/// Weight `w` (rows of `ld`) as a product's operand: its 16-bit working
+/// copy where it has one for the product's format, else its f32 values.
+fn weight_operand(w: Weight<'_>, ld: usize) -> Operand<'_> {
+    match w.half {
+        Some((flat, start)) => op16(flat, start, ld),
+        None => op(w.f32, 0, ld),
     }
 }
 
@@ -517,7 +602,7 @@ impl GptGpu {
             .iter()
             .map(|v| self.gpu.upload(v))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Weights { p })
+        Ok(Weights::from_parts(p))
     }
 
     /// `w` as a block's parameters, checked against the block's shapes:
@@ -549,7 +634,8 @@ impl GptGpu {
         let per = 1 + usize::from(biases);
         Ok(BlockWeights {
             parts: std::array::from_fn(|k| {
-                (&w.p[k * per], w.p.get(k * per + 1).filter(|_| biases))
+                let weight = w.weight(k * per, self.half_products);
+                (weight, w.p.get(k * per + 1).filter(|_| biases))
             }),
         })
     }
@@ -810,9 +896,10 @@ impl GptGpu {
         let (b, t) = x.dims();
         let n = b * t;
         let norm_len = 2 - usize::from(self.shape.llama());
-        let tied = wte.and_then(|w| w.p.first());
+        let h = self.half_products;
+        let tied = wte.filter(|w| !w.p.is_empty()).map(|w| w.weight(0, h));
         let (norm, om) = match (head.p.len().checked_sub(norm_len), tied) {
-            (Some(1), _) => (&head.p[..norm_len], &head.p[norm_len]),
+            (Some(1), _) => (&head.p[..norm_len], head.weight(norm_len, h)),
             (Some(0), Some(wte)) => (&head.p[..], wte),
             _ => {
                 return Err(CudaError::Invalid(format!(
@@ -822,16 +909,16 @@ impl GptGpu {
                 )))
             }
         };
-        let (nw, nb) = (&norm[0], norm.get(1));
-        if nw.len() != d
+        let (nw, nb) = (head.weight(0, h), norm.get(1));
+        if nw.f32.len() != d
             || nb.is_some_and(|b| b.len() != d)
-            || om.len() != vocab * d
+            || om.f32.len() != vocab * d
             || targets.len() != n
         {
             return Err(CudaError::Invalid(format!(
                 "head: norm {} values, output matrix {}, {} targets (d {d}, vocab {vocab}, {n} rows)",
-                nw.len(),
-                om.len(),
+                nw.f32.len(),
+                om.f32.len(),
                 targets.len()
             )));
         }
@@ -853,7 +940,7 @@ impl GptGpu {
             true,
             (n, vocab, d),
             normed.operand(d),
-            op(om, 0, d),
+            weight_operand(om, d),
             (&mut logits, 0, vocab),
             ONE,
         )?;
@@ -895,7 +982,7 @@ impl GptGpu {
             false,
             (n, d, vocab),
             dlogits,
-            op(om, 0, d),
+            weight_operand(om, d),
             (&mut dnormed, 0, d),
             ONE,
         )?;
@@ -979,7 +1066,7 @@ impl GptGpu {
         x: Operand<'_>,
         n: usize,
         k: usize,
-        (w, bias): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
+        (w, bias): Part<'_>,
         width: usize,
         residual: Option<&CudaSlice<f32>>,
     ) -> Result<CudaSlice<f32>, CudaError> {
@@ -989,7 +1076,7 @@ impl GptGpu {
             false,
             (n, width, k),
             x,
-            op(w, 0, width),
+            weight_operand(w, width),
             (&mut y, 0, width),
             ONE,
         )?;
@@ -1024,7 +1111,7 @@ impl GptGpu {
         x: Operand<'_>,
         n: usize,
         k: usize,
-        (w, bias): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
+        (w, bias): Part<'_>,
         width: usize,
         dy: &CudaSlice<f32>,
     ) -> Result<Backward, CudaError> {
@@ -1046,7 +1133,7 @@ impl GptGpu {
             true,
             (n, k, width),
             dy_op,
-            op(w, 0, width),
+            weight_operand(w, width),
             (&mut dx, 0, k),
             ONE,
         )?;
@@ -1098,7 +1185,7 @@ impl GptGpu {
     fn norm(
         &self,
         x: &CudaSlice<f32>,
-        (w, b): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
+        (Weight { f32: w, .. }, b): Part<'_>,
         n: usize,
     ) -> Result<(Kept, Stats), CudaError> {
         match b {
@@ -1112,7 +1199,7 @@ impl GptGpu {
     fn norm_backward(
         &self,
         x: &CudaSlice<f32>,
-        (w, _): (&CudaSlice<f32>, Option<&CudaSlice<f32>>),
+        (Weight { f32: w, .. }, _): Part<'_>,
         stats: &Stats,
         dy: &CudaSlice<f32>,
         dres: Option<&CudaSlice<f32>>,

@@ -411,12 +411,44 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
     let bgrads: Vec<Vec<f32>> = bgrads.into_vec().iter().map(values).collect();
 
     // The GPU model, twice: the second run must repeat the first's bits.
-    let run = || {
-        let up = |g: &[Vec<f32>]| {
+    // With `copy` (16-bit products), each group also holds a 16-bit working
+    // copy, flat with gaps between its tensors, and the f32 values of every
+    // matrix but the embedding's (which the embedding reads in f32) are off
+    // by 1: the same bits then say that products read their weights from the
+    // copy, at each tensor's start, and nothing else does.
+    let run = |copy: bool| {
+        let up = |g: &[Vec<f32>], shapes: Vec<Vec<usize>>, off_by_one: bool| {
             let refs: Vec<&[f32]> = g.iter().map(|v| v.as_slice()).collect();
-            gpu.upload(&refs).unwrap()
+            let w = gpu.upload(&refs).unwrap();
+            let Some(h) = half.filter(|_| copy) else {
+                return w;
+            };
+            let mut starts = Vec::new();
+            let mut flat = Vec::new();
+            for v in g {
+                flat.extend([0.0; 5]);
+                starts.push(flat.len());
+                flat.extend(v);
+            }
+            let mut flat16 = gpu.gpu().zeros(flat.len()).unwrap();
+            let flat = gpu.gpu().upload(&flat).unwrap();
+            gpu.gpu()
+                .round16(h, &flat.slice(..), &mut flat16.slice_mut(..))
+                .unwrap();
+            let f32_values: Vec<Vec<f32>> = g
+                .iter()
+                .zip(&shapes)
+                .map(|(v, s)| match (off_by_one, s.len()) {
+                    (true, 2) => v.iter().map(|x| x + 1.0).collect(),
+                    _ => v.clone(),
+                })
+                .collect();
+            let refs: Vec<&[f32]> = f32_values.iter().map(|v| v.as_slice()).collect();
+            let parts = gpu.upload(&refs).unwrap().into_parts();
+            Weights::with_half(parts, h, flat16, starts).unwrap()
         };
-        let (ew, w, hw) = (up(&emb), up(&block), up(&head));
+        let ew = up(&emb, shapes(0), false);
+        let (w, hw) = (up(&block, shapes(1), true), up(&head, shapes(2), true));
         let gx = gpu.embed(&tokens, b, t, &ew).unwrap();
         let (gy, gacts) = gpu.block_forward(&w, gx).unwrap();
         let y_host = gpu.download(&gy).unwrap();
@@ -432,7 +464,7 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
         let grads = gpu.download_all(&grads).unwrap();
         (y_host, out.loss, head_grads, dy_host, grads, dx_host)
     };
-    let first = run();
+    let first = run(false);
     let (gy, gloss, ghead, gdy, ggrads, gdx) = &first;
 
     let mut report = Vec::new();
@@ -481,8 +513,15 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
         "products within f32's rounding ({worst:.2e}): were 16-bit or TF32 products on?"
     );
 
-    let second = run();
+    let second = run(false);
     assert!(first == second, "the GPU's second run changed bits");
+    if half.is_some() {
+        let from_copy = run(true);
+        assert!(
+            first == from_copy,
+            "products reading the weights' 16-bit working copy changed bits"
+        );
+    }
 
     // The embedding's backward on the GPU is the CPU's scatter-add to the
     // bit, given the same dx (repeated tokens included: 97 ids over 144 rows).

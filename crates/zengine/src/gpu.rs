@@ -165,19 +165,22 @@ struct Landing {
 
 /// A resident group's parameters.
 enum ResidentParams {
-    /// Whole, one buffer per slot (what the model reads).
+    /// Whole, one buffer per slot (what the model reads); under 16 bits
+    /// with the group's working copy, flat ([`Weights::with_half`]), which
+    /// AdamW writes and the model's 16-bit products read.
     Whole(Arc<Weights>),
     /// Stage 3 over NCCL: this rank's slice of the flat buffer, gathered
     /// at each use.
     Slice(CudaSlice<f32>),
-    /// Stage 3 over NCCL under 16 bits: the slice is the working copy
-    /// (`HalfGroup::working`), gathered in 16 bits at each use.
-    HalfSlice,
+    /// Stage 3 over NCCL under 16 bits: this rank's slice of the working
+    /// copy, gathered in 16 bits at each use.
+    HalfSlice(CudaSlice<u16>),
 }
 
 /// The resident flow's state of one group on the GPU.
 struct ResidentGroup {
-    /// The model's f32 weights (under 16 bits, the working copy's values).
+    /// The model's weights (under 16 bits, the working copy and its values
+    /// in f32).
     params: ResidentParams,
     /// f32 gradients over the flat range `held`, laid out as the host's: the
     /// group's whole buffer (padding included), into which micro-batches
@@ -204,11 +207,9 @@ struct HalfGroup {
     /// each micro-batch's reduced slice).
     grads: CudaSlice<u16>,
     /// The f32 master weights over the region this rank updates: AdamW's
-    /// target.
+    /// target, which also writes their rounding into the working copy (the
+    /// group's `ResidentParams`).
     master: CudaSlice<f32>,
-    /// The rounded copy of `master` AdamW writes, widened into the model's
-    /// weights after each update.
-    working: CudaSlice<u16>,
 }
 
 impl ResidentGroup {
@@ -286,8 +287,6 @@ struct HalfComm {
     landings: Option<Landings<u16>>,
     /// A group's gradient widened for its reduction.
     wide: CudaSlice<f32>,
-    /// A group's working copy gathered from every rank's slice.
-    gathered: CudaSlice<u16>,
 }
 
 /// What the resident step needs of a group's layout.
@@ -400,26 +399,35 @@ impl Engine {
                     true => g.layout.slice(rank),
                     false => 0..g.layout.padded,
                 };
-                let params = match (g.partitioned, self.half) {
-                    (true, None) => ResidentParams::Slice(gpu.gpu().upload(p)?),
-                    (true, Some(_)) => ResidentParams::HalfSlice,
-                    (false, _) => ResidentParams::Whole(Arc::new(Weights::from_parts(up(p)?))),
+                // The host's working copy in 16 bits again (its values
+                // rounded: the same bits).
+                let working = |kind| -> Result<CudaSlice<u16>, EngineError> {
+                    let mut w = gpu.gpu().zeros(p.len())?;
+                    gpu.gpu().round16(
+                        kind,
+                        &gpu.gpu().upload(p)?.slice(..),
+                        &mut w.slice_mut(..),
+                    )?;
+                    Ok(w)
                 };
-                let half = match (self.half, &g.master) {
-                    (None, _) => None,
-                    (Some(h), Some(master)) => {
-                        let (kind, master) = (h.into(), gpu.gpu().upload(master)?);
-                        // The host's working copy is the master's rounding.
-                        let mut working = gpu.gpu().zeros(master.len())?;
-                        gpu.gpu()
-                            .round16(kind, &master.slice(..), &mut working.slice_mut(..))?;
-                        Some(HalfGroup {
-                            kind,
-                            grads: gpu.gpu().zeros(held.len())?,
-                            master,
-                            working,
-                        })
+                let half_kind = self.half.map(zcuda::Half16::from);
+                let params = match (g.partitioned, half_kind) {
+                    (true, None) => ResidentParams::Slice(gpu.gpu().upload(p)?),
+                    (true, Some(kind)) => ResidentParams::HalfSlice(working(kind)?),
+                    (false, None) => ResidentParams::Whole(Arc::new(Weights::from_parts(up(p)?))),
+                    (false, Some(kind)) => {
+                        let starts = slots.iter().map(|s| s.range.start).collect();
+                        let w = Weights::with_half(up(p)?, kind, working(kind)?, starts)?;
+                        ResidentParams::Whole(Arc::new(w))
                     }
+                };
+                let half = match (half_kind, &g.master) {
+                    (None, _) => None,
+                    (Some(kind), Some(master)) => Some(HalfGroup {
+                        kind,
+                        grads: gpu.gpu().zeros(held.len())?,
+                        master: gpu.gpu().upload(master)?,
+                    }),
                     (Some(_), None) => {
                         return Err(EngineError::Gpu(format!(
                             "group {}: 16-bit parameters without their master copy",
@@ -454,7 +462,6 @@ impl Engine {
                             .then(|| Landings::new(gpu, &self.groups))
                             .transpose()?,
                         wide: gpu.gpu().zeros(n)?,
-                        gathered: gpu.gpu().zeros(n)?,
                     };
                     (None, Some(half_comm))
                 }
@@ -535,8 +542,9 @@ impl Engine {
 
     /// Stage 3 over NCCL: group `g`'s parameters for one use, gathered from
     /// every rank's slice (an in-place all-gather; under 16 bits of the
-    /// working copies, as the host gathers them), then cut into the slots'
-    /// f32 tensors. Freed when the use drops them.
+    /// working copies, as the host gathers them, which the model's 16-bit
+    /// products then read), then cut into the slots' f32 tensors. Freed
+    /// when the use drops them.
     fn gpu_gather_params(&mut self, gpu: &GptGpu, g: usize) -> Result<Arc<Weights>, EngineError> {
         let layout = &self.groups[g].layout;
         let (padded, own) = (layout.padded, layout.slice(self.comm.rank()));
@@ -549,8 +557,8 @@ impl Engine {
         let what = format!("group {g}'s parameters");
         let group = &r.groups[g];
         let mut parts = Vec::with_capacity(slots.len());
-        match (&group.params, &group.half, r.half_comm.as_mut()) {
-            (ResidentParams::Slice(mine), _, _) => {
+        match (&group.params, &group.half) {
+            (ResidentParams::Slice(mine), _) => {
                 let mut buf = gpu.gpu().zeros(padded)?;
                 gpu.gpu().copy(&mine.slice(..), &mut buf.slice_mut(own))?;
                 nccl.all_gather_in_place(&mut buf.slice_mut(..), &what)?;
@@ -560,19 +568,18 @@ impl Engine {
                     parts.push(t);
                 }
             }
-            (ResidentParams::HalfSlice, Some(h), Some(hc)) => {
-                // The stream runs each gather's widening before the next
-                // gather overwrites the buffer.
-                let mut buf = hc.gathered.slice_mut(..padded);
-                gpu.gpu()
-                    .copy(&h.working.slice(..), &mut buf.slice_mut(own))?;
-                nccl.all_gather16_in_place(&mut buf, &what)?;
-                for range in slots {
+            (ResidentParams::HalfSlice(mine), Some(h)) => {
+                let mut flat = gpu.gpu().zeros(padded)?;
+                gpu.gpu().copy(&mine.slice(..), &mut flat.slice_mut(own))?;
+                nccl.all_gather16_in_place(&mut flat.slice_mut(..), &what)?;
+                for range in &slots {
                     let mut t = gpu.gpu().zeros(range.len())?;
                     gpu.gpu()
-                        .widen16(h.kind, &buf.slice(range), &mut t.slice_mut(..))?;
+                        .widen16(h.kind, &flat.slice(range.clone()), &mut t.slice_mut(..))?;
                     parts.push(t);
                 }
+                let starts = slots.iter().map(|r| r.start).collect();
+                return Ok(Arc::new(Weights::with_half(parts, h.kind, flat, starts)?));
             }
             _ => return Err(EngineError::Gpu(format!("group {g} is not partitioned"))),
         }
@@ -997,7 +1004,7 @@ impl Engine {
                         })?
                         .parts_mut()),
                     ResidentParams::Slice(mine) => Err(mine),
-                    ResidentParams::HalfSlice => {
+                    ResidentParams::HalfSlice(_) => {
                         return Err(EngineError::Gpu("16-bit parameters in an f32 step".into()))
                     }
                 };
@@ -1110,18 +1117,21 @@ impl Engine {
                     ..
                 } = g;
                 let h = half.as_mut().ok_or_else(no_half)?;
-                // Stage 3's slice is the working copy itself; where ranks
-                // update slices, the gather below widens every slot anyway.
-                let mut weights = match params {
-                    ResidentParams::Whole(_) if sliced => None,
-                    ResidentParams::Whole(w) => Some(
-                        Arc::get_mut(w)
+                // The working copy AdamW writes: a whole group's flat copy
+                // (indexed as the group) with the f32 tensors the model
+                // reads, widened from it here unless ranks update slices (the
+                // gather below widens every slot then); stage 3's slice
+                // (indexed as the region) alone.
+                let (working, whole, mut weights) = match params {
+                    ResidentParams::Whole(w) => {
+                        let (parts, flat) = Arc::get_mut(w)
                             .ok_or_else(|| {
                                 EngineError::Gpu("parameters still in use at the step".into())
                             })?
-                            .parts_mut(),
-                    ),
-                    ResidentParams::HalfSlice => None,
+                            .parts_and_half_mut();
+                        (flat.ok_or_else(no_half)?, true, (!sliced).then_some(parts))
+                    }
+                    ResidentParams::HalfSlice(mine) => (mine, false, None),
                     ResidentParams::Slice(_) => {
                         return Err(EngineError::Gpu("f32 parameters in a 16-bit step".into()))
                     }
@@ -1130,18 +1140,19 @@ impl Engine {
                     let slot = p.slots[i].0.start;
                     let rel = at.start - p.region.start..at.end - p.region.start;
                     let grads = at.start - held.start..at.end - held.start;
+                    let work = if whole { at.clone() } else { rel.clone() };
                     gpu.gpu().adamw(
                         &mut h.master.slice_mut(rel.clone()),
                         DeviceGrads::Half(h.kind, h.grads.slice(grads)),
                         &mut exp_avg.slice_mut(rel.clone()),
-                        &mut exp_avg_sq.slice_mut(rel.clone()),
-                        Some((h.kind, &mut h.working.slice_mut(rel.clone()))),
+                        &mut exp_avg_sq.slice_mut(rel),
+                        Some((h.kind, &mut working.slice_mut(work.clone()))),
                         &device_consts(&hp, p.slots[i].1),
                     )?;
                     if let Some(weights) = weights.as_mut() {
                         gpu.gpu().widen16(
                             h.kind,
-                            &h.working.slice(rel),
+                            &working.slice(work),
                             &mut weights[i].slice_mut(at.start - slot..at.end - slot),
                         )?;
                     }
@@ -1163,8 +1174,8 @@ impl Engine {
     /// to every rank. A buffer spent by now (the group's gradient at stage
     /// 1, the shared landing at stages 2-3) carries the group's slice of the parameters into
     /// an in-place all-gather, and each slot's values come back from it.
-    /// Under 16 bits the working copies' slices are gathered, as the host
-    /// gathers them, and widened into the slots.
+    /// Under 16 bits the working copies' slices are gathered in place, as
+    /// the host gathers them, and widened into the slots.
     fn gpu_share_params(&mut self, gpu: &GptGpu, plans: &[StepPlan]) -> Result<(), EngineError> {
         let (Some(r), Some(nccl)) = (self.gpu_resident.as_mut(), self.nccl.as_mut()) else {
             return Err(EngineError::Gpu("sharing parameters needs NCCL".into()));
@@ -1176,18 +1187,18 @@ impl Engine {
             let ResidentParams::Whole(whole) = &mut g.params else {
                 continue; // stage 3's slices stay where they are
             };
-            if let (Some(h), Some(hc)) = (&g.half, r.half_comm.as_mut()) {
-                let mut buf = hc.gathered.slice_mut(..padded);
-                gpu.gpu()
-                    .copy(&h.working.slice(..), &mut buf.slice_mut(p.region.clone()))?;
-                nccl.all_gather16_in_place(&mut buf, &what)?;
-                let params = Arc::get_mut(whole)
+            if let Some(h) = &g.half {
+                let (params, flat) = Arc::get_mut(whole)
                     .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
-                    .parts_mut();
+                    .parts_and_half_mut();
+                let flat = flat.ok_or_else(|| {
+                    EngineError::Gpu(format!("group {gi}: no 16-bit working copy"))
+                })?;
+                nccl.all_gather16_in_place(&mut flat.slice_mut(..padded), &what)?;
                 for (i, (range, _)) in p.slots.iter().enumerate() {
                     gpu.gpu().widen16(
                         h.kind,
-                        &buf.slice(range.clone()),
+                        &flat.slice(range.clone()),
                         &mut params[i].slice_mut(..),
                     )?;
                 }
@@ -1259,7 +1270,7 @@ impl Engine {
                 let gpu = self.gpu.as_ref().expect("a GPU attached");
                 Ok(Some(gpu.gpu().download(mine)?))
             }
-            ResidentParams::HalfSlice => Err(EngineError::Gpu(format!(
+            ResidentParams::HalfSlice(_) => Err(EngineError::Gpu(format!(
                 "group {gi}: 16-bit parameters without their master copy"
             ))),
         }
