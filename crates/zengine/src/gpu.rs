@@ -968,10 +968,13 @@ impl Engine {
             }
         }
         let mut own_sq = 0f64;
-        for (g, p) in r.groups.iter().zip(&plans) {
-            let parts =
-                gpu.gpu()
-                    .sum_sq_chunks(DeviceGrads::F32(g.grad(p.own.clone())), TASK, 1.0)?;
+        let grads: Vec<_> = r
+            .groups
+            .iter()
+            .zip(&plans)
+            .map(|(g, p)| DeviceGrads::F32(g.grad(p.own.clone())))
+            .collect();
+        for parts in gpu.gpu().sum_sq_chunks_of_each(&grads, TASK, 1.0)? {
             own_sq += parts.iter().sum::<f64>();
         }
         let grad_norm = self.norm_from_own_sq(own_sq)?;
@@ -1086,15 +1089,20 @@ impl Engine {
         }
         let r = self.gpu_resident.as_ref().expect("resident");
         let mut own_sq = 0f64;
-        for (g, p) in r.groups.iter().zip(plans) {
-            let h = g.half.as_ref().ok_or_else(no_half)?;
-            let own = g.local(p.own.clone());
-            let grads = DeviceGrads::Half(h.kind, h.grads.slice(own));
-            own_sq += gpu
-                .gpu()
-                .sum_sq_chunks(grads, TASK, grad_scale)?
-                .iter()
-                .sum::<f64>();
+        let grads = r
+            .groups
+            .iter()
+            .zip(plans)
+            .map(|(g, p)| {
+                let h = g.half.as_ref().ok_or_else(no_half)?;
+                Ok(DeviceGrads::Half(
+                    h.kind,
+                    h.grads.slice(g.local(p.own.clone())),
+                ))
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        for parts in gpu.gpu().sum_sq_chunks_of_each(&grads, TASK, grad_scale)? {
+            own_sq += parts.iter().sum::<f64>();
         }
         let grad_norm = self.norm_from_own_sq(own_sq)?;
         let overflow = self.check_overflow(step, grad_norm)?;
@@ -1342,6 +1350,30 @@ mod tests {
             return;
         }
         let gpu = zcuda::Gpu::open(0).expect("opening GPU 0");
+        // Several buffers' norms in one call (one download): each buffer's
+        // chunks as alone, an empty one and one from an offset included.
+        let all: Vec<(Vec<f32>, CudaSlice<f32>)> = [(3 * TASK + 13, 5), (TASK + 9, 6)]
+            .into_iter()
+            .map(|(n, seed)| (values(n, seed), gpu.upload(&values(n, seed)).unwrap()))
+            .collect();
+        let views = [
+            (0, 0..0),
+            (0, 0..3 * TASK + 13),
+            (1, 0..0),
+            (1, 7..TASK + 9),
+        ];
+        let grads: Vec<_> = views
+            .iter()
+            .map(|(i, r)| zcuda::DeviceGrads::F32(all[*i].1.slice(r.clone())))
+            .collect();
+        let each = gpu.sum_sq_chunks_of_each(&grads, TASK, 0.37).unwrap();
+        assert_eq!(each.len(), views.len());
+        for ((i, r), parts) in views.iter().zip(&each) {
+            assert_eq!(parts.len(), r.len().div_ceil(TASK), "buffer {i} at {r:?}");
+            let host = Flat::F32(all[*i].0[r.clone()].to_vec()).sum_sq(0..r.len(), 0.37);
+            let dev: f64 = parts.iter().sum();
+            assert_eq!(dev.to_bits(), host.to_bits(), "buffer {i} at {r:?}");
+        }
         for (n, seed) in [(5, 1), (TASK, 2), (3 * TASK + 13, 3), ((1 << 20) + 7, 4)] {
             let v = values(n, seed);
             let d = gpu.upload(&v).unwrap();
