@@ -484,9 +484,13 @@ extern "C" __global__ void causal_softmax_backward(const float* p, float* dp, un
 
 // One block per row of logits [rows, vocab]: loss[r] = log Σ exp(x - max) -
 // (x_target - max); with `grad`, the row becomes coef·(softmax - onehot), the
-// gradient of the mean loss times the loss scale (coef = scale / rows).
+// gradient of the mean loss times the loss scale (coef = scale / rows); with
+// g16 too, that gradient's 16-bit values (fmt16) are written there instead
+// (the logits are then left as they were): the head's 16-bit products read
+// them, and no pass rounds them.
 extern "C" __global__ void cross_entropy(float* logits, const unsigned int* targets,
-                                         float* loss, int vocab, float coef, int grad)
+                                         float* loss, unsigned short* g16, int fmt16,
+                                         int vocab, float coef, int grad)
 {
     __shared__ float scratch[WARP];
     float* x = logits + (unsigned long long)blockIdx.x * vocab;
@@ -502,8 +506,14 @@ extern "C" __global__ void cross_entropy(float* logits, const unsigned int* targ
     if (threadIdx.x == 0) loss[blockIdx.x] = logf(s) - picked;
     if (!grad) return;
     float inv = coef / s;
+    unsigned short* y16 = g16 ? g16 + (unsigned long long)blockIdx.x * vocab : 0;
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
         float p = expf(x[j] - m) * inv;
-        x[j] = j == (int)tgt ? p - coef : p;
+        float v = j == (int)tgt ? p - coef : p;
+        if (y16) {
+            y16[j] = round16(v, fmt16);
+        } else {
+            x[j] = v;
+        }
     }
 }

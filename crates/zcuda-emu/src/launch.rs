@@ -193,6 +193,8 @@ extern "C" {
         logits: *mut c_float,
         targets: *const c_uint,
         loss: *mut c_float,
+        g16: *mut c_ushort,
+        fmt16: c_int,
         n: c_int,
         vocab: c_int,
         coef: c_float,
@@ -636,12 +638,14 @@ pub fn causal_softmax(
 }
 
 /// Cross-entropy of `logits`' rows of `vocab` against `targets`: each row's
-/// loss; with `coef`, the row becomes `coef·(softmax − onehot)` in place.
+/// loss; with `coef`, the row becomes `coef·(softmax − onehot)` in place, or
+/// with `g16` too, that gradient's 16-bit values go there instead.
 pub fn cross_entropy(
     logits: &mut [f32],
     targets: &[u32],
     vocab: usize,
     coef: Option<f32>,
+    g16: Option<Out16<'_>>,
 ) -> Vec<f32> {
     let n = targets.len();
     assert!(
@@ -649,13 +653,16 @@ pub fn cross_entropy(
         "cross entropy: shapes"
     );
     let mut loss = vec![0.0; n];
-    // SAFETY: logits hold n rows of vocab, targets are below vocab, loss n
-    // values (checked and allocated above).
+    let (g16, fmt16) = out16(g16, logits.len());
+    // SAFETY: logits (and g16) hold n rows of vocab, targets are below
+    // vocab, loss n values (checked and allocated above).
     unsafe {
         emu_cross_entropy(
             logits.as_mut_ptr(),
             targets.as_ptr(),
             loss.as_mut_ptr(),
+            g16,
+            fmt16,
             int(n),
             int(vocab),
             coef.unwrap_or(0.0),

@@ -385,10 +385,28 @@ fn cross_entropy_and_its_gradient_match_an_f64_reference() {
         .collect();
     let coef = 0.5 / n as f32;
     let mut grad = logits.clone();
-    let loss = cross_entropy(&mut grad, &targets, vocab, Some(coef));
+    let loss = cross_entropy(&mut grad, &targets, vocab, Some(coef), None);
     let mut plain = logits.clone();
-    assert_eq!(cross_entropy(&mut plain, &targets, vocab, None), loss);
+    assert_eq!(cross_entropy(&mut plain, &targets, vocab, None, None), loss);
     assert_eq!(plain, logits, "without the gradient the logits stay");
+    // The gradient's 16-bit values in place of its f32 ones: the f32
+    // gradient's rounding, bit for bit, and the logits left as they were.
+    for fmt in [Fmt16::Bf16, Fmt16::F16] {
+        let (mut kept, mut g16) = (logits.clone(), vec![0u16; n * vocab]);
+        let loss16 = cross_entropy(
+            &mut kept,
+            &targets,
+            vocab,
+            Some(coef),
+            Some((fmt, &mut g16)),
+        );
+        assert_eq!(loss16, loss, "{fmt:?}: the losses");
+        assert_eq!(
+            kept, logits,
+            "{fmt:?}: the logits stay when the gradient goes to 16 bits"
+        );
+        assert_eq!(g16, rounded16(fmt, &grad), "{fmt:?}: the gradient's bits");
+    }
     let (mut want_loss, mut want_grad) = (vec![0f32; n], vec![0f32; n * vocab]);
     for (r, row) in logits.chunks(vocab).enumerate() {
         let m = row

@@ -945,19 +945,27 @@ impl GptGpu {
             ONE,
         )?;
         let mut losses = self.alloc(n)?;
+        // With 16-bit products the kernel writes dlogits in 16 bits, which
+        // is all the two products read: no f32 gradient, no rounding pass.
+        let mut dlogits16 = match (backward, self.half_products) {
+            (true, Some(_)) => Some(self.alloc16(n * vocab)?),
+            _ => None,
+        };
         let (v32, coef, grad) = (vocab as i32, (scale / n as f64) as f32, backward as i32);
         let mut l = self
             .gpu
             .stream()
             .launch_builder(self.gpu.function("cross_entropy"));
-        l.arg(&mut logits)
-            .arg(&tg)
-            .arg(&mut losses)
-            .arg(&v32)
-            .arg(&coef)
-            .arg(&grad);
+        let null = 0u64;
+        l.arg(&mut logits).arg(&tg).arg(&mut losses);
+        match dlogits16.as_mut() {
+            Some(g) => l.arg(g),
+            None => l.arg(&null),
+        };
+        l.arg(&self.fmt16).arg(&v32).arg(&coef).arg(&grad);
         // SAFETY: cross_entropy(logits[n·vocab], targets[n] < vocab (checked),
-        // loss[n], vocab, coef, grad), one block per row.
+        // loss[n], g16[n·vocab] or null, fmt16, vocab, coef, grad), one block
+        // per row.
         self.launched("cross_entropy", unsafe { l.launch(rows_config(n)) })?;
         let loss = self
             .gpu
@@ -974,8 +982,19 @@ impl GptGpu {
             });
         }
         // dnormed [n, d] = dlogits · out; dout [vocab, d] = dlogitsᵀ · normed
-        let mut dlogits16 = None;
-        let dlogits = self.operand_twice(&logits, n * vocab, vocab, &mut dlogits16)?;
+        // (In 16 bits, the f32 logits are read no more: freed before the
+        // backward's buffers are allocated.)
+        let f32_grad;
+        let dlogits = match &dlogits16 {
+            Some(g) => {
+                drop(logits);
+                op16(g, 0, vocab)
+            }
+            None => {
+                f32_grad = logits;
+                op(&f32_grad, 0, vocab)
+            }
+        };
         let mut dnormed = self.alloc(n * d)?;
         self.gemm(
             false,
