@@ -12,15 +12,26 @@
 # median; compare only within one sitting.
 #
 #   scripts/gpu-sitting.sh [DIR] [tests|time|profile|all]     # default .gpu all
+#   scripts/gpu-sitting.sh DIR ab OLD_DIR
 #
 # `profile` instead prints, for 152M steps in TF32 and bf16 with either
-# attention, the GPU's time by operation (ZRUN_GPU_PROFILE=1).
+# attention, the GPU's time by operation (ZRUN_GPU_PROFILE=1). `ab` times
+# DIR's build against OLD_DIR's (another pack, e.g. of the commit before a
+# change; two packs fit in one carry) on the jobs the GPU's recent changes
+# touch, the two alternated run by run, the order swapped each round: one
+# worker resident at 85M and 152M in bf16 and TF32 (attention by default),
+# and the host flow (AdamW on the host) at gpt-anchor and 152M.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=$(realpath "${1:-.gpu}")
 what=${2:-all}
 [ -x "$dir/release/zrun" ] || { echo "no $dir/release/zrun: run scripts/gpu-pack.sh first" >&2; exit 2; }
 echo "== packed from commit $(cat "$dir/commit"); $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+if [ "$what" = ab ]; then
+  old=$(realpath "${3:?ab needs the other pack: scripts/gpu-sitting.sh DIR ab OLD_DIR}")
+  [ -x "$old/release/zrun" ] || { echo "no $old/release/zrun" >&2; exit 2; }
+  echo "== against commit $(cat "$old/commit")"
+fi
 
 # CUDA's libraries from Python's NVIDIA wheels where no toolkit is installed
 # (PyTorch brings NVRTC, cuBLAS and NCCL); NCCL's wheel has libnccl.so.2
@@ -60,11 +71,11 @@ ms, loss = [r["step_ms"] for r in rows][3:12], rows[-1]["loss"]
 print(f"{statistics.median(ms):.1f} ms ({min(ms):.1f}-{max(ms):.1f}), loss {loss:.4f}")' "$1"
 }
 out=$(mktemp -d)
-zrun_step() { # label shape-sets... : one run of 12 steps, its median step
+zrun_step() { # label shape-sets... : one run of 12 steps (BUILD's zrun, default DIR's), its median step
   local label=$1; shift
   local sets=() set
   for set in "$@"; do sets+=(--set "$set"); done
-  "$dir/release/zrun" train configs/gpt-anchor.yaml --metrics "$out/$label.jsonl" --no-progress \
+  "${BUILD:-$dir}/release/zrun" train configs/gpt-anchor.yaml --metrics "$out/$label.jsonl" --no-progress \
     --workers-per-node "${WORKERS:-1}" --set device=cuda --set train.steps=12 "${sets[@]}" > "$out/$label.log" 2>&1 \
     || { echo "$label failed:"; tail -5 "$out/$label.log"; return 0; }
   echo "$label: $(median "$out/$label.jsonl")"
@@ -76,6 +87,24 @@ torch_step() { # label env...: PyTorch eager's median step
     || { echo "$label failed:"; tail -5 "$out/$label.log"; return 0; }
   echo "$label: $(tail -1 "$out/$label.log" | python3 -c 'import json, sys; print(json.load(sys.stdin)["step_ms"])') ms"
 }
+if [ "$what" = ab ]; then
+  m85=(model.d_model=768 model.n_layers=12 model.n_heads=12 model.seq_len=256)
+  m152=(model.d_model=1024 model.n_layers=12 model.n_heads=16 model.seq_len=512)
+  offload=(zero.stage=1 zero.offload_optimizer.device=cpu)
+  for round in $(seq "${ROUNDS:-2}"); do
+    pair=("$old:old" "$dir:new")
+    [ $((round % 2)) -eq 0 ] && pair=("$dir:new" "$old:old")
+    for job in "152M-bf16:${m152[*]} train.dtype=bf16" "152M-tf32:${m152[*]} train.allow_tf32=true" \
+      "85M-bf16:${m85[*]} train.dtype=bf16" "anchor-offload:${offload[*]}" \
+      "152M-offload:${m152[*]} ${offload[*]}"; do
+      for side in "${pair[@]}"; do
+        # shellcheck disable=SC2086 # the job's sets, one word each
+        BUILD=${side%%:*} zrun_step "${job%%:*}-${side##*:}-$round" ${job#*:}
+      done
+    done
+  done
+  exit 0
+fi
 if [ "$what" = profile ]; then
   # Where the 152M step's GPU time goes, by operation (ZRUN_GPU_PROFILE):
   # steps 4-12 of one run each, the 30 largest rows.
