@@ -125,8 +125,18 @@ struct BlockWeights<'w> {
 /// same bits: the f32 values are the working copy's, widened).
 #[derive(Clone, Copy)]
 struct Weight<'w> {
-    f32: &'w CudaSlice<f32>,
+    /// None where the tensor is held in 16 bits alone.
+    f32: Option<&'w CudaSlice<f32>>,
     half: Option<(&'w CudaSlice<u16>, usize)>,
+    len: usize,
+}
+
+impl<'w> Weight<'w> {
+    /// The f32 values, which every reader but a product needs.
+    fn values(&self) -> Result<&'w CudaSlice<f32>, CudaError> {
+        self.f32
+            .ok_or_else(|| CudaError::Invalid("a tensor held in 16 bits alone read as f32".into()))
+    }
 }
 
 /// Rows `[b, t, d]` of activations (or their gradient) in device memory.
@@ -148,7 +158,9 @@ impl Rows {
 /// [`BLOCK_PARAMS`]; head: the final norm's weight and GPT-2's bias, and an
 /// untied output matrix).
 pub struct Weights {
-    p: Vec<CudaSlice<f32>>,
+    /// Each tensor's f32 values; `None` where a tensor that only products
+    /// read is held in the 16-bit working copy alone ([`Weights::with_half`]).
+    p: Vec<Option<CudaSlice<f32>>>,
     half: Option<HalfWeights>,
 }
 
@@ -157,36 +169,44 @@ pub struct Weights {
 struct HalfWeights {
     format: Half16,
     flat: CudaSlice<u16>,
-    /// Where each tensor starts in `flat`.
-    starts: Vec<usize>,
+    /// Where each tensor lies in `flat`.
+    ranges: Vec<std::ops::Range<usize>>,
 }
 
 impl Weights {
     /// Tensors already on the device, in the group's order.
     pub fn from_parts(p: Vec<CudaSlice<f32>>) -> Weights {
-        Weights { p, half: None }
+        Weights {
+            p: p.into_iter().map(Some).collect(),
+            half: None,
+        }
     }
 
     /// Tensors with the 16-bit working copy whose widened values they are
-    /// (`flat`, in format `format`, tensor `i` from `starts[i]`): products in
+    /// (`flat`, in format `format`, tensor `i` at `ranges[i]`): products in
     /// that format read their weights from it instead of rounding the f32
-    /// tensors, a pass over each weight at every product saved.
+    /// tensors, a pass over each weight at every product saved. A tensor
+    /// given as `None` is held in the copy alone: only for tensors that only
+    /// products read (the blocks' and an untied head's matrices: zmodel's
+    /// `product_operand`, outside the embedding, whose rows the embedding
+    /// gathers in f32), with products in `format`
+    /// ([`GptGpu::use_half_products`]).
     pub fn with_half(
-        p: Vec<CudaSlice<f32>>,
+        p: Vec<Option<CudaSlice<f32>>>,
         format: Half16,
         flat: CudaSlice<u16>,
-        starts: Vec<usize>,
+        ranges: Vec<std::ops::Range<usize>>,
     ) -> Result<Weights, CudaError> {
-        let outside = p
-            .iter()
-            .zip(&starts)
-            .find(|(t, &start)| start + t.len() > flat.len());
-        if starts.len() != p.len() || outside.is_some() {
+        let misfit = p.iter().zip(&ranges).any(|(t, r)| {
+            r.start > r.end || r.end > flat.len() || t.as_ref().is_some_and(|t| t.len() != r.len())
+        });
+        if ranges.len() != p.len() || misfit {
             return Err(CudaError::Invalid(format!(
-                "a 16-bit working copy of {} values with {} tensor starts for {} tensors",
+                "a 16-bit working copy of {} values with {} tensor ranges {ranges:?} for {} tensors of {:?} values",
                 flat.len(),
-                starts.len(),
-                p.len()
+                ranges.len(),
+                p.len(),
+                p.iter().map(|t| t.as_ref().map(|t| t.len())).collect::<Vec<_>>()
             )));
         }
         Ok(Weights {
@@ -194,49 +214,64 @@ impl Weights {
             half: Some(HalfWeights {
                 format,
                 flat,
-                starts,
+                ranges,
             }),
         })
     }
 
-    /// The f32 tensors and the 16-bit working copy, if any, to update in
-    /// place (the optimizer writes the copy, then widens it into the
-    /// tensors).
-    pub fn parts_and_half_mut(&mut self) -> (&mut [CudaSlice<f32>], Option<&mut CudaSlice<u16>>) {
+    /// The f32 tensors (`None` where held in 16 bits alone) and the 16-bit
+    /// working copy, if any, to update in place (the optimizer writes the
+    /// copy, then widens it into the f32 tensors).
+    pub fn parts_and_half_mut(
+        &mut self,
+    ) -> (&mut [Option<CudaSlice<f32>>], Option<&mut CudaSlice<u16>>) {
         (&mut self.p, self.half.as_mut().map(|h| &mut h.flat))
     }
 
     /// Tensor `i` as products in `format` (`None`: f32) read it.
     fn weight(&self, i: usize, format: Option<Half16>) -> Weight<'_> {
-        let half = self
-            .half
-            .as_ref()
-            .filter(|h| Some(h.format) == format)
-            .map(|h| (&h.flat, h.starts[i]));
+        let half = self.half.as_ref();
         Weight {
-            f32: &self.p[i],
-            half,
+            f32: self.p[i].as_ref(),
+            half: half
+                .filter(|h| Some(h.format) == format)
+                .map(|h| (&h.flat, h.ranges[i].start)),
+            len: self.tensor_len(i),
         }
     }
 
-    /// The tensors.
-    pub fn parts(&self) -> &[CudaSlice<f32>] {
-        &self.p
+    /// Values of tensor `i`.
+    fn tensor_len(&self, i: usize) -> usize {
+        match (&self.p[i], &self.half) {
+            (Some(t), _) => t.len(),
+            (None, Some(h)) => h.ranges[i].len(),
+            (None, None) => 0,
+        }
     }
 
-    /// The tensors, owned.
-    pub fn into_parts(self) -> Vec<CudaSlice<f32>> {
-        self.p
+    /// Tensor `i`'s f32 values (an error where it is held in 16 bits alone).
+    pub fn part(&self, i: usize) -> Result<&CudaSlice<f32>, CudaError> {
+        self.p.get(i).and_then(|t| t.as_ref()).ok_or_else(|| {
+            CudaError::Invalid(format!(
+                "tensor {i} of {} has no f32 values (held in 16 bits alone)",
+                self.p.len()
+            ))
+        })
     }
 
-    /// The tensors, to update in place (the optimizer).
-    pub fn parts_mut(&mut self) -> &mut [CudaSlice<f32>] {
+    /// The tensors' f32 values, to update in place (the optimizer).
+    pub fn parts_mut(&mut self) -> &mut [Option<CudaSlice<f32>>] {
         &mut self.p
+    }
+
+    /// Tensors held.
+    pub fn tensors(&self) -> usize {
+        self.p.len()
     }
 
     /// Values held, over every tensor.
     pub fn len(&self) -> usize {
-        self.p.iter().map(|p| p.len()).sum()
+        (0..self.p.len()).map(|i| self.tensor_len(i)).sum()
     }
 
     /// Whether it holds no tensor.
@@ -405,10 +440,10 @@ fn op16(buf: &CudaSlice<u16>, off: usize, ld: usize) -> Operand<'_> {
 
 /// Weight `w` (rows of `ld`) as a product's operand: its 16-bit working
 /// copy where it has one for the product's format, else its f32 values.
-fn weight_operand(w: Weight<'_>, ld: usize) -> Operand<'_> {
+fn weight_operand(w: Weight<'_>, ld: usize) -> Result<Operand<'_>, CudaError> {
     match w.half {
-        Some((flat, start)) => op16(flat, start, ld),
-        None => op(w.f32, 0, ld),
+        Some((flat, start)) => Ok(op16(flat, start, ld)),
+        None => Ok(op(w.values()?, 0, ld)),
     }
 }
 
@@ -624,7 +659,7 @@ impl GptGpu {
             .iter()
             .flat_map(|&(w, b)| std::iter::once(w).chain(biases.then_some(b)))
             .collect();
-        let have: Vec<usize> = w.p.iter().map(|p| p.len()).collect();
+        let have: Vec<usize> = (0..w.tensors()).map(|i| w.tensor_len(i)).collect();
         if have != want {
             return Err(CudaError::Invalid(format!(
                 "a block of d_model {d} ({:?}) has tensors of {want:?} values, got {have:?}",
@@ -635,7 +670,12 @@ impl GptGpu {
         Ok(BlockWeights {
             parts: std::array::from_fn(|k| {
                 let weight = w.weight(k * per, self.half_products);
-                (weight, w.p.get(k * per + 1).filter(|_| biases))
+                (
+                    weight,
+                    w.p.get(k * per + 1)
+                        .and_then(|b| b.as_ref())
+                        .filter(|_| biases),
+                )
             }),
         })
     }
@@ -649,13 +689,12 @@ impl GptGpu {
         t: usize,
         w: &Weights,
     ) -> Result<Rows, CudaError> {
-        let (wte, wpe) = match (w.p.as_slice(), self.shape.llama()) {
-            ([wte, wpe], false) => (wte, Some(wpe)),
-            ([wte], true) => (wte, None),
-            (p, _) => {
+        let (wte, wpe) = match (w.tensors(), self.shape.llama()) {
+            (2, false) => (w.part(0)?, Some(w.part(1)?)),
+            (1, true) => (w.part(0)?, None),
+            (tensors, _) => {
                 return Err(CudaError::Invalid(format!(
-                    "embedding: {} tensors, not {}",
-                    p.len(),
+                    "embedding: {tensors} tensors, not {}",
                     if self.shape.llama() {
                         "wte"
                     } else {
@@ -898,9 +937,9 @@ impl GptGpu {
         let norm_len = 2 - usize::from(self.shape.llama());
         let h = self.half_products;
         let tied = wte.filter(|w| !w.p.is_empty()).map(|w| w.weight(0, h));
-        let (norm, om) = match (head.p.len().checked_sub(norm_len), tied) {
-            (Some(1), _) => (&head.p[..norm_len], head.weight(norm_len, h)),
-            (Some(0), Some(wte)) => (&head.p[..], wte),
+        let om = match (head.p.len().checked_sub(norm_len), tied) {
+            (Some(1), _) => head.weight(norm_len, h),
+            (Some(0), Some(wte)) => wte,
             _ => {
                 return Err(CudaError::Invalid(format!(
                     "head: {} tensors and {} output matrix",
@@ -909,16 +948,19 @@ impl GptGpu {
                 )))
             }
         };
-        let (nw, nb) = (head.weight(0, h), norm.get(1));
-        if nw.f32.len() != d
+        let (nw, nb) = (
+            head.weight(0, h),
+            (norm_len == 2).then(|| head.part(1)).transpose()?,
+        );
+        if nw.len != d
             || nb.is_some_and(|b| b.len() != d)
-            || om.f32.len() != vocab * d
+            || om.len != vocab * d
             || targets.len() != n
         {
             return Err(CudaError::Invalid(format!(
                 "head: norm {} values, output matrix {}, {} targets (d {d}, vocab {vocab}, {n} rows)",
-                nw.f32.len(),
-                om.f32.len(),
+                nw.len,
+                om.len,
                 targets.len()
             )));
         }
@@ -940,7 +982,7 @@ impl GptGpu {
             true,
             (n, vocab, d),
             normed.operand(d),
-            weight_operand(om, d),
+            weight_operand(om, d)?,
             (&mut logits, 0, vocab),
             ONE,
         )?;
@@ -1001,7 +1043,7 @@ impl GptGpu {
             false,
             (n, d, vocab),
             dlogits,
-            weight_operand(om, d),
+            weight_operand(om, d)?,
             (&mut dnormed, 0, d),
             ONE,
         )?;
@@ -1095,7 +1137,7 @@ impl GptGpu {
             false,
             (n, width, k),
             x,
-            weight_operand(w, width),
+            weight_operand(w, width)?,
             (&mut y, 0, width),
             ONE,
         )?;
@@ -1152,7 +1194,7 @@ impl GptGpu {
             true,
             (n, k, width),
             dy_op,
-            weight_operand(w, width),
+            weight_operand(w, width)?,
             (&mut dx, 0, k),
             ONE,
         )?;
@@ -1204,9 +1246,10 @@ impl GptGpu {
     fn norm(
         &self,
         x: &CudaSlice<f32>,
-        (Weight { f32: w, .. }, b): Part<'_>,
+        (w, b): Part<'_>,
         n: usize,
     ) -> Result<(Kept, Stats), CudaError> {
+        let w = w.values()?;
         match b {
             Some(b) => self.layer_norm(x, w, b, n),
             None => self.rms_norm(x, w, n),
@@ -1218,12 +1261,13 @@ impl GptGpu {
     fn norm_backward(
         &self,
         x: &CudaSlice<f32>,
-        (Weight { f32: w, .. }, _): Part<'_>,
+        (w, _): Part<'_>,
         stats: &Stats,
         dy: &CudaSlice<f32>,
         dres: Option<&CudaSlice<f32>>,
         n: usize,
     ) -> Result<Backward, CudaError> {
+        let w = w.values()?;
         match stats {
             Stats::Layer(mean, rstd) => self.layer_norm_backward(x, w, (mean, rstd), dy, dres, n),
             Stats::Rms(rstd) => self.rms_norm_backward(x, w, rstd, dy, dres, n),

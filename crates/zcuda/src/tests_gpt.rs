@@ -90,6 +90,37 @@ fn f16_products_multiply_f16_rounded_operands_in_f32() {
     );
 }
 
+/// A 16-bit working copy must hold every tensor at its range: a range
+/// outside it, one too few, or one that is not its tensor's length is
+/// refused with the counts.
+#[test]
+fn weights_refuse_a_working_copy_that_does_not_hold_their_tensors() {
+    let test = "weights_refuse_a_working_copy_that_does_not_hold_their_tensors";
+    if !gpu_or_skip(test, probe().usable_devices()) {
+        return;
+    }
+    let gpu = Gpu::open(0).unwrap();
+    let parts = |second: bool| {
+        let second = second.then(|| gpu.upload(&[2f32; 4]).unwrap());
+        vec![Some(gpu.upload(&[1f32; 6]).unwrap()), second]
+    };
+    let flat = || gpu.zeros::<u16>(12).unwrap();
+    for held_alone in [false, true] {
+        let ok = Weights::with_half(parts(!held_alone), Half16::Bf16, flat(), vec![0..6, 8..12]);
+        assert!(ok.is_ok(), "held alone: {held_alone}");
+    }
+    // Outside the copy, one range too few, a range shorter than its tensor.
+    let one_too_few = std::iter::once(0..6).collect::<Vec<_>>();
+    for ranges in [vec![0..6, 9..13], one_too_few, vec![0..5, 8..12]] {
+        let err = Weights::with_half(parts(true), Half16::Bf16, flat(), ranges.clone())
+            .err()
+            .unwrap_or_else(|| panic!("ranges {ranges:?} accepted"))
+            .to_string();
+        let count = format!("{} tensor ranges", ranges.len());
+        assert!(err.contains("12 values") && err.contains(&count), "{err}");
+    }
+}
+
 fn half_products_multiply_rounded_operands_in_f32(test: &str, h: Half16) {
     let shape = GptShape {
         family: Family::Gpt2,
@@ -412,22 +443,24 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
 
     // The GPU model, twice: the second run must repeat the first's bits.
     // With `copy` (16-bit products), each group also holds a 16-bit working
-    // copy, flat with gaps between its tensors, and the f32 values of every
-    // matrix but the embedding's (which the embedding reads in f32) are off
-    // by 1: the same bits then say that products read their weights from the
-    // copy, at each tensor's start, and nothing else does.
+    // copy, flat with gaps between its tensors, and the tensors only
+    // products read (zmodel's `product_operand`: the linears' weights, an
+    // untied head's matrix; not the embedding's table, whose rows the
+    // embedding gathers in f32) are held in it alone, with no f32 values: the
+    // same bits then say that products read their weights from the copy, at
+    // each tensor's start, and that nothing else reads those tensors.
     let run = |copy: bool| {
-        let up = |g: &[Vec<f32>], shapes: Vec<Vec<usize>>, off_by_one: bool| {
+        let up = |gi: usize| {
+            let g = [&emb, &block, &head][gi];
             let refs: Vec<&[f32]> = g.iter().map(|v| v.as_slice()).collect();
-            let w = gpu.upload(&refs).unwrap();
             let Some(h) = half.filter(|_| copy) else {
-                return w;
+                return gpu.upload(&refs).unwrap();
             };
-            let mut starts = Vec::new();
+            let mut ranges = Vec::new();
             let mut flat = Vec::new();
             for v in g {
                 flat.extend([0.0; 5]);
-                starts.push(flat.len());
+                ranges.push(flat.len()..flat.len() + v.len());
                 flat.extend(v);
             }
             let mut flat16 = gpu.gpu().zeros(flat.len()).unwrap();
@@ -435,20 +468,19 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
             gpu.gpu()
                 .round16(h, &flat.slice(..), &mut flat16.slice_mut(..))
                 .unwrap();
-            let f32_values: Vec<Vec<f32>> = g
-                .iter()
-                .zip(&shapes)
-                .map(|(v, s)| match (off_by_one, s.len()) {
-                    (true, 2) => v.iter().map(|x| x + 1.0).collect(),
-                    _ => v.clone(),
+            let parts = (g.iter().zip(&groups[gi].params))
+                .map(|(v, spec)| match gi != 0 && spec.product_operand {
+                    true => None,
+                    false => Some(gpu.gpu().upload(v).unwrap()),
                 })
-                .collect();
-            let refs: Vec<&[f32]> = f32_values.iter().map(|v| v.as_slice()).collect();
-            let parts = gpu.upload(&refs).unwrap().into_parts();
-            Weights::with_half(parts, h, flat16, starts).unwrap()
+                .collect::<Vec<_>>();
+            assert!(
+                gi != 1 || parts.iter().any(Option::is_none),
+                "no block matrix held alone"
+            );
+            Weights::with_half(parts, h, flat16, ranges).unwrap()
         };
-        let ew = up(&emb, shapes(0), false);
-        let (w, hw) = (up(&block, shapes(1), true), up(&head, shapes(2), true));
+        let (ew, w, hw) = (up(0), up(1), up(2));
         let gx = gpu.embed(&tokens, b, t, &ew).unwrap();
         let (gy, gacts) = gpu.block_forward(&w, gx).unwrap();
         let y_host = gpu.download(&gy).unwrap();

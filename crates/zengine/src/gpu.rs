@@ -53,6 +53,7 @@ use zmodel::Batch;
 use crate::adam::device_consts;
 use crate::engine::Engine;
 use crate::error::EngineError;
+use crate::flat::ParamSlot;
 use crate::gather::Prefetcher;
 use crate::group::Group;
 use crate::micro_batch::MicroBatch;
@@ -278,6 +279,17 @@ fn largest(groups: &[Group]) -> usize {
     groups.iter().map(|g| g.layout.padded).max().unwrap_or(0)
 }
 
+/// Whether the resident flow holds slot `s` of group `g` in its 16-bit
+/// working copy alone, with no f32 values beside it (4 bytes a parameter
+/// saved): a tensor only products read (zmodel's `product_operand`: the
+/// linears' weights, an untied head's matrix; not the embedding's table,
+/// whose rows the embedding gathers in f32), where the model's products
+/// are 16-bit in the working copy's format `kind` (a GPU older than
+/// compute capability 8.0 multiplies bf16 weights' f32 values).
+fn held_in_16_bits(gpu: &GptGpu, kind: zcuda::Half16, g: usize, s: &ParamSlot) -> bool {
+    g != 0 && s.product_operand && gpu.half_products() == Some(kind)
+}
+
 /// Under 16 bits over NCCL, what the collectives pass through, so that
 /// they move what the host's move: gradients summed in f32 (widened,
 /// reduced, rounded or added back into 16 bits) and the updated working
@@ -387,13 +399,12 @@ impl Engine {
             let rank = self.comm.rank();
             let sliced = self.gpu_sliced_grads();
             let mut groups = Vec::with_capacity(self.groups.len());
-            for g in &self.groups {
+            for (gi, g) in self.groups.iter().enumerate() {
                 // Under 16 bits, the working copy's values.
                 let p = &g.params.to_f32(0..g.params.len());
                 let slots = &g.layout.params;
-                let up = |v: &[f32]| -> Result<Vec<CudaSlice<f32>>, EngineError> {
-                    let parts: Vec<&[f32]> = slots.iter().map(|s| &v[s.range.clone()]).collect();
-                    Ok(gpu.upload(&parts)?.into_parts())
+                let up = |s: &ParamSlot| -> Result<CudaSlice<f32>, EngineError> {
+                    Ok(gpu.gpu().upload(&p[s.range.clone()])?)
                 };
                 let held = match sliced {
                     true => g.layout.slice(rank),
@@ -414,10 +425,20 @@ impl Engine {
                 let params = match (g.partitioned, half_kind) {
                     (true, None) => ResidentParams::Slice(gpu.gpu().upload(p)?),
                     (true, Some(kind)) => ResidentParams::HalfSlice(working(kind)?),
-                    (false, None) => ResidentParams::Whole(Arc::new(Weights::from_parts(up(p)?))),
+                    (false, None) => {
+                        let parts = slots.iter().map(up).collect::<Result<_, _>>()?;
+                        ResidentParams::Whole(Arc::new(Weights::from_parts(parts)))
+                    }
                     (false, Some(kind)) => {
-                        let starts = slots.iter().map(|s| s.range.start).collect();
-                        let w = Weights::with_half(up(p)?, kind, working(kind)?, starts)?;
+                        let parts = slots
+                            .iter()
+                            .map(|s| match held_in_16_bits(gpu, kind, gi, s) {
+                                true => Ok(None),
+                                false => up(s).map(Some),
+                            })
+                            .collect::<Result<_, EngineError>>()?;
+                        let ranges = slots.iter().map(|s| s.range.clone()).collect();
+                        let w = Weights::with_half(parts, kind, working(kind)?, ranges)?;
                         ResidentParams::Whole(Arc::new(w))
                     }
                 };
@@ -549,6 +570,12 @@ impl Engine {
         let layout = &self.groups[g].layout;
         let (padded, own) = (layout.padded, layout.slice(self.comm.rank()));
         let slots: Vec<_> = layout.params.iter().map(|s| s.range.clone()).collect();
+        let alone: Vec<bool> = match self.half {
+            Some(h) => (layout.params.iter())
+                .map(|s| held_in_16_bits(gpu, h.into(), g, s))
+                .collect(),
+            None => vec![false; slots.len()],
+        };
         let (Some(r), Some(nccl)) = (self.gpu_resident.as_mut(), self.nccl.as_mut()) else {
             return Err(EngineError::Gpu(
                 "stage 3 over NCCL without its state".into(),
@@ -572,14 +599,18 @@ impl Engine {
                 let mut flat = gpu.gpu().zeros(padded)?;
                 gpu.gpu().copy(&mine.slice(..), &mut flat.slice_mut(own))?;
                 nccl.all_gather16_in_place(&mut flat.slice_mut(..), &what)?;
-                for range in &slots {
+                let mut parts = Vec::with_capacity(slots.len());
+                for (range, &alone) in slots.iter().zip(&alone) {
+                    if alone {
+                        parts.push(None);
+                        continue;
+                    }
                     let mut t = gpu.gpu().zeros(range.len())?;
                     gpu.gpu()
                         .widen16(h.kind, &flat.slice(range.clone()), &mut t.slice_mut(..))?;
-                    parts.push(t);
+                    parts.push(Some(t));
                 }
-                let starts = slots.iter().map(|r| r.start).collect();
-                return Ok(Arc::new(Weights::with_half(parts, h.kind, flat, starts)?));
+                return Ok(Arc::new(Weights::with_half(parts, h.kind, flat, slots)?));
             }
             _ => return Err(EngineError::Gpu(format!("group {g} is not partitioned"))),
         }
@@ -1015,7 +1046,10 @@ impl Engine {
                     let (slot, moment) = (p.slots[i].0.start, p.region.start);
                     // Whole: the slot's tensor; a slice: the region's values.
                     let mut target = match &mut params {
-                        Ok(parts) => parts[i].slice_mut(at.start - slot..at.end - slot),
+                        Ok(parts) => parts[i]
+                            .as_mut()
+                            .ok_or_else(|| EngineError::Gpu("f32 weights missing".into()))?
+                            .slice_mut(at.start - slot..at.end - slot),
                         Err(mine) => mine.slice_mut(at.start - moment..at.end - moment),
                     };
                     gpu.gpu().adamw(
@@ -1157,11 +1191,12 @@ impl Engine {
                         Some((h.kind, &mut working.slice_mut(work.clone()))),
                         &device_consts(&hp, p.slots[i].1),
                     )?;
-                    if let Some(weights) = weights.as_mut() {
+                    // (A tensor held in 16 bits alone has no f32 values.)
+                    if let Some(Some(part)) = weights.as_mut().map(|w| &mut w[i]) {
                         gpu.gpu().widen16(
                             h.kind,
                             &working.slice(work),
-                            &mut weights[i].slice_mut(at.start - slot..at.end - slot),
+                            &mut part.slice_mut(at.start - slot..at.end - slot),
                         )?;
                     }
                 }
@@ -1204,10 +1239,13 @@ impl Engine {
                 })?;
                 nccl.all_gather16_in_place(&mut flat.slice_mut(..padded), &what)?;
                 for (i, (range, _)) in p.slots.iter().enumerate() {
+                    let Some(part) = params[i].as_mut() else {
+                        continue; // held in 16 bits alone
+                    };
                     gpu.gpu().widen16(
                         h.kind,
                         &flat.slice(range.clone()),
-                        &mut params[i].slice_mut(..),
+                        &mut part.slice_mut(..),
                     )?;
                 }
                 continue;
@@ -1223,7 +1261,7 @@ impl Engine {
             for (i, at) in p.pieces() {
                 let slot = p.slots[i].0.start;
                 gpu.gpu().copy(
-                    &whole.parts()[i].slice(at.start - slot..at.end - slot),
+                    &whole.part(i)?.slice(at.start - slot..at.end - slot),
                     &mut buf.slice_mut(at),
                 )?;
             }
@@ -1232,8 +1270,11 @@ impl Engine {
                 .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
                 .parts_mut();
             for (i, (range, _)) in p.slots.iter().enumerate() {
+                let part = params[i]
+                    .as_mut()
+                    .ok_or_else(|| EngineError::Gpu("f32 weights missing".into()))?;
                 gpu.gpu()
-                    .copy(&buf.slice(range.clone()), &mut params[i].slice_mut(..))?;
+                    .copy(&buf.slice(range.clone()), &mut part.slice_mut(..))?;
             }
         }
         if let Some(l) = &mut r.landings {
@@ -1272,7 +1313,7 @@ impl Engine {
         match &r.groups[gi].params {
             ResidentParams::Whole(w) => {
                 let region = self.groups[gi].updated_region(self.comm.rank(), self.stage);
-                Ok(Some(self.gpu_flat(gi, w.parts())?[region].to_vec()))
+                Ok(Some(self.gpu_flat(gi, w)?[region].to_vec()))
             }
             ResidentParams::Slice(mine) => {
                 let gpu = self.gpu.as_ref().expect("a GPU attached");
@@ -1284,13 +1325,13 @@ impl Engine {
         }
     }
 
-    /// Per-slot device buffers of group `gi` as its padded host layout.
-    fn gpu_flat(&self, gi: usize, parts: &[CudaSlice<f32>]) -> Result<Vec<f32>, EngineError> {
+    /// Group `gi`'s f32 tensors on the device as its padded host layout.
+    fn gpu_flat(&self, gi: usize, w: &Weights) -> Result<Vec<f32>, EngineError> {
         let gpu = self.gpu.as_ref().expect("a GPU attached");
         let layout = &self.groups[gi].layout;
         let mut out = vec![0f32; layout.padded];
-        for (slot, part) in layout.params.iter().zip(parts) {
-            out[slot.range.clone()].copy_from_slice(&gpu.gpu().download(part)?);
+        for (i, slot) in layout.params.iter().enumerate() {
+            out[slot.range.clone()].copy_from_slice(&gpu.gpu().download(w.part(i)?)?);
         }
         Ok(out)
     }
