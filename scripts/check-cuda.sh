@@ -62,7 +62,8 @@ cargo build --release --features zworker/cuda
 # Of tests/gpu.rs, CI runs the four that fit its time (training against
 # the CPU run; the resident step in f32, bf16 and f16 against
 # ZeRO-Offload's bits; a GPU out of memory; two GPUs, a worker each, stage
-# 3 over NCCL against the host flow), about 50 s; the rest (two workers
+# 3 in f32 and stage 2 in bf16 over NCCL against the host flow), about 50 s;
+# the rest (two workers
 # sharing a GPU over NCCL at every stage and dtype, about 8 minutes on 2
 # cores) run with `scripts/check-cuda.sh --emulated-all`.
 echo "== the GPU tests on zcuda-emu's CPU GPU"

@@ -692,7 +692,8 @@ fn two_gpus_get_a_worker_each_bound_to_its_own() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    // Stage 3 on the GPU; (loss, gradient norm) per step, and zrun's output.
+    // Stage 3 on the GPU (unless `more` says otherwise); (loss, gradient
+    // norm) per step, and zrun's output.
     let train = |name: &str, env: &[(&str, &str)], more: &[&str]| {
         let job = small_job(dir.path(), name, 6);
         let m = dir.path().join(format!("{name}.jsonl"));
@@ -723,6 +724,31 @@ fn two_gpus_get_a_worker_each_bound_to_its_own() {
     );
     assert_eq!(nccl.len(), 6);
     assert_eq!(nccl, host, "two GPUs over NCCL against the host flow");
+    // bf16 at stage 2: each rank updates its slice of the 16-bit working
+    // copy that the products read, and the slices are gathered in place.
+    let bf16 = ["--set", "train.dtype=bf16", "--set", "zero.stage=2"];
+    let nccl_bf16 = [
+        "--set",
+        "comm.backend=nccl",
+        bf16[0],
+        bf16[1],
+        bf16[2],
+        bf16[3],
+    ];
+    let (_, nccl) = train("two-gpus-bf16", &two, &nccl_bf16);
+    let host_bf16 = [
+        "--workers-per-node",
+        "2",
+        bf16[0],
+        bf16[1],
+        bf16[2],
+        bf16[3],
+    ];
+    let (_, host) = train("host-bf16", &[("ZCUDA_EMU_DEVICES", "1")], &host_bf16);
+    assert_eq!(
+        nccl, host,
+        "bf16 at stage 2: two GPUs over NCCL against the host flow"
+    );
 
     let visible = [("ZCUDA_EMU_DEVICES", "2"), ("CUDA_VISIBLE_DEVICES", "1")];
     let (f, _) = train("visible", &visible, &[]);
