@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut,
-    DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 use zquant::{Bits, QuantError, Quantized};
 
@@ -163,12 +163,20 @@ impl Pinned {
 /// ([`Gpu::upload_ahead`]): one buffer per part, kept for the next upload
 /// of parts of the same lengths (allocating page-locked memory costs
 /// milliseconds).
-#[derive(Default)]
-pub struct Staging {
-    parts: Vec<PinnedHostSlice<f32>>,
+pub struct Staging<T = f32> {
+    parts: Vec<PinnedHostSlice<T>>,
     /// Recorded on the upload stream after the last copy out of `parts`:
     /// they are refilled only once it has passed.
     copied: Option<CudaEvent>,
+}
+
+impl<T> Default for Staging<T> {
+    fn default() -> Staging<T> {
+        Staging {
+            parts: Vec::new(),
+            copied: None,
+        }
+    }
 }
 
 /// One GPU with zrun's kernels loaded.
@@ -333,11 +341,11 @@ impl Gpu {
     /// buffer is freed only after its last use. `staging` is refilled only
     /// after its previous copies have run (this waits for them), and the
     /// host's values are copied into it in parallel (rayon).
-    pub fn upload_ahead(
+    pub fn upload_ahead<T: DeviceRepr + ValidAsZeroBits + Copy + Send + Sync>(
         &self,
-        parts: &[&[f32]],
-        staging: &mut Staging,
-    ) -> Result<Vec<CudaSlice<f32>>, CudaError> {
+        parts: &[&[T]],
+        staging: &mut Staging<T>,
+    ) -> Result<Vec<CudaSlice<T>>, CudaError> {
         use rayon::prelude::*;
         let driver = |what: &'static str| {
             move |source| CudaError::Driver {
@@ -367,7 +375,7 @@ impl Gpu {
                 _ => {
                     // SAFETY: every value is written below before the copy
                     // reads it.
-                    let buf = unsafe { self.ctx.alloc_pinned_with_flags::<f32>(part.len(), 0) }
+                    let buf = unsafe { self.ctx.alloc_pinned_with_flags::<T>(part.len(), 0) }
                         .map_err(driver("allocating page-locked staging memory"))?;
                     match i < staging.parts.len() {
                         true => staging.parts[i] = buf,
@@ -385,8 +393,8 @@ impl Gpu {
                 .zip(part.par_chunks(1 << 16))
                 .for_each(|(to, from)| to.copy_from_slice(from));
             // SAFETY: the copy below writes every value before a use.
-            let mut dev = unsafe { stream.alloc::<f32>(part.len()) }.map_err(|source| {
-                let what = format!("allocating {} floats on the GPU", part.len());
+            let mut dev = unsafe { stream.alloc::<T>(part.len()) }.map_err(|source| {
+                let what = format!("allocating {} values on the GPU", part.len());
                 self.alloc_failed(what, std::mem::size_of_val(*part), source)
             })?;
             stream

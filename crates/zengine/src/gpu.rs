@@ -57,7 +57,7 @@ use crate::flat::ParamSlot;
 use crate::gather::Prefetcher;
 use crate::group::Group;
 use crate::micro_batch::MicroBatch;
-use crate::precision::{Half, TASK};
+use crate::precision::{Flat, Half, TASK};
 use crate::schedule::lr_at;
 use crate::StepStats;
 
@@ -139,7 +139,18 @@ fn upload(
 /// (its id says whether the engine's parameters are still those).
 struct DeviceCopy {
     from: TensorId,
-    weights: Arc<Weights>,
+    weights: Uploaded,
+}
+
+/// What an upload left on the GPU.
+enum Uploaded {
+    /// The model's weights.
+    Ready(Arc<Weights>),
+    /// Under 16 bits, the group's working copy, uploaded ahead of use: made
+    /// into weights at the use ([`weights_from_words`]), so that the
+    /// compute stream waits for the copy there and not before the block
+    /// queued ahead of it.
+    Words(zcuda::Half16, CudaSlice<u16>),
 }
 
 /// The host flow's buffers, per group.
@@ -154,6 +165,8 @@ pub(crate) struct HostFlow {
     /// turn: block `b`'s upload runs while block `b - 1` computes, and the
     /// one before it, whose staging `b + 1` refills, has run by then.
     staging: [Staging; 2],
+    /// The same under 16 bits, where the working copy goes up.
+    staging16: [Staging<u16>; 2],
 }
 
 /// A group's gradients on their way down: copies queued on the stream into
@@ -290,6 +303,49 @@ fn held_in_16_bits(gpu: &GptGpu, kind: zcuda::Half16, g: usize, s: &ParamSlot) -
     g != 0 && s.product_operand && gpu.half_products() == Some(kind)
 }
 
+/// Group `g`'s weights from its 16-bit working copy on the device (`flat`,
+/// the group's padded layout, format `kind`): the copy, which 16-bit
+/// products read, and the f32 values of the tensors not held in it alone
+/// ([`held_in_16_bits`]), widened from it.
+fn weights_from_words(
+    gpu: &GptGpu,
+    kind: zcuda::Half16,
+    g: usize,
+    slots: &[ParamSlot],
+    flat: CudaSlice<u16>,
+) -> Result<Weights, EngineError> {
+    let mut parts = Vec::with_capacity(slots.len());
+    for s in slots {
+        if held_in_16_bits(gpu, kind, g, s) {
+            parts.push(None);
+            continue;
+        }
+        let mut t = gpu.gpu().zeros(s.range.len())?;
+        gpu.gpu()
+            .widen16(kind, &flat.slice(s.range.clone()), &mut t.slice_mut(..))?;
+        parts.push(Some(t));
+    }
+    let ranges = slots.iter().map(|s| s.range.clone()).collect();
+    Ok(Weights::with_half(parts, kind, flat, ranges)?)
+}
+
+/// Host flow: group `g`'s 16-bit working copy on the host, to upload in
+/// place of its f32 values (half the bytes over PCIe, and the products
+/// read it as it is), where the stage keeps the group whole and the model's
+/// products are 16-bit in its format; else None (f32 tensors go up).
+fn host_words<'a>(
+    groups: &'a [Group],
+    half: Option<Half>,
+    gpu: &GptGpu,
+    g: usize,
+) -> Option<(zcuda::Half16, &'a [u16])> {
+    let kind = zcuda::Half16::from(half?);
+    match (&groups[g].params, groups[g].partitioned) {
+        (Flat::Half(_, words), false) if gpu.half_products() == Some(kind) => Some((kind, words)),
+        _ => None,
+    }
+}
+
 /// Under 16 bits over NCCL, what the collectives pass through, so that
 /// they move what the host's move: gradients summed in f32 (widened,
 /// reduced, rounded or added back into 16 bits) and the updated working
@@ -355,6 +411,7 @@ impl Engine {
                 .map(|g| g.layout.params.iter().map(|_| None).collect())
                 .collect(),
             staging: Default::default(),
+            staging16: Default::default(),
         };
         self.gpu_resident = None;
     }
@@ -517,16 +574,33 @@ impl Engine {
         }
         let tensors = self.params_for(g, gather)?;
         let id = tensors.first().map(|t| t.id());
-        if let (Some(copy), Some(id)) = (&self.gpu_host.copies[g], id) {
+        if let (Some(copy), Some(id)) = (self.gpu_host.copies[g].take(), id) {
             if copy.from == id {
-                return Ok(copy.weights.clone());
+                let weights = match copy.weights {
+                    Uploaded::Ready(w) => w,
+                    Uploaded::Words(kind, flat) => {
+                        let slots = &self.groups[g].layout.params;
+                        Arc::new(weights_from_words(gpu, kind, g, slots, flat)?)
+                    }
+                };
+                self.gpu_host.copies[g] = Some(DeviceCopy {
+                    from: copy.from,
+                    weights: Uploaded::Ready(weights.clone()),
+                });
+                return Ok(weights);
             }
         }
-        let weights = Arc::new(upload(gpu, &tensors, None)?);
+        let weights = Arc::new(match host_words(&self.groups, self.half, gpu, g) {
+            Some((kind, words)) => {
+                let flat = gpu.gpu().upload(words)?;
+                weights_from_words(gpu, kind, g, &self.groups[g].layout.params, flat)?
+            }
+            None => upload(gpu, &tensors, None)?,
+        });
         self.gpu_host.copies[g] = match (self.groups[g].partitioned, id) {
             (false, Some(from)) => Some(DeviceCopy {
                 from,
-                weights: weights.clone(),
+                weights: Uploaded::Ready(weights.clone()),
             }),
             _ => None,
         };
@@ -555,8 +629,17 @@ impl Engine {
         if matches!(&self.gpu_host.copies[g], Some(copy) if copy.from == from) {
             return Ok(());
         }
-        let staging = &mut self.gpu_host.staging[g % 2];
-        let weights = Arc::new(upload(gpu, &tensors, Some(staging))?);
+        let weights = match host_words(&self.groups, self.half, gpu, g) {
+            Some((kind, words)) => {
+                let staging = &mut self.gpu_host.staging16[g % 2];
+                let mut flat = gpu.gpu().upload_ahead(&[words], staging)?;
+                Uploaded::Words(kind, flat.pop().expect("one part uploaded"))
+            }
+            None => {
+                let staging = &mut self.gpu_host.staging[g % 2];
+                Uploaded::Ready(Arc::new(upload(gpu, &tensors, Some(staging))?))
+            }
+        };
         self.gpu_host.copies[g] = Some(DeviceCopy { from, weights });
         Ok(())
     }
@@ -570,12 +653,6 @@ impl Engine {
         let layout = &self.groups[g].layout;
         let (padded, own) = (layout.padded, layout.slice(self.comm.rank()));
         let slots: Vec<_> = layout.params.iter().map(|s| s.range.clone()).collect();
-        let alone: Vec<bool> = match self.half {
-            Some(h) => (layout.params.iter())
-                .map(|s| held_in_16_bits(gpu, h.into(), g, s))
-                .collect(),
-            None => vec![false; slots.len()],
-        };
         let (Some(r), Some(nccl)) = (self.gpu_resident.as_mut(), self.nccl.as_mut()) else {
             return Err(EngineError::Gpu(
                 "stage 3 over NCCL without its state".into(),
@@ -599,18 +676,8 @@ impl Engine {
                 let mut flat = gpu.gpu().zeros(padded)?;
                 gpu.gpu().copy(&mine.slice(..), &mut flat.slice_mut(own))?;
                 nccl.all_gather16_in_place(&mut flat.slice_mut(..), &what)?;
-                let mut parts = Vec::with_capacity(slots.len());
-                for (range, &alone) in slots.iter().zip(&alone) {
-                    if alone {
-                        parts.push(None);
-                        continue;
-                    }
-                    let mut t = gpu.gpu().zeros(range.len())?;
-                    gpu.gpu()
-                        .widen16(h.kind, &flat.slice(range.clone()), &mut t.slice_mut(..))?;
-                    parts.push(Some(t));
-                }
-                return Ok(Arc::new(Weights::with_half(parts, h.kind, flat, slots)?));
+                let w = weights_from_words(gpu, h.kind, g, &layout.params, flat)?;
+                return Ok(Arc::new(w));
             }
             _ => return Err(EngineError::Gpu(format!("group {g} is not partitioned"))),
         }
