@@ -67,6 +67,9 @@ pub struct Engine {
     /// Parameter tensors of the current step, for groups that keep
     /// parameters whole (rebuilt after each update).
     pub(crate) param_tensors: Vec<Option<Vec<Tensor>>>,
+    /// Bumped whenever the parameters change ([`Engine::params_changed`]):
+    /// what the GPU host flow's device copies of whole groups are keyed by.
+    pub(crate) params_version: u64,
     pub(crate) step: u64,
     /// Micro-batches run since the last step.
     pub(crate) micro: usize,
@@ -213,6 +216,7 @@ impl Engine {
         );
         Ok(Engine {
             param_tensors: (0..groups.len()).map(|_| None).collect(),
+            params_version: 0,
             model,
             comm,
             hpz,
@@ -528,6 +532,13 @@ impl Engine {
                 Ok(vars)
             }
         }
+    }
+
+    /// The parameters changed (an update, a load): what was made of them
+    /// (their tensors, the GPU's copies) is stale.
+    pub(crate) fn params_changed(&mut self) {
+        self.param_tensors.iter_mut().for_each(|v| *v = None);
+        self.params_version += 1;
     }
 
     /// Bytes this rank has sent, over every process group.

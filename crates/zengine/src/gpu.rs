@@ -27,7 +27,9 @@
 //!   ZeRO-Offload). The engine's flat buffers, their partition over ranks,
 //!   stage 3's gathers, the gradient buckets and AdamW stay on the host. A
 //!   group's parameters come from `Engine::params_for` exactly as the CPU path
-//!   takes them, go up for the group's forward or backward, and its gradients
+//!   takes them (under 16 bits, where the stage keeps the group whole, its
+//!   16-bit working copy instead, which the products read as it is), go up
+//!   for the group's forward or backward, and its gradients
 //!   come down into the group's micro-batch buffer as soon as they exist,
 //!   which hands the bucket to the reduction pipeline as on the CPU. Every
 //!   stage computes the same values on the GPU, so stages 0-3 stay
@@ -43,7 +45,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, Device, Storage, Tensor, TensorId};
+use candle_core::{CpuStorage, Device, Storage, Tensor};
 use zcuda::{
     BlockActs, CudaSlice, CudaView, CudaViewMut, DeviceGrads, DeviceRepr, Family, GptGpu, GptShape,
     Pinned, Rows, Staging, ValidAsZeroBits, Weights,
@@ -135,10 +137,11 @@ fn upload(
     })
 }
 
-/// A group's parameters on the GPU, with the tensor they were uploaded from
-/// (its id says whether the engine's parameters are still those).
+/// A whole group's parameters on the GPU, with the engine's parameter
+/// version they were uploaded at (`Engine::params_version`: whether the
+/// engine's parameters are still those).
 struct DeviceCopy {
-    from: TensorId,
+    version: u64,
     weights: Uploaded,
 }
 
@@ -555,11 +558,12 @@ impl Engine {
 
     /// Group `g`'s parameters on the GPU. Resident: the group's own. Host
     /// flow: where the engine keeps the group whole (stages 0-2) its device
-    /// copy lasts until the parameters change (an update, a load): its
-    /// tensors are then rebuilt, with new ids, and the next use uploads
-    /// again; so forward and backward, and every micro-batch of a step,
-    /// upload a group once. Stage 3's gathered groups are uploaded at each
-    /// use, as they are gathered at each use.
+    /// copy lasts until the parameters change (an update, a load: a new
+    /// `Engine::params_version`), and the next use uploads again; so forward
+    /// and backward, and every micro-batch of a step, upload a group once
+    /// (under 16 bits its working copy, with no f32 tensors made on the
+    /// host). Stage 3's gathered groups are uploaded at each use, as they
+    /// are gathered at each use.
     fn gpu_weights(
         &mut self,
         gpu: &GptGpu,
@@ -572,38 +576,37 @@ impl Engine {
             }
             return self.gpu_gather_params(gpu, g);
         }
-        let tensors = self.params_for(g, gather)?;
-        let id = tensors.first().map(|t| t.id());
-        if let (Some(copy), Some(id)) = (self.gpu_host.copies[g].take(), id) {
-            if copy.from == id {
-                let weights = match copy.weights {
-                    Uploaded::Ready(w) => w,
-                    Uploaded::Words(kind, flat) => {
-                        let slots = &self.groups[g].layout.params;
-                        Arc::new(weights_from_words(gpu, kind, g, slots, flat)?)
-                    }
-                };
-                self.gpu_host.copies[g] = Some(DeviceCopy {
-                    from: copy.from,
-                    weights: Uploaded::Ready(weights.clone()),
-                });
-                return Ok(weights);
-            }
+        let (version, whole) = (self.params_version, !self.groups[g].partitioned);
+        let current = self.gpu_host.copies[g]
+            .take()
+            .filter(|c| c.version == version);
+        if let Some(copy) = current.filter(|_| whole) {
+            let weights = match copy.weights {
+                Uploaded::Ready(w) => w,
+                Uploaded::Words(kind, flat) => {
+                    let slots = &self.groups[g].layout.params;
+                    Arc::new(weights_from_words(gpu, kind, g, slots, flat)?)
+                }
+            };
+            self.gpu_host.copies[g] = Some(DeviceCopy {
+                version,
+                weights: Uploaded::Ready(weights.clone()),
+            });
+            return Ok(weights);
         }
         let weights = Arc::new(match host_words(&self.groups, self.half, gpu, g) {
             Some((kind, words)) => {
                 let flat = gpu.gpu().upload(words)?;
                 weights_from_words(gpu, kind, g, &self.groups[g].layout.params, flat)?
             }
-            None => upload(gpu, &tensors, None)?,
+            None => upload(gpu, &self.params_for(g, gather)?, None)?,
         });
-        self.gpu_host.copies[g] = match (self.groups[g].partitioned, id) {
-            (false, Some(from)) => Some(DeviceCopy {
-                from,
+        if whole {
+            self.gpu_host.copies[g] = Some(DeviceCopy {
+                version,
                 weights: Uploaded::Ready(weights.clone()),
-            }),
-            _ => None,
-        };
+            });
+        }
         Ok(weights)
     }
 
@@ -622,11 +625,8 @@ impl Engine {
         if self.gpu_resident() || self.groups.get(g).is_none_or(|group| group.partitioned) {
             return Ok(());
         }
-        let tensors = self.params_for(g, gather)?;
-        let Some(from) = tensors.first().map(|t| t.id()) else {
-            return Ok(());
-        };
-        if matches!(&self.gpu_host.copies[g], Some(copy) if copy.from == from) {
+        let version = self.params_version;
+        if matches!(&self.gpu_host.copies[g], Some(copy) if copy.version == version) {
             return Ok(());
         }
         let weights = match host_words(&self.groups, self.half, gpu, g) {
@@ -636,11 +636,12 @@ impl Engine {
                 Uploaded::Words(kind, flat.pop().expect("one part uploaded"))
             }
             None => {
+                let tensors = self.params_for(g, gather)?;
                 let staging = &mut self.gpu_host.staging[g % 2];
                 Uploaded::Ready(Arc::new(upload(gpu, &tensors, Some(staging))?))
             }
         };
-        self.gpu_host.copies[g] = Some(DeviceCopy { from, weights });
+        self.gpu_host.copies[g] = Some(DeviceCopy { version, weights });
         Ok(())
     }
 

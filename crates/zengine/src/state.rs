@@ -148,7 +148,7 @@ impl Engine {
                 scaler.skipped = s.skipped;
             }
         }
-        self.param_tensors.iter_mut().for_each(|v| *v = None);
+        self.params_changed();
         Ok(())
     }
 
@@ -278,7 +278,7 @@ impl Engine {
                 problem: format!("the file has {} tensors, the model {used}", weights.len()),
             });
         }
-        self.param_tensors.iter_mut().for_each(|v| *v = None);
+        self.params_changed();
         Ok(())
     }
 }

@@ -376,7 +376,7 @@ impl Engine {
                 self.groups[i].params = Flat::from_words(self.half, w.wait()?);
             }
         }
-        self.param_tensors.iter_mut().for_each(|v| *v = None);
+        self.params_changed();
         Ok(())
     }
 
