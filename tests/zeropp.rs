@@ -93,8 +93,10 @@ fn cross_node_bytes_follow_the_paper_model_within_5_percent() {
 /// What users run: `configs/tiny.yaml` (its own Rust sources as data) for
 /// 200 steps at stage 3 on two nodes; each lossy part of ZeRO++ alone and all
 /// three together end within 1.05x of plain stage 3's loss (the mean of the
-/// last 10 steps; DeepSpeed's own test accepts 1.1x), and hpZ alone gives
-/// stage 3's curve exactly. Measured: qwZ 0.998x, qgZ 1.015x, all three
+/// last 10 steps; DeepSpeed's own test accepts 1.1x). (hpZ, which is not
+/// lossy, gives stage 3's curve exactly: tests/zero.rs holds it to that
+/// through zrun on the same two nodes, and CI's 30 minutes do not run the
+/// same 200 steps twice.) Measured: qwZ 0.998x, qgZ 1.015x, all three
 /// 1.013x; later qgZ 1.021x with no change to qgZ: the corpus is the
 /// repository's sources, so the curves move with every commit, and a bound
 /// of 1.02 failed on that drift alone.
@@ -119,9 +121,7 @@ fn tiny_ends_200_steps_within_5_percent_of_stage_3_with_each_part() {
         l
     };
     let tail = |l: &[f64]| l[190..].iter().sum::<f64>() / 10.0;
-    let stage3 = curve("stage3", &[]);
-    assert_eq!(curve("hpZ", &[HPZ]), stage3, "hpZ changed the loss curve");
-    let plain = tail(&stage3);
+    let plain = tail(&curve("stage3", &[]));
     for (name, parts) in [
         ("qwZ", &[QWZ][..]),
         ("qgZ", &[QGZ]),
