@@ -760,22 +760,9 @@ impl Gpu {
     }
 
     /// The sums of squares of `x·scale` over chunks of `chunk` values (a
-    /// multiple of 8), each added as zengine's CPU gradient norm adds a
-    /// chunk (eight f64 lanes, then the tail; 16-bit values widened
-    /// first): the same bits.
-    pub fn sum_sq_chunks(
-        &self,
-        x: DeviceGrads<'_>,
-        chunk: usize,
-        scale: f32,
-    ) -> Result<Vec<f64>, CudaError> {
-        Ok(self
-            .sum_sq_chunks_of_each(&[x], chunk, scale)?
-            .pop()
-            .unwrap_or_default())
-    }
-
-    /// [`Gpu::sum_sq_chunks`] of each of `xs`, launched one after another
+    /// multiple of 8) of each `x` of `xs`, each chunk added as zengine's CPU
+    /// gradient norm adds one (eight f64 lanes, then the tail; 16-bit
+    /// values widened first: the same bits), launched one after another
     /// and brought back in one download: the host waits for the GPU once,
     /// not once a buffer (a step's gradient norm over 14 groups spent ~60
     /// µs a group in those waits on an H200).

@@ -1489,8 +1489,9 @@ mod tests {
             for scale in [1.0f32, 0.37] {
                 let host = Flat::F32(v.clone()).sum_sq(0..n, scale);
                 let parts = gpu
-                    .sum_sq_chunks(zcuda::DeviceGrads::F32(d.slice(..)), TASK, scale)
-                    .unwrap();
+                    .sum_sq_chunks_of_each(&[zcuda::DeviceGrads::F32(d.slice(..))], TASK, scale)
+                    .unwrap()
+                    .remove(0);
                 assert_eq!(parts.len(), n.div_ceil(TASK));
                 let dev: f64 = parts.iter().sum();
                 assert_eq!(
@@ -1543,7 +1544,8 @@ mod tests {
                 for scale in [1.0f32, 0.37, 3e-5] {
                     let host = host.sum_sq(0..n, scale);
                     let grads = zcuda::DeviceGrads::Half(h.into(), dev.slice(..));
-                    let dev: f64 = gpu.sum_sq_chunks(grads, TASK, scale).unwrap().iter().sum();
+                    let parts = gpu.sum_sq_chunks_of_each(&[grads], TASK, scale).unwrap();
+                    let dev: f64 = parts[0].iter().sum();
                     assert_eq!(
                         dev.to_bits(),
                         host.to_bits(),
