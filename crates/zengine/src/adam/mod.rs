@@ -258,18 +258,15 @@ impl Path {
 /// Elements below which splitting over threads costs more than it saves.
 const PARALLEL_MIN: usize = 1 << 18;
 
-/// Updates the buffers on the best path, over [`default_threads`] threads.
+/// Updates the buffers on the best path, over the threads of the rayon pool
+/// it is called in (a worker's is sized by `RAYON_NUM_THREADS`, which zrun
+/// sets). Asked of the pool, not of the environment and the OS: Rust's
+/// `available_parallelism` reads cgroup files on Linux, tens of µs a call,
+/// which was most of an update of a few thousand elements (the test that
+/// updates one element at a time, `zero.sub_group_size: 1`, took 18.2 s for
+/// it, 0.8 s without).
 pub fn adamw(b: Buffers<'_>, decay: bool, s: &AdamStep) {
-    adamw_with(Path::best(), default_threads(), b, decay, s);
-}
-
-/// Threads to use: `RAYON_NUM_THREADS` (which zrun sets per worker), else all cores.
-pub fn default_threads() -> usize {
-    std::env::var("RAYON_NUM_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    adamw_with(Path::best(), rayon::current_num_threads(), b, decay, s);
 }
 
 /// [`adamw`] on a given path and thread count.
@@ -284,7 +281,7 @@ pub fn adamw_with(path: Path, threads: usize, b: Buffers<'_>, decay: bool, s: &A
 /// its biases and norms) ran on one thread while the others waited, and
 /// every larger run forked and joined on its own.
 pub fn adamw_runs(runs: Vec<(Buffers<'_>, bool)>, s: &AdamStep) {
-    adamw_runs_with(Path::best(), default_threads(), runs, s);
+    adamw_runs_with(Path::best(), rayon::current_num_threads(), runs, s);
 }
 
 /// [`adamw_runs`] on a given path and thread count.
