@@ -253,8 +253,8 @@ fn deep_blocks_give_the_portable_kernels_bits_on_every_kernel() {
     // The portable kernel, 1 thread, is the reference; it runs here on
     // another thread count only where it is the sole f32 kernel (its calls
     // are most of this test's time on x86, where `mul_add` is a libm call,
-    // and the smaller products of the test above hold it to its own bits on
-    // every thread count).
+    // and `every_kernel_and_thread_count_gives_the_portable_kernels_bits`
+    // holds it to its own bits on every thread count, on smaller products).
     let mut f32_kernels: Vec<Kernel> = covered()
         .into_iter()
         .filter(|k| !k.is_bf16() && *k != Kernel::Portable)
