@@ -470,21 +470,20 @@ impl Engine {
                     true => g.layout.slice(rank),
                     false => 0..g.layout.padded,
                 };
-                // The host's working copy in 16 bits again (its values
-                // rounded: the same bits).
-                let working = |kind| -> Result<CudaSlice<u16>, EngineError> {
-                    let mut w = gpu.gpu().zeros(p.len())?;
-                    gpu.gpu().round16(
-                        kind,
-                        &gpu.gpu().upload(p)?.slice(..),
-                        &mut w.slice_mut(..),
-                    )?;
-                    Ok(w)
+                // The host's 16-bit working copy, its words as they are.
+                let working = || -> Result<CudaSlice<u16>, EngineError> {
+                    match &g.params {
+                        Flat::Half(_, words) => Ok(gpu.gpu().upload(words)?),
+                        Flat::F32(_) => Err(EngineError::Gpu(format!(
+                            "group {}: 16-bit training with f32 working parameters",
+                            g.layout.name
+                        ))),
+                    }
                 };
                 let half_kind = self.half.map(zcuda::Half16::from);
                 let params = match (g.partitioned, half_kind) {
                     (true, None) => ResidentParams::Slice(gpu.gpu().upload(p)?),
-                    (true, Some(kind)) => ResidentParams::HalfSlice(working(kind)?),
+                    (true, Some(_)) => ResidentParams::HalfSlice(working()?),
                     (false, None) => {
                         let parts = slots.iter().map(up).collect::<Result<_, _>>()?;
                         ResidentParams::Whole(Arc::new(Weights::from_parts(parts)))
@@ -498,7 +497,7 @@ impl Engine {
                             })
                             .collect::<Result<_, EngineError>>()?;
                         let ranges = slots.iter().map(|s| s.range.clone()).collect();
-                        let w = Weights::with_half(parts, kind, working(kind)?, ranges)?;
+                        let w = Weights::with_half(parts, kind, working()?, ranges)?;
                         ResidentParams::Whole(Arc::new(w))
                     }
                 };
