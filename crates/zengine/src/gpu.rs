@@ -460,11 +460,12 @@ impl Engine {
             let sliced = self.gpu_sliced_grads();
             let mut groups = Vec::with_capacity(self.groups.len());
             for (gi, g) in self.groups.iter().enumerate() {
-                // Under 16 bits, the working copy's values.
-                let p = &g.params.to_f32(0..g.params.len());
+                // f32 values of the working parameters in `r` (under 16 bits
+                // only those of the tensors that are not held in 16 bits).
+                let f32_of = |r: std::ops::Range<usize>| g.params.to_f32(r);
                 let slots = &g.layout.params;
                 let up = |s: &ParamSlot| -> Result<CudaSlice<f32>, EngineError> {
-                    Ok(gpu.gpu().upload(&p[s.range.clone()])?)
+                    Ok(gpu.gpu().upload(&f32_of(s.range.clone()))?)
                 };
                 let held = match sliced {
                     true => g.layout.slice(rank),
@@ -482,7 +483,9 @@ impl Engine {
                 };
                 let half_kind = self.half.map(zcuda::Half16::from);
                 let params = match (g.partitioned, half_kind) {
-                    (true, None) => ResidentParams::Slice(gpu.gpu().upload(p)?),
+                    (true, None) => {
+                        ResidentParams::Slice(gpu.gpu().upload(&f32_of(0..g.params.len()))?)
+                    }
                     (true, Some(_)) => ResidentParams::HalfSlice(working()?),
                     (false, None) => {
                         let parts = slots.iter().map(up).collect::<Result<_, _>>()?;
