@@ -615,34 +615,51 @@ fn bf16_operands_given_as_bits_give_the_bits_of_their_f32_originals() {
 
 #[test]
 fn bf16_row_pairs_are_packed_as_the_scalar_pairs() {
-    // A row-major f32 B packed straight into pair panels: panel rows from
-    // two B rows each, a short last panel zero on the right, pair rows past
-    // B's last row zero.
-    let (k, n, nr) = (45, 70, 32);
-    let data = awkward(11, k * n);
-    let b = MatRef::row_major(&data, k, n).unwrap();
-    for (q0, kc) in [(0, 16), (16, 7)] {
-        let (j0, j1) = (0, n);
-        let panels = n.div_ceil(nr);
-        let mut dst = vec![f32::NAN; panels * nr * kc];
-        bf16::pack_row_pairs(&b, q0, kc, j0, j1, nr, &mut dst);
-        for (t, panel) in dst.chunks(nr * kc).enumerate() {
-            for q in 0..kc {
-                for j in 0..nr {
-                    let col = t * nr + j;
-                    let v = |row: usize| {
-                        if row < k && col < n {
-                            b.at(row, col)
-                        } else {
-                            0.0
-                        }
-                    };
-                    let (p, got) = (q0 + q, panel[q * nr + j].to_bits());
-                    assert_eq!(
-                        got,
-                        pair_bits(v(2 * p), v(2 * p + 1)),
-                        "pair row {p}, column {col}"
-                    );
+    // A row-major B (f32 values, or bf16 bits) packed straight into pair
+    // panels: panel rows from two B rows each, a short last panel zero on
+    // the right, pair rows past B's last row zero. Blocks of columns whose
+    // width is a multiple of 16 take AVX-512's whole-row path (its place
+    // in each panel), others the panel-by-panel one.
+    let (k, nr) = (45, 32);
+    for (n, j0, j1) in [
+        (70usize, 0usize, 70usize),
+        (80, 0, 80),
+        (96, 32, 96),
+        (112, 16, 80),
+    ] {
+        let data = awkward(11, k * n);
+        let bits: Vec<u16> = data.iter().map(|&v| bf16::round(v) as u16).collect();
+        let (b, b_bits) = (
+            MatRef::row_major(&data, k, n).unwrap(),
+            MatRef::row_major(&bits, k, n).unwrap(),
+        );
+        for (q0, kc) in [(0, 16), (16, 7)] {
+            let panels = (j1 - j0).div_ceil(nr);
+            let mut dst = vec![f32::NAN; panels * nr * kc];
+            let mut dst_bits = dst.clone();
+            bf16::pack_row_pairs(&b, q0, kc, j0, j1, nr, &mut dst);
+            bf16::pack_row_pairs(&b_bits, q0, kc, j0, j1, nr, &mut dst_bits);
+            for (t, (panel, panel_bits)) in dst
+                .chunks(nr * kc)
+                .zip(dst_bits.chunks(nr * kc))
+                .enumerate()
+            {
+                for q in 0..kc {
+                    for j in 0..nr {
+                        let col = j0 + t * nr + j;
+                        let v = |row: usize| {
+                            if row < k && col < j1 {
+                                b.at(row, col)
+                            } else {
+                                0.0
+                            }
+                        };
+                        let p = q0 + q;
+                        let want = pair_bits(v(2 * p), v(2 * p + 1));
+                        let at = format!("{n} columns {j0}..{j1}: pair row {p}, column {col}");
+                        assert_eq!(panel[q * nr + j].to_bits(), want, "f32: {at}");
+                        assert_eq!(panel_bits[q * nr + j].to_bits(), want, "bits: {at}");
+                    }
                 }
             }
         }
