@@ -852,6 +852,26 @@ mod x86 {
         out
     }
 
+    /// The pairs of `c0[i..i + 16]` with `c1[i..i + 16]` (zero without
+    /// `c1`), the even value in the low half.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F and BW; both hold values `i..i + 16`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn pair16<T: Bf16Operand>(c0: &[T], c1: Option<&[T]>, i: usize) -> __m512i {
+        // SAFETY: 16 values from i (caller).
+        unsafe {
+            let lo = T::bits16(c0.as_ptr().add(i));
+            let hi = match c1 {
+                Some(c1) => T::bits16(c1.as_ptr().add(i)),
+                None => _mm512_setzero_si512(),
+            };
+            _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi))
+        }
+    }
+
     /// Pairs `r0[j]` with `r1[j]` (zero without `r1`) into the panels at
     /// `out`: column `j` at `out[(j / nr)·panel + j % nr]`.
     ///
@@ -871,15 +891,7 @@ mod x86 {
         for j in (0..r0.len()).step_by(16) {
             // SAFETY: j + 16 ≤ the rows' length (a multiple of 16); `dst` is
             // column j's place (caller).
-            unsafe {
-                let lo = T::bits16(r0.as_ptr().add(j));
-                let hi = match r1 {
-                    Some(r1) => T::bits16(r1.as_ptr().add(j)),
-                    None => _mm512_setzero_si512(),
-                };
-                let p = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
-                _mm512_storeu_si512(dst.cast(), p);
-            }
+            unsafe { _mm512_storeu_si512(dst.cast(), pair16(r0, r1, j)) };
             in_panel += 16;
             dst = if in_panel == nr {
                 in_panel = 0;
@@ -907,15 +919,7 @@ mod x86 {
         for i in (0..whole).step_by(16) {
             // SAFETY: i + 16 ≤ whole ≤ the columns' length, and inside `out`
             // (caller).
-            unsafe {
-                let lo = T::bits16(c0.as_ptr().add(i));
-                let hi = match c1 {
-                    Some(c1) => T::bits16(c1.as_ptr().add(i)),
-                    None => _mm512_setzero_si512(),
-                };
-                let p = _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi));
-                _mm512_storeu_si512(out.add(i).cast(), p);
-            }
+            unsafe { _mm512_storeu_si512(out.add(i).cast(), pair16(c0, c1, i)) };
         }
         whole
     }
