@@ -545,12 +545,7 @@ fn pair_transposed<T: Bf16Operand>(
 /// Packs pair rows `q0..q0+kc` of the row-major `b`, columns `j0..j1`,
 /// into panels of `nr` columns (`dst`, `kc × nr` each, zero right of `j1`):
 /// pair row `q` is `b`'s rows `2q` and `2q + 1` rounded and interleaved
-/// ([`Packs::RowPairs`]), read along memory. With AVX-512 a pair of rows
-/// goes into every panel in one call: a call for each panel's 32 columns
-/// (two vectors of work) held the bf16 products back by 1-9% (Sapphire
-/// Rapids, bf16 operands, alternated call by call with it on the model's
-/// shapes: medians 1.01-1.09x at one thread, 0.97-1.44x at two, the same
-/// bits).
+/// ([`Packs::RowPairs`]), read along memory.
 pub(crate) fn pack_row_pairs<T: Bf16Operand>(
     b: &MatRef<T>,
     q0: usize,
@@ -560,6 +555,10 @@ pub(crate) fn pack_row_pairs<T: Bf16Operand>(
     nr: usize,
     dst: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if pack_whole_row_pairs(b, q0, kc, j0, j1, nr, dst) {
+        return;
+    }
     let mut panels: Vec<(&mut [f32], usize)> =
         dst.chunks_mut(nr * kc).zip((j0..j1).step_by(nr)).collect();
     for (d, j) in panels.iter_mut() {
@@ -568,32 +567,8 @@ pub(crate) fn pack_row_pairs<T: Bf16Operand>(
         }
     }
     let row = |p: usize| (p < b.rows).then(|| &b.data[p * b.rs..][..b.cols]);
-    #[cfg(target_arch = "x86_64")]
-    let whole_rows = nr.is_multiple_of(16)
-        && (j1 - j0).is_multiple_of(16)
-        && has_avx512bw()
-        && !panels.is_empty();
     for q in 0..kc {
         let (r0, r1) = (row(2 * (q0 + q)), row(2 * (q0 + q) + 1));
-        // A whole pair of rows in one call, across the panels.
-        #[cfg(target_arch = "x86_64")]
-        if let (Some(r0), true) = (r0, whole_rows) {
-            let at = panels[0].0.as_mut_ptr();
-            // SAFETY: AVX-512F/BW present; columns j0..j1 (a multiple of 16
-            // of them) are inside both rows, and column j0 + c's pair of
-            // row q lands in panel c / nr (dst holds a kc × nr panel per nr
-            // columns), row q, column c % nr.
-            unsafe {
-                x86::pair_row_into_panels(
-                    &r0[j0..j1],
-                    r1.map(|r| &r[j0..j1]),
-                    at.add(q * nr),
-                    nr,
-                    nr * kc,
-                )
-            };
-            continue;
-        }
         for (d, j) in panels.iter_mut() {
             let cols = nr.min(j1 - *j);
             let out = &mut d[q * nr..q * nr + cols];
@@ -603,6 +578,66 @@ pub(crate) fn pack_row_pairs<T: Bf16Operand>(
             }
         }
     }
+}
+
+/// [`pack_row_pairs`] with AVX-512, a pair of rows into all of its panels
+/// in one call; `false`, with nothing written, where the CPU lacks AVX-512
+/// or the panels or the block are not a multiple of 16 columns wide. A
+/// call for each panel's 32 columns (two vectors of work) held the bf16
+/// products back by 1-9% (Sapphire Rapids, bf16 operands, alternated call
+/// by call with it on the model's shapes: medians 1.01-1.09x at one
+/// thread, 0.97-1.44x at two, the same bits).
+#[cfg(target_arch = "x86_64")]
+fn pack_whole_row_pairs<T: Bf16Operand>(
+    b: &MatRef<T>,
+    q0: usize,
+    kc: usize,
+    j0: usize,
+    j1: usize,
+    nr: usize,
+    dst: &mut [f32],
+) -> bool {
+    let (width, panel) = (j1 - j0, nr * kc);
+    let panels = width.div_ceil(nr.max(1));
+    if width == 0
+        || !nr.is_multiple_of(16)
+        || !width.is_multiple_of(16)
+        || dst.len() < panels * panel
+        || !has_avx512bw()
+    {
+        return false;
+    }
+    if !width.is_multiple_of(nr) {
+        // The last panel's columns right of j1.
+        dst[(panels - 1) * panel..panels * panel].fill(0.0);
+    }
+    let row = |p: usize| (p < b.rows).then(|| &b.data[p * b.rs..][..b.cols]);
+    for q in 0..kc {
+        match row(2 * (q0 + q)) {
+            Some(r0) => {
+                let r1 = row(2 * (q0 + q) + 1);
+                // SAFETY: AVX-512F/BW present; both rows hold columns
+                // j0..j1, a multiple of 16 of them; from q·nr, `dst` holds
+                // (panels − 1)·panel + nr floats, every place that column
+                // j0 + c's pair goes to (panel c / nr, row q, column c % nr).
+                unsafe {
+                    x86::pair_row_into_panels(
+                        &r0[j0..j1],
+                        r1.map(|r| &r[j0..j1]),
+                        dst[q * nr..].as_mut_ptr(),
+                        nr,
+                        panel,
+                    )
+                };
+            }
+            None => {
+                for p in 0..panels {
+                    dst[p * panel + q * nr..][..nr].fill(0.0);
+                }
+            }
+        }
+    }
+    true
 }
 
 /// [`bf16_bits`] of every value of `src` into `dst` (of the same length),
