@@ -120,6 +120,8 @@ fn zero_constant_and_subnormal_blocks() {
         let zeros = vec![0.0f32; 100];
         let q = quantize(&zeros, bits, 64).unwrap();
         assert_eq!(q.scales, vec![0.0, 0.0]);
+        // Every code of a zero block is written, as zero.
+        assert!(q.data.iter().all(|&b| b == 0), "{bits:?}: {:?}", q.data);
         check(&zeros, &q, "zeros");
         for c in [1.0f32, -3.5e7, 1e-30] {
             let x = vec![c; 70];
