@@ -65,14 +65,6 @@ impl<'a> Grads<'a> {
             }
         }
     }
-
-    #[inline(always)]
-    fn get(&self, i: usize) -> f32 {
-        match self {
-            Grads::F32(g) => g[i],
-            Grads::Half(h, g) => h.widen(g[i]),
-        }
-    }
 }
 
 /// The buffers of one update, all of one length: f32 parameters (the master
@@ -350,20 +342,73 @@ fn scalar(b: Buffers<'_>, from: usize, c: &Scalars) {
         g,
         m,
         v,
-        mut working,
+        working,
     } = b;
-    for i in from..p.len() {
-        let gi = g.get(i) * c.gscale;
-        let mi = c.b1 * m[i] + c.omb1 * gi;
-        let vi = c.b2 * v[i] + c.omb2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
+    let (p, m, v) = (&mut p[from..], &mut m[from..], &mut v[from..]);
+    // A loop for each kind of gradient and working copy, with nothing to
+    // decide inside, so that the compiler can vectorise it (deciding per
+    // element held the portable bf16 update at 0.26 of the triad).
+    match g {
+        Grads::F32(g) => scalar_loop(p, m, v, &g[from..], |g| g, working, from, c),
+        Grads::Half(Half::Bf16, g) => scalar_loop(
+            p,
+            m,
+            v,
+            &g[from..],
+            |g| Half::Bf16.widen(g),
+            working,
+            from,
+            c,
+        ),
+        Grads::Half(Half::F16, g) => scalar_loop(
+            p,
+            m,
+            v,
+            &g[from..],
+            |g| Half::F16.widen(g),
+            working,
+            from,
+            c,
+        ),
+    }
+}
+
+/// [`scalar`] for one kind of gradient (`grad` widens one), and for one kind
+/// of working copy.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn scalar_loop<G: Copy>(
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: &[G],
+    grad: impl Fn(G) -> f32,
+    working: Option<(Half, &mut [u16])>,
+    from: usize,
+    c: &Scalars,
+) {
+    let each = p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g);
+    let update = |((p, m), v): ((&mut f32, &mut f32), &mut f32), g: G| {
+        let gi = grad(g) * c.gscale;
+        let mi = c.b1 * *m + c.omb1 * gi;
+        let vi = c.b2 * *v + c.omb2 * gi * gi;
+        *m = mi;
+        *v = vi;
         let denom = vi.sqrt() * c.inv_sqrt_bc2 + c.eps;
-        let pi = p[i] * c.shrink - c.step_size * mi / denom;
-        p[i] = pi;
-        if let Some((h, w)) = working.as_mut() {
-            w[i] = h.round(pi);
-        }
+        let pi = *p * c.shrink - c.step_size * mi / denom;
+        *p = pi;
+        pi
+    };
+    match working {
+        None => each.for_each(|(pmv, &g)| {
+            update(pmv, g);
+        }),
+        Some((Half::Bf16, w)) => each
+            .zip(&mut w[from..])
+            .for_each(|((pmv, &g), w)| *w = Half::Bf16.round(update(pmv, g))),
+        Some((Half::F16, w)) => each
+            .zip(&mut w[from..])
+            .for_each(|((pmv, &g), w)| *w = Half::F16.round(update(pmv, g))),
     }
 }
 
