@@ -62,7 +62,8 @@ cargo build --release --features zworker/cuda
 # Of tests/gpu.rs, CI runs the four that fit its time (training against
 # the CPU run; the resident step in f32, bf16 and f16 against
 # ZeRO-Offload's bits; a GPU out of memory; two GPUs, a worker each, stage
-# 3 in f32 and stage 2 in bf16 over NCCL against the host flow), about 50 s;
+# 3 in f32 and stage 2 in bf16 over NCCL against the host flow; the
+# profile's table), about 55 s;
 # the rest (two workers
 # sharing a GPU over NCCL at every stage and dtype, about 8 minutes on 2
 # cores) run with `scripts/check-cuda.sh --emulated-all`.
@@ -78,7 +79,8 @@ emu_gpu=$(python3 scripts/test_exe.py --emulated-gpu "$artifacts")
     (cd tests && "$gpu_tests" --exact training_on_the_gpu_follows_the_cpu_loss_curve \
       adam_on_the_gpu_gives_zero_offloads_bits \
       a_gpu_out_of_memory_is_exit_1_naming_the_allocation_and_what_holds_less \
-      two_gpus_get_a_worker_each_bound_to_its_own)
+      two_gpus_get_a_worker_each_bound_to_its_own \
+      the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host)
   fi
 )
 rm -f "$artifacts"

@@ -23,7 +23,8 @@
 //! stage-3 NCCL run continues the uninterrupted one to the bit (f32, bf16). With the fused attention
 //! (`ZRUN_GPU_ATTENTION=fused`) a bf16, f16 or TF32 run follows the unfused run
 //! within that rounding, and the default (`auto`) runs it, to the bit. `comm.backend: nccl` where it cannot run is refused
-//! before launch, GPU or not.
+//! before launch, GPU or not. `ZRUN_GPU_PROFILE=1` prints a table whose rows
+//! add up to its totals, each row's GPU idle time within its own time.
 
 use std::process::Command;
 
@@ -540,6 +541,80 @@ fn zero_stages_on_the_gpu_are_bit_identical() {
         checkpointed, stage0,
         "stage 3 with activation checkpointing"
     );
+}
+
+#[test]
+fn the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host() {
+    let test = "the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host";
+    if gpus_or_skip(test).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "profiled", 8);
+    let m = dir.path().join("profiled.jsonl");
+    let args = TrainArgs::new(&job, &m)
+        .args(&["--workers-per-node", "1"])
+        .set("device=cuda");
+    let f = Zrun::start_with_env(
+        &repo_root(),
+        &args.as_strs(),
+        &[("ZRUN_GPU_PROFILE", "1"), ("ZRUN_GPU_ATTENTION", "unfused")],
+    )
+    .wait(std::time::Duration::from_secs(300));
+    assert_eq!(f.code(), 0, "{f:?}");
+    // The table: "ms/step share calls/step idle name" rows, then the total.
+    let total_row = |l: &&str| l.ends_with("all marked operations");
+    let from_header = || {
+        (f.stdout.lines())
+            .skip_while(|l| !l.contains("GPU time by operation"))
+            .skip(2)
+    };
+    let mut table: Vec<&str> = from_header().take_while(|l| !total_row(l)).collect();
+    table.extend(from_header().find(total_row));
+    let field = |l: &str, i: usize| -> f64 {
+        let words: Vec<&str> = l
+            .split(']')
+            .next_back()
+            .unwrap()
+            .split_whitespace()
+            .collect();
+        words[i].trim_end_matches('%').parse().unwrap()
+    };
+    let (rows, total) = table.split_at(table.len().saturating_sub(1));
+    assert!(
+        rows.len() > 5 && total.len() == 1 && total[0].ends_with("all marked operations"),
+        "no profile table in zrun's output (the workers' stderr): {}",
+        f.stdout
+    );
+    let (ms, idle) = (field(total[0], 0), field(total[0], 2));
+    let sum = |i: usize| rows.iter().map(|l| field(l, i)).sum::<f64>();
+    assert!(
+        ms > 0.0 && (sum(0) - ms).abs() <= 1e-3 * rows.len() as f64,
+        "{table:#?}"
+    );
+    assert!(
+        (sum(3) - idle).abs() <= 1e-3 * rows.len() as f64,
+        "{table:#?}"
+    );
+    for l in rows {
+        assert!(
+            (0.0..=field(l, 0) + 1e-3).contains(&field(l, 3)),
+            "idle beyond its time: {l}"
+        );
+    }
+    for name in ["adamw", "embed", "layer_norm", "gemm f32"] {
+        assert!(
+            rows.iter().any(|l| l.contains(name)),
+            "no {name} row: {table:#?}"
+        );
+    }
+    // The CPU GPU runs each kernel inside its launch, so its GPU waits for
+    // the host for nearly all of every operation: the host's clock is read.
+    // (The table's header names the GPU.)
+    if f.stdout.contains("steps of rank 0 on zcuda-emu") {
+        assert!(idle > 0.5 * ms, "the CPU GPU idle {idle} of {ms} ms a step");
+    }
+    eprintln!("{}", table.join("\n"));
 }
 
 #[test]

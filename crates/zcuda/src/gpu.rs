@@ -271,8 +271,10 @@ impl Gpu {
 
     /// With `ZRUN_GPU_PROFILE` set: forgets the profile's times so far.
     pub fn profile_restart(&self) -> Result<(), CudaError> {
-        self.with_profile("reading the GPU profile's events", Profile::restart)
-            .map(|_| ())
+        self.with_profile("reading the GPU profile's events", |p| {
+            p.restart(&self.stream)
+        })
+        .map(|_| ())
     }
 
     /// With `ZRUN_GPU_PROFILE` set: GPU time by operation so far (waiting

@@ -426,8 +426,10 @@ pub fn profile(engine: &zengine::engine::Engine, rank: usize, at: ProfileAt) -> 
         ProfileAt::Report { steps } => {
             if let Some(table) = gpu.gpu().profile_report(steps)? {
                 eprintln!(
-                    "GPU time by operation over the last {steps} steps of rank {rank} \
-                     (ZRUN_GPU_PROFILE; an operation's time runs from the end of the one before):\n{table}"
+                    "GPU time by operation over the last {steps} steps of rank {rank} on {} \
+                     (ZRUN_GPU_PROFILE; an operation's time runs from the end of the one before; \
+                     GPU idle: the part of it before its launch returned, the GPU waiting for the host):\n{table}",
+                    gpu.gpu().name()
                 );
             }
         }
