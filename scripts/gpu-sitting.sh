@@ -15,7 +15,8 @@
 #   scripts/gpu-sitting.sh DIR ab OLD_DIR
 #
 # `profile` instead prints, for 152M steps in TF32 and bf16 with either
-# attention, the GPU's time by operation (ZRUN_GPU_PROFILE=1). `ab` times
+# attention, the GPU's time by operation (ZRUN_GPU_PROFILE=1), with the
+# part of it the GPU waited for the host. `ab` times
 # DIR's build against OLD_DIR's (another pack, e.g. of the commit before a
 # change; two packs fit in one carry) on the jobs the GPU's recent changes
 # touch, the two alternated run by run, the order swapped each round: one
@@ -113,7 +114,9 @@ if [ "$what" = profile ]; then
     for attention in unfused fused; do
       label="152M-${run%%:*}-$attention-profile"
       ZRUN_GPU_PROFILE=1 ZRUN_GPU_ATTENTION=$attention zrun_step "$label" "${s[@]}" "${run#*:}"
-      grep -A 31 "GPU time by operation" "$out/$label.log" || tail -5 "$out/$label.log"
+      # The 30 largest rows, then the totals (GPU idle: its wait for the host).
+      { grep -A 31 "GPU time by operation" "$out/$label.log" \
+          && grep "all marked operations" "$out/$label.log"; } || tail -5 "$out/$label.log"
     done
   done
   exit 0
