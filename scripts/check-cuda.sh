@@ -59,7 +59,7 @@ cargo build --release --features zworker/cuda
 # NVRTC the real one, which it ignores), as they run on a GPU: this runs the
 # Rust launch code, the engine's resident flows and NCCL's deadlines, which
 # the kernels' own CPU tests cannot. Mandatory here (ZRUN_REQUIRE_GPU=1).
-# Of tests/gpu.rs, CI runs the four that fit its time (training against
+# Of tests/gpu.rs, CI runs the five that fit its time (training against
 # the CPU run; the resident step in f32, bf16 and f16 against
 # ZeRO-Offload's bits; a GPU out of memory; two GPUs, a worker each, stage
 # 3 in f32 and stage 2 in bf16 over NCCL against the host flow; the
