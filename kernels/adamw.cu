@@ -21,8 +21,37 @@ struct AdamConsts {
     float shrink;
 };
 
-// g is f32 when grad_fmt is FMT_F32, else 16-bit; working is written when
-// working_fmt is not FMT_F32.
+// Element i of AdamW: g is f32 when grad_fmt is FMT_F32, else 16-bit;
+// working is written when working_fmt is not FMT_F32.
+__device__ __forceinline__ void adamw_element(
+    unsigned long long i,
+    float* p,
+    const void* g,
+    float* m,
+    float* v,
+    unsigned short* working,
+    const AdamConsts& c,
+    float shrink,
+    int grad_fmt,
+    int working_fmt)
+{
+    float graw = grad_fmt == FMT_F32
+        ? ((const float*)g)[i]
+        : widen16(((const unsigned short*)g)[i], grad_fmt);
+    float gi = __fmul_rn(graw, c.gscale);
+    float mi = __fadd_rn(__fmul_rn(c.b1, m[i]), __fmul_rn(c.omb1, gi));
+    float vi = __fadd_rn(__fmul_rn(c.b2, v[i]), __fmul_rn(__fmul_rn(c.omb2, gi), gi));
+    m[i] = mi;
+    v[i] = vi;
+    float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(vi), c.inv_sqrt_bc2), c.eps);
+    float pi = __fsub_rn(__fmul_rn(p[i], shrink), __fdiv_rn(__fmul_rn(c.step_size, mi), denom));
+    p[i] = pi;
+    if (working_fmt != FMT_F32) {
+        working[i] = round16(pi, working_fmt);
+    }
+}
+
+// One slice of n elements.
 extern "C" __global__ void adamw(
     float* p,
     const void* g,
@@ -37,19 +66,49 @@ extern "C" __global__ void adamw(
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < n; i += stride) {
-        float graw = grad_fmt == FMT_F32
-            ? ((const float*)g)[i]
-            : widen16(((const unsigned short*)g)[i], grad_fmt);
-        float gi = __fmul_rn(graw, c.gscale);
-        float mi = __fadd_rn(__fmul_rn(c.b1, m[i]), __fmul_rn(c.omb1, gi));
-        float vi = __fadd_rn(__fmul_rn(c.b2, v[i]), __fmul_rn(__fmul_rn(c.omb2, gi), gi));
-        m[i] = mi;
-        v[i] = vi;
-        float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(vi), c.inv_sqrt_bc2), c.eps);
-        float pi = __fsub_rn(__fmul_rn(p[i], c.shrink), __fdiv_rn(__fmul_rn(c.step_size, mi), denom));
-        p[i] = pi;
-        if (working_fmt != FMT_F32) {
-            working[i] = round16(pi, working_fmt);
+        adamw_element(i, p, g, m, v, working, c, c.shrink, grad_fmt, working_fmt);
+    }
+}
+
+// Runs of one flat buffer (a parameter group's tensors, each with its own
+// weight decay), in one launch where `adamw` takes one a tensor: run r is
+// [start[r], end[r]), sorted, apart or touching; decay_mask's bit r says
+// whether c.shrink (decay) or `plain` (none) scales it. Elements between
+// runs (a group's padding) are not touched.
+#define ADAMW_MAX_RUNS 16
+struct AdamRuns {
+    unsigned long long start[ADAMW_MAX_RUNS];
+    unsigned long long end[ADAMW_MAX_RUNS];
+    unsigned int count;
+    unsigned int decay_mask;
+    float plain;
+};
+
+extern "C" __global__ void adamw_runs(
+    float* p,
+    const void* g,
+    float* m,
+    float* v,
+    unsigned short* working,
+    AdamConsts c,
+    AdamRuns runs,
+    int grad_fmt,
+    int working_fmt)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long n = runs.end[runs.count - 1];
+    // A thread's i only grows, so its run index only moves forward.
+    unsigned int r = 0;
+    for (unsigned long long i = runs.start[0] + (unsigned long long)blockIdx.x * blockDim.x +
+                                threadIdx.x;
+         i < n; i += stride) {
+        while (i >= runs.end[r]) {
+            r++;
         }
+        if (i < runs.start[r]) {
+            continue;
+        }
+        float shrink = (runs.decay_mask >> r) & 1u ? c.shrink : runs.plain;
+        adamw_element(i, p, g, m, v, working, c, shrink, grad_fmt, working_fmt);
     }
 }

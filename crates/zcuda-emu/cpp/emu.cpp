@@ -287,6 +287,7 @@ struct NamedKernel {
 
 const NamedKernel EMU_KERNELS[] = {
     EMU_KERNEL(a, adamw),
+    EMU_KERNEL(a, adamw_runs),
     EMU_KERNEL(q, quantize),
     EMU_KERNEL(q, dequantize),
     EMU_KERNEL(r, add_f32),

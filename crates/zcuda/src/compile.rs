@@ -43,7 +43,7 @@ pub const KERNELS: [KernelSource; 5] = [
             include_str!("../../../kernels/half16.cuh"),
             include_str!("../../../kernels/adamw.cu")
         ),
-        functions: &["adamw"],
+        functions: &["adamw", "adamw_runs"],
         same_bits_as_cpu: true,
     },
     KernelSource {

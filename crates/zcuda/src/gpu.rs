@@ -57,6 +57,25 @@ pub struct AdamConsts {
 // struct, which the kernel receives by value.
 unsafe impl DeviceRepr for AdamConsts {}
 
+/// Runs one `adamw_runs` launch takes at most (`ADAMW_MAX_RUNS` in
+/// `adamw.cu`); [`Gpu::adamw_runs`] launches once per this many.
+const ADAMW_MAX_RUNS: usize = 16;
+
+/// `AdamRuns` of `adamw.cu`: the runs of one launch and their decay.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AdamRuns {
+    start: [u64; ADAMW_MAX_RUNS],
+    end: [u64; ADAMW_MAX_RUNS],
+    count: u32,
+    decay_mask: u32,
+    plain: f32,
+}
+
+// SAFETY: integers and an f32 in C layout, no pointers, as `adamw.cu`
+// declares `AdamRuns`, received by value.
+unsafe impl DeviceRepr for AdamRuns {}
+
 /// A 16-bit floating-point format on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Half16 {
@@ -540,6 +559,85 @@ impl Gpu {
         // working copy or null as `working_fmt` says, all of n elements,
         // checked above), and the grid-stride loop stays below n.
         self.launched("adamw", unsafe { launch.launch(grid_stride(n)) })?;
+        Ok(())
+    }
+
+    /// [`Gpu::adamw`] over runs of flat buffers at once (a parameter
+    /// group's tensors, one launch per 16 runs instead of one a tensor):
+    /// run `(r, decay)` updates elements `r` of every buffer, scaled by
+    /// `c.shrink` where `decay`, else by `plain` (`c.shrink` of a step
+    /// without decay); elements outside the runs are not touched. The same
+    /// bits as [`Gpu::adamw`] on each run. Runs must be sorted, apart or
+    /// touching, and inside the buffers, which must be of one length.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw_runs(
+        &self,
+        p: &mut CudaViewMut<f32>,
+        g: DeviceGrads<'_>,
+        m: &mut CudaViewMut<f32>,
+        v: &mut CudaViewMut<f32>,
+        mut working: Option<(Half16, &mut CudaViewMut<u16>)>,
+        c: &AdamConsts,
+        plain: f32,
+        runs: &[(std::ops::Range<usize>, bool)],
+    ) -> Result<(), CudaError> {
+        let n = p.len();
+        if g.len() != n
+            || m.len() != n
+            || v.len() != n
+            || working.as_ref().is_some_and(|(_, w)| w.len() != n)
+        {
+            return Err(CudaError::Invalid(
+                "adamw_runs: buffer lengths differ".into(),
+            ));
+        }
+        let misplaced = runs.iter().enumerate().any(|(i, (r, _))| {
+            r.start > r.end || r.end > n || (i > 0 && r.start < runs[i - 1].0.end)
+        });
+        if misplaced {
+            return Err(CudaError::Invalid(format!(
+                "adamw_runs: runs {:?} not sorted apart inside {n} values",
+                runs.iter().map(|(r, _)| r).collect::<Vec<_>>()
+            )));
+        }
+        let runs: Vec<_> = runs.iter().filter(|(r, _)| !r.is_empty()).collect();
+        let grad_fmt = g.code();
+        let working_fmt = working.as_ref().map_or(0i32, |(h, _)| h.code());
+        let null = 0u64;
+        for batch in runs.chunks(ADAMW_MAX_RUNS) {
+            let mut a = AdamRuns {
+                start: [0; ADAMW_MAX_RUNS],
+                end: [0; ADAMW_MAX_RUNS],
+                count: batch.len() as u32,
+                decay_mask: 0,
+                plain,
+            };
+            for (i, (r, decay)) in batch.iter().enumerate() {
+                a.start[i] = r.start as u64;
+                a.end[i] = r.end as u64;
+                a.decay_mask |= u32::from(*decay) << i;
+            }
+            let span = batch[batch.len() - 1].0.end - batch[0].0.start;
+            let mut launch = self.stream.launch_builder(self.function("adamw_runs"));
+            launch.arg(&mut *p);
+            match &g {
+                DeviceGrads::F32(g) => launch.arg(g),
+                DeviceGrads::Half(_, g) => launch.arg(g),
+            };
+            launch.arg(&mut *m).arg(&mut *v);
+            match working.as_mut() {
+                Some((_, w)) => launch.arg(&mut **w),
+                None => launch.arg(&null),
+            };
+            launch.arg(c).arg(&a).arg(&grad_fmt).arg(&working_fmt);
+            // SAFETY: the arguments match `adamw_runs`'s signature in
+            // adamw.cu (three f32 buffers, the gradient in the format
+            // `grad_fmt` names, the working copy or null as `working_fmt`
+            // says, all of n elements, checked above; 1 to 16 non-empty
+            // runs, sorted, inside n), and the loop stays below the last
+            // run's end.
+            self.launched("adamw_runs", unsafe { launch.launch(grid_stride(span)) })?;
+        }
         Ok(())
     }
 

@@ -1248,19 +1248,31 @@ impl Engine {
                         return Err(EngineError::Gpu("f32 parameters in a 16-bit step".into()))
                     }
                 };
+                // One launch over the region's tensors (each with its own
+                // decay), indexed from the region's start in every buffer.
+                let region = p.region.clone();
+                let n = region.len();
+                let runs: Vec<_> = (p.pieces())
+                    .map(|(i, at)| (at.start - region.start..at.end - region.start, p.slots[i].1))
+                    .collect();
+                let work = if whole { region.clone() } else { 0..n };
+                let from = region.start - held.start;
+                gpu.gpu().adamw_runs(
+                    &mut h.master.slice_mut(..n),
+                    DeviceGrads::Half(h.kind, h.grads.slice(from..from + n)),
+                    &mut exp_avg.slice_mut(..n),
+                    &mut exp_avg_sq.slice_mut(..n),
+                    Some((h.kind, &mut working.slice_mut(work))),
+                    &device_consts(&hp, true),
+                    device_consts(&hp, false).shrink,
+                    &runs,
+                )?;
                 for (i, at) in p.pieces() {
                     let slot = p.slots[i].0.start;
-                    let rel = at.start - p.region.start..at.end - p.region.start;
-                    let grads = at.start - held.start..at.end - held.start;
-                    let work = if whole { at.clone() } else { rel.clone() };
-                    gpu.gpu().adamw(
-                        &mut h.master.slice_mut(rel.clone()),
-                        DeviceGrads::Half(h.kind, h.grads.slice(grads)),
-                        &mut exp_avg.slice_mut(rel.clone()),
-                        &mut exp_avg_sq.slice_mut(rel),
-                        Some((h.kind, &mut working.slice_mut(work.clone()))),
-                        &device_consts(&hp, p.slots[i].1),
-                    )?;
+                    let work = match whole {
+                        true => at.clone(),
+                        false => at.start - region.start..at.end - region.start,
+                    };
                     // (A tensor held in 16 bits alone has no f32 values.)
                     if let Some(Some(part)) = weights.as_mut().map(|w| &mut w[i]) {
                         gpu.gpu().widen16(

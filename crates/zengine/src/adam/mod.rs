@@ -699,6 +699,99 @@ mod tests {
         }
     }
 
+    /// One launch over a group's runs (`Gpu::adamw_runs`) gives the bits of
+    /// one launch a run (`Gpu::adamw`, held to the CPU's bits above), each
+    /// run with its own decay, and leaves the gaps between runs as they
+    /// were: 21 runs (two launches of at most 16), touching and apart, the
+    /// first after a gap, in every precision.
+    #[test]
+    fn the_gpu_kernel_over_runs_equals_a_launch_a_run() {
+        if !zcuda::gpu_or_skip(
+            "the_gpu_kernel_over_runs_equals_a_launch_a_run",
+            zcuda::probe().usable_devices(),
+        ) {
+            return;
+        }
+        let gpu = zcuda::Gpu::open(0).expect("opening GPU 0");
+        let s = AdamStep {
+            grad_scale: 0.37,
+            ..step(3)
+        };
+        let mut runs = Vec::new();
+        let mut at = 5;
+        for i in 0..21usize {
+            let len = 1 + (i * 37) % 200;
+            runs.push((at..at + len, i % 3 != 1));
+            at += len + if i % 4 == 0 { 0 } else { 3 };
+        }
+        let n = at + 9;
+        let [p, g, m, v] = inputs(n, 11);
+        for kind in PRECISIONS {
+            let gh: Vec<u16> = g.iter().map(|&x| kind.map_or(0, |h| h.round(x))).collect();
+            let w0: Vec<u16> = (0..n).map(|i| i as u16 ^ 0x5a5a).collect();
+            let run = |one_launch: bool| {
+                let up = |x: &Vec<f32>| gpu.upload(x).unwrap();
+                let (mut dp, mut dm, mut dv, dg32) = (up(&p), up(&m), up(&v), up(&g));
+                let dgh = gpu.upload(&gh).unwrap();
+                let mut dw = gpu.upload(&w0).unwrap();
+                let grads = |r: std::ops::Range<usize>| match kind {
+                    None => zcuda::DeviceGrads::F32(dg32.slice(r)),
+                    Some(h) => zcuda::DeviceGrads::Half(h.into(), dgh.slice(r)),
+                };
+                if one_launch {
+                    let mut w = dw.slice_mut(..);
+                    gpu.adamw_runs(
+                        &mut dp.slice_mut(..),
+                        grads(0..n),
+                        &mut dm.slice_mut(..),
+                        &mut dv.slice_mut(..),
+                        kind.map(|h| (h.into(), &mut w)),
+                        &device_consts(&s, true),
+                        device_consts(&s, false).shrink,
+                        &runs,
+                    )
+                    .unwrap();
+                } else {
+                    for (r, decay) in &runs {
+                        let mut w = dw.slice_mut(r.clone());
+                        gpu.adamw(
+                            &mut dp.slice_mut(r.clone()),
+                            grads(r.clone()),
+                            &mut dm.slice_mut(r.clone()),
+                            &mut dv.slice_mut(r.clone()),
+                            kind.map(|h| (h.into(), &mut w)),
+                            &device_consts(&s, *decay),
+                        )
+                        .unwrap();
+                    }
+                }
+                let bits = |x: &zcuda::CudaSlice<f32>| {
+                    let x = gpu.download(x).unwrap();
+                    x.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                };
+                (bits(&dp), bits(&dm), bits(&dv), gpu.download(&dw).unwrap())
+            };
+            let (want, got) = (run(false), run(true));
+            assert!(want == got, "{kind:?}: the runs' launch differs");
+            let untouched = |i: usize| {
+                got.0[i] == p[i].to_bits()
+                    && got.1[i] == m[i].to_bits()
+                    && got.2[i] == v[i].to_bits()
+                    && got.3[i] == w0[i]
+            };
+            let covered = |i: usize| runs.iter().any(|(r, _)| r.contains(&i));
+            let gaps: Vec<usize> = (0..n).filter(|&i| !covered(i)).collect();
+            assert!(gaps.len() > 40, "gaps: {gaps:?}");
+            assert!(
+                gaps.iter().all(|&i| untouched(i)),
+                "{kind:?}: a gap changed"
+            );
+            for (r, _) in &runs {
+                assert!(!r.clone().all(untouched), "{kind:?}: run {r:?} untouched");
+            }
+        }
+    }
+
     /// The working copy is the updated master rounded to nearest even, and a
     /// 16-bit gradient is read exactly.
     #[test]
