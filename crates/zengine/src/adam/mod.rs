@@ -704,6 +704,7 @@ mod tests {
     /// run with its own decay, and leaves the gaps between runs as they
     /// were: 21 runs (two launches of at most 16), touching and apart, the
     /// first after a gap, in every precision.
+    #[cfg(feature = "cuda")]
     #[test]
     fn the_gpu_kernel_over_runs_equals_a_launch_a_run() {
         if !zcuda::gpu_or_skip(
