@@ -61,6 +61,23 @@ unsafe impl DeviceRepr for AdamConsts {}
 /// `adamw.cu`); [`Gpu::adamw_runs`] launches once per this many.
 const ADAMW_MAX_RUNS: usize = 16;
 
+/// The one length of AdamW's buffers (`what`'s), or an error where they
+/// differ.
+fn adam_len(
+    what: &str,
+    p: &CudaViewMut<f32>,
+    g: &DeviceGrads<'_>,
+    m: &CudaViewMut<f32>,
+    v: &CudaViewMut<f32>,
+    working: Option<&CudaViewMut<u16>>,
+) -> Result<usize, CudaError> {
+    let n = p.len();
+    if g.len() != n || m.len() != n || v.len() != n || working.is_some_and(|w| w.len() != n) {
+        return Err(CudaError::Invalid(format!("{what}: buffer lengths differ")));
+    }
+    Ok(n)
+}
+
 /// `AdamRuns` of `adamw.cu`: the runs of one launch and their decay.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -524,14 +541,7 @@ impl Gpu {
         working: Option<(Half16, &mut CudaViewMut<u16>)>,
         c: &AdamConsts,
     ) -> Result<(), CudaError> {
-        let n = p.len();
-        if g.len() != n
-            || m.len() != n
-            || v.len() != n
-            || working.as_ref().is_some_and(|(_, w)| w.len() != n)
-        {
-            return Err(CudaError::Invalid("adamw: buffer lengths differ".into()));
-        }
+        let n = adam_len("adamw", p, &g, m, v, working.as_ref().map(|(_, w)| &**w))?;
         if n == 0 {
             return Ok(());
         }
@@ -581,16 +591,14 @@ impl Gpu {
         plain: f32,
         runs: &[(std::ops::Range<usize>, bool)],
     ) -> Result<(), CudaError> {
-        let n = p.len();
-        if g.len() != n
-            || m.len() != n
-            || v.len() != n
-            || working.as_ref().is_some_and(|(_, w)| w.len() != n)
-        {
-            return Err(CudaError::Invalid(
-                "adamw_runs: buffer lengths differ".into(),
-            ));
-        }
+        let n = adam_len(
+            "adamw_runs",
+            p,
+            &g,
+            m,
+            v,
+            working.as_ref().map(|(_, w)| &**w),
+        )?;
         let misplaced = runs.iter().enumerate().any(|(i, (r, _))| {
             r.start > r.end || r.end > n || (i > 0 && r.start < runs[i - 1].0.end)
         });
