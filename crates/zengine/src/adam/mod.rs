@@ -637,22 +637,29 @@ mod tests {
         }
     }
 
+    /// GPU 0 and the step its kernel tests take (gradients scaled), or
+    /// `None` where no GPU is (said, and refused with `ZRUN_REQUIRE_GPU=1`).
+    #[cfg(feature = "cuda")]
+    fn gpu_and_step(test: &str) -> Option<(zcuda::Gpu, AdamStep)> {
+        if !zcuda::gpu_or_skip(test, zcuda::probe().usable_devices()) {
+            return None;
+        }
+        let gpu = zcuda::Gpu::open(0).expect("opening GPU 0");
+        let s = AdamStep {
+            grad_scale: 0.37,
+            ..step(3)
+        };
+        Some((gpu, s))
+    }
+
     /// On a GPU, the device kernel gives the CPU's bits in every precision
     /// (skipped with a printed reason where no GPU is; `ZRUN_REQUIRE_GPU=1`
     /// makes it mandatory).
     #[cfg(feature = "cuda")]
     #[test]
     fn the_gpu_kernel_equals_the_cpu_bit_for_bit() {
-        if !zcuda::gpu_or_skip(
-            "the_gpu_kernel_equals_the_cpu_bit_for_bit",
-            zcuda::probe().usable_devices(),
-        ) {
+        let Some((gpu, s)) = gpu_and_step("the_gpu_kernel_equals_the_cpu_bit_for_bit") else {
             return;
-        }
-        let gpu = zcuda::Gpu::open(0).expect("opening GPU 0");
-        let s = AdamStep {
-            grad_scale: 0.37,
-            ..step(3)
         };
         for n in [1, 1001, (1 << 20) + 37] {
             let inputs = inputs(n, n as u32 + 7);
@@ -707,16 +714,8 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn the_gpu_kernel_over_runs_equals_a_launch_a_run() {
-        if !zcuda::gpu_or_skip(
-            "the_gpu_kernel_over_runs_equals_a_launch_a_run",
-            zcuda::probe().usable_devices(),
-        ) {
+        let Some((gpu, s)) = gpu_and_step("the_gpu_kernel_over_runs_equals_a_launch_a_run") else {
             return;
-        }
-        let gpu = zcuda::Gpu::open(0).expect("opening GPU 0");
-        let s = AdamStep {
-            grad_scale: 0.37,
-            ..step(3)
         };
         let mut runs = Vec::new();
         let mut at = 5;
