@@ -25,6 +25,16 @@ for want in zcuda:zcuda zengine:zengine tests:gpu; do
   exe=$(python3 scripts/test_exe.py "${want%%:*}" "${want##*:}" "$artifacts")
   strip -o "$dir/release/deps/${want##*:}" "$exe"
 done
+# The e2e tests run zrun in the folder they were built in. Cargo names a
+# workspace's path packages by their place in it, so a worktree building
+# into this target/ (a pack of an older commit) leaves executables that
+# cargo reuses here, pointing at the worktree: build such packs into a
+# target folder of their own (CARGO_TARGET_DIR).
+if ! grep -aq "$PWD/tests" "$dir/release/deps/gpu"; then
+  echo "$dir/release/deps/gpu was built in another checkout, not $PWD: touch tests/gpu.rs and pack again," \
+    "and give other checkouts their own CARGO_TARGET_DIR" >&2
+  exit 1
+fi
 git rev-parse --short HEAD > "$dir/commit"
 pwd > "$dir/repo"   # where the e2e tests look for the repository
 du -sh "$dir"

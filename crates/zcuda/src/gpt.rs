@@ -1161,7 +1161,7 @@ impl GptGpu {
         l.arg(&n64).arg(&w32);
         // SAFETY: bias_residual(y[n·width], b[width] or null, res[n·width]
         // or null, n, width).
-        self.launched("bias_residual", unsafe { l.launch(row_stride(n)) })?;
+        self.launched("bias_residual", unsafe { l.launch(grid_stride(n * width)) })?;
         Ok(y)
     }
 
@@ -2308,12 +2308,6 @@ fn fused_config(t: usize, heads: usize) -> LaunchConfig {
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-/// Blocks of [`ROW_THREADS`] that take `rows` rows in turn (at most 4096
-/// blocks), their threads a row's columns.
-fn row_stride(rows: usize) -> LaunchConfig {
-    rows_config(rows.clamp(1, 4096))
 }
 
 /// One block of [`ROW_THREADS`] per row.
