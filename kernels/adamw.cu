@@ -21,11 +21,12 @@ struct AdamConsts {
     float shrink;
 };
 
-// Element i of AdamW: g is f32 when grad_fmt is FMT_F32, else 16-bit;
-// working is written when working_fmt is not FMT_F32.
+// Element i of AdamW, its parameter at pe (p + i in a flat buffer): g is
+// f32 when grad_fmt is FMT_F32, else 16-bit; working is written when
+// working_fmt is not FMT_F32.
 __device__ __forceinline__ void adamw_element(
     unsigned long long i,
-    float* p,
+    float* pe,
     const void* g,
     float* m,
     float* v,
@@ -44,8 +45,8 @@ __device__ __forceinline__ void adamw_element(
     m[i] = mi;
     v[i] = vi;
     float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(vi), c.inv_sqrt_bc2), c.eps);
-    float pi = __fsub_rn(__fmul_rn(p[i], shrink), __fdiv_rn(__fmul_rn(c.step_size, mi), denom));
-    p[i] = pi;
+    float pi = __fsub_rn(__fmul_rn(*pe, shrink), __fdiv_rn(__fmul_rn(c.step_size, mi), denom));
+    *pe = pi;
     if (working_fmt != FMT_F32) {
         working[i] = round16(pi, working_fmt);
     }
@@ -66,7 +67,7 @@ extern "C" __global__ void adamw(
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < n; i += stride) {
-        adamw_element(i, p, g, m, v, working, c, c.shrink, grad_fmt, working_fmt);
+        adamw_element(i, p + i, g, m, v, working, c, c.shrink, grad_fmt, working_fmt);
     }
 }
 
@@ -74,11 +75,16 @@ extern "C" __global__ void adamw(
 // weight decay), in one launch where `adamw` takes one a tensor: run r is
 // [start[r], end[r]), sorted, apart or touching; decay_mask's bit r says
 // whether c.shrink (decay) or `plain` (none) scales it. Elements between
-// runs (a group's padding) are not touched.
+// runs (a group's padding) are not touched. The parameters may instead be
+// one buffer a run (p_at), the moments and gradients still flat.
 #define ADAMW_MAX_RUNS 16
 struct AdamRuns {
     unsigned long long start[ADAMW_MAX_RUNS];
     unsigned long long end[ADAMW_MAX_RUNS];
+    // Where not 0, run r's parameters are a buffer of their own at this
+    // address (a model's tensors, the f32 resident step), its first value
+    // the run's start; else they are p's values at the run's indices.
+    unsigned long long p_at[ADAMW_MAX_RUNS];
     unsigned int count;
     unsigned int decay_mask;
     float plain;
@@ -109,6 +115,7 @@ extern "C" __global__ void adamw_runs(
             continue;
         }
         float shrink = (runs.decay_mask >> r) & 1u ? c.shrink : runs.plain;
-        adamw_element(i, p, g, m, v, working, c, shrink, grad_fmt, working_fmt);
+        float* pe = runs.p_at[r] ? (float*)runs.p_at[r] + (i - runs.start[r]) : p + i;
+        adamw_element(i, pe, g, m, v, working, c, shrink, grad_fmt, working_fmt);
     }
 }

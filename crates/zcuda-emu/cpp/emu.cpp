@@ -293,6 +293,7 @@ const NamedKernel EMU_KERNELS[] = {
     EMU_KERNEL(r, add_f32),
     EMU_KERNEL(r, scale_f32),
     EMU_KERNEL(r, add_into16),
+    EMU_KERNEL(r, add_runs),
     EMU_KERNEL(r, widen16_into),
     EMU_KERNEL(r, round16_into),
     EMU_KERNEL(r, sum_sq_chunks),

@@ -62,6 +62,7 @@ pub const KERNELS: [KernelSource; 5] = [
             "add_f32",
             "scale_f32",
             "add_into16",
+            "add_runs",
             "widen16_into",
             "round16_into",
             "sum_sq_chunks",

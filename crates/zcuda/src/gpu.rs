@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
     DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 use zquant::{Bits, QuantError, Quantized};
@@ -65,13 +65,12 @@ const ADAMW_MAX_RUNS: usize = 16;
 /// differ.
 fn adam_len(
     what: &str,
-    p: &CudaViewMut<f32>,
+    n: usize,
     g: &DeviceGrads<'_>,
     m: &CudaViewMut<f32>,
     v: &CudaViewMut<f32>,
     working: Option<&CudaViewMut<u16>>,
 ) -> Result<usize, CudaError> {
-    let n = p.len();
     if g.len() != n || m.len() != n || v.len() != n || working.is_some_and(|w| w.len() != n) {
         return Err(CudaError::Invalid(format!("{what}: buffer lengths differ")));
     }
@@ -84,14 +83,69 @@ fn adam_len(
 struct AdamRuns {
     start: [u64; ADAMW_MAX_RUNS],
     end: [u64; ADAMW_MAX_RUNS],
+    p_at: [u64; ADAMW_MAX_RUNS],
     count: u32,
     decay_mask: u32,
     plain: f32,
 }
 
-// SAFETY: integers and an f32 in C layout, no pointers, as `adamw.cu`
-// declares `AdamRuns`, received by value.
+// SAFETY: integers (device addresses among them) and an f32 in C layout,
+// as `adamw.cu` declares `AdamRuns`, received by value.
 unsafe impl DeviceRepr for AdamRuns {}
+
+/// Where [`Gpu::adamw_runs`] finds the parameters.
+pub enum RunParams<'p, 'a> {
+    /// One flat buffer, indexed as the gradients and moments (a group's
+    /// working parameters).
+    Flat(&'p mut CudaViewMut<'a, f32>),
+    /// One buffer a run, each of its run's length (a model's f32 tensors).
+    Each(&'p mut [CudaViewMut<'a, f32>]),
+}
+
+/// Runs one `add_runs` launch takes at most (`ADD_MAX_RUNS` in
+/// `reduce.cu`).
+const ADD_MAX_RUNS: usize = 16;
+
+/// `AddRuns` of `reduce.cu`: each run's source address and place.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AddRuns {
+    src: [u64; ADD_MAX_RUNS],
+    start: [u64; ADD_MAX_RUNS],
+    end: [u64; ADD_MAX_RUNS],
+    count: u32,
+}
+
+// SAFETY: integers (device addresses among them) in C layout, as
+// `reduce.cu` declares `AddRuns`, received by value.
+unsafe impl DeviceRepr for AddRuns {}
+
+/// A flat buffer that [`Gpu::add_runs`] adds into.
+pub enum AddInto<'p, 'a> {
+    /// f32 values (`add_f32`'s sum).
+    F32(&'p mut CudaViewMut<'a, f32>),
+    /// 16-bit values (`add_into16`'s sum).
+    Half(Half16, &'p mut CudaViewMut<'a, u16>),
+}
+
+/// Runs sorted, apart or touching, inside `n` values; else what is wrong.
+fn check_runs<'r>(
+    what: &str,
+    n: usize,
+    runs: impl Iterator<Item = &'r std::ops::Range<usize>> + Clone,
+) -> Result<(), CudaError> {
+    let mut end = 0;
+    for r in runs.clone() {
+        if r.start > r.end || r.end > n || r.start < end {
+            return Err(CudaError::Invalid(format!(
+                "{what}: runs {:?} not sorted apart inside {n} values",
+                runs.collect::<Vec<_>>()
+            )));
+        }
+        end = r.end;
+    }
+    Ok(())
+}
 
 /// A 16-bit floating-point format on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -541,7 +595,14 @@ impl Gpu {
         working: Option<(Half16, &mut CudaViewMut<u16>)>,
         c: &AdamConsts,
     ) -> Result<(), CudaError> {
-        let n = adam_len("adamw", p, &g, m, v, working.as_ref().map(|(_, w)| &**w))?;
+        let n = adam_len(
+            "adamw",
+            p.len(),
+            &g,
+            m,
+            v,
+            working.as_ref().map(|(_, w)| &**w),
+        )?;
         if n == 0 {
             return Ok(());
         }
@@ -574,15 +635,17 @@ impl Gpu {
 
     /// [`Gpu::adamw`] over runs of flat buffers at once (a parameter
     /// group's tensors, one launch per 16 runs instead of one a tensor):
-    /// run `(r, decay)` updates elements `r` of every buffer, scaled by
-    /// `c.shrink` where `decay`, else by `plain` (`c.shrink` of a step
-    /// without decay); elements outside the runs are not touched. The same
-    /// bits as [`Gpu::adamw`] on each run. Runs must be sorted, apart or
-    /// touching, and inside the buffers, which must be of one length.
+    /// run `(r, decay)` updates elements `r` of the gradients, moments and
+    /// working copy, and its parameters (`p`: the same elements of a flat
+    /// buffer, or a buffer of the run's own), scaled by `c.shrink` where
+    /// `decay`, else by `plain` (`c.shrink` of a step without decay);
+    /// elements outside the runs are not touched. The same bits as
+    /// [`Gpu::adamw`] on each run. Runs must be sorted, apart or touching,
+    /// and inside the flat buffers, which must be of one length.
     #[allow(clippy::too_many_arguments)]
     pub fn adamw_runs(
         &self,
-        p: &mut CudaViewMut<f32>,
+        p: RunParams<'_, '_>,
         g: DeviceGrads<'_>,
         m: &mut CudaViewMut<f32>,
         v: &mut CudaViewMut<f32>,
@@ -593,41 +656,77 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         let n = adam_len(
             "adamw_runs",
-            p,
+            m.len(),
             &g,
             m,
             v,
             working.as_ref().map(|(_, w)| &**w),
         )?;
-        let misplaced = runs.iter().enumerate().any(|(i, (r, _))| {
-            r.start > r.end || r.end > n || (i > 0 && r.start < runs[i - 1].0.end)
-        });
-        if misplaced {
-            return Err(CudaError::Invalid(format!(
-                "adamw_runs: runs {:?} not sorted apart inside {n} values",
-                runs.iter().map(|(r, _)| r).collect::<Vec<_>>()
-            )));
+        check_runs("adamw_runs", n, runs.iter().map(|(r, _)| r))?;
+        match &p {
+            RunParams::Flat(f) if f.len() != n => {
+                return Err(CudaError::Invalid(
+                    "adamw_runs: buffer lengths differ".into(),
+                ));
+            }
+            RunParams::Each(each)
+                if each.len() != runs.len()
+                    || each.iter().zip(runs).any(|(e, (r, _))| e.len() != r.len()) =>
+            {
+                return Err(CudaError::Invalid(
+                    "adamw_runs: a run's parameters are not its length".into(),
+                ));
+            }
+            _ => {}
         }
-        let runs: Vec<_> = runs.iter().filter(|(r, _)| !r.is_empty()).collect();
         let grad_fmt = g.code();
         let working_fmt = working.as_ref().map_or(0i32, |(h, _)| h.code());
         let null = 0u64;
-        for batch in runs.chunks(ADAMW_MAX_RUNS) {
+        let live: Vec<usize> = (0..runs.len()).filter(|&i| !runs[i].0.is_empty()).collect();
+        // The flat parameters, or the live runs' own buffers in run order.
+        let (mut flat, mut own) = match p {
+            RunParams::Flat(f) => (Some(f), Vec::new()),
+            RunParams::Each(each) => {
+                let own: Vec<_> = (each.iter_mut().zip(runs))
+                    .filter(|(_, (r, _))| !r.is_empty())
+                    .map(|(e, _)| e)
+                    .collect();
+                (None, own)
+            }
+        };
+        let mut rest = own.as_mut_slice();
+        for batch in live.chunks(ADAMW_MAX_RUNS) {
             let mut a = AdamRuns {
                 start: [0; ADAMW_MAX_RUNS],
                 end: [0; ADAMW_MAX_RUNS],
+                p_at: [0; ADAMW_MAX_RUNS],
                 count: batch.len() as u32,
                 decay_mask: 0,
                 plain,
             };
-            for (i, (r, decay)) in batch.iter().enumerate() {
-                a.start[i] = r.start as u64;
-                a.end[i] = r.end as u64;
-                a.decay_mask |= u32::from(*decay) << i;
+            // The device addresses of a batch's own parameter buffers,
+            // their streams' guards held until the launch is queued.
+            let take = if flat.is_some() { 0 } else { batch.len() };
+            let (now, later) = std::mem::take(&mut rest).split_at_mut(take);
+            rest = later;
+            let mut guards = Vec::new();
+            for (k, own) in now.iter_mut().enumerate() {
+                let (at, guard) = own.device_ptr_mut(&self.stream);
+                a.p_at[k] = at;
+                guards.push(guard);
             }
-            let span = batch[batch.len() - 1].0.end - batch[0].0.start;
+            for (k, &i) in batch.iter().enumerate() {
+                let (r, decay) = &runs[i];
+                a.start[k] = r.start as u64;
+                a.end[k] = r.end as u64;
+                a.decay_mask |= u32::from(*decay) << k;
+            }
+            let span = runs[batch[batch.len() - 1]].0.end - runs[batch[0]].0.start;
             let mut launch = self.stream.launch_builder(self.function("adamw_runs"));
-            launch.arg(&mut *p);
+            match flat.as_mut() {
+                Some(f) => launch.arg(&mut **f),
+                None => launch.arg(&null),
+            };
             match &g {
                 DeviceGrads::F32(g) => launch.arg(g),
                 DeviceGrads::Half(_, g) => launch.arg(g),
@@ -639,12 +738,71 @@ impl Gpu {
             };
             launch.arg(c).arg(&a).arg(&grad_fmt).arg(&working_fmt);
             // SAFETY: the arguments match `adamw_runs`'s signature in
-            // adamw.cu (three f32 buffers, the gradient in the format
-            // `grad_fmt` names, the working copy or null as `working_fmt`
-            // says, all of n elements, checked above; 1 to 16 non-empty
-            // runs, sorted, inside n), and the loop stays below the last
-            // run's end.
+            // adamw.cu (the flat parameters or null with each run's own
+            // buffer's address, of the run's length; the gradient in the
+            // format `grad_fmt` names, the moments, the working copy or
+            // null as `working_fmt` says, all of n elements, checked above;
+            // 1 to 16 non-empty runs, sorted, inside n), and the loop stays
+            // below the last run's end.
             self.launched("adamw_runs", unsafe { launch.launch(grid_stride(span)) })?;
+            drop(guards);
+        }
+        Ok(())
+    }
+
+    /// Adds each `(at, x)` of `parts` into `acc[at..at + x.len()]` (f32, or
+    /// 16-bit rounded to nearest even) in one launch per 16 of them, the
+    /// bits of [`Gpu::add`] and [`Gpu::add_into16`] on each: a block's
+    /// gradients, each its own buffer, into its group's flat one. The
+    /// places must not overlap and must lie inside `acc`.
+    pub fn add_runs(
+        &self,
+        acc: AddInto<'_, '_>,
+        parts: &[(usize, CudaView<'_, f32>)],
+    ) -> Result<(), CudaError> {
+        let mut order: Vec<usize> = (0..parts.len())
+            .filter(|&i| !parts[i].1.is_empty())
+            .collect();
+        order.sort_by_key(|&i| parts[i].0);
+        let places: Vec<_> = order
+            .iter()
+            .map(|&i| parts[i].0..parts[i].0 + parts[i].1.len())
+            .collect();
+        let (n, fmt) = match &acc {
+            AddInto::F32(a) => (a.len(), 0i32),
+            AddInto::Half(h, a) => (a.len(), h.code()),
+        };
+        check_runs("add_runs", n, places.iter())?;
+        let mut acc = acc;
+        for (batch, at) in order.chunks(ADD_MAX_RUNS).zip(places.chunks(ADD_MAX_RUNS)) {
+            let mut a = AddRuns {
+                src: [0; ADD_MAX_RUNS],
+                start: [0; ADD_MAX_RUNS],
+                end: [0; ADD_MAX_RUNS],
+                count: batch.len() as u32,
+            };
+            let mut guards = Vec::new();
+            for (k, (&i, r)) in batch.iter().zip(at).enumerate() {
+                let (src, guard) = parts[i].1.device_ptr(&self.stream);
+                a.src[k] = src;
+                guards.push(guard);
+                a.start[k] = r.start as u64;
+                a.end[k] = r.end as u64;
+            }
+            let span = at[at.len() - 1].end - at[0].start;
+            let mut launch = self.stream.launch_builder(self.function("add_runs"));
+            match &mut acc {
+                AddInto::F32(a) => launch.arg(&mut **a),
+                AddInto::Half(_, a) => launch.arg(&mut **a),
+            };
+            launch.arg(&a).arg(&fmt);
+            // SAFETY: add_runs(acc, runs, fmt) in reduce.cu: acc f32 where
+            // fmt is FMT_F32, else 16-bit, of n values; 1 to 16 non-empty
+            // runs, sorted, inside n (checked above), each reading its
+            // source's run-length values; the loop stays below the last
+            // run's end.
+            self.launched("add_runs", unsafe { launch.launch(grid_stride(span)) })?;
+            drop(guards);
         }
         Ok(())
     }

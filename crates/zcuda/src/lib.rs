@@ -38,7 +38,9 @@ pub use gpt::{
     rotary_table, rows_by_token, BlockActs, Family, GptGpu, GptShape, HeadGrads, HeadOut, Rows,
     Weights, BLOCK_PARAMS,
 };
-pub use gpu::{AdamConsts, DeviceGrads, DeviceQuantized, Gpu, Half16, Pinned, Staging};
+pub use gpu::{
+    AdamConsts, AddInto, DeviceGrads, DeviceQuantized, Gpu, Half16, Pinned, RunParams, Staging,
+};
 pub use nccl::{host_id_for_shared_gpu, nccl_present, nccl_version, Nccl, NcclId, NcclOp};
 
 /// Re-exported so that callers hold device buffers without naming cudarc.

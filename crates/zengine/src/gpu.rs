@@ -47,8 +47,8 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use zcuda::{
-    BlockActs, CudaSlice, CudaView, CudaViewMut, DeviceGrads, DeviceRepr, Family, GptGpu, GptShape,
-    Pinned, Rows, Staging, ValidAsZeroBits, Weights,
+    AddInto, BlockActs, CudaSlice, CudaView, CudaViewMut, DeviceGrads, DeviceRepr, Family, GptGpu,
+    GptShape, Pinned, Rows, RunParams, Staging, ValidAsZeroBits, Weights,
 };
 use zmodel::Batch;
 
@@ -744,19 +744,13 @@ impl Engine {
                     Some(l) => l.of(g, padded),
                     None => h.grads.slice_mut(..),
                 };
-                for &(slot, grad) in grads {
-                    let at = starts[slot]..starts[slot] + grad.len();
-                    gpu.gpu()
-                        .add_into16(h.kind, &mut acc.slice_mut(at), &grad.slice(..))?;
-                }
+                gpu.gpu()
+                    .add_runs(AddInto::Half(h.kind, &mut acc), &views(&starts, grads))?;
                 return Ok(None);
             }
             let mut landing = r.landing(g, padded);
-            for &(slot, grad) in grads {
-                let at = starts[slot];
-                gpu.gpu()
-                    .add(&mut landing.slice_mut(at..at + grad.len()), &grad.slice(..))?;
-            }
+            gpu.gpu()
+                .add_runs(AddInto::F32(&mut landing), &views(&starts, grads))?;
             return Ok(None);
         }
         let mut parts = Vec::with_capacity(grads.len());
@@ -1112,25 +1106,45 @@ impl Engine {
                         return Err(EngineError::Gpu("16-bit parameters in an f32 step".into()))
                     }
                 };
-                for (i, at) in p.pieces() {
-                    let (slot, moment) = (p.slots[i].0.start, p.region.start);
-                    // Whole: the slot's tensor; a slice: the region's values.
-                    let mut target = match &mut params {
-                        Ok(parts) => parts[i]
-                            .as_mut()
-                            .ok_or_else(|| EngineError::Gpu("f32 weights missing".into()))?
-                            .slice_mut(at.start - slot..at.end - slot),
-                        Err(mine) => mine.slice_mut(at.start - moment..at.end - moment),
-                    };
-                    gpu.gpu().adamw(
-                        &mut target,
-                        DeviceGrads::F32(grads.slice(at.start - held.start..at.end - held.start)),
-                        &mut exp_avg.slice_mut(at.start - moment..at.end - moment),
-                        &mut exp_avg_sq.slice_mut(at.start - moment..at.end - moment),
-                        None,
-                        &device_consts(&hp, p.slots[i].1),
-                    )?;
-                }
+                // One launch over the region's tensors (each with its own
+                // decay), indexed from the region's start in the gradients
+                // and moments; the parameters the slots' own tensors (whole)
+                // or the region's values (a slice).
+                let region = p.region.clone();
+                let n = region.len();
+                let runs: Vec<_> = (p.pieces())
+                    .map(|(i, at)| (at.start - region.start..at.end - region.start, p.slots[i].1))
+                    .collect();
+                let (mut own, mut mine_view) = (Vec::new(), None);
+                let targets = match &mut params {
+                    Ok(parts) => {
+                        // The pieces in slot order, each slot once.
+                        let mut pieces = p.pieces().peekable();
+                        for (i, part) in parts.iter_mut().enumerate() {
+                            let Some((_, at)) = pieces.next_if(|(j, _)| *j == i) else {
+                                continue;
+                            };
+                            let slot = p.slots[i].0.start;
+                            let part = part
+                                .as_mut()
+                                .ok_or_else(|| EngineError::Gpu("f32 weights missing".into()))?;
+                            own.push(part.slice_mut(at.start - slot..at.end - slot));
+                        }
+                        RunParams::Each(&mut own)
+                    }
+                    Err(mine) => RunParams::Flat(mine_view.insert(mine.slice_mut(..n))),
+                };
+                let from = region.start - held.start;
+                gpu.gpu().adamw_runs(
+                    targets,
+                    DeviceGrads::F32(grads.slice(from..from + n)),
+                    &mut exp_avg.slice_mut(..n),
+                    &mut exp_avg_sq.slice_mut(..n),
+                    None,
+                    &device_consts(&hp, true),
+                    device_consts(&hp, false).shrink,
+                    &runs,
+                )?;
             }
             if sliced {
                 self.gpu_share_params(&gpu, &plans)?;
@@ -1258,7 +1272,7 @@ impl Engine {
                 let work = if whole { region.clone() } else { 0..n };
                 let from = region.start - held.start;
                 gpu.gpu().adamw_runs(
-                    &mut h.master.slice_mut(..n),
+                    RunParams::Flat(&mut h.master.slice_mut(..n)),
                     DeviceGrads::Half(h.kind, h.grads.slice(from..from + n)),
                     &mut exp_avg.slice_mut(..n),
                     &mut exp_avg_sq.slice_mut(..n),
@@ -1434,6 +1448,17 @@ pub(crate) fn nccl_counters(nccl: &zcuda::Nccl) -> zcomm::CounterSnapshot {
         c.waited_ns[op.index()] = u64::try_from(nccl.waited(theirs).as_nanos()).unwrap_or(u64::MAX);
     }
     c
+}
+
+/// Each slot's gradient with its place in the group's flat buffer.
+fn views<'a>(
+    starts: &[usize],
+    grads: &[(usize, &'a CudaSlice<f32>)],
+) -> Vec<(usize, CudaView<'a, f32>)> {
+    grads
+        .iter()
+        .map(|&(slot, grad)| (starts[slot], grad.slice(..)))
+        .collect()
 }
 
 #[cfg(test)]

@@ -708,9 +708,10 @@ mod tests {
 
     /// One launch over a group's runs (`Gpu::adamw_runs`) gives the bits of
     /// one launch a run (`Gpu::adamw`, held to the CPU's bits above), each
-    /// run with its own decay, and leaves the gaps between runs as they
-    /// were: 21 runs (two launches of at most 16), touching and apart, the
-    /// first after a gap, in every precision.
+    /// run with its own decay, whether the parameters are one flat buffer
+    /// or a buffer a run (the f32 resident step's tensors), and leaves the
+    /// gaps between runs as they were: 21 runs (two launches of at most
+    /// 16), touching and apart, the first after a gap, in every precision.
     #[cfg(feature = "cuda")]
     #[test]
     fn the_gpu_kernel_over_runs_equals_a_launch_a_run() {
@@ -726,22 +727,50 @@ mod tests {
         }
         let n = at + 9;
         let [p, g, m, v] = inputs(n, 11);
+        #[derive(Clone, Copy, PartialEq, Debug)]
+        enum Launch {
+            ARun,
+            Flat,
+            Each,
+        }
         for kind in PRECISIONS {
             let gh: Vec<u16> = g.iter().map(|&x| kind.map_or(0, |h| h.round(x))).collect();
             let w0: Vec<u16> = (0..n).map(|i| i as u16 ^ 0x5a5a).collect();
-            let run = |one_launch: bool| {
-                let up = |x: &Vec<f32>| gpu.upload(x).unwrap();
+            let run = |how: Launch| {
+                let up = |x: &[f32]| gpu.upload(x).unwrap();
                 let (mut dp, mut dm, mut dv, dg32) = (up(&p), up(&m), up(&v), up(&g));
+                let mut own: Vec<_> = runs.iter().map(|(r, _)| up(&p[r.clone()])).collect();
                 let dgh = gpu.upload(&gh).unwrap();
                 let mut dw = gpu.upload(&w0).unwrap();
                 let grads = |r: std::ops::Range<usize>| match kind {
                     None => zcuda::DeviceGrads::F32(dg32.slice(r)),
                     Some(h) => zcuda::DeviceGrads::Half(h.into(), dgh.slice(r)),
                 };
-                if one_launch {
+                if how == Launch::ARun {
+                    for ((r, decay), o) in runs.iter().zip(&mut own) {
+                        let mut w = dw.slice_mut(r.clone());
+                        gpu.adamw(
+                            &mut o.slice_mut(..),
+                            grads(r.clone()),
+                            &mut dm.slice_mut(r.clone()),
+                            &mut dv.slice_mut(r.clone()),
+                            kind.map(|h| (h.into(), &mut w)),
+                            &device_consts(&s, *decay),
+                        )
+                        .unwrap();
+                    }
+                } else {
                     let mut w = dw.slice_mut(..);
+                    let (mut flat, mut each) = (dp.slice_mut(..), Vec::new());
+                    let params = match how {
+                        Launch::Flat => zcuda::RunParams::Flat(&mut flat),
+                        _ => {
+                            each.extend(own.iter_mut().map(|o| o.slice_mut(..)));
+                            zcuda::RunParams::Each(&mut each)
+                        }
+                    };
                     gpu.adamw_runs(
-                        &mut dp.slice_mut(..),
+                        params,
                         grads(0..n),
                         &mut dm.slice_mut(..),
                         &mut dv.slice_mut(..),
@@ -751,28 +780,27 @@ mod tests {
                         &runs,
                     )
                     .unwrap();
-                } else {
-                    for (r, decay) in &runs {
-                        let mut w = dw.slice_mut(r.clone());
-                        gpu.adamw(
-                            &mut dp.slice_mut(r.clone()),
-                            grads(r.clone()),
-                            &mut dm.slice_mut(r.clone()),
-                            &mut dv.slice_mut(r.clone()),
-                            kind.map(|h| (h.into(), &mut w)),
-                            &device_consts(&s, *decay),
-                        )
-                        .unwrap();
-                    }
                 }
                 let bits = |x: &zcuda::CudaSlice<f32>| {
                     let x = gpu.download(x).unwrap();
                     x.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                 };
-                (bits(&dp), bits(&dm), bits(&dv), gpu.download(&dw).unwrap())
+                // The parameters as one flat buffer: the runs' own buffers
+                // laid over the flat one where they were used.
+                let mut params = bits(&dp);
+                if how != Launch::Flat {
+                    for ((r, _), o) in runs.iter().zip(&own) {
+                        params[r.clone()].copy_from_slice(&bits(o));
+                    }
+                }
+                (params, bits(&dm), bits(&dv), gpu.download(&dw).unwrap())
             };
-            let (want, got) = (run(false), run(true));
-            assert!(want == got, "{kind:?}: the runs' launch differs");
+            let want = run(Launch::ARun);
+            for how in [Launch::Flat, Launch::Each] {
+                let got = run(how);
+                assert!(want == got, "{kind:?}, {how:?}: the runs' launch differs");
+            }
+            let got = run(Launch::Flat);
             let untouched = |i: usize| {
                 got.0[i] == p[i].to_bits()
                     && got.1[i] == m[i].to_bits()
@@ -789,6 +817,121 @@ mod tests {
             for (r, _) in &runs {
                 assert!(!r.clone().all(untouched), "{kind:?}: run {r:?} untouched");
             }
+        }
+        // A run's own buffer must be the run's length.
+        let up = |x: &[f32]| gpu.upload(x).unwrap();
+        let (mut dm, mut dv, dg) = (up(&m), up(&v), up(&g));
+        let mut own: Vec<_> = runs
+            .iter()
+            .map(|(r, _)| up(&p[r.start..r.end + 1]))
+            .collect();
+        let mut each: Vec<_> = own.iter_mut().map(|o| o.slice_mut(..)).collect();
+        let e = gpu.adamw_runs(
+            zcuda::RunParams::Each(&mut each),
+            zcuda::DeviceGrads::F32(dg.slice(..)),
+            &mut dm.slice_mut(..),
+            &mut dv.slice_mut(..),
+            None,
+            &device_consts(&s, true),
+            device_consts(&s, false).shrink,
+            &runs,
+        );
+        assert!(format!("{:?}", e.unwrap_err()).contains("not its length"));
+    }
+
+    /// A block's gradients added into a group's flat buffer in one launch
+    /// (`Gpu::add_runs`) give the bits of one `add` or `add_into16` a
+    /// tensor, in f32, bf16 and f16, and leave the gaps as they were: 21
+    /// tensors, given out of order, touching and apart.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_gpus_gradient_adds_over_runs_equal_an_add_a_tensor() {
+        let Some((gpu, _)) = gpu_and_step("the_gpus_gradient_adds_over_runs_equal_an_add_a_tensor")
+        else {
+            return;
+        };
+        let mut places = Vec::new();
+        let mut at = 3;
+        for i in 0..21usize {
+            let len = 1 + (i * 53) % 300;
+            places.push(at..at + len);
+            at += len + if i % 3 == 0 { 0 } else { 5 };
+        }
+        let n = at + 7;
+        let [acc0, x, ..] = inputs(n, 17);
+        let parts: Vec<_> = places
+            .iter()
+            .rev()
+            .map(|r| (r.start, gpu.upload(&x[r.clone()]).unwrap()))
+            .collect();
+        let views: Vec<_> = parts.iter().map(|(at, d)| (*at, d.slice(..))).collect();
+        for kind in PRECISIONS {
+            let (by_part, by_runs) = match kind {
+                None => {
+                    let run = |one: bool| {
+                        let mut acc = gpu.upload(&acc0).unwrap();
+                        if one {
+                            let mut view = acc.slice_mut(..);
+                            gpu.add_runs(zcuda::AddInto::F32(&mut view), &views)
+                                .unwrap();
+                        } else {
+                            for (at, d) in &parts {
+                                gpu.add_at(&mut acc, *at, d).unwrap();
+                            }
+                        }
+                        let got = gpu.download(&acc).unwrap();
+                        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                    };
+                    (run(false), run(true))
+                }
+                Some(h) => {
+                    let acc16: Vec<u32> = acc0.iter().map(|&v| u32::from(h.round(v))).collect();
+                    let run = |one: bool| {
+                        let words: Vec<u16> = acc16.iter().map(|&w| w as u16).collect();
+                        let mut acc = gpu.upload(&words).unwrap();
+                        if one {
+                            let mut view = acc.slice_mut(..);
+                            gpu.add_runs(zcuda::AddInto::Half(h.into(), &mut view), &views)
+                                .unwrap();
+                        } else {
+                            for (at, d) in &parts {
+                                let mut view = acc.slice_mut(*at..*at + d.len());
+                                gpu.add_into16(h.into(), &mut view, &d.slice(..)).unwrap();
+                            }
+                        }
+                        let got = gpu.download(&acc).unwrap();
+                        got.iter().map(|&w| u32::from(w)).collect::<Vec<_>>()
+                    };
+                    (run(false), run(true))
+                }
+            };
+            assert!(by_part == by_runs, "{kind:?}: the runs' launch differs");
+            let start = match kind {
+                None => acc0.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                Some(h) => acc0.iter().map(|&v| u32::from(h.round(v))).collect(),
+            };
+            for i in (0..n).filter(|i| !places.iter().any(|r| r.contains(i))) {
+                assert_eq!(by_runs[i], start[i], "{kind:?}: gap value {i} changed");
+            }
+            for r in &places {
+                assert!(
+                    r.clone().any(|i| by_runs[i] != start[i]),
+                    "{kind:?}: nothing added at {r:?}"
+                );
+            }
+        }
+        // Places that overlap or run past the buffer are refused.
+        let mut acc = gpu.upload(&acc0).unwrap();
+        let mut view = acc.slice_mut(..);
+        for bad in [
+            vec![(0, parts[0].1.slice(..4)), (2, parts[1].1.slice(..4))],
+            vec![(n - 2, parts[0].1.slice(..4))],
+        ] {
+            let e = gpu.add_runs(zcuda::AddInto::F32(&mut view), &bad);
+            assert!(
+                format!("{:?}", e.unwrap_err()).contains("not sorted apart"),
+                "{bad:?}"
+            );
         }
     }
 
