@@ -7,9 +7,10 @@
 //
 // These compute the same functions as zrun's CPU model (crates/zmodel) in
 // f32, not the same bits: exp, tanh and log come from CUDA's math library
-// and sums run in other orders. Each is deterministic, though: no atomics,
-// every sum in a fixed order (a gradient's column sums first per chunk of
-// rows, then over the chunks in order), so a GPU run repeats to the bit and
+// and sums run in other orders. Each is deterministic, though: every sum in
+// a fixed order (a gradient's column sums first per chunk of rows, then
+// over the chunks in order; the one atomic counts finished blocks and
+// orders no sum), so a GPU run repeats to the bit and
 // ZeRO's stages stay bit-identical to each other on the GPU. The CPU model
 // is the oracle of the tests (crates/zcuda/src/tests.rs).
 
@@ -163,26 +164,84 @@ extern "C" __global__ void layer_norm_backward(const float* x, const float* w,
     }
 }
 
-// Layer norm's parameter gradients, part 1: for rows [chunk·rows_per,
+// Loads a column sum issues before adding them (in order, so the same sum):
+// one load an add left each thread waiting on memory's latency row by row,
+// with too few threads to hide it where the width is 1024 (an H200, 152M
+// bf16 step: the bias gradients' 146 calls 1.68 -> 1.42 ms).
+#define IN_FLIGHT 8
+
+// Σ a[r·width + c] over rows [r0, r1), in row order; `cg` reads past the
+// SM's own cache (values other blocks of this launch wrote).
+__device__ __forceinline__ float column_sum(const float* a, int r0, int r1, int width, int c,
+                                            bool cg)
+{
+    float s = 0.0f;
+    int r = r0;
+    for (; r + IN_FLIGHT <= r1; r += IN_FLIGHT) {
+        float v[IN_FLIGHT];
+#pragma unroll
+        for (int j = 0; j < IN_FLIGHT; j++) {
+            const float* at = &a[(unsigned long long)(r + j) * width + c];
+            v[j] = cg ? __ldcg(at) : *at;
+        }
+#pragma unroll
+        for (int j = 0; j < IN_FLIGHT; j++) s += v[j];
+    }
+    for (; r < r1; r++) {
+        const float* at = &a[(unsigned long long)r * width + c];
+        s += cg ? __ldcg(at) : *at;
+    }
+    return s;
+}
+
+// The column kernels' second part in the same launch: true in the last of
+// a column stripe's blocks (blockIdx.x; its blocks blockIdx.y take chunks
+// of rows) to finish its chunk's parts, once every chunk's parts are
+// visible to it; that block then adds the chunks' parts in chunk order.
+// done[blockIdx.x] counts the stripe's finished blocks; the last sets it
+// back to 0 for the next launch. (Two launches, chunks then their sums,
+// cost ~4 µs of GPU time each on an H200 whatever their size: 146 of
+// them a 152M step.) Every thread of the block must call it.
+__device__ bool last_of_stripe(unsigned int* done)
+{
+    __shared__ unsigned int finished;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        finished = atomicAdd(&done[blockIdx.x], 1u);
+        if (finished == gridDim.y - 1) done[blockIdx.x] = 0;
+    }
+    __syncthreads();
+    return finished == gridDim.y - 1;
+}
+
+// Layer norm's parameter gradients: for rows [chunk·rows_per,
 // (chunk+1)·rows_per) of blockIdx.y's chunk, one thread per column adds
-// dy·x̂ and dy down the rows in order. Part 2 is `column_sums` over chunks.
+// dy·x̂ and dy down the rows in order into the parts; the stripe's last
+// block adds the chunks' parts in order into dw and db.
 extern "C" __global__ void layer_norm_param_partials(const float* x, const float* mean,
                                                      const float* rstd, const float* dy,
-                                                     float* dw_part, float* db_part,
-                                                     int n, int d, int rows_per)
+                                                     float* dw_part, float* db_part, float* dw,
+                                                     float* db, unsigned int* done, int n, int d,
+                                                     int rows_per)
 {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= d) return;
-    int r0 = blockIdx.y * rows_per, r1 = min(n, r0 + rows_per);
-    float sw = 0.0f, sb = 0.0f;
-    for (int r = r0; r < r1; r++) {
-        unsigned long long i = (unsigned long long)r * d + c;
-        float g = dy[i];
-        sw += g * (x[i] - mean[r]) * rstd[r];
-        sb += g;
+    if (c < d) {
+        int r0 = blockIdx.y * rows_per, r1 = min(n, r0 + rows_per);
+        float sw = 0.0f, sb = 0.0f;
+        for (int r = r0; r < r1; r++) {
+            unsigned long long i = (unsigned long long)r * d + c;
+            float g = dy[i];
+            sw += g * (x[i] - mean[r]) * rstd[r];
+            sb += g;
+        }
+        dw_part[(unsigned long long)blockIdx.y * d + c] = sw;
+        db_part[(unsigned long long)blockIdx.y * d + c] = sb;
     }
-    dw_part[(unsigned long long)blockIdx.y * d + c] = sw;
-    db_part[(unsigned long long)blockIdx.y * d + c] = sb;
+    if (last_of_stripe(done) && c < d) {
+        dw[c] = column_sum(dw_part, 0, gridDim.y, d, c, true);
+        db[c] = column_sum(db_part, 0, gridDim.y, d, c, true);
+    }
 }
 
 // LLaMA's RMSNorm, one block per row: y = x · r · w (or its 16-bit value in
@@ -218,49 +277,40 @@ extern "C" __global__ void rms_norm_backward(const float* x, const float* w, con
     }
 }
 
-// RMSNorm's weight gradient, part 1: for the rows of blockIdx.y's chunk, one
-// thread per column adds dy · x̂ down the rows in order; part 2 is
-// `column_sums` over the chunks.
+// RMSNorm's weight gradient: for the rows of blockIdx.y's chunk, one thread
+// per column adds dy · x̂ down the rows in order into the part; the
+// stripe's last block adds the chunks' parts in order into dw.
 extern "C" __global__ void rms_norm_param_partials(const float* x, const float* rstd,
-                                                   const float* dy, float* dw_part, int n, int d,
+                                                   const float* dy, float* dw_part, float* dw,
+                                                   unsigned int* done, int n, int d,
                                                    int rows_per)
 {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= d) return;
-    int r0 = blockIdx.y * rows_per, r1 = min(n, r0 + rows_per);
-    float sw = 0.0f;
-    for (int r = r0; r < r1; r++) {
-        unsigned long long i = (unsigned long long)r * d + c;
-        sw += dy[i] * (x[i] * rstd[r]);
+    if (c < d) {
+        int r0 = blockIdx.y * rows_per, r1 = min(n, r0 + rows_per);
+        float sw = 0.0f;
+        for (int r = r0; r < r1; r++) {
+            unsigned long long i = (unsigned long long)r * d + c;
+            sw += dy[i] * (x[i] * rstd[r]);
+        }
+        dw_part[(unsigned long long)blockIdx.y * d + c] = sw;
     }
-    dw_part[(unsigned long long)blockIdx.y * d + c] = sw;
+    if (last_of_stripe(done) && c < d) dw[c] = column_sum(dw_part, 0, gridDim.y, d, c, true);
 }
 
-// out[c] = Σ_r a[r, c] over `rows` rows of `width`, in row order; with
-// rows_per < rows, blockIdx.y sums its chunk into part[chunk, c] instead (a
-// bias gradient over many rows: chunks first, then the chunks' sums).
-// IN_FLIGHT loads go out before they are added, in order (the same sum):
-// one load an add left each thread waiting on memory's latency row by row,
-// with too few threads to hide it where the width is 1024 (an H200, 152M
-// bf16 step: 146 calls 1.68 -> 1.42 ms).
-#define IN_FLIGHT 8
-extern "C" __global__ void column_sums(const float* a, float* out, int rows, int width,
-                                       int rows_per)
+// out[c] = Σ_r a[r, c] over `rows` rows of `width` (a bias gradient):
+// blockIdx.y sums its chunk of rows_per rows in row order into
+// part[chunk, c], and the stripe's last block adds the chunks' parts in
+// chunk order into out.
+extern "C" __global__ void column_sums(const float* a, float* part, float* out,
+                                       unsigned int* done, int rows, int width, int rows_per)
 {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= width) return;
-    int r0 = blockIdx.y * rows_per, r1 = min(rows, r0 + rows_per);
-    float s = 0.0f;
-    int r = r0;
-    for (; r + IN_FLIGHT <= r1; r += IN_FLIGHT) {
-        float v[IN_FLIGHT];
-#pragma unroll
-        for (int j = 0; j < IN_FLIGHT; j++) v[j] = a[(unsigned long long)(r + j) * width + c];
-#pragma unroll
-        for (int j = 0; j < IN_FLIGHT; j++) s += v[j];
+    if (c < width) {
+        int r0 = blockIdx.y * rows_per, r1 = min(rows, r0 + rows_per);
+        part[(unsigned long long)blockIdx.y * width + c] = column_sum(a, r0, r1, width, c, false);
     }
-    for (; r < r1; r++) s += a[(unsigned long long)r * width + c];
-    out[(unsigned long long)blockIdx.y * width + c] = s;
+    if (last_of_stripe(done) && c < width) out[c] = column_sum(part, 0, gridDim.y, width, c, true);
 }
 
 // y = (y [+ b]) [+ res], per row of `width` (b null: LLaMA's linears have

@@ -562,12 +562,14 @@ fn the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host() {
     )
     .wait(std::time::Duration::from_secs(300));
     assert_eq!(f.code(), 0, "{f:?}");
-    // The table: "ms/step share calls/step idle name" rows, then the total.
+    // The table: "ms/step share calls/step idle name" rows, then the total,
+    // rank 0's lines (zrun's own lines may come between them).
     let total_row = |l: &&str| l.ends_with("all marked operations");
     let from_header = || {
         (f.stdout.lines())
             .skip_while(|l| !l.contains("GPU time by operation"))
             .skip(2)
+            .filter(|l| l.starts_with("[rank 0]"))
     };
     let mut table: Vec<&str> = from_header().take_while(|l| !total_row(l)).collect();
     table.extend(from_header().find(total_row));
@@ -578,7 +580,9 @@ fn the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host() {
             .unwrap()
             .split_whitespace()
             .collect();
-        words[i].trim_end_matches('%').parse().unwrap()
+        let word = words.get(i).map(|w| w.trim_end_matches('%'));
+        word.and_then(|w| w.parse().ok())
+            .unwrap_or_else(|| panic!("field {i} of {l:?} is no number: {}", f.stdout))
     };
     let (rows, total) = table.split_at(table.len().saturating_sub(1));
     assert!(

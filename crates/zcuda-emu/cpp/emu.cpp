@@ -56,10 +56,9 @@ void emu_rms_norm_backward(const float* x, const float* w, const float* rstd, co
     emu_launch(k::rms_norm_backward, rows(n), threads(), x, w, rstd, dy, dres, dx, d);
     int chunks = std::max(1, (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK);
     std::vector<float> part((size_t)chunks * d);
+    std::vector<unsigned> done(columns(d, 1).x);
     emu_launch(k::rms_norm_param_partials, columns(d, chunks), threads(), x, rstd, dy, part.data(),
-               n, d, ROWS_PER_CHUNK);
-    emu_launch(k::column_sums, columns(d, 1), threads(), (const float*)part.data(), dw, chunks, d,
-               chunks);
+               dw, done.data(), n, d, ROWS_PER_CHUNK);
 }
 
 void emu_swiglu(const float* h, float* y, unsigned short* y16, int fmt16, unsigned long long n,
@@ -104,23 +103,19 @@ void emu_layer_norm_backward(const float* x, const float* w, const float* mean, 
     emu_launch(k::layer_norm_backward, rows(n), threads(), x, w, mean, rstd, dy, dres, dx, d);
     int chunks = std::max(1, (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK);
     std::vector<float> dw_part((size_t)chunks * d), db_part((size_t)chunks * d);
+    std::vector<unsigned> done(columns(d, 1).x);
     emu_launch(k::layer_norm_param_partials, columns(d, chunks), threads(), x, mean, rstd, dy,
-               dw_part.data(), db_part.data(), n, d, ROWS_PER_CHUNK);
-    emu_launch(k::column_sums, columns(d, 1), threads(), (const float*)dw_part.data(), dw, chunks,
-               d, chunks);
-    emu_launch(k::column_sums, columns(d, 1), threads(), (const float*)db_part.data(), db, chunks,
-               d, chunks);
+               dw_part.data(), db_part.data(), dw, db, done.data(), n, d, ROWS_PER_CHUNK);
 }
 
 // A bias gradient as GptGpu::column_sums takes it: chunks of rows, then
-// the chunks' sums.
+// the chunks' sums, in one launch.
 void emu_column_sums(const float* a, float* out, int n, int width) {
     int chunks = std::max(1, (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK);
     std::vector<float> part((size_t)chunks * width);
-    emu_launch(k::column_sums, columns(width, chunks), threads(), a, part.data(), n, width,
-               ROWS_PER_CHUNK);
-    emu_launch(k::column_sums, columns(width, 1), threads(), (const float*)part.data(), out,
-               chunks, width, chunks);
+    std::vector<unsigned> done(columns(width, 1).x);
+    emu_launch(k::column_sums, columns(width, chunks), threads(), a, part.data(), out, done.data(),
+               n, width, ROWS_PER_CHUNK);
 }
 
 void emu_gelu(const float* h, float* g, unsigned short* g16, int fmt16, unsigned long long n) {

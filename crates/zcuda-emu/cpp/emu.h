@@ -169,6 +169,15 @@ inline unsigned long long atomicMin(unsigned long long* at, unsigned long long v
     return old;
 }
 
+// gpt.cu's column kernels count a stripe's finished blocks (the blocks run
+// on several OS threads here, as on a GPU's SMs): the fence and the count
+// order each block's parts before the last block reads them.
+inline unsigned atomicAdd(unsigned* at, unsigned v) {
+    return std::atomic_ref<unsigned>(*at).fetch_add(v);
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline float __ldcg(const float* at) { return *at; }
+
 inline unsigned __float_as_uint(float f) {
     unsigned bits;
     std::memcpy(&bits, &f, sizeof bits);

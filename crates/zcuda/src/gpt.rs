@@ -19,9 +19,12 @@
 //! Numerics: the same function as the CPU model in f32 (cuBLAS's SGEMM
 //! without TF32 or 16-bit products, the kernels' f32 arithmetic), not the same bits; the tests
 //! hold each gradient to the CPU model's within a stated relative error.
-//! Deterministic: cuBLAS on one stream and kernels without atomics repeat
-//! to the bit. Attention keeps its probabilities `[b·heads, t, t]` for the
+//! Deterministic: cuBLAS on one stream and kernels whose sums run in a
+//! fixed order repeat to the bit (the column kernels' one atomic counts
+//! finished blocks; it does not order any sum). Attention keeps its probabilities `[b·heads, t, t]` for the
 //! backward (no recomputation yet), t² floats per head and sequence.
+
+use std::sync::{Mutex, MutexGuard};
 
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
@@ -482,6 +485,10 @@ pub struct GptGpu {
     /// Whether attention runs attention.cu's fused kernels
     /// ([`GptGpu::use_fused_attention`]).
     fused_attention: bool,
+    /// The column kernels' finished-block counts, one a stripe of
+    /// [`ROW_THREADS`] columns, zero between launches (gpt.cu's
+    /// `last_of_stripe`); grown to the widest use.
+    stripes_done: Mutex<Option<CudaSlice<u32>>>,
 }
 
 impl GptGpu {
@@ -527,6 +534,7 @@ impl GptGpu {
             fmt16: 0,
             tf32: false,
             fused_attention: false,
+            stripes_done: Mutex::new(None),
         })
     }
 
@@ -1206,7 +1214,7 @@ impl GptGpu {
     }
 
     /// `Σ_r a[r, ·]` over `rows` rows of `width`: per chunk of rows, then
-    /// over the chunks, each in order.
+    /// over the chunks, each in order, in one launch.
     fn column_sums(
         &self,
         a: &CudaSlice<f32>,
@@ -1215,30 +1223,42 @@ impl GptGpu {
     ) -> Result<CudaSlice<f32>, CudaError> {
         let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
         let mut part = self.alloc(chunks * width)?;
-        self.column_sums_into(a, rows, width, ROWS_PER_CHUNK, &mut part)?;
         let mut out = self.alloc(width)?;
-        self.column_sums_into(&part, chunks, width, chunks, &mut out)?;
-        Ok(out)
-    }
-
-    fn column_sums_into(
-        &self,
-        a: &CudaSlice<f32>,
-        rows: usize,
-        width: usize,
-        rows_per: usize,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
-        let (r32, w32, per32) = (rows as i32, width as i32, rows_per as i32);
+        let mut done = self.stripes_done(width)?;
+        let done = done.as_mut().expect("stripes_done fills it");
+        let (r32, w32, per32) = (rows as i32, width as i32, ROWS_PER_CHUNK as i32);
         let mut l = self
             .gpu
             .stream()
             .launch_builder(self.gpu.function("column_sums"));
-        l.arg(a).arg(&mut *out).arg(&r32).arg(&w32).arg(&per32);
-        let cfg = columns_config(width, rows.div_ceil(rows_per).max(1));
-        // SAFETY: column_sums(a[rows·width], out[chunks·width], rows, width,
-        // rows_per): chunk y writes out[y·width + c] for c < width.
-        self.launched("column_sums", unsafe { l.launch(cfg) })
+        l.arg(a)
+            .arg(&mut part)
+            .arg(&mut out)
+            .arg(done)
+            .arg(&r32)
+            .arg(&w32)
+            .arg(&per32);
+        let cfg = columns_config(width, chunks);
+        // SAFETY: column_sums(a[rows·width], part[chunks·width], out[width],
+        // done[stripes], rows, width, rows_per): chunk y writes part[y·width
+        // + c] for c < width, a stripe's last block out[c] of its columns;
+        // done holds a zero for each of the grid's stripes.
+        self.launched("column_sums", unsafe { l.launch(cfg) })?;
+        Ok(out)
+    }
+
+    /// The column kernels' counts for `width` columns, zeros (each launch
+    /// leaves them so), held while a launch is queued.
+    fn stripes_done(
+        &self,
+        width: usize,
+    ) -> Result<MutexGuard<'_, Option<CudaSlice<u32>>>, CudaError> {
+        let stripes = width.div_ceil(ROW_THREADS as usize).max(1);
+        let mut done = self.stripes_done.lock().unwrap_or_else(|e| e.into_inner());
+        if done.as_ref().is_none_or(|d| d.len() < stripes) {
+            *done = Some(self.gpu.zeros::<u32>(stripes)?);
+        }
+        Ok(done)
     }
 
     /// The block's norm of `n` rows, `(w, b)`: layer norm (GPT-2, with its
@@ -1326,6 +1346,9 @@ impl GptGpu {
         let chunks = n.div_ceil(ROWS_PER_CHUNK).max(1);
         let mut dw_part = self.alloc(chunks * d)?;
         let per32 = ROWS_PER_CHUNK as i32;
+        let mut dw = self.alloc(d)?;
+        let mut done = self.stripes_done(d)?;
+        let done = done.as_mut().expect("stripes_done fills it");
         let mut l = self
             .gpu
             .stream()
@@ -1334,15 +1357,16 @@ impl GptGpu {
             .arg(rstd)
             .arg(dy)
             .arg(&mut dw_part)
+            .arg(&mut dw)
+            .arg(done)
             .arg(&n32)
             .arg(&d32)
             .arg(&per32);
         let cfg = columns_config(d, chunks);
         // SAFETY: chunk y writes dw_part[y·d + c], c < d, from rows of its
-        // chunk below n.
+        // chunk below n, a stripe's last block dw[c] of its columns; done
+        // holds a zero for each of the grid's stripes.
         self.launched("rms_norm_param_partials", unsafe { l.launch(cfg) })?;
-        let mut dw = self.alloc(d)?;
-        self.column_sums_into(&dw_part, chunks, d, chunks, &mut dw)?;
         Ok((dx, dw, None))
     }
 
@@ -1400,6 +1424,9 @@ impl GptGpu {
         let chunks = n.div_ceil(ROWS_PER_CHUNK).max(1);
         let (mut dw_part, mut db_part) = (self.alloc(chunks * d)?, self.alloc(chunks * d)?);
         let per32 = ROWS_PER_CHUNK as i32;
+        let (mut dw, mut db) = (self.alloc(d)?, self.alloc(d)?);
+        let mut done = self.stripes_done(d)?;
+        let done = done.as_mut().expect("stripes_done fills it");
         let mut l = self
             .gpu
             .stream()
@@ -1410,16 +1437,17 @@ impl GptGpu {
             .arg(dy)
             .arg(&mut dw_part)
             .arg(&mut db_part)
+            .arg(&mut dw)
+            .arg(&mut db)
+            .arg(done)
             .arg(&n32)
             .arg(&d32)
             .arg(&per32);
         let cfg = columns_config(d, chunks);
         // SAFETY: chunk y writes dw_part/db_part[y·d + c], c < d, from rows
-        // of its chunk below n.
+        // of its chunk below n, a stripe's last block dw[c] and db[c] of its
+        // columns; done holds a zero for each of the grid's stripes.
         self.launched("layer_norm_param_partials", unsafe { l.launch(cfg) })?;
-        let (mut dw, mut db) = (self.alloc(d)?, self.alloc(d)?);
-        self.column_sums_into(&dw_part, chunks, d, chunks, &mut dw)?;
-        self.column_sums_into(&db_part, chunks, d, chunks, &mut db)?;
         Ok((dx, dw, Some(db)))
     }
 
