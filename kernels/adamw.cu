@@ -101,21 +101,9 @@ extern "C" __global__ void adamw_runs(
     int grad_fmt,
     int working_fmt)
 {
-    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    unsigned long long n = runs.end[runs.count - 1];
-    // A thread's i only grows, so its run index only moves forward.
-    unsigned int r = 0;
-    for (unsigned long long i = runs.start[0] + (unsigned long long)blockIdx.x * blockDim.x +
-                                threadIdx.x;
-         i < n; i += stride) {
-        while (i >= runs.end[r]) {
-            r++;
-        }
-        if (i < runs.start[r]) {
-            continue;
-        }
+    for_each_in_runs(runs.start, runs.end, runs.count, [&](unsigned long long i, unsigned int r) {
         float shrink = (runs.decay_mask >> r) & 1u ? c.shrink : runs.plain;
         float* pe = runs.p_at[r] ? (float*)runs.p_at[r] + (i - runs.start[r]) : p + i;
         adamw_element(i, pe, g, m, v, working, c, shrink, grad_fmt, working_fmt);
-    }
+    });
 }

@@ -51,19 +51,7 @@ struct AddRuns {
 
 extern "C" __global__ void add_runs(void* acc, AddRuns runs, int fmt)
 {
-    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    unsigned long long n = runs.end[runs.count - 1];
-    // A thread's i only grows, so its run index only moves forward.
-    unsigned int r = 0;
-    for (unsigned long long i = runs.start[0] + (unsigned long long)blockIdx.x * blockDim.x +
-                                threadIdx.x;
-         i < n; i += stride) {
-        while (i >= runs.end[r]) {
-            r++;
-        }
-        if (i < runs.start[r]) {
-            continue;
-        }
+    for_each_in_runs(runs.start, runs.end, runs.count, [&](unsigned long long i, unsigned int r) {
         float x = ((const float*)runs.src[r])[i - runs.start[r]];
         if (fmt == FMT_F32) {
             float* a = (float*)acc;
@@ -72,7 +60,7 @@ extern "C" __global__ void add_runs(void* acc, AddRuns runs, int fmt)
             unsigned short* a = (unsigned short*)acc;
             a[i] = round16(__fadd_rn(widen16(a[i], fmt), x), fmt);
         }
-    }
+    });
 }
 
 // out[i] = the f32 value of the 16-bit x[i] (exact): the model's f32 weights

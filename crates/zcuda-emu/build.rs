@@ -1,6 +1,6 @@
 //! Compiles `kernels/quantize.cu`, and `kernels/gpt.cu`, `reduce.cu`,
-//! `adamw.cu` and `attention.cu` each after `half16.cuh` as zcuda compiles
-//! them, as C++ for the CPU (see `cpp/emu.h`): their kernels lose
+//! `adamw.cu` and `attention.cu` each after `half16.cuh` (and `runs.cuh`
+//! for `reduce.cu` and `adamw.cu`) as zcuda compiles them, as C++ for the CPU (see `cpp/emu.h`): their kernels lose
 //! `extern "C"` and go into namespaces, so that only the launchers of
 //! `cpp/emu.cpp` are exported. From the same objects it links the CPU
 //! "GPU" (`cpp/driver.cpp`, `cublas.cpp`, `nvrtc.cpp`) as shared libraries
@@ -18,8 +18,14 @@ fn main() {
     };
     for (name, cuda) in [
         ("gpt_kernels.cu", read("half16.cuh") + &read("gpt.cu")),
-        ("reduce_kernels.cu", read("half16.cuh") + &read("reduce.cu")),
-        ("adamw_kernels.cu", read("half16.cuh") + &read("adamw.cu")),
+        (
+            "reduce_kernels.cu",
+            read("half16.cuh") + &read("runs.cuh") + &read("reduce.cu"),
+        ),
+        (
+            "adamw_kernels.cu",
+            read("half16.cuh") + &read("runs.cuh") + &read("adamw.cu"),
+        ),
         ("quantize_kernels.cu", read("quantize.cu")),
         (
             "attention_kernels.cu",
@@ -59,6 +65,7 @@ fn main() {
         "cpp/nccl.cpp",
         "../../kernels/gpt.cu",
         "../../kernels/half16.cuh",
+        "../../kernels/runs.cuh",
         "../../kernels/reduce.cu",
         "../../kernels/adamw.cu",
         "../../kernels/quantize.cu",

@@ -24,7 +24,7 @@ pub struct KernelSource {
     /// File name in `kernels/`.
     pub name: &'static str,
     /// The source text (with `half16.cuh`'s before it where the file uses
-    /// the 16-bit formats).
+    /// the 16-bit formats, and `runs.cuh`'s where it walks runs).
     pub code: &'static str,
     /// The `extern "C"` functions it defines.
     pub functions: &'static [&'static str],
@@ -41,6 +41,7 @@ pub const KERNELS: [KernelSource; 5] = [
         name: "adamw.cu",
         code: concat!(
             include_str!("../../../kernels/half16.cuh"),
+            include_str!("../../../kernels/runs.cuh"),
             include_str!("../../../kernels/adamw.cu")
         ),
         functions: &["adamw", "adamw_runs"],
@@ -56,6 +57,7 @@ pub const KERNELS: [KernelSource; 5] = [
         name: "reduce.cu",
         code: concat!(
             include_str!("../../../kernels/half16.cuh"),
+            include_str!("../../../kernels/runs.cuh"),
             include_str!("../../../kernels/reduce.cu")
         ),
         functions: &[
