@@ -119,11 +119,13 @@ void emu_column_sums(const float* a, float* out, int n, int width) {
 }
 
 void emu_gelu(const float* h, float* g, unsigned short* g16, int fmt16, unsigned long long n) {
-    emu_launch(k::gelu, STRIDED_GRID, STRIDED_BLOCK, h, g, g16, fmt16, n);
+    emu_launch(k::gelu, STRIDED_GRID, STRIDED_BLOCK, h, (const float*)nullptr, 1, g, g16, fmt16,
+               n);
 }
 
 void emu_gelu_backward(const float* h, const float* dg, float* dh, unsigned long long n) {
-    emu_launch(k::gelu_backward, STRIDED_GRID, STRIDED_BLOCK, h, dg, dh, n);
+    emu_launch(k::gelu_backward, STRIDED_GRID, STRIDED_BLOCK, h, (const float*)nullptr, 1, dg, dh,
+               n);
 }
 
 // One warp per row, ROW_THREADS / 32 rows a block, as GptGpu::softmax.

@@ -848,8 +848,10 @@ impl GptGpu {
         let rows1 = self.linear(op(&attention.out, 0, d), n, d, out_w, d, Some(&x.buf))?;
         let (a2, stats2) = self.norm(&rows1, norm2, n)?;
         let f = self.shape.ffn;
-        let h = self.linear(a2.operand(d), n, d, in_w, fi, None)?;
-        let g = self.activation(&h, n)?;
+        // The MLP's first bias goes into GELU (and its backward), not into
+        // a pass of its own: `h` is kept without it.
+        let h = self.linear(a2.operand(d), n, d, (in_w.0, None), fi, None)?;
+        let g = self.activation(&h, in_w.1, n)?;
         let y = self.linear(g.operand(f), n, f, mlp_out, d, Some(&rows1))?;
         let acts = BlockActs {
             x,
@@ -890,7 +892,7 @@ impl GptGpu {
         grads[5] = Some((dw, db));
         let mut dh = self.alloc(n * fi)?;
         match self.shape.family {
-            Family::Gpt2 => self.gelu_backward(&acts.h, &dg, &mut dh)?,
+            Family::Gpt2 => self.gelu_backward(&acts.h, in_w.1, &dg, &mut dh)?,
             Family::Llama { .. } => self.swiglu_backward(&acts.h, &dg, &mut dh, n)?,
         }
         drop(dg);
@@ -1451,16 +1453,28 @@ impl GptGpu {
         Ok((dx, dw, Some(db)))
     }
 
-    /// The MLP's activation of `h` (`n` rows of the up projection): GPT-2's
-    /// GELU or LLaMA's SwiGLU (on `[gate | up]`), an output only the next
-    /// product reads.
-    fn activation(&self, h: &CudaSlice<f32>, n: usize) -> Result<Kept, CudaError> {
+    /// The MLP's activation of `h + bias` (`n` rows of the up projection,
+    /// the bias over its columns; LLaMA's have none): GPT-2's GELU or
+    /// LLaMA's SwiGLU (on `[gate | up]`), an output only the next product
+    /// reads.
+    fn activation(
+        &self,
+        h: &CudaSlice<f32>,
+        bias: Option<&CudaSlice<f32>>,
+        n: usize,
+    ) -> Result<Kept, CudaError> {
         let (f, width) = (self.shape.ffn, self.shape.mlp_in_width());
-        if h.len() != n * width {
+        if h.len() != n * width || bias.is_some_and(|b| b.len() != width) {
             return Err(CudaError::Invalid(format!(
-                "activation: {} values for {n} rows of width {width}",
-                h.len()
+                "activation: {} values for {n} rows of width {width}, bias {:?}",
+                h.len(),
+                bias.map(|b| b.len())
             )));
+        }
+        if bias.is_some() && self.shape.llama() {
+            return Err(CudaError::Invalid(
+                "activation: SwiGLU takes no bias".into(),
+            ));
         }
         let kernel = match self.shape.family {
             Family::Gpt2 => "gelu",
@@ -1470,41 +1484,57 @@ impl GptGpu {
         let (values, rows, f32_, null) = ((n * f) as u64, n as u64, f as i32, 0u64);
         let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
         l.arg(h);
+        if let Family::Gpt2 = self.shape.family {
+            match bias {
+                Some(b) => l.arg(b),
+                None => l.arg(&null),
+            };
+            l.arg(&f32_);
+        }
         g.push_out(&mut l, &null, &self.fmt16);
         match self.shape.family {
             Family::Gpt2 => l.arg(&values),
             Family::Llama { .. } => l.arg(&rows).arg(&f32_),
         };
-        // SAFETY: gelu(h[n·f], g[n·f] or null, g16[n·f] or null, n·f) /
+        // SAFETY: gelu(h[n·f], b[f] or null, f, g[n·f] or null, g16[n·f] or
+        // null, n·f) /
         // swiglu(h[n·2f], y[n·f] or null, y16[n·f] or null, n, f): h's
         // length checked above, the output allocated for n·f.
         self.launched(kernel, unsafe { l.launch(grid_stride(n * f)) })?;
         Ok(g)
     }
 
-    /// GELU's backward: `dh = gelu'(h)·dg`, every buffer of `h.len()`.
+    /// GELU's backward: `dh = gelu'(h + bias)·dg`, every buffer of
+    /// `h.len()`, the bias over the MLP's width.
     fn gelu_backward(
         &self,
         h: &CudaSlice<f32>,
+        bias: Option<&CudaSlice<f32>>,
         dg: &CudaSlice<f32>,
         dh: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        let n = h.len();
-        if dg.len() != n || dh.len() != n {
+        let (n, width) = (h.len(), self.shape.ffn);
+        if dg.len() != n || dh.len() != n || bias.is_some_and(|b| b.len() != width) {
             return Err(CudaError::Invalid(format!(
-                "gelu_backward: {n}, {} and {} values",
+                "gelu_backward: {n}, {} and {} values, bias {:?} of width {width}",
                 dg.len(),
-                dh.len()
+                dh.len(),
+                bias.map(|b| b.len())
             )));
         }
-        let n64 = n as u64;
+        let (n64, w32, null) = (n as u64, width as i32, 0u64);
         let mut l = self
             .gpu
             .stream()
             .launch_builder(self.gpu.function("gelu_backward"));
-        l.arg(h).arg(dg).arg(&mut *dh).arg(&n64);
-        // SAFETY: gelu_backward(h, dg, dh, n), every buffer of n values
-        // (checked above).
+        l.arg(h);
+        match bias {
+            Some(b) => l.arg(b),
+            None => l.arg(&null),
+        };
+        l.arg(&w32).arg(dg).arg(&mut *dh).arg(&n64);
+        // SAFETY: gelu_backward(h, b[width] or null, width, dg, dh, n),
+        // every buffer but b of n values (checked above).
         self.launched("gelu_backward", unsafe { l.launch(grid_stride(n)) })
     }
 
