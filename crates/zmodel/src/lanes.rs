@@ -1,10 +1,10 @@
 //! GELU's forward, LLaMA's SwiGLU both ways and a softmax's exponentials on
-//! AVX2, written with intrinsics several vectors at a time and operation by
-//! operation, because the compiler's loops are bound by the latency of one
-//! vector's chain, not by the arithmetic.
+//! AVX2 and AVX-512, written with intrinsics several vectors at a time and
+//! operation by operation, because the compiler's loops are bound by the
+//! latency of one vector's chain, not by the arithmetic.
 //!
-//! GELU and its slope take about 41 vector operations per eight values (the
-//! exponential's polynomial, three Newton steps of the reciprocal, the
+//! GELU and its slope take about 41 vector operations per vector of values
+//! (the exponential's polynomial, three Newton steps of the reciprocal, the
 //! slope), one dependent chain of about 120 cycles. LLVM vectorises the
 //! scalar loop one vector an iteration; on cores whose FMA units are 128 bits
 //! wide every 256-bit operation is two micro-ops, the scheduler holds little
@@ -14,49 +14,64 @@
 //! interleaved halves, or over arrays, the schedule stayed LLVM's, which
 //! kept one chain at a time or spilled (0.85x and 1.4x the time). Here
 //! [`CHAINS`] vectors go through each operation before the next one starts,
-//! their constants read from memory as operands (the sixteen registers hold
-//! the chains' values): 7.3 ms, 1.66x (`ops_bench`). SwiGLU's sigmoid the
-//! same way: forward and backward 1.5x the compiler's loops (which until
+//! their constants read from memory as operands (AVX2's sixteen registers
+//! hold the chains' values): 7.3 ms, 1.66x (`ops_bench`). SwiGLU's sigmoid
+//! the same way: forward and backward 1.5x the compiler's loops (which until
 //! then had kept bounds checks in the backward and ran it scalar, 6.3x
 //! slower than here); a LLaMA of gpt-anchor's size trains 1.5-2.7% faster.
-//! Attention's and the loss's
-//! `e^(v − max)`: attention's forward 2-3% faster (`attention_bench`), its
-//! rows being short.
+//! Attention's and the loss's `e^(v − max)`: attention's forward 2-3% faster
+//! (`attention_bench`), its rows being short.
+//!
+//! The same kernels run on AVX-512's 16 lanes (one generic body over
+//! [`Lanes`], instantiated for `__m256` and `__m512`). On a Sapphire Rapids
+//! the compiler's 16-lane loops ran GELU and its slope at 0.4-0.5 of the
+//! triad's bandwidth, bound by the chain as on AVX2 (the AVX2 intrinsics
+//! there were slower still, 0.3-0.4: half the lanes); see `AVX512_CHAINS`
+//! for what these run at.
 //!
 //! Every operation is the scalar code's operation, in its order (the clamps
 //! with the constant first, as the compiler emits the scalar ones: `min`
-//! and `max` return their second operand where one is NaN), so the results
-//! are [`crate::ops`]' and [`crate::simd::exp`]'s bits on every input
-//! (tested against the scalar code, NaN, infinities, subnormals and the
-//! clamps' edges included). AVX-512 keeps the compiler's loops: thirty-two
-//! registers, and no machine at hand to measure it on.
+//! and `max` return their second operand where one is NaN, on both widths),
+//! so the results are [`crate::ops`]' and [`crate::simd::exp`]'s bits on
+//! every input (tested against the scalar code at every width the CPU has,
+//! NaN, infinities, subnormals and the clamps' edges included).
 
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
 use crate::ops::{gelu_and_slope_of, GELU_2K, GELU_2KC, GELU_6KC};
-use crate::simd::{exp, sigmoid};
+use crate::simd::{chosen_width, exp, sigmoid, Width};
 
-/// Vectors in flight (8 values each): 4 and 6 measured alike, 8 spilled.
+/// AVX2's vectors in flight (8 values each): 4 and 6 measured alike, 8
+/// spilled.
 const CHAINS: usize = 4;
+
+/// AVX-512's vectors in flight (16 values each; thirty-two registers). GELU
+/// and its slope on 2048 × 1536 values, one thread of a Sapphire Rapids,
+/// the chain counts alternated call by call in one process (medians of 40,
+/// four runs): 3, 5 and 6 chains alike, 4 chains 1.10-1.16x their time, 8
+/// spilled; against the compiler's 16-lane loop, 1.1-1.4x as fast (the
+/// larger figure where the host ran slow, when the loop is bound by
+/// arithmetic rather than by memory). SwiGLU's forward 1.06-1.24x, a
+/// softmax row's exponentials 1.02-1.05x.
+const AVX512_CHAINS: usize = 5;
+
+/// SwiGLU's backward reads three streams and writes two: bound by memory,
+/// its compiler's loop and the intrinsics run alike (one to three chains
+/// 0.97-1.08x; five, which spill, 0.88-0.96x).
+const AVX512_SWIGLU_BACKWARD_CHAINS: usize = 2;
 
 /// 1.5 · 2^23 (see `simd::exp`).
 const ROUNDER: f32 = 12_582_912.0;
 
-/// A constant in all eight lanes, aligned for a memory operand.
-#[repr(align(32))]
-struct Splat([f32; 8]);
+/// A constant in sixteen lanes, aligned for a memory operand of either
+/// width (AVX2 reads the first eight).
+#[repr(align(64))]
+struct Splat([f32; 16]);
 
 impl Splat {
     const fn of(v: f32) -> Splat {
-        Splat([v; 8])
-    }
-
-    #[inline(always)]
-    fn get(&self) -> __m256 {
-        // SAFETY: 32 bytes, 32-byte aligned; AVX is on wherever this is
-        // inlined (callers are `avx2,fma` functions).
-        unsafe { _mm256_load_ps(self.0.as_ptr()) }
+        Splat([v; 16])
     }
 }
 
@@ -79,10 +94,206 @@ static P4: Splat = Splat::of(1.666_666_5e-1);
 static HALF: Splat = Splat::of(0.5);
 static ONE: Splat = Splat::of(1.0);
 
-/// Applies `op` to each chain.
+/// One vector of f32 lanes and the operations the kernels are made of, each
+/// one instruction: AVX2's `__m256` and AVX-512's `__m512`.
+///
+/// Every method needs its width's CPU features. They are `inline(always)`
+/// and called only from the generic kernels below, themselves
+/// `inline(always)` and called only from the entry points of
+/// `width_entry_points!`, which are compiled with those features: that is
+/// how the intrinsics end up inlined into code built for them.
+trait Lanes: Copy {
+    /// f32 values in a vector.
+    const WIDTH: usize;
+    unsafe fn zero() -> Self;
+    /// A constant's lanes, read from memory.
+    unsafe fn get(c: &Splat) -> Self;
+    unsafe fn splat(v: f32) -> Self;
+    unsafe fn load(p: *const f32) -> Self;
+    unsafe fn store(p: *mut f32, v: Self);
+    unsafe fn add(a: Self, b: Self) -> Self;
+    unsafe fn sub(a: Self, b: Self) -> Self;
+    unsafe fn mul(a: Self, b: Self) -> Self;
+    /// `a·b + c`, one rounding.
+    unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
+    /// `c − a·b`, one rounding.
+    unsafe fn fnmadd(a: Self, b: Self, c: Self) -> Self;
+    unsafe fn xor(a: Self, b: Self) -> Self;
+    /// The smaller lane, or `b`'s where either is NaN.
+    unsafe fn min(a: Self, b: Self) -> Self;
+    /// The larger lane, or `b`'s where either is NaN.
+    unsafe fn max(a: Self, b: Self) -> Self;
+    /// `2^n` for the integer `n` that adding [`ROUNDER`] left in `t`'s low
+    /// bits: `((bits(t) − bits(ROUNDER) + 127) << 23)` as f32.
+    unsafe fn exponent_scale(t: Self) -> Self;
+    /// The reciprocal's first guess, `0x7ef311c3 − bits(z)` as f32.
+    unsafe fn reciprocal_guess(z: Self) -> Self;
+}
+
+/// [`Lanes`] for one width, from its intrinsics' names.
+macro_rules! impl_lanes {
+    ($vector:ty, $width:expr, {
+        zero: $zero:ident, load_aligned: $load_aligned:ident, set1: $set1:ident,
+        loadu: $loadu:ident, storeu: $storeu:ident, add: $add:ident, sub: $sub:ident,
+        mul: $mul:ident, fmadd: $fmadd:ident, fnmadd: $fnmadd:ident, xor: $xor:ident,
+        min: $min:ident, max: $max:ident, to_int: $to_int:ident, to_float: $to_float:ident,
+        sub_int: $sub_int:ident, add_int: $add_int:ident, set1_int: $set1_int:ident,
+        shift_left: $shift_left:ident,
+    }) => {
+        impl Lanes for $vector {
+            const WIDTH: usize = $width;
+            #[inline(always)]
+            unsafe fn zero() -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $zero() }
+            }
+            #[inline(always)]
+            unsafe fn get(c: &Splat) -> Self {
+                // SAFETY: this width's features (the trait's contract); a `Splat`
+                // is 64 bytes, 64-byte aligned.
+                unsafe { $load_aligned(c.0.as_ptr()) }
+            }
+            #[inline(always)]
+            unsafe fn splat(v: f32) -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $set1(v) }
+            }
+            #[inline(always)]
+            unsafe fn load(p: *const f32) -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $loadu(p) }
+            }
+            #[inline(always)]
+            unsafe fn store(p: *mut f32, v: Self) {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $storeu(p, v) }
+            }
+            #[inline(always)]
+            unsafe fn add(a: Self, b: Self) -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $add(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn sub(a: Self, b: Self) -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $sub(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn mul(a: Self, b: Self) -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $mul(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $fmadd(a, b, c) }
+            }
+            #[inline(always)]
+            unsafe fn fnmadd(a: Self, b: Self, c: Self) -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $fnmadd(a, b, c) }
+            }
+            #[inline(always)]
+            unsafe fn xor(a: Self, b: Self) -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $xor(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn min(a: Self, b: Self) -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $min(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn max(a: Self, b: Self) -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $max(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn exponent_scale(t: Self) -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe {
+                    let n = $sub_int($to_int(t), $to_int(Self::get(&ROUND)));
+                    $to_float($shift_left::<23>($add_int(n, $set1_int(127))))
+                }
+            }
+            #[inline(always)]
+            unsafe fn reciprocal_guess(z: Self) -> Self {
+                // SAFETY: the caller runs with this width's features (the trait's
+                // contract).
+                unsafe { $to_float($sub_int($set1_int(0x7ef3_11c3), $to_int(z))) }
+            }
+        }
+    };
+}
+
+impl_lanes!(
+    __m256,
+    8,
+    {
+        zero: _mm256_setzero_ps,
+        load_aligned: _mm256_load_ps,
+        set1: _mm256_set1_ps,
+        loadu: _mm256_loadu_ps,
+        storeu: _mm256_storeu_ps,
+        add: _mm256_add_ps,
+        sub: _mm256_sub_ps,
+        mul: _mm256_mul_ps,
+        fmadd: _mm256_fmadd_ps,
+        fnmadd: _mm256_fnmadd_ps,
+        xor: _mm256_xor_ps,
+        min: _mm256_min_ps,
+        max: _mm256_max_ps,
+        to_int: _mm256_castps_si256,
+        to_float: _mm256_castsi256_ps,
+        sub_int: _mm256_sub_epi32,
+        add_int: _mm256_add_epi32,
+        set1_int: _mm256_set1_epi32,
+        shift_left: _mm256_slli_epi32,
+    }
+);
+impl_lanes!(
+    __m512,
+    16,
+    {
+        zero: _mm512_setzero_ps,
+        load_aligned: _mm512_load_ps,
+        set1: _mm512_set1_ps,
+        loadu: _mm512_loadu_ps,
+        storeu: _mm512_storeu_ps,
+        add: _mm512_add_ps,
+        sub: _mm512_sub_ps,
+        mul: _mm512_mul_ps,
+        fmadd: _mm512_fmadd_ps,
+        fnmadd: _mm512_fnmadd_ps,
+        xor: _mm512_xor_ps,
+        min: _mm512_min_ps,
+        max: _mm512_max_ps,
+        to_int: _mm512_castps_si512,
+        to_float: _mm512_castsi512_ps,
+        sub_int: _mm512_sub_epi32,
+        add_int: _mm512_add_epi32,
+        set1_int: _mm512_set1_epi32,
+        shift_left: _mm512_slli_epi32,
+    }
+);
+
+/// Applies `op` to each of the `C` chains.
 macro_rules! each {
     ($k:ident => $e:expr) => {
-        for $k in 0..CHAINS {
+        for $k in 0..C {
             $e;
         }
     };
@@ -90,80 +301,88 @@ macro_rules! each {
 
 /// e^z of each chain (`z` already held to [-87, 88]): `simd::exp`'s
 /// operations, Cephes' reduction by ln 2 and degree-6 polynomial.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn exp_of(z: [__m256; CHAINS]) -> [__m256; CHAINS] {
-    let [mut t, mut e, mut r, mut p] = [[_mm256_setzero_ps(); CHAINS]; 4];
-    each!(k => t[k] = _mm256_fmadd_ps(z[k], LOG2E.get(), ROUND.get()));
-    each!(k => e[k] = _mm256_sub_ps(t[k], ROUND.get()));
-    each!(k => r[k] = _mm256_fmadd_ps(e[k], MINUS_LN2_HI.get(), z[k]));
-    each!(k => r[k] = _mm256_fmadd_ps(e[k], MINUS_LN2_LO.get(), r[k]));
-    each!(k => p[k] = _mm256_fmadd_ps(P0.get(), r[k], P1.get()));
-    each!(k => p[k] = _mm256_fmadd_ps(p[k], r[k], P2.get()));
-    each!(k => p[k] = _mm256_fmadd_ps(p[k], r[k], P3.get()));
-    each!(k => p[k] = _mm256_fmadd_ps(p[k], r[k], P4.get()));
-    each!(k => p[k] = _mm256_fmadd_ps(p[k], r[k], HALF.get()));
-    each!(k => e[k] = _mm256_mul_ps(r[k], r[k]));
-    each!(k => p[k] = _mm256_add_ps(_mm256_fmadd_ps(p[k], e[k], r[k]), ONE.get()));
-    each!(k => {
-        let n = _mm256_sub_epi32(_mm256_castps_si256(t[k]), _mm256_castps_si256(ROUND.get()));
-        let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(n, _mm256_set1_epi32(127)));
-        p[k] = _mm256_mul_ps(p[k], _mm256_castsi256_ps(scale));
-    });
-    p
+#[inline(always)]
+unsafe fn exp_of<W: Lanes, const C: usize>(z: [W; C]) -> [W; C] {
+    // SAFETY: the caller runs with W's features.
+    unsafe {
+        let [mut t, mut e, mut r, mut p] = [[W::zero(); C]; 4];
+        each!(k => t[k] = W::fmadd(z[k], W::get(&LOG2E), W::get(&ROUND)));
+        each!(k => e[k] = W::sub(t[k], W::get(&ROUND)));
+        each!(k => r[k] = W::fmadd(e[k], W::get(&MINUS_LN2_HI), z[k]));
+        each!(k => r[k] = W::fmadd(e[k], W::get(&MINUS_LN2_LO), r[k]));
+        each!(k => p[k] = W::fmadd(W::get(&P0), r[k], W::get(&P1)));
+        each!(k => p[k] = W::fmadd(p[k], r[k], W::get(&P2)));
+        each!(k => p[k] = W::fmadd(p[k], r[k], W::get(&P3)));
+        each!(k => p[k] = W::fmadd(p[k], r[k], W::get(&P4)));
+        each!(k => p[k] = W::fmadd(p[k], r[k], W::get(&HALF)));
+        each!(k => e[k] = W::mul(r[k], r[k]));
+        each!(k => p[k] = W::add(W::fmadd(p[k], e[k], r[k]), W::get(&ONE)));
+        each!(k => p[k] = W::mul(p[k], W::exponent_scale(t[k])));
+        p
+    }
 }
 
 /// The logistic sigmoid of each chain: `simd::sigmoid`'s operations (e^-x
 /// held to e^80, then the reciprocal from the exponent bits and three Newton
 /// steps).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn sigmoid_of(x: [__m256; CHAINS]) -> [__m256; CHAINS] {
-    let [mut z, mut t, mut e] = [[_mm256_setzero_ps(); CHAINS]; 3];
-    // -x held to 80 above (NaN stays NaN), then `exp`'s clamp below.
-    each!(k => z[k] = _mm256_xor_ps(x[k], MINUS_ZERO.get()));
-    each!(k => z[k] = _mm256_max_ps(FLOOR.get(), _mm256_min_ps(EIGHTY.get(), z[k])));
-    let p = exp_of(z);
-    each!(k => z[k] = _mm256_add_ps(ONE.get(), p[k]));
-    each!(k => {
-        let guess = _mm256_sub_epi32(_mm256_set1_epi32(0x7ef3_11c3), _mm256_castps_si256(z[k]));
-        t[k] = _mm256_castsi256_ps(guess);
-    });
-    for _ in 0..3 {
-        each!(k => e[k] = _mm256_fnmadd_ps(z[k], t[k], ONE.get()));
-        each!(k => t[k] = _mm256_fmadd_ps(t[k], e[k], t[k]));
+#[inline(always)]
+unsafe fn sigmoid_of<W: Lanes, const C: usize>(x: [W; C]) -> [W; C] {
+    // SAFETY: the caller runs with W's features.
+    unsafe {
+        let [mut z, mut t, mut e] = [[W::zero(); C]; 3];
+        // -x held to 80 above (NaN stays NaN), then `exp`'s clamp below.
+        each!(k => z[k] = W::xor(x[k], W::get(&MINUS_ZERO)));
+        each!(k => z[k] = W::max(W::get(&FLOOR), W::min(W::get(&EIGHTY), z[k])));
+        let p = exp_of(z);
+        each!(k => z[k] = W::add(W::get(&ONE), p[k]));
+        each!(k => t[k] = W::reciprocal_guess(z[k]));
+        for _ in 0..3 {
+            each!(k => e[k] = W::fnmadd(z[k], t[k], W::get(&ONE)));
+            each!(k => t[k] = W::fmadd(t[k], e[k], t[k]));
+        }
+        t
     }
-    t
 }
 
-/// Loads `CHAINS` vectors of `x` from `i`.
+/// Loads `C` vectors of `x` from `i`.
 ///
 /// # Safety
 ///
-/// `i + 8·CHAINS ≤ x.len()`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn load(x: &[f32], i: usize) -> [__m256; CHAINS] {
-    let mut v = [_mm256_setzero_ps(); CHAINS];
-    for (k, v) in v.iter_mut().enumerate() {
-        // SAFETY: i + 8·CHAINS ≤ x.len() (caller).
-        *v = unsafe { _mm256_loadu_ps(x.as_ptr().add(i + 8 * k)) };
+/// W's features; `i + W::WIDTH·C ≤ x.len()`.
+#[inline(always)]
+unsafe fn load<W: Lanes, const C: usize>(x: &[f32], i: usize) -> [W; C] {
+    // SAFETY: W's features and the length (caller).
+    unsafe {
+        let mut v = [W::zero(); C];
+        for (k, v) in v.iter_mut().enumerate() {
+            *v = W::load(x.as_ptr().add(i + W::WIDTH * k));
+        }
+        v
     }
-    v
 }
 
-/// Stores `CHAINS` vectors into `out` from `i`.
+/// Stores `C` vectors into `out` from `i`.
 ///
 /// # Safety
 ///
-/// `i + 8·CHAINS ≤ out.len()`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn store(out: &mut [MaybeUninit<f32>], i: usize, v: [__m256; CHAINS]) {
+/// W's features; `i + W::WIDTH·C ≤ out.len()`.
+#[inline(always)]
+unsafe fn store<W: Lanes, const C: usize>(out: &mut [MaybeUninit<f32>], i: usize, v: [W; C]) {
     let p = out.as_mut_ptr().cast::<f32>();
     for (k, v) in v.iter().enumerate() {
-        // SAFETY: i + 8·CHAINS ≤ out.len() (caller).
-        unsafe { _mm256_storeu_ps(p.add(i + 8 * k), *v) };
+        // SAFETY: W's features and the length (caller).
+        unsafe { W::store(p.add(i + W::WIDTH * k), *v) };
+    }
+}
+
+/// SwiGLU's forward of `C` vectors: `gate · σ(gate) · up`.
+#[inline(always)]
+unsafe fn swiglu_of<W: Lanes, const C: usize>(g: [W; C], u: [W; C]) -> [W; C] {
+    // SAFETY: the caller runs with W's features.
+    unsafe {
+        let mut y = sigmoid_of(g);
+        each!(k => y[k] = W::mul(W::mul(g[k], y[k]), u[k]));
+        y
     }
 }
 
@@ -172,25 +391,49 @@ unsafe fn store(out: &mut [MaybeUninit<f32>], i: usize, v: [__m256; CHAINS]) {
 ///
 /// # Safety
 ///
-/// The CPU has AVX2 and FMA. `up` and `out` are at least as long as `gate`.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn swiglu(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) {
+/// W's features. `up` and `out` are at least as long as `gate`.
+#[inline(always)]
+unsafe fn swiglu_with<W: Lanes, const C: usize>(
+    gate: &[f32],
+    up: &[f32],
+    out: &mut [MaybeUninit<f32>],
+) {
     let (up, out) = (&up[..gate.len()], &mut out[..gate.len()]);
-    let whole = gate.len() / (8 * CHAINS) * (8 * CHAINS);
-    for i in (0..whole).step_by(8 * CHAINS) {
-        // SAFETY: i + 8·CHAINS ≤ whole ≤ every slice's length.
-        let (g, u) = unsafe { (load(gate, i), load(up, i)) };
-        let mut y = sigmoid_of(g);
-        each!(k => y[k] = _mm256_mul_ps(_mm256_mul_ps(g[k], y[k]), u[k]));
-        // SAFETY: as above.
-        unsafe { store(out, i, y) };
+    let mut i = 0;
+    // Both loops: i + W::WIDTH·C (or ·1) ≤ every slice's length.
+    while i + W::WIDTH * C <= gate.len() {
+        // SAFETY: W's features (caller); the loop's bound keeps every vector inside the slices.
+        unsafe { store(out, i, swiglu_of::<W, C>(load(gate, i), load(up, i))) };
+        i += W::WIDTH * C;
     }
-    for ((o, &g), &u) in out[whole..]
-        .iter_mut()
-        .zip(&gate[whole..])
-        .zip(&up[whole..])
-    {
+    while i + W::WIDTH <= gate.len() {
+        // SAFETY: W's features (caller); the loop's bound keeps every vector inside the slices.
+        unsafe { store(out, i, swiglu_of::<W, 1>(load(gate, i), load(up, i))) };
+        i += W::WIDTH;
+    }
+    for ((o, &g), &u) in out[i..].iter_mut().zip(&gate[i..]).zip(&up[i..]) {
         o.write(g * sigmoid(g) * u);
+    }
+}
+
+/// SwiGLU's backward of `C` vectors: `(dgate, dup)`.
+#[inline(always)]
+unsafe fn swiglu_backward_of<W: Lanes, const C: usize>(
+    g: [W; C],
+    u: [W; C],
+    d: [W; C],
+) -> ([W; C], [W; C]) {
+    // SAFETY: the caller runs with W's features.
+    unsafe {
+        let s = sigmoid_of(g);
+        let [mut silu, mut dg, mut du] = [[W::zero(); C]; 3];
+        each!(k => silu[k] = W::mul(g[k], s[k]));
+        each!(k => {
+            let bend = W::add(s[k], W::mul(silu[k], W::sub(W::get(&ONE), s[k])));
+            dg[k] = W::mul(W::mul(d[k], u[k]), bend);
+        });
+        each!(k => du[k] = W::mul(d[k], silu[k]));
+        (dg, du)
     }
 }
 
@@ -200,9 +443,9 @@ pub(crate) unsafe fn swiglu(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32
 ///
 /// # Safety
 ///
-/// The CPU has AVX2 and FMA. Every slice is at least as long as `gate`.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn swiglu_backward(
+/// W's features. Every slice is at least as long as `gate`.
+#[inline(always)]
+unsafe fn swiglu_backward_with<W: Lanes, const C: usize>(
     gate: &[f32],
     up: &[f32],
     dy: &[f32],
@@ -211,26 +454,44 @@ pub(crate) unsafe fn swiglu_backward(
 ) {
     let n = gate.len();
     let (up, dy, dgate, dup) = (&up[..n], &dy[..n], &mut dgate[..n], &mut dup[..n]);
-    let whole = n / (8 * CHAINS) * (8 * CHAINS);
-    for i in (0..whole).step_by(8 * CHAINS) {
-        // SAFETY: i + 8·CHAINS ≤ whole ≤ every slice's length.
-        let (g, u, d) = unsafe { (load(gate, i), load(up, i), load(dy, i)) };
-        let s = sigmoid_of(g);
-        let [mut silu, mut dg, mut du] = [[_mm256_setzero_ps(); CHAINS]; 3];
-        each!(k => silu[k] = _mm256_mul_ps(g[k], s[k]));
-        each!(k => {
-            let bend = _mm256_add_ps(s[k], _mm256_mul_ps(silu[k], _mm256_sub_ps(ONE.get(), s[k])));
-            dg[k] = _mm256_mul_ps(_mm256_mul_ps(d[k], u[k]), bend);
-        });
-        each!(k => du[k] = _mm256_mul_ps(d[k], silu[k]));
-        // SAFETY: as above.
-        unsafe { (store(dgate, i, dg), store(dup, i, du)) };
+    let mut i = 0;
+    // Both loops: i + W::WIDTH·C (or ·1) ≤ every slice's length.
+    while i + W::WIDTH * C <= n {
+        // SAFETY: W's features (caller); the loop's bound keeps every vector inside the slices.
+        unsafe {
+            let (dg, du) = swiglu_backward_of::<W, C>(load(gate, i), load(up, i), load(dy, i));
+            store(dgate, i, dg);
+            store(dup, i, du);
+        }
+        i += W::WIDTH * C;
     }
-    for i in whole..n {
+    while i + W::WIDTH <= n {
+        // SAFETY: W's features (caller); the loop's bound keeps every vector inside the slices.
+        unsafe {
+            let (dg, du) = swiglu_backward_of::<W, 1>(load(gate, i), load(up, i), load(dy, i));
+            store(dgate, i, dg);
+            store(dup, i, du);
+        }
+        i += W::WIDTH;
+    }
+    for i in i..n {
         let s = sigmoid(gate[i]);
         let silu = gate[i] * s;
         dgate[i].write(dy[i] * up[i] * (s + silu * (1.0 - s)));
         dup[i].write(dy[i] * silu);
+    }
+}
+
+/// `e^(v − max)` of `C` vectors, `exp`'s clamp of `v − max` to [-87, 88]
+/// first.
+#[inline(always)]
+unsafe fn exp_minus_of<W: Lanes, const C: usize>(v: [W; C], max: W) -> [W; C] {
+    // SAFETY: the caller runs with W's features.
+    unsafe {
+        let mut z = v;
+        each!(k => z[k] = W::sub(z[k], max));
+        each!(k => z[k] = W::min(W::get(&CEILING), W::max(W::get(&FLOOR), z[k])));
+        exp_of(z)
     }
 }
 
@@ -239,26 +500,55 @@ pub(crate) unsafe fn swiglu_backward(
 ///
 /// # Safety
 ///
-/// The CPU has AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn exp_minus(row: &mut [f32], max: f32) {
-    let whole = row.len() / (8 * CHAINS) * (8 * CHAINS);
-    let m = _mm256_set1_ps(max);
-    for i in (0..whole).step_by(8 * CHAINS) {
-        // SAFETY: i + 8·CHAINS ≤ whole ≤ row.len().
-        let mut z = unsafe { load(row, i) };
-        // `exp`'s clamp of v − max to [-87, 88].
-        each!(k => z[k] = _mm256_sub_ps(z[k], m));
-        each!(k => z[k] = _mm256_min_ps(CEILING.get(), _mm256_max_ps(FLOOR.get(), z[k])));
-        let p = exp_of(z);
-        let out = row.as_mut_ptr();
-        for (k, p) in p.iter().enumerate() {
-            // SAFETY: as for the loads.
-            unsafe { _mm256_storeu_ps(out.add(i + 8 * k), *p) };
+/// W's features.
+#[inline(always)]
+unsafe fn exp_minus_with<W: Lanes, const C: usize>(row: &mut [f32], max: f32) {
+    // SAFETY: W's features (caller).
+    let m = unsafe { W::splat(max) };
+    let mut i = 0;
+    // Both loops: i + W::WIDTH·C (or ·1) ≤ row.len(); the stores
+    // go back where the loads came from.
+    while i + W::WIDTH * C <= row.len() {
+        // SAFETY: W's features (caller); the loop's bound keeps every vector inside the slices.
+        unsafe {
+            let p = exp_minus_of::<W, C>(load(row, i), m);
+            for (k, p) in p.iter().enumerate() {
+                W::store(row.as_mut_ptr().add(i + W::WIDTH * k), *p);
+            }
         }
+        i += W::WIDTH * C;
     }
-    for v in &mut row[whole..] {
+    while i + W::WIDTH <= row.len() {
+        // SAFETY: W's features (caller); the loop's bound keeps every vector inside the slices.
+        unsafe {
+            let [p] = exp_minus_of::<W, 1>(load(row, i), m);
+            W::store(row.as_mut_ptr().add(i), p);
+        }
+        i += W::WIDTH;
+    }
+    for v in &mut row[i..] {
         *v = exp(*v - max);
+    }
+}
+
+/// GELU and its slope of `C` vectors: `(v·s, s + s·(v·(1 − s)·(2k + 6kc·v²)))`
+/// with `s = σ(v·(2k + 2kc·v²))`.
+#[inline(always)]
+unsafe fn gelu_of<W: Lanes, const C: usize>(v: [W; C]) -> ([W; C], [W; C]) {
+    // SAFETY: the caller runs with W's features.
+    unsafe {
+        let [mut v2, mut t, mut value, mut dv] = [[W::zero(); C]; 4];
+        each!(k => v2[k] = W::mul(v[k], v[k]));
+        each!(k => t[k] = W::fmadd(v2[k], W::get(&TWO_KC), W::get(&TWO_K)));
+        each!(k => t[k] = W::mul(v[k], t[k]));
+        let s = sigmoid_of(t);
+        each!(k => value[k] = W::mul(v[k], s[k]));
+        each!(k => {
+            let a = W::mul(v[k], W::sub(W::get(&ONE), s[k]));
+            let a = W::mul(a, W::fmadd(v2[k], W::get(&SIX_KC), W::get(&TWO_K)));
+            dv[k] = W::fmadd(s[k], a, s[k]);
+        });
+        (value, dv)
     }
 }
 
@@ -267,44 +557,176 @@ pub(crate) unsafe fn exp_minus(row: &mut [f32], max: f32) {
 ///
 /// # Safety
 ///
-/// The CPU has AVX2 and FMA. `y` and `slope` are at least as long as `x`.
-#[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn gelu_and_slope(
+/// W's features. `y` and `slope` are at least as long as `x`.
+#[inline(always)]
+unsafe fn gelu_and_slope_with<W: Lanes, const C: usize>(
     x: &[f32],
     y: &mut [MaybeUninit<f32>],
     slope: &mut [MaybeUninit<f32>],
 ) {
     let (y, slope) = (&mut y[..x.len()], &mut slope[..x.len()]);
-    let whole = x.len() / (8 * CHAINS) * (8 * CHAINS);
-    let zero = _mm256_setzero_ps();
-    for i in (0..whole).step_by(8 * CHAINS) {
-        // SAFETY: i + 8·CHAINS ≤ whole ≤ x.len().
-        let v = unsafe { load(x, i) };
-        let [mut v2, mut t, mut value, mut dv] = [[zero; CHAINS]; 4];
-        // s = sigmoid(v·(2k + 2kc·v²)).
-        each!(k => v2[k] = _mm256_mul_ps(v[k], v[k]));
-        each!(k => t[k] = _mm256_fmadd_ps(v2[k], TWO_KC.get(), TWO_K.get()));
-        each!(k => t[k] = _mm256_mul_ps(v[k], t[k]));
-        let s = sigmoid_of(t);
-        // v·s, and the slope s + s·(v·(1 − s)·(2k + 6kc·v²)).
-        each!(k => value[k] = _mm256_mul_ps(v[k], s[k]));
-        each!(k => {
-            let a = _mm256_mul_ps(v[k], _mm256_sub_ps(ONE.get(), s[k]));
-            let a = _mm256_mul_ps(a, _mm256_fmadd_ps(v2[k], SIX_KC.get(), TWO_K.get()));
-            dv[k] = _mm256_fmadd_ps(s[k], a, s[k]);
-        });
-        // SAFETY: i + 8·CHAINS ≤ whole ≤ the outputs' lengths.
-        unsafe { (store(y, i, value), store(slope, i, dv)) };
+    let mut i = 0;
+    // Both loops: i + W::WIDTH·C (or ·1) ≤ x.len(), the outputs'
+    // length.
+    while i + W::WIDTH * C <= x.len() {
+        // SAFETY: W's features (caller); the loop's bound keeps every vector inside the slices.
+        unsafe {
+            let (value, dv) = gelu_of::<W, C>(load(x, i));
+            store(y, i, value);
+            store(slope, i, dv);
+        }
+        i += W::WIDTH * C;
     }
-    for ((y, d), &v) in y[whole..]
-        .iter_mut()
-        .zip(&mut slope[whole..])
-        .zip(&x[whole..])
-    {
+    while i + W::WIDTH <= x.len() {
+        // SAFETY: W's features (caller); the loop's bound keeps every vector inside the slices.
+        unsafe {
+            let (value, dv) = gelu_of::<W, 1>(load(x, i));
+            store(y, i, value);
+            store(slope, i, dv);
+        }
+        i += W::WIDTH;
+    }
+    for ((y, d), &v) in y[i..].iter_mut().zip(&mut slope[i..]).zip(&x[i..]) {
         let (value, dv) = gelu_and_slope_of(v);
         y.write(value);
         d.write(dv);
     }
+}
+
+/// The kernels compiled for one width: entry points with its features, into
+/// which the generic bodies and the intrinsics are inlined.
+macro_rules! width_entry_points {
+    ($module:ident, $vector:ty, $features:literal, $chains:expr, $backward_chains:expr) => {
+        mod $module {
+            use super::*;
+
+            /// # Safety
+            ///
+            /// This width's features; `y` and `slope` as long as `x`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn gelu_and_slope(
+                x: &[f32],
+                y: &mut [MaybeUninit<f32>],
+                slope: &mut [MaybeUninit<f32>],
+            ) {
+                // SAFETY: this function's features; the lengths (caller).
+                unsafe { gelu_and_slope_with::<$vector, { $chains }>(x, y, slope) }
+            }
+
+            /// # Safety
+            ///
+            /// This width's features; `up` and `out` as long as `gate`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn swiglu(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) {
+                // SAFETY: this function's features; the lengths (caller).
+                unsafe { swiglu_with::<$vector, { $chains }>(gate, up, out) }
+            }
+
+            /// # Safety
+            ///
+            /// This width's features; every slice as long as `gate`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn swiglu_backward(
+                gate: &[f32],
+                up: &[f32],
+                dy: &[f32],
+                dgate: &mut [MaybeUninit<f32>],
+                dup: &mut [MaybeUninit<f32>],
+            ) {
+                // SAFETY: this function's features; the lengths (caller).
+                unsafe {
+                    swiglu_backward_with::<$vector, { $backward_chains }>(gate, up, dy, dgate, dup)
+                }
+            }
+
+            /// # Safety
+            ///
+            /// This width's features.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn exp_minus(row: &mut [f32], max: f32) {
+                // SAFETY: this function's features (caller).
+                unsafe { exp_minus_with::<$vector, { $chains }>(row, max) }
+            }
+        }
+    };
+}
+
+width_entry_points!(avx2, __m256, "avx2,fma", CHAINS, CHAINS);
+width_entry_points!(
+    avx512,
+    __m512,
+    "avx512f,avx512dq",
+    AVX512_CHAINS,
+    AVX512_SWIGLU_BACKWARD_CHAINS
+);
+
+/// GELU of `x` into `y` and its slope into `slope` with the intrinsics of
+/// the widest vectors [`chosen_width`] allows, per element the bits of
+/// [`gelu_and_slope_of`]; false (nothing written) where it allows neither.
+/// `y` and `slope` are at least as long as `x` (panics otherwise).
+pub(crate) fn gelu_and_slope(
+    x: &[f32],
+    y: &mut [MaybeUninit<f32>],
+    slope: &mut [MaybeUninit<f32>],
+) -> bool {
+    let (y, slope) = (&mut y[..x.len()], &mut slope[..x.len()]);
+    match chosen_width() {
+        // SAFETY: the CPU has AVX-512F and DQ (chosen_width); lengths cut above.
+        Width::Avx512 => unsafe { avx512::gelu_and_slope(x, y, slope) },
+        // SAFETY: the CPU has AVX2 and FMA (chosen_width); lengths cut above.
+        Width::Avx2 => unsafe { avx2::gelu_and_slope(x, y, slope) },
+        Width::Baseline => return false,
+    }
+    true
+}
+
+/// SwiGLU's forward of one row, `out = gate · σ(gate) · up`, as
+/// [`gelu_and_slope`] (the scalar expression's bits; false where neither
+/// width is allowed). `up` and `out` are at least as long as `gate`.
+pub(crate) fn swiglu(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> bool {
+    let (up, out) = (&up[..gate.len()], &mut out[..gate.len()]);
+    match chosen_width() {
+        // SAFETY: the CPU has AVX-512F and DQ (chosen_width); lengths cut above.
+        Width::Avx512 => unsafe { avx512::swiglu(gate, up, out) },
+        // SAFETY: the CPU has AVX2 and FMA (chosen_width); lengths cut above.
+        Width::Avx2 => unsafe { avx2::swiglu(gate, up, out) },
+        Width::Baseline => return false,
+    }
+    true
+}
+
+/// SwiGLU's backward of one row (`dgate`, `dup` from `dy`), as
+/// [`gelu_and_slope`]. Every slice is at least as long as `gate`.
+pub(crate) fn swiglu_backward(
+    gate: &[f32],
+    up: &[f32],
+    dy: &[f32],
+    dgate: &mut [MaybeUninit<f32>],
+    dup: &mut [MaybeUninit<f32>],
+) -> bool {
+    let n = gate.len();
+    let (up, dy, dgate, dup) = (&up[..n], &dy[..n], &mut dgate[..n], &mut dup[..n]);
+    match chosen_width() {
+        // SAFETY: the CPU has AVX-512F and DQ (chosen_width); lengths cut above.
+        Width::Avx512 => unsafe { avx512::swiglu_backward(gate, up, dy, dgate, dup) },
+        // SAFETY: the CPU has AVX2 and FMA (chosen_width); lengths cut above.
+        Width::Avx2 => unsafe { avx2::swiglu_backward(gate, up, dy, dgate, dup) },
+        Width::Baseline => return false,
+    }
+    true
+}
+
+/// `v = e^(v − max)` for each value of `row`, as [`gelu_and_slope`]
+/// (`simd::exp(v - max)`'s bits; false where neither width is allowed).
+pub(crate) fn exp_minus(row: &mut [f32], max: f32) -> bool {
+    match chosen_width() {
+        // SAFETY: the CPU has AVX-512F and DQ (chosen_width).
+        Width::Avx512 => unsafe { avx512::exp_minus(row, max) },
+        // SAFETY: the CPU has AVX2 and FMA (chosen_width).
+        Width::Avx2 => unsafe { avx2::exp_minus(row, max) },
+        Width::Baseline => return false,
+    }
+    true
 }
 
 #[cfg(test)]
@@ -312,13 +734,21 @@ mod tests {
     use super::*;
     use crate::simd::uninit_floats;
 
-    /// Whether this CPU can run the kernels; says so on stderr where not.
-    fn runs_here(what: &str) -> bool {
-        let yes = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-        if !yes {
+    /// The widths whose intrinsics this CPU can run; says on stderr which
+    /// it cannot (those go untested here).
+    fn widths_here(what: &str) -> Vec<Width> {
+        let mut widths = Vec::new();
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            widths.push(Width::Avx2);
+        } else {
             eprintln!("skipped: this CPU has no AVX2 and FMA, so the AVX2 {what} cannot run");
         }
-        yes
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq") {
+            widths.push(Width::Avx512);
+        } else {
+            eprintln!("skipped: this CPU has no AVX-512F and DQ, so the AVX-512 {what} cannot run");
+        }
+        widths
     }
 
     /// The same bits, or both NaN: which NaN's payload a product of two NaNs
@@ -331,12 +761,9 @@ mod tests {
     /// The intrinsics give the scalar code's bits on every kind of input:
     /// NaN (which the clamps must pass through), infinities, zeros of both
     /// signs, subnormals, values at and around the clamps, and a spread of
-    /// ordinary ones, over a length that leaves a tail for the scalar loop.
+    /// ordinary ones, over lengths that leave single vectors and a tail.
     #[test]
-    fn gelu_and_slope_on_avx2_is_the_scalar_codes_bits() {
-        if !runs_here("GELU") {
-            return;
-        }
+    fn gelu_and_slope_intrinsics_are_the_scalar_codes_bits() {
         let mut x = vec![
             f32::NAN,
             -f32::NAN,
@@ -358,60 +785,71 @@ mod tests {
             x.push(v + 1e-4);
         }
         x.extend((0..997).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 1e-3));
-        let (mut y, mut d) = (uninit_floats(x.len()), uninit_floats(x.len()));
-        // SAFETY: AVX2 and FMA checked above; y and d as long as x.
-        unsafe { gelu_and_slope(&x, &mut y, &mut d) };
-        for (i, &v) in x.iter().enumerate() {
-            // SAFETY: gelu_and_slope wrote every element.
-            let (got_y, got_d) = unsafe { (y[i].assume_init(), d[i].assume_init()) };
-            let (want_y, want_d) = gelu_and_slope_of(v);
-            assert!(
-                same(got_y, want_y) && same(got_d, want_d),
-                "x[{i}] = {v:e}: AVX2 gave ({got_y:e}, {got_d:e}), the scalar code ({want_y:e}, {want_d:e})"
-            );
-        }
-    }
-
-    /// `exp_minus` gives `simd::exp(v - max)`'s bits on rows of every length
-    /// from 0 to 100 (whole groups of 32 and tails), on values that reach
-    /// both clamps, infinities and NaN.
-    #[test]
-    fn exp_minus_on_avx2_is_the_scalar_codes_bits() {
-        if !runs_here("exp") {
-            return;
-        }
-        let special = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e-40];
-        for len in 0..=100 {
-            let row: Vec<f32> = (0..len)
-                .map(|i| match i % 17 {
-                    16 => special[i / 17 % special.len()],
-                    k => (k as f32 - 8.0) * 13.0 + i as f32 * 0.37,
-                })
-                .collect();
-            for max in [0.0, 3.5, -120.0, 200.0] {
-                let mut got = row.clone();
-                // SAFETY: AVX2 and FMA checked above.
-                unsafe { exp_minus(&mut got, max) };
-                for (i, (&g, &v)) in got.iter().zip(&row).enumerate() {
-                    let want = exp(v - max);
+        for width in widths_here("GELU") {
+            for len in [x.len(), 64 * 3 + 16 * 2 + 5, 16 + 8 + 3, 7] {
+                let x = &x[x.len() - len..];
+                let (mut y, mut d) = (uninit_floats(len), uninit_floats(len));
+                // SAFETY: the CPU has the width's features (widths_here); y
+                // and d as long as x.
+                unsafe {
+                    match width {
+                        Width::Avx2 => avx2::gelu_and_slope(x, &mut y, &mut d),
+                        _ => avx512::gelu_and_slope(x, &mut y, &mut d),
+                    }
+                }
+                for (i, &v) in x.iter().enumerate() {
+                    // SAFETY: gelu_and_slope wrote every element.
+                    let (got_y, got_d) = unsafe { (y[i].assume_init(), d[i].assume_init()) };
+                    let (want_y, want_d) = gelu_and_slope_of(v);
                     assert!(
-                        same(g, want),
-                        "row of {len}, [{i}] = {v:e}, max {max}: AVX2 gave {g:e}, the scalar code {want:e}"
+                        same(got_y, want_y) && same(got_d, want_d),
+                        "x[{i}] = {v:e}: {width:?} gave ({got_y:e}, {got_d:e}), the scalar code ({want_y:e}, {want_d:e})"
                     );
                 }
             }
         }
     }
 
-    /// SwiGLU's forward and backward give the scalar expressions' bits on
-    /// gates that reach both ends of the sigmoid, infinities and NaN, over a
-    /// row with a tail.
+    /// `exp_minus` gives `simd::exp(v - max)`'s bits on rows of every length
+    /// from 0 to 150 (whole groups of chains, single vectors and tails), on
+    /// values that reach both clamps, infinities and NaN.
     #[test]
-    fn swiglu_on_avx2_is_the_scalar_codes_bits() {
-        if !runs_here("SwiGLU") {
-            return;
+    fn exp_minus_intrinsics_are_the_scalar_codes_bits() {
+        let special = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 1e-40];
+        for width in widths_here("exp") {
+            for len in 0..=150 {
+                let row: Vec<f32> = (0..len)
+                    .map(|i| match i % 17 {
+                        16 => special[i / 17 % special.len()],
+                        k => (k as f32 - 8.0) * 13.0 + i as f32 * 0.37,
+                    })
+                    .collect();
+                for max in [0.0, 3.5, -120.0, 200.0] {
+                    let mut got = row.clone();
+                    // SAFETY: the CPU has the width's features (widths_here).
+                    unsafe {
+                        match width {
+                            Width::Avx2 => avx2::exp_minus(&mut got, max),
+                            _ => avx512::exp_minus(&mut got, max),
+                        }
+                    }
+                    for (i, (&g, &v)) in got.iter().zip(&row).enumerate() {
+                        let want = exp(v - max);
+                        assert!(
+                            same(g, want),
+                            "row of {len}, [{i}] = {v:e}, max {max}: {width:?} gave {g:e}, the scalar code {want:e}"
+                        );
+                    }
+                }
+            }
         }
-        let n = 32 * 40 + 13;
+    }
+
+    /// SwiGLU's forward and backward give the scalar expressions' bits on
+    /// gates that reach both ends of the sigmoid, infinities and NaN, over
+    /// rows with single vectors and a tail.
+    #[test]
+    fn swiglu_intrinsics_are_the_scalar_codes_bits() {
         let special = [
             f32::NAN,
             f32::INFINITY,
@@ -421,37 +859,51 @@ mod tests {
             90.0,
             -90.0,
         ];
-        let gate: Vec<f32> = (0..n)
-            .map(|i| match i % 29 {
-                28 => special[i / 29 % special.len()],
-                _ => (i as f32 - n as f32 / 2.0) * 0.07,
-            })
-            .collect();
-        let up: Vec<f32> = (0..n).map(|i| ((i * 31 % 17) as f32 - 8.0) * 0.3).collect();
-        let dy: Vec<f32> = (0..n).map(|i| ((i * 13 % 11) as f32 - 5.0) * 0.2).collect();
-        let (mut out, mut dgate, mut dup) = (uninit_floats(n), uninit_floats(n), uninit_floats(n));
-        // SAFETY: AVX2 and FMA checked above; every slice n long.
-        unsafe {
-            swiglu(&gate, &up, &mut out);
-            swiglu_backward(&gate, &up, &dy, &mut dgate, &mut dup);
-        }
-        for i in 0..n {
-            let (g, u, d) = (gate[i], up[i], dy[i]);
-            let s = sigmoid(g);
-            let silu = g * s;
-            let want = [g * s * u, d * u * (s + silu * (1.0 - s)), d * silu];
-            // SAFETY: the kernels wrote every element.
-            let got = unsafe {
-                [
-                    out[i].assume_init(),
-                    dgate[i].assume_init(),
-                    dup[i].assume_init(),
-                ]
-            };
-            assert!(
-                (0..3).all(|k| same(got[k], want[k])),
-                "gate[{i}] = {g:e}: AVX2 gave {got:?}, the scalar code {want:?}"
-            );
+        for width in widths_here("SwiGLU") {
+            for n in [64 * 20 + 16 * 3 + 13, 64 * 20 + 13, 16 + 5] {
+                let gate: Vec<f32> = (0..n)
+                    .map(|i| match i % 29 {
+                        28 => special[i / 29 % special.len()],
+                        _ => (i as f32 - n as f32 / 2.0) * 0.07,
+                    })
+                    .collect();
+                let up: Vec<f32> = (0..n).map(|i| ((i * 31 % 17) as f32 - 8.0) * 0.3).collect();
+                let dy: Vec<f32> = (0..n).map(|i| ((i * 13 % 11) as f32 - 5.0) * 0.2).collect();
+                let (mut out, mut dgate, mut dup) =
+                    (uninit_floats(n), uninit_floats(n), uninit_floats(n));
+                // SAFETY: the CPU has the width's features (widths_here);
+                // every slice n long.
+                unsafe {
+                    match width {
+                        Width::Avx2 => {
+                            avx2::swiglu(&gate, &up, &mut out);
+                            avx2::swiglu_backward(&gate, &up, &dy, &mut dgate, &mut dup);
+                        }
+                        _ => {
+                            avx512::swiglu(&gate, &up, &mut out);
+                            avx512::swiglu_backward(&gate, &up, &dy, &mut dgate, &mut dup);
+                        }
+                    }
+                }
+                for i in 0..n {
+                    let (g, u, d) = (gate[i], up[i], dy[i]);
+                    let s = sigmoid(g);
+                    let silu = g * s;
+                    let want = [g * s * u, d * u * (s + silu * (1.0 - s)), d * silu];
+                    // SAFETY: the kernels wrote every element.
+                    let got = unsafe {
+                        [
+                            out[i].assume_init(),
+                            dgate[i].assume_init(),
+                            dup[i].assume_init(),
+                        ]
+                    };
+                    assert!(
+                        (0..3).all(|k| same(got[k], want[k])),
+                        "gate[{i}] = {g:e}: {width:?} gave {got:?}, the scalar code {want:?}"
+                    );
+                }
+            }
         }
     }
 }

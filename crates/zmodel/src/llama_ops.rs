@@ -259,10 +259,8 @@ impl CustomOp1 for SwiGlu {
 #[inline(always)]
 fn swiglu_row(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::chosen_width() == crate::simd::Width::Avx2 {
-        // SAFETY: the CPU has AVX2 and FMA (chosen_width); up and out are
-        // the row's other halves, as long as gate.
-        return unsafe { crate::lanes::swiglu(gate, up, out) };
+    if crate::lanes::swiglu(gate, up, out) {
+        return;
     }
     // Cut to one length first, so that the loop has no bounds checks left
     // and vectorises (with them, SwiGLU's backward ran scalar).
@@ -283,10 +281,8 @@ fn swiglu_backward_row(
     dup: &mut [MaybeUninit<f32>],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::chosen_width() == crate::simd::Width::Avx2 {
-        // SAFETY: the CPU has AVX2 and FMA (chosen_width); every slice is
-        // one row's part, as long as gate.
-        return unsafe { crate::lanes::swiglu_backward(gate, up, dy, dgate, dup) };
+    if crate::lanes::swiglu_backward(gate, up, dy, dgate, dup) {
+        return;
     }
     let n = gate.len();
     let (up, dy, dgate, dup) = (&up[..n], &dy[..n], &mut dgate[..n], &mut dup[..n]);

@@ -94,10 +94,8 @@ pub(crate) const GELU_6KC: f32 = 3.0 * GELU_2KC;
 #[inline(always)]
 fn gelu_and_slope_into(x: &[f32], y: &mut [MaybeUninit<f32>], slope: &mut [MaybeUninit<f32>]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::chosen_width() == crate::simd::Width::Avx2 {
-        // SAFETY: the CPU has AVX2 and FMA (chosen_width); y and slope are
-        // x's chunks' partners, as long as x.
-        return unsafe { crate::lanes::gelu_and_slope(x, y, slope) };
+    if crate::lanes::gelu_and_slope(x, y, slope) {
+        return;
     }
     vectorised(
         #[inline(always)]

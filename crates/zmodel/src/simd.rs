@@ -90,9 +90,8 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 #[inline(always)]
 pub(crate) fn exp_minus(row: &mut [f32], max: f32) {
     #[cfg(target_arch = "x86_64")]
-    if chosen_width() == Width::Avx2 {
-        // SAFETY: the CPU has AVX2 and FMA (chosen_width).
-        return unsafe { crate::lanes::exp_minus(row, max) };
+    if crate::lanes::exp_minus(row, max) {
+        return;
     }
     row.iter_mut().for_each(|v| *v = exp(*v - max));
 }
