@@ -171,9 +171,13 @@ extern "C" __global__ void layer_norm_backward(const float* x, const float* w,
 #define IN_FLIGHT 8
 
 // Σ a[r·width + c] over rows [r0, r1), in row order; `cg` reads past the
-// SM's own cache (values other blocks of this launch wrote).
+// SM's own cache (values other blocks of this launch wrote). With `a16`,
+// each value read is also written there rounded to the 16-bit format
+// (a bias gradient's pass that rounds the output gradient for 16-bit
+// products as it sums: one read of it instead of two).
 __device__ __forceinline__ float column_sum(const float* a, int r0, int r1, int width, int c,
-                                            bool cg)
+                                            bool cg, unsigned short* a16 = nullptr,
+                                            int fmt16 = 0)
 {
     float s = 0.0f;
     int r = r0;
@@ -184,12 +188,19 @@ __device__ __forceinline__ float column_sum(const float* a, int r0, int r1, int 
             const float* at = &a[(unsigned long long)(r + j) * width + c];
             v[j] = cg ? __ldcg(at) : *at;
         }
+        if (a16) {
+#pragma unroll
+            for (int j = 0; j < IN_FLIGHT; j++)
+                a16[(unsigned long long)(r + j) * width + c] = round16(v[j], fmt16);
+        }
 #pragma unroll
         for (int j = 0; j < IN_FLIGHT; j++) s += v[j];
     }
     for (; r < r1; r++) {
         const float* at = &a[(unsigned long long)r * width + c];
-        s += cg ? __ldcg(at) : *at;
+        float v = cg ? __ldcg(at) : *at;
+        if (a16) a16[(unsigned long long)r * width + c] = round16(v, fmt16);
+        s += v;
     }
     return s;
 }
@@ -301,14 +312,17 @@ extern "C" __global__ void rms_norm_param_partials(const float* x, const float* 
 // out[c] = Σ_r a[r, c] over `rows` rows of `width` (a bias gradient):
 // blockIdx.y sums its chunk of rows_per rows in row order into
 // part[chunk, c], and the stripe's last block adds the chunks' parts in
-// chunk order into out.
-extern "C" __global__ void column_sums(const float* a, float* part, float* out,
-                                       unsigned int* done, int rows, int width, int rows_per)
+// chunk order into out. With `a16` (else null) every value of `a` is also
+// written there rounded to format `fmt16`, round16_into's bits.
+extern "C" __global__ void column_sums(const float* a, unsigned short* a16, int fmt16,
+                                       float* part, float* out, unsigned int* done, int rows,
+                                       int width, int rows_per)
 {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < width) {
         int r0 = blockIdx.y * rows_per, r1 = min(rows, r0 + rows_per);
-        part[(unsigned long long)blockIdx.y * width + c] = column_sum(a, r0, r1, width, c, false);
+        part[(unsigned long long)blockIdx.y * width + c] =
+            column_sum(a, r0, r1, width, c, false, a16, fmt16);
     }
     if (last_of_stripe(done) && c < width) out[c] = column_sum(part, 0, gridDim.y, width, c, true);
 }

@@ -109,13 +109,14 @@ void emu_layer_norm_backward(const float* x, const float* w, const float* mean, 
 }
 
 // A bias gradient as GptGpu::column_sums takes it: chunks of rows, then
-// the chunks' sums, in one launch.
-void emu_column_sums(const float* a, float* out, int n, int width) {
+// the chunks' sums, in one launch; with a16, a rounded into it as well.
+void emu_column_sums(const float* a, unsigned short* a16, int fmt16, float* out, int n,
+                     int width) {
     int chunks = std::max(1, (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK);
     std::vector<float> part((size_t)chunks * width);
     std::vector<unsigned> done(columns(width, 1).x);
-    emu_launch(k::column_sums, columns(width, chunks), threads(), a, part.data(), out, done.data(),
-               n, width, ROWS_PER_CHUNK);
+    emu_launch(k::column_sums, columns(width, chunks), threads(), a, a16, fmt16, part.data(), out,
+               done.data(), n, width, ROWS_PER_CHUNK);
 }
 
 void emu_gelu(const float* h, float* g, unsigned short* g16, int fmt16, unsigned long long n) {

@@ -177,7 +177,14 @@ extern "C" {
         n: c_int,
         d: c_int,
     );
-    fn emu_column_sums(a: *const c_float, out: *mut c_float, n: c_int, width: c_int);
+    fn emu_column_sums(
+        a: *const c_float,
+        a16: *mut u16,
+        fmt16: c_int,
+        out: *mut c_float,
+        n: c_int,
+        width: c_int,
+    );
     fn emu_gelu(h: *const c_float, g: *mut c_float, g16: *mut u16, fmt16: c_int, n: c_ulonglong);
     fn emu_gelu_backward(h: *const c_float, dg: *const c_float, dh: *mut c_float, n: c_ulonglong);
     fn emu_causal_softmax(
@@ -561,13 +568,16 @@ pub fn layer_norm_backward(
     (dx, dw, db)
 }
 
-/// The column sums of `a`'s rows of `width`, as a bias gradient is taken.
-pub fn column_sums(a: &[f32], width: usize) -> Vec<f32> {
+/// The column sums of `a`'s rows of `width`, as a bias gradient is taken;
+/// with `a16`, `a` rounded into it in the same pass.
+pub fn column_sums(a: &[f32], width: usize, a16: Option<Out16<'_>>) -> Vec<f32> {
     let n = a.len() / width;
     assert_eq!(a.len(), n * width, "column sums: shapes");
+    let (a16, fmt16) = out16(a16, a.len());
     let mut out = vec![0.0; width];
-    // SAFETY: a holds n·width values, out width (checked and allocated above).
-    unsafe { emu_column_sums(a.as_ptr(), out.as_mut_ptr(), int(n), int(width)) };
+    // SAFETY: a (and a16, if not null) holds n·width values, out width
+    // (checked and allocated above).
+    unsafe { emu_column_sums(a.as_ptr(), a16, fmt16, out.as_mut_ptr(), int(n), int(width)) };
     out
 }
 

@@ -251,7 +251,15 @@ fn column_sums_add_chunks_of_64_rows_then_the_chunks_in_order() {
         want.iter_mut().zip(&part).for_each(|(w, p)| *w += p);
     }
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&column_sums(&a, width)), bits(&want));
+    assert_eq!(bits(&column_sums(&a, width, None)), bits(&want));
+    // Rounding the values for 16-bit products in the same pass: the sums
+    // unchanged, every value rounded to nearest even.
+    for fmt in [Fmt16::Bf16, Fmt16::F16] {
+        let mut a16 = vec![0u16; a.len()];
+        let sums = column_sums(&a, width, Some((fmt, &mut a16)));
+        assert_eq!(bits(&sums), bits(&want), "{fmt:?}: the sums");
+        assert_eq!(a16, rounded16(fmt, &a), "{fmt:?}: the rounded values");
+    }
 }
 
 #[test]

@@ -1186,8 +1186,23 @@ impl GptGpu {
         width: usize,
         dy: &CudaSlice<f32>,
     ) -> Result<Backward, CudaError> {
+        // With 16-bit products and a bias, the pass that sums the bias
+        // gradient's columns also rounds dy for both products (one read of
+        // dy instead of two, one launch instead of two; the same bits).
         let mut dy16 = None;
-        let dy_op = self.operand_twice(dy, n * width, width, &mut dy16)?;
+        let db = match bias {
+            Some(_) => {
+                if self.half_products.is_some() {
+                    dy16 = Some(self.alloc16(n * width)?);
+                }
+                Some(self.column_sums(dy, n, width, dy16.as_mut())?)
+            }
+            None => None,
+        };
+        let dy_op = match dy16 {
+            Some(ref rounded) => op16(rounded, 0, width),
+            None => self.operand_twice(dy, n * width, width, &mut dy16)?,
+        };
         let mut dw = self.alloc(k * width)?;
         self.gemm(
             true,
@@ -1208,20 +1223,19 @@ impl GptGpu {
             (&mut dx, 0, k),
             ONE,
         )?;
-        let db = match bias {
-            Some(_) => Some(self.column_sums(dy, n, width)?),
-            None => None,
-        };
         Ok((dx, dw, db))
     }
 
     /// `Σ_r a[r, ·]` over `rows` rows of `width`: per chunk of rows, then
-    /// over the chunks, each in order, in one launch.
+    /// over the chunks, each in order, in one launch; with `a16`, every
+    /// value of `a` also rounded into it to the products' format
+    /// ([`GptGpu::fmt16`]) as it is read.
     fn column_sums(
         &self,
         a: &CudaSlice<f32>,
         rows: usize,
         width: usize,
+        a16: Option<&mut CudaSlice<u16>>,
     ) -> Result<CudaSlice<f32>, CudaError> {
         let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
         let mut part = self.alloc(chunks * width)?;
@@ -1233,7 +1247,21 @@ impl GptGpu {
             .gpu
             .stream()
             .launch_builder(self.gpu.function("column_sums"));
-        l.arg(a)
+        let null = 0u64;
+        l.arg(a);
+        match a16 {
+            Some(a16) => {
+                if a16.len() < rows * width {
+                    return Err(CudaError::Invalid(format!(
+                        "column_sums: {} 16-bit values for {rows} rows of {width}",
+                        a16.len()
+                    )));
+                }
+                l.arg(a16)
+            }
+            None => l.arg(&null),
+        };
+        l.arg(&self.fmt16)
             .arg(&mut part)
             .arg(&mut out)
             .arg(done)
@@ -1241,10 +1269,11 @@ impl GptGpu {
             .arg(&w32)
             .arg(&per32);
         let cfg = columns_config(width, chunks);
-        // SAFETY: column_sums(a[rows·width], part[chunks·width], out[width],
-        // done[stripes], rows, width, rows_per): chunk y writes part[y·width
-        // + c] for c < width, a stripe's last block out[c] of its columns;
-        // done holds a zero for each of the grid's stripes.
+        // SAFETY: column_sums(a[rows·width], a16[rows·width] or null, fmt16,
+        // part[chunks·width], out[width], done[stripes], rows, width,
+        // rows_per): chunk y writes part[y·width + c] for c < width (and
+        // a16 at its rows' values), a stripe's last block out[c] of its
+        // columns; done holds a zero for each of the grid's stripes.
         self.launched("column_sums", unsafe { l.launch(cfg) })?;
         Ok(out)
     }
