@@ -255,7 +255,7 @@ impl CustomOp1 for SwiGlu {
 }
 
 /// `out = gate · σ(gate) · up` element by element; inside `vectorised`, on
-/// AVX2 through [`crate::lanes`] (the same bits).
+/// AVX2 and AVX-512 through [`crate::lanes`] (the same bits).
 #[inline(always)]
 fn swiglu_row(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) {
     #[cfg(target_arch = "x86_64")]
@@ -271,7 +271,8 @@ fn swiglu_row(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) {
 }
 
 /// SwiGLU's gradients of one row (`dgate`, `dup` from `dy`); inside
-/// `vectorised`, on AVX2 through [`crate::lanes`] (the same bits).
+/// `vectorised`, on AVX2 and AVX-512 through [`crate::lanes`] (the same
+/// bits).
 #[inline(always)]
 fn swiglu_backward_row(
     gate: &[f32],

@@ -81,9 +81,9 @@ pub(crate) const GELU_2KC: f32 = GELU_2K * GELU_C;
 pub(crate) const GELU_6KC: f32 = 3.0 * GELU_2KC;
 
 /// GELU of `x` into `y` and its slope into `slope`, element by element (the
-/// bits of [`gelu_and_slope_of`]), in this CPU's widest vectors: on AVX2 the
-/// intrinsics of [`crate::lanes`], which keep several vectors' chains in
-/// flight; elsewhere the loop compiled by [`vectorised`].
+/// bits of [`gelu_and_slope_of`]), in this CPU's widest vectors: on AVX2 and
+/// AVX-512 the intrinsics of [`crate::lanes`], which keep several vectors'
+/// chains in flight; elsewhere the loop compiled by [`vectorised`].
 ///
 /// It calls [`vectorised`] itself rather than trusting its caller to: passed
 /// by name to a row helper, a function is called through a compiler-made

@@ -84,9 +84,10 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 }
 
 /// `v = e^(v − max)` for each value of `row`: a softmax's numerators, with
-/// [`exp`]'s bits. Inside [`vectorised`]; on AVX2, the intrinsics of
-/// [`crate::lanes`], which keep four vectors' chains in flight where the
-/// compiler's loop waited on one (`attention_bench`: see `lanes`).
+/// [`exp`]'s bits. Inside [`vectorised`]; on AVX2 and AVX-512, the
+/// intrinsics of [`crate::lanes`], which keep several vectors' chains in
+/// flight where the compiler's loop waited on one (`attention_bench`: see
+/// `lanes`).
 #[inline(always)]
 pub(crate) fn exp_minus(row: &mut [f32], max: f32) {
     #[cfg(target_arch = "x86_64")]
