@@ -384,10 +384,13 @@ __device__ __forceinline__ void times_tile(float (&acc)[HD / 8][4],
 }
 
 // A warp's 16 rows × HD accumulator (C layout, times `mul`) into columns
-// col.. of rows r0.. of `out` (rows of ld; rows at or past t skipped).
+// col.. of rows r0.. of `out` (rows of ld; rows at or past t skipped), and
+// with `out16` (else null) each value rounded to format `fmt16` at the
+// same place there.
 template <int HD>
 __device__ __forceinline__ void store_rows(float* out, int ld, int col, int r0, int t,
-                                           const float (&acc)[HD / 8][4], float mul_lo, float mul_hi) {
+                                           const float (&acc)[HD / 8][4], float mul_lo, float mul_hi,
+                                           unsigned short* out16 = nullptr, int fmt16 = 0) {
     int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
     for (int nt = 0; nt < HD / 8; nt++) {
@@ -395,8 +398,10 @@ __device__ __forceinline__ void store_rows(float* out, int ld, int col, int r0, 
         for (int r = 0; r < 4; r++) {
             int row = r0 + g + 8 * (r / 2);
             if (row < t) {
-                out[(unsigned long long)row * ld + col + nt * 8 + 2 * q + r % 2] =
-                    acc[nt][r] * (r < 2 ? mul_lo : mul_hi);
+                unsigned long long i = (unsigned long long)row * ld + col + nt * 8 + 2 * q + r % 2;
+                float v = acc[nt][r] * (r < 2 ? mul_lo : mul_hi);
+                out[i] = v;
+                if (out16) out16[i] = round16(v, fmt16);
             }
         }
     }
@@ -404,9 +409,12 @@ __device__ __forceinline__ void store_rows(float* out, int ld, int col, int r0, 
 
 // The forward: out[b, t, heads·hd] (head h in columns h·hd..) and each
 // row's log-sum-exp of its scaled scores, lse[b·heads, t], for the
-// backward. Grid (⌈t / 64⌉, b·heads), 128 threads.
+// backward; with `out16` (else null), out rounded to format `fmt16` there
+// too, the operand of the 16-bit product that reads it. Grid (⌈t / 64⌉,
+// b·heads), 128 threads.
 template <class M, int HD>
-__device__ void fa_forward(const float* qkv, float* out, float* lse, FaShape sh) {
+__device__ void fa_forward(const float* qkv, float* out, unsigned short* out16, int fmt16,
+                           float* lse, FaShape sh) {
     constexpr int KT = FaWalk<HD>::KEYS;
     __shared__ __align__(16) typename M::Elem k_tile[KT * (HD + 8)];
     __shared__ __align__(16) typename M::Elem v_tile[KT * (HD + 8)];
@@ -464,8 +472,9 @@ __device__ void fa_forward(const float* qkv, float* out, float* lse, FaShape sh)
         times_tile<M, HD>(acc, sc, v_tile, span);
     }
     float sum_lo = quad_sum(l[0]), sum_hi = quad_sum(l[1]);
-    store_rows<HD>(out + (unsigned long long)s * sh.t * d, d, h * HD, q0, sh.t, acc, 1.0f / sum_lo,
-                   1.0f / sum_hi);
+    unsigned long long at_row = (unsigned long long)s * sh.t * d;
+    store_rows<HD>(out + at_row, d, h * HD, q0, sh.t, acc, 1.0f / sum_lo, 1.0f / sum_hi,
+                   out16 ? out16 + at_row : nullptr, fmt16);
     if (q == 0) {
         float* at = lse + (unsigned long long)bh * sh.t;
         if (q0 + g < sh.t) at[q0 + g] = m[0] + logf(sum_lo);
@@ -625,9 +634,10 @@ __device__ void fa_backward_q(const float* qkv, const float* dout, const float* 
 // take the unfused path).
 #define FA_ENTRIES(KIND, M, HD)                                                                 \
     extern "C" __global__ void flash_forward_##KIND##_##HD(                                     \
-        const float* qkv, float* out, float* lse, int t, int heads, int kv, int ld, float scale) \
+        const float* qkv, float* out, unsigned short* out16, int fmt16, float* lse, int t,      \
+        int heads, int kv, int ld, float scale)                                                 \
     {                                                                                           \
-        fa_forward<M, HD>(qkv, out, lse, FaShape{t, heads, kv, ld, scale});                     \
+        fa_forward<M, HD>(qkv, out, out16, fmt16, lse, FaShape{t, heads, kv, ld, scale});       \
     }                                                                                           \
     extern "C" __global__ void flash_backward_kv_##KIND##_##HD(                                 \
         const float* qkv, const float* dout, const float* lse, const float* delta, float* dqkv, \

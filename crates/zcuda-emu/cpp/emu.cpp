@@ -233,10 +233,10 @@ void emu_dequantize(const float* scales, const unsigned char* data, unsigned lon
         FA_WIDTH16(kernel, f16, __VA_ARGS__)            \
     }
 
-void emu_flash_forward(const float* qkv, float* out, float* lse, int b, int t, int heads, int kv,
-                       int hd, int ld, float scale, int kind) {
+void emu_flash_forward(const float* qkv, float* out, unsigned short* out16, int fmt16, float* lse,
+                       int b, int t, int heads, int kv, int hd, int ld, float scale, int kind) {
     dim3 grid{(unsigned)((t + 63) / 64), (unsigned)(b * heads)};
-    FA_BY_KIND(flash_forward, grid, dim3{128}, qkv, out, lse, t, heads, kv, ld, scale)
+    FA_BY_KIND(flash_forward, grid, dim3{128}, qkv, out, out16, fmt16, lse, t, heads, kv, ld, scale)
 }
 
 void emu_flash_backward(const float* qkv, const float* out, const float* dout, const float* lse,

@@ -7,6 +7,8 @@ extern "C" {
     fn emu_flash_forward(
         qkv: *const c_float,
         out: *mut c_float,
+        out16: *mut u16,
+        fmt16: c_int,
         lse: *mut c_float,
         b: c_int,
         t: c_int,
@@ -988,19 +990,28 @@ impl FlashShape {
 }
 
 /// The fused causal attention of `qkv` `[b, t, (heads + 2·kv)·hd]`: the
-/// output `[b, t, heads·hd]` and each row's log-sum-exp `[b·heads, t]`.
-pub fn flash_attention(qkv: &[f32], sh: FlashShape) -> (Vec<f32>, Vec<f32>) {
+/// output `[b, t, heads·hd]` and each row's log-sum-exp `[b·heads, t]`;
+/// with `rounded`, the output's 16-bit values written there too.
+pub fn flash_attention(
+    qkv: &[f32],
+    sh: FlashShape,
+    rounded: Option<Out16<'_>>,
+) -> (Vec<f32>, Vec<f32>) {
     sh.check();
     let (rows, ld) = (sh.b * sh.t, sh.ld());
     assert_eq!(qkv.len(), rows * ld, "fused attention: qkv");
     let mut out = vec![0.0; rows * sh.heads * sh.hd];
     let mut lse = vec![0.0; rows * sh.heads];
-    // SAFETY: qkv holds b·t rows of ld, out b·t·heads·hd values and lse
-    // b·heads·t (checked and allocated above); hd is one of the kernel's.
+    let (out16, fmt16) = out16(rounded, out.len());
+    // SAFETY: qkv holds b·t rows of ld, out (and out16, if not null)
+    // b·t·heads·hd values and lse b·heads·t (checked and allocated above);
+    // hd is one of the kernel's.
     unsafe {
         emu_flash_forward(
             qkv.as_ptr(),
             out.as_mut_ptr(),
+            out16,
+            fmt16,
             lse.as_mut_ptr(),
             int(sh.b),
             int(sh.t),

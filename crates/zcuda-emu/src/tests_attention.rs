@@ -11,7 +11,8 @@ use candle_core::{Device, Tensor};
 use zmodel::attention::{causal_attention, causal_attention_backward, Heads};
 use zmodel::linear::Products;
 
-use crate::{flash_attention, flash_attention_backward, FlashProducts, FlashShape};
+use crate::tests::rounded16;
+use crate::{flash_attention, flash_attention_backward, Fmt16, FlashProducts, FlashShape};
 
 /// Values in [-2, 2) from a fixed sequence (scores of a few units, so that
 /// the softmax is neither flat nor one-hot).
@@ -142,7 +143,18 @@ fn fused_attention_matches_an_f64_reference_of_its_rounded_operands() {
         let ld = (sh.heads + 2 * sh.kv) * sh.hd;
         let qkv = wave(sh.b * sh.t * ld, 2 * n as u32);
         let dout = wave(sh.b * sh.t * sh.heads * sh.hd, 2 * n as u32 + 1);
-        let (out, lse) = flash_attention(&qkv, sh);
+        // With 16-bit products the output is written in their format too
+        // (the operand of the projection after it): the f32 output rounded.
+        let fmt = match sh.products {
+            FlashProducts::Bf16 => Some(Fmt16::Bf16),
+            FlashProducts::F16 => Some(Fmt16::F16),
+            FlashProducts::Tf32 => None,
+        };
+        let mut out16 = vec![0u16; dout.len()];
+        let (out, lse) = flash_attention(&qkv, sh, fmt.map(|f| (f, &mut out16[..])));
+        if let Some(f) = fmt {
+            assert_eq!(out16, rounded16(f, &out), "{sh:?}: the 16-bit output");
+        }
         let dqkv = flash_attention_backward(&qkv, &out, &lse, &dout, sh);
         let (want_out, want_lse, want_dqkv) = reference(&qkv, &dout, sh);
         let e_out = rel_err("out", &out, &want_out);
@@ -170,7 +182,7 @@ fn fused_attention_is_the_cpu_models_attention() {
         let ld = (sh.heads + 2 * sh.kv) * sh.hd;
         let qkv = wave(sh.b * sh.t * ld, 10 + n as u32);
         let dout = wave(sh.b * sh.t * sh.heads * sh.hd, 20 + n as u32);
-        let (out, lse) = flash_attention(&qkv, sh);
+        let (out, lse) = flash_attention(&qkv, sh, None);
         let dqkv = flash_attention_backward(&qkv, &out, &lse, &dout, sh);
         let tensor = |v: &[f32], w: usize| {
             Tensor::from_vec(v.to_vec(), (sh.b, sh.t, w), &Device::Cpu).unwrap()

@@ -368,10 +368,24 @@ enum Stats {
 type Backward = (CudaSlice<f32>, CudaSlice<f32>, Option<CudaSlice<f32>>);
 
 /// What attention keeps for its backward: the output rows (`[b, t, d]`,
-/// the output projection's input) and what its way of running needs.
+/// the output projection's input; also in 16 bits where the fused kernel
+/// wrote them so for 16-bit products) and what its way of running needs.
 struct Attention {
     out: CudaSlice<f32>,
+    out16: Option<CudaSlice<u16>>,
     kept: AttentionKept,
+}
+
+impl Attention {
+    /// The output as the output projection's operand (rows of `d`): its
+    /// 16-bit values where the kernel wrote them, else the f32 ones (which
+    /// a 16-bit product rounds first).
+    fn operand(&self, d: usize) -> Operand<'_> {
+        match &self.out16 {
+            Some(o) => op16(o, 0, d),
+            None => op(&self.out, 0, d),
+        }
+    }
 }
 
 enum AttentionKept {
@@ -845,7 +859,7 @@ impl GptGpu {
         let mut qkv = self.linear(a1.operand(d), n, d, qkv_w, q, None)?;
         self.rotate(&mut qkv, b, t, 1.0)?;
         let attention = self.attention(qkv, b, t)?;
-        let rows1 = self.linear(op(&attention.out, 0, d), n, d, out_w, d, Some(&x.buf))?;
+        let rows1 = self.linear(attention.operand(d), n, d, out_w, d, Some(&x.buf))?;
         let (a2, stats2) = self.norm(&rows1, norm2, n)?;
         let f = self.shape.ffn;
         // The MLP's first bias goes into GELU (and its backward), not into
@@ -903,7 +917,7 @@ impl GptGpu {
             self.norm_backward(&acts.rows1, norm2, &acts.stats2, &da2, Some(dy), n)?;
         grads[3] = Some((dw, db));
         // rows1 = x + att·W_o (+ b_o)
-        let att = op(&acts.attention.out, 0, d);
+        let att = acts.attention.operand(d);
         let (datt, dw, db) = self.linear_backward(att, n, d, out_w, d, &drows1)?;
         grads[2] = Some((dw, db));
         let mut dqkv = self.attention_backward(&acts.attention, &datt, b, t)?;
@@ -1686,6 +1700,7 @@ impl GptGpu {
         self.heads_into_rows(&o, &mut att, d, 0, b, t, 1)?;
         Ok(Attention {
             out: att,
+            out16: None,
             kept: AttentionKept::Unfused {
                 q,
                 k,
@@ -1713,22 +1728,36 @@ impl GptGpu {
             )));
         }
         let mut out = self.alloc(b * t * d)?;
+        // With 16-bit products the kernel also writes the output in their
+        // format, for the output projection's two products (forward and
+        // weight gradient), which rounded it in a pass each before.
+        let mut out16 = match self.half_products {
+            Some(_) => Some(self.alloc16(b * t * d)?),
+            None => None,
+        };
         let mut lse = self.alloc(b * heads * t)?;
         let kernel = self.fused_kernel("flash_forward");
         let args = self.fused_args(t);
+        let null = 0u64;
         let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
-        l.arg(&qkv).arg(&mut out).arg(&mut lse);
+        l.arg(&qkv).arg(&mut out);
+        match out16.as_mut() {
+            Some(o) => l.arg(o),
+            None => l.arg(&null),
+        };
+        l.arg(&self.fmt16).arg(&mut lse);
         args.push(&mut l);
-        // SAFETY: flash_forward_<kind>_<hd>(qkv, out, lse, t, heads, kv, ld,
-        // scale): b·t rows of ld in qkv (checked above), b·t·d values in
-        // out and b·heads·t in lse (allocated above); qkv is a whole
-        // allocation and ld a multiple of the head width (16, 32 or 64), so
-        // the kernel's 16-byte loads are aligned; the grid covers
-        // ⌈t/64⌉ tiles of b·heads heads, blocks of 128 threads as the
-        // kernel assumes.
+        // SAFETY: flash_forward_<kind>_<hd>(qkv, out, out16, fmt16, lse, t,
+        // heads, kv, ld, scale): b·t rows of ld in qkv (checked above),
+        // b·t·d values in out (and out16, or null) and b·heads·t in lse
+        // (allocated above); qkv is a whole allocation and ld a multiple of
+        // the head width (16, 32 or 64), so the kernel's 16-byte loads are
+        // aligned; the grid covers ⌈t/64⌉ tiles of b·heads heads, blocks of
+        // 128 threads as the kernel assumes.
         self.launched(kernel, unsafe { l.launch(fused_config(t, b * heads)) })?;
         Ok(Attention {
             out,
+            out16,
             kept: AttentionKept::Fused { qkv, lse },
         })
     }
