@@ -12,7 +12,7 @@ use zmodel::attention::{causal_attention, causal_attention_backward, Heads};
 use zmodel::linear::Products;
 
 use crate::tests::rounded16;
-use crate::{flash_attention, flash_attention_backward, Fmt16, FlashProducts, FlashShape};
+use crate::{flash_attention, flash_attention_backward, FlashProducts, FlashShape, Fmt16};
 
 /// Values in [-2, 2) from a fixed sequence (scores of a few units, so that
 /// the softmax is neither flat nor one-hot).
