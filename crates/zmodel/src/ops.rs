@@ -985,6 +985,76 @@ pub(crate) mod tests {
         assert!(crate::llama_ops::rms_norm_backward(&x, &w, &dy, 1e-5, Some(&short)).is_err());
     }
 
+    /// Layer norm's backward is its formula row by row, each sum in
+    /// `sum_lanes`' order, to the bit: widths of whole runs of 32, with
+    /// runs of 8 after them, with a tail, and shorter than a run; rows past
+    /// a task (dw and db add the tasks' parts in order); with and without
+    /// the residual.
+    #[test]
+    fn layer_norm_backward_is_its_formula_row_by_row_to_the_bit() {
+        let dev = Device::Cpu;
+        let eps = 1e-5f32;
+        for d in [384usize, 100, 77, 5] {
+            let rows = 2 * ROWS_PER_TASK + 3;
+            let vals = |salt: usize, n: usize| -> Vec<f32> {
+                (0..n)
+                    .map(|i| (((i * 7919 + salt * 104_729) % 2003) as f32 - 1001.0) / 337.0)
+                    .collect()
+            };
+            let (x, dy, w, res) = (
+                vals(1, rows * d),
+                vals(2, rows * d),
+                vals(3, d),
+                vals(4, rows * d),
+            );
+            let tensor = |v: &[f32], n: usize| Tensor::from_vec(v.to_vec(), (n, d), &dev).unwrap();
+            let wt = Tensor::from_vec(w.clone(), d, &dev).unwrap();
+            for with_res in [false, true] {
+                let residual = with_res.then(|| tensor(&res, rows));
+                let (dx, dw, db) = layer_norm_backward(
+                    &tensor(&x, rows),
+                    &wt,
+                    &tensor(&dy, rows),
+                    f64::from(eps),
+                    residual.as_ref(),
+                )
+                .unwrap();
+                let mut want_dx = vec![0f32; rows * d];
+                let (mut want_dw, mut want_db) = (vec![0f32; d], vec![0f32; d]);
+                for task in (0..rows).step_by(ROWS_PER_TASK) {
+                    let (mut pw, mut pb) = (vec![0f32; d], vec![0f32; d]);
+                    for r in task..(task + ROWS_PER_TASK).min(rows) {
+                        let row = &x[r * d..][..d];
+                        let dyr = &dy[r * d..][..d];
+                        let (mean, rstd) = row_stats(row, eps);
+                        let xhat: Vec<f32> = row.iter().map(|&v| (v - mean) * rstd).collect();
+                        let g: Vec<f32> = dyr.iter().zip(&w).map(|(&dy, &w)| dy * w).collect();
+                        for c in 0..d {
+                            pw[c] += dyr[c] * xhat[c];
+                            pb[c] += dyr[c];
+                        }
+                        let g_mean = sum_lanes([&g], |[g]| g) / d as f32;
+                        let gx_mean = sum_lanes([&g, &xhat], |[g, xh]| g * xh) / d as f32;
+                        for c in 0..d {
+                            let v = rstd * (g[c] - g_mean - xhat[c] * gx_mean);
+                            want_dx[r * d + c] = if with_res { res[r * d + c] + v } else { v };
+                        }
+                    }
+                    want_dw.iter_mut().zip(&pw).for_each(|(t, v)| *t += v);
+                    want_db.iter_mut().zip(&pb).for_each(|(t, v)| *t += v);
+                }
+                let bits = |t: &Tensor| -> Vec<u32> {
+                    let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    v.into_iter().map(f32::to_bits).collect()
+                };
+                let want = |v: &[f32]| -> Vec<u32> { v.iter().map(|x| x.to_bits()).collect() };
+                assert_eq!(bits(&dx), want(&want_dx), "dx, d {d}, residual {with_res}");
+                assert_eq!(bits(&dw), want(&want_dw), "dw, d {d}");
+                assert_eq!(bits(&db), want(&want_db), "db, d {d}");
+            }
+        }
+    }
+
     #[test]
     fn layer_norm_grads_match_finite_differences() {
         let dev = Device::Cpu;
