@@ -37,10 +37,9 @@
 // kernel, which reads both its tiles in both halves of a step, keeps two
 // of each in shared memory and fills the other pair, one barrier a step.
 // The arithmetic is unchanged: the same bits as a walk that fetches each
-// tile at its step. (The CPU emulation runs a block's warps in lockstep
-// between their warp-wide operations, so it checks what is fetched where
-// but could not see a missing barrier; the GPU tests' runs repeated to
-// the bit do.)
+// tile at its step. (The CPU emulation lets each warp run ahead of the
+// others to the block's next barrier, so a missing barrier between a
+// tile's readers and its next writer fails its tests.)
 //
 // crates/zcuda-emu runs these on the CPU (mma.sync emulated from PTX's
 // fragment layouts) against an f64 reference.

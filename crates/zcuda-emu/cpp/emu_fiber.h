@@ -1,6 +1,7 @@
 // A block's CUDA threads as fibers of one OS thread: each thread of the
 // block gets its own stack, and runs until it waits at a barrier (then the
-// next runnable one runs) or returns. A barrier releases its waiters when
+// next runnable one of its warp runs, else of the block: emu_yield) or
+// returns. A barrier releases its waiters when
 // the last of its expected threads arrives; that one goes on at once, the
 // others when their turn comes round (a waiting fiber switches straight to
 // the next runnable one). Switching is a handful of
@@ -139,12 +140,35 @@ extern "C" void emu_switch(void** save, void* to);
 extern "C" void emu_fiber_start();
 extern "C" [[noreturn]] __attribute__((visibility("hidden"))) void emu_fiber_main();
 
-// The running fiber waits: on to the next runnable fiber after it (in
-// order, round the block), or back to the scheduler where none is (the
-// block is deadlocked, or every other fiber has returned).
+// The running fiber waits: on to the next runnable fiber of its own warp
+// (in order, round the warp), else the next runnable one after it (round
+// the block), or back to the scheduler where none is (the block is
+// deadlocked, or every other fiber has returned). Its own warp first, so
+// that a warp runs ahead of the others as far as it can, to the block's
+// next barrier: a kernel that lets one warp overwrite shared memory that
+// another has yet to read, or read what another has yet to write, without
+// a __syncthreads between them, then reads the wrong values here as it
+// could on a GPU (warps in lockstep, as round the block alone had them,
+// hid such races: every warp reached each warp-wide operation before any
+// went past it).
 inline void emu_yield() {
     unsigned me = emu_self->current, n = emu_self->fiber_count;
     EmuFiber& from = emu_self->fibers[me];
+    unsigned warp0 = me / 32 * 32, width = std::min(32u, n - warp0);
+    for (unsigned k = 1; k < width; k++) {
+        unsigned i = warp0 + (me - warp0 + k) % width;
+        EmuFiber& to = emu_self->fibers[i];
+        if (!to.runnable()) continue;
+        to.waiting_on = nullptr;
+        emu_self->current = i;
+        threadIdx = {i, 0, 0};
+#if defined(__x86_64__)
+        emu_switch(&from.sp, to.sp);
+#else
+        swapcontext(&from.context, &to.context);
+#endif
+        return;
+    }
     for (unsigned k = 1; k < n; k++) {
         unsigned i = me + k < n ? me + k : me + k - n;
         EmuFiber& to = emu_self->fibers[i];
