@@ -625,34 +625,30 @@ __device__ void fa_backward_kv(const float* qkv, const float* dout, const float*
         row_lse = live ? lse[at] : 0.0f;
         row_delta = live ? delta[at] : 0.0f;
     };
+    float row_lse, row_delta;
+    // A whole step's tiles (head h, rows r0..) and row terms into the first
+    // buffers, between load_tiles' barriers.
+    auto load_step = [&](int h, int r0) {
+        row_terms(h, r0, row_lse, row_delta);
+        load_tiles<M, HD, KT>(q_tiles[0], rows, sh.ld, h * HD, do_tiles[0], drows, d, h * HD, r0,
+                              sh.t, [&] {
+                                  if (i < KT) {
+                                      lse_tiles[0][i] = row_lse;
+                                      delta_tiles[0][i] = row_delta;
+                                  }
+                              });
+    };
     // The steps: the group's query heads in order, each over the query
     // tiles from the diagonal on.
     int j = 0, r0 = k0, buf = 0;
-    float row_lse, row_delta;
-    row_terms(kvh * group, k0, row_lse, row_delta);
-    load_tiles<M, HD, KT>(q_tiles[0], rows, sh.ld, kvh * group * HD, do_tiles[0], drows, d,
-                          kvh * group * HD, k0, sh.t, [&] {
-                              if (i < KT) {
-                                  lse_tiles[0][i] = row_lse;
-                                  delta_tiles[0][i] = row_delta;
-                              }
-                          });
+    load_step(kvh * group, k0);
     TileLoad<HD, KT> next[FaFetch<HD, KT>::PARTS];
     for (;;) {
         int h = kvh * group + j;
         int nj = r0 + KT < sh.t ? j : j + 1, nr0 = r0 + KT < sh.t ? r0 + KT : k0;
         int nh = kvh * group + nj;
         bool more = nj < group;
-        if (!ahead && (j > 0 || r0 > k0)) {
-            row_terms(h, r0, row_lse, row_delta);
-            load_tiles<M, HD, KT>(q_tiles[0], rows, sh.ld, h * HD, do_tiles[0], drows, d, h * HD,
-                                  r0, sh.t, [&] {
-                                      if (i < KT) {
-                                          lse_tiles[0][i] = row_lse;
-                                          delta_tiles[0][i] = row_delta;
-                                      }
-                                  });
-        }
+        if (!ahead && (j > 0 || r0 > k0)) load_step(h, r0);
         if (ahead && more) {
             fetch_whole<HD, KT>(next, rows, sh.ld, nh * HD, nr0, sh.t);
             row_terms(nh, nr0, row_lse, row_delta);

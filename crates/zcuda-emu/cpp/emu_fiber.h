@@ -154,34 +154,26 @@ extern "C" [[noreturn]] __attribute__((visibility("hidden"))) void emu_fiber_mai
 inline void emu_yield() {
     unsigned me = emu_self->current, n = emu_self->fiber_count;
     EmuFiber& from = emu_self->fibers[me];
+    // Switches to fiber i if it can run.
+    auto run = [&](unsigned i) {
+        EmuFiber& to = emu_self->fibers[i];
+        if (!to.runnable()) return false;
+        to.waiting_on = nullptr;
+        emu_self->current = i;
+        threadIdx = {i, 0, 0};
+#if defined(__x86_64__)
+        emu_switch(&from.sp, to.sp);
+#else
+        swapcontext(&from.context, &to.context);
+#endif
+        return true;
+    };
     unsigned warp0 = me / 32 * 32, width = std::min(32u, n - warp0);
     for (unsigned k = 1; k < width; k++) {
-        unsigned i = warp0 + (me - warp0 + k) % width;
-        EmuFiber& to = emu_self->fibers[i];
-        if (!to.runnable()) continue;
-        to.waiting_on = nullptr;
-        emu_self->current = i;
-        threadIdx = {i, 0, 0};
-#if defined(__x86_64__)
-        emu_switch(&from.sp, to.sp);
-#else
-        swapcontext(&from.context, &to.context);
-#endif
-        return;
+        if (run(warp0 + (me - warp0 + k) % width)) return;
     }
     for (unsigned k = 1; k < n; k++) {
-        unsigned i = me + k < n ? me + k : me + k - n;
-        EmuFiber& to = emu_self->fibers[i];
-        if (!to.runnable()) continue;
-        to.waiting_on = nullptr;
-        emu_self->current = i;
-        threadIdx = {i, 0, 0};
-#if defined(__x86_64__)
-        emu_switch(&from.sp, to.sp);
-#else
-        swapcontext(&from.context, &to.context);
-#endif
-        return;
+        if (run(me + k < n ? me + k : me + k - n)) return;
     }
 #if defined(__x86_64__)
     emu_switch(&from.sp, emu_self->scheduler_sp);
