@@ -27,20 +27,6 @@
 // keys' and values' gradients, summed over a grouped-query group's heads in
 // order; the other the queries'), so a run repeats to the bit.
 //
-// The walk's pipeline: a block fetches the next step's tiles from memory
-// into its registers while it multiplies this step's, and stores them to
-// shared memory after, so that a tile's trip to memory overlaps the
-// products instead of stalling them (2 blocks of 4 warps an SM hide little
-// on their own). The forward fetches the next K during the scores and the
-// next V during P·V, swapping each in after a barrier; the query kernel
-// the next V during its scores and the next K during dS·K; the key/value
-// kernel, which reads both its tiles in both halves of a step, keeps two
-// of each in shared memory and fills the other pair, one barrier a step.
-// The arithmetic is unchanged: the same bits as a walk that fetches each
-// tile at its step. (The CPU emulation lets each warp run ahead of the
-// others to the block's next barrier, so a missing barrier between a
-// tile's readers and its next writer fails its tests.)
-//
 // crates/zcuda-emu runs these on the CPU (mma.sync emulated from PTX's
 // fragment layouts) against an f64 reference.
 
@@ -58,16 +44,6 @@ template <int HD>
 struct FaWalk {
     static constexpr int KEYS = HD <= 64 ? 64 : 32;
     static constexpr int KV_KEYS = HD <= 64 ? 64 : 16;
-};
-
-// Whether the backward's kernels fetch a step's next tiles while they
-// multiply (the forward always does): with 16-bit products up to head
-// width 64. The fetch's registers beside TF32's fragments (twice as many)
-// or width 128's accumulators spill inside the walk (ptxas for sm_80), and
-// the key/value kernel's two sets of tiles would not fit 48 KB in TF32.
-template <class M, int HD>
-struct FaAhead {
-    static constexpr bool BACKWARD = sizeof(typename M::Elem) == 2 && HD <= 64;
 };
 
 // The parts a tile's fetch is split into (load_tiles): one, or at head
@@ -359,24 +335,6 @@ __device__ __forceinline__ void load_tiles(typename M::Elem* a, const float* a_r
     __syncthreads();
 }
 
-// One whole tile (every part) from memory into a block's registers, and
-// from there into shared memory: the walk's next tile, fetched while the
-// block multiplies the one before it.
-template <int HD, int KT>
-__device__ __forceinline__ void fetch_whole(TileLoad<HD, KT> (&f)[FaFetch<HD, KT>::PARTS],
-                                            const float* rows, int ld, int col, int r0, int t) {
-#pragma unroll
-    for (int part = 0; part < FaFetch<HD, KT>::PARTS; part++)
-        fetch_tile<HD, KT>(f[part], rows, ld, col, r0, t, part);
-}
-
-template <class M, int HD, int KT>
-__device__ __forceinline__ void stash_whole(typename M::Elem* tile,
-                                            const TileLoad<HD, KT> (&f)[FaFetch<HD, KT>::PARTS]) {
-#pragma unroll
-    for (int part = 0; part < FaFetch<HD, KT>::PARTS; part++) stash_tile<M, HD, KT>(tile, f[part], part);
-}
-
 // s = a · tileᵀ for a warp's 16 rows against the tile's NT·8 rows (tile
 // row-major, rows of HD + 8). Every column is multiplied, masked ones too
 // (the callers mask): the 8 column groups are then independent products
@@ -470,66 +428,48 @@ __device__ void fa_forward(const float* qkv, float* out, unsigned short* out16, 
     float acc[HD / 8][4] = {};
     float m[2] = {FA_NEG_INF, FA_NEG_INF}, l[2] = {0.0f, 0.0f};
     int keys = min(sh.t, (int)(blockIdx.x + 1) * FA_ROWS);
-    // The first tiles, then each step's next K and V fetched while this
-    // step multiplies (module doc: the walk's pipeline).
-    load_tiles<M, HD, KT>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, 0, sh.t, [] {});
-    TileLoad<HD, KT> next[FaFetch<HD, KT>::PARTS];
     for (int k0 = 0; k0 < keys; k0 += KT) {
-        bool more = k0 + KT < keys;
-        if (more) fetch_whole<HD, KT>(next, rows, sh.ld, k_col, k0 + KT, sh.t);
+        load_tiles<M, HD, KT>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t, [] {});
         // Keys this warp's rows can see in the tile: k0 .. q0 + 15.
         int span = min(KT, q0 + 16 - k0);
+        if (span <= 0) continue;
         float sc[KT / 8][4];
-        if (span > 0) {
-            scores<M, HD>(sc, qa, k_tile);
-            float mx[2] = {m[0], m[1]};
+        scores<M, HD>(sc, qa, k_tile);
+        float mx[2] = {m[0], m[1]};
 #pragma unroll
-            for (int nt = 0; nt < KT / 8; nt++) {
+        for (int nt = 0; nt < KT / 8; nt++) {
 #pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    int key = k0 + nt * 8 + 2 * q + r % 2, row = q0 + g + 8 * (r / 2);
-                    float v = key <= row && key < sh.t ? sc[nt][r] * sh.scale : FA_NEG_INF;
-                    sc[nt][r] = v;
-                    mx[r / 2] = fmaxf(mx[r / 2], v);
-                }
-            }
-            // Every row sees key k0 here, so the maxima are finite.
-            float corr[2];
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                mx[i] = quad_max(mx[i]);
-                corr[i] = expf(m[i] - mx[i]);
-                m[i] = mx[i];
-                l[i] *= corr[i];
-            }
-#pragma unroll
-            for (int nt = 0; nt < KT / 8; nt++) {
-#pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    float p = expf(sc[nt][r] - m[r / 2]);
-                    sc[nt][r] = p;
-                    l[r / 2] += p;
-                }
-            }
-#pragma unroll
-            for (int nt = 0; nt < HD / 8; nt++) {
-#pragma unroll
-                for (int r = 0; r < 4; r++) acc[nt][r] *= corr[r / 2];
+            for (int r = 0; r < 4; r++) {
+                int key = k0 + nt * 8 + 2 * q + r % 2, row = q0 + g + 8 * (r / 2);
+                float v = key <= row && key < sh.t ? sc[nt][r] * sh.scale : FA_NEG_INF;
+                sc[nt][r] = v;
+                mx[r / 2] = fmaxf(mx[r / 2], v);
             }
         }
-        // Every warp is done with this K: the next one in its place, and
-        // the next V on its way while this V multiplies.
-        __syncthreads();
-        if (more) {
-            stash_whole<M, HD, KT>(k_tile, next);
-            fetch_whole<HD, KT>(next, rows, sh.ld, v_col, k0 + KT, sh.t);
+        // Every row sees key k0 here, so the maxima are finite.
+        float corr[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            mx[i] = quad_max(mx[i]);
+            corr[i] = expf(m[i] - mx[i]);
+            m[i] = mx[i];
+            l[i] *= corr[i];
         }
-        if (span > 0) times_tile<M, HD>(acc, sc, v_tile, span);
-        // Every warp is done with this V, and the next K is in place.
-        __syncthreads();
-        if (more) stash_whole<M, HD, KT>(v_tile, next);
-        // (The next step's first barrier, before its first read of V, shows
-        // this V to every warp.)
+#pragma unroll
+        for (int nt = 0; nt < KT / 8; nt++) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                float p = expf(sc[nt][r] - m[r / 2]);
+                sc[nt][r] = p;
+                l[r / 2] += p;
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; nt++) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[nt][r] *= corr[r / 2];
+        }
+        times_tile<M, HD>(acc, sc, v_tile, span);
     }
     float sum_lo = quad_sum(l[0]), sum_hi = quad_sum(l[1]);
     unsigned long long at_row = (unsigned long long)s * sh.t * d;
@@ -599,13 +539,9 @@ template <class M, int HD>
 __device__ void fa_backward_kv(const float* qkv, const float* dout, const float* lse,
                                const float* delta, float* dqkv, FaShape sh) {
     constexpr int KT = FaWalk<HD>::KV_KEYS;
-    // With the next step's tiles fetched while this one multiplies
-    // (FaAhead), two of each in shared memory: this step's and the next's.
-    constexpr bool ahead = FaAhead<M, HD>::BACKWARD;
-    constexpr int BUFS = ahead ? 2 : 1;
-    __shared__ __align__(16) typename M::Elem q_tiles[BUFS][KT * (HD + 8)];
-    __shared__ __align__(16) typename M::Elem do_tiles[BUFS][KT * (HD + 8)];
-    __shared__ float lse_tiles[BUFS][KT], delta_tiles[BUFS][KT];
+    __shared__ __align__(16) typename M::Elem q_tile[KT * (HD + 8)];
+    __shared__ __align__(16) typename M::Elem do_tile[KT * (HD + 8)];
+    __shared__ float lse_tile[KT], delta_tile[KT];
     int warp = threadIdx.x / FA_WARP;
     int s = blockIdx.y / sh.kv, kvh = blockIdx.y % sh.kv, group = sh.heads / sh.kv;
     int d = sh.heads * HD, k_col = d + kvh * HD, v_col = d + (sh.kv + kvh) * HD;
@@ -616,72 +552,34 @@ __device__ void fa_backward_kv(const float* qkv, const float* dout, const float*
     load_a<M, HD>(ka, rows, sh.ld, k_col, kw, sh.t);
     load_a<M, HD>(va, rows, sh.ld, v_col, kw, sh.t);
     float dk[HD / 8][4] = {}, dv[HD / 8][4] = {};
-    // A step's query tile's rows' log-sum-exp and delta (head h, rows r0..;
-    // zeros past t), one a thread of the first KT.
-    int i = threadIdx.x;
-    auto row_terms = [&](int h, int r0, float& row_lse, float& row_delta) {
-        unsigned long long at = (unsigned long long)(s * sh.heads + h) * sh.t + r0 + i;
-        bool live = i < KT && r0 + i < sh.t;
-        row_lse = live ? lse[at] : 0.0f;
-        row_delta = live ? delta[at] : 0.0f;
-    };
-    float row_lse, row_delta;
-    // A whole step's tiles (head h, rows r0..) and row terms into the first
-    // buffers, between load_tiles' barriers.
-    auto load_step = [&](int h, int r0) {
-        row_terms(h, r0, row_lse, row_delta);
-        load_tiles<M, HD, KT>(q_tiles[0], rows, sh.ld, h * HD, do_tiles[0], drows, d, h * HD, r0,
-                              sh.t, [&] {
+    for (int j = 0; j < group; j++) {
+        int h = kvh * group + j;
+        const float* head_lse = lse + (unsigned long long)(s * sh.heads + h) * sh.t;
+        const float* head_delta = delta + (unsigned long long)(s * sh.heads + h) * sh.t;
+        for (int r0 = k0; r0 < sh.t; r0 += KT) {
+            // The tile's rows' log-sum-exp and delta, fetched with the tiles.
+            int i = threadIdx.x;
+            float row_lse = 0.0f, row_delta = 0.0f;
+            if (i < KT && r0 + i < sh.t) {
+                row_lse = head_lse[r0 + i];
+                row_delta = head_delta[r0 + i];
+            }
+            load_tiles<M, HD, KT>(q_tile, rows, sh.ld, h * HD, do_tile, drows, d, h * HD, r0, sh.t,
+                              [&] {
                                   if (i < KT) {
-                                      lse_tiles[0][i] = row_lse;
-                                      delta_tiles[0][i] = row_delta;
+                                      lse_tile[i] = row_lse;
+                                      delta_tile[i] = row_delta;
                                   }
                               });
-    };
-    // The steps: the group's query heads in order, each over the query
-    // tiles from the diagonal on.
-    int j = 0, r0 = k0, buf = 0;
-    load_step(kvh * group, k0);
-    TileLoad<HD, KT> next[FaFetch<HD, KT>::PARTS];
-    for (;;) {
-        int h = kvh * group + j;
-        int nj = r0 + KT < sh.t ? j : j + 1, nr0 = r0 + KT < sh.t ? r0 + KT : k0;
-        int nh = kvh * group + nj;
-        bool more = nj < group;
-        if (!ahead && (j > 0 || r0 > k0)) load_step(h, r0);
-        if (ahead && more) {
-            fetch_whole<HD, KT>(next, rows, sh.ld, nh * HD, nr0, sh.t);
-            row_terms(nh, nr0, row_lse, row_delta);
+            float st[KT / 8][4], dpt[KT / 8][4];
+            // Sᵀ = K · Qᵀ and dPᵀ = V · dOᵀ, 16 keys × KT query rows.
+            scores<M, HD>(st, ka, q_tile);
+            scores<M, HD>(dpt, va, do_tile);
+            probs_and_grads(st, dpt, kw, r0, true, sh.t, sh.scale, lse_tile, delta_tile, r0);
+            // dV += Pᵀ · dO, dK += dSᵀ · Q (row-major tiles).
+            times_tile<M, HD>(dv, st, do_tile, KT);
+            times_tile<M, HD>(dk, dpt, q_tile, KT);
         }
-        const typename M::Elem *q_tile = q_tiles[buf], *do_tile = do_tiles[buf];
-        float st[KT / 8][4], dpt[KT / 8][4];
-        // Sᵀ = K · Qᵀ and dPᵀ = V · dOᵀ, 16 keys × KT query rows.
-        scores<M, HD>(st, ka, q_tile);
-        scores<M, HD>(dpt, va, do_tile);
-        probs_and_grads(st, dpt, kw, r0, true, sh.t, sh.scale, lse_tiles[buf], delta_tiles[buf], r0);
-        if (ahead && more) {
-            // Into the other buffers, which every warp left at the last
-            // step's barrier.
-            stash_whole<M, HD, KT>(q_tiles[buf ^ 1], next);
-            if (i < KT) {
-                lse_tiles[buf ^ 1][i] = row_lse;
-                delta_tiles[buf ^ 1][i] = row_delta;
-            }
-            fetch_whole<HD, KT>(next, drows, d, nh * HD, nr0, sh.t);
-        }
-        // dV += Pᵀ · dO, dK += dSᵀ · Q (row-major tiles).
-        times_tile<M, HD>(dv, st, do_tile, KT);
-        times_tile<M, HD>(dk, dpt, q_tile, KT);
-        if (!more) break;
-        if (ahead) {
-            stash_whole<M, HD, KT>(do_tiles[buf ^ 1], next);
-            // The next step's tiles shown to every warp, and this step's
-            // free for the step after.
-            __syncthreads();
-            buf ^= 1;
-        }
-        j = nj;
-        r0 = nr0;
     }
     float* out = dqkv + (unsigned long long)s * sh.t * sh.ld;
     store_rows<HD>(out, sh.ld, k_col, kw, sh.t, dk, sh.scale, sh.scale);
@@ -715,43 +613,16 @@ __device__ void fa_backward_q(const float* qkv, const float* dout, const float* 
     }
     float dq[HD / 8][4] = {};
     int keys = min(sh.t, first + FA_ROWS);
-    // The first tiles, then (FaAhead) each step's next V fetched
-    // while this step takes its scores (V is read there only) and the next
-    // K while it multiplies by this K (module doc: the walk's pipeline);
-    // else each step's tiles fetched at its start.
-    constexpr bool ahead = FaAhead<M, HD>::BACKWARD;
-    load_tiles<M, HD, KT>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, 0, sh.t, [] {});
-    TileLoad<HD, KT> next[FaFetch<HD, KT>::PARTS];
     for (int k0 = 0; k0 < keys; k0 += KT) {
-        bool more = k0 + KT < keys;
-        if (!ahead && k0 > 0)
-            load_tiles<M, HD, KT>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t,
-                                  [] {});
-        if (ahead && more) fetch_whole<HD, KT>(next, rows, sh.ld, v_col, k0 + KT, sh.t);
+        load_tiles<M, HD, KT>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t, [] {});
         int span = min(KT, q0 + 16 - k0);
+        if (span <= 0) continue;
         float sc[KT / 8][4], dp[KT / 8][4];
-        if (span > 0) {
-            scores<M, HD>(sc, qa, k_tile);
-            scores<M, HD>(dp, da, v_tile);
-            probs_and_grads(sc, dp, q0, k0, false, sh.t, sh.scale, lse_rows, delta_rows, first);
-        }
-        if (ahead) {
-            // Every warp is done with this V: the next one in its place.
-            __syncthreads();
-            if (more) {
-                stash_whole<M, HD, KT>(v_tile, next);
-                fetch_whole<HD, KT>(next, rows, sh.ld, k_col, k0 + KT, sh.t);
-            }
-        }
+        scores<M, HD>(sc, qa, k_tile);
+        scores<M, HD>(dp, da, v_tile);
+        probs_and_grads(sc, dp, q0, k0, false, sh.t, sh.scale, lse_rows, delta_rows, first);
         // dQ += dS · K (K row-major).
-        if (span > 0) times_tile<M, HD>(dq, dp, k_tile, span);
-        if (ahead && more) {
-            // Every warp is done with this K: the next one in its place,
-            // shown to every warp (with the next V) before the next step.
-            __syncthreads();
-            stash_whole<M, HD, KT>(k_tile, next);
-            __syncthreads();
-        }
+        times_tile<M, HD>(dq, dp, k_tile, span);
     }
     store_rows<HD>(dqkv + (unsigned long long)s * sh.t * sh.ld, sh.ld, h * HD, q0, sh.t, dq,
                    sh.scale, sh.scale);

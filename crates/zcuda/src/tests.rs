@@ -362,7 +362,7 @@ fn innermost_loops(body: &[String]) -> Vec<(usize, usize)> {
 /// `HMMA`s a product of either kind, for tiles of `keys` rows (`walk`): HD
 /// / depth steps of keys / 8 column groups for scores, keys / depth steps
 /// of HD / 8 for a product by a tile), and no
-/// local memory (`LDL`/`STL`:
+/// local memory (`LDL`/`STL`, one bounded exception below:
 /// spilled registers) inside it: a spill there would cost a trip to memory
 /// every step. Fails if a change leaves a product in a loop of its own or
 /// pushes the walk's registers past 255.
@@ -410,13 +410,25 @@ fn tile_walk_is_unrolled_and_local_free(sm: &str, flash: Vec<(String, Vec<String
                 "sm_{sm} {f}: mma instructions in the tile walk"
             );
         }
+        // One known exception, bounded: on sm_80 the TF32 key/value kernel
+        // at width 64 refills four words a step (no stores). A walk that
+        // keeps off them there (one flattened loop over heads and tiles)
+        // made the 16-bit key/value kernels 1.23x slower on an H200
+        // (sitting 18), and what four L1 hits a step cost an A100 is
+        // untimed.
+        let refills_allowed = if sm == "80" && f == "flash_backward_kv_tf32_64" {
+            4
+        } else {
+            0
+        };
         for (a, b) in walks {
             let local: Vec<_> = body[a..=b]
                 .iter()
                 .filter(|l| l.contains("LDL") || l.contains("STL"))
                 .collect();
+            let refills_only = local.iter().all(|l| l.contains("LDL"));
             assert!(
-                local.is_empty(),
+                local.len() <= refills_allowed && (local.is_empty() || refills_only),
                 "sm_{sm} {f}: local memory in the tile walk: {local:?}"
             );
         }
