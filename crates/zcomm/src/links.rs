@@ -8,8 +8,8 @@
 //! sequence number and length, so ranks that disagree about the next collective
 //! get a [`crate::CommError::Mismatch`] instead of silently exchanging wrong bytes.
 
-use std::sync::Mutex;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::{CommError, Op};
 
@@ -29,6 +29,74 @@ pub(crate) fn note_waiting_for(current: &Mutex<Option<Current>>, peer: usize) {
         if let Some(c) = g.as_mut() {
             c.peer = Some(peer);
         }
+    }
+}
+
+/// The operation a transport's links are running, one at a time (TCP's and
+/// MPI's): its sequence number and deadline, the record that hang
+/// diagnosis reads ([`Current`]), and the first error, after which every
+/// operation fails with it (a communicator that failed mid-operation may
+/// hold half a message).
+pub(crate) struct OpClock {
+    pub(crate) timeout: Duration,
+    pub(crate) op: Op,
+    pub(crate) seq: u64,
+    pub(crate) started: Instant,
+    pub(crate) deadline: Instant,
+    pub(crate) poisoned: Option<CommError>,
+    pub(crate) current: Arc<Mutex<Option<Current>>>,
+}
+
+impl OpClock {
+    pub(crate) fn new(timeout: Duration, current: Arc<Mutex<Option<Current>>>) -> Self {
+        let now = Instant::now();
+        OpClock {
+            timeout,
+            op: Op::Barrier,
+            seq: 0,
+            started: now,
+            deadline: now,
+            poisoned: None,
+            current,
+        }
+    }
+
+    /// Starts operation `op` of `bytes`, or returns the error that poisoned
+    /// the links.
+    pub(crate) fn begin(&mut self, op: Op, bytes: usize) -> Result<(), CommError> {
+        if let Some(e) = &self.poisoned {
+            return Err(e.clone());
+        }
+        self.op = op;
+        self.seq += 1;
+        self.started = Instant::now();
+        self.deadline = self.started + self.timeout;
+        self.set_current(Some(Current {
+            op,
+            bytes,
+            started: self.started,
+            peer: None,
+        }));
+        Ok(())
+    }
+
+    /// Ends the operation begun: cleared from the record, or its error kept.
+    pub(crate) fn end<T>(&mut self, r: &Result<T, CommError>) {
+        match r {
+            Err(e) => self.poisoned = Some(e.clone()),
+            Ok(_) => self.set_current(None),
+        }
+    }
+
+    fn set_current(&self, c: Option<Current>) {
+        if let Ok(mut g) = self.current.lock() {
+            *g = c;
+        }
+    }
+
+    /// Notes the peer waited for (hang diagnosis).
+    pub(crate) fn waiting_for(&self, peer: usize) {
+        note_waiting_for(&self.current, peer);
     }
 }
 

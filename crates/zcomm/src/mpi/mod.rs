@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use mpi::environment::{Threading, Universe};
 use mpi::ffi;
 
-use crate::links::Links;
+use crate::links::{Links, OpClock};
 use crate::opthread::OpThread;
 use crate::{
     chunk_range, pairwise, quantized, ring, CommError, Communicator, CounterSnapshot, Counters,
@@ -214,18 +214,12 @@ impl MpiCommunicator {
                 .map(|p| opts.node_of_rank[p] == opts.node_of_rank[rank])
                 .collect(),
             counters: counters.clone(),
-            timeout: opts.timeout,
-            op: Op::Barrier,
-            seq: 0,
-            deadline: Instant::now(),
-            started: Instant::now(),
-            poisoned: None,
-            current: current.clone(),
+            clock: OpClock::new(opts.timeout, current.clone()),
             sends: Vec::new(),
             spare: Vec::new(),
         };
         let free = |l: &mut MpiLinks| {
-            if l.poisoned.is_none() {
+            if l.clock.poisoned.is_none() {
                 let mut c = l.comm.0;
                 // SAFETY: no request of this communicator is pending.
                 unsafe { ffi::MPI_Comm_free(&mut c) };
@@ -332,7 +326,7 @@ fn collective<B>(
 
 /// Every rank's (sequence number, operation, `what`) must equal this rank's.
 fn agree(l: &mut MpiLinks, what: u64) -> Result<(), CommError> {
-    let mine = vec![l.seq, l.op.index() as u64, what];
+    let mine = vec![l.clock.seq, l.clock.op.index() as u64, what];
     let all = vec![0u64; 3 * l.world];
     let comm = l.comm.0;
     let (_, all) = collective(l, "MPI_Iallgather", (mine, all), |(m, a), req| {
@@ -354,11 +348,11 @@ fn agree(l: &mut MpiLinks, what: u64) -> Result<(), CommError> {
         let name = Op::from_index(s[1] as usize).map_or("an unknown operation", Op::name);
         format!("{name} (collective #{}, length/root {})", s[0], s[2])
     };
-    let me = [l.seq, l.op.index() as u64, what];
+    let me = [l.clock.seq, l.clock.op.index() as u64, what];
     match all.chunks(3).position(|s| s != me) {
         None => Ok(()),
         Some(peer) => Err(CommError::Mismatch {
-            op: l.op.name(),
+            op: l.clock.op.name(),
             group: l.group.clone(),
             peer,
             got: describe(&all[peer * 3..peer * 3 + 3]),

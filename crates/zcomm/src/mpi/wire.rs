@@ -9,12 +9,12 @@
 //! from the compute threads beside it).
 
 use std::ffi::c_int;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mpi::ffi;
 
-use crate::links::{note_waiting_for, Current, Links};
+use crate::links::{Links, OpClock};
 use crate::{CommError, Counters, Op};
 
 /// Messages longer than this go as several MPI messages (MPI counts are `int`).
@@ -66,13 +66,7 @@ pub(crate) struct MpiLinks {
     pub(super) group: String,
     pub(super) same_node: Vec<bool>,
     pub(super) counters: Arc<Counters>,
-    pub(super) timeout: Duration,
-    pub(super) op: Op,
-    pub(super) seq: u64,
-    pub(super) deadline: Instant,
-    pub(super) started: Instant,
-    pub(super) poisoned: Option<CommError>,
-    pub(super) current: Arc<Mutex<Option<Current>>>,
+    pub(super) clock: OpClock,
     /// Sends in flight and the buffers they read from.
     pub(super) sends: Vec<(ffi::MPI_Request, Vec<u8>)>,
     /// Buffers of finished sends, for reuse (a fresh multi-megabyte buffer per
@@ -97,42 +91,16 @@ impl MpiLinks {
         bytes: usize,
         f: impl FnOnce(&mut MpiLinks) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
-        if let Some(e) = &self.poisoned {
-            return Err(e.clone());
-        }
-        self.op = op;
-        self.seq += 1;
-        self.started = Instant::now();
-        self.deadline = self.started + self.timeout;
-        self.set_current(Some(Current {
-            op,
-            bytes,
-            started: self.started,
-            peer: None,
-        }));
+        self.clock.begin(op, bytes)?;
         let r = f(self).and_then(|v| self.drain_sends().map(|()| v));
-        match &r {
-            Err(e) => self.poisoned = Some(e.clone()),
-            Ok(_) => self.set_current(None),
-        }
+        self.clock.end(&r);
         r
-    }
-
-    fn set_current(&self, c: Option<Current>) {
-        if let Ok(mut g) = self.current.lock() {
-            *g = c;
-        }
-    }
-
-    /// Notes the peer waited for (hang diagnosis).
-    pub(super) fn waiting_for(&self, peer: usize) {
-        note_waiting_for(&self.current, peer);
     }
 
     /// An error from an MPI call of this operation.
     pub(super) fn mpi_error(&self, peer: Option<usize>, call: &str, code: c_int) -> CommError {
         CommError::Link {
-            op: self.op.name(),
+            op: self.clock.op.name(),
             group: self.group.clone(),
             peer: peer.unwrap_or(self.rank),
             message: format!("{call}: {}", error_text(code)),
@@ -156,10 +124,10 @@ impl MpiLinks {
     /// The timeout error of this operation.
     pub(super) fn timed_out(&self, peer: Option<usize>) -> CommError {
         CommError::Timeout {
-            op: self.op.name(),
+            op: self.clock.op.name(),
             group: self.group.clone(),
             peer,
-            waited_s: self.started.elapsed().as_secs_f64(),
+            waited_s: self.clock.started.elapsed().as_secs_f64(),
         }
     }
 
@@ -169,7 +137,7 @@ impl MpiLinks {
         req: &mut ffi::MPI_Request,
         peer: Option<usize>,
     ) -> Result<Finish, CommError> {
-        test_until(req, self.deadline).map_err(|code| self.mpi_error(peer, "MPI_Test", code))
+        test_until(req, self.clock.deadline).map_err(|code| self.mpi_error(peer, "MPI_Test", code))
     }
 
     /// Waits for a request whose buffer the caller lends: on timeout the
@@ -183,7 +151,7 @@ impl MpiLinks {
         peer: Option<usize>,
     ) -> Result<ffi::MPI_Status, CommError> {
         if let Some(p) = peer {
-            self.waiting_for(p);
+            self.clock.waiting_for(p);
         }
         match self.poll(req, peer)? {
             Finish::Done(status) => Ok(status),
@@ -202,7 +170,7 @@ impl MpiLinks {
                     if Instant::now() >= limit {
                         eprintln!(
                             "zcomm: {} in group {}: a timed-out receive cannot be cancelled; aborting",
-                            self.op.name(),
+                            self.clock.op.name(),
                             self.group
                         );
                         // SAFETY: ends the process.
@@ -264,7 +232,7 @@ impl MpiLinks {
     /// The length of the next piece from `peer`, matched so that it can be
     /// received into a buffer of that size.
     fn probe(&self, peer: usize) -> Result<(ffi::MPI_Message, usize), CommError> {
-        self.waiting_for(peer);
+        self.clock.waiting_for(peer);
         let mut spins = 0u32;
         loop {
             let mut flag: c_int = 0;
@@ -290,7 +258,7 @@ impl MpiLinks {
                 unsafe { ffi::MPI_Get_count(&status, bytes_type(), &mut n) };
                 return Ok((msg, n.max(0) as usize));
             }
-            if Instant::now() >= self.deadline {
+            if Instant::now() >= self.clock.deadline {
                 return Err(self.timed_out(Some(peer)));
             }
             back_off(&mut spins);
@@ -368,7 +336,7 @@ impl Links for MpiLinks {
 
     fn send(&mut self, peer: usize, payload: &[u8]) -> Result<(), CommError> {
         self.counters
-            .add(self.op, payload.len() as u64, self.same_node[peer]);
+            .add(self.clock.op, payload.len() as u64, self.same_node[peer]);
         let mut rest = payload;
         loop {
             let n = rest.len().min(PIECE);
@@ -413,7 +381,7 @@ impl Links for MpiLinks {
 impl MpiLinks {
     fn wrong_length(&self, peer: usize, got: usize, expected: usize) -> CommError {
         CommError::Mismatch {
-            op: self.op.name(),
+            op: self.clock.op.name(),
             group: self.group.clone(),
             peer,
             got: format!("{got} bytes"),

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use zproto::Token;
 
 use crate::direct::Direct;
-use crate::links::Links;
+use crate::links::{Links, OpClock};
 
 use crate::opthread::OpThread;
 use crate::{
@@ -167,15 +167,9 @@ impl TcpCommunicator {
             group: opts.group.clone(),
             peers,
             counters: counters.clone(),
-            timeout: opts.timeout,
-            op: Op::Barrier,
-            seq: 0,
-            deadline: Instant::now(),
-            started: Instant::now(),
-            poisoned: None,
-            current: Arc::new(Mutex::new(None)),
+            clock: OpClock::new(opts.timeout, Arc::new(Mutex::new(None))),
         };
-        let current = links.current.clone();
+        let current = links.clock.current.clone();
         let ops = OpThread::spawn(
             "zcomm-ops",
             links,

@@ -10,7 +10,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::direct::{Call, Direct};
-use crate::links::{note_waiting_for, Current, Links};
+use crate::links::{note_waiting_for, Links, OpClock};
 use crate::{CommError, Counters, Op};
 
 /// A message's header: the collective's sequence number, then one word of
@@ -164,13 +164,7 @@ pub(crate) struct TcpLinks {
     pub(super) group: String,
     pub(super) peers: Vec<Option<Peer>>,
     pub(super) counters: Arc<Counters>,
-    pub(super) timeout: Duration,
-    pub(super) op: Op,
-    pub(super) seq: u64,
-    pub(super) deadline: Instant,
-    pub(super) started: Instant,
-    pub(super) poisoned: Option<CommError>,
-    pub(super) current: Arc<Mutex<Option<Current>>>,
+    pub(super) clock: OpClock,
 }
 
 impl TcpLinks {
@@ -181,7 +175,7 @@ impl TcpLinks {
         for p in self.peers.iter_mut().flatten() {
             drop(std::mem::replace(&mut p.queue, mpsc::channel().0));
         }
-        if self.poisoned.is_some() {
+        if self.clock.poisoned.is_some() {
             return;
         }
         for p in self.peers.iter_mut().flatten() {
@@ -197,36 +191,10 @@ impl TcpLinks {
         bytes: usize,
         f: impl FnOnce(&mut TcpLinks) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
-        if let Some(e) = &self.poisoned {
-            return Err(e.clone());
-        }
-        self.op = op;
-        self.seq += 1;
-        self.started = Instant::now();
-        self.deadline = self.started + self.timeout;
-        self.set_current(Some(Current {
-            op,
-            bytes,
-            started: self.started,
-            peer: None,
-        }));
+        self.clock.begin(op, bytes)?;
         let r = f(self);
-        if let Err(e) = &r {
-            self.poisoned = Some(e.clone());
-        } else {
-            self.set_current(None);
-        }
+        self.clock.end(&r);
         r
-    }
-
-    fn set_current(&self, c: Option<Current>) {
-        if let Ok(mut g) = self.current.lock() {
-            *g = c;
-        }
-    }
-
-    fn waiting_for(&self, peer: usize) {
-        note_waiting_for(&self.current, peer);
     }
 
     /// Runs `f` on the direct shared-memory path if the group has one (`None`
@@ -236,23 +204,23 @@ impl TcpLinks {
         f: impl FnOnce(&mut Direct, &Call) -> Result<u64, CommError>,
     ) -> Option<Result<(), CommError>> {
         let mut d = self.direct.take()?;
-        let current = self.current.clone();
+        let current = self.clock.current.clone();
         let waiting = move |peer: usize| note_waiting_for(&current, peer);
         let call = Call {
-            op: self.op,
-            seq: self.seq,
+            op: self.clock.op,
+            seq: self.clock.seq,
             group: &self.group,
-            started: self.started,
-            deadline: self.deadline,
+            started: self.clock.started,
+            deadline: self.clock.deadline,
             waiting_for: &waiting,
         };
         let r = f(&mut d, &call);
         self.direct = Some(d);
-        Some(r.map(|bytes| self.counters.add(self.op, bytes, true)))
+        Some(r.map(|bytes| self.counters.add(self.clock.op, bytes, true)))
     }
 
     fn peer(&mut self, peer: usize) -> Result<&mut Peer, CommError> {
-        let (op, group) = (self.op.name(), self.group.clone());
+        let (op, group) = (self.clock.op.name(), self.group.clone());
         self.peers
             .get_mut(peer)
             .and_then(Option::as_mut)
@@ -264,7 +232,7 @@ impl TcpLinks {
 
     fn link_error(&self, peer: usize, message: String) -> CommError {
         CommError::Link {
-            op: self.op.name(),
+            op: self.clock.op.name(),
             group: self.group.clone(),
             peer,
             message,
@@ -272,8 +240,8 @@ impl TcpLinks {
     }
 
     fn read_exact(&mut self, peer: usize, out: &mut [u8]) -> Result<(), CommError> {
-        self.waiting_for(peer);
-        let deadline = self.deadline;
+        self.clock.waiting_for(peer);
+        let deadline = self.clock.deadline;
         let mut off = 0;
         while off < out.len() {
             let now = Instant::now();
@@ -282,10 +250,10 @@ impl TcpLinks {
                     return Err(self.link_error(peer, format!("sending failed: {e}")));
                 }
                 return Err(CommError::Timeout {
-                    op: self.op.name(),
+                    op: self.clock.op.name(),
                     group: self.group.clone(),
                     peer: Some(peer),
-                    waited_s: (now - self.started).as_secs_f64(),
+                    waited_s: (now - self.clock.started).as_secs_f64(),
                 });
             }
             let p = self.peer(peer)?;
@@ -318,15 +286,15 @@ impl TcpLinks {
     /// The header of this operation's next message of `len` bytes.
     fn header(&self, len: usize) -> [u8; HEADER] {
         let mut h = [0u8; HEADER];
-        h[..8].copy_from_slice(&self.seq.to_le_bytes());
-        let word = (self.op.index() as u64) << OP_SHIFT | len as u64;
+        h[..8].copy_from_slice(&self.clock.seq.to_le_bytes());
+        let word = (self.clock.op.index() as u64) << OP_SHIFT | len as u64;
         h[8..].copy_from_slice(&word.to_le_bytes());
         h
     }
 
     /// Hands `msg` (a payload of `len` bytes) to `peer`'s writer; its ticket.
     fn enqueue(&mut self, peer: usize, msg: Outgoing, len: usize) -> Result<u64, CommError> {
-        let (op, counters) = (self.op, self.counters.clone());
+        let (op, counters) = (self.clock.op, self.counters.clone());
         let p = self.peer(peer)?;
         if let Some(e) = p.writer_error() {
             return Err(self.link_error(peer, format!("sending failed: {e}")));
@@ -345,23 +313,27 @@ impl TcpLinks {
         let seq = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
         let word = u64::from_le_bytes(h[8..].try_into().expect("8 bytes"));
         let (op, len) = ((word >> OP_SHIFT) as usize, (word & LEN_MASK) as usize);
-        if op != self.op.index() {
+        if op != self.clock.op.index() {
             let sent = Op::from_index(op).map_or("an unknown operation", Op::name);
             return Err(CommError::Mismatch {
-                op: self.op.name(),
+                op: self.clock.op.name(),
                 group: self.group.clone(),
                 peer,
                 got: format!("part of {sent} (collective #{seq})"),
-                expected: format!("part of {} (collective #{})", self.op.name(), self.seq),
+                expected: format!(
+                    "part of {} (collective #{})",
+                    self.clock.op.name(),
+                    self.clock.seq
+                ),
             });
         }
-        if seq != self.seq {
+        if seq != self.clock.seq {
             return Err(CommError::Mismatch {
-                op: self.op.name(),
+                op: self.clock.op.name(),
                 group: self.group.clone(),
                 peer,
                 got: format!("a message of collective #{seq}"),
-                expected: format!("collective #{} ({})", self.seq, self.op.name()),
+                expected: format!("collective #{} ({})", self.clock.seq, self.clock.op.name()),
             });
         }
         Ok(len)
@@ -416,12 +388,12 @@ impl Links for TcpLinks {
                 return Err(self.link_error(peer, "the sender thread has stopped".into()));
             }
             let now = Instant::now();
-            if now >= self.deadline {
+            if now >= self.clock.deadline {
                 return Err(CommError::Timeout {
-                    op: self.op.name(),
+                    op: self.clock.op.name(),
                     group: self.group.clone(),
                     peer: Some(peer),
-                    waited_s: (now - self.started).as_secs_f64(),
+                    waited_s: (now - self.clock.started).as_secs_f64(),
                 });
             }
             // Mostly done at once (a ring waits for bytes its peer has
@@ -430,7 +402,7 @@ impl Links for TcpLinks {
             if round < 256 {
                 std::hint::spin_loop();
             } else {
-                self.waiting_for(peer);
+                self.clock.waiting_for(peer);
                 std::thread::sleep(Duration::from_micros(50));
             }
         }
@@ -441,7 +413,7 @@ impl Links for TcpLinks {
         // message: a peer waiting for those bytes (say, to find that the
         // ranks disagree about the collective) then fails on them, not at
         // its deadline. A peer that is gone fails the writes at once.
-        let grace = Instant::now() + ABANDON_GRACE.min(self.timeout);
+        let grace = Instant::now() + ABANDON_GRACE.min(self.clock.timeout);
         let pending = |p: &Peer| p.state.written.load(Ordering::Acquire) < p.queued;
         for p in self.peers.iter().flatten() {
             while pending(p) && !p.writer_gone() && Instant::now() < grace {
@@ -464,7 +436,7 @@ impl Links for TcpLinks {
         let len = self.read_header(peer)?;
         if len != out.len() {
             return Err(CommError::Mismatch {
-                op: self.op.name(),
+                op: self.clock.op.name(),
                 group: self.group.clone(),
                 peer,
                 got: format!("{len} bytes"),
