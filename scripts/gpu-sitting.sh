@@ -13,6 +13,7 @@
 #
 #   scripts/gpu-sitting.sh [DIR] [tests|time|profile|all]     # default .gpu all
 #   scripts/gpu-sitting.sh DIR ab OLD_DIR
+#   scripts/gpu-sitting.sh DIR variants VARIANTS_DIR
 #
 # `profile` instead prints, for 152M steps in TF32 and bf16 with either
 # attention, the GPU's time by operation (ZRUN_GPU_PROFILE=1), with the
@@ -22,6 +23,10 @@
 # touch, the two alternated run by run, the order swapped each round: one
 # worker resident at 85M and 152M in bf16 and TF32 (attention by default),
 # and the host flow (AdamW on the host) at gpt-anchor and 152M.
+# `variants` runs each zworker that scripts/gpu-variant.sh built into
+# VARIANTS_DIR beside DIR's zrun: a profile of the 152M step in bf16 and
+# TF32 each (the 14 largest rows), then that step alternated over the
+# variants, the order rotated each round (ROUNDS, default 3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=$(realpath "${1:-.gpu}")
@@ -101,6 +106,43 @@ if [ "$what" = ab ]; then
       for side in "${pair[@]}"; do
         # shellcheck disable=SC2086 # the job's sets, one word each
         BUILD=${side%%:*} zrun_step "${job%%:*}-${side##*:}-$round" ${job#*:}
+      done
+    done
+  done
+  exit 0
+fi
+if [ "$what" = variants ]; then
+  vdir=$(realpath "${3:?variants needs the folder scripts/gpu-variant.sh built into}")
+  names=()
+  for f in "$vdir"/zworker-*; do
+    [[ $f == *.txt ]] || names+=("${f##*/zworker-}")
+  done
+  [ ${#names[@]} -gt 0 ] || { echo "no zworker-NAME in $vdir" >&2; exit 2; }
+  # zrun starts the zworker beside itself: a folder a variant.
+  builds=$(mktemp -d)
+  for n in "${names[@]}"; do
+    mkdir -p "$builds/$n/release"
+    cp "$dir/release/zrun" "$builds/$n/release/zrun"
+    cp "$vdir/zworker-$n" "$builds/$n/release/zworker"
+    cat "$vdir/zworker-$n.txt" 2>/dev/null || echo "$n"
+  done
+  s=(model.d_model=1024 model.n_layers=12 model.n_heads=16 model.seq_len=512)
+  jobs=("bf16:train.dtype=bf16" "tf32:train.allow_tf32=true")
+  for n in "${names[@]}"; do
+    for job in "${jobs[@]}"; do
+      label="152M-${job%%:*}-$n-profile"
+      BUILD=$builds/$n ZRUN_GPU_PROFILE=1 zrun_step "$label" "${s[@]}" "${job#*:}"
+      { grep -A 15 "GPU time by operation" "$out/$label.log" \
+          && grep "all marked operations" "$out/$label.log"; } || tail -5 "$out/$label.log"
+    done
+  done
+  for round in $(seq "${ROUNDS:-3}"); do
+    # The order rotated a place each round.
+    k=$(( (round - 1) % ${#names[@]} ))
+    order=("${names[@]:k}" "${names[@]:0:k}")
+    for job in "${jobs[@]}"; do
+      for n in "${order[@]}"; do
+        BUILD=$builds/$n zrun_step "152M-${job%%:*}-$n-$round" "${s[@]}" "${job#*:}"
       done
     done
   done
