@@ -36,6 +36,11 @@ __device__ __forceinline__ void adamw_element(
     int grad_fmt,
     int working_fmt)
 {
+    // The parameter read with the gradient and the moments, before any
+    // store: below the stores to m and v, which it might alias as far as
+    // the compiler knows, it would wait for them, and so for the first
+    // three loads' trip, a second trip to memory an element.
+    float p0 = *pe;
     float graw = grad_fmt == FMT_F32
         ? ((const float*)g)[i]
         : widen16(((const unsigned short*)g)[i], grad_fmt);
@@ -45,7 +50,7 @@ __device__ __forceinline__ void adamw_element(
     m[i] = mi;
     v[i] = vi;
     float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(vi), c.inv_sqrt_bc2), c.eps);
-    float pi = __fsub_rn(__fmul_rn(*pe, shrink), __fdiv_rn(__fmul_rn(c.step_size, mi), denom));
+    float pi = __fsub_rn(__fmul_rn(p0, shrink), __fdiv_rn(__fmul_rn(c.step_size, mi), denom));
     *pe = pi;
     if (working_fmt != FMT_F32) {
         working[i] = round16(pi, working_fmt);
