@@ -226,6 +226,35 @@ fn shared_cores_warning(rows: &[KernelRow]) -> Option<String> {
     })
 }
 
+/// A warning where an f32 GEMM row ran faster than `fma_peak` at its thread
+/// count, which no product can do: the cores' speed moved while the rows
+/// were measured (the ceiling is taken before and after the products, the
+/// faster kept, and a product still passed both), so the ratios at those
+/// thread counts are not one sitting's.
+fn over_ceiling_warning(rows: &[KernelRow]) -> Option<String> {
+    let mut over: Vec<String> = rows
+        .iter()
+        // The f32 GEMM rows: FLOP/s and no bytes (the streaming rows'
+        // ratios are over the triad's bandwidth), and not bf16 (AMX passes
+        // the f32 ceiling by design).
+        .filter(|r| {
+            r.kernel != "fma_peak" && !r.kernel.contains("bf16") && r.gbps == 0.0 && r.ratio > 1.0
+        })
+        .map(|r| format!("{} at {} threads ({:.2}x)", r.kernel, r.threads, r.ratio))
+        .collect();
+    let count = over.len();
+    over.truncate(3);
+    (count > 0).then(|| {
+        format!(
+            "{count} GEMM row(s) ran faster than fma_peak, the ceiling no product passes: {}{}; \
+             the machine's speed moved while this ran (a neighbour's load came or went), so \
+             those ratios compare figures from different moments; measure again",
+            over.join(", "),
+            if count > 3 { ", ..." } else { "" }
+        )
+    })
+}
+
 /// `zrun bench kernels`.
 pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
     if args.elements < 1024 {
@@ -233,15 +262,18 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
     }
     let rows = measure_kernels(args.elements, &worker_bin(args.worker_bin.clone())?)?;
     let warning = shared_cores_warning(&rows);
-    if let Some(w) = &warning {
+    let drifted = over_ceiling_warning(&rows);
+    for w in warning.iter().chain(&drifted) {
         shout!("zrun: warning: {w}");
     }
     if args.json {
         say!(
             "{}",
-            serde_json::to_string_pretty(
-                &serde_json::json!({ "rows": rows, "shared_cores": warning })
-            )?
+            serde_json::to_string_pretty(&serde_json::json!({
+                "rows": rows,
+                "shared_cores": warning,
+                "over_ceiling": drifted
+            }))?
         );
         return Ok(ExitCode::SUCCESS);
     }
@@ -505,6 +537,37 @@ mod tests {
         assert!(w.contains("2 threads ran 1.00x one thread's"), "{w}");
         // No one-thread row to compare with: nothing to say.
         assert_eq!(shared_cores_warning(&shared[1..]), None);
+    }
+
+    #[test]
+    fn a_gemm_row_past_the_fma_ceiling_warns() {
+        let row = |kernel: &str, threads, gflops, ratio| KernelRow {
+            kernel: kernel.into(),
+            elements: 0,
+            threads,
+            gbps: 0.0,
+            gflops,
+            ratio,
+        };
+        let steady = [
+            row("fma_peak", 1, 135.0, 1.0),
+            row("gemm_f32", 2, 240.0, 0.89),
+            row("zgemm_avx512_nn_2048x384x1152", 1, 120.0, 0.89),
+            KernelRow {
+                gbps: 23.9,
+                ..row("adamw_avx512", 1, 10.0, 1.55)
+            },
+            row("zgemm_amxbf16_nn_2048x384x1152", 1, 800.0, 5.9),
+        ];
+        assert_eq!(over_ceiling_warning(&steady), None);
+        let mut drifted = steady.to_vec();
+        drifted.push(row("zgemm_avx512_tn_384x2048x1152", 1, 140.0, 1.04));
+        let w = over_ceiling_warning(&drifted).expect("a warning");
+        assert!(w.starts_with("1 GEMM row(s)"), "{w}");
+        assert!(
+            w.contains("zgemm_avx512_tn_384x2048x1152 at 1 threads (1.04x)"),
+            "{w}"
+        );
     }
 
     #[test]
