@@ -28,6 +28,34 @@ using std::rintf;
 #include "quantize_kernels.cu"
 }
 
+// Two kernels with a race between warps, for the emulation's own test of
+// its warp orders (tests.rs): thread 0 sets a value that the whole block
+// then reads with no barrier between, and each warp's lane 0 sets a slot
+// that thread 0 then adds up with none either. Each order shows one race
+// and hides the other.
+namespace probe {
+__global__ void broadcast_unsynced(int* out) {
+    __shared__ int value;
+    if (threadIdx.x == 0) value = -1;
+    __syncthreads();
+    if (threadIdx.x == 0) value = (int)blockIdx.x;
+    out[blockIdx.x * blockDim.x + threadIdx.x] = value;
+}
+
+__global__ void gather_unsynced(int* out) {
+    __shared__ int slots[32];
+    unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) slots[warp] = -1;
+    __syncthreads();
+    if (lane == 0) slots[warp] = (int)warp + 1;
+    if (threadIdx.x == 0) {
+        int sum = 0;
+        for (unsigned w = 0; w < blockDim.x / 32; w++) sum += slots[w];
+        out[blockIdx.x] = sum;
+    }
+}
+}  // namespace probe
+
 namespace {
 const unsigned ROW_THREADS = 256;
 const int ROWS_PER_CHUNK = 64;
@@ -39,6 +67,21 @@ dim3 columns(int d, int chunks) { return dim3{(d + ROW_THREADS - 1) / ROW_THREAD
 }  // namespace
 
 extern "C" {
+
+// The warp order of this OS thread's launches from now on: -1 the
+// process's (ZCUDA_EMU_WARP_ORDER), 0 warp 0 ahead, 1 the last warp ahead.
+void emu_set_warp_order(int order) {
+    emu_enter_thread();
+    emu_self->launch_warp_order = order;
+}
+
+void emu_probe_broadcast_unsynced(int* out, unsigned blocks, unsigned threads) {
+    emu_launch(probe::broadcast_unsynced, dim3{blocks}, dim3{threads}, out);
+}
+
+void emu_probe_gather_unsynced(int* out, unsigned blocks, unsigned threads) {
+    emu_launch(probe::gather_unsynced, dim3{blocks}, dim3{threads}, out);
+}
 
 void emu_layer_norm(const float* x, const float* w, const float* b, float* y, unsigned short* y16,
                     int fmt16, float* mean, float* rstd, int n, int d, float eps) {

@@ -193,8 +193,12 @@ using std::min;
 template <class... P, class... A>
 void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
     unsigned blocks = grid.x * grid.y;
+    emu_enter_thread();
+    int asked = emu_self->launch_warp_order;
+    bool reverse = asked < 0 ? emu_default_warp_order() : asked == 1;
     auto run_blocks = [=](unsigned first, unsigned step) {
         emu_enter_thread();
+        emu_self->reverse_warps = reverse;
         gridDim = grid;
         blockDim = block;
         for (unsigned i = first; i < blocks; i += step) {

@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -121,6 +122,14 @@ struct EmuThread {
     void* scheduler_sp = nullptr;
     EmuFiber* scheduler_fiber = nullptr;
     const std::function<void()>* body = nullptr;
+    // Which warp runs ahead: the first (warp 0, then 1, ...) or, reversed,
+    // the last (see emu_yield). Set by each launch for the OS threads it
+    // runs blocks on (emu.h: emu_launch).
+    bool reverse_warps = false;
+    // The order this OS thread's own launches ask for: -1 the process's
+    // default (emu_default_warp_order), 0 first warp ahead, 1 last warp
+    // ahead (emu_set_warp_order, for tests that run a kernel both ways).
+    int launch_warp_order = -1;
 };
 inline thread_local EmuThread emu_thread;
 inline thread_local EmuThread* emu_self;
@@ -140,40 +149,67 @@ extern "C" void emu_switch(void** save, void* to);
 extern "C" void emu_fiber_start();
 extern "C" [[noreturn]] __attribute__((visibility("hidden"))) void emu_fiber_main();
 
+// Whether launches run the last warp ahead by default: the environment's
+// ZCUDA_EMU_WARP_ORDER, `forward` (or unset: warp 0 first) or `reverse`,
+// read once; any other value stops the process, saying so.
+inline bool emu_default_warp_order() {
+    static const bool reverse = [] {
+        const char* v = std::getenv("ZCUDA_EMU_WARP_ORDER");
+        if (!v || std::string_view(v) == "forward" || std::string_view(v).empty()) return false;
+        if (std::string_view(v) == "reverse") return true;
+        std::fprintf(stderr, "zcuda-emu: ZCUDA_EMU_WARP_ORDER=%s: expected forward or reverse\n", v);
+        std::abort();
+    }();
+    return reverse;
+}
+
 // The running fiber waits: on to the next runnable fiber of its own warp
 // (in order, round the warp), else the next runnable one after it (round
-// the block), or back to the scheduler where none is (the block is
-// deadlocked, or every other fiber has returned). Its own warp first, so
-// that a warp runs ahead of the others as far as it can, to the block's
-// next barrier: a kernel that lets one warp overwrite shared memory that
-// another has yet to read, or read what another has yet to write, without
-// a __syncthreads between them, then reads the wrong values here as it
-// could on a GPU (warps in lockstep, as round the block alone had them,
-// hid such races: every warp reached each warp-wide operation before any
-// went past it).
+// the block; before it, reversed), or back to the scheduler where none is
+// (the block is deadlocked, or every other fiber has returned). Its own
+// warp first, so that a warp runs ahead of the others as far as it can,
+// to the block's next barrier: a kernel that lets one warp overwrite
+// shared memory that another has yet to read, or read what another has
+// yet to write, without a __syncthreads between them, then reads the
+// wrong values here as it could on a GPU (warps in lockstep, as round the
+// block alone had them, hid such races: every warp reached each warp-wide
+// operation before any went past it). Which warp goes first decides which
+// races show: with warp 0 ahead, a value that thread 0 writes for the
+// whole block with no barrier before the others read it is there when
+// they read; with the last warp ahead, they read before it is written.
+// The tests run every kernel both ways (ZCUDA_EMU_WARP_ORDER).
+// Switches from the running fiber to fiber `i`, which runs until it
+// waits; returns when a fiber switches back to this one.
+inline void emu_switch_to(unsigned i) {
+    EmuFiber& from = emu_self->fibers[emu_self->current];
+    EmuFiber& to = emu_self->fibers[i];
+    to.waiting_on = nullptr;
+    emu_self->current = i;
+    threadIdx = {i, 0, 0};
+#if defined(__x86_64__)
+    emu_switch(&from.sp, to.sp);
+#else
+    swapcontext(&from.context, &to.context);
+#endif
+}
+
 inline void emu_yield() {
     unsigned me = emu_self->current, n = emu_self->fiber_count;
     EmuFiber& from = emu_self->fibers[me];
     // Switches to fiber i if it can run.
     auto run = [&](unsigned i) {
-        EmuFiber& to = emu_self->fibers[i];
-        if (!to.runnable()) return false;
-        to.waiting_on = nullptr;
-        emu_self->current = i;
-        threadIdx = {i, 0, 0};
-#if defined(__x86_64__)
-        emu_switch(&from.sp, to.sp);
-#else
-        swapcontext(&from.context, &to.context);
-#endif
+        if (!emu_self->fibers[i].runnable()) return false;
+        emu_switch_to(i);
         return true;
     };
     unsigned warp0 = me / 32 * 32, width = std::min(32u, n - warp0);
     for (unsigned k = 1; k < width; k++) {
         if (run(warp0 + (me - warp0 + k) % width)) return;
     }
+    bool reverse = emu_self->reverse_warps;
     for (unsigned k = 1; k < n; k++) {
-        if (run(me + k < n ? me + k : me + k - n)) return;
+        unsigned i = reverse ? (me >= k ? me - k : me + n - k) : (me + k < n ? me + k : me + k - n);
+        if (run(i)) return;
     }
 #if defined(__x86_64__)
     emu_switch(&from.sp, emu_self->scheduler_sp);
@@ -182,10 +218,29 @@ inline void emu_yield() {
 #endif
 }
 
+// After the block's barrier releases, the next phase starts again from the
+// warp that runs ahead (the first runnable fiber in the launch's order), not
+// from the fiber that arrived last: in every phase the warps run in one
+// order, 0 to the last or the last to 0, so that between the two orders
+// every pair of warps runs both ways round.
+inline void emu_restart_phase() {
+    unsigned me = emu_self->current, n = emu_self->fiber_count;
+    bool reverse = emu_self->reverse_warps;
+    for (unsigned k = 0; k < n; k++) {
+        unsigned i = reverse ? n - 1 - k : k;
+        if (i == me) return;
+        if (!emu_self->fibers[i].runnable()) continue;
+        // Back from here when a fiber that waits finds this one runnable.
+        emu_switch_to(i);
+        return;
+    }
+}
+
 inline void EmuBarrier::arrive_and_wait() {
     if (++arrived == expected) {
         arrived = 0;
         generation++;
+        if (this == &emu_self->block) emu_restart_phase();
         return;
     }
     EmuFiber& me = emu_self->fibers[emu_self->current];
@@ -229,11 +284,13 @@ inline void emu_run_fibers(unsigned n, const std::function<void()>& body) {
 #endif
     }
     emu_self->live = n;
-    unsigned next = 0;
+    // The first fiber to run is of the warp that runs ahead (emu_yield).
+    bool reverse = emu_self->reverse_warps;
+    unsigned next = reverse ? n - 1 : 0;
     while (emu_self->live > 0) {
         unsigned i = 0, k = 0;
         for (; k < n; k++) {
-            i = next + k < n ? next + k : next + k - n;
+            i = reverse ? (next >= k ? next - k : next + n - k) : (next + k < n ? next + k : next + k - n);
             if (emu_self->fibers[i].runnable()) break;
         }
         if (k == n) {
@@ -247,7 +304,7 @@ inline void emu_run_fibers(unsigned n, const std::function<void()>& body) {
         f.waiting_on = nullptr;
         emu_self->current = i;
         threadIdx = {i, 0, 0};
-        next = i + 1 < n ? i + 1 : 0;
+        next = reverse ? (i > 0 ? i - 1 : n - 1) : (i + 1 < n ? i + 1 : 0);
 #if defined(__x86_64__)
         emu_switch(&emu_self->scheduler_sp, f.sp);
 #else

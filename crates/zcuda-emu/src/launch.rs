@@ -4,6 +4,9 @@
 use std::os::raw::{c_float, c_int, c_uint, c_ulonglong, c_ushort};
 
 extern "C" {
+    fn emu_set_warp_order(order: c_int);
+    fn emu_probe_broadcast_unsynced(out: *mut c_int, blocks: c_uint, threads: c_uint);
+    fn emu_probe_gather_unsynced(out: *mut c_int, blocks: c_uint, threads: c_uint);
     fn emu_flash_forward(
         qkv: *const c_float,
         out: *mut c_float,
@@ -248,6 +251,50 @@ extern "C" {
         n: c_ulonglong,
         width: c_int,
     );
+}
+
+/// Which warp of a block runs ahead of the others to each barrier (see
+/// `cpp/emu_fiber.h`): each order shows the races between warps that the
+/// other hides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WarpOrder {
+    /// Warp 0 first, then 1, ... (the default, `ZCUDA_EMU_WARP_ORDER`
+    /// unset or `forward`).
+    Forward,
+    /// The last warp first (`ZCUDA_EMU_WARP_ORDER=reverse`).
+    Reverse,
+}
+
+/// `f` with this thread's launches in `order`, then back to the process's
+/// default.
+pub fn with_warp_order<R>(order: WarpOrder, f: impl FnOnce() -> R) -> R {
+    let code = match order {
+        WarpOrder::Forward => 0,
+        WarpOrder::Reverse => 1,
+    };
+    // SAFETY: sets a field of this OS thread's emulation state.
+    unsafe { emu_set_warp_order(code) };
+    let r = f();
+    // SAFETY: as above.
+    unsafe { emu_set_warp_order(-1) };
+    r
+}
+
+/// The race probes of `cpp/emu.cpp` over `blocks` blocks of `threads`
+/// (whole warps, at most 1024): a block's values that thread 0 sets and
+/// every thread reads with no barrier between (`[blocks × threads]`), and
+/// per block the sum of the slots that each warp's lane 0 sets (warp w:
+/// w + 1) and thread 0 adds with no barrier between (`[blocks]`).
+pub fn race_probes(blocks: usize, threads: usize) -> (Vec<i32>, Vec<i32>) {
+    assert!(threads.is_multiple_of(32) && (32..=1024).contains(&threads));
+    let mut broadcast = vec![0; blocks * threads];
+    let mut gathered = vec![0; blocks];
+    // SAFETY: each launch writes `blocks × threads` and `blocks` values.
+    unsafe {
+        emu_probe_broadcast_unsynced(broadcast.as_mut_ptr(), blocks as c_uint, threads as c_uint);
+        emu_probe_gather_unsynced(gathered.as_mut_ptr(), blocks as c_uint, threads as c_uint);
+    }
+    (broadcast, gathered)
 }
 
 fn int(v: usize) -> c_int {

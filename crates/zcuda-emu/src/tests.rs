@@ -55,6 +55,71 @@ fn close(what: &str, got: &[f32], want: &[f32]) {
 const ROWS: usize = 70;
 const D: usize = 96;
 
+/// The two warp orders, each on a race between warps that the other hides:
+/// with warp 0 ahead, thread 0's value is set before the block reads it,
+/// but its sum of the warps' slots comes before the other warps set them;
+/// with the last warp ahead, the other way round (every kernel test runs
+/// in both: `every_kernel_test_passes_with_the_last_warp_ahead`).
+#[test]
+fn each_warp_order_shows_the_race_the_other_hides() {
+    let (blocks, threads) = (3, 128);
+    let set = |b: usize| vec![b as i32; threads];
+    let want_broadcast: Vec<i32> = (0..blocks).flat_map(set).collect();
+    let all_slots = (1..=4).sum::<i32>();
+    let (broadcast, gathered) =
+        with_warp_order(WarpOrder::Forward, || race_probes(blocks, threads));
+    assert_eq!(
+        broadcast, want_broadcast,
+        "warp 0 ahead: thread 0's value is read after it is set"
+    );
+    assert!(
+        gathered.iter().all(|&s| s != all_slots),
+        "warp 0 ahead: thread 0 adds the slots before warps 1-3 set theirs, got {gathered:?}"
+    );
+    let (broadcast, gathered) =
+        with_warp_order(WarpOrder::Reverse, || race_probes(blocks, threads));
+    assert!(
+        broadcast.iter().filter(|&&v| v == -1).count() >= 3 * 32 * blocks,
+        "the last warp ahead: warps 1-3 read thread 0's value before it is set"
+    );
+    assert_eq!(
+        gathered,
+        vec![all_slots; blocks],
+        "the last warp ahead: every slot set before the sum"
+    );
+}
+
+/// Every test of this binary again with the last warp of each block ahead
+/// (`ZCUDA_EMU_WARP_ORDER=reverse`, a process of its own: the order is read
+/// once a process), so that the README's test command runs every kernel in
+/// both orders. A barrier that thread 0's write for the whole block needs
+/// (`last_of_stripe`'s second one in `kernels/gpt.cu`) passes every test
+/// without it in the forward order and fails three in this one.
+#[test]
+fn every_kernel_test_passes_with_the_last_warp_ahead() {
+    const ME: &str = "every_kernel_test_passes_with_the_last_warp_ahead";
+    if std::env::var("ZCUDA_EMU_WARP_ORDER").is_ok() {
+        // The environment chose the order already (CI, or the child below).
+        return;
+    }
+    let exe = std::env::current_exe().expect("this test binary");
+    let out = std::process::Command::new(exe)
+        .args(["--skip", ME, "--test-threads", "2"])
+        .env("ZCUDA_EMU_WARP_ORDER", "reverse")
+        .output()
+        .expect("running this test binary again");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "with the last warp ahead:\n{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("test tests_attention::fused_attention_is_the_cpu_models_attention ... ok"),
+        "the run in reverse order ran the kernel tests:\n{text}"
+    );
+}
+
 #[test]
 fn the_emulator_gives_layer_norm_as_the_cpu_model() {
     // The kernel that has run on GPUs, as a check of the emulation itself

@@ -260,14 +260,19 @@ fn fma_peak(threads: usize) -> Option<KernelRow> {
             flops as f64 / t.elapsed().as_secs_f64() / 1e9
         })
         .fold(0.0, f64::max);
-    Some(KernelRow {
+    Some(fma_peak_row(threads, gflops))
+}
+
+/// The `fma_peak` row of `gflops` at `threads`.
+fn fma_peak_row(threads: usize, gflops: f64) -> KernelRow {
+    KernelRow {
         kernel: "fma_peak".into(),
         elements: 0,
         threads,
         gbps: 0.0,
         gflops,
         ratio: 1.0,
-    })
+    }
 }
 
 /// The FLOP/s peak that MFU is computed against: zgemm's 2048³ with the
@@ -438,27 +443,16 @@ fn gemm_shape_rows(threads: usize) -> Result<Vec<KernelRow>> {
 mod tests {
     use super::*;
 
-    fn peak(threads: usize, gflops: f64) -> KernelRow {
-        KernelRow {
-            kernel: "fma_peak".into(),
-            elements: 0,
-            threads,
-            gbps: 0.0,
-            gflops,
-            ratio: 1.0,
-        }
-    }
-
     #[test]
     fn the_ceiling_keeps_the_faster_measurement_at_each_thread_count() {
-        let before = vec![peak(1, 89.0), peak(2, 180.0)];
-        let after = [peak(2, 150.0), peak(1, 135.0)];
+        let before = vec![fma_peak_row(1, 89.0), fma_peak_row(2, 180.0)];
+        let after = [fma_peak_row(2, 150.0), fma_peak_row(1, 135.0)];
         let got: Vec<(usize, f64)> = faster_of(before, &after)
             .iter()
             .map(|r| (r.threads, r.gflops))
             .collect();
         assert_eq!(got, [(1, 135.0), (2, 180.0)]);
         // Nothing measured after (no SIMD kernel): the first stands.
-        assert_eq!(faster_of(vec![peak(1, 89.0)], &[])[0].gflops, 89.0);
+        assert_eq!(faster_of(vec![fma_peak_row(1, 89.0)], &[])[0].gflops, 89.0);
     }
 }
