@@ -39,6 +39,7 @@ fn main() {
         .expect("writing the kernels for C++");
     }
     println!("cargo::rustc-check-cfg=cfg(emulator)");
+    println!("cargo:rerun-if-env-changed=ZCUDA_EMU_TSAN");
     // Without a C++20 compiler the workspace still builds; the tests say
     // they skipped, and CI (ZRUN_REQUIRE_EMULATOR=1) fails instead.
     match build(&root, &out) {
@@ -95,6 +96,12 @@ fn build(root: &Path, out: &Path) -> Result<PathBuf, String> {
         .pic(true)
         .warnings(false)
         .cargo_warnings(false);
+    // ThreadSanitizer over the kernels (cpp/emu_fiber.h: every race between
+    // two threads of a block, whatever order they run in here).
+    let tsan = std::env::var("ZCUDA_EMU_TSAN").is_ok_and(|v| v == "1");
+    if tsan {
+        cc.flag("-fsanitize=thread").flag("-g");
+    }
     for f in ["emu", "emu_fiber", "driver", "cublas", "nvrtc", "nccl"] {
         cc.file(root.join(format!("cpp/{f}.cpp")));
     }
@@ -132,6 +139,9 @@ fn build(root: &Path, out: &Path) -> Result<PathBuf, String> {
     println!("cargo:rustc-link-search=native={}", out.display());
     println!("cargo:rustc-link-lib=static=zcuda_emu");
     println!("cargo:rustc-link-lib=dylib=stdc++");
+    if tsan {
+        println!("cargo:rustc-link-lib=dylib=tsan");
+    }
 
     let gpu = out.join("gpu");
     let _ = std::fs::remove_dir_all(&gpu); // no library of an earlier build stays
@@ -148,6 +158,9 @@ fn build(root: &Path, out: &Path) -> Result<PathBuf, String> {
         ("libnccl.so", &["nccl"][..]),
     ] {
         let mut link = compiler.to_command();
+        if tsan {
+            link.arg("-fsanitize=thread");
+        }
         link.arg("-shared")
             .arg("-pthread")
             .arg(format!("-Wl,-soname,{lib}"));

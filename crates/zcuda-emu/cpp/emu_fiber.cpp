@@ -41,11 +41,14 @@ emu_fiber_start:
 
 // A fiber's whole life: the kernel body, then back to the scheduler for
 // good.
-extern "C" [[noreturn]] void emu_fiber_main() {
+extern "C" [[noreturn]] EMU_NO_TSAN void emu_fiber_main() {
+    EMU_TSAN(__tsan_acquire(&emu_self->tsan_block_start));
     (*emu_self->body)();
+    EMU_TSAN(__tsan_release(&emu_self->tsan_block_end));
     EmuFiber& me = emu_self->fibers[emu_self->current];
     me.done = true;
     emu_self->live--;
+    EMU_TSAN(__tsan_switch_to_fiber(emu_self->tsan_scheduler, __tsan_switch_to_fiber_no_sync));
 #if defined(__x86_64__)
     emu_switch(&me.sp, emu_self->scheduler_sp);
 #else

@@ -30,6 +30,23 @@
 #include <ucontext.h>
 #endif
 
+// Built with ThreadSanitizer (build.rs, ZCUDA_EMU_TSAN=1), the fibers are
+// TSan's fibers, switched without synchronising, and what orders a block's
+// threads on a GPU is told to TSan as releases and acquires: each barrier,
+// and a block's start and end. TSan then reports two threads of a block
+// that touch the same memory, one writing, with no barrier between: a race
+// on a GPU whatever order the warps run in here.
+// The scheduler's own bookkeeping (which fiber runs, who waits on what)
+// passes between fibers with no such order and is left out (EMU_NO_TSAN).
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#define EMU_TSAN(...) __VA_ARGS__
+#define EMU_NO_TSAN __attribute__((no_sanitize_thread, noinline))
+#else
+#define EMU_TSAN(...)
+#define EMU_NO_TSAN
+#endif
+
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
@@ -44,7 +61,7 @@ struct EmuBarrier {
         arrived = 0;
     }
 
-    inline void arrive_and_wait();
+    EMU_NO_TSAN inline void arrive_and_wait();
 };
 
 struct EmuFiber {
@@ -53,11 +70,12 @@ struct EmuFiber {
     const EmuBarrier* waiting_on = nullptr;
     unsigned wait_generation = 0;
     bool done = false;
+    void* tsan = nullptr;  // TSan's fiber (see EMU_TSAN)
 #if !defined(__x86_64__)
     ucontext_t context;
 #endif
 
-    bool runnable() const {
+    EMU_NO_TSAN bool runnable() const {
         return !done && (!waiting_on || waiting_on->generation != wait_generation);
     }
 };
@@ -121,6 +139,9 @@ struct EmuThread {
     // The scheduler's saved stack pointer (or context), what fibers run.
     void* scheduler_sp = nullptr;
     EmuFiber* scheduler_fiber = nullptr;
+    void* tsan_scheduler = nullptr;  // the OS thread's own TSan fiber
+    // What TSan is told a block's start and end synchronise on.
+    char tsan_block_start = 0, tsan_block_end = 0;
     const std::function<void()>* body = nullptr;
     // Which warp runs ahead: the first (warp 0, then 1, ...) or, reversed,
     // the last (see emu_yield). Set by each launch for the OS threads it
@@ -135,7 +156,7 @@ inline thread_local EmuThread emu_thread;
 inline thread_local EmuThread* emu_self;
 
 // Points emu_self at this OS thread's state (once per launch per thread).
-inline void emu_enter_thread() { emu_self = &emu_thread; }
+EMU_NO_TSAN inline void emu_enter_thread() { emu_self = &emu_thread; }
 
 #define threadIdx (emu_self->thread_idx)
 #define blockIdx (emu_self->block_idx)
@@ -152,7 +173,7 @@ extern "C" [[noreturn]] __attribute__((visibility("hidden"))) void emu_fiber_mai
 // Whether launches run the last warp ahead by default: the environment's
 // ZCUDA_EMU_WARP_ORDER, `forward` (or unset: warp 0 first) or `reverse`,
 // read once; any other value stops the process, saying so.
-inline bool emu_default_warp_order() {
+EMU_NO_TSAN inline bool emu_default_warp_order() {
     static const bool reverse = [] {
         const char* v = std::getenv("ZCUDA_EMU_WARP_ORDER");
         if (!v || std::string_view(v) == "forward" || std::string_view(v).empty()) return false;
@@ -180,12 +201,13 @@ inline bool emu_default_warp_order() {
 // The tests run every kernel both ways (ZCUDA_EMU_WARP_ORDER).
 // Switches from the running fiber to fiber `i`, which runs until it
 // waits; returns when a fiber switches back to this one.
-inline void emu_switch_to(unsigned i) {
+EMU_NO_TSAN inline void emu_switch_to(unsigned i) {
     EmuFiber& from = emu_self->fibers[emu_self->current];
     EmuFiber& to = emu_self->fibers[i];
     to.waiting_on = nullptr;
     emu_self->current = i;
     threadIdx = {i, 0, 0};
+    EMU_TSAN(__tsan_switch_to_fiber(to.tsan, __tsan_switch_to_fiber_no_sync));
 #if defined(__x86_64__)
     emu_switch(&from.sp, to.sp);
 #else
@@ -193,7 +215,7 @@ inline void emu_switch_to(unsigned i) {
 #endif
 }
 
-inline void emu_yield() {
+EMU_NO_TSAN inline void emu_yield() {
     unsigned me = emu_self->current, n = emu_self->fiber_count;
     EmuFiber& from = emu_self->fibers[me];
     // Switches to fiber i if it can run.
@@ -211,6 +233,7 @@ inline void emu_yield() {
         unsigned i = reverse ? (me >= k ? me - k : me + n - k) : (me + k < n ? me + k : me + k - n);
         if (run(i)) return;
     }
+    EMU_TSAN(__tsan_switch_to_fiber(emu_self->tsan_scheduler, __tsan_switch_to_fiber_no_sync));
 #if defined(__x86_64__)
     emu_switch(&from.sp, emu_self->scheduler_sp);
 #else
@@ -223,7 +246,7 @@ inline void emu_yield() {
 // from the fiber that arrived last: in every phase the warps run in one
 // order, 0 to the last or the last to 0, so that between the two orders
 // every pair of warps runs both ways round.
-inline void emu_restart_phase() {
+EMU_NO_TSAN inline void emu_restart_phase() {
     unsigned me = emu_self->current, n = emu_self->fiber_count;
     bool reverse = emu_self->reverse_warps;
     for (unsigned k = 0; k < n; k++) {
@@ -236,10 +259,12 @@ inline void emu_restart_phase() {
     }
 }
 
-inline void EmuBarrier::arrive_and_wait() {
+EMU_NO_TSAN inline void EmuBarrier::arrive_and_wait() {
+    EMU_TSAN(__tsan_release(this));
     if (++arrived == expected) {
         arrived = 0;
         generation++;
+        EMU_TSAN(__tsan_acquire(this));
         if (this == &emu_self->block) emu_restart_phase();
         return;
     }
@@ -247,12 +272,13 @@ inline void EmuBarrier::arrive_and_wait() {
     me.waiting_on = this;
     me.wait_generation = generation;
     emu_yield();
+    EMU_TSAN(__tsan_acquire(this));
 }
 
 // Runs `body` as `n` fibers (threadIdx.x = 0..n-1); returns when all have
 // returned. Fibers that all wait with none to release them are a
 // kernel's deadlock (a barrier some threads skip): reported, then abort.
-inline void emu_run_fibers(unsigned n, const std::function<void()>& body) {
+EMU_NO_TSAN inline void emu_run_fibers(unsigned n, const std::function<void()>& body) {
     if (n > EMU_MAX_FIBERS) {
         std::fprintf(stderr, "zcuda-emu: a block of %u threads (at most %u)\n", n, EMU_MAX_FIBERS);
         std::abort();
@@ -263,9 +289,11 @@ inline void emu_run_fibers(unsigned n, const std::function<void()>& body) {
     EmuFiber scheduler;
     emu_self->scheduler_fiber = &scheduler;
 #endif
+    EMU_TSAN(emu_self->tsan_scheduler = __tsan_get_current_fiber());
     for (unsigned i = 0; i < n; i++) {
         EmuFiber& f = emu_self->fibers[i];
         f = EmuFiber{};
+        EMU_TSAN(f.tsan = __tsan_create_fiber(0));
         f.stack = emu_stack_take();
 #if defined(__x86_64__)
         // The frame emu_switch pops: six registers, then emu_fiber_start
@@ -283,6 +311,10 @@ inline void emu_run_fibers(unsigned n, const std::function<void()>& body) {
         makecontext(&f.context, reinterpret_cast<void (*)()>(&emu_fiber_main), 0);
 #endif
     }
+    // After the stacks are taken (their last fibers' accesses come before
+    // their return to the pool, which a lock orders): every fiber starts
+    // after all that came before the block on this OS thread.
+    EMU_TSAN(__tsan_release(&emu_self->tsan_block_start));
     emu_self->live = n;
     // The first fiber to run is of the warp that runs ahead (emu_yield).
     bool reverse = emu_self->reverse_warps;
@@ -305,13 +337,18 @@ inline void emu_run_fibers(unsigned n, const std::function<void()>& body) {
         emu_self->current = i;
         threadIdx = {i, 0, 0};
         next = reverse ? (i > 0 ? i - 1 : n - 1) : (i + 1 < n ? i + 1 : 0);
+        EMU_TSAN(__tsan_switch_to_fiber(f.tsan, __tsan_switch_to_fiber_no_sync));
 #if defined(__x86_64__)
         emu_switch(&emu_self->scheduler_sp, f.sp);
 #else
         swapcontext(&scheduler.context, &f.context);
 #endif
     }
-    for (unsigned i = 0; i < n; i++) emu_stack_give(emu_self->fibers[i].stack);
+    EMU_TSAN(__tsan_acquire(&emu_self->tsan_block_end));
+    for (unsigned i = 0; i < n; i++) {
+        emu_stack_give(emu_self->fibers[i].stack);
+        EMU_TSAN(__tsan_destroy_fiber(emu_self->fibers[i].tsan));
+    }
 }
 
 // OS threads a launch spreads its blocks over: the CPUs this process may
