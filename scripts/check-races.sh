@@ -7,7 +7,7 @@
 # reported whatever order the emulation ran them in. First the detector
 # itself: the emulation's two probe kernels, each with such a race, must be
 # reported (and the run fail); then every kernel test runs, and any report
-# fails it. About 4.5 minutes on 2 cores (TSan is slow); CI runs it.
+# fails it. About 2 minutes on 2 cores, the build included; CI runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 supp=$PWD/crates/zcuda-emu/tsan.supp
