@@ -65,7 +65,7 @@ cargo build --release --features zworker/cuda
 # 3 in f32 and stage 2 in bf16 over NCCL against the host flow; the
 # profile's table), about 55 s;
 # the rest (two workers
-# sharing a GPU over NCCL at every stage and dtype, about 8 minutes on 2
+# sharing a GPU over NCCL at every stage and dtype, 8-12 minutes on 2
 # cores) run with `scripts/check-cuda.sh --emulated-all`.
 echo "== the GPU tests on zcuda-emu's CPU GPU"
 emu_gpu=$(python3 scripts/test_exe.py --emulated-gpu "$artifacts")
