@@ -289,6 +289,14 @@ EMU_NO_TSAN inline void EmuBarrier::arrive_and_wait() {
     EMU_TSAN(__tsan_acquire(this));
 }
 
+#if defined(__SANITIZE_THREAD__)
+// This OS thread's TSan fiber for thread `i` of its blocks (EmuThread::tsan_fibers).
+EMU_NO_TSAN inline void* emu_tsan_fiber(unsigned i) {
+    if (i == emu_self->tsan_fibers_made) emu_self->tsan_fibers[emu_self->tsan_fibers_made++] = __tsan_create_fiber(0);
+    return emu_self->tsan_fibers[i];
+}
+#endif
+
 // Runs `body` as `n` fibers (threadIdx.x = 0..n-1); returns when all have
 // returned. Fibers that all wait with none to release them are a
 // kernel's deadlock (a barrier some threads skip): reported, then abort.
@@ -307,9 +315,7 @@ EMU_NO_TSAN inline void emu_run_fibers(unsigned n, const std::function<void()>& 
     for (unsigned i = 0; i < n; i++) {
         EmuFiber& f = emu_self->fibers[i];
         f = EmuFiber{};
-        EMU_TSAN(if (i == emu_self->tsan_fibers_made) emu_self->tsan_fibers[emu_self->tsan_fibers_made++] =
-                     __tsan_create_fiber(0));
-        EMU_TSAN(f.tsan = emu_self->tsan_fibers[i]);
+        EMU_TSAN(f.tsan = emu_tsan_fiber(i));
         f.stack = emu_stack_take();
 #if defined(__x86_64__)
         // The frame emu_switch pops: six registers, then emu_fiber_start
