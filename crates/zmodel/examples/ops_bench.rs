@@ -89,8 +89,9 @@ fn main() -> candle_core::Result<()> {
     row("gelu_and_slope", 12.0 * m, &mut || {
         ops::gelu_and_slope(&h).map(drop)
     })?;
-    row("gelu_bf16_and_slope", 10.0 * m, &mut || {
-        ops::gelu_bf16_and_slope(&h).map(drop)
+    let h16 = h.to_dtype(candle_core::DType::BF16)?;
+    row("gelu_bf16_of_bf16", 4.0 * m, &mut || {
+        ops::gelu_bf16_of_bf16(&h16).map(drop)
     })?;
     row("gelu_backward (from the input)", 12.0 * m, &mut || {
         ops::gelu_backward(&h, &dh).map(drop)
@@ -99,6 +100,11 @@ fn main() -> candle_core::Result<()> {
     row("gelu_backward_by_slope", 12.0 * m, &mut || {
         ops::gelu_backward_by_slope(&slope, &dh).map(drop)
     })?;
+    row(
+        "gelu_backward_bf16_of_input (rounded, sums)",
+        8.0 * m,
+        &mut || ops::gelu_backward_bf16_of_input(&h16, &dh).map(drop),
+    )?;
     row("column_sums (1536 wide)", 4.0 * m, &mut || {
         ops::column_sums(&dh).map(drop)
     })?;

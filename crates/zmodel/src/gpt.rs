@@ -15,7 +15,7 @@
 //! positions or rotary ones applied to q and k after the projection, GELU or
 //! SwiGLU, multi-head or grouped-query attention, biases or none.
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
@@ -33,8 +33,8 @@ use crate::linear::{
 };
 use crate::llama_ops::{rms_norm, rms_norm_backward, rms_norm_bf16, rope, swiglu, swiglu_backward};
 use crate::ops::{
-    cross_entropy, gelu, gelu_and_slope, gelu_backward_bf16, gelu_backward_by_slope,
-    gelu_bf16_and_slope, layer_norm, layer_norm_backward, layer_norm_bf16,
+    cross_entropy, gelu, gelu_and_slope, gelu_backward_bf16_of_input, gelu_backward_by_slope,
+    gelu_bf16_of_bf16, layer_norm, layer_norm_backward, layer_norm_bf16,
 };
 use crate::params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};
 
@@ -100,8 +100,8 @@ pub struct BlockActs {
     att: Tensor,
     rows1: Tensor,
     a2: Tensor,
-    /// What the activation's backward reads in place of its input `h`:
-    /// GELU's slope at `h` (the same size), or SwiGLU's `h`.
+    /// What the activation's backward reads: GELU's slope at `h` (the same
+    /// size), or under bf16 products GELU's bf16 `h`; SwiGLU's `h`.
     act_kept: Tensor,
     g: Tensor,
 }
@@ -570,27 +570,33 @@ impl Gpt {
 
     /// The MLP's activation: GELU, or SwiGLU of gate and up; and what its
     /// backward reads (GELU's slope at `h`, SwiGLU's input itself). With
-    /// bf16 products GELU writes bf16, which the projection reads as it is
-    /// (its only reader, forward and backward: the same bits as rounding an
-    /// f32 output, half the bytes kept); autograd's reference stays f32.
+    /// bf16 products GPT's `h` is bf16 (the expansion rounds it as it
+    /// stores), GELU writes bf16, which the projection reads as it is (its
+    /// only reader, forward and backward), and the backward reads `h`
+    /// itself, recomputing the slope: 2 bytes an element kept instead of
+    /// 4; autograd's reference stays f32.
     fn activation(&self, h: &Tensor) -> Result<(Tensor, Tensor)> {
         match self.cfg.kind {
             // Autograd's reference: differentiable GELU, and the slope for
             // the explicit backward beside it.
             ModelKind::Gpt if h.track_op() => Ok((gelu(h)?, gelu_and_slope(&h.detach())?.1)),
-            ModelKind::Gpt if self.products == Products::Bf16 => gelu_bf16_and_slope(h),
+            ModelKind::Gpt if self.products == Products::Bf16 => {
+                Ok((gelu_bf16_of_bf16(h)?, h.clone()))
+            }
             ModelKind::Gpt => gelu_and_slope(h),
             ModelKind::Llama => Ok((swiglu(h)?, h.clone())),
         }
     }
 
     /// The activation's input gradient from what [`Gpt::activation`] kept,
-    /// as the MLP's first layer takes it: with bf16 products, GELU's is
-    /// rounded (and its column sums taken) as it is written, in one pass.
+    /// as the MLP's first layer takes it: with bf16 products, GELU's from
+    /// the bf16 `h` is rounded (and its column sums taken) as it is
+    /// written, in one pass; from autograd's kept f32 slope the layer
+    /// rounds it (the same bits).
     fn activation_backward(&self, kept: &Tensor, dg: &Tensor) -> Result<OutputGrad> {
         Ok(match self.cfg.kind {
-            ModelKind::Gpt if self.products == Products::Bf16 => {
-                OutputGrad::Rounded(gelu_backward_bf16(kept, dg)?)
+            ModelKind::Gpt if kept.dtype() == DType::BF16 => {
+                OutputGrad::Rounded(gelu_backward_bf16_of_input(kept, dg)?)
             }
             ModelKind::Gpt => OutputGrad::F32(gelu_backward_by_slope(kept, dg)?),
             ModelKind::Llama => OutputGrad::F32(swiglu_backward(kept, dg)?),
@@ -658,19 +664,21 @@ impl Gpt {
 
         let a1 = norm(src, BlockNorm::Norm1, &rows)?;
         // GPT's q, k and v go to attention only, whose bf16 products would
-        // round them: stored in bf16 (LLaMA's rotary embedding reads f32).
-        let qkv_store = match self.cfg.kind {
+        // round them, and its MLP expansion to GELU, which reads bf16 under
+        // bf16 products (`Gpt::activation`): both stored in bf16 (LLaMA's
+        // rotary embedding and SwiGLU read f32).
+        let half_store = match self.cfg.kind {
             ModelKind::Gpt if self.products == Products::Bf16 => Store::Bf16,
             _ => Store::F32,
         };
-        let qkv = linear_to(src, BlockLinear::Qkv, &a1, None, qkv_store)?;
+        let qkv = linear_to(src, BlockLinear::Qkv, &a1, None, half_store)?;
         let qkv = self.rotate(qkv.reshape((b, t, self.cfg.qkv_width()))?, false)?;
         let att = self.block_attention(&qkv)?;
         // The residual adds happen as the projections' tiles store.
         let rows1 = linear(src, BlockLinear::AttnOut, &att, Some(&rows))?;
 
         let a2 = norm(src, BlockNorm::Norm2, &rows1)?;
-        let h = linear(src, BlockLinear::MlpIn, &a2, None)?;
+        let h = linear_to(src, BlockLinear::MlpIn, &a2, None, half_store)?;
         let (g, act_kept) = self.activation(&h)?;
         let y = linear(src, BlockLinear::MlpOut, &g, Some(&rows1))?.reshape((b, t, d))?;
         let acts = BlockActs {
@@ -1569,17 +1577,22 @@ mod tests {
             let (rows, dy_rows) = (x.reshape((80, 16)).unwrap(), dy.reshape((80, 16)).unwrap());
             let norm = |k: usize| Tensor::from_vec(wave(k, 16), 16, &dev).unwrap();
             let (w, b) = (&norm(3), &norm(2));
-            let (gelu, slope) = crate::ops::gelu_bf16_and_slope(&rows).unwrap();
+            // GELU's rows of 101: every width's loop of several vectors,
+            // of one, and a scalar tail.
+            let gelu_rows = |k: usize| {
+                let v: Vec<f32> = wave(k, 6 * 101).iter().map(|x| 3.0 * x).collect();
+                Tensor::from_vec(v, (6, 101), &dev).unwrap()
+            };
+            let (h, dh) = (gelu_rows(9).to_dtype(DType::BF16).unwrap(), gelu_rows(4));
             let produced = [
                 crate::ops::layer_norm_bf16(&rows, w, b, 1e-5).unwrap(),
                 rms_norm_bf16(&rows, w, 1e-5).unwrap(),
-                gelu,
-                slope,
+                crate::ops::gelu_bf16_of_bf16(&h).unwrap(),
             ];
             out.extend(&produced);
             let dy_values = dy_rows.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let rounded = [
-                crate::ops::gelu_backward_bf16(&produced[3], &dy_rows).unwrap(),
+                crate::ops::gelu_backward_bf16_of_input(&h, &dh).unwrap(),
                 crate::ops::bf16_with_column_sums(&dy_values, 16).unwrap(),
             ];
             let mut bits: Vec<Vec<u32>> = out

@@ -291,6 +291,39 @@ impl_lanes!(
     }
 );
 
+/// [`Lanes`] that also load bf16 values (their bits), widened to f32.
+trait Bf16Lanes: Lanes {
+    /// `WIDTH` bf16 values from `p`, each shifted into the high half of
+    /// its lane (exactly their f32 values).
+    unsafe fn load_bf16(p: *const u16) -> Self;
+}
+
+impl Bf16Lanes for __m512 {
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> Self {
+        // SAFETY: AVX-512F (the trait's contract); 16 values readable (caller).
+        unsafe {
+            _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast())),
+                16,
+            ))
+        }
+    }
+}
+
+impl Bf16Lanes for __m256 {
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> Self {
+        // SAFETY: AVX2 (the trait's contract); 8 values readable (caller).
+        unsafe {
+            _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())),
+                16,
+            ))
+        }
+    }
+}
+
 /// Applies `op` to each of the `C` chains.
 macro_rules! each {
     ($k:ident => $e:expr) => {
@@ -594,6 +627,68 @@ unsafe fn gelu_and_slope_with<W: Lanes, const C: usize>(
     }
 }
 
+/// `out = dy · gelu'(h)` of bf16 inputs `h` (their bits), per element the
+/// bits of [`gelu_and_slope_of`]'s slope of the widened value times `dy`.
+///
+/// # Safety
+///
+/// W's features. `dy` and `out` are at least as long as `h`.
+#[inline(always)]
+unsafe fn gelu_backward_of_bf16_with<W: Bf16Lanes, const C: usize>(
+    h: &[u16],
+    dy: &[f32],
+    out: &mut [f32],
+) {
+    let (dy, out) = (&dy[..h.len()], &mut out[..h.len()]);
+    let mut i = 0;
+    // Both loops: i + W::WIDTH·C (or ·1) ≤ h.len(), the other slices'
+    // length.
+    while i + W::WIDTH * C <= h.len() {
+        // SAFETY: W's features (caller); the loop's bound.
+        unsafe { gelu_backward_of_bf16_at::<W, C>(h, dy, out, i) };
+        i += W::WIDTH * C;
+    }
+    while i + W::WIDTH <= h.len() {
+        // SAFETY: W's features (caller); the loop's bound.
+        unsafe { gelu_backward_of_bf16_at::<W, 1>(h, dy, out, i) };
+        i += W::WIDTH;
+    }
+    for ((o, &b), &d) in out[i..].iter_mut().zip(&h[i..]).zip(&dy[i..]) {
+        *o = d * gelu_and_slope_of(f32::from_bits(u32::from(b) << 16)).1;
+    }
+}
+
+/// [`gelu_backward_of_bf16_with`]'s `C` vectors from `i` (a function, not
+/// a closure: a closure does not take its caller's target features, and
+/// compiled apart from them its intrinsics became calls, 2.7x slower).
+///
+/// # Safety
+///
+/// W's features; `i + W::WIDTH·C` within every slice.
+#[inline(always)]
+unsafe fn gelu_backward_of_bf16_at<W: Bf16Lanes, const C: usize>(
+    h: &[u16],
+    dy: &[f32],
+    out: &mut [f32],
+    i: usize,
+) {
+    // SAFETY: W's features and the lengths (caller).
+    unsafe {
+        let mut x = [W::zero(); C];
+        for (k, x) in x.iter_mut().enumerate() {
+            *x = W::load_bf16(h.as_ptr().add(i + W::WIDTH * k));
+        }
+        let (_, slope) = gelu_of::<W, C>(x);
+        for (k, s) in slope.iter().enumerate() {
+            let at = i + W::WIDTH * k;
+            W::store(
+                out.as_mut_ptr().add(at),
+                W::mul(W::load(dy.as_ptr().add(at)), *s),
+            );
+        }
+    }
+}
+
 /// The kernels compiled for one width: entry points with its features, into
 /// which the generic bodies and the intrinsics are inlined.
 macro_rules! width_entry_points {
@@ -612,6 +707,15 @@ macro_rules! width_entry_points {
             ) {
                 // SAFETY: this function's features; the lengths (caller).
                 unsafe { gelu_and_slope_with::<$vector, { $chains }>(x, y, slope) }
+            }
+
+            /// # Safety
+            ///
+            /// This width's features; `dy` and `out` as long as `h`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn gelu_backward_of_bf16(h: &[u16], dy: &[f32], out: &mut [f32]) {
+                // SAFETY: this function's features; the lengths (caller).
+                unsafe { gelu_backward_of_bf16_with::<$vector, { $chains }>(h, dy, out) }
             }
 
             /// # Safety
@@ -676,6 +780,22 @@ pub(crate) fn gelu_and_slope(
         Width::Avx512 => unsafe { avx512::gelu_and_slope(x, y, slope) },
         // SAFETY: the CPU has AVX2 and FMA (chosen_width); lengths cut above.
         Width::Avx2 => unsafe { avx2::gelu_and_slope(x, y, slope) },
+        Width::Baseline => return false,
+    }
+    true
+}
+
+/// GELU's backward from its bf16 input, `out = dy · gelu'(h)`, as
+/// [`gelu_and_slope`] (the scalar expression's bits on the widened values;
+/// false where neither width is allowed). `dy` and `out` are at least as
+/// long as `h`.
+pub(crate) fn gelu_backward_of_bf16(h: &[u16], dy: &[f32], out: &mut [f32]) -> bool {
+    let (dy, out) = (&dy[..h.len()], &mut out[..h.len()]);
+    match chosen_width() {
+        // SAFETY: the CPU has AVX-512F and DQ (chosen_width); lengths cut above.
+        Width::Avx512 => unsafe { avx512::gelu_backward_of_bf16(h, dy, out) },
+        // SAFETY: the CPU has AVX2 and FMA (chosen_width); lengths cut above.
+        Width::Avx2 => unsafe { avx2::gelu_backward_of_bf16(h, dy, out) },
         Width::Baseline => return false,
     }
     true
@@ -805,6 +925,41 @@ mod tests {
                     assert!(
                         same(got_y, want_y) && same(got_d, want_d),
                         "x[{i}] = {v:e}: {width:?} gave ({got_y:e}, {got_d:e}), the scalar code ({want_y:e}, {want_d:e})"
+                    );
+                }
+            }
+        }
+    }
+
+    /// GELU's backward from bf16 input gives the scalar code's slope of the
+    /// widened value times `dy`, bit for bit, on every bf16 sign, exponent
+    /// and a spread of mantissas (NaN, infinities, subnormals included), at
+    /// lengths with and without whole groups of chains and tails.
+    #[test]
+    fn gelu_backward_of_bf16_intrinsics_are_the_scalar_codes_bits() {
+        let h: Vec<u16> = (0..=u16::MAX).step_by(3).collect();
+        let dy: Vec<f32> = (0..h.len())
+            .map(|i| ((i * 7919 % 2001) as f32 - 1000.0) * 1.3e-3)
+            .collect();
+        for width in widths_here("GELU's backward") {
+            for len in [h.len(), 64 * 3 + 16 * 2 + 5, 16 + 8 + 3, 7] {
+                let (h, dy) = (&h[h.len() - len..], &dy[dy.len() - len..]);
+                let mut out = vec![0f32; len];
+                // SAFETY: the CPU has the width's features (widths_here);
+                // dy and out as long as h.
+                unsafe {
+                    match width {
+                        Width::Avx2 => avx2::gelu_backward_of_bf16(h, dy, &mut out),
+                        _ => avx512::gelu_backward_of_bf16(h, dy, &mut out),
+                    }
+                }
+                for (i, (&b, &d)) in h.iter().zip(dy).enumerate() {
+                    let v = f32::from_bits(u32::from(b) << 16);
+                    let want = d * gelu_and_slope_of(v).1;
+                    assert!(
+                        same(out[i], want),
+                        "h[{i}] = {v:e}, dy {d:e}: {width:?} gave {:e}, the scalar code {want:e}",
+                        out[i]
                     );
                 }
             }

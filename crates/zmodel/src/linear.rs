@@ -742,7 +742,7 @@ impl BlockSource for Whole<'_> {
 mod tests {
     use super::*;
     use crate::ops::tests::{bf16_bits_of, rounded};
-    use crate::ops::{gelu_backward, gelu_backward_bf16, gelu_bf16_and_slope};
+    use crate::ops::{gelu_backward, gelu_backward_bf16_of_input, gelu_bf16_of_bf16};
     use crate::Gpt;
 
     fn bits(t: &Tensor) -> Vec<u32> {
@@ -936,8 +936,11 @@ mod tests {
         let params = block_params(64);
         let dev = Device::Cpu;
         let (rows, d, wide) = (64, 64, 256);
-        let h = Tensor::from_vec(values(rows * wide, 7), (rows, wide), &dev).unwrap();
-        let (padded, slope) = gelu_bf16_and_slope(&h).unwrap();
+        let h = Tensor::from_vec(values(rows * wide, 7), (rows, wide), &dev)
+            .unwrap()
+            .to_dtype(candle_core::DType::BF16)
+            .unwrap();
+        let padded = gelu_bf16_of_bf16(&h).unwrap();
         assert_eq!(padded.layout().stride(), &[288, 1]);
         let copy = padded.contiguous().unwrap();
         let dy = Tensor::from_vec(values(rows * d, 5), (rows, d), &dev).unwrap();
@@ -984,15 +987,16 @@ mod tests {
             (bits(&dx), bits(&grad.weight), bits(&grad.bias.unwrap()))
         };
         let rounded = run_in(OutputGrad::Rounded(
-            gelu_backward_bf16(&slope, &dg).unwrap(),
+            gelu_backward_bf16_of_input(&h, &dg).unwrap(),
         ));
+        let widened = h.to_dtype(candle_core::DType::F32).unwrap();
         assert_eq!(
             rounded,
-            run_in(OutputGrad::F32(gelu_backward(&h, &dg).unwrap()))
+            run_in(OutputGrad::F32(gelu_backward(&widened, &dg).unwrap()))
         );
         // A rounded gradient asks for bf16 products.
         let mut src = Whole::new(&params);
-        let out = OutputGrad::Rounded(gelu_backward_bf16(&slope, &dg).unwrap());
+        let out = OutputGrad::Rounded(gelu_backward_bf16_of_input(&h, &dg).unwrap());
         assert!(backward(
             &mut src,
             BlockLinear::MlpIn,

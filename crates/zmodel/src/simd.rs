@@ -374,63 +374,100 @@ pub(crate) fn par_rows_bf16(
     width: usize,
     f: impl Fn(&[f32], &mut [MaybeUninit<f32>]) + Sync,
 ) -> candle_core::Result<candle_core::Tensor> {
-    let (rounded, _) = rows_bf16(
-        input,
+    if !input.len().is_multiple_of(width.max(1)) {
+        candle_core::bail!("{} values are not rows of {width}", input.len());
+    }
+    rows_bf16(
+        RowsIn::F32(input),
         width,
         false,
         #[inline(always)]
         |row, out, _| f(row, out),
-    )?;
-    Ok(rounded)
+    )
 }
 
-/// [`par_rows_bf16`] with a second output kept in f32, `[rows, width]` too:
-/// `f(row, out, second)` writes both rows (GELU's value, rounded for the
-/// products, and its slope, which its backward reads).
-pub(crate) fn par_rows_bf16_and_f32(
-    input: &[f32],
+/// [`par_rows_bf16`] on bf16 input rows (`rows` of `width` values, their
+/// bits, `stride` apart), each widened to f32 in L1 before `f` reads it;
+/// `f`'s third row is scratch that it may write (GELU's slope, not kept).
+pub(crate) fn par_rows_bf16_of_bf16(
+    input: &[u16],
+    rows: usize,
+    stride: usize,
     width: usize,
     f: impl Fn(&[f32], &mut [MaybeUninit<f32>], &mut [MaybeUninit<f32>]) + Sync,
-) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> {
+) -> candle_core::Result<candle_core::Tensor> {
+    if rows > 0 && (stride < width || input.len() < (rows - 1) * stride + width) {
+        candle_core::bail!(
+            "{} values are not {rows} rows of {width} at stride {stride}",
+            input.len()
+        );
+    }
+    let input = RowsIn::Bf16 {
+        bits: input,
+        rows,
+        stride,
+    };
     rows_bf16(input, width, true, f)
 }
 
-/// What [`par_rows_bf16`] and [`par_rows_bf16_and_f32`] share; without
-/// `second`, `f`'s third row is empty and the second tensor too.
+/// The rows an op of [`rows_bf16`] reads.
+#[derive(Clone, Copy)]
+enum RowsIn<'a> {
+    /// Rows of f32 values, back to back (whole rows: checked by the caller).
+    F32(&'a [f32]),
+    /// Rows of bf16 bits, `stride` apart.
+    Bf16 {
+        bits: &'a [u16],
+        rows: usize,
+        stride: usize,
+    },
+}
+
+/// What [`par_rows_bf16`] and [`par_rows_bf16_of_bf16`] share: `f`'s third
+/// row is a scratch row in L1 with `scratch`, else empty.
 fn rows_bf16(
-    input: &[f32],
+    input: RowsIn,
     width: usize,
-    second: bool,
+    scratch: bool,
     f: impl Fn(&[f32], &mut [MaybeUninit<f32>], &mut [MaybeUninit<f32>]) + Sync,
-) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> {
+) -> candle_core::Result<candle_core::Tensor> {
     use half::vec::HalfBitsVecExt;
     use rayon::prelude::*;
     let width = width.max(1);
-    if !input.len().is_multiple_of(width) {
-        candle_core::bail!("{} values are not rows of {width}", input.len());
-    }
-    let rows = input.len() / width;
-    let (mut out, start, stride) = bf16_rows_buffer(rows, width);
-    let mut kept = uninit_floats::<f32>(if second { input.len() } else { 0 });
-    let tasks = rows.div_ceil(ROWS_PER_TASK);
-    let kept_parts: Vec<&mut [MaybeUninit<f32>]> = if second {
-        kept.chunks_mut(width * ROWS_PER_TASK).collect()
-    } else {
-        (0..tasks).map(|_| Default::default()).collect()
+    let rows = match input {
+        RowsIn::F32(v) => v.len() / width,
+        RowsIn::Bf16 { rows, .. } => rows,
     };
+    let (mut out, start, stride) = bf16_rows_buffer(rows, width);
     out[start..start + rows * stride]
         .par_chunks_mut(stride * ROWS_PER_TASK)
-        .zip(input.par_chunks(width * ROWS_PER_TASK))
-        .zip(kept_parts)
+        .enumerate()
         .with_max_len(1)
-        .for_each(|((o, i), k)| {
+        .for_each(|(task, o)| {
             let mut wide = uninit_floats::<f32>(width);
-            let mut kept_rows = k.chunks_mut(width);
-            for (o, row) in o.chunks_mut(stride).zip(i.chunks(width)) {
-                let kept_row = kept_rows.next().unwrap_or_default();
+            let mut third = uninit_floats::<f32>(if scratch { width } else { 0 });
+            let widening = matches!(input, RowsIn::Bf16 { .. });
+            let mut widened = vec![0f32; if widening { width } else { 0 }];
+            for (r, o) in o.chunks_mut(stride).enumerate() {
+                let i = task * ROWS_PER_TASK + r;
+                let row: &[f32] = match input {
+                    RowsIn::F32(v) => &v[i * width..][..width],
+                    RowsIn::Bf16 { bits, stride, .. } => {
+                        let src = &bits[i * stride..][..width];
+                        vectorised(
+                            #[inline(always)]
+                            || {
+                                for (w, &b) in widened.iter_mut().zip(src) {
+                                    *w = f32::from_bits(u32::from(b) << 16);
+                                }
+                            },
+                        );
+                        &widened
+                    }
+                };
                 vectorised(
                     #[inline(always)]
-                    || f(row, &mut wide, kept_row),
+                    || f(row, &mut wide, &mut third),
                 );
                 // SAFETY: `f` writes every element of its output row (as
                 // every `par_rows` op does).
@@ -442,22 +479,17 @@ fn rows_bf16(
                 }
             }
         });
-    // SAFETY: the head, the tail and every row with its padding were
-    // written, and `f` wrote every element of every row of `kept`.
-    let (out, kept) = unsafe { (assume_init(out), assume_init(kept)) };
+    // SAFETY: the head, the tail and every row with its padding were written.
+    let out = unsafe { assume_init(out) };
     let len = out.len();
     let all = candle_core::Tensor::from_vec(
         out.reinterpret_into::<half::bf16>(),
         len,
         &candle_core::Device::Cpu,
     )?;
-    let rounded = all
-        .narrow(0, start, rows * stride)?
+    all.narrow(0, start, rows * stride)?
         .reshape((rows, stride))?
-        .narrow(1, 0, width)?;
-    let kept_rows = if second { rows } else { 0 };
-    let kept = candle_core::Tensor::from_vec(kept, (kept_rows, width), &candle_core::Device::Cpu)?;
-    Ok((rounded, kept))
+        .narrow(1, 0, width)
 }
 
 /// `len` values (f32, or bf16 bits) of fresh memory for a product or an op to fill: no
