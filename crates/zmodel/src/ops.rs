@@ -77,7 +77,7 @@ pub fn gelu_bf16_of_bf16(h: &Tensor) -> Result<Tensor> {
 
 /// GELU's backward for a layer whose products are bf16, from GELU's bf16
 /// input `h`: `dx = dy · gelu'(h)` of `[n, k]` inputs, the slope
-/// recomputed (the bits of [`gelu_and_slope_of`] on the widened values), as
+/// recomputed (the bits of [`gelu_backward`] on the widened values), as
 /// a [`RoundedGrad`] (the bits and column sums of rounding it with
 /// [`bf16_with_column_sums`]), in one pass that leaves the layer's backward
 /// nothing to round or sum.
