@@ -131,7 +131,11 @@ fn bf16_rows<'a>(
         _ => candle_core::bail!("{name}: bf16 rows must have adjacent columns"),
     };
     let bits: &[u16] = v.reinterpret_cast();
-    Ok((&bits[l.start_offset()..], rows, stride, width))
+    let bits = bits.get(l.start_offset()..).unwrap_or_default();
+    if rows > 0 && bits.len() < (rows - 1) * stride + width {
+        candle_core::bail!("{name}: {rows} rows of {width} at stride {stride} overrun the storage");
+    }
+    Ok((bits, rows, stride, width))
 }
 
 const GELU_K: f32 = 0.797_884_6; // sqrt(2 / pi)
