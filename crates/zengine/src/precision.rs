@@ -76,7 +76,7 @@ impl Half {
             Half::Bf16 => dst
                 .iter_mut()
                 .zip(src)
-                .for_each(|(d, &b)| *d = bf16_widen(b)),
+                .for_each(|(d, &b)| *d = zgemm::bf16_value(b)),
             Half::F16 => src.reinterpret_cast::<f16>().convert_to_f32_slice(dst),
         }
     }
@@ -89,12 +89,6 @@ impl Half {
             Half::F16 => f16::from_bits(b).to_f32(),
         }
     }
-}
-
-/// The exact f32 value of bf16 bits (in loops the compiler vectorises).
-#[inline(always)]
-fn bf16_widen(b: u16) -> f32 {
-    f32::from_bits(u32::from(b) << 16)
 }
 
 /// Elements converted at a time through a stack buffer.
@@ -196,7 +190,7 @@ impl Flat {
             Flat::Half(Half::Bf16, v) => v[r]
                 .par_iter()
                 .with_min_len(TASK)
-                .map(|&b| bf16_widen(b))
+                .map(|&b| zgemm::bf16_value(b))
                 .collect(),
             Flat::Half(h, v) => {
                 let mut out = vec![0f32; r.len()];
@@ -213,7 +207,7 @@ impl Flat {
         match self {
             Flat::F32(v) => out.extend_from_slice(&v[r]),
             // As `to_f32`: no zeroing pass before the values.
-            Flat::Half(Half::Bf16, v) => out.extend(v[r].iter().map(|&b| bf16_widen(b))),
+            Flat::Half(Half::Bf16, v) => out.extend(v[r].iter().map(|&b| zgemm::bf16_value(b))),
             Flat::Half(h, v) => {
                 let at = out.len();
                 out.resize(at + r.len(), 0.0);

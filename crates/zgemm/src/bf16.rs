@@ -409,6 +409,13 @@ pub(crate) fn round(x: f32) -> u32 {
     }
 }
 
+/// The exact f32 value of bf16 bits `b` (what [`bf16_bits`] rounded to),
+/// in loops that the compiler vectorises.
+#[inline(always)]
+pub fn bf16_value(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
 /// `x` rounded to bf16 as every f32 operand of [`gemm_bf16`] is: for a
 /// producer that writes its output in bf16 for bf16 products to read
 /// (`MatRef<u16>`), which then multiply exactly as they would the f32.

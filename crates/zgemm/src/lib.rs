@@ -58,9 +58,9 @@ mod kernels;
 
 use bf16::RowSource;
 pub use bf16::{
-    bf16_bits, bf16_bits_into, bf16_bits_write, bf16_line_start, bf16_row_stride, gemm_bf16,
-    gemm_bf16_rounded, gemm_bf16_rounded_with, gemm_bf16_with, has_native_bf16, Bf16Operand,
-    BitsMut,
+    bf16_bits, bf16_bits_into, bf16_bits_write, bf16_line_start, bf16_row_stride, bf16_value,
+    gemm_bf16, gemm_bf16_rounded, gemm_bf16_rounded_with, gemm_bf16_with, has_native_bf16,
+    Bf16Operand, BitsMut,
 };
 
 /// Depth of a packed block: an `A` panel of AVX-512's kernel (`6 × KC`

@@ -654,7 +654,7 @@ unsafe fn gelu_backward_of_bf16_with<W: Bf16Lanes, const C: usize>(
         i += W::WIDTH;
     }
     for ((o, &b), &d) in out[i..].iter_mut().zip(&h[i..]).zip(&dy[i..]) {
-        *o = d * gelu_and_slope_of(f32::from_bits(u32::from(b) << 16)).1;
+        *o = d * gelu_and_slope_of(zgemm::bf16_value(b)).1;
     }
 }
 
@@ -954,7 +954,7 @@ mod tests {
                     }
                 }
                 for (i, (&b, &d)) in h.iter().zip(dy).enumerate() {
-                    let v = f32::from_bits(u32::from(b) << 16);
+                    let v = zgemm::bf16_value(b);
                     let want = d * gelu_and_slope_of(v).1;
                     assert!(
                         same(out[i], want),

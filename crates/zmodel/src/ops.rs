@@ -105,7 +105,7 @@ pub fn gelu_backward_bf16_of_input(h: &Tensor, dy: &Tensor) -> Result<RoundedGra
                 return;
             }
             for ((o, &b), &g) in out.iter_mut().zip(h).zip(dy) {
-                *o = g * gelu_and_slope_of(f32::from_bits(u32::from(b) << 16)).1;
+                *o = g * gelu_and_slope_of(zgemm::bf16_value(b)).1;
             }
         },
     ))

@@ -380,7 +380,6 @@ pub(crate) fn par_rows_bf16(
     rows_bf16(
         RowsIn::F32(input),
         width,
-        false,
         #[inline(always)]
         |row, out, _| f(row, out),
     )
@@ -407,7 +406,7 @@ pub(crate) fn par_rows_bf16_of_bf16(
         rows,
         stride,
     };
-    rows_bf16(input, width, true, f)
+    rows_bf16(input, width, f)
 }
 
 /// The rows an op of [`rows_bf16`] reads.
@@ -424,11 +423,10 @@ enum RowsIn<'a> {
 }
 
 /// What [`par_rows_bf16`] and [`par_rows_bf16_of_bf16`] share: `f`'s third
-/// row is a scratch row in L1 with `scratch`, else empty.
+/// row is a scratch row in L1 (one a task, unzeroed).
 fn rows_bf16(
     input: RowsIn,
     width: usize,
-    scratch: bool,
     f: impl Fn(&[f32], &mut [MaybeUninit<f32>], &mut [MaybeUninit<f32>]) + Sync,
 ) -> candle_core::Result<candle_core::Tensor> {
     use half::vec::HalfBitsVecExt;
@@ -445,7 +443,7 @@ fn rows_bf16(
         .with_max_len(1)
         .for_each(|(task, o)| {
             let mut wide = uninit_floats::<f32>(width);
-            let mut third = uninit_floats::<f32>(if scratch { width } else { 0 });
+            let mut third = uninit_floats::<f32>(width);
             let widening = matches!(input, RowsIn::Bf16 { .. });
             let mut widened = vec![0f32; if widening { width } else { 0 }];
             for (r, o) in o.chunks_mut(stride).enumerate() {
@@ -458,7 +456,7 @@ fn rows_bf16(
                             #[inline(always)]
                             || {
                                 for (w, &b) in widened.iter_mut().zip(src) {
-                                    *w = f32::from_bits(u32::from(b) << 16);
+                                    *w = zgemm::bf16_value(b);
                                 }
                             },
                         );
