@@ -433,6 +433,64 @@ fn bf16_products_of_values_bf16_holds_exactly_equal_the_f32_product() {
 }
 
 #[test]
+fn every_epilogue_of_a_bf16_product_is_exact_where_its_terms_are() {
+    // Small integers and α = 0.5: every product, sum and epilogue term is
+    // exact in f32, so each element must be the exact value whatever the
+    // kernel's order: α, C, the bias and the residual of whole tiles (3 × 3
+    // of AMX's 32 × 32, three steps of depth each) and of edge ones, on one
+    // thread and two.
+    let (m, n, k) = (96, 100, 96);
+    let small = |seed: usize, len: usize, modulus: usize| -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * 7 + seed * 13) % modulus) as f32 - (modulus / 2) as f32)
+            .collect()
+    };
+    let (a, b) = (small(1, m * k, 9), small(2, k * n, 7));
+    let (bias, c0, res) = (small(3, n, 11), small(4, m * n, 15), small(5, m * n, 13));
+    for kernel in Kernel::available_bf16() {
+        for start in STARTS {
+            for alpha in [0.5f32, 1.0] {
+                let mut want = vec![0f32; m * n];
+                for (i, row) in want.chunks_mut(n).enumerate() {
+                    for (j, w) in row.iter_mut().enumerate() {
+                        let p: f32 = (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum();
+                        let (base, r) = (c0[i * n + j], res[i * n + j]);
+                        *w = match start {
+                            "zero" => alpha * p,
+                            "keep" => base + alpha * p,
+                            "bias" => bias[j] + alpha * p,
+                            "residual" => r + (bias[j] + alpha * p),
+                            _ => r + alpha * p,
+                        };
+                    }
+                }
+                for threads in [1, 2] {
+                    let mut c = c0.clone();
+                    let r = MatRef::row_major(&res, m, n).unwrap();
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    pool.install(|| {
+                        gemm_bf16_with(
+                            kernel,
+                            MatMut::row_major(&mut c, m, n).unwrap(),
+                            MatRef::row_major(&a, m, k).unwrap(),
+                            MatRef::row_major(&b, k, n).unwrap(),
+                            alpha,
+                            start_of(start, &bias, r),
+                            threads,
+                        )
+                    })
+                    .unwrap();
+                    assert_eq!(c, want, "{kernel:?} {start} α {alpha} {threads} threads");
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn bf16_rounding_of_slices_equals_the_scalar_rounding() {
     // The SIMD paths (32 and 16 at a time) and the scalar tail against
     // `round`, on ties, NaN, infinities, zeros, subnormals and random

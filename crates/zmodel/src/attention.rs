@@ -23,7 +23,11 @@
 //!
 //! With bf16 products (`train.dtype: bf16` on AMX) every product rounds its
 //! operands to bf16 and accumulates in f32 (`zgemm::gemm_packed_bf16`, the
-//! packed operands rounded once a task); the softmax and dS stay f32. A
+//! packed operands rounded once a task); the softmax and dS stay f32, and
+//! each of their rows is rounded into a bf16 copy as it is finished, which
+//! the products read in place (`Rows16`: the same bits as rounding each
+//! product's part of the f32 matrix, without those passes; attention's
+//! backward 5.5 → 5.2 ms in `attention_bench`, one thread). A
 //! block writes its output in bf16 there ([`causal_attention_bf16`]): its
 //! only reader is the output projection, which would round it. And it
 //! takes `qkv` in bf16 (GPT's projection stores it rounded,
@@ -182,41 +186,47 @@ fn forward_tasks<T: Values>(qkv: &[T], dm: Dims, blk: Blocks, out: Out) {
     let rows = blk.rows;
     // One task a leaf (simd's module doc).
     let tasks = (0..dm.b * dm.heads).into_par_iter().with_max_len(1);
+    let bf16 = blk.products == Products::Bf16;
     tasks.for_each(|task| {
         with_packs(|[kt, vp, ..]| {
             // The second matrix holds a block's product under bf16 output.
             with_scratch(t * t.max(hd), |p, y_blk| {
-                let p = &mut p[..t * t];
-                let (bi, h) = (task / dm.heads, task % dm.heads);
-                let base = bi * t * w;
-                blk.pack(kt, view(qkv, base + dm.k(h / dm.group), t, hd, w).t());
-                probabilities(qkv, dm, blk, bi, h, kt, p);
-                blk.pack(vp, view(qkv, base + dm.v(h / dm.group), t, hd, w));
-                for (i0, i1) in blocks(t, rows) {
-                    let p_blk = view(p, i0 * t, i1 - i0, i1, t);
-                    let (c, c_rs) = match out {
-                        Out::F32(y) => (y.at((bi * t + i0) * d + h * hd), d),
-                        Out::Bf16(..) => (y_blk.as_mut_ptr(), hd),
-                    };
-                    // SAFETY: y's rows i0..i1 of sequence bi, columns of
-                    // head h: this task's alone (or the task's scratch).
-                    unsafe { product(blk.products, c, c_rs, hd, p_blk, vp, 0..i1, 1.0, false) };
-                    if let Out::Bf16(bits, stride) = out {
-                        for (r, row) in y_blk[..(i1 - i0) * hd].chunks(hd).enumerate() {
-                            // SAFETY: row bi·t + i0 + r, head h's columns of
-                            // the output: this task's alone, inside the buffer.
-                            let dst = unsafe {
-                                std::slice::from_raw_parts_mut(
-                                    bits.0
-                                        .add((bi * t + i0 + r) * stride + h * hd)
-                                        .cast::<std::mem::MaybeUninit<u16>>(),
-                                    hd,
-                                )
-                            };
-                            zgemm::bf16_bits_write(row, dst);
+                with_bits(if bf16 { t } else { 0 }, |mut p16, _| {
+                    let p = &mut p[..t * t];
+                    let (bi, h) = (task / dm.heads, task % dm.heads);
+                    let base = bi * t * w;
+                    blk.pack(kt, view(qkv, base + dm.k(h / dm.group), t, hd, w).t());
+                    probabilities(qkv, dm, blk, bi, h, kt, p, bf16.then_some(&mut p16));
+                    blk.pack(vp, view(qkv, base + dm.v(h / dm.group), t, hd, w));
+                    let (p, bits) = (&*p, bf16.then_some(&p16));
+                    for (i0, i1) in blocks(t, rows) {
+                        let (c, c_rs) = match out {
+                            Out::F32(y) => (y.at((bi * t + i0) * d + h * hd), d),
+                            Out::Bf16(..) => (y_blk.as_mut_ptr(), hd),
+                        };
+                        // SAFETY: y's rows i0..i1 of sequence bi, columns of
+                        // head h: this task's alone (or the task's scratch).
+                        unsafe {
+                            let p_blk = Part::of(p, t, bits, (i0, 0), (i1 - i0, i1));
+                            product_of_part(blk.products, c, c_rs, hd, p_blk, vp, 0..i1, 1.0, false)
+                        };
+                        if let Out::Bf16(bits, stride) = out {
+                            for (r, row) in y_blk[..(i1 - i0) * hd].chunks(hd).enumerate() {
+                                // SAFETY: row bi·t + i0 + r, head h's columns of
+                                // the output: this task's alone, inside the buffer.
+                                let dst = unsafe {
+                                    std::slice::from_raw_parts_mut(
+                                        bits.0
+                                            .add((bi * t + i0 + r) * stride + h * hd)
+                                            .cast::<std::mem::MaybeUninit<u16>>(),
+                                        hd,
+                                    )
+                                };
+                                zgemm::bf16_bits_write(row, dst);
+                            }
                         }
                     }
-                }
+                })
             })
         })
     });
@@ -406,6 +416,129 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R
     r
 }
 
+thread_local! {
+    /// Each thread's two t × t matrices of bf16 bits (P and dS as bf16
+    /// products read them), kept between calls as [`SCRATCH`] is.
+    static BITS: std::cell::RefCell<(Vec<u16>, Vec<u16>)> = const {
+        std::cell::RefCell::new((Vec::new(), Vec::new()))
+    };
+}
+
+/// bf16 copies of a task's `t × t` matrices, for bf16 products to read in
+/// place: two matrices of `t` rows [`zgemm::bf16_row_stride`] apart, each
+/// from a 64-byte line. A row holds what its causal block's products read
+/// (columns up to the block's end), rounded as the f32 row is finished,
+/// while it is in L1: each product then reads bits where it rounded a
+/// copy of its part of the f32 matrix (a pass over `P` for `P·V` and
+/// `Pᵀ·dY`, two over `dS`), and the transposed ones read half the bytes.
+struct Rows16<'a> {
+    data: &'a mut [u16],
+    stride: usize,
+}
+
+impl Rows16<'_> {
+    /// Row `i`'s first `cols` values: `row` (of at least `cols`) rounded.
+    fn round_row(&mut self, i: usize, row: &[f32], cols: usize) {
+        let dst = &mut self.data[i * self.stride..][..cols];
+        zgemm::bf16_bits_into(&row[..cols], dst);
+    }
+
+    /// `rows × cols` from row `r0`, column `c0`.
+    fn view(&self, r0: usize, c0: usize, rows: usize, cols: usize) -> MatRef<'_, u16> {
+        view(self.data, r0 * self.stride + c0, rows, cols, self.stride)
+    }
+}
+
+/// Runs `f` on this thread's two bf16 matrices of `t` rows.
+fn with_bits<R>(t: usize, f: impl FnOnce(Rows16, Rows16) -> R) -> R {
+    let stride = zgemm::bf16_row_stride(t);
+    // Taken out for the call, as the f32 scratch matrices are.
+    let (mut a, mut b) = BITS.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    for v in [&mut a, &mut b] {
+        if v.len() < t * stride + 32 {
+            v.resize(t * stride + 32, 0);
+        }
+    }
+    let (sa, sb) = (zgemm::bf16_line_start(&a), zgemm::bf16_line_start(&b));
+    let r = f(
+        Rows16 {
+            data: &mut a[sa..sa + t * stride],
+            stride,
+        },
+        Rows16 {
+            data: &mut b[sb..sb + t * stride],
+            stride,
+        },
+    );
+    BITS.with(|s| *s.borrow_mut() = (a, b));
+    r
+}
+
+/// The end of the causal block of `rows` rows that row `i` is in (`t` at most).
+fn block_end(i: usize, rows: usize, t: usize) -> usize {
+    ((i / rows + 1) * rows).min(t)
+}
+
+/// Part of a task's `t × t` matrix (P or dS) as a product reads it: the
+/// f32 rows, or under bf16 products their bf16 copy ([`Rows16`]).
+#[derive(Clone, Copy)]
+enum Part<'a> {
+    F32(MatRef<'a, f32>),
+    Bits(MatRef<'a, u16>),
+}
+
+impl<'a> Part<'a> {
+    /// `rows × cols` from row `r0`, column `c0` of the `t × t` matrix
+    /// `m`, read from `bits` where there is a copy.
+    fn of(
+        m: &'a [f32],
+        t: usize,
+        bits: Option<&'a Rows16>,
+        at: (usize, usize),
+        shape: (usize, usize),
+    ) -> Part<'a> {
+        let ((r0, c0), (rows, cols)) = (at, shape);
+        match bits {
+            Some(b) => Part::Bits(b.view(r0, c0, rows, cols)),
+            None => Part::F32(view(m, r0 * t + c0, rows, cols, t)),
+        }
+    }
+
+    /// The transpose.
+    fn t(self) -> Part<'a> {
+        match self {
+            Part::F32(m) => Part::F32(m.t()),
+            Part::Bits(m) => Part::Bits(m.t()),
+        }
+    }
+}
+
+/// [`product`] with `A` a [`Part`].
+///
+/// # Safety
+///
+/// As [`product`]'s.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product_of_part(
+    products: Products,
+    c: *mut f32,
+    c_rs: usize,
+    cols: usize,
+    a: Part,
+    b: &PackedB,
+    b_rows: std::ops::Range<usize>,
+    alpha: f32,
+    keep: bool,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match a {
+            Part::F32(a) => product(products, c, c_rs, cols, a, b, b_rows, alpha, keep),
+            Part::Bits(a) => product(products, c, c_rs, cols, a, b, b_rows, alpha, keep),
+        }
+    }
+}
+
 /// `C = start ⊕ alpha·A·B` on the calling thread, where `B` is rows `b_rows`
 /// and the first `cols` columns of `b`; `C` at `c` with row stride `c_rs`
 /// (unit column stride).
@@ -447,7 +580,9 @@ fn view<T: Copy>(data: &[T], off: usize, rows: usize, cols: usize, rs: usize) ->
 
 /// P = causal softmax(Q·Kᵀ·scale) of sequence `bi`, query head `h` into
 /// `p[t×t]`, from `kt`, its head's Kᵀ packed; the masked entries (column
-/// above the row) are zero.
+/// above the row) are zero. With `p16`, each row's causal block rounded
+/// to bf16 there too ([`Rows16`]).
+#[allow(clippy::too_many_arguments)]
 fn probabilities<T: Values>(
     qkv: &[T],
     dm: Dims,
@@ -456,6 +591,7 @@ fn probabilities<T: Values>(
     h: usize,
     kt: &PackedB,
     p: &mut [f32],
+    mut p16: Option<&mut Rows16>,
 ) {
     let (t, w, hd) = (dm.t, dm.w, dm.hd);
     let base = bi * t * w;
@@ -480,6 +616,9 @@ fn probabilities<T: Values>(
                 let inv = 1.0 / sum_lanes([live], |[v]| v);
                 live.iter_mut().for_each(|v| *v *= inv);
                 masked.fill(0.0);
+                if let Some(p16) = p16.as_deref_mut() {
+                    p16.round_row(i, row, block_end(i, blk.rows, t));
+                }
             }
         },
     );
@@ -551,91 +690,120 @@ fn backward_tasks<T: Values>(qkv: &[T], dy: &[f32], dm: Dims, blk: Blocks) -> Re
     let kv_heads = dm.heads / dm.group;
     // One task a leaf (simd's module doc).
     let tasks = (0..dm.b * kv_heads).into_par_iter().with_max_len(1);
+    let bf16 = blk.products == Products::Bf16;
     tasks.for_each(|task| {
         with_packs(|[kt, kp, vt, qp, dyp]| {
             with_scratch(t * t, |p, ds| {
-                let (bi, g) = (task / kv_heads, task % kv_heads);
-                let base = bi * t * w;
-                let k = view(qkv, base + dm.k(g), t, hd, w);
-                blk.pack(kt, k.t());
-                blk.pack(kp, k);
-                blk.pack(vt, view(qkv, base + dm.v(g), t, hd, w).t());
-                for (nth, h) in (g * dm.group..(g + 1) * dm.group).enumerate() {
-                    // The group's first query head writes dK and dV, the
-                    // others add to them, in order.
-                    let add = nth > 0;
-                    probabilities(qkv, dm, blk, bi, h, kt, p);
-                    blk.pack(qp, view(qkv, base + dm.q(h), t, hd, w));
-                    let dy_h = view(dy, bi * t * d + h * hd, t, hd, d);
-                    blk.pack(dyp, dy_h);
-                    // Blocks of key columns [j0, j1) see query rows [j0, t).
-                    for (j0, j1) in blocks(t, rows) {
-                        let p_t = view(p, j0 * t + j0, t - j0, j1 - j0, t).t();
-                        // SAFETY: dV rows j0..j1 of this task's key/value
-                        // head: its alone (as are dK's, dQ's of its heads).
-                        unsafe {
-                            // dV (+)= Pᵀ · dY
-                            let dv = out.at(base + j0 * w + dm.v(g));
-                            product(blk.products, dv, w, hd, p_t, dyp, j0..t, 1.0, add)
-                        };
+                with_bits(if bf16 { t } else { 0 }, |mut p16, mut ds16| {
+                    let (bi, g) = (task / kv_heads, task % kv_heads);
+                    let base = bi * t * w;
+                    let k = view(qkv, base + dm.k(g), t, hd, w);
+                    blk.pack(kt, k.t());
+                    blk.pack(kp, k);
+                    blk.pack(vt, view(qkv, base + dm.v(g), t, hd, w).t());
+                    for (nth, h) in (g * dm.group..(g + 1) * dm.group).enumerate() {
+                        // The group's first query head writes dK and dV, the
+                        // others add to them, in order.
+                        let add = nth > 0;
+                        probabilities(qkv, dm, blk, bi, h, kt, p, bf16.then_some(&mut p16));
+                        blk.pack(qp, view(qkv, base + dm.q(h), t, hd, w));
+                        let dy_h = view(dy, bi * t * d + h * hd, t, hd, d);
+                        blk.pack(dyp, dy_h);
+                        let p_bits = bf16.then_some(&p16);
+                        // Blocks of key columns [j0, j1) see query rows [j0, t).
+                        for (j0, j1) in blocks(t, rows) {
+                            // SAFETY: dV rows j0..j1 of this task's key/value
+                            // head: its alone (as are dK's, dQ's of its heads).
+                            unsafe {
+                                // dV (+)= Pᵀ · dY
+                                let dv = out.at(base + j0 * w + dm.v(g));
+                                let p_t = Part::of(p, t, p_bits, (j0, j0), (t - j0, j1 - j0)).t();
+                                product_of_part(blk.products, dv, w, hd, p_t, dyp, j0..t, 1.0, add)
+                            };
+                        }
+                        // dP = dY · Vᵀ, the live blocks only, into ds.
+                        for (i0, i1) in blocks(t, rows) {
+                            let dy_blk = dy_h.sub_rows(i0, i1);
+                            // SAFETY: rows i0..i1, columns < i1 of ds (t × t).
+                            unsafe {
+                                product(
+                                    blk.products,
+                                    ds[i0 * t..].as_mut_ptr(),
+                                    t,
+                                    i1,
+                                    dy_blk,
+                                    vt,
+                                    0..hd,
+                                    1.0,
+                                    false,
+                                )
+                            };
+                        }
+                        // dS = P ⊙ (dP − rowsum(dP ⊙ P)) over the live
+                        // entries, in place; the masked ones zero (the
+                        // blocks read them).
+                        vectorised(
+                            #[inline(always)]
+                            || {
+                                for (i, (prow, dsrow)) in
+                                    p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate()
+                                {
+                                    let (live, masked) = dsrow.split_at_mut(i + 1);
+                                    let c = sum_lanes([prow, live], |[p, g]| p * g);
+                                    live.iter_mut()
+                                        .zip(prow)
+                                        .for_each(|(g, &pv)| *g = pv * (*g - c));
+                                    masked.fill(0.0);
+                                    if bf16 {
+                                        ds16.round_row(i, dsrow, block_end(i, rows, t));
+                                    }
+                                }
+                            },
+                        );
+                        let ds_bits = bf16.then_some(&ds16);
+                        for (i0, i1) in blocks(t, rows) {
+                            // SAFETY: dQ rows i0..i1 of query head h: this
+                            // task's.
+                            unsafe {
+                                // dQ = dS · K · scale
+                                let dq = out.at(base + i0 * w + dm.q(h));
+                                let ds_blk = Part::of(ds, t, ds_bits, (i0, 0), (i1 - i0, i1));
+                                product_of_part(
+                                    blk.products,
+                                    dq,
+                                    w,
+                                    hd,
+                                    ds_blk,
+                                    kp,
+                                    0..i1,
+                                    scale,
+                                    false,
+                                )
+                            };
+                        }
+                        for (j0, j1) in blocks(t, rows) {
+                            // SAFETY: dK rows j0..j1 of this task's key/value
+                            // head.
+                            unsafe {
+                                // dK (+)= dSᵀ · Q · scale
+                                let dk = out.at(base + j0 * w + dm.k(g));
+                                let ds_t =
+                                    Part::of(ds, t, ds_bits, (j0, j0), (t - j0, j1 - j0)).t();
+                                product_of_part(
+                                    blk.products,
+                                    dk,
+                                    w,
+                                    hd,
+                                    ds_t,
+                                    qp,
+                                    j0..t,
+                                    scale,
+                                    add,
+                                )
+                            };
+                        }
                     }
-                    // dP = dY · Vᵀ, the live blocks only, into ds.
-                    for (i0, i1) in blocks(t, rows) {
-                        let dy_blk = dy_h.sub_rows(i0, i1);
-                        // SAFETY: rows i0..i1, columns < i1 of ds (t × t).
-                        unsafe {
-                            product(
-                                blk.products,
-                                ds[i0 * t..].as_mut_ptr(),
-                                t,
-                                i1,
-                                dy_blk,
-                                vt,
-                                0..hd,
-                                1.0,
-                                false,
-                            )
-                        };
-                    }
-                    // dS = P ⊙ (dP − rowsum(dP ⊙ P)) over the live
-                    // entries, in place; the masked ones zero (the
-                    // blocks read them).
-                    vectorised(
-                        #[inline(always)]
-                        || {
-                            for (i, (prow, dsrow)) in
-                                p.chunks_exact(t).zip(ds.chunks_exact_mut(t)).enumerate()
-                            {
-                                let (live, masked) = dsrow.split_at_mut(i + 1);
-                                let c = sum_lanes([prow, live], |[p, g]| p * g);
-                                live.iter_mut()
-                                    .zip(prow)
-                                    .for_each(|(g, &pv)| *g = pv * (*g - c));
-                                masked.fill(0.0);
-                            }
-                        },
-                    );
-                    for (i0, i1) in blocks(t, rows) {
-                        let ds_blk = view(ds, i0 * t, i1 - i0, i1, t);
-                        // SAFETY: dQ rows i0..i1 of query head h: this
-                        // task's.
-                        unsafe {
-                            // dQ = dS · K · scale
-                            let dq = out.at(base + i0 * w + dm.q(h));
-                            product(blk.products, dq, w, hd, ds_blk, kp, 0..i1, scale, false)
-                        };
-                    }
-                    for (j0, j1) in blocks(t, rows) {
-                        let ds_t = view(ds, j0 * t + j0, t - j0, j1 - j0, t).t();
-                        // SAFETY: dK rows j0..j1 of this task's key/value
-                        // head.
-                        unsafe {
-                            // dK (+)= dSᵀ · Q · scale
-                            let dk = out.at(base + j0 * w + dm.k(g));
-                            product(blk.products, dk, w, hd, ds_t, qp, j0..t, scale, add)
-                        };
-                    }
-                }
+                })
             })
         })
     });
