@@ -615,6 +615,21 @@ impl Kernel {
     /// element's sums. (The bf16 kernels keep [`NC`]: cut the same way,
     /// AMX ran 0.90-0.95x as fast on one thread.)
     ///
+    /// Except AMX on one thread where a block is [`DEEP_KC`] pairs deep
+    /// (products of 2048 and more: the weight gradients of 2048 tokens,
+    /// 2048³) and wider than half of L2: there each block takes at most
+    /// half of L2, cut evenly. A block of 36 such panels (4.5 MiB) was
+    /// packed through misses to L3 and read back from there for every row
+    /// block; cut, it is packed into L2 and read from it. Measured on a
+    /// Sapphire Rapids-class host (`gemm_bench`, bf16 operands, one thread,
+    /// old and new builds alternated): 2048³ 1.45-1.50x, the weight
+    /// gradients 384 × 2048 · 2048 × 1152 1.08-1.15x and 1536 × 2048 · 2048
+    /// × 384 1.08-1.16x, the others unchanged (no cut); 2048 × 1536 · 1536
+    /// × 384 (768 pairs deep, 1.2 MiB) lost 6-10% cut in two, hence the
+    /// depth. On two threads cutting lost up to 40% (every block a parallel
+    /// packing and a barrier, each core reading the half its neighbour
+    /// packed): they keep [`NC`].
+    ///
     /// Where `A` is packed (a transposed `A`: the weight gradients `xᵀ·dy`),
     /// every column block packs `A` again, so the block takes all of `n`
     /// while it stays under [`WHOLE_B_BYTES`]: its panels then come from L3
@@ -635,6 +650,17 @@ impl Kernel {
     /// (0.99-1.05x). (The Sapphire Rapids' 2 MiB keeps the rule above:
     /// 2048-column blocks lost there.)
     fn col_block(self, n: usize, threads: usize, depth: usize, a_packed: bool) -> usize {
+        if self == Kernel::AmxBf16 && threads == 1 && depth >= DEEP_KC {
+            let nr = self.nr();
+            let bytes = n.next_multiple_of(nr) * depth * 4;
+            let budget = l2_bytes() / 2;
+            if bytes > budget {
+                return n
+                    .div_ceil(bytes.div_ceil(budget))
+                    .next_multiple_of(nr)
+                    .min(NC);
+            }
+        }
         if self.is_bf16() {
             return NC;
         }

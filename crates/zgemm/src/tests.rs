@@ -205,6 +205,74 @@ fn amx_takes_deep_blocks_and_avx512_bf16_keeps_kc() {
     assert_eq!(depth_block(Kernel::Avx512Bf16, 384, 1152, 1024, false), KC);
 }
 
+/// AMX on one thread packs a block of `DEEP_KC` pairs at most half of L2
+/// wide (`Kernel::col_block`), and the product's bits are those of two
+/// threads, which take the whole width: which columns share a block
+/// changes no element's sums.
+#[test]
+fn amx_cuts_deep_blocks_of_b_to_l2_on_one_thread_without_changing_a_bit() {
+    let wide = 2048;
+    let cut = Kernel::AmxBf16.col_block(wide, 1, DEEP_KC, false);
+    assert!(cut < wide && cut.is_multiple_of(32) && cut * DEEP_KC * 4 <= l2_bytes() / 2);
+    assert_eq!(Kernel::AmxBf16.col_block(wide, 2, DEEP_KC, false), NC);
+    assert_eq!(Kernel::AmxBf16.col_block(wide, 1, 768, false), NC);
+    if !Kernel::available_bf16().contains(&Kernel::AmxBf16) {
+        eprintln!("zgemm: no AMX here; its cut blocks' products NOT covered");
+        return;
+    }
+    // Wider than any L2's half up to 9 MiB at 1024 pairs deep.
+    let (m, k, n) = (40, 2048, 1200);
+    assert!(Kernel::AmxBf16.col_block(n, 1, DEEP_KC, true) < n);
+    let (a, b) = (random(11, m * k), random(12, k * n));
+    for a_t in [false, true] {
+        let run = |threads: usize| {
+            let mut c = vec![0f32; m * n];
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                gemm_bf16_with(
+                    Kernel::AmxBf16,
+                    MatMut::row_major(&mut c, m, n).unwrap(),
+                    operand(&a, m, k, a_t),
+                    MatRef::row_major(&b, k, n).unwrap(),
+                    1.0,
+                    Start::Zero,
+                    threads,
+                )
+            })
+            .unwrap();
+            c
+        };
+        let (one, two) = (run(1), run(2));
+        assert!(
+            one.iter()
+                .zip(&two)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "A transposed: {a_t}"
+        );
+        // And the product itself: within the f64 bound of the rounded
+        // operands (as `within_the_f64_bound`).
+        let q = |x: f32| {
+            let b = x.to_bits();
+            f64::from(f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000))
+        };
+        let av = operand(&a, m, k, a_t);
+        for (i, j) in [(0, 0), (17, 640), (39, 1199), (31, 1000)] {
+            let (exact, mag) = (0..k).fold((0f64, 0f64), |(e, g), p| {
+                let t = q(av.at(i, p)) * q(b[p * n + j]);
+                (e + t, g + t.abs())
+            });
+            let bound = (k as f64 + 3.0) * f64::from(f32::EPSILON) / 2.0 * mag;
+            assert!(
+                (f64::from(one[i * n + j]) - exact).abs() <= bound,
+                "({i}, {j})"
+            );
+        }
+    }
+}
+
 /// A weight gradient's tasks (`A` packed, few row blocks) cut `B`'s panels
 /// between the threads where a thread's share stays in L2, and `A`'s rows
 /// where it would not (each thread then packs only its own rows); a
