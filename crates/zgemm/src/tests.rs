@@ -14,6 +14,16 @@ fn random(seed: u64, n: usize) -> Vec<f32> {
 
 /// Says which kernels this run covers, so that a run on an AVX2-only CPU
 /// does not pass for a test of the AVX-512 kernel.
+/// `f` run in a rayon pool of `threads` threads (a product's tasks run in
+/// the caller's pool).
+fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
+        .install(f)
+}
+
 fn covered() -> Vec<Kernel> {
     let k = Kernel::available();
     eprintln!("zgemm kernels covered on this CPU: {k:?}");
@@ -136,16 +146,12 @@ fn run(kernel: Kernel, case: Case, start: &str, alpha: f32, threads: usize) -> V
     let mut c = random(4, m * rs);
     let res = random(5, m * (n + 5));
     let start = start_of(start, &bias, MatRef::new(&res, m, n, n + 5, 1).unwrap());
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap();
     let product = if kernel.is_bf16() {
         gemm_bf16_with
     } else {
         gemm_with
     };
-    pool.install(|| {
+    in_pool(threads, || {
         product(
             kernel,
             MatMut::new(&mut c, m, n, rs).unwrap(),
@@ -227,11 +233,7 @@ fn amx_cuts_deep_blocks_of_b_to_l2_on_one_thread_without_changing_a_bit() {
     for a_t in [false, true] {
         let run = |threads: usize| {
             let mut c = vec![0f32; m * n];
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| {
+            in_pool(threads, || {
                 gemm_bf16_with(
                     Kernel::AmxBf16,
                     MatMut::row_major(&mut c, m, n).unwrap(),
@@ -535,11 +537,7 @@ fn every_epilogue_of_a_bf16_product_is_exact_where_its_terms_are() {
                 for threads in [1, 2] {
                     let mut c = c0.clone();
                     let r = MatRef::row_major(&res, m, n).unwrap();
-                    let pool = rayon::ThreadPoolBuilder::new()
-                        .num_threads(threads)
-                        .build()
-                        .unwrap();
-                    pool.install(|| {
+                    in_pool(threads, || {
                         gemm_bf16_with(
                             kernel,
                             MatMut::row_major(&mut c, m, n).unwrap(),
@@ -955,11 +953,7 @@ fn a_residual_start_gives_the_bits_of_adding_r_after_the_product() {
                 want.iter_mut().zip(&res).for_each(|(y, r)| *y += r);
                 for threads in [1, 2] {
                     let mut got = vec![0f32; m * n];
-                    let pool = rayon::ThreadPoolBuilder::new()
-                        .num_threads(threads)
-                        .build()
-                        .unwrap();
-                    pool.install(|| {
+                    in_pool(threads, || {
                         gemm_with(
                             kernel,
                             MatMut::row_major(&mut got, m, n).unwrap(),
