@@ -15,7 +15,8 @@
 //! L2, and the `B` block in L2 too where the f32 kernels cut its columns to
 //! fit (`Kernel::col_block`; the bf16 kernels' blocks, and those of
 //! products whose `A` is packed, sit in L3: a cut would pack `A` again for
-//! every block). A product
+//! every block; except AMX's on one thread at 1024 pairs deep, cut to half
+//! of L2, as its `A` is paired once for the whole product). A product
 //! whose `C` outgrows L2 and whose `A` is read in place takes deeper blocks
 //! (`depth_block`): each block is a pass over `C`.
 //!
@@ -69,7 +70,8 @@ pub use bf16::{
 pub const KC: usize = 384;
 
 /// Columns of `B` per packed block of the bf16 kernels (the f32 kernels
-/// size theirs to L2: [`Kernel::col_block`]); a multiple of every `nr`.
+/// size theirs to L2, and so does AMX on one thread at 1024 pairs deep:
+/// [`Kernel::col_block`]); a multiple of every `nr`.
 const NC: usize = 2048;
 
 /// The deepest block a product whose `C` is larger than [`DEEP_C_BYTES`]
