@@ -627,6 +627,33 @@ unsafe fn gelu_and_slope_with<W: Lanes, const C: usize>(
     }
 }
 
+/// GELU of `x` into `y`: per element the bits of [`gelu_and_slope_of`]'s
+/// value (the slope, unused, is not computed: a forward whose backward
+/// recomputes it).
+///
+/// # Safety
+///
+/// W's features. `y` is at least as long as `x`.
+#[inline(always)]
+unsafe fn gelu_with<W: Lanes, const C: usize>(x: &[f32], y: &mut [MaybeUninit<f32>]) {
+    let y = &mut y[..x.len()];
+    let mut i = 0;
+    // Both loops: i + W::WIDTH·C (or ·1) ≤ x.len(), the output's length.
+    while i + W::WIDTH * C <= x.len() {
+        // SAFETY: W's features (caller); the loop's bound keeps every vector inside the slices.
+        unsafe { store(y, i, gelu_of::<W, C>(load(x, i)).0) };
+        i += W::WIDTH * C;
+    }
+    while i + W::WIDTH <= x.len() {
+        // SAFETY: W's features (caller); the loop's bound keeps every vector inside the slices.
+        unsafe { store(y, i, gelu_of::<W, 1>(load(x, i)).0) };
+        i += W::WIDTH;
+    }
+    for (y, &v) in y[i..].iter_mut().zip(&x[i..]) {
+        y.write(gelu_and_slope_of(v).0);
+    }
+}
+
 /// `out = dy · gelu'(h)` of bf16 inputs `h` (their bits), per element the
 /// bits of [`gelu_and_slope_of`]'s slope of the widened value times `dy`.
 ///
@@ -711,6 +738,15 @@ macro_rules! width_entry_points {
 
             /// # Safety
             ///
+            /// This width's features; `y` as long as `x`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn gelu(x: &[f32], y: &mut [MaybeUninit<f32>]) {
+                // SAFETY: this function's features; the lengths (caller).
+                unsafe { gelu_with::<$vector, { $chains }>(x, y) }
+            }
+
+            /// # Safety
+            ///
             /// This width's features; `dy` and `out` as long as `h`.
             #[target_feature(enable = $features)]
             pub(super) unsafe fn gelu_backward_of_bf16(h: &[u16], dy: &[f32], out: &mut [f32]) {
@@ -780,6 +816,21 @@ pub(crate) fn gelu_and_slope(
         Width::Avx512 => unsafe { avx512::gelu_and_slope(x, y, slope) },
         // SAFETY: the CPU has AVX2 and FMA (chosen_width); lengths cut above.
         Width::Avx2 => unsafe { avx2::gelu_and_slope(x, y, slope) },
+        Width::Baseline => return false,
+    }
+    true
+}
+
+/// GELU of `x` into `y` as [`gelu_and_slope`]'s values, without the
+/// slope; false (nothing written) where neither width is allowed. `y` is
+/// at least as long as `x` (panics otherwise).
+pub(crate) fn gelu(x: &[f32], y: &mut [MaybeUninit<f32>]) -> bool {
+    let y = &mut y[..x.len()];
+    match chosen_width() {
+        // SAFETY: the CPU has AVX-512F and DQ (chosen_width); length cut above.
+        Width::Avx512 => unsafe { avx512::gelu(x, y) },
+        // SAFETY: the CPU has AVX2 and FMA (chosen_width); length cut above.
+        Width::Avx2 => unsafe { avx2::gelu(x, y) },
         Width::Baseline => return false,
     }
     true
@@ -882,7 +933,8 @@ mod tests {
     /// The intrinsics give the scalar code's bits on every kind of input:
     /// NaN (which the clamps must pass through), infinities, zeros of both
     /// signs, subnormals, values at and around the clamps, and a spread of
-    /// ordinary ones, over lengths that leave single vectors and a tail.
+    /// ordinary ones, over lengths that leave single vectors and a tail;
+    /// and the forward without the slope the same values.
     #[test]
     fn gelu_and_slope_intrinsics_are_the_scalar_codes_bits() {
         let mut x = vec![
@@ -925,6 +977,24 @@ mod tests {
                     assert!(
                         same(got_y, want_y) && same(got_d, want_d),
                         "x[{i}] = {v:e}: {width:?} gave ({got_y:e}, {got_d:e}), the scalar code ({want_y:e}, {want_d:e})"
+                    );
+                }
+                // The forward without the slope: the same values.
+                let mut y_only = uninit_floats(len);
+                // SAFETY: as above; y_only as long as x.
+                unsafe {
+                    match width {
+                        Width::Avx2 => avx2::gelu(x, &mut y_only),
+                        _ => avx512::gelu(x, &mut y_only),
+                    }
+                }
+                for (i, &v) in x.iter().enumerate() {
+                    // SAFETY: gelu wrote every element.
+                    let got = unsafe { y_only[i].assume_init() };
+                    let want = gelu_and_slope_of(v).0;
+                    assert!(
+                        same(got, want),
+                        "x[{i}] = {v:e}: {width:?} gelu {got:e}, scalar {want:e}"
                     );
                 }
             }

@@ -72,7 +72,7 @@ pub fn gelu_and_slope(x: &Tensor) -> Result<(Tensor, Tensor)> {
 pub fn gelu_bf16_of_bf16(h: &Tensor) -> Result<Tensor> {
     let (s, l) = h.storage_and_layout();
     let (bits, rows, stride, width) = bf16_rows("gelu", &s, l)?;
-    par_rows_bf16_of_bf16(bits, rows, stride, width, gelu_and_slope_into)
+    par_rows_bf16_of_bf16(bits, rows, stride, width, gelu_into)
 }
 
 /// GELU's backward for a layer whose products are bf16, from GELU's bf16
@@ -168,6 +168,24 @@ fn gelu_and_slope_into(x: &[f32], y: &mut [MaybeUninit<f32>], slope: &mut [Maybe
                 let (value, dv) = gelu_and_slope_of(v);
                 y.write(value);
                 d.write(dv);
+            }
+        },
+    )
+}
+
+/// GELU of `x` into `y` without its slope (a forward whose backward
+/// recomputes it): [`gelu_and_slope_into`]'s values.
+#[inline(always)]
+fn gelu_into(x: &[f32], y: &mut [MaybeUninit<f32>]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::lanes::gelu(x, y) {
+        return;
+    }
+    vectorised(
+        #[inline(always)]
+        || {
+            for (y, &v) in y.iter_mut().zip(x) {
+                y.write(gelu_of(v));
             }
         },
     )

@@ -377,23 +377,17 @@ pub(crate) fn par_rows_bf16(
     if !input.len().is_multiple_of(width.max(1)) {
         candle_core::bail!("{} values are not rows of {width}", input.len());
     }
-    rows_bf16(
-        RowsIn::F32(input),
-        width,
-        #[inline(always)]
-        |row, out, _| f(row, out),
-    )
+    rows_bf16(RowsIn::F32(input), width, f)
 }
 
 /// [`par_rows_bf16`] on bf16 input rows (`rows` of `width` values, their
-/// bits, `stride` apart), each widened to f32 in L1 before `f` reads it;
-/// `f`'s third row is scratch that it may write (GELU's slope, not kept).
+/// bits, `stride` apart), each widened to f32 in L1 before `f` reads it.
 pub(crate) fn par_rows_bf16_of_bf16(
     input: &[u16],
     rows: usize,
     stride: usize,
     width: usize,
-    f: impl Fn(&[f32], &mut [MaybeUninit<f32>], &mut [MaybeUninit<f32>]) + Sync,
+    f: impl Fn(&[f32], &mut [MaybeUninit<f32>]) + Sync,
 ) -> candle_core::Result<candle_core::Tensor> {
     if rows > 0 && (stride < width || input.len() < (rows - 1) * stride + width) {
         candle_core::bail!(
@@ -422,12 +416,11 @@ enum RowsIn<'a> {
     },
 }
 
-/// What [`par_rows_bf16`] and [`par_rows_bf16_of_bf16`] share: `f`'s third
-/// row is a scratch row in L1 (one a task, unzeroed).
+/// What [`par_rows_bf16`] and [`par_rows_bf16_of_bf16`] share.
 fn rows_bf16(
     input: RowsIn,
     width: usize,
-    f: impl Fn(&[f32], &mut [MaybeUninit<f32>], &mut [MaybeUninit<f32>]) + Sync,
+    f: impl Fn(&[f32], &mut [MaybeUninit<f32>]) + Sync,
 ) -> candle_core::Result<candle_core::Tensor> {
     use half::vec::HalfBitsVecExt;
     use rayon::prelude::*;
@@ -443,7 +436,6 @@ fn rows_bf16(
         .with_max_len(1)
         .for_each(|(task, o)| {
             let mut wide = uninit_floats::<f32>(width);
-            let mut third = uninit_floats::<f32>(width);
             let widening = matches!(input, RowsIn::Bf16 { .. });
             let mut widened = vec![0f32; if widening { width } else { 0 }];
             for (r, o) in o.chunks_mut(stride).enumerate() {
@@ -465,7 +457,7 @@ fn rows_bf16(
                 };
                 vectorised(
                     #[inline(always)]
-                    || f(row, &mut wide, &mut third),
+                    || f(row, &mut wide),
                 );
                 // SAFETY: `f` writes every element of its output row (as
                 // every `par_rows` op does).
