@@ -801,6 +801,30 @@ width_entry_points!(
     AVX512_SWIGLU_BACKWARD_CHAINS
 );
 
+/// Calls `$f` with `$args` from the module of the widest vectors
+/// [`chosen_width`] allows (every width module's `$f` takes the same
+/// arguments) and gives true; false, nothing called, where it allows
+/// neither. The caller has cut the slices to the lengths `$f` needs.
+macro_rules! on_widest {
+    ($f:ident($($arg:expr),* $(,)?)) => {
+        match chosen_width() {
+            Width::Avx512 => {
+                // SAFETY: the CPU has AVX-512F and DQ (chosen_width); the
+                // lengths as the caller cut them.
+                unsafe { avx512::$f($($arg),*) };
+                true
+            }
+            Width::Avx2 => {
+                // SAFETY: the CPU has AVX2 and FMA (chosen_width); the
+                // lengths as the caller cut them.
+                unsafe { avx2::$f($($arg),*) };
+                true
+            }
+            Width::Baseline => false,
+        }
+    };
+}
+
 /// GELU of `x` into `y` and its slope into `slope` with the intrinsics of
 /// the widest vectors [`chosen_width`] allows, per element the bits of
 /// [`gelu_and_slope_of`]; false (nothing written) where it allows neither.
@@ -811,14 +835,7 @@ pub(crate) fn gelu_and_slope(
     slope: &mut [MaybeUninit<f32>],
 ) -> bool {
     let (y, slope) = (&mut y[..x.len()], &mut slope[..x.len()]);
-    match chosen_width() {
-        // SAFETY: the CPU has AVX-512F and DQ (chosen_width); lengths cut above.
-        Width::Avx512 => unsafe { avx512::gelu_and_slope(x, y, slope) },
-        // SAFETY: the CPU has AVX2 and FMA (chosen_width); lengths cut above.
-        Width::Avx2 => unsafe { avx2::gelu_and_slope(x, y, slope) },
-        Width::Baseline => return false,
-    }
-    true
+    on_widest!(gelu_and_slope(x, y, slope))
 }
 
 /// GELU of `x` into `y` as [`gelu_and_slope`]'s values, without the
@@ -826,14 +843,7 @@ pub(crate) fn gelu_and_slope(
 /// at least as long as `x` (panics otherwise).
 pub(crate) fn gelu(x: &[f32], y: &mut [MaybeUninit<f32>]) -> bool {
     let y = &mut y[..x.len()];
-    match chosen_width() {
-        // SAFETY: the CPU has AVX-512F and DQ (chosen_width); length cut above.
-        Width::Avx512 => unsafe { avx512::gelu(x, y) },
-        // SAFETY: the CPU has AVX2 and FMA (chosen_width); length cut above.
-        Width::Avx2 => unsafe { avx2::gelu(x, y) },
-        Width::Baseline => return false,
-    }
-    true
+    on_widest!(gelu(x, y))
 }
 
 /// GELU's backward from its bf16 input, `out = dy · gelu'(h)`, as
@@ -842,14 +852,7 @@ pub(crate) fn gelu(x: &[f32], y: &mut [MaybeUninit<f32>]) -> bool {
 /// long as `h`.
 pub(crate) fn gelu_backward_of_bf16(h: &[u16], dy: &[f32], out: &mut [f32]) -> bool {
     let (dy, out) = (&dy[..h.len()], &mut out[..h.len()]);
-    match chosen_width() {
-        // SAFETY: the CPU has AVX-512F and DQ (chosen_width); lengths cut above.
-        Width::Avx512 => unsafe { avx512::gelu_backward_of_bf16(h, dy, out) },
-        // SAFETY: the CPU has AVX2 and FMA (chosen_width); lengths cut above.
-        Width::Avx2 => unsafe { avx2::gelu_backward_of_bf16(h, dy, out) },
-        Width::Baseline => return false,
-    }
-    true
+    on_widest!(gelu_backward_of_bf16(h, dy, out))
 }
 
 /// SwiGLU's forward of one row, `out = gate · σ(gate) · up`, as
@@ -857,14 +860,7 @@ pub(crate) fn gelu_backward_of_bf16(h: &[u16], dy: &[f32], out: &mut [f32]) -> b
 /// width is allowed). `up` and `out` are at least as long as `gate`.
 pub(crate) fn swiglu(gate: &[f32], up: &[f32], out: &mut [MaybeUninit<f32>]) -> bool {
     let (up, out) = (&up[..gate.len()], &mut out[..gate.len()]);
-    match chosen_width() {
-        // SAFETY: the CPU has AVX-512F and DQ (chosen_width); lengths cut above.
-        Width::Avx512 => unsafe { avx512::swiglu(gate, up, out) },
-        // SAFETY: the CPU has AVX2 and FMA (chosen_width); lengths cut above.
-        Width::Avx2 => unsafe { avx2::swiglu(gate, up, out) },
-        Width::Baseline => return false,
-    }
-    true
+    on_widest!(swiglu(gate, up, out))
 }
 
 /// SwiGLU's backward of one row (`dgate`, `dup` from `dy`), as
@@ -878,27 +874,13 @@ pub(crate) fn swiglu_backward(
 ) -> bool {
     let n = gate.len();
     let (up, dy, dgate, dup) = (&up[..n], &dy[..n], &mut dgate[..n], &mut dup[..n]);
-    match chosen_width() {
-        // SAFETY: the CPU has AVX-512F and DQ (chosen_width); lengths cut above.
-        Width::Avx512 => unsafe { avx512::swiglu_backward(gate, up, dy, dgate, dup) },
-        // SAFETY: the CPU has AVX2 and FMA (chosen_width); lengths cut above.
-        Width::Avx2 => unsafe { avx2::swiglu_backward(gate, up, dy, dgate, dup) },
-        Width::Baseline => return false,
-    }
-    true
+    on_widest!(swiglu_backward(gate, up, dy, dgate, dup))
 }
 
 /// `v = e^(v − max)` for each value of `row`, as [`gelu_and_slope`]
 /// (`simd::exp(v - max)`'s bits; false where neither width is allowed).
 pub(crate) fn exp_minus(row: &mut [f32], max: f32) -> bool {
-    match chosen_width() {
-        // SAFETY: the CPU has AVX-512F and DQ (chosen_width).
-        Width::Avx512 => unsafe { avx512::exp_minus(row, max) },
-        // SAFETY: the CPU has AVX2 and FMA (chosen_width).
-        Width::Avx2 => unsafe { avx2::exp_minus(row, max) },
-        Width::Baseline => return false,
-    }
-    true
+    on_widest!(exp_minus(row, max))
 }
 
 #[cfg(test)]
