@@ -319,10 +319,19 @@ impl Flat {
     pub fn words(&self, r: Range<usize>) -> Vec<f32> {
         match self {
             Flat::F32(v) => v[r].to_vec(),
-            Flat::Half(_, v) => v[r]
-                .chunks_exact(2)
-                .map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16)))
-                .collect(),
+            Flat::Half(_, v) => {
+                let halves = &v[r];
+                // On a little-endian CPU a word's memory is its two halves,
+                // low first: a copy (where the halves start on a word).
+                #[cfg(target_endian = "little")]
+                if let Ok(words) = bytemuck::try_cast_slice::<u16, f32>(halves) {
+                    return words.to_vec();
+                }
+                halves
+                    .chunks_exact(2)
+                    .map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16)))
+                    .collect()
+            }
         }
     }
 
@@ -339,6 +348,10 @@ impl Flat {
     pub fn from_words(like: Option<Half>, words: Vec<f32>) -> Flat {
         match like {
             None => Flat::F32(words),
+            // As `words`: on a little-endian CPU, a copy of the memory.
+            #[cfg(target_endian = "little")]
+            Some(h) => Flat::Half(h, bytemuck::cast_slice(&words).to_vec()),
+            #[cfg(not(target_endian = "little"))]
             Some(h) => Flat::Half(
                 h,
                 words
@@ -534,6 +547,28 @@ mod tests {
             let back = Flat::from_words(kind, f.words(0..32));
             assert_eq!(back, f);
             assert_eq!(Flat::words_for(kind, 32), f.words(0..32).len());
+            // The layout on the wire: two 16-bit elements a word, the first
+            // in the low half, from any element (an odd one too, whose
+            // halves do not start on a word in memory).
+            if let Flat::Half(_, halves) = &f {
+                for start in [0, 1, 4] {
+                    let want: Vec<u32> = halves[start..start + 10]
+                        .chunks_exact(2)
+                        .map(|p| u32::from(p[0]) | (u32::from(p[1]) << 16))
+                        .collect();
+                    let got: Vec<u32> = f
+                        .words(start..start + 10)
+                        .iter()
+                        .map(|w| w.to_bits())
+                        .collect();
+                    assert_eq!(got, want, "{kind:?} from element {start}");
+                    let words: Vec<f32> = want.iter().map(|&b| f32::from_bits(b)).collect();
+                    assert_eq!(
+                        Flat::from_words(kind, words),
+                        Flat::Half(kind.expect("half"), halves[start..start + 10].to_vec())
+                    );
+                }
+            }
         }
     }
 
