@@ -194,7 +194,16 @@ pub fn data_files(path: &Option<String>, format: DataFormat) -> Result<Vec<PathB
     }
     files.sort();
     if files.is_empty() {
-        return Err(format!("no file matches `{pattern}`"));
+        // A job file's relative paths are the shell's, as DeepSpeed's and
+        // torchrun's are: say from where, for a job run from elsewhere.
+        let from = match std::env::current_dir() {
+            Ok(cwd) if std::path::Path::new(pattern).is_relative() => format!(
+                " (a relative path is looked up from the directory zrun runs in, {})",
+                cwd.display()
+            ),
+            _ => String::new(),
+        };
+        return Err(format!("no file matches `{pattern}`{from}"));
     }
     Ok(files)
 }

@@ -951,6 +951,24 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("no file matches"), "{e}");
+        assert!(
+            !e.contains("looked up from"),
+            "an absolute path needs no hint: {e}"
+        );
+        // A relative pattern says where it was looked up from.
+        let spec = GOOD.replace("  format: synthetic", "  path: no-such-dir/*.txt");
+        let p = write(d.path(), "j.yaml", &spec);
+        let e = load_job(&p, &[])
+            .unwrap()
+            .validate(1)
+            .unwrap_err()
+            .to_string();
+        let cwd = std::env::current_dir().unwrap();
+        assert!(
+            e.contains("no file matches `no-such-dir/*.txt` (a relative path is looked up from the directory zrun runs in")
+                && e.contains(&cwd.display().to_string()),
+            "{e}"
+        );
     }
 
     #[test]
