@@ -931,38 +931,27 @@ mod tests {
     #[test]
     fn data_must_exist_and_fit() {
         let d = tempfile::tempdir().unwrap();
+        // The validation error of the good job with `data` given this path.
+        let error_with_path = |path: &str| {
+            let spec = GOOD.replace("  format: synthetic", &format!("  path: {path}"));
+            let p = write(d.path(), "j.yaml", &spec);
+            load_job(&p, &[])
+                .unwrap()
+                .validate(1)
+                .unwrap_err()
+                .to_string()
+        };
         let text = write(d.path(), "small.txt", "0123456789");
-        let spec = GOOD.replace(
-            "  format: synthetic",
-            &format!("  path: {}", text.display()),
-        );
-        let p = write(d.path(), "j.yaml", &spec);
-        let e = load_job(&p, &[])
-            .unwrap()
-            .validate(1)
-            .unwrap_err()
-            .to_string();
+        let e = error_with_path(&text.display().to_string());
         assert!(e.contains("fewer than one sequence"), "{e}");
-        let spec = GOOD.replace("  format: synthetic", "  path: /nonexistent/*.txt");
-        let p = write(d.path(), "j.yaml", &spec);
-        let e = load_job(&p, &[])
-            .unwrap()
-            .validate(1)
-            .unwrap_err()
-            .to_string();
+        let e = error_with_path("/nonexistent/*.txt");
         assert!(e.contains("no file matches"), "{e}");
         assert!(
             !e.contains("looked up from"),
             "an absolute path needs no hint: {e}"
         );
         // A relative pattern says where it was looked up from.
-        let spec = GOOD.replace("  format: synthetic", "  path: no-such-dir/*.txt");
-        let p = write(d.path(), "j.yaml", &spec);
-        let e = load_job(&p, &[])
-            .unwrap()
-            .validate(1)
-            .unwrap_err()
-            .to_string();
+        let e = error_with_path("no-such-dir/*.txt");
         let cwd = std::env::current_dir().unwrap();
         assert!(
             e.contains("no file matches `no-such-dir/*.txt` (a relative path is looked up from the directory zrun runs in")
