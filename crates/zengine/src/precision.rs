@@ -18,6 +18,7 @@
 //! word (its slices are multiples of 16 elements), which halves the bytes of the
 //! parameter all-gathers; a gather only copies, so the bits arrive unchanged.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
@@ -118,6 +119,50 @@ impl Flat {
             None => Flat::F32(vec![0.0; n]),
             Some(h) => Flat::Half(h, vec![0; n]),
         }
+    }
+
+    /// `n` elements holding `parts` (each `(at, values)`: elements `at..` are
+    /// `values`) and zero elsewhere: the bits of [`Flat::zeros`] followed by
+    /// [`Flat::add_f32`] of each part, each element `0 + v` rounded (so a
+    /// `-0.0` arrives as `+0.0`, as the add makes it), in one pass that
+    /// writes every element once: no zeroing pass before, and no read of the
+    /// zeros back. A micro-batch's gradient buffer where the stage
+    /// partitions gradients, made fresh for every micro-batch from its
+    /// group's gradients. `None` where the parts are out of order, overlap
+    /// or run past `n`.
+    pub fn with_parts(kind: Option<Half>, n: usize, parts: &[(usize, &[f32])]) -> Option<Flat> {
+        let mut end = 0;
+        for (at, values) in parts {
+            if *at < end || at + values.len() > n {
+                return None;
+            }
+            end = at + values.len();
+        }
+        Some(match kind {
+            None => Flat::F32(filled(n, parts, 0.0, |v, out| {
+                for (o, &v) in out.iter_mut().zip(v) {
+                    o.write(0.0 + v);
+                }
+            })),
+            Some(h) => Flat::Half(
+                h,
+                filled(n, parts, 0, |v, out| {
+                    // As `add_f32` does it: the sums in a block of f32,
+                    // rounded by `round_slice`.
+                    let (mut wide, mut bits) = ([0f32; BLOCK], [0u16; BLOCK]);
+                    for (v, out) in v.chunks(BLOCK).zip(out.chunks_mut(BLOCK)) {
+                        let (wide, bits) = (&mut wide[..v.len()], &mut bits[..v.len()]);
+                        for (w, &v) in wide.iter_mut().zip(v) {
+                            *w = 0.0 + v;
+                        }
+                        h.round_slice(wide, bits);
+                        for (o, &b) in out.iter_mut().zip(bits.iter()) {
+                            o.write(b);
+                        }
+                    }
+                }),
+            ),
+        })
     }
 
     /// The working type: `None` for f32.
@@ -374,6 +419,40 @@ impl Flat {
     }
 }
 
+/// [`Flat::with_parts`]' elements: `n` of them, `zero` outside the parts
+/// (in order and apart, inside `n`: checked by the caller), `write(values,
+/// out)` converting a run of a part's values into `out`; tasks of [`TASK`]
+/// elements spread over the pool.
+fn filled<T: Copy + Send + Sync>(
+    n: usize,
+    parts: &[(usize, &[f32])],
+    zero: T,
+    write: impl Fn(&[f32], &mut [MaybeUninit<T>]) + Sync,
+) -> Vec<T> {
+    let mut out = Vec::with_capacity(n);
+    out.spare_capacity_mut()[..n]
+        .par_chunks_mut(TASK)
+        .enumerate()
+        .for_each(|(task, chunk)| {
+            let c0 = task * TASK;
+            let c1 = c0 + chunk.len();
+            let mut at = c0;
+            // The parts that reach into this task's elements, in order.
+            let first = parts.partition_point(|(p, v)| p + v.len() <= c0);
+            for (p, v) in parts[first..].iter().take_while(|(p, _)| *p < c1) {
+                let (from, to) = ((*p).max(c0), (p + v.len()).min(c1));
+                chunk[at - c0..from - c0].fill(MaybeUninit::new(zero));
+                write(&v[from - p..to - p], &mut chunk[from - c0..to - c0]);
+                at = to;
+            }
+            chunk[at - c0..].fill(MaybeUninit::new(zero));
+        });
+    // SAFETY: the tasks wrote each of the first `n` elements: every task
+    // its whole chunk, the parts' runs and the zeros between and after them.
+    unsafe { out.set_len(n) };
+    out
+}
+
 /// Sums of [`Flat::sum_sq`] run side by side.
 const SUMS_AT_ONCE: usize = 4;
 
@@ -536,6 +615,66 @@ mod tests {
             assert_eq!(*s, f16::from_f32(*v).to_bits(), "{v:e}");
             assert_eq!(w.to_bits(), f16::from_bits(*s).to_f32().to_bits());
         }
+    }
+
+    /// A buffer made from its parts is the zeroed buffer with each part
+    /// added, bit for bit (`-0.0` becomes `+0.0`, NaN and infinities pass),
+    /// with gaps before, between and after the parts, a part that crosses
+    /// tasks, a part inside one task, parts in a task of their own and an
+    /// empty one, at 1 and 3 threads; parts out of order, overlapping or
+    /// running past the end are refused.
+    #[test]
+    fn a_buffer_made_from_its_parts_is_the_zeroed_buffer_with_them_added() {
+        let n = 3 * TASK + 77;
+        let values = |len: usize, salt: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| match (i + salt) % 97 {
+                    0 => -0.0,
+                    1 => f32::NAN,
+                    2 => f32::NEG_INFINITY,
+                    3 => 1e-41,
+                    k => (k as f32 - 48.0) * 0.013 * 10f32.powi((i % 5) as i32 - 2),
+                })
+                .collect()
+        };
+        let (a, b, c, d) = (
+            values(TASK + 300, 1),
+            values(50, 2),
+            values(0, 3),
+            values(TASK - 10, 4),
+        );
+        let parts: Vec<(usize, &[f32])> = vec![
+            (5, &a),
+            (TASK + 400, &b),
+            (TASK + 460, &c),
+            (2 * TASK + 3, &d),
+        ];
+        for kind in [None, Some(Half::Bf16), Some(Half::F16)] {
+            let mut want = Flat::zeros(kind, n);
+            for (at, v) in &parts {
+                want.add_f32(*at, v);
+            }
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let got = pool.install(|| Flat::with_parts(kind, n, &parts)).unwrap();
+                let bits = |f: &Flat| -> Vec<u32> {
+                    match f {
+                        Flat::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
+                        Flat::Half(_, v) => v.iter().map(|&x| u32::from(x)).collect(),
+                    }
+                };
+                assert_eq!(got.kind(), kind);
+                assert!(bits(&got) == bits(&want), "{kind:?}, {threads} threads");
+            }
+        }
+        let refused = |parts: &[(usize, &[f32])]| Flat::with_parts(None, n, parts).is_none();
+        assert!(refused(&[(TASK + 400, &b), (5, &a)]), "out of order");
+        assert!(refused(&[(5, &a), (TASK + 304, &b)]), "overlapping");
+        assert!(refused(&[(n - 10, &b)]), "past the end");
+        assert!(!refused(&[(5, &a), (TASK + 305, &b), (n - 50, &b)]));
     }
 
     #[test]
