@@ -579,7 +579,10 @@ fn add_grad(
 ) -> Result<(), EngineError> {
     let grad = grad.contiguous()?;
     let (storage, layout) = grad.storage_and_layout();
-    buf.add_f32(range.start, grad_values(&storage, layout, range.len(), name)?);
+    buf.add_f32(
+        range.start,
+        grad_values(&storage, layout, range.len(), name)?,
+    );
     Ok(())
 }
 
