@@ -9,7 +9,8 @@
 //!     cargo run --release -p zgemm --example gemm_bench            # 1 and 2 threads
 //!     cargo run --release -p zgemm --example gemm_bench -- 2       # 2 threads only
 //!
-//! `GEMM_ONLY=tn_384` times only the shapes whose name contains it, and
+//! `GEMM_ONLY=tn_384` times only the shapes whose name contains it,
+//! `GEMM_KERNELS=Avx512,AmxBf16` only those kernels (as the lines name them), and
 //! `GEMM_REPS=500` calls each that many times (a loop to profile).
 //! `GEMM_SUMS=1` times the f32 products whose `B` is row-major with `B`'s
 //! column sums taken as it packs (`gemm_summing_b`): what a biased linear's
@@ -55,6 +56,9 @@ fn main() {
         .filter(|&k| k != Kernel::PortableBf16)
         .collect();
     kernels.splice(0..0, bf16);
+    if let Ok(names) = std::env::var("GEMM_KERNELS") {
+        kernels.retain(|k| names.split(',').any(|n| n == format!("{k:?}")));
+    }
     let only = std::env::var("GEMM_ONLY").unwrap_or_default();
     let reps_set: Option<usize> = std::env::var("GEMM_REPS")
         .ok()
