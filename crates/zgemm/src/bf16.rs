@@ -838,10 +838,10 @@ mod x86 {
     /// `out[i·stride + l]`: 16 rows of the 16 pairs in registers, transposed
     /// there, stored as one 64-byte row each. Returns how many rows.
     ///
-    /// The pairing and the transpose are inlined into one straight run of
-    /// vector instructions: with a branch per column (then `Option`s) and
-    /// the transpose a call, the 16 pairs went through the stack twice a
-    /// step (pairing `xᵀ` was 6% of a bf16 step).
+    /// The transpose is inlined (as a call it took and returned its 16
+    /// vectors through the stack) and every column is present (past `k`
+    /// the caller passes a zero column), so a step has no branch: pairing
+    /// `xᵀ` went from 6.2% to 5.2% of a bf16 step's samples.
     ///
     /// # Safety
     ///
