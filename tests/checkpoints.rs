@@ -569,6 +569,100 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint() {
     );
 }
 
+/// A restart whose newest checkpoint is damaged (a byte of step 10's rank-1
+/// shard flipped after its save completed, before the kill) goes back to the
+/// newest one that opens, step 5, says which it passed over, and finishes
+/// with the uninterrupted run's losses and final weights.
+#[test]
+fn a_restart_passes_over_a_damaged_newest_checkpoint() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let job = ckpt_job(dir, "damaged", 30, 5);
+    let slow = ["--set", "env.ZRUN_FAULT_SAVE_DELAY_MS=300"];
+    train(dir, &job, "straight.jsonl", &slow);
+    let straight_weights = export_ckpt(dir, "straight.safetensors");
+    std::fs::remove_dir_all(dir.join("ckpt")).unwrap();
+    let m = dir.join("restarted.jsonl");
+    let z = TrainArgs::new(&job, &m)
+        .args(&slow)
+        .args(&["--max-restarts", "1"])
+        .start(dir);
+    wait_for_complete_checkpoint(dir, 10, &z);
+    flip_a_byte(&dir.join("ckpt/step-00000010/rank-00001.safetensors"));
+    let workers = children_of(z.pid());
+    kill(Pid::from_raw(workers[1] as i32), Signal::SIGKILL).unwrap();
+    let f = z.wait(Duration::from_secs(120));
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("not restarting from a damaged checkpoint")
+            && f.stderr.contains("step-00000010"),
+        "{}",
+        f.stderr
+    );
+    let lines = e2e::metrics(&m);
+    let at = lines
+        .iter()
+        .position(|l| l["event"] == "restart")
+        .expect("a restart line");
+    assert_eq!(lines[at]["step"], 5, "{}", lines[at]);
+    let after: Vec<(u64, f64)> = lines[at + 1..]
+        .iter()
+        .filter_map(|l| Some((l.get("step")?.as_u64()?, l.get("loss")?.as_f64()?)))
+        .collect();
+    let straight = losses_by_step(&dir.join("straight.jsonl"));
+    assert_eq!(after, straight[5..].to_vec());
+    assert!(
+        export_ckpt(dir, "restarted.safetensors") == straight_weights,
+        "final weights differ"
+    );
+}
+
+/// `--resume auto` whose newest checkpoint is damaged stops before anything
+/// is written (exit 2), naming the damage and the newest checkpoint that
+/// opens; resuming from that one by name goes on.
+#[test]
+fn resume_auto_names_the_checkpoint_to_use_when_the_newest_is_damaged() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let job = ckpt_job(dir, "auto", 4, 2);
+    train(dir, &job, "m.jsonl", &[]);
+    let damaged = dir.join("ckpt/step-00000004/rank-00000.safetensors");
+    flip_a_byte(&damaged);
+    let bytes = std::fs::read(&damaged).unwrap();
+    let longer = ["--set", "train.steps=6"];
+    let f = TrainArgs::new(&job, dir.join("auto.jsonl"))
+        .args(&longer)
+        .args(&["--resume", "auto"])
+        .run(dir);
+    assert_eq!(f.code(), 2, "{f:?}");
+    let intact = dir.join("ckpt/step-00000002");
+    assert!(
+        f.stderr.contains("step-00000004/rank-00000.safetensors")
+            && f.stderr
+                .contains(&format!("`--resume {}`", intact.display())),
+        "{}",
+        f.stderr
+    );
+    assert_eq!(std::fs::read(&damaged).unwrap(), bytes);
+    assert!(!dir.join("ckpt/step-00000006").exists());
+    let f = TrainArgs::new(&job, dir.join("named.jsonl"))
+        .args(&longer)
+        .args(&["--resume", intact.to_str().unwrap()])
+        .run(dir);
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(dir.join("ckpt/step-00000006/manifest.json").exists());
+}
+
+/// Flips one byte in the middle of `file` (its size unchanged: only the
+/// manifest's CRC tells).
+fn flip_a_byte(file: &Path) {
+    let mut bytes = std::fs::read(file).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(file, bytes).unwrap();
+}
+
 /// `--restart-exclude-failed` on two loopback nodes of one worker each: the
 /// worker on 127.0.0.3 is killed after the step-10 checkpoint, and the job
 /// restarts on 127.0.0.2 alone (the checkpoint reshards to one rank at load)

@@ -196,7 +196,8 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
             }
             Outcome::Stopped { step } => {
                 progress.finish();
-                let checkpoint = newest_checkpoint(&plan.spec)
+                let checkpoint = newest_intact(&plan.spec)
+                    .0
                     .filter(|(_, at)| *at == step)
                     .map(|(dir, _)| dir);
                 writer.write(&StoppedLine {
@@ -220,7 +221,13 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                 culprit,
             } => {
                 let from = match (code, restarts_left) {
-                    (1, 1..) => newest_checkpoint(&plan.spec),
+                    (1, 1..) => {
+                        let (from, passed_over) = newest_intact(&plan.spec);
+                        for why in passed_over {
+                            shout!("zrun: not restarting from a damaged checkpoint: {why}");
+                        }
+                        from
+                    }
                     _ => None,
                 };
                 let Some((dir, step)) = from else {
@@ -291,13 +298,34 @@ fn without_node_of(topo: &Topology, rank: usize) -> Option<Topology> {
     (!rest.nodes.is_empty()).then_some(rest)
 }
 
-/// The newest complete checkpoint of the job, verified, if there is one.
-fn newest_checkpoint(spec: &zconfig::JobSpec) -> Option<(String, u64)> {
-    let root = spec.checkpoint.dir.as_ref()?;
-    let dir = zckpt::list(Path::new(root)).pop()?;
-    let ckpt = zckpt::Checkpoint::open(&dir).ok()?;
-    ckpt.check_model(&spec.model).ok()?;
-    Some((dir.display().to_string(), ckpt.manifest.step))
+/// The newest of the job's complete checkpoints that opens (every shard's
+/// size and CRC as its manifest says) and holds this model, if any, and why
+/// each newer one did not: a restart goes back past a damaged save rather
+/// than give up the run's progress, and `--resume auto` names it.
+fn newest_intact(spec: &zconfig::JobSpec) -> (Option<(String, u64)>, Vec<String>) {
+    let mut passed_over = Vec::new();
+    let Some(root) = spec.checkpoint.dir.as_ref() else {
+        return (None, passed_over);
+    };
+    for dir in zckpt::list(Path::new(root)).into_iter().rev() {
+        let ckpt = zckpt::Checkpoint::open(&dir)
+            .map_err(|e| e.to_string())
+            .and_then(|c| {
+                c.check_model(&spec.model)
+                    .map(|()| c)
+                    .map_err(|e| e.to_string())
+            });
+        match ckpt {
+            Ok(c) => {
+                return (
+                    Some((dir.display().to_string(), c.manifest.step)),
+                    passed_over,
+                )
+            }
+            Err(e) => passed_over.push(e),
+        }
+    }
+    (None, passed_over)
 }
 
 /// `--resume DIR|auto` → a verified checkpoint of this model (bad ones: exit 2).
@@ -305,23 +333,35 @@ fn newest_checkpoint(spec: &zconfig::JobSpec) -> Option<(String, u64)> {
 /// Returns the checkpoint directory and its step.
 fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<(String, u64)>> {
     let Some(arg) = arg else { return Ok(None) };
-    let dir = if arg == "auto" {
+    if arg == "auto" {
         let Some(root) = &spec.checkpoint.dir else {
             return Err(Failure::bad_input(
                 "--resume auto: the job has no checkpoint.dir to look in",
             ));
         };
-        match zckpt::list(std::path::Path::new(root)).pop() {
-            Some(d) => d,
-            None => {
-                say!("zrun: --resume auto: no checkpoint in {root} yet; starting from scratch");
-                return Ok(None);
-            }
+        if zckpt::list(std::path::Path::new(root)).is_empty() {
+            say!("zrun: --resume auto: no checkpoint in {root} yet; starting from scratch");
+            return Ok(None);
         }
-    } else {
-        zckpt::resolve(std::path::Path::new(arg))
-            .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?
-    };
+        // Not a silent step back: a damaged newest checkpoint stops the run,
+        // and the message names the one to resume from instead.
+        let (intact, passed_over) = newest_intact(spec);
+        let Some(why) = passed_over.first() else {
+            return Ok(intact);
+        };
+        let instead = match intact {
+            Some((dir, step)) => format!(
+                "the newest that opens and holds this model is {dir} (step {step}): \
+                 `--resume {dir}` continues from it"
+            ),
+            None => format!("no checkpoint in {root} opens and holds this model"),
+        };
+        return Err(Failure::bad_input(format!(
+            "--resume auto: {why}; {instead}"
+        )));
+    }
+    let dir = zckpt::resolve(std::path::Path::new(arg))
+        .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
     let ckpt =
         zckpt::Checkpoint::open(&dir).map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
     ckpt.check_model(&spec.model)
