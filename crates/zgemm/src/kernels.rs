@@ -1,10 +1,12 @@
 //! The micro-kernels: one `mr × nr` tile of `C` from a packed `A` panel and
 //! a packed `B` panel, `k` rank-1 updates held in registers.
 //!
-//! Each element is a fused multiply-add chain over `p` from zero, then
-//! `c = α·acc` or `c = c + α·acc` with a separate multiply and add, then
-//! `c = r + c` where a residual is given (crate doc): the SIMD kernels and
-//! the portable one agree bit for bit. Tiles at
+//! Each element is a fused multiply-add chain over `p`, then `c = r + c`
+//! where a residual is given (crate doc). An f32 tile with α = 1 starts its
+//! chain from `C` (where it adds into `C`) or the bias and stores it as it
+//! ends ([`Tile::chains`]); otherwise the chain starts from zero and is
+//! stored as `c = α·acc` or `c = c + α·acc` with a separate multiply and
+//! add. The SIMD kernels and the portable one agree bit for bit. Tiles at
 //! the right and bottom edges of `C` are computed whole (the packing padded
 //! them with zeros) and only their live part is stored, with the same
 //! arithmetic.
@@ -22,7 +24,7 @@ pub(crate) struct Tile {
     /// The packed `B` panel: `k` rows of `nr` values.
     pub(crate) b: *const f32,
     pub(crate) alpha: f32,
-    /// `c = c + α·acc` instead of `c = α·acc`.
+    /// `C += …` instead of `C = …`.
     pub(crate) add: bool,
     /// If not null (and not `add`): `c = bias[j] + α·acc`, the tile's
     /// columns of the bias.
@@ -40,6 +42,45 @@ pub(crate) struct Tile {
     pub(crate) cols: usize,
 }
 
+impl Tile {
+    /// Whether an f32 tile's sums continue the chain that `C` (where it
+    /// adds into `C`) or the bias holds: with α = 1 each element of a
+    /// product is one fused multiply-add chain over all of `k`, whatever its
+    /// blocks of depth (crate doc).
+    pub(crate) fn chains(&self) -> bool {
+        self.alpha == 1.0
+    }
+
+    /// Whether a chaining tile starts from values (`C`'s or the bias's)
+    /// rather than zero.
+    fn starts_from_values(&self) -> bool {
+        self.chains() && (self.add || !self.bias.is_null())
+    }
+}
+
+/// Writes what a chaining tile's sums start from into the live part of
+/// `acc` (`mr × nr`, row after row): `C`'s elements where the tile adds into
+/// `C`, else the bias's columns.
+///
+/// # Safety
+///
+/// As [`store_edge`]'s.
+unsafe fn chain_starts(t: &Tile, acc: &mut [f32], nr: usize) {
+    for i in 0..t.rows {
+        for j in 0..t.cols {
+            // SAFETY: (i, j) is a live element of the tile, and j a live
+            // column of the bias (caller).
+            acc[i * nr + j] = unsafe {
+                if t.add {
+                    *t.c.add(i * t.rs + j)
+                } else {
+                    *t.bias.add(j)
+                }
+            };
+        }
+    }
+}
+
 /// Stores the live part of a finished tile held in `acc` (`mr × nr`, row
 /// after row).
 ///
@@ -48,13 +89,15 @@ pub(crate) struct Tile {
 /// `t.c` must be valid for `t.rows` rows of `t.cols` floats at stride `t.rs`,
 /// `t.bias`, unless null, for `t.cols` floats, and `t.residual`, unless
 /// null, for the tile's live part at stride `t.residual_rs`.
-unsafe fn store_edge(t: &Tile, acc: &[f32], nr: usize) {
+unsafe fn store_edge(t: &Tile, acc: &[f32], nr: usize, chained: bool) {
     for i in 0..t.rows {
         for j in 0..t.cols {
             let v = t.alpha * acc[i * nr + j];
             // SAFETY: (i, j) is a live element of the tile (caller).
             let c = unsafe { &mut *t.c.add(i * t.rs + j) };
-            let v = if t.add {
+            let v = if chained {
+                acc[i * nr + j]
+            } else if t.add {
                 *c + v
             } else if !t.bias.is_null() {
                 // SAFETY: the bias holds the tile's live columns (caller).
@@ -87,6 +130,10 @@ pub(crate) unsafe fn portable(t: &Tile) {
     // SAFETY: the B panel's length (caller).
     let b = unsafe { std::slice::from_raw_parts(t.b, NR * t.k) };
     let mut acc = [0f32; MR * NR];
+    if t.starts_from_values() {
+        // SAFETY: the tile's live part is valid (caller).
+        unsafe { chain_starts(t, &mut acc, NR) };
+    }
     for (p, bp) in b.chunks_exact(NR).enumerate() {
         for i in 0..MR {
             // SAFETY: (i, p) is inside the A panel (caller).
@@ -97,7 +144,7 @@ pub(crate) unsafe fn portable(t: &Tile) {
         }
     }
     // SAFETY: the tile's live part is valid (caller).
-    unsafe { store_edge(t, &acc, NR) }
+    unsafe { store_edge(t, &acc, NR, t.chains()) }
 }
 
 /// The reference for the bf16 kernels, 4×16, in plain Rust: each 4-byte
@@ -147,7 +194,7 @@ pub(crate) unsafe fn portable_bf16(t: &Tile) {
         }
     }
     // SAFETY: the tile's live part is valid (caller).
-    unsafe { store_edge(t, &acc, NR) }
+    unsafe { store_edge(t, &acc, NR, false) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -157,7 +204,7 @@ pub(crate) use x86::{amx_bf16, avx2, avx512, avx512_bf16, fma_chains_avx2, fma_c
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{store_edge, Tile};
+    use super::{chain_starts, store_edge, Tile};
 
     /// Asks for the tile's live rows of `C` while the updates run: `C` is
     /// too big for any cache, and its loads and stores at the end would
@@ -297,6 +344,17 @@ mod x86 {
         const NR: usize = 16;
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
         prefetch_c(t, NR);
+        if t.starts_from_values() {
+            let mut flat = [0f32; MR * NR];
+            // SAFETY: the tile's live part is valid (caller).
+            unsafe { chain_starts(t, &mut flat, NR) };
+            for (i, row) in acc.iter_mut().enumerate() {
+                for (h, v) in row.iter_mut().enumerate() {
+                    // SAFETY: 8 floats inside `flat`.
+                    *v = unsafe { _mm256_loadu_ps(flat.as_ptr().add(i * NR + 8 * h)) };
+                }
+            }
+        }
         let [[c0, c1], [c2, c3], [c4, c5], [c6, c7], [c8, c9], [c10, c11]] = &mut acc;
         // SAFETY: the updates read A's columns 0..k at its strides and
         // b[..16·k], inside the panels (caller); the CPU has AVX2 and FMA.
@@ -353,13 +411,15 @@ mod x86 {
                     // SAFETY: a whole tile is live (caller).
                     unsafe {
                         let c = t.c.add(i * t.rs + 8 * h);
-                        let v = _mm256_mul_ps(alpha, *v);
-                        let v = if t.add {
-                            _mm256_add_ps(_mm256_loadu_ps(c), v)
+                        let v = if t.chains() {
+                            *v
+                        } else if t.add {
+                            _mm256_add_ps(_mm256_loadu_ps(c), _mm256_mul_ps(alpha, *v))
                         } else if !t.bias.is_null() {
-                            _mm256_add_ps(_mm256_loadu_ps(t.bias.add(8 * h)), v)
+                            let b = _mm256_loadu_ps(t.bias.add(8 * h));
+                            _mm256_add_ps(b, _mm256_mul_ps(alpha, *v))
                         } else {
-                            v
+                            _mm256_mul_ps(alpha, *v)
                         };
                         let v = if t.residual.is_null() {
                             v
@@ -380,7 +440,7 @@ mod x86 {
                 }
             }
             // SAFETY: the live part is valid (caller).
-            unsafe { store_edge(t, &flat, NR) }
+            unsafe { store_edge(t, &flat, NR, t.chains()) }
         }
     }
 
@@ -493,6 +553,10 @@ mod x86 {
         prefetch_c(t, NR);
         let rs = t.a_rs * 4;
         let mut acc = [[_mm512_setzero_ps(); 4]; 6];
+        if t.starts_from_values() {
+            // SAFETY: as this function's.
+            unsafe { load_starts(t, &mut acc) };
+        }
         let [[c0, c1, c2, c3], [c4, c5, c6, c7], [c8, c9, c10, c11], [c12, c13, c14, c15], [c16, c17, c18, c19], [c20, c21, c22, c23]] =
             &mut acc;
         // SAFETY: the updates read A's columns 0..k at its strides and
@@ -566,7 +630,45 @@ mod x86 {
             );
         }
         // SAFETY: as this function's.
-        unsafe { store_wide(t, &acc) }
+        unsafe { store_wide(t, &acc, t.chains()) }
+    }
+
+    /// What a chaining tile of `16·W` columns starts from ([`chain_starts`])
+    /// into `acc`: `C`'s rows or the bias, loaded straight into the
+    /// registers for a whole tile.
+    ///
+    /// # Safety
+    ///
+    /// As [`store_wide`]'s.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_starts<const W: usize>(t: &Tile, acc: &mut [[__m512; W]]) {
+        let nr = 16 * W;
+        if t.rows == acc.len() && t.cols == nr {
+            for (i, row) in acc.iter_mut().enumerate() {
+                for (h, v) in row.iter_mut().enumerate() {
+                    // SAFETY: a whole tile of C, and the bias's tile
+                    // columns, are valid (caller).
+                    *v = unsafe {
+                        if t.add {
+                            _mm512_loadu_ps(t.c.add(i * t.rs + 16 * h))
+                        } else {
+                            _mm512_loadu_ps(t.bias.add(16 * h))
+                        }
+                    };
+                }
+            }
+        } else {
+            // At most 6 rows of 64.
+            let mut flat = [0f32; 6 * 64];
+            // SAFETY: the tile's live part is valid (caller).
+            unsafe { chain_starts(t, &mut flat, nr) };
+            for (i, row) in acc.iter_mut().enumerate() {
+                for (h, v) in row.iter_mut().enumerate() {
+                    // SAFETY: 16 floats inside `flat` (6 rows of 64).
+                    *v = unsafe { _mm512_loadu_ps(flat.as_ptr().add(i * nr + 16 * h)) };
+                }
+            }
+        }
     }
 
     /// 12×32 bf16 products with AVX512_BF16: as [`avx512`], with each
@@ -583,7 +685,7 @@ mod x86 {
         // SAFETY: as avx512's; the CPU has AVX512_BF16.
         unsafe { updates_12x32!("vdpbf16ps", t, &mut acc) };
         // SAFETY: as this function's.
-        unsafe { store_wide(t, &acc) }
+        unsafe { store_wide(t, &acc, false) }
     }
 
     /// Stores a finished tile of `16·W` columns (α, then bias or `C`, then
@@ -594,7 +696,7 @@ mod x86 {
     /// The CPU must have AVX-512F; `t.c`, `t.bias` and `t.residual` as for
     /// [`avx512`].
     #[target_feature(enable = "avx512f")]
-    unsafe fn store_wide<const W: usize>(t: &Tile, acc: &[[__m512; W]]) {
+    unsafe fn store_wide<const W: usize>(t: &Tile, acc: &[[__m512; W]], chained: bool) {
         let mr = acc.len();
         let nr = 16 * W;
         let alpha = _mm512_set1_ps(t.alpha);
@@ -604,13 +706,15 @@ mod x86 {
                     // SAFETY: a whole tile is live (caller).
                     unsafe {
                         let c = t.c.add(i * t.rs + 16 * h);
-                        let v = _mm512_mul_ps(alpha, *v);
-                        let v = if t.add {
-                            _mm512_add_ps(_mm512_loadu_ps(c), v)
+                        let v = if chained {
+                            *v
+                        } else if t.add {
+                            _mm512_add_ps(_mm512_loadu_ps(c), _mm512_mul_ps(alpha, *v))
                         } else if !t.bias.is_null() {
-                            _mm512_add_ps(_mm512_loadu_ps(t.bias.add(16 * h)), v)
+                            let b = _mm512_loadu_ps(t.bias.add(16 * h));
+                            _mm512_add_ps(b, _mm512_mul_ps(alpha, *v))
                         } else {
-                            v
+                            _mm512_mul_ps(alpha, *v)
                         };
                         let v = if t.residual.is_null() {
                             v
@@ -632,7 +736,7 @@ mod x86 {
                 }
             }
             // SAFETY: the live part is valid (caller).
-            unsafe { store_edge(t, &flat, nr) }
+            unsafe { store_edge(t, &flat, nr, chained) }
         }
     }
 
@@ -861,6 +965,6 @@ mod x86 {
             );
         }
         // SAFETY: as this function's.
-        unsafe { store_wide(t, &acc) }
+        unsafe { store_wide(t, &acc, false) }
     }
 }

@@ -20,15 +20,26 @@
 //! whose `C` outgrows L2 and whose `A` is read in place takes deeper blocks
 //! (`depth_block`): each block is a pass over `C`.
 //!
-//! **One result on every path.** Every kernel computes each element of `C`
-//! the same way: for each block of depth in order, a fused multiply-add chain
-//! over `p` starting from zero, then `c = α·acc` (first block, or `bias + α·acc`)
-//! or `c = c + α·acc` (a plain multiply and add), and after the last block
-//! `c = r + c` where a residual `R` is given. Since the blocks depend on the
-//! shapes alone and threads split only `M` and `N`, the AVX-512, AVX2 and
-//! portable kernels and every thread count give the same bits: a job's
-//! numbers do not depend on the CPU it ran on, and the portable kernel is
-//! the reference the SIMD ones are tested against bit for bit.
+//! **One result on every path.** Every f32 kernel computes each element of
+//! `C` the same way. With α = 1 (every product of the model's linear layers)
+//! it is one fused multiply-add chain over all of `p` in order, starting
+//! from `C` (`Start::Keep`), the bias, or zero: each block of depth starts
+//! its tile's registers from what the block before stored. Then `c = r + c`
+//! where a residual `R` is given. So the blocks change no bit, and a product
+//! cut in depth into products that add into `C` gives the whole product's
+//! bits: a linear layer's input gradient summed tile by tile is the whole
+//! layer's, in one product a tile (cut into 256-column chunks instead, each
+//! a pass over `C` at depth 256, the model's input-gradient products ran
+//! 0.86-0.89x as fast on two threads). With another α, each block's chain
+//! starts from zero and is added: `c = α·acc` (first block, or
+//! `bias + α·acc`) or `c = c + α·acc` (a plain multiply and add). Since the
+//! blocks depend on the shapes alone and threads split only `M` and `N`, the
+//! AVX-512, AVX2 and portable kernels and every thread count give the same
+//! bits: a job's numbers do not depend on the CPU it ran on, and the portable
+//! kernel is the reference the SIMD ones are tested against bit for bit. (The
+//! bf16 kernels: AMX chains likewise where α = 1 and no residual is given;
+//! the AVX512_BF16 kernel and its portable reference start each block from
+//! zero.)
 //!
 //! **Threads** (rayon, in the caller's pool) take blocks of `A`'s rows (and,
 //! when there are few, ranges of `B`'s panels); the packed `B` block is shared.

@@ -633,6 +633,66 @@ fn amx_products_split_in_depth_add_up_to_the_whole_bit_for_bit() {
     }
 }
 
+#[test]
+fn f32_products_at_alpha_one_are_one_chain_whatever_their_blocks() {
+    // With α = 1 every f32 kernel starts each block from C (or the bias),
+    // so an element is one fused multiply-add chain over all of k: the
+    // product equals that chain written out here, and a product cut in
+    // depth anywhere into products that add into C (Start::Keep) gives the
+    // same bits (a linear layer's input gradient in tiles is the whole
+    // layer's). Shapes past KC, partial tiles, a transposed A (packed) and
+    // a C past DEEP_C_BYTES (deeper blocks).
+    let kernels = covered();
+    let cases = [
+        (64, 80, 1152, false, &[1, 2][..]),
+        (45, 40, 868, true, &[1, 2]),
+        (33, 70, 300, false, &[1]),
+        (700, 768, 1040, false, &[2]),
+    ];
+    for (m, n, k, a_t, threads) in cases {
+        let (a_data, b_data, bias) = (random(1, m * k), random(2, n * k), random(3, n));
+        let a = operand(&a_data, m, k, a_t);
+        // Bᵀ stored row-major, as the weight in dy·Wᵀ.
+        let b = MatRef::row_major(&b_data, n, k).unwrap().t();
+        for bias in [None, Some(bias.as_slice())] {
+            let chain: Vec<u32> = (0..m * n)
+                .map(|e| {
+                    let (i, j) = (e / n, e % n);
+                    let mut acc = bias.map_or(0.0, |b| b[j]);
+                    for p in 0..k {
+                        acc = a.at(i, p).mul_add(b.at(p, j), acc);
+                    }
+                    acc.to_bits()
+                })
+                .collect();
+            let first = || bias.map_or(Start::Zero, Start::Bias);
+            for &kernel in &kernels {
+                for &t in threads {
+                    for cut in [k, 256, 100] {
+                        let mut c = vec![0f32; m * n];
+                        in_pool(t, || {
+                            for (i, p0) in (0..k).step_by(cut).enumerate() {
+                                let p1 = (p0 + cut).min(k);
+                                let cv = MatMut::row_major(&mut c, m, n).unwrap();
+                                let (a, b) = (a.t().sub_rows(p0, p1).t(), b.sub_rows(p0, p1));
+                                let start = if i == 0 { first() } else { Start::Keep };
+                                gemm_with(kernel, cv, a, b, 1.0, start, t).unwrap();
+                            }
+                        });
+                        let bits: Vec<u32> = c.iter().map(|v| v.to_bits()).collect();
+                        assert!(
+                            bits == chain,
+                            "{kernel:?} {m}x{n}x{k} (A transposed: {a_t}), {t} threads, \
+                             cut every {cut}, bias {}",
+                            bias.is_some()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Values for pairing tests: random, with ties, NaNs that would carry,
 /// infinities and signed zeros scattered among them.
 fn awkward(seed: u64, n: usize) -> Vec<f32> {

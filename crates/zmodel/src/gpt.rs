@@ -1281,6 +1281,13 @@ mod tests {
         let (_, acts) = g.block_forward(&plain, &x.as_tensor().detach()).unwrap();
         let (grads, dx) = g.block_backward(&plain, &acts, &dy).unwrap();
         let grads = grads.into_vec();
+        // Autograd adds candle's products (and the bias after them) where
+        // zgemm continues one chain of fused multiply-adds from the bias or
+        // C: the same sums in another order. On these ×10 weights the
+        // softmax saturates and its backward cancels, which magnifies the
+        // difference: measured, 1.4e-4 (relative to 1 + |x|) on c_attn's
+        // weight gradient, under 5e-5 elsewhere; a wrong term is off by
+        // far more.
         let close = |a: &Tensor, b: &Tensor, what: &str| {
             let (a, b) = (
                 a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
@@ -1289,7 +1296,7 @@ mod tests {
             assert_eq!(a.len(), b.len(), "{what}");
             for (x, y) in a.iter().zip(&b) {
                 assert!(
-                    (x - y).abs() <= 1e-4 * (1.0 + x.abs()),
+                    (x - y).abs() <= 5e-4 * (1.0 + x.abs()),
                     "{what}: {x} vs {y}"
                 );
             }

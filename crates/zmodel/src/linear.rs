@@ -8,13 +8,14 @@
 //! tile's `dW_t = xᵀ·dy_t` and `db_t` (column sums) and adds `dy_t·W_tᵀ` into the
 //! input gradient. Output columns are independent, so forward outputs and
 //! parameter gradients of a tile are bit for bit those columns of the whole
-//! layer. The input gradient sums over output columns, so its order of
-//! addition is fixed for both: `dx` is accumulated over chunks of
-//! [`DX_CHUNK`] output columns, in order, whole layer or tiled, and tiles start
-//! on chunk boundaries. bf16 products (AMX) add a product cut in depth at
-//! multiples of 32 exactly as the whole one (`zgemm::has_native_bf16`), so
-//! there a tile's chunks are one product: depth 256 was AMX's weakest shape,
-//! and each chunk another pass over `dx`.
+//! layer. The input gradient sums over output columns, tile after tile into
+//! `dx`: zgemm's f32 products at α = 1 continue the chain of fused
+//! multiply-adds that `C` holds, and AMX's a product cut in depth at
+//! multiples of 32, so a tiled layer's `dx` is the whole layer's bit for bit
+//! with one product a tile. (The f32 products used to be cut into chunks of
+//! 256 output columns, the tiles' granularity, so that the tiled and whole
+//! layers shared their blocks: each chunk another pass over `dx`, and depth
+//! 256 under the kernels' 384. One product took the 1-worker f32 step 1.02-1.05x.)
 //!
 //! The GEMMs are zgemm's: the forward's bias is its starting value (no second
 //! pass over `y`), tiles write their columns of `y` in place, and `dy_t` and
@@ -44,10 +45,6 @@ use zgemm::{BitsMut, MatMut, MatRef, Start};
 use crate::ops::{bf16_with_column_sums, RoundedGrad};
 use crate::params::{BlockParams, WeightBias};
 use crate::simd::{assume_init, uninit_floats};
-
-/// Output columns per step of the input gradient's accumulation: zconfig's
-/// tile granularity, so that tiles start on chunk boundaries.
-pub const DX_CHUNK: usize = zconfig::tiles::TILE_COLUMNS;
 
 /// A block's linear layers, in forward order (slots; each family's names
 /// and shapes are in `zconfig::arch`).
@@ -319,7 +316,7 @@ pub(crate) enum OutputGrad {
 }
 
 /// The backward of [`forward`]: hands each tile's `(dW, db)` to `src` and
-/// returns `dx = dy·Wᵀ`, accumulated over chunks of [`DX_CHUNK`] columns.
+/// returns `dx = dy·Wᵀ`, accumulated a tile at a time.
 /// Tiles are read out of `dy` in place (strided views, no copies).
 pub(crate) fn backward<S: BlockSource>(
     src: &mut S,
@@ -411,46 +408,40 @@ pub(crate) fn backward<S: BlockSource>(
                     }
                 }
             };
-            // dx += dy_t·Wᵀ, a chunk of DX_CHUNK columns at a time, in order
-            // (on AMX one product of them all: the same bits, module doc).
-            let chunk = match products {
-                Products::F32 => DX_CHUNK,
-                Products::Bf16 => w.max(1),
-            };
+            // dx += dy_t·Wᵀ, one product a tile, tiles in order: zgemm's f32
+            // products at α = 1 and AMX's continue the sum that `dx` holds
+            // (module doc).
             // Side by side: each product still spreads over every thread, and
             // a thread that waits inside one (its packing, its last tasks)
             // takes the other's tasks meanwhile. Neither reads what the other
             // writes, and each product's bits do not depend on its threads.
             let input_grad = || -> candle_core::Result<()> {
-                for c0 in (0..w).step_by(chunk) {
-                    let c = chunk.min(w - c0);
-                    let a = dy_cols(cols.start + c0, c)?;
-                    let b = wm.sub_cols(c0, c0 + c).t();
-                    match dx.as_mut() {
-                        Some(dx) => multiply(
+                let a = dy_cols(cols.start, w)?;
+                let b = wm.t();
+                match dx.as_mut() {
+                    Some(dx) => multiply(
+                        products,
+                        MatMut::row_major(dx, rows, inputs).map_err(shape)?,
+                        a,
+                        b,
+                        Start::Keep,
+                        threads,
+                    ),
+                    None => {
+                        let mut fresh = uninit_floats(rows * inputs);
+                        multiply(
                             products,
-                            MatMut::row_major(dx, rows, inputs).map_err(shape)?,
+                            MatMut::uninit(&mut fresh, rows, inputs, inputs).map_err(shape)?,
                             a,
                             b,
-                            Start::Keep,
+                            Start::Zero,
                             threads,
-                        )?,
-                        None => {
-                            let mut fresh = uninit_floats(rows * inputs);
-                            multiply(
-                                products,
-                                MatMut::uninit(&mut fresh, rows, inputs, inputs).map_err(shape)?,
-                                a,
-                                b,
-                                Start::Zero,
-                                threads,
-                            )?;
-                            // SAFETY: a Zero start wrote every element.
-                            dx = Some(unsafe { assume_init(fresh) });
-                        }
+                        )?;
+                        // SAFETY: a Zero start wrote every element.
+                        dx = Some(unsafe { assume_init(fresh) });
+                        Ok(())
                     }
                 }
-                Ok(())
             };
             let (sums, done) = rayon::join(weight_grad, input_grad);
             bias_sums = sums?;
@@ -559,13 +550,6 @@ impl<'a> Input<'a> {
         match self {
             Input::F32(m) => m.cols(),
             Input::Bf16(m) => m.cols(),
-        }
-    }
-
-    fn sub_cols(self, c0: usize, c1: usize) -> Input<'a> {
-        match self {
-            Input::F32(m) => Input::F32(m.sub_cols(c0, c1)),
-            Input::Bf16(m) => Input::Bf16(m.sub_cols(c0, c1)),
         }
     }
 }
