@@ -2,10 +2,10 @@
 //! a linear layer holds. Arithmetic only, so that validation, the estimator and
 //! the model agree on it.
 //!
-//! A tile is a run of whole chunks of [`TILE_COLUMNS`] output columns (the
-//! model adds a layer's input gradient over those chunks in order, which is
-//! what keeps a tiled layer bit for bit equal to the whole one), the last tile
-//! of a layer shorter.
+//! A tile is a run of whole chunks of [`TILE_COLUMNS`] output columns, the
+//! last tile of a layer shorter. (A tiled layer's bits equal the whole
+//! one's whatever the tiles: its input gradient's products continue one sum
+//! tile after tile, see zmodel's `linear` module.)
 
 use std::ops::Range;
 
