@@ -344,7 +344,21 @@ mod x86 {
         const NR: usize = 16;
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
         prefetch_c(t, NR);
-        if t.starts_from_values() {
+        if t.starts_from_values() && t.rows == MR && t.cols == NR {
+            for (i, row) in acc.iter_mut().enumerate() {
+                for (h, v) in row.iter_mut().enumerate() {
+                    // SAFETY: a whole tile of C, and the bias's tile
+                    // columns, are valid (caller).
+                    *v = unsafe {
+                        if t.add {
+                            _mm256_loadu_ps(t.c.add(i * t.rs + 8 * h))
+                        } else {
+                            _mm256_loadu_ps(t.bias.add(8 * h))
+                        }
+                    };
+                }
+            }
+        } else if t.starts_from_values() {
             let mut flat = [0f32; MR * NR];
             // SAFETY: the tile's live part is valid (caller).
             unsafe { chain_starts(t, &mut flat, NR) };
