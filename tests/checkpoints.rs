@@ -528,44 +528,14 @@ fn a_worker_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
 #[test]
 fn a_killed_worker_is_restarted_from_the_newest_checkpoint() {
     let d = tempfile::tempdir().unwrap();
-    let dir = d.path();
-    let job = ckpt_job(dir, "restart", 30, 5);
-    let slow = ["--set", "env.ZRUN_FAULT_SAVE_DELAY_MS=300"];
-    train(dir, &job, "straight.jsonl", &slow);
-    let straight_weights = export_ckpt(dir, "straight.safetensors");
-    std::fs::remove_dir_all(dir.join("ckpt")).unwrap();
-    let m = dir.join("restarted.jsonl");
-    let z = TrainArgs::new(&job, &m)
-        .args(&slow)
-        .args(&["--max-restarts", "1"])
-        .start(dir);
-    wait_for_complete_checkpoint(dir, 10, &z);
-    let workers = children_of(z.pid());
-    kill(Pid::from_raw(workers[1] as i32), Signal::SIGKILL).unwrap();
-    let f = z.wait(Duration::from_secs(120));
+    let (f, restart) = killed_after_step_10(d.path(), "restart", |_| {});
     assert_eq!(f.code(), 0, "{f:?}");
-    let lines = e2e::metrics(&m);
-    let at = lines
-        .iter()
-        .position(|l| l["event"] == "restart")
-        .expect("a restart line");
-    let from = lines[at]["step"].as_u64().unwrap();
-    assert!(from >= 10 && from.is_multiple_of(5), "{}", lines[at]);
-    assert_eq!(lines[at]["restarts_left"], 0);
+    let from = restart["step"].as_u64().unwrap();
+    assert!(from >= 10 && from.is_multiple_of(5), "{restart}");
+    assert_eq!(restart["restarts_left"], 0);
     assert!(
-        lines[at]["reason"].as_str().unwrap().contains("rank 1"),
-        "{}",
-        lines[at]
-    );
-    let after: Vec<(u64, f64)> = lines[at + 1..]
-        .iter()
-        .filter_map(|l| Some((l.get("step")?.as_u64()?, l.get("loss")?.as_f64()?)))
-        .collect();
-    let straight = losses_by_step(&dir.join("straight.jsonl"));
-    assert_eq!(after, straight[from as usize..].to_vec());
-    assert!(
-        export_ckpt(dir, "restarted.safetensors") == straight_weights,
-        "final weights differ"
+        restart["reason"].as_str().unwrap().contains("rank 1"),
+        "{restart}"
     );
 }
 
@@ -576,8 +546,32 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint() {
 #[test]
 fn a_restart_passes_over_a_damaged_newest_checkpoint() {
     let d = tempfile::tempdir().unwrap();
-    let dir = d.path();
-    let job = ckpt_job(dir, "damaged", 30, 5);
+    let (f, restart) = killed_after_step_10(d.path(), "damaged", |dir| {
+        flip_a_byte(&dir.join("ckpt/step-00000010/rank-00001.safetensors"))
+    });
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("not restarting from a damaged checkpoint")
+            && f.stderr.contains("step-00000010"),
+        "{}",
+        f.stderr
+    );
+    assert_eq!(restart["step"], 5, "{restart}");
+}
+
+/// A 30-step job saving every 5 steps (saves stalled 300 ms) run once
+/// straight, then again with `--max-restarts 1`, rank 1's worker killed once
+/// step 10's checkpoint is complete (`before_kill` runs first). Checks that
+/// the steps after the restart repeat the straight run's losses and that
+/// the final weights are its bytes; returns how zrun ended and the metrics'
+/// restart line.
+fn killed_after_step_10(
+    dir: &Path,
+    name: &str,
+    before_kill: impl FnOnce(&Path),
+) -> (e2e::Finished, serde_json::Value) {
+    let job = ckpt_job(dir, name, 30, 5);
     let slow = ["--set", "env.ZRUN_FAULT_SAVE_DELAY_MS=300"];
     train(dir, &job, "straight.jsonl", &slow);
     let straight_weights = export_ckpt(dir, "straight.safetensors");
@@ -588,34 +582,30 @@ fn a_restart_passes_over_a_damaged_newest_checkpoint() {
         .args(&["--max-restarts", "1"])
         .start(dir);
     wait_for_complete_checkpoint(dir, 10, &z);
-    flip_a_byte(&dir.join("ckpt/step-00000010/rank-00001.safetensors"));
+    before_kill(dir);
     let workers = children_of(z.pid());
     kill(Pid::from_raw(workers[1] as i32), Signal::SIGKILL).unwrap();
     let f = z.wait(Duration::from_secs(120));
-    assert_eq!(f.code(), 0, "{f:?}");
-    assert!(
-        f.stderr
-            .contains("not restarting from a damaged checkpoint")
-            && f.stderr.contains("step-00000010"),
-        "{}",
-        f.stderr
-    );
+    if f.code() != 0 {
+        return (f, serde_json::Value::Null);
+    }
     let lines = e2e::metrics(&m);
     let at = lines
         .iter()
         .position(|l| l["event"] == "restart")
         .expect("a restart line");
-    assert_eq!(lines[at]["step"], 5, "{}", lines[at]);
+    let from = lines[at]["step"].as_u64().expect("the restart's step") as usize;
     let after: Vec<(u64, f64)> = lines[at + 1..]
         .iter()
         .filter_map(|l| Some((l.get("step")?.as_u64()?, l.get("loss")?.as_f64()?)))
         .collect();
     let straight = losses_by_step(&dir.join("straight.jsonl"));
-    assert_eq!(after, straight[5..].to_vec());
+    assert_eq!(after, straight[from..].to_vec());
     assert!(
         export_ckpt(dir, "restarted.safetensors") == straight_weights,
         "final weights differ"
     );
+    (f, lines[at].clone())
 }
 
 /// `--resume auto` whose newest checkpoint is damaged stops before anything
