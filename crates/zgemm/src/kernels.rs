@@ -26,8 +26,8 @@ pub(crate) struct Tile {
     pub(crate) alpha: f32,
     /// `C += …` instead of `C = …`.
     pub(crate) add: bool,
-    /// If not null (and not `add`): `c = bias[j] + α·acc`, the tile's
-    /// columns of the bias.
+    /// If not null (and not `add`): the tile's columns of the bias, where
+    /// the chain starts (α = 1) or `c = bias[j] + α·acc`.
     pub(crate) bias: *const f32,
     /// If not null: `c = r + c` as the tile is stored, `r` the tile's
     /// element (0, 0) of the residual, whose rows are `residual_rs` apart.
