@@ -15,7 +15,7 @@
 //! with one product a tile. (The f32 products used to be cut into chunks of
 //! 256 output columns, the tiles' granularity, so that the tiled and whole
 //! layers shared their blocks: each chunk another pass over `dx`, and depth
-//! 256 under the kernels' 384. One product took the 1-worker f32 step 1.02-1.05x.)
+//! 256 under the kernels' 384. One product took the 1-worker f32 step about 1.02x.)
 //!
 //! The GEMMs are zgemm's: the forward's bias is its starting value (no second
 //! pass over `y`), tiles write their columns of `y` in place, and `dy_t` and
