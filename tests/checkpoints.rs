@@ -610,7 +610,8 @@ fn killed_after_step_10(
 
 /// `--resume auto` whose newest checkpoint is damaged stops before anything
 /// is written (exit 2), naming the damage and the newest checkpoint that
-/// opens; resuming from that one by name goes on.
+/// opens; so do `--resume` and `zrun export` given the checkpoints'
+/// directory; resuming from that one by name goes on.
 #[test]
 fn resume_auto_names_the_checkpoint_to_use_when_the_newest_is_damaged() {
     let d = tempfile::tempdir().unwrap();
@@ -634,6 +635,31 @@ fn resume_auto_names_the_checkpoint_to_use_when_the_newest_is_damaged() {
         "{}",
         f.stderr
     );
+    let root = dir.join("ckpt");
+    let f = TrainArgs::new(&job, dir.join("root.jsonl"))
+        .args(&longer)
+        .args(&["--resume", root.to_str().unwrap()])
+        .run(dir);
+    assert_eq!(f.code(), 2, "{f:?}");
+    let names_intact = format!("that opens is {}", intact.display());
+    assert!(f.stderr.contains(&names_intact), "{}", f.stderr);
+    let out = dir.join("x.safetensors");
+    let export = |from: &Path| {
+        zrun(
+            dir,
+            &[
+                "export",
+                from.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ],
+        )
+    };
+    let f = export(&root);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains(&names_intact), "{}", f.stderr);
+    assert!(!out.exists());
+    assert_eq!(export(&intact).code(), 0);
     assert_eq!(std::fs::read(&damaged).unwrap(), bytes);
     assert!(!dir.join("ckpt/step-00000006").exists());
     let f = TrainArgs::new(&job, dir.join("named.jsonl"))

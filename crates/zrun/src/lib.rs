@@ -80,6 +80,7 @@ pub mod sweep;
 pub mod train;
 pub mod worker;
 
+use std::path::Path;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -142,14 +143,43 @@ pub fn exit_code_of(e: &anyhow::Error) -> u8 {
 }
 
 /// `zrun export`: consolidated f32 weights under the model's parameter names.
+/// Opens the checkpoint that `path` names: a checkpoint, or a directory of
+/// them (its newest). Bad ones are exit 2; where a directory's newest does
+/// not open (a shard's size or checksum, a damaged manifest), the message
+/// also names the newest one that does, to be given by name: never a silent
+/// step back to older weights.
+pub(crate) fn open_checkpoint(path: &Path) -> anyhow::Result<zckpt::Checkpoint> {
+    let bad = |e: zckpt::CkptError| Failure::bad_input(e.to_string());
+    let dir = zckpt::resolve(path).map_err(bad)?;
+    match zckpt::Checkpoint::open(&dir) {
+        Ok(ckpt) => Ok(ckpt),
+        Err(e) if dir != path => {
+            let older = zckpt::list(path)
+                .into_iter()
+                .rev()
+                .skip(1)
+                .find_map(|d| zckpt::Checkpoint::open(&d).ok());
+            let instead = match older {
+                Some(c) => format!(
+                    "the newest checkpoint in {} that opens is {}: give it by name to use it",
+                    path.display(),
+                    c.dir.display()
+                ),
+                None => format!("no checkpoint in {} opens", path.display()),
+            };
+            Err(Failure::bad_input(format!("{e}; {instead}")))
+        }
+        Err(e) => Err(bad(e)),
+    }
+}
+
 /// `zrun sample`: checks the arguments and the checkpoint, then runs
 /// `zworker sample`. A byte-level model's output goes straight to the
 /// terminal; with `--tokenizer`, zrun encodes the prompt, reads the drawn ids
 /// and prints their text as it grows.
 fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
-    let bad = |e: zckpt::CkptError| Failure::bad_input(e.to_string());
-    let dir = zckpt::resolve(&args.checkpoint).map_err(bad)?;
-    let ckpt = zckpt::Checkpoint::open(&dir).map_err(bad)?;
+    let ckpt = open_checkpoint(&args.checkpoint)?;
+    let dir = ckpt.dir.clone();
     let vocab = ckpt.manifest.model.vocab_size;
     let tokenizer = match &args.tokenizer {
         Some(path) => Some(prepare::load_tokenizer(path, vocab)?),
@@ -238,9 +268,8 @@ pub(crate) fn keep_existing(
 }
 
 fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
-    let bad = |e: zckpt::CkptError| Failure::bad_input(e.to_string());
-    let dir = zckpt::resolve(&args.checkpoint).map_err(bad)?;
-    let ckpt = zckpt::Checkpoint::open(&dir).map_err(bad)?;
+    let ckpt = open_checkpoint(&args.checkpoint)?;
+    let dir = ckpt.dir.clone();
     // Writing into the checkpoint being read could replace one of its shards.
     let hf = args.format == cli::ExportFormat::Hf;
     if hf && args.out.is_file() {
@@ -283,7 +312,7 @@ fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
         true => ckpt.export_hf(&args.out),
         false => ckpt.export(&args.out),
     }
-    .map_err(bad)?;
+    .map_err(|e| Failure::bad_input(e.to_string()))?;
     say!(
         "zrun: wrote {n} parameters (step {}, {} ranks, stage {}) to {}",
         ckpt.manifest.step,

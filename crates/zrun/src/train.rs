@@ -360,13 +360,11 @@ fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<(
             "--resume auto: {why}; {instead}"
         )));
     }
-    let dir = zckpt::resolve(std::path::Path::new(arg))
+    let ckpt = crate::open_checkpoint(Path::new(arg))
         .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
-    let ckpt =
-        zckpt::Checkpoint::open(&dir).map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
     ckpt.check_model(&spec.model)
         .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
-    Ok(Some((dir.display().to_string(), ckpt.manifest.step)))
+    Ok(Some((ckpt.dir.display().to_string(), ckpt.manifest.step)))
 }
 
 /// `model.init_from` must hold every parameter of the model under zrun's or
