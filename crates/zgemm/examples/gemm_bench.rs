@@ -18,7 +18,9 @@
 //! several threads, see PERFORMANCE.md's thirty-seventh sitting).
 //!
 //! `OPENBLAS_LIB=/path/to/libopenblas.so` (numpy's: `numpy.libs/` in its
-//! site-packages) times zgemm's fastest kernel against OpenBLAS's
+//! site-packages) times zgemm's fastest kernel (or the first f32 one
+//! `GEMM_KERNELS` names: `GEMM_KERNELS=Avx2` beside
+//! `OPENBLAS_CORETYPE=Haswell` sets AVX2 against AVX2) against OpenBLAS's
 //! `cblas_sgemm` instead, the two alternated call by call in this one
 //! process, so that a noisy neighbour's drift falls on both alike (separate
 //! processes minutes apart swung 0.5-1.2x on a shared 2-core host). Prints
@@ -65,8 +67,14 @@ fn main() {
         .map(|r| r.parse().expect("GEMM_REPS: a number"));
     if let Ok(lib) = std::env::var("OPENBLAS_LIB") {
         let blas = openblas::Sgemm::open(&lib);
+        // The first kernel GEMM_KERNELS names, else the fastest.
+        let kernel = kernels
+            .iter()
+            .copied()
+            .find(|k| !k.is_bf16())
+            .unwrap_or(Kernel::best());
         for &t in &threads {
-            versus_openblas(&blas, t, &only, reps_set.unwrap_or(30));
+            versus_openblas(&blas, kernel, t, &only, reps_set.unwrap_or(30));
         }
         return;
     }
@@ -160,7 +168,7 @@ fn f32_product(kernel: Kernel, c: MatMut, a: MatRef, b: MatRef, row_major_b: boo
 /// zgemm and OpenBLAS on every shape at `t` threads, `reps` calls each,
 /// alternated call by call (who goes first alternating too), each call
 /// after a 2 ms pause so that both start from idle threads.
-fn versus_openblas(blas: &openblas::Sgemm, t: usize, only: &str, reps: usize) {
+fn versus_openblas(blas: &openblas::Sgemm, kernel: Kernel, t: usize, only: &str, reps: usize) {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(t)
         .build()
@@ -190,7 +198,7 @@ fn versus_openblas(blas: &openblas::Sgemm, t: usize, only: &str, reps: usize) {
                 if side == 0 {
                     pool.install(|| {
                         let cv = MatMut::row_major(&mut c, m, n).expect("C's shape");
-                        f32_product(Kernel::best(), cv, av, bv, !tb, t);
+                        f32_product(kernel, cv, av, bv, !tb, t);
                     });
                 } else {
                     blas.row_major(ta, tb, m, n, k, &a, &b, &mut c_blas);
