@@ -142,7 +142,6 @@ pub fn exit_code_of(e: &anyhow::Error) -> u8 {
     exit::TRAINING_FAILED
 }
 
-/// `zrun export`: consolidated f32 weights under the model's parameter names.
 /// Opens the checkpoint that `path` names: a checkpoint, or a directory of
 /// them (its newest). Bad ones are exit 2; where a directory's newest does
 /// not open (a shard's size or checksum, a damaged manifest), the message
@@ -267,6 +266,7 @@ pub(crate) fn keep_existing(
     }
 }
 
+/// `zrun export`: consolidated f32 weights under the model's parameter names.
 fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
     let ckpt = open_checkpoint(&args.checkpoint)?;
     let dir = ckpt.dir.clone();
