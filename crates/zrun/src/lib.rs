@@ -142,6 +142,26 @@ pub fn exit_code_of(e: &anyhow::Error) -> u8 {
     exit::TRAINING_FAILED
 }
 
+/// The newest complete checkpoint in `root` that opens (every shard's size
+/// and CRC as its manifest says) and that `fits` accepts, if any, and why
+/// each newer one did not.
+pub(crate) fn newest_that_opens(
+    root: &Path,
+    fits: impl Fn(&zckpt::Checkpoint) -> Result<(), String>,
+) -> (Option<zckpt::Checkpoint>, Vec<String>) {
+    let mut passed_over = Vec::new();
+    for dir in zckpt::list(root).into_iter().rev() {
+        match zckpt::Checkpoint::open(&dir).map_err(|e| e.to_string()) {
+            Ok(c) => match fits(&c) {
+                Ok(()) => return (Some(c), passed_over),
+                Err(why) => passed_over.push(why),
+            },
+            Err(why) => passed_over.push(why),
+        }
+    }
+    (None, passed_over)
+}
+
 /// Opens the checkpoint that `path` names: a checkpoint, or a directory of
 /// them (its newest). Bad ones are exit 2; where a directory's newest does
 /// not open (a shard's size or checksum, a damaged manifest), the message
@@ -150,25 +170,25 @@ pub fn exit_code_of(e: &anyhow::Error) -> u8 {
 pub(crate) fn open_checkpoint(path: &Path) -> anyhow::Result<zckpt::Checkpoint> {
     let bad = |e: zckpt::CkptError| Failure::bad_input(e.to_string());
     let dir = zckpt::resolve(path).map_err(bad)?;
-    match zckpt::Checkpoint::open(&dir) {
-        Ok(ckpt) => Ok(ckpt),
-        Err(e) if dir != path => {
-            let older = zckpt::list(path)
-                .into_iter()
-                .rev()
-                .skip(1)
-                .find_map(|d| zckpt::Checkpoint::open(&d).ok());
-            let instead = match older {
-                Some(c) => format!(
-                    "the newest checkpoint in {} that opens is {}: give it by name to use it",
-                    path.display(),
-                    c.dir.display()
-                ),
-                None => format!("no checkpoint in {} opens", path.display()),
-            };
-            Err(Failure::bad_input(format!("{e}; {instead}")))
-        }
-        Err(e) => Err(bad(e)),
+    if dir == path {
+        return zckpt::Checkpoint::open(&dir).map_err(bad);
+    }
+    let (ckpt, passed_over) = newest_that_opens(path, |_| Ok(()));
+    let why = passed_over
+        .first()
+        .map(|w| format!("{w}; "))
+        .unwrap_or_default();
+    match (ckpt, why.is_empty()) {
+        (Some(c), true) => Ok(c),
+        (Some(c), false) => Err(Failure::bad_input(format!(
+            "{why}the newest checkpoint in {} that opens is {}: give it by name to use it",
+            path.display(),
+            c.dir.display()
+        ))),
+        (None, _) => Err(Failure::bad_input(format!(
+            "{why}no checkpoint in {} opens",
+            path.display()
+        ))),
     }
 }
 

@@ -298,34 +298,19 @@ fn without_node_of(topo: &Topology, rank: usize) -> Option<Topology> {
     (!rest.nodes.is_empty()).then_some(rest)
 }
 
-/// The newest of the job's complete checkpoints that opens (every shard's
-/// size and CRC as its manifest says) and holds this model, if any, and why
-/// each newer one did not: a restart goes back past a damaged save rather
-/// than give up the run's progress, and `--resume auto` names it.
+/// The newest of the job's checkpoints that opens and holds this model,
+/// and why each newer one did not ([`crate::newest_that_opens`]): a restart
+/// goes back past a damaged save rather than give up the run's progress,
+/// and `--resume auto` names it.
 fn newest_intact(spec: &zconfig::JobSpec) -> (Option<(String, u64)>, Vec<String>) {
-    let mut passed_over = Vec::new();
     let Some(root) = spec.checkpoint.dir.as_ref() else {
-        return (None, passed_over);
+        return (None, Vec::new());
     };
-    for dir in zckpt::list(Path::new(root)).into_iter().rev() {
-        let ckpt = zckpt::Checkpoint::open(&dir)
-            .map_err(|e| e.to_string())
-            .and_then(|c| {
-                c.check_model(&spec.model)
-                    .map(|()| c)
-                    .map_err(|e| e.to_string())
-            });
-        match ckpt {
-            Ok(c) => {
-                return (
-                    Some((dir.display().to_string(), c.manifest.step)),
-                    passed_over,
-                )
-            }
-            Err(e) => passed_over.push(e),
-        }
-    }
-    (None, passed_over)
+    let (ckpt, passed_over) = crate::newest_that_opens(Path::new(root), |c| {
+        c.check_model(&spec.model).map_err(|e| e.to_string())
+    });
+    let found = ckpt.map(|c| (c.dir.display().to_string(), c.manifest.step));
+    (found, passed_over)
 }
 
 /// `--resume DIR|auto` → a verified checkpoint of this model (bad ones: exit 2).
