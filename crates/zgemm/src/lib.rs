@@ -688,6 +688,23 @@ impl Kernel {
         n.div_ceil(blocks).next_multiple_of(unit)
     }
 
+    /// Whether the tasks of a block of depth share one packing of `A` (all
+    /// its rows, packed before the tasks, each row block by one thread)
+    /// where `A` is packed (`a_packed`) and more than one task takes each
+    /// row block ([`task_splits`]), instead of each task packing its rows
+    /// again. That repeated packing was what the weight gradients `xᵀ·dy`
+    /// with 384 rows paid for splitting `B`'s panels between the threads;
+    /// shared, the split costs nothing extra, and it is taken wherever `A`
+    /// has few row blocks. AVX-512 on a Sapphire Rapids, two threads,
+    /// alternated call by call (medians of 55 calls, six rounds with and
+    /// without column sums): 384 × 2048 · 2048 × 1152 1.02-1.04x, × 384
+    /// 1.03-1.11x, × 1536 (which took whole rows before) 1.04-1.07x, the
+    /// 1536-row one (one task a row block) level. The AVX2 kernel on the
+    /// same cores measured level to 3% slower with it, and packs its own.
+    fn shares_packed_a(self, a_packed: bool) -> bool {
+        a_packed && self == Kernel::Avx512
+    }
+
     /// Rows of a packed `A` block (`mc × KC` floats stay in L2).
     fn mc(self) -> usize {
         self.mr() * 16
@@ -968,6 +985,8 @@ pub(crate) fn drive(
     // Taken, not borrowed: while this thread waits for the tasks, rayon may
     // run another job on it that multiplies too.
     let mut packed_b = PACKED_B.take();
+    let mut shared_a_buf = SHARED_A.take();
+    let mr = kernel.mr();
     for jc in (0..n).step_by(col_block) {
         let nc = col_block.min(n - jc);
         let panels = nc.div_ceil(nr);
@@ -1017,6 +1036,28 @@ pub(crate) fn drive(
                     .for_each(pack),
                 (false, s, _) => pack(((0, b_block), s)),
             }
+            let m_blocks = m.div_ceil(mc);
+            let share_a = threads > 1 && kernel.shares_packed_a(a.cs != 1);
+            let splits = task_splits(
+                kernel,
+                a.cs != 1,
+                share_a,
+                m_blocks,
+                panels * nr * kc * 4,
+                panels,
+                threads,
+                l2_bytes(),
+            );
+            // Each row block packed once, by one task, and read by every
+            // task of its rows (`Kernel::shares_packed_a`).
+            let shared_a = (share_a && splits > 1).then(|| {
+                let all = aligned(&mut shared_a_buf, m.div_ceil(mr) * mr * kc);
+                all.par_chunks_mut(mc * kc)
+                    .enumerate()
+                    .with_max_len(TASK_LEAF)
+                    .for_each(|(ib, dst)| pack_a_block(&a, ib * mc, pc, kc, mr, dst));
+                &*all
+            });
             let pass = Pass {
                 kernel,
                 c: SendPtr(c.ptr),
@@ -1024,6 +1065,7 @@ pub(crate) fn drive(
                 m,
                 n,
                 a,
+                shared_a,
                 pc,
                 kc,
                 b: b_block,
@@ -1036,16 +1078,6 @@ pub(crate) fn drive(
                 transposed_a_in_place: false,
                 rounded,
             };
-            let m_blocks = m.div_ceil(mc);
-            let splits = task_splits(
-                kernel,
-                a.cs != 1,
-                m_blocks,
-                panels * nr * kc * 4,
-                panels,
-                threads,
-                l2_bytes(),
-            );
             let task = |t: usize| {
                 let (s, ib) = (t / m_blocks, t % m_blocks);
                 pass.rows(ib * mc, mc.min(m - ib * mc), chunk(panels, splits, s));
@@ -1062,13 +1094,15 @@ pub(crate) fn drive(
         }
     }
     PACKED_B.set(packed_b);
+    SHARED_A.set(shared_a_buf);
     Ok(())
 }
 
 /// Into how many ranges of `B`'s `panels` (`panel_bytes` in all) the
 /// tasks of one block of depth cut each of `A`'s `m_blocks` row blocks
-/// (`a_packed`: `A` is packed by each task) on `threads` threads, `l2`
-/// bytes of L2 a core. Each task is a row block × a range of panels,
+/// (`a_packed`: `A` is packed, by each task or, `a_shared`, once for all
+/// of them: [`Kernel::shares_packed_a`]) on `threads` threads, `l2` bytes
+/// of L2 a core. Each task is a row block × a range of panels,
 /// enough of them that every thread has two, numbered so that rayon's
 /// halving hands each thread its own range of panels (half the packed `B`
 /// each to stream) where `A` needs no packing, which a task of each range
@@ -1090,8 +1124,10 @@ pub(crate) fn drive(
 /// rounds: 0.94-1.04x, 384 columns 0.98-1.04x) and 1.01-1.11x with other
 /// processes busy on one of the cores (three rounds), where a thread's
 /// packing is what the busy core runs slowest. On the Sapphire Rapids it
-/// moves one of the model's products, 384 × 2048 · 2048 × 1536 (a share
-/// of 1.15 MiB), unmeasured there.
+/// moved one of the model's products, 384 × 2048 · 2048 × 1536 (a share
+/// of 1.15 MiB), to whole rows, until its `A` was packed once for both
+/// threads: with nothing repeated, the panels are split again there
+/// (`a_shared`, 1.04-1.07x).
 ///
 /// AMX's tasks take whole rows of `C` wherever each thread can have its
 /// own blocks of them (its row blocks are cut to fit): two threads writing
@@ -1102,9 +1138,11 @@ pub(crate) fn drive(
 /// size, and half of it each is what they gain.)
 ///
 /// Which tiles share a task changes no element's sums.
+#[allow(clippy::too_many_arguments)]
 fn task_splits(
     kernel: Kernel,
     a_packed: bool,
+    a_shared: bool,
     m_blocks: usize,
     panel_bytes: usize,
     panels: usize,
@@ -1115,7 +1153,7 @@ fn task_splits(
     match threads {
         1 => 1,
         _ if kernel == Kernel::AmxBf16 && m_blocks >= threads => 1,
-        _ if a_packed && m_blocks.is_multiple_of(threads) && !share_in_l2 => 1,
+        _ if a_packed && !a_shared && m_blocks.is_multiple_of(threads) && !share_in_l2 => 1,
         _ if !a_packed || m_blocks <= 2 * threads => threads.max((2 * threads).div_ceil(m_blocks)),
         _ => (2 * threads).div_ceil(m_blocks),
     }
@@ -1380,6 +1418,7 @@ fn multiply_packed(
             m,
             n,
             a,
+            shared_a: None,
             pc,
             kc,
             b: &b[pc * nr..],
@@ -1406,6 +1445,9 @@ struct Pass<'a> {
     m: usize,
     n: usize,
     a: MatRef<'a>,
+    /// All of `A`'s rows for this block, packed ([`pack_a_block`]) once
+    /// for every task, or `None`: each task packs its own rows.
+    shared_a: Option<&'a [f32]>,
     /// The block: `A`'s columns (`B`'s rows) `pc..pc + kc`.
     pc: usize,
     kc: usize,
@@ -1456,7 +1498,6 @@ impl Pass<'_> {
         let mut scratch = std::mem::MaybeUninit::<ScratchTile>::uninit();
         let scratch_ptr = scratch.as_mut_ptr().cast::<f32>();
         let tall = mlen.div_ceil(mr);
-        let packed_a = aligned(&mut packed_a_buf, tall * mr * kc);
         // Whole panels of A are read in place where the kernel can take A's
         // strides; the rest are packed.
         // (AMX's kernel reads whole panels of A, whose rows gemm_bf16 pads.)
@@ -1464,16 +1505,23 @@ impl Pass<'_> {
             (rows == mr || kernel == Kernel::AmxBf16)
                 && (a.cs == 1 || (self.transposed_a_in_place && a.rs == 1))
         };
-        if a.rs == 1 && a.cs != 1 && !in_place(mr) {
-            pack_a_transposed(a, i0, mlen, pc, kc, mr, &mut packed_a[..tall * mr * kc]);
-        } else {
-            for (q, dst) in packed_a[..tall * mr * kc].chunks_mut(mr * kc).enumerate() {
-                let rows = mr.min(mlen - q * mr);
-                if !in_place(rows) {
-                    pack_a(a, i0 + q * mr, rows, pc, kc, mr, dst);
+        let packed_a: &[f32] = match self.shared_a {
+            Some(all) => &all[i0 / mr * mr * kc..][..tall * mr * kc],
+            None => {
+                let packed_a = aligned(&mut packed_a_buf, tall * mr * kc);
+                if a.rs == 1 && a.cs != 1 && !in_place(mr) {
+                    pack_a_transposed(a, i0, mlen, pc, kc, mr, packed_a);
+                } else {
+                    for (q, dst) in packed_a.chunks_mut(mr * kc).enumerate() {
+                        let rows = mr.min(mlen - q * mr);
+                        if !in_place(rows) {
+                            pack_a(a, i0 + q * mr, rows, pc, kc, mr, dst);
+                        }
+                    }
                 }
+                packed_a
             }
-        }
+        };
         let tile = |p: usize, q: usize| {
             let j = self.jc + p * nr;
             let cols = nr.min(self.n - j);
@@ -1550,6 +1598,8 @@ thread_local! {
     static PACKED_A: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The calling thread's packed `B` block.
     static PACKED_B: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's packed `A` shared by a block's tasks.
+    static SHARED_A: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Makes `v` at least `len` long. Never shorter: products of alternating
@@ -1590,6 +1640,22 @@ fn chunk(len: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
     let (base, extra) = (len / parts, len % parts);
     let start = i * base + i.min(extra);
     start..start + base + usize::from(i < extra)
+}
+
+/// Packs the rows of `a` from `i0` that `dst` has panels for (`dst.len() /
+/// (mr·kc)` panels, the last cut at `a`'s last row), columns `pc..pc+kc`, as
+/// a task that packs its own rows would (`Pass::rows`): the same layout and
+/// values, for a block's tasks to share. `a` is not row-major (every panel
+/// is packed).
+fn pack_a_block(a: &MatRef, i0: usize, pc: usize, kc: usize, mr: usize, dst: &mut [f32]) {
+    let mlen = (dst.len() / kc).min(a.rows - i0);
+    if a.rs == 1 {
+        pack_a_transposed(a, i0, mlen, pc, kc, mr, dst);
+    } else {
+        for (q, dst) in dst.chunks_mut(mr * kc).enumerate() {
+            pack_a(a, i0 + q * mr, mr.min(mlen - q * mr), pc, kc, mr, dst);
+        }
+    }
 }
 
 /// Packs rows `i0..i0+rows` (`rows ≤ mr`), columns `p0..p0+kc` of `a` into

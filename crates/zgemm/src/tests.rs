@@ -52,7 +52,7 @@ fn operand<T: Copy>(data: &[T], rows: usize, cols: usize, transposed: bool) -> M
     }
 }
 
-const CASES: [Case; 9] = [
+const CASES: [Case; 10] = [
     Case {
         m: 1,
         n: 1,
@@ -113,6 +113,15 @@ const CASES: [Case; 9] = [
         m: 200,
         n: 48,
         k: 256,
+        a_t: true,
+        b_t: false,
+    },
+    // A transposed `A` of few row blocks and `B` of several panels: on two
+    // threads the tasks split the panels and share one packing of `A`.
+    Case {
+        m: 200,
+        n: 150,
+        k: 400,
         a_t: true,
         b_t: false,
     },
@@ -287,6 +296,7 @@ fn tasks_split_rows_where_a_threads_share_of_b_outgrows_l2() {
         task_splits(
             Kernel::Avx2,
             a_packed,
+            false,
             m_blocks,
             panels * 16 * KC * 4,
             panels,
@@ -301,9 +311,12 @@ fn tasks_split_rows_where_a_threads_share_of_b_outgrows_l2() {
     assert_eq!(split(true, 3, 2, zen3), 2);
     assert_eq!(split(false, 4, 2, zen3), 2);
     assert_eq!(split(true, 4, 1, zen3), 1);
+    // A packed once for every task: nothing repeated, the panels split.
+    let shared = task_splits(Kernel::Avx512, true, true, 4, 18 * 64 * KC * 4, 18, 2, zen3);
+    assert_eq!(shared, 2);
     // Never more ranges than panels.
     assert_eq!(
-        task_splits(Kernel::Avx2, false, 1, 16 * KC * 4, 1, 2, zen3),
+        task_splits(Kernel::Avx2, false, false, 1, 16 * KC * 4, 1, 2, zen3),
         1
     );
 }
