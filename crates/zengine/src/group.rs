@@ -29,6 +29,14 @@ pub(crate) struct Group {
     /// Partitioned gradients: this micro-batch's full gradient until its bucket
     /// leaves.
     pub(crate) staging: Option<Flat>,
+    /// `grads` still holds the last step's gradients, which count as zero:
+    /// the next micro-batch's first gradients are written over them
+    /// ([`Flat::set_parts`]) rather than added, and anything else that
+    /// reads or writes `grads` first zeroes it ([`Group::settled_grads`]).
+    /// The step leaves a full in-memory buffer this way instead of zeroing
+    /// it (a pass of its own, and the first micro-batch's adds read the
+    /// zeros back).
+    pub(crate) zero_owed: bool,
     /// Adam's moments of the region this rank updates.
     pub(crate) exp_avg: Vec<f32>,
     pub(crate) exp_avg_sq: Vec<f32>,
@@ -62,12 +70,32 @@ impl Group {
             master: None,
             grads: Flat::zeros(half, grads),
             staging: None,
+            zero_owed: false,
             exp_avg: vec![0f32; moments],
             exp_avg_sq: vec![0f32; moments],
             layout,
         };
         group.install(full, rank, stage, half);
         group
+    }
+
+    /// `grads`, zeroed first if the zero is owed ([`Group::zero_owed`]).
+    pub(crate) fn settled_grads(&mut self) -> &mut Flat {
+        if std::mem::take(&mut self.zero_owed) {
+            self.grads.fill_zero();
+        }
+        &mut self.grads
+    }
+
+    /// Clears `grads` after a step: a full buffer (`full`: the stage keeps
+    /// whole gradients, in memory) owes its zero to the next micro-batch's
+    /// first write; any other is zeroed now.
+    pub(crate) fn clear_grads(&mut self, full: bool) {
+        if full && self.grads.len() == self.layout.padded {
+            self.zero_owed = true;
+        } else {
+            self.grads.fill_zero();
+        }
     }
 
     /// The flat range this rank updates: everything at stage 0, else its slice.

@@ -301,7 +301,7 @@ impl Engine {
         let half = self.half;
         let group = &mut self.groups[g];
         if !self.stage.partitions_gradients() {
-            return &mut group.grads;
+            return group.settled_grads();
         }
         let comm_buffers = &mut self.comm_buffers;
         group.staging.get_or_insert_with(|| {
@@ -367,12 +367,16 @@ impl Engine {
                 problem: format!("{} gradients for {} parameters", grads.len(), slots.len()),
             });
         }
-        if self.stage.partitions_gradients() && self.groups[g].staging.is_none() {
-            // The group's first gradients this micro-batch: its staging
-            // buffer made from them in one pass (`Flat::with_parts`: the
-            // bits of zeroing it and adding them, without the zeroing pass
-            // and the read-modify-write; 2.4% and 0.8% of a bf16 stage-3
-            // step's samples before).
+        let partitioned = self.stage.partitions_gradients();
+        if (partitioned && self.groups[g].staging.is_none())
+            || (!partitioned && self.groups[g].zero_owed)
+        {
+            // The group's first gradients: its staging buffer made from
+            // them in one pass (`Flat::with_parts`: the bits of zeroing it
+            // and adding them, without the zeroing pass and the
+            // read-modify-write; 2.4% and 0.8% of a bf16 stage-3 step's
+            // samples before), or its full buffer, which holds the last
+            // step's, written over the same way (`Flat::set_parts`).
             let tensors = grads
                 .iter()
                 .map(|t| t.contiguous())
@@ -384,10 +388,15 @@ impl Engine {
                 parts.push((slot.range.start, values));
             }
             parts.sort_by_key(|(at, _)| *at);
-            let padded = self.groups[g].layout.padded;
-            if let Some(staging) = Flat::with_parts(self.half, padded, &parts) {
+            let group = &mut self.groups[g];
+            if !partitioned {
+                if group.grads.set_parts(&parts) {
+                    group.zero_owed = false;
+                    return Ok(());
+                }
+            } else if let Some(staging) = Flat::with_parts(self.half, group.layout.padded, &parts) {
                 self.comm_buffers.add(staging.bytes());
-                self.groups[g].staging = Some(staging);
+                group.staging = Some(staging);
                 return Ok(());
             }
         }

@@ -131,38 +131,35 @@ impl Flat {
     /// group's gradients. `None` where the parts are out of order, overlap
     /// or run past `n`.
     pub fn with_parts(kind: Option<Half>, n: usize, parts: &[(usize, &[f32])]) -> Option<Flat> {
-        let mut end = 0;
-        for (at, values) in parts {
-            if *at < end || at + values.len() > n {
-                return None;
+        let mut flat = match kind {
+            None => Flat::F32(Vec::with_capacity(n)),
+            Some(h) => Flat::Half(h, Vec::with_capacity(n)),
+        };
+        match &mut flat {
+            Flat::F32(v) => {
+                write_parts(&mut v.spare_capacity_mut()[..n], None, parts)?;
+                // SAFETY: write_parts wrote each of the first n elements.
+                unsafe { v.set_len(n) };
             }
-            end = at + values.len();
+            Flat::Half(h, v) => {
+                write_parts(&mut v.spare_capacity_mut()[..n], Some(*h), parts)?;
+                // SAFETY: as above.
+                unsafe { v.set_len(n) };
+            }
         }
-        Some(match kind {
-            None => Flat::F32(filled(n, parts, 0.0, |v, out| {
-                for (o, &v) in out.iter_mut().zip(v) {
-                    o.write(0.0 + v);
-                }
-            })),
-            Some(h) => Flat::Half(
-                h,
-                filled(n, parts, 0, |v, out| {
-                    // As `add_f32` does it: the sums in a block of f32,
-                    // rounded by `round_slice`.
-                    let (mut wide, mut bits) = ([0f32; BLOCK], [0u16; BLOCK]);
-                    for (v, out) in v.chunks(BLOCK).zip(out.chunks_mut(BLOCK)) {
-                        let (wide, bits) = (&mut wide[..v.len()], &mut bits[..v.len()]);
-                        for (w, &v) in wide.iter_mut().zip(v) {
-                            *w = 0.0 + v;
-                        }
-                        h.round_slice(wide, bits);
-                        for (o, &b) in out.iter_mut().zip(bits.iter()) {
-                            o.write(b);
-                        }
-                    }
-                }),
-            ),
-        })
+        Some(flat)
+    }
+
+    /// [`Flat::with_parts`] over this buffer's own elements: the bits of
+    /// [`Flat::fill_zero`] followed by [`Flat::add_f32`] of each part, in one
+    /// pass that reads nothing back. `false` (and nothing written) where the
+    /// parts are out of order, overlap or run past the end.
+    pub fn set_parts(&mut self, parts: &[(usize, &[f32])]) -> bool {
+        match self {
+            Flat::F32(v) => write_parts(as_uninit(v), None, parts),
+            Flat::Half(h, v) => write_parts(as_uninit(v), Some(*h), parts),
+        }
+        .is_some()
     }
 
     /// The working type: `None` for f32.
@@ -419,19 +416,68 @@ impl Flat {
     }
 }
 
-/// [`Flat::with_parts`]' elements: `n` of them, `zero` outside the parts
-/// (in order and apart, inside `n`: checked by the caller), `write(values,
-/// out)` converting a run of a part's values into `out`; tasks of [`TASK`]
-/// elements spread over the pool.
-fn filled<T: Copy + Send + Sync>(
-    n: usize,
+/// An element type of a [`Flat`]: f32, or 16-bit bits of `Half`.
+trait Element: Copy + Send + Sync {
+    const ZERO: Self;
+    /// `0 + v` for each of `values` into `out`, rounded to `half` (16-bit
+    /// elements; f32 ones take `None`), as [`Flat::add_f32`] makes it.
+    fn write_sums(half: Option<Half>, values: &[f32], out: &mut [MaybeUninit<Self>]);
+}
+
+impl Element for f32 {
+    const ZERO: f32 = 0.0;
+    fn write_sums(_: Option<Half>, values: &[f32], out: &mut [MaybeUninit<f32>]) {
+        for (o, &v) in out.iter_mut().zip(values) {
+            o.write(0.0 + v);
+        }
+    }
+}
+
+impl Element for u16 {
+    const ZERO: u16 = 0;
+    fn write_sums(half: Option<Half>, values: &[f32], out: &mut [MaybeUninit<u16>]) {
+        let h = half.expect("16-bit elements have a half type");
+        // As `add_f32` does it: the sums in a block of f32, rounded by
+        // `round_slice`.
+        let (mut wide, mut bits) = ([0f32; BLOCK], [0u16; BLOCK]);
+        for (v, out) in values.chunks(BLOCK).zip(out.chunks_mut(BLOCK)) {
+            let (wide, bits) = (&mut wide[..v.len()], &mut bits[..v.len()]);
+            for (w, &v) in wide.iter_mut().zip(v) {
+                *w = 0.0 + v;
+            }
+            h.round_slice(wide, bits);
+            for (o, &b) in out.iter_mut().zip(bits.iter()) {
+                o.write(b);
+            }
+        }
+    }
+}
+
+/// Initialised elements as slots to write over (each gets a new value).
+fn as_uninit<T: Copy>(v: &mut [T]) -> &mut [MaybeUninit<T>] {
+    // SAFETY: MaybeUninit<T> has T's layout, and every slot already holds
+    // an initialised T; writers only store initialised values (T is Copy,
+    // nothing to drop).
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len()) }
+}
+
+/// Writes [`Flat::with_parts`]' elements into `out`: `0 + v` (rounded to
+/// `half`) inside the parts, zero outside them, in tasks of [`TASK`]
+/// elements spread over the pool. `None`, with nothing written, where the
+/// parts are out of order, overlap or run past `out`.
+fn write_parts<T: Element>(
+    out: &mut [MaybeUninit<T>],
+    half: Option<Half>,
     parts: &[(usize, &[f32])],
-    zero: T,
-    write: impl Fn(&[f32], &mut [MaybeUninit<T>]) + Sync,
-) -> Vec<T> {
-    let mut out = Vec::with_capacity(n);
-    out.spare_capacity_mut()[..n]
-        .par_chunks_mut(TASK)
+) -> Option<()> {
+    let mut end = 0;
+    for (at, values) in parts {
+        if *at < end || at + values.len() > out.len() {
+            return None;
+        }
+        end = at + values.len();
+    }
+    out.par_chunks_mut(TASK)
         .enumerate()
         .for_each(|(task, chunk)| {
             let c0 = task * TASK;
@@ -441,16 +487,13 @@ fn filled<T: Copy + Send + Sync>(
             let first = parts.partition_point(|(p, v)| p + v.len() <= c0);
             for (p, v) in parts[first..].iter().take_while(|(p, _)| *p < c1) {
                 let (from, to) = ((*p).max(c0), (p + v.len()).min(c1));
-                chunk[at - c0..from - c0].fill(MaybeUninit::new(zero));
-                write(&v[from - p..to - p], &mut chunk[from - c0..to - c0]);
+                chunk[at - c0..from - c0].fill(MaybeUninit::new(T::ZERO));
+                T::write_sums(half, &v[from - p..to - p], &mut chunk[from - c0..to - c0]);
                 at = to;
             }
-            chunk[at - c0..].fill(MaybeUninit::new(zero));
+            chunk[at - c0..].fill(MaybeUninit::new(T::ZERO));
         });
-    // SAFETY: the tasks wrote each of the first `n` elements: every task
-    // its whole chunk, the parts' runs and the zeros between and after them.
-    unsafe { out.set_len(n) };
-    out
+    Some(())
 }
 
 /// Sums of [`Flat::sum_sq`] run side by side.
@@ -668,6 +711,13 @@ mod tests {
                 };
                 assert_eq!(got.kind(), kind);
                 assert!(bits(&got) == bits(&want), "{kind:?}, {threads} threads");
+                // Over a buffer that holds a step's gradients already.
+                let mut old = Flat::from_f32(kind, &values(n, 5));
+                assert!(pool.install(|| old.set_parts(&parts)));
+                assert!(
+                    bits(&old) == bits(&want),
+                    "set, {kind:?}, {threads} threads"
+                );
             }
         }
         let refused = |parts: &[(usize, &[f32])]| Flat::with_parts(None, n, parts).is_none();
@@ -675,6 +725,17 @@ mod tests {
         assert!(refused(&[(5, &a), (TASK + 304, &b)]), "overlapping");
         assert!(refused(&[(n - 10, &b)]), "past the end");
         assert!(!refused(&[(5, &a), (TASK + 305, &b), (n - 50, &b)]));
+        let kept_values = values(n, 6);
+        let mut kept = Flat::F32(kept_values.clone());
+        assert!(!kept.set_parts(&[(TASK + 400, &b), (5, &a)]));
+        let Flat::F32(after) = kept else {
+            unreachable!("an f32 buffer stays one")
+        };
+        let same = after
+            .iter()
+            .zip(&kept_values)
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "a refused set writes nothing");
     }
 
     #[test]

@@ -168,6 +168,9 @@ impl Engine {
         let layouts: Vec<GroupLayout> = self.groups.iter().map(|x| x.layout.clone()).collect();
         let out = self.reducer.buffer(self.reducer.buckets[bi].len);
         if !self.stage.partitions_gradients() {
+            for h in self.reducer.buckets[bi].groups.clone() {
+                self.groups[h].settled_grads();
+            }
             let views: Vec<&Flat> = self.groups.iter().map(|x| &x.grads).collect();
             return Ok(self.reducer.buckets[bi].pack(&layouts, &views, world, out));
         }

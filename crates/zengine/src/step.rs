@@ -85,6 +85,10 @@ impl Engine {
         }
         self.wait_for_reductions()?;
         self.check_swapped_grads()?;
+        // A group that got no gradient this step reads as zeros.
+        for g in &mut self.groups {
+            g.settled_grads();
+        }
         let step = self.step + 1;
         let loss_scale = self.scaler.as_ref().map(|s| s.scale);
         let grad_scale = self.average_gradients();
@@ -106,8 +110,9 @@ impl Engine {
             }
             self.share_updated_params()?;
         }
+        let full = !self.stage.partitions_gradients();
         for g in &mut self.groups {
-            g.grads.fill_zero();
+            g.clear_grads(full);
         }
         if let Some(o) = &mut self.offload {
             o.reset_grads();
