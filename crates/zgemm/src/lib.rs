@@ -42,7 +42,9 @@
 //! zero.)
 //!
 //! **Threads** (rayon, in the caller's pool) take blocks of `A`'s rows (and,
-//! when there are few, ranges of `B`'s panels); the packed `B` block is shared.
+//! when there are few, ranges of `B`'s panels); the packed `B` block is
+//! shared, and so, on AVX-512, is a packed `A` whose row blocks several
+//! tasks read (`Kernel::shares_packed_a`).
 //!
 //! **`B`'s column sums on the way** ([`gemm_summing_b`]): the packing reads
 //! every element of `B` once, so it can add up `B`'s columns as it goes; a
