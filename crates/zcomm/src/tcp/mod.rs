@@ -278,9 +278,23 @@ impl Communicator for TcpCommunicator {
                     ),
                 });
             }
-            let mut buf = crate::zeroed_large(total_len);
-            buf[own].copy_from_slice(&chunk);
-            gather_in_place(l, buf)
+            // Through the node's shared segment into a buffer the gather
+            // fills whole; else a zeroed one through the links.
+            let mut gathered = None;
+            let direct = l.direct(|d, c| {
+                let (bytes, buf) = d.all_gather_new(c, &chunk, total_len)?;
+                gathered = Some(buf);
+                Ok(bytes)
+            });
+            match direct {
+                Some(r) => r.map(|()| gathered.expect("a direct gather returns its buffer")),
+                None => {
+                    let mut buf = crate::zeroed_large(total_len);
+                    buf[own].copy_from_slice(&chunk);
+                    ring::all_gather(l, &mut buf)?;
+                    Ok(buf)
+                }
+            }
         })
     }
 
