@@ -740,8 +740,8 @@ impl Kernel {
         m.div_ceil(fewest.max(most)).div_ceil(self.mr()) * self.mr()
     }
 
-    /// Whether a task sweeps `B`'s panels for each row of tiles (`A`'s 32
-    /// rows stay in L1, the panels, `panel_bytes` in all, stream from L2)
+    /// Whether a task sweeps `B`'s panels for each row of tiles (its rows of
+    /// `A` stay in L1, the panels, `panel_bytes` in all, stream from L2)
     /// rather than the block's rows of tiles for each panel (the panel in
     /// L1, `A`'s rows from L2). AMX sweeps the panels wherever they fit in
     /// L2: its `A` rows are read in place 16 at a time, each tile load
@@ -754,9 +754,30 @@ impl Kernel {
     /// thread; a weight gradient whose 36 panels of 1024 pairs (4.7 MB)
     /// did not lost 8-14% sweeping them, hence the bound. The bf16 step
     /// 1.04-1.10x on one worker, 1.06-1.12x on two (six alternated rounds
-    /// each). Which tile runs when changes no element's sums.
-    fn a_rows_outside(self, panel_bytes: usize) -> bool {
-        self == Kernel::AmxBf16 && panel_bytes <= l2_bytes()
+    /// each).
+    ///
+    /// The f32 kernels sweep the panels too where `A`'s rows are read in
+    /// place (`a_in_place`: a row-major `A`; a packed one, the weight
+    /// gradients' `xᵀ`, keeps a panel in L1 and sweeps its rows): a tile's
+    /// six rows of `A` stay in L1 (9-24 KiB at depths 384-1024) and each
+    /// panel streams once a row of tiles from L2, where the other order
+    /// read `A`'s rows through L1 again for every panel and, at 1024 deep,
+    /// kept a panel (64 KiB on AVX2, 96 KiB and more on AVX-512) larger
+    /// than L1 anyway. Measured on a Sapphire Rapids-class host, alternated
+    /// call by call (medians of 30-40, the same bits): AVX-512 on one
+    /// thread 2048³ 1.024-1.035x and the model's untransposed products
+    /// 1.011-1.022x, on two threads 0.98-1.02x; AVX2 2048³ 1.066x on one
+    /// thread and 1.021x on two, the others 0.99-1.02x; the packed-`A`
+    /// products (left out) 0.94-0.97x with it on AVX-512. A transformer
+    /// block (f32, alternated in one process): 1.017-1.021x on one thread,
+    /// 0.998-1.008x on two. Which tile runs when changes no element's sums.
+    fn a_rows_outside(self, panel_bytes: usize, a_in_place: bool) -> bool {
+        let sweeps = match self {
+            Kernel::AmxBf16 => true,
+            Kernel::Avx512 | Kernel::Avx2 | Kernel::Portable => a_in_place,
+            Kernel::Avx512Bf16 | Kernel::PortableBf16 => false,
+        };
+        sweeps && panel_bytes <= l2_bytes()
     }
 
     /// Runs one tile: see [`kernels::Tile`].
@@ -1696,11 +1717,12 @@ impl Pass<'_> {
                 };
             }
         };
-        // Which tiles follow each other: AMX keeps a row of tiles (its `A`
-        // in L1) and sweeps `B`'s panels (from L2) where the task's panels
-        // fit in L2, else every kernel keeps a panel (in L1) and sweeps the
-        // block's rows of tiles (`Kernel::a_rows_outside`).
-        if kernel.a_rows_outside(panels.len() * nr * kc * 4) {
+        // Which tiles follow each other: AMX, and the f32 kernels where `A`
+        // is read in place, keep a row of tiles (its `A` in L1) and sweep
+        // `B`'s panels (from L2) where the task's panels fit in L2, else a
+        // kernel keeps a panel and sweeps the block's rows of tiles
+        // (`Kernel::a_rows_outside`).
+        if kernel.a_rows_outside(panels.len() * nr * kc * 4, a.cs == 1) {
             for q in 0..tall {
                 panels.clone().for_each(|p| tile(p, q));
             }
