@@ -65,6 +65,59 @@ fn a_killed_zrun_leaves_no_worker_behind() {
     }
 }
 
+/// A `--worker-bin` that runs zworker as its child instead of replacing
+/// itself, as `perf record` and `strace -f` do: the job trains as it does
+/// with zworker itself (the same losses), and when zrun is killed the
+/// workers under the wrappers still go.
+#[test]
+fn a_wrapped_worker_trains_and_still_dies_with_zrun() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let wrapper = dir.path().join("wrapped-zworker.sh");
+    // The command after zworker keeps the shell from exec-ing it.
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\n'{}' \"$@\"\nstatus=$?\nexit $status\n",
+            e2e::bin("zworker").display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let wrapped = ["--worker-bin", wrapper.to_str().unwrap()];
+
+    let job = small_job(dir.path(), "wrapped", 4);
+    let direct = dir.path().join("direct.jsonl");
+    let f = TrainArgs::new(&job, &direct).run(dir.path());
+    assert_eq!(f.code(), 0, "{f:?}");
+    let through = dir.path().join("through.jsonl");
+    let f = TrainArgs::new(&job, &through)
+        .args(&wrapped)
+        .run(dir.path());
+    assert_eq!(f.code(), 0, "through the wrapper: {f:?}");
+    let losses_direct = losses(&metrics(&direct));
+    assert_eq!(losses_direct.len(), 4);
+    assert_eq!(losses(&metrics(&through)), losses_direct);
+
+    let (z, _) = start_long_job(dir.path(), "wrapped-killed", &wrapped);
+    let wrappers = children_of(z.pid());
+    let workers = e2e::descendants_named(z.pid(), "zworker");
+    assert_eq!((wrappers.len(), workers.len()), (2, 2));
+    assert!(wrappers.iter().all(|w| !workers.contains(w)));
+    z.signal(Signal::SIGKILL);
+    let _ = z.wait(Duration::from_secs(10));
+    assert_gone(
+        &workers,
+        Duration::from_secs(10),
+        "under wrappers, after zrun was killed",
+    );
+    assert_gone(
+        &wrappers,
+        Duration::from_secs(5),
+        "the wrappers, after their workers",
+    );
+}
+
 /// `zrun train … | head -n 1`: the reader goes away after one line; zrun must
 /// neither panic nor stop training (its record is metrics.jsonl).
 #[test]

@@ -200,7 +200,9 @@ pub struct LaunchArgs {
     /// `MASTER_PORT`, else 29500).
     #[arg(long, value_name = "PORT")]
     pub master_port: Option<u16>,
-    /// Path of the zworker binary (default: next to zrun).
+    /// Path of the zworker binary (default: next to zrun); a wrapper that
+    /// runs zworker with the arguments it is given works too (a script
+    /// around `perf record -o out.data zworker "$@"`, to profile workers).
     #[arg(long, value_name = "PATH")]
     pub worker_bin: Option<PathBuf>,
 }

@@ -91,9 +91,16 @@ pub enum Ended {
 }
 
 /// A local worker (zrun sets `ZRUN_PARENT_PID`) asks the kernel to kill it
-/// when zrun dies: a second line of defence behind the control connection,
-/// whose loss also ends the worker, for a zrun killed before that connection
-/// exists. If zrun is already gone, the worker exits at once.
+/// when its parent dies: a second line of defence behind the control
+/// connection, whose loss also ends the worker, for a zrun killed before that
+/// connection exists. If zrun is already gone, the worker exits at once.
+///
+/// The parent may be a wrapper that `--worker-bin` names (`perf record`,
+/// `strace -f`, a script that runs zworker without `exec`): then the signal
+/// follows the wrapper, the control connection follows zrun, and the worker
+/// goes on while zrun's pid is alive. (It exited there until the
+/// fifty-ninth session: a profiled worker ended with code 1 before joining
+/// the job, and said nothing.)
 fn die_with_parent() {
     let Some(parent) = std::env::var("ZRUN_PARENT_PID")
         .ok()
@@ -101,9 +108,13 @@ fn die_with_parent() {
     else {
         return;
     };
-    if nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).is_ok()
-        && nix::unistd::getppid().as_raw() != parent
+    if nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).is_err()
+        || nix::unistd::getppid().as_raw() == parent
     {
+        return;
+    }
+    let zrun = nix::unistd::Pid::from_raw(parent);
+    if nix::sys::signal::kill(zrun, None) == Err(nix::errno::Errno::ESRCH) {
         std::process::exit(1);
     }
 }
