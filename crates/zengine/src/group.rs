@@ -11,7 +11,7 @@ use zconfig::ZeroStage;
 
 use crate::adam::{adamw_runs, AdamStep, Buffers, Grads};
 use crate::flat::GroupLayout;
-use crate::precision::{Flat, Half};
+use crate::precision::{resident_zeros, Flat, Half};
 
 /// One block's flat buffers on this rank.
 pub(crate) struct Group {
@@ -71,8 +71,8 @@ impl Group {
             grads: Flat::zeros(half, grads),
             staging: None,
             zero_owed: false,
-            exp_avg: vec![0f32; moments],
-            exp_avg_sq: vec![0f32; moments],
+            exp_avg: resident_zeros(moments),
+            exp_avg_sq: resident_zeros(moments),
             layout,
         };
         group.install(full, rank, stage, half);
