@@ -873,10 +873,7 @@ pub fn gemm_with(
     start: Start,
     threads: usize,
 ) -> Result<(), ShapeError> {
-    assert!(
-        Kernel::detected().contains(&kernel),
-        "the {kernel:?} GEMM kernel needs a CPU feature this one lacks, or is not an f32 kernel"
-    );
+    assert_f32_kernel(kernel);
     drive(
         kernel,
         c,
@@ -889,6 +886,15 @@ pub fn gemm_with(
         None,
         None,
     )
+}
+
+/// The panic [`gemm_with`] and [`gemm_finishing_with`] document: `kernel`
+/// must be an f32 kernel this CPU has.
+fn assert_f32_kernel(kernel: Kernel) {
+    assert!(
+        Kernel::detected().contains(&kernel),
+        "the {kernel:?} GEMM kernel needs a CPU feature this one lacks, or is not an f32 kernel"
+    );
 }
 
 /// What [`gemm_finishing`] hands each finished tile of `C` to. Called from
@@ -947,10 +953,7 @@ pub fn gemm_finishing_with(
     threads: usize,
     finish: &Finish,
 ) -> Result<(), ShapeError> {
-    assert!(
-        Kernel::detected().contains(&kernel),
-        "the {kernel:?} GEMM kernel needs a CPU feature this one lacks, or is not an f32 kernel"
-    );
+    assert_f32_kernel(kernel);
     drive(
         kernel,
         c,
