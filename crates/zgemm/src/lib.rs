@@ -1654,6 +1654,12 @@ impl Pass<'_> {
                 packed_a
             }
         };
+        // Which tiles follow each other: AMX, and the f32 kernels where `A`
+        // is read in place, keep a row of tiles (its `A` in L1) and sweep
+        // `B`'s panels (from L2) where the task's panels fit in L2, else a
+        // kernel keeps a panel and sweeps the block's rows of tiles
+        // (`Kernel::a_rows_outside`).
+        let rows_outside = kernel.a_rows_outside(panels.len() * nr * kc * 4, a.cs == 1);
         let tile = |p: usize, q: usize| {
             let j = self.jc + p * nr;
             let cols = nr.min(self.n - j);
@@ -1690,6 +1696,11 @@ impl Pass<'_> {
                 },
                 rows,
                 cols,
+                streams: if rows_outside {
+                    kernels::Streams::B
+                } else {
+                    kernels::Streams::A
+                },
             };
             kernel.tile(&t);
             if let Some(finish) = self.finish {
@@ -1720,12 +1731,7 @@ impl Pass<'_> {
                 };
             }
         };
-        // Which tiles follow each other: AMX, and the f32 kernels where `A`
-        // is read in place, keep a row of tiles (its `A` in L1) and sweep
-        // `B`'s panels (from L2) where the task's panels fit in L2, else a
-        // kernel keeps a panel and sweeps the block's rows of tiles
-        // (`Kernel::a_rows_outside`).
-        if kernel.a_rows_outside(panels.len() * nr * kc * 4, a.cs == 1) {
+        if rows_outside {
             for q in 0..tall {
                 panels.clone().for_each(|p| tile(p, q));
             }
