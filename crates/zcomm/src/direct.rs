@@ -333,20 +333,33 @@ impl Direct {
         own: &[f32],
         total: usize,
     ) -> Result<(u64, Vec<f32>), CommError> {
-        let mine = chunk_range(total, self.n, self.me);
-        assert_eq!(own.len(), mine.len(), "this rank's chunk of the gather");
         let mut buf: Vec<MaybeUninit<f32>> = Vec::with_capacity(total);
         // SAFETY: MaybeUninit needs no initialisation.
         unsafe { buf.set_len(total) };
+        let bytes = self.all_gather_into(c, own, &mut buf)?;
+        // SAFETY: `all_gather_into` wrote every element.
+        let buf = unsafe { assume_init(buf) };
+        Ok((bytes, buf))
+    }
+
+    /// An all-gather into `buf`, whose every element it writes: this rank's
+    /// chunk from `own`, the others from their ranks. Returns the bytes other
+    /// ranks read of this rank's data.
+    pub(crate) fn all_gather_into(
+        &mut self,
+        c: &Call,
+        own: &[f32],
+        buf: &mut [MaybeUninit<f32>],
+    ) -> Result<u64, CommError> {
+        let mine = chunk_range(buf.len(), self.n, self.me);
+        assert_eq!(own.len(), mine.len(), "this rank's chunk of the gather");
         for (d, &v) in buf[mine].iter_mut().zip(own) {
             d.write(v);
         }
-        self.begin(c, total, buf.as_ptr().cast())?;
-        let bytes = self.gather(c, &mut buf)?;
-        // SAFETY: this rank's chunk was written above, every other chunk by
-        // `gather` (its whole length, from the peer or through the slots).
-        let buf = unsafe { assume_init(buf) };
-        Ok((bytes, buf))
+        self.begin(c, buf.len(), buf.as_ptr().cast())?;
+        // Every other chunk is written by `gather` (its whole length, from
+        // the peer or through the slots).
+        self.gather(c, buf)
     }
 
     /// Whether a gather of `len` elements reads its peers directly (or tries

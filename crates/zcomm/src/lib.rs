@@ -253,6 +253,71 @@ pub(crate) fn zeroed_large(n: usize) -> Vec<f32> {
     v
 }
 
+/// Checks a 16-bit all-gather's arguments ([`Communicator::all_gather16_async`])
+/// and returns this rank's chunk of its words.
+pub(crate) fn chunk16(
+    total_len: usize,
+    chunk_len: usize,
+    world: usize,
+    rank: usize,
+) -> Result<std::ops::Range<usize>, CommError> {
+    let own = chunk_range(total_len / 2, world, rank);
+    if !total_len.is_multiple_of(2) || chunk_len != 2 * own.len() {
+        return Err(CommError::Usage {
+            op: "all_gather",
+            message: format!(
+                "rank {rank} holds {chunk_len} 16-bit elements; a gather of {total_len} \
+                 (an even count) gives it chunk {rank} of {} words, {} elements",
+                total_len / 2,
+                2 * own.len()
+            ),
+        });
+    }
+    Ok(own)
+}
+
+/// 16-bit elements as collective words: two a word, the first in the low
+/// half (on a little-endian CPU, the same memory).
+pub(crate) fn words_of_halves(halves: &[u16]) -> std::borrow::Cow<'_, [f32]> {
+    #[cfg(target_endian = "little")]
+    if let Ok(words) = bytemuck::try_cast_slice::<u16, f32>(halves) {
+        return std::borrow::Cow::Borrowed(words);
+    }
+    std::borrow::Cow::Owned(
+        halves
+            .chunks_exact(2)
+            .map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16)))
+            .collect(),
+    )
+}
+
+/// The 16-bit elements of collective words ([`words_of_halves`] undone).
+pub(crate) fn halves_of_words(words: &[f32]) -> Vec<u16> {
+    words
+        .iter()
+        .flat_map(|w| {
+            let b = w.to_bits();
+            [b as u16, (b >> 16) as u16]
+        })
+        .collect()
+}
+
+/// The first `words` collective words of `out`'s spare capacity, where
+/// `out`'s memory is laid out as words (a little-endian CPU) and aligned to
+/// them (every allocation of the system allocator is); else `None`.
+pub(crate) fn word_slots(
+    out: &mut Vec<u16>,
+    words: usize,
+) -> Option<&mut [std::mem::MaybeUninit<f32>]> {
+    let spare = &mut out.spare_capacity_mut()[..2 * words];
+    let at = spare.as_mut_ptr();
+    (cfg!(target_endian = "little") && at.align_offset(std::mem::align_of::<f32>()) == 0).then(
+        // SAFETY: `2·words` elements of spare capacity are `words` f32s'
+        // bytes, aligned for f32 (checked); MaybeUninit needs no values.
+        || unsafe { std::slice::from_raw_parts_mut(at.cast(), words) },
+    )
+}
+
 /// `dst += src`, element-wise: the reduction every algorithm uses (vectorised by
 /// the compiler; `zrun bench kernels` measures it against memory bandwidth).
 pub fn reduce_add(dst: &mut [f32], src: &[f32]) {
@@ -307,6 +372,14 @@ pub trait Communicator: Send + Sync {
     /// overwritten with their owners'. No output is allocated, so a caller that
     /// reuses its buffers pays no page faults and no zeroing per call.
     fn all_gather_in_place_async(&self, buf: Vec<f32>) -> Work<Vec<f32>>;
+    /// [`Communicator::all_gather_async`] of `total_len` 16-bit elements
+    /// (bf16 or f16 bits; an even count), which travel as collective words,
+    /// two a word with the first in the low half: this rank's chunk is chunk
+    /// `rank` of the `total_len / 2` words. The result comes in the type
+    /// that 16-bit values are kept in, where gathering words and copying
+    /// them out cost stage 3's bf16 parameters a copy of every gather (1.8%
+    /// of a worker's samples).
+    fn all_gather16_async(&self, chunk: Vec<u16>, total_len: usize) -> Work<Vec<u16>>;
     /// `pieces[j]` goes to rank j; the result's element i came from rank i.
     fn all_to_all_async(&self, pieces: Vec<Vec<u8>>) -> Work<Vec<Vec<u8>>>;
     /// `root`'s buffer everywhere (other ranks' input is ignored).
@@ -333,6 +406,10 @@ pub trait Communicator: Send + Sync {
     /// Blocking [`Communicator::all_gather_async`].
     fn all_gather(&self, chunk: Vec<f32>, total_len: usize) -> Result<Vec<f32>, CommError> {
         self.all_gather_async(chunk, total_len).wait()
+    }
+    /// Blocking [`Communicator::all_gather16_async`].
+    fn all_gather16(&self, chunk: Vec<u16>, total_len: usize) -> Result<Vec<u16>, CommError> {
+        self.all_gather16_async(chunk, total_len).wait()
     }
     /// Blocking [`Communicator::all_gather_in_place_async`].
     fn all_gather_in_place(&self, buf: Vec<f32>) -> Result<Vec<f32>, CommError> {

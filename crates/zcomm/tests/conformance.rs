@@ -52,6 +52,7 @@ per_transport!(
     all_reduce_matches_naive_sum_and_is_identical_on_every_rank,
     reduce_scatter_then_all_gather_equals_all_reduce_bitwise,
     all_gather_concatenates_chunks_in_rank_order,
+    all_gather16_refuses_odd_counts_and_wrong_chunks,
     all_to_all_delivers_every_piece_with_its_own_length,
     broadcast_from_every_root_and_barrier,
     barrier_returns_only_after_every_rank_entered,
@@ -255,6 +256,51 @@ fn all_gather_concatenates_chunks_in_rank_order(t: Transport) {
                 assert_eq!(gathered, want);
                 assert_eq!(in_place, want);
             }
+            // 16-bit elements, `len` words of two: each rank's chunk of the
+            // words, element e of it `e·10 + rank` in 16 bits.
+            let out = on_all(&comms, move |r, c| {
+                let own = chunk_range(len, c.world_size(), r);
+                let chunk: Vec<u16> = (2 * own.start..2 * own.end)
+                    .map(|e| (e * 10 + r) as u16)
+                    .collect();
+                c.all_gather16(chunk, 2 * len).unwrap()
+            });
+            let want16: Vec<u16> = (0..2 * len)
+                .map(|e| {
+                    let owner = (0..n)
+                        .find(|&r| chunk_range(len, n, r).contains(&(e / 2)))
+                        .unwrap();
+                    (e * 10 + owner) as u16
+                })
+                .collect();
+            for gathered in out {
+                assert_eq!(gathered, want16, "{n} ranks, 16-bit, {len} words");
+            }
+        }
+    }
+}
+
+/// A 16-bit all-gather of an odd count, or with a chunk of the wrong
+/// length, is refused with a usage error on the rank that made it.
+fn all_gather16_refuses_odd_counts_and_wrong_chunks(t: Transport) {
+    let comms = world(t, 2, &[0, 0], Duration::from_secs(20));
+    let out = on_all(&comms, |r, c| {
+        let odd = c.all_gather16(vec![1; 1 + r], 3);
+        let wrong = c.all_gather16(vec![1; 3], 8);
+        (odd.map(|_| ()), wrong.map(|_| ()))
+    });
+    for (odd, wrong) in out {
+        for e in [odd.unwrap_err(), wrong.unwrap_err()] {
+            assert!(
+                matches!(
+                    e,
+                    CommError::Usage {
+                        op: "all_gather",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
         }
     }
 }

@@ -136,6 +136,21 @@ fn collectives(c: &MpiCommunicator) -> Vec<String> {
             );
         }
     }
+    // The same in 16-bit elements, two a word: element e of the gather
+    // comes from the owner of word e / 2.
+    for len in LENS {
+        let own = chunk_range(len, n, r);
+        let chunk: Vec<u16> = (2 * own.start..2 * own.end)
+            .map(|e| (e * 10 + r) as u16)
+            .collect();
+        let got = c.all_gather16(chunk, 2 * len).unwrap();
+        for (e, g) in got.iter().enumerate() {
+            let owner = (0..n)
+                .find(|&o| chunk_range(len, n, o).contains(&(e / 2)))
+                .unwrap();
+            assert_eq!(*g, (e * 10 + owner) as u16, "16-bit all_gather element {e}");
+        }
+    }
     // all_to_all with a different length for every pair.
     let pieces = (0..n)
         .map(|j| vec![(r * 16 + j) as u8; r + 2 * j])

@@ -510,9 +510,10 @@ impl Engine {
         if self.groups[g].partitioned {
             let (groups, offload) = (&self.groups, self.offload.as_ref());
             let reads = &mut self.param_reads;
+            let half = self.half;
             let mut own = |h: usize| match offload.filter(|o| o.swaps_params(h)) {
-                Some(o) => reads.take(h, o),
-                None => Ok(groups[h].params.words(0..groups[h].params.len())),
+                Some(o) => Ok(Flat::from_words(half, reads.take(h, o)?)),
+                None => Ok(groups[h].params.clone()),
             };
             let full = gather.fetch(g, &mut own)?;
             self.comm_buffers.add(full.bytes());

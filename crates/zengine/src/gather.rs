@@ -65,13 +65,21 @@ pub struct Gather {
 /// A gather in flight.
 struct Pending {
     gather: Gather,
-    work: Work<Vec<f32>>,
+    work: Gathering,
     /// qwZ: this rank's slice as f32, kept to replace its quantized copy.
     own: Option<Vec<f32>>,
 }
 
-/// This rank's slice of a group, as collective words.
-pub type OwnSlice<'a> = dyn FnMut(usize) -> Result<Vec<f32>, EngineError> + 'a;
+/// What a gather in flight returns.
+enum Gathering {
+    /// Collective words (f32 values, quantized codes, hpZ's shards).
+    Words(Work<Vec<f32>>),
+    /// 16-bit values as they are kept: no copy out of words.
+    Halves(Half, Work<Vec<u16>>),
+}
+
+/// This rank's slice of a group, in the working type.
+pub type OwnSlice<'a> = dyn FnMut(usize) -> Result<Flat, EngineError> + 'a;
 
 /// The process groups an engine runs on.
 #[derive(Clone)]
@@ -127,7 +135,7 @@ impl Prefetcher {
     }
 
     /// Returns group `g`'s full (padded) parameters; `g` must be the next in order.
-    /// `own(g)` gives this rank's slice of group g as collective words.
+    /// `own(g)` gives this rank's slice of group g.
     pub fn fetch(&mut self, g: usize, own: &mut OwnSlice<'_>) -> Result<Flat, EngineError> {
         if self.pending.is_empty() {
             assert!(
@@ -143,13 +151,15 @@ impl Prefetcher {
         );
         // Keep the next gathers in flight while this block computes.
         self.launch_ahead(own)?;
-        let words = p.work.wait()?;
-        let full = match (p.gather.source, p.own) {
-            (Source::World(Some(q)), Some(own)) => {
-                self.dequantized(g, q, own, words, p.gather.keep)?
+        let full = match (p.gather.source, p.own, p.work) {
+            (Source::World(Some(q)), Some(own), Gathering::Words(work)) => {
+                self.dequantized(g, q, own, work.wait()?, p.gather.keep)?
             }
-            _ => {
-                let full = Flat::from_words(self.half, words);
+            (_, _, work) => {
+                let full = match work {
+                    Gathering::Words(work) => Flat::from_words(self.half, work.wait()?),
+                    Gathering::Halves(h, work) => Flat::Half(h, work.wait()?),
+                };
                 if p.gather.keep {
                     let shard = Flat::from_words(self.half, full.words(self.shard_range(g)));
                     self.keep(g, shard);
@@ -197,19 +207,27 @@ impl Prefetcher {
         let pending = match gather.source {
             Source::World(None) => Pending {
                 gather,
-                work: self.groups.world.all_gather_async(own(g)?, total),
+                work: match own(g)? {
+                    Flat::F32(own) => {
+                        Gathering::Words(self.groups.world.all_gather_async(own, total))
+                    }
+                    Flat::Half(h, own) => Gathering::Halves(
+                        h,
+                        self.groups.world.all_gather16_async(own, self.padded[g]),
+                    ),
+                },
                 own: None,
             },
             Source::World(Some(q)) => {
                 let world = self.groups.world.world_size();
                 let slice = self.padded[g] / world;
-                let own = Flat::from_words(self.half, own(g)?).to_f32(0..slice);
+                let own = own(g)?.to_f32(0..slice);
                 let codes = zquant::quantize(&own, q.bits, q.block_size)?;
                 let sent = to_words(codes.to_bytes());
                 let total = sent.len() * world;
                 Pending {
                     gather,
-                    work: self.groups.world.all_gather_async(sent, total),
+                    work: Gathering::Words(self.groups.world.all_gather_async(sent, total)),
                     own: Some(own),
                 }
             }
@@ -232,7 +250,9 @@ impl Prefetcher {
                     .expect("hpZ gathers have an hpZ group");
                 Pending {
                     gather,
-                    work: hpz.all_gather_async(shard.words(0..shard.len()), total),
+                    work: Gathering::Words(
+                        hpz.all_gather_async(shard.words(0..shard.len()), total),
+                    ),
                     own: None,
                 }
             }

@@ -447,6 +447,28 @@ impl Communicator for MpiCommunicator {
         })
     }
 
+    fn all_gather16_async(&self, chunk: Vec<u16>, total_len: usize) -> Work<Vec<u16>> {
+        // As words (MPI moves bytes alike), copied in and out.
+        self.submit(
+            Op::AllGather,
+            total_len * 2,
+            (total_len / 2) as u64,
+            move |l| {
+                let own = crate::chunk16(total_len, chunk.len(), l.world_size(), l.rank())?;
+                let words = total_len / 2;
+                let mut out = crate::zeroed_large(words);
+                out[own.clone()].copy_from_slice(&crate::words_of_halves(&chunk));
+                let out = if words * 4 > PIECE {
+                    ring::all_gather(l, &mut out)?;
+                    out
+                } else {
+                    all_gather_v(l, out[own].to_vec(), out)?
+                };
+                Ok(crate::halves_of_words(&out))
+            },
+        )
+    }
+
     fn all_gather_in_place_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
         let len = buf.len();
         self.submit(Op::AllGather, len * 4, len as u64, move |l| {

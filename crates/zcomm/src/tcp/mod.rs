@@ -304,6 +304,39 @@ impl Communicator for TcpCommunicator {
         })
     }
 
+    fn all_gather16_async(&self, chunk: Vec<u16>, total_len: usize) -> Work<Vec<u16>> {
+        self.submit(Op::AllGather, total_len * 2, move |l| {
+            let own = crate::chunk16(total_len, chunk.len(), l.world_size(), l.rank())?;
+            let words = total_len / 2;
+            let own_words = crate::words_of_halves(&chunk);
+            let mut out: Vec<u16> = Vec::with_capacity(total_len);
+            let Some(slots) = crate::word_slots(&mut out, words) else {
+                // Memory not laid out as words: gathered as words, then
+                // copied out.
+                let mut buf = crate::zeroed_large(words);
+                buf[own].copy_from_slice(&own_words);
+                return Ok(crate::halves_of_words(&gather_in_place(l, buf)?));
+            };
+            // Through the node's shared segment straight into `out`; else
+            // zeroed, through the links.
+            if let Some(r) = l.direct(|d, c| d.all_gather_into(c, &own_words, slots)) {
+                r?;
+            } else {
+                let slots = slots.iter_mut().map(|w| w.write(0.0)).count();
+                debug_assert_eq!(slots, words);
+                // SAFETY: every word of the spare capacity was just written.
+                unsafe { out.set_len(total_len) };
+                let buf: &mut [f32] = bytemuck::cast_slice_mut(&mut out);
+                buf[own].copy_from_slice(&own_words);
+                ring::all_gather(l, buf)?;
+                return Ok(out);
+            }
+            // SAFETY: the gather wrote every word of the spare capacity.
+            unsafe { out.set_len(total_len) };
+            Ok(out)
+        })
+    }
+
     fn all_to_all_async(&self, pieces: Vec<Vec<u8>>) -> Work<Vec<Vec<u8>>> {
         let bytes = pieces.iter().map(Vec::len).sum();
         self.submit(Op::AllToAll, bytes, move |l| {
