@@ -7,6 +7,11 @@
 //! least the next one). With `overlap_comm: false` each gather is issued only
 //! when needed and waited at once.
 //!
+//! A 16-bit working type (bf16, f16) gathers with `all_gather16_async`,
+//! straight into the `Vec<u16>` that the group's tensors are made from:
+//! gathering collective words and copying them out was 1.8% of a bf16
+//! stage-3 worker's samples.
+//!
 //! ZeRO++ qwZ: a gather marked quantized sends this rank's slice as blockwise
 //! int8 (or int4) codes with one f32 scale per block, packed into collective
 //! words, and dequantizes the other ranks' slices on arrival; the rank's own
