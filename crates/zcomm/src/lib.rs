@@ -276,6 +276,28 @@ pub(crate) fn chunk16(
     Ok(own)
 }
 
+/// Refuses an odd count of 16-bit elements: they travel two a word.
+pub(crate) fn even16(len: usize) -> Result<(), CommError> {
+    if len.is_multiple_of(2) {
+        return Ok(());
+    }
+    Err(CommError::Usage {
+        op: "all_gather",
+        message: format!("{len} 16-bit elements: they travel two a word, so an even count"),
+    })
+}
+
+/// `buf`'s 16-bit elements as collective words in place, where its memory
+/// is laid out as words (a little-endian CPU) and aligned to them (every
+/// allocation of the system allocator is); else `None`.
+pub(crate) fn words_in_place(buf: &mut [u16]) -> Option<&mut [f32]> {
+    if cfg!(target_endian = "little") {
+        bytemuck::try_cast_slice_mut(buf).ok()
+    } else {
+        None
+    }
+}
+
 /// 16-bit elements as collective words: two a word, the first in the low
 /// half (on a little-endian CPU, the same memory).
 pub(crate) fn words_of_halves(halves: &[u16]) -> std::borrow::Cow<'_, [f32]> {
@@ -380,6 +402,10 @@ pub trait Communicator: Send + Sync {
     /// them out cost stage 3's bf16 parameters a copy of every gather (1.8%
     /// of a worker's samples).
     fn all_gather16_async(&self, chunk: Vec<u16>, total_len: usize) -> Work<Vec<u16>>;
+    /// [`Communicator::all_gather16_async`] into a buffer the caller already
+    /// holds ([`Communicator::all_gather_in_place_async`]'s 16-bit form):
+    /// this rank's chunk of `buf`'s words is its contribution.
+    fn all_gather16_in_place_async(&self, buf: Vec<u16>) -> Work<Vec<u16>>;
     /// `pieces[j]` goes to rank j; the result's element i came from rank i.
     fn all_to_all_async(&self, pieces: Vec<Vec<u8>>) -> Work<Vec<Vec<u8>>>;
     /// `root`'s buffer everywhere (other ranks' input is ignored).
@@ -410,6 +436,10 @@ pub trait Communicator: Send + Sync {
     /// Blocking [`Communicator::all_gather16_async`].
     fn all_gather16(&self, chunk: Vec<u16>, total_len: usize) -> Result<Vec<u16>, CommError> {
         self.all_gather16_async(chunk, total_len).wait()
+    }
+    /// Blocking [`Communicator::all_gather16_in_place_async`].
+    fn all_gather16_in_place(&self, buf: Vec<u16>) -> Result<Vec<u16>, CommError> {
+        self.all_gather16_in_place_async(buf).wait()
     }
     /// Blocking [`Communicator::all_gather_in_place_async`].
     fn all_gather_in_place(&self, buf: Vec<f32>) -> Result<Vec<f32>, CommError> {

@@ -263,7 +263,13 @@ fn all_gather_concatenates_chunks_in_rank_order(t: Transport) {
                 let chunk: Vec<u16> = (2 * own.start..2 * own.end)
                     .map(|e| (e * 10 + r) as u16)
                     .collect();
-                c.all_gather16(chunk, 2 * len).unwrap()
+                // In place: what is not this rank's starts as all ones.
+                let mut buf = vec![u16::MAX; 2 * len];
+                buf[2 * own.start..2 * own.end].copy_from_slice(&chunk);
+                (
+                    c.all_gather16(chunk, 2 * len).unwrap(),
+                    c.all_gather16_in_place(buf).unwrap(),
+                )
             });
             let want16: Vec<u16> = (0..2 * len)
                 .map(|e| {
@@ -273,8 +279,9 @@ fn all_gather_concatenates_chunks_in_rank_order(t: Transport) {
                     (e * 10 + owner) as u16
                 })
                 .collect();
-            for gathered in out {
+            for (gathered, in_place) in out {
                 assert_eq!(gathered, want16, "{n} ranks, 16-bit, {len} words");
+                assert_eq!(in_place, want16, "{n} ranks, 16-bit in place, {len} words");
             }
         }
     }
@@ -287,10 +294,15 @@ fn all_gather16_refuses_odd_counts_and_wrong_chunks(t: Transport) {
     let out = on_all(&comms, |r, c| {
         let odd = c.all_gather16(vec![1; 1 + r], 3);
         let wrong = c.all_gather16(vec![1; 3], 8);
-        (odd.map(|_| ()), wrong.map(|_| ()))
+        let odd_in_place = c.all_gather16_in_place(vec![1; 5]);
+        (odd.map(|_| ()), wrong.map(|_| ()), odd_in_place.map(|_| ()))
     });
-    for (odd, wrong) in out {
-        for e in [odd.unwrap_err(), wrong.unwrap_err()] {
+    for (odd, wrong, odd_in_place) in out {
+        for e in [
+            odd.unwrap_err(),
+            wrong.unwrap_err(),
+            odd_in_place.unwrap_err(),
+        ] {
             assert!(
                 matches!(
                     e,

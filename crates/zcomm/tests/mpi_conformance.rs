@@ -143,7 +143,11 @@ fn collectives(c: &MpiCommunicator) -> Vec<String> {
         let chunk: Vec<u16> = (2 * own.start..2 * own.end)
             .map(|e| (e * 10 + r) as u16)
             .collect();
+        let mut buf = vec![u16::MAX; 2 * len];
+        buf[2 * own.start..2 * own.end].copy_from_slice(&chunk);
+        let in_place = c.all_gather16_in_place(buf).unwrap();
         let got = c.all_gather16(chunk, 2 * len).unwrap();
+        assert_eq!(in_place, got, "16-bit all_gather in place");
         for (e, g) in got.iter().enumerate() {
             let owner = (0..n)
                 .find(|&o| chunk_range(len, n, o).contains(&(e / 2)))

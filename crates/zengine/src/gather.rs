@@ -76,11 +76,29 @@ struct Pending {
 }
 
 /// What a gather in flight returns.
-enum Gathering {
+pub(crate) enum Gathering {
     /// Collective words (f32 values, quantized codes, hpZ's shards).
     Words(Work<Vec<f32>>),
     /// 16-bit values as they are kept: no copy out of words.
     Halves(Half, Work<Vec<u16>>),
+}
+
+impl Gathering {
+    /// Gathers `buf` in place: this rank's slice of it is its contribution.
+    pub(crate) fn in_place(comm: &dyn Communicator, buf: Flat) -> Gathering {
+        match buf {
+            Flat::F32(v) => Gathering::Words(comm.all_gather_in_place_async(v)),
+            Flat::Half(h, v) => Gathering::Halves(h, comm.all_gather16_in_place_async(v)),
+        }
+    }
+
+    /// The gathered buffer, words read as `half` values (f32 if `None`).
+    pub(crate) fn wait(self, half: Option<Half>) -> Result<Flat, EngineError> {
+        Ok(match self {
+            Gathering::Words(work) => Flat::from_words(half, work.wait()?),
+            Gathering::Halves(h, work) => Flat::Half(h, work.wait()?),
+        })
+    }
 }
 
 /// This rank's slice of a group, in the working type.
@@ -161,10 +179,7 @@ impl Prefetcher {
                 self.dequantized(g, q, own, work.wait()?, p.gather.keep)?
             }
             (_, _, work) => {
-                let full = match work {
-                    Gathering::Words(work) => Flat::from_words(self.half, work.wait()?),
-                    Gathering::Halves(h, work) => Flat::Half(h, work.wait()?),
-                };
+                let full = work.wait(self.half)?;
                 if p.gather.keep {
                     let shard = Flat::from_words(self.half, full.words(self.shard_range(g)));
                     self.keep(g, shard);

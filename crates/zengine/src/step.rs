@@ -17,6 +17,7 @@ use crate::accounting::{peak_rss_bytes, MemoryUse, StepStats, Transient};
 use crate::adam::AdamStep;
 use crate::engine::Engine;
 use crate::error::EngineError;
+use crate::gather::Gathering;
 use crate::group::{Group, Swapped};
 use crate::offload::ALIGN_ELEMS;
 use crate::precision::Flat;
@@ -369,16 +370,18 @@ impl Engine {
         let world = self.comm.world_size();
         if self.stage.partitions_optimizer() && world > 1 {
             // Each group's buffer is gathered into in place: its own slice is
-            // already there, and no fresh buffer is faulted in every step.
+            // already there, and no fresh buffer is faulted in every step;
+            // 16-bit ones as they are, where going through collective words
+            // copied every group's parameters out and back each step.
             let mut works = Vec::new();
             for (i, g) in self.groups.iter_mut().enumerate() {
                 if !g.partitioned {
-                    let words = std::mem::replace(&mut g.params, Flat::zeros(self.half, 0));
-                    works.push((i, self.comm.all_gather_in_place_async(words.into_words())));
+                    let buf = std::mem::replace(&mut g.params, Flat::zeros(self.half, 0));
+                    works.push((i, Gathering::in_place(self.comm.as_ref(), buf)));
                 }
             }
             for (i, w) in works {
-                self.groups[i].params = Flat::from_words(self.half, w.wait()?);
+                self.groups[i].params = w.wait(self.half)?;
             }
         }
         self.params_changed();

@@ -469,6 +469,23 @@ impl Communicator for MpiCommunicator {
         )
     }
 
+    fn all_gather16_in_place_async(&self, buf: Vec<u16>) -> Work<Vec<u16>> {
+        // As words (MPI moves bytes alike), copied in and out.
+        let len = buf.len();
+        self.submit(Op::AllGather, len * 2, (len / 2) as u64, move |l| {
+            crate::even16(len)?;
+            let mut words = crate::words_of_halves(&buf).into_owned();
+            let words = if words.len() * 4 > PIECE {
+                ring::all_gather(l, &mut words)?;
+                words
+            } else {
+                let chunk = words[chunk_range(words.len(), l.world_size(), l.rank())].to_vec();
+                all_gather_v(l, chunk, words)?
+            };
+            Ok(crate::halves_of_words(&words))
+        })
+    }
+
     fn all_gather_in_place_async(&self, mut buf: Vec<f32>) -> Work<Vec<f32>> {
         let len = buf.len();
         self.submit(Op::AllGather, len * 4, len as u64, move |l| {

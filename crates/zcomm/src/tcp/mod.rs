@@ -337,6 +337,28 @@ impl Communicator for TcpCommunicator {
         })
     }
 
+    fn all_gather16_in_place_async(&self, mut buf: Vec<u16>) -> Work<Vec<u16>> {
+        let len = buf.len();
+        self.submit(Op::AllGather, len * 2, move |l| {
+            crate::even16(len)?;
+            match crate::words_in_place(&mut buf) {
+                Some(words) => {
+                    match l.direct(|d, c| d.all_gather(c, words)) {
+                        Some(r) => r?,
+                        None => ring::all_gather(l, words)?,
+                    };
+                    Ok(buf)
+                }
+                // Memory not laid out as words: gathered as words, then
+                // copied back.
+                None => Ok(crate::halves_of_words(&gather_in_place(
+                    l,
+                    crate::words_of_halves(&buf).into_owned(),
+                )?)),
+            }
+        })
+    }
+
     fn all_to_all_async(&self, pieces: Vec<Vec<u8>>) -> Work<Vec<Vec<u8>>> {
         let bytes = pieces.iter().map(Vec::len).sum();
         self.submit(Op::AllToAll, bytes, move |l| {
