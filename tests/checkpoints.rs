@@ -485,7 +485,20 @@ fn a_worker_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
     kill(Pid::from_raw(workers[1] as i32), Signal::SIGKILL).unwrap();
     let f = z.wait(Duration::from_secs(30));
     assert_eq!(f.code(), 1, "{f:?}");
-    // The unfinished step-4 is ignored; step 2 resumes.
+    // The run removed its own unfinished step 4 as it ended: the other
+    // worker, stopped mid-save, could not remove its partial file.
+    assert!(
+        f.stdout
+            .contains("step-00000004, a save this run left unfinished"),
+        "{}",
+        f.stdout
+    );
+    assert!(!ck.join("step-00000004").exists());
+    // What a run that could not clean up (zrun itself killed) leaves: a
+    // save without a manifest, which the next run removes before it starts.
+    std::fs::create_dir_all(ck.join("step-00000004")).unwrap();
+    std::fs::write(ck.join("step-00000004/rank-00001.tmp"), b"partial").unwrap();
+    // Step 2 resumes.
     let f = zrun(
         dir,
         &[

@@ -5,7 +5,8 @@
 //!   its checkpoint directory for as long as it runs. A second job that would
 //!   write there is refused before launch (exit 2); the lock of a process that
 //!   is gone (zrun was killed) is taken over. Taking the lock also proves,
-//!   before launch, that the directory can be written.
+//!   before launch, that the directory can be written. As it lets go of a
+//!   checkpoint directory, the run removes the saves it left unfinished.
 //! - The metrics file is opened at the first line, not before: a run that fails
 //!   before its first step changes nothing. A fresh run keeps earlier history by
 //!   renaming it to `metrics.N.jsonl` (the lowest free N) unless `--overwrite`;
@@ -73,6 +74,45 @@ impl RunLock {
 impl Drop for RunLock {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// A checkpoint directory's lock that, when the run ends (its workers gone),
+/// removes the saves the run left unfinished (`step-*` directories without
+/// a manifest): a worker stopped in the middle of writing (another rank's
+/// save failed on a full disk, and zrun stopped the job) cannot remove its
+/// own partial file, and such a save can never be resumed from; it would
+/// only fill the disk further. The next run would remove them too
+/// ([`zckpt::remove_unfinished`] as it takes the lock); this does it while
+/// the lock is still held, before the user looks.
+#[derive(Debug)]
+pub struct CheckpointDirLock {
+    dir: PathBuf,
+    /// Dropped after the sweep.
+    _lock: RunLock,
+}
+
+impl CheckpointDirLock {
+    /// Takes checkpoint directory `dir`'s lock ([`RunLock::take`]).
+    pub fn take(dir: &Path) -> Result<CheckpointDirLock> {
+        Ok(CheckpointDirLock {
+            _lock: RunLock::take(&checkpoint_lock(dir), "checkpoint.dir")?,
+            dir: dir.to_path_buf(),
+        })
+    }
+}
+
+impl Drop for CheckpointDirLock {
+    fn drop(&mut self) {
+        match zckpt::remove_unfinished(&self.dir) {
+            Ok(removed) => removed.iter().for_each(|p| {
+                say!(
+                    "zrun: removed {}, a save this run left unfinished",
+                    p.display()
+                )
+            }),
+            Err(e) => shout!("zrun: checkpoint.dir: could not remove an unfinished save: {e}"),
+        }
     }
 }
 

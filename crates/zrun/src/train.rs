@@ -15,7 +15,7 @@ use crate::exit;
 use crate::metrics::{Aggregator, DoneLine};
 use crate::plan::{plan_launch, plan_per_node, topology, LaunchPlan};
 use crate::progress::Progress;
-use crate::rundir::{self, MetricsWriter, ResumeLine, RunLock, Start};
+use crate::rundir::{self, CheckpointDirLock, MetricsWriter, ResumeLine, RunLock, Start};
 use crate::sink::Sink;
 use crate::supervise::{run_job, Outcome};
 use crate::Failure;
@@ -84,7 +84,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     let _metrics_lock = RunLock::take(&rundir::metrics_lock(&metrics_path), "metrics")?;
     let _checkpoint_lock = match &plan.spec.checkpoint.dir {
         Some(d) => {
-            let lock = RunLock::take(&rundir::checkpoint_lock(Path::new(d)), "checkpoint.dir")?;
+            let lock = CheckpointDirLock::take(Path::new(d))?;
             // With the lock held no live job writes here: a save without a
             // manifest is a dead run's, never resumable; free its space.
             for p in zckpt::remove_unfinished(Path::new(d))
