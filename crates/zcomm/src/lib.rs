@@ -299,8 +299,9 @@ pub(crate) fn words_in_place(buf: &mut [u16]) -> Option<&mut [f32]> {
 }
 
 /// 16-bit elements as collective words: two a word, the first in the low
-/// half (on a little-endian CPU, the same memory).
-pub(crate) fn words_of_halves(halves: &[u16]) -> std::borrow::Cow<'_, [f32]> {
+/// half (on a little-endian CPU, the same memory, borrowed where the halves
+/// start on a word). The one layout every 16-bit buffer travels in.
+pub fn words_of_halves(halves: &[u16]) -> std::borrow::Cow<'_, [f32]> {
     #[cfg(target_endian = "little")]
     if let Ok(words) = bytemuck::try_cast_slice::<u16, f32>(halves) {
         return std::borrow::Cow::Borrowed(words);
@@ -314,7 +315,11 @@ pub(crate) fn words_of_halves(halves: &[u16]) -> std::borrow::Cow<'_, [f32]> {
 }
 
 /// The 16-bit elements of collective words ([`words_of_halves`] undone).
-pub(crate) fn halves_of_words(words: &[f32]) -> Vec<u16> {
+pub fn halves_of_words(words: &[f32]) -> Vec<u16> {
+    // On a little-endian CPU, a copy of the memory.
+    #[cfg(target_endian = "little")]
+    return bytemuck::cast_slice(words).to_vec();
+    #[cfg(not(target_endian = "little"))]
     words
         .iter()
         .flat_map(|w| {

@@ -381,32 +381,11 @@ impl Flat {
     }
 
     /// Elements `r` as collective words: the f32 values, or 16-bit elements two
-    /// to a word (`r` must then have even length).
+    /// to a word (`r` must then have even length; `zcomm::words_of_halves`).
     pub fn words(&self, r: Range<usize>) -> Vec<f32> {
         match self {
             Flat::F32(v) => v[r].to_vec(),
-            Flat::Half(_, v) => {
-                let halves = &v[r];
-                // On a little-endian CPU a word's memory is its two halves,
-                // low first: a copy (where the halves start on a word).
-                #[cfg(target_endian = "little")]
-                if let Ok(words) = bytemuck::try_cast_slice::<u16, f32>(halves) {
-                    return words.to_vec();
-                }
-                halves
-                    .chunks_exact(2)
-                    .map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p[1]) << 16)))
-                    .collect()
-            }
-        }
-    }
-
-    /// All elements as collective words (see [`Flat::words`]): f32 buffers
-    /// are moved, not copied, so that a gather can fill them in place.
-    pub fn into_words(self) -> Vec<f32> {
-        match self {
-            Flat::F32(v) => v,
-            half => half.words(0..half.len()),
+            Flat::Half(_, v) => zcomm::words_of_halves(&v[r]).into_owned(),
         }
     }
 
@@ -414,20 +393,7 @@ impl Flat {
     pub fn from_words(like: Option<Half>, words: Vec<f32>) -> Flat {
         match like {
             None => Flat::F32(words),
-            // As `words`: on a little-endian CPU, a copy of the memory.
-            #[cfg(target_endian = "little")]
-            Some(h) => Flat::Half(h, bytemuck::cast_slice(&words).to_vec()),
-            #[cfg(not(target_endian = "little"))]
-            Some(h) => Flat::Half(
-                h,
-                words
-                    .iter()
-                    .flat_map(|w| {
-                        let b = w.to_bits();
-                        [b as u16, (b >> 16) as u16]
-                    })
-                    .collect(),
-            ),
+            Some(h) => Flat::Half(h, zcomm::halves_of_words(&words)),
         }
     }
 
