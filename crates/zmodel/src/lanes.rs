@@ -35,6 +35,13 @@
 //! so the results are [`crate::ops`]' and [`crate::simd::exp`]'s bits on
 //! every input (tested against the scalar code at every width the CPU has,
 //! NaN, infinities, subnormals and the clamps' edges included).
+//!
+//! A function of a bf16 value has only 2¹⁶ inputs: GELU's bf16 forward and
+//! its slope for the bf16 backward are looked up in tables made once by
+//! the scalar code, 16 (8) lookups to a gather instruction
+//! ([`looked_up_bits`], [`times_looked_up`]). Computed here they were bound
+//! by the same chains (the forward at 0.29 of the triad's bandwidth, one
+//! thread); looked up, 0.63-0.66 and 0.6 (`ops_bench`).
 
 use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
@@ -291,35 +298,62 @@ impl_lanes!(
     }
 );
 
-/// [`Lanes`] that also load bf16 values (their bits), widened to f32.
-trait Bf16Lanes: Lanes {
-    /// `WIDTH` bf16 values from `p`, each shifted into the high half of
-    /// its lane (exactly their f32 values).
-    unsafe fn load_bf16(p: *const u16) -> Self;
+/// [`Lanes`] that also look 32-bit words up in a table by bf16 bits.
+trait TableLanes: Lanes {
+    /// `table[p[l]]` in lane `l`, for the `WIDTH` bf16 bits from `p`.
+    ///
+    /// # Safety
+    ///
+    /// The width's features; `table` holds 2¹⁶ words, `p` `WIDTH` values.
+    unsafe fn look_up(table: *const f32, p: *const u16) -> Self;
+
+    /// The low 16 bits of each lane's word, stored as `WIDTH` values at `p`.
+    ///
+    /// # Safety
+    ///
+    /// The width's features; `p` takes `WIDTH` values.
+    unsafe fn store_low_halves(p: *mut u16, v: Self);
 }
 
-impl Bf16Lanes for __m512 {
+impl TableLanes for __m512 {
     #[inline(always)]
-    unsafe fn load_bf16(p: *const u16) -> Self {
-        // SAFETY: AVX-512F (the trait's contract); 16 values readable (caller).
+    unsafe fn look_up(table: *const f32, p: *const u16) -> Self {
+        // SAFETY: AVX-512F (the trait's contract); 16 values readable
+        // (caller); every u16 indexes the table.
         unsafe {
-            _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast())),
-                16,
-            ))
+            let at = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+            _mm512_i32gather_ps::<4>(at, table)
         }
+    }
+
+    #[inline(always)]
+    unsafe fn store_low_halves(p: *mut u16, v: Self) {
+        // SAFETY: AVX-512F (the trait's contract); 16 values writable.
+        unsafe { _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(_mm512_castps_si512(v))) }
     }
 }
 
-impl Bf16Lanes for __m256 {
+impl TableLanes for __m256 {
     #[inline(always)]
-    unsafe fn load_bf16(p: *const u16) -> Self {
-        // SAFETY: AVX2 (the trait's contract); 8 values readable (caller).
+    unsafe fn look_up(table: *const f32, p: *const u16) -> Self {
+        // SAFETY: AVX2 (the trait's contract); 8 values readable (caller);
+        // every u16 indexes the table.
         unsafe {
-            _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())),
-                16,
-            ))
+            let at = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            _mm256_i32gather_ps::<4>(table, at)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store_low_halves(p: *mut u16, v: Self) {
+        // SAFETY: AVX2 (the trait's contract); 8 values writable. The low
+        // halves masked, the unsigned saturation keeps them as they are;
+        // each 128-bit lane's four go to its low 64 bits.
+        unsafe {
+            let low = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0xffff));
+            let packed = _mm256_packus_epi32(low, low);
+            let both = _mm256_permute4x64_epi64::<0b1000>(packed);
+            _mm_storeu_si128(p.cast(), _mm256_castsi256_si128(both));
         }
     }
 }
@@ -694,92 +728,60 @@ unsafe fn gelu_and_slope_tile_with<W: Lanes, const C: usize>(
     }
 }
 
-/// GELU of `x` into `y`: per element the bits of [`gelu_and_slope_of`]'s
-/// value (the slope, unused, is not computed: a forward whose backward
-/// recomputes it).
-///
-/// # Safety
-///
-/// W's features. `y` is at least as long as `x`.
-#[inline(always)]
-unsafe fn gelu_with<W: Lanes, const C: usize>(x: &[f32], y: &mut [MaybeUninit<f32>]) {
-    let y = &mut y[..x.len()];
-    let mut i = 0;
-    // Both loops: i + W::WIDTH·C (or ·1) ≤ x.len(), the output's length.
-    while i + W::WIDTH * C <= x.len() {
-        // SAFETY: W's features (caller); the loop's bound keeps every vector inside the slices.
-        unsafe { store(y, i, gelu_of::<W, C>(load(x, i)).0) };
-        i += W::WIDTH * C;
-    }
-    while i + W::WIDTH <= x.len() {
-        // SAFETY: W's features (caller); the loop's bound keeps every vector inside the slices.
-        unsafe { store(y, i, gelu_of::<W, 1>(load(x, i)).0) };
-        i += W::WIDTH;
-    }
-    for (y, &v) in y[i..].iter_mut().zip(&x[i..]) {
-        y.write(gelu_and_slope_of(v).0);
-    }
-}
-
-/// `out = dy · gelu'(h)` of bf16 inputs `h` (their bits), per element the
-/// bits of [`gelu_and_slope_of`]'s slope of the widened value times `dy`.
+/// `out = dy · table[h]` of bf16 bits `h`, a gather a vector.
 ///
 /// # Safety
 ///
 /// W's features. `dy` and `out` are at least as long as `h`.
 #[inline(always)]
-unsafe fn gelu_backward_of_bf16_with<W: Bf16Lanes, const C: usize>(
+unsafe fn times_looked_up_with<W: TableLanes>(
     h: &[u16],
     dy: &[f32],
     out: &mut [f32],
+    table: &[f32; 1 << 16],
 ) {
     let (dy, out) = (&dy[..h.len()], &mut out[..h.len()]);
-    let mut i = 0;
-    // Both loops: i + W::WIDTH·C (or ·1) ≤ h.len(), the other slices'
-    // length.
-    while i + W::WIDTH * C <= h.len() {
-        // SAFETY: W's features (caller); the loop's bound.
-        unsafe { gelu_backward_of_bf16_at::<W, C>(h, dy, out, i) };
-        i += W::WIDTH * C;
+    let whole = h.len() / W::WIDTH * W::WIDTH;
+    for i in (0..whole).step_by(W::WIDTH) {
+        // SAFETY: W's features (caller); i + WIDTH ≤ every slice's length,
+        // and the table holds 2¹⁶ values.
+        unsafe {
+            let slope = W::look_up(table.as_ptr(), h.as_ptr().add(i));
+            W::store(
+                out.as_mut_ptr().add(i),
+                W::mul(W::load(dy.as_ptr().add(i)), slope),
+            );
+        }
     }
-    while i + W::WIDTH <= h.len() {
-        // SAFETY: W's features (caller); the loop's bound.
-        unsafe { gelu_backward_of_bf16_at::<W, 1>(h, dy, out, i) };
-        i += W::WIDTH;
-    }
-    for ((o, &b), &d) in out[i..].iter_mut().zip(&h[i..]).zip(&dy[i..]) {
-        *o = d * gelu_and_slope_of(zgemm::bf16_value(b)).1;
+    for ((o, &b), &d) in out[whole..].iter_mut().zip(&h[whole..]).zip(&dy[whole..]) {
+        *o = d * table[usize::from(b)];
     }
 }
 
-/// [`gelu_backward_of_bf16_with`]'s `C` vectors from `i` (a function, not
-/// a closure: a closure does not take its caller's target features, and
-/// compiled apart from them its intrinsics became calls, 2.7x slower).
+/// `out = table[h]` (the low 16 bits of each word) for bf16 bits `h`, a
+/// gather a vector.
 ///
 /// # Safety
 ///
-/// W's features; `i + W::WIDTH·C` within every slice.
+/// W's features. `out` is at least as long as `h`.
 #[inline(always)]
-unsafe fn gelu_backward_of_bf16_at<W: Bf16Lanes, const C: usize>(
+unsafe fn looked_up_bits_with<W: TableLanes>(
     h: &[u16],
-    dy: &[f32],
-    out: &mut [f32],
-    i: usize,
+    out: &mut [MaybeUninit<u16>],
+    table: &[u32; 1 << 16],
 ) {
-    // SAFETY: W's features and the lengths (caller).
-    unsafe {
-        let mut x = [W::zero(); C];
-        for (k, x) in x.iter_mut().enumerate() {
-            *x = W::load_bf16(h.as_ptr().add(i + W::WIDTH * k));
+    let out = &mut out[..h.len()];
+    let whole = h.len() / W::WIDTH * W::WIDTH;
+    for i in (0..whole).step_by(W::WIDTH) {
+        // SAFETY: W's features (caller); i + WIDTH ≤ both slices' length,
+        // and the table holds 2¹⁶ words.
+        unsafe {
+            let words = W::look_up(table.as_ptr().cast(), h.as_ptr().add(i));
+            W::store_low_halves(out.as_mut_ptr().add(i).cast(), words);
         }
-        let (_, slope) = gelu_of::<W, C>(x);
-        for (k, s) in slope.iter().enumerate() {
-            let at = i + W::WIDTH * k;
-            W::store(
-                out.as_mut_ptr().add(at),
-                W::mul(W::load(dy.as_ptr().add(at)), *s),
-            );
-        }
+    }
+    for (o, &b) in out[whole..].iter_mut().zip(&h[whole..]) {
+        o.write(table[usize::from(b)] as u16);
     }
 }
 
@@ -824,20 +826,29 @@ macro_rules! width_entry_points {
 
             /// # Safety
             ///
-            /// This width's features; `y` as long as `x`.
+            /// This width's features; `dy` and `out` as long as `h`.
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn gelu(x: &[f32], y: &mut [MaybeUninit<f32>]) {
+            pub(super) unsafe fn looked_up_bits(
+                h: &[u16],
+                out: &mut [MaybeUninit<u16>],
+                table: &[u32; 1 << 16],
+            ) {
                 // SAFETY: this function's features; the lengths (caller).
-                unsafe { gelu_with::<$vector, { $chains }>(x, y) }
+                unsafe { looked_up_bits_with::<$vector>(h, out, table) }
             }
 
             /// # Safety
             ///
             /// This width's features; `dy` and `out` as long as `h`.
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn gelu_backward_of_bf16(h: &[u16], dy: &[f32], out: &mut [f32]) {
+            pub(super) unsafe fn times_looked_up(
+                h: &[u16],
+                dy: &[f32],
+                out: &mut [f32],
+                table: &[f32; 1 << 16],
+            ) {
                 // SAFETY: this function's features; the lengths (caller).
-                unsafe { gelu_backward_of_bf16_with::<$vector, { $chains }>(h, dy, out) }
+                unsafe { times_looked_up_with::<$vector>(h, dy, out, table) }
             }
 
             /// # Safety
@@ -942,21 +953,31 @@ pub(crate) unsafe fn gelu_and_slope_tile(
     on_widest!(gelu_and_slope_tile(c, rs, rows, cols, slope, srs))
 }
 
-/// GELU of `x` into `y` as [`gelu_and_slope`]'s values, without the
-/// slope; false (nothing written) where neither width is allowed. `y` is
-/// at least as long as `x` (panics otherwise).
-pub(crate) fn gelu(x: &[f32], y: &mut [MaybeUninit<f32>]) -> bool {
-    let y = &mut y[..x.len()];
-    on_widest!(gelu(x, y))
+/// `out = table[h]` (each word's low 16 bits) for bf16 bits `h`: a function
+/// of a bf16 value with a bf16 result (GELU's forward) looked up, the
+/// lookups gathered a vector at a time; false where neither width is
+/// allowed. `out` is at least as long as `h`.
+pub(crate) fn looked_up_bits(
+    h: &[u16],
+    out: &mut [MaybeUninit<u16>],
+    table: &[u32; 1 << 16],
+) -> bool {
+    let out = &mut out[..h.len()];
+    on_widest!(looked_up_bits(h, out, table))
 }
 
-/// GELU's backward from its bf16 input, `out = dy · gelu'(h)`, as
-/// [`gelu_and_slope`] (the scalar expression's bits on the widened values;
-/// false where neither width is allowed). `dy` and `out` are at least as
-/// long as `h`.
-pub(crate) fn gelu_backward_of_bf16(h: &[u16], dy: &[f32], out: &mut [f32]) -> bool {
+/// `out = dy · table[h]` for bf16 bits `h` (a function of a bf16 value
+/// looked up: GELU's slope), the lookups gathered a vector at a time (the
+/// compiler's loop made them one by one); false where neither width is
+/// allowed. `dy` and `out` are at least as long as `h`.
+pub(crate) fn times_looked_up(
+    h: &[u16],
+    dy: &[f32],
+    out: &mut [f32],
+    table: &[f32; 1 << 16],
+) -> bool {
     let (dy, out) = (&dy[..h.len()], &mut out[..h.len()]);
-    on_widest!(gelu_backward_of_bf16(h, dy, out))
+    on_widest!(times_looked_up(h, dy, out, table))
 }
 
 /// SwiGLU's forward of one row, `out = gate · σ(gate) · up`, as
@@ -1065,56 +1086,72 @@ mod tests {
                         "x[{i}] = {v:e}: {width:?} gave ({got_y:e}, {got_d:e}), the scalar code ({want_y:e}, {want_d:e})"
                     );
                 }
-                // The forward without the slope: the same values.
-                let mut y_only = uninit_floats(len);
-                // SAFETY: as above; y_only as long as x.
+            }
+        }
+    }
+
+    /// Looked-up bits are the table's low halves, for every bf16 value, at
+    /// lengths with and without whole vectors.
+    #[test]
+    fn looked_up_bits_are_the_tables() {
+        let table: Box<[u32; 1 << 16]> = (0..1u32 << 16)
+            .map(|b| b.wrapping_mul(40503) & 0xffff | 0xabcd_0000)
+            .collect::<Vec<_>>()
+            .try_into()
+            .unwrap();
+        let h: Vec<u16> = (0..=u16::MAX).rev().collect();
+        for width in widths_here("table lookup") {
+            for len in [h.len(), 16 * 3 + 8 + 5, 7] {
+                let h = &h[h.len() - len..];
+                let mut out = vec![MaybeUninit::new(0u16); len];
+                // SAFETY: the CPU has the width's features (widths_here);
+                // out as long as h.
                 unsafe {
                     match width {
-                        Width::Avx2 => avx2::gelu(x, &mut y_only),
-                        _ => avx512::gelu(x, &mut y_only),
+                        Width::Avx2 => avx2::looked_up_bits(h, &mut out, &table),
+                        _ => avx512::looked_up_bits(h, &mut out, &table),
                     }
                 }
-                for (i, &v) in x.iter().enumerate() {
-                    // SAFETY: gelu wrote every element.
-                    let got = unsafe { y_only[i].assume_init() };
-                    let want = gelu_and_slope_of(v).0;
-                    assert!(
-                        same(got, want),
-                        "x[{i}] = {v:e}: {width:?} gelu {got:e}, scalar {want:e}"
-                    );
+                for (i, &b) in h.iter().enumerate() {
+                    // SAFETY: initialised above.
+                    let got = unsafe { out[i].assume_init() };
+                    let want = table[usize::from(b)] as u16;
+                    assert_eq!(got, want, "h[{i}] = {b:#06x}: {width:?}, {len} values");
                 }
             }
         }
     }
 
-    /// GELU's backward from bf16 input gives the scalar code's slope of the
-    /// widened value times `dy`, bit for bit, on every bf16 sign, exponent
-    /// and a spread of mantissas (NaN, infinities, subnormals included), at
-    /// lengths with and without whole groups of chains and tails.
+    /// Looked-up products are the table's values times `dy`, bit for bit,
+    /// for every bf16 value, at lengths with and without whole vectors.
     #[test]
-    fn gelu_backward_of_bf16_intrinsics_are_the_scalar_codes_bits() {
-        let h: Vec<u16> = (0..=u16::MAX).step_by(3).collect();
+    fn looked_up_products_are_the_scalar_codes_bits() {
+        let mut table = Box::new([0f32; 1 << 16]);
+        for (b, t) in (0..=u16::MAX).zip(table.iter_mut()) {
+            // Distinct bits for every index, NaN and infinities included.
+            *t = f32::from_bits(u32::from(b).rotate_left(13) ^ 0x4000_0000);
+        }
+        let h: Vec<u16> = (0..=u16::MAX).rev().collect();
         let dy: Vec<f32> = (0..h.len())
             .map(|i| ((i * 7919 % 2001) as f32 - 1000.0) * 1.3e-3)
             .collect();
-        for width in widths_here("GELU's backward") {
-            for len in [h.len(), 64 * 3 + 16 * 2 + 5, 16 + 8 + 3, 7] {
+        for width in widths_here("table lookup") {
+            for len in [h.len(), 16 * 3 + 8 + 5, 7] {
                 let (h, dy) = (&h[h.len() - len..], &dy[dy.len() - len..]);
                 let mut out = vec![0f32; len];
                 // SAFETY: the CPU has the width's features (widths_here);
                 // dy and out as long as h.
                 unsafe {
                     match width {
-                        Width::Avx2 => avx2::gelu_backward_of_bf16(h, dy, &mut out),
-                        _ => avx512::gelu_backward_of_bf16(h, dy, &mut out),
+                        Width::Avx2 => avx2::times_looked_up(h, dy, &mut out, &table),
+                        _ => avx512::times_looked_up(h, dy, &mut out, &table),
                     }
                 }
                 for (i, (&b, &d)) in h.iter().zip(dy).enumerate() {
-                    let v = zgemm::bf16_value(b);
-                    let want = d * gelu_and_slope_of(v).1;
+                    let want = d * table[usize::from(b)];
                     assert!(
                         same(out[i], want),
-                        "h[{i}] = {v:e}, dy {d:e}: {width:?} gave {:e}, the scalar code {want:e}",
+                        "h[{i}] = {b:#06x}, dy {d:e}: {width:?} gave {:e}, the scalar code {want:e}",
                         out[i]
                     );
                 }

@@ -374,61 +374,12 @@ pub(crate) fn par_rows_bf16(
     width: usize,
     f: impl Fn(&[f32], &mut [MaybeUninit<f32>]) + Sync,
 ) -> candle_core::Result<candle_core::Tensor> {
+    use rayon::prelude::*;
     if !input.len().is_multiple_of(width.max(1)) {
         candle_core::bail!("{} values are not rows of {width}", input.len());
     }
-    rows_bf16(RowsIn::F32(input), width, f)
-}
-
-/// [`par_rows_bf16`] on bf16 input rows (`rows` of `width` values, their
-/// bits, `stride` apart), each widened to f32 in L1 before `f` reads it.
-pub(crate) fn par_rows_bf16_of_bf16(
-    input: &[u16],
-    rows: usize,
-    stride: usize,
-    width: usize,
-    f: impl Fn(&[f32], &mut [MaybeUninit<f32>]) + Sync,
-) -> candle_core::Result<candle_core::Tensor> {
-    if rows > 0 && (stride < width || input.len() < (rows - 1) * stride + width) {
-        candle_core::bail!(
-            "{} values are not {rows} rows of {width} at stride {stride}",
-            input.len()
-        );
-    }
-    let input = RowsIn::Bf16 {
-        bits: input,
-        rows,
-        stride,
-    };
-    rows_bf16(input, width, f)
-}
-
-/// The rows an op of [`rows_bf16`] reads.
-#[derive(Clone, Copy)]
-enum RowsIn<'a> {
-    /// Rows of f32 values, back to back (whole rows: checked by the caller).
-    F32(&'a [f32]),
-    /// Rows of bf16 bits, `stride` apart.
-    Bf16 {
-        bits: &'a [u16],
-        rows: usize,
-        stride: usize,
-    },
-}
-
-/// What [`par_rows_bf16`] and [`par_rows_bf16_of_bf16`] share.
-fn rows_bf16(
-    input: RowsIn,
-    width: usize,
-    f: impl Fn(&[f32], &mut [MaybeUninit<f32>]) + Sync,
-) -> candle_core::Result<candle_core::Tensor> {
-    use half::vec::HalfBitsVecExt;
-    use rayon::prelude::*;
     let width = width.max(1);
-    let rows = match input {
-        RowsIn::F32(v) => v.len() / width,
-        RowsIn::Bf16 { rows, .. } => rows,
-    };
+    let rows = input.len() / width;
     let (mut out, start, stride) = bf16_rows_buffer(rows, width);
     out[start..start + rows * stride]
         .par_chunks_mut(stride * ROWS_PER_TASK)
@@ -436,25 +387,8 @@ fn rows_bf16(
         .with_max_len(1)
         .for_each(|(task, o)| {
             let mut wide = uninit_floats::<f32>(width);
-            let widening = matches!(input, RowsIn::Bf16 { .. });
-            let mut widened = vec![0f32; if widening { width } else { 0 }];
             for (r, o) in o.chunks_mut(stride).enumerate() {
-                let i = task * ROWS_PER_TASK + r;
-                let row: &[f32] = match input {
-                    RowsIn::F32(v) => &v[i * width..][..width],
-                    RowsIn::Bf16 { bits, stride, .. } => {
-                        let src = &bits[i * stride..][..width];
-                        vectorised(
-                            #[inline(always)]
-                            || {
-                                for (w, &b) in widened.iter_mut().zip(src) {
-                                    *w = zgemm::bf16_value(b);
-                                }
-                            },
-                        );
-                        &widened
-                    }
-                };
+                let row = &input[(task * ROWS_PER_TASK + r) * width..][..width];
                 vectorised(
                     #[inline(always)]
                     || f(row, &mut wide),
@@ -469,7 +403,68 @@ fn rows_bf16(
                 }
             }
         });
-    // SAFETY: the head, the tail and every row with its padding were written.
+    bf16_tensor(out, start, rows, stride, width)
+}
+
+/// bf16 rows mapped value by value through `table`, each value's bits
+/// replaced by the low 16 bits of `table[bits]`: an element-wise function
+/// of a bf16 value with a bf16 result (GELU's forward on the MLP's bf16
+/// `h`), which has only 2¹⁶ inputs, looked up instead of computed (GELU's
+/// exponential and reciprocal held its bf16 forward to 0.29 of the
+/// triad's bandwidth). `rows` of `width` values `stride` apart in, laid out
+/// as [`par_rows_bf16`]'s output.
+pub(crate) fn par_rows_bf16_mapped(
+    input: &[u16],
+    rows: usize,
+    stride: usize,
+    width: usize,
+    table: &[u32; 1 << 16],
+) -> candle_core::Result<candle_core::Tensor> {
+    use rayon::prelude::*;
+    if rows > 0 && (stride < width || input.len() < (rows - 1) * stride + width) {
+        candle_core::bail!(
+            "{} values are not {rows} rows of {width} at stride {stride}",
+            input.len()
+        );
+    }
+    let width = width.max(1);
+    let (mut out, start, out_stride) = bf16_rows_buffer(rows, width);
+    out[start..start + rows * out_stride]
+        .par_chunks_mut(out_stride * ROWS_PER_TASK)
+        .enumerate()
+        .with_max_len(1)
+        .for_each(|(task, o)| {
+            for (r, o) in o.chunks_mut(out_stride).enumerate() {
+                let src = &input[(task * ROWS_PER_TASK + r) * stride..][..width];
+                let (o, pad) = o.split_at_mut(width);
+                #[cfg(target_arch = "x86_64")]
+                let done = crate::lanes::looked_up_bits(src, o, table);
+                #[cfg(not(target_arch = "x86_64"))]
+                let done = false;
+                if !done {
+                    for (o, &b) in o.iter_mut().zip(src) {
+                        o.write(table[usize::from(b)] as u16);
+                    }
+                }
+                for o in pad {
+                    o.write(0);
+                }
+            }
+        });
+    bf16_tensor(out, start, rows, out_stride, width)
+}
+
+/// The `[rows, width]` tensor of a [`bf16_rows_buffer`] whose every value
+/// (head, rows with their padding, tail) was written.
+fn bf16_tensor(
+    out: Vec<MaybeUninit<u16>>,
+    start: usize,
+    rows: usize,
+    stride: usize,
+    width: usize,
+) -> candle_core::Result<candle_core::Tensor> {
+    use half::vec::HalfBitsVecExt;
+    // SAFETY: every value was written (caller).
     let out = unsafe { assume_init(out) };
     let len = out.len();
     let all = candle_core::Tensor::from_vec(
