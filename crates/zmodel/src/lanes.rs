@@ -826,7 +826,7 @@ macro_rules! width_entry_points {
 
             /// # Safety
             ///
-            /// This width's features; `dy` and `out` as long as `h`.
+            /// This width's features; `out` as long as `h`.
             #[target_feature(enable = $features)]
             pub(super) unsafe fn looked_up_bits(
                 h: &[u16],

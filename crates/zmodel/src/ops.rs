@@ -84,7 +84,7 @@ pub fn gelu_bf16_of_bf16(h: &Tensor) -> Result<Tensor> {
 fn gelu_bits_of_bf16() -> &'static [u32; 1 << 16] {
     static TABLE: std::sync::OnceLock<Box<[u32; 1 << 16]>> = std::sync::OnceLock::new();
     TABLE.get_or_init(|| {
-        let mut table = Box::new([0u32; 1 << 16]);
+        let mut table: Box<[u32; 1 << 16]> = vec![0; 1 << 16].try_into().expect("2^16 words");
         vectorised(
             #[inline(always)]
             || {
@@ -143,7 +143,7 @@ pub fn gelu_backward_bf16_of_input(h: &Tensor, dy: &Tensor) -> Result<RoundedGra
 fn gelu_slope_of_bf16() -> &'static [f32; 1 << 16] {
     static TABLE: std::sync::OnceLock<Box<[f32; 1 << 16]>> = std::sync::OnceLock::new();
     TABLE.get_or_init(|| {
-        let mut table = Box::new([0f32; 1 << 16]);
+        let mut table: Box<[f32; 1 << 16]> = vec![0.0; 1 << 16].try_into().expect("2^16 values");
         vectorised(
             #[inline(always)]
             || {
