@@ -84,17 +84,28 @@ pub fn gelu_bf16_of_bf16(h: &Tensor) -> Result<Tensor> {
 fn gelu_bits_of_bf16() -> &'static [u32; 1 << 16] {
     static TABLE: std::sync::OnceLock<Box<[u32; 1 << 16]>> = std::sync::OnceLock::new();
     TABLE.get_or_init(|| {
-        let mut table: Box<[u32; 1 << 16]> = vec![0; 1 << 16].try_into().expect("2^16 words");
-        vectorised(
+        table_of_bf16(
             #[inline(always)]
-            || {
-                for (b, out) in (0..=u16::MAX).zip(table.iter_mut()) {
-                    *out = u32::from(zgemm::bf16_bits(gelu_of(zgemm::bf16_value(b))));
-                }
-            },
-        );
-        table
+            |v| u32::from(zgemm::bf16_bits(gelu_of(v))),
+        )
     })
+}
+
+/// `f` of every bf16 value (widened), indexed by its bits, in the CPU's
+/// widest build (the scalar code's bits on every path).
+fn table_of_bf16<T: Copy + Default>(f: impl Fn(f32) -> T) -> Box<[T; 1 << 16]> {
+    let mut table: Box<[T; 1 << 16]> = vec![T::default(); 1 << 16]
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("2^16 values"));
+    vectorised(
+        #[inline(always)]
+        || {
+            for (b, out) in (0..=u16::MAX).zip(table.iter_mut()) {
+                *out = f(zgemm::bf16_value(b));
+            }
+        },
+    );
+    table
 }
 
 /// GELU's backward for a layer whose products are bf16, from GELU's bf16
@@ -143,16 +154,10 @@ pub fn gelu_backward_bf16_of_input(h: &Tensor, dy: &Tensor) -> Result<RoundedGra
 fn gelu_slope_of_bf16() -> &'static [f32; 1 << 16] {
     static TABLE: std::sync::OnceLock<Box<[f32; 1 << 16]>> = std::sync::OnceLock::new();
     TABLE.get_or_init(|| {
-        let mut table: Box<[f32; 1 << 16]> = vec![0.0; 1 << 16].try_into().expect("2^16 values");
-        vectorised(
+        table_of_bf16(
             #[inline(always)]
-            || {
-                for (b, slope) in (0..=u16::MAX).zip(table.iter_mut()) {
-                    *slope = gelu_and_slope_of(zgemm::bf16_value(b)).1;
-                }
-            },
-        );
-        table
+            |v| gelu_and_slope_of(v).1,
+        )
     })
 }
 
