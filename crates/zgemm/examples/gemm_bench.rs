@@ -9,6 +9,8 @@
 //!     cargo run --release -p zgemm --example gemm_bench            # 1 and 2 threads
 //!     cargo run --release -p zgemm --example gemm_bench -- 2       # 2 threads only
 //!
+//! `GEMM_SHAPE=tn,384,2048,1152` times that one shape instead (`A`
+//! transposed, `M × K · K × N`),
 //! `GEMM_ONLY=tn_384` times only the shapes whose name contains it,
 //! `GEMM_KERNELS=Avx512,AmxBf16` only those kernels (as the lines name them), and
 //! `GEMM_REPS=500` calls each that many times (a loop to profile).
@@ -32,6 +34,30 @@
 //! median hides them.
 
 use zgemm::{gemm_with, Kernel, MatMut, MatRef, Start};
+
+/// The shapes timed: `GEMM_SHAPE`'s one, else [`SHAPES`].
+fn shapes() -> Vec<(&'static str, usize, usize, usize)> {
+    let Ok(spec) = std::env::var("GEMM_SHAPE") else {
+        return SHAPES.to_vec();
+    };
+    let usage = "GEMM_SHAPE: nn|tn|nt|tt,M,K,N (e.g. tn,384,2048,1152)";
+    let fields: Vec<&str> = spec.split(',').collect();
+    let op = match fields.first() {
+        Some(&"nn") => "nn",
+        Some(&"tn") => "tn",
+        Some(&"nt") => "nt",
+        Some(&"tt") => "tt",
+        _ => panic!("{usage}"),
+    };
+    let dims: Vec<usize> = fields[1..]
+        .iter()
+        .map(|f| f.parse().expect(usage))
+        .collect();
+    let [m, k, n] = dims[..] else {
+        panic!("{usage}")
+    };
+    vec![(op, m, k, n)]
+}
 
 const SHAPES: [(&str, usize, usize, usize); 7] = [
     ("nn", 2048, 2048, 2048),
@@ -83,7 +109,7 @@ fn main() {
             .num_threads(t)
             .build()
             .expect("a thread pool");
-        for (op, m, k, n) in SHAPES {
+        for (op, m, k, n) in shapes() {
             if !format!("{op}_{m}x{k}x{n}").contains(&only) {
                 continue;
             }
@@ -177,7 +203,7 @@ fn versus_openblas(blas: &openblas::Sgemm, kernel: Kernel, t: usize, only: &str,
     let pause = std::time::Duration::from_millis(
         std::env::var("GEMM_PAUSE_MS").map_or(2, |v| v.parse().expect("GEMM_PAUSE_MS: a number")),
     );
-    for (op, m, k, n) in SHAPES {
+    for (op, m, k, n) in shapes() {
         if !format!("{op}_{m}x{k}x{n}").contains(only) {
             continue;
         }
