@@ -23,9 +23,13 @@ fn best_of(f: &mut dyn FnMut() -> candle_core::Result<()>) -> candle_core::Resul
     Ok(best)
 }
 
+/// `n` values in [-2, 2) spread over about a million distinct ones, as a
+/// layer's activations are: GELU's bf16 ops look their results up by the
+/// input's bits, and inputs of a hundred values (as these were until
+/// 2026-12-02) keep every lookup in L1 (measured 4-6% faster).
 fn values(n: usize, seed: usize) -> Vec<f32> {
     (0..n)
-        .map(|i| ((i * 37 + seed * 11) % 101) as f32 / 50.0 - 1.0)
+        .map(|i| ((i * 7919 + seed * 104_729) % 1_000_003) as f32 / 250_000.75 - 2.0)
         .collect()
 }
 
