@@ -35,7 +35,7 @@ fn main() -> candle_core::Result<()> {
     if zgemm::has_native_bf16() {
         kinds.push(Products::Bf16);
     }
-    let qkv16 = qkv.to_dtype(candle_core::DType::BF16)?;
+    let qkv16 = on_a_line(&qkv.to_dtype(candle_core::DType::BF16)?)?;
     let mut runs: Vec<(String, Products, bool)> = kinds
         .iter()
         .map(|&p| (format!("{p:?}"), p, false))
@@ -71,4 +71,20 @@ fn main() -> candle_core::Result<()> {
         );
     }
     Ok(())
+}
+
+/// `x` (bf16) copied so that its values start on a 64-byte line, as the
+/// model's projection lays `qkv` out (`zgemm::gemm_bf16_rounded` into a
+/// line-aligned buffer): the products read its rows in place only then,
+/// and a copy from the allocator's 16-byte-aligned memory pairs every block
+/// of `Q` afresh.
+fn on_a_line(x: &Tensor) -> candle_core::Result<Tensor> {
+    let values = x.flatten_all()?.to_vec1::<half::bf16>()?;
+    let mut padded = vec![half::bf16::ZERO; values.len() + 32];
+    let start = zgemm::bf16_line_start(&padded);
+    padded[start..start + values.len()].copy_from_slice(&values);
+    let len = padded.len();
+    Tensor::from_vec(padded, len, &Device::Cpu)?
+        .narrow(0, start, values.len())?
+        .reshape(x.shape())
 }
