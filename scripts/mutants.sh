@@ -30,6 +30,7 @@ SETS=(
     "tcp|zcomm|crates/zcomm/src/tcp/mod.rs crates/zcomm/src/tcp/peers.rs crates/zcomm/src/tcp/handshake.rs crates/zcomm/src/links.rs||"
     "state|zengine|crates/zengine/src/state.rs||--test resume"
     "checkpoint|zckpt|crates/zckpt/src/lib.rs crates/zckpt/src/stream.rs||"
+    "quant|zquant|crates/zquant/src/lib.rs||"
 )
 
 wanted=("$@")

@@ -93,15 +93,96 @@ const LENGTHS: [usize; 7] = [1, 2, 3, 63, 64, 1001, 40_961];
 #[test]
 fn every_value_comes_back_within_half_a_step() {
     for bits in [Bits::Int8, Bits::Int4] {
+        let mut worst_of_all = 0f64;
         for &n in &LENGTHS {
             for block in [2, 64, 2048] {
                 let x = values(n, n as u64 * 31 + block as u64, 3.0);
                 let q = quantize(&x, bits, block).unwrap();
                 let worst = check(&x, &q, &format!("{bits:?} n {n} block {block}"));
                 assert!(worst <= 0.5 + 1e-4, "{worst} steps");
+                worst_of_all = worst_of_all.max(worst);
             }
         }
+        // Rounding to the nearest code does err by up to half a step, and
+        // f32's rounding of x / s and of code × s adds at most qmax·ε more:
+        // a bound looser than twice that allowance would let a wrong code
+        // pass `check`.
+        assert!(
+            worst_of_all > 0.49,
+            "{bits:?}: at most {worst_of_all} steps"
+        );
+        let allowance = f64::from(bits.qmax()) * f64::from(f32::EPSILON);
+        for s in [1e-30f32, 1e-3, 1.0, 7.5e20] {
+            let bound = error_bound(bits, s) / f64::from(s);
+            assert!(
+                (0.5 + allowance..=0.5 + 2.0 * allowance).contains(&bound),
+                "{bits:?}: error_bound at scale {s} is {bound} steps"
+            );
+        }
     }
+}
+
+#[test]
+fn bit_counts_name_their_widths() {
+    assert_eq!(Bits::from_count(8), Some(Bits::Int8));
+    assert_eq!(Bits::from_count(4), Some(Bits::Int4));
+    for other in [0, 2, 16, 32] {
+        assert_eq!(Bits::from_count(other), None, "{other} bits");
+    }
+}
+
+/// A communicator's thread quantizes (qwZ, qgZ) while the training thread,
+/// on rayon's pool, waits for it: were that thread to hand its blocks to the
+/// pool, it would wait for workers that all wait for it. Here every worker of
+/// the global pool waits for the quantizing thread, which starts only once
+/// they all do; each gives up after a deadline, so a deadlock fails the test
+/// instead of hanging it.
+#[test]
+fn a_thread_off_the_pool_quantizes_alone_while_the_pool_waits_for_it() {
+    use std::sync::mpsc;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+    assert!(rayon::current_thread_index().is_none());
+    let workers = rayon::current_num_threads();
+    // Several tasks' worth of blocks, so that the pool would be asked.
+    let x = values(BLOCKS_PER_TASK * 64 * 4 * workers.max(2), 11, 3.0);
+    let want = quantize_with(Path::Portable, &x, Bits::Int8, 64).unwrap();
+    let (waiting_tx, waiting_rx) = mpsc::channel::<()>();
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let quantizer = std::thread::spawn(move || {
+        for _ in 0..workers {
+            waiting_rx.recv().expect("a worker says it waits");
+        }
+        let q = quantize(&x, Bits::Int8, 64);
+        for _ in 0..workers {
+            let _ = done_tx.send(());
+        }
+        q
+    });
+    let waiting_tx = Mutex::new(waiting_tx);
+    let done_rx = Arc::new(Mutex::new(done_rx));
+    let waited: Vec<bool> = rayon::broadcast(|_| {
+        waiting_tx.lock().unwrap().send(()).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match done_rx
+                .lock()
+                .unwrap()
+                .recv_timeout(left.min(Duration::from_millis(50)))
+            {
+                Ok(()) => return true,
+                Err(_) if left.is_zero() => return false,
+                Err(_) => {}
+            }
+        }
+    });
+    let q = quantizer.join().unwrap().unwrap();
+    assert!(
+        waited.iter().all(|&w| w),
+        "the pool's workers waited out their deadline: the quantizing thread used the pool"
+    );
+    assert!(q == want, "the codes of one thread");
 }
 
 #[test]
