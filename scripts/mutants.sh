@@ -31,6 +31,7 @@ SETS=(
     "state|zengine|crates/zengine/src/state.rs||--test resume"
     "checkpoint|zckpt|crates/zckpt/src/lib.rs crates/zckpt/src/stream.rs||"
     "quant|zquant|crates/zquant/src/lib.rs||"
+    "swap|zswap|crates/zswap/src/swapper.rs crates/zswap/src/dir.rs crates/zswap/src/buf.rs crates/zswap/src/lib.rs crates/zswap/src/threads.rs crates/zswap/src/uring.rs||"
 )
 
 wanted=("$@")

@@ -119,6 +119,11 @@ mod tests {
             b.f32s_mut()[1] = 2.5;
             assert_eq!(b.f32s()[1], 2.5);
             assert_eq!(b.u16s().len(), b.len() / 2);
+            b.u16s_mut()[3] = 0xbeef;
+            assert_eq!(b.bytes()[6..8], 0xbeefu16.to_le_bytes());
+            assert_eq!(b.u16s_mut().len(), b.len() / 2);
+            assert!(!b.is_empty());
+            assert_eq!(format!("{b:?}"), format!("AlignedBuf({} bytes)", b.len()));
         }
     }
 }

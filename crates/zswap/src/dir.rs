@@ -328,4 +328,71 @@ mod tests {
         drop(again);
         assert!(!t.path().join("next").exists());
     }
+
+    /// zrun's cleanup after a job: the ranks nobody holds go, a held one stays.
+    #[test]
+    fn remove_job_removes_the_ranks_nobody_holds() {
+        let t = tempfile::tempdir().unwrap();
+        let held = SwapDir::create(t.path(), "job", 0).unwrap();
+        let gone = t.path().join("job/rank-1");
+        std::fs::create_dir_all(&gone).unwrap();
+        std::fs::write(gone.join(LOCK), b"").unwrap();
+        std::fs::write(gone.join("m.swp"), b"old").unwrap();
+        remove_job(t.path(), "job");
+        assert!(!gone.exists(), "an unheld rank's directory is removed");
+        assert!(held.path().join(LOCK).exists(), "a held rank's is kept");
+    }
+
+    #[test]
+    fn names_that_cannot_be_a_directory_are_refused_and_files_are_whole_blocks() {
+        let t = tempfile::tempdir().unwrap();
+        for bad in ["", "a/b", ".hidden", "nul\0"] {
+            let err = SwapDir::create(t.path(), bad, 0)
+                .err()
+                .map(|e| e.to_string());
+            assert!(
+                err.as_deref()
+                    .is_some_and(|e| e.contains("cannot name a swap directory")),
+                "{bad:?}: {err:?}"
+            );
+        }
+        let dir = SwapDir::create(t.path(), "job", 0).unwrap();
+        let file = dir.file("odd.swp", 5000).unwrap();
+        assert_eq!(std::fs::metadata(file.path()).unwrap().len(), 8192);
+    }
+
+    /// Free bytes and the filesystem's kind, against `statfs`, a call the
+    /// code does not make.
+    #[test]
+    fn free_bytes_and_the_filesystem_agree_with_statfs() {
+        let statfs = |p: &Path| {
+            use std::os::unix::ffi::OsStrExt;
+            let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+            // SAFETY: statfs is plain old data; zeroed is a valid value.
+            let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+            // SAFETY: a NUL-terminated path and a valid out-pointer.
+            assert_eq!(unsafe { libc::statfs(c.as_ptr(), &mut st) }, 0);
+            st
+        };
+        let t = tempfile::tempdir().unwrap();
+        let st = statfs(t.path());
+        let want = st.f_bavail as u64 * st.f_bsize as u64;
+        let got = free_bytes(t.path()).unwrap();
+        // Other writers move it between the two calls: within 1%.
+        assert!(
+            got.abs_diff(want) <= want / 100,
+            "free_bytes {got}, statfs {want}"
+        );
+        const TMPFS_MAGIC: i64 = 0x0102_1994;
+        let shm = Path::new("/dev/shm");
+        // `f_type`'s integer type differs between targets.
+        #[allow(clippy::unnecessary_cast)]
+        let tmpfs = shm.is_dir() && statfs(shm).f_type as i64 == TMPFS_MAGIC;
+        if tmpfs {
+            assert_eq!(filesystem_of(shm), ("tmpfs".to_string(), true));
+        } else {
+            println!("skipped the tmpfs case: /dev/shm is not a tmpfs here");
+        }
+        assert!(!filesystem_of(t.path()).0.is_empty());
+    }
 }

@@ -373,3 +373,103 @@ impl Swapper {
         self.counters.snapshot()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_subtract_and_say_what_share_was_hidden() {
+        let earlier = IoStats {
+            read_bytes: 100,
+            write_bytes: 40,
+            wait_s: 0.5,
+            busy_s: 2.0,
+        };
+        let later = IoStats {
+            read_bytes: 350,
+            write_bytes: 90,
+            wait_s: 0.75,
+            busy_s: 3.0,
+        };
+        let want = IoStats {
+            read_bytes: 250,
+            write_bytes: 50,
+            wait_s: 0.25,
+            busy_s: 1.0,
+        };
+        assert_eq!(later.since(&earlier), want);
+        let hidden = |wait_s, busy_s| {
+            IoStats {
+                wait_s,
+                busy_s,
+                ..IoStats::default()
+            }
+            .hidden()
+        };
+        assert_eq!(hidden(3.0, 4.0), 0.25);
+        assert_eq!(hidden(0.0, 0.0), 1.0, "nothing busy: nothing to hide");
+        assert_eq!(hidden(2.0, 1.0), 0.0, "waits longer than the I/O");
+    }
+
+    /// Busy time is the union of the transfers' spans: counted once where
+    /// two overlap, and not while nothing is in flight.
+    #[test]
+    fn busy_time_is_the_union_of_the_transfers_in_flight() {
+        let c = Counters::default();
+        let ms = Duration::from_millis;
+        c.begin();
+        std::thread::sleep(ms(20));
+        c.begin();
+        std::thread::sleep(ms(20));
+        c.end(false, 10);
+        let during = c.snapshot();
+        assert!(
+            during.busy_s >= 0.04,
+            "busy {} s with one in flight",
+            during.busy_s
+        );
+        std::thread::sleep(ms(20));
+        c.end(true, 4096);
+        let after = c.snapshot();
+        assert!(
+            after.busy_s >= 0.06 && after.busy_s < during.busy_s + 5.0,
+            "busy {} s after both",
+            after.busy_s
+        );
+        std::thread::sleep(ms(30));
+        assert_eq!(c.snapshot().busy_s, after.busy_s, "idle time counted busy");
+        assert_eq!((after.read_bytes, after.write_bytes), (10, 4096));
+        c.wait_ns.fetch_add(1_500_000_000, Ordering::Relaxed);
+        assert_eq!(c.snapshot().wait_s, 1.5);
+    }
+
+    /// An I/O error on either path fails the transfer, naming the file; it is
+    /// never reported done: here writes to a file opened read-only.
+    #[test]
+    fn a_refused_write_fails_naming_the_file_on_both_paths() {
+        let t = tempfile::tempdir().unwrap();
+        let path = t.path().join("read-only.swp");
+        std::fs::write(&path, vec![0u8; 8192]).unwrap();
+        let file = SwapFile::new(File::open(&path).unwrap(), path.clone());
+        for io in [IoPath::Uring, IoPath::Threads] {
+            let swapper = match Swapper::new(AioConfig::default(), Some(io)) {
+                Ok(s) => s,
+                Err(e) => {
+                    println!("skipped the {} path: {e}", io.name());
+                    continue;
+                }
+            };
+            let err = swapper
+                .write(&file, 0, AlignedBuf::zeroed(8192))
+                .wait()
+                .err()
+                .map(|e| e.to_string());
+            assert!(
+                err.as_deref().is_some_and(|e| e.contains("read-only.swp")),
+                "{}: {err:?}",
+                io.name()
+            );
+        }
+    }
+}
