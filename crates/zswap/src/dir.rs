@@ -378,9 +378,10 @@ mod tests {
         let st = statfs(t.path());
         let want = st.f_bavail as u64 * st.f_bsize as u64;
         let got = free_bytes(t.path()).unwrap();
-        // Other writers move it between the two calls: within 1%.
+        // Other writers move it between the two calls: within 1%, or 64 MiB
+        // on a nearly full disk.
         assert!(
-            got.abs_diff(want) <= want / 100,
+            got.abs_diff(want) <= (want / 100).max(64 << 20),
             "free_bytes {got}, statfs {want}"
         );
         const TMPFS_MAGIC: i64 = 0x0102_1994;
