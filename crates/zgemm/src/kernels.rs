@@ -55,6 +55,42 @@ pub(crate) enum Streams {
     B,
 }
 
+/// A run of whole tiles that chain (α = 1) with nothing done after each,
+/// one after another down a column of tiles or along a row of them: tile
+/// `i` reads `A` from `a + i·a_step` (at strides `a_rs`, `a_cs`), `B` from
+/// `b + i·b_step` and writes `C` at `c + i·c_step`, starting from `C` where
+/// `add`, else from the bias at `bias + i·bias_step` unless it is null,
+/// else zero, and adding the residual at `residual + i·residual_step`
+/// unless it is null. The driver hands a kernel a strip rather than a call
+/// a tile: building each tile's arguments and calling through the kernel
+/// match took 2-3% of a weight gradient's time on a Zen 2 EPYC (perf),
+/// the kernel's own setup around its updates another 6%. With both gone
+/// (strips, and `avx2_chain`), alternated against OpenBLAS call by call on
+/// that machine (medians, two rounds each): the model's seven shapes went
+/// from 0.92-1.00x to 0.95-1.02x at one thread and from 0.89-1.00x to
+/// 0.96-1.05x at two, the 384-row weight gradient from 0.89-0.94x to
+/// 0.95-0.97x; a transformer block +3% (`block_bench`, one thread), a
+/// training step +2-3% (`scripts/ab.sh`, the same bits).
+pub(crate) struct Strip {
+    pub(crate) tiles: usize,
+    pub(crate) k: usize,
+    pub(crate) a: *const f32,
+    pub(crate) a_rs: usize,
+    pub(crate) a_cs: usize,
+    pub(crate) a_step: usize,
+    pub(crate) b: *const f32,
+    pub(crate) b_step: usize,
+    pub(crate) c: *mut f32,
+    pub(crate) rs: usize,
+    pub(crate) c_step: usize,
+    pub(crate) add: bool,
+    pub(crate) bias: *const f32,
+    pub(crate) bias_step: usize,
+    pub(crate) residual: *const f32,
+    pub(crate) residual_rs: usize,
+    pub(crate) residual_step: usize,
+}
+
 impl Tile {
     /// Whether an f32 tile's sums continue the chain that `C` (where it
     /// adds into `C`) or the bias holds: with α = 1 each element of a
@@ -211,13 +247,15 @@ pub(crate) unsafe fn portable_bf16(t: &Tile) {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86::{amx_bf16, avx2, avx512, avx512_bf16, fma_chains_avx2, fma_chains_avx512};
+pub(crate) use x86::{
+    amx_bf16, avx2, avx2_strip, avx512, avx512_bf16, fma_chains_avx2, fma_chains_avx512,
+};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{chain_starts, store_edge, Streams, Tile};
+    use super::{chain_starts, store_edge, Streams, Strip, Tile};
 
     /// Asks for the tile's live rows of `C` while the updates run: `C` is
     /// too big for any cache, and its loads and stores at the end would
@@ -325,7 +363,10 @@ mod x86 {
     }
 
     /// 6×16 with AVX2 and FMA: 12 accumulators, two `B` vectors and six
-    /// broadcasts of `A` per update.
+    /// broadcasts of `A` per update, all in [`avx2_chain`]; whole tiles that
+    /// chain go there directly (and the driver hands runs of them over as
+    /// [`avx2_strip`]s), the others are made in an L1 scratch tile and
+    /// stored with their α, bias, residual and edges from there.
     ///
     /// The updates are assembly for the same reason as [`avx512`]'s: the six
     /// rows of `A` are reached from two base pointers (rows 0 and 3) with the
@@ -355,38 +396,223 @@ mod x86 {
     pub(crate) unsafe fn avx2(t: &Tile) {
         const MR: usize = 6;
         const NR: usize = 16;
-        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
+        let whole = t.rows == MR && t.cols == NR;
+        if whole && t.chains() {
+            let ends = ChainEnds {
+                bias: t.bias,
+                residual: t.residual,
+                residual_rs: t.residual_rs,
+            };
+            // SAFETY: as this function's (caller): a whole tile.
+            unsafe { avx2_chain(t.k, t.a, (t.a_rs, t.a_cs), t.b, (t.c, t.rs), t.add, &ends) };
+            return;
+        }
+        // The rest (edge tiles, and whole ones with α ≠ 1) are made in an
+        // L1 scratch tile, from what a chain starts from or from zero, and
+        // stored from there.
         prefetch_c(t, NR);
-        if t.starts_from_values() && t.rows == MR && t.cols == NR {
-            for (i, row) in acc.iter_mut().enumerate() {
-                for (h, v) in row.iter_mut().enumerate() {
-                    // SAFETY: a whole tile of C, and the bias's tile
-                    // columns, are valid (caller).
-                    *v = unsafe {
-                        if t.add {
-                            _mm256_loadu_ps(t.c.add(i * t.rs + 8 * h))
-                        } else {
-                            _mm256_loadu_ps(t.bias.add(8 * h))
-                        }
-                    };
-                }
-            }
-        } else if t.starts_from_values() {
-            let mut flat = [0f32; MR * NR];
+        let mut flat = SmallTile([0.0; MR * NR]);
+        let from_values = t.starts_from_values();
+        if from_values {
             // SAFETY: the tile's live part is valid (caller).
-            unsafe { chain_starts(t, &mut flat, NR) };
-            for (i, row) in acc.iter_mut().enumerate() {
-                for (h, v) in row.iter_mut().enumerate() {
-                    // SAFETY: 8 floats inside `flat`.
-                    *v = unsafe { _mm256_loadu_ps(flat.as_ptr().add(i * NR + 8 * h)) };
+            unsafe { chain_starts(t, &mut flat.0, NR) };
+        }
+        let none = ChainEnds {
+            bias: std::ptr::null(),
+            residual: std::ptr::null(),
+            residual_rs: 0,
+        };
+        // SAFETY: A and B as this function's (caller); the scratch tile is
+        // six rows of sixteen floats, this call's own.
+        unsafe {
+            avx2_chain(
+                t.k,
+                t.a,
+                (t.a_rs, t.a_cs),
+                t.b,
+                (flat.0.as_mut_ptr(), NR),
+                from_values,
+                &none,
+            )
+        };
+        if !whole {
+            // SAFETY: the live part is valid (caller).
+            unsafe { store_edge(t, &flat.0, NR, t.chains()) };
+            return;
+        }
+        let alpha = _mm256_set1_ps(t.alpha);
+        for i in 0..MR {
+            for h in 0..2 {
+                // SAFETY: a whole tile of C is live, and so are the bias's
+                // tile columns and the residual's tile where given (caller);
+                // 8 floats inside `flat`.
+                unsafe {
+                    let c = t.c.add(i * t.rs + 8 * h);
+                    let v =
+                        _mm256_mul_ps(alpha, _mm256_loadu_ps(flat.0.as_ptr().add(i * NR + 8 * h)));
+                    let v = if t.add {
+                        _mm256_add_ps(_mm256_loadu_ps(c), v)
+                    } else if !t.bias.is_null() {
+                        _mm256_add_ps(_mm256_loadu_ps(t.bias.add(8 * h)), v)
+                    } else {
+                        v
+                    };
+                    let v = if t.residual.is_null() {
+                        v
+                    } else {
+                        let r = t.residual.add(i * t.residual_rs + 8 * h);
+                        _mm256_add_ps(_mm256_loadu_ps(r), v)
+                    };
+                    _mm256_storeu_ps(c, v);
                 }
             }
         }
-        let [[c0, c1], [c2, c3], [c4, c5], [c6, c7], [c8, c9], [c10, c11]] = &mut acc;
-        // SAFETY: the updates read A's columns 0..k at its strides and
-        // b[..16·k], inside the panels (caller); the CPU has AVX2 and FMA.
+    }
+
+    /// A 6×16 tile in L1, aligned for vector loads and stores.
+    #[repr(C, align(32))]
+    struct SmallTile([f32; 96]);
+
+    /// The tiles of a [`Strip`], each with [`avx2_chain`].
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have AVX2 and FMA, and every tile of `s` must be valid
+    /// as [`avx2`] requires of a whole 6×16 tile.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn avx2_strip(s: &Strip) {
+        // A null bias or residual stays null.
+        let step = |p: *const f32, step: usize, i: usize| {
+            if p.is_null() {
+                p
+            } else {
+                p.wrapping_add(i * step)
+            }
+        };
+        for i in 0..s.tiles {
+            let ends = ChainEnds {
+                bias: step(s.bias, s.bias_step, i),
+                residual: step(s.residual, s.residual_step, i),
+                residual_rs: s.residual_rs,
+            };
+            // SAFETY: tile i of the strip is a whole valid tile (caller).
+            unsafe {
+                avx2_chain(
+                    s.k,
+                    s.a.wrapping_add(i * s.a_step),
+                    (s.a_rs, s.a_cs),
+                    s.b.wrapping_add(i * s.b_step),
+                    (s.c.wrapping_add(i * s.c_step), s.rs),
+                    s.add,
+                    &ends,
+                )
+            };
+        }
+    }
+
+    /// What a chaining tile starts from besides `C` and adds as it stores.
+    struct ChainEnds {
+        /// The tile's sixteen columns of the bias, or null.
+        bias: *const f32,
+        /// The tile's element (0, 0) of the residual, or null.
+        residual: *const f32,
+        /// The residual's row stride.
+        residual_rs: usize,
+    }
+
+    /// One whole 6×16 tile that chains (α = 1, module doc) in one block of
+    /// assembly, the accumulators never leaving their registers: the start
+    /// (`C` where `add`, else the bias unless null, else zero), the `k`
+    /// updates of [`avx2`], then `c = r + c` where a residual is given, and
+    /// the store. (Built up in Rust around the updates' assembly, as
+    /// [`avx2`] does for the other tiles, the accumulators went through the
+    /// stack and each store through four branches: 6.7% of a weight
+    /// gradient's time in the kernel was outside its updates, 3% with
+    /// this.)
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have AVX2 and FMA; `a` valid for `6 × k` elements at
+    /// strides `a_strides` (rows, columns), `b` for `16·k` floats, `c.0` for
+    /// six rows of sixteen floats `c.1` apart, written by no one else; the
+    /// bias, unless null, for sixteen floats, and the residual, unless null,
+    /// for six rows of sixteen at its stride.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2_chain(
+        k: usize,
+        a: *const f32,
+        a_strides: (usize, usize),
+        b: *const f32,
+        c: (*mut f32, usize),
+        add: bool,
+        ends: &ChainEnds,
+    ) {
+        let ((a_rs, a_cs), (c, rs)) = (a_strides, c);
+        // 0: from C, 1: from the bias, 2: from zero.
+        let start: usize = match (add, ends.bias.is_null()) {
+            (true, _) => 0,
+            (false, false) => 1,
+            (false, true) => 2,
+        };
+        let c3 = c.wrapping_add(3 * rs);
+        // What the assembly reads at [ends], [ends + 8], [ends + 16].
+        let ends = [ends.bias as usize, ends.residual as usize, ends.residual_rs];
+        // SAFETY: the tile's six rows of sixteen floats of C, the bias's
+        // sixteen columns and the residual's six rows where not null, A's
+        // columns 0..k at its strides and b[..16·k] are valid (caller);
+        // the CPU has AVX2 and FMA.
         unsafe {
             std::arch::asm!(
+                "cmp {start}, 1",
+                "jae 8f",
+                "vmovups ymm0, [{c}]",
+                "vmovups ymm1, [{c} + 32]",
+                "vmovups ymm2, [{c} + {crs}]",
+                "vmovups ymm3, [{c} + {crs} + 32]",
+                "vmovups ymm4, [{c} + {crs}*2]",
+                "vmovups ymm5, [{c} + {crs}*2 + 32]",
+                "vmovups ymm6, [{c3}]",
+                "vmovups ymm7, [{c3} + 32]",
+                "vmovups ymm8, [{c3} + {crs}]",
+                "vmovups ymm9, [{c3} + {crs} + 32]",
+                "vmovups ymm10, [{c3} + {crs}*2]",
+                "vmovups ymm11, [{c3} + {crs}*2 + 32]",
+                "jmp 7f",
+                // Not from C: ask for C's lines now, which the stores at
+                // the end would otherwise wait for (2048 × 384 · 384 × 1536
+                // on two threads, C far larger than L2: 0.92-0.93x
+                // OpenBLAS without, 1.03-1.05x with).
+                "8:",
+                "prefetcht0 [{c}]",
+                "prefetcht0 [{c} + 60]",
+                "prefetcht0 [{c} + {crs}]",
+                "prefetcht0 [{c} + {crs} + 60]",
+                "prefetcht0 [{c} + {crs}*2]",
+                "prefetcht0 [{c} + {crs}*2 + 60]",
+                "prefetcht0 [{c3}]",
+                "prefetcht0 [{c3} + 60]",
+                "prefetcht0 [{c3} + {crs}]",
+                "prefetcht0 [{c3} + {crs} + 60]",
+                "prefetcht0 [{c3} + {crs}*2]",
+                "prefetcht0 [{c3} + {crs}*2 + 60]",
+                "ja 6f",
+                "mov {tmp}, [{ends}]",
+                "vmovups ymm0, [{tmp}]",
+                "vmovups ymm1, [{tmp} + 32]",
+                "vmovaps ymm2, ymm0", "vmovaps ymm3, ymm1",
+                "vmovaps ymm4, ymm0", "vmovaps ymm5, ymm1",
+                "vmovaps ymm6, ymm0", "vmovaps ymm7, ymm1",
+                "vmovaps ymm8, ymm0", "vmovaps ymm9, ymm1",
+                "vmovaps ymm10, ymm0", "vmovaps ymm11, ymm1",
+                "jmp 7f",
+                "6:",
+                "vxorps ymm0, ymm0, ymm0", "vxorps ymm1, ymm1, ymm1",
+                "vxorps ymm2, ymm2, ymm2", "vxorps ymm3, ymm3, ymm3",
+                "vxorps ymm4, ymm4, ymm4", "vxorps ymm5, ymm5, ymm5",
+                "vxorps ymm6, ymm6, ymm6", "vxorps ymm7, ymm7, ymm7",
+                "vxorps ymm8, ymm8, ymm8", "vxorps ymm9, ymm9, ymm9",
+                "vxorps ymm10, ymm10, ymm10", "vxorps ymm11, ymm11, ymm11",
+                "7:",
                 "test {k}, {k}",
                 "jz 3f",
                 ".p2align 5",
@@ -418,56 +644,58 @@ mod x86 {
                 "dec {k}",
                 "jnz 2b",
                 "3:",
-                k = inout(reg) t.k => _,
-                a0 = inout(reg) t.a => _,
-                a3 = inout(reg) t.a.wrapping_add(3 * t.a_rs) => _,
-                b = inout(reg) t.b => _,
-                rs = in(reg) t.a_rs * 4,
-                cs = in(reg) t.a_cs * 4,
-                inout("ymm0") *c0, inout("ymm1") *c1, inout("ymm2") *c2, inout("ymm3") *c3,
-                inout("ymm4") *c4, inout("ymm5") *c5, inout("ymm6") *c6, inout("ymm7") *c7,
-                inout("ymm8") *c8, inout("ymm9") *c9, inout("ymm10") *c10, inout("ymm11") *c11,
+                // c = r + c, the residual's rows reached as C's are (its
+                // stride in `rs`, row 3 in `a3`: both done with above).
+                "mov {tmp}, [{ends} + 8]",
+                "test {tmp}, {tmp}",
+                "jz 4f",
+                "mov {rs}, [{ends} + 16]",
+                "shl {rs}, 2",
+                "lea {a3}, [{tmp} + {rs}*2]",
+                "add {a3}, {rs}",
+                "vaddps ymm0, ymm0, [{tmp}]",
+                "vaddps ymm1, ymm1, [{tmp} + 32]",
+                "vaddps ymm2, ymm2, [{tmp} + {rs}]",
+                "vaddps ymm3, ymm3, [{tmp} + {rs} + 32]",
+                "vaddps ymm4, ymm4, [{tmp} + {rs}*2]",
+                "vaddps ymm5, ymm5, [{tmp} + {rs}*2 + 32]",
+                "vaddps ymm6, ymm6, [{a3}]",
+                "vaddps ymm7, ymm7, [{a3} + 32]",
+                "vaddps ymm8, ymm8, [{a3} + {rs}]",
+                "vaddps ymm9, ymm9, [{a3} + {rs} + 32]",
+                "vaddps ymm10, ymm10, [{a3} + {rs}*2]",
+                "vaddps ymm11, ymm11, [{a3} + {rs}*2 + 32]",
+                "4:",
+                "vmovups [{c}], ymm0",
+                "vmovups [{c} + 32], ymm1",
+                "vmovups [{c} + {crs}], ymm2",
+                "vmovups [{c} + {crs} + 32], ymm3",
+                "vmovups [{c} + {crs}*2], ymm4",
+                "vmovups [{c} + {crs}*2 + 32], ymm5",
+                "vmovups [{c3}], ymm6",
+                "vmovups [{c3} + 32], ymm7",
+                "vmovups [{c3} + {crs}], ymm8",
+                "vmovups [{c3} + {crs} + 32], ymm9",
+                "vmovups [{c3} + {crs}*2], ymm10",
+                "vmovups [{c3} + {crs}*2 + 32], ymm11",
+                start = in(reg) start,
+                c = in(reg) c,
+                c3 = in(reg) c3,
+                crs = in(reg) rs * 4,
+                ends = in(reg) ends.as_ptr(),
+                tmp = out(reg) _,
+                k = inout(reg) k => _,
+                a0 = inout(reg) a => _,
+                a3 = inout(reg) a.wrapping_add(3 * a_rs) => _,
+                b = inout(reg) b => _,
+                rs = inout(reg) a_rs * 4 => _,
+                cs = in(reg) a_cs * 4,
+                out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
                 out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
-                options(nostack, readonly),
+                options(nostack),
             );
-        }
-        let alpha = _mm256_set1_ps(t.alpha);
-        if t.rows == MR && t.cols == NR {
-            for (i, row) in acc.iter().enumerate() {
-                for (h, v) in row.iter().enumerate() {
-                    // SAFETY: a whole tile is live (caller).
-                    unsafe {
-                        let c = t.c.add(i * t.rs + 8 * h);
-                        let v = if t.chains() {
-                            *v
-                        } else if t.add {
-                            _mm256_add_ps(_mm256_loadu_ps(c), _mm256_mul_ps(alpha, *v))
-                        } else if !t.bias.is_null() {
-                            let b = _mm256_loadu_ps(t.bias.add(8 * h));
-                            _mm256_add_ps(b, _mm256_mul_ps(alpha, *v))
-                        } else {
-                            _mm256_mul_ps(alpha, *v)
-                        };
-                        let v = if t.residual.is_null() {
-                            v
-                        } else {
-                            let r = t.residual.add(i * t.residual_rs + 8 * h);
-                            _mm256_add_ps(_mm256_loadu_ps(r), v)
-                        };
-                        _mm256_storeu_ps(c, v);
-                    }
-                }
-            }
-        } else {
-            let mut flat = [0f32; MR * NR];
-            for (i, row) in acc.iter().enumerate() {
-                for (h, v) in row.iter().enumerate() {
-                    // SAFETY: 8 floats inside `flat`.
-                    unsafe { _mm256_storeu_ps(flat.as_mut_ptr().add(i * NR + 8 * h), *v) };
-                }
-            }
-            // SAFETY: the live part is valid (caller).
-            unsafe { store_edge(t, &flat, NR, t.chains()) }
         }
     }
 

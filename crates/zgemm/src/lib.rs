@@ -780,6 +780,18 @@ impl Kernel {
         sweeps && panel_bytes <= l2_bytes()
     }
 
+    /// Runs a strip of whole tiles: see [`kernels::Strip`]. Only the
+    /// kernels that [`Pass::rows`] hands strips to.
+    fn strip(self, s: &kernels::Strip) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `available()` offered this kernel only where the CPU has
+            // AVX2 and FMA; the strip's tiles are whole and valid (driver).
+            Kernel::Avx2 => unsafe { kernels::avx2_strip(s) },
+            _ => unreachable!("strips go to the AVX2 kernel only"),
+        }
+    }
+
     /// Runs one tile: see [`kernels::Tile`].
     fn tile(self, t: &kernels::Tile) {
         match self {
@@ -1731,13 +1743,80 @@ impl Pass<'_> {
                 };
             }
         };
+        // Runs of whole tiles that chain (α = 1) with nothing done after
+        // each (no finish, no rounding) go to the kernel as one strip
+        // (`kernels::Strip`, which has the measurements). Only AVX2's so
+        // far: the other kernels' CPUs were not at hand to measure theirs.
+        let strips = kernel == Kernel::Avx2
+            && self.alpha == 1.0
+            && self.rounded.is_none()
+            && self.finish.is_none();
+        let whole_cols = |p: usize| self.jc + (p + 1) * nr <= self.n;
+        let whole_rows = mlen / mr;
+        let strip = |q: usize, p: usize, tiles: usize, along_row: bool| {
+            let i = i0 + q * mr;
+            let j = self.jc + p * nr;
+            let (a_ptr, a_rs, a_cs, a_step) = if in_place(mr) {
+                (
+                    a.data[i * a.rs + pc * a.cs..].as_ptr(),
+                    a.rs,
+                    a.cs,
+                    mr * a.rs,
+                )
+            } else {
+                (packed_a[q * mr * kc..].as_ptr(), 1, mr, mr * kc)
+            };
+            let s = kernels::Strip {
+                tiles,
+                k: kc,
+                a: a_ptr,
+                a_rs,
+                a_cs,
+                a_step: if along_row { 0 } else { a_step },
+                b: self.b[p * self.panel_stride..].as_ptr(),
+                b_step: if along_row { self.panel_stride } else { 0 },
+                // SAFETY: row i, column j of C are inside its view.
+                c: unsafe { self.c.get().add(i * self.c_rs + j) },
+                rs: self.c_rs,
+                c_step: if along_row { nr } else { mr * self.c_rs },
+                add: self.add,
+                bias: self.bias.map_or(std::ptr::null(), |b| b[j..].as_ptr()),
+                bias_step: if along_row { nr } else { 0 },
+                residual: self
+                    .residual
+                    .map_or(std::ptr::null(), |r| r.data[i * r.rs + j..].as_ptr()),
+                residual_rs: self.residual.map_or(0, |r| r.rs),
+                residual_step: match self.residual {
+                    Some(_) if along_row => nr,
+                    Some(r) => mr * r.rs,
+                    None => 0,
+                },
+            };
+            kernel.strip(&s);
+        };
         if rows_outside {
             for q in 0..tall {
-                panels.clone().for_each(|p| tile(p, q));
+                let whole = if strips && q < whole_rows {
+                    panels.clone().take_while(|&p| whole_cols(p)).count()
+                } else {
+                    0
+                };
+                if whole > 0 {
+                    strip(q, panels.start, whole, true);
+                }
+                (panels.start + whole..panels.end).for_each(|p| tile(p, q));
             }
         } else {
             for p in panels {
-                (0..tall).for_each(|q| tile(p, q));
+                let whole = if strips && whole_cols(p) {
+                    whole_rows
+                } else {
+                    0
+                };
+                if whole > 0 {
+                    strip(0, p, whole, false);
+                }
+                (whole..tall).for_each(|q| tile(p, q));
             }
         }
         PACKED_A.set(packed_a_buf);
