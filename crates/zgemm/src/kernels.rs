@@ -57,11 +57,11 @@ pub(crate) enum Streams {
 
 /// A run of whole tiles that chain (α = 1) with nothing done after each,
 /// one after another down a column of tiles or along a row of them: tile
-/// `i` reads `A` from `a + i·a_step` (at strides `a_rs`, `a_cs`), `B` from
-/// `b + i·b_step` and writes `C` at `c + i·c_step`, starting from `C` where
-/// `add`, else from the bias at `bias + i·bias_step` unless it is null,
-/// else zero, and adding the residual at `residual + i·residual_step`
-/// unless it is null. The driver hands a kernel a strip rather than a call
+/// `i` reads `A` at `a.nth(i)` (at strides `a_strides`), `B` at `b.nth(i)`
+/// and writes `C` at `c.nth(i)` (rows `rs` apart), starting from `C` where
+/// `add`, else from the bias at `bias.nth(i)` unless it is null, else
+/// zero, and adding the residual at `residual.nth(i)` (rows `residual_rs`
+/// apart) unless it is null. The driver hands a kernel a strip rather than a call
 /// a tile: building each tile's arguments and calling through the kernel
 /// match took 2-3% of a weight gradient's time on a Zen 2 EPYC (perf),
 /// the kernel's own setup around its updates another 6%. With both gone
@@ -74,21 +74,35 @@ pub(crate) enum Streams {
 pub(crate) struct Strip {
     pub(crate) tiles: usize,
     pub(crate) k: usize,
-    pub(crate) a: *const f32,
-    pub(crate) a_rs: usize,
-    pub(crate) a_cs: usize,
-    pub(crate) a_step: usize,
-    pub(crate) b: *const f32,
-    pub(crate) b_step: usize,
-    pub(crate) c: *mut f32,
+    pub(crate) a: Walk,
+    pub(crate) a_strides: (usize, usize),
+    pub(crate) b: Walk,
+    pub(crate) c: Walk,
     pub(crate) rs: usize,
-    pub(crate) c_step: usize,
     pub(crate) add: bool,
-    pub(crate) bias: *const f32,
-    pub(crate) bias_step: usize,
-    pub(crate) residual: *const f32,
+    pub(crate) bias: Walk,
+    pub(crate) residual: Walk,
     pub(crate) residual_rs: usize,
-    pub(crate) residual_step: usize,
+}
+
+/// Where each tile of a [`Strip`] finds one of its operands: `at` for the
+/// first, `step` floats further for each next one; null for all of them
+/// where `at` is null (no bias, no residual).
+#[derive(Clone, Copy)]
+pub(crate) struct Walk {
+    pub(crate) at: *const f32,
+    pub(crate) step: usize,
+}
+
+impl Walk {
+    /// Tile `i`'s pointer.
+    pub(crate) fn nth(self, i: usize) -> *const f32 {
+        if self.at.is_null() {
+            self.at
+        } else {
+            self.at.wrapping_add(i * self.step)
+        }
+    }
 }
 
 impl Tile {
@@ -481,28 +495,20 @@ mod x86 {
     /// as [`avx2`] requires of a whole 6×16 tile.
     #[target_feature(enable = "avx2,fma")]
     pub(crate) unsafe fn avx2_strip(s: &Strip) {
-        // A null bias or residual stays null.
-        let step = |p: *const f32, step: usize, i: usize| {
-            if p.is_null() {
-                p
-            } else {
-                p.wrapping_add(i * step)
-            }
-        };
         for i in 0..s.tiles {
             let ends = ChainEnds {
-                bias: step(s.bias, s.bias_step, i),
-                residual: step(s.residual, s.residual_step, i),
+                bias: s.bias.nth(i),
+                residual: s.residual.nth(i),
                 residual_rs: s.residual_rs,
             };
             // SAFETY: tile i of the strip is a whole valid tile (caller).
             unsafe {
                 avx2_chain(
                     s.k,
-                    s.a.wrapping_add(i * s.a_step),
-                    (s.a_rs, s.a_cs),
-                    s.b.wrapping_add(i * s.b_step),
-                    (s.c.wrapping_add(i * s.c_step), s.rs),
+                    s.a.nth(i),
+                    s.a_strides,
+                    s.b.nth(i),
+                    (s.c.nth(i).cast_mut(), s.rs),
                     s.add,
                     &ends,
                 )

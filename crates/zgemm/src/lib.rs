@@ -1766,31 +1766,38 @@ impl Pass<'_> {
             } else {
                 (packed_a[q * mr * kc..].as_ptr(), 1, mr, mr * kc)
             };
+            let walk = |at: *const f32, row_step: usize, col_step: usize| kernels::Walk {
+                at,
+                step: if along_row { col_step } else { row_step },
+            };
             let s = kernels::Strip {
                 tiles,
                 k: kc,
-                a: a_ptr,
-                a_rs,
-                a_cs,
-                a_step: if along_row { 0 } else { a_step },
-                b: self.b[p * self.panel_stride..].as_ptr(),
-                b_step: if along_row { self.panel_stride } else { 0 },
+                a: walk(a_ptr, a_step, 0),
+                a_strides: (a_rs, a_cs),
+                b: walk(
+                    self.b[p * self.panel_stride..].as_ptr(),
+                    0,
+                    self.panel_stride,
+                ),
                 // SAFETY: row i, column j of C are inside its view.
-                c: unsafe { self.c.get().add(i * self.c_rs + j) },
+                c: walk(
+                    unsafe { self.c.get().add(i * self.c_rs + j) },
+                    mr * self.c_rs,
+                    nr,
+                ),
                 rs: self.c_rs,
-                c_step: if along_row { nr } else { mr * self.c_rs },
                 add: self.add,
-                bias: self.bias.map_or(std::ptr::null(), |b| b[j..].as_ptr()),
-                bias_step: if along_row { nr } else { 0 },
-                residual: self
-                    .residual
-                    .map_or(std::ptr::null(), |r| r.data[i * r.rs + j..].as_ptr()),
-                residual_rs: self.residual.map_or(0, |r| r.rs),
-                residual_step: match self.residual {
-                    Some(_) if along_row => nr,
-                    Some(r) => mr * r.rs,
-                    None => 0,
+                bias: walk(
+                    self.bias.map_or(std::ptr::null(), |b| b[j..].as_ptr()),
+                    0,
+                    nr,
+                ),
+                residual: match self.residual {
+                    Some(r) => walk(r.data[i * r.rs + j..].as_ptr(), mr * r.rs, nr),
+                    None => walk(std::ptr::null(), 0, 0),
                 },
+                residual_rs: self.residual.map_or(0, |r| r.rs),
             };
             kernel.strip(&s);
         };
