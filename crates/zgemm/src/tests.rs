@@ -52,7 +52,7 @@ fn operand<T: Copy>(data: &[T], rows: usize, cols: usize, transposed: bool) -> M
     }
 }
 
-const CASES: [Case; 10] = [
+const CASES: [Case; 11] = [
     Case {
         m: 1,
         n: 1,
@@ -108,6 +108,15 @@ const CASES: [Case; 10] = [
         k: 9,
         a_t: false,
         b_t: true,
+    },
+    // Several blocks of columns, each a run of whole panels (an AVX2
+    // strip) and the last one ending in a part of a panel.
+    Case {
+        m: 13,
+        n: 2100,
+        k: 40,
+        a_t: false,
+        b_t: false,
     },
     Case {
         m: 200,
