@@ -67,9 +67,10 @@ pub(crate) enum Streams {
 /// the kernel's own setup around its updates another 6%. With both gone
 /// (strips, and `avx2_chain`), alternated against OpenBLAS call by call on
 /// that machine (medians, two rounds each): the model's seven shapes went
-/// from 0.92-1.00x to 0.95-1.02x at one thread and from 0.89-1.00x to
-/// 0.96-1.05x at two, the 384-row weight gradient from 0.89-0.94x to
-/// 0.95-0.97x; a transformer block +3% (`block_bench`, one thread), a
+/// from 0.92-1.00x to 0.95-1.02x at one thread (the 384-row weight
+/// gradient, the lowest, from 0.92-0.94x to 0.95-0.97x) and from
+/// 0.89-1.00x to 0.89-1.08x at two (that gradient 0.86-0.90x before,
+/// 0.89-0.96x after over five runs); a transformer block +3% (`block_bench`, one thread), a
 /// training step +2-3% (`scripts/ab.sh`, the same bits).
 pub(crate) struct Strip {
     pub(crate) tiles: usize,
