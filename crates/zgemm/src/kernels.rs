@@ -55,23 +55,22 @@ pub(crate) enum Streams {
     B,
 }
 
-/// A run of whole tiles that chain (α = 1) with nothing done after each,
-/// one after another down a column of tiles or along a row of them: tile
-/// `i` reads `A` at `a.nth(i)` (at strides `a_strides`), `B` at `b.nth(i)`
-/// and writes `C` at `c.nth(i)` (rows `rs` apart), starting from `C` where
-/// `add`, else from the bias at `bias.nth(i)` unless it is null, else
-/// zero, and adding the residual at `residual.nth(i)` (rows `residual_rs`
-/// apart) unless it is null. The driver hands a kernel a strip rather than a call
-/// a tile: building each tile's arguments and calling through the kernel
-/// match took 2-3% of a weight gradient's time on a Zen 2 EPYC (perf),
-/// the kernel's own setup around its updates another 6%. With both gone
-/// (strips, and `avx2_chain`), alternated against OpenBLAS call by call on
-/// that machine (medians, two rounds each): the model's seven shapes went
-/// from 0.92-1.00x to 0.95-1.02x at one thread (the 384-row weight
-/// gradient, the lowest, from 0.92-0.94x to 0.95-0.97x) and from
-/// 0.89-1.00x to 0.89-1.08x at two (that gradient 0.86-0.90x before,
-/// 0.89-0.96x after over five runs); a transformer block +3% (`block_bench`, one thread), a
-/// training step +2-3% (`scripts/ab.sh`, the same bits).
+/// A run of whole tiles that chain (α = 1) with nothing done after each, one
+/// after another down a column of tiles or along a row of them: tile `i` reads
+/// `A` at `a.nth(i)` (at strides `a_strides`), `B` at `b.nth(i)` and writes `C`
+/// at `c.nth(i)` (rows `rs` apart), starting from `C` where `add`, else from
+/// the bias at `bias.nth(i)` unless it is null, else zero, and adding the
+/// residual at `residual.nth(i)` (rows `residual_rs` apart) unless it is null.
+/// The driver hands a kernel a strip rather than a call a tile: building each
+/// tile's arguments and calling through the kernel match took 2-3% of a weight
+/// gradient's time on a Zen 2 EPYC (perf), the kernel's own setup around its
+/// updates another 6%. With both gone (strips, and `avx2_chain`), alternated
+/// against OpenBLAS call by call on that machine (medians, two rounds each):
+/// the model's seven shapes went from 0.92-1.00x to 0.95-1.02x at one thread
+/// (the 384-row weight gradient, the lowest, from 0.92-0.94x to 0.95-0.97x) and
+/// from 0.89-1.00x to 0.89-1.08x at two (that gradient 0.86-0.90x before,
+/// 0.89-0.96x after over five runs); a transformer block +3% (`block_bench`,
+/// one thread), a training step +2-3% (`scripts/ab.sh`, the same bits).
 pub(crate) struct Strip {
     pub(crate) tiles: usize,
     pub(crate) k: usize,
