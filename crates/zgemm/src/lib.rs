@@ -993,7 +993,7 @@ const _: () = assert!(
 /// by, and this takes them without a pass of its own over that gradient.
 /// Each sum takes `B`'s rows in groups of [`SUM_GROUP`] from the first: a
 /// group summed from zero in row order, the groups added in order to a sum
-/// from zero, whatever the threads (which split columns, not rows).
+/// from zero, whatever the threads (which split the rows at groups).
 /// `B` must be row-major (adjacent columns).
 pub fn gemm_summing_b(
     c: MatMut,
@@ -1126,6 +1126,9 @@ pub(crate) fn drive(
     // run another job on it that multiplies too.
     let mut packed_b = PACKED_B.take();
     let mut shared_a_buf = SHARED_A.take();
+    // The column sums of the groups that threads other than the first sum
+    // (pack_b_rows_split).
+    let mut group_sums = Vec::new();
     let mr = kernel.mr();
     for jc in (0..n).step_by(col_block) {
         let nc = col_block.min(n - jc);
@@ -1133,10 +1136,9 @@ pub(crate) fn drive(
         for pc in (0..k).step_by(depth) {
             let kc = depth.min(k - pc);
             let b_block = &mut aligned(&mut packed_b, panels * nr * depth)[..panels * nr * kc];
-            // Each thread packs a run of whole panels (rows of B read along,
-            // see pack_b_panels), or, where B is row-major and no sums are
-            // taken, a run of the block's rows across every panel
-            // (pack_b_rows_split).
+            // Each thread packs a run of the block's rows across every panel
+            // where B is row-major (pack_b_rows_split), else a run of whole
+            // panels (pack_b_panels).
             let run = panels.div_ceil(threads) * nr * kc;
             let pack = |((r, dst), sums): ((usize, &mut [f32]), Option<&mut [f32]>)| {
                 let j = jc + r * run / kc;
@@ -1153,27 +1155,23 @@ pub(crate) fn drive(
                     } => bf16::pack_row_pairs(m, pc, kc, j, j1, nr, dst),
                 }
             };
-            // Each run of panels sums its own columns (module doc: `B`'s
-            // column sums).
+            // The block's columns' sums (module doc: `B`'s column sums).
             let block_sums = sums.as_deref_mut().map(|s| &mut s[jc..jc + nc]);
             let row_major = match &b {
                 Packs::Values(b) if b.cs == 1 => Some(b),
                 _ => None,
             };
             match (threads > 1, block_sums, row_major) {
-                (true, None, Some(b)) => {
-                    pack_b_rows_split(b, pc, kc, jc, jc + nc, nr, threads, b_block)
+                (true, s, Some(b)) => {
+                    let s = s.map(|s| (s, &mut group_sums));
+                    pack_b_rows_split(b, pc, kc, jc, jc + nc, nr, threads, b_block, s)
                 }
-                (true, Some(s), _) => b_block
-                    .par_chunks_mut(run)
-                    .enumerate()
-                    .zip(s.par_chunks_mut(run / kc).map(Some))
-                    .for_each(pack),
                 (true, None, None) => b_block
                     .par_chunks_mut(run)
                     .enumerate()
                     .map(|chunk| (chunk, None))
                     .for_each(pack),
+                (true, Some(_), None) => unreachable!("column sums need a row-major B"),
                 (false, s, _) => pack(((0, b_block), s)),
             }
             let m_blocks = m.div_ceil(mc);
@@ -2003,7 +2001,7 @@ fn pack_b_panels(
         return;
     }
     let mut panels: Vec<(&mut [f32], usize)> = panels.collect();
-    pack_rows_into(b, p0, kc, j1, nr, &mut panels, sums);
+    pack_rows_into(b, p0, kc, j1, nr, &mut panels, sums.map(GroupSums::Add));
 }
 
 /// Packs a row-major `B`'s block of depth (rows `p0..p0+kc`, columns
@@ -2019,8 +2017,16 @@ fn pack_b_panels(
 /// put packing at 7% of its samples, from 14%. A later sitting on the same
 /// kind of machine measured those three at 0.94-0.98x of the runs of
 /// panels in six rounds of seven (PERFORMANCE.md): which wins moves with
-/// the host. Column sums
-/// ([`gemm_summing_b`], the model's biased linears) pack by runs of panels.
+/// the host.
+///
+/// With `sums` ([`gemm_summing_b`]: the sums of `B`'s columns `j0..j1`,
+/// and a buffer), the runs start at groups of [`SUM_GROUP`] rows: the
+/// first thread adds its groups' sums into `sums` as it goes, the others
+/// keep each group's in a row of the buffer, added in order once all are
+/// packed, so every sum is made in the same order as on one thread. (The
+/// sums took runs of panels before: on a Zen 2 EPYC, 2 threads, the
+/// packing of the weight gradient 384 × 2048 · 2048 × 1152 took 1.6 times
+/// one thread's samples that way, against 1.1 times for the rows.)
 #[allow(clippy::too_many_arguments)]
 fn pack_b_rows_split(
     b: &MatRef,
@@ -2031,29 +2037,76 @@ fn pack_b_rows_split(
     nr: usize,
     threads: usize,
     dst: &mut [f32],
+    sums: Option<(&mut [f32], &mut Vec<f32>)>,
 ) {
+    let groups = kc.div_ceil(SUM_GROUP);
+    let rows = |t: usize| {
+        let g = chunk(groups, threads, t);
+        g.start * SUM_GROUP..(g.end * SUM_GROUP).min(kc)
+    };
     // Each thread's part of each panel: the panel's rows of its run.
     let mut parts: Vec<Vec<(&mut [f32], usize)>> = (0..threads).map(|_| Vec::new()).collect();
     for (panel, j) in dst.chunks_mut(nr * kc).zip((j0..j1).step_by(nr)) {
         let mut rest = panel;
         for (t, part) in parts.iter_mut().enumerate() {
-            let (mine, after) = rest.split_at_mut(chunk(kc, threads, t).len() * nr);
+            let (mine, after) = rest.split_at_mut(rows(t).len() * nr);
             part.push((mine, j));
             rest = after;
         }
     }
-    parts.into_par_iter().enumerate().for_each(|(t, mut part)| {
-        let rows = chunk(kc, threads, t);
-        pack_rows_into(b, p0 + rows.start, rows.len(), j1, nr, &mut part, None);
-    });
+    let width = j1 - j0;
+    let later = (groups - chunk(groups, threads, 0).len()) * width;
+    let (mut sums, mut buffer) = match sums {
+        Some((sums, buffer)) => {
+            grow(buffer, later);
+            (Some(sums), Some(&mut buffer[..later]))
+        }
+        None => (None, None),
+    };
+    // Where each thread's groups' sums go.
+    let mut outs = vec![sums.as_deref_mut().map(GroupSums::Add)];
+    let mut rest = buffer.as_deref_mut();
+    for t in 1..threads {
+        outs.push(match rest.take() {
+            Some(r) => {
+                let (mine, after) = r.split_at_mut(chunk(groups, threads, t).len() * width);
+                rest = Some(after);
+                Some(GroupSums::Rows(mine))
+            }
+            None => None,
+        });
+    }
+    parts
+        .into_par_iter()
+        .zip(outs)
+        .enumerate()
+        .for_each(|(t, (mut part, out))| {
+            let rows = rows(t);
+            pack_rows_into(b, p0 + rows.start, rows.len(), j1, nr, &mut part, out);
+        });
+    if let (Some(sums), Some(buffer)) = (sums, buffer) {
+        for group in buffer.chunks(width) {
+            sums.iter_mut().zip(group).for_each(|(s, g)| *s += g);
+        }
+    }
+}
+
+/// Where [`pack_rows_into`] puts the column sums of each group of
+/// [`SUM_GROUP`] rows it packs.
+enum GroupSums<'s> {
+    /// Added into these, group by group: the rows packed are the next
+    /// groups of the sums.
+    Add(&'s mut [f32]),
+    /// Each group's in its own row of these, for the caller to add in order.
+    Rows(&'s mut [f32]),
 }
 
 /// Copies rows `p0..p0+rows` of a row-major `b` into `panels`: each
 /// `(dst, j)` takes columns `j..j+nr` (those before `j1`) as `rows` groups
 /// of `nr` values, zero right of `j1`; a row is read once across all the
-/// panels. With `sums`, adds the rows' columns `panels[0].j..j1` into it
-/// (rows `p0..p0+rows` must be a whole block of depth: see
-/// [`gemm_summing_b`]).
+/// panels. With `sums`, sums the rows' columns `panels[0].j..j1` in groups
+/// of [`SUM_GROUP`] rows (`p0` starts a group; a group ends at the last row)
+/// into it ([`GroupSums`]).
 fn pack_rows_into(
     b: &MatRef,
     p0: usize,
@@ -2061,11 +2114,13 @@ fn pack_rows_into(
     j1: usize,
     nr: usize,
     panels: &mut [(&mut [f32], usize)],
-    sums: Option<&mut [f32]>,
+    mut sums: Option<GroupSums>,
 ) {
     let j0 = panels.first().map_or(j1, |(_, j)| *j);
-    // Column sums (gemm_summing_b): the group of rows so far, per column.
-    let mut sums = sums.map(|s| (vec![0f32; j1 - j0], &mut s[..j1 - j0]));
+    let width = j1 - j0;
+    // The group being summed, and how many groups have ended.
+    let mut group = vec![0f32; if sums.is_some() { width } else { 0 }];
+    let mut ended = 0;
     for (d, j) in panels.iter_mut() {
         if j1 - *j < nr {
             d.fill(0.0);
@@ -2077,16 +2132,16 @@ fn pack_rows_into(
             let cols = nr.min(j1 - *j);
             copy_short(&mut d[p * nr..p * nr + cols], &row[*j..*j + cols]);
         }
-        if let Some((group, sums)) = sums.as_mut() {
+        if let Some(out) = sums.as_mut() {
             let row = &row[j0..j1];
             group.iter_mut().zip(row).for_each(|(g, v)| *g += v);
-            // Groups start at row 0 and blocks are multiples of SUM_GROUP: a
-            // block ends a group, its last row the last group.
-            if (p0 + p + 1).is_multiple_of(SUM_GROUP) || p + 1 == rows {
-                sums.iter_mut().zip(group.iter_mut()).for_each(|(s, g)| {
-                    *s += *g;
-                    *g = 0.0;
-                });
+            if (p + 1).is_multiple_of(SUM_GROUP) || p + 1 == rows {
+                match out {
+                    GroupSums::Add(s) => s.iter_mut().zip(&group).for_each(|(s, g)| *s += g),
+                    GroupSums::Rows(r) => r[ended * width..][..width].copy_from_slice(&group),
+                }
+                group.fill(0.0);
+                ended += 1;
             }
         }
     }

@@ -1229,12 +1229,40 @@ fn panels_pack_to_the_values_they_hold() {
             let mut packings = vec![("one thread", vec![f32::NAN; panels * kc * nr])];
             pack_b_panels(&b, p0, kc, j0, j1, nr, &mut packings[0].1, None);
             // A row-major B on several threads, each packing a run of rows
-            // (more threads than rows in some cases).
+            // (more threads than rows in some cases), without and with the
+            // column sums, which are the written-out grouping's from `p0`
+            // whatever the threads.
             if b.cs == 1 {
+                let block: Vec<f32> = (p0..p0 + kc)
+                    .flat_map(|p| (j0..j1).map(move |j| (p, j)))
+                    .map(|(p, j)| b.at(p, j))
+                    .collect();
+                let want_sums = grouped_column_sums(&block, kc, j1 - j0);
+                let mut sums = vec![0f32; j1 - j0];
+                let mut dst = vec![f32::NAN; panels * kc * nr];
+                pack_b_panels(&b, p0, kc, j0, j1, nr, &mut dst, Some(&mut sums));
+                packings.push(("one thread, sums", dst));
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&sums),
+                    bits(&want_sums),
+                    "one thread: sums of p0 {p0} kc {kc} j0 {j0} j1 {j1}"
+                );
                 for (threads, name) in [(2, "2 threads"), (3, "3 threads"), (8, "8 threads")] {
                     let mut dst = vec![f32::NAN; panels * kc * nr];
-                    pack_b_rows_split(&b, p0, kc, j0, j1, nr, threads, &mut dst);
+                    pack_b_rows_split(&b, p0, kc, j0, j1, nr, threads, &mut dst, None);
                     packings.push((name, dst));
+                    // The buffer as a previous block may leave it.
+                    let (mut sums, mut buffer) = (vec![0f32; j1 - j0], vec![f32::NAN; 7]);
+                    let mut dst = vec![f32::NAN; panels * kc * nr];
+                    let with = Some((&mut sums[..], &mut buffer));
+                    pack_b_rows_split(&b, p0, kc, j0, j1, nr, threads, &mut dst, with);
+                    packings.push((name, dst));
+                    assert_eq!(
+                        bits(&sums),
+                        bits(&want_sums),
+                        "{name}: sums of p0 {p0} kc {kc} j0 {j0} j1 {j1}"
+                    );
                 }
             }
             for (how, dst) in &packings {
