@@ -467,6 +467,15 @@ fn bad_input_exits_2_with_a_located_message() {
             "more than this host's",
         ),
         (
+            // Each small, too many together: the total said, not "0.00 GiB each".
+            vec![
+                write("many.yaml", &good),
+                "--workers-per-node".into(),
+                "10000000".into(),
+            ],
+            "GiB in all, ",
+        ),
+        (
             vec![write("g5.yaml", &good), "--resume".into(), "auto".into()],
             "--resume auto: the job has no checkpoint.dir to look in",
         ),

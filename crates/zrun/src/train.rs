@@ -378,15 +378,20 @@ fn check_memory(plan: &LaunchPlan) -> Result<()> {
         .map(|n| n.slots.len())
         .max()
         .unwrap_or(1);
-    let gib = |b: f64| b / f64::from(1 << 30);
+    // GiB, or MiB under one (a small worker's need is not "0.00 GiB").
+    let size = |b: f64| match b / f64::from(1 << 30) {
+        g if g >= 1.0 => format!("{g:.2} GiB"),
+        _ => format!("{:.0} MiB", b / f64::from(1 << 20)),
+    };
     let here = plan.here;
     if let (true, Some(total)) = (here, crate::estimate::mem_total()) {
         if need * local as f64 > total {
             return Err(Failure::bad_input(format!(
-                "{local} workers are estimated to need {:.2} GiB each (ZeRO stage {} model states + activations), more than this host's {:.2} GiB of memory and swap; lower train.micro_batch_size, raise zero.stage or enable train.activation_checkpointing (see `zrun estimate`)",
-                gib(need),
+                "{local} workers are estimated to need {} in all, {} each (ZeRO stage {} model states + activations), more than this host's {} of memory and swap; lower train.micro_batch_size, raise zero.stage, enable train.activation_checkpointing or run fewer workers (see `zrun estimate`)",
+                size(need * local as f64),
+                size(need),
                 plan.spec.zero.stage,
-                gib(total)
+                size(total)
             )));
         }
     }
@@ -394,10 +399,10 @@ fn check_memory(plan: &LaunchPlan) -> Result<()> {
         let share = avail / local as f64;
         if need > share {
             shout!(
-                "zrun: warning: a worker is estimated to need {:.2} GiB (ZeRO stage {} model states + activations), more than its {:.2} GiB share of this host's available memory ({local} workers); see `zrun estimate`",
-                gib(need),
+                "zrun: warning: a worker is estimated to need {} (ZeRO stage {} model states + activations), more than its {} share of this host's available memory ({local} workers); see `zrun estimate`",
+                size(need),
                 plan.spec.zero.stage,
-                gib(share)
+                size(share)
             );
         }
     }
