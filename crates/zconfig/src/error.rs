@@ -87,6 +87,26 @@ pub(crate) fn unknown_key_message(field: &str, expected: &[&str]) -> String {
     msg
 }
 
+/// Says in the job's terms what serde-saphyr says in its own: a duplicate
+/// key, or a `.nan`/`.inf` where a value is parsed on its own (`--set`),
+/// come with advice about the library's options. Other messages pass
+/// through.
+pub(crate) fn plain_yaml_message(msg: &str) -> String {
+    let msg = msg.split(" at line ").next().unwrap_or(msg);
+    if let Some(rest) = msg.strip_prefix("duplicate mapping key: ") {
+        let key = rest
+            .split(", set DuplicateKeyPolicy")
+            .next()
+            .unwrap_or(rest);
+        return format!("duplicate key `{key}` (each key may appear once in a mapping)");
+    }
+    if let Some(rest) = msg.strip_prefix("non-finite float ") {
+        let value = rest.split(" rejected").next().unwrap_or(rest);
+        return format!("expected a finite number, got {value}");
+    }
+    msg.to_string()
+}
+
 /// Rewrites serde_json's "unknown field `x`, expected one of `a`, `b`" into
 /// [`unknown_key_message`]; other messages pass through.
 pub(crate) fn improve_serde_message(msg: &str) -> String {
@@ -132,5 +152,22 @@ mod tests {
             improve_serde_message("unknown field `stge`, expected one of `stage`, `overlap_comm`");
         assert_eq!(m, "unknown key `stge`, did you mean `stage`?");
         assert_eq!(improve_serde_message("invalid type"), "invalid type");
+    }
+
+    #[test]
+    fn yaml_library_advice_becomes_the_jobs_terms() {
+        assert_eq!(
+            plain_yaml_message(
+                "duplicate mapping key: model, set DuplicateKeyPolicy in Options if acceptable"
+            ),
+            "duplicate key `model` (each key may appear once in a mapping)"
+        );
+        assert_eq!(
+            plain_yaml_message(
+                "non-finite float `.nan` rejected by the configured policy at line 1, column 1"
+            ),
+            "expected a finite number, got `.nan`"
+        );
+        assert_eq!(plain_yaml_message("invalid u64"), "invalid u64");
     }
 }

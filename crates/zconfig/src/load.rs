@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
-use crate::error::{improve_serde_message, ConfigError};
+use crate::error::{improve_serde_message, plain_yaml_message, ConfigError};
 use crate::hostfile::Topology;
 use crate::spec::{Backend, Device, JobSpec, ModelKind, OffloadDevice, ZeroStage};
 
@@ -122,7 +122,10 @@ fn apply_override(
     } else {
         serde_saphyr::from_str(raw).map_err(|e| ConfigError::Override {
             assignment: assignment.to_string(),
-            message: format!("value does not parse: {}", e.without_snippet()),
+            message: format!(
+                "value does not parse: {}",
+                plain_yaml_message(&e.without_snippet().to_string())
+            ),
         })?
     };
     set_path(value, key, parsed).map_err(|message| ConfigError::Override {
@@ -213,9 +216,9 @@ fn syntax_error(path: &Path, text: &str, e: &serde_saphyr::Error) -> ConfigError
         .map(|l| (l.line(), l.column()))
         .unwrap_or((1, 1));
     let s = e.without_snippet().to_string();
-    // Drop the position serde-saphyr appends: we print our own prefix.
-    let s = s.split(" at line ").next().unwrap_or(&s).to_string();
-    let mut message = improve_serde_message(&s);
+    // plain_yaml_message drops the position serde-saphyr appends: we print
+    // our own prefix.
+    let mut message = improve_serde_message(&plain_yaml_message(&s));
     if message.starts_with("unknown key") && !message.contains('(') && !message.contains('?') {
         // serde-saphyr does not always keep serde's list of valid keys; serde_json
         // does, so ask it through the untyped value.
@@ -810,6 +813,71 @@ mod tests {
         let e = load_job(&p, &[]).unwrap_err().to_string();
         assert!(e.contains("j.yaml:7:"), "{e}");
         assert!(e.contains("unknown key `lrr`, did you mean `lr`?"), "{e}");
+    }
+
+    #[test]
+    fn non_finite_numbers_are_located_not_turned_into_null() {
+        // `.nan` and `.inf` are YAML floats; JSON, which every spec passes
+        // through, has neither. Each float key, and each spelling.
+        let d = tempfile::tempdir().unwrap();
+        let cases = [
+            ("  lr: 1.0e-3", "  lr: .nan", "j.yaml:7:7", "got NaN"),
+            (
+                "  lr: 1.0e-3",
+                "  grad_clip: -.inf",
+                "j.yaml:7:14",
+                "got -inf",
+            ),
+            (
+                "  lr: 1.0e-3",
+                "  optimizer: {betas: [0.9, .NaN]}",
+                "j.yaml:7:",
+                "got NaN",
+            ),
+            (
+                "  lr: 1.0e-3",
+                "  loss_scale: {min_loss_scale: .inf}",
+                "j.yaml:7:",
+                "got inf",
+            ),
+            (
+                "seq_len: 16}",
+                "seq_len: 16, norm_eps: .inf}",
+                "j.yaml:2:",
+                "got inf",
+            ),
+            (
+                "  format: synthetic",
+                "  format: synthetic\n  val_fraction: .nan",
+                "j.yaml:5:",
+                "got NaN",
+            ),
+        ];
+        for (from, to, at, what) in cases {
+            let p = write(d.path(), "j.yaml", &GOOD.replace(from, to));
+            let e = load_job(&p, &[]).unwrap_err().to_string();
+            assert!(e.contains(at), "{to}: {e}");
+            assert!(
+                e.contains(&format!("expected a finite number, {what}")),
+                "{to}: {e}"
+            );
+        }
+        let p = write(d.path(), "j.yaml", GOOD);
+        let e = load_job(&p, &["comm.timeout_s=.inf".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--set comm.timeout_s=.inf"), "{e}");
+        assert!(e.contains("expected a finite number, got `.inf`"), "{e}");
+    }
+
+    #[test]
+    fn a_duplicate_key_is_located_and_named() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(d.path(), "j.yaml", &format!("{GOOD}  steps: 6\n"));
+        let e = load_job(&p, &[]).unwrap_err().to_string();
+        assert!(e.contains("j.yaml:8:"), "{e}");
+        assert!(e.contains("duplicate key `steps`"), "{e}");
+        assert!(!e.contains("DuplicateKeyPolicy"), "{e}");
     }
 
     #[test]

@@ -106,9 +106,11 @@ pub struct ModelSpec {
     pub tie_embeddings: Option<bool>,
     /// LLaMA: the rotary embeddings' base (default 10000).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
     pub rope_theta: Option<f64>,
     /// The norms' epsilon (default 1e-5).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
     pub norm_eps: Option<f64>,
     /// Context length in tokens.
     #[serde(default = "default_seq_len")]
@@ -166,6 +168,7 @@ pub struct DataSpec {
     /// The share of the token stream, at its end, held out for validation
     /// (0: none).
     #[serde(default)]
+    #[serde(deserialize_with = "finite::number")]
     pub val_fraction: f64,
     /// Validation data of its own (a file or glob, in `format`), in place of
     /// `val_fraction`.
@@ -222,24 +225,30 @@ pub struct TrainSpec {
     /// Micro-batches per optimizer step.
     pub grad_accum: usize,
     /// Peak learning rate.
+    #[serde(deserialize_with = "finite::number")]
     pub lr: f64,
     /// Warmup steps from `warmup_start_lr` to `lr`.
     pub warmup_steps: u64,
     /// The shape of the warmup ramp.
     pub warmup_type: WarmupType,
     /// The rate the warmup starts from.
+    #[serde(deserialize_with = "finite::number")]
     pub warmup_start_lr: f64,
     /// Learning-rate schedule after warmup.
     pub schedule: Schedule,
     /// The floor that linear, cosine and wsd decay end at.
+    #[serde(deserialize_with = "finite::number")]
     pub min_lr: f64,
     /// `schedule: wsd`: the share of all steps spent decaying, at the end.
+    #[serde(deserialize_with = "finite::number")]
     pub decay_fraction: f64,
     /// AdamW's betas and epsilon.
     pub optimizer: OptimizerSpec,
     /// Decoupled (AdamW) weight decay on matrices.
+    #[serde(deserialize_with = "finite::number")]
     pub weight_decay: f64,
     /// Global-norm gradient clipping; 0 disables.
+    #[serde(deserialize_with = "finite::number")]
     pub grad_clip: f64,
     /// Seed of initialisation and data order.
     pub seed: u64,
@@ -274,6 +283,7 @@ pub struct LossScaleSpec {
     /// Overflows tolerated before the scale halves.
     pub hysteresis: u32,
     /// The scale never goes below this.
+    #[serde(deserialize_with = "finite::number")]
     pub min_loss_scale: f64,
 }
 
@@ -321,8 +331,10 @@ impl Default for TrainSpec {
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerSpec {
     /// Decay of the first and second moments.
+    #[serde(deserialize_with = "finite::pair")]
     pub betas: [f64; 2],
     /// Added to the second moment's square root.
+    #[serde(deserialize_with = "finite::number")]
     pub eps: f64,
 }
 
@@ -589,8 +601,10 @@ pub struct CommSpec {
     /// Transport choice.
     pub backend: Backend,
     /// Deadline of every collective, in seconds.
+    #[serde(deserialize_with = "finite::number")]
     pub timeout_s: f64,
     /// A worker silent for this long fails the job.
+    #[serde(deserialize_with = "finite::number")]
     pub heartbeat_s: f64,
 }
 
@@ -843,5 +857,37 @@ mod tests {
         assert!(Size::parse("12 parsecs").is_err());
         assert!(Size::parse("-3").is_err());
         assert!(Size::parse("0.5").is_err());
+    }
+}
+
+/// The float keys take finite numbers only. YAML's `.nan` and `.inf` parse
+/// as floats, but JSON, which every spec passes through for `--set` and
+/// ds_config imports, has neither: they would become `null` there and fail
+/// with no line to point at.
+mod finite {
+    use serde::{de::Error, Deserialize, Deserializer};
+
+    /// A finite `f64`.
+    pub fn number<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        check(f64::deserialize(d)?)
+    }
+
+    /// An absent or finite `f64`.
+    pub fn optional<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+        Option::<f64>::deserialize(d)?.map(check).transpose()
+    }
+
+    /// Two finite `f64`s.
+    pub fn pair<'de, D: Deserializer<'de>>(d: D) -> Result<[f64; 2], D::Error> {
+        let [a, b] = <[f64; 2]>::deserialize(d)?;
+        Ok([check(a)?, check(b)?])
+    }
+
+    fn check<E: Error>(v: f64) -> Result<f64, E> {
+        if v.is_finite() {
+            Ok(v)
+        } else {
+            Err(E::custom(format!("expected a finite number, got {v}")))
+        }
     }
 }
