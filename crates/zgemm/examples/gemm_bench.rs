@@ -224,16 +224,28 @@ fn versus_openblas(blas: &openblas::Sgemm, kernel: Kernel, t: usize, only: &str,
             for side in [rep % 2, 1 - rep % 2] {
                 let c = &mut cs[(side + rep / 2) % 2];
                 std::thread::sleep(pause);
-                let start = std::time::Instant::now();
-                if side == 0 {
-                    pool.install(|| {
-                        let cv = MatMut::row_major(c, m, n).expect("C's shape");
-                        f32_product(kernel, cv, av, bv, !tb, t);
-                    });
-                } else {
+                let mut zgemm = || {
+                    let start = std::time::Instant::now();
+                    let cv = MatMut::row_major(c, m, n).expect("C's shape");
+                    f32_product(kernel, cv, av, bv, !tb, t);
+                    start.elapsed()
+                };
+                // zgemm is timed on the thread that calls it, as a worker
+                // calls it: on one thread, this one (as OpenBLAS runs on
+                // one); on several, one of the pool's, from inside it. The
+                // hand-over from this thread to the pool, which a worker
+                // does once for a whole step, cost a 0.3 ms product (256 ×
+                // 128 · 128 × 384, one thread) 5-10% of its median.
+                let elapsed = if side == 1 {
+                    let start = std::time::Instant::now();
                     blas.row_major(ta, tb, m, n, k, &a, &b, c);
-                }
-                times[side].push(start.elapsed().as_secs_f64());
+                    start.elapsed()
+                } else if t == 1 {
+                    zgemm()
+                } else {
+                    pool.install(zgemm)
+                };
+                times[side].push(elapsed.as_secs_f64());
             }
         }
         // The last pair of calls left one side's product in each.

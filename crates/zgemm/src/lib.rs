@@ -723,17 +723,31 @@ impl Kernel {
     }
 
     /// Rows of `A` a task takes in a product of `m` rows on `threads`
-    /// threads: [`Kernel::mc`], but on AMX (which reads `A` in place, so
-    /// that the block is not a packing size) cut so that the blocks come in
-    /// a multiple of `threads`, whole tiles each, and up to
-    /// [`AMX_TASKS_PER_THREAD`] of them a thread while each keeps at least
-    /// [`AMX_TASK_ROWS`] rows: 384 rows on two threads are two blocks of
-    /// 192, 1536 twelve of 128, 2048 sixteen of 128. Which rows share a task
-    /// changes no element's sums.
+    /// threads: [`Kernel::mc`] on one thread. On several, every kernel but
+    /// AMX takes as many blocks as `mc` makes, rounded up to a multiple of
+    /// `threads`, evened out in whole tiles: where a product with a packed
+    /// `A` gives each thread whole row blocks (`task_splits`), a short last
+    /// block left one thread idle for most of the product. A weight
+    /// gradient with 128 rows (a d_model-128 model's, 128 × 512 · 512 ×
+    /// 384) was 96 + 32 rows on two threads, 0.71-0.73x OpenBLAS; as
+    /// 66 + 62, 0.88x; 512 × 512 · 512 × 128 0.83-0.85x → 0.87x (AVX2 on a
+    /// Zen 2 EPYC, alternated call by call). The anchor model's shapes
+    /// (384, 1536 and 2048 rows) keep blocks of 96.
+    ///
+    /// AMX (which reads `A` in place, so that the block is not a packing
+    /// size) cuts them so that the blocks come in a multiple of `threads`,
+    /// whole tiles each, and up to [`AMX_TASKS_PER_THREAD`] of them a
+    /// thread while each keeps at least [`AMX_TASK_ROWS`] rows: 384 rows on
+    /// two threads are two blocks of 192, 1536 twelve of 128, 2048 sixteen
+    /// of 128. Which rows share a task changes no element's sums.
     fn row_block(self, m: usize, threads: usize) -> usize {
         let mc = self.mc();
-        if self != Kernel::AmxBf16 || threads < 2 {
+        if threads < 2 {
             return mc;
+        }
+        if self != Kernel::AmxBf16 {
+            let blocks = m.div_ceil(mc).max(1).next_multiple_of(threads);
+            return m.div_ceil(self.mr()).div_ceil(blocks) * self.mr();
         }
         let fewest = m.div_ceil(mc).div_ceil(threads) * threads;
         let most = (AMX_TASKS_PER_THREAD * threads).min(m / AMX_TASK_ROWS / threads * threads);

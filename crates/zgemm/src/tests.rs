@@ -215,6 +215,38 @@ fn assert_portable_bits(kernel: Kernel, case: Case, start: &str, threads: &[usiz
     }
 }
 
+/// On several threads the f32 kernels cut `A`'s rows into a multiple of
+/// the threads' number of blocks of whole tiles, so that a thread given
+/// whole row blocks is not left with a short one (128 rows on two threads
+/// were 96 + 32); the model's larger shapes keep `mc`, and one thread
+/// always does.
+#[test]
+fn f32_row_blocks_come_in_a_multiple_of_the_threads() {
+    let k = Kernel::Avx2;
+    assert_eq!((k.mr(), k.mc()), (6, 96));
+    assert_eq!(k.row_block(128, 2), 66);
+    assert_eq!(k.row_block(256, 2), 66);
+    for m in [384, 1536, 2048] {
+        assert_eq!(k.row_block(m, 2), 96, "{m} rows");
+    }
+    for kernel in [Kernel::Avx2, Kernel::Avx512, Kernel::Portable] {
+        for m in 1..700 {
+            assert_eq!(kernel.row_block(m, 1), kernel.mc());
+            for threads in 2..=4 {
+                let (mr, mc) = (kernel.mr(), kernel.row_block(m, threads));
+                assert!(mc.is_multiple_of(mr) && mc > 0, "{kernel:?} {m} {threads}");
+                let fewest = m.div_ceil(kernel.mc());
+                let blocks = m.div_ceil(mc);
+                assert!(blocks >= fewest, "{kernel:?} {m} rows on {threads}: {mc}");
+                assert!(
+                    blocks <= fewest.next_multiple_of(threads),
+                    "{kernel:?} {m} rows on {threads}: {mc}"
+                );
+            }
+        }
+    }
+}
+
 /// AMX takes deep blocks on every product, whatever `C`'s size or `A`'s
 /// layout (one pass where the depth allows: its tiles start from `C`, so
 /// no bits depend on it); the AVX512_BF16 kernel keeps [`KC`] pairs.
