@@ -229,6 +229,12 @@ fn f32_row_blocks_come_in_a_multiple_of_the_threads() {
     for m in [384, 1536, 2048] {
         assert_eq!(k.row_block(m, 2), 96, "{m} rows");
     }
+    // AMX's blocks are its own (Kernel::row_block): more of them, for the
+    // threads to share, where the rows allow.
+    let amx = Kernel::AmxBf16;
+    assert_eq!(amx.row_block(384, 2), 192);
+    assert_eq!(amx.row_block(1536, 2), 128);
+    assert_eq!(amx.row_block(2048, 2), 128);
     for kernel in [Kernel::Avx2, Kernel::Avx512, Kernel::Portable] {
         for m in 1..700 {
             assert_eq!(kernel.row_block(m, 1), kernel.mc());
