@@ -1950,7 +1950,9 @@ const PREFETCH_ROWS: usize = 8;
 /// [`PREFETCH_ROWS`] ahead are asked for in software: the weight gradients'
 /// shapes 1.03-1.10x (medians of 20 calls alternated with the build
 /// without, one and two threads, Zen 3; 4 and 16 rows ahead measured
-/// alike).
+/// alike). Each panel's copy is a fixed move of `mr` values (the kernels'
+/// 6 or 4): a copy of a length known only at run time went through a jump
+/// table and its bounds checks for every 24 bytes.
 fn pack_a_transposed(
     a: &MatRef,
     i0: usize,
@@ -1960,9 +1962,26 @@ fn pack_a_transposed(
     mr: usize,
     dst: &mut [f32],
 ) {
-    let (full, rest) = (mlen / mr, mlen % mr);
+    match mr {
+        6 => pack_a_transposed_by::<6>(a, i0, mlen, p0, kc, dst),
+        4 => pack_a_transposed_by::<4>(a, i0, mlen, p0, kc, dst),
+        _ => unreachable!("the f32 kernels' panels are 6 or 4 rows, not {mr}"),
+    }
+}
+
+/// [`pack_a_transposed`] for panels of `MR` rows.
+fn pack_a_transposed_by<const MR: usize>(
+    a: &MatRef,
+    i0: usize,
+    mlen: usize,
+    p0: usize,
+    kc: usize,
+    dst: &mut [f32],
+) {
+    let (full, rest) = (mlen / MR, mlen % MR);
+    let (panels, last) = dst.split_at_mut(full * MR * kc);
     if rest > 0 {
-        dst[full * mr * kc..].fill(0.0);
+        last.fill(0.0);
     }
     for p in 0..kc {
         let row = &a.data[(p0 + p) * a.cs + i0..][..mlen];
@@ -1975,11 +1994,14 @@ fn pack_a_transposed(
                 unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
             }
         }
-        for q in 0..full {
-            copy_short(&mut dst[(q * kc + p) * mr..][..mr], &row[q * mr..][..mr]);
+        for (panel, src) in panels.chunks_exact_mut(MR * kc).zip(row.chunks_exact(MR)) {
+            let d: &mut [f32; MR] = (&mut panel[p * MR..p * MR + MR])
+                .try_into()
+                .expect("MR floats");
+            *d = src.try_into().expect("MR floats");
         }
         if rest > 0 {
-            dst[(full * kc + p) * mr..][..rest].copy_from_slice(&row[full * mr..]);
+            last[p * MR..][..rest].copy_from_slice(&row[full * MR..]);
         }
     }
 }
