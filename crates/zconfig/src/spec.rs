@@ -820,6 +820,38 @@ impl<'de> Deserialize<'de> for Size {
     }
 }
 
+/// The float keys take finite numbers only. YAML's `.nan` and `.inf` parse
+/// as floats, but JSON, which every spec passes through for `--set` and
+/// ds_config imports, has neither: they would become `null` there and fail
+/// with no line to point at.
+mod finite {
+    use serde::{de::Error, Deserialize, Deserializer};
+
+    /// A finite `f64`.
+    pub fn number<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        check(f64::deserialize(d)?)
+    }
+
+    /// An absent or finite `f64`.
+    pub fn optional<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+        Option::<f64>::deserialize(d)?.map(check).transpose()
+    }
+
+    /// Two finite `f64`s.
+    pub fn pair<'de, D: Deserializer<'de>>(d: D) -> Result<[f64; 2], D::Error> {
+        let [a, b] = <[f64; 2]>::deserialize(d)?;
+        Ok([check(a)?, check(b)?])
+    }
+
+    fn check<E: Error>(v: f64) -> Result<f64, E> {
+        if v.is_finite() {
+            Ok(v)
+        } else {
+            Err(E::custom(format!("expected a finite number, got {v}")))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -857,37 +889,5 @@ mod tests {
         assert!(Size::parse("12 parsecs").is_err());
         assert!(Size::parse("-3").is_err());
         assert!(Size::parse("0.5").is_err());
-    }
-}
-
-/// The float keys take finite numbers only. YAML's `.nan` and `.inf` parse
-/// as floats, but JSON, which every spec passes through for `--set` and
-/// ds_config imports, has neither: they would become `null` there and fail
-/// with no line to point at.
-mod finite {
-    use serde::{de::Error, Deserialize, Deserializer};
-
-    /// A finite `f64`.
-    pub fn number<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-        check(f64::deserialize(d)?)
-    }
-
-    /// An absent or finite `f64`.
-    pub fn optional<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
-        Option::<f64>::deserialize(d)?.map(check).transpose()
-    }
-
-    /// Two finite `f64`s.
-    pub fn pair<'de, D: Deserializer<'de>>(d: D) -> Result<[f64; 2], D::Error> {
-        let [a, b] = <[f64; 2]>::deserialize(d)?;
-        Ok([check(a)?, check(b)?])
-    }
-
-    fn check<E: Error>(v: f64) -> Result<f64, E> {
-        if v.is_finite() {
-            Ok(v)
-        } else {
-            Err(E::custom(format!("expected a finite number, got {v}")))
-        }
     }
 }
