@@ -20,7 +20,7 @@ import numpy as np
 
 SHAPES = [("nn", 2048, 2048, 2048), ("nn", 2048, 384, 1152), ("nn", 2048, 384, 1536),
           ("nn", 2048, 1536, 384), ("tn", 384, 2048, 1152), ("nt", 2048, 1152, 384),
-          ("tn", 1536, 2048, 384)]
+          ("tn", 1536, 2048, 384), ("tn", 128, 512, 384)]
 
 threads = os.environ.get("OPENBLAS_NUM_THREADS", "all")
 for op, m, k, n in SHAPES:

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 SHAPES = [("nn", 2048, 2048, 2048), ("nn", 2048, 384, 1152), ("nn", 2048, 384, 1536),
           ("nn", 2048, 1536, 384), ("tn", 384, 2048, 1152), ("nt", 2048, 1152, 384),
-          ("tn", 1536, 2048, 384)]
+          ("tn", 1536, 2048, 384), ("tn", 128, 512, 384)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIB = os.environ.get("ZGEMM_LIB", os.path.join(ROOT, "target/release/examples/libzgemm_c.so"))

@@ -392,11 +392,12 @@ fn time_gemm(imp: Impl, op: &str, (m, k, n): (usize, usize, usize), threads: usi
 }
 
 /// The GEMMs of a GPT block (d_model 384, 2048 rows: micro-batch 8 of 256
-/// tokens) as its forward and backward run them, and 2048³: zgemm with each
+/// tokens) as its forward and backward run them, a small model's weight
+/// gradient (d_model 128, 512 tokens), and 2048³: zgemm with each
 /// SIMD kernel this CPU has, and the `gemm` crate. The same shapes as
 /// `scripts/gemm_openblas.py`, so that OpenBLAS can be set beside them.
 fn gemm_shape_rows(threads: usize) -> Result<Vec<KernelRow>> {
-    const SHAPES: [(&str, (usize, usize, usize)); 7] = [
+    const SHAPES: [(&str, (usize, usize, usize)); 8] = [
         ("nn", (2048, 2048, 2048)),
         ("nn", (2048, 384, 1152)),
         ("nn", (2048, 384, 1536)),
@@ -404,6 +405,8 @@ fn gemm_shape_rows(threads: usize) -> Result<Vec<KernelRow>> {
         ("tn", (384, 2048, 1152)),
         ("nt", (2048, 1152, 384)),
         ("tn", (1536, 2048, 384)),
+        // A d_model-128 model's weight gradient (configs/tiny.yaml's).
+        ("tn", (128, 512, 384)),
     ];
     // bf16 products where the CPU has them in hardware (AMX, AVX512_BF16),
     // then the f32 kernels. The portable kernels are references, not
