@@ -1242,13 +1242,14 @@ fn a_transposed_block_packs_to_the_values_its_panels_hold() {
 
 #[test]
 fn panels_pack_to_the_values_they_hold() {
-    // A row-major B (read a row at a time across panels) and one whose
-    // columns are contiguous (8×8 AVX tiles where the CPU has AVX, scalar
-    // edges everywhere; the row-major one also split by rows across
-    // threads), against element-by-element reads: several panels,
+    // A row-major B (packed a group of rows at a time, whole panels of 16
+    // and 64 columns with AVX where the CPU has it, the rest in plain Rust)
+    // and one whose columns are contiguous (8×8 AVX tiles where the CPU has
+    // AVX, scalar edges everywhere; the row-major one also split by rows
+    // across threads), against element-by-element reads: several panels,
     // offsets, depths and widths that are and are not multiples of 8, and a
     // last panel narrower than nr.
-    let (n, k) = (45, 403);
+    let (n, k) = (140, 403);
     let data = random(7, n * k);
     let transposed = MatRef::row_major(&data, n, k).unwrap().t();
     let row_major = MatRef::row_major(&data, k, n).unwrap();
@@ -1262,6 +1263,9 @@ fn panels_pack_to_the_values_they_hold() {
             (8, 64, 29, 45, 16),
             (0, 403, 40, 45, 16),
             (2, 400, 13, 45, 32),
+            (7, 50, 2, 140, 64),
+            (0, 33, 70, 134, 64),
+            (16, 17, 60, 140, 16),
         ] {
             let panels = (j1 - j0).div_ceil(nr);
             let mut packings = vec![("one thread", vec![f32::NAN; panels * kc * nr])];
