@@ -9,7 +9,9 @@
 //! add. The SIMD kernels and the portable one agree bit for bit. Tiles at
 //! the right and bottom edges of `C` are computed whole (the packing padded
 //! them with zeros) and only their live part is stored, with the same
-//! arithmetic.
+//! arithmetic; except where AVX2's chaining tiles end a row block with 1-3
+//! rows, which run across several panels at a time ([`ShortRows`]), each
+//! element the same chain.
 
 /// One tile's work.
 pub(crate) struct Tile {
@@ -103,6 +105,28 @@ impl Walk {
             self.at.wrapping_add(i * self.step)
         }
     }
+}
+
+/// The last rows of a row block, fewer than a tile's six (1-3: what a
+/// block whose rows are not a multiple of six leaves), across `panels`
+/// whole panels of `B`, chaining (α = 1) with nothing done after (as a
+/// [`Strip`]'s tiles): `C`'s rows `0..rows` and columns `0..16·panels` from
+/// `c` (rows `rs` apart), starting from `C` where `add`, else from the bias
+/// unless null, else zero, adding the residual unless null. `A` is packed
+/// (element `(i, p)` at `a + 6p + i`), panel `w` of `B` at `b + w·panel_stride`.
+pub(crate) struct ShortRows {
+    pub(crate) rows: usize,
+    pub(crate) panels: usize,
+    pub(crate) k: usize,
+    pub(crate) a: *const f32,
+    pub(crate) b: *const f32,
+    pub(crate) panel_stride: usize,
+    pub(crate) c: *mut f32,
+    pub(crate) rs: usize,
+    pub(crate) add: bool,
+    pub(crate) bias: *const f32,
+    pub(crate) residual: *const f32,
+    pub(crate) residual_rs: usize,
 }
 
 impl Tile {
@@ -262,14 +286,15 @@ pub(crate) unsafe fn portable_bf16(t: &Tile) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::{
-    amx_bf16, avx2, avx2_strip, avx512, avx512_bf16, fma_chains_avx2, fma_chains_avx512,
+    amx_bf16, avx2, avx2_short_rows, avx2_strip, avx512, avx512_bf16, fma_chains_avx2,
+    fma_chains_avx512,
 };
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{chain_starts, store_edge, Streams, Strip, Tile};
+    use super::{chain_starts, store_edge, ShortRows, Streams, Strip, Tile};
 
     /// Asks for the tile's live rows of `C` while the updates run: `C` is
     /// too big for any cache, and its loads and stores at the end would
@@ -513,6 +538,99 @@ mod x86 {
                     &ends,
                 )
             };
+        }
+    }
+
+    /// The rows of a [`ShortRows`] with AVX2 and FMA, two or more panels at
+    /// a time: one row across six panels, two across three, three across
+    /// two, so that each step has twelve accumulators, as many independent
+    /// chains as a whole tile's. Computed as a six-row tile (the packing's
+    /// zero rows multiplied too), two rows took the time of six, and one
+    /// panel at a time their four chains could not cover the FMA's latency.
+    /// Each element is the same chain as in [`avx2_chain`]: the same start,
+    /// the same fused multiply-adds in the order of `k`, the same residual
+    /// added, so the bits are a whole tile's.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have AVX2 and FMA, `s.rows` be 1-3, and every pointer of
+    /// `s` valid as [`ShortRows`] describes it, `C`'s rows written by no one
+    /// else.
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn avx2_short_rows(s: &ShortRows) {
+        let mut p = 0;
+        while p < s.panels {
+            let w = (s.panels - p).min(6 / s.rows);
+            // SAFETY: panels p..p + w of s are valid (caller).
+            unsafe {
+                match (s.rows, w) {
+                    (1, 6) => short_rows::<1, 6>(s, p),
+                    (1, 5) => short_rows::<1, 5>(s, p),
+                    (1, 4) => short_rows::<1, 4>(s, p),
+                    (1, 3) => short_rows::<1, 3>(s, p),
+                    (1, 2) => short_rows::<1, 2>(s, p),
+                    (1, _) => short_rows::<1, 1>(s, p),
+                    (2, 3) => short_rows::<2, 3>(s, p),
+                    (2, 2) => short_rows::<2, 2>(s, p),
+                    (2, _) => short_rows::<2, 1>(s, p),
+                    (3, 2) => short_rows::<3, 2>(s, p),
+                    (3, _) => short_rows::<3, 1>(s, p),
+                    _ => unreachable!("short rows are 1-3 rows"),
+                }
+            }
+            p += w;
+        }
+    }
+
+    /// `R` rows of a [`ShortRows`] across its panels `p0..p0 + W`: `2·R·W`
+    /// accumulators (at most twelve), `R` broadcasts of `A` a step and one
+    /// vector of `B` at a time, sixteen registers at most.
+    ///
+    /// # Safety
+    ///
+    /// As [`avx2_short_rows`], for those panels.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn short_rows<const R: usize, const W: usize>(s: &ShortRows, p0: usize) {
+        const MR: usize = 6;
+        let j0 = 16 * p0;
+        let (b, c) = (s.b.wrapping_add(p0 * s.panel_stride), s.c.wrapping_add(j0));
+        let mut acc = [[_mm256_setzero_ps(); 12]; R];
+        // SAFETY: the loads and stores are of rows 0..R and columns
+        // j0..j0 + 16W of C, the bias's columns and the residual's where not
+        // null, A's k packed steps and B's panels p0..p0 + W (caller).
+        unsafe {
+            for (i, row) in acc.iter_mut().enumerate() {
+                for (v, x) in row.iter_mut().take(2 * W).enumerate() {
+                    if s.add {
+                        *x = _mm256_loadu_ps(c.add(i * s.rs + 8 * v));
+                    } else if !s.bias.is_null() {
+                        *x = _mm256_loadu_ps(s.bias.add(j0 + 8 * v));
+                    }
+                }
+            }
+            for p in 0..s.k {
+                let a: [__m256; R] =
+                    std::array::from_fn(|i| _mm256_broadcast_ss(&*s.a.add(p * MR + i)));
+                // Vector v of a row: panel v / 2, its half v % 2.
+                for v in 0..2 * W {
+                    let bv =
+                        _mm256_loadu_ps(b.add((v / 2) * s.panel_stride + 16 * p + 8 * (v % 2)));
+                    for (row, &a) in acc.iter_mut().zip(&a) {
+                        row[v] = _mm256_fmadd_ps(bv, a, row[v]);
+                    }
+                }
+            }
+            for (i, row) in acc.iter().enumerate() {
+                for (v, &x) in row.iter().take(2 * W).enumerate() {
+                    let x = if s.residual.is_null() {
+                        x
+                    } else {
+                        let r = s.residual.add(i * s.residual_rs + j0 + 8 * v);
+                        _mm256_add_ps(_mm256_loadu_ps(r), x)
+                    };
+                    _mm256_storeu_ps(c.add(i * s.rs + 8 * v), x);
+                }
+            }
         }
     }
 

@@ -119,6 +119,12 @@ fn depth_block(kernel: Kernel, m: usize, n: usize, k: usize, a_rows_in_place: bo
         return deep;
     }
     if kernel.is_bf16() || !a_rows_in_place || m * n * 4 <= DEEP_C_BYTES {
+        static EVEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *EVEN.get_or_init(|| std::env::var("ZG_EVEN").is_ok_and(|v| v == "1"))
+            && !kernel.is_bf16()
+        {
+            return k.div_ceil(k.div_ceil(KC)).next_multiple_of(SUM_GROUP);
+        }
         return KC;
     }
     deep
@@ -803,6 +809,19 @@ impl Kernel {
             // AVX2 and FMA; the strip's tiles are whole and valid (driver).
             Kernel::Avx2 => unsafe { kernels::avx2_strip(s) },
             _ => unreachable!("strips go to the AVX2 kernel only"),
+        }
+    }
+
+    /// Runs the last 1-3 rows of a row block across whole panels: see
+    /// [`kernels::ShortRows`]. Only the kernels that [`Pass::rows`] hands
+    /// them to.
+    fn short_rows(self, s: &kernels::ShortRows) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `available()` offered this kernel only where the CPU has
+            // AVX2 and FMA; the rows are 1-3 and valid (driver).
+            Kernel::Avx2 => unsafe { kernels::avx2_short_rows(s) },
+            _ => unreachable!("short rows go to the AVX2 kernel only"),
         }
     }
 
@@ -1813,20 +1832,56 @@ impl Pass<'_> {
             };
             kernel.strip(&s);
         };
+        // The block's last rows where they are 1-3, fewer than a tile, go
+        // across several whole panels at a time (`kernels::ShortRows`) where
+        // strips are taken.
+        let short = mlen - whole_rows * mr;
+        let short = if strips && (1..=3).contains(&short) {
+            short
+        } else {
+            0
+        };
+        let short_rows = |run: std::ops::Range<usize>| {
+            let (i, j) = (i0 + whole_rows * mr, self.jc + run.start * nr);
+            kernel.short_rows(&kernels::ShortRows {
+                rows: short,
+                panels: run.len(),
+                k: kc,
+                a: packed_a[whole_rows * mr * kc..].as_ptr(),
+                b: self.b[run.start * self.panel_stride..].as_ptr(),
+                panel_stride: self.panel_stride,
+                // SAFETY: row i, column j of C are inside its view.
+                c: unsafe { self.c.get().add(i * self.c_rs + j) },
+                rs: self.c_rs,
+                add: self.add,
+                bias: self.bias.map_or(std::ptr::null(), |b| b[j..].as_ptr()),
+                residual: self
+                    .residual
+                    .map_or(std::ptr::null(), |r| r.data[i * r.rs + j..].as_ptr()),
+                residual_rs: self.residual.map_or(0, |r| r.rs),
+            });
+        };
         if rows_outside {
             for q in 0..tall {
-                let whole = if strips && q < whole_rows {
+                let whole = if strips && (q < whole_rows || short > 0) {
                     panels.clone().take_while(|&p| whole_cols(p)).count()
                 } else {
                     0
                 };
-                if whole > 0 {
+                if whole > 0 && q < whole_rows {
                     strip(q, panels.start, whole, true);
+                } else if whole > 0 {
+                    short_rows(panels.start..panels.start + whole);
                 }
                 (panels.start + whole..panels.end).for_each(|p| tile(p, q));
             }
         } else {
-            for p in panels {
+            // The short rows of the whole panels just multiplied, a run of
+            // them once it is long enough or the whole panels end.
+            // (The kernel's runs: twelve accumulators, two a row and panel.)
+            let run = 6usize.checked_div(short).unwrap_or(1);
+            let mut waiting = panels.start;
+            for p in panels.clone() {
                 let whole = if strips && whole_cols(p) {
                     whole_rows
                 } else {
@@ -1835,7 +1890,15 @@ impl Pass<'_> {
                 if whole > 0 {
                     strip(0, p, whole, false);
                 }
-                (whole..tall).for_each(|q| tile(p, q));
+                if short > 0 && whole_cols(p) {
+                    if p + 1 - waiting == run || p + 1 == panels.end || !whole_cols(p + 1) {
+                        short_rows(waiting..p + 1);
+                        waiting = p + 1;
+                    }
+                } else {
+                    (whole..tall).for_each(|q| tile(p, q));
+                    waiting = p + 1;
+                }
             }
         }
         PACKED_A.set(packed_a_buf);

@@ -701,13 +701,20 @@ fn f32_products_at_alpha_one_are_one_chain_whatever_their_blocks() {
     // depth anywhere into products that add into C (Start::Keep) gives the
     // same bits (a linear layer's input gradient in tiles is the whole
     // layer's). Shapes past KC, partial tiles, a transposed A (packed) and
-    // a C past DEEP_C_BYTES (deeper blocks).
+    // a C past DEEP_C_BYTES (deeper blocks); row blocks that end in 1-3
+    // rows (AVX2 runs them across several panels at a time: runs of six,
+    // three and two whole panels, a shorter last run, a part of a panel
+    // after them, and fewer rows than one tile).
     let kernels = covered();
     let cases = [
         (64, 80, 1152, false, &[1, 2][..]),
         (45, 40, 868, true, &[1, 2]),
         (33, 70, 300, false, &[1]),
         (700, 768, 1040, false, &[2]),
+        (20, 130, 500, true, &[1, 2]),
+        (19, 112, 300, false, &[1, 2]),
+        (2, 50, 40, false, &[1]),
+        (25, 230, 200, true, &[1]),
     ];
     for (m, n, k, a_t, threads) in cases {
         let (a_data, b_data, bias) = (random(1, m * k), random(2, n * k), random(3, n));
