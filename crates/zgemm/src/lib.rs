@@ -1663,6 +1663,18 @@ unsafe impl Sync for Rounded {}
 struct ScratchTile([f32; 32 * 32]);
 
 impl Pass<'_> {
+    /// Where the tile at row `i`, column `j` of `C` finds the bias's columns
+    /// and the residual's element (null where there is none), and the
+    /// residual's row stride.
+    fn ends_at(&self, i: usize, j: usize) -> (*const f32, *const f32, usize) {
+        (
+            self.bias.map_or(std::ptr::null(), |b| b[j..].as_ptr()),
+            self.residual
+                .map_or(std::ptr::null(), |r| r.data[i * r.rs + j..].as_ptr()),
+            self.residual.map_or(0, |r| r.rs),
+        )
+    }
+
     /// The tiles of `C`'s rows `i0..i0 + mlen` (at most `mc`) and the
     /// block's panels `panels`.
     fn rows(&self, i0: usize, mlen: usize, panels: std::ops::Range<usize>) {
@@ -1714,6 +1726,7 @@ impl Pass<'_> {
                 (packed_a[q * mr * kc..].as_ptr(), 1, mr)
             };
             let b = &self.b[p * self.panel_stride..][..kc * nr];
+            let (bias, residual, residual_rs) = self.ends_at(i, j);
             let t = kernels::Tile {
                 k: kc,
                 a: a_ptr,
@@ -1722,11 +1735,9 @@ impl Pass<'_> {
                 b: b.as_ptr(),
                 alpha: self.alpha,
                 add: self.add,
-                bias: self.bias.map_or(std::ptr::null(), |b| b[j..].as_ptr()),
-                residual: self
-                    .residual
-                    .map_or(std::ptr::null(), |r| r.data[i * r.rs + j..].as_ptr()),
-                residual_rs: self.residual.map_or(0, |r| r.rs),
+                bias,
+                residual,
+                residual_rs,
                 c: match self.rounded {
                     Some(_) => scratch_ptr,
                     // SAFETY: row i, column j of C are inside its view
@@ -1843,6 +1854,7 @@ impl Pass<'_> {
         };
         let short_rows = |run: std::ops::Range<usize>| {
             let (i, j) = (i0 + whole_rows * mr, self.jc + run.start * nr);
+            let (bias, residual, residual_rs) = self.ends_at(i, j);
             kernel.short_rows(&kernels::ShortRows {
                 rows: short,
                 panels: run.len(),
@@ -1854,11 +1866,9 @@ impl Pass<'_> {
                 c: unsafe { self.c.get().add(i * self.c_rs + j) },
                 rs: self.c_rs,
                 add: self.add,
-                bias: self.bias.map_or(std::ptr::null(), |b| b[j..].as_ptr()),
-                residual: self
-                    .residual
-                    .map_or(std::ptr::null(), |r| r.data[i * r.rs + j..].as_ptr()),
-                residual_rs: self.residual.map_or(0, |r| r.rs),
+                bias,
+                residual,
+                residual_rs,
             });
         };
         if rows_outside {
