@@ -119,12 +119,6 @@ fn depth_block(kernel: Kernel, m: usize, n: usize, k: usize, a_rows_in_place: bo
         return deep;
     }
     if kernel.is_bf16() || !a_rows_in_place || m * n * 4 <= DEEP_C_BYTES {
-        static EVEN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if *EVEN.get_or_init(|| std::env::var("ZG_EVEN").is_ok_and(|v| v == "1"))
-            && !kernel.is_bf16()
-        {
-            return k.div_ceil(k.div_ceil(KC)).next_multiple_of(SUM_GROUP);
-        }
         return KC;
     }
     deep
@@ -2220,9 +2214,10 @@ enum GroupSums<'s> {
 /// a group ends at the last row) into it ([`GroupSums`]).
 ///
 /// The rows go a group at a time, and within a group a panel at a time
-/// ([`pack_row_group`]): a group's rows (24 KiB of a 384-wide `B`) stay in
-/// L1 while its panels are written one contiguous run after another, and a
-/// panel's column sums stay in registers. Row after row across every
+/// ([`pack_row_group`]): each of a group's rows is read along its length
+/// as its panels are written, one contiguous run (a kilobyte of a 16-wide
+/// panel) after another, and a panel's column sums stay in registers. Row
+/// after row across every
 /// panel, with the sums a second pass over each row, the packing of a
 /// small weight gradient, 128 × 512 · 512 × 384, took 9% of its time, a
 /// third of that the sums; now 6.7%, and the products with their sums run
@@ -2285,8 +2280,8 @@ struct RowGroup<'b> {
 /// `g.cols` left as they are) and, with `sums`, writes each column's sum
 /// over the rows into it, added in row order from zero (so that every bit
 /// is what a row-by-row sum makes). Whole panels of 16 or 64 columns go
-/// through AVX where the CPU has it: 32-byte moves and the sums in
-/// registers, where the plain copy moved 16 bytes at a time.
+/// through AVX where the CPU has it, the sums in registers (the plain
+/// path's go through memory).
 fn pack_row_group(g: &RowGroup, nr: usize, dst: &mut [f32], sums: Option<&mut [f32]>) {
     #[cfg(target_arch = "x86_64")]
     if g.cols == nr && matches!(nr, 16 | 64) && has_avx() {
