@@ -18,7 +18,9 @@
 //! every block; except AMX's on one thread at 1024 pairs deep, cut to half
 //! of L2, as its `A` is paired once for the whole product). A product
 //! whose `C` outgrows L2 and whose `A` is read in place takes deeper blocks
-//! (`depth_block`): each block is a pass over `C`.
+//! (`depth_block`): each block is a pass over `C`. Where a row block ends in
+//! 1-3 rows, the AVX2 kernel runs them across two to six panels at a time
+//! (`kernels::ShortRows`) rather than as a tile of mostly zero rows.
 //!
 //! **One result on every path.** Every f32 kernel computes each element of
 //! `C` the same way. With α = 1 (every product of the model's linear layers)
