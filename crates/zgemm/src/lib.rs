@@ -89,25 +89,27 @@ pub const KC: usize = 384;
 /// [`Kernel::col_block`]); a multiple of every `nr`.
 const NC: usize = 2048;
 
-/// The deepest block a product whose `C` is larger than [`DEEP_C_BYTES`]
-/// takes (f32 kernels, `A` read in place).
+/// The deepest block a product whose `A` is read in place takes (f32
+/// kernels; AMX's in pairs on every product).
 const DEEP_KC: usize = 1024;
 
-/// `C`'s size above which its passes cost: each block of depth loads and
-/// stores every tile of `C`, from memory once `C` outgrows L2 (2 MiB a core
-/// on the Sapphire Rapids measured). A constant, not the machine's L2: the
-/// blocks decide the bits, and a job's bits must not depend on its CPU.
-const DEEP_C_BYTES: usize = 2 << 20;
-
 /// The depth of a product's blocks, the same for every f32 kernel and
-/// thread count (module doc). [`KC`], but where `C` is large and `A`'s rows
-/// are read in place (no packing that a deeper block would make longer),
-/// up to [`DEEP_KC`], split evenly: fewer passes over `C`. Measured on a
-/// Sapphire Rapids, call by call against `KC` (medians): 2048³ +1-8% on one
-/// thread, the 2048 × 1536 · 1536 × 384 products (an MLP's second layer, and
-/// its input gradient read transposed) +4-14% on two, the model's other
-/// shapes level; a transposed `A` (packed, the weight gradients) lost
-/// 2-22% with deeper blocks, and keeps `KC`.
+/// thread count (module doc): it depends on `k` and on whether `A`'s rows
+/// are read in place, never on the CPU or the threads. [`KC`], but where
+/// `A`'s rows are read in place (no packing that a deeper block would make
+/// longer), up to [`DEEP_KC`], split evenly: fewer passes over `C`, and on
+/// several threads fewer rounds of packing `B` and joining the tasks.
+/// Measured on a Sapphire Rapids for products whose `C` outgrows L2, call
+/// by call against `KC` (medians): 2048³ +1-8% on one thread, the 2048 ×
+/// 1536 · 1536 × 384 products (an MLP's second layer, and its input
+/// gradient read transposed) +4-14% on two, the model's other shapes level;
+/// a transposed `A` (packed, the weight gradients) lost 2-22% with deeper
+/// blocks, and keeps `KC`. Products with a small `C` kept `KC` until a Zen
+/// 2 EPYC measured them (builds run by run against OpenBLAS, medians):
+/// 512 × 512 · 512 × 128 and its transposed-`B` twin (a d_model-128
+/// model's MLP second layer and input gradient) +2-4% on one thread and
+/// +6-9% on two, 512 × 1024 · 1024 × 256 +1-5%, depths of one block
+/// level.
 ///
 /// AMX takes blocks of up to [`DEEP_KC`] pairs, split evenly, on every
 /// product: its tiles start from `C` in their registers, so a pass that
@@ -115,12 +117,12 @@ const DEEP_C_BYTES: usize = 2 << 20;
 /// the tile's prefetches cannot hide) where one pass stores it only. The
 /// model's products of depth 1536 and 2048 (768 and 1024 pairs) run in one
 /// pass. The AVX512_BF16 kernel keeps `KC` pairs.
-fn depth_block(kernel: Kernel, m: usize, n: usize, k: usize, a_rows_in_place: bool) -> usize {
+fn depth_block(kernel: Kernel, k: usize, a_rows_in_place: bool) -> usize {
     let deep = k.div_ceil(k.div_ceil(DEEP_KC)).next_multiple_of(SUM_GROUP);
     if kernel == Kernel::AmxBf16 {
         return deep;
     }
-    if kernel.is_bf16() || !a_rows_in_place || m * n * 4 <= DEEP_C_BYTES {
+    if kernel.is_bf16() || !a_rows_in_place {
         return KC;
     }
     deep
@@ -1149,7 +1151,7 @@ pub(crate) fn drive(
         "a product rounded as it stores has no f32 tiles to finish"
     );
     let (nr, mc) = (kernel.nr(), kernel.row_block(m, threads));
-    let depth = depth_block(kernel, m, n, k, a.cs == 1);
+    let depth = depth_block(kernel, k, a.cs == 1);
     let col_block = kernel.col_block(n, threads, depth, a.cs != 1);
     // Taken, not borrowed: while this thread waits for the tasks, rayon may
     // run another job on it that multiplies too.
@@ -1576,7 +1578,7 @@ fn multiply_packed(
     };
     let (m, n, k, nr) = (c.rows, c.cols, a.cols, kernel.nr());
     // The blocks of the unpacked product, whose bits these are.
-    let step = depth_block(kernel, m, n, k, a.cs == 1);
+    let step = depth_block(kernel, k, a.cs == 1);
     for pc in (0..k).step_by(step) {
         let kc = step.min(k - pc);
         let pass = Pass {

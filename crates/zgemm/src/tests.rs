@@ -259,12 +259,12 @@ fn f32_row_blocks_come_in_a_multiple_of_the_threads() {
 #[test]
 fn amx_takes_deep_blocks_and_avx512_bf16_keeps_kc() {
     // A weight gradient: small C, transposed A, 1024 pairs deep.
-    assert_eq!(depth_block(Kernel::AmxBf16, 384, 1152, 1024, false), 1024);
-    assert_eq!(depth_block(Kernel::AmxBf16, 2048, 384, 768, true), 768);
-    assert_eq!(depth_block(Kernel::AmxBf16, 2048, 1152, 192, true), 192);
+    assert_eq!(depth_block(Kernel::AmxBf16, 1024, false), 1024);
+    assert_eq!(depth_block(Kernel::AmxBf16, 768, true), 768);
+    assert_eq!(depth_block(Kernel::AmxBf16, 192, true), 192);
     // Deeper than DEEP_KC: even blocks, whole steps of 16 pairs.
-    assert_eq!(depth_block(Kernel::AmxBf16, 64, 64, 3000, true), 1008);
-    assert_eq!(depth_block(Kernel::Avx512Bf16, 384, 1152, 1024, false), KC);
+    assert_eq!(depth_block(Kernel::AmxBf16, 3000, true), 1008);
+    assert_eq!(depth_block(Kernel::Avx512Bf16, 1024, false), KC);
 }
 
 /// AMX on one thread packs a block of `DEEP_KC` pairs at most half of L2
@@ -368,18 +368,18 @@ fn tasks_split_rows_where_a_threads_share_of_b_outgrows_l2() {
     );
 }
 
-/// A product whose `C` outgrows [`DEEP_C_BYTES`] takes deeper blocks, and
-/// every f32 kernel and thread count still gives the portable kernel's bits
-/// (A row-major, so the deep rule applies; B read either way); a transposed
-/// `A` keeps [`KC`].
+/// A product whose `A` is read in place takes deeper blocks, and every f32
+/// kernel and thread count still gives the portable kernel's bits (A
+/// row-major, so the deep rule applies; B read either way; a `C` larger
+/// than L2, and one that fits); a transposed `A` keeps [`KC`].
 #[test]
 fn deep_blocks_give_the_portable_kernels_bits_on_every_kernel() {
-    let (m, n, k) = (1024, 520, 1100);
-    assert!(m * n * 4 > DEEP_C_BYTES);
-    assert_eq!(depth_block(Kernel::Portable, m, n, k, true), 560);
-    assert_eq!(depth_block(Kernel::Avx2, m, n, 2048, true), DEEP_KC);
-    assert_eq!(depth_block(Kernel::Portable, m, n, k, false), KC);
-    assert_eq!(depth_block(Kernel::Portable, 384, 1152, 2048, true), KC);
+    assert_eq!(depth_block(Kernel::Portable, 1100, true), 560);
+    assert_eq!(depth_block(Kernel::Avx2, 2048, true), DEEP_KC);
+    assert_eq!(depth_block(Kernel::Avx2, 512, true), 512);
+    assert_eq!(depth_block(Kernel::Avx2, 300, true), 304);
+    assert_eq!(depth_block(Kernel::Portable, 1100, false), KC);
+    assert_eq!(depth_block(Kernel::Avx512, 2048, false), KC);
     // The portable kernel, 1 thread, is the reference; it runs here on
     // another thread count only where it is the sole f32 kernel (its calls
     // are most of this test's time on x86, where `mul_add` is a libm call,
@@ -395,17 +395,19 @@ fn deep_blocks_give_the_portable_kernels_bits_on_every_kernel() {
     } else {
         &[1, 2]
     };
-    for b_t in [false, true] {
-        let case = Case {
-            m,
-            n,
-            k,
-            a_t: false,
-            b_t,
-        };
-        for start in ["keep", "residual"] {
-            for &kernel in &f32_kernels {
-                assert_portable_bits(kernel, case, start, threads);
+    for (m, n, k) in [(1024, 520, 1100), (70, 40, 900)] {
+        for b_t in [false, true] {
+            let case = Case {
+                m,
+                n,
+                k,
+                a_t: false,
+                b_t,
+            };
+            for start in ["keep", "residual"] {
+                for &kernel in &f32_kernels {
+                    assert_portable_bits(kernel, case, start, threads);
+                }
             }
         }
     }
@@ -701,7 +703,7 @@ fn f32_products_at_alpha_one_are_one_chain_whatever_their_blocks() {
     // depth anywhere into products that add into C (Start::Keep) gives the
     // same bits (a linear layer's input gradient in tiles is the whole
     // layer's). Shapes past KC, partial tiles, a transposed A (packed) and
-    // a C past DEEP_C_BYTES (deeper blocks); row blocks that end in 1-3
+    // a C past 2 MiB (deeper blocks); row blocks that end in 1-3
     // rows (AVX2 runs them across several panels at a time: runs of six,
     // three and two whole panels, a shorter last run, a part of a panel
     // after them, and fewer rows than one tile).
@@ -1563,7 +1565,7 @@ fn column_sums_of_b_come_with_the_product() {
         (0, 9, 70),
         (5, 9, 0),
         (40, 16, KC * 2 + 35),
-        // Deep blocks (C over DEEP_C_BYTES): 2 of 560 rows.
+        // Deep blocks (a C past 2 MiB): 2 of 560 rows.
         (1024, 520, 1100),
     ] {
         let (a, b) = (random(1, m * k), random(2, k * n));
