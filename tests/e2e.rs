@@ -301,7 +301,7 @@ fn bad_input_exits_2_with_a_located_message() {
                 "vocab.yaml",
                 &good.replace("{format: synthetic}", &format!("{{path: {tiny_data}}}")),
             )],
-            "vocab.yaml:2:9: model.vocab_size: text data uses bytes as tokens",
+            "vocab.yaml:2:9: model.vocab_size: text data (`data.format: text`) uses bytes as tokens",
         ),
         (
             vec![write(

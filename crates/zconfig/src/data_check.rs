@@ -18,7 +18,7 @@ impl LoadedJob {
             return Err(self.invalid(
                 "model.vocab_size",
                 format!(
-                    "text data uses bytes as tokens: vocab_size must be at least 256, got {}",
+                    "text data (`data.format: text`) uses bytes as tokens: vocab_size must be at least 256, got {}",
                     s.model.vocab_size
                 ),
             ));

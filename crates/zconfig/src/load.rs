@@ -595,6 +595,34 @@ impl LoadedJob {
                 "must be a positive number",
             ));
         }
+        // The optimizer and the model compute in f32: a value past its range
+        // would be infinite there, a positive epsilon below it zero.
+        for (key, v, epsilon) in [
+            ("train.lr", t.lr, false),
+            ("train.min_lr", t.min_lr, false),
+            ("train.warmup_start_lr", t.warmup_start_lr, false),
+            ("train.weight_decay", t.weight_decay, false),
+            ("train.optimizer.eps", t.optimizer.eps, true),
+            ("train.loss_scale.min_loss_scale", ls.min_loss_scale, false),
+            ("model.norm_eps", m.norm_eps(), true),
+        ] {
+            if v > f64::from(f32::MAX) {
+                return Err(self.invalid(
+                    key,
+                    format!(
+                        "{v:e} is past f32's largest value (3.4e38), the precision it is used in"
+                    ),
+                ));
+            }
+            if epsilon && (v as f32) == 0.0 {
+                return Err(self.invalid(
+                    key,
+                    format!(
+                        "{v:e} is 0 in f32, the precision it is used in (the smallest is 1.4e-45)"
+                    ),
+                ));
+            }
+        }
         let z = &s.zero;
         if z.reduce_bucket_size.0 == 0 {
             return Err(self.invalid("zero.reduce_bucket_size", "must be at least 1 element"));
@@ -868,6 +896,41 @@ mod tests {
             .to_string();
         assert!(e.contains("--set comm.timeout_s=.inf"), "{e}");
         assert!(e.contains("expected a finite number, got `.inf`"), "{e}");
+    }
+
+    #[test]
+    fn values_outside_f32_are_refused_where_f32_uses_them() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(d.path(), "j.yaml", GOOD);
+        for (set, what) in [
+            ("train.lr=1e39", "1e39 is past f32's largest value"),
+            (
+                "train.weight_decay=4e38",
+                "4e38 is past f32's largest value",
+            ),
+            (
+                "train.loss_scale.min_loss_scale=1e300",
+                "1e300 is past f32's",
+            ),
+            ("model.norm_eps=1e39", "1e39 is past f32's"),
+            ("train.optimizer.eps=1e-50", "1e-50 is 0 in f32"),
+            ("model.norm_eps=5e-324", "5e-324 is 0 in f32"),
+        ] {
+            let mut job = load_job(&p, &[set.into()]).unwrap();
+            let e = job.validate(2).unwrap_err().to_string();
+            let key = set.split('=').next().unwrap();
+            assert!(e.contains(&format!("--set {key}")), "{set}: {e}");
+            assert!(e.contains(what), "{set}: {e}");
+        }
+        // The edges themselves are f32 values.
+        for set in [
+            "train.lr=3.4e38",
+            "train.optimizer.eps=1.5e-45",
+            "model.norm_eps=1e-40",
+        ] {
+            let mut job = load_job(&p, &[set.into()]).unwrap();
+            job.validate(2).unwrap_or_else(|e| panic!("{set}: {e}"));
+        }
     }
 
     #[test]
