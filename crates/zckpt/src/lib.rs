@@ -7,7 +7,9 @@
 //! buffers: `g{g}.params`, `g{g}.exp_avg`, `g{g}.exp_avg_sq`. The manifest records
 //! the model, the layout of every group (parameter names, shapes, offsets; the
 //! padded length and world size that define the slices), the step, the data
-//! position, and each shard's size and CRC-32C.
+//! position, each shard's size and CRC-32C, and its own CRC-32C: a damaged or
+//! edited manifest would otherwise resume from the wrong step or data
+//! position, or read parameters from the wrong offsets, without a word.
 //!
 //! The design decision to know: slices are cut from a flat buffer whose unpadded
 //! content does not depend on the world size, so a checkpoint written by N ranks
@@ -234,11 +236,54 @@ pub fn write_shard<E: From<CkptError>>(
     })
 }
 
-/// Writes the manifest (last, atomically).
+/// The manifest's key that holds its own checksum: the CRC-32C of the
+/// [`Manifest`] written as pretty JSON without it (`write_manifest`'s
+/// `Stamped` names its field after it).
+const MANIFEST_CRC: &str = "crc32c";
+
+/// Writes the manifest (last, atomically), with its checksum.
 pub fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), CkptError> {
     let path = dir.join(MANIFEST);
-    let text = serde_json::to_vec_pretty(m).map_err(|e| invalid(&path, e.to_string()))?;
-    write_atomic(&path, &text)
+    let json = |e: serde_json::Error| invalid(&path, e.to_string());
+    let body = serde_json::to_vec_pretty(m).map_err(json)?;
+    /// The manifest's fields in their order, then its checksum.
+    #[derive(Serialize)]
+    struct Stamped<'a> {
+        #[serde(flatten)]
+        manifest: &'a Manifest,
+        crc32c: u32,
+    }
+    let stamped = Stamped {
+        manifest: m,
+        crc32c: crc32c::crc32c(&body),
+    };
+    write_atomic(&path, &serde_json::to_vec_pretty(&stamped).map_err(json)?)
+}
+
+/// The manifest in `text` (from `path`), its checksum verified. A manifest
+/// without one (written before 2026-12-02) is read as it is.
+fn read_manifest(path: &Path, text: &[u8]) -> Result<Manifest, CkptError> {
+    let not_ours = |e: serde_json::Error| invalid(path, format!("not a zrun manifest: {e}"));
+    let mut value: serde_json::Value = serde_json::from_slice(text).map_err(not_ours)?;
+    let stated = match &mut value {
+        serde_json::Value::Object(fields) => fields.remove(MANIFEST_CRC),
+        _ => None,
+    };
+    let manifest: Manifest = serde_json::from_value(value).map_err(not_ours)?;
+    if let Some(stated) = stated {
+        let body = serde_json::to_vec_pretty(&manifest).map_err(not_ours)?;
+        let crc = crc32c::crc32c(&body);
+        if stated.as_u64() != Some(u64::from(crc)) {
+            return Err(invalid(
+                path,
+                format!(
+                    "checksum mismatch: the manifest's contents have CRC-32C {crc}, it says {stated}: \
+                     damaged or edited after it was written"
+                ),
+            ));
+        }
+    }
+    Ok(manifest)
 }
 
 /// Checkpoint directories under `root` that have a manifest, oldest first.
@@ -333,8 +378,7 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Checkpoint, CkptError> {
         let mpath = dir.join(MANIFEST);
         let text = std::fs::read(&mpath).map_err(io(&mpath))?;
-        let manifest: Manifest = serde_json::from_slice(&text)
-            .map_err(|e| invalid(&mpath, format!("not a zrun manifest: {e}")))?;
+        let manifest = read_manifest(&mpath, &text)?;
         if manifest.format != FORMAT {
             return Err(invalid(
                 &mpath,
@@ -665,6 +709,45 @@ mod tests {
         let c = Checkpoint::open(&dir).unwrap();
         let want: Vec<Vec<f32>> = vec![(0..10).map(|i| i as f32).collect(), full[..20].to_vec()];
         assert_eq!(c.all_params().unwrap(), want);
+    }
+
+    /// Every field of the manifest is covered by its checksum: a changed
+    /// step, data position, stage or offset is refused, not resumed from.
+    /// One without a checksum (an older zrun's) still opens.
+    #[test]
+    fn a_changed_manifest_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join(step_dir_name(5));
+        write(&dir);
+        let path = dir.join(MANIFEST);
+        let written = std::fs::read_to_string(&path).unwrap();
+        Checkpoint::open(&dir).unwrap();
+        for (from, to) in [
+            ("\"step\": 5", "\"step\": 4"),
+            ("\"samples_consumed\": 40", "\"samples_consumed\": 41"),
+            ("\"stage\": 3", "\"stage\": 2"),
+            ("\"offset\": 0", "\"offset\": 1"),
+            ("\"numel\": 10", "\"numel\": 11"),
+        ] {
+            assert!(written.contains(from), "{from}: {written}");
+            std::fs::write(&path, written.replace(from, to)).unwrap();
+            let e = Checkpoint::open(&dir).unwrap_err().to_string();
+            assert!(e.contains("manifest.json: checksum mismatch"), "{to}: {e}");
+        }
+        // The checksum itself changed.
+        let mut value: serde_json::Value = serde_json::from_str(&written).unwrap();
+        let crc = value["crc32c"].as_u64().unwrap();
+        value["crc32c"] = (crc ^ 1).into();
+        std::fs::write(&path, value.to_string()).unwrap();
+        assert!(Checkpoint::open(&dir).is_err());
+        // Formatting is not content: the same manifest on one line opens.
+        value["crc32c"] = crc.into();
+        std::fs::write(&path, value.to_string()).unwrap();
+        Checkpoint::open(&dir).unwrap();
+        // An older zrun's manifest, without a checksum, opens as it is.
+        value.as_object_mut().unwrap().remove("crc32c");
+        std::fs::write(&path, value.to_string().replace("\"step\":5", "\"step\":4")).unwrap();
+        assert_eq!(Checkpoint::open(&dir).unwrap().manifest.step, 4);
     }
 
     #[test]

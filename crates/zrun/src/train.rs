@@ -185,8 +185,15 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                     peak_rss_bytes: peak.peak_rss,
                     nvme_bytes: peak.nvme,
                 })?;
+                // No step line: resumed at the last step (to save it again
+                // at another world size or stage), or restarted there.
+                let loss = if last_loss.is_nan() {
+                    "no step left to run".to_string()
+                } else {
+                    format!("final loss {last_loss:.4}")
+                };
                 say!(
-                    "zrun: done: {steps} steps, final loss {last_loss:.4}, {wall_s:.1}s, peak RSS {} MiB per worker{}",
+                    "zrun: done: {steps} steps, {loss}, {wall_s:.1}s, peak RSS {} MiB per worker{}",
                     peak.peak_rss >> 20,
                     peak.nvme
                         .map(|b| format!(", {} MiB of swap files per worker", b >> 20))
