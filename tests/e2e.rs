@@ -447,7 +447,7 @@ fn bad_input_exits_2_with_a_located_message() {
                 "--workers-per-node".into(),
                 "0".into(),
             ],
-            "--workers-per-node: must be at least 1",
+            "--workers-per-node: must be between 1 and 1024, got 0",
         ),
         (
             vec![write(
@@ -467,13 +467,24 @@ fn bad_input_exits_2_with_a_located_message() {
             "more than this host's",
         ),
         (
-            // Each small, too many together: the total said, not "0.00 GiB each".
+            // Each fits (3.1 GiB), too many together (3.2 TiB): the total said.
             vec![
-                write("many.yaml", &good),
+                write(
+                    "many.yaml",
+                    &good.replace("micro_batch_size: 4", "micro_batch_size: 20000"),
+                ),
+                "--workers-per-node".into(),
+                "1024".into(),
+            ],
+            "GiB in all, ",
+        ),
+        (
+            vec![
+                write("more.yaml", &good),
                 "--workers-per-node".into(),
                 "10000000".into(),
             ],
-            "GiB in all, ",
+            "--workers-per-node: must be between 1 and 1024, got 10000000",
         ),
         (
             vec![write("g5.yaml", &good), "--resume".into(), "auto".into()],

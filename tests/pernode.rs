@@ -167,7 +167,7 @@ fn a_dead_or_interrupted_node_stops_the_whole_job() {
 }
 
 /// Mistakes are exit 2 naming what is wrong: a node rank past the number of
-/// nodes, no token, a hostfile, and a node whose job differs from node 0's
+/// nodes, a number of nodes past any cluster's, no token, a hostfile, and a node whose job differs from node 0's
 /// (which stops node 0 too, saying why); a node that never comes makes node 0
 /// give up at the rendezvous deadline naming it.
 #[test]
@@ -190,6 +190,27 @@ fn per_node_mistakes_are_clear_errors() {
         "{}",
         f.stderr
     );
+    // A mistyped node count (it was allocated: 2^64 - 1 nodes panicked,
+    // 10^11 aborted out of memory).
+    for (nnodes, what) in [
+        (
+            "18446744073709551615",
+            "18446744073709551615 nodes of 2 workers are more than 1048576 ranks",
+        ),
+        (
+            "99999999999",
+            "99999999999 nodes of 2 workers are more than 1048576 ranks",
+        ),
+    ] {
+        let f = Zrun::start_with_env(
+            dir,
+            &[&base[..], &["--nnodes", nnodes, "--node-rank", "1"]].concat(),
+            &[("ZRUN_TOKEN", TOKEN)],
+        )
+        .wait(Duration::from_secs(30));
+        assert_eq!(f.code(), 2, "{f:?}");
+        assert!(f.stderr.contains(what), "{}", f.stderr);
+    }
     let f = zrun(
         dir,
         &[&base[..], &["--nnodes", "2", "--node-rank", "1"]].concat(),

@@ -13,6 +13,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;
 
+/// The most workers one node takes (`slots=`, `--workers-per-node`): far
+/// more than any node's devices or cores, and few enough that a mistyped
+/// count is refused rather than made into millions of ranks.
+pub const MAX_SLOTS: usize = 1024;
+
+/// The most ranks a job takes (2^20, hundreds of times today's largest
+/// clusters): a mistyped node count is refused rather than allocated.
+pub const MAX_WORLD: usize = 1 << 20;
+
 /// One hostfile line.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostEntry {
@@ -81,6 +90,12 @@ impl Hostfile {
                         })?;
                         if n == 0 {
                             return Err(err(ln, "slots must be at least 1".into()));
+                        }
+                        if n > MAX_SLOTS {
+                            return Err(err(
+                                ln,
+                                format!("slots={n}: at most {MAX_SLOTS} workers a node"),
+                            ));
                         }
                         slots = Some(n);
                     }
@@ -228,10 +243,13 @@ pub struct TopologyOptions {
 impl Topology {
     /// Resolves hostfile and options into nodes and slots.
     pub fn resolve(opts: &TopologyOptions) -> Result<Topology, ConfigError> {
-        if opts.workers_per_node == Some(0) {
+        if let Some(w) = opts
+            .workers_per_node
+            .filter(|w| !(1..=MAX_SLOTS).contains(w))
+        {
             return Err(ConfigError::Option {
                 option: "--workers-per-node".into(),
-                message: "must be at least 1".into(),
+                message: format!("must be between 1 and {MAX_SLOTS}, got {w}"),
             });
         }
         let entries = match &opts.hostfile {
@@ -335,6 +353,13 @@ impl Topology {
                 message: "no host is left to run on".into(),
             });
         }
+        let world: usize = nodes.iter().map(|n| n.slots.len()).sum();
+        if world > MAX_WORLD {
+            return Err(ConfigError::Option {
+                option: "--hostfile".into(),
+                message: format!("{world} workers in all, more than {MAX_WORLD}"),
+            });
+        }
         Ok(Topology { nodes })
     }
 
@@ -435,6 +460,23 @@ mod tests {
             .to_string()
             .contains("did you mean `slots`"));
         assert!(hf("# nothing\n").is_err());
+        // A count past any node's devices or cores (it was allocated, and
+        // slots=99999999999999 aborted zrun).
+        assert_eq!(
+            hf("a slots=1024\nb slots=1025\n").unwrap_err().to_string(),
+            "hosts:2: slots=1025: at most 1024 workers a node"
+        );
+        assert!(hf("a slots=99999999999999\n").is_err());
+        let nodes: String = (0..1025).map(|i| format!("h{i} slots=1024\n")).collect();
+        assert!(topo(&nodes, |_| {})
+            .unwrap_err()
+            .to_string()
+            .contains("1049600 workers in all, more than 1048576"));
+        let many = topo("a slots=2\n", |o| o.workers_per_node = Some(1025));
+        assert!(many
+            .unwrap_err()
+            .to_string()
+            .contains("--workers-per-node: must be between 1 and 1024, got 1025"));
     }
 
     fn topo(text: &str, f: impl FnOnce(&mut TopologyOptions)) -> Result<Topology, ConfigError> {

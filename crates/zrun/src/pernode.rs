@@ -22,6 +22,7 @@ use anyhow::Result;
 use tokio::net::TcpStream;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
+use zconfig::hostfile::{MAX_SLOTS, MAX_WORLD};
 use zconfig::{JobSpec, Node, Topology};
 use zproto::auth::nonce;
 use zproto::frame::{read_frame_async, write_frame_async, HANDSHAKE_MAX, MAX_FRAME};
@@ -122,6 +123,17 @@ pub fn resolve(launch: &LaunchArgs, args: &PerNodeArgs) -> Result<Option<PerNode
             "per-node mode: node rank {node_rank} (from {source}) is not below the number of nodes, {nnodes}"
         )));
     }
+    let workers_per_node = launch.workers_per_node.unwrap_or(DEFAULT_CPU_WORKERS);
+    if !(1..=MAX_SLOTS).contains(&workers_per_node) {
+        return Err(Failure::bad_input(format!(
+            "--workers-per-node: must be between 1 and {MAX_SLOTS}, got {workers_per_node}"
+        )));
+    }
+    if nnodes > MAX_WORLD / workers_per_node {
+        return Err(Failure::bad_input(format!(
+            "per-node mode: {nnodes} nodes of {workers_per_node} workers are more than {MAX_WORLD} ranks"
+        )));
+    }
     let master_addr = match &launch.master_addr {
         Some(a) => a.clone(),
         None => std::env::var("MASTER_ADDR").map_err(|_| {
@@ -147,7 +159,7 @@ pub fn resolve(launch: &LaunchArgs, args: &PerNodeArgs) -> Result<Option<PerNode
     Ok(Some(PerNode {
         nnodes,
         node_rank,
-        workers_per_node: launch.workers_per_node.unwrap_or(DEFAULT_CPU_WORKERS),
+        workers_per_node,
         master_addr,
         master_port,
         token,
