@@ -123,36 +123,55 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
         (independent - next).abs() <= 2e-6 * next,
         "zrun's step-5 loss {next}; a LLaMA reader of the export computes {independent}"
     );
-    // The directory starts a run with the next loss.
-    let init_loss = loss_from(dir, &job, &out, "init.jsonl");
-    assert!(
-        (init_loss - next).abs() <= 1e-5 * next,
-        "export's next loss {next}, from init_from {init_loss}"
-    );
-    // A model of another shape is refused before launch, naming the tensor.
-    let f = TrainArgs::new(&job, dir.join("bad.jsonl"))
-        .set(format!("model.init_from={}", out.display()))
-        .set("model.n_kv_heads=4")
-        .run(dir);
-    assert_eq!(f.code(), 2, "{f:?}");
-    assert!(
-        f.stderr.contains(
-            "model.layers.0.self_attn.k_proj.weight has shape [16, 32], the model's layers.0.self_attn.qkv_proj.weight needs [32, 32]"
+    // The directory starts a run with the next loss, and so does its
+    // weights file alone (a published single-file LLaMA: its untied head,
+    // `lm_head.weight` under both naming schemes, once had it taken for a
+    // zrun file, which then lacked every other tensor).
+    let weights = out.join("model.safetensors");
+    for (from, metrics) in [(&out, "init.jsonl"), (&weights, "init-file.jsonl")] {
+        let init_loss = loss_from(dir, &job, from, metrics);
+        assert!(
+            (init_loss - next).abs() <= 1e-5 * next,
+            "export's next loss {next}, from init_from {} {init_loss}",
+            from.display()
+        );
+    }
+    // A model of another architecture is refused before launch: the
+    // directory by its config.json, naming both keys; its weights file
+    // alone by the first tensor of another shape.
+    for (from, what) in [
+        (
+            &out,
+            "config.json: num_key_value_heads is 2, the job's model has 4 (model.n_kv_heads)",
         ),
-        "{}",
-        f.stderr
-    );
-    // A file with a tensor that belongs to nothing is refused too.
-    let f = TrainArgs::new(&job, dir.join("bad.jsonl"))
-        .set(format!("model.init_from={}", out.display()))
-        .set("model.tie_embeddings=true")
-        .run(dir);
-    assert_eq!(f.code(), 2, "{f:?}");
-    assert!(
-        f.stderr.contains("lm_head.weight belongs to no parameter"),
-        "{}",
-        f.stderr
-    );
+        (
+            &weights,
+            "model.layers.0.self_attn.k_proj.weight has shape [16, 32], the model's layers.0.self_attn.qkv_proj.weight needs [32, 32]",
+        ),
+    ] {
+        let f = TrainArgs::new(&job, dir.join("bad.jsonl"))
+            .set(format!("model.init_from={}", from.display()))
+            .set("model.n_kv_heads=4")
+            .run(dir);
+        assert_eq!(f.code(), 2, "{f:?}");
+        assert!(f.stderr.contains(what), "{}", f.stderr);
+    }
+    // A file with a tensor that belongs to nothing is refused too (and the
+    // directory for its config.json's untied head).
+    for (from, what) in [
+        (&weights, "lm_head.weight belongs to no parameter"),
+        (
+            &out,
+            "tie_word_embeddings is false, the job's model has true (model.tie_embeddings)",
+        ),
+    ] {
+        let f = TrainArgs::new(&job, dir.join("bad.jsonl"))
+            .set(format!("model.init_from={}", from.display()))
+            .set("model.tie_embeddings=true")
+            .run(dir);
+        assert_eq!(f.code(), 2, "{f:?}");
+        assert!(f.stderr.contains(what), "{}", f.stderr);
+    }
 }
 
 #[test]

@@ -215,9 +215,95 @@ pub fn write_dir(
     Ok(elements)
 }
 
+/// The `config.json` keys that must agree with the job's model, each with
+/// the job's key it mirrors: the weights' shapes do not show every
+/// difference (heads of another width over the same columns, another norm
+/// epsilon or rotary base), and weights read into another architecture
+/// train on without a word.
+const SAME_KEYS: &[(&str, &str)] = &[
+    ("model_type", "model.kind"),
+    ("vocab_size", "model.vocab_size"),
+    ("n_embd", "model.d_model"),
+    ("hidden_size", "model.d_model"),
+    ("n_layer", "model.n_layers"),
+    ("num_hidden_layers", "model.n_layers"),
+    ("n_head", "model.n_heads"),
+    ("num_attention_heads", "model.n_heads"),
+    ("num_key_value_heads", "model.n_kv_heads"),
+    ("head_dim", "model.d_model / model.n_heads"),
+    ("n_inner", "model.ffn_hidden"),
+    ("intermediate_size", "model.ffn_hidden"),
+    ("layer_norm_epsilon", "model.norm_eps"),
+    ("rms_norm_eps", "model.norm_eps"),
+    ("rope_theta", "model.rope_theta"),
+    ("tie_word_embeddings", "model.tie_embeddings"),
+    ("activation_function", "model.kind"),
+    ("hidden_act", "model.kind"),
+    ("attention_bias", "model.kind"),
+    ("mlp_bias", "model.kind"),
+];
+
+/// The `config.json` keys that give the longest sequence the model takes:
+/// at least the job's `model.seq_len`.
+const CONTEXT_KEYS: &[&str] = &["n_positions", "n_ctx", "max_position_embeddings"];
+
+/// Holds a Hugging Face directory's `config.json`, where it has one, to the
+/// job's model `m`: each of [`SAME_KEYS`] that both have (and the file does
+/// not leave null, Hugging Face's "the default") equal, its context at least
+/// the job's sequence, and no rotary scaling (not implemented). An error
+/// names the file, its key and value, and the job's.
+fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
+    let path = dir.join(HF_CONFIG);
+    let text = match std::fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io(&path)(e)),
+    };
+    let file: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|e| invalid(&path, format!("not a Hugging Face config.json: {e}")))?;
+    let job = config_json(m);
+    let same = |a: &serde_json::Value, b: &serde_json::Value| match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
+        _ => a == b,
+    };
+    for (key, job_key) in SAME_KEYS {
+        if let (Some(have), Some(want)) = (file.get(key), job.get(key)) {
+            if !have.is_null() && !same(have, want) {
+                return Err(invalid(
+                    &path,
+                    format!(
+                        "{key} is {have}, the job's model has {want} ({job_key}): \
+                         set the job's model to the directory's"
+                    ),
+                ));
+            }
+        }
+    }
+    for key in CONTEXT_KEYS {
+        if let Some(n) = file.get(key).and_then(serde_json::Value::as_u64) {
+            if n < m.seq_len as u64 {
+                return Err(invalid(
+                    &path,
+                    format!(
+                        "{key} is {n}, shorter than the job's model.seq_len {}",
+                        m.seq_len
+                    ),
+                ));
+            }
+        }
+    }
+    match file.get("rope_scaling") {
+        Some(scaling) if !scaling.is_null() => Err(invalid(
+            &path,
+            format!("rope_scaling is {scaling}: zrun's rotary embedding is not scaled"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Tensors of published checkpoints that hold no parameter: GPT-2's causal
 /// mask buffers, old LLaMA conversions' rotary frequencies.
-fn is_buffer(name: &str) -> bool {
+pub(crate) fn is_buffer(name: &str) -> bool {
     name.ends_with(".attn.bias")
         || name.ends_with(".attn.masked_bias")
         || name.ends_with("rotary_emb.inv_freq")
@@ -236,6 +322,7 @@ pub fn read(
     values: bool,
 ) -> Result<Weights, CkptError> {
     let file_path = if path.is_dir() {
+        check_config(m, path)?;
         let f = path.join(HF_WEIGHTS);
         if !f.is_file() {
             return Err(invalid(
@@ -369,5 +456,77 @@ mod tests {
             "lm_head.weight"
         );
         assert_eq!(config_json(&m)["num_key_value_heads"], 2);
+    }
+
+    /// A directory's config.json that disagrees with the job's model where
+    /// the weights' shapes cannot show it is refused, naming both keys; its
+    /// defaults (null, absent), a longer context and formatting are not.
+    #[test]
+    fn a_directory_of_another_architecture_is_refused() {
+        let m = llama();
+        let d = tempfile::tempdir().unwrap();
+        let params = m.param_shapes();
+        let mut shapes = params.iter();
+        write_dir(&m, &params, d.path(), || {
+            Ok(shapes
+                .next()
+                .map(|(_, s)| vec![0.5; s.iter().product::<usize>()]))
+        })
+        .unwrap();
+        read(&m, &params, d.path(), true).unwrap();
+        let written: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(d.path().join(HF_CONFIG)).unwrap()).unwrap();
+        let with = |key: &str, value: serde_json::Value| {
+            let mut c = written.clone();
+            c[key] = value;
+            std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
+            read(&m, &params, d.path(), false).map(|_| ())
+        };
+        for (key, value, what) in [
+            // Heads of 1 column over the same 8: the same shapes.
+            (
+                "num_attention_heads",
+                serde_json::json!(8),
+                "num_attention_heads is 8, the job's model has 4 (model.n_heads)",
+            ),
+            (
+                "rope_theta",
+                serde_json::json!(500000.0),
+                "(model.rope_theta)",
+            ),
+            ("rms_norm_eps", serde_json::json!(1e-6), "(model.norm_eps)"),
+            ("model_type", serde_json::json!("mistral"), "(model.kind)"),
+            (
+                "max_position_embeddings",
+                serde_json::json!(2),
+                "shorter than the job's model.seq_len",
+            ),
+            (
+                "rope_scaling",
+                serde_json::json!({"rope_type": "llama3", "factor": 8.0}),
+                "not scaled",
+            ),
+        ] {
+            let e = with(key, value).unwrap_err().to_string();
+            assert!(e.contains("config.json") && e.contains(what), "{key}: {e}");
+        }
+        for (key, value) in [
+            ("num_key_value_heads", serde_json::Value::Null),
+            ("rope_scaling", serde_json::Value::Null),
+            ("max_position_embeddings", serde_json::json!(4096)),
+            ("rms_norm_eps", serde_json::json!(0.00001)),
+            (
+                "architectures",
+                serde_json::json!(["LlamaForCausalLM", "X"]),
+            ),
+        ] {
+            with(key, value).unwrap_or_else(|e| panic!("{key}: {e}"));
+        }
+        std::fs::write(d.path().join(HF_CONFIG), "{").unwrap();
+        let e = read(&m, &params, d.path(), false).unwrap_err().to_string();
+        assert!(e.contains("not a Hugging Face config.json"), "{e}");
+        // Weights alone (no config.json) are held to the shapes only.
+        std::fs::remove_file(d.path().join(HF_CONFIG)).unwrap();
+        read(&m, &params, d.path(), false).unwrap();
     }
 }

@@ -555,8 +555,14 @@ pub fn read_init_weights(
     if !path.is_dir() {
         let file = TensorFile::open(path)?;
         let have: HashMap<String, Vec<usize>> = file.tensors().into_iter().collect();
-        if params.iter().any(|(n, _)| have.contains_key(n)) {
-            // zrun's own names: every parameter, nothing else, right shapes.
+        // Most of the model's parameters under zrun's names: zrun's own
+        // file (or a GPT-2 one published without `transformer.`, whose names
+        // are zrun's). One or two names in common are not enough: a LLaMA
+        // file's untied head is `lm_head.weight` under both.
+        let zrun_named = params.iter().filter(|(n, _)| have.contains_key(n)).count();
+        if zrun_named * 2 > params.len() {
+            // zrun's own names: every parameter, nothing else (but buffers
+            // that hold no parameter), right shapes.
             for (name, shape) in params {
                 match have.get(name) {
                     None => return Err(invalid(path, format!("no tensor {name}"))),
@@ -569,14 +575,18 @@ pub fn read_init_weights(
                     Some(_) => {}
                 }
             }
-            if have.len() != params.len() {
+            let tensors = have.keys().filter(|n| !hf::is_buffer(n)).count();
+            if tensors != params.len() {
                 return Err(invalid(
                     path,
-                    format!("{} tensors, the model has {}", have.len(), params.len()),
+                    format!("{tensors} tensors, the model has {}", params.len()),
                 ));
             }
             return match values {
-                true => read_weights(path),
+                true => params
+                    .iter()
+                    .map(|(n, s)| Ok((n.clone(), (s.clone(), file.read(n)?))))
+                    .collect(),
                 false => Ok(params
                     .iter()
                     .map(|(n, s)| (n.clone(), (s.clone(), Vec::new())))
@@ -748,6 +758,48 @@ mod tests {
         value.as_object_mut().unwrap().remove("crc32c");
         std::fs::write(&path, value.to_string().replace("\"step\":5", "\"step\":4")).unwrap();
         assert_eq!(Checkpoint::open(&dir).unwrap().manifest.step, 4);
+    }
+
+    /// A GPT-2 file published without `transformer.` has zrun's names and
+    /// the attention's mask buffers: read as zrun's, buffers left out (a
+    /// LLaMA file whose only name in common is its head is read as Hugging
+    /// Face's: `tests/llama.rs`).
+    #[test]
+    fn init_weights_are_told_apart_by_most_names() {
+        let d = tempfile::tempdir().unwrap();
+        let m = model();
+        let params = m.param_shapes();
+        let path = d.path().join("gpt2.safetensors");
+        let mut header = params.clone();
+        header.push(("h.0.attn.bias".into(), vec![1, 1, 4, 4]));
+        let mut w = StreamWriter::create(&path, &header, None).unwrap();
+        for (_, shape) in &header {
+            w.write(&vec![0.25; shape.iter().product::<usize>()])
+                .unwrap();
+        }
+        w.finish().unwrap();
+        let read = read_init_weights(&path, &m, &params, true).unwrap();
+        assert_eq!(read.len(), params.len());
+        assert!(!read.contains_key("h.0.attn.bias"));
+        assert!(read.values().all(|(_, v)| v.iter().all(|&x| x == 0.25)));
+        // One tensor more that is no buffer: refused, counted.
+        let mut header = params.clone();
+        header.push(("h.0.extra".into(), vec![2]));
+        let mut w = StreamWriter::create(&path, &header, None).unwrap();
+        for (_, shape) in &header {
+            w.write(&vec![0.25; shape.iter().product::<usize>()])
+                .unwrap();
+        }
+        w.finish().unwrap();
+        let e = read_init_weights(&path, &m, &params, false).unwrap_err();
+        assert!(
+            e.to_string().contains(&format!(
+                "{} tensors, the model has {}",
+                params.len() + 1,
+                params.len()
+            )),
+            "{e}"
+        );
     }
 
     #[test]
