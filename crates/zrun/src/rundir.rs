@@ -123,6 +123,20 @@ fn zrun_alive(pid: i32) -> bool {
     alive && comm.trim() == "zrun"
 }
 
+/// Refuses a metrics path that is a directory: earlier history is renamed
+/// aside, and a directory renamed aside (`--metrics runs/` → `runs.1/`)
+/// would take everything in it along.
+pub fn check_metrics_path(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        return Err(Failure::bad_input(format!(
+            "--metrics: {} is a directory; give a file in it (e.g. {})",
+            path.display(),
+            path.join("metrics.jsonl").display()
+        )));
+    }
+    Ok(())
+}
+
 /// The lock beside a metrics file: `metrics.jsonl` → `metrics.jsonl.lock`.
 pub fn metrics_lock(metrics: &Path) -> PathBuf {
     let mut name = metrics.as_os_str().to_owned();
@@ -194,7 +208,9 @@ impl MetricsWriter {
     }
 
     fn open(&self) -> std::io::Result<File> {
-        let has_history = std::fs::metadata(&self.path).is_ok_and(|m| m.len() > 0);
+        // A regular file's lines; never a pipe or device (`/dev/stdout`),
+        // which is written to as it is.
+        let has_history = std::fs::metadata(&self.path).is_ok_and(|m| m.is_file() && m.len() > 0);
         match &self.start {
             Start::Resume(marker) => {
                 let mut f = OpenOptions::new()
@@ -268,6 +284,23 @@ mod tests {
         w.write(&4).unwrap();
         assert_eq!(std::fs::read_to_string(&m).unwrap(), "4\n");
         assert!(!d.path().join("metrics.3.jsonl").exists());
+    }
+
+    /// A directory given as the metrics file is refused (it was renamed
+    /// aside with all it held, `runs/` → `runs.1/`), and a device is written
+    /// to as it is, never renamed.
+    #[test]
+    fn a_directory_is_no_metrics_file_and_a_device_is_not_renamed() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("kept"), "x").unwrap();
+        let e = check_metrics_path(d.path()).unwrap_err().to_string();
+        assert!(e.contains("is a directory; give a file in it"), "{e}");
+        check_metrics_path(&d.path().join("metrics.jsonl")).unwrap();
+        let null = Path::new("/dev/null");
+        check_metrics_path(null).unwrap();
+        let mut w = MetricsWriter::new(null, Start::Fresh { overwrite: false });
+        w.write(&5).unwrap();
+        assert!(!Path::new("/dev/null.1").exists());
     }
 
     #[test]

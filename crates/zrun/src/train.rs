@@ -80,6 +80,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         .metrics
         .clone()
         .unwrap_or_else(|| run_dir.join("metrics.jsonl"));
+    rundir::check_metrics_path(&metrics_path)?;
     // Held until zrun returns: no second job writes these files meanwhile.
     let _metrics_lock = RunLock::take(&rundir::metrics_lock(&metrics_path), "metrics")?;
     let _checkpoint_lock = match &plan.spec.checkpoint.dir {
