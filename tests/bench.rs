@@ -131,6 +131,16 @@ fn bench_commands_report_rows() {
         .code(),
         2
     );
+    // More workers than a node takes (100000 started 6156 before the
+    // process table said no).
+    let f = zrun(dir.path(), &["bench", "comm", "--workers", "100000"]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("--workers must be between 1 and 1024, got 100000"),
+        "{}",
+        f.stderr
+    );
 }
 
 #[test]
@@ -219,6 +229,26 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
     );
     assert_eq!(f.code(), 2, "{f:?}");
     assert!(f.stderr.contains("workers=none"), "{}", f.stderr);
+    // A key swept twice (its first values were silently overridden).
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            job.to_str().unwrap(),
+            "--sweep",
+            "zero.stage=0",
+            "--sweep",
+            "zero.stage=3",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("--sweep zero.stage: given twice"),
+        "{}",
+        f.stderr
+    );
     // A second sweep into the same --out keeps the first one's tables.
     let f = zrun(
         dir.path(),

@@ -310,8 +310,12 @@ pub fn kernels(args: BenchKernelsArgs) -> Result<ExitCode> {
 
 /// `zrun bench comm`.
 pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
-    if args.workers == 0 {
-        return Err(Failure::bad_input("--workers must be at least 1"));
+    let most = zconfig::hostfile::MAX_SLOTS;
+    if !(1..=most).contains(&args.workers) {
+        return Err(Failure::bad_input(format!(
+            "--workers must be between 1 and {most}, got {}",
+            args.workers
+        )));
     }
     let sizes: Vec<u64> = args
         .sizes

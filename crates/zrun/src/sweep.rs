@@ -138,6 +138,15 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
     if sweeps.is_empty() {
         return Err(Failure::bad_input("give at least one --sweep KEY=V1,V2"));
     }
+    // A key swept twice would run each combination twice, the first
+    // values overridden by the second's.
+    for (i, (k, _)) in sweeps.iter().enumerate() {
+        if sweeps[..i].iter().any(|(earlier, _)| earlier == k) {
+            return Err(Failure::bad_input(format!(
+                "--sweep {k}: given twice; list all its values in one --sweep {k}=V1,V2"
+            )));
+        }
+    }
     if args.steps == 0 {
         return Err(Failure::bad_input("--steps must be at least 1"));
     }
