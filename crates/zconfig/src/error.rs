@@ -104,6 +104,13 @@ pub(crate) fn plain_yaml_message(msg: &str) -> String {
         let value = rest.split(" rejected").next().unwrap_or(rest);
         return format!("expected a finite number, got {value}");
     }
+    if let Some(rest) = msg.strip_prefix("budget breached: ") {
+        // serde-saphyr's limits on what a document may expand to (aliases
+        // of aliases: a "billion laughs" file).
+        return format!(
+            "the YAML grows past the parser's limits ({rest}), through aliases of aliases; a job spec needs none of that size"
+        );
+    }
     msg.to_string()
 }
 

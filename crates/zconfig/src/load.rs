@@ -898,6 +898,28 @@ mod tests {
         assert!(e.contains("expected a finite number, got `.inf`"), "{e}");
     }
 
+    /// A "billion laughs" file (aliases of aliases, 9^9 strings) is refused
+    /// at its line by the parser's budget, in the job's words, without
+    /// expanding it.
+    #[test]
+    fn a_yaml_bomb_is_refused_at_its_line() {
+        let d = tempfile::tempdir().unwrap();
+        let mut text = format!("{GOOD}env:\n  A: &a [\"lol\", \"lol\", \"lol\"]\n");
+        let mut prev = 'a';
+        for name in "bcdefghijk".chars() {
+            let refs = vec![format!("*{prev}"); 9].join(", ");
+            text.push_str(&format!(
+                "  {}: &{name} [{refs}]\n",
+                name.to_ascii_uppercase()
+            ));
+            prev = name;
+        }
+        let p = write(d.path(), "j.yaml", &text);
+        let e = load_job(&p, &[]).unwrap_err().to_string();
+        assert!(e.contains("j.yaml:"), "{e}");
+        assert!(e.contains("through aliases of aliases"), "{e}");
+    }
+
     #[test]
     fn values_outside_f32_are_refused_where_f32_uses_them() {
         let d = tempfile::tempdir().unwrap();
