@@ -269,12 +269,16 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
     for (key, job_key) in SAME_KEYS {
         if let (Some(have), Some(want)) = (file.get(key), job.get(key)) {
             if !have.is_null() && !same(have, want) {
+                let advice = match *key {
+                    "model_type" => {
+                        "zrun reads GPT-2 and LLaMA; weights of the same names and \
+                                     layout can be given as the model.safetensors file alone"
+                    }
+                    _ => "set the job's model to the directory's",
+                };
                 return Err(invalid(
                     &path,
-                    format!(
-                        "{key} is {have}, the job's model has {want} ({job_key}): \
-                         set the job's model to the directory's"
-                    ),
+                    format!("{key} is {have}, the job's model has {want} ({job_key}): {advice}"),
                 ));
             }
         }
