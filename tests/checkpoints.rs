@@ -158,6 +158,13 @@ fn resume_anywhere_moves_nothing_and_continues_smoothly() {
         ],
     );
     assert!(losses_by_step(&dir.join("moved.jsonl")).is_empty(), "{f:?}");
+    // Said as such, not as a final loss of NaN.
+    assert!(
+        f.stdout
+            .contains("zrun: done: 10 steps, no step left to run"),
+        "{}",
+        f.stdout
+    );
     let moved = moved_root.join("step-00000010");
     let manifest: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(moved.join("manifest.json")).unwrap())

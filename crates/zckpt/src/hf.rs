@@ -499,7 +499,11 @@ mod tests {
                 "(model.rope_theta)",
             ),
             ("rms_norm_eps", serde_json::json!(1e-6), "(model.norm_eps)"),
-            ("model_type", serde_json::json!("mistral"), "(model.kind)"),
+            (
+                "model_type",
+                serde_json::json!("mistral"),
+                "(model.kind): zrun reads GPT-2 and LLaMA; weights of the same names and layout can be given as the model.safetensors file alone",
+            ),
             (
                 "max_position_embeddings",
                 serde_json::json!(2),
@@ -519,6 +523,8 @@ mod tests {
             ("rope_scaling", serde_json::Value::Null),
             ("max_position_embeddings", serde_json::json!(4096)),
             ("rms_norm_eps", serde_json::json!(0.00001)),
+            // Numbers compare as numbers: an integer base is the same base.
+            ("rope_theta", serde_json::json!(10000)),
             (
                 "architectures",
                 serde_json::json!(["LlamaForCausalLM", "X"]),
@@ -529,8 +535,13 @@ mod tests {
         std::fs::write(d.path().join(HF_CONFIG), "{").unwrap();
         let e = read(&m, &params, d.path(), false).unwrap_err().to_string();
         assert!(e.contains("not a Hugging Face config.json"), "{e}");
-        // Weights alone (no config.json) are held to the shapes only.
+        // One that cannot be read is an error, not a config.json to skip.
         std::fs::remove_file(d.path().join(HF_CONFIG)).unwrap();
+        std::fs::create_dir(d.path().join(HF_CONFIG)).unwrap();
+        let e = read(&m, &params, d.path(), false).unwrap_err().to_string();
+        assert!(e.contains("config.json"), "{e}");
+        std::fs::remove_dir(d.path().join(HF_CONFIG)).unwrap();
+        // Weights alone (no config.json) are held to the shapes only.
         read(&m, &params, d.path(), false).unwrap();
     }
 }

@@ -467,7 +467,9 @@ mod tests {
             "hosts:2: slots=1025: at most 1024 workers a node"
         );
         assert!(hf("a slots=99999999999999\n").is_err());
-        let nodes: String = (0..1025).map(|i| format!("h{i} slots=1024\n")).collect();
+        let nodes: String = (0..1024).map(|i| format!("h{i} slots=1024\n")).collect();
+        assert_eq!(topo(&nodes, |_| {}).unwrap().world_size(), MAX_WORLD);
+        let nodes = format!("{nodes}h1024 slots=1024\n");
         assert!(topo(&nodes, |_| {})
             .unwrap_err()
             .to_string()

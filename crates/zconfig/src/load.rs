@@ -947,6 +947,7 @@ mod tests {
         // The edges themselves are f32 values.
         for set in [
             "train.lr=3.4e38",
+            "train.weight_decay=3.4028234663852886e38",
             "train.optimizer.eps=1.5e-45",
             "model.norm_eps=1e-40",
         ] {
