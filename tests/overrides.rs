@@ -114,16 +114,21 @@ impl Cases {
             } else {
                 values[self.below(values.len())]
             };
-            sets.push(format!("{key}={value}"));
+            sets.extend(assignments(key, value, swap));
             keys.push(key);
-            if value == "nvme" {
-                // Where the swap files go (or a key of its own that names it).
-                let path = key.replace(".device", ".nvme_path");
-                sets.push(format!("{path}={}", swap.display()));
-            }
         }
         (sets, keys)
     }
+}
+
+/// `KEY=VALUE`, and where the value offloads to NVMe, where its swap files go.
+fn assignments(key: &str, value: &str, swap: &Path) -> Vec<String> {
+    let mut sets = vec![format!("{key}={value}")];
+    if value == "nvme" {
+        let path = key.replace(".device", ".nvme_path");
+        sets.push(format!("{path}={}", swap.display()));
+    }
+    sets
 }
 
 /// What a refused case must show: exit 2, a message naming one of the keys
@@ -242,11 +247,7 @@ fn every_value_of_every_key_trains_or_is_refused_before_anything_starts() {
     let (mut trained, mut refused) = (0, 0);
     for (key, values) in KEYS {
         for (i, value) in values.iter().enumerate() {
-            let mut sets = vec![format!("{key}={value}")];
-            if *value == "nvme" {
-                let path = key.replace(".device", ".nvme_path");
-                sets.push(format!("{path}={}", swap.display()));
-            }
+            let sets = assignments(key, value, &swap);
             let case = format!("{key}-{i}");
             if trains_or_is_refused(dir.path(), &job, &case, 2, &sets, &[key], &swap) {
                 trained += 1;

@@ -770,27 +770,24 @@ mod tests {
         let m = model();
         let params = m.param_shapes();
         let path = d.path().join("gpt2.safetensors");
-        let mut header = params.clone();
-        header.push(("h.0.attn.bias".into(), vec![1, 1, 4, 4]));
-        let mut w = StreamWriter::create(&path, &header, None).unwrap();
-        for (_, shape) in &header {
-            w.write(&vec![0.25; shape.iter().product::<usize>()])
-                .unwrap();
-        }
-        w.finish().unwrap();
+        // The model's tensors and one more, every value 0.25.
+        let write_with = |extra: (&str, Vec<usize>)| {
+            let mut header = params.clone();
+            header.push((extra.0.into(), extra.1));
+            let mut w = StreamWriter::create(&path, &header, None).unwrap();
+            for (_, shape) in &header {
+                w.write(&vec![0.25; shape.iter().product::<usize>()])
+                    .unwrap();
+            }
+            w.finish().unwrap();
+        };
+        write_with(("h.0.attn.bias", vec![1, 1, 4, 4]));
         let read = read_init_weights(&path, &m, &params, true).unwrap();
         assert_eq!(read.len(), params.len());
         assert!(!read.contains_key("h.0.attn.bias"));
         assert!(read.values().all(|(_, v)| v.iter().all(|&x| x == 0.25)));
         // One tensor more that is no buffer: refused, counted.
-        let mut header = params.clone();
-        header.push(("h.0.extra".into(), vec![2]));
-        let mut w = StreamWriter::create(&path, &header, None).unwrap();
-        for (_, shape) in &header {
-            w.write(&vec![0.25; shape.iter().product::<usize>()])
-                .unwrap();
-        }
-        w.finish().unwrap();
+        write_with(("h.0.extra", vec![2]));
         let e = read_init_weights(&path, &m, &params, false).unwrap_err();
         assert!(
             e.to_string().contains(&format!(
