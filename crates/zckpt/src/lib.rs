@@ -236,16 +236,24 @@ pub fn write_shard<E: From<CkptError>>(
     })
 }
 
-/// The manifest's key that holds its own checksum: the CRC-32C of the
-/// [`Manifest`] written as pretty JSON without it (`write_manifest`'s
-/// `Stamped` names its field after it).
+/// The manifest's key that holds its own checksum: the CRC-32C of the rest
+/// of the manifest as a JSON value, written compactly (`serde_json`'s
+/// form of the value, not the file's text or [`Manifest`]'s fields: a
+/// manifest keeps its checksum through reformatting, and through a later
+/// zrun that knows more fields). `write_manifest`'s `Stamped` names its
+/// field after it.
 const MANIFEST_CRC: &str = "crc32c";
+
+/// The checksum of a manifest's JSON value (without [`MANIFEST_CRC`]).
+fn manifest_crc(value: &serde_json::Value) -> Result<u32, serde_json::Error> {
+    Ok(crc32c::crc32c(&serde_json::to_vec(value)?))
+}
 
 /// Writes the manifest (last, atomically), with its checksum.
 pub fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), CkptError> {
     let path = dir.join(MANIFEST);
     let json = |e: serde_json::Error| invalid(&path, e.to_string());
-    let body = serde_json::to_vec_pretty(m).map_err(json)?;
+    let crc32c = manifest_crc(&serde_json::to_value(m).map_err(json)?).map_err(json)?;
     /// The manifest's fields in their order, then its checksum.
     #[derive(Serialize)]
     struct Stamped<'a> {
@@ -255,7 +263,7 @@ pub fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), CkptError> {
     }
     let stamped = Stamped {
         manifest: m,
-        crc32c: crc32c::crc32c(&body),
+        crc32c,
     };
     write_atomic(&path, &serde_json::to_vec_pretty(&stamped).map_err(json)?)
 }
@@ -269,10 +277,8 @@ fn read_manifest(path: &Path, text: &[u8]) -> Result<Manifest, CkptError> {
         serde_json::Value::Object(fields) => fields.remove(MANIFEST_CRC),
         _ => None,
     };
-    let manifest: Manifest = serde_json::from_value(value).map_err(not_ours)?;
     if let Some(stated) = stated {
-        let body = serde_json::to_vec_pretty(&manifest).map_err(not_ours)?;
-        let crc = crc32c::crc32c(&body);
+        let crc = manifest_crc(&value).map_err(not_ours)?;
         if stated.as_u64() != Some(u64::from(crc)) {
             return Err(invalid(
                 path,
@@ -283,7 +289,7 @@ fn read_manifest(path: &Path, text: &[u8]) -> Result<Manifest, CkptError> {
             ));
         }
     }
-    Ok(manifest)
+    serde_json::from_value(value).map_err(not_ours)
 }
 
 /// Checkpoint directories under `root` that have a manifest, oldest first.
@@ -754,6 +760,19 @@ mod tests {
         value["crc32c"] = crc.into();
         std::fs::write(&path, value.to_string()).unwrap();
         Checkpoint::open(&dir).unwrap();
+        // The checksum covers the value, not `Manifest`'s fields: a field
+        // that a later zrun writes (and this one ignores) is covered too,
+        // and a checkpoint this zrun wrote stays readable by a later one
+        // that knows more fields.
+        let mut later = value.clone();
+        later.as_object_mut().unwrap().remove("crc32c");
+        later["written_by"] = "zrun 2".into();
+        later["crc32c"] = manifest_crc(&later).unwrap().into();
+        std::fs::write(&path, later.to_string()).unwrap();
+        Checkpoint::open(&dir).unwrap();
+        later["written_by"] = "zrun 3".into();
+        std::fs::write(&path, later.to_string()).unwrap();
+        assert!(Checkpoint::open(&dir).is_err());
         // An older zrun's manifest, without a checksum, opens as it is.
         value.as_object_mut().unwrap().remove("crc32c");
         std::fs::write(&path, value.to_string().replace("\"step\":5", "\"step\":4")).unwrap();
