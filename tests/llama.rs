@@ -138,38 +138,35 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
     }
     // A model of another architecture is refused before launch: the
     // directory by its config.json, naming both keys; its weights file
-    // alone by the first tensor of another shape.
-    for (from, what) in [
+    // alone by the first tensor of another shape, or one that belongs to
+    // nothing (the directory by its config.json's untied head).
+    for (from, set, what) in [
         (
             &out,
+            "model.n_kv_heads=4",
             "config.json: num_key_value_heads is 2, the job's model has 4 (model.n_kv_heads)",
         ),
         (
             &weights,
+            "model.n_kv_heads=4",
             "model.layers.0.self_attn.k_proj.weight has shape [16, 32], the model's layers.0.self_attn.qkv_proj.weight needs [32, 32]",
         ),
-    ] {
-        let f = TrainArgs::new(&job, dir.join("bad.jsonl"))
-            .set(format!("model.init_from={}", from.display()))
-            .set("model.n_kv_heads=4")
-            .run(dir);
-        assert_eq!(f.code(), 2, "{f:?}");
-        assert!(f.stderr.contains(what), "{}", f.stderr);
-    }
-    // A file with a tensor that belongs to nothing is refused too (and the
-    // directory for its config.json's untied head).
-    for (from, what) in [
-        (&weights, "lm_head.weight belongs to no parameter"),
+        (
+            &weights,
+            "model.tie_embeddings=true",
+            "lm_head.weight belongs to no parameter",
+        ),
         (
             &out,
+            "model.tie_embeddings=true",
             "tie_word_embeddings is false, the job's model has true (model.tie_embeddings)",
         ),
     ] {
         let f = TrainArgs::new(&job, dir.join("bad.jsonl"))
             .set(format!("model.init_from={}", from.display()))
-            .set("model.tie_embeddings=true")
+            .set(set)
             .run(dir);
-        assert_eq!(f.code(), 2, "{f:?}");
+        assert_eq!(f.code(), 2, "{set}: {f:?}");
         assert!(f.stderr.contains(what), "{}", f.stderr);
     }
 }
