@@ -189,6 +189,37 @@ fn prepared_tokens_are_the_tokenizers_and_train() {
     let f = zrun(d, &["sample", ckpt.to_str().unwrap(), "--prompt", "w3"]);
     assert_eq!(f.code(), 2, "{f:?}");
     assert!(f.stderr.contains("give --tokenizer"), "{}", f.stderr);
+    // A tokenizer smaller than the model launches (vocabularies get padded),
+    // but the ids it has no token for are counted, not silently dropped.
+    std::fs::create_dir(d.join("small")).unwrap();
+    let (small, _) = tokenizer(&d.join("small"), &words(8));
+    let s = zrun(
+        d,
+        &[
+            "sample",
+            ckpt.to_str().unwrap(),
+            "--tokenizer",
+            small.to_str().unwrap(),
+            "--prompt",
+            "w3",
+            "--tokens",
+            "12",
+            "--seed",
+            "5",
+        ],
+    );
+    assert_eq!(s.code(), 0, "{s:?}");
+    let unknown: usize = (s.stderr.split("warning: ").nth(1))
+        .and_then(|w| w.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    let shown = s.stdout.split_whitespace().count() - 1;
+    assert!(unknown > 0, "ids 10..41 drawn from 12: {s:?}");
+    assert!(shown + unknown <= 12, "{s:?}");
+    assert!(
+        s.stderr.contains("(10 tokens; the model has 42)"),
+        "{}",
+        s.stderr
+    );
     // A model smaller than the tokenizer's vocabulary does not launch.
     let f = TrainArgs::new(&j, &m)
         .set("model.vocab_size=40")

@@ -201,7 +201,7 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
     let dir = ckpt.dir.clone();
     let vocab = ckpt.manifest.model.vocab_size;
     let tokenizer = match &args.tokenizer {
-        Some(path) => Some(prepare::load_tokenizer(path, vocab)?),
+        Some(path) => Some((path, prepare::load_tokenizer(path, vocab)?)),
         None if vocab != 256 => {
             return Err(Failure::bad_input(format!(
                 "{}: a model of {vocab} tokens: give --tokenizer, the tokenizer.json its data was prepared with (without one, zrun sample encodes the prompt as bytes, for byte-level models of vocab_size 256)",
@@ -222,7 +222,7 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
         )));
     }
     let prompt_ids = match &tokenizer {
-        Some(t) => prepare::encode(t, &args.prompt)?,
+        Some((_, t)) => prepare::encode(t, &args.prompt)?,
         None => Vec::new(),
     };
     let prompt = match &tokenizer {
@@ -250,14 +250,23 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
         |e: std::io::Error| Failure::launch(format!("cannot start {}: {e}", worker.display()));
     let status = match &tokenizer {
         None => command.status().map_err(launch)?,
-        Some(t) => {
+        Some((path, t)) => {
             let mut child = command
                 .arg("--ids")
                 .stdout(std::process::Stdio::piped())
                 .spawn()
                 .map_err(launch)?;
             let stdout = child.stdout.take().expect("piped");
-            prepare::print_decoded(t, &args.prompt, &prompt_ids, stdout)?;
+            let unknown = prepare::print_decoded(t, &args.prompt, &prompt_ids, stdout)?;
+            if unknown > 0 {
+                // A tokenizer smaller than the model is fine when the model's
+                // vocabulary was padded; drawing ids past it says otherwise.
+                eprintln!(
+                    "zrun: warning: {unknown} drawn ids have no token in --tokenizer {} ({} tokens; the model has {vocab}), so they printed as nothing: is it the tokenizer its training data was prepared with?",
+                    path.display(),
+                    t.get_vocab_size(true)
+                );
+            }
             child.wait().map_err(launch)?
         }
     };

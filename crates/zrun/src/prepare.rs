@@ -284,13 +284,14 @@ pub fn encode(t: &Tokenizer, text: &str) -> Result<Vec<u32>> {
 /// Prints `prompt`, then the text of the ids `zworker sample --ids` writes
 /// (one a line) as it grows. The whole (prompt and drawn ids) is decoded each
 /// time and what it adds is printed, so that spaces between tokens and pieces
-/// of a character that span ids come out right.
+/// of a character that span ids come out right. Returns how many drawn ids
+/// the tokenizer has no token for (they print as nothing).
 pub fn print_decoded(
     t: &Tokenizer,
     prompt: &str,
     prompt_ids: &[u32],
     ids: impl std::io::Read,
-) -> Result<()> {
+) -> Result<usize> {
     let decode = |ids: &[u32]| {
         t.decode(ids, true)
             .map_err(|e| anyhow::anyhow!("decoding: {e}"))
@@ -300,8 +301,11 @@ pub fn print_decoded(
     let _ = out.flush();
     let mut all = prompt_ids.to_vec();
     let mut shown = decode(&all)?.len();
+    let mut unknown = 0;
     for line in std::io::BufReader::new(ids).lines() {
-        all.push(line?.trim().parse().context("an id from zworker sample")?);
+        let id: u32 = line?.trim().parse().context("an id from zworker sample")?;
+        unknown += usize::from(t.id_to_token(id).is_none());
+        all.push(id);
         let text = decode(&all)?;
         if text.len() > shown && text.is_char_boundary(shown) {
             let _ = write!(out, "{}", &text[shown..]);
@@ -310,7 +314,7 @@ pub fn print_decoded(
         }
     }
     let _ = writeln!(out);
-    Ok(())
+    Ok(unknown)
 }
 
 /// Which pieces go to validation: piece i when ⌊(i+1)·f⌋ > ⌊i·f⌋, so exactly
