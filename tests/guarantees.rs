@@ -351,6 +351,44 @@ fn a_stopped_zrun_or_a_suspended_job_is_not_a_dead_worker() {
     }
 }
 
+/// Runs `zrun ARGS` in `dir` with a tmpfs of `size` mounted at `at` in a
+/// private mount namespace; then prints `rc=CODE`, `left:` and the
+/// temporary files left under `at`, and `kept:` and what `keep` (a file
+/// under `at`) holds, before the mount goes. `None` where mounting is
+/// refused (the reason printed, naming `test`).
+fn zrun_on_a_small_tmpfs(
+    test: &str,
+    dir: &Path,
+    at: &Path,
+    size: &str,
+    keep: &Path,
+    args: &TrainArgs,
+) -> Option<(String, String)> {
+    std::fs::create_dir_all(at).unwrap();
+    let script = format!(
+        "mount -t tmpfs -o size={size} none {at} || exit 99; \"$0\" \"$@\"; echo \"rc=$?\"; echo left:; find {at} -name '*.tmp'; echo kept:; cat {keep} 2>/dev/null; exit 0",
+        at = at.display(),
+        keep = keep.display(),
+    );
+    let out = std::process::Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .arg(e2e::bin("zrun"))
+        .args(args.as_strs())
+        .current_dir(dir)
+        .output();
+    let Some(out) = out
+        .ok()
+        .filter(|o| o.status.code() != Some(99) && o.status.success())
+    else {
+        eprintln!("{test}: skipped: cannot mount a small tmpfs in a private mount namespace (needs root and unshare)");
+        return None;
+    };
+    Some((
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
 /// A checkpoint directory on a full filesystem: the job fails naming the file
 /// and the cause, and leaves no temporary file to fill the disk further. (A
 /// 64 KiB tmpfs in a private mount namespace; skipped where that is refused.)
@@ -358,36 +396,65 @@ fn a_stopped_zrun_or_a_suspended_job_is_not_a_dead_worker() {
 fn a_full_disk_fails_the_save_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let ck = dir.path().join("ckfull");
-    std::fs::create_dir_all(&ck).unwrap();
     let job = small_job(dir.path(), "full", 3);
     let mut text = std::fs::read_to_string(&job).unwrap();
     text.push_str(&format!("checkpoint: {{dir: {}}}\n", ck.display()));
     std::fs::write(&job, text).unwrap();
-    let script = format!(
-        "mount -t tmpfs -o size=64k none {ck} || exit 99; \"$0\" \"$@\"; echo \"rc=$?\"; echo left:; find {ck} -name '*.tmp'",
-        ck = ck.display()
-    );
-    let out = std::process::Command::new("unshare")
-        .args(["-m", "sh", "-c", &script])
-        .arg(e2e::bin("zrun"))
-        .args(TrainArgs::new(&job, dir.path().join("m.jsonl")).as_strs())
-        .current_dir(dir.path())
-        .output();
-    let Some(out) = out
-        .ok()
-        .filter(|o| o.status.code() != Some(99) && o.status.success())
-    else {
-        eprintln!("a_full_disk_fails_the_save_cleanly: skipped: cannot mount a small tmpfs in a private mount namespace (needs root and unshare)");
+    let args = TrainArgs::new(&job, dir.path().join("m.jsonl"));
+    let Some((stdout, stderr)) = zrun_on_a_small_tmpfs(
+        "a_full_disk_fails_the_save_cleanly",
+        dir.path(),
+        &ck,
+        "64k",
+        &ck.join("none"),
+        &args,
+    ) else {
         return;
     };
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
     assert!(stdout.contains("rc=1"), "{stdout}\n{stderr}");
     assert!(stderr.contains(".tmp: No space left on device"), "{stderr}");
     let left = stdout.split("left:").nth(1).unwrap_or_default();
+    let left = left.split("kept:").next().unwrap_or_default();
     assert!(left.trim().is_empty(), "temporary files left: {left}");
+}
+
+/// Metrics on a filesystem that fills: the job fails naming the file and the
+/// cause, and the file keeps every line written before, each whole (a line
+/// cut short by the full disk is cut back off: the file read as JSONL
+/// before the sixty-ninth session, it ended in half a line).
+#[test]
+fn a_full_disk_under_the_metrics_keeps_whole_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let at = dir.path().join("mfull");
+    let m = at.join("m.jsonl");
+    let job = small_job(dir.path(), "full", 400);
+    let Some((stdout, stderr)) = zrun_on_a_small_tmpfs(
+        "a_full_disk_under_the_metrics_keeps_whole_lines",
+        dir.path(),
+        &at,
+        "16k",
+        &m,
+        &TrainArgs::new(&job, &m),
+    ) else {
+        return;
+    };
+    assert!(stdout.contains("rc=1"), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("m.jsonl (the lines before this one are kept): No space left on device"),
+        "{stderr}"
+    );
+    let kept = stdout.split("kept:\n").nth(1).unwrap_or_default();
+    assert!(kept.ends_with('\n'), "{kept}");
+    let steps: Vec<u64> = kept
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value =
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+            v["step"].as_u64().unwrap()
+        })
+        .collect();
+    assert!(steps.len() > 5, "{kept}");
+    assert_eq!(steps, (1..=steps.len() as u64).collect::<Vec<_>>());
 }
 
 /// A preemption notice (SIGUSR1, what Slurm's `--signal=B:USR1@90` sends),

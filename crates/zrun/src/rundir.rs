@@ -202,9 +202,12 @@ impl MetricsWriter {
         let mut s = serde_json::to_string(line)?;
         s.push('\n');
         let f = self.file.as_mut().context("metrics file")?;
-        f.write_all(s.as_bytes())
-            .and_then(|()| f.flush())
-            .with_context(|| format!("writing {}", self.path.display()))
+        append_whole(f, s.as_bytes()).with_context(|| {
+            format!(
+                "writing {} (the lines before this one are kept)",
+                self.path.display()
+            )
+        })
     }
 
     fn open(&self) -> std::io::Result<File> {
@@ -219,7 +222,7 @@ impl MetricsWriter {
                     .open(&self.path)?;
                 let mut s = serde_json::to_string(marker).map_err(std::io::Error::other)?;
                 s.push('\n');
-                f.write_all(s.as_bytes())?;
+                append_whole(&mut f, s.as_bytes())?;
                 Ok(f)
             }
             Start::Fresh { overwrite: false } if has_history => {
@@ -229,6 +232,18 @@ impl MetricsWriter {
             Start::Fresh { .. } => File::create(&self.path),
         }
     }
+}
+
+/// Appends `line` to a file whole or not at all: a write cut short (a full
+/// disk) is cut back off a regular file, so that every line of metrics.jsonl
+/// stays one JSON value for whoever reads it.
+fn append_whole(f: &mut File, line: &[u8]) -> std::io::Result<()> {
+    let before = f.metadata().ok().filter(|m| m.is_file()).map(|m| m.len());
+    let written = f.write_all(line).and_then(|()| f.flush());
+    if let (Err(_), Some(len)) = (&written, before) {
+        let _ = f.set_len(len);
+    }
+    written
 }
 
 /// The lowest free `STEM.N.EXT` beside `path` (`metrics.jsonl` → `metrics.1.jsonl`).
