@@ -323,3 +323,64 @@ fn an_id_outside_the_vocabulary_is_refused_at_its_offset() {
         f.stderr
     );
 }
+
+/// A prepare that fails part-way leaves nothing behind in `--out`: not the
+/// token files it had begun (hidden `.NAME.partial` files holding the space
+/// they took, before the sixty-ninth session), not a manifest. Failing on a
+/// bad record after 2 MB of tokens were written (exit 2, naming the line),
+/// and on a 64 KiB filesystem that fills (exit 1, naming the file; a tmpfs
+/// in a private mount namespace, skipped where that is refused).
+#[test]
+fn a_failed_prepare_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (tok, _) = tokenizer(d, &words(40));
+    let text: String = (0..60_000).map(|i| sentence(i, 12, 40) + "\n").collect();
+    std::fs::write(d.join("a.txt"), &text).unwrap();
+    std::fs::write(d.join("b.jsonl"), "{\"text\": \"w1 w2\"}\n{\"text\": 7}\n").unwrap();
+    let out = d.join("data");
+    let f = prepare(d, &["a.txt", "b.jsonl"], &tok, &out, &[]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("b.jsonl:2: no string field `text`"),
+        "{}",
+        f.stderr
+    );
+    let left: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left in --out: {left:?}");
+
+    let small = d.join("small");
+    std::fs::create_dir(&small).unwrap();
+    let script = format!(
+        "mount -t tmpfs -o size=64k none {s} || exit 99; \"$0\" \"$@\"; echo \"rc=$?\"; echo left:; ls -A {s}/data; exit 0",
+        s = small.display()
+    );
+    let run = std::process::Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .arg(e2e::bin("zrun"))
+        .arg("prepare")
+        .arg(d.join("a.txt"))
+        .arg("--tokenizer")
+        .arg(&tok)
+        .arg("--out")
+        .arg(small.join("data"))
+        .output();
+    let Some(run) = run.ok().filter(|o| o.status.success()) else {
+        eprintln!("a_failed_prepare_leaves_nothing_behind: skipped the full disk: cannot mount a small tmpfs in a private mount namespace (needs root and unshare)");
+        return;
+    };
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr),
+    );
+    assert!(stdout.contains("rc=1"), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains(".train.bin.partial: No space left on device"),
+        "{stderr}"
+    );
+    let left = stdout.split("left:").nth(1).unwrap_or_default();
+    assert!(left.trim().is_empty(), "left in --out: {left}");
+}

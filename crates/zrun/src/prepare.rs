@@ -41,10 +41,22 @@ struct Piece {
     ends_document: bool,
 }
 
+/// A file being written under a temporary name, removed unless it was
+/// renamed into place: a run that fails (a full disk, a bad input file)
+/// leaves no hidden `.NAME.partial` holding the space it took.
+struct Partial(PathBuf);
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        // Once renamed into place there is nothing at this name.
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// A token file being written.
 struct Output {
     name: &'static str,
-    partial: PathBuf,
+    partial: Partial,
     writer: BufWriter<std::fs::File>,
     width: usize,
     entry: ManifestFile,
@@ -52,9 +64,9 @@ struct Output {
 
 impl Output {
     fn create(dir: &Path, name: &'static str, width: usize) -> Result<Output> {
-        let partial = dir.join(format!(".{name}.partial"));
-        let file = std::fs::File::create(&partial)
-            .with_context(|| format!("cannot write {}", partial.display()))?;
+        let partial = Partial(dir.join(format!(".{name}.partial")));
+        let file = std::fs::File::create(&partial.0)
+            .with_context(|| format!("cannot write {}", partial.0.display()))?;
         Ok(Output {
             name,
             partial,
@@ -80,22 +92,23 @@ impl Output {
         }
         self.writer
             .write_all(&bytes)
-            .with_context(|| format!("writing {}", self.partial.display()))?;
+            .with_context(|| format!("writing {}", self.partial.0.display()))?;
         self.entry.tokens += ids.len() as u64;
         self.entry.bytes += bytes.len() as u64;
         self.entry.documents += u64::from(ends_document);
         Ok(())
     }
 
-    /// Flushes and renames into place; returns the name and what it holds.
-    fn finish(self, dir: &Path) -> Result<(String, ManifestFile)> {
+    /// Flushes to disk; returns the name, what it holds and the written
+    /// file, still under its temporary name.
+    fn finish(self) -> Result<(&'static str, ManifestFile, Partial)> {
         let file = self
             .writer
             .into_inner()
-            .map_err(|e| anyhow::anyhow!("writing {}: {}", self.partial.display(), e.error()))?;
-        file.sync_all()?;
-        std::fs::rename(&self.partial, dir.join(self.name))?;
-        Ok((self.name.to_string(), self.entry))
+            .map_err(|e| anyhow::anyhow!("writing {}: {}", self.partial.0.display(), e.error()))?;
+        file.sync_all()
+            .with_context(|| format!("writing {}", self.partial.0.display()))?;
+        Ok((self.name, self.entry, self.partial))
     }
 }
 
@@ -197,9 +210,11 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     encode(&mut batch)?;
     bar.finish_and_clear();
     let mut files = BTreeMap::new();
+    let mut written = Vec::new();
     for out in [train, val] {
-        let (name, entry) = out.finish(&args.out)?;
-        files.insert(name, entry);
+        let (name, entry, partial) = out.finish()?;
+        files.insert(name.to_string(), entry);
+        written.push((partial, args.out.join(name)));
     }
     let manifest = DataManifest {
         tokenizer: args.tokenizer.display().to_string(),
@@ -209,9 +224,16 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         eos_id: eos,
         files,
     };
-    let partial = args.out.join(format!(".{MANIFEST_NAME}.partial"));
-    std::fs::write(&partial, serde_json::to_string_pretty(&manifest)? + "\n")?;
-    std::fs::rename(&partial, args.out.join(MANIFEST_NAME))?;
+    let partial = Partial(args.out.join(format!(".{MANIFEST_NAME}.partial")));
+    std::fs::write(&partial.0, serde_json::to_string_pretty(&manifest)? + "\n")
+        .with_context(|| format!("writing {}", partial.0.display()))?;
+    // Everything is on disk: into place, the manifest (which vouches for
+    // the token files) last.
+    written.push((partial, args.out.join(MANIFEST_NAME)));
+    for (partial, to) in &written {
+        std::fs::rename(&partial.0, to)
+            .with_context(|| format!("renaming {} to {}", partial.0.display(), to.display()))?;
+    }
     let (t, v) = (&manifest.files["train.bin"], &manifest.files["val.bin"]);
     let fmt = if format == DataFormat::TokensU16 {
         "tokens_u16"
