@@ -49,6 +49,16 @@ fn a_trained_model_continues_its_pattern_and_a_seed_repeats_its_text() {
     );
     assert_eq!(f.code(), 0, "{f:?}");
     assert_eq!(f.stdout, "345678901234567890123456789012\n");
+    // Past seq_len (32) the context slides: each token then runs the last
+    // 32 afresh (the kept keys and values sit at old positions).
+    let f = sample(
+        d.path(),
+        &ckpt,
+        &["--prompt", "34567", "--tokens", "60", "--temperature", "0"],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let cycle: String = "0123456789".repeat(8);
+    assert_eq!(f.stdout, format!("{}\n", &cycle[3..3 + 65]));
     let drawn = |seed: &str| {
         let f = sample(
             d.path(),

@@ -70,6 +70,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 mod bf16;
+mod gemv;
 mod kernels;
 
 use bf16::RowSource;
@@ -1141,6 +1142,26 @@ pub(crate) fn drive(
         }
         return Ok(());
     };
+    if let (1, 1.0, None, None, Packs::Values(b)) = (c.rows, alpha, &sums, &rounded, &b) {
+        if b.cs == 1 || b.rs == 1 || b.cols == 1 {
+            let ends = gemv::Ends {
+                add: add_first,
+                bias,
+                residual,
+            };
+            match kernel {
+                Kernel::Avx512 | Kernel::Avx2 => {
+                    gemv::row_times(true, &c, &a, b, &ends, threads, finish);
+                    return Ok(());
+                }
+                Kernel::Portable => {
+                    gemv::row_times(false, &c, &a, b, &ends, threads, finish);
+                    return Ok(());
+                }
+                _ => {}
+            }
+        }
+    }
     let (m, n, k) = (c.rows, c.cols, a.cols);
     assert!(
         rounded.is_none() || k <= KC,

@@ -1758,3 +1758,85 @@ fn a_finishing_product_hands_every_final_element_over_once() {
         }
     }
 }
+
+/// One row of `A` times a row-major `B` (generation's products) streams `B`
+/// without packing it (`gemv`); its bits must be the blocked path's. The
+/// reference is row 0 of the same product with a second row of `A`, which
+/// the blocked path computes: every f32 kernel, start, α = 1 (the one-row
+/// path) and 0.75 (blocked either way), `A` row-major and a row of a
+/// transposed `A`, `B` row-major and transposed, depths past `KC`, widths
+/// that leave part of a vector and split unevenly over 1-3 threads; a
+/// finishing product hands each element of the row over once, after it
+/// holds the blocked path's bits. `C`'s other columns stay untouched.
+#[test]
+fn one_row_products_give_the_blocked_paths_bits() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let kernels: Vec<Kernel> = covered().into_iter().filter(|k| !k.is_bf16()).collect();
+    let shapes = [
+        (1, 1),
+        (7, 3),
+        (33, 300),
+        (100, KC + 37),
+        (1000, 40),
+        (2100, 9),
+    ];
+    for (n, k) in shapes {
+        for (a_t, b_t) in [(false, false), (true, false), (false, true)] {
+            let (a_data, b_data, bias) = (random(1, 2 * k), random(2, k * n), random(3, n));
+            let res = random(5, 2 * (n + 5));
+            let r = MatRef::new(&res, 2, n, n + 5, 1).unwrap();
+            let (a, b) = (operand(&a_data, 2, k, a_t), operand(&b_data, k, n, b_t));
+            let rs = n + 3;
+            for &kernel in &kernels {
+                for start in STARTS {
+                    for alpha in [1.0, 0.75] {
+                        for threads in [1, 2, 3] {
+                            let what = format!(
+                                "{kernel:?} 1x{n}x{k} (A transposed {a_t}, B transposed {b_t}) {start} α {alpha} on {threads} threads"
+                            );
+                            let (mut two, mut one) = (random(4, 2 * rs), random(4, rs));
+                            in_pool(threads, || {
+                                let c = MatMut::new(&mut two, 2, n, rs).unwrap();
+                                let s = start_of(start, &bias, r);
+                                gemm_with(kernel, c, a, b, alpha, s, threads).unwrap();
+                                let c = MatMut::new(&mut one, 1, n, rs).unwrap();
+                                let s = start_of(start, &bias, r.sub_rows(0, 1));
+                                gemm_with(kernel, c, a.sub_rows(0, 1), b, alpha, s, threads)
+                                    .unwrap();
+                            });
+                            let bits =
+                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(bits(&one[..n]), bits(&two[..n]), "{what}");
+                            assert_eq!(bits(&one[n..]), bits(&random(4, rs)[n..]), "{what}");
+                            if alpha != 1.0 {
+                                continue;
+                            }
+                            let seen: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+                            let finish = |t: FinishedTile| {
+                                assert_eq!((t.row0, t.rows), (0, 1));
+                                for j in 0..t.cols {
+                                    seen[t.col0 + j].fetch_add(1, Ordering::Relaxed);
+                                    // SAFETY: inside the tile handed over.
+                                    unsafe { *t.ptr.add(j) = *t.ptr.add(j) * 2.0 + 1.0 };
+                                }
+                            };
+                            let mut finished = random(4, rs);
+                            in_pool(threads, || {
+                                let c = MatMut::new(&mut finished, 1, n, rs).unwrap();
+                                let s = start_of(start, &bias, r.sub_rows(0, 1));
+                                let a = a.sub_rows(0, 1);
+                                gemm_finishing_with(kernel, c, a, b, s, threads, &finish).unwrap();
+                            });
+                            assert!(
+                                seen.iter().all(|s| s.load(Ordering::Relaxed) == 1),
+                                "{what}"
+                            );
+                            let want: Vec<f32> = two[..n].iter().map(|v| v * 2.0 + 1.0).collect();
+                            assert_eq!(bits(&finished[..n]), bits(&want), "{what}: finished");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -119,6 +119,52 @@ fn forward_in_blocks(qkv: &Tensor, blocks: Blocks) -> Result<Tensor> {
     qkv.contiguous()?.apply_op1(CausalAttention(blocks))
 }
 
+/// Causal attention of the last `new` of the `t` rows in `rows` (`[t,
+/// (heads + 2·kv)·hd]`, q, k and v of positions `0..t`, rotated where the
+/// model rotates): `[new, heads·hd]`, each row over the keys up to its own
+/// position. Generation's attention (`zrun sample`): a new token's row over
+/// the keys of every token before it, `O(t·d)` where [`causal_attention`]
+/// would redo all `t` rows, `O(t²·d)`. Plain f32 loops: the sums run in
+/// another order than the blocked products', so the values agree within
+/// rounding, not to the bit.
+pub fn attention_of_last_rows(rows: &[f32], t: usize, new: usize, heads: Heads) -> Vec<f32> {
+    let w = rows.len() / t.max(1);
+    let hd = w / (heads.heads + 2 * heads.kv);
+    let group = heads.heads / heads.kv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0f32; new * heads.heads * hd];
+    let mut weights = Vec::with_capacity(t);
+    for (i, out_row) in out.chunks_exact_mut(heads.heads * hd).enumerate() {
+        let pos = t - new + i;
+        let q_row = &rows[pos * w..][..w];
+        for (h, out) in out_row.chunks_exact_mut(hd).enumerate() {
+            let q = &q_row[h * hd..][..hd];
+            let (k_at, v_at) = (
+                (heads.heads + h / group) * hd,
+                (heads.heads + heads.kv + h / group) * hd,
+            );
+            weights.clear();
+            weights.extend(rows.chunks_exact(w).take(pos + 1).map(|r| {
+                let k = &r[k_at..][..hd];
+                q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale
+            }));
+            let max = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for e in &mut weights {
+                *e = (*e - max).exp();
+                sum += *e;
+            }
+            for (r, &e) in rows.chunks_exact(w).zip(&weights) {
+                let p = e / sum;
+                for (o, v) in out.iter_mut().zip(&r[v_at..][..hd]) {
+                    *o += p * v;
+                }
+            }
+        }
+    }
+    out
+}
+
 /// [`causal_attention`] under bf16 products with its output rounded to
 /// bf16: a `BF16` tensor `[b·t, heads·hd]` laid out for the products to read
 /// in place, for a block whose only reader of it is the output projection

@@ -44,7 +44,7 @@ pub mod params;
 mod simd;
 
 pub use data::{Batch, Batcher, Corpus, DataError};
-pub use gpt::{BlockActs, Gpt, GroupSpec, Init, ParamSpec};
+pub use gpt::{BlockActs, Gpt, GroupSpec, Init, KvCache, ParamSpec};
 pub use head::HeadBackward;
 pub use linear::{BlockLinear, BlockNorm, BlockSource, Products};
 pub use params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};

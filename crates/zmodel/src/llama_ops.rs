@@ -366,18 +366,42 @@ pub fn rope(
         kv_heads,
         theta,
         inverse,
+        start: 0,
     })
 }
 
+/// [`rope`]'s forward for rows at positions `start..start + t`: the tokens
+/// generation adds after `start` it has already seen (the same angles, so
+/// the same bits, as those rows in a whole sequence).
+pub fn rope_from(
+    qkv: &Tensor,
+    heads: usize,
+    kv_heads: usize,
+    theta: f64,
+    start: usize,
+) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op1(Rope {
+        heads,
+        kv_heads,
+        theta,
+        inverse: false,
+        start,
+    })
+}
+
+#[derive(Clone, Copy)]
 struct Rope {
     heads: usize,
     kv_heads: usize,
     theta: f64,
     inverse: bool,
+    /// The first row's position.
+    start: usize,
 }
 
 impl Rope {
-    /// `[t, hd/2]` cosines and sines, computed in f64.
+    /// `[t, hd/2]` cosines and sines of positions `start..start + t`,
+    /// computed in f64.
     fn table(&self, t: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
         let half = hd / 2;
         let sign = if self.inverse { -1.0 } else { 1.0 };
@@ -386,7 +410,7 @@ impl Rope {
         let inv_freq: Vec<f64> = (0..half)
             .map(|i| self.theta.powf(-((2 * i) as f64) / hd as f64))
             .collect();
-        for p in 0..t {
+        for p in self.start..self.start + t {
             for &inv_freq in &inv_freq {
                 let angle = p as f64 * inv_freq;
                 cos.push(angle.cos() as f32);
@@ -448,13 +472,10 @@ impl CustomOp1 for Rope {
     }
 
     fn bwd(&self, _x: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(rope(
-            dy,
-            self.heads,
-            self.kv_heads,
-            self.theta,
-            !self.inverse,
-        )?))
+        Ok(Some(dy.contiguous()?.apply_op1(Rope {
+            inverse: !self.inverse,
+            ..*self
+        })?))
     }
 }
 
