@@ -97,6 +97,12 @@ fn bad_sampling_arguments_are_exit_2() {
     for (args, says) in [
         (vec!["--prompt", "a", "--temperature=-1"], "--temperature"),
         (vec!["--prompt", ""], "--prompt"),
+        (
+            vec!["--prompt", "a", "--top-p", "0"],
+            "--top-p must be in (0, 1]",
+        ),
+        (vec!["--prompt", "a", "--top-p", "1.5"], "--top-p"),
+        (vec!["--prompt", "a", "--top-p", "NaN"], "--top-p"),
     ] {
         let f = sample(d.path(), &ckpt, &args);
         assert_eq!(f.code(), 2, "{args:?}: {f:?}");

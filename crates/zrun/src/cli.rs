@@ -84,6 +84,10 @@ pub struct SampleArgs {
     /// Draw among the K most likely tokens (0: all).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
+    /// Nucleus sampling: draw among the fewest most likely tokens whose
+    /// probabilities add up to at least P (0 < P ≤ 1; 1: all).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
     /// Seed of the draws (the same seed repeats the text).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

@@ -221,6 +221,12 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
             args.temperature
         )));
     }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        return Err(Failure::bad_input(format!(
+            "--top-p must be in (0, 1] (1: every token), got {}",
+            args.top_p
+        )));
+    }
     let prompt_ids = match &tokenizer {
         Some((_, t)) => prepare::encode(t, &args.prompt)?,
         None => Vec::new(),
@@ -244,6 +250,7 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
         args.tokens.to_string(),
         args.temperature.to_string(),
         args.top_k.to_string(),
+        args.top_p.to_string(),
         args.seed.to_string(),
     ]);
     let launch =

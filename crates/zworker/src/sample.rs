@@ -1,13 +1,15 @@
 //! `zrun sample`: text from a checkpoint, generated on the CPU.
 //!
 //! zrun checks the arguments and the checkpoint (exit 2 on bad input) and
-//! runs `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K SEED`, so that the
+//! runs `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P SEED`, so that the
 //! launcher stays free of the model. The worker reads the parameters whole
 //! (a tiled checkpoint's tiles put back together), takes the prompt as bytes
 //! (a byte-level model) or as token ids (zrun holds the tokenizer), and for each new
 //! token draws from the last position's logits: greedy at temperature 0,
-//! else softmax(logits / T) over the `top_k` largest (all when 0), with a
-//! seeded generator so that a seed repeats its text. Each token is written
+//! else softmax(logits / T) over the `top_k` largest (all when 0), and of
+//! those the fewest most likely whose probabilities reach `top_p` (nucleus
+//! sampling, Hugging Face's `top_p`; 1: all), with a seeded generator so
+//! that a seed repeats its text. Each token is written
 //! to stdout as it is drawn.
 //!
 //! The context is the last `seq_len` tokens. Each block keeps the keys and
@@ -37,12 +39,16 @@ pub struct Sampling {
     pub temperature: f64,
     /// Draw among this many most likely tokens (0: all).
     pub top_k: usize,
+    /// Then among the fewest most likely whose probabilities (at the
+    /// temperature, over the top k) add up to at least this; 1: all.
+    pub top_p: f64,
 }
 
 /// The next token from `logits` under `s`, drawing from `rng`. The draw
-/// walks the candidates in order, most likely first among the top k, by
-/// token id among all (no sort of the whole vocabulary a token: it was a
-/// twentieth of a GPT-2-sized model's token).
+/// walks the candidates in order: most likely first among the top k or
+/// under a `top_p` below 1, else by token id (no sort of the whole
+/// vocabulary a token where none is needed: it was a twentieth of a
+/// GPT-2-sized model's token).
 pub fn pick(logits: &[f32], s: Sampling, rng: &mut impl Rng) -> u32 {
     // Largest first; ties keep the lower token first.
     let larger = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
@@ -54,15 +60,31 @@ pub fn pick(logits: &[f32], s: Sampling, rng: &mut impl Rng) -> u32 {
         order.select_nth_unstable_by(s.top_k - 1, larger);
         order.truncate(s.top_k);
         order.sort_unstable_by(larger);
+    } else if s.top_p < 1.0 {
+        order.sort_unstable_by(larger);
     }
     let top = order
         .iter()
         .map(|&i| f64::from(logits[i]))
         .fold(f64::NEG_INFINITY, f64::max);
-    let weights: Vec<f64> = order
+    let mut weights: Vec<f64> = order
         .iter()
         .map(|&i| ((f64::from(logits[i]) - top) / s.temperature).exp())
         .collect();
+    if s.top_p < 1.0 {
+        // The nucleus: the sorted prefix whose share reaches top_p.
+        let total: f64 = weights.iter().sum();
+        let mut share = 0.0;
+        let keep = weights
+            .iter()
+            .position(|w| {
+                share += w / total;
+                share >= s.top_p
+            })
+            .map_or(weights.len(), |i| i + 1);
+        weights.truncate(keep);
+        order.truncate(keep);
+    }
     let mut u = rng.random::<f64>() * weights.iter().sum::<f64>();
     for (&i, w) in order.iter().zip(&weights) {
         if u < *w {
@@ -141,7 +163,7 @@ impl Loaded {
     }
 }
 
-/// `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K SEED [--ids]`
+/// `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P SEED [--ids]`
 /// (arguments checked by zrun). Without `--ids`: writes the prompt and
 /// `TOKENS` drawn bytes to stdout. With `--ids` (zrun encodes and decodes
 /// with a tokenizer): PROMPT is comma-separated token ids, and each drawn id
@@ -151,15 +173,16 @@ pub fn run(args: &[String]) -> Result<()> {
         [rest @ .., last] if last == "--ids" => (rest, true),
         _ => (args, false),
     };
-    let [dir, prompt, tokens, temperature, top_k, seed] = args else {
+    let [dir, prompt, tokens, temperature, top_k, top_p, seed] = args else {
         bail!(
-            "usage: zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K SEED [--ids] (zrun sample runs it)"
+            "usage: zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P SEED [--ids] (zrun sample runs it)"
         );
     };
     let n: usize = tokens.parse().context("TOKENS")?;
     let sampling = Sampling {
         temperature: temperature.parse().context("TEMPERATURE")?,
         top_k: top_k.parse().context("TOP_K")?,
+        top_p: top_p.parse().context("TOP_P")?,
     };
     let mut rng = ChaCha8Rng::seed_from_u64(seed.parse().context("SEED")?);
     let loaded = load(Path::new(dir))?;
@@ -233,12 +256,14 @@ mod tests {
         let greedy = Sampling {
             temperature: 0.0,
             top_k: 0,
+            top_p: 1.0,
         };
         // Ties go to the lower token.
         assert_eq!(pick(&logits, greedy, &mut rng), 1);
         let top2 = Sampling {
             temperature: 1.0,
             top_k: 2,
+            top_p: 1.0,
         };
         let mut counts = [0usize; 5];
         for _ in 0..2000 {
@@ -257,6 +282,37 @@ mod tests {
         assert!(seen[1] > 0 && seen[2] > 0, "{seen:?}");
     }
 
+    /// Nucleus sampling against its definition: over softmax(0, 1, 2)
+    /// (0.090, 0.245, 0.665), top-p 0.5 keeps token 2 alone, 0.8 keeps 2
+    /// and 1 (0.665 < 0.8 ≤ 0.910), drawn in proportion (token 1: 0.269),
+    /// and 0.95 all three; with a top k too, its share is of the top k's.
+    #[test]
+    fn top_p_keeps_the_fewest_likeliest_tokens_that_reach_it() {
+        let logits = [0.0f32, 1.0, 2.0];
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut draw = |top_k: usize, top_p: f64| {
+            let s = Sampling {
+                temperature: 1.0,
+                top_k,
+                top_p,
+            };
+            let mut counts = [0usize; 3];
+            for _ in 0..20_000 {
+                counts[pick(&logits, s, &mut rng) as usize] += 1;
+            }
+            counts
+        };
+        assert_eq!(draw(0, 0.5), [0, 0, 20_000]);
+        let c = draw(0, 0.8);
+        assert_eq!(c[0], 0, "{c:?}");
+        let p1 = 1.0f64.exp() / (1.0f64.exp() + 2.0f64.exp());
+        let sd = (20_000.0 * p1 * (1.0 - p1)).sqrt();
+        assert!((c[1] as f64 - 20_000.0 * p1).abs() < 4.0 * sd, "{c:?}");
+        assert!(draw(0, 0.95).iter().all(|&n| n > 0));
+        // Of the top two (0.269, 0.731), 0.7 keeps token 2 alone.
+        assert_eq!(draw(2, 0.7), [0, 0, 20_000]);
+    }
+
     #[test]
     fn draws_follow_the_softmax_at_the_temperature() {
         let logits = [0.0f32, 1.0, 2.0];
@@ -265,6 +321,7 @@ mod tests {
             let s = Sampling {
                 temperature: t,
                 top_k: 0,
+                top_p: 1.0,
             };
             let n = 20_000;
             let mut counts = [0f64; 3];
