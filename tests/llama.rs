@@ -136,6 +136,66 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
             from.display()
         );
     }
+    // `zrun sample` on the directory draws what it draws from the
+    // checkpoint, to the byte; a config.json it cannot run is exit 2.
+    let ckpt = dir.join("ckpt/step-00000004");
+    let args = [
+        "--prompt",
+        "the quick",
+        "--tokens",
+        "30",
+        "--temperature",
+        "0",
+    ];
+    let sample = |from: &Path| {
+        zrun(
+            dir,
+            &[&["sample", from.to_str().unwrap()][..], &args].concat(),
+        )
+    };
+    let (want, got) = (sample(&ckpt), sample(&out));
+    assert_eq!(want.code(), 0, "{want:?}");
+    assert_eq!((got.code(), got.stdout), (0, want.stdout), "{}", got.stderr);
+    let config = std::fs::read_to_string(out.join("config.json")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&config).unwrap();
+    let null = serde_json::Value::Null;
+    for (edits, says) in [
+        (
+            vec![("hidden_act", serde_json::json!("gelu"))],
+            "hidden_act is \"gelu\": zrun's model has \"silu\"",
+        ),
+        (
+            vec![(
+                "rope_scaling",
+                serde_json::json!({"type": "linear", "factor": 2.0}),
+            )],
+            "rope_scaling is",
+        ),
+        (
+            vec![("head_dim", serde_json::json!(16))],
+            "head_dim is 16: zrun's model has 8",
+        ),
+        (
+            vec![
+                ("num_attention_heads", serde_json::json!(32)),
+                ("head_dim", null.clone()),
+            ],
+            "the head width 1 is odd",
+        ),
+    ] {
+        let mut edited = config.clone();
+        let key = edits[0].0;
+        for (k, v) in edits {
+            edited[k] = v;
+        }
+        let bad = dir.join("hf-bad");
+        std::fs::create_dir_all(&bad).unwrap();
+        std::fs::copy(out.join("model.safetensors"), bad.join("model.safetensors")).unwrap();
+        std::fs::write(bad.join("config.json"), edited.to_string()).unwrap();
+        let f = sample(&bad);
+        assert_eq!(f.code(), 2, "{key}: {f:?}");
+        assert!(f.stderr.contains(says), "{key}: {}", f.stderr);
+    }
     // A model of another architecture is refused before launch: the
     // directory by its config.json, naming both keys; its weights file
     // alone by the first tensor of another shape, or one that belongs to

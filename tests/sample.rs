@@ -109,3 +109,83 @@ fn bad_sampling_arguments_are_exit_2() {
         assert!(f.stderr.contains(says), "{}", f.stderr);
     }
 }
+
+/// A Hugging Face directory samples as the checkpoint it was exported from:
+/// `zrun export --format hf`, then `zrun sample` on the directory draws the
+/// checkpoint's text, greedy and seeded, to the byte (the weights map back
+/// to the same values). A config.json zrun cannot run is exit 2 naming its
+/// key: another model type, another activation, a head width rotary
+/// embeddings cannot turn.
+#[test]
+fn a_hugging_face_directory_samples_as_its_checkpoint() {
+    let d = tempfile::tempdir().unwrap();
+    let ckpt = trained(d.path());
+    let hf = d.path().join("hf");
+    let f = zrun(
+        d.path(),
+        &[
+            "export",
+            ckpt.to_str().unwrap(),
+            "--out",
+            hf.to_str().unwrap(),
+            "--format",
+            "hf",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    for args in [
+        &["--prompt", "34567", "--tokens", "40", "--temperature", "0"][..],
+        &[
+            "--prompt",
+            "0",
+            "--tokens",
+            "40",
+            "--top-k",
+            "3",
+            "--temperature",
+            "1.5",
+            "--seed",
+            "9",
+        ],
+    ] {
+        let (want, got) = (sample(d.path(), &ckpt, args), sample(d.path(), &hf, args));
+        assert_eq!(want.code(), 0, "{want:?}");
+        assert_eq!(got.code(), 0, "{got:?}");
+        assert_eq!(got.stdout, want.stdout, "{args:?}");
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    for (key, value, says) in [
+        (
+            "model_type",
+            serde_json::json!("bert"),
+            "model_type is \"bert\": zrun runs gpt2 and llama",
+        ),
+        (
+            "activation_function",
+            serde_json::json!("relu"),
+            "activation_function is \"relu\"",
+        ),
+        (
+            "n_head",
+            serde_json::json!(3),
+            "3 heads (3 key/value) do not divide the width 64",
+        ),
+        (
+            "n_embd",
+            serde_json::json!(-1),
+            "n_embd is -1, not a positive whole number",
+        ),
+    ] {
+        let mut edited = config.clone();
+        edited[key] = value;
+        std::fs::write(hf.join("config.json"), edited.to_string()).unwrap();
+        let f = sample(d.path(), &hf, &["--prompt", "1"]);
+        assert_eq!(f.code(), 2, "{key}: {f:?}");
+        assert!(
+            f.stderr.contains("config.json") && f.stderr.contains(says),
+            "{key}: {}",
+            f.stderr
+        );
+    }
+}

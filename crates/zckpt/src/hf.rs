@@ -182,6 +182,126 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
     }
 }
 
+/// The model a Hugging Face directory's `config.json` describes: GPT-2
+/// (`model_type: gpt2`, tanh GELU) or LLaMA (`llama`: SiLU, no biases, no
+/// rotary scaling), the families whose names and layouts [`read`] maps.
+/// What `zrun sample` runs such a directory with (a published GPT-2, or
+/// `zrun export --format hf`'s output). Anything else is refused naming the
+/// file and the key.
+pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
+    use serde_json::{json, Value};
+    let path = dir.join(HF_CONFIG);
+    let text = std::fs::read(&path).map_err(io(&path))?;
+    let c: Value = serde_json::from_slice(&text)
+        .map_err(|e| invalid(&path, format!("not a Hugging Face config.json: {e}")))?;
+    let bad = |message: String| invalid(&path, message);
+    // A key that may be absent or null (Hugging Face's default), else must
+    // be one of `allowed`.
+    let only = |key: &str, allowed: &[Value]| match c.get(key) {
+        Some(v) if !v.is_null() && !allowed.contains(v) => Err(bad(format!(
+            "{key} is {v}: zrun's model has {}",
+            allowed.first().map_or("none".into(), Value::to_string)
+        ))),
+        _ => Ok(()),
+    };
+    let count = |keys: &[&str]| {
+        keys.iter()
+            .find_map(|k| c.get(*k).filter(|v| !v.is_null()))
+            .map(|v| {
+                v.as_u64()
+                    .filter(|&n| n > 0)
+                    .map(|n| n as usize)
+                    .ok_or_else(|| bad(format!("{} is {v}, not a positive whole number", keys[0])))
+            })
+    };
+    let need = |keys: &[&str]| {
+        count(keys).unwrap_or_else(|| Err(bad(format!("no {}", keys.join(" or ")))))
+    };
+    let float = |key: &str| c.get(key).and_then(Value::as_f64);
+    let model = match c.get("model_type").and_then(Value::as_str) {
+        Some("gpt2") => {
+            only(
+                "activation_function",
+                &[json!("gelu_new"), json!("gelu_pytorch_tanh")],
+            )?;
+            json!({
+                "kind": "gpt",
+                "vocab_size": need(&["vocab_size"])?,
+                "d_model": need(&["n_embd", "hidden_size"])?,
+                "n_layers": need(&["n_layer", "num_hidden_layers"])?,
+                "n_heads": need(&["n_head", "num_attention_heads"])?,
+                "seq_len": need(&["n_positions", "n_ctx", "max_position_embeddings"])?,
+                "ffn_hidden": count(&["n_inner"]).transpose()?,
+                "norm_eps": float("layer_norm_epsilon"),
+            })
+        }
+        Some("llama") => {
+            only("hidden_act", &[json!("silu")])?;
+            only("attention_bias", &[json!(false)])?;
+            only("mlp_bias", &[json!(false)])?;
+            only("rope_scaling", &[])?;
+            let (d, heads) = (need(&["hidden_size"])?, need(&["num_attention_heads"])?);
+            if d.is_multiple_of(heads) {
+                only("head_dim", &[json!(d / heads)])?;
+            }
+            json!({
+                "kind": "llama",
+                "vocab_size": need(&["vocab_size"])?,
+                "d_model": d,
+                "n_layers": need(&["num_hidden_layers"])?,
+                "n_heads": heads,
+                "n_kv_heads": count(&["num_key_value_heads"]).transpose()?,
+                "ffn_hidden": need(&["intermediate_size"])?,
+                "tie_embeddings": c.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+                "rope_theta": float("rope_theta"),
+                "norm_eps": float("rms_norm_eps"),
+                "seq_len": need(&["max_position_embeddings"])?,
+            })
+        }
+        _ => {
+            return Err(bad(format!(
+                "model_type is {}: zrun runs gpt2 and llama",
+                c.get("model_type").unwrap_or(&Value::Null)
+            )))
+        }
+    };
+    let model = Value::Object(
+        model
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(_, v)| !v.is_null())
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    );
+    let m: ModelSpec =
+        serde_json::from_value(model).map_err(|e| bad(format!("not a model zrun runs: {e}")))?;
+    if !m.d_model.is_multiple_of(m.n_heads) || !m.n_heads.is_multiple_of(m.kv_heads()) {
+        return Err(bad(format!(
+            "{} heads ({} key/value) do not divide the width {} into heads",
+            m.n_heads,
+            m.kv_heads(),
+            m.d_model
+        )));
+    }
+    if m.kind == ModelKind::Llama && !m.head_dim().is_multiple_of(2) {
+        return Err(bad(format!(
+            "the head width {} is odd: rotary embeddings turn pairs",
+            m.head_dim()
+        )));
+    }
+    if !(m.norm_eps().is_finite()
+        && m.norm_eps() > 0.0
+        && m.rope_theta().is_finite()
+        && m.rope_theta() > 0.0)
+    {
+        return Err(bad(
+            "the norm epsilon and rotary base must be positive numbers".into(),
+        ));
+    }
+    Ok(m)
+}
+
 /// Writes `params` (zrun names, whole, in order; `values(i)` gives the i-th's
 /// values) as a Hugging Face directory `out`. Returns the elements written.
 pub fn write_dir(

@@ -65,7 +65,9 @@ pub struct PrepareArgs {
 /// `zrun sample`.
 #[derive(Debug, Args)]
 pub struct SampleArgs {
-    /// A checkpoint directory (`step-N/`), or a checkpoint root (its newest).
+    /// A checkpoint directory (`step-N/`), a checkpoint root (its newest),
+    /// or a Hugging Face GPT-2 or LLaMA directory (`config.json` and
+    /// `model.safetensors`: `zrun export --format hf`'s, or a published one).
     #[arg(value_name = "CHECKPOINT_DIR")]
     pub checkpoint: PathBuf,
     /// The text to continue (encoded as bytes, or with --tokenizer).

@@ -197,9 +197,18 @@ pub(crate) fn open_checkpoint(path: &Path) -> anyhow::Result<zckpt::Checkpoint> 
 /// terminal; with `--tokenizer`, zrun encodes the prompt, reads the drawn ids
 /// and prints their text as it grows.
 fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
-    let ckpt = open_checkpoint(&args.checkpoint)?;
-    let dir = ckpt.dir.clone();
-    let vocab = ckpt.manifest.model.vocab_size;
+    let (dir, vocab) = if args.checkpoint.join(zckpt::hf::HF_CONFIG).is_file() {
+        // A Hugging Face directory: its model, and its weights read through
+        // (names and shapes, not values) so that a mismatch is exit 2 here.
+        let dir = args.checkpoint.clone();
+        let m = zckpt::hf::model_spec(&dir).map_err(|e| Failure::bad_input(e.to_string()))?;
+        zckpt::read_init_weights(&dir, &m, &m.param_shapes(), false)
+            .map_err(|e| Failure::bad_input(e.to_string()))?;
+        (dir, m.vocab_size)
+    } else {
+        let ckpt = open_checkpoint(&args.checkpoint)?;
+        (ckpt.dir.clone(), ckpt.manifest.model.vocab_size)
+    };
     let tokenizer = match &args.tokenizer {
         Some(path) => Some((path, prepare::load_tokenizer(path, vocab)?)),
         None if vocab != 256 => {

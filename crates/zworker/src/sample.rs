@@ -3,7 +3,8 @@
 //! zrun checks the arguments and the checkpoint (exit 2 on bad input) and
 //! runs `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P SEED`, so that the
 //! launcher stays free of the model. The worker reads the parameters whole
-//! (a tiled checkpoint's tiles put back together), takes the prompt as bytes
+//! (a tiled checkpoint's tiles put back together; or a Hugging Face GPT-2 or
+//! LLaMA directory's, mapped to zrun's names), takes the prompt as bytes
 //! (a byte-level model) or as token ids (zrun holds the tokenizer), and for each new
 //! token draws from the last position's logits: greedy at temperature 0,
 //! else softmax(logits / T) over the `top_k` largest (all when 0), and of
@@ -103,20 +104,31 @@ struct Loaded {
     head: HeadParams<Tensor>,
 }
 
+/// The model in `dir`, a checkpoint or a Hugging Face model directory
+/// (`config.json` beside `model.safetensors`).
 fn load(dir: &Path) -> Result<Loaded> {
-    let ckpt = zckpt::Checkpoint::open(dir)?;
-    let m = &ckpt.manifest.model;
-    let model = Gpt::new(m)?;
-    let layout = model.layout();
     let mut named = HashMap::new();
-    let mut assembler = zckpt::Assembler::default();
-    for (g, entry) in ckpt.manifest.groups.iter().enumerate() {
-        let flat = ckpt.full_group(g, "params")?;
-        for (name, shape, values) in assembler.add(entry, &flat).map_err(anyhow::Error::msg)? {
+    let m = if dir.join(zckpt::hf::HF_CONFIG).is_file() {
+        let m = zckpt::hf::model_spec(dir)?;
+        let weights = zckpt::read_init_weights(dir, &m, &m.param_shapes(), true)?;
+        for (name, (shape, values)) in weights {
             named.insert(name, Tensor::from_vec(values, shape, &Device::Cpu)?);
         }
-    }
-    assembler.finish().map_err(anyhow::Error::msg)?;
+        m
+    } else {
+        let ckpt = zckpt::Checkpoint::open(dir)?;
+        let mut assembler = zckpt::Assembler::default();
+        for (g, entry) in ckpt.manifest.groups.iter().enumerate() {
+            let flat = ckpt.full_group(g, "params")?;
+            for (name, shape, values) in assembler.add(entry, &flat).map_err(anyhow::Error::msg)? {
+                named.insert(name, Tensor::from_vec(values, shape, &Device::Cpu)?);
+            }
+        }
+        assembler.finish().map_err(anyhow::Error::msg)?;
+        ckpt.manifest.model
+    };
+    let model = Gpt::new(&m)?;
+    let layout = model.layout();
     let groups = model.groups();
     let params = |g: usize| -> Result<Vec<Tensor>> {
         groups[g]
