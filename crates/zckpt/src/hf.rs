@@ -194,6 +194,7 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
     let text = std::fs::read(&path).map_err(io(&path))?;
     let c: Value = serde_json::from_slice(&text)
         .map_err(|e| invalid(&path, format!("not a Hugging Face config.json: {e}")))?;
+    let c = lift_rope_theta(c);
     let bad = |message: String| invalid(&path, message);
     // A key that may be absent or null (Hugging Face's default), else must
     // be one of `allowed`.
@@ -239,7 +240,11 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
             only("hidden_act", &[json!("silu")])?;
             only("attention_bias", &[json!(false)])?;
             only("mlp_bias", &[json!(false)])?;
-            only("rope_scaling", &[])?;
+            if let Some((key, scaling)) = rope_scaling(&c) {
+                return Err(bad(format!(
+                    "{key} is {scaling}: zrun's rotary embedding is not scaled"
+                )));
+            }
             let (d, heads) = (need(&["hidden_size"])?, need(&["num_attention_heads"])?);
             if d.is_multiple_of(heads) {
                 only("head_dim", &[json!(d / heads)])?;
@@ -367,6 +372,35 @@ const SAME_KEYS: &[(&str, &str)] = &[
 /// at least the job's `model.seq_len`.
 const CONTEXT_KEYS: &[&str] = &["n_positions", "n_ctx", "max_position_embeddings"];
 
+/// A `config.json` with transformers 5's `rope_parameters: {rope_theta,
+/// rope_type, …}` read as 4.x's top-level `rope_theta` (where the file has
+/// none of its own): the rotary base, wherever the file keeps it.
+fn lift_rope_theta(mut c: serde_json::Value) -> serde_json::Value {
+    let theta = c
+        .get("rope_parameters")
+        .and_then(|r| r.get("rope_theta"))
+        .cloned();
+    if let (Some(theta), Some(obj)) = (theta, c.as_object_mut()) {
+        obj.entry("rope_theta").or_insert(theta);
+    }
+    c
+}
+
+/// The rotary scaling a `config.json` asks for, which zrun does not
+/// implement: a non-null `rope_scaling` (transformers 4.x), or a
+/// `rope_parameters` whose `rope_type` is not `default` (5.x). Its key and
+/// value.
+fn rope_scaling(c: &serde_json::Value) -> Option<(&'static str, &serde_json::Value)> {
+    let scaling = c.get("rope_scaling").filter(|v| !v.is_null());
+    let typed = c.get("rope_parameters").filter(|r| {
+        r.get("rope_type")
+            .is_some_and(|t| !t.is_null() && t != "default")
+    });
+    scaling
+        .map(|v| ("rope_scaling", v))
+        .or(typed.map(|v| ("rope_parameters", v)))
+}
+
 /// Holds a Hugging Face directory's `config.json`, where it has one, to the
 /// job's model `m`: each of [`SAME_KEYS`] that both have (and the file does
 /// not leave null, Hugging Face's "the default") equal, its context at least
@@ -381,6 +415,7 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
     };
     let file: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| invalid(&path, format!("not a Hugging Face config.json: {e}")))?;
+    let file = lift_rope_theta(file);
     let job = config_json(m);
     let same = |a: &serde_json::Value, b: &serde_json::Value| match (a.as_f64(), b.as_f64()) {
         (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
@@ -416,12 +451,12 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
             }
         }
     }
-    match file.get("rope_scaling") {
-        Some(scaling) if !scaling.is_null() => Err(invalid(
+    match rope_scaling(&file) {
+        Some((key, scaling)) => Err(invalid(
             &path,
-            format!("rope_scaling is {scaling}: zrun's rotary embedding is not scaled"),
+            format!("{key} is {scaling}: zrun's rotary embedding is not scaled"),
         )),
-        _ => Ok(()),
+        None => Ok(()),
     }
 }
 
@@ -602,6 +637,9 @@ mod tests {
             serde_json::from_slice(&std::fs::read(d.path().join(HF_CONFIG)).unwrap()).unwrap();
         let with = |key: &str, value: serde_json::Value| {
             let mut c = written.clone();
+            if key == "rope_parameters" {
+                c.as_object_mut().unwrap().remove("rope_theta");
+            }
             c[key] = value;
             std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
             read(&m, &params, d.path(), false).map(|_| ())
@@ -634,6 +672,18 @@ mod tests {
                 serde_json::json!({"rope_type": "llama3", "factor": 8.0}),
                 "not scaled",
             ),
+            // transformers 5's form: the base inside `rope_parameters`
+            // (the written config's own `rope_theta` taken out below).
+            (
+                "rope_parameters",
+                serde_json::json!({"rope_type": "default", "rope_theta": 500000.0}),
+                "rope_theta is 500000.0, the job's model has 10000.0 (model.rope_theta)",
+            ),
+            (
+                "rope_parameters",
+                serde_json::json!({"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}),
+                "rope_parameters is",
+            ),
         ] {
             let e = with(key, value).unwrap_err().to_string();
             assert!(e.contains("config.json") && e.contains(what), "{key}: {e}");
@@ -641,6 +691,10 @@ mod tests {
         for (key, value) in [
             ("num_key_value_heads", serde_json::Value::Null),
             ("rope_scaling", serde_json::Value::Null),
+            (
+                "rope_parameters",
+                serde_json::json!({"rope_type": "default", "rope_theta": 10000.0}),
+            ),
             ("max_position_embeddings", serde_json::json!(4096)),
             ("rms_norm_eps", serde_json::json!(0.00001)),
             // Numbers compare as numbers: an integer base is the same base.

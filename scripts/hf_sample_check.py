@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""`zrun sample` on a model that `transformers` wrote (not run in CI).
+
+The other way round from `hf_crosscheck.py`: builds a small GPT-2 or LLaMA
+with `transformers` itself (its own config.json keys, its own tensor names;
+weights drawn at std 0.3 so that the logits are far from uniform), saves it
+with `save_pretrained`, continues a byte prompt greedily with the model's
+own forward (the last `max_position_embeddings` bytes at each step), and
+compares with `zrun sample DIR --temperature 0`. A key zrun reads wrongly
+(the rotary base transformers 5 keeps under `rope_parameters` was one, until
+the sixty-ninth session) changes the continuation within a few bytes.
+
+    /tmp/peerenv/venv/bin/pip install transformers
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py gpt2 --zrun target/release/zrun
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --zrun target/release/zrun
+
+Exit status 0 when the continuations are the same, 1 otherwise.
+"""
+
+import argparse
+import subprocess
+import sys
+import tempfile
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+
+def build(kind: str):
+    if kind == "gpt2":
+        return GPT2LMHeadModel(
+            GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+        )
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rope_theta=500.0,
+        )
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kind", choices=["gpt2", "llama"])
+    ap.add_argument("--zrun", default="target/release/zrun")
+    ap.add_argument("--prompt", default="fn main() {")
+    ap.add_argument("--tokens", type=int, default=80)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = build(args.kind)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    model.eval()
+    context = 64
+    ids = torch.tensor([list(args.prompt.encode())])
+    with torch.no_grad():
+        for _ in range(args.tokens):
+            logits = model(ids[:, -context:]).logits[0, -1]
+            ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+    want = bytes(ids[0].tolist())
+    with tempfile.TemporaryDirectory() as out:
+        model.save_pretrained(out, safe_serialization=True)
+        run = subprocess.run(
+            [args.zrun, "sample", out, "--prompt", args.prompt,
+             "--tokens", str(args.tokens), "--temperature", "0"],
+            capture_output=True,
+        )
+    got = run.stdout.rstrip(b"\n")
+    print(f"transformers -> {want!r}")
+    print(f"zrun sample  -> {got!r}")
+    if run.returncode != 0:
+        print(run.stderr.decode(), file=sys.stderr)
+        return 1
+    same = got == want
+    print("OK: the same greedy continuation" if same else "DIFFERENT")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
