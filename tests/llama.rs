@@ -222,12 +222,18 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
             "tie_word_embeddings is false, the job's model has true (model.tie_embeddings)",
         ),
     ] {
+        let init = format!("model.init_from={}", from.display());
         let f = TrainArgs::new(&job, dir.join("bad.jsonl"))
-            .set(format!("model.init_from={}", from.display()))
+            .set(&init)
             .set(set)
             .run(dir);
         assert_eq!(f.code(), 2, "{set}: {f:?}");
         assert!(f.stderr.contains(what), "{}", f.stderr);
+        // `zrun check` says the same.
+        let job = job.to_str().unwrap();
+        let f = zrun(dir, &["check", job, "--set", &init, "--set", set]);
+        assert_eq!(f.code(), 2, "check {set}: {f:?}");
+        assert!(f.stderr.contains(what), "check: {}", f.stderr);
     }
 }
 

@@ -505,6 +505,7 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
     let topo = topology(&args.launch)?;
     job.validate_on(&topo)?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
+    crate::train::check_init_from(&plan.spec)?;
     say!("# job {} ({}): valid", job.spec.name, args.job.display());
     say!("{}", serde_json::to_string_pretty(&plan.spec)?);
     print_deepspeed_sources(&job, plan.topology.world_size())?;

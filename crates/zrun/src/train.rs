@@ -363,7 +363,7 @@ fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<(
 /// `model.init_from` must hold every parameter of the model under zrun's or
 /// Hugging Face's names, each of the right shape (read and mapped here, as
 /// each worker will, so that a mismatch is exit 2 before launch).
-fn check_init_from(spec: &zconfig::JobSpec) -> Result<()> {
+pub(crate) fn check_init_from(spec: &zconfig::JobSpec) -> Result<()> {
     let Some(f) = &spec.model.init_from else {
         return Ok(());
     };
