@@ -240,6 +240,52 @@ fn check_prints_the_resolved_job_and_topology() {
     );
 }
 
+/// `zrun check` refuses what `zrun train` refuses before launch on this
+/// host, with the same message: an NVMe path that takes no `O_DIRECT`
+/// write, workers that cannot fit in memory, weights that do not fit the
+/// model (until the sixty-ninth session `zrun check` passed all three).
+#[test]
+fn check_refuses_what_train_refuses_here() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "refused", 3);
+    let job = job.to_str().unwrap();
+    let weights = dir.path().join("other.safetensors");
+    let f = zrun(
+        dir.path(),
+        &["train", job, "--set", "checkpoint.dir=ck", "--no-progress"],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let f = zrun(
+        dir.path(),
+        &["export", "ck", "--out", weights.to_str().unwrap()],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let init = format!("model.init_from={}", weights.display());
+    for (sets, says) in [
+        (
+            vec![
+                "zero.stage=3",
+                "zero.offload_optimizer.device=nvme",
+                "zero.offload_optimizer.nvme_path=/proc",
+            ],
+            "zero.offload_optimizer.nvme_path: /proc",
+        ),
+        (
+            vec!["model.d_model=65536", "model.n_layers=64"],
+            "more than this host's",
+        ),
+        (vec![init.as_str(), "model.d_model=64"], "model.init_from:"),
+    ] {
+        let sets: Vec<&str> = sets.iter().flat_map(|s| ["--set", s]).collect();
+        for command in ["check", "train"] {
+            let args = [&[command, job][..], &sets].concat();
+            let f = zrun(dir.path(), &args);
+            assert_eq!(f.code(), 2, "{args:?}: {f:?}");
+            assert!(f.stderr.contains(says), "{args:?}: {}", f.stderr);
+        }
+    }
+}
+
 /// Every kind of bad input exits 2, before launching, with a message saying where and what.
 #[test]
 fn bad_input_exits_2_with_a_located_message() {

@@ -185,7 +185,8 @@ fn random_overrides_are_valid_or_refused_with_the_key() {
 /// Trains `job` with `sets` on `workers` workers (a run directory and
 /// metrics file of `case`'s own under `dir`), and checks that it trained to
 /// its `done` line or was refused clearly, before writing anything, with
-/// no swap file left in `swap` either way. Whether it trained.
+/// no swap file left in `swap` either way, and that `zrun check` of the job
+/// said so before (exit 0 where it trained). Whether it trained.
 fn trains_or_is_refused(
     dir: &Path,
     job: &str,
@@ -211,8 +212,21 @@ fn trains_or_is_refused(
         args.extend(["--set".to_string(), s.clone()]);
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    // `zrun check` of the same job first: what it passes must train, what
+    // it refuses must be refused.
+    let mut check = vec!["check", job, "--workers-per-node"];
+    let workers = workers.to_string();
+    check.push(&workers);
+    check.extend(args[7..].iter().copied());
+    let checked = Zrun::start(dir, &check).wait(Duration::from_secs(60));
     let out = Zrun::start(dir, &args).wait(Duration::from_secs(120));
     let what = || format!("{case}: zrun {}: {out:?}", args.join(" "));
+    assert_eq!(
+        checked.code() == 0,
+        out.code() == 0,
+        "zrun check and zrun train disagree: {}; check: {checked:?}",
+        what()
+    );
     let trained = match out.code() {
         0 => {
             let lines = metrics(&metrics_path);

@@ -505,6 +505,9 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
     let topo = topology(&args.launch)?;
     job.validate_on(&topo)?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
+    // What `zrun train` refuses before launch, on this host's jobs.
+    crate::train::check_memory(&plan)?;
+    crate::swap_check::check_offload(&plan)?;
     crate::train::check_init_from(&plan.spec)?;
     say!("# job {} ({}): valid", job.spec.name, args.job.display());
     say!("{}", serde_json::to_string_pretty(&plan.spec)?);

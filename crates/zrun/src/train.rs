@@ -377,7 +377,7 @@ pub(crate) fn check_init_from(spec: &zconfig::JobSpec) -> Result<()> {
 /// swap together (it would die of an allocation failure after launch), and
 /// warns when they exceed their share of what is available now. Jobs on other
 /// hosts only get the warning: their memory is not this host's.
-fn check_memory(plan: &LaunchPlan) -> Result<()> {
+pub(crate) fn check_memory(plan: &LaunchPlan) -> Result<()> {
     let need = crate::estimate::per_worker_bytes(&plan.spec, &plan.topology);
     let local = plan
         .topology
