@@ -153,6 +153,9 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
             "n_head": m.n_heads,
             "n_inner": m.ffn(),
             "activation_function": "gelu_new",
+            "scale_attn_weights": true,
+            "scale_attn_by_inverse_layer_idx": false,
+            "add_cross_attention": false,
             "layer_norm_epsilon": m.norm_eps(),
             "tie_word_embeddings": true,
             "resid_pdrop": 0.0,
@@ -225,6 +228,10 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
                 "activation_function",
                 &[json!("gelu_new"), json!("gelu_pytorch_tanh")],
             )?;
+            only("scale_attn_weights", &[json!(true)])?;
+            only("scale_attn_by_inverse_layer_idx", &[json!(false)])?;
+            only("add_cross_attention", &[json!(false)])?;
+            only("tie_word_embeddings", &[json!(true)])?;
             json!({
                 "kind": "gpt",
                 "vocab_size": need(&["vocab_size"])?,
@@ -363,6 +370,9 @@ const SAME_KEYS: &[(&str, &str)] = &[
     ("rope_theta", "model.rope_theta"),
     ("tie_word_embeddings", "model.tie_embeddings"),
     ("activation_function", "model.kind"),
+    ("scale_attn_weights", "model.kind"),
+    ("scale_attn_by_inverse_layer_idx", "model.kind"),
+    ("add_cross_attention", "model.kind"),
     ("hidden_act", "model.kind"),
     ("attention_bias", "model.kind"),
     ("mlp_bias", "model.kind"),
@@ -620,6 +630,73 @@ mod tests {
     /// A directory's config.json that disagrees with the job's model where
     /// the weights' shapes cannot show it is refused, naming both keys; its
     /// defaults (null, absent), a longer context and formatting are not.
+    /// `model_spec` reads back the model `config_json` wrote, GPT-2 and
+    /// LLaMA (tied and not, grouped-query), in every effective value; and
+    /// for GPT-2 refuses the attention variants zrun does not compute
+    /// (unscaled scores, scores scaled by the layer, cross-attention), as
+    /// `init_from`'s check does.
+    #[test]
+    fn model_spec_reads_back_what_config_json_writes() {
+        let gpt: ModelSpec = serde_json::from_value(serde_json::json!({
+            "vocab_size": 16, "d_model": 8, "n_layers": 2, "n_heads": 2, "seq_len": 12,
+            "norm_eps": 1e-6
+        }))
+        .unwrap();
+        let tied: ModelSpec = serde_json::from_value(serde_json::json!({
+            "kind": "llama", "vocab_size": 16, "d_model": 8, "n_layers": 1, "n_heads": 2,
+            "ffn_hidden": 6, "tie_embeddings": true, "rope_theta": 500.0, "seq_len": 20
+        }))
+        .unwrap();
+        let effective = |m: &ModelSpec| {
+            (
+                m.kind,
+                m.param_shapes(),
+                m.norm_eps(),
+                m.rope_theta(),
+                m.kv_heads(),
+                m.tied(),
+                m.seq_len,
+            )
+        };
+        for m in [gpt.clone(), llama(), tied] {
+            let d = tempfile::tempdir().unwrap();
+            std::fs::write(d.path().join(HF_CONFIG), config_json(&m).to_string()).unwrap();
+            let back = model_spec(d.path()).unwrap();
+            assert_eq!(effective(&back), effective(&m), "{:?}", m.kind);
+        }
+        let d = tempfile::tempdir().unwrap();
+        let params = gpt.param_shapes();
+        let mut shapes = params.iter();
+        write_dir(&gpt, &params, d.path(), || {
+            Ok(shapes
+                .next()
+                .map(|(_, s)| vec![0.5; s.iter().product::<usize>()]))
+        })
+        .unwrap();
+        let written = config_json(&gpt);
+        for (key, value) in [
+            ("scale_attn_weights", false),
+            ("scale_attn_by_inverse_layer_idx", true),
+            ("add_cross_attention", true),
+        ] {
+            let mut c = written.clone();
+            c[key] = serde_json::json!(value);
+            std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
+            let e = model_spec(d.path()).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{key} is {value}: zrun's model has {}", !value)),
+                "{e}"
+            );
+            let e = read(&gpt, &params, d.path(), false)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("{key} is {value}, the job's model has {}", !value)),
+                "{e}"
+            );
+        }
+    }
+
     #[test]
     fn a_directory_of_another_architecture_is_refused() {
         let m = llama();
