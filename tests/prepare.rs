@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use e2e::{metrics, zrun, TrainArgs};
 
@@ -383,4 +384,46 @@ fn a_failed_prepare_leaves_nothing_behind() {
     );
     let left = stdout.split("left:").nth(1).unwrap_or_default();
     assert!(left.trim().is_empty(), "left in --out: {left}");
+}
+
+/// Ctrl-C (or SIGTERM) during a prepare stops it with exit 130 and leaves
+/// `--out` as it was: the token files it had begun are removed (until the
+/// sixty-ninth session the signal ended it where it stood, with its hidden
+/// `.train.bin.partial` of megabytes left behind).
+#[test]
+fn an_interrupted_prepare_leaves_nothing_behind() {
+    use nix::sys::signal::Signal;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (tok, _) = tokenizer(d, &words(40));
+    // About 27 MB: a few seconds of work, signalled once it has written.
+    let text: String = (0..600_000).map(|i| sentence(i, 12, 40) + "\n").collect();
+    let big = d.join("big.txt");
+    std::fs::write(&big, &text).unwrap();
+    for signal in [Signal::SIGINT, Signal::SIGTERM] {
+        let out = d.join(format!("data-{signal:?}"));
+        let args = [
+            "prepare",
+            big.to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        let z = e2e::Zrun::start(d, &args);
+        let partial = out.join(".train.bin.partial");
+        let begun = e2e::wait_until(Duration::from_secs(30), || {
+            std::fs::metadata(&partial).is_ok_and(|m| m.len() > 0)
+        });
+        assert!(begun, "{signal:?}: no tokens written");
+        z.signal(signal);
+        let f = z.wait(Duration::from_secs(30));
+        assert_eq!(f.code(), 130, "{signal:?}: {f:?}");
+        assert!(f.stderr.contains("interrupted"), "{}", f.stderr);
+        let left: Vec<_> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(left.is_empty(), "{signal:?}: left in --out: {left:?}");
+    }
 }

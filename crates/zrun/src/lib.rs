@@ -129,6 +129,14 @@ impl Failure {
         }
         .into()
     }
+    /// Stopped by Ctrl-C, SIGTERM or SIGHUP (exit 130).
+    pub fn interrupted(message: impl Into<String>) -> anyhow::Error {
+        Failure {
+            code: exit::INTERRUPTED,
+            message: message.into(),
+        }
+        .into()
+    }
 }
 
 /// The exit code for an error: bad input is 2, launch failures 3, the rest 1.

@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -39,6 +40,42 @@ const EOS_NAMES: [&str; 4] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>
 struct Piece {
     text: String,
     ends_document: bool,
+}
+
+/// Set by SIGINT, SIGTERM or SIGHUP while a prepare runs: it stops at the
+/// next piece of text and, as for any failure, removes what it had begun
+/// (exit 130). Without this the signal ended the process where it stood,
+/// leaving its hidden `.NAME.partial` files behind.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_: std::ffi::c_int) {
+    INTERRUPTED.store(true, Ordering::Relaxed);
+}
+
+/// Routes SIGINT, SIGTERM and SIGHUP to [`INTERRUPTED`].
+fn catch_interrupts() -> Result<()> {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    let action = SigAction::new(
+        SigHandler::Handler(on_interrupt),
+        SaFlags::SA_RESTART,
+        SigSet::empty(),
+    );
+    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        // SAFETY: the handler only stores to an atomic, which is
+        // async-signal-safe.
+        unsafe { sigaction(signal, &action) }.context("installing a signal handler")?;
+    }
+    Ok(())
+}
+
+/// Fails once a signal has asked the prepare to stop.
+fn check_interrupted() -> Result<()> {
+    match INTERRUPTED.load(Ordering::Relaxed) {
+        true => Err(Failure::interrupted(
+            "interrupted: nothing written to --out (what had begun was removed)",
+        )),
+        false => Ok(()),
+    }
 }
 
 /// A file being written under a temporary name, removed unless it was
@@ -164,6 +201,7 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(ProgressDrawTarget::hidden());
     }
+    catch_interrupts()?;
     let mut train = Output::create(&args.out, "train.bin", width)?;
     let mut val = Output::create(&args.out, "val.bin", width)?;
     let mut split = Split::new(args.val_fraction);
@@ -191,6 +229,7 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     };
     for (path, jsonl) in &inputs {
         let mut pieces = |piece: Piece| -> Result<()> {
+            check_interrupted()?;
             batch_bytes += piece.text.len();
             bar.inc(piece.text.len() as u64);
             batch.push(piece);
@@ -208,6 +247,7 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         bar.set_message(path.display().to_string());
     }
     encode(&mut batch)?;
+    check_interrupted()?;
     bar.finish_and_clear();
     let mut files = BTreeMap::new();
     let mut written = Vec::new();
