@@ -766,3 +766,54 @@ fn wait_for_complete_checkpoint(dir: &Path, step: u64, z: &e2e::Zrun) {
         z.stdout_so_far()
     );
 }
+
+/// Ctrl-C, SIGTERM or SIGHUP during `zrun export` ends it with exit 130 and
+/// removes the temporary files it was writing (before the sixty-ninth
+/// session they stayed, as large as the export); an earlier export at
+/// `--out` is kept whole. Each signal arrives while the written file waits
+/// to be renamed (`ZRUN_FAULT_SAVE_DELAY_MS`), in both formats.
+#[test]
+fn an_interrupted_export_leaves_its_temporary_files_nowhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let job = ckpt_job(d, "exported", 2, 2);
+    let f = TrainArgs::new(&job, d.join("m.jsonl")).run(d);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let ckpt = d.join("ckpt");
+    let earlier = d.join("earlier.safetensors");
+    std::fs::write(&earlier, b"an earlier export").unwrap();
+    for (signal, out, format) in [
+        (Signal::SIGINT, d.join("model.safetensors"), "zrun"),
+        (Signal::SIGTERM, earlier.clone(), "zrun"),
+        (Signal::SIGHUP, d.join("hf"), "hf"),
+    ] {
+        let mut args = vec![
+            "export",
+            ckpt.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend(["--format", format, "--overwrite"]);
+        let z = e2e::Zrun::start_with_env(d, &args, &[("ZRUN_FAULT_SAVE_DELAY_MS", "20000")]);
+        let tmp = match format {
+            "hf" => out.join("model.tmp"),
+            _ => out.with_extension("tmp"),
+        };
+        assert!(
+            wait_until(Duration::from_secs(30), || tmp.exists()),
+            "{signal:?}: no temporary file"
+        );
+        kill(Pid::from_raw(z.pid() as i32), signal).unwrap();
+        let f = z.wait(Duration::from_secs(10));
+        assert_eq!(f.code(), 130, "{signal:?}: {f:?}");
+        assert!(f.stderr.contains("interrupted"), "{}", f.stderr);
+        assert!(!tmp.exists(), "{signal:?}: {} left", tmp.display());
+        match format {
+            "hf" => assert!(!out.join("model.safetensors").exists()),
+            _ if out == earlier => {
+                assert_eq!(std::fs::read(&earlier).unwrap(), b"an earlier export")
+            }
+            _ => assert!(!out.exists()),
+        }
+    }
+}

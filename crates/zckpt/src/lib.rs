@@ -181,12 +181,19 @@ fn fault_delay() {
     }
 }
 
+/// The temporary name a file is written under before it is renamed to
+/// `path` ([`write_atomic`], the streamed exports): `path` with the
+/// extension `tmp`.
+pub fn temporary_path(path: &Path) -> PathBuf {
+    path.with_extension("tmp")
+}
+
 /// Writes `bytes` to `path` atomically: a temporary name, fsync, rename, fsync of
 /// the directory.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CkptError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let tmp = path.with_extension("tmp");
+    let tmp = temporary_path(path);
     let written = (|| {
         let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
         f.write_all(bytes).map_err(io(&tmp))?;

@@ -67,7 +67,7 @@ impl StreamWriter {
         header.resize(header.len().next_multiple_of(N_LEN), b' ');
         let dir = path.parent().unwrap_or(Path::new("."));
         std::fs::create_dir_all(dir).map_err(io(dir))?;
-        let tmp = path.with_extension("tmp");
+        let tmp = crate::temporary_path(path);
         let file = File::create(&tmp).map_err(io(&tmp))?;
         let mut w = StreamWriter {
             path: path.to_path_buf(),

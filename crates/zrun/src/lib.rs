@@ -319,6 +319,49 @@ pub(crate) fn keep_existing(
     }
 }
 
+/// The files `zrun export` is writing under temporary names: removed if
+/// Ctrl-C, SIGTERM or SIGHUP ends it (exit 130), which would otherwise
+/// leave them, as large as the export, beside it. Set once, before the
+/// writing starts.
+static REMOVE_ON_SIGNAL: std::sync::OnceLock<Vec<std::ffi::CString>> = std::sync::OnceLock::new();
+
+/// The handler: only what a signal handler may do (unlink, write, _exit).
+extern "C" fn remove_and_exit(_: std::ffi::c_int) {
+    for path in REMOVE_ON_SIGNAL.get().into_iter().flatten() {
+        // SAFETY: a NUL-terminated path; unlink is async-signal-safe.
+        unsafe { libc::unlink(path.as_ptr()) };
+    }
+    const SAID: &[u8] = b"zrun: error: interrupted: nothing written (what had begun was removed)\n";
+    // SAFETY: write and _exit are async-signal-safe; SAID outlives the call.
+    unsafe {
+        libc::write(2, SAID.as_ptr().cast(), SAID.len());
+        libc::_exit(i32::from(exit::INTERRUPTED));
+    }
+}
+
+/// Removes `paths` if a signal ends the command ([`REMOVE_ON_SIGNAL`]).
+fn remove_on_interrupt(paths: &[std::path::PathBuf]) -> anyhow::Result<()> {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    use std::os::unix::ffi::OsStrExt;
+    let paths = paths
+        .iter()
+        .map(|p| std::ffi::CString::new(p.as_os_str().as_bytes()))
+        .collect::<Result<Vec<_>, _>>()?;
+    if REMOVE_ON_SIGNAL.set(paths).is_err() {
+        anyhow::bail!("files to remove on a signal were set twice");
+    }
+    let action = SigAction::new(
+        SigHandler::Handler(remove_and_exit),
+        SaFlags::empty(),
+        SigSet::empty(),
+    );
+    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        // SAFETY: the handler does only async-signal-safe work.
+        unsafe { sigaction(signal, &action) }?;
+    }
+    Ok(())
+}
+
 /// `zrun export`: consolidated f32 weights under the model's parameter names.
 fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
     let ckpt = open_checkpoint(&args.checkpoint)?;
@@ -361,6 +404,8 @@ fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
         false => vec![args.out.clone()],
     };
     keep_existing("--out", &written, args.overwrite)?;
+    let temporary: Vec<_> = written.iter().map(|p| zckpt::temporary_path(p)).collect();
+    remove_on_interrupt(&temporary)?;
     let n = match hf {
         true => ckpt.export_hf(&args.out),
         false => ckpt.export(&args.out),
