@@ -85,7 +85,7 @@ pub(crate) fn row_times(
             #[cfg(target_arch = "x86_64")]
             if simd {
                 // SAFETY: as above.
-                unsafe { chain_columns_fma(out, a, b, j0) };
+                unsafe { chain_columns_avx2(out, a, b, j0) };
             } else {
                 chain_columns(out, a, b, j0);
             }
@@ -192,15 +192,57 @@ fn chain_columns(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize) {
 /// Columns [`chain_columns`] runs side by side.
 const COLUMNS: usize = 8;
 
-/// [`chain_columns`] where `mul_add` is one instruction.
+/// [`chain_columns`] eight columns at a time in vectors: eight stored
+/// columns' next eight values loaded as rows, transposed in registers, so
+/// that each multiply-add takes eight columns' terms at one `p` in a
+/// vector, one vector load for eight terms where the scalar chains take
+/// one a term (which capped them at 23 GB/s on two threads, the tied
+/// head's product, against the blocks' 32). The same chains in the same
+/// order: the same bits.
 ///
 /// # Safety
 ///
-/// The CPU must have FMA.
+/// The CPU must have AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn chain_columns_fma(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize) {
-    chain_columns(out, a, b, j0);
+unsafe fn chain_columns_avx2(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize) {
+    use std::arch::x86_64::*;
+    let k = a.cols;
+    let av: Vec<f32> = (0..k).map(|p| a.data[p * a.cs]).collect();
+    let whole = out.len() / 8 * 8;
+    let (vectors, rest) = out.split_at_mut(whole);
+    let k8 = k / 8 * 8;
+    for (g, group) in vectors.chunks_exact_mut(8).enumerate() {
+        let j = j0 + 8 * g;
+        let columns: [&[f32]; 8] = std::array::from_fn(|i| &b.data[(j + i) * b.cs..][..k]);
+        // SAFETY: eight columns of C's row; loads of eight values of each
+        // column at p..p+8 ≤ k; AVX2 and FMA (caller).
+        unsafe {
+            let mut acc = _mm256_loadu_ps(group.as_ptr());
+            for p in (0..k8).step_by(8) {
+                let r = std::array::from_fn(|i| _mm256_loadu_ps(columns[i].as_ptr().add(p)));
+                for (q, row) in crate::transpose8(r).into_iter().enumerate() {
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(av[p + q]), row, acc);
+                }
+            }
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+            for (i, lane) in lanes.iter_mut().enumerate() {
+                for p in k8..k {
+                    *lane = av[p].mul_add(columns[i][p], *lane);
+                }
+            }
+            group.copy_from_slice(&lanes);
+        }
+    }
+    let a_rest = MatRef {
+        data: &av,
+        rows: 1,
+        cols: k,
+        rs: k,
+        cs: 1,
+    };
+    chain_columns(rest, &a_rest, b, j0 + whole);
 }
 
 /// `C`'s pointer, shared by the tasks that write disjoint columns of it.

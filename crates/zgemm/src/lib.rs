@@ -2477,37 +2477,54 @@ unsafe fn transpose_tiles_avx(
             unsafe {
                 let r: [__m256; 8] =
                     std::array::from_fn(|i| _mm256_loadu_ps(b.add((j0 + j + i) * cs + p0 + p)));
-                let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-                let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-                let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-                let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-                let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-                let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-                let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-                let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-                let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-                let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-                let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-                let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-                let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-                let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-                let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-                let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-                let rows = [
-                    _mm256_permute2f128_ps::<0x20>(u0, u4),
-                    _mm256_permute2f128_ps::<0x20>(u1, u5),
-                    _mm256_permute2f128_ps::<0x20>(u2, u6),
-                    _mm256_permute2f128_ps::<0x20>(u3, u7),
-                    _mm256_permute2f128_ps::<0x31>(u0, u4),
-                    _mm256_permute2f128_ps::<0x31>(u1, u5),
-                    _mm256_permute2f128_ps::<0x31>(u2, u6),
-                    _mm256_permute2f128_ps::<0x31>(u3, u7),
-                ];
+                let rows = transpose8(r);
                 for (q, row) in rows.into_iter().enumerate() {
                     _mm256_storeu_ps(dst.add((p + q) * nr + j), row);
                 }
             }
         }
+    }
+}
+
+/// The transpose of an 8×8 block held as eight rows of 256 bits: row `q`
+/// of the result holds element `q` of each row, in row order.
+///
+/// # Safety
+/// The CPU has AVX (the callers' `target_feature`, into which this inlines).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn transpose8(
+    r: [std::arch::x86_64::__m256; 8],
+) -> [std::arch::x86_64::__m256; 8] {
+    use std::arch::x86_64::*;
+    // SAFETY: register operations only; AVX (caller).
+    unsafe {
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
     }
 }
 

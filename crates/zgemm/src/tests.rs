@@ -1781,18 +1781,32 @@ fn one_row_products_give_the_blocked_paths_bits() {
         (2100, 9),
     ];
     for (n, k) in shapes {
-        for (a_t, b_t) in [(false, false), (true, false), (false, true)] {
-            let (a_data, b_data, bias) = (random(1, 2 * k), random(2, k * n), random(3, n));
+        // B row-major, transposed, or neither (every other element of a
+        // wider matrix: no adjacent columns or rows, so the blocked path).
+        let layouts = [
+            (false, false, false),
+            (true, false, false),
+            (false, true, false),
+            (true, true, false),
+            (false, false, true),
+        ];
+        for (a_t, b_t, strided) in layouts {
+            let (a_data, bias) = (random(1, 2 * k), random(3, n));
+            let b_data = random(2, 2 * k * (2 * n + 1));
             let res = random(5, 2 * (n + 5));
             let r = MatRef::new(&res, 2, n, n + 5, 1).unwrap();
-            let (a, b) = (operand(&a_data, 2, k, a_t), operand(&b_data, k, n, b_t));
+            let a = operand(&a_data, 2, k, a_t);
+            let b = match strided {
+                true => MatRef::new(&b_data, k, n, 2 * (2 * n + 1), 2).unwrap(),
+                false => operand(&b_data, k, n, b_t),
+            };
             let rs = n + 3;
             for &kernel in &kernels {
                 for start in STARTS {
                     for alpha in [1.0, 0.75] {
                         for threads in [1, 2, 3] {
                             let what = format!(
-                                "{kernel:?} 1x{n}x{k} (A transposed {a_t}, B transposed {b_t}) {start} α {alpha} on {threads} threads"
+                                "{kernel:?} 1x{n}x{k} (A transposed {a_t}, B transposed {b_t}, strided {strided}) {start} α {alpha} on {threads} threads"
                             );
                             let (mut two, mut one) = (random(4, 2 * rs), random(4, rs));
                             in_pool(threads, || {
