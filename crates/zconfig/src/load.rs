@@ -219,16 +219,37 @@ fn syntax_error(path: &Path, text: &str, e: &serde_saphyr::Error) -> ConfigError
     // plain_yaml_message drops the position serde-saphyr appends: we print
     // our own prefix.
     let mut message = improve_serde_message(&plain_yaml_message(&s));
+    let untyped = serde_saphyr::from_str::<Value>(text).ok();
+    let json_error = untyped
+        .clone()
+        .and_then(|v| serde_json::from_value::<JobSpec>(v).err())
+        .map(|je| improve_serde_message(&je.to_string()));
     if message.starts_with("unknown key") && !message.contains('(') && !message.contains('?') {
         // serde-saphyr does not always keep serde's list of valid keys; serde_json
         // does, so ask it through the untyped value.
-        if let Some(better) = serde_saphyr::from_str::<Value>(text)
-            .ok()
-            .and_then(|v| serde_json::from_value::<JobSpec>(v).err())
-            .map(|je| improve_serde_message(&je.to_string()))
-            .filter(|m| m.starts_with("unknown key"))
-        {
+        if let Some(better) = json_error.clone().filter(|m| m.starts_with("unknown key")) {
             message = better;
+        }
+    }
+    // serde-saphyr's type errors name neither the key nor the type wanted
+    // (`d_model: [64]` was "expected string scalar", `d_model: abc` "invalid
+    // u64"); serde_json's name the type, and the key is the last one the
+    // text opens before the error.
+    if let (Some(better), Some(v)) = (
+        json_error.filter(|m| m.starts_with("invalid type") || m.starts_with("invalid value")),
+        &untyped,
+    ) {
+        if !message.contains("expected one of") {
+            let better = ["usize", "u64", "u32"]
+                .iter()
+                .fold(better, |m, t| {
+                    m.replace(&format!("expected {t}"), "expected a whole number ≥ 0")
+                })
+                .replace("expected f64", "expected a number");
+            message = match key_before(text, v, (line as usize, column as usize)) {
+                Some(key) => format!("{key}: {better}"),
+                None => better,
+            };
         }
     }
     ConfigError::Syntax {
@@ -759,6 +780,31 @@ pub const RESERVED_ENV: [&str; 13] = [
     "ZRUN_LAUNCHER",
 ];
 
+/// The dotted key of `root` (the text's untyped value) that `text` opens
+/// last before `at` (1-based line and column): the key whose value holds a
+/// located error.
+fn key_before(text: &str, root: &Value, at: (usize, usize)) -> Option<String> {
+    fn keys(v: &Value, prefix: &str, out: &mut Vec<String>) {
+        if let Value::Object(map) = v {
+            for (k, child) in map {
+                let key = match prefix {
+                    "" => k.clone(),
+                    _ => format!("{prefix}.{k}"),
+                };
+                keys(child, &key, out);
+                out.push(key);
+            }
+        }
+    }
+    let mut all = Vec::new();
+    keys(root, "", &mut all);
+    all.into_iter()
+        .filter_map(|k| find_key(text, &k).map(|pos| (pos, k)))
+        .filter(|(pos, _)| *pos <= at)
+        .max()
+        .map(|(_, k)| k)
+}
+
 /// Finds the 1-based (line, column) of a dotted key in YAML text, block or flow style.
 fn find_key(text: &str, key: &str) -> Option<(usize, usize)> {
     let want: Vec<&str> = key.split('.').collect();
@@ -953,6 +999,51 @@ mod tests {
         ] {
             let mut job = load_job(&p, &[set.into()]).unwrap();
             job.validate(2).unwrap_or_else(|e| panic!("{set}: {e}"));
+        }
+    }
+
+    /// A value of the wrong type names its key and the type wanted, at its
+    /// place (serde-saphyr alone said "expected string scalar" for a list
+    /// and "invalid u64" for a word, naming neither), in flow and block
+    /// style; a wrong name among a closed set keeps serde's list.
+    #[test]
+    fn a_value_of_the_wrong_type_names_its_key_and_the_type() {
+        let d = tempfile::tempdir().unwrap();
+        for (from, to, at, says) in [
+            (
+                "d_model: 64",
+                "d_model: [64]",
+                "j.yaml:2:",
+                "model.d_model: invalid type: sequence, expected a whole number ≥ 0",
+            ),
+            (
+                "d_model: 64",
+                "d_model: abc",
+                "j.yaml:2:",
+                "model.d_model: invalid type: string \"abc\", expected a whole number ≥ 0",
+            ),
+            (
+                "  lr: 1.0e-3",
+                "  lr:\n    - 1",
+                "j.yaml:8:",
+                "train.lr: invalid type: sequence, expected a number",
+            ),
+            (
+                "  steps: 5",
+                "  steps: -5",
+                "j.yaml:6:",
+                "train.steps: invalid value: integer `-5`, expected a whole number ≥ 0",
+            ),
+            (
+                "  format: synthetic",
+                "  format: csv",
+                "j.yaml:4:",
+                "expected one of",
+            ),
+        ] {
+            let p = write(d.path(), "j.yaml", &GOOD.replace(from, to));
+            let e = load_job(&p, &[]).unwrap_err().to_string();
+            assert!(e.contains(at) && e.contains(says), "{to}: {e}");
         }
     }
 
