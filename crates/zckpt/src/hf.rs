@@ -587,6 +587,21 @@ mod tests {
         .unwrap()
     }
 
+    /// `m` written as a Hugging Face directory (every value 0.5), and its
+    /// parameters' names and shapes.
+    fn a_directory_of(m: &ModelSpec) -> (tempfile::TempDir, Vec<(String, Vec<usize>)>) {
+        let d = tempfile::tempdir().unwrap();
+        let params = m.param_shapes();
+        let mut shapes = params.iter();
+        write_dir(m, &params, d.path(), || {
+            Ok(shapes
+                .next()
+                .map(|(_, s)| vec![0.5; s.iter().product::<usize>()]))
+        })
+        .unwrap();
+        (d, params)
+    }
+
     #[test]
     fn llama_pieces_split_and_transpose_and_put_back() {
         let m = llama();
@@ -664,15 +679,7 @@ mod tests {
             let back = model_spec(d.path()).unwrap();
             assert_eq!(effective(&back), effective(&m), "{:?}", m.kind);
         }
-        let d = tempfile::tempdir().unwrap();
-        let params = gpt.param_shapes();
-        let mut shapes = params.iter();
-        write_dir(&gpt, &params, d.path(), || {
-            Ok(shapes
-                .next()
-                .map(|(_, s)| vec![0.5; s.iter().product::<usize>()]))
-        })
-        .unwrap();
+        let (d, params) = a_directory_of(&gpt);
         let written = config_json(&gpt);
         for (key, value) in [
             ("scale_attn_weights", false),
@@ -700,15 +707,7 @@ mod tests {
     #[test]
     fn a_directory_of_another_architecture_is_refused() {
         let m = llama();
-        let d = tempfile::tempdir().unwrap();
-        let params = m.param_shapes();
-        let mut shapes = params.iter();
-        write_dir(&m, &params, d.path(), || {
-            Ok(shapes
-                .next()
-                .map(|(_, s)| vec![0.5; s.iter().product::<usize>()]))
-        })
-        .unwrap();
+        let (d, params) = a_directory_of(&m);
         read(&m, &params, d.path(), true).unwrap();
         let written: serde_json::Value =
             serde_json::from_slice(&std::fs::read(d.path().join(HF_CONFIG)).unwrap()).unwrap();
