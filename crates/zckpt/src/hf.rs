@@ -679,6 +679,111 @@ mod tests {
             let back = model_spec(d.path()).unwrap();
             assert_eq!(effective(&back), effective(&m), "{:?}", m.kind);
         }
+        // What zrun cannot run, refused naming the key.
+        let llama_config = config_json(&llama());
+        let gpt_config = config_json(&gpt);
+        let edit = |base: &serde_json::Value, edits: &[(&str, serde_json::Value)]| {
+            let mut c = base.clone();
+            for (k, v) in edits {
+                c[*k] = v.clone();
+            }
+            c
+        };
+        use serde_json::{json, Value};
+        for (config, says) in [
+            (
+                edit(&gpt_config, &[("model_type", json!("bert"))]),
+                "model_type is \"bert\": zrun runs gpt2 and llama",
+            ),
+            (
+                edit(&gpt_config, &[("n_embd", json!(-1))]),
+                "n_embd is -1, not a positive whole number",
+            ),
+            (
+                edit(&gpt_config, &[("n_embd", json!(0))]),
+                "n_embd is 0, not a positive whole number",
+            ),
+            (
+                edit(&gpt_config, &[("vocab_size", Value::Null)]),
+                "no vocab_size",
+            ),
+            (
+                edit(&gpt_config, &[("n_head", json!(3))]),
+                "3 heads (3 key/value) do not divide the width 8",
+            ),
+            (
+                edit(&gpt_config, &[("activation_function", json!("relu"))]),
+                "activation_function is \"relu\"",
+            ),
+            (
+                edit(&gpt_config, &[("layer_norm_epsilon", json!(-1.0))]),
+                "must be positive numbers",
+            ),
+            (
+                edit(&llama_config, &[("hidden_act", json!("gelu"))]),
+                "hidden_act is \"gelu\": zrun's model has \"silu\"",
+            ),
+            (
+                edit(&llama_config, &[("attention_bias", json!(true))]),
+                "attention_bias is true",
+            ),
+            (
+                edit(&llama_config, &[("mlp_bias", json!(true))]),
+                "mlp_bias is true",
+            ),
+            (
+                edit(&llama_config, &[("rope_scaling", json!({"factor": 2.0}))]),
+                "rope_scaling is",
+            ),
+            (
+                edit(
+                    &llama_config,
+                    &[("rope_parameters", json!({"rope_type": "yarn"}))],
+                ),
+                "rope_parameters is",
+            ),
+            (
+                edit(&llama_config, &[("head_dim", json!(4))]),
+                "head_dim is 4: zrun's model has 2",
+            ),
+            (
+                edit(&llama_config, &[("num_key_value_heads", json!(3))]),
+                "4 heads (3 key/value) do not divide",
+            ),
+            (
+                edit(
+                    &llama_config,
+                    &[
+                        ("num_attention_heads", json!(8)),
+                        ("num_key_value_heads", json!(1)),
+                        ("head_dim", Value::Null),
+                    ],
+                ),
+                "the head width 1 is odd",
+            ),
+            (
+                edit(&llama_config, &[("rope_theta", json!(0.0))]),
+                "must be positive numbers",
+            ),
+        ] {
+            let d = tempfile::tempdir().unwrap();
+            std::fs::write(d.path().join(HF_CONFIG), config.to_string()).unwrap();
+            let e = model_spec(d.path()).unwrap_err().to_string();
+            assert!(e.contains("config.json") && e.contains(says), "{says}: {e}");
+        }
+        // transformers 5's rotary base, read from `rope_parameters`; its
+        // `default` type is no scaling.
+        let mut v5 = edit(
+            &llama_config,
+            &[(
+                "rope_parameters",
+                json!({"rope_type": "default", "rope_theta": 250.0}),
+            )],
+        );
+        v5.as_object_mut().unwrap().remove("rope_theta");
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join(HF_CONFIG), v5.to_string()).unwrap();
+        assert_eq!(model_spec(d.path()).unwrap().rope_theta(), 250.0);
         let (d, params) = a_directory_of(&gpt);
         let written = config_json(&gpt);
         for (key, value) in [
