@@ -720,6 +720,10 @@ mod tests {
                 "must be positive numbers",
             ),
             (
+                edit(&gpt_config, &[("layer_norm_epsilon", json!(0.0))]),
+                "must be positive numbers",
+            ),
+            (
                 edit(&llama_config, &[("hidden_act", json!("gelu"))]),
                 "hidden_act is \"gelu\": zrun's model has \"silu\"",
             ),
