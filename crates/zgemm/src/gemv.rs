@@ -6,9 +6,12 @@
 //! The blocked path packs `B` into panels first, which for one row triples
 //! the traffic (read `B`, write the panels, read them again) and left the
 //! kernels a tile of one live row: on a GPT-2-small shape, packing was half
-//! of a generated token's time. Here `B` streams once, a few rows at a
-//! time, into `C`'s row held in L1/L2, with the threads on ranges of
-//! columns.
+//! of a generated token's time. Here `B` streams once, with the threads on
+//! ranges of columns: a row-major `B` (the blocks' linears) four rows at a
+//! time into `C`'s row held in L1/L2; a transposed one (a tied head's
+//! `x·wteᵀ`, whose columns are stored rows) eight columns at a time, their
+//! values transposed in registers so that one vector multiply-add takes
+//! eight columns' terms.
 //!
 //! The bits are the blocked path's: at α = 1 each element of `C` is one
 //! fused multiply-add chain over the depth in order, from `C`, the bias or
