@@ -129,14 +129,6 @@ impl Failure {
         }
         .into()
     }
-    /// Stopped by Ctrl-C, SIGTERM or SIGHUP (exit 130).
-    pub fn interrupted(message: impl Into<String>) -> anyhow::Error {
-        Failure {
-            code: exit::INTERRUPTED,
-            message: message.into(),
-        }
-        .into()
-    }
 }
 
 /// The exit code for an error: bad input is 2, launch failures 3, the rest 1.
@@ -319,10 +311,10 @@ pub(crate) fn keep_existing(
     }
 }
 
-/// The files `zrun export` is writing under temporary names: removed if
-/// Ctrl-C, SIGTERM or SIGHUP ends it (exit 130), which would otherwise
-/// leave them, as large as the export, beside it. Set once, before the
-/// writing starts.
+/// The files a command (`zrun export`, `zrun prepare`) is writing under
+/// temporary names: removed if Ctrl-C, SIGTERM or SIGHUP ends it (exit
+/// 130), which would otherwise leave them, as large as the output, beside
+/// it. Set once, before the writing starts.
 static REMOVE_ON_SIGNAL: std::sync::OnceLock<Vec<std::ffi::CString>> = std::sync::OnceLock::new();
 
 /// The handler: only what a signal handler may do (unlink, write, _exit).
@@ -340,7 +332,7 @@ extern "C" fn remove_and_exit(_: std::ffi::c_int) {
 }
 
 /// Removes `paths` if a signal ends the command ([`REMOVE_ON_SIGNAL`]).
-fn remove_on_interrupt(paths: &[std::path::PathBuf]) -> anyhow::Result<()> {
+pub(crate) fn remove_on_interrupt(paths: &[std::path::PathBuf]) -> anyhow::Result<()> {
     use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
     use std::os::unix::ffi::OsStrExt;
     let paths = paths

@@ -17,7 +17,6 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -42,40 +41,9 @@ struct Piece {
     ends_document: bool,
 }
 
-/// Set by SIGINT, SIGTERM or SIGHUP while a prepare runs: it stops at the
-/// next piece of text and, as for any failure, removes what it had begun
-/// (exit 130). Without this the signal ended the process where it stood,
-/// leaving its hidden `.NAME.partial` files behind.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_interrupt(_: std::ffi::c_int) {
-    INTERRUPTED.store(true, Ordering::Relaxed);
-}
-
-/// Routes SIGINT, SIGTERM and SIGHUP to [`INTERRUPTED`].
-fn catch_interrupts() -> Result<()> {
-    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
-    let action = SigAction::new(
-        SigHandler::Handler(on_interrupt),
-        SaFlags::SA_RESTART,
-        SigSet::empty(),
-    );
-    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
-        // SAFETY: the handler only stores to an atomic, which is
-        // async-signal-safe.
-        unsafe { sigaction(signal, &action) }.context("installing a signal handler")?;
-    }
-    Ok(())
-}
-
-/// Fails once a signal has asked the prepare to stop.
-fn check_interrupted() -> Result<()> {
-    match INTERRUPTED.load(Ordering::Relaxed) {
-        true => Err(Failure::interrupted(
-            "interrupted: nothing written to --out (what had begun was removed)",
-        )),
-        false => Ok(()),
-    }
+/// Where `name` is written in `dir` until it is whole.
+fn partial_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join(format!(".{name}.partial"))
 }
 
 /// A file being written under a temporary name, removed unless it was
@@ -101,7 +69,7 @@ struct Output {
 
 impl Output {
     fn create(dir: &Path, name: &'static str, width: usize) -> Result<Output> {
-        let partial = Partial(dir.join(format!(".{name}.partial")));
+        let partial = Partial(partial_path(dir, name));
         let file = std::fs::File::create(&partial.0)
             .with_context(|| format!("cannot write {}", partial.0.display()))?;
         Ok(Output {
@@ -201,7 +169,10 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(ProgressDrawTarget::hidden());
     }
-    catch_interrupts()?;
+    // Ctrl-C, SIGTERM or SIGHUP: exit 130, what was begun removed (as a
+    // failure's `Partial`s are; a signal ends the process where it stands).
+    let begun = ["train.bin", "val.bin", MANIFEST_NAME].map(|n| partial_path(&args.out, n));
+    crate::remove_on_interrupt(&begun)?;
     let mut train = Output::create(&args.out, "train.bin", width)?;
     let mut val = Output::create(&args.out, "val.bin", width)?;
     let mut split = Split::new(args.val_fraction);
@@ -229,7 +200,6 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     };
     for (path, jsonl) in &inputs {
         let mut pieces = |piece: Piece| -> Result<()> {
-            check_interrupted()?;
             batch_bytes += piece.text.len();
             bar.inc(piece.text.len() as u64);
             batch.push(piece);
@@ -247,7 +217,6 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         bar.set_message(path.display().to_string());
     }
     encode(&mut batch)?;
-    check_interrupted()?;
     bar.finish_and_clear();
     let mut files = BTreeMap::new();
     let mut written = Vec::new();
@@ -264,7 +233,7 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         eos_id: eos,
         files,
     };
-    let partial = Partial(args.out.join(format!(".{MANIFEST_NAME}.partial")));
+    let partial = Partial(partial_path(&args.out, MANIFEST_NAME));
     std::fs::write(&partial.0, serde_json::to_string_pretty(&manifest)? + "\n")
         .with_context(|| format!("writing {}", partial.0.display()))?;
     // Everything is on disk: into place, the manifest (which vouches for
