@@ -522,3 +522,94 @@ fn sigusr1_stops_after_a_step_with_its_checkpoint_and_the_resume_matches() {
     assert!(f.stdout.contains("SIGUSR1 ignored"), "{}", f.stdout);
     assert_eq!(losses_by_step(&m), want);
 }
+
+/// The commands that run zrun's own children (a sweep's `zrun train`, and
+/// its workers under it; `zrun sample`'s `zworker sample`) take them down
+/// when they end: SIGTERM stops a sweep with exit 130 and stops the job it
+/// was running (a sweep ignored SIGTERM once it had measured the GEMM peak,
+/// until the seventieth session), and a SIGKILLed sweep or a terminated
+/// sample leaves nothing running (they were orphaned, and ran to their end).
+#[test]
+fn sweeps_and_samples_take_their_children_with_them() {
+    for sig in [Signal::SIGTERM, Signal::SIGKILL] {
+        let dir = tempfile::tempdir().unwrap();
+        let job = small_job(dir.path(), "swept", 100_000);
+        let out = dir.path().join("out");
+        let z = e2e::Zrun::start(
+            dir.path(),
+            &[
+                "bench",
+                job.to_str().unwrap(),
+                "--sweep",
+                "zero.stage=0,1",
+                "--steps",
+                "100000",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+        );
+        // The first configuration is training: zrun train and its workers.
+        let mut tree = Vec::new();
+        assert!(
+            wait_until(Duration::from_secs(60), || {
+                tree = children_of(z.pid());
+                tree.extend(
+                    tree.iter()
+                        .flat_map(|&c| children_of(c))
+                        .collect::<Vec<_>>(),
+                );
+                tree.len() == 3 && metrics(&out.join("run-0.jsonl")).len() >= 2
+            }),
+            "{sig:?}: the sweep's first job did not start: {:?}",
+            tree
+        );
+        z.signal(sig);
+        let f = z.wait(Duration::from_secs(40));
+        if sig == Signal::SIGTERM {
+            assert_eq!(f.code(), 130, "{f:?}");
+            assert!(
+                f.stderr
+                    .contains("terminated (SIGTERM): configuration stage=0 stopped"),
+                "{}",
+                f.stderr
+            );
+        }
+        assert_gone(
+            &tree,
+            Duration::from_secs(20),
+            &format!("after {sig:?} to the sweep"),
+        );
+    }
+    // A byte-level model (zrun sample encodes a prompt as bytes without a
+    // tokenizer), checkpointed.
+    let dir = tempfile::tempdir().unwrap();
+    let job = ckpt_job(dir.path(), "sampled", 4, 4);
+    let text = std::fs::read_to_string(&job).unwrap();
+    std::fs::write(&job, text.replace("vocab_size: 64", "vocab_size: 256")).unwrap();
+    let f = TrainArgs::new(&job, dir.path().join("m.jsonl")).run(dir.path());
+    assert_eq!(f.code(), 0, "{f:?}");
+    let ckpt = dir.path().join("ckpt");
+    let z = e2e::Zrun::start(
+        dir.path(),
+        &[
+            "sample",
+            ckpt.to_str().unwrap(),
+            "--prompt",
+            "a",
+            "--tokens",
+            "100000000",
+        ],
+    );
+    let mut sampler = Vec::new();
+    assert!(wait_until(Duration::from_secs(30), || {
+        sampler = children_of(z.pid());
+        sampler.len() == 1
+    }));
+    z.signal(Signal::SIGTERM);
+    let _ = z.wait(Duration::from_secs(10));
+    assert_gone(
+        &sampler,
+        Duration::from_secs(10),
+        "after SIGTERM to zrun sample",
+    );
+}

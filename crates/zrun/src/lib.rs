@@ -30,6 +30,8 @@
 //!   checkpointing chosen from measured figures of this machine.
 //! - [`swap_check`]: NVMe offload's checks before a launch (the swap path, free
 //!   space), and removing a finished job's swap files.
+//! - `child`: the processes zrun runs under it (a sweep's jobs, `zworker
+//!   sample`) end when it does, and a signal to zrun stops them.
 //! - [`prepare`]: `zrun prepare`, text or JSONL to token files with a
 //!   Hugging Face tokenizer.
 //! - `zrun export` and `zrun sample` (below): a checkpoint consolidated, or
@@ -61,6 +63,7 @@ macro_rules! shout {
 }
 
 pub mod bench;
+mod child;
 pub mod cli;
 pub mod estimate;
 pub mod launch;
@@ -255,13 +258,17 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
     };
     let worker = bench::worker_bin(args.worker_bin.clone())?;
     let mut command = std::process::Command::new(&worker);
-    command.arg("sample").arg(&dir).arg(&prompt).args([
-        args.tokens.to_string(),
-        args.temperature.to_string(),
-        args.top_k.to_string(),
-        args.top_p.to_string(),
-        args.seed.to_string(),
-    ]);
+    child::ends_with_this_zrun(&mut command)
+        .arg("sample")
+        .arg(&dir)
+        .arg(&prompt)
+        .args([
+            args.tokens.to_string(),
+            args.temperature.to_string(),
+            args.top_k.to_string(),
+            args.top_p.to_string(),
+            args.seed.to_string(),
+        ]);
     let launch =
         |e: std::io::Error| Failure::launch(format!("cannot start {}: {e}", worker.display()));
     let status = match &tokenizer {

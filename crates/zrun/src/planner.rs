@@ -197,15 +197,15 @@ fn tiny_step_s(workers: usize, layers: usize, accum: usize, worker_bin: &Path) -
         ),
     )?;
     let metrics = dir.path().join("m.jsonl");
-    let out = std::process::Command::new(std::env::current_exe()?)
-        .arg("train")
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.arg("train")
         .arg(&job)
         .args(["--no-progress", "--workers-per-node", &workers.to_string()])
         .arg("--worker-bin")
         .arg(worker_bin)
         .arg("--metrics")
-        .arg(&metrics)
-        .output()?;
+        .arg(&metrics);
+    let out = crate::child::output_of(cmd, "measuring step overheads")?;
     if !out.status.success() {
         return Err(Failure::launch(format!(
             "measuring step overheads failed: {}",
@@ -597,7 +597,7 @@ fn verify(args: &PlanArgs, candidates: &mut [Candidate]) -> Result<()> {
             c.label(),
             args.verify_steps
         );
-        let out = cmd.output()?;
+        let out = crate::child::output_of(cmd, &format!("verifying {}", c.label()))?;
         if !out.status.success() {
             eprint!("{}", String::from_utf8_lossy(&out.stderr));
             return Err(Failure {

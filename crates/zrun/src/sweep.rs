@@ -214,7 +214,8 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
             cmd.arg("--set").arg(s);
         }
         cmd.args(launch_flags(&launch_for(&c, &args)?));
-        let out = cmd.output()?;
+        let out = crate::child::output_of(cmd, &format!("configuration {label}"))
+            .inspect_err(|_| bar.finish_and_clear())?;
         if !out.status.success() {
             bar.finish_and_clear();
             eprint!("{}", String::from_utf8_lossy(&out.stderr));
