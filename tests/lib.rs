@@ -154,6 +154,49 @@ pub fn zrun(cwd: &Path, args: &[&str]) -> Finished {
     Zrun::start(cwd, args).wait(Duration::from_secs(300))
 }
 
+/// `zrun ARGS | head -c BYTES` in `cwd`: the first `bytes` of stdout, then
+/// the pipe closed. Returns what was read, zrun's exit code (it must end
+/// within 30 s of the close; killed and a panic otherwise), its stderr, and
+/// the processes it had started that were still there as it was reading.
+pub fn zrun_into_head(cwd: &Path, args: &[&str], bytes: usize) -> (String, i32, String, Vec<u32>) {
+    use std::io::Read;
+    let err = tempfile::NamedTempFile::new().expect("stderr file");
+    let mut child = Command::new(bin("zrun"))
+        .args(args)
+        .current_dir(cwd)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(err.reopen().expect("stderr file"))
+        .spawn()
+        .expect("start zrun");
+    let mut head = vec![0; bytes];
+    let read = child.stdout.take().expect("piped").read_exact(&mut head);
+    let children = children_of(child.id());
+    // The read end is closed now (the ChildStdout dropped).
+    let mut status = None;
+    let ended = wait_until(Duration::from_secs(30), || {
+        status = child.try_wait().expect("wait for zrun");
+        status.is_some()
+    });
+    if !ended {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let stderr = std::fs::read_to_string(err.path()).unwrap_or_default();
+    read.unwrap_or_else(|e| panic!("reading zrun's stdout: {e}; stderr: {stderr}"));
+    assert!(
+        ended,
+        "zrun went on for 30 s after its stdout closed: {stderr}"
+    );
+    let code = status.and_then(|s| s.code()).unwrap_or(-1);
+    (
+        String::from_utf8_lossy(&head).into_owned(),
+        code,
+        stderr,
+        children,
+    )
+}
+
 /// The argument list of `zrun train JOB --metrics FILE --no-progress`, to
 /// which tests add what they vary.
 #[derive(Debug, Clone)]

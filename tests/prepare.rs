@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use e2e::{metrics, zrun, TrainArgs};
+use e2e::{assert_gone, metrics, zrun, zrun_into_head, TrainArgs};
 
 /// A word-level tokenizer.json (whitespace pre-tokenizer, so that a word is a
 /// token): `<|endoftext|>` is 0, `[UNK]` 1, then `words`.
@@ -186,6 +186,22 @@ fn prepared_tokens_are_the_tokenizers_and_train() {
     assert!(!drawn.is_empty() && drawn.len() <= 12, "{text}");
     assert!(drawn.iter().all(|w| vocab.contains_key(*w)), "{text}");
     assert_eq!(sample().stdout, s.stdout);
+    // `… | head -c 12` through the tokenizer: zrun stops reading, which
+    // stops the generator behind it; both quietly.
+    let args = [
+        "sample",
+        ckpt.to_str().unwrap(),
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--prompt",
+        "w3 w10",
+        "--tokens",
+        "100000000",
+    ];
+    let (head, code, stderr, children) = zrun_into_head(d, &args, 12);
+    assert!(head.starts_with("w3 w10 "), "{head:?}");
+    assert_eq!((code, stderr.as_str()), (0, ""));
+    assert_gone(&children, Duration::from_secs(10), "after the pipe closed");
     // Without the tokenizer, a model of 42 tokens cannot take a byte prompt.
     let f = zrun(d, &["sample", ckpt.to_str().unwrap(), "--prompt", "w3"]);
     assert_eq!(f.code(), 2, "{f:?}");

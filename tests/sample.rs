@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use e2e::{zrun, TrainArgs};
+use e2e::{assert_gone, zrun, zrun_into_head, TrainArgs};
 
 /// Trains a small byte-level GPT on "0123456789" repeated, with a checkpoint
 /// at the end; returns the checkpoint root.
@@ -84,6 +84,31 @@ fn a_trained_model_continues_its_pattern_and_a_seed_repeats_its_text() {
     let a = drawn("5");
     assert_eq!(a.len(), 1 + 40 + 1, "{a:?}");
     assert_eq!(a, drawn("5"), "the same seed drew other text");
+}
+
+/// `zrun sample … | head -c 20`: the drawing stops when the reader has
+/// what it wants, quietly (exit 0, nothing on stderr: it ended with
+/// "zworker: Broken pipe" and exit 1 before the seventieth session).
+#[test]
+fn a_closed_stdout_stops_the_drawing_quietly() {
+    let d = tempfile::tempdir().unwrap();
+    let ckpt = trained(d.path());
+    let args = [
+        "sample",
+        ckpt.to_str().unwrap(),
+        "--prompt",
+        "0",
+        "--tokens",
+        "100000000",
+    ];
+    let (head, code, stderr, children) = zrun_into_head(d.path(), &args, 20);
+    assert!(head.starts_with('0'), "{head:?}");
+    assert_eq!((code, stderr.as_str()), (0, ""));
+    assert_gone(
+        &children,
+        std::time::Duration::from_secs(10),
+        "after the pipe closed",
+    );
 }
 
 #[test]

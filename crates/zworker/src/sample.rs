@@ -231,12 +231,16 @@ pub fn run(args: &[String]) -> Result<()> {
         let mut logits = loaded.feed(&window(&context), &mut caches)?;
         for i in 0..n {
             let next = pick(&logits, sampling, &mut rng);
-            if ids {
-                writeln!(out, "{next}")?;
-            } else {
-                out.write_all(&[next as u8])?;
+            let written = match ids {
+                true => writeln!(out, "{next}"),
+                false => out.write_all(&[next as u8]),
+            };
+            // A reader that has all it wants (`zrun sample … | head`, or
+            // zrun's own stdout closed) ends the drawing, quietly.
+            match written.and_then(|()| out.flush()) {
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+                written => written?,
             }
-            out.flush()?;
             context.push(next);
             if i + 1 == n {
                 break;
@@ -251,7 +255,10 @@ pub fn run(args: &[String]) -> Result<()> {
             };
         }
         if !ids {
-            out.write_all(b"\n")?;
+            match out.write_all(b"\n") {
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+                written => written?,
+            }
         }
         Ok(())
     })
