@@ -718,12 +718,14 @@ impl Reader {
                 let value = match (number, *name) {
                     (None, _) => MappedValue::Job,
                     (Some(n), "warmup_min_ratio" | "cos_min_ratio") => MappedValue::TimesLr(n),
-                    (Some(n), "warmup_num_steps") => {
-                        if n.fract() != 0.0 {
-                            return Err(self.error(&source, "must be a whole number of steps"));
+                    // A count past u64 was saturated to u64::MAX until the
+                    // seventieth session; it is refused as any count is.
+                    (Some(n), "warmup_num_steps") => match count(&json!(n)) {
+                        Ok(steps) => MappedValue::Set(json!(steps)),
+                        Err(_) => {
+                            return Err(self.error(&source, "must be a whole number of steps"))
                         }
-                        MappedValue::Set(json!(n as u64))
-                    }
+                    },
                     (Some(n), _) => MappedValue::Set(json!(n)),
                 };
                 self.map(key, value, &source, origin);
@@ -1159,6 +1161,7 @@ mod tests {
         assert_eq!(count(&json!(5e8)).unwrap(), 500_000_000);
         assert_eq!(count(&json!(12)).unwrap(), 12);
         assert!(count(&json!(1.5)).is_err());
+        assert!(count(&json!(1e30)).is_err());
         assert!(count(&json!(-1)).is_err());
         assert!(count(&json!("many")).is_err());
     }
