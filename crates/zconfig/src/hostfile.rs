@@ -76,10 +76,17 @@ impl Hostfile {
                 return Err(err(ln, format!("expected `HOST slots=N`, got `{line}`")));
             }
             let (mut slots, mut port, mut user) = (None, None, None);
+            let mut given: Vec<&str> = Vec::new();
             for w in words {
                 let (k, v) = w.split_once('=').ok_or_else(|| {
                     err(ln, format!("expected KEY=VALUE after the host, got `{w}`"))
                 })?;
+                // `a slots=2 slots=3` took the last until the seventieth
+                // session: which one was meant is the user's to say.
+                if given.contains(&k) {
+                    return Err(err(ln, format!("`{k}` is given twice for `{host}`")));
+                }
+                given.push(k);
                 match k {
                     "slots" => {
                         let n: usize = v.parse().map_err(|_| {
@@ -455,6 +462,10 @@ mod tests {
             .to_string()
             .starts_with("hosts:1: slots"));
         assert!(hf("a\n").unwrap_err().to_string().contains("no slots=N"));
+        assert_eq!(
+            hf("a slots=2 port=22 slots=3\n").unwrap_err().to_string(),
+            "hosts:1: `slots` is given twice for `a`"
+        );
         assert!(hf("a slot=2\n")
             .unwrap_err()
             .to_string()
