@@ -402,6 +402,55 @@ fn a_failed_prepare_leaves_nothing_behind() {
     assert!(left.trim().is_empty(), "left in --out: {left}");
 }
 
+/// A UTF-8 byte-order mark (what Windows editors write first) is not text:
+/// a JSONL file behind one was "not JSON" at 1:1, and a text file's first
+/// tokens took it in. And inputs with no text at all are exit 2 at prepare,
+/// not empty token files that `zrun train` refuses later.
+#[test]
+fn a_byte_order_mark_is_skipped_and_no_text_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (tok, _) = tokenizer(d, &words(40));
+    let bom = "\u{feff}";
+    std::fs::write(d.join("a.txt"), "w1 w2 w3\n").unwrap();
+    std::fs::write(d.join("bom-a.txt"), format!("{bom}w1 w2 w3\n")).unwrap();
+    std::fs::write(d.join("a.jsonl"), "{\"text\": \"w4 w5\"}\n").unwrap();
+    std::fs::write(
+        d.join("bom-a.jsonl"),
+        format!("{bom}{{\"text\": \"w4 w5\"}}\n"),
+    )
+    .unwrap();
+    let tokens = |inputs: &[&str], out: &str| {
+        let f = prepare(d, inputs, &tok, &d.join(out), &["--val-fraction", "0"]);
+        assert_eq!(f.code(), 0, "{f:?}");
+        ids(&d.join(out).join("train.bin"), 2)
+    };
+    let plain = tokens(&["a.txt", "a.jsonl"], "plain");
+    assert_eq!(
+        plain.len(),
+        3 + 1 + 2 + 1,
+        "three words, two words, an end-of-text after each"
+    );
+    assert_eq!(tokens(&["bom-a.txt", "bom-a.jsonl"], "bom"), plain);
+    std::fs::write(d.join("empty.txt"), "").unwrap();
+    std::fs::write(d.join("blank.jsonl"), "\n\n").unwrap();
+    let out = d.join("nothing");
+    let f = prepare(
+        d,
+        &["empty.txt", "blank.jsonl"],
+        &tok,
+        &out,
+        &["--eos", "none"],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("no text to tokenize"), "{}", f.stderr);
+    let left: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left in --out: {left:?}");
+}
+
 /// Ctrl-C (or SIGTERM) during a prepare stops it with exit 130 and leaves
 /// `--out` as it was: the token files it had begun are removed (until the
 /// sixty-ninth session the signal ended it where it stood, with its hidden

@@ -225,6 +225,18 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         files.insert(name.to_string(), entry);
         written.push((partial, args.out.join(name)));
     }
+    // Empty token files only fail later, at `zrun train`: say so here, where
+    // the inputs are at hand (what was written is removed as on any failure).
+    if files.values().all(|f| f.tokens == 0) {
+        return Err(Failure::bad_input(format!(
+            "{}: no text to tokenize (empty files, blank lines, or empty records)",
+            inputs
+                .iter()
+                .map(|(p, _)| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
     let manifest = DataManifest {
         tokenizer: args.tokenizer.display().to_string(),
         tokenizer_sha256: format!("{:x}", Sha256::digest(&tokenizer_bytes)),
@@ -431,6 +443,7 @@ fn read_text(path: &Path, sink: &mut impl FnMut(Piece) -> Result<()>) -> Result<
     let mut r = std::io::BufReader::new(std::fs::File::open(path).map_err(bad)?);
     let mut piece = String::new();
     let mut line = String::new();
+    let mut first = true;
     loop {
         line.clear();
         let n = r.read_line(&mut line).map_err(|e| {
@@ -439,6 +452,9 @@ fn read_text(path: &Path, sink: &mut impl FnMut(Piece) -> Result<()>) -> Result<
                 path.display()
             ))
         })?;
+        if std::mem::take(&mut first) {
+            without_bom(&mut line);
+        }
         if n == 0 || (piece.len() + line.len() > PIECE_BYTES && !piece.is_empty()) {
             let ends_document = n == 0;
             sink(Piece {
@@ -459,8 +475,11 @@ fn read_jsonl(path: &Path, field: &str, sink: &mut impl FnMut(Piece) -> Result<(
     let bad = |e: std::io::Error| Failure::bad_input(format!("{}: {e}", path.display()));
     let r = std::io::BufReader::new(std::fs::File::open(path).map_err(bad)?);
     for (i, line) in r.lines().enumerate() {
-        let line =
+        let mut line =
             line.map_err(|e| Failure::bad_input(format!("{}:{}: {e}", path.display(), i + 1)))?;
+        if i == 0 {
+            without_bom(&mut line);
+        }
         if line.trim().is_empty() {
             continue;
         }
@@ -480,6 +499,15 @@ fn read_jsonl(path: &Path, field: &str, sink: &mut impl FnMut(Piece) -> Result<(
         })?;
     }
     Ok(())
+}
+
+/// Drops the byte-order mark that Windows editors put at a UTF-8 file's
+/// start: a JSONL record behind one was "not JSON", and a text file's first
+/// tokens took it in.
+fn without_bom(first_line: &mut String) {
+    if first_line.starts_with('\u{feff}') {
+        first_line.drain(..'\u{feff}'.len_utf8());
+    }
 }
 
 #[cfg(test)]
