@@ -114,10 +114,7 @@ impl DeepSpeedConfig {
 
 /// Reads the ds_config at `path`. `d_model` resolves the `"auto"` bucket sizes.
 pub fn read(path: &Path, d_model: usize) -> Result<DeepSpeedConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Io {
-        path: path.to_path_buf(),
-        cause,
-    })?;
+    let text = crate::read_config(path)?;
     let root: Value = serde_json::from_str(&text).map_err(|e| ConfigError::Syntax {
         path: path.to_path_buf(),
         line: e.line() as u64,

@@ -49,10 +49,7 @@ pub struct Hostfile {
 impl Hostfile {
     /// Reads and parses a hostfile.
     pub fn read(path: &Path) -> Result<Hostfile, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Io {
-            path: path.to_path_buf(),
-            cause,
-        })?;
+        let text = crate::read_config(path)?;
         Hostfile::parse(path, &text)
     }
 

@@ -45,3 +45,46 @@ pub use error::ConfigError;
 pub use hostfile::{HostEntry, Hostfile, Node, Placement, SlotFilter, Topology, TopologyOptions};
 pub use load::{load_job, load_job_with, LoadedJob};
 pub use spec::{DataFormat, Dtype, JobSpec, LossScaleSpec, ModelKind, Schedule, ZeroStage};
+
+/// A config file's text (a job, a hostfile, a ds_config), without the UTF-8
+/// byte-order mark Windows editors write first: unseen in an editor, it made
+/// a hostfile's first host `\u{feff}localhost`, which does not resolve, and
+/// a ds_config "not JSON" at 1:1.
+pub(crate) fn read_config(path: &std::path::Path) -> Result<String, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Io {
+        path: path.to_path_buf(),
+        cause,
+    })?;
+    Ok(match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    /// A byte-order mark before a job, a hostfile or a ds_config is not
+    /// part of what they say.
+    #[test]
+    fn config_files_read_without_a_byte_order_mark() {
+        let d = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| {
+            let p = d.path().join(name);
+            std::fs::write(&p, format!("\u{feff}{text}")).unwrap();
+            p
+        };
+        let hosts = crate::Hostfile::read(&write("hosts", "worker-1 slots=2\n")).unwrap();
+        assert_eq!(hosts.entries[0].host, "worker-1");
+        let job = write(
+            "job.yaml",
+            "name: bom\nmodel: {d_model: 64, n_heads: 4, n_layers: 2, seq_len: 16}\ndata: {format: synthetic}\n",
+        );
+        let ds = write("ds.json", "{\"train_micro_batch_size_per_gpu\": 3}");
+        let loaded = crate::load_job_with(&job, &[], Some(&ds)).unwrap();
+        assert_eq!(loaded.spec.train.micro_batch_size, 3);
+        // Positions stay where an editor shows them.
+        let bad = write("bad.json", "{\"train_micro_batch_size_per_gpu\": 3, \"bogus\": 1}");
+        let e = crate::load_job_with(&job, &[], Some(&bad)).unwrap_err();
+        assert!(e.to_string().contains("bad.json:1:39: bogus"), "{e}");
+    }
+}

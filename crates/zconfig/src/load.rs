@@ -39,10 +39,7 @@ pub fn load_job_with(
     overrides: &[String],
     deepspeed: Option<&Path>,
 ) -> Result<LoadedJob, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Io {
-        path: path.to_path_buf(),
-        cause,
-    })?;
+    let text = crate::read_config(path)?;
     if text.trim().is_empty() {
         return Err(ConfigError::Syntax {
             path: path.to_path_buf(),
