@@ -247,10 +247,8 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
             only("hidden_act", &[json!("silu")])?;
             only("attention_bias", &[json!(false)])?;
             only("mlp_bias", &[json!(false)])?;
-            if let Some((key, scaling)) = rope_scaling(&c) {
-                return Err(bad(format!(
-                    "{key} is {scaling}: zrun's rotary embedding is not scaled"
-                )));
+            if let Some(refusal) = rope_refusal(&c) {
+                return Err(bad(refusal));
             }
             let (d, heads) = (need(&["hidden_size"])?, need(&["num_attention_heads"])?);
             if d.is_multiple_of(heads) {
@@ -302,14 +300,16 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
             m.head_dim()
         )));
     }
-    if !(m.norm_eps().is_finite()
-        && m.norm_eps() > 0.0
-        && m.rope_theta().is_finite()
-        && m.rope_theta() > 0.0)
-    {
-        return Err(bad(
-            "the norm epsilon and rotary base must be positive numbers".into(),
-        ));
+    // The model computes in f32: an epsilon of 1e-50 is 0 there, and one of
+    // 1e39 infinite (both ran, until the seventieth session; a job's YAML
+    // refuses them as well).
+    let in_f32 = |x: f64| (x as f32).is_finite() && (x as f32) > 0.0;
+    if !(in_f32(m.norm_eps()) && in_f32(m.rope_theta())) {
+        return Err(bad(format!(
+            "the norm epsilon ({}) and rotary base ({}) must be positive numbers within f32's range",
+            m.norm_eps(),
+            m.rope_theta()
+        )));
     }
     Ok(m)
 }
@@ -396,19 +396,28 @@ fn lift_rope_theta(mut c: serde_json::Value) -> serde_json::Value {
     c
 }
 
-/// The rotary scaling a `config.json` asks for, which zrun does not
-/// implement: a non-null `rope_scaling` (transformers 4.x), or a
-/// `rope_parameters` whose `rope_type` is not `default` (5.x). Its key and
-/// value.
-fn rope_scaling(c: &serde_json::Value) -> Option<(&'static str, &serde_json::Value)> {
+/// What a `config.json` asks of the rotary embedding that zrun does not do,
+/// said: a non-null `rope_scaling` (transformers 4.x), or a
+/// `rope_parameters` whose `rope_type` is not `default` (5.x), or one that
+/// is not an object at all (its rotary base was silently the default until
+/// the seventieth session).
+fn rope_refusal(c: &serde_json::Value) -> Option<String> {
     let scaling = c.get("rope_scaling").filter(|v| !v.is_null());
-    let typed = c.get("rope_parameters").filter(|r| {
+    let parameters = c.get("rope_parameters").filter(|r| !r.is_null());
+    let typed = parameters.filter(|r| {
         r.get("rope_type")
             .is_some_and(|t| !t.is_null() && t != "default")
     });
-    scaling
-        .map(|v| ("rope_scaling", v))
-        .or(typed.map(|v| ("rope_parameters", v)))
+    match (scaling, typed, parameters) {
+        (Some(v), _, _) => Some(format!("rope_scaling is {v}: zrun's rotary embedding is not scaled")),
+        (_, Some(v), _) => Some(format!(
+            "rope_parameters is {v}: zrun's rotary embedding is not scaled"
+        )),
+        (_, _, Some(v)) if !v.is_object() => Some(format!(
+            "rope_parameters is {v}, not an object such as {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}}"
+        )),
+        _ => None,
+    }
 }
 
 /// Holds a Hugging Face directory's `config.json`, where it has one, to the
@@ -461,11 +470,8 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
             }
         }
     }
-    match rope_scaling(&file) {
-        Some((key, scaling)) => Err(invalid(
-            &path,
-            format!("{key} is {scaling}: zrun's rotary embedding is not scaled"),
-        )),
+    match rope_refusal(&file) {
+        Some(refusal) => Err(invalid(&path, refusal)),
         None => Ok(()),
     }
 }
@@ -724,6 +730,14 @@ mod tests {
                 "must be positive numbers",
             ),
             (
+                edit(&gpt_config, &[("layer_norm_epsilon", json!(1e-50))]),
+                "within f32's range",
+            ),
+            (
+                edit(&gpt_config, &[("layer_norm_epsilon", json!(1e39))]),
+                "within f32's range",
+            ),
+            (
                 edit(&llama_config, &[("hidden_act", json!("gelu"))]),
                 "hidden_act is \"gelu\": zrun's model has \"silu\"",
             ),
@@ -747,6 +761,10 @@ mod tests {
                 "rope_parameters is",
             ),
             (
+                edit(&llama_config, &[("rope_parameters", json!(500.0))]),
+                "rope_parameters is 500.0, not an object",
+            ),
+            (
                 edit(&llama_config, &[("head_dim", json!(4))]),
                 "head_dim is 4: zrun's model has 2",
             ),
@@ -768,6 +786,10 @@ mod tests {
             (
                 edit(&llama_config, &[("rope_theta", json!(0.0))]),
                 "must be positive numbers",
+            ),
+            (
+                edit(&llama_config, &[("rope_theta", json!(1e300))]),
+                "within f32's range",
             ),
         ] {
             let d = tempfile::tempdir().unwrap();

@@ -83,7 +83,10 @@ mod tests {
         let loaded = crate::load_job_with(&job, &[], Some(&ds)).unwrap();
         assert_eq!(loaded.spec.train.micro_batch_size, 3);
         // Positions stay where an editor shows them.
-        let bad = write("bad.json", "{\"train_micro_batch_size_per_gpu\": 3, \"bogus\": 1}");
+        let bad = write(
+            "bad.json",
+            "{\"train_micro_batch_size_per_gpu\": 3, \"bogus\": 1}",
+        );
         let e = crate::load_job_with(&job, &[], Some(&bad)).unwrap_err();
         assert!(e.to_string().contains("bad.json:1:39: bogus"), "{e}");
     }
