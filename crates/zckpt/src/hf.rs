@@ -656,6 +656,88 @@ mod tests {
     /// for GPT-2 refuses the attention variants zrun does not compute
     /// (unscaled scores, scores scaled by the layer, cross-attention), as
     /// `init_from`'s check does.
+    /// Every key of a GPT-2 and a LLaMA `config.json` (and the keys that
+    /// transformers' other versions write) set to values of every kind:
+    /// read as a model whose norm epsilon and rotary base are usable in f32,
+    /// or refused naming the file; never a panic. Written from the
+    /// seventieth session's campaign of 1,197 edited configs through `zrun
+    /// sample`, which found a rope_parameters that is not an object, and
+    /// epsilons of 0 or infinity in f32, taken without a word.
+    #[test]
+    fn every_value_of_every_key_reads_or_is_refused() {
+        use serde_json::json;
+        let values = [
+            json!(-1),
+            json!(0),
+            json!(1),
+            json!(0.5),
+            json!(3.7),
+            json!(1e30),
+            json!(1e-50),
+            json!(1e300),
+            json!(u64::MAX),
+            json!("x"),
+            json!(true),
+            json!(false),
+            serde_json::Value::Null,
+            json!([]),
+            json!([1, 2]),
+            json!({}),
+            json!({"rope_type": "default"}),
+            json!(4),
+            json!(64),
+        ];
+        let extra = [
+            "n_ctx",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+            "rope_theta",
+            "rope_scaling",
+            "rope_parameters",
+            "head_dim",
+            "num_key_value_heads",
+        ];
+        let gpt: ModelSpec = serde_json::from_value(json!({
+            "vocab_size": 16, "d_model": 8, "n_layers": 2, "n_heads": 2, "seq_len": 12
+        }))
+        .unwrap();
+        let (mut read, mut refused) = (0, 0);
+        for base in [config_json(&gpt), config_json(&llama())] {
+            let keys: Vec<String> = base
+                .as_object()
+                .unwrap()
+                .keys()
+                .cloned()
+                .chain(extra.iter().map(|k| k.to_string()))
+                .collect();
+            for key in &keys {
+                for value in &values {
+                    let mut c = base.clone();
+                    c[key.as_str()] = value.clone();
+                    let d = tempfile::tempdir().unwrap();
+                    std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
+                    match model_spec(d.path()) {
+                        Ok(m) => {
+                            read += 1;
+                            let usable = |x: f64| (x as f32).is_finite() && (x as f32) > 0.0;
+                            assert!(usable(m.norm_eps()) && usable(m.rope_theta()), "{c}");
+                        }
+                        Err(e) => {
+                            refused += 1;
+                            assert!(e.to_string().contains(HF_CONFIG), "{c}: {e}");
+                        }
+                    }
+                }
+            }
+        }
+        assert!(
+            read > 100 && refused > 100,
+            "{read} read, {refused} refused"
+        );
+    }
+
     #[test]
     fn model_spec_reads_back_what_config_json_writes() {
         let gpt: ModelSpec = serde_json::from_value(serde_json::json!({
