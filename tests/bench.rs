@@ -249,6 +249,26 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
         "{}",
         f.stderr
     );
+    // A swept value a job cannot take is named as the --sweep it came from
+    // (it was named `--set zero.stage=9`, which the user never wrote).
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            job.to_str().unwrap(),
+            "--sweep",
+            "zero.stage=1,9",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("--sweep zero.stage=9: zero.stage: must be 0, 1, 2 or 3"),
+        "{}",
+        f.stderr
+    );
     // A second sweep into the same --out keeps the first one's tables.
     let f = zrun(
         dir.path(),

@@ -165,9 +165,18 @@ pub fn sweep(args: BenchJobArgs) -> Result<ExitCode> {
     let mut nodes = Vec::with_capacity(combos.len());
     for c in &combos {
         let sets = sets_for(c, &args);
-        let mut loaded = zconfig::load_job(&job, &sets)?;
+        // A swept value is passed on as `--set`: an error about it names
+        // the --sweep the user wrote.
+        let swept = |e: zconfig::ConfigError| {
+            let mut message = e.to_string();
+            for (k, _) in c.iter().filter(|(k, _)| k != "workers") {
+                message = message.replace(&format!("--set {k}"), &format!("--sweep {k}"));
+            }
+            Failure::bad_input(message)
+        };
+        let mut loaded = zconfig::load_job(&job, &sets).map_err(swept)?;
         let topology = crate::plan::topology(&launch_for(c, &args)?)?;
-        loaded.validate_on(&topology)?;
+        loaded.validate_on(&topology).map_err(swept)?;
         nodes.push(topology.nodes.len());
     }
     let tables = ["bench.csv", "bench.json", "bench.svg"].map(|f| args.out.join(f));
