@@ -56,6 +56,14 @@ pub(crate) fn ends_with_this_zrun(command: &mut Command) -> &mut Command {
 /// longer than [`STOP_GRACE`]) and the result is exit 130, saying that
 /// `what` was stopped.
 pub(crate) fn output_of(mut command: Command, what: &str) -> Result<Output> {
+    // One that came between this child and the one before.
+    if let Some(sig) = crate::stop::stop_signal() {
+        return Err(Failure {
+            code: exit::INTERRUPTED,
+            message: format!("{sig} before {what}: not started"),
+        }
+        .into());
+    }
     ends_with_this_zrun(&mut command)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());

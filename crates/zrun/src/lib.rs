@@ -30,6 +30,8 @@
 //!   checkpointing chosen from measured figures of this machine.
 //! - [`swap_check`]: NVMe offload's checks before a launch (the swap path, free
 //!   space), and removing a finished job's swap files.
+//! - `stop`: SIGINT, SIGTERM and SIGHUP noted between jobs, where no job
+//!   listens.
 //! - `child`: the processes zrun runs under it (a sweep's jobs, `zworker
 //!   sample`) end when it does, and a signal to zrun stops them.
 //! - [`prepare`]: `zrun prepare`, text or JSONL to token files with a
@@ -77,6 +79,7 @@ pub mod rundir;
 pub mod server;
 pub mod sink;
 pub mod ssh;
+mod stop;
 pub mod supervise;
 pub mod swap_check;
 pub mod sweep;

@@ -106,6 +106,7 @@ pub fn run_job(
     heartbeat: Duration,
     rendezvous: Duration,
 ) -> Result<(Outcome, Sink)> {
+    crate::stop::note_stop_signals();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -333,23 +334,33 @@ impl Supervisor {
         let mut sighup = signal(SignalKind::hangup())?;
         let mut sigusr1 = signal(SignalKind::user_defined1())?;
         let mut tick = tokio::time::interval(Duration::from_millis(200));
-        let outcome = loop {
-            // Biased, ticks last: silence is judged only once every message
-            // already received has been processed (after zrun was stopped or
-            // starved, a backlog of reports must not read as a silent rank).
-            let decided = tokio::select! {
-                biased;
-                _ = sigint.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "interrupted (SIGINT); all workers stopped".into(), culprit: None }),
-                _ = sigterm.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "terminated (SIGTERM); all workers stopped".into(), culprit: None }),
-                _ = sighup.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "hung up (SIGHUP: the terminal closed); all workers stopped".into(), culprit: None }),
-                _ = sigusr1.recv() => { self.ask_to_stop(); None }
-                Some(ev) = events.recv() => self.on_event(ev)?,
-                Some(ev) = procs.recv() => self.on_proc(ev),
-                _ = tick.tick() => self.on_tick(),
-            };
-            if let Some(o) = decided {
-                break o;
-            }
+        // One that came before these listeners (while the job was being
+        // started, or between two jobs of this zrun) stops it too.
+        let before = crate::stop::stop_signal().map(|sig| Outcome::Failed {
+            code: exit::INTERRUPTED,
+            message: format!("{sig} before the job began; all workers stopped"),
+            culprit: None,
+        });
+        let outcome = match before {
+            Some(outcome) => outcome,
+            None => loop {
+                // Biased, ticks last: silence is judged only once every message
+                // already received has been processed (after zrun was stopped or
+                // starved, a backlog of reports must not read as a silent rank).
+                let decided = tokio::select! {
+                    biased;
+                    _ = sigint.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "interrupted (SIGINT); all workers stopped".into(), culprit: None }),
+                    _ = sigterm.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "terminated (SIGTERM); all workers stopped".into(), culprit: None }),
+                    _ = sighup.recv() => Some(Outcome::Failed { code: exit::INTERRUPTED, message: "hung up (SIGHUP: the terminal closed); all workers stopped".into(), culprit: None }),
+                    _ = sigusr1.recv() => { self.ask_to_stop(); None }
+                    Some(ev) = events.recv() => self.on_event(ev)?,
+                    Some(ev) = procs.recv() => self.on_proc(ev),
+                    _ = tick.tick() => self.on_tick(),
+                };
+                if let Some(o) = decided {
+                    break o;
+                }
+            },
         };
         if let Outcome::Failed { code, message, .. } = &outcome {
             self.server.abort_all(message);

@@ -246,6 +246,14 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                     }
                     return Ok(ExitCode::from(code));
                 };
+                // Told to stop while this attempt failed or its checkpoint
+                // was being found: no restart.
+                if let Some(sig) = crate::stop::stop_signal() {
+                    progress.finish();
+                    shout!("zrun: {message}");
+                    shout!("zrun: {sig} before the restart from {dir}: not restarting");
+                    return Ok(ExitCode::from(exit::INTERRUPTED));
+                }
                 restarts_left -= 1;
                 if args.restart_exclude_failed {
                     if let Some(rest) = culprit.and_then(|r| without_node_of(&plan.topology, r)) {
