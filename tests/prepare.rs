@@ -402,6 +402,52 @@ fn a_failed_prepare_leaves_nothing_behind() {
     assert!(left.trim().is_empty(), "left in --out: {left}");
 }
 
+/// A text ends where the model draws the end-of-text token its data put
+/// after every document, as Hugging Face's `generate` ends it, unless
+/// `--ignore-eos` (until the seventieth session zrun drew on past it, into
+/// the next document, for every --tokens asked).
+#[test]
+fn sampling_stops_at_the_end_of_text_unless_told_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (tok, _) = tokenizer(d, &words(6));
+    let records: String = (0..400).map(|_| "{\"text\": \"w2 w3 w4\"}\n").collect();
+    std::fs::write(d.join("docs.jsonl"), records).unwrap();
+    let out = d.join("data");
+    let f = prepare(d, &["docs.jsonl"], &tok, &out, &["--val-fraction", "0"]);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let data = format!("{{path: {}/train.bin, format: tokens_u16}}", out.display());
+    let j = job(d, 8, &data);
+    let ckpt = d.join("ckpt");
+    let f = TrainArgs::new(&j, d.join("m.jsonl"))
+        .set("train.steps=150")
+        .set("train.eval_every=0")
+        .set(format!("checkpoint.dir={}", ckpt.display()))
+        .run(d);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let sample = |more: &[&str]| {
+        let mut args = vec![
+            "sample",
+            ckpt.to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--prompt",
+            "w2 w3 w4",
+            "--temperature",
+            "0",
+            "--tokens",
+            "7",
+        ];
+        args.extend_from_slice(more);
+        let f = zrun(d, &args);
+        assert_eq!(f.code(), 0, "{f:?}");
+        f.stdout
+    };
+    // Every document is "w2 w3 w4" and then the end-of-text id.
+    assert_eq!(sample(&[]), "w2 w3 w4\n");
+    assert_eq!(sample(&["--ignore-eos"]), "w2 w3 w4 w2 w3 w4 w2 w3\n");
+}
+
 /// A UTF-8 byte-order mark (what Windows editors write first) is not text:
 /// a JSONL file behind one was "not JSON" at 1:1, and a text file's first
 /// tokens took it in. And inputs with no text at all are exit 2 at prepare,

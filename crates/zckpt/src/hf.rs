@@ -396,6 +396,40 @@ fn lift_rope_theta(mut c: serde_json::Value) -> serde_json::Value {
     c
 }
 
+/// The ids that end a text for a Hugging Face directory's model: the
+/// `eos_token_id` of its `generation_config.json` (what `generate` stops
+/// at), else of its `config.json`; one id or a list (LLaMA 3 lists three).
+/// Empty where neither says. A value of another kind is an error naming the
+/// file.
+pub fn eos_token_ids(dir: &Path) -> Result<Vec<u32>, CkptError> {
+    for name in ["generation_config.json", HF_CONFIG] {
+        let path = dir.join(name);
+        let text = match std::fs::read(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(io(&path)(e)),
+        };
+        let c: serde_json::Value =
+            serde_json::from_slice(&text).map_err(|e| invalid(&path, format!("not JSON: {e}")))?;
+        let id = |v: &serde_json::Value| v.as_u64().and_then(|n| u32::try_from(n).ok());
+        let ids = match c.get("eos_token_id") {
+            None | Some(serde_json::Value::Null) => continue,
+            Some(serde_json::Value::Array(list)) => list.iter().map(id).collect(),
+            Some(v) => id(v).map(|n| vec![n]),
+        };
+        return ids.ok_or_else(|| {
+            invalid(
+                &path,
+                format!(
+                    "eos_token_id is {}: not a token id or a list of them",
+                    c["eos_token_id"]
+                ),
+            )
+        });
+    }
+    Ok(Vec::new())
+}
+
 /// What a `config.json` asks of the rotary embedding that zrun does not do,
 /// said: a non-null `rope_scaling` (transformers 4.x), or a
 /// `rope_parameters` whose `rope_type` is not `default` (5.x), or one that
@@ -656,6 +690,30 @@ mod tests {
     /// for GPT-2 refuses the attention variants zrun does not compute
     /// (unscaled scores, scores scaled by the layer, cross-attention), as
     /// `init_from`'s check does.
+    /// `generation_config.json` first, as `generate` reads it; one id or a
+    /// list; none where neither file names one; another kind refused.
+    #[test]
+    fn eos_token_ids_come_from_the_generation_config_first() {
+        let d = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| std::fs::write(d.path().join(name), text).unwrap();
+        assert_eq!(eos_token_ids(d.path()).unwrap(), Vec::<u32>::new());
+        write(HF_CONFIG, "{\"eos_token_id\": 50256}");
+        assert_eq!(eos_token_ids(d.path()).unwrap(), vec![50256]);
+        write(
+            "generation_config.json",
+            "{\"eos_token_id\": [128001, 128009]}",
+        );
+        assert_eq!(eos_token_ids(d.path()).unwrap(), vec![128001, 128009]);
+        write("generation_config.json", "{\"eos_token_id\": null}");
+        assert_eq!(eos_token_ids(d.path()).unwrap(), vec![50256]);
+        write(HF_CONFIG, "{\"eos_token_id\": \"</s>\"}");
+        let e = eos_token_ids(d.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("config.json") && e.contains("not a token id"),
+            "{e}"
+        );
+    }
+
     /// Every key of a GPT-2 and a LLaMA `config.json` (and the keys that
     /// transformers' other versions write) set to values of every kind:
     /// read as a model whose norm epsilon and rotary base are usable in f32,

@@ -93,6 +93,14 @@ pub struct SampleArgs {
     /// Seed of the draws (the same seed repeats the text).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Go on past the end-of-text token. By default the text ends there, as
+    /// Hugging Face's `generate` ends it: the token a Hugging Face
+    /// directory's `generation_config.json` (or `config.json`) names as
+    /// `eos_token_id`, else the tokenizer's `<|endoftext|>`, `</s>`,
+    /// `<|end_of_text|>` or `<eos>` (what `zrun prepare` put after each
+    /// document).
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Path of the zworker binary (default: next to zrun).
     #[arg(long, value_name = "PATH")]
     pub worker_bin: Option<PathBuf>,

@@ -259,6 +259,28 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
             .join(","),
         None => args.prompt.clone(),
     };
+    // Where the text ends (none for a byte-level model: bytes have no
+    // end-of-text).
+    let stop: Vec<u32> = match &tokenizer {
+        _ if args.ignore_eos => Vec::new(),
+        None => Vec::new(),
+        Some((_, t)) => {
+            let named = match dir.join(zckpt::hf::HF_CONFIG).is_file() {
+                true => {
+                    zckpt::hf::eos_token_ids(&dir).map_err(|e| Failure::bad_input(e.to_string()))?
+                }
+                false => Vec::new(),
+            };
+            match named.is_empty() {
+                false => named,
+                true => prepare::EOS_NAMES
+                    .iter()
+                    .find_map(|n| t.token_to_id(n))
+                    .into_iter()
+                    .collect(),
+            }
+        }
+    };
     let worker = bench::worker_bin(args.worker_bin.clone())?;
     let mut command = std::process::Command::new(&worker);
     child::ends_with_this_zrun(&mut command)
@@ -277,6 +299,10 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
     let status = match &tokenizer {
         None => command.status().map_err(launch)?,
         Some((path, t)) => {
+            if !stop.is_empty() {
+                let ids: Vec<String> = stop.iter().map(u32::to_string).collect();
+                command.args(["--stop", &ids.join(",")]);
+            }
             let mut child = command
                 .arg("--ids")
                 .stdout(std::process::Stdio::piped())

@@ -33,7 +33,7 @@ const PIECE_BYTES: usize = 64 << 10;
 /// Text encoded in one parallel batch.
 const BATCH_BYTES: usize = 8 << 20;
 /// End-of-text tokens looked for when `--eos` is not given.
-const EOS_NAMES: [&str; 4] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"];
+pub(crate) const EOS_NAMES: [&str; 4] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"];
 
 /// One piece of text to encode, and whether a document ends with it.
 struct Piece {

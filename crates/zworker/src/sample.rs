@@ -175,19 +175,30 @@ impl Loaded {
     }
 }
 
-/// `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P SEED [--ids]`
-/// (arguments checked by zrun). Without `--ids`: writes the prompt and
-/// `TOKENS` drawn bytes to stdout. With `--ids` (zrun encodes and decodes
-/// with a tokenizer): PROMPT is comma-separated token ids, and each drawn id
-/// is written on a line of its own as it is drawn.
+/// `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P SEED [--stop
+/// IDS] [--ids]` (arguments checked by zrun). Without `--ids`: writes the
+/// prompt and `TOKENS` drawn bytes to stdout. With `--ids` (zrun encodes and
+/// decodes with a tokenizer): PROMPT is comma-separated token ids, and each
+/// drawn id is written on a line of its own as it is drawn. Drawing one of
+/// the comma-separated `--stop` ids ends the text (it is not written).
 pub fn run(args: &[String]) -> Result<()> {
     let (args, ids) = match args {
         [rest @ .., last] if last == "--ids" => (rest, true),
         _ => (args, false),
     };
+    let (args, stop_ids) = match args {
+        [rest @ .., flag, list] if flag == "--stop" => {
+            let stop = list
+                .split(',')
+                .map(|t| t.trim().parse::<u32>().context("a --stop id"))
+                .collect::<Result<Vec<_>>>()?;
+            (rest, stop)
+        }
+        _ => (args, Vec::new()),
+    };
     let [dir, prompt, tokens, temperature, top_k, top_p, seed] = args else {
         bail!(
-            "usage: zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P SEED [--ids] (zrun sample runs it)"
+            "usage: zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P SEED [--stop IDS] [--ids] (zrun sample runs it)"
         );
     };
     let n: usize = tokens.parse().context("TOKENS")?;
@@ -231,6 +242,9 @@ pub fn run(args: &[String]) -> Result<()> {
         let mut logits = loaded.feed(&window(&context), &mut caches)?;
         for i in 0..n {
             let next = pick(&logits, sampling, &mut rng);
+            if stop_ids.contains(&next) {
+                break;
+            }
             let written = match ids {
                 true => writeln!(out, "{next}"),
                 false => out.write_all(&[next as u8]),
