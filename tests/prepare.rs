@@ -160,7 +160,8 @@ fn prepared_tokens_are_the_tokenizers_and_train() {
         .collect();
     assert_eq!(vals.len(), 2, "validation at steps 2 and 4");
     // Sampling through the tokenizer: the prompt, then words of the
-    // vocabulary (the end-of-text id decodes to nothing), the same for a seed.
+    // vocabulary (past the end-of-text id, which decodes to nothing), the
+    // same for a seed.
     let sample = || {
         zrun(
             d,
@@ -175,6 +176,7 @@ fn prepared_tokens_are_the_tokenizers_and_train() {
                 "12",
                 "--seed",
                 "5",
+                "--ignore-eos",
             ],
         )
     };
@@ -197,6 +199,7 @@ fn prepared_tokens_are_the_tokenizers_and_train() {
         "w3 w10",
         "--tokens",
         "100000000",
+        "--ignore-eos",
     ];
     let (head, code, stderr, children) = zrun_into_head(d, &args, 12);
     assert!(head.starts_with("w3 w10 "), "{head:?}");
