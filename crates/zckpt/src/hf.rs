@@ -712,6 +712,12 @@ mod tests {
             e.contains("config.json") && e.contains("not a token id"),
             "{e}"
         );
+        // One there but unreadable is not one absent.
+        let g = d.path().join("generation_config.json");
+        std::fs::remove_file(&g).unwrap();
+        std::fs::create_dir(&g).unwrap();
+        let e = eos_token_ids(d.path()).unwrap_err().to_string();
+        assert!(e.contains("generation_config.json"), "{e}");
     }
 
     /// Every key of a GPT-2 and a LLaMA `config.json` (and the keys that
