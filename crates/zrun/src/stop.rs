@@ -51,5 +51,7 @@ mod tests {
         assert_eq!(stop_signal(), Some("SIGHUP"));
         nix::sys::signal::raise(nix::sys::signal::Signal::SIGTERM).unwrap();
         assert_eq!(stop_signal(), Some("SIGTERM"));
+        nix::sys::signal::raise(nix::sys::signal::Signal::SIGINT).unwrap();
+        assert_eq!(stop_signal(), Some("SIGINT"));
     }
 }
