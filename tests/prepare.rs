@@ -48,6 +48,15 @@ fn prepare(d: &Path, inputs: &[&str], tok: &Path, out: &Path, extra: &[&str]) ->
     zrun(d, &args.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
+/// Asserts that a failed prepare left nothing in `out`.
+fn assert_empty(out: &Path, when: &str) {
+    let left: Vec<_> = std::fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "{when}left in --out: {left:?}");
+}
+
 fn words(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("w{i}")).collect()
 }
@@ -366,11 +375,7 @@ fn a_failed_prepare_leaves_nothing_behind() {
         "{}",
         f.stderr
     );
-    let left: Vec<_> = std::fs::read_dir(&out)
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
-    assert!(left.is_empty(), "left in --out: {left:?}");
+    assert_empty(&out, "");
 
     let small = d.join("small");
     std::fs::create_dir(&small).unwrap();
@@ -493,11 +498,7 @@ fn a_byte_order_mark_is_skipped_and_no_text_is_refused() {
     );
     assert_eq!(f.code(), 2, "{f:?}");
     assert!(f.stderr.contains("no text to tokenize"), "{}", f.stderr);
-    let left: Vec<_> = std::fs::read_dir(&out)
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
-    assert!(left.is_empty(), "left in --out: {left:?}");
+    assert_empty(&out, "");
 }
 
 /// Ctrl-C (or SIGTERM) during a prepare stops it with exit 130 and leaves
@@ -534,10 +535,6 @@ fn an_interrupted_prepare_leaves_nothing_behind() {
         let f = z.wait(Duration::from_secs(30));
         assert_eq!(f.code(), 130, "{signal:?}: {f:?}");
         assert!(f.stderr.contains("interrupted"), "{}", f.stderr);
-        let left: Vec<_> = std::fs::read_dir(&out)
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert!(left.is_empty(), "{signal:?}: left in --out: {left:?}");
+        assert_empty(&out, &format!("{signal:?}: "));
     }
 }
