@@ -283,6 +283,33 @@ fn export_feeds_init_from_and_reproduces_the_next_loss() {
     assert_eq!(f.code(), 2, "{f:?}");
     assert!(f.stderr.contains("inside the checkpoint"), "{}", f.stderr);
     assert_eq!(std::fs::read(&shard).unwrap(), before);
+    // A directory for the one-file export: refused before anything is
+    // written, even with --overwrite (it failed at the rename, after the
+    // whole export), and the directory is as it was.
+    let existing = dir.join("exports");
+    std::fs::create_dir(&existing).unwrap();
+    std::fs::write(existing.join("keep.txt"), "mine").unwrap();
+    let f = zrun(
+        dir,
+        &[
+            "export",
+            "ckpt/step-00000004",
+            "--out",
+            existing.to_str().unwrap(),
+            "--overwrite",
+        ],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("a directory; the export is one file"),
+        "{}",
+        f.stderr
+    );
+    let left: Vec<_> = std::fs::read_dir(&existing)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["keep.txt"]);
     let out = dir.join("w.safetensors");
     let f = zrun(
         dir,

@@ -402,6 +402,15 @@ fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
             args.out.display()
         )));
     }
+    // Found only at the rename, after the whole export was written (and
+    // with --overwrite, which cannot replace a directory by a file).
+    if !hf && args.out.is_dir() {
+        return Err(Failure::bad_input(format!(
+            "--out {}: a directory; the export is one file (give its path, such as {}), or --format hf for a directory",
+            args.out.display(),
+            args.out.join("model.safetensors").display()
+        )));
+    }
     let out_dir = match hf {
         true => args.out.as_path(),
         false => args
