@@ -13,11 +13,16 @@ the sixty-ninth session) changes the continuation within a few bytes.
     /tmp/peerenv/venv/bin/pip install transformers
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py gpt2 --zrun target/release/zrun
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --zrun target/release/zrun
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --max-shard-size 40KB
+
+`--max-shard-size` saves the model in shards with an index
+(`model.safetensors.index.json`), as published models past a few GB are.
 
 Exit status 0 when the continuations are the same, 1 otherwise.
 """
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -51,6 +56,7 @@ def main() -> int:
     ap.add_argument("--zrun", default="target/release/zrun")
     ap.add_argument("--prompt", default="fn main() {")
     ap.add_argument("--tokens", type=int, default=80)
+    ap.add_argument("--max-shard-size", help="save in shards of at most this size (e.g. 40KB)")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = build(args.kind)
@@ -67,7 +73,11 @@ def main() -> int:
             ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
     want = bytes(ids[0].tolist())
     with tempfile.TemporaryDirectory() as out:
-        model.save_pretrained(out, safe_serialization=True)
+        shards = {"max_shard_size": args.max_shard_size} if args.max_shard_size else {}
+        model.save_pretrained(out, safe_serialization=True, **shards)
+        if args.max_shard_size:
+            files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+            print(f"saved in {len(files)} shards: {files[0]} ... {files[-1]}")
         run = subprocess.run(
             [args.zrun, "sample", out, "--prompt", args.prompt,
              "--tokens", str(args.tokens), "--temperature", "0"],

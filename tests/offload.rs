@@ -461,33 +461,39 @@ fn a_job_with_states_beyond_its_memory_limit_trains_inside_it() {
         with_sets(args("capped.jsonl"), &offload_sets(&swap, true)),
         SMALL_BUFFERS,
     );
-    let line = capped
-        .as_strs()
-        .iter()
-        .map(|a| format!("'{a}'"))
-        .collect::<Vec<_>>()
-        .join(" ");
+    // `zrun train` inside the cap, then `then` (a shell command) there too.
+    let zrun = e2e::bin("zrun");
+    let in_cap = |a: &TrainArgs, then: &str| {
+        let line = a
+            .as_strs()
+            .iter()
+            .map(|a| format!("'{a}'"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let script = format!(
+            "echo $$ > {}/cgroup.procs && {} {line}{then}",
+            cap.0.display(),
+            zrun.display()
+        );
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        let peak = cap.read("memory.max_usage_in_bytes");
+        assert!(
+            out.status.success(),
+            "exit {:?} (an OOM kill is SIGKILL), peak {peak} of {LIMIT}: {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        peak
+    };
     let (export_args, capped_export) = export("capped.jsonl");
-    let script = format!(
-        "echo $$ > {}/cgroup.procs && {zrun} {line} && exec {zrun} {}",
-        cap.0.display(),
-        export_args.join(" "),
-        zrun = e2e::bin("zrun").display()
-    );
-    let out = Command::new("sh")
-        .arg("-c")
-        .arg(script)
-        .current_dir(dir)
-        .output()
-        .unwrap();
-    let peak = cap.read("memory.max_usage_in_bytes");
-    assert!(
-        out.status.success(),
-        "exit {:?} (an OOM kill is SIGKILL), peak {peak} of {LIMIT}: {}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let then = format!(" && exec {} {}", zrun.display(), export_args.join(" "));
+    let peak = in_cap(&capped, &then);
     // The cgroup's own peak counts the page cache that writing the checkpoint
     // fills (and the kernel reclaims); the worker's resident peak is the
     // figure that the working set decides.
@@ -515,9 +521,68 @@ fn a_job_with_states_beyond_its_memory_limit_trains_inside_it() {
     );
     assert_eq!(f.code(), 0, "{f:?}");
     assert!(
-        std::fs::read(capped_export).unwrap() == std::fs::read(memory_export).unwrap(),
+        std::fs::read(capped_export).unwrap() == std::fs::read(&memory_export).unwrap(),
         "exported weights of the capped run differ from the run in memory"
     );
+
+    // `model.init_from` weights bigger than the limit (this export's 20
+    // blocks twice over: 40 blocks, 504 MB of f32) under the cap: a worker
+    // reads them a parameter at a time (it read the whole file first until
+    // the seventy-first session: killed here), and its first steps are
+    // those of the same start in memory.
+    let doubled = dir.join("doubled.safetensors");
+    let bytes = std::fs::read(&memory_export).unwrap();
+    let twenty = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let forty = twenty.tensors().into_iter().flat_map(|(name, view)| {
+        let later = name
+            .strip_prefix("h.")
+            .and_then(|rest| rest.split_once('.'))
+            .map(|(block, rest)| {
+                (
+                    format!("h.{}.{rest}", block.parse::<u32>().unwrap() + 20),
+                    view.clone(),
+                )
+            });
+        std::iter::once((name, view)).chain(later)
+    });
+    safetensors::serialize_to_file(forty, None, &doubled).unwrap();
+    let file_bytes = std::fs::metadata(&doubled).unwrap().len();
+    assert!(file_bytes > LIMIT, "{file_bytes} bytes");
+    drop(bytes);
+    let init = |metrics: &str| {
+        let a = TrainArgs::new(&job, dir.join(metrics))
+            .args(&["--workers-per-node", "1"])
+            .set("model.n_layers=40")
+            .set("train.steps=2")
+            .set(format!("model.init_from={}", doubled.display()));
+        set_all(a, WIDE_MODEL)
+    };
+    let f = init("init-memory.jsonl").run(dir);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let capped = set_all(
+        with_sets(init("init-capped.jsonl"), &offload_sets(&swap, true)),
+        SMALL_BUFFERS,
+    );
+    std::fs::write(cap.0.join("memory.max_usage_in_bytes"), "0").unwrap();
+    let peak = in_cap(&capped, "");
+    let rss = e2e::metrics(&dir.join("init-capped.jsonl")).pop().unwrap()["peak_rss_bytes"]
+        .as_u64()
+        .unwrap();
+    println!(
+        "init_from: worker peak RSS {:.0} MB, cgroup peak {:.0} MB, the file {:.0} MB",
+        rss as f64 / 1e6,
+        peak as f64 / 1e6,
+        file_bytes as f64 / 1e6
+    );
+    assert!(rss < LIMIT, "worker peak RSS {rss}");
+    let started = losses_by_step(&dir.join("init-capped.jsonl"));
+    assert_eq!(started.len(), 2);
+    assert_eq!(
+        started,
+        losses_by_step(&dir.join("init-memory.jsonl")),
+        "init_from capped and offloaded vs in memory"
+    );
+    assert_empty(&swap, "after the capped init_from run");
 }
 
 /// With both offloads, a worker's peak resident memory follows its working

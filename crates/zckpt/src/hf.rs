@@ -19,11 +19,14 @@ use std::path::Path;
 
 use zconfig::spec::{ModelKind, ModelSpec};
 
-use crate::stream::{StreamWriter, TensorFile};
-use crate::{invalid, io, CkptError, Weights};
+use crate::hf_files::HfFiles;
+use crate::stream::StreamWriter;
+use crate::{invalid, io, CkptError};
 
 /// The weights file of a Hugging Face model directory.
 pub const HF_WEIGHTS: &str = "model.safetensors";
+/// The index of one written in shards: `{"weight_map": {tensor: file}}`.
+pub const HF_WEIGHTS_INDEX: &str = "model.safetensors.index.json";
 /// Its configuration.
 pub const HF_CONFIG: &str = "config.json";
 
@@ -187,7 +190,7 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
 
 /// The model a Hugging Face directory's `config.json` describes: GPT-2
 /// (`model_type: gpt2`, tanh GELU) or LLaMA (`llama`: SiLU, no biases, no
-/// rotary scaling), the families whose names and layouts [`read`] maps.
+/// rotary scaling), the families whose names and layouts [`HfWeights`] maps.
 /// What `zrun sample` runs such a directory with (a published GPT-2, or
 /// `zrun export --format hf`'s output). Anything else is refused naming the
 /// file and the key.
@@ -518,106 +521,150 @@ pub(crate) fn is_buffer(name: &str) -> bool {
         || name.ends_with("rotary_emb.inv_freq")
 }
 
-/// Reads Hugging Face weights (a directory with `model.safetensors`, or
-/// the file itself) for the model `m` whose parameters are `params` (zrun
-/// names and shapes): each mapped from its pieces, every shape checked.
-/// An error names the first missing or misshapen tensor, or a tensor that
-/// belongs to no parameter. Without `values` only the header is read (the
-/// check before launch) and every value list is empty.
-pub fn read(
-    m: &ModelSpec,
-    params: &[(String, Vec<usize>)],
-    path: &Path,
-    values: bool,
-) -> Result<Weights, CkptError> {
-    let file_path = if path.is_dir() {
-        check_config(m, path)?;
-        let f = path.join(HF_WEIGHTS);
-        if !f.is_file() {
+/// Hugging Face weights (a directory with `model.safetensors` or the shards
+/// of `model.safetensors.index.json`, or a safetensors file) opened for a
+/// model: every parameter's pieces found and their shapes checked from the
+/// headers, each parameter read only when asked for, so that a worker never
+/// holds more of the file than the parameter it is installing.
+pub struct HfWeights {
+    files: HfFiles,
+    /// Parameter name → where its values are.
+    mapped: HashMap<String, Mapped>,
+}
+
+/// One parameter's shape and its pieces, each with the file's name for it
+/// (GPT-2's with or without `transformer.`).
+struct Mapped {
+    shape: Vec<usize>,
+    pieces: Vec<(Piece, String)>,
+}
+
+impl HfWeights {
+    /// Opens the weights in `path` for the model `m` whose parameters are
+    /// `params` (zrun names and shapes). An error names the first missing or
+    /// misshapen tensor, or a tensor that belongs to no parameter, and the
+    /// file.
+    pub fn open(
+        m: &ModelSpec,
+        params: &[(String, Vec<usize>)],
+        path: &Path,
+    ) -> Result<HfWeights, CkptError> {
+        if path.is_dir() {
+            check_config(m, path)?;
+        }
+        let files = HfFiles::open(path)?;
+        let have = files.shapes();
+        // GPT-2 files are published with and without the `transformer.` prefix.
+        let lookup = |hf: &str| -> Option<String> {
+            if have.contains_key(hf) {
+                return Some(hf.to_string());
+            }
+            let bare = hf.strip_prefix("transformer.")?;
+            have.contains_key(bare).then(|| bare.to_string())
+        };
+        let mut used = std::collections::HashSet::new();
+        let mut mapped = HashMap::new();
+        for (name, shape) in params {
+            let mut found_pieces = Vec::new();
+            for p in pieces(m, name, shape) {
+                let want = p.shape(shape);
+                let found = lookup(&p.name).ok_or_else(|| {
+                    invalid(
+                        files.path_of(&p.name),
+                        format!("no tensor {} (the model's {name})", p.name),
+                    )
+                })?;
+                if have[&found] != want {
+                    return Err(invalid(
+                        files.path_of(&found),
+                        format!(
+                            "{found} has shape {:?}, the model's {name} needs {want:?}",
+                            have[&found]
+                        ),
+                    ));
+                }
+                used.insert(found.clone());
+                found_pieces.push((p, found));
+            }
+            mapped.insert(
+                name.clone(),
+                Mapped {
+                    shape: shape.clone(),
+                    pieces: found_pieces,
+                },
+            );
+        }
+        // A tied model's file may carry its head anyway: accepted if it is the
+        // embedding, else the file's model was untied.
+        if m.tied() && have.contains_key("lm_head.weight") {
+            let table = format!("{}.weight", m.token_table_name());
+            let embedding = pieces(m, &table, &[m.vocab_size, m.d_model])
+                .into_iter()
+                .find_map(|p| lookup(&p.name));
+            if let Some(embedding) = embedding {
+                if files.read("lm_head.weight")? == files.read(&embedding)? {
+                    used.insert("lm_head.weight".to_string());
+                }
+            }
+        }
+        let mut extra: Vec<&String> = have
+            .keys()
+            .filter(|n| !used.contains(*n) && !is_buffer(n))
+            .collect();
+        extra.sort();
+        if let Some(first) = extra.first() {
             return Err(invalid(
-                path,
-                format!("no {HF_WEIGHTS} in this directory (sharded checkpoints are not read; merge them into one file)"),
+                files.path_of(first),
+                format!(
+                    "{first} belongs to no parameter of this model ({} such tensors){}",
+                    extra.len(),
+                    match first.as_str() {
+                        "lm_head.weight" => "; it is not the embedding, so the file's head is untied (model.tie_embeddings: false)",
+                        _ => "",
+                    }
+                ),
             ));
         }
-        f
-    } else {
-        path.to_path_buf()
-    };
-    let file = TensorFile::open(&file_path)?;
-    let have: HashMap<String, Vec<usize>> = file.tensors().into_iter().collect();
-    // GPT-2 files are published with and without the `transformer.` prefix.
-    let lookup = |hf: &str| -> Option<String> {
-        if have.contains_key(hf) {
-            return Some(hf.to_string());
-        }
-        let bare = hf.strip_prefix("transformer.")?;
-        have.contains_key(bare).then(|| bare.to_string())
-    };
-    let mut used = std::collections::HashSet::new();
-    let mut out = Weights::new();
-    for (name, shape) in params {
-        let mut whole = vec![0f32; if values { shape.iter().product() } else { 0 }];
-        for p in pieces(m, name, shape) {
-            let want = p.shape(shape);
-            let found = lookup(&p.name).ok_or_else(|| {
-                invalid(
-                    &file_path,
-                    format!("no tensor {} (the model's {name})", p.name),
-                )
-            })?;
-            if have[&found] != want {
-                return Err(invalid(
-                    &file_path,
-                    format!(
-                        "{found} has shape {:?}, the model's {name} needs {want:?}",
-                        have[&found]
-                    ),
-                ));
-            }
-            if values {
-                p.put(shape, &file.read(&found)?, &mut whole);
-            }
-            used.insert(found);
-        }
-        out.insert(name.clone(), (shape.clone(), whole));
+        Ok(HfWeights { files, mapped })
     }
-    // A tied model's file may carry its head anyway: accepted if it is the
-    // embedding, else the file's model was untied.
-    if m.tied() && have.contains_key("lm_head.weight") {
-        let table = format!("{}.weight", m.token_table_name());
-        let embedding = pieces(m, &table, &[m.vocab_size, m.d_model])
-            .into_iter()
-            .find_map(|p| lookup(&p.name));
-        if let Some(embedding) = embedding {
-            if file.read("lm_head.weight")? == file.read(&embedding)? {
-                used.insert("lm_head.weight".to_string());
-            }
+
+    /// The zrun parameter `name`'s values, put together from its pieces.
+    pub fn read(&self, name: &str) -> Result<Vec<f32>, CkptError> {
+        let Mapped { shape, pieces } = self.mapped.get(name).ok_or_else(|| {
+            invalid(
+                self.files.path_of(name),
+                format!("the model has no parameter {name}"),
+            )
+        })?;
+        let mut whole = vec![0f32; shape.iter().product()];
+        for (p, file_name) in pieces {
+            p.put(shape, &self.files.read(file_name)?, &mut whole);
         }
+        Ok(whole)
     }
-    let mut extra: Vec<&String> = have
-        .keys()
-        .filter(|n| !used.contains(*n) && !is_buffer(n))
-        .collect();
-    extra.sort();
-    if let Some(first) = extra.first() {
-        return Err(invalid(
-            &file_path,
-            format!(
-                "{first} belongs to no parameter of this model ({} such tensors){}",
-                extra.len(),
-                match first.as_str() {
-                    "lm_head.weight" => "; it is not the embedding, so the file's head is untied (model.tie_embeddings: false)",
-                    _ => "",
-                }
-            ),
-        ));
-    }
-    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Opens `path` for `m` and, with `values`, reads every parameter
+    /// (else every value list is empty).
+    fn read(
+        m: &ModelSpec,
+        params: &[(String, Vec<usize>)],
+        path: &Path,
+        values: bool,
+    ) -> Result<crate::Weights, CkptError> {
+        let w = HfWeights::open(m, params, path)?;
+        params
+            .iter()
+            .map(|(n, s)| {
+                let v = if values { w.read(n)? } else { Vec::new() };
+                Ok((n.clone(), (s.clone(), v)))
+            })
+            .collect()
+    }
 
     fn llama() -> ModelSpec {
         serde_json::from_value(serde_json::json!({

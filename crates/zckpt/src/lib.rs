@@ -22,6 +22,7 @@
 #![deny(missing_docs)]
 
 pub mod hf;
+mod hf_files;
 mod stream;
 mod whole;
 
@@ -552,62 +553,135 @@ impl Checkpoint {
 /// Consolidated weights by name: shape and values.
 pub type Weights = HashMap<String, (Vec<usize>, Vec<f32>)>;
 
-/// The weights `model.init_from` names, under zrun's names for `model`
-/// whose whole parameters are `params` (names and shapes): a zrun export
-/// (`zrun export`), or Hugging Face weights (a directory from `zrun export
-/// --format hf` or `transformers`' `save_pretrained`, or a published
-/// safetensors file), mapped and checked by [`hf::read`]. Without `values`
-/// only names and shapes are checked (from the header) and the value lists
-/// are empty.
-pub fn read_init_weights(
-    path: &Path,
-    model: &ModelSpec,
-    params: &[(String, Vec<usize>)],
-    values: bool,
-) -> Result<Weights, CkptError> {
-    if !path.is_dir() {
-        let file = TensorFile::open(path)?;
-        let have: HashMap<String, Vec<usize>> = file.tensors().into_iter().collect();
-        // Most of the model's parameters under zrun's names: zrun's own
-        // file (or a GPT-2 one published without `transformer.`, whose names
-        // are zrun's). One or two names in common are not enough: a LLaMA
-        // file's untied head is `lm_head.weight` under both.
-        let zrun_named = params.iter().filter(|(n, _)| have.contains_key(n)).count();
-        if zrun_named * 2 > params.len() {
-            // zrun's own names: every parameter, nothing else (but buffers
-            // that hold no parameter), right shapes.
-            for (name, shape) in params {
-                match have.get(name) {
-                    None => return Err(invalid(path, format!("no tensor {name}"))),
-                    Some(s) if s != shape => {
-                        return Err(invalid(
-                            path,
-                            format!("{name} has shape {s:?}, the model needs {shape:?}"),
-                        ))
-                    }
-                    Some(_) => {}
+/// Where a run's initial weights come from, a parameter at a time: the
+/// engine installs one group after another and holds one parameter of the
+/// file at a time, never the whole file.
+pub trait WeightSource {
+    /// How many parameters the source holds.
+    fn tensor_count(&self) -> usize;
+    /// Parameter `name`'s shape, if the source holds it.
+    fn shape(&self, name: &str) -> Option<Vec<usize>>;
+    /// Parameter `name`'s values.
+    fn read(&self, name: &str) -> Result<Vec<f32>, CkptError>;
+}
+
+impl WeightSource for Weights {
+    fn tensor_count(&self) -> usize {
+        self.len()
+    }
+
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.get(name).map(|(s, _)| s.clone())
+    }
+
+    fn read(&self, name: &str) -> Result<Vec<f32>, CkptError> {
+        self.get(name)
+            .map(|(_, v)| v.clone())
+            .ok_or_else(|| invalid(Path::new(name), "no such tensor"))
+    }
+}
+
+/// The weights `model.init_from` names, opened and checked against the
+/// model (from the files' headers) under zrun's names: a zrun export (`zrun
+/// export`), or Hugging Face weights (a directory from `zrun export --format
+/// hf` or `transformers`' `save_pretrained`, in one file or in shards, or a
+/// published safetensors file), mapped by [`hf::HfWeights`]. Values are
+/// read a parameter at a time ([`WeightSource::read`]).
+pub struct InitWeights {
+    params: HashMap<String, Vec<usize>>,
+    file: InitFile,
+}
+
+enum InitFile {
+    /// A file under zrun's own names.
+    Zrun(TensorFile),
+    Hf(hf::HfWeights),
+}
+
+impl InitWeights {
+    /// Opens `path` for `model`, whose whole parameters are `params` (names
+    /// and shapes): every parameter there under some name, of its shape,
+    /// and nothing else. An error names the file and the first mismatch.
+    pub fn open(
+        path: &Path,
+        model: &ModelSpec,
+        params: &[(String, Vec<usize>)],
+    ) -> Result<InitWeights, CkptError> {
+        let file = match path.is_dir() {
+            true => InitFile::Hf(hf::HfWeights::open(model, params, path)?),
+            false => {
+                let file = TensorFile::open(path)?;
+                match zrun_named(&file, params)? {
+                    true => InitFile::Zrun(file),
+                    false => InitFile::Hf(hf::HfWeights::open(model, params, path)?),
                 }
             }
-            let tensors = have.keys().filter(|n| !hf::is_buffer(n)).count();
-            if tensors != params.len() {
-                return Err(invalid(
-                    path,
-                    format!("{tensors} tensors, the model has {}", params.len()),
-                ));
-            }
-            return match values {
-                true => params
-                    .iter()
-                    .map(|(n, s)| Ok((n.clone(), (s.clone(), file.read(n)?))))
-                    .collect(),
-                false => Ok(params
-                    .iter()
-                    .map(|(n, s)| (n.clone(), (s.clone(), Vec::new())))
-                    .collect()),
-            };
+        };
+        Ok(InitWeights {
+            params: params.iter().cloned().collect(),
+            file,
+        })
+    }
+
+    /// Every parameter's values (for a sampler, which needs them all).
+    pub fn read_all(&self) -> Result<Weights, CkptError> {
+        self.params
+            .iter()
+            .map(|(n, s)| Ok((n.clone(), (s.clone(), self.read(n)?))))
+            .collect()
+    }
+}
+
+impl WeightSource for InitWeights {
+    fn tensor_count(&self) -> usize {
+        self.params.len()
+    }
+
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.params.get(name).cloned()
+    }
+
+    fn read(&self, name: &str) -> Result<Vec<f32>, CkptError> {
+        match &self.file {
+            InitFile::Zrun(f) => f.read(name),
+            InitFile::Hf(w) => w.read(name),
         }
     }
-    hf::read(model, params, path, values)
+}
+
+/// Whether `file` holds the model's parameters under zrun's names (checked:
+/// every parameter, its shape, nothing else but buffers), or is to be read
+/// under Hugging Face's. Most of the parameters under zrun's names decide
+/// it: zrun's own file, or a GPT-2 one published without `transformer.`,
+/// whose names are zrun's. One or two names in common are not enough: a
+/// LLaMA file's untied head is `lm_head.weight` under both.
+fn zrun_named(file: &TensorFile, params: &[(String, Vec<usize>)]) -> Result<bool, CkptError> {
+    let path = file.path();
+    let have: HashMap<String, Vec<usize>> = file.tensors().into_iter().collect();
+    let in_common = params.iter().filter(|(n, _)| have.contains_key(n)).count();
+    if in_common * 2 <= params.len() {
+        return Ok(false);
+    }
+    for (name, shape) in params {
+        match have.get(name) {
+            None => return Err(invalid(path, format!("no tensor {name}"))),
+            Some(s) if s != shape => {
+                return Err(invalid(
+                    path,
+                    format!("{name} has shape {s:?}, the model needs {shape:?}"),
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    let tensors = have.keys().filter(|n| !hf::is_buffer(n)).count();
+    if tensors != params.len() {
+        return Err(invalid(
+            path,
+            format!("{tensors} tensors, the model has {}", params.len()),
+        ));
+    }
+    Ok(true)
 }
 
 /// Reads consolidated weights (an export).
@@ -808,13 +882,15 @@ mod tests {
             w.finish().unwrap();
         };
         write_with(("h.0.attn.bias", vec![1, 1, 4, 4]));
-        let read = read_init_weights(&path, &m, &params, true).unwrap();
+        let read = InitWeights::open(&path, &m, &params)
+            .and_then(|w| w.read_all())
+            .unwrap();
         assert_eq!(read.len(), params.len());
         assert!(!read.contains_key("h.0.attn.bias"));
         assert!(read.values().all(|(_, v)| v.iter().all(|&x| x == 0.25)));
         // One tensor more that is no buffer: refused, counted.
         write_with(("h.0.extra", vec![2]));
-        let e = read_init_weights(&path, &m, &params, false).unwrap_err();
+        let e = InitWeights::open(&path, &m, &params).err().unwrap();
         assert!(
             e.to_string().contains(&format!(
                 "{} tensors, the model has {}",

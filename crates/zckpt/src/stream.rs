@@ -197,6 +197,11 @@ impl TensorFile {
         })
     }
 
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Tensor names and shapes, in file order.
     pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
         self.meta

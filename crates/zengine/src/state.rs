@@ -230,8 +230,11 @@ impl Engine {
         })
     }
 
-    /// Replaces the parameters with consolidated weights by name (an export).
-    pub fn load_weights(&mut self, weights: &zckpt::Weights) -> Result<(), EngineError> {
+    /// Replaces the parameters with consolidated weights by name (an export,
+    /// Hugging Face weights), read a parameter at a time: a group is put
+    /// together, installed and dropped before the next, so the worker never
+    /// holds more of the file than one group and one parameter.
+    pub fn load_weights(&mut self, weights: &impl zckpt::WeightSource) -> Result<(), EngineError> {
         // The GPU's resident state is made again from the loaded buffers
         // (this runs before training: the moments are the host's zeros).
         #[cfg(feature = "cuda")]
@@ -241,20 +244,21 @@ impl Engine {
         let rank = self.comm.rank();
         let (stage, half) = (self.stage, self.half);
         let mut used = 0;
+        // A tiled parameter's tiles are consecutive groups: read once.
+        let mut last: Option<(String, Vec<f32>)> = None;
         for gi in 0..self.groups.len() {
             let g = &mut self.groups[gi];
             let mut full = vec![0f32; g.layout.padded];
             for slot in &g.layout.params {
-                let (shape, values) =
-                    weights
-                        .get(&slot.name)
-                        .ok_or_else(|| EngineError::InitWeights {
-                            problem: format!("no tensor `{}`", slot.name),
-                        })?;
+                let shape = weights
+                    .shape(&slot.name)
+                    .ok_or_else(|| EngineError::InitWeights {
+                        problem: format!("no tensor `{}`", slot.name),
+                    })?;
                 let want = slot
                     .tile
                     .map_or_else(|| slot.shape.clone(), |t| t.whole_shape(&slot.shape));
-                if shape != &want {
+                if shape != want {
                     return Err(EngineError::InitWeights {
                         problem: format!(
                             "`{}` has shape {shape:?}, the model needs {want:?}",
@@ -262,6 +266,10 @@ impl Engine {
                         ),
                     });
                 }
+                if last.as_ref().is_none_or(|(n, _)| *n != slot.name) {
+                    last = Some((slot.name.clone(), weights.read(&slot.name)?));
+                }
+                let values = &last.as_ref().expect("just read").1;
                 match slot.tile {
                     None => full[slot.range.clone()].copy_from_slice(values),
                     Some(t) => full[slot.range.clone()]
@@ -273,9 +281,12 @@ impl Engine {
             g.install(&full, rank, stage, half);
             self.stash(gi)?;
         }
-        if used != weights.len() {
+        if used != weights.tensor_count() {
             return Err(EngineError::InitWeights {
-                problem: format!("the file has {} tensors, the model {used}", weights.len()),
+                problem: format!(
+                    "the file has {} tensors, the model {used}",
+                    weights.tensor_count()
+                ),
             });
         }
         self.params_changed();

@@ -189,14 +189,21 @@ fn exported_weights_are_installed_by_name() {
     let file = dir.path().join("model.safetensors");
     ckpt.export(&file).unwrap();
     let weights = zckpt::read_weights(&file).unwrap();
-    let installed = |weights: &zckpt::Weights| {
+    fn installed(
+        spec: &JobSpec,
+        weights: &impl zckpt::WeightSource,
+    ) -> Result<Vec<Vec<f32>>, zengine::EngineError> {
         let comm = common::comms(1).pop().unwrap();
-        let mut engine = zengine::Engine::new(&at(&spec, 3, None), comm).unwrap();
+        let mut engine = zengine::Engine::new(&at(spec, 3, None), comm).unwrap();
         engine
             .load_weights(weights)
             .map(|()| engine.full_params().unwrap())
-    };
-    assert!(installed(&weights).unwrap() == ckpt.all_params().unwrap());
+    }
+    assert!(installed(&spec, &weights).unwrap() == ckpt.all_params().unwrap());
+    // Read from the file a parameter at a time, as a worker does.
+    let params = spec.model.param_shapes();
+    let streamed = zckpt::InitWeights::open(&file, &spec.model, &params).unwrap();
+    assert!(installed(&spec, &streamed).unwrap() == ckpt.all_params().unwrap());
 
     let name = "h.0.mlp.c_fc.weight";
     let mut missing = weights.clone();
@@ -210,7 +217,7 @@ fn exported_weights_are_installed_by_name() {
         ("misshapen", misshapen),
         ("extra", extra),
     ] {
-        match installed(&w) {
+        match installed(&spec, &w) {
             Err(zengine::EngineError::InitWeights { .. }) => {}
             other => panic!("{what}: {:?}", other.map(|_| ())),
         }

@@ -196,4 +196,21 @@ fn checkpoints_move_between_tiled_and_untiled_runs() {
         }
         assert!(export == base_export, "{what}: the exports differ");
     }
+    // `model.init_from` the export (a tiled parameter's tiles are groups in
+    // turn, each cut from the parameter read once): the same parameters
+    // under their names, tiled or not.
+    for tile in [false, true] {
+        let mut engine = zengine::Engine::new(&leg2(tile), common::comms(1).remove(0)).unwrap();
+        engine.load_weights(&base_export).unwrap();
+        let slots: usize = engine
+            .manifest_groups()
+            .iter()
+            .map(|g| g.params.len())
+            .sum();
+        assert_eq!(slots > base_export.len(), tile, "tiled: {tile}");
+        assert!(
+            engine.named_params().unwrap() == base_export,
+            "tiled: {tile}"
+        );
+    }
 }

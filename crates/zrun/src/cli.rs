@@ -67,7 +67,8 @@ pub struct PrepareArgs {
 pub struct SampleArgs {
     /// A checkpoint directory (`step-N/`), a checkpoint root (its newest),
     /// or a Hugging Face GPT-2 or LLaMA directory (`config.json` and
-    /// `model.safetensors`: `zrun export --format hf`'s, or a published one).
+    /// `model.safetensors`, or shards with `model.safetensors.index.json`:
+    /// `zrun export --format hf`'s, `save_pretrained`'s, or a published one).
     #[arg(value_name = "CHECKPOINT_DIR")]
     pub checkpoint: PathBuf,
     /// The text to continue (encoded as bytes, or with --tokenizer).

@@ -208,7 +208,7 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
         // (names and shapes, not values) so that a mismatch is exit 2 here.
         let dir = args.checkpoint.clone();
         let m = zckpt::hf::model_spec(&dir).map_err(|e| Failure::bad_input(e.to_string()))?;
-        zckpt::read_init_weights(&dir, &m, &m.param_shapes(), false)
+        zckpt::InitWeights::open(&dir, &m, &m.param_shapes())
             .map_err(|e| Failure::bad_input(e.to_string()))?;
         (dir, m.vocab_size)
     } else {

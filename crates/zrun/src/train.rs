@@ -376,7 +376,7 @@ pub(crate) fn check_init_from(spec: &zconfig::JobSpec) -> Result<()> {
         return Ok(());
     };
     let m = &spec.model;
-    zckpt::read_init_weights(std::path::Path::new(f), m, &m.param_shapes(), false)
+    zckpt::InitWeights::open(std::path::Path::new(f), m, &m.param_shapes())
         .map_err(|e| Failure::bad_input(format!("model.init_from: {e}")))?;
     Ok(())
 }

@@ -110,7 +110,7 @@ fn load(dir: &Path) -> Result<Loaded> {
     let mut named = HashMap::new();
     let m = if dir.join(zckpt::hf::HF_CONFIG).is_file() {
         let m = zckpt::hf::model_spec(dir)?;
-        let weights = zckpt::read_init_weights(dir, &m, &m.param_shapes(), true)?;
+        let weights = zckpt::InitWeights::open(dir, &m, &m.param_shapes())?.read_all()?;
         for (name, (shape, values)) in weights {
             named.insert(name, Tensor::from_vec(values, shape, &Device::Cpu)?);
         }

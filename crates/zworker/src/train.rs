@@ -80,12 +80,8 @@ pub fn train(
         crate::gpu::attach(&mut engine, spec, env, comm.as_ref())?;
     }
     if let Some(path) = &spec.model.init_from {
-        let weights = zckpt::read_init_weights(
-            Path::new(path),
-            &spec.model,
-            &spec.model.param_shapes(),
-            true,
-        )?;
+        let weights =
+            zckpt::InitWeights::open(Path::new(path), &spec.model, &spec.model.param_shapes())?;
         engine.load_weights(&weights)?;
     }
     if let Some(dir) = resume {
