@@ -433,12 +433,10 @@ fn sampling_stops_at_the_end_of_text_unless_told_otherwise() {
         .set(format!("checkpoint.dir={}", ckpt.display()))
         .run(d);
     assert_eq!(f.code(), 0, "{f:?}");
-    let sample = |more: &[&str]| {
+    let sample_from = |model: &Path, more: &[&str]| {
         let mut args = vec![
             "sample",
-            ckpt.to_str().unwrap(),
-            "--tokenizer",
-            tok.to_str().unwrap(),
+            model.to_str().unwrap(),
             "--prompt",
             "w2 w3 w4",
             "--temperature",
@@ -447,13 +445,42 @@ fn sampling_stops_at_the_end_of_text_unless_told_otherwise() {
             "7",
         ];
         args.extend_from_slice(more);
-        let f = zrun(d, &args);
+        zrun(d, &args)
+    };
+    let sample = |more: &[&str]| {
+        let mut args = vec!["--tokenizer", tok.to_str().unwrap()];
+        args.extend_from_slice(more);
+        let f = sample_from(&ckpt, &args);
         assert_eq!(f.code(), 0, "{f:?}");
         f.stdout
     };
     // Every document is "w2 w3 w4" and then the end-of-text id.
     assert_eq!(sample(&[]), "w2 w3 w4\n");
     assert_eq!(sample(&["--ignore-eos"]), "w2 w3 w4 w2 w3 w4 w2 w3\n");
+
+    // Exported for Hugging Face: without its tokenizer the directory needs
+    // --tokenizer; with `tokenizer.json` beside its weights (as published
+    // models have it) that one is taken, as `transformers` takes it.
+    let hf = d.join("hf");
+    let export = [
+        "export",
+        ckpt.to_str().unwrap(),
+        "--out",
+        hf.to_str().unwrap(),
+        "--format",
+        "hf",
+    ];
+    let f = zrun(d, &export);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let f = sample_from(&hf, &[]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("give --tokenizer"), "{}", f.stderr);
+    std::fs::copy(&tok, hf.join("tokenizer.json")).unwrap();
+    for more in [&[][..], &["--ignore-eos"]] {
+        let f = sample_from(&hf, more);
+        assert_eq!(f.code(), 0, "{f:?}");
+        assert_eq!(f.stdout, sample(more), "{more:?}");
+    }
 }
 
 /// A UTF-8 byte-order mark (what Windows editors write first) is not text:

@@ -75,7 +75,8 @@ pub struct SampleArgs {
     #[arg(long)]
     pub prompt: String,
     /// The Hugging Face tokenizer.json the model's data was prepared with
-    /// (needed for any model but a byte-level one).
+    /// (needed for any model but a byte-level one; a Hugging Face directory's
+    /// own `tokenizer.json` by default).
     #[arg(long, value_name = "tokenizer.json")]
     pub tokenizer: Option<PathBuf>,
     /// Tokens to generate.

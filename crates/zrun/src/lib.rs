@@ -198,12 +198,16 @@ pub(crate) fn open_checkpoint(path: &Path) -> anyhow::Result<zckpt::Checkpoint> 
     }
 }
 
+/// The tokenizer file of a Hugging Face model directory.
+const HF_TOKENIZER: &str = "tokenizer.json";
+
 /// `zrun sample`: checks the arguments and the checkpoint, then runs
 /// `zworker sample`. A byte-level model's output goes straight to the
 /// terminal; with `--tokenizer`, zrun encodes the prompt, reads the drawn ids
 /// and prints their text as it grows.
 fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
-    let (dir, vocab) = if args.checkpoint.join(zckpt::hf::HF_CONFIG).is_file() {
+    let hf_dir = args.checkpoint.join(zckpt::hf::HF_CONFIG).is_file();
+    let (dir, vocab) = if hf_dir {
         // A Hugging Face directory: its model, and its weights read through
         // (names and shapes, not values) so that a mismatch is exit 2 here.
         let dir = args.checkpoint.clone();
@@ -215,7 +219,11 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
         let ckpt = open_checkpoint(&args.checkpoint)?;
         (ckpt.dir.clone(), ckpt.manifest.model.vocab_size)
     };
-    let tokenizer = match &args.tokenizer {
+    // A Hugging Face directory's own tokenizer, as `transformers` takes it.
+    let beside = hf_dir
+        .then(|| dir.join(HF_TOKENIZER))
+        .filter(|p| p.is_file());
+    let tokenizer = match args.tokenizer.as_ref().or(beside.as_ref()) {
         Some(path) => Some((path, prepare::load_tokenizer(path, vocab)?)),
         None if vocab != 256 => {
             return Err(Failure::bad_input(format!(
@@ -265,7 +273,7 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
         _ if args.ignore_eos => Vec::new(),
         None => Vec::new(),
         Some((_, t)) => {
-            let named = match dir.join(zckpt::hf::HF_CONFIG).is_file() {
+            let named = match hf_dir {
                 true => {
                     zckpt::hf::eos_token_ids(&dir).map_err(|e| Failure::bad_input(e.to_string()))?
                 }
