@@ -14,6 +14,7 @@ the sixty-ninth session) changes the continuation within a few bytes.
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py gpt2 --zrun target/release/zrun
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --zrun target/release/zrun
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --max-shard-size 40KB
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --rope-scaling llama3
 
 `--max-shard-size` saves the model in shards with an index
 (`model.safetensors.index.json`), as published models past a few GB are.
@@ -31,7 +32,14 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 
-def build(kind: str):
+SCALINGS = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+}
+
+
+def build(kind: str, rope_scaling=None):
     if kind == "gpt2":
         return GPT2LMHeadModel(
             GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64)
@@ -46,6 +54,7 @@ def build(kind: str):
             num_key_value_heads=2,
             max_position_embeddings=64,
             rope_theta=500.0,
+            rope_scaling=rope_scaling,
         )
     )
 
@@ -57,9 +66,11 @@ def main() -> int:
     ap.add_argument("--prompt", default="fn main() {")
     ap.add_argument("--tokens", type=int, default=80)
     ap.add_argument("--max-shard-size", help="save in shards of at most this size (e.g. 40KB)")
+    ap.add_argument("--rope-scaling", choices=sorted(SCALINGS),
+                    help="LLaMA: scale the rotary embedding (Llama 3.1's llama3, or linear)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    model = build(args.kind)
+    model = build(args.kind, SCALINGS.get(args.rope_scaling))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:

@@ -94,6 +94,60 @@ fn loss_from(dir: &Path, job: &Path, init: &Path, metrics: &str) -> f64 {
     losses[0].1
 }
 
+/// Llama 3.1's rotary scaling (`model.rope_scaling`, Hugging Face's
+/// `rope_scaling`) trains, exports, and an independent reader of the export
+/// with its own formula for the scaled frequencies computes zrun's next
+/// loss; the directory starts a run at that loss, and a job whose scaling
+/// differs from the directory's is refused naming both. (Head width 8, base
+/// 100, original context 32: of the four frequencies one is kept, one
+/// blended and two divided.)
+#[test]
+fn a_llama3_scaled_rotary_embedding_trains_exports_and_reads_back() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let text = one_batch(dir);
+    let job = job(
+        dir,
+        "{kind: llama, vocab_size: 256, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 48, seq_len: 32, rope_theta: 100, \
+         rope_scaling: {rope_type: llama3, factor: 4, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 32}}",
+    );
+    let src = train(dir, &job, "src.jsonl", &[]);
+    assert!(src[4].1 < src[0].1, "did not learn: {src:?}");
+    let out = export_hf(dir, "hf-llama3");
+    let windows: Vec<Vec<u32>> = (0..4)
+        .map(|w| {
+            text[w * 32..w * 32 + 33]
+                .iter()
+                .map(|&b| u32::from(b))
+                .collect()
+        })
+        .collect();
+    let independent = Llama::load(&out).loss(&windows);
+    let next = src[4].1;
+    assert!(
+        (independent - next).abs() <= 2e-6 * next,
+        "zrun's step-5 loss {next}; a LLaMA reader of the export computes {independent}"
+    );
+    let init_loss = loss_from(dir, &job, &out, "init.jsonl");
+    assert!(
+        (init_loss - next).abs() <= 1e-5 * next,
+        "export's next loss {next}, from init_from {init_loss}"
+    );
+    let init = format!("model.init_from={}", out.display());
+    let f = TrainArgs::new(&job, dir.join("unscaled.jsonl"))
+        .set(init)
+        .set("model.rope_scaling=null")
+        .run(dir);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("its rotary scaling is {\"rope_type\":\"llama3\"")
+            && f.stderr.contains("the job's model.rope_scaling none"),
+        "{}",
+        f.stderr
+    );
+}
+
 #[test]
 fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
     let d = tempfile::tempdir().unwrap();
@@ -167,9 +221,9 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
         (
             vec![(
                 "rope_scaling",
-                serde_json::json!({"type": "linear", "factor": 2.0}),
+                serde_json::json!({"type": "yarn", "factor": 2.0}),
             )],
-            "rope_scaling is",
+            "rope_scaling's rope_type is \"yarn\"",
         ),
         (
             vec![("head_dim", serde_json::json!(16))],

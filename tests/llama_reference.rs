@@ -24,7 +24,33 @@ struct Config {
     kv_heads: usize,
     eps: f64,
     theta: f64,
+    /// Llama 3's `rope_scaling`: factor, low and high frequency factors,
+    /// original context.
+    llama3: Option<[f64; 4]>,
     tied: bool,
+}
+
+impl Config {
+    /// Pair `i`'s frequency (radians a position) for head width `hd`. Llama
+    /// 3's bands by frequency rather than wavelength (the same cuts, written
+    /// the other way round from zrun's): above `2π·high/old` kept, below
+    /// `2π·low/old` over the factor, between a blend by where the pair's
+    /// turns over the original context fall.
+    fn frequency(&self, i: usize, hd: usize) -> f64 {
+        let f = self.theta.powf(-((2 * i) as f64) / hd as f64);
+        let Some([factor, low, high, old]) = self.llama3 else {
+            return f;
+        };
+        let turns = old * f / std::f64::consts::TAU;
+        if turns > high {
+            f
+        } else if turns < low {
+            f / factor
+        } else {
+            let w = (turns - low) / (high - low);
+            f * (w + (1.0 - w) / factor)
+        }
+    }
 }
 
 /// A LLaMA loaded from a Hugging Face directory by name, every tensor
@@ -53,6 +79,19 @@ impl Llama {
             kv_heads: n("num_key_value_heads"),
             eps: f("rms_norm_eps"),
             theta: f("rope_theta"),
+            llama3: match &config["rope_scaling"] {
+                serde_json::Value::Null => None,
+                s => {
+                    assert_eq!(s["rope_type"], "llama3", "{s}");
+                    let g = |k: &str| s[k].as_f64().unwrap_or_else(|| panic!("rope_scaling.{k}"));
+                    Some([
+                        g("factor"),
+                        g("low_freq_factor"),
+                        g("high_freq_factor"),
+                        g("original_max_position_embeddings"),
+                    ])
+                }
+            },
             tied: config["tie_word_embeddings"]
                 .as_bool()
                 .expect("tie_word_embeddings"),
@@ -177,7 +216,7 @@ impl Llama {
                 let mut out = row.clone();
                 for head in 0..row.len() / hd {
                     for i in 0..hd {
-                        let inv_freq = self.cfg.theta.powf(-((2 * (i % half)) as f64) / hd as f64);
+                        let inv_freq = self.cfg.frequency(i % half, hd);
                         let (c, s) = ((p as f64 * inv_freq).cos(), (p as f64 * inv_freq).sin());
                         let x = row[head * hd + i];
                         let rotated = if i < half {

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::path::Path;
 
-use zconfig::spec::{ModelKind, ModelSpec};
+use zconfig::spec::{ModelKind, ModelSpec, RopeScaling};
 
 use crate::hf_files::HfFiles;
 use crate::stream::StreamWriter;
@@ -144,7 +144,7 @@ pub fn pieces(m: &ModelSpec, name: &str, shape: &[usize]) -> Vec<Piece> {
 
 /// Hugging Face's `config.json` for `m` (f32 weights).
 pub fn config_json(m: &ModelSpec) -> serde_json::Value {
-    match m.kind {
+    let mut c = match m.kind {
         ModelKind::Gpt => serde_json::json!({
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
@@ -185,12 +185,17 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
             "mlp_bias": false,
             "torch_dtype": "float32",
         }),
+    };
+    // transformers 4.x's key, which 5.x reads too (into `rope_parameters`).
+    if let Some(scaling) = m.rope_scaling {
+        c["rope_scaling"] = serde_json::to_value(scaling).expect("a scaling serialises");
     }
+    c
 }
 
 /// The model a Hugging Face directory's `config.json` describes: GPT-2
-/// (`model_type: gpt2`, tanh GELU) or LLaMA (`llama`: SiLU, no biases, no
-/// rotary scaling), the families whose names and layouts [`HfWeights`] maps.
+/// (`model_type: gpt2`, tanh GELU) or LLaMA (`llama`: SiLU, no biases,
+/// rotary scaling none, `linear` or `llama3`), the families whose names and layouts [`HfWeights`] maps.
 /// What `zrun sample` runs such a directory with (a published GPT-2, or
 /// `zrun export --format hf`'s output). Anything else is refused naming the
 /// file and the key.
@@ -250,9 +255,7 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
             only("hidden_act", &[json!("silu")])?;
             only("attention_bias", &[json!(false)])?;
             only("mlp_bias", &[json!(false)])?;
-            if let Some(refusal) = rope_refusal(&c) {
-                return Err(bad(refusal));
-            }
+            let scaling = rope_scaling(&c).map_err(&bad)?;
             let (d, heads) = (need(&["hidden_size"])?, need(&["num_attention_heads"])?);
             if d.is_multiple_of(heads) {
                 only("head_dim", &[json!(d / heads)])?;
@@ -267,6 +270,7 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
                 "ffn_hidden": need(&["intermediate_size"])?,
                 "tie_embeddings": c.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
                 "rope_theta": float("rope_theta"),
+                "rope_scaling": scaling,
                 "norm_eps": float("rms_norm_eps"),
                 "seq_len": need(&["max_position_embeddings"])?,
             })
@@ -433,35 +437,69 @@ pub fn eos_token_ids(dir: &Path) -> Result<Vec<u32>, CkptError> {
     Ok(Vec::new())
 }
 
-/// What a `config.json` asks of the rotary embedding that zrun does not do,
-/// said: a non-null `rope_scaling` (transformers 4.x), or a
-/// `rope_parameters` whose `rope_type` is not `default` (5.x), or one that
-/// is not an object at all (its rotary base was silently the default until
-/// the seventieth session).
-fn rope_refusal(c: &serde_json::Value) -> Option<String> {
-    let scaling = c.get("rope_scaling").filter(|v| !v.is_null());
-    let parameters = c.get("rope_parameters").filter(|r| !r.is_null());
-    let typed = parameters.filter(|r| {
-        r.get("rope_type")
-            .is_some_and(|t| !t.is_null() && t != "default")
-    });
-    match (scaling, typed, parameters) {
-        (Some(v), _, _) => Some(format!("rope_scaling is {v}: zrun's rotary embedding is not scaled")),
-        (_, Some(v), _) => Some(format!(
-            "rope_parameters is {v}: zrun's rotary embedding is not scaled"
-        )),
-        (_, _, Some(v)) if !v.is_object() => Some(format!(
-            "rope_parameters is {v}, not an object such as {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}}"
-        )),
-        _ => None,
+/// How a `config.json` scales the rotary embedding: transformers 4.x's
+/// `rope_scaling` or 5.x's `rope_parameters` (`rope_type` `default` or
+/// absent there: none), of the kinds zrun computes (`linear`, `llama3`;
+/// 4.x's older `type` key read as `rope_type`). Another kind (`dynamic`,
+/// `yarn`, `longrope` ...), a field missing or out of bounds, or a value
+/// that is not an object (a `rope_parameters` of another kind silently
+/// gave the default base until the seventieth session) is refused, said.
+fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
+    use serde_json::Value;
+    let (key, given) = match (c.get("rope_scaling"), c.get("rope_parameters")) {
+        (Some(v), _) if !v.is_null() => ("rope_scaling", v),
+        (_, Some(v)) if !v.is_null() => ("rope_parameters", v),
+        _ => return Ok(None),
+    };
+    let Some(fields) = given.as_object() else {
+        return Err(format!(
+            "{key} is {given}, not an object such as {{\"rope_type\": \"llama3\", \"factor\": 8.0, ...}}"
+        ));
+    };
+    let kind = fields
+        .get("rope_type")
+        .filter(|t| !t.is_null())
+        .or_else(|| fields.get("type"));
+    let kind = match kind.map(|t| (t, t.as_str())) {
+        Some((_, Some("default"))) => return Ok(None),
+        None if key == "rope_parameters" => return Ok(None),
+        Some((_, Some(k @ ("linear" | "llama3")))) => k,
+        Some((t, _)) => {
+            return Err(format!(
+                "{key}'s rope_type is {t}: zrun scales rotary embeddings as \"linear\" and \"llama3\" only"
+            ))
+        }
+        None => return Err(format!("{key} is {given}: it names no rope_type")),
+    };
+    let mut known = serde_json::Map::new();
+    known.insert("rope_type".into(), Value::from(kind));
+    let names: &[&str] = match kind {
+        "linear" => &["factor"],
+        _ => &[
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ],
+    };
+    for name in names {
+        if let Some(v) = fields.get(*name) {
+            known.insert((*name).into(), v.clone());
+        }
+    }
+    let scaling: RopeScaling = serde_json::from_value(Value::Object(known))
+        .map_err(|e| format!("{key} is {given}: {e}"))?;
+    match zconfig::load::rope_scaling_problem(&scaling) {
+        Some(problem) => Err(format!("{key}: {problem}")),
+        None => Ok(Some(scaling)),
     }
 }
 
 /// Holds a Hugging Face directory's `config.json`, where it has one, to the
 /// job's model `m`: each of [`SAME_KEYS`] that both have (and the file does
 /// not leave null, Hugging Face's "the default") equal, its context at least
-/// the job's sequence, and no rotary scaling (not implemented). An error
-/// names the file, its key and value, and the job's.
+/// the job's sequence, and its rotary scaling the job's. An error names the
+/// file, its key and value, and the job's.
 fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
     let path = dir.join(HF_CONFIG);
     let text = match std::fs::read(&path) {
@@ -507,10 +545,22 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
             }
         }
     }
-    match rope_refusal(&file) {
-        Some(refusal) => Err(invalid(&path, refusal)),
-        None => Ok(()),
+    let scaling = rope_scaling(&file).map_err(|refusal| invalid(&path, refusal))?;
+    if scaling != m.rope_scaling {
+        let show = |s: &Option<RopeScaling>| match s {
+            Some(s) => serde_json::to_string(s).expect("a scaling serialises"),
+            None => "none".into(),
+        };
+        return Err(invalid(
+            &path,
+            format!(
+                "its rotary scaling is {}, the job's model.rope_scaling {}: set the job's model to the directory's",
+                show(&scaling),
+                show(&m.rope_scaling)
+            ),
+        ));
     }
+    Ok(())
 }
 
 /// Tensors of published checkpoints that hold no parameter: GPT-2's causal
@@ -944,14 +994,53 @@ mod tests {
             ),
             (
                 edit(&llama_config, &[("rope_scaling", json!({"factor": 2.0}))]),
-                "rope_scaling is",
+                "rope_scaling is {\"factor\":2.0}: it names no rope_type",
             ),
             (
                 edit(
                     &llama_config,
                     &[("rope_parameters", json!({"rope_type": "yarn"}))],
                 ),
-                "rope_parameters is",
+                "rope_parameters's rope_type is \"yarn\": zrun scales rotary embeddings as \"linear\" and \"llama3\" only",
+            ),
+            (
+                edit(
+                    &llama_config,
+                    &[("rope_scaling", json!({"type": "dynamic", "factor": 2.0}))],
+                ),
+                "rope_scaling's rope_type is \"dynamic\"",
+            ),
+            (
+                edit(
+                    &llama_config,
+                    &[("rope_scaling", json!({"rope_type": "llama3", "factor": 8.0}))],
+                ),
+                "missing field `low_freq_factor`",
+            ),
+            (
+                edit(
+                    &llama_config,
+                    &[("rope_scaling", json!({"rope_type": "linear", "factor": 0.5}))],
+                ),
+                "rope_scaling: factor must be at least 1, got 0.5",
+            ),
+            (
+                edit(
+                    &llama_config,
+                    &[(
+                        "rope_scaling",
+                        json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                               "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}),
+                    )],
+                ),
+                "low_freq_factor (4) must be positive and below high_freq_factor (1)",
+            ),
+            (
+                edit(
+                    &llama_config,
+                    &[("rope_scaling", json!({"rope_type": "linear", "factor": "2"}))],
+                ),
+                "rope_scaling is",
             ),
             (
                 edit(&llama_config, &[("rope_parameters", json!(500.0))]),
@@ -1003,6 +1092,44 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join(HF_CONFIG), v5.to_string()).unwrap();
         assert_eq!(model_spec(d.path()).unwrap().rope_theta(), 250.0);
+        // Rotary scaling as Llama 3.1-3.2 publish it (transformers 4.x), as
+        // transformers 5 writes it, and 4.x's older `type` for linear.
+        let llama3 = json!({"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                            "original_max_position_embeddings": 8192, "rope_type": "llama3"});
+        let want_llama3 = RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let mut llama3_v5 = llama3.clone();
+        llama3_v5["rope_theta"] = json!(500000.0);
+        for (key, value, want, theta) in [
+            ("rope_scaling", llama3, want_llama3, 10000.0),
+            ("rope_parameters", llama3_v5, want_llama3, 500000.0),
+            (
+                "rope_scaling",
+                json!({"type": "linear", "factor": 2.0}),
+                RopeScaling::Linear { factor: 2.0 },
+                10000.0,
+            ),
+        ] {
+            let mut c = edit(&llama_config, &[(key, value)]);
+            if key == "rope_parameters" {
+                c.as_object_mut().unwrap().remove("rope_theta");
+            }
+            std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
+            let m = model_spec(d.path()).unwrap();
+            assert_eq!(
+                (m.rope_scaling, m.rope_theta()),
+                (Some(want), theta),
+                "{key}"
+            );
+            // And written back as transformers reads it.
+            let again = config_json(&m);
+            std::fs::write(d.path().join(HF_CONFIG), again.to_string()).unwrap();
+            assert_eq!(model_spec(d.path()).unwrap(), m, "{key} written back");
+        }
         let (d, params) = a_directory_of(&gpt);
         let written = config_json(&gpt);
         for (key, value) in [
@@ -1069,8 +1196,8 @@ mod tests {
             ),
             (
                 "rope_scaling",
-                serde_json::json!({"rope_type": "llama3", "factor": 8.0}),
-                "not scaled",
+                serde_json::json!({"rope_type": "linear", "factor": 8.0}),
+                "its rotary scaling is {\"rope_type\":\"linear\",\"factor\":8.0}, the job's model.rope_scaling none",
             ),
             // transformers 5's form: the base inside `rope_parameters`
             // (the written config's own `rope_theta` taken out below).
@@ -1082,7 +1209,7 @@ mod tests {
             (
                 "rope_parameters",
                 serde_json::json!({"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}),
-                "rope_parameters is",
+                "missing field `low_freq_factor`",
             ),
         ] {
             let e = with(key, value).unwrap_err().to_string();

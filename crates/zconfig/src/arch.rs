@@ -20,7 +20,39 @@
 //! and split (and transposed to `[out, in]`) only on export to Hugging Face's
 //! names.
 
-use crate::spec::{ModelKind, ModelSpec};
+use crate::spec::{ModelKind, ModelSpec, RopeScaling};
+
+/// The rotary embedding's frequency for each pair `i` of a head of width
+/// `hd` (`[hd/2]`, in radians a position): `theta^(−2i/hd)`, scaled as
+/// `scaling` says (Hugging Face's formulas, in f64).
+pub fn rope_inv_freq(theta: f64, scaling: Option<RopeScaling>, hd: usize) -> Vec<f64> {
+    let plain = (0..hd / 2).map(|i| theta.powf(-((2 * i) as f64) / hd as f64));
+    match scaling {
+        None => plain.collect(),
+        Some(RopeScaling::Linear { factor }) => plain.map(|f| f / factor).collect(),
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_max_position_embeddings: old,
+        }) => {
+            let old = old as f64;
+            plain
+                .map(|f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < old / high {
+                        f
+                    } else if wavelen > old / low {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    }
+}
 
 /// LLaMA's MLP width rounds `8/3 · d` up to a multiple of this.
 const LLAMA_FFN_MULTIPLE: usize = 256;
@@ -66,6 +98,12 @@ impl ModelSpec {
     /// The rotary embeddings' base.
     pub fn rope_theta(&self) -> f64 {
         self.rope_theta.unwrap_or(10_000.0)
+    }
+
+    /// The rotary embedding's frequency for each pair of a head
+    /// ([`rope_inv_freq`] of this model's base, scaling and head width).
+    pub fn rope_inv_freq(&self) -> Vec<f64> {
+        rope_inv_freq(self.rope_theta(), self.rope_scaling, self.head_dim())
     }
 
     /// The norms' epsilon.
@@ -221,6 +259,7 @@ impl ModelSpec {
                 ("seq_len", m.seq_len.to_string()),
                 ("tie_embeddings", m.tied().to_string()),
                 ("rope_theta", m.rope_theta().to_string()),
+                ("rope_scaling", format!("{:?}", m.rope_scaling)),
                 ("norm_eps", m.norm_eps().to_string()),
             ]
         };
@@ -236,6 +275,45 @@ impl ModelSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Llama 3's scaled frequencies against `transformers` 5.24's own
+    /// (`ROPE_INIT_FUNCTIONS["llama3"]` of a LlamaConfig with head width 16,
+    /// base 500, factor 8, low 1, high 4, original context 16: every band
+    /// has members), which it computes in f32: within f32's rounding.
+    #[test]
+    fn llama3_frequencies_are_transformers() {
+        let scaling = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 16,
+        };
+        let transformers = [
+            0.5760563611984253,
+            0.08042290806770325,
+            0.0264342799782753,
+            0.01215615589171648,
+            0.005590170156210661,
+            0.0025707141030579805,
+            0.0011821769876405597,
+            0.0005436398205347359,
+        ];
+        let ours = rope_inv_freq(500.0, Some(scaling), 16);
+        assert_eq!(ours.len(), transformers.len());
+        for (i, (a, b)) in ours.iter().zip(transformers).enumerate() {
+            assert!((a - b).abs() <= 1e-6 * b, "pair {i}: {a} vs {b}");
+        }
+        // Unscaled: theta^(-2i/hd); linear: each over the factor.
+        let plain = rope_inv_freq(500.0, None, 16);
+        assert_eq!(plain[0], 1.0);
+        assert!((plain[1] - 500f64.powf(-2.0 / 16.0)).abs() < 1e-15);
+        let linear = rope_inv_freq(500.0, Some(RopeScaling::Linear { factor: 4.0 }), 16);
+        assert!(linear.iter().zip(&plain).all(|(l, p)| *l == p / 4.0));
+        // The bands: pair 0 (wavelength 2π < 16/4) kept, the last (longer
+        // than 16/1) divided by 8, those between neither.
+        assert_eq!(ours[0] as f32, 0.5760564);
+        assert_eq!(ours[7], plain[7] / 8.0);
+    }
 
     fn spec(json: serde_json::Value) -> ModelSpec {
         serde_json::from_value(json).unwrap()

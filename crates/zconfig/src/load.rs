@@ -458,6 +458,7 @@ impl LoadedJob {
             for (key, set) in [
                 ("model.n_kv_heads", m.n_kv_heads.is_some()),
                 ("model.rope_theta", m.rope_theta.is_some()),
+                ("model.rope_scaling", m.rope_scaling.is_some()),
                 ("model.tie_embeddings", m.tie_embeddings == Some(false)),
             ] {
                 if set {
@@ -495,6 +496,11 @@ impl LoadedJob {
         ] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(self.invalid(key, format!("must be a positive number, got {v}")));
+            }
+        }
+        if let Some(scaling) = &m.rope_scaling {
+            if let Some(why) = rope_scaling_problem(scaling) {
+                return Err(self.invalid("model.rope_scaling", why));
             }
         }
         if let Some(n) = m.tile_size {
@@ -845,6 +851,37 @@ fn find_key(text: &str, key: &str) -> Option<(usize, usize)> {
                 }
                 from = at + 1;
             }
+        }
+    }
+    None
+}
+
+/// What is wrong with a rotary scaling, if anything: the bounds
+/// `transformers` holds its `rope_scaling` to (a factor of at least 1;
+/// Llama 3's low-frequency factor positive and below the high one, an
+/// original context of at least one token).
+pub fn rope_scaling_problem(s: &crate::spec::RopeScaling) -> Option<String> {
+    use crate::spec::RopeScaling;
+    let factor = match *s {
+        RopeScaling::Linear { factor } | RopeScaling::Llama3 { factor, .. } => factor,
+    };
+    if factor < 1.0 {
+        return Some(format!("factor must be at least 1, got {factor}"));
+    }
+    if let RopeScaling::Llama3 {
+        low_freq_factor: low,
+        high_freq_factor: high,
+        original_max_position_embeddings: old,
+        ..
+    } = *s
+    {
+        if !(low > 0.0 && high > low) {
+            return Some(format!(
+                "low_freq_factor ({low}) must be positive and below high_freq_factor ({high})"
+            ));
+        }
+        if old == 0 {
+            return Some("original_max_position_embeddings must be at least 1".into());
         }
     }
     None

@@ -108,6 +108,10 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(deserialize_with = "finite::optional")]
     pub rope_theta: Option<f64>,
+    /// LLaMA: the rotary embeddings' frequencies scaled for a longer context
+    /// (Hugging Face's `rope_scaling`; default none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
     /// The norms' epsilon (default 1e-5).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(deserialize_with = "finite::optional")]
@@ -125,6 +129,38 @@ pub struct ModelSpec {
     /// at a time (see [`crate::tiles`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tile_size: Option<Size>,
+}
+
+/// How the rotary embeddings' frequencies are scaled for a context longer
+/// than the one a model was first trained at: Hugging Face's `rope_scaling`
+/// (`rope_parameters` in transformers 5), the kinds whose attention is
+/// otherwise unchanged.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum RopeScaling {
+    /// Every frequency divided by `factor` (positions interpolated).
+    Linear {
+        /// The divisor (at least 1).
+        #[serde(deserialize_with = "finite::number")]
+        factor: f64,
+    },
+    /// Llama 3.1's: frequencies whose wavelength is longer than
+    /// `original_max_position_embeddings / low_freq_factor` divided by
+    /// `factor`, those shorter than `… / high_freq_factor` kept, those
+    /// between moved smoothly from one to the other.
+    Llama3 {
+        /// The divisor of the low frequencies (at least 1).
+        #[serde(deserialize_with = "finite::number")]
+        factor: f64,
+        /// Where the low frequencies end.
+        #[serde(deserialize_with = "finite::number")]
+        low_freq_factor: f64,
+        /// Where the high frequencies begin (above `low_freq_factor`).
+        #[serde(deserialize_with = "finite::number")]
+        high_freq_factor: f64,
+        /// The context the model was first trained at.
+        original_max_position_embeddings: usize,
+    },
 }
 
 /// A decoder family.
@@ -688,6 +724,12 @@ impl JobSpec {
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
+        }
+        if self.model.rope_scaling.is_some() {
+            return Some(
+                "the GPU model's rotary table is not scaled yet: model.rope_scaling runs on the CPU"
+                    .into(),
+            );
         }
         None
     }

@@ -126,7 +126,14 @@ fn main() -> candle_core::Result<()> {
     })?;
     let qkv = t(rows, 3 * d, 10)?.reshape((8, rows / 8, 3 * d))?;
     row("rope (q and k)", 8.0 * e * 3.0, &mut || {
-        zmodel::llama_ops::rope(&qkv, 6, 6, 10000.0, false).map(drop)
+        zmodel::llama_ops::rope(
+            &qkv,
+            6,
+            6,
+            &zconfig::arch::rope_inv_freq(10000.0, None, d / 6),
+            false,
+        )
+        .map(drop)
     })?;
     // LLaMA's SwiGLU over gate and up side by side (each half as wide as h).
     let (gu, half) = (

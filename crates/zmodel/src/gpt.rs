@@ -653,7 +653,7 @@ impl Gpt {
                 &qkv,
                 self.cfg.n_heads,
                 self.cfg.kv_heads(),
-                self.cfg.rope_theta(),
+                &self.cfg.rope_inv_freq(),
                 inverse,
             ),
         }
@@ -668,7 +668,7 @@ impl Gpt {
                 &qkv,
                 self.cfg.n_heads,
                 self.cfg.kv_heads(),
-                self.cfg.rope_theta(),
+                &self.cfg.rope_inv_freq(),
                 start,
             ),
         }

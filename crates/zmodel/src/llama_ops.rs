@@ -353,18 +353,19 @@ impl CustomOp2 for SwiGluGrad {
 
 /// The rotary embedding of q and k in `qkv` `[b, t, (heads + 2·kv)·hd]`
 /// (v passes through): position `p`, pair `(i, i + hd/2)` of each head turns
-/// by `p · theta^(−2i/hd)`. `inverse` turns the other way: the backward.
+/// by `p · inv_freq[i]` (`zconfig::arch::rope_inv_freq`: `theta^(−2i/hd)`,
+/// maybe scaled). `inverse` turns the other way: the backward.
 pub fn rope(
     qkv: &Tensor,
     heads: usize,
     kv_heads: usize,
-    theta: f64,
+    inv_freq: &[f64],
     inverse: bool,
 ) -> Result<Tensor> {
     qkv.contiguous()?.apply_op1(Rope {
         heads,
         kv_heads,
-        theta,
+        inv_freq: inv_freq.into(),
         inverse,
         start: 0,
     })
@@ -377,23 +378,24 @@ pub fn rope_from(
     qkv: &Tensor,
     heads: usize,
     kv_heads: usize,
-    theta: f64,
+    inv_freq: &[f64],
     start: usize,
 ) -> Result<Tensor> {
     qkv.contiguous()?.apply_op1(Rope {
         heads,
         kv_heads,
-        theta,
+        inv_freq: inv_freq.into(),
         inverse: false,
         start,
     })
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Rope {
     heads: usize,
     kv_heads: usize,
-    theta: f64,
+    /// A head's `[hd/2]` frequencies.
+    inv_freq: std::sync::Arc<[f64]>,
     inverse: bool,
     /// The first row's position.
     start: usize,
@@ -407,11 +409,9 @@ impl Rope {
         let sign = if self.inverse { -1.0 } else { 1.0 };
         let mut cos = Vec::with_capacity(t * half);
         let mut sin = Vec::with_capacity(t * half);
-        let inv_freq: Vec<f64> = (0..half)
-            .map(|i| self.theta.powf(-((2 * i) as f64) / hd as f64))
-            .collect();
+        debug_assert_eq!(self.inv_freq.len(), half);
         for p in self.start..self.start + t {
-            for &inv_freq in &inv_freq {
+            for &inv_freq in self.inv_freq.iter() {
                 let angle = p as f64 * inv_freq;
                 cos.push(angle.cos() as f32);
                 sin.push((sign * angle.sin()) as f32);
@@ -474,7 +474,7 @@ impl CustomOp1 for Rope {
     fn bwd(&self, _x: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(dy.contiguous()?.apply_op1(Rope {
             inverse: !self.inverse,
-            ..*self
+            ..self.clone()
         })?))
     }
 }
@@ -625,14 +625,15 @@ mod tests {
         let (b, t, heads, kv, hd) = (2, 9, 4, 2, 6);
         let w = (heads + 2 * kv) * hd;
         let x = Var::from_vec(wave(b * t * w, 13), (b, t, w), &dev).unwrap();
+        let freq = |theta| zconfig::arch::rope_inv_freq(theta, None, hd);
         check(
             std::slice::from_ref(&x),
-            |t| rope(&t[0], heads, kv, 10_000.0, false),
+            |t| rope(&t[0], heads, kv, &freq(10_000.0), false),
             |t| rope_composed(&t[0], heads, kv, 10_000.0),
             1e-5,
         );
-        let y = rope(x.as_tensor(), heads, kv, 500.0, false).unwrap();
-        let back = rope(&y, heads, kv, 500.0, true).unwrap();
+        let y = rope(x.as_tensor(), heads, kv, &freq(500.0), false).unwrap();
+        let back = rope(&y, heads, kv, &freq(500.0), true).unwrap();
         assert!(max_diff(&back, x.as_tensor()) < 1e-5);
         // Position 0 does not turn; v never does.
         let v = |t: &Tensor| t.narrow(2, (heads + kv) * hd, kv * hd).unwrap();
