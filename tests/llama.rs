@@ -8,7 +8,7 @@
 mod llama_reference;
 mod reference_common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use e2e::{losses_by_step, zrun, TrainArgs};
 use llama_reference::Llama;
@@ -24,7 +24,7 @@ fn one_batch(dir: &Path) -> Vec<u8> {
     text
 }
 
-fn job(dir: &Path, model: &str) -> std::path::PathBuf {
+fn job(dir: &Path, model: &str) -> PathBuf {
     let p = dir.join("job.yaml");
     std::fs::write(
         &p,
@@ -51,7 +51,7 @@ fn train(dir: &Path, job: &Path, metrics: &str, extra: &[&str]) -> Vec<(u64, f64
     losses_by_step(&dir.join(metrics))
 }
 
-fn export_hf(dir: &Path, out: &str) -> std::path::PathBuf {
+fn export_hf(dir: &Path, out: &str) -> PathBuf {
     let out = dir.join(out);
     let ckpt = dir.join("ckpt/step-00000004");
     let f = zrun(
@@ -94,6 +94,34 @@ fn loss_from(dir: &Path, job: &Path, init: &Path, metrics: &str) -> f64 {
     losses[0].1
 }
 
+/// Trains `model` 5 steps on one batch, exports its step-4 checkpoint for
+/// Hugging Face, and holds the export to an independent reader of Hugging
+/// Face LLaMA directories: it computes zrun's step-5 loss (measured within
+/// 8e-9 relative of zrun's f32 loss; the bound is 2e-6). Returns the job,
+/// the export and that loss.
+fn exported_as_the_reader_computes(dir: &Path, model: &str) -> (PathBuf, PathBuf, f64) {
+    let text = one_batch(dir);
+    let job = job(dir, model);
+    let src = train(dir, &job, "src.jsonl", &[]);
+    assert!(src[4].1 < src[0].1, "did not learn: {src:?}");
+    let out = export_hf(dir, "hf-llama");
+    let windows: Vec<Vec<u32>> = (0..4)
+        .map(|w| {
+            text[w * 32..=w * 32 + 32]
+                .iter()
+                .map(|&b| u32::from(b))
+                .collect()
+        })
+        .collect();
+    let independent = Llama::load(&out).loss(&windows);
+    let next = src[4].1;
+    assert!(
+        (independent - next).abs() <= 2e-6 * next,
+        "zrun's step-5 loss {next}; a LLaMA reader of the export computes {independent}"
+    );
+    (job, out, next)
+}
+
 /// Llama 3.1's rotary scaling (`model.rope_scaling`, Hugging Face's
 /// `rope_scaling`) trains, exports, and an independent reader of the export
 /// with its own formula for the scaled frequencies computes zrun's next
@@ -105,28 +133,10 @@ fn loss_from(dir: &Path, job: &Path, init: &Path, metrics: &str) -> f64 {
 fn a_llama3_scaled_rotary_embedding_trains_exports_and_reads_back() {
     let d = tempfile::tempdir().unwrap();
     let dir = d.path();
-    let text = one_batch(dir);
-    let job = job(
+    let (job, out, next) = exported_as_the_reader_computes(
         dir,
         "{kind: llama, vocab_size: 256, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 48, seq_len: 32, rope_theta: 100, \
          rope_scaling: {rope_type: llama3, factor: 4, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 32}}",
-    );
-    let src = train(dir, &job, "src.jsonl", &[]);
-    assert!(src[4].1 < src[0].1, "did not learn: {src:?}");
-    let out = export_hf(dir, "hf-llama3");
-    let windows: Vec<Vec<u32>> = (0..4)
-        .map(|w| {
-            text[w * 32..w * 32 + 33]
-                .iter()
-                .map(|&b| u32::from(b))
-                .collect()
-        })
-        .collect();
-    let independent = Llama::load(&out).loss(&windows);
-    let next = src[4].1;
-    assert!(
-        (independent - next).abs() <= 2e-6 * next,
-        "zrun's step-5 loss {next}; a LLaMA reader of the export computes {independent}"
     );
     let init_loss = loss_from(dir, &job, &out, "init.jsonl");
     assert!(
@@ -152,30 +162,9 @@ fn a_llama3_scaled_rotary_embedding_trains_exports_and_reads_back() {
 fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
     let d = tempfile::tempdir().unwrap();
     let dir = d.path();
-    let text = one_batch(dir);
-    let job = job(
+    let (job, out, next) = exported_as_the_reader_computes(
         dir,
         "{kind: llama, vocab_size: 256, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 48, seq_len: 32}",
-    );
-    let src = train(dir, &job, "src.jsonl", &[]);
-    assert!(src[4].1 < src[0].1, "did not learn: {src:?}");
-    let out = export_hf(dir, "hf-llama");
-    // An independent reader of Hugging Face LLaMA directories computes the
-    // same next loss from the export. Measured: within 8e-9 relative of
-    // zrun's f32 loss; the bound is 2e-6.
-    let windows: Vec<Vec<u32>> = (0..4)
-        .map(|w| {
-            text[w * 32..w * 32 + 33]
-                .iter()
-                .map(|&b| u32::from(b))
-                .collect()
-        })
-        .collect();
-    let independent = Llama::load(&out).loss(&windows);
-    let next = src[4].1;
-    assert!(
-        (independent - next).abs() <= 2e-6 * next,
-        "zrun's step-5 loss {next}; a LLaMA reader of the export computes {independent}"
     );
     // The directory starts a run with the next loss, and so does its
     // weights file alone (a published single-file LLaMA: its untied head,
