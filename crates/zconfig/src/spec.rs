@@ -725,12 +725,6 @@ impl JobSpec {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
         }
-        if self.model.rope_scaling.is_some() {
-            return Some(
-                "the GPU model's rotary table is not scaled yet: model.rope_scaling runs on the CPU"
-                    .into(),
-            );
-        }
         None
     }
 

@@ -194,28 +194,37 @@ fn swiglu_and_its_backward_match_the_cpu_model() {
 #[test]
 fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
     // 4 query heads on 2 key/value heads of 16; sequences of 24 positions
-    // of a model of 32; a small base, so that far positions turn a lot.
+    // of a model of 32; a small base, so that far positions turn a lot;
+    // unscaled, and scaled as Llama 3's (original context 16).
     let (b, t, seq_len, heads, kv, hd, theta) = (3, 24, 32, 4, 2, 16, 100.0);
-    let ld = (heads + 2 * kv) * hd;
-    let qkv: Vec<f32> = wave(b * t * ld, 10);
-    let (cos, sin) = zcuda::rotary_table(theta, seq_len, hd);
-    let qt = tensor(&qkv, &[b, t, ld]);
-    let mut turned = qkv.clone();
-    rope(&mut turned, &cos, &sin, ld, heads + kv, hd, t, 1.0);
-    let freq = zconfig::arch::rope_inv_freq(theta, None, hd);
-    let want = llama_ops::rope(&qt, heads, kv, &freq, false).unwrap();
-    close("rope", &turned, &values(&want));
-    // v passes untouched.
-    for r in 0..b * t {
-        let v = (heads + kv) * hd..ld;
-        assert_eq!(turned[r * ld..][v.clone()], qkv[r * ld..][v], "v moved");
+    let llama3 = zconfig::spec::RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 16,
+    };
+    for scaling in [None, Some(llama3)] {
+        let ld = (heads + 2 * kv) * hd;
+        let qkv: Vec<f32> = wave(b * t * ld, 10);
+        let (cos, sin) = zcuda::rotary_table(theta, scaling, seq_len, hd);
+        let qt = tensor(&qkv, &[b, t, ld]);
+        let mut turned = qkv.clone();
+        rope(&mut turned, &cos, &sin, ld, heads + kv, hd, t, 1.0);
+        let freq = zconfig::arch::rope_inv_freq(theta, scaling, hd);
+        let want = llama_ops::rope(&qt, heads, kv, &freq, false).unwrap();
+        close("rope", &turned, &values(&want));
+        // v passes untouched.
+        for r in 0..b * t {
+            let v = (heads + kv) * hd..ld;
+            assert_eq!(turned[r * ld..][v.clone()], qkv[r * ld..][v], "v moved");
+        }
+        let mut back = qkv.clone();
+        rope(&mut back, &cos, &sin, ld, heads + kv, hd, t, -1.0);
+        let want = llama_ops::rope(&qt, heads, kv, &freq, true).unwrap();
+        close("rope backward", &back, &values(&want));
+        rope(&mut turned, &cos, &sin, ld, heads + kv, hd, t, -1.0);
+        close("turned and back", &turned, &qkv);
     }
-    let mut back = qkv.clone();
-    rope(&mut back, &cos, &sin, ld, heads + kv, hd, t, -1.0);
-    let want = llama_ops::rope(&qt, heads, kv, &freq, true).unwrap();
-    close("rope backward", &back, &values(&want));
-    rope(&mut turned, &cos, &sin, ld, heads + kv, hd, t, -1.0);
-    close("turned and back", &turned, &qkv);
 }
 
 #[test]

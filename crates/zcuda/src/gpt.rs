@@ -47,6 +47,8 @@ pub enum Family {
         kv_heads: usize,
         /// The rotary embeddings' base.
         rope_theta: f64,
+        /// Their scaling for a longer context, if any.
+        rope_scaling: Option<zconfig::spec::RopeScaling>,
     },
 }
 
@@ -534,8 +536,13 @@ impl GptGpu {
         })?;
         let rotary = match shape.family {
             Family::Gpt2 => None,
-            Family::Llama { rope_theta, .. } => {
-                let (cos, sin) = rotary_table(rope_theta, shape.seq_len, shape.head_dim());
+            Family::Llama {
+                rope_theta,
+                rope_scaling,
+                ..
+            } => {
+                let (cos, sin) =
+                    rotary_table(rope_theta, rope_scaling, shape.seq_len, shape.head_dim());
                 Some((gpu.upload(&cos)?, gpu.upload(&sin)?))
             }
         };
@@ -2369,13 +2376,16 @@ pub fn rows_by_token(tokens: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
 }
 
 /// LLaMA's rotary table `[seq_len, hd/2]` (cosines, sines): position `p`,
-/// pair `i` turns by `p · theta^(−2i/hd)`, computed in f64 and rounded, as
-/// the CPU model's table (zmodel's `rope`).
-pub fn rotary_table(theta: f64, seq_len: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
-    let half = hd / 2;
-    let inv_freq: Vec<f64> = (0..half)
-        .map(|i| theta.powf(-((2 * i) as f64) / hd as f64))
-        .collect();
+/// pair `i` turns by `p · theta^(−2i/hd)` (scaled as `scaling` says:
+/// `zconfig::arch::rope_inv_freq`), computed in f64 and rounded, as the CPU
+/// model's table (zmodel's `rope`).
+pub fn rotary_table(
+    theta: f64,
+    scaling: Option<zconfig::spec::RopeScaling>,
+    seq_len: usize,
+    hd: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let inv_freq = zconfig::arch::rope_inv_freq(theta, scaling, hd);
     let (mut cos, mut sin) = (Vec::new(), Vec::new());
     for p in 0..seq_len {
         for &f in &inv_freq {

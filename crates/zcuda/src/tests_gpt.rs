@@ -233,6 +233,7 @@ fn gpu_llama_block_embedding_and_head_match_the_cpu_model() {
         Family::Llama {
             kv_heads,
             rope_theta,
+            rope_scaling: None,
         },
         Products::F32,
     );
@@ -292,6 +293,31 @@ fn gpu_llama_block_with_fused_attention_matches_the_cpu_model_within_bf16_roundi
     );
 }
 
+#[test]
+fn gpu_llama_block_with_llama3_rope_scaling_matches_the_cpu_model() {
+    // Llama 3's scaled rotary table (head width 16, original context 16:
+    // every band has members), built by the same formula as the CPU's.
+    let scaling = zconfig::spec::RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 16,
+    };
+    matches_the_cpu_model(
+        "gpu_llama_block_with_llama3_rope_scaling_matches_the_cpu_model",
+        serde_json::json!({
+            "kind": "llama", "n_kv_heads": 2, "ffn_hidden": 96, "rope_theta": 100.0,
+            "rope_scaling": scaling
+        }),
+        Family::Llama {
+            kv_heads: 2,
+            rope_theta: 100.0,
+            rope_scaling: Some(scaling),
+        },
+        Products::F32,
+    );
+}
+
 /// A LLaMA block (4 query heads on 2 key/value heads, rotary base 100, t =
 /// 100: two tiles of query rows) with the fused attention in `products`.
 fn llama_block_with_fused_attention(test: &str, products: Products) {
@@ -305,6 +331,7 @@ fn llama_block_with_fused_attention(test: &str, products: Products) {
         Family::Llama {
             kv_heads,
             rope_theta,
+            rope_scaling: None,
         },
         products,
     );
@@ -324,6 +351,7 @@ fn gpu_llama_block_with_fused_attention_at_head_width_128_matches_the_cpu_model(
         Family::Llama {
             kv_heads: 1,
             rope_theta: 100.0,
+            rope_scaling: None,
         },
         Products::Bf16FusedAttention,
     );

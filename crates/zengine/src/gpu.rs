@@ -99,6 +99,7 @@ pub fn gpu_shape(spec: &zconfig::spec::JobSpec) -> Result<GptShape, String> {
         zconfig::spec::ModelKind::Llama => Family::Llama {
             kv_heads: m.kv_heads(),
             rope_theta: m.rope_theta(),
+            rope_scaling: m.rope_scaling,
         },
     };
     Ok(GptShape {
