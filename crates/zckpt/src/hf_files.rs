@@ -235,6 +235,18 @@ mod tests {
         let m = llama();
         let d = saved(&m);
         let whole = read(&m, d.path()).unwrap();
+        // What was written: every parameter's values in turn, 1/1024 apart
+        // (so a piece put in the wrong place, transposed or not, shows).
+        let mut next = 0f32;
+        for (name, shape) in m.param_shapes() {
+            let want: Vec<f32> = (0..shape.iter().product::<usize>())
+                .map(|_| {
+                    next += 1.0;
+                    next / 1024.0
+                })
+                .collect();
+            assert_eq!(whole[&name], (shape, want), "{name}");
+        }
         shard(d.path(), 3);
         assert_eq!(read(&m, d.path()).unwrap(), whole);
         // As transformers does, model.safetensors is taken before the index.
@@ -380,5 +392,50 @@ mod tests {
             "{e}"
         );
         assert!(d.path().join(HF_CONFIG).is_file());
+    }
+
+    /// A tied model's file may carry its head anyway (as some exports do):
+    /// taken where it is the embedding, refused as an untied head where not.
+    #[test]
+    fn a_tied_models_head_in_the_file_must_be_its_embedding() {
+        let mut m = llama();
+        m.tie_embeddings = Some(true);
+        let d = saved(&m);
+        let whole = read(&m, d.path()).unwrap();
+        let path = d.path().join(HF_WEIGHTS);
+        let with_head = |head: &dyn Fn(Vec<f32>) -> Vec<f32>| {
+            let file = TensorFile::open(&path).unwrap();
+            let mut tensors = file.tensors();
+            tensors.retain(|(n, _)| n != "lm_head.weight");
+            let embedding = tensors
+                .iter()
+                .find(|(n, _)| n == "model.embed_tokens.weight")
+                .unwrap()
+                .clone();
+            tensors.push(("lm_head.weight".into(), embedding.1));
+            let tmp = d.path().join("rewritten");
+            let mut w = StreamWriter::create(&tmp, &tensors, None).unwrap();
+            for (name, _) in &tensors {
+                w.write(&match name.as_str() {
+                    "lm_head.weight" => head(file.read(&embedding.0).unwrap()),
+                    _ => file.read(name).unwrap(),
+                })
+                .unwrap();
+            }
+            w.finish().unwrap();
+            drop(file);
+            std::fs::rename(&tmp, &path).unwrap();
+        };
+        with_head(&|e| e);
+        assert_eq!(read(&m, d.path()).unwrap(), whole);
+        with_head(&|mut e| {
+            e[0] += 1.0;
+            e
+        });
+        let e = read(&m, d.path()).unwrap_err();
+        assert!(
+            e.contains("lm_head.weight belongs to no parameter") && e.contains("untied"),
+            "{e}"
+        );
     }
 }
