@@ -178,6 +178,66 @@ fn a_hugging_face_directory_samples_as_its_checkpoint() {
         assert_eq!(got.code(), 0, "{got:?}");
         assert_eq!(got.stdout, want.stdout, "{args:?}");
     }
+    // Its generation_config.json decides the sampling when no flag does,
+    // as it decides `generate`'s: greedy unless `do_sample: true`, then its
+    // temperature and top-k; a flag overrides it; a bad value is exit 2
+    // naming the file.
+    let generation = |json: serde_json::Value| {
+        std::fs::write(hf.join("generation_config.json"), json.to_string()).unwrap()
+    };
+    let prompt = ["--prompt", "34567", "--tokens", "40"];
+    let from_ckpt = |more: &[&str]| {
+        let f = sample(d.path(), &ckpt, &[&prompt[..], more].concat());
+        assert_eq!(f.code(), 0, "{f:?}");
+        f.stdout
+    };
+    let from_hf = |more: &[&str]| sample(d.path(), &hf, &[&prompt[..], more].concat());
+    generation(serde_json::json!({"eos_token_id": 300}));
+    let f = from_hf(&[]);
+    assert_eq!(
+        (f.code(), &f.stdout),
+        (0, &from_ckpt(&["--temperature", "0"]))
+    );
+    assert!(
+        f.stderr.contains("asks generate to: greedy"),
+        "{}",
+        f.stderr
+    );
+    generation(serde_json::json!({"do_sample": true, "temperature": 1.5, "top_k": 3}));
+    let f = from_hf(&["--seed", "9"]);
+    let drawn = from_ckpt(&["--top-k", "3", "--temperature", "1.5", "--seed", "9"]);
+    assert_eq!((f.code(), &f.stdout), (0, &drawn));
+    assert!(
+        f.stderr.contains("temperature 1.5, top-k 3, top-p 1"),
+        "{}",
+        f.stderr
+    );
+    assert_ne!(
+        drawn,
+        from_ckpt(&["--temperature", "0"]),
+        "the draw was greedy"
+    );
+    let f = from_hf(&["--temperature", "0"]);
+    assert_eq!(
+        (f.code(), &f.stdout),
+        (0, &from_ckpt(&["--temperature", "0"]))
+    );
+    for (json, says) in [
+        (
+            serde_json::json!({"do_sample": true, "top_p": 2.0}),
+            "generation_config.json: top_p must be in (0, 1]",
+        ),
+        (
+            serde_json::json!({"do_sample": true, "temperature": "hot"}),
+            "generation_config.json: not a generation config",
+        ),
+    ] {
+        generation(json);
+        let f = from_hf(&[]);
+        assert_eq!(f.code(), 2, "{f:?}");
+        assert!(f.stderr.contains(says), "{}", f.stderr);
+    }
+    std::fs::remove_file(hf.join("generation_config.json")).unwrap();
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
     for (key, value, says) in [

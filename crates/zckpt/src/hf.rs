@@ -437,6 +437,35 @@ pub fn eos_token_ids(dir: &Path) -> Result<Vec<u32>, CkptError> {
     Ok(Vec::new())
 }
 
+/// The sampling a Hugging Face directory's `generation_config.json` asks of
+/// `generate` (each `None` where the file does not say; its other keys are
+/// not sampling's).
+#[derive(Debug, Default, Clone, PartialEq, serde::Deserialize)]
+pub struct GenerationDefaults {
+    /// Whether to sample at all: `generate` is greedy unless it is `true`.
+    pub do_sample: Option<bool>,
+    /// Softmax temperature.
+    pub temperature: Option<f64>,
+    /// Draw among the K most likely tokens (0: all).
+    pub top_k: Option<usize>,
+    /// Nucleus sampling's probability mass.
+    pub top_p: Option<f64>,
+}
+
+/// The directory's `generation_config.json` sampling keys (`None` without
+/// the file); a value of another kind is an error naming the file.
+pub fn generation_defaults(dir: &Path) -> Result<Option<GenerationDefaults>, CkptError> {
+    let path = dir.join("generation_config.json");
+    let text = match std::fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io(&path)(e)),
+    };
+    serde_json::from_slice(&text)
+        .map(Some)
+        .map_err(|e| invalid(&path, format!("not a generation config: {e}")))
+}
+
 /// How a `config.json` scales the rotary embedding: transformers 4.x's
 /// `rope_scaling` or 5.x's `rope_parameters` (`rope_type` `default` or
 /// absent there: none), of the kinds zrun computes (`linear`, `llama3`;

@@ -83,15 +83,19 @@ pub struct SampleArgs {
     #[arg(long, default_value_t = 200)]
     pub tokens: usize,
     /// Softmax temperature; 0 takes the most likely token every time.
-    #[arg(long, default_value_t = 0.8)]
-    pub temperature: f64,
-    /// Draw among the K most likely tokens (0: all).
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
+    /// Default 0.8, or what a Hugging Face directory's
+    /// `generation_config.json` says (its `do_sample: false`: 0).
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// Draw among the K most likely tokens (0: all). Default 0, or the
+    /// directory's `generation_config.json`'s `top_k`.
+    #[arg(long)]
+    pub top_k: Option<usize>,
     /// Nucleus sampling: draw among the fewest most likely tokens whose
-    /// probabilities add up to at least P (0 < P ≤ 1; 1: all).
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f64,
+    /// probabilities add up to at least P (0 < P ≤ 1; 1: all). Default 1,
+    /// or the directory's `generation_config.json`'s `top_p`.
+    #[arg(long)]
+    pub top_p: Option<f64>,
     /// Seed of the draws (the same seed repeats the text).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

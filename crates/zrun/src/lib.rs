@@ -198,6 +198,77 @@ pub(crate) fn open_checkpoint(path: &Path) -> anyhow::Result<zckpt::Checkpoint> 
     }
 }
 
+/// The temperature, top-k and top-p to sample with: each flag given, else
+/// what `transformers`' `generate` takes from a Hugging Face directory's
+/// `generation_config.json` (greedy unless it says `do_sample: true`, then
+/// its `temperature`, `top_k`, `top_p`, each defaulting as `generate`'s do:
+/// 1, 50, 1), else zrun's defaults (0.8, all, 1). Each is checked, an error
+/// naming where it came from; what the file decided is said on stderr.
+fn sampling(args: &cli::SampleArgs, dir: &Path, hf_dir: bool) -> anyhow::Result<(f64, usize, f64)> {
+    let file = match hf_dir {
+        true => {
+            zckpt::hf::generation_defaults(dir).map_err(|e| Failure::bad_input(e.to_string()))?
+        }
+        false => None,
+    };
+    let config = dir.join("generation_config.json");
+    let ((t, k, p), said) = match &file {
+        None => ((0.8, 0, 1.0), "zrun's default"),
+        Some(g) if g.do_sample != Some(true) => ((0.0, 0, 1.0), "do_sample"),
+        Some(g) => (
+            (
+                g.temperature.unwrap_or(1.0),
+                g.top_k.unwrap_or(50),
+                g.top_p.unwrap_or(1.0),
+            ),
+            "",
+        ),
+    };
+    let named = |key: &str| match file {
+        Some(_) => format!(
+            "{}: {}",
+            config.display(),
+            if said.is_empty() { key } else { said }
+        ),
+        None => said.to_string(),
+    };
+    let temperature = args.temperature.unwrap_or(t);
+    let top_k = args.top_k.unwrap_or(k);
+    let top_p = args.top_p.unwrap_or(p);
+    if !(temperature.is_finite() && temperature >= 0.0) {
+        let from = args
+            .temperature
+            .map_or_else(|| named("temperature"), |_| "--temperature".into());
+        return Err(Failure::bad_input(format!(
+            "{from} must be a number ≥ 0 (0: the most likely token), got {temperature}"
+        )));
+    }
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        let from = args
+            .top_p
+            .map_or_else(|| named("top_p"), |_| "--top-p".into());
+        return Err(Failure::bad_input(format!(
+            "{from} must be in (0, 1] (1: every token), got {top_p}"
+        )));
+    }
+    let flags = [
+        args.temperature.is_some(),
+        args.top_k.is_some(),
+        args.top_p.is_some(),
+    ];
+    if file.is_some() && !flags.iter().all(|&f| f) {
+        let asked = match said {
+            "do_sample" => "greedy (no do_sample: true)".to_string(),
+            _ => format!("temperature {t}, top-k {k}, top-p {p}"),
+        };
+        eprintln!(
+            "zrun: sampling as {} asks generate to: {asked} (--temperature, --top-k, --top-p override it)",
+            config.display()
+        );
+    }
+    Ok((temperature, top_k, top_p))
+}
+
 /// The tokenizer file of a Hugging Face model directory.
 const HF_TOKENIZER: &str = "tokenizer.json";
 
@@ -238,18 +309,7 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
             "--prompt: give at least one character to continue",
         ));
     }
-    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
-        return Err(Failure::bad_input(format!(
-            "--temperature must be a number ≥ 0 (0: the most likely token), got {}",
-            args.temperature
-        )));
-    }
-    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
-        return Err(Failure::bad_input(format!(
-            "--top-p must be in (0, 1] (1: every token), got {}",
-            args.top_p
-        )));
-    }
+    let (temperature, top_k, top_p) = sampling(&args, &dir, hf_dir)?;
     let prompt_ids = match &tokenizer {
         Some((_, t)) => prepare::encode(t, &args.prompt)?,
         None => Vec::new(),
@@ -297,9 +357,9 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
         .arg(&prompt)
         .args([
             args.tokens.to_string(),
-            args.temperature.to_string(),
-            args.top_k.to_string(),
-            args.top_p.to_string(),
+            temperature.to_string(),
+            top_k.to_string(),
+            top_p.to_string(),
             args.seed.to_string(),
         ]);
     let launch =
