@@ -1121,6 +1121,11 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join(HF_CONFIG), v5.to_string()).unwrap();
         assert_eq!(model_spec(d.path()).unwrap().rope_theta(), 250.0);
+        // And with no rope_type at all.
+        v5["rope_parameters"] = json!({"rope_theta": 250.0});
+        std::fs::write(d.path().join(HF_CONFIG), v5.to_string()).unwrap();
+        let m = model_spec(d.path()).unwrap();
+        assert_eq!((m.rope_theta(), m.rope_scaling), (250.0, None));
         // Rotary scaling as Llama 3.1-3.2 publish it (transformers 4.x), as
         // transformers 5 writes it, and 4.x's older `type` for linear.
         let llama3 = json!({"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
@@ -1142,10 +1147,19 @@ mod tests {
                 RopeScaling::Linear { factor: 2.0 },
                 10000.0,
             ),
+            // Keys of other kinds beside a kind's own are not its.
+            (
+                "rope_scaling",
+                json!({"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 64}),
+                RopeScaling::Linear { factor: 2.0 },
+                10000.0,
+            ),
         ] {
             let mut c = edit(&llama_config, &[(key, value)]);
             if key == "rope_parameters" {
                 c.as_object_mut().unwrap().remove("rope_theta");
+                // Files that carry both keys leave 4.x's null.
+                c["rope_scaling"] = Value::Null;
             }
             std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
             let m = model_spec(d.path()).unwrap();
