@@ -205,7 +205,7 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
     let text = std::fs::read(&path).map_err(io(&path))?;
     let c: Value = serde_json::from_slice(&text)
         .map_err(|e| invalid(&path, format!("not a Hugging Face config.json: {e}")))?;
-    let c = lift_rope_theta(c);
+    let c = lift_rope_theta(c).map_err(|e| invalid(&path, e))?;
     let bad = |message: String| invalid(&path, message);
     // A key that may be absent or null (Hugging Face's default), else must
     // be one of `allowed`.
@@ -391,16 +391,30 @@ const CONTEXT_KEYS: &[&str] = &["n_positions", "n_ctx", "max_position_embeddings
 
 /// A `config.json` with transformers 5's `rope_parameters: {rope_theta,
 /// rope_type, …}` read as 4.x's top-level `rope_theta` (where the file has
-/// none of its own): the rotary base, wherever the file keeps it.
-fn lift_rope_theta(mut c: serde_json::Value) -> serde_json::Value {
+/// none of its own): the rotary base, wherever the file keeps it. A file
+/// with both that differ is refused: transformers 5 takes the one in
+/// `rope_parameters`, 4.x the other.
+fn lift_rope_theta(mut c: serde_json::Value) -> Result<serde_json::Value, String> {
     let theta = c
         .get("rope_parameters")
         .and_then(|r| r.get("rope_theta"))
+        .filter(|t| !t.is_null())
         .cloned();
     if let (Some(theta), Some(obj)) = (theta, c.as_object_mut()) {
-        obj.entry("rope_theta").or_insert(theta);
+        match obj.get("rope_theta").filter(|t| !t.is_null()) {
+            Some(top) if top.as_f64() != theta.as_f64() || top.as_f64().is_none() => {
+                return Err(format!(
+                    "rope_theta is {top} and rope_parameters.rope_theta {theta}: \
+                     transformers 5 takes the second, 4.x the first; keep one"
+                ))
+            }
+            Some(_) => {}
+            None => {
+                obj.insert("rope_theta".into(), theta);
+            }
+        }
     }
-    c
+    Ok(c)
 }
 
 /// The ids that end a text for a Hugging Face directory's model: the
@@ -538,7 +552,7 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
     };
     let file: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| invalid(&path, format!("not a Hugging Face config.json: {e}")))?;
-    let file = lift_rope_theta(file);
+    let file = lift_rope_theta(file).map_err(|e| invalid(&path, e))?;
     let job = config_json(m);
     let same = |a: &serde_json::Value, b: &serde_json::Value| match (a.as_f64(), b.as_f64()) {
         (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
@@ -1121,6 +1135,19 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join(HF_CONFIG), v5.to_string()).unwrap();
         assert_eq!(model_spec(d.path()).unwrap().rope_theta(), 250.0);
+        // Both places, the same base (an integer the same number): read;
+        // different bases: refused, transformers 4 and 5 would differ.
+        v5["rope_theta"] = json!(250);
+        std::fs::write(d.path().join(HF_CONFIG), v5.to_string()).unwrap();
+        assert_eq!(model_spec(d.path()).unwrap().rope_theta(), 250.0);
+        v5["rope_theta"] = json!(500.0);
+        std::fs::write(d.path().join(HF_CONFIG), v5.to_string()).unwrap();
+        let e = model_spec(d.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("rope_theta is 500.0 and rope_parameters.rope_theta 250.0"),
+            "{e}"
+        );
+        v5.as_object_mut().unwrap().remove("rope_theta");
         // And with no rope_type at all.
         v5["rope_parameters"] = json!({"rope_theta": 250.0});
         std::fs::write(d.path().join(HF_CONFIG), v5.to_string()).unwrap();
