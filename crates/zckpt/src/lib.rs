@@ -887,7 +887,26 @@ mod tests {
             .unwrap();
         assert_eq!(read.len(), params.len());
         assert!(!read.contains_key("h.0.attn.bias"));
-        assert!(read.values().all(|(_, v)| v.iter().all(|&x| x == 0.25)));
+        for (name, shape) in &params {
+            let want = vec![0.25; shape.iter().product::<usize>()];
+            assert_eq!(read[name], (shape.clone(), want), "{name}");
+        }
+        // A parameter of another shape under its own name: refused, named.
+        let mut misshapen = params.clone();
+        misshapen[1].1.reverse();
+        let mut w = StreamWriter::create(&path, &misshapen, None).unwrap();
+        for (_, shape) in &misshapen {
+            w.write(&vec![0.25; shape.iter().product::<usize>()])
+                .unwrap();
+        }
+        w.finish().unwrap();
+        let e = InitWeights::open(&path, &m, &params).err().unwrap();
+        let (name, shape) = &misshapen[1];
+        assert!(
+            e.to_string()
+                .contains(&format!("{name} has shape {shape:?}")),
+            "{e}"
+        );
         // One tensor more that is no buffer: refused, counted.
         write_with(("h.0.extra", vec![2]));
         let e = InitWeights::open(&path, &m, &params).err().unwrap();
