@@ -278,20 +278,21 @@ mod tests {
 
     /// Llama 3's scaled frequencies against `transformers` 5.24's own
     /// (`ROPE_INIT_FUNCTIONS["llama3"]` of a LlamaConfig with head width 16,
-    /// base 500, factor 8, low 1, high 4, original context 16: every band
-    /// has members), which it computes in f32: within f32's rounding.
+    /// base 500, factor 8, low 1, high 4, original context 32: pair 0 kept,
+    /// 1 and 2 blended, the rest divided), which it computes in f32: within
+    /// f32's rounding.
     #[test]
     fn llama3_frequencies_are_transformers() {
         let scaling = RopeScaling::Llama3 {
             factor: 8.0,
             low_freq_factor: 1.0,
             high_freq_factor: 4.0,
-            original_max_position_embeddings: 16,
+            original_max_position_embeddings: 32,
         };
         let transformers = [
-            0.5760563611984253,
-            0.08042290806770325,
-            0.0264342799782753,
+            1.0,
+            0.23748968541622162,
+            0.031185457482933998,
             0.01215615589171648,
             0.005590170156210661,
             0.0025707141030579805,
@@ -309,10 +310,11 @@ mod tests {
         assert!((plain[1] - 500f64.powf(-2.0 / 16.0)).abs() < 1e-15);
         let linear = rope_inv_freq(500.0, Some(RopeScaling::Linear { factor: 4.0 }), 16);
         assert!(linear.iter().zip(&plain).all(|(l, p)| *l == p / 4.0));
-        // The bands: pair 0 (wavelength 2π < 16/4) kept, the last (longer
-        // than 16/1) divided by 8, those between neither.
-        assert_eq!(ours[0] as f32, 0.5760564);
-        assert_eq!(ours[7], plain[7] / 8.0);
+        // The bands: pair 0 (wavelength 2π, under 32/4) kept, pair 3 on
+        // (wavelength 65, over 32/1) divided by 8, those between neither.
+        assert_eq!(ours[0], plain[0]);
+        assert!(ours[1] != plain[1] && ours[1] != plain[1] / 8.0);
+        assert!((3..8).all(|i| ours[i] == plain[i] / 8.0));
     }
 
     fn spec(json: serde_json::Value) -> ModelSpec {
