@@ -300,9 +300,23 @@ mod tests {
             0.0005436398205347359,
         ];
         let ours = rope_inv_freq(500.0, Some(scaling), 16);
-        assert_eq!(ours.len(), transformers.len());
-        for (i, (a, b)) in ours.iter().zip(transformers).enumerate() {
-            assert!((a - b).abs() <= 1e-6 * b, "pair {i}: {a} vs {b}");
+        // And with low_freq_factor 2 (the low band from wavelength 16).
+        let low_2 = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 2.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 32,
+        };
+        let mut transformers_low_2 = transformers;
+        (transformers_low_2[1], transformers_low_2[2]) = (0.12630289793014526, 0.0264342799782753);
+        for (ours, theirs) in [
+            (&ours, transformers),
+            (&rope_inv_freq(500.0, Some(low_2), 16), transformers_low_2),
+        ] {
+            assert_eq!(ours.len(), theirs.len());
+            for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
+                assert!((a - b).abs() <= 1e-6 * b, "pair {i}: {a} vs {b}");
+            }
         }
         // Unscaled: theta^(-2i/hd); linear: each over the factor.
         let plain = rope_inv_freq(500.0, None, 16);
