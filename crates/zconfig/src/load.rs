@@ -914,6 +914,63 @@ mod tests {
         job.validate(2).unwrap();
     }
 
+    /// `model.rope_scaling` within the bounds transformers holds it to, on
+    /// LLaMA only; each refusal at the key.
+    #[test]
+    fn rope_scaling_is_held_to_its_bounds() {
+        let d = tempfile::tempdir().unwrap();
+        let llama3 = |fields: &str| {
+            GOOD.replace(
+                "model: {",
+                &format!("model: {{kind: llama, rope_scaling: {{rope_type: llama3, {fields}}}, "),
+            )
+        };
+        let good = "factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8";
+        for (text, says) in [
+            (llama3(good), None),
+            (
+                GOOD.replace(
+                    "model: {",
+                    "model: {kind: llama, rope_scaling: {rope_type: linear, factor: 1}, ",
+                ),
+                None,
+            ),
+            (
+                llama3(&good.replace("factor: 8", "factor: 0.5")),
+                Some("factor must be at least 1, got 0.5"),
+            ),
+            (
+                llama3(&good.replace("low_freq_factor: 1", "low_freq_factor: 4")),
+                Some("low_freq_factor (4) must be positive and below high_freq_factor (4)"),
+            ),
+            (
+                llama3(&good.replace("low_freq_factor: 1", "low_freq_factor: 0")),
+                Some("low_freq_factor (0) must be positive"),
+            ),
+            (
+                llama3(&good.replace("embeddings: 8", "embeddings: 0")),
+                Some("original_max_position_embeddings must be at least 1"),
+            ),
+            (
+                GOOD.replace(
+                    "model: {",
+                    "model: {rope_scaling: {rope_type: linear, factor: 2}, ",
+                ),
+                Some("is for `kind: llama`"),
+            ),
+        ] {
+            let p = write(d.path(), "j.yaml", &text);
+            let got = load_job(&p, &[]).and_then(|mut j| j.validate(2));
+            match says {
+                None => got.unwrap(),
+                Some(says) => {
+                    let e = got.unwrap_err().to_string();
+                    assert!(e.contains("model.rope_scaling") && e.contains(says), "{e}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn unknown_key_is_located_with_a_hint() {
         let d = tempfile::tempdir().unwrap();
