@@ -154,6 +154,23 @@ pub fn zrun(cwd: &Path, args: &[&str]) -> Finished {
     Zrun::start(cwd, args).wait(Duration::from_secs(300))
 }
 
+/// `zrun export CKPT --out OUT --format hf` in `cwd`, which must succeed:
+/// a Hugging Face directory of the checkpoint.
+pub fn export_hf(cwd: &Path, ckpt: &Path, out: &Path) {
+    let f = zrun(
+        cwd,
+        &[
+            "export",
+            &ckpt.display().to_string(),
+            "--out",
+            &out.display().to_string(),
+            "--format",
+            "hf",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+}
+
 /// `zrun ARGS | head -c BYTES` in `cwd`: the first `bytes` of stdout, then
 /// the pipe closed. Returns what was read, zrun's exit code (it must end
 /// within 30 s of the close; killed and a panic otherwise), its stderr, and

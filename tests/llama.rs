@@ -53,19 +53,7 @@ fn train(dir: &Path, job: &Path, metrics: &str, extra: &[&str]) -> Vec<(u64, f64
 
 fn export_hf(dir: &Path, out: &str) -> PathBuf {
     let out = dir.join(out);
-    let ckpt = dir.join("ckpt/step-00000004");
-    let f = zrun(
-        dir,
-        &[
-            "export",
-            ckpt.to_str().unwrap(),
-            "--format",
-            "hf",
-            "--out",
-            out.to_str().unwrap(),
-        ],
-    );
-    assert_eq!(f.code(), 0, "{f:?}");
+    e2e::export_hf(dir, &dir.join("ckpt/step-00000004"), &out);
     out
 }
 

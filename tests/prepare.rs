@@ -462,16 +462,7 @@ fn sampling_stops_at_the_end_of_text_unless_told_otherwise() {
     // --tokenizer; with `tokenizer.json` beside its weights (as published
     // models have it) that one is taken, as `transformers` takes it.
     let hf = d.join("hf");
-    let export = [
-        "export",
-        ckpt.to_str().unwrap(),
-        "--out",
-        hf.to_str().unwrap(),
-        "--format",
-        "hf",
-    ];
-    let f = zrun(d, &export);
-    assert_eq!(f.code(), 0, "{f:?}");
+    e2e::export_hf(d, &ckpt, &hf);
     let f = sample_from(&hf, &[]);
     assert_eq!(f.code(), 2, "{f:?}");
     assert!(f.stderr.contains("give --tokenizer"), "{}", f.stderr);

@@ -146,18 +146,7 @@ fn a_hugging_face_directory_samples_as_its_checkpoint() {
     let d = tempfile::tempdir().unwrap();
     let ckpt = trained(d.path());
     let hf = d.path().join("hf");
-    let f = zrun(
-        d.path(),
-        &[
-            "export",
-            ckpt.to_str().unwrap(),
-            "--out",
-            hf.to_str().unwrap(),
-            "--format",
-            "hf",
-        ],
-    );
-    assert_eq!(f.code(), 0, "{f:?}");
+    e2e::export_hf(d.path(), &ckpt, &hf);
     for args in [
         &["--prompt", "34567", "--tokens", "40", "--temperature", "0"][..],
         &[
