@@ -15,9 +15,14 @@ the sixty-ninth session) changes the continuation within a few bytes.
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --zrun target/release/zrun
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --max-shard-size 40KB
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --rope-scaling llama3
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --bf16
 
 `--max-shard-size` saves the model in shards with an index
 (`model.safetensors.index.json`), as published models past a few GB are.
+`--bf16` rounds the weights to bf16 and saves them so, as most published
+models are; transformers continues the prompt with those values in f32,
+which is what zrun computes (it keeps the bf16 weights and widens them as
+it multiplies).
 
 Exit status 0 when the continuations are the same, 1 otherwise.
 """
@@ -68,6 +73,7 @@ def main() -> int:
     ap.add_argument("--max-shard-size", help="save in shards of at most this size (e.g. 40KB)")
     ap.add_argument("--rope-scaling", choices=sorted(SCALINGS),
                     help="LLaMA: scale the rotary embedding (Llama 3.1's llama3, or linear)")
+    ap.add_argument("--bf16", action="store_true", help="weights rounded to bf16 and saved so")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = build(args.kind, SCALINGS.get(args.rope_scaling))
@@ -75,6 +81,8 @@ def main() -> int:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.3)
+            if args.bf16:
+                p.copy_(p.to(torch.bfloat16).float())
     model.eval()
     context = 64
     ids = torch.tensor([list(args.prompt.encode())])
@@ -85,6 +93,8 @@ def main() -> int:
     want = bytes(ids[0].tolist())
     with tempfile.TemporaryDirectory() as out:
         shards = {"max_shard_size": args.max_shard_size} if args.max_shard_size else {}
+        if args.bf16:
+            model = model.to(torch.bfloat16)
         model.save_pretrained(out, safe_serialization=True, **shards)
         if args.max_shard_size:
             files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))

@@ -263,3 +263,95 @@ fn a_hugging_face_directory_samples_as_its_checkpoint() {
         );
     }
 }
+
+/// `hf`'s weights rounded to bf16 (nearest even), as a Hugging Face
+/// directory at `out`: stored in bf16 (`bf16`), or those values in f32.
+fn rounded_copy(hf: &Path, out: &Path, bf16: bool) {
+    std::fs::create_dir_all(out).unwrap();
+    for entry in std::fs::read_dir(hf).unwrap() {
+        let from = entry.unwrap().path();
+        if from.file_name().unwrap() != "model.safetensors" {
+            std::fs::copy(&from, out.join(from.file_name().unwrap())).unwrap();
+        }
+    }
+    let bytes = std::fs::read(hf.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in file.tensors() {
+        assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+        let bits: Vec<u16> = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| zgemm::bf16_bits(f32::from_le_bytes(b.try_into().unwrap())))
+            .collect();
+        let data: Vec<u8> = match bf16 {
+            true => bits.iter().flat_map(|b| b.to_le_bytes()).collect(),
+            false => bits
+                .iter()
+                .flat_map(|&b| zgemm::bf16_value(b).to_le_bytes())
+                .collect(),
+        };
+        tensors.push((name, view.shape().to_vec(), data));
+    }
+    let dtype = match bf16 {
+        true => safetensors::Dtype::BF16,
+        false => safetensors::Dtype::F32,
+    };
+    let views = tensors.iter().map(|(name, shape, data)| {
+        let view = safetensors::tensor::TensorView::new(dtype, shape.clone(), data).unwrap();
+        (name.clone(), view)
+    });
+    safetensors::serialize_to_file(views, None, &out.join("model.safetensors")).unwrap();
+}
+
+/// Weights published in bf16 (as most are) stay bf16 in `zrun sample`,
+/// half the memory and bytes a token of f32, and each product widens them
+/// exactly as it reads them: the text is that of the same values stored in
+/// f32, to the byte, greedy and drawn, from a prompt past the rows a
+/// product streams (`zgemm::ROWS_STREAMED`) and from a short one.
+#[test]
+fn bf16_weights_sample_as_their_values_in_f32() {
+    let d = tempfile::tempdir().unwrap();
+    let ckpt = trained(d.path());
+    let hf = d.path().join("hf");
+    e2e::export_hf(d.path(), &ckpt, &hf);
+    let (hf16, hf32) = (d.path().join("hf16"), d.path().join("hf32"));
+    rounded_copy(&hf, &hf16, true);
+    rounded_copy(&hf, &hf32, false);
+    let long = "0123456789012".to_string();
+    assert!(long.len() > zgemm::ROWS_STREAMED);
+    for args in [
+        &["--prompt", &long, "--tokens", "40", "--temperature", "0"][..],
+        &[
+            "--prompt",
+            "3",
+            "--tokens",
+            "40",
+            "--top-k",
+            "3",
+            "--temperature",
+            "1.5",
+            "--seed",
+            "9",
+        ],
+    ] {
+        let (want, got) = (sample(d.path(), &hf32, args), sample(d.path(), &hf16, args));
+        assert_eq!(want.code(), 0, "{want:?}");
+        assert_eq!(got.code(), 0, "{got:?}");
+        assert_eq!(got.stdout, want.stdout, "{args:?}");
+        assert!(
+            got.stderr.contains("weight matrices kept in bf16")
+                && !want.stderr.contains("kept in bf16"),
+            "{}",
+            got.stderr
+        );
+        assert!(want.stdout.len() > 40, "{want:?}");
+    }
+    // The rounded model still continues its pattern.
+    let f = sample(
+        d.path(),
+        &hf16,
+        &["--prompt", "34567", "--tokens", "10", "--temperature", "0"],
+    );
+    assert_eq!(f.stdout.trim(), "345678901234567", "{f:?}");
+}

@@ -135,6 +135,15 @@ fn transpose_into<T: Copy>(
     }
 }
 
+/// `values` (`rows × cols`, row-major) transposed: `cols × rows`. A sampler
+/// holds its head's `[vocab, d]` matrix so, whose one-row product then
+/// streams rows rather than columns.
+pub fn transposed<T: Copy + Default>(values: &[T], rows: usize, cols: usize) -> Vec<T> {
+    let mut out = vec![T::default(); rows * cols];
+    transpose_into(values, cols, &mut out, rows, rows, cols);
+    out
+}
+
 /// [`transpose_into`]'s tile side: 32 rows of 32 f32 values, 4 KB.
 const TILE: usize = 32;
 
@@ -768,6 +777,23 @@ impl HfWeights {
 
     /// The zrun parameter `name`'s values, put together from its pieces.
     pub fn read(&self, name: &str) -> Result<Vec<f32>, CkptError> {
+        let read = |file_name: &str| self.files.read(file_name).map(Some);
+        Ok(self.assemble(name, read)?.unwrap_or_default())
+    }
+
+    /// [`HfWeights::read`] as bf16 bits where every piece is stored in bf16
+    /// (as most published weights are), else `None`.
+    pub fn read_bf16(&self, name: &str) -> Result<Option<Vec<u16>>, CkptError> {
+        self.assemble(name, |file_name| self.files.read_bf16(file_name))
+    }
+
+    /// Parameter `name` put together from its pieces as `read` gives them;
+    /// `None` where `read` gives `None` for a piece.
+    fn assemble<T: Copy + Default>(
+        &self,
+        name: &str,
+        read: impl Fn(&str) -> Result<Option<Vec<T>>, CkptError>,
+    ) -> Result<Option<Vec<T>>, CkptError> {
         let Mapped { shape, pieces } = self.mapped.get(name).ok_or_else(|| {
             invalid(
                 self.files.path_of(name),
@@ -777,14 +803,17 @@ impl HfWeights {
         if let [(p, file_name)] = &pieces[..] {
             if !p.transposed && p.columns.len() == shape.last().copied().unwrap_or(0) {
                 // The tensor is the parameter (an embedding, a norm): no copy.
-                return self.files.read(file_name);
+                return read(file_name);
             }
         }
-        let mut whole = vec![0f32; shape.iter().product()];
+        let mut whole = vec![T::default(); shape.iter().product()];
         for (p, file_name) in pieces {
-            p.put(shape, &self.files.read(file_name)?, &mut whole);
+            let Some(piece) = read(file_name)? else {
+                return Ok(None);
+            };
+            p.put(shape, &piece, &mut whole);
         }
-        Ok(whole)
+        Ok(Some(whole))
     }
 }
 
@@ -831,6 +860,75 @@ mod tests {
         })
         .unwrap();
         (d, params)
+    }
+
+    /// Published weights in bf16: each parameter read as its bf16 bits,
+    /// put together from its pieces (a LLaMA's q, k and v transposed into
+    /// one matrix), is the parameter read as f32, value for value; a file
+    /// in f32 gives no bits.
+    #[test]
+    fn bf16_weights_read_as_their_bits_are_their_f32_values() {
+        let m = llama();
+        let d = tempfile::tempdir().unwrap();
+        let params = m.param_shapes();
+        let mut next = 0u32;
+        let mut shapes = params.iter();
+        write_dir(&m, &params, d.path(), || {
+            Ok(shapes.next().map(|(_, s)| {
+                (0..s.iter().product::<usize>())
+                    .map(|_| {
+                        next += 1;
+                        half::bf16::from_f32(next as f32 / 64.0 - 3.0).to_f32()
+                    })
+                    .collect()
+            }))
+        })
+        .unwrap();
+        let f32_file = d.path().join(HF_WEIGHTS);
+        let f32_weights = HfWeights::open(&m, &params, d.path()).unwrap();
+        assert_eq!(f32_weights.read_bf16(&params[1].0).unwrap(), None);
+        let wants: Vec<Vec<f32>> = params
+            .iter()
+            .map(|(name, _)| f32_weights.read(name).unwrap())
+            .collect();
+        drop(f32_weights);
+        // The same tensors stored in bf16.
+        let file = crate::TensorFile::open(&f32_file).unwrap();
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = file
+            .tensors()
+            .into_iter()
+            .map(|(name, shape)| {
+                let bits: Vec<u16> = file
+                    .read(&name)
+                    .unwrap()
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect();
+                (name, shape, bytemuck::cast_slice(&bits).to_vec())
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = bytes
+            .iter()
+            .map(|(n, s, b)| {
+                let v =
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b);
+                (n.clone(), v.unwrap())
+            })
+            .collect();
+        drop(file);
+        safetensors::serialize_to_file(views, None, &f32_file).unwrap();
+        let bf16 = HfWeights::open(&m, &params, d.path()).unwrap();
+        for ((name, _), want) in params.iter().zip(wants) {
+            let widened: Vec<f32> = bf16
+                .read_bf16(name)
+                .unwrap()
+                .unwrap()
+                .iter()
+                .map(|&b| half::bf16::from_bits(b).to_f32())
+                .collect();
+            assert_eq!(widened, want, "{name}");
+            assert_eq!(bf16.read(name).unwrap(), want, "{name}");
+        }
     }
 
     #[test]

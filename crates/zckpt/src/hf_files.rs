@@ -154,8 +154,17 @@ impl HfFiles {
 
     /// Tensor `name`'s values as f32.
     pub(crate) fn read(&self, name: &str) -> Result<Vec<f32>, CkptError> {
+        self.file_of(name)?.read(name)
+    }
+
+    /// Tensor `name`'s bf16 bits, if it is stored in bf16.
+    pub(crate) fn read_bf16(&self, name: &str) -> Result<Option<Vec<u16>>, CkptError> {
+        self.file_of(name)?.read_bf16(name)
+    }
+
+    fn file_of(&self, name: &str) -> Result<&TensorFile, CkptError> {
         match self.tensors.get(name) {
-            Some(&(i, _)) => self.files[i].read(name),
+            Some(&(i, _)) => Ok(&self.files[i]),
             None => Err(invalid(&self.named, format!("tensor {name} is missing"))),
         }
     }

@@ -623,12 +623,13 @@ impl InitWeights {
         })
     }
 
-    /// Every parameter's values (for a sampler, which needs them all).
-    pub fn read_all(&self) -> Result<Weights, CkptError> {
-        self.params
-            .iter()
-            .map(|(n, s)| Ok((n.clone(), (s.clone(), self.read(n)?))))
-            .collect()
+    /// Parameter `name`'s values as bf16 bits where the file stores all of
+    /// it in bf16, else `None` ([`WeightSource::read`] widens them).
+    pub fn read_bf16(&self, name: &str) -> Result<Option<Vec<u16>>, CkptError> {
+        match &self.file {
+            InitFile::Zrun(f) => f.read_bf16(name),
+            InitFile::Hf(w) => w.read_bf16(name),
+        }
     }
 }
 
@@ -882,14 +883,13 @@ mod tests {
             w.finish().unwrap();
         };
         write_with(("h.0.attn.bias", vec![1, 1, 4, 4]));
-        let read = InitWeights::open(&path, &m, &params)
-            .and_then(|w| w.read_all())
-            .unwrap();
-        assert_eq!(read.len(), params.len());
-        assert!(!read.contains_key("h.0.attn.bias"));
+        let read = InitWeights::open(&path, &m, &params).unwrap();
+        assert_eq!(read.tensor_count(), params.len());
+        assert_eq!(read.shape("h.0.attn.bias"), None);
         for (name, shape) in &params {
             let want = vec![0.25; shape.iter().product::<usize>()];
-            assert_eq!(read[name], (shape.clone(), want), "{name}");
+            assert_eq!(read.shape(name).as_ref(), Some(shape), "{name}");
+            assert_eq!(read.read(name).unwrap(), want, "{name}");
         }
         // A parameter of another shape under its own name: refused, named.
         let mut misshapen = params.clone();

@@ -217,41 +217,54 @@ impl TensorFile {
     /// Tensor `name`'s values as f32 (f32, or bf16 / f16 as published
     /// weights often are, widened exactly).
     pub fn read(&self, name: &str) -> Result<Vec<f32>, CkptError> {
-        let info = self
-            .meta
-            .info(name)
-            .ok_or_else(|| invalid(&self.path, format!("tensor {name} is missing")))?;
-        let (s, e) = info.data_offsets;
-        let read = |bytes: &mut [u8]| {
-            self.file
-                .read_exact_at(bytes, self.data_at + s as u64)
-                .map_err(io(&self.path))
-        };
+        let info = self.info(name)?;
         match info.dtype {
-            StDtype::F32 => {
-                let mut out = vec![0f32; (e - s) / 4];
-                read(bytemuck::cast_slice_mut(&mut out))?;
-                Ok(out)
-            }
-            StDtype::BF16 | StDtype::F16 => {
-                let mut raw = vec![0u16; (e - s) / 2];
-                read(bytemuck::cast_slice_mut(&mut raw))?;
-                Ok(match info.dtype {
-                    StDtype::BF16 => raw
-                        .iter()
-                        .map(|&b| half::bf16::from_bits(b).to_f32())
-                        .collect(),
-                    _ => raw
-                        .iter()
-                        .map(|&b| half::f16::from_bits(b).to_f32())
-                        .collect(),
-                })
-            }
+            StDtype::F32 => self.values::<f32>(info),
+            StDtype::BF16 => Ok(self
+                .values::<u16>(info)?
+                .iter()
+                .map(|&b| half::bf16::from_bits(b).to_f32())
+                .collect()),
+            StDtype::F16 => Ok(self
+                .values::<u16>(info)?
+                .iter()
+                .map(|&b| half::f16::from_bits(b).to_f32())
+                .collect()),
             other => Err(invalid(
                 &self.path,
                 format!("{name} is {other:?}, expected F32, BF16 or F16"),
             )),
         }
+    }
+
+    /// Tensor `name`'s values as bf16 bits where the file stores it in bf16
+    /// (a sampler keeps such weights as they are: half the bytes of f32);
+    /// `None` for another dtype.
+    pub fn read_bf16(&self, name: &str) -> Result<Option<Vec<u16>>, CkptError> {
+        let info = self.info(name)?;
+        match info.dtype {
+            StDtype::BF16 => Ok(Some(self.values::<u16>(info)?)),
+            _ => Ok(None),
+        }
+    }
+
+    fn info(&self, name: &str) -> Result<&safetensors::tensor::TensorInfo, CkptError> {
+        self.meta
+            .info(name)
+            .ok_or_else(|| invalid(&self.path, format!("tensor {name} is missing")))
+    }
+
+    /// A tensor's bytes as values of `T` (its dtype's width).
+    fn values<T: bytemuck::Pod>(
+        &self,
+        info: &safetensors::tensor::TensorInfo,
+    ) -> Result<Vec<T>, CkptError> {
+        let (s, e) = info.data_offsets;
+        let mut out = vec![T::zeroed(); (e - s) / std::mem::size_of::<T>()];
+        self.file
+            .read_exact_at(bytemuck::cast_slice_mut(&mut out), self.data_at + s as u64)
+            .map_err(io(&self.path))?;
+        Ok(out)
     }
 }
 

@@ -13,6 +13,11 @@
 //! values transposed in registers so that one vector multiply-add takes
 //! eight columns' terms.
 //!
+//! `B` may be stored as bf16 bits ([`crate::gemm_widening_b`]: a
+//! model's weights kept as published, for generation), each value widened
+//! exactly as it is loaded: half the bytes to stream, and the bits of the
+//! same product on the widened `B`.
+//!
 //! The bits are the blocked path's: at α = 1 each element of `C` is one
 //! fused multiply-add chain over the depth in order, from `C`, the bias or
 //! zero, with the residual added after, as every kernel computes it
@@ -40,14 +45,62 @@ pub(crate) struct Ends<'b> {
     pub residual: Option<MatRef<'b>>,
 }
 
+/// An element of `B` as [`row_times`] reads it: an f32 value, or a bf16
+/// value's bits, widened exactly.
+pub(crate) trait BValue: Copy + Send + Sync {
+    /// The value.
+    fn value(self) -> f32;
+
+    /// The eight values from `p`.
+    ///
+    /// # Safety
+    ///
+    /// Eight values from `p` are readable; the CPU has AVX2 (the callers'
+    /// `target_feature`, into which this inlines).
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl BValue for f32 {
+    #[inline(always)]
+    fn value(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+impl BValue for u16 {
+    #[inline(always)]
+    fn value(self) -> f32 {
+        f32::from_bits(u32::from(self) << 16)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const u16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's: 16 bytes from p, AVX2.
+        unsafe {
+            let halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(halves))
+        }
+    }
+}
+
 /// `C[0, ·] = ends ⊕ A[0, ·]·B` on up to `threads` threads; then `finish`
 /// on the row. `c` is one row, `b` has `c`'s columns and `a`'s columns as
 /// its rows, and adjacent columns or adjacent rows.
-pub(crate) fn row_times(
+pub(crate) fn row_times<T: BValue>(
     simd: bool,
     c: &MatMut,
     a: &MatRef,
-    b: &MatRef,
+    b: &MatRef<T>,
     ends: &Ends,
     threads: usize,
     finish: Option<&Finish>,
@@ -121,7 +174,7 @@ pub(crate) fn row_times(
 
 /// `out[j] = fma(a[p], b[p][j0 + j], out[j])` for every `p` in order.
 #[inline(always)]
-fn chain(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize) {
+fn chain<T: BValue>(out: &mut [f32], a: &MatRef, b: &MatRef<T>, j0: usize) {
     let (k, len) = (a.cols, out.len());
     let row = |p: usize| &b.data[p * b.rs + j0..][..len];
     let ap = |p: usize| a.data[p * a.cs];
@@ -131,10 +184,10 @@ fn chain(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize) {
         let (a0, a1, a2, a3) = (ap(p), ap(p + 1), ap(p + 2), ap(p + 3));
         for (j, o) in out.iter_mut().enumerate() {
             let mut v = *o;
-            v = a0.mul_add(b0[j], v);
-            v = a1.mul_add(b1[j], v);
-            v = a2.mul_add(b2[j], v);
-            v = a3.mul_add(b3[j], v);
+            v = a0.mul_add(b0[j].value(), v);
+            v = a1.mul_add(b1[j].value(), v);
+            v = a2.mul_add(b2[j].value(), v);
+            v = a3.mul_add(b3[j].value(), v);
             *o = v;
         }
         p += ROWS;
@@ -142,7 +195,7 @@ fn chain(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize) {
     for p in p..k {
         let (bp, a0) = (row(p), ap(p));
         for (o, &x) in out.iter_mut().zip(bp) {
-            *o = a0.mul_add(x, *o);
+            *o = a0.mul_add(x.value(), *o);
         }
     }
 }
@@ -155,7 +208,7 @@ fn chain(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize) {
 /// The CPU must have AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn chain_avx2(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize) {
+unsafe fn chain_avx2<T: BValue>(out: &mut [f32], a: &MatRef, b: &MatRef<T>, j0: usize) {
     chain(out, a, b, j0);
 }
 
@@ -165,18 +218,18 @@ unsafe fn chain_avx2(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize) {
 /// overlap (one chain waits on its last multiply-add; eight keep the FMA
 /// units busy, and eight streams of `B` feed them).
 #[inline(always)]
-fn chain_columns(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize) {
+fn chain_columns<T: BValue>(out: &mut [f32], a: &MatRef, b: &MatRef<T>, j0: usize) {
     let k = a.cols;
     let column = |j: usize| &b.data[j * b.cs..][..k];
     let a: Vec<f32> = (0..k).map(|p| a.data[p * a.cs]).collect();
     let mut groups = out.chunks_exact_mut(COLUMNS);
     let mut j = j0;
     for group in &mut groups {
-        let cols: [&[f32]; COLUMNS] = std::array::from_fn(|i| column(j + i));
+        let cols: [&[T]; COLUMNS] = std::array::from_fn(|i| column(j + i));
         let mut acc: [f32; COLUMNS] = std::array::from_fn(|i| group[i]);
         for (p, &ap) in a.iter().enumerate() {
             for i in 0..COLUMNS {
-                acc[i] = ap.mul_add(cols[i][p], acc[i]);
+                acc[i] = ap.mul_add(cols[i][p].value(), acc[i]);
             }
         }
         group.copy_from_slice(&acc);
@@ -187,7 +240,7 @@ fn chain_columns(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize) {
         *o = a
             .iter()
             .zip(col)
-            .fold(*o, |acc, (&ap, &x)| ap.mul_add(x, acc));
+            .fold(*o, |acc, (&ap, &x)| ap.mul_add(x.value(), acc));
         j += 1;
     }
 }
@@ -212,20 +265,20 @@ const COLUMNS: usize = 8;
 /// The CPU must have AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn chain_columns_avx2(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize) {
+unsafe fn chain_columns_avx2<T: BValue>(out: &mut [f32], a: &MatRef, b: &MatRef<T>, j0: usize) {
     let k = a.cols;
     let av: Vec<f32> = (0..k).map(|p| a.data[p * a.cs]).collect();
     let mut pairs = out.chunks_exact_mut(16);
     let mut j = j0;
     for pair in &mut pairs {
         // SAFETY: AVX2 and FMA (caller).
-        unsafe { column_groups::<2>(pair, &av, b, j) };
+        unsafe { column_groups::<T, 2>(pair, &av, b, j) };
         j += 16;
     }
     let mut groups = pairs.into_remainder().chunks_exact_mut(8);
     for group in &mut groups {
         // SAFETY: as above.
-        unsafe { column_groups::<1>(group, &av, b, j) };
+        unsafe { column_groups::<T, 1>(group, &av, b, j) };
         j += 8;
     }
     let a_rest = MatRef {
@@ -247,11 +300,16 @@ unsafe fn chain_columns_avx2(out: &mut [f32], a: &MatRef, b: &MatRef, j0: usize)
 /// The CPU must have AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn column_groups<const G: usize>(out: &mut [f32], av: &[f32], b: &MatRef, j: usize) {
+unsafe fn column_groups<T: BValue, const G: usize>(
+    out: &mut [f32],
+    av: &[f32],
+    b: &MatRef<T>,
+    j: usize,
+) {
     use std::arch::x86_64::*;
     let k = av.len();
     let k8 = k / 8 * 8;
-    let columns: [[&[f32]; 8]; G] =
+    let columns: [[&[T]; 8]; G] =
         std::array::from_fn(|g| std::array::from_fn(|i| &b.data[(j + 8 * g + i) * b.cs..][..k]));
     // SAFETY: out holds 8G elements; loads of eight values of each column
     // at p..p+8 ≤ k; AVX2 and FMA (caller).
@@ -267,7 +325,7 @@ unsafe fn column_groups<const G: usize>(out: &mut [f32], av: &[f32], b: &MatRef,
             for g in 0..G {
                 let mut r = [_mm256_setzero_ps(); 8];
                 for i in 0..8 {
-                    r[i] = _mm256_loadu_ps(columns[g][i].as_ptr().add(p));
+                    r[i] = T::load8(columns[g][i].as_ptr().add(p));
                 }
                 rows[g] = crate::transpose8(r);
             }
@@ -286,7 +344,7 @@ unsafe fn column_groups<const G: usize>(out: &mut [f32], av: &[f32], b: &MatRef,
         for (i, column) in columns.iter().enumerate() {
             let o = &mut out[8 * g + i];
             for p in k8..k {
-                *o = av[p].mul_add(column[p], *o);
+                *o = av[p].mul_add(column[p].value(), *o);
             }
         }
     }

@@ -1012,6 +1012,83 @@ pub fn gemm_finishing_with(
     )
 }
 
+/// `C = start ⊕ A·B` for a `B` stored as bf16 bits (a model's weights kept
+/// as published, half the bytes of f32), each value widened exactly: the
+/// bits of [`gemm`] (with `finish`, [`gemm_finishing`]) on the widened `B`,
+/// in f32 products. Up to [`ROWS_STREAMED`] rows of `A` (generation's
+/// products, a short prompt's) stream `B` as it is stored, once a row; more
+/// rows run the blocked product, whose packing widens the values.
+pub fn gemm_widening_b(
+    c: MatMut,
+    a: MatRef,
+    b: MatRef<u16>,
+    start: Start,
+    threads: usize,
+    finish: Option<&Finish>,
+) -> Result<(), ShapeError> {
+    gemm_widening_b_with(Kernel::best(), c, a, b, start, threads, finish)
+}
+
+/// Rows of `A` up to which [`gemm_widening_b`] streams `B` once a row: a
+/// row's pass over `B` costs its 2 bytes a value at the memory's speed;
+/// the blocked product's packing moves 6 bytes a value before FLOPs that
+/// cost about a third of a row's pass a row, so streaming wins up to a few
+/// rows (eight measured level on a 2-core Zen 2, a 1.2B LLaMA's prompt).
+pub const ROWS_STREAMED: usize = 8;
+
+/// [`gemm_widening_b`] with a given kernel (tests compare them).
+///
+/// # Panics
+///
+/// As [`gemm_with`].
+pub(crate) fn gemm_widening_b_with(
+    kernel: Kernel,
+    c: MatMut,
+    a: MatRef,
+    b: MatRef<u16>,
+    start: Start,
+    threads: usize,
+    finish: Option<&Finish>,
+) -> Result<(), ShapeError> {
+    assert_f32_kernel(kernel);
+    let streamed = (1..=ROWS_STREAMED).contains(&c.rows) && c.cols > 0 && a.cols > 0;
+    if streamed && (b.cs == 1 || b.rs == 1 || b.cols == 1) {
+        let First {
+            add,
+            bias,
+            residual,
+        } = begin(&c, &a, b.rows, b.cols, start)?.expect("rows, columns and depth");
+        let simd = kernel != Kernel::Portable;
+        for i in 0..c.rows {
+            // SAFETY: row i of C's checked view, which this call holds.
+            let row = unsafe { MatMut::from_raw(c.ptr.add(i * c.rs), 1, c.cols, c.rs, c.init)? };
+            let ends = gemv::Ends {
+                add,
+                bias,
+                residual: residual.map(|r| r.sub_rows(i, i + 1)),
+            };
+            let shifted = |t: FinishedTile| {
+                if let Some(finish) = finish {
+                    finish(FinishedTile { row0: i, ..t })
+                }
+            };
+            let finish_row = finish.map(|_| &shifted as &Finish);
+            gemv::row_times(
+                simd,
+                &row,
+                &a.sub_rows(i, i + 1),
+                &b,
+                &ends,
+                threads,
+                finish_row,
+            );
+        }
+        return Ok(());
+    }
+    let b = Packs::Widened(b);
+    drive(kernel, c, a, b, 1.0, start, threads, None, None, finish)
+}
+
 /// Rows of `B` that [`gemm_summing_b`]'s column sums add as a group.
 pub const SUM_GROUP: usize = 16;
 const _: () = assert!(
@@ -1086,6 +1163,9 @@ pub(crate) enum Packs<'a> {
     /// paired copy of `B` first): `B`'s row `q` is its rows `2q` and `2q + 1`
     /// interleaved, `rows` of them (zero past its last row).
     RowPairs { of: RowSource<'a>, rows: usize },
+    /// bf16 values as their bits, widened as they are packed
+    /// ([`gemm_widening_b`]).
+    Widened(MatRef<'a, u16>),
 }
 
 impl Packs<'_> {
@@ -1094,6 +1174,7 @@ impl Packs<'_> {
         match self {
             Packs::Values(b) => (b.rows, b.cols),
             Packs::RowPairs { of, rows } => (*rows, of.cols()),
+            Packs::Widened(b) => (b.rows, b.cols),
         }
     }
 }
@@ -1205,6 +1286,11 @@ pub(crate) fn drive(
                         of: RowSource::Bf16(m),
                         ..
                     } => bf16::pack_row_pairs(m, pc, kc, j, j1, nr, dst),
+                    Packs::Widened(b) => {
+                        for (d, j) in dst.chunks_mut(nr * kc).zip((j..j1).step_by(nr)) {
+                            pack_b_widened(b, pc, kc, j, nr.min(j1 - j), nr, d);
+                        }
+                    }
                 }
             };
             // The block's columns' sums (module doc: `B`'s column sums).
@@ -2393,6 +2479,35 @@ fn pack_b(b: &MatRef, p0: usize, kc: usize, j0: usize, cols: usize, nr: usize, d
         for p in 0..kc {
             for j in 0..cols {
                 dst[p * nr + j] = b.at(p0 + p, j0 + j);
+            }
+        }
+    }
+}
+
+/// [`pack_b`] of a `B` stored as bf16 bits, each value widened as it is
+/// packed: the panels [`pack_b`] makes of the widened `B`.
+fn pack_b_widened(
+    b: &MatRef<u16>,
+    p0: usize,
+    kc: usize,
+    j0: usize,
+    cols: usize,
+    nr: usize,
+    dst: &mut [f32],
+) {
+    if cols < nr {
+        dst.fill(0.0);
+    }
+    for (p, panel_row) in dst.chunks_exact_mut(nr).take(kc).enumerate() {
+        let out = &mut panel_row[..cols];
+        if b.cs == 1 {
+            let row = &b.data[(p0 + p) * b.rs + j0..][..cols];
+            for (d, &v) in out.iter_mut().zip(row) {
+                *d = bf16_value(v);
+            }
+        } else {
+            for (j, d) in out.iter_mut().enumerate() {
+                *d = bf16_value(b.at(p0 + p, j0 + j));
             }
         }
     }

@@ -1854,3 +1854,82 @@ fn one_row_products_give_the_blocked_paths_bits() {
         }
     }
 }
+
+/// A `B` stored as bf16 bits (a model's weights as published) gives the
+/// bits of the same product on the widened `B`: one and three rows of `A`
+/// (streamed as stored, `gemv`, once a row) and past [`ROWS_STREAMED`]
+/// (widened first, then blocked), `B`
+/// row-major, transposed (a head's `x·wteᵀ`) and neither, every f32
+/// kernel, start and 1-3 threads, with and without a finish.
+#[test]
+fn bf16_stored_b_gives_the_bits_of_its_widened_values() {
+    let kernels: Vec<Kernel> = covered().into_iter().filter(|k| !k.is_bf16()).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (n, k) in [(1, 1), (7, 3), (33, 300), (100, KC + 37), (2100, 9)] {
+        for (b_t, strided) in [(false, false), (true, false), (false, true)] {
+            let stored: Vec<u16> = random(2, 2 * k * (2 * n + 1))
+                .iter()
+                .map(|&v| bf16_bits(v * 3.0))
+                .collect();
+            let widened: Vec<f32> = stored.iter().map(|&b| bf16_value(b)).collect();
+            fn view<T: Copy>(data: &[T], k: usize, n: usize, t: bool, s: bool) -> MatRef<'_, T> {
+                match s {
+                    true => MatRef::new(data, k, n, 2 * (2 * n + 1), 2).unwrap(),
+                    false => operand(data, k, n, t),
+                }
+            }
+            let b16 = view(&stored, k, n, b_t, strided);
+            let b32 = view(&widened, k, n, b_t, strided);
+            let most = ROWS_STREAMED + 2;
+            let (a_data, bias) = (random(1, most * k), random(3, n));
+            let res = random(5, most * (n + 5));
+            for m in [1, 3, most] {
+                let a = MatRef::row_major(&a_data, m, k).unwrap();
+                let r = MatRef::new(&res, m, n, n + 5, 1).unwrap();
+                let rs = n + 3;
+                for &kernel in &kernels {
+                    for start in STARTS {
+                        for threads in [1, 2, 3] {
+                            let what = format!(
+                                "{kernel:?} {m}x{n}x{k} (B transposed {b_t}, strided {strided}) {start} on {threads} threads"
+                            );
+                            // Each element's new value depends on where the
+                            // tile says it is.
+                            let finish = |t: FinishedTile| {
+                                for i in 0..t.rows {
+                                    for j in 0..t.cols {
+                                        let at = ((t.row0 + i) * n + t.col0 + j) as f32;
+                                        // SAFETY: inside the tile handed over.
+                                        unsafe {
+                                            let e = t.ptr.add(i * t.rs + j);
+                                            *e = *e * 2.0 + at;
+                                        }
+                                    }
+                                }
+                            };
+                            for finishing in [false, true] {
+                                let (mut want, mut got) = (random(4, m * rs), random(4, m * rs));
+                                in_pool(threads, || {
+                                    let s = start_of(start, &bias, r);
+                                    let c = MatMut::new(&mut want, m, n, rs).unwrap();
+                                    match finishing {
+                                        true => gemm_finishing_with(
+                                            kernel, c, a, b32, s, threads, &finish,
+                                        ),
+                                        false => gemm_with(kernel, c, a, b32, 1.0, s, threads),
+                                    }
+                                    .unwrap();
+                                    let s = start_of(start, &bias, r);
+                                    let c = MatMut::new(&mut got, m, n, rs).unwrap();
+                                    let f = finishing.then_some(&finish as &Finish);
+                                    gemm_widening_b_with(kernel, c, a, b16, s, threads, f).unwrap();
+                                });
+                                assert_eq!(bits(&got), bits(&want), "{what} finishing {finishing}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -463,7 +463,13 @@ impl Gpt {
         start: usize,
     ) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
-        let x = params.wte.index_select(&tokens.flatten_all()?, 0)?;
+        let ids = tokens.flatten_all()?;
+        let x = match params.wte.is_contiguous() {
+            true => params.wte.index_select(&ids, 0)?,
+            // A tied table stored `[d, vocab]` (a sampler's, whose head
+            // reads rows of it, [`Gpt::last_logits`]): columns of that.
+            false => params.wte.t()?.index_select(&ids, 1)?.t()?,
+        };
         // A bf16 working copy handed over as it is (`product_operand`): the
         // rows the batch uses, widened (exactly).
         let x = match x.dtype() {
@@ -986,18 +992,36 @@ impl Gpt {
         }
         let last = x.narrow(1, t - 1, 1)?.reshape((1, d))?.contiguous()?;
         let normed = self.norm(&last, &params.norm)?.contiguous()?;
-        let out = Self::output_matrix(params, wte)?.to_dtype(DType::F32)?;
+        let out = match (&params.lm_head, wte) {
+            (Some(m), _) => m,
+            (None, Some(wte)) => wte,
+            (None, None) => candle_core::bail!("a tied head needs the token embedding"),
+        };
         let vocab = out.dim(0)?;
+        // Stored `[d, vocab]` (a sampler's, [`Gpt::embed_from`]): read as
+        // stored, rows of it, which a one-row product streams twice as fast
+        // as the columns of `[vocab, d]` with bf16 values.
+        let (stored, rows_of_d) = match out.t()?.is_contiguous() {
+            true => (out.t()?, true),
+            false => (out.contiguous()?, false),
+        };
         let (ns, nl) = normed.storage_and_layout();
-        let (os, ol) = out.storage_and_layout();
+        let (os, ol) = stored.storage_and_layout();
         let a = MatRef::row_major(f32s(&ns, nl)?, 1, d).map_err(head::shape)?;
-        let b = MatRef::row_major(f32s(&os, ol)?, vocab, d)
-            .map_err(head::shape)?
-            .t();
         let mut logits = vec![0f32; vocab];
         let c = MatMut::row_major(&mut logits, 1, vocab).map_err(head::shape)?;
         let threads = rayon::current_num_threads();
-        zgemm::gemm(c, a, b, 1.0, Start::Zero, threads).map_err(head::shape)?;
+        let b = match rows_of_d {
+            true => Input::of(&os, ol, d, vocab)?,
+            false => Input::of(&os, ol, vocab, d)?.t(),
+        };
+        // A matrix kept in bf16 (a sampler's, or a bf16 working copy) is
+        // read as it is, each value widened.
+        match b {
+            Input::F32(b) => zgemm::gemm(c, a, b, 1.0, Start::Zero, threads),
+            Input::Bf16(b) => zgemm::gemm_widening_b(c, a, b, Start::Zero, threads, None),
+        }
+        .map_err(head::shape)?;
         Ok(logits)
     }
 
@@ -2068,6 +2092,82 @@ mod tests {
             let x = g.embed_from(&emb, &tokens(31, 32), 31).unwrap();
             let past = g.block_cached(&blocks[0], &x, &mut caches[0]).unwrap_err();
             assert!(past.to_string().contains("at most seq_len 32"), "{past}");
+        }
+    }
+
+    /// A sampler's model (`zrun sample` on weights published in bf16): its
+    /// matrices kept as bf16 tensors, the head's stored transposed (`[d,
+    /// vocab]` under a `[vocab, d]` view, a tied table read by the
+    /// embedding that way too), everything else f32. Each product widens
+    /// the values as it reads them, so the logits are the bits of the same
+    /// model with those values in f32, at the prompt (past
+    /// `zgemm::ROWS_STREAMED` rows: the blocked product) and at every token
+    /// after it (one row, streamed): GPT-2 (tied, GELU in the products) and
+    /// LLaMA (untied, SwiGLU), and LLaMA tied.
+    #[test]
+    fn bf16_matrices_generate_the_bits_of_their_values_in_f32() {
+        let mut tied = llama(50, 64, 2, 32, 96);
+        tied.tie_embeddings = Some(true);
+        for cfg in [gpt(50, 64, 2, 4, 32), llama(50, 64, 2, 32, 96), tied] {
+            let g = Gpt::new(&cfg).unwrap();
+            let (l, dev) = (g.cfg.n_layers, Device::Cpu);
+            let head_name = match cfg.tied() {
+                true => format!("{}.weight", cfg.token_table_name()),
+                false => "lm_head.weight".to_string(),
+            };
+            // Every value a bf16 value; as f32 tensors, or the sampler's.
+            let group = |i: usize, kept: bool| -> Vec<Tensor> {
+                g.init_group(i, 11)
+                    .into_iter()
+                    .zip(&g.groups()[i].params)
+                    .map(|(v, ps)| {
+                        let v: Vec<f32> = v
+                            .iter()
+                            .map(|x| zgemm::bf16_value(zgemm::bf16_bits(x * 5.0)))
+                            .collect();
+                        let t = Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap();
+                        let matrix = ps.shape.len() == 2 && !ps.name.starts_with("wpe");
+                        match (kept, matrix) {
+                            (true, true) => {
+                                let t = t.to_dtype(DType::BF16).unwrap();
+                                match ps.name == head_name {
+                                    true => t.t().unwrap().contiguous().unwrap().t().unwrap(),
+                                    false => t,
+                                }
+                            }
+                            _ => t,
+                        }
+                    })
+                    .collect()
+            };
+            let logits = |kept: bool| -> Vec<Vec<u32>> {
+                let emb = EmbeddingParams::from_vec(group(0, kept), g.layout()).unwrap();
+                let blocks: Vec<_> = (1..=l)
+                    .map(|b| BlockParams::from_vec(group(b, kept), g.layout()).unwrap())
+                    .collect();
+                let head = HeadParams::from_vec(group(l + 1, kept), g.layout()).unwrap();
+                if kept {
+                    let out = head.lm_head.as_ref().unwrap_or(&emb.wte);
+                    assert!(out.dtype() == DType::BF16 && !out.is_contiguous());
+                }
+                let ids: Vec<u32> = (0..16u32).map(|i| (i * 17 + 3) % 50).collect();
+                let mut caches = vec![KvCache::default(); l];
+                let prompt = zgemm::ROWS_STREAMED + 2;
+                let mut out = Vec::new();
+                let mut from = 0;
+                for to in std::iter::once(prompt).chain(prompt + 1..=ids.len()) {
+                    let tokens = Tensor::from_slice(&ids[from..to], (1, to - from), &dev).unwrap();
+                    let mut x = g.embed_from(&emb, &tokens, from).unwrap();
+                    for (b, cache) in blocks.iter().zip(&mut caches) {
+                        x = g.block_cached(b, &x, cache).unwrap();
+                    }
+                    let got = g.last_logits(&head, Some(&emb.wte), &x).unwrap();
+                    out.push(got.iter().map(|v| v.to_bits()).collect());
+                    from = to;
+                }
+                out
+            };
+            assert_eq!(logits(true), logits(false), "{:?}", cfg.kind);
         }
     }
 }

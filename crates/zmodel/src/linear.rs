@@ -281,9 +281,9 @@ fn forward_products<S: BlockSource>(
             let w = Input::of(&ws, wl, inputs, cols.len())?;
             match store {
                 Store::F32 if gelu => {
-                    let (Input::F32(a), Input::F32(b)) = (xm, w) else {
+                    let Input::F32(a) = xm else {
                         return Err(candle_core::Error::Msg(format!(
-                            "{linear:?}: GELU in the products needs f32 operands"
+                            "{linear:?}: GELU in the products needs an f32 input"
                         ))
                         .into());
                     };
@@ -299,7 +299,13 @@ fn forward_products<S: BlockSource>(
                     };
                     let c = MatMut::uninit(&mut y[cols.start..], rows, cols.len(), width)
                         .map_err(shape)?;
-                    zgemm::gemm_finishing(c, a, b, start, threads, &finish).map_err(shape)?
+                    match w {
+                        Input::F32(b) => zgemm::gemm_finishing(c, a, b, start, threads, &finish),
+                        Input::Bf16(b) => {
+                            zgemm::gemm_widening_b(c, a, b, start, threads, Some(&finish))
+                        }
+                    }
+                    .map_err(shape)?
                 }
                 Store::F32 => multiply(
                     products,
@@ -752,13 +758,17 @@ pub(crate) fn multiply(
     use zgemm::gemm_bf16;
     match (products, a, b) {
         (Products::F32, Input::F32(a), Input::F32(b)) => zgemm::gemm(c, a, b, 1.0, start, threads),
+        // A weight stored in bf16 (a sampler's, as published): widened.
+        (Products::F32, Input::F32(a), Input::Bf16(b)) => {
+            zgemm::gemm_widening_b(c, a, b, start, threads, None)
+        }
         (Products::Bf16, Input::F32(a), Input::F32(b)) => gemm_bf16(c, a, b, 1.0, start, threads),
         (Products::Bf16, Input::Bf16(a), Input::F32(b)) => gemm_bf16(c, a, b, 1.0, start, threads),
         (Products::Bf16, Input::F32(a), Input::Bf16(b)) => gemm_bf16(c, a, b, 1.0, start, threads),
         (Products::Bf16, Input::Bf16(a), Input::Bf16(b)) => gemm_bf16(c, a, b, 1.0, start, threads),
         (Products::F32, _, _) => {
             return Err(candle_core::Error::Msg(
-                "linear layer: a bf16 operand needs bf16 products".into(),
+                "linear layer: a bf16 input needs bf16 products".into(),
             ))
         }
     }

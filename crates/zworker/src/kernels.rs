@@ -13,7 +13,9 @@
 //! `fma_peak` row at its thread count: the cores doing nothing but fused
 //! multiply-adds on zgemm's vectors, the ceiling no product passes. ZeRO++'s quantization kernels move 4
 //! bytes a value one way and their code (1 byte, or half) plus block scales the
-//! other. Each figure is the best of several runs.
+//! other. Generation's one-row products read each weight once: 4 bytes a
+//! value in f32, 2 for weights kept in bf16. Each figure is the best of
+//! several runs.
 
 use std::time::Instant;
 
@@ -108,6 +110,60 @@ fn quantization_rows(x: &[f32], threads: usize, triad_gbps: f64) -> Result<Vec<K
     Ok(rows)
 }
 
+/// Generation's products: one row times a row-major `B` of `x`'s values
+/// (2048 rows: a LLaMA-1B block's depth), `B` in f32 and stored as bf16
+/// bits (`zgemm::gemm_widening_b`: weights kept as published). A one-row
+/// product reads each value of `B` once, so the figure is `B`'s bytes per
+/// second, bound by the memory like the triad's (which also writes).
+fn gemv_rows(x: &[f32], threads: usize, triad_gbps: f64) -> Result<Vec<KernelRow>> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()?;
+    let depth = 2048.min(x.len());
+    let cols = x.len() / depth;
+    let b16: Vec<u16> = x[..depth * cols]
+        .iter()
+        .map(|&v| zgemm::bf16_bits(v))
+        .collect();
+    let a = vec![0.5f32; depth];
+    let mut c = vec![0f32; cols];
+    let a_mat = zgemm::MatRef::row_major(&a, 1, depth)?;
+    let (b32_mat, b16_mat) = (
+        zgemm::MatRef::row_major(&x[..depth * cols], depth, cols)?,
+        zgemm::MatRef::row_major(&b16, depth, cols)?,
+    );
+    let mut err = None;
+    let mut rows = Vec::new();
+    for (kernel, bytes) in [("gemv_f32", 4), ("gemv_bf16_stored", 2)] {
+        let s = best_secs(5, || {
+            let done = pool.install(|| {
+                let out = zgemm::MatMut::row_major(&mut c, 1, cols)?;
+                let zero = zgemm::Start::Zero;
+                match bytes {
+                    4 => zgemm::gemm(out, a_mat, b32_mat, 1.0, zero, threads),
+                    _ => zgemm::gemm_widening_b(out, a_mat, b16_mat, zero, threads, None),
+                }
+            });
+            if let Err(e) = done {
+                err = Some(e);
+            }
+        });
+        if let Some(e) = err.take() {
+            return Err(e.into());
+        }
+        let gbps = (bytes * depth * cols) as f64 / s / 1e9;
+        rows.push(KernelRow {
+            kernel: kernel.into(),
+            elements: depth * cols,
+            threads,
+            gbps,
+            gflops: 2.0 * (depth * cols) as f64 / s / 1e9,
+            ratio: gbps / triad_gbps,
+        });
+    }
+    Ok(rows)
+}
+
 /// Measures every kernel at 1 thread and at all cores.
 pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -182,6 +238,7 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
             }
         }
         rows.extend(quantization_rows(&b, t, triad_gbps)?);
+        rows.extend(gemv_rows(&b, t, triad_gbps)?);
         let s = best_secs(reps, || reduce(&mut a, &b, t));
         let gbps = 12.0 * n as f64 / s / 1e9;
         rows.push(KernelRow {
