@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`zrun sample` on a model that `transformers` wrote (not run in CI).
 
-The other way round from `hf_crosscheck.py`: builds a small GPT-2 or LLaMA
+The other way round from `hf_crosscheck.py`: builds a small GPT-2, LLaMA or Qwen2
 with `transformers` itself (its own config.json keys, its own tensor names;
 weights drawn at std 0.3 so that the logits are far from uniform), saves it
 with `save_pretrained`, continues a byte prompt greedily with the model's
@@ -16,6 +16,7 @@ the sixty-ninth session) changes the continuation within a few bytes.
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --max-shard-size 40KB
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --rope-scaling llama3
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --bf16
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen2
 
 `--max-shard-size` saves the model in shards with an index
 (`model.safetensors.index.json`), as published models past a few GB are.
@@ -34,7 +35,8 @@ import sys
 import tempfile
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 
 SCALINGS = {
@@ -48,6 +50,22 @@ def build(kind: str, rope_scaling=None):
     if kind == "gpt2":
         return GPT2LMHeadModel(
             GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+        )
+    if kind == "qwen2":
+        # LLaMA with biases on q, k and v (Qwen2.5's small models are tied).
+        return Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                rope_theta=500.0,
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=True,
+            )
         )
     return LlamaForCausalLM(
         LlamaConfig(
@@ -66,7 +84,7 @@ def build(kind: str, rope_scaling=None):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["gpt2", "llama"])
+    ap.add_argument("kind", choices=["gpt2", "llama", "qwen2"])
     ap.add_argument("--zrun", default="target/release/zrun")
     ap.add_argument("--prompt", default="fn main() {")
     ap.add_argument("--tokens", type=int, default=80)
@@ -78,8 +96,9 @@ def main() -> int:
     torch.manual_seed(0)
     model = build(args.kind, SCALINGS.get(args.rope_scaling))
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
+        for name, p in model.named_parameters():
+            # Biases too (zero at initialisation, they would test nothing).
+            if p.dim() > 1 or name.endswith(".bias"):
                 p.normal_(0, 0.3)
             if args.bf16:
                 p.copy_(p.to(torch.bfloat16).float())

@@ -164,7 +164,13 @@ fn a_gpu_out_of_memory_is_exit_1_naming_the_allocation_and_what_holds_less() {
 fn device_cuda_refuses_what_the_gpu_model_does_not_run() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "gpu-limits", 2);
-    for (sets, says) in [(&["model.tile_size=512"][..], "drop model.tile_size")] {
+    for (sets, says) in [
+        (&["model.tile_size=512"][..], "drop model.tile_size"),
+        (
+            &["model.kind=llama", "model.qkv_bias=true"],
+            "model.qkv_bias runs on the CPU",
+        ),
+    ] {
         let mut args = vec!["check", job.to_str().unwrap(), "--set", "device=cuda"];
         for s in sets {
             args.extend(["--set", s]);

@@ -112,10 +112,15 @@ impl Zrun {
         let deadline = Instant::now() + limit;
         loop {
             if let Some(status) = child.try_wait().expect("wait") {
+                // Lossy: a sampler's bytes need not be UTF-8, and an
+                // output that is not must not read as empty.
+                let text = |p: &Path| {
+                    String::from_utf8_lossy(&std::fs::read(p).unwrap_or_default()).into_owned()
+                };
                 return Finished {
                     status,
-                    stdout: std::fs::read_to_string(&self.out).unwrap_or_default(),
-                    stderr: std::fs::read_to_string(&self.err).unwrap_or_default(),
+                    stdout: text(&self.out),
+                    stderr: text(&self.err),
                 };
             }
             if Instant::now() > deadline {

@@ -146,6 +146,64 @@ fn a_llama3_scaled_rotary_embedding_trains_exports_and_reads_back() {
     );
 }
 
+/// Qwen2 (`model.qkv_bias: true`: LLaMA with biases on q, k and v) trains
+/// at stage 3 on two workers and exports as a Hugging Face `qwen2`
+/// directory, from which an independent reader, adding the biases before
+/// the rotation, computes zrun's next loss; the directory starts a run at
+/// that loss and samples; a job without the biases is refused naming the
+/// directory's model type.
+#[test]
+fn qwen2_trains_exports_and_reads_back() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let (job, out, next) = exported_as_the_reader_computes(
+        dir,
+        "{kind: llama, qkv_bias: true, vocab_size: 256, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 48, seq_len: 32, rope_theta: 100}",
+    );
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "Qwen2ForCausalLM", "{config}");
+    let init_loss = loss_from(dir, &job, &out, "init.jsonl");
+    assert!(
+        (init_loss - next).abs() <= 1e-5 * next,
+        "export's next loss {next}, from init_from {init_loss}"
+    );
+    // It samples as its checkpoint.
+    let sample = |from: &Path| {
+        let args = [
+            "--prompt",
+            "the quick",
+            "--tokens",
+            "12",
+            "--temperature",
+            "0",
+        ];
+        let f = zrun(
+            dir,
+            &[&["sample", from.to_str().unwrap()][..], &args].concat(),
+        );
+        assert_eq!(f.code(), 0, "{f:?}");
+        assert!(
+            f.stdout.starts_with("the quick") && f.stdout.len() > 12,
+            "{f:?}"
+        );
+        f.stdout
+    };
+    assert_eq!(sample(&out), sample(&dir.join("ckpt")));
+    let init = format!("model.init_from={}", out.display());
+    let f = TrainArgs::new(&job, dir.join("unbiased.jsonl"))
+        .set(init)
+        .set("model.qkv_bias=false")
+        .run(dir);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("model_type is \"qwen2\", the job's model has \"llama\""),
+        "{}",
+        f.stderr
+    );
+}
+
 #[test]
 fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
     let d = tempfile::tempdir().unwrap();

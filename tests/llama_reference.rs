@@ -1,6 +1,6 @@
 //! An independent reader of a Hugging Face LLaMA directory (what `zrun export
-//! --format hf` writes): it knows LLaMA only from `transformers`'
-//! `LlamaForCausalLM` conventions (`config.json`'s keys, `model.` names,
+//! --format hf` writes; or Qwen2's, which adds biases to q, k and v): it
+//! knows LLaMA only from `transformers`' `LlamaForCausalLM` conventions (`config.json`'s keys, `model.` names,
 //! `nn.Linear` weights stored `[out, in]`, RMSNorm, rotary embeddings with
 //! `rotate_half` on the two halves of each head, SwiGLU as
 //! `down(silu(gate(x)) * up(x))`, key/value heads repeated for grouped-query
@@ -28,6 +28,8 @@ struct Config {
     /// original context.
     llama3: Option<[f64; 4]>,
     tied: bool,
+    /// Qwen2: q, k and v projections with biases.
+    qkv_bias: bool,
 }
 
 impl Config {
@@ -67,7 +69,14 @@ impl Llama {
         let config: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.join("config.json")).expect("config.json"))
                 .expect("config.json is JSON");
-        assert_eq!(config["model_type"], "llama", "{config}");
+        let qkv_bias = match config["model_type"].as_str() {
+            Some("llama") => false,
+            Some("qwen2") => {
+                assert_eq!(config["use_sliding_window"], false, "{config}");
+                true
+            }
+            _ => panic!("not a LLaMA or Qwen2 config: {config}"),
+        };
         let n = |k: &str| config[k].as_u64().unwrap_or_else(|| panic!("{k}")) as usize;
         let f = |k: &str| config[k].as_f64().unwrap_or_else(|| panic!("{k}"));
         let cfg = Config {
@@ -95,6 +104,7 @@ impl Llama {
             tied: config["tie_word_embeddings"]
                 .as_bool()
                 .expect("tie_word_embeddings"),
+            qkv_bias,
         };
         let (v, d, f, hd) = (cfg.vocab, cfg.d, cfg.ffn, cfg.d / cfg.heads);
         let kv = cfg.kv_heads * hd;
@@ -118,6 +128,14 @@ impl Llama {
                 ("mlp.down_proj.weight", vec![d, f]),
             ] {
                 want.push((format!("model.layers.{i}.{name}"), dims));
+            }
+            if cfg.qkv_bias {
+                for (name, width) in [("q_proj", d), ("k_proj", kv), ("v_proj", kv)] {
+                    want.push((
+                        format!("model.layers.{i}.self_attn.{name}.bias"),
+                        vec![width],
+                    ));
+                }
             }
         }
         let tensors = load_exactly(&dir.join("model.safetensors"), want);
@@ -146,9 +164,22 @@ impl Llama {
         for i in 0..layers {
             let n = |s: &str| format!("model.layers.{i}.{s}.weight");
             let a = self.rms_norm(&x, &n("input_layernorm"));
-            let q = self.rotate(self.linear(&a, &n("self_attn.q_proj")));
-            let k = self.rotate(self.linear(&a, &n("self_attn.k_proj")));
-            let v = self.linear(&a, &n("self_attn.v_proj"));
+            // Qwen2's biases go on before the rotation.
+            let projection = |name: &str| {
+                let y = self.linear(&a, &n(name));
+                match self.cfg.qkv_bias {
+                    false => y,
+                    true => {
+                        let b = self.w(&format!("model.layers.{i}.{name}.bias"));
+                        y.into_iter()
+                            .map(|row| row.iter().zip(b).map(|(y, b)| y + b).collect())
+                            .collect()
+                    }
+                }
+            };
+            let q = self.rotate(projection("self_attn.q_proj"));
+            let k = self.rotate(projection("self_attn.k_proj"));
+            let v = projection("self_attn.v_proj");
             let att = self.attention(&q, &k, &v);
             add_into(&mut x, &self.linear(&att, &n("self_attn.o_proj")));
             let a = self.rms_norm(&x, &n("post_attention_layernorm"));

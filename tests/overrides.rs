@@ -29,6 +29,7 @@ const KEYS: &[(&str, &[&str])] = &[
     ("model.rope_theta", &["10000", "1", "0"]),
     ("model.seq_len", &["1", "2", "16", "31", "32", "33"]),
     ("model.tie_embeddings", &["true", "false"]),
+    ("model.qkv_bias", &["true", "false"]),
     ("model.tile_size", &["1", "256", "1000", "0"]),
     ("model.vocab_size", &["64", "63", "256", "1"]),
     ("train.activation_checkpointing", &["true", "false"]),

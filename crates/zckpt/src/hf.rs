@@ -47,16 +47,18 @@ impl Piece {
         match (zrun_shape, self.transposed) {
             ([inputs, _], true) => vec![self.columns.len(), *inputs],
             ([inputs, _], false) => vec![*inputs, self.columns.len()],
+            ([_], _) => vec![self.columns.len()],
             _ => zrun_shape.to_vec(),
         }
     }
 
     /// This piece's values out of the whole zrun parameter.
     fn cut<T: Copy + Default>(&self, shape: &[usize], values: &[T]) -> Vec<T> {
-        let [inputs, outputs] = *shape else {
-            return values.to_vec();
-        };
         let c = &self.columns;
+        let [inputs, outputs] = *shape else {
+            // A vector: its run (Qwen2's q, k and v biases are one).
+            return values[c.clone()].to_vec();
+        };
         let mut out = vec![T::default(); c.len() * inputs];
         if self.transposed {
             transpose_into(
@@ -77,11 +79,11 @@ impl Piece {
 
     /// Writes this piece's values back into the whole zrun parameter.
     fn put<T: Copy>(&self, shape: &[usize], piece: &[T], values: &mut [T]) {
+        let c = &self.columns;
         let [inputs, outputs] = *shape else {
-            values.copy_from_slice(piece);
+            values[c.clone()].copy_from_slice(piece);
             return;
         };
-        let c = &self.columns;
         if self.transposed {
             transpose_into(
                 piece,
@@ -182,6 +184,11 @@ pub fn pieces(m: &ModelSpec, name: &str, shape: &[usize]) -> Vec<Piece> {
             let (q, kv) = (m.n_heads * m.head_dim(), m.kv_heads() * m.head_dim());
             if name.ends_with("self_attn.qkv_proj.weight") {
                 split("qkv_proj", &[("q_proj", q), ("k_proj", kv), ("v_proj", kv)])
+            } else if name.ends_with("self_attn.qkv_proj.bias") {
+                // Qwen2's biases: vectors, cut as the weight's columns.
+                let mut parts = split("qkv_proj", &[("q_proj", q), ("k_proj", kv), ("v_proj", kv)]);
+                parts.iter_mut().for_each(|p| p.transposed = false);
+                parts
             } else if name.ends_with("mlp.gate_up_proj.weight") {
                 split(
                     "gate_up_proj",
@@ -196,7 +203,8 @@ pub fn pieces(m: &ModelSpec, name: &str, shape: &[usize]) -> Vec<Piece> {
     }
 }
 
-/// Hugging Face's `config.json` for `m` (f32 weights).
+/// Hugging Face's `config.json` for `m` (f32 weights): GPT-2's, LLaMA's,
+/// or for a LLaMA with q, k and v biases Qwen2's (which is that model).
 pub fn config_json(m: &ModelSpec) -> serde_json::Value {
     let mut c = match m.kind {
         ModelKind::Gpt => serde_json::json!({
@@ -240,6 +248,18 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
             "torch_dtype": "float32",
         }),
     };
+    if m.qkv_biased() {
+        // Qwen2's config has no `attention_bias` (its q, k and v always
+        // have biases, its output projection none) nor `mlp_bias`.
+        let obj = c.as_object_mut().expect("an object");
+        obj.remove("attention_bias");
+        obj.remove("mlp_bias");
+        obj.remove("head_dim");
+        c["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
+        c["model_type"] = "qwen2".into();
+        c["use_sliding_window"] = false.into();
+        c["max_window_layers"] = m.n_layers.into();
+    }
     // transformers 4.x's key, which 5.x reads too (into `rope_parameters`).
     if let Some(scaling) = m.rope_scaling {
         c["rope_scaling"] = serde_json::to_value(scaling).expect("a scaling serialises");
@@ -305,10 +325,12 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
                 "norm_eps": float("layer_norm_epsilon"),
             })
         }
-        Some("llama") => {
+        Some(kind @ ("llama" | "qwen2")) => {
             only("hidden_act", &[json!("silu")])?;
             only("attention_bias", &[json!(false)])?;
             only("mlp_bias", &[json!(false)])?;
+            // Qwen2 windows attention only with `use_sliding_window`.
+            only("use_sliding_window", &[json!(false)])?;
             let scaling = rope_scaling(&c).map_err(&bad)?;
             let (d, heads) = (need(&["hidden_size"])?, need(&["num_attention_heads"])?);
             if d.is_multiple_of(heads) {
@@ -323,6 +345,7 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
                 "n_kv_heads": count(&["num_key_value_heads"]).transpose()?,
                 "ffn_hidden": need(&["intermediate_size"])?,
                 "tie_embeddings": c.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+                "qkv_bias": (kind == "qwen2").then_some(true),
                 "rope_theta": float("rope_theta"),
                 "rope_scaling": scaling,
                 "norm_eps": float("rms_norm_eps"),
@@ -331,7 +354,7 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
         }
         _ => {
             return Err(bad(format!(
-                "model_type is {}: zrun runs gpt2 and llama",
+                "model_type is {}: zrun runs gpt2, llama and qwen2",
                 c.get("model_type").unwrap_or(&Value::Null)
             )))
         }
@@ -414,7 +437,7 @@ pub fn write_dir(
 /// epsilon or rotary base), and weights read into another architecture
 /// train on without a word.
 const SAME_KEYS: &[(&str, &str)] = &[
-    ("model_type", "model.kind"),
+    ("model_type", "model.kind, model.qkv_bias"),
     ("vocab_size", "model.vocab_size"),
     ("n_embd", "model.d_model"),
     ("hidden_size", "model.d_model"),
@@ -437,6 +460,7 @@ const SAME_KEYS: &[(&str, &str)] = &[
     ("hidden_act", "model.kind"),
     ("attention_bias", "model.kind"),
     ("mlp_bias", "model.kind"),
+    ("use_sliding_window", "model.qkv_bias"),
 ];
 
 /// The `config.json` keys that give the longest sequence the model takes:
@@ -617,8 +641,9 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
             if !have.is_null() && !same(have, want) {
                 let advice = match *key {
                     "model_type" => {
-                        "zrun reads GPT-2 and LLaMA; weights of the same names and \
-                                     layout can be given as the model.safetensors file alone"
+                        "zrun reads gpt2, llama and qwen2 (model.kind: llama with \
+                         model.qkv_bias: true); weights of the same names and layout \
+                         can be given as the model.safetensors file alone"
                     }
                     _ => "set the job's model to the directory's",
                 };
@@ -999,6 +1024,28 @@ mod tests {
         assert_eq!(gu[1].columns, 6..12);
         let down = pieces(&m, "layers.0.mlp.down_proj.weight", &[6, 8]);
         assert!(down[0].transposed && down[0].shape(&[6, 8]) == vec![8, 6]);
+        // Qwen2's q, k and v biases: runs of one vector, as the columns.
+        let qkv_bias = pieces(&m, "layers.0.self_attn.qkv_proj.bias", &[16]);
+        let names: Vec<&str> = qkv_bias.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "model.layers.0.self_attn.q_proj.bias",
+                "model.layers.0.self_attn.k_proj.bias",
+                "model.layers.0.self_attn.v_proj.bias"
+            ]
+        );
+        assert_eq!(
+            (qkv_bias[2].columns.clone(), qkv_bias[2].shape(&[16])),
+            (12..16, vec![4])
+        );
+        let bias: Vec<f32> = (0..16).map(|i| i as f32).collect();
+        assert_eq!(qkv_bias[1].cut(&[16], &bias), [8.0, 9.0, 10.0, 11.0]);
+        let mut back = vec![0f32; 16];
+        for piece in &qkv_bias {
+            piece.put(&[16], &piece.cut(&[16], &bias), &mut back);
+        }
+        assert_eq!(back, bias);
         let norm = pieces(&m, "layers.0.input_layernorm.weight", &[8]);
         assert!(!norm[0].transposed);
         assert_eq!(
@@ -1094,7 +1141,15 @@ mod tests {
         }))
         .unwrap();
         let (mut read, mut refused) = (0, 0);
-        for base in [config_json(&gpt), config_json(&llama())] {
+        let qwen2 = ModelSpec {
+            qkv_bias: Some(true),
+            ..llama()
+        };
+        for base in [
+            config_json(&gpt),
+            config_json(&llama()),
+            config_json(&qwen2),
+        ] {
             let keys: Vec<String> = base
                 .as_object()
                 .unwrap()
@@ -1149,9 +1204,14 @@ mod tests {
                 m.kv_heads(),
                 m.tied(),
                 m.seq_len,
+                m.qkv_biased(),
             )
         };
-        for m in [gpt.clone(), llama(), tied] {
+        let qwen2 = ModelSpec {
+            qkv_bias: Some(true),
+            ..tied.clone()
+        };
+        for m in [gpt.clone(), llama(), tied, qwen2.clone()] {
             let d = tempfile::tempdir().unwrap();
             std::fs::write(d.path().join(HF_CONFIG), config_json(&m).to_string()).unwrap();
             let back = model_spec(d.path()).unwrap();
@@ -1171,7 +1231,7 @@ mod tests {
         for (config, says) in [
             (
                 edit(&gpt_config, &[("model_type", json!("bert"))]),
-                "model_type is \"bert\": zrun runs gpt2 and llama",
+                "model_type is \"bert\": zrun runs gpt2, llama and qwen2",
             ),
             (
                 edit(&gpt_config, &[("n_embd", json!(-1))]),
@@ -1220,6 +1280,10 @@ mod tests {
             (
                 edit(&llama_config, &[("mlp_bias", json!(true))]),
                 "mlp_bias is true",
+            ),
+            (
+                edit(&config_json(&qwen2), &[("use_sliding_window", json!(true))]),
+                "use_sliding_window is true: zrun's model has false",
             ),
             (
                 edit(&llama_config, &[("rope_scaling", json!({"factor": 2.0}))]),
@@ -1443,7 +1507,7 @@ mod tests {
             (
                 "model_type",
                 serde_json::json!("mistral"),
-                "(model.kind): zrun reads GPT-2 and LLaMA; weights of the same names and layout can be given as the model.safetensors file alone",
+                "(model.kind, model.qkv_bias): zrun reads gpt2, llama and qwen2 (model.kind: llama with model.qkv_bias: true); weights of the same names and layout can be given as the model.safetensors file alone",
             ),
             (
                 "max_position_embeddings",

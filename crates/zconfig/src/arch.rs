@@ -85,9 +85,24 @@ impl ModelSpec {
         }
     }
 
-    /// Whether linears and norms have biases.
-    pub fn biases(&self) -> bool {
+    /// Whether the norms have biases (GPT-2's layer norms).
+    pub fn norm_biases(&self) -> bool {
         self.kind == ModelKind::Gpt
+    }
+
+    /// Whether LLaMA's q, k and v projections have biases (Qwen2's).
+    pub fn qkv_biased(&self) -> bool {
+        self.kind == ModelKind::Llama && self.qkv_bias.unwrap_or(false)
+    }
+
+    /// Whether each of a block's linears ([`ModelSpec::block_linears`]'
+    /// order) has a bias: GPT-2's all, LLaMA's none but q, k and v with
+    /// `qkv_bias`.
+    pub fn linear_biases(&self) -> [bool; 4] {
+        match self.kind {
+            ModelKind::Gpt => [true; 4],
+            ModelKind::Llama => [self.qkv_biased(), false, false, false],
+        }
     }
 
     /// Whether positions are learned (`wpe`) rather than rotary.
@@ -176,27 +191,30 @@ impl ModelSpec {
         if self.learned_positions() {
             out.push(("wpe.weight".into(), vec![self.seq_len, d]));
         }
-        let weight_bias = |out: &mut Vec<(String, Vec<usize>)>, name: String, shape: Vec<usize>| {
-            let width = *shape.last().unwrap_or(&0);
-            out.push((format!("{name}.weight"), shape));
-            if self.biases() {
-                out.push((format!("{name}.bias"), vec![width]));
-            }
-        };
+        let weight_bias =
+            |out: &mut Vec<(String, Vec<usize>)>, name: String, shape: Vec<usize>, bias: bool| {
+                let width = *shape.last().unwrap_or(&0);
+                out.push((format!("{name}.weight"), shape));
+                if bias {
+                    out.push((format!("{name}.bias"), vec![width]));
+                }
+            };
         let [norm_1, norm_2] = self.block_norms();
         let [qkv, attn_out, mlp_in, mlp_out] = self.block_linears();
+        let [qkv_b, attn_out_b, mlp_in_b, mlp_out_b] = self.linear_biases();
+        let norm_b = self.norm_biases();
         for i in 0..self.n_layers {
             let p = self.block_prefix(i);
-            weight_bias(&mut out, format!("{p}.{norm_1}"), vec![d]);
-            for (name, inputs, outputs) in [qkv, attn_out] {
-                weight_bias(&mut out, format!("{p}.{name}"), vec![inputs, outputs]);
+            weight_bias(&mut out, format!("{p}.{norm_1}"), vec![d], norm_b);
+            for ((name, inputs, outputs), b) in [(qkv, qkv_b), (attn_out, attn_out_b)] {
+                weight_bias(&mut out, format!("{p}.{name}"), vec![inputs, outputs], b);
             }
-            weight_bias(&mut out, format!("{p}.{norm_2}"), vec![d]);
-            for (name, inputs, outputs) in [mlp_in, mlp_out] {
-                weight_bias(&mut out, format!("{p}.{name}"), vec![inputs, outputs]);
+            weight_bias(&mut out, format!("{p}.{norm_2}"), vec![d], norm_b);
+            for ((name, inputs, outputs), b) in [(mlp_in, mlp_in_b), (mlp_out, mlp_out_b)] {
+                weight_bias(&mut out, format!("{p}.{name}"), vec![inputs, outputs], b);
             }
         }
-        weight_bias(&mut out, self.final_norm_name().into(), vec![d]);
+        weight_bias(&mut out, self.final_norm_name().into(), vec![d], norm_b);
         if !self.tied() {
             out.push(("lm_head.weight".into(), vec![v, d]));
         }
@@ -205,13 +223,13 @@ impl ModelSpec {
 
     /// Parameters in one block.
     pub fn block_params(&self) -> usize {
-        let bias = usize::from(self.biases());
         let linears: usize = self
             .block_linears()
             .iter()
-            .map(|&(_, i, o)| (i + bias) * o)
+            .zip(self.linear_biases())
+            .map(|(&(_, i, o), bias)| (i + usize::from(bias)) * o)
             .sum();
-        linears + 2 * (1 + bias) * self.d_model
+        linears + 2 * (1 + usize::from(self.norm_biases())) * self.d_model
     }
 
     /// Parameters of the embedding (token table, and GPT-2's position table).
@@ -226,7 +244,7 @@ impl ModelSpec {
 
     /// Parameters of the head: the final norm, and an untied output matrix.
     pub fn head_params(&self) -> usize {
-        let norm = (1 + usize::from(self.biases())) * self.d_model;
+        let norm = (1 + usize::from(self.norm_biases())) * self.d_model;
         let matrix = if self.tied() {
             0
         } else {
@@ -258,6 +276,7 @@ impl ModelSpec {
                 ("ffn_hidden", m.ffn().to_string()),
                 ("seq_len", m.seq_len.to_string()),
                 ("tie_embeddings", m.tied().to_string()),
+                ("qkv_bias", m.qkv_biased().to_string()),
                 ("rope_theta", m.rope_theta().to_string()),
                 ("rope_scaling", format!("{:?}", m.rope_scaling)),
                 ("norm_eps", m.norm_eps().to_string()),
@@ -359,5 +378,25 @@ mod tests {
             ("vocab_size", "32000".to_string(), "256".to_string())
         );
         assert!(llama.architecture_differences(&llama).is_empty());
+        // Qwen2.5-0.5B: 494,032,768 parameters (tied; q, k and v biased).
+        let qwen2 = spec(serde_json::json!({
+            "kind": "llama", "vocab_size": 151936, "d_model": 896, "n_layers": 24,
+            "n_heads": 14, "n_kv_heads": 2, "ffn_hidden": 4864, "tie_embeddings": true,
+            "qkv_bias": true
+        }));
+        assert_eq!(qwen2.param_count(), 494_032_768);
+        assert_eq!(qwen2.linear_biases(), [true, false, false, false]);
+        assert_eq!(
+            qwen2.param_shapes()[3],
+            ("layers.0.self_attn.qkv_proj.bias".to_string(), vec![1152])
+        );
+        let unbiased = ModelSpec {
+            qkv_bias: None,
+            ..qwen2.clone()
+        };
+        assert_eq!(
+            qwen2.architecture_differences(&unbiased),
+            [("qkv_bias", "true".to_string(), "false".to_string())]
+        );
     }
 }

@@ -269,11 +269,11 @@ pub fn model_params(m: &ModelSpec) -> f64 {
 /// Elements of the largest parameter group: the embeddings, a block, or with
 /// `model.tile_size` a block without its tiled linears, or one tile.
 pub fn largest_group(m: &ModelSpec) -> f64 {
-    let bias = usize::from(m.biases());
     let mut block = m.block_params() as f64;
     let mut largest_tile = 0f64;
     let tile_size = m.tile_size.map(|n| n.0 as usize);
-    for (layer, inputs, outputs) in m.block_linears() {
+    for ((layer, inputs, outputs), bias) in m.block_linears().into_iter().zip(m.linear_biases()) {
+        let bias = usize::from(bias);
         let Ok(tiles) = crate::tiles::column_tiles(layer, inputs, outputs, tile_size) else {
             continue;
         };

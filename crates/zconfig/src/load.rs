@@ -460,11 +460,12 @@ impl LoadedJob {
                 ("model.rope_theta", m.rope_theta.is_some()),
                 ("model.rope_scaling", m.rope_scaling.is_some()),
                 ("model.tie_embeddings", m.tie_embeddings == Some(false)),
+                ("model.qkv_bias", m.qkv_bias == Some(true)),
             ] {
                 if set {
                     return Err(self.invalid(
                         key,
-                        "is for `kind: llama`; GPT-2 has plain multi-head attention, learned positions and a tied head",
+                        "is for `kind: llama`; GPT-2 has plain multi-head attention, learned positions, a tied head and a bias on every linear",
                     ));
                 }
             }
@@ -902,6 +903,31 @@ mod tests {
     }
 
     const GOOD: &str = "name: t\nmodel: {d_model: 64, n_heads: 4, n_layers: 2, seq_len: 16}\ndata:\n  format: synthetic\ntrain:\n  steps: 5\n  lr: 1.0e-3\n";
+
+    /// Qwen2's q, k and v biases are a LLaMA's option; GPT-2 has a bias on
+    /// every linear already.
+    #[test]
+    fn qkv_bias_is_for_llama() {
+        let d = tempfile::tempdir().unwrap();
+        for (model, refused) in [
+            ("model: {kind: llama, qkv_bias: true, ", false),
+            ("model: {kind: llama, qkv_bias: false, ", false),
+            ("model: {qkv_bias: true, ", true),
+        ] {
+            let p = write(d.path(), "j.yaml", &GOOD.replace("model: {", model));
+            let got = load_job(&p, &[]).and_then(|mut j| j.validate(2));
+            match refused {
+                false => got.unwrap(),
+                true => {
+                    let e = got.unwrap_err().to_string();
+                    assert!(
+                        e.contains("model.qkv_bias") && e.contains("is for `kind: llama`"),
+                        "{e}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn loads_defaults_and_expands_name() {

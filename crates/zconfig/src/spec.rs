@@ -104,6 +104,10 @@ pub struct ModelSpec {
     /// a head of its own). GPT-2's is always tied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tie_embeddings: Option<bool>,
+    /// LLaMA: whether the q, k and v projections have biases (Qwen2's
+    /// attention; default false). The other linears and the norms have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qkv_bias: Option<bool>,
     /// LLaMA: the rotary embeddings' base (default 10000).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(deserialize_with = "finite::optional")]
@@ -724,6 +728,11 @@ impl JobSpec {
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
+        }
+        if self.model.qkv_biased() {
+            return Some(
+                "the GPU model's LLaMA has no biases: model.qkv_bias runs on the CPU".into(),
+            );
         }
         None
     }

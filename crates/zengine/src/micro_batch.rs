@@ -451,7 +451,8 @@ impl<'a> BlockFromEngine<'a> {
     }
 
     /// The slots of `{block prefix}.{name}.{weight, bias}` in the block's
-    /// group (the bias where the family has one).
+    /// group (the bias where the layer has one: the group is the model's
+    /// own, [`zmodel::Gpt::groups`]).
     fn slots(&self, name: &str) -> Result<WeightBias<usize>, EngineError> {
         let prefix = format!("{}.{name}.", self.engine.model.block_prefix(self.block));
         let slots = &self.engine.groups[self.block].layout.params;
@@ -463,10 +464,7 @@ impl<'a> BlockFromEngine<'a> {
         };
         Ok(WeightBias {
             weight: find("weight")?,
-            bias: match self.engine.model.layout().biases {
-                true => Some(find("bias")?),
-                false => None,
-            },
+            bias: slots.iter().position(|s| s.name == format!("{prefix}bias")),
         })
     }
 

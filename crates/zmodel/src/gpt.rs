@@ -303,14 +303,16 @@ impl Gpt {
             ModelKind::Gpt => std / (2.0 * l as f32).sqrt(),
             ModelKind::Llama => std,
         };
-        let biases = m.biases();
-        // A weight and, in GPT-2, its bias of `outputs` zeros.
+        // A weight and, where it has one, its bias of `outputs` zeros.
         let weight_bias =
-            |name: String, shape: &[usize], init: Init, decay: bool, outputs| WeightBias {
-                weight: p(format!("{name}.weight"), shape, init, decay),
-                bias: biases.then(|| p(format!("{name}.bias"), &[outputs], Init::Zeros, false)),
+            |name: String, shape: &[usize], init: Init, decay: bool, outputs, bias: bool| {
+                WeightBias {
+                    weight: p(format!("{name}.weight"), shape, init, decay),
+                    bias: bias.then(|| p(format!("{name}.bias"), &[outputs], Init::Zeros, false)),
+                }
             };
-        let norm = |name: String| weight_bias(name, &[d], Init::Ones, false, d);
+        let norm = |name: String| weight_bias(name, &[d], Init::Ones, false, d, m.norm_biases());
+        let linear_biases = m.linear_biases();
         // The token table and a head's own output matrix are read by the
         // head's products and the embedding's row gather only.
         let table = |name: String| ParamSpec {
@@ -340,6 +342,7 @@ impl Gpt {
                     Init::Normal(std),
                     true,
                     outputs,
+                    linear_biases[l as usize],
                 );
                 wb.weight.product_operand = true;
                 wb
@@ -1095,6 +1098,14 @@ mod tests {
         }))
     }
 
+    /// Qwen2's variant of [`llama`]: biases on q, k and v.
+    fn qwen2(v: usize, d: usize, l: usize, t: usize, ffn: usize) -> ModelSpec {
+        ModelSpec {
+            qkv_bias: Some(true),
+            ..llama(v, d, l, t, ffn)
+        }
+    }
+
     fn tiny() -> Gpt {
         Gpt::new(&gpt(11, 8, 2, 2, 5)).unwrap()
     }
@@ -1115,8 +1126,16 @@ mod tests {
     #[test]
     fn block_backward_matches_autograd() {
         for cfg in [gpt(11, 12, 1, 3, 40), llama(11, 16, 1, 40, 24)] {
-            block_backward_matches_autograd_for(Gpt::new(&cfg).unwrap());
+            block_backward_matches_autograd_for(Gpt::new(&cfg).unwrap(), 10.0);
         }
+        // Qwen2's q, k and v biases, added after candle's products and at
+        // the start of zgemm's chains, round q and k apart; at ×10 the
+        // saturated softmax magnified that to 2.4e-2 on five elements of
+        // the projection's gradient (every other element within 5e-4). At
+        // ×3: 2.3e-5 at worst (GPT-2's at ×10 1.4e-4; LLaMA without biases
+        // gives autograd's bits).
+        let qwen2 = Gpt::new(&qwen2(11, 16, 1, 40, 24)).unwrap();
+        block_backward_matches_autograd_for(qwen2, 3.0);
     }
 
     /// The hand-written head (norm, product, cross-entropy) equals autograd
@@ -1430,7 +1449,7 @@ mod tests {
         assert!(err.to_string().contains("target 3 at position 1"), "{err}");
     }
 
-    fn block_backward_matches_autograd_for(g: Gpt) {
+    fn block_backward_matches_autograd_for(g: Gpt, stretch: f32) {
         let d = g.cfg.d_model;
         let dev = Device::Cpu;
         // 2 × 40 rows: several parallel tasks in every fused op.
@@ -1443,7 +1462,7 @@ mod tests {
                 let v: Vec<f32> = v
                     .iter()
                     .enumerate()
-                    .map(|(k, x)| x * 10.0 + 0.05 * ((k + pi) % 5) as f32)
+                    .map(|(k, x)| x * stretch + 0.05 * ((k + pi) % 5) as f32)
                     .collect();
                 Var::from_vec(v, ps.shape.as_slice(), &dev).unwrap()
             })
@@ -1612,6 +1631,7 @@ mod tests {
     fn every_parameter_gets_the_finite_difference_gradient() {
         finite_differences(tiny(), 10.0);
         finite_differences(Gpt::new(&llama(11, 8, 2, 5, 12)).unwrap(), 10.0);
+        finite_differences(Gpt::new(&qwen2(11, 8, 2, 5, 12)).unwrap(), 10.0);
     }
 
     /// `scale`: how far the initial values are stretched (so that biases and
@@ -1948,7 +1968,11 @@ mod tests {
     /// `init_from` against) is the model's, in both families.
     #[test]
     fn groups_hold_the_architectures_parameters() {
-        for m in [gpt(11, 8, 2, 2, 5), llama(11, 8, 2, 5, 12)] {
+        for m in [
+            gpt(11, 8, 2, 2, 5),
+            llama(11, 8, 2, 5, 12),
+            qwen2(11, 8, 2, 5, 12),
+        ] {
             let g = Gpt::new(&m).unwrap();
             let flat: Vec<(String, Vec<usize>)> = g
                 .groups()
@@ -2010,7 +2034,11 @@ mod tests {
     /// A token past `seq_len` is refused.
     #[test]
     fn cached_generation_gives_the_whole_sequences_logits() {
-        for cfg in [gpt(50, 64, 2, 4, 32), llama(50, 64, 2, 32, 96)] {
+        for cfg in [
+            gpt(50, 64, 2, 4, 32),
+            llama(50, 64, 2, 32, 96),
+            qwen2(50, 64, 2, 32, 96),
+        ] {
             let g = Gpt::new(&cfg).unwrap();
             let (l, dev) = (g.cfg.n_layers, Device::Cpu);
             // Weights 5x their initial size: attention far from uniform.

@@ -8,16 +8,19 @@
 //! it. The structs are generic: `BlockParams<Tensor>` holds values or
 //! gradients, `BlockParams<ParamSpec>` names and shapes. They name slots, not
 //! one family's layers: GPT-2 and LLaMA fill the same slots, LLaMA without
-//! biases or a position table and with a head matrix of its own
-//! ([`ParamLayout`]).
+//! biases (but Qwen2's on q, k and v) or a position table and with a head
+//! matrix of its own ([`ParamLayout`]).
 
 use candle_core::{Error, Result};
 
 /// Which parameters a family's structs hold (the rest are `None`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParamLayout {
-    /// Linears and norms have biases (GPT-2).
-    pub biases: bool,
+    /// The norms have biases (GPT-2).
+    pub norm_biases: bool,
+    /// Which of a block's linears have biases, in their order (GPT-2's
+    /// all; LLaMA's none, or q, k and v with `model.qkv_bias`).
+    pub linear_biases: [bool; 4],
     /// The embedding has a position table (GPT-2).
     pub positions: bool,
     /// The head has its own output matrix (an untied LLaMA).
@@ -28,7 +31,8 @@ impl ParamLayout {
     /// The layout of the model `m` describes.
     pub fn of(m: &zconfig::spec::ModelSpec) -> ParamLayout {
         ParamLayout {
-            biases: m.biases(),
+            norm_biases: m.norm_biases(),
+            linear_biases: m.linear_biases(),
             positions: m.learned_positions(),
             lm_head: !m.tied(),
         }
@@ -162,18 +166,20 @@ impl<T> BlockParams<T> {
     }
 
     /// From the flat order; an error unless there are exactly as many as
-    /// `layout` says (6, or 12 with biases).
+    /// `layout` says (6 weights and each bias it has: GPT-2 12).
     pub fn from_vec(v: Vec<T>, layout: ParamLayout) -> Result<Self> {
-        let b = layout.biases;
-        exactly(v, 6 * (1 + usize::from(b)), "a block", |it| {
+        let n = layout.norm_biases;
+        let [qkv, attn_out, mlp_in, mlp_out] = layout.linear_biases;
+        let biases = 2 * usize::from(n) + layout.linear_biases.iter().filter(|&&b| b).count();
+        exactly(v, 6 + biases, "a block", |it| {
             // Struct fields are evaluated in the order written.
             Some(BlockParams {
-                norm_1: WeightBias::take(it, b)?,
-                qkv: WeightBias::take(it, b)?,
-                attn_out: WeightBias::take(it, b)?,
-                norm_2: WeightBias::take(it, b)?,
-                mlp_in: WeightBias::take(it, b)?,
-                mlp_out: WeightBias::take(it, b)?,
+                norm_1: WeightBias::take(it, n)?,
+                qkv: WeightBias::take(it, qkv)?,
+                attn_out: WeightBias::take(it, attn_out)?,
+                norm_2: WeightBias::take(it, n)?,
+                mlp_in: WeightBias::take(it, mlp_in)?,
+                mlp_out: WeightBias::take(it, mlp_out)?,
             })
         })
     }
@@ -203,11 +209,11 @@ impl<T> HeadParams<T> {
     pub fn from_vec(v: Vec<T>, layout: ParamLayout) -> Result<Self> {
         exactly(
             v,
-            1 + usize::from(layout.biases) + usize::from(layout.lm_head),
+            1 + usize::from(layout.norm_biases) + usize::from(layout.lm_head),
             "the head",
             |it| {
                 Some(HeadParams {
-                    norm: WeightBias::take(it, layout.biases)?,
+                    norm: WeightBias::take(it, layout.norm_biases)?,
                     lm_head: if layout.lm_head {
                         Some(it.next()?)
                     } else {
@@ -224,12 +230,14 @@ mod tests {
     use super::*;
 
     const GPT: ParamLayout = ParamLayout {
-        biases: true,
+        norm_biases: true,
+        linear_biases: [true; 4],
         positions: true,
         lm_head: false,
     };
     const LLAMA: ParamLayout = ParamLayout {
-        biases: false,
+        norm_biases: false,
+        linear_biases: [false; 4],
         positions: false,
         lm_head: true,
     };
@@ -269,5 +277,17 @@ mod tests {
         assert!(EmbeddingParams::from_vec(vec![7, 8], LLAMA).is_err());
         let h = HeadParams::from_vec(vec![1, 2], LLAMA).unwrap();
         assert_eq!((h.norm.bias, h.lm_head), (None, Some(2)));
+        // Qwen2: LLaMA with biases on q, k and v alone.
+        let qwen2 = ParamLayout {
+            linear_biases: [true, false, false, false],
+            ..LLAMA
+        };
+        let q = BlockParams::from_vec((0..7).collect::<Vec<_>>(), qwen2).unwrap();
+        assert_eq!(
+            (q.qkv.weight, q.qkv.bias, q.attn_out.weight, q.attn_out.bias),
+            (1, Some(2), 3, None)
+        );
+        assert_eq!(q.into_vec(), (0..7).collect::<Vec<_>>());
+        assert!(BlockParams::from_vec((0..6).collect::<Vec<_>>(), qwen2).is_err());
     }
 }
