@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`zrun sample` on a model that `transformers` wrote (not run in CI).
 
-The other way round from `hf_crosscheck.py`: builds a small GPT-2, LLaMA or Qwen2
+The other way round from `hf_crosscheck.py`: builds a small GPT-2, LLaMA, Qwen2 or Mistral
 with `transformers` itself (its own config.json keys, its own tensor names;
 weights drawn at std 0.3 so that the logits are far from uniform), saves it
 with `save_pretrained`, continues a byte prompt greedily with the model's
@@ -17,6 +17,7 @@ the sixty-ninth session) changes the continuation within a few bytes.
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --rope-scaling llama3
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --bf16
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen2
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py mistral
 
 `--max-shard-size` saves the model in shards with an index
 (`model.safetensors.index.json`), as published models past a few GB are.
@@ -36,7 +37,7 @@ import tempfile
 
 import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 
 SCALINGS = {
@@ -67,6 +68,22 @@ def build(kind: str, rope_scaling=None):
                 tie_word_embeddings=True,
             )
         )
+    if kind == "mistral":
+        # LLaMA's layout; its window as long as the context (zrun's context
+        # is the window).
+        return MistralForCausalLM(
+            MistralConfig(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                sliding_window=64,
+                rope_theta=500.0,
+            )
+        )
     return LlamaForCausalLM(
         LlamaConfig(
             vocab_size=256,
@@ -84,7 +101,7 @@ def build(kind: str, rope_scaling=None):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["gpt2", "llama", "qwen2"])
+    ap.add_argument("kind", choices=["gpt2", "llama", "qwen2", "mistral"])
     ap.add_argument("--zrun", default="target/release/zrun")
     ap.add_argument("--prompt", default="fn main() {")
     ap.add_argument("--tokens", type=int, default=80)

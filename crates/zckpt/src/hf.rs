@@ -269,7 +269,9 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
 
 /// The model a Hugging Face directory's `config.json` describes: GPT-2
 /// (`model_type: gpt2`, tanh GELU) or LLaMA (`llama`: SiLU, no biases,
-/// rotary scaling none, `linear` or `llama3`), the families whose names and layouts [`HfWeights`] maps.
+/// rotary scaling none, `linear` or `llama3`; `qwen2`: with biases on q, k
+/// and v; `mistral`: LLaMA, its context capped at its `sliding_window`),
+/// the families whose names and layouts [`HfWeights`] maps.
 /// What `zrun sample` runs such a directory with (a published GPT-2, or
 /// `zrun export --format hf`'s output). Anything else is refused naming the
 /// file and the key.
@@ -304,6 +306,17 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
         count(keys).unwrap_or_else(|| Err(bad(format!("no {}", keys.join(" or ")))))
     };
     let float = |key: &str| c.get(key).and_then(Value::as_f64);
+    // Mistral's tokens attend to at most `sliding_window` tokens before
+    // them: the context zrun gives it (within it, the same attention).
+    let context = |kind: &str| {
+        let positions = need(&["max_position_embeddings"])?;
+        Ok::<_, CkptError>(match kind {
+            "mistral" => count(&["sliding_window"])
+                .transpose()?
+                .map_or(positions, |w| w.min(positions)),
+            _ => positions,
+        })
+    };
     let model = match c.get("model_type").and_then(Value::as_str) {
         Some("gpt2") => {
             only(
@@ -325,7 +338,7 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
                 "norm_eps": float("layer_norm_epsilon"),
             })
         }
-        Some(kind @ ("llama" | "qwen2")) => {
+        Some(kind @ ("llama" | "qwen2" | "mistral")) => {
             only("hidden_act", &[json!("silu")])?;
             only("attention_bias", &[json!(false)])?;
             only("mlp_bias", &[json!(false)])?;
@@ -349,12 +362,12 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
                 "rope_theta": float("rope_theta"),
                 "rope_scaling": scaling,
                 "norm_eps": float("rms_norm_eps"),
-                "seq_len": need(&["max_position_embeddings"])?,
+                "seq_len": context(kind)?,
             })
         }
         _ => {
             return Err(bad(format!(
-                "model_type is {}: zrun runs gpt2, llama and qwen2",
+                "model_type is {}: zrun runs gpt2, llama, qwen2 and mistral",
                 c.get("model_type").unwrap_or(&Value::Null)
             )))
         }
@@ -636,14 +649,34 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
         (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
         _ => a == b,
     };
+    // Mistral's names and layout are LLaMA's; its window bounds the context.
+    let mut file = file;
+    if file.get("model_type") == Some(&serde_json::json!("mistral")) {
+        file["model_type"] = "llama".into();
+        if let Some(w) = file
+            .get("sliding_window")
+            .and_then(serde_json::Value::as_u64)
+        {
+            if w < m.seq_len as u64 {
+                return Err(invalid(
+                    &path,
+                    format!(
+                        "sliding_window is {w}, shorter than the job's model.seq_len {}: \
+                         Mistral's tokens attend to at most {w} before them",
+                        m.seq_len
+                    ),
+                ));
+            }
+        }
+    }
     for (key, job_key) in SAME_KEYS {
         if let (Some(have), Some(want)) = (file.get(key), job.get(key)) {
             if !have.is_null() && !same(have, want) {
                 let advice = match *key {
                     "model_type" => {
-                        "zrun reads gpt2, llama and qwen2 (model.kind: llama with \
-                         model.qkv_bias: true); weights of the same names and layout \
-                         can be given as the model.safetensors file alone"
+                        "zrun reads gpt2, llama and mistral, and qwen2 (model.kind: \
+                         llama with model.qkv_bias: true); weights of the same names \
+                         and layout can be given as the model.safetensors file alone"
                     }
                     _ => "set the job's model to the directory's",
                 };
@@ -1217,6 +1250,20 @@ mod tests {
             let back = model_spec(d.path()).unwrap();
             assert_eq!(effective(&back), effective(&m), "{:?}", m.kind);
         }
+        // Mistral: a LLaMA whose context is its window, where it has one.
+        for (window, seq_len) in [(json!(16), 16), (json!(null), 128), (json!(4096), 128)] {
+            let mut c = config_json(&llama());
+            c["model_type"] = "mistral".into();
+            c["sliding_window"] = window.clone();
+            let d = tempfile::tempdir().unwrap();
+            std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
+            let back = model_spec(d.path()).unwrap();
+            assert_eq!(
+                (back.kind, back.seq_len),
+                (ModelKind::Llama, seq_len),
+                "{window}"
+            );
+        }
         // What zrun cannot run, refused naming the key.
         let llama_config = config_json(&llama());
         let gpt_config = config_json(&gpt);
@@ -1231,7 +1278,7 @@ mod tests {
         for (config, says) in [
             (
                 edit(&gpt_config, &[("model_type", json!("bert"))]),
-                "model_type is \"bert\": zrun runs gpt2, llama and qwen2",
+                "model_type is \"bert\": zrun runs gpt2, llama, qwen2 and mistral",
             ),
             (
                 edit(&gpt_config, &[("n_embd", json!(-1))]),
@@ -1506,8 +1553,8 @@ mod tests {
             ("rms_norm_eps", serde_json::json!(1e-6), "(model.norm_eps)"),
             (
                 "model_type",
-                serde_json::json!("mistral"),
-                "(model.kind, model.qkv_bias): zrun reads gpt2, llama and qwen2 (model.kind: llama with model.qkv_bias: true); weights of the same names and layout can be given as the model.safetensors file alone",
+                serde_json::json!("gemma"),
+                "(model.kind, model.qkv_bias): zrun reads gpt2, llama and mistral, and qwen2 (model.kind: llama with model.qkv_bias: true); weights of the same names and layout can be given as the model.safetensors file alone",
             ),
             (
                 "max_position_embeddings",
@@ -1550,8 +1597,27 @@ mod tests {
                 "architectures",
                 serde_json::json!(["LlamaForCausalLM", "X"]),
             ),
+            // Mistral's names and layout are LLaMA's.
+            ("model_type", serde_json::json!("mistral")),
         ] {
             with(key, value).unwrap_or_else(|e| panic!("{key}: {e}"));
+        }
+        // A Mistral window shorter than the job's context (128) is refused.
+        for (window, refused) in [(64, true), (128, false), (4096, false)] {
+            let mut c = written.clone();
+            c["model_type"] = "mistral".into();
+            c["sliding_window"] = window.into();
+            std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
+            match read(&m, &params, d.path(), false) {
+                Ok(_) => assert!(!refused, "{window}"),
+                Err(e) => assert!(
+                    refused
+                        && e.to_string().contains(&format!(
+                            "sliding_window is {window}, shorter than the job's model.seq_len 128"
+                        )),
+                    "{window}: {e}"
+                ),
+            }
         }
         std::fs::write(d.path().join(HF_CONFIG), "{").unwrap();
         let e = read(&m, &params, d.path(), false).unwrap_err().to_string();
