@@ -975,7 +975,8 @@ mod tests {
             .collect();
         drop(file);
         safetensors::serialize_to_file(views, None, &f32_file).unwrap();
-        let bf16 = HfWeights::open(&m, &params, d.path()).unwrap();
+        // Through `init_from`'s reader, which the sampler uses.
+        let bf16 = crate::InitWeights::open(d.path(), &m, &params).unwrap();
         for ((name, _), want) in params.iter().zip(wants) {
             let widened: Vec<f32> = bf16
                 .read_bf16(name)
@@ -985,7 +986,11 @@ mod tests {
                 .map(|&b| half::bf16::from_bits(b).to_f32())
                 .collect();
             assert_eq!(widened, want, "{name}");
-            assert_eq!(bf16.read(name).unwrap(), want, "{name}");
+            assert_eq!(
+                crate::WeightSource::read(&bf16, name).unwrap(),
+                want,
+                "{name}"
+            );
         }
     }
 
@@ -1007,6 +1012,7 @@ mod tests {
                 assert_eq!(dst[j * dst_rs + i], want, "dst[{j}][{i}]");
             }
         }
+        assert_eq!(transposed(&[1, 2, 3, 4, 5, 6], 2, 3), [1, 4, 2, 5, 3, 6]);
         // A LLaMA's q, k and v pieces of a parameter wider than a tile.
         let m: ModelSpec = serde_json::from_value(serde_json::json!({
             "kind": "llama", "vocab_size": 16, "d_model": 40, "n_layers": 1,
@@ -1024,6 +1030,27 @@ mod tests {
             piece.put(&shape, &piece.cut(&shape, &values), &mut back);
         }
         assert_eq!(back, values);
+        // A run of columns stored as it is ([in, out]): its rows' runs.
+        let plain = Piece {
+            name: "x".into(),
+            columns: 50..70,
+            transposed: false,
+        };
+        let cut = plain.cut(&shape, &values);
+        assert_eq!(
+            (cut.len(), cut[0], cut[19], cut[20]),
+            (800, 50.0, 69.0, 130.0)
+        );
+        let mut back = vec![0f32; values.len()];
+        plain.put(&shape, &cut, &mut back);
+        for (i, (b, v)) in back.iter().zip(&values).enumerate() {
+            let want = if (50..70).contains(&(i % 80)) {
+                *v
+            } else {
+                0.0
+            };
+            assert_eq!(*b, want, "{i}");
+        }
     }
 
     #[test]

@@ -1859,13 +1859,23 @@ fn one_row_products_give_the_blocked_paths_bits() {
 /// bits of the same product on the widened `B`: one and three rows of `A`
 /// (streamed as stored, `gemv`, once a row) and past [`ROWS_STREAMED`]
 /// (widened first, then blocked), `B`
-/// row-major, transposed (a head's `x·wteᵀ`) and neither, every f32
-/// kernel, start and 1-3 threads, with and without a finish.
+/// row-major, transposed (a head's `x·wteᵀ`) and neither, no depth and no
+/// columns, every f32 kernel, start and 1-3 threads, with and without a
+/// finish.
 #[test]
 fn bf16_stored_b_gives_the_bits_of_its_widened_values() {
     let kernels: Vec<Kernel> = covered().into_iter().filter(|k| !k.is_bf16()).collect();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for (n, k) in [(1, 1), (7, 3), (33, 300), (100, KC + 37), (2100, 9)] {
+    // With no depth (C is its start) and no columns too.
+    for (n, k) in [
+        (1, 1),
+        (7, 3),
+        (33, 300),
+        (100, KC + 37),
+        (2100, 9),
+        (5, 0),
+        (0, 4),
+    ] {
         for (b_t, strided) in [(false, false), (true, false), (false, true)] {
             let stored: Vec<u16> = random(2, 2 * k * (2 * n + 1))
                 .iter()

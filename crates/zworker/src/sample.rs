@@ -122,6 +122,27 @@ enum Values {
     Bf16(Vec<u16>),
 }
 
+impl Values {
+    /// `rows × cols` values (row-major) as their transpose.
+    fn transposed(self, rows: usize, cols: usize) -> Values {
+        match self {
+            Values::F32(v) => Values::F32(zckpt::hf::transposed(&v, rows, cols)),
+            Values::Bf16(b) => Values::Bf16(zckpt::hf::transposed(&b, rows, cols)),
+        }
+    }
+
+    /// A CPU tensor of `shape` (f32, or bf16 as they are).
+    fn tensor(self, shape: &[usize]) -> Result<Tensor> {
+        use half::vec::HalfBitsVecExt;
+        Ok(match self {
+            Values::F32(v) => Tensor::from_vec(v, shape, &Device::Cpu)?,
+            Values::Bf16(b) => {
+                Tensor::from_vec(b.reinterpret_into::<half::bf16>(), shape, &Device::Cpu)?
+            }
+        })
+    }
+}
+
 /// The model in `dir`, a checkpoint or a Hugging Face model directory
 /// (`config.json` beside `model.safetensors`).
 fn load(dir: &Path) -> Result<Loaded> {
@@ -177,28 +198,11 @@ fn load(dir: &Path) -> Result<Loaded> {
     };
     let mut named = HashMap::new();
     for (name, shape, values) in read {
-        let (rows, cols) = match shape[..] {
-            [rows, cols] if name == head => (rows, cols),
-            _ => (0, 0),
-        };
-        let t = match values {
-            Values::F32(v) if rows > 0 => {
-                let v = zckpt::hf::transposed(&v, rows, cols);
-                Tensor::from_vec(v, (cols, rows), &Device::Cpu)?.t()?
+        let t = match shape[..] {
+            [rows, cols] if name == head => {
+                values.transposed(rows, cols).tensor(&[cols, rows])?.t()?
             }
-            Values::F32(v) => Tensor::from_vec(v, shape, &Device::Cpu)?,
-            Values::Bf16(bits) => {
-                use half::vec::HalfBitsVecExt;
-                let bits = match rows > 0 {
-                    true => zckpt::hf::transposed(&bits, rows, cols),
-                    false => bits,
-                };
-                let v = bits.reinterpret_into::<half::bf16>();
-                match rows > 0 {
-                    true => Tensor::from_vec(v, (cols, rows), &Device::Cpu)?.t()?,
-                    false => Tensor::from_vec(v, shape, &Device::Cpu)?,
-                }
-            }
+            _ => values.tensor(&shape)?,
         };
         named.insert(name, t);
     }
