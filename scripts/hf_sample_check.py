@@ -52,51 +52,18 @@ def build(kind: str, rope_scaling=None):
         return GPT2LMHeadModel(
             GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64)
         )
+    # The LLaMA family's shape, grouped-query attention (4 heads on 2).
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 rope_theta=500.0, rope_scaling=rope_scaling)
     if kind == "qwen2":
         # LLaMA with biases on q, k and v (Qwen2.5's small models are tied).
-        return Qwen2ForCausalLM(
-            Qwen2Config(
-                vocab_size=256,
-                hidden_size=64,
-                intermediate_size=96,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
-                rope_theta=500.0,
-                rope_scaling=rope_scaling,
-                tie_word_embeddings=True,
-            )
-        )
+        return Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
     if kind == "mistral":
         # LLaMA's layout; its window as long as the context (zrun's context
         # is the window).
-        return MistralForCausalLM(
-            MistralConfig(
-                vocab_size=256,
-                hidden_size=64,
-                intermediate_size=96,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
-                sliding_window=64,
-                rope_theta=500.0,
-            )
-        )
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            rope_theta=500.0,
-            rope_scaling=rope_scaling,
-        )
-    )
+        return MistralForCausalLM(MistralConfig(**shape, sliding_window=64))
+    return LlamaForCausalLM(LlamaConfig(**shape))
 
 
 def main() -> int:
