@@ -32,6 +32,20 @@ fn trained(dir: &Path) -> PathBuf {
     dir.join("ckpt")
 }
 
+/// 40 tokens, greedy.
+const GREEDY: [&str; 4] = ["--tokens", "40", "--temperature", "0"];
+/// 40 tokens drawn among the top 3 at temperature 1.5, seeded.
+const DRAWN: [&str; 8] = [
+    "--tokens",
+    "40",
+    "--top-k",
+    "3",
+    "--temperature",
+    "1.5",
+    "--seed",
+    "9",
+];
+
 fn sample(dir: &Path, ckpt: &Path, more: &[&str]) -> e2e::Finished {
     let mut args = vec!["sample", ckpt.to_str().unwrap()];
     args.extend_from_slice(more);
@@ -148,20 +162,10 @@ fn a_hugging_face_directory_samples_as_its_checkpoint() {
     let hf = d.path().join("hf");
     e2e::export_hf(d.path(), &ckpt, &hf);
     for args in [
-        &["--prompt", "34567", "--tokens", "40", "--temperature", "0"][..],
-        &[
-            "--prompt",
-            "0",
-            "--tokens",
-            "40",
-            "--top-k",
-            "3",
-            "--temperature",
-            "1.5",
-            "--seed",
-            "9",
-        ],
+        [&["--prompt", "34567"][..], &GREEDY].concat(),
+        [&["--prompt", "0"][..], &DRAWN].concat(),
     ] {
+        let args = &args[..];
         let (want, got) = (sample(d.path(), &ckpt, args), sample(d.path(), &hf, args));
         assert_eq!(want.code(), 0, "{want:?}");
         assert_eq!(got.code(), 0, "{got:?}");
@@ -321,20 +325,10 @@ fn bf16_weights_sample_as_their_values_in_f32() {
     let long = "0123456789012".to_string();
     assert!(long.len() > zgemm::ROWS_STREAMED);
     for args in [
-        &["--prompt", &long, "--tokens", "40", "--temperature", "0"][..],
-        &[
-            "--prompt",
-            "3",
-            "--tokens",
-            "40",
-            "--top-k",
-            "3",
-            "--temperature",
-            "1.5",
-            "--seed",
-            "9",
-        ],
+        [&["--prompt", &long][..], &GREEDY].concat(),
+        [&["--prompt", "3"][..], &DRAWN].concat(),
     ] {
+        let args = &args[..];
         let (want, got) = (sample(d.path(), &hf32, args), sample(d.path(), &hf16, args));
         assert_eq!(want.code(), 0, "{want:?}");
         assert_eq!(got.code(), 0, "{got:?}");
