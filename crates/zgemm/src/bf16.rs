@@ -27,11 +27,13 @@
 //! there.
 //!
 //! **Depth splits.** With α = 1 and no residual, AMX's tiles start in their
-//! tile registers from C (or the bias) and are stored back, so a product cut
-//! in depth at multiples of 32 into products that add into C
-//! ([`Start::Keep`]) gives the bits of the one product: a caller that must
-//! add in fixed chunks (a linear layer's input gradient, tiled or not) can
-//! make one product of them on AMX.
+//! tile registers from C (or the bias) and are stored back, and the
+//! AVX512_BF16 and portable kernels start their registers from C's values
+//! as the f32 kernels do (`vdpbf16ps` reads them with denormals as zero),
+//! so a product cut in depth at multiples of 32 into products that add
+//! into C ([`Start::Keep`]) gives the bits of the one product: a caller
+//! that must add in fixed chunks (a linear layer's input gradient, tiled
+//! or not) can make one product of them with any bf16 kernel.
 
 use std::cell::RefCell;
 
@@ -43,12 +45,35 @@ use crate::{aligned, drive, Kernel, MatMut, MatRef, Packs, Rounded, SendPtr, Sha
 #[cfg(target_endian = "big")]
 compile_error!("zgemm's bf16 pairs assume a little-endian CPU");
 
-/// Whether this CPU multiplies bf16 faster than f32: AMX-BF16 (AVX512_BF16
-/// alone does not: on the Sapphire Rapids measured, `vdpbf16ps` retires one
-/// every two cycles, half `vfmadd231ps`'s FLOPs). Where it does,
-/// [`gemm_bf16`] splits in depth exactly (module doc).
+/// Whether this CPU multiplies bf16 faster than f32: AMX-BF16, or
+/// AVX512_BF16 on AMD's cores, where `vdpbf16ps` retires at
+/// `vfmadd231ps`'s rate with twice its FLOPs (a 2-core Zen 4 guest,
+/// `zrun bench kernels`: the AVX512_BF16 kernel 1.6-1.9x the AVX-512 f32
+/// kernel on the model's shapes, one thread). On Intel's cores without AMX
+/// it does not: on the Sapphire Rapids measured, `vdpbf16ps` retires one
+/// every two cycles, half `vfmadd231ps`'s FLOPs. Every bf16 kernel splits
+/// in depth exactly (module doc).
 pub fn has_native_bf16() -> bool {
-    Kernel::best_bf16() == Kernel::AmxBf16
+    match Kernel::best_bf16() {
+        Kernel::AmxBf16 => true,
+        Kernel::Avx512Bf16 => amd_cpu(),
+        _ => false,
+    }
+}
+
+/// Whether CPUID's vendor string is AMD's.
+fn amd_cpu() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let id = std::arch::x86_64::__cpuid(0);
+        let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .collect();
+        vendor == b"AuthenticAMD"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// The row stride, in values, at which a producer should lay out bf16 rows

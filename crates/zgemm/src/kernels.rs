@@ -2,9 +2,9 @@
 //! a packed `B` panel, `k` rank-1 updates held in registers.
 //!
 //! Each element is a fused multiply-add chain over `p`, then `c = r + c`
-//! where a residual is given (crate doc). An f32 tile with α = 1 starts its
-//! chain from `C` (where it adds into `C`) or the bias and stores it as it
-//! ends ([`Tile::chains`]); otherwise the chain starts from zero and is
+//! where a residual is given (crate doc). An f32 or AVX512_BF16 tile
+//! with α = 1 starts its chain from `C` (where it adds into `C`) or the bias
+//! and stores it as it ends ([`Tile::chains`]); otherwise the chain starts from zero and is
 //! stored as `c = α·acc` or `c = c + α·acc` with a separate multiply and
 //! add. The SIMD kernels and the portable one agree bit for bit. Tiles at
 //! the right and bottom edges of `C` are computed whole (the packing padded
@@ -130,7 +130,7 @@ pub(crate) struct ShortRows {
 }
 
 impl Tile {
-    /// Whether an f32 tile's sums continue the chain that `C` (where it
+    /// Whether a tile's sums (f32, AVX512_BF16) continue the chain that `C` (where it
     /// adds into `C`) or the bias holds: with α = 1 each element of a
     /// product is one fused multiply-add chain over all of `k`, whatever its
     /// blocks of depth (crate doc).
@@ -268,6 +268,14 @@ pub(crate) unsafe fn portable_bf16(t: &Tile) {
     // SAFETY: the B panel's length (caller).
     let b = unsafe { std::slice::from_raw_parts(t.b.cast::<u32>(), NR * t.k) };
     let mut acc = [0f32; MR * NR];
+    if t.starts_from_values() {
+        // SAFETY: the tile's live part is valid (caller).
+        unsafe { chain_starts(t, &mut acc, NR) };
+        // `vdpbf16ps` reads its accumulator with denormals as zero.
+        for c in acc.iter_mut() {
+            *c = flush(*c);
+        }
+    }
     for (p, bp) in b.chunks_exact(NR).enumerate() {
         for i in 0..MR {
             // SAFETY: (i, p) is inside the A panel (caller).
@@ -281,7 +289,7 @@ pub(crate) unsafe fn portable_bf16(t: &Tile) {
         }
     }
     // SAFETY: the tile's live part is valid (caller).
-    unsafe { store_edge(t, &acc, NR, false) }
+    unsafe { store_edge(t, &acc, NR, t.chains()) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -1037,7 +1045,7 @@ mod x86 {
                 }
             }
         } else {
-            // At most 6 rows of 64.
+            // At most 6 rows of 64 (or 12 of 32).
             let mut flat = [0f32; 6 * 64];
             // SAFETY: the tile's live part is valid (caller).
             unsafe { chain_starts(t, &mut flat, nr) };
@@ -1061,10 +1069,14 @@ mod x86 {
     pub(crate) unsafe fn avx512_bf16(t: &Tile) {
         prefetch_c(t, 32);
         let mut acc = [[_mm512_setzero_ps(); 2]; 12];
+        if t.starts_from_values() {
+            // SAFETY: as this function's.
+            unsafe { load_starts(t, &mut acc) };
+        }
         // SAFETY: as avx512's; the CPU has AVX512_BF16.
         unsafe { updates_12x32!("vdpbf16ps", t, &mut acc) };
         // SAFETY: as this function's.
-        unsafe { store_wide(t, &acc, false) }
+        unsafe { store_wide(t, &acc, t.chains()) }
     }
 
     /// Stores a finished tile of `16·W` columns (α, then bias or `C`, then

@@ -39,9 +39,8 @@
 //! AVX-512, AVX2 and portable kernels and every thread count give the same
 //! bits: a job's numbers do not depend on the CPU it ran on, and the portable
 //! kernel is the reference the SIMD ones are tested against bit for bit. (The
-//! bf16 kernels: AMX chains likewise where α = 1 and no residual is given;
-//! the AVX512_BF16 kernel and its portable reference start each block from
-//! zero.)
+//! bf16 kernels chain likewise where α = 1: AMX only where no residual is
+//! given, the AVX512_BF16 kernel and its portable reference as the f32 ones.)
 //!
 //! **Threads** (rayon, in the caller's pool) take blocks of `A`'s rows (and,
 //! when there are few, ranges of `B`'s panels); the packed `B` block is

@@ -652,34 +652,36 @@ fn bf16_rounding_of_slices_equals_the_scalar_rounding() {
 }
 
 #[test]
-fn amx_products_split_in_depth_add_up_to_the_whole_bit_for_bit() {
-    // With α = 1 and no residual, AMX accumulates into C's tile registers:
-    // a product cut in depth at multiples of 32 into products that add into
-    // C (Start::Keep) gives the one product's bits, on whole tiles and on
-    // partial ones (a scratch tile), from zero or from the bias, with A and
-    // B in the layouts of a linear layer's input gradient.
-    if !Kernel::available_bf16().contains(&Kernel::AmxBf16) {
+fn bf16_products_split_in_depth_add_up_to_the_whole_bit_for_bit() {
+    // With α = 1 and no residual every bf16 kernel continues the sums that
+    // C holds (AMX in its tile registers, AVX512_BF16 and the portable
+    // kernel from C's values, as the f32 kernels do): a product cut in
+    // depth at multiples of 32 into products that add into C (Start::Keep)
+    // gives the one product's bits, on whole tiles and on partial ones (a
+    // scratch tile), from zero or from the bias, with A and B in the
+    // layouts of a linear layer's input gradient.
+    let kernels = Kernel::available_bf16();
+    if !kernels.contains(&Kernel::AmxBf16) {
         eprintln!("zgemm: AMX not on this CPU; its depth splitting is NOT covered here");
-        return;
     }
     for (m, n, k) in [(64, 64, 1152), (45, 40, 868), (33, 70, 300)] {
         let (a, b, bias) = (random(1, m * k), random(2, n * k), random(3, n));
         let a = MatRef::row_major(&a, m, k).unwrap();
         // Bᵀ stored row-major, as the weight in dy·Wᵀ.
         let b = MatRef::row_major(&b, n, k).unwrap().t();
-        for threads in [1, 2] {
+        for (&kernel, threads) in kernels.iter().flat_map(|k| [(k, 1), (k, 2)]) {
             for bias in [None, Some(bias.as_slice())] {
                 let first = || bias.map_or(Start::Zero, Start::Bias);
                 let mut whole = vec![0f32; m * n];
                 let c = MatMut::row_major(&mut whole, m, n).unwrap();
-                gemm_bf16_with(Kernel::AmxBf16, c, a, b, 1.0, first(), threads).unwrap();
+                gemm_bf16_with(kernel, c, a, b, 1.0, first(), threads).unwrap();
                 let mut split = vec![0f32; m * n];
                 for (i, p0) in (0..k).step_by(256).enumerate() {
                     let p1 = (p0 + 256).min(k);
                     let c = MatMut::row_major(&mut split, m, n).unwrap();
                     let (a, b) = (a.t().sub_rows(p0, p1).t(), b.sub_rows(p0, p1));
                     let start = if i == 0 { first() } else { Start::Keep };
-                    gemm_bf16_with(Kernel::AmxBf16, c, a, b, 1.0, start, threads).unwrap();
+                    gemm_bf16_with(kernel, c, a, b, 1.0, start, threads).unwrap();
                 }
                 let same = whole
                     .iter()
@@ -687,10 +689,44 @@ fn amx_products_split_in_depth_add_up_to_the_whole_bit_for_bit() {
                     .all(|(x, y)| x.to_bits() == y.to_bits());
                 assert!(
                     same,
-                    "{m}x{n}x{k}, {threads} threads, bias {}",
+                    "{kernel:?} {m}x{n}x{k}, {threads} threads, bias {}",
                     bias.is_some()
                 );
             }
+        }
+    }
+}
+
+#[test]
+fn bf16_kernels_read_a_subnormal_start_as_zero() {
+    // `vdpbf16ps` takes its accumulator with denormals as zero: 2⁻¹²⁷ in C
+    // plus the product 2⁻⁶³·2⁻⁶³ = 2⁻¹²⁶ gives 2⁻¹²⁶, not 1.5·2⁻¹²⁶. The
+    // portable reference does the same (checked against the CPU's kernel
+    // where it has one), from C and from the bias.
+    let tiny = 2f32.powi(-63);
+    let (a, b) = ([0.0, tiny], [0.0, tiny]);
+    let start_value = 2f32.powi(-127);
+    assert!(start_value.is_subnormal());
+    let bias = [start_value];
+    for kernel in Kernel::available_bf16() {
+        for keep in [true, false] {
+            let mut c = [start_value];
+            let start = if keep {
+                Start::Keep
+            } else {
+                Start::Bias(&bias)
+            };
+            gemm_bf16_with(
+                kernel,
+                MatMut::row_major(&mut c, 1, 1).unwrap(),
+                MatRef::row_major(&a, 1, 2).unwrap(),
+                MatRef::row_major(&b, 2, 1).unwrap(),
+                1.0,
+                start,
+                1,
+            )
+            .unwrap();
+            assert_eq!(c[0], 2f32.powi(-126), "{kernel:?}, from C: {keep}");
         }
     }
 }
