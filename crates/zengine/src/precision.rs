@@ -7,9 +7,10 @@
 //! bf16 products those that only products read are written in bf16: the
 //! norms' outputs, attention's output, GPT's MLP activation). The linear
 //! layers, attention and the head multiply bf16 (operands rounded, f32 accumulation) where
-//! the CPU has AMX-BF16 (`zmodel::Gpt::with_bf16_products`), the linear
-//! weights read straight from the bf16 working copy; elsewhere they multiply the
-//! rounded weights in f32, since without AMX a 16-bit product is no faster
+//! the CPU multiplies bf16 natively (AMX-BF16, or AVX512_BF16 on AMD:
+//! `zmodel::Gpt::with_bf16_products`), the linear weights read straight from
+//! the bf16 working copy; elsewhere they multiply the rounded weights in f32,
+//! since there a 16-bit product is no faster
 //! here (see README). Each micro-batch's gradient is rounded to the working
 //! dtype as soon as backward produces it, in every stage, so that the stages stay
 //! bit-identical; the reduction itself adds in f32.

@@ -21,7 +21,7 @@
 //! dQ = dS·K/√d, dK = dSᵀ·Q/√d into one `[b, t, 3d]` gradient. The tests check
 //! both ways against the composed version.
 //!
-//! With bf16 products (`train.dtype: bf16` on AMX) every product rounds its
+//! With bf16 products (`train.dtype: bf16` with native bf16) every product rounds its
 //! operands to bf16 and accumulates in f32 (`zgemm::gemm_packed_bf16`, the
 //! packed operands rounded once a task); the softmax and dS stay f32, and
 //! each of their rows is rounded into a bf16 copy as it is finished, which
@@ -36,7 +36,7 @@
 //! the bytes to read and nothing to round per task (attention's rounding
 //! and pairing of q, k and v was 4-5% of a bf16 step). The
 //! blocking changes no bit there either: a shorter block's depth ends in
-//! zero pairs, which AMX adds exactly.
+//! zero pairs, which every bf16 kernel adds exactly.
 //!
 //! Grouped-query attention (LLaMA's `n_kv_heads`): the projection is
 //! `[b, t, (heads + 2·kv)·hd]`, and query head `h` reads key/value head
@@ -1000,7 +1000,7 @@ mod tests {
     #[test]
     fn attention_written_in_bf16_is_its_f32_output_rounded() {
         if !zgemm::has_native_bf16() {
-            eprintln!("zmodel: no AMX here; attention's bf16 output NOT covered");
+            eprintln!("zmodel: no native bf16 here; attention's bf16 output NOT covered");
             return;
         }
         let heads = Heads { heads: 4, kv: 2 };
@@ -1024,7 +1024,7 @@ mod tests {
     #[test]
     fn bf16_inputs_give_the_bits_of_their_f32_values() {
         if !zgemm::has_native_bf16() {
-            eprintln!("zmodel: no AMX here; attention's bf16 inputs NOT covered");
+            eprintln!("zmodel: no native bf16 here; attention's bf16 inputs NOT covered");
             return;
         }
         let heads = Heads { heads: 4, kv: 2 };
@@ -1057,14 +1057,14 @@ mod tests {
         }
     }
 
-    /// bf16 products (where the CPU has AMX): within bf16's rounding of the
+    /// bf16 products (where the CPU multiplies bf16 natively): within bf16's rounding of the
     /// f32 attention forward and backward, not its bits (they are used), and
     /// the same bits in blocks of 32 and 64 rows (the extra depth of a
     /// longer block is zero pairs).
     #[test]
     fn bf16_products_stay_near_f32_and_their_blocking_changes_no_bit() {
         if !zgemm::has_native_bf16() {
-            eprintln!("zmodel: no AMX here; attention's bf16 products NOT covered");
+            eprintln!("zmodel: no native bf16 here; attention's bf16 products NOT covered");
             return;
         }
         let heads = Heads { heads: 4, kv: 2 };

@@ -150,7 +150,7 @@ pub struct Gpt {
     /// Memory-centric tiling: linears of more elements are split into column
     /// tiles of at most this many (see [`crate::linear`]).
     tile_size: Option<usize>,
-    /// What the linear layers multiply (bf16 only with AMX).
+    /// What the linear layers multiply (bf16 only where the CPU has native bf16).
     products: Products,
 }
 
@@ -180,9 +180,10 @@ impl Gpt {
     }
 
     /// The same model with its linear layers', attention's and the head's products on
-    /// bf16-rounded operands (f32 accumulation) when `bf16` is asked for and the CPU has
-    /// AMX-BF16 (which multiplies bf16 at over twice the f32 rate); f32
-    /// products otherwise, where bf16 ones would only be slower.
+    /// bf16-rounded operands (f32 accumulation) when `bf16` is asked for and the CPU
+    /// multiplies bf16 faster than f32 ([`zgemm::has_native_bf16`]: AMX-BF16, or
+    /// AVX512_BF16 on AMD); f32 products otherwise, where bf16 ones would only
+    /// be slower.
     pub fn with_bf16_products(self, bf16: bool) -> Gpt {
         let products = if bf16 && zgemm::has_native_bf16() {
             Products::Bf16
@@ -1243,14 +1244,14 @@ mod tests {
         close(auto.get(x.as_tensor()).unwrap(), &back.dx, "input");
     }
 
-    /// Under bf16 products the head's products run in bf16 (where the CPU has
-    /// AMX): its loss and gradients leave the f32 head's bits, by no more than
+    /// Under bf16 products the head's products run in bf16 (where the CPU
+    /// multiplies bf16 natively): its loss and gradients leave the f32 head's bits, by no more than
     /// bf16 rounding of the operands allows, and evaluation gives the
     /// training loss's bits, tied and untied.
     #[test]
     fn bf16_head_stays_near_the_f32_head() {
         if !zgemm::has_native_bf16() {
-            eprintln!("zmodel: no AMX here; the bf16 head NOT covered");
+            eprintln!("zmodel: no native bf16 here; the bf16 head NOT covered");
             return;
         }
         for cfg in [gpt(50, 64, 1, 3, 40), llama(50, 64, 1, 40, 96)] {
@@ -1364,7 +1365,7 @@ mod tests {
             );
             if g.products() != Products::Bf16 {
                 // The engine hands over bf16 tables under bf16 products only.
-                eprintln!("zmodel: no AMX here; the head's bf16 tables NOT covered");
+                eprintln!("zmodel: no native bf16 here; the head's bf16 tables NOT covered");
                 continue;
             }
             let head = HeadParams::from_vec(tensors(g.cfg.n_layers + 1), g.layout()).unwrap();
@@ -1515,7 +1516,7 @@ mod tests {
     /// block's outputs, parameter gradients and input gradient bit for bit:
     /// tile widths of 1, 2 and 3 chunks, a last tile shorter than the rest, and
     /// linears that stay whole beside tiled ones. With bf16 products too
-    /// (where the CPU has AMX): there each tile's input gradient is one
+    /// (where the CPU multiplies bf16 natively): there each tile's input gradient is one
     /// product, the whole layer's one of three times the depth.
     #[test]
     fn tiled_blocks_equal_untiled_bit_for_bit() {
@@ -1523,7 +1524,7 @@ mod tests {
         if zgemm::has_native_bf16() {
             tiled_equal_untiled(true);
         } else {
-            eprintln!("zmodel: no AMX here; tiling with bf16 products NOT covered");
+            eprintln!("zmodel: no native bf16 here; tiling with bf16 products NOT covered");
         }
     }
 
@@ -1739,7 +1740,7 @@ mod tests {
     fn every_vector_width_of_the_fused_ops_gives_the_same_bits() {
         for cfg in [gpt(11, 16, 1, 2, 40), llama(11, 16, 1, 40, 24)] {
             same_bits_at_every_width(Gpt::new(&cfg).unwrap());
-            // The ops that write bf16 operands (AMX machines only; elsewhere
+            // The ops that write bf16 operands (native-bf16 machines only; elsewhere
             // the same model again).
             same_bits_at_every_width(Gpt::new(&cfg).unwrap().with_bf16_products(true));
         }
@@ -1785,7 +1786,7 @@ mod tests {
             let grads = grads.into_vec();
             out.extend(&grads);
             // The producers of bf16 operands, on every CPU (the model takes
-            // them only where it has AMX).
+            // them only where it has native bf16).
             let (rows, dy_rows) = (x.reshape((80, 16)).unwrap(), dy.reshape((80, 16)).unwrap());
             let norm = |k: usize| Tensor::from_vec(wave(k, 16), 16, &dev).unwrap();
             let (w, b) = (&norm(3), &norm(2));
@@ -1886,11 +1887,11 @@ mod tests {
     }
 
     /// `with_bf16_products` takes bf16 products exactly where zgemm says the
-    /// CPU multiplies bf16 natively (AMX), and there the block's forward
+    /// CPU multiplies bf16 natively (AMX, AVX512_BF16 on AMD), and there the block's forward
     /// really runs them: its output leaves f32's bits, by no more than bf16
     /// rounding of the operands allows.
     #[test]
-    fn bf16_products_are_taken_where_the_cpu_has_amx_and_used() {
+    fn bf16_products_are_taken_where_the_cpu_has_native_bf16_and_used() {
         let cfg = gpt(11, 64, 1, 2, 40);
         let plain = Gpt::new(&cfg).unwrap();
         let bf16 = Gpt::new(&cfg).unwrap().with_bf16_products(true);
@@ -1901,7 +1902,7 @@ mod tests {
         );
         if !zgemm::has_native_bf16() {
             assert_eq!(bf16.products(), Products::F32);
-            eprintln!("skipped: no AMX-BF16 here, so bf16 products are f32 ones (checked)");
+            eprintln!("skipped: no native bf16 here, so bf16 products are f32 ones (checked)");
             return;
         }
         assert_eq!(bf16.products(), Products::Bf16);

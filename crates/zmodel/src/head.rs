@@ -9,7 +9,7 @@
 //! Here the loss and its gradient are one pass over the logits (row by row,
 //! in parallel) and the products are zgemm's.
 //!
-//! Under bf16 products (`train.dtype: bf16` where the CPU has AMX) the
+//! Under bf16 products (`train.dtype: bf16` where the CPU multiplies bf16 natively) the
 //! head's three products round their operands to bf16 and sum in f32, as the
 //! blocks' do and as PyTorch's autocast runs `lm_head`; the cross-entropy
 //! stays f32. In f32 the head would cost as much as it does in an f32 step:

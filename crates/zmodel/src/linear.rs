@@ -10,8 +10,8 @@
 //! parameter gradients of a tile are bit for bit those columns of the whole
 //! layer. The input gradient sums over output columns, tile after tile into
 //! `dx`: zgemm's f32 products at α = 1 continue the chain of fused
-//! multiply-adds that `C` holds, and AMX's a product cut in depth at
-//! multiples of 32, so a tiled layer's `dx` is the whole layer's bit for bit
+//! multiply-adds that `C` holds, and the bf16 ones a product cut in depth
+//! at multiples of 32 (`zgemm::gemm_bf16`), so a tiled layer's `dx` is the whole layer's bit for bit
 //! with one product a tile. (The f32 products used to be cut into chunks of
 //! 256 output columns, the tiles' granularity, so that the tiled and whole
 //! layers shared their blocks: each chunk another pass over `dx`, and depth
@@ -536,7 +536,7 @@ pub(crate) fn backward<S: BlockSource>(
                 }
             };
             // dx += dy_t·Wᵀ, one product a tile, tiles in order: zgemm's f32
-            // products at α = 1 and AMX's continue the sum that `dx` holds
+            // products at α = 1 and the bf16 ones continue the sum that `dx` holds
             // (module doc).
             // Side by side: each product still spreads over every thread, and
             // a thread that waits inside one (its packing, its last tasks)
@@ -660,12 +660,13 @@ fn multiply_times(
 /// What the linear layers' products multiply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Products {
-    /// f32 values (every `train.dtype` on a CPU without AMX).
+    /// f32 values (every `train.dtype` on a CPU without native bf16).
     #[default]
     F32,
     /// The operands rounded to bf16, f32 accumulation ([`zgemm::gemm_bf16`]):
-    /// `train.dtype: bf16` where the CPU has AMX-BF16 (and only there: the
-    /// input gradient relies on AMX's exact depth splits).
+    /// `train.dtype: bf16` where the CPU multiplies bf16 natively
+    /// ([`zgemm::has_native_bf16`]); the input gradient relies on the bf16
+    /// kernels' exact depth splits.
     Bf16,
 }
 
@@ -1041,7 +1042,7 @@ mod tests {
     #[test]
     fn bf16_weights_give_the_bits_of_their_values_in_f32() {
         if !zgemm::has_native_bf16() {
-            eprintln!("skipped: no AMX-BF16 here, so weights are never handed over in bf16");
+            eprintln!("skipped: no native bf16 here, so weights are never handed over in bf16");
             return;
         }
         let dev = Device::Cpu;
@@ -1103,7 +1104,7 @@ mod tests {
     #[test]
     fn outputs_stored_in_bf16_are_the_f32_outputs_rounded() {
         if !zgemm::has_native_bf16() {
-            eprintln!("skipped: no AMX-BF16 here, so outputs are never stored in bf16");
+            eprintln!("skipped: no native bf16 here, so outputs are never stored in bf16");
             return;
         }
         let dev = Device::Cpu;
@@ -1165,7 +1166,7 @@ mod tests {
     #[test]
     fn bf16_layers_read_padded_rows_and_rounded_gradients_with_the_bits_of_copies() {
         if !zgemm::has_native_bf16() {
-            eprintln!("skipped: no AMX-BF16 here, so there are no bf16 products to check");
+            eprintln!("skipped: no native bf16 here, so there are no bf16 products to check");
             return;
         }
         let params = block_params(64);

@@ -459,7 +459,7 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
 /// [`layer_norm`] with its output rounded to bf16 (a `BF16` tensor
 /// `[rows, d]`, laid out for zgemm to read in place), for a
 /// norm whose only readers are bf16 products (a block's q, k, v projection
-/// and MLP under `train.dtype: bf16` on AMX): the bits they would have
+/// and MLP under `train.dtype: bf16` with native bf16): the bits they would have
 /// rounded the f32 output to, in half the bytes written, kept and read
 /// (forward, and again as the weight gradient's `xᵀ`), and no rounding pass
 /// of their own. No backward: the explicit one reads the norm's input.

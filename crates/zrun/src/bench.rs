@@ -235,8 +235,8 @@ fn over_ceiling_warning(rows: &[KernelRow]) -> Option<String> {
     let mut over: Vec<String> = rows
         .iter()
         // The f32 GEMM rows: FLOP/s and no bytes (the streaming rows'
-        // ratios are over the triad's bandwidth), and not bf16 (AMX passes
-        // the f32 ceiling by design).
+        // ratios are over the triad's bandwidth), and not bf16 (native bf16
+        // passes the f32 ceiling by design).
         .filter(|r| {
             r.kernel != "fma_peak" && !r.kernel.contains("bf16") && r.gbps == 0.0 && r.ratio > 1.0
         })

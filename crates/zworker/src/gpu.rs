@@ -76,7 +76,7 @@ pub fn attach(
     }
     // bf16 and f16 multiply 16-bit operands with f32 sums (as autocast
     // does); a GPU older than 8.0 multiplies f32 values of the bf16
-    // weights, as a CPU without AMX does.
+    // weights, as a CPU without native bf16 does.
     let half = match spec.train.dtype {
         zconfig::spec::Dtype::Bf16 => Some(zcuda::Half16::Bf16),
         zconfig::spec::Dtype::F16 => Some(zcuda::Half16::F16),
