@@ -698,6 +698,29 @@ fn bf16_products_split_in_depth_add_up_to_the_whole_bit_for_bit() {
 }
 
 #[test]
+fn native_bf16_is_amx_or_avx512_bf16_on_amd() {
+    // The vendor as Linux names it, read apart from CPUID's leaf 0.
+    let Ok(cpuinfo) = std::fs::read_to_string("/proc/cpuinfo") else {
+        eprintln!("zgemm: no /proc/cpuinfo; has_native_bf16 NOT checked");
+        return;
+    };
+    let amd = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("vendor_id"))
+        .is_some_and(|l| l.contains("AuthenticAMD"));
+    let want = match Kernel::best_bf16() {
+        Kernel::AmxBf16 => true,
+        Kernel::Avx512Bf16 => amd,
+        _ => false,
+    };
+    eprintln!(
+        "zgemm: best bf16 kernel {:?}, AMD: {amd}, native bf16: {want}",
+        Kernel::best_bf16()
+    );
+    assert_eq!(has_native_bf16(), want);
+}
+
+#[test]
 fn bf16_kernels_read_a_subnormal_start_as_zero() {
     // `vdpbf16ps` takes its accumulator with denormals as zero: 2⁻¹²⁷ in C
     // plus the product 2⁻⁶³·2⁻⁶³ = 2⁻¹²⁶ gives 2⁻¹²⁶, not 1.5·2⁻¹²⁶. The

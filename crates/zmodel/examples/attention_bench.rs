@@ -1,7 +1,7 @@
 //! Times causal attention and its backward at the `gpt-anchor` job's shape
 //! (8 sequences × 256 tokens, 6 heads of 64), best of 30 calls each, and
 //! prints the rate of the products' useful work (the causal triangle), with
-//! f32 products and, where the CPU has AMX, bf16 ones, the latter also as a
+//! f32 products and, where the CPU multiplies bf16 natively, bf16 ones, the latter also as a
 //! bf16 step runs them (`qkv` in bf16, the output written in bf16):
 //!
 //!     cargo run --release -p zmodel --example attention_bench

@@ -1,6 +1,6 @@
 //! Times one transformer block's forward and hand-written backward at the
 //! `gpt-anchor` job's shape (8 sequences × 256 tokens, d 384, 6 heads),
-//! best of 20 calls each, with f32 products and, where the CPU has AMX, bf16
+//! best of 20 calls each, with f32 products and, where the CPU multiplies bf16 natively, bf16
 //! ones, and prints the block's model FLOPs per second: a step's work without
 //! the engine, the optimizer or the collectives, and far less noisy than a
 //! training run (what a change to the block's ops moves shows here first).
