@@ -57,6 +57,29 @@ fn export_hf(dir: &Path, out: &str) -> PathBuf {
     out
 }
 
+/// One step from `from` gives the loss `next` that the export's reader
+/// computed, within 1e-5 relative.
+fn starts_at(dir: &Path, job: &Path, from: &Path, metrics: &str, next: f64) {
+    let init_loss = loss_from(dir, job, from, metrics);
+    assert!(
+        (init_loss - next).abs() <= 1e-5 * next,
+        "export's next loss {next}, from init_from {} {init_loss}",
+        from.display()
+    );
+}
+
+/// Training from `init` with `set` exits 2, its message holding `needles`.
+fn refused_from(dir: &Path, job: &Path, init: &Path, set: &str, needles: &[&str]) {
+    let f = TrainArgs::new(job, dir.join("refused.jsonl"))
+        .set(format!("model.init_from={}", init.display()))
+        .set(set)
+        .run(dir);
+    assert_eq!(f.code(), 2, "{set}: {f:?}");
+    for needle in needles {
+        assert!(f.stderr.contains(needle), "{set}: {}", f.stderr);
+    }
+}
+
 /// Trains one step from `init` on the same batch: its loss.
 fn loss_from(dir: &Path, job: &Path, init: &Path, metrics: &str) -> f64 {
     let init = format!("model.init_from={}", init.display());
@@ -126,23 +149,16 @@ fn a_llama3_scaled_rotary_embedding_trains_exports_and_reads_back() {
         "{kind: llama, vocab_size: 256, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 48, seq_len: 32, rope_theta: 100, \
          rope_scaling: {rope_type: llama3, factor: 4, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 32}}",
     );
-    let init_loss = loss_from(dir, &job, &out, "init.jsonl");
-    assert!(
-        (init_loss - next).abs() <= 1e-5 * next,
-        "export's next loss {next}, from init_from {init_loss}"
-    );
-    let init = format!("model.init_from={}", out.display());
-    let f = TrainArgs::new(&job, dir.join("unscaled.jsonl"))
-        .set(init)
-        .set("model.rope_scaling=null")
-        .run(dir);
-    assert_eq!(f.code(), 2, "{f:?}");
-    assert!(
-        f.stderr
-            .contains("its rotary scaling is {\"rope_type\":\"llama3\"")
-            && f.stderr.contains("the job's model.rope_scaling none"),
-        "{}",
-        f.stderr
+    starts_at(dir, &job, &out, "init.jsonl", next);
+    refused_from(
+        dir,
+        &job,
+        &out,
+        "model.rope_scaling=null",
+        &[
+            "its rotary scaling is {\"rope_type\":\"llama3\"",
+            "the job's model.rope_scaling none",
+        ],
     );
 }
 
@@ -163,11 +179,7 @@ fn qwen2_trains_exports_and_reads_back() {
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["architectures"][0], "Qwen2ForCausalLM", "{config}");
-    let init_loss = loss_from(dir, &job, &out, "init.jsonl");
-    assert!(
-        (init_loss - next).abs() <= 1e-5 * next,
-        "export's next loss {next}, from init_from {init_loss}"
-    );
+    starts_at(dir, &job, &out, "init.jsonl", next);
     // It samples as its checkpoint.
     let sample = |from: &Path| {
         let args = [
@@ -190,17 +202,12 @@ fn qwen2_trains_exports_and_reads_back() {
         f.stdout
     };
     assert_eq!(sample(&out), sample(&dir.join("ckpt")));
-    let init = format!("model.init_from={}", out.display());
-    let f = TrainArgs::new(&job, dir.join("unbiased.jsonl"))
-        .set(init)
-        .set("model.qkv_bias=false")
-        .run(dir);
-    assert_eq!(f.code(), 2, "{f:?}");
-    assert!(
-        f.stderr
-            .contains("model_type is \"qwen2\", the job's model has \"llama\""),
-        "{}",
-        f.stderr
+    refused_from(
+        dir,
+        &job,
+        &out,
+        "model.qkv_bias=false",
+        &["model_type is \"qwen2\", the job's model has \"llama\""],
     );
 }
 
@@ -218,12 +225,7 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
     // zrun file, which then lacked every other tensor).
     let weights = out.join("model.safetensors");
     for (from, metrics) in [(&out, "init.jsonl"), (&weights, "init-file.jsonl")] {
-        let init_loss = loss_from(dir, &job, from, metrics);
-        assert!(
-            (init_loss - next).abs() <= 1e-5 * next,
-            "export's next loss {next}, from init_from {} {init_loss}",
-            from.display()
-        );
+        starts_at(dir, &job, from, metrics, next);
     }
     // `zrun sample` on the directory draws what it draws from the
     // checkpoint, to the byte; a config.json it cannot run is exit 2.
@@ -375,10 +377,5 @@ fn gpt2_round_trips_through_hugging_face_names() {
         names.contains(&"transformer.h.1.attn.c_attn.weight".to_string()),
         "{names:?}"
     );
-    let init_loss = loss_from(dir, &job, &out, "init.jsonl");
-    let next = src[4].1;
-    assert!(
-        (init_loss - next).abs() <= 1e-5 * next,
-        "export's next loss {next}, from init_from {init_loss}"
-    );
+    starts_at(dir, &job, &out, "init.jsonl", src[4].1);
 }
