@@ -65,12 +65,9 @@ pub fn has_native_bf16() -> bool {
 fn amd_cpu() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
+        // "AuthenticAMD" in EBX, EDX, ECX.
         let id = std::arch::x86_64::__cpuid(0);
-        let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
-            .iter()
-            .flat_map(|r| r.to_le_bytes())
-            .collect();
-        vendor == b"AuthenticAMD"
+        [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes) == [*b"Auth", *b"enti", *b"cAMD"]
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
