@@ -29,7 +29,11 @@
 //! each side's best and median and the ratios. Set
 //! `OPENBLAS_THREAD_TIMEOUT=4` with it, or OpenBLAS's idle threads spin
 //! through the next zgemm call.
-//! `GEMM_DUMP=1` with it prints every call's rate of both, in the order
+//! `GEMM_VERSUS=Avx512Bf16,PortableBf16` alternates two of zgemm's kernels
+//! (two f32 ones or two bf16 ones) the same way: how a change to a kernel
+//! is measured against the kernel it would replace. It also counts the
+//! elements whose bits the two products do not share.
+//! `GEMM_DUMP=1` with either prints every call's rate of both, in the order
 //! they ran: a shared host's quiet and noisy stretches show there, where a
 //! median hides them.
 
@@ -96,6 +100,28 @@ fn main() {
     let reps_set: Option<usize> = std::env::var("GEMM_REPS")
         .ok()
         .map(|r| r.parse().expect("GEMM_REPS: a number"));
+    if let Ok(pair) = std::env::var("GEMM_VERSUS") {
+        let named = |name: &str| {
+            Kernel::available()
+                .into_iter()
+                .chain(Kernel::available_bf16())
+                .find(|k| format!("{k:?}") == name)
+                .unwrap_or_else(|| panic!("GEMM_VERSUS: no kernel {name} on this CPU"))
+        };
+        let names: Vec<&str> = pair.split(',').collect();
+        let [first, second] = names[..] else {
+            panic!("GEMM_VERSUS: two kernels, e.g. Avx512,Avx2")
+        };
+        for &t in &threads {
+            versus_kernels(
+                [named(first), named(second)],
+                t,
+                &only,
+                reps_set.unwrap_or(30),
+            );
+        }
+        return;
+    }
     if let Ok(lib) = std::env::var("OPENBLAS_LIB") {
         let blas = openblas::Sgemm::open(&lib);
         // The first kernel GEMM_KERNELS names, else the fastest.
@@ -197,16 +223,69 @@ fn f32_product(kernel: Kernel, c: MatMut, a: MatRef, b: MatRef, row_major_b: boo
 }
 
 /// zgemm and OpenBLAS on every shape at `t` threads, `reps` calls each,
-/// alternated call by call (who goes first alternating too), each call
-/// after a 2 ms pause so that both start from idle threads.
+/// alternated call by call ([`alternate`]).
 fn versus_openblas(blas: &openblas::Sgemm, kernel: Kernel, t: usize, only: &str, reps: usize) {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(t)
         .build()
         .expect("a thread pool");
     blas.set_threads(t);
-    let pause = std::time::Duration::from_millis(
-        std::env::var("GEMM_PAUSE_MS").map_or(2, |v| v.parse().expect("GEMM_PAUSE_MS: a number")),
+    for (op, m, k, n) in shapes() {
+        if !format!("{op}_{m}x{k}x{n}").contains(only) {
+            continue;
+        }
+        let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.01).collect();
+        let (ta, tb) = (op.starts_with('t'), op.ends_with('t'));
+        let (av, bv) = (
+            view(&a, m, k, ta).expect("A's shape"),
+            view(&b, k, n, tb).expect("B's shape"),
+        );
+        let mut zgemm = |c: &mut [f32]| {
+            let cv = MatMut::row_major(c, m, n).expect("C's shape");
+            f32_product(kernel, cv, av, bv, !tb, t);
+        };
+        let mut openblas = |c: &mut [f32]| blas.row_major(ta, tb, m, n, k, &a, &b, c);
+        let (times, cs) = alternate(
+            &pool,
+            m * n,
+            reps,
+            [&mut zgemm, &mut openblas],
+            [true, false],
+        );
+        let worst_gap = cs[0]
+            .iter()
+            .zip(&cs[1])
+            .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
+            .fold(0f32, f32::max);
+        assert!(
+            worst_gap < 1e-4,
+            "zgemm and OpenBLAS disagree by {worst_gap}"
+        );
+        let flops = 2.0 * (m * k * n) as f64;
+        report(
+            &format!("{op}_{m}x{k}x{n} threads {t}"),
+            ["zgemm", "openblas"],
+            flops,
+            &times,
+        );
+    }
+}
+
+/// Two zgemm kernels (`GEMM_VERSUS=Avx512Bf16,AmxBf16`: both f32 or both
+/// bf16) on every shape at `t` threads, `reps` calls each, alternated call
+/// by call ([`alternate`]): what a change to a kernel or its blocking is
+/// measured with, the old way and the new one side by side in one process.
+/// Their products must agree to the bit where their arithmetic is the same.
+fn versus_kernels(kernels: [Kernel; 2], t: usize, only: &str, reps: usize) {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(t)
+        .build()
+        .expect("a thread pool");
+    assert_eq!(
+        kernels[0].is_bf16(),
+        kernels[1].is_bf16(),
+        "GEMM_VERSUS: two f32 kernels or two bf16 ones"
     );
     for (op, m, k, n) in shapes() {
         if !format!("{op}_{m}x{k}x{n}").contains(only) {
@@ -219,77 +298,115 @@ fn versus_openblas(blas: &openblas::Sgemm, kernel: Kernel, t: usize, only: &str,
             view(&a, m, k, ta).expect("A's shape"),
             view(&b, k, n, tb).expect("B's shape"),
         );
-        // Each side writes each of two `C`s on alternate pairs of calls: where
-        // a buffer's pages fall in the caches moved one side's rate by up to
-        // 10% against the other's when each kept its own (the same zgemm
-        // call on both sides, after other shapes had run).
-        let mut cs = [vec![0f32; m * n], vec![0f32; m * n]];
-        let mut times = [Vec::new(), Vec::new()];
-        for rep in 0..2 * reps {
-            for side in [rep % 2, 1 - rep % 2] {
-                let c = &mut cs[(side + rep / 2) % 2];
-                std::thread::sleep(pause);
-                let mut zgemm = || {
-                    let start = std::time::Instant::now();
-                    let cv = MatMut::row_major(c, m, n).expect("C's shape");
-                    f32_product(kernel, cv, av, bv, !tb, t);
-                    start.elapsed()
-                };
-                // zgemm is timed on the thread that calls it, as a worker
-                // calls it: on one thread, this one (as OpenBLAS runs on
-                // one); on several, one of the pool's, from inside it. The
-                // hand-over from this thread to the pool, which a worker
-                // does once for a whole step, cost a 0.3 ms product (256 ×
-                // 128 · 128 × 384, one thread) 5-10% of its median.
-                let elapsed = if side == 1 {
-                    let start = std::time::Instant::now();
-                    blas.row_major(ta, tb, m, n, k, &a, &b, c);
-                    start.elapsed()
-                } else if t == 1 {
-                    zgemm()
-                } else {
-                    pool.install(zgemm)
-                };
-                times[side].push(elapsed.as_secs_f64());
+        let product = |kernel: Kernel, c: &mut [f32]| {
+            let cv = MatMut::row_major(c, m, n).expect("C's shape");
+            if kernel.is_bf16() {
+                zgemm::gemm_bf16_with(kernel, cv, av, bv, 1.0, Start::Zero, t).expect("shapes");
+            } else {
+                f32_product(kernel, cv, av, bv, !tb, t);
             }
-        }
-        // The last pair of calls left one side's product in each.
-        let worst_gap = cs[0]
+        };
+        let (mut first, mut second) = (
+            |c: &mut [f32]| product(kernels[0], c),
+            |c: &mut [f32]| product(kernels[1], c),
+        );
+        let (times, cs) = alternate(&pool, m * n, reps, [&mut first, &mut second], [true, true]);
+        let differ = cs[0]
             .iter()
             .zip(&cs[1])
-            .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
-            .fold(0f32, f32::max);
-        assert!(
-            worst_gap < 1e-4,
-            "zgemm and OpenBLAS disagree by {worst_gap}"
-        );
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        let names = kernels.map(|k| format!("{k:?}"));
         let flops = 2.0 * (m * k * n) as f64;
-        if std::env::var("GEMM_DUMP").is_ok() {
-            for (name, v) in ["zgemm", "openblas"].iter().zip(&times) {
-                let rates: Vec<String> = v
-                    .iter()
-                    .map(|t| format!("{:.0}", flops / t / 1e9))
-                    .collect();
-                println!("  {name}: {}", rates.join(" "));
-            }
-        }
-        let [best, median] = [0, 1].map(|which| {
-            times.clone().map(|mut v| {
-                v.sort_by(f64::total_cmp);
-                flops / if which == 0 { v[0] } else { v[v.len() / 2] } / 1e9
-            })
-        });
-        println!(
-            "{op}_{m}x{k}x{n} threads {t}: best zgemm {:.1} openblas {:.1} ({:.2}x)  \
-             median zgemm {:.1} openblas {:.1} ({:.2}x)  GFLOP/s",
-            best[0],
-            best[1],
-            best[0] / best[1],
-            median[0],
-            median[1],
-            median[0] / median[1],
+        report(
+            &format!("{op}_{m}x{k}x{n} threads {t} ({differ} elements differ)"),
+            [&names[0], &names[1]],
+            flops,
+            &times,
         );
     }
+}
+
+/// One product a side.
+type Side<'a> = &'a mut (dyn FnMut(&mut [f32]) + Send);
+
+/// Runs the two sides `reps` times each into `C`s of `c_len` floats,
+/// alternated call by call (who goes first alternating too), each call
+/// after a pause (`GEMM_PAUSE_MS`, 2 ms) so that both start from idle
+/// threads: a noisy neighbour's drift falls on both alike (separate
+/// processes minutes apart swung 0.5-1.2x on a shared 2-core host). A side
+/// that is zgemm's (`in_pool`) runs on the thread that calls it, as a worker
+/// calls it: on one thread, this one; on several, one of `pool`'s, from
+/// inside it (the hand-over from this thread to the pool, which a worker
+/// does once for a whole step, cost a 0.3 ms product 5-10% of its median).
+/// Returns each side's times in seconds and the last `C` each wrote.
+fn alternate(
+    pool: &rayon::ThreadPool,
+    c_len: usize,
+    reps: usize,
+    mut sides: [Side; 2],
+    in_pool: [bool; 2],
+) -> ([Vec<f64>; 2], [Vec<f32>; 2]) {
+    let pause = std::time::Duration::from_millis(
+        std::env::var("GEMM_PAUSE_MS").map_or(2, |v| v.parse().expect("GEMM_PAUSE_MS: a number")),
+    );
+    // Each side writes each of two `C`s on alternate pairs of calls: where
+    // a buffer's pages fall in the caches moved one side's rate by up to
+    // 10% against the other's when each kept its own (the same zgemm call
+    // on both sides, after other shapes had run).
+    let mut cs = [vec![0f32; c_len], vec![0f32; c_len]];
+    let mut times = [Vec::new(), Vec::new()];
+    for rep in 0..2 * reps {
+        for side in [rep % 2, 1 - rep % 2] {
+            let c = &mut cs[(side + rep / 2) % 2];
+            std::thread::sleep(pause);
+            let run = &mut sides[side];
+            let mut timed = || {
+                let start = std::time::Instant::now();
+                run(c);
+                start.elapsed()
+            };
+            let elapsed = if in_pool[side] && pool.current_num_threads() > 1 {
+                pool.install(timed)
+            } else {
+                timed()
+            };
+            times[side].push(elapsed.as_secs_f64());
+        }
+    }
+    // The last pair of calls left one side's product in each.
+    (times, cs)
+}
+
+/// Prints each side's best and median rate and their ratios (and, with
+/// `GEMM_DUMP=1`, every call's rate in the order they ran: a shared host's
+/// quiet and noisy stretches show there, where a median hides them).
+fn report(label: &str, names: [&str; 2], flops: f64, times: &[Vec<f64>; 2]) {
+    if std::env::var("GEMM_DUMP").is_ok() {
+        for (name, v) in names.iter().zip(times) {
+            let rates: Vec<String> = v
+                .iter()
+                .map(|t| format!("{:.0}", flops / t / 1e9))
+                .collect();
+            println!("  {name}: {}", rates.join(" "));
+        }
+    }
+    let [best, median] = [0, 1].map(|which| {
+        times.clone().map(|mut v| {
+            v.sort_by(f64::total_cmp);
+            flops / if which == 0 { v[0] } else { v[v.len() / 2] } / 1e9
+        })
+    });
+    let [a, b] = names;
+    println!(
+        "{label}: best {a} {:.1} {b} {:.1} ({:.2}x)  median {a} {:.1} {b} {:.1} ({:.2}x)  GFLOP/s",
+        best[0],
+        best[1],
+        best[0] / best[1],
+        median[0],
+        median[1],
+        median[0] / median[1],
+    );
 }
 
 /// OpenBLAS's `cblas_sgemm`, found in a shared library at run time: numpy's
