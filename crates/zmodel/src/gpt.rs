@@ -996,11 +996,7 @@ impl Gpt {
         }
         let last = x.narrow(1, t - 1, 1)?.reshape((1, d))?.contiguous()?;
         let normed = self.norm(&last, &params.norm)?.contiguous()?;
-        let out = match (&params.lm_head, wte) {
-            (Some(m), _) => m,
-            (None, Some(wte)) => wte,
-            (None, None) => candle_core::bail!("a tied head needs the token embedding"),
-        };
+        let out = Self::head_matrix(params, wte)?;
         let vocab = out.dim(0)?;
         // Stored `[d, vocab]` (a sampler's, [`Gpt::embed_from`]): read as
         // stored, rows of it, which a one-row product streams twice as fast
@@ -1031,9 +1027,17 @@ impl Gpt {
 
     /// The head's output matrix `[vocab, d]`: its own, or `wte` when tied.
     fn output_matrix(params: &HeadParams<Tensor>, wte: Option<&Tensor>) -> Result<Tensor> {
+        Self::head_matrix(params, wte)?.contiguous()
+    }
+
+    /// The head's own matrix, else (a tied head) the token embedding.
+    fn head_matrix<'a>(
+        params: &'a HeadParams<Tensor>,
+        wte: Option<&'a Tensor>,
+    ) -> Result<&'a Tensor> {
         match (&params.lm_head, wte) {
-            (Some(m), _) => m.contiguous(),
-            (None, Some(wte)) => wte.contiguous(),
+            (Some(m), _) => Ok(m),
+            (None, Some(wte)) => Ok(wte),
             (None, None) => candle_core::bail!("a tied head needs the token embedding"),
         }
     }
