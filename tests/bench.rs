@@ -29,16 +29,65 @@ fn bench_commands_report_rows() {
         }
     }
     // The arithmetic ceiling wherever zgemm has a SIMD kernel, and every
-    // GEMM row's ratio over it at the same threads.
+    // GEMM row's ratio over it at the same threads; the AVX512_BF16
+    // kernel's rows over its own (`bf16_peak`, whose ratio is over
+    // `fma_peak`'s) where the CPU has it.
     let ceiling: Vec<_> = rows.iter().filter(|r| r["kernel"] == "fma_peak").collect();
+    let bf16_ceiling: Vec<_> = rows.iter().filter(|r| r["kernel"] == "bf16_peak").collect();
+    let bf16_rows = |r: &serde_json::Value| {
+        r["kernel"]
+            .as_str()
+            .unwrap()
+            .starts_with("zgemm_avx512bf16_")
+    };
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        assert!(!ceiling.is_empty(), "no fma_peak row on a CPU with AVX2");
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            assert!(!ceiling.is_empty(), "no fma_peak row on a CPU with AVX2");
+        }
+        let avx512_bf16 = std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bf16");
+        assert_eq!(
+            !bf16_ceiling.is_empty(),
+            avx512_bf16,
+            "bf16_peak rows where (and only where) the CPU has AVX512_BF16"
+        );
+        if !avx512_bf16 {
+            eprintln!("bench: bf16_peak is NOT covered here (no avx512bf16 on this CPU)");
+        }
+    }
+    for c in &bf16_ceiling {
+        let f = ceiling
+            .iter()
+            .find(|f| f["threads"] == c["threads"])
+            .expect("fma_peak beside bf16_peak");
+        let expected = c["gflops"].as_f64().unwrap() / f["gflops"].as_f64().unwrap();
+        let ratio = c["ratio"].as_f64().unwrap();
+        assert!(
+            (ratio - expected).abs() <= 1e-9 * expected,
+            "{c} against {f}"
+        );
+        let mut seen = 0;
+        for r in rows
+            .iter()
+            .filter(|r| r["threads"] == c["threads"] && bf16_rows(r))
+        {
+            let expected = r["gflops"].as_f64().unwrap() / c["gflops"].as_f64().unwrap();
+            let ratio = r["ratio"].as_f64().unwrap();
+            assert!(
+                (ratio - expected).abs() <= 1e-9 * expected,
+                "{r} against {c}"
+            );
+            seen += 1;
+        }
+        assert!(seen > 0, "no AVX512_BF16 row at {} threads", c["threads"]);
     }
     for c in &ceiling {
         assert!(c["gflops"].as_f64().unwrap() > 0.0, "{c}");
         let gemms = rows.iter().filter(|r| {
             r["threads"] == c["threads"]
+                && (bf16_ceiling.is_empty() || !bf16_rows(r))
                 && (r["kernel"] == "gemm_f32"
                     || r["kernel"].as_str().unwrap().starts_with("zgemm_"))
         });

@@ -294,8 +294,8 @@ pub(crate) unsafe fn portable_bf16(t: &Tile) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86::{
-    amx_bf16, avx2, avx2_short_rows, avx2_strip, avx512, avx512_bf16, fma_chains_avx2,
-    fma_chains_avx512,
+    amx_bf16, avx2, avx2_short_rows, avx2_strip, avx512, avx512_bf16, dpbf16_chains_avx512,
+    fma_chains_avx2, fma_chains_avx512,
 };
 
 #[cfg(target_arch = "x86_64")]
@@ -368,6 +368,39 @@ mod x86 {
         iterations * 12 * 8 * 2
     }
 
+    /// Twelve independent chains of `$op` (`zmm_i += zmm12 ⊙ zmm13`) on
+    /// 512-bit registers for `$n` steps, and nothing else: an instruction's
+    /// throughput, the arithmetic ceiling its kernels are set against.
+    macro_rules! chains_zmm {
+        ($op:literal, $n:expr) => {
+            std::arch::asm!(
+                "vxorps zmm0, zmm0, zmm0", "vxorps zmm1, zmm1, zmm1",
+                "vxorps zmm2, zmm2, zmm2", "vxorps zmm3, zmm3, zmm3",
+                "vxorps zmm4, zmm4, zmm4", "vxorps zmm5, zmm5, zmm5",
+                "vxorps zmm6, zmm6, zmm6", "vxorps zmm7, zmm7, zmm7",
+                "vxorps zmm8, zmm8, zmm8", "vxorps zmm9, zmm9, zmm9",
+                "vxorps zmm10, zmm10, zmm10", "vxorps zmm11, zmm11, zmm11",
+                "vxorps zmm12, zmm12, zmm12", "vxorps zmm13, zmm13, zmm13",
+                ".p2align 5",
+                "2:",
+                concat!($op, " zmm0, zmm12, zmm13"), concat!($op, " zmm1, zmm12, zmm13"),
+                concat!($op, " zmm2, zmm12, zmm13"), concat!($op, " zmm3, zmm12, zmm13"),
+                concat!($op, " zmm4, zmm12, zmm13"), concat!($op, " zmm5, zmm12, zmm13"),
+                concat!($op, " zmm6, zmm12, zmm13"), concat!($op, " zmm7, zmm12, zmm13"),
+                concat!($op, " zmm8, zmm12, zmm13"), concat!($op, " zmm9, zmm12, zmm13"),
+                concat!($op, " zmm10, zmm12, zmm13"), concat!($op, " zmm11, zmm12, zmm13"),
+                "dec {n}",
+                "jnz 2b",
+                n = inout(reg) $n => _,
+                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                out("zmm12") _, out("zmm13") _,
+                options(nostack, nomem),
+            )
+        };
+    }
+
     /// [`fma_chains_avx2`] on 512-bit registers.
     ///
     /// # Safety
@@ -379,34 +412,25 @@ mod x86 {
             return 0;
         }
         // SAFETY: registers only; the CPU has AVX-512F (caller).
-        unsafe {
-            std::arch::asm!(
-                "vxorps zmm0, zmm0, zmm0", "vxorps zmm1, zmm1, zmm1",
-                "vxorps zmm2, zmm2, zmm2", "vxorps zmm3, zmm3, zmm3",
-                "vxorps zmm4, zmm4, zmm4", "vxorps zmm5, zmm5, zmm5",
-                "vxorps zmm6, zmm6, zmm6", "vxorps zmm7, zmm7, zmm7",
-                "vxorps zmm8, zmm8, zmm8", "vxorps zmm9, zmm9, zmm9",
-                "vxorps zmm10, zmm10, zmm10", "vxorps zmm11, zmm11, zmm11",
-                "vxorps zmm12, zmm12, zmm12", "vxorps zmm13, zmm13, zmm13",
-                ".p2align 5",
-                "2:",
-                "vfmadd231ps zmm0, zmm12, zmm13", "vfmadd231ps zmm1, zmm12, zmm13",
-                "vfmadd231ps zmm2, zmm12, zmm13", "vfmadd231ps zmm3, zmm12, zmm13",
-                "vfmadd231ps zmm4, zmm12, zmm13", "vfmadd231ps zmm5, zmm12, zmm13",
-                "vfmadd231ps zmm6, zmm12, zmm13", "vfmadd231ps zmm7, zmm12, zmm13",
-                "vfmadd231ps zmm8, zmm12, zmm13", "vfmadd231ps zmm9, zmm12, zmm13",
-                "vfmadd231ps zmm10, zmm12, zmm13", "vfmadd231ps zmm11, zmm12, zmm13",
-                "dec {n}",
-                "jnz 2b",
-                n = inout(reg) iterations => _,
-                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
-                out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
-                out("zmm12") _, out("zmm13") _,
-                options(nostack, nomem),
-            );
-        }
+        unsafe { chains_zmm!("vfmadd231ps", iterations) };
         iterations * 12 * 16 * 2
+    }
+
+    /// [`fma_chains_avx512`] with `vdpbf16ps`: two products and two adds a
+    /// lane, twice an FMA's FLOPs, so that the AVX512_BF16 kernel has a
+    /// ceiling of its own (`zrun bench kernels`' `bf16_peak`).
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have AVX-512F and AVX512_BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(crate) unsafe fn dpbf16_chains_avx512(iterations: u64) -> u64 {
+        if iterations == 0 {
+            return 0;
+        }
+        // SAFETY: registers only; the CPU has AVX512_BF16 (caller).
+        unsafe { chains_zmm!("vdpbf16ps", iterations) };
+        iterations * 12 * 16 * 4
     }
 
     /// 6×16 with AVX2 and FMA: 12 accumulators, two `B` vectors and six

@@ -582,10 +582,19 @@ impl Kernel {
     /// chains on this kernel's vectors and nothing else, and returns the
     /// FLOPs done: timed, the arithmetic ceiling of one core, which a
     /// product's FLOP/s can be set against (`zrun bench kernels`' `fma_peak`
-    /// rows). `None` for kernels that are not one vector width of f32 FMAs
-    /// (the portable and bf16 ones).
+    /// rows). For the AVX512_BF16 kernel, chains of its `vdpbf16ps`, two
+    /// products a lane (the `bf16_peak` rows): twice `fma_peak` on Zen 4,
+    /// where it retires at an FMA's rate, level with it where it retires
+    /// at half that (the Sapphire Rapids measured). `None` for the others
+    /// (the portable kernels, AMX).
     pub fn fma_chains(self, iterations: u64) -> Option<u64> {
         match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Bf16 if Kernel::detected_bf16().contains(&self) => {
+                // SAFETY: `available_bf16()` offers this kernel only where
+                // the CPU has AVX-512F and AVX512_BF16.
+                Some(unsafe { kernels::dpbf16_chains_avx512(iterations) })
+            }
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512 if Kernel::detected().contains(&self) => {
                 // SAFETY: `available()` offers this kernel only where the

@@ -1571,10 +1571,15 @@ fn packed_b_products_refuse_parts_it_does_not_hold() {
 
 #[test]
 fn the_fma_ceiling_counts_its_flops_on_simd_kernels_only() {
-    for kernel in Kernel::available() {
+    for kernel in Kernel::available()
+        .into_iter()
+        .chain(Kernel::available_bf16())
+    {
         let per_step = match kernel {
             Kernel::Avx512 => Some(12 * 16 * 2),
             Kernel::Avx2 => Some(12 * 8 * 2),
+            // `vdpbf16ps`: two products and two adds a lane.
+            Kernel::Avx512Bf16 => Some(12 * 16 * 4),
             _ => None,
         };
         assert_eq!(kernel.fma_chains(0), per_step.map(|_| 0), "{kernel:?}");
@@ -1584,8 +1589,8 @@ fn the_fma_ceiling_counts_its_flops_on_simd_kernels_only() {
             "{kernel:?}"
         );
     }
-    for kernel in Kernel::available_bf16() {
-        assert_eq!(kernel.fma_chains(10), None, "{kernel:?}");
+    if !Kernel::available_bf16().contains(&Kernel::Avx512Bf16) {
+        eprintln!("zgemm: the vdpbf16ps ceiling is NOT covered here (no avx512bf16 on this CPU)");
     }
 }
 

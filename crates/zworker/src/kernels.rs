@@ -258,33 +258,81 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
     // cores' speed moves over seconds (a Sapphire Rapids guest gave
     // `fma_peak` 89 GFLOP/s at one thread, then products at 130-146, ratios
     // of 1.5 to a ceiling that no product can pass).
-    let before: Vec<KernelRow> = thread_counts.iter().filter_map(|&t| fma_peak(t)).collect();
+    //
+    // Where the CPU has AVX512_BF16, that kernel's rows are set against
+    // `vdpbf16ps`'s own ceiling (`bf16_peak`, measured the same way), whose
+    // ratio is over `fma_peak`: 2.0 where bf16 products are native.
+    let peaks = |t: usize| [fma_peak(t), bf16_peak(t)];
+    let before: Vec<KernelRow> = thread_counts
+        .iter()
+        .flat_map(|&t| peaks(t))
+        .flatten()
+        .collect();
     let mut products = vec![gemm_peak()?];
     for &t in &thread_counts {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
         products.extend(pool.install(|| gemm_shape_rows(t))?);
     }
-    let after: Vec<KernelRow> = thread_counts.iter().filter_map(|&t| fma_peak(t)).collect();
-    let ceiling = faster_of(before, &after);
-    for row in &mut products {
-        if let Some(c) = ceiling.iter().find(|c| c.threads == row.threads) {
-            row.ratio = row.gflops / c.gflops;
-        }
-    }
-    rows.extend(ceiling);
+    let after: Vec<KernelRow> = thread_counts
+        .iter()
+        .flat_map(|&t| peaks(t))
+        .flatten()
+        .collect();
+    let mut ceilings = faster_of(before, &after);
+    set_ratios(&mut ceilings, &mut products);
+    rows.extend(ceilings);
     rows.extend(products);
     Ok(rows)
 }
 
-/// Each row of `first` replaced by the row of `second` at the same thread
-/// count where that one ran faster.
+/// Each product's ratio: its FLOP/s over its ceiling's at its thread count
+/// (`bf16_peak` for the AVX512_BF16 kernel's rows where it was measured,
+/// else `fma_peak`), and `bf16_peak`'s over `fma_peak`'s.
+fn set_ratios(ceilings: &mut [KernelRow], products: &mut [KernelRow]) {
+    let find = |rows: &[KernelRow], name: &str, threads: usize| {
+        rows.iter()
+            .find(|c| c.kernel == name && c.threads == threads)
+            .map(|c| c.gflops)
+    };
+    for row in products.iter_mut() {
+        let bf16 = row.kernel.starts_with(AVX512_BF16_ROWS);
+        let ceiling = bf16
+            .then(|| find(ceilings, BF16_PEAK, row.threads))
+            .flatten()
+            .or_else(|| find(ceilings, FMA_PEAK, row.threads));
+        if let Some(c) = ceiling {
+            row.ratio = row.gflops / c;
+        }
+    }
+    let fma: Vec<KernelRow> = ceilings
+        .iter()
+        .filter(|c| c.kernel == FMA_PEAK)
+        .cloned()
+        .collect();
+    for c in ceilings.iter_mut().filter(|c| c.kernel == BF16_PEAK) {
+        if let Some(f) = find(&fma, FMA_PEAK, c.threads) {
+            c.ratio = c.gflops / f;
+        }
+    }
+}
+
+/// The ceilings' row names, and the prefix of the rows set against
+/// `bf16_peak`.
+const FMA_PEAK: &str = "fma_peak";
+const BF16_PEAK: &str = "bf16_peak";
+const AVX512_BF16_ROWS: &str = "zgemm_avx512bf16_";
+
+/// Each row of `first` replaced by the row of `second` of the same name at
+/// the same thread count where that one ran faster.
 fn faster_of(first: Vec<KernelRow>, second: &[KernelRow]) -> Vec<KernelRow> {
     first
         .into_iter()
         .map(|row| {
             second
                 .iter()
-                .find(|s| s.threads == row.threads && s.gflops > row.gflops)
+                .find(|s| {
+                    s.kernel == row.kernel && s.threads == row.threads && s.gflops > row.gflops
+                })
                 .cloned()
                 .unwrap_or(row)
         })
@@ -293,12 +341,26 @@ fn faster_of(first: Vec<KernelRow>, second: &[KernelRow]) -> Vec<KernelRow> {
 
 /// The `fma_peak` row at `threads`: every thread running nothing but
 /// independent f32 fused multiply-adds on the widest vectors zgemm uses
-/// (`zgemm::Kernel::fma_chains`) at once, in GFLOP/s, the best of three
-/// runs of about a fifth of a second. No product can pass it, so a GEMM's
-/// ratio to it says how much of the machine the kernel uses. `None` where
-/// the CPU has no SIMD kernel.
+/// (`zgemm::Kernel::fma_chains`) at once, in GFLOP/s. No product can pass
+/// it, so a GEMM's ratio to it says how much of the machine the kernel
+/// uses. `None` where the CPU has no SIMD kernel.
 fn fma_peak(threads: usize) -> Option<KernelRow> {
-    let kernel = zgemm::Kernel::best();
+    peak(zgemm::Kernel::best(), FMA_PEAK, threads)
+}
+
+/// The `bf16_peak` row at `threads`: as [`fma_peak`] with `vdpbf16ps`, the
+/// AVX512_BF16 kernel's instruction. `None` where the CPU lacks it.
+fn bf16_peak(threads: usize) -> Option<KernelRow> {
+    zgemm::Kernel::available_bf16()
+        .contains(&zgemm::Kernel::Avx512Bf16)
+        .then(|| peak(zgemm::Kernel::Avx512Bf16, BF16_PEAK, threads))
+        .flatten()
+}
+
+/// `kernel`'s chains ([`zgemm::Kernel::fma_chains`]) on `threads` threads
+/// at once, the best of three runs of about a fifth of a second, as the
+/// row `name`; `None` where the kernel has no chains.
+fn peak(kernel: zgemm::Kernel, name: &str, threads: usize) -> Option<KernelRow> {
     kernel.fma_chains(1)?;
     // A first run sizes the timed ones.
     let t = Instant::now();
@@ -317,13 +379,13 @@ fn fma_peak(threads: usize) -> Option<KernelRow> {
             flops as f64 / t.elapsed().as_secs_f64() / 1e9
         })
         .fold(0.0, f64::max);
-    Some(fma_peak_row(threads, gflops))
+    Some(peak_row(name, threads, gflops))
 }
 
-/// The `fma_peak` row of `gflops` at `threads`.
-fn fma_peak_row(threads: usize, gflops: f64) -> KernelRow {
+/// A ceiling's row of `gflops` at `threads` (its ratio 1 until set).
+fn peak_row(name: &str, threads: usize, gflops: f64) -> KernelRow {
     KernelRow {
-        kernel: "fma_peak".into(),
+        kernel: name.into(),
         elements: 0,
         threads,
         gbps: 0.0,
@@ -505,14 +567,53 @@ mod tests {
 
     #[test]
     fn the_ceiling_keeps_the_faster_measurement_at_each_thread_count() {
-        let before = vec![fma_peak_row(1, 89.0), fma_peak_row(2, 180.0)];
-        let after = [fma_peak_row(2, 150.0), fma_peak_row(1, 135.0)];
+        let before = vec![peak_row(FMA_PEAK, 1, 89.0), peak_row(FMA_PEAK, 2, 180.0)];
+        let after = [peak_row(FMA_PEAK, 2, 150.0), peak_row(FMA_PEAK, 1, 135.0)];
         let got: Vec<(usize, f64)> = faster_of(before, &after)
             .iter()
             .map(|r| (r.threads, r.gflops))
             .collect();
         assert_eq!(got, [(1, 135.0), (2, 180.0)]);
         // Nothing measured after (no SIMD kernel): the first stands.
-        assert_eq!(faster_of(vec![fma_peak_row(1, 89.0)], &[])[0].gflops, 89.0);
+        assert_eq!(
+            faster_of(vec![peak_row(FMA_PEAK, 1, 89.0)], &[])[0].gflops,
+            89.0
+        );
+        // Each ceiling is kept against its own kind only.
+        let both = faster_of(
+            vec![peak_row(FMA_PEAK, 1, 100.0), peak_row(BF16_PEAK, 1, 150.0)],
+            &[peak_row(BF16_PEAK, 1, 200.0)],
+        );
+        let got: Vec<(&str, f64)> = both.iter().map(|r| (r.kernel.as_str(), r.gflops)).collect();
+        assert_eq!(got, [(FMA_PEAK, 100.0), (BF16_PEAK, 200.0)]);
+    }
+
+    #[test]
+    fn avx512_bf16_rows_are_set_against_their_own_ceiling() {
+        let product = |name: &str, threads: usize, gflops: f64| KernelRow {
+            kernel: name.into(),
+            elements: 1,
+            threads,
+            gbps: 0.0,
+            gflops,
+            ratio: 0.0,
+        };
+        let mut ceilings = [
+            peak_row(FMA_PEAK, 1, 100.0),
+            peak_row(FMA_PEAK, 2, 200.0),
+            peak_row(BF16_PEAK, 1, 200.0),
+        ];
+        let mut products = [
+            product("zgemm_avx512bf16_nn_8x8x8", 1, 180.0),
+            product("zgemm_avx512_nn_8x8x8", 1, 90.0),
+            product("zgemm_amxbf16_nn_8x8x8", 1, 400.0),
+            // No bf16_peak at 2 threads: fma_peak's.
+            product("zgemm_avx512bf16_nn_8x8x8", 2, 300.0),
+        ];
+        set_ratios(&mut ceilings, &mut products);
+        let ratios: Vec<f64> = products.iter().map(|r| r.ratio).collect();
+        assert_eq!(ratios, [0.9, 0.9, 4.0, 1.5]);
+        assert_eq!(ceilings[2].ratio, 2.0);
+        assert_eq!(ceilings[0].ratio, 1.0);
     }
 }
