@@ -3,6 +3,16 @@
 
 use e2e::{small_job, zrun};
 
+/// `r`'s ratio is its GFLOP/s over `ceiling`'s.
+fn assert_ratio_over(r: &serde_json::Value, ceiling: &serde_json::Value) {
+    let expected = r["gflops"].as_f64().unwrap() / ceiling["gflops"].as_f64().unwrap();
+    let ratio = r["ratio"].as_f64().unwrap();
+    assert!(
+        (ratio - expected).abs() <= 1e-9 * expected,
+        "{r} against {ceiling}"
+    );
+}
+
 /// The benchmarks run end to end and report the documented row shapes.
 #[test]
 fn bench_commands_report_rows() {
@@ -62,23 +72,13 @@ fn bench_commands_report_rows() {
             .iter()
             .find(|f| f["threads"] == c["threads"])
             .expect("fma_peak beside bf16_peak");
-        let expected = c["gflops"].as_f64().unwrap() / f["gflops"].as_f64().unwrap();
-        let ratio = c["ratio"].as_f64().unwrap();
-        assert!(
-            (ratio - expected).abs() <= 1e-9 * expected,
-            "{c} against {f}"
-        );
+        assert_ratio_over(c, f);
         let mut seen = 0;
         for r in rows
             .iter()
             .filter(|r| r["threads"] == c["threads"] && bf16_rows(r))
         {
-            let expected = r["gflops"].as_f64().unwrap() / c["gflops"].as_f64().unwrap();
-            let ratio = r["ratio"].as_f64().unwrap();
-            assert!(
-                (ratio - expected).abs() <= 1e-9 * expected,
-                "{r} against {c}"
-            );
+            assert_ratio_over(r, c);
             seen += 1;
         }
         assert!(seen > 0, "no AVX512_BF16 row at {} threads", c["threads"]);
@@ -93,12 +93,7 @@ fn bench_commands_report_rows() {
         });
         let mut seen = 0;
         for r in gemms {
-            let expected = r["gflops"].as_f64().unwrap() / c["gflops"].as_f64().unwrap();
-            let ratio = r["ratio"].as_f64().unwrap();
-            assert!(
-                (ratio - expected).abs() <= 1e-9 * expected,
-                "{r} against {c}"
-            );
+            assert_ratio_over(r, c);
             seen += 1;
         }
         assert!(seen > 0, "no GEMM row at {} threads", c["threads"]);

@@ -140,17 +140,10 @@ fn main() {
             .num_threads(t)
             .build()
             .expect("a thread pool");
-        for (op, m, k, n) in shapes() {
-            if !format!("{op}_{m}x{k}x{n}").contains(&only) {
-                continue;
-            }
-            let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
-            let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.01).collect();
+        for (op, m, k, n) in shapes_named(&only) {
+            let (a, b) = operands(m, k, n);
             let mut c = vec![0f32; m * n];
-            let (av, bv) = (
-                view(&a, m, k, op.starts_with('t')).expect("A's shape"),
-                view(&b, k, n, op.ends_with('t')).expect("B's shape"),
-            );
+            let (av, bv) = views(op, (m, k, n), &a, &b);
             let flops = 2.0 * (m * k * n) as f64;
             let reps = reps_set.unwrap_or(((2e10 / flops) as usize).clamp(3, 50));
             let mut line = format!("{op}_{m}x{k}x{n} threads {t}:");
@@ -230,17 +223,10 @@ fn versus_openblas(blas: &openblas::Sgemm, kernel: Kernel, t: usize, only: &str,
         .build()
         .expect("a thread pool");
     blas.set_threads(t);
-    for (op, m, k, n) in shapes() {
-        if !format!("{op}_{m}x{k}x{n}").contains(only) {
-            continue;
-        }
-        let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
-        let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.01).collect();
+    for (op, m, k, n) in shapes_named(only) {
+        let (a, b) = operands(m, k, n);
         let (ta, tb) = (op.starts_with('t'), op.ends_with('t'));
-        let (av, bv) = (
-            view(&a, m, k, ta).expect("A's shape"),
-            view(&b, k, n, tb).expect("B's shape"),
-        );
+        let (av, bv) = views(op, (m, k, n), &a, &b);
         let mut zgemm = |c: &mut [f32]| {
             let cv = MatMut::row_major(c, m, n).expect("C's shape");
             f32_product(kernel, cv, av, bv, !tb, t);
@@ -287,17 +273,10 @@ fn versus_kernels(kernels: [Kernel; 2], t: usize, only: &str, reps: usize) {
         kernels[1].is_bf16(),
         "GEMM_VERSUS: two f32 kernels or two bf16 ones"
     );
-    for (op, m, k, n) in shapes() {
-        if !format!("{op}_{m}x{k}x{n}").contains(only) {
-            continue;
-        }
-        let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
-        let b: Vec<f32> = (0..k * n).map(|i| (i % 13) as f32 * 0.01).collect();
-        let (ta, tb) = (op.starts_with('t'), op.ends_with('t'));
-        let (av, bv) = (
-            view(&a, m, k, ta).expect("A's shape"),
-            view(&b, k, n, tb).expect("B's shape"),
-        );
+    for (op, m, k, n) in shapes_named(only) {
+        let (a, b) = operands(m, k, n);
+        let tb = op.ends_with('t');
+        let (av, bv) = views(op, (m, k, n), &a, &b);
         let product = |kernel: Kernel, c: &mut [f32]| {
             let cv = MatMut::row_major(c, m, n).expect("C's shape");
             if kernel.is_bf16() {
@@ -558,6 +537,35 @@ mod openblas {
             }
         }
     }
+}
+
+/// The shapes ([`shapes`]) whose name contains `only`.
+fn shapes_named(only: &str) -> impl Iterator<Item = (&'static str, usize, usize, usize)> + '_ {
+    shapes()
+        .into_iter()
+        .filter(move |(op, m, k, n)| format!("{op}_{m}x{k}x{n}").contains(only))
+}
+
+/// `a` and `b` as the operands of product `op` (`nn`, `tn`, ...) of `m × k
+/// · k × n`.
+fn views<'a>(
+    op: &str,
+    (m, k, n): (usize, usize, usize),
+    a: &'a [f32],
+    b: &'a [f32],
+) -> (MatRef<'a>, MatRef<'a>) {
+    (
+        view(a, m, k, op.starts_with('t')).expect("A's shape"),
+        view(b, k, n, op.ends_with('t')).expect("B's shape"),
+    )
+}
+
+/// `A` (`m × k` values) and `B` (`k × n`) of every product timed.
+fn operands(m: usize, k: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+    (
+        (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect(),
+        (0..k * n).map(|i| (i % 13) as f32 * 0.01).collect(),
+    )
 }
 
 /// `d` as a `rows × cols` operand, stored transposed if `t`.
