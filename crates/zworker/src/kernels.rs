@@ -349,12 +349,10 @@ fn fma_peak(threads: usize) -> Option<KernelRow> {
 }
 
 /// The `bf16_peak` row at `threads`: as [`fma_peak`] with `vdpbf16ps`, the
-/// AVX512_BF16 kernel's instruction. `None` where the CPU lacks it.
+/// AVX512_BF16 kernel's instruction. `None` where the CPU lacks it (the
+/// kernel then has no chains).
 fn bf16_peak(threads: usize) -> Option<KernelRow> {
-    zgemm::Kernel::available_bf16()
-        .contains(&zgemm::Kernel::Avx512Bf16)
-        .then(|| peak(zgemm::Kernel::Avx512Bf16, BF16_PEAK, threads))
-        .flatten()
+    peak(zgemm::Kernel::Avx512Bf16, BF16_PEAK, threads)
 }
 
 /// `kernel`'s chains ([`zgemm::Kernel::fma_chains`]) on `threads` threads
