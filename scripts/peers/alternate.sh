@@ -14,7 +14,9 @@
 # closing row caught a slow minute of a noisy host and stood below every
 # step), and fma_peak's scaling with threads (about 2x on 2 cores; near 1x
 # means something else ran on the cores, a leftover process or the host, and
-# that round compares nothing at 2 threads). PEER_VOCAB=50304 runs all
+# that round compares nothing at 2 threads). With DTYPE=bf16 on a CPU with
+# AVX512_BF16 it also prints each run as a share of `bf16_peak`, the bf16
+# ceiling at the GEMM row's threads. PEER_VOCAB=50304 runs all
 # of them with GPT-2's vocabulary (padded) instead of bytes.
 # Build first (cargo build --release); run on an otherwise idle machine.
 set -euo pipefail
@@ -52,14 +54,18 @@ print(rates[0] if rates else 0)'
 }
 
 gemm_row() { # the round's model GFLOP/s... -> the gemm_f32 row, step/GEMM of each, fma_peak's scaling
-  "$ROOT/target/release/zrun" bench kernels --json 2>/dev/null | python3 -c '
-import json, sys
+  "$ROOT/target/release/zrun" bench kernels --json 2>/dev/null | DTYPE="$DTYPE" python3 -c '
+import json, os, sys
 out = json.load(sys.stdin)
 rows = [r for r in out["rows"] if r["kernel"] == "gemm_f32"]
 best = max(rows, key=lambda r: r["threads"])
 gflops, threads = best["gflops"], best["threads"]
 shares = " ".join(f"{float(g) / gflops:.2f}" for g in sys.argv[1:])
 line = f"gemm_f32 {threads} threads {gflops:.1f} GFLOP/s, step/GEMM {shares}"
+bf16 = {r["threads"]: r["gflops"] for r in out["rows"] if r["kernel"] == "bf16_peak"}
+if os.environ.get("DTYPE") == "bf16" and threads in bf16:
+    shares = " ".join(f"{float(g) / bf16[threads]:.2f}" for g in sys.argv[1:])
+    line += f", step/bf16_peak {shares}"
 peaks = {r["threads"]: r["gflops"] for r in out["rows"] if r["kernel"] == "fma_peak"}
 if len(peaks) > 1:
     t = max(peaks)
