@@ -164,21 +164,10 @@ fn a_gpu_out_of_memory_is_exit_1_naming_the_allocation_and_what_holds_less() {
 fn device_cuda_refuses_what_the_gpu_model_does_not_run() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "gpu-limits", 2);
-    for (sets, says) in [
-        (&["model.tile_size=512"][..], "drop model.tile_size"),
-        (
-            &["model.kind=llama", "model.qkv_bias=true"],
-            "model.qkv_bias runs on the CPU",
-        ),
-    ] {
-        let mut args = vec!["check", job.to_str().unwrap(), "--set", "device=cuda"];
-        for s in sets {
-            args.extend(["--set", s]);
-        }
-        let f = zrun(&repo_root(), &args);
-        assert_eq!(f.code(), 2, "{sets:?}: {f:?}");
-        assert!(f.stderr.contains(says), "{sets:?}: {}", f.stderr);
-    }
+    let (job, cuda, tiles) = (job.to_str().unwrap(), "device=cuda", "model.tile_size=512");
+    let f = zrun(&repo_root(), &["check", job, "--set", cuda, "--set", tiles]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("drop model.tile_size"), "{}", f.stderr);
 }
 
 #[test]
@@ -348,6 +337,45 @@ fn llama_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
         // Resident on the GPUs over NCCL, stage 3's gathers there: the same.
         assert_eq!(stage(3, "nccl"), stage0, "LLaMA stage 3 over NCCL ({tie})");
     }
+}
+
+#[test]
+fn qwen2_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
+    if gpus_or_skip("qwen2_on_the_gpu_follows_the_cpu_loss_curve").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // LLaMA with biases on q, k and v (Qwen2), 4 query heads on 2
+    // key/value heads; stage 3 partitions every group, the biases too.
+    let qwen2 = |extra: &[&str]| -> Vec<String> {
+        [
+            "model.kind=llama",
+            "model.qkv_bias=true",
+            "model.n_kv_heads=2",
+            "zero.param_persistence_threshold=0",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let cpu = train(dir.path(), "qwen2-cpu", 1, &qwen2(&[]));
+    let gpu = train(dir.path(), "qwen2-gpu", 1, &qwen2(&["device=cuda"]));
+    follows_the_cpu(&gpu, &cpu);
+    let stage = |n: u8| {
+        let s = format!("zero.stage={n}");
+        train(
+            dir.path(),
+            &format!("qwen2-s{n}"),
+            2,
+            &qwen2(&["device=cuda", &s]),
+        )
+    };
+    assert_eq!(
+        stage(3),
+        stage(0),
+        "Qwen2 stage 3 against stage 0 on the GPU"
+    );
 }
 
 #[test]

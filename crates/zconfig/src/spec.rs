@@ -721,18 +721,14 @@ impl std::str::FromStr for JobSpec {
 
 impl JobSpec {
     /// What of this job the GPU path (`device: cuda`) cannot run, or
-    /// `None`: the GPU model is GPT-2's or LLaMA's family with whole linears
+    /// `None`: the GPU model is GPT-2's or LLaMA's family (Qwen2's q, k and
+    /// v biases included) with whole linears
     /// (its products in f32 or TF32, on 16-bit working parameters under
     /// bf16/f16). NVMe offload and ZeRO++ run in the GPU's host flow, on
     /// the host code the CPU path runs.
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
-        }
-        if self.model.qkv_biased() {
-            return Some(
-                "the GPU model's LLaMA has no biases: model.qkv_bias runs on the CPU".into(),
-            );
         }
         None
     }

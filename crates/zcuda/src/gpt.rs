@@ -5,7 +5,8 @@
 //! so one forward and one backward serve both: a [`Family`] picks the norm
 //! (layer norm or RMSNorm), the MLP's activation (GELU or SwiGLU on gate and
 //! up side by side), the positions (learned, or rotary on q and k), biases
-//! or none, and grouped-query attention's key/value heads.
+//! (GPT-2's on every part; LLaMA's none, or Qwen2's on q, k and v alone)
+//! and grouped-query attention's key/value heads.
 //!
 //! What stays on the host: the parameters, their gradients and the optimizer
 //! (zengine's flat buffers, partitioned by ZeRO's stage exactly as on the
@@ -40,11 +41,15 @@ use crate::{CudaError, Gpu, Half16};
 pub enum Family {
     /// GPT-2: layer norms and linears with biases, GELU, learned positions.
     Gpt2,
-    /// LLaMA: RMSNorm, SwiGLU, rotary positions, no biases, `kv_heads`
-    /// key/value heads (dividing the query heads).
+    /// LLaMA: RMSNorm, SwiGLU, rotary positions, no biases (but Qwen2's on
+    /// q, k and v, `qkv_bias`), `kv_heads` key/value heads (dividing the
+    /// query heads).
     Llama {
         /// Key/value heads.
         kv_heads: usize,
+        /// Whether the q, k and v projection has a bias (Qwen2 and Qwen2.5;
+        /// zconfig's `model.qkv_bias`), added before the rotation.
+        qkv_bias: bool,
         /// The rotary embeddings' base.
         rope_theta: f64,
         /// Their scaling for a longer context, if any.
@@ -88,6 +93,16 @@ impl GptShape {
         self.d_model / self.n_heads
     }
 
+    /// Whether each of a block's [`PARTS`] has a bias (zconfig's
+    /// `norm_biases` and `linear_biases` in the parts' order): GPT-2's all,
+    /// LLaMA's none but the q, k and v projection's under `qkv_bias`.
+    fn part_biases(&self) -> [bool; PARTS] {
+        match self.family {
+            Family::Gpt2 => [true; PARTS],
+            Family::Llama { qkv_bias, .. } => [false, qkv_bias, false, false, false, false],
+        }
+    }
+
     /// Width of the fused projection's output: q, k and v side by side.
     fn qkv_width(&self) -> usize {
         (self.n_heads + 2 * self.kv_heads()) * self.head_dim()
@@ -105,7 +120,8 @@ impl GptShape {
 
 /// Parameters of a GPT-2 block: norm 1 (w, b), qkv (w, b), attention
 /// output (w, b), norm 2 (w, b), MLP in (w, b), MLP out (w, b): zmodel's
-/// flat order. A LLaMA block has the six weights alone, in the same order.
+/// flat order. A LLaMA block has the six weights alone, in the same order
+/// (Qwen2's with qkv's bias after its weight).
 pub const BLOCK_PARAMS: usize = 12;
 
 /// A block's six parts in forward order: norm 1, qkv, attention output,
@@ -115,10 +131,10 @@ const PARTS: usize = 6;
 /// A part's gradients: its weight's, and its bias's where it has one.
 type PartGrads = (CudaSlice<f32>, Option<CudaSlice<f32>>);
 
-/// A part's weight and (GPT-2) bias.
+/// A part's weight and bias, where it has one.
 type Part<'w> = (Weight<'w>, Option<&'w CudaSlice<f32>>);
 
-/// A block's parameters by part: each part's weight and (GPT-2) bias.
+/// A block's parameters by part: each part's weight and bias, where it has one.
 struct BlockWeights<'w> {
     parts: [Part<'w>; PARTS],
 }
@@ -670,7 +686,7 @@ impl GptGpu {
     }
 
     /// `w` as a block's parameters, checked against the block's shapes:
-    /// each part's weight and (GPT-2) bias.
+    /// each part's weight and its bias where it has one ([`GptShape::part_biases`]).
     fn block_params<'w>(&self, w: &'w Weights) -> Result<BlockWeights<'w>, CudaError> {
         let (d, f, q) = (self.shape.d_model, self.shape.ffn, self.shape.qkv_width());
         let fi = self.shape.mlp_in_width();
@@ -683,10 +699,11 @@ impl GptGpu {
             (d * fi, fi),
             (f * d, d),
         ];
-        let biases = !self.shape.llama();
+        let biases = self.shape.part_biases();
         let want: Vec<usize> = parts
             .iter()
-            .flat_map(|&(w, b)| std::iter::once(w).chain(biases.then_some(b)))
+            .zip(biases)
+            .flat_map(|(&(w, b), biased)| std::iter::once(w).chain(biased.then_some(b)))
             .collect();
         let have: Vec<usize> = (0..w.tensors()).map(|i| w.tensor_len(i)).collect();
         if have != want {
@@ -695,16 +712,16 @@ impl GptGpu {
                 self.shape.family
             )));
         }
-        let per = 1 + usize::from(biases);
+        // Where each part's weight lies: after the parts before it and
+        // their biases.
+        let first = |k: usize| k + biases[..k].iter().filter(|&&b| b).count();
         Ok(BlockWeights {
             parts: std::array::from_fn(|k| {
-                let weight = w.weight(k * per, self.half_products);
-                (
-                    weight,
-                    w.p.get(k * per + 1)
-                        .and_then(|b| b.as_ref())
-                        .filter(|_| biases),
-                )
+                let weight = w.weight(first(k), self.half_products);
+                let bias = biases[k]
+                    .then(|| w.p.get(first(k) + 1).and_then(|b| b.as_ref()))
+                    .flatten();
+                (weight, bias)
             }),
         })
     }

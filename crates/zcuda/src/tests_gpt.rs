@@ -232,10 +232,48 @@ fn gpu_llama_block_embedding_and_head_match_the_cpu_model() {
         }),
         Family::Llama {
             kv_heads,
+            qkv_bias: false,
             rope_theta,
             rope_scaling: None,
         },
         Products::F32,
+    );
+}
+
+/// Qwen2's block: LLaMA's with a bias on the q, k and v projection (added
+/// before the rotation; its gradient taken after the rotation back), here
+/// with grouped-query attention (4 query heads on 2 key/value heads).
+fn qwen2_block(test: &str, products: Products) {
+    matches_the_cpu_model(
+        test,
+        serde_json::json!({
+            "kind": "llama", "n_kv_heads": 2, "ffn_hidden": 96, "rope_theta": 100.0,
+            "qkv_bias": true
+        }),
+        Family::Llama {
+            kv_heads: 2,
+            qkv_bias: true,
+            rope_theta: 100.0,
+            rope_scaling: None,
+        },
+        products,
+    );
+}
+
+#[test]
+fn gpu_qwen2_block_embedding_and_head_match_the_cpu_model() {
+    qwen2_block(
+        "gpu_qwen2_block_embedding_and_head_match_the_cpu_model",
+        Products::F32,
+    );
+}
+
+#[test]
+fn gpu_qwen2_block_with_bf16_products_matches_the_cpu_model_within_bf16_rounding() {
+    // The bias's gradient summed in the pass that rounds dqkv to bf16.
+    qwen2_block(
+        "gpu_qwen2_block_with_bf16_products_matches_the_cpu_model",
+        Products::Bf16,
     );
 }
 
@@ -311,6 +349,7 @@ fn gpu_llama_block_with_llama3_rope_scaling_matches_the_cpu_model() {
         }),
         Family::Llama {
             kv_heads: 2,
+            qkv_bias: false,
             rope_theta: 100.0,
             rope_scaling: Some(scaling),
         },
@@ -330,6 +369,7 @@ fn llama_block_with_fused_attention(test: &str, products: Products) {
         }),
         Family::Llama {
             kv_heads,
+            qkv_bias: false,
             rope_theta,
             rope_scaling: None,
         },
@@ -350,6 +390,7 @@ fn gpu_llama_block_with_fused_attention_at_head_width_128_matches_the_cpu_model(
         }),
         Family::Llama {
             kv_heads: 1,
+            qkv_bias: false,
             rope_theta: 100.0,
             rope_scaling: None,
         },

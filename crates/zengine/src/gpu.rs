@@ -98,6 +98,7 @@ pub fn gpu_shape(spec: &zconfig::spec::JobSpec) -> Result<GptShape, String> {
         zconfig::spec::ModelKind::Gpt => Family::Gpt2,
         zconfig::spec::ModelKind::Llama => Family::Llama {
             kv_heads: m.kv_heads(),
+            qkv_bias: m.qkv_biased(),
             rope_theta: m.rope_theta(),
             rope_scaling: m.rope_scaling,
         },
