@@ -11,9 +11,12 @@ before each call; outputs are allocated before the clock starts. Needs torch
 (e.g. the peers' venv).
 """
 import argparse
+import datetime
 import os
+import queue
 import socket
 import statistics
+import sys
 import time
 
 import torch
@@ -32,7 +35,10 @@ def parse(size):
 def rank_main(rank, world, sizes, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # gloo's own deadline for the rendezvous and every collective (its
+    # default is 30 minutes).
+    timeout = datetime.timedelta(seconds=120)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     rows = []
     for op in ["all_reduce", "reduce_scatter", "all_gather"]:
         for nbytes in sizes:
@@ -91,9 +97,20 @@ def main():
     procs = [ctx.Process(target=rank_main, args=(r, a.world, sizes, port, out)) for r in range(a.world)]
     for pr in procs:
         pr.start()
-    rows = out.get(timeout=600)
+    try:
+        rows = out.get(timeout=600)
+    except queue.Empty:
+        rows = None
     for pr in procs:
-        pr.join(timeout=60)
+        pr.join(timeout=60 if rows is not None else 0)
+    # A rank still running at its deadline (once, a rank waited in gloo for
+    # a quarter of an hour): stopped here, or the interpreter would wait
+    # for it at exit.
+    for pr in procs:
+        if pr.is_alive():
+            pr.kill()
+    if rows is None:
+        sys.exit("gloo_comm: no result within 10 minutes; the ranks were stopped")
     print(f"{'op':<16}{'bytes':>12}{'workers':>9}  transport  busbw_GB/s")
     for op, nbytes, bw, err in rows:
         shown = f"{bw:.3f}" if bw is not None else f"unsupported: {err}"

@@ -206,6 +206,110 @@ fn validation_loss_is_reported_and_does_not_depend_on_the_split() {
     );
 }
 
+/// `tensorboard: DIR`: an event file that TensorBoard's own reader
+/// (`EventAccumulator`, from the `tensorboard` package) reads, with every
+/// step's loss, learning rate and validation loss as `metrics.jsonl` has
+/// them (in f32). Always checked here: each record's framing and CRC-32Cs.
+/// The reader is the Python named by `ZRUN_TENSORBOARD_PYTHON` (default
+/// `python3`); without the package the test says it skipped that part, and
+/// `ZRUN_REQUIRE_TENSORBOARD=1` (CI, which installs it in a venv) makes
+/// that a failure.
+#[test]
+fn tensorboard_reads_the_steps_scalars() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "tb", 6);
+    let (m, tb) = (dir.path().join("tb.jsonl"), dir.path().join("boards/tb"));
+    let f = TrainArgs::new(&job, &m)
+        .set(format!("tensorboard={}", tb.display()))
+        .set("data.val_fraction=0.1")
+        .set("train.eval_every=3")
+        .run(dir.path());
+    assert_eq!(f.code(), 0, "{f:?}");
+    let steps: Vec<serde_json::Value> = metrics(&m)
+        .into_iter()
+        .filter(|l| l.get("loss").is_some())
+        .collect();
+    assert_eq!(steps.len(), 6);
+    let files: Vec<_> = std::fs::read_dir(&tb)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    // TFRecords: length, its masked CRC, data, the data's masked CRC.
+    let bytes = std::fs::read(&files[0]).unwrap();
+    let masked = |d: &[u8]| {
+        let c = crc32c::crc32c(d);
+        c.rotate_right(15).wrapping_add(0xa282_ead8)
+    };
+    let (mut at, mut records) = (0, 0);
+    while at < bytes.len() {
+        let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+        let u32_at = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().unwrap());
+        assert_eq!(
+            u32_at(at + 8),
+            masked(&bytes[at..at + 8]),
+            "record {records}"
+        );
+        let data = &bytes[at + 12..at + 12 + len];
+        assert_eq!(u32_at(at + 12 + len), masked(data), "record {records}");
+        (at, records) = (at + 16 + len, records + 1);
+    }
+    assert_eq!(records, 7, "the version record and one a step");
+
+    let python = std::env::var("ZRUN_TENSORBOARD_PYTHON").unwrap_or_else(|_| "python3".into());
+    let reader = r#"
+import json, sys
+try:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+except ImportError as e:
+    print("NO_TENSORBOARD", e)
+    sys.exit(0)
+acc = EventAccumulator(sys.argv[1])
+acc.Reload()
+print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}))
+"#;
+    let out = std::process::Command::new(&python)
+        .args(["-c", reader, tb.to_str().unwrap()])
+        .output();
+    let out = match out {
+        Ok(o) if o.status.success() => String::from_utf8(o.stdout).unwrap(),
+        other => panic!("{python}: {other:?}"),
+    };
+    if out.starts_with("NO_TENSORBOARD") {
+        assert!(
+            std::env::var("ZRUN_REQUIRE_TENSORBOARD").as_deref() != Ok("1"),
+            "ZRUN_REQUIRE_TENSORBOARD=1, but {python} has no tensorboard: {out}"
+        );
+        eprintln!("SKIPPED tensorboard_reads_the_steps_scalars (TensorBoard's reader): {out}");
+        return;
+    }
+    let read: std::collections::HashMap<String, Vec<(u64, f64)>> =
+        serde_json::from_str(&out).unwrap();
+    for (tag, key) in [
+        ("train/loss", "loss"),
+        ("train/lr", "lr"),
+        ("eval/loss", "val_loss"),
+    ] {
+        let want: Vec<(u64, f64)> = steps
+            .iter()
+            .filter_map(|l| Some((l["step"].as_u64()?, l.get(key)?.as_f64()?)))
+            .collect();
+        let got = read.get(tag).unwrap_or_else(|| panic!("no {tag} in {out}"));
+        assert_eq!(
+            got.iter().map(|g| g.0).collect::<Vec<_>>(),
+            want.iter().map(|w| w.0).collect::<Vec<_>>(),
+            "{tag}: steps"
+        );
+        for ((_, g), (s, w)) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs(),
+                "{tag} at step {s}: {g} against {w}"
+            );
+        }
+    }
+    assert_eq!(read["eval/loss"].len(), 2, "validations at steps 3 and 6");
+}
+
 #[test]
 fn check_prints_the_resolved_job_and_topology() {
     let dir = tempfile::tempdir().unwrap();

@@ -295,24 +295,27 @@ fn follows_the_cpu(gpu: &[f64], cpu: &[f64]) {
     );
 }
 
+/// The settings of a LLaMA with 4 query heads on 2 key/value heads (Qwen2's,
+/// with biases on q, k and v, where `qkv_bias`), every group partitioned at
+/// stage 3, and `extra`.
+fn llama_sets(qkv_bias: bool, extra: &[&str]) -> Vec<String> {
+    let bias = format!("model.qkv_bias={qkv_bias}");
+    let base = [
+        "model.kind=llama",
+        &bias,
+        "model.n_kv_heads=2",
+        "zero.param_persistence_threshold=0",
+    ];
+    base.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
 #[test]
 fn llama_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
     if gpus_or_skip("llama_on_the_gpu_follows_the_cpu_loss_curve").is_none() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    // 4 query heads on 2 key/value heads; stage 3 partitions every group.
-    let llama = |extra: &[&str]| -> Vec<String> {
-        [
-            "model.kind=llama",
-            "model.n_kv_heads=2",
-            "zero.param_persistence_threshold=0",
-        ]
-        .iter()
-        .chain(extra)
-        .map(|s| s.to_string())
-        .collect()
-    };
+    let llama = |extra: &[&str]| llama_sets(false, extra);
     let cpu = train(dir.path(), "llama-cpu", 1, &llama(&[]));
     let gpu = train(dir.path(), "llama-gpu", 1, &llama(&["device=cuda"]));
     follows_the_cpu(&gpu, &cpu);
@@ -345,20 +348,8 @@ fn qwen2_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    // LLaMA with biases on q, k and v (Qwen2), 4 query heads on 2
-    // key/value heads; stage 3 partitions every group, the biases too.
-    let qwen2 = |extra: &[&str]| -> Vec<String> {
-        [
-            "model.kind=llama",
-            "model.qkv_bias=true",
-            "model.n_kv_heads=2",
-            "zero.param_persistence_threshold=0",
-        ]
-        .iter()
-        .chain(extra)
-        .map(|s| s.to_string())
-        .collect()
-    };
+    // Stage 3 partitions the biases too.
+    let qwen2 = |extra: &[&str]| llama_sets(true, extra);
     let cpu = train(dir.path(), "qwen2-cpu", 1, &qwen2(&[]));
     let gpu = train(dir.path(), "qwen2-gpu", 1, &qwen2(&["device=cuda"]));
     follows_the_cpu(&gpu, &cpu);

@@ -191,7 +191,7 @@ const TOP_LEVEL: &[(&str, Kind)] = &[
     ("wall_clock_breakdown", Kind::Ignored),
     ("memory_breakdown", Kind::Ignored),
     ("flops_profiler", Kind::Ignored),
-    ("tensorboard", Kind::Ignored),
+    ("tensorboard", Kind::Section),
     ("wandb", Kind::Ignored),
     ("csv_monitor", Kind::Ignored),
     ("comet", Kind::Ignored),
@@ -556,6 +556,7 @@ impl Reader {
         self.precision()?;
         self.zero()?;
         self.aio()?;
+        self.tensorboard()?;
         if self.get("activation_checkpointing").is_some() {
             self.sort_keys("activation_checkpointing", ACTIVATION_CHECKPOINTING)?;
             self.map(
@@ -970,6 +971,45 @@ impl Reader {
             false,
             boolean,
         )?;
+        Ok(())
+    }
+
+    /// `tensorboard: {enabled, output_path, job_name}`: when enabled, the
+    /// job's `tensorboard` directory is `output_path/job_name`, where
+    /// DeepSpeed writes its event files (its defaults: the working
+    /// directory and `DeepSpeedJobName`).
+    fn tensorboard(&mut self) -> Result<(), ConfigError> {
+        const KEYS: &[(&str, Kind)] = &[
+            ("enabled", Kind::Section),
+            ("output_path", Kind::Section),
+            ("job_name", Kind::Section),
+        ];
+        if self.get("tensorboard").is_none() {
+            return Ok(());
+        }
+        self.sort_keys("tensorboard", KEYS)?;
+        if self.enabled("tensorboard.enabled")? != Some(true) {
+            return Ok(());
+        }
+        let text = |r: &Self, key: &str, default: &str| -> Result<String, ConfigError> {
+            let path = format!("tensorboard.{key}");
+            match r.get(&path) {
+                None | Some(Value::Null) => Ok(default.to_string()),
+                Some(Value::String(s)) => Ok(s.clone()),
+                Some(v) => Err(r.error(&path, format!("{v}: must be a string"))),
+            }
+        };
+        let (out, name) = (
+            text(self, "output_path", "")?,
+            text(self, "job_name", "DeepSpeedJobName")?,
+        );
+        let dir = Path::new(&out).join(name);
+        self.map(
+            "tensorboard",
+            MappedValue::Set(json!(dir.display().to_string())),
+            "tensorboard",
+            Origin::Written,
+        );
         Ok(())
     }
 

@@ -77,6 +77,9 @@ pub fn load_job_with(
         message: improve_serde_message(&e.to_string()),
     })?;
     spec.run_dir = spec.run_dir.replace("${name}", &spec.name);
+    if let Some(tb) = &mut spec.tensorboard {
+        *tb = tb.replace("${name}", &spec.name);
+    }
     Ok(LoadedJob {
         spec,
         path: path.to_path_buf(),
@@ -743,6 +746,12 @@ impl LoadedJob {
         if s.run_dir.trim().is_empty() {
             return Err(self.invalid("run_dir", "must not be empty"));
         }
+        if s.tensorboard
+            .as_deref()
+            .is_some_and(|d| d.trim().is_empty())
+        {
+            return Err(self.invalid("tensorboard", "must name a directory (or be null for none)"));
+        }
         for k in s.env.keys() {
             if k.is_empty() || k.contains('=') || k.contains('\0') {
                 return Err(
@@ -927,6 +936,60 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `tensorboard`: `${name}` expands; a DeepSpeed config's enabled
+    /// section sets it to `output_path/job_name` (DeepSpeed's defaults for
+    /// either missing), a disabled one not at all; an empty one is refused.
+    #[test]
+    fn tensorboard_comes_from_the_job_or_the_ds_config() {
+        let d = tempfile::tempdir().unwrap();
+        let job = write(
+            d.path(),
+            "j.yaml",
+            &format!("{GOOD}tensorboard: tb/${{name}}\n"),
+        );
+        let mut j = load_job(&job, &[]).unwrap();
+        assert_eq!(j.spec.tensorboard.as_deref(), Some("tb/t"));
+        j.validate(1).unwrap();
+        let plain = write(d.path(), "plain.yaml", GOOD);
+        for (section, want) in [
+            (
+                r#"{"enabled": true, "output_path": "logs", "job_name": "gpt"}"#,
+                Some("logs/gpt"),
+            ),
+            (r#"{"enabled": true}"#, Some("DeepSpeedJobName")),
+            (r#"{"enabled": false, "output_path": "logs"}"#, None),
+        ] {
+            let ds = write(
+                d.path(),
+                "ds.json",
+                &format!(r#"{{"tensorboard": {section}}}"#),
+            );
+            let j = load_job_with(&plain, &[], Some(&ds)).unwrap();
+            assert_eq!(j.spec.tensorboard.as_deref(), want, "{section}");
+        }
+        let ds = write(
+            d.path(),
+            "ds.json",
+            r#"{"tensorboard": {"enabled": true, "path": "x"}}"#,
+        );
+        let e = load_job_with(&plain, &[], Some(&ds))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tensorboard.path") && e.contains("unknown DeepSpeed key"),
+            "{e}"
+        );
+        let mut j = load_job(&plain, &["tensorboard= ".into()]).unwrap();
+        assert_eq!(j.spec.tensorboard, None, "an empty value is null");
+        j.validate(1).unwrap();
+        let mut j = load_job(&plain, &["tensorboard='  '".into()]).unwrap();
+        let e = j.validate(1).unwrap_err().to_string();
+        assert!(
+            e.contains("tensorboard") && e.contains("must name a directory"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -42,6 +42,10 @@ pub struct JobSpec {
     /// Where metrics and checkpoints go.
     #[serde(default = "default_run_dir")]
     pub run_dir: String,
+    /// A directory for TensorBoard event files of each step's scalars
+    /// (null: none); `${name}` expands to the job's name, as in `run_dir`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensorboard: Option<String>,
     /// Extra environment for every worker (numbers and booleans become strings).
     #[serde(default, deserialize_with = "env_map")]
     pub env: BTreeMap<String, String>,

@@ -83,6 +83,7 @@ mod stop;
 pub mod supervise;
 pub mod swap_check;
 pub mod sweep;
+pub mod tensorboard;
 pub mod train;
 pub mod worker;
 

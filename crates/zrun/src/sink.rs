@@ -8,6 +8,7 @@ use zproto::{BenchRow, KernelRow, MemBytes, StepReport};
 use crate::metrics::Aggregator;
 use crate::progress::Progress;
 use crate::rundir::MetricsWriter;
+use crate::tensorboard::EventFile;
 
 /// Where reports go.
 #[allow(clippy::large_enum_variant)] // one per job: its size does not matter
@@ -18,6 +19,8 @@ pub enum Sink {
         agg: Aggregator,
         /// metrics.jsonl.
         writer: MetricsWriter,
+        /// TensorBoard's event file, if the job asks for one.
+        tensorboard: Option<EventFile>,
         /// Progress display.
         progress: Progress,
         /// Loss of the newest complete step.
@@ -46,6 +49,7 @@ impl Sink {
         if let Sink::Train {
             agg,
             writer,
+            tensorboard,
             progress,
             last_loss,
             peak,
@@ -54,6 +58,9 @@ impl Sink {
         {
             if let Some(line) = agg.add(rank, report) {
                 writer.write(&line)?;
+                if let Some(tb) = tensorboard {
+                    tb.step(&line);
+                }
                 *last_loss = line.loss;
                 *peak = peak.max(line.mem_bytes);
                 progress.step(&line);

@@ -62,6 +62,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         say!("zrun: {t}");
     }
     check_init_from(&plan.spec)?;
+    crate::tensorboard::check_dir(&plan.spec)?;
     let resume = resolve_resume(args.resume.as_deref(), &plan.spec)?;
     if args.max_restarts > 0 && plan.spec.checkpoint.dir.is_none() {
         return Err(Failure::bad_input(
@@ -123,6 +124,13 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         },
     };
     let writer = MetricsWriter::new(&metrics_path, start);
+    let tensorboard = match &plan.spec.tensorboard {
+        Some(dir) => Some(
+            crate::tensorboard::EventFile::create(Path::new(dir))
+                .map_err(|e| Failure::bad_input(format!("tensorboard: {e:#}")))?,
+        ),
+        None => None,
+    };
     let progress = Progress::new(
         steps,
         args.no_progress || !std::io::stdout().is_terminal(),
@@ -137,6 +145,12 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         steps,
         metrics_path.display()
     ));
+    if let Some(tb) = &tensorboard {
+        progress.println(&format!(
+            "zrun: TensorBoard scalars in {}",
+            tb.path().display()
+        ));
+    }
     if let Some((r, _)) = &resume {
         progress.println(&format!("zrun: resuming from {r}"));
     }
@@ -145,13 +159,14 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     let heartbeat = Duration::from_secs_f64(plan.spec.comm.heartbeat_s);
     let rendezvous = Duration::from_secs_f64(plan.spec.comm.timeout_s);
     let started = Instant::now();
-    let (mut writer, mut progress) = (writer, progress);
+    let (mut writer, mut progress, mut tensorboard) = (writer, progress, tensorboard);
     let (mut resume, mut restarts_left, mut peak) =
         (resume, args.max_restarts, MemBytes::default());
     loop {
         let sink = Sink::Train {
             agg: Aggregator::new(world),
             writer,
+            tensorboard,
             progress,
             last_loss: f64::NAN,
             peak: MemBytes::default(),
@@ -164,6 +179,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         let (outcome, sink) = run_job(plan.clone(), task, sink, heartbeat, rendezvous)?;
         let Sink::Train {
             writer: w,
+            tensorboard: tb,
             progress: p,
             last_loss,
             peak: run_peak,
@@ -172,7 +188,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         else {
             unreachable!("train uses the train sink")
         };
-        (writer, progress) = (w, p);
+        (writer, progress, tensorboard) = (w, p, tb);
         peak = peak.max(run_peak);
         match outcome {
             Outcome::Success => {

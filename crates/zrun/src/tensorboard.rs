@@ -1,0 +1,324 @@
+//! The run's metrics as TensorBoard scalars (`tensorboard: DIR` in the job,
+//! or a DeepSpeed config's `tensorboard` section): what DeepSpeed's and
+//! Hugging Face's users watch a run in, beside `metrics.jsonl`, which stays
+//! the record.
+//!
+//! An event file is a sequence of TFRecords, each a serialized `Event`
+//! protocol buffer: the first says the file's version, each later one holds
+//! a step's scalars as `Summary` values. A record is its length (u64, little
+//! endian), the masked CRC-32C of those 8 bytes, the data, and the masked
+//! CRC-32C of the data. The three messages are written with prost's derive
+//! (only the fields zrun sets), so no `.proto` compiler is needed to build.
+//!
+//! Every zrun run writes a file of its own, named as TensorBoard expects
+//! (`events.out.tfevents.SECONDS.HOST.PID.zrun`) and never overwriting one;
+//! a resumed run adds another file, which TensorBoard reads as the same
+//! run's continuation (a restart inside one run writes the steps after its
+//! checkpoint again, which TensorBoard takes as replacing the later ones it
+//! had). Each step's record goes to the file as it is made (one `write`,
+//! no buffering), so TensorBoard shows a run live. A failed write (a full disk)
+//! stops the TensorBoard file with a warning, not the training:
+//! `metrics.jsonl` holds the same figures.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use prost::Message;
+
+use crate::metrics::StepLine;
+
+/// TensorBoard's `Event`: when, which step, and what.
+#[derive(Clone, PartialEq, Message)]
+struct Event {
+    #[prost(double, tag = "1")]
+    wall_time: f64,
+    #[prost(int64, tag = "2")]
+    step: i64,
+    #[prost(oneof = "What", tags = "3, 5")]
+    what: Option<What>,
+}
+
+/// What an [`Event`] holds (of TensorBoard's kinds, the two zrun writes).
+#[derive(Clone, PartialEq, prost::Oneof)]
+enum What {
+    /// The first record's: the format's version.
+    #[prost(string, tag = "3")]
+    FileVersion(String),
+    /// A step's scalars.
+    #[prost(message, tag = "5")]
+    Summary(Summary),
+}
+
+/// TensorBoard's `Summary`: named values.
+#[derive(Clone, PartialEq, Message)]
+struct Summary {
+    #[prost(message, repeated, tag = "1")]
+    value: Vec<SummaryValue>,
+}
+
+/// TensorBoard's `Summary.Value` holding a scalar (`simple_value`, which
+/// TensorBoard's scalar dashboard reads; written even where it is 0).
+#[derive(Clone, PartialEq, Message)]
+struct SummaryValue {
+    #[prost(string, tag = "1")]
+    tag: String,
+    #[prost(float, optional, tag = "2")]
+    simple_value: Option<f32>,
+}
+
+/// One TFRecord around `data`.
+fn record(data: &[u8]) -> Vec<u8> {
+    let len = (data.len() as u64).to_le_bytes();
+    let mut out = Vec::with_capacity(data.len() + 16);
+    out.extend_from_slice(&len);
+    out.extend_from_slice(&masked_crc(&len).to_le_bytes());
+    out.extend_from_slice(data);
+    out.extend_from_slice(&masked_crc(data).to_le_bytes());
+    out
+}
+
+/// TFRecord's masked CRC-32C (Castagnoli) of `data`: rotated right by 15
+/// bits and offset, so that a CRC of data holding CRCs stays well mixed.
+fn masked_crc(data: &[u8]) -> u32 {
+    let crc = crc32c::crc32c(data);
+    crc.rotate_right(15).wrapping_add(0xa282_ead8)
+}
+
+/// The scalars of a metrics line, TensorBoard tag and value: the ones a run
+/// is watched by (the rest stay in `metrics.jsonl`).
+fn scalars(line: &StepLine) -> Vec<(&'static str, f64)> {
+    let mut s = vec![
+        ("train/loss", line.loss),
+        ("train/lr", line.lr),
+        ("perf/tokens_per_s", line.tokens_per_s),
+        ("perf/step_ms", line.step_ms),
+        ("perf/tflops", line.tflops),
+        (
+            "memory/peak_rss_gib",
+            line.mem_bytes.peak_rss as f64 / 1024f64.powi(3),
+        ),
+    ];
+    let optional = [
+        ("train/grad_norm", line.grad_norm),
+        ("train/loss_scale", line.loss_scale),
+        ("eval/loss", line.val_loss),
+    ];
+    s.extend(optional.into_iter().filter_map(|(k, v)| Some((k, v?))));
+    s
+}
+
+/// Refuses (exit 2) a `tensorboard` directory that cannot be one: the path,
+/// or the nearest part of it that exists, is not a directory. What
+/// `zrun check` and `zrun train` check before launch; the directory is made
+/// at the run's start.
+pub fn check_dir(spec: &zconfig::spec::JobSpec) -> Result<()> {
+    let Some(dir) = &spec.tensorboard else {
+        return Ok(());
+    };
+    let existing = Path::new(dir).ancestors().find(|p| p.exists());
+    match existing {
+        Some(p) if !p.is_dir() => Err(crate::Failure::bad_input(format!(
+            "tensorboard: {dir}: {} is not a directory",
+            p.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// A run's event file, written step by step.
+pub struct EventFile {
+    path: PathBuf,
+    /// None once a write failed (warned about once).
+    file: Option<File>,
+}
+
+impl EventFile {
+    /// Creates `dir` if need be and a new event file in it, with the
+    /// version record.
+    pub fn create(dir: &Path) -> Result<EventFile> {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("tensorboard: creating {}", dir.display()))?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let host = crate::pernode::hostname();
+        let pid = std::process::id();
+        // A name taken already (a second zrun in the same second with the
+        // same pid cannot be, but a copied directory can) gets a suffix.
+        let mut n = 0;
+        let (path, file) = loop {
+            let suffix = if n == 0 {
+                String::new()
+            } else {
+                format!(".{n}")
+            };
+            let name = format!(
+                "events.out.tfevents.{}.{host}.{pid}.zrun{suffix}",
+                now.as_secs()
+            );
+            let path = dir.join(name);
+            match OpenOptions::new().write(true).create_new(true).open(&path) {
+                Ok(f) => break (path, f),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => n += 1,
+                Err(e) => {
+                    return Err(e)
+                        .with_context(|| format!("tensorboard: creating {}", path.display()))
+                }
+            }
+        };
+        let mut events = EventFile {
+            path,
+            file: Some(file),
+        };
+        let version = Event {
+            wall_time: now.as_secs_f64(),
+            step: 0,
+            what: Some(What::FileVersion("brain.Event:2".into())),
+        };
+        events
+            .write(&version)
+            .with_context(|| events.path.display().to_string())?;
+        Ok(events)
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A step's scalars, written to the file. A failed write is warned
+    /// about and ends the file (the run goes on).
+    pub fn step(&mut self, line: &StepLine) {
+        let event = Event {
+            wall_time: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64(),
+            step: line.step as i64,
+            what: Some(What::Summary(Summary {
+                value: scalars(line)
+                    .into_iter()
+                    .map(|(tag, v)| SummaryValue {
+                        tag: tag.into(),
+                        simple_value: Some(v as f32),
+                    })
+                    .collect(),
+            })),
+        };
+        if self.file.is_some() {
+            if let Err(e) = self.write(&event) {
+                shout!(
+                    "zrun: warning: tensorboard: writing {}: {e}; its records up to step {} are kept, later steps only in metrics.jsonl",
+                    self.path.display(),
+                    line.step.saturating_sub(1)
+                );
+                self.file = None;
+            }
+        }
+    }
+
+    fn write(&mut self, event: &Event) -> std::io::Result<()> {
+        let Some(f) = self.file.as_mut() else {
+            return Ok(());
+        };
+        // One write a record, so that a record is never split by a
+        // failure after part of it.
+        f.write_all(&record(&event.encode_to_vec()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crc32c_and_its_mask_are_tfrecords() {
+        // CRC-32C's check value, and the mask TensorFlow's crc32c.h defines
+        // (`((crc >> 15) | (crc << 17)) + 0xa282ead8`) worked out apart.
+        assert_eq!(crc32c::crc32c(b"123456789"), 0xe306_9283);
+        assert_eq!(masked_crc(b"123456789"), 0xc78a_b0e5);
+    }
+
+    #[test]
+    fn an_event_is_the_protocol_buffer_tensorboard_reads() {
+        // Encoded by hand from TensorFlow's event.proto and summary.proto:
+        // wall_time (1, double), step (2, varint), summary (5, message) of
+        // one value: tag (1, string) and simple_value (2, float), even 0.
+        let event = Event {
+            wall_time: 1.5,
+            step: 300,
+            what: Some(What::Summary(Summary {
+                value: vec![SummaryValue {
+                    tag: "a".into(),
+                    simple_value: Some(0.0),
+                }],
+            })),
+        };
+        let mut want = vec![0x09];
+        want.extend_from_slice(&1.5f64.to_le_bytes());
+        want.extend_from_slice(&[0x10, 0xac, 0x02]); // 300 as a varint
+        want.extend_from_slice(&[0x2a, 10, 0x0a, 8, 0x0a, 1, b'a', 0x15]);
+        want.extend_from_slice(&0f32.to_le_bytes());
+        assert_eq!(event.encode_to_vec(), want);
+        let version = Event {
+            wall_time: 0.0,
+            step: 0,
+            what: Some(What::FileVersion("brain.Event:2".into())),
+        };
+        let mut want = vec![0x1a, 13];
+        want.extend_from_slice(b"brain.Event:2");
+        assert_eq!(version.encode_to_vec(), want);
+    }
+
+    #[test]
+    fn a_record_frames_its_data_with_length_and_checksums() {
+        let data = b"some event";
+        let r = record(data);
+        assert_eq!(r.len(), 8 + 4 + data.len() + 4);
+        assert_eq!(u64::from_le_bytes(r[..8].try_into().unwrap()), 10);
+        let len_crc = u32::from_le_bytes(r[8..12].try_into().unwrap());
+        assert_eq!(len_crc, masked_crc(&r[..8]));
+        assert_eq!(&r[12..22], data);
+        assert_eq!(
+            u32::from_le_bytes(r[22..].try_into().unwrap()),
+            masked_crc(data)
+        );
+    }
+
+    #[test]
+    fn a_path_through_a_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f");
+        std::fs::write(&file, "x").unwrap();
+        let spec = |tb: &Path| {
+            let mut s: zconfig::spec::JobSpec = serde_json::from_value(serde_json::json!({
+                "model": {"vocab_size": 256, "d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 8},
+                "data": {"path": "x"}
+            }))
+            .unwrap();
+            s.tensorboard = Some(tb.display().to_string());
+            s
+        };
+        for bad in [file.clone(), file.join("tb")] {
+            let e = check_dir(&spec(&bad)).unwrap_err().to_string();
+            assert!(e.contains("is not a directory"), "{e}");
+        }
+        check_dir(&spec(&dir.path().join("new/tb"))).unwrap();
+    }
+
+    #[test]
+    fn each_file_is_new_and_never_replaces_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = EventFile::create(&dir.path().join("tb")).unwrap();
+        let b = EventFile::create(&dir.path().join("tb")).unwrap();
+        assert_ne!(a.path(), b.path());
+        for f in [a.path(), b.path()] {
+            let name = f.file_name().unwrap().to_string_lossy().into_owned();
+            assert!(name.starts_with("events.out.tfevents."), "{name}");
+            // The version record: 8 + 4 + (9 + 15) + 4 bytes.
+            assert_eq!(std::fs::metadata(f).unwrap().len(), 40);
+        }
+    }
+}
