@@ -209,53 +209,114 @@ fn validation_loss_is_reported_and_does_not_depend_on_the_split() {
 /// `tensorboard: DIR`: an event file that TensorBoard's own reader
 /// (`EventAccumulator`, from the `tensorboard` package) reads, with every
 /// step's loss, learning rate and validation loss as `metrics.jsonl` has
-/// them (in f32). Always checked here: each record's framing and CRC-32Cs.
-/// The reader is the Python named by `ZRUN_TENSORBOARD_PYTHON` (default
-/// `python3`); without the package the test says it skipped that part, and
+/// them (in f32); resumed from step 3 after 6 steps, a second file whose
+/// restart event makes TensorBoard show steps 4-6 once, the resumed run's.
+/// Always checked here: each record's framing and CRC-32Cs. The reader is
+/// the Python named by `ZRUN_TENSORBOARD_PYTHON` (default `python3`);
+/// without the package the test says it skipped that part, and
 /// `ZRUN_REQUIRE_TENSORBOARD=1` (CI, which installs it in a venv) makes
 /// that a failure.
 #[test]
-fn tensorboard_reads_the_steps_scalars() {
+fn tensorboard_reads_the_steps_scalars_across_a_resume() {
     let dir = tempfile::tempdir().unwrap();
-    let job = small_job(dir.path(), "tb", 6);
+    let job = e2e::ckpt_job(dir.path(), "tb", 6, 3);
     let (m, tb) = (dir.path().join("tb.jsonl"), dir.path().join("boards/tb"));
-    let f = TrainArgs::new(&job, &m)
-        .set(format!("tensorboard={}", tb.display()))
-        .set("data.val_fraction=0.1")
-        .set("train.eval_every=3")
-        .run(dir.path());
-    assert_eq!(f.code(), 0, "{f:?}");
+    let run = |resume: bool| {
+        let mut a = TrainArgs::new(&job, &m)
+            .set(format!("tensorboard={}", tb.display()))
+            .set("data.val_fraction=0.1")
+            .set("train.eval_every=3");
+        if resume {
+            a = a.args(&["--resume", "auto"]);
+        }
+        let f = a.run(dir.path());
+        assert_eq!(f.code(), 0, "{f:?}");
+    };
+    run(false);
+    assert_eq!(tfrecords(&tb), [7], "the version record and one a step");
+    // The newest checkpoint gone: the resume starts from step 3.
+    std::fs::remove_dir_all(dir.path().join("ckpt/step-00000006")).unwrap();
+    run(true);
+    assert_eq!(
+        tfrecords(&tb),
+        [7, 5],
+        "then the version, the restart event and steps 4-6"
+    );
     let steps: Vec<serde_json::Value> = metrics(&m)
         .into_iter()
         .filter(|l| l.get("loss").is_some())
         .collect();
-    assert_eq!(steps.len(), 6);
-    let files: Vec<_> = std::fs::read_dir(&tb)
+    assert_eq!(steps.len(), 9, "6 steps, then 4-6 again");
+    let Some(read) = tensorboard_scalars(&tb) else {
+        return;
+    };
+    for (tag, key) in [
+        ("train/loss", "loss"),
+        ("train/lr", "lr"),
+        ("eval/loss", "val_loss"),
+    ] {
+        // The resumed run's lines replace the first run's from step 4 on.
+        let want: std::collections::BTreeMap<u64, f64> = steps
+            .iter()
+            .filter_map(|l| Some((l["step"].as_u64()?, l.get(key)?.as_f64()?)))
+            .collect();
+        let got = &read[tag];
+        assert_eq!(
+            got.iter().map(|g| g.0).collect::<Vec<_>>(),
+            want.keys().copied().collect::<Vec<_>>(),
+            "{tag}: each step once"
+        );
+        for ((_, g), (s, w)) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs(),
+                "{tag} at step {s}: {g} against {w}"
+            );
+        }
+    }
+    assert_eq!(read["eval/loss"].len(), 2, "validations at steps 3 and 6");
+}
+
+/// The records of each event file in `dir` (oldest first), each record's
+/// framing checked: its length, the masked CRC-32C of the length, the data
+/// and the masked CRC-32C of the data (TFRecord's format).
+fn tfrecords(dir: &std::path::Path) -> Vec<usize> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
         .collect();
-    assert_eq!(files.len(), 1, "{files:?}");
-    // TFRecords: length, its masked CRC, data, the data's masked CRC.
-    let bytes = std::fs::read(&files[0]).unwrap();
+    files.sort();
     let masked = |d: &[u8]| {
         let c = crc32c::crc32c(d);
         c.rotate_right(15).wrapping_add(0xa282_ead8)
     };
-    let (mut at, mut records) = (0, 0);
-    while at < bytes.len() {
-        let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
-        let u32_at = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().unwrap());
-        assert_eq!(
-            u32_at(at + 8),
-            masked(&bytes[at..at + 8]),
-            "record {records}"
-        );
-        let data = &bytes[at + 12..at + 12 + len];
-        assert_eq!(u32_at(at + 12 + len), masked(data), "record {records}");
-        (at, records) = (at + 16 + len, records + 1);
-    }
-    assert_eq!(records, 7, "the version record and one a step");
+    files
+        .iter()
+        .map(|f| {
+            let bytes = std::fs::read(f).unwrap();
+            let (mut at, mut records) = (0, 0);
+            while at < bytes.len() {
+                let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+                let u32_at = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().unwrap());
+                assert_eq!(
+                    u32_at(at + 8),
+                    masked(&bytes[at..at + 8]),
+                    "{f:?} {records}"
+                );
+                let data = &bytes[at + 12..at + 12 + len];
+                assert_eq!(u32_at(at + 12 + len), masked(data), "{f:?} {records}");
+                (at, records) = (at + 16 + len, records + 1);
+            }
+            records
+        })
+        .collect()
+}
 
+/// Every scalar tag's (step, value) pairs as TensorBoard's own reader sees
+/// the event files in `dir`, or None (said) where its Python has no
+/// `tensorboard` package and `ZRUN_REQUIRE_TENSORBOARD` is not 1.
+fn tensorboard_scalars(
+    dir: &std::path::Path,
+) -> Option<std::collections::HashMap<String, Vec<(u64, f64)>>> {
     let python = std::env::var("ZRUN_TENSORBOARD_PYTHON").unwrap_or_else(|_| "python3".into());
     let reader = r#"
 import json, sys
@@ -269,7 +330,7 @@ acc.Reload()
 print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}))
 "#;
     let out = std::process::Command::new(&python)
-        .args(["-c", reader, tb.to_str().unwrap()])
+        .args(["-c", reader, dir.to_str().unwrap()])
         .output();
     let out = match out {
         Ok(o) if o.status.success() => String::from_utf8(o.stdout).unwrap(),
@@ -280,34 +341,10 @@ print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Ta
             std::env::var("ZRUN_REQUIRE_TENSORBOARD").as_deref() != Ok("1"),
             "ZRUN_REQUIRE_TENSORBOARD=1, but {python} has no tensorboard: {out}"
         );
-        eprintln!("SKIPPED tensorboard_reads_the_steps_scalars (TensorBoard's reader): {out}");
-        return;
+        eprintln!("SKIPPED the TensorBoard reader's part: {out}");
+        return None;
     }
-    let read: std::collections::HashMap<String, Vec<(u64, f64)>> =
-        serde_json::from_str(&out).unwrap();
-    for (tag, key) in [
-        ("train/loss", "loss"),
-        ("train/lr", "lr"),
-        ("eval/loss", "val_loss"),
-    ] {
-        let want: Vec<(u64, f64)> = steps
-            .iter()
-            .filter_map(|l| Some((l["step"].as_u64()?, l.get(key)?.as_f64()?)))
-            .collect();
-        let got = read.get(tag).unwrap_or_else(|| panic!("no {tag} in {out}"));
-        assert_eq!(
-            got.iter().map(|g| g.0).collect::<Vec<_>>(),
-            want.iter().map(|w| w.0).collect::<Vec<_>>(),
-            "{tag}: steps"
-        );
-        for ((_, g), (s, w)) in got.iter().zip(&want) {
-            assert!(
-                (g - w).abs() <= 1e-6 * w.abs(),
-                "{tag} at step {s}: {g} against {w}"
-            );
-        }
-    }
-    assert_eq!(read["eval/loss"].len(), 2, "validations at steps 3 and 6");
+    Some(serde_json::from_str(&out).unwrap())
 }
 
 #[test]

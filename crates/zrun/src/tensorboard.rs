@@ -13,9 +13,12 @@
 //! Every zrun run writes a file of its own, named as TensorBoard expects
 //! (`events.out.tfevents.SECONDS.HOST.PID.zrun`) and never overwriting one;
 //! a resumed run adds another file, which TensorBoard reads as the same
-//! run's continuation (a restart inside one run writes the steps after its
-//! checkpoint again, which TensorBoard takes as replacing the later ones it
-//! had). Each step's record goes to the file as it is made (one `write`,
+//! run's continuation. A resumed or restarted run first writes TensorBoard's
+//! restart event (`SessionLog` START) at the first step it will run again:
+//! TensorBoard then drops the steps from there on that an earlier attempt
+//! wrote (it reads a directory's files as one stream), as it does for
+//! TensorFlow's own restarts, and shows the new attempt's in their place.
+//! Each step's record goes to the file as it is made (one `write`,
 //! no buffering), so TensorBoard shows a run live. A failed write (a full disk)
 //! stops the TensorBoard file with a warning, not the training:
 //! `metrics.jsonl` holds the same figures.
@@ -49,7 +52,21 @@ enum What {
     /// A step's scalars.
     #[prost(message, tag = "5")]
     Summary(Summary),
+    /// A restart: TensorBoard drops what it has from this event's step on.
+    #[prost(message, tag = "7")]
+    SessionLog(SessionLog),
 }
+
+/// TensorBoard's `SessionLog`, of which zrun writes START alone.
+#[derive(Clone, PartialEq, Message)]
+struct SessionLog {
+    /// `SessionLog.SessionStatus`: START is 1.
+    #[prost(int32, tag = "1")]
+    status: i32,
+}
+
+/// `SessionLog.SessionStatus.START`.
+const START: i32 = 1;
 
 /// TensorBoard's `Summary`: named values.
 #[derive(Clone, PartialEq, Message)]
@@ -77,6 +94,14 @@ fn record(data: &[u8]) -> Vec<u8> {
     out.extend_from_slice(data);
     out.extend_from_slice(&masked_crc(data).to_le_bytes());
     out
+}
+
+/// Seconds since the Unix epoch, an event's `wall_time`.
+fn now_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
 }
 
 /// TFRecord's masked CRC-32C (Castagnoli) of `data`: rotated right by 15
@@ -140,13 +165,26 @@ impl EventFile {
     pub fn create(dir: &Path) -> Result<EventFile> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("tensorboard: creating {}", dir.display()))?;
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        let host = crate::pernode::hostname();
-        let pid = std::process::id();
-        // A name taken already (a second zrun in the same second with the
-        // same pid cannot be, but a copied directory can) gets a suffix.
+        let now = now_s();
+        // TensorBoard reads a directory's files in the order of their names,
+        // and a restart event purges only what was read before it: this
+        // file's name sorts after every event file already there, its
+        // seconds (ten digits, zero-padded) past theirs where the clock has
+        // not moved on (a resume within the second of the run before).
+        let newest = std::fs::read_dir(dir)
+            .with_context(|| format!("tensorboard: reading {}", dir.display()))?
+            .filter_map(|e| {
+                let name = e.ok()?.file_name().into_string().ok()?;
+                let rest = name.strip_prefix("events.out.tfevents.")?;
+                rest.split('.').next()?.parse::<u64>().ok()
+            })
+            .max();
+        let secs = match newest {
+            Some(n) if n >= now as u64 => n + 1,
+            _ => now as u64,
+        };
+        let (host, pid) = (crate::pernode::hostname(), std::process::id());
+        // A name taken already (a copied directory) gets a suffix.
         let mut n = 0;
         let (path, file) = loop {
             let suffix = if n == 0 {
@@ -154,10 +192,7 @@ impl EventFile {
             } else {
                 format!(".{n}")
             };
-            let name = format!(
-                "events.out.tfevents.{}.{host}.{pid}.zrun{suffix}",
-                now.as_secs()
-            );
+            let name = format!("events.out.tfevents.{secs:010}.{host}.{pid}.zrun{suffix}");
             let path = dir.join(name);
             match OpenOptions::new().write(true).create_new(true).open(&path) {
                 Ok(f) => break (path, f),
@@ -173,7 +208,7 @@ impl EventFile {
             file: Some(file),
         };
         let version = Event {
-            wall_time: now.as_secs_f64(),
+            wall_time: now,
             step: 0,
             what: Some(What::FileVersion("brain.Event:2".into())),
         };
@@ -181,6 +216,17 @@ impl EventFile {
             .write(&version)
             .with_context(|| events.path.display().to_string())?;
         Ok(events)
+    }
+
+    /// TensorBoard's restart event at `step`, the first step the run will
+    /// write again (after `--resume` or a restart from a checkpoint).
+    pub fn restart_at(&mut self, step: u64) {
+        let event = Event {
+            wall_time: now_s(),
+            step: step as i64,
+            what: Some(What::SessionLog(SessionLog { status: START })),
+        };
+        self.write_or_warn(&event, step);
     }
 
     /// The file's path.
@@ -192,10 +238,7 @@ impl EventFile {
     /// about and ends the file (the run goes on).
     pub fn step(&mut self, line: &StepLine) {
         let event = Event {
-            wall_time: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_secs_f64(),
+            wall_time: now_s(),
             step: line.step as i64,
             what: Some(What::Summary(Summary {
                 value: scalars(line)
@@ -207,12 +250,17 @@ impl EventFile {
                     .collect(),
             })),
         };
+        self.write_or_warn(&event, line.step);
+    }
+
+    /// Writes `event` (of step `step`); a failure is warned about and ends
+    /// the file.
+    fn write_or_warn(&mut self, event: &Event, step: u64) {
         if self.file.is_some() {
-            if let Err(e) = self.write(&event) {
+            if let Err(e) = self.write(event) {
                 shout!(
-                    "zrun: warning: tensorboard: writing {}: {e}; its records up to step {} are kept, later steps only in metrics.jsonl",
+                    "zrun: warning: tensorboard: writing {}: {e}; its records before step {step} are kept, later steps only in metrics.jsonl",
                     self.path.display(),
-                    line.step.saturating_sub(1)
                 );
                 self.file = None;
             }
@@ -270,6 +318,13 @@ mod tests {
         let mut want = vec![0x1a, 13];
         want.extend_from_slice(b"brain.Event:2");
         assert_eq!(version.encode_to_vec(), want);
+        // session_log (7, message) of status (1, enum) START = 1.
+        let restart = Event {
+            wall_time: 0.0,
+            step: 5,
+            what: Some(What::SessionLog(SessionLog { status: START })),
+        };
+        assert_eq!(restart.encode_to_vec(), [0x10, 5, 0x3a, 2, 0x08, 1]);
     }
 
     #[test]
@@ -313,7 +368,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let a = EventFile::create(&dir.path().join("tb")).unwrap();
         let b = EventFile::create(&dir.path().join("tb")).unwrap();
-        assert_ne!(a.path(), b.path());
+        // Within the same second and process: a later name, which
+        // TensorBoard reads after the first.
+        assert!(b.path() > a.path(), "{:?} then {:?}", a.path(), b.path());
         for f in [a.path(), b.path()] {
             let name = f.file_name().unwrap().to_string_lossy().into_owned();
             assert!(name.starts_with("events.out.tfevents."), "{name}");

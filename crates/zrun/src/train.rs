@@ -124,10 +124,10 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         },
     };
     let writer = MetricsWriter::new(&metrics_path, start);
-    let tensorboard = match &plan.spec.tensorboard {
+    let mut tensorboard = match &plan.spec.tensorboard {
         Some(dir) => Some(
             crate::tensorboard::EventFile::create(Path::new(dir))
-                .map_err(|e| Failure::bad_input(format!("tensorboard: {e:#}")))?,
+                .map_err(|e| Failure::bad_input(format!("{e:#}")))?,
         ),
         None => None,
     };
@@ -145,11 +145,14 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         steps,
         metrics_path.display()
     ));
-    if let Some(tb) = &tensorboard {
+    if let Some(tb) = &mut tensorboard {
         progress.println(&format!(
             "zrun: TensorBoard scalars in {}",
             tb.path().display()
         ));
+        if let Some((_, step)) = &resume {
+            tb.restart_at(step + 1);
+        }
     }
     if let Some((r, _)) = &resume {
         progress.println(&format!("zrun: resuming from {r}"));
@@ -295,6 +298,9 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                     world_size: world,
                     restarts_left,
                 })?;
+                if let Some(tb) = &mut tensorboard {
+                    tb.restart_at(step + 1);
+                }
                 resume = Some((dir, step));
             }
         }
