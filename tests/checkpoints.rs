@@ -572,6 +572,9 @@ fn a_worker_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
 /// complete checkpoint; the job finishes, the metrics record the restart, the
 /// steps after it repeat the uninterrupted run's losses bit for bit, and the
 /// final weights are the same bytes. Without restarts left the job fails.
+/// Its TensorBoard file holds the restart event, after which TensorBoard's
+/// reader shows each of the 30 steps once (where the reader is installed:
+/// `e2e::tensorboard_scalars`).
 #[test]
 fn a_killed_worker_is_restarted_from_the_newest_checkpoint() {
     let d = tempfile::tempdir().unwrap();
@@ -584,6 +587,16 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint() {
         restart["reason"].as_str().unwrap().contains("rank 1"),
         "{restart}"
     );
+    let tb = d.path().join("tb");
+    let records = e2e::tfrecords(&tb);
+    assert_eq!(records.len(), 1, "one file for the run: {records:?}");
+    let lines = e2e::metrics(&d.path().join("restarted.jsonl"));
+    let step_lines = lines.iter().filter(|l| l.get("loss").is_some()).count();
+    assert_eq!(records[0], 1 + step_lines + 1, "version, steps, restart");
+    if let Some(read) = e2e::tensorboard_scalars(&tb) {
+        let steps: Vec<u64> = read["train/loss"].iter().map(|s| s.0).collect();
+        assert_eq!(steps, (1..=30).collect::<Vec<_>>());
+    }
 }
 
 /// A restart whose newest checkpoint is damaged (a byte of step 10's rank-1
@@ -627,6 +640,7 @@ fn killed_after_step_10(
     let z = TrainArgs::new(&job, &m)
         .args(&slow)
         .args(&["--max-restarts", "1"])
+        .set(format!("tensorboard={}", dir.join("tb").display()))
         .start(dir);
     wait_for_complete_checkpoint(dir, 10, &z);
     before_kill(dir);

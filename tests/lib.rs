@@ -574,3 +574,74 @@ pub fn start_long_job(dir: &Path, name: &str, extra: &[&str]) -> (Zrun, std::pat
     );
     (z, m)
 }
+
+/// The records of each event file in `dir` (oldest first), each record's
+/// framing checked: its length, the masked CRC-32C of the length, the data
+/// and the masked CRC-32C of the data (TFRecord's format).
+pub fn tfrecords(dir: &Path) -> Vec<usize> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let masked = |d: &[u8]| {
+        let c = crc32c::crc32c(d);
+        c.rotate_right(15).wrapping_add(0xa282_ead8)
+    };
+    files
+        .iter()
+        .map(|f| {
+            let bytes = std::fs::read(f).unwrap();
+            let (mut at, mut records) = (0, 0);
+            while at < bytes.len() {
+                let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+                let u32_at = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().unwrap());
+                assert_eq!(
+                    u32_at(at + 8),
+                    masked(&bytes[at..at + 8]),
+                    "{f:?} {records}"
+                );
+                let data = &bytes[at + 12..at + 12 + len];
+                assert_eq!(u32_at(at + 12 + len), masked(data), "{f:?} {records}");
+                (at, records) = (at + 16 + len, records + 1);
+            }
+            records
+        })
+        .collect()
+}
+
+/// Every scalar tag's (step, value) pairs as TensorBoard's own reader sees
+/// the event files in `dir`, or None (said) where its Python has no
+/// `tensorboard` package and `ZRUN_REQUIRE_TENSORBOARD` is not 1.
+pub fn tensorboard_scalars(
+    dir: &Path,
+) -> Option<std::collections::HashMap<String, Vec<(u64, f64)>>> {
+    let python = std::env::var("ZRUN_TENSORBOARD_PYTHON").unwrap_or_else(|_| "python3".into());
+    let reader = r#"
+import json, sys
+try:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+except ImportError as e:
+    print("NO_TENSORBOARD", e)
+    sys.exit(0)
+acc = EventAccumulator(sys.argv[1])
+acc.Reload()
+print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}))
+"#;
+    let out = std::process::Command::new(&python)
+        .args(["-c", reader, dir.to_str().unwrap()])
+        .output();
+    let out = match out {
+        Ok(o) if o.status.success() => String::from_utf8(o.stdout).unwrap(),
+        other => panic!("{python}: {other:?}"),
+    };
+    if out.starts_with("NO_TENSORBOARD") {
+        assert!(
+            std::env::var("ZRUN_REQUIRE_TENSORBOARD").as_deref() != Ok("1"),
+            "ZRUN_REQUIRE_TENSORBOARD=1, but {python} has no tensorboard: {out}"
+        );
+        eprintln!("SKIPPED the TensorBoard reader's part: {out}");
+        return None;
+    }
+    Some(serde_json::from_str(&out).unwrap())
+}
