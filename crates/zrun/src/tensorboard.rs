@@ -342,6 +342,32 @@ mod tests {
         );
     }
 
+    /// A write that fails (here: a file opened read-only, as a full disk
+    /// would refuse it) ends the event file without failing the caller,
+    /// and later records are dropped rather than written after a gap.
+    #[test]
+    fn a_failed_write_ends_the_file_not_the_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let events = EventFile::create(dir.path()).unwrap();
+        let path = events.path().to_path_buf();
+        let before = std::fs::read(&path).unwrap();
+        let mut events = EventFile {
+            path: path.clone(),
+            file: Some(File::open(&path).unwrap()),
+        };
+        events.restart_at(3);
+        assert!(
+            events.file.is_none(),
+            "the file is given up after the failure"
+        );
+        events.restart_at(4);
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            before,
+            "nothing half-written"
+        );
+    }
+
     #[test]
     fn a_path_through_a_file_is_refused() {
         let dir = tempfile::tempdir().unwrap();
