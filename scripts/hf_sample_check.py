@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`zrun sample` on a model that `transformers` wrote (not run in CI).
 
-The other way round from `hf_crosscheck.py`: builds a small GPT-2, LLaMA, Qwen2 or Mistral
+The other way round from `hf_crosscheck.py`: builds a small GPT-2, LLaMA, Qwen2, Qwen3 or Mistral
 with `transformers` itself (its own config.json keys, its own tensor names;
 weights drawn at std 0.3 so that the logits are far from uniform), saves it
 with `save_pretrained`, continues a byte prompt greedily with the model's
@@ -17,6 +17,7 @@ the sixty-ninth session) changes the continuation within a few bytes.
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --rope-scaling llama3
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --bf16
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen2
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen3
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py mistral
 
 `--max-shard-size` saves the model in shards with an index
@@ -37,7 +38,8 @@ import tempfile
 
 import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 
 SCALINGS = {
@@ -59,6 +61,9 @@ def build(kind: str, rope_scaling=None):
     if kind == "qwen2":
         # LLaMA with biases on q, k and v (Qwen2.5's small models are tied).
         return Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+    if kind == "qwen3":
+        # Heads of 24, wider than 64 / 4, and each head's q and k normed.
+        return Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=24, tie_word_embeddings=True))
     if kind == "mistral":
         # LLaMA's layout; its window as long as the context (zrun's context
         # is the window).
@@ -68,7 +73,7 @@ def build(kind: str, rope_scaling=None):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["gpt2", "llama", "qwen2", "mistral"])
+    ap.add_argument("kind", choices=["gpt2", "llama", "qwen2", "qwen3", "mistral"])
     ap.add_argument("--zrun", default="target/release/zrun")
     ap.add_argument("--prompt", default="fn main() {")
     ap.add_argument("--tokens", type=int, default=80)
@@ -84,6 +89,10 @@ def main() -> int:
             # Biases too (zero at initialisation, they would test nothing).
             if p.dim() > 1 or name.endswith(".bias"):
                 p.normal_(0, 0.3)
+            elif "norm" in name:
+                # Norm weights away from their ones (Qwen3's q and k norms'
+                # would otherwise test only that they are there).
+                p.normal_(1, 0.3)
             if args.bf16:
                 p.copy_(p.to(torch.bfloat16).float())
     model.eval()

@@ -168,6 +168,23 @@ fn device_cuda_refuses_what_the_gpu_model_does_not_run() {
     let f = zrun(&repo_root(), &["check", job, "--set", cuda, "--set", tiles]);
     assert_eq!(f.code(), 2, "{f:?}");
     assert!(f.stderr.contains("drop model.tile_size"), "{}", f.stderr);
+    // Qwen3's q and k norms, and heads wider than d_model / n_heads.
+    for qwen3 in [
+        &["model.kind=llama", "model.qk_norm=true"][..],
+        &["model.kind=llama", "model.head_dim=32"][..],
+    ] {
+        let sets: Vec<&str> = qwen3.iter().flat_map(|s| ["--set", s]).collect();
+        let f = zrun(
+            &repo_root(),
+            &[&["check", job, "--set", cuda][..], &sets].concat(),
+        );
+        assert_eq!(f.code(), 2, "{qwen3:?}: {f:?}");
+        assert!(
+            f.stderr.contains("drop model.qk_norm and model.head_dim"),
+            "{qwen3:?}: {}",
+            f.stderr
+        );
+    }
 }
 
 #[test]

@@ -1,5 +1,7 @@
 //! An independent reader of a Hugging Face LLaMA directory (what `zrun export
-//! --format hf` writes; or Qwen2's, which adds biases to q, k and v): it
+//! --format hf` writes; or Qwen2's, which adds biases to q, k and v; or
+//! Qwen3's, whose heads are `head_dim` wide and whose q and k heads are each
+//! RMS-normalised before the rotation): it
 //! knows LLaMA only from `transformers`' `LlamaForCausalLM` conventions (`config.json`'s keys, `model.` names,
 //! `nn.Linear` weights stored `[out, in]`, RMSNorm, rotary embeddings with
 //! `rotate_half` on the two halves of each head, SwiGLU as
@@ -30,6 +32,10 @@ struct Config {
     tied: bool,
     /// Qwen2: q, k and v projections with biases.
     qkv_bias: bool,
+    /// The width of a head: `head_dim` where the config says (Qwen3 must).
+    hd: usize,
+    /// Qwen3: each head of q and k RMS-normalised (`q_norm`, `k_norm`).
+    qk_norm: bool,
 }
 
 impl Config {
@@ -69,15 +75,20 @@ impl Llama {
         let config: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.join("config.json")).expect("config.json"))
                 .expect("config.json is JSON");
-        let qkv_bias = match config["model_type"].as_str() {
-            Some("llama") => false,
-            Some("qwen2") => {
+        let (qkv_bias, qk_norm) = match config["model_type"].as_str() {
+            Some("llama") => (false, false),
+            Some(kind @ ("qwen2" | "qwen3")) => {
                 assert_eq!(config["use_sliding_window"], false, "{config}");
-                true
+                (kind == "qwen2", kind == "qwen3")
             }
-            _ => panic!("not a LLaMA or Qwen2 config: {config}"),
+            _ => panic!("not a LLaMA, Qwen2 or Qwen3 config: {config}"),
         };
         let n = |k: &str| config[k].as_u64().unwrap_or_else(|| panic!("{k}")) as usize;
+        let hd = match (qk_norm, config["head_dim"].as_u64()) {
+            (_, Some(hd)) => hd as usize,
+            (true, None) => panic!("a Qwen3 config without head_dim: {config}"),
+            (false, None) => n("hidden_size") / n("num_attention_heads"),
+        };
         let f = |k: &str| config[k].as_f64().unwrap_or_else(|| panic!("{k}"));
         let cfg = Config {
             vocab: n("vocab_size"),
@@ -105,9 +116,11 @@ impl Llama {
                 .as_bool()
                 .expect("tie_word_embeddings"),
             qkv_bias,
+            hd,
+            qk_norm,
         };
-        let (v, d, f, hd) = (cfg.vocab, cfg.d, cfg.ffn, cfg.d / cfg.heads);
-        let kv = cfg.kv_heads * hd;
+        let (v, d, f) = (cfg.vocab, cfg.d, cfg.ffn);
+        let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
         let mut want: Vec<(String, Vec<usize>)> = vec![
             ("model.embed_tokens.weight".into(), vec![v, d]),
             ("model.norm.weight".into(), vec![d]),
@@ -118,10 +131,10 @@ impl Llama {
         for i in 0..cfg.layers {
             for (name, dims) in [
                 ("input_layernorm.weight", vec![d]),
-                ("self_attn.q_proj.weight", vec![d, d]),
+                ("self_attn.q_proj.weight", vec![q, d]),
                 ("self_attn.k_proj.weight", vec![kv, d]),
                 ("self_attn.v_proj.weight", vec![kv, d]),
-                ("self_attn.o_proj.weight", vec![d, d]),
+                ("self_attn.o_proj.weight", vec![d, q]),
                 ("post_attention_layernorm.weight", vec![d]),
                 ("mlp.gate_proj.weight", vec![f, d]),
                 ("mlp.up_proj.weight", vec![f, d]),
@@ -130,10 +143,18 @@ impl Llama {
                 want.push((format!("model.layers.{i}.{name}"), dims));
             }
             if cfg.qkv_bias {
-                for (name, width) in [("q_proj", d), ("k_proj", kv), ("v_proj", kv)] {
+                for (name, width) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
                     want.push((
                         format!("model.layers.{i}.self_attn.{name}.bias"),
                         vec![width],
+                    ));
+                }
+            }
+            if cfg.qk_norm {
+                for name in ["q_norm", "k_norm"] {
+                    want.push((
+                        format!("model.layers.{i}.self_attn.{name}.weight"),
+                        vec![hd],
                     ));
                 }
             }
@@ -177,8 +198,26 @@ impl Llama {
                     }
                 }
             };
-            let q = self.rotate(projection("self_attn.q_proj"));
-            let k = self.rotate(projection("self_attn.k_proj"));
+            // Qwen3's norms, of each head on its own, go on before it too.
+            let head_norm = |y: Vec<Vec<f64>>, name: &str| match self.cfg.qk_norm {
+                false => y,
+                true => y
+                    .iter()
+                    .map(|row| {
+                        let heads: Vec<Vec<f64>> =
+                            row.chunks(self.cfg.hd).map(|h| h.to_vec()).collect();
+                        self.rms_norm(&heads, &n(name)).concat()
+                    })
+                    .collect(),
+            };
+            let q = self.rotate(head_norm(
+                projection("self_attn.q_proj"),
+                "self_attn.q_norm",
+            ));
+            let k = self.rotate(head_norm(
+                projection("self_attn.k_proj"),
+                "self_attn.k_norm",
+            ));
             let v = projection("self_attn.v_proj");
             let att = self.attention(&q, &k, &v);
             add_into(&mut x, &self.linear(&att, &n("self_attn.o_proj")));
@@ -239,7 +278,7 @@ impl Llama {
     /// `apply_rotary_pos_emb` on rows of heads: `x·cos + rotate_half(x)·sin`,
     /// with `rotate_half(x) = [-x2, x1]` on each head's halves.
     fn rotate(&self, x: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
-        let hd = self.cfg.d / self.cfg.heads;
+        let hd = self.cfg.hd;
         let half = hd / 2;
         x.into_iter()
             .enumerate()
@@ -265,11 +304,10 @@ impl Llama {
 
     /// Causal attention; query head `h` uses key/value head `h / (heads / kv)`.
     fn attention(&self, q: &[Vec<f64>], k: &[Vec<f64>], v: &[Vec<f64>]) -> Vec<Vec<f64>> {
-        let (d, heads) = (self.cfg.d, self.cfg.heads);
-        let hd = d / heads;
+        let (heads, hd) = (self.cfg.heads, self.cfg.hd);
         let group = heads / self.cfg.kv_heads;
         let t = q.len();
-        let mut out = vec![vec![0.0; d]; t];
+        let mut out = vec![vec![0.0; heads * hd]; t];
         for h in 0..heads {
             let g = h / group;
             for i in 0..t {

@@ -30,6 +30,8 @@ const KEYS: &[(&str, &[&str])] = &[
     ("model.seq_len", &["1", "2", "16", "31", "32", "33"]),
     ("model.tie_embeddings", &["true", "false"]),
     ("model.qkv_bias", &["true", "false"]),
+    ("model.qk_norm", &["true", "false"]),
+    ("model.head_dim", &["4", "8", "12", "3", "0"]),
     ("model.tile_size", &["1", "256", "1000", "0"]),
     ("model.vocab_size", &["64", "63", "256", "1"]),
     ("train.activation_checkpointing", &["true", "false"]),

@@ -11,7 +11,8 @@
 //! `[out, in]`: zrun's fused `qkv_proj` becomes `q_proj`, `k_proj`, `v_proj`,
 //! `gate_up_proj` becomes `gate_proj`, `up_proj`, each transposed. The
 //! rotary embedding uses Hugging Face's layout already (halves of each head),
-//! so q and k need no permutation.
+//! so q and k need no permutation. Qwen3's q and k norms are vectors under
+//! their own names.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -204,7 +205,8 @@ pub fn pieces(m: &ModelSpec, name: &str, shape: &[usize]) -> Vec<Piece> {
 }
 
 /// Hugging Face's `config.json` for `m` (f32 weights): GPT-2's, LLaMA's,
-/// or for a LLaMA with q, k and v biases Qwen2's (which is that model).
+/// for a LLaMA with q, k and v biases Qwen2's (which is that model), for
+/// one with q and k norms Qwen3's.
 pub fn config_json(m: &ModelSpec) -> serde_json::Value {
     let mut c = match m.kind {
         ModelKind::Gpt => serde_json::json!({
@@ -254,9 +256,19 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
         let obj = c.as_object_mut().expect("an object");
         obj.remove("attention_bias");
         obj.remove("mlp_bias");
-        obj.remove("head_dim");
+        if m.attn_width() == m.d_model {
+            obj.remove("head_dim");
+        }
         c["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
         c["model_type"] = "qwen2".into();
+        c["use_sliding_window"] = false.into();
+        c["max_window_layers"] = m.n_layers.into();
+    }
+    if m.qk_normed() {
+        // Qwen3's `attention_bias` would bias the output projection too
+        // (the job refuses q, k and v biases with q and k norms).
+        c["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
+        c["model_type"] = "qwen3".into();
         c["use_sliding_window"] = false.into();
         c["max_window_layers"] = m.n_layers.into();
     }
@@ -270,7 +282,9 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
 /// The model a Hugging Face directory's `config.json` describes: GPT-2
 /// (`model_type: gpt2`, tanh GELU) or LLaMA (`llama`: SiLU, no biases,
 /// rotary scaling none, `linear` or `llama3`; `qwen2`: with biases on q, k
-/// and v; `mistral`: LLaMA, its context capped at its `sliding_window`),
+/// and v; `qwen3`: with norms of each head's q and k; `mistral`: LLaMA, its
+/// context capped at its `sliding_window`; heads as wide as `head_dim`
+/// says),
 /// the families whose names and layouts [`HfWeights`] maps.
 /// What `zrun sample` runs such a directory with (a published GPT-2, or
 /// `zrun export --format hf`'s output). Anything else is refused naming the
@@ -338,23 +352,28 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
                 "norm_eps": float("layer_norm_epsilon"),
             })
         }
-        Some(kind @ ("llama" | "qwen2" | "mistral")) => {
+        Some(kind @ ("llama" | "qwen2" | "qwen3" | "mistral")) => {
             only("hidden_act", &[json!("silu")])?;
             only("attention_bias", &[json!(false)])?;
             only("mlp_bias", &[json!(false)])?;
-            // Qwen2 windows attention only with `use_sliding_window`.
+            // Qwen2 and 3 window attention only with `use_sliding_window`.
             only("use_sliding_window", &[json!(false)])?;
             let scaling = rope_scaling(&c).map_err(&bad)?;
             let (d, heads) = (need(&["hidden_size"])?, need(&["num_attention_heads"])?);
-            if d.is_multiple_of(heads) {
-                only("head_dim", &[json!(d / heads)])?;
-            }
+            // transformers' Qwen3 defaults the head width to 128, the others
+            // to d / heads: a Qwen3 directory must say.
+            let head_dim = match kind {
+                "qwen3" => Some(need(&["head_dim"])?),
+                _ => count(&["head_dim"]).transpose()?,
+            };
             json!({
                 "kind": "llama",
                 "vocab_size": need(&["vocab_size"])?,
                 "d_model": d,
                 "n_layers": need(&["num_hidden_layers"])?,
                 "n_heads": heads,
+                "head_dim": head_dim.filter(|&hd| hd * heads != d),
+                "qk_norm": (kind == "qwen3").then_some(true),
                 "n_kv_heads": count(&["num_key_value_heads"]).transpose()?,
                 "ffn_hidden": need(&["intermediate_size"])?,
                 "tie_embeddings": c.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
@@ -367,7 +386,7 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
         }
         _ => {
             return Err(bad(format!(
-                "model_type is {}: zrun runs gpt2, llama, qwen2 and mistral",
+                "model_type is {}: zrun runs gpt2, llama, qwen2, qwen3 and mistral",
                 c.get("model_type").unwrap_or(&Value::Null)
             )))
         }
@@ -383,7 +402,8 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
     );
     let m: ModelSpec =
         serde_json::from_value(model).map_err(|e| bad(format!("not a model zrun runs: {e}")))?;
-    if !m.d_model.is_multiple_of(m.n_heads) || !m.n_heads.is_multiple_of(m.kv_heads()) {
+    let uneven = m.head_dim.is_none() && !m.d_model.is_multiple_of(m.n_heads);
+    if uneven || !m.n_heads.is_multiple_of(m.kv_heads()) {
         return Err(bad(format!(
             "{} heads ({} key/value) do not divide the width {} into heads",
             m.n_heads,
@@ -450,7 +470,7 @@ pub fn write_dir(
 /// epsilon or rotary base), and weights read into another architecture
 /// train on without a word.
 const SAME_KEYS: &[(&str, &str)] = &[
-    ("model_type", "model.kind, model.qkv_bias"),
+    ("model_type", "model.kind, model.qkv_bias, model.qk_norm"),
     ("vocab_size", "model.vocab_size"),
     ("n_embd", "model.d_model"),
     ("hidden_size", "model.d_model"),
@@ -459,7 +479,7 @@ const SAME_KEYS: &[(&str, &str)] = &[
     ("n_head", "model.n_heads"),
     ("num_attention_heads", "model.n_heads"),
     ("num_key_value_heads", "model.n_kv_heads"),
-    ("head_dim", "model.d_model / model.n_heads"),
+    ("head_dim", "model.head_dim"),
     ("n_inner", "model.ffn_hidden"),
     ("intermediate_size", "model.ffn_hidden"),
     ("layer_norm_epsilon", "model.norm_eps"),
@@ -674,9 +694,10 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
             if !have.is_null() && !same(have, want) {
                 let advice = match *key {
                     "model_type" => {
-                        "zrun reads gpt2, llama and mistral, and qwen2 (model.kind: \
-                         llama with model.qkv_bias: true); weights of the same names \
-                         and layout can be given as the model.safetensors file alone"
+                        "zrun reads gpt2, llama and mistral, qwen2 (model.kind: \
+                         llama with model.qkv_bias: true) and qwen3 (with \
+                         model.qk_norm: true and model.head_dim); weights of the same \
+                         names and layout can be given as the model.safetensors file alone"
                     }
                     _ => "set the job's model to the directory's",
                 };
@@ -905,6 +926,15 @@ mod tests {
         .unwrap()
     }
 
+    /// [`llama`] as Qwen3: heads of 4 (twice `d / heads`), q and k normed.
+    fn qwen3() -> ModelSpec {
+        ModelSpec {
+            head_dim: Some(4),
+            qk_norm: Some(true),
+            ..llama()
+        }
+    }
+
     /// `m` written as a Hugging Face directory (every value 0.5), and its
     /// parameters' names and shapes.
     fn a_directory_of(m: &ModelSpec) -> (tempfile::TempDir, Vec<(String, Vec<usize>)>) {
@@ -1113,6 +1143,28 @@ mod tests {
             "lm_head.weight"
         );
         assert_eq!(config_json(&m)["num_key_value_heads"], 2);
+        // Qwen3: q and k norms are vectors under their names; heads of 4 over
+        // d 8 make q 16 wide and o_proj [16 → 8], stored [8, 16].
+        let q3 = qwen3();
+        let q_norm = pieces(&q3, "layers.0.self_attn.q_norm.weight", &[4]);
+        assert_eq!(
+            (q_norm[0].name.as_str(), q_norm[0].transposed),
+            ("model.layers.0.self_attn.q_norm.weight", false)
+        );
+        let o = pieces(&q3, "layers.0.self_attn.o_proj.weight", &[16, 8]);
+        assert_eq!(o[0].shape(&[16, 8]), vec![8, 16]);
+        let qkv = pieces(&q3, "layers.0.self_attn.qkv_proj.weight", &[8, 32]);
+        let widths: Vec<_> = qkv.iter().map(|p| p.columns.clone()).collect();
+        assert_eq!(widths, [0..16, 16..24, 24..32]);
+        let c = config_json(&q3);
+        assert_eq!(
+            (&c["model_type"], &c["head_dim"], &c["attention_bias"]),
+            (
+                &serde_json::json!("qwen3"),
+                &serde_json::json!(4),
+                &serde_json::json!(false)
+            )
+        );
     }
 
     /// A directory's config.json that disagrees with the job's model where
@@ -1209,6 +1261,7 @@ mod tests {
             config_json(&gpt),
             config_json(&llama()),
             config_json(&qwen2),
+            config_json(&qwen3()),
         ] {
             let keys: Vec<String> = base
                 .as_object()
@@ -1265,13 +1318,36 @@ mod tests {
                 m.tied(),
                 m.seq_len,
                 m.qkv_biased(),
+                m.head_dim(),
+                m.qk_normed(),
             )
         };
         let qwen2 = ModelSpec {
             qkv_bias: Some(true),
             ..tied.clone()
         };
-        for m in [gpt.clone(), llama(), tied, qwen2.clone()] {
+        let wide_qwen2 = ModelSpec {
+            head_dim: Some(4),
+            ..qwen2.clone()
+        };
+        let wide_llama = ModelSpec {
+            head_dim: Some(6),
+            ..llama()
+        };
+        let narrow_qwen3 = ModelSpec {
+            head_dim: Some(2),
+            ..qwen3()
+        };
+        for m in [
+            gpt.clone(),
+            llama(),
+            tied,
+            qwen2.clone(),
+            wide_qwen2,
+            wide_llama,
+            qwen3(),
+            narrow_qwen3,
+        ] {
             let d = tempfile::tempdir().unwrap();
             std::fs::write(d.path().join(HF_CONFIG), config_json(&m).to_string()).unwrap();
             let back = model_spec(d.path()).unwrap();
@@ -1305,7 +1381,7 @@ mod tests {
         for (config, says) in [
             (
                 edit(&gpt_config, &[("model_type", json!("bert"))]),
-                "model_type is \"bert\": zrun runs gpt2, llama, qwen2 and mistral",
+                "model_type is \"bert\": zrun runs gpt2, llama, qwen2, qwen3 and mistral",
             ),
             (
                 edit(&gpt_config, &[("n_embd", json!(-1))]),
@@ -1414,8 +1490,16 @@ mod tests {
                 "rope_parameters is 500.0, not an object",
             ),
             (
-                edit(&llama_config, &[("head_dim", json!(4))]),
-                "head_dim is 4: zrun's model has 2",
+                edit(&llama_config, &[("head_dim", json!(3))]),
+                "the head width 3 is odd",
+            ),
+            (
+                edit(&config_json(&qwen3()), &[("head_dim", Value::Null)]),
+                "no head_dim",
+            ),
+            (
+                edit(&config_json(&qwen3()), &[("attention_bias", json!(true))]),
+                "attention_bias is true",
             ),
             (
                 edit(&llama_config, &[("num_key_value_heads", json!(3))]),
@@ -1581,7 +1665,7 @@ mod tests {
             (
                 "model_type",
                 serde_json::json!("gemma"),
-                "(model.kind, model.qkv_bias): zrun reads gpt2, llama and mistral, and qwen2 (model.kind: llama with model.qkv_bias: true); weights of the same names and layout can be given as the model.safetensors file alone",
+                "(model.kind, model.qkv_bias, model.qk_norm): zrun reads gpt2, llama and mistral, qwen2 (model.kind: llama with model.qkv_bias: true) and qwen3 (with model.qk_norm: true and model.head_dim); weights of the same names and layout can be given as the model.safetensors file alone",
             ),
             (
                 "max_position_embeddings",

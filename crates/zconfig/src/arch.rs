@@ -10,7 +10,8 @@
 //! |---|---|---|
 //! | norm 1 | `ln_1` (weight, bias) | `input_layernorm` (RMSNorm weight) |
 //! | linear 1 | `attn.c_attn` `[d, 3d]` | `self_attn.qkv_proj` `[d, (h + 2·kv)·hd]` |
-//! | linear 2 | `attn.c_proj` `[d, d]` | `self_attn.o_proj` `[d, d]` |
+//! | (q, k norms) | | Qwen3's `self_attn.q_norm`, `self_attn.k_norm` `[hd]` |
+//! | linear 2 | `attn.c_proj` `[d, d]` | `self_attn.o_proj` `[h·hd, d]` |
 //! | norm 2 | `ln_2` | `post_attention_layernorm` |
 //! | linear 3 | `mlp.c_fc` `[d, ffn]` | `mlp.gate_up_proj` `[d, 2·ffn]` (gate, then up) |
 //! | linear 4 | `mlp.c_proj` `[ffn, d]` | `mlp.down_proj` `[ffn, d]` |
@@ -65,7 +66,13 @@ impl ModelSpec {
 
     /// Width of one attention head.
     pub fn head_dim(&self) -> usize {
-        self.d_model / self.n_heads.max(1)
+        self.head_dim.unwrap_or(self.d_model / self.n_heads.max(1))
+    }
+
+    /// Width of attention's output, the query heads side by side (`d_model`
+    /// unless `head_dim` widens the heads).
+    pub fn attn_width(&self) -> usize {
+        self.n_heads * self.head_dim()
     }
 
     /// The MLP's hidden width.
@@ -93,6 +100,12 @@ impl ModelSpec {
     /// Whether LLaMA's q, k and v projections have biases (Qwen2's).
     pub fn qkv_biased(&self) -> bool {
         self.kind == ModelKind::Llama && self.qkv_bias.unwrap_or(false)
+    }
+
+    /// Whether each head's q and k are RMS-normalised before the rotary
+    /// embedding (Qwen3's).
+    pub fn qk_normed(&self) -> bool {
+        self.kind == ModelKind::Llama && self.qk_norm.unwrap_or(false)
     }
 
     /// Whether each of a block's linears ([`ModelSpec::block_linears`]'
@@ -143,7 +156,7 @@ impl ModelSpec {
             ],
             ModelKind::Llama => [
                 ("self_attn.qkv_proj", d, self.qkv_width()),
-                ("self_attn.o_proj", d, d),
+                ("self_attn.o_proj", self.attn_width(), d),
                 ("mlp.gate_up_proj", d, 2 * f),
                 ("mlp.down_proj", f, d),
             ],
@@ -157,6 +170,10 @@ impl ModelSpec {
             ModelKind::Llama => ["input_layernorm", "post_attention_layernorm"],
         }
     }
+
+    /// Qwen3's per-head q and k norms' names inside a block, in forward
+    /// order (see [`ModelSpec::qk_normed`]).
+    pub const QK_NORMS: [&'static str; 2] = ["self_attn.q_norm", "self_attn.k_norm"];
 
     /// The name prefix of block `i` (0-based), e.g. `h.3`.
     pub fn block_prefix(&self, i: usize) -> String {
@@ -205,14 +222,20 @@ impl ModelSpec {
         let norm_b = self.norm_biases();
         for i in 0..self.n_layers {
             let p = self.block_prefix(i);
+            let linear = |out: &mut Vec<_>, (name, inputs, outputs): (&str, usize, usize), bias| {
+                weight_bias(out, format!("{p}.{name}"), vec![inputs, outputs], bias)
+            };
             weight_bias(&mut out, format!("{p}.{norm_1}"), vec![d], norm_b);
-            for ((name, inputs, outputs), b) in [(qkv, qkv_b), (attn_out, attn_out_b)] {
-                weight_bias(&mut out, format!("{p}.{name}"), vec![inputs, outputs], b);
+            linear(&mut out, qkv, qkv_b);
+            if self.qk_normed() {
+                for name in Self::QK_NORMS {
+                    out.push((format!("{p}.{name}.weight"), vec![self.head_dim()]));
+                }
             }
+            linear(&mut out, attn_out, attn_out_b);
             weight_bias(&mut out, format!("{p}.{norm_2}"), vec![d], norm_b);
-            for ((name, inputs, outputs), b) in [(mlp_in, mlp_in_b), (mlp_out, mlp_out_b)] {
-                weight_bias(&mut out, format!("{p}.{name}"), vec![inputs, outputs], b);
-            }
+            linear(&mut out, mlp_in, mlp_in_b);
+            linear(&mut out, mlp_out, mlp_out_b);
         }
         weight_bias(&mut out, self.final_norm_name().into(), vec![d], norm_b);
         if !self.tied() {
@@ -229,7 +252,8 @@ impl ModelSpec {
             .zip(self.linear_biases())
             .map(|(&(_, i, o), bias)| (i + usize::from(bias)) * o)
             .sum();
-        linears + 2 * (1 + usize::from(self.norm_biases())) * self.d_model
+        let qk_norms = 2 * usize::from(self.qk_normed()) * self.head_dim();
+        linears + 2 * (1 + usize::from(self.norm_biases())) * self.d_model + qk_norms
     }
 
     /// Parameters of the embedding (token table, and GPT-2's position table).
@@ -272,11 +296,13 @@ impl ModelSpec {
                 ("d_model", m.d_model.to_string()),
                 ("n_layers", m.n_layers.to_string()),
                 ("n_heads", m.n_heads.to_string()),
+                ("head_dim", m.head_dim().to_string()),
                 ("n_kv_heads", m.kv_heads().to_string()),
                 ("ffn_hidden", m.ffn().to_string()),
                 ("seq_len", m.seq_len.to_string()),
                 ("tie_embeddings", m.tied().to_string()),
                 ("qkv_bias", m.qkv_biased().to_string()),
+                ("qk_norm", m.qk_normed().to_string()),
                 ("rope_theta", m.rope_theta().to_string()),
                 ("rope_scaling", format!("{:?}", m.rope_scaling)),
                 ("norm_eps", m.norm_eps().to_string()),
@@ -397,6 +423,51 @@ mod tests {
         assert_eq!(
             qwen2.architecture_differences(&unbiased),
             [("qkv_bias", "true".to_string(), "false".to_string())]
+        );
+        // Qwen3-0.6B: 596,049,920 parameters (tied); heads of 128 wider
+        // than 1024 / 16, so q is 2048 wide and o_proj [2048, 1024]; each
+        // block's q and k norms 128 each, after q, k and v.
+        let qwen3 = spec(serde_json::json!({
+            "kind": "llama", "vocab_size": 151936, "d_model": 1024, "n_layers": 28,
+            "n_heads": 16, "n_kv_heads": 8, "head_dim": 128, "ffn_hidden": 3072,
+            "tie_embeddings": true, "qk_norm": true
+        }));
+        assert_eq!(qwen3.param_count(), 596_049_920);
+        assert_eq!((qwen3.qkv_width(), qwen3.attn_width()), (4096, 2048));
+        let names: Vec<_> = qwen3.param_shapes()[1..6].to_vec();
+        assert_eq!(
+            names,
+            [
+                ("layers.0.input_layernorm.weight".to_string(), vec![1024]),
+                (
+                    "layers.0.self_attn.qkv_proj.weight".to_string(),
+                    vec![1024, 4096]
+                ),
+                ("layers.0.self_attn.q_norm.weight".to_string(), vec![128]),
+                ("layers.0.self_attn.k_norm.weight".to_string(), vec![128]),
+                (
+                    "layers.0.self_attn.o_proj.weight".to_string(),
+                    vec![2048, 1024]
+                ),
+            ]
+        );
+        let shapes: usize = qwen3
+            .param_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        assert_eq!(shapes, qwen3.param_count());
+        let plain = ModelSpec {
+            qk_norm: None,
+            head_dim: None,
+            ..qwen3.clone()
+        };
+        assert_eq!(
+            qwen3.architecture_differences(&plain),
+            [
+                ("head_dim", "128".to_string(), "64".to_string()),
+                ("qk_norm", "true".to_string(), "false".to_string())
+            ]
         );
     }
 }

@@ -297,12 +297,18 @@ pub fn block_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
     // attention output, x + attn, second norm, the MLP's hidden layer before
     // and after its activation (GPT-2: 4d each, 16 d per token; LLaMA: gate
     // and up before, their product after). Attention probabilities are
-    // recomputed in backward, not kept.
+    // recomputed in backward, not kept. Qwen3's q and k norms keep q and k
+    // before them too.
     let hidden = match m.kind {
         crate::spec::ModelKind::Gpt => 2 * f,
         crate::spec::ModelKind::Llama => 3 * f,
     };
-    4.0 * (b * t) as f64 * (5 * d + m.qkv_width() + hidden) as f64
+    let before_qk_norms = match m.qk_normed() {
+        true => (m.n_heads + m.kv_heads()) * m.head_dim(),
+        false => 0,
+    };
+    let per_token = 4 * d + m.attn_width() + m.qkv_width() + before_qk_norms + hidden;
+    4.0 * (b * t) as f64 * per_token as f64
 }
 
 /// Bytes the head keeps for backward: input, normed rows, logits and two copies.

@@ -451,10 +451,16 @@ impl LoadedJob {
                 return Err(self.invalid(key, "must be at least 1"));
             }
         }
-        if !m.d_model.is_multiple_of(m.n_heads) {
+        if m.head_dim == Some(0) {
+            return Err(self.invalid("model.head_dim", "must be at least 1"));
+        }
+        if m.head_dim.is_none() && !m.d_model.is_multiple_of(m.n_heads) {
             return Err(self.invalid(
                 "model.n_heads",
-                format!("{} heads do not divide d_model {}", m.n_heads, m.d_model),
+                format!(
+                    "{} heads do not divide d_model {} (a LLaMA may set model.head_dim)",
+                    m.n_heads, m.d_model
+                ),
             ));
         }
         if m.kind == ModelKind::Gpt {
@@ -464,6 +470,8 @@ impl LoadedJob {
                 ("model.rope_scaling", m.rope_scaling.is_some()),
                 ("model.tie_embeddings", m.tie_embeddings == Some(false)),
                 ("model.qkv_bias", m.qkv_bias == Some(true)),
+                ("model.head_dim", m.head_dim.is_some()),
+                ("model.qk_norm", m.qk_norm == Some(true)),
             ] {
                 if set {
                     return Err(self.invalid(
@@ -472,6 +480,12 @@ impl LoadedJob {
                     ));
                 }
             }
+        }
+        if m.qk_norm == Some(true) && m.qkv_bias == Some(true) {
+            return Err(self.invalid(
+                "model.qk_norm",
+                "goes without model.qkv_bias: Qwen3's attention has norms of q and k and no biases (a bias there would bias the output projection too)",
+            ));
         }
         if !m.n_heads.is_multiple_of(m.kv_heads()) {
             return Err(self.invalid(
@@ -484,15 +498,21 @@ impl LoadedJob {
             ));
         }
         if m.kind == ModelKind::Llama && !m.head_dim().is_multiple_of(2) {
-            return Err(self.invalid(
-                "model.n_heads",
-                format!(
-                    "rotary embeddings need an even head width; d_model {} / {} heads is {}",
-                    m.d_model,
-                    m.n_heads,
-                    m.head_dim()
+            return Err(match m.head_dim {
+                Some(hd) => self.invalid(
+                    "model.head_dim",
+                    format!("rotary embeddings need an even head width, got {hd}"),
                 ),
-            ));
+                None => self.invalid(
+                    "model.n_heads",
+                    format!(
+                        "rotary embeddings need an even head width; d_model {} / {} heads is {}",
+                        m.d_model,
+                        m.n_heads,
+                        m.head_dim()
+                    ),
+                ),
+            });
         }
         for (key, v) in [
             ("model.rope_theta", m.rope_theta()),
@@ -933,6 +953,60 @@ mod tests {
                         e.contains("model.qkv_bias") && e.contains("is for `kind: llama`"),
                         "{e}"
                     );
+                }
+            }
+        }
+    }
+
+    /// Qwen3's wider heads and q, k norms are a LLaMA's options: with
+    /// `head_dim` the heads need not divide d_model, but the width must be
+    /// even (the rotary embedding's pairs) and at least 1.
+    #[test]
+    fn head_dim_and_qk_norm_are_for_llama() {
+        let d = tempfile::tempdir().unwrap();
+        let llama = "model: {kind: llama, d_model: 66, head_dim: 32, qk_norm: true, ";
+        for (model, refused) in [
+            (llama, None),
+            (
+                "model: {head_dim: 16, ",
+                Some(("model.head_dim", "is for `kind: llama`")),
+            ),
+            (
+                "model: {qk_norm: true, ",
+                Some(("model.qk_norm", "is for `kind: llama`")),
+            ),
+            (
+                "model: {kind: llama, d_model: 66, ",
+                Some(("model.n_heads", "(a LLaMA may set model.head_dim)")),
+            ),
+            (
+                "model: {kind: llama, qk_norm: true, qkv_bias: true, ",
+                Some(("model.qk_norm", "goes without model.qkv_bias")),
+            ),
+            (
+                "model: {kind: llama, head_dim: 0, ",
+                Some(("model.head_dim", "must be at least 1")),
+            ),
+            (
+                "model: {kind: llama, head_dim: 15, ",
+                Some(("model.head_dim", "even head width, got 15")),
+            ),
+        ] {
+            let text = GOOD.replace("model: {d_model: 64, ", model);
+            let p = write(d.path(), "j.yaml", &text);
+            let got = load_job(&p, &[]).and_then(|mut j| j.validate(2));
+            match refused {
+                None => {
+                    let j = got.map(|_| load_job(&p, &[]).unwrap()).unwrap();
+                    let m = &j.spec.model;
+                    assert_eq!(
+                        (m.head_dim(), m.attn_width(), m.qk_normed()),
+                        (32, 128, true)
+                    );
+                }
+                Some((key, why)) => {
+                    let e = got.unwrap_err().to_string();
+                    assert!(e.contains(key) && e.contains(why), "{model}: {e}");
                 }
             }
         }

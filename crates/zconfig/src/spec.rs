@@ -93,9 +93,15 @@ pub struct ModelSpec {
     /// Transformer blocks.
     #[serde(default = "default_n_layers")]
     pub n_layers: usize,
-    /// Attention heads; must divide `d_model`.
+    /// Attention heads; must divide `d_model` unless `head_dim` is given.
     #[serde(default = "default_n_heads")]
     pub n_heads: usize,
+    /// LLaMA: the width of one attention head (default `d_model /
+    /// n_heads`); q is `n_heads × head_dim` wide, the output projection
+    /// `[n_heads × head_dim, d_model]` (Qwen3's and Mistral-Nemo's heads
+    /// are wider than `d_model / n_heads`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
     /// LLaMA: key/value heads for grouped-query attention; must divide
     /// `n_heads` (default `n_heads`: plain multi-head attention).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -112,6 +118,11 @@ pub struct ModelSpec {
     /// attention; default false). The other linears and the norms have none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qkv_bias: Option<bool>,
+    /// LLaMA: whether each head's q and k are RMS-normalised (a weight of
+    /// `head_dim` each, shared by the heads) before the rotary embedding:
+    /// Qwen3's attention; default false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qk_norm: Option<bool>,
     /// LLaMA: the rotary embeddings' base (default 10000).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(deserialize_with = "finite::optional")]
@@ -726,13 +737,21 @@ impl std::str::FromStr for JobSpec {
 impl JobSpec {
     /// What of this job the GPU path (`device: cuda`) cannot run, or
     /// `None`: the GPU model is GPT-2's or LLaMA's family (Qwen2's q, k and
-    /// v biases included) with whole linears
+    /// v biases included, not Qwen3's q and k norms or wider heads) with
+    /// whole linears
     /// (its products in f32 or TF32, on 16-bit working parameters under
     /// bf16/f16). NVMe offload and ZeRO++ run in the GPU's host flow, on
     /// the host code the CPU path runs.
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
+        }
+        let m = &self.model;
+        if m.qk_normed() || m.attn_width() != m.d_model {
+            return Some(
+                "the GPU model has neither Qwen3's q and k norms nor heads wider than d_model / n_heads: drop model.qk_norm and model.head_dim, or run it on the CPU"
+                    .into(),
+            );
         }
         None
     }
@@ -900,6 +919,27 @@ mod finite {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The GPU runs LLaMA's heads of d_model / n_heads, said or not, and
+    /// refuses Qwen3's norms and wider heads (and tiles).
+    #[test]
+    fn the_gpu_refuses_qwen3s_attention_only() {
+        let job = |model: &str| -> JobSpec {
+            format!("model: {{kind: llama, d_model: 32, n_heads: 4, {model}}}\ndata: {{format: synthetic}}\n")
+                .parse()
+                .unwrap()
+        };
+        for (model, refused) in [
+            ("", false),
+            ("head_dim: 8", false),
+            ("head_dim: 16", true),
+            ("qk_norm: true", true),
+            ("qk_norm: false", false),
+            ("tile_size: 512", true),
+        ] {
+            assert_eq!(job(model).gpu_unsupported().is_some(), refused, "{model}");
+        }
+    }
 
     #[test]
     fn env_values_may_be_scalars() {

@@ -462,12 +462,18 @@ fn eval_loss_is_the_training_forward_without_a_trace() {
 /// activation checkpointing, give the same bits at world size 3, in f32 and
 /// bf16, and it learns. Stage 3 with its gate/up projection in two column
 /// tiles (tiles without biases) too, at world size 2 (over TCP a sum of two
-/// adds in either order; tiling moves owners, see `tiling.rs`).
+/// adds in either order; tiling moves owners, see `tiling.rs`). And the
+/// same as Qwen3: heads of 12 over d_model 32, each head's q and k normed.
 #[test]
 fn llama_stages_are_bit_identical() {
+    llama_stages_are_bit_identical_with("");
+    llama_stages_are_bit_identical_with("qk_norm: true, head_dim: 12, ");
+}
+
+fn llama_stages_are_bit_identical_with(extra: &str) {
     let llama = |dtype: &str, stage: u8, ckpt: bool, tile: u64| {
         let yaml = format!(
-            "model: {{kind: llama, vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 256, seq_len: 16, tile_size: {tile}}}\n\
+            "model: {{kind: llama, {extra}vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 256, seq_len: 16, tile_size: {tile}}}\n\
              data: {{format: synthetic}}\n\
              train: {{steps: 8, micro_batch_size: 4, lr: 3.0e-3, warmup_steps: 2, activation_checkpointing: {ckpt}, dtype: {dtype}}}\n\
              zero: {{stage: {stage}, reduce_bucket_size: 2000, prefetch_bucket_size: 3000, param_persistence_threshold: 100}}\n"
@@ -488,7 +494,7 @@ fn llama_stages_are_bit_identical() {
             for r in 0..3 {
                 assert_eq!(
                     got[r].losses, base[r].losses,
-                    "{dtype} stage {stage} checkpointing {ckpt} tile {tile} rank {r}"
+                    "{extra}{dtype} stage {stage} checkpointing {ckpt} tile {tile} rank {r}"
                 );
                 assert!(
                     got[r].params == base[r].params,
@@ -498,7 +504,7 @@ fn llama_stages_are_bit_identical() {
         }
         assert!(
             base[0].losses[7] < base[0].losses[0],
-            "{dtype}: {:?}",
+            "{extra}{dtype}: {:?}",
             base[0].losses
         );
         let untiled = train(llama(dtype, 3, false, whole), 2);

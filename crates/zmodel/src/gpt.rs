@@ -101,6 +101,9 @@ pub struct GroupSpec {
 pub struct BlockActs {
     rows: Tensor,
     a1: Tensor,
+    /// Qwen3: each head's q and k before their norms, `[rows·heads, hd]`
+    /// and `[rows·kv, hd]`.
+    qk_unnormed: Option<(Tensor, Tensor)>,
     qkv: Tensor,
     att: Tensor,
     rows1: Tensor,
@@ -240,7 +243,12 @@ impl Gpt {
 
     /// The family's name of a block's norm inside the block, e.g. `ln_1`.
     pub fn norm_name(&self, n: BlockNorm) -> &'static str {
-        self.cfg.block_norms()[n as usize]
+        match n {
+            BlockNorm::Norm1 => self.cfg.block_norms()[0],
+            BlockNorm::Norm2 => self.cfg.block_norms()[1],
+            BlockNorm::Q => ModelSpec::QK_NORMS[0],
+            BlockNorm::K => ModelSpec::QK_NORMS[1],
+        }
     }
 
     /// The name prefix of block `block` (1-based, as groups count), e.g. `h.0`.
@@ -313,6 +321,11 @@ impl Gpt {
                 }
             };
         let norm = |name: String| weight_bias(name, &[d], Init::Ones, false, d, m.norm_biases());
+        let hd = m.head_dim();
+        let qk_norm = |name: String| {
+            m.qk_normed()
+                .then(|| weight_bias(name, &[hd], Init::Ones, false, hd, false))
+        };
         let linear_biases = m.linear_biases();
         // The token table and a head's own output matrix are read by the
         // head's products and the embedding's row gather only.
@@ -351,6 +364,8 @@ impl Gpt {
             let block = BlockParams {
                 norm_1: norm(n(self.norm_name(BlockNorm::Norm1))),
                 qkv: lin(BlockLinear::Qkv, std),
+                q_norm: qk_norm(n(self.norm_name(BlockNorm::Q))),
+                k_norm: qk_norm(n(self.norm_name(BlockNorm::K))),
                 attn_out: lin(BlockLinear::AttnOut, proj_std),
                 norm_2: norm(n(self.norm_name(BlockNorm::Norm2))),
                 mlp_in: lin(BlockLinear::MlpIn, std),
@@ -414,12 +429,14 @@ impl Gpt {
     }
 
     /// Model FLOPs per trained token, forward and backward: 6 per block
-    /// parameter and per head-matrix weight, plus attention's 12·L·d·T (PaLM's
-    /// accounting, which MFU figures use).
+    /// parameter and per head-matrix weight, plus attention's 12·L·h·hd·T
+    /// (PaLM's accounting, which MFU figures use; h·hd is d unless the heads
+    /// are wider).
     pub fn flops_per_token(&self) -> f64 {
         let m = &self.cfg;
         let (v, d, l, t) = (m.vocab_size, m.d_model, m.n_layers, m.seq_len);
-        6.0 * (l * m.block_params() + v * d) as f64 + 12.0 * (l * d * t) as f64
+        let attention = 12.0 * (l * m.attn_width() * t) as f64;
+        6.0 * (l * m.block_params() + v * d) as f64 + attention
     }
 
     /// Initial values of one group's parameters, identical on every rank for a
@@ -564,7 +581,7 @@ impl Gpt {
             return causal_attention_bf16(qkv, self.heads());
         }
         let (b, t, _) = qkv.dims3()?;
-        causal_attention(qkv, self.heads(), self.products)?.reshape((b * t, self.cfg.d_model))
+        causal_attention(qkv, self.heads(), self.products)?.reshape((b * t, self.cfg.attn_width()))
     }
 
     /// The norm's backward: (`residual + dx`, its gradient), the residual's
@@ -654,6 +671,59 @@ impl Gpt {
         })
     }
 
+    /// Qwen3's norms of each head's q and k in `qkv` rows `[n, (h + 2·kv)·hd]`
+    /// (v passes through), and what their backward reads: q and k before
+    /// them, a head a row.
+    #[allow(clippy::type_complexity)]
+    fn qk_norm_forward<S: BlockSource>(
+        &self,
+        src: &mut S,
+        qkv: &Tensor,
+    ) -> std::result::Result<(Tensor, Option<(Tensor, Tensor)>), S::Error> {
+        let (n, _) = qkv.dims2()?;
+        let (h, kv, hd) = (self.cfg.n_heads, self.cfg.kv_heads(), self.cfg.head_dim());
+        let mut norm = |which: BlockNorm, first: usize, heads: usize| {
+            let x = qkv
+                .narrow(1, first * hd, heads * hd)?
+                .contiguous()?
+                .reshape((n * heads, hd))?;
+            let y = self.norm(&x, &src.norm(which)?)?.reshape((n, heads * hd))?;
+            Ok::<_, S::Error>((y, x))
+        };
+        let (q, q_unnormed) = norm(BlockNorm::Q, 0, h)?;
+        let (k, k_unnormed) = norm(BlockNorm::K, h, kv)?;
+        let v = qkv.narrow(1, (h + kv) * hd, kv * hd)?;
+        let qkv = Tensor::cat(&[q, k, v], 1)?;
+        Ok((qkv, Some((q_unnormed, k_unnormed))))
+    }
+
+    /// [`Gpt::qk_norm_forward`]'s backward from `dqkv` (rows, after the
+    /// rotary embedding's backward): hands the norms' gradients over,
+    /// returns the gradient of the projection's output.
+    fn qk_norm_backward<S: BlockSource>(
+        &self,
+        src: &mut S,
+        q_unnormed: &Tensor,
+        k_unnormed: &Tensor,
+        dqkv: &Tensor,
+    ) -> std::result::Result<Tensor, S::Error> {
+        let (n, _) = dqkv.dims2()?;
+        let (h, kv, hd) = (self.cfg.n_heads, self.cfg.kv_heads(), self.cfg.head_dim());
+        let mut backward = |which: BlockNorm, x: &Tensor, first: usize, heads: usize| {
+            let dy = dqkv
+                .narrow(1, first * hd, heads * hd)?
+                .contiguous()?
+                .reshape((n * heads, hd))?;
+            let (dx, grad) = self.norm_backward(x, &src.norm(which)?, &dy, None)?;
+            src.norm_grad(which, grad)?;
+            Ok::<_, S::Error>(dx.reshape((n, heads * hd))?)
+        };
+        let dq = backward(BlockNorm::Q, q_unnormed, 0, h)?;
+        let dk = backward(BlockNorm::K, k_unnormed, h, kv)?;
+        let dv = dqkv.narrow(1, (h + kv) * hd, kv * hd)?;
+        Ok(Tensor::cat(&[dq, dk, dv], 1)?)
+    }
+
     /// LLaMA's rotary embedding of q and k (`inverse`: its backward); GPT-2's
     /// positions are in the embedding.
     fn rotate(&self, qkv: Tensor, inverse: bool) -> Result<Tensor> {
@@ -740,7 +810,7 @@ impl Gpt {
             }
             let all = cache.tokens;
             let att = attention_of_last_rows(&cache.rows, all, t, self.heads());
-            Tensor::from_vec(att, (t, self.cfg.d_model), &Device::Cpu)
+            Tensor::from_vec(att, (t, self.cfg.attn_width()), &Device::Cpu)
         };
         Ok(self
             .block_forward_with(&mut Whole::new(params), x, start, attend)?
@@ -789,6 +859,10 @@ impl Gpt {
             _ => Store::F32,
         };
         let qkv = linear_to(src, BlockLinear::Qkv, &a1, None, half_store)?;
+        let (qkv, qk_unnormed) = match self.cfg.qk_normed() {
+            true => self.qk_norm_forward(src, &qkv)?,
+            false => (qkv, None),
+        };
         let qkv = self.rotate_from(qkv.reshape((b, t, self.cfg.qkv_width()))?, start)?;
         let att = attend(&qkv)?;
         // The residual adds happen as the projections' tiles store.
@@ -812,6 +886,7 @@ impl Gpt {
         let acts = BlockActs {
             rows,
             a1,
+            qk_unnormed,
             qkv,
             att,
             rows1,
@@ -882,13 +957,17 @@ impl Gpt {
         )?;
         let dqkv = causal_attention_backward(
             &acts.qkv,
-            &datt.reshape((b, t, d))?,
+            &datt.reshape((b, t, self.cfg.attn_width()))?,
             self.heads(),
             self.products,
         )?;
         let dqkv = self
             .rotate(dqkv, true)?
             .reshape((b * t, self.cfg.qkv_width()))?;
+        let dqkv = match &acts.qk_unnormed {
+            Some((q, k)) => self.qk_norm_backward(src, q, k, &dqkv)?,
+            None => dqkv,
+        };
         let da1 = linear(src, BlockLinear::Qkv, &acts.a1, OutputGrad::F32(dqkv))?;
         let dx = self.norm_backward_from(src, BlockNorm::Norm1, &acts.rows, &da1, &drows1)?;
         Ok(dx.reshape((b, t, d))?)
@@ -1111,6 +1190,16 @@ mod tests {
         }
     }
 
+    /// Qwen3's variant of [`llama`]: heads wider than `d / 4` (q and the
+    /// output projection's input wider than d), each head's q and k normed.
+    fn qwen3(v: usize, d: usize, l: usize, t: usize, ffn: usize) -> ModelSpec {
+        ModelSpec {
+            head_dim: Some(d / 4 + 2),
+            qk_norm: Some(true),
+            ..llama(v, d, l, t, ffn)
+        }
+    }
+
     fn tiny() -> Gpt {
         Gpt::new(&gpt(11, 8, 2, 2, 5)).unwrap()
     }
@@ -1141,6 +1230,8 @@ mod tests {
         // gives autograd's bits).
         let qwen2 = Gpt::new(&qwen2(11, 16, 1, 40, 24)).unwrap();
         block_backward_matches_autograd_for(qwen2, 3.0);
+        let qwen3 = Gpt::new(&qwen3(11, 16, 1, 40, 24)).unwrap();
+        block_backward_matches_autograd_for(qwen3, 10.0);
     }
 
     /// The hand-written head (norm, product, cross-entropy) equals autograd
@@ -1637,6 +1728,10 @@ mod tests {
         finite_differences(tiny(), 10.0);
         finite_differences(Gpt::new(&llama(11, 8, 2, 5, 12)).unwrap(), 10.0);
         finite_differences(Gpt::new(&qwen2(11, 8, 2, 5, 12)).unwrap(), 10.0);
+        // Qwen3's q and k norms undo any scale the first norm gives q and
+        // k, which leaves that norm's weight too little gradient to test at
+        // x10 (6.7e-3 at most); the matrices at x20 give it more.
+        finite_differences(Gpt::new(&qwen3(11, 8, 2, 5, 12)).unwrap(), 20.0);
     }
 
     /// `scale`: how far the initial values are stretched (so that biases and
@@ -1742,7 +1837,11 @@ mod tests {
     /// backward and the head's loss. Says on stderr which paths it compared.
     #[test]
     fn every_vector_width_of_the_fused_ops_gives_the_same_bits() {
-        for cfg in [gpt(11, 16, 1, 2, 40), llama(11, 16, 1, 40, 24)] {
+        for cfg in [
+            gpt(11, 16, 1, 2, 40),
+            llama(11, 16, 1, 40, 24),
+            qwen3(11, 16, 1, 40, 24),
+        ] {
             same_bits_at_every_width(Gpt::new(&cfg).unwrap());
             // The ops that write bf16 operands (native-bf16 machines only; elsewhere
             // the same model again).
@@ -1941,7 +2040,10 @@ mod tests {
     fn param_count_matches_the_estimator() {
         let wide = gpt(11, 128, 2, 2, 5);
         let wide_llama = llama(11, 128, 2, 5, 320);
+        let wide_qwen3 = qwen3(11, 128, 2, 5, 320);
         for (m, tile_size) in [
+            (wide_qwen3.clone(), None),
+            (wide_qwen3, Some(32768)),
             (tiny().config().clone(), None),
             (wide.clone(), None),
             (wide, Some(32768)),
@@ -1977,6 +2079,7 @@ mod tests {
             gpt(11, 8, 2, 2, 5),
             llama(11, 8, 2, 5, 12),
             qwen2(11, 8, 2, 5, 12),
+            qwen3(11, 8, 2, 5, 12),
         ] {
             let g = Gpt::new(&m).unwrap();
             let flat: Vec<(String, Vec<usize>)> = g
@@ -2043,6 +2146,7 @@ mod tests {
             gpt(50, 64, 2, 4, 32),
             llama(50, 64, 2, 32, 96),
             qwen2(50, 64, 2, 32, 96),
+            qwen3(50, 64, 2, 32, 96),
         ] {
             let g = Gpt::new(&cfg).unwrap();
             let (l, dev) = (g.cfg.n_layers, Device::Cpu);

@@ -87,17 +87,20 @@ pub enum BlockNorm {
     Norm1,
     /// Before the MLP.
     Norm2,
+    /// Of each head's q (Qwen3).
+    Q,
+    /// Of each head's k (Qwen3).
+    K,
 }
 
 impl BlockNorm {
-    /// Both, in forward order.
-    pub const ALL: [BlockNorm; 2] = [BlockNorm::Norm1, BlockNorm::Norm2];
-
-    /// Its parameters in `p`.
-    pub fn of<T>(self, p: &BlockParams<T>) -> &WeightBias<T> {
+    /// Its parameters in `p`, if the family has it.
+    pub fn of<T>(self, p: &BlockParams<T>) -> Option<&WeightBias<T>> {
         match self {
-            BlockNorm::Norm1 => &p.norm_1,
-            BlockNorm::Norm2 => &p.norm_2,
+            BlockNorm::Norm1 => Some(&p.norm_1),
+            BlockNorm::Norm2 => Some(&p.norm_2),
+            BlockNorm::Q => p.q_norm.as_ref(),
+            BlockNorm::K => p.k_norm.as_ref(),
         }
     }
 }
@@ -814,7 +817,7 @@ pub(crate) struct Whole<'a> {
     params: &'a BlockParams<Tensor>,
     /// Per linear: its tiles' gradients so far.
     tiles: [Vec<WeightBias<Tensor>>; 4],
-    norms: [Option<WeightBias<Tensor>>; 2],
+    norms: [Option<WeightBias<Tensor>>; 4],
 }
 
 impl<'a> Whole<'a> {
@@ -822,13 +825,13 @@ impl<'a> Whole<'a> {
         Whole {
             params,
             tiles: Default::default(),
-            norms: [None, None],
+            norms: [None, None, None, None],
         }
     }
 
     /// The gradients handed over, whole.
     pub(crate) fn grads(self) -> candle_core::Result<BlockParams<Tensor>> {
-        let [norm_1, norm_2] = self.norms;
+        let [norm_1, norm_2, q_norm, k_norm] = self.norms;
         let missing = || candle_core::Error::Msg("a block's backward left a gradient out".into());
         let mut linears = self.tiles.into_iter().map(|t| {
             let (w, b): (Vec<Tensor>, Vec<Option<Tensor>>) =
@@ -847,6 +850,8 @@ impl<'a> Whole<'a> {
             mlp_out: next()?,
             norm_1: norm_1.ok_or_else(missing)?,
             norm_2: norm_2.ok_or_else(missing)?,
+            q_norm,
+            k_norm,
         })
     }
 }
@@ -855,7 +860,10 @@ impl BlockSource for Whole<'_> {
     type Error = candle_core::Error;
 
     fn norm(&mut self, which: BlockNorm) -> candle_core::Result<WeightBias<Tensor>> {
-        Ok(which.of(self.params).clone())
+        which
+            .of(self.params)
+            .cloned()
+            .ok_or_else(|| candle_core::Error::Msg(format!("the block has no {which:?} norm")))
     }
 
     fn linear(

@@ -9,7 +9,8 @@
 //! gradients, `BlockParams<ParamSpec>` names and shapes. They name slots, not
 //! one family's layers: GPT-2 and LLaMA fill the same slots, LLaMA without
 //! biases (but Qwen2's on q, k and v) or a position table and with a head
-//! matrix of its own ([`ParamLayout`]).
+//! matrix of its own, Qwen3 with norms of each head's q and k
+//! ([`ParamLayout`]).
 
 use candle_core::{Error, Result};
 
@@ -21,6 +22,8 @@ pub struct ParamLayout {
     /// Which of a block's linears have biases, in their order (GPT-2's
     /// all; LLaMA's none, or q, k and v with `model.qkv_bias`).
     pub linear_biases: [bool; 4],
+    /// A block has norms of each head's q and k (Qwen3).
+    pub qk_norms: bool,
     /// The embedding has a position table (GPT-2).
     pub positions: bool,
     /// The head has its own output matrix (an untied LLaMA).
@@ -33,6 +36,7 @@ impl ParamLayout {
         ParamLayout {
             norm_biases: m.norm_biases(),
             linear_biases: m.linear_biases(),
+            qk_norms: m.qk_normed(),
             positions: m.learned_positions(),
             lm_head: !m.tied(),
         }
@@ -142,7 +146,11 @@ pub struct BlockParams<T> {
     pub norm_1: WeightBias<T>,
     /// The q, k, v projection.
     pub qkv: WeightBias<T>,
-    /// Attention's output projection `[d, d]`.
+    /// The norm of each head's q (Qwen3), its weight `[head_dim]`.
+    pub q_norm: Option<WeightBias<T>>,
+    /// The norm of each head's k (Qwen3).
+    pub k_norm: Option<WeightBias<T>>,
+    /// Attention's output projection `[heads·head_dim, d]`.
     pub attn_out: WeightBias<T>,
     /// The norm before the MLP.
     pub norm_2: WeightBias<T>,
@@ -158,6 +166,9 @@ impl<T> BlockParams<T> {
         let mut v = Vec::with_capacity(12);
         self.norm_1.push_into(&mut v);
         self.qkv.push_into(&mut v);
+        for n in [self.q_norm, self.k_norm].into_iter().flatten() {
+            n.push_into(&mut v);
+        }
         self.attn_out.push_into(&mut v);
         self.norm_2.push_into(&mut v);
         self.mlp_in.push_into(&mut v);
@@ -166,16 +177,23 @@ impl<T> BlockParams<T> {
     }
 
     /// From the flat order; an error unless there are exactly as many as
-    /// `layout` says (6 weights and each bias it has: GPT-2 12).
+    /// `layout` says (6 weights, Qwen3's 2 norms, and each bias: GPT-2 12).
     pub fn from_vec(v: Vec<T>, layout: ParamLayout) -> Result<Self> {
         let n = layout.norm_biases;
         let [qkv, attn_out, mlp_in, mlp_out] = layout.linear_biases;
         let biases = 2 * usize::from(n) + layout.linear_biases.iter().filter(|&&b| b).count();
-        exactly(v, 6 + biases, "a block", |it| {
+        let qk_norms = 2 * usize::from(layout.qk_norms);
+        let qk_norm = |it: &mut std::vec::IntoIter<T>| match layout.qk_norms {
+            true => WeightBias::take(it, false).map(Some),
+            false => Some(None),
+        };
+        exactly(v, 6 + qk_norms + biases, "a block", |it| {
             // Struct fields are evaluated in the order written.
             Some(BlockParams {
                 norm_1: WeightBias::take(it, n)?,
                 qkv: WeightBias::take(it, qkv)?,
+                q_norm: qk_norm(it)?,
+                k_norm: qk_norm(it)?,
                 attn_out: WeightBias::take(it, attn_out)?,
                 norm_2: WeightBias::take(it, n)?,
                 mlp_in: WeightBias::take(it, mlp_in)?,
@@ -232,12 +250,14 @@ mod tests {
     const GPT: ParamLayout = ParamLayout {
         norm_biases: true,
         linear_biases: [true; 4],
+        qk_norms: false,
         positions: true,
         lm_head: false,
     };
     const LLAMA: ParamLayout = ParamLayout {
         norm_biases: false,
         linear_biases: [false; 4],
+        qk_norms: false,
         positions: false,
         lm_head: true,
     };
@@ -289,5 +309,19 @@ mod tests {
         );
         assert_eq!(q.into_vec(), (0..7).collect::<Vec<_>>());
         assert!(BlockParams::from_vec((0..6).collect::<Vec<_>>(), qwen2).is_err());
+        // Qwen3: LLaMA with q and k norms after the q, k, v projection.
+        let qwen3 = ParamLayout {
+            qk_norms: true,
+            ..LLAMA
+        };
+        let q = BlockParams::from_vec((0..8).collect::<Vec<_>>(), qwen3).unwrap();
+        let norm = |n: Option<WeightBias<usize>>| n.map(|n| (n.weight, n.bias));
+        assert_eq!(
+            (q.qkv.weight, norm(q.q_norm.clone()), norm(q.k_norm.clone())),
+            (1, Some((2, None)), Some((3, None)))
+        );
+        assert_eq!(q.attn_out.weight, 4);
+        assert_eq!(q.into_vec(), (0..8).collect::<Vec<_>>());
+        assert!(BlockParams::from_vec((0..7).collect::<Vec<_>>(), qwen3).is_err());
     }
 }
