@@ -297,14 +297,14 @@ pub fn block_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
     // attention output, x + attn, second norm, the MLP's hidden layer before
     // and after its activation (GPT-2: 4d each, 16 d per token; LLaMA: gate
     // and up before, their product after). Attention probabilities are
-    // recomputed in backward, not kept. Qwen3's q and k norms keep q and k
-    // before them too.
+    // recomputed in backward, not kept. Qwen3's q and k norms keep the
+    // projection's output before them too.
     let hidden = match m.kind {
         crate::spec::ModelKind::Gpt => 2 * f,
         crate::spec::ModelKind::Llama => 3 * f,
     };
     let before_qk_norms = match m.qk_normed() {
-        true => (m.n_heads + m.kv_heads()) * m.head_dim(),
+        true => m.qkv_width(),
         false => 0,
     };
     let per_token = 4 * d + m.attn_width() + m.qkv_width() + before_qk_norms + hidden;

@@ -35,7 +35,8 @@ use crate::linear::{
     self, f32s, BlockLinear, BlockNorm, BlockSource, Input, OutputGrad, Products, Store, Whole,
 };
 use crate::llama_ops::{
-    rms_norm, rms_norm_backward, rms_norm_bf16, rope, rope_from, swiglu, swiglu_backward,
+    qk_norm, qk_norm_backward, rms_norm, rms_norm_backward, rms_norm_bf16, rope, rope_from, swiglu,
+    swiglu_backward,
 };
 use crate::ops::{
     cross_entropy, gelu, gelu_and_slope, gelu_backward_bf16_of_input, gelu_backward_by_slope,
@@ -101,9 +102,8 @@ pub struct GroupSpec {
 pub struct BlockActs {
     rows: Tensor,
     a1: Tensor,
-    /// Qwen3: each head's q and k before their norms, `[rows·heads, hd]`
-    /// and `[rows·kv, hd]`.
-    qk_unnormed: Option<(Tensor, Tensor)>,
+    /// Qwen3: q, k and v before the norms of q and k.
+    qk_unnormed: Option<Tensor>,
     qkv: Tensor,
     att: Tensor,
     rows1: Tensor,
@@ -672,56 +672,50 @@ impl Gpt {
     }
 
     /// Qwen3's norms of each head's q and k in `qkv` rows `[n, (h + 2·kv)·hd]`
-    /// (v passes through), and what their backward reads: q and k before
-    /// them, a head a row.
-    #[allow(clippy::type_complexity)]
+    /// (v passes through): [`qk_norm`]'s one pass, or for autograd's
+    /// reference [`rms_norm`] on each head, composed.
     fn qk_norm_forward<S: BlockSource>(
         &self,
         src: &mut S,
         qkv: &Tensor,
-    ) -> std::result::Result<(Tensor, Option<(Tensor, Tensor)>), S::Error> {
+    ) -> std::result::Result<Tensor, S::Error> {
+        let (wq, wk) = (
+            src.norm(BlockNorm::Q)?.weight,
+            src.norm(BlockNorm::K)?.weight,
+        );
+        let (h, eps) = (self.cfg.n_heads, self.cfg.norm_eps());
+        if !qkv.track_op() {
+            return Ok(qk_norm(qkv, &wq, &wk, h, eps)?);
+        }
         let (n, _) = qkv.dims2()?;
-        let (h, kv, hd) = (self.cfg.n_heads, self.cfg.kv_heads(), self.cfg.head_dim());
-        let mut norm = |which: BlockNorm, first: usize, heads: usize| {
-            let x = qkv
-                .narrow(1, first * hd, heads * hd)?
-                .contiguous()?
-                .reshape((n * heads, hd))?;
-            let y = self.norm(&x, &src.norm(which)?)?.reshape((n, heads * hd))?;
-            Ok::<_, S::Error>((y, x))
+        let (kv, hd) = (self.cfg.kv_heads(), self.cfg.head_dim());
+        let norm = |w: &Tensor, first: usize, heads: usize| {
+            let x = qkv.narrow(1, first * hd, heads * hd)?;
+            rms_norm(&x.reshape((n * heads, hd))?, w, eps)?.reshape((n, heads * hd))
         };
-        let (q, q_unnormed) = norm(BlockNorm::Q, 0, h)?;
-        let (k, k_unnormed) = norm(BlockNorm::K, h, kv)?;
         let v = qkv.narrow(1, (h + kv) * hd, kv * hd)?;
-        let qkv = Tensor::cat(&[q, k, v], 1)?;
-        Ok((qkv, Some((q_unnormed, k_unnormed))))
+        Ok(Tensor::cat(&[norm(&wq, 0, h)?, norm(&wk, h, kv)?, v], 1)?)
     }
 
-    /// [`Gpt::qk_norm_forward`]'s backward from `dqkv` (rows, after the
-    /// rotary embedding's backward): hands the norms' gradients over,
-    /// returns the gradient of the projection's output.
+    /// [`Gpt::qk_norm_forward`]'s backward from its input `qkv` and `dqkv`
+    /// (rows, after the rotary embedding's backward): hands the norms'
+    /// gradients over, returns the gradient of the projection's output.
     fn qk_norm_backward<S: BlockSource>(
         &self,
         src: &mut S,
-        q_unnormed: &Tensor,
-        k_unnormed: &Tensor,
+        qkv: &Tensor,
         dqkv: &Tensor,
     ) -> std::result::Result<Tensor, S::Error> {
-        let (n, _) = dqkv.dims2()?;
-        let (h, kv, hd) = (self.cfg.n_heads, self.cfg.kv_heads(), self.cfg.head_dim());
-        let mut backward = |which: BlockNorm, x: &Tensor, first: usize, heads: usize| {
-            let dy = dqkv
-                .narrow(1, first * hd, heads * hd)?
-                .contiguous()?
-                .reshape((n * heads, hd))?;
-            let (dx, grad) = self.norm_backward(x, &src.norm(which)?, &dy, None)?;
-            src.norm_grad(which, grad)?;
-            Ok::<_, S::Error>(dx.reshape((n, heads * hd))?)
-        };
-        let dq = backward(BlockNorm::Q, q_unnormed, 0, h)?;
-        let dk = backward(BlockNorm::K, k_unnormed, h, kv)?;
-        let dv = dqkv.narrow(1, (h + kv) * hd, kv * hd)?;
-        Ok(Tensor::cat(&[dq, dk, dv], 1)?)
+        let (wq, wk) = (
+            src.norm(BlockNorm::Q)?.weight,
+            src.norm(BlockNorm::K)?.weight,
+        );
+        let (h, eps) = (self.cfg.n_heads, self.cfg.norm_eps());
+        let (dx, dwq, dwk) = qk_norm_backward(qkv, &wq, &wk, dqkv, h, eps)?;
+        for (which, weight) in [(BlockNorm::Q, dwq), (BlockNorm::K, dwk)] {
+            src.norm_grad(which, WeightBias { weight, bias: None })?;
+        }
+        Ok(dx)
     }
 
     /// LLaMA's rotary embedding of q and k (`inverse`: its backward); GPT-2's
@@ -860,7 +854,7 @@ impl Gpt {
         };
         let qkv = linear_to(src, BlockLinear::Qkv, &a1, None, half_store)?;
         let (qkv, qk_unnormed) = match self.cfg.qk_normed() {
-            true => self.qk_norm_forward(src, &qkv)?,
+            true => (self.qk_norm_forward(src, &qkv)?, Some(qkv)),
             false => (qkv, None),
         };
         let qkv = self.rotate_from(qkv.reshape((b, t, self.cfg.qkv_width()))?, start)?;
@@ -965,7 +959,7 @@ impl Gpt {
             .rotate(dqkv, true)?
             .reshape((b * t, self.cfg.qkv_width()))?;
         let dqkv = match &acts.qk_unnormed {
-            Some((q, k)) => self.qk_norm_backward(src, q, k, &dqkv)?,
+            Some(qkv) => self.qk_norm_backward(src, qkv, &dqkv)?,
             None => dqkv,
         };
         let da1 = linear(src, BlockLinear::Qkv, &acts.a1, OutputGrad::F32(dqkv))?;

@@ -10,6 +10,10 @@
 //! - RMSNorm: `y = x / sqrt(mean(x²) + eps) · w`; backward
 //!   `dx = r · (g − x̂ · mean(g · x̂))` with `g = dy · w`, `x̂ = x · r`, and
 //!   `dw = Σ dy · x̂` summed per task and added in task order.
+//! - Qwen3's norms of q and k: RMSNorm of each head of q and of k inside
+//!   the q, k, v rows, v copied, in one pass each way (composed of narrows,
+//!   copies and a concatenation it was three passes forward and four back,
+//!   13% of a small model's step; see [`qk_norm`]).
 //! - SwiGLU on `[gate | up]` side by side: `y = silu(gate) · up`.
 //! - Rotary embeddings in Hugging Face's layout (the two halves of each head
 //!   rotate together, `rotate_half`), so that exported q/k weights load into
@@ -174,23 +178,13 @@ impl RmsNormGrad {
                         for (k, (row, out)) in
                             x.chunks_exact(d).zip(dx.chunks_exact_mut(d)).enumerate()
                         {
-                            let dyr = &dy[k * d..][..d];
-                            let r = rms_inv(row, self.eps);
-                            let each = xhat.iter_mut().zip(g.iter_mut()).zip(dw.iter_mut());
-                            for (((xh, g), dw), ((&v, &dy), &w)) in
-                                each.zip(row.iter().zip(dyr).zip(w))
-                            {
-                                *xh = v * r;
-                                *g = dy * w;
-                                *dw += dy * *xh;
-                            }
-                            let gx_mean = sum_lanes([&g, &xhat], |[g, xh]| g * xh) / d as f32;
-                            write_row(
-                                out,
-                                residual.map(|res| &res[k * d..][..d]),
-                                [&g, &xhat],
-                                |[g, xh]| r * (g - xh * gx_mean),
-                            );
+                            let rows = RowGrad {
+                                x: row,
+                                dy: &dy[k * d..][..d],
+                                w,
+                                residual: residual.map(|res| &res[k * d..][..d]),
+                            };
+                            rows.write(self.eps, [&mut xhat, &mut g], &mut dw, out);
                         }
                         dw
                     },
@@ -209,6 +203,209 @@ impl RmsNormGrad {
 }
 
 crate::ops::norm_backward_ops!(RmsNormGrad);
+
+/// One row of RMSNorm's backward: its input, output gradient, weight and
+/// the residual to add to dx, if any.
+struct RowGrad<'a> {
+    x: &'a [f32],
+    dy: &'a [f32],
+    w: &'a [f32],
+    residual: Option<&'a [f32]>,
+}
+
+impl RowGrad<'_> {
+    /// Writes the row's dx into `out` and adds its `dy · x̂` into `dw`;
+    /// `scratch` holds x̂ and `g = dy · w` (each as wide as the row).
+    #[inline(always)]
+    fn write(
+        &self,
+        eps: f32,
+        scratch: [&mut [f32]; 2],
+        dw: &mut [f32],
+        out: &mut [MaybeUninit<f32>],
+    ) {
+        let [xhat, g] = scratch;
+        let r = rms_inv(self.x, eps);
+        let each = xhat.iter_mut().zip(g.iter_mut()).zip(dw.iter_mut());
+        for (((xh, g), dw), ((&v, &dy), &w)) in each.zip(self.x.iter().zip(self.dy).zip(self.w)) {
+            *xh = v * r;
+            *g = dy * w;
+            *dw += dy * *xh;
+        }
+        let gx_mean = sum_lanes([g, xhat], |[g, xh]| g * xh) / self.x.len() as f32;
+        write_row(out, self.residual, [g, xhat], |[g, xh]| {
+            r * (g - xh * gx_mean)
+        });
+    }
+}
+
+/// Qwen3's norms of q and k: in `qkv` rows `[n, (heads + 2·kv)·hd]`, every
+/// head of q RMS-normalised and scaled by `wq` `[hd]`, every head of k by
+/// `wk`, v copied: one pass over the rows (each head's values are
+/// [`rms_norm`]'s of that head alone, bit for bit). No candle backward:
+/// autograd's reference composes [`rms_norm`] on each head, and the
+/// model's backward is [`qk_norm_backward`].
+///
+/// Bound: the composed form read and wrote q and k three times and the
+/// whole row twice forward (narrow to a copy, the norm, the
+/// concatenation), each into a fresh buffer; this reads and writes the row
+/// once.
+pub fn qk_norm(qkv: &Tensor, wq: &Tensor, wk: &Tensor, heads: usize, eps: f64) -> Result<Tensor> {
+    let (n, width) = qkv.dims2()?;
+    let (qkv, wq, wk) = (qkv.contiguous()?, wq.contiguous()?, wk.contiguous()?);
+    let ((xs, xl), (qs, ql), (ks, kl)) = (
+        qkv.storage_and_layout(),
+        wq.storage_and_layout(),
+        wk.storage_and_layout(),
+    );
+    let x = cpu_f32("qk norm", &xs, xl)?;
+    let (wq, wk) = (cpu_f32("qk norm", &qs, ql)?, cpu_f32("qk norm", &ks, kl)?);
+    let heads = QkHeads::new(width, heads, wq, wk)?;
+    let eps = eps as f32;
+    let mut y = uninit_floats(x.len());
+    par_rows(
+        x,
+        &mut y,
+        width,
+        #[inline(always)]
+        |x, y| {
+            for (row, out) in x.chunks_exact(width).zip(y.chunks_exact_mut(width)) {
+                let (qk, v) = row.split_at(heads.qk);
+                let (out_qk, out_v) = out.split_at_mut(heads.qk);
+                for (i, (head, out)) in qk
+                    .chunks_exact(heads.hd)
+                    .zip(out_qk.chunks_exact_mut(heads.hd))
+                    .enumerate()
+                {
+                    let w = heads.weight(i, wq, wk);
+                    let r = rms_inv(head, eps);
+                    write_row(out, None, [head, w], |[v, w]| v * r * w);
+                }
+                write_row(out_v, None, [v], |[v]| v);
+            }
+        },
+    );
+    // SAFETY: the rows cover x (its shape is [n, width]), and so y, whole.
+    let y = unsafe { assume_init(y) };
+    Tensor::from_vec(y, (n, width), qkv.device())
+}
+
+/// [`qk_norm`]'s backward from its input `qkv` and the gradient `dy` of its
+/// output: (dqkv, dwq, dwk), each head's dx as [`rms_norm_backward`]'s of
+/// it alone, v's gradient passed through; the weights' gradients summed
+/// per task of rows (a fixed partition: the same bits on any number of
+/// threads) and added in task order.
+pub fn qk_norm_backward(
+    qkv: &Tensor,
+    wq: &Tensor,
+    wk: &Tensor,
+    dy: &Tensor,
+    heads: usize,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (n, width) = qkv.dims2()?;
+    if dy.dims() != qkv.dims() {
+        candle_core::bail!("qk norm backward: dy {:?}, qkv {:?}", dy.dims(), qkv.dims());
+    }
+    let (qkv, dy) = (qkv.contiguous()?, dy.contiguous()?);
+    let (wq, wk) = (wq.contiguous()?, wk.contiguous()?);
+    let ((xs, xl), (ds, dl)) = (qkv.storage_and_layout(), dy.storage_and_layout());
+    let ((qs, ql), (ks, kl)) = (wq.storage_and_layout(), wk.storage_and_layout());
+    let (x, dy) = (cpu_f32("qk norm", &xs, xl)?, cpu_f32("qk norm", &ds, dl)?);
+    let (wq, wk) = (cpu_f32("qk norm", &qs, ql)?, cpu_f32("qk norm", &ks, kl)?);
+    let heads = QkHeads::new(width, heads, wq, wk)?;
+    let (hd, eps) = (heads.hd, eps as f32);
+    let mut dx = uninit_floats(x.len());
+    let per = ROWS_PER_TASK * width;
+    let partials: Vec<Vec<f32>> = dx
+        .par_chunks_mut(per)
+        .enumerate()
+        .with_max_len(1)
+        .map(|(task, dx)| {
+            let span = task * per..task * per + dx.len();
+            let (x, dy) = (&x[span.clone()], &dy[span]);
+            vectorised(
+                #[inline(always)]
+                || {
+                    // dwq then dwk.
+                    let mut dw = vec![0f32; 2 * hd];
+                    let (mut xhat, mut g) = (vec![0f32; hd], vec![0f32; hd]);
+                    let rows = x.chunks_exact(width).zip(dy.chunks_exact(width));
+                    for ((row, dyr), out) in rows.zip(dx.chunks_exact_mut(width)) {
+                        let (out_qk, out_v) = out.split_at_mut(heads.qk);
+                        let each = row[..heads.qk]
+                            .chunks_exact(hd)
+                            .zip(dyr[..heads.qk].chunks_exact(hd))
+                            .zip(out_qk.chunks_exact_mut(hd));
+                        for (i, ((x, dy), out)) in each.enumerate() {
+                            let grad = RowGrad {
+                                x,
+                                dy,
+                                w: heads.weight(i, wq, wk),
+                                residual: None,
+                            };
+                            let dw = &mut dw[usize::from(i >= heads.q) * hd..][..hd];
+                            grad.write(eps, [&mut xhat, &mut g], dw, out);
+                        }
+                        write_row(out_v, None, [&dyr[heads.qk..]], |[d]| d);
+                    }
+                    dw
+                },
+            )
+        })
+        .collect();
+    // SAFETY: the tasks wrote every row of dx.
+    let dx = unsafe { assume_init(dx) };
+    let mut dw = vec![0f32; 2 * hd];
+    for p in &partials {
+        dw.iter_mut().zip(p).for_each(|(t, v)| *t += v);
+    }
+    let dev = qkv.device();
+    let (dwq, dwk) = dw.split_at(hd);
+    Ok((
+        Tensor::from_vec(dx, (n, width), dev)?,
+        Tensor::from_slice(dwq, hd, dev)?,
+        Tensor::from_slice(dwk, hd, dev)?,
+    ))
+}
+
+/// Where q's and k's heads lie in a q, k, v row, checked against the
+/// weights: `q` heads of `hd`, then k's, their `qk` values before v's.
+struct QkHeads {
+    q: usize,
+    hd: usize,
+    qk: usize,
+}
+
+impl QkHeads {
+    fn new(width: usize, heads: usize, wq: &[f32], wk: &[f32]) -> Result<QkHeads> {
+        let hd = wq.len();
+        // heads·hd of q, then kv·hd of k and of v.
+        let kv_width = width.checked_sub(heads * hd).unwrap_or(usize::MAX) / 2;
+        if hd == 0 || wk.len() != hd || kv_width == 0 || heads * hd + 2 * kv_width != width {
+            candle_core::bail!(
+                "qk norm: rows of {width} are not {heads} heads of q ({} wide norm), then k and v ({} wide norm)",
+                wq.len(),
+                wk.len()
+            );
+        }
+        Ok(QkHeads {
+            q: heads,
+            hd,
+            qk: heads * hd + kv_width,
+        })
+    }
+
+    /// Head `i`'s weight: q's, then k's.
+    #[inline(always)]
+    fn weight<'a>(&self, i: usize, wq: &'a [f32], wk: &'a [f32]) -> &'a [f32] {
+        if i < self.q {
+            wq
+        } else {
+            wk
+        }
+    }
+}
 
 /// `silu(gate) · up` of `h` `[n, 2f]` holding gate and up side by side: `[n, f]`.
 pub fn swiglu(h: &Tensor) -> Result<Tensor> {
@@ -482,7 +679,7 @@ impl CustomOp1 for Rope {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var, D};
+    use candle_core::{DType, Device, Var, D};
 
     #[test]
     fn rms_norm_in_bf16_is_rms_norm_rounded_as_bf16_products_round() {
@@ -568,6 +765,66 @@ mod tests {
             },
             1e-5,
         );
+    }
+
+    /// Qwen3's fused norms of q and k against [`rms_norm`] and
+    /// [`rms_norm_backward`] on each head alone: the forward and dqkv to
+    /// the bit (the same arithmetic per head), the weights' gradients
+    /// within rounding (summed over rows in other groups), at head widths
+    /// with and without a tail, grouped-query heads (4 on 2 and 3 on 1),
+    /// and row counts that end inside a task. A head's weight taken for
+    /// another's, or v normed, is far off.
+    #[test]
+    fn qk_norm_is_rms_norm_on_each_head() {
+        let dev = Device::Cpu;
+        let per_head = |x: &Tensor, first: usize, heads: usize, hd: usize| {
+            let n = x.dim(0).unwrap();
+            let part = x.narrow(1, first * hd, heads * hd).unwrap();
+            part.contiguous().unwrap().reshape((n * heads, hd)).unwrap()
+        };
+        for (rows, heads, kv, hd) in [(37, 4, 2, 6), (70, 3, 1, 32), (5, 2, 2, 128)] {
+            let width = (heads + 2 * kv) * hd;
+            let t = |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, &dev).unwrap();
+            let x = t(wave(rows * width, 7), &[rows, width]);
+            let dy = t(wave(rows * width, 5), &[rows, width]);
+            let (wq, wk) = (t(wave(hd, 3), &[hd]), t(wave(hd, 11), &[hd]));
+            let y = qk_norm(&x, &wq, &wk, heads, 1e-6).unwrap();
+            let (dx, dwq, dwk) = qk_norm_backward(&x, &wq, &wk, &dy, heads, 1e-6).unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                v.into_iter().map(f32::to_bits).collect()
+            };
+            let shape = format!("{rows} rows, {heads} heads on {kv}, hd {hd}");
+            for (first, n, w, dw) in [(0, heads, &wq, &dwq), (heads, kv, &wk, &dwk)] {
+                let (xh, dyh) = (per_head(&x, first, n, hd), per_head(&dy, first, n, hd));
+                let want = rms_norm(&xh, w, 1e-6).unwrap();
+                assert_eq!(bits(&per_head(&y, first, n, hd)), bits(&want), "{shape}");
+                let (want_dx, want_dw) = rms_norm_backward(&xh, w, &dyh, 1e-6, None).unwrap();
+                assert_eq!(
+                    bits(&per_head(&dx, first, n, hd)),
+                    bits(&want_dx),
+                    "{shape}"
+                );
+                let scale = 1.0
+                    + want_dw
+                        .abs()
+                        .unwrap()
+                        .max(0)
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap();
+                assert!(max_diff(dw, &want_dw) <= 1e-6 * scale, "{shape}: dw");
+            }
+            // v passes through, both ways.
+            let v = (heads + kv) * hd..width;
+            let cols = |t: &Tensor| t.narrow(1, v.start, v.len()).unwrap();
+            assert_eq!(bits(&cols(&y)), bits(&cols(&x)), "{shape}");
+            assert_eq!(bits(&cols(&dx)), bits(&cols(&dy)), "{shape}");
+        }
+        let x = Tensor::zeros((2, 24), DType::F32, &dev).unwrap();
+        let w = Tensor::ones(4, DType::F32, &dev).unwrap();
+        let e = qk_norm(&x, &w, &w.narrow(0, 0, 2).unwrap(), 2, 1e-6).unwrap_err();
+        assert!(e.to_string().contains("rows of 24 are not 2 heads"), "{e}");
     }
 
     #[test]
