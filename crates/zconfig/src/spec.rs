@@ -737,7 +737,7 @@ impl std::str::FromStr for JobSpec {
 impl JobSpec {
     /// What of this job the GPU path (`device: cuda`) cannot run, or
     /// `None`: the GPU model is GPT-2's or LLaMA's family (Qwen2's q, k and
-    /// v biases included, not Qwen3's q and k norms or wider heads) with
+    /// v biases included, Qwen3's q and k norms and wider heads too) with
     /// whole linears
     /// (its products in f32 or TF32, on 16-bit working parameters under
     /// bf16/f16). NVMe offload and ZeRO++ run in the GPU's host flow, on
@@ -745,13 +745,6 @@ impl JobSpec {
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
-        }
-        let m = &self.model;
-        if m.qk_normed() || m.attn_width() != m.d_model {
-            return Some(
-                "the GPU model has neither Qwen3's q and k norms nor heads wider than d_model / n_heads: drop model.qk_norm and model.head_dim, or run it on the CPU"
-                    .into(),
-            );
         }
         None
     }
@@ -765,7 +758,7 @@ impl JobSpec {
     /// older than compute capability 8.0 runs the unfused path whatever
     /// this says.
     pub fn gpu_attention_fused(&self, setting: Option<&str>) -> bool {
-        let hd = self.model.d_model / self.model.n_heads.max(1);
+        let hd = self.model.head_dim();
         match setting {
             Some("fused") => true,
             None | Some("auto") => self.fused_attention_unsupported().is_none() && hd <= 64,
@@ -778,7 +771,7 @@ impl JobSpec {
     /// (bf16 or f16, or TF32), and has kernels for head widths 16, 32 and
     /// 64, and 128 in 16 bits.
     pub fn fused_attention_unsupported(&self) -> Option<String> {
-        let hd = self.model.d_model / self.model.n_heads.max(1);
+        let hd = self.model.head_dim();
         let f32 = self.train.dtype == Dtype::F32;
         if f32 && !self.train.allow_tf32 {
             Some(
@@ -795,7 +788,7 @@ impl JobSpec {
         } else if ![16, 32, 64, 128].contains(&hd) {
             Some(format!(
                 "ZRUN_GPU_ATTENTION=fused has kernels for head widths 16, 32, 64 and 128; \
-                 model.d_model / model.n_heads is {hd}"
+                 the model's is {hd}"
             ))
         } else {
             None
@@ -919,27 +912,6 @@ mod finite {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The GPU runs LLaMA's heads of d_model / n_heads, said or not, and
-    /// refuses Qwen3's norms and wider heads (and tiles).
-    #[test]
-    fn the_gpu_refuses_qwen3s_attention_only() {
-        let job = |model: &str| -> JobSpec {
-            format!("model: {{kind: llama, d_model: 32, n_heads: 4, {model}}}\ndata: {{format: synthetic}}\n")
-                .parse()
-                .unwrap()
-        };
-        for (model, refused) in [
-            ("", false),
-            ("head_dim: 8", false),
-            ("head_dim: 16", true),
-            ("qk_norm: true", true),
-            ("qk_norm: false", false),
-            ("tile_size: 512", true),
-        ] {
-            assert_eq!(job(model).gpu_unsupported().is_some(), refused, "{model}");
-        }
-    }
 
     #[test]
     fn env_values_may_be_scalars() {

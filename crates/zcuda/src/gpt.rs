@@ -50,6 +50,10 @@ pub enum Family {
         /// Whether the q, k and v projection has a bias (Qwen2 and Qwen2.5;
         /// zconfig's `model.qkv_bias`), added before the rotation.
         qkv_bias: bool,
+        /// Whether each head's q and k are RMS-normalised before the
+        /// rotation (Qwen3; zconfig's `model.qk_norm`), a weight of
+        /// `head_dim` each after the q, k and v projection's parameters.
+        qk_norm: bool,
         /// The rotary embeddings' base.
         rope_theta: f64,
         /// Their scaling for a longer context, if any.
@@ -64,8 +68,11 @@ pub struct GptShape {
     pub family: Family,
     /// Model width.
     pub d_model: usize,
-    /// Attention heads (dividing `d_model`).
+    /// Attention heads.
     pub n_heads: usize,
+    /// The width of a head (`d_model / n_heads` but in Qwen3's wider
+    /// heads, zconfig's `model.head_dim`).
+    pub head_dim: usize,
     /// The MLP's hidden width.
     pub ffn: usize,
     /// Vocabulary (rows of the token embedding).
@@ -90,7 +97,17 @@ impl GptShape {
     }
 
     fn head_dim(&self) -> usize {
-        self.d_model / self.n_heads
+        self.head_dim
+    }
+
+    /// Width of attention's output: the query heads side by side.
+    fn attn_width(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// Whether the block has Qwen3's norms of q and k.
+    fn qk_norm(&self) -> bool {
+        matches!(self.family, Family::Llama { qk_norm: true, .. })
     }
 
     /// Whether each of a block's [`PARTS`] has a bias (zconfig's
@@ -137,6 +154,8 @@ type Part<'w> = (Weight<'w>, Option<&'w CudaSlice<f32>>);
 /// A block's parameters by part: each part's weight and bias, where it has one.
 struct BlockWeights<'w> {
     parts: [Part<'w>; PARTS],
+    /// Qwen3's norms of q and k: their weights.
+    qk_norms: Option<[&'w CudaSlice<f32>; 2]>,
 }
 
 /// A weight tensor as the model reads it: its f32 values, and where the
@@ -307,6 +326,8 @@ pub struct BlockActs {
     x: Rows,
     a1: Kept,
     stats1: Stats,
+    /// Qwen3: q's and k's heads before their norms, and their 1/rms.
+    qk: Option<[(CudaSlice<f32>, Stats); 2]>,
     attention: Attention,
     rows1: CudaSlice<f32>,
     a2: Kept,
@@ -527,10 +548,10 @@ impl GptGpu {
     /// Opens GPU `ordinal` (kernels compiled, a cuBLAS handle on its stream)
     /// for a model of `shape`.
     pub fn open(ordinal: usize, shape: GptShape) -> Result<GptGpu, CudaError> {
-        if shape.n_heads == 0 || !shape.d_model.is_multiple_of(shape.n_heads) {
+        if shape.n_heads == 0 || shape.head_dim == 0 {
             return Err(CudaError::Invalid(format!(
-                "{} heads do not divide d_model {}",
-                shape.n_heads, shape.d_model
+                "{} heads of {}: no attention",
+                shape.n_heads, shape.head_dim
             )));
         }
         let kv = shape.kv_heads();
@@ -689,22 +710,33 @@ impl GptGpu {
     /// each part's weight and its bias where it has one ([`GptShape::part_biases`]).
     fn block_params<'w>(&self, w: &'w Weights) -> Result<BlockWeights<'w>, CudaError> {
         let (d, f, q) = (self.shape.d_model, self.shape.ffn, self.shape.qkv_width());
-        let fi = self.shape.mlp_in_width();
+        let (fi, aw, hd) = (
+            self.shape.mlp_in_width(),
+            self.shape.attn_width(),
+            self.shape.head_dim(),
+        );
         // Each part's weight and output width (its bias's length).
         let parts = [
             (d, d),
             (d * q, q),
-            (d * d, d),
+            (aw * d, d),
             (d, d),
             (d * fi, fi),
             (f * d, d),
         ];
         let biases = self.shape.part_biases();
-        let want: Vec<usize> = parts
-            .iter()
-            .zip(biases)
-            .flat_map(|(&(w, b), biased)| std::iter::once(w).chain(biased.then_some(b)))
-            .collect();
+        // Each part's first tensor, and Qwen3's q and k norms after qkv's.
+        let qk_norms = usize::from(self.shape.qk_norm()) * 2;
+        let mut first = [0; PARTS];
+        let mut want = Vec::new();
+        for (k, (&(w, b), biased)) in parts.iter().zip(biases).enumerate() {
+            first[k] = want.len();
+            want.push(w);
+            want.extend(biased.then_some(b));
+            if k == 1 {
+                want.extend(std::iter::repeat_n(hd, qk_norms));
+            }
+        }
         let have: Vec<usize> = (0..w.tensors()).map(|i| w.tensor_len(i)).collect();
         if have != want {
             return Err(CudaError::Invalid(format!(
@@ -712,17 +744,19 @@ impl GptGpu {
                 self.shape.family
             )));
         }
-        // Where each part's weight lies: after the parts before it and
-        // their biases.
-        let first = |k: usize| k + biases[..k].iter().filter(|&&b| b).count();
+        let qk_at = first[2] - qk_norms;
         Ok(BlockWeights {
             parts: std::array::from_fn(|k| {
-                let weight = w.weight(first(k), self.half_products);
+                let weight = w.weight(first[k], self.half_products);
                 let bias = biases[k]
-                    .then(|| w.p.get(first(k) + 1).and_then(|b| b.as_ref()))
+                    .then(|| w.p.get(first[k] + 1).and_then(|b| b.as_ref()))
                     .flatten();
                 (weight, bias)
             }),
+            qk_norms: match qk_norms {
+                0 => None,
+                _ => Some([w.part(qk_at)?, w.part(qk_at + 1)?]),
+            },
         })
     }
 
@@ -877,13 +911,18 @@ impl GptGpu {
             self.shape.mlp_in_width(),
         );
         let (b, t) = x.dims();
-        let n = b * t;
-        let [norm1, qkv_w, out_w, norm2, in_w, mlp_out] = self.block_params(w)?.parts;
+        let (n, aw) = (b * t, self.shape.attn_width());
+        let weights = self.block_params(w)?;
+        let [norm1, qkv_w, out_w, norm2, in_w, mlp_out] = weights.parts;
         let (a1, stats1) = self.norm(&x.buf, norm1, n)?;
         let mut qkv = self.linear(a1.operand(d), n, d, qkv_w, q, None)?;
+        let qk = match weights.qk_norms {
+            Some(w) => Some(self.qk_norm(&mut qkv, w, b, t)?),
+            None => None,
+        };
         self.rotate(&mut qkv, b, t, 1.0)?;
         let attention = self.attention(qkv, b, t)?;
-        let rows1 = self.linear(attention.operand(d), n, d, out_w, d, Some(&x.buf))?;
+        let rows1 = self.linear(attention.operand(aw), n, aw, out_w, d, Some(&x.buf))?;
         let (a2, stats2) = self.norm(&rows1, norm2, n)?;
         let f = self.shape.ffn;
         // The MLP's first bias goes into GELU (and its backward), not into
@@ -895,6 +934,7 @@ impl GptGpu {
             x,
             a1,
             stats1,
+            qk,
             attention,
             rows1,
             a2,
@@ -919,8 +959,9 @@ impl GptGpu {
             self.shape.mlp_in_width(),
         );
         let (b, t) = dy.dims();
-        let n = b * t;
-        let [norm1, qkv_w, out_w, norm2, in_w, mlp_out] = self.block_params(w)?.parts;
+        let (n, aw) = (b * t, self.shape.attn_width());
+        let weights = self.block_params(w)?;
+        let [norm1, qkv_w, out_w, norm2, in_w, mlp_out] = weights.parts;
         let dy = &dy.buf;
         // Each part's (weight, bias) gradients, filled from the last part.
         let mut grads: [Option<PartGrads>; PARTS] = Default::default();
@@ -941,25 +982,33 @@ impl GptGpu {
             self.norm_backward(&acts.rows1, norm2, &acts.stats2, &da2, Some(dy), n)?;
         grads[3] = Some((dw, db));
         // rows1 = x + att·W_o (+ b_o)
-        let att = acts.attention.operand(d);
-        let (datt, dw, db) = self.linear_backward(att, n, d, out_w, d, &drows1)?;
+        let att = acts.attention.operand(aw);
+        let (datt, dw, db) = self.linear_backward(att, n, aw, out_w, d, &drows1)?;
         grads[2] = Some((dw, db));
         let mut dqkv = self.attention_backward(&acts.attention, &datt, b, t)?;
         drop(datt);
         // The rotation's backward is the rotation back.
         self.rotate(&mut dqkv, b, t, -1.0)?;
+        let qk_grads = match (&acts.qk, weights.qk_norms) {
+            (Some(kept), Some(w)) => self.qk_norm_backward(&mut dqkv, w, kept, b, t)?,
+            _ => Vec::new(),
+        };
         let (da1, dw, db) = self.linear_backward(acts.a1.operand(d), n, d, qkv_w, q, &dqkv)?;
         grads[1] = Some((dw, db));
         let (dx, dw, db) =
             self.norm_backward(&acts.x.buf, norm1, &acts.stats1, &da1, Some(&drows1), n)?;
         grads[0] = Some((dw, db));
-        let grads = grads
+        let mut grads: Vec<CudaSlice<f32>> = grads
             .into_iter()
             .flat_map(|g| {
                 let (w, b) = g.expect("every part's gradient set");
                 std::iter::once(w).chain(b)
             })
             .collect();
+        // Qwen3's norms of q and k follow the q, k and v projection's.
+        let after_qkv =
+            2 + usize::from(self.shape.part_biases()[0]) + usize::from(self.shape.part_biases()[1]);
+        grads.splice(after_qkv..after_qkv, qk_grads);
         Ok((grads, Rows { buf: dx, b, t }))
     }
 
@@ -1341,7 +1390,10 @@ impl GptGpu {
         let w = w.values()?;
         match b {
             Some(b) => self.layer_norm(x, w, b, n),
-            None => self.rms_norm(x, w, n),
+            None => {
+                let d = self.shape.d_model;
+                self.rms_norm(x, w, n, d, self.kept_output(n * d)?)
+            }
         }
     }
 
@@ -1359,19 +1411,20 @@ impl GptGpu {
         let w = w.values()?;
         match stats {
             Stats::Layer(mean, rstd) => self.layer_norm_backward(x, w, (mean, rstd), dy, dres, n),
-            Stats::Rms(rstd) => self.rms_norm_backward(x, w, rstd, dy, dres, n),
+            Stats::Rms(rstd) => self.rms_norm_backward(x, w, rstd, dy, dres, n, self.shape.d_model),
         }
     }
 
-    /// RMSNorm of `n` rows: the output and 1/rms per row.
+    /// RMSNorm of `n` rows of `d` into `y`: the output and 1/rms per row.
     fn rms_norm(
         &self,
         x: &CudaSlice<f32>,
         w: &CudaSlice<f32>,
         n: usize,
+        d: usize,
+        mut y: Kept,
     ) -> Result<(Kept, Stats), CudaError> {
-        let d = self.shape.d_model;
-        let (mut y, mut rstd) = (self.kept_output(n * d)?, self.alloc(n)?);
+        let mut rstd = self.alloc(n)?;
         let (d32, eps, null) = (d as i32, self.shape.eps, 0u64);
         let mut l = self
             .gpu
@@ -1386,7 +1439,8 @@ impl GptGpu {
         Ok((y, Stats::Rms(rstd)))
     }
 
-    /// RMSNorm's backward: (dx [+ dres], dw).
+    /// RMSNorm's backward over `n` rows of `d`: (dx [+ dres], dw).
+    #[allow(clippy::too_many_arguments)]
     fn rms_norm_backward(
         &self,
         x: &CudaSlice<f32>,
@@ -1395,8 +1449,8 @@ impl GptGpu {
         dy: &CudaSlice<f32>,
         dres: Option<&CudaSlice<f32>>,
         n: usize,
+        d: usize,
     ) -> Result<Backward, CudaError> {
-        let d = self.shape.d_model;
         let mut dx = self.alloc(n * d)?;
         let (d32, n32, null) = (d as i32, n as i32, 0u64);
         let mut l = self
@@ -1437,6 +1491,63 @@ impl GptGpu {
         // holds a zero for each of the grid's stripes.
         self.launched("rms_norm_param_partials", unsafe { l.launch(cfg) })?;
         Ok((dx, dw, None))
+    }
+
+    /// Qwen3's norms of each head's q and k in `qkv` (b·t rows of the q, k
+    /// and v width), in place: q's heads and k's gathered as rows of the
+    /// head width (`[b·heads, t, hd]`, `[b·kv, t, hd]`), RMSNorm of each
+    /// row with `wq` or `wk` (gpt.cu's `rms_norm` at width hd), the result
+    /// written back. Returns the gathered heads and their 1/rms, what the
+    /// backward reads.
+    fn qk_norm(
+        &self,
+        qkv: &mut CudaSlice<f32>,
+        [wq, wk]: [&CudaSlice<f32>; 2],
+        b: usize,
+        t: usize,
+    ) -> Result<[(CudaSlice<f32>, Stats); 2], CudaError> {
+        let (ld, hd) = (self.shape.qkv_width(), self.shape.head_dim());
+        let (h, kv) = (self.shape.n_heads, self.shape.kv_heads());
+        let mut norm = |w, col0: usize, heads: usize| {
+            let x = self.to_heads(qkv, ld, col0, b, t, heads, 1)?;
+            let rows = b * heads * t;
+            let y = Kept::F32(self.alloc(rows * hd)?);
+            let (y, stats) = self.rms_norm(&x, w, rows, hd, y)?;
+            let Kept::F32(y) = y else {
+                unreachable!("written in f32");
+            };
+            self.heads_into_rows(&y, qkv, ld, col0, b, t, heads, 1)?;
+            Ok::<_, CudaError>((x, stats))
+        };
+        Ok([norm(wq, 0, h)?, norm(wk, h * hd, kv)?])
+    }
+
+    /// [`GptGpu::qk_norm`]'s backward, in place on `dqkv` (after the
+    /// rotation's backward): each head's gradient through its norm. Returns
+    /// the weights' gradients, q's then k's.
+    fn qk_norm_backward(
+        &self,
+        dqkv: &mut CudaSlice<f32>,
+        [wq, wk]: [&CudaSlice<f32>; 2],
+        kept: &[(CudaSlice<f32>, Stats); 2],
+        b: usize,
+        t: usize,
+    ) -> Result<Vec<CudaSlice<f32>>, CudaError> {
+        let (ld, hd) = (self.shape.qkv_width(), self.shape.head_dim());
+        let (h, kv) = (self.shape.n_heads, self.shape.kv_heads());
+        let mut backward = |w, (x, stats): &(CudaSlice<f32>, Stats), col0: usize, heads: usize| {
+            let Stats::Rms(rstd) = stats else {
+                unreachable!("RMSNorm's statistics");
+            };
+            let dy = self.to_heads(dqkv, ld, col0, b, t, heads, 1)?;
+            let rows = b * heads * t;
+            let (dx, dw, _) = self.rms_norm_backward(x, w, rstd, &dy, None, rows, hd)?;
+            self.heads_into_rows(&dx, dqkv, ld, col0, b, t, heads, 1)?;
+            Ok::<_, CudaError>(dw)
+        };
+        let dwq = backward(wq, &kept[0], 0, h)?;
+        let dwk = backward(wk, &kept[1], h * hd, kv)?;
+        Ok(vec![dwq, dwk])
     }
 
     /// Layer norm of `n` rows: the output and (mean, rstd) per row.
@@ -1682,12 +1793,19 @@ impl GptGpu {
             return self.fused_attention_forward(qkv, b, t);
         }
         let qkv = &qkv;
-        let (d, heads) = (self.shape.d_model, self.shape.n_heads);
-        let hd = d / heads;
-        let (ld, kv_cols) = (self.shape.qkv_width(), self.shape.kv_heads() * hd);
-        let q = self.to_heads(qkv, ld, 0, b, t, 1)?;
-        let k = self.to_heads(qkv, ld, d, b, t, self.group())?;
-        let v = self.to_heads(qkv, ld, d + kv_cols, b, t, self.group())?;
+        let (aw, heads, hd) = (
+            self.shape.attn_width(),
+            self.shape.n_heads,
+            self.shape.head_dim(),
+        );
+        let (ld, kv_cols, group) = (
+            self.shape.qkv_width(),
+            self.shape.kv_heads() * hd,
+            self.group(),
+        );
+        let q = self.to_heads(qkv, ld, 0, b, t, heads, 1)?;
+        let k = self.to_heads(qkv, ld, aw, b, t, heads, group)?;
+        let v = self.to_heads(qkv, ld, aw + kv_cols, b, t, heads, group)?;
         let bh = b * heads;
         let mut probs = self.alloc(bh * t * t)?;
         let mut probs16 = match self.half_products {
@@ -1720,8 +1838,8 @@ impl GptGpu {
             (&mut o, 0, hd),
             per_head(bh, [t * t, t * hd, t * hd]),
         )?;
-        let mut att = self.alloc(b * t * d)?;
-        self.heads_into_rows(&o, &mut att, d, 0, b, t, 1)?;
+        let mut att = self.alloc(b * t * aw)?;
+        self.heads_into_rows(&o, &mut att, aw, 0, b, t, heads, 1)?;
         Ok(Attention {
             out: att,
             out16: None,
@@ -1743,7 +1861,7 @@ impl GptGpu {
         b: usize,
         t: usize,
     ) -> Result<Attention, CudaError> {
-        let (d, heads) = (self.shape.d_model, self.shape.n_heads);
+        let (d, heads) = (self.shape.attn_width(), self.shape.n_heads);
         let ld = self.shape.qkv_width();
         if qkv.len() < b * t * ld {
             return Err(CudaError::Invalid(format!(
@@ -1799,7 +1917,7 @@ impl GptGpu {
         b: usize,
         t: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
-        let (d, heads) = (self.shape.d_model, self.shape.n_heads);
+        let (d, heads) = (self.shape.attn_width(), self.shape.n_heads);
         let ld = self.shape.qkv_width();
         if datt.len() < b * t * d || out.len() < b * t * d {
             return Err(CudaError::Invalid(format!(
@@ -1903,10 +2021,13 @@ impl GptGpu {
                 probs16,
             } => (q, k, v, probs, probs16),
         };
-        let (d, heads) = (self.shape.d_model, self.shape.n_heads);
-        let hd = d / heads;
+        let (aw, heads, hd) = (
+            self.shape.attn_width(),
+            self.shape.n_heads,
+            self.shape.head_dim(),
+        );
         let bh = b * heads;
-        let dout = self.to_heads(datt, d, 0, b, t, 1)?;
+        let dout = self.to_heads(datt, aw, 0, b, t, heads, 1)?;
         let (th, tt) = (t * hd, t * t);
         let mut dout16 = None;
         let dout_op = self.operand_twice(&dout, bh * th, hd, &mut dout16)?;
@@ -1975,9 +2096,9 @@ impl GptGpu {
             self.group(),
         );
         let mut dqkv = self.alloc(b * t * ld)?;
-        self.heads_into_rows(&dq, &mut dqkv, ld, 0, b, t, 1)?;
-        self.heads_into_rows(&dk, &mut dqkv, ld, d, b, t, group)?;
-        self.heads_into_rows(&dv, &mut dqkv, ld, d + kv_cols, b, t, group)?;
+        self.heads_into_rows(&dq, &mut dqkv, ld, 0, b, t, heads, 1)?;
+        self.heads_into_rows(&dk, &mut dqkv, ld, aw, b, t, heads, group)?;
+        self.heads_into_rows(&dv, &mut dqkv, ld, aw + kv_cols, b, t, heads, group)?;
         Ok(dqkv)
     }
 
@@ -1986,9 +2107,10 @@ impl GptGpu {
         self.shape.n_heads / self.shape.kv_heads()
     }
 
-    /// The `heads / group` heads in columns `col0..` of `rows` (rows of
-    /// `ld`) as `[b·heads, t, hd]`, each of a group's query heads getting
-    /// its key/value head.
+    /// The `h / group` heads in columns `col0..` of `rows` (rows of `ld`)
+    /// as `[b·h, t, hd]`, each of a group's `h` heads getting its
+    /// key/value head.
+    #[allow(clippy::too_many_arguments)]
     fn to_heads(
         &self,
         rows: &CudaSlice<f32>,
@@ -1996,20 +2118,21 @@ impl GptGpu {
         col0: usize,
         b: usize,
         t: usize,
+        h: usize,
         group: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
-        let mut heads = self.alloc(b * t * self.shape.d_model)?;
+        let mut heads = self.alloc(b * t * h * self.shape.head_dim())?;
         let kernel = if group == 1 {
             "rows_to_heads"
         } else {
             "kv_rows_to_heads"
         };
-        self.relayout(kernel, rows, &mut heads, ld, col0, b, t, group)?;
+        self.relayout(kernel, rows, &mut heads, ld, col0, b, t, h, group)?;
         Ok(heads)
     }
 
-    /// `[b·heads, t, hd]` into the `heads / group` heads in columns `col0..`
-    /// of `rows` (rows of `ld`), a group's query heads summed in order.
+    /// `[b·h, t, hd]` into the `h / group` heads in columns `col0..` of
+    /// `rows` (rows of `ld`), a group's heads summed in order.
     #[allow(clippy::too_many_arguments)]
     fn heads_into_rows(
         &self,
@@ -2019,6 +2142,7 @@ impl GptGpu {
         col0: usize,
         b: usize,
         t: usize,
+        h: usize,
         group: usize,
     ) -> Result<(), CudaError> {
         let kernel = if group == 1 {
@@ -2026,7 +2150,7 @@ impl GptGpu {
         } else {
             "heads_to_kv_rows"
         };
-        self.relayout(kernel, heads, rows, ld, col0, b, t, group)
+        self.relayout(kernel, heads, rows, ld, col0, b, t, h, group)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -2039,9 +2163,11 @@ impl GptGpu {
         col0: usize,
         b: usize,
         t: usize,
+        heads: usize,
         group: usize,
     ) -> Result<(), CudaError> {
-        let (d, heads) = (self.shape.d_model, self.shape.n_heads);
+        let hd = self.shape.head_dim();
+        let d = heads * hd;
         let to_heads = kernel.ends_with("to_heads");
         let (rows_len, heads_len) = match to_heads {
             true => (src.len(), dst.len()),
@@ -2056,7 +2182,7 @@ impl GptGpu {
                 dst.len()
             )));
         }
-        let ints = [ld, col0, b, t, heads, d / heads, group].map(|x| x as i32);
+        let ints = [ld, col0, b, t, heads, hd, group].map(|x| x as i32);
         let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
         match to_heads {
             true => l.arg(src).arg(&ints[0]).arg(&ints[1]).arg(&mut *dst),
@@ -2098,7 +2224,7 @@ impl GptGpu {
                 s.len()
             )));
         }
-        let scale = 1.0 / ((self.shape.d_model / self.shape.n_heads) as f32).sqrt();
+        let scale = 1.0 / (self.shape.head_dim() as f32).sqrt();
         let (rows64, t32) = (rows as u64, t as i32);
         let kernel = match probs {
             None => "causal_softmax",

@@ -126,6 +126,7 @@ fn half_products_multiply_rounded_operands_in_f32(test: &str, h: Half16) {
         family: Family::Gpt2,
         d_model: 64,
         n_heads: 4,
+        head_dim: 16,
         ffn: 256,
         vocab: VOCAB,
         seq_len: 48,
@@ -233,6 +234,7 @@ fn gpu_llama_block_embedding_and_head_match_the_cpu_model() {
         Family::Llama {
             kv_heads,
             qkv_bias: false,
+            qk_norm: false,
             rope_theta,
             rope_scaling: None,
         },
@@ -253,6 +255,7 @@ fn qwen2_block(test: &str, products: Products) {
         Family::Llama {
             kv_heads: 2,
             qkv_bias: true,
+            qk_norm: false,
             rope_theta: 100.0,
             rope_scaling: None,
         },
@@ -274,6 +277,53 @@ fn gpu_qwen2_block_with_bf16_products_matches_the_cpu_model_within_bf16_rounding
     qwen2_block(
         "gpu_qwen2_block_with_bf16_products_matches_the_cpu_model",
         Products::Bf16,
+    );
+}
+
+/// Qwen3's block: LLaMA's with each head's q and k RMS-normalised before
+/// the rotation, heads of `hd` wider than 64 / 4 (q and the output
+/// projection's input `4·hd` wide), grouped-query attention (4 query heads
+/// on 2).
+fn qwen3_block(test: &str, hd: usize, products: Products) {
+    matches_the_cpu_model(
+        test,
+        serde_json::json!({
+            "kind": "llama", "n_kv_heads": 2, "ffn_hidden": 96, "rope_theta": 100.0,
+            "qk_norm": true, "head_dim": hd
+        }),
+        Family::Llama {
+            kv_heads: 2,
+            qkv_bias: false,
+            qk_norm: true,
+            rope_theta: 100.0,
+            rope_scaling: None,
+        },
+        products,
+    );
+}
+
+#[test]
+fn gpu_qwen3_block_embedding_and_head_match_the_cpu_model() {
+    qwen3_block(
+        "gpu_qwen3_block_embedding_and_head_match_the_cpu_model",
+        24,
+        Products::F32,
+    );
+}
+
+#[test]
+fn gpu_qwen3_block_with_bf16_products_matches_the_cpu_model_within_bf16_rounding() {
+    // The unfused attention at a width the fused kernels do not have, and
+    // the fused kernels at one they do (32, twice 64 / 4).
+    qwen3_block(
+        "gpu_qwen3_block_with_bf16_products_matches_the_cpu_model",
+        24,
+        Products::Bf16,
+    );
+    qwen3_block(
+        "gpu_qwen3_block_with_bf16_fused_attention_matches_the_cpu_model",
+        32,
+        Products::Bf16FusedAttention,
     );
 }
 
@@ -350,6 +400,7 @@ fn gpu_llama_block_with_llama3_rope_scaling_matches_the_cpu_model() {
         Family::Llama {
             kv_heads: 2,
             qkv_bias: false,
+            qk_norm: false,
             rope_theta: 100.0,
             rope_scaling: Some(scaling),
         },
@@ -370,6 +421,7 @@ fn llama_block_with_fused_attention(test: &str, products: Products) {
         Family::Llama {
             kv_heads,
             qkv_bias: false,
+            qk_norm: false,
             rope_theta,
             rope_scaling: None,
         },
@@ -391,6 +443,7 @@ fn gpu_llama_block_with_fused_attention_at_head_width_128_matches_the_cpu_model(
         Family::Llama {
             kv_heads: 1,
             qkv_bias: false,
+            qk_norm: false,
             rope_theta: 100.0,
             rope_scaling: None,
         },
@@ -449,6 +502,7 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
         family,
         d_model: d,
         n_heads: heads,
+        head_dim: spec.head_dim(),
         ffn: spec.ffn(),
         vocab,
         seq_len: t,
@@ -596,6 +650,7 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
         ghead.last().unwrap(),
         &values(&hb.out),
     );
+    assert_eq!(ggrads.len(), bgrads.len(), "the block's gradients");
     for (i, (g, c)) in ggrads.iter().zip(&bgrads).enumerate() {
         check(format!("block {}", groups[1].params[i].name), g, c);
     }

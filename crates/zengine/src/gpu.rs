@@ -99,6 +99,7 @@ pub fn gpu_shape(spec: &zconfig::spec::JobSpec) -> Result<GptShape, String> {
         zconfig::spec::ModelKind::Llama => Family::Llama {
             kv_heads: m.kv_heads(),
             qkv_bias: m.qkv_biased(),
+            qk_norm: m.qk_normed(),
             rope_theta: m.rope_theta(),
             rope_scaling: m.rope_scaling,
         },
@@ -107,6 +108,7 @@ pub fn gpu_shape(spec: &zconfig::spec::JobSpec) -> Result<GptShape, String> {
         family,
         d_model: m.d_model,
         n_heads: m.n_heads,
+        head_dim: m.head_dim(),
         ffn: m.ffn(),
         vocab: m.vocab_size,
         seq_len: m.seq_len,
