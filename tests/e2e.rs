@@ -216,21 +216,30 @@ fn validation_loss_is_reported_and_does_not_depend_on_the_split() {
 /// without the package the test says it skipped that part, and
 /// `ZRUN_REQUIRE_TENSORBOARD=1` (CI, which installs it in a venv) makes
 /// that a failure.
+/// TensorBoard's event files and the CSV monitor's files, across a resume
+/// that runs steps 4-6 again: each step once, the resumed run's values (the
+/// CSV files' to the bit of `metrics.jsonl`'s); a fresh run into the CSV
+/// directory is refused before launch.
 #[test]
-fn tensorboard_reads_the_steps_scalars_across_a_resume() {
+fn tensorboard_and_csv_files_read_the_steps_scalars_across_a_resume() {
     use e2e::{tensorboard_scalars, tfrecords};
     let dir = tempfile::tempdir().unwrap();
     let job = e2e::ckpt_job(dir.path(), "tb", 6, 3);
     let (m, tb) = (dir.path().join("tb.jsonl"), dir.path().join("boards/tb"));
-    let run = |resume: bool| {
-        let mut a = TrainArgs::new(&job, &m)
+    let csv = dir.path().join("csv/tb");
+    let args = |resume: bool| {
+        let a = TrainArgs::new(&job, &m)
             .set(format!("tensorboard={}", tb.display()))
+            .set(format!("csv_monitor={}", csv.display()))
             .set("data.val_fraction=0.1")
             .set("train.eval_every=3");
-        if resume {
-            a = a.args(&["--resume", "auto"]);
+        match resume {
+            true => a.args(&["--resume", "auto"]),
+            false => a,
         }
-        let f = a.run(dir.path());
+    };
+    let run = |resume: bool| {
+        let f = args(resume).run(dir.path());
         assert_eq!(f.code(), 0, "{f:?}");
     };
     run(false);
@@ -248,6 +257,26 @@ fn tensorboard_reads_the_steps_scalars_across_a_resume() {
         .filter(|l| l.get("loss").is_some())
         .collect();
     assert_eq!(steps.len(), 9, "6 steps, then 4-6 again");
+    for (file, key) in [("train_loss", "loss"), ("eval_loss", "val_loss")] {
+        let want: Vec<String> = steps
+            .iter()
+            .filter_map(|l| Some((l["step"].as_u64()?, l.get(key)?.as_f64()?)))
+            .collect::<std::collections::BTreeMap<u64, f64>>()
+            .into_iter()
+            .map(|(s, v)| format!("{s},{v}"))
+            .collect();
+        let text = std::fs::read_to_string(csv.join(format!("{file}.csv"))).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "step,loss", "{file}");
+        assert_eq!(
+            lines[1..],
+            want,
+            "{file}: each step once, as metrics.jsonl has it"
+        );
+    }
+    let f = args(false).run(dir.path());
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("holds train_loss.csv"), "{}", f.stderr);
     let Some(read) = tensorboard_scalars(&tb) else {
         return;
     };

@@ -193,7 +193,7 @@ const TOP_LEVEL: &[(&str, Kind)] = &[
     ("flops_profiler", Kind::Ignored),
     ("tensorboard", Kind::Section),
     ("wandb", Kind::Ignored),
-    ("csv_monitor", Kind::Ignored),
+    ("csv_monitor", Kind::Section),
     ("comet", Kind::Ignored),
     ("comms_logger", Kind::Ignored),
     ("dump_state", Kind::Ignored),
@@ -556,7 +556,8 @@ impl Reader {
         self.precision()?;
         self.zero()?;
         self.aio()?;
-        self.tensorboard()?;
+        self.monitor("tensorboard")?;
+        self.monitor("csv_monitor")?;
         if self.get("activation_checkpointing").is_some() {
             self.sort_keys("activation_checkpointing", ACTIVATION_CHECKPOINTING)?;
             self.map(
@@ -974,25 +975,26 @@ impl Reader {
         Ok(())
     }
 
-    /// `tensorboard: {enabled, output_path, job_name}`: when enabled, the
-    /// job's `tensorboard` directory is `output_path/job_name`, where
-    /// DeepSpeed writes its event files (its defaults: the working
-    /// directory and `DeepSpeedJobName`).
-    fn tensorboard(&mut self) -> Result<(), ConfigError> {
+    /// `tensorboard` or `csv_monitor`: `{enabled, output_path, job_name}`:
+    /// when enabled, the job's key of that name is the directory
+    /// `output_path/job_name`, where DeepSpeed writes its event files or
+    /// CSV files (its defaults: the working directory and
+    /// `DeepSpeedJobName`).
+    fn monitor(&mut self, section: &'static str) -> Result<(), ConfigError> {
         const KEYS: &[(&str, Kind)] = &[
             ("enabled", Kind::Section),
             ("output_path", Kind::Section),
             ("job_name", Kind::Section),
         ];
-        if self.get("tensorboard").is_none() {
+        if self.get(section).is_none() {
             return Ok(());
         }
-        self.sort_keys("tensorboard", KEYS)?;
-        if self.enabled("tensorboard.enabled")? != Some(true) {
+        self.sort_keys(section, KEYS)?;
+        if self.enabled(&format!("{section}.enabled"))? != Some(true) {
             return Ok(());
         }
         let text = |r: &Self, key: &str, default: &str| -> Result<String, ConfigError> {
-            let path = format!("tensorboard.{key}");
+            let path = format!("{section}.{key}");
             match r.get(&path) {
                 None | Some(Value::Null) => Ok(default.to_string()),
                 Some(Value::String(s)) => Ok(s.clone()),
@@ -1005,9 +1007,9 @@ impl Reader {
         );
         let dir = Path::new(&out).join(name);
         self.map(
-            "tensorboard",
+            section,
             MappedValue::Set(json!(dir.display().to_string())),
-            "tensorboard",
+            section,
             Origin::Written,
         );
         Ok(())

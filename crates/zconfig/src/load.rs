@@ -77,8 +77,11 @@ pub fn load_job_with(
         message: improve_serde_message(&e.to_string()),
     })?;
     spec.run_dir = spec.run_dir.replace("${name}", &spec.name);
-    if let Some(tb) = &mut spec.tensorboard {
-        *tb = tb.replace("${name}", &spec.name);
+    for dir in [&mut spec.tensorboard, &mut spec.csv_monitor]
+        .into_iter()
+        .flatten()
+    {
+        *dir = dir.replace("${name}", &spec.name);
     }
     Ok(LoadedJob {
         spec,
@@ -766,11 +769,13 @@ impl LoadedJob {
         if s.run_dir.trim().is_empty() {
             return Err(self.invalid("run_dir", "must not be empty"));
         }
-        if s.tensorboard
-            .as_deref()
-            .is_some_and(|d| d.trim().is_empty())
-        {
-            return Err(self.invalid("tensorboard", "must name a directory (or be null for none)"));
+        for (key, dir) in [
+            ("tensorboard", &s.tensorboard),
+            ("csv_monitor", &s.csv_monitor),
+        ] {
+            if dir.as_deref().is_some_and(|d| d.trim().is_empty()) {
+                return Err(self.invalid(key, "must name a directory (or be null for none)"));
+            }
         }
         for k in s.env.keys() {
             if k.is_empty() || k.contains('=') || k.contains('\0') {
@@ -1012,58 +1017,57 @@ mod tests {
         }
     }
 
-    /// `tensorboard`: `${name}` expands; a DeepSpeed config's enabled
-    /// section sets it to `output_path/job_name` (DeepSpeed's defaults for
-    /// either missing), a disabled one not at all; an empty one is refused.
+    /// `tensorboard` and `csv_monitor`: `${name}` expands; a DeepSpeed
+    /// config's enabled section sets it to `output_path/job_name`
+    /// (DeepSpeed's defaults for either missing), a disabled one not at
+    /// all; an empty one is refused.
     #[test]
-    fn tensorboard_comes_from_the_job_or_the_ds_config() {
+    fn monitors_come_from_the_job_or_the_ds_config() {
         let d = tempfile::tempdir().unwrap();
-        let job = write(
-            d.path(),
-            "j.yaml",
-            &format!("{GOOD}tensorboard: tb/${{name}}\n"),
-        );
-        let mut j = load_job(&job, &[]).unwrap();
-        assert_eq!(j.spec.tensorboard.as_deref(), Some("tb/t"));
-        j.validate(1).unwrap();
-        let plain = write(d.path(), "plain.yaml", GOOD);
-        for (section, want) in [
-            (
-                r#"{"enabled": true, "output_path": "logs", "job_name": "gpt"}"#,
-                Some("logs/gpt"),
-            ),
-            (r#"{"enabled": true}"#, Some("DeepSpeedJobName")),
-            (r#"{"enabled": false, "output_path": "logs"}"#, None),
-        ] {
+        let dir_of = |j: &LoadedJob, key: &str| match key {
+            "tensorboard" => j.spec.tensorboard.clone(),
+            _ => j.spec.csv_monitor.clone(),
+        };
+        for key in ["tensorboard", "csv_monitor"] {
+            let job = write(d.path(), "j.yaml", &format!("{GOOD}{key}: out/${{name}}\n"));
+            let mut j = load_job(&job, &[]).unwrap();
+            assert_eq!(dir_of(&j, key).as_deref(), Some("out/t"));
+            j.validate(1).unwrap();
+            let plain = write(d.path(), "plain.yaml", GOOD);
+            for (section, want) in [
+                (
+                    r#"{"enabled": true, "output_path": "logs", "job_name": "gpt"}"#,
+                    Some("logs/gpt"),
+                ),
+                (r#"{"enabled": true}"#, Some("DeepSpeedJobName")),
+                (r#"{"enabled": false, "output_path": "logs"}"#, None),
+            ] {
+                let ds = write(d.path(), "ds.json", &format!(r#"{{"{key}": {section}}}"#));
+                let j = load_job_with(&plain, &[], Some(&ds)).unwrap();
+                assert_eq!(dir_of(&j, key).as_deref(), want, "{key}: {section}");
+            }
             let ds = write(
                 d.path(),
                 "ds.json",
-                &format!(r#"{{"tensorboard": {section}}}"#),
+                &format!(r#"{{"{key}": {{"enabled": true, "path": "x"}}}}"#),
             );
-            let j = load_job_with(&plain, &[], Some(&ds)).unwrap();
-            assert_eq!(j.spec.tensorboard.as_deref(), want, "{section}");
+            let e = load_job_with(&plain, &[], Some(&ds))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("{key}.path")) && e.contains("unknown DeepSpeed key"),
+                "{e}"
+            );
+            let mut j = load_job(&plain, &[format!("{key}= ")]).unwrap();
+            assert_eq!(dir_of(&j, key), None, "an empty value is null");
+            j.validate(1).unwrap();
+            let mut j = load_job(&plain, &[format!("{key}='  '")]).unwrap();
+            let e = j.validate(1).unwrap_err().to_string();
+            assert!(
+                e.contains(key) && e.contains("must name a directory"),
+                "{e}"
+            );
         }
-        let ds = write(
-            d.path(),
-            "ds.json",
-            r#"{"tensorboard": {"enabled": true, "path": "x"}}"#,
-        );
-        let e = load_job_with(&plain, &[], Some(&ds))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("tensorboard.path") && e.contains("unknown DeepSpeed key"),
-            "{e}"
-        );
-        let mut j = load_job(&plain, &["tensorboard= ".into()]).unwrap();
-        assert_eq!(j.spec.tensorboard, None, "an empty value is null");
-        j.validate(1).unwrap();
-        let mut j = load_job(&plain, &["tensorboard='  '".into()]).unwrap();
-        let e = j.validate(1).unwrap_err().to_string();
-        assert!(
-            e.contains("tensorboard") && e.contains("must name a directory"),
-            "{e}"
-        );
     }
 
     #[test]

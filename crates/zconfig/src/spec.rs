@@ -46,6 +46,10 @@ pub struct JobSpec {
     /// (null: none); `${name}` expands to the job's name, as in `run_dir`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensorboard: Option<String>,
+    /// A directory for CSV files of each step's scalars, one file a scalar
+    /// (DeepSpeed's `csv_monitor`; null: none); `${name}` expands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub csv_monitor: Option<String>,
     /// Extra environment for every worker (numbers and booleans become strings).
     #[serde(default, deserialize_with = "env_map")]
     pub env: BTreeMap<String, String>,

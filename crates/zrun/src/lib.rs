@@ -67,9 +67,11 @@ macro_rules! shout {
 pub mod bench;
 mod child;
 pub mod cli;
+pub mod csv_monitor;
 pub mod estimate;
 pub mod launch;
 pub mod metrics;
+pub mod monitor;
 pub mod pernode;
 pub mod plan;
 pub mod planner;

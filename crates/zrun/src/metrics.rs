@@ -49,6 +49,43 @@ pub struct StepLine {
     pub val_loss: Option<f64>,
 }
 
+/// The scalars a run is watched by, beside `metrics.jsonl` (TensorBoard's
+/// tags, the CSV monitor's files), in [`StepLine::scalars`]' order: the
+/// last three on the steps that have them.
+pub const SCALAR_TAGS: [&str; 9] = [
+    "train/loss",
+    "train/lr",
+    "perf/tokens_per_s",
+    "perf/step_ms",
+    "perf/tflops",
+    "memory/peak_rss_gib",
+    "train/grad_norm",
+    "train/loss_scale",
+    "eval/loss",
+];
+
+impl StepLine {
+    /// The line's [`SCALAR_TAGS`] and their values, those it has.
+    pub fn scalars(&self) -> Vec<(&'static str, f64)> {
+        let values = [
+            Some(self.loss),
+            Some(self.lr),
+            Some(self.tokens_per_s),
+            Some(self.step_ms),
+            Some(self.tflops),
+            Some(self.mem_bytes.peak_rss as f64 / 1024f64.powi(3)),
+            self.grad_norm,
+            self.loss_scale,
+            self.val_loss,
+        ];
+        SCALAR_TAGS
+            .into_iter()
+            .zip(values)
+            .filter_map(|(tag, v)| Some((tag, v?)))
+            .collect()
+    }
+}
+
 /// A step's time by phase in `metrics.jsonl`: the slowest rank's (its
 /// phases add up to the line's `step_ms`; the others waited for it inside
 /// their collectives).
@@ -170,8 +207,15 @@ fn combine_io(rs: &[StepReport]) -> Option<IoLine> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// A one-rank job's metrics line of `step` (loss 1, no validation).
+    pub(crate) fn a_step_line(step: u64) -> StepLine {
+        Aggregator::new(1)
+            .add(0, report(step, 1.0, 1.0, 1 << 30))
+            .expect("one rank's report is the step's")
+    }
 
     fn report(step: u64, loss: f64, ms: f64, rss: u64) -> StepReport {
         StepReport {

@@ -509,7 +509,7 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
     crate::train::check_memory(&plan)?;
     crate::swap_check::check_offload(&plan)?;
     crate::train::check_init_from(&plan.spec)?;
-    crate::tensorboard::check_dir(&plan.spec)?;
+    crate::monitor::check(&plan.spec, false)?;
     say!("# job {} ({}): valid", job.spec.name, args.job.display());
     say!("{}", serde_json::to_string_pretty(&plan.spec)?);
     print_deepspeed_sources(&job, plan.topology.world_size())?;

@@ -6,9 +6,9 @@ use anyhow::Result;
 use zproto::{BenchRow, KernelRow, MemBytes, StepReport};
 
 use crate::metrics::Aggregator;
+use crate::monitor::Monitor;
 use crate::progress::Progress;
 use crate::rundir::MetricsWriter;
-use crate::tensorboard::EventFile;
 
 /// Where reports go.
 #[allow(clippy::large_enum_variant)] // one per job: its size does not matter
@@ -19,8 +19,8 @@ pub enum Sink {
         agg: Aggregator,
         /// metrics.jsonl.
         writer: MetricsWriter,
-        /// TensorBoard's event file, if the job asks for one.
-        tensorboard: Option<EventFile>,
+        /// TensorBoard's event file and CSV files, as the job asks.
+        monitors: Vec<Box<dyn Monitor>>,
         /// Progress display.
         progress: Progress,
         /// Loss of the newest complete step.
@@ -49,7 +49,7 @@ impl Sink {
         if let Sink::Train {
             agg,
             writer,
-            tensorboard,
+            monitors,
             progress,
             last_loss,
             peak,
@@ -58,8 +58,8 @@ impl Sink {
         {
             if let Some(line) = agg.add(rank, report) {
                 writer.write(&line)?;
-                if let Some(tb) = tensorboard {
-                    tb.step(&line);
+                for m in monitors.iter_mut() {
+                    m.step(&line);
                 }
                 *last_loss = line.loss;
                 *peak = peak.max(line.mem_bytes);

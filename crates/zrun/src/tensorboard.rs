@@ -111,44 +111,14 @@ fn masked_crc(data: &[u8]) -> u32 {
     crc.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
-/// The scalars of a metrics line, TensorBoard tag and value: the ones a run
-/// is watched by (the rest stay in `metrics.jsonl`).
-fn scalars(line: &StepLine) -> Vec<(&'static str, f64)> {
-    let mut s = vec![
-        ("train/loss", line.loss),
-        ("train/lr", line.lr),
-        ("perf/tokens_per_s", line.tokens_per_s),
-        ("perf/step_ms", line.step_ms),
-        ("perf/tflops", line.tflops),
-        (
-            "memory/peak_rss_gib",
-            line.mem_bytes.peak_rss as f64 / 1024f64.powi(3),
-        ),
-    ];
-    let optional = [
-        ("train/grad_norm", line.grad_norm),
-        ("train/loss_scale", line.loss_scale),
-        ("eval/loss", line.val_loss),
-    ];
-    s.extend(optional.into_iter().filter_map(|(k, v)| Some((k, v?))));
-    s
-}
-
 /// Refuses (exit 2) a `tensorboard` directory that cannot be one: the path,
 /// or the nearest part of it that exists, is not a directory. What
 /// `zrun check` and `zrun train` check before launch; the directory is made
 /// at the run's start.
 pub fn check_dir(spec: &zconfig::spec::JobSpec) -> Result<()> {
-    let Some(dir) = &spec.tensorboard else {
-        return Ok(());
-    };
-    let existing = Path::new(dir).ancestors().find(|p| p.exists());
-    match existing {
-        Some(p) if !p.is_dir() => Err(crate::Failure::bad_input(format!(
-            "tensorboard: {dir}: {} is not a directory",
-            p.display()
-        ))),
-        _ => Ok(()),
+    match &spec.tensorboard {
+        Some(dir) => crate::monitor::can_be_a_directory("tensorboard", dir),
+        None => Ok(()),
     }
 }
 
@@ -241,7 +211,8 @@ impl EventFile {
             wall_time: now_s(),
             step: line.step as i64,
             what: Some(What::Summary(Summary {
-                value: scalars(line)
+                value: line
+                    .scalars()
                     .into_iter()
                     .map(|(tag, v)| SummaryValue {
                         tag: tag.into(),

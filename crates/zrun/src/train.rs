@@ -62,8 +62,8 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         say!("zrun: {t}");
     }
     check_init_from(&plan.spec)?;
-    crate::tensorboard::check_dir(&plan.spec)?;
     let resume = resolve_resume(args.resume.as_deref(), &plan.spec)?;
+    crate::monitor::check(&plan.spec, resume.is_some())?;
     if args.max_restarts > 0 && plan.spec.checkpoint.dir.is_none() {
         return Err(Failure::bad_input(
             "--max-restarts: a restart resumes from a checkpoint; the job has no checkpoint.dir",
@@ -124,13 +124,6 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         },
     };
     let writer = MetricsWriter::new(&metrics_path, start);
-    let mut tensorboard = match &plan.spec.tensorboard {
-        Some(dir) => Some(
-            crate::tensorboard::EventFile::create(Path::new(dir))
-                .map_err(|e| Failure::bad_input(format!("{e:#}")))?,
-        ),
-        None => None,
-    };
     let progress = Progress::new(
         steps,
         args.no_progress || !std::io::stdout().is_terminal(),
@@ -145,13 +138,10 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         steps,
         metrics_path.display()
     ));
-    if let Some(tb) = &mut tensorboard {
-        progress.println(&format!(
-            "zrun: TensorBoard scalars in {}",
-            tb.path().display()
-        ));
+    let mut monitors = crate::monitor::open(&plan.spec, |s| progress.println(s))?;
+    for m in &mut monitors {
         if let Some((_, step)) = &resume {
-            tb.restart_at(step + 1);
+            m.restart_at(step + 1);
         }
     }
     if let Some((r, _)) = &resume {
@@ -162,14 +152,14 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     let heartbeat = Duration::from_secs_f64(plan.spec.comm.heartbeat_s);
     let rendezvous = Duration::from_secs_f64(plan.spec.comm.timeout_s);
     let started = Instant::now();
-    let (mut writer, mut progress, mut tensorboard) = (writer, progress, tensorboard);
+    let (mut writer, mut progress) = (writer, progress);
     let (mut resume, mut restarts_left, mut peak) =
         (resume, args.max_restarts, MemBytes::default());
     loop {
         let sink = Sink::Train {
             agg: Aggregator::new(world),
             writer,
-            tensorboard,
+            monitors,
             progress,
             last_loss: f64::NAN,
             peak: MemBytes::default(),
@@ -182,7 +172,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         let (outcome, sink) = run_job(plan.clone(), task, sink, heartbeat, rendezvous)?;
         let Sink::Train {
             writer: w,
-            tensorboard: tb,
+            monitors: m,
             progress: p,
             last_loss,
             peak: run_peak,
@@ -191,7 +181,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         else {
             unreachable!("train uses the train sink")
         };
-        (writer, progress, tensorboard) = (w, p, tb);
+        (writer, progress, monitors) = (w, p, m);
         peak = peak.max(run_peak);
         match outcome {
             Outcome::Success => {
@@ -298,8 +288,8 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                     world_size: world,
                     restarts_left,
                 })?;
-                if let Some(tb) = &mut tensorboard {
-                    tb.restart_at(step + 1);
+                for m in &mut monitors {
+                    m.restart_at(step + 1);
                 }
                 resume = Some((dir, step));
             }
