@@ -574,7 +574,8 @@ fn a_worker_killed_mid_save_leaves_the_previous_checkpoint_loadable() {
 /// final weights are the same bytes. Without restarts left the job fails.
 /// Its TensorBoard file holds the restart event, after which TensorBoard's
 /// reader shows each of the 30 steps once (where the reader is installed:
-/// `e2e::tensorboard_scalars`).
+/// `e2e::tensorboard_scalars`), and its CSV loss file holds each step once,
+/// the repeated steps' lines those of the run after the restart.
 #[test]
 fn a_killed_worker_is_restarted_from_the_newest_checkpoint() {
     let d = tempfile::tempdir().unwrap();
@@ -593,6 +594,16 @@ fn a_killed_worker_is_restarted_from_the_newest_checkpoint() {
     let lines = e2e::metrics(&d.path().join("restarted.jsonl"));
     let step_lines = lines.iter().filter(|l| l.get("loss").is_some()).count();
     assert_eq!(records[0], 1 + step_lines + 1, "version, steps, restart");
+    // The last line of each step (the run after the restart's, where it
+    // repeated one), to the bit.
+    let want: std::collections::BTreeMap<u64, f64> =
+        e2e::exact_by_step(&d.path().join("restarted.jsonl"), "loss")
+            .into_iter()
+            .collect();
+    let csv = e2e::csv_by_step(&d.path().join("csv/train_loss.csv"));
+    let bits = |v: &[(u64, f64)]| v.iter().map(|(s, x)| (*s, x.to_bits())).collect::<Vec<_>>();
+    assert_eq!(want.len(), 30);
+    assert_eq!(bits(&csv), bits(&want.into_iter().collect::<Vec<_>>()));
     if let Some(read) = e2e::tensorboard_scalars(&tb) {
         let steps: Vec<u64> = read["train/loss"].iter().map(|s| s.0).collect();
         assert_eq!(steps, (1..=30).collect::<Vec<_>>());
@@ -641,6 +652,7 @@ fn killed_after_step_10(
         .args(&slow)
         .args(&["--max-restarts", "1"])
         .set(format!("tensorboard={}", dir.join("tb").display()))
+        .set(format!("csv_monitor={}", dir.join("csv").display()))
         .start(dir);
     wait_for_complete_checkpoint(dir, 10, &z);
     before_kill(dir);

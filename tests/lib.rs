@@ -397,6 +397,40 @@ pub fn losses(lines: &[serde_json::Value]) -> Vec<f64> {
         .collect()
 }
 
+/// Each metrics line's step and `key`'s value, the value read from the
+/// line's own text with Rust's parser, which rounds correctly (serde_json's
+/// default reader can miss the last bit of a 17-digit number): for values
+/// compared to the bit with text written elsewhere, such as the CSV files.
+/// Lines without the key (or with null) are left out.
+pub fn exact_by_step(path: &Path, key: &str) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let field = format!("\"{key}\":");
+    text.lines()
+        .filter_map(|l| {
+            let line: serde_json::Value = serde_json::from_str(l).ok()?;
+            let step = line.get("step")?.as_u64()?;
+            let at = l.find(&field)? + field.len();
+            let raw: String = l[at..]
+                .chars()
+                .take_while(|c| !matches!(c, ',' | '}'))
+                .collect();
+            Some((step, raw.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// A CSV monitor file's (step, value) lines, after its header.
+pub fn csv_by_step(path: &Path) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines()
+        .skip(1)
+        .map(|l| {
+            let (step, value) = l.split_once(',').unwrap_or_else(|| panic!("`{l}`"));
+            (step.parse().unwrap(), value.parse().unwrap())
+        })
+        .collect()
+}
+
 /// Losses by step from a metrics file.
 pub fn losses_by_step(path: &Path) -> Vec<(u64, f64)> {
     metrics(path)
