@@ -27,7 +27,8 @@ use rayon::prelude::*;
 
 use crate::ops::{cpu_f32, f32_input, sum_lanes, write_row};
 use crate::simd::{
-    assume_init, par_rows, par_rows_bf16, sigmoid, uninit_floats, vectorised, ROWS_PER_TASK,
+    assume_init, par_rows, par_rows_bf16, par_rows_summed, sigmoid, uninit_floats, vectorised,
+    ROWS_PER_TASK,
 };
 
 /// RMSNorm over the last dimension with weight `w`.
@@ -161,43 +162,30 @@ impl RmsNormGrad {
         let rows = x.len() / d;
         let mut out = uninit_floats(x.len() + d);
         let (dx, tail) = out.split_at_mut(x.len());
-        let per = ROWS_PER_TASK * d;
-        let partials: Vec<Vec<f32>> = dx
-            .par_chunks_mut(per)
-            .enumerate()
-            .with_max_len(1)
-            .map(|(task, dx)| {
-                let span = task * per..task * per + dx.len();
+        let dw = par_rows_summed(
+            dx,
+            d,
+            d,
+            #[inline(always)]
+            |rows, dx, dw| {
+                let span = rows.start * d..rows.end * d;
                 let (x, dy) = (&x[span.clone()], &dy[span.clone()]);
                 let residual = residual.map(|r| &r[span]);
-                vectorised(
-                    #[inline(always)]
-                    || {
-                        let mut dw = vec![0f32; d];
-                        let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
-                        for (k, (row, out)) in
-                            x.chunks_exact(d).zip(dx.chunks_exact_mut(d)).enumerate()
-                        {
-                            let rows = RowGrad {
-                                x: row,
-                                dy: &dy[k * d..][..d],
-                                w,
-                                residual: residual.map(|res| &res[k * d..][..d]),
-                            };
-                            rows.write(self.eps, [&mut xhat, &mut g], &mut dw, out);
-                        }
-                        dw
-                    },
-                )
-            })
-            .collect();
-        tail.fill(std::mem::MaybeUninit::new(0.0));
-        // SAFETY: the tasks wrote every row of dx, and the tail was just filled.
-        let mut out = unsafe { assume_init(out) };
-        let tail = &mut out[x.len()..];
-        for p in &partials {
-            tail.iter_mut().zip(p).for_each(|(t, v)| *t += v);
-        }
+                let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
+                for (k, (row, out)) in x.chunks_exact(d).zip(dx.chunks_exact_mut(d)).enumerate() {
+                    let rows = RowGrad {
+                        x: row,
+                        dy: &dy[k * d..][..d],
+                        w,
+                        residual: residual.map(|res| &res[k * d..][..d]),
+                    };
+                    rows.write(self.eps, [&mut xhat, &mut g], dw, out);
+                }
+            },
+        );
+        write_row(tail, None, [&dw], |[v]| v);
+        // SAFETY: the tasks wrote every row of dx, and dw the tail.
+        let out = unsafe { assume_init(out) };
         Ok((CpuStorage::F32(out), Shape::from_dims(&[rows + 1, d])))
     }
 }
@@ -316,50 +304,39 @@ pub fn qk_norm_backward(
     let heads = QkHeads::new(width, heads, wq, wk)?;
     let (hd, eps) = (heads.hd, eps as f32);
     let mut dx = uninit_floats(x.len());
-    let per = ROWS_PER_TASK * width;
-    let partials: Vec<Vec<f32>> = dx
-        .par_chunks_mut(per)
-        .enumerate()
-        .with_max_len(1)
-        .map(|(task, dx)| {
-            let span = task * per..task * per + dx.len();
+    // dwq then dwk.
+    let dw = par_rows_summed(
+        &mut dx,
+        width,
+        2 * hd,
+        #[inline(always)]
+        |rows, dx, dw| {
+            let span = rows.start * width..rows.end * width;
             let (x, dy) = (&x[span.clone()], &dy[span]);
-            vectorised(
-                #[inline(always)]
-                || {
-                    // dwq then dwk.
-                    let mut dw = vec![0f32; 2 * hd];
-                    let (mut xhat, mut g) = (vec![0f32; hd], vec![0f32; hd]);
-                    let rows = x.chunks_exact(width).zip(dy.chunks_exact(width));
-                    for ((row, dyr), out) in rows.zip(dx.chunks_exact_mut(width)) {
-                        let (out_qk, out_v) = out.split_at_mut(heads.qk);
-                        let each = row[..heads.qk]
-                            .chunks_exact(hd)
-                            .zip(dyr[..heads.qk].chunks_exact(hd))
-                            .zip(out_qk.chunks_exact_mut(hd));
-                        for (i, ((x, dy), out)) in each.enumerate() {
-                            let grad = RowGrad {
-                                x,
-                                dy,
-                                w: heads.weight(i, wq, wk),
-                                residual: None,
-                            };
-                            let dw = &mut dw[usize::from(i >= heads.q) * hd..][..hd];
-                            grad.write(eps, [&mut xhat, &mut g], dw, out);
-                        }
-                        write_row(out_v, None, [&dyr[heads.qk..]], |[d]| d);
-                    }
-                    dw
-                },
-            )
-        })
-        .collect();
+            let (mut xhat, mut g) = (vec![0f32; hd], vec![0f32; hd]);
+            let rows = x.chunks_exact(width).zip(dy.chunks_exact(width));
+            for ((row, dyr), out) in rows.zip(dx.chunks_exact_mut(width)) {
+                let (out_qk, out_v) = out.split_at_mut(heads.qk);
+                let each = row[..heads.qk]
+                    .chunks_exact(hd)
+                    .zip(dyr[..heads.qk].chunks_exact(hd))
+                    .zip(out_qk.chunks_exact_mut(hd));
+                for (i, ((x, dy), out)) in each.enumerate() {
+                    let grad = RowGrad {
+                        x,
+                        dy,
+                        w: heads.weight(i, wq, wk),
+                        residual: None,
+                    };
+                    let dw = &mut dw[usize::from(i >= heads.q) * hd..][..hd];
+                    grad.write(eps, [&mut xhat, &mut g], dw, out);
+                }
+                write_row(out_v, None, [&dyr[heads.qk..]], |[d]| d);
+            }
+        },
+    );
     // SAFETY: the tasks wrote every row of dx.
     let dx = unsafe { assume_init(dx) };
-    let mut dw = vec![0f32; 2 * hd];
-    for p in &partials {
-        dw.iter_mut().zip(p).for_each(|(t, v)| *t += v);
-    }
     let dev = qkv.device();
     let (dwq, dwk) = dw.split_at(hd);
     Ok((

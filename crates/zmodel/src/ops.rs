@@ -18,8 +18,8 @@ use candle_core::{
 use rayon::prelude::*;
 
 use crate::simd::{
-    assume_init, bf16_rows_buffer, par_rows, par_rows_bf16, par_rows_bf16_mapped, sigmoid,
-    uninit_floats, vectorised, ROWS_PER_TASK,
+    assume_init, bf16_rows_buffer, par_rows, par_rows_bf16, par_rows_bf16_mapped, par_rows_summed,
+    sigmoid, uninit_floats, vectorised, ROWS_PER_TASK,
 };
 
 /// GELU (GPT-2's tanh approximation) as one fused pass forward and one backward.
@@ -748,44 +748,30 @@ fn rounded_rows(
     row: impl Fn(usize, &mut [f32]) + Sync,
 ) -> RoundedGrad {
     let (mut bits, start, stride) = bf16_rows_buffer(rows, k);
-    let parts: Vec<Vec<f32>> = bits[start..start + rows * stride]
-        .par_chunks_mut(ROWS_PER_TASK * stride.max(1))
-        .enumerate()
-        .with_max_len(1)
-        .map(|(task, out)| {
-            let (mut made, mut acc) = (
-                vec![0f32; if given.is_some() { 0 } else { k }],
-                vec![0f32; k],
-            );
-            for (r, out) in out.chunks_exact_mut(stride).enumerate() {
-                let i = task * ROWS_PER_TASK + r;
+    let sums = par_rows_summed(
+        &mut bits[start..start + rows * stride],
+        stride,
+        k,
+        #[inline(always)]
+        |rows, out, acc| {
+            let mut made = vec![0f32; if given.is_some() { 0 } else { k }];
+            for (i, out) in rows.zip(out.chunks_exact_mut(stride)) {
                 let values: &[f32] = match given {
                     Some(m) => &m[i * k..][..k],
                     None => {
-                        vectorised(
-                            #[inline(always)]
-                            || row(i, &mut made),
-                        );
+                        row(i, &mut made);
                         &made
                     }
                 };
-                vectorised(
-                    #[inline(always)]
-                    || acc.iter_mut().zip(values).for_each(|(a, v)| *a += v),
-                );
+                acc.iter_mut().zip(values).for_each(|(a, v)| *a += v);
                 let (out, pad) = out.split_at_mut(k);
                 zgemm::bf16_bits_write(values, out);
                 for o in pad {
                     o.write(0);
                 }
             }
-            acc
-        })
-        .collect();
-    let mut sums = vec![0f32; k];
-    for p in &parts {
-        sums.iter_mut().zip(p).for_each(|(o, v)| *o += v);
-    }
+        },
+    );
     // SAFETY: the head, the tail and every row with its padding were
     // written above.
     let bits = unsafe { assume_init(bits) };
@@ -836,57 +822,44 @@ impl LayerNormGrad {
         let rows = x.len() / d;
         let mut out = uninit_floats(x.len() + 2 * d);
         let (dx, tail) = out.split_at_mut(x.len());
-        let per = ROWS_PER_TASK * d;
-        let partials: Vec<Vec<f32>> = dx
-            .par_chunks_mut(per)
-            .enumerate()
-            .with_max_len(1)
-            .map(|(task, dx)| {
-                let span = task * per..task * per + dx.len();
+        // dw then db.
+        let sums = par_rows_summed(
+            dx,
+            d,
+            2 * d,
+            #[inline(always)]
+            |rows, dx, sums| {
+                let span = rows.start * d..rows.end * d;
                 let (x, dy) = (&x[span.clone()], &dy[span.clone()]);
                 let residual = residual.map(|r| &r[span]);
-                vectorised(
-                    #[inline(always)]
-                    || {
-                        let mut sums = vec![0f32; 2 * d];
-                        let (dw, db) = sums.split_at_mut(d);
-                        let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
-                        for (r, (row, out)) in
-                            x.chunks_exact(d).zip(dx.chunks_exact_mut(d)).enumerate()
-                        {
-                            let dyr = &dy[r * d..][..d];
-                            let (mean, rstd) = row_stats(row, self.eps);
-                            let each = xhat.iter_mut().zip(g.iter_mut());
-                            let sums = dw.iter_mut().zip(db.iter_mut());
-                            let inputs = row.iter().zip(dyr).zip(w);
-                            for (((xh, g), (dw, db)), ((&v, &dy), &w)) in each.zip(sums).zip(inputs)
-                            {
-                                *xh = (v - mean) * rstd;
-                                *g = dy * w;
-                                *dw += dy * *xh;
-                                *db += dy;
-                            }
-                            let g_mean = sum_lanes([&g], |[g]| g) / d as f32;
-                            let gx_mean = sum_lanes([&g, &xhat], |[g, xh]| g * xh) / d as f32;
-                            write_row(
-                                out,
-                                residual.map(|res| &res[r * d..][..d]),
-                                [&g, &xhat],
-                                |[g, xh]| rstd * (g - g_mean - xh * gx_mean),
-                            );
-                        }
-                        sums
-                    },
-                )
-            })
-            .collect();
-        tail.fill(MaybeUninit::new(0.0));
-        // SAFETY: the tasks wrote every row of dx, and the tail was just filled.
-        let mut out = unsafe { assume_init(out) };
-        let tail = &mut out[x.len()..];
-        for p in &partials {
-            tail.iter_mut().zip(p).for_each(|(t, v)| *t += v);
-        }
+                let (dw, db) = sums.split_at_mut(d);
+                let (mut xhat, mut g) = (vec![0f32; d], vec![0f32; d]);
+                for (r, (row, out)) in x.chunks_exact(d).zip(dx.chunks_exact_mut(d)).enumerate() {
+                    let dyr = &dy[r * d..][..d];
+                    let (mean, rstd) = row_stats(row, self.eps);
+                    let each = xhat.iter_mut().zip(g.iter_mut());
+                    let sums = dw.iter_mut().zip(db.iter_mut());
+                    let inputs = row.iter().zip(dyr).zip(w);
+                    for (((xh, g), (dw, db)), ((&v, &dy), &w)) in each.zip(sums).zip(inputs) {
+                        *xh = (v - mean) * rstd;
+                        *g = dy * w;
+                        *dw += dy * *xh;
+                        *db += dy;
+                    }
+                    let g_mean = sum_lanes([&g], |[g]| g) / d as f32;
+                    let gx_mean = sum_lanes([&g, &xhat], |[g, xh]| g * xh) / d as f32;
+                    write_row(
+                        out,
+                        residual.map(|res| &res[r * d..][..d]),
+                        [&g, &xhat],
+                        |[g, xh]| rstd * (g - g_mean - xh * gx_mean),
+                    );
+                }
+            },
+        );
+        write_row(tail, None, [&sums], |[v]| v);
+        // SAFETY: the tasks wrote every row of dx, and the sums the tail.
+        let out = unsafe { assume_init(out) };
         Ok((CpuStorage::F32(out), Shape::from_dims(&[rows + 2, d])))
     }
 }

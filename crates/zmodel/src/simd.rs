@@ -344,6 +344,42 @@ pub(crate) fn par_rows(
         });
 }
 
+/// Rows of `out` (`stride` elements each) in tasks of [`ROWS_PER_TASK`],
+/// spread over rayon's threads, for an op that also sums something over
+/// its rows (a norm's weight gradient, a layer's bias gradient):
+/// `f(rows, out, sums)` writes the task's rows (`rows`: their indices) and
+/// adds its part of the sums into `sums` (`len` zeros). The parts are added
+/// in task order, so the partition, and the bits, do not depend on the
+/// number of threads. Returns the sums.
+pub(crate) fn par_rows_summed<T: Send>(
+    out: &mut [T],
+    stride: usize,
+    len: usize,
+    f: impl Fn(std::ops::Range<usize>, &mut [T], &mut [f32]) + Sync,
+) -> Vec<f32> {
+    use rayon::prelude::*;
+    let stride = stride.max(1);
+    let parts: Vec<Vec<f32>> = out
+        .par_chunks_mut(stride * ROWS_PER_TASK)
+        .enumerate()
+        .with_max_len(1)
+        .map(|(task, out)| {
+            let first = task * ROWS_PER_TASK;
+            let mut sums = vec![0f32; len];
+            vectorised(
+                #[inline(always)]
+                || f(first..first + out.len() / stride, out, &mut sums),
+            );
+            sums
+        })
+        .collect();
+    let mut sums = vec![0f32; len];
+    for part in &parts {
+        sums.iter_mut().zip(part).for_each(|(s, v)| *s += v);
+    }
+    sums
+}
+
 /// A buffer for `rows` bf16 rows of `width` values laid out for zgemm's
 /// products to read in place: `(buffer, start, stride)`, the rows from
 /// `start` (a 64-byte line), [`zgemm::bf16_row_stride`] apart. Everything
