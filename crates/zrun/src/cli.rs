@@ -107,9 +107,39 @@ pub struct SampleArgs {
     /// document).
     #[arg(long)]
     pub ignore_eos: bool,
+    /// The prompt is a user's message: lay it out with the model's chat
+    /// template, as `transformers`' `apply_chat_template(...,
+    /// add_generation_prompt=True)` does, and continue from there (the
+    /// assistant's reply). The template is a Hugging Face directory's
+    /// `chat_template.jinja`, `chat_template.json` or `tokenizer_config.json`
+    /// (for a zrun checkpoint: the directory of --tokenizer), or
+    /// --chat-template.
+    #[arg(long)]
+    pub chat: bool,
+    /// A system message before the prompt (implies --chat).
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+    /// The chat template to use, a Jinja file (implies --chat).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// A variable for the chat template, KEY=VALUE with VALUE as JSON, else
+    /// as a string (`enable_thinking=false` for Qwen3); repeatable
+    /// (implies --chat).
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub chat_arg: Vec<String>,
     /// Path of the zworker binary (default: next to zrun).
     #[arg(long, value_name = "PATH")]
     pub worker_bin: Option<PathBuf>,
+}
+
+impl SampleArgs {
+    /// Whether the prompt goes through a chat template.
+    pub fn chats(&self) -> bool {
+        self.chat
+            || self.system.is_some()
+            || self.chat_template.is_some()
+            || !self.chat_arg.is_empty()
+    }
 }
 
 /// `zrun export`.

@@ -65,6 +65,7 @@ macro_rules! shout {
 }
 
 pub mod bench;
+pub mod chat;
 mod child;
 pub mod cli;
 pub mod csv_monitor;
@@ -312,9 +313,13 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
             "--prompt: give at least one character to continue",
         ));
     }
+    let text = match args.chats() {
+        true => chat_prompt(&args, hf_dir.then_some(dir.as_path()))?,
+        false => args.prompt.clone(),
+    };
     let (temperature, top_k, top_p) = sampling(&args, &dir, hf_dir)?;
     let prompt_ids = match &tokenizer {
-        Some((_, t)) => prepare::encode(t, &args.prompt)?,
+        Some((_, t)) => prepare::encode(t, &text)?,
         None => Vec::new(),
     };
     let prompt = match &tokenizer {
@@ -328,7 +333,7 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
             .map(u32::to_string)
             .collect::<Vec<_>>()
             .join(","),
-        None => args.prompt.clone(),
+        None => text.clone(),
     };
     // Where the text ends (none for a byte-level model: bytes have no
     // end-of-text).
@@ -380,7 +385,7 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
                 .spawn()
                 .map_err(launch)?;
             let stdout = child.stdout.take().expect("piped");
-            let unknown = prepare::print_decoded(t, &args.prompt, &prompt_ids, stdout)?;
+            let unknown = prepare::print_decoded(t, &text, &prompt_ids, stdout)?;
             if unknown > 0 {
                 // A tokenizer smaller than the model is fine when the model's
                 // vocabulary was padded; drawing ids past it says otherwise.
@@ -398,6 +403,38 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// `--chat`'s prompt: the system message (if any) and the prompt as the
+/// user's, laid out by the chat template of `hf_dir` (a Hugging Face
+/// directory), of the directory of `--tokenizer`, or of `--chat-template`.
+fn chat_prompt(args: &cli::SampleArgs, hf_dir: Option<&Path>) -> anyhow::Result<String> {
+    let beside_tokenizer = args.tokenizer.as_deref().and_then(Path::parent);
+    let dir = hf_dir
+        .or(beside_tokenizer)
+        .map(|d| match d.as_os_str().is_empty() {
+            true => Path::new("."),
+            false => d,
+        });
+    let template = chat::ChatTemplate::find(args.chat_template.as_deref(), dir)?;
+    let extra = args
+        .chat_arg
+        .iter()
+        .map(|a| chat::chat_arg(a))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut messages = Vec::new();
+    if let Some(system) = &args.system {
+        messages.push(("system", system.as_str()));
+    }
+    messages.push(("user", args.prompt.as_str()));
+    let text = template.render(&messages, &extra)?;
+    if text.is_empty() {
+        return Err(Failure::bad_input(format!(
+            "{}: the chat template makes an empty prompt",
+            template.path().display()
+        )));
+    }
+    Ok(text)
 }
 
 /// Refuses (exit 2) to replace files a user already has: `what` names the
