@@ -349,3 +349,281 @@ fn bf16_weights_sample_as_their_values_in_f32() {
     );
     assert_eq!(f.stdout.trim(), "345678901234567", "{f:?}");
 }
+
+/// Chat templates of this test's own writing, with what the published
+/// ones use: a namespace set in a reversed loop, Python's string methods,
+/// `is string`, `{% generation %}` (transformers' own tag), `|trim`,
+/// slicing, `strftime_now`, `tojson` with an indent and a dict's key order,
+/// `.items()`, loop variables, `raise_exception`, whitespace control.
+const CHAT_TEMPLATES: [(&str, &str); 3] = [
+    (
+        "chatml.jinja",
+        "{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages[::-1] %}
+    {%- if ns.last_user < 0 and m.role == 'user' and not m.content.startswith('<tool>') %}
+        {%- set ns.last_user = (messages|length - 1) - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for m in messages %}
+    {%- if m.content is string %}{% set text = m.content %}{% else %}{% set text = '' %}{% endif %}
+    {%- if m.role == 'system' and not loop.first %}{{ raise_exception('the system message comes first') }}{% endif %}
+<|im_start|>{{ m.role }}
+{{ text.strip() }}{% if loop.index0 == ns.last_user %} (asked){% endif %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% generation %}
+{%- if enable_thinking is defined and enable_thinking is false %}
+<think>
+
+</think>
+
+{% endif %}
+{%- endgeneration %}
+{%- endif %}",
+    ),
+    (
+        "dated.jinja",
+        "{{- bos_token }}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}{% set date_string = strftime_now('%b %Y') %}{% else %}{% set date_string = 'never' %}{% endif %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system = '' %}
+{%- endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\nDate: ' + date_string + '\\n' }}
+{%- if schema is defined %}
+    {{- schema | tojson(indent=4) + '\\n' }}
+    {%- for k, v in schema.items() %}{{ k }}={{ v | tojson }};{% endfor %}
+{%- endif %}
+{{- system + '<|eot_id|>' }}
+{%- for message in messages %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}
+    {% if schema is defined %}
+    [schema]
+    {% endif %}
+",
+    ),
+    (
+        "alternating.jinja",
+        "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('roles must alternate user/assistant') }}{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}",
+    ),
+];
+
+/// `--chat`: each template above, with and without a system message and
+/// with template variables (JSON, an object's keys in their order), lays
+/// the prompt out as `transformers`' own `apply_chat_template` renderer
+/// does (`render_jinja_template`, run here when `ZRUN_TRANSFORMERS_PYTHON`
+/// or `python3` has `transformers`; CI installs it and sets
+/// `ZRUN_REQUIRE_TRANSFORMERS=1`), to the byte, the model's continuation
+/// after it; what it refuses, zrun refuses (exit 2, the template's words
+/// and its file). The model continues that text exactly as it continues
+/// the same text given as a plain `--prompt`, and a Hugging Face
+/// directory's own `chat_template.jinja` and `tokenizer_config.json` are
+/// the ones taken without `--chat-template`.
+#[test]
+fn chat_prompts_are_laid_out_as_transformers_lays_them_out() {
+    let d = tempfile::tempdir().unwrap();
+    let ckpt = trained(d.path());
+    let hf = d.path().join("hf");
+    e2e::export_hf(d.path(), &ckpt, &hf);
+    std::fs::write(
+        hf.join("tokenizer_config.json"),
+        r#"{"bos_token": "<s>", "eos_token": {"content": "</s>", "lstrip": false}, "pad_token": null}"#,
+    )
+    .unwrap();
+    for (name, text) in CHAT_TEMPLATES {
+        std::fs::write(d.path().join(name), text).unwrap();
+    }
+    // (system, prompt, template variables: each a name and its JSON as
+    // written, an object's keys in the order given).
+    type Case<'a> = (Option<&'a str>, &'a str, &'a [(&'a str, &'a str)]);
+    let cases: [Case; 4] = [
+        (None, "Hi there", &[]),
+        (
+            Some("  Be brief.  "),
+            "What is 2+2?",
+            &[("enable_thinking", "false")],
+        ),
+        (
+            Some("sys"),
+            "ünïcode ✓ \"q\"\n  ",
+            &[(
+                "schema",
+                r#"{"zeta": [1, 2.5, null, "a\"b"], "alpha": {"k": true}}"#,
+            )],
+        ),
+        (
+            None,
+            "34567",
+            &[
+                ("date_string", r#""01 Jan 2025""#),
+                ("enable_thinking", "true"),
+            ],
+        ),
+    ];
+    let asks: Vec<(&str, &str, Case)> = CHAT_TEMPLATES
+        .iter()
+        .flat_map(|&(name, template)| cases.iter().map(move |&case| (name, template, case)))
+        .collect();
+    // The request as text, each variable's JSON as written (serde_json
+    // would sort an object's keys, and tojson shows their order).
+    let request = asks
+        .iter()
+        .map(|(_, template, (system, prompt, extra))| {
+            let mut messages = Vec::new();
+            if let Some(s) = system {
+                messages.push(serde_json::json!({"role": "system", "content": s}));
+            }
+            messages.push(serde_json::json!({"role": "user", "content": prompt}));
+            let extra: Vec<String> = extra.iter().map(|(k, v)| format!("\"{k}\": {v}")).collect();
+            format!(
+                r#"{{"template": {}, "messages": {}, "extra": {{{}}}}}"#,
+                serde_json::to_string(template).unwrap(),
+                serde_json::Value::from(messages),
+                extra.join(", ")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let request = format!("[{request}]");
+    let want = transformers_renders(&request);
+    let mut refused = 0;
+    for ((name, _, (system, prompt, extra)), want) in asks.iter().zip(want.iter().flatten()) {
+        let template = d.path().join(name).display().to_string();
+        let mut args = vec![
+            "--chat-template",
+            &template,
+            "--prompt",
+            prompt,
+            "--tokens",
+            "3",
+            "--temperature",
+            "0",
+        ];
+        if let Some(s) = system {
+            args.extend(["--system", s]);
+        }
+        let vars: Vec<String> = extra.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        for v in &vars {
+            args.extend(["--chat-arg", v]);
+        }
+        let f = sample(d.path(), &hf, &args);
+        match (want.get("text"), want.get("error")) {
+            (Some(text), _) => {
+                let text = text.as_str().unwrap();
+                assert_eq!(f.code(), 0, "{name} {prompt:?}: {f:?}");
+                assert!(
+                    f.stdout.starts_with(text) && f.stdout.len() > text.len(),
+                    "{name} {prompt:?}:\n transformers {text:?}\n zrun         {:?}",
+                    f.stdout
+                );
+            }
+            (None, Some(error)) => {
+                refused += 1;
+                assert_eq!(
+                    f.code(),
+                    2,
+                    "{name} {prompt:?}: transformers refused ({error}): {f:?}"
+                );
+                let error = error.as_str().unwrap();
+                assert!(
+                    f.stderr
+                        .contains(&format!("{name}: line 1: the template refuses: {error}")),
+                    "{name}: {}",
+                    f.stderr
+                );
+            }
+            _ => panic!("{want}"),
+        }
+    }
+    // The alternating template refuses a system message (two of the cases).
+    if want.is_some() {
+        assert_eq!(refused, 2);
+    }
+
+    // The directory's own template and special tokens, without
+    // --chat-template; the model continues the laid-out text as it
+    // continues that text given plainly.
+    std::fs::copy(
+        d.path().join("chatml.jinja"),
+        hf.join("chat_template.jinja"),
+    )
+    .unwrap();
+    let greedy = ["--tokens", "40", "--temperature", "0"];
+    let chat = sample(
+        d.path(),
+        &hf,
+        &[&["--chat", "--prompt", "34567"][..], &greedy].concat(),
+    );
+    assert_eq!(chat.code(), 0, "{chat:?}");
+    let laid_out = "<|im_start|>user\n34567 (asked)<|im_end|>\n<|im_start|>assistant\n";
+    assert!(chat.stdout.starts_with(laid_out), "{:?}", chat.stdout);
+    let plain = sample(
+        d.path(),
+        &hf,
+        &[&["--prompt", laid_out][..], &greedy].concat(),
+    );
+    assert_eq!((plain.code(), &plain.stdout), (0, &chat.stdout));
+    // Without a template anywhere: exit 2 saying where it looked.
+    std::fs::remove_file(hf.join("chat_template.jinja")).unwrap();
+    let f = sample(d.path(), &hf, &["--chat", "--prompt", "1"]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("has no chat template"), "{}", f.stderr);
+}
+
+/// `transformers`' chat template renderer on each case of `request` (a
+/// JSON list of `{template, messages, extra}`): `{"text"}` or `{"error"}`
+/// each; None (said) where no Python here has `transformers` and
+/// `ZRUN_REQUIRE_TRANSFORMERS` is not 1.
+fn transformers_renders(request: &str) -> Option<Vec<serde_json::Value>> {
+    let python = std::env::var("ZRUN_TRANSFORMERS_PYTHON").unwrap_or_else(|_| "python3".into());
+    let renderer = r#"
+import json, sys
+try:
+    from transformers.utils.chat_template_utils import render_jinja_template
+except ImportError as e:
+    print("NO_TRANSFORMERS", e)
+    sys.exit(0)
+out = []
+for case in json.load(sys.stdin):
+    try:
+        text = render_jinja_template([case["messages"]], chat_template=case["template"],
+            add_generation_prompt=True, bos_token="<s>", eos_token="</s>", **case["extra"])[0][0]
+        out.append({"text": text})
+    except Exception as e:
+        out.append({"error": str(e)})
+print(json.dumps(out))
+"#;
+    use std::io::Write;
+    let mut child = std::process::Command::new(&python)
+        .args(["-c", renderer])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{python}: {e}"));
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(request.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{python}: {out:?}");
+    let out = String::from_utf8(out.stdout).unwrap();
+    if out.starts_with("NO_TRANSFORMERS") {
+        assert!(
+            std::env::var("ZRUN_REQUIRE_TRANSFORMERS").as_deref() != Ok("1"),
+            "ZRUN_REQUIRE_TRANSFORMERS=1, but {python} has no transformers: {out}"
+        );
+        eprintln!("SKIPPED the comparison with transformers' chat templates: {out}");
+        return None;
+    }
+    Some(serde_json::from_str(&out).unwrap())
+}

@@ -71,7 +71,8 @@ pub struct SampleArgs {
     /// `zrun export --format hf`'s, `save_pretrained`'s, or a published one).
     #[arg(value_name = "CHECKPOINT_DIR")]
     pub checkpoint: PathBuf,
-    /// The text to continue (encoded as bytes, or with --tokenizer).
+    /// The text to continue (encoded as bytes, or with --tokenizer); with
+    /// --chat, the user's message.
     #[arg(long)]
     pub prompt: String,
     /// The Hugging Face tokenizer.json the model's data was prepared with
