@@ -556,3 +556,139 @@ fn an_interrupted_prepare_leaves_nothing_behind() {
         assert_empty(&out, &format!("{signal:?}: "));
     }
 }
+
+/// JSONL conversations (`{"messages": [...]}`, the layout of TRL's
+/// conversational datasets) laid out by the chat template beside the
+/// tokenizer and tokenized as one document each: the ids are those of the
+/// layout written out here by hand (its markers single special tokens, no
+/// generation prompt, the end-of-text id after each), text records beside
+/// them unchanged. Without a template: exit 2 naming the line and where it
+/// looked; `--chat-template` given; a template's refusal names the record.
+#[test]
+fn conversations_are_laid_out_by_the_chat_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut vocab_words = words(6);
+    vocab_words.extend(["system", "user", "assistant"].map(String::from));
+    let (tok, mut vocab) = tokenizer(d, &vocab_words);
+    // The role markers as added special tokens.
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tok).unwrap()).unwrap();
+    for marker in ["<|im_start|>", "<|im_end|>"] {
+        let id = vocab.len() as u32;
+        vocab.insert(marker.to_string(), id);
+        json["model"]["vocab"][marker] = serde_json::json!(id);
+        json["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+            "id": id, "content": marker, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}));
+    }
+    std::fs::write(&tok, json.to_string()).unwrap();
+    let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let conversations = [
+        vec![
+            ("system", "w5"),
+            ("user", "w1 w2"),
+            ("assistant", "w3 w3 w4"),
+        ],
+        vec![
+            ("user", "w0"),
+            ("assistant", "w1"),
+            ("user", "w2 w2"),
+            ("assistant", "w5"),
+        ],
+    ];
+    let record = |c: &Vec<(&str, &str)>| {
+        let messages: Vec<_> = c
+            .iter()
+            .map(|(r, t)| serde_json::json!({"role": r, "content": t}))
+            .collect();
+        serde_json::json!({ "messages": messages }).to_string()
+    };
+    std::fs::write(
+        d.join("chats.jsonl"),
+        format!(
+            "{}\n{}\n{}\n",
+            record(&conversations[0]),
+            serde_json::json!({"text": "w4 w4"}),
+            record(&conversations[1])
+        ),
+    )
+    .unwrap();
+    let out = d.join("out");
+    // No template beside the tokenizer: exit 2 at the first conversation.
+    let f = prepare(d, &["chats.jsonl"], &tok, &out, &["--val-fraction", "0"]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("chats.jsonl:1: `messages` is a conversation")
+            && f.stderr.contains("has no chat template"),
+        "{}",
+        f.stderr
+    );
+    std::fs::write(
+        d.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": chatml, "eos_token": "<|endoftext|>"}).to_string(),
+    )
+    .unwrap();
+    let f = prepare(d, &["chats.jsonl"], &tok, &out, &["--val-fraction", "0"]);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let id = |w: &str| vocab[w];
+    let laid_out = |c: &Vec<(&str, &str)>| {
+        let mut ids = Vec::new();
+        for (role, text) in c {
+            ids.push(id("<|im_start|>"));
+            ids.push(id(role));
+            ids.extend(text.split(' ').map(id));
+            ids.push(id("<|im_end|>"));
+        }
+        ids.push(id("<|endoftext|>"));
+        ids
+    };
+    let want: Vec<u32> = [
+        laid_out(&conversations[0]),
+        vec![id("w4"), id("w4"), id("<|endoftext|>")],
+        laid_out(&conversations[1]),
+    ]
+    .concat();
+    assert_eq!(ids(&out.join("train.bin"), 2), want);
+    // --chat-template over the one beside the tokenizer; a template that
+    // refuses a record names it.
+    std::fs::write(
+        d.join("strict.jinja"),
+        "{% if messages[0].role != 'system' %}{{ raise_exception('a system message first') }}{% endif %}{{ messages[0].content }}",
+    )
+    .unwrap();
+    let strict = d.join("strict.jinja").display().to_string();
+    let extra = [
+        "--val-fraction",
+        "0",
+        "--overwrite",
+        "--chat-template",
+        &strict,
+    ];
+    let f = prepare(d, &["chats.jsonl"], &tok, &out, &extra);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("chats.jsonl:3: ")
+            && f.stderr
+                .contains("strict.jinja: line 1: the template refuses: a system message first"),
+        "{}",
+        f.stderr
+    );
+    std::fs::write(d.join("one.jsonl"), record(&conversations[0]) + "\n").unwrap();
+    let f = prepare(
+        d,
+        &["one.jsonl"],
+        &tok,
+        &out,
+        &[&extra[..], &["--field", "messages"]].concat(),
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert_eq!(
+        ids(&out.join("train.bin"), 2),
+        vec![id("w5"), id("<|endoftext|>")]
+    );
+}

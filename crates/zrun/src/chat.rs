@@ -43,6 +43,7 @@ const SPECIAL_TOKENS: [&str; 7] = [
 /// A model's chat template with the special tokens of its tokenizer.
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
+    /// Its text, `{% generation %}` blocks made plain Jinja.
     source: String,
     /// Where it was read (errors name it).
     from: PathBuf,
@@ -54,10 +55,11 @@ impl ChatTemplate {
     /// The template of `file` if given, else the model's in `dir`:
     /// `chat_template.jinja`, then `chat_template.json`, then the
     /// `chat_template` of `tokenizer_config.json` (of a list of named
-    /// templates, the one named `default`), as `transformers` looks. The
-    /// special tokens come from `dir`'s `tokenizer_config.json` either way.
-    /// Missing or malformed: exit 2 naming the file.
-    pub fn find(file: Option<&Path>, dir: Option<&Path>) -> anyhow::Result<ChatTemplate> {
+    /// templates, the one named `default`), as `transformers` looks; none
+    /// where `dir` has none. The special tokens come from `dir`'s
+    /// `tokenizer_config.json` either way. Unreadable or malformed: exit 2
+    /// naming the file.
+    pub fn find(file: Option<&Path>, dir: Option<&Path>) -> anyhow::Result<Option<ChatTemplate>> {
         let config = match dir.map(|d| d.join(TOKENIZER_CONFIG)) {
             Some(path) if path.is_file() => Some((read_json(&path)?, path)),
             _ => None,
@@ -66,10 +68,12 @@ impl ChatTemplate {
             Some((json, path)) => special_tokens(json, path)?,
             None => BTreeMap::new(),
         };
-        let found = |source: String, from: PathBuf| ChatTemplate {
-            source,
-            from,
-            specials: specials.clone(),
+        let found = |source: String, from: PathBuf| {
+            Some(ChatTemplate {
+                source: without_generation_tags(&source),
+                from,
+                specials: specials.clone(),
+            })
         };
         if let Some(file) = file {
             let source = std::fs::read_to_string(file).map_err(|e| {
@@ -78,9 +82,7 @@ impl ChatTemplate {
             return Ok(found(source, file.to_path_buf()));
         }
         let Some(dir) = dir else {
-            return Err(Failure::bad_input(
-                "--chat: no chat template: give --chat-template FILE (a Jinja file), or --tokenizer beside the model's tokenizer_config.json",
-            ));
+            return Ok(None);
         };
         let jinja = dir.join(TEMPLATE_FILE);
         if jinja.is_file() {
@@ -95,15 +97,21 @@ impl ChatTemplate {
             })?;
             return Ok(found(source, json));
         }
-        if let Some((config, path)) = &config {
-            if let Some(source) = template_in(config, path)? {
-                return Ok(found(source, path.clone()));
+        match &config {
+            Some((config, path)) => {
+                Ok(template_in(config, path)?.and_then(|t| found(t, path.clone())))
             }
+            None => Ok(None),
         }
-        Err(Failure::bad_input(format!(
-            "--chat: {} has no chat template ({TEMPLATE_FILE}, {TEMPLATE_JSON}, or a `chat_template` in {TOKENIZER_CONFIG}): give one with --chat-template FILE",
+    }
+
+    /// Where [`ChatTemplate::find`] looks in `dir`, for an error that
+    /// found none there.
+    pub fn looked_in(dir: &Path) -> String {
+        format!(
+            "{} has no chat template ({TEMPLATE_FILE}, {TEMPLATE_JSON}, or a `chat_template` in {TOKENIZER_CONFIG})",
             dir.display()
-        )))
+        )
     }
 
     /// Where the template was read.
@@ -121,6 +129,21 @@ impl ChatTemplate {
         messages: &[(&str, &str)],
         extra: &[(String, Value)],
     ) -> anyhow::Result<String> {
+        let messages: Vec<Value> = messages
+            .iter()
+            .map(|&(role, content)| {
+                map_of([
+                    ("role", Value::from(role)),
+                    ("content", Value::from(content)),
+                ])
+            })
+            .collect();
+        self.renderer()?.render(Value::from(messages), true, extra)
+    }
+
+    /// The template compiled, to render many conversations (a syntax
+    /// error: exit 2 naming the file and line).
+    pub fn renderer(&self) -> anyhow::Result<Renderer<'_>> {
         let mut env = Environment::new();
         let syntax = minijinja::syntax::SyntaxConfig::builder()
             .trim_blocks(true)
@@ -132,40 +155,63 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        env.add_template(TEMPLATE_FILE, &self.source)
+            .map_err(|e| self.failure(e))?;
+        Ok(Renderer { env, of: self })
+    }
+
+    /// A template's error as exit 2 naming the file and line.
+    fn failure(&self, e: Error) -> anyhow::Error {
+        let at = e.line().map(|l| format!(" line {l}")).unwrap_or_default();
+        let what = match e.kind() {
+            ErrorKind::InvalidOperation if e.detail().is_some() => {
+                format!("the template refuses: {}", e.detail().unwrap_or_default())
+            }
+            _ => e.to_string(),
+        };
+        Failure::bad_input(format!("{}:{at}: {what}", self.from.display()))
+    }
+}
+
+/// A compiled [`ChatTemplate`].
+pub struct Renderer<'a> {
+    env: Environment<'a>,
+    of: &'a ChatTemplate,
+}
+
+impl Renderer<'_> {
+    /// The text of the conversation `messages` (a list of objects with a
+    /// `role` and a `content`), as `apply_chat_template` renders it with
+    /// `add_generation_prompt` and the keyword arguments `extra`.
+    pub fn render(
+        &self,
+        messages: Value,
+        add_generation_prompt: bool,
+        extra: &[(String, Value)],
+    ) -> anyhow::Result<String> {
         // The special tokens, which `extra` may override (as
         // `apply_chat_template`'s keyword arguments override them).
         let mut context: BTreeMap<String, Value> = self
+            .of
             .specials
             .iter()
             .map(|(name, token)| (name.clone(), Value::from(token.as_str())))
             .collect();
         context.extend(extra.iter().cloned());
-        let messages: Vec<Value> = messages
-            .iter()
-            .map(|&(role, content)| {
-                map_of([
-                    ("role", Value::from(role)),
-                    ("content", Value::from(content)),
-                ])
-            })
-            .collect();
-        context.insert("messages".into(), Value::from(messages));
-        context.insert("add_generation_prompt".into(), Value::from(true));
+        context.insert("messages".into(), messages);
+        context.insert(
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        );
         context.insert("tools".into(), Value::from(()));
         context.insert("documents".into(), Value::from(()));
-        let fail = |e: Error| {
-            let at = e.line().map(|l| format!(" line {l}")).unwrap_or_default();
-            let what = match e.kind() {
-                ErrorKind::InvalidOperation if e.detail().is_some() => {
-                    format!("the template refuses: {}", e.detail().unwrap_or_default())
-                }
-                _ => e.to_string(),
-            };
-            Failure::bad_input(format!("{}:{at}: {what}", self.from.display()))
-        };
-        let source = without_generation_tags(&self.source);
-        let template = env.template_from_str(&source).map_err(fail)?;
-        template.render(Value::from(context)).map_err(fail)
+        let template = self
+            .env
+            .get_template(TEMPLATE_FILE)
+            .map_err(|e| self.of.failure(e))?;
+        template
+            .render(Value::from(context))
+            .map_err(|e| self.of.failure(e))
     }
 }
 
@@ -461,6 +507,20 @@ fn python_float(f: f64) -> String {
     }
 }
 
+/// A JSON text as a template's value, objects keeping their keys' order.
+pub fn json_value(text: &str) -> Result<Value, serde_json::Error> {
+    serde_json::from_str::<Json>(text).map(|j| j.0)
+}
+
+/// The directory of a file such as `--tokenizer`'s (`.` for a bare name),
+/// where its model's other files are looked for.
+pub fn dir_of(file: &Path) -> &Path {
+    match file.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    }
+}
+
 /// The variables the conversation itself sets.
 const RESERVED: [&str; 4] = ["messages", "add_generation_prompt", "tools", "documents"];
 
@@ -482,7 +542,7 @@ pub fn chat_arg(text: &str) -> anyhow::Result<(String, Value)> {
             "--chat-arg {text}: `{key}` is zrun's to set (--prompt and --system make the messages)"
         )));
     }
-    let value = serde_json::from_str::<Json>(value).map_or_else(|_| Value::from(value), |j| j.0);
+    let value = json_value(value).unwrap_or_else(|_| Value::from(value));
     Ok((key.to_string(), value))
 }
 
@@ -495,7 +555,7 @@ mod tests {
 
     fn render(source: &str, messages: &[(&str, &str)]) -> anyhow::Result<String> {
         let t = ChatTemplate {
-            source: source.into(),
+            source: without_generation_tags(source),
             from: "t.jinja".into(),
             specials: [("bos_token".to_string(), "<s>".to_string())].into(),
         };
@@ -598,9 +658,11 @@ mod tests {
     fn templates_are_found_as_transformers_finds_them() {
         let d = tempfile::tempdir().unwrap();
         let write = |name: &str, text: &str| std::fs::write(d.path().join(name), text).unwrap();
-        let found = |file: Option<&Path>| ChatTemplate::find(file, Some(d.path()));
-        let e = found(None).unwrap_err();
-        assert!(e.to_string().contains("has no chat template"), "{e}");
+        let found = |file: Option<&Path>| {
+            ChatTemplate::find(file, Some(d.path())).map(|t| t.expect("a template"))
+        };
+        assert!(ChatTemplate::find(None, Some(d.path())).unwrap().is_none());
+        assert!(ChatTemplate::find(None, None).unwrap().is_none());
         write(
             TOKENIZER_CONFIG,
             r#"{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}], "bos_token": {"content": "<s>", "lstrip": false}, "eos_token": "</s>", "pad_token": null}"#,

@@ -46,9 +46,18 @@ pub struct PrepareArgs {
     /// Where `train.bin`, `val.bin` and `manifest.json` go.
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
-    /// The JSONL field that holds the text.
-    #[arg(long, default_value = "text")]
-    pub field: String,
+    /// The JSONL field that holds the text, or a conversation (a list of
+    /// messages with a `role` and a `content`: laid out with the chat
+    /// template, as `apply_chat_template` lays it out) [default: `text`,
+    /// else `messages`].
+    #[arg(long)]
+    pub field: Option<String>,
+    /// The chat template conversations are laid out with, a Jinja file
+    /// (default: the one beside --tokenizer: `chat_template.jinja`,
+    /// `chat_template.json` or `tokenizer_config.json`, as `transformers`
+    /// looks).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
     /// The share of pieces (records, or 64 KiB stretches of text) that go to
     /// `val.bin`, spread evenly.
     #[arg(long, default_value_t = 0.01)]

@@ -409,14 +409,16 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
 /// user's, laid out by the chat template of `hf_dir` (a Hugging Face
 /// directory), of the directory of `--tokenizer`, or of `--chat-template`.
 fn chat_prompt(args: &cli::SampleArgs, hf_dir: Option<&Path>) -> anyhow::Result<String> {
-    let beside_tokenizer = args.tokenizer.as_deref().and_then(Path::parent);
-    let dir = hf_dir
-        .or(beside_tokenizer)
-        .map(|d| match d.as_os_str().is_empty() {
-            true => Path::new("."),
-            false => d,
-        });
-    let template = chat::ChatTemplate::find(args.chat_template.as_deref(), dir)?;
+    let dir = hf_dir.or(args.tokenizer.as_deref().map(chat::dir_of));
+    let template = chat::ChatTemplate::find(args.chat_template.as_deref(), dir)?.ok_or_else(|| {
+        Failure::bad_input(match dir {
+            Some(dir) => format!(
+                "--chat: {}: give one with --chat-template FILE",
+                chat::ChatTemplate::looked_in(dir)
+            ),
+            None => "--chat: no chat template: give --chat-template FILE (a Jinja file), or --tokenizer beside the model's tokenizer_config.json".into(),
+        })
+    })?;
     let extra = args
         .chat_arg
         .iter()

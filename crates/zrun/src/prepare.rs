@@ -25,6 +25,7 @@ use tokenizers::Tokenizer;
 use zconfig::manifest::{DataManifest, ManifestFile, MANIFEST_NAME};
 use zconfig::DataFormat;
 
+use crate::chat::{self, ChatTemplate, Renderer};
 use crate::cli::PrepareArgs;
 use crate::Failure;
 
@@ -126,6 +127,14 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         )));
     }
     let inputs = input_files(&args.inputs)?;
+    // The chat template of JSONL conversations, if there is one.
+    let tokenizer_dir = chat::dir_of(&args.tokenizer);
+    let template = ChatTemplate::find(args.chat_template.as_deref(), Some(tokenizer_dir))?;
+    let renderer = template.as_ref().map(ChatTemplate::renderer).transpose()?;
+    let conversations = Conversations {
+        renderer: renderer.as_ref(),
+        looked_in: ChatTemplate::looked_in(tokenizer_dir),
+    };
     let tokenizer_bytes = std::fs::read(&args.tokenizer).map_err(|e| {
         Failure::bad_input(format!("--tokenizer {}: {e}", args.tokenizer.display()))
     })?;
@@ -210,7 +219,7 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
             Ok(())
         };
         if *jsonl {
-            read_jsonl(path, &args.field, &mut pieces)?;
+            read_jsonl(path, args.field.as_deref(), &conversations, &mut pieces)?;
         } else {
             read_text(path, &mut pieces)?;
         }
@@ -469,9 +478,25 @@ fn read_text(path: &Path, sink: &mut impl FnMut(Piece) -> Result<()>) -> Result<
     }
 }
 
-/// A JSONL file's records: the string under `field` of each line (blank lines
-/// skipped); each record is a document.
-fn read_jsonl(path: &Path, field: &str, sink: &mut impl FnMut(Piece) -> Result<()>) -> Result<()> {
+/// How JSONL conversations become text: the chat template's renderer, if
+/// there is a template, and where it was looked for (for the error where
+/// there is none).
+struct Conversations<'a> {
+    renderer: Option<&'a Renderer<'a>>,
+    looked_in: String,
+}
+
+/// A JSONL file's records: under `field` of each line (blank lines
+/// skipped; by default `text`, else `messages`), a string, or a
+/// conversation laid out by the chat template as `apply_chat_template`
+/// lays out a whole conversation (no generation prompt); each record is a
+/// document.
+fn read_jsonl(
+    path: &Path,
+    field: Option<&str>,
+    conversations: &Conversations,
+    sink: &mut impl FnMut(Piece) -> Result<()>,
+) -> Result<()> {
     let bad = |e: std::io::Error| Failure::bad_input(format!("{}: {e}", path.display()));
     let r = std::io::BufReader::new(std::fs::File::open(path).map_err(bad)?);
     for (i, line) in r.lines().enumerate() {
@@ -483,18 +508,40 @@ fn read_jsonl(path: &Path, field: &str, sink: &mut impl FnMut(Piece) -> Result<(
         if line.trim().is_empty() {
             continue;
         }
-        let record: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
-            Failure::bad_input(format!("{}:{}: not JSON: {e}", path.display(), i + 1))
-        })?;
-        let text = record.get(field).and_then(|v| v.as_str()).ok_or_else(|| {
-            Failure::bad_input(format!(
-                "{}:{}: no string field `{field}` (choose one with --field)",
-                path.display(),
-                i + 1
-            ))
-        })?;
+        let at = format!("{}:{}", path.display(), i + 1);
+        let record: serde_json::Value = serde_json::from_str(&line)
+            .map_err(|e| Failure::bad_input(format!("{at}: not JSON: {e}")))?;
+        let name = match field {
+            Some(f) => f,
+            None if record.get("text").is_none() && record.get("messages").is_some() => "messages",
+            None => "text",
+        };
+        let text = match record.get(name) {
+            Some(serde_json::Value::String(text)) => text.clone(),
+            Some(serde_json::Value::Array(_)) => {
+                let renderer = conversations.renderer.ok_or_else(|| {
+                    Failure::bad_input(format!(
+                        "{at}: `{name}` is a conversation, and {}: give --chat-template FILE",
+                        conversations.looked_in
+                    ))
+                })?;
+                // Read again keeping each message's keys in order (a
+                // template may iterate them).
+                let messages = chat::json_value(&line)
+                    .map(|r| r.get_attr(name).unwrap_or_default())
+                    .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?;
+                renderer
+                    .render(messages, false, &[])
+                    .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?
+            }
+            _ => {
+                return Err(Failure::bad_input(format!(
+                    "{at}: no string field `{name}`, nor a conversation there (choose the field with --field)"
+                )))
+            }
+        };
         sink(Piece {
-            text: text.to_string(),
+            text,
             ends_document: true,
         })?;
     }
