@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`zrun sample` on a model that `transformers` wrote (not run in CI).
 
-The other way round from `hf_crosscheck.py`: builds a small GPT-2, LLaMA, Qwen2, Qwen3 or Mistral
+The other way round from `hf_crosscheck.py`: builds a small GPT-2, LLaMA, Qwen2, Qwen3, Mistral or Phi-3
 with `transformers` itself (its own config.json keys, its own tensor names;
 weights drawn at std 0.3 so that the logits are far from uniform), saves it
 with `save_pretrained`, continues a byte prompt greedily with the model's
@@ -19,6 +19,7 @@ the sixty-ninth session) changes the continuation within a few bytes.
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen2
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen3
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py mistral
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py phi3
 
 `--max-shard-size` saves the model in shards with an index
 (`model.safetensors.index.json`), as published models past a few GB are.
@@ -38,8 +39,8 @@ import tempfile
 
 import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 
 SCALINGS = {
@@ -68,12 +69,23 @@ def build(kind: str, rope_scaling=None):
         # LLaMA's layout; its window as long as the context (zrun's context
         # is the window).
         return MistralForCausalLM(MistralConfig(**shape, sliding_window=64))
+    if kind == "phi3":
+        # LLaMA's model, q, k and v (and gate and up) stored as one tensor
+        # each; its window (47) shorter than its positions (64): zrun's
+        # context is the window, and so is the one transformers is given
+        # below.
+        return Phi3ForCausalLM(Phi3Config(**shape, sliding_window=WINDOWS["phi3"], pad_token_id=0,
+                                          bos_token_id=1, eos_token_id=2))
     return LlamaForCausalLM(LlamaConfig(**shape))
+
+
+# The context of each kind where it is not its positions (64).
+WINDOWS = {"phi3": 47}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["gpt2", "llama", "qwen2", "qwen3", "mistral"])
+    ap.add_argument("kind", choices=["gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3"])
     ap.add_argument("--zrun", default="target/release/zrun")
     ap.add_argument("--prompt", default="fn main() {")
     ap.add_argument("--tokens", type=int, default=80)
@@ -96,7 +108,7 @@ def main() -> int:
             if args.bf16:
                 p.copy_(p.to(torch.bfloat16).float())
     model.eval()
-    context = 64
+    context = WINDOWS.get(args.kind, 64)
     ids = torch.tensor([list(args.prompt.encode())])
     with torch.no_grad():
         for _ in range(args.tokens):

@@ -237,7 +237,7 @@ fn a_hugging_face_directory_samples_as_its_checkpoint() {
         (
             "model_type",
             serde_json::json!("bert"),
-            "model_type is \"bert\": zrun runs gpt2, llama, qwen2, qwen3 and mistral",
+            "model_type is \"bert\": zrun runs gpt2, llama, qwen2, qwen3, mistral and phi3",
         ),
         (
             "activation_function",

@@ -320,12 +320,13 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
         count(keys).unwrap_or_else(|| Err(bad(format!("no {}", keys.join(" or ")))))
     };
     let float = |key: &str| c.get(key).and_then(Value::as_f64);
-    // Mistral's tokens attend to at most `sliding_window` tokens before
-    // them: the context zrun gives it (within it, the same attention).
+    // Mistral's and Phi-3's tokens attend to at most `sliding_window`
+    // tokens (themselves included): the context zrun gives them (within
+    // it, the same attention).
     let context = |kind: &str| {
         let positions = need(&["max_position_embeddings"])?;
         Ok::<_, CkptError>(match kind {
-            "mistral" => count(&["sliding_window"])
+            "mistral" | "phi3" => count(&["sliding_window"])
                 .transpose()?
                 .map_or(positions, |w| w.min(positions)),
             _ => positions,
@@ -352,8 +353,20 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
                 "norm_eps": float("layer_norm_epsilon"),
             })
         }
-        Some(kind @ ("llama" | "qwen2" | "qwen3" | "mistral")) => {
+        Some(kind @ ("llama" | "qwen2" | "qwen3" | "mistral" | "phi3")) => {
             only("hidden_act", &[json!("silu")])?;
+            // Phi-4-mini turns only part of each head.
+            only("partial_rotary_factor", &[json!(1.0)])?;
+            if let Some(f) = c
+                .get("rope_parameters")
+                .and_then(|r| r.get("partial_rotary_factor"))
+            {
+                if !f.is_null() && f.as_f64() != Some(1.0) {
+                    return Err(bad(format!(
+                        "rope_parameters.partial_rotary_factor is {f}: zrun's model turns the whole of each head"
+                    )));
+                }
+            }
             only("attention_bias", &[json!(false)])?;
             only("mlp_bias", &[json!(false)])?;
             // Qwen2 and 3 window attention only with `use_sliding_window`.
@@ -386,7 +399,7 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
         }
         _ => {
             return Err(bad(format!(
-                "model_type is {}: zrun runs gpt2, llama, qwen2, qwen3 and mistral",
+                "model_type is {}: zrun runs gpt2, llama, qwen2, qwen3, mistral and phi3",
                 c.get("model_type").unwrap_or(&Value::Null)
             )))
         }
@@ -669,9 +682,14 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
         (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
         _ => a == b,
     };
-    // Mistral's names and layout are LLaMA's; its window bounds the context.
+    // Mistral's names and layout are LLaMA's, Phi-3's too with q, k and v
+    // (and gate and up) in one tensor each; a window bounds the context.
     let mut file = file;
-    if file.get("model_type") == Some(&serde_json::json!("mistral")) {
+    let windowed = file
+        .get("model_type")
+        .and_then(|t| t.as_str())
+        .filter(|t| ["mistral", "phi3"].contains(t));
+    if let Some(family) = windowed.map(str::to_string) {
         file["model_type"] = "llama".into();
         if let Some(w) = file
             .get("sliding_window")
@@ -682,7 +700,7 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
                     &path,
                     format!(
                         "sliding_window is {w}, shorter than the job's model.seq_len {}: \
-                         Mistral's tokens attend to at most {w} before them",
+                         {family}'s tokens attend to at most {w} tokens",
                         m.seq_len
                     ),
                 ));
@@ -694,7 +712,7 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
             if !have.is_null() && !same(have, want) {
                 let advice = match *key {
                     "model_type" => {
-                        "zrun reads gpt2, llama and mistral, qwen2 (model.kind: \
+                        "zrun reads gpt2, llama, mistral and phi3, qwen2 (model.kind: \
                          llama with model.qkv_bias: true) and qwen3 (with \
                          model.qk_norm: true and model.head_dim); weights of the same \
                          names and layout can be given as the model.safetensors file alone"
@@ -792,7 +810,18 @@ impl HfWeights {
         let mut mapped = HashMap::new();
         for (name, shape) in params {
             let mut found_pieces = Vec::new();
-            for p in pieces(m, name, shape) {
+            let mut parts = pieces(m, name, shape);
+            // Phi-3 keeps q, k and v (and gate and up) in one tensor each,
+            // as zrun does: taken whole where the parts are absent.
+            let fused = format!("model.{name}");
+            if parts.len() > 1 && lookup(&parts[0].name).is_none() && have.contains_key(&fused) {
+                parts = vec![Piece {
+                    name: fused,
+                    columns: 0..shape.last().copied().unwrap_or(0),
+                    transposed: parts[0].transposed,
+                }];
+            }
+            for p in parts {
                 let want = p.shape(shape);
                 let found = lookup(&p.name).ok_or_else(|| {
                     invalid(
@@ -948,6 +977,107 @@ mod tests {
         })
         .unwrap();
         (d, params)
+    }
+
+    /// Phi-3: LLaMA's layout with q, k and v (and gate and up) stored as
+    /// one tensor each, rows of the parts one after the other, its context
+    /// capped by its window: read as the LLaMA directory of the same
+    /// values, value for value; a partial rotation refused.
+    #[test]
+    fn a_phi3_directory_reads_as_the_llama_of_its_values() {
+        let m = llama();
+        let d = tempfile::tempdir().unwrap();
+        let params = m.param_shapes();
+        let mut next = 0u32;
+        let mut shapes = params.iter();
+        write_dir(&m, &params, d.path(), || {
+            Ok(shapes.next().map(|(_, s)| {
+                (0..s.iter().product::<usize>())
+                    .map(|_| {
+                        next += 1;
+                        next as f32 / 64.0
+                    })
+                    .collect()
+            }))
+        })
+        .unwrap();
+        let wants: Vec<Vec<f32>> = {
+            let w = HfWeights::open(&m, &params, d.path()).unwrap();
+            params
+                .iter()
+                .map(|(name, _)| w.read(name).unwrap())
+                .collect()
+        };
+        // The same tensors, the parts of each projection fused.
+        let path = d.path().join(HF_WEIGHTS);
+        let file = crate::TensorFile::open(&path).unwrap();
+        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+        for (name, shape) in file.tensors() {
+            let values = file.read(&name).unwrap();
+            let fused = [
+                ("q_proj", "qkv_proj"),
+                ("k_proj", "qkv_proj"),
+                ("v_proj", "qkv_proj"),
+                ("gate_proj", "gate_up_proj"),
+                ("up_proj", "gate_up_proj"),
+            ]
+            .iter()
+            .find_map(|(part, whole)| {
+                name.contains(&format!(".{part}."))
+                    .then(|| name.replace(part, whole))
+            });
+            match fused.and_then(|f| tensors.iter_mut().find(|t| t.0 == f).map(|t| (f, t))) {
+                // A later part: its rows after the earlier parts'.
+                Some((_, t)) => {
+                    t.1[0] += shape[0];
+                    t.2.extend(values);
+                }
+                None => {
+                    let name = [("q_proj", "qkv_proj"), ("gate_proj", "gate_up_proj")]
+                        .iter()
+                        .fold(name.clone(), |n, (part, whole)| n.replace(part, whole));
+                    tensors.push((name, shape, values));
+                }
+            }
+        }
+        drop(file);
+        assert_eq!(tensors.len(), params.len(), "one tensor a parameter");
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .into_iter()
+            .map(|(n, s, v)| (n, s, bytemuck::cast_slice(&v).to_vec()))
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = bytes
+            .iter()
+            .map(|(n, s, b)| {
+                let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+                (n.clone(), v.unwrap())
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+        let mut c = config_json(&m);
+        c["model_type"] = "phi3".into();
+        c["sliding_window"] = 47.into();
+        c["max_position_embeddings"] = 64.into();
+        std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
+        let phi3 = model_spec(d.path()).unwrap();
+        assert_eq!((phi3.seq_len, phi3.n_heads, phi3.kv_heads()), (47, 4, 2));
+        let w = HfWeights::open(&phi3, &params, d.path()).unwrap();
+        for ((name, _), want) in params.iter().zip(&wants) {
+            assert_eq!(&w.read(name).unwrap(), want, "{name}");
+        }
+        for (key, value) in [
+            ("partial_rotary_factor", serde_json::json!(0.75)),
+            (
+                "rope_parameters",
+                serde_json::json!({"partial_rotary_factor": 0.5}),
+            ),
+        ] {
+            let mut c = c.clone();
+            c[key] = value;
+            std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
+            let e = model_spec(d.path()).unwrap_err().to_string();
+            assert!(e.contains("partial_rotary_factor is 0."), "{key}: {e}");
+        }
     }
 
     /// Published weights in bf16: each parameter read as its bf16 bits,
@@ -1381,7 +1511,7 @@ mod tests {
         for (config, says) in [
             (
                 edit(&gpt_config, &[("model_type", json!("bert"))]),
-                "model_type is \"bert\": zrun runs gpt2, llama, qwen2, qwen3 and mistral",
+                "model_type is \"bert\": zrun runs gpt2, llama, qwen2, qwen3, mistral and phi3",
             ),
             (
                 edit(&gpt_config, &[("n_embd", json!(-1))]),
@@ -1665,7 +1795,7 @@ mod tests {
             (
                 "model_type",
                 serde_json::json!("gemma"),
-                "(model.kind, model.qkv_bias, model.qk_norm): zrun reads gpt2, llama and mistral, qwen2 (model.kind: llama with model.qkv_bias: true) and qwen3 (with model.qk_norm: true and model.head_dim); weights of the same names and layout can be given as the model.safetensors file alone",
+                "(model.kind, model.qkv_bias, model.qk_norm): zrun reads gpt2, llama, mistral and phi3, qwen2 (model.kind: llama with model.qkv_bias: true) and qwen3 (with model.qk_norm: true and model.head_dim); weights of the same names and layout can be given as the model.safetensors file alone",
             ),
             (
                 "max_position_embeddings",

@@ -75,7 +75,7 @@ pub struct PrepareArgs {
 #[derive(Debug, Args)]
 pub struct SampleArgs {
     /// A checkpoint directory (`step-N/`), a checkpoint root (its newest),
-    /// or a Hugging Face GPT-2, LLaMA, Qwen2, Qwen3 or Mistral directory (`config.json` and
+    /// or a Hugging Face GPT-2, LLaMA, Qwen2, Qwen3, Mistral or Phi-3 directory (`config.json` and
     /// `model.safetensors`, or shards with `model.safetensors.index.json`:
     /// `zrun export --format hf`'s, `save_pretrained`'s, or a published one).
     #[arg(value_name = "CHECKPOINT_DIR")]
