@@ -692,3 +692,108 @@ fn conversations_are_laid_out_by_the_chat_template() {
         vec![id("w5"), id("<|endoftext|>")]
     );
 }
+
+/// The chat workflow end to end: conversations prepared with the chat
+/// template, a model trained on them, and `zrun sample --chat` (the
+/// template found beside `--tokenizer`) answering a new user message as
+/// the assistant did in training, ending at the end of the document; from
+/// the exported directory, with the end of the turn as its
+/// `generation_config.json`'s `eos_token_id` (as instruction-tuned models
+/// publish it), ending there.
+#[test]
+fn a_model_trained_on_conversations_answers_in_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut vocab_words = words(10);
+    vocab_words.extend(["user", "assistant"].map(String::from));
+    let (tok, mut vocab) = tokenizer(d, &vocab_words);
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tok).unwrap()).unwrap();
+    for marker in ["<|im_start|>", "<|im_end|>"] {
+        let id = vocab.len() as u32;
+        vocab.insert(marker.to_string(), id);
+        json["model"]["vocab"][marker] = serde_json::json!(id);
+        json["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+            "id": id, "content": marker, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}));
+    }
+    std::fs::write(&tok, json.to_string()).unwrap();
+    let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    std::fs::write(
+        d.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": chatml}).to_string(),
+    )
+    .unwrap();
+    // Whatever the user says, the assistant answers "w7 w8".
+    let records: String = (0..400)
+        .map(|i| {
+            let messages = serde_json::json!([
+                {"role": "user", "content": format!("w{}", i % 6)},
+                {"role": "assistant", "content": "w7 w8"}]);
+            format!("{}\n", serde_json::json!({ "messages": messages }))
+        })
+        .collect();
+    std::fs::write(d.join("chats.jsonl"), records).unwrap();
+    let out = d.join("data");
+    let f = prepare(d, &["chats.jsonl"], &tok, &out, &["--val-fraction", "0"]);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let data = format!("{{path: {}/train.bin, format: tokens_u16}}", out.display());
+    let j = job(d, vocab.len(), &data);
+    let ckpt = d.join("ckpt");
+    let f = TrainArgs::new(&j, d.join("m.jsonl"))
+        .set("train.steps=200")
+        .set("train.eval_every=0")
+        .set(format!("checkpoint.dir={}", ckpt.display()))
+        .run(d);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let prompt = "<|im_start|>user\nw3<|im_end|>\n<|im_start|>assistant\n";
+    let answer = |model: &Path, more: &[&str]| {
+        let mut args = vec![
+            "sample",
+            model.to_str().unwrap(),
+            "--chat",
+            "--prompt",
+            "w3",
+            "--temperature",
+            "0",
+            "--tokens",
+            "6",
+        ];
+        args.extend_from_slice(more);
+        let f = zrun(d, &args);
+        assert_eq!(f.code(), 0, "{f:?}");
+        assert!(f.stdout.starts_with(prompt), "{:?}", f.stdout);
+        let words: Vec<String> = f.stdout[prompt.len()..]
+            .split_whitespace()
+            .map(String::from)
+            .collect();
+        (words, f.stderr)
+    };
+    // From the checkpoint: "w7 w8", the end of the turn (a special token,
+    // which prints as nothing), then the end of the document: three drawn.
+    let tokenizer = ["--tokenizer", tok.to_str().unwrap()];
+    let (words, said) = answer(&ckpt, &tokenizer);
+    assert_eq!(words, ["w7", "w8"]);
+    assert!(said.contains("3 tokens drawn"), "{said}");
+    // Past the end of the document, the next conversation: a user's turn.
+    let (words, _) = answer(&ckpt, &[&tokenizer[..], &["--ignore-eos"]].concat());
+    assert_eq!(words[..3], ["w7", "w8", "user"]);
+    // As a published instruction-tuned directory: its template and
+    // tokenizer beside its weights, the end of a turn its end of text.
+    let hf = d.join("hf");
+    e2e::export_hf(d, &ckpt, &hf);
+    for name in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(d.join(name), hf.join(name)).unwrap();
+    }
+    std::fs::write(
+        hf.join("generation_config.json"),
+        serde_json::json!({"eos_token_id": vocab["<|im_end|>"]}).to_string(),
+    )
+    .unwrap();
+    let (words, said) = answer(&hf, &[]);
+    assert_eq!(words, ["w7", "w8"]);
+    assert!(said.contains("2 tokens drawn"), "{said}");
+}
