@@ -644,13 +644,49 @@ pub fn tfrecords(dir: &Path) -> Vec<usize> {
         .collect()
 }
 
+/// A Python package used as a test's reference: `ZRUN_<NAME>_PYTHON` (else
+/// `python3`) runs `script` with `args` and `stdin`, and its stdout is the
+/// answer; None (said) where the script printed `NO_<NAME>` (the package is
+/// missing) and `ZRUN_REQUIRE_<NAME>` is not 1 (CI sets it).
+pub fn python_reference(name: &str, script: &str, args: &[&str], stdin: &str) -> Option<String> {
+    use std::io::Write;
+    let var = |what: &str| std::env::var(format!("ZRUN_{what}_{name}"));
+    let python = std::env::var(format!("ZRUN_{name}_PYTHON")).unwrap_or_else(|_| "python3".into());
+    let mut child = std::process::Command::new(&python)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{python}: {e}"));
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{python}: {out:?}");
+    let out = String::from_utf8(out.stdout).unwrap();
+    if out.starts_with(&format!("NO_{name}")) {
+        assert!(
+            var("REQUIRE").as_deref() != Ok("1"),
+            "ZRUN_REQUIRE_{name}=1, but {python} lacks it: {out}"
+        );
+        eprintln!("SKIPPED the comparison with the Python reference: {out}");
+        return None;
+    }
+    Some(out)
+}
+
 /// Every scalar tag's (step, value) pairs as TensorBoard's own reader sees
 /// the event files in `dir`, or None (said) where its Python has no
 /// `tensorboard` package and `ZRUN_REQUIRE_TENSORBOARD` is not 1.
 pub fn tensorboard_scalars(
     dir: &Path,
 ) -> Option<std::collections::HashMap<String, Vec<(u64, f64)>>> {
-    let python = std::env::var("ZRUN_TENSORBOARD_PYTHON").unwrap_or_else(|_| "python3".into());
     let reader = r#"
 import json, sys
 try:
@@ -662,20 +698,6 @@ acc = EventAccumulator(sys.argv[1])
 acc.Reload()
 print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}))
 "#;
-    let out = std::process::Command::new(&python)
-        .args(["-c", reader, dir.to_str().unwrap()])
-        .output();
-    let out = match out {
-        Ok(o) if o.status.success() => String::from_utf8(o.stdout).unwrap(),
-        other => panic!("{python}: {other:?}"),
-    };
-    if out.starts_with("NO_TENSORBOARD") {
-        assert!(
-            std::env::var("ZRUN_REQUIRE_TENSORBOARD").as_deref() != Ok("1"),
-            "ZRUN_REQUIRE_TENSORBOARD=1, but {python} has no tensorboard: {out}"
-        );
-        eprintln!("SKIPPED the TensorBoard reader's part: {out}");
-        return None;
-    }
+    let out = python_reference("TENSORBOARD", reader, &[dir.to_str().unwrap()], "")?;
     Some(serde_json::from_str(&out).unwrap())
 }

@@ -557,21 +557,16 @@ fn an_interrupted_prepare_leaves_nothing_behind() {
     }
 }
 
-/// JSONL conversations (`{"messages": [...]}`, the layout of TRL's
-/// conversational datasets) laid out by the chat template beside the
-/// tokenizer and tokenized as one document each: the ids are those of the
-/// layout written out here by hand (its markers single special tokens, no
-/// generation prompt, the end-of-text id after each), text records beside
-/// them unchanged. Without a template: exit 2 naming the line and where it
-/// looked; `--chat-template` given; a template's refusal names the record.
-#[test]
-fn conversations_are_laid_out_by_the_chat_template() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let mut vocab_words = words(6);
-    vocab_words.extend(["system", "user", "assistant"].map(String::from));
-    let (tok, mut vocab) = tokenizer(d, &vocab_words);
-    // The role markers as added special tokens.
+/// ChatML, Qwen's layout of a conversation.
+const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// [`tokenizer`] of `n` words and the `roles` as words, with ChatML's
+/// markers `<|im_start|>` and `<|im_end|>` as added special tokens (single
+/// ids wherever they stand in a text).
+fn chat_tokenizer(dir: &Path, n: usize, roles: &[&str]) -> (PathBuf, HashMap<String, u32>) {
+    let mut vocab_words = words(n);
+    vocab_words.extend(roles.iter().map(|r| r.to_string()));
+    let (tok, mut vocab) = tokenizer(dir, &vocab_words);
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&tok).unwrap()).unwrap();
     for marker in ["<|im_start|>", "<|im_end|>"] {
@@ -586,7 +581,21 @@ fn conversations_are_laid_out_by_the_chat_template() {
             "rstrip": false, "normalized": false, "special": true}));
     }
     std::fs::write(&tok, json.to_string()).unwrap();
-    let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    (tok, vocab)
+}
+
+/// JSONL conversations (`{"messages": [...]}`, the layout of TRL's
+/// conversational datasets) laid out by the chat template beside the
+/// tokenizer and tokenized as one document each: the ids are those of the
+/// layout written out here by hand (its markers single special tokens, no
+/// generation prompt, the end-of-text id after each), text records beside
+/// them unchanged. Without a template: exit 2 naming the line and where it
+/// looked; `--chat-template` given; a template's refusal names the record.
+#[test]
+fn conversations_are_laid_out_by_the_chat_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (tok, vocab) = chat_tokenizer(d, 6, &["system", "user", "assistant"]);
     let conversations = [
         vec![
             ("system", "w5"),
@@ -630,7 +639,7 @@ fn conversations_are_laid_out_by_the_chat_template() {
     );
     std::fs::write(
         d.join("tokenizer_config.json"),
-        serde_json::json!({"chat_template": chatml, "eos_token": "<|endoftext|>"}).to_string(),
+        serde_json::json!({"chat_template": CHATML, "eos_token": "<|endoftext|>"}).to_string(),
     )
     .unwrap();
     let f = prepare(d, &["chats.jsonl"], &tok, &out, &["--val-fraction", "0"]);
@@ -704,27 +713,10 @@ fn conversations_are_laid_out_by_the_chat_template() {
 fn a_model_trained_on_conversations_answers_in_turn() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let mut vocab_words = words(10);
-    vocab_words.extend(["user", "assistant"].map(String::from));
-    let (tok, mut vocab) = tokenizer(d, &vocab_words);
-    let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&tok).unwrap()).unwrap();
-    for marker in ["<|im_start|>", "<|im_end|>"] {
-        let id = vocab.len() as u32;
-        vocab.insert(marker.to_string(), id);
-        json["model"]["vocab"][marker] = serde_json::json!(id);
-        json["added_tokens"]
-            .as_array_mut()
-            .unwrap()
-            .push(serde_json::json!({
-            "id": id, "content": marker, "single_word": false, "lstrip": false,
-            "rstrip": false, "normalized": false, "special": true}));
-    }
-    std::fs::write(&tok, json.to_string()).unwrap();
-    let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let (tok, vocab) = chat_tokenizer(d, 10, &["user", "assistant"]);
     std::fs::write(
         d.join("tokenizer_config.json"),
-        serde_json::json!({"chat_template": chatml}).to_string(),
+        serde_json::json!({"chat_template": CHATML}).to_string(),
     )
     .unwrap();
     // Whatever the user says, the assistant answers "w7 w8".

@@ -582,7 +582,6 @@ fn chat_prompts_are_laid_out_as_transformers_lays_them_out() {
 /// each; None (said) where no Python here has `transformers` and
 /// `ZRUN_REQUIRE_TRANSFORMERS` is not 1.
 fn transformers_renders(request: &str) -> Option<Vec<serde_json::Value>> {
-    let python = std::env::var("ZRUN_TRANSFORMERS_PYTHON").unwrap_or_else(|_| "python3".into());
     let renderer = r#"
 import json, sys
 try:
@@ -600,30 +599,6 @@ for case in json.load(sys.stdin):
         out.append({"error": str(e)})
 print(json.dumps(out))
 "#;
-    use std::io::Write;
-    let mut child = std::process::Command::new(&python)
-        .args(["-c", renderer])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("{python}: {e}"));
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(request.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{python}: {out:?}");
-    let out = String::from_utf8(out.stdout).unwrap();
-    if out.starts_with("NO_TRANSFORMERS") {
-        assert!(
-            std::env::var("ZRUN_REQUIRE_TRANSFORMERS").as_deref() != Ok("1"),
-            "ZRUN_REQUIRE_TRANSFORMERS=1, but {python} has no transformers: {out}"
-        );
-        eprintln!("SKIPPED the comparison with transformers' chat templates: {out}");
-        return None;
-    }
+    let out = e2e::python_reference("TRANSFORMERS", renderer, &[], request)?;
     Some(serde_json::from_str(&out).unwrap())
 }

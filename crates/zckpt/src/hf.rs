@@ -979,6 +979,31 @@ mod tests {
         (d, params)
     }
 
+    /// `m` written as a Hugging Face directory whose values are `value(i)`
+    /// for i = 1, 2, ... through its parameters in order (every value
+    /// distinct where `value` keeps them so), and its parameters.
+    fn a_directory_counting(
+        m: &ModelSpec,
+        value: impl Fn(u32) -> f32,
+    ) -> (tempfile::TempDir, Vec<(String, Vec<usize>)>) {
+        let d = tempfile::tempdir().unwrap();
+        let params = m.param_shapes();
+        let mut next = 0u32;
+        let mut shapes = params.iter();
+        write_dir(m, &params, d.path(), || {
+            Ok(shapes.next().map(|(_, s)| {
+                (0..s.iter().product::<usize>())
+                    .map(|_| {
+                        next += 1;
+                        value(next)
+                    })
+                    .collect()
+            }))
+        })
+        .unwrap();
+        (d, params)
+    }
+
     /// Phi-3: LLaMA's layout with q, k and v (and gate and up) stored as
     /// one tensor each, rows of the parts one after the other, its context
     /// capped by its window: read as the LLaMA directory of the same
@@ -986,21 +1011,7 @@ mod tests {
     #[test]
     fn a_phi3_directory_reads_as_the_llama_of_its_values() {
         let m = llama();
-        let d = tempfile::tempdir().unwrap();
-        let params = m.param_shapes();
-        let mut next = 0u32;
-        let mut shapes = params.iter();
-        write_dir(&m, &params, d.path(), || {
-            Ok(shapes.next().map(|(_, s)| {
-                (0..s.iter().product::<usize>())
-                    .map(|_| {
-                        next += 1;
-                        next as f32 / 64.0
-                    })
-                    .collect()
-            }))
-        })
-        .unwrap();
+        let (d, params) = a_directory_counting(&m, |i| i as f32 / 64.0);
         let wants: Vec<Vec<f32>> = {
             let w = HfWeights::open(&m, &params, d.path()).unwrap();
             params
@@ -1087,21 +1098,8 @@ mod tests {
     #[test]
     fn bf16_weights_read_as_their_bits_are_their_f32_values() {
         let m = llama();
-        let d = tempfile::tempdir().unwrap();
-        let params = m.param_shapes();
-        let mut next = 0u32;
-        let mut shapes = params.iter();
-        write_dir(&m, &params, d.path(), || {
-            Ok(shapes.next().map(|(_, s)| {
-                (0..s.iter().product::<usize>())
-                    .map(|_| {
-                        next += 1;
-                        half::bf16::from_f32(next as f32 / 64.0 - 3.0).to_f32()
-                    })
-                    .collect()
-            }))
-        })
-        .unwrap();
+        let (d, params) =
+            a_directory_counting(&m, |i| half::bf16::from_f32(i as f32 / 64.0 - 3.0).to_f32());
         let f32_file = d.path().join(HF_WEIGHTS);
         let f32_weights = HfWeights::open(&m, &params, d.path()).unwrap();
         assert_eq!(f32_weights.read_bf16(&params[1].0).unwrap(), None);
