@@ -637,12 +637,38 @@ fn conversations_are_laid_out_by_the_chat_template() {
         "{}",
         f.stderr
     );
+    // One zrun cannot read: text still prepares, a conversation says why.
+    std::fs::write(d.join("tokenizer_config.json"), r#"{"chat_template": 3}"#).unwrap();
+    std::fs::write(d.join("text.jsonl"), "{\"text\": \"w1 w2\"}\n").unwrap();
+    let f = prepare(d, &["text.jsonl"], &tok, &out, &["--val-fraction", "0"]);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let f = prepare(
+        d,
+        &["chats.jsonl"],
+        &tok,
+        &out,
+        &["--val-fraction", "0", "--overwrite"],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains(
+            "chats.jsonl:1: `messages` is a conversation, and its chat template cannot be read"
+        ) && f.stderr.contains("chat_template is 3"),
+        "{}",
+        f.stderr
+    );
     std::fs::write(
         d.join("tokenizer_config.json"),
         serde_json::json!({"chat_template": CHATML, "eos_token": "<|endoftext|>"}).to_string(),
     )
     .unwrap();
-    let f = prepare(d, &["chats.jsonl"], &tok, &out, &["--val-fraction", "0"]);
+    let f = prepare(
+        d,
+        &["chats.jsonl"],
+        &tok,
+        &out,
+        &["--val-fraction", "0", "--overwrite"],
+    );
     assert_eq!(f.code(), 0, "{f:?}");
     let id = |w: &str| vocab[w];
     let laid_out = |c: &Vec<(&str, &str)>| {

@@ -585,6 +585,7 @@ fn transformers_renders(request: &str) -> Option<Vec<serde_json::Value>> {
     let renderer = r#"
 import json, sys
 try:
+    import jinja2  # transformers renders with it, and does not install it
     from transformers.utils.chat_template_utils import render_jinja_template
 except ImportError as e:
     print("NO_TRANSFORMERS", e)

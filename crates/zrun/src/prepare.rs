@@ -127,12 +127,29 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         )));
     }
     let inputs = input_files(&args.inputs)?;
-    // The chat template of JSONL conversations, if there is one.
+    // The chat template of JSONL conversations, if there is one. One given
+    // with --chat-template must load; the tokenizer's neighbours matter
+    // only to conversations, so that text data is not refused for a
+    // `tokenizer_config.json` zrun cannot read.
     let tokenizer_dir = chat::dir_of(&args.tokenizer);
-    let template = ChatTemplate::find(args.chat_template.as_deref(), Some(tokenizer_dir))?;
-    let renderer = template.as_ref().map(ChatTemplate::renderer).transpose()?;
+    let template = ChatTemplate::find(args.chat_template.as_deref(), Some(tokenizer_dir));
+    let template = match template {
+        Err(e) if args.chat_template.is_some() => return Err(e),
+        other => other,
+    };
+    let renderer = match &template {
+        Ok(Some(t)) => t.renderer().map(Some),
+        Ok(None) => Ok(None),
+        Err(e) => Err(Failure::bad_input(e.to_string())),
+    };
+    if let (Err(e), Some(_)) = (&renderer, &args.chat_template) {
+        return Err(Failure::bad_input(e.to_string()));
+    }
     let conversations = Conversations {
-        renderer: renderer.as_ref(),
+        renderer: renderer
+            .as_ref()
+            .map(Option::as_ref)
+            .map_err(|e| e.to_string()),
         looked_in: ChatTemplate::looked_in(tokenizer_dir),
     };
     let tokenizer_bytes = std::fs::read(&args.tokenizer).map_err(|e| {
@@ -482,7 +499,9 @@ fn read_text(path: &Path, sink: &mut impl FnMut(Piece) -> Result<()>) -> Result<
 /// there is a template, and where it was looked for (for the error where
 /// there is none).
 struct Conversations<'a> {
-    renderer: Option<&'a Renderer<'a>>,
+    /// The renderer, none, or why the template beside the tokenizer could
+    /// not be read.
+    renderer: Result<Option<&'a Renderer<'a>>, String>,
     looked_in: String,
 }
 
@@ -519,12 +538,20 @@ fn read_jsonl(
         let text = match record.get(name) {
             Some(serde_json::Value::String(text)) => text.clone(),
             Some(serde_json::Value::Array(_)) => {
-                let renderer = conversations.renderer.ok_or_else(|| {
-                    Failure::bad_input(format!(
-                        "{at}: `{name}` is a conversation, and {}: give --chat-template FILE",
-                        conversations.looked_in
-                    ))
-                })?;
+                let renderer = match &conversations.renderer {
+                    Ok(Some(r)) => r,
+                    Ok(None) => {
+                        return Err(Failure::bad_input(format!(
+                            "{at}: `{name}` is a conversation, and {}: give --chat-template FILE",
+                            conversations.looked_in
+                        )))
+                    }
+                    Err(why) => {
+                        return Err(Failure::bad_input(format!(
+                            "{at}: `{name}` is a conversation, and its chat template cannot be read: {why}"
+                        )))
+                    }
+                };
                 // Read again keeping each message's keys in order (a
                 // template may iterate them).
                 let messages = chat::json_value(&line)
