@@ -23,6 +23,9 @@ use crate::Failure;
 
 /// The file `save_pretrained` writes a model's chat template to.
 const TEMPLATE_FILE: &str = "chat_template.jinja";
+/// The compiled template's name in its environment (minijinja's errors
+/// end with it; zrun's name the file first).
+const COMPILED: &str = "template";
 /// The older file of a processor's template: `{"chat_template": "..."}`.
 const TEMPLATE_JSON: &str = "chat_template.json";
 /// The tokenizer's settings: a `chat_template` (a string, or a list of
@@ -155,7 +158,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template(TEMPLATE_FILE, &self.source)
+        env.add_template(COMPILED, &self.source)
             .map_err(|e| self.failure(e))?;
         Ok(Renderer { env, of: self })
     }
@@ -207,7 +210,7 @@ impl Renderer<'_> {
         context.insert("documents".into(), Value::from(()));
         let template = self
             .env
-            .get_template(TEMPLATE_FILE)
+            .get_template(COMPILED)
             .map_err(|e| self.of.failure(e))?;
         template
             .render(Value::from(context))

@@ -133,13 +133,8 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     // `tokenizer_config.json` zrun cannot read.
     let tokenizer_dir = chat::dir_of(&args.tokenizer);
     let template = ChatTemplate::find(args.chat_template.as_deref(), Some(tokenizer_dir));
-    let template = match template {
-        Err(e) if args.chat_template.is_some() => return Err(e),
-        other => other,
-    };
     let renderer = match &template {
-        Ok(Some(t)) => t.renderer().map(Some),
-        Ok(None) => Ok(None),
+        Ok(t) => t.as_ref().map(ChatTemplate::renderer).transpose(),
         Err(e) => Err(Failure::bad_input(e.to_string())),
     };
     if let (Err(e), Some(_)) = (&renderer, &args.chat_template) {
