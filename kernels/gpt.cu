@@ -564,10 +564,13 @@ extern "C" __global__ void causal_softmax_backward(const float* p, float* dp, un
 
 // One block per row of logits [rows, vocab]: loss[r] = log Σ exp(x - max) -
 // (x_target - max); with `grad`, the row becomes coef·(softmax - onehot), the
-// gradient of the mean loss times the loss scale (coef = scale / rows); with
+// gradient of the loss summed over the rows and divided by the divisor,
+// times the loss scale (coef = scale / divisor: rows, for the mean); with
 // g16 too, that gradient's 16-bit values (fmt16) are written there instead
 // (the logits are then left as they were): the head's 16-bit products read
-// them, and no pass rounds them.
+// them, and no pass rounds them. A row whose target is IGNORED (a loss
+// mask's) has loss 0 and a zero gradient.
+#define IGNORED 0xFFFFFFFFu
 extern "C" __global__ void cross_entropy(float* logits, const unsigned int* targets,
                                          float* loss, unsigned short* g16, int fmt16,
                                          int vocab, float coef, int grad)
@@ -575,6 +578,19 @@ extern "C" __global__ void cross_entropy(float* logits, const unsigned int* targ
     __shared__ float scratch[WARP];
     float* x = logits + (unsigned long long)blockIdx.x * vocab;
     unsigned int tgt = targets[blockIdx.x];
+    if (tgt == IGNORED) {  // the whole block's row: no thread waits on another
+        if (threadIdx.x == 0) loss[blockIdx.x] = 0.0f;
+        if (!grad) return;
+        unsigned short* y16 = g16 ? g16 + (unsigned long long)blockIdx.x * vocab : 0;
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+            if (y16) {
+                y16[j] = round16(0.0f, fmt16);
+            } else {
+                x[j] = 0.0f;
+            }
+        }
+        return;
+    }
     float m = NEG_INF;
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, x[j]);
     m = block_max(m, scratch);

@@ -83,6 +83,7 @@ emu_gpu=$(python3 scripts/test_exe.py --emulated-gpu "$artifacts")
     (cd tests && "$gpu_tests" --exact training_on_the_gpu_follows_the_cpu_loss_curve \
       qwen2_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree \
       qwen3_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree \
+      a_loss_mask_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree \
       adam_on_the_gpu_gives_zero_offloads_bits \
       a_gpu_out_of_memory_is_exit_1_naming_the_allocation_and_what_holds_less \
       two_gpus_get_a_worker_each_bound_to_its_own \

@@ -361,6 +361,34 @@ fn qwen3_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
 /// A LLaMA variant (`sets` given the settings to add) trained on one GPU
 /// follows the CPU's loss curve, and stage 3 on two GPUs gives stage 0's
 /// losses.
+/// A loss mask (`zrun prepare --assistant-only-loss`'s files, written here:
+/// ids counting up modulo 64, every third target left out): the GPU's loss
+/// kernel leaves those rows out and divides by the step's count as the
+/// CPU's does.
+#[test]
+fn a_loss_mask_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
+    let data = tempfile::tempdir().unwrap();
+    let n = 6000u32;
+    let ids: Vec<u8> = (0..n)
+        .flat_map(|i| ((i % 64) as u16).to_le_bytes())
+        .collect();
+    let mask: Vec<u8> = (0..n).map(|i| u8::from(i % 3 != 0)).collect();
+    std::fs::write(data.path().join("train.bin"), &ids).unwrap();
+    std::fs::write(data.path().join("train.mask"), &mask).unwrap();
+    let manifest = serde_json::json!({
+        "tokenizer": "none", "tokenizer_sha256": "", "vocab_size": 64,
+        "format": "tokens_u16", "eos_id": null,
+        "files": {"train.bin": {"tokens": n, "bytes": ids.len(), "max_token_id": 63,
+            "documents": 1, "mask": {"file": "train.mask", "trained": n - n / 3}}}
+    });
+    std::fs::write(data.path().join("manifest.json"), manifest.to_string()).unwrap();
+    let path = format!("data.path={}/train.bin", data.path().display());
+    a_variant_on_the_gpu("loss_mask", |extra| {
+        let base = [path.as_str(), "data.format=tokens_u16"];
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
+    });
+}
+
 fn a_variant_on_the_gpu(name: &str, sets: impl Fn(&[&str]) -> Vec<String>) {
     let test = format!("{name}_on_the_gpu_follows_the_cpu_loss_curve");
     if gpus_or_skip(&test).is_none() {

@@ -815,3 +815,203 @@ fn a_model_trained_on_conversations_answers_in_turn() {
     assert_eq!(words, ["w7", "w8"]);
     assert!(said.contains("2 tokens drawn"), "{said}");
 }
+
+/// `--assistant-only-loss` (TRL's `assistant_only_loss`): prepare writes a
+/// byte per token marking the assistant's turns (their words and end of
+/// turn; not the role, which the generation prompt holds, nor the
+/// end-of-text id), as written out here by hand; text is refused. Trained
+/// on, the step divides by its own count of trained targets: one worker
+/// with four sequences and two workers with two each give the same
+/// gradient norms and validation losses (a mean per micro-batch would
+/// not), and two workers at stage 3 give stage 0's bits. A mask that is
+/// not the token file's is refused before launch.
+#[test]
+fn an_assistant_only_loss_trains_on_the_assistants_turns_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (tok, vocab) = chat_tokenizer(d, 10, &["system", "user", "assistant"]);
+    std::fs::write(
+        d.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": CHATML}).to_string(),
+    )
+    .unwrap();
+    // Turns of uneven length, so micro-batches count uneven numbers of
+    // trained targets.
+    let conversation = |i: usize| -> Vec<(String, String)> {
+        let mut c = Vec::new();
+        if i.is_multiple_of(3) {
+            c.push(("system".to_string(), sentence(i, 1 + i % 2, 10)));
+        }
+        for turn in 0..1 + i % 2 {
+            c.push((
+                "user".into(),
+                sentence(i + turn, 1 + (i * 7 + turn) % 6, 10),
+            ));
+            c.push(("assistant".into(), sentence(i * 3 + turn, 1 + i % 4, 10)));
+        }
+        c
+    };
+    let record = |c: &[(String, String)]| {
+        let messages: Vec<_> = c
+            .iter()
+            .map(|(r, t)| serde_json::json!({"role": r, "content": t}))
+            .collect();
+        serde_json::json!({ "messages": messages }).to_string() + "\n"
+    };
+    let records: String = (0..300).map(|i| record(&conversation(i))).collect();
+    std::fs::write(d.join("chats.jsonl"), records).unwrap();
+    let out = d.join("data");
+    let masked = ["--assistant-only-loss", "--val-fraction", "0.1"];
+    let f = prepare(d, &["chats.jsonl"], &tok, &out, &masked);
+    assert_eq!(f.code(), 0, "{f:?}");
+    // The first ten records (the split sends every tenth to val.bin, from
+    // the tenth on) as laid out by hand, each token with its mask byte.
+    let id = |w: &str| vocab[w];
+    let mut want = (Vec::new(), Vec::new());
+    for i in 0..9 {
+        for (role, text) in conversation(i) {
+            let on = u8::from(role == "assistant");
+            for (t, m) in [("<|im_start|>", 0), (role.as_str(), 0)] {
+                want.0.push(id(t));
+                want.1.push(m);
+            }
+            for w in text.split(' ') {
+                want.0.push(id(w));
+                want.1.push(on);
+            }
+            want.0.push(id("<|im_end|>"));
+            want.1.push(on);
+        }
+        want.0.push(id("<|endoftext|>"));
+        want.1.push(0);
+    }
+    let n = want.0.len();
+    let mask = std::fs::read(out.join("train.mask")).unwrap();
+    assert_eq!(ids(&out.join("train.bin"), 2)[..n], want.0);
+    assert_eq!(mask[..n], want.1);
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    let entry = &manifest["files"]["train.bin"];
+    assert_eq!(entry["mask"]["file"], "train.mask");
+    assert_eq!(
+        entry["mask"]["trained"].as_u64(),
+        Some(mask.iter().filter(|&&m| m == 1).count() as u64)
+    );
+    assert_eq!(entry["tokens"].as_u64(), Some(mask.len() as u64));
+    // Text, a record or a file, has no assistant's turns.
+    std::fs::write(d.join("text.jsonl"), "{\"text\": \"w1 w2\"}\n").unwrap();
+    std::fs::write(d.join("text.txt"), "w1 w2\n").unwrap();
+    let other = d.join("other");
+    for (input, says) in [
+        (
+            "text.jsonl",
+            "text.jsonl:1: `text` is text, not a conversation",
+        ),
+        ("text.txt", "text.txt is a text file"),
+    ] {
+        let f = prepare(d, &[input], &tok, &other, &masked);
+        assert_eq!(f.code(), 2, "{f:?}");
+        assert!(f.stderr.contains(says), "{}", f.stderr);
+    }
+    // A template that lays out an earlier turn otherwise once later ones
+    // follow (here: empties it) cannot be split into turns.
+    std::fs::write(
+        d.join("rewrite.jinja"),
+        CHATML.replace(
+            "{{ m.content }}",
+            "{% if m.role != 'assistant' or loop.last %}{{ m.content }}{% endif %}",
+        ),
+    )
+    .unwrap();
+    let rewrite = d.join("rewrite.jinja").display().to_string();
+    let f = prepare(
+        d,
+        &["chats.jsonl"],
+        &tok,
+        &other,
+        &[&masked[..], &["--chat-template", &rewrite]].concat(),
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("chats.jsonl:2: message 2: the chat template lays out"),
+        "{}",
+        f.stderr
+    );
+    // Trained: 1 worker × 4 sequences, 2 workers × 2 (stages 0 and 3).
+    let data = format!(
+        "{{path: {0}/train.bin, val_path: {0}/val.bin, format: tokens_u16}}",
+        out.display()
+    );
+    let j = job(d, vocab.len(), &data);
+    let run = |name: &str, sets: &[&str], extra: &[&str]| {
+        let m = d.join(format!("{name}.jsonl"));
+        let mut args = TrainArgs::new(&j, &m)
+            .set("train.steps=12")
+            .set("train.eval_every=4")
+            .args(extra);
+        for s in sets {
+            args = args.set(*s);
+        }
+        let f = args.run(d);
+        assert_eq!(f.code(), 0, "{name}: {f:?}");
+        let lines = metrics(&m);
+        let column = |key: &str| -> Vec<f64> {
+            lines
+                .iter()
+                .filter_map(|l| l.get(key).and_then(|v| v.as_f64()))
+                .collect()
+        };
+        (column("grad_norm"), column("val_loss"), column("loss"))
+    };
+    let two = ["--workers-per-node", "2"];
+    let one = run(
+        "one",
+        &["train.micro_batch_size=4"],
+        &["--workers-per-node", "1"],
+    );
+    let stage0 = run("stage0", &[], &two);
+    let stage3 = run("stage3", &["zero.stage=3"], &two);
+    assert_eq!((one.0.len(), one.1.len()), (12, 3));
+    for (what, a, b) in [
+        ("grad norm", &one.0, &stage0.0),
+        ("val loss", &one.1, &stage0.1),
+    ] {
+        for (x, y) in a.iter().zip(b) {
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs(),
+                "{what}: 1 worker {a:?}\n2 workers {b:?}"
+            );
+        }
+    }
+    assert_eq!(stage0, stage3, "stage 3 against stage 0");
+    // Prepared again without the flag: the old mask goes with the old data.
+    let f = prepare(
+        d,
+        &["chats.jsonl"],
+        &tok,
+        &out,
+        &["--val-fraction", "0.1", "--overwrite"],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(!out.join("train.mask").exists(), "a stale mask left");
+    // A mask that is not a byte per token is refused before launch.
+    let f = prepare(
+        d,
+        &["chats.jsonl"],
+        &tok,
+        &out,
+        &[&masked[..], &["--overwrite"]].concat(),
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let mut mask = std::fs::read(out.join("train.mask")).unwrap();
+    mask.pop();
+    std::fs::write(out.join("train.mask"), mask).unwrap();
+    let f = zrun(d, &["check", j.to_str().unwrap()]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("train.mask") && f.stderr.contains("not one per token"),
+        "{}",
+        f.stderr
+    );
+}

@@ -103,9 +103,18 @@ impl LoadedJob {
             tokens += len / width;
             if format != DataFormat::Text {
                 self.check_token_ids(key, f, len, width as usize)?;
+                self.check_mask(key, f, len)?;
             }
         }
         Ok(tokens)
+    }
+
+    /// A loss mask beside a token file (`zrun prepare --assistant-only-loss`)
+    /// must be the file's: a byte per token, for a file of the manifest's
+    /// length (else it marks other tokens).
+    fn check_mask(&self, key: &str, f: &Path, len: u64) -> Result<(), ConfigError> {
+        DataManifest::mask_of(f, len).map_err(|m| self.invalid(key, m))?;
+        Ok(())
     }
 
     /// Every token id of a token file must be below `model.vocab_size` (else

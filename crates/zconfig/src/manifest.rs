@@ -43,6 +43,71 @@ pub struct ManifestFile {
     pub max_token_id: u32,
     /// Documents in it.
     pub documents: u64,
+    /// Its loss mask, where only some tokens are trained on (`zrun prepare
+    /// --assistant-only-loss`): a file in the same directory holding one
+    /// byte per token, 1 where the token is a target the loss counts, 0
+    /// where it is not (a prompt's tokens).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask: Option<MaskFile>,
+}
+
+/// A token file's loss mask.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MaskFile {
+    /// Its file name, beside the token file.
+    pub file: String,
+    /// The tokens it marks as trained on.
+    pub trained: u64,
+}
+
+impl DataManifest {
+    /// The loss mask of token file `file` of `bytes` bytes, if the manifest
+    /// beside it gives one: its path and what it says. A manifest that does
+    /// not parse, or one that describes a file of another length, is an
+    /// error: a mask must never be applied to tokens it was not made for.
+    pub fn mask_of(file: &Path, bytes: u64) -> Result<Option<(PathBuf, MaskFile)>, String> {
+        let Some((at, m)) = DataManifest::beside(file)? else {
+            return Ok(None);
+        };
+        let name = file
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        let Some(entry) = m.files.get(name) else {
+            return Ok(None);
+        };
+        let Some(mask) = &entry.mask else {
+            return Ok(None);
+        };
+        if entry.bytes != bytes {
+            return Err(format!(
+                "{}: {} bytes, but {} describes it, with a loss mask, as {} bytes: prepare it again",
+                file.display(),
+                bytes,
+                at.display(),
+                entry.bytes
+            ));
+        }
+        let path = file.with_file_name(&mask.file);
+        let len = std::fs::metadata(&path)
+            .map_err(|e| {
+                format!(
+                    "{} (the loss mask of {}): {e}",
+                    path.display(),
+                    file.display()
+                )
+            })?
+            .len();
+        if len != entry.tokens {
+            return Err(format!(
+                "{}: {len} bytes, not one per token of {} ({}): prepare it again",
+                path.display(),
+                file.display(),
+                entry.tokens
+            ));
+        }
+        Ok(Some((path, mask.clone())))
+    }
 }
 
 impl DataManifest {

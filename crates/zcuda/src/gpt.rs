@@ -36,6 +36,10 @@ use cudarc::driver::{
 use crate::gpu::grid_stride;
 use crate::{CudaError, Gpu, Half16};
 
+/// The target of a row the loss leaves out: zmodel's `head::IGNORED` (the
+/// kernel's `IGNORED`), which a loss mask's batches carry.
+pub const IGNORED: u32 = u32::MAX;
+
 /// The decoder family: what a block's norms, MLP, positions and biases are.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Family {
@@ -1014,9 +1018,12 @@ impl GptGpu {
 
     /// The head: the final norm (`head`'s weight and GPT-2's bias), logits
     /// against the output matrix `[vocab, d]` (`head`'s last tensor, or when
-    /// tied the token embedding, `wte`'s first), the mean cross-entropy
-    /// against `targets`; with `backward`, the gradients of the loss times
-    /// `scale`.
+    /// tied the token embedding, `wte`'s first), the cross-entropy against
+    /// `targets` summed over the rows whose target is not `IGNORED` (a loss
+    /// mask's, `u32::MAX`) and divided by `divisor` (the row count for the
+    /// mean; zmodel's `Batch::divisor`); with `backward`, the gradients of
+    /// that loss times `scale`.
+    #[allow(clippy::too_many_arguments)]
     pub fn head(
         &self,
         x: &Rows,
@@ -1024,6 +1031,7 @@ impl GptGpu {
         wte: Option<&Weights>,
         targets: &[u32],
         scale: f64,
+        divisor: f64,
         backward: bool,
     ) -> Result<HeadOut, CudaError> {
         let GptShape {
@@ -1064,7 +1072,7 @@ impl GptGpu {
         if let Some((i, tok)) = targets
             .iter()
             .enumerate()
-            .find(|(_, &k)| k as usize >= vocab)
+            .find(|(_, &k)| k as usize >= vocab && k != IGNORED)
         {
             return Err(CudaError::Invalid(format!(
                 "cross-entropy: target {tok} at position {i} is outside the vocabulary of {vocab}"
@@ -1090,7 +1098,12 @@ impl GptGpu {
             (true, Some(_)) => Some(self.alloc16(n * vocab)?),
             _ => None,
         };
-        let (v32, coef, grad) = (vocab as i32, (scale / n as f64) as f32, backward as i32);
+        if divisor.is_nan() || divisor <= 0.0 {
+            return Err(CudaError::Invalid(format!(
+                "cross-entropy: divided by {divisor}"
+            )));
+        }
+        let (v32, coef, grad) = (vocab as i32, (scale / divisor) as f32, backward as i32);
         let mut l = self
             .gpu
             .stream()
@@ -1102,7 +1115,8 @@ impl GptGpu {
             None => l.arg(&null),
         };
         l.arg(&self.fmt16).arg(&v32).arg(&coef).arg(&grad);
-        // SAFETY: cross_entropy(logits[n·vocab], targets[n] < vocab (checked),
+        // SAFETY: cross_entropy(logits[n·vocab], targets[n] < vocab or
+        // IGNORED (checked),
         // loss[n], g16[n·vocab] or null, fmt16, vocab, coef, grad), one block
         // per row.
         self.launched("cross_entropy", unsafe { l.launch(rows_config(n)) })?;
@@ -1112,7 +1126,7 @@ impl GptGpu {
             .iter()
             .map(|&v| f64::from(v))
             .sum::<f64>()
-            / n as f64;
+            / divisor;
         if !backward {
             return Ok(HeadOut {
                 loss,

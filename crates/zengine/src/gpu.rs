@@ -918,7 +918,15 @@ impl Engine {
         let tied = wte.is_some();
         let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
         self.gpu_nccl_wait()?; // the head downloads its loss
-        let res = gpu.head(&x, &hw, wte.as_deref(), &batch.targets, scale, true)?;
+        let res = gpu.head(
+            &x,
+            &hw,
+            wte.as_deref(),
+            &batch.targets,
+            scale,
+            batch.divisor,
+            true,
+        )?;
         drop((x, hw, wte));
         if !res.loss.is_finite() {
             return Err(EngineError::NonFinite {
@@ -1008,7 +1016,15 @@ impl Engine {
         let tied = wte.is_some();
         self.gpu_nccl_wait()?; // the head downloads its loss
         let loss = gpu
-            .head(&x, &hw, wte.as_deref(), &batch.targets, 1.0, false)?
+            .head(
+                &x,
+                &hw,
+                wte.as_deref(),
+                &batch.targets,
+                1.0,
+                batch.divisor,
+                false,
+            )?
             .loss;
         self.gpu_release_head(tied);
         Ok(loss)

@@ -37,6 +37,8 @@ enum Saved {
 pub(crate) struct MicroBatch {
     tokens: Tensor,
     targets: Tensor,
+    /// What the sum of its counted losses is divided by ([`Batch::divisor`]).
+    divisor: f64,
     pub(crate) gather: Prefetcher,
     /// Per block, what its backward needs.
     saved: Vec<Saved>,
@@ -132,7 +134,7 @@ impl Engine {
         };
         let loss = self
             .model
-            .head_loss_value(&head, wte.as_ref(), &x, &targets)?;
+            .head_loss_value(&head, wte.as_ref(), &x, &targets, batch.divisor)?;
         drop((head, wte));
         self.release(l + 1);
         if tied {
@@ -155,6 +157,7 @@ impl Engine {
         Ok(MicroBatch {
             tokens: Tensor::from_slice(&batch.inputs, shape, &Device::Cpu)?,
             targets: Tensor::from_slice(&batch.targets, shape, &Device::Cpu)?,
+            divisor: batch.divisor,
             gather: self.prefetcher(),
             saved: Vec::with_capacity(self.model.config().n_layers),
             reduce_now: self.stage.partitions_gradients() || self.micro + 1 == accum,
@@ -226,9 +229,14 @@ impl Engine {
             false => None,
         };
         let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
-        let back = self
-            .model
-            .head_backward(&head_params, wte.as_ref(), x, &mb.targets, scale)?;
+        let back = self.model.head_backward(
+            &head_params,
+            wte.as_ref(),
+            x,
+            &mb.targets,
+            scale,
+            mb.divisor,
+        )?;
         if !back.loss.is_finite() {
             return Err(EngineError::NonFinite {
                 step: self.step + 1,

@@ -9,6 +9,18 @@
 //! So ranks read disjoint samples, and the global batch of a step does not depend
 //! on how it is split over ranks and micro-batches: 2 workers × 8 sequences see
 //! exactly what 1 worker × 2 micro-batches × 8 sequences sees.
+//!
+//! A token file may come with a loss mask (`zrun prepare
+//! --assistant-only-loss`, named by the manifest beside it): targets it marks
+//! as not trained on become [`IGNORED`], and every micro-batch's loss is its
+//! counted targets' sum divided by the step's counted targets over the
+//! step's micro-batches (`N / (grad_accum · world)`, [`Batch::divisor`]): so
+//! the step's gradient is that of the mean over the step's counted targets,
+//! whatever the split, as transformers' Trainer counts them since 4.46 (a
+//! mean per micro-batch would weigh a micro-batch of few trained tokens as
+//! much as one of many, and depend on the split). Every rank counts the
+//! whole step's targets itself (a byte per target, read from the map): no
+//! collective.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,7 +29,10 @@ use memmap2::{Advice, Mmap};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use zconfig::manifest::DataManifest;
 use zconfig::{data_files, DataFormat};
+
+use crate::head::IGNORED;
 
 /// Why data could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +82,8 @@ struct TokenFile {
     first: usize,
     /// Its tokens.
     len: usize,
+    /// Its loss mask, a byte per token (1: a target the loss counts).
+    mask: Option<Mmap>,
 }
 
 impl TokenFile {
@@ -116,12 +133,28 @@ impl Corpus {
             // pages other ranks (or no one) read.
             let _ = map.advise(Advice::Random);
             let len = bytes / width;
+            let mask =
+                match DataManifest::mask_of(&path, bytes as u64).map_err(DataError::Invalid)? {
+                    Some((mask_path, _)) => {
+                        let mask_io = |cause| DataError::Io {
+                            path: mask_path.clone(),
+                            cause,
+                        };
+                        let file = std::fs::File::open(&mask_path).map_err(mask_io)?;
+                        // SAFETY: as the token file's map above.
+                        let map = unsafe { Mmap::map(&file) }.map_err(mask_io)?;
+                        let _ = map.advise(Advice::Random);
+                        Some(map)
+                    }
+                    None => None,
+                };
             files.push(TokenFile {
                 path,
                 map,
                 width,
                 first,
                 len,
+                mask,
             });
             first += len;
         }
@@ -190,6 +223,42 @@ impl Corpus {
         self.len() == 0
     }
 
+    /// Whether some of its files come with a loss mask.
+    pub fn masked(&self) -> bool {
+        match &*self.source {
+            Source::Memory(_) => false,
+            Source::Files(files) => files.iter().any(|f| f.mask.is_some()),
+        }
+    }
+
+    /// Whether each of tokens `at .. at + n` is trained on, appended to
+    /// `out` (all are, in a file without a mask).
+    pub fn read_mask(&self, at: usize, n: usize, out: &mut Vec<bool>) {
+        let (lo, hi) = (self.start + at, self.start + at + n);
+        assert!(
+            hi <= self.end,
+            "a read past the corpus: {hi} > {}",
+            self.end
+        );
+        let Source::Files(files) = &*self.source else {
+            out.extend(std::iter::repeat_n(true, n));
+            return;
+        };
+        let mut f = files.partition_point(|f| f.first + f.len <= lo);
+        let mut i = lo;
+        while i < hi {
+            let file = &files[f];
+            let stop = hi.min(file.first + file.len);
+            let span = i - file.first..stop - file.first;
+            match &file.mask {
+                Some(mask) => out.extend(mask[span].iter().map(|&m| m != 0)),
+                None => out.extend(std::iter::repeat_n(true, span.len())),
+            }
+            i = stop;
+            f += 1;
+        }
+    }
+
     /// Appends tokens `at .. at + n` of this corpus to `out`, checking each
     /// against the vocabulary.
     pub fn read(&self, at: usize, n: usize, out: &mut Vec<u32>) -> Result<(), DataError> {
@@ -230,16 +299,21 @@ impl Corpus {
 }
 
 /// Inputs and next-token targets of one micro-batch, row-major `[rows, seq_len]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
     /// Input tokens.
     pub inputs: Vec<u32>,
-    /// Targets (inputs shifted by one).
+    /// Targets (inputs shifted by one), [`IGNORED`] where a loss mask
+    /// leaves one out.
     pub targets: Vec<u32>,
     /// Sequences.
     pub rows: usize,
     /// Tokens per sequence.
     pub seq_len: usize,
+    /// What the sum of the micro-batch's counted losses is divided by:
+    /// `rows · seq_len` (the mean) without a loss mask; with one, the
+    /// step's counted targets over its micro-batches (see the module doc).
+    pub divisor: f64,
 }
 
 /// This rank's share of every global batch.
@@ -257,6 +331,8 @@ pub struct Batcher {
     /// Resumed runs: the step and global sample the run restarted at.
     base_step: u64,
     base_sample: u64,
+    /// With a loss mask: the step last counted and its counted targets.
+    counted: Option<(u64, u64)>,
 }
 
 impl Batcher {
@@ -290,6 +366,7 @@ impl Batcher {
             epoch: None,
             base_step: 0,
             base_sample: 0,
+            counted: None,
         })
     }
 
@@ -336,19 +413,62 @@ impl Batcher {
         let mut inputs = Vec::with_capacity(self.micro_batch * t);
         let mut targets = Vec::with_capacity(self.micro_batch * t);
         let mut window = Vec::with_capacity(t + 1);
+        let mut trained = Vec::with_capacity(t);
+        let masked = self.corpus.masked();
         for i in 0..self.micro_batch as u64 {
             let start = self.window_of(first + i) * t;
             window.clear();
             self.corpus.read(start, t + 1, &mut window)?;
             inputs.extend_from_slice(&window[..t]);
-            targets.extend_from_slice(&window[1..]);
+            if masked {
+                trained.clear();
+                self.corpus.read_mask(start + 1, t, &mut trained);
+                targets.extend(
+                    window[1..]
+                        .iter()
+                        .zip(&trained)
+                        .map(|(&id, &on)| if on { id } else { IGNORED }),
+                );
+            } else {
+                targets.extend_from_slice(&window[1..]);
+            }
         }
+        let rows = self.micro_batch;
+        let divisor = match masked {
+            // One counted target at least: a step whose targets are all
+            // left out has a zero loss and zero gradients, not 0/0.
+            true => self.step_counted(step).max(1) as f64 / (self.grad_accum * self.world) as f64,
+            false => (rows * t) as f64,
+        };
         Ok(Batch {
             inputs,
             targets,
-            rows: self.micro_batch,
+            rows,
             seq_len: t,
+            divisor,
         })
+    }
+
+    /// The targets that step `step`'s loss counts, over every rank and
+    /// micro-batch (kept for the step's other micro-batches).
+    fn step_counted(&mut self, step: u64) -> u64 {
+        if let Some((s, n)) = self.counted {
+            if s == step {
+                return n;
+            }
+        }
+        let first = self.samples_consumed(step);
+        let t = self.seq_len;
+        let mut trained = Vec::with_capacity(t);
+        let mut n = 0u64;
+        for sample in first..first + self.per_step() {
+            let start = self.window_of(sample) * t;
+            trained.clear();
+            self.corpus.read_mask(start + 1, t, &mut trained);
+            n += trained.iter().filter(|&&on| on).count() as u64;
+        }
+        self.counted = Some((step, n));
+        n
     }
 }
 
@@ -478,6 +598,82 @@ mod tests {
         let pat = Some(format!("{}/[xy].u16", d.path().display()));
         let c = Corpus::load(&pat, DataFormat::Text, 256, 0).unwrap();
         assert_eq!(all(&c), [1, 0, 2, 0, 3, 1]);
+    }
+
+    /// A loss mask beside the token file (named by its manifest) turns the
+    /// left-out targets into IGNORED, and every micro-batch of a step, on
+    /// every rank and split, divides by the step's count of trained
+    /// targets over its micro-batches; a mask of another file's length is
+    /// refused.
+    #[test]
+    fn a_loss_mask_leaves_targets_out_and_each_step_divides_by_its_count() {
+        let d = tempfile::tempdir().unwrap();
+        let n = 2000u32;
+        let ids: Vec<u8> = (0..n).flat_map(|i| (i as u16).to_le_bytes()).collect();
+        // Trained: tokens whose id is not a multiple of 3 or 7.
+        let on = |id: u32| !id.is_multiple_of(3) && !id.is_multiple_of(7);
+        let mask: Vec<u8> = (0..n).map(|i| u8::from(on(i))).collect();
+        std::fs::write(d.path().join("train.bin"), &ids).unwrap();
+        std::fs::write(d.path().join("train.mask"), &mask).unwrap();
+        let manifest = |bytes: usize, masked: bool| {
+            let mut file = serde_json::json!({"tokens": n, "bytes": bytes,
+                "max_token_id": n - 1, "documents": 1});
+            if masked {
+                file["mask"] = serde_json::json!({"file": "train.mask", "trained": 0});
+            }
+            let m = serde_json::json!({
+                "tokenizer": "t.json", "tokenizer_sha256": "0", "vocab_size": n,
+                "format": "tokens_u16", "eos_id": null, "files": {"train.bin": file}
+            });
+            std::fs::write(d.path().join("manifest.json"), m.to_string()).unwrap();
+        };
+        manifest(ids.len(), true);
+        let pat = Some(format!("{}/train.bin", d.path().display()));
+        let c = Corpus::load(&pat, DataFormat::TokensU16, n as usize, 0).unwrap();
+        assert!(c.masked());
+        let (seq, mb) = (16, 4);
+        for (accum, world) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
+            for step in 0..3u64 {
+                let (mut counted, mut divisors) = (0usize, Vec::new());
+                for rank in 0..world {
+                    let mut b = Batcher::new(c.clone(), seq, mb, accum, world, rank, 9).unwrap();
+                    for micro in 0..accum {
+                        let batch = b.batch(step, micro).unwrap();
+                        for (i, &t) in batch.targets.iter().enumerate() {
+                            // The target after input x is x + 1 (counting ids).
+                            let want = batch.inputs[i] + 1;
+                            match on(want) {
+                                true => assert_eq!(t, want),
+                                false => assert_eq!(t, IGNORED),
+                            }
+                        }
+                        counted += batch.targets.iter().filter(|&&t| t != IGNORED).count();
+                        divisors.push(batch.divisor);
+                    }
+                }
+                // The step's micro-batches all divide by N / (accum · world).
+                let want = counted as f64 / (accum * world) as f64;
+                assert!(
+                    divisors.iter().all(|&x| x == want),
+                    "{divisors:?} vs {want}"
+                );
+            }
+        }
+        manifest(ids.len() + 2, true);
+        let e = Corpus::load(&pat, DataFormat::TokensU16, n as usize, 0).unwrap_err();
+        assert!(e.to_string().contains("prepare it again"), "{e}");
+        manifest(ids.len(), true);
+        std::fs::write(d.path().join("train.mask"), &mask[1..]).unwrap();
+        let e = Corpus::load(&pat, DataFormat::TokensU16, n as usize, 0).unwrap_err();
+        assert!(e.to_string().contains("not one per token"), "{e}");
+        // Without the manifest's mask the same file trains on every target.
+        manifest(ids.len(), false);
+        let plain = Corpus::load(&pat, DataFormat::TokensU16, n as usize, 0).unwrap();
+        assert!(!plain.masked());
+        let mut b = Batcher::new(plain, seq, mb, 1, 1, 0, 9).unwrap();
+        let batch = b.batch(0, 0).unwrap();
+        assert!(!batch.targets.contains(&IGNORED));
+        assert_eq!(batch.divisor, (seq * mb) as f64);
     }
 
     #[test]

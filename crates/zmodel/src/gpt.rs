@@ -983,10 +983,13 @@ impl Gpt {
     }
 
     /// Group L+1's forward and backward in one call, without autograd (see
-    /// [`crate::head`]): the mean cross-entropy of `x` `[b, t, d]` against
-    /// `targets` `[b, t]` (u32), and the gradients of the loss times `scale`
-    /// (f16's loss scale, else 1). The products are the model's
-    /// ([`Gpt::with_bf16_products`]; [`Gpt::head_loss`] takes f32 ones).
+    /// [`crate::head`]): the cross-entropy of `x` `[b, t, d]` against
+    /// `targets` `[b, t]` (u32; [`crate::head::IGNORED`] where a position
+    /// is left out), summed and divided by `divisor` (`b·t` for the mean
+    /// over every position; see [`crate::Batch::divisor`]), and the
+    /// gradients of that loss times `scale` (f16's loss scale, else 1). The
+    /// products are the model's ([`Gpt::with_bf16_products`];
+    /// [`Gpt::head_loss`] takes f32 ones).
     pub fn head_backward(
         &self,
         params: &HeadParams<Tensor>,
@@ -994,6 +997,7 @@ impl Gpt {
         x: &Tensor,
         targets: &Tensor,
         scale: f64,
+        divisor: f64,
     ) -> Result<HeadBackward> {
         let (b, t, d) = x.dims3()?;
         let n = b * t;
@@ -1007,7 +1011,7 @@ impl Gpt {
             let xm = Input::F32(MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?);
             let om = Input::of(&os, ol, vocab, d)?;
             head::with_logits(n * vocab, |logits| -> Result<_> {
-                let loss = self.loss_and_dlogits(xm, om, targets, scale, logits)?;
+                let loss = self.loss_and_dlogits(xm, om, targets, scale, divisor, logits)?;
                 let dl = Input::F32(MatRef::row_major(logits, n, vocab).map_err(head::shape)?);
                 Ok((
                     loss,
@@ -1034,6 +1038,7 @@ impl Gpt {
         wte: Option<&Tensor>,
         x: &Tensor,
         targets: &Tensor,
+        divisor: f64,
     ) -> Result<f64> {
         let (b, t, d) = x.dims3()?;
         let n = b * t;
@@ -1047,7 +1052,7 @@ impl Gpt {
         let xm = Input::F32(MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?);
         let om = Input::of(&os, ol, vocab, d)?;
         head::with_logits(n * vocab, |logits| {
-            self.loss_and_dlogits(xm, om, targets, 1.0, logits)
+            self.loss_and_dlogits(xm, om, targets, 1.0, divisor, logits)
         })
     }
 
@@ -1115,20 +1120,21 @@ impl Gpt {
         }
     }
 
-    /// The logits `normed · outᵀ` turned into the mean cross-entropy against
-    /// `targets` (returned) and `dlogits` (for the loss times `scale`), in
-    /// `logits` (`rows × vocab`).
+    /// The logits `normed · outᵀ` turned into the cross-entropy against
+    /// `targets` over `divisor` (returned) and `dlogits` (for the loss times
+    /// `scale`), in `logits` (`rows × vocab`).
     fn loss_and_dlogits(
         &self,
         normed: Input,
         out: Input,
         targets: &Tensor,
         scale: f64,
+        divisor: f64,
         logits: &mut [f32],
     ) -> Result<f64> {
         let targets = targets.flatten_all()?.to_vec1::<u32>()?;
         head::product_into(logits, normed, out.t(), self.products)?;
-        head::cross_entropy_in_place(logits, &targets, out.rows(), scale)
+        head::cross_entropy_in_place(logits, &targets, out.rows(), scale, divisor)
     }
 
     /// Group L+1 without the loss: the final norm and the output matrix, `x`
@@ -1229,17 +1235,22 @@ mod tests {
     }
 
     /// The hand-written head (norm, product, cross-entropy) equals autograd
-    /// through `head_loss`, tied (GPT-2) and untied (LLaMA), with a loss scale.
+    /// through `head_loss`, tied (GPT-2) and untied (LLaMA), with a loss
+    /// scale; and with every third target left out and the sum divided by
+    /// another count, autograd's loss over the counted positions alone
+    /// (an assistant-only loss).
     #[test]
     fn head_backward_matches_autograd() {
         for cfg in [gpt(11, 12, 1, 3, 40), llama(11, 16, 1, 40, 24)] {
             for scale in [1.0, 8.0] {
-                head_backward_matches_autograd_for(Gpt::new(&cfg).unwrap(), scale);
+                for masked in [false, true] {
+                    head_backward_matches_autograd_for(Gpt::new(&cfg).unwrap(), scale, masked);
+                }
             }
         }
     }
 
-    fn head_backward_matches_autograd_for(g: Gpt, scale: f64) {
+    fn head_backward_matches_autograd_for(g: Gpt, scale: f64, masked: bool) {
         let (d, v) = (g.cfg.d_model, g.cfg.vocab_size);
         let dev = Device::Cpu;
         let head = g.cfg.n_layers + 1;
@@ -1273,10 +1284,30 @@ mod tests {
         )
         .unwrap();
         let targets: Vec<u32> = (0..80u32).map(|i| (i * 5 + 3) % v as u32).collect();
+        // Masked: every third position left out, the sum over the other 53
+        // divided by 61 (a step's count shared among micro-batches).
+        let counted: Vec<u32> = (0..80u32).filter(|i| !masked || i % 3 != 1).collect();
+        let divisor = if masked { 61.0 } else { 80.0 };
+        let loss = {
+            let picked: Vec<u32> = counted.iter().map(|&i| targets[i as usize]).collect();
+            let picked = Tensor::new(picked.as_slice(), &dev).unwrap();
+            let rows = Tensor::new(counted.as_slice(), &dev).unwrap();
+            let logits = g
+                .head_logits(&params, tied.then_some(wte), x.as_tensor())
+                .unwrap()
+                .index_select(&rows, 0)
+                .unwrap();
+            (crate::ops::cross_entropy(&logits, &picked).unwrap()
+                * (counted.len() as f64 / divisor))
+                .unwrap()
+        };
+        let targets: Vec<u32> = (0..80u32)
+            .map(|i| match counted.contains(&i) {
+                true => targets[i as usize],
+                false => head::IGNORED,
+            })
+            .collect();
         let targets = Tensor::from_vec(targets, (2, 40), &dev).unwrap();
-        let loss = g
-            .head_loss(&params, tied.then_some(wte), x.as_tensor(), &targets)
-            .unwrap();
         let auto = (loss.clone() * scale).unwrap().backward().unwrap();
         let detached = HeadParams::from_vec(
             tensors(&hv).iter().map(Tensor::detach).collect(),
@@ -1290,6 +1321,7 @@ mod tests {
                 &x.as_tensor().detach(),
                 &targets,
                 scale,
+                divisor,
             )
             .unwrap();
         let eval = g
@@ -1298,6 +1330,7 @@ mod tests {
                 tied.then(|| wte.detach()).as_ref(),
                 &x.as_tensor().detach(),
                 &targets,
+                divisor,
             )
             .unwrap();
         assert_eq!(eval.to_bits(), back.loss.to_bits(), "evaluation's loss");
@@ -1372,12 +1405,12 @@ mod tests {
             let targets: Vec<u32> = (0..80u32).map(|i| (i * 5 + 3) % v as u32).collect();
             let targets = Tensor::from_vec(targets, (2, 40), &dev).unwrap();
             let run = |g: &Gpt| {
-                g.head_backward(&params, wte.as_ref(), &x, &targets, 1.0)
+                g.head_backward(&params, wte.as_ref(), &x, &targets, 1.0, 80.0)
                     .unwrap()
             };
             let (want, got) = (run(&plain), run(&bf16));
             let eval = bf16
-                .head_loss_value(&params, wte.as_ref(), &x, &targets)
+                .head_loss_value(&params, wte.as_ref(), &x, &targets, 80.0)
                 .unwrap();
             assert_eq!(eval.to_bits(), got.loss.to_bits(), "evaluation's loss");
             assert!(
@@ -1471,9 +1504,11 @@ mod tests {
             let x = (x * 3.0).unwrap();
             let run = |(h, wte): (HeadParams<Tensor>, Option<Tensor>)| {
                 let b = g
-                    .head_backward(&h, wte.as_ref(), &x, &targets, 1.0)
+                    .head_backward(&h, wte.as_ref(), &x, &targets, 1.0, 80.0)
                     .unwrap();
-                let eval = g.head_loss_value(&h, wte.as_ref(), &x, &targets).unwrap();
+                let eval = g
+                    .head_loss_value(&h, wte.as_ref(), &x, &targets, 80.0)
+                    .unwrap();
                 (b.loss.to_bits(), eval.to_bits(), bits(&b.dx), bits(&b.out))
             };
             assert_eq!(
@@ -1535,7 +1570,8 @@ mod tests {
     #[test]
     fn cross_entropy_refuses_a_target_outside_the_vocabulary() {
         let mut logits = vec![0f32; 6];
-        let err = crate::head::cross_entropy_in_place(&mut logits, &[1, 3], 3, 1.0).unwrap_err();
+        let err =
+            crate::head::cross_entropy_in_place(&mut logits, &[1, 3], 3, 1.0, 2.0).unwrap_err();
         assert!(err.to_string().contains("target 3 at position 1"), "{err}");
     }
 

@@ -39,18 +39,27 @@ pub struct HeadBackward {
     pub out: Tensor,
 }
 
-/// The mean cross-entropy of `logits` (`rows × vocab`, row-major) against
-/// `targets`, and its gradient scaled by `scale`:
-/// `dlogits = scale · (softmax(logits) − onehot(target)) / rows`, written over
-/// `logits` in place. Each row's log-sum-exp is taken after subtracting the
-/// row's maximum; the loss adds the rows' terms in f64, in row order. Each
-/// row is one vectorised pass per step (the fused ops' `exp` and lane-wise
-/// reductions: the same bits at every vector width).
+/// The target of a position that the loss leaves out (a prompt's token under
+/// an assistant-only loss): PyTorch's `ignore_index`, as an id no
+/// vocabulary reaches.
+pub const IGNORED: u32 = u32::MAX;
+
+/// The cross-entropy of `logits` (`rows × vocab`, row-major) against
+/// `targets`, summed over the counted rows (those whose target is not
+/// [`IGNORED`]) and divided by `divisor`, and its gradient scaled by
+/// `scale`: `dlogits = scale · (softmax(logits) − onehot(target)) / divisor`
+/// on a counted row, zero on the others, written over `logits` in place.
+/// With every target counted and `divisor` = `rows` this is the mean. Each
+/// row's log-sum-exp is taken after subtracting the row's maximum; the loss
+/// adds the rows' terms in f64, in row order. Each row is one vectorised
+/// pass per step (the fused ops' `exp` and lane-wise reductions: the same
+/// bits at every vector width).
 pub(crate) fn cross_entropy_in_place(
     logits: &mut [f32],
     targets: &[u32],
     vocab: usize,
     scale: f64,
+    divisor: f64,
 ) -> Result<f64> {
     let rows = targets.len();
     if logits.len() != rows * vocab || vocab == 0 {
@@ -62,18 +71,25 @@ pub(crate) fn cross_entropy_in_place(
     if let Some((i, &t)) = targets
         .iter()
         .enumerate()
-        .find(|(_, &t)| t as usize >= vocab)
+        .find(|(_, &t)| t as usize >= vocab && t != IGNORED)
     {
         candle_core::bail!(
             "cross-entropy: target {t} at position {i} is outside the vocabulary of {vocab}"
         );
     }
-    let coef = (scale / rows as f64) as f32;
+    if divisor.is_nan() || divisor <= 0.0 {
+        candle_core::bail!("cross-entropy: divided by {divisor}");
+    }
+    let coef = (scale / divisor) as f32;
     let losses: Vec<f64> = logits
         .par_chunks_mut(vocab)
         .zip(targets.par_iter())
         .with_min_len(16)
         .map(|(row, &t)| {
+            if t == IGNORED {
+                row.fill(0.0);
+                return 0.0;
+            }
             vectorised(
                 #[inline(always)]
                 || {
@@ -90,7 +106,7 @@ pub(crate) fn cross_entropy_in_place(
             )
         })
         .collect();
-    Ok(losses.iter().sum::<f64>() / rows as f64)
+    Ok(losses.iter().sum::<f64>() / divisor)
 }
 
 thread_local! {

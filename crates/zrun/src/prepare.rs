@@ -15,6 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufWriter, Write};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -22,7 +23,7 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
-use zconfig::manifest::{DataManifest, ManifestFile, MANIFEST_NAME};
+use zconfig::manifest::{DataManifest, ManifestFile, MaskFile, MANIFEST_NAME};
 use zconfig::DataFormat;
 
 use crate::chat::{self, ChatTemplate, Renderer};
@@ -40,6 +41,9 @@ pub(crate) const EOS_NAMES: [&str; 4] = ["<|endoftext|>", "</s>", "<|end_of_text
 struct Piece {
     text: String,
     ends_document: bool,
+    /// Under `--assistant-only-loss`: the byte ranges of `text` that are
+    /// trained on (the assistant's turns).
+    trained: Vec<Range<usize>>,
 }
 
 /// Where `name` is written in `dir` until it is whole.
@@ -59,35 +63,84 @@ impl Drop for Partial {
     }
 }
 
-/// A token file being written.
+/// A token file being written, with its loss mask under
+/// `--assistant-only-loss`.
 struct Output {
     name: &'static str,
     partial: Partial,
     writer: BufWriter<std::fs::File>,
     width: usize,
     entry: ManifestFile,
+    mask: Option<MaskOutput>,
+}
+
+/// A file written under its temporary name, and the name it is to take.
+type Written = (Partial, String);
+
+/// A loss mask being written: a byte per token, 1 where it is trained on.
+struct MaskOutput {
+    name: String,
+    partial: Partial,
+    writer: BufWriter<std::fs::File>,
+    trained: u64,
+}
+
+/// The loss mask's name beside token file `name` (`train.bin` → `train.mask`).
+fn mask_name(name: &str) -> String {
+    format!("{}.mask", name.trim_end_matches(".bin"))
+}
+
+/// A file under its temporary name in `dir`, buffered.
+fn partial_writer(dir: &Path, name: &str) -> Result<(Partial, BufWriter<std::fs::File>)> {
+    let partial = Partial(partial_path(dir, name));
+    let file = std::fs::File::create(&partial.0)
+        .with_context(|| format!("cannot write {}", partial.0.display()))?;
+    Ok((partial, BufWriter::with_capacity(1 << 20, file)))
+}
+
+/// Flushes a file written under its temporary name to disk.
+fn flush_partial(partial: &Partial, writer: BufWriter<std::fs::File>) -> Result<()> {
+    let file = writer
+        .into_inner()
+        .map_err(|e| anyhow::anyhow!("writing {}: {}", partial.0.display(), e.error()))?;
+    file.sync_all()
+        .with_context(|| format!("writing {}", partial.0.display()))
 }
 
 impl Output {
-    fn create(dir: &Path, name: &'static str, width: usize) -> Result<Output> {
-        let partial = Partial(partial_path(dir, name));
-        let file = std::fs::File::create(&partial.0)
-            .with_context(|| format!("cannot write {}", partial.0.display()))?;
+    fn create(dir: &Path, name: &'static str, width: usize, masked: bool) -> Result<Output> {
+        let (partial, writer) = partial_writer(dir, name)?;
+        let mask = match masked {
+            true => {
+                let name = mask_name(name);
+                let (partial, writer) = partial_writer(dir, &name)?;
+                Some(MaskOutput {
+                    name,
+                    partial,
+                    writer,
+                    trained: 0,
+                })
+            }
+            false => None,
+        };
         Ok(Output {
             name,
             partial,
-            writer: BufWriter::with_capacity(1 << 20, file),
+            writer,
             width,
             entry: ManifestFile {
                 tokens: 0,
                 bytes: 0,
                 max_token_id: 0,
                 documents: 0,
+                mask: None,
             },
+            mask,
         })
     }
 
-    fn push(&mut self, ids: &[u32], ends_document: bool) -> Result<()> {
+    /// Appends `ids`, and under a mask whether each is trained on.
+    fn push(&mut self, ids: &[u32], trained: &[bool], ends_document: bool) -> Result<()> {
         let mut bytes = Vec::with_capacity(ids.len() * self.width);
         for &id in ids {
             match self.width {
@@ -99,6 +152,14 @@ impl Output {
         self.writer
             .write_all(&bytes)
             .with_context(|| format!("writing {}", self.partial.0.display()))?;
+        if let Some(m) = &mut self.mask {
+            assert_eq!(trained.len(), ids.len(), "a mask byte per token");
+            let bytes: Vec<u8> = trained.iter().map(|&t| u8::from(t)).collect();
+            m.writer
+                .write_all(&bytes)
+                .with_context(|| format!("writing {}", m.partial.0.display()))?;
+            m.trained += trained.iter().filter(|&&t| t).count() as u64;
+        }
         self.entry.tokens += ids.len() as u64;
         self.entry.bytes += bytes.len() as u64;
         self.entry.documents += u64::from(ends_document);
@@ -106,15 +167,21 @@ impl Output {
     }
 
     /// Flushes to disk; returns the name, what it holds and the written
-    /// file, still under its temporary name.
-    fn finish(self) -> Result<(&'static str, ManifestFile, Partial)> {
-        let file = self
-            .writer
-            .into_inner()
-            .map_err(|e| anyhow::anyhow!("writing {}: {}", self.partial.0.display(), e.error()))?;
-        file.sync_all()
-            .with_context(|| format!("writing {}", self.partial.0.display()))?;
-        Ok((self.name, self.entry, self.partial))
+    /// files (the token file, and its mask), still under their temporary
+    /// names, each with its name.
+    fn finish(self) -> Result<(&'static str, ManifestFile, Vec<Written>)> {
+        flush_partial(&self.partial, self.writer)?;
+        let mut entry = self.entry;
+        let mut written = vec![(self.partial, self.name.to_string())];
+        if let Some(m) = self.mask {
+            flush_partial(&m.partial, m.writer)?;
+            entry.mask = Some(MaskFile {
+                file: m.name.clone(),
+                trained: m.trained,
+            });
+            written.push((m.partial, m.name));
+        }
+        Ok((self.name, entry, written))
     }
 }
 
@@ -127,6 +194,13 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         )));
     }
     let inputs = input_files(&args.inputs)?;
+    let masked = args.assistant_only_loss;
+    if let Some((text, _)) = inputs.iter().find(|(_, jsonl)| masked && !jsonl) {
+        return Err(Failure::bad_input(format!(
+            "--assistant-only-loss: {} is a text file; the loss is kept to the assistant's turns of JSONL conversations",
+            text.display()
+        )));
+    }
     // The chat template of JSONL conversations, if there is one. One given
     // with --chat-template must load; the tokenizer's neighbours matter
     // only to conversations, so that text data is not refused for a
@@ -173,7 +247,16 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     };
     std::fs::create_dir_all(&args.out)
         .map_err(|e| Failure::bad_input(format!("--out {}: {e}", args.out.display())))?;
-    let outputs = ["train.bin", "val.bin", MANIFEST_NAME].map(|n| args.out.join(n));
+    // The masks too: one left from an earlier run is replaced (or, for
+    // data without one, removed) only with --overwrite.
+    let names = [
+        "train.bin",
+        "val.bin",
+        "train.mask",
+        "val.mask",
+        MANIFEST_NAME,
+    ];
+    let outputs = names.map(|n| args.out.join(n));
     crate::keep_existing("--out", &outputs, args.overwrite)?;
     let total: u64 = inputs
         .iter()
@@ -192,10 +275,10 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     }
     // Ctrl-C, SIGTERM or SIGHUP: exit 130, what was begun removed (as a
     // failure's `Partial`s are; a signal ends the process where it stands).
-    let begun = ["train.bin", "val.bin", MANIFEST_NAME].map(|n| partial_path(&args.out, n));
+    let begun = names.map(|n| partial_path(&args.out, n));
     crate::remove_on_interrupt(&begun)?;
-    let mut train = Output::create(&args.out, "train.bin", width)?;
-    let mut val = Output::create(&args.out, "val.bin", width)?;
+    let mut train = Output::create(&args.out, "train.bin", width, masked)?;
+    let mut val = Output::create(&args.out, "val.bin", width, masked)?;
     let mut split = Split::new(args.val_fraction);
     let mut batch: Vec<Piece> = Vec::new();
     let mut batch_bytes = 0;
@@ -206,15 +289,22 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
             .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
         for (piece, enc) in batch.iter().zip(encodings) {
             let mut ids = enc.get_ids().to_vec();
+            let mut trained = match masked {
+                true => trained_tokens(enc.get_offsets(), &piece.trained),
+                false => Vec::new(),
+            };
             if piece.ends_document {
                 ids.extend(eos);
+                // The end-of-text id between packed documents is no turn
+                // of the assistant's.
+                trained.extend(eos.map(|_| false));
             }
             let out = if split.next_is_val() {
                 &mut val
             } else {
                 &mut train
             };
-            out.push(&ids, piece.ends_document)?;
+            out.push(&ids, &trained, piece.ends_document)?;
         }
         batch.clear();
         Ok(())
@@ -231,7 +321,13 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
             Ok(())
         };
         if *jsonl {
-            read_jsonl(path, args.field.as_deref(), &conversations, &mut pieces)?;
+            read_jsonl(
+                path,
+                args.field.as_deref(),
+                &conversations,
+                masked,
+                &mut pieces,
+            )?;
         } else {
             read_text(path, &mut pieces)?;
         }
@@ -242,9 +338,9 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     let mut files = BTreeMap::new();
     let mut written = Vec::new();
     for out in [train, val] {
-        let (name, entry, partial) = out.finish()?;
+        let (name, entry, parts) = out.finish()?;
         files.insert(name.to_string(), entry);
-        written.push((partial, args.out.join(name)));
+        written.extend(parts.into_iter().map(|(p, n)| (p, args.out.join(n))));
     }
     // Empty token files only fail later, at `zrun train`: say so here, where
     // the inputs are at hand (what was written is removed as on any failure).
@@ -276,6 +372,18 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         std::fs::rename(&partial.0, to)
             .with_context(|| format!("renaming {} to {}", partial.0.display(), to.display()))?;
     }
+    if !masked {
+        // --overwrite of data prepared with masks: theirs are not these
+        // tokens' (the manifest no longer names them).
+        for stale in ["train.mask", "val.mask"].map(|n| args.out.join(n)) {
+            match std::fs::remove_file(&stale) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(e).with_context(|| format!("removing {}", stale.display()))
+                }
+                _ => {}
+            }
+        }
+    }
     let (t, v) = (&manifest.files["train.bin"], &manifest.files["val.bin"]);
     let fmt = if format == DataFormat::TokensU16 {
         "tokens_u16"
@@ -300,6 +408,15 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         args.out.join("train.bin").display(),
         args.out.join("val.bin").display()
     );
+    if let (Some(tm), Some(vm)) = (&t.mask, &v.mask) {
+        say!(
+            "zrun: the loss counts the assistant's turns alone: {} of {} tokens ({}, {})",
+            tm.trained + vm.trained,
+            t.tokens + v.tokens,
+            args.out.join(&tm.file).display(),
+            args.out.join(&vm.file).display()
+        );
+    }
     if v.tokens == 0 && args.val_fraction > 0.0 {
         shout!(
             "zrun: warning: val.bin is empty: {} pieces are too few for --val-fraction {}",
@@ -481,6 +598,7 @@ fn read_text(path: &Path, sink: &mut impl FnMut(Piece) -> Result<()>) -> Result<
             sink(Piece {
                 text: std::mem::take(&mut piece),
                 ends_document,
+                trained: Vec::new(),
             })?;
             if ends_document {
                 return Ok(());
@@ -504,11 +622,13 @@ struct Conversations<'a> {
 /// skipped; by default `text`, else `messages`), a string, or a
 /// conversation laid out by the chat template as `apply_chat_template`
 /// lays out a whole conversation (no generation prompt); each record is a
-/// document.
+/// document. With `assistant_only`, every record must be a conversation,
+/// and its pieces carry the spans of the assistant's turns.
 fn read_jsonl(
     path: &Path,
     field: Option<&str>,
     conversations: &Conversations,
+    assistant_only: bool,
     sink: &mut impl FnMut(Piece) -> Result<()>,
 ) -> Result<()> {
     let bad = |e: std::io::Error| Failure::bad_input(format!("{}: {e}", path.display()));
@@ -530,8 +650,13 @@ fn read_jsonl(
             None if record.get("text").is_none() && record.get("messages").is_some() => "messages",
             None => "text",
         };
-        let text = match record.get(name) {
-            Some(serde_json::Value::String(text)) => text.clone(),
+        let (text, trained) = match record.get(name) {
+            Some(serde_json::Value::String(_)) if assistant_only => {
+                return Err(Failure::bad_input(format!(
+                    "{at}: `{name}` is text, not a conversation: --assistant-only-loss keeps the loss to the assistant's turns of conversations"
+                )))
+            }
+            Some(serde_json::Value::String(text)) => (text.clone(), Vec::new()),
             Some(serde_json::Value::Array(_)) => {
                 let renderer = match &conversations.renderer {
                     Ok(Some(r)) => r,
@@ -552,9 +677,15 @@ fn read_jsonl(
                 let messages = chat::json_value(&line)
                     .map(|r| r.get_attr(name).unwrap_or_default())
                     .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?;
-                renderer
-                    .render(messages, false, &[])
-                    .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?
+                let text = renderer
+                    .render(messages.clone(), false, &[])
+                    .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?;
+                let trained = match assistant_only {
+                    true => assistant_spans(renderer, &messages, &text)
+                        .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?,
+                    false => Vec::new(),
+                };
+                (text, trained)
             }
             _ => {
                 return Err(Failure::bad_input(format!(
@@ -565,9 +696,73 @@ fn read_jsonl(
         sink(Piece {
             text,
             ends_document: true,
+            trained,
         })?;
     }
     Ok(())
+}
+
+/// The byte ranges of `whole` (the conversation `messages` laid out) that
+/// the assistant's turns take: for each assistant message, from where the
+/// conversation before it, laid out with the generation prompt, stops
+/// agreeing with the conversation up to it (the prompt is the template's,
+/// not the assistant's), to the end of the conversation up to it (its end
+/// of turn included, which teaches the model to stop). Prefix renderings,
+/// as TRL and LLaMA-Factory find the turns of templates without
+/// `{% generation %}` marks; a template that lays an earlier turn out
+/// differently once later ones follow (some drop earlier reasoning) cannot
+/// be split so, and is refused.
+fn assistant_spans(
+    renderer: &Renderer,
+    messages: &minijinja::Value,
+    whole: &str,
+) -> anyhow::Result<Vec<Range<usize>>> {
+    let list: Vec<minijinja::Value> = messages
+        .try_iter()
+        .map_err(|e| anyhow::anyhow!("the conversation is not a list: {e}"))?
+        .collect();
+    let mut spans = Vec::new();
+    for (i, m) in list.iter().enumerate() {
+        let role = m
+            .get_attr("role")
+            .ok()
+            .filter(|r| r.as_str() == Some("assistant"));
+        if role.is_none() {
+            continue;
+        }
+        let prompt = renderer.render(minijinja::Value::from(list[..i].to_vec()), true, &[])?;
+        let upto = renderer.render(minijinja::Value::from(list[..=i].to_vec()), false, &[])?;
+        if !whole.starts_with(&upto) {
+            anyhow::bail!(
+                "message {}: the chat template lays out the conversation up to this assistant turn otherwise than as the start of the whole conversation, so its turns cannot be told apart for --assistant-only-loss",
+                i + 1
+            );
+        }
+        let start = prompt
+            .char_indices()
+            .zip(upto.chars())
+            .find(|((_, a), b)| a != b)
+            .map_or(prompt.len().min(upto.len()), |((at, _), _)| at);
+        if start < upto.len() {
+            spans.push(start..upto.len());
+        }
+    }
+    Ok(spans)
+}
+
+/// Whether each token is trained on: whether its bytes (`offsets`, into the
+/// text) meet one of the `trained` ranges. A token of no bytes (an offset
+/// trimmed to nothing) counts where it stands.
+fn trained_tokens(offsets: &[(usize, usize)], trained: &[Range<usize>]) -> Vec<bool> {
+    offsets
+        .iter()
+        .map(|&(s, e)| {
+            trained.iter().any(|r| match s < e {
+                true => s < r.end && e > r.start,
+                false => r.contains(&s),
+            })
+        })
+        .collect()
 }
 
 /// Drops the byte-order mark that Windows editors put at a UTF-8 file's
@@ -674,6 +869,32 @@ mod tests {
         let mut full = Failing(std::io::ErrorKind::StorageFull);
         let e = stream_decoded(&t, "a", &[97], ids.as_bytes(), &mut full).unwrap_err();
         assert!(format!("{e:#}").contains("writing the sample"), "{e:#}");
+    }
+
+    /// The assistant's spans are byte ranges of the text, and so are the
+    /// offsets `encode_batch` gives (not characters): a token is trained
+    /// where its bytes meet a span, after a two-byte character too.
+    #[test]
+    fn tokens_are_trained_where_their_bytes_meet_a_span() {
+        let mut t = tokenizer(
+            serde_json::json!({"type": "WordLevel", "unk_token": "?",
+                "vocab": {"?": 0, "w1": 1, "w2": 2, "w3": 3}}),
+            serde_json::Value::Null,
+        );
+        t.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::Whitespace {}));
+        let text = "ü w1 w2 w3";
+        let enc = t.encode_batch(vec![text], false).unwrap();
+        let offsets = enc[0].get_offsets();
+        assert_eq!(offsets[1], (3, 5), "byte offsets");
+        // w1; w2 and the gap before w3 (not w3).
+        assert_eq!(
+            trained_tokens(offsets, &[3..5, 6..9]),
+            [false, true, true, false]
+        );
+        assert_eq!(
+            trained_tokens(&[(4, 4), (5, 5)], &[4..5, 7..9]),
+            [true, false]
+        );
     }
 
     #[test]
