@@ -1015,3 +1015,96 @@ fn an_assistant_only_loss_trains_on_the_assistants_turns_alone() {
         f.stderr
     );
 }
+
+/// The assistant's tokens as `transformers` marks them: a ChatML template
+/// with transformers' `{% generation %}` marks around each answer and its
+/// end of turn, and `apply_chat_template(return_assistant_tokens_mask=True)`
+/// (which maps the marked characters to tokens) gives the same ids and the
+/// same mask as `zrun prepare --assistant-only-loss`, which finds the turns
+/// by prefix renderings (the marks rendering their body) and maps bytes to
+/// tokens: over system messages, several turns, and a two-byte character
+/// before a word. CI requires the reference; elsewhere it may skip, saying
+/// so.
+#[test]
+fn assistant_masks_are_the_ones_transformers_finds_from_generation_marks() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (tok, _) = chat_tokenizer(d, 10, &["system", "user", "assistant"]);
+    let template = "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    std::fs::write(d.join("marked.jinja"), template).unwrap();
+    let conversations = serde_json::json!([
+        [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}],
+        [{"role": "system", "content": "w9"}, {"role": "user", "content": "w4"},
+         {"role": "assistant", "content": "w5 w6 w7"}, {"role": "user", "content": "w8 w0"},
+         {"role": "assistant", "content": "w1"}],
+        [{"role": "user", "content": "é w2"}, {"role": "assistant", "content": "ü w3 w4"}],
+    ]);
+    let records: String = conversations
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| serde_json::json!({ "messages": c }).to_string() + "\n")
+        .collect();
+    std::fs::write(d.join("chats.jsonl"), records).unwrap();
+    let out = d.join("data");
+    let marked = d.join("marked.jinja").display().to_string();
+    let flags = [
+        "--assistant-only-loss",
+        "--chat-template",
+        &marked,
+        "--val-fraction",
+        "0",
+        "--eos",
+        "none",
+    ];
+    let f = prepare(d, &["chats.jsonl"], &tok, &out, &flags);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let reference = r#"
+import json, sys
+try:
+    import jinja2  # transformers renders with it, and does not install it
+    from transformers import PreTrainedTokenizerFast
+except ImportError as e:
+    print("NO_TRANSFORMERS", e)
+    sys.exit(0)
+request = json.load(sys.stdin)
+tok = PreTrainedTokenizerFast(tokenizer_file=request["tokenizer"])
+ids, mask = [], []
+for messages in request["conversations"]:
+    r = tok.apply_chat_template(messages, chat_template=request["template"], tokenize=True,
+        return_dict=True, return_assistant_tokens_mask=True)
+    ids += r["input_ids"]
+    mask += r["assistant_masks"]
+print(json.dumps({"ids": ids, "mask": mask}))
+"#;
+    let request = serde_json::json!({
+        "tokenizer": tok.display().to_string(),
+        "template": template,
+        "conversations": conversations,
+    });
+    let Some(answer) = e2e::python_reference("TRANSFORMERS", reference, &[], &request.to_string())
+    else {
+        return;
+    };
+    let want: serde_json::Value = serde_json::from_str(&answer).unwrap();
+    let got_mask: Vec<u64> = std::fs::read(out.join("train.mask"))
+        .unwrap()
+        .into_iter()
+        .map(u64::from)
+        .collect();
+    let got_ids: Vec<u64> = ids(&out.join("train.bin"), 2)
+        .into_iter()
+        .map(u64::from)
+        .collect();
+    let list = |key: &str| -> Vec<u64> {
+        want[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(got_ids, list("ids"), "ids");
+    assert_eq!(got_mask, list("mask"), "mask");
+    assert!(got_mask.contains(&1) && got_mask.contains(&0));
+}
