@@ -1020,11 +1020,11 @@ fn an_assistant_only_loss_trains_on_the_assistants_turns_alone() {
 /// with transformers' `{% generation %}` marks around each answer and its
 /// end of turn, and `apply_chat_template(return_assistant_tokens_mask=True)`
 /// (which maps the marked characters to tokens) gives the same ids and the
-/// same mask as `zrun prepare --assistant-only-loss`, which finds the turns
-/// by prefix renderings (the marks rendering their body) and maps bytes to
-/// tokens: over system messages, several turns, and a two-byte character
-/// before a word. CI requires the reference; elsewhere it may skip, saying
-/// so.
+/// same mask as `zrun prepare --assistant-only-loss` with that template
+/// (its marks) and with the same template unmarked (prefix renderings),
+/// each mapping bytes to tokens: over system messages, several turns, and
+/// a two-byte character before a word. CI requires the reference;
+/// elsewhere it may skip, saying so.
 #[test]
 fn assistant_masks_are_the_ones_transformers_finds_from_generation_marks() {
     let dir = tempfile::tempdir().unwrap();
@@ -1032,6 +1032,10 @@ fn assistant_masks_are_the_ones_transformers_finds_from_generation_marks() {
     let (tok, _) = chat_tokenizer(d, 10, &["system", "user", "assistant"]);
     let template = "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
     std::fs::write(d.join("marked.jinja"), template).unwrap();
+    let unmarked = template
+        .replace("{% generation %}", "")
+        .replace("{% endgeneration %}", "");
+    std::fs::write(d.join("unmarked.jinja"), unmarked).unwrap();
     let conversations = serde_json::json!([
         [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}],
         [{"role": "system", "content": "w9"}, {"role": "user", "content": "w4"},
@@ -1046,19 +1050,34 @@ fn assistant_masks_are_the_ones_transformers_finds_from_generation_marks() {
         .map(|c| serde_json::json!({ "messages": c }).to_string() + "\n")
         .collect();
     std::fs::write(d.join("chats.jsonl"), records).unwrap();
-    let out = d.join("data");
-    let marked = d.join("marked.jinja").display().to_string();
-    let flags = [
-        "--assistant-only-loss",
-        "--chat-template",
-        &marked,
-        "--val-fraction",
-        "0",
-        "--eos",
-        "none",
-    ];
-    let f = prepare(d, &["chats.jsonl"], &tok, &out, &flags);
-    assert_eq!(f.code(), 0, "{f:?}");
+    // Prepared with the template marked, and unmarked.
+    let prepared = |name: &str| {
+        let out = d.join(name);
+        let template = d.join(format!("{name}.jinja")).display().to_string();
+        let flags = [
+            "--assistant-only-loss",
+            "--chat-template",
+            &template,
+            "--val-fraction",
+            "0",
+            "--eos",
+            "none",
+        ];
+        let f = prepare(d, &["chats.jsonl"], &tok, &out, &flags);
+        assert_eq!(f.code(), 0, "{f:?}");
+        let mask: Vec<u64> = std::fs::read(out.join("train.mask"))
+            .unwrap()
+            .into_iter()
+            .map(u64::from)
+            .collect();
+        let ids: Vec<u64> = ids(&out.join("train.bin"), 2)
+            .into_iter()
+            .map(u64::from)
+            .collect();
+        (ids, mask)
+    };
+    let marked = prepared("marked");
+    let unmarked = prepared("unmarked");
     let reference = r#"
 import json, sys
 try:
@@ -1087,15 +1106,6 @@ print(json.dumps({"ids": ids, "mask": mask}))
         return;
     };
     let want: serde_json::Value = serde_json::from_str(&answer).unwrap();
-    let got_mask: Vec<u64> = std::fs::read(out.join("train.mask"))
-        .unwrap()
-        .into_iter()
-        .map(u64::from)
-        .collect();
-    let got_ids: Vec<u64> = ids(&out.join("train.bin"), 2)
-        .into_iter()
-        .map(u64::from)
-        .collect();
     let list = |key: &str| -> Vec<u64> {
         want[key]
             .as_array()
@@ -1104,7 +1114,8 @@ print(json.dumps({"ids": ids, "mask": mask}))
             .map(|v| v.as_u64().unwrap())
             .collect()
     };
-    assert_eq!(got_ids, list("ids"), "ids");
-    assert_eq!(got_mask, list("mask"), "mask");
-    assert!(got_mask.contains(&1) && got_mask.contains(&0));
+    let want = (list("ids"), list("mask"));
+    assert!(want.1.contains(&1) && want.1.contains(&0));
+    assert_eq!(marked, want, "marked: ids, mask");
+    assert_eq!(unmarked, want, "unmarked: ids, mask");
 }

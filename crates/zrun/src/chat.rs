@@ -26,6 +26,12 @@ const TEMPLATE_FILE: &str = "chat_template.jinja";
 /// The compiled template's name in its environment (minijinja's errors
 /// end with it; zrun's name the file first).
 const COMPILED: &str = "template";
+/// The same template with its `{% generation %}` blocks marked.
+const COMPILED_MARKED: &str = "template with the assistant's blocks marked";
+/// What a `{% generation %}` block's start and end write in the marked
+/// template: characters of Unicode's private use area, which no published
+/// template or tokenizer gives a meaning.
+const MARKS: [char; 2] = ['\u{E000}', '\u{E001}'];
 /// The older file of a processor's template: `{"chat_template": "..."}`.
 const TEMPLATE_JSON: &str = "chat_template.json";
 /// The tokenizer's settings: a `chat_template` (a string, or a list of
@@ -48,6 +54,9 @@ const SPECIAL_TOKENS: [&str; 7] = [
 pub struct ChatTemplate {
     /// Its text, `{% generation %}` blocks made plain Jinja.
     source: String,
+    /// Where it has `{% generation %}` blocks: its text with each block's
+    /// start and end writing [`MARKS`].
+    marked: Option<String>,
     /// Where it was read (errors name it).
     from: PathBuf,
     /// `bos_token` … as `tokenizer_config.json` says them.
@@ -72,8 +81,10 @@ impl ChatTemplate {
             None => BTreeMap::new(),
         };
         let found = |source: String, from: PathBuf| {
+            let plain = without_generation_tags(&source, false);
             Some(ChatTemplate {
-                source: without_generation_tags(&source),
+                marked: (plain != source).then(|| without_generation_tags(&source, true)),
+                source: plain,
                 from,
                 specials: specials.clone(),
             })
@@ -160,6 +171,10 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_template(COMPILED, &self.source)
             .map_err(|e| self.failure(e))?;
+        if let Some(marked) = &self.marked {
+            env.add_template(COMPILED_MARKED, marked)
+                .map_err(|e| self.failure(e))?;
+        }
         Ok(Renderer { env, of: self })
     }
 
@@ -192,6 +207,44 @@ impl Renderer<'_> {
         add_generation_prompt: bool,
         extra: &[(String, Value)],
     ) -> anyhow::Result<String> {
+        self.render_as(COMPILED, messages, add_generation_prompt, extra)
+    }
+
+    /// Where the template marks the assistant's text with `{% generation
+    /// %}` blocks (as `transformers`' `return_assistant_tokens_mask`
+    /// reads them): the whole conversation `messages` as [`Renderer::render`]
+    /// lays it out (no generation prompt) and the byte ranges of its
+    /// blocks. None for a template without such blocks.
+    pub fn generation_spans(
+        &self,
+        messages: Value,
+    ) -> Option<anyhow::Result<(String, Vec<std::ops::Range<usize>>)>> {
+        self.of.marked.as_ref()?;
+        let marked = match self.render_as(COMPILED_MARKED, messages, false, &[]) {
+            Ok(m) => m,
+            Err(e) => return Some(Err(e)),
+        };
+        let mut text = String::with_capacity(marked.len());
+        let (mut spans, mut open) = (Vec::new(), None);
+        for c in marked.chars() {
+            match c {
+                c if c == MARKS[0] => open = open.or(Some(text.len())),
+                c if c == MARKS[1] => spans.extend(open.take().map(|at| at..text.len())),
+                c => text.push(c),
+            }
+        }
+        spans.retain(|r: &std::ops::Range<usize>| !r.is_empty());
+        Some(Ok((text, spans)))
+    }
+
+    /// [`Renderer::render`] with the compiled template `name`.
+    fn render_as(
+        &self,
+        name: &str,
+        messages: Value,
+        add_generation_prompt: bool,
+        extra: &[(String, Value)],
+    ) -> anyhow::Result<String> {
         // The special tokens, which `extra` may override (as
         // `apply_chat_template`'s keyword arguments override them).
         let mut context: BTreeMap<String, Value> = self
@@ -210,7 +263,7 @@ impl Renderer<'_> {
         context.insert("documents".into(), Value::from(()));
         let template = self
             .env
-            .get_template(COMPILED)
+            .get_template(name)
             .map_err(|e| self.of.failure(e))?;
         template
             .render(Value::from(context))
@@ -221,8 +274,13 @@ impl Renderer<'_> {
 /// `source` with `transformers`' own block `{% generation %}…{%
 /// endgeneration %}` (it marks the assistant's tokens for a training mask,
 /// and renders its body as it is) made `{% if true %}…{% endif %}`: the
-/// same output, whitespace control included, in plain Jinja.
-fn without_generation_tags(source: &str) -> String {
+/// same output, whitespace control included, in plain Jinja. With `marks`,
+/// the block's start and end also write [`MARKS`] where the tags stand:
+/// the written character sits between an `if` that takes the tag's left
+/// whitespace control (and `lstrip_blocks`) and an `endif` that takes its
+/// right one (and `trim_blocks`), so that the text around is what it is
+/// without them.
+fn without_generation_tags(source: &str, marks: bool) -> String {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
     while let Some(open) = rest.find("{%") {
@@ -238,6 +296,18 @@ fn without_generation_tags(source: &str) -> String {
         };
         out.push_str(&rest[..open]);
         match keyword {
+            Some((name, _)) if marks => {
+                let at = tag.find(name).expect("the keyword is in its tag");
+                let (left, right) = (&tag[..at], &tag[at + name.len()..]);
+                let mark = MARKS[usize::from(name == "endgeneration")];
+                let write = format!("{{{{ '{mark}' }}}}");
+                out.push_str(&match name {
+                    "generation" => {
+                        format!("{left}if true %}}{write}{{% if true %}}{{% endif{right}")
+                    }
+                    _ => format!("{left}if true %}}{{% endif %}}{write}{{% endif{right}"),
+                });
+            }
             Some((name, plain)) => out.push_str(&tag.replacen(name, plain, 1)),
             None => out.push_str(tag),
         }
@@ -558,7 +628,8 @@ mod tests {
 
     fn render(source: &str, messages: &[(&str, &str)]) -> anyhow::Result<String> {
         let t = ChatTemplate {
-            source: without_generation_tags(source),
+            source: without_generation_tags(source, false),
+            marked: None,
             from: "t.jinja".into(),
             specials: [("bos_token".to_string(), "<s>".to_string())].into(),
         };
@@ -614,7 +685,8 @@ mod tests {
     fn generation_blocks_render_their_body() {
         assert_eq!(
             without_generation_tags(
-                "a {%- generation -%} b {%+ endgeneration %}{{ 'generation' }}{% if x %}"
+                "a {%- generation -%} b {%+ endgeneration %}{{ 'generation' }}{% if x %}",
+                false
             ),
             "a {%- if true -%} b {%+ endif %}{{ 'generation' }}{% if x %}"
         );
@@ -626,6 +698,43 @@ mod tests {
             .unwrap(),
             "<Hi>"
         );
+    }
+
+    /// Marked, a template lays the conversation out as it does unmarked,
+    /// whatever the whitespace control around its `{% generation %}` tags,
+    /// and the marks fall where the tags stand.
+    #[test]
+    fn generation_blocks_mark_where_the_assistants_text_is() {
+        let cases = [
+            ("{% generation %}", "{% endgeneration %}", "Yo!\n"),
+            ("  {%- generation %}", "  {% endgeneration -%}", "Yo!\n"),
+            ("{%+ generation -%}\n", "{%- endgeneration +%}", "Yo!"),
+        ];
+        for (open, close, want) in cases {
+            let source = format!(
+                "{{% for m in messages %}}<{{{{ m.role }}}}>\n{{% if m.role == 'assistant' %}}\n{open}\n{{{{ m.content }}}}!\n{close}\n{{% else %}}{{{{ m.content }}}}\n{{% endif %}}{{% endfor %}}"
+            );
+            let plain = without_generation_tags(&source, false);
+            let t = ChatTemplate {
+                marked: Some(without_generation_tags(&source, true)),
+                source: plain,
+                from: "t.jinja".into(),
+                specials: BTreeMap::new(),
+            };
+            let r = t.renderer().unwrap();
+            let messages = || {
+                json_value(
+                    r#"[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"},
+                    {"role": "user", "content": "Ok"}, {"role": "assistant", "content": "Yo"}]"#,
+                )
+                .unwrap()
+            };
+            let whole = r.render(messages(), false, &[]).unwrap();
+            let (text, spans) = r.generation_spans(messages()).unwrap().unwrap();
+            assert_eq!(text, whole, "{open} {close}");
+            let marked: Vec<&str> = spans.iter().map(|s| &text[s.clone()]).collect();
+            assert_eq!(marked, [want, want], "{open} {close}: {text:?}");
+        }
     }
 
     #[test]

@@ -67,9 +67,10 @@ pub struct PrepareArgs {
     #[arg(long, value_name = "TOKEN")]
     pub eos: Option<String>,
     /// Train on the assistant's turns alone (TRL's `assistant_only_loss`):
-    /// JSONL conversations only; writes a loss mask (`train.mask`,
-    /// `val.mask`: a byte per token) that `zrun train` applies, the loss
-    /// averaged over the step's trained tokens.
+    /// JSONL conversations only, the turns where the template's `{%
+    /// generation %}` blocks say, else found by prefix renderings; writes a
+    /// loss mask (`train.mask`, `val.mask`: a byte per token) that `zrun
+    /// train` applies, the loss averaged over the step's trained tokens.
     #[arg(long)]
     pub assistant_only_loss: bool,
     /// Replace the output of an earlier `zrun prepare` in DIR.

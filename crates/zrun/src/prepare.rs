@@ -703,20 +703,31 @@ fn read_jsonl(
 }
 
 /// The byte ranges of `whole` (the conversation `messages` laid out) that
-/// the assistant's turns take: for each assistant message, from where the
+/// the assistant's turns take. A template with `{% generation %}` blocks
+/// says where they are, as `transformers`' `return_assistant_tokens_mask`
+/// (and TRL's `assistant_only_loss`) reads them. Otherwise by prefix
+/// renderings, as TRL and LLaMA-Factory find the turns of templates
+/// without such blocks: for each assistant message, from where the
 /// conversation before it, laid out with the generation prompt, stops
 /// agreeing with the conversation up to it (the prompt is the template's,
 /// not the assistant's), to the end of the conversation up to it (its end
-/// of turn included, which teaches the model to stop). Prefix renderings,
-/// as TRL and LLaMA-Factory find the turns of templates without
-/// `{% generation %}` marks; a template that lays an earlier turn out
-/// differently once later ones follow (some drop earlier reasoning) cannot
-/// be split so, and is refused.
+/// of turn included, which teaches the model to stop). A template that
+/// lays an earlier turn out differently once later ones follow (Qwen3's
+/// drops earlier reasoning) cannot be split so, and is refused.
 fn assistant_spans(
     renderer: &Renderer,
     messages: &minijinja::Value,
     whole: &str,
 ) -> anyhow::Result<Vec<Range<usize>>> {
+    if let Some(marked) = renderer.generation_spans(messages.clone()) {
+        let (text, spans) = marked?;
+        if text != whole {
+            anyhow::bail!(
+                "the chat template's {{% generation %}} blocks cannot be told apart in this conversation (it holds the private-use characters U+E000 or U+E001 that mark them)"
+            );
+        }
+        return Ok(spans);
+    }
     let list: Vec<minijinja::Value> = messages
         .try_iter()
         .map_err(|e| anyhow::anyhow!("the conversation is not a list: {e}"))?
@@ -734,7 +745,7 @@ fn assistant_spans(
         let upto = renderer.render(minijinja::Value::from(list[..=i].to_vec()), false, &[])?;
         if !whole.starts_with(&upto) {
             anyhow::bail!(
-                "message {}: the chat template lays out the conversation up to this assistant turn otherwise than as the start of the whole conversation, so its turns cannot be told apart for --assistant-only-loss",
+                "message {}: the chat template lays out the conversation up to this assistant turn otherwise than as the start of the whole conversation, so its turns cannot be told apart for --assistant-only-loss (a template with {{% generation %}} blocks around the assistant's text can be)",
                 i + 1
             );
         }
