@@ -1119,3 +1119,77 @@ print(json.dumps({"ids": ids, "mask": mask}))
     assert_eq!(marked, want, "marked: ids, mask");
     assert_eq!(unmarked, want, "unmarked: ids, mask");
 }
+
+/// TRL's prompt-completion records (`{"prompt", "completion"}`, both text
+/// or both conversations): one document each, the prompt then the
+/// completion; under `--assistant-only-loss` the completion alone is
+/// trained (TRL's `completion_only_loss`): a text completion and the
+/// end-of-text id after it, a conversational one from the end of the
+/// generation prompt through its end of turn. Ids and mask bytes as written
+/// out by hand; a text prompt with a conversational completion is exit 2
+/// naming the line.
+#[test]
+fn prompt_completion_records_train_on_the_completion() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (tok, vocab) = chat_tokenizer(d, 10, &["user", "assistant"]);
+    std::fs::write(
+        d.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": CHATML}).to_string(),
+    )
+    .unwrap();
+    let records = [
+        serde_json::json!({"prompt": "w1 w2", "completion": " w3 w4"}),
+        serde_json::json!({"prompt": [{"role": "user", "content": "w5"}],
+            "completion": [{"role": "assistant", "content": "w6 w7"}]}),
+    ];
+    let jsonl: String = records.iter().map(|r| r.to_string() + "\n").collect();
+    std::fs::write(d.join("pc.jsonl"), jsonl).unwrap();
+    let id = |w: &str| vocab[w];
+    let want_ids: Vec<u32> = [
+        "w1",
+        "w2",
+        "w3",
+        "w4",
+        "<|endoftext|>",
+        "<|im_start|>",
+        "user",
+        "w5",
+        "<|im_end|>",
+        "<|im_start|>",
+        "assistant",
+        "w6",
+        "w7",
+        "<|im_end|>",
+        "<|endoftext|>",
+    ]
+    .map(id)
+    .to_vec();
+    let want_mask = [0u8, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0];
+    let out = d.join("data");
+    let f = prepare(d, &["pc.jsonl"], &tok, &out, &["--val-fraction", "0"]);
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert_eq!(ids(&out.join("train.bin"), 2), want_ids, "trained whole");
+    assert!(!out.join("train.mask").exists());
+    let flags = [
+        "--val-fraction",
+        "0",
+        "--assistant-only-loss",
+        "--overwrite",
+    ];
+    let f = prepare(d, &["pc.jsonl"], &tok, &out, &flags);
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert_eq!(ids(&out.join("train.bin"), 2), want_ids);
+    assert_eq!(std::fs::read(out.join("train.mask")).unwrap(), want_mask);
+    let mixed =
+        serde_json::json!({"prompt": "w1", "completion": [{"role": "assistant", "content": "w2"}]});
+    std::fs::write(d.join("mixed.jsonl"), format!("\n{mixed}\n")).unwrap();
+    let f = prepare(d, &["mixed.jsonl"], &tok, &out, &flags);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("mixed.jsonl:2: `prompt` and `completion` must both be text"),
+        "{}",
+        f.stderr
+    );
+}

@@ -49,7 +49,7 @@ pub struct PrepareArgs {
     /// The JSONL field that holds the text, or a conversation (a list of
     /// messages with a `role` and a `content`: laid out with the chat
     /// template, as `apply_chat_template` lays it out) [default: `text`,
-    /// else `messages`].
+    /// else `messages`, else TRL's `prompt` and `completion`].
     #[arg(long)]
     pub field: Option<String>,
     /// The chat template conversations are laid out with, a Jinja file
@@ -66,11 +66,13 @@ pub struct PrepareArgs {
     /// `<|endoftext|>`, `</s>`, `<|end_of_text|>` or `<eos>`); `none` for none.
     #[arg(long, value_name = "TOKEN")]
     pub eos: Option<String>,
-    /// Train on the assistant's turns alone (TRL's `assistant_only_loss`):
-    /// JSONL conversations only, the turns where the template's `{%
-    /// generation %}` blocks say, else found by prefix renderings; writes a
-    /// loss mask (`train.mask`, `val.mask`: a byte per token) that `zrun
-    /// train` applies, the loss averaged over the step's trained tokens.
+    /// Train on the assistant's turns alone (TRL's `assistant_only_loss`
+    /// and `completion_only_loss`): JSONL conversations (the turns where the
+    /// template's `{% generation %}` blocks say, else found by prefix
+    /// renderings) or prompt-completion records (the completion) only;
+    /// writes a loss mask (`train.mask`, `val.mask`: a byte per token) that
+    /// `zrun train` applies, the loss averaged over the step's trained
+    /// tokens.
     #[arg(long)]
     pub assistant_only_loss: bool,
     /// Replace the output of an earlier `zrun prepare` in DIR.

@@ -42,8 +42,12 @@ struct Piece {
     text: String,
     ends_document: bool,
     /// Under `--assistant-only-loss`: the byte ranges of `text` that are
-    /// trained on (the assistant's turns).
+    /// trained on (the assistant's turns, or a completion).
     trained: Vec<Range<usize>>,
+    /// Under `--assistant-only-loss`: whether the end-of-text id after it
+    /// is trained on (after a text completion, where it is the only stop
+    /// the model can learn; a conversation's template ends each turn).
+    trained_eos: bool,
 }
 
 /// Where `name` is written in `dir` until it is whole.
@@ -197,7 +201,7 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     let masked = args.assistant_only_loss;
     if let Some((text, _)) = inputs.iter().find(|(_, jsonl)| masked && !jsonl) {
         return Err(Failure::bad_input(format!(
-            "--assistant-only-loss: {} is a text file; the loss is kept to the assistant's turns of JSONL conversations",
+            "--assistant-only-loss: {} is a text file; the loss is kept to the assistant's turns of JSONL conversations (or to completions)",
             text.display()
         )));
     }
@@ -295,9 +299,9 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
             };
             if piece.ends_document {
                 ids.extend(eos);
-                // The end-of-text id between packed documents is no turn
-                // of the assistant's.
-                trained.extend(eos.map(|_| false));
+                // Between conversations the end-of-text id is no turn of
+                // the assistant's; after a text completion it is its end.
+                trained.extend(eos.map(|_| piece.trained_eos));
             }
             let out = if split.next_is_val() {
                 &mut val
@@ -599,6 +603,7 @@ fn read_text(path: &Path, sink: &mut impl FnMut(Piece) -> Result<()>) -> Result<
                 text: std::mem::take(&mut piece),
                 ends_document,
                 trained: Vec::new(),
+                trained_eos: false,
             })?;
             if ends_document {
                 return Ok(());
@@ -619,11 +624,13 @@ struct Conversations<'a> {
 }
 
 /// A JSONL file's records: under `field` of each line (blank lines
-/// skipped; by default `text`, else `messages`), a string, or a
-/// conversation laid out by the chat template as `apply_chat_template`
-/// lays out a whole conversation (no generation prompt); each record is a
-/// document. With `assistant_only`, every record must be a conversation,
-/// and its pieces carry the spans of the assistant's turns.
+/// skipped; by default `text`, else `messages`, else a `prompt` with its
+/// `completion`), a string, or a conversation laid out by the chat
+/// template as `apply_chat_template` lays out a whole conversation (no
+/// generation prompt); each record is a document. With `assistant_only`,
+/// every record must be a conversation or a prompt with its completion,
+/// and its pieces carry the spans of the assistant's turns or of the
+/// completion.
 fn read_jsonl(
     path: &Path,
     field: Option<&str>,
@@ -645,37 +652,31 @@ fn read_jsonl(
         let at = format!("{}:{}", path.display(), i + 1);
         let record: serde_json::Value = serde_json::from_str(&line)
             .map_err(|e| Failure::bad_input(format!("{at}: not JSON: {e}")))?;
+        let has = |key: &str| record.get(key).is_some();
+        if field.is_none() && !has("text") && !has("messages") && has("prompt") && has("completion")
+        {
+            let piece = prompt_completion(&record, &line, conversations, assistant_only)
+                .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?;
+            sink(piece)?;
+            continue;
+        }
         let name = match field {
             Some(f) => f,
-            None if record.get("text").is_none() && record.get("messages").is_some() => "messages",
+            None if !has("text") && has("messages") => "messages",
             None => "text",
         };
         let (text, trained) = match record.get(name) {
             Some(serde_json::Value::String(_)) if assistant_only => {
                 return Err(Failure::bad_input(format!(
-                    "{at}: `{name}` is text, not a conversation: --assistant-only-loss keeps the loss to the assistant's turns of conversations"
+                    "{at}: `{name}` is text, not a conversation: --assistant-only-loss keeps the loss to the assistant's turns of conversations (or to the completions of prompt-completion records)"
                 )))
             }
             Some(serde_json::Value::String(text)) => (text.clone(), Vec::new()),
             Some(serde_json::Value::Array(_)) => {
-                let renderer = match &conversations.renderer {
-                    Ok(Some(r)) => r,
-                    Ok(None) => {
-                        return Err(Failure::bad_input(format!(
-                            "{at}: `{name}` is a conversation, and {}: give --chat-template FILE",
-                            conversations.looked_in
-                        )))
-                    }
-                    Err(why) => {
-                        return Err(Failure::bad_input(format!(
-                            "{at}: `{name}` is a conversation, and its chat template cannot be read: {why}"
-                        )))
-                    }
-                };
-                // Read again keeping each message's keys in order (a
-                // template may iterate them).
-                let messages = chat::json_value(&line)
-                    .map(|r| r.get_attr(name).unwrap_or_default())
+                let renderer = conversations
+                    .renderer(name)
+                    .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?;
+                let messages = messages_of(&line, name)
                     .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?;
                 let text = renderer
                     .render(messages.clone(), false, &[])
@@ -697,9 +698,82 @@ fn read_jsonl(
             text,
             ends_document: true,
             trained,
+            trained_eos: false,
         })?;
     }
     Ok(())
+}
+
+/// The conversation under `name` of a JSONL line, read again keeping each
+/// message's keys in order (a template may iterate them).
+fn messages_of(line: &str, name: &str) -> anyhow::Result<minijinja::Value> {
+    Ok(chat::json_value(line)?.get_attr(name).unwrap_or_default())
+}
+
+impl Conversations<'_> {
+    /// The renderer for the conversation under `name`, or why there is none.
+    fn renderer(&self, name: &str) -> anyhow::Result<&Renderer<'_>> {
+        match &self.renderer {
+            Ok(Some(r)) => Ok(r),
+            Ok(None) => anyhow::bail!(
+                "`{name}` is a conversation, and {}: give --chat-template FILE",
+                self.looked_in
+            ),
+            Err(why) => anyhow::bail!(
+                "`{name}` is a conversation, and its chat template cannot be read: {why}"
+            ),
+        }
+    }
+}
+
+/// A record of TRL's prompt-completion layout: `prompt` and `completion`
+/// both text (the document is the one followed by the other) or both
+/// conversations (laid out together, as TRL lays them out). Under
+/// `assistant_only` the completion is what is trained: a text completion
+/// and the end-of-text id after it; a conversational one from where the
+/// prompt laid out with the generation prompt stops agreeing with the whole
+/// (the completion's turns, their ends included).
+fn prompt_completion(
+    record: &serde_json::Value,
+    line: &str,
+    conversations: &Conversations,
+    assistant_only: bool,
+) -> anyhow::Result<Piece> {
+    use serde_json::Value::{Array, String as Text};
+    match (&record["prompt"], &record["completion"]) {
+        (Text(prompt), Text(completion)) => {
+            let text = format!("{prompt}{completion}");
+            let span = prompt.len()..text.len();
+            let trained = assistant_only.then_some(span).into_iter().collect();
+            Ok(Piece {
+                text,
+                ends_document: true,
+                trained,
+                trained_eos: assistant_only,
+            })
+        }
+        (Array(_), Array(_)) => {
+            let renderer = conversations.renderer("prompt")?;
+            let prompt = messages_of(line, "prompt")?;
+            let completion = messages_of(line, "completion")?;
+            let whole: Vec<minijinja::Value> =
+                prompt.try_iter()?.chain(completion.try_iter()?).collect();
+            let text = renderer.render(minijinja::Value::from(whole), false, &[])?;
+            let asked = renderer.render(prompt, true, &[])?;
+            let start = agreeing(&asked, &text);
+            let span = start..text.len();
+            let trained = assistant_only.then_some(span).into_iter().collect();
+            Ok(Piece {
+                text,
+                ends_document: true,
+                trained,
+                trained_eos: false,
+            })
+        }
+        _ => anyhow::bail!(
+            "`prompt` and `completion` must both be text or both conversations (lists of messages)"
+        ),
+    }
 }
 
 /// The byte ranges of `whole` (the conversation `messages` laid out) that
@@ -749,11 +823,7 @@ fn assistant_spans(
                 i + 1
             );
         }
-        let start = prompt
-            .char_indices()
-            .zip(upto.chars())
-            .find(|((_, a), b)| a != b)
-            .map_or(prompt.len().min(upto.len()), |((at, _), _)| at);
+        let start = agreeing(&prompt, &upto);
         if start < upto.len() {
             spans.push(start..upto.len());
         }
@@ -761,17 +831,31 @@ fn assistant_spans(
     Ok(spans)
 }
 
+/// The length of the longest common prefix of `a` and `b`, in bytes, at a
+/// character boundary: where a prompt laid out with the generation prompt
+/// stops agreeing with the conversation that answers it.
+fn agreeing(a: &str, b: &str) -> usize {
+    a.char_indices()
+        .zip(b.chars())
+        .find(|((_, x), y)| x != y)
+        .map_or(a.len().min(b.len()), |((at, _), _)| at)
+}
+
 /// Whether each token is trained on: whether its bytes (`offsets`, into the
-/// text) meet one of the `trained` ranges. A token of no bytes (an offset
-/// trimmed to nothing) counts where it stands.
+/// text) meet one of the `trained` ranges (an empty range, an empty
+/// completion's, meets none). A token of no bytes (an offset trimmed to
+/// nothing) counts where it stands.
 fn trained_tokens(offsets: &[(usize, usize)], trained: &[Range<usize>]) -> Vec<bool> {
     offsets
         .iter()
         .map(|&(s, e)| {
-            trained.iter().any(|r| match s < e {
-                true => s < r.end && e > r.start,
-                false => r.contains(&s),
-            })
+            trained
+                .iter()
+                .filter(|r| !r.is_empty())
+                .any(|r| match s < e {
+                    true => s < r.end && e > r.start,
+                    false => r.contains(&s),
+                })
         })
         .collect()
 }
