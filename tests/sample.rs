@@ -577,6 +577,102 @@ fn chat_prompts_are_laid_out_as_transformers_lays_them_out() {
     assert!(f.stderr.contains("has no chat template"), "{}", f.stderr);
 }
 
+/// `--conversation FILE`: the turns so far (a list, or a `{"messages"}`
+/// record, each message's keys all passed on) laid out between `--system`
+/// and the prompt, as transformers lays the same messages out (its own
+/// renderer; CI requires it); a system message in the file beside
+/// `--system`, a message without a role, or a file that is not JSON: exit
+/// 2 naming the file.
+#[test]
+fn a_conversation_so_far_is_laid_out_before_the_prompt() {
+    let d = tempfile::tempdir().unwrap();
+    let ckpt = trained(d.path());
+    let hf = d.path().join("hf");
+    e2e::export_hf(d.path(), &ckpt, &hf);
+    let (name, template) = CHAT_TEMPLATES[0];
+    std::fs::write(d.path().join(name), template).unwrap();
+    let template_file = d.path().join(name).display().to_string();
+    let earlier = serde_json::json!([
+        {"role": "user", "content": "12"},
+        {"role": "assistant", "content": "3456", "reasoning_content": "count"},
+        {"role": "user", "content": "78"},
+        {"role": "assistant", "content": "9"},
+    ]);
+    std::fs::write(d.path().join("list.json"), earlier.to_string()).unwrap();
+    let record = serde_json::json!({ "messages": earlier }).to_string();
+    std::fs::write(d.path().join("record.json"), record).unwrap();
+    let mut messages = vec![serde_json::json!({"role": "system", "content": "sys"})];
+    messages.extend(earlier.as_array().unwrap().iter().cloned());
+    messages.push(serde_json::json!({"role": "user", "content": "0123"}));
+    let request = serde_json::json!([{"template": template, "messages": messages, "extra": {}}]);
+    let want = transformers_renders(&request.to_string());
+    let run = |file: &str, system: Option<&str>| {
+        let file = d.path().join(file).display().to_string();
+        let mut args = vec![
+            "--chat-template",
+            &template_file,
+            "--conversation",
+            &file,
+            "--prompt",
+            "0123",
+            "--tokens",
+            "3",
+            "--temperature",
+            "0",
+        ];
+        args.extend(system.iter().flat_map(|s| ["--system", s]));
+        sample(d.path(), &hf, &args)
+    };
+    for file in ["list.json", "record.json"] {
+        let f = run(file, Some("sys"));
+        assert_eq!(f.code(), 0, "{f:?}");
+        assert!(
+            f.stdout.contains("<|im_start|>assistant\n9<|im_end|>"),
+            "{}",
+            f.stdout
+        );
+        if let Some(want) = &want {
+            let text = want[0]["text"].as_str().expect("transformers lays it out");
+            assert!(
+                f.stdout.starts_with(text) && f.stdout.len() > text.len(),
+                "{file}:\n transformers {text:?}\n zrun         {:?}",
+                f.stdout
+            );
+        }
+    }
+    let with_system =
+        serde_json::json!([{"role": "system", "content": "s"}, {"role": "user", "content": "1"}]);
+    std::fs::write(d.path().join("system.json"), with_system.to_string()).unwrap();
+    std::fs::write(d.path().join("norole.json"), r#"[{"content": "1"}]"#).unwrap();
+    std::fs::write(d.path().join("broken.json"), "[{").unwrap();
+    for (file, says) in [
+        (
+            "system.json",
+            "begins with a system message, and --system gives another",
+        ),
+        ("norole.json", "message 1: no string `role`"),
+        ("broken.json", "not JSON"),
+    ] {
+        let f = run(file, Some("sys"));
+        assert_eq!(f.code(), 2, "{file}: {f:?}");
+        assert!(
+            f.stderr
+                .contains(&format!("--conversation {}", d.path().join(file).display()))
+                && f.stderr.contains(says),
+            "{file}: {}",
+            f.stderr
+        );
+    }
+    // Without --system, the file's own system message is the one.
+    let f = run("system.json", None);
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(
+        f.stdout.starts_with("<|im_start|>system\ns<|im_end|>"),
+        "{}",
+        f.stdout
+    );
+}
+
 /// `transformers`' chat template renderer on each case of `request` (a
 /// JSON list of `{template, messages, extra}`): `{"text"}` or `{"error"}`
 /// each; None (said) where no Python here has `transformers` and

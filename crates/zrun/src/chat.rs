@@ -133,24 +133,29 @@ impl ChatTemplate {
         &self.from
     }
 
-    /// The prompt of a conversation of `messages` (role, content) that
-    /// asks for the assistant's reply (`add_generation_prompt`), with
-    /// `extra` variables (`enable_thinking` …) besides. An error of the
-    /// template (its syntax, or its own `raise_exception`) is exit 2 naming
-    /// the file and line.
+    /// The prompt that asks for the assistant's reply
+    /// (`add_generation_prompt`) to the user's `prompt`, after the system
+    /// message `system` (if any) and the conversation so far, `earlier`
+    /// (messages as a JSON file gives them, every key kept), with `extra`
+    /// variables (`enable_thinking` …) besides. An error of the template
+    /// (its syntax, or its own `raise_exception`) is exit 2 naming the file
+    /// and line.
     pub fn render(
         &self,
-        messages: &[(&str, &str)],
+        system: Option<&str>,
+        earlier: Vec<Value>,
+        prompt: &str,
         extra: &[(String, Value)],
     ) -> anyhow::Result<String> {
-        let messages: Vec<Value> = messages
-            .iter()
-            .map(|&(role, content)| {
-                map_of([
-                    ("role", Value::from(role)),
-                    ("content", Value::from(content)),
-                ])
-            })
+        let message = |role: &str, content: &str| {
+            map_of([
+                ("role", Value::from(role)),
+                ("content", Value::from(content)),
+            ])
+        };
+        let messages: Vec<Value> = (system.map(|s| message("system", s)).into_iter())
+            .chain(earlier)
+            .chain([message("user", prompt)])
             .collect();
         self.renderer()?.render(Value::from(messages), true, extra)
     }
@@ -633,7 +638,18 @@ mod tests {
             from: "t.jinja".into(),
             specials: [("bos_token".to_string(), "<s>".to_string())].into(),
         };
-        t.render(messages, &[])
+        let ((role, prompt), earlier) = messages.split_last().expect("a message");
+        assert_eq!(*role, "user", "the prompt is the user's");
+        let earlier = earlier
+            .iter()
+            .map(|&(role, content)| {
+                map_of([
+                    ("role", Value::from(role)),
+                    ("content", Value::from(content)),
+                ])
+            })
+            .collect();
+        t.render(None, earlier, prompt, &[])
     }
 
     /// The ChatML layout written out by hand: `trim_blocks` drops the

@@ -138,6 +138,12 @@ pub struct SampleArgs {
     /// A system message before the prompt (implies --chat).
     #[arg(long, value_name = "TEXT")]
     pub system: Option<String>,
+    /// The conversation so far, which the prompt continues as the user's
+    /// next message: a JSON file of messages (`[{"role": "user",
+    /// "content": ...}, {"role": "assistant", ...}]`, or a `{"messages":
+    /// [...]}` record), laid out before it (implies --chat).
+    #[arg(long, value_name = "FILE")]
+    pub conversation: Option<PathBuf>,
     /// The chat template to use, a Jinja file (implies --chat).
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
@@ -156,6 +162,7 @@ impl SampleArgs {
     pub fn chats(&self) -> bool {
         self.chat
             || self.system.is_some()
+            || self.conversation.is_some()
             || self.chat_template.is_some()
             || !self.chat_arg.is_empty()
     }

@@ -424,12 +424,11 @@ fn chat_prompt(args: &cli::SampleArgs, hf_dir: Option<&Path>) -> anyhow::Result<
         .iter()
         .map(|a| chat::chat_arg(a))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut messages = Vec::new();
-    if let Some(system) = &args.system {
-        messages.push(("system", system.as_str()));
-    }
-    messages.push(("user", args.prompt.as_str()));
-    let text = template.render(&messages, &extra)?;
+    let earlier = match &args.conversation {
+        Some(file) => earlier_turns(file, args.system.is_some())?,
+        None => Vec::new(),
+    };
+    let text = template.render(args.system.as_deref(), earlier, &args.prompt, &extra)?;
     if text.is_empty() {
         return Err(Failure::bad_input(format!(
             "{}: the chat template makes an empty prompt",
@@ -437,6 +436,44 @@ fn chat_prompt(args: &cli::SampleArgs, hf_dir: Option<&Path>) -> anyhow::Result<
         )));
     }
     Ok(text)
+}
+
+/// `--conversation FILE`: the conversation so far, a JSON list of messages
+/// (each an object with a string `role`; every key kept, in order, for the
+/// template) or an object holding one under `messages` (a JSONL record of
+/// `zrun prepare`'s). A system message in it and `--system` both: exit 2.
+fn earlier_turns(file: &Path, system_given: bool) -> anyhow::Result<Vec<minijinja::Value>> {
+    let at = file.display();
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| Failure::bad_input(format!("--conversation {at}: {e}")))?;
+    let bad = |why: String| Failure::bad_input(format!("--conversation {at}: {why}"));
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let value = chat::json_value(&text).map_err(|e| bad(e.to_string()))?;
+    let (list, value) = match &json {
+        serde_json::Value::Object(o) => (
+            o.get("messages"),
+            value.get_attr("messages").unwrap_or_default(),
+        ),
+        _ => (Some(&json), value),
+    };
+    let Some(serde_json::Value::Array(list)) = list else {
+        return Err(bad(
+            "not a list of messages, nor an object with one under `messages`".into(),
+        ));
+    };
+    if let Some(i) = list
+        .iter()
+        .position(|m| !m.get("role").is_some_and(serde_json::Value::is_string))
+    {
+        return Err(bad(format!("message {}: no string `role`", i + 1)));
+    }
+    if system_given && list.first().and_then(|m| m.get("role")) == Some(&"system".into()) {
+        return Err(bad(
+            "it begins with a system message, and --system gives another: give one".into(),
+        ));
+    }
+    Ok(value.try_iter().map_err(|e| bad(e.to_string()))?.collect())
 }
 
 /// Refuses (exit 2) to replace files a user already has: `what` names the
