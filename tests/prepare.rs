@@ -584,6 +584,14 @@ fn chat_tokenizer(dir: &Path, n: usize, roles: &[&str]) -> (PathBuf, HashMap<Str
     (tok, vocab)
 }
 
+/// A JSONL record `{"messages": [...]}` of (role, content) messages.
+fn chat_record<'a>(messages: impl Iterator<Item = (&'a str, &'a str)>) -> String {
+    let messages: Vec<_> = messages
+        .map(|(r, t)| serde_json::json!({"role": r, "content": t}))
+        .collect();
+    serde_json::json!({ "messages": messages }).to_string()
+}
+
 /// JSONL conversations (`{"messages": [...]}`, the layout of TRL's
 /// conversational datasets) laid out by the chat template beside the
 /// tokenizer and tokenized as one document each: the ids are those of the
@@ -609,13 +617,7 @@ fn conversations_are_laid_out_by_the_chat_template() {
             ("assistant", "w5"),
         ],
     ];
-    let record = |c: &Vec<(&str, &str)>| {
-        let messages: Vec<_> = c
-            .iter()
-            .map(|(r, t)| serde_json::json!({"role": r, "content": t}))
-            .collect();
-        serde_json::json!({ "messages": messages }).to_string()
-    };
+    let record = |c: &Vec<(&str, &str)>| chat_record(c.iter().copied());
     std::fs::write(
         d.join("chats.jsonl"),
         format!(
@@ -852,11 +854,7 @@ fn an_assistant_only_loss_trains_on_the_assistants_turns_alone() {
         c
     };
     let record = |c: &[(String, String)]| {
-        let messages: Vec<_> = c
-            .iter()
-            .map(|(r, t)| serde_json::json!({"role": r, "content": t}))
-            .collect();
-        serde_json::json!({ "messages": messages }).to_string() + "\n"
+        chat_record(c.iter().map(|(r, t)| (r.as_str(), t.as_str()))) + "\n"
     };
     let records: String = (0..300).map(|i| record(&conversation(i))).collect();
     std::fs::write(d.join("chats.jsonl"), records).unwrap();

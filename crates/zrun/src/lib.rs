@@ -447,33 +447,32 @@ fn earlier_turns(file: &Path, system_given: bool) -> anyhow::Result<Vec<minijinj
     let text = std::fs::read_to_string(file)
         .map_err(|e| Failure::bad_input(format!("--conversation {at}: {e}")))?;
     let bad = |why: String| Failure::bad_input(format!("--conversation {at}: {why}"));
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let value = chat::json_value(&text).map_err(|e| bad(e.to_string()))?;
-    let (list, value) = match &json {
-        serde_json::Value::Object(o) => (
-            o.get("messages"),
-            value.get_attr("messages").unwrap_or_default(),
-        ),
-        _ => (Some(&json), value),
+    let value = chat::json_value(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let list = match value.kind() {
+        minijinja::value::ValueKind::Map => value.get_attr("messages").unwrap_or_default(),
+        _ => value,
     };
-    let Some(serde_json::Value::Array(list)) = list else {
+    if list.kind() != minijinja::value::ValueKind::Seq {
         return Err(bad(
             "not a list of messages, nor an object with one under `messages`".into(),
         ));
+    }
+    let messages: Vec<minijinja::Value> =
+        list.try_iter().map_err(|e| bad(e.to_string()))?.collect();
+    let role = |m: &minijinja::Value| {
+        m.get_attr("role")
+            .ok()
+            .and_then(|r| r.as_str().map(String::from))
     };
-    if let Some(i) = list
-        .iter()
-        .position(|m| !m.get("role").is_some_and(serde_json::Value::is_string))
-    {
+    if let Some(i) = messages.iter().position(|m| role(m).is_none()) {
         return Err(bad(format!("message {}: no string `role`", i + 1)));
     }
-    if system_given && list.first().and_then(|m| m.get("role")) == Some(&"system".into()) {
+    if system_given && messages.first().and_then(role).as_deref() == Some("system") {
         return Err(bad(
             "it begins with a system message, and --system gives another: give one".into(),
         ));
     }
-    Ok(value.try_iter().map_err(|e| bad(e.to_string()))?.collect())
+    Ok(messages)
 }
 
 /// Refuses (exit 2) to replace files a user already has: `what` names the
