@@ -701,3 +701,43 @@ print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Ta
     let out = python_reference("TENSORBOARD", reader, &[dir.to_str().unwrap()], "")?;
     Some(serde_json::from_str(&out).unwrap())
 }
+
+/// A chat template that lays out tools and tool calls as Qwen2.5's does
+/// (the tools' schemas in the system turn, each written by `tojson`; an
+/// assistant's calls as `<tool_call>` blocks; a tool's answer in a user
+/// turn), reasoning as Qwen3's does (`reasoning_content`, which
+/// transformers also fills from `reasoning` or `thinking`), and Qwen3's
+/// `enable_thinking` switch on the generation prompt.
+pub const TOOLS_TEMPLATE: &str = r#"{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- else %}{{- 'You may call tools.' }}{%- endif %}
+{{- "\n\n<tools>" }}
+{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+{{- "\n</tools><|im_end|>\n" }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' }}
+{%- if message.reasoning_content %}{{- '<think>' + message.reasoning_content + '</think>' }}{%- endif %}
+{%- if message.content %}{{- message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls or [] %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}"#;
+
+/// A tool's JSON schema, its keys in no sorted order (`tojson` keeps the
+/// order they are written in).
+pub const WEATHER_TOOL: &str = r#"{"type": "function", "function": {"name": "weather", "description": "Today's weather, ü", "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}}}}}"#;

@@ -1077,14 +1077,6 @@ fn assistant_masks_are_the_ones_transformers_finds_from_generation_marks() {
     let marked = prepared("marked");
     let unmarked = prepared("unmarked");
     let reference = r#"
-import json, sys
-try:
-    import jinja2  # transformers renders with it, and does not install it
-    from transformers import PreTrainedTokenizerFast
-except ImportError as e:
-    print("NO_TRANSFORMERS", e)
-    sys.exit(0)
-request = json.load(sys.stdin)
 tok = PreTrainedTokenizerFast(tokenizer_file=request["tokenizer"])
 ids, mask = [], []
 for messages in request["conversations"]:
@@ -1099,19 +1091,10 @@ print(json.dumps({"ids": ids, "mask": mask}))
         "template": template,
         "conversations": conversations,
     });
-    let Some(answer) = e2e::python_reference("TRANSFORMERS", reference, &[], &request.to_string())
-    else {
+    let Some(want) = transformers_lists(reference, &request) else {
         return;
     };
-    let want: serde_json::Value = serde_json::from_str(&answer).unwrap();
-    let list = |key: &str| -> Vec<u64> {
-        want[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap())
-            .collect()
-    };
+    let list = |key: &str| want[key].clone();
     let want = (list("ids"), list("mask"));
     assert!(want.1.contains(&1) && want.1.contains(&0));
     assert_eq!(marked, want, "marked: ids, mask");
@@ -1120,12 +1103,15 @@ print(json.dumps({"ids": ids, "mask": mask}))
 
 /// TRL's prompt-completion records (`{"prompt", "completion"}`, both text
 /// or both conversations): one document each, the prompt then the
-/// completion; under `--assistant-only-loss` the completion alone is
-/// trained (TRL's `completion_only_loss`): a text completion and the
+/// completion, the loss kept to the completion by default (TRL's
+/// `completion_only_loss`, on for such records): a text completion and the
 /// end-of-text id after it, a conversational one from the end of the
-/// generation prompt through its end of turn. Ids and mask bytes as written
-/// out by hand; a text prompt with a conversational completion is exit 2
-/// naming the line.
+/// generation prompt through its end of turn; a text record beside them
+/// trained whole. Ids and mask bytes as written out by hand; the same under
+/// `--assistant-only-loss`; `--completion-only-loss false` trains on all of
+/// it (no mask written), and with `--assistant-only-loss` on the
+/// assistant's turns alone, refusing a text prompt-completion record. A
+/// text prompt with a conversational completion is exit 2 naming the line.
 #[test]
 fn prompt_completion_records_train_on_the_completion() {
     let dir = tempfile::tempdir().unwrap();
@@ -1140,9 +1126,15 @@ fn prompt_completion_records_train_on_the_completion() {
         serde_json::json!({"prompt": "w1 w2", "completion": " w3 w4"}),
         serde_json::json!({"prompt": [{"role": "user", "content": "w5"}],
             "completion": [{"role": "assistant", "content": "w6 w7"}]}),
+        serde_json::json!({"text": "w8 w9"}),
     ];
-    let jsonl: String = records.iter().map(|r| r.to_string() + "\n").collect();
-    std::fs::write(d.join("pc.jsonl"), jsonl).unwrap();
+    let jsonl = |records: &[serde_json::Value]| -> String {
+        records.iter().map(|r| r.to_string() + "\n").collect()
+    };
+    std::fs::write(d.join("pc.jsonl"), jsonl(&records)).unwrap();
+    std::fs::write(d.join("both_pc.jsonl"), jsonl(&records[..2])).unwrap();
+    std::fs::write(d.join("chat_pc.jsonl"), jsonl(&records[1..2])).unwrap();
+    std::fs::write(d.join("text_pc.jsonl"), jsonl(&records[..1])).unwrap();
     let id = |w: &str| vocab[w];
     let want_ids: Vec<u32> = [
         "w1",
@@ -1160,25 +1152,51 @@ fn prompt_completion_records_train_on_the_completion() {
         "w7",
         "<|im_end|>",
         "<|endoftext|>",
+        "w8",
+        "w9",
+        "<|endoftext|>",
     ]
     .map(id)
     .to_vec();
-    let want_mask = [0u8, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0];
+    let want_mask = [0u8, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 1, 1, 1];
     let out = d.join("data");
-    let f = prepare(d, &["pc.jsonl"], &tok, &out, &["--val-fraction", "0"]);
-    assert_eq!(f.code(), 0, "{f:?}");
-    assert_eq!(ids(&out.join("train.bin"), 2), want_ids, "trained whole");
-    assert!(!out.join("train.mask").exists());
-    let flags = [
-        "--val-fraction",
-        "0",
-        "--assistant-only-loss",
-        "--overwrite",
-    ];
-    let f = prepare(d, &["pc.jsonl"], &tok, &out, &flags);
-    assert_eq!(f.code(), 0, "{f:?}");
-    assert_eq!(ids(&out.join("train.bin"), 2), want_ids);
-    assert_eq!(std::fs::read(out.join("train.mask")).unwrap(), want_mask);
+    let prepared = |input: &str, flags: &[&str]| {
+        let flags = [&["--val-fraction", "0", "--overwrite"], flags].concat();
+        let f = prepare(d, &[input], &tok, &out, &flags);
+        assert_eq!(f.code(), 0, "{flags:?}: {f:?}");
+        let mask = std::fs::read(out.join("train.mask")).ok();
+        (ids(&out.join("train.bin"), 2), mask)
+    };
+    let masked = (want_ids.clone(), Some(want_mask.to_vec()));
+    assert_eq!(prepared("pc.jsonl", &[]), masked, "by default");
+    let manifest = std::fs::read_to_string(out.join("manifest.json")).unwrap();
+    assert!(manifest.contains("\"trained\": 9"), "{manifest}");
+    // Under --assistant-only-loss (which refuses the text record).
+    assert_eq!(
+        prepared("both_pc.jsonl", &["--assistant-only-loss"]).1,
+        Some(want_mask[..15].to_vec())
+    );
+    let whole = ["--completion-only-loss", "false"];
+    assert_eq!(prepared("pc.jsonl", &whole), (want_ids, None), "whole");
+    let manifest = std::fs::read_to_string(out.join("manifest.json")).unwrap();
+    assert!(!manifest.contains("mask"), "{manifest}");
+    // The assistant's turns alone: the conversational record's completion.
+    let turns = [&whole[..], &["--assistant-only-loss"]].concat();
+    assert_eq!(
+        prepared("chat_pc.jsonl", &turns).1,
+        Some(want_mask[5..15].to_vec())
+    );
+    let turns = [&turns[..], &["--overwrite"]].concat();
+    let f = prepare(d, &["text_pc.jsonl"], &tok, &out, &turns);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains(
+            "text_pc.jsonl:1: a text prompt and completion, which have no assistant's turns"
+        ),
+        "{}",
+        f.stderr
+    );
+    let flags = ["--val-fraction", "0", "--overwrite"];
     let mixed =
         serde_json::json!({"prompt": "w1", "completion": [{"role": "assistant", "content": "w2"}]});
     std::fs::write(d.join("mixed.jsonl"), format!("\n{mixed}\n")).unwrap();
@@ -1190,4 +1208,240 @@ fn prompt_completion_records_train_on_the_completion() {
         "{}",
         f.stderr
     );
+}
+
+/// A byte-level tokenizer.json (GPT-2's: every byte a token, id = the
+/// byte, no merges), with `<|endoftext|>` (256), `<|im_start|>` and
+/// `<|im_end|>` as added special tokens: its ids spell the text out, so
+/// that ids compared are texts compared, to the byte.
+fn byte_tokenizer(dir: &Path) -> PathBuf {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let mut next = 256;
+    let mut vocab: serde_json::Map<String, serde_json::Value> = (0..256u32)
+        .map(|b| {
+            let c = match printable(b) {
+                true => b,
+                false => (next, next += 1).0,
+            };
+            (char::from_u32(c).unwrap().to_string(), b.into())
+        })
+        .collect();
+    let specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+    let mut added = Vec::new();
+    for (i, s) in specials.iter().enumerate() {
+        vocab.insert(s.to_string(), (256 + i).into());
+        added.push(
+            serde_json::json!({"id": 256 + i, "content": s, "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
+        );
+    }
+    let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
+        "trim_offsets": false, "use_regex": false});
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": byte_level, "post_processor": null,
+        "decoder": byte_level, "model": {"type": "BPE", "vocab": vocab, "merges": []},
+    });
+    let p = dir.join("tokenizer.json");
+    std::fs::write(&p, json.to_string()).unwrap();
+    p
+}
+
+/// Records with tools, as TRL's SFTTrainer prepares them: a record's
+/// `tools` (a list, or a JSON text of one) and `chat_template_kwargs` reach
+/// the template for every rendering of it: a conversation with tool calls,
+/// a tool's answer and reasoning under `reasoning` (trained whole), a
+/// conversational prompt-completion record with `enable_thinking: false`
+/// (whose empty think block the generation prompt holds: the loss from
+/// where the prompt with its generation prompt stops agreeing, as TRL's
+/// `common_prefix_length` finds it), and a text one (its completion and
+/// end-of-text). The ids (bytes: the text) and the mask are
+/// those of TRL's tokenization written out with transformers'
+/// `apply_chat_template` (each document ended by the end-of-text id, zrun's
+/// layout). And under `--assistant-only-loss`, with the template's
+/// assistant text marked by `{% generation %}` and unmarked (prefix
+/// renderings), the mask is transformers' `return_assistant_tokens_mask`
+/// with the tools. CI requires the reference.
+#[test]
+fn tools_and_template_arguments_reach_the_template_as_trl_passes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tok = byte_tokenizer(d);
+    let template = e2e::TOOLS_TEMPLATE;
+    let marked = template
+        .replace(
+            "{{- '<|im_start|>assistant\\n' }}\n{%- if message.reasoning_content",
+            "{{- '<|im_start|>assistant\\n' }}{% generation %}\n{%- if message.reasoning_content",
+        )
+        .replace(
+            "{{- '<|im_end|>\\n' }}\n{%- elif message.role == 'tool'",
+            "{{- '<|im_end|>\\n' }}{% endgeneration %}\n{%- elif message.role == 'tool'",
+        );
+    assert_eq!(marked.matches("generation %}").count(), 2, "{marked}");
+    for (name, text) in [("unmarked.jinja", template), ("marked.jinja", &marked)] {
+        std::fs::write(d.join(name), text).unwrap();
+    }
+    let tools = format!("[{}]", e2e::WEATHER_TOOL);
+    let call = |city: &str| {
+        format!(
+            r#"{{"role": "assistant", "content": "", "tool_calls": [{{"type": "function", "function": {{"name": "weather", "arguments": {{"city": "{city}", "days": 1}}}}}}]}}"#
+        )
+    };
+    let chat = format!(
+        r#"{{"messages": [{{"role": "user", "content": "Weather in Oslo?"}}, {}, {{"role": "tool", "content": "Sunny, 21°C"}}, {{"role": "assistant", "content": "Sunny.", "reasoning": "It said so."}}], "tools": {tools}}}"#,
+        call("Oslo").replacen(
+            r#""content": """#,
+            r#""content": "", "reasoning": "Ask.""#,
+            1
+        )
+    );
+    let tools_text = serde_json::to_string(&tools).unwrap();
+    let chat_pc = format!(
+        r#"{{"prompt": [{{"role": "system", "content": "Be brief."}}, {{"role": "user", "content": "Bergen?"}}], "completion": [{}], "tools": {tools_text}, "chat_template_kwargs": {{"enable_thinking": false}}}}"#,
+        // Qwen3's layout of an answer without thinking: the empty think
+        // block that `enable_thinking: false` puts in the prompt.
+        call("Bergen").replacen(
+            r#""content": """#,
+            r#""content": "\n\n", "reasoning": "\n\n""#,
+            1
+        )
+    );
+    let text_pc = r#"{"prompt": "Q: 2+2?\nA:", "completion": " 4"}"#;
+    let records = [chat.as_str(), &chat_pc, text_pc];
+    std::fs::write(d.join("sft.jsonl"), records.join("\n") + "\n").unwrap();
+    std::fs::write(d.join("chat.jsonl"), chat.clone() + "\n").unwrap();
+    let prepared = |input: &str, out: &str, flags: &[&str]| {
+        let out = d.join(out);
+        let flags = [&["--val-fraction", "0"], flags].concat();
+        let f = prepare(d, &[input], &tok, &out, &flags);
+        assert_eq!(f.code(), 0, "{flags:?}: {f:?}");
+        let mask: Vec<u64> = std::fs::read(out.join("train.mask"))
+            .unwrap()
+            .into_iter()
+            .map(u64::from)
+            .collect();
+        let ids: Vec<u64> = ids(&out.join("train.bin"), 2)
+            .into_iter()
+            .map(u64::from)
+            .collect();
+        (ids, mask)
+    };
+    let unmarked = d.join("unmarked.jinja").display().to_string();
+    let marked_file = d.join("marked.jinja").display().to_string();
+    let sft = prepared("sft.jsonl", "sft", &["--chat-template", &unmarked]);
+    let assistant_only = |template: &str, out: &str| {
+        let flags = [
+            "--chat-template",
+            template,
+            "--assistant-only-loss",
+            "--eos",
+            "none",
+        ];
+        prepared("chat.jsonl", out, &flags)
+    };
+    let turns_marked = assistant_only(&marked_file, "marked");
+    let turns_unmarked = assistant_only(&unmarked, "unmarked");
+    // Without the reference, what zrun wrote still holds the tools' layout.
+    let text: String = sft
+        .0
+        .iter()
+        .filter(|&&i| i < 256)
+        .map(|&i| i as u8 as char)
+        .collect();
+    assert!(
+        text.contains("\"name\": \"weather\", \"description\""),
+        "{text}"
+    );
+    let reference = r#"
+tok = PreTrainedTokenizerFast(tokenizer_file=request["tokenizer"], eos_token="<|endoftext|>")
+eos = tok.convert_tokens_to_ids("<|endoftext|>")
+def chat(messages, **kwargs):
+    return tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
+def common_prefix_length(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+# TRL's SFTTrainer (tokenize_fn, 1.x): its completion mask, and every token
+# of a language-modelling record; then zrun's end-of-text after each document.
+ids, mask = [], []
+for line in request["records"]:
+    example = json.loads(line)
+    tools = example.get("tools")
+    tools = json.loads(tools) if isinstance(tools, str) else tools
+    kwargs = {"chat_template": request["template"], "tools": tools, **example.get("chat_template_kwargs", {})}
+    if "prompt" in example:
+        if isinstance(example["prompt"], list):
+            prompt = chat(example["prompt"], add_generation_prompt=True, **kwargs)["input_ids"]
+            whole = chat(example["prompt"] + example["completion"], **kwargs)["input_ids"]
+            end = [0]
+        else:
+            # TRL ends a text completion with the end-of-text token.
+            prompt = tok(example["prompt"])["input_ids"]
+            whole = tok(example["prompt"] + example["completion"] + tok.eos_token)["input_ids"]
+            end = []
+        n = common_prefix_length(prompt, whole)
+        ids += whole + [eos] * len(end)
+        mask += [0] * n + [1] * (len(whole) - n) + end
+    else:
+        whole = chat(example["messages"], **kwargs)["input_ids"]
+        ids += whole + [eos]
+        mask += [1] * (len(whole) + 1)
+example = json.loads(request["records"][0])
+turns = chat(example["messages"], chat_template=request["marked"], tools=example["tools"],
+    return_assistant_tokens_mask=True)
+print(json.dumps({"ids": ids, "mask": mask, "turn_ids": turns["input_ids"], "turn_mask": turns["assistant_masks"]}))
+"#;
+    let request = serde_json::json!({
+        "tokenizer": tok.display().to_string(),
+        "template": template,
+        "marked": marked,
+        "records": records,
+    });
+    let Some(want) = transformers_lists(reference, &request) else {
+        return;
+    };
+    let list = |key: &str| want[key].clone();
+    // Shown as text (a special token by its id) and a string of mask bits.
+    let shown = |(ids, mask): &(Vec<u64>, Vec<u64>)| -> (String, String) {
+        let text = ids
+            .iter()
+            .map(|&i| match i < 256 {
+                true => char::from(i as u8).to_string(),
+                false => format!("<{i}>"),
+            })
+            .collect();
+        (text, mask.iter().map(|m| m.to_string()).collect())
+    };
+    assert_eq!(shown(&sft), shown(&(list("ids"), list("mask"))), "sft");
+    let turns = (list("turn_ids"), list("turn_mask"));
+    assert!(turns.1.contains(&0) && turns.1.contains(&1));
+    assert_eq!(shown(&turns_marked), shown(&turns), "marked");
+    assert_eq!(shown(&turns_unmarked), shown(&turns), "unmarked");
+}
+
+/// A reference script's `transformers` at hand: `request` read from stdin,
+/// or `NO_TRANSFORMERS` printed where it is missing.
+const TRANSFORMERS_PRELUDE: &str = r#"
+import json, sys
+try:
+    import jinja2  # transformers renders with it, and does not install it
+    from transformers import PreTrainedTokenizerFast
+except ImportError as e:
+    print("NO_TRANSFORMERS", e)
+    sys.exit(0)
+request = json.load(sys.stdin)
+"#;
+
+/// `script` after [`TRANSFORMERS_PRELUDE`], given `request`: the lists of
+/// integers of the JSON object it prints, by key; None (said) where no
+/// Python here has `transformers` and it is not required.
+fn transformers_lists(
+    script: &str,
+    request: &serde_json::Value,
+) -> Option<HashMap<String, Vec<u64>>> {
+    let script = format!("{TRANSFORMERS_PRELUDE}{script}");
+    let answer = e2e::python_reference("TRANSFORMERS", &script, &[], &request.to_string())?;
+    let want: HashMap<String, Vec<u64>> = serde_json::from_str(&answer).unwrap();
+    Some(want)
 }

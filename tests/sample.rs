@@ -582,7 +582,7 @@ fn chat_prompts_are_laid_out_as_transformers_lays_them_out() {
 /// and the prompt, as transformers lays the same messages out (its own
 /// renderer; CI requires it); a system message in the file beside
 /// `--system`, a message without a role, or a file that is not JSON: exit
-/// 2 naming the file.
+/// 2 naming the file. Tools and tool calls too: see [`tools`].
 #[test]
 fn a_conversation_so_far_is_laid_out_before_the_prompt() {
     let d = tempfile::tempdir().unwrap();
@@ -671,6 +671,129 @@ fn a_conversation_so_far_is_laid_out_before_the_prompt() {
         "{}",
         f.stdout
     );
+    tools(d.path(), &hf);
+}
+
+/// `--tools FILE` (a list of tools' JSON schemas), or a `--conversation`
+/// record's own `tools` (a JSON text of the list, as TRL's datasets store
+/// it) and `chat_template_kwargs`, which `--chat-arg` overrides: laid out
+/// with earlier tool calls, a tool's answer and reasoning under
+/// `reasoning` as transformers lays the same out (`tools=...`, its
+/// renderer; CI requires it), the schema's keys in their order. `--tools`
+/// beside a record's own, a schema that is not an object, or a file that
+/// is not a list: exit 2 naming it. (Run by the test above, which has the
+/// model.)
+fn tools(d: &Path, hf: &Path) {
+    let template = d.join("tools.jinja");
+    std::fs::write(&template, e2e::TOOLS_TEMPLATE).unwrap();
+    let tools = format!("[{}]", e2e::WEATHER_TOOL);
+    std::fs::write(d.join("tools.json"), &tools).unwrap();
+    let calls = r#"[{"role": "user", "content": "12"},
+        {"role": "assistant", "content": "", "reasoning": "look it up", "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"days": 2, "city": "Oslo"}}}]},
+        {"role": "tool", "name": "weather", "content": "34"}]"#;
+    std::fs::write(d.join("calls.json"), calls).unwrap();
+    let record = |tools: &str| {
+        format!(
+            r#"{{"messages": {calls}, "tools": {tools}, "chat_template_kwargs": {{"enable_thinking": false}}}}"#
+        )
+    };
+    let tools_text = serde_json::to_string(&tools).unwrap();
+    std::fs::write(d.join("record.json"), record(&tools_text)).unwrap();
+    std::fs::write(d.join("bad_record.json"), record("[1]")).unwrap();
+    std::fs::write(d.join("bad_tools.json"), e2e::WEATHER_TOOL).unwrap();
+    let case = |enable_thinking: Option<bool>| {
+        let mut extra = format!(r#""tools": {tools}"#);
+        if let Some(on) = enable_thinking {
+            extra += &format!(
+                r#", "enable_thinking": {}"#,
+                if on { "true" } else { "false" }
+            );
+        }
+        let messages = format!(
+            r#"{}, {{"role": "user", "content": "56"}}]"#,
+            calls.trim_end_matches(']')
+        );
+        format!(
+            r#"{{"template": {}, "messages": {messages}, "extra": {{{extra}}}}}"#,
+            serde_json::to_string(e2e::TOOLS_TEMPLATE).unwrap()
+        )
+    };
+    let request = format!(
+        "[{}, {}, {}]",
+        case(None),
+        case(Some(false)),
+        case(Some(true))
+    );
+    let want = transformers_renders(&request);
+    let run = |args: &[&str]| {
+        let mut all = vec![
+            "--chat-template",
+            template.to_str().unwrap(),
+            "--prompt",
+            "56",
+            "--tokens",
+            "3",
+            "--temperature",
+            "0",
+        ];
+        all.extend_from_slice(args);
+        sample(d, hf, &all)
+    };
+    let file = |name: &str| d.join(name).display().to_string();
+    let (calls_file, tools_file, record_file) =
+        (file("calls.json"), file("tools.json"), file("record.json"));
+    let asks: [&[&str]; 3] = [
+        &["--conversation", &calls_file, "--tools", &tools_file],
+        &["--conversation", &record_file],
+        &[
+            "--conversation",
+            &record_file,
+            "--chat-arg",
+            "enable_thinking=true",
+        ],
+    ];
+    for (i, args) in asks.iter().enumerate() {
+        let f = run(args);
+        assert_eq!(f.code(), 0, "{args:?}: {f:?}");
+        for shown in [
+            "\"description\": \"Today's weather, ü\", \"parameters\": {\"type\": \"object\", \"required\"",
+            "<think>look it up</think>\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"days\": 2, \"city\": \"Oslo\"}}",
+            "<tool_response>\n34\n</tool_response>",
+        ] {
+            assert!(f.stdout.contains(shown), "{args:?}: {shown:?} in {:?}", f.stdout);
+        }
+        let thinking_off = f
+            .stdout
+            .contains("<|im_start|>assistant\n<think>\n\n</think>");
+        assert_eq!(thinking_off, i == 1, "{args:?}: {:?}", f.stdout);
+        if let Some(want) = &want {
+            let text = want[i]["text"].as_str().expect("transformers lays it out");
+            assert!(
+                f.stdout.starts_with(text) && f.stdout.len() > text.len(),
+                "{args:?}:\n transformers {text:?}\n zrun         {:?}",
+                f.stdout
+            );
+        }
+    }
+    let (bad_record, bad_tools) = (file("bad_record.json"), file("bad_tools.json"));
+    for (args, says) in [
+        (
+            vec!["--conversation", &record_file, "--tools", &tools_file],
+            format!("--tools {tools_file}: the --conversation record gives its own `tools`"),
+        ),
+        (
+            vec!["--conversation", &bad_record],
+            format!("--conversation {bad_record}: `tools` item 1: not an object"),
+        ),
+        (
+            vec!["--tools", &bad_tools],
+            format!("--tools {bad_tools}: `tools` must be a list"),
+        ),
+    ] {
+        let f = run(&args);
+        assert_eq!(f.code(), 2, "{args:?}: {f:?}");
+        assert!(f.stderr.contains(&says), "{args:?}: {}", f.stderr);
+    }
 }
 
 /// `transformers`' chat template renderer on each case of `request` (a

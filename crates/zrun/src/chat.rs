@@ -6,8 +6,9 @@
 //! `tokenizer_config.json`), which `transformers`' `apply_chat_template`
 //! renders. This renders it the same way: minijinja with `trim_blocks` and
 //! `lstrip_blocks`, loop controls, Python's string methods (pycompat), the
-//! same variables (`messages`, `add_generation_prompt`, the special tokens,
-//! `tools`/`documents` none) and the same helpers (`raise_exception`,
+//! same variables (`messages`, each message's reasoning under the names
+//! templates read, `add_generation_prompt`, the special tokens, `tools`
+//! where given, `documents` none) and the same helpers (`raise_exception`,
 //! `strftime_now`, a `tojson` that writes as Python's `json.dumps` with
 //! `ensure_ascii=False`). The text it gives is then tokenized without
 //! special tokens added, as `apply_chat_template(tokenize=True)` does: the
@@ -218,14 +219,15 @@ impl Renderer<'_> {
     /// Where the template marks the assistant's text with `{% generation
     /// %}` blocks (as `transformers`' `return_assistant_tokens_mask`
     /// reads them): the whole conversation `messages` as [`Renderer::render`]
-    /// lays it out (no generation prompt) and the byte ranges of its
-    /// blocks. None for a template without such blocks.
+    /// lays it out (no generation prompt, the variables `extra`) and the
+    /// byte ranges of its blocks. None for a template without such blocks.
     pub fn generation_spans(
         &self,
         messages: Value,
+        extra: &[(String, Value)],
     ) -> Option<anyhow::Result<(String, Vec<std::ops::Range<usize>>)>> {
         self.of.marked.as_ref()?;
-        let marked = match self.render_as(COMPILED_MARKED, messages, false, &[]) {
+        let marked = match self.render_as(COMPILED_MARKED, messages, false, extra) {
             Ok(m) => m,
             Err(e) => return Some(Err(e)),
         };
@@ -258,14 +260,15 @@ impl Renderer<'_> {
             .iter()
             .map(|(name, token)| (name.clone(), Value::from(token.as_str())))
             .collect();
+        // No tools or documents unless `extra` gives them.
+        context.insert("tools".into(), Value::from(()));
+        context.insert("documents".into(), Value::from(()));
         context.extend(extra.iter().cloned());
-        context.insert("messages".into(), messages);
+        context.insert("messages".into(), with_reasoning_aliases(messages));
         context.insert(
             "add_generation_prompt".into(),
             Value::from(add_generation_prompt),
         );
-        context.insert("tools".into(), Value::from(()));
-        context.insert("documents".into(), Value::from(()));
         let template = self
             .env
             .get_template(name)
@@ -433,6 +436,100 @@ impl<'de> serde::de::Visitor<'de> for JsonVisitor {
         }
         Ok(Json(Value::from(pairs)))
     }
+}
+
+/// The names a message's reasoning goes by, the first given the one taken.
+const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+
+/// `messages` with each message's reasoning (under any of
+/// [`REASONING_FIELDS`]) under `thinking` and `reasoning_content` too, as
+/// `transformers` hands messages to a template: Qwen3's template reads
+/// `reasoning_content`, gpt-oss's `thinking`, and datasets write any of the
+/// three. As Python's `{"thinking": r, **message, "reasoning_content": r}`
+/// orders the keys: `thinking` first (its own value, if it had one),
+/// `reasoning_content` where the message had it, else last.
+fn with_reasoning_aliases(messages: Value) -> Value {
+    let Ok(list) = messages.try_iter() else {
+        return messages;
+    };
+    if messages.kind() != ValueKind::Seq {
+        return messages;
+    }
+    let aliased = |message: Value| {
+        let reasoning = REASONING_FIELDS.iter().find_map(|name| {
+            let v = message.get_attr(name).ok()?;
+            (!v.is_undefined() && !v.is_none()).then_some(v)
+        });
+        let (Some(reasoning), ValueKind::Map) = (reasoning, message.kind()) else {
+            return message;
+        };
+        let mut map = indexmap::IndexMap::new();
+        map.insert(Value::from("thinking"), reasoning.clone());
+        for key in message.try_iter().into_iter().flatten() {
+            let value = message.get_item(&key).unwrap_or_default();
+            map.insert(key, value);
+        }
+        map.insert(Value::from("reasoning_content"), reasoning);
+        Value::from(map)
+    };
+    Value::from(list.map(aliased).collect::<Vec<_>>())
+}
+
+/// A `tools` value as `apply_chat_template(tools=...)` takes it: a list of
+/// tools' JSON schemas (objects), or a JSON text of one (as TRL's datasets
+/// often store it, and TRL reads it). None for none (absent, `null`).
+pub fn tools_value(value: Value) -> anyhow::Result<Option<Value>> {
+    let value = match value.as_str() {
+        Some(text) => json_value(text)
+            .map_err(|e| anyhow::anyhow!("`tools` is a string, and not JSON: {e}"))?,
+        None => value,
+    };
+    if value.is_undefined() || value.is_none() {
+        return Ok(None);
+    }
+    if value.kind() != ValueKind::Seq {
+        anyhow::bail!(
+            "`tools` must be a list of tools' JSON schemas (objects), or a JSON text of one"
+        );
+    }
+    for (i, tool) in value.try_iter()?.enumerate() {
+        if tool.kind() != ValueKind::Map {
+            anyhow::bail!(
+                "`tools` item {}: not an object (a tool's JSON schema: {{\"type\": \"function\", \"function\": {{...}}}})",
+                i + 1
+            );
+        }
+    }
+    Ok(Some(value))
+}
+
+/// The template's arguments a record (a JSONL line, or a `--conversation`
+/// file's object, read by [`json_value`]) carries beside its messages, as
+/// TRL passes them to `apply_chat_template`: its `tools` (see
+/// [`tools_value`]) and each variable of its `chat_template_kwargs`
+/// (`{"enable_thinking": false}`).
+pub fn record_args(record: &Value) -> anyhow::Result<Vec<(String, Value)>> {
+    let mut args = Vec::new();
+    if let Some(tools) = tools_value(record.get_attr("tools").unwrap_or_default())? {
+        args.push(("tools".to_string(), tools));
+    }
+    let kwargs = record.get_attr("chat_template_kwargs").unwrap_or_default();
+    if kwargs.is_undefined() || kwargs.is_none() {
+        return Ok(args);
+    }
+    if kwargs.kind() != ValueKind::Map {
+        anyhow::bail!("`chat_template_kwargs` must be an object of the template's variables");
+    }
+    for key in kwargs.try_iter()? {
+        let name = key.as_str().unwrap_or_default();
+        if RESERVED.contains(&name) {
+            anyhow::bail!(
+                "`chat_template_kwargs` sets `{name}`, which the record itself gives (`messages`, `tools`)"
+            );
+        }
+        args.push((name.to_string(), kwargs.get_item(&key)?));
+    }
+    Ok(args)
 }
 
 /// A map of the pairs in their order (a Python dict's: what a template
@@ -617,7 +714,7 @@ pub fn chat_arg(text: &str) -> anyhow::Result<(String, Value)> {
     }
     if RESERVED.contains(&key) {
         return Err(Failure::bad_input(format!(
-            "--chat-arg {text}: `{key}` is zrun's to set (--prompt and --system make the messages)"
+            "--chat-arg {text}: `{key}` is zrun's to set (--prompt and --system make the messages, --tools the tools)"
         )));
     }
     let value = json_value(value).unwrap_or_else(|_| Value::from(value));
@@ -746,7 +843,7 @@ mod tests {
                 .unwrap()
             };
             let whole = r.render(messages(), false, &[]).unwrap();
-            let (text, spans) = r.generation_spans(messages()).unwrap().unwrap();
+            let (text, spans) = r.generation_spans(messages(), &[]).unwrap().unwrap();
             assert_eq!(text, whole, "{open} {close}");
             let marked: Vec<&str> = spans.iter().map(|s| &text[s.clone()]).collect();
             assert_eq!(marked, [want, want], "{open} {close}: {text:?}");
@@ -850,6 +947,100 @@ mod tests {
                 crate::exit::BAD_INPUT,
                 "{bad}"
             );
+        }
+    }
+
+    /// Each message's reasoning reaches the template under all three names,
+    /// keys ordered as transformers' `{"thinking": r, **message,
+    /// "reasoning_content": r}` orders them; `reasoning_content` wins over
+    /// `thinking` and `reasoning`, and a message without any is untouched.
+    #[test]
+    fn reasoning_is_given_under_each_name_in_pythons_order() {
+        let messages = json_value(
+            r#"[{"role": "assistant", "content": "a", "reasoning": "r"},
+                {"role": "assistant", "reasoning_content": "c", "thinking": "t", "content": "b"},
+                {"role": "assistant", "reasoning_content": null, "content": "d"}]"#,
+        )
+        .unwrap();
+        let keyed = |m: &Value| -> Vec<(String, String)> {
+            m.try_iter()
+                .unwrap()
+                .map(|k| (k.to_string(), m.get_item(&k).unwrap().to_string()))
+                .collect()
+        };
+        let out: Vec<_> = with_reasoning_aliases(messages)
+            .try_iter()
+            .unwrap()
+            .map(|m| keyed(&m))
+            .collect();
+        let pairs = |p: &[(&str, &str)]| -> Vec<(String, String)> {
+            p.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        assert_eq!(
+            out[0],
+            pairs(&[
+                ("thinking", "r"),
+                ("role", "assistant"),
+                ("content", "a"),
+                ("reasoning", "r"),
+                ("reasoning_content", "r")
+            ])
+        );
+        assert_eq!(
+            out[1],
+            pairs(&[
+                ("thinking", "t"),
+                ("role", "assistant"),
+                ("reasoning_content", "c"),
+                ("content", "b")
+            ])
+        );
+        assert_eq!(
+            out[2],
+            pairs(&[
+                ("role", "assistant"),
+                ("reasoning_content", "None"),
+                ("content", "d")
+            ])
+        );
+    }
+
+    /// `tools` as a list of objects or a JSON text of one (TRL's way);
+    /// anything else is refused saying what a tool is; a record's
+    /// `chat_template_kwargs` become variables, but not the record's own.
+    #[test]
+    fn tools_and_template_kwargs_come_from_a_record() {
+        let listed = tools_value(json_value(r#"[{"type": "function"}]"#).unwrap()).unwrap();
+        let texted = tools_value(Value::from(r#"[{"type": "function"}]"#)).unwrap();
+        assert_eq!(listed, texted);
+        assert_eq!(listed.unwrap().len(), Some(1));
+        assert_eq!(tools_value(Value::from(())).unwrap(), None);
+        assert_eq!(tools_value(Value::from("null")).unwrap(), None);
+        for (bad, says) in [
+            (r#"{"type": "function"}"#, "must be a list"),
+            (r#"[{"type": "function"}, 3]"#, "item 2: not an object"),
+            (r#""[{""#, "a string, and not JSON"),
+        ] {
+            let e = tools_value(json_value(bad).unwrap()).unwrap_err();
+            assert!(e.to_string().contains(says), "{bad}: {e}");
+        }
+        let record = json_value(
+            r#"{"messages": [], "tools": "[{}]", "chat_template_kwargs": {"enable_thinking": false, "x": [1]}}"#,
+        )
+        .unwrap();
+        let args = record_args(&record).unwrap();
+        let names: Vec<&str> = args.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["tools", "enable_thinking", "x"]);
+        assert_eq!(args[1].1, Value::from(false));
+        let plain = json_value(r#"{"messages": [], "chat_template_kwargs": null}"#).unwrap();
+        assert!(record_args(&plain).unwrap().is_empty());
+        for bad in [
+            r#"{"chat_template_kwargs": {"messages": []}}"#,
+            r#"{"chat_template_kwargs": [1]}"#,
+        ] {
+            assert!(record_args(&json_value(bad).unwrap()).is_err(), "{bad}");
         }
     }
 }

@@ -66,15 +66,20 @@ pub struct PrepareArgs {
     /// `<|endoftext|>`, `</s>`, `<|end_of_text|>` or `<eos>`); `none` for none.
     #[arg(long, value_name = "TOKEN")]
     pub eos: Option<String>,
-    /// Train on the assistant's turns alone (TRL's `assistant_only_loss`
-    /// and `completion_only_loss`): JSONL conversations (the turns where the
-    /// template's `{% generation %}` blocks say, else found by prefix
-    /// renderings) or prompt-completion records (the completion) only;
-    /// writes a loss mask (`train.mask`, `val.mask`: a byte per token) that
-    /// `zrun train` applies, the loss averaged over the step's trained
-    /// tokens.
+    /// Train on the assistant's turns alone (TRL's `assistant_only_loss`):
+    /// JSONL conversations (the turns where the template's `{% generation
+    /// %}` blocks say, else found by prefix renderings) or prompt-completion
+    /// records only; writes a loss mask (`train.mask`, `val.mask`: a byte
+    /// per token) that `zrun train` applies, the loss averaged over the
+    /// step's trained tokens.
     #[arg(long)]
     pub assistant_only_loss: bool,
+    /// Whether the loss is kept to the completions of prompt-completion
+    /// records (TRL's `completion_only_loss`, on for them by default; the
+    /// mask is written only where some token is left out); `false` trains
+    /// on their prompts too.
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub completion_only_loss: bool,
     /// Replace the output of an earlier `zrun prepare` in DIR.
     #[arg(long)]
     pub overwrite: bool,
@@ -141,9 +146,16 @@ pub struct SampleArgs {
     /// The conversation so far, which the prompt continues as the user's
     /// next message: a JSON file of messages (`[{"role": "user",
     /// "content": ...}, {"role": "assistant", ...}]`, or a `{"messages":
-    /// [...]}` record), laid out before it (implies --chat).
+    /// [...]}` record, whose `tools` and `chat_template_kwargs` are taken
+    /// too), laid out before it (implies --chat).
     #[arg(long, value_name = "FILE")]
     pub conversation: Option<PathBuf>,
+    /// The tools the model may call, a JSON file: a list of their JSON
+    /// schemas (`[{"type": "function", "function": {"name": ...,
+    /// "parameters": {...}}}]`), laid out where the template lays tools out
+    /// (`apply_chat_template(tools=...)`; implies --chat).
+    #[arg(long, value_name = "FILE")]
+    pub tools: Option<PathBuf>,
     /// The chat template to use, a Jinja file (implies --chat).
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
@@ -163,6 +175,7 @@ impl SampleArgs {
         self.chat
             || self.system.is_some()
             || self.conversation.is_some()
+            || self.tools.is_some()
             || self.chat_template.is_some()
             || !self.chat_arg.is_empty()
     }

@@ -419,15 +419,24 @@ fn chat_prompt(args: &cli::SampleArgs, hf_dir: Option<&Path>) -> anyhow::Result<
             None => "--chat: no chat template: give --chat-template FILE (a Jinja file), or --tokenizer beside the model's tokenizer_config.json".into(),
         })
     })?;
-    let extra = args
-        .chat_arg
-        .iter()
-        .map(|a| chat::chat_arg(a))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let earlier = match &args.conversation {
+    // The conversation file's own arguments, --tools, then --chat-arg
+    // (which overrides the file's).
+    let (earlier, mut extra) = match &args.conversation {
         Some(file) => earlier_turns(file, args.system.is_some())?,
-        None => Vec::new(),
+        None => (Vec::new(), Vec::new()),
     };
+    if let Some(file) = &args.tools {
+        if extra.iter().any(|(name, _)| name == "tools") {
+            return Err(Failure::bad_input(format!(
+                "--tools {}: the --conversation record gives its own `tools`: give one",
+                file.display()
+            )));
+        }
+        extra.push(("tools".to_string(), tools_file(file)?));
+    }
+    for arg in &args.chat_arg {
+        extra.push(chat::chat_arg(arg)?);
+    }
     let text = template.render(args.system.as_deref(), earlier, &args.prompt, &extra)?;
     if text.is_empty() {
         return Err(Failure::bad_input(format!(
@@ -438,19 +447,40 @@ fn chat_prompt(args: &cli::SampleArgs, hf_dir: Option<&Path>) -> anyhow::Result<
     Ok(text)
 }
 
+/// `--tools FILE`: a JSON list of tools' schemas.
+fn tools_file(file: &Path) -> anyhow::Result<minijinja::Value> {
+    let bad = |why: String| Failure::bad_input(format!("--tools {}: {why}", file.display()));
+    let text = std::fs::read_to_string(file).map_err(|e| bad(e.to_string()))?;
+    let value = chat::json_value(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    if value.as_str().is_some() {
+        return Err(bad("a JSON string, not a list of tools' schemas".into()));
+    }
+    chat::tools_value(value)
+        .map_err(|e| bad(e.to_string()))?
+        .ok_or_else(|| bad("null, not a list of tools' schemas".into()))
+}
+
+/// The turns before the prompt, and the template's arguments that came
+/// with them.
+type Earlier = (Vec<minijinja::Value>, Vec<(String, minijinja::Value)>);
+
 /// `--conversation FILE`: the conversation so far, a JSON list of messages
 /// (each an object with a string `role`; every key kept, in order, for the
 /// template) or an object holding one under `messages` (a JSONL record of
-/// `zrun prepare`'s). A system message in it and `--system` both: exit 2.
-fn earlier_turns(file: &Path, system_given: bool) -> anyhow::Result<Vec<minijinja::Value>> {
+/// `zrun prepare`'s, whose `tools` and `chat_template_kwargs` come too). A
+/// system message in it and `--system` both: exit 2.
+fn earlier_turns(file: &Path, system_given: bool) -> anyhow::Result<Earlier> {
     let at = file.display();
     let text = std::fs::read_to_string(file)
         .map_err(|e| Failure::bad_input(format!("--conversation {at}: {e}")))?;
     let bad = |why: String| Failure::bad_input(format!("--conversation {at}: {why}"));
     let value = chat::json_value(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let list = match value.kind() {
-        minijinja::value::ValueKind::Map => value.get_attr("messages").unwrap_or_default(),
-        _ => value,
+    let (list, args) = match value.kind() {
+        minijinja::value::ValueKind::Map => (
+            value.get_attr("messages").unwrap_or_default(),
+            chat::record_args(&value).map_err(|e| bad(e.to_string()))?,
+        ),
+        _ => (value, Vec::new()),
     };
     if list.kind() != minijinja::value::ValueKind::Seq {
         return Err(bad(
@@ -472,7 +502,7 @@ fn earlier_turns(file: &Path, system_given: bool) -> anyhow::Result<Vec<minijinj
             "it begins with a system message, and --system gives another: give one".into(),
         ));
     }
-    Ok(messages)
+    Ok((messages, args))
 }
 
 /// Refuses (exit 2) to replace files a user already has: `what` names the

@@ -37,17 +37,51 @@ const BATCH_BYTES: usize = 8 << 20;
 /// End-of-text tokens looked for when `--eos` is not given.
 pub(crate) const EOS_NAMES: [&str; 4] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"];
 
-/// One piece of text to encode, and whether a document ends with it.
+/// One piece of text to encode, whether a document ends with it, and the
+/// part of it the loss is kept to (none: all of it).
 struct Piece {
     text: String,
     ends_document: bool,
-    /// Under `--assistant-only-loss`: the byte ranges of `text` that are
-    /// trained on (the assistant's turns, or a completion).
-    trained: Vec<Range<usize>>,
-    /// Under `--assistant-only-loss`: whether the end-of-text id after it
-    /// is trained on (after a text completion, where it is the only stop
-    /// the model can learn; a conversation's template ends each turn).
-    trained_eos: bool,
+    kept: Option<Kept>,
+}
+
+/// The part of a piece that is trained on, where the loss is kept to the
+/// assistant's turns or to a completion.
+struct Kept {
+    /// The byte ranges of the piece's text that are trained on.
+    spans: Vec<Range<usize>>,
+    /// Whether the end-of-text id after it is (after a text completion,
+    /// where it is the only stop the model can learn; a conversation's
+    /// template ends each turn).
+    eos: bool,
+}
+
+impl Kept {
+    /// The one span of a completion.
+    fn from_span(span: Range<usize>, eos: bool) -> Option<Kept> {
+        let spans = std::iter::once(span).collect();
+        Some(Kept { spans, eos })
+    }
+}
+
+impl Piece {
+    /// A piece of a document, or a whole one, trained on throughout.
+    fn whole(text: String, ends_document: bool) -> Piece {
+        Piece {
+            text,
+            ends_document,
+            kept: None,
+        }
+    }
+
+    /// A document trained on where `kept` says, if it says.
+    fn kept(text: String, kept: Option<Kept>) -> Piece {
+        Piece {
+            text,
+            ends_document: true,
+            kept,
+        }
+    }
 }
 
 /// Where `name` is written in `dir` until it is whole.
@@ -67,8 +101,8 @@ impl Drop for Partial {
     }
 }
 
-/// A token file being written, with its loss mask under
-/// `--assistant-only-loss`.
+/// A token file being written, with its loss mask where the loss may be
+/// kept to parts of documents.
 struct Output {
     name: &'static str,
     partial: Partial,
@@ -170,14 +204,22 @@ impl Output {
         Ok(())
     }
 
+    /// Whether its mask leaves some token out of the loss.
+    fn leaves_out(&self) -> bool {
+        self.mask
+            .as_ref()
+            .is_some_and(|m| m.trained < self.entry.tokens)
+    }
+
     /// Flushes to disk; returns the name, what it holds and the written
-    /// files (the token file, and its mask), still under their temporary
-    /// names, each with its name.
-    fn finish(self) -> Result<(&'static str, ManifestFile, Vec<Written>)> {
+    /// files (the token file, and its mask if `masked`: else its partial
+    /// file is removed), still under their temporary names, each with its
+    /// name.
+    fn finish(self, masked: bool) -> Result<(&'static str, ManifestFile, Vec<Written>)> {
         flush_partial(&self.partial, self.writer)?;
         let mut entry = self.entry;
         let mut written = vec![(self.partial, self.name.to_string())];
-        if let Some(m) = self.mask {
+        if let Some(m) = self.mask.filter(|_| masked) {
             flush_partial(&m.partial, m.writer)?;
             entry.mask = Some(MaskFile {
                 file: m.name.clone(),
@@ -198,13 +240,20 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         )));
     }
     let inputs = input_files(&args.inputs)?;
-    let masked = args.assistant_only_loss;
-    if let Some((text, _)) = inputs.iter().find(|(_, jsonl)| masked && !jsonl) {
+    if let Some((text, _)) = inputs
+        .iter()
+        .find(|(_, jsonl)| args.assistant_only_loss && !jsonl)
+    {
         return Err(Failure::bad_input(format!(
             "--assistant-only-loss: {} is a text file; the loss is kept to the assistant's turns of JSONL conversations (or to completions)",
             text.display()
         )));
     }
+    // Masks are written where the loss may be kept to parts of documents:
+    // under --assistant-only-loss, and where JSONL may hold prompt-completion
+    // records (kept only if some token is left out).
+    let masked = args.assistant_only_loss
+        || (args.completion_only_loss && inputs.iter().any(|(_, jsonl)| *jsonl));
     // The chat template of JSONL conversations, if there is one. One given
     // with --chat-template must load; the tokenizer's neighbours matter
     // only to conversations, so that text data is not refused for a
@@ -293,15 +342,17 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
             .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
         for (piece, enc) in batch.iter().zip(encodings) {
             let mut ids = enc.get_ids().to_vec();
-            let mut trained = match masked {
-                true => trained_tokens(enc.get_offsets(), &piece.trained),
-                false => Vec::new(),
+            let mut trained = match (masked, &piece.kept) {
+                (false, _) => Vec::new(),
+                (true, None) => vec![true; ids.len()],
+                (true, Some(kept)) => trained_tokens(enc.get_offsets(), &kept.spans),
             };
             if piece.ends_document {
                 ids.extend(eos);
                 // Between conversations the end-of-text id is no turn of
                 // the assistant's; after a text completion it is its end.
-                trained.extend(eos.map(|_| piece.trained_eos));
+                let eos_trained = piece.kept.as_ref().is_none_or(|k| k.eos);
+                trained.extend(eos.map(|_| eos_trained));
             }
             let out = if split.next_is_val() {
                 &mut val
@@ -325,11 +376,15 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
             Ok(())
         };
         if *jsonl {
+            let loss = Loss {
+                assistant_only: args.assistant_only_loss,
+                completion_only: args.completion_only_loss,
+            };
             read_jsonl(
                 path,
                 args.field.as_deref(),
                 &conversations,
-                masked,
+                loss,
                 &mut pieces,
             )?;
         } else {
@@ -339,10 +394,13 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     }
     encode(&mut batch)?;
     bar.finish_and_clear();
+    // A mask that leaves nothing out (no prompt-completion records came)
+    // is dropped: the data trains as it would without one.
+    let masked = args.assistant_only_loss || train.leaves_out() || val.leaves_out();
     let mut files = BTreeMap::new();
     let mut written = Vec::new();
     for out in [train, val] {
-        let (name, entry, parts) = out.finish()?;
+        let (name, entry, parts) = out.finish(masked)?;
         files.insert(name.to_string(), entry);
         written.extend(parts.into_iter().map(|(p, n)| (p, args.out.join(n))));
     }
@@ -414,9 +472,13 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     );
     if let (Some(tm), Some(vm)) = (&t.mask, &v.mask) {
         say!(
-            "zrun: the loss counts the assistant's turns alone: {} of {} tokens ({}, {})",
+            "zrun: the loss counts {} of {} tokens, {} ({}, {})",
             tm.trained + vm.trained,
             t.tokens + v.tokens,
+            match args.assistant_only_loss {
+                true => "the assistant's turns and completions alone",
+                false => "prompt-completion records' completions alone (--completion-only-loss false: all)",
+            },
             args.out.join(&tm.file).display(),
             args.out.join(&vm.file).display()
         );
@@ -599,12 +661,7 @@ fn read_text(path: &Path, sink: &mut impl FnMut(Piece) -> Result<()>) -> Result<
         }
         if n == 0 || (piece.len() + line.len() > PIECE_BYTES && !piece.is_empty()) {
             let ends_document = n == 0;
-            sink(Piece {
-                text: std::mem::take(&mut piece),
-                ends_document,
-                trained: Vec::new(),
-                trained_eos: false,
-            })?;
+            sink(Piece::whole(std::mem::take(&mut piece), ends_document))?;
             if ends_document {
                 return Ok(());
             }
@@ -623,19 +680,30 @@ struct Conversations<'a> {
     looked_in: String,
 }
 
+/// Which parts of records the loss is kept to: `--assistant-only-loss`,
+/// `--completion-only-loss`.
+#[derive(Clone, Copy)]
+struct Loss {
+    /// The assistant's turns of conversations.
+    assistant_only: bool,
+    /// The completions of prompt-completion records.
+    completion_only: bool,
+}
+
 /// A JSONL file's records: under `field` of each line (blank lines
 /// skipped; by default `text`, else `messages`, else a `prompt` with its
 /// `completion`), a string, or a conversation laid out by the chat
 /// template as `apply_chat_template` lays out a whole conversation (no
-/// generation prompt); each record is a document. With `assistant_only`,
-/// every record must be a conversation or a prompt with its completion,
-/// and its pieces carry the spans of the assistant's turns or of the
-/// completion.
+/// generation prompt, the record's `tools` and `chat_template_kwargs`
+/// passed on, as TRL passes them); each record is a document. Under
+/// `loss.assistant_only`, a record must be a conversation or a prompt with
+/// its completion, and its piece keeps the loss to the assistant's turns
+/// (or the completion).
 fn read_jsonl(
     path: &Path,
     field: Option<&str>,
     conversations: &Conversations,
-    assistant_only: bool,
+    loss: Loss,
     sink: &mut impl FnMut(Piece) -> Result<()>,
 ) -> Result<()> {
     let bad = |e: std::io::Error| Failure::bad_input(format!("{}: {e}", path.display()));
@@ -655,7 +723,7 @@ fn read_jsonl(
         let has = |key: &str| record.get(key).is_some();
         if field.is_none() && !has("text") && !has("messages") && has("prompt") && has("completion")
         {
-            let piece = prompt_completion(&record, &line, conversations, assistant_only)
+            let piece = prompt_completion(&record, &line, conversations, loss)
                 .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?;
             sink(piece)?;
             continue;
@@ -665,28 +733,16 @@ fn read_jsonl(
             None if !has("text") && has("messages") => "messages",
             None => "text",
         };
-        let (text, trained) = match record.get(name) {
-            Some(serde_json::Value::String(_)) if assistant_only => {
+        let piece = match record.get(name) {
+            Some(serde_json::Value::String(_)) if loss.assistant_only => {
                 return Err(Failure::bad_input(format!(
                     "{at}: `{name}` is text, not a conversation: --assistant-only-loss keeps the loss to the assistant's turns of conversations (or to the completions of prompt-completion records)"
                 )))
             }
-            Some(serde_json::Value::String(text)) => (text.clone(), Vec::new()),
+            Some(serde_json::Value::String(text)) => Piece::whole(text.clone(), true),
             Some(serde_json::Value::Array(_)) => {
-                let renderer = conversations
-                    .renderer(name)
-                    .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?;
-                let messages = messages_of(&line, name)
-                    .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?;
-                let text = renderer
-                    .render(messages.clone(), false, &[])
-                    .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?;
-                let trained = match assistant_only {
-                    true => assistant_spans(renderer, &messages, &text)
-                        .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?,
-                    false => Vec::new(),
-                };
-                (text, trained)
+                conversation(&line, name, conversations, loss.assistant_only)
+                    .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?
             }
             _ => {
                 return Err(Failure::bad_input(format!(
@@ -694,20 +750,42 @@ fn read_jsonl(
                 )))
             }
         };
-        sink(Piece {
-            text,
-            ends_document: true,
-            trained,
-            trained_eos: false,
-        })?;
+        sink(piece)?;
     }
     Ok(())
 }
 
-/// The conversation under `name` of a JSONL line, read again keeping each
-/// message's keys in order (a template may iterate them).
-fn messages_of(line: &str, name: &str) -> anyhow::Result<minijinja::Value> {
-    Ok(chat::json_value(line)?.get_attr(name).unwrap_or_default())
+/// The conversation under `name` of a JSONL line laid out, the loss kept to
+/// the assistant's turns if `assistant_only`.
+fn conversation(
+    line: &str,
+    name: &str,
+    conversations: &Conversations,
+    assistant_only: bool,
+) -> anyhow::Result<Piece> {
+    let renderer = conversations.renderer(name)?;
+    let (record, args) = template_record(line)?;
+    let messages = record.get_attr(name).unwrap_or_default();
+    let text = renderer.render(messages.clone(), false, &args)?;
+    let kept = match assistant_only {
+        true => Some(Kept {
+            spans: assistant_spans(renderer, &messages, &args, &text)?,
+            eos: false,
+        }),
+        false => None,
+    };
+    Ok(Piece::kept(text, kept))
+}
+
+/// A JSONL line read again as the template's value, each message's keys in
+/// order (a template may iterate them), and the template's arguments the
+/// record carries (its `tools`, its `chat_template_kwargs`).
+fn template_record(
+    line: &str,
+) -> anyhow::Result<(minijinja::Value, Vec<(String, minijinja::Value)>)> {
+    let record = chat::json_value(line)?;
+    let args = chat::record_args(&record)?;
+    Ok((record, args))
 }
 
 impl Conversations<'_> {
@@ -728,47 +806,54 @@ impl Conversations<'_> {
 
 /// A record of TRL's prompt-completion layout: `prompt` and `completion`
 /// both text (the document is the one followed by the other) or both
-/// conversations (laid out together, as TRL lays them out). Under
-/// `assistant_only` the completion is what is trained: a text completion
-/// and the end-of-text id after it; a conversational one from where the
-/// prompt laid out with the generation prompt stops agreeing with the whole
-/// (the completion's turns, their ends included).
+/// conversations (laid out together, as TRL lays them out). As TRL's
+/// `completion_only_loss` does by default, the loss is kept to the
+/// completion (unless `loss.completion_only` is off): a text completion and
+/// the end-of-text id after it; a conversational one from where the prompt
+/// laid out with the generation prompt stops agreeing with the whole (the
+/// completion's turns, their ends included). With `completion_only` off,
+/// `assistant_only` keeps it to the assistant's turns of a conversational
+/// record, and refuses a text one.
 fn prompt_completion(
     record: &serde_json::Value,
     line: &str,
     conversations: &Conversations,
-    assistant_only: bool,
+    loss: Loss,
 ) -> anyhow::Result<Piece> {
     use serde_json::Value::{Array, String as Text};
     match (&record["prompt"], &record["completion"]) {
         (Text(prompt), Text(completion)) => {
             let text = format!("{prompt}{completion}");
-            let span = prompt.len()..text.len();
-            let trained = assistant_only.then_some(span).into_iter().collect();
-            Ok(Piece {
-                text,
-                ends_document: true,
-                trained,
-                trained_eos: assistant_only,
-            })
+            let kept = match (loss.completion_only, loss.assistant_only) {
+                (true, _) => Kept::from_span(prompt.len()..text.len(), true),
+                (false, true) => anyhow::bail!(
+                    "a text prompt and completion, which have no assistant's turns to keep the loss to (--assistant-only-loss) once --completion-only-loss is false"
+                ),
+                (false, false) => None,
+            };
+            Ok(Piece::kept(text, kept))
         }
         (Array(_), Array(_)) => {
             let renderer = conversations.renderer("prompt")?;
-            let prompt = messages_of(line, "prompt")?;
-            let completion = messages_of(line, "completion")?;
+            let (record, args) = template_record(line)?;
+            let prompt = record.get_attr("prompt").unwrap_or_default();
+            let completion = record.get_attr("completion").unwrap_or_default();
             let whole: Vec<minijinja::Value> =
                 prompt.try_iter()?.chain(completion.try_iter()?).collect();
-            let text = renderer.render(minijinja::Value::from(whole), false, &[])?;
-            let asked = renderer.render(prompt, true, &[])?;
-            let start = agreeing(&asked, &text);
-            let span = start..text.len();
-            let trained = assistant_only.then_some(span).into_iter().collect();
-            Ok(Piece {
-                text,
-                ends_document: true,
-                trained,
-                trained_eos: false,
-            })
+            let whole = minijinja::Value::from(whole);
+            let text = renderer.render(whole.clone(), false, &args)?;
+            let kept = match (loss.completion_only, loss.assistant_only) {
+                (true, _) => {
+                    let asked = renderer.render(prompt, true, &args)?;
+                    Kept::from_span(agreeing(&asked, &text)..text.len(), false)
+                }
+                (false, true) => Some(Kept {
+                    spans: assistant_spans(renderer, &whole, &args, &text)?,
+                    eos: false,
+                }),
+                (false, false) => None,
+            };
+            Ok(Piece::kept(text, kept))
         }
         _ => anyhow::bail!(
             "`prompt` and `completion` must both be text or both conversations (lists of messages)"
@@ -791,9 +876,10 @@ fn prompt_completion(
 fn assistant_spans(
     renderer: &Renderer,
     messages: &minijinja::Value,
+    args: &[(String, minijinja::Value)],
     whole: &str,
 ) -> anyhow::Result<Vec<Range<usize>>> {
-    if let Some(marked) = renderer.generation_spans(messages.clone()) {
+    if let Some(marked) = renderer.generation_spans(messages.clone(), args) {
         let (text, spans) = marked?;
         if text != whole {
             anyhow::bail!(
@@ -815,8 +901,8 @@ fn assistant_spans(
         if role.is_none() {
             continue;
         }
-        let prompt = renderer.render(minijinja::Value::from(list[..i].to_vec()), true, &[])?;
-        let upto = renderer.render(minijinja::Value::from(list[..=i].to_vec()), false, &[])?;
+        let prompt = renderer.render(minijinja::Value::from(list[..i].to_vec()), true, args)?;
+        let upto = renderer.render(minijinja::Value::from(list[..=i].to_vec()), false, args)?;
         if !whole.starts_with(&upto) {
             anyhow::bail!(
                 "message {}: the chat template lays out the conversation up to this assistant turn otherwise than as the start of the whole conversation, so its turns cannot be told apart for --assistant-only-loss (a template with {{% generation %}} blocks around the assistant's text can be)",
