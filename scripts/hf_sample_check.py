@@ -20,13 +20,17 @@ the sixty-ninth session) changes the continuation within a few bytes.
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen3
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py mistral
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py phi3
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --repetition-penalty 1.3
 
 `--max-shard-size` saves the model in shards with an index
 (`model.safetensors.index.json`), as published models past a few GB are.
 `--bf16` rounds the weights to bf16 and saves them so, as most published
 models are; transformers continues the prompt with those values in f32,
 which is what zrun computes (it keeps the bf16 weights and widens them as
-it multiplies).
+it multiplies). `--repetition-penalty R` penalises the tokens already in the
+text with transformers' own `RepetitionPenaltyLogitsProcessor` at each
+step, and writes `{"repetition_penalty": R}` as the directory's
+`generation_config.json`, which zrun is to read and apply.
 
 Exit status 0 when the continuations are the same, 1 otherwise.
 """
@@ -38,6 +42,7 @@ import sys
 import tempfile
 
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
@@ -93,6 +98,8 @@ def main() -> int:
     ap.add_argument("--rope-scaling", choices=sorted(SCALINGS),
                     help="LLaMA: scale the rotary embedding (Llama 3.1's llama3, or linear)")
     ap.add_argument("--bf16", action="store_true", help="weights rounded to bf16 and saved so")
+    ap.add_argument("--repetition-penalty", type=float,
+                    help="greedy under this repetition penalty (generation_config.json's)")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = build(args.kind, SCALINGS.get(args.rope_scaling))
@@ -113,6 +120,9 @@ def main() -> int:
     with torch.no_grad():
         for _ in range(args.tokens):
             logits = model(ids[:, -context:]).logits[0, -1]
+            if args.repetition_penalty:
+                penalty = RepetitionPenaltyLogitsProcessor(args.repetition_penalty)
+                logits = penalty(ids, logits[None])[0]
             ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
     want = bytes(ids[0].tolist())
     with tempfile.TemporaryDirectory() as out:
@@ -120,6 +130,9 @@ def main() -> int:
         if args.bf16:
             model = model.to(torch.bfloat16)
         model.save_pretrained(out, safe_serialization=True, **shards)
+        if args.repetition_penalty:
+            with open(os.path.join(out, "generation_config.json"), "w") as f:
+                f.write('{"repetition_penalty": %r}' % args.repetition_penalty)
         if args.max_shard_size:
             files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
             print(f"saved in {len(files)} shards: {files[0]} ... {files[-1]}")

@@ -173,8 +173,8 @@ fn a_hugging_face_directory_samples_as_its_checkpoint() {
     }
     // Its generation_config.json decides the sampling when no flag does,
     // as it decides `generate`'s: greedy unless `do_sample: true`, then its
-    // temperature and top-k; a flag overrides it; a bad value is exit 2
-    // naming the file.
+    // temperature, top-k and min-p, its repetition penalty either way; a
+    // flag overrides it; a bad value is exit 2 naming the file.
     let generation = |json: serde_json::Value| {
         std::fs::write(hf.join("generation_config.json"), json.to_string()).unwrap()
     };
@@ -215,10 +215,80 @@ fn a_hugging_face_directory_samples_as_its_checkpoint() {
         (f.code(), &f.stdout),
         (0, &from_ckpt(&["--temperature", "0"]))
     );
+    // Its min_p (1: the likeliest token alone, so the draw is greedy) and
+    // its repetition_penalty (the flag's text, greedy and drawn; drawn, not
+    // the unpenalised text), said on stderr; what zrun does not do (beams,
+    // n-gram bans) warned of.
+    generation(
+        serde_json::json!({"do_sample": true, "temperature": 1.5, "top_k": 3, "min_p": 1.0}),
+    );
+    let f = from_hf(&["--seed", "9"]);
+    assert_eq!(
+        (f.code(), &f.stdout),
+        (0, &from_ckpt(&["--temperature", "0"]))
+    );
+    assert!(f.stderr.contains("top-p 1, min-p 1 "), "{}", f.stderr);
+    let penalised = ["--repetition-penalty", "1.3"];
+    for (json, flags) in [
+        (
+            serde_json::json!({"repetition_penalty": 1.3}),
+            vec!["--temperature", "0"],
+        ),
+        (
+            serde_json::json!({"do_sample": true, "temperature": 1.5, "top_k": 3, "repetition_penalty": 1.3}),
+            vec!["--temperature", "1.5", "--top-k", "3", "--seed", "9"],
+        ),
+    ] {
+        generation(json);
+        let f = from_hf(&["--seed", "9"]);
+        assert_eq!(
+            (f.code(), &f.stdout),
+            (0, &from_ckpt(&[&flags[..], &penalised].concat()))
+        );
+        assert!(
+            f.stderr.contains(", repetition penalty 1.3 ("),
+            "{}",
+            f.stderr
+        );
+    }
+    assert_ne!(
+        from_ckpt(&[
+            "--repetition-penalty",
+            "1.3",
+            "--temperature",
+            "1.5",
+            "--top-k",
+            "3",
+            "--seed",
+            "9"
+        ]),
+        drawn
+    );
+    generation(
+        serde_json::json!({"num_beams": 4, "no_repeat_ngram_size": 3, "typical_p": 0.9, "min_length": 0}),
+    );
+    let f = from_hf(&[]);
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(
+        f.stderr.contains("also asks generate for num_beams: 4, no_repeat_ngram_size: 3, which zrun sample does not do"),
+        "{}",
+        f.stderr
+    );
+    let f = from_hf(&["--min-p", "2"]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("--min-p must be in [0, 1]"),
+        "{}",
+        f.stderr
+    );
     for (json, says) in [
         (
             serde_json::json!({"do_sample": true, "top_p": 2.0}),
             "generation_config.json: top_p must be in (0, 1]",
+        ),
+        (
+            serde_json::json!({"repetition_penalty": 0.0}),
+            "generation_config.json: repetition_penalty must be a number > 0",
         ),
         (
             serde_json::json!({"do_sample": true, "temperature": "hot"}),

@@ -588,7 +588,38 @@ pub struct GenerationDefaults {
     pub top_k: Option<usize>,
     /// Nucleus sampling's probability mass.
     pub top_p: Option<f64>,
+    /// Draw among the tokens at least this share of the likeliest's
+    /// probability.
+    pub min_p: Option<f64>,
+    /// CTRL's penalty on the tokens already in the text (greedy too).
+    pub repetition_penalty: Option<f64>,
+    /// The keys that ask `generate` for what `zrun sample` does not do
+    /// (beam search, n-gram bans, typical sampling...), each as `key:
+    /// value`: said, never dropped silently.
+    #[serde(skip)]
+    pub unapplied: Vec<String>,
 }
+
+/// The `generation_config.json` keys that change what `generate` draws and
+/// that `zrun sample` does not do, each with the value that asks for
+/// nothing (beyond `null`) and whether it counts only when sampling.
+const UNAPPLIED: [(&str, Option<f64>, bool); 15] = [
+    ("num_beams", Some(1.0), false),
+    ("no_repeat_ngram_size", Some(0.0), false),
+    ("typical_p", Some(1.0), true),
+    ("epsilon_cutoff", Some(0.0), true),
+    ("eta_cutoff", Some(0.0), true),
+    ("top_h", None, true),
+    ("min_length", Some(0.0), false),
+    ("min_new_tokens", Some(0.0), false),
+    ("bad_words_ids", None, false),
+    ("suppress_tokens", None, false),
+    ("begin_suppress_tokens", None, false),
+    ("sequence_bias", None, false),
+    ("forced_bos_token_id", None, false),
+    ("forced_eos_token_id", None, false),
+    ("exponential_decay_length_penalty", None, false),
+];
 
 /// The directory's `generation_config.json` sampling keys (`None` without
 /// the file); a value of another kind is an error naming the file.
@@ -599,9 +630,18 @@ pub fn generation_defaults(dir: &Path) -> Result<Option<GenerationDefaults>, Ckp
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io(&path)(e)),
     };
-    serde_json::from_slice(&text)
-        .map(Some)
-        .map_err(|e| invalid(&path, format!("not a generation config: {e}")))
+    let bad = |e: serde_json::Error| invalid(&path, format!("not a generation config: {e}"));
+    let json: serde_json::Value = serde_json::from_slice(&text).map_err(bad)?;
+    let mut defaults: GenerationDefaults = serde_json::from_value(json.clone()).map_err(bad)?;
+    defaults.unapplied = UNAPPLIED
+        .iter()
+        .filter(|&&(_, _, sampling_only)| !sampling_only || defaults.do_sample == Some(true))
+        .filter_map(|&(key, neutral, _)| {
+            let v = json.get(key).filter(|v| !v.is_null())?;
+            (neutral.is_none() || v.as_f64() != neutral).then(|| format!("{key}: {v}"))
+        })
+        .collect();
+    Ok(Some(defaults))
 }
 
 /// How a `config.json` scales the rotary embedding: transformers 4.x's

@@ -120,6 +120,18 @@ pub struct SampleArgs {
     /// or the directory's `generation_config.json`'s `top_p`.
     #[arg(long)]
     pub top_p: Option<f64>,
+    /// Min-p sampling: then draw among the tokens at least P times as
+    /// likely as the likeliest (0 ≤ P ≤ 1; 0: all). Default 0, or the
+    /// directory's `generation_config.json`'s `min_p`.
+    #[arg(long)]
+    pub min_p: Option<f64>,
+    /// Hugging Face's repetition penalty: the logit of each token already
+    /// in the text (prompt or drawn) divided by R where positive, times R
+    /// where negative, before the draw, greedy too (R > 0; 1: none).
+    /// Default 1, or the directory's `generation_config.json`'s
+    /// `repetition_penalty`.
+    #[arg(long, value_name = "R")]
+    pub repetition_penalty: Option<f64>,
     /// Seed of the draws (the same seed repeats the text).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

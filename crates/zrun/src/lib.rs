@@ -202,13 +202,25 @@ pub(crate) fn open_checkpoint(path: &Path) -> anyhow::Result<zckpt::Checkpoint> 
     }
 }
 
-/// The temperature, top-k and top-p to sample with: each flag given, else
-/// what `transformers`' `generate` takes from a Hugging Face directory's
-/// `generation_config.json` (greedy unless it says `do_sample: true`, then
-/// its `temperature`, `top_k`, `top_p`, each defaulting as `generate`'s do:
-/// 1, 50, 1), else zrun's defaults (0.8, all, 1). Each is checked, an error
-/// naming where it came from; what the file decided is said on stderr.
-fn sampling(args: &cli::SampleArgs, dir: &Path, hf_dir: bool) -> anyhow::Result<(f64, usize, f64)> {
+/// How `zworker sample` draws: the arguments it takes after the token
+/// count.
+struct Draw {
+    temperature: f64,
+    top_k: usize,
+    top_p: f64,
+    min_p: f64,
+    repetition_penalty: f64,
+}
+
+/// How to sample: each flag given, else what `transformers`' `generate`
+/// takes from a Hugging Face directory's `generation_config.json` (greedy
+/// unless it says `do_sample: true`, then its `temperature`, `top_k`,
+/// `top_p`, `min_p`, each defaulting as `generate`'s do: 1, 50, 1, none;
+/// its `repetition_penalty` either way, default 1), else zrun's defaults
+/// (temperature 0.8, all tokens, no penalty). Each is checked, an error
+/// naming where it came from; what the file decided is said on stderr, and
+/// so is what it asks that zrun does not do.
+fn sampling(args: &cli::SampleArgs, dir: &Path, hf_dir: bool) -> anyhow::Result<Draw> {
     let file = match hf_dir {
         true => {
             zckpt::hf::generation_defaults(dir).map_err(|e| Failure::bad_input(e.to_string()))?
@@ -216,61 +228,117 @@ fn sampling(args: &cli::SampleArgs, dir: &Path, hf_dir: bool) -> anyhow::Result<
         false => None,
     };
     let config = dir.join("generation_config.json");
-    let ((t, k, p), said) = match &file {
-        None => ((0.8, 0, 1.0), "zrun's default"),
-        Some(g) if g.do_sample != Some(true) => ((0.0, 0, 1.0), "do_sample"),
-        Some(g) => (
-            (
-                g.temperature.unwrap_or(1.0),
-                g.top_k.unwrap_or(50),
-                g.top_p.unwrap_or(1.0),
+    let asked = match &file {
+        None => Draw {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+        },
+        Some(g) if g.do_sample != Some(true) => Draw {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: g.repetition_penalty.unwrap_or(1.0),
+        },
+        Some(g) => Draw {
+            temperature: g.temperature.unwrap_or(1.0),
+            top_k: g.top_k.unwrap_or(50),
+            top_p: g.top_p.unwrap_or(1.0),
+            min_p: g.min_p.unwrap_or(0.0),
+            repetition_penalty: g.repetition_penalty.unwrap_or(1.0),
+        },
+    };
+    let greedy_by_file = file.as_ref().is_some_and(|g| g.do_sample != Some(true));
+    // Where a value came from, for its error.
+    let from = |flag: Option<f64>, name: &str, key: &str| match (flag, &file) {
+        (Some(_), _) => name.to_string(),
+        (None, Some(_)) if greedy_by_file && key != "repetition_penalty" => {
+            format!("{}: do_sample", config.display())
+        }
+        (None, Some(_)) => format!("{}: {key}", config.display()),
+        (None, None) => "zrun's default".to_string(),
+    };
+    let draw = Draw {
+        temperature: args.temperature.unwrap_or(asked.temperature),
+        top_k: args.top_k.unwrap_or(asked.top_k),
+        top_p: args.top_p.unwrap_or(asked.top_p),
+        min_p: args.min_p.unwrap_or(asked.min_p),
+        repetition_penalty: args.repetition_penalty.unwrap_or(asked.repetition_penalty),
+    };
+    let checks = [
+        (
+            draw.temperature.is_finite() && draw.temperature >= 0.0,
+            from(args.temperature, "--temperature", "temperature"),
+            "a number ≥ 0 (0: the most likely token)",
+            draw.temperature,
+        ),
+        (
+            draw.top_p > 0.0 && draw.top_p <= 1.0,
+            from(args.top_p, "--top-p", "top_p"),
+            "in (0, 1] (1: every token)",
+            draw.top_p,
+        ),
+        (
+            (0.0..=1.0).contains(&draw.min_p),
+            from(args.min_p, "--min-p", "min_p"),
+            "in [0, 1] (0: every token)",
+            draw.min_p,
+        ),
+        (
+            draw.repetition_penalty.is_finite() && draw.repetition_penalty > 0.0,
+            from(
+                args.repetition_penalty,
+                "--repetition-penalty",
+                "repetition_penalty",
             ),
-            "",
+            "a number > 0 (1: none)",
+            draw.repetition_penalty,
         ),
-    };
-    let named = |key: &str| match file {
-        Some(_) => format!(
-            "{}: {}",
-            config.display(),
-            if said.is_empty() { key } else { said }
-        ),
-        None => said.to_string(),
-    };
-    let temperature = args.temperature.unwrap_or(t);
-    let top_k = args.top_k.unwrap_or(k);
-    let top_p = args.top_p.unwrap_or(p);
-    if !(temperature.is_finite() && temperature >= 0.0) {
-        let from = args
-            .temperature
-            .map_or_else(|| named("temperature"), |_| "--temperature".into());
-        return Err(Failure::bad_input(format!(
-            "{from} must be a number ≥ 0 (0: the most likely token), got {temperature}"
-        )));
-    }
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        let from = args
-            .top_p
-            .map_or_else(|| named("top_p"), |_| "--top-p".into());
-        return Err(Failure::bad_input(format!(
-            "{from} must be in (0, 1] (1: every token), got {top_p}"
-        )));
-    }
-    let flags = [
-        args.temperature.is_some(),
-        args.top_k.is_some(),
-        args.top_p.is_some(),
     ];
-    if file.is_some() && !flags.iter().all(|&f| f) {
-        let asked = match said {
-            "do_sample" => "greedy (no do_sample: true)".to_string(),
-            _ => format!("temperature {t}, top-k {k}, top-p {p}"),
-        };
-        eprintln!(
-            "zrun: sampling as {} asks generate to: {asked} (--temperature, --top-k, --top-p override it)",
-            config.display()
-        );
+    if let Some((_, from, must, got)) = checks.iter().find(|c| !c.0) {
+        return Err(Failure::bad_input(format!(
+            "{from} must be {must}, got {got}"
+        )));
     }
-    Ok((temperature, top_k, top_p))
+    if let Some(g) = &file {
+        let flags = [
+            args.temperature.is_some(),
+            args.top_k.is_some(),
+            args.top_p.is_some(),
+            args.min_p.is_some(),
+            args.repetition_penalty.is_some(),
+        ];
+        if !flags.iter().all(|&f| f) {
+            let mut said = match greedy_by_file {
+                true => "greedy (no do_sample: true)".to_string(),
+                false => format!(
+                    "temperature {}, top-k {}, top-p {}",
+                    asked.temperature, asked.top_k, asked.top_p
+                ),
+            };
+            if asked.min_p > 0.0 {
+                said += &format!(", min-p {}", asked.min_p);
+            }
+            if asked.repetition_penalty != 1.0 {
+                said += &format!(", repetition penalty {}", asked.repetition_penalty);
+            }
+            eprintln!(
+                "zrun: sampling as {} asks generate to: {said} (--temperature, --top-k, --top-p, --min-p, --repetition-penalty override it)",
+                config.display()
+            );
+        }
+        if !g.unapplied.is_empty() {
+            eprintln!(
+                "zrun: warning: {} also asks generate for {}, which zrun sample does not do",
+                config.display(),
+                g.unapplied.join(", ")
+            );
+        }
+    }
+    Ok(draw)
 }
 
 /// The tokenizer file of a Hugging Face model directory.
@@ -317,7 +385,7 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
         true => chat_prompt(&args, hf_dir.then_some(dir.as_path()))?,
         false => args.prompt.clone(),
     };
-    let (temperature, top_k, top_p) = sampling(&args, &dir, hf_dir)?;
+    let draw = sampling(&args, &dir, hf_dir)?;
     let prompt_ids = match &tokenizer {
         Some((_, t)) => prepare::encode(t, &text)?,
         None => Vec::new(),
@@ -365,9 +433,11 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
         .arg(&prompt)
         .args([
             args.tokens.to_string(),
-            temperature.to_string(),
-            top_k.to_string(),
-            top_p.to_string(),
+            draw.temperature.to_string(),
+            draw.top_k.to_string(),
+            draw.top_p.to_string(),
+            draw.min_p.to_string(),
+            draw.repetition_penalty.to_string(),
             args.seed.to_string(),
         ]);
     let launch =

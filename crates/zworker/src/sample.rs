@@ -1,16 +1,19 @@
 //! `zrun sample`: text from a checkpoint, generated on the CPU.
 //!
 //! zrun checks the arguments and the checkpoint (exit 2 on bad input) and
-//! runs `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P SEED`, so that the
-//! launcher stays free of the model. The worker reads the parameters whole
+//! runs `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P MIN_P
+//! REPETITION_PENALTY SEED`, so that the launcher stays free of the model. The worker reads the parameters whole
 //! (a tiled checkpoint's tiles put back together; or a Hugging Face GPT-2 or
 //! LLaMA directory's, mapped to zrun's names), takes the prompt as bytes
 //! (a byte-level model) or as token ids (zrun holds the tokenizer), and for each new
 //! token draws from the last position's logits: greedy at temperature 0,
 //! else softmax(logits / T) over the `top_k` largest (all when 0), and of
 //! those the fewest most likely whose probabilities reach `top_p` (nucleus
-//! sampling, Hugging Face's `top_p`; 1: all), with a seeded generator so
-//! that a seed repeats its text. Each token is written
+//! sampling, Hugging Face's `top_p`; 1: all), of those the ones at least
+//! `min_p` times as likely as the likeliest (Hugging Face's `min_p`), with a
+//! seeded generator so that a seed repeats its text. Before any of it, the
+//! logits of tokens already in the text take Hugging Face's
+//! `repetition_penalty` (greedy too, as `generate` applies it). Each token is written
 //! to stdout as it is drawn.
 //!
 //! Weights published in bf16 (most Hugging Face models) stay bf16: each
@@ -54,6 +57,55 @@ pub struct Sampling {
     /// Then among the fewest most likely whose probabilities (at the
     /// temperature, over the top k) add up to at least this; 1: all.
     pub top_p: f64,
+    /// Then among those at least this share of the likeliest one's
+    /// probability; 0: all.
+    pub min_p: f64,
+}
+
+/// Hugging Face's `repetition_penalty` (CTRL's): the logit of each token
+/// already in the text (the prompt's or drawn) divided by the penalty where
+/// positive, multiplied by it where not, before the draw; in f32, as
+/// `generate` scales the model's f32 logits.
+pub struct RepetitionPenalty {
+    factor: f32,
+    /// Whether each id of the vocabulary is in the text, and those that are.
+    seen: Vec<bool>,
+    ids: Vec<u32>,
+}
+
+impl RepetitionPenalty {
+    /// The penalty `factor` over a vocabulary of `vocab` ids, the text so
+    /// far `text`; none for a factor of 1.
+    pub fn new(factor: f64, vocab: usize, text: &[u32]) -> Option<RepetitionPenalty> {
+        if factor == 1.0 {
+            return None;
+        }
+        let mut penalty = RepetitionPenalty {
+            factor: factor as f32,
+            seen: vec![false; vocab],
+            ids: Vec::new(),
+        };
+        text.iter().for_each(|&id| penalty.saw(id));
+        Some(penalty)
+    }
+
+    /// Notes that `id` is in the text.
+    pub fn saw(&mut self, id: u32) {
+        if !std::mem::replace(&mut self.seen[id as usize], true) {
+            self.ids.push(id);
+        }
+    }
+
+    /// Penalises the logits of the tokens in the text.
+    pub fn apply(&self, logits: &mut [f32]) {
+        for &id in &self.ids {
+            let l = &mut logits[id as usize];
+            *l = match *l < 0.0 {
+                true => *l * self.factor,
+                false => *l / self.factor,
+            };
+        }
+    }
 }
 
 /// The next token from `logits` under `s`, drawing from `rng`. The draw
@@ -96,6 +148,16 @@ pub fn pick(logits: &[f32], s: Sampling, rng: &mut impl Rng) -> u32 {
             .map_or(weights.len(), |i| i + 1);
         weights.truncate(keep);
         order.truncate(keep);
+    }
+    if s.min_p > 0.0 {
+        // Relative to the likeliest kept (the largest weight, which is the
+        // share's denominator's largest term as much as the numerator's).
+        let floor = s.min_p * weights.iter().copied().fold(0.0, f64::max);
+        (order, weights) = order
+            .iter()
+            .zip(&weights)
+            .filter(|&(_, &w)| w >= floor)
+            .unzip();
     }
     let mut u = rng.random::<f64>() * weights.iter().sum::<f64>();
     for (&i, w) in order.iter().zip(&weights) {
@@ -257,8 +319,9 @@ impl Loaded {
     }
 }
 
-/// `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P SEED [--stop
-/// IDS] [--ids]` (arguments checked by zrun). Without `--ids`: writes the
+/// `zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P MIN_P
+/// REPETITION_PENALTY SEED [--stop IDS] [--ids]` (arguments checked by
+/// zrun). Without `--ids`: writes the
 /// prompt and `TOKENS` drawn bytes to stdout. With `--ids` (zrun encodes and
 /// decodes with a tokenizer): PROMPT is comma-separated token ids, and each
 /// drawn id is written on a line of its own as it is drawn. Drawing one of
@@ -278,9 +341,9 @@ pub fn run(args: &[String]) -> Result<()> {
         }
         _ => (args, Vec::new()),
     };
-    let [dir, prompt, tokens, temperature, top_k, top_p, seed] = args else {
+    let [dir, prompt, tokens, temperature, top_k, top_p, min_p, penalty, seed] = args else {
         bail!(
-            "usage: zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P SEED [--stop IDS] [--ids] (zrun sample runs it)"
+            "usage: zworker sample DIR PROMPT TOKENS TEMPERATURE TOP_K TOP_P MIN_P REPETITION_PENALTY SEED [--stop IDS] [--ids] (zrun sample runs it)"
         );
     };
     let n: usize = tokens.parse().context("TOKENS")?;
@@ -288,7 +351,9 @@ pub fn run(args: &[String]) -> Result<()> {
         temperature: temperature.parse().context("TEMPERATURE")?,
         top_k: top_k.parse().context("TOP_K")?,
         top_p: top_p.parse().context("TOP_P")?,
+        min_p: min_p.parse().context("MIN_P")?,
     };
+    let penalty: f64 = penalty.parse().context("REPETITION_PENALTY")?;
     let mut rng = ChaCha8Rng::seed_from_u64(seed.parse().context("SEED")?);
     let started = std::time::Instant::now();
     let loaded = load(Path::new(dir))?;
@@ -312,6 +377,7 @@ pub fn run(args: &[String]) -> Result<()> {
     if context.is_empty() {
         bail!("an empty prompt");
     }
+    let mut penalty = RepetitionPenalty::new(penalty, vocab, &context);
     drop(out);
     // On a pool thread with the others kept awake, as training runs: a
     // token is about fifty short products, and waking the other thread for
@@ -329,6 +395,9 @@ pub fn run(args: &[String]) -> Result<()> {
         let drawing = std::time::Instant::now();
         let mut drawn = 0;
         for i in 0..n {
+            if let Some(p) = &penalty {
+                p.apply(&mut logits);
+            }
             let next = pick(&logits, sampling, &mut rng);
             if stop_ids.contains(&next) {
                 break;
@@ -344,6 +413,9 @@ pub fn run(args: &[String]) -> Result<()> {
                 written => written?,
             }
             context.push(next);
+            if let Some(p) = &mut penalty {
+                p.saw(next);
+            }
             drawn += 1;
             if i + 1 == n {
                 break;
@@ -394,6 +466,7 @@ mod tests {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
         };
         // Ties go to the lower token.
         assert_eq!(pick(&logits, greedy, &mut rng), 1);
@@ -401,6 +474,7 @@ mod tests {
             temperature: 1.0,
             top_k: 2,
             top_p: 1.0,
+            min_p: 0.0,
         };
         let mut counts = [0usize; 5];
         for _ in 0..2000 {
@@ -432,6 +506,7 @@ mod tests {
                 temperature: 1.0,
                 top_k,
                 top_p,
+                min_p: 0.0,
             };
             let mut counts = [0usize; 3];
             for _ in 0..20_000 {
@@ -450,6 +525,49 @@ mod tests {
         assert_eq!(draw(2, 0.7), [0, 0, 20_000]);
     }
 
+    /// min-p against its definition: over softmax(0, 1, 2) the shares of
+    /// the likeliest are e^-2 (0.135), e^-1 (0.368) and 1: min-p 0.3 keeps
+    /// tokens 1 and 2, 0.5 token 2 alone, 0.1 all three; after a top k.
+    #[test]
+    fn min_p_keeps_the_tokens_near_the_likeliest() {
+        let logits = [0.0f32, 1.0, 2.0];
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let mut draw = |top_k: usize, min_p: f64| {
+            let s = Sampling {
+                temperature: 1.0,
+                top_k,
+                top_p: 1.0,
+                min_p,
+            };
+            let mut counts = [0usize; 3];
+            for _ in 0..5_000 {
+                counts[pick(&logits, s, &mut rng) as usize] += 1;
+            }
+            counts
+        };
+        let c = draw(0, 0.3);
+        assert!(c[0] == 0 && c[1] > 0 && c[2] > c[1], "{c:?}");
+        assert_eq!(draw(0, 0.5), [0, 0, 5_000]);
+        assert!(draw(0, 0.1).iter().all(|&n| n > 0));
+        assert_eq!(draw(1, 0.1), [0, 0, 5_000]);
+    }
+
+    /// The penalty divides a seen token's positive logit and multiplies a
+    /// negative one, once however often the token was seen; unseen ones
+    /// keep theirs; 1 is no penalty.
+    #[test]
+    fn the_repetition_penalty_scales_seen_tokens_once() {
+        let mut logits = [2.0f32, -1.0, 0.5, 3.0];
+        let mut p = RepetitionPenalty::new(2.0, 4, &[0, 1, 0]).unwrap();
+        p.apply(&mut logits);
+        assert_eq!(logits, [1.0, -2.0, 0.5, 3.0]);
+        p.saw(3);
+        p.saw(3);
+        p.apply(&mut logits);
+        assert_eq!(logits, [0.5, -4.0, 0.5, 1.5]);
+        assert!(RepetitionPenalty::new(1.0, 4, &[0]).is_none());
+    }
+
     #[test]
     fn draws_follow_the_softmax_at_the_temperature() {
         let logits = [0.0f32, 1.0, 2.0];
@@ -459,6 +577,7 @@ mod tests {
                 temperature: t,
                 top_k: 0,
                 top_p: 1.0,
+                min_p: 0.0,
             };
             let n = 20_000;
             let mut counts = [0f64; 3];
