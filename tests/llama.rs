@@ -68,6 +68,86 @@ fn starts_at(dir: &Path, job: &Path, from: &Path, metrics: &str, next: f64) {
     );
 }
 
+/// `zrun eval` of the export on held-out text (bytes, not the training
+/// sentence): the independent reader's mean loss over the same windows of
+/// 32 (+1) tokens, within 1e-5 relative: disjoint (the default stride, 32)
+/// and at strides 20 and 1, where each window scores only the targets the
+/// one before left (every target once); the checkpoint it came from gives
+/// the same (its f32 weights, read as zrun's). A stride past the context,
+/// a `.bin` nothing describes and an id outside the vocabulary: exit 2.
+fn evaluates_as_the_reader(dir: &Path, hf: &Path) {
+    let text: Vec<u8> = (0..150)
+        .map(|i| b"pack my box with five dozen liquor jugs; "[i % 41])
+        .collect();
+    std::fs::write(dir.join("held-out.txt"), &text).unwrap();
+    let ids: Vec<u32> = text.iter().map(|&b| u32::from(b)).collect();
+    let reader = Llama::load(hf);
+    let eval = |model: &Path, more: &[&str]| {
+        let data = dir.join("held-out.txt").display().to_string();
+        let f = zrun(
+            dir,
+            &[&["eval", model.to_str().unwrap(), "--data", &data], more].concat(),
+        );
+        assert_eq!(f.code(), 0, "{more:?}: {f:?}");
+        let said: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+        (
+            said["loss"].as_f64().unwrap(),
+            said["tokens"].as_u64().unwrap(),
+        )
+    };
+    for stride in [32, 20, 1] {
+        // Windows of up to 33 tokens every `stride`, each skipping the
+        // targets an earlier one scored.
+        let (mut windows, mut begin, mut done) = (Vec::new(), 0, 0);
+        loop {
+            let end = (begin + 33).min(ids.len());
+            windows.push((ids[begin..end].to_vec(), done - begin.min(done)));
+            done = end - 1;
+            if end == ids.len() {
+                break;
+            }
+            begin += stride;
+        }
+        let want = reader.loss_skipping(&windows);
+        let (loss, tokens) = eval(hf, &["--stride", &stride.to_string()]);
+        assert_eq!(tokens, ids.len() as u64 - 1, "stride {stride}");
+        assert!(
+            (loss - want).abs() <= 1e-5 * want,
+            "stride {stride}: zrun eval {loss}, the reader {want}"
+        );
+    }
+    let (hf_loss, _) = eval(hf, &[]);
+    let (ckpt_loss, _) = eval(&dir.join("ckpt/step-00000004"), &[]);
+    assert!(
+        (hf_loss - ckpt_loss).abs() <= 1e-6 * hf_loss,
+        "{hf_loss} {ckpt_loss}"
+    );
+    std::fs::write(dir.join("ids.bin"), [1u8, 0, 44, 1]).unwrap();
+    for (args, says) in [
+        (
+            vec!["--stride", "33"],
+            "--stride 33: must be in 1..=32".to_string(),
+        ),
+        (
+            vec!["--data", "ids.bin"],
+            "no manifest.json beside it says how its ids are stored".into(),
+        ),
+        (
+            vec!["--data", "ids.bin", "--format", "tokens_u16"],
+            "id 300 at token offset 1 is not below the model's vocab_size 256".into(),
+        ),
+    ] {
+        let mut all = vec!["eval", hf.to_str().unwrap()];
+        if !args.contains(&"--data") {
+            all.extend(["--data", "held-out.txt"]);
+        }
+        all.extend(args.iter());
+        let f = zrun(dir, &all);
+        assert_eq!(f.code(), 2, "{args:?}: {f:?}");
+        assert!(f.stderr.contains(&says), "{args:?}: {}", f.stderr);
+    }
+}
+
 /// Training from `init` with `set` exits 2, its message holding `needles`.
 fn refused_from(dir: &Path, job: &Path, init: &Path, set: &str, needles: &[&str]) {
     let f = TrainArgs::new(job, dir.join("refused.jsonl"))
@@ -281,6 +361,7 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
     for (from, metrics) in [(&out, "init.jsonl"), (&weights, "init-file.jsonl")] {
         starts_at(dir, &job, from, metrics, next);
     }
+    evaluates_as_the_reader(dir, &out);
     // `zrun sample` on the directory draws what it draws from the
     // checkpoint, to the byte; a config.json it cannot run is exit 2.
     let ckpt = dir.join("ckpt/step-00000004");

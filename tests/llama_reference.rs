@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::reference_common::{add_into, load_exactly, mean_loss};
+use crate::reference_common::{add_into, load_exactly, mean_loss, mean_loss_skipping};
 
 /// The shape, from `config.json`.
 struct Config {
@@ -171,6 +171,12 @@ impl Llama {
     /// inputs are the first `len`, targets the last `len`).
     pub fn loss(&self, windows: &[Vec<u32>]) -> f64 {
         mean_loss(windows, |inputs| self.logits(inputs))
+    }
+
+    /// [`Llama::loss`] over windows each leaving its first `skip` targets
+    /// out.
+    pub fn loss_skipping(&self, windows: &[(Vec<u32>, usize)]) -> f64 {
+        mean_loss_skipping(windows, |inputs| self.logits(inputs))
     }
 
     fn logits(&self, tokens: &[u32]) -> Vec<Vec<f64>> {

@@ -963,11 +963,50 @@ fn an_assistant_only_loss_trains_on_the_assistants_turns_alone() {
         (column("grad_norm"), column("val_loss"), column("loss"))
     };
     let two = ["--workers-per-node", "2"];
+    let ckpt = format!("checkpoint.dir={}", d.join("ckpt").display());
     let one = run(
         "one",
-        &["train.micro_batch_size=4"],
+        &["train.micro_batch_size=4", &ckpt, "checkpoint.every=12"],
         &["--workers-per-node", "1"],
     );
+    // `zrun eval` on the validation file scores the targets its mask keeps
+    // (found through the manifest), and every target of the same ids
+    // without one.
+    let val_mask = std::fs::read(out.join("val.mask")).unwrap();
+    let kept = val_mask[1..].iter().filter(|&&m| m == 1).count() as u64;
+    assert!(kept > 0 && kept < val_mask.len() as u64 - 1);
+    let bare = d.join("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    std::fs::copy(out.join("val.bin"), bare.join("val.bin")).unwrap();
+    let eval = |data: &Path, more: &[&str]| {
+        let ckpt = d.join("ckpt");
+        let args = [
+            &[
+                "eval",
+                ckpt.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+            ],
+            more,
+        ]
+        .concat();
+        let f = zrun(d, &args);
+        assert_eq!(f.code(), 0, "{f:?}");
+        let said: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+        said["tokens"].as_u64().unwrap()
+    };
+    assert_eq!(eval(&out.join("val.bin"), &[]), kept);
+    assert_eq!(
+        eval(&bare.join("val.bin"), &["--format", "tokens_u16"]),
+        val_mask.len() as u64 - 1
+    );
+    // A text file through the tokenizer: a token a word; none: exit 2.
+    std::fs::write(d.join("held.txt"), "w1 w2 w3 w1 w2").unwrap();
+    let tok_arg = ["--tokenizer", tok.to_str().unwrap()];
+    assert_eq!(eval(&d.join("held.txt"), &tok_arg), 4);
+    let f = zrun(d, &["eval", "ckpt", "--data", "held.txt"]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("give --tokenizer"), "{}", f.stderr);
     let stage0 = run("stage0", &[], &two);
     let stage3 = run("stage3", &["zero.stage=3"], &two);
     assert_eq!((one.0.len(), one.1.len()), (12, 3));

@@ -35,11 +35,21 @@ pub fn load_exactly(path: &Path, want: Vec<(String, Vec<usize>)>) -> HashMap<Str
 /// inputs are the first `len`, targets the last `len`), from a model's
 /// `logits` of the inputs.
 pub fn mean_loss(windows: &[Vec<u32>], logits: impl Fn(&[u32]) -> Vec<Vec<f64>>) -> f64 {
+    let all: Vec<(Vec<u32>, usize)> = windows.iter().map(|w| (w.clone(), 0)).collect();
+    mean_loss_skipping(&all, logits)
+}
+
+/// [`mean_loss`] over windows each of which leaves its first `skip`
+/// targets out (an earlier window scored them).
+pub fn mean_loss_skipping(
+    windows: &[(Vec<u32>, usize)],
+    logits: impl Fn(&[u32]) -> Vec<Vec<f64>>,
+) -> f64 {
     let mut total = 0.0;
     let mut count = 0usize;
-    for w in windows {
+    for (w, skip) in windows {
         let (inputs, targets) = (&w[..w.len() - 1], &w[1..]);
-        for (row, &target) in logits(inputs).iter().zip(targets) {
+        for (row, &target) in logits(inputs).iter().zip(targets).skip(*skip) {
             let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let sum: f64 = row.iter().map(|z| (z - max).exp()).sum();
             total += max + sum.ln() - row[target as usize];

@@ -885,7 +885,8 @@ impl Engine {
         }
     }
 
-    /// One micro-batch's forward and backward on the GPU; its mean loss.
+    /// One micro-batch's forward and backward on the GPU; its loss, as
+    /// [`Engine::forward_backward`] returns it.
     pub(crate) fn gpu_forward_backward(
         &mut self,
         mb: &mut MicroBatch,

@@ -48,7 +48,10 @@ pub(crate) struct MicroBatch {
 
 impl Engine {
     /// Runs forward and backward of one micro-batch and accumulates its gradients.
-    /// Returns the micro-batch's mean loss.
+    /// Returns its loss: the sum of its counted targets' losses over
+    /// [`Batch::divisor`] (its mean where nothing is masked; under a loss
+    /// mask, what averaged over the step's micro-batches and ranks gives
+    /// the mean over the step's trained targets).
     pub fn forward_backward(&mut self, batch: &Batch) -> Result<f64, EngineError> {
         let started = Instant::now();
         let mut mb = self.begin_micro_batch(batch)?;

@@ -1072,8 +1072,20 @@ impl Gpt {
         if b != 1 || t == 0 {
             candle_core::bail!("last logits: x [{b}, {t}, {d}] is not one sequence");
         }
-        let last = x.narrow(1, t - 1, 1)?.reshape((1, d))?.contiguous()?;
-        let normed = self.norm(&last, &params.norm)?.contiguous()?;
+        self.rows_logits(params, wte, &x.narrow(1, t - 1, 1)?.reshape((1, d))?)
+    }
+
+    /// The logits after each row of `rows` `[n, d]` (rows of a block's
+    /// output), `n × vocab` row-major, as [`Gpt::last_logits`] computes
+    /// them for one: what an evaluation scores every position with.
+    pub fn rows_logits(
+        &self,
+        params: &HeadParams<Tensor>,
+        wte: Option<&Tensor>,
+        rows: &Tensor,
+    ) -> Result<Vec<f32>> {
+        let (n, d) = rows.dims2()?;
+        let normed = self.norm(&rows.contiguous()?, &params.norm)?.contiguous()?;
         let out = Self::head_matrix(params, wte)?;
         let vocab = out.dim(0)?;
         // Stored `[d, vocab]` (a sampler's, [`Gpt::embed_from`]): read as
@@ -1085,9 +1097,9 @@ impl Gpt {
         };
         let (ns, nl) = normed.storage_and_layout();
         let (os, ol) = stored.storage_and_layout();
-        let a = MatRef::row_major(f32s(&ns, nl)?, 1, d).map_err(head::shape)?;
-        let mut logits = vec![0f32; vocab];
-        let c = MatMut::row_major(&mut logits, 1, vocab).map_err(head::shape)?;
+        let a = MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?;
+        let mut logits = vec![0f32; n * vocab];
+        let c = MatMut::row_major(&mut logits, n, vocab).map_err(head::shape)?;
         let threads = rayon::current_num_threads();
         let b = match rows_of_d {
             true => Input::of(&os, ol, d, vocab)?,

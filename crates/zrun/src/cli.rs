@@ -30,6 +30,8 @@ pub enum Command {
     Export(ExportArgs),
     /// Generate text from a checkpoint (byte-level, or with a tokenizer).
     Sample(SampleArgs),
+    /// A model's loss and perplexity on held-out data.
+    Eval(EvalArgs),
     /// Tokenize text files or JSONL into token files for training.
     Prepare(PrepareArgs),
 }
@@ -191,6 +193,41 @@ impl SampleArgs {
             || self.chat_template.is_some()
             || !self.chat_arg.is_empty()
     }
+}
+
+/// `zrun eval`.
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// A checkpoint directory (`step-N/`), a checkpoint root (its newest),
+    /// or a Hugging Face model directory.
+    #[arg(value_name = "CHECKPOINT|HF_DIR")]
+    pub checkpoint: PathBuf,
+    /// The held-out data: a token file of `zrun prepare` (its format and
+    /// loss mask from the manifest beside it), or a text file (tokenized
+    /// with --tokenizer or a Hugging Face directory's `tokenizer.json`;
+    /// bytes for a byte-level model).
+    #[arg(long, value_name = "FILE")]
+    pub data: PathBuf,
+    /// The tokenizer.json a text file is tokenized with (default: a Hugging
+    /// Face directory's own).
+    #[arg(long, value_name = "tokenizer.json")]
+    pub tokenizer: Option<PathBuf>,
+    /// How FILE is stored where no manifest beside it says: `text`,
+    /// `tokens_u16` or `tokens_u32`.
+    #[arg(long, value_name = "FORMAT")]
+    pub format: Option<String>,
+    /// Windows start every N tokens (1 ≤ N ≤ the model's seq_len; default
+    /// seq_len, training's disjoint windows); each scores the targets the
+    /// ones before it did not, so a smaller N gives each more context, for
+    /// more forwards (Hugging Face's sliding-window perplexity).
+    #[arg(long, value_name = "N")]
+    pub stride: Option<usize>,
+    /// Score the first N tokens of FILE only.
+    #[arg(long, value_name = "N")]
+    pub max_tokens: Option<usize>,
+    /// Path of the zworker binary (default: next to zrun).
+    #[arg(long, value_name = "PATH")]
+    pub worker_bin: Option<PathBuf>,
 }
 
 /// `zrun export`.

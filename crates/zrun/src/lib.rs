@@ -70,6 +70,7 @@ mod child;
 pub mod cli;
 pub mod csv_monitor;
 pub mod estimate;
+pub mod eval;
 pub mod launch;
 pub mod metrics;
 pub mod monitor;
@@ -720,6 +721,7 @@ pub fn run() -> anyhow::Result<ExitCode> {
         cli::Command::Plan(args) => planner::plan(args),
         cli::Command::Export(args) => export(args),
         cli::Command::Sample(args) => sample(args),
+        cli::Command::Eval(args) => eval::eval(args),
         cli::Command::Prepare(args) => prepare::prepare(args),
     }
 }

@@ -14,6 +14,7 @@
 //! - [`bench`](mod@bench): `zrun bench comm`'s measurements.
 //! - [`kernels`]: `zrun bench kernels`'s measurements.
 //! - [`sample`]: `zrun sample`'s text generation (run as `zworker sample`).
+//! - [`eval`]: `zrun eval`'s loss of a model on a file (`zworker eval`).
 //! - [`gpu`]: what this host offers `device: cuda` (`zworker --cuda-probe`).
 //!
 //! The design decision to know: a worker never decides how the job ends. Any
@@ -27,6 +28,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod control;
 pub mod env;
+pub mod eval;
 pub mod gpu;
 pub mod groups;
 pub mod kernels;

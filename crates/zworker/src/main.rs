@@ -17,6 +17,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("sample") => zworker::sample::run(&args[1..]),
+        Some("eval") => zworker::eval::run(&args[1..]),
         // zrun asks before launching a job that needs one.
         Some("--features") => {
             println!("{}", zworker::features().join(" "));

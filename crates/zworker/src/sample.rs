@@ -170,8 +170,8 @@ pub fn pick(logits: &[f32], s: Sampling, rng: &mut impl Rng) -> u32 {
 }
 
 /// A model and its parameters, read from a checkpoint.
-struct Loaded {
-    model: Gpt,
+pub(crate) struct Loaded {
+    pub(crate) model: Gpt,
     embedding: EmbeddingParams<Tensor>,
     blocks: Vec<BlockParams<Tensor>>,
     head: HeadParams<Tensor>,
@@ -207,7 +207,7 @@ impl Values {
 
 /// The model in `dir`, a checkpoint or a Hugging Face model directory
 /// (`config.json` beside `model.safetensors`).
-fn load(dir: &Path) -> Result<Loaded> {
+pub(crate) fn load(dir: &Path) -> Result<Loaded> {
     let mut read: Vec<(String, Vec<usize>, Values)> = Vec::new();
     let m = if dir.join(zckpt::hf::HF_CONFIG).is_file() {
         let m = zckpt::hf::model_spec(dir)?;
@@ -302,19 +302,34 @@ impl Loaded {
     /// hold, keeping their keys and values: the logits of the token after
     /// the last.
     fn feed(&self, tokens: &[u32], caches: &mut [KvCache]) -> Result<Vec<f32>> {
+        let x = self.hidden(tokens, caches)?;
+        Ok(self
+            .model
+            .last_logits(&self.head, Some(&self.embedding.wte), &x)?)
+    }
+
+    /// The last block's output `[1, t, d]` for `tokens`, after the ones
+    /// `caches` hold (which keep these too).
+    pub(crate) fn hidden(&self, tokens: &[u32], caches: &mut [KvCache]) -> Result<Tensor> {
         let start = caches.first().map_or(0, KvCache::tokens);
         let ids = Tensor::from_slice(tokens, (1, tokens.len()), &Device::Cpu)?;
         let mut x = self.model.embed_from(&self.embedding, &ids, start)?;
         for (b, cache) in self.blocks.iter().zip(caches.iter_mut()) {
             x = self.model.block_cached(b, &x, cache)?;
         }
+        Ok(x)
+    }
+
+    /// The logits after each row of `rows` `[n, d]` (of [`Loaded::hidden`]),
+    /// `n × vocab`.
+    pub(crate) fn rows_logits(&self, rows: &Tensor) -> Result<Vec<f32>> {
         Ok(self
             .model
-            .last_logits(&self.head, Some(&self.embedding.wte), &x)?)
+            .rows_logits(&self.head, Some(&self.embedding.wte), rows)?)
     }
 
     /// Empty caches, one a block.
-    fn caches(&self) -> Vec<KvCache> {
+    pub(crate) fn caches(&self) -> Vec<KvCache> {
         vec![KvCache::default(); self.blocks.len()]
     }
 }
