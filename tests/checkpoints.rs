@@ -870,3 +870,105 @@ fn an_interrupted_export_leaves_its_temporary_files_nowhere() {
         }
     }
 }
+
+/// `checkpoint.keep_best` (Hugging Face's `load_best_model_at_end` on the
+/// validation loss): beside the newest `keep: 1`, the checkpoint of the
+/// lowest validation loss stays through every later prune, its manifest
+/// holds that loss (which reads back: its checksum covers it), zrun names
+/// it at the end, and it loads (`zrun eval`). A rate high enough that
+/// validation gets worse after step 6 (measured: 6.22, 2.95, 2.83, 3.05 at
+/// steps 2-8), so that the best is not the newest, on one worker and on
+/// two. Without validation on the checkpoint steps: exit 2 naming the key.
+#[test]
+fn the_best_validated_checkpoint_is_kept() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    std::fs::write(dir.join("digits.txt"), "0123456789".repeat(3000)).unwrap();
+    std::fs::write(dir.join("held.txt"), "0123456789".repeat(20)).unwrap();
+    let job = dir.join("best.yaml");
+    std::fs::write(
+        &job,
+        format!(
+            "name: best\n\
+             model: {{vocab_size: 256, d_model: 64, n_layers: 2, n_heads: 4, seq_len: 32}}\n\
+             data: {{path: {0}/digits.txt, format: text, val_fraction: 0.1}}\n\
+             train: {{steps: 8, micro_batch_size: 8, lr: 0.1, warmup_steps: 10, eval_every: 2}}\n\
+             checkpoint: {{dir: {0}/ckpt, every: 2, keep: 1, keep_best: true}}\n\
+             run_dir: {0}/runs\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    for (workers, batch) in [("1", "8"), ("2", "4")] {
+        let ckpt = dir.join("ckpt");
+        let _ = std::fs::remove_dir_all(&ckpt);
+        let metrics = format!("best-{workers}.jsonl");
+        let micro = format!("train.micro_batch_size={batch}");
+        let f = train(
+            dir,
+            &job,
+            &metrics,
+            &["--workers-per-node", workers, "--set", &micro],
+        );
+        let validated: Vec<(u64, f64)> = e2e::exact_by_step(&dir.join(&metrics), "val_loss");
+        assert_eq!(validated.len(), 4, "{validated:?}");
+        let (best_step, best) =
+            validated
+                .iter()
+                .copied()
+                .fold((0, f64::INFINITY), |b, v| if v.1 < b.1 { v } else { b });
+        assert_ne!(best_step, 8, "the newest is the best: {validated:?}");
+        let kept: Vec<String> = std::fs::read_dir(&ckpt)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let best_dir = format!("step-{best_step:08}");
+        assert_eq!(
+            kept,
+            [best_dir.clone(), "step-00000008".into()],
+            "{validated:?}"
+        );
+        let manifest: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(ckpt.join(&best_dir).join("manifest.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(manifest["val_loss"].as_f64(), Some(best));
+        assert!(
+            f.stdout.contains(&format!(
+                "the best checkpoint by validation loss: {} (val_loss {best:.4})",
+                ckpt.join(&best_dir).display()
+            )),
+            "{}",
+            f.stdout
+        );
+        let e = zrun(
+            dir,
+            &[
+                "eval",
+                ckpt.join(&best_dir).to_str().unwrap(),
+                "--data",
+                "held.txt",
+            ],
+        );
+        assert_eq!(e.code(), 0, "{e:?}");
+    }
+    for (set, says) in [
+        ("train.eval_every=0", "needs validation"),
+        (
+            "checkpoint.every=3",
+            "must be a multiple of train.eval_every (2)",
+        ),
+    ] {
+        let f = TrainArgs::new(&job, dir.join("refused.jsonl"))
+            .set(set)
+            .run(dir);
+        assert_eq!(f.code(), 2, "{set}: {f:?}");
+        assert!(
+            f.stderr.contains("checkpoint.keep_best") && f.stderr.contains(says),
+            "{set}: {}",
+            f.stderr
+        );
+    }
+}

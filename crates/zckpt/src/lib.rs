@@ -152,6 +152,10 @@ pub struct Manifest {
     pub samples_consumed: u64,
     /// f16's dynamic loss scale (null otherwise).
     pub loss_scale: Option<LossScaleState>,
+    /// The validation loss at its step, where the run validated then
+    /// (what `checkpoint.keep_best` keeps the lowest of).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
     /// Group layouts, in model order.
     pub groups: Vec<GroupEntry>,
     /// One shard per rank, in rank order.
@@ -317,15 +321,22 @@ pub fn list(root: &Path) -> Vec<PathBuf> {
     dirs
 }
 
-/// Removes all but the newest `keep` complete checkpoints, and unfinished saves
-/// older than the newest complete one.
-pub fn prune(root: &Path, keep: usize) -> Result<(), CkptError> {
+/// Removes all but the newest `keep` complete checkpoints (and, with
+/// `keep_best`, the [`best`] one), and unfinished saves older than the
+/// newest complete one.
+pub fn prune(root: &Path, keep: usize, keep_best: bool) -> Result<(), CkptError> {
     let complete = list(root);
     let Some(newest) = complete.last().cloned() else {
         return Ok(());
     };
+    let best = match keep_best {
+        true => best(root).map(|(dir, _)| dir),
+        false => None,
+    };
     for old in &complete[..complete.len().saturating_sub(keep.max(1))] {
-        std::fs::remove_dir_all(old).map_err(io(old))?;
+        if Some(old) != best.as_ref() {
+            std::fs::remove_dir_all(old).map_err(io(old))?;
+        }
     }
     for e in std::fs::read_dir(root).map_err(io(root))?.flatten() {
         let p = e.path();
@@ -338,6 +349,27 @@ pub fn prune(root: &Path, keep: usize) -> Result<(), CkptError> {
         }
     }
     Ok(())
+}
+
+/// The complete checkpoint under `root` of the lowest validation loss, and
+/// that loss: the earliest of equals, as Hugging Face's trainer keeps the
+/// first to reach its best. None where none recorded one (or none opens).
+pub fn best(root: &Path) -> Option<(PathBuf, f64)> {
+    let mut best: Option<(PathBuf, f64)> = None;
+    for dir in list(root) {
+        let path = dir.join(MANIFEST);
+        let Some(loss) = std::fs::read(&path)
+            .ok()
+            .and_then(|text| read_manifest(&path, &text).ok())
+            .and_then(|m| m.val_loss)
+        else {
+            continue;
+        };
+        if best.as_ref().is_none_or(|(_, b)| loss < *b) {
+            best = Some((dir, loss));
+        }
+    }
+    best
 }
 
 /// Removes every unfinished save (a `step-*` directory without a manifest)
@@ -707,6 +739,11 @@ mod tests {
 
     /// Writes a 2-rank checkpoint of one group of 10 elements padded to 32.
     fn write(dir: &Path) -> Manifest {
+        write_validated(dir, None)
+    }
+
+    /// [`write`], its validation loss `val_loss`.
+    fn write_validated(dir: &Path, val_loss: Option<f64>) -> Manifest {
         let full: Vec<f32> = (0..32)
             .map(|i| if i < 10 { i as f32 } else { 0.0 })
             .collect();
@@ -726,6 +763,7 @@ mod tests {
             step: 5,
             samples_consumed: 40,
             loss_scale: None,
+            val_loss,
             groups: vec![GroupEntry {
                 name: "g".into(),
                 numel: 10,
@@ -960,7 +998,7 @@ mod tests {
             std::fs::create_dir_all(d.path().join(step_dir_name(s))).unwrap();
         }
         assert_eq!(resolve(d.path()).unwrap(), d.path().join(step_dir_name(3)));
-        prune(d.path(), 2).unwrap();
+        prune(d.path(), 2, false).unwrap();
         let left: Vec<_> = list(d.path())
             .iter()
             .map(|p| p.file_name().unwrap().to_string_lossy().to_string())
@@ -970,6 +1008,35 @@ mod tests {
         // may be in progress); the unfinished step-0 is older: removed.
         assert!(d.path().join(step_dir_name(4)).exists());
         assert!(!d.path().join(step_dir_name(0)).exists());
+    }
+
+    /// `keep_best`: the checkpoint of the lowest validation loss stays
+    /// beside the newest `keep` (the earliest of equal ones; one without a
+    /// validation loss is no candidate); without it, it goes.
+    #[test]
+    fn pruning_can_keep_the_best_validated_checkpoint() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path();
+        let losses = [Some(3.0), Some(1.0), None, Some(1.0), Some(2.5)];
+        for (s, loss) in losses.iter().enumerate() {
+            write_validated(&root.join(step_dir_name(s as u64 + 1)), *loss);
+        }
+        assert_eq!(best(root), Some((root.join(step_dir_name(2)), 1.0)));
+        let left = || -> Vec<String> {
+            list(root)
+                .iter()
+                .map(|p| p.file_name().unwrap().to_string_lossy().to_string())
+                .collect()
+        };
+        prune(root, 1, true).unwrap();
+        assert_eq!(left(), ["step-00000002", "step-00000005"]);
+        // Kept again at the next prune; gone without keep_best.
+        prune(root, 1, true).unwrap();
+        assert_eq!(left(), ["step-00000002", "step-00000005"]);
+        prune(root, 1, false).unwrap();
+        assert_eq!(left(), ["step-00000005"]);
+        let empty = tempfile::tempdir().unwrap();
+        assert_eq!(best(empty.path()), None);
     }
 
     /// Only `step-*` directories without a manifest go, old or new; complete

@@ -766,6 +766,20 @@ impl LoadedJob {
         if s.checkpoint.every > 0 && s.checkpoint.dir.is_none() {
             return Err(self.invalid("checkpoint.every", "needs checkpoint.dir"));
         }
+        if s.checkpoint.keep_best {
+            let (every, eval) = (s.checkpoint.every, s.train.eval_every);
+            let why = match () {
+                _ if s.checkpoint.dir.is_none() => Some("needs checkpoint.dir".to_string()),
+                _ if eval == 0 => Some("needs validation: set train.eval_every (and data.val_path or data.val_fraction)".to_string()),
+                _ if every == 0 || every % eval != 0 => Some(format!(
+                    "checkpoints must fall on validation steps: checkpoint.every ({every}) must be a multiple of train.eval_every ({eval})"
+                )),
+                _ => None,
+            };
+            if let Some(why) = why {
+                return Err(self.invalid("checkpoint.keep_best", why));
+            }
+        }
         if s.run_dir.trim().is_empty() {
             return Err(self.invalid("run_dir", "must not be empty"));
         }

@@ -703,6 +703,9 @@ pub struct CheckpointSpec {
     pub every: u64,
     /// Newest checkpoints kept.
     pub keep: usize,
+    /// Also keep the checkpoint of the lowest validation loss (Hugging
+    /// Face's `load_best_model_at_end` with `metric_for_best_model: loss`).
+    pub keep_best: bool,
 }
 
 impl Default for CheckpointSpec {
@@ -711,6 +714,7 @@ impl Default for CheckpointSpec {
             dir: None,
             every: 0,
             keep: 2,
+            keep_best: false,
         }
     }
 }

@@ -209,6 +209,16 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                         .map(|b| format!(", {} MiB of swap files per worker", b >> 20))
                         .unwrap_or_default()
                 );
+                let root = plan.spec.checkpoint.dir.as_deref().map(Path::new);
+                if let Some((dir, loss)) = root
+                    .filter(|_| plan.spec.checkpoint.keep_best)
+                    .and_then(zckpt::best)
+                {
+                    say!(
+                        "zrun: the best checkpoint by validation loss: {} (val_loss {loss:.4})",
+                        dir.display()
+                    );
+                }
                 return Ok(ExitCode::SUCCESS);
             }
             Outcome::Stopped { step } => {

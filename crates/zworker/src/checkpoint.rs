@@ -3,7 +3,9 @@
 //! Ranks send their shard's size and checksum to rank 0 with an all-to-all, so
 //! the manifest is written only once every shard is safely on disk, and a crash
 //! anywhere before that leaves a directory without a manifest, which resume and
-//! export ignore. Rank 0 then prunes checkpoints beyond `checkpoint.keep`.
+//! export ignore. Rank 0 then prunes checkpoints beyond `checkpoint.keep`
+//! (keeping the one of the lowest validation loss under
+//! `checkpoint.keep_best`, which the manifests record).
 
 use std::path::Path;
 
@@ -15,7 +17,8 @@ use zengine::Engine;
 
 use crate::env::WorkerEnv;
 
-/// Saves the engine's state after its last step.
+/// Saves the engine's state after its last step, and the validation loss
+/// at that step if the run validated then.
 pub fn save(
     engine: &Engine,
     spec: &JobSpec,
@@ -23,6 +26,7 @@ pub fn save(
     comm: &dyn Communicator,
     nodes: usize,
     samples: u64,
+    val_loss: Option<f64>,
 ) -> Result<()> {
     let root = Path::new(
         spec.checkpoint
@@ -56,11 +60,12 @@ pub fn save(
             step,
             samples_consumed: samples,
             loss_scale: engine.loss_scale_state(),
+            val_loss,
             groups: engine.manifest_groups(),
             files,
         };
         write_manifest(&dir, &manifest)?;
-        zckpt::prune(root, spec.checkpoint.keep)?;
+        zckpt::prune(root, spec.checkpoint.keep, spec.checkpoint.keep_best)?;
     }
     comm.barrier()?;
     Ok(())

@@ -95,9 +95,11 @@ pub fn train(
     let flops_per_token = engine.model().flops_per_token();
     let every = spec.checkpoint.every;
     let mut saved_at = None;
-    let save_now = |engine: &Engine, data: &Batcher| {
+    // The last validation: its step and loss.
+    let mut validated = None;
+    let save_now = |engine: &Engine, data: &Batcher, val_loss: Option<f64>| {
         let consumed = data.samples_consumed(engine.steps_done());
-        save(engine, spec, env, comm.as_ref(), nodes, consumed)
+        save(engine, spec, env, comm.as_ref(), nodes, consumed, val_loss)
     };
     // ZRUN_GPU_PROFILE: the profile starts again after the warm-up steps
     // where the run has twice as many.
@@ -124,6 +126,7 @@ pub fn train(
             Some(batches) if evaluate => Some(engine.eval_loss(batches)?),
             _ => None,
         };
+        validated = val_loss.map(|l| (st.step, l)).or(validated);
         client.send(&ToServer::Report(Box::new(StepReport {
             step: st.step,
             loss: st.loss,
@@ -150,7 +153,7 @@ pub fn train(
             crate::gpu::profile(&engine, env.rank, crate::gpu::ProfileAt::Restart)?;
         }
         if spec.checkpoint.dir.is_some() && every > 0 && st.step % every == 0 {
-            save_now(&engine, &data)?;
+            save_now(&engine, &data, val_loss)?;
             saved_at = Some(st.step);
         }
         if spec.checkpoint.dir.is_none() && client.stop_flag().swap(false, Ordering::SeqCst) {
@@ -161,7 +164,7 @@ pub fn train(
         }
         if st.stop && st.step < t.steps {
             if saved_at != Some(st.step) {
-                save_now(&engine, &data)?;
+                save_now(&engine, &data, val_loss)?;
             }
             return Ok(crate::Ended::Stopped { step: st.step });
         }
@@ -170,7 +173,10 @@ pub fn train(
     crate::gpu::profile(&engine, env.rank, crate::gpu::ProfileAt::Report { steps })?;
     // A run with a checkpoint directory always ends with a checkpoint.
     if spec.checkpoint.dir.is_some() && saved_at != Some(engine.steps_done()) {
-        save_now(&engine, &data)?;
+        let val_loss = validated
+            .filter(|&(step, _)| step == engine.steps_done())
+            .map(|(_, l)| l);
+        save_now(&engine, &data, val_loss)?;
     }
     Ok(crate::Ended::Done)
 }

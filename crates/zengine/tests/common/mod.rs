@@ -292,6 +292,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
     if let Some(dir) = save {
         let first = runs[0].saved.clone().unwrap();
         let manifest = Manifest {
+            val_loss: None,
             format: zckpt::FORMAT,
             model: spec.model.clone(),
             world_size: world,
