@@ -148,6 +148,124 @@ fn evaluates_as_the_reader(dir: &Path, hf: &Path) {
     }
 }
 
+/// `zrun export --format hf` of a run that started from a Hugging Face
+/// directory: the directory's tokenizer, chat template and generation
+/// settings go beside the weights, byte for byte, so that the export is
+/// taken as that model was (`zrun sample` of it through its own
+/// tokenizer); `--tokenizer-from none` leaves them out, a directory that is
+/// not there is exit 2, and so is a tokenizer of more tokens than the
+/// model's 256.
+fn exports_with_its_tokenizer(dir: &Path, job: &Path, hf: &Path) {
+    let words = |n: usize| -> serde_json::Value {
+        let mut vocab = serde_json::Map::new();
+        vocab.insert("[UNK]".into(), 0.into());
+        for i in 1..n {
+            vocab.insert(format!("w{i}"), i.into());
+        }
+        serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+        })
+    };
+    let files = [
+        ("tokenizer.json", words(40).to_string()),
+        (
+            "chat_template.jinja",
+            "{% for m in messages %}{{ m.content }}{% endfor %}".into(),
+        ),
+        ("generation_config.json", r#"{"eos_token_id": 7}"#.into()),
+    ];
+    for (name, text) in &files {
+        std::fs::write(hf.join(name), text).unwrap();
+    }
+    let ckpt = dir.join("tuned-ckpt");
+    train(
+        dir,
+        job,
+        "tuned.jsonl",
+        &[
+            "--workers-per-node",
+            "1",
+            "--set",
+            &format!("model.init_from={}", hf.display()),
+            "--set",
+            "train.steps=1",
+            "--set",
+            &format!("checkpoint.dir={}", ckpt.display()),
+        ],
+    );
+    let export = |out: &str, more: &[&str]| {
+        let args = [
+            &[
+                "export",
+                ckpt.to_str().unwrap(),
+                "--format",
+                "hf",
+                "--out",
+                out,
+            ][..],
+            more,
+        ]
+        .concat();
+        zrun(dir, &args)
+    };
+    let f = export("tuned-hf", &[]);
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(
+        f.stdout.contains(&format!(
+            "with tokenizer.json, chat_template.jinja, generation_config.json from {}",
+            hf.display()
+        )),
+        "{}",
+        f.stdout
+    );
+    let tuned = dir.join("tuned-hf");
+    for (name, text) in &files {
+        assert_eq!(
+            &std::fs::read_to_string(tuned.join(name)).unwrap(),
+            text,
+            "{name}"
+        );
+    }
+    let s = zrun(
+        dir,
+        &[
+            "sample",
+            tuned.to_str().unwrap(),
+            "--prompt",
+            "w3 w4",
+            "--tokens",
+            "3",
+        ],
+    );
+    assert_eq!(s.code(), 0, "{s:?}");
+    let f = export("bare-hf", &["--tokenizer-from", "none"]);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let mut names: Vec<String> = std::fs::read_dir(dir.join("bare-hf"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["config.json", "model.safetensors"]);
+    std::fs::write(hf.join("tokenizer.json"), words(300).to_string()).unwrap();
+    for (more, says) in [
+        (
+            vec!["--tokenizer-from", "nowhere"],
+            "--tokenizer-from nowhere: not a directory",
+        ),
+        (vec![], "300 tokens, more than the model's vocab_size 256"),
+    ] {
+        let f = export("refused-hf", &more);
+        assert_eq!(f.code(), 2, "{more:?}: {f:?}");
+        assert!(f.stderr.contains(says), "{more:?}: {}", f.stderr);
+    }
+    for (name, _) in &files {
+        std::fs::remove_file(hf.join(name)).unwrap();
+    }
+}
+
 /// Training from `init` with `set` exits 2, its message holding `needles`.
 fn refused_from(dir: &Path, job: &Path, init: &Path, set: &str, needles: &[&str]) {
     let f = TrainArgs::new(job, dir.join("refused.jsonl"))
@@ -362,6 +480,7 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
         starts_at(dir, &job, from, metrics, next);
     }
     evaluates_as_the_reader(dir, &out);
+    exports_with_its_tokenizer(dir, &job, &out);
     // `zrun sample` on the directory draws what it draws from the
     // checkpoint, to the byte; a config.json it cannot run is exit 2.
     let ckpt = dir.join("ckpt/step-00000004");

@@ -244,6 +244,14 @@ pub struct ExportArgs {
     /// (`config.json` + `model.safetensors`) that `transformers` loads.
     #[arg(long, value_enum, default_value_t = ExportFormat::Zrun)]
     pub format: ExportFormat,
+    /// `--format hf`: the Hugging Face directory whose tokenizer
+    /// (`tokenizer.json`, `tokenizer_config.json` with its chat template,
+    /// the special tokens...) and `generation_config.json` go beside the
+    /// weights, so that `transformers` and `zrun sample` take the export as
+    /// they took that model (default: the job's `model.init_from`, or the
+    /// directory of its weights file; `none`: no files but the model's).
+    #[arg(long, value_name = "DIR|none")]
+    pub tokenizer_from: Option<PathBuf>,
     /// Replace an earlier export at `--out` (by default an existing file,
     /// or a directory holding `config.json` or `model.safetensors`, is kept
     /// and the command exits 2).

@@ -91,9 +91,10 @@ pub mod tensorboard;
 pub mod train;
 pub mod worker;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use anyhow::Context as _;
 use clap::Parser;
 
 /// Exit codes (docs/CONFIG.md).
@@ -680,13 +681,23 @@ fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
             )));
         }
     }
-    let written = match hf {
+    let companions = match hf {
+        true => companions(&args, &ckpt.manifest.model)?,
+        false if args.tokenizer_from.is_some() => {
+            return Err(Failure::bad_input(
+                "--tokenizer-from: only with --format hf (a zrun export is the weights alone)",
+            ))
+        }
+        false => Vec::new(),
+    };
+    let mut written = match hf {
         true => vec![
             args.out.join(zckpt::hf::HF_CONFIG),
             args.out.join(zckpt::hf::HF_WEIGHTS),
         ],
         false => vec![args.out.clone()],
     };
+    written.extend(companions.iter().map(|from| args.out.join(file_name(from))));
     keep_existing("--out", &written, args.overwrite)?;
     let temporary: Vec<_> = written.iter().map(|p| zckpt::temporary_path(p)).collect();
     remove_on_interrupt(&temporary)?;
@@ -695,14 +706,103 @@ fn export(args: cli::ExportArgs) -> anyhow::Result<ExitCode> {
         false => ckpt.export(&args.out),
     }
     .map_err(|e| Failure::bad_input(e.to_string()))?;
+    // The weights are in place; each companion too, whole or not at all.
+    for from in &companions {
+        let to = args.out.join(file_name(from));
+        let partial = zckpt::temporary_path(&to);
+        std::fs::copy(from, &partial)
+            .and_then(|_| std::fs::rename(&partial, &to))
+            .with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+    }
     say!(
-        "zrun: wrote {n} parameters (step {}, {} ranks, stage {}) to {}",
+        "zrun: wrote {n} parameters (step {}, {} ranks, stage {}) to {}{}",
         ckpt.manifest.step,
         ckpt.manifest.world_size,
         ckpt.manifest.stage,
-        args.out.display()
+        args.out.display(),
+        match companions.first() {
+            Some(first) => format!(
+                ", with {} from {}",
+                companions
+                    .iter()
+                    .map(|c| file_name(c))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                first.parent().unwrap_or(Path::new(".")).display()
+            ),
+            None => String::new(),
+        }
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The files beside a Hugging Face model's weights that make it usable as
+/// it was: its tokenizer (what `save_pretrained` of one writes: the chat
+/// template and special tokens in `tokenizer_config.json` or a template
+/// file of their own; a slow tokenizer's vocabulary files) and its
+/// generation settings (end-of-text ids, sampling).
+const COMPANIONS: [&str; 10] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+];
+
+/// A path's last part, as a string.
+fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// The [`COMPANIONS`] `zrun export --format hf` copies: those in
+/// `--tokenizer-from DIR`, else in the job's `model.init_from` (a
+/// directory, or the one of a weights file; none with `--tokenizer-from
+/// none`). A tokenizer of more
+/// tokens than the model has is refused (exit 2), as `zrun sample` refuses
+/// it.
+fn companions(
+    args: &cli::ExportArgs,
+    model: &zconfig::spec::ModelSpec,
+) -> anyhow::Result<Vec<PathBuf>> {
+    let dir = match &args.tokenizer_from {
+        Some(d) if d.as_os_str() == "none" => return Ok(Vec::new()),
+        Some(d) if !d.is_dir() => {
+            return Err(Failure::bad_input(format!(
+                "--tokenizer-from {}: not a directory (a Hugging Face model's, or none)",
+                d.display()
+            )))
+        }
+        Some(d) => d.clone(),
+        // A published model's weights file stands in its directory.
+        None => match model.init_from.as_deref().map(PathBuf::from) {
+            Some(d) if d.is_dir() => d,
+            Some(f) if f.is_file() => f.parent().unwrap_or(Path::new(".")).to_path_buf(),
+            _ => return Ok(Vec::new()),
+        },
+    };
+    let found: Vec<PathBuf> = COMPANIONS
+        .iter()
+        .map(|name| dir.join(name))
+        .filter(|p| p.is_file())
+        .collect();
+    if found.is_empty() && args.tokenizer_from.is_some() {
+        return Err(Failure::bad_input(format!(
+            "--tokenizer-from {}: holds none of {}",
+            dir.display(),
+            COMPANIONS.join(", ")
+        )));
+    }
+    if let Some(t) = found.iter().find(|p| p.ends_with("tokenizer.json")) {
+        prepare::load_tokenizer(t, model.vocab_size)?;
+    }
+    Ok(found)
 }
 
 /// Parses the command line and runs the command.
