@@ -728,6 +728,57 @@ fn conversations_are_laid_out_by_the_chat_template() {
         ids(&out.join("train.bin"), 2),
         vec![id("w5"), id("<|endoftext|>")]
     );
+    // --chat-arg: a variable for every record, which a record's own
+    // chat_template_kwargs override; a reserved name is exit 2.
+    std::fs::write(
+        d.join("tagged.jinja"),
+        "{% for m in messages %}{{ tag }} {{ m.content }} {% endfor %}",
+    )
+    .unwrap();
+    let tagged = d.join("tagged.jinja").display().to_string();
+    let own = serde_json::json!({"messages": [{"role": "user", "content": "w1"}],
+        "chat_template_kwargs": {"tag": "w3"}});
+    std::fs::write(
+        d.join("tags.jsonl"),
+        format!("{}\n{own}\n", record(&conversations[1])),
+    )
+    .unwrap();
+    let tags = [
+        "--val-fraction",
+        "0",
+        "--overwrite",
+        "--chat-template",
+        &tagged,
+        "--eos",
+        "none",
+    ];
+    let f = prepare(
+        d,
+        &["tags.jsonl"],
+        &tok,
+        &out,
+        &[&tags[..], &["--chat-arg", "tag=\"w4\""]].concat(),
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let want: Vec<u32> = [
+        "w4", "w0", "w4", "w1", "w4", "w2", "w2", "w4", "w5", "w3", "w1",
+    ]
+    .map(id)
+    .to_vec();
+    assert_eq!(ids(&out.join("train.bin"), 2), want);
+    let f = prepare(
+        d,
+        &["tags.jsonl"],
+        &tok,
+        &out,
+        &[&tags[..], &["--chat-arg", "messages=[]"]].concat(),
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("`messages` comes with the conversation"),
+        "{}",
+        f.stderr
+    );
 }
 
 /// The chat workflow end to end: conversations prepared with the chat

@@ -714,7 +714,7 @@ pub fn chat_arg(text: &str) -> anyhow::Result<(String, Value)> {
     }
     if RESERVED.contains(&key) {
         return Err(Failure::bad_input(format!(
-            "--chat-arg {text}: `{key}` is zrun's to set (--prompt and --system make the messages, --tools the tools)"
+            "--chat-arg {text}: `{key}` comes with the conversation (its messages, its tools), not from --chat-arg"
         )));
     }
     let value = json_value(value).unwrap_or_else(|_| Value::from(value));

@@ -60,6 +60,12 @@ pub struct PrepareArgs {
     /// looks).
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
+    /// A variable for the chat template in every conversation, KEY=VALUE
+    /// with VALUE as JSON, else as a string (`enable_thinking=false` for
+    /// Qwen3); a record's own `chat_template_kwargs` override it;
+    /// repeatable.
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub chat_arg: Vec<String>,
     /// The share of pieces (records, or 64 KiB stretches of text) that go to
     /// `val.bin`, spread evenly.
     #[arg(long, default_value_t = 0.01)]

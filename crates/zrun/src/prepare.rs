@@ -273,6 +273,11 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
             .map(Option::as_ref)
             .map_err(|e| e.to_string()),
         looked_in: ChatTemplate::looked_in(tokenizer_dir),
+        args: args
+            .chat_arg
+            .iter()
+            .map(|a| chat::chat_arg(a))
+            .collect::<Result<_>>()?,
     };
     let tokenizer_bytes = std::fs::read(&args.tokenizer).map_err(|e| {
         Failure::bad_input(format!("--tokenizer {}: {e}", args.tokenizer.display()))
@@ -678,6 +683,8 @@ struct Conversations<'a> {
     /// not be read.
     renderer: Result<Option<&'a Renderer<'a>>, String>,
     looked_in: String,
+    /// `--chat-arg`'s variables, for every record.
+    args: Vec<(String, minijinja::Value)>,
 }
 
 /// Which parts of records the loss is kept to: `--assistant-only-loss`,
@@ -764,7 +771,7 @@ fn conversation(
     assistant_only: bool,
 ) -> anyhow::Result<Piece> {
     let renderer = conversations.renderer(name)?;
-    let (record, args) = template_record(line)?;
+    let (record, args) = conversations.record(line)?;
     let messages = record.get_attr(name).unwrap_or_default();
     let text = renderer.render(messages.clone(), false, &args)?;
     let kept = match assistant_only {
@@ -777,18 +784,21 @@ fn conversation(
     Ok(Piece::kept(text, kept))
 }
 
-/// A JSONL line read again as the template's value, each message's keys in
-/// order (a template may iterate them), and the template's arguments the
-/// record carries (its `tools`, its `chat_template_kwargs`).
-fn template_record(
-    line: &str,
-) -> anyhow::Result<(minijinja::Value, Vec<(String, minijinja::Value)>)> {
-    let record = chat::json_value(line)?;
-    let args = chat::record_args(&record)?;
-    Ok((record, args))
-}
-
 impl Conversations<'_> {
+    /// A JSONL line read again as the template's value, each message's
+    /// keys in order (a template may iterate them), and the template's
+    /// arguments: `--chat-arg`'s, then the record's own (its `tools`, its
+    /// `chat_template_kwargs`), which override them.
+    fn record(
+        &self,
+        line: &str,
+    ) -> anyhow::Result<(minijinja::Value, Vec<(String, minijinja::Value)>)> {
+        let record = chat::json_value(line)?;
+        let mut args = self.args.clone();
+        args.extend(chat::record_args(&record)?);
+        Ok((record, args))
+    }
+
     /// The renderer for the conversation under `name`, or why there is none.
     fn renderer(&self, name: &str) -> anyhow::Result<&Renderer<'_>> {
         match &self.renderer {
@@ -835,7 +845,7 @@ fn prompt_completion(
         }
         (Array(_), Array(_)) => {
             let renderer = conversations.renderer("prompt")?;
-            let (record, args) = template_record(line)?;
+            let (record, args) = conversations.record(line)?;
             let prompt = record.get_attr("prompt").unwrap_or_default();
             let completion = record.get_attr("completion").unwrap_or_default();
             let whole: Vec<minijinja::Value> =
