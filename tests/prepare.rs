@@ -1153,16 +1153,7 @@ fn assistant_masks_are_the_ones_transformers_finds_from_generation_marks() {
         ];
         let f = prepare(d, &["chats.jsonl"], &tok, &out, &flags);
         assert_eq!(f.code(), 0, "{f:?}");
-        let mask: Vec<u64> = std::fs::read(out.join("train.mask"))
-            .unwrap()
-            .into_iter()
-            .map(u64::from)
-            .collect();
-        let ids: Vec<u64> = ids(&out.join("train.bin"), 2)
-            .into_iter()
-            .map(u64::from)
-            .collect();
-        (ids, mask)
+        ids_and_mask(&out)
     };
     let marked = prepared("marked");
     let unmarked = prepared("unmarked");
@@ -1405,16 +1396,7 @@ fn tools_and_template_arguments_reach_the_template_as_trl_passes_them() {
         let flags = [&["--val-fraction", "0"], flags].concat();
         let f = prepare(d, &[input], &tok, &out, &flags);
         assert_eq!(f.code(), 0, "{flags:?}: {f:?}");
-        let mask: Vec<u64> = std::fs::read(out.join("train.mask"))
-            .unwrap()
-            .into_iter()
-            .map(u64::from)
-            .collect();
-        let ids: Vec<u64> = ids(&out.join("train.bin"), 2)
-            .into_iter()
-            .map(u64::from)
-            .collect();
-        (ids, mask)
+        ids_and_mask(&out)
     };
     let unmarked = d.join("unmarked.jinja").display().to_string();
     let marked_file = d.join("marked.jinja").display().to_string();
@@ -1508,6 +1490,17 @@ print(json.dumps({"ids": ids, "mask": mask, "turn_ids": turns["input_ids"], "tur
     assert!(turns.1.contains(&0) && turns.1.contains(&1));
     assert_eq!(shown(&turns_marked), shown(&turns), "marked");
     assert_eq!(shown(&turns_unmarked), shown(&turns), "unmarked");
+}
+
+/// The u16 ids of `out/train.bin` and the bytes of its mask, as the
+/// integers a Python reference answers with.
+fn ids_and_mask(out: &Path) -> (Vec<u64>, Vec<u64>) {
+    let mask = std::fs::read(out.join("train.mask")).unwrap();
+    let ids = ids(&out.join("train.bin"), 2);
+    (
+        ids.into_iter().map(u64::from).collect(),
+        mask.into_iter().map(u64::from).collect(),
+    )
 }
 
 /// A reference script's `transformers` at hand: `request` read from stdin,
