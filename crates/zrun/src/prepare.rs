@@ -401,11 +401,11 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     bar.finish_and_clear();
     // A mask that leaves nothing out (no prompt-completion records came)
     // is dropped: the data trains as it would without one.
-    let masked = args.assistant_only_loss || train.leaves_out() || val.leaves_out();
+    let keep_masks = args.assistant_only_loss || train.leaves_out() || val.leaves_out();
     let mut files = BTreeMap::new();
     let mut written = Vec::new();
     for out in [train, val] {
-        let (name, entry, parts) = out.finish(masked)?;
+        let (name, entry, parts) = out.finish(keep_masks)?;
         files.insert(name.to_string(), entry);
         written.extend(parts.into_iter().map(|(p, n)| (p, args.out.join(n))));
     }
@@ -439,7 +439,7 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         std::fs::rename(&partial.0, to)
             .with_context(|| format!("renaming {} to {}", partial.0.display(), to.display()))?;
     }
-    if !masked {
+    if !keep_masks {
         // --overwrite of data prepared with masks: theirs are not these
         // tokens' (the manifest no longer names them).
         for stale in ["train.mask", "val.mask"].map(|n| args.out.join(n)) {
