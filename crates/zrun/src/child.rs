@@ -55,7 +55,19 @@ pub(crate) fn ends_with_this_zrun(command: &mut Command) -> &mut Command {
 /// reaches zrun meanwhile, the child is sent SIGTERM (killed if it takes
 /// longer than [`STOP_GRACE`]) and the result is exit 130, saying that
 /// `what` was stopped.
-pub(crate) fn output_of(mut command: Command, what: &str) -> Result<Output> {
+pub(crate) fn output_of(command: Command, what: &str) -> Result<Output> {
+    run_to_end(command, what, true)
+}
+
+/// [`output_of`], with the child's stderr shown as it comes (a long
+/// child's progress) instead of collected.
+pub(crate) fn stdout_of(command: Command, what: &str) -> Result<Output> {
+    run_to_end(command, what, false)
+}
+
+/// Runs `command` as [`output_of`] describes, collecting its stderr too
+/// where `collect_stderr`.
+fn run_to_end(mut command: Command, what: &str, collect_stderr: bool) -> Result<Output> {
     // One that came between this child and the one before.
     if let Some(sig) = crate::stop::stop_signal() {
         return Err(Failure {
@@ -66,7 +78,10 @@ pub(crate) fn output_of(mut command: Command, what: &str) -> Result<Output> {
     }
     ends_with_this_zrun(&mut command)
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
+        .stderr(match collect_stderr {
+            true => std::process::Stdio::piped(),
+            false => std::process::Stdio::inherit(),
+        });
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

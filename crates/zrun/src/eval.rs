@@ -82,8 +82,7 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<ExitCode> {
         .arg(format_name.as_str().unwrap_or_default())
         .arg(stride.to_string())
         .arg(args.max_tokens.unwrap_or(0).to_string());
-    let out = child::output_of(command, "the evaluation")?;
-    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    let out = child::stdout_of(command, "the evaluation")?;
     if !out.status.success() {
         return Ok(ExitCode::from(1));
     }

@@ -19,9 +19,10 @@
 //! optimizer), then the head over its rows in chunks, so that the
 //! `rows × vocab` logits of a large vocabulary are never held whole. It
 //! prints one JSON line: the targets scored, the windows run and the sum
-//! of their losses (nats).
+//! of their losses (nats); and every ten seconds, on stderr, how far it is.
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use zconfig::DataFormat;
@@ -29,6 +30,8 @@ use zmodel::Corpus;
 
 /// Rows of a window whose logits are computed at once.
 const ROWS: usize = 64;
+/// How often a long evaluation says how far it is.
+const PROGRESS: Duration = Duration::from_secs(10);
 
 /// `zworker eval DIR FILE FORMAT STRIDE MAX_TOKENS` (arguments checked by
 /// zrun; MAX_TOKENS 0: the whole file).
@@ -56,6 +59,9 @@ pub fn run(args: &[String]) -> Result<()> {
     }
     let (mut ids, mut mask) = (Vec::new(), Vec::new());
     let (mut scored, mut windows, mut loss) = (0u64, 0u64, 0f64);
+    // Progress for a long evaluation, on stderr every PROGRESS.
+    let started = Instant::now();
+    let mut said = started;
     // Targets up to `done` are scored; window [begin, end) predicts
     // tokens begin + 1 .. end from the ones before them.
     let (mut begin, mut done) = (0usize, 0usize);
@@ -83,6 +89,15 @@ pub fn run(args: &[String]) -> Result<()> {
         }
         windows += 1;
         done = end - 1;
+        if said.elapsed() >= PROGRESS && end < n {
+            said = Instant::now();
+            let s = started.elapsed().as_secs_f64();
+            eprintln!(
+                "zrun: eval: {done} of {} targets, {s:.0} s, {:.0} tokens/s",
+                n - 1,
+                done as f64 / s
+            );
+        }
         if end == n {
             break;
         }
