@@ -74,7 +74,8 @@ fn starts_at(dir: &Path, job: &Path, from: &Path, metrics: &str, next: f64) {
 /// and at strides 20 and 1, where each window scores only the targets the
 /// one before left (every target once); the checkpoint it came from gives
 /// the same (its f32 weights, read as zrun's). A stride past the context,
-/// a `.bin` nothing describes and an id outside the vocabulary: exit 2.
+/// a file of one token, `--max-tokens 1`, a `.bin` nothing describes and an
+/// id outside the vocabulary: exit 2, before any forward.
 fn evaluates_as_the_reader(dir: &Path, hf: &Path) {
     let text: Vec<u8> = (0..150)
         .map(|i| b"pack my box with five dozen liquor jugs; "[i % 41])
@@ -123,10 +124,19 @@ fn evaluates_as_the_reader(dir: &Path, hf: &Path) {
         "{hf_loss} {ckpt_loss}"
     );
     std::fs::write(dir.join("ids.bin"), [1u8, 0, 44, 1]).unwrap();
+    std::fs::write(dir.join("one.txt"), "a").unwrap();
     for (args, says) in [
         (
             vec!["--stride", "33"],
             "--stride 33: must be in 1..=32".to_string(),
+        ),
+        (
+            vec!["--data", "one.txt"],
+            "one.txt: 1 tokens: nothing to score".into(),
+        ),
+        (
+            vec!["--max-tokens", "1"],
+            "--max-tokens 1: nothing to score".into(),
         ),
         (
             vec!["--data", "ids.bin"],

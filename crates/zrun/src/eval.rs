@@ -38,13 +38,17 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<ExitCode> {
             "--stride {stride}: must be in 1..={seq_len} (the model's context)"
         )));
     }
-    if args.max_tokens == Some(0) {
-        return Err(Failure::bad_input("--max-tokens 0: nothing to score"));
+    if let Some(n @ (0 | 1)) = args.max_tokens {
+        return Err(Failure::bad_input(format!(
+            "--max-tokens {n}: nothing to score (a target needs a token before it)"
+        )));
     }
     let data = &args.data;
     let bad = |why: String| Failure::bad_input(format!("--data {}: {why}", data.display()));
-    if !data.is_file() {
-        return Err(bad("no such file".into()));
+    match std::fs::metadata(data) {
+        Ok(m) if m.is_file() => {}
+        Ok(_) => return Err(bad("not a file".into())),
+        Err(e) => return Err(bad(e.to_string())),
     }
     let format = data_format(&args, vocab)?;
     // A text file through a tokenizer becomes a file of u32 ids, in a
@@ -56,6 +60,7 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<ExitCode> {
             let text = std::fs::read_to_string(data)
                 .map_err(|e| bad(format!("{e} (a text file is read as UTF-8)")))?;
             let ids = prepare::encode(&t, &text)?;
+            too_few(ids.len(), &bad)?;
             let file = ids_dir.path().join("ids.bin");
             let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
             std::fs::write(&file, bytes)?;
@@ -66,9 +71,16 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<ExitCode> {
                 "a text file, and a model of {vocab} tokens: give --tokenizer (without one, text is read as bytes, for byte-level models of vocab_size 256)"
             )))
         }
-        (DataFormat::Text, None) => (data.clone(), DataFormat::Text),
+        (DataFormat::Text, None) => {
+            too_few(std::fs::metadata(data)?.len() as usize, &bad)?;
+            (data.clone(), DataFormat::Text)
+        }
         (format, _) => {
-            ids_below(data, format, vocab)?;
+            let tokens = ids_below(data, format, vocab)?;
+            too_few(tokens, &bad)?;
+            // The loss mask the manifest names must be this file's.
+            let bytes = std::fs::metadata(data)?.len();
+            DataManifest::mask_of(data, bytes).map_err(Failure::bad_input)?;
             (data.clone(), format)
         }
     };
@@ -159,10 +171,20 @@ fn tokenizer_of(args: &EvalArgs, dir: &Path, hf_dir: bool) -> Option<PathBuf> {
         .or_else(|| (hf_dir && beside.is_file()).then_some(beside))
 }
 
+/// Refuses data of fewer than two tokens: nothing to score.
+fn too_few(tokens: usize, bad: &impl Fn(String) -> anyhow::Error) -> anyhow::Result<()> {
+    match tokens {
+        0 | 1 => Err(bad(format!(
+            "{tokens} tokens: nothing to score (a target needs a token before it)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Refuses (exit 2) a token file that is not a whole number of ids or
 /// holds one outside the vocabulary, naming its offset: before launch, as
-/// `zrun train` refuses one.
-fn ids_below(path: &Path, format: DataFormat, vocab: usize) -> anyhow::Result<()> {
+/// `zrun train` refuses one. Returns how many ids it holds.
+fn ids_below(path: &Path, format: DataFormat, vocab: usize) -> anyhow::Result<usize> {
     let width = format.bytes_per_token().unwrap_or(1);
     let bad = |why: String| Failure::bad_input(format!("--data {}: {why}", path.display()));
     let mut file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
@@ -196,7 +218,7 @@ fn ids_below(path: &Path, format: DataFormat, vocab: usize) -> anyhow::Result<()
         }
         at += filled / width;
         if filled < buf.len() {
-            return Ok(());
+            return Ok(at);
         }
     }
 }
