@@ -457,6 +457,11 @@ fn sampling_stops_at_the_end_of_text_unless_told_otherwise() {
     // Every document is "w2 w3 w4" and then the end-of-text id.
     assert_eq!(sample(&[]), "w2 w3 w4\n");
     assert_eq!(sample(&["--ignore-eos"]), "w2 w3 w4 w2 w3 w4 w2 w3\n");
+    // A stop string ends it through the string: one wholly in the prompt
+    // stops nothing; one begun in the prompt stops where it is completed.
+    let stopped = |stop: &str| sample(&["--ignore-eos", "--stop-string", stop]);
+    assert_eq!(stopped("w3 w4"), "w2 w3 w4 w2 w3 w4\n");
+    assert_eq!(stopped("w4 w2"), "w2 w3 w4 w2\n");
 
     // Exported for Hugging Face: without its tokenizer the directory needs
     // --tokenizer; with `tokenizer.json` beside its weights (as published
@@ -472,6 +477,26 @@ fn sampling_stops_at_the_end_of_text_unless_told_otherwise() {
         assert_eq!(f.code(), 0, "{f:?}");
         assert_eq!(f.stdout, sample(more), "{more:?}");
     }
+    // Its generation_config.json's stop_strings, as generate's; not a
+    // string nor a list of them: exit 2 naming the file.
+    let generation = hf.join("generation_config.json");
+    std::fs::write(&generation, r#"{"stop_strings": ["w3 w4"]}"#).unwrap();
+    let f = sample_from(&hf, &["--ignore-eos"]);
+    assert_eq!(
+        (f.code(), f.stdout.as_str()),
+        (0, "w2 w3 w4 w2 w3 w4\n"),
+        "{f:?}"
+    );
+    assert!(f.stderr.contains("stop at [\"w3 w4\"]"), "{}", f.stderr);
+    std::fs::write(&generation, r#"{"stop_strings": 3}"#).unwrap();
+    let f = sample_from(&hf, &[]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("generation_config.json: stop_strings is 3"),
+        "{}",
+        f.stderr
+    );
 }
 
 /// A UTF-8 byte-order mark (what Windows editors write first) is not text:

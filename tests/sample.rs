@@ -142,6 +142,10 @@ fn bad_sampling_arguments_are_exit_2() {
         ),
         (vec!["--prompt", "a", "--top-p", "1.5"], "--top-p"),
         (vec!["--prompt", "a", "--top-p", "NaN"], "--top-p"),
+        (
+            vec!["--prompt", "a", "--stop-string", "5"],
+            "--stop-string: stop strings need a tokenizer",
+        ),
     ] {
         let f = sample(d.path(), &ckpt, &args);
         assert_eq!(f.code(), 2, "{args:?}: {f:?}");

@@ -593,6 +593,9 @@ pub struct GenerationDefaults {
     pub min_p: Option<f64>,
     /// CTRL's penalty on the tokens already in the text (greedy too).
     pub repetition_penalty: Option<f64>,
+    /// Strings that end the text (`stop_strings`: one, or a list).
+    #[serde(skip)]
+    pub stop_strings: Vec<String>,
     /// The keys that ask `generate` for what `zrun sample` does not do
     /// (beam search, n-gram bans, typical sampling...), each as `key:
     /// value`: said, never dropped silently.
@@ -633,6 +636,20 @@ pub fn generation_defaults(dir: &Path) -> Result<Option<GenerationDefaults>, Ckp
     let bad = |e: serde_json::Error| invalid(&path, format!("not a generation config: {e}"));
     let json: serde_json::Value = serde_json::from_slice(&text).map_err(bad)?;
     let mut defaults: GenerationDefaults = serde_json::from_value(json.clone()).map_err(bad)?;
+    defaults.stop_strings = match json.get("stop_strings") {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(serde_json::Value::String(s)) => vec![s.clone()],
+        Some(serde_json::Value::Array(list)) if list.iter().all(|s| s.is_string()) => list
+            .iter()
+            .filter_map(|s| s.as_str().map(String::from))
+            .collect(),
+        Some(other) => {
+            return Err(invalid(
+                &path,
+                format!("stop_strings is {other}: give a string or a list of strings"),
+            ))
+        }
+    };
     defaults.unapplied = UNAPPLIED
         .iter()
         .filter(|&&(_, _, sampling_only)| !sampling_only || defaults.do_sample == Some(true))

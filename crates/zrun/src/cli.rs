@@ -140,6 +140,12 @@ pub struct SampleArgs {
     /// `repetition_penalty`.
     #[arg(long, value_name = "R")]
     pub repetition_penalty: Option<f64>,
+    /// End the text where one of these strings is first completed (printed
+    /// through it), as `generate`'s `stop_strings`; repeatable. Default:
+    /// the directory's `generation_config.json`'s `stop_strings`. Needs a
+    /// tokenizer (a byte-level model's bytes are written as drawn).
+    #[arg(long, value_name = "TEXT")]
+    pub stop_string: Vec<String>,
     /// Seed of the draws (the same seed repeats the text).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

@@ -204,14 +204,15 @@ pub(crate) fn open_checkpoint(path: &Path) -> anyhow::Result<zckpt::Checkpoint> 
     }
 }
 
-/// How `zworker sample` draws: the arguments it takes after the token
-/// count.
+/// How `zworker sample` draws (the arguments it takes after the token
+/// count), and the strings zrun ends the text at.
 struct Draw {
     temperature: f64,
     top_k: usize,
     top_p: f64,
     min_p: f64,
     repetition_penalty: f64,
+    stops: Vec<String>,
 }
 
 /// How to sample: each flag given, else what `transformers`' `generate`
@@ -237,6 +238,7 @@ fn sampling(args: &cli::SampleArgs, dir: &Path, hf_dir: bool) -> anyhow::Result<
             top_p: 1.0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            stops: Vec::new(),
         },
         Some(g) if g.do_sample != Some(true) => Draw {
             temperature: 0.0,
@@ -244,6 +246,7 @@ fn sampling(args: &cli::SampleArgs, dir: &Path, hf_dir: bool) -> anyhow::Result<
             top_p: 1.0,
             min_p: 0.0,
             repetition_penalty: g.repetition_penalty.unwrap_or(1.0),
+            stops: g.stop_strings.clone(),
         },
         Some(g) => Draw {
             temperature: g.temperature.unwrap_or(1.0),
@@ -251,6 +254,7 @@ fn sampling(args: &cli::SampleArgs, dir: &Path, hf_dir: bool) -> anyhow::Result<
             top_p: g.top_p.unwrap_or(1.0),
             min_p: g.min_p.unwrap_or(0.0),
             repetition_penalty: g.repetition_penalty.unwrap_or(1.0),
+            stops: g.stop_strings.clone(),
         },
     };
     let greedy_by_file = file.as_ref().is_some_and(|g| g.do_sample != Some(true));
@@ -269,6 +273,10 @@ fn sampling(args: &cli::SampleArgs, dir: &Path, hf_dir: bool) -> anyhow::Result<
         top_p: args.top_p.unwrap_or(asked.top_p),
         min_p: args.min_p.unwrap_or(asked.min_p),
         repetition_penalty: args.repetition_penalty.unwrap_or(asked.repetition_penalty),
+        stops: match args.stop_string.is_empty() {
+            true => asked.stops.clone(),
+            false => args.stop_string.clone(),
+        },
     };
     let checks = [
         (
@@ -326,6 +334,9 @@ fn sampling(args: &cli::SampleArgs, dir: &Path, hf_dir: bool) -> anyhow::Result<
             }
             if asked.repetition_penalty != 1.0 {
                 said += &format!(", repetition penalty {}", asked.repetition_penalty);
+            }
+            if !asked.stops.is_empty() {
+                said += &format!(", stop at {:?}", asked.stops);
             }
             eprintln!(
                 "zrun: sampling as {} asks generate to: {said} (--temperature, --top-k, --top-p, --min-p, --repetition-penalty override it)",
@@ -388,6 +399,18 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
         false => args.prompt.clone(),
     };
     let draw = sampling(&args, &dir, hf_dir)?;
+    if tokenizer.is_none() && !draw.stops.is_empty() {
+        let from = match args.stop_string.is_empty() {
+            true => format!(
+                "{}: stop_strings",
+                dir.join("generation_config.json").display()
+            ),
+            false => "--stop-string".to_string(),
+        };
+        return Err(Failure::bad_input(format!(
+            "{from}: stop strings need a tokenizer (a byte-level model's bytes are written as drawn): give --tokenizer"
+        )));
+    }
     let prompt_ids = match &tokenizer {
         Some((_, t)) => prepare::encode(t, &text)?,
         None => Vec::new(),
@@ -457,7 +480,7 @@ fn sample(args: cli::SampleArgs) -> anyhow::Result<ExitCode> {
                 .spawn()
                 .map_err(launch)?;
             let stdout = child.stdout.take().expect("piped");
-            let unknown = prepare::print_decoded(t, &text, &prompt_ids, stdout)?;
+            let unknown = prepare::print_decoded(t, &text, &prompt_ids, stdout, &draw.stops)?;
             if unknown > 0 {
                 // A tokenizer smaller than the model is fine when the model's
                 // vocabulary was padded; drawing ids past it says otherwise.

@@ -543,8 +543,10 @@ pub fn print_decoded(
     prompt: &str,
     prompt_ids: &[u32],
     ids: impl std::io::Read,
+    stops: &[String],
 ) -> Result<usize> {
-    stream_decoded(t, prompt, prompt_ids, ids, &mut std::io::stdout().lock())
+    let mut out = std::io::stdout().lock();
+    stream_decoded(t, prompt, prompt_ids, ids, stops, &mut out)
 }
 
 /// Prompt tokens the first decode starts from (vLLM's incremental
@@ -567,6 +569,7 @@ fn stream_decoded(
     prompt: &str,
     prompt_ids: &[u32],
     ids: impl std::io::Read,
+    stops: &[String],
     out: &mut impl Write,
 ) -> Result<usize> {
     let decode = |ids: &[u32]| {
@@ -586,6 +589,9 @@ fn stream_decoded(
     if !write(prompt)? {
         return Ok(0);
     }
+    // The text so far, for the stop strings (the prompt's end included, as
+    // `generate`'s `stop_strings` match the sequence's end).
+    let mut text = prompt.to_string();
     for line in std::io::BufReader::new(ids).lines() {
         let id: u32 = line?.trim().parse().context("an id from zworker sample")?;
         unknown += usize::from(t.id_to_token(id).is_none());
@@ -595,14 +601,45 @@ fn stream_decoded(
             && now.is_char_boundary(before.len())
             && !now.ends_with(char::REPLACEMENT_CHARACTER)
         {
-            if !write(&now[before.len()..])? {
+            let piece = &now[before.len()..];
+            let stop = stop_in(&text, piece, stops);
+            if !write(&piece[..stop.unwrap_or(piece.len())])? {
                 return Ok(unknown);
             }
+            if stop.is_some() {
+                // Dropping `ids` ends the generator (its pipe closes).
+                break;
+            }
+            text.push_str(piece);
             (context, shown) = (shown, all.len());
         }
     }
     write("\n")?;
     Ok(unknown)
+}
+
+/// Where in `piece`, the text that follows `text`, the first of the
+/// `stops` to be completed ends (the text is printed through it, as
+/// `generate` ends with its stop string): a stop may begin in `text` but
+/// must end in `piece`.
+fn stop_in(text: &str, piece: &str, stops: &[String]) -> Option<usize> {
+    let longest = stops.iter().map(String::len).max()?;
+    let mut from = text.len().saturating_sub(longest);
+    while !text.is_char_boundary(from) {
+        from -= 1;
+    }
+    let tail = format!("{}{piece}", &text[from..]);
+    let after = text.len() - from;
+    stops
+        .iter()
+        .filter_map(|s| {
+            // The first occurrence ending inside the piece.
+            tail.match_indices(s.as_str())
+                .map(|(at, _)| at + s.len())
+                .find(|&end| end > after)
+        })
+        .min()
+        .map(|end| end - after)
 }
 
 /// Which pieces go to validation: piece i when ⌊(i+1)·f⌋ > ⌊i·f⌋, so exactly
@@ -1003,10 +1040,43 @@ mod tests {
 
     /// What [`stream_decoded`] writes of `drawn` after `prompt_ids`.
     fn streamed(t: &Tokenizer, prompt: &str, prompt_ids: &[u32], drawn: &[u32]) -> String {
+        streamed_to(t, prompt, prompt_ids, drawn, &[])
+    }
+
+    /// [`streamed`] with stop strings.
+    fn streamed_to(
+        t: &Tokenizer,
+        prompt: &str,
+        prompt_ids: &[u32],
+        drawn: &[u32],
+        stops: &[&str],
+    ) -> String {
         let ids: String = drawn.iter().map(|i| format!("{i}\n")).collect();
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
         let mut out = Vec::new();
-        stream_decoded(t, prompt, prompt_ids, ids.as_bytes(), &mut out).unwrap();
+        stream_decoded(t, prompt, prompt_ids, ids.as_bytes(), &stops, &mut out).unwrap();
         String::from_utf8(out).unwrap()
+    }
+
+    /// A stop string ends the text where it is completed, printed through
+    /// it: spanning several ids, begun in the prompt, the first of several
+    /// to end; one wholly in the prompt stops nothing.
+    #[test]
+    fn stop_strings_end_the_text_through_them() {
+        let t = bytes_tokenizer();
+        let ids = |s: &str| s.bytes().map(u32::from).collect::<Vec<_>>();
+        let run = |prompt: &str, drawn: &str, stops: &[&str]| {
+            streamed_to(&t, prompt, &ids(prompt), &ids(drawn), stops)
+        };
+        assert_eq!(
+            run("Q: hi", "\nA: yo\nQ: more", &["\nQ:"]),
+            "Q: hi\nA: yo\nQ:\n"
+        );
+        assert_eq!(run("ab", "cdef", &["bc"]), "abc\n");
+        assert_eq!(run("ab", "cdef", &["ab"]), "abcdef\n");
+        assert_eq!(run("x", "123456", &["45", "23"]), "x123\n");
+        assert_eq!(run("x", "café ok", &["é"]), "xcafé\n");
+        assert_eq!(run("x", "123", &[]), "x123\n");
     }
 
     #[test]
@@ -1055,10 +1125,10 @@ mod tests {
         let ids = "98\n".repeat(1000);
         let mut reader = std::io::Cursor::new(ids.as_bytes());
         let mut gone = Failing(std::io::ErrorKind::BrokenPipe);
-        stream_decoded(&t, "a", &[97], &mut reader, &mut gone).unwrap();
+        stream_decoded(&t, "a", &[97], &mut reader, &[], &mut gone).unwrap();
         assert!(reader.position() < ids.len() as u64, "it read every id");
         let mut full = Failing(std::io::ErrorKind::StorageFull);
-        let e = stream_decoded(&t, "a", &[97], ids.as_bytes(), &mut full).unwrap_err();
+        let e = stream_decoded(&t, "a", &[97], ids.as_bytes(), &[], &mut full).unwrap_err();
         assert!(format!("{e:#}").contains("writing the sample"), "{e:#}");
     }
 
