@@ -609,6 +609,19 @@ fn chat_tokenizer(dir: &Path, n: usize, roles: &[&str]) -> (PathBuf, HashMap<Str
     (tok, vocab)
 }
 
+/// [`chat_tokenizer`] of ten words and the `roles`, with the ChatML
+/// template in the `tokenizer_config.json` beside it, where `zrun prepare`
+/// and `zrun sample` find it.
+fn chatml_tokenizer(dir: &Path, roles: &[&str]) -> (PathBuf, HashMap<String, u32>) {
+    let made = chat_tokenizer(dir, 10, roles);
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": CHATML}).to_string(),
+    )
+    .unwrap();
+    made
+}
+
 /// A JSONL record `{"messages": [...]}` of (role, content) messages.
 fn chat_record<'a>(messages: impl Iterator<Item = (&'a str, &'a str)>) -> String {
     let messages: Vec<_> = messages
@@ -817,12 +830,7 @@ fn conversations_are_laid_out_by_the_chat_template() {
 fn a_model_trained_on_conversations_answers_in_turn() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let (tok, vocab) = chat_tokenizer(d, 10, &["user", "assistant"]);
-    std::fs::write(
-        d.join("tokenizer_config.json"),
-        serde_json::json!({"chat_template": CHATML}).to_string(),
-    )
-    .unwrap();
+    let (tok, vocab) = chatml_tokenizer(d, &["user", "assistant"]);
     // Whatever the user says, the assistant answers "w7 w8".
     let records: String = (0..400)
         .map(|i| {
@@ -907,12 +915,7 @@ fn a_model_trained_on_conversations_answers_in_turn() {
 fn an_assistant_only_loss_trains_on_the_assistants_turns_alone() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let (tok, vocab) = chat_tokenizer(d, 10, &["system", "user", "assistant"]);
-    std::fs::write(
-        d.join("tokenizer_config.json"),
-        serde_json::json!({"chat_template": CHATML}).to_string(),
-    )
-    .unwrap();
+    let (tok, vocab) = chatml_tokenizer(d, &["system", "user", "assistant"]);
     // Turns of uneven length, so micro-batches count uneven numbers of
     // trained targets.
     let conversation = |i: usize| -> Vec<(String, String)> {
@@ -1222,12 +1225,7 @@ print(json.dumps({"ids": ids, "mask": mask}))
 fn prompt_completion_records_train_on_the_completion() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let (tok, vocab) = chat_tokenizer(d, 10, &["user", "assistant"]);
-    std::fs::write(
-        d.join("tokenizer_config.json"),
-        serde_json::json!({"chat_template": CHATML}).to_string(),
-    )
-    .unwrap();
+    let (tok, vocab) = chatml_tokenizer(d, &["user", "assistant"]);
     let records = [
         serde_json::json!({"prompt": "w1 w2", "completion": " w3 w4"}),
         serde_json::json!({"prompt": [{"role": "user", "content": "w5"}],
