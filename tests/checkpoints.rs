@@ -404,6 +404,33 @@ fn export_feeds_init_from_and_reproduces_the_next_loss() {
         (init_loss - next).abs() <= 1e-5 * next,
         "export's next loss {next}, from init_from {init_loss}"
     );
+    // With each word a document (`data.separate_documents`, ended by the
+    // space) on two workers, the first loss is the reader's mean over the
+    // words each scored alone from position 0, the target after each space
+    // left out: what GPT-2's position rows, restarted, and attention kept
+    // to the word give.
+    let mut args = common.to_vec();
+    args.extend([
+        "--set",
+        "train.steps=1",
+        "--set",
+        &init,
+        "--set",
+        "checkpoint.dir=null",
+        "--set",
+        "checkpoint.every=0",
+        "--set",
+        "data.separate_documents=true",
+        "--set",
+        "data.eos_id=32",
+    ]);
+    train(dir, &job, "words.jsonl", &args);
+    let words_loss = losses_by_step(&dir.join("words.jsonl"))[0].1;
+    let independent = reference.loss_of_documents(&windows, u32::from(b' '));
+    assert!(
+        (words_loss - independent).abs() <= 1e-5 * independent,
+        "words kept apart: zrun's loss {words_loss}, the reader's {independent}"
+    );
 }
 
 #[test]

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::reference_common::{add_into, load_exactly, mean_loss};
+use crate::reference_common::{add_into, load_exactly, mean_loss, mean_loss_of_documents};
 
 /// GPT-2's hyper-parameters that the file does not hold.
 pub struct Gpt2Shape {
@@ -75,6 +75,12 @@ impl Gpt2 {
     /// inputs are the first `len`, targets the last `len`).
     pub fn loss(&self, windows: &[Vec<u32>]) -> f64 {
         mean_loss(windows, |inputs| self.logits(inputs))
+    }
+
+    /// [`Gpt2::loss`] with each window's documents (ended by `eos`) each
+    /// scored alone ([`mean_loss_of_documents`]).
+    pub fn loss_of_documents(&self, windows: &[Vec<u32>], eos: u32) -> f64 {
+        mean_loss_of_documents(windows, eos, |inputs| self.logits(inputs))
     }
 
     fn logits(&self, tokens: &[u32]) -> Vec<Vec<f64>> {

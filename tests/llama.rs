@@ -60,7 +60,7 @@ fn export_hf(dir: &Path, out: &str) -> PathBuf {
 /// One step from `from` gives the loss `next` that the export's reader
 /// computed, within 1e-5 relative.
 fn starts_at(dir: &Path, job: &Path, from: &Path, metrics: &str, next: f64) {
-    let init_loss = loss_from(dir, job, from, metrics);
+    let init_loss = loss_from(dir, job, from, metrics, &[]);
     assert!(
         (init_loss - next).abs() <= 1e-5 * next,
         "export's next loss {next}, from init_from {} {init_loss}",
@@ -289,28 +289,52 @@ fn refused_from(dir: &Path, job: &Path, init: &Path, set: &str, needles: &[&str]
 }
 
 /// Trains one step from `init` on the same batch: its loss.
-fn loss_from(dir: &Path, job: &Path, init: &Path, metrics: &str) -> f64 {
+fn loss_from(dir: &Path, job: &Path, init: &Path, metrics: &str, extra: &[&str]) -> f64 {
     let init = format!("model.init_from={}", init.display());
-    let losses = train(
-        dir,
-        job,
-        metrics,
-        &[
-            "--workers-per-node",
-            "1",
-            "--set",
-            "train.micro_batch_size=4",
-            "--set",
-            "train.steps=1",
-            "--set",
-            &init,
-            "--set",
-            "checkpoint.dir=null",
-            "--set",
-            "checkpoint.every=0",
-        ],
-    );
+    let args = [
+        "--workers-per-node",
+        "1",
+        "--set",
+        "train.micro_batch_size=4",
+        "--set",
+        "train.steps=1",
+        "--set",
+        &init,
+        "--set",
+        "checkpoint.dir=null",
+        "--set",
+        "checkpoint.every=0",
+    ];
+    let losses = train(dir, job, metrics, &[&args[..], extra].concat());
     losses[0].1
+}
+
+/// With each word a document (`data.separate_documents`, ended by the
+/// space), the first loss from the export is the reader's mean over the
+/// words of the one batch each scored alone from position 0, the target
+/// after each space left out: LLaMA's attention kept to the word.
+fn trains_words_apart_as_the_reader(dir: &Path, job: &Path, hf: &Path) {
+    let text = std::fs::read(dir.join("one-batch.txt")).unwrap();
+    let windows: Vec<Vec<u32>> = (0..4)
+        .map(|w| {
+            text[w * 32..=w * 32 + 32]
+                .iter()
+                .map(|&b| u32::from(b))
+                .collect()
+        })
+        .collect();
+    let want = Llama::load(hf).loss_of_documents(&windows, u32::from(b' '));
+    let apart = [
+        "--set",
+        "data.separate_documents=true",
+        "--set",
+        "data.eos_id=32",
+    ];
+    let got = loss_from(dir, job, hf, "words.jsonl", &apart);
+    assert!(
+        (got - want).abs() <= 1e-5 * want,
+        "words kept apart: zrun's loss {got}, the reader's {want}"
+    );
 }
 
 /// Trains `model` 5 steps on one batch, exports its step-4 checkpoint for
@@ -489,6 +513,7 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
     for (from, metrics) in [(&out, "init.jsonl"), (&weights, "init-file.jsonl")] {
         starts_at(dir, &job, from, metrics, next);
     }
+    trains_words_apart_as_the_reader(dir, &job, &out);
     evaluates_as_the_reader(dir, &out);
     exports_with_its_tokenizer(dir, &job, &out);
     // `zrun sample` on the directory draws what it draws from the

@@ -14,7 +14,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::reference_common::{add_into, load_exactly, mean_loss, mean_loss_skipping};
+use crate::reference_common::{
+    add_into, load_exactly, mean_loss, mean_loss_of_documents, mean_loss_skipping,
+};
 
 /// The shape, from `config.json`.
 struct Config {
@@ -177,6 +179,12 @@ impl Llama {
     /// out.
     pub fn loss_skipping(&self, windows: &[(Vec<u32>, usize)]) -> f64 {
         mean_loss_skipping(windows, |inputs| self.logits(inputs))
+    }
+
+    /// [`Llama::loss`] with each window's documents (ended by `eos`) each
+    /// scored alone ([`mean_loss_of_documents`]).
+    pub fn loss_of_documents(&self, windows: &[Vec<u32>], eos: u32) -> f64 {
+        mean_loss_of_documents(windows, eos, |inputs| self.logits(inputs))
     }
 
     fn logits(&self, tokens: &[u32]) -> Vec<Vec<f64>> {

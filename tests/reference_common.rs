@@ -50,13 +50,49 @@ pub fn mean_loss_skipping(
     for (w, skip) in windows {
         let (inputs, targets) = (&w[..w.len() - 1], &w[1..]);
         for (row, &target) in logits(inputs).iter().zip(targets).skip(*skip) {
-            let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let sum: f64 = row.iter().map(|z| (z - max).exp()).sum();
-            total += max + sum.ln() - row[target as usize];
+            total += cross_entropy(row, target);
             count += 1;
         }
     }
     total / count as f64
+}
+
+/// [`mean_loss`] with each window's documents kept apart: a document runs
+/// to each `eos` (included), each is scored as a sequence of its own from
+/// its first token, and the target after an `eos` (the next document's
+/// first token) is left out.
+pub fn mean_loss_of_documents(
+    windows: &[Vec<u32>],
+    eos: u32,
+    logits: impl Fn(&[u32]) -> Vec<Vec<f64>>,
+) -> f64 {
+    let mut total = 0.0;
+    let mut count = 0usize;
+    for w in windows {
+        let (inputs, targets) = (&w[..w.len() - 1], &w[1..]);
+        let mut begin = 0;
+        while begin < inputs.len() {
+            let end = inputs[begin..]
+                .iter()
+                .position(|&id| id == eos)
+                .map_or(inputs.len(), |at| begin + at + 1);
+            let rows = logits(&inputs[begin..end]);
+            for (at, row) in (begin..end).zip(&rows) {
+                if inputs[at] != eos {
+                    total += cross_entropy(row, targets[at]);
+                    count += 1;
+                }
+            }
+            begin = end;
+        }
+    }
+    total / count as f64
+}
+
+fn cross_entropy(row: &[f64], target: u32) -> f64 {
+    let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let sum: f64 = row.iter().map(|z| (z - max).exp()).sum();
+    max + sum.ln() - row[target as usize]
 }
 
 /// `x += y`, row by row.

@@ -8,7 +8,38 @@ use std::path::{Path, PathBuf};
 use crate::error::ConfigError;
 use crate::load::LoadedJob;
 use crate::manifest::DataManifest;
-use crate::spec::DataFormat;
+use crate::spec::{DataFormat, DataSpec};
+
+impl DataSpec {
+    /// The end-of-text id that ends a document (`data.separate_documents`):
+    /// `data.eos_id`, else the `eos_id` of the `zrun prepare` manifest beside
+    /// the first data file. A manifest that records another id than
+    /// `data.eos_id` is an error: one of them describes other data.
+    pub fn document_eos(&self) -> Result<u32, String> {
+        let files = data_files(&self.path, self.format)?;
+        let manifest = match files.first() {
+            Some(f) => DataManifest::beside(f)?,
+            None => None,
+        };
+        match (self.eos_id, manifest) {
+            (Some(id), Some((at, m))) if m.eos_id.is_some_and(|e| e != id) => Err(format!(
+                "data.eos_id {id}, but {} says the data's end-of-text id is {}",
+                at.display(),
+                m.eos_id.unwrap_or(id)
+            )),
+            (Some(id), _) => Ok(id),
+            (None, Some((_, DataManifest { eos_id: Some(id), .. }))) => Ok(id),
+            (None, Some((at, _))) => Err(format!(
+                "{} records no end-of-text id (prepared with --eos none): set data.eos_id",
+                at.display()
+            )),
+            (None, None) => Err(
+                "needs the end-of-text id that ends a document: set data.eos_id, or use data from zrun prepare (its manifest.json records the id)"
+                    .into(),
+            ),
+        }
+    }
+}
 
 impl LoadedJob {
     pub(crate) fn validate_data(&self, world_size: usize) -> Result<(), ConfigError> {
@@ -36,9 +67,10 @@ impl LoadedJob {
                     "synthetic data has no files: hold out data.val_fraction instead",
                 ));
             }
-            return Ok(());
+            return self.validate_documents();
         };
         let tokens = self.check_files("data.path", &d.path, width as u64)?;
+        self.validate_documents()?;
         let seq = s.model.seq_len as u64 + 1;
         let (train, val, val_key) = match &d.val_path {
             Some(_) => (
@@ -67,6 +99,49 @@ impl LoadedJob {
                 format!(
                     "the data has {train} tokens, fewer than one sequence of seq_len + 1 = {} per worker for {world_size} workers",
                     s.model.seq_len + 1
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `data.separate_documents` has an end-of-text id below the vocabulary,
+    /// on data with documents, on the CPU; `data.eos_id` is there only
+    /// for it.
+    fn validate_documents(&self) -> Result<(), ConfigError> {
+        let s = &self.spec;
+        let d = &s.data;
+        if !d.separate_documents {
+            return match d.eos_id {
+                Some(_) => Err(self.invalid(
+                    "data.eos_id",
+                    "is read only with data.separate_documents: true",
+                )),
+                None => Ok(()),
+            };
+        }
+        let key = "data.separate_documents";
+        if d.format == DataFormat::Synthetic {
+            return Err(self.invalid(key, "synthetic data has no documents"));
+        }
+        if s.device == crate::spec::Device::Cuda {
+            return Err(self.invalid(
+                key,
+                "is not yet supported with device: cuda (its attention kernels see whole sequences)",
+            ));
+        }
+        let eos = d.document_eos().map_err(|m| self.invalid(key, m))?;
+        if eos as usize >= s.model.vocab_size {
+            let key = if d.eos_id.is_some() {
+                "data.eos_id"
+            } else {
+                key
+            };
+            return Err(self.invalid(
+                key,
+                format!(
+                    "end-of-text id {eos} is not below model.vocab_size {}",
+                    s.model.vocab_size
                 ),
             ));
         }

@@ -1477,6 +1477,85 @@ mod tests {
         );
     }
 
+    /// `data.separate_documents` needs an end-of-text id below the
+    /// vocabulary (`data.eos_id`, else the manifest's), data with documents
+    /// and the CPU; `data.eos_id` alone, or one the manifest contradicts,
+    /// is refused naming the key.
+    #[test]
+    fn separate_documents_needs_an_end_of_text_id() {
+        let d = tempfile::tempdir().unwrap();
+        // 40 u16 tokens (ids below 8), with a manifest recording eos 5.
+        let ids: Vec<u8> = (0..40u16).flat_map(|i| (i % 8).to_le_bytes()).collect();
+        std::fs::create_dir(d.path().join("prepared")).unwrap();
+        std::fs::write(d.path().join("prepared/train.bin"), &ids).unwrap();
+        let manifest = serde_json::json!({
+            "tokenizer": "t.json", "tokenizer_sha256": "0", "vocab_size": 8,
+            "format": "tokens_u16", "eos_id": 5,
+            "files": {"train.bin": {"tokens": 40, "bytes": 80, "max_token_id": 7, "documents": 5}}
+        });
+        write(d.path(), "prepared/manifest.json", &manifest.to_string());
+        let text = write(d.path(), "plain.txt", &"words and more words. ".repeat(4));
+        let tokens = format!(
+            "  path: {}\n  format: tokens_u16",
+            d.path().join("prepared/train.bin").display()
+        );
+        let outcome = |data: &str, extra: &str| {
+            let spec = GOOD
+                .replace("  format: synthetic", &format!("{data}{extra}"))
+                .replace("seq_len: 16}", "seq_len: 16, vocab_size: 256}");
+            let p = write(d.path(), "j.yaml", &spec);
+            load_job(&p, &[])
+                .unwrap()
+                .validate(1)
+                .map_err(|e| e.to_string())
+        };
+        let on = "\n  separate_documents: true";
+        let plain = format!("  path: {}", text.display());
+        assert_eq!(outcome(&tokens, on), Ok(()));
+        assert_eq!(outcome(&plain, &format!("{on}\n  eos_id: 46")), Ok(()));
+        for (data, extra, key, says) in [
+            (
+                "  format: synthetic",
+                on.to_string(),
+                "data.separate_documents",
+                "synthetic data has no documents",
+            ),
+            (
+                plain.as_str(),
+                on.to_string(),
+                "data.separate_documents",
+                "set data.eos_id, or use data from zrun prepare",
+            ),
+            (
+                plain.as_str(),
+                format!("{on}\n  eos_id: 256"),
+                "data.eos_id",
+                "end-of-text id 256 is not below model.vocab_size 256",
+            ),
+            (
+                plain.as_str(),
+                "\n  eos_id: 46".into(),
+                "data.eos_id",
+                "is read only with data.separate_documents: true",
+            ),
+            (
+                tokens.as_str(),
+                format!("{on}\n  eos_id: 7"),
+                "data.separate_documents",
+                "data.eos_id 7, but ",
+            ),
+            (
+                tokens.as_str(),
+                format!("{on}\ndevice: cuda"),
+                "data.separate_documents",
+                "not yet supported with device: cuda",
+            ),
+        ] {
+            let e = outcome(data, &extra).unwrap_err();
+            assert!(e.contains(key) && e.contains(says), "{extra}: {e}");
+        }
+    }
+
     #[test]
     fn finds_keys_in_block_and_flow_style() {
         let t = "model: {d_model: 64, n_heads: 4}\ntrain:\n  # c\n  steps: 3\nzero:\n  offload_optimizer:\n    device: cpu\ndevice: cpu\n";

@@ -233,6 +233,14 @@ pub struct DataSpec {
     /// `val_fraction`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub val_path: Option<String>,
+    /// Keep the documents packed into a sequence apart: attention, positions
+    /// and the loss stop at each end-of-text id (zmodel's `documents`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub separate_documents: bool,
+    /// The end-of-text id that ends a document, for `separate_documents`;
+    /// by default the `eos_id` of the `zrun prepare` manifest beside the data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eos_id: Option<u32>,
 }
 
 /// How data files are read.

@@ -211,7 +211,7 @@ fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
         let mut turned = qkv.clone();
         rope(&mut turned, &cos, &sin, ld, heads + kv, hd, t, 1.0);
         let freq = zconfig::arch::rope_inv_freq(theta, scaling, hd);
-        let want = llama_ops::rope(&qt, heads, kv, &freq, false).unwrap();
+        let want = llama_ops::rope(&qt, heads, kv, &freq, false, None).unwrap();
         close("rope", &turned, &values(&want));
         // v passes untouched.
         for r in 0..b * t {
@@ -220,7 +220,7 @@ fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
         }
         let mut back = qkv.clone();
         rope(&mut back, &cos, &sin, ld, heads + kv, hd, t, -1.0);
-        let want = llama_ops::rope(&qt, heads, kv, &freq, true).unwrap();
+        let want = llama_ops::rope(&qt, heads, kv, &freq, true, None).unwrap();
         close("rope backward", &back, &values(&want));
         rope(&mut turned, &cos, &sin, ld, heads + kv, hd, t, -1.0);
         close("turned and back", &turned, &qkv);

@@ -192,9 +192,9 @@ fn fused_attention_is_the_cpu_models_attention() {
             kv: sh.kv,
         };
         let qkv_t = tensor(&qkv, ld);
-        let want = causal_attention(&qkv_t, heads, Products::F32).unwrap();
+        let want = causal_attention(&qkv_t, heads, Products::F32, None).unwrap();
         let dy = tensor(&dout, sh.heads * sh.hd);
-        let want_d = causal_attention_backward(&qkv_t, &dy, heads, Products::F32).unwrap();
+        let want_d = causal_attention_backward(&qkv_t, &dy, heads, Products::F32, None).unwrap();
         let f64s = |t: &Tensor| -> Vec<f64> {
             t.flatten_all()
                 .unwrap()

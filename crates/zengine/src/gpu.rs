@@ -855,6 +855,13 @@ impl Engine {
         gather: &mut Prefetcher,
         batch: &Batch,
     ) -> Result<Rows, EngineError> {
+        if batch.documents.is_some() {
+            // `zrun check` refuses the job before launch; this is the
+            // engine's own guard.
+            return Err(EngineError::Gpu(
+                "data.separate_documents is not yet supported on GPUs".into(),
+            ));
+        }
         let w = self.gpu_weights(gpu, gather, 0)?;
         let x = gpu.embed(&batch.inputs, batch.rows, batch.seq_len, &w)?;
         self.gpu_release(0);

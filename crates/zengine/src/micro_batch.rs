@@ -17,7 +17,8 @@ use std::time::Instant;
 
 use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
 use zmodel::{
-    Batch, BlockActs, BlockLinear, BlockNorm, BlockSource, EmbeddingParams, HeadParams, WeightBias,
+    Batch, BlockActs, BlockLinear, BlockNorm, BlockSource, Documents, EmbeddingParams, HeadParams,
+    WeightBias,
 };
 
 use crate::engine::Engine;
@@ -39,6 +40,8 @@ pub(crate) struct MicroBatch {
     targets: Tensor,
     /// What the sum of its counted losses is divided by ([`Batch::divisor`]).
     divisor: f64,
+    /// Its sequences' documents, where they are kept apart.
+    docs: Option<Documents>,
     pub(crate) gather: Prefetcher,
     /// Per block, what its backward needs.
     saved: Vec<Saved>,
@@ -117,15 +120,16 @@ impl Engine {
         let targets = Tensor::from_slice(&batch.targets, shape, &Device::Cpu)?;
         let p0 = self.params_for(0, &mut gather)?;
         let layout = self.model.layout();
-        let mut x = self
-            .model
-            .embed(&EmbeddingParams::from_vec(p0, layout)?, &tokens)?;
+        let docs = batch.documents.as_ref();
+        let mut x =
+            self.model
+                .embed_documents(&EmbeddingParams::from_vec(p0, layout)?, &tokens, docs)?;
         self.release(0);
         let l = self.model.config().n_layers;
         let model = self.model.clone();
         for b in 1..=l {
             let mut src = BlockFromEngine::gather(self, &mut gather, b, false)?;
-            x = model.block_forward_from(&mut src, &x)?.0;
+            x = model.block_forward_from(&mut src, &x, docs)?.0;
             src.release_block();
         }
         let ph = self.params_for(l + 1, &mut gather)?;
@@ -161,6 +165,7 @@ impl Engine {
             tokens: Tensor::from_slice(&batch.inputs, shape, &Device::Cpu)?,
             targets: Tensor::from_slice(&batch.targets, shape, &Device::Cpu)?,
             divisor: batch.divisor,
+            docs: batch.documents.clone(),
             gather: self.prefetcher(),
             saved: Vec::with_capacity(self.model.config().n_layers),
             reduce_now: self.stage.partitions_gradients() || self.micro + 1 == accum,
@@ -170,9 +175,10 @@ impl Engine {
     /// Group 0's forward; returns the blocks' input (without a graph).
     fn forward_embedding(&mut self, mb: &mut MicroBatch) -> Result<Tensor, EngineError> {
         let p0 = self.params_for(0, &mut mb.gather)?;
-        let x = self.model.embed(
+        let x = self.model.embed_documents(
             &EmbeddingParams::from_vec(p0, self.model.layout())?,
             &mb.tokens,
+            mb.docs.as_ref(),
         )?;
         self.release(0);
         Ok(x)
@@ -190,7 +196,7 @@ impl Engine {
         let model = self.model.clone();
         for b in 1..=n_layers {
             let mut src = BlockFromEngine::gather(self, &mut mb.gather, b, false)?;
-            let (y, acts) = model.block_forward_from(&mut src, &x)?;
+            let (y, acts) = model.block_forward_from(&mut src, &x, mb.docs.as_ref())?;
             src.release_block();
             mb.saved.push(if checkpointing {
                 Saved::Input(x)
@@ -281,7 +287,9 @@ impl Engine {
             let mut src = BlockFromEngine::gather(self, &mut mb.gather, b, mb.reduce_now)?;
             let acts = match mb.saved.pop() {
                 Some(Saved::Acts(acts)) => acts,
-                Some(Saved::Input(x)) => model.block_forward_from(&mut src, &x)?.1,
+                Some(Saved::Input(x)) => {
+                    model.block_forward_from(&mut src, &x, mb.docs.as_ref())?.1
+                }
                 None => return Err(missing(&format!("block {b}'s saved activations"))),
             };
             dx = model.block_backward_into(&mut src, &acts, &dx)?;
@@ -297,7 +305,10 @@ impl Engine {
         mb: &mut MicroBatch,
         dx: &Tensor,
     ) -> Result<(), EngineError> {
-        let grads = self.model.embed_backward(&mb.tokens, dx)?.into_vec();
+        let grads = self
+            .model
+            .embed_backward(&mb.tokens, mb.docs.as_ref(), dx)?
+            .into_vec();
         self.accumulate_tensors(0, &grads.iter().collect::<Vec<_>>())?;
         if mb.reduce_now {
             self.group_done(0)?;

@@ -53,13 +53,13 @@ fn main() -> candle_core::Result<()> {
         for _ in 0..30 {
             let start = std::time::Instant::now();
             if bits {
-                drop(causal_attention_bf16(input, h)?);
+                drop(causal_attention_bf16(input, h, None)?);
             } else {
-                drop(causal_attention(input, h, products)?);
+                drop(causal_attention(input, h, products, None)?);
             }
             fwd = fwd.min(start.elapsed().as_secs_f64());
             let start = std::time::Instant::now();
-            drop(causal_attention_backward(input, &dy, h, products)?);
+            drop(causal_attention_backward(input, &dy, h, products, None)?);
             bwd = bwd.min(start.elapsed().as_secs_f64());
         }
         println!(

@@ -132,6 +132,7 @@ fn main() -> candle_core::Result<()> {
             6,
             &zconfig::arch::rope_inv_freq(10000.0, None, d / 6),
             false,
+            None,
         )
         .map(drop)
     })?;

@@ -49,6 +49,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 use zgemm::{MatMut, MatRef, PackedB, Start};
 
+use crate::documents::Documents;
 use crate::linear::Products;
 
 use crate::ops::{f32_input, max_lanes, sum_lanes};
@@ -110,13 +111,21 @@ fn input<'a>(name: &str, s: &'a CpuStorage, l: &Layout) -> Result<Input<'a>> {
 /// `y[b, t, heads·hd]` of causal attention over `qkv[b, t, (heads + 2·kv)·hd]`
 /// (q, k and v side by side), its products on f32 values or on bf16-rounded
 /// ones (AMX: the four tile steps of a 64×64 block at head size 64 in the
-/// time of one f32 one; autocast rounds attention's inputs alike).
-pub fn causal_attention(qkv: &Tensor, heads: Heads, products: Products) -> Result<Tensor> {
-    forward_in_blocks(qkv, Blocks::new(heads, block_rows(products), products))
+/// time of one f32 one; autocast rounds attention's inputs alike). With
+/// `docs`, each row sees only the keys of its own document.
+pub fn causal_attention(
+    qkv: &Tensor,
+    heads: Heads,
+    products: Products,
+    docs: Option<&Documents>,
+) -> Result<Tensor> {
+    let blocks = Blocks::new(heads, block_rows(products), products);
+    forward_in_blocks(qkv, blocks, docs)
 }
 
-fn forward_in_blocks(qkv: &Tensor, blocks: Blocks) -> Result<Tensor> {
-    qkv.contiguous()?.apply_op1(CausalAttention(blocks))
+fn forward_in_blocks(qkv: &Tensor, blocks: Blocks, docs: Option<&Documents>) -> Result<Tensor> {
+    qkv.contiguous()?
+        .apply_op1(CausalAttention(blocks, docs.cloned()))
 }
 
 /// Causal attention of the last `new` of the `t` rows in `rows` (`[t,
@@ -173,7 +182,11 @@ pub fn attention_of_last_rows(rows: &[f32], t: usize, new: usize, heads: Heads) 
 /// rounded from there; the projection's packing rounded, and for the weight
 /// gradient transposed, the f32 output from memory (4% of a bf16 step's
 /// samples on AMX; the step 1.02-1.04x faster without). Not differentiable (autograd's reference takes the f32 one).
-pub fn causal_attention_bf16(qkv: &Tensor, heads: Heads) -> Result<Tensor> {
+pub fn causal_attention_bf16(
+    qkv: &Tensor,
+    heads: Heads,
+    docs: Option<&Documents>,
+) -> Result<Tensor> {
     use half::vec::HalfBitsVecExt;
     let qkv = qkv.contiguous()?;
     let (storage, layout) = qkv.storage_and_layout();
@@ -181,13 +194,14 @@ pub fn causal_attention_bf16(qkv: &Tensor, heads: Heads) -> Result<Tensor> {
         candle_core::bail!("attention: a CPU tensor");
     };
     let dm = Dims::of(layout, heads)?;
+    dm.check(docs)?;
     let rows = dm.b * dm.t;
     let (mut out, start, stride) = crate::simd::bf16_rows_buffer(rows, dm.d);
     let blocks = Blocks::new(heads, block_rows(Products::Bf16), Products::Bf16);
     let bits = SharedBits(out[start..].as_mut_ptr().cast());
     match input("zrun-causal-attention-bf16", cpu, layout)? {
-        Input::F32(v) => forward_tasks(v, dm, blocks, Out::Bf16(bits, stride)),
-        Input::Bf16(v) => forward_tasks(v, dm, blocks, Out::Bf16(bits, stride)),
+        Input::F32(v) => forward_tasks(v, dm, blocks, docs, Out::Bf16(bits, stride)),
+        Input::Bf16(v) => forward_tasks(v, dm, blocks, docs, Out::Bf16(bits, stride)),
     }
     for row in out[start..start + rows * stride].chunks_mut(stride) {
         for pad in &mut row[dm.d..] {
@@ -227,7 +241,7 @@ unsafe impl Sync for SharedBits {}
 
 /// The forward's tasks, one per (sequence, head): `y = P·V` of each block of
 /// query rows into `out`.
-fn forward_tasks<T: Values>(qkv: &[T], dm: Dims, blk: Blocks, out: Out) {
+fn forward_tasks<T: Values>(qkv: &[T], dm: Dims, blk: Blocks, docs: Option<&Documents>, out: Out) {
     let (t, d, w, hd) = (dm.t, dm.d, dm.w, dm.hd);
     let rows = blk.rows;
     // One task a leaf (simd's module doc).
@@ -242,7 +256,9 @@ fn forward_tasks<T: Values>(qkv: &[T], dm: Dims, blk: Blocks, out: Out) {
                     let (bi, h) = (task / dm.heads, task % dm.heads);
                     let base = bi * t * w;
                     blk.pack(kt, view(qkv, base + dm.k(h / dm.group), t, hd, w).t());
-                    probabilities(qkv, dm, blk, bi, h, kt, p, bf16.then_some(&mut p16));
+                    let first = docs.map(|d| d.firsts(bi));
+                    let rounded = bf16.then_some(&mut p16);
+                    probabilities(qkv, dm, blk, (bi, h), first, kt, p, rounded);
                     blk.pack(vp, view(qkv, base + dm.v(h / dm.group), t, hd, w));
                     let (p, bits) = (&*p, bf16.then_some(&p16));
                     for (i0, i1) in blocks(t, rows) {
@@ -284,13 +300,22 @@ pub fn causal_attention_backward(
     dy: &Tensor,
     heads: Heads,
     products: Products,
+    docs: Option<&Documents>,
 ) -> Result<Tensor> {
-    backward_in_blocks(qkv, dy, Blocks::new(heads, block_rows(products), products))
+    let blocks = Blocks::new(heads, block_rows(products), products);
+    backward_in_blocks(qkv, dy, blocks, docs)
 }
 
-fn backward_in_blocks(qkv: &Tensor, dy: &Tensor, blocks: Blocks) -> Result<Tensor> {
-    qkv.contiguous()?
-        .apply_op2_no_bwd(&dy.contiguous()?, &CausalAttentionGrad(blocks))
+fn backward_in_blocks(
+    qkv: &Tensor,
+    dy: &Tensor,
+    blocks: Blocks,
+    docs: Option<&Documents>,
+) -> Result<Tensor> {
+    qkv.contiguous()?.apply_op2_no_bwd(
+        &dy.contiguous()?,
+        &CausalAttentionGrad(blocks, docs.cloned()),
+    )
 }
 
 /// How one attention runs: its heads, the rows of a causal block and what
@@ -326,7 +351,8 @@ impl Blocks {
     }
 }
 
-struct CausalAttention(Blocks);
+/// The op, with the documents of its sequences where they are kept apart.
+struct CausalAttention(Blocks, Option<Documents>);
 
 /// Shapes of one call.
 #[derive(Clone, Copy)]
@@ -364,6 +390,22 @@ impl Dims {
             heads: h.heads,
             group: h.heads / h.kv,
         })
+    }
+
+    /// Refuses documents of another batch shape.
+    fn check(&self, docs: Option<&Documents>) -> Result<()> {
+        match docs {
+            Some(d) if d.seq_len() != self.t || d.tokens() != self.b * self.t => {
+                candle_core::bail!(
+                    "attention: documents of {} tokens in sequences of {} for [{}, {}]",
+                    d.tokens(),
+                    d.seq_len(),
+                    self.b,
+                    self.t
+                )
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Column of query head `h` in a row of qkv.
@@ -635,17 +677,25 @@ fn view<T: Copy>(data: &[T], off: usize, rows: usize, cols: usize, rs: usize) ->
 /// eight 2.50-2.59.
 const ROW_GROUP: usize = 4;
 
+/// The live entries of row `i` of P: the keys from its document's first
+/// (`first`, per row of the sequence; 0 without documents) to its own.
+fn live(first: Option<&[u32]>, i: usize) -> std::ops::Range<usize> {
+    first.map_or(0, |f| f[i] as usize)..i + 1
+}
+
 /// P = causal softmax(Q·Kᵀ·scale) of sequence `bi`, query head `h` into
 /// `p[t×t]`, from `kt`, its head's Kᵀ packed; the masked entries (column
-/// above the row) are zero. With `p16`, each row's causal block rounded
-/// to bf16 there too ([`Rows16`]).
+/// above the row, or before its document's first) are zero. The scores
+/// before a document's first are computed and then zeroed: the products
+/// run over whole blocks of keys. With `p16`, each row's causal block
+/// rounded to bf16 there too ([`Rows16`]).
 #[allow(clippy::too_many_arguments)]
 fn probabilities<T: Values>(
     qkv: &[T],
     dm: Dims,
     blk: Blocks,
-    bi: usize,
-    h: usize,
+    (bi, h): (usize, usize),
+    first: Option<&[u32]>,
     kt: &PackedB,
     p: &mut [f32],
     mut p16: Option<&mut Rows16>,
@@ -665,23 +715,25 @@ fn probabilities<T: Values>(
         || {
             for (g, group) in p.chunks_mut(ROW_GROUP * t).enumerate() {
                 let i0 = g * ROW_GROUP;
-                // Row i's live entries are its first i + 1.
-                let live = |r: usize| i0 + r + 1;
+                let live = |r: usize| live(first, i0 + r);
                 let mut max = [0f32; ROW_GROUP];
                 for (r, row) in group.chunks_exact(t).enumerate() {
-                    max[r] = max_lanes(&row[..live(r)]);
+                    max[r] = max_lanes(&row[live(r)]);
                 }
                 for (r, row) in group.chunks_exact_mut(t).enumerate() {
-                    exp_minus(&mut row[..live(r)], max[r]);
+                    exp_minus(&mut row[live(r)], max[r]);
                 }
                 let mut inv = [0f32; ROW_GROUP];
                 for (r, row) in group.chunks_exact(t).enumerate() {
-                    inv[r] = 1.0 / sum_lanes([&row[..live(r)]], |[v]| v);
+                    inv[r] = 1.0 / sum_lanes([&row[live(r)]], |[v]| v);
                 }
                 for (r, row) in group.chunks_exact_mut(t).enumerate() {
-                    let (l, masked) = row.split_at_mut(live(r));
+                    let l = live(r);
+                    let (before, rest) = row.split_at_mut(l.start);
+                    let (l, after) = rest.split_at_mut(l.len());
                     l.iter_mut().for_each(|v| *v *= inv[r]);
-                    masked.fill(0.0);
+                    before.fill(0.0);
+                    after.fill(0.0);
                 }
                 if let Some(p16) = p16.as_deref_mut() {
                     for (r, row) in group.chunks_exact(t).enumerate() {
@@ -701,9 +753,11 @@ impl CustomOp1 for CausalAttention {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let qkv = f32_input(self.name(), s, l)?;
         let dm = Dims::of(l, self.0.heads)?;
+        dm.check(self.1.as_ref())?;
         // Every element is written by one product below (no zeroing pass).
         let mut y = uninit_floats(dm.b * dm.t * dm.d);
-        forward_tasks(qkv, dm, self.0, Out::F32(Shared(y.as_mut_ptr().cast())));
+        let out = Out::F32(Shared(y.as_mut_ptr().cast()));
+        forward_tasks(qkv, dm, self.0, self.1.as_ref(), out);
         // SAFETY: the tasks covered every (sequence, head) and each product
         // every row of its head's columns.
         let y = unsafe { assume_init(y) };
@@ -711,12 +765,12 @@ impl CustomOp1 for CausalAttention {
     }
 
     fn bwd(&self, qkv: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(backward_in_blocks(qkv, dy, self.0)?))
+        Ok(Some(backward_in_blocks(qkv, dy, self.0, self.1.as_ref())?))
     }
 }
 
-/// d qkv from (qkv, dy).
-struct CausalAttentionGrad(Blocks);
+/// d qkv from (qkv, dy), with the forward's documents.
+struct CausalAttentionGrad(Blocks, Option<Documents>);
 
 impl CustomOp2 for CausalAttentionGrad {
     fn name(&self) -> &'static str {
@@ -732,12 +786,14 @@ impl CustomOp2 for CausalAttentionGrad {
     ) -> Result<(CpuStorage, Shape)> {
         let dy = f32_input(self.name(), s2, l2)?;
         let dm = Dims::of(l1, self.0.heads)?;
+        let docs = self.1.as_ref();
+        dm.check(docs)?;
         let dqkv = match input(self.name(), s1, l1)? {
-            Input::F32(qkv) => backward_tasks(qkv, dy, dm, self.0)?,
+            Input::F32(qkv) => backward_tasks(qkv, dy, dm, self.0, docs)?,
             Input::Bf16(_) if self.0.products == Products::F32 => {
                 candle_core::bail!("{BITS_NEED_BF16}")
             }
-            Input::Bf16(qkv) => backward_tasks(qkv, dy, dm, self.0)?,
+            Input::Bf16(qkv) => backward_tasks(qkv, dy, dm, self.0, docs)?,
         };
         Ok((CpuStorage::F32(dqkv), l1.shape().clone()))
     }
@@ -745,7 +801,13 @@ impl CustomOp2 for CausalAttentionGrad {
 
 /// d qkv (f32, qkv's shape) from qkv and dy: one task per (sequence,
 /// key/value head).
-fn backward_tasks<T: Values>(qkv: &[T], dy: &[f32], dm: Dims, blk: Blocks) -> Result<Vec<f32>> {
+fn backward_tasks<T: Values>(
+    qkv: &[T],
+    dy: &[f32],
+    dm: Dims,
+    blk: Blocks,
+    docs: Option<&Documents>,
+) -> Result<Vec<f32>> {
     let (t, d, w, hd) = (dm.t, dm.d, dm.w, dm.hd);
     let rows = blk.rows;
     if dy.len() != dm.b * t * d {
@@ -766,6 +828,7 @@ fn backward_tasks<T: Values>(qkv: &[T], dy: &[f32], dm: Dims, blk: Blocks) -> Re
                 with_bits(if bf16 { t } else { 0 }, |mut p16, mut ds16| {
                     let (bi, g) = (task / kv_heads, task % kv_heads);
                     let base = bi * t * w;
+                    let first = docs.map(|d| d.firsts(bi));
                     let k = view(qkv, base + dm.k(g), t, hd, w);
                     blk.pack(kt, k.t());
                     blk.pack(kp, k);
@@ -774,7 +837,8 @@ fn backward_tasks<T: Values>(qkv: &[T], dy: &[f32], dm: Dims, blk: Blocks) -> Re
                         // The group's first query head writes dK and dV, the
                         // others add to them, in order.
                         let add = nth > 0;
-                        probabilities(qkv, dm, blk, bi, h, kt, p, bf16.then_some(&mut p16));
+                        let rounded = bf16.then_some(&mut p16);
+                        probabilities(qkv, dm, blk, (bi, h), first, kt, p, rounded);
                         blk.pack(qp, view(qkv, base + dm.q(h), t, hd, w));
                         let dy_h = view(dy, bi * t * d + h * hd, t, hd, d);
                         blk.pack(dyp, dy_h);
@@ -821,20 +885,25 @@ fn backward_tasks<T: Values>(qkv: &[T], dy: &[f32], dm: Dims, blk: Blocks) -> Re
                                     .enumerate();
                                 for (g, (p, ds)) in groups {
                                     let i0 = g * ROW_GROUP;
-                                    let live = |r: usize| i0 + r + 1;
+                                    let live = |r: usize| live(first, i0 + r);
                                     let mut c = [0f32; ROW_GROUP];
                                     let pairs = p.chunks_exact(t).zip(ds.chunks_exact(t));
                                     for (r, (prow, dsrow)) in pairs.enumerate() {
-                                        let n = live(r);
-                                        c[r] = sum_lanes([&prow[..n], &dsrow[..n]], |[p, g]| p * g);
+                                        let l = live(r);
+                                        let (p, g) = (&prow[l.clone()], &dsrow[l]);
+                                        c[r] = sum_lanes([p, g], |[p, g]| p * g);
                                     }
                                     let pairs = p.chunks_exact(t).zip(ds.chunks_exact_mut(t));
                                     for (r, (prow, dsrow)) in pairs.enumerate() {
-                                        let (l, masked) = dsrow.split_at_mut(live(r));
-                                        l.iter_mut()
-                                            .zip(prow)
+                                        let l = live(r);
+                                        let (before, rest) = dsrow.split_at_mut(l.start);
+                                        let (live_ds, after) = rest.split_at_mut(l.len());
+                                        live_ds
+                                            .iter_mut()
+                                            .zip(&prow[l])
                                             .for_each(|(g, &pv)| *g = pv * (*g - c[r]));
-                                        masked.fill(0.0);
+                                        before.fill(0.0);
+                                        after.fill(0.0);
                                     }
                                     if bf16 {
                                         for (r, dsrow) in ds.chunks_exact(t).enumerate() {
@@ -903,8 +972,9 @@ mod tests {
     use candle_core::{Device, Var, D};
 
     /// The composed reference: heads (each key/value head repeated for its
-    /// query heads), scaled scores, causal mask, softmax, P·V.
-    fn composed(qkv: &Tensor, heads: Heads) -> Result<Tensor> {
+    /// query heads), scaled scores, causal mask (and with `docs`, the keys
+    /// before each row's document's first masked too), softmax, P·V.
+    fn composed(qkv: &Tensor, heads: Heads, docs: Option<&Documents>) -> Result<Tensor> {
         let (b, t, w) = qkv.dims3()?;
         let hd = w / (heads.heads + 2 * heads.kv);
         let group = heads.heads / heads.kv;
@@ -930,16 +1000,18 @@ mod tests {
             split(heads.heads + heads.kv, heads.kv)?,
         );
         let s = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
-        let mask: Vec<f32> = (0..t * t)
-            .map(|i| {
-                if i % t > i / t {
+        let mask: Vec<f32> = (0..b * t * t)
+            .map(|n| {
+                let (seq, i, j) = (n / (t * t), n / t % t, n % t);
+                let first = docs.map_or(0, |d| d.firsts(seq)[i] as usize);
+                if j > i || j < first {
                     f32::NEG_INFINITY
                 } else {
                     0.0
                 }
             })
             .collect();
-        let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?;
+        let mask = Tensor::from_vec(mask, (b, 1, t, t), &Device::Cpu)?;
         let s = s.broadcast_add(&mask)?;
         let max = s.max_keepdim(D::Minus1)?.detach();
         let e = s.broadcast_sub(&max)?.exp()?;
@@ -964,9 +1036,21 @@ mod tests {
         (x, dy)
     }
 
+    /// Documents in two sequences of `t`: the first cut after tokens 2, 3
+    /// (a document of one token) and 20 (when `t` reaches it), the second
+    /// after token 4.
+    fn documents(t: usize) -> Documents {
+        let mut ids = vec![0u32; 2 * t];
+        let first = [2, 3, 20].into_iter().filter(|&at| at < t);
+        for at in first.chain((4 < t).then_some(t + 4)) {
+            ids[at] = 1;
+        }
+        Documents::after_eos(&ids, t, 1)
+    }
+
     /// The blocking skips masked work without changing a bit: forward and
     /// backward in blocks of 1, 5 and 24 rows (two blocks over 37 tokens)
-    /// are equal, element for element.
+    /// are equal, element for element, with documents or without.
     #[test]
     fn the_block_size_does_not_change_a_bit() {
         let heads = Heads { heads: 4, kv: 2 };
@@ -981,12 +1065,18 @@ mod tests {
                 .map(|v| v.to_bits())
                 .collect()
         };
-        let y = |rows| bits(forward_in_blocks(&x, f32_blocks(heads, rows)).unwrap());
-        let dx = |rows| bits(backward_in_blocks(&x, &dy, f32_blocks(heads, rows)).unwrap());
-        for rows in [1, 5] {
-            let f32_rows = block_rows(Products::F32);
-            assert!(y(rows) == y(f32_rows), "forward, blocks of {rows}");
-            assert!(dx(rows) == dx(f32_rows), "backward, blocks of {rows}");
+        let docs = documents(t);
+        for docs in [None, Some(&docs)] {
+            let y = |rows| bits(forward_in_blocks(&x, f32_blocks(heads, rows), docs).unwrap());
+            let dx = |rows| {
+                let blk = f32_blocks(heads, rows);
+                bits(backward_in_blocks(&x, &dy, blk, docs).unwrap())
+            };
+            for rows in [1, 5] {
+                let f32_rows = block_rows(Products::F32);
+                assert!(y(rows) == y(f32_rows), "forward, blocks of {rows}");
+                assert!(dx(rows) == dx(f32_rows), "backward, blocks of {rows}");
+            }
         }
     }
 
@@ -1008,12 +1098,16 @@ mod tests {
         // product then needs more scratch than the probabilities).
         for (b, t, hd) in [(2, 77, 16), (2, 5, 32)] {
             let (x, _) = inputs(heads, b, t, hd);
-            let want = rounded(&causal_attention(&x, heads, Products::Bf16).unwrap());
-            let got = causal_attention_bf16(&x, heads).unwrap();
-            assert_eq!(got.dims(), &[b * t, heads.heads * hd]);
-            let stride = zgemm::bf16_row_stride(heads.heads * hd);
-            assert_eq!(got.layout().stride()[0], stride);
-            assert_eq!(bf16_bits_of(&got), want, "t {t}, head size {hd}");
+            let docs = documents(t);
+            for docs in [None, Some(&docs)] {
+                let want = causal_attention(&x, heads, Products::Bf16, docs).unwrap();
+                let got = causal_attention_bf16(&x, heads, docs).unwrap();
+                assert_eq!(got.dims(), &[b * t, heads.heads * hd]);
+                let stride = zgemm::bf16_row_stride(heads.heads * hd);
+                assert_eq!(got.layout().stride()[0], stride);
+                let what = format!("t {t}, head size {hd}, documents {}", docs.is_some());
+                assert_eq!(bf16_bits_of(&got), rounded(&want), "{what}");
+            }
         }
     }
 
@@ -1039,17 +1133,17 @@ mod tests {
             let x16 = x.to_dtype(candle_core::DType::BF16).unwrap();
             let what = format!("b {b}, t {t}, head size {hd}");
             assert_eq!(
-                bits(causal_attention_bf16(&x16, heads).unwrap()),
-                bits(causal_attention_bf16(&x, heads).unwrap()),
+                bits(causal_attention_bf16(&x16, heads, None).unwrap()),
+                bits(causal_attention_bf16(&x, heads, None).unwrap()),
                 "forward: {what}"
             );
-            let grad = |x: &Tensor| causal_attention_backward(x, &dy, heads, Products::Bf16);
+            let grad = |x: &Tensor| causal_attention_backward(x, &dy, heads, Products::Bf16, None);
             assert_eq!(
                 bits(grad(&x16).unwrap()),
                 bits(grad(&x).unwrap()),
                 "backward: {what}"
             );
-            let refused = causal_attention_backward(&x16, &dy, heads, Products::F32);
+            let refused = causal_attention_backward(&x16, &dy, heads, Products::F32, None);
             assert!(refused
                 .unwrap_err()
                 .to_string()
@@ -1073,8 +1167,8 @@ mod tests {
         let values = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let run = |products, rows| {
             let blk = Blocks::new(heads, rows, products);
-            let y = values(forward_in_blocks(&x, blk).unwrap());
-            let dx = values(backward_in_blocks(&x, &dy, blk).unwrap());
+            let y = values(forward_in_blocks(&x, blk, None).unwrap());
+            let dx = values(backward_in_blocks(&x, &dy, blk, None).unwrap());
             (y, dx)
         };
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -1099,13 +1193,14 @@ mod tests {
     }
 
     /// Multi-head (3 of 3) and grouped-query (4 query heads on 2), in causal
-    /// blocks of 1, 3 and 24 rows (one block, several with a short last one).
+    /// blocks of 1, 3 and 24 rows (one block, several with a short last
+    /// one), with documents kept apart and without.
     #[test]
     fn matches_the_composed_version_forward_and_backward() {
-        for ((heads, kv), rows) in [(3, 3), (4, 2), (4, 1)]
+        let cases = [(3, 3), (4, 2), (4, 1)]
             .into_iter()
-            .flat_map(|h| [1, 3, block_rows(Products::F32)].map(|r| (h, r)))
-        {
+            .flat_map(|h| [1, 3, block_rows(Products::F32)].map(|r| (h, r)));
+        for (((heads, kv), rows), with_documents) in cases.flat_map(|c| [(c, false), (c, true)]) {
             let heads = Heads { heads, kv };
             let (b, t, hd) = (2, 7, 4);
             let n = b * t * (heads.heads + 2 * heads.kv) * hd;
@@ -1117,8 +1212,10 @@ mod tests {
                 .map(|i| (i % 13) as f32 * 0.1 - 0.6)
                 .collect();
             let w = Tensor::from_vec(w, (b, t, heads.heads * hd), &Device::Cpu).unwrap();
-            let fused = forward_in_blocks(x.as_tensor(), f32_blocks(heads, rows)).unwrap();
-            let reference = composed(x.as_tensor(), heads).unwrap();
+            let docs = documents(t);
+            let docs = with_documents.then_some(&docs);
+            let fused = forward_in_blocks(x.as_tensor(), f32_blocks(heads, rows), docs).unwrap();
+            let reference = composed(x.as_tensor(), heads, docs).unwrap();
             let diff = (&fused - &reference)
                 .unwrap()
                 .abs()
@@ -1127,7 +1224,7 @@ mod tests {
                 .unwrap();
             assert!(
                 diff.to_scalar::<f32>().unwrap() < 1e-5,
-                "{heads:?} rows {rows}"
+                "{heads:?} rows {rows} documents {with_documents}"
             );
             let g1 = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
             let g2 = (reference * &w)
@@ -1143,7 +1240,7 @@ mod tests {
             let diff = (a - r).unwrap().abs().unwrap().max_all().unwrap();
             assert!(
                 diff.to_scalar::<f32>().unwrap() < 1e-5,
-                "{heads:?} rows {rows}: gradient differs by {diff}"
+                "{heads:?} rows {rows} documents {with_documents}: gradient differs by {diff}"
             );
         }
     }

@@ -32,6 +32,7 @@ use rand_chacha::ChaCha8Rng;
 use zconfig::manifest::DataManifest;
 use zconfig::{data_files, DataFormat};
 
+use crate::documents::Documents;
 use crate::head::IGNORED;
 
 /// Why data could not be loaded.
@@ -311,9 +312,13 @@ pub struct Batch {
     /// Tokens per sequence.
     pub seq_len: usize,
     /// What the sum of the micro-batch's counted losses is divided by:
-    /// `rows · seq_len` (the mean) without a loss mask; with one, the
-    /// step's counted targets over its micro-batches (see the module doc).
+    /// `rows · seq_len` (the mean) without a loss mask; with one (or with
+    /// documents kept apart), the step's counted targets over its
+    /// micro-batches (see the module doc).
     pub divisor: f64,
+    /// Where documents begin, when they are kept apart
+    /// ([`Batcher::separate_documents`]).
+    pub documents: Option<Documents>,
 }
 
 /// This rank's share of every global batch.
@@ -331,8 +336,12 @@ pub struct Batcher {
     /// Resumed runs: the step and global sample the run restarted at.
     base_step: u64,
     base_sample: u64,
-    /// With a loss mask: the step last counted and its counted targets.
+    /// With a loss mask or documents kept apart: the step last counted and
+    /// its counted targets.
     counted: Option<(u64, u64)>,
+    /// The end-of-text id after which a new document begins, when documents
+    /// are kept apart.
+    eos: Option<u32>,
 }
 
 impl Batcher {
@@ -367,7 +376,18 @@ impl Batcher {
             base_step: 0,
             base_sample: 0,
             counted: None,
+            eos: None,
         })
+    }
+
+    /// Keeps the documents of every sequence apart ([`crate::documents`]):
+    /// a new one begins after each `eos`, and the target after an `eos` (the
+    /// next document's first token) is not trained on.
+    pub fn separate_documents(self, eos: u32) -> Batcher {
+        Batcher {
+            eos: Some(eos),
+            ..self
+        }
     }
 
     /// Windows in one epoch.
@@ -414,15 +434,15 @@ impl Batcher {
         let mut targets = Vec::with_capacity(self.micro_batch * t);
         let mut window = Vec::with_capacity(t + 1);
         let mut trained = Vec::with_capacity(t);
-        let masked = self.corpus.masked();
+        let counting = self.corpus.masked() || self.eos.is_some();
         for i in 0..self.micro_batch as u64 {
             let start = self.window_of(first + i) * t;
             window.clear();
             self.corpus.read(start, t + 1, &mut window)?;
             inputs.extend_from_slice(&window[..t]);
-            if masked {
+            if counting {
                 trained.clear();
-                self.corpus.read_mask(start + 1, t, &mut trained);
+                self.trained(start, &window, &mut trained);
                 targets.extend(
                     window[1..]
                         .iter()
@@ -434,41 +454,65 @@ impl Batcher {
             }
         }
         let rows = self.micro_batch;
-        let divisor = match masked {
+        let divisor = match counting {
             // One counted target at least: a step whose targets are all
             // left out has a zero loss and zero gradients, not 0/0.
-            true => self.step_counted(step).max(1) as f64 / (self.grad_accum * self.world) as f64,
+            true => {
+                let counted = self.step_counted(step)?.max(1) as f64;
+                counted / (self.grad_accum * self.world) as f64
+            }
             false => (rows * t) as f64,
         };
+        let documents = self.eos.map(|eos| Documents::after_eos(&inputs, t, eos));
         Ok(Batch {
             inputs,
             targets,
             rows,
             seq_len: t,
             divisor,
+            documents,
         })
+    }
+
+    /// Whether each target of the window at `start` (`window`: at least its
+    /// `t` inputs) is trained on, appended to `out`: the loss mask's say,
+    /// and with documents kept apart, not after an end-of-text id.
+    fn trained(&self, start: usize, window: &[u32], out: &mut Vec<bool>) {
+        let t = self.seq_len;
+        self.corpus.read_mask(start + 1, t, out);
+        if let Some(eos) = self.eos {
+            let from = out.len() - t;
+            for (on, &input) in out[from..].iter_mut().zip(window) {
+                *on &= input != eos;
+            }
+        }
     }
 
     /// The targets that step `step`'s loss counts, over every rank and
     /// micro-batch (kept for the step's other micro-batches).
-    fn step_counted(&mut self, step: u64) -> u64 {
+    fn step_counted(&mut self, step: u64) -> Result<u64, DataError> {
         if let Some((s, n)) = self.counted {
             if s == step {
-                return n;
+                return Ok(n);
             }
         }
         let first = self.samples_consumed(step);
         let t = self.seq_len;
-        let mut trained = Vec::with_capacity(t);
+        let (mut trained, mut window) = (Vec::with_capacity(t), Vec::with_capacity(t));
         let mut n = 0u64;
         for sample in first..first + self.per_step() {
             let start = self.window_of(sample) * t;
+            window.clear();
+            if self.eos.is_some() {
+                // The inputs alone: the end-of-text ids among them.
+                self.corpus.read(start, t, &mut window)?;
+            }
             trained.clear();
-            self.corpus.read_mask(start + 1, t, &mut trained);
+            self.trained(start, &window, &mut trained);
             n += trained.iter().filter(|&&on| on).count() as u64;
         }
         self.counted = Some((step, n));
-        n
+        Ok(n)
     }
 }
 
@@ -523,6 +567,44 @@ mod tests {
         let mut want = r0.batch(3, 0).unwrap().inputs;
         want.extend(r1.batch(3, 0).unwrap().inputs);
         assert_eq!(one.batch(3, 0).unwrap().inputs, want);
+    }
+
+    /// Documents kept apart: each batch says where its documents begin, the
+    /// target after an end-of-text id is left out, and the divisor counts
+    /// the step's other targets, whatever the split (1 worker with 2
+    /// micro-batches, 2 workers with 1 each).
+    #[test]
+    fn documents_kept_apart_leave_out_the_target_after_each_end() {
+        // Every 5th token is the end-of-text id 0.
+        let tokens: Vec<u32> = (0..2000u32)
+            .map(|i| if i % 5 == 4 { 0 } else { 1 + i % 7 })
+            .collect();
+        let corpus = Corpus::from_tokens(tokens, 8);
+        let one = |accum, world, rank| {
+            Batcher::new(corpus.clone(), 16, 2, accum, world, rank, 9)
+                .unwrap()
+                .separate_documents(0)
+        };
+        let (mut solo, mut r0, mut r1) = (one(2, 1, 0), one(1, 2, 0), one(1, 2, 1));
+        for step in 0..3 {
+            let (a, b) = (solo.batch(step, 0).unwrap(), solo.batch(step, 1).unwrap());
+            assert_eq!(a, r0.batch(step, 0).unwrap());
+            assert_eq!(b, r1.batch(step, 0).unwrap());
+            let mut left_out = 0;
+            for batch in [&a, &b] {
+                let docs = batch.documents.as_ref().expect("documents");
+                assert_eq!(*docs, Documents::after_eos(&batch.inputs, 16, 0));
+                for (&input, &target) in batch.inputs.iter().zip(&batch.targets) {
+                    assert_eq!(target == IGNORED, input == 0);
+                    left_out += usize::from(input == 0);
+                }
+            }
+            // 4 sequences of 16 targets, 3 or 4 of each after an end; the
+            // divisor is the step's counted targets over its 2 micro-batches.
+            assert!((12..=16).contains(&left_out), "{left_out}");
+            assert_eq!(a.divisor, (64 - left_out) as f64 / 2.0);
+            assert_eq!(a.divisor, b.divisor);
+        }
     }
 
     #[test]

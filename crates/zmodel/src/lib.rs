@@ -26,6 +26,8 @@
 //!   backward).
 //! - `simd`: a vectorisable `exp`, AVX-512 / AVX2 dispatch and thread-count-independent
 //!   row splitting for the fused ops.
+//! - [`documents`]: where each packed document begins in its sequence, for
+//!   attention, positions and loss that stop at document ends.
 //! - [`data`]: corpora (text bytes, u16 tokens, synthetic) and the batcher that gives
 //!   each rank a disjoint, deterministic share of every global batch.
 
@@ -33,6 +35,7 @@
 
 pub mod attention;
 pub mod data;
+pub mod documents;
 pub mod gpt;
 pub mod head;
 #[cfg(target_arch = "x86_64")]
@@ -44,6 +47,7 @@ pub mod params;
 mod simd;
 
 pub use data::{Batch, Batcher, Corpus, DataError};
+pub use documents::Documents;
 pub use gpt::{BlockActs, Gpt, GroupSpec, Init, KvCache, ParamSpec};
 pub use head::HeadBackward;
 pub use linear::{BlockLinear, BlockNorm, BlockSource, Products};

@@ -25,6 +25,7 @@ use std::mem::MaybeUninit;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::documents::Documents;
 use crate::ops::{cpu_f32, f32_input, sum_lanes, write_row};
 use crate::simd::{
     assume_init, par_rows, par_rows_bf16, par_rows_summed, sigmoid, uninit_floats, vectorised,
@@ -528,13 +529,15 @@ impl CustomOp2 for SwiGluGrad {
 /// The rotary embedding of q and k in `qkv` `[b, t, (heads + 2·kv)·hd]`
 /// (v passes through): position `p`, pair `(i, i + hd/2)` of each head turns
 /// by `p · inv_freq[i]` (`zconfig::arch::rope_inv_freq`: `theta^(−2i/hd)`,
-/// maybe scaled). `inverse` turns the other way: the backward.
+/// maybe scaled). `inverse` turns the other way: the backward. Position
+/// `p` is the row's in its sequence, or with `docs` in its document.
 pub fn rope(
     qkv: &Tensor,
     heads: usize,
     kv_heads: usize,
     inv_freq: &[f64],
     inverse: bool,
+    docs: Option<&Documents>,
 ) -> Result<Tensor> {
     qkv.contiguous()?.apply_op1(Rope {
         heads,
@@ -542,6 +545,7 @@ pub fn rope(
         inv_freq: inv_freq.into(),
         inverse,
         start: 0,
+        docs: docs.cloned(),
     })
 }
 
@@ -561,6 +565,7 @@ pub fn rope_from(
         inv_freq: inv_freq.into(),
         inverse: false,
         start,
+        docs: None,
     })
 }
 
@@ -573,6 +578,8 @@ struct Rope {
     inverse: bool,
     /// The first row's position.
     start: usize,
+    /// Documents kept apart: each row's position is in its document.
+    docs: Option<Documents>,
 }
 
 impl Rope {
@@ -602,7 +609,12 @@ impl CustomOp1 for Rope {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_input(self.name(), s, l)?;
-        let (_, t, w) = l.shape().dims3()?;
+        let (b, t, w) = l.shape().dims3()?;
+        if let Some(d) = &self.docs {
+            if d.seq_len() != t || d.tokens() != b * t {
+                candle_core::bail!("rope: documents of {} tokens for [{b}, {t}]", d.tokens());
+            }
+        }
         let all_heads = self.heads + 2 * self.kv_heads;
         if !w.is_multiple_of(all_heads) || !(w / all_heads).is_multiple_of(2) {
             candle_core::bail!("rope: width {w} is not {all_heads} heads of an even width");
@@ -616,7 +628,7 @@ impl CustomOp1 for Rope {
             .zip(x.par_chunks(w))
             .enumerate()
             .for_each(|(r, (out, row))| {
-                let p = r % t;
+                let p = self.docs.as_ref().map_or(r % t, |d| d.position(r));
                 let (c, s) = (&cos[p * half..][..half], &sin[p * half..][..half]);
                 vectorised(
                     #[inline(always)]
@@ -822,13 +834,21 @@ mod tests {
     }
 
     /// Hugging Face's `apply_rotary_pos_emb` with `rotate_half`, composed.
-    fn rope_composed(qkv: &Tensor, heads: usize, kv: usize, theta: f64) -> Result<Tensor> {
+    /// Rotary embedding composed from candle ops, at the given position of
+    /// each row of the batch (`[b·t]`).
+    fn rope_composed(
+        qkv: &Tensor,
+        heads: usize,
+        kv: usize,
+        theta: f64,
+        positions: &[usize],
+    ) -> Result<Tensor> {
         let (b, t, w) = qkv.dims3()?;
         let hd = w / (heads + 2 * kv);
         let half = hd / 2;
         let mut cos = Vec::new();
         let mut sin = Vec::new();
-        for p in 0..t {
+        for &p in positions {
             for i in 0..hd {
                 let inv = theta.powf(-((2 * (i % half)) as f64) / hd as f64);
                 cos.push((p as f64 * inv).cos() as f32);
@@ -836,8 +856,8 @@ mod tests {
             }
         }
         let dev = Device::Cpu;
-        let cos = Tensor::from_vec(cos, (1, t, 1, hd), &dev)?;
-        let sin = Tensor::from_vec(sin, (1, t, 1, hd), &dev)?;
+        let cos = Tensor::from_vec(cos, (b, t, 1, hd), &dev)?;
+        let sin = Tensor::from_vec(sin, (b, t, 1, hd), &dev)?;
         let turn = |x: Tensor, n: usize| -> Result<Tensor> {
             let x = x.reshape((b, t, n, hd))?;
             let rotated = Tensor::cat(
@@ -860,14 +880,29 @@ mod tests {
         let w = (heads + 2 * kv) * hd;
         let x = Var::from_vec(wave(b * t * w, 13), (b, t, w), &dev).unwrap();
         let freq = |theta| zconfig::arch::rope_inv_freq(theta, None, hd);
+        let in_sequence: Vec<usize> = (0..b * t).map(|r| r % t).collect();
         check(
             std::slice::from_ref(&x),
-            |t| rope(&t[0], heads, kv, &freq(10_000.0), false),
-            |t| rope_composed(&t[0], heads, kv, 10_000.0),
+            |t| rope(&t[0], heads, kv, &freq(10_000.0), false, None),
+            |t| rope_composed(&t[0], heads, kv, 10_000.0, &in_sequence),
             1e-5,
         );
-        let y = rope(x.as_tensor(), heads, kv, &freq(500.0), false).unwrap();
-        let back = rope(&y, heads, kv, &freq(500.0), true).unwrap();
+        // Documents ending at tokens 3 and 4 of the first sequence, 7 of
+        // the second: positions restart after each.
+        let mut ids = vec![0u32; b * t];
+        for at in [3, 4, t + 7] {
+            ids[at] = 1;
+        }
+        let docs = Documents::after_eos(&ids, t, 1);
+        let in_document = [0, 1, 2, 3, 0, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 0];
+        check(
+            std::slice::from_ref(&x),
+            |t| rope(&t[0], heads, kv, &freq(10_000.0), false, Some(&docs)),
+            |t| rope_composed(&t[0], heads, kv, 10_000.0, &in_document),
+            1e-5,
+        );
+        let y = rope(x.as_tensor(), heads, kv, &freq(500.0), false, None).unwrap();
+        let back = rope(&y, heads, kv, &freq(500.0), true, None).unwrap();
         assert!(max_diff(&back, x.as_tensor()) < 1e-5);
         // Position 0 does not turn; v never does.
         let v = |t: &Tensor| t.narrow(2, (heads + kv) * hd, kv * hd).unwrap();

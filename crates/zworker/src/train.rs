@@ -41,19 +41,32 @@ pub fn train(
         Some(_) => Some(Corpus::load(&d.val_path, d.format, vocab, t.seed)?),
         None => held_out,
     };
+    // Documents kept apart, at the same end-of-text id in training and
+    // validation data.
+    let eos = match d.separate_documents {
+        true => Some(d.document_eos().map_err(anyhow::Error::msg)?),
+        false => None,
+    };
+    let batcher = |corpus, accum| -> Result<Batcher> {
+        let b = Batcher::new(
+            corpus,
+            spec.model.seq_len,
+            t.micro_batch_size,
+            accum,
+            env.world_size,
+            env.rank,
+            t.seed,
+        )?;
+        Ok(match eos {
+            Some(eos) => b.separate_documents(eos),
+            None => b,
+        })
+    };
     // Validation: the same `eval_steps` micro-batches of the held-out tail at
     // every evaluation, each rank its share.
     let val_batches = match held_out {
         Some(c) => {
-            let mut b = Batcher::new(
-                c,
-                spec.model.seq_len,
-                t.micro_batch_size,
-                t.eval_steps,
-                env.world_size,
-                env.rank,
-                t.seed,
-            )?;
+            let mut b = batcher(c, t.eval_steps)?;
             Some(
                 (0..t.eval_steps)
                     .map(|m| b.batch(0, m))
@@ -62,15 +75,7 @@ pub fn train(
         }
         None => None,
     };
-    let mut data = Batcher::new(
-        corpus,
-        spec.model.seq_len,
-        t.micro_batch_size,
-        t.grad_accum,
-        env.world_size,
-        env.rank,
-        t.seed,
-    )?;
+    let mut data = batcher(corpus, t.grad_accum)?;
     let comm = groups.world.clone();
     let mut engine = Engine::with_groups(spec, groups, &env.job_id)?;
     if spec.checkpoint.dir.is_some() {
