@@ -1609,28 +1609,36 @@ impl PackedB {
     pub fn cols(&self) -> usize {
         self.cols
     }
+
+    /// Columns of a panel: a product may start at any multiple of it
+    /// ([`gemm_packed`]'s `b_col`); 1 before anything is packed.
+    pub fn panel_width(&self) -> usize {
+        self.kernel.map_or(1, Kernel::nr)
+    }
 }
 
 /// `C = start ⊕ α·A·B'` on the calling thread, where `B'` is rows `b_rows`
-/// and the first `C.cols` columns of `b`: the bits of [`gemm_with`] on that
-/// part of `B`, with the kernel `b` was packed for. `A` is read in place
-/// whether it is stored row-major or transposed (the few panels of `B` that
-/// such products have would not repay packing it).
+/// and the `C.cols` columns of `b` from `b_col` (a multiple of
+/// [`PackedB::panel_width`]): the bits of [`gemm_with`] on that part of
+/// `B`, with the kernel `b` was packed for. `A` is read in place whether it
+/// is stored row-major or transposed (the few panels of `B` that such
+/// products have would not repay packing it).
 pub fn gemm_packed(
     c: MatMut,
     a: MatRef,
     b: &PackedB,
-    b_rows: std::ops::Range<usize>,
+    (b_rows, b_col): (std::ops::Range<usize>, usize),
     alpha: f32,
     start: Start,
 ) -> Result<(), ShapeError> {
     let Some(kernel) = b
         .kernel
-        .filter(|k| !k.is_bf16() && holds(&c, &a, b, &b_rows))
+        .filter(|k| !k.is_bf16() && holds(&c, &a, b, (&b_rows, b_col)))
     else {
         return Err(ShapeError::mismatch(&c, &a, b.rows, b.cols));
     };
-    let from = b.start + b_rows.start * kernel.nr();
+    // Panels of nr columns lie `nr · depth` apart.
+    let from = b.start + b_col * b.depth + b_rows.start * kernel.nr();
     multiply_packed(kernel, c, a, &b.data[from..], b.depth, alpha, start, true)
 }
 
@@ -1643,7 +1651,7 @@ pub fn gemm_packed_bf16<A: Bf16Operand>(
     c: MatMut,
     a: MatRef<A>,
     b: &PackedB,
-    b_rows: std::ops::Range<usize>,
+    (b_rows, b_col): (std::ops::Range<usize>, usize),
     alpha: f32,
     start: Start,
 ) -> Result<(), ShapeError> {
@@ -1651,7 +1659,7 @@ pub fn gemm_packed_bf16<A: Bf16Operand>(
     let on_pairs = r0 % 32 == 0 && (r1 % 2 == 0 || r1 == b.rows);
     let Some(kernel) = b
         .kernel
-        .filter(|k| k.is_bf16() && on_pairs && holds(&c, &a, b, &b_rows))
+        .filter(|k| k.is_bf16() && on_pairs && holds(&c, &a, b, (&b_rows, b_col)))
     else {
         return Err(ShapeError::mismatch(&c, &a, b.rows, b.cols));
     };
@@ -1659,14 +1667,24 @@ pub fn gemm_packed_bf16<A: Bf16Operand>(
         // Pairs of A's columns, zero past the last: depth ⌈len/2⌉ rounded
         // up to 16 reads B's pairs from r0/2 within its zero-padded depth.
         let a2 = bf16::pair_columns(a, buf, 1);
-        let from = b.start + r0 / 2 * kernel.nr();
+        let from = b.start + b_col * b.depth + r0 / 2 * kernel.nr();
         multiply_packed(kernel, c, a2, &b.data[from..], b.depth, alpha, start, false)
     })
 }
 
-/// Whether `b` holds rows `b_rows` and `C`'s columns, and `A` is as deep.
-fn holds<T>(c: &MatMut, a: &MatRef<T>, b: &PackedB, b_rows: &std::ops::Range<usize>) -> bool {
-    b_rows.start <= b_rows.end && b_rows.end <= b.rows && c.cols <= b.cols && a.cols == b_rows.len()
+/// Whether `b` holds rows `b_rows` and `C`'s columns from `b_col` (where a
+/// panel starts), and `A` is as deep.
+fn holds<T>(
+    c: &MatMut,
+    a: &MatRef<T>,
+    b: &PackedB,
+    (b_rows, b_col): (&std::ops::Range<usize>, usize),
+) -> bool {
+    b_rows.start <= b_rows.end
+        && b_rows.end <= b.rows
+        && b_col.is_multiple_of(b.panel_width())
+        && b_col + c.cols <= b.cols
+        && a.cols == b_rows.len()
 }
 
 /// The product of [`gemm_packed`] and [`gemm_packed_bf16`] on `A`'s depth:

@@ -1454,11 +1454,18 @@ fn packed_bf16_products_give_the_bits_of_gemm_bf16_on_that_part_of_b() {
     );
 }
 
-type Product =
-    fn(MatMut, MatRef, &PackedB, std::ops::Range<usize>, f32, Start) -> Result<(), ShapeError>;
+type Product = fn(
+    MatMut,
+    MatRef,
+    &PackedB,
+    (std::ops::Range<usize>, usize),
+    f32,
+    Start,
+) -> Result<(), ShapeError>;
 
-/// `product` on parts `(m, r0, r1, n)` of a `rows`×45 `B` packed by `pack`
-/// against `reference` on the same part, bit for bit.
+/// `product` on parts `(m, r0, r1, n)` of a `rows`×150 `B` packed by `pack`
+/// against `reference` on the same part, bit for bit: `n` columns from
+/// the first, second and third panel (where they fit).
 fn packed_products_match(
     name: &str,
     rows: usize,
@@ -1467,14 +1474,18 @@ fn packed_products_match(
     reference: impl Fn(MatMut, MatRef, MatRef, f32, Start) -> Result<(), ShapeError>,
     parts: &[(usize, usize, usize, usize)],
 ) {
-    let cols = 45;
+    let cols = 150;
     let b_data = random(11, rows * cols);
     for b_t in [false, true] {
         let b = operand(&b_data, rows, cols, b_t);
         let mut packed = PackedB::new();
         pack(&mut packed, b);
         assert_eq!((packed.rows(), packed.cols()), (rows, cols));
-        for &(m, r0, r1, n) in parts {
+        let from_panels = (0..3).map(|p| p * packed.panel_width());
+        let parts = parts
+            .iter()
+            .flat_map(|&part| from_panels.clone().map(move |c0| (part, c0)));
+        for ((m, r0, r1, n), c0) in parts.filter(|&((.., n), c0)| c0 + n <= cols) {
             let k = r1 - r0;
             let a_data = random(12, m * k);
             let bias = random(13, n);
@@ -1482,7 +1493,8 @@ fn packed_products_match(
             let r = MatRef::row_major(&res, m, n).unwrap();
             for a_t in [false, true] {
                 let a = operand(&a_data, m, k, a_t);
-                let b_part = MatRef::new(&b.data[r0 * b.rs..], k, n, b.rs, b.cs).unwrap();
+                let b_part =
+                    MatRef::new(&b.data[r0 * b.rs + c0 * b.cs..], k, n, b.rs, b.cs).unwrap();
                 for (start, alpha) in STARTS.into_iter().flat_map(|s| [(s, 0.5), (s, 1.0)]) {
                     let start_of = |s: &str| start_of(s, &bias, r);
                     let rs = n + 2;
@@ -1491,12 +1503,12 @@ fn packed_products_match(
                     let c = MatMut::new(&mut want, m, n, rs).unwrap();
                     reference(c, a, b_part, alpha, start_of(start)).unwrap();
                     let c = MatMut::new(&mut got, m, n, rs).unwrap();
-                    product(c, a, &packed, r0..r1, alpha, start_of(start)).unwrap();
+                    product(c, a, &packed, (r0..r1, c0), alpha, start_of(start)).unwrap();
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(
                         bits(&got),
                         bits(&want),
-                        "{name} b_t {b_t} a_t {a_t} m {m} rows {r0}..{r1} n {n} {start} α {alpha}"
+                        "{name} b_t {b_t} a_t {a_t} m {m} rows {r0}..{r1} n {n} from column {c0} {start} α {alpha}"
                     );
                 }
             }
@@ -1515,31 +1527,40 @@ fn packed_b_products_refuse_parts_it_does_not_hold() {
         MatMut::row_major(&mut c, 4, 10).unwrap(),
         a,
         &packed,
-        0..20,
+        (0..20, 0),
         1.0,
         Start::Zero,
     );
     assert!(unpacked.is_err());
     packed.pack(MatRef::row_major(&b_data, 20, 10).unwrap());
-    for (rows, n) in [(0..21, 10), (0..20, 11), (1..20, 10)] {
+    // Rows past B's, columns past them, too few rows for A, a column
+    // start inside a panel, columns from a panel past B's.
+    let cuts = [
+        (0..21, 0, 10),
+        (0..20, 0, 11),
+        (1..20, 0, 10),
+        (0..20, 1, 9),
+        (0..20, 16, 1),
+    ];
+    for (rows, col, n) in cuts {
         let r = gemm_packed(
             MatMut::row_major(&mut c, 4, n).unwrap(),
             a.sub_rows(0, 4),
             &packed,
-            rows.clone(),
+            (rows.clone(), col),
             1.0,
             Start::Zero,
         );
         assert!(
             matches!(r, Err(ShapeError::Mismatch { .. })),
-            "rows {rows:?}, {n} columns: {r:?}"
+            "rows {rows:?}, {n} columns from {col}: {r:?}"
         );
     }
     gemm_packed(
         MatMut::row_major(&mut c, 4, 10).unwrap(),
         a,
         &packed,
-        0..20,
+        (0..20, 0),
         1.0,
         Start::Zero,
     )
@@ -1554,7 +1575,7 @@ fn packed_b_products_refuse_parts_it_does_not_hold() {
     for rows in [16..48, 32..65, 0..101, 64..32] {
         let a = MatRef::row_major(&a_data, 4, rows.len()).unwrap();
         let out = MatMut::row_major(&mut c, 4, 10).unwrap();
-        let r = gemm_packed_bf16(out, a, &paired, rows.clone(), 1.0, Start::Zero);
+        let r = gemm_packed_bf16(out, a, &paired, (rows.clone(), 0), 1.0, Start::Zero);
         assert!(
             matches!(r, Err(ShapeError::Mismatch { .. })),
             "rows {rows:?}: {r:?}"
@@ -1562,11 +1583,13 @@ fn packed_b_products_refuse_parts_it_does_not_hold() {
     }
     let a = MatRef::row_major(&a_data, 4, 100).unwrap();
     let out = MatMut::row_major(&mut c, 4, 10).unwrap();
-    assert!(gemm_packed(out, a, &paired, 0..100, 1.0, Start::Zero).is_err());
+    assert!(gemm_packed(out, a, &paired, (0..100, 0), 1.0, Start::Zero).is_err());
     let out = MatMut::row_major(&mut c, 4, 10).unwrap();
-    assert!(gemm_packed_bf16(out, a.sub_rows(0, 4), &packed, 0..20, 1.0, Start::Zero).is_err());
+    assert!(
+        gemm_packed_bf16(out, a.sub_rows(0, 4), &packed, (0..20, 0), 1.0, Start::Zero).is_err()
+    );
     let out = MatMut::row_major(&mut c, 4, 10).unwrap();
-    gemm_packed_bf16(out, a, &paired, 0..100, 1.0, Start::Zero).unwrap();
+    gemm_packed_bf16(out, a, &paired, (0..100, 0), 1.0, Start::Zero).unwrap();
 }
 
 #[test]

@@ -8,12 +8,15 @@
 //!     RAYON_NUM_THREADS=1 cargo run --release -p zmodel --example attention_bench
 //!
 //! (an argument, `F32`, `Bf16` or `"Bf16 in and out"`, runs that one only).
+//! `DOCUMENTS=64` keeps documents of 64 tokens apart
+//! (`data.separate_documents`): the rate stays the triangle's, so it shows
+//! what skipping the masked keys saves.
 
 use candle_core::{Device, Tensor};
 use zmodel::attention::{
     causal_attention, causal_attention_backward, causal_attention_bf16, Heads,
 };
-use zmodel::Products;
+use zmodel::{Documents, Products};
 
 fn main() -> candle_core::Result<()> {
     let (b, t, heads, hd) = (8, 256, 6, 64);
@@ -27,6 +30,13 @@ fn main() -> candle_core::Result<()> {
         .collect();
     let dy = Tensor::from_vec(dy, (b, t, heads * hd), &Device::Cpu)?;
     let h = Heads { heads, kv: heads };
+    let docs = std::env::var("DOCUMENTS").ok().map(|n| {
+        let n: usize = n.parse().expect("DOCUMENTS: tokens per document");
+        let ids: Vec<u32> = (0..b * t).map(|i| u32::from(i % n == n - 1)).collect();
+        println!("documents of {n} tokens kept apart");
+        Documents::after_eos(&ids, t, 1)
+    });
+    let docs = docs.as_ref();
     // FLOPs of the causal triangle (row i sees i + 1 keys) per product, as
     // any blocking needs at least: the rate is the useful work's, so block
     // sizes compare by it.
@@ -53,13 +63,13 @@ fn main() -> candle_core::Result<()> {
         for _ in 0..30 {
             let start = std::time::Instant::now();
             if bits {
-                drop(causal_attention_bf16(input, h, None)?);
+                drop(causal_attention_bf16(input, h, docs)?);
             } else {
-                drop(causal_attention(input, h, products, None)?);
+                drop(causal_attention(input, h, products, docs)?);
             }
             fwd = fwd.min(start.elapsed().as_secs_f64());
             let start = std::time::Instant::now();
-            drop(causal_attention_backward(input, &dy, h, products, None)?);
+            drop(causal_attention_backward(input, &dy, h, products, docs)?);
             bwd = bwd.min(start.elapsed().as_secs_f64());
         }
         println!(

@@ -44,6 +44,21 @@
 //! that goes through its query heads in order, adding their dK and dV in that
 //! order (no two tasks write the same columns; the bits do not depend on the
 //! threads). With `kv = heads` it is the plain multi-head case, unchanged.
+//!
+//! Documents kept apart (`data.separate_documents`, [`Documents`]): row `i`
+//! sees keys from its document's first on, a lower bound per row on top of
+//! the causal upper one. The softmax and dS rows run over those keys only
+//! (the rest zero), and the products skip what a whole block masks: a block
+//! of query rows starts its keys at its first row's document (the score
+//! products at the panel holding it, the others exactly, or at 32 rows
+//! for bf16 pairs), and a block of keys ends its queries where the next
+//! document begins. With documents of 64 tokens in sequences of 256 (a
+//! quarter of the triangle live, so at best 4x), `DOCUMENTS=64
+//! attention_bench` on one thread: forward 1.6-1.7x and backward 1.8x
+//! faster than the same masks without the skipping (bf16 in and out:
+//! 1.5x and 1.65x); the rest is the row loops' zero fills and the packing,
+//! which stay whole. Skipping terms that are exact zeros changes no bit
+//! while a product's depth fits one of zgemm's depth blocks.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -266,11 +281,23 @@ fn forward_tasks<T: Values>(qkv: &[T], dm: Dims, blk: Blocks, docs: Option<&Docu
                             Out::F32(y) => (y.at((bi * t + i0) * d + h * hd), d),
                             Out::Bf16(..) => (y_blk.as_mut_ptr(), hd),
                         };
+                        let k0 = keys_from(first, i0, blk.depth_start());
                         // SAFETY: y's rows i0..i1 of sequence bi, columns of
                         // head h: this task's alone (or the task's scratch).
                         unsafe {
-                            let p_blk = Part::of(p, t, bits, (i0, 0), (i1 - i0, i1));
-                            product_of_part(blk.products, c, c_rs, hd, p_blk, vp, 0..i1, 1.0, false)
+                            let p_blk = Part::of(p, t, bits, (i0, k0), (i1 - i0, i1 - k0));
+                            let v_part = (k0..i1, 0);
+                            product_of_part(
+                                blk.products,
+                                c,
+                                c_rs,
+                                hd,
+                                p_blk,
+                                vp,
+                                v_part,
+                                1.0,
+                                false,
+                            )
                         };
                         if let Out::Bf16(bits, stride) = out {
                             for (r, row) in y_blk[..(i1 - i0) * hd].chunks(hd).enumerate() {
@@ -339,6 +366,15 @@ impl Blocks {
             heads,
             rows,
             products,
+        }
+    }
+
+    /// Where a product over keys (or queries) may start its depth: bf16
+    /// pairs come in tile steps of 32 rows.
+    fn depth_start(&self) -> usize {
+        match self.products {
+            Products::F32 => 1,
+            Products::Bf16 => 32,
         }
     }
 
@@ -614,22 +650,22 @@ unsafe fn product_of_part(
     cols: usize,
     a: Part,
     b: &PackedB,
-    b_rows: std::ops::Range<usize>,
+    b_part: (std::ops::Range<usize>, usize),
     alpha: f32,
     keep: bool,
 ) {
     // SAFETY: forwarded from the caller.
     unsafe {
         match a {
-            Part::F32(a) => product(products, c, c_rs, cols, a, b, b_rows, alpha, keep),
-            Part::Bits(a) => product(products, c, c_rs, cols, a, b, b_rows, alpha, keep),
+            Part::F32(a) => product(products, c, c_rs, cols, a, b, b_part, alpha, keep),
+            Part::Bits(a) => product(products, c, c_rs, cols, a, b, b_part, alpha, keep),
         }
     }
 }
 
-/// `C = start ⊕ alpha·A·B` on the calling thread, where `B` is rows `b_rows`
-/// and the first `cols` columns of `b`; `C` at `c` with row stride `c_rs`
-/// (unit column stride).
+/// `C = start ⊕ alpha·A·B` on the calling thread, where `B` is rows
+/// `b_part.0` and the `cols` columns from `b_part.1` (where a panel starts)
+/// of `b`; `C` at `c` with row stride `c_rs` (unit column stride).
 ///
 /// # Safety
 ///
@@ -644,7 +680,7 @@ unsafe fn product<T: Values>(
     cols: usize,
     a: MatRef<T>,
     b: &PackedB,
-    b_rows: std::ops::Range<usize>,
+    b_part: (std::ops::Range<usize>, usize),
     alpha: f32,
     keep: bool,
 ) {
@@ -654,9 +690,9 @@ unsafe fn product<T: Values>(
     c.and_then(|c| match products {
         Products::F32 => {
             let a = T::f32s(a).expect(BITS_NEED_BF16);
-            zgemm::gemm_packed(c, a, b, b_rows, alpha, start)
+            zgemm::gemm_packed(c, a, b, b_part, alpha, start)
         }
-        Products::Bf16 => zgemm::gemm_packed_bf16(c, a, b, b_rows, alpha, start),
+        Products::Bf16 => zgemm::gemm_packed_bf16(c, a, b, b_part, alpha, start),
     })
     .expect("attention: GEMM shapes are built from one Dims");
 }
@@ -683,12 +719,32 @@ fn live(first: Option<&[u32]>, i: usize) -> std::ops::Range<usize> {
     first.map_or(0, |f| f[i] as usize)..i + 1
 }
 
+/// The first key that the block of rows from `i0` sees, rounded down to a
+/// multiple of `align` (where a product may start): its first row's
+/// document's first (documents follow each other down a sequence, so no
+/// later row's begins earlier). The keys before it are masked for every
+/// row of the block: its products skip them.
+fn keys_from(first: Option<&[u32]>, i0: usize, align: usize) -> usize {
+    first.map_or(0, |f| f[i0] as usize / align * align)
+}
+
+/// The end of the rows that see any key before `j1`: the first row whose
+/// document begins at `j1` or later, rounded up to an even row (where a
+/// bf16 product may end) or `t`. The later rows see none of the keys of
+/// a block ending at `j1`: the backward's products over queries skip them.
+fn queries_to(first: Option<&[u32]>, j1: usize, t: usize) -> usize {
+    first.map_or(t, |f| {
+        let end = f.partition_point(|&begins| (begins as usize) < j1);
+        end.next_multiple_of(2).min(t)
+    })
+}
+
 /// P = causal softmax(Q·Kᵀ·scale) of sequence `bi`, query head `h` into
 /// `p[t×t]`, from `kt`, its head's Kᵀ packed; the masked entries (column
-/// above the row, or before its document's first) are zero. The scores
-/// before a document's first are computed and then zeroed: the products
-/// run over whole blocks of keys. With `p16`, each row's causal block
-/// rounded to bf16 there too ([`Rows16`]).
+/// above the row, or before its document's first) are zero; a block's
+/// product starts at the panel of keys where its first row's document
+/// begins. With `p16`, each row's causal block rounded to bf16 there too
+/// ([`Rows16`]).
 #[allow(clippy::too_many_arguments)]
 fn probabilities<T: Values>(
     qkv: &[T],
@@ -705,10 +761,23 @@ fn probabilities<T: Values>(
     let scale = 1.0 / (hd as f32).sqrt();
     for (i0, i1) in blocks(t, blk.rows) {
         let q = view(qkv, base + i0 * w + dm.q(h), i1 - i0, hd, w);
-        let c = p[i0 * t..].as_mut_ptr();
-        // SAFETY: rows i0..i1, columns < i1 of p (t × t), which only this
+        let k0 = keys_from(first, i0, kt.panel_width());
+        let c = p[i0 * t + k0..].as_mut_ptr();
+        // SAFETY: rows i0..i1, columns k0..i1 of p (t × t), which only this
         // call holds.
-        unsafe { product(blk.products, c, t, i1, q, kt, 0..hd, scale, false) };
+        unsafe {
+            product(
+                blk.products,
+                c,
+                t,
+                i1 - k0,
+                q,
+                kt,
+                (0..hd, k0),
+                scale,
+                false,
+            )
+        };
     }
     vectorised(
         #[inline(always)]
@@ -845,28 +914,41 @@ fn backward_tasks<T: Values>(
                         let p_bits = bf16.then_some(&p16);
                         // Blocks of key columns [j0, j1) see query rows [j0, t).
                         for (j0, j1) in blocks(t, rows) {
+                            let q1 = queries_to(first, j1, t);
                             // SAFETY: dV rows j0..j1 of this task's key/value
                             // head: its alone (as are dK's, dQ's of its heads).
                             unsafe {
                                 // dV (+)= Pᵀ · dY
                                 let dv = out.at(base + j0 * w + dm.v(g));
-                                let p_t = Part::of(p, t, p_bits, (j0, j0), (t - j0, j1 - j0)).t();
-                                product_of_part(blk.products, dv, w, hd, p_t, dyp, j0..t, 1.0, add)
+                                let p_t = Part::of(p, t, p_bits, (j0, j0), (q1 - j0, j1 - j0)).t();
+                                let dy_part = (j0..q1, 0);
+                                product_of_part(
+                                    blk.products,
+                                    dv,
+                                    w,
+                                    hd,
+                                    p_t,
+                                    dyp,
+                                    dy_part,
+                                    1.0,
+                                    add,
+                                )
                             };
                         }
                         // dP = dY · Vᵀ, the live blocks only, into ds.
                         for (i0, i1) in blocks(t, rows) {
                             let dy_blk = dy_h.sub_rows(i0, i1);
-                            // SAFETY: rows i0..i1, columns < i1 of ds (t × t).
+                            let k0 = keys_from(first, i0, vt.panel_width());
+                            // SAFETY: rows i0..i1, columns k0..i1 of ds (t × t).
                             unsafe {
                                 product(
                                     blk.products,
-                                    ds[i0 * t..].as_mut_ptr(),
+                                    ds[i0 * t + k0..].as_mut_ptr(),
                                     t,
-                                    i1,
+                                    i1 - k0,
                                     dy_blk,
                                     vt,
-                                    0..hd,
+                                    (0..hd, k0),
                                     1.0,
                                     false,
                                 )
@@ -921,7 +1003,8 @@ fn backward_tasks<T: Values>(
                             unsafe {
                                 // dQ = dS · K · scale
                                 let dq = out.at(base + i0 * w + dm.q(h));
-                                let ds_blk = Part::of(ds, t, ds_bits, (i0, 0), (i1 - i0, i1));
+                                let k0 = keys_from(first, i0, blk.depth_start());
+                                let ds_blk = Part::of(ds, t, ds_bits, (i0, k0), (i1 - i0, i1 - k0));
                                 product_of_part(
                                     blk.products,
                                     dq,
@@ -929,7 +1012,7 @@ fn backward_tasks<T: Values>(
                                     hd,
                                     ds_blk,
                                     kp,
-                                    0..i1,
+                                    (k0..i1, 0),
                                     scale,
                                     false,
                                 )
@@ -941,8 +1024,9 @@ fn backward_tasks<T: Values>(
                             unsafe {
                                 // dK (+)= dSᵀ · Q · scale
                                 let dk = out.at(base + j0 * w + dm.k(g));
+                                let q1 = queries_to(first, j1, t);
                                 let ds_t =
-                                    Part::of(ds, t, ds_bits, (j0, j0), (t - j0, j1 - j0)).t();
+                                    Part::of(ds, t, ds_bits, (j0, j0), (q1 - j0, j1 - j0)).t();
                                 product_of_part(
                                     blk.products,
                                     dk,
@@ -950,7 +1034,7 @@ fn backward_tasks<T: Values>(
                                     hd,
                                     ds_t,
                                     qp,
-                                    j0..t,
+                                    (j0..q1, 0),
                                     scale,
                                     add,
                                 )
@@ -1189,6 +1273,62 @@ mod tests {
                 worst <= 0.02 * scale,
                 "{name}: off by {worst}, scale {scale}"
             );
+        }
+    }
+
+    /// Long sequences of many documents, where the products skip whole
+    /// panels of keys before a block's documents and the backward's skip
+    /// the queries after them: f32 products within 1e-5 of the composed
+    /// reference forward and backward, bf16 ones within 2% (of the largest
+    /// value; where the CPU has native bf16).
+    #[test]
+    fn documents_skip_what_they_mask_and_match_the_composed_version() {
+        let heads = Heads { heads: 4, kv: 2 };
+        let (b, t, hd) = (2, 200, 16);
+        let (x, dy) = inputs(heads, b, t, hd);
+        let mut ids = vec![0u32; b * t];
+        for at in [40, 41, 100, 170, t + 64, t + 130] {
+            ids[at] = 1;
+        }
+        let docs = Documents::after_eos(&ids, t, 1);
+        let x_var = Var::from_tensor(&x).unwrap();
+        let want = composed(x_var.as_tensor(), heads, Some(&docs)).unwrap();
+        let grads = (&want * &dy)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let want_dx = grads.get(x_var.as_tensor()).unwrap().clone();
+        let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let within = |got: &Tensor, want: &Tensor, tol: f32, what: &str| {
+            let (got, want) = (values(got), values(want));
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
+            assert!(
+                worst <= tol * scale,
+                "{what}: off by {worst}, scale {scale}"
+            );
+        };
+        let mut products = vec![Products::F32];
+        if zgemm::has_native_bf16() {
+            products.push(Products::Bf16);
+        } else {
+            eprintln!("zmodel: no native bf16 here; bf16 attention of documents NOT covered");
+        }
+        for products in products {
+            let tol = if products == Products::F32 {
+                1e-5
+            } else {
+                0.02
+            };
+            let y = causal_attention(&x, heads, products, Some(&docs)).unwrap();
+            within(&y, &want, tol, &format!("{products:?} forward"));
+            let dx = causal_attention_backward(&x, &dy, heads, products, Some(&docs)).unwrap();
+            within(&dx, &want_dx, tol, &format!("{products:?} backward"));
         }
     }
 
