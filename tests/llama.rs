@@ -335,6 +335,34 @@ fn trains_words_apart_as_the_reader(dir: &Path, job: &Path, hf: &Path) {
         (got - want).abs() <= 1e-5 * want,
         "words kept apart: zrun's loss {got}, the reader's {want}"
     );
+    // Packed whole (`data.packing: bfd`): twelve words of 11, 10, 8 and 7
+    // tokens (their spaces included) go into four sequences of 33, three
+    // of them padded; the one step of four sequences scores every word
+    // alone, so its loss is the reader's mean over the words.
+    let words: Vec<Vec<u8>> = [11, 11, 11, 10, 10, 10, 8, 8, 8, 7, 7, 7]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let mut w: Vec<u8> = (0..len - 1)
+                .map(|j| b"etaoinshrdlu"[(i + 3 * j) % 12])
+                .collect();
+            w.push(b' ');
+            w
+        })
+        .collect();
+    std::fs::write(dir.join("words.txt"), words.concat()).unwrap();
+    let windows: Vec<Vec<u32>> = words
+        .iter()
+        .map(|w| w.iter().map(|&b| u32::from(b)).collect())
+        .collect();
+    let want = Llama::load(hf).loss(&windows);
+    let path = format!("data.path={}", dir.join("words.txt").display());
+    let packed = [&apart[..], &["--set", &path, "--set", "data.packing=bfd"]].concat();
+    let got = loss_from(dir, job, hf, "packed.jsonl", &packed);
+    assert!(
+        (got - want).abs() <= 1e-5 * want,
+        "words packed whole: zrun's loss {got}, the reader's {want}"
+    );
 }
 
 /// Trains `model` 5 steps on one batch, exports its step-4 checkpoint for

@@ -1550,6 +1550,12 @@ mod tests {
                 "data.separate_documents",
                 "not yet supported with device: cuda",
             ),
+            (
+                tokens.as_str(),
+                "\n  packing: bfd".into(),
+                "data.packing",
+                "set data.separate_documents: true too",
+            ),
         ] {
             let e = outcome(data, &extra).unwrap_err();
             assert!(e.contains(key) && e.contains(says), "{extra}: {e}");

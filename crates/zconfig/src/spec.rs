@@ -241,6 +241,30 @@ pub struct DataSpec {
     /// by default the `eos_id` of the `zrun prepare` manifest beside the data.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eos_id: Option<u32>,
+    /// How sequences are cut from the data: windows of the token stream,
+    /// or whole documents packed best fit decreasing.
+    #[serde(default, skip_serializing_if = "Packing::is_wrapped")]
+    pub packing: Packing,
+}
+
+/// How a job's sequences are cut from its data (`data.packing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Packing {
+    /// Windows of `seq_len + 1` tokens of the stream, documents cut where
+    /// a window ends (TRL's `wrapped`).
+    #[default]
+    Wrapped,
+    /// Whole documents, longest first, each into the fullest sequence it
+    /// fits, the rest padding; longer ones cut (TRL's `bfd`).
+    Bfd,
+}
+
+impl Packing {
+    /// Whether this is the default.
+    pub fn is_wrapped(&self) -> bool {
+        *self == Packing::Wrapped
+    }
 }
 
 /// How data files are read.

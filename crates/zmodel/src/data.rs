@@ -34,6 +34,7 @@ use zconfig::{data_files, DataFormat};
 
 use crate::documents::Documents;
 use crate::head::IGNORED;
+use crate::packing::Packed;
 
 /// Why data could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -260,6 +261,27 @@ impl Corpus {
         }
     }
 
+    /// The documents of this corpus: token ranges each ended by `eos`
+    /// (included), the last one by the corpus's end.
+    pub fn documents(&self, eos: u32) -> Result<Vec<std::ops::Range<usize>>, DataError> {
+        const CHUNK: usize = 1 << 20;
+        let (mut docs, mut begins, mut chunk) = (Vec::new(), 0, Vec::with_capacity(CHUNK));
+        for at in (0..self.len()).step_by(CHUNK) {
+            chunk.clear();
+            self.read(at, CHUNK.min(self.len() - at), &mut chunk)?;
+            for (i, &id) in chunk.iter().enumerate() {
+                if id == eos {
+                    docs.push(begins..at + i + 1);
+                    begins = at + i + 1;
+                }
+            }
+        }
+        if begins < self.len() {
+            docs.push(begins..self.len());
+        }
+        Ok(docs)
+    }
+
     /// Appends tokens `at .. at + n` of this corpus to `out`, checking each
     /// against the vocabulary.
     pub fn read(&self, at: usize, n: usize, out: &mut Vec<u32>) -> Result<(), DataError> {
@@ -342,6 +364,9 @@ pub struct Batcher {
     /// The end-of-text id after which a new document begins, when documents
     /// are kept apart.
     eos: Option<u32>,
+    /// Sequences of whole documents, when they are packed
+    /// ([`Batcher::pack_documents`]); else windows of the stream.
+    packed: Option<Packed>,
 }
 
 impl Batcher {
@@ -377,6 +402,21 @@ impl Batcher {
             base_sample: 0,
             counted: None,
             eos: None,
+            packed: None,
+        })
+    }
+
+    /// Packs whole documents (each ended by `eos`, kept apart as
+    /// [`Batcher::separate_documents`] keeps them) into the sequences,
+    /// best fit decreasing ([`crate::packing`]), in place of windows of
+    /// the stream. Reads the whole corpus once to find the documents.
+    pub fn pack_documents(self, eos: u32) -> Result<Batcher, DataError> {
+        let documents = self.corpus.documents(eos)?;
+        let packed = Packed::best_fit_decreasing(&documents, self.seq_len + 1);
+        Ok(Batcher {
+            windows: packed.len(),
+            packed: Some(packed),
+            ..self.separate_documents(eos)
         })
     }
 
@@ -436,22 +476,15 @@ impl Batcher {
         let mut trained = Vec::with_capacity(t);
         let counting = self.corpus.masked() || self.eos.is_some();
         for i in 0..self.micro_batch as u64 {
-            let start = self.window_of(first + i) * t;
-            window.clear();
-            self.corpus.read(start, t + 1, &mut window)?;
+            let k = self.window_of(first + i);
+            self.window(k, &mut window, &mut trained)?;
             inputs.extend_from_slice(&window[..t]);
-            if counting {
-                trained.clear();
-                self.trained(start, &window, &mut trained);
-                targets.extend(
-                    window[1..]
-                        .iter()
-                        .zip(&trained)
-                        .map(|(&id, &on)| if on { id } else { IGNORED }),
-                );
-            } else {
-                targets.extend_from_slice(&window[1..]);
-            }
+            targets.extend(
+                window[1..]
+                    .iter()
+                    .zip(&trained)
+                    .map(|(&id, &on)| if on { id } else { IGNORED }),
+            );
         }
         let rows = self.micro_batch;
         let divisor = match counting {
@@ -474,18 +507,44 @@ impl Batcher {
         })
     }
 
-    /// Whether each target of the window at `start` (`window`: at least its
-    /// `t` inputs) is trained on, appended to `out`: the loss mask's say,
-    /// and with documents kept apart, not after an end-of-text id.
-    fn trained(&self, start: usize, window: &[u32], out: &mut Vec<bool>) {
+    /// Window `k`'s `t + 1` tokens into `tokens`, and into `trained`
+    /// whether each of its `t` targets is trained on: the loss mask's say,
+    /// with documents kept apart not after an end-of-text id, and never
+    /// on a packed sequence's padding (end-of-text ids after its
+    /// documents).
+    fn window(
+        &self,
+        k: usize,
+        tokens: &mut Vec<u32>,
+        trained: &mut Vec<bool>,
+    ) -> Result<(), DataError> {
         let t = self.seq_len;
-        self.corpus.read_mask(start + 1, t, out);
+        tokens.clear();
+        trained.clear();
+        match (&self.packed, self.eos) {
+            (Some(packed), Some(eos)) => {
+                // Per token of the sequence: whether it is a target the
+                // mask trains (padding is none).
+                for doc in packed.sequence(k) {
+                    self.corpus.read(doc.start, doc.len(), tokens)?;
+                    self.corpus.read_mask(doc.start, doc.len(), trained);
+                }
+                tokens.resize(t + 1, eos);
+                trained.resize(t + 1, false);
+                trained.remove(0);
+            }
+            _ => {
+                let start = k * t;
+                self.corpus.read(start, t + 1, tokens)?;
+                self.corpus.read_mask(start + 1, t, trained);
+            }
+        }
         if let Some(eos) = self.eos {
-            let from = out.len() - t;
-            for (on, &input) in out[from..].iter_mut().zip(window) {
+            for (on, &input) in trained.iter_mut().zip(tokens.iter()) {
                 *on &= input != eos;
             }
         }
+        Ok(())
     }
 
     /// The targets that step `step`'s loss counts, over every rank and
@@ -498,17 +557,11 @@ impl Batcher {
         }
         let first = self.samples_consumed(step);
         let t = self.seq_len;
-        let (mut trained, mut window) = (Vec::with_capacity(t), Vec::with_capacity(t));
+        let (mut trained, mut window) = (Vec::with_capacity(t), Vec::with_capacity(t + 1));
         let mut n = 0u64;
         for sample in first..first + self.per_step() {
-            let start = self.window_of(sample) * t;
-            window.clear();
-            if self.eos.is_some() {
-                // The inputs alone: the end-of-text ids among them.
-                self.corpus.read(start, t, &mut window)?;
-            }
-            trained.clear();
-            self.trained(start, &window, &mut trained);
+            let k = self.window_of(sample);
+            self.window(k, &mut window, &mut trained)?;
             n += trained.iter().filter(|&&on| on).count() as u64;
         }
         self.counted = Some((step, n));
@@ -605,6 +658,60 @@ mod tests {
             assert_eq!(a.divisor, (64 - left_out) as f64 / 2.0);
             assert_eq!(a.divisor, b.divisor);
         }
+    }
+
+    /// Packed whole: each sequence holds whole documents (the target
+    /// after each end-of-text id and the padding's left out), an epoch
+    /// holds every document once, and the divisor counts the step's
+    /// trained targets.
+    #[test]
+    fn packed_documents_are_whole_and_their_padding_untrained() {
+        // Documents of 3 to 9 tokens, each ended by the id 0.
+        let mut tokens = Vec::new();
+        for d in 0..40u32 {
+            tokens.extend((0..2 + d % 7).map(|j| 1 + (d + j) % 6));
+            tokens.push(0);
+        }
+        let corpus = Corpus::from_tokens(tokens.clone(), 8);
+        let docs = corpus.documents(0).unwrap();
+        assert_eq!(docs.len(), 40);
+        let mut b = Batcher::new(corpus, 15, 1, 1, 1, 0, 3)
+            .unwrap()
+            .pack_documents(0)
+            .unwrap();
+        let mut seen = Vec::new();
+        for step in 0..b.windows() as u64 {
+            let batch = b.batch(step, 0).unwrap();
+            let mut window = batch.inputs.clone();
+            // The last token: its target, or where that is left out (after
+            // an end-of-text id) padding, as no document fits in one token.
+            let last = *batch.targets.last().unwrap();
+            window.push(if last == IGNORED { 0 } else { last });
+            // Whole documents, then padding (end-of-text ids).
+            let mut at = 0;
+            while at < 16 {
+                let doc = docs
+                    .iter()
+                    .find(|&d| tokens[d.clone()] == window[at..(at + d.len()).min(16)]);
+                match doc {
+                    Some(d) if window[at] != 0 => {
+                        seen.push(d.start);
+                        at += d.len();
+                    }
+                    _ => {
+                        assert!(window[at..].iter().all(|&id| id == 0), "{window:?}");
+                        break;
+                    }
+                }
+            }
+            let counted = batch.targets.iter().filter(|&&t| t != IGNORED).count();
+            assert_eq!(batch.divisor, counted.max(1) as f64);
+            for (j, (&input, &target)) in batch.inputs.iter().zip(&batch.targets).enumerate() {
+                assert_eq!(target == IGNORED, input == 0, "position {j} of {window:?}");
+            }
+        }
+        seen.sort();
+        assert_eq!(seen, docs.iter().map(|d| d.start).collect::<Vec<_>>());
     }
 
     #[test]

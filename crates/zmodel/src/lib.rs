@@ -28,6 +28,8 @@
 //!   row splitting for the fused ops.
 //! - [`documents`]: where each packed document begins in its sequence, for
 //!   attention, positions and loss that stop at document ends.
+//! - [`packing`]: whole documents packed into sequences, best fit
+//!   decreasing (TRL's `bfd`).
 //! - [`data`]: corpora (text bytes, u16 tokens, synthetic) and the batcher that gives
 //!   each rank a disjoint, deterministic share of every global batch.
 
@@ -43,6 +45,7 @@ mod lanes;
 pub mod linear;
 pub mod llama_ops;
 pub mod ops;
+pub mod packing;
 pub mod params;
 mod simd;
 

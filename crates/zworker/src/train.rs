@@ -57,9 +57,10 @@ pub fn train(
             env.rank,
             t.seed,
         )?;
-        Ok(match eos {
-            Some(eos) => b.separate_documents(eos),
-            None => b,
+        Ok(match (eos, d.packing) {
+            (Some(eos), zconfig::spec::Packing::Bfd) => b.pack_documents(eos)?,
+            (Some(eos), zconfig::spec::Packing::Wrapped) => b.separate_documents(eos),
+            (None, _) => b,
         })
     };
     // Validation: the same `eval_steps` micro-batches of the held-out tail at
