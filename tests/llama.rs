@@ -123,6 +123,21 @@ fn evaluates_as_the_reader(dir: &Path, hf: &Path) {
         (hf_loss - ckpt_loss).abs() <= 1e-6 * hf_loss,
         "{hf_loss} {ckpt_loss}"
     );
+    // Each word alone (`--separate-documents`, ended by its space): the
+    // reader's mean over the words, each scored as a text of its own.
+    let words: Vec<Vec<u32>> = ids
+        .split_inclusive(|&id| id == u32::from(b' '))
+        .filter(|w| w.len() >= 2)
+        .map(<[u32]>::to_vec)
+        .collect();
+    let want = reader.loss(&words);
+    let scored: usize = words.iter().map(|w| w.len() - 1).sum();
+    let (loss, tokens) = eval(hf, &["--separate-documents", "--eos", "32"]);
+    assert_eq!(tokens, scored as u64);
+    assert!(
+        (loss - want).abs() <= 1e-5 * want,
+        "each word alone: zrun eval {loss}, the reader {want}"
+    );
     std::fs::write(dir.join("ids.bin"), [1u8, 0, 44, 1]).unwrap();
     std::fs::write(dir.join("one.txt"), "a").unwrap();
     for (args, says) in [
@@ -145,6 +160,18 @@ fn evaluates_as_the_reader(dir: &Path, hf: &Path) {
         (
             vec!["--data", "ids.bin", "--format", "tokens_u16"],
             "id 300 at token offset 1 is not below the model's vocab_size 256".into(),
+        ),
+        (
+            vec!["--eos", "32"],
+            "--eos: is read only with --separate-documents".into(),
+        ),
+        (
+            vec!["--separate-documents"],
+            "no manifest beside held-out.txt gives the end-of-text id: give --eos ID".into(),
+        ),
+        (
+            vec!["--separate-documents", "--eos", "256"],
+            "--eos 256: not below the model's vocab_size 256".into(),
         ),
     ] {
         let mut all = vec!["eval", hf.to_str().unwrap()];

@@ -237,6 +237,15 @@ pub struct EvalArgs {
     /// Score the first N tokens of FILE only.
     #[arg(long, value_name = "N")]
     pub max_tokens: Option<usize>,
+    /// Score each document alone, as training with
+    /// `data.separate_documents` does: windows start at each document's
+    /// first token and the target after an end-of-text id is not scored.
+    #[arg(long)]
+    pub separate_documents: bool,
+    /// The end-of-text id that ends a document, for --separate-documents
+    /// (default: the `eos_id` of the manifest beside FILE).
+    #[arg(long, value_name = "ID")]
+    pub eos: Option<u32>,
     /// Path of the zworker binary (default: next to zrun).
     #[arg(long, value_name = "PATH")]
     pub worker_bin: Option<PathBuf>,

@@ -50,6 +50,7 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<ExitCode> {
         Ok(_) => return Err(bad("not a file".into())),
         Err(e) => return Err(bad(e.to_string())),
     }
+    let eos = document_eos(&args, vocab)?;
     let format = data_format(&args, vocab)?;
     // A text file through a tokenizer becomes a file of u32 ids, in a
     // directory of its own (no manifest beside it to be read as this one's).
@@ -93,7 +94,8 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<ExitCode> {
         .arg(&file)
         .arg(format_name.as_str().unwrap_or_default())
         .arg(stride.to_string())
-        .arg(args.max_tokens.unwrap_or(0).to_string());
+        .arg(args.max_tokens.unwrap_or(0).to_string())
+        .arg(eos.map_or("-".into(), |id| id.to_string()));
     let out = child::stdout_of(command, "the evaluation")?;
     if !out.status.success() {
         return Ok(ExitCode::from(1));
@@ -108,8 +110,12 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<ExitCode> {
         ));
     }
     let loss = said["loss_sum"].as_f64().unwrap_or(f64::NAN) / tokens as f64;
+    let apart = match eos {
+        Some(id) => format!(", each document alone (ended by id {id})"),
+        None => String::new(),
+    };
     eprintln!(
-        "zrun: {} on {}: loss {loss:.6} nats a token, perplexity {:.4} ({tokens} targets scored, {windows} windows of up to {seq_len} tokens, stride {stride})",
+        "zrun: {} on {}: loss {loss:.6} nats a token, perplexity {:.4} ({tokens} targets scored, {windows} windows of up to {seq_len} tokens, stride {stride}{apart})",
         dir.display(),
         data.display(),
         loss.exp()
@@ -119,9 +125,42 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<ExitCode> {
         serde_json::json!({
             "loss": loss, "perplexity": loss.exp(), "tokens": tokens,
             "windows": windows, "seq_len": seq_len, "stride": stride,
+            "separate_documents": eos.is_some(),
         })
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The end-of-text id that --separate-documents ends documents at: --eos,
+/// else the manifest's beside --data; none without the flag (and --eos
+/// alone is refused, as `data.eos_id` alone is).
+fn document_eos(args: &EvalArgs, vocab: usize) -> anyhow::Result<Option<u32>> {
+    if !args.separate_documents {
+        return match args.eos {
+            Some(_) => Err(Failure::bad_input(
+                "--eos: is read only with --separate-documents",
+            )),
+            None => Ok(None),
+        };
+    }
+    let id = match args.eos {
+        Some(id) => id,
+        None => match DataManifest::beside(&args.data).map_err(Failure::bad_input)? {
+            Some((_, DataManifest { eos_id: Some(id), .. })) => id,
+            _ => {
+                return Err(Failure::bad_input(format!(
+                    "--separate-documents: no manifest beside {} gives the end-of-text id: give --eos ID",
+                    args.data.display()
+                )))
+            }
+        },
+    };
+    if id as usize >= vocab {
+        return Err(Failure::bad_input(format!(
+            "--eos {id}: not below the model's vocab_size {vocab}"
+        )));
+    }
+    Ok(Some(id))
 }
 
 /// How `--data` is stored: `--format`, else what the manifest beside it

@@ -3,7 +3,7 @@
 //! over a text, Megatron's evaluation).
 //!
 //! zrun checks the arguments and the data, then runs `zworker eval DIR FILE
-//! FORMAT STRIDE MAX_TOKENS`. The model is read as `zrun sample` reads it
+//! FORMAT STRIDE MAX_TOKENS EOS`. The model is read as `zrun sample` reads it
 //! (a checkpoint, or a Hugging Face directory with its bf16 matrices kept
 //! so), and the file as training reads it (`zmodel::Corpus`: memory-mapped,
 //! each id checked against the vocabulary, a loss mask from the manifest
@@ -13,7 +13,10 @@
 //! the targets the ones before it did not. At STRIDE = `seq_len` they are
 //! training's windows (each target after the tokens of its own window);
 //! a smaller STRIDE gives each target more context, for more forwards.
-//! Targets a mask leaves out are not scored.
+//! Targets a mask leaves out are not scored. With an EOS id (`zrun eval
+//! --separate-documents`), each document (ended by that id) is scored as
+//! a text of its own: its windows start at its first token, and the
+//! target after the id, the next document's first token, is not scored.
 //!
 //! A window is one forward through the blocks (no backward, no
 //! optimizer), then the head over its rows in chunks, so that the
@@ -33,11 +36,15 @@ const ROWS: usize = 64;
 /// How often a long evaluation says how far it is.
 const PROGRESS: Duration = Duration::from_secs(10);
 
-/// `zworker eval DIR FILE FORMAT STRIDE MAX_TOKENS` (arguments checked by
-/// zrun; MAX_TOKENS 0: the whole file).
+/// `zworker eval DIR FILE FORMAT STRIDE MAX_TOKENS EOS` (arguments checked
+/// by zrun; MAX_TOKENS 0: the whole file; EOS `-`: the file is one text).
 pub fn run(args: &[String]) -> Result<()> {
-    let [dir, file, format, stride, max_tokens] = args else {
-        bail!("usage: zworker eval DIR FILE FORMAT STRIDE MAX_TOKENS (zrun eval runs it)");
+    let [dir, file, format, stride, max_tokens, eos] = args else {
+        bail!("usage: zworker eval DIR FILE FORMAT STRIDE MAX_TOKENS EOS (zrun eval runs it)");
+    };
+    let eos: Option<u32> = match eos.as_str() {
+        "-" => None,
+        id => Some(id.parse().context("EOS")?),
     };
     let format: DataFormat = serde_json::from_value(serde_json::Value::String(format.clone()))
         .with_context(|| format!("FORMAT {format}"))?;
@@ -57,16 +64,64 @@ pub fn run(args: &[String]) -> Result<()> {
     if n < 2 {
         bail!("{file}: {n} tokens: nothing to score (a target needs a token before it)");
     }
+    let texts: Vec<std::ops::Range<usize>> = match eos {
+        None => std::iter::once(0..n).collect(),
+        Some(id) => corpus
+            .documents(id)?
+            .into_iter()
+            .filter(|d| d.start < n)
+            .map(|d| d.start..d.end.min(n))
+            .collect(),
+    };
+    let now = Instant::now();
+    let mut tally = Tally {
+        scored: 0,
+        windows: 0,
+        loss: 0.0,
+        started: now,
+        said: now,
+    };
+    for text in texts {
+        score(&loaded, &corpus, text, stride, n, &mut tally)?;
+    }
+    println!(
+        "{}",
+        serde_json::json!({"tokens": tally.scored, "windows": tally.windows, "loss_sum": tally.loss})
+    );
+    Ok(())
+}
+
+/// What the windows have scored so far.
+struct Tally {
+    scored: u64,
+    windows: u64,
+    loss: f64,
+    /// When the evaluation started and last said how far it is (on
+    /// stderr, every PROGRESS).
+    started: Instant,
+    said: Instant,
+}
+
+/// Scores the targets of `text` (tokens of the corpus, of `n` evaluated)
+/// from its own tokens alone, in windows every `stride` tokens.
+fn score(
+    loaded: &crate::sample::Loaded,
+    corpus: &Corpus,
+    text: std::ops::Range<usize>,
+    stride: usize,
+    n: usize,
+    tally: &mut Tally,
+) -> Result<()> {
+    let (seq_len, vocab) = (
+        loaded.model.config().seq_len,
+        loaded.model.config().vocab_size,
+    );
     let (mut ids, mut mask) = (Vec::new(), Vec::new());
-    let (mut scored, mut windows, mut loss) = (0u64, 0u64, 0f64);
-    // Progress for a long evaluation, on stderr every PROGRESS.
-    let started = Instant::now();
-    let mut said = started;
     // Targets up to `done` are scored; window [begin, end) predicts
     // tokens begin + 1 .. end from the ones before them.
-    let (mut begin, mut done) = (0usize, 0usize);
-    loop {
-        let end = (begin + seq_len + 1).min(n);
+    let (mut begin, mut done) = (text.start, text.start);
+    while text.len() >= 2 {
+        let end = (begin + seq_len + 1).min(text.end);
         ids.clear();
         mask.clear();
         corpus.read(begin, end - begin, &mut ids)?;
@@ -82,31 +137,27 @@ pub fn run(args: &[String]) -> Result<()> {
             for (r, row) in logits.chunks_exact(vocab).enumerate() {
                 let target = from + r + 1;
                 if mask[target] {
-                    loss += nll(row, ids[target] as usize);
-                    scored += 1;
+                    tally.loss += nll(row, ids[target] as usize);
+                    tally.scored += 1;
                 }
             }
         }
-        windows += 1;
+        tally.windows += 1;
         done = end - 1;
-        if said.elapsed() >= PROGRESS && end < n {
-            said = Instant::now();
-            let s = started.elapsed().as_secs_f64();
+        if tally.said.elapsed() >= PROGRESS && end < n {
+            tally.said = Instant::now();
+            let s = tally.started.elapsed().as_secs_f64();
             eprintln!(
                 "zrun: eval: {done} of {} targets, {s:.0} s, {:.0} tokens/s",
                 n - 1,
                 done as f64 / s
             );
         }
-        if end == n {
+        if end == text.end {
             break;
         }
         begin += stride;
     }
-    println!(
-        "{}",
-        serde_json::json!({"tokens": scored, "windows": windows, "loss_sum": loss})
-    );
     Ok(())
 }
 
