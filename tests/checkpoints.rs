@@ -383,23 +383,30 @@ fn export_feeds_init_from_and_reproduces_the_next_loss() {
         "zrun's step-5 loss {next}; a GPT-2 reader of the export computes {independent}"
     );
     let init = format!("model.init_from={}", out.display());
-    let mut args = common.to_vec();
-    args.extend([
+    // The first loss of one step from the export.
+    let first_loss = |metrics: &str, extra: &[&str]| {
+        let mut args = common.to_vec();
+        args.extend([
+            "--set",
+            "train.steps=1",
+            "--set",
+            &init,
+            "--set",
+            "checkpoint.dir=null",
+            "--set",
+            "checkpoint.every=0",
+        ]);
+        args.extend(extra);
+        train(dir, &job, metrics, &args);
+        losses_by_step(&dir.join(metrics))[0].1
+    };
+    let one_worker = [
         "--workers-per-node",
         "1",
         "--set",
         "train.micro_batch_size=4",
-        "--set",
-        "train.steps=1",
-        "--set",
-        &init,
-        "--set",
-        "checkpoint.dir=null",
-        "--set",
-        "checkpoint.every=0",
-    ]);
-    train(dir, &job, "init.jsonl", &args);
-    let init_loss = losses_by_step(&dir.join("init.jsonl"))[0].1;
+    ];
+    let init_loss = first_loss("init.jsonl", &one_worker);
     assert!(
         (init_loss - next).abs() <= 1e-5 * next,
         "export's next loss {next}, from init_from {init_loss}"
@@ -409,23 +416,13 @@ fn export_feeds_init_from_and_reproduces_the_next_loss() {
     // words each scored alone from position 0, the target after each space
     // left out: what GPT-2's position rows, restarted, and attention kept
     // to the word give.
-    let mut args = common.to_vec();
-    args.extend([
-        "--set",
-        "train.steps=1",
-        "--set",
-        &init,
-        "--set",
-        "checkpoint.dir=null",
-        "--set",
-        "checkpoint.every=0",
+    let apart = [
         "--set",
         "data.separate_documents=true",
         "--set",
         "data.eos_id=32",
-    ]);
-    train(dir, &job, "words.jsonl", &args);
-    let words_loss = losses_by_step(&dir.join("words.jsonl"))[0].1;
+    ];
+    let words_loss = first_loss("words.jsonl", &apart);
     let independent = reference.loss_of_documents(&windows, u32::from(b' '));
     assert!(
         (words_loss - independent).abs() <= 1e-5 * independent,

@@ -24,6 +24,18 @@ fn one_batch(dir: &Path) -> Vec<u8> {
     text
 }
 
+/// The one batch's four windows of 32 + 1 tokens.
+fn windows_of(text: &[u8]) -> Vec<Vec<u32>> {
+    (0..4)
+        .map(|w| {
+            text[w * 32..=w * 32 + 32]
+                .iter()
+                .map(|&b| u32::from(b))
+                .collect()
+        })
+        .collect()
+}
+
 fn job(dir: &Path, model: &str) -> PathBuf {
     let p = dir.join("job.yaml");
     std::fs::write(
@@ -342,14 +354,7 @@ fn loss_from(dir: &Path, job: &Path, init: &Path, metrics: &str, extra: &[&str])
 /// after each space left out: LLaMA's attention kept to the word.
 fn trains_words_apart_as_the_reader(dir: &Path, job: &Path, hf: &Path) {
     let text = std::fs::read(dir.join("one-batch.txt")).unwrap();
-    let windows: Vec<Vec<u32>> = (0..4)
-        .map(|w| {
-            text[w * 32..=w * 32 + 32]
-                .iter()
-                .map(|&b| u32::from(b))
-                .collect()
-        })
-        .collect();
+    let windows = windows_of(&text);
     let want = Llama::load(hf).loss_of_documents(&windows, u32::from(b' '));
     let apart = [
         "--set",
@@ -403,14 +408,7 @@ fn exported_as_the_reader_computes(dir: &Path, model: &str) -> (PathBuf, PathBuf
     let src = train(dir, &job, "src.jsonl", &[]);
     assert!(src[4].1 < src[0].1, "did not learn: {src:?}");
     let out = export_hf(dir, "hf-llama");
-    let windows: Vec<Vec<u32>> = (0..4)
-        .map(|w| {
-            text[w * 32..=w * 32 + 32]
-                .iter()
-                .map(|&b| u32::from(b))
-                .collect()
-        })
-        .collect();
+    let windows = windows_of(&text);
     let independent = Llama::load(&out).loss(&windows);
     let next = src[4].1;
     assert!(
