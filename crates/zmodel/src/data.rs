@@ -561,7 +561,15 @@ impl Batcher {
         let mut n = 0u64;
         for sample in first..first + self.per_step() {
             let k = self.window_of(sample);
-            self.window(k, &mut window, &mut trained)?;
+            match self.eos {
+                // A loss mask alone: its bytes, not the window's tokens
+                // (pages of other ranks' windows).
+                None => {
+                    trained.clear();
+                    self.corpus.read_mask(k * t + 1, t, &mut trained);
+                }
+                Some(_) => self.window(k, &mut window, &mut trained)?,
+            }
             n += trained.iter().filter(|&&on| on).count() as u64;
         }
         self.counted = Some((step, n));
