@@ -430,6 +430,11 @@ impl Batcher {
         }
     }
 
+    /// The sequences of whole documents, when packed.
+    pub fn packed(&self) -> Option<&Packed> {
+        self.packed.as_ref()
+    }
+
     /// Windows in one epoch.
     pub fn windows(&self) -> usize {
         self.windows

@@ -25,6 +25,8 @@ pub struct Packed {
     /// Where each sequence's documents begin in `pieces` (one more entry
     /// than sequences).
     starts: Vec<usize>,
+    /// Documents cut to the capacity, and the tokens they lost.
+    cut: (usize, usize),
 }
 
 impl Packed {
@@ -75,7 +77,29 @@ impl Packed {
             pieces.extend(seq.into_iter().map(|i| cut(&documents[i])));
             starts.push(pieces.len());
         }
-        Packed { pieces, starts }
+        let long = documents.iter().filter(|d| d.len() > capacity);
+        let cut = long.fold((0, 0), |(n, lost), d| (n + 1, lost + d.len() - capacity));
+        Packed {
+            pieces,
+            starts,
+            cut,
+        }
+    }
+
+    /// Documents longer than a sequence, which keep their first tokens
+    /// only, and the tokens they lose.
+    pub fn cut(&self) -> (usize, usize) {
+        self.cut
+    }
+
+    /// Documents packed.
+    pub fn documents(&self) -> usize {
+        self.pieces.len()
+    }
+
+    /// Tokens of the documents in the sequences.
+    pub fn tokens(&self) -> usize {
+        self.pieces.iter().map(|d| d.len()).sum()
     }
 
     /// Sequences.
@@ -109,6 +133,7 @@ mod tests {
         assert_eq!(p.sequence(0), std::slice::from_ref(&(0..4)));
         assert_eq!(p.sequence(1), [7..10, 10..11]);
         assert_eq!(p.sequence(2), std::slice::from_ref(&(5..7)));
+        assert_eq!((p.cut(), p.documents(), p.tokens()), ((1, 1), 4, 10));
     }
 
     /// Every document lands whole in exactly one sequence of at most the

@@ -77,6 +77,9 @@ pub fn train(
         None => None,
     };
     let mut data = batcher(corpus, t.grad_accum)?;
+    if let Some(p) = data.packed().filter(|_| env.rank == 0) {
+        report_packing(p, spec.model.seq_len + 1);
+    }
     let comm = groups.world.clone();
     let mut engine = Engine::with_groups(spec, groups, &env.job_id)?;
     if spec.checkpoint.dir.is_some() {
@@ -240,5 +243,24 @@ fn by_op<T>(f: impl Fn(Op) -> T) -> ByOp<T> {
         all_to_all: f(Op::AllToAll),
         broadcast: f(Op::Broadcast),
         quantized_reduce_scatter: f(Op::QuantizedReduceScatter),
+    }
+}
+
+/// What packing whole documents did (`data.packing: bfd`): how much of the
+/// sequences is padding, and a warning where documents were cut.
+fn report_packing(p: &zmodel::packing::Packed, capacity: usize) {
+    let room = p.len() * capacity;
+    let padding = 100.0 * (room - p.tokens()) as f64 / room.max(1) as f64;
+    tracing::info!(
+        "data.packing bfd: {} documents in {} sequences, {padding:.1}% of their tokens padding",
+        p.documents(),
+        p.len()
+    );
+    let (cut, lost) = p.cut();
+    if cut > 0 {
+        tracing::warn!(
+            "data.packing bfd: {cut} of {} documents are longer than seq_len + 1 = {capacity} tokens and keep their first {capacity} ({lost} tokens left out); a longer model.seq_len keeps them whole",
+            p.documents()
+        );
     }
 }
