@@ -151,6 +151,34 @@ impl LoadedJob {
                 ),
             ));
         }
+        // Validation data's documents end at the same id: a manifest
+        // beside it that records another describes other data.
+        let val = match &d.val_path {
+            Some(_) => {
+                data_files(&d.val_path, d.format).map_err(|m| self.invalid("data.val_path", m))?
+            }
+            None => Vec::new(),
+        };
+        if let Some(f) = val.first() {
+            let beside = DataManifest::beside(f).map_err(|m| self.invalid("data.val_path", m))?;
+            if let Some((
+                at,
+                DataManifest {
+                    eos_id: Some(e), ..
+                },
+            )) = beside
+            {
+                if e != eos {
+                    return Err(self.invalid(
+                        "data.val_path",
+                        format!(
+                            "{} says its end-of-text id is {e}, the training data's is {eos}",
+                            at.display()
+                        ),
+                    ));
+                }
+            }
+        }
         Ok(())
     }
 

@@ -1494,6 +1494,14 @@ mod tests {
             "files": {"train.bin": {"tokens": 40, "bytes": 80, "max_token_id": 7, "documents": 5}}
         });
         write(d.path(), "prepared/manifest.json", &manifest.to_string());
+        // Validation data prepared with another end-of-text id.
+        std::fs::create_dir(d.path().join("other")).unwrap();
+        std::fs::write(d.path().join("other/val.bin"), &ids).unwrap();
+        let mut other = manifest.clone();
+        other["eos_id"] = 6.into();
+        other["files"] = serde_json::json!({"val.bin": other["files"]["train.bin"].clone()});
+        write(d.path(), "other/manifest.json", &other.to_string());
+        let other_val = format!("\n  val_path: {}", d.path().join("other/val.bin").display());
         let text = write(d.path(), "plain.txt", &"words and more words. ".repeat(4));
         let tokens = format!(
             "  path: {}\n  format: tokens_u16",
@@ -1549,6 +1557,12 @@ mod tests {
                 format!("{on}\ndevice: cuda"),
                 "data.separate_documents",
                 "not yet supported with device: cuda",
+            ),
+            (
+                tokens.as_str(),
+                format!("{on}{other_val}"),
+                "data.val_path",
+                "says its end-of-text id is 6, the training data's is 5",
             ),
             (
                 tokens.as_str(),
