@@ -382,20 +382,11 @@ fn export_feeds_init_from_and_reproduces_the_next_loss() {
         (independent - next).abs() <= 2e-6 * next,
         "zrun's step-5 loss {next}; a GPT-2 reader of the export computes {independent}"
     );
-    let init = format!("model.init_from={}", out.display());
+    let one_step = e2e::one_step_from(&out);
     // The first loss of one step from the export.
     let first_loss = |metrics: &str, extra: &[&str]| {
         let mut args = common.to_vec();
-        args.extend([
-            "--set",
-            "train.steps=1",
-            "--set",
-            &init,
-            "--set",
-            "checkpoint.dir=null",
-            "--set",
-            "checkpoint.every=0",
-        ]);
+        args.extend(one_step.iter().map(String::as_str));
         args.extend(extra);
         train(dir, &job, metrics, &args);
         losses_by_step(&dir.join(metrics))[0].1

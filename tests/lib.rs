@@ -377,6 +377,20 @@ pub fn small_job(dir: &Path, name: &str, steps: u64) -> PathBuf {
     p
 }
 
+/// `zrun train` arguments for one step from the weights at `init`
+/// (`model.init_from`), with no checkpoints: a job's first loss from them.
+pub fn one_step_from(init: &Path) -> Vec<String> {
+    [
+        "train.steps=1".to_string(),
+        format!("model.init_from={}", init.display()),
+        "checkpoint.dir=null".into(),
+        "checkpoint.every=0".into(),
+    ]
+    .into_iter()
+    .flat_map(|set| ["--set".to_string(), set])
+    .collect()
+}
+
 /// A small job with checkpoints under `dir/ckpt`, written into `dir`.
 pub fn ckpt_job(dir: &Path, name: &str, steps: u64, every: u64) -> PathBuf {
     let p = small_job(dir, name, steps);

@@ -329,22 +329,16 @@ fn refused_from(dir: &Path, job: &Path, init: &Path, set: &str, needles: &[&str]
 
 /// Trains one step from `init` on the same batch: its loss.
 fn loss_from(dir: &Path, job: &Path, init: &Path, metrics: &str, extra: &[&str]) -> f64 {
-    let init = format!("model.init_from={}", init.display());
-    let args = [
+    let one_step = e2e::one_step_from(init);
+    let mut args = vec![
         "--workers-per-node",
         "1",
         "--set",
         "train.micro_batch_size=4",
-        "--set",
-        "train.steps=1",
-        "--set",
-        &init,
-        "--set",
-        "checkpoint.dir=null",
-        "--set",
-        "checkpoint.every=0",
     ];
-    let losses = train(dir, job, metrics, &[&args[..], extra].concat());
+    args.extend(one_step.iter().map(String::as_str));
+    args.extend(extra);
+    let losses = train(dir, job, metrics, &args);
     losses[0].1
 }
 

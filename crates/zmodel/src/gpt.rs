@@ -2226,6 +2226,17 @@ mod tests {
         assert_eq!(run(5), run(9));
     }
 
+    /// The largest difference of `got` from `want`, and `want`'s largest
+    /// magnitude (what a relative bound scales by).
+    fn off_and_top(got: &[f32], want: &[f32]) -> (f32, f32) {
+        let top = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let off = got
+            .iter()
+            .zip(want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        (off, top)
+    }
+
     /// The training path's loss, summed over the counted targets, and the
     /// gradient of every parameter (embedding, blocks last first, head),
     /// flattened: with `docs`, the documents of `tokens` kept apart.
@@ -2329,11 +2340,7 @@ mod tests {
                 (packed_loss - alone_loss).abs() <= 1e-5 * alone_loss,
                 "{kind:?}: packed {packed_loss}, alone {alone_loss}"
             );
-            let top = alone.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let off = packed
-                .iter()
-                .zip(&alone)
-                .fold(0f32, |m, (p, a)| m.max((p - a).abs()));
+            let (off, top) = off_and_top(&packed, &alone);
             assert!(
                 off <= 1e-5 * top,
                 "{kind:?}: gradients {off} apart, largest {top}"
@@ -2385,11 +2392,7 @@ mod tests {
                 let t = x.dim(1).unwrap();
                 let logits = g.head_logits(&head, Some(&emb.wte), x).unwrap();
                 let want: Vec<f32> = logits.get(t - 1).unwrap().to_vec1().unwrap();
-                let top = want.iter().fold(0f32, |m, x| m.max(x.abs()));
-                let off = got
-                    .iter()
-                    .zip(&want)
-                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                let (off, top) = off_and_top(&got, &want);
                 assert!(
                     off <= 1e-6 * top,
                     "{:?}: last logits {off} from the head's",
@@ -2423,11 +2426,7 @@ mod tests {
             let mut worst = 0f32;
             for n in prompt + 1..=32 {
                 let (got, want) = (run(n - 1, n), whole(n));
-                let top = want.iter().fold(0f32, |m, x| m.max(x.abs()));
-                let off = got
-                    .iter()
-                    .zip(&want)
-                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                let (off, top) = off_and_top(&got, &want);
                 worst = worst.max(off / top);
             }
             assert!(worst < 2e-5, "{:?}: {worst}", cfg.kind);
