@@ -27,6 +27,16 @@
 // keys' and values' gradients, summed over a grouped-query group's heads in
 // order; the other the queries'), so a run repeats to the bit.
 //
+// Packed documents kept apart (`data.separate_documents`): with `first` (per
+// token of [b, t], where its document begins in its sequence; else null) a
+// query row i sees keys first[i] ..= i. Documents are contiguous, so first
+// never falls along a sequence: a block's (or warp's) first row has the
+// least first of its rows, and the walks start at its tile instead of key
+// 0; the key/value kernel stops at the first query tile whose rows all
+// begin after the block's last key. A row that sees no key of a tile has a
+// running maximum of −∞ there, which the online softmax steps over (its
+// corrections would be exp(−∞ + ∞)).
+//
 // crates/zcuda-emu runs these on the CPU (mma.sync emulated from PTX's
 // fragment layouts) against an f64 reference.
 
@@ -413,8 +423,8 @@ __device__ __forceinline__ void store_rows(float* out, int ld, int col, int r0, 
 // too, the operand of the 16-bit product that reads it. Grid (⌈t / 64⌉,
 // b·heads), 128 threads.
 template <class M, int HD>
-__device__ void fa_forward(const float* qkv, float* out, unsigned short* out16, int fmt16,
-                           float* lse, FaShape sh) {
+__device__ void fa_forward(const float* qkv, const unsigned* first, float* out,
+                           unsigned short* out16, int fmt16, float* lse, FaShape sh) {
     constexpr int KT = FaWalk<HD>::KEYS;
     __shared__ __align__(16) typename M::Elem k_tile[KT * (HD + 8)];
     __shared__ __align__(16) typename M::Elem v_tile[KT * (HD + 8)];
@@ -427,12 +437,22 @@ __device__ void fa_forward(const float* qkv, float* out, unsigned short* out16, 
     load_a<M, HD>(qa, rows, sh.ld, h * HD, q0, sh.t);
     float acc[HD / 8][4] = {};
     float m[2] = {FA_NEG_INF, FA_NEG_INF}, l[2] = {0.0f, 0.0f};
+    // The first key of each of the thread's two rows, and of the warp's
+    // and the block's first rows (the least of theirs).
+    const unsigned* firsts = first ? first + (unsigned long long)s * sh.t : nullptr;
+    int lo[2], row0 = q0 + g;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        lo[i] = firsts && row0 + 8 * i < sh.t ? (int)firsts[row0 + 8 * i] : 0;
+    }
+    int warp_lo = firsts && q0 < sh.t ? (int)firsts[q0] : 0;
+    int block_lo = firsts ? (int)firsts[blockIdx.x * FA_ROWS] : 0;
     int keys = min(sh.t, (int)(blockIdx.x + 1) * FA_ROWS);
-    for (int k0 = 0; k0 < keys; k0 += KT) {
+    for (int k0 = block_lo / KT * KT; k0 < keys; k0 += KT) {
         load_tiles<M, HD, KT>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t, [] {});
-        // Keys this warp's rows can see in the tile: k0 .. q0 + 15.
+        // Keys this warp's rows can see in the tile: warp_lo.. q0 + 15.
         int span = min(KT, q0 + 16 - k0);
-        if (span <= 0) continue;
+        if (span <= 0 || k0 + KT <= warp_lo) continue;
         float sc[KT / 8][4];
         scores<M, HD>(sc, qa, k_tile);
         float mx[2] = {m[0], m[1]};
@@ -441,17 +461,21 @@ __device__ void fa_forward(const float* qkv, float* out, unsigned short* out16, 
 #pragma unroll
             for (int r = 0; r < 4; r++) {
                 int key = k0 + nt * 8 + 2 * q + r % 2, row = q0 + g + 8 * (r / 2);
-                float v = key <= row && key < sh.t ? sc[nt][r] * sh.scale : FA_NEG_INF;
+                bool seen = key <= row && key < sh.t && key >= lo[r / 2];
+                float v = seen ? sc[nt][r] * sh.scale : FA_NEG_INF;
                 sc[nt][r] = v;
                 mx[r / 2] = fmaxf(mx[r / 2], v);
             }
         }
-        // Every row sees key k0 here, so the maxima are finite.
-        float corr[2];
+        // Without documents every row sees key k0 here, so the maxima are
+        // finite; with them a row may have seen no key yet (−∞), and then
+        // its terms are 0 against 0 rather than exp(−∞ + ∞).
+        float corr[2], base[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             mx[i] = quad_max(mx[i]);
-            corr[i] = expf(m[i] - mx[i]);
+            base[i] = mx[i] == FA_NEG_INF ? 0.0f : mx[i];
+            corr[i] = expf(m[i] - base[i]);
             m[i] = mx[i];
             l[i] *= corr[i];
         }
@@ -459,7 +483,7 @@ __device__ void fa_forward(const float* qkv, float* out, unsigned short* out16, 
         for (int nt = 0; nt < KT / 8; nt++) {
 #pragma unroll
             for (int r = 0; r < 4; r++) {
-                float p = expf(sc[nt][r] - m[r / 2]);
+                float p = expf(sc[nt][r] - base[r / 2]);
                 sc[nt][r] = p;
                 l[r / 2] += p;
             }
@@ -507,12 +531,13 @@ extern "C" __global__ void attention_delta(const float* out, const float* dout, 
 // p = exp(scale·s − lse) (0 where masked), and with dp given, ds = p ⊙ (dp −
 // delta), for fragments in the C layout; `keys_in_rows` says whether the
 // fragment's rows are keys (the key/value kernel's transposed products) or
-// query rows. `lse` and `delta` are the query rows' (indexed by row − r0).
+// query rows. `lse`, `delta` and `lo` (the first key each sees: 0, or its
+// document's first) are the query rows' (indexed by row − lse0).
 template <int NT>
 __device__ __forceinline__ void probs_and_grads(float (&s)[NT][4], float (&dp)[NT][4],
                                                 int row0, int col0, bool keys_in_rows, int t,
                                                 float scale, const float* lse, const float* delta,
-                                                int lse0) {
+                                                const int* lo, int lse0) {
     int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
@@ -521,7 +546,7 @@ __device__ __forceinline__ void probs_and_grads(float (&s)[NT][4], float (&dp)[N
             int row = row0 + g + 8 * (r / 2), col = col0 + nt * 8 + 2 * q + r % 2;
             int query = keys_in_rows ? col : row, key = keys_in_rows ? row : col;
             float p = 0.0f, ds = 0.0f;
-            if (key <= query && query < t && key < t) {
+            if (key <= query && query < t && key < t && key >= lo[query - lse0]) {
                 p = expf(s[nt][r] * scale - lse[query - lse0]);
                 ds = p * (dp[nt][r] - delta[query - lse0]);
             }
@@ -536,12 +561,13 @@ __device__ __forceinline__ void probs_and_grads(float (&s)[NT][4], float (&dp)[N
 // group's query heads in order. Grid (⌈t / 64⌉, b·kv), 128 threads; each
 // warp owns 16 keys and walks the query tiles from the diagonal on.
 template <class M, int HD>
-__device__ void fa_backward_kv(const float* qkv, const float* dout, const float* lse,
-                               const float* delta, float* dqkv, FaShape sh) {
+__device__ void fa_backward_kv(const float* qkv, const unsigned* first, const float* dout,
+                               const float* lse, const float* delta, float* dqkv, FaShape sh) {
     constexpr int KT = FaWalk<HD>::KV_KEYS;
     __shared__ __align__(16) typename M::Elem q_tile[KT * (HD + 8)];
     __shared__ __align__(16) typename M::Elem do_tile[KT * (HD + 8)];
     __shared__ float lse_tile[KT], delta_tile[KT];
+    __shared__ int lo_tile[KT];
     int warp = threadIdx.x / FA_WARP;
     int s = blockIdx.y / sh.kv, kvh = blockIdx.y % sh.kv, group = sh.heads / sh.kv;
     int d = sh.heads * HD, k_col = d + kvh * HD, v_col = d + (sh.kv + kvh) * HD;
@@ -552,30 +578,40 @@ __device__ void fa_backward_kv(const float* qkv, const float* dout, const float*
     load_a<M, HD>(ka, rows, sh.ld, k_col, kw, sh.t);
     load_a<M, HD>(va, rows, sh.ld, v_col, kw, sh.t);
     float dk[HD / 8][4] = {}, dv[HD / 8][4] = {};
+    const unsigned* firsts = first ? first + (unsigned long long)s * sh.t : nullptr;
+    int last_key = min(sh.t, k0 + FA_ROWS) - 1;
     for (int j = 0; j < group; j++) {
         int h = kvh * group + j;
         const float* head_lse = lse + (unsigned long long)(s * sh.heads + h) * sh.t;
         const float* head_delta = delta + (unsigned long long)(s * sh.heads + h) * sh.t;
         for (int r0 = k0; r0 < sh.t; r0 += KT) {
-            // The tile's rows' log-sum-exp and delta, fetched with the tiles.
+            // Rows from here on all begin their documents after the block's
+            // keys (the same test in every thread: the block stays together).
+            if (firsts && (int)firsts[r0] > last_key) break;
+            // The tile's rows' log-sum-exp, delta and first key, fetched
+            // with the tiles.
             int i = threadIdx.x;
             float row_lse = 0.0f, row_delta = 0.0f;
+            int row_lo = 0;
             if (i < KT && r0 + i < sh.t) {
                 row_lse = head_lse[r0 + i];
                 row_delta = head_delta[r0 + i];
+                row_lo = firsts ? (int)firsts[r0 + i] : 0;
             }
             load_tiles<M, HD, KT>(q_tile, rows, sh.ld, h * HD, do_tile, drows, d, h * HD, r0, sh.t,
                               [&] {
                                   if (i < KT) {
                                       lse_tile[i] = row_lse;
                                       delta_tile[i] = row_delta;
+                                      lo_tile[i] = row_lo;
                                   }
                               });
             float st[KT / 8][4], dpt[KT / 8][4];
             // Sᵀ = K · Qᵀ and dPᵀ = V · dOᵀ, 16 keys × KT query rows.
             scores<M, HD>(st, ka, q_tile);
             scores<M, HD>(dpt, va, do_tile);
-            probs_and_grads(st, dpt, kw, r0, true, sh.t, sh.scale, lse_tile, delta_tile, r0);
+            probs_and_grads(st, dpt, kw, r0, true, sh.t, sh.scale, lse_tile, delta_tile, lo_tile,
+                            r0);
             // dV += Pᵀ · dO, dK += dSᵀ · Q (row-major tiles).
             times_tile<M, HD>(dv, st, do_tile, KT);
             times_tile<M, HD>(dk, dpt, q_tile, KT);
@@ -590,12 +626,13 @@ __device__ void fa_backward_kv(const float* qkv, const float* dout, const float*
 // of dqkv. Grid (⌈t / 64⌉, b·heads), 128 threads; each warp owns 16 query
 // rows and walks the key tiles up to the diagonal.
 template <class M, int HD>
-__device__ void fa_backward_q(const float* qkv, const float* dout, const float* lse,
-                              const float* delta, float* dqkv, FaShape sh) {
+__device__ void fa_backward_q(const float* qkv, const unsigned* first, const float* dout,
+                              const float* lse, const float* delta, float* dqkv, FaShape sh) {
     constexpr int KT = FaWalk<HD>::KEYS;
     __shared__ __align__(16) typename M::Elem k_tile[KT * (HD + 8)];
     __shared__ __align__(16) typename M::Elem v_tile[KT * (HD + 8)];
     __shared__ float lse_rows[FA_ROWS], delta_rows[FA_ROWS];
+    __shared__ int lo_rows[FA_ROWS];
     int warp = threadIdx.x / FA_WARP;
     int bh = blockIdx.y, s = bh / sh.heads, h = bh % sh.heads, kvh = h / (sh.heads / sh.kv);
     int d = sh.heads * HD, k_col = d + kvh * HD, v_col = d + (sh.kv + kvh) * HD;
@@ -604,23 +641,27 @@ __device__ void fa_backward_q(const float* qkv, const float* dout, const float* 
     unsigned qa[HD / M::K][4], da[HD / M::K][4];
     load_a<M, HD>(qa, rows, sh.ld, h * HD, q0, sh.t);
     load_a<M, HD>(da, dout + (unsigned long long)s * sh.t * d, d, h * HD, q0, sh.t);
-    // The block's rows' log-sum-exp and delta, shared from the first tile's
-    // barrier on.
-    int first = blockIdx.x * FA_ROWS;
-    if (threadIdx.x < FA_ROWS && first + (int)threadIdx.x < sh.t) {
-        lse_rows[threadIdx.x] = lse[(unsigned long long)bh * sh.t + first + threadIdx.x];
-        delta_rows[threadIdx.x] = delta[(unsigned long long)bh * sh.t + first + threadIdx.x];
+    // The block's rows' log-sum-exp, delta and first key, shared from the
+    // first tile's barrier on.
+    int top = blockIdx.x * FA_ROWS;
+    const unsigned* firsts = first ? first + (unsigned long long)s * sh.t : nullptr;
+    if (threadIdx.x < FA_ROWS && top + (int)threadIdx.x < sh.t) {
+        lse_rows[threadIdx.x] = lse[(unsigned long long)bh * sh.t + top + threadIdx.x];
+        delta_rows[threadIdx.x] = delta[(unsigned long long)bh * sh.t + top + threadIdx.x];
+        lo_rows[threadIdx.x] = firsts ? (int)firsts[top + threadIdx.x] : 0;
     }
+    int warp_lo = firsts && q0 < sh.t ? (int)firsts[q0] : 0;
+    int block_lo = firsts ? (int)firsts[top] : 0;
     float dq[HD / 8][4] = {};
-    int keys = min(sh.t, first + FA_ROWS);
-    for (int k0 = 0; k0 < keys; k0 += KT) {
+    int keys = min(sh.t, top + FA_ROWS);
+    for (int k0 = block_lo / KT * KT; k0 < keys; k0 += KT) {
         load_tiles<M, HD, KT>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t, [] {});
         int span = min(KT, q0 + 16 - k0);
-        if (span <= 0) continue;
+        if (span <= 0 || k0 + KT <= warp_lo) continue;
         float sc[KT / 8][4], dp[KT / 8][4];
         scores<M, HD>(sc, qa, k_tile);
         scores<M, HD>(dp, da, v_tile);
-        probs_and_grads(sc, dp, q0, k0, false, sh.t, sh.scale, lse_rows, delta_rows, first);
+        probs_and_grads(sc, dp, q0, k0, false, sh.t, sh.scale, lse_rows, delta_rows, lo_rows, top);
         // dQ += dS · K (K row-major).
         times_tile<M, HD>(dq, dp, k_tile, span);
     }
@@ -632,24 +673,26 @@ __device__ void fa_backward_q(const float* qkv, const float* dout, const float* 
 // for the 16-bit kinds, whose tiles fit the 48 KB of static shared memory
 // there and whose fragments half the registers TF32's take; other widths
 // take the unfused path).
-#define FA_ENTRIES(KIND, M, HD)                                                                 \
-    extern "C" __global__ void flash_forward_##KIND##_##HD(                                     \
-        const float* qkv, float* out, unsigned short* out16, int fmt16, float* lse, int t,      \
-        int heads, int kv, int ld, float scale)                                                 \
-    {                                                                                           \
-        fa_forward<M, HD>(qkv, out, out16, fmt16, lse, FaShape{t, heads, kv, ld, scale});       \
-    }                                                                                           \
-    extern "C" __global__ void flash_backward_kv_##KIND##_##HD(                                 \
-        const float* qkv, const float* dout, const float* lse, const float* delta, float* dqkv, \
-        int t, int heads, int kv, int ld, float scale)                                          \
-    {                                                                                           \
-        fa_backward_kv<M, HD>(qkv, dout, lse, delta, dqkv, FaShape{t, heads, kv, ld, scale});   \
-    }                                                                                           \
-    extern "C" __global__ void flash_backward_q_##KIND##_##HD(                                  \
-        const float* qkv, const float* dout, const float* lse, const float* delta, float* dqkv, \
-        int t, int heads, int kv, int ld, float scale)                                          \
-    {                                                                                           \
-        fa_backward_q<M, HD>(qkv, dout, lse, delta, dqkv, FaShape{t, heads, kv, ld, scale});    \
+#define FA_ENTRIES(KIND, M, HD)                                                                \
+    extern "C" __global__ void flash_forward_##KIND##_##HD(                                    \
+        const float* qkv, const unsigned* first, float* out, unsigned short* out16, int fmt16, \
+        float* lse, int t, int heads, int kv, int ld, float scale)                             \
+    {                                                                                          \
+        fa_forward<M, HD>(qkv, first, out, out16, fmt16, lse, FaShape{t, heads, kv, ld, scale}); \
+    }                                                                                          \
+    extern "C" __global__ void flash_backward_kv_##KIND##_##HD(                                \
+        const float* qkv, const unsigned* first, const float* dout, const float* lse,          \
+        const float* delta, float* dqkv, int t, int heads, int kv, int ld, float scale)        \
+    {                                                                                          \
+        fa_backward_kv<M, HD>(qkv, first, dout, lse, delta, dqkv,                              \
+                              FaShape{t, heads, kv, ld, scale});                               \
+    }                                                                                          \
+    extern "C" __global__ void flash_backward_q_##KIND##_##HD(                                 \
+        const float* qkv, const unsigned* first, const float* dout, const float* lse,          \
+        const float* delta, float* dqkv, int t, int heads, int kv, int ld, float scale)        \
+    {                                                                                          \
+        fa_backward_q<M, HD>(qkv, first, dout, lse, delta, dqkv,                               \
+                             FaShape{t, heads, kv, ld, scale});                                \
     }
 
 FA_ENTRIES(bf16, Bf16, 16)

@@ -63,24 +63,34 @@ __device__ __forceinline__ void put(float* y, unsigned short* y16, int fmt16, un
     }
 }
 
-// x[r, c] = wte[tok[r], c] + wpe[r % t, c] (LLaMA: wpe null, no positions
-// added); tokens were checked on the host.
+// A token's position: row r of [b, t] counted from its sequence's start,
+// or, where packed documents are kept apart (first not null: per token,
+// where its document begins in its sequence), from its document's.
+__device__ __forceinline__ unsigned long long position(const unsigned int* first,
+                                                       unsigned long long r, int t) {
+    return r % t - (first ? first[r] : 0u);
+}
+
+// x[r, c] = wte[tok[r], c] + wpe[position(r), c] (LLaMA: wpe null, no
+// positions added); tokens and firsts were checked on the host.
 extern "C" __global__ void embed(const unsigned int* tok, const float* wte, const float* wpe,
-                                 float* x, unsigned long long n, int t, int d)
+                                 const unsigned int* first, float* x, unsigned long long n, int t,
+                                 int d)
 {
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < n * d; i += stride) {
         unsigned long long r = i / d, c = i % d;
         float v = wte[(unsigned long long)tok[r] * d + c];
-        x[i] = wpe ? v + wpe[(r % t) * d + c] : v;
+        x[i] = wpe ? v + wpe[position(first, r, t) * d + c] : v;
     }
 }
 
 // The embedding's backward, token part: for the present token j (block j),
 // dwte[token, c] = the sum of dx[r, c] over its rows r, added in row order
 // from zero (rows[start[j] .. start[j + 1]], listed in order by the host) —
-// the CPU's scatter-add, the same bits, without atomics.
+// the CPU's scatter-add, the same bits, without atomics. With documents
+// kept apart, the position part too (positions for tokens, dwpe for dwte).
 extern "C" __global__ void embed_backward_tokens(const float* dx, const unsigned int* present,
                                                  const unsigned int* start,
                                                  const unsigned int* rows, float* dwte, int d)
@@ -96,7 +106,8 @@ extern "C" __global__ void embed_backward_tokens(const float* dx, const unsigned
 }
 
 // The position part: dwpe[p, c] = the sum over sequences s of dx[s, p, c],
-// in sequence order from zero (the CPU's order).
+// in sequence order from zero (the CPU's order); without documents kept
+// apart, where position p is row p of every sequence.
 extern "C" __global__ void embed_backward_positions(const float* dx, float* dwpe, int b, int t,
                                                     int d)
 {
@@ -420,13 +431,13 @@ extern "C" __global__ void heads_to_kv_rows(const float* heads, float* rows, int
 
 // LLaMA's rotary positions in place on rows of `ld` values (q's and k's
 // `heads` heads of hd from column 0; v's columns untouched), Hugging Face's
-// layout: in each head the pair (i, i + hd/2) at position p = row % t turns
-// by the angle whose cosine and sine are cos[p, i], sin[p, i] (a table the
-// host computes in f64, as the CPU model does), times `sign` for the sine:
-// −1 turns back, which is the backward.
+// layout: in each head the pair (i, i + hd/2) at position p = position(first,
+// row, t) turns by the angle whose cosine and sine are cos[p, i], sin[p, i]
+// (a table the host computes in f64, as the CPU model does), times `sign`
+// for the sine: −1 turns back, which is the backward.
 extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t,
-                                unsigned long long rows, int ld, int heads, int hd, int t,
-                                float sign)
+                                const unsigned int* first, unsigned long long rows, int ld,
+                                int heads, int hd, int t, float sign)
 {
     int half = hd / 2;
     unsigned long long n = rows * heads * half;
@@ -435,7 +446,7 @@ extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t
          i < n; i += stride) {
         unsigned long long k = i % half, rh = i / half;
         unsigned long long hh = rh % heads, r = rh / heads;
-        unsigned long long p = r % t;
+        unsigned long long p = position(first, r, t);
         float c = cos_t[p * half + k], s = sign * sin_t[p * half + k];
         float* head = x + r * ld + hh * hd;
         float a = head[k], b = head[k + half];
@@ -508,22 +519,32 @@ extern "C" __global__ void swiglu_backward(const float* h, const float* dy, floa
     }
 }
 
+// The first key that row `row` of [b·heads, t] scores (each row i of a
+// t × t matrix, i = row % t) sees: 0, or where packed documents are kept
+// apart (first not null: per token of [b, t], where its document begins),
+// the first of its own document.
+__device__ __forceinline__ int first_key(const unsigned int* first, unsigned long long row, int t,
+                                         int heads) {
+    return first ? (int)first[row / ((unsigned long long)t * heads) * t + row % t] : 0;
+}
+
 // Causal softmax of scores s[rows, t] (each row i of a t × t matrix, i =
-// row % t), in place: p[j] = exp(scale·s[j] - m) / Σ for j ≤ i, 0 above the
-// diagonal; with s16, each probability's 16-bit value (fmt16) there too.
-// One warp per row.
+// row % t, of `heads` heads a sequence), in place: p[j] = exp(scale·s[j] -
+// m) / Σ for first_key ≤ j ≤ i, 0 elsewhere; with s16, each probability's
+// 16-bit value (fmt16) there too. One warp per row.
 extern "C" __global__ void causal_softmax(float* s, unsigned short* s16, int fmt16,
-                                          unsigned long long rows, int t, float scale)
+                                          const unsigned int* first, unsigned long long rows, int t,
+                                          int heads, float scale)
 {
     unsigned long long row = (unsigned long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (row >= rows) return;
-    int lane = threadIdx.x % WARP, i = (int)(row % t);
+    int lane = threadIdx.x % WARP, i = (int)(row % t), lo = first_key(first, row, t, heads);
     float* p = s + row * t;
     float m = NEG_INF;
-    for (int j = lane; j <= i; j += WARP) m = fmaxf(m, p[j] * scale);
+    for (int j = lo + lane; j <= i; j += WARP) m = fmaxf(m, p[j] * scale);
     m = warp_max(m);
     float sum = 0.0f;
-    for (int j = lane; j <= i; j += WARP) {
+    for (int j = lo + lane; j <= i; j += WARP) {
         float e = expf(p[j] * scale - m);
         p[j] = e;
         sum += e;
@@ -531,29 +552,31 @@ extern "C" __global__ void causal_softmax(float* s, unsigned short* s16, int fmt
     sum = warp_sum(sum);
     float inv = 1.0f / sum;
     for (int j = lane; j < t; j += WARP) {
-        float v = j <= i ? p[j] * inv : 0.0f;
+        float v = lo <= j && j <= i ? p[j] * inv : 0.0f;
         p[j] = v;
         if (s16) s16[row * t + j] = round16(v, fmt16);
     }
 }
 
 // The softmax's backward, in place on dp: ds = scale · p ⊙ (dp - Σ dp ⊙ p),
-// 0 above the diagonal; with ds16, ds's 16-bit value (fmt16) written there
-// instead (dp is then left as it was). One warp per row.
+// 0 where the forward's p is (first as there); with ds16, ds's 16-bit
+// value (fmt16) written there instead (dp is then left as it was). One warp
+// per row.
 extern "C" __global__ void causal_softmax_backward(const float* p, float* dp, unsigned short* ds16,
-                                                   int fmt16, unsigned long long rows, int t,
+                                                   int fmt16, const unsigned int* first,
+                                                   unsigned long long rows, int t, int heads,
                                                    float scale)
 {
     unsigned long long row = (unsigned long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (row >= rows) return;
-    int lane = threadIdx.x % WARP, i = (int)(row % t);
+    int lane = threadIdx.x % WARP, i = (int)(row % t), lo = first_key(first, row, t, heads);
     const float* pr = p + row * t;
     float* g = dp + row * t;
     float dot = 0.0f;
-    for (int j = lane; j <= i; j += WARP) dot += g[j] * pr[j];
+    for (int j = lo + lane; j <= i; j += WARP) dot += g[j] * pr[j];
     dot = warp_sum(dot);
     for (int j = lane; j < t; j += WARP) {
-        float v = j <= i ? scale * pr[j] * (g[j] - dot) : 0.0f;
+        float v = lo <= j && j <= i ? scale * pr[j] * (g[j] - dot) : 0.0f;
         if (ds16) {
             ds16[row * t + j] = round16(v, fmt16);
         } else {

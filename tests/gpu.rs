@@ -389,6 +389,42 @@ fn a_loss_mask_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
     });
 }
 
+/// Packed documents kept apart (`data.separate_documents`, documents of 3
+/// to 45 tokens ended by id 63, so that a sequence of 32 holds several or
+/// part of one): the GPU's positions, attention and loss stop at each end
+/// as the CPU's do.
+#[test]
+fn packed_documents_on_the_gpu_follow_the_cpu_loss_curve_and_its_stages_agree() {
+    let data = tempfile::tempdir().unwrap();
+    let eos = 63u16;
+    let mut ids = Vec::new();
+    let mut documents = 0;
+    while ids.len() < 6000 {
+        let len = 3 + (documents * 7) % 43;
+        ids.extend((0..len).map(|i| ((i * 5 + documents) % 63) as u16));
+        ids.push(eos);
+        documents += 1;
+    }
+    let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+    std::fs::write(data.path().join("train.bin"), &bytes).unwrap();
+    let manifest = serde_json::json!({
+        "tokenizer": "none", "tokenizer_sha256": "", "vocab_size": 64,
+        "format": "tokens_u16", "eos_id": eos,
+        "files": {"train.bin": {"tokens": ids.len(), "bytes": bytes.len(), "max_token_id": 63,
+            "documents": documents}}
+    });
+    std::fs::write(data.path().join("manifest.json"), manifest.to_string()).unwrap();
+    let path = format!("data.path={}/train.bin", data.path().display());
+    a_variant_on_the_gpu("documents", |extra| {
+        let base = [
+            path.as_str(),
+            "data.format=tokens_u16",
+            "data.separate_documents=true",
+        ];
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
+    });
+}
+
 fn a_variant_on_the_gpu(name: &str, sets: impl Fn(&[&str]) -> Vec<String>) {
     let test = format!("{name}_on_the_gpu_follows_the_cpu_loss_curve");
     if gpus_or_skip(&test).is_none() {

@@ -106,8 +106,7 @@ impl LoadedJob {
     }
 
     /// `data.separate_documents` has an end-of-text id below the vocabulary,
-    /// on data with documents, on the CPU; `data.eos_id` is there only
-    /// for it.
+    /// on data with documents; `data.eos_id` is there only for it.
     fn validate_documents(&self) -> Result<(), ConfigError> {
         let s = &self.spec;
         let d = &s.data;
@@ -129,12 +128,6 @@ impl LoadedJob {
         let key = "data.separate_documents";
         if d.format == DataFormat::Synthetic {
             return Err(self.invalid(key, "synthetic data has no documents"));
-        }
-        if s.device == crate::spec::Device::Cuda {
-            return Err(self.invalid(
-                key,
-                "is not yet supported with device: cuda (its attention kernels see whole sequences)",
-            ));
         }
         let eos = d.document_eos().map_err(|m| self.invalid(key, m))?;
         if eos as usize >= s.model.vocab_size {

@@ -1554,12 +1554,6 @@ mod tests {
             ),
             (
                 tokens.as_str(),
-                format!("{on}\ndevice: cuda"),
-                "data.separate_documents",
-                "not yet supported with device: cuda",
-            ),
-            (
-                tokens.as_str(),
                 format!("{on}{other_val}"),
                 "data.val_path",
                 "says its end-of-text id is 6, the training data's is 5",

@@ -113,9 +113,10 @@ void emu_swiglu_backward(const float* h, const float* dy, float* dh, unsigned lo
     emu_launch(k::swiglu_backward, STRIDED_GRID, STRIDED_BLOCK, h, dy, dh, n, f);
 }
 
-void emu_rope(float* x, const float* cos_t, const float* sin_t, unsigned long long rows, int ld,
-              int heads, int hd, int t, float sign) {
-    emu_launch(k::rope, STRIDED_GRID, STRIDED_BLOCK, x, cos_t, sin_t, rows, ld, heads, hd, t, sign);
+void emu_rope(float* x, const float* cos_t, const float* sin_t, const unsigned* first,
+              unsigned long long rows, int ld, int heads, int hd, int t, float sign) {
+    emu_launch(k::rope, STRIDED_GRID, STRIDED_BLOCK, x, cos_t, sin_t, first, rows, ld, heads, hd, t,
+               sign);
 }
 
 void emu_kv_rows_to_heads(const float* rows, int ld, int col0, float* heads, int b, int t, int h,
@@ -130,9 +131,9 @@ void emu_heads_to_kv_rows(const float* heads, float* rows, int ld, int col0, int
                hd, group);
 }
 
-void emu_embed(const unsigned* tok, const float* wte, const float* wpe, float* x,
-               unsigned long long n, int t, int d) {
-    emu_launch(k::embed, STRIDED_GRID, STRIDED_BLOCK, tok, wte, wpe, x, n, t, d);
+void emu_embed(const unsigned* tok, const float* wte, const float* wpe, const unsigned* first,
+               float* x, unsigned long long n, int t, int d) {
+    emu_launch(k::embed, STRIDED_GRID, STRIDED_BLOCK, tok, wte, wpe, first, x, n, t, d);
 }
 
 void emu_bias_residual(float* y, const float* b, const float* res, unsigned long long n,
@@ -174,13 +175,15 @@ void emu_gelu_backward(const float* h, const float* dg, float* dh, unsigned long
 
 // One warp per row, ROW_THREADS / 32 rows a block, as GptGpu::softmax.
 void emu_causal_softmax(const float* probs, float* s, unsigned short* s16, int fmt16,
-                        unsigned long long n, int t, float scale) {
+                        const unsigned* first, unsigned long long n, int t, int heads,
+                        float scale) {
     unsigned warps = ROW_THREADS / 32;
     dim3 grid{(unsigned)((n + warps - 1) / warps)};
     if (probs) {
-        emu_launch(k::causal_softmax_backward, grid, threads(), probs, s, s16, fmt16, n, t, scale);
+        emu_launch(k::causal_softmax_backward, grid, threads(), probs, s, s16, fmt16, first, n, t,
+                   heads, scale);
     } else {
-        emu_launch(k::causal_softmax, grid, threads(), s, s16, fmt16, n, t, scale);
+        emu_launch(k::causal_softmax, grid, threads(), s, s16, fmt16, first, n, t, heads, scale);
     }
 }
 
@@ -276,22 +279,24 @@ void emu_dequantize(const float* scales, const unsigned char* data, unsigned lon
         FA_WIDTH16(kernel, f16, __VA_ARGS__)            \
     }
 
-void emu_flash_forward(const float* qkv, float* out, unsigned short* out16, int fmt16, float* lse,
-                       int b, int t, int heads, int kv, int hd, int ld, float scale, int kind) {
+void emu_flash_forward(const float* qkv, const unsigned* first, float* out, unsigned short* out16,
+                       int fmt16, float* lse, int b, int t, int heads, int kv, int hd, int ld,
+                       float scale, int kind) {
     dim3 grid{(unsigned)((t + 63) / 64), (unsigned)(b * heads)};
-    FA_BY_KIND(flash_forward, grid, dim3{128}, qkv, out, out16, fmt16, lse, t, heads, kv, ld, scale)
+    FA_BY_KIND(flash_forward, grid, dim3{128}, qkv, first, out, out16, fmt16, lse, t, heads, kv, ld,
+               scale)
 }
 
-void emu_flash_backward(const float* qkv, const float* out, const float* dout, const float* lse,
-                        float* delta, float* dqkv, int b, int t, int heads, int kv, int hd, int ld,
-                        float scale, int kind) {
+void emu_flash_backward(const float* qkv, const unsigned* first, const float* out,
+                        const float* dout, const float* lse, float* delta, float* dqkv, int b,
+                        int t, int heads, int kv, int hd, int ld, float scale, int kind) {
     unsigned long long rows = (unsigned long long)b * t;
     emu_launch(fa::attention_delta, dim3{(unsigned)((rows * heads + 7) / 8)}, dim3{256}, out, dout,
                delta, rows, t, heads, hd);
     unsigned tiles = (t + 63) / 64;
-    FA_BY_KIND(flash_backward_kv, dim3{tiles, (unsigned)(b * kv)}, dim3{128}, qkv, dout,
+    FA_BY_KIND(flash_backward_kv, dim3{tiles, (unsigned)(b * kv)}, dim3{128}, qkv, first, dout,
                (const float*)lse, (const float*)delta, dqkv, t, heads, kv, ld, scale)
-    FA_BY_KIND(flash_backward_q, dim3{tiles, (unsigned)(b * heads)}, dim3{128}, qkv, dout,
+    FA_BY_KIND(flash_backward_q, dim3{tiles, (unsigned)(b * heads)}, dim3{128}, qkv, first, dout,
                (const float*)lse, (const float*)delta, dqkv, t, heads, kv, ld, scale)
 }
 

@@ -9,6 +9,7 @@ extern "C" {
     fn emu_probe_gather_unsynced(out: *mut c_int, blocks: c_uint, threads: c_uint);
     fn emu_flash_forward(
         qkv: *const c_float,
+        first: *const c_uint,
         out: *mut c_float,
         out16: *mut u16,
         fmt16: c_int,
@@ -24,6 +25,7 @@ extern "C" {
     );
     fn emu_flash_backward(
         qkv: *const c_float,
+        first: *const c_uint,
         out: *const c_float,
         dout: *const c_float,
         lse: *const c_float,
@@ -131,6 +133,7 @@ extern "C" {
         x: *mut c_float,
         cos: *const c_float,
         sin: *const c_float,
+        first: *const c_uint,
         rows: c_ulonglong,
         ld: c_int,
         heads: c_int,
@@ -164,6 +167,7 @@ extern "C" {
         tok: *const c_uint,
         wte: *const c_float,
         wpe: *const c_float,
+        first: *const c_uint,
         x: *mut c_float,
         n: c_ulonglong,
         t: c_int,
@@ -197,8 +201,10 @@ extern "C" {
         s: *mut c_float,
         s16: *mut c_ushort,
         fmt16: c_int,
+        first: *const c_uint,
         n: c_ulonglong,
         t: c_int,
+        heads: c_int,
         scale: c_float,
     );
     fn emu_cross_entropy(
@@ -301,8 +307,20 @@ fn int(v: usize) -> c_int {
     c_int::try_from(v).expect("a size that fits the kernels' int")
 }
 
-fn ptr_or_null(v: Option<&[f32]>) -> *const f32 {
-    v.map_or(std::ptr::null(), <[f32]>::as_ptr)
+fn ptr_or_null<T>(v: Option<&[T]>) -> *const T {
+    v.map_or(std::ptr::null(), <[T]>::as_ptr)
+}
+
+/// Panics unless `first` (where given) says, for each of `rows` tokens in
+/// sequences of `t`, where its document begins as the kernels read it
+/// ([`zcuda::check_documents`]).
+fn check_firsts(first: Option<&[u32]>, rows: usize, t: usize) {
+    if let Some(first) = first {
+        assert!(rows.is_multiple_of(t), "documents: {rows} rows of {t}");
+        if let Err(e) = zcuda::check_documents(first, rows / t, t) {
+            panic!("{e}");
+        }
+    }
 }
 
 /// Layer norm of `x`'s rows of `w.len()`: (y, mean, rstd); with `y16`, y's
@@ -427,13 +445,15 @@ pub fn swiglu_backward(h: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
 }
 
 /// The rotary turn of the first `heads` heads of `hd` in rows of `ld`, in
-/// place, at positions `row % t`, with tables `[t_max, hd/2]`; `sign` −1
-/// turns back.
+/// place, at positions `row % t` (or, with `first`, from each row's
+/// document's first row), with tables `[t_max, hd/2]`; `sign` −1 turns
+/// back.
 #[allow(clippy::too_many_arguments)]
 pub fn rope(
     x: &mut [f32],
     cos: &[f32],
     sin: &[f32],
+    first: Option<&[u32]>,
     ld: usize,
     heads: usize,
     hd: usize,
@@ -442,6 +462,7 @@ pub fn rope(
 ) {
     let rows = x.len() / ld;
     assert!(x.len() == rows * ld && heads * hd <= ld, "rope: shapes");
+    check_firsts(first, rows, t);
     assert!(
         cos.len() >= t * hd / 2 && sin.len() == cos.len(),
         "rope: tables"
@@ -453,6 +474,7 @@ pub fn rope(
             x.as_mut_ptr(),
             cos.as_ptr(),
             sin.as_ptr(),
+            ptr_or_null(first),
             rows as u64,
             int(ld),
             int(heads),
@@ -534,9 +556,18 @@ pub fn heads_to_kv_rows(
 }
 
 /// The embedding of `tokens` (rows of `t` positions): `wte[token]`, plus
-/// `wpe[position]` where given.
-pub fn embed(tokens: &[u32], wte: &[f32], wpe: Option<&[f32]>, t: usize, d: usize) -> Vec<f32> {
+/// `wpe[position]` where given (positions from each token's document's
+/// first with `first`).
+pub fn embed(
+    tokens: &[u32],
+    wte: &[f32],
+    wpe: Option<&[f32]>,
+    first: Option<&[u32]>,
+    t: usize,
+    d: usize,
+) -> Vec<f32> {
     let n = tokens.len();
+    check_firsts(first, n, t);
     let vocab = wte.len() / d;
     assert!(
         tokens.iter().all(|&k| (k as usize) < vocab) && wpe.is_none_or(|p| p.len() >= t * d),
@@ -550,6 +581,7 @@ pub fn embed(tokens: &[u32], wte: &[f32], wpe: Option<&[f32]>, t: usize, d: usiz
             tokens.as_ptr(),
             wte.as_ptr(),
             ptr_or_null(wpe),
+            ptr_or_null(first),
             x.as_mut_ptr(),
             n as u64,
             int(t),
@@ -668,19 +700,26 @@ pub fn gelu_backward(h: &[f32], dg: &[f32]) -> Vec<f32> {
 /// The causal softmax of `s`'s rows of `t` (row `r` is row `r % t` of a
 /// `t × t` matrix) in place, scores times `scale`; with `probs`, its
 /// backward (dP in, dS out). With `s16`, the result's 16-bit values are
-/// written there too (the backward's instead of into `s`).
+/// written there too (the backward's instead of into `s`). With `first`
+/// (per token of `[b, t]`, where its document begins), row `i` of head `h`
+/// of sequence `b` (`heads` a sequence) sees keys from its document's
+/// first.
+#[allow(clippy::too_many_arguments)]
 pub fn causal_softmax(
     s: &mut [f32],
     probs: Option<&[f32]>,
     s16: Option<Out16<'_>>,
+    first: Option<&[u32]>,
+    heads: usize,
     t: usize,
     scale: f32,
 ) {
     let n = s.len() / t;
     assert!(
-        s.len() == n * t && probs.is_none_or(|p| p.len() == s.len()),
+        s.len() == n * t && probs.is_none_or(|p| p.len() == s.len()) && n.is_multiple_of(t * heads),
         "causal softmax: shapes"
     );
+    check_firsts(first, n / heads, t);
     let (s16, fmt16) = out16(s16, s.len());
     // SAFETY: s (and probs, and s16) hold n rows of t (checked above).
     unsafe {
@@ -689,8 +728,10 @@ pub fn causal_softmax(
             s.as_mut_ptr(),
             s16,
             fmt16,
+            ptr_or_null(first),
             n as u64,
             int(t),
+            int(heads),
             scale,
         )
     };
@@ -1038,13 +1079,16 @@ impl FlashShape {
 
 /// The fused causal attention of `qkv` `[b, t, (heads + 2·kv)·hd]`: the
 /// output `[b, t, heads·hd]` and each row's log-sum-exp `[b·heads, t]`;
-/// with `rounded`, the output's 16-bit values written there too.
+/// with `rounded`, the output's 16-bit values written there too; with
+/// `first`, each row attends from its document's first row.
 pub fn flash_attention(
     qkv: &[f32],
+    first: Option<&[u32]>,
     sh: FlashShape,
     rounded: Option<Out16<'_>>,
 ) -> (Vec<f32>, Vec<f32>) {
     sh.check();
+    check_firsts(first, sh.b * sh.t, sh.t);
     let (rows, ld) = (sh.b * sh.t, sh.ld());
     assert_eq!(qkv.len(), rows * ld, "fused attention: qkv");
     let mut out = vec![0.0; rows * sh.heads * sh.hd];
@@ -1056,6 +1100,7 @@ pub fn flash_attention(
     unsafe {
         emu_flash_forward(
             qkv.as_ptr(),
+            ptr_or_null(first),
             out.as_mut_ptr(),
             out16,
             fmt16,
@@ -1077,12 +1122,14 @@ pub fn flash_attention(
 /// output and log-sum-exp and the output's gradient.
 pub fn flash_attention_backward(
     qkv: &[f32],
+    first: Option<&[u32]>,
     out: &[f32],
     lse: &[f32],
     dout: &[f32],
     sh: FlashShape,
 ) -> Vec<f32> {
     sh.check();
+    check_firsts(first, sh.b * sh.t, sh.t);
     let (rows, ld) = (sh.b * sh.t, sh.ld());
     let width = sh.heads * sh.hd;
     assert!(
@@ -1099,6 +1146,7 @@ pub fn flash_attention_backward(
     unsafe {
         emu_flash_backward(
             qkv.as_ptr(),
+            ptr_or_null(first),
             out.as_ptr(),
             dout.as_ptr(),
             lse.as_ptr(),

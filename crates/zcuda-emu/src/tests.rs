@@ -191,27 +191,43 @@ fn swiglu_and_its_backward_match_the_cpu_model() {
     );
 }
 
+/// Documents packed into `b` sequences of `t`, ending at each id 0 of
+/// tokens that are 0 at `ends` (positions in the batch, row-major): where
+/// each token's document begins, as zmodel keeps them apart.
+pub(crate) fn documents(b: usize, t: usize, ends: &[usize]) -> zmodel::Documents {
+    let tokens: Vec<u32> = (0..b * t).map(|i| u32::from(!ends.contains(&i))).collect();
+    zmodel::Documents::after_eos(&tokens, t, 0)
+}
+
 #[test]
 fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
     // 4 query heads on 2 key/value heads of 16; sequences of 24 positions
     // of a model of 32; a small base, so that far positions turn a lot;
-    // unscaled, and scaled as Llama 3's (original context 16).
+    // unscaled, and scaled as Llama 3's (original context 16); positions
+    // from each sequence's start, and from each document's where packed
+    // documents are kept apart.
     let (b, t, seq_len, heads, kv, hd, theta) = (3, 24, 32, 4, 2, 16, 100.0);
+    let docs = documents(b, t, &[3, 4, 20, 30, 47, 48]);
     let llama3 = zconfig::spec::RopeScaling::Llama3 {
         factor: 8.0,
         low_freq_factor: 1.0,
         high_freq_factor: 4.0,
         original_max_position_embeddings: 16,
     };
-    for scaling in [None, Some(llama3)] {
+    for (scaling, docs) in [
+        (None, None),
+        (Some(llama3), None),
+        (Some(llama3), Some(&docs)),
+    ] {
+        let first = docs.map(|d| d.per_token());
         let ld = (heads + 2 * kv) * hd;
         let qkv: Vec<f32> = wave(b * t * ld, 10);
         let (cos, sin) = zcuda::rotary_table(theta, scaling, seq_len, hd);
         let qt = tensor(&qkv, &[b, t, ld]);
         let mut turned = qkv.clone();
-        rope(&mut turned, &cos, &sin, ld, heads + kv, hd, t, 1.0);
+        rope(&mut turned, &cos, &sin, first, ld, heads + kv, hd, t, 1.0);
         let freq = zconfig::arch::rope_inv_freq(theta, scaling, hd);
-        let want = llama_ops::rope(&qt, heads, kv, &freq, false, None).unwrap();
+        let want = llama_ops::rope(&qt, heads, kv, &freq, false, docs).unwrap();
         close("rope", &turned, &values(&want));
         // v passes untouched.
         for r in 0..b * t {
@@ -219,12 +235,40 @@ fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
             assert_eq!(turned[r * ld..][v.clone()], qkv[r * ld..][v], "v moved");
         }
         let mut back = qkv.clone();
-        rope(&mut back, &cos, &sin, ld, heads + kv, hd, t, -1.0);
-        let want = llama_ops::rope(&qt, heads, kv, &freq, true, None).unwrap();
+        rope(&mut back, &cos, &sin, first, ld, heads + kv, hd, t, -1.0);
+        let want = llama_ops::rope(&qt, heads, kv, &freq, true, docs).unwrap();
         close("rope backward", &back, &values(&want));
-        rope(&mut turned, &cos, &sin, ld, heads + kv, hd, t, -1.0);
+        rope(&mut turned, &cos, &sin, first, ld, heads + kv, hd, t, -1.0);
         close("turned and back", &turned, &qkv);
     }
+    // The documents moved the positions: a token after an end turns as
+    // position 0 does.
+    let ld = (heads + 2 * kv) * hd;
+    let qkv = wave(b * t * ld, 10);
+    let (cos, sin) = zcuda::rotary_table(theta, None, seq_len, hd);
+    let (mut whole, mut apart) = (qkv.clone(), qkv.clone());
+    rope(&mut whole, &cos, &sin, None, ld, heads + kv, hd, t, 1.0);
+    rope(
+        &mut apart,
+        &cos,
+        &sin,
+        Some(docs.per_token()),
+        ld,
+        heads + kv,
+        hd,
+        t,
+        1.0,
+    );
+    assert_ne!(
+        whole[5 * ld..6 * ld],
+        apart[5 * ld..6 * ld],
+        "row 5 turned as position 5"
+    );
+    assert_eq!(
+        apart[5 * ld..6 * ld],
+        qkv[5 * ld..6 * ld],
+        "row 5 is position 0 of its document"
+    );
 }
 
 #[test]
@@ -270,15 +314,21 @@ fn embedding_without_positions_and_linears_without_bias() {
     let (t, d, vocab) = (7, 12, 9);
     let tokens: Vec<u32> = (0..3 * t as u32).map(|i| (i * 5 + 2) % vocab).collect();
     let (wte, wpe) = (wave(vocab as usize * d, 13), wave(t * d, 14));
-    let plain = embed(&tokens, &wte, None, t, d);
-    let placed = embed(&tokens, &wte, Some(&wpe), t, d);
+    let plain = embed(&tokens, &wte, None, None, t, d);
+    let placed = embed(&tokens, &wte, Some(&wpe), None, t, d);
+    // Positions from each document's first token where documents are kept
+    // apart.
+    let docs = documents(3, t, &[2, 3, 9, 20]);
+    let apart = embed(&tokens, &wte, Some(&wpe), Some(docs.per_token()), t, d);
     for (r, &tok) in tokens.iter().enumerate() {
         for c in 0..d {
             let v = wte[tok as usize * d + c];
             assert_eq!(plain[r * d + c], v);
             assert_eq!(placed[r * d + c], v + wpe[(r % t) * d + c]);
+            assert_eq!(apart[r * d + c], v + wpe[docs.position(r) * d + c]);
         }
     }
+    assert_eq!(docs.position(4), 0, "the documents restart positions");
     let (y0, b, res) = (wave(5 * d, 15), wave(d, 16), wave(5 * d, 17));
     for (bias, residual) in [
         (None, Some(&res[..])),
@@ -405,49 +455,75 @@ fn the_products_inputs_in_16_bits_are_their_f32_outputs_rounded() {
 
 #[test]
 fn causal_softmax_and_its_backward_match_an_f64_reference() {
-    // Rows of 40 (a warp and some), two matrices.
+    // Rows of 40 (a warp and some), four matrices: four sequences of one
+    // head, or two of two heads with documents kept apart (a row sees keys
+    // from its document's first).
     let (t, scale) = (40usize, 0.25f32);
-    let s: Vec<f32> = wave(2 * t * t, 26).iter().map(|v| 8.0 * v).collect();
-    let dp = wave(2 * t * t, 27);
+    let docs = documents(2, t, &[0, 9, 10, 33, 45, 78]);
+    for (first, heads) in [(None, 1), (Some(docs.per_token()), 2)] {
+        causal_softmax_against_f64(t, scale, first, heads);
+    }
+}
+
+fn causal_softmax_against_f64(t: usize, scale: f32, first: Option<&[u32]>, heads: usize) {
+    let s: Vec<f32> = wave(4 * t * t, 26).iter().map(|v| 8.0 * v).collect();
+    let dp = wave(4 * t * t, 27);
     let mut probs = s.clone();
-    causal_softmax(&mut probs, None, None, t, scale);
+    causal_softmax(&mut probs, None, None, first, heads, t, scale);
     let mut want = vec![0f32; s.len()];
     let mut want_ds = vec![0f32; s.len()];
+    // Row r's first key: 0, or its document's first.
+    let lo = |r: usize| first.map_or(0, |f| f[r / (t * heads) * t + r % t] as usize);
     for (r, row) in s.chunks(t).enumerate() {
-        let i = r % t;
-        let m = row[..=i]
+        let (lo, i) = (lo(r), r % t);
+        let m = row[lo..=i]
             .iter()
             .map(|&v| f64::from(v * scale))
             .fold(f64::NEG_INFINITY, f64::max);
-        let e: Vec<f64> = row[..=i]
+        let e: Vec<f64> = row[lo..=i]
             .iter()
             .map(|&v| (f64::from(v * scale) - m).exp())
             .collect();
         let sum: f64 = e.iter().sum();
         let p: Vec<f64> = e.iter().map(|v| v / sum).collect();
-        let g = &dp[r * t..][..=i];
+        let g = &dp[r * t..][lo..=i];
         let dot: f64 = p.iter().zip(g).map(|(p, &g)| p * f64::from(g)).sum();
-        for j in 0..=i {
-            want[r * t + j] = p[j] as f32;
-            want_ds[r * t + j] = (f64::from(scale) * p[j] * (f64::from(g[j]) - dot)) as f32;
+        for j in 0..p.len() {
+            want[r * t + lo + j] = p[j] as f32;
+            want_ds[r * t + lo + j] = (f64::from(scale) * p[j] * (f64::from(g[j]) - dot)) as f32;
         }
     }
     close("causal softmax", &probs, &want);
-    for (r, row) in probs.chunks(t).enumerate() {
+    let mut ds = dp.clone();
+    causal_softmax(&mut ds, Some(&probs), None, first, heads, t, scale);
+    close("causal softmax backward", &ds, &want_ds);
+    for (r, (row, ds)) in probs.chunks(t).zip(ds.chunks(t)).enumerate() {
+        let outside = |j: usize| j < lo(r) || j > r % t;
         assert!(
-            row[r % t + 1..].iter().all(|&v| v == 0.0),
-            "row {r} above the diagonal"
+            (0..t)
+                .filter(|&j| outside(j))
+                .all(|j| row[j] == 0.0 && ds[j] == 0.0),
+            "row {r} outside its keys"
         );
     }
-    let mut ds = dp.clone();
-    causal_softmax(&mut ds, Some(&probs), None, t, scale);
-    close("causal softmax backward", &ds, &want_ds);
+    if first.is_some() {
+        assert!((0..4 * t).any(|r| lo(r) > 0), "no row began after key 0");
+        return;
+    }
 
     // For 16-bit products: the same values, and their bf16 or f16 bits
     // rounded to nearest even (the backward's instead of its f32 values).
     for fmt in [Fmt16::Bf16, Fmt16::F16] {
         let (mut again, mut p16) = (s.clone(), vec![0u16; s.len()]);
-        causal_softmax(&mut again, None, Some((fmt, &mut p16)), t, scale);
+        causal_softmax(
+            &mut again,
+            None,
+            Some((fmt, &mut p16)),
+            None,
+            heads,
+            t,
+            scale,
+        );
         assert_eq!(again, probs, "the probabilities with their {fmt:?} bits");
         assert_eq!(
             p16,
@@ -455,7 +531,15 @@ fn causal_softmax_and_its_backward_match_an_f64_reference() {
             "the probabilities' {fmt:?} bits"
         );
         let (mut g, mut ds16) = (dp.clone(), vec![0u16; s.len()]);
-        causal_softmax(&mut g, Some(&probs), Some((fmt, &mut ds16)), t, scale);
+        causal_softmax(
+            &mut g,
+            Some(&probs),
+            Some((fmt, &mut ds16)),
+            None,
+            heads,
+            t,
+            scale,
+        );
         assert_eq!(g, dp, "dP stays when dS goes to {fmt:?}");
         assert_eq!(ds16, rounded16(fmt, &ds), "dS's {fmt:?} bits");
     }

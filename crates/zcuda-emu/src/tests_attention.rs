@@ -48,8 +48,13 @@ fn rel_err(what: &str, got: &[f32], want: &[f64]) -> f64 {
 }
 
 /// The reference: (out, lse, dqkv) in f64 from the rounded values of q, k,
-/// v and dout.
-fn reference(qkv: &[f32], dout: &[f32], sh: FlashShape) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+/// v and dout; with `first`, each row sees keys from its document's first.
+fn reference(
+    qkv: &[f32],
+    first: Option<&[u32]>,
+    dout: &[f32],
+    sh: FlashShape,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let FlashShape {
         b,
         t,
@@ -69,31 +74,36 @@ fn reference(qkv: &[f32], dout: &[f32], sh: FlashShape) -> (Vec<f64>, Vec<f64>, 
         for h in 0..heads {
             let (qc, kc, vc) = (h * hd, d + (h / group) * hd, d + (kv + h / group) * hd);
             for i in 0..t {
+                let lo = first.map_or(0, |f| f[s * t + i] as usize);
                 let score = |j: usize| {
                     (0..hd)
                         .map(|c| at(s, i, qc + c) * at(s, j, kc + c))
                         .sum::<f64>()
                         * scale
                 };
-                let m = (0..=i).map(score).fold(f64::NEG_INFINITY, f64::max);
-                let sum: f64 = (0..=i).map(|j| (score(j) - m).exp()).sum();
+                let keys = lo..=i;
+                let m = keys.clone().map(score).fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = keys.clone().map(|j| (score(j) - m).exp()).sum();
                 lse[(s * heads + h) * t + i] = m + sum.ln();
-                let p: Vec<f64> = (0..=i).map(|j| (score(j) - m).exp() / sum).collect();
+                // p and dp indexed by key − lo.
+                let p: Vec<f64> = keys.clone().map(|j| (score(j) - m).exp() / sum).collect();
                 let row = (s * t + i) * d + qc;
                 let g: Vec<f64> = (0..hd).map(|c| round(dout[row + c])).collect();
                 for c in 0..hd {
-                    out[row + c] = (0..=i).map(|j| p[j] * at(s, j, vc + c)).sum();
+                    out[row + c] = keys.clone().map(|j| p[j - lo] * at(s, j, vc + c)).sum();
                 }
-                let dp: Vec<f64> = (0..=i)
+                let dp: Vec<f64> = keys
+                    .clone()
                     .map(|j| (0..hd).map(|c| g[c] * at(s, j, vc + c)).sum())
                     .collect();
-                let dot: f64 = (0..=i).map(|j| p[j] * dp[j]).sum();
-                for j in 0..=i {
-                    let ds = p[j] * (dp[j] - dot) * scale;
+                let dot: f64 = p.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
+                for j in keys {
+                    let (p, dp) = (p[j - lo], dp[j - lo]);
+                    let ds = p * (dp - dot) * scale;
                     for c in 0..hd {
                         dqkv[(s * t + i) * ld + qc + c] += ds * at(s, j, kc + c);
                         dqkv[(s * t + j) * ld + kc + c] += ds * at(s, i, qc + c);
-                        dqkv[(s * t + j) * ld + vc + c] += p[j] * g[c];
+                        dqkv[(s * t + j) * ld + vc + c] += p * g[c];
                     }
                 }
             }
@@ -151,12 +161,12 @@ fn fused_attention_matches_an_f64_reference_of_its_rounded_operands() {
             FlashProducts::Tf32 => None,
         };
         let mut out16 = vec![0u16; dout.len()];
-        let (out, lse) = flash_attention(&qkv, sh, fmt.map(|f| (f, &mut out16[..])));
+        let (out, lse) = flash_attention(&qkv, None, sh, fmt.map(|f| (f, &mut out16[..])));
         if let Some(f) = fmt {
             assert_eq!(out16, rounded16(f, &out), "{sh:?}: the 16-bit output");
         }
-        let dqkv = flash_attention_backward(&qkv, &out, &lse, &dout, sh);
-        let (want_out, want_lse, want_dqkv) = reference(&qkv, &dout, sh);
+        let dqkv = flash_attention_backward(&qkv, None, &out, &lse, &dout, sh);
+        let (want_out, want_lse, want_dqkv) = reference(&qkv, None, &dout, sh);
         let e_out = rel_err("out", &out, &want_out);
         let e_lse = rel_err("lse", &lse, &want_lse);
         let e_dqkv = rel_err("dqkv", &dqkv, &want_dqkv);
@@ -182,8 +192,8 @@ fn fused_attention_is_the_cpu_models_attention() {
         let ld = (sh.heads + 2 * sh.kv) * sh.hd;
         let qkv = wave(sh.b * sh.t * ld, 10 + n as u32);
         let dout = wave(sh.b * sh.t * sh.heads * sh.hd, 20 + n as u32);
-        let (out, lse) = flash_attention(&qkv, sh, None);
-        let dqkv = flash_attention_backward(&qkv, &out, &lse, &dout, sh);
+        let (out, lse) = flash_attention(&qkv, None, sh, None);
+        let dqkv = flash_attention_backward(&qkv, None, &out, &lse, &dout, sh);
         let tensor = |v: &[f32], w: usize| {
             Tensor::from_vec(v.to_vec(), (sh.b, sh.t, w), &Device::Cpu).unwrap()
         };
@@ -218,4 +228,112 @@ fn fused_attention_is_the_cpu_models_attention() {
         assert!(e_out < out_bound, "{sh:?}: out off by {e_out:.3e}");
         assert!(e_dqkv < dqkv_bound, "{sh:?}: dqkv off by {e_dqkv:.3e}");
     }
+}
+
+/// Packed documents kept apart: each row attends from its document's first
+/// row. Documents of one token, a tile's boundary inside a document and at
+/// one (keys 63 | 64), a document over three tiles of 32, a block whose rows all
+/// begin after its first tile (the walks start later), one whose keys no
+/// later query sees (the key/value walk stops early) and one whose last
+/// key begins a document that later queries see; against the f64
+/// reference with the same documents and against the CPU model's attention
+/// with them (zmodel), at head widths 32 and 128 (tiles of 64, and of 32
+/// and 16), with every kind of product.
+#[test]
+fn fused_attention_keeps_packed_documents_apart() {
+    let t = 136;
+    let ends = [0, 1, 2, 63, 64, 70, 100, t + 5, t + 62, t + 120];
+    let docs = crate::tests::documents(2, t, &ends);
+    let first = docs.per_token();
+    assert_eq!((first[64], first[65], first[128]), (64, 65, 101));
+    assert_eq!((first[t + 63], first[t + 64]), (63, 63));
+    let mut shapes = Vec::new();
+    for products in [FlashProducts::Bf16, FlashProducts::F16, FlashProducts::Tf32] {
+        shapes.push(FlashShape {
+            b: 2,
+            t,
+            heads: 4,
+            kv: 2,
+            hd: 32,
+            products,
+        });
+        if products != FlashProducts::Tf32 {
+            shapes.push(FlashShape {
+                b: 2,
+                t,
+                heads: 2,
+                kv: 1,
+                hd: 128,
+                products,
+            });
+        }
+    }
+    for (n, sh) in shapes.into_iter().enumerate() {
+        let ld = (sh.heads + 2 * sh.kv) * sh.hd;
+        let qkv = wave(sh.b * sh.t * ld, 40 + n as u32);
+        let dout = wave(sh.b * sh.t * sh.heads * sh.hd, 50 + n as u32);
+        let (out, lse) = flash_attention(&qkv, Some(first), sh, None);
+        let dqkv = flash_attention_backward(&qkv, Some(first), &out, &lse, &dout, sh);
+        let (want_out, want_lse, want_dqkv) = reference(&qkv, Some(first), &dout, sh);
+        let e_out = rel_err("out", &out, &want_out);
+        let e_lse = rel_err("lse", &lse, &want_lse);
+        let e_dqkv = rel_err("dqkv", &dqkv, &want_dqkv);
+        // The CPU model's attention with the same documents, in f32.
+        let tensor = |v: &[f32], w: usize| {
+            Tensor::from_vec(v.to_vec(), (sh.b, sh.t, w), &Device::Cpu).unwrap()
+        };
+        let heads = Heads {
+            heads: sh.heads,
+            kv: sh.kv,
+        };
+        let qkv_t = tensor(&qkv, ld);
+        let cpu = causal_attention(&qkv_t, heads, Products::F32, Some(&docs)).unwrap();
+        let dy = tensor(&dout, sh.heads * sh.hd);
+        let cpu_d =
+            causal_attention_backward(&qkv_t, &dy, heads, Products::F32, Some(&docs)).unwrap();
+        let e_cpu = rel_err("out against the CPU", &out, &f64s(&cpu));
+        let e_cpu_d = rel_err("dqkv against the CPU", &dqkv, &f64s(&cpu_d));
+        eprintln!(
+            "{sh:?} with documents: out {e_out:.2e}, lse {e_lse:.2e}, dqkv {e_dqkv:.2e}; against the CPU model {e_cpu:.2e}, {e_cpu_d:.2e}"
+        );
+        // The bounds of the whole-sequence tests above.
+        let (out_bound, dqkv_bound, cpu_bounds) = match sh.products {
+            FlashProducts::Bf16 => (2.5e-3, 5e-3, (8e-3, 1e-2)),
+            FlashProducts::F16 | FlashProducts::Tf32 => (3e-4, 8e-4, (1e-3, 1.5e-3)),
+        };
+        assert!(e_out < out_bound, "{sh:?}: out off by {e_out:.3e}");
+        assert!(e_lse < 1e-6, "{sh:?}: lse off by {e_lse:.3e}");
+        assert!(e_dqkv < dqkv_bound, "{sh:?}: dqkv off by {e_dqkv:.3e}");
+        assert!(
+            e_cpu < cpu_bounds.0,
+            "{sh:?}: out off the CPU's by {e_cpu:.3e}"
+        );
+        assert!(
+            e_cpu_d < cpu_bounds.1,
+            "{sh:?}: dqkv off the CPU's by {e_cpu_d:.3e}"
+        );
+        // A one-token document attends to itself alone: its output is its
+        // own value row.
+        let (d, vc) = (sh.heads * sh.hd, sh.heads * sh.hd + sh.kv * sh.hd);
+        let (row, head) = (1, 1);
+        let kvh = head / (sh.heads / sh.kv);
+        for c in 0..sh.hd {
+            let v = rounded(qkv[row * ld + vc + kvh * sh.hd + c], sh.products);
+            let got = f64::from(out[row * d + head * sh.hd + c]);
+            assert!(
+                (got - v).abs() <= 1e-6 * v.abs().max(1.0),
+                "row 1, column {c}: {got} for {v}"
+            );
+        }
+    }
+}
+
+fn f64s(t: &Tensor) -> Vec<f64> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
 }

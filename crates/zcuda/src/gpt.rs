@@ -25,7 +25,7 @@
 //! finished blocks; it does not order any sum). Attention keeps its probabilities `[b·heads, t, t]` for the
 //! backward (no recomputation yet), t² floats per head and sequence.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
@@ -183,12 +183,20 @@ impl<'w> Weight<'w> {
     }
 }
 
-/// Rows `[b, t, d]` of activations (or their gradient) in device memory.
+/// Rows `[b, t, d]` of activations (or their gradient) in device memory,
+/// and where packed documents are kept apart, where each token's document
+/// begins (per token, its index in its sequence), which the blocks' rotary
+/// positions and attention read.
 pub struct Rows {
     buf: CudaSlice<f32>,
     b: usize,
     t: usize,
+    first: Option<Firsts>,
 }
+
+/// Per token of `[b, t]`, where its document begins in its sequence, on the
+/// device (checked by [`check_documents`]); shared by a forward's rows.
+type Firsts = Arc<CudaSlice<u32>>;
 
 impl Rows {
     /// Sequences and positions.
@@ -417,6 +425,8 @@ struct Attention {
     out: CudaSlice<f32>,
     out16: Option<CudaSlice<u16>>,
     kept: AttentionKept,
+    /// Where documents begin, when they are kept apart.
+    first: Option<Firsts>,
 }
 
 impl Attention {
@@ -773,6 +783,21 @@ impl GptGpu {
         t: usize,
         w: &Weights,
     ) -> Result<Rows, CudaError> {
+        self.embed_documents(tokens, None, b, t, w)
+    }
+
+    /// [`GptGpu::embed`] with packed documents kept apart where `first`
+    /// (per token, where its document begins in its sequence: zmodel's
+    /// `Documents`) is given: positions count from each document's first
+    /// token, and the rows carry `first` to the blocks' attention.
+    pub fn embed_documents(
+        &self,
+        tokens: &[u32],
+        first: Option<&[u32]>,
+        b: usize,
+        t: usize,
+        w: &Weights,
+    ) -> Result<Rows, CudaError> {
         let (wte, wpe) = match (w.tensors(), self.shape.llama()) {
             (2, false) => (w.part(0)?, Some(w.part(1)?)),
             (1, true) => (w.part(0)?, None),
@@ -811,6 +836,13 @@ impl GptGpu {
                 "embedding: token {tok} at position {i} is outside the vocabulary of {vocab}"
             )));
         }
+        let first = match first {
+            Some(f) => {
+                check_documents(f, b, t)?;
+                Some(Arc::new(self.gpu.upload(f)?))
+            }
+            None => None,
+        };
         let tok = self.gpu.upload(tokens)?;
         let n = b * t;
         let mut x = self.alloc(n * d)?;
@@ -821,19 +853,32 @@ impl GptGpu {
             Some(p) => l.arg(p),
             None => l.arg(&null),
         };
+        match &first {
+            Some(f) => l.arg(&**f),
+            None => l.arg(&null),
+        };
         l.arg(&mut x).arg(&n64).arg(&t32).arg(&d32);
-        // SAFETY: embed(tok[n], wte[vocab·d], wpe[seq_len·d] or null, x[n·d],
-        // n, t, d), tokens below vocab (checked), positions below t ≤ seq_len.
+        // SAFETY: embed(tok[n], wte[vocab·d], wpe[seq_len·d] or null,
+        // first[n] or null, x[n·d], n, t, d), tokens below vocab (checked),
+        // positions below t ≤ seq_len (first[r] ≤ r % t: checked).
         self.launched("embed", unsafe { l.launch(grid_stride(n * d)) })?;
-        Ok(Rows { buf: x, b, t })
+        Ok(Rows {
+            buf: x,
+            b,
+            t,
+            first,
+        })
     }
 
     /// The embedding's backward: the gradients of `wte` `[vocab, d]` and
-    /// GPT-2's `wpe` `[seq_len, d]` from the tokens and `dx`, each a sum in
-    /// row (or sequence) order from zero: the CPU's scatter-add to the bit.
+    /// GPT-2's `wpe` `[seq_len, d]` from the tokens (and `first`, where
+    /// documents are kept apart: [`GptGpu::embed_documents`]) and `dx`,
+    /// each a sum in row (or sequence) order from zero: the CPU's
+    /// scatter-add to the bit.
     pub fn embed_backward(
         &self,
         tokens: &[u32],
+        first: Option<&[u32]>,
         dx: &Rows,
     ) -> Result<Vec<CudaSlice<f32>>, CudaError> {
         let GptShape {
@@ -858,41 +903,27 @@ impl GptGpu {
                 "embedding backward: token {tok} at position {i} is outside the vocabulary of {vocab}"
             )));
         }
-        let (present, start, rows) = rows_by_token(tokens);
+        if let Some(f) = first {
+            check_documents(f, b, t)?;
+        }
         let mut dwte = self.gpu.zeros::<f32>(vocab * d)?;
         let mut dwpe = match self.shape.llama() {
             true => None,
             false => Some(self.gpu.zeros::<f32>(seq_len * d)?),
         };
-        if present.is_empty() {
+        if tokens.is_empty() {
             return Ok([Some(dwte), dwpe].into_iter().flatten().collect());
         }
-        let (present_d, start_d, rows_d) = (
-            self.gpu.upload(&present)?,
-            self.gpu.upload(&start)?,
-            self.gpu.upload(&rows)?,
-        );
-        let d32 = d as i32;
-        let mut l = self
-            .gpu
-            .stream()
-            .launch_builder(self.gpu.function("embed_backward_tokens"));
-        l.arg(&dx.buf)
-            .arg(&present_d)
-            .arg(&start_d)
-            .arg(&rows_d)
-            .arg(&mut dwte)
-            .arg(&d32);
-        let cfg = LaunchConfig {
-            grid_dim: (present.len() as u32, 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: one block per present token (below vocab, checked), its
-        // rows below b·t, dwte of vocab·d, dx of b·t·d.
-        self.launched("embed_backward_tokens", unsafe { l.launch(cfg) })?;
-        if let Some(dwpe) = dwpe.as_mut() {
-            let (b32, t32) = (b as i32, t as i32);
+        self.sum_rows_by_key(&dx.buf, tokens, &mut dwte)?;
+        if let (Some(dwpe), Some(first)) = (dwpe.as_mut(), first) {
+            // Each position's rows are scattered over the sequences: summed
+            // as the tokens' are (the CPU's order, row by row).
+            let positions: Vec<u32> = (first.iter().enumerate())
+                .map(|(i, &f)| (i % t) as u32 - f)
+                .collect();
+            self.sum_rows_by_key(&dx.buf, &positions, dwpe)?;
+        } else if let Some(dwpe) = dwpe.as_mut() {
+            let (b32, t32, d32) = (b as i32, t as i32, d as i32);
             let mut l = self
                 .gpu
                 .stream()
@@ -905,6 +936,43 @@ impl GptGpu {
             })?;
         }
         Ok([Some(dwte), dwpe].into_iter().flatten().collect())
+    }
+
+    /// `out[key]` = the sum of `dx`'s rows (of d) whose key (`keys`, one a
+    /// row, each below out's rows: checked by the callers) is `key`, in row
+    /// order from zero; rows of keys no row has are left as they are.
+    fn sum_rows_by_key(
+        &self,
+        dx: &CudaSlice<f32>,
+        keys: &[u32],
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let d = self.shape.d_model;
+        let (present, start, rows) = rows_by_token(keys);
+        let (present_d, start_d, rows_d) = (
+            self.gpu.upload(&present)?,
+            self.gpu.upload(&start)?,
+            self.gpu.upload(&rows)?,
+        );
+        let d32 = d as i32;
+        let mut l = self
+            .gpu
+            .stream()
+            .launch_builder(self.gpu.function("embed_backward_tokens"));
+        l.arg(dx)
+            .arg(&present_d)
+            .arg(&start_d)
+            .arg(&rows_d)
+            .arg(out)
+            .arg(&d32);
+        let cfg = LaunchConfig {
+            grid_dim: (present.len() as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: one block per present key (each below out's rows: the
+        // callers' checks), its rows below keys.len() = b·t, dx of b·t·d.
+        self.launched("embed_backward_tokens", unsafe { l.launch(cfg) })
     }
 
     /// A block's forward: its output, and what its backward needs.
@@ -924,8 +992,9 @@ impl GptGpu {
             Some(w) => Some(self.qk_norm(&mut qkv, w, b, t)?),
             None => None,
         };
-        self.rotate(&mut qkv, b, t, 1.0)?;
-        let attention = self.attention(qkv, b, t)?;
+        let first = x.first.clone();
+        self.rotate(&mut qkv, b, t, first.as_deref(), 1.0)?;
+        let attention = self.attention(qkv, b, t, first.clone())?;
         let rows1 = self.linear(attention.operand(aw), n, aw, out_w, d, Some(&x.buf))?;
         let (a2, stats2) = self.norm(&rows1, norm2, n)?;
         let f = self.shape.ffn;
@@ -946,7 +1015,15 @@ impl GptGpu {
             h,
             g,
         };
-        Ok((Rows { buf: y, b, t }, acts))
+        Ok((
+            Rows {
+                buf: y,
+                b,
+                t,
+                first,
+            },
+            acts,
+        ))
     }
 
     /// A block's backward from `dy`: its parameters' gradients (zmodel's
@@ -992,7 +1069,7 @@ impl GptGpu {
         let mut dqkv = self.attention_backward(&acts.attention, &datt, b, t)?;
         drop(datt);
         // The rotation's backward is the rotation back.
-        self.rotate(&mut dqkv, b, t, -1.0)?;
+        self.rotate(&mut dqkv, b, t, acts.x.first.as_deref(), -1.0)?;
         let qk_grads = match (&acts.qk, weights.qk_norms) {
             (Some(kept), Some(w)) => self.qk_norm_backward(&mut dqkv, w, kept, b, t)?,
             _ => Vec::new(),
@@ -1013,7 +1090,15 @@ impl GptGpu {
         let after_qkv =
             2 + usize::from(self.shape.part_biases()[0]) + usize::from(self.shape.part_biases()[1]);
         grads.splice(after_qkv..after_qkv, qk_grads);
-        Ok((grads, Rows { buf: dx, b, t }))
+        Ok((
+            grads,
+            Rows {
+                buf: dx,
+                b,
+                t,
+                first: None,
+            },
+        ))
     }
 
     /// The head: the final norm (`head`'s weight and GPT-2's bias), logits
@@ -1171,7 +1256,12 @@ impl GptGpu {
         let (dx, dw, db) = self.norm_backward(&x.buf, (nw, nb), &stats, &dnormed, None, n)?;
         Ok(HeadOut {
             loss,
-            dx: Some(Rows { buf: dx, b, t }),
+            dx: Some(Rows {
+                buf: dx,
+                b,
+                t,
+                first: None,
+            }),
             grads: Some(HeadGrads {
                 norm: std::iter::once(dw).chain(db).collect(),
                 out: dout,
@@ -1193,6 +1283,7 @@ impl GptGpu {
             buf: self.gpu.upload(values)?,
             b,
             t,
+            first: None,
         })
     }
 
@@ -1767,6 +1858,7 @@ impl GptGpu {
         qkv: &mut CudaSlice<f32>,
         b: usize,
         t: usize,
+        first: Option<&CudaSlice<u32>>,
         sign: f32,
     ) -> Result<(), CudaError> {
         let Some((cos, sin)) = &self.rotary else {
@@ -1782,15 +1874,22 @@ impl GptGpu {
         }
         let rows = (b * t) as u64;
         let ints = [ld, heads, hd, t].map(|x| x as i32);
+        let null = 0u64;
         let mut l = self.gpu.stream().launch_builder(self.gpu.function("rope"));
-        l.arg(&mut *qkv).arg(cos).arg(sin).arg(&rows);
+        l.arg(&mut *qkv).arg(cos).arg(sin);
+        match first {
+            Some(f) => l.arg(f),
+            None => l.arg(&null),
+        };
+        l.arg(&rows);
         l.arg(&ints[0])
             .arg(&ints[1])
             .arg(&ints[2])
             .arg(&ints[3])
             .arg(&sign);
-        // SAFETY: rope(x[rows·ld], cos/sin[seq_len·hd/2], rows, ld, heads,
-        // hd, t, sign): heads·hd ≤ ld, positions below t ≤ seq_len (checked).
+        // SAFETY: rope(x[rows·ld], cos/sin[seq_len·hd/2], first[rows] or
+        // null, rows, ld, heads, hd, t, sign): heads·hd ≤ ld, positions
+        // below t ≤ seq_len (checked; first checked by the embedding).
         self.launched("rope", unsafe {
             l.launch(grid_stride(b * t * heads * hd / 2))
         })
@@ -1802,9 +1901,15 @@ impl GptGpu {
     /// head of every sequence is one entry of a single strided batched
     /// product; with grouped-query attention each query head gets its
     /// key/value head's values.
-    fn attention(&self, qkv: CudaSlice<f32>, b: usize, t: usize) -> Result<Attention, CudaError> {
+    fn attention(
+        &self,
+        qkv: CudaSlice<f32>,
+        b: usize,
+        t: usize,
+        first: Option<Firsts>,
+    ) -> Result<Attention, CudaError> {
         if self.fused_attention {
-            return self.fused_attention_forward(qkv, b, t);
+            return self.fused_attention_forward(qkv, b, t, first);
         }
         let qkv = &qkv;
         let (aw, heads, hd) = (
@@ -1836,7 +1941,14 @@ impl GptGpu {
             (&mut probs, 0, t),
             per_head(bh, [t * hd, t * hd, t * t]),
         )?;
-        self.softmax(&mut probs, None, probs16.as_mut(), bh * t, t)?;
+        self.softmax(
+            &mut probs,
+            None,
+            probs16.as_mut(),
+            first.as_deref(),
+            bh * t,
+            t,
+        )?;
         // O = P · V
         let mut o = self.alloc(bh * t * hd)?;
         let p = match &probs16 {
@@ -1864,6 +1976,7 @@ impl GptGpu {
                 probs,
                 probs16,
             },
+            first,
         })
     }
 
@@ -1874,6 +1987,7 @@ impl GptGpu {
         qkv: CudaSlice<f32>,
         b: usize,
         t: usize,
+        first: Option<Firsts>,
     ) -> Result<Attention, CudaError> {
         let (d, heads) = (self.shape.attn_width(), self.shape.n_heads);
         let ld = self.shape.qkv_width();
@@ -1896,15 +2010,21 @@ impl GptGpu {
         let args = self.fused_args(t);
         let null = 0u64;
         let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
-        l.arg(&qkv).arg(&mut out);
+        l.arg(&qkv);
+        match &first {
+            Some(f) => l.arg(&**f),
+            None => l.arg(&null),
+        };
+        l.arg(&mut out);
         match out16.as_mut() {
             Some(o) => l.arg(o),
             None => l.arg(&null),
         };
         l.arg(&self.fmt16).arg(&mut lse);
         args.push(&mut l);
-        // SAFETY: flash_forward_<kind>_<hd>(qkv, out, out16, fmt16, lse, t,
-        // heads, kv, ld, scale): b·t rows of ld in qkv (checked above),
+        // SAFETY: flash_forward_<kind>_<hd>(qkv, first, out, out16, fmt16,
+        // lse, t, heads, kv, ld, scale): b·t rows of ld in qkv (checked
+        // above), first b·t values or null (checked by the embedding),
         // b·t·d values in out (and out16, or null) and b·heads·t in lse
         // (allocated above); qkv is a whole allocation and ld a multiple of
         // the head width (16, 32 or 64), so the kernel's 16-byte loads are
@@ -1915,6 +2035,7 @@ impl GptGpu {
             out,
             out16,
             kept: AttentionKept::Fused { qkv, lse },
+            first,
         })
     }
 
@@ -1924,13 +2045,13 @@ impl GptGpu {
     /// into its own columns of dqkv.
     fn fused_attention_backward(
         &self,
-        qkv: &CudaSlice<f32>,
-        out: &CudaSlice<f32>,
-        lse: &CudaSlice<f32>,
+        a: &Attention,
+        (qkv, lse): (&CudaSlice<f32>, &CudaSlice<f32>),
         datt: &CudaSlice<f32>,
         b: usize,
         t: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
+        let out = &a.out;
         let (d, heads) = (self.shape.attn_width(), self.shape.n_heads);
         let ld = self.shape.qkv_width();
         if datt.len() < b * t * d || out.len() < b * t * d {
@@ -1971,11 +2092,18 @@ impl GptGpu {
             ("flash_backward_q", heads),
         ] {
             let kernel = self.fused_kernel(name);
+            let null = 0u64;
             let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
-            l.arg(qkv).arg(datt).arg(lse).arg(&delta).arg(&mut dqkv);
+            l.arg(qkv);
+            match &a.first {
+                Some(f) => l.arg(&**f),
+                None => l.arg(&null),
+            };
+            l.arg(datt).arg(lse).arg(&delta).arg(&mut dqkv);
             args.push(&mut l);
-            // SAFETY: flash_backward_{kv,q}_<kind>_<hd>(qkv, dout, lse, delta,
-            // dqkv, t, heads, kv, ld, scale): qkv and dqkv b·t rows of ld,
+            // SAFETY: flash_backward_{kv,q}_<kind>_<hd>(qkv, first, dout, lse,
+            // delta, dqkv, t, heads, kv, ld, scale): qkv and dqkv b·t rows of
+            // ld, first b·t values or null (checked by the embedding),
             // dout b·t rows of d, lse and delta b·heads·t values (the
             // forward's and above); qkv and dout whole allocations with
             // rows of multiples of the head width (aligned 16-byte loads);
@@ -2025,7 +2153,7 @@ impl GptGpu {
     ) -> Result<CudaSlice<f32>, CudaError> {
         let (q, k, v, probs, probs16) = match &a.kept {
             AttentionKept::Fused { qkv, lse } => {
-                return self.fused_attention_backward(qkv, &a.out, lse, datt, b, t)
+                return self.fused_attention_backward(a, (qkv, lse), datt, b, t)
             }
             AttentionKept::Unfused {
                 q,
@@ -2078,7 +2206,8 @@ impl GptGpu {
             Some(_) => Some(self.alloc16(bh * tt)?),
             None => None,
         };
-        self.softmax(&mut ds, Some(probs), ds16.as_mut(), bh * t, t)?;
+        let first = a.first.as_deref();
+        self.softmax(&mut ds, Some(probs), ds16.as_mut(), first, bh * t, t)?;
         let ds_op = || match &ds16 {
             Some(d16) => op16(d16, 0, t),
             None => op(&ds, 0, t),
@@ -2226,6 +2355,7 @@ impl GptGpu {
         s: &mut CudaSlice<f32>,
         probs: Option<&CudaSlice<f32>>,
         out16: Option<&mut CudaSlice<u16>>,
+        first: Option<&CudaSlice<u32>>,
         rows: usize,
         t: usize,
     ) -> Result<(), CudaError> {
@@ -2239,7 +2369,7 @@ impl GptGpu {
             )));
         }
         let scale = 1.0 / (self.shape.head_dim() as f32).sqrt();
-        let (rows64, t32) = (rows as u64, t as i32);
+        let (rows64, t32, heads32) = (rows as u64, t as i32, self.shape.n_heads as i32);
         let kernel = match probs {
             None => "causal_softmax",
             Some(_) => "causal_softmax_backward",
@@ -2254,17 +2384,23 @@ impl GptGpu {
             Some(o) => l.arg(o),
             None => l.arg(&null),
         };
-        l.arg(&self.fmt16).arg(&rows64).arg(&t32).arg(&scale);
+        l.arg(&self.fmt16);
+        match first {
+            Some(f) => l.arg(f),
+            None => l.arg(&null),
+        };
+        l.arg(&rows64).arg(&t32).arg(&heads32).arg(&scale);
         let warps = ROW_THREADS as usize / 32;
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(warps) as u32, 1, 1),
             block_dim: (ROW_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: causal_softmax(s, s16, fmt16, rows, t, scale) /
-        // causal_softmax_backward(p, dp, ds16, fmt16, rows, t, scale): one warp per
-        // row of t, rows·t values in s (and probs, and out16 or null;
-        // checked above).
+        // SAFETY: causal_softmax(s, s16, fmt16, first, rows, t, heads, scale)
+        // / causal_softmax_backward(p, dp, ds16, fmt16, first, rows, t,
+        // heads, scale): one warp per row of t, rows·t values in s (and
+        // probs, and out16 or null; checked above); rows = b·heads·t, so
+        // first (or null) holds b·t (the embedding checked it).
         self.launched(kernel, unsafe { l.launch(cfg) })
     }
 
@@ -2511,6 +2647,32 @@ fn gemm_name(
         mark(ta, " Aᵀ"),
         mark(tb, " Bᵀ")
     )
+}
+
+/// Checks that `first` says, for each token of `b` sequences of `t`, where
+/// its document begins as the kernels read it: its index in its sequence
+/// at most the token's own, and never falling along a sequence (documents
+/// are contiguous: zmodel's `Documents`), which the fused attention's walks
+/// rely on.
+pub fn check_documents(first: &[u32], b: usize, t: usize) -> Result<(), CudaError> {
+    if first.len() != b * t {
+        return Err(CudaError::Invalid(format!(
+            "documents: {} firsts for [{b}, {t}] tokens",
+            first.len()
+        )));
+    }
+    for (s, seq) in first.chunks_exact(t.max(1)).enumerate() {
+        let mut least = 0;
+        for (i, &f) in seq.iter().enumerate() {
+            if f as usize > i || f < least {
+                return Err(CudaError::Invalid(format!(
+                    "documents: token {i} of sequence {s} has its document begin at {f}, after itself or before the previous token's ({least})"
+                )));
+            }
+            least = f;
+        }
+    }
+    Ok(())
 }
 
 /// The rows of `tokens` grouped by token for the embedding's backward:

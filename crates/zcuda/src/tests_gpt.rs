@@ -463,6 +463,42 @@ fn gpu_block_with_tf32_fused_attention_matches_the_cpu_model_within_tf32_roundin
     );
 }
 
+#[test]
+fn gpu_block_with_packed_documents_kept_apart_matches_the_cpu_model() {
+    // GPT-2: positions (and their gradient, to the bit) from each
+    // document's first token; the softmax between cuBLAS products.
+    matches_the_cpu_model_with(
+        "gpu_block_with_packed_documents_kept_apart_matches_the_cpu_model",
+        serde_json::json!({"ffn_hidden": 160}),
+        Family::Gpt2,
+        Products::F32,
+        true,
+    );
+}
+
+#[test]
+fn gpu_llama_block_with_packed_documents_and_fused_attention_matches_the_cpu_model() {
+    // LLaMA: rotary positions from each document's first token, the fused
+    // attention's walks over two tiles of rows with documents across them.
+    let (kv_heads, rope_theta) = (2, 100.0);
+    matches_the_cpu_model_with(
+        "gpu_llama_block_with_packed_documents_and_fused_attention_matches_the_cpu_model",
+        serde_json::json!({
+            "kind": "llama", "n_kv_heads": kv_heads, "ffn_hidden": 96, "rope_theta": rope_theta,
+            "seq_len": 100
+        }),
+        Family::Llama {
+            kv_heads,
+            qkv_bias: false,
+            qk_norm: false,
+            rope_theta,
+            rope_scaling: None,
+        },
+        Products::Bf16FusedAttention,
+        true,
+    );
+}
+
 /// How the GPU multiplies in [`matches_the_cpu_model`].
 #[derive(Clone, Copy, PartialEq)]
 enum Products {
@@ -481,6 +517,19 @@ enum Products {
 /// 48, d_model 64 and 4 heads unless `extra` says) on the GPU against the CPU model (f32), the
 /// GPU's products in f32, TF32, bf16 or f16.
 fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, products: Products) {
+    matches_the_cpu_model_with(test, extra, family, products, false);
+}
+
+/// [`matches_the_cpu_model`], with (`documents`) packed documents kept
+/// apart: the end-of-text id placed where documents end one token, one
+/// tile's rows and some tiles in, both models given where they begin.
+fn matches_the_cpu_model_with(
+    test: &str,
+    extra: serde_json::Value,
+    family: Family,
+    products: Products,
+    documents: bool,
+) {
     let half = match products {
         Products::Bf16 | Products::Bf16FusedAttention => Some(Half16::Bf16),
         Products::F16 | Products::F16FusedAttention => Some(Half16::F16),
@@ -547,7 +596,20 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
     let emb = perturbed(model.init_group(0, 3), 1);
     let block = perturbed(model.init_group(1, 3), 2);
     let head = perturbed(model.init_group(2, 3), 3);
-    let tokens: Vec<u32> = (0..b * t).map(|i| ((i * 31 + 7) % vocab) as u32).collect();
+    let mut tokens: Vec<u32> = (0..b * t).map(|i| ((i * 31 + 7) % vocab) as u32).collect();
+    let eos = vocab as u32 - 1;
+    let ends = [0, 1, 20, t - 1, t + 40, 2 * t + 5, 2 * t + 6];
+    let docs = documents.then(|| {
+        for (i, tok) in tokens.iter_mut().enumerate() {
+            if ends.contains(&i) {
+                *tok = eos;
+            } else if *tok == eos {
+                *tok = 0;
+            }
+        }
+        zmodel::Documents::after_eos(&tokens, t, eos)
+    });
+    let firsts = docs.as_ref().map(|d| d.per_token());
     // Every fifth target left out, as a loss mask leaves a prompt's out,
     // and the sum divided by another count than the rows (a step's).
     let targets: Vec<u32> = (0..b * t)
@@ -564,8 +626,10 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
     let ep = EmbeddingParams::from_vec(tensors(&emb, &shapes(0)), layout).unwrap();
     let bp = BlockParams::from_vec(tensors(&block, &shapes(1)), layout).unwrap();
     let hp = HeadParams::from_vec(tensors(&head, &shapes(2)), layout).unwrap();
-    let x = model.embed(&ep, &tok).unwrap();
-    let (y, acts) = model.block_forward(&bp, &x).unwrap();
+    let x = model.embed_documents(&ep, &tok, docs.as_ref()).unwrap();
+    let (y, acts) = model
+        .block_forward_documents(&bp, &x, docs.as_ref())
+        .unwrap();
     let hb = model
         .head_backward(&hp, tied.then_some(&ep.wte), &y, &tgt, 1.0, divisor)
         .unwrap();
@@ -617,7 +681,7 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
             Weights::with_half(parts, h, flat16, ranges).unwrap()
         };
         let (ew, w, hw) = (up(0), up(1), up(2));
-        let gx = gpu.embed(&tokens, b, t, &ew).unwrap();
+        let gx = gpu.embed_documents(&tokens, firsts, b, t, &ew).unwrap();
         let (gy, gacts) = gpu.block_forward(&w, gx).unwrap();
         let y_host = gpu.download(&gy).unwrap();
         let out = gpu
@@ -696,9 +760,9 @@ fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, p
     // bit, given the same dx (repeated tokens included: 97 ids over 144 rows).
     let dx_host: Vec<f32> = gdx.clone();
     let dx_cpu = Tensor::from_vec(dx_host.clone(), (b, t, d), &Device::Cpu).unwrap();
-    let want = model.embed_backward(&tok, None, &dx_cpu).unwrap();
+    let want = model.embed_backward(&tok, docs.as_ref(), &dx_cpu).unwrap();
     let dx_dev = gpu.rows_from_host(&dx_host, b, t).unwrap();
-    let got = gpu.embed_backward(&tokens, &dx_dev).unwrap();
+    let got = gpu.embed_backward(&tokens, firsts, &dx_dev).unwrap();
     let got = gpu.download_all(&got).unwrap();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&got[0]), bits(&values(&want.wte)), "wte's gradient");

@@ -855,15 +855,9 @@ impl Engine {
         gather: &mut Prefetcher,
         batch: &Batch,
     ) -> Result<Rows, EngineError> {
-        if batch.documents.is_some() {
-            // `zrun check` refuses the job before launch; this is the
-            // engine's own guard.
-            return Err(EngineError::Gpu(
-                "data.separate_documents is not yet supported on GPUs".into(),
-            ));
-        }
         let w = self.gpu_weights(gpu, gather, 0)?;
-        let x = gpu.embed(&batch.inputs, batch.rows, batch.seq_len, &w)?;
+        let first = batch.documents.as_ref().map(|d| d.per_token());
+        let x = gpu.embed_documents(&batch.inputs, first, batch.rows, batch.seq_len, &w)?;
         self.gpu_release(0);
         Ok(x)
     }
@@ -989,7 +983,8 @@ impl Engine {
         }
         if self.gpu_resident() {
             // The host's scatter-add, to the bit, on the GPU.
-            let grads = gpu.embed_backward(&batch.inputs, &dx)?;
+            let first = batch.documents.as_ref().map(|d| d.per_token());
+            let grads = gpu.embed_backward(&batch.inputs, first, &dx)?;
             let by_slot: Vec<_> = grads.iter().enumerate().collect();
             self.gpu_add_grads(&gpu, 0, &by_slot)?;
             self.gpu_group_done(0, reduce_now)?;

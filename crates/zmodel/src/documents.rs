@@ -71,6 +71,12 @@ impl Documents {
         self.first.len()
     }
 
+    /// Per token of the batch (row-major): where its document begins in
+    /// its sequence.
+    pub fn per_token(&self) -> &[u32] {
+        &self.first
+    }
+
     /// Per token of sequence `row`: where its document begins.
     pub fn firsts(&self, row: usize) -> &[u32] {
         &self.first[row * self.seq_len..][..self.seq_len]

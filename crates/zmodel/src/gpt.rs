@@ -807,7 +807,18 @@ impl Gpt {
         params: &BlockParams<Tensor>,
         x: &Tensor,
     ) -> Result<(Tensor, BlockActs)> {
-        self.block_forward_from(&mut Whole::new(params), x, None)
+        self.block_forward_documents(params, x, None)
+    }
+
+    /// [`Gpt::block_forward`] with packed documents kept apart where `docs`
+    /// says where they begin (as [`Gpt::embed_documents`]).
+    pub fn block_forward_documents(
+        &self,
+        params: &BlockParams<Tensor>,
+        x: &Tensor,
+        docs: Option<&Documents>,
+    ) -> Result<(Tensor, BlockActs)> {
+        self.block_forward_from(&mut Whole::new(params), x, docs)
     }
 
     /// [`Gpt::block_forward`] with the parameters from `src`, each linear a
