@@ -389,6 +389,41 @@ fn trains_words_apart_as_the_reader(dir: &Path, job: &Path, hf: &Path) {
         (got - want).abs() <= 1e-5 * want,
         "words packed whole: zrun's loss {got}, the reader's {want}"
     );
+    // Split where too long (`data.packing: bfd_split`): a word of 45
+    // tokens becomes pieces of 33 and 12, each scored alone from position
+    // 0; with words of 11, 11, 10, 10, 10, 8, 8 and 7 the pieces fill four
+    // sequences, and the step's loss is the reader's mean over the pieces
+    // and words.
+    let words: Vec<Vec<u8>> = [45, 11, 11, 10, 10, 10, 8, 8, 7]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let mut w: Vec<u8> = (0..len - 1)
+                .map(|j| b"etaoinshrdlu"[(i + 5 * j) % 12])
+                .collect();
+            w.push(b' ');
+            w
+        })
+        .collect();
+    std::fs::write(dir.join("long-words.txt"), words.concat()).unwrap();
+    let windows: Vec<Vec<u32>> = words
+        .iter()
+        .flat_map(|w| w.chunks(33))
+        .map(|piece| piece.iter().map(|&b| u32::from(b)).collect())
+        .collect();
+    assert_eq!(windows.len(), words.len() + 1, "one word split in two");
+    let want = Llama::load(hf).loss(&windows);
+    let path = format!("data.path={}", dir.join("long-words.txt").display());
+    let split = [
+        &apart[..],
+        &["--set", &path, "--set", "data.packing=bfd_split"],
+    ]
+    .concat();
+    let got = loss_from(dir, job, hf, "split.jsonl", &split);
+    assert!(
+        (got - want).abs() <= 1e-5 * want,
+        "words split where too long: zrun's loss {got}, the reader's {want}"
+    );
 }
 
 /// Trains `model` 5 steps on one batch, exports its step-4 checkpoint for

@@ -110,10 +110,10 @@ impl LoadedJob {
     fn validate_documents(&self) -> Result<(), ConfigError> {
         let s = &self.spec;
         let d = &s.data;
-        if d.packing == crate::spec::Packing::Bfd && !d.separate_documents {
+        if !d.packing.is_wrapped() && !d.separate_documents {
             return Err(self.invalid(
                 "data.packing",
-                "bfd packs whole documents into each sequence: set data.separate_documents: true too (TRL packs so with padding-free batches)",
+                "bfd and bfd_split pack whole documents into each sequence: set data.separate_documents: true too (TRL packs so with padding-free batches)",
             ));
         }
         if !d.separate_documents {

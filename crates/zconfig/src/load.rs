@@ -1520,6 +1520,10 @@ mod tests {
         let on = "\n  separate_documents: true";
         let plain = format!("  path: {}", text.display());
         assert_eq!(outcome(&tokens, on), Ok(()));
+        for packing in ["bfd", "bfd_split"] {
+            let packed = format!("{on}\n  packing: {packing}");
+            assert_eq!(outcome(&tokens, &packed), Ok(()), "{packing}");
+        }
         assert_eq!(outcome(&plain, &format!("{on}\n  eos_id: 46")), Ok(()));
         for (data, extra, key, says) in [
             (
@@ -1561,6 +1565,12 @@ mod tests {
             (
                 tokens.as_str(),
                 "\n  packing: bfd".into(),
+                "data.packing",
+                "set data.separate_documents: true too",
+            ),
+            (
+                tokens.as_str(),
+                "\n  packing: bfd_split".into(),
                 "data.packing",
                 "set data.separate_documents: true too",
             ),

@@ -258,6 +258,10 @@ pub enum Packing {
     /// Whole documents, longest first, each into the fullest sequence it
     /// fits, the rest padding; longer ones cut (TRL's `bfd`).
     Bfd,
+    /// As `bfd`, but a document longer than a sequence is split into
+    /// pieces of a sequence each (the last shorter), packed as documents
+    /// of their own: no token is left out (TRL's `bfd_split`).
+    BfdSplit,
 }
 
 impl Packing {

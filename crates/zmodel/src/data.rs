@@ -34,7 +34,7 @@ use zconfig::{data_files, DataFormat};
 
 use crate::documents::Documents;
 use crate::head::IGNORED;
-use crate::packing::Packed;
+use crate::packing::{Overflow, Packed};
 
 /// Why data could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -408,11 +408,12 @@ impl Batcher {
 
     /// Packs whole documents (each ended by `eos`, kept apart as
     /// [`Batcher::separate_documents`] keeps them) into the sequences,
-    /// best fit decreasing ([`crate::packing`]), in place of windows of
+    /// best fit decreasing ([`crate::packing`]; documents longer than a
+    /// sequence cut or split as `overflow` says), in place of windows of
     /// the stream. Reads the whole corpus once to find the documents.
-    pub fn pack_documents(self, eos: u32) -> Result<Batcher, DataError> {
+    pub fn pack_documents(self, eos: u32, overflow: Overflow) -> Result<Batcher, DataError> {
         let documents = self.corpus.documents(eos)?;
-        let packed = Packed::best_fit_decreasing(&documents, self.seq_len + 1);
+        let packed = Packed::best_fit_decreasing(&documents, self.seq_len + 1, overflow);
         Ok(Batcher {
             windows: packed.len(),
             packed: Some(packed),
@@ -479,10 +480,15 @@ impl Batcher {
         let mut targets = Vec::with_capacity(self.micro_batch * t);
         let mut window = Vec::with_capacity(t + 1);
         let mut trained = Vec::with_capacity(t);
+        let mut pieces = Vec::new();
+        let mut firsts = Vec::with_capacity(self.micro_batch * t);
         let counting = self.corpus.masked() || self.eos.is_some();
         for i in 0..self.micro_batch as u64 {
             let k = self.window_of(first + i);
-            self.window(k, &mut window, &mut trained)?;
+            self.window(k, &mut window, &mut trained, &mut pieces)?;
+            if let Some(eos) = self.eos {
+                firsts_of(&window[..t], eos, &pieces, &mut firsts);
+            }
             inputs.extend_from_slice(&window[..t]);
             targets.extend(
                 window[1..]
@@ -501,7 +507,7 @@ impl Batcher {
             }
             false => (rows * t) as f64,
         };
-        let documents = self.eos.map(|eos| Documents::after_eos(&inputs, t, eos));
+        let documents = self.eos.map(|_| Documents::from_firsts(firsts, t));
         Ok(Batch {
             inputs,
             targets,
@@ -512,30 +518,39 @@ impl Batcher {
         })
     }
 
-    /// Window `k`'s `t + 1` tokens into `tokens`, and into `trained`
-    /// whether each of its `t` targets is trained on: the loss mask's say,
-    /// with documents kept apart not after an end-of-text id, and never
-    /// on a packed sequence's padding (end-of-text ids after its
+    /// Window `k`'s `t + 1` tokens into `tokens`, into `trained` whether
+    /// each of its `t` targets is trained on, and into `pieces` where its
+    /// packed documents (or their pieces) begin (none unless packed):
+    /// trained is the loss mask's say, with documents kept apart not after
+    /// an end-of-text id nor across a piece's start (a document whose end
+    /// has no end-of-text id: the corpus's last, or a split one's piece),
+    /// and never on a packed sequence's padding (end-of-text ids after its
     /// documents).
     fn window(
         &self,
         k: usize,
         tokens: &mut Vec<u32>,
         trained: &mut Vec<bool>,
+        pieces: &mut Vec<usize>,
     ) -> Result<(), DataError> {
         let t = self.seq_len;
         tokens.clear();
         trained.clear();
+        pieces.clear();
         match (&self.packed, self.eos) {
             (Some(packed), Some(eos)) => {
                 // Per token of the sequence: whether it is a target the
                 // mask trains (padding is none).
                 for doc in packed.sequence(k) {
+                    pieces.push(tokens.len());
                     self.corpus.read(doc.start, doc.len(), tokens)?;
                     self.corpus.read_mask(doc.start, doc.len(), trained);
                 }
                 tokens.resize(t + 1, eos);
                 trained.resize(t + 1, false);
+                for &at in pieces.iter() {
+                    trained[at] = false;
+                }
                 trained.remove(0);
             }
             _ => {
@@ -563,6 +578,7 @@ impl Batcher {
         let first = self.samples_consumed(step);
         let t = self.seq_len;
         let (mut trained, mut window) = (Vec::with_capacity(t), Vec::with_capacity(t + 1));
+        let mut pieces = Vec::new();
         let mut n = 0u64;
         for sample in first..first + self.per_step() {
             let k = self.window_of(sample);
@@ -573,12 +589,29 @@ impl Batcher {
                     trained.clear();
                     self.corpus.read_mask(k * t + 1, t, &mut trained);
                 }
-                Some(_) => self.window(k, &mut window, &mut trained)?,
+                Some(_) => self.window(k, &mut window, &mut trained, &mut pieces)?,
             }
             n += trained.iter().filter(|&&on| on).count() as u64;
         }
         self.counted = Some((step, n));
         Ok(n)
+    }
+}
+
+/// Appends, per token of a sequence's `inputs`, where its document begins:
+/// after each `eos`, and at each of `pieces` (where a packed document, or a
+/// piece of a split one, begins).
+fn firsts_of(inputs: &[u32], eos: u32, pieces: &[usize], out: &mut Vec<u32>) {
+    let mut begins = 0;
+    let mut next_piece = pieces.iter().peekable();
+    for (i, &id) in inputs.iter().enumerate() {
+        if next_piece.next_if(|&&at| at <= i).is_some() {
+            begins = i as u32;
+        }
+        out.push(begins);
+        if id == eos {
+            begins = i as u32 + 1;
+        }
     }
 }
 
@@ -690,7 +723,7 @@ mod tests {
         assert_eq!(docs.len(), 40);
         let mut b = Batcher::new(corpus, 15, 1, 1, 1, 0, 3)
             .unwrap()
-            .pack_documents(0)
+            .pack_documents(0, Overflow::Truncate)
             .unwrap();
         let mut seen = Vec::new();
         for step in 0..b.windows() as u64 {
@@ -725,6 +758,74 @@ mod tests {
         }
         seen.sort();
         assert_eq!(seen, docs.iter().map(|d| d.start).collect::<Vec<_>>());
+    }
+
+    /// `bfd_split`: a document three sequences long becomes pieces packed
+    /// as documents of their own, and the corpus's last document, which
+    /// no end-of-text id ends, stays apart from whatever follows it in its
+    /// sequence; every token is in a sequence, each piece's tokens see
+    /// back to its first alone, and no target crosses a piece's start.
+    #[test]
+    fn split_documents_train_every_token_in_pieces_kept_apart() {
+        // Documents of 3 to 9 tokens ended by the id 0, one of 40, and a
+        // last one of 10 with no end (the only 10: its sequence's room of 6
+        // is the best fit of the next document of 6).
+        let mut tokens = Vec::new();
+        for d in 0..30u32 {
+            let len = if d == 7 { 39 } else { 2 + d % 7 };
+            tokens.extend((0..len).map(|j| 1 + (d + j) % 6));
+            tokens.push(0);
+        }
+        tokens.extend([5, 4, 3, 2, 1, 5, 4, 3, 2, 1]);
+        let corpus = Corpus::from_tokens(tokens.clone(), 8);
+        let n = corpus.len();
+        let mut b = Batcher::new(corpus, 15, 1, 1, 1, 0, 3)
+            .unwrap()
+            .pack_documents(0, Overflow::Split)
+            .unwrap();
+        let packed = b.packed().unwrap().clone();
+        assert_eq!(
+            (packed.split(), packed.cut(), packed.tokens()),
+            ((1, 3), (0, 0), n)
+        );
+        let mut seen = vec![0; n];
+        let mut after_no_end = 0;
+        for step in 0..b.windows() as u64 {
+            let k = b.window_of(step);
+            let batch = b.batch(step, 0).unwrap();
+            let firsts = batch.documents.as_ref().unwrap().firsts(0).to_vec();
+            // Per token of the t + 1: the start of the piece it is in.
+            let mut piece_of = vec![None; 16];
+            let mut at = 0;
+            let mut before: Option<&std::ops::Range<usize>> = None;
+            for piece in packed.sequence(k) {
+                after_no_end += usize::from(before.is_some_and(|p| tokens[p.end - 1] != 0));
+                before = Some(piece);
+                for (j, c) in piece.clone().enumerate() {
+                    seen[c] += 1;
+                    piece_of[at + j] = Some(at);
+                    if at + j < 15 {
+                        assert_eq!(batch.inputs[at + j], tokens[c], "token {c}");
+                    }
+                }
+                at += piece.len();
+            }
+            for j in 0..15 {
+                if let Some(start) = piece_of[j] {
+                    assert_eq!(firsts[j] as usize, start, "step {step}, token {j}");
+                }
+                // Trained: within a piece, not after an end-of-text id.
+                let trained =
+                    piece_of[j + 1].is_some_and(|start| start <= j) && batch.inputs[j] != 0;
+                assert_eq!(
+                    batch.targets[j] != IGNORED,
+                    trained,
+                    "step {step}, target {j}"
+                );
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1), "every token once: {seen:?}");
+        assert!(after_no_end > 0, "no piece followed one without an end");
     }
 
     #[test]

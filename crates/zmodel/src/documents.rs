@@ -61,6 +61,31 @@ impl Documents {
         }
     }
 
+    /// Documents from `first`: per token of whole sequences of `seq_len`
+    /// (row-major), where its document begins in its sequence.
+    ///
+    /// # Panics
+    ///
+    /// `first` that is not whole sequences, or a token whose document
+    /// begins after it.
+    pub fn from_firsts(first: Vec<u32>, seq_len: usize) -> Documents {
+        assert!(
+            seq_len > 0 && first.len().is_multiple_of(seq_len),
+            "documents: {} tokens are not whole sequences of {seq_len}",
+            first.len()
+        );
+        for (i, &f) in first.iter().enumerate() {
+            assert!(
+                f as usize <= i % seq_len,
+                "documents: token {i}'s document begins at {f}, after it"
+            );
+        }
+        Documents {
+            seq_len,
+            first: first.into(),
+        }
+    }
+
     /// Tokens per sequence.
     pub fn seq_len(&self) -> usize {
         self.seq_len

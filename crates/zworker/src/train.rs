@@ -57,9 +57,12 @@ pub fn train(
             env.rank,
             t.seed,
         )?;
+        use zconfig::spec::Packing;
+        use zmodel::packing::Overflow;
         Ok(match (eos, d.packing) {
-            (Some(eos), zconfig::spec::Packing::Bfd) => b.pack_documents(eos)?,
-            (Some(eos), zconfig::spec::Packing::Wrapped) => b.separate_documents(eos),
+            (Some(eos), Packing::Bfd) => b.pack_documents(eos, Overflow::Truncate)?,
+            (Some(eos), Packing::BfdSplit) => b.pack_documents(eos, Overflow::Split)?,
+            (Some(eos), Packing::Wrapped) => b.separate_documents(eos),
             (None, _) => b,
         })
     };
@@ -246,21 +249,28 @@ fn by_op<T>(f: impl Fn(Op) -> T) -> ByOp<T> {
     }
 }
 
-/// What packing whole documents did (`data.packing: bfd`): how much of the
-/// sequences is padding, and a warning where documents were cut.
+/// What packing whole documents did (`data.packing: bfd`, `bfd_split`):
+/// how much of the sequences is padding, a warning where documents were
+/// cut, and how many were split.
 fn report_packing(p: &zmodel::packing::Packed, capacity: usize) {
     let room = p.len() * capacity;
     let padding = 100.0 * (room - p.tokens()) as f64 / room.max(1) as f64;
     tracing::info!(
-        "data.packing bfd: {} documents in {} sequences, {padding:.1}% of their tokens padding",
+        "data.packing: {} documents in {} sequences, {padding:.1}% of their tokens padding",
         p.documents(),
         p.len()
     );
     let (cut, lost) = p.cut();
     if cut > 0 {
         tracing::warn!(
-            "data.packing bfd: {cut} of {} documents are longer than seq_len + 1 = {capacity} tokens and keep their first {capacity} ({lost} tokens left out); a longer model.seq_len keeps them whole",
+            "data.packing bfd: {cut} of {} documents are longer than seq_len + 1 = {capacity} tokens and keep their first {capacity} ({lost} tokens left out); a longer model.seq_len keeps them whole, or data.packing: bfd_split trains every token in pieces",
             p.documents()
+        );
+    }
+    let (split, pieces) = p.split();
+    if split > 0 {
+        tracing::info!(
+            "data.packing bfd_split: {split} documents longer than seq_len + 1 = {capacity} tokens became {pieces} pieces, each packed as a document of its own"
         );
     }
 }
