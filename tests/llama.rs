@@ -476,6 +476,36 @@ fn a_llama3_scaled_rotary_embedding_trains_exports_and_reads_back() {
     );
 }
 
+/// YaRN's rotary scaling (Qwen2.5's and Qwen3's long contexts) trains,
+/// exports, and the reader, with its own formula for the frequencies and
+/// the attention factor on the turned q and k, computes zrun's next loss;
+/// the directory starts a run at that loss, and a job without the scaling
+/// is refused naming the directory's. (Head width 8, base 100, factor 4,
+/// original context 32, betas 4 and 1: the ramp from pair 0 to pair 2, so
+/// pair 0 kept, 1 half divided, 2 and 3 divided; attention factor
+/// 0.1·ln 4 + 1.)
+#[test]
+fn a_yarn_scaled_rotary_embedding_trains_exports_and_reads_back() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let (job, out, next) = exported_as_the_reader_computes(
+        dir,
+        "{kind: llama, vocab_size: 256, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 48, seq_len: 32, rope_theta: 100, \
+         rope_scaling: {rope_type: yarn, factor: 4, original_max_position_embeddings: 32, beta_fast: 4, beta_slow: 1}}",
+    );
+    starts_at(dir, &job, &out, "init.jsonl", next);
+    refused_from(
+        dir,
+        &job,
+        &out,
+        "model.rope_scaling=null",
+        &[
+            "its rotary scaling is {\"rope_type\":\"yarn\"",
+            "the job's model.rope_scaling none",
+        ],
+    );
+}
+
 /// Qwen2 (`model.qkv_bias: true`: LLaMA with biases on q, k and v) trains
 /// at stage 3 on two workers and exports as a Hugging Face `qwen2`
 /// directory, from which an independent reader, adding the biases before
@@ -629,9 +659,9 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
         (
             vec![(
                 "rope_scaling",
-                serde_json::json!({"type": "yarn", "factor": 2.0}),
+                serde_json::json!({"type": "dynamic", "factor": 2.0}),
             )],
-            "rope_scaling's rope_type is \"yarn\"",
+            "rope_scaling's rope_type is \"dynamic\"",
         ),
         (
             // Wider heads than the weights have.

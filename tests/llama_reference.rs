@@ -28,9 +28,8 @@ struct Config {
     kv_heads: usize,
     eps: f64,
     theta: f64,
-    /// Llama 3's `rope_scaling`: factor, low and high frequency factors,
-    /// original context.
-    llama3: Option<[f64; 4]>,
+    /// The `rope_scaling`.
+    scaling: Scaling,
     tied: bool,
     /// Qwen2: q, k and v projections with biases.
     qkv_bias: bool,
@@ -40,25 +39,75 @@ struct Config {
     qk_norm: bool,
 }
 
+/// A `rope_scaling` the reader computes.
+enum Scaling {
+    None,
+    /// Llama 3's: factor, low and high frequency factors, original context.
+    Llama3([f64; 4]),
+    /// YaRN's: factor, original context, beta_fast, beta_slow, whether the
+    /// ramp's ends are rounded out, and the attention factor.
+    Yarn {
+        factor: f64,
+        old: f64,
+        betas: [f64; 2],
+        truncate: bool,
+        attention: f64,
+    },
+}
+
 impl Config {
     /// Pair `i`'s frequency (radians a position) for head width `hd`. Llama
     /// 3's bands by frequency rather than wavelength (the same cuts, written
     /// the other way round from zrun's): above `2π·high/old` kept, below
     /// `2π·low/old` over the factor, between a blend by where the pair's
-    /// turns over the original context fall.
+    /// turns over the original context fall. YaRN's as the paper puts it:
+    /// the pair index at which a frequency turns `β` times over the original
+    /// context is `hd·ln(old / 2πβ) / 2·ln θ`; pairs below β_fast's index
+    /// are kept, above β_slow's divided, a straight line between.
     fn frequency(&self, i: usize, hd: usize) -> f64 {
         let f = self.theta.powf(-((2 * i) as f64) / hd as f64);
-        let Some([factor, low, high, old]) = self.llama3 else {
-            return f;
-        };
-        let turns = old * f / std::f64::consts::TAU;
-        if turns > high {
-            f
-        } else if turns < low {
-            f / factor
-        } else {
-            let w = (turns - low) / (high - low);
-            f * (w + (1.0 - w) / factor)
+        match self.scaling {
+            Scaling::None => f,
+            Scaling::Llama3([factor, low, high, old]) => {
+                let turns = old * f / std::f64::consts::TAU;
+                if turns > high {
+                    f
+                } else if turns < low {
+                    f / factor
+                } else {
+                    let w = (turns - low) / (high - low);
+                    f * (w + (1.0 - w) / factor)
+                }
+            }
+            Scaling::Yarn {
+                factor,
+                old,
+                betas: [fast, slow],
+                truncate,
+                ..
+            } => {
+                let index = |beta: f64| {
+                    hd as f64 * (old / (std::f64::consts::TAU * beta)).ln()
+                        / (2.0 * self.theta.ln())
+                };
+                let (mut from, mut to) = (index(fast), index(slow));
+                if truncate {
+                    (from, to) = (from.floor(), to.ceil());
+                }
+                let from = from.max(0.0);
+                let to = to.min(hd as f64 - 1.0).max(from + 0.001);
+                let divided = ((i as f64 - from) / (to - from)).clamp(0.0, 1.0);
+                (1.0 - divided) * f + divided * f / factor
+            }
+        }
+    }
+
+    /// What the turned q and k are multiplied by: YaRN's attention factor,
+    /// else 1.
+    fn rotary_scale(&self) -> f64 {
+        match self.scaling {
+            Scaling::Yarn { attention, .. } => attention,
+            _ => 1.0,
         }
     }
 }
@@ -101,17 +150,31 @@ impl Llama {
             kv_heads: n("num_key_value_heads"),
             eps: f("rms_norm_eps"),
             theta: f("rope_theta"),
-            llama3: match &config["rope_scaling"] {
-                serde_json::Value::Null => None,
+            scaling: match &config["rope_scaling"] {
+                serde_json::Value::Null => Scaling::None,
                 s => {
-                    assert_eq!(s["rope_type"], "llama3", "{s}");
                     let g = |k: &str| s[k].as_f64().unwrap_or_else(|| panic!("rope_scaling.{k}"));
-                    Some([
-                        g("factor"),
-                        g("low_freq_factor"),
-                        g("high_freq_factor"),
-                        g("original_max_position_embeddings"),
-                    ])
+                    match s["rope_type"].as_str() {
+                        Some("llama3") => Scaling::Llama3([
+                            g("factor"),
+                            g("low_freq_factor"),
+                            g("high_freq_factor"),
+                            g("original_max_position_embeddings"),
+                        ]),
+                        Some("yarn") => {
+                            let or = |k: &str, default: f64| s[k].as_f64().unwrap_or(default);
+                            let factor = g("factor");
+                            Scaling::Yarn {
+                                factor,
+                                old: g("original_max_position_embeddings"),
+                                betas: [or("beta_fast", 32.0), or("beta_slow", 1.0)],
+                                truncate: s["truncate"].as_bool().unwrap_or(true),
+                                // The paper's 0.1·ln(s) + 1 where not given.
+                                attention: or("attention_factor", 0.1 * factor.ln() + 1.0),
+                            }
+                        }
+                        _ => panic!("a rope_scaling the reader does not compute: {s}"),
+                    }
                 }
             },
             tied: config["tie_word_embeddings"]
@@ -301,7 +364,9 @@ impl Llama {
                 for head in 0..row.len() / hd {
                     for i in 0..hd {
                         let inv_freq = self.cfg.frequency(i % half, hd);
-                        let (c, s) = ((p as f64 * inv_freq).cos(), (p as f64 * inv_freq).sin());
+                        let angle = p as f64 * inv_freq;
+                        let scale = self.cfg.rotary_scale();
+                        let (c, s) = (scale * angle.cos(), scale * angle.sin());
                         let x = row[head * hd + i];
                         let rotated = if i < half {
                             -row[head * hd + i + half]

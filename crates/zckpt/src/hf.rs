@@ -663,9 +663,9 @@ pub fn generation_defaults(dir: &Path) -> Result<Option<GenerationDefaults>, Ckp
 
 /// How a `config.json` scales the rotary embedding: transformers 4.x's
 /// `rope_scaling` or 5.x's `rope_parameters` (`rope_type` `default` or
-/// absent there: none), of the kinds zrun computes (`linear`, `llama3`;
-/// 4.x's older `type` key read as `rope_type`). Another kind (`dynamic`,
-/// `yarn`, `longrope` ...), a field missing or out of bounds, or a value
+/// absent there: none), of the kinds zrun computes (`linear`, `llama3`,
+/// `yarn`; 4.x's older `type` key read as `rope_type`). Another kind
+/// (`dynamic`, `longrope` ...), a field missing or out of bounds, or a value
 /// that is not an object (a `rope_parameters` of another kind silently
 /// gave the default base until the seventieth session) is refused, said.
 fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
@@ -687,10 +687,10 @@ fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
     let kind = match kind.map(|t| (t, t.as_str())) {
         Some((_, Some("default"))) => return Ok(None),
         None if key == "rope_parameters" => return Ok(None),
-        Some((_, Some(k @ ("linear" | "llama3")))) => k,
+        Some((_, Some(k @ ("linear" | "llama3" | "yarn")))) => k,
         Some((t, _)) => {
             return Err(format!(
-                "{key}'s rope_type is {t}: zrun scales rotary embeddings as \"linear\" and \"llama3\" only"
+                "{key}'s rope_type is {t}: zrun scales rotary embeddings as \"linear\", \"llama3\" and \"yarn\" only"
             ))
         }
         None => return Err(format!("{key} is {given}: it names no rope_type")),
@@ -699,6 +699,16 @@ fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
     known.insert("rope_type".into(), Value::from(kind));
     let names: &[&str] = match kind {
         "linear" => &["factor"],
+        "yarn" => &[
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "attention_factor",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        ],
         _ => &[
             "factor",
             "low_freq_factor",
@@ -707,7 +717,8 @@ fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
         ],
     };
     for name in names {
-        if let Some(v) = fields.get(*name) {
+        // null is transformers' "the default", as absent.
+        if let Some(v) = fields.get(*name).filter(|v| !v.is_null()) {
             known.insert((*name).into(), v.clone());
         }
     }
@@ -1627,9 +1638,27 @@ mod tests {
             (
                 edit(
                     &llama_config,
-                    &[("rope_parameters", json!({"rope_type": "yarn"}))],
+                    &[("rope_parameters", json!({"rope_type": "longrope"}))],
                 ),
-                "rope_parameters's rope_type is \"yarn\": zrun scales rotary embeddings as \"linear\" and \"llama3\" only",
+                "rope_parameters's rope_type is \"longrope\": zrun scales rotary embeddings as \"linear\", \"llama3\" and \"yarn\" only",
+            ),
+            (
+                edit(
+                    &llama_config,
+                    &[("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0}))],
+                ),
+                "missing field `original_max_position_embeddings`",
+            ),
+            (
+                edit(
+                    &llama_config,
+                    &[(
+                        "rope_scaling",
+                        json!({"rope_type": "yarn", "factor": 4.0,
+                               "original_max_position_embeddings": 32, "beta_slow": 0.0}),
+                    )],
+                ),
+                "rope_scaling: beta_slow must be positive, got 0",
             ),
             (
                 edit(
@@ -1772,6 +1801,40 @@ mod tests {
                 "rope_scaling",
                 json!({"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 64}),
                 RopeScaling::Linear { factor: 2.0 },
+                10000.0,
+            ),
+            // YaRN as Qwen2.5 publishes it (4.x's `type`), and DeepSeek's
+            // keys with transformers' nulls.
+            (
+                "rope_scaling",
+                json!({"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}),
+                RopeScaling::Yarn {
+                    factor: 4.0,
+                    original_max_position_embeddings: 32768,
+                    beta_fast: None,
+                    beta_slow: None,
+                    attention_factor: None,
+                    mscale: None,
+                    mscale_all_dim: None,
+                    truncate: None,
+                },
+                10000.0,
+            ),
+            (
+                "rope_scaling",
+                json!({"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                       "attention_factor": null, "truncate": false}),
+                RopeScaling::Yarn {
+                    factor: 40.0,
+                    original_max_position_embeddings: 4096,
+                    beta_fast: Some(32.0),
+                    beta_slow: Some(1.0),
+                    attention_factor: None,
+                    mscale: Some(1.0),
+                    mscale_all_dim: Some(1.0),
+                    truncate: Some(false),
+                },
                 10000.0,
             ),
         ] {

@@ -29,6 +29,40 @@ use crate::spec::{ModelKind, ModelSpec, RopeScaling};
 pub fn rope_inv_freq(theta: f64, scaling: Option<RopeScaling>, hd: usize) -> Vec<f64> {
     let plain = (0..hd / 2).map(|i| theta.powf(-((2 * i) as f64) / hd as f64));
     match scaling {
+        Some(RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings: old,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        }) => {
+            // transformers' `_compute_yarn_parameters`: the dimension at
+            // which a frequency turns `rotations` times over the original
+            // context, the ramp's ends there (rounded out unless
+            // `truncate: false`), kept within the head.
+            let dim = hd as f64;
+            let at = |rotations: f64| {
+                dim * (old as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                    / (2.0 * theta.ln())
+            };
+            let (mut low, mut high) = (at(beta_fast.unwrap_or(32.0)), at(beta_slow.unwrap_or(1.0)));
+            if truncate.unwrap_or(true) {
+                (low, high) = (low.floor(), high.ceil());
+            }
+            let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+            if low == high {
+                high += 0.001;
+            }
+            plain
+                .enumerate()
+                .map(|(i, f)| {
+                    // 0 keeps the frequency, 1 divides it by `factor`.
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    f / factor * ramp + f * (1.0 - ramp)
+                })
+                .collect()
+        }
         None => plain.collect(),
         Some(RopeScaling::Linear { factor }) => plain.map(|f| f / factor).collect(),
         Some(RopeScaling::Llama3 {
@@ -51,6 +85,56 @@ pub fn rope_inv_freq(theta: f64, scaling: Option<RopeScaling>, hd: usize) -> Vec
                     }
                 })
                 .collect()
+        }
+    }
+}
+
+/// What the rotated q and k are multiplied by (the cosines and sines of
+/// the table): YaRN's attention factor, else 1.
+pub fn rope_attention_factor(scaling: Option<RopeScaling>) -> f64 {
+    // The YaRN paper's `0.1·scale·ln(factor) + 1`, 1 where nothing is
+    // stretched.
+    let mscale = |factor: f64, scale: f64| match factor <= 1.0 {
+        true => 1.0,
+        false => 0.1 * scale * factor.ln() + 1.0,
+    };
+    match scaling {
+        Some(RopeScaling::Yarn {
+            factor,
+            attention_factor,
+            mscale: numerator,
+            mscale_all_dim: denominator,
+            ..
+        }) => match (attention_factor, numerator, denominator) {
+            (Some(a), ..) => a,
+            // transformers asks both to be given and nonzero.
+            (None, Some(n), Some(d)) if n != 0.0 && d != 0.0 => {
+                mscale(factor, n) / mscale(factor, d)
+            }
+            _ => mscale(factor, 1.0),
+        },
+        _ => 1.0,
+    }
+}
+
+/// A head's rotary embedding as the models apply it: at position `p` pair
+/// `i` turns by `p · inv_freq[i]`, and the turned values are multiplied by
+/// `scale` (the cosines and sines are).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rotary {
+    /// `[hd/2]` frequencies ([`rope_inv_freq`]).
+    pub inv_freq: Vec<f64>,
+    /// [`rope_attention_factor`].
+    pub scale: f64,
+}
+
+impl Rotary {
+    /// The rotary embedding of base `theta`, scaled as `scaling` says, for
+    /// heads of `hd`.
+    pub fn new(theta: f64, scaling: Option<RopeScaling>, hd: usize) -> Rotary {
+        Rotary {
+            inv_freq: rope_inv_freq(theta, scaling, hd),
+            scale: rope_attention_factor(scaling),
         }
     }
 }
@@ -128,10 +212,9 @@ impl ModelSpec {
         self.rope_theta.unwrap_or(10_000.0)
     }
 
-    /// The rotary embedding's frequency for each pair of a head
-    /// ([`rope_inv_freq`] of this model's base, scaling and head width).
-    pub fn rope_inv_freq(&self) -> Vec<f64> {
-        rope_inv_freq(self.rope_theta(), self.rope_scaling, self.head_dim())
+    /// The rotary embedding of this model's base, scaling and head width.
+    pub fn rotary(&self) -> Rotary {
+        Rotary::new(self.rope_theta(), self.rope_scaling, self.head_dim())
     }
 
     /// The norms' epsilon.
@@ -374,6 +457,123 @@ mod tests {
         assert_eq!(ours[0], plain[0]);
         assert!(ours[1] != plain[1] && ours[1] != plain[1] / 8.0);
         assert!((3..8).all(|i| ours[i] == plain[i] / 8.0));
+    }
+
+    /// YaRN's frequencies and attention factor against `transformers`
+    /// 5.25's own (`ROPE_INIT_FUNCTIONS["yarn"]` of LlamaConfigs, computed
+    /// in f32): Qwen2.5's form (factor 4, original context 16: the ramp
+    /// from pair 0 to 1), DeepSeek's (factor 40, original 4096, `mscale` 1
+    /// over `mscale_all_dim` 0.707, `truncate: false`: a ramp over pairs
+    /// 10-23) and one with its own betas and attention factor.
+    #[test]
+    fn yarn_frequencies_and_attention_factor_are_transformers() {
+        type Pair = Option<(f64, f64)>;
+        let yarn = |factor, old, betas: Pair, attention, mscales: Pair, truncate| {
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: old,
+                beta_fast: betas.map(|b| b.0),
+                beta_slow: betas.map(|b| b.1),
+                attention_factor: attention,
+                mscale: mscales.map(|m| m.0),
+                mscale_all_dim: mscales.map(|m| m.1),
+                truncate,
+            })
+        };
+        let qwen = yarn(4.0, 16, None, None, None, None);
+        let deepseek = yarn(
+            40.0,
+            4096,
+            Some((32.0, 1.0)),
+            None,
+            Some((1.0, 0.707)),
+            Some(false),
+        );
+        let own = yarn(2.0, 32, Some((8.0, 2.0)), Some(1.5), None, None);
+        let cases: [(_, f64, usize, &[f64], f64); 3] = [
+            (
+                qwen,
+                10000.0,
+                16,
+                &[
+                    1.0,
+                    0.07905694097280502,
+                    0.02500000037252903,
+                    0.007905694656074047,
+                    0.0024999999441206455,
+                    0.0007905694656074047,
+                    0.0002500000118743628,
+                    7.905694656074047e-05,
+                ],
+                1.138629436111989,
+            ),
+            (
+                deepseek,
+                10000.0,
+                64,
+                &[
+                    1.0,
+                    0.7498942017555237,
+                    0.5623413324356079,
+                    0.4216965138912201,
+                    0.3162277638912201,
+                    0.23713736236095428,
+                    0.17782793939113617,
+                    0.1333521455526352,
+                    0.10000000149011612,
+                    0.07498941570520401,
+                    0.05623412877321243,
+                    0.04036758467555046,
+                    0.02771085873246193,
+                    0.01886006072163582,
+                    0.012703143060207367,
+                    0.008446235209703445,
+                    0.005524062551558018,
+                    0.0035352581180632114,
+                    0.0021957308053970337,
+                    0.0013051095884293318,
+                    0.0007226381567306817,
+                    0.0003498873848002404,
+                    0.00011838764476124197,
+                    3.333803397254087e-05,
+                    2.499999936844688e-05,
+                    1.8747354260995053e-05,
+                    1.4058532542549074e-05,
+                    1.0542412383074407e-05,
+                    7.905694474175107e-06,
+                    5.928434347879374e-06,
+                    4.445698323252145e-06,
+                    3.3338035336782923e-06,
+                ],
+                1.0857263992561355,
+            ),
+            (
+                own,
+                100.0,
+                8,
+                &[
+                    1.0,
+                    0.15811388194561005,
+                    0.05000000074505806,
+                    0.015811389312148094,
+                ],
+                1.5,
+            ),
+        ];
+        for (n, (scaling, theta, hd, transformers, attention)) in cases.into_iter().enumerate() {
+            let ours = Rotary::new(theta, scaling, hd);
+            assert_eq!(ours.inv_freq.len(), transformers.len(), "case {n}");
+            for (i, (a, b)) in ours.inv_freq.iter().zip(transformers).enumerate() {
+                assert!((a - b).abs() <= 1e-6 * b, "case {n}, pair {i}: {a} vs {b}");
+            }
+            assert!(
+                (ours.scale - attention).abs() <= 1e-12,
+                "case {n}: attention factor {} vs {attention}",
+                ours.scale
+            );
+        }
+        // The others multiply by 1.
+        assert_eq!(Rotary::new(500.0, None, 16).scale, 1.0);
     }
 
     fn spec(json: serde_json::Value) -> ModelSpec {

@@ -908,14 +908,38 @@ fn find_key(text: &str, key: &str) -> Option<(usize, usize)> {
 /// What is wrong with a rotary scaling, if anything: the bounds
 /// `transformers` holds its `rope_scaling` to (a factor of at least 1;
 /// Llama 3's low-frequency factor positive and below the high one, an
-/// original context of at least one token).
+/// original context of at least one token; YaRN's betas and attention
+/// factor positive).
 pub fn rope_scaling_problem(s: &crate::spec::RopeScaling) -> Option<String> {
     use crate::spec::RopeScaling;
     let factor = match *s {
-        RopeScaling::Linear { factor } | RopeScaling::Llama3 { factor, .. } => factor,
+        RopeScaling::Linear { factor }
+        | RopeScaling::Llama3 { factor, .. }
+        | RopeScaling::Yarn { factor, .. } => factor,
     };
     if factor < 1.0 {
         return Some(format!("factor must be at least 1, got {factor}"));
+    }
+    if let RopeScaling::Yarn {
+        original_max_position_embeddings: old,
+        beta_fast,
+        beta_slow,
+        attention_factor,
+        ..
+    } = *s
+    {
+        if old == 0 {
+            return Some("original_max_position_embeddings must be at least 1".into());
+        }
+        for (key, v) in [
+            ("beta_fast", beta_fast),
+            ("beta_slow", beta_slow),
+            ("attention_factor", attention_factor),
+        ] {
+            if v.is_some_and(|v| v <= 0.0) {
+                return Some(format!("{key} must be positive, got {}", v.unwrap_or(0.0)));
+            }
+        }
     }
     if let RopeScaling::Llama3 {
         low_freq_factor: low,

@@ -156,8 +156,8 @@ pub struct ModelSpec {
 
 /// How the rotary embeddings' frequencies are scaled for a context longer
 /// than the one a model was first trained at: Hugging Face's `rope_scaling`
-/// (`rope_parameters` in transformers 5), the kinds whose attention is
-/// otherwise unchanged.
+/// (`rope_parameters` in transformers 5), the kinds whose frequencies are
+/// fixed (not `dynamic`'s, which move with the sequence's length).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "rope_type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum RopeScaling {
@@ -183,6 +183,60 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         /// The context the model was first trained at.
         original_max_position_embeddings: usize,
+    },
+    /// YaRN (Peng et al., 2023; Qwen2.5's and Qwen3's long contexts, as
+    /// transformers computes it): frequencies that turn more than
+    /// `beta_fast` times over the original context kept, those that turn
+    /// fewer than `beta_slow` times divided by `factor`, a linear ramp over
+    /// the dimensions between; and the rotated q and k times an attention
+    /// factor (`attention_factor`, else DeepSeek's ratio from `mscale` and
+    /// `mscale_all_dim` where both are given, else `0.1·ln(factor) + 1`).
+    Yarn {
+        /// The divisor of the low frequencies (at least 1).
+        #[serde(deserialize_with = "finite::number")]
+        factor: f64,
+        /// The context the model was first trained at.
+        original_max_position_embeddings: usize,
+        /// Rotations over the original context above which a frequency is
+        /// kept (32).
+        #[serde(
+            default,
+            deserialize_with = "finite::optional",
+            skip_serializing_if = "Option::is_none"
+        )]
+        beta_fast: Option<f64>,
+        /// Rotations below which it is divided by `factor` (1).
+        #[serde(
+            default,
+            deserialize_with = "finite::optional",
+            skip_serializing_if = "Option::is_none"
+        )]
+        beta_slow: Option<f64>,
+        /// What cos and sin are multiplied by, where given.
+        #[serde(
+            default,
+            deserialize_with = "finite::optional",
+            skip_serializing_if = "Option::is_none"
+        )]
+        attention_factor: Option<f64>,
+        /// DeepSeek's: the attention factor's numerator's scale.
+        #[serde(
+            default,
+            deserialize_with = "finite::optional",
+            skip_serializing_if = "Option::is_none"
+        )]
+        mscale: Option<f64>,
+        /// DeepSeek's: its denominator's.
+        #[serde(
+            default,
+            deserialize_with = "finite::optional",
+            skip_serializing_if = "Option::is_none"
+        )]
+        mscale_all_dim: Option<f64>,
+        /// Whether the ramp's ends are rounded out to whole dimensions
+        /// (true).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        truncate: Option<bool>,
     },
 }
 

@@ -203,9 +203,10 @@ pub(crate) fn documents(b: usize, t: usize, ends: &[usize]) -> zmodel::Documents
 fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
     // 4 query heads on 2 key/value heads of 16; sequences of 24 positions
     // of a model of 32; a small base, so that far positions turn a lot;
-    // unscaled, and scaled as Llama 3's (original context 16); positions
-    // from each sequence's start, and from each document's where packed
-    // documents are kept apart.
+    // unscaled, scaled as Llama 3's (original context 16) and as YaRN's
+    // (its attention factor on the turned values); positions from each
+    // sequence's start, and from each document's where packed documents
+    // are kept apart.
     let (b, t, seq_len, heads, kv, hd, theta) = (3, 24, 32, 4, 2, 16, 100.0);
     let docs = documents(b, t, &[3, 4, 20, 30, 47, 48]);
     let llama3 = zconfig::spec::RopeScaling::Llama3 {
@@ -214,10 +215,21 @@ fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
         high_freq_factor: 4.0,
         original_max_position_embeddings: 16,
     };
+    let yarn = zconfig::spec::RopeScaling::Yarn {
+        factor: 4.0,
+        original_max_position_embeddings: 16,
+        beta_fast: None,
+        beta_slow: None,
+        attention_factor: None,
+        mscale: None,
+        mscale_all_dim: None,
+        truncate: None,
+    };
     for (scaling, docs) in [
         (None, None),
         (Some(llama3), None),
         (Some(llama3), Some(&docs)),
+        (Some(yarn), None),
     ] {
         let first = docs.map(|d| d.per_token());
         let ld = (heads + 2 * kv) * hd;
@@ -226,7 +238,7 @@ fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
         let qt = tensor(&qkv, &[b, t, ld]);
         let mut turned = qkv.clone();
         rope(&mut turned, &cos, &sin, first, ld, heads + kv, hd, t, 1.0);
-        let freq = zconfig::arch::rope_inv_freq(theta, scaling, hd);
+        let freq = zconfig::arch::Rotary::new(theta, scaling, hd);
         let want = llama_ops::rope(&qt, heads, kv, &freq, false, docs).unwrap();
         close("rope", &turned, &values(&want));
         // v passes untouched.
@@ -239,7 +251,15 @@ fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
         let want = llama_ops::rope(&qt, heads, kv, &freq, true, docs).unwrap();
         close("rope backward", &back, &values(&want));
         rope(&mut turned, &cos, &sin, first, ld, heads + kv, hd, t, -1.0);
-        close("turned and back", &turned, &qkv);
+        // YaRN's factor twice over on q and k.
+        let scale2 = (freq.scale * freq.scale) as f32;
+        let want: Vec<f32> = (qkv.iter().enumerate())
+            .map(|(i, &v)| match i % ld < (heads + kv) * hd {
+                true => v * scale2,
+                false => v,
+            })
+            .collect();
+        close("turned and back", &turned, &want);
     }
     // The documents moved the positions: a token after an end turns as
     // position 0 does.

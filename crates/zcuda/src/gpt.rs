@@ -2696,21 +2696,22 @@ pub fn rows_by_token(tokens: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
 
 /// LLaMA's rotary table `[seq_len, hd/2]` (cosines, sines): position `p`,
 /// pair `i` turns by `p · theta^(−2i/hd)` (scaled as `scaling` says:
-/// `zconfig::arch::rope_inv_freq`), computed in f64 and rounded, as the CPU
-/// model's table (zmodel's `rope`).
+/// `zconfig::arch::Rotary`, whose scale, YaRN's attention factor,
+/// multiplies both), computed in f64 and rounded, as the CPU model's table
+/// (zmodel's `rope`).
 pub fn rotary_table(
     theta: f64,
     scaling: Option<zconfig::spec::RopeScaling>,
     seq_len: usize,
     hd: usize,
 ) -> (Vec<f32>, Vec<f32>) {
-    let inv_freq = zconfig::arch::rope_inv_freq(theta, scaling, hd);
+    let rotary = zconfig::arch::Rotary::new(theta, scaling, hd);
     let (mut cos, mut sin) = (Vec::new(), Vec::new());
     for p in 0..seq_len {
-        for &f in &inv_freq {
+        for &f in &rotary.inv_freq {
             let angle = p as f64 * f;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
+            cos.push((rotary.scale * angle.cos()) as f32);
+            sin.push((rotary.scale * angle.sin()) as f32);
         }
     }
     (cos, sin)

@@ -408,6 +408,38 @@ fn gpu_llama_block_with_llama3_rope_scaling_matches_the_cpu_model() {
     );
 }
 
+#[test]
+fn gpu_llama_block_with_yarn_rope_scaling_matches_the_cpu_model() {
+    // YaRN's rotary table (head width 16, original context 32, factor 4:
+    // pairs kept, blended and divided) with its attention factor on the
+    // turned q and k, by the same formula as the CPU's.
+    let scaling = zconfig::spec::RopeScaling::Yarn {
+        factor: 4.0,
+        original_max_position_embeddings: 32,
+        beta_fast: Some(8.0),
+        beta_slow: None,
+        attention_factor: None,
+        mscale: None,
+        mscale_all_dim: None,
+        truncate: None,
+    };
+    matches_the_cpu_model(
+        "gpu_llama_block_with_yarn_rope_scaling_matches_the_cpu_model",
+        serde_json::json!({
+            "kind": "llama", "n_kv_heads": 2, "ffn_hidden": 96, "rope_theta": 100.0,
+            "rope_scaling": scaling
+        }),
+        Family::Llama {
+            kv_heads: 2,
+            qkv_bias: false,
+            qk_norm: false,
+            rope_theta: 100.0,
+            rope_scaling: Some(scaling),
+        },
+        Products::F32,
+    );
+}
+
 /// A LLaMA block (4 query heads on 2 key/value heads, rotary base 100, t =
 /// 100: two tiles of query rows) with the fused attention in `products`.
 fn llama_block_with_fused_attention(test: &str, products: Products) {

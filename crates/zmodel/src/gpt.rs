@@ -772,7 +772,7 @@ impl Gpt {
                 &qkv,
                 self.cfg.n_heads,
                 self.cfg.kv_heads(),
-                &self.cfg.rope_inv_freq(),
+                &self.cfg.rotary(),
                 inverse,
                 docs,
             ),
@@ -789,7 +789,7 @@ impl Gpt {
                 &qkv,
                 self.cfg.n_heads,
                 self.cfg.kv_heads(),
-                &self.cfg.rope_inv_freq(),
+                &self.cfg.rotary(),
                 start,
             ),
         }

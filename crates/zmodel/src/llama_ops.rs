@@ -25,6 +25,8 @@ use std::mem::MaybeUninit;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use zconfig::arch::Rotary;
+
 use crate::documents::Documents;
 use crate::ops::{cpu_f32, f32_input, sum_lanes, write_row};
 use crate::simd::{
@@ -529,20 +531,23 @@ impl CustomOp2 for SwiGluGrad {
 /// The rotary embedding of q and k in `qkv` `[b, t, (heads + 2·kv)·hd]`
 /// (v passes through): position `p`, pair `(i, i + hd/2)` of each head turns
 /// by `p · inv_freq[i]` (`zconfig::arch::rope_inv_freq`: `theta^(−2i/hd)`,
-/// maybe scaled). `inverse` turns the other way: the backward. Position
-/// `p` is the row's in its sequence, or with `docs` in its document.
+/// maybe scaled) and is multiplied by `rotary.scale` (YaRN's attention
+/// factor, else 1). `inverse` turns the other way, times the same scale:
+/// the backward. Position `p` is the row's in its sequence, or with `docs`
+/// in its document.
 pub fn rope(
     qkv: &Tensor,
     heads: usize,
     kv_heads: usize,
-    inv_freq: &[f64],
+    rotary: &Rotary,
     inverse: bool,
     docs: Option<&Documents>,
 ) -> Result<Tensor> {
     qkv.contiguous()?.apply_op1(Rope {
         heads,
         kv_heads,
-        inv_freq: inv_freq.into(),
+        inv_freq: rotary.inv_freq.as_slice().into(),
+        scale: rotary.scale,
         inverse,
         start: 0,
         docs: docs.cloned(),
@@ -556,13 +561,14 @@ pub fn rope_from(
     qkv: &Tensor,
     heads: usize,
     kv_heads: usize,
-    inv_freq: &[f64],
+    rotary: &Rotary,
     start: usize,
 ) -> Result<Tensor> {
     qkv.contiguous()?.apply_op1(Rope {
         heads,
         kv_heads,
-        inv_freq: inv_freq.into(),
+        inv_freq: rotary.inv_freq.as_slice().into(),
+        scale: rotary.scale,
         inverse: false,
         start,
         docs: None,
@@ -575,6 +581,8 @@ struct Rope {
     kv_heads: usize,
     /// A head's `[hd/2]` frequencies.
     inv_freq: std::sync::Arc<[f64]>,
+    /// What cos and sin are multiplied by.
+    scale: f64,
     inverse: bool,
     /// The first row's position.
     start: usize,
@@ -584,7 +592,7 @@ struct Rope {
 
 impl Rope {
     /// `[t, hd/2]` cosines and sines of positions `start..start + t`,
-    /// computed in f64.
+    /// times the scale, computed in f64.
     fn table(&self, t: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
         let half = hd / 2;
         let sign = if self.inverse { -1.0 } else { 1.0 };
@@ -594,8 +602,8 @@ impl Rope {
         for p in self.start..self.start + t {
             for &inv_freq in self.inv_freq.iter() {
                 let angle = p as f64 * inv_freq;
-                cos.push(angle.cos() as f32);
-                sin.push((sign * angle.sin()) as f32);
+                cos.push((self.scale * angle.cos()) as f32);
+                sin.push((sign * self.scale * angle.sin()) as f32);
             }
         }
         (cos, sin)
@@ -835,12 +843,13 @@ mod tests {
 
     /// Hugging Face's `apply_rotary_pos_emb` with `rotate_half`, composed.
     /// Rotary embedding composed from candle ops, at the given position of
-    /// each row of the batch (`[b·t]`).
+    /// each row of the batch (`[b·t]`), cos and sin times `scale` (YaRN's
+    /// attention factor).
     fn rope_composed(
         qkv: &Tensor,
         heads: usize,
         kv: usize,
-        theta: f64,
+        (theta, scale): (f64, f64),
         positions: &[usize],
     ) -> Result<Tensor> {
         let (b, t, w) = qkv.dims3()?;
@@ -851,8 +860,8 @@ mod tests {
         for &p in positions {
             for i in 0..hd {
                 let inv = theta.powf(-((2 * (i % half)) as f64) / hd as f64);
-                cos.push((p as f64 * inv).cos() as f32);
-                sin.push((p as f64 * inv).sin() as f32);
+                cos.push((scale * (p as f64 * inv).cos()) as f32);
+                sin.push((scale * (p as f64 * inv).sin()) as f32);
             }
         }
         let dev = Device::Cpu;
@@ -879,12 +888,24 @@ mod tests {
         let (b, t, heads, kv, hd) = (2, 9, 4, 2, 6);
         let w = (heads + 2 * kv) * hd;
         let x = Var::from_vec(wave(b * t * w, 13), (b, t, w), &dev).unwrap();
-        let freq = |theta| zconfig::arch::rope_inv_freq(theta, None, hd);
+        let freq = |theta| Rotary::new(theta, None, hd);
         let in_sequence: Vec<usize> = (0..b * t).map(|r| r % t).collect();
         check(
             std::slice::from_ref(&x),
             |t| rope(&t[0], heads, kv, &freq(10_000.0), false, None),
-            |t| rope_composed(&t[0], heads, kv, 10_000.0, &in_sequence),
+            |t| rope_composed(&t[0], heads, kv, (10_000.0, 1.0), &in_sequence),
+            1e-5,
+        );
+        // YaRN's attention factor scales the turned q and k, forward and
+        // backward.
+        let scaled = Rotary {
+            scale: 1.25,
+            ..freq(10_000.0)
+        };
+        check(
+            std::slice::from_ref(&x),
+            |t| rope(&t[0], heads, kv, &scaled, false, None),
+            |t| rope_composed(&t[0], heads, kv, (10_000.0, 1.25), &in_sequence),
             1e-5,
         );
         // Documents ending at tokens 3 and 4 of the first sequence, 7 of
@@ -898,7 +919,7 @@ mod tests {
         check(
             std::slice::from_ref(&x),
             |t| rope(&t[0], heads, kv, &freq(10_000.0), false, Some(&docs)),
-            |t| rope_composed(&t[0], heads, kv, 10_000.0, &in_document),
+            |t| rope_composed(&t[0], heads, kv, (10_000.0, 1.0), &in_document),
             1e-5,
         );
         let y = rope(x.as_tensor(), heads, kv, &freq(500.0), false, None).unwrap();
