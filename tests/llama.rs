@@ -456,42 +456,38 @@ fn exported_as_the_reader_computes(dir: &Path, model: &str) -> (PathBuf, PathBuf
 /// blended and two divided.)
 #[test]
 fn a_llama3_scaled_rotary_embedding_trains_exports_and_reads_back() {
-    let d = tempfile::tempdir().unwrap();
-    let dir = d.path();
-    let (job, out, next) = exported_as_the_reader_computes(
-        dir,
-        "{kind: llama, vocab_size: 256, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 48, seq_len: 32, rope_theta: 100, \
-         rope_scaling: {rope_type: llama3, factor: 4, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 32}}",
-    );
-    starts_at(dir, &job, &out, "init.jsonl", next);
-    refused_from(
-        dir,
-        &job,
-        &out,
-        "model.rope_scaling=null",
-        &[
-            "its rotary scaling is {\"rope_type\":\"llama3\"",
-            "the job's model.rope_scaling none",
-        ],
+    scaled_rotary_round_trips(
+        "{rope_type: llama3, factor: 4, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 32}",
+        "llama3",
     );
 }
 
-/// YaRN's rotary scaling (Qwen2.5's and Qwen3's long contexts) trains,
-/// exports, and the reader, with its own formula for the frequencies and
-/// the attention factor on the turned q and k, computes zrun's next loss;
-/// the directory starts a run at that loss, and a job without the scaling
-/// is refused naming the directory's. (Head width 8, base 100, factor 4,
-/// original context 32, betas 4 and 1: the ramp from pair 0 to pair 2, so
-/// pair 0 kept, 1 half divided, 2 and 3 divided; attention factor
+/// YaRN's rotary scaling (Qwen2.5's and Qwen3's long contexts) the same
+/// way, the reader with its own formula for the frequencies and the
+/// attention factor on the turned q and k. (Head width 8, base 100, factor
+/// 4, original context 32, betas 4 and 1: the ramp from pair 0 to pair 2,
+/// so pair 0 kept, 1 half divided, 2 and 3 divided; attention factor
 /// 0.1·ln 4 + 1.)
 #[test]
 fn a_yarn_scaled_rotary_embedding_trains_exports_and_reads_back() {
+    scaled_rotary_round_trips(
+        "{rope_type: yarn, factor: 4, original_max_position_embeddings: 32, beta_fast: 4, beta_slow: 1}",
+        "yarn",
+    );
+}
+
+/// A LLaMA (heads of 8, base 100) with `rope_scaling` (YAML) trains,
+/// exports as the reader computes, starts a run at the export's loss, and
+/// a job without the scaling is refused naming the directory's `kind`.
+fn scaled_rotary_round_trips(rope_scaling: &str, kind: &str) {
     let d = tempfile::tempdir().unwrap();
     let dir = d.path();
     let (job, out, next) = exported_as_the_reader_computes(
         dir,
-        "{kind: llama, vocab_size: 256, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 48, seq_len: 32, rope_theta: 100, \
-         rope_scaling: {rope_type: yarn, factor: 4, original_max_position_embeddings: 32, beta_fast: 4, beta_slow: 1}}",
+        &format!(
+            "{{kind: llama, vocab_size: 256, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 48, seq_len: 32, rope_theta: 100, \
+             rope_scaling: {rope_scaling}}}"
+        ),
     );
     starts_at(dir, &job, &out, "init.jsonl", next);
     refused_from(
@@ -500,7 +496,7 @@ fn a_yarn_scaled_rotary_embedding_trains_exports_and_reads_back() {
         &out,
         "model.rope_scaling=null",
         &[
-            "its rotary scaling is {\"rope_type\":\"yarn\"",
+            &format!("its rotary scaling is {{\"rope_type\":\"{kind}\""),
             "the job's model.rope_scaling none",
         ],
     );

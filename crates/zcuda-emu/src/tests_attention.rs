@@ -194,28 +194,9 @@ fn fused_attention_is_the_cpu_models_attention() {
         let dout = wave(sh.b * sh.t * sh.heads * sh.hd, 20 + n as u32);
         let (out, lse) = flash_attention(&qkv, None, sh, None);
         let dqkv = flash_attention_backward(&qkv, None, &out, &lse, &dout, sh);
-        let tensor = |v: &[f32], w: usize| {
-            Tensor::from_vec(v.to_vec(), (sh.b, sh.t, w), &Device::Cpu).unwrap()
-        };
-        let heads = Heads {
-            heads: sh.heads,
-            kv: sh.kv,
-        };
-        let qkv_t = tensor(&qkv, ld);
-        let want = causal_attention(&qkv_t, heads, Products::F32, None).unwrap();
-        let dy = tensor(&dout, sh.heads * sh.hd);
-        let want_d = causal_attention_backward(&qkv_t, &dy, heads, Products::F32, None).unwrap();
-        let f64s = |t: &Tensor| -> Vec<f64> {
-            t.flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-                .into_iter()
-                .map(f64::from)
-                .collect()
-        };
-        let e_out = rel_err("out", &out, &f64s(&want));
-        let e_dqkv = rel_err("dqkv", &dqkv, &f64s(&want_d));
+        let (want, want_d) = cpu_attention(&qkv, &dout, sh, None);
+        let e_out = rel_err("out", &out, &want);
+        let e_dqkv = rel_err("dqkv", &dqkv, &want_d);
         eprintln!("{sh:?} against the CPU model: out {e_out:.2e}, dqkv {e_dqkv:.2e}");
         // q, k, v and dout rounded too, as the GPU's unfused products round
         // them: measured 2.6-2.7e-3 (out) and 3.7-3.9e-3 (dqkv) in bf16,
@@ -279,20 +260,9 @@ fn fused_attention_keeps_packed_documents_apart() {
         let e_lse = rel_err("lse", &lse, &want_lse);
         let e_dqkv = rel_err("dqkv", &dqkv, &want_dqkv);
         // The CPU model's attention with the same documents, in f32.
-        let tensor = |v: &[f32], w: usize| {
-            Tensor::from_vec(v.to_vec(), (sh.b, sh.t, w), &Device::Cpu).unwrap()
-        };
-        let heads = Heads {
-            heads: sh.heads,
-            kv: sh.kv,
-        };
-        let qkv_t = tensor(&qkv, ld);
-        let cpu = causal_attention(&qkv_t, heads, Products::F32, Some(&docs)).unwrap();
-        let dy = tensor(&dout, sh.heads * sh.hd);
-        let cpu_d =
-            causal_attention_backward(&qkv_t, &dy, heads, Products::F32, Some(&docs)).unwrap();
-        let e_cpu = rel_err("out against the CPU", &out, &f64s(&cpu));
-        let e_cpu_d = rel_err("dqkv against the CPU", &dqkv, &f64s(&cpu_d));
+        let (cpu, cpu_d) = cpu_attention(&qkv, &dout, sh, Some(&docs));
+        let e_cpu = rel_err("out against the CPU", &out, &cpu);
+        let e_cpu_d = rel_err("dqkv against the CPU", &dqkv, &cpu_d);
         eprintln!(
             "{sh:?} with documents: out {e_out:.2e}, lse {e_lse:.2e}, dqkv {e_dqkv:.2e}; against the CPU model {e_cpu:.2e}, {e_cpu_d:.2e}"
         );
@@ -328,12 +298,28 @@ fn fused_attention_keeps_packed_documents_apart() {
     }
 }
 
-fn f64s(t: &Tensor) -> Vec<f64> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f64::from)
-        .collect()
+/// The CPU model's attention (zmodel, f32 products) of `qkv` and its
+/// backward from `dout`, with `docs` where documents are kept apart: (out,
+/// dqkv) as f64.
+fn cpu_attention(
+    qkv: &[f32],
+    dout: &[f32],
+    sh: FlashShape,
+    docs: Option<&zmodel::Documents>,
+) -> (Vec<f64>, Vec<f64>) {
+    let tensor =
+        |v: &[f32], w: usize| Tensor::from_vec(v.to_vec(), (sh.b, sh.t, w), &Device::Cpu).unwrap();
+    let heads = Heads {
+        heads: sh.heads,
+        kv: sh.kv,
+    };
+    let qkv = tensor(qkv, (sh.heads + 2 * sh.kv) * sh.hd);
+    let out = causal_attention(&qkv, heads, Products::F32, docs).unwrap();
+    let dy = tensor(dout, sh.heads * sh.hd);
+    let dqkv = causal_attention_backward(&qkv, &dy, heads, Products::F32, docs).unwrap();
+    let f64s = |t: &Tensor| -> Vec<f64> {
+        let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v.into_iter().map(f64::from).collect()
+    };
+    (f64s(&out), f64s(&dqkv))
 }

@@ -385,26 +385,14 @@ fn gpu_llama_block_with_fused_attention_matches_the_cpu_model_within_bf16_roundi
 fn gpu_llama_block_with_llama3_rope_scaling_matches_the_cpu_model() {
     // Llama 3's scaled rotary table (head width 16, original context 16:
     // every band has members), built by the same formula as the CPU's.
-    let scaling = zconfig::spec::RopeScaling::Llama3 {
-        factor: 8.0,
-        low_freq_factor: 1.0,
-        high_freq_factor: 4.0,
-        original_max_position_embeddings: 16,
-    };
-    matches_the_cpu_model(
+    llama_block_with_rope_scaling(
         "gpu_llama_block_with_llama3_rope_scaling_matches_the_cpu_model",
-        serde_json::json!({
-            "kind": "llama", "n_kv_heads": 2, "ffn_hidden": 96, "rope_theta": 100.0,
-            "rope_scaling": scaling
-        }),
-        Family::Llama {
-            kv_heads: 2,
-            qkv_bias: false,
-            qk_norm: false,
-            rope_theta: 100.0,
-            rope_scaling: Some(scaling),
+        zconfig::spec::RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 16,
         },
-        Products::F32,
     );
 }
 
@@ -413,18 +401,26 @@ fn gpu_llama_block_with_yarn_rope_scaling_matches_the_cpu_model() {
     // YaRN's rotary table (head width 16, original context 32, factor 4:
     // pairs kept, blended and divided) with its attention factor on the
     // turned q and k, by the same formula as the CPU's.
-    let scaling = zconfig::spec::RopeScaling::Yarn {
-        factor: 4.0,
-        original_max_position_embeddings: 32,
-        beta_fast: Some(8.0),
-        beta_slow: None,
-        attention_factor: None,
-        mscale: None,
-        mscale_all_dim: None,
-        truncate: None,
-    };
-    matches_the_cpu_model(
+    llama_block_with_rope_scaling(
         "gpu_llama_block_with_yarn_rope_scaling_matches_the_cpu_model",
+        zconfig::spec::RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 32,
+            beta_fast: Some(8.0),
+            beta_slow: None,
+            attention_factor: None,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: None,
+        },
+    );
+}
+
+/// A LLaMA block (4 query heads on 2 key/value heads, rotary base 100) with
+/// its rotary table scaled as `scaling` says, in f32.
+fn llama_block_with_rope_scaling(test: &str, scaling: zconfig::spec::RopeScaling) {
+    matches_the_cpu_model(
+        test,
         serde_json::json!({
             "kind": "llama", "n_kv_heads": 2, "ffn_hidden": 96, "rope_theta": 100.0,
             "rope_scaling": scaling
