@@ -15,6 +15,7 @@ the sixty-ninth session) changes the continuation within a few bytes.
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --zrun target/release/zrun
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --max-shard-size 40KB
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --rope-scaling llama3
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --rope-scaling yarn
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --bf16
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen2
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen3
@@ -52,6 +53,8 @@ SCALINGS = {
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
     "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
 }
 
 
@@ -96,7 +99,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=80)
     ap.add_argument("--max-shard-size", help="save in shards of at most this size (e.g. 40KB)")
     ap.add_argument("--rope-scaling", choices=sorted(SCALINGS),
-                    help="LLaMA: scale the rotary embedding (Llama 3.1's llama3, or linear)")
+                    help="LLaMA: scale the rotary embedding (Llama 3.1's llama3, linear, YaRN or dynamic NTK)")
     ap.add_argument("--bf16", action="store_true", help="weights rounded to bf16 and saved so")
     ap.add_argument("--repetition-penalty", type=float,
                     help="greedy under this repetition penalty (generation_config.json's)")

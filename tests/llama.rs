@@ -476,6 +476,14 @@ fn a_yarn_scaled_rotary_embedding_trains_exports_and_reads_back() {
     );
 }
 
+/// Dynamic NTK scaling the same way: unscaled within the model's context
+/// (transformers rescales only past it), carried through the export and
+/// its `init_from`.
+#[test]
+fn a_dynamic_scaled_rotary_embedding_trains_exports_and_reads_back() {
+    scaled_rotary_round_trips("{rope_type: dynamic, factor: 2}", "dynamic");
+}
+
 /// A LLaMA (heads of 8, base 100) with `rope_scaling` (YAML) trains,
 /// exports as the reader computes, starts a run at the export's loss, and
 /// a job without the scaling is refused naming the directory's `kind`.
@@ -655,9 +663,9 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
         (
             vec![(
                 "rope_scaling",
-                serde_json::json!({"type": "dynamic", "factor": 2.0}),
+                serde_json::json!({"type": "longrope", "factor": 2.0}),
             )],
-            "rope_scaling's rope_type is \"dynamic\"",
+            "rope_scaling's rope_type is \"longrope\"",
         ),
         (
             // Wider heads than the weights have.

@@ -173,6 +173,9 @@ impl Llama {
                                 attention: or("attention_factor", 0.1 * factor.ln() + 1.0),
                             }
                         }
+                        // Dynamic NTK rescales only past the model's
+                        // context, which the reader never reaches.
+                        Some("dynamic") => Scaling::None,
                         _ => panic!("a rope_scaling the reader does not compute: {s}"),
                     }
                 }

@@ -663,9 +663,9 @@ pub fn generation_defaults(dir: &Path) -> Result<Option<GenerationDefaults>, Ckp
 
 /// How a `config.json` scales the rotary embedding: transformers 4.x's
 /// `rope_scaling` or 5.x's `rope_parameters` (`rope_type` `default` or
-/// absent there: none), of the kinds zrun computes (`linear`, `llama3`,
-/// `yarn`; 4.x's older `type` key read as `rope_type`). Another kind
-/// (`dynamic`, `longrope` ...), a field missing or out of bounds, or a value
+/// absent there: none), of the kinds zrun computes (`linear`, `dynamic`,
+/// `llama3`, `yarn`; 4.x's older `type` key read as `rope_type`). Another
+/// kind (`longrope` ...), a field missing or out of bounds, or a value
 /// that is not an object (a `rope_parameters` of another kind silently
 /// gave the default base until the seventieth session) is refused, said.
 fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
@@ -687,10 +687,10 @@ fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
     let kind = match kind.map(|t| (t, t.as_str())) {
         Some((_, Some("default"))) => return Ok(None),
         None if key == "rope_parameters" => return Ok(None),
-        Some((_, Some(k @ ("linear" | "llama3" | "yarn")))) => k,
+        Some((_, Some(k @ ("linear" | "dynamic" | "llama3" | "yarn")))) => k,
         Some((t, _)) => {
             return Err(format!(
-                "{key}'s rope_type is {t}: zrun scales rotary embeddings as \"linear\", \"llama3\" and \"yarn\" only"
+                "{key}'s rope_type is {t}: zrun scales rotary embeddings as \"linear\", \"dynamic\", \"llama3\" and \"yarn\" only"
             ))
         }
         None => return Err(format!("{key} is {given}: it names no rope_type")),
@@ -698,7 +698,7 @@ fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
     let mut known = serde_json::Map::new();
     known.insert("rope_type".into(), Value::from(kind));
     let names: &[&str] = match kind {
-        "linear" => &["factor"],
+        "linear" | "dynamic" => &["factor"],
         "yarn" => &[
             "factor",
             "original_max_position_embeddings",
@@ -1640,7 +1640,7 @@ mod tests {
                     &llama_config,
                     &[("rope_parameters", json!({"rope_type": "longrope"}))],
                 ),
-                "rope_parameters's rope_type is \"longrope\": zrun scales rotary embeddings as \"linear\", \"llama3\" and \"yarn\" only",
+                "rope_parameters's rope_type is \"longrope\": zrun scales rotary embeddings as \"linear\", \"dynamic\", \"llama3\" and \"yarn\" only",
             ),
             (
                 edit(
@@ -1663,9 +1663,9 @@ mod tests {
             (
                 edit(
                     &llama_config,
-                    &[("rope_scaling", json!({"type": "dynamic", "factor": 2.0}))],
+                    &[("rope_scaling", json!({"type": "su", "factor": 2.0}))],
                 ),
-                "rope_scaling's rope_type is \"dynamic\"",
+                "rope_scaling's rope_type is \"su\"",
             ),
             (
                 edit(
@@ -1801,6 +1801,13 @@ mod tests {
                 "rope_scaling",
                 json!({"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 64}),
                 RopeScaling::Linear { factor: 2.0 },
+                10000.0,
+            ),
+            // Dynamic NTK as older LLaMA fine-tunes publish it.
+            (
+                "rope_scaling",
+                json!({"type": "dynamic", "factor": 2.0}),
+                RopeScaling::Dynamic { factor: 2.0 },
                 10000.0,
             ),
             // YaRN as Qwen2.5 publishes it (4.x's `type`), and DeepSeek's

@@ -63,7 +63,7 @@ pub fn rope_inv_freq(theta: f64, scaling: Option<RopeScaling>, hd: usize) -> Vec
                 })
                 .collect()
         }
-        None => plain.collect(),
+        None | Some(RopeScaling::Dynamic { .. }) => plain.collect(),
         Some(RopeScaling::Linear { factor }) => plain.map(|f| f / factor).collect(),
         Some(RopeScaling::Llama3 {
             factor,
@@ -574,6 +574,20 @@ mod tests {
         }
         // The others multiply by 1.
         assert_eq!(Rotary::new(500.0, None, 16).scale, 1.0);
+    }
+
+    /// Dynamic NTK scaling within the model's context: transformers'
+    /// `_compute_dynamic_ntk_parameters` scales the base by `(factor · len /
+    /// max_position_embeddings − (factor − 1))^(hd / (hd − 2))`, which is 1
+    /// at a sequence as long as the context (and it recomputes only past
+    /// it): the unscaled frequencies, no attention factor.
+    #[test]
+    fn dynamic_scaling_within_the_context_is_unscaled() {
+        let dynamic = Some(RopeScaling::Dynamic { factor: 2.0 });
+        assert_eq!(
+            Rotary::new(10_000.0, dynamic, 16),
+            Rotary::new(10_000.0, None, 16)
+        );
     }
 
     fn spec(json: serde_json::Value) -> ModelSpec {

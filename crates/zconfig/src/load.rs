@@ -914,6 +914,7 @@ pub fn rope_scaling_problem(s: &crate::spec::RopeScaling) -> Option<String> {
     use crate::spec::RopeScaling;
     let factor = match *s {
         RopeScaling::Linear { factor }
+        | RopeScaling::Dynamic { factor }
         | RopeScaling::Llama3 { factor, .. }
         | RopeScaling::Yarn { factor, .. } => factor,
     };

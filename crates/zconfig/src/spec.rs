@@ -157,7 +157,8 @@ pub struct ModelSpec {
 /// How the rotary embeddings' frequencies are scaled for a context longer
 /// than the one a model was first trained at: Hugging Face's `rope_scaling`
 /// (`rope_parameters` in transformers 5), the kinds whose frequencies are
-/// fixed (not `dynamic`'s, which move with the sequence's length).
+/// fixed over the model's context (not `longrope`'s, which switch at the
+/// original context).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "rope_type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum RopeScaling {
@@ -183,6 +184,16 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         /// The context the model was first trained at.
         original_max_position_embeddings: usize,
+    },
+    /// Dynamic NTK scaling, which transformers applies only to sequences
+    /// longer than the model's context (`max_position_embeddings`, zrun's
+    /// `seq_len`): a job's never are, so its frequencies are the unscaled
+    /// ones, as transformers computes them for every such sequence; kept so
+    /// that a model that has it reads and exports with it.
+    Dynamic {
+        /// The context's multiple at which the base is scaled (at least 1).
+        #[serde(deserialize_with = "finite::number")]
+        factor: f64,
     },
     /// YaRN (Peng et al., 2023; Qwen2.5's and Qwen3's long contexts, as
     /// transformers computes it): frequencies that turn more than
