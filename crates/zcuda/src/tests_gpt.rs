@@ -439,8 +439,14 @@ fn llama_block_with_rope_scaling(test: &str, scaling: zconfig::spec::RopeScaling
 /// A LLaMA block (4 query heads on 2 key/value heads, rotary base 100, t =
 /// 100: two tiles of query rows) with the fused attention in `products`.
 fn llama_block_with_fused_attention(test: &str, products: Products) {
+    llama_block_with_fused_attention_on(test, products, false);
+}
+
+/// [`llama_block_with_fused_attention`], with packed documents kept apart
+/// where `documents` says ([`matches_the_cpu_model_with`]).
+fn llama_block_with_fused_attention_on(test: &str, products: Products, documents: bool) {
     let (kv_heads, rope_theta) = (2, 100.0);
-    matches_the_cpu_model(
+    matches_the_cpu_model_with(
         test,
         serde_json::json!({
             "kind": "llama", "n_kv_heads": kv_heads, "ffn_hidden": 96, "rope_theta": rope_theta,
@@ -454,6 +460,7 @@ fn llama_block_with_fused_attention(test: &str, products: Products) {
             rope_scaling: None,
         },
         products,
+        documents,
     );
 }
 
@@ -508,20 +515,8 @@ fn gpu_block_with_packed_documents_kept_apart_matches_the_cpu_model() {
 fn gpu_llama_block_with_packed_documents_and_fused_attention_matches_the_cpu_model() {
     // LLaMA: rotary positions from each document's first token, the fused
     // attention's walks over two tiles of rows with documents across them.
-    let (kv_heads, rope_theta) = (2, 100.0);
-    matches_the_cpu_model_with(
+    llama_block_with_fused_attention_on(
         "gpu_llama_block_with_packed_documents_and_fused_attention_matches_the_cpu_model",
-        serde_json::json!({
-            "kind": "llama", "n_kv_heads": kv_heads, "ffn_hidden": 96, "rope_theta": rope_theta,
-            "seq_len": 100
-        }),
-        Family::Llama {
-            kv_heads,
-            qkv_bias: false,
-            qk_norm: false,
-            rope_theta,
-            rope_scaling: None,
-        },
         Products::Bf16FusedAttention,
         true,
     );
