@@ -431,15 +431,16 @@ extern "C" __global__ void heads_to_kv_rows(const float* heads, float* rows, int
 
 // LLaMA's rotary positions in place on rows of `ld` values (q's and k's
 // `heads` heads of hd from column 0; v's columns untouched), Hugging Face's
-// layout: in each head the pair (i, i + hd/2) at position p = position(first,
+// layout: in each head the pair (i, i + half) at position p = position(first,
 // row, t) turns by the angle whose cosine and sine are cos[p, i], sin[p, i]
-// (a table the host computes in f64, as the CPU model does), times `sign`
-// for the sine: −1 turns back, which is the backward.
+// (a table [t, half] the host computes in f64, as the CPU model does), times
+// `sign` for the sine: −1 turns back, which is the backward. `half` is hd / 2,
+// or less where only a head's first 2·half columns turn (Phi-4-mini's
+// partial rotation; the others stay).
 extern "C" __global__ void rope(float* x, const float* cos_t, const float* sin_t,
                                 const unsigned int* first, unsigned long long rows, int ld,
-                                int heads, int hd, int t, float sign)
+                                int heads, int hd, int half, int t, float sign)
 {
-    int half = hd / 2;
     unsigned long long n = rows * heads * half;
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;

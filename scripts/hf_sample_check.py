@@ -21,6 +21,8 @@ the sixty-ninth session) changes the continuation within a few bytes.
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen3
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py mistral
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py phi3
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py phi3 --rope-scaling longrope
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py phi3 --partial-rotary-factor 0.75 --rope-scaling longrope
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --repetition-penalty 1.3
 
 `--max-shard-size` saves the model in shards with an index
@@ -55,10 +57,15 @@ SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    # Each pair's own divisors, the long ones past 16 tokens (the prompt and
+    # the continuation cross it); the attention factor from 64 over 16.
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 16,
+                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.3, 4.0],
+                 "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]},
 }
 
 
-def build(kind: str, rope_scaling=None):
+def build(kind: str, rope_scaling=None, partial_rotary_factor=None):
     if kind == "gpt2":
         return GPT2LMHeadModel(
             GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64)
@@ -82,8 +89,23 @@ def build(kind: str, rope_scaling=None):
         # each; its window (47) shorter than its positions (64): zrun's
         # context is the window, and so is the one transformers is given
         # below.
-        return Phi3ForCausalLM(Phi3Config(**shape, sliding_window=WINDOWS["phi3"], pad_token_id=0,
-                                          bos_token_id=1, eos_token_id=2))
+        # Phi-3.5 publishes LongRoPE's original context beside the scaling
+        # (transformers' Phi-3 defaults it to 4096), not within it.
+        extra = {}
+        if rope_scaling and rope_scaling["rope_type"] == "longrope":
+            rope_scaling = dict(rope_scaling, type="longrope")
+            extra["original_max_position_embeddings"] = rope_scaling.pop("original_max_position_embeddings")
+            del rope_scaling["rope_type"]
+            shape["rope_scaling"] = rope_scaling
+        if partial_rotary_factor:
+            extra["partial_rotary_factor"] = partial_rotary_factor
+            if rope_scaling:
+                # One factor for each turned pair.
+                pairs = int(16 * partial_rotary_factor) // 2
+                for key in ("short_factor", "long_factor"):
+                    rope_scaling[key] = rope_scaling[key][:pairs]
+        return Phi3ForCausalLM(Phi3Config(**shape, **extra, sliding_window=WINDOWS["phi3"],
+                                          pad_token_id=0, bos_token_id=1, eos_token_id=2))
     return LlamaForCausalLM(LlamaConfig(**shape))
 
 
@@ -99,13 +121,18 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=80)
     ap.add_argument("--max-shard-size", help="save in shards of at most this size (e.g. 40KB)")
     ap.add_argument("--rope-scaling", choices=sorted(SCALINGS),
-                    help="LLaMA: scale the rotary embedding (Llama 3.1's llama3, linear, YaRN or dynamic NTK)")
+                    help="scale the rotary embedding (LLaMA: Llama 3.1's llama3, linear, YaRN, dynamic NTK "
+                         "or LongRoPE; Phi-3: LongRoPE, as Phi-3.5 publishes it)")
+    ap.add_argument("--partial-rotary-factor", type=float,
+                    help="Phi-3: turn only this share of each head (Phi-4-mini's 0.75)")
     ap.add_argument("--bf16", action="store_true", help="weights rounded to bf16 and saved so")
     ap.add_argument("--repetition-penalty", type=float,
                     help="greedy under this repetition penalty (generation_config.json's)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    model = build(args.kind, SCALINGS.get(args.rope_scaling))
+    if args.partial_rotary_factor and args.kind != "phi3":
+        ap.error("--partial-rotary-factor is Phi-3's")
+    model = build(args.kind, SCALINGS.get(args.rope_scaling), args.partial_rotary_factor)
     with torch.no_grad():
         for name, p in model.named_parameters():
             # Biases too (zero at initialisation, they would test nothing).

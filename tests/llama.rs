@@ -484,10 +484,109 @@ fn a_dynamic_scaled_rotary_embedding_trains_exports_and_reads_back() {
     scaled_rotary_round_trips("{rope_type: dynamic, factor: 2}", "dynamic");
 }
 
+/// LongRoPE's (Phi-3.5's, Phi-4-mini's long contexts) the same way, past
+/// its original context of 16 (sequences of 32: the long factors, each
+/// pair's own) and within it (an original of 32: the short ones), the
+/// reader dividing each pair's frequency by its factor and multiplying
+/// the turned q and k by `sqrt(1 + ln 4 / ln original)`.
+/// A generation that grows past the original context turns every kept
+/// key again with the long factors, as transformers' Phi-3 does: each
+/// token `zrun sample` draws greedily from the export is the reader's most
+/// likely one, the reader computing each step's sequence afresh.
+#[test]
+fn a_longrope_scaled_rotary_embedding_trains_exports_and_reads_back() {
+    for old in [16, 32] {
+        let (d, out) = scaled_rotary_round_trips(
+            &format!("{{rope_type: longrope, factor: 4, original_max_position_embeddings: {old}, short_factor: [1, 1.5, 2, 3], long_factor: [1, 2, 5, 9]}}"),
+            "longrope",
+        );
+        let f = zrun(
+            d.path(),
+            &[
+                "sample",
+                out.to_str().unwrap(),
+                "--prompt",
+                "the quick",
+                "--tokens",
+                "20",
+                "--temperature",
+                "0",
+            ],
+        );
+        assert_eq!(f.code(), 0, "{f:?}");
+        let tokens: Vec<u32> = f
+            .stdout
+            .trim_end_matches('\n')
+            .bytes()
+            .map(u32::from)
+            .collect();
+        let reader = Llama::load(&out);
+        let prompt = "the quick".len();
+        assert!(tokens.len() > 17, "the sample crosses 16 tokens: {f:?}");
+        for at in prompt..tokens.len() {
+            let logits = reader.next_logits(&tokens[..at]);
+            let best = logits.iter().cloned().fold(f64::MIN, f64::max);
+            assert!(
+                logits[tokens[at] as usize] >= best - 1e-4,
+                "original {old}: token {at} is {}, of logit {} to the reader's best {best}",
+                tokens[at],
+                logits[tokens[at] as usize]
+            );
+        }
+    }
+}
+
+/// Phi-4-mini's partial rotation (`model.partial_rotary_factor: 0.5`: the
+/// first 4 columns of each head of 8 turn, as pairs 2 apart, the other 4
+/// pass) trains and exports as Hugging Face's Phi-3 (`Phi3ForCausalLM`,
+/// q, k and v in one `qkv_proj`, gate and up in one `gate_up_proj`), from
+/// which the reader, with its own split of the fused tensors and its own
+/// partial rotation, computes zrun's next loss; alone and under LongRoPE
+/// (a factor for each of the 2 turned pairs, past an original context of
+/// 16, written beside the scaling as Phi-3 reads it); the directory starts
+/// a run at that loss, and a job that turns the whole head is refused
+/// naming both.
+#[test]
+fn a_partial_rotation_trains_and_exports_as_phi3() {
+    for scaling in [
+        "",
+        ", rope_scaling: {rope_type: longrope, factor: 4, original_max_position_embeddings: 16, short_factor: [1, 2], long_factor: [1, 6]}",
+    ] {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        let (job, out, next) = exported_as_the_reader_computes(
+            dir,
+            &format!(
+                "{{kind: llama, partial_rotary_factor: 0.5, vocab_size: 256, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 48, seq_len: 32, rope_theta: 100{scaling}}}"
+            ),
+        );
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(
+            (&config["model_type"], &config["partial_rotary_factor"]),
+            (&serde_json::json!("phi3"), &serde_json::json!(0.5)),
+            "{config}"
+        );
+        starts_at(dir, &job, &out, "init.jsonl", next);
+        if !scaling.is_empty() {
+            assert_eq!(config["original_max_position_embeddings"], 16, "{config}");
+            continue;
+        }
+        refused_from(
+            dir,
+            &job,
+            &out,
+            "model.partial_rotary_factor=null",
+            &["partial_rotary_factor is 0.5, the job's model has 1 (model.partial_rotary_factor)"],
+        );
+    }
+}
+
 /// A LLaMA (heads of 8, base 100) with `rope_scaling` (YAML) trains,
 /// exports as the reader computes, starts a run at the export's loss, and
 /// a job without the scaling is refused naming the directory's `kind`.
-fn scaled_rotary_round_trips(rope_scaling: &str, kind: &str) {
+/// Returns the directory it ran in and the export.
+fn scaled_rotary_round_trips(rope_scaling: &str, kind: &str) -> (tempfile::TempDir, PathBuf) {
     let d = tempfile::tempdir().unwrap();
     let dir = d.path();
     let (job, out, next) = exported_as_the_reader_computes(
@@ -508,6 +607,7 @@ fn scaled_rotary_round_trips(rope_scaling: &str, kind: &str) {
             "the job's model.rope_scaling none",
         ],
     );
+    (d, out)
 }
 
 /// Qwen2 (`model.qkv_bias: true`: LLaMA with biases on q, k and v) trains
@@ -665,7 +765,7 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
                 "rope_scaling",
                 serde_json::json!({"type": "longrope", "factor": 2.0}),
             )],
-            "rope_scaling's rope_type is \"longrope\"",
+            "rope_scaling is {\"factor\":2.0,\"type\":\"longrope\"}: missing field `short_factor`",
         ),
         (
             // Wider heads than the weights have.

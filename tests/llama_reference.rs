@@ -37,6 +37,12 @@ struct Config {
     hd: usize,
     /// Qwen3: each head of q and k RMS-normalised (`q_norm`, `k_norm`).
     qk_norm: bool,
+    /// The columns of each q and k head that turn (Phi-3's
+    /// `partial_rotary_factor` of the head's width; all elsewhere).
+    rot: usize,
+    /// Phi-3: q, k and v stored as one `qkv_proj`, gate and up as one
+    /// `gate_up_proj`, the parts' rows one after the other.
+    fused: bool,
 }
 
 /// A `rope_scaling` the reader computes.
@@ -53,10 +59,20 @@ enum Scaling {
         truncate: bool,
         attention: f64,
     },
+    /// LongRoPE's: the original context, a divisor of each pair's
+    /// frequency within it and past it, and the attention factor.
+    Longrope {
+        old: usize,
+        short: Vec<f64>,
+        long: Vec<f64>,
+        attention: f64,
+    },
 }
 
 impl Config {
-    /// Pair `i`'s frequency (radians a position) for head width `hd`. Llama
+    /// Pair `i`'s frequency (radians a position) for head width `hd` in a
+    /// sequence of `len` tokens. LongRoPE's divides by the pair's short
+    /// factor up to the original context, by its long one past it. Llama
     /// 3's bands by frequency rather than wavelength (the same cuts, written
     /// the other way round from zrun's): above `2π·high/old` kept, below
     /// `2π·low/old` over the factor, between a blend by where the pair's
@@ -64,10 +80,19 @@ impl Config {
     /// the pair index at which a frequency turns `β` times over the original
     /// context is `hd·ln(old / 2πβ) / 2·ln θ`; pairs below β_fast's index
     /// are kept, above β_slow's divided, a straight line between.
-    fn frequency(&self, i: usize, hd: usize) -> f64 {
+    fn frequency(&self, i: usize, hd: usize, len: usize) -> f64 {
         let f = self.theta.powf(-((2 * i) as f64) / hd as f64);
         match self.scaling {
             Scaling::None => f,
+            Scaling::Longrope {
+                old,
+                ref short,
+                ref long,
+                ..
+            } => match len > old {
+                true => f / long[i],
+                false => f / short[i],
+            },
             Scaling::Llama3([factor, low, high, old]) => {
                 let turns = old * f / std::f64::consts::TAU;
                 if turns > high {
@@ -102,11 +127,11 @@ impl Config {
         }
     }
 
-    /// What the turned q and k are multiplied by: YaRN's attention factor,
-    /// else 1.
+    /// What the turned q and k are multiplied by: YaRN's and LongRoPE's
+    /// attention factors, else 1.
     fn rotary_scale(&self) -> f64 {
         match self.scaling {
-            Scaling::Yarn { attention, .. } => attention,
+            Scaling::Yarn { attention, .. } | Scaling::Longrope { attention, .. } => attention,
             _ => 1.0,
         }
     }
@@ -127,7 +152,7 @@ impl Llama {
             serde_json::from_slice(&std::fs::read(dir.join("config.json")).expect("config.json"))
                 .expect("config.json is JSON");
         let (qkv_bias, qk_norm) = match config["model_type"].as_str() {
-            Some("llama") => (false, false),
+            Some("llama" | "phi3") => (false, false),
             Some(kind @ ("qwen2" | "qwen3")) => {
                 assert_eq!(config["use_sliding_window"], false, "{config}");
                 (kind == "qwen2", kind == "qwen3")
@@ -176,6 +201,26 @@ impl Llama {
                         // Dynamic NTK rescales only past the model's
                         // context, which the reader never reaches.
                         Some("dynamic") => Scaling::None,
+                        Some("longrope") => {
+                            let old = g("original_max_position_embeddings");
+                            let list = |k: &str| -> Vec<f64> {
+                                let v = s[k].as_array().unwrap_or_else(|| panic!("{k}"));
+                                v.iter().map(|f| f.as_f64().expect("a factor")).collect()
+                            };
+                            // The paper's sqrt(1 + ln s / ln L), s the
+                            // context's stretch.
+                            let stretch = s["factor"]
+                                .as_f64()
+                                .unwrap_or_else(|| f("max_position_embeddings") / old);
+                            Scaling::Longrope {
+                                old: old as usize,
+                                short: list("short_factor"),
+                                long: list("long_factor"),
+                                attention: s["attention_factor"]
+                                    .as_f64()
+                                    .unwrap_or((1.0 + stretch.ln() / old.ln()).sqrt()),
+                            }
+                        }
                         _ => panic!("a rope_scaling the reader does not compute: {s}"),
                     }
                 }
@@ -186,6 +231,15 @@ impl Llama {
             qkv_bias,
             hd,
             qk_norm,
+            rot: {
+                let within = &config["rope_parameters"]["partial_rotary_factor"];
+                let share = within
+                    .as_f64()
+                    .or(config["partial_rotary_factor"].as_f64())
+                    .unwrap_or(1.0);
+                (hd as f64 * share) as usize
+            },
+            fused: config["model_type"] == "phi3",
         };
         let (v, d, f) = (cfg.vocab, cfg.d, cfg.ffn);
         let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
@@ -196,18 +250,42 @@ impl Llama {
         if !cfg.tied {
             want.push(("lm_head.weight".into(), vec![v, d]));
         }
+        // Each of Phi-3's fused tensors and its parts' rows.
+        let fused = [
+            (
+                "self_attn.qkv_proj",
+                vec![
+                    ("self_attn.q_proj", q),
+                    ("self_attn.k_proj", kv),
+                    ("self_attn.v_proj", kv),
+                ],
+            ),
+            (
+                "mlp.gate_up_proj",
+                vec![("mlp.gate_proj", f), ("mlp.up_proj", f)],
+            ),
+        ];
         for i in 0..cfg.layers {
-            for (name, dims) in [
+            let mut names = vec![
                 ("input_layernorm.weight", vec![d]),
-                ("self_attn.q_proj.weight", vec![q, d]),
-                ("self_attn.k_proj.weight", vec![kv, d]),
-                ("self_attn.v_proj.weight", vec![kv, d]),
                 ("self_attn.o_proj.weight", vec![d, q]),
                 ("post_attention_layernorm.weight", vec![d]),
-                ("mlp.gate_proj.weight", vec![f, d]),
-                ("mlp.up_proj.weight", vec![f, d]),
                 ("mlp.down_proj.weight", vec![d, f]),
-            ] {
+            ];
+            match cfg.fused {
+                true => names.extend([
+                    ("self_attn.qkv_proj.weight", vec![q + 2 * kv, d]),
+                    ("mlp.gate_up_proj.weight", vec![2 * f, d]),
+                ]),
+                false => names.extend([
+                    ("self_attn.q_proj.weight", vec![q, d]),
+                    ("self_attn.k_proj.weight", vec![kv, d]),
+                    ("self_attn.v_proj.weight", vec![kv, d]),
+                    ("mlp.gate_proj.weight", vec![f, d]),
+                    ("mlp.up_proj.weight", vec![f, d]),
+                ]),
+            }
+            for (name, dims) in names {
                 want.push((format!("model.layers.{i}.{name}"), dims));
             }
             if cfg.qkv_bias {
@@ -227,7 +305,22 @@ impl Llama {
                 }
             }
         }
-        let tensors = load_exactly(&dir.join("model.safetensors"), want);
+        let mut tensors = load_exactly(&dir.join("model.safetensors"), want);
+        if cfg.fused {
+            for i in 0..cfg.layers {
+                for (whole, parts) in &fused {
+                    let values = tensors
+                        .remove(&format!("model.layers.{i}.{whole}.weight"))
+                        .expect("a fused tensor");
+                    let mut at = 0;
+                    for (part, rows) in parts {
+                        let piece = values[at * d..(at + rows) * d].to_vec();
+                        tensors.insert(format!("model.layers.{i}.{part}.weight"), piece);
+                        at += rows;
+                    }
+                }
+            }
+        }
         Llama { cfg, tensors }
     }
 
@@ -251,6 +344,13 @@ impl Llama {
     /// scored alone ([`mean_loss_of_documents`]).
     pub fn loss_of_documents(&self, windows: &[Vec<u32>], eos: u32) -> f64 {
         mean_loss_of_documents(windows, eos, |inputs| self.logits(inputs))
+    }
+
+    /// The logits of the token after `tokens`, the whole sequence computed
+    /// afresh (as transformers computes every position again where
+    /// LongRoPE's factors switch).
+    pub fn next_logits(&self, tokens: &[u32]) -> Vec<f64> {
+        self.logits(tokens).pop().expect("a token")
     }
 
     fn logits(&self, tokens: &[u32]) -> Vec<Vec<f64>> {
@@ -356,17 +456,20 @@ impl Llama {
     }
 
     /// `apply_rotary_pos_emb` on rows of heads: `x·cos + rotate_half(x)·sin`,
-    /// with `rotate_half(x) = [-x2, x1]` on each head's halves.
+    /// with `rotate_half(x) = [-x2, x1]` on the halves of each head's first
+    /// `rot` columns (all but in Phi-3's partial rotation, whose other
+    /// columns pass: `q[..., rot:]`).
     fn rotate(&self, x: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
-        let hd = self.cfg.hd;
-        let half = hd / 2;
+        let (hd, rot) = (self.cfg.hd, self.cfg.rot);
+        let half = rot / 2;
+        let len = x.len();
         x.into_iter()
             .enumerate()
             .map(|(p, row)| {
                 let mut out = row.clone();
                 for head in 0..row.len() / hd {
-                    for i in 0..hd {
-                        let inv_freq = self.cfg.frequency(i % half, hd);
+                    for i in 0..rot {
+                        let inv_freq = self.cfg.frequency(i % half, rot, len);
                         let angle = p as f64 * inv_freq;
                         let scale = self.cfg.rotary_scale();
                         let (c, s) = (scale * angle.cos(), scale * angle.sin());

@@ -12,7 +12,8 @@
 //! `gate_up_proj` becomes `gate_proj`, `up_proj`, each transposed. The
 //! rotary embedding uses Hugging Face's layout already (halves of each head),
 //! so q and k need no permutation. Qwen3's q and k norms are vectors under
-//! their own names.
+//! their own names. A model that turns only part of each head is written as
+//! Phi-3, whose `qkv_proj` and `gate_up_proj` are zrun's, transposed whole.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -183,7 +184,13 @@ pub fn pieces(m: &ModelSpec, name: &str, shape: &[usize]) -> Vec<Piece> {
                     .collect()
             };
             let (q, kv) = (m.n_heads * m.head_dim(), m.kv_heads() * m.head_dim());
-            if name.ends_with("self_attn.qkv_proj.weight") {
+            let fused = name.ends_with("self_attn.qkv_proj.weight")
+                || name.ends_with("mlp.gate_up_proj.weight");
+            if fused && exported_as_phi3(m) {
+                // Phi-3's own fused tensors: the parts' rows one after the
+                // other, as zrun's columns are.
+                one(hf, true)
+            } else if name.ends_with("self_attn.qkv_proj.weight") {
                 split("qkv_proj", &[("q_proj", q), ("k_proj", kv), ("v_proj", kv)])
             } else if name.ends_with("self_attn.qkv_proj.bias") {
                 // Qwen2's biases: vectors, cut as the weight's columns.
@@ -273,15 +280,64 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
         c["max_window_layers"] = m.n_layers.into();
     }
     // transformers 4.x's key, which 5.x reads too (into `rope_parameters`).
-    if let Some(scaling) = m.rope_scaling {
+    if let Some(scaling) = &m.rope_scaling {
         c["rope_scaling"] = serde_json::to_value(scaling).expect("a scaling serialises");
+    }
+    if exported_as_phi3(m) {
+        // The family whose attention turns part of each head (the job
+        // refuses a partial rotation with what Phi-3 lacks).
+        let obj = c.as_object_mut().expect("an object");
+        obj.remove("attention_bias");
+        obj.remove("mlp_bias");
+        c["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
+        c["model_type"] = "phi3".into();
+        c["partial_rotary_factor"] = m.partial_rotary_factor.into();
+        // Phi-3 takes LongRoPE's original context from beside the scaling
+        // (4096 where absent), not from within it.
+        if let Some(RopeScaling::Longrope {
+            original_max_position_embeddings,
+            ..
+        }) = m.rope_scaling
+        {
+            c["original_max_position_embeddings"] = original_max_position_embeddings.into();
+        }
     }
     c
 }
 
+/// Whether `m` is written as Phi-3 (`Phi3ForCausalLM`, q, k and v, and
+/// gate and up, one tensor each): a LLaMA that turns only part of each
+/// head, which transformers' LLaMA cannot and its Phi-3 can.
+fn exported_as_phi3(m: &ModelSpec) -> bool {
+    m.kind == ModelKind::Llama && m.rotary_dim() != m.head_dim()
+}
+
+/// The share of each head a Hugging Face config's rotary embedding turns
+/// (`partial_rotary_factor`, within `rope_parameters` as transformers 5
+/// keeps it, else beside it; 1 where neither says), `Err` naming the key
+/// where it is not a number.
+fn partial_rotary_factor(c: &serde_json::Value) -> Result<f64, String> {
+    let within = c
+        .get("rope_parameters")
+        .and_then(|r| r.get("partial_rotary_factor"))
+        .filter(|f| !f.is_null())
+        .map(|f| ("rope_parameters.partial_rotary_factor", f));
+    let beside = c
+        .get("partial_rotary_factor")
+        .filter(|f| !f.is_null())
+        .map(|f| ("partial_rotary_factor", f));
+    match within.or(beside) {
+        None => Ok(1.0),
+        Some((key, f)) => f
+            .as_f64()
+            .filter(|f| *f > 0.0 && *f <= 1.0)
+            .ok_or_else(|| format!("{key} is {f}, not a number above 0 and at most 1")),
+    }
+}
+
 /// The model a Hugging Face directory's `config.json` describes: GPT-2
 /// (`model_type: gpt2`, tanh GELU) or LLaMA (`llama`: SiLU, no biases,
-/// rotary scaling none, `linear` or `llama3`; `qwen2`: with biases on q, k
+/// rotary scaling as `rope_scaling` reads it; `qwen2`: with biases on q, k
 /// and v; `qwen3`: with norms of each head's q and k; `mistral`: LLaMA, its
 /// context capped at its `sliding_window`; heads as wide as `head_dim`
 /// says),
@@ -355,23 +411,18 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
         }
         Some(kind @ ("llama" | "qwen2" | "qwen3" | "mistral" | "phi3")) => {
             only("hidden_act", &[json!("silu")])?;
-            // Phi-4-mini turns only part of each head.
-            only("partial_rotary_factor", &[json!(1.0)])?;
-            if let Some(f) = c
-                .get("rope_parameters")
-                .and_then(|r| r.get("partial_rotary_factor"))
-            {
-                if !f.is_null() && f.as_f64() != Some(1.0) {
-                    return Err(bad(format!(
-                        "rope_parameters.partial_rotary_factor is {f}: zrun's model turns the whole of each head"
-                    )));
-                }
+            // Phi-4-mini turns only part of each head; transformers' other
+            // families turn the whole.
+            let partial = partial_rotary_factor(&c).map_err(&bad)?;
+            if partial != 1.0 && kind != "phi3" {
+                return Err(bad(format!(
+                    "partial_rotary_factor is {partial}: transformers' {kind} turns the whole of each head (Phi-3 turns part)"
+                )));
             }
             only("attention_bias", &[json!(false)])?;
             only("mlp_bias", &[json!(false)])?;
             // Qwen2 and 3 window attention only with `use_sliding_window`.
             only("use_sliding_window", &[json!(false)])?;
-            let scaling = rope_scaling(&c).map_err(&bad)?;
             let (d, heads) = (need(&["hidden_size"])?, need(&["num_attention_heads"])?);
             // transformers' Qwen3 defaults the head width to 128, the others
             // to d / heads: a Qwen3 directory must say.
@@ -379,6 +430,8 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
                 "qwen3" => Some(need(&["head_dim"])?),
                 _ => count(&["head_dim"]).transpose()?,
             };
+            let rotary_dim = (head_dim.unwrap_or(d / heads) as f64 * partial) as usize;
+            let scaling = rope_scaling(&c, rotary_dim).map_err(&bad)?;
             json!({
                 "kind": "llama",
                 "vocab_size": need(&["vocab_size"])?,
@@ -393,6 +446,7 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
                 "qkv_bias": (kind == "qwen2").then_some(true),
                 "rope_theta": float("rope_theta"),
                 "rope_scaling": scaling,
+                "partial_rotary_factor": (partial != 1.0).then_some(partial),
                 "norm_eps": float("rms_norm_eps"),
                 "seq_len": context(kind)?,
             })
@@ -427,6 +481,13 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, CkptError> {
     if m.kind == ModelKind::Llama && !m.head_dim().is_multiple_of(2) {
         return Err(bad(format!(
             "the head width {} is odd: rotary embeddings turn pairs",
+            m.head_dim()
+        )));
+    }
+    if m.kind == ModelKind::Llama && (m.rotary_dim() < 2 || !m.rotary_dim().is_multiple_of(2)) {
+        return Err(bad(format!(
+            "partial_rotary_factor turns {} of each head's {} columns: rotary embeddings turn pairs",
+            m.rotary_dim(),
             m.head_dim()
         )));
     }
@@ -661,14 +722,19 @@ pub fn generation_defaults(dir: &Path) -> Result<Option<GenerationDefaults>, Ckp
     Ok(Some(defaults))
 }
 
-/// How a `config.json` scales the rotary embedding: transformers 4.x's
-/// `rope_scaling` or 5.x's `rope_parameters` (`rope_type` `default` or
-/// absent there: none), of the kinds zrun computes (`linear`, `dynamic`,
-/// `llama3`, `yarn`; 4.x's older `type` key read as `rope_type`). Another
-/// kind (`longrope` ...), a field missing or out of bounds, or a value
+/// How a `config.json` of heads `hd` wide scales the rotary embedding:
+/// transformers 4.x's `rope_scaling` or 5.x's `rope_parameters`
+/// (`rope_type` `default` or absent there: none), of the kinds zrun
+/// computes (`linear`, `dynamic`, `llama3`, `yarn`, `longrope`; 4.x's
+/// older `type` key read as `rope_type`, and Phi-3's `su` and `yarn` as
+/// `longrope`, as transformers' Phi-3 reads them), with transformers'
+/// defaults filled in: an `original_max_position_embeddings` beside the
+/// scaling (Phi-3's, 4096 where absent) over the one within it, else the
+/// model's `max_position_embeddings`; LongRoPE's `factor` that over the
+/// original. Another kind, a field missing or out of bounds, or a value
 /// that is not an object (a `rope_parameters` of another kind silently
 /// gave the default base until the seventieth session) is refused, said.
-fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
+fn rope_scaling(c: &serde_json::Value, hd: usize) -> Result<Option<RopeScaling>, String> {
     use serde_json::Value;
     let (key, given) = match (c.get("rope_scaling"), c.get("rope_parameters")) {
         (Some(v), _) if !v.is_null() => ("rope_scaling", v),
@@ -680,6 +746,7 @@ fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
             "{key} is {given}, not an object such as {{\"rope_type\": \"llama3\", \"factor\": 8.0, ...}}"
         ));
     };
+    let phi3 = c.get("model_type").and_then(Value::as_str) == Some("phi3");
     let kind = fields
         .get("rope_type")
         .filter(|t| !t.is_null())
@@ -687,10 +754,11 @@ fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
     let kind = match kind.map(|t| (t, t.as_str())) {
         Some((_, Some("default"))) => return Ok(None),
         None if key == "rope_parameters" => return Ok(None),
-        Some((_, Some(k @ ("linear" | "dynamic" | "llama3" | "yarn")))) => k,
+        Some((_, Some("su" | "yarn"))) if phi3 => "longrope",
+        Some((_, Some(k @ ("linear" | "dynamic" | "llama3" | "yarn" | "longrope")))) => k,
         Some((t, _)) => {
             return Err(format!(
-                "{key}'s rope_type is {t}: zrun scales rotary embeddings as \"linear\", \"dynamic\", \"llama3\" and \"yarn\" only"
+                "{key}'s rope_type is {t}: zrun scales rotary embeddings as \"linear\", \"dynamic\", \"llama3\", \"yarn\" and \"longrope\" only"
             ))
         }
         None => return Err(format!("{key} is {given}: it names no rope_type")),
@@ -709,6 +777,13 @@ fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
             "mscale_all_dim",
             "truncate",
         ],
+        "longrope" => &[
+            "factor",
+            "original_max_position_embeddings",
+            "short_factor",
+            "long_factor",
+            "attention_factor",
+        ],
         _ => &[
             "factor",
             "low_freq_factor",
@@ -722,9 +797,34 @@ fn rope_scaling(c: &serde_json::Value) -> Result<Option<RopeScaling>, String> {
             known.insert((*name).into(), v.clone());
         }
     }
+    if names.contains(&"original_max_position_embeddings") {
+        let positions = c.get("max_position_embeddings").filter(|v| !v.is_null());
+        let beside = c
+            .get("original_max_position_embeddings")
+            .filter(|v| !v.is_null());
+        let old = match (beside, known.get("original_max_position_embeddings")) {
+            (Some(v), _) => Some(v.clone()),
+            (None, _) if phi3 => Some(Value::from(4096)),
+            (None, Some(v)) => Some(v.clone()),
+            (None, None) => positions.cloned(),
+        };
+        if let Some(old) = old {
+            known.insert("original_max_position_embeddings".into(), old);
+        }
+        if kind == "longrope" && !known.contains_key("factor") {
+            let ratio = positions
+                .and_then(Value::as_f64)
+                .zip(known["original_max_position_embeddings"].as_f64())
+                .filter(|(_, old)| *old > 0.0)
+                .map(|(n, old)| n / old);
+            if let Some(ratio) = ratio {
+                known.insert("factor".into(), Value::from(ratio));
+            }
+        }
+    }
     let scaling: RopeScaling = serde_json::from_value(Value::Object(known))
         .map_err(|e| format!("{key} is {given}: {e}"))?;
-    match zconfig::load::rope_scaling_problem(&scaling) {
+    match zconfig::load::rope_scaling_problem(&scaling, hd) {
         Some(problem) => Err(format!("{key}: {problem}")),
         None => Ok(Some(scaling)),
     }
@@ -745,6 +845,19 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
     let file: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| invalid(&path, format!("not a Hugging Face config.json: {e}")))?;
     let file = lift_rope_theta(file).map_err(|e| invalid(&path, e))?;
+    // Read before Phi-3's family is set aside below: it says how its
+    // scaling reads.
+    let scaling = rope_scaling(&file, m.rotary_dim());
+    let partial = partial_rotary_factor(&file).map_err(|e| invalid(&path, e))?;
+    let want = m.partial_rotary_factor.unwrap_or(1.0);
+    if partial != want {
+        return Err(invalid(
+            &path,
+            format!(
+                "partial_rotary_factor is {partial}, the job's model has {want} (model.partial_rotary_factor): set the job's model to the directory's"
+            ),
+        ));
+    }
     let job = config_json(m);
     let same = |a: &serde_json::Value, b: &serde_json::Value| match (a.as_f64(), b.as_f64()) {
         (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
@@ -758,7 +871,11 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
         .and_then(|t| t.as_str())
         .filter(|t| ["mistral", "phi3"].contains(t));
     if let Some(family) = windowed.map(str::to_string) {
-        file["model_type"] = "llama".into();
+        // As LLaMA, unless the job's model is Phi-3 itself (a partial
+        // rotation).
+        if !(family == "phi3" && job["model_type"] == "phi3") {
+            file["model_type"] = "llama".into();
+        }
         if let Some(w) = file
             .get("sliding_window")
             .and_then(serde_json::Value::as_u64)
@@ -807,7 +924,7 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
             }
         }
     }
-    let scaling = rope_scaling(&file).map_err(|refusal| invalid(&path, refusal))?;
+    let scaling = scaling.map_err(|refusal| invalid(&path, refusal))?;
     if scaling != m.rope_scaling {
         let show = |s: &Option<RopeScaling>| match s {
             Some(s) => serde_json::to_string(s).expect("a scaling serialises"),
@@ -1075,7 +1192,8 @@ mod tests {
     /// Phi-3: LLaMA's layout with q, k and v (and gate and up) stored as
     /// one tensor each, rows of the parts one after the other, its context
     /// capped by its window: read as the LLaMA directory of the same
-    /// values, value for value; a partial rotation refused.
+    /// values, value for value; a partial rotation of heads too narrow for
+    /// it refused, and one in a LLaMA's config.
     #[test]
     fn a_phi3_directory_reads_as_the_llama_of_its_values() {
         let m = llama();
@@ -1154,8 +1272,240 @@ mod tests {
             let mut c = c.clone();
             c[key] = value;
             std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
+            // Heads of 2 turn one column: no pair.
             let e = model_spec(d.path()).unwrap_err().to_string();
-            assert!(e.contains("partial_rotary_factor is 0."), "{key}: {e}");
+            assert!(
+                e.contains("partial_rotary_factor turns 1 of each head's 2 columns"),
+                "{key}: {e}"
+            );
+            // LLaMA's turns the whole head.
+            c["model_type"] = "llama".into();
+            std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
+            let e = model_spec(d.path()).unwrap_err().to_string();
+            assert!(
+                e.contains("transformers' llama turns the whole of each head"),
+                "{key}: {e}"
+            );
+        }
+    }
+
+    /// A model that turns part of each head (Phi-4-mini's
+    /// `partial_rotary_factor`; heads of 8, half turned) is written as
+    /// Phi-3, q, k and v and gate and up fused as Phi-3 stores them, and
+    /// reads back as itself, value for value; a job that turns the whole
+    /// head is refused naming both.
+    #[test]
+    fn a_partial_rotation_is_written_and_read_as_phi3() {
+        let m: ModelSpec = serde_json::from_value(serde_json::json!({
+            "kind": "llama", "vocab_size": 16, "d_model": 16, "n_layers": 1,
+            "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 6, "partial_rotary_factor": 0.5
+        }))
+        .unwrap();
+        let (d, params) = a_directory_counting(&m, |i| i as f32 / 64.0);
+        let c: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(d.path().join(HF_CONFIG)).unwrap()).unwrap();
+        assert_eq!(
+            (&c["model_type"], &c["partial_rotary_factor"]),
+            (&serde_json::json!("phi3"), &serde_json::json!(0.5))
+        );
+        let names = crate::TensorFile::open(&d.path().join(HF_WEIGHTS))
+            .unwrap()
+            .tensors()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect::<Vec<_>>();
+        assert!(
+            names.contains(&"model.layers.0.self_attn.qkv_proj.weight".to_string())
+                && names.contains(&"model.layers.0.mlp.gate_up_proj.weight".to_string())
+                && !names
+                    .iter()
+                    .any(|n| n.contains(".q_proj.") || n.contains(".up_proj.")),
+            "{names:?}"
+        );
+        let back = model_spec(d.path()).unwrap();
+        assert_eq!(
+            (back.partial_rotary_factor, back.param_shapes()),
+            (m.partial_rotary_factor, m.param_shapes())
+        );
+        // Each parameter's values as written: the count on from the last.
+        let values = read(&m, &params, d.path(), true).unwrap();
+        let mut next = 0u32;
+        for (name, shape) in &params {
+            let want: Vec<f32> = (0..shape.iter().product::<usize>())
+                .map(|_| {
+                    next += 1;
+                    next as f32 / 64.0
+                })
+                .collect();
+            assert_eq!(values[name].1, want, "{name}");
+        }
+        let whole = ModelSpec {
+            partial_rotary_factor: None,
+            ..m.clone()
+        };
+        let e = read(&whole, &params, d.path(), false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("partial_rotary_factor is 0.5, the job's model has 1"),
+            "{e}"
+        );
+    }
+
+    /// LongRoPE read as transformers 5.25 reads it: Phi-3.5's config (4.x's
+    /// `rope_scaling` of `type: longrope`, the original context beside it,
+    /// no factor: the context over the original, 512 / 16), Phi-3-128k's
+    /// older `su`,
+    /// transformers 5's `rope_parameters` (the original beside it over the
+    /// one within, as transformers' standardisation takes it), a Phi-3 with
+    /// no original (its class default, 4096), a LLaMA's with its own
+    /// factor; and YaRN's original context defaulting to the model's. Each
+    /// written back as transformers reads it, and a job with another
+    /// factor refused.
+    #[test]
+    fn longrope_reads_as_transformers_reads_it() {
+        use serde_json::json;
+        let m = llama();
+        let (d, params) = a_directory_of(&m);
+        let phi3 = {
+            let mut c = config_json(&m);
+            c["model_type"] = "phi3".into();
+            c["max_position_embeddings"] = 512.into();
+            c
+        };
+        let longrope = |factor, old| RopeScaling::Longrope {
+            factor,
+            original_max_position_embeddings: old,
+            short_factor: vec![1.5],
+            long_factor: vec![4.0],
+            attention_factor: None,
+        };
+        let factors = json!({"short_factor": [1.5], "long_factor": [4.0]});
+        let with = |base: &serde_json::Value, fields: &[(&str, serde_json::Value)]| {
+            let mut c = base.clone();
+            for (k, v) in fields {
+                c[*k] = v.clone();
+            }
+            c
+        };
+        let scaling = |kind: &str, extra: serde_json::Value| {
+            let mut s = factors.clone();
+            s["type"] = kind.into();
+            s.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            s
+        };
+        let beside = ("original_max_position_embeddings", json!(16));
+        for (config, want) in [
+            (
+                with(
+                    &phi3,
+                    &[
+                        ("rope_scaling", scaling("longrope", json!({}))),
+                        beside.clone(),
+                    ],
+                ),
+                longrope(32.0, 16),
+            ),
+            (
+                with(
+                    &phi3,
+                    &[("rope_scaling", scaling("su", json!({}))), beside.clone()],
+                ),
+                longrope(32.0, 16),
+            ),
+            (
+                with(
+                    &phi3,
+                    &[
+                        ("rope_scaling", serde_json::Value::Null),
+                        (
+                            "rope_parameters",
+                            json!({"rope_type": "longrope", "rope_theta": 10000.0,
+                                   "original_max_position_embeddings": 32,
+                                   "short_factor": [1.5], "long_factor": [4.0]}),
+                        ),
+                        beside.clone(),
+                    ],
+                ),
+                longrope(32.0, 16),
+            ),
+            (
+                with(
+                    &phi3,
+                    &[
+                        ("rope_scaling", scaling("longrope", json!({}))),
+                        ("max_position_embeddings", json!(8192)),
+                    ],
+                ),
+                longrope(2.0, 4096),
+            ),
+            (
+                with(
+                    &config_json(&m),
+                    &[(
+                        "rope_scaling",
+                        scaling(
+                            "longrope",
+                            json!({"factor": 3.0, "original_max_position_embeddings": 8,
+                                   "attention_factor": 1.25}),
+                        ),
+                    )],
+                ),
+                RopeScaling::Longrope {
+                    factor: 3.0,
+                    original_max_position_embeddings: 8,
+                    short_factor: vec![1.5],
+                    long_factor: vec![4.0],
+                    attention_factor: Some(1.25),
+                },
+            ),
+            (
+                with(
+                    &config_json(&m),
+                    &[("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0}))],
+                ),
+                RopeScaling::Yarn {
+                    factor: 4.0,
+                    original_max_position_embeddings: m.seq_len,
+                    beta_fast: None,
+                    beta_slow: None,
+                    attention_factor: None,
+                    mscale: None,
+                    mscale_all_dim: None,
+                    truncate: None,
+                },
+            ),
+        ] {
+            std::fs::write(d.path().join(HF_CONFIG), config.to_string()).unwrap();
+            let read_back = model_spec(d.path()).unwrap();
+            assert_eq!(read_back.rope_scaling.as_ref(), Some(&want), "{config}");
+            // The job of that scaling reads the directory; one of another
+            // factor does not.
+            let job = ModelSpec {
+                rope_scaling: Some(want.clone()),
+                ..m.clone()
+            };
+            read(&job, &params, d.path(), false).unwrap();
+            let mut other = want.clone();
+            if let RopeScaling::Longrope { factor, .. } | RopeScaling::Yarn { factor, .. } =
+                &mut other
+            {
+                *factor += 1.0;
+            }
+            let job = ModelSpec {
+                rope_scaling: Some(other),
+                ..m.clone()
+            };
+            let e = read(&job, &params, d.path(), false)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("its rotary scaling is"), "{e}");
+            // Written back, read the same.
+            let again = config_json(&read_back);
+            std::fs::write(d.path().join(HF_CONFIG), again.to_string()).unwrap();
+            assert_eq!(model_spec(d.path()).unwrap(), read_back, "{again}");
         }
     }
 
@@ -1640,14 +1990,24 @@ mod tests {
                     &llama_config,
                     &[("rope_parameters", json!({"rope_type": "longrope"}))],
                 ),
-                "rope_parameters's rope_type is \"longrope\": zrun scales rotary embeddings as \"linear\", \"dynamic\", \"llama3\" and \"yarn\" only",
+                "missing field `short_factor`",
             ),
             (
                 edit(
                     &llama_config,
-                    &[("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0}))],
+                    &[(
+                        "rope_scaling",
+                        json!({"rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [1.0]}),
+                    )],
                 ),
-                "missing field `original_max_position_embeddings`",
+                "short_factor has 2 factors: a head 2 wide turns 1 pairs",
+            ),
+            (
+                edit(
+                    &llama_config,
+                    &[("rope_scaling", json!({"rope_type": "ntk", "factor": 4.0}))],
+                ),
+                "rope_scaling's rope_type is \"ntk\": zrun scales rotary embeddings as \"linear\", \"dynamic\", \"llama3\", \"yarn\" and \"longrope\" only",
             ),
             (
                 edit(
@@ -1788,7 +2148,7 @@ mod tests {
         let mut llama3_v5 = llama3.clone();
         llama3_v5["rope_theta"] = json!(500000.0);
         for (key, value, want, theta) in [
-            ("rope_scaling", llama3, want_llama3, 10000.0),
+            ("rope_scaling", llama3, want_llama3.clone(), 10000.0),
             ("rope_parameters", llama3_v5, want_llama3, 500000.0),
             (
                 "rope_scaling",
@@ -1854,7 +2214,7 @@ mod tests {
             std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
             let m = model_spec(d.path()).unwrap();
             assert_eq!(
-                (m.rope_scaling, m.rope_theta()),
+                (m.rope_scaling.clone(), m.rope_theta()),
                 (Some(want), theta),
                 "{key}"
             );

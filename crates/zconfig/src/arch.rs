@@ -25,11 +25,12 @@ use crate::spec::{ModelKind, ModelSpec, RopeScaling};
 
 /// The rotary embedding's frequency for each pair `i` of a head of width
 /// `hd` (`[hd/2]`, in radians a position): `theta^(−2i/hd)`, scaled as
-/// `scaling` says (Hugging Face's formulas, in f64).
-pub fn rope_inv_freq(theta: f64, scaling: Option<RopeScaling>, hd: usize) -> Vec<f64> {
+/// `scaling` says (Hugging Face's formulas, in f64) for sequences whose
+/// longest position is `len - 1` (LongRoPE's factors switch there).
+pub fn rope_inv_freq(theta: f64, scaling: Option<&RopeScaling>, hd: usize, len: usize) -> Vec<f64> {
     let plain = (0..hd / 2).map(|i| theta.powf(-((2 * i) as f64) / hd as f64));
     match scaling {
-        Some(RopeScaling::Yarn {
+        Some(&RopeScaling::Yarn {
             factor,
             original_max_position_embeddings: old,
             beta_fast,
@@ -64,8 +65,20 @@ pub fn rope_inv_freq(theta: f64, scaling: Option<RopeScaling>, hd: usize) -> Vec
                 .collect()
         }
         None | Some(RopeScaling::Dynamic { .. }) => plain.collect(),
-        Some(RopeScaling::Linear { factor }) => plain.map(|f| f / factor).collect(),
-        Some(RopeScaling::Llama3 {
+        Some(&RopeScaling::Linear { factor }) => plain.map(|f| f / factor).collect(),
+        Some(RopeScaling::Longrope {
+            original_max_position_embeddings: old,
+            short_factor,
+            long_factor,
+            ..
+        }) => {
+            let divisors = match len > *old {
+                true => long_factor,
+                false => short_factor,
+            };
+            plain.zip(divisors).map(|(f, d)| f / d).collect()
+        }
+        Some(&RopeScaling::Llama3 {
             factor,
             low_freq_factor: low,
             high_freq_factor: high,
@@ -90,8 +103,8 @@ pub fn rope_inv_freq(theta: f64, scaling: Option<RopeScaling>, hd: usize) -> Vec
 }
 
 /// What the rotated q and k are multiplied by (the cosines and sines of
-/// the table): YaRN's attention factor, else 1.
-pub fn rope_attention_factor(scaling: Option<RopeScaling>) -> f64 {
+/// the table): YaRN's and LongRoPE's attention factors, else 1.
+pub fn rope_attention_factor(scaling: Option<&RopeScaling>) -> f64 {
     // The YaRN paper's `0.1·scale·ln(factor) + 1`, 1 where nothing is
     // stretched.
     let mscale = |factor: f64, scale: f64| match factor <= 1.0 {
@@ -99,7 +112,16 @@ pub fn rope_attention_factor(scaling: Option<RopeScaling>) -> f64 {
         false => 0.1 * scale * factor.ln() + 1.0,
     };
     match scaling {
-        Some(RopeScaling::Yarn {
+        Some(&RopeScaling::Longrope {
+            factor,
+            original_max_position_embeddings: old,
+            attention_factor,
+            ..
+        }) => attention_factor.unwrap_or(match factor <= 1.0 {
+            true => 1.0,
+            false => (1.0 + factor.ln() / (old as f64).ln()).sqrt(),
+        }),
+        Some(&RopeScaling::Yarn {
             factor,
             attention_factor,
             mscale: numerator,
@@ -130,10 +152,10 @@ pub struct Rotary {
 
 impl Rotary {
     /// The rotary embedding of base `theta`, scaled as `scaling` says, for
-    /// heads of `hd`.
-    pub fn new(theta: f64, scaling: Option<RopeScaling>, hd: usize) -> Rotary {
+    /// heads of `hd` and sequences of `len` tokens at most.
+    pub fn new(theta: f64, scaling: Option<&RopeScaling>, hd: usize, len: usize) -> Rotary {
         Rotary {
-            inv_freq: rope_inv_freq(theta, scaling, hd),
+            inv_freq: rope_inv_freq(theta, scaling, hd, len),
             scale: rope_attention_factor(scaling),
         }
     }
@@ -212,9 +234,38 @@ impl ModelSpec {
         self.rope_theta.unwrap_or(10_000.0)
     }
 
-    /// The rotary embedding of this model's base, scaling and head width.
-    pub fn rotary(&self) -> Rotary {
-        Rotary::new(self.rope_theta(), self.rope_scaling, self.head_dim())
+    /// The rotary embedding of this model's base, scaling and turned width
+    /// for sequences of `len` tokens at most.
+    pub fn rotary(&self, len: usize) -> Rotary {
+        Rotary::new(
+            self.rope_theta(),
+            self.rope_scaling.as_ref(),
+            self.rotary_dim(),
+            len,
+        )
+    }
+
+    /// The columns of each q and k head the rotary embedding turns: the
+    /// head's width times `partial_rotary_factor`, rounded down as
+    /// transformers' `int()` does.
+    pub fn rotary_dim(&self) -> usize {
+        match self.partial_rotary_factor {
+            Some(f) => (self.head_dim() as f64 * f) as usize,
+            None => self.head_dim(),
+        }
+    }
+
+    /// The sequence length beyond which the rotary frequencies change
+    /// (LongRoPE's original context), if they do: a generation that grows
+    /// past it turns every position again, as transformers' Phi-3 does.
+    pub fn rotary_switches_after(&self) -> Option<usize> {
+        match self.rope_scaling {
+            Some(RopeScaling::Longrope {
+                original_max_position_embeddings,
+                ..
+            }) => Some(original_max_position_embeddings),
+            _ => None,
+        }
     }
 
     /// The norms' epsilon.
@@ -427,7 +478,7 @@ mod tests {
             0.0011821769876405597,
             0.0005436398205347359,
         ];
-        let ours = rope_inv_freq(500.0, Some(scaling), 16);
+        let ours = rope_inv_freq(500.0, Some(&scaling), 16, 32);
         // And with low_freq_factor 2 (the low band from wavelength 16).
         let low_2 = RopeScaling::Llama3 {
             factor: 8.0,
@@ -439,7 +490,10 @@ mod tests {
         (transformers_low_2[1], transformers_low_2[2]) = (0.12630289793014526, 0.0264342799782753);
         for (ours, theirs) in [
             (&ours, transformers),
-            (&rope_inv_freq(500.0, Some(low_2), 16), transformers_low_2),
+            (
+                &rope_inv_freq(500.0, Some(&low_2), 16, 32),
+                transformers_low_2,
+            ),
         ] {
             assert_eq!(ours.len(), theirs.len());
             for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
@@ -447,10 +501,10 @@ mod tests {
             }
         }
         // Unscaled: theta^(-2i/hd); linear: each over the factor.
-        let plain = rope_inv_freq(500.0, None, 16);
+        let plain = rope_inv_freq(500.0, None, 16, 32);
         assert_eq!(plain[0], 1.0);
         assert!((plain[1] - 500f64.powf(-2.0 / 16.0)).abs() < 1e-15);
-        let linear = rope_inv_freq(500.0, Some(RopeScaling::Linear { factor: 4.0 }), 16);
+        let linear = rope_inv_freq(500.0, Some(&RopeScaling::Linear { factor: 4.0 }), 16, 32);
         assert!(linear.iter().zip(&plain).all(|(l, p)| *l == p / 4.0));
         // The bands: pair 0 (wavelength 2π, under 32/4) kept, pair 3 on
         // (wavelength 65, over 32/1) divided by 8, those between neither.
@@ -561,7 +615,7 @@ mod tests {
             ),
         ];
         for (n, (scaling, theta, hd, transformers, attention)) in cases.into_iter().enumerate() {
-            let ours = Rotary::new(theta, scaling, hd);
+            let ours = Rotary::new(theta, scaling.as_ref(), hd, 64);
             assert_eq!(ours.inv_freq.len(), transformers.len(), "case {n}");
             for (i, (a, b)) in ours.inv_freq.iter().zip(transformers).enumerate() {
                 assert!((a - b).abs() <= 1e-6 * b, "case {n}, pair {i}: {a} vs {b}");
@@ -573,7 +627,111 @@ mod tests {
             );
         }
         // The others multiply by 1.
-        assert_eq!(Rotary::new(500.0, None, 16).scale, 1.0);
+        assert_eq!(Rotary::new(500.0, None, 16, 32).scale, 1.0);
+    }
+
+    /// LongRoPE's frequencies and attention factor against `transformers`
+    /// 5.25's own (`ROPE_INIT_FUNCTIONS["longrope"]`, in f32), short and
+    /// long: Phi-3.5's form (a `Phi3Config` of base 500, context 128 over
+    /// an original 16, so factor 8, the attention factor
+    /// `sqrt(1 + ln 8 / ln 16)`), a LLaMA's with its own factor (3,
+    /// original 32) and one with its own attention factor. The factors
+    /// switch past the original context: at 16 tokens the short, at 17 the
+    /// long.
+    #[test]
+    fn longrope_frequencies_and_attention_factor_are_transformers() {
+        let short = vec![1.0, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0, 4.0];
+        let long = vec![1.0, 1.3, 2.0, 3.5, 6.0, 9.0, 12.0, 16.0];
+        let longrope = |factor, old, attention_factor| RopeScaling::Longrope {
+            factor,
+            original_max_position_embeddings: old,
+            short_factor: short.clone(),
+            long_factor: long.clone(),
+            attention_factor,
+        };
+        let phi3 = longrope(8.0, 16, None);
+        let llama = longrope(3.0, 32, None);
+        let own = longrope(3.0, 32, Some(1.25));
+        let llama_short: &[f64] = &[
+            1.0,
+            0.3011693060398102,
+            0.09090909361839294,
+            0.02635231241583824,
+            0.006666666828095913,
+            0.0015811389312148094,
+            0.00033333332976326346,
+            7.905694656074047e-05,
+        ];
+        let cases: [(_, f64, usize, &[f64], f64); 5] = [
+            (
+                &phi3,
+                500.0,
+                16,
+                &[
+                    1.0,
+                    0.4379650354385376,
+                    0.19224931299686432,
+                    0.08104103058576584,
+                    0.029814239591360092,
+                    0.010282856412231922,
+                    0.0031524719670414925,
+                    0.0010872796410694718,
+                ],
+                1.3228756555322954,
+            ),
+            (
+                &phi3,
+                500.0,
+                17,
+                &[
+                    1.0,
+                    0.35374101996421814,
+                    0.1057371199131012,
+                    0.027785496786236763,
+                    0.007453559897840023,
+                    0.002285079099237919,
+                    0.0007881179917603731,
+                    0.00027181991026736796,
+                ],
+                1.3228756555322954,
+            ),
+            (&llama, 10_000.0, 32, llama_short, 1.1476029366223455),
+            (
+                &llama,
+                10_000.0,
+                33,
+                &[
+                    1.0,
+                    0.24325212836265564,
+                    0.05000000074505806,
+                    0.009035078808665276,
+                    0.0016666667070239782,
+                    0.00035136420046910644,
+                    8.333333244081587e-05,
+                    1.9764236640185118e-05,
+                ],
+                1.1476029366223455,
+            ),
+            (&own, 10_000.0, 32, llama_short, 1.25),
+        ];
+        for (n, (scaling, theta, len, transformers, attention)) in cases.into_iter().enumerate() {
+            let ours = Rotary::new(theta, Some(scaling), 16, len);
+            assert_eq!(ours.inv_freq.len(), transformers.len(), "case {n}");
+            for (i, (a, b)) in ours.inv_freq.iter().zip(transformers).enumerate() {
+                assert!((a - b).abs() <= 1e-6 * b, "case {n}, pair {i}: {a} vs {b}");
+            }
+            assert!(
+                (ours.scale - attention).abs() <= 1e-12,
+                "case {n}: attention factor {} vs {attention}",
+                ours.scale
+            );
+        }
+        let spec = |scaling| ModelSpec {
+            rope_scaling: scaling,
+            ..serde_json::from_value(serde_json::json!({"kind": "llama"})).unwrap()
+        };
+        assert_eq!(spec(Some(phi3)).rotary_switches_after(), Some(16));
+        assert_eq!(spec(None).rotary_switches_after(), None);
     }
 
     /// Dynamic NTK scaling within the model's context: transformers'
@@ -585,8 +743,8 @@ mod tests {
     fn dynamic_scaling_within_the_context_is_unscaled() {
         let dynamic = Some(RopeScaling::Dynamic { factor: 2.0 });
         assert_eq!(
-            Rotary::new(10_000.0, dynamic, 16),
-            Rotary::new(10_000.0, None, 16)
+            Rotary::new(10_000.0, dynamic.as_ref(), 16, 32),
+            Rotary::new(10_000.0, None, 16, 32)
         );
     }
 

@@ -129,6 +129,20 @@ impl LoadedJob {
         if d.format == DataFormat::Synthetic {
             return Err(self.invalid(key, "synthetic data has no documents"));
         }
+        // Positions restart at each document: transformers would choose
+        // LongRoPE's factors by each batch's longest document, zrun by the
+        // sequence.
+        if let Some(old) = s.model.rotary_switches_after() {
+            if s.model.seq_len > old {
+                return Err(self.invalid(
+                    key,
+                    format!(
+                        "model.rope_scaling's longrope factors switch at {old} tokens, below model.seq_len {}: with documents kept apart, which set a batch takes depends on its longest document; train at model.seq_len {old} or less, or without data.separate_documents",
+                        s.model.seq_len
+                    ),
+                ));
+            }
+        }
         let eos = d.document_eos().map_err(|m| self.invalid(key, m))?;
         if eos as usize >= s.model.vocab_size {
             let key = if d.eos_id.is_some() {

@@ -391,6 +391,51 @@ impl LoadedJob {
         }
     }
 
+    /// `model.partial_rotary_factor` turns an even width of at least 2 in
+    /// each head, and goes with what transformers' Phi-3 (the family that
+    /// has it, as which such a model is exported) has: no q, k and v biases
+    /// nor q and k norms, heads `d_model / n_heads` wide, no rotary
+    /// scaling but LongRoPE.
+    fn validate_partial_rotation(
+        &self,
+        m: &crate::spec::ModelSpec,
+        f: f64,
+    ) -> Result<(), ConfigError> {
+        let key = "model.partial_rotary_factor";
+        if !(f > 0.0 && f <= 1.0) {
+            return Err(self.invalid(key, format!("must be above 0 and at most 1, got {f}")));
+        }
+        let (hd, rot) = (m.head_dim(), m.rotary_dim());
+        if rot < 2 || !rot.is_multiple_of(2) {
+            return Err(self.invalid(
+                key,
+                format!("turns {rot} of each head's {hd} columns: rotary embeddings turn pairs, an even width of at least 2"),
+            ));
+        }
+        if rot == hd {
+            return Ok(());
+        }
+        let phi3 = "goes with Phi-3's attention, as which a model of it is exported";
+        if m.qkv_bias == Some(true)
+            || m.qk_norm == Some(true)
+            || m.head_dim.is_some_and(|h| h * m.n_heads != m.d_model)
+        {
+            return Err(self.invalid(
+                key,
+                format!(
+                    "{phi3}: no model.qkv_bias, no model.qk_norm, heads d_model / n_heads wide"
+                ),
+            ));
+        }
+        match &m.rope_scaling {
+            None | Some(crate::spec::RopeScaling::Longrope { .. }) => Ok(()),
+            Some(_) => Err(self.invalid(
+                key,
+                format!("{phi3}, whose rotary embedding is scaled as longrope or not at all"),
+            )),
+        }
+    }
+
     /// `comm.backend: nccl`: ZeRO's collectives between GPUs, every state
     /// on the ranks' GPUs (stages 0-3; f32, bf16 or f16). Offload, which
     /// keeps the optimizer or the parameters on the host, and ZeRO++, whose
@@ -475,6 +520,10 @@ impl LoadedJob {
                 ("model.qkv_bias", m.qkv_bias == Some(true)),
                 ("model.head_dim", m.head_dim.is_some()),
                 ("model.qk_norm", m.qk_norm == Some(true)),
+                (
+                    "model.partial_rotary_factor",
+                    m.partial_rotary_factor.is_some(),
+                ),
             ] {
                 if set {
                     return Err(self.invalid(
@@ -525,8 +574,11 @@ impl LoadedJob {
                 return Err(self.invalid(key, format!("must be a positive number, got {v}")));
             }
         }
+        if let Some(f) = m.partial_rotary_factor {
+            self.validate_partial_rotation(m, f)?;
+        }
         if let Some(scaling) = &m.rope_scaling {
-            if let Some(why) = rope_scaling_problem(scaling) {
+            if let Some(why) = rope_scaling_problem(scaling, m.rotary_dim()) {
                 return Err(self.invalid("model.rope_scaling", why));
             }
         }
@@ -905,21 +957,58 @@ fn find_key(text: &str, key: &str) -> Option<(usize, usize)> {
     None
 }
 
-/// What is wrong with a rotary scaling, if anything: the bounds
-/// `transformers` holds its `rope_scaling` to (a factor of at least 1;
-/// Llama 3's low-frequency factor positive and below the high one, an
-/// original context of at least one token; YaRN's betas and attention
-/// factor positive).
-pub fn rope_scaling_problem(s: &crate::spec::RopeScaling) -> Option<String> {
+/// What is wrong with a rotary scaling of heads `hd` wide, if anything:
+/// the bounds `transformers` holds its `rope_scaling` to (a factor of at
+/// least 1; Llama 3's low-frequency factor positive and below the high
+/// one, an original context of at least one token; YaRN's betas and
+/// attention factor positive; LongRoPE's a positive factor for each of a
+/// head's `hd / 2` frequencies, in each list).
+pub fn rope_scaling_problem(s: &crate::spec::RopeScaling, hd: usize) -> Option<String> {
     use crate::spec::RopeScaling;
     let factor = match *s {
         RopeScaling::Linear { factor }
         | RopeScaling::Dynamic { factor }
         | RopeScaling::Llama3 { factor, .. }
-        | RopeScaling::Yarn { factor, .. } => factor,
+        | RopeScaling::Yarn { factor, .. }
+        | RopeScaling::Longrope { factor, .. } => factor,
     };
     if factor < 1.0 {
         return Some(format!("factor must be at least 1, got {factor}"));
+    }
+    if let RopeScaling::Longrope {
+        original_max_position_embeddings: old,
+        short_factor,
+        long_factor,
+        attention_factor,
+        ..
+    } = s
+    {
+        // ln(1) is 0: transformers' attention factor would divide by it.
+        if *old < 2 {
+            return Some("original_max_position_embeddings must be at least 2".into());
+        }
+        for (key, factors) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+            if factors.len() != hd / 2 {
+                return Some(format!(
+                    "{key} has {} factors: a head {hd} wide turns {} pairs, one factor each",
+                    factors.len(),
+                    hd / 2
+                ));
+            }
+            if let Some((i, f)) = factors
+                .iter()
+                .enumerate()
+                .find(|(_, f)| !(f.is_finite() && **f > 0.0))
+            {
+                return Some(format!("{key}[{i}] is {f}: each must be a positive number"));
+            }
+        }
+        if attention_factor.is_some_and(|a| a <= 0.0) {
+            return Some(format!(
+                "attention_factor must be positive, got {}",
+                attention_factor.unwrap_or(0.0)
+            ));
+        }
     }
     if let RopeScaling::Yarn {
         original_max_position_embeddings: old,
@@ -1132,6 +1221,14 @@ mod tests {
             )
         };
         let good = "factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8";
+        // Heads of 64 / 4 = 16: 8 pairs, a factor each.
+        let longrope = |fields: &str| {
+            GOOD.replace(
+                "model: {",
+                &format!("model: {{kind: llama, rope_scaling: {{rope_type: longrope, {fields}}}, "),
+            )
+        };
+        let longrope_good = "factor: 4, original_max_position_embeddings: 8, short_factor: [1, 1, 1, 1, 1, 1, 1, 1], long_factor: [1, 2, 3, 4, 5, 6, 7, 8]".to_string();
         for (text, says) in [
             (llama3(good), None),
             (
@@ -1164,6 +1261,23 @@ mod tests {
                 ),
                 Some("is for `kind: llama`"),
             ),
+            (longrope(&longrope_good), None),
+            (
+                longrope(&longrope_good.replace("short_factor: [1, ", "short_factor: [")),
+                Some("short_factor has 7 factors: a head 16 wide turns 8 pairs, one factor each"),
+            ),
+            (
+                longrope(&longrope_good.replace("long_factor: [1, 2, 3", "long_factor: [1, 2, 0")),
+                Some("long_factor[2] is 0: each must be a positive number"),
+            ),
+            (
+                longrope(&longrope_good.replace("embeddings: 8", "embeddings: 1")),
+                Some("original_max_position_embeddings must be at least 2"),
+            ),
+            (
+                longrope(&format!("{longrope_good}, attention_factor: -1")),
+                Some("attention_factor must be positive, got -1"),
+            ),
         ] {
             let p = write(d.path(), "j.yaml", &text);
             let got = load_job(&p, &[]).and_then(|mut j| j.validate(2));
@@ -1172,6 +1286,65 @@ mod tests {
                 Some(says) => {
                     let e = got.unwrap_err().to_string();
                     assert!(e.contains("model.rope_scaling") && e.contains(says), "{e}");
+                }
+            }
+        }
+    }
+
+    /// `model.partial_rotary_factor`: a LLaMA's, turning an even width of
+    /// each head (of 16 here), with what Phi-3 (as which it is exported)
+    /// has; each refusal at the key.
+    #[test]
+    fn partial_rotary_factor_is_held_to_what_phi3_has() {
+        let d = tempfile::tempdir().unwrap();
+        let with =
+            |fields: &str| GOOD.replace("model: {", &format!("model: {{kind: llama, {fields}, "));
+        let ones = "short_factor: [1, 1, 1, 1, 1, 1], long_factor: [1, 1, 1, 1, 1, 1]";
+        for (text, says) in [
+            (with("partial_rotary_factor: 0.75"), None),
+            // int(16 · 0.8) = 12.
+            (with("partial_rotary_factor: 0.8"), None),
+            (with("partial_rotary_factor: 1"), None),
+            (
+                with(&format!("partial_rotary_factor: 0.75, rope_scaling: {{rope_type: longrope, factor: 4, original_max_position_embeddings: 8, {ones}}}")),
+                None,
+            ),
+            (
+                with("partial_rotary_factor: 0.1"),
+                Some("turns 1 of each head's 16 columns: rotary embeddings turn pairs"),
+            ),
+            (
+                with("partial_rotary_factor: 0.33"),
+                Some("turns 5 of each head's 16 columns"),
+            ),
+            (
+                with("partial_rotary_factor: 1.5"),
+                Some("must be above 0 and at most 1, got 1.5"),
+            ),
+            (
+                with("partial_rotary_factor: 0.75, qkv_bias: true"),
+                Some("goes with Phi-3's attention, as which a model of it is exported: no model.qkv_bias"),
+            ),
+            (
+                with("partial_rotary_factor: 0.75, rope_scaling: {rope_type: linear, factor: 2}"),
+                Some("whose rotary embedding is scaled as longrope or not at all"),
+            ),
+            (
+                with(&format!("partial_rotary_factor: 0.75, rope_scaling: {{rope_type: longrope, factor: 4, original_max_position_embeddings: 8, {}}}", ones.replace("1, 1, 1, 1, 1, 1]", "1, 1, 1, 1, 1, 1, 1, 1]"))),
+                Some("short_factor has 8 factors: a head 12 wide turns 6 pairs"),
+            ),
+            (
+                GOOD.replace("model: {", "model: {partial_rotary_factor: 0.5, "),
+                Some("is for `kind: llama`"),
+            ),
+        ] {
+            let p = write(d.path(), "j.yaml", &text);
+            let got = load_job(&p, &[]).and_then(|mut j| j.validate(2));
+            match says {
+                None => got.unwrap(),
+                Some(says) => {
+                    let e = got.unwrap_err().to_string();
+                    assert!(e.contains("model.") && e.contains(says), "{says}: {e}");
                 }
             }
         }
@@ -1602,6 +1775,34 @@ mod tests {
         ] {
             let e = outcome(data, &extra).unwrap_err();
             assert!(e.contains(key) && e.contains(says), "{extra}: {e}");
+        }
+        // LongRoPE's factors switch past its original context: a sequence
+        // longer than that, of documents kept apart, is refused.
+        for (old, refused) in [(16, false), (8, true)] {
+            let ones = ["1"; 8].join(", ");
+            let spec = GOOD
+                .replace("  format: synthetic", &format!("{tokens}{on}"))
+                .replace(
+                    "seq_len: 16}",
+                    &format!(
+                        "seq_len: 16, vocab_size: 256, kind: llama, rope_scaling: {{rope_type: longrope, factor: 2, original_max_position_embeddings: {old}, short_factor: [{ones}], long_factor: [{ones}]}}}}"
+                    ),
+                );
+            let p = write(d.path(), "j.yaml", &spec);
+            let got = load_job(&p, &[]).unwrap().validate(1);
+            match refused {
+                false => got.unwrap(),
+                true => {
+                    let e = got.unwrap_err().to_string();
+                    assert!(
+                        e.contains("data.separate_documents")
+                            && e.contains(
+                                "longrope factors switch at 8 tokens, below model.seq_len 16"
+                            ),
+                        "{e}"
+                    );
+                }
+            }
         }
     }
 

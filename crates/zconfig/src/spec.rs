@@ -135,6 +135,13 @@ pub struct ModelSpec {
     /// (Hugging Face's `rope_scaling`; default none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<RopeScaling>,
+    /// LLaMA: the share of each q and k head the rotary embedding turns
+    /// (Phi-4-mini's `partial_rotary_factor`, 0.75; default 1): its first
+    /// `head_dim · factor` columns, halves of that turned as pairs, the
+    /// rest passed through. Exported as Phi-3, the family that has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
+    pub partial_rotary_factor: Option<f64>,
     /// The norms' epsilon (default 1e-5).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(deserialize_with = "finite::optional")]
@@ -156,10 +163,8 @@ pub struct ModelSpec {
 
 /// How the rotary embeddings' frequencies are scaled for a context longer
 /// than the one a model was first trained at: Hugging Face's `rope_scaling`
-/// (`rope_parameters` in transformers 5), the kinds whose frequencies are
-/// fixed over the model's context (not `longrope`'s, which switch at the
-/// original context).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+/// (`rope_parameters` in transformers 5).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "rope_type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum RopeScaling {
     /// Every frequency divided by `factor` (positions interpolated).
@@ -248,6 +253,35 @@ pub enum RopeScaling {
         /// (true).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         truncate: Option<bool>,
+    },
+    /// LongRoPE (Phi-3's 128k contexts, Phi-3.5's, Phi-4-mini's): each
+    /// frequency divided by its own factor, `short_factor`'s for sequences
+    /// of at most `original_max_position_embeddings` tokens and
+    /// `long_factor`'s for longer ones (transformers switches on the
+    /// longest position of a batch), and the rotated q and k times an
+    /// attention factor (`attention_factor`, else
+    /// `sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`).
+    Longrope {
+        /// The context's stretch, which sets the attention factor (at least
+        /// 1; transformers' default, the model's `max_position_embeddings`
+        /// over the original, is filled in when a `config.json` is read).
+        #[serde(deserialize_with = "finite::number")]
+        factor: f64,
+        /// The context the model was first trained at, where the factors
+        /// switch.
+        original_max_position_embeddings: usize,
+        /// A divisor for each of a head's frequencies (`[head_dim / 2]`)
+        /// within the original context.
+        short_factor: Vec<f64>,
+        /// Beyond it.
+        long_factor: Vec<f64>,
+        /// What cos and sin are multiplied by, where given.
+        #[serde(
+            default,
+            deserialize_with = "finite::optional",
+            skip_serializing_if = "Option::is_none"
+        )]
+        attention_factor: Option<f64>,
     },
 }
 

@@ -114,9 +114,9 @@ void emu_swiglu_backward(const float* h, const float* dy, float* dh, unsigned lo
 }
 
 void emu_rope(float* x, const float* cos_t, const float* sin_t, const unsigned* first,
-              unsigned long long rows, int ld, int heads, int hd, int t, float sign) {
-    emu_launch(k::rope, STRIDED_GRID, STRIDED_BLOCK, x, cos_t, sin_t, first, rows, ld, heads, hd, t,
-               sign);
+              unsigned long long rows, int ld, int heads, int hd, int half, int t, float sign) {
+    emu_launch(k::rope, STRIDED_GRID, STRIDED_BLOCK, x, cos_t, sin_t, first, rows, ld, heads, hd,
+               half, t, sign);
 }
 
 void emu_kv_rows_to_heads(const float* rows, int ld, int col0, float* heads, int b, int t, int h,

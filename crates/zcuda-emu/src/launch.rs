@@ -138,6 +138,7 @@ extern "C" {
         ld: c_int,
         heads: c_int,
         hd: c_int,
+        half: c_int,
         t: c_int,
         sign: c_float,
     );
@@ -444,10 +445,10 @@ pub fn swiglu_backward(h: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
     dh
 }
 
-/// The rotary turn of the first `heads` heads of `hd` in rows of `ld`, in
-/// place, at positions `row % t` (or, with `first`, from each row's
-/// document's first row), with tables `[t_max, hd/2]`; `sign` −1 turns
-/// back.
+/// The rotary turn of the first `2·half` columns of each of the first
+/// `heads` heads of `hd` in rows of `ld`, in place, at positions `row % t`
+/// (or, with `first`, from each row's document's first row), with tables
+/// `[t_max, half]`; `sign` −1 turns back.
 #[allow(clippy::too_many_arguments)]
 pub fn rope(
     x: &mut [f32],
@@ -456,19 +457,23 @@ pub fn rope(
     first: Option<&[u32]>,
     ld: usize,
     heads: usize,
-    hd: usize,
+    (hd, half): (usize, usize),
     t: usize,
     sign: f32,
 ) {
     let rows = x.len() / ld;
-    assert!(x.len() == rows * ld && heads * hd <= ld, "rope: shapes");
+    assert!(
+        x.len() == rows * ld && heads * hd <= ld && 2 * half <= hd,
+        "rope: shapes"
+    );
     check_firsts(first, rows, t);
     assert!(
-        cos.len() >= t * hd / 2 && sin.len() == cos.len(),
+        cos.len() >= t * half && sin.len() == cos.len(),
         "rope: tables"
     );
-    // SAFETY: x holds rows·ld values with heads·hd ≤ ld, the tables t·hd/2
-    // at least (positions below t): the kernel's extents (checked above).
+    // SAFETY: x holds rows·ld values with heads·hd ≤ ld and 2·half ≤ hd,
+    // the tables t·half at least (positions below t): the kernel's extents
+    // (checked above).
     unsafe {
         emu_rope(
             x.as_mut_ptr(),
@@ -479,6 +484,7 @@ pub fn rope(
             int(ld),
             int(heads),
             int(hd),
+            int(half),
             int(t),
             sign,
         )

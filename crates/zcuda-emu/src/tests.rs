@@ -203,8 +203,9 @@ pub(crate) fn documents(b: usize, t: usize, ends: &[usize]) -> zmodel::Documents
 fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
     // 4 query heads on 2 key/value heads of 16; sequences of 24 positions
     // of a model of 32; a small base, so that far positions turn a lot;
-    // unscaled, scaled as Llama 3's (original context 16) and as YaRN's
-    // (its attention factor on the turned values); positions from each
+    // unscaled, scaled as Llama 3's (original context 16), as YaRN's and
+    // as LongRoPE's (their attention factor on the turned values);
+    // positions from each
     // sequence's start, and from each document's where packed documents
     // are kept apart.
     let (b, t, seq_len, heads, kv, hd, theta) = (3, 24, 32, 4, 2, 16, 100.0);
@@ -225,20 +226,45 @@ fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
         mscale_all_dim: None,
         truncate: None,
     };
-    for (scaling, docs) in [
-        (None, None),
-        (Some(llama3), None),
-        (Some(llama3), Some(&docs)),
-        (Some(yarn), None),
+    // LongRoPE's long factors (the sequence is longer than its original
+    // context of 16), each pair's own.
+    let longrope = zconfig::spec::RopeScaling::Longrope {
+        factor: 4.0,
+        original_max_position_embeddings: 16,
+        short_factor: vec![1.0; hd / 2],
+        long_factor: (0..hd / 2).map(|i| 1.0 + i as f64 * 0.7).collect(),
+        attention_factor: None,
+    };
+    // And Phi-4-mini's partial rotation: each head's first 12 columns of
+    // 16 turned, the other 4 passed through.
+    for (scaling, docs, rot) in [
+        (None, None, hd),
+        (Some(&llama3), None, hd),
+        (Some(&llama3), Some(&docs), hd),
+        (Some(&yarn), None, hd),
+        (Some(&longrope), None, hd),
+        (None, None, 12),
+        (Some(&yarn), Some(&docs), 12),
     ] {
         let first = docs.map(|d| d.per_token());
         let ld = (heads + 2 * kv) * hd;
         let qkv: Vec<f32> = wave(b * t * ld, 10);
-        let (cos, sin) = zcuda::rotary_table(theta, scaling, seq_len, hd);
+        let (cos, sin) = zcuda::rotary_table(theta, scaling, seq_len, rot);
         let qt = tensor(&qkv, &[b, t, ld]);
         let mut turned = qkv.clone();
-        rope(&mut turned, &cos, &sin, first, ld, heads + kv, hd, t, 1.0);
-        let freq = zconfig::arch::Rotary::new(theta, scaling, hd);
+        let shape = (hd, rot / 2);
+        rope(
+            &mut turned,
+            &cos,
+            &sin,
+            first,
+            ld,
+            heads + kv,
+            shape,
+            t,
+            1.0,
+        );
+        let freq = zconfig::arch::Rotary::new(theta, scaling, rot, seq_len);
         let want = llama_ops::rope(&qt, heads, kv, &freq, false, docs).unwrap();
         close("rope", &turned, &values(&want));
         // v passes untouched.
@@ -247,17 +273,30 @@ fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
             assert_eq!(turned[r * ld..][v.clone()], qkv[r * ld..][v], "v moved");
         }
         let mut back = qkv.clone();
-        rope(&mut back, &cos, &sin, first, ld, heads + kv, hd, t, -1.0);
+        rope(&mut back, &cos, &sin, first, ld, heads + kv, shape, t, -1.0);
         let want = llama_ops::rope(&qt, heads, kv, &freq, true, docs).unwrap();
         close("rope backward", &back, &values(&want));
-        rope(&mut turned, &cos, &sin, first, ld, heads + kv, hd, t, -1.0);
-        // YaRN's factor twice over on q and k.
+        rope(
+            &mut turned,
+            &cos,
+            &sin,
+            first,
+            ld,
+            heads + kv,
+            shape,
+            t,
+            -1.0,
+        );
+        // YaRN's and LongRoPE's factor twice over on the turned columns of
+        // q and k.
         let scale2 = (freq.scale * freq.scale) as f32;
         let want: Vec<f32> = (qkv.iter().enumerate())
-            .map(|(i, &v)| match i % ld < (heads + kv) * hd {
-                true => v * scale2,
-                false => v,
-            })
+            .map(
+                |(i, &v)| match i % ld < (heads + kv) * hd && i % ld % hd < rot {
+                    true => v * scale2,
+                    false => v,
+                },
+            )
             .collect();
         close("turned and back", &turned, &want);
     }
@@ -267,7 +306,17 @@ fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
     let qkv = wave(b * t * ld, 10);
     let (cos, sin) = zcuda::rotary_table(theta, None, seq_len, hd);
     let (mut whole, mut apart) = (qkv.clone(), qkv.clone());
-    rope(&mut whole, &cos, &sin, None, ld, heads + kv, hd, t, 1.0);
+    rope(
+        &mut whole,
+        &cos,
+        &sin,
+        None,
+        ld,
+        heads + kv,
+        (hd, hd / 2),
+        t,
+        1.0,
+    );
     rope(
         &mut apart,
         &cos,
@@ -275,7 +324,7 @@ fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
         Some(docs.per_token()),
         ld,
         heads + kv,
-        hd,
+        (hd, hd / 2),
         t,
         1.0,
     );

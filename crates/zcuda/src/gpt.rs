@@ -41,7 +41,7 @@ use crate::{CudaError, Gpu, Half16};
 pub const IGNORED: u32 = u32::MAX;
 
 /// The decoder family: what a block's norms, MLP, positions and biases are.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Family {
     /// GPT-2: layer norms and linears with biases, GELU, learned positions.
     Gpt2,
@@ -62,11 +62,14 @@ pub enum Family {
         rope_theta: f64,
         /// Their scaling for a longer context, if any.
         rope_scaling: Option<zconfig::spec::RopeScaling>,
+        /// The columns of each q and k head they turn where not all
+        /// (zconfig's `model.partial_rotary_factor`): the first ones.
+        rotary_dim: Option<usize>,
     },
 }
 
 /// The shape of a GPT-2 or LLaMA model, as far as the GPU needs it.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct GptShape {
     /// The decoder family.
     pub family: Family,
@@ -102,6 +105,17 @@ impl GptShape {
 
     fn head_dim(&self) -> usize {
         self.head_dim
+    }
+
+    /// The columns of each q and k head the rotary embedding turns.
+    fn rotary_dim(&self) -> usize {
+        match self.family {
+            Family::Llama {
+                rotary_dim: Some(r),
+                ..
+            } => r,
+            _ => self.head_dim,
+        }
     }
 
     /// Width of attention's output: the query heads side by side.
@@ -585,15 +599,19 @@ impl GptGpu {
         let blas = CudaBlas::new(gpu.stream().clone()).map_err(|e| {
             CudaError::Missing(format!("cuBLAS did not start on GPU {ordinal}: {e}"))
         })?;
-        let rotary = match shape.family {
+        let rotary = match &shape.family {
             Family::Gpt2 => None,
             Family::Llama {
                 rope_theta,
                 rope_scaling,
                 ..
             } => {
-                let (cos, sin) =
-                    rotary_table(rope_theta, rope_scaling, shape.seq_len, shape.head_dim());
+                let (cos, sin) = rotary_table(
+                    *rope_theta,
+                    rope_scaling.as_ref(),
+                    shape.seq_len,
+                    shape.rotary_dim(),
+                );
                 Some((gpu.upload(&cos)?, gpu.upload(&sin)?))
             }
         };
@@ -1865,15 +1883,16 @@ impl GptGpu {
             return Ok(());
         };
         let (ld, hd) = (self.shape.qkv_width(), self.shape.head_dim());
+        let half = self.shape.rotary_dim() / 2;
         let heads = self.shape.n_heads + self.shape.kv_heads();
-        if t > self.shape.seq_len || qkv.len() != b * t * ld {
+        if t > self.shape.seq_len || qkv.len() != b * t * ld || 2 * half > hd {
             return Err(CudaError::Invalid(format!(
-                "rope: {} values for [{b}, {t}] rows of {ld}",
+                "rope: {} values for [{b}, {t}] rows of {ld}, {half} frequencies for heads of {hd}",
                 qkv.len()
             )));
         }
         let rows = (b * t) as u64;
-        let ints = [ld, heads, hd, t].map(|x| x as i32);
+        let ints = [ld, heads, hd, half, t].map(|x| x as i32);
         let null = 0u64;
         let mut l = self.gpu.stream().launch_builder(self.gpu.function("rope"));
         l.arg(&mut *qkv).arg(cos).arg(sin);
@@ -1886,12 +1905,14 @@ impl GptGpu {
             .arg(&ints[1])
             .arg(&ints[2])
             .arg(&ints[3])
+            .arg(&ints[4])
             .arg(&sign);
-        // SAFETY: rope(x[rows·ld], cos/sin[seq_len·hd/2], first[rows] or
-        // null, rows, ld, heads, hd, t, sign): heads·hd ≤ ld, positions
-        // below t ≤ seq_len (checked; first checked by the embedding).
+        // SAFETY: rope(x[rows·ld], cos/sin[seq_len·half], first[rows] or
+        // null, rows, ld, heads, hd, half, t, sign): heads·hd ≤ ld, 2·half
+        // ≤ hd, positions below t ≤ seq_len (checked; first checked by the
+        // embedding).
         self.launched("rope", unsafe {
-            l.launch(grid_stride(b * t * heads * hd / 2))
+            l.launch(grid_stride(b * t * heads * half))
         })
     }
 
@@ -2695,17 +2716,17 @@ pub fn rows_by_token(tokens: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
 }
 
 /// LLaMA's rotary table `[seq_len, hd/2]` (cosines, sines): position `p`,
-/// pair `i` turns by `p · theta^(−2i/hd)` (scaled as `scaling` says:
-/// `zconfig::arch::Rotary`, whose scale, YaRN's attention factor,
-/// multiplies both), computed in f64 and rounded, as the CPU model's table
-/// (zmodel's `rope`).
+/// pair `i` turns by `p · theta^(−2i/hd)` (scaled as `scaling` says for
+/// sequences of `seq_len`: `zconfig::arch::Rotary`, whose scale, YaRN's
+/// and LongRoPE's attention factor, multiplies both), computed in f64 and
+/// rounded, as the CPU model's table (zmodel's `rope`).
 pub fn rotary_table(
     theta: f64,
-    scaling: Option<zconfig::spec::RopeScaling>,
+    scaling: Option<&zconfig::spec::RopeScaling>,
     seq_len: usize,
     hd: usize,
 ) -> (Vec<f32>, Vec<f32>) {
-    let rotary = zconfig::arch::Rotary::new(theta, scaling, hd);
+    let rotary = zconfig::arch::Rotary::new(theta, scaling, hd, seq_len);
     let (mut cos, mut sin) = (Vec::new(), Vec::new());
     for p in 0..seq_len {
         for &f in &rotary.inv_freq {

@@ -237,6 +237,7 @@ fn gpu_llama_block_embedding_and_head_match_the_cpu_model() {
             qk_norm: false,
             rope_theta,
             rope_scaling: None,
+            rotary_dim: None,
         },
         Products::F32,
     );
@@ -258,6 +259,7 @@ fn qwen2_block(test: &str, products: Products) {
             qk_norm: false,
             rope_theta: 100.0,
             rope_scaling: None,
+            rotary_dim: None,
         },
         products,
     );
@@ -297,6 +299,7 @@ fn qwen3_block(test: &str, hd: usize, products: Products) {
             qk_norm: true,
             rope_theta: 100.0,
             rope_scaling: None,
+            rotary_dim: None,
         },
         products,
     );
@@ -416,6 +419,45 @@ fn gpu_llama_block_with_yarn_rope_scaling_matches_the_cpu_model() {
     );
 }
 
+#[test]
+fn gpu_llama_block_with_longrope_rope_scaling_matches_the_cpu_model() {
+    // LongRoPE's rotary table (head width 16, sequences of 48 past an
+    // original context of 32: the long factors, each pair's own) with its
+    // attention factor, by the same formula as the CPU's.
+    llama_block_with_rope_scaling(
+        "gpu_llama_block_with_longrope_rope_scaling_matches_the_cpu_model",
+        zconfig::spec::RopeScaling::Longrope {
+            factor: 4.0,
+            original_max_position_embeddings: 32,
+            short_factor: vec![1.0; 8],
+            long_factor: (0..8).map(|i| 1.0 + 2.5 * i as f64).collect(),
+            attention_factor: None,
+        },
+    );
+}
+
+#[test]
+fn gpu_llama_block_with_a_partial_rotation_matches_the_cpu_model() {
+    // Phi-4-mini's partial rotation: each head's first 12 columns of 16
+    // turned (a table of 6 frequencies), the other 4 passed through.
+    matches_the_cpu_model(
+        "gpu_llama_block_with_a_partial_rotation_matches_the_cpu_model",
+        serde_json::json!({
+            "kind": "llama", "n_kv_heads": 2, "ffn_hidden": 96, "rope_theta": 100.0,
+            "partial_rotary_factor": 0.75
+        }),
+        Family::Llama {
+            kv_heads: 2,
+            qkv_bias: false,
+            qk_norm: false,
+            rope_theta: 100.0,
+            rope_scaling: None,
+            rotary_dim: Some(12),
+        },
+        Products::F32,
+    );
+}
+
 /// A LLaMA block (4 query heads on 2 key/value heads, rotary base 100) with
 /// its rotary table scaled as `scaling` says, in f32.
 fn llama_block_with_rope_scaling(test: &str, scaling: zconfig::spec::RopeScaling) {
@@ -431,6 +473,7 @@ fn llama_block_with_rope_scaling(test: &str, scaling: zconfig::spec::RopeScaling
             qk_norm: false,
             rope_theta: 100.0,
             rope_scaling: Some(scaling),
+            rotary_dim: None,
         },
         Products::F32,
     );
@@ -458,6 +501,7 @@ fn llama_block_with_fused_attention_on(test: &str, products: Products, documents
             qk_norm: false,
             rope_theta,
             rope_scaling: None,
+            rotary_dim: None,
         },
         products,
         documents,
@@ -481,6 +525,7 @@ fn gpu_llama_block_with_fused_attention_at_head_width_128_matches_the_cpu_model(
             qk_norm: false,
             rope_theta: 100.0,
             rope_scaling: None,
+            rotary_dim: None,
         },
         Products::Bf16FusedAttention,
     );

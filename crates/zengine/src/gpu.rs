@@ -101,7 +101,8 @@ pub fn gpu_shape(spec: &zconfig::spec::JobSpec) -> Result<GptShape, String> {
             qkv_bias: m.qkv_biased(),
             qk_norm: m.qk_normed(),
             rope_theta: m.rope_theta(),
-            rope_scaling: m.rope_scaling,
+            rope_scaling: m.rope_scaling.clone(),
+            rotary_dim: Some(m.rotary_dim()),
         },
     };
     Ok(GptShape {

@@ -130,7 +130,7 @@ fn main() -> candle_core::Result<()> {
             &qkv,
             6,
             6,
-            &zconfig::arch::Rotary::new(10000.0, None, d / 6),
+            &zconfig::arch::Rotary::new(10000.0, None, d / 6, rows / 8),
             false,
             None,
         )

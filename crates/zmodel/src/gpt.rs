@@ -772,7 +772,7 @@ impl Gpt {
                 &qkv,
                 self.cfg.n_heads,
                 self.cfg.kv_heads(),
-                &self.cfg.rotary(),
+                &self.cfg.rotary(qkv.dim(1)?),
                 inverse,
                 docs,
             ),
@@ -789,7 +789,7 @@ impl Gpt {
                 &qkv,
                 self.cfg.n_heads,
                 self.cfg.kv_heads(),
-                &self.cfg.rotary(),
+                &self.cfg.rotary(start + qkv.dim(1)?),
                 start,
             ),
         }

@@ -529,10 +529,12 @@ impl CustomOp2 for SwiGluGrad {
 }
 
 /// The rotary embedding of q and k in `qkv` `[b, t, (heads + 2·kv)·hd]`
-/// (v passes through): position `p`, pair `(i, i + hd/2)` of each head turns
-/// by `p · inv_freq[i]` (`zconfig::arch::rope_inv_freq`: `theta^(−2i/hd)`,
-/// maybe scaled) and is multiplied by `rotary.scale` (YaRN's attention
-/// factor, else 1). `inverse` turns the other way, times the same scale:
+/// (v passes through): position `p`, pair `(i, i + r/2)` of each head turns
+/// by `p · inv_freq[i]` (`zconfig::arch::rope_inv_freq`: `theta^(−2i/r)`,
+/// maybe scaled) and is multiplied by `rotary.scale` (YaRN's and
+/// LongRoPE's attention factor, else 1), `r` twice the frequencies: the
+/// head's width, or its first `r` columns where only those turn (Phi-4-
+/// mini's partial rotation; the rest pass through). `inverse` turns the other way, times the same scale:
 /// the backward. Position `p` is the row's in its sequence, or with `docs`
 /// in its document.
 pub fn rope(
@@ -591,14 +593,13 @@ struct Rope {
 }
 
 impl Rope {
-    /// `[t, hd/2]` cosines and sines of positions `start..start + t`,
-    /// times the scale, computed in f64.
-    fn table(&self, t: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
-        let half = hd / 2;
+    /// `[t, half]` cosines and sines of positions `start..start + t`
+    /// (`half` frequencies), times the scale, computed in f64.
+    fn table(&self, t: usize) -> (Vec<f32>, Vec<f32>) {
+        let half = self.inv_freq.len();
         let sign = if self.inverse { -1.0 } else { 1.0 };
         let mut cos = Vec::with_capacity(t * half);
         let mut sin = Vec::with_capacity(t * half);
-        debug_assert_eq!(self.inv_freq.len(), half);
         for p in self.start..self.start + t {
             for &inv_freq in self.inv_freq.iter() {
                 let angle = p as f64 * inv_freq;
@@ -628,9 +629,14 @@ impl CustomOp1 for Rope {
             candle_core::bail!("rope: width {w} is not {all_heads} heads of an even width");
         }
         let hd = w / all_heads;
-        let half = hd / 2;
+        // The turned columns of each head: all, or its first `2·half`
+        // (Phi-4-mini's partial rotation), the rest passed through.
+        let half = self.inv_freq.len();
+        if 2 * half > hd {
+            candle_core::bail!("rope: {half} frequencies for heads of {hd}");
+        }
         let rotated = (self.heads + self.kv_heads) * hd;
-        let (cos, sin) = self.table(t, hd);
+        let (cos, sin) = self.table(t);
         let mut y = uninit_floats(x.len());
         y.par_chunks_mut(w)
             .zip(x.par_chunks(w))
@@ -647,11 +653,15 @@ impl CustomOp1 for Rope {
                             // Every slice cut to `half`: no bounds checks
                             // are left, and the loop vectorises.
                             let (a, b) = (&head[..half], &head[half..][..half]);
-                            let (oa, ob) = out.split_at_mut(half);
-                            let (oa, ob) = (&mut oa[..half], &mut ob[..half]);
+                            let (oa, rest) = out.split_at_mut(half);
+                            let (ob, passed) = rest.split_at_mut(half);
+                            let oa = &mut oa[..half];
                             for i in 0..half {
                                 oa[i].write(a[i] * c[i] - b[i] * s[i]);
                                 ob[i].write(b[i] * c[i] + a[i] * s[i]);
+                            }
+                            for (o, &v) in passed.iter_mut().zip(&head[2 * half..]) {
+                                o.write(v);
                             }
                         }
                         for (o, &v) in out_v.iter_mut().zip(&row[rotated..]) {
@@ -881,6 +891,35 @@ mod tests {
         Tensor::cat(&[q, k, v], 2)
     }
 
+    /// Phi-4-mini's partial rotation: each head's first 4 columns of 10
+    /// turned as a head of 4 would be (`theta^(−2i/4)`), the other 6
+    /// passed through, forward and backward.
+    #[test]
+    fn a_partial_rope_turns_the_first_columns_of_each_head() {
+        let dev = Device::Cpu;
+        let (b, t, heads, kv, hd, rot) = (2, 7, 4, 2, 10, 4);
+        let n = heads + 2 * kv;
+        let x = Var::from_vec(wave(b * t * n * hd, 11), (b, t, n * hd), &dev).unwrap();
+        let positions: Vec<usize> = (0..b * t).map(|r| r % t).collect();
+        let rotary = Rotary::new(500.0, None, rot, t);
+        check(
+            std::slice::from_ref(&x),
+            |v| rope(&v[0], heads, kv, &rotary, false, None),
+            |v| {
+                let per_head = v[0].reshape((b, t, n, hd))?;
+                let turned = per_head.narrow(3, 0, rot)?.reshape((b, t, n * rot))?;
+                let turned = rope_composed(&turned, heads, kv, (500.0, 1.0), &positions)?;
+                let passed = per_head.narrow(3, rot, hd - rot)?;
+                Tensor::cat(&[&turned.reshape((b, t, n, rot))?, &passed], 3)?.reshape((
+                    b,
+                    t,
+                    n * hd,
+                ))
+            },
+            1e-5,
+        );
+    }
+
     #[test]
     fn rope_matches_hugging_face_layout_and_inverts() {
         let dev = Device::Cpu;
@@ -888,7 +927,7 @@ mod tests {
         let (b, t, heads, kv, hd) = (2, 9, 4, 2, 6);
         let w = (heads + 2 * kv) * hd;
         let x = Var::from_vec(wave(b * t * w, 13), (b, t, w), &dev).unwrap();
-        let freq = |theta| Rotary::new(theta, None, hd);
+        let freq = |theta| Rotary::new(theta, None, hd, t);
         let in_sequence: Vec<usize> = (0..b * t).map(|r| r % t).collect();
         check(
             std::slice::from_ref(&x),

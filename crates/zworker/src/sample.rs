@@ -328,6 +328,26 @@ impl Loaded {
             .rows_logits(&self.head, Some(&self.embedding.wte), rows)?)
     }
 
+    /// The logits after `context`, whose last token `caches` do not hold
+    /// yet: that token alone through the model, or the context's last
+    /// `seq_len` tokens afresh where the window slides (every position
+    /// moves) or where LongRoPE's frequencies change as the sequence grows
+    /// past the original context (every kept key turns again, as
+    /// transformers' Phi-3 drops its cache there).
+    fn next_logits(&self, context: &[u32], caches: &mut Vec<KvCache>) -> Result<Vec<f32>> {
+        let config = self.model.config();
+        let kept = caches.first().map_or(0, KvCache::tokens);
+        let turns_again = config.rotary_switches_after() == Some(kept);
+        match kept < config.seq_len && !turns_again {
+            true => self.feed(&context[context.len() - 1..], caches),
+            false => {
+                *caches = self.caches();
+                let window = &context[context.len().saturating_sub(config.seq_len)..];
+                self.feed(window, caches)
+            }
+        }
+    }
+
     /// Empty caches, one a block.
     pub(crate) fn caches(&self) -> Vec<KvCache> {
         vec![KvCache::default(); self.blocks.len()]
@@ -435,14 +455,7 @@ pub fn run(args: &[String]) -> Result<()> {
             if i + 1 == n {
                 break;
             }
-            logits = match caches[0].tokens() < seq_len {
-                true => loaded.feed(&[next], &mut caches)?,
-                // The window slides: every position moves.
-                false => {
-                    caches = loaded.caches();
-                    loaded.feed(&window(&context), &mut caches)?
-                }
-            };
+            logits = loaded.next_logits(&context, &mut caches)?;
         }
         if !ids {
             match out.write_all(b"\n") {
@@ -472,6 +485,66 @@ pub fn run(args: &[String]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A LongRoPE model (original context 4) generating past its original
+    /// context: the token that crosses it turns every kept key again, so
+    /// its logits are those of the whole sequence fed afresh, not those of
+    /// the keys kept from before (which differ: the check can fail);
+    /// before and after, a token is fed alone.
+    #[test]
+    fn longrope_turns_every_key_again_where_its_factors_switch() {
+        let m: zconfig::spec::ModelSpec = serde_json::from_value(serde_json::json!({
+            "kind": "llama", "vocab_size": 16, "d_model": 16, "n_layers": 1,
+            "n_heads": 2, "ffn_hidden": 24, "seq_len": 16,
+            "rope_scaling": {"rope_type": "longrope", "factor": 4.0,
+                "original_max_position_embeddings": 4,
+                "short_factor": [1.0, 1.5, 2.0, 3.0],
+                "long_factor": [1.0, 3.0, 7.0, 20.0]}
+        }))
+        .unwrap();
+        let model = Gpt::new(&m).unwrap();
+        // Weights 3 times the initial ones: attention far from uniform, so
+        // that the keys' angles show in the logits.
+        let mut values = (0..model.groups().len())
+            .flat_map(|g| model.init_group(g, 7))
+            .map(|v| v.iter().map(|x| 3.0 * x).collect())
+            .collect::<Vec<_>>()
+            .into_iter();
+        let d = tempfile::tempdir().unwrap();
+        zckpt::hf::write_dir(&m, &m.param_shapes(), d.path(), || Ok(values.next())).unwrap();
+        let loaded = load(d.path()).unwrap();
+        let context: Vec<u32> = (0..6).map(|i| (i * 5 + 3) % 16).collect();
+        let afresh = |n: usize| loaded.feed(&context[..n], &mut loaded.caches()).unwrap();
+        let mut caches = loaded.caches();
+        loaded.feed(&context[..3], &mut caches).unwrap();
+        // Within the original context: one token on the kept keys.
+        let within = loaded.next_logits(&context[..4], &mut caches).unwrap();
+        assert_eq!(caches[0].tokens(), 4);
+        close(&within, &afresh(4));
+        let mut kept = caches.clone();
+        let crossing = loaded.next_logits(&context[..5], &mut caches).unwrap();
+        assert_eq!(crossing, afresh(5));
+        let on_the_kept_keys = loaded.feed(&context[4..5], &mut kept).unwrap();
+        let moved = on_the_kept_keys
+            .iter()
+            .zip(&crossing)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(moved > 1e-3, "the long factors moved the logits by {moved}");
+        // Past it, one token on the keys turned again.
+        let past = loaded.next_logits(&context, &mut caches).unwrap();
+        assert_eq!(caches[0].tokens(), 6);
+        close(&past, &afresh(6));
+    }
+
+    fn close(a: &[f32], b: &[f32]) {
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                "logit {i}: {x} vs {y}"
+            );
+        }
+    }
 
     #[test]
     fn greedy_takes_the_largest_and_top_k_limits_the_draw() {
