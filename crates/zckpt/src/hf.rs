@@ -292,6 +292,12 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
         c["architectures"] = serde_json::json!(["Phi3ForCausalLM"]);
         c["model_type"] = "phi3".into();
         c["partial_rotary_factor"] = m.partial_rotary_factor.into();
+        // Phi-3's config defaults its padding and end-of-text ids to
+        // Phi-3's own vocabulary's (32000): a smaller model's embedding
+        // would not load. LLaMA's defaults name none it lacks.
+        for key in ["pad_token_id", "bos_token_id", "eos_token_id"] {
+            c[key] = serde_json::Value::Null;
+        }
         // Phi-3 takes LongRoPE's original context from beside the scaling
         // (4096 where absent), not from within it.
         if let Some(RopeScaling::Longrope {
@@ -1308,6 +1314,11 @@ mod tests {
             (&c["model_type"], &c["partial_rotary_factor"]),
             (&serde_json::json!("phi3"), &serde_json::json!(0.5))
         );
+        // Not Phi-3's defaults, 32000, past this vocabulary (transformers
+        // would not build the embedding).
+        for key in ["pad_token_id", "eos_token_id"] {
+            assert_eq!(c.get(key), Some(&serde_json::Value::Null), "{key}");
+        }
         let names = crate::TensorFile::open(&d.path().join(HF_WEIGHTS))
             .unwrap()
             .tensors()

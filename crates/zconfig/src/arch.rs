@@ -616,18 +616,24 @@ mod tests {
         ];
         for (n, (scaling, theta, hd, transformers, attention)) in cases.into_iter().enumerate() {
             let ours = Rotary::new(theta, scaling.as_ref(), hd, 64);
-            assert_eq!(ours.inv_freq.len(), transformers.len(), "case {n}");
-            for (i, (a, b)) in ours.inv_freq.iter().zip(transformers).enumerate() {
-                assert!((a - b).abs() <= 1e-6 * b, "case {n}, pair {i}: {a} vs {b}");
-            }
-            assert!(
-                (ours.scale - attention).abs() <= 1e-12,
-                "case {n}: attention factor {} vs {attention}",
-                ours.scale
-            );
+            assert_is_transformers(n, &ours, transformers, attention);
         }
         // The others multiply by 1.
         assert_eq!(Rotary::new(500.0, None, 16, 32).scale, 1.0);
+    }
+
+    /// Case `n`'s frequencies within f32's rounding of transformers', its
+    /// attention factor to 1e-12.
+    fn assert_is_transformers(n: usize, ours: &Rotary, transformers: &[f64], attention: f64) {
+        assert_eq!(ours.inv_freq.len(), transformers.len(), "case {n}");
+        for (i, (a, b)) in ours.inv_freq.iter().zip(transformers).enumerate() {
+            assert!((a - b).abs() <= 1e-6 * b, "case {n}, pair {i}: {a} vs {b}");
+        }
+        assert!(
+            (ours.scale - attention).abs() <= 1e-12,
+            "case {n}: attention factor {} vs {attention}",
+            ours.scale
+        );
     }
 
     /// LongRoPE's frequencies and attention factor against `transformers`
@@ -716,15 +722,7 @@ mod tests {
         ];
         for (n, (scaling, theta, len, transformers, attention)) in cases.into_iter().enumerate() {
             let ours = Rotary::new(theta, Some(scaling), 16, len);
-            assert_eq!(ours.inv_freq.len(), transformers.len(), "case {n}");
-            for (i, (a, b)) in ours.inv_freq.iter().zip(transformers).enumerate() {
-                assert!((a - b).abs() <= 1e-6 * b, "case {n}, pair {i}: {a} vs {b}");
-            }
-            assert!(
-                (ours.scale - attention).abs() <= 1e-12,
-                "case {n}: attention factor {} vs {attention}",
-                ours.scale
-            );
+            assert_is_transformers(n, &ours, transformers, attention);
         }
         let spec = |scaling| ModelSpec {
             rope_scaling: scaling,
