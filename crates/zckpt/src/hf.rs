@@ -1295,6 +1295,71 @@ mod tests {
         }
     }
 
+    /// The keys and shapes of Phi-3.5-mini's and Phi-4-mini's published
+    /// `config.json` (their own widths, heads, contexts and 48 factors a
+    /// list; the factors' values here are not theirs): read with the
+    /// rotary width (96: all of Phi-3.5's heads, 0.75 of Phi-4-mini's 128),
+    /// LongRoPE's factor filled in as 131072 / 4096 and its attention
+    /// factor `sqrt(1 + ln 32 / ln 4096)`, the context the positions (the
+    /// window is longer), Phi-4-mini's head tied.
+    #[test]
+    fn phi_3_5_and_phi_4_mini_configs_read_as_published() {
+        use serde_json::json;
+        let factors: Vec<f64> = (0..48).map(|i| 1.0 + i as f64 / 8.0).collect();
+        let scaling = json!({"type": "longrope", "short_factor": factors, "long_factor": factors});
+        let common = json!({
+            "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_act": "silu",
+            "hidden_size": 3072, "num_hidden_layers": 32, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+            "sliding_window": 262144, "rope_theta": 10000.0, "rope_scaling": scaling,
+            "attention_bias": false, "bos_token_id": 1, "pad_token_id": 32000
+        });
+        let with = |extra: serde_json::Value| {
+            let mut c = common.clone();
+            c.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            c
+        };
+        let phi35 = with(json!({
+            "vocab_size": 32064, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "intermediate_size": 8192, "tie_word_embeddings": false, "eos_token_id": 32000
+        }));
+        let phi4_mini = with(json!({
+            "vocab_size": 200064, "num_attention_heads": 24, "num_key_value_heads": 8,
+            "intermediate_size": 8192, "tie_word_embeddings": true, "eos_token_id": 199999,
+            "partial_rotary_factor": 0.75, "pad_token_id": 199999
+        }));
+        let d = tempfile::tempdir().unwrap();
+        for (config, head, kv, tied) in [(phi35, 96, 32, false), (phi4_mini, 128, 8, true)] {
+            std::fs::write(d.path().join(HF_CONFIG), config.to_string()).unwrap();
+            let m = model_spec(d.path()).unwrap();
+            assert_eq!(
+                (
+                    m.head_dim(),
+                    m.rotary_dim(),
+                    m.kv_heads(),
+                    m.tied(),
+                    m.seq_len
+                ),
+                (head, 96, kv, tied, 131072)
+            );
+            let Some(RopeScaling::Longrope {
+                factor,
+                original_max_position_embeddings: 4096,
+                ..
+            }) = m.rope_scaling
+            else {
+                panic!("{:?}", m.rope_scaling)
+            };
+            assert_eq!(factor, 32.0);
+            let rotary = m.rotary(4096);
+            assert_eq!(rotary.inv_freq.len(), 48);
+            let attention = (1.0 + 32f64.ln() / 4096f64.ln()).sqrt();
+            assert!((rotary.scale - attention).abs() < 1e-12, "{}", rotary.scale);
+        }
+    }
+
     /// A model that turns part of each head (Phi-4-mini's
     /// `partial_rotary_factor`; heads of 8, half turned) is written as
     /// Phi-3, q, k and v and gate and up fused as Phi-3 stores them, and
