@@ -270,8 +270,9 @@ pub enum RopeScaling {
         /// The context the model was first trained at, where the factors
         /// switch.
         original_max_position_embeddings: usize,
-        /// A divisor for each of a head's frequencies (`[head_dim / 2]`)
-        /// within the original context.
+        /// A divisor for each of a head's frequencies (one a turned pair:
+        /// `head_dim / 2`, or half the turned columns with
+        /// `partial_rotary_factor`) within the original context.
         short_factor: Vec<f64>,
         /// Beyond it.
         long_factor: Vec<f64>,
