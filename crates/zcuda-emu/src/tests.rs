@@ -252,18 +252,10 @@ fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
         let (cos, sin) = zcuda::rotary_table(theta, scaling, seq_len, rot);
         let qt = tensor(&qkv, &[b, t, ld]);
         let mut turned = qkv.clone();
-        let shape = (hd, rot / 2);
-        rope(
-            &mut turned,
-            &cos,
-            &sin,
-            first,
-            ld,
-            heads + kv,
-            shape,
-            t,
-            1.0,
-        );
+        let turn = |x: &mut [f32], sign| {
+            rope(x, &cos, &sin, first, ld, heads + kv, (hd, rot / 2), t, sign)
+        };
+        turn(&mut turned, 1.0);
         let freq = zconfig::arch::Rotary::new(theta, scaling, rot, seq_len);
         let want = llama_ops::rope(&qt, heads, kv, &freq, false, docs).unwrap();
         close("rope", &turned, &values(&want));
@@ -273,20 +265,10 @@ fn rope_with_the_gpus_table_matches_the_cpu_model_and_turns_back() {
             assert_eq!(turned[r * ld..][v.clone()], qkv[r * ld..][v], "v moved");
         }
         let mut back = qkv.clone();
-        rope(&mut back, &cos, &sin, first, ld, heads + kv, shape, t, -1.0);
+        turn(&mut back, -1.0);
         let want = llama_ops::rope(&qt, heads, kv, &freq, true, docs).unwrap();
         close("rope backward", &back, &values(&want));
-        rope(
-            &mut turned,
-            &cos,
-            &sin,
-            first,
-            ld,
-            heads + kv,
-            shape,
-            t,
-            -1.0,
-        );
+        turn(&mut turned, -1.0);
         // YaRN's and LongRoPE's factor twice over on the turned columns of
         // q and k.
         let scale2 = (freq.scale * freq.scale) as f32;
