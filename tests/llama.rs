@@ -80,6 +80,78 @@ fn starts_at(dir: &Path, job: &Path, from: &Path, metrics: &str, next: f64) {
     );
 }
 
+/// A job whose `model:` names only `init_from` takes every architecture key
+/// from the directory's `config.json` (and its context, 32, for the default
+/// `seq_len` of 128 it cannot take): `zrun check` resolves the model the job
+/// written out in full resolves, lists the keys taken, and the run starts
+/// at the export's next loss. A key the job writes stays the job's (and is
+/// held to the file); a `config.json` zrun cannot run is exit 2 at
+/// `model.init_from`, before launch.
+fn takes_its_model_from_the_directory(dir: &Path, job: &Path, hf: &Path, next: f64) {
+    let full = std::fs::read_to_string(job).unwrap();
+    let model_line = full.lines().find(|l| l.starts_with("model:")).unwrap();
+    let bare_of = |from: &Path, more: &str| {
+        let bare = dir.join("bare.yaml");
+        let model = format!("model: {{init_from: {}{more}}}", from.display());
+        std::fs::write(&bare, full.replace(model_line, &model)).unwrap();
+        bare
+    };
+    let bare = bare_of(hf, "");
+    let resolved_model = |job: &Path, sets: &[&str]| {
+        let f = zrun(dir, &[&["check", job.to_str().unwrap()][..], sets].concat());
+        assert_eq!(f.code(), 0, "{f:?}");
+        let spec: String = f
+            .stdout
+            .lines()
+            .skip(1)
+            .take_while(|l| !l.starts_with('#'))
+            .collect();
+        let spec: serde_json::Value = serde_json::from_str(&spec).unwrap();
+        (spec["model"].clone(), f.stdout)
+    };
+    let init = format!("model.init_from={}", hf.display());
+    let (want, _) = resolved_model(job, &["--set", &init]);
+    let (got, said) = resolved_model(&bare, &[]);
+    assert_eq!(got, want, "{said}");
+    let config = hf.join("config.json");
+    assert!(
+        said.contains(&format!(
+            "# from {}: model.kind, model.vocab_size, model.d_model",
+            config.display()
+        )) && said.contains("model.norm_eps, model.seq_len\n"),
+        "{said}"
+    );
+    starts_at(dir, &bare, hf, "bare.jsonl", next);
+    // The job's own key stays, and is held to the directory.
+    let (wider, _) = resolved_model(&bare, &["--set", "model.seq_len=24"]);
+    assert_eq!(wider["seq_len"], 24);
+    let deeper = bare_of(hf, ", n_layers: 3");
+    let f = zrun(dir, &["check", deeper.to_str().unwrap()]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("num_hidden_layers is 2, the job's model has 3 (model.n_layers)"),
+        "{}",
+        f.stderr
+    );
+    let bad = dir.join("hf-unrunnable");
+    std::fs::create_dir_all(&bad).unwrap();
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    c["hidden_act"] = "gelu".into();
+    std::fs::write(bad.join("config.json"), c.to_string()).unwrap();
+    let f = TrainArgs::new(bare_of(&bad, ""), dir.join("never.jsonl")).run(dir);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("bare.yaml:2:9: model.init_from: ")
+            && f.stderr
+                .contains("config.json: hidden_act is \"gelu\": zrun's model has \"silu\""),
+        "{}",
+        f.stderr
+    );
+    assert!(!dir.join("never.jsonl").exists());
+}
+
 /// `zrun eval` of the export on held-out text (bytes, not the training
 /// sentence): the independent reader's mean loss over the same windows of
 /// 32 (+1) tokens, within 1e-5 relative: disjoint (the default stride, 32)
@@ -729,6 +801,7 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
     for (from, metrics) in [(&out, "init.jsonl"), (&weights, "init-file.jsonl")] {
         starts_at(dir, &job, from, metrics, next);
     }
+    takes_its_model_from_the_directory(dir, &job, &out, next);
     trains_words_apart_as_the_reader(dir, &job, &out);
     evaluates_as_the_reader(dir, &out);
     exports_with_its_tokenizer(dir, &job, &out);

@@ -72,6 +72,16 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CkptError + '_ {
     }
 }
 
+impl From<zconfig::hf_config::HfConfigError> for CkptError {
+    fn from(e: zconfig::hf_config::HfConfigError) -> Self {
+        use zconfig::hf_config::HfConfigError;
+        match e {
+            HfConfigError::Io { path, cause } => CkptError::Io { path, cause },
+            HfConfigError::Invalid { path, message } => CkptError::Invalid { path, message },
+        }
+    }
+}
+
 pub(crate) fn invalid(path: &Path, message: impl Into<String>) -> CkptError {
     CkptError::Invalid {
         path: path.to_path_buf(),

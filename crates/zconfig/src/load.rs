@@ -24,7 +24,37 @@ pub struct LoadedJob {
     text: String,
     overridden: Vec<String>,
     deepspeed: Option<DeepSpeedConfig>,
+    model_from: Option<ModelFrom>,
 }
+
+/// The `config.json` of `model.init_from`'s directory, and the model keys
+/// the job took from it.
+#[derive(Debug, Clone)]
+struct ModelFrom {
+    config: PathBuf,
+    keys: Vec<String>,
+}
+
+/// The keys of `model:` that describe the architecture: what a Hugging Face
+/// `config.json` gives (its context aside: `seq_len` is the job's to
+/// choose).
+pub const ARCHITECTURE_KEYS: [&str; 15] = [
+    "kind",
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "head_dim",
+    "n_kv_heads",
+    "ffn_hidden",
+    "tie_embeddings",
+    "qkv_bias",
+    "qk_norm",
+    "rope_theta",
+    "rope_scaling",
+    "partial_rotary_factor",
+    "norm_eps",
+];
 
 /// Reads `path`, applies `overrides` (`KEY=VALUE`, dotted keys) and expands `${name}`.
 pub fn load_job(path: &Path, overrides: &[String]) -> Result<LoadedJob, ConfigError> {
@@ -54,6 +84,8 @@ pub fn load_job_with(
     // Then as a JSON value with every default filled in, so that overrides
     // apply by dotted path and a ds_config's "auto" finds the job's values.
     let mut value: Value = serde_json::to_value(&typed).expect("a spec serializes");
+    // Before the ds_config, whose "auto" sizes follow the model's width.
+    let model_from = adopt_model(&mut value, path, &text, overrides)?;
     let mut overridden = Vec::new();
     if let Some(ds) = deepspeed {
         value["deepspeed"] = Value::String(ds.display().to_string());
@@ -89,7 +121,80 @@ pub fn load_job_with(
         text,
         overridden,
         deepspeed,
+        model_from,
     })
+}
+
+/// Where the job's `model.init_from` (`--set` included) is a directory with
+/// a `config.json`, sets each of [`ARCHITECTURE_KEYS`] that neither the job
+/// file nor an override writes to the directory's, as `from_pretrained`
+/// takes the architecture from the file (the keys written stay, and must
+/// agree with the file: `zckpt` holds them to it before launch), and an
+/// unwritten `seq_len` to the default capped at the directory's context.
+/// A `config.json` zrun cannot run is exit 2 at `model.init_from`.
+fn adopt_model(
+    value: &mut Value,
+    path: &Path,
+    text: &str,
+    overrides: &[String],
+) -> Result<Option<ModelFrom>, ConfigError> {
+    let set_keys: Vec<&str> = overrides
+        .iter()
+        .filter_map(|a| a.split_once('=').map(|(k, _)| k.trim()))
+        .collect();
+    // The directory after the overrides: the last that names it wins.
+    let mut probe = value.clone();
+    for a in overrides.iter().filter(|a| {
+        a.split_once('=')
+            .is_some_and(|(k, _)| k.trim() == "model.init_from")
+    }) {
+        apply_override(&mut probe, a, &mut Vec::new())?;
+    }
+    let Some(dir) = probe["model"]["init_from"].as_str().map(PathBuf::from) else {
+        return Ok(None);
+    };
+    let config = dir.join(crate::hf_config::CONFIG_JSON);
+    if !config.is_file() {
+        return Ok(None);
+    }
+    let from = crate::hf_config::model_spec(&dir).map_err(|e| ConfigError::Invalid {
+        location: match find_key(text, "model.init_from") {
+            Some((line, col)) if !set_keys.contains(&"model.init_from") => {
+                format!("{}:{line}:{col}", path.display())
+            }
+            _ => "--set model.init_from".into(),
+        },
+        key: "model.init_from".into(),
+        message: e.to_string(),
+    })?;
+    let from = serde_json::to_value(&from).expect("a model serializes");
+    let untyped = serde_saphyr::from_str::<Value>(text).unwrap_or(Value::Null);
+    let written = |key: &str| {
+        let dotted = format!("model.{key}");
+        get_path(&untyped, &dotted).is_some()
+            || set_keys
+                .iter()
+                .any(|k| *k == "model" || *k == dotted || k.starts_with(&format!("{dotted}.")))
+    };
+    let model = value["model"]
+        .as_object_mut()
+        .expect("a spec's model is a mapping");
+    let mut keys = Vec::new();
+    for key in ARCHITECTURE_KEYS.into_iter().filter(|k| !written(k)) {
+        match from.get(key) {
+            Some(v) => model.insert(key.into(), v.clone()),
+            None => model.remove(key),
+        };
+        keys.push(format!("model.{key}"));
+    }
+    if !written("seq_len") {
+        let context = from["seq_len"].as_u64().unwrap_or(u64::MAX);
+        if model["seq_len"].as_u64().is_some_and(|n| n > context) {
+            model.insert("seq_len".into(), context.into());
+            keys.push("model.seq_len".into());
+        }
+    }
+    Ok(Some(ModelFrom { config, keys }))
 }
 
 /// Applies one `KEY=VALUE` override and checks the spec it leaves.
@@ -286,6 +391,13 @@ impl LoadedJob {
     /// `file:line:col` of a dotted key, or `--set` if an override set it, or
     /// the ds_config's line that set it, or the file.
     pub fn locate(&self, key: &str) -> String {
+        if let Some(from) = self.model_from.as_ref().filter(|f| {
+            f.keys
+                .iter()
+                .any(|k| k == key || key.starts_with(&format!("{k}.")))
+        }) {
+            return from.config.display().to_string();
+        }
         if self
             .overridden
             .iter()
@@ -306,6 +418,14 @@ impl LoadedJob {
             Some((line, col)) => format!("{}:{line}:{col}", self.path.display()),
             None => self.path.display().to_string(),
         }
+    }
+
+    /// The `config.json` that gave the job's model the keys it leaves out
+    /// (`model.init_from`'s directory), if any, and those keys.
+    pub fn model_from(&self) -> Option<(&Path, &[String])> {
+        self.model_from
+            .as_ref()
+            .map(|f| (f.config.as_path(), f.keys.as_slice()))
     }
 
     /// The DeepSpeed config the job was read with, if any.
@@ -1062,6 +1182,96 @@ mod tests {
             .write_all(text.as_bytes())
             .unwrap();
         p
+    }
+
+    /// Every key of `model:` is an architecture key but the job's own three:
+    /// a key added to the model without a place here would keep zrun's
+    /// default where the directory says otherwise.
+    #[test]
+    fn the_architecture_keys_are_every_model_key_but_the_jobs_own() {
+        let e = serde_json::from_value::<crate::spec::ModelSpec>(serde_json::json!({"none": 1}))
+            .unwrap_err()
+            .to_string();
+        let listed = e.split("expected one of").nth(1).expect(&e);
+        let mut every: Vec<&str> = listed
+            .split(['`', ',', ' '])
+            .filter(|k| !k.is_empty())
+            .collect();
+        every.retain(|k| !["seq_len", "init_from", "tile_size"].contains(k));
+        assert_eq!(every, ARCHITECTURE_KEYS, "{e}");
+    }
+
+    /// A directory's `config.json` gives the model keys the job leaves out
+    /// (the default `seq_len` capped at its context), before the ds_config's
+    /// `"auto"` bucket sizes read the width; keys the job file or `--set`
+    /// write stay, and each key is located where it came from.
+    #[test]
+    fn init_from_a_directory_gives_the_model_keys_the_job_leaves_out() {
+        let d = tempfile::tempdir().unwrap();
+        let hf = d.path().join("hf");
+        std::fs::create_dir(&hf).unwrap();
+        write(
+            &hf,
+            "config.json",
+            r#"{"model_type": "qwen2", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 96, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                "tie_word_embeddings": true, "hidden_act": "silu"}"#,
+        );
+        let job = write(
+            d.path(),
+            "job.yaml",
+            &format!(
+                "model:\n  init_from: {}\n  n_layers: 3\ndata: {{path: x.bin}}\n",
+                hf.display()
+            ),
+        );
+        let ds = write(
+            d.path(),
+            "ds.json",
+            r#"{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}"#,
+        );
+        let l = load_job_with(&job, &["model.norm_eps=1e-5".into()], Some(&ds)).unwrap();
+        let m = &l.spec.model;
+        assert_eq!(
+            (
+                m.kind,
+                m.vocab_size,
+                m.d_model,
+                m.n_heads,
+                m.kv_heads(),
+                m.ffn()
+            ),
+            (ModelKind::Llama, 300, 64, 4, 2, 96)
+        );
+        assert_eq!(
+            (m.tied(), m.qkv_biased(), m.rope_theta()),
+            (true, true, 1e6)
+        );
+        assert_eq!((m.n_layers, m.norm_eps, m.seq_len), (3, Some(1e-5), 96));
+        assert_eq!(l.spec.zero.reduce_bucket_size.0, 64 * 64);
+        let config = hf.join("config.json").display().to_string();
+        assert_eq!(l.locate("model.d_model"), config);
+        assert_eq!(l.locate("model.seq_len"), config);
+        assert_eq!(l.locate("model.n_layers"), format!("{}:3:3", job.display()));
+        assert_eq!(l.locate("model.norm_eps"), "--set model.norm_eps");
+        // A seq_len within the context, or written, is the job's.
+        let l = load_job(&job, &["model.seq_len=200".into()]).unwrap();
+        assert_eq!(l.spec.model.seq_len, 200);
+        // What the directory cannot be is said at `model.init_from`.
+        write(&hf, "config.json", r#"{"model_type": "bert"}"#);
+        let e = load_job(&job, &[]).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!(
+                "{}:2:3: model.init_from: {config}: model_type is \"bert\"",
+                job.display()
+            )),
+            "{e}"
+        );
+        // A directory without one, or a file, leaves the job as it is.
+        std::fs::remove_file(hf.join("config.json")).unwrap();
+        assert_eq!(load_job(&job, &[]).unwrap().spec.model.d_model, 256);
+        assert!(load_job(&job, &[]).unwrap().model_from().is_none());
     }
 
     const GOOD: &str = "name: t\nmodel: {d_model: 64, n_heads: 4, n_layers: 2, seq_len: 16}\ndata:\n  format: synthetic\ntrain:\n  steps: 5\n  lr: 1.0e-3\n";

@@ -512,6 +512,9 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
     crate::monitor::check(&plan.spec, false)?;
     say!("# job {} ({}): valid", job.spec.name, args.job.display());
     say!("{}", serde_json::to_string_pretty(&plan.spec)?);
+    if let Some((config, keys)) = job.model_from() {
+        say!("# from {}: {}", config.display(), keys.join(", "));
+    }
     print_deepspeed_sources(&job, plan.topology.world_size())?;
     say!(
         "# topology: {} workers on {} node{}",

@@ -58,6 +58,18 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     check_memory(&plan)?;
     crate::swap_check::check_offload(&plan)?;
     let m = &plan.spec.model;
+    if let Some((config, _)) = job.model_from() {
+        say!(
+            "zrun: the model as {} describes it: {}, {} layers of width {}, {} heads, a vocabulary of {}, sequences of {} (`zrun check` lists each key taken)",
+            config.display(),
+            format!("{:?}", m.kind).to_lowercase(),
+            m.n_layers,
+            m.d_model,
+            m.n_heads,
+            m.vocab_size,
+            m.seq_len
+        );
+    }
     if let Some(t) = zconfig::tiles::describe_tiling(m) {
         say!("zrun: {t}");
     }
