@@ -149,6 +149,20 @@ fn prepared_tokens_are_the_tokenizers_and_train() {
     assert_eq!(again.code(), 2, "{again:?}");
     assert!(again.stderr.contains("exists"), "{}", again.stderr);
     assert_eq!(ids(&out.join("train.bin"), 2), train);
+    // The directory that holds the tokenizer.json gives the same files.
+    let from_dir = d.join("data-from-dir");
+    let f = prepare(
+        d,
+        &["a.txt", "b.jsonl"],
+        d,
+        &from_dir,
+        &["--val-fraction", "0.1"],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    for file in ["train.bin", "val.bin", "manifest.json"] {
+        let read = |dir: &Path| std::fs::read(dir.join(file)).unwrap();
+        assert_eq!(read(&from_dir), read(&out), "{file}");
+    }
 
     // Train on it, validating on val.bin.
     let data = format!(
@@ -197,6 +211,30 @@ fn prepared_tokens_are_the_tokenizers_and_train() {
     assert!(!drawn.is_empty() && drawn.len() <= 12, "{text}");
     assert!(drawn.iter().all(|w| vocab.contains_key(*w)), "{text}");
     assert_eq!(sample().stdout, s.stdout);
+    // `--tokenizer` also takes the directory that holds the tokenizer.json,
+    // as `AutoTokenizer.from_pretrained` does; one without is exit 2.
+    let from_dir = |dir: &Path| {
+        let (ckpt, dir) = (ckpt.to_str().unwrap(), dir.to_str().unwrap());
+        let args = ["--prompt", "w3 w10", "--tokens", "12", "--seed", "5"];
+        let f = zrun(
+            d,
+            &[
+                &["sample", ckpt, "--tokenizer", dir][..],
+                &args,
+                &["--ignore-eos"],
+            ]
+            .concat(),
+        );
+        (f.code(), f.stdout, f.stderr)
+    };
+    let (code, stdout, _) = from_dir(tok.parent().unwrap());
+    assert_eq!((code, stdout), (0, s.stdout.clone()));
+    let (code, _, stderr) = from_dir(&ckpt);
+    assert_eq!(code, 2);
+    assert!(
+        stderr.contains("a directory without a tokenizer.json"),
+        "{stderr}"
+    );
     // `… | head -c 12` through the tokenizer: zrun stops reading, which
     // stops the generator behind it; both quietly.
     let args = [

@@ -42,8 +42,9 @@ pub struct PrepareArgs {
     /// Text files or JSONL files (`.jsonl`, `.ndjson`), or glob patterns.
     #[arg(value_name = "INPUT", required = true)]
     pub inputs: Vec<String>,
-    /// A Hugging Face `tokenizer.json` (a local file; nothing is downloaded).
-    #[arg(long, value_name = "tokenizer.json")]
+    /// A Hugging Face `tokenizer.json`, or the model directory that holds
+    /// one (local; nothing is downloaded).
+    #[arg(long, value_name = "tokenizer.json", value_parser = tokenizer_file)]
     pub tokenizer: PathBuf,
     /// Where `train.bin`, `val.bin` and `manifest.json` go.
     #[arg(long, value_name = "DIR")]
@@ -108,8 +109,8 @@ pub struct SampleArgs {
     pub prompt: String,
     /// The Hugging Face tokenizer.json the model's data was prepared with
     /// (needed for any model but a byte-level one; a Hugging Face directory's
-    /// own `tokenizer.json` by default).
-    #[arg(long, value_name = "tokenizer.json")]
+    /// own `tokenizer.json` by default), or the directory that holds it.
+    #[arg(long, value_name = "tokenizer.json", value_parser = tokenizer_file)]
     pub tokenizer: Option<PathBuf>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 200)]
@@ -220,9 +221,9 @@ pub struct EvalArgs {
     /// bytes for a byte-level model).
     #[arg(long, value_name = "FILE")]
     pub data: PathBuf,
-    /// The tokenizer.json a text file is tokenized with (default: a Hugging
-    /// Face directory's own).
-    #[arg(long, value_name = "tokenizer.json")]
+    /// The tokenizer.json a text file is tokenized with, or the directory
+    /// that holds it (default: a Hugging Face directory's own).
+    #[arg(long, value_name = "tokenizer.json", value_parser = tokenizer_file)]
     pub tokenizer: Option<PathBuf>,
     /// How FILE is stored where no manifest beside it says: `text`,
     /// `tokens_u16` or `tokens_u32`.
@@ -631,4 +632,21 @@ pub struct BenchCommArgs {
     /// Path of the zworker binary (default: next to zrun).
     #[arg(long, value_name = "PATH")]
     pub worker_bin: Option<PathBuf>,
+}
+
+/// `--tokenizer`: a `tokenizer.json`, or a model directory taken as its
+/// `tokenizer.json`, as `AutoTokenizer.from_pretrained` takes a directory
+/// (the chat template and special tokens are then read beside it).
+fn tokenizer_file(given: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(given);
+    if !path.is_dir() {
+        return Ok(path);
+    }
+    let file = path.join("tokenizer.json");
+    match file.is_file() {
+        true => Ok(file),
+        false => Err(format!(
+            "{given}: a directory without a tokenizer.json (zrun reads Hugging Face's fast tokenizers)"
+        )),
+    }
 }
