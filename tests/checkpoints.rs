@@ -419,6 +419,66 @@ fn export_feeds_init_from_and_reproduces_the_next_loss() {
         (words_loss - independent).abs() <= 1e-5 * independent,
         "words kept apart: zrun's loss {words_loss}, the reader's {independent}"
     );
+    // Sharp attention: the q and k columns of each c_attn times 16 (the
+    // scores 256 times larger), v's times 8. A model trained five steps
+    // attends almost uniformly, so that the step-5 check barely feels the
+    // attention; here the first loss from the rescaled export is the
+    // reader's within 1e-6, and the reader's loss with scores 1% larger
+    // moves by more than ten times that.
+    let shape = || Gpt2Shape {
+        vocab: 256,
+        d: 32,
+        layers: 2,
+        heads: 4,
+        max_seq: 32,
+    };
+    let sharp = attention_rescaled(&out, &dir.join("sharp.safetensors"), [16.0, 16.0, 8.0], 32);
+    let off = attention_rescaled(&out, &dir.join("off.safetensors"), [16.16, 16.0, 8.0], 32);
+    let want = Gpt2::load(&sharp, shape()).loss(&windows);
+    let moved = (Gpt2::load(&off, shape()).loss(&windows) - want).abs();
+    let mut args = common.to_vec();
+    let from_sharp = e2e::one_step_from(&sharp);
+    args.extend(from_sharp.iter().map(String::as_str));
+    args.extend(one_worker);
+    train(dir, &job, "sharp.jsonl", &args);
+    let loss = losses_by_step(&dir.join("sharp.jsonl"))[0].1;
+    assert!(
+        (loss - want).abs() <= 1e-6 * want && moved > 1e-5 * want,
+        "sharp attention: zrun's first loss {loss}, the reader's {want}, {moved} from scores 1% larger"
+    );
+}
+
+/// A copy of the GPT-2 export `from` at `to` with the q, k and v columns of
+/// each layer's `c_attn` (weight `[d, 3d]` and bias) multiplied by
+/// `factors`.
+fn attention_rescaled(from: &Path, to: &Path, factors: [f32; 3], d: usize) -> std::path::PathBuf {
+    let bytes = std::fs::read(from).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = file
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let fused = name.ends_with("attn.c_attn.weight") || name.ends_with("attn.c_attn.bias");
+            let data: Vec<u8> = view
+                .data()
+                .chunks_exact(4)
+                .enumerate()
+                .flat_map(|(i, b)| {
+                    let x = f32::from_le_bytes(b.try_into().unwrap());
+                    let factor = if fused { factors[i % (3 * d) / d] } else { 1.0 };
+                    (factor * x).to_le_bytes()
+                })
+                .collect();
+            (name, view.shape().to_vec(), data)
+        })
+        .collect();
+    let views = tensors.iter().map(|(name, shape, data)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data);
+        (name.clone(), view.unwrap())
+    });
+    std::fs::write(to, safetensors::serialize(views, None).unwrap()).unwrap();
+    to.to_path_buf()
 }
 
 /// Documents kept apart and packed whole (`data.separate_documents`,
