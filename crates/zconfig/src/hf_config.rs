@@ -51,12 +51,12 @@ fn invalid(path: &Path, message: impl Into<String>) -> HfConfigError {
 /// (`model_type: gpt2`, tanh GELU) or LLaMA (`llama`: SiLU, no biases,
 /// rotary scaling as `rope_scaling` reads it; `qwen2`: with biases on q, k
 /// and v; `qwen3`: with norms of each head's q and k; `mistral`: LLaMA, its
-/// context capped at its `sliding_window`; heads as wide as `head_dim`
-/// says),
-/// the families whose names and layouts `zckpt::hf` maps.
-/// What `zrun sample` runs such a directory with (a published GPT-2, or
-/// `zrun export --format hf`'s output). Anything else is refused naming the
-/// file and the key.
+/// context capped at its `sliding_window`; `phi3`: LLaMA turning part of
+/// each head, as `partial_rotary_factor` says; heads as wide as `head_dim`
+/// says), the families whose names and layouts `zckpt::hf` maps. What
+/// `zrun sample` runs such a directory with, and what a job starting from
+/// it takes for the model keys it leaves out. Anything else is refused
+/// naming the file and the key.
 pub fn model_spec(dir: &Path) -> Result<ModelSpec, HfConfigError> {
     use serde_json::{json, Value};
     let path = dir.join(CONFIG_JSON);
