@@ -419,6 +419,71 @@ fn export_feeds_init_from_and_reproduces_the_next_loss() {
         (words_loss - independent).abs() <= 1e-5 * independent,
         "words kept apart: zrun's loss {words_loss}, the reader's {independent}"
     );
+    // From the Hugging Face directory at sequences of 16 (`model:` naming
+    // nothing else): the model keeps its 32 positions, of which the job
+    // uses the first 16, so one batch of all eight windows of 17 tokens
+    // starts at the reader's mean over them; its export declares 32
+    // positions again.
+    let bare = dir.join("bare.yaml");
+    let job_text = std::fs::read_to_string(&job).unwrap();
+    let model_at = job_text.find("model:").unwrap();
+    let model_end = model_at + job_text[model_at..].find('\n').unwrap();
+    let hf_model = format!("model: {{init_from: {}, seq_len: 16}}", hf.display());
+    std::fs::write(
+        &bare,
+        job_text.replace(&job_text[model_at..model_end], &hf_model),
+    )
+    .unwrap();
+    let sixteen: Vec<Vec<u32>> = (0..8)
+        .map(|w| {
+            text[w * 16..w * 16 + 17]
+                .iter()
+                .map(|&b| u32::from(b))
+                .collect()
+        })
+        .collect();
+    let shorter_ckpt = format!("checkpoint.dir={}/ckpt-shorter", dir.display());
+    let shorter = [
+        "--set",
+        &data,
+        "--set",
+        "data.format=text",
+        "--set",
+        "train.steps=1",
+        "--set",
+        "train.micro_batch_size=8",
+        "--set",
+        &shorter_ckpt,
+        "--set",
+        "checkpoint.every=1",
+        "--workers-per-node",
+        "1",
+    ];
+    train(dir, &bare, "shorter.jsonl", &shorter);
+    let loss = losses_by_step(&dir.join("shorter.jsonl"))[0].1;
+    let want = reference.loss(&sixteen);
+    assert!(
+        (loss - want).abs() <= 1e-5 * want,
+        "from the directory at seq_len 16: zrun's first loss {loss}, the reader's {want}"
+    );
+    let shorter_hf = dir.join("hf-shorter");
+    e2e::export_hf(dir, &dir.join("ckpt-shorter"), &shorter_hf);
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(shorter_hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (&config["n_positions"], &config["n_ctx"]),
+        (&32.into(), &32.into())
+    );
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("ckpt-shorter/step-00000001/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    let model = &manifest["model"];
+    assert_eq!(
+        (&model["seq_len"], &model["max_position_embeddings"]),
+        (&16.into(), &32.into()),
+        "{model}"
+    );
     // Sharp attention: the q and k columns of each c_attn times 16 (the
     // scores 256 times larger), v's times 8. A model trained five steps
     // attends almost uniformly, so that the step-5 check barely feels the

@@ -224,6 +224,12 @@ impl ModelSpec {
         }
     }
 
+    /// The longest sequence the model takes: `max_position_embeddings`,
+    /// else `seq_len`.
+    pub fn context(&self) -> usize {
+        self.max_position_embeddings.unwrap_or(self.seq_len)
+    }
+
     /// Whether positions are learned (`wpe`) rather than rotary.
     pub fn learned_positions(&self) -> bool {
         self.kind == ModelKind::Gpt
@@ -340,7 +346,7 @@ impl ModelSpec {
         let (v, d) = (self.vocab_size, self.d_model);
         let mut out = vec![(format!("{}.weight", self.token_table_name()), vec![v, d])];
         if self.learned_positions() {
-            out.push(("wpe.weight".into(), vec![self.seq_len, d]));
+            out.push(("wpe.weight".into(), vec![self.context(), d]));
         }
         let weight_bias =
             |out: &mut Vec<(String, Vec<usize>)>, name: String, shape: Vec<usize>, bias: bool| {

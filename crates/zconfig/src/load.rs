@@ -37,7 +37,7 @@ struct ModelFrom {
 
 /// The keys of `model:` that describe the architecture: what a Hugging Face
 /// `config.json` gives (its context aside: `seq_len` is the job's to
-/// choose).
+/// choose, and `max_position_embeddings` the directory's where it differs).
 pub const ARCHITECTURE_KEYS: [&str; 15] = [
     "kind",
     "vocab_size",
@@ -129,8 +129,10 @@ pub fn load_job_with(
 /// a `config.json`, sets each of [`ARCHITECTURE_KEYS`] that neither the job
 /// file nor an override writes to the directory's, as `from_pretrained`
 /// takes the architecture from the file (the keys written stay, and must
-/// agree with the file: `zckpt` holds them to it before launch), and an
-/// unwritten `seq_len` to the default capped at the directory's context.
+/// agree with the file: `zckpt` holds them to it before launch), an
+/// unwritten `seq_len` to the default capped at the directory's context,
+/// and an unwritten `max_position_embeddings` to that context where the
+/// job's sequences are shorter.
 /// A `config.json` zrun cannot run is exit 2 at `model.init_from`.
 fn adopt_model(
     value: &mut Value,
@@ -142,11 +144,12 @@ fn adopt_model(
         .iter()
         .filter_map(|a| a.split_once('=').map(|(k, _)| k.trim()))
         .collect();
-    // The directory after the overrides: the last that names it wins.
+    // The directory and the sequences after the overrides (the last that
+    // names each wins).
     let mut probe = value.clone();
     for a in overrides.iter().filter(|a| {
         a.split_once('=')
-            .is_some_and(|(k, _)| k.trim() == "model.init_from")
+            .is_some_and(|(k, _)| ["model.init_from", "model.seq_len"].contains(&k.trim()))
     }) {
         apply_override(&mut probe, a, &mut Vec::new())?;
     }
@@ -187,12 +190,20 @@ fn adopt_model(
         };
         keys.push(format!("model.{key}"));
     }
-    if !written("seq_len") {
-        let context = from["seq_len"].as_u64().unwrap_or(u64::MAX);
-        if model["seq_len"].as_u64().is_some_and(|n| n > context) {
-            model.insert("seq_len".into(), context.into());
-            keys.push("model.seq_len".into());
-        }
+    let context = from["seq_len"].as_u64().expect("a model has a seq_len");
+    if !written("seq_len") && model["seq_len"].as_u64().is_some_and(|n| n > context) {
+        model.insert("seq_len".into(), context.into());
+        keys.push("model.seq_len".into());
+    }
+    // The directory's context stays the model's (GPT-2's position table)
+    // where the job trains on shorter sequences.
+    let seq_len = match written("seq_len") {
+        true => probe["model"]["seq_len"].as_u64(),
+        false => model["seq_len"].as_u64(),
+    };
+    if !written("max_position_embeddings") && seq_len != Some(context) {
+        model.insert("max_position_embeddings".into(), context.into());
+        keys.push("model.max_position_embeddings".into());
     }
     Ok(Some(ModelFrom { config, keys }))
 }
@@ -621,6 +632,16 @@ impl LoadedJob {
         }
         if m.head_dim == Some(0) {
             return Err(self.invalid("model.head_dim", "must be at least 1"));
+        }
+        if m.context() < m.seq_len {
+            return Err(self.invalid(
+                "model.max_position_embeddings",
+                format!(
+                    "{} is shorter than model.seq_len {}: the model takes no sequence that long",
+                    m.context(),
+                    m.seq_len
+                ),
+            ));
         }
         if m.head_dim.is_none() && !m.d_model.is_multiple_of(m.n_heads) {
             return Err(self.invalid(
@@ -1197,7 +1218,15 @@ mod tests {
             .split(['`', ',', ' '])
             .filter(|k| !k.is_empty())
             .collect();
-        every.retain(|k| !["seq_len", "init_from", "tile_size"].contains(k));
+        every.retain(|k| {
+            ![
+                "seq_len",
+                "max_position_embeddings",
+                "init_from",
+                "tile_size",
+            ]
+            .contains(k)
+        });
         assert_eq!(every, ARCHITECTURE_KEYS, "{e}");
     }
 
@@ -1255,9 +1284,20 @@ mod tests {
         assert_eq!(l.locate("model.seq_len"), config);
         assert_eq!(l.locate("model.n_layers"), format!("{}:3:3", job.display()));
         assert_eq!(l.locate("model.norm_eps"), "--set model.norm_eps");
-        // A seq_len within the context, or written, is the job's.
-        let l = load_job(&job, &["model.seq_len=200".into()]).unwrap();
+        assert_eq!(m.max_position_embeddings, None);
+        // A seq_len written is the job's; the directory's context stays the
+        // model's where they differ (and a context shorter is refused).
+        let l = load_job(&job, &["model.seq_len=32".into()]).unwrap();
+        let m = &l.spec.model;
+        assert_eq!((m.seq_len, m.max_position_embeddings), (32, Some(96)));
+        assert_eq!(l.locate("model.max_position_embeddings"), config);
+        let mut l = load_job(&job, &["model.seq_len=200".into()]).unwrap();
         assert_eq!(l.spec.model.seq_len, 200);
+        let e = l.validate(1).unwrap_err().to_string();
+        assert!(
+            e.contains("model.max_position_embeddings: 96 is shorter than model.seq_len 200"),
+            "{e}"
+        );
         // What the directory cannot be is said at `model.init_from`.
         write(&hf, "config.json", r#"{"model_type": "bert"}"#);
         let e = load_job(&job, &[]).unwrap_err().to_string();

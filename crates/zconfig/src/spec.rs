@@ -146,9 +146,17 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(deserialize_with = "finite::optional")]
     pub norm_eps: Option<f64>,
-    /// Context length in tokens.
+    /// The length of the sequences the job trains on, in tokens.
     #[serde(default = "default_seq_len")]
     pub seq_len: usize,
+    /// The longest sequence the model takes (Hugging Face's
+    /// `max_position_embeddings`, GPT-2's `n_positions`; default
+    /// `seq_len`): the rows of GPT-2's position table, of which a job uses
+    /// the first `seq_len`, and the context an export declares. A published
+    /// GPT-2 (1024) fine-tunes on shorter sequences and exports as 1024
+    /// positions again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_position_embeddings: Option<usize>,
     /// Weights to start from: a `zrun export` file, a Hugging Face model
     /// directory (`config.json` + `model.safetensors`), or a published
     /// GPT-2 / LLaMA safetensors file.

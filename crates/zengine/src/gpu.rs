@@ -112,7 +112,12 @@ pub fn gpu_shape(spec: &zconfig::spec::JobSpec) -> Result<GptShape, String> {
         head_dim: m.head_dim(),
         ffn: m.ffn(),
         vocab: m.vocab_size,
-        seq_len: m.seq_len,
+        // GPT-2's position table is the model's context; LLaMA's rotary
+        // table the job's sequences (LongRoPE's factors follow their length).
+        seq_len: match m.learned_positions() {
+            true => m.context(),
+            false => m.seq_len,
+        },
         eps: m.norm_eps() as f32,
     })
 }

@@ -307,7 +307,7 @@ impl Gpt {
     /// tiled linears), the head, then every block's tiles.
     pub fn groups(&self) -> Vec<GroupSpec> {
         let m = &self.cfg;
-        let (v, d, l, t) = (m.vocab_size, m.d_model, m.n_layers, m.seq_len);
+        let (v, d, l) = (m.vocab_size, m.d_model, m.n_layers);
         let std = 0.02f32;
         // GPT-2 scales the projections into the residual by 1/√(2L);
         // LLaMA (Hugging Face's initialiser) draws every matrix at 0.02.
@@ -338,9 +338,14 @@ impl Gpt {
         };
         let embedding = EmbeddingParams {
             wte: table(format!("{}.weight", m.token_table_name())),
-            wpe: m
-                .learned_positions()
-                .then(|| p("wpe.weight".into(), &[t, d], Init::Normal(std), true)),
+            wpe: m.learned_positions().then(|| {
+                p(
+                    "wpe.weight".into(),
+                    &[m.context(), d],
+                    Init::Normal(std),
+                    true,
+                )
+            }),
         };
         let mut groups = vec![GroupSpec {
             name: "embedding".into(),
@@ -545,7 +550,7 @@ impl Gpt {
     ) -> Result<EmbeddingParams<Tensor>> {
         let (b, t) = tokens.dims2()?;
         let d = self.cfg.d_model;
-        let (v, positions) = (self.cfg.vocab_size, self.cfg.seq_len);
+        let (v, positions) = (self.cfg.vocab_size, self.cfg.context());
         if dx.dims() != [b, t, d] || t > positions {
             candle_core::bail!(
                 "embedding backward: dx {:?} for tokens [{b}, {t}] (d_model {d}, seq_len {positions})",
