@@ -1005,6 +1005,29 @@ fn llama_export_is_hugging_face_llama_and_feeds_init_from() {
         assert_eq!(f.code(), 2, "check {set}: {f:?}");
         assert!(f.stderr.contains(what), "check: {}", f.stderr);
     }
+    // The weights file alone is read as the job's model says, even where
+    // the config.json beside it disagrees on what no shape shows: a
+    // warning names the key.
+    let init = format!("model.init_from={}", weights.display());
+    let job = job.to_str().unwrap();
+    let f = zrun(
+        dir,
+        &["check", job, "--set", &init, "--set", "model.rope_theta=20"],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(
+        f.stderr.contains("warning: model.init_from")
+            && f.stderr
+                .contains("config.json: rope_theta is 10000.0, the job's model has 20.0"),
+        "{}",
+        f.stderr
+    );
+    let f = zrun(dir, &["check", job, "--set", &init]);
+    assert!(
+        !f.stderr.contains("warning: model.init_from"),
+        "{}",
+        f.stderr
+    );
 }
 
 #[test]

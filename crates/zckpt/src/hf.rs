@@ -515,6 +515,16 @@ pub fn generation_defaults(dir: &Path) -> Result<Option<GenerationDefaults>, Ckp
     Ok(Some(defaults))
 }
 
+/// What the `config.json` beside a weights file given alone says against
+/// the job's model `m`, if it disagrees (as [`check_config`] would refuse
+/// the directory): the file alone is read as the job's model says, which
+/// is how weights of LLaMA's layout under another `model_type` are given,
+/// so this is for a warning, not a refusal.
+pub fn config_beside_disagrees(m: &ModelSpec, file: &Path) -> Option<String> {
+    let dir = file.parent().filter(|_| file.is_file())?;
+    check_config(m, dir).err().map(|e| e.to_string())
+}
+
 /// Holds a Hugging Face directory's `config.json`, where it has one, to the
 /// job's model `m`: each of [`SAME_KEYS`] that both have (and the file does
 /// not leave null, Hugging Face's "the default") equal, its context at least

@@ -412,6 +412,12 @@ pub(crate) fn check_init_from(spec: &zconfig::JobSpec) -> Result<()> {
     let m = &spec.model;
     zckpt::InitWeights::open(std::path::Path::new(f), m, &m.param_shapes())
         .map_err(|e| Failure::bad_input(format!("model.init_from: {e}")))?;
+    // A forgotten rotary base or epsilon leaves every shape as it is.
+    if let Some(says) = zckpt::hf::config_beside_disagrees(m, Path::new(f)) {
+        shout!(
+            "zrun: warning: model.init_from {f} is read as the job's model, but {says} (give the directory to have the job take its model from it)"
+        );
+    }
     Ok(())
 }
 
