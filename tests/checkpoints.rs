@@ -478,6 +478,31 @@ fn export_feeds_init_from_and_reproduces_the_next_loss() {
         &std::fs::read(dir.join("ckpt-shorter/step-00000001/manifest.json")).unwrap(),
     )
     .unwrap();
+    // The checkpoint samples and evaluates with the model's whole context,
+    // as its export does (a 20-byte prompt and 30 more: past 16 tokens).
+    let ckpt_shorter = dir.join("ckpt-shorter/step-00000001");
+    for command in [
+        vec![
+            "sample",
+            "--prompt",
+            "the quick brown fox ",
+            "--tokens",
+            "30",
+            "--temperature",
+            "0",
+        ],
+        vec!["eval", "--data", "one-batch.txt"],
+    ] {
+        let on = |model: &Path| {
+            let f = zrun(
+                dir,
+                &[&command[..1], &[model.to_str().unwrap()], &command[1..]].concat(),
+            );
+            assert_eq!(f.code(), 0, "{f:?}");
+            f.stdout
+        };
+        assert_eq!(on(&ckpt_shorter), on(&shorter_hf), "{command:?}");
+    }
     let model = &manifest["model"];
     assert_eq!(
         (&model["seq_len"], &model["max_position_embeddings"]),

@@ -31,7 +31,9 @@ pub fn eval(args: EvalArgs) -> anyhow::Result<ExitCode> {
             (ckpt.dir.clone(), ckpt.manifest.model)
         }
     };
-    let (vocab, seq_len) = (model.vocab_size, model.seq_len);
+    // The model's whole context, as `zworker` loads it (a checkpoint's
+    // `max_position_embeddings` where it trained on shorter sequences).
+    let (vocab, seq_len) = (model.vocab_size, model.context());
     let stride = args.stride.unwrap_or(seq_len);
     if !(1..=seq_len).contains(&stride) {
         return Err(Failure::bad_input(format!(

@@ -247,7 +247,12 @@ pub(crate) fn load(dir: &Path) -> Result<Loaded> {
             }
         }
         assembler.finish().map_err(anyhow::Error::msg)?;
-        ckpt.manifest.model
+        // The model's whole context, as its export (`max_position_embeddings`)
+        // declares it to `transformers` and to the branch above: a GPT-2
+        // fine-tuned on shorter sequences keeps its position table.
+        let mut m = ckpt.manifest.model;
+        m.seq_len = m.context();
+        m
     };
     // The head's matrix (`[vocab, d]`; a tied model's token table) is held
     // as its transpose, `[d, vocab]` storage under a `[vocab, d]` view,
