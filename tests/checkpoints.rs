@@ -542,32 +542,12 @@ fn export_feeds_init_from_and_reproduces_the_next_loss() {
 /// each layer's `c_attn` (weight `[d, 3d]` and bias) multiplied by
 /// `factors`.
 fn attention_rescaled(from: &Path, to: &Path, factors: [f32; 3], d: usize) -> std::path::PathBuf {
-    let bytes = std::fs::read(from).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = file
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let fused = name.ends_with("attn.c_attn.weight") || name.ends_with("attn.c_attn.bias");
-            let data: Vec<u8> = view
-                .data()
-                .chunks_exact(4)
-                .enumerate()
-                .flat_map(|(i, b)| {
-                    let x = f32::from_le_bytes(b.try_into().unwrap());
-                    let factor = if fused { factors[i % (3 * d) / d] } else { 1.0 };
-                    (factor * x).to_le_bytes()
-                })
-                .collect();
-            (name, view.shape().to_vec(), data)
-        })
-        .collect();
-    let views = tensors.iter().map(|(name, shape, data)| {
-        let view =
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data);
-        (name.clone(), view.unwrap())
+    e2e::rescaled_safetensors(from, to, |name, _, i| {
+        match name.ends_with("attn.c_attn.weight") || name.ends_with("attn.c_attn.bias") {
+            true => factors[i % (3 * d) / d],
+            false => 1.0,
+        }
     });
-    std::fs::write(to, safetensors::serialize(views, None).unwrap()).unwrap();
     to.to_path_buf()
 }
 

@@ -159,6 +159,39 @@ pub fn zrun(cwd: &Path, args: &[&str]) -> Finished {
     Zrun::start(cwd, args).wait(Duration::from_secs(300))
 }
 
+/// A copy of the f32 safetensors file `from` at `to`, each value of tensor
+/// `name` of shape `shape` multiplied by `factor(name, shape, i)` (`i`: the
+/// value's index, row-major): weights rescaled for a test (sharper
+/// attention).
+pub fn rescaled_safetensors(from: &Path, to: &Path, factor: impl Fn(&str, &[usize], usize) -> f32) {
+    let bytes = std::fs::read(from).expect("read the weights");
+    let file = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = file
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+            let data = view
+                .data()
+                .chunks_exact(4)
+                .enumerate()
+                .flat_map(|(i, b)| {
+                    let x = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+                    (factor(&name, view.shape(), i) * x).to_le_bytes()
+                })
+                .collect();
+            (name, view.shape().to_vec(), data)
+        })
+        .collect();
+    let views = tensors.iter().map(|(name, shape, data)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data);
+        (name.clone(), view.expect("a tensor's bytes fit its shape"))
+    });
+    let out = safetensors::serialize(views, None).expect("serialize");
+    std::fs::write(to, out).expect("write the rescaled weights");
+}
+
 /// `zrun export CKPT --out OUT --format hf` in `cwd`, which must succeed:
 /// a Hugging Face directory of the checkpoint.
 pub fn export_hf(cwd: &Path, ckpt: &Path, out: &Path) {

@@ -536,44 +536,22 @@ fn rescaled(dir: &Path, hf: &Path, name: &str, factors: [f32; 3]) -> PathBuf {
     // Phi-3's [(h + 2·kv)·hd, d] projection: q's rows, k's, v's.
     let (q, kv) = (n("num_attention_heads") * hd, n("num_key_value_heads") * hd);
     let [fq, fk, fv] = factors;
-    let bytes = std::fs::read(hf.join("model.safetensors")).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = file
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let factor = |row: usize| match name.rsplit('.').nth(1) {
-                Some("q_proj" | "q_norm") => fq,
-                Some("k_proj" | "k_norm") => fk,
-                Some("v_proj") => fv,
-                Some("qkv_proj") if row < q => fq,
-                Some("qkv_proj") if row < q + kv => fk,
-                Some("qkv_proj") => fv,
-                _ => 1.0,
-            };
-            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
-            let row = view.shape().iter().skip(1).product::<usize>();
-            let data: Vec<u8> = view
-                .data()
-                .chunks_exact(4)
-                .enumerate()
-                .flat_map(|(i, b)| {
-                    (factor(i / row) * f32::from_le_bytes(b.try_into().unwrap())).to_le_bytes()
-                })
-                .collect();
-            (name, view.shape().to_vec(), data)
-        })
-        .collect();
-    let views = tensors.iter().map(|(name, shape, data)| {
-        let view =
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data);
-        (name.clone(), view.unwrap())
-    });
-    std::fs::write(
-        out.join("model.safetensors"),
-        safetensors::serialize(views, None).unwrap(),
-    )
-    .unwrap();
+    e2e::rescaled_safetensors(
+        &hf.join("model.safetensors"),
+        &out.join("model.safetensors"),
+        |name, shape, i| match (
+            name.rsplit('.').nth(1),
+            i / shape[1..].iter().product::<usize>(),
+        ) {
+            (Some("q_proj" | "q_norm"), _) => fq,
+            (Some("k_proj" | "k_norm"), _) => fk,
+            (Some("v_proj"), _) => fv,
+            (Some("qkv_proj"), row) if row < q => fq,
+            (Some("qkv_proj"), row) if row < q + kv => fk,
+            (Some("qkv_proj"), _) => fv,
+            _ => 1.0,
+        },
+    );
     out
 }
 
