@@ -516,8 +516,8 @@ pub fn generation_defaults(dir: &Path) -> Result<Option<GenerationDefaults>, Ckp
 }
 
 /// What the `config.json` beside a weights file given alone says against
-/// the job's model `m`, if it disagrees (as [`check_config`] would refuse
-/// the directory): the file alone is read as the job's model says, which
+/// the job's model `m`, if it disagrees (where the directory given would
+/// be refused): the file alone is read as the job's model says, which
 /// is how weights of LLaMA's layout under another `model_type` are given,
 /// so this is for a warning, not a refusal.
 pub fn config_beside_disagrees(m: &ModelSpec, file: &Path) -> Option<String> {
