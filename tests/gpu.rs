@@ -678,13 +678,14 @@ fn the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host() {
     .wait(std::time::Duration::from_secs(300));
     assert_eq!(f.code(), 0, "{f:?}");
     // The table: "ms/step share calls/step idle name" rows, then the total,
-    // rank 0's lines (zrun's own lines may come between them).
+    // rank 0's lines after its title and column header (zrun's own lines,
+    // a step's, may come between any two of them).
     let total_row = |l: &&str| l.ends_with("all marked operations");
     let from_header = || {
         (f.stdout.lines())
             .skip_while(|l| !l.contains("GPU time by operation"))
-            .skip(2)
-            .filter(|l| l.starts_with("[rank 0]"))
+            .skip(1)
+            .filter(|l| l.starts_with("[rank 0]") && !l.contains("ms/step"))
     };
     let mut table: Vec<&str> = from_header().take_while(|l| !total_row(l)).collect();
     table.extend(from_header().find(total_row));
