@@ -247,6 +247,40 @@ fn a_run_that_fails_to_start_changes_nothing() {
     );
 }
 
+/// A job whose workers cannot fit in this host's memory and swap is refused
+/// before anything starts, by `zrun check` and `zrun train` alike: exit 2,
+/// what it needs against what the host has and what holds less, no metrics
+/// file. (A `device: cuda` job keeps its activations on its GPU, and the
+/// host's check leaves them out: tests/gpu.rs runs such a job.)
+#[test]
+fn a_job_larger_than_the_hosts_memory_is_refused_before_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "huge", 2);
+    // 65536 sequences of 4096 tokens a micro-batch: terabytes of
+    // activations a worker, more than any host this runs on.
+    let huge = ["model.seq_len=4096", "train.micro_batch_size=65536"];
+    let m = dir.path().join("huge.jsonl");
+    let mut check = vec!["check", job.to_str().unwrap()];
+    for set in huge {
+        check.extend(["--set", set]);
+    }
+    let train = huge
+        .iter()
+        .fold(TrainArgs::new(&job, &m), |args, set| args.set(*set));
+    for f in [zrun(dir.path(), &check), train.run(dir.path())] {
+        assert_eq!(f.code(), 2, "{f:?}");
+        assert!(
+            f.stderr.contains("workers are estimated to need ")
+                && f.stderr
+                    .contains("(ZeRO stage 0 model states + activations), more than this host's ")
+                && f.stderr.contains("lower train.micro_batch_size"),
+            "{}",
+            f.stderr
+        );
+    }
+    assert!(!m.exists(), "a refused job wrote its metrics");
+}
+
 /// A second job that would write a live job's metrics or checkpoints is
 /// refused up front (exit 2); the first job finishes untouched. A lock left by
 /// a dead zrun is taken over.

@@ -306,12 +306,18 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
     }
 }
 
-/// Bytes one worker of this job is expected to hold: its stage's model states
-/// plus activations.
+/// Bytes one worker of this job is expected to hold in the host's memory:
+/// its stage's model states plus, on the CPU, its activations (a
+/// `device: cuda` job keeps them on its GPU, where the worker's out-of-memory
+/// failure says what `zrun estimate` predicts there).
 pub fn per_worker_bytes(spec: &JobSpec, topo: &Topology) -> f64 {
     let wpn = topo.nodes.iter().map(|n| n.slots.len()).max().unwrap_or(1);
-    let est = job_estimate(spec, topo.nodes.len(), wpn);
     let states = worker_states(spec, topo.world_size()).memory;
+    if spec.device == zconfig::spec::Device::Cuda {
+        // The activations are the GPU's, not the host's.
+        return states;
+    }
+    let est = job_estimate(spec, topo.nodes.len(), wpn);
     let a = est.activations.expect("a job estimate has activations");
     states
         + if spec.train.activation_checkpointing {

@@ -439,11 +439,21 @@ pub(crate) fn check_memory(plan: &LaunchPlan) -> Result<()> {
         g if g >= 1.0 => format!("{g:.2} GiB"),
         _ => format!("{:.0} MiB", b / f64::from(1 << 20)),
     };
+    let (held, holds_less) = match plan.spec.device {
+        zconfig::spec::Device::Cpu => (
+            "model states + activations",
+            "lower train.micro_batch_size, raise zero.stage, enable train.activation_checkpointing or run fewer workers",
+        ),
+        zconfig::spec::Device::Cuda => (
+            "model states in host memory; activations on the GPU",
+            "raise zero.stage or run fewer workers",
+        ),
+    };
     let here = plan.here;
     if let (true, Some(total)) = (here, crate::estimate::mem_total()) {
         if need * local as f64 > total {
             return Err(Failure::bad_input(format!(
-                "{local} workers are estimated to need {} in all, {} each (ZeRO stage {} model states + activations), more than this host's {} of memory and swap; lower train.micro_batch_size, raise zero.stage, enable train.activation_checkpointing or run fewer workers (see `zrun estimate`)",
+                "{local} workers are estimated to need {} in all, {} each (ZeRO stage {} {held}), more than this host's {} of memory and swap; {holds_less} (see `zrun estimate`)",
                 size(need * local as f64),
                 size(need),
                 plan.spec.zero.stage,
@@ -455,7 +465,7 @@ pub(crate) fn check_memory(plan: &LaunchPlan) -> Result<()> {
         let share = avail / local as f64;
         if need > share {
             shout!(
-                "zrun: warning: a worker is estimated to need {} (ZeRO stage {} model states + activations), more than its {} share of this host's available memory ({local} workers); see `zrun estimate`",
+                "zrun: warning: a worker is estimated to need {} (ZeRO stage {} {held}), more than its {} share of this host's available memory ({local} workers); see `zrun estimate`",
                 size(need),
                 plan.spec.zero.stage,
                 size(share)
