@@ -895,3 +895,110 @@ fn zrun_env_is_forwarded_to_workers() {
         f.stderr
     );
 }
+
+/// `data.blend`: a blend of one source trains to the bits of `data.path`
+/// on it; two sources blend (validation held out from each); and a wrong
+/// blend is exit 2 at its line, before anything starts.
+#[test]
+fn a_data_blend_trains_and_a_wrong_one_is_refused_at_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // Two token files of 64-id vocabularies, each a pattern of its own.
+    let write = |name: &str, ids: Vec<u16>| {
+        let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+        std::fs::write(d.join(name), bytes).unwrap();
+        d.join(name).display().to_string()
+    };
+    let a = write(
+        "a.bin",
+        (0..4000u16).map(|i| (i * 7 + i / 13) % 32).collect(),
+    );
+    let b = write(
+        "b.bin",
+        (0..3000u16).map(|i| 32 + (i * 5 + i / 7) % 32).collect(),
+    );
+    let job = |name: &str, data: &str| {
+        let p = d.join(format!("{name}.yaml"));
+        std::fs::write(
+            &p,
+            format!(
+                "name: {name}\n\
+                 model: {{vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, seq_len: 16}}\n\
+                 data:\n  format: tokens_u16\n  val_fraction: 0.1\n{data}\
+                 train: {{steps: 6, micro_batch_size: 4, lr: 3.0e-3, warmup_steps: 2, eval_every: 3}}\n\
+                 run_dir: {}/runs/{name}\n",
+                d.display()
+            ),
+        )
+        .unwrap();
+        p
+    };
+    let train = |name: &str, data: &str| {
+        let m = d.join(format!("{name}.jsonl"));
+        let f = TrainArgs::new(job(name, data), &m).run(d);
+        assert_eq!(f.code(), 0, "{name}: {f:?}");
+        metrics(&m)
+    };
+    let plain = train("plain", &format!("  path: {a}\n"));
+    let one = train(
+        "one",
+        &format!("  blend:\n    - {{path: {a}, weight: 2.5}}\n"),
+    );
+    let val = |run: &[serde_json::Value]| -> Vec<f64> {
+        run.iter()
+            .filter_map(|l| l.get("val_loss")?.as_f64())
+            .collect()
+    };
+    let plain_losses = losses(&plain);
+    assert_eq!(plain_losses.len(), 6);
+    assert_eq!(
+        losses(&one),
+        plain_losses,
+        "a blend of one source is that source"
+    );
+    assert_eq!(val(&one), val(&plain), "and so is its held-out tail");
+    let two = train(
+        "two",
+        &format!("  blend:\n    - {{path: {a}, weight: 3}}\n    - {{path: {b}, weight: 1}}\n"),
+    );
+    let mixed = losses(&two);
+    assert_eq!(mixed.len(), 6);
+    assert_ne!(mixed, plain_losses, "the second source changed nothing");
+    for run in [&one, &two] {
+        let validated = run.iter().filter(|l| l.get("val_loss").is_some()).count();
+        assert_eq!(validated, 2, "validation at steps 3 and 6: {run:?}");
+    }
+    for (data, line, says) in [
+        (
+            format!("  path: {a}\n  blend:\n    - {{path: {b}, weight: 1}}\n"),
+            7,
+            "give the data as data.path or as data.blend, not both".to_string(),
+        ),
+        (
+            format!("  blend:\n    - {{path: {a}, weight: 1}}\n    - {{path: {b}, weight: 0}}\n"),
+            6,
+            format!("data.blend[1] ({b}): weight 0 must be above 0"),
+        ),
+        (
+            format!("  blend:\n    - {{path: {a}, weight: 1}}\n    - {{path: {d}/none.bin, weight: 1}}\n", d = d.display()),
+            6,
+            "none.bin`".to_string(),
+        ),
+        (
+            format!("  separate_documents: true\n  eos_id: 0\n  packing: bfd\n  blend:\n    - {{path: {a}, weight: 1}}\n"),
+            8,
+            "bfd and bfd_split are not built for data.blend".to_string(),
+        ),
+    ] {
+        let p = job("wrong", &data);
+        let m = d.join("wrong.jsonl");
+        let f = TrainArgs::new(&p, &m).run(d);
+        assert_eq!(f.code(), 2, "{data}: {f:?}");
+        assert!(
+            f.stderr.contains(&format!("wrong.yaml:{line}:")) && f.stderr.contains(&says),
+            "{data}: {}",
+            f.stderr
+        );
+        assert!(!m.exists(), "a refused job wrote metrics");
+    }
+}

@@ -16,7 +16,8 @@ impl DataSpec {
     /// the first data file. A manifest that records another id than
     /// `data.eos_id` is an error: one of them describes other data.
     pub fn document_eos(&self) -> Result<u32, String> {
-        let files = data_files(&self.path, self.format)?;
+        let (_, path, _) = self.sources().swap_remove(0);
+        let files = data_files(&path, self.format)?;
         let manifest = match files.first() {
             Some(f) => DataManifest::beside(f)?,
             None => None,
@@ -67,21 +68,51 @@ impl LoadedJob {
                     "synthetic data has no files: hold out data.val_fraction instead",
                 ));
             }
+            if !d.blend.is_empty() {
+                return Err(self.invalid("data.blend", "synthetic data has no files to blend"));
+            }
             return self.validate_documents();
         };
-        let tokens = self.check_files("data.path", &d.path, width as u64)?;
+        self.validate_blend()?;
         self.validate_documents()?;
         let seq = s.model.seq_len as u64 + 1;
-        let (train, val, val_key) = match &d.val_path {
-            Some(_) => (
-                tokens,
-                self.check_files("data.val_path", &d.val_path, width as u64)?,
-                "data.val_path",
-            ),
-            None => {
-                let held_out = (tokens as f64 * d.val_fraction) as u64;
-                (tokens - held_out, held_out, "data.val_fraction")
+        // Each source's tokens: its training part, and its held-out tail
+        // under data.val_fraction (each source holds out its own).
+        let mut train = 0;
+        let mut val = 0;
+        for (i, (key, path, _)) in d.sources().into_iter().enumerate() {
+            let tokens = self.check_files(key, &path, width as u64)?;
+            let held_out = (tokens as f64 * d.val_fraction) as u64;
+            let what = match d.blend.is_empty() {
+                true => "the data".to_string(),
+                false => format!("data.blend[{i}] ({})", path.unwrap_or_default()),
+            };
+            if !d.blend.is_empty() && tokens - held_out < seq {
+                return Err(self.invalid(
+                    key,
+                    format!(
+                        "{what} has {} tokens to train on, less than one sequence of seq_len + 1 = {seq}",
+                        tokens - held_out
+                    ),
+                ));
             }
+            if !d.blend.is_empty() && d.val_fraction > 0.0 && held_out < seq {
+                return Err(self.invalid(
+                    "data.val_fraction",
+                    format!(
+                        "{what} holds out {held_out} tokens, less than one sequence of seq_len + 1 = {seq}"
+                    ),
+                ));
+            }
+            train += tokens - held_out;
+            val += held_out;
+        }
+        let val_key = match &d.val_path {
+            Some(_) => {
+                val = self.check_files("data.val_path", &d.val_path, width as u64)?;
+                "data.val_path"
+            }
+            None => "data.val_fraction",
         };
         let validating = d.val_path.is_some() || d.val_fraction > 0.0;
         if validating && val < seq {
@@ -100,6 +131,38 @@ impl LoadedJob {
                     "the data has {train} tokens, fewer than one sequence of seq_len + 1 = {} per worker for {world_size} workers",
                     s.model.seq_len + 1
                 ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `data.blend` stands in for `data.path`, each part with a positive
+    /// weight, on windows of the stream (a blend of packed documents would
+    /// pack each source apart: not built).
+    fn validate_blend(&self) -> Result<(), ConfigError> {
+        let d = &self.spec.data;
+        if d.blend.is_empty() {
+            return Ok(());
+        }
+        if d.path.is_some() {
+            return Err(self.invalid(
+                "data.blend",
+                "give the data as data.path or as data.blend, not both",
+            ));
+        }
+        if let Some((i, p)) = d.blend.iter().enumerate().find(|(_, p)| p.weight <= 0.0) {
+            return Err(self.invalid(
+                "data.blend",
+                format!(
+                    "data.blend[{i}] ({}): weight {} must be above 0 (leave a source out to not use it)",
+                    p.path, p.weight
+                ),
+            ));
+        }
+        if !d.packing.is_wrapped() {
+            return Err(self.invalid(
+                "data.packing",
+                "bfd and bfd_split are not built for data.blend: blend windows of the stream (data.packing: wrapped), or pack one source",
             ));
         }
         Ok(())
@@ -158,16 +221,18 @@ impl LoadedJob {
                 ),
             ));
         }
-        // Validation data's documents end at the same id: a manifest
-        // beside it that records another describes other data.
-        let val = match &d.val_path {
-            Some(_) => {
-                data_files(&d.val_path, d.format).map_err(|m| self.invalid("data.val_path", m))?
-            }
-            None => Vec::new(),
-        };
-        if let Some(f) = val.first() {
-            let beside = DataManifest::beside(f).map_err(|m| self.invalid("data.val_path", m))?;
+        // Validation data's documents, and a blend's other sources', end at
+        // the same id: a manifest beside them that records another
+        // describes other data.
+        let others = d.sources().into_iter().skip(1).chain(std::iter::once((
+            "data.val_path",
+            d.val_path.clone(),
+            0.0,
+        )));
+        for (key, path, _) in others.filter(|(_, path, _)| path.is_some()) {
+            let files = data_files(&path, d.format).map_err(|m| self.invalid(key, m))?;
+            let Some(f) = files.first() else { continue };
+            let beside = DataManifest::beside(f).map_err(|m| self.invalid(key, m))?;
             if let Some((
                 at,
                 DataManifest {
@@ -177,7 +242,7 @@ impl LoadedJob {
             {
                 if e != eos {
                     return Err(self.invalid(
-                        "data.val_path",
+                        key,
                         format!(
                             "{} says its end-of-text id is {e}, the training data's is {eos}",
                             at.display()

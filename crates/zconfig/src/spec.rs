@@ -353,6 +353,38 @@ pub struct DataSpec {
     /// or whole documents packed best fit decreasing.
     #[serde(default, skip_serializing_if = "Packing::is_wrapped")]
     pub packing: Packing,
+    /// Several data sources mixed by weight, in place of `path`: each
+    /// sequence comes from one of them, so that the share of sequences
+    /// from each follows its weight (Megatron-DeepSpeed's `--data-path
+    /// W1 P1 W2 P2`, Hugging Face's `interleave_datasets`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub blend: Vec<BlendPart>,
+}
+
+/// One source of a data blend (`data.blend`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlendPart {
+    /// A file or glob pattern, in the job's `data.format`.
+    pub path: String,
+    /// Its share of the sequences, relative to the other parts' weights.
+    #[serde(deserialize_with = "finite::number")]
+    pub weight: f64,
+}
+
+impl DataSpec {
+    /// The data's sources, each with its weight and the key that names it
+    /// in a job: `data.blend`'s parts, or `data.path` alone (weight 1).
+    pub fn sources(&self) -> Vec<(&'static str, Option<String>, f64)> {
+        match self.blend.is_empty() {
+            true => vec![("data.path", self.path.clone(), 1.0)],
+            false => self
+                .blend
+                .iter()
+                .map(|p| ("data.blend", Some(p.path.clone()), p.weight))
+                .collect(),
+        }
+    }
 }
 
 /// How a job's sequences are cut from its data (`data.packing`).

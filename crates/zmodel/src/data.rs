@@ -32,6 +32,7 @@ use rand_chacha::ChaCha8Rng;
 use zconfig::manifest::DataManifest;
 use zconfig::{data_files, DataFormat};
 
+use crate::blend::BlendSchedule;
 use crate::documents::Documents;
 use crate::head::IGNORED;
 use crate::packing::{Overflow, Packed};
@@ -343,18 +344,28 @@ pub struct Batch {
     pub documents: Option<Documents>,
 }
 
+/// One source of the batches (a blend's part, or the whole data): a corpus
+/// and its windows' order, an epoch at a time.
+#[derive(Debug)]
+struct Part {
+    corpus: Corpus,
+    windows: usize,
+    epoch: Option<(u64, Vec<u32>)>,
+}
+
 /// This rank's share of every global batch.
 #[derive(Debug)]
 pub struct Batcher {
-    corpus: Corpus,
+    /// The data's sources: one, or a blend's ([`Batcher::blended`]).
+    parts: Vec<Part>,
+    /// Which source each global sample comes from, for a blend.
+    blend: Option<BlendSchedule>,
     seq_len: usize,
     micro_batch: usize,
     grad_accum: usize,
     world: usize,
     rank: usize,
     seed: u64,
-    windows: usize,
-    epoch: Option<(u64, Vec<u32>)>,
     /// Resumed runs: the step and global sample the run restarted at.
     base_step: u64,
     base_sample: u64,
@@ -380,24 +391,52 @@ impl Batcher {
         rank: usize,
         seed: u64,
     ) -> Result<Batcher, DataError> {
-        let windows = corpus.len().saturating_sub(1) / seq_len;
-        if windows == 0 {
-            return Err(DataError::Invalid(format!(
-                "{} tokens cannot fill one sequence of seq_len + 1 = {}",
-                corpus.len(),
-                seq_len + 1
-            )));
+        let shape = (seq_len, micro_batch, grad_accum, world, rank, seed);
+        Batcher::blended(vec![(corpus, 1.0)], shape)
+    }
+
+    /// A batcher for `rank` of `world` whose samples come from several
+    /// corpora, each its weight's share of them ([`crate::blend`]); each
+    /// corpus's windows are visited in an order of their own, an epoch of
+    /// them at a time (a small source's repeat sooner). `shape`: `seq_len,
+    /// micro_batch, grad_accum, world, rank, seed`, as [`Batcher::new`]
+    /// takes them.
+    pub fn blended(
+        sources: Vec<(Corpus, f64)>,
+        shape: (usize, usize, usize, usize, usize, u64),
+    ) -> Result<Batcher, DataError> {
+        let (seq_len, micro_batch, grad_accum, world, rank, seed) = shape;
+        let mut parts = Vec::with_capacity(sources.len());
+        let mut weights = Vec::with_capacity(sources.len());
+        for (i, (corpus, weight)) in sources.into_iter().enumerate() {
+            let windows = corpus.len().saturating_sub(1) / seq_len;
+            if windows == 0 {
+                let which = match i {
+                    0 => String::new(),
+                    _ => format!("blend part {i}: "),
+                };
+                return Err(DataError::Invalid(format!(
+                    "{which}{} tokens cannot fill one sequence of seq_len + 1 = {}",
+                    corpus.len(),
+                    seq_len + 1
+                )));
+            }
+            parts.push(Part {
+                corpus,
+                windows,
+                epoch: None,
+            });
+            weights.push(weight);
         }
         Ok(Batcher {
-            corpus,
+            blend: (parts.len() > 1).then(|| BlendSchedule::new(&weights)),
+            parts,
             seq_len,
             micro_batch,
             grad_accum,
             world,
             rank,
             seed,
-            windows,
-            epoch: None,
             base_step: 0,
             base_sample: 0,
             counted: None,
@@ -411,11 +450,16 @@ impl Batcher {
     /// best fit decreasing ([`crate::packing`]; documents longer than a
     /// sequence cut or split as `overflow` says), in place of windows of
     /// the stream. Reads the whole corpus once to find the documents.
-    pub fn pack_documents(self, eos: u32, overflow: Overflow) -> Result<Batcher, DataError> {
-        let documents = self.corpus.documents(eos)?;
+    pub fn pack_documents(mut self, eos: u32, overflow: Overflow) -> Result<Batcher, DataError> {
+        let [part] = &mut self.parts[..] else {
+            return Err(DataError::Invalid(
+                "documents are packed from one source, not a blend".into(),
+            ));
+        };
+        let documents = part.corpus.documents(eos)?;
         let packed = Packed::best_fit_decreasing(&documents, self.seq_len + 1, overflow);
+        part.windows = packed.len();
         Ok(Batcher {
-            windows: packed.len(),
             packed: Some(packed),
             ..self.separate_documents(eos)
         })
@@ -436,22 +480,31 @@ impl Batcher {
         self.packed.as_ref()
     }
 
-    /// Windows in one epoch.
+    /// Windows in one epoch (of every source together, for a blend).
     pub fn windows(&self) -> usize {
-        self.windows
+        self.parts.iter().map(|p| p.windows).sum()
     }
 
-    fn window_of(&mut self, sample: u64) -> usize {
-        let epoch = sample / self.windows as u64;
-        if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
-            let mut perm: Vec<u32> = (0..self.windows as u32).collect();
+    /// Global sample `sample`'s source and window in it.
+    fn window_of(&mut self, sample: u64) -> (usize, usize) {
+        let (source, nth) = match &mut self.blend {
+            Some(blend) => blend.place(sample),
+            None => (0, sample),
+        };
+        let part = &mut self.parts[source];
+        let epoch = nth / part.windows as u64;
+        if part.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            let mut perm: Vec<u32> = (0..part.windows as u32).collect();
+            // Each source shuffles by a seed of its own (the first by the
+            // job's, as a job of one source does).
+            let seed = self.seed ^ (source as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
             perm.shuffle(&mut ChaCha8Rng::seed_from_u64(
-                self.seed.wrapping_add(epoch.wrapping_mul(0x1000_0001)),
+                seed.wrapping_add(epoch.wrapping_mul(0x1000_0001)),
             ));
-            self.epoch = Some((epoch, perm));
+            part.epoch = Some((epoch, perm));
         }
-        let (_, perm) = self.epoch.as_ref().expect("set above");
-        perm[(sample % self.windows as u64) as usize] as usize
+        let (_, perm) = part.epoch.as_ref().expect("set above");
+        (source, perm[(nth % part.windows as u64) as usize] as usize)
     }
 
     fn per_step(&self) -> u64 {
@@ -482,7 +535,7 @@ impl Batcher {
         let mut trained = Vec::with_capacity(t);
         let mut pieces = Vec::new();
         let mut firsts = Vec::with_capacity(self.micro_batch * t);
-        let counting = self.corpus.masked() || self.eos.is_some();
+        let counting = self.parts.iter().any(|p| p.corpus.masked()) || self.eos.is_some();
         for i in 0..self.micro_batch as u64 {
             let k = self.window_of(first + i);
             self.window(k, &mut window, &mut trained, &mut pieces)?;
@@ -518,7 +571,7 @@ impl Batcher {
         })
     }
 
-    /// Window `k`'s `t + 1` tokens into `tokens`, into `trained` whether
+    /// Window `k` (of source `k.0`)'s `t + 1` tokens into `tokens`, into `trained` whether
     /// each of its `t` targets is trained on, and into `pieces` where its
     /// packed documents (or their pieces) begin (none unless packed):
     /// trained is the loss mask's say, with documents kept apart not after
@@ -528,12 +581,13 @@ impl Batcher {
     /// documents).
     fn window(
         &self,
-        k: usize,
+        (source, k): (usize, usize),
         tokens: &mut Vec<u32>,
         trained: &mut Vec<bool>,
         pieces: &mut Vec<usize>,
     ) -> Result<(), DataError> {
         let t = self.seq_len;
+        let corpus = &self.parts[source].corpus;
         tokens.clear();
         trained.clear();
         pieces.clear();
@@ -543,8 +597,8 @@ impl Batcher {
                 // mask trains (padding is none).
                 for doc in packed.sequence(k) {
                     pieces.push(tokens.len());
-                    self.corpus.read(doc.start, doc.len(), tokens)?;
-                    self.corpus.read_mask(doc.start, doc.len(), trained);
+                    corpus.read(doc.start, doc.len(), tokens)?;
+                    corpus.read_mask(doc.start, doc.len(), trained);
                 }
                 tokens.resize(t + 1, eos);
                 trained.resize(t + 1, false);
@@ -555,8 +609,8 @@ impl Batcher {
             }
             _ => {
                 let start = k * t;
-                self.corpus.read(start, t + 1, tokens)?;
-                self.corpus.read_mask(start + 1, t, trained);
+                corpus.read(start, t + 1, tokens)?;
+                corpus.read_mask(start + 1, t, trained);
             }
         }
         if let Some(eos) = self.eos {
@@ -587,7 +641,10 @@ impl Batcher {
                 // (pages of other ranks' windows).
                 None => {
                     trained.clear();
-                    self.corpus.read_mask(k * t + 1, t, &mut trained);
+                    let (source, k) = k;
+                    self.parts[source]
+                        .corpus
+                        .read_mask(k * t + 1, t, &mut trained);
                 }
                 Some(_) => self.window(k, &mut window, &mut trained, &mut pieces)?,
             }
@@ -666,6 +723,51 @@ mod tests {
         let mut want = r0.batch(3, 0).unwrap().inputs;
         want.extend(r1.batch(3, 0).unwrap().inputs);
         assert_eq!(one.batch(3, 0).unwrap().inputs, want);
+    }
+
+    /// A blend: each source its weight's share of the sequences, every
+    /// window of a source once in each of its epochs (the small one's
+    /// sooner), and the global batch whatever the split or a resume.
+    #[test]
+    fn a_blend_gives_each_source_its_share_and_keeps_the_split_and_resume_invariants() {
+        // Source 0's tokens are below 1000, source 1's from 1000 on; 17 and
+        // 5 windows of 16.
+        let big = Corpus::from_tokens((0..17 * 16 + 1).collect(), 2000);
+        let small = Corpus::from_tokens((1000..1000 + 5 * 16 + 1).collect(), 2000);
+        let blend = |accum, world, rank| {
+            let sources = vec![(big.clone(), 3.0), (small.clone(), 1.0)];
+            Batcher::blended(sources, (16, 2, accum, world, rank, 9)).unwrap()
+        };
+        let (mut solo, mut r0, mut r1) = (blend(2, 1, 0), blend(1, 2, 0), blend(1, 2, 1));
+        let mut rows = Vec::new();
+        for step in 0..40 {
+            let (a, b) = (solo.batch(step, 0).unwrap(), solo.batch(step, 1).unwrap());
+            assert_eq!(a, r0.batch(step, 0).unwrap(), "step {step}");
+            assert_eq!(b, r1.batch(step, 0).unwrap(), "step {step}");
+            for batch in [a, b] {
+                rows.extend(batch.inputs.chunks(16).map(|r| r[0]));
+            }
+        }
+        // 160 sequences: 120 from the first source, 40 from the second.
+        let (first, second): (Vec<u32>, Vec<u32>) = rows.iter().partition(|&&t| t < 1000);
+        assert_eq!((first.len(), second.len()), (120, 40));
+        // Every epoch of a source visits each of its windows once.
+        for (rows, windows) in [(&first, 17), (&second, 5)] {
+            for epoch in rows.chunks(windows).filter(|e| e.len() == windows) {
+                let mut seen = epoch.to_vec();
+                seen.sort();
+                seen.dedup();
+                assert_eq!(seen.len(), windows, "an epoch repeated a window: {epoch:?}");
+            }
+        }
+        // A resume at another split reads on where the run was.
+        let mut resumed = blend(1, 1, 0);
+        resumed.resume_at(7, solo.samples_consumed(7));
+        let mut want = solo.batch(7, 0).unwrap().inputs;
+        want.extend(solo.batch(7, 1).unwrap().inputs);
+        let mut got = resumed.batch(7, 0).unwrap().inputs;
+        got.extend(resumed.batch(7, 1).unwrap().inputs);
+        assert_eq!(got, want);
     }
 
     /// Documents kept apart: each batch says where its documents begin, the
@@ -791,7 +893,7 @@ mod tests {
         let mut seen = vec![0; n];
         let mut after_no_end = 0;
         for step in 0..b.windows() as u64 {
-            let k = b.window_of(step);
+            let (_, k) = b.window_of(step);
             let batch = b.batch(step, 0).unwrap();
             let firsts = batch.documents.as_ref().unwrap().firsts(0).to_vec();
             // Per token of the t + 1: the start of the piece it is in.

@@ -30,12 +30,15 @@
 //!   attention, positions and loss that stop at document ends.
 //! - [`packing`]: whole documents packed into sequences, best fit
 //!   decreasing (TRL's `bfd`).
+//! - [`blend`]: which source of a data blend each global sample comes from,
+//!   each source its weight's share of every prefix of the samples.
 //! - [`data`]: corpora (text bytes, u16 tokens, synthetic) and the batcher that gives
 //!   each rank a disjoint, deterministic share of every global batch.
 
 #![deny(missing_docs)]
 
 pub mod attention;
+pub mod blend;
 pub mod data;
 pub mod documents;
 pub mod gpt;

@@ -35,10 +35,18 @@ pub fn train(
     let t = &spec.train;
     let d = &spec.data;
     let vocab = spec.model.vocab_size;
-    let (corpus, held_out) =
-        Corpus::load(&d.path, d.format, vocab, t.seed)?.split_tail(d.val_fraction);
+    // Each source (data.path, or each of data.blend's) with its weight, and
+    // its held-out tail under data.val_fraction, blended as its source is.
+    let mut sources = Vec::new();
+    let mut held_out = Vec::new();
+    for (_, path, weight) in d.sources() {
+        let (train, tail) =
+            Corpus::load(&path, d.format, vocab, t.seed)?.split_tail(d.val_fraction);
+        sources.push((train, weight));
+        held_out.extend(tail.map(|c| (c, weight)));
+    }
     let held_out = match &d.val_path {
-        Some(_) => Some(Corpus::load(&d.val_path, d.format, vocab, t.seed)?),
+        Some(_) => vec![(Corpus::load(&d.val_path, d.format, vocab, t.seed)?, 1.0)],
         None => held_out,
     };
     // Documents kept apart, at the same end-of-text id in training and
@@ -47,16 +55,16 @@ pub fn train(
         true => Some(d.document_eos().map_err(anyhow::Error::msg)?),
         false => None,
     };
-    let batcher = |corpus, accum| -> Result<Batcher> {
-        let b = Batcher::new(
-            corpus,
+    let batcher = |sources, accum| -> Result<Batcher> {
+        let shape = (
             spec.model.seq_len,
             t.micro_batch_size,
             accum,
             env.world_size,
             env.rank,
             t.seed,
-        )?;
+        );
+        let b = Batcher::blended(sources, shape)?;
         use zconfig::spec::Packing;
         use zmodel::packing::Overflow;
         Ok(match (eos, d.packing) {
@@ -68,18 +76,18 @@ pub fn train(
     };
     // Validation: the same `eval_steps` micro-batches of the held-out tail at
     // every evaluation, each rank its share.
-    let val_batches = match held_out {
-        Some(c) => {
-            let mut b = batcher(c, t.eval_steps)?;
+    let val_batches = match held_out.is_empty() {
+        false => {
+            let mut b = batcher(held_out, t.eval_steps)?;
             Some(
                 (0..t.eval_steps)
                     .map(|m| b.batch(0, m))
                     .collect::<Result<Vec<_>, _>>()?,
             )
         }
-        None => None,
+        true => None,
     };
-    let mut data = batcher(corpus, t.grad_accum)?;
+    let mut data = batcher(sources, t.grad_accum)?;
     if let Some(p) = data.packed().filter(|_| env.rank == 0) {
         report_packing(p, spec.model.seq_len + 1);
     }
