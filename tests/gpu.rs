@@ -44,7 +44,8 @@ fn worker_has_cuda() -> bool {
         .any(|f| f == "cuda")
 }
 
-/// The GPUs the built zworker trains on, or why none.
+/// The GPUs the built zworker trains on, or why none (its answer: the
+/// count, then the smallest GPU's bytes).
 fn gpus() -> Result<usize, String> {
     let out = Command::new(bin("zworker"))
         .arg("--cuda-devices")
@@ -52,9 +53,13 @@ fn gpus() -> Result<usize, String> {
         .expect("running zworker --cuda-devices");
     let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
     match out.status.success() {
-        true => Ok(text.parse().expect("a GPU count")),
+        true => Ok(first_word(&text).parse().expect("a GPU count")),
         false => Err(text),
     }
+}
+
+fn first_word(text: &str) -> &str {
+    text.split(' ').next().unwrap_or_default()
 }
 
 fn gpus_or_skip(test: &str) -> Option<usize> {
@@ -151,6 +156,9 @@ fn a_gpu_out_of_memory_is_exit_1_naming_the_allocation_and_what_holds_less() {
     }
     let checked = zrun(&repo_root(), &check);
     assert_eq!(checked.code(), 0, "{checked:?}");
+    // It is warned of, as a job larger than its GPUs.
+    let warned = "on its GPU, more than the smallest GPU's ";
+    assert!(checked.stderr.contains(warned), "{}", checked.stderr);
     let (micro_batch, f) = match f.code() {
         0 => {
             eprintln!("{test}: a real GPU (the cap is zcuda-emu's): a job larger than the GPU");
@@ -176,8 +184,10 @@ fn a_gpu_out_of_memory_is_exit_1_naming_the_allocation_and_what_holds_less() {
         "{}",
         f.stderr
     );
+    assert!(said(warned), "warned of before launch: {}", f.stderr);
     if micro_batch == 4 {
         assert!(said(" free of 1 MiB)"), "{}", f.stderr);
+        assert!(said("more than the smallest GPU's 1 MiB;"), "{}", f.stderr);
     }
 }
 
@@ -903,7 +913,7 @@ fn two_gpus_get_a_worker_each_bound_to_its_own() {
         .envs(two)
         .output()
         .expect("running zworker --cuda-devices");
-    if String::from_utf8_lossy(&out.stdout).trim() != "2" {
+    if first_word(String::from_utf8_lossy(&out.stdout).trim()) != "2" {
         eprintln!("SKIPPED {test}: one GPU here (ZCUDA_EMU_DEVICES asks only zcuda-emu's for two)");
         return;
     }

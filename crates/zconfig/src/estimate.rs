@@ -351,6 +351,43 @@ pub fn job_activation_bytes(spec: &JobSpec, fused_attention: bool) -> (f64, f64)
     (plain + (l + 1.0) * probs, checkpointed + 2.0 * probs)
 }
 
+/// What one of `world` workers of a `device: cuda` job is estimated to hold
+/// on its GPU: its model states where they live there (nothing offloaded,
+/// and one worker or `comm.backend: nccl`: the resident flows; the host
+/// flow keeps them on the host), and its activations at the job's
+/// micro-batch, checkpointed where the job checkpoints.
+pub fn gpu_worker_bytes(spec: &JobSpec, world: usize, fused_attention: bool) -> GpuWorkerBytes {
+    use crate::spec::{Backend, OffloadDevice};
+    let z = &spec.zero;
+    let offloaded = (z.offload_optimizer.device, z.offload_param.device)
+        != (OffloadDevice::None, OffloadDevice::None);
+    let resident = !offloaded && (world <= 1 || spec.comm.backend == Backend::Nccl);
+    let (plain, checkpointed) = job_activation_bytes(spec, fused_attention);
+    GpuWorkerBytes {
+        states: resident.then(|| worker_states(spec, world).memory),
+        activations: match spec.train.activation_checkpointing {
+            true => checkpointed,
+            false => plain,
+        },
+    }
+}
+
+/// [`gpu_worker_bytes`]' answer.
+#[derive(Debug, Clone, Copy)]
+pub struct GpuWorkerBytes {
+    /// Model states on the GPU, where they live there.
+    pub states: Option<f64>,
+    /// Activations of one micro-batch.
+    pub activations: f64,
+}
+
+impl GpuWorkerBytes {
+    /// Both together.
+    pub fn total(&self) -> f64 {
+        self.states.unwrap_or(0.0) + self.activations
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -137,6 +137,27 @@ const NO_DRIVER: &str = "no CUDA driver on this host (libcuda.so was not found: 
 const NO_CUBLAS: &str = "cuBLAS (libcublas.so) was not found: install the CUDA toolkit's cuBLAS, e.g. `pip install nvidia-cublas-cu12`, and add its lib/ directory to LD_LIBRARY_PATH";
 const NO_NVRTC: &str = "NVRTC (libnvrtc.so.12) was not found: install the CUDA toolkit's runtime compiler, e.g. `pip install nvidia-cuda-nvrtc-cu12`, and add its lib/ directory to LD_LIBRARY_PATH";
 
+/// The memory of the smallest GPU the driver sees (`cuDeviceTotalMem`), for
+/// the check before launch that a worker's estimate fits its GPU; `None`
+/// where the driver cannot say (no driver, no GPU).
+pub fn smallest_gpu_memory() -> Option<usize> {
+    if !driver_present() {
+        return None;
+    }
+    use cudarc::driver::result;
+    result::init().ok()?;
+    let n = result::device::get_count().ok()?;
+    (0..n)
+        .map(|i| {
+            let dev = result::device::get(i).ok()?;
+            // SAFETY: `dev` is a device the initialized driver just gave.
+            unsafe { result::device::total_mem(dev) }.ok()
+        })
+        .collect::<Option<Vec<usize>>>()?
+        .into_iter()
+        .min()
+}
+
 /// The driver is loadable (it may still see no GPU).
 pub fn driver_present() -> bool {
     // SAFETY: only tries to dlopen the library's candidate names.

@@ -72,6 +72,7 @@ fn local_plan(workers: usize, worker_bin: &std::path::Path) -> Result<LaunchPlan
         here: true,
         env: Vec::new(),
         per_node: None,
+        gpu_memory: None,
     })
 }
 

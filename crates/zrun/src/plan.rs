@@ -43,6 +43,9 @@ pub struct LaunchPlan {
     pub env: Vec<(String, String)>,
     /// Per-node mode: this zrun starts one node's workers only.
     pub per_node: Option<PerNode>,
+    /// `device: cuda` on this host: the bytes of its smallest GPU, where the
+    /// driver says (for the check that a worker's estimate fits).
+    pub gpu_memory: Option<f64>,
 }
 
 /// Resolves hostfile and launch flags into a topology (bad input: exit 2).
@@ -170,7 +173,7 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
     // launch when the remote shell cannot start it.
     let (env, worker_bin) = worker_setup(args, &spec, launcher != Launcher::Ssh)?;
     check_mpi(&spec, launcher, &worker_bin)?;
-    check_device(&spec, launcher, &worker_bin)?;
+    let gpu_memory = check_device(&spec, launcher, &worker_bin)?;
     Ok(LaunchPlan {
         spec,
         topology,
@@ -183,6 +186,7 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         here: launcher == Launcher::Local || (launcher == Launcher::Mpirun && all_local),
         env,
         per_node: None,
+        gpu_memory,
     })
 }
 
@@ -192,14 +196,15 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
 /// `--cuda-devices`: the `cuda` feature, the driver, a GPU, NVRTC, cuBLAS;
 /// NCCL with `comm.backend: nccl`),
 /// so that a user hears what is missing before anything starts. Over SSH
-/// each worker checks its own host when it starts.
+/// each worker checks its own host when it starts. Returns the bytes of
+/// this host's smallest GPU, where the driver says.
 pub fn check_device(
     spec: &JobSpec,
     launcher: Launcher,
     worker_bin: &std::path::Path,
-) -> Result<()> {
+) -> Result<Option<f64>> {
     if spec.device != zconfig::spec::Device::Cuda {
-        return Ok(());
+        return Ok(None);
     }
     if let Some(why) = spec.gpu_unsupported() {
         return Err(Failure::bad_input(format!("device: cuda: {why}")));
@@ -209,11 +214,11 @@ pub fn check_device(
         return Err(Failure::bad_input(why));
     }
     if launcher == Launcher::Ssh {
-        return Ok(());
+        return Ok(None);
     }
     let nccl = spec.comm.backend == zconfig::spec::Backend::Nccl;
     local_gpus(worker_bin, nccl)
-        .map(|_| ())
+        .map(|gpus| gpus.smallest_memory)
         .map_err(|why| Failure::bad_input(format!("device: cuda: {why}")))
 }
 
@@ -239,21 +244,36 @@ fn fused_attention_refused(spec: &JobSpec, value: Option<&str>) -> Option<String
     }
 }
 
+/// The GPUs a zworker can train on here: how many, and the smallest one's
+/// bytes where the driver says.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LocalGpus {
+    pub count: usize,
+    pub smallest_memory: Option<f64>,
+}
+
 /// The GPUs the zworker at `worker_bin` can train on here (with NCCL, if
-/// `nccl`), or why none.
+/// `nccl`), or why none. Its answer: the count, then the smallest GPU's
+/// bytes where the driver says.
 pub(crate) fn local_gpus(
     worker_bin: &std::path::Path,
     nccl: bool,
-) -> std::result::Result<usize, String> {
+) -> std::result::Result<LocalGpus, String> {
     let out = std::process::Command::new(worker_bin)
         .arg("--cuda-devices")
         .args(nccl.then_some("nccl"))
         .output()
         .map_err(|e| format!("running {} --cuda-devices: {e}", worker_bin.display()))?;
     let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    match (out.status.success(), text.parse::<usize>()) {
-        (true, Ok(n)) => Ok(n),
-        (false, _) if !text.is_empty() && !text.contains('\n') => Err(text),
+    let mut words = text.split(' ');
+    let count = words.next().and_then(|w| w.parse::<usize>().ok());
+    let memory = words.next().map(|w| w.parse::<f64>().ok());
+    match (out.status.success(), count, memory) {
+        (true, Some(count), None | Some(Some(_))) if words.next().is_none() => Ok(LocalGpus {
+            count,
+            smallest_memory: memory.flatten(),
+        }),
+        (false, ..) if !text.is_empty() && !text.contains('\n') => Err(text),
         _ => Err(format!(
             "{} does not answer --cuda-devices (rebuild it)",
             worker_bin.display()
@@ -276,8 +296,8 @@ pub fn with_gpu_defaults(args: &LaunchArgs, spec: &JobSpec) -> LaunchArgs {
             .worker_bin
             .clone()
             .or_else(|| default_worker_bin().ok());
-        if let Some(Ok(n)) = bin.map(|b| local_gpus(&b, false)) {
-            out.workers_per_node = Some(n);
+        if let Some(Ok(gpus)) = bin.map(|b| local_gpus(&b, false)) {
+            out.workers_per_node = Some(gpus.count);
         }
     }
     out
@@ -368,7 +388,7 @@ pub fn plan_per_node(
         node_addrs[per_node.node_rank] = a.to_string();
     }
     let (env, worker_bin) = worker_setup(args, &spec, true)?;
-    check_device(&spec, Launcher::Local, &worker_bin)?;
+    let gpu_memory = check_device(&spec, Launcher::Local, &worker_bin)?;
     Ok(LaunchPlan {
         spec,
         topology,
@@ -381,6 +401,7 @@ pub fn plan_per_node(
         here: true,
         env,
         per_node: Some(per_node),
+        gpu_memory,
     })
 }
 
@@ -737,7 +758,13 @@ mod tests {
         let one = ["--worker-bin", bin, "--workers-per-node", "1"];
         assert_eq!(chosen(&one, &cuda), Some(1));
         assert_eq!(chosen(&["--worker-bin", bin], &cpu), None);
-        assert!(check_device(&cuda, Launcher::Local, &three).is_ok());
+        assert_eq!(check_device(&cuda, Launcher::Local, &three).unwrap(), None);
+        // With the smallest GPU's bytes after the count.
+        let sized = fake_worker(dir.path(), "3 85899345920", 0);
+        let gpus = local_gpus(&sized, false).unwrap();
+        assert_eq!((gpus.count, gpus.smallest_memory), (3, Some(85899345920.0)));
+        let garbled = fake_worker(dir.path(), "3 lots", 0);
+        assert!(local_gpus(&garbled, false).is_err());
         // A worker that finds none leaves the default, and the check says why.
         let none = fake_worker(dir.path(), "no CUDA driver on this host", 1);
         let bin = none.to_str().unwrap();

@@ -461,6 +461,25 @@ pub(crate) fn check_memory(plan: &LaunchPlan) -> Result<()> {
             )));
         }
     }
+    // A GPU job's worker on its GPU: warned of, not refused (the estimate
+    // is an estimate; the worker's own out-of-memory failure says the rest).
+    if let Some(gpu) = plan.gpu_memory.filter(|_| here) {
+        let fused = crate::plan::fused_attention_expected(&plan.spec);
+        let world = plan.topology.world_size();
+        let held = zconfig::estimate::gpu_worker_bytes(&plan.spec, world, fused);
+        if held.total() > gpu {
+            let states = match held.states {
+                Some(b) => format!("{} of model states and ", size(b)),
+                None => String::new(),
+            };
+            shout!(
+                "zrun: warning: a worker is estimated to hold {states}{} of activations at train.micro_batch_size {} on its GPU, more than the smallest GPU's {}; it will likely run out of GPU memory at its first step (see `zrun estimate`; zero.stage: 3, train.activation_checkpointing: true or a smaller micro-batch hold less)",
+                size(held.activations),
+                plan.spec.train.micro_batch_size,
+                size(gpu)
+            );
+        }
+    }
     if let Some(avail) = crate::estimate::mem_available() {
         let share = avail / local as f64;
         if need > share {

@@ -3,9 +3,10 @@
 //! nccl`; and what a GPU out-of-memory failure tells the user.
 //!
 //! zrun asks before launch (`zworker --cuda-devices [nccl]`: how many GPUs
-//! this host can train on, with NCCL if asked, or what is missing;
-//! `--cuda-probe`: one line for a person) and refuses the job where the
-//! answer is none.
+//! this host can train on, with NCCL if asked, and the smallest one's
+//! memory, or what is missing; `--cuda-probe`: one line for a person),
+//! refuses the job where the answer is none, and warns where a worker's
+//! estimate exceeds that memory.
 
 #[cfg(feature = "cuda")]
 use anyhow::Context;
@@ -47,6 +48,18 @@ pub fn training_devices(nccl: bool) -> Result<usize, String> {
     {
         let _ = nccl;
         Err(NO_FEATURE.into())
+    }
+}
+
+/// The memory of this host's smallest GPU, where the driver says.
+pub fn smallest_gpu_memory() -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        zcuda::smallest_gpu_memory()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
     }
 }
 
@@ -218,39 +231,34 @@ pub fn with_memory_hint(e: anyhow::Error, spec: &zconfig::JobSpec, world: usize)
     }
 }
 
-/// What [`with_memory_hint`] adds: the activations (and, where nothing is
-/// offloaded, the model states) `zrun estimate` predicts per worker, and
+/// What [`with_memory_hint`] adds: the activations (and, where they live on
+/// the GPU, the model states) `zrun estimate` predicts per worker
+/// ([`zconfig::estimate::gpu_worker_bytes`]), and
 /// the settings that hold less; `fused`: whether attention runs the fused
 /// kernels (`ZRUN_GPU_ATTENTION=fused`).
 fn memory_hint(spec: &zconfig::JobSpec, world: usize, fused: bool) -> String {
-    use zconfig::spec::OffloadDevice;
     // GiB, or MiB under one (a small job on a small GPU is not "0.00 GiB").
     let size = |b: f64| match b / f64::from(1u32 << 30) {
         g if g >= 1.0 => format!("{g:.2} GiB"),
         g => format!("{:.1} MiB", g * 1024.0),
     };
     let t = &spec.train;
-    let (acts, checkpointed) = zconfig::estimate::job_activation_bytes(spec, fused);
+    let held = zconfig::estimate::gpu_worker_bytes(spec, world, fused);
     // The unfused attention's probabilities, which the fused kernels do
     // not keep, where this job can run those.
     let fused_holds_less = match !fused && spec.fused_attention_unsupported().is_none() {
         true => ", ZRUN_GPU_ATTENTION=fused (its probabilities are not kept)",
         false => "",
     };
-    let acts = if t.activation_checkpointing {
-        checkpointed
-    } else {
-        acts
-    };
-    let z = &spec.zero;
-    let states = match (z.offload_optimizer.device, z.offload_param.device) {
-        (OffloadDevice::None, OffloadDevice::None) => format!(
+    let acts = held.activations;
+    let states = match held.states {
+        Some(bytes) => format!(
             "{} of model states (ZeRO stage {}, {world} workers, {}) and ",
-            size(zconfig::estimate::worker_states(spec, world).memory),
-            z.stage.number(),
+            size(bytes),
+            spec.zero.stage.number(),
             t.dtype
         ),
-        _ => String::new(),
+        None => String::new(),
     };
     format!(
         "out of GPU memory: a worker of this job is estimated to hold {states}{} of \
@@ -546,7 +554,8 @@ mod tests {
             "allocating 3 floats on the GPU: the GPU is out of memory (1 MiB asked, 0 MiB free of 80 MiB)".into(),
         );
         let e = anyhow::Error::from(oom).context("step 4");
-        let text = format!("{:#}", with_memory_hint(e, &spec(serde_json::json!({})), 2));
+        let nccl = serde_json::json!({"comm": {"backend": "nccl"}});
+        let text = format!("{:#}", with_memory_hint(e, &spec(nccl.clone()), 2));
         assert!(
             text.starts_with("out of GPU memory: a worker of this job is estimated to hold ")
                 && text.contains(" MiB of model states (ZeRO stage 2, 2 workers, f32) and ")
@@ -554,8 +563,15 @@ mod tests {
                 && text.ends_with("step 4: GPU: allocating 3 floats on the GPU: the GPU is out of memory (1 MiB asked, 0 MiB free of 80 MiB)"),
             "{text}"
         );
+        // Several workers without NCCL keep the states on the host (the
+        // host flow), and so does offload: not counted.
+        let e = anyhow::Error::from(zengine::EngineError::GpuOutOfMemory("x".into()));
+        let text = format!("{:#}", with_memory_hint(e, &spec(serde_json::json!({})), 2));
+        assert!(!text.contains("model states"), "{text}");
         // Sizes past a GiB in GiB.
-        let big = spec(serde_json::json!({"model": {"d_model": 2048, "n_layers": 24}}));
+        let big = spec(
+            serde_json::json!({"model": {"d_model": 2048, "n_layers": 24}, "comm": {"backend": "nccl"}}),
+        );
         let e = anyhow::Error::from(zengine::EngineError::GpuOutOfMemory("x".into()));
         let text = format!("{:#}", with_memory_hint(e, &big, 2));
         assert!(

@@ -30,8 +30,13 @@ fn main() -> ExitCode {
         }
         Some("--cuda-devices") => {
             match zworker::gpu::training_devices(args.get(1).map(String::as_str) == Some("nccl")) {
+                // The count, and the smallest GPU's memory in bytes where
+                // the driver says.
                 Ok(n) => {
-                    println!("{n}");
+                    match zworker::gpu::smallest_gpu_memory() {
+                        Some(bytes) => println!("{n} {bytes}"),
+                        None => println!("{n}"),
+                    }
                     Ok(())
                 }
                 Err(why) => {
