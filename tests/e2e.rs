@@ -897,8 +897,9 @@ fn zrun_env_is_forwarded_to_workers() {
 }
 
 /// `data.blend`: a blend of one source trains to the bits of `data.path`
-/// on it; two sources blend (validation held out from each); and a wrong
-/// blend is exit 2 at its line, before anything starts.
+/// on it, as windows of the stream and as packed documents; two sources
+/// blend (validation held out from each); and a wrong blend is exit 2 at
+/// its line, before anything starts.
 #[test]
 fn a_data_blend_trains_and_a_wrong_one_is_refused_at_its_line() {
     let dir = tempfile::tempdir().unwrap();
@@ -915,7 +916,12 @@ fn a_data_blend_trains_and_a_wrong_one_is_refused_at_its_line() {
     );
     let b = write(
         "b.bin",
-        (0..3000u16).map(|i| 32 + (i * 5 + i / 7) % 32).collect(),
+        (0..3000u16)
+            .map(|i| match i % 11 {
+                10 => 0,
+                _ => 32 + (i * 5 + i / 7) % 32,
+            })
+            .collect(),
     );
     let job = |name: &str, data: &str| {
         let p = d.join(format!("{name}.yaml"));
@@ -968,6 +974,23 @@ fn a_data_blend_trains_and_a_wrong_one_is_refused_at_its_line() {
         let validated = run.iter().filter(|l| l.get("val_loss").is_some()).count();
         assert_eq!(validated, 2, "validation at steps 3 and 6: {run:?}");
     }
+    // Whole documents packed (each source apart): one source is its
+    // data.path's bits, and two train.
+    let packed = "  separate_documents: true\n  eos_id: 0\n  packing: bfd\n";
+    let plain = losses(&train("packed", &format!("{packed}  path: {a}\n")));
+    let one = losses(&train(
+        "packed-one",
+        &format!("{packed}  blend:\n    - {{path: {a}, weight: 1}}\n"),
+    ));
+    assert_eq!(one, plain, "a packed blend of one source is that source");
+    let two = losses(&train(
+        "packed-two",
+        &format!(
+            "{packed}  blend:\n    - {{path: {a}, weight: 1}}\n    - {{path: {b}, weight: 1}}\n"
+        ),
+    ));
+    assert_eq!(two.len(), 6);
+    assert_ne!(two, plain, "the second source changed nothing");
     for (data, line, says) in [
         (
             format!("  path: {a}\n  blend:\n    - {{path: {b}, weight: 1}}\n"),
@@ -983,11 +1006,6 @@ fn a_data_blend_trains_and_a_wrong_one_is_refused_at_its_line() {
             format!("  blend:\n    - {{path: {a}, weight: 1}}\n    - {{path: {d}/none.bin, weight: 1}}\n", d = d.display()),
             6,
             "none.bin`".to_string(),
-        ),
-        (
-            format!("  separate_documents: true\n  eos_id: 0\n  packing: bfd\n  blend:\n    - {{path: {a}, weight: 1}}\n"),
-            8,
-            "bfd and bfd_split are not built for data.blend".to_string(),
         ),
     ] {
         let p = job("wrong", &data);

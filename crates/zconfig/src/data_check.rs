@@ -137,8 +137,7 @@ impl LoadedJob {
     }
 
     /// `data.blend` stands in for `data.path`, each part with a positive
-    /// weight, on windows of the stream (a blend of packed documents would
-    /// pack each source apart: not built).
+    /// weight.
     fn validate_blend(&self) -> Result<(), ConfigError> {
         let d = &self.spec.data;
         if d.blend.is_empty() {
@@ -157,12 +156,6 @@ impl LoadedJob {
                     "data.blend[{i}] ({}): weight {} must be above 0 (leave a source out to not use it)",
                     p.path, p.weight
                 ),
-            ));
-        }
-        if !d.packing.is_wrapped() {
-            return Err(self.invalid(
-                "data.packing",
-                "bfd and bfd_split are not built for data.blend: blend windows of the stream (data.packing: wrapped), or pack one source",
             ));
         }
         Ok(())

@@ -351,6 +351,9 @@ struct Part {
     corpus: Corpus,
     windows: usize,
     epoch: Option<(u64, Vec<u32>)>,
+    /// Sequences of whole documents, when they are packed
+    /// ([`Batcher::pack_documents`]); else windows of the stream.
+    packed: Option<Packed>,
 }
 
 /// This rank's share of every global batch.
@@ -375,9 +378,6 @@ pub struct Batcher {
     /// The end-of-text id after which a new document begins, when documents
     /// are kept apart.
     eos: Option<u32>,
-    /// Sequences of whole documents, when they are packed
-    /// ([`Batcher::pack_documents`]); else windows of the stream.
-    packed: Option<Packed>,
 }
 
 impl Batcher {
@@ -425,6 +425,7 @@ impl Batcher {
                 corpus,
                 windows,
                 epoch: None,
+                packed: None,
             });
             weights.push(weight);
         }
@@ -441,7 +442,6 @@ impl Batcher {
             base_sample: 0,
             counted: None,
             eos: None,
-            packed: None,
         })
     }
 
@@ -451,18 +451,15 @@ impl Batcher {
     /// sequence cut or split as `overflow` says), in place of windows of
     /// the stream. Reads the whole corpus once to find the documents.
     pub fn pack_documents(mut self, eos: u32, overflow: Overflow) -> Result<Batcher, DataError> {
-        let [part] = &mut self.parts[..] else {
-            return Err(DataError::Invalid(
-                "documents are packed from one source, not a blend".into(),
-            ));
-        };
-        let documents = part.corpus.documents(eos)?;
-        let packed = Packed::best_fit_decreasing(&documents, self.seq_len + 1, overflow);
-        part.windows = packed.len();
-        Ok(Batcher {
-            packed: Some(packed),
-            ..self.separate_documents(eos)
-        })
+        // A blend packs each source apart: a sequence holds one source's
+        // documents, and the blend chooses among the sequences.
+        for part in &mut self.parts {
+            let documents = part.corpus.documents(eos)?;
+            let packed = Packed::best_fit_decreasing(&documents, self.seq_len + 1, overflow);
+            part.windows = packed.len();
+            part.packed = Some(packed);
+        }
+        Ok(self.separate_documents(eos))
     }
 
     /// Keeps the documents of every sequence apart ([`crate::documents`]):
@@ -475,9 +472,12 @@ impl Batcher {
         }
     }
 
-    /// The sequences of whole documents, when packed.
-    pub fn packed(&self) -> Option<&Packed> {
-        self.packed.as_ref()
+    /// The sequences of whole documents of each source, when packed.
+    pub fn packed(&self) -> Vec<&Packed> {
+        self.parts
+            .iter()
+            .filter_map(|p| p.packed.as_ref())
+            .collect()
     }
 
     /// Windows in one epoch (of every source together, for a blend).
@@ -587,11 +587,11 @@ impl Batcher {
         pieces: &mut Vec<usize>,
     ) -> Result<(), DataError> {
         let t = self.seq_len;
-        let corpus = &self.parts[source].corpus;
+        let Part { corpus, packed, .. } = &self.parts[source];
         tokens.clear();
         trained.clear();
         pieces.clear();
-        match (&self.packed, self.eos) {
+        match (packed, self.eos) {
             (Some(packed), Some(eos)) => {
                 // Per token of the sequence: whether it is a target the
                 // mask trains (padding is none).
@@ -885,7 +885,7 @@ mod tests {
             .unwrap()
             .pack_documents(0, Overflow::Split)
             .unwrap();
-        let packed = b.packed().unwrap().clone();
+        let packed = b.packed()[0].clone();
         assert_eq!(
             (packed.split(), packed.cut(), packed.tokens()),
             ((1, 3), (0, 0), n)

@@ -88,8 +88,16 @@ pub fn train(
         true => None,
     };
     let mut data = batcher(sources, t.grad_accum)?;
-    if let Some(p) = data.packed().filter(|_| env.rank == 0) {
-        report_packing(p, spec.model.seq_len + 1);
+    if env.rank == 0 {
+        let packed = data.packed();
+        for (i, p) in packed.iter().enumerate() {
+            // A blend's sources are named by their place in it.
+            let which = match packed.len() {
+                1 => String::new(),
+                _ => format!(" (data.blend[{i}])"),
+            };
+            report_packing(p, spec.model.seq_len + 1, &which);
+        }
     }
     let comm = groups.world.clone();
     let mut engine = Engine::with_groups(spec, groups, &env.job_id)?;
@@ -260,25 +268,25 @@ fn by_op<T>(f: impl Fn(Op) -> T) -> ByOp<T> {
 /// What packing whole documents did (`data.packing: bfd`, `bfd_split`):
 /// how much of the sequences is padding, a warning where documents were
 /// cut, and how many were split.
-fn report_packing(p: &zmodel::packing::Packed, capacity: usize) {
+fn report_packing(p: &zmodel::packing::Packed, capacity: usize, which: &str) {
     let room = p.len() * capacity;
     let padding = 100.0 * (room - p.tokens()) as f64 / room.max(1) as f64;
     tracing::info!(
-        "data.packing: {} documents in {} sequences, {padding:.1}% of their tokens padding",
+        "data.packing{which}: {} documents in {} sequences, {padding:.1}% of their tokens padding",
         p.documents(),
         p.len()
     );
     let (cut, lost) = p.cut();
     if cut > 0 {
         tracing::warn!(
-            "data.packing bfd: {cut} of {} documents are longer than seq_len + 1 = {capacity} tokens and keep their first {capacity} ({lost} tokens left out); a longer model.seq_len keeps them whole, or data.packing: bfd_split trains every token in pieces",
+            "data.packing bfd{which}: {cut} of {} documents are longer than seq_len + 1 = {capacity} tokens and keep their first {capacity} ({lost} tokens left out); a longer model.seq_len keeps them whole, or data.packing: bfd_split trains every token in pieces",
             p.documents()
         );
     }
     let (split, pieces) = p.split();
     if split > 0 {
         tracing::info!(
-            "data.packing bfd_split: {split} documents longer than seq_len + 1 = {capacity} tokens became {pieces} pieces, each packed as a document of its own"
+            "data.packing bfd_split{which}: {split} documents longer than seq_len + 1 = {capacity} tokens became {pieces} pieces, each packed as a document of its own"
         );
     }
 }
