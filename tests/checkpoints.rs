@@ -26,19 +26,24 @@ fn train(dir: &Path, job: &Path, metrics: &str, extra: &[&str]) -> e2e::Finished
 /// (step 8, window 2) falls after the last of the first overflows (step 7) and
 /// before the scale grows (step 9's update, `(iter - last_overflow) % window`):
 /// a resumed scaler that forgot `last_overflow` grows a step late, or never.
+///
+/// With `model.hidden_dropout` (stage 2, f32) too: the resumed steps drop
+/// the elements the uninterrupted ones dropped.
 #[test]
 fn resume_continues_bit_identically_in_every_precision() {
-    for (stage, dtype, every) in [
-        ("0", "f32", 6),
-        ("3", "f32", 6),
-        ("1", "bf16", 6),
-        ("3", "f16", 4),
+    for (stage, dtype, every, dropout) in [
+        ("0", "f32", 6, "0"),
+        ("3", "f32", 6, "0"),
+        ("1", "bf16", 6, "0"),
+        ("3", "f16", 4, "0"),
+        ("2", "f32", 6, "0.2"),
     ] {
         let d = tempfile::tempdir().unwrap();
         let dir = d.path();
         let job = ckpt_job(dir, "resume", 12, every);
         let set = format!("zero.stage={stage}");
         let dt = format!("train.dtype={dtype}");
+        let dropout = format!("model.hidden_dropout={dropout}");
         let set = &[
             "--set",
             &set,
@@ -48,6 +53,8 @@ fn resume_continues_bit_identically_in_every_precision() {
             "train.loss_scale.initial_scale_power=24",
             "--set",
             "train.loss_scale.loss_scale_window=2",
+            "--set",
+            &dropout,
         ];
         train(dir, &job, "straight.jsonl", set);
         let straight = losses_by_step(&dir.join("straight.jsonl"));

@@ -436,6 +436,23 @@ fn bad_input_exits_2_with_a_located_message() {
         ),
         (
             vec![write(
+                "dropout.yaml",
+                &good.replace("seq_len: 32}", "seq_len: 32, hidden_dropout: 1}"),
+            )],
+            "dropout.yaml:2:76: model.hidden_dropout: must be at least 0 and below 1, got 1",
+        ),
+        (
+            vec![write(
+                "dropout_gpu.yaml",
+                &format!(
+                    "{}device: cuda\n",
+                    good.replace("seq_len: 32}", "seq_len: 32, hidden_dropout: 0.1}")
+                ),
+            )],
+            "dropout_gpu.yaml:2:76: model.hidden_dropout: runs on CPU workers only so far",
+        ),
+        (
+            vec![write(
                 "nodata.yaml",
                 &good
                     .replace("{format: synthetic}", "{path: /nonexistent/*.txt}")

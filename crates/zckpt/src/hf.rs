@@ -233,8 +233,10 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
             "add_cross_attention": false,
             "layer_norm_epsilon": m.norm_eps(),
             "tie_word_embeddings": true,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
+            // transformers' GPT-2 drops where zrun's `hidden_dropout` does
+            // (its attention's probabilities aside), in training only.
+            "resid_pdrop": m.hidden_dropout(),
+            "embd_pdrop": m.hidden_dropout(),
             "attn_pdrop": 0.0,
             "torch_dtype": "float32",
         }),

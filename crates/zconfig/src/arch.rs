@@ -279,6 +279,12 @@ impl ModelSpec {
         self.norm_eps.unwrap_or(1e-5)
     }
 
+    /// The share of hidden-state elements training drops (`hidden_dropout`,
+    /// default 0).
+    pub fn hidden_dropout(&self) -> f64 {
+        self.hidden_dropout.unwrap_or(0.0)
+    }
+
     /// Width of the fused attention projection's output: q, k and v side by side.
     pub fn qkv_width(&self) -> usize {
         (self.n_heads + 2 * self.kv_heads()) * self.head_dim()

@@ -715,6 +715,20 @@ impl LoadedJob {
                 return Err(self.invalid(key, format!("must be a positive number, got {v}")));
             }
         }
+        if let Some(p) = m.hidden_dropout {
+            if !(0.0..1.0).contains(&p) {
+                return Err(self.invalid(
+                    "model.hidden_dropout",
+                    format!("must be at least 0 and below 1, got {p}"),
+                ));
+            }
+            if p > 0.0 && self.spec.device == Device::Cuda {
+                return Err(self.invalid(
+                    "model.hidden_dropout",
+                    "runs on CPU workers only so far: drop it (or set 0) for device: cuda",
+                ));
+            }
+        }
         if let Some(f) = m.partial_rotary_factor {
             self.validate_partial_rotation(m, f)?;
         }
@@ -1224,6 +1238,7 @@ mod tests {
                 "max_position_embeddings",
                 "init_from",
                 "tile_size",
+                "hidden_dropout",
             ]
             .contains(k)
         });

@@ -167,6 +167,14 @@ pub struct ModelSpec {
     /// at a time (see [`crate::tiles`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tile_size: Option<Size>,
+    /// The share of hidden-state elements training zeroes (the rest scaled
+    /// by `1 / (1 - p)`): the embeddings' output and each block's attention
+    /// and MLP outputs before their residual adds, as Megatron's
+    /// `hidden_dropout` (GPT-2's `embd_pdrop` and `resid_pdrop`); default
+    /// 0. Evaluation, validation and generation drop nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
+    pub hidden_dropout: Option<f64>,
 }
 
 /// How the rotary embeddings' frequencies are scaled for a context longer
@@ -929,6 +937,12 @@ impl JobSpec {
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
+        }
+        if self.model.hidden_dropout() > 0.0 {
+            return Some(
+                "model.hidden_dropout runs on CPU workers only so far: drop it (or set 0) for device: cuda"
+                    .into(),
+            );
         }
         None
     }

@@ -17,8 +17,8 @@ use std::time::Instant;
 
 use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
 use zmodel::{
-    Batch, BlockActs, BlockLinear, BlockNorm, BlockSource, Documents, EmbeddingParams, HeadParams,
-    WeightBias,
+    Batch, BlockActs, BlockLinear, BlockNorm, BlockSource, Documents, Dropout, EmbeddingParams,
+    HeadParams, WeightBias,
 };
 
 use crate::engine::Engine;
@@ -47,6 +47,9 @@ pub(crate) struct MicroBatch {
     saved: Vec<Saved>,
     /// Whether this micro-batch's gradients are reduced as backward goes.
     pub(crate) reduce_now: bool,
+    /// `model.hidden_dropout`'s for this micro-batch: site 0 the
+    /// embedding's output, site `b` block `b`'s branches.
+    dropout: Option<Dropout>,
 }
 
 impl Engine {
@@ -129,7 +132,7 @@ impl Engine {
         let model = self.model.clone();
         for b in 1..=l {
             let mut src = BlockFromEngine::gather(self, &mut gather, b, false)?;
-            x = model.block_forward_from(&mut src, &x, docs)?.0;
+            x = model.block_forward_from(&mut src, &x, docs, None)?.0;
             src.release_block();
         }
         let ph = self.params_for(l + 1, &mut gather)?;
@@ -169,7 +172,23 @@ impl Engine {
             gather: self.prefetcher(),
             saved: Vec::with_capacity(self.model.config().n_layers),
             reduce_now: self.stage.partitions_gradients() || self.micro + 1 == accum,
+            dropout: self.dropout(),
         })
+    }
+
+    /// The dropout of the hidden states of the micro-batch
+    /// [`Engine::forward_backward`] runs next (site 0 the embedding's
+    /// output, site `b` block `b`'s branches), or `None` without
+    /// `model.hidden_dropout`. Its key is the seed, the step, the
+    /// micro-batch and the rank: the same in a recomputed forward and after
+    /// a resume, whatever the stage, and different for every batch.
+    pub fn dropout(&self) -> Option<Dropout> {
+        let p = self.spec.model.hidden_dropout();
+        let counters = [self.step, self.micro as u64, self.comm.rank() as u64];
+        let key = counters.iter().fold(self.spec.train.seed, |key, &c| {
+            zmodel::dropout::mix64(key ^ c)
+        });
+        Dropout::new(p, key)
     }
 
     /// Group 0's forward; returns the blocks' input (without a graph).
@@ -181,7 +200,10 @@ impl Engine {
             mb.docs.as_ref(),
         )?;
         self.release(0);
-        Ok(x)
+        Ok(match mb.dropout {
+            Some(d) => d.site(0).apply(&x)?,
+            None => x,
+        })
     }
 
     /// The blocks' forward; each keeps its activations, or with checkpointing
@@ -196,7 +218,8 @@ impl Engine {
         let model = self.model.clone();
         for b in 1..=n_layers {
             let mut src = BlockFromEngine::gather(self, &mut mb.gather, b, false)?;
-            let (y, acts) = model.block_forward_from(&mut src, &x, mb.docs.as_ref())?;
+            let dropout = mb.dropout.map(|d| d.site(b as u64));
+            let (y, acts) = model.block_forward_from(&mut src, &x, mb.docs.as_ref(), dropout)?;
             src.release_block();
             mb.saved.push(if checkpointing {
                 Saved::Input(x)
@@ -288,7 +311,10 @@ impl Engine {
             let acts = match mb.saved.pop() {
                 Some(Saved::Acts(acts)) => acts,
                 Some(Saved::Input(x)) => {
-                    model.block_forward_from(&mut src, &x, mb.docs.as_ref())?.1
+                    let dropout = mb.dropout.map(|d| d.site(b as u64));
+                    model
+                        .block_forward_from(&mut src, &x, mb.docs.as_ref(), dropout)?
+                        .1
                 }
                 None => return Err(missing(&format!("block {b}'s saved activations"))),
             };
@@ -305,6 +331,14 @@ impl Engine {
         mb: &mut MicroBatch,
         dx: &Tensor,
     ) -> Result<(), EngineError> {
+        let dropped;
+        let dx = match mb.dropout {
+            Some(d) => {
+                dropped = d.site(0).apply(dx)?;
+                &dropped
+            }
+            None => dx,
+        };
         let grads = self
             .model
             .embed_backward(&mb.tokens, mb.docs.as_ref(), dx)?

@@ -75,6 +75,108 @@ fn every_stage_gives_bit_identical_losses_and_parameters() {
     }
 }
 
+/// Hidden dropout (`model.hidden_dropout`) keeps every stage, with and
+/// without activation checkpointing (whose recomputed forward must drop
+/// the same elements), to the bits of stage 0, in f32 and bf16; it changes
+/// the run (something is dropped).
+#[test]
+fn hidden_dropout_keeps_the_stages_bit_identical() {
+    let dropped = |dtype, stage, ckpt| {
+        let mut spec = typed_spec(dtype, stage, 1, 2000, true, ckpt, 4);
+        spec.model.hidden_dropout = Some(0.2);
+        spec
+    };
+    for dtype in ["f32", "bf16"] {
+        let base = train(dropped(dtype, 0, false), 2);
+        let plain = train(typed_spec(dtype, 0, 1, 2000, true, false, 4), 2);
+        assert_ne!(base[0].losses, plain[0].losses, "{dtype}: nothing dropped");
+        for stage in 0..=3u8 {
+            for ckpt in [false, true] {
+                if stage == 0 && !ckpt {
+                    continue;
+                }
+                let got = train(dropped(dtype, stage, ckpt), 2);
+                for r in 0..2 {
+                    let what = format!("{dtype} stage {stage} checkpointing {ckpt} rank {r}");
+                    assert_eq!(got[r].losses, base[r].losses, "losses: {what}");
+                    assert!(got[r].params == base[r].params, "parameters: {what}");
+                }
+            }
+        }
+    }
+}
+
+/// Dropout is training's alone: on one rank a batch's `eval_loss` with
+/// `model.hidden_dropout: 0.5` is the loss without dropout, to the bit,
+/// while the training forward of that batch drops (another loss).
+#[test]
+fn hidden_dropout_drops_in_training_and_never_in_evaluation() {
+    let losses = |p: f64| {
+        let mut spec = typed_spec("f32", 0, 1, 2000, true, false, 1);
+        spec.model.hidden_dropout = Some(p);
+        let comm = comms(1).pop().unwrap();
+        let corpus = zmodel::Corpus::synthetic(spec.model.vocab_size, 3);
+        let mut data = zmodel::Batcher::new(corpus, spec.model.seq_len, 4, 1, 1, 0, 7).unwrap();
+        let batch = data.batch(0, 0).unwrap();
+        let mut e = Engine::new(&spec, comm).unwrap();
+        let eval = e.eval_loss(std::slice::from_ref(&batch)).unwrap();
+        (eval, e.forward_backward(&batch).unwrap())
+    };
+    let (eval_plain, train_plain) = losses(0.0);
+    let (eval, train) = losses(0.5);
+    assert_eq!(
+        eval_plain, train_plain,
+        "without dropout eval is the training forward"
+    );
+    assert_eq!(eval, eval_plain, "evaluation dropped something");
+    // At initialisation the model is near uniform, so dropping half of
+    // its hidden states moves the loss little (7e-4), but not to the bit.
+    assert_ne!(train, train_plain, "training dropped nothing");
+}
+
+/// The embedding's dropout reaches its backward: after one step with
+/// `hidden_dropout: 0.9` (no weight decay, so Adam moves exactly the
+/// elements with a gradient), the elements of GPT-2's position table left
+/// unchanged are exactly those the embedding's mask dropped in every
+/// sequence of the batch (about 0.9⁴ of them; without the mask in
+/// backward, none).
+#[test]
+fn the_embeddings_dropout_masks_its_gradient() {
+    let mut spec = typed_spec("f32", 0, 1, 2000, true, false, 1);
+    spec.model.hidden_dropout = Some(0.9);
+    spec.train.weight_decay = 0.0;
+    let (rows, t, d) = (4, spec.model.seq_len, spec.model.d_model);
+    let corpus = zmodel::Corpus::synthetic(spec.model.vocab_size, 3);
+    let mut data = zmodel::Batcher::new(corpus, t, rows, 1, 1, 0, 7).unwrap();
+    let mut e = Engine::new(&spec, comms(1).pop().unwrap()).unwrap();
+    let wpe = |e: &Engine| {
+        let named = e.named_params().unwrap();
+        let (_, (_, values)) = named.iter().find(|(name, _)| name.contains("wpe")).unwrap();
+        values.clone()
+    };
+    let before = wpe(&e);
+    let mask = e.dropout().unwrap().site(0);
+    e.forward_backward(&data.batch(0, 0).unwrap()).unwrap();
+    e.step().unwrap();
+    let after = wpe(&e);
+    let mut unchanged = 0;
+    for pos in 0..t {
+        for j in 0..d {
+            let dropped_everywhere = (0..rows).all(|b| !mask.keeps((b * t + pos) * d + j));
+            let k = pos * d + j;
+            assert_eq!(
+                before[k] == after[k],
+                dropped_everywhere,
+                "wpe[{pos}, {j}]: {} -> {}",
+                before[k],
+                after[k]
+            );
+            unchanged += usize::from(dropped_everywhere);
+        }
+    }
+    assert!(unchanged > t * d / 2, "{unchanged} of {} unchanged", t * d);
+}
+
 /// The optimizer walks a rank's slice in sub-groups of `zero.sub_group_size`
 /// elements; AdamW is element-wise, so any split gives the same bits as one
 /// sub-group (sizes that split blocks, span blocks and are 1 element).

@@ -94,6 +94,27 @@ fn tiled_runs_are_bit_identical_to_untiled_runs() {
         }
     }
 }
+/// Hidden dropout drops its elements from the tiles' outputs as from the
+/// whole linears' (the branch is dropped after its last tile stores): the
+/// same bits, f32 and bf16, at stages 0 and 3.
+#[test]
+fn tiled_runs_drop_what_untiled_runs_drop() {
+    for dtype in ["f32", "bf16"] {
+        for stage in [0u8, 3] {
+            let dropped = |mut spec: JobSpec| {
+                spec.model.hidden_dropout = Some(0.2);
+                spec
+            };
+            let base = train(dropped(spec(dtype, stage, 1, false, 4)), 2);
+            let got = train(dropped(tiled(spec(dtype, stage, 1, false, 4))), 2);
+            let what = format!("dropout {dtype} stage {stage}");
+            let plain = train(spec(dtype, stage, 1, false, 4), 2);
+            assert_ne!(base[0].losses, plain[0].losses, "{what}: nothing dropped");
+            assert_same(&got, &base, &what);
+        }
+    }
+}
+
 /// Activation checkpointing (backward gathers every tile twice), gradient
 /// accumulation, f16 with its loss scale, and NVMe offload of the tiles'
 /// parameters and optimizer state.

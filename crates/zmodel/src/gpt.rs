@@ -31,6 +31,7 @@ use zconfig::spec::{ModelKind, ModelSpec};
 use zconfig::tiles::{column_tiles, ColumnTile, TileError};
 
 use crate::documents::Documents;
+use crate::dropout::Dropout;
 use crate::head::{self, HeadBackward};
 use crate::linear::{
     self, f32s, BlockLinear, BlockNorm, BlockSource, Input, OutputGrad, Products, Store, Whole,
@@ -115,6 +116,8 @@ pub struct BlockActs {
     g: Tensor,
     /// The documents the forward kept apart.
     docs: Option<Documents>,
+    /// The dropout the forward applied to the residual branches.
+    dropout: Option<Dropout>,
 }
 
 /// What a block keeps of the tokens generation has run through it: their
@@ -823,19 +826,23 @@ impl Gpt {
         x: &Tensor,
         docs: Option<&Documents>,
     ) -> Result<(Tensor, BlockActs)> {
-        self.block_forward_from(&mut Whole::new(params), x, docs)
+        self.block_forward_from(&mut Whole::new(params), x, docs, None)
     }
 
     /// [`Gpt::block_forward`] with the parameters from `src`, each linear a
-    /// tile at a time, and with `docs` the sequences' documents kept apart.
+    /// tile at a time, with `docs` the sequences' documents kept apart, and
+    /// with `dropout` the attention's and the MLP's outputs dropped before
+    /// their residual adds (sites 0 and 1 of it; the backward drops their
+    /// gradients alike).
     pub fn block_forward_from<S: BlockSource>(
         &self,
         src: &mut S,
         x: &Tensor,
         docs: Option<&Documents>,
+        dropout: Option<Dropout>,
     ) -> std::result::Result<(Tensor, BlockActs), S::Error> {
         let attend = |qkv: &Tensor| self.block_attention(qkv, docs);
-        self.block_forward_with(src, x, (0, docs), attend)
+        self.block_forward_with(src, x, (0, docs, dropout), attend)
     }
 
     /// A block's forward over the tokens `[1, t, d]` after those `cache`
@@ -872,7 +879,7 @@ impl Gpt {
             Tensor::from_vec(att, (t, self.cfg.attn_width()), &Device::Cpu)
         };
         Ok(self
-            .block_forward_with(&mut Whole::new(params), x, (start, None), attend)?
+            .block_forward_with(&mut Whole::new(params), x, (start, None, None), attend)?
             .0)
     }
 
@@ -883,7 +890,7 @@ impl Gpt {
         &self,
         src: &mut S,
         x: &Tensor,
-        (start, docs): (usize, Option<&Documents>),
+        (start, docs, dropout): (usize, Option<&Documents>, Option<Dropout>),
         attend: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> std::result::Result<(Tensor, BlockActs), S::Error> {
         let (b, t, d) = x.dims3()?;
@@ -924,8 +931,17 @@ impl Gpt {
         };
         let qkv = self.rotate_from(qkv.reshape((b, t, self.cfg.qkv_width()))?, start, docs)?;
         let att = attend(&qkv)?;
-        // The residual adds happen as the projections' tiles store.
-        let rows1 = linear(src, BlockLinear::AttnOut, &att, Some(&rows))?;
+        // The residual adds happen as the projections' tiles store, or
+        // with dropout in its pass.
+        let residual_add =
+            |src: &mut S, l: BlockLinear, x: &Tensor, residual: &Tensor, site| match dropout {
+                None => linear(src, l, x, Some(residual)),
+                Some(d) => {
+                    let branch = linear(src, l, x, None)?;
+                    Ok(d.site(site).add_to(residual, &branch)?)
+                }
+            };
+        let rows1 = residual_add(src, BlockLinear::AttnOut, &att, &rows, 0)?;
 
         let a2 = norm(src, BlockNorm::Norm2, &rows1)?;
         let gelu_fused = match self.gelu_in_products() {
@@ -941,7 +957,7 @@ impl Gpt {
             Some(pair) => pair,
             None => self.activation(&linear_to(src, BlockLinear::MlpIn, &a2, None, half_store)?)?,
         };
-        let y = linear(src, BlockLinear::MlpOut, &g, Some(&rows1))?.reshape((b, t, d))?;
+        let y = residual_add(src, BlockLinear::MlpOut, &g, &rows1, 1)?.reshape((b, t, d))?;
         let acts = BlockActs {
             rows,
             a1,
@@ -953,6 +969,7 @@ impl Gpt {
             act_kept,
             g,
             docs: docs.cloned(),
+            dropout,
         };
         Ok((y, acts))
     }
@@ -994,11 +1011,16 @@ impl Gpt {
         // y = rows1 + act(h)·W_out (+ b_out); GELU's backward multiplies by
         // its kept slope in the products where its forward ran in them.
         let slope = self.gelu_in_products().then_some(&acts.act_kept);
+        // A dropped branch's gradient is the output's through the same mask.
+        let branch_grad = |site, dy: &Tensor| match acts.dropout {
+            None => Ok::<_, candle_core::Error>(OutputGrad::F32(dy.clone())),
+            Some(d) => Ok(OutputGrad::F32(d.site(site).apply(dy)?)),
+        };
         let dg = linear_times(
             src,
             BlockLinear::MlpOut,
             &acts.g,
-            OutputGrad::F32(dy.clone()),
+            branch_grad(1, &dy)?,
             slope,
         )?;
         let dh = match slope {
@@ -1013,7 +1035,7 @@ impl Gpt {
             src,
             BlockLinear::AttnOut,
             &acts.att,
-            OutputGrad::F32(drows1.clone()),
+            branch_grad(0, &drows1)?,
         )?;
         let docs = acts.docs.as_ref();
         let dqkv = causal_attention_backward(
@@ -1717,6 +1739,116 @@ mod tests {
         close(auto.get(x.as_tensor()).unwrap(), &dx, "input");
     }
 
+    /// With hidden dropout a block's backward is the finite differences of
+    /// its own forward under the same masks (a mask forgotten, or applied
+    /// twice, in either branch's gradient is off by far more than the
+    /// tolerance), for every parameter and the input; the dropout changes
+    /// the output, and the same key gives the same output again.
+    #[test]
+    fn a_dropped_blocks_backward_is_its_forwards_finite_differences() {
+        for cfg in [gpt(11, 8, 1, 2, 6), llama(11, 8, 1, 6, 12)] {
+            let g = Gpt::new(&cfg).unwrap();
+            let d = g.cfg.d_model;
+            let dev = Device::Cpu;
+            let dropout = Dropout::new(0.3, 11).unwrap().site(1);
+            let values: Vec<Vec<f32>> = g
+                .init_group(1, 3)
+                .into_iter()
+                .enumerate()
+                .map(|(pi, v)| {
+                    v.iter()
+                        .enumerate()
+                        .map(|(k, x)| x * 3.0 + 0.05 * ((k + pi) % 5) as f32)
+                        .collect()
+                })
+                .collect();
+            let shapes: Vec<Vec<usize>> = g.groups()[1]
+                .params
+                .iter()
+                .map(|p| p.shape.clone())
+                .collect();
+            let n = 2 * 6 * d;
+            let wave = |k: usize| -> Vec<f32> {
+                (0..n).map(|i| ((i * k % 17) as f32 - 8.0) / 8.0).collect()
+            };
+            // Parameter index `shapes.len()` is the input.
+            let mut inputs = values.clone();
+            inputs.push(wave(7));
+            let dy = Tensor::from_vec(wave(5), (2, 6, d), &dev).unwrap();
+            let params = |vs: &[Vec<f32>]| {
+                let ts = vs[..shapes.len()]
+                    .iter()
+                    .zip(&shapes)
+                    .map(|(v, s)| Tensor::from_vec(v.clone(), s.as_slice(), &dev).unwrap())
+                    .collect();
+                BlockParams::from_vec(ts, g.layout()).unwrap()
+            };
+            let forward = |vs: &[Vec<f32>], dropout| {
+                let x = Tensor::from_vec(vs[shapes.len()].clone(), (2, 6, d), &dev).unwrap();
+                g.block_forward_from(&mut Whole::new(&params(vs)), &x, None, dropout)
+                    .unwrap()
+            };
+            let objective = |vs: &[Vec<f32>]| -> f64 {
+                let y = forward(vs, Some(dropout)).0.flatten_all().unwrap();
+                let dy = dy.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                y.to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .zip(&dy)
+                    .map(|(&y, &dy)| f64::from(y) * f64::from(dy))
+                    .sum()
+            };
+            let (y, acts) = forward(&inputs, Some(dropout));
+            let plain = forward(&inputs, None).0;
+            let differs = (&y - &plain).unwrap().abs().unwrap().max_all().unwrap();
+            assert!(
+                differs.to_scalar::<f32>().unwrap() > 0.1,
+                "dropout changed nothing"
+            );
+            let again = forward(&inputs, Some(dropout)).0;
+            assert_eq!(
+                y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                again.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            );
+            let block = params(&inputs);
+            let mut src = Whole::new(&block);
+            let dx = g.block_backward_into(&mut src, &acts, &dy).unwrap();
+            let mut grads: Vec<Vec<f32>> = src
+                .grads()
+                .unwrap()
+                .into_vec()
+                .iter()
+                .map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .collect();
+            grads.push(dx.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let h = 1e-2f32;
+            for (pi, grad) in grads.iter().enumerate() {
+                let mut order: Vec<usize> = (0..grad.len()).collect();
+                order.sort_by(|&a, &b| grad[b].abs().total_cmp(&grad[a].abs()));
+                for &k in order.iter().take(4) {
+                    let at = |delta: f32| {
+                        let mut vs = inputs.clone();
+                        vs[pi][k] += delta;
+                        objective(&vs)
+                    };
+                    let central = |h: f32| (at(h) - at(-h)) / (2.0 * f64::from(h));
+                    let fd = (4.0 * central(h / 2.0) - central(h)) / 3.0;
+                    let tol = 2e-3 + 5e-3 * fd.abs();
+                    assert!(
+                        k != order[0] || fd.abs() > 4.0 * tol,
+                        "parameter {pi}[{k}]: |{fd}| too small to test"
+                    );
+                    assert!(
+                        (fd - f64::from(grad[k])).abs() <= tol,
+                        "{:?} parameter {pi}[{k}]: finite difference {fd}, gradient {}",
+                        g.cfg.kind,
+                        grad[k]
+                    );
+                }
+            }
+        }
+    }
+
     /// Column tiles (ZeRO-Infinity's memory-centric tiling) give the untiled
     /// block's outputs, parameter gradients and input gradient bit for bit:
     /// tile widths of 1, 2 and 3 chunks, a last tile shorter than the rest, and
@@ -2271,7 +2403,7 @@ mod tests {
         for group in &groups[1..=g.cfg.n_layers] {
             let bp = BlockParams::from_vec(group.clone(), layout).unwrap();
             let (y, acts) = g
-                .block_forward_from(&mut Whole::new(&bp), &x, docs)
+                .block_forward_from(&mut Whole::new(&bp), &x, docs, None)
                 .unwrap();
             kept.push((bp, acts));
             x = y;

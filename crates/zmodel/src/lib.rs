@@ -26,6 +26,8 @@
 //!   backward).
 //! - `simd`: a vectorisable `exp`, AVX-512 / AVX2 dispatch and thread-count-independent
 //!   row splitting for the fused ops.
+//! - [`dropout`]: hidden-state dropout whose masks are a hash of each
+//!   element's index, made again in backward instead of kept.
 //! - [`documents`]: where each packed document begins in its sequence, for
 //!   attention, positions and loss that stop at document ends.
 //! - [`packing`]: whole documents packed into sequences, best fit
@@ -41,6 +43,7 @@ pub mod attention;
 pub mod blend;
 pub mod data;
 pub mod documents;
+pub mod dropout;
 pub mod gpt;
 pub mod head;
 #[cfg(target_arch = "x86_64")]
@@ -54,6 +57,7 @@ mod simd;
 
 pub use data::{Batch, Batcher, Corpus, DataError};
 pub use documents::Documents;
+pub use dropout::Dropout;
 pub use gpt::{BlockActs, Gpt, GroupSpec, Init, KvCache, ParamSpec};
 pub use head::HeadBackward;
 pub use linear::{BlockLinear, BlockNorm, BlockSource, Products};
