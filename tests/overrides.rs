@@ -32,7 +32,10 @@ const KEYS: &[(&str, &[&str])] = &[
     ("model.qkv_bias", &["true", "false"]),
     ("model.qk_norm", &["true", "false"]),
     ("model.head_dim", &["4", "8", "12", "3", "0"]),
-    ("model.hidden_dropout", &["0", "0.1", "0.99", "1", "-0.1", "nan"]),
+    (
+        "model.hidden_dropout",
+        &["0", "0.1", "0.99", "1", "-0.1", "nan"],
+    ),
     ("model.tile_size", &["1", "256", "1000", "0"]),
     ("model.vocab_size", &["64", "63", "256", "1"]),
     ("train.activation_checkpointing", &["true", "false"]),

@@ -20,6 +20,7 @@
 use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
+use crate::ops::cpu_f32;
 use crate::simd::{assume_init, uninit_floats, vectorised};
 
 /// Elements a rayon task takes.
@@ -67,10 +68,13 @@ impl Dropout {
         hash(self.key, i) >= self.threshold
     }
 
-    /// `x` with the dropped elements zeroed and the rest scaled: dropout's
-    /// forward, and its backward applied to the output's gradient.
+    /// `x` (f32) with the dropped elements zeroed and the rest scaled:
+    /// dropout's forward, and its backward applied to the output's gradient.
+    /// Read in place, one pass.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        let xs = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let x = x.contiguous()?;
+        let (storage, layout) = x.storage_and_layout();
+        let xs = cpu_f32("dropout", &storage, layout)?;
         let mut y = uninit_floats(xs.len());
         let d = *self;
         y.par_chunks_mut(ELEMS_PER_TASK)
@@ -93,7 +97,7 @@ impl Dropout {
         Tensor::from_vec(y, x.shape(), x.device())
     }
 
-    /// `residual + dropout(branch)` in one pass: a block's residual add
+    /// `residual + dropout(branch)` (both f32) in one pass: a block's residual add
     /// with its branch dropped. Its backward passes the gradient to
     /// `residual` as it is and to `branch` through [`Dropout::apply`].
     pub fn add_to(&self, residual: &Tensor, branch: &Tensor) -> Result<Tensor> {
@@ -104,12 +108,11 @@ impl Dropout {
                 branch.dims()
             );
         }
-        let rs = residual.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let bs = branch
-            .to_dtype(candle_core::DType::F32)?
-            .contiguous()?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
+        let (residual, branch) = (residual.contiguous()?, branch.contiguous()?);
+        let (r_storage, r_layout) = residual.storage_and_layout();
+        let (b_storage, b_layout) = branch.storage_and_layout();
+        let rs = cpu_f32("dropout", &r_storage, r_layout)?;
+        let bs = cpu_f32("dropout", &b_storage, b_layout)?;
         let mut y = uninit_floats(rs.len());
         let d = *self;
         y.par_chunks_mut(ELEMS_PER_TASK)
