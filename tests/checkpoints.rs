@@ -27,8 +27,9 @@ fn train(dir: &Path, job: &Path, metrics: &str, extra: &[&str]) -> e2e::Finished
 /// before the scale grows (step 9's update, `(iter - last_overflow) % window`):
 /// a resumed scaler that forgot `last_overflow` grows a step late, or never.
 ///
-/// With `model.hidden_dropout` (stage 2, f32) too: the resumed steps drop
-/// the elements the uninterrupted ones dropped.
+/// With `model.hidden_dropout` and `model.attention_dropout` (stage 2,
+/// f32) too: the resumed steps drop the elements the uninterrupted ones
+/// dropped.
 #[test]
 fn resume_continues_bit_identically_in_every_precision() {
     for (stage, dtype, every, dropout) in [
@@ -43,7 +44,8 @@ fn resume_continues_bit_identically_in_every_precision() {
         let job = ckpt_job(dir, "resume", 12, every);
         let set = format!("zero.stage={stage}");
         let dt = format!("train.dtype={dtype}");
-        let dropout = format!("model.hidden_dropout={dropout}");
+        let hidden = format!("model.hidden_dropout={dropout}");
+        let attention = format!("model.attention_dropout={dropout}");
         let set = &[
             "--set",
             &set,
@@ -54,7 +56,9 @@ fn resume_continues_bit_identically_in_every_precision() {
             "--set",
             "train.loss_scale.loss_scale_window=2",
             "--set",
-            &dropout,
+            &hidden,
+            "--set",
+            &attention,
         ];
         train(dir, &job, "straight.jsonl", set);
         let straight = losses_by_step(&dir.join("straight.jsonl"));

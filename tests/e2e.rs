@@ -453,6 +453,13 @@ fn bad_input_exits_2_with_a_located_message() {
         ),
         (
             vec![write(
+                "attention_dropout.yaml",
+                &good.replace("seq_len: 32}", "seq_len: 32, attention_dropout: -0.1}"),
+            )],
+            "attention_dropout.yaml:2:76: model.attention_dropout: must be at least 0 and below 1, got -0.1",
+        ),
+        (
+            vec![write(
                 "nodata.yaml",
                 &good
                     .replace("{format: synthetic}", "{path: /nonexistent/*.txt}")

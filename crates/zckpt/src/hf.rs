@@ -233,11 +233,10 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
             "add_cross_attention": false,
             "layer_norm_epsilon": m.norm_eps(),
             "tie_word_embeddings": true,
-            // transformers' GPT-2 drops where zrun's `hidden_dropout` does
-            // (its attention's probabilities aside), in training only.
+            // transformers' GPT-2 drops where zrun does, in training only.
             "resid_pdrop": m.hidden_dropout(),
             "embd_pdrop": m.hidden_dropout(),
-            "attn_pdrop": 0.0,
+            "attn_pdrop": m.attention_dropout(),
             "torch_dtype": "float32",
         }),
         ModelKind::Llama => serde_json::json!({
@@ -257,6 +256,7 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
             "tie_word_embeddings": m.tied(),
             "attention_bias": false,
             "mlp_bias": false,
+            "attention_dropout": m.attention_dropout(),
             "torch_dtype": "float32",
         }),
     };

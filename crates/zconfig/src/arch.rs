@@ -285,6 +285,12 @@ impl ModelSpec {
         self.hidden_dropout.unwrap_or(0.0)
     }
 
+    /// The share of attention's probabilities training drops
+    /// (`attention_dropout`, default 0).
+    pub fn attention_dropout(&self) -> f64 {
+        self.attention_dropout.unwrap_or(0.0)
+    }
+
     /// Width of the fused attention projection's output: q, k and v side by side.
     pub fn qkv_width(&self) -> usize {
         (self.n_heads + 2 * self.kv_heads()) * self.head_dim()

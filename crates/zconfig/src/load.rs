@@ -715,16 +715,17 @@ impl LoadedJob {
                 return Err(self.invalid(key, format!("must be a positive number, got {v}")));
             }
         }
-        if let Some(p) = m.hidden_dropout {
+        for (key, p) in [
+            ("model.hidden_dropout", m.hidden_dropout),
+            ("model.attention_dropout", m.attention_dropout),
+        ] {
+            let Some(p) = p else { continue };
             if !(0.0..1.0).contains(&p) {
-                return Err(self.invalid(
-                    "model.hidden_dropout",
-                    format!("must be at least 0 and below 1, got {p}"),
-                ));
+                return Err(self.invalid(key, format!("must be at least 0 and below 1, got {p}")));
             }
             if p > 0.0 && self.spec.device == Device::Cuda {
                 return Err(self.invalid(
-                    "model.hidden_dropout",
+                    key,
                     "runs on CPU workers only so far: drop it (or set 0) for device: cuda",
                 ));
             }
@@ -1239,6 +1240,7 @@ mod tests {
                 "init_from",
                 "tile_size",
                 "hidden_dropout",
+                "attention_dropout",
             ]
             .contains(k)
         });

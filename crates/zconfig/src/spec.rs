@@ -175,6 +175,12 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(deserialize_with = "finite::optional")]
     pub hidden_dropout: Option<f64>,
+    /// The share of attention's probabilities training zeroes (the rest
+    /// scaled by `1 / (1 - p)`), as GPT-2's `attn_pdrop`, LLaMA's
+    /// `attention_dropout` and Megatron's `attention_dropout`; default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
+    pub attention_dropout: Option<f64>,
 }
 
 /// How the rotary embeddings' frequencies are scaled for a context longer
@@ -938,11 +944,15 @@ impl JobSpec {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
         }
-        if self.model.hidden_dropout() > 0.0 {
-            return Some(
-                "model.hidden_dropout runs on CPU workers only so far: drop it (or set 0) for device: cuda"
-                    .into(),
-            );
+        for (key, p) in [
+            ("model.hidden_dropout", self.model.hidden_dropout()),
+            ("model.attention_dropout", self.model.attention_dropout()),
+        ] {
+            if p > 0.0 {
+                return Some(format!(
+                    "{key} runs on CPU workers only so far: drop it (or set 0) for device: cuda"
+                ));
+            }
         }
         None
     }

@@ -314,9 +314,9 @@ fn cpu_attention(
         kv: sh.kv,
     };
     let qkv = tensor(qkv, (sh.heads + 2 * sh.kv) * sh.hd);
-    let out = causal_attention(&qkv, heads, Products::F32, docs).unwrap();
+    let out = causal_attention(&qkv, heads, Products::F32, docs, None).unwrap();
     let dy = tensor(dout, sh.heads * sh.hd);
-    let dqkv = causal_attention_backward(&qkv, &dy, heads, Products::F32, docs).unwrap();
+    let dqkv = causal_attention_backward(&qkv, &dy, heads, Products::F32, docs, None).unwrap();
     let f64s = |t: &Tensor| -> Vec<f64> {
         let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         v.into_iter().map(f64::from).collect()

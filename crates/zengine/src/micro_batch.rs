@@ -17,8 +17,8 @@ use std::time::Instant;
 
 use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
 use zmodel::{
-    Batch, BlockActs, BlockLinear, BlockNorm, BlockSource, Documents, Dropout, EmbeddingParams,
-    HeadParams, WeightBias,
+    Batch, BlockActs, BlockDropout, BlockLinear, BlockNorm, BlockSource, Documents, Dropout,
+    EmbeddingParams, HeadParams, WeightBias,
 };
 
 use crate::engine::Engine;
@@ -47,9 +47,9 @@ pub(crate) struct MicroBatch {
     saved: Vec<Saved>,
     /// Whether this micro-batch's gradients are reduced as backward goes.
     pub(crate) reduce_now: bool,
-    /// `model.hidden_dropout`'s for this micro-batch: site 0 the
-    /// embedding's output, site `b` block `b`'s branches.
-    dropout: Option<Dropout>,
+    /// This micro-batch's dropouts: the hidden one's site 0 the
+    /// embedding's output, site `b` block `b`'s.
+    dropout: BlockDropout,
 }
 
 impl Engine {
@@ -132,7 +132,9 @@ impl Engine {
         let model = self.model.clone();
         for b in 1..=l {
             let mut src = BlockFromEngine::gather(self, &mut gather, b, false)?;
-            x = model.block_forward_from(&mut src, &x, docs, None)?.0;
+            x = model
+                .block_forward_from(&mut src, &x, docs, BlockDropout::default())?
+                .0;
             src.release_block();
         }
         let ph = self.params_for(l + 1, &mut gather)?;
@@ -176,19 +178,24 @@ impl Engine {
         })
     }
 
-    /// The dropout of the hidden states of the micro-batch
-    /// [`Engine::forward_backward`] runs next (site 0 the embedding's
-    /// output, site `b` block `b`'s branches), or `None` without
-    /// `model.hidden_dropout`. Its key is the seed, the step, the
+    /// The dropouts of the micro-batch [`Engine::forward_backward`] runs
+    /// next: of the hidden states (site 0 the embedding's output, site `b`
+    /// block `b`'s branches; `None` without `model.hidden_dropout`) and of
+    /// attention's probabilities (site `b` block `b`'s; `None` without
+    /// `model.attention_dropout`). The key is the seed, the step, the
     /// micro-batch and the rank: the same in a recomputed forward and after
     /// a resume, whatever the stage, and different for every batch.
-    pub fn dropout(&self) -> Option<Dropout> {
-        let p = self.spec.model.hidden_dropout();
+    pub fn dropout(&self) -> BlockDropout {
+        let m = &self.spec.model;
         let counters = [self.step, self.micro as u64, self.comm.rank() as u64];
         let key = counters.iter().fold(self.spec.train.seed, |key, &c| {
             zmodel::dropout::mix64(key ^ c)
         });
-        Dropout::new(p, key)
+        BlockDropout {
+            hidden: Dropout::new(m.hidden_dropout(), key),
+            // Another stream of keys than the hidden states'.
+            attention: Dropout::new(m.attention_dropout(), !key),
+        }
     }
 
     /// Group 0's forward; returns the blocks' input (without a graph).
@@ -200,7 +207,7 @@ impl Engine {
             mb.docs.as_ref(),
         )?;
         self.release(0);
-        Ok(match mb.dropout {
+        Ok(match mb.dropout.hidden {
             Some(d) => d.site(0).apply(&x)?,
             None => x,
         })
@@ -218,7 +225,7 @@ impl Engine {
         let model = self.model.clone();
         for b in 1..=n_layers {
             let mut src = BlockFromEngine::gather(self, &mut mb.gather, b, false)?;
-            let dropout = mb.dropout.map(|d| d.site(b as u64));
+            let dropout = mb.dropout.site(b as u64);
             let (y, acts) = model.block_forward_from(&mut src, &x, mb.docs.as_ref(), dropout)?;
             src.release_block();
             mb.saved.push(if checkpointing {
@@ -311,7 +318,7 @@ impl Engine {
             let acts = match mb.saved.pop() {
                 Some(Saved::Acts(acts)) => acts,
                 Some(Saved::Input(x)) => {
-                    let dropout = mb.dropout.map(|d| d.site(b as u64));
+                    let dropout = mb.dropout.site(b as u64);
                     model
                         .block_forward_from(&mut src, &x, mb.docs.as_ref(), dropout)?
                         .1
@@ -332,7 +339,7 @@ impl Engine {
         dx: &Tensor,
     ) -> Result<(), EngineError> {
         let dropped;
-        let dx = match mb.dropout {
+        let dx = match mb.dropout.hidden {
             Some(d) => {
                 dropped = d.site(0).apply(dx)?;
                 &dropped

@@ -75,15 +75,16 @@ fn every_stage_gives_bit_identical_losses_and_parameters() {
     }
 }
 
-/// Hidden dropout (`model.hidden_dropout`) keeps every stage, with and
-/// without activation checkpointing (whose recomputed forward must drop
-/// the same elements), to the bits of stage 0, in f32 and bf16; it changes
-/// the run (something is dropped).
+/// Dropout (`model.hidden_dropout` and `model.attention_dropout`) keeps
+/// every stage, with and without activation checkpointing (whose
+/// recomputed forward must drop the same elements), to the bits of stage
+/// 0, in f32 and bf16; it changes the run (something is dropped).
 #[test]
-fn hidden_dropout_keeps_the_stages_bit_identical() {
+fn dropout_keeps_the_stages_bit_identical() {
     let dropped = |dtype, stage, ckpt| {
         let mut spec = typed_spec(dtype, stage, 1, 2000, true, ckpt, 4);
         spec.model.hidden_dropout = Some(0.2);
+        spec.model.attention_dropout = Some(0.1);
         spec
     };
     for dtype in ["f32", "bf16"] {
@@ -107,13 +108,15 @@ fn hidden_dropout_keeps_the_stages_bit_identical() {
 }
 
 /// Dropout is training's alone: on one rank a batch's `eval_loss` with
-/// `model.hidden_dropout: 0.5` is the loss without dropout, to the bit,
-/// while the training forward of that batch drops (another loss).
+/// `model.hidden_dropout` and `model.attention_dropout` at 0.5 is the loss
+/// without dropout, to the bit, while the training forward of that batch
+/// drops (another loss).
 #[test]
-fn hidden_dropout_drops_in_training_and_never_in_evaluation() {
+fn dropout_drops_in_training_and_never_in_evaluation() {
     let losses = |p: f64| {
         let mut spec = typed_spec("f32", 0, 1, 2000, true, false, 1);
         spec.model.hidden_dropout = Some(p);
+        spec.model.attention_dropout = Some(p);
         let comm = comms(1).pop().unwrap();
         let corpus = zmodel::Corpus::synthetic(spec.model.vocab_size, 3);
         let mut data = zmodel::Batcher::new(corpus, spec.model.seq_len, 4, 1, 1, 0, 7).unwrap();
@@ -155,7 +158,7 @@ fn the_embeddings_dropout_masks_its_gradient() {
         values.clone()
     };
     let before = wpe(&e);
-    let mask = e.dropout().unwrap().site(0);
+    let mask = e.dropout().hidden.unwrap().site(0);
     e.forward_backward(&data.batch(0, 0).unwrap()).unwrap();
     e.step().unwrap();
     let after = wpe(&e);

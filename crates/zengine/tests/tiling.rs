@@ -94,15 +94,16 @@ fn tiled_runs_are_bit_identical_to_untiled_runs() {
         }
     }
 }
-/// Hidden dropout drops its elements from the tiles' outputs as from the
-/// whole linears' (the branch is dropped after its last tile stores): the
-/// same bits, f32 and bf16, at stages 0 and 3.
+/// Dropout drops its elements from the tiles' outputs as from the whole
+/// linears' (the branch is dropped after its last tile stores): the same
+/// bits, f32 and bf16, at stages 0 and 3, attention's dropout on too.
 #[test]
 fn tiled_runs_drop_what_untiled_runs_drop() {
     for dtype in ["f32", "bf16"] {
         for stage in [0u8, 3] {
             let dropped = |mut spec: JobSpec| {
                 spec.model.hidden_dropout = Some(0.2);
+                spec.model.attention_dropout = Some(0.1);
                 spec
             };
             let base = train(dropped(spec(dtype, stage, 1, false, 4)), 2);

@@ -63,13 +63,15 @@ fn main() -> candle_core::Result<()> {
         for _ in 0..30 {
             let start = std::time::Instant::now();
             if bits {
-                drop(causal_attention_bf16(input, h, docs)?);
+                drop(causal_attention_bf16(input, h, docs, None)?);
             } else {
-                drop(causal_attention(input, h, products, docs)?);
+                drop(causal_attention(input, h, products, docs, None)?);
             }
             fwd = fwd.min(start.elapsed().as_secs_f64());
             let start = std::time::Instant::now();
-            drop(causal_attention_backward(input, &dy, h, products, docs)?);
+            drop(causal_attention_backward(
+                input, &dy, h, products, docs, None,
+            )?);
             bwd = bwd.min(start.elapsed().as_secs_f64());
         }
         println!(

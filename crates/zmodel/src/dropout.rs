@@ -1,5 +1,6 @@
-//! Dropout of hidden states (`model.hidden_dropout`), with masks that are
-//! computed, never stored.
+//! Dropout of hidden states (`model.hidden_dropout`) and of attention's
+//! probabilities (`model.attention_dropout`, applied inside
+//! [`crate::attention`]), with masks that are computed, never stored.
 //!
 //! Each element's fate is a hash of its index in the tensor and a 32-bit key
 //! (a counter-based generator, as Philox is to cuRAND): the key says which
@@ -87,7 +88,7 @@ impl Dropout {
                     #[inline(always)]
                     || {
                         for (j, (y, &x)) in y.iter_mut().zip(x).enumerate() {
-                            y.write(d.scaled(first + j, x));
+                            y.write(d.apply_one(first + j, x));
                         }
                     },
                 )
@@ -126,7 +127,7 @@ impl Dropout {
                     #[inline(always)]
                     || {
                         for (j, ((y, &r), &b)) in y.iter_mut().zip(r).zip(b).enumerate() {
-                            y.write(r + d.scaled(first + j, b));
+                            y.write(r + d.apply_one(first + j, b));
                         }
                     },
                 )
@@ -136,12 +137,41 @@ impl Dropout {
         Tensor::from_vec(y, residual.shape(), residual.device())
     }
 
+    /// [`Dropout::apply`] of a run of elements whose first has index `at`,
+    /// in place: a row of attention's probabilities (or their gradient).
+    #[inline(always)]
+    pub fn apply_in_place(&self, xs: &mut [f32], at: usize) {
+        for (j, x) in xs.iter_mut().enumerate() {
+            *x = self.apply_one(at + j, *x);
+        }
+    }
+
     /// Element `i`, of value `x`, after dropout.
     #[inline(always)]
-    fn scaled(&self, i: usize, x: f32) -> f32 {
+    pub fn apply_one(&self, i: usize, x: f32) -> f32 {
         match self.keeps(i) {
             true => x * self.scale,
             false => 0.0,
+        }
+    }
+}
+
+/// A block's dropouts: of its residual branches (`model.hidden_dropout`)
+/// and of its attention's probabilities (`model.attention_dropout`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BlockDropout {
+    /// The residual branches' (and, at site 0, the embeddings').
+    pub hidden: Option<Dropout>,
+    /// Attention's probabilities.
+    pub attention: Option<Dropout>,
+}
+
+impl BlockDropout {
+    /// Both dropouts at `site` (a block's number): [`Dropout::site`].
+    pub fn site(self, site: u64) -> BlockDropout {
+        BlockDropout {
+            hidden: self.hidden.map(|d| d.site(site)),
+            attention: self.attention.map(|d| d.site(site)),
         }
     }
 }

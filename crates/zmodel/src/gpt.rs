@@ -31,7 +31,7 @@ use zconfig::spec::{ModelKind, ModelSpec};
 use zconfig::tiles::{column_tiles, ColumnTile, TileError};
 
 use crate::documents::Documents;
-use crate::dropout::Dropout;
+use crate::dropout::{BlockDropout, Dropout};
 use crate::head::{self, HeadBackward};
 use crate::linear::{
     self, f32s, BlockLinear, BlockNorm, BlockSource, Input, OutputGrad, Products, Store, Whole,
@@ -116,8 +116,8 @@ pub struct BlockActs {
     g: Tensor,
     /// The documents the forward kept apart.
     docs: Option<Documents>,
-    /// The dropout the forward applied to the residual branches.
-    dropout: Option<Dropout>,
+    /// The dropouts the forward applied.
+    dropout: BlockDropout,
 }
 
 /// What a block keeps of the tokens generation has run through it: their
@@ -628,12 +628,17 @@ impl Gpt {
     /// A block's attention of `qkv` `[b, t, ·]` as rows `[b·t, d]`, whose only
     /// reader is the output projection: in bf16 where its products are
     /// (as [`Gpt::block_norm`]).
-    fn block_attention(&self, qkv: &Tensor, docs: Option<&Documents>) -> Result<Tensor> {
+    fn block_attention(
+        &self,
+        qkv: &Tensor,
+        docs: Option<&Documents>,
+        dropout: Option<Dropout>,
+    ) -> Result<Tensor> {
         if self.products == Products::Bf16 && !qkv.track_op() {
-            return causal_attention_bf16(qkv, self.heads(), docs);
+            return causal_attention_bf16(qkv, self.heads(), docs, dropout);
         }
         let (b, t, _) = qkv.dims3()?;
-        causal_attention(qkv, self.heads(), self.products, docs)?
+        causal_attention(qkv, self.heads(), self.products, docs, dropout)?
             .reshape((b * t, self.cfg.attn_width()))
     }
 
@@ -826,22 +831,23 @@ impl Gpt {
         x: &Tensor,
         docs: Option<&Documents>,
     ) -> Result<(Tensor, BlockActs)> {
-        self.block_forward_from(&mut Whole::new(params), x, docs, None)
+        self.block_forward_from(&mut Whole::new(params), x, docs, BlockDropout::default())
     }
 
     /// [`Gpt::block_forward`] with the parameters from `src`, each linear a
     /// tile at a time, with `docs` the sequences' documents kept apart, and
-    /// with `dropout` the attention's and the MLP's outputs dropped before
-    /// their residual adds (sites 0 and 1 of it; the backward drops their
-    /// gradients alike).
+    /// with `dropout.hidden` the attention's and the MLP's outputs dropped
+    /// before their residual adds (sites 0 and 1 of it), with
+    /// `dropout.attention` attention's probabilities (the backward drops
+    /// their gradients alike).
     pub fn block_forward_from<S: BlockSource>(
         &self,
         src: &mut S,
         x: &Tensor,
         docs: Option<&Documents>,
-        dropout: Option<Dropout>,
+        dropout: BlockDropout,
     ) -> std::result::Result<(Tensor, BlockActs), S::Error> {
-        let attend = |qkv: &Tensor| self.block_attention(qkv, docs);
+        let attend = |qkv: &Tensor| self.block_attention(qkv, docs, dropout.attention);
         self.block_forward_with(src, x, (0, docs, dropout), attend)
     }
 
@@ -872,14 +878,19 @@ impl Gpt {
                 .extend(qkv.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
             cache.tokens += t;
             if start == 0 {
-                return self.block_attention(qkv, None);
+                return self.block_attention(qkv, None, None);
             }
             let all = cache.tokens;
             let att = attention_of_last_rows(&cache.rows, all, t, self.heads());
             Tensor::from_vec(att, (t, self.cfg.attn_width()), &Device::Cpu)
         };
         Ok(self
-            .block_forward_with(&mut Whole::new(params), x, (start, None, None), attend)?
+            .block_forward_with(
+                &mut Whole::new(params),
+                x,
+                (start, None, BlockDropout::default()),
+                attend,
+            )?
             .0)
     }
 
@@ -890,7 +901,7 @@ impl Gpt {
         &self,
         src: &mut S,
         x: &Tensor,
-        (start, docs, dropout): (usize, Option<&Documents>, Option<Dropout>),
+        (start, docs, dropout): (usize, Option<&Documents>, BlockDropout),
         attend: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> std::result::Result<(Tensor, BlockActs), S::Error> {
         let (b, t, d) = x.dims3()?;
@@ -934,7 +945,8 @@ impl Gpt {
         // The residual adds happen as the projections' tiles store, or
         // with dropout in its pass.
         let residual_add =
-            |src: &mut S, l: BlockLinear, x: &Tensor, residual: &Tensor, site| match dropout {
+            |src: &mut S, l: BlockLinear, x: &Tensor, residual: &Tensor, site| match dropout.hidden
+            {
                 None => linear(src, l, x, Some(residual)),
                 Some(d) => {
                     let branch = linear(src, l, x, None)?;
@@ -1012,7 +1024,7 @@ impl Gpt {
         // its kept slope in the products where its forward ran in them.
         let slope = self.gelu_in_products().then_some(&acts.act_kept);
         // A dropped branch's gradient is the output's through the same mask.
-        let branch_grad = |site, dy: &Tensor| match acts.dropout {
+        let branch_grad = |site, dy: &Tensor| match acts.dropout.hidden {
             None => Ok::<_, candle_core::Error>(OutputGrad::F32(dy.clone())),
             Some(d) => Ok(OutputGrad::F32(d.site(site).apply(dy)?)),
         };
@@ -1044,6 +1056,7 @@ impl Gpt {
             self.heads(),
             self.products,
             docs,
+            acts.dropout.attention,
         )?;
         let dqkv = self
             .rotate(dqkv, true, docs)?
@@ -1739,18 +1752,23 @@ mod tests {
         close(auto.get(x.as_tensor()).unwrap(), &dx, "input");
     }
 
-    /// With hidden dropout a block's backward is the finite differences of
-    /// its own forward under the same masks (a mask forgotten, or applied
-    /// twice, in either branch's gradient is off by far more than the
-    /// tolerance), for every parameter and the input; the dropout changes
-    /// the output, and the same key gives the same output again.
+    /// With hidden and attention dropout a block's backward is the finite
+    /// differences of its own forward under the same masks (a mask
+    /// forgotten, or applied twice, in either branch's gradient or in
+    /// attention's is off by far more than the tolerance), for every
+    /// parameter and the input; the dropout changes the output, and the
+    /// same key gives the same output again.
     #[test]
     fn a_dropped_blocks_backward_is_its_forwards_finite_differences() {
         for cfg in [gpt(11, 8, 1, 2, 6), llama(11, 8, 1, 6, 12)] {
             let g = Gpt::new(&cfg).unwrap();
             let d = g.cfg.d_model;
             let dev = Device::Cpu;
-            let dropout = Dropout::new(0.3, 11).unwrap().site(1);
+            let dropout = BlockDropout {
+                hidden: Dropout::new(0.3, 11),
+                attention: Dropout::new(0.2, 12),
+            }
+            .site(1);
             let values: Vec<Vec<f32>> = g
                 .init_group(1, 3)
                 .into_iter()
@@ -1789,7 +1807,7 @@ mod tests {
                     .unwrap()
             };
             let objective = |vs: &[Vec<f32>]| -> f64 {
-                let y = forward(vs, Some(dropout)).0.flatten_all().unwrap();
+                let y = forward(vs, dropout).0.flatten_all().unwrap();
                 let dy = dy.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 y.to_vec1::<f32>()
                     .unwrap()
@@ -1798,14 +1816,14 @@ mod tests {
                     .map(|(&y, &dy)| f64::from(y) * f64::from(dy))
                     .sum()
             };
-            let (y, acts) = forward(&inputs, Some(dropout));
-            let plain = forward(&inputs, None).0;
+            let (y, acts) = forward(&inputs, dropout);
+            let plain = forward(&inputs, BlockDropout::default()).0;
             let differs = (&y - &plain).unwrap().abs().unwrap().max_all().unwrap();
             assert!(
                 differs.to_scalar::<f32>().unwrap() > 0.1,
                 "dropout changed nothing"
             );
-            let again = forward(&inputs, Some(dropout)).0;
+            let again = forward(&inputs, dropout).0;
             assert_eq!(
                 y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
                 again.flatten_all().unwrap().to_vec1::<f32>().unwrap()
@@ -2403,7 +2421,7 @@ mod tests {
         for group in &groups[1..=g.cfg.n_layers] {
             let bp = BlockParams::from_vec(group.clone(), layout).unwrap();
             let (y, acts) = g
-                .block_forward_from(&mut Whole::new(&bp), &x, docs, None)
+                .block_forward_from(&mut Whole::new(&bp), &x, docs, BlockDropout::default())
                 .unwrap();
             kept.push((bp, acts));
             x = y;

@@ -26,8 +26,9 @@
 //!   backward).
 //! - `simd`: a vectorisable `exp`, AVX-512 / AVX2 dispatch and thread-count-independent
 //!   row splitting for the fused ops.
-//! - [`dropout`]: hidden-state dropout whose masks are a hash of each
-//!   element's index, made again in backward instead of kept.
+//! - [`dropout`]: dropout of hidden states and attention's probabilities
+//!   whose masks are a hash of each element's index, made again in
+//!   backward instead of kept.
 //! - [`documents`]: where each packed document begins in its sequence, for
 //!   attention, positions and loss that stop at document ends.
 //! - [`packing`]: whole documents packed into sequences, best fit
@@ -57,7 +58,7 @@ mod simd;
 
 pub use data::{Batch, Batcher, Corpus, DataError};
 pub use documents::Documents;
-pub use dropout::Dropout;
+pub use dropout::{BlockDropout, Dropout};
 pub use gpt::{BlockActs, Gpt, GroupSpec, Init, KvCache, ParamSpec};
 pub use head::HeadBackward;
 pub use linear::{BlockLinear, BlockNorm, BlockSource, Products};
