@@ -1174,3 +1174,59 @@ fn the_best_validated_checkpoint_is_kept() {
         );
     }
 }
+
+/// A run with dropout exports it as transformers' GPT-2 keys
+/// (`resid_pdrop`, `embd_pdrop`, `attn_pdrop`); a job that starts from that
+/// directory without saying its own dropout is told what the directory
+/// trains with and which keys would set it (zrun takes only the
+/// architecture from a `config.json`); a job that says both hears nothing.
+#[test]
+fn dropout_goes_out_with_an_export_and_a_job_from_it_is_told() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let job = ckpt_job(dir, "dropped", 2, 2);
+    train(
+        dir,
+        &job,
+        "dropped.jsonl",
+        &[
+            "--set",
+            "model.hidden_dropout=0.1",
+            "--set",
+            "model.attention_dropout=0.2",
+        ],
+    );
+    let hf = dir.join("hf");
+    e2e::export_hf(dir, &dir.join("ckpt/step-00000002"), &hf);
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(hf.join("config.json")).unwrap()).unwrap();
+    for (key, want) in [
+        ("resid_pdrop", 0.1),
+        ("embd_pdrop", 0.1),
+        ("attn_pdrop", 0.2),
+    ] {
+        assert_eq!(config[key].as_f64(), Some(want), "{key}: {config}");
+    }
+    let init = format!("model.init_from={}", hf.display());
+    let check = |more: &[&str]| {
+        let args = [&["check", job.to_str().unwrap(), "--set", &init], more].concat();
+        let f = zrun(dir, &args);
+        assert_eq!(f.code(), 0, "{f:?}");
+        format!("{}{}", f.stdout, f.stderr)
+    };
+    let told = check(&[]);
+    for says in [
+        "resid_pdrop 0.1 (model.hidden_dropout)",
+        "embd_pdrop 0.1 (model.hidden_dropout)",
+        "attn_pdrop 0.2 (model.attention_dropout)",
+    ] {
+        assert!(told.contains(says), "{says}: {told}");
+    }
+    let quiet = check(&[
+        "--set",
+        "model.hidden_dropout=0.1",
+        "--set",
+        "model.attention_dropout=0",
+    ]);
+    assert!(!quiet.contains("trains with dropout"), "{quiet}");
+}

@@ -527,6 +527,39 @@ pub fn config_beside_disagrees(m: &ModelSpec, file: &Path) -> Option<String> {
     check_config(m, dir).err().map(|e| e.to_string())
 }
 
+/// The dropout a Hugging Face `config.json` at or beside `init_from` trains
+/// with that the job `m` leaves unset (zrun does not take it, as it takes
+/// the architecture): each such key with its value and the zrun key that
+/// would set it, `None` where there is none (or no readable file). GPT-2's
+/// `resid_pdrop`, `embd_pdrop` and `attn_pdrop` (0.1 in the published
+/// model) and LLaMA's, Qwen's and Phi-3's `attention_dropout`.
+pub fn dropout_not_taken(m: &ModelSpec, init_from: &Path) -> Option<String> {
+    let path = match init_from.is_dir() {
+        true => init_from.join(HF_CONFIG),
+        false => init_from.parent()?.join(HF_CONFIG),
+    };
+    let file: serde_json::Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+    let keys = [
+        ("resid_pdrop", "model.hidden_dropout", m.hidden_dropout),
+        ("embd_pdrop", "model.hidden_dropout", m.hidden_dropout),
+        ("attn_pdrop", "model.attention_dropout", m.attention_dropout),
+        (
+            "attention_dropout",
+            "model.attention_dropout",
+            m.attention_dropout,
+        ),
+    ];
+    let said: Vec<String> = keys
+        .iter()
+        .filter(|(_, _, job)| job.is_none())
+        .filter_map(|(key, ours, _)| {
+            let v = file.get(key)?.as_f64().filter(|&v| v > 0.0)?;
+            Some(format!("{key} {v} ({ours})"))
+        })
+        .collect();
+    (!said.is_empty()).then(|| said.join(", "))
+}
+
 /// Holds a Hugging Face directory's `config.json`, where it has one, to the
 /// job's model `m`: each of [`SAME_KEYS`] that both have (and the file does
 /// not leave null, Hugging Face's "the default") equal, its context at least

@@ -418,6 +418,11 @@ pub(crate) fn check_init_from(spec: &zconfig::JobSpec) -> Result<()> {
             "zrun: warning: model.init_from {f} is read as the job's model, but {says} (give the directory to have the job take its model from it)"
         );
     }
+    if let Some(keys) = zckpt::hf::dropout_not_taken(m, Path::new(f)) {
+        shout!(
+            "zrun: note: model.init_from's config.json trains with dropout, which zrun takes only from the job: {keys}; set those keys to train as transformers' Trainer would, or 0 to say none"
+        );
+    }
     Ok(())
 }
 
