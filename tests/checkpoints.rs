@@ -1230,3 +1230,132 @@ fn dropout_goes_out_with_an_export_and_a_job_from_it_is_told() {
     ]);
     assert!(!quiet.contains("trains with dropout"), "{quiet}");
 }
+
+/// `train.early_stopping` (transformers' `EarlyStoppingCallback`): on a
+/// rate high enough that validation gets worse after a few steps, the run
+/// ends after the validation that makes `patience` in a row without
+/// improvement, where the rule applied to the run's own validation losses
+/// says (exit 0, an `early_stop` line naming the best, a checkpoint of the
+/// last step recording the count); `--resume auto` from it trains nothing
+/// more, and with more patience goes on from the count it recorded. A
+/// threshold no loss can beat ends it at the `patience + 1`-th validation.
+/// Without validation, or with a patience of 0: exit 2 naming the key.
+#[test]
+fn early_stopping_ends_the_run_where_the_rule_says() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    std::fs::write(dir.join("digits.txt"), "0123456789".repeat(3000)).unwrap();
+    let job = dir.join("early.yaml");
+    std::fs::write(
+        &job,
+        format!(
+            "name: early\n\
+             model: {{vocab_size: 256, d_model: 64, n_layers: 2, n_heads: 4, seq_len: 32}}\n\
+             data: {{path: {0}/digits.txt, format: text, val_fraction: 0.1}}\n\
+             train: {{steps: 40, micro_batch_size: 8, lr: 0.1, warmup_steps: 10, eval_every: 2, early_stopping: {{patience: 2}}}}\n\
+             checkpoint: {{dir: {0}/ckpt, every: 2, keep: 2}}\n\
+             run_dir: {0}/runs\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    let f = train(dir, &job, "early.jsonl", &[]);
+    let lines = e2e::metrics(&dir.join("early.jsonl"));
+    let validated = e2e::exact_by_step(&dir.join("early.jsonl"), "val_loss");
+    // The rule, on the run's own losses: the first validation that is the
+    // second in a row not below the best.
+    let (mut best, mut best_step, mut stale, mut ends) = (f64::INFINITY, 0, 0, None);
+    for &(step, loss) in &validated {
+        if loss < best {
+            (best, best_step, stale) = (loss, step, 0);
+        } else {
+            stale += 1;
+        }
+        if stale == 2 {
+            ends = Some(step);
+            break;
+        }
+    }
+    let ends = ends.expect("validation never stopped improving: raise the rate");
+    assert!(ends < 40, "{validated:?}");
+    let early = lines
+        .iter()
+        .find(|l| l["event"] == "early_stop")
+        .unwrap_or_else(|| panic!("no early_stop line: {}", f.stdout));
+    assert_eq!(early["step"].as_u64(), Some(ends), "{validated:?}");
+    assert_eq!(early["best_step"].as_u64(), Some(best_step));
+    assert_eq!(early["best_val_loss"].as_f64(), Some(best));
+    assert_eq!(e2e::losses(&lines).len() as u64, ends, "steps trained");
+    assert!(
+        f.stdout
+            .contains(&format!("stopped early after step {ends} of 40")),
+        "{}",
+        f.stdout
+    );
+    let last = dir.join(format!("ckpt/step-{ends:08}/manifest.json"));
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&last).unwrap()).unwrap();
+    assert_eq!(manifest["early_stopping"]["stale"].as_u64(), Some(2));
+    assert_eq!(
+        manifest["early_stopping"]["best_step"].as_u64(),
+        Some(best_step)
+    );
+
+    // Resumed as it is: nothing more to train.
+    let again = train(dir, &job, "again.jsonl", &["--resume", "auto"]);
+    let again_lines = e2e::metrics(&dir.join("again.jsonl"));
+    assert!(e2e::losses(&again_lines).is_empty(), "{}", again.stdout);
+    assert!(again_lines.iter().any(|l| l["event"] == "early_stop"));
+    // With more patience, on from the recorded count: the steps after it.
+    let more = train(
+        dir,
+        &job,
+        "more.jsonl",
+        &[
+            "--resume",
+            "auto",
+            "--set",
+            "train.early_stopping.patience=30",
+        ],
+    );
+    let steps: Vec<u64> = e2e::exact_by_step(&dir.join("more.jsonl"), "loss")
+        .iter()
+        .map(|s| s.0)
+        .collect();
+    assert_eq!(
+        steps,
+        (ends + 1..=40).collect::<Vec<_>>(),
+        "{}",
+        more.stdout
+    );
+
+    // No loss beats the best by 100: the third validation ends it.
+    let _ = std::fs::remove_dir_all(dir.join("ckpt"));
+    train(
+        dir,
+        &job,
+        "strict.jsonl",
+        &["--set", "train.early_stopping.threshold=100"],
+    );
+    let strict = e2e::metrics(&dir.join("strict.jsonl"));
+    let line = strict.iter().find(|l| l["event"] == "early_stop").unwrap();
+    assert_eq!(line["step"].as_u64(), Some(6), "{line}");
+
+    for (set, key) in [
+        ("train.eval_every=0", "train.early_stopping"),
+        (
+            "train.early_stopping.patience=0",
+            "train.early_stopping.patience",
+        ),
+        (
+            "train.early_stopping.threshold=-1",
+            "train.early_stopping.threshold",
+        ),
+    ] {
+        let f = TrainArgs::new(&job, dir.join("refused.jsonl"))
+            .set(set)
+            .run(dir);
+        assert_eq!(f.code(), 2, "{set}: {f:?}");
+        assert!(f.stderr.contains(key), "{set}: {}", f.stderr);
+    }
+}

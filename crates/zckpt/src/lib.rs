@@ -166,10 +166,53 @@ pub struct Manifest {
     /// (what `checkpoint.keep_best` keeps the lowest of).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// `train.early_stopping`'s count at its step, which a resumed run
+    /// goes on from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_stopping: Option<EarlyStopState>,
     /// Group layouts, in model order.
     pub groups: Vec<GroupEntry>,
     /// One shard per rank, in rank order.
     pub files: Vec<FileEntry>,
+}
+
+/// Where `train.early_stopping` stands after a validation.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EarlyStopState {
+    /// The lowest validation loss so far, and its step.
+    pub best_val_loss: f64,
+    /// The step of `best_val_loss`.
+    pub best_step: u64,
+    /// Validations since the last that improved on the best by more than
+    /// the threshold.
+    pub stale: u64,
+}
+
+impl EarlyStopState {
+    /// The state after a validation loss `val` at `step`, from `before`
+    /// (none before the first): transformers' `EarlyStoppingCallback`, an
+    /// improvement being lower than the best by more than `threshold`.
+    pub fn after(before: Option<EarlyStopState>, step: u64, val: f64, threshold: f64) -> Self {
+        let Some(b) = before else {
+            return EarlyStopState {
+                best_val_loss: val,
+                best_step: step,
+                stale: 0,
+            };
+        };
+        let (best_val_loss, best_step) = match val < b.best_val_loss {
+            true => (val, step),
+            false => (b.best_val_loss, b.best_step),
+        };
+        EarlyStopState {
+            best_val_loss,
+            best_step,
+            stale: match val < b.best_val_loss - threshold {
+                true => 0,
+                false => b.stale + 1,
+            },
+        }
+    }
 }
 
 /// The three flat buffers a shard holds per group.
@@ -774,6 +817,7 @@ mod tests {
             samples_consumed: 40,
             loss_scale: None,
             val_loss,
+            early_stopping: None,
             groups: vec![GroupEntry {
                 name: "g".into(),
                 numel: 10,

@@ -416,6 +416,14 @@ impl LoadedJob {
         {
             return format!("--set {key}");
         }
+        // A table the file leaves out, one of whose keys `--set` wrote.
+        if let Some(k) = self
+            .overridden
+            .iter()
+            .find(|k| k.starts_with(&format!("{key}.")) && find_key(&self.text, key).is_none())
+        {
+            return format!("--set {k}");
+        }
         let in_job = find_key(&self.text, key);
         if let Some(m) = self.deepspeed.as_ref().and_then(|ds| {
             ds.source_of(key)
@@ -973,6 +981,24 @@ impl LoadedJob {
         }
         if s.checkpoint.every > 0 && s.checkpoint.dir.is_none() {
             return Err(self.invalid("checkpoint.every", "needs checkpoint.dir"));
+        }
+        if let Some(e) = &s.train.early_stopping {
+            let key = "train.early_stopping";
+            if e.patience == 0 {
+                return Err(self.invalid(&format!("{key}.patience"), "must be at least 1"));
+            }
+            if e.threshold < 0.0 {
+                return Err(self.invalid(
+                    &format!("{key}.threshold"),
+                    format!("must be at least 0, got {}", e.threshold),
+                ));
+            }
+            if s.train.eval_every == 0 {
+                return Err(self.invalid(
+                    key,
+                    "needs validation: set train.eval_every (and data.val_path or data.val_fraction)",
+                ));
+            }
         }
         if s.checkpoint.keep_best {
             let (every, eval) = (s.checkpoint.every, s.train.eval_every);

@@ -519,6 +519,26 @@ pub struct TrainSpec {
     /// Steps between plain log lines (`--no-progress` or no terminal); 0:
     /// every twentieth of the run.
     pub log_every: u64,
+    /// Ends training once the validation loss has stopped improving
+    /// (transformers' `EarlyStoppingCallback`); none by default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub early_stopping: Option<EarlyStopping>,
+}
+
+/// `train.early_stopping`: transformers' `EarlyStoppingCallback` on the
+/// validation loss. A validation improves on the best before it when it is
+/// lower by more than `threshold`; after `patience` validations in a row
+/// that do not, training ends (with a checkpoint of that step).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EarlyStopping {
+    /// Validations in a row without improvement that end training
+    /// (`early_stopping_patience`).
+    pub patience: u64,
+    /// How much lower than the best a validation loss must be to count as
+    /// better (`early_stopping_threshold`; default 0).
+    #[serde(default, deserialize_with = "finite::number")]
+    pub threshold: f64,
 }
 
 /// f16's dynamic loss scaling, with DeepSpeed's key names and defaults.
@@ -571,6 +591,7 @@ impl Default for TrainSpec {
             eval_every: 0,
             eval_steps: 4,
             log_every: 0,
+            early_stopping: None,
         }
     }
 }

@@ -86,6 +86,18 @@ pub enum ToServer {
         /// The last step trained, whose checkpoint was saved.
         step: u64,
     },
+    /// `train.early_stopping` ended training after `step` (its checkpoint
+    /// saved where the job has a directory): the validation loss has not
+    /// improved on `best_val_loss` (at `best_step`) for its patience. The
+    /// worker will exit 0 (instead of `Done`).
+    EarlyStopped {
+        /// The last step trained.
+        step: u64,
+        /// The step of the best validation loss.
+        best_step: u64,
+        /// The best validation loss.
+        best_val_loss: f64,
+    },
     /// Per-node mode: a node's zrun answers the challenge (instead of `Hello`).
     NodeHello {
         /// Its node rank (1 or more: node 0 is the head).

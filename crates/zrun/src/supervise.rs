@@ -50,10 +50,21 @@ const PROBE_MAX: Duration = Duration::from_secs(120);
 const CAUSE_GRACE: Duration = Duration::from_millis(1000);
 
 /// How a job ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
     /// Every rank finished.
     Success,
+    /// `train.early_stopping` ended training after `step` on every rank:
+    /// the validation loss had not improved on `best_val_loss` (at
+    /// `best_step`) for its patience. A success.
+    EarlyStopped {
+        /// The last step trained.
+        step: u64,
+        /// The step of the best validation loss.
+        best_step: u64,
+        /// The best validation loss.
+        best_val_loss: f64,
+    },
     /// Asked to stop (SIGUSR1), every rank saved the checkpoint of `step`
     /// and ended early.
     Stopped {
@@ -183,7 +194,7 @@ pub fn run_job(
         let outcome = sup.watch(ev_rx, proc_rx).await;
         if per_node.is_some() {
             let code = match &outcome {
-                Ok(Outcome::Success) => exit::OK,
+                Ok(Outcome::Success | Outcome::EarlyStopped { .. }) => exit::OK,
                 Ok(Outcome::Stopped { .. }) => exit::STOPPED,
                 Ok(Outcome::Failed { code, .. }) => *code,
                 Err(_) => exit::TRAINING_FAILED,
@@ -256,6 +267,8 @@ struct Supervisor {
     stop_asked: bool,
     /// The step the workers stopped after, once one said so.
     stopped_at: Option<u64>,
+    /// `train.early_stopping` ended the run (what the ranks said).
+    ended_early: Option<Outcome>,
 }
 
 impl Supervisor {
@@ -296,6 +309,7 @@ impl Supervisor {
             can_stop: false,
             stop_asked: false,
             stopped_at: None,
+            ended_early: None,
         }
     }
 
@@ -411,6 +425,18 @@ impl Supervisor {
                     ToServer::Stopped { step } => {
                         self.ranks[rank].done = true;
                         self.stopped_at = Some(step);
+                    }
+                    ToServer::EarlyStopped {
+                        step,
+                        best_step,
+                        best_val_loss,
+                    } => {
+                        self.ranks[rank].done = true;
+                        self.ended_early = Some(Outcome::EarlyStopped {
+                            step,
+                            best_step,
+                            best_val_loss,
+                        });
                     }
                     ToServer::Heartbeat { op } => self.ranks[rank].op = op,
                     other => tracing::warn!("rank {rank} sent an unexpected message: {other:?}"),
@@ -674,9 +700,10 @@ impl Supervisor {
             .ranks
             .iter()
             .all(|r| r.done && r.exited.is_some_and(|(s, _)| s.success()));
-        all.then_some(match self.stopped_at {
-            Some(step) => Outcome::Stopped { step },
-            None => Outcome::Success,
+        all.then(|| match (self.stopped_at, &self.ended_early) {
+            (Some(step), _) => Outcome::Stopped { step },
+            (None, Some(early)) => early.clone(),
+            (None, None) => Outcome::Success,
         })
     }
 

@@ -196,8 +196,41 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         (writer, progress, monitors) = (w, p, m);
         peak = peak.max(run_peak);
         match outcome {
-            Outcome::Success => {
+            Outcome::Success | Outcome::EarlyStopped { .. } => {
                 progress.finish();
+                if let Outcome::EarlyStopped {
+                    step,
+                    best_step,
+                    best_val_loss,
+                } = outcome
+                {
+                    let checkpoint = newest_intact(&plan.spec)
+                        .0
+                        .filter(|(_, at)| *at == step)
+                        .map(|(dir, _)| dir);
+                    writer.write(&EarlyStopLine {
+                        event: "early_stop",
+                        step,
+                        best_step,
+                        best_val_loss,
+                        checkpoint: checkpoint.clone(),
+                    })?;
+                    let patience = plan
+                        .spec
+                        .train
+                        .early_stopping
+                        .as_ref()
+                        .map_or(0, |e| e.patience);
+                    say!(
+                        "zrun: stopped early after step {step} of {steps}: the validation loss has not improved on {best_val_loss:.4} (step {best_step}) for {patience} validations{}",
+                        checkpoint.map(|d| format!("; its checkpoint: {d}")).unwrap_or_default()
+                    );
+                }
+                // The steps the run reached (all, but where it ended early).
+                let steps = match outcome {
+                    Outcome::EarlyStopped { step, .. } => step,
+                    _ => steps,
+                };
                 let wall_s = started.elapsed().as_secs_f64();
                 writer.write(&DoneLine {
                     event: "done",
@@ -329,6 +362,18 @@ struct RestartLine {
     step: u64,
     world_size: usize,
     restarts_left: u32,
+}
+
+/// The metrics line of a run that `train.early_stopping` ended: after which
+/// step, the best validation loss and its step, and the checkpoint of the
+/// last step.
+#[derive(serde::Serialize)]
+struct EarlyStopLine {
+    event: &'static str,
+    step: u64,
+    best_step: u64,
+    best_val_loss: f64,
+    checkpoint: Option<String>,
 }
 
 /// The metrics line of a run stopped on SIGUSR1: after which step, and the

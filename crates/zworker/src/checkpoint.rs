@@ -10,15 +10,26 @@
 use std::path::Path;
 
 use anyhow::{anyhow, Result};
-use zckpt::{step_dir_name, write_manifest, write_shard, FileEntry, Manifest, FORMAT};
+use zckpt::{
+    step_dir_name, write_manifest, write_shard, EarlyStopState, FileEntry, Manifest, FORMAT,
+};
 use zcomm::Communicator;
 use zconfig::JobSpec;
 use zengine::Engine;
 
 use crate::env::WorkerEnv;
 
-/// Saves the engine's state after its last step, and the validation loss
-/// at that step if the run validated then.
+/// What a checkpoint records of the run's validation: the loss at its
+/// step, if the run validated then, and where early stopping stands.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Validation {
+    /// The validation loss at the checkpoint's step.
+    pub val_loss: Option<f64>,
+    /// `train.early_stopping`'s count after the last validation.
+    pub early_stopping: Option<EarlyStopState>,
+}
+
+/// Saves the engine's state after its last step, with `validation`.
 pub fn save(
     engine: &Engine,
     spec: &JobSpec,
@@ -26,7 +37,7 @@ pub fn save(
     comm: &dyn Communicator,
     nodes: usize,
     samples: u64,
-    val_loss: Option<f64>,
+    validation: Validation,
 ) -> Result<()> {
     let root = Path::new(
         spec.checkpoint
@@ -60,7 +71,8 @@ pub fn save(
             step,
             samples_consumed: samples,
             loss_scale: engine.loss_scale_state(),
-            val_loss,
+            val_loss: validation.val_loss,
+            early_stopping: validation.early_stopping,
             groups: engine.manifest_groups(),
             files,
         };

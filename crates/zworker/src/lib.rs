@@ -71,6 +71,11 @@ pub fn run() -> Result<()> {
     match &result {
         Ok(Ended::Done) => client.send(&ToServer::Done)?,
         Ok(Ended::Stopped { step }) => client.send(&ToServer::Stopped { step: *step })?,
+        Ok(Ended::EarlyStopped { step, best }) => client.send(&ToServer::EarlyStopped {
+            step: *step,
+            best_step: best.best_step,
+            best_val_loss: best.best_val_loss,
+        })?,
         Err(e) => {
             let _ = client.send(&ToServer::Failed {
                 message: format!("{e:#}"),
@@ -89,6 +94,14 @@ pub enum Ended {
     Stopped {
         /// The last step trained.
         step: u64,
+    },
+    /// `train.early_stopping` ended training after `step` (with its
+    /// checkpoint, where the job has a directory).
+    EarlyStopped {
+        /// The last step trained.
+        step: u64,
+        /// Where early stopping stood: the best validation and its step.
+        best: zckpt::EarlyStopState,
     },
 }
 

@@ -5,14 +5,14 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use zckpt::Checkpoint;
+use zckpt::{Checkpoint, EarlyStopState};
 use zcomm::{CounterSnapshot, Op};
 use zconfig::JobSpec;
 use zengine::{Engine, MemoryUse, ProcessGroups, StepStats};
 use zmodel::{Batcher, Corpus};
 use zproto::{ByOp, CommBytes, IoReport, MemBytes, StepReport, StepTimesMs, ToServer};
 
-use crate::checkpoint::save;
+use crate::checkpoint::{save, Validation};
 use crate::control::ControlClient;
 use crate::env::WorkerEnv;
 
@@ -24,6 +24,11 @@ use crate::env::WorkerEnv;
 /// rank after the same step (the request rides on the gradient norm's
 /// all-gather), with a checkpoint of it; without `checkpoint.dir` there is
 /// nothing to save into, and the request is ignored with a warning.
+///
+/// `train.early_stopping` ends the run after the validation that makes
+/// `patience` in a row without improvement, with a checkpoint of it (every
+/// rank at the same step: they all see the same all-reduced loss); a run
+/// resumed from such a checkpoint trains no further.
 pub fn train(
     spec: &JobSpec,
     resume: Option<&str>,
@@ -112,12 +117,25 @@ pub fn train(
             zckpt::InitWeights::open(Path::new(path), &spec.model, &spec.model.param_shapes())?;
         engine.load_weights(&weights)?;
     }
+    let mut early = None;
     if let Some(dir) = resume {
         let ckpt =
             Checkpoint::open(Path::new(dir)).with_context(|| format!("resuming from {dir}"))?;
         ckpt.check_model(&spec.model)?;
         engine.load(&ckpt)?;
         data.resume_at(ckpt.manifest.step, ckpt.manifest.samples_consumed);
+        early = ckpt.manifest.early_stopping;
+    }
+    // Whether early stopping ends the run after `step`.
+    let stops_early = |early: Option<EarlyStopState>, step: u64| {
+        let patience = t.early_stopping.as_ref()?.patience;
+        early.filter(|e| e.stale >= patience && step < t.steps)
+    };
+    if let Some(e) = stops_early(early, engine.steps_done()) {
+        return Ok(crate::Ended::EarlyStopped {
+            step: engine.steps_done(),
+            best: e,
+        });
     }
     let params = engine.model().param_count() as u64;
     let flops_per_token = engine.model().flops_per_token();
@@ -125,9 +143,17 @@ pub fn train(
     let mut saved_at = None;
     // The last validation: its step and loss.
     let mut validated = None;
-    let save_now = |engine: &Engine, data: &Batcher, val_loss: Option<f64>| {
+    let save_now = |engine: &Engine, data: &Batcher, validation: Validation| {
         let consumed = data.samples_consumed(engine.steps_done());
-        save(engine, spec, env, comm.as_ref(), nodes, consumed, val_loss)
+        save(
+            engine,
+            spec,
+            env,
+            comm.as_ref(),
+            nodes,
+            consumed,
+            validation,
+        )
     };
     // ZRUN_GPU_PROFILE: the profile starts again after the warm-up steps
     // where the run has twice as many.
@@ -155,6 +181,13 @@ pub fn train(
             _ => None,
         };
         validated = val_loss.map(|l| (st.step, l)).or(validated);
+        if let (Some(e), Some(l)) = (&t.early_stopping, val_loss) {
+            early = Some(EarlyStopState::after(early, st.step, l, e.threshold));
+        }
+        let validation = Validation {
+            val_loss,
+            early_stopping: early,
+        };
         client.send(&ToServer::Report(Box::new(StepReport {
             step: st.step,
             loss: st.loss,
@@ -181,7 +214,7 @@ pub fn train(
             crate::gpu::profile(&engine, env.rank, crate::gpu::ProfileAt::Restart)?;
         }
         if spec.checkpoint.dir.is_some() && every > 0 && st.step % every == 0 {
-            save_now(&engine, &data, val_loss)?;
+            save_now(&engine, &data, validation)?;
             saved_at = Some(st.step);
         }
         if spec.checkpoint.dir.is_none() && client.stop_flag().swap(false, Ordering::SeqCst) {
@@ -192,9 +225,18 @@ pub fn train(
         }
         if st.stop && st.step < t.steps {
             if saved_at != Some(st.step) {
-                save_now(&engine, &data, val_loss)?;
+                save_now(&engine, &data, validation)?;
             }
             return Ok(crate::Ended::Stopped { step: st.step });
+        }
+        if let Some(best) = stops_early(early, st.step) {
+            if spec.checkpoint.dir.is_some() && saved_at != Some(st.step) {
+                save_now(&engine, &data, validation)?;
+            }
+            return Ok(crate::Ended::EarlyStopped {
+                step: st.step,
+                best,
+            });
         }
     }
     let steps = engine.steps_done() - profile_from.unwrap_or(first);
@@ -204,7 +246,11 @@ pub fn train(
         let val_loss = validated
             .filter(|&(step, _)| step == engine.steps_done())
             .map(|(_, l)| l);
-        save_now(&engine, &data, val_loss)?;
+        let validation = Validation {
+            val_loss,
+            early_stopping: early,
+        };
+        save_now(&engine, &data, validation)?;
     }
     Ok(crate::Ended::Done)
 }

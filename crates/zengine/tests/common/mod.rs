@@ -293,6 +293,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
         let first = runs[0].saved.clone().unwrap();
         let manifest = Manifest {
             val_loss: None,
+            early_stopping: None,
             format: zckpt::FORMAT,
             model: spec.model.clone(),
             world_size: world,
