@@ -726,6 +726,7 @@ impl LoadedJob {
         for (key, p) in [
             ("model.hidden_dropout", m.hidden_dropout),
             ("model.attention_dropout", m.attention_dropout),
+            ("train.label_smoothing", Some(s.train.label_smoothing)),
         ] {
             let Some(p) = p else { continue };
             if !(0.0..1.0).contains(&p) {

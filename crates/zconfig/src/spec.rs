@@ -519,6 +519,12 @@ pub struct TrainSpec {
     /// Steps between plain log lines (`--no-progress` or no terminal); 0:
     /// every twentieth of the run.
     pub log_every: u64,
+    /// transformers' `label_smoothing_factor` (PyTorch's `CrossEntropyLoss(
+    /// label_smoothing=)`): training's loss is `(1 − ε)·cross-entropy + ε·
+    /// mean over the vocabulary of −log p`; validation's stays the plain
+    /// cross-entropy. Default 0.
+    #[serde(deserialize_with = "finite::number")]
+    pub label_smoothing: f64,
     /// Ends training once the validation loss has stopped improving
     /// (transformers' `EarlyStoppingCallback`); none by default.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -591,6 +597,7 @@ impl Default for TrainSpec {
             eval_every: 0,
             eval_steps: 4,
             log_every: 0,
+            label_smoothing: 0.0,
             early_stopping: None,
         }
     }
@@ -968,6 +975,7 @@ impl JobSpec {
         for (key, p) in [
             ("model.hidden_dropout", self.model.hidden_dropout()),
             ("model.attention_dropout", self.model.attention_dropout()),
+            ("train.label_smoothing", self.train.label_smoothing),
         ] {
             if p > 0.0 {
                 return Some(format!(

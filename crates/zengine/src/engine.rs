@@ -173,7 +173,8 @@ impl Engine {
             .map_err(|e| EngineError::Tiling {
                 problem: e.to_string(),
             })?
-            .with_bf16_products(spec.train.dtype == Dtype::Bf16);
+            .with_bf16_products(spec.train.dtype == Dtype::Bf16)
+            .with_label_smoothing(spec.train.label_smoothing);
         let (world, rank) = (comm.world_size(), comm.rank());
         let threshold = spec.zero.param_persistence_threshold.0 as usize;
         let half = Half::of(spec.train.dtype);

@@ -137,6 +137,31 @@ fn dropout_drops_in_training_and_never_in_evaluation() {
     assert_ne!(train, train_plain, "training dropped nothing");
 }
 
+/// `train.label_smoothing` is training's loss alone: on one rank the
+/// training loss of a batch is `(1 − ε)·cross-entropy + ε·uniform term`
+/// (it moves), while evaluation of that batch gives the plain
+/// cross-entropy, the training loss without smoothing, to the bit.
+#[test]
+fn label_smoothing_moves_the_training_loss_and_not_evaluation() {
+    let losses = |eps: f64| {
+        let mut spec = typed_spec("f32", 0, 1, 2000, true, false, 1);
+        spec.train.label_smoothing = eps;
+        let corpus = zmodel::Corpus::synthetic(spec.model.vocab_size, 3);
+        let mut data = zmodel::Batcher::new(corpus, spec.model.seq_len, 4, 1, 1, 0, 7).unwrap();
+        let batch = data.batch(0, 0).unwrap();
+        let mut e = Engine::new(&spec, comms(1).pop().unwrap()).unwrap();
+        let eval = e.eval_loss(std::slice::from_ref(&batch)).unwrap();
+        (eval, e.forward_backward(&batch).unwrap())
+    };
+    let (eval_plain, train_plain) = losses(0.0);
+    let (eval, train) = losses(0.2);
+    assert_eq!(eval, eval_plain, "evaluation smoothed");
+    assert_eq!(eval, train_plain);
+    // Near initialisation every −log p is near log 64, so the smoothed
+    // loss moves only a little, but it moves.
+    assert_ne!(train, train_plain, "training did not smooth");
+}
+
 /// The embedding's dropout reaches its backward: after one step with
 /// `hidden_dropout: 0.9` (no weight decay, so Adam moves exactly the
 /// elements with a gradient), the elements of GPT-2's position table left

@@ -161,6 +161,8 @@ pub struct Gpt {
     tile_size: Option<usize>,
     /// What the linear layers multiply (bf16 only where the CPU has native bf16).
     products: Products,
+    /// Training's label smoothing ([`Gpt::with_label_smoothing`]).
+    label_smoothing: f64,
 }
 
 fn p(name: String, shape: &[usize], init: Init, decay: bool) -> ParamSpec {
@@ -185,6 +187,7 @@ impl Gpt {
             },
             tile_size: None,
             products: Products::F32,
+            label_smoothing: 0.0,
         })
     }
 
@@ -200,6 +203,17 @@ impl Gpt {
             Products::F32
         };
         Gpt { products, ..self }
+    }
+
+    /// This model with training's loss smoothed over the labels
+    /// (`train.label_smoothing`: [`Gpt::head_backward`]'s loss and
+    /// gradients; [`Gpt::head_loss_value`], evaluation's, stays the plain
+    /// cross-entropy).
+    pub fn with_label_smoothing(self, label_smoothing: f64) -> Gpt {
+        Gpt {
+            label_smoothing,
+            ..self
+        }
     }
 
     /// What the linear layers multiply.
@@ -1114,7 +1128,9 @@ impl Gpt {
             let xm = Input::F32(MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?);
             let om = Input::of(&os, ol, vocab, d)?;
             head::with_logits(n * vocab, |logits| -> Result<_> {
-                let loss = self.loss_and_dlogits(xm, om, targets, scale, divisor, logits)?;
+                let scaled = (scale, divisor);
+                let loss =
+                    self.loss_and_dlogits(xm, om, targets, scaled, self.label_smoothing, logits)?;
                 let dl = Input::F32(MatRef::row_major(logits, n, vocab).map_err(head::shape)?);
                 Ok((
                     loss,
@@ -1155,7 +1171,7 @@ impl Gpt {
         let xm = Input::F32(MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?);
         let om = Input::of(&os, ol, vocab, d)?;
         head::with_logits(n * vocab, |logits| {
-            self.loss_and_dlogits(xm, om, targets, 1.0, divisor, logits)
+            self.loss_and_dlogits(xm, om, targets, (1.0, divisor), 0.0, logits)
         })
     }
 
@@ -1243,13 +1259,13 @@ impl Gpt {
         normed: Input,
         out: Input,
         targets: &Tensor,
-        scale: f64,
-        divisor: f64,
+        scaled: (f64, f64),
+        smoothing: f64,
         logits: &mut [f32],
     ) -> Result<f64> {
         let targets = targets.flatten_all()?.to_vec1::<u32>()?;
         head::product_into(logits, normed, out.t(), self.products)?;
-        head::cross_entropy_in_place(logits, &targets, out.rows(), scale, divisor)
+        head::cross_entropy_in_place(logits, &targets, out.rows(), scaled, smoothing)
     }
 
     /// Group L+1 without the loss: the final norm and the output matrix, `x`
@@ -1275,7 +1291,7 @@ impl Gpt {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::{Device, Var, D};
 
     /// A model spec from JSON (the job file's `model:` keys).
     fn spec(json: serde_json::Value) -> ModelSpec {
@@ -1359,7 +1375,10 @@ mod tests {
         for cfg in [gpt(11, 12, 1, 3, 40), llama(11, 16, 1, 40, 24)] {
             for scale in [1.0, 8.0] {
                 for masked in [false, true] {
-                    head_backward_matches_autograd_for(Gpt::new(&cfg).unwrap(), scale, masked);
+                    for smoothing in [0.0, 0.1] {
+                        let g = Gpt::new(&cfg).unwrap().with_label_smoothing(smoothing);
+                        head_backward_matches_autograd_for(g, scale, masked);
+                    }
                 }
             }
         }
@@ -1403,7 +1422,7 @@ mod tests {
         // divided by 61 (a step's count shared among micro-batches).
         let counted: Vec<u32> = (0..80u32).filter(|i| !masked || i % 3 != 1).collect();
         let divisor = if masked { 61.0 } else { 80.0 };
-        let loss = {
+        let (loss, plain) = {
             let picked: Vec<u32> = counted.iter().map(|&i| targets[i as usize]).collect();
             let picked = Tensor::new(picked.as_slice(), &dev).unwrap();
             let rows = Tensor::new(counted.as_slice(), &dev).unwrap();
@@ -1412,9 +1431,31 @@ mod tests {
                 .unwrap()
                 .index_select(&rows, 0)
                 .unwrap();
-            (crate::ops::cross_entropy(&logits, &picked).unwrap()
-                * (counted.len() as f64 / divisor))
-                .unwrap()
+            let mean = crate::ops::cross_entropy(&logits, &picked).unwrap();
+            let plain = (&mean * (counted.len() as f64 / divisor)).unwrap();
+            let eps = g.label_smoothing;
+            // transformers' LabelSmoother: (1 − ε)·nll + ε·mean over the
+            // vocabulary of −log p, composed from candle's operations.
+            let smoothed = {
+                let max = logits.max_keepdim(D::Minus1).unwrap().detach();
+                let shifted = logits.broadcast_sub(&max).unwrap();
+                let lse = shifted
+                    .exp()
+                    .unwrap()
+                    .sum_keepdim(D::Minus1)
+                    .unwrap()
+                    .log()
+                    .unwrap();
+                let log_p = shifted.broadcast_sub(&lse).unwrap();
+                let uniform = (log_p.sum_all().unwrap().neg().unwrap() / v as f64).unwrap();
+                let nll = (&mean * counted.len() as f64).unwrap();
+                ((nll * (1.0 - eps)).unwrap() + (uniform * eps).unwrap()).unwrap() / divisor
+            }
+            .unwrap();
+            match eps {
+                0.0 => (plain.clone(), plain),
+                _ => (smoothed, plain),
+            }
         };
         let targets: Vec<u32> = (0..80u32)
             .map(|i| match counted.contains(&i) {
@@ -1448,7 +1489,15 @@ mod tests {
                 divisor,
             )
             .unwrap();
-        assert_eq!(eval.to_bits(), back.loss.to_bits(), "evaluation's loss");
+        // Evaluation's loss is the plain cross-entropy, smoothed or not.
+        if g.label_smoothing == 0.0 {
+            assert_eq!(eval.to_bits(), back.loss.to_bits(), "evaluation's loss");
+        }
+        let want_eval = f64::from(plain.to_scalar::<f32>().unwrap());
+        assert!(
+            (eval - want_eval).abs() <= 1e-5 * want_eval.abs(),
+            "evaluation's loss {eval} vs {want_eval}"
+        );
         let want_loss = f64::from(loss.to_scalar::<f32>().unwrap());
         assert!(
             (back.loss - want_loss).abs() <= 1e-5 * want_loss.abs(),
@@ -1685,8 +1734,8 @@ mod tests {
     #[test]
     fn cross_entropy_refuses_a_target_outside_the_vocabulary() {
         let mut logits = vec![0f32; 6];
-        let err =
-            crate::head::cross_entropy_in_place(&mut logits, &[1, 3], 3, 1.0, 2.0).unwrap_err();
+        let err = crate::head::cross_entropy_in_place(&mut logits, &[1, 3], 3, (1.0, 2.0), 0.0)
+            .unwrap_err();
         assert!(err.to_string().contains("target 3 at position 1"), "{err}");
     }
 

@@ -54,12 +54,17 @@ pub const IGNORED: u32 = u32::MAX;
 /// adds the rows' terms in f64, in row order. Each row is one vectorised
 /// pass per step (the fused ops' `exp` and lane-wise reductions: the same
 /// bits at every vector width).
+///
+/// With `smoothing` ε > 0 (`train.label_smoothing`) a row's term is
+/// transformers' `LabelSmoother`'s: `(1 − ε)·(−log p(target)) + ε·mean over
+/// the vocabulary of −log p`, and its gradient `softmax − (1 − ε)·onehot −
+/// ε / vocab` (one more pass over the row, for its sum).
 pub(crate) fn cross_entropy_in_place(
     logits: &mut [f32],
     targets: &[u32],
     vocab: usize,
-    scale: f64,
-    divisor: f64,
+    (scale, divisor): (f64, f64),
+    smoothing: f64,
 ) -> Result<f64> {
     let rows = targets.len();
     if logits.len() != rows * vocab || vocab == 0 {
@@ -81,6 +86,10 @@ pub(crate) fn cross_entropy_in_place(
         candle_core::bail!("cross-entropy: divided by {divisor}");
     }
     let coef = (scale / divisor) as f32;
+    let (uniform, picked_coef) = (
+        (scale / divisor * smoothing / vocab as f64) as f32,
+        (scale / divisor * (1.0 - smoothing)) as f32,
+    );
     let losses: Vec<f64> = logits
         .par_chunks_mut(vocab)
         .zip(targets.par_iter())
@@ -95,13 +104,27 @@ pub(crate) fn cross_entropy_in_place(
                 || {
                     let max = max_lanes(row);
                     let picked = row[t as usize] - max;
+                    // The mean of x − max over the row, for the smoothing.
+                    let mean = match smoothing > 0.0 {
+                        true => {
+                            f64::from(sum_lanes([row], |[x]| x)) / vocab as f64 - f64::from(max)
+                        }
+                        false => 0.0,
+                    };
                     exp_minus(row, max);
                     let sum = sum_lanes([row], |[x]| x);
                     let inv = coef / sum;
-                    row.iter_mut().for_each(|x| *x *= inv);
-                    row[t as usize] -= coef;
                     // −log p(target) = log Σ exp(x − max) − (x_t − max).
-                    f64::from(sum.ln()) - f64::from(picked)
+                    let nll = f64::from(sum.ln()) - f64::from(picked);
+                    if smoothing == 0.0 {
+                        row.iter_mut().for_each(|x| *x *= inv);
+                        row[t as usize] -= coef;
+                        return nll;
+                    }
+                    row.iter_mut().for_each(|x| *x = *x * inv - uniform);
+                    row[t as usize] -= picked_coef;
+                    // The mean of −log p_j = log Σ exp(x − max) − mean(x − max).
+                    (1.0 - smoothing) * nll + smoothing * (f64::from(sum.ln()) - mean)
                 },
             )
         })
