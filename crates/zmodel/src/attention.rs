@@ -1397,19 +1397,6 @@ mod tests {
             .backward()
             .unwrap();
         let want_dx = grads.get(x_var.as_tensor()).unwrap().clone();
-        let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let within = |got: &Tensor, want: &Tensor, tol: f32, what: &str| {
-            let (got, want) = (values(got), values(want));
-            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let worst = got
-                .iter()
-                .zip(&want)
-                .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
-            assert!(
-                worst <= tol * scale,
-                "{what}: off by {worst}, scale {scale}"
-            );
-        };
         let mut products = vec![Products::F32];
         if zgemm::has_native_bf16() {
             products.push(Products::Bf16);
@@ -1423,10 +1410,10 @@ mod tests {
                 0.02
             };
             let y = causal_attention(&x, heads, products, Some(&docs), None).unwrap();
-            within(&y, &want, tol, &format!("{products:?} forward"));
+            close_to(&y, &want, tol, &format!("{products:?} forward"));
             let dx =
                 causal_attention_backward(&x, &dy, heads, products, Some(&docs), None).unwrap();
-            within(&dx, &want_dx, tol, &format!("{products:?} backward"));
+            close_to(&dx, &want_dx, tol, &format!("{products:?} backward"));
         }
     }
 
