@@ -116,3 +116,24 @@ fn swapped_gradients_accumulate_and_clip_bit_identically() {
         }
     }
 }
+
+/// Dropout (hidden and attention) under NVMe offload of the optimizer
+/// state and the parameters, with activation checkpointing (whose
+/// recompute reads the parameters from swap again): the bits of the same
+/// dropped run in memory.
+#[test]
+fn offloaded_runs_drop_what_runs_in_memory_drop() {
+    let swap = tempfile::tempdir().unwrap();
+    let mut spec = typed_spec("f32", 3, 1, 2000, true, true, 4);
+    spec.model.hidden_dropout = Some(0.2);
+    spec.model.attention_dropout = Some(0.1);
+    let base = train(spec.clone(), 2);
+    let got = train(offloaded(spec, swap.path(), true), 2);
+    for r in 0..2 {
+        assert_eq!(got[r].losses, base[r].losses, "rank {r}");
+        assert!(
+            got[r].params == base[r].params,
+            "rank {r}: parameters differ"
+        );
+    }
+}

@@ -351,3 +351,23 @@ fn qgz_reports_f16_overflow_as_overflow() {
     assert_eq!(got[0].scales[..=first_clean], scales[..=first_clean]);
     assert!(got[0].losses.iter().all(|l| l.is_finite()));
 }
+
+/// Dropout under hpZ (backward's gathers from the node's secondary shards,
+/// with activation checkpointing): stage 3's bits, dropped alike.
+#[test]
+fn hpz_drops_what_stage_3_drops() {
+    let mut spec = typed_spec("bf16", 3, 1, 2000, true, true, 4);
+    spec.model.hidden_dropout = Some(0.2);
+    spec.model.attention_dropout = Some(0.1);
+    let nodes: &[usize] = &[0, 0, 1, 1];
+    let leg = Leg {
+        nodes: Some(nodes.to_vec()),
+        ..Leg::default()
+    };
+    let plain = train_leg(spec.clone(), nodes.len(), &leg);
+    let got = train_hpz(&spec, 2, nodes);
+    for (r, (h, s)) in got.iter().zip(&plain).enumerate() {
+        assert_eq!(h.losses, s.losses, "rank {r}");
+        assert!(h.params == s.params, "rank {r}: parameters differ");
+    }
+}
