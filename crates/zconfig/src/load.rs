@@ -464,6 +464,27 @@ impl LoadedJob {
                 .is_some_and(|m| m.origin == Origin::Written)
     }
 
+    /// `train.warmup_ratio` (transformers' `warmup_ratio`) into
+    /// `train.warmup_steps`: `ceil(ratio × steps)`, as transformers rounds
+    /// it. Refused beside a `train.warmup_steps` the job chose.
+    fn settle_warmup(&mut self) -> Result<(), ConfigError> {
+        let Some(r) = self.spec.train.warmup_ratio else {
+            return Ok(());
+        };
+        let key = "train.warmup_ratio";
+        if !(0.0..=1.0).contains(&r) {
+            return Err(self.invalid(key, format!("must be between 0 and 1, got {r}")));
+        }
+        if self.chosen("train.warmup_steps") {
+            return Err(self.invalid(
+                key,
+                "goes without train.warmup_steps (the warmup is one or the other): set one of them",
+            ));
+        }
+        self.spec.train.warmup_steps = (r * self.spec.train.steps as f64).ceil() as u64;
+        Ok(())
+    }
+
     /// DeepSpeed's batch arithmetic, once the world size is known: a
     /// ds_config's `train_batch_size` must equal micro-batch × accumulation ×
     /// world size, and fills in whichever of the two factors the job left
@@ -623,6 +644,7 @@ impl LoadedJob {
     /// ds_config's `train_batch_size` for it. Reads the data files' sizes.
     pub fn validate(&mut self, world_size: usize) -> Result<(), ConfigError> {
         self.settle_batch(world_size)?;
+        self.settle_warmup()?;
         let s = &self.spec;
         let m = &s.model;
         for (key, v) in [
@@ -1359,6 +1381,59 @@ mod tests {
     }
 
     const GOOD: &str = "name: t\nmodel: {d_model: 64, n_heads: 4, n_layers: 2, seq_len: 16}\ndata:\n  format: synthetic\ntrain:\n  steps: 5\n  lr: 1.0e-3\n";
+
+    /// `train.warmup_ratio` becomes `ceil(ratio × steps)` warmup steps, as
+    /// transformers' `get_warmup_steps` rounds it (`--set` of the steps
+    /// counts); it is refused outside [0, 1] and beside `warmup_steps`
+    /// written in the file or by `--set`.
+    #[test]
+    fn warmup_ratio_is_a_share_of_the_steps_rounded_up() {
+        let d = tempfile::tempdir().unwrap();
+        let job = |train: &str| GOOD.replace("  steps: 5\n", train);
+        for (train, sets, want) in [
+            ("  steps: 1000\n  warmup_ratio: 0.03\n", vec![], Ok(30)),
+            ("  steps: 100\n  warmup_ratio: 0.03\n", vec![], Ok(3)),
+            ("  steps: 10\n  warmup_ratio: 0.25\n", vec![], Ok(3)),
+            ("  steps: 10\n  warmup_ratio: 0\n", vec![], Ok(0)),
+            (
+                "  steps: 10\n  warmup_ratio: 0.25\n",
+                vec!["train.steps=41"],
+                Ok(11),
+            ),
+            (
+                "  steps: 10\n  warmup_ratio: 1.5\n",
+                vec![],
+                Err("must be between 0 and 1, got 1.5"),
+            ),
+            (
+                "  steps: 10\n  warmup_ratio: 0.1\n  warmup_steps: 2\n",
+                vec![],
+                Err("goes without train.warmup_steps"),
+            ),
+            (
+                "  steps: 10\n  warmup_ratio: 0.1\n",
+                vec!["train.warmup_steps=2"],
+                Err("goes without train.warmup_steps"),
+            ),
+        ] {
+            let p = write(d.path(), "j.yaml", &job(train));
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            let got = load_job(&p, &sets).and_then(|mut j| j.validate(2).map(|_| j));
+            match want {
+                Ok(steps) => assert_eq!(got.unwrap().spec.train.warmup_steps, steps, "{train}"),
+                Err(says) => {
+                    let Err(e) = got else {
+                        panic!("{train}: accepted")
+                    };
+                    let e = e.to_string();
+                    assert!(
+                        e.contains("train.warmup_ratio") && e.contains(says),
+                        "{says}: {e}"
+                    );
+                }
+            }
+        }
+    }
 
     /// Qwen2's q, k and v biases are a LLaMA's option; GPT-2 has a bias on
     /// every linear already.

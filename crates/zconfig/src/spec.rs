@@ -478,6 +478,12 @@ pub struct TrainSpec {
     pub lr: f64,
     /// Warmup steps from `warmup_start_lr` to `lr`.
     pub warmup_steps: u64,
+    /// The warmup as a share of `steps` (transformers' `warmup_ratio`):
+    /// when set, `warmup_steps` is `ceil(ratio × steps)`, as transformers
+    /// rounds it; not beside a `warmup_steps` the job sets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
+    pub warmup_ratio: Option<f64>,
     /// The shape of the warmup ramp.
     pub warmup_type: WarmupType,
     /// The rate the warmup starts from.
@@ -581,6 +587,7 @@ impl Default for TrainSpec {
             grad_accum: 1,
             lr: 3.0e-4,
             warmup_steps: 20,
+            warmup_ratio: None,
             warmup_type: WarmupType::Linear,
             warmup_start_lr: 0.0,
             schedule: Schedule::Cosine,
