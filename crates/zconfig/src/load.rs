@@ -749,10 +749,20 @@ impl LoadedJob {
             ("model.hidden_dropout", m.hidden_dropout),
             ("model.attention_dropout", m.attention_dropout),
             ("train.label_smoothing", Some(s.train.label_smoothing)),
+            (
+                "train.neftune_noise_alpha",
+                Some(s.train.neftune_noise_alpha),
+            ),
         ] {
             let Some(p) = p else { continue };
-            if !(0.0..1.0).contains(&p) {
-                return Err(self.invalid(key, format!("must be at least 0 and below 1, got {p}")));
+            let neftune = key == "train.neftune_noise_alpha";
+            if p < 0.0 || (p >= 1.0 && !neftune) {
+                let range = if neftune {
+                    "at least 0"
+                } else {
+                    "at least 0 and below 1"
+                };
+                return Err(self.invalid(key, format!("must be {range}, got {p}")));
             }
             if p > 0.0 && self.spec.device == Device::Cuda {
                 return Err(self.invalid(

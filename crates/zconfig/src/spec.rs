@@ -531,6 +531,11 @@ pub struct TrainSpec {
     /// cross-entropy. Default 0.
     #[serde(deserialize_with = "finite::number")]
     pub label_smoothing: f64,
+    /// NEFTune (transformers' and TRL's `neftune_noise_alpha`): uniform
+    /// noise of at most `alpha / √(seq_len · d_model)` added to the
+    /// embeddings' output in training. Default 0 (none).
+    #[serde(deserialize_with = "finite::number")]
+    pub neftune_noise_alpha: f64,
     /// Ends training once the validation loss has stopped improving
     /// (transformers' `EarlyStoppingCallback`); none by default.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -605,6 +610,7 @@ impl Default for TrainSpec {
             eval_steps: 4,
             log_every: 0,
             label_smoothing: 0.0,
+            neftune_noise_alpha: 0.0,
             early_stopping: None,
         }
     }
@@ -983,6 +989,7 @@ impl JobSpec {
             ("model.hidden_dropout", self.model.hidden_dropout()),
             ("model.attention_dropout", self.model.attention_dropout()),
             ("train.label_smoothing", self.train.label_smoothing),
+            ("train.neftune_noise_alpha", self.train.neftune_noise_alpha),
         ] {
             if p > 0.0 {
                 return Some(format!(

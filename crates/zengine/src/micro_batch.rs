@@ -18,7 +18,7 @@ use std::time::Instant;
 use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
 use zmodel::{
     Batch, BlockActs, BlockDropout, BlockLinear, BlockNorm, BlockSource, Documents, Dropout,
-    EmbeddingParams, HeadParams, WeightBias,
+    EmbeddingParams, HeadParams, Noise, WeightBias,
 };
 
 use crate::engine::Engine;
@@ -50,6 +50,8 @@ pub(crate) struct MicroBatch {
     /// This micro-batch's dropouts: the hidden one's site 0 the
     /// embedding's output, site `b` block `b`'s.
     dropout: BlockDropout,
+    /// NEFTune's noise on the embeddings' output.
+    noise: Option<Noise>,
 }
 
 impl Engine {
@@ -175,6 +177,7 @@ impl Engine {
             saved: Vec::with_capacity(self.model.config().n_layers),
             reduce_now: self.stage.partitions_gradients() || self.micro + 1 == accum,
             dropout: self.dropout(),
+            noise: self.neftune(batch.seq_len),
         })
     }
 
@@ -187,15 +190,35 @@ impl Engine {
     /// a resume, whatever the stage, and different for every batch.
     pub fn dropout(&self) -> BlockDropout {
         let m = &self.spec.model;
-        let counters = [self.step, self.micro as u64, self.comm.rank() as u64];
-        let key = counters.iter().fold(self.spec.train.seed, |key, &c| {
-            zmodel::dropout::mix64(key ^ c)
-        });
+        let key = self.micro_batch_key();
         BlockDropout {
             hidden: Dropout::new(m.hidden_dropout(), key),
             // Another stream of keys than the hidden states'.
             attention: Dropout::new(m.attention_dropout(), !key),
         }
+    }
+
+    /// NEFTune's noise on the embeddings of the micro-batch
+    /// [`Engine::forward_backward`] runs next, for sequences of `t` tokens
+    /// (`None` without `train.neftune_noise_alpha`): its draws keyed as
+    /// [`Engine::dropout`]'s masks, from a stream of their own.
+    pub fn neftune(&self, t: usize) -> Option<Noise> {
+        let alpha = self.spec.train.neftune_noise_alpha;
+        let d = self.spec.model.d_model;
+        Noise::new(
+            alpha,
+            (t, d),
+            zmodel::dropout::mix64(self.micro_batch_key() ^ 0x4E45),
+        )
+    }
+
+    /// The seed, the step, the micro-batch and the rank, mixed: what this
+    /// micro-batch's dropout masks and noise are keyed by.
+    fn micro_batch_key(&self) -> u64 {
+        let counters = [self.step, self.micro as u64, self.comm.rank() as u64];
+        counters.iter().fold(self.spec.train.seed, |key, &c| {
+            zmodel::dropout::mix64(key ^ c)
+        })
     }
 
     /// Group 0's forward; returns the blocks' input (without a graph).
@@ -207,6 +230,12 @@ impl Engine {
             mb.docs.as_ref(),
         )?;
         self.release(0);
+        // NEFTune's noise on the embeddings, then their dropout (as
+        // transformers' hook on the input embeddings runs before it).
+        let x = match mb.noise {
+            Some(n) => n.add_to(&x)?,
+            None => x,
+        };
         Ok(match mb.dropout.hidden {
             Some(d) => d.site(0).apply(&x)?,
             None => x,

@@ -75,16 +75,17 @@ fn every_stage_gives_bit_identical_losses_and_parameters() {
     }
 }
 
-/// Dropout (`model.hidden_dropout` and `model.attention_dropout`) keeps
-/// every stage, with and without activation checkpointing (whose
-/// recomputed forward must drop the same elements), to the bits of stage
-/// 0, in f32 and bf16; it changes the run (something is dropped).
+/// Dropout (`model.hidden_dropout` and `model.attention_dropout`) and
+/// NEFTune's noise keep every stage, with and without activation
+/// checkpointing (whose recomputed forward must drop the same elements),
+/// to the bits of stage 0, in f32 and bf16; they change the run.
 #[test]
 fn dropout_keeps_the_stages_bit_identical() {
     let dropped = |dtype, stage, ckpt| {
         let mut spec = typed_spec(dtype, stage, 1, 2000, true, ckpt, 4);
         spec.model.hidden_dropout = Some(0.2);
         spec.model.attention_dropout = Some(0.1);
+        spec.train.neftune_noise_alpha = 5.0;
         spec
     };
     for dtype in ["f32", "bf16"] {
@@ -107,16 +108,16 @@ fn dropout_keeps_the_stages_bit_identical() {
     }
 }
 
-/// Dropout is training's alone: on one rank a batch's `eval_loss` with
-/// `model.hidden_dropout` and `model.attention_dropout` at 0.5 is the loss
-/// without dropout, to the bit, while the training forward of that batch
-/// drops (another loss).
+/// Dropout and NEFTune are training's alone: on one rank a batch's
+/// `eval_loss` with `model.hidden_dropout` and `model.attention_dropout`
+/// at 0.5, or with `train.neftune_noise_alpha` at 50, is the loss without
+/// them, to the bit, while the training forward of that batch drops or
+/// adds noise (another loss).
 #[test]
 fn dropout_drops_in_training_and_never_in_evaluation() {
-    let losses = |p: f64| {
+    let losses = |set: &dyn Fn(&mut zconfig::JobSpec)| {
         let mut spec = typed_spec("f32", 0, 1, 2000, true, false, 1);
-        spec.model.hidden_dropout = Some(p);
-        spec.model.attention_dropout = Some(p);
+        set(&mut spec);
         let comm = comms(1).pop().unwrap();
         let corpus = zmodel::Corpus::synthetic(spec.model.vocab_size, 3);
         let mut data = zmodel::Batcher::new(corpus, spec.model.seq_len, 4, 1, 1, 0, 7).unwrap();
@@ -125,16 +126,23 @@ fn dropout_drops_in_training_and_never_in_evaluation() {
         let eval = e.eval_loss(std::slice::from_ref(&batch)).unwrap();
         (eval, e.forward_backward(&batch).unwrap())
     };
-    let (eval_plain, train_plain) = losses(0.0);
-    let (eval, train) = losses(0.5);
+    let (eval_plain, train_plain) = losses(&|_| {});
     assert_eq!(
         eval_plain, train_plain,
         "without dropout eval is the training forward"
     );
-    assert_eq!(eval, eval_plain, "evaluation dropped something");
-    // At initialisation the model is near uniform, so dropping half of
-    // its hidden states moves the loss little (7e-4), but not to the bit.
-    assert_ne!(train, train_plain, "training dropped nothing");
+    let dropped: &dyn Fn(&mut zconfig::JobSpec) = &|s| {
+        s.model.hidden_dropout = Some(0.5);
+        s.model.attention_dropout = Some(0.5);
+    };
+    let noisy: &dyn Fn(&mut zconfig::JobSpec) = &|s| s.train.neftune_noise_alpha = 50.0;
+    for (what, set) in [("dropout", dropped), ("NEFTune", noisy)] {
+        let (eval, train) = losses(set);
+        assert_eq!(eval, eval_plain, "{what} in evaluation");
+        // At initialisation the model is near uniform, so dropping half of
+        // its hidden states moves the loss little (7e-4), but not to the bit.
+        assert_ne!(train, train_plain, "{what} left training as it was");
+    }
 }
 
 /// `train.label_smoothing` is training's loss alone: on one rank the

@@ -156,6 +156,63 @@ impl Dropout {
     }
 }
 
+/// NEFTune's noise (`train.neftune_noise_alpha`, transformers' and TRL's
+/// `neftune_noise_alpha`): each element of the embeddings' output plus a
+/// uniform draw from `[−mag, mag)`, `mag = alpha / √(t·d)` for sequences of
+/// `t` tokens of width `d`, the draw a hash of its index under a key as
+/// [`Dropout`]'s. Added in training only; its gradient is the output's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Noise {
+    mag: f32,
+    key: u32,
+}
+
+impl Noise {
+    /// NEFTune's noise of `alpha` for sequences of `t` tokens of width `d`
+    /// under `key`, or `None` where `alpha` is 0.
+    pub fn new(alpha: f64, (t, d): (usize, usize), key: u64) -> Option<Noise> {
+        (alpha > 0.0).then(|| Noise {
+            mag: (alpha / ((t * d) as f64).sqrt()) as f32,
+            key: (mix64(key) >> 32) as u32,
+        })
+    }
+
+    /// Element `i`'s draw, in `[−mag, mag)`.
+    #[inline(always)]
+    pub fn draw(&self, i: usize) -> f32 {
+        // 24 bits: every value exact in f32.
+        let unit = (hash(self.key, i) >> 8) as f32 * (1.0 / (1u32 << 24) as f32);
+        (2.0 * unit - 1.0) * self.mag
+    }
+
+    /// `x` (f32) plus the noise, in one pass.
+    pub fn add_to(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        let (storage, layout) = x.storage_and_layout();
+        let xs = cpu_f32("neftune", &storage, layout)?;
+        let mut y = uninit_floats(xs.len());
+        let n = *self;
+        y.par_chunks_mut(ELEMS_PER_TASK)
+            .zip(xs.par_chunks(ELEMS_PER_TASK))
+            .enumerate()
+            .with_max_len(1)
+            .for_each(|(task, (y, x))| {
+                let first = task * ELEMS_PER_TASK;
+                vectorised(
+                    #[inline(always)]
+                    || {
+                        for (j, (y, &x)) in y.iter_mut().zip(x).enumerate() {
+                            y.write(x + n.draw(first + j));
+                        }
+                    },
+                )
+            });
+        // SAFETY: the chunks of y match those of xs; every element was written.
+        let y = unsafe { assume_init(y) };
+        Tensor::from_vec(y, x.shape(), x.device())
+    }
+}
+
 /// A block's dropouts: of its residual branches (`model.hidden_dropout`)
 /// and of its attention's probabilities (`model.attention_dropout`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -301,6 +358,31 @@ mod tests {
         let rs = r.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         for (i, s) in sum.iter().enumerate() {
             assert_eq!(s.to_bits(), (rs[i] + y[i]).to_bits(), "element {i}");
+        }
+    }
+
+    /// NEFTune's draws stay within `±alpha/√(t·d)`, average 0 and spread as
+    /// a uniform draw does (variance mag²/3), within sampling error.
+    #[test]
+    fn neftune_draws_are_uniform_within_their_bound() {
+        let n = Noise::new(5.0, (256, 64), 7).unwrap();
+        let mag = 5.0 / (256.0f64 * 64.0).sqrt();
+        let count = 1 << 20;
+        let draws: Vec<f64> = (0..count).map(|i| f64::from(n.draw(i))).collect();
+        assert!(draws.iter().all(|&v| v >= -mag - 1e-7 && v < mag + 1e-7));
+        let mean = draws.iter().sum::<f64>() / count as f64;
+        let var = draws.iter().map(|v| v * v).sum::<f64>() / count as f64;
+        let sd = mag / (3.0 * count as f64).sqrt();
+        assert!(mean.abs() < 5.0 * sd, "mean {mean}");
+        assert!(
+            (var / (mag * mag / 3.0) - 1.0).abs() < 0.01,
+            "variance {var}"
+        );
+        assert!(Noise::new(0.0, (256, 64), 7).is_none());
+        let x = ones(1000);
+        let y = n.add_to(&x).unwrap().to_vec1::<f32>().unwrap();
+        for (i, y) in y.iter().enumerate() {
+            assert_eq!(y.to_bits(), (1.0 + n.draw(i)).to_bits());
         }
     }
 

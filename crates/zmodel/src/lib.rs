@@ -58,7 +58,7 @@ mod simd;
 
 pub use data::{Batch, Batcher, Corpus, DataError};
 pub use documents::Documents;
-pub use dropout::{BlockDropout, Dropout};
+pub use dropout::{BlockDropout, Dropout, Noise};
 pub use gpt::{BlockActs, Gpt, GroupSpec, Init, KvCache, ParamSpec};
 pub use head::HeadBackward;
 pub use linear::{BlockLinear, BlockNorm, BlockSource, Products};
