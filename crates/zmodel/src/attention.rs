@@ -1388,15 +1388,7 @@ mod tests {
             ids[at] = 1;
         }
         let docs = Documents::after_eos(&ids, t, 1);
-        let x_var = Var::from_tensor(&x).unwrap();
-        let want = composed(x_var.as_tensor(), heads, Some(&docs), None).unwrap();
-        let grads = (&want * &dy)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let want_dx = grads.get(x_var.as_tensor()).unwrap().clone();
+        let (want, want_dx) = composed_and_grad(&x, &dy, heads, Some(&docs), None);
         let mut products = vec![Products::F32];
         if zgemm::has_native_bf16() {
             products.push(Products::Bf16);
@@ -1494,15 +1486,7 @@ mod tests {
             for with_documents in [false, true] {
                 let docs = documents(t);
                 let docs = with_documents.then_some(&docs);
-                let x_var = Var::from_tensor(&x).unwrap();
-                let want = composed(x_var.as_tensor(), heads, docs, Some(d)).unwrap();
-                let grads = (&want * &dy)
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .backward()
-                    .unwrap();
-                let want_dx = grads.get(x_var.as_tensor()).unwrap().clone();
+                let (want, want_dx) = composed_and_grad(&x, &dy, heads, docs, Some(d));
                 let plain = composed(&x, heads, docs, None).unwrap();
                 let moved = (&plain - &want).unwrap().abs().unwrap().max_all().unwrap();
                 assert!(moved.to_scalar::<f32>().unwrap() > 0.01, "nothing dropped");
@@ -1521,6 +1505,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// [`composed`]'s output of `x` and, by autograd, the gradient of its
+    /// product with `dy` with respect to `x`.
+    fn composed_and_grad(
+        x: &Tensor,
+        dy: &Tensor,
+        heads: Heads,
+        docs: Option<&Documents>,
+        dropout: Option<Dropout>,
+    ) -> (Tensor, Tensor) {
+        let x_var = Var::from_tensor(x).unwrap();
+        let y = composed(x_var.as_tensor(), heads, docs, dropout).unwrap();
+        let grads = (&y * dy).unwrap().sum_all().unwrap().backward().unwrap();
+        let dx = grads.get(x_var.as_tensor()).unwrap().clone();
+        (y, dx)
     }
 
     /// Every element of `got` within `tol` times the largest of `want`.

@@ -73,29 +73,13 @@ impl Dropout {
     /// dropout's forward, and its backward applied to the output's gradient.
     /// Read in place, one pass.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        let x = x.contiguous()?;
-        let (storage, layout) = x.storage_and_layout();
-        let xs = cpu_f32("dropout", &storage, layout)?;
-        let mut y = uninit_floats(xs.len());
         let d = *self;
-        y.par_chunks_mut(ELEMS_PER_TASK)
-            .zip(xs.par_chunks(ELEMS_PER_TASK))
-            .enumerate()
-            .with_max_len(1)
-            .for_each(|(task, (y, x))| {
-                let first = task * ELEMS_PER_TASK;
-                vectorised(
-                    #[inline(always)]
-                    || {
-                        for (j, (y, &x)) in y.iter_mut().zip(x).enumerate() {
-                            y.write(d.apply_one(first + j, x));
-                        }
-                    },
-                )
-            });
-        // SAFETY: the chunks of y match those of xs; every element was written.
-        let y = unsafe { assume_init(y) };
-        Tensor::from_vec(y, x.shape(), x.device())
+        map_elements(
+            "dropout",
+            x,
+            #[inline(always)]
+            move |i, x| d.apply_one(i, x),
+        )
     }
 
     /// `residual + dropout(branch)` (both f32) in one pass: a block's residual add
@@ -187,29 +171,13 @@ impl Noise {
 
     /// `x` (f32) plus the noise, in one pass.
     pub fn add_to(&self, x: &Tensor) -> Result<Tensor> {
-        let x = x.contiguous()?;
-        let (storage, layout) = x.storage_and_layout();
-        let xs = cpu_f32("neftune", &storage, layout)?;
-        let mut y = uninit_floats(xs.len());
         let n = *self;
-        y.par_chunks_mut(ELEMS_PER_TASK)
-            .zip(xs.par_chunks(ELEMS_PER_TASK))
-            .enumerate()
-            .with_max_len(1)
-            .for_each(|(task, (y, x))| {
-                let first = task * ELEMS_PER_TASK;
-                vectorised(
-                    #[inline(always)]
-                    || {
-                        for (j, (y, &x)) in y.iter_mut().zip(x).enumerate() {
-                            y.write(x + n.draw(first + j));
-                        }
-                    },
-                )
-            });
-        // SAFETY: the chunks of y match those of xs; every element was written.
-        let y = unsafe { assume_init(y) };
-        Tensor::from_vec(y, x.shape(), x.device())
+        map_elements(
+            "neftune",
+            x,
+            #[inline(always)]
+            move |i, x| x + n.draw(i),
+        )
     }
 }
 
@@ -231,6 +199,39 @@ impl BlockDropout {
             attention: self.attention.map(|d| d.site(site)),
         }
     }
+}
+
+/// `f(i, x)` of every element `x` (at index `i`) of the f32 tensor `x`,
+/// read in place, in tasks over rayon's threads, each vectorised (`f`
+/// marked `#[inline(always)]` by the caller, so that it is compiled into
+/// the vectorised loop).
+fn map_elements(
+    name: &str,
+    x: &Tensor,
+    f: impl Fn(usize, f32) -> f32 + Sync + Copy,
+) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let (storage, layout) = x.storage_and_layout();
+    let xs = cpu_f32(name, &storage, layout)?;
+    let mut y = uninit_floats(xs.len());
+    y.par_chunks_mut(ELEMS_PER_TASK)
+        .zip(xs.par_chunks(ELEMS_PER_TASK))
+        .enumerate()
+        .with_max_len(1)
+        .for_each(|(task, (y, x))| {
+            let first = task * ELEMS_PER_TASK;
+            vectorised(
+                #[inline(always)]
+                || {
+                    for (j, (y, &x)) in y.iter_mut().zip(x).enumerate() {
+                        y.write(f(first + j, x));
+                    }
+                },
+            )
+        });
+    // SAFETY: the chunks of y match those of xs; every element was written.
+    let y = unsafe { assume_init(y) };
+    Tensor::from_vec(y, x.shape(), x.device())
 }
 
 /// `lowbias32` (Chris Wellons' hash prospector) of index `i` spread by the
