@@ -1237,7 +1237,8 @@ fn dropout_goes_out_with_an_export_and_a_job_from_it_is_told() {
 /// improvement, where the rule applied to the run's own validation losses
 /// says (exit 0, an `early_stop` line naming the best, a checkpoint of the
 /// last step recording the count); `--resume auto` from it trains nothing
-/// more, and with more patience goes on from the count it recorded. A
+/// more, and with more patience goes on from the count it recorded;
+/// resumed without early stopping, it records no count. A
 /// threshold no loss can beat ends it at the `patience + 1`-th validation.
 /// Without validation, or with a patience of 0: exit 2 naming the key.
 #[test]
@@ -1328,6 +1329,25 @@ fn early_stopping_ends_the_run_where_the_rule_says() {
         "{}",
         more.stdout
     );
+    // Resumed without early stopping: its checkpoints record no count.
+    train(
+        dir,
+        &job,
+        "off.jsonl",
+        &[
+            "--resume",
+            "auto",
+            "--set",
+            "train.early_stopping=null",
+            "--set",
+            "train.steps=44",
+        ],
+    );
+    let off: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("ckpt/step-00000044/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(off.get("early_stopping").is_none(), "{off}");
 
     // No loss beats the best by 100: the third validation ends it.
     let _ = std::fs::remove_dir_all(dir.join("ckpt"));

@@ -124,7 +124,13 @@ pub fn train(
         ckpt.check_model(&spec.model)?;
         engine.load(&ckpt)?;
         data.resume_at(ckpt.manifest.step, ckpt.manifest.samples_consumed);
-        early = ckpt.manifest.early_stopping;
+        // The count goes on only where the job still stops early (a job
+        // without it records none, as transformers keeps a callback's
+        // state only while the callback is there).
+        early = ckpt
+            .manifest
+            .early_stopping
+            .filter(|_| t.early_stopping.is_some());
     }
     // Whether early stopping ends the run after `step`.
     let stops_early = |early: Option<EarlyStopState>, step: u64| {
