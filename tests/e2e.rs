@@ -284,6 +284,7 @@ fn tensorboard_and_csv_files_read_the_steps_scalars_across_a_resume() {
     for (tag, key) in [
         ("train/loss", "loss"),
         ("train/lr", "lr"),
+        ("train/epoch", "epoch"),
         ("eval/loss", "val_loss"),
     ] {
         // The resumed run's lines replace the first run's from step 4 on.
@@ -1042,5 +1043,167 @@ fn a_data_blend_trains_and_a_wrong_one_is_refused_at_its_line() {
             f.stderr
         );
         assert!(!m.exists(), "a refused job wrote metrics");
+    }
+}
+
+/// `train.epochs` sets the run's length from the data, counted as the
+/// workers count it: `ceil(epochs × sequences / global batch)` steps for
+/// one worker and for two, the windows of a token file or its packed
+/// documents; each metrics line's `epoch` is the sequences consumed over an
+/// epoch's; `warmup_ratio` is taken of those steps; and beside
+/// `train.steps`, or at 0, it is refused at its key.
+#[test]
+fn epochs_set_the_run_length_from_the_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // 2000 ids; every eleventh is 0, so the documents are 11 ids long.
+    let ids: Vec<u16> = (0..2000u16)
+        .map(|i| match i % 11 {
+            10 => 0,
+            _ => 1 + (i * 5 + i / 7) % 60,
+        })
+        .collect();
+    let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+    std::fs::write(d.join("ids.bin"), bytes).unwrap();
+    let (seq_len, micro) = (16usize, 4usize);
+    let job = d.join("epochs.yaml");
+    std::fs::write(
+        &job,
+        format!(
+            "name: epochs\n\
+             model: {{vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, seq_len: {seq_len}}}\n\
+             data: {{path: {}, format: tokens_u16}}\n\
+             train:\n  epochs: 1.5\n  micro_batch_size: {micro}\n  lr: 3.0e-3\n  warmup_ratio: 0.1\n\
+             run_dir: {}/runs/epochs\n",
+            d.join("ids.bin").display(),
+            d.display()
+        ),
+    )
+    .unwrap();
+    // Windows of seq_len + 1 tokens that do not overlap but by one.
+    let windows = (ids.len() - 1) / seq_len;
+    let steps_for =
+        |epochs: f64, global: usize| (epochs * windows as f64 / global as f64).ceil() as u64;
+    for workers in [1usize, 2] {
+        let m = d.join(format!("epochs-{workers}.jsonl"));
+        let f = TrainArgs::new(&job, &m)
+            .args(&["--workers-per-node", &workers.to_string()])
+            .run(d);
+        assert_eq!(f.code(), 0, "{f:?}");
+        let global = micro * workers;
+        let steps = steps_for(1.5, global);
+        assert!(
+            f.stdout.contains(&format!(
+                "train.epochs 1.5: {steps} steps of {global} sequences over an epoch of {windows} sequences"
+            )),
+            "{}",
+            f.stdout
+        );
+        let lines: Vec<_> = metrics(&m)
+            .into_iter()
+            .filter(|l| l.get("loss").is_some())
+            .collect();
+        assert_eq!(lines.len() as u64, steps, "{workers} worker(s)");
+        for l in &lines {
+            let step = l["step"].as_u64().unwrap();
+            let want = (step as usize * global) as f64 / windows as f64;
+            assert_eq!(l["epoch"].as_f64().unwrap(), want, "step {step}");
+        }
+        let last = lines.last().unwrap()["epoch"].as_f64().unwrap();
+        assert!(
+            (1.5..1.5 + global as f64 / windows as f64).contains(&last),
+            "{last}"
+        );
+        // warmup_ratio 0.1 of these steps: the peak rate first on step
+        // ceil(0.1 × steps).
+        let warmup = (0.1 * steps as f64).ceil() as usize;
+        let lr = |s: usize| lines[s - 1]["lr"].as_f64().unwrap();
+        // (within rounding: the decay's first step reads the peak)
+        assert!((lr(warmup) - 3.0e-3).abs() < 1e-15, "{workers} worker(s)");
+        assert!(lr(warmup - 1) < 0.95 * 3.0e-3, "{workers} worker(s)");
+    }
+    // Packed documents (bfd): an 11-id document leaves no room for another
+    // in 17, so an epoch is a sequence a document (the last, without its
+    // end-of-text id, one too).
+    let documents = ids.len().div_ceil(11);
+    let packed = [
+        "--set",
+        "data.separate_documents=true",
+        "--set",
+        "data.packing=bfd",
+        "--set",
+        "data.eos_id=0",
+        "--set",
+        "train.epochs=2",
+    ];
+    let mut args = vec!["check", job.to_str().unwrap(), "--workers-per-node", "1"];
+    args.extend(packed);
+    let f = zrun(d, &args);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let steps = (2.0 * documents as f64 / micro as f64).ceil() as u64;
+    assert!(
+        f.stdout.contains(&format!(
+            "train.epochs 2: {steps} steps of {micro} sequences over an epoch of {documents} sequences"
+        )),
+        "{}",
+        f.stdout
+    );
+    assert!(
+        f.stdout.contains(&format!("\"steps\": {steps},")),
+        "{}",
+        f.stdout
+    );
+    // Resumed on another number of workers: the steps that finish the
+    // epochs from the sequences the checkpoint had consumed, at the new
+    // batch.
+    let ckpt = d.join("ckpt");
+    let run = |m: &str, workers: &str, epochs: &str, more: &[&str]| {
+        let f = TrainArgs::new(&job, d.join(m))
+            .set(format!("checkpoint.dir={}", ckpt.display()))
+            .set(format!("train.epochs={epochs}"))
+            .args(&["--workers-per-node", workers])
+            .args(more)
+            .run(d);
+        assert_eq!(f.code(), 0, "{m}: {f:?}");
+        let lines: Vec<_> = metrics(&d.join(m))
+            .into_iter()
+            .filter(|l| l.get("loss").is_some())
+            .collect();
+        (f, lines)
+    };
+    let (_, first) = run("first.jsonl", "2", "0.5", &[]);
+    let first_steps = steps_for(0.5, 8);
+    assert_eq!(first.len() as u64, first_steps);
+    let consumed = first_steps as usize * 8;
+    let left = ((1.5 * windows as f64 - consumed as f64) / 4.0).ceil() as u64;
+    let (f, resumed) = run("resumed.jsonl", "1", "1.5", &["--resume", "auto"]);
+    let total = first_steps + left;
+    assert!(
+        f.stdout.contains(&format!(
+            "train.epochs 1.5: {total} steps of 4 sequences over an epoch of {windows} sequences"
+        )),
+        "{}",
+        f.stdout
+    );
+    let steps: Vec<u64> = resumed
+        .iter()
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (first_steps + 1..=total).collect::<Vec<_>>());
+    for l in &resumed {
+        let step = l["step"].as_u64().unwrap();
+        let sequences = consumed + (step - first_steps) as usize * 4;
+        assert_eq!(
+            l["epoch"].as_f64().unwrap(),
+            sequences as f64 / windows as f64
+        );
+    }
+    for (set, says) in [
+        ("train.steps=5", "train.epochs: goes without train.steps"),
+        ("train.epochs=0", "train.epochs: must be above 0, got 0"),
+    ] {
+        let f = zrun(d, &["check", job.to_str().unwrap(), "--set", set]);
+        assert_eq!(f.code(), 2, "{set}: {f:?}");
+        assert!(f.stderr.contains(says), "{set}: {}", f.stderr);
     }
 }

@@ -40,6 +40,7 @@ const KEYS: &[(&str, &[&str])] = &[
     ("train.early_stopping.patience", &["1", "0", "3"]),
     ("train.label_smoothing", &["0", "0.1", "1", "-0.5"]),
     ("train.warmup_ratio", &["0", "0.1", "1", "2"]),
+    ("train.epochs", &["0.01", "1", "0", "-1"]),
     ("train.neftune_noise_alpha", &["0", "5", "-1"]),
     ("model.tile_size", &["1", "256", "1000", "0"]),
     ("model.vocab_size", &["64", "63", "256", "1"]),

@@ -485,6 +485,68 @@ impl LoadedJob {
         Ok(())
     }
 
+    /// `train.epochs` (transformers' `num_train_epochs`) into `train.steps`
+    /// for `world_size` workers: `ceil(epochs × sequences / global batch)`,
+    /// at least one step, where `count` gives the sequences of one epoch of
+    /// the training data (`zdata::job::sequences_per_epoch`: zconfig reads
+    /// no data; called only when `train.epochs` is set, its error reported
+    /// at that key). The epochs run into each other (no partial batch), so
+    /// the last step may take up to one batch of the next. A run resumed
+    /// `from` a checkpoint (its step and the global sequences it had
+    /// consumed) gets the steps that finish the epochs at this batch, which
+    /// another world size than the checkpoint's changes. A `warmup_ratio`
+    /// is taken again of the steps. Call after [`Self::validate`], which
+    /// checks `epochs` itself. Returns the sequences of an epoch, if counted.
+    pub fn settle_epochs<E: std::fmt::Display>(
+        &mut self,
+        world_size: usize,
+        from: Option<(u64, u64)>,
+        count: impl FnOnce(&JobSpec) -> Result<u64, E>,
+    ) -> Result<Option<u64>, ConfigError> {
+        let Some(epochs) = self.spec.train.epochs else {
+            return Ok(None);
+        };
+        let sequences = count(&self.spec).map_err(|e| {
+            self.invalid(
+                "train.epochs",
+                format!("counting the sequences of an epoch: {e}"),
+            )
+        })?;
+        let t = &self.spec.train;
+        let global = (t.micro_batch_size * t.grad_accum * world_size) as f64;
+        let (step, consumed) = from.unwrap_or((0, 0));
+        let left = ((epochs * sequences as f64 - consumed as f64) / global).ceil();
+        let steps = step as f64 + left.max(0.0);
+        if steps > 1e12 {
+            return Err(self.invalid(
+                "train.epochs",
+                format!("{epochs} epochs of {sequences} sequences are {steps} steps: too many"),
+            ));
+        }
+        self.spec.train.steps = (steps as u64).max(1);
+        self.settle_warmup()?;
+        Ok(Some(sequences))
+    }
+
+    /// `train.epochs`'s own checks, before the data is counted: a positive
+    /// number, and not beside a `train.steps` the job chose.
+    fn validate_epochs(&self) -> Result<(), ConfigError> {
+        let Some(e) = self.spec.train.epochs else {
+            return Ok(());
+        };
+        let key = "train.epochs";
+        if e <= 0.0 {
+            return Err(self.invalid(key, format!("must be above 0, got {e}")));
+        }
+        if self.chosen("train.steps") {
+            return Err(self.invalid(
+                key,
+                "goes without train.steps (the run's length is one or the other): set one of them",
+            ));
+        }
+        Ok(())
+    }
+
     /// DeepSpeed's batch arithmetic, once the world size is known: a
     /// ds_config's `train_batch_size` must equal micro-batch × accumulation ×
     /// world size, and fills in whichever of the two factors the job left
@@ -644,6 +706,7 @@ impl LoadedJob {
     /// ds_config's `train_batch_size` for it. Reads the data files' sizes.
     pub fn validate(&mut self, world_size: usize) -> Result<(), ConfigError> {
         self.settle_batch(world_size)?;
+        self.validate_epochs()?;
         self.settle_warmup()?;
         let s = &self.spec;
         let m = &s.model;
@@ -1442,6 +1505,73 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// `train.epochs` becomes `ceil(epochs × sequences / global batch)`
+    /// steps (at least one), a resumed run's the steps that finish the
+    /// epochs from what it consumed, and `warmup_ratio` is of those steps;
+    /// the count is asked only where epochs are set, and its error, beside
+    /// `train.steps` and at 0 or below are refused at the key.
+    #[test]
+    fn epochs_become_steps_of_the_counted_sequences() {
+        let d = tempfile::tempdir().unwrap();
+        // GOOD's micro-batch is 8: 16 sequences a step on 2 workers.
+        let job = |train: &str| GOOD.replace("  steps: 5\n", train);
+        let settle = |train: &str, from, sequences: Result<u64, &str>| {
+            let p = write(d.path(), "j.yaml", &job(train));
+            let mut j = load_job(&p, &[])?;
+            j.validate(2)?;
+            let counted = j.settle_epochs(2, from, |_| sequences)?;
+            Ok::<_, ConfigError>((j.spec.train.steps, j.spec.train.warmup_steps, counted))
+        };
+        let ok = |train, from, n| settle(train, from, Ok(n)).unwrap();
+        assert_eq!(ok("  epochs: 3\n", None, 100), (19, 20, Some(100)));
+        assert_eq!(ok("  epochs: 3\n", None, 96), (18, 20, Some(96)));
+        assert_eq!(ok("  epochs: 0.001\n", None, 100), (1, 20, Some(100)));
+        assert_eq!(
+            ok("  epochs: 2\n  warmup_ratio: 0.1\n", None, 800),
+            (100, 10, Some(800))
+        );
+        // Resumed at step 10 having consumed 80 sequences (one worker's
+        // batches): 3 × 100 − 80 = 220 left, 14 steps of 16.
+        assert_eq!(
+            ok("  epochs: 3\n", Some((10, 80)), 100),
+            (24, 20, Some(100))
+        );
+        // Past the epochs already: no step left.
+        assert_eq!(
+            ok("  epochs: 1\n", Some((10, 160)), 100),
+            (10, 20, Some(100))
+        );
+        // Without epochs the count is not asked for.
+        let p = write(d.path(), "j.yaml", GOOD);
+        let mut j = load_job(&p, &[]).unwrap();
+        j.validate(2).unwrap();
+        let asked = j
+            .settle_epochs(2, None, |_| -> Result<u64, String> { panic!("counted") })
+            .unwrap();
+        assert_eq!((asked, j.spec.train.steps), (None, 5));
+        for (train, sequences, says) in [
+            (
+                "  epochs: 1\n",
+                Err("no such file"),
+                "train.epochs: counting the sequences of an epoch: no such file",
+            ),
+            (
+                "  epochs: 0\n",
+                Ok(10),
+                "train.epochs: must be above 0, got 0",
+            ),
+            ("  epochs: -2\n", Ok(10), "must be above 0, got -2"),
+            (
+                "  epochs: 1\n  steps: 4\n",
+                Ok(10),
+                "train.epochs: goes without train.steps",
+            ),
+        ] {
+            let e = settle(train, None, sequences).unwrap_err().to_string();
+            assert!(e.contains(says) && e.contains("j.yaml:"), "{train}: {e}");
         }
     }
 

@@ -469,6 +469,13 @@ pub fn token_id(bytes: &[u8]) -> u32 {
 pub struct TrainSpec {
     /// Optimizer steps.
     pub steps: u64,
+    /// The run's length in passes over the training data (transformers'
+    /// `num_train_epochs`): when set, `steps` is `ceil(epochs × sequences
+    /// of an epoch / global batch)`, which zrun counts before launch
+    /// (`Job::settle_epochs`); not beside a `steps` the job sets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
+    pub epochs: Option<f64>,
     /// Sequences per worker per micro-batch.
     pub micro_batch_size: usize,
     /// Micro-batches per optimizer step.
@@ -593,6 +600,7 @@ impl Default for TrainSpec {
             lr: 3.0e-4,
             warmup_steps: 20,
             warmup_ratio: None,
+            epochs: None,
             warmup_type: WarmupType::Linear,
             warmup_start_lr: 0.0,
             schedule: Schedule::Cosine,

@@ -39,10 +39,7 @@ pub struct HeadBackward {
     pub out: Tensor,
 }
 
-/// The target of a position that the loss leaves out (a prompt's token under
-/// an assistant-only loss): PyTorch's `ignore_index`, as an id no
-/// vocabulary reaches.
-pub const IGNORED: u32 = u32::MAX;
+pub use zdata::IGNORED;
 
 /// The cross-entropy of `logits` (`rows × vocab`, row-major) against
 /// `targets`, summed over the counted rows (those whose target is not

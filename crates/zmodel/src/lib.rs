@@ -29,21 +29,13 @@
 //! - [`dropout`]: dropout of hidden states and attention's probabilities
 //!   whose masks are a hash of each element's index, made again in
 //!   backward instead of kept.
-//! - [`documents`]: where each packed document begins in its sequence, for
-//!   attention, positions and loss that stop at document ends.
-//! - [`packing`]: whole documents packed into sequences, best fit
-//!   decreasing (TRL's `bfd`).
-//! - [`blend`]: which source of a data blend each global sample comes from,
-//!   each source its weight's share of every prefix of the samples.
-//! - [`data`]: corpora (text bytes, u16 tokens, synthetic) and the batcher that gives
-//!   each rank a disjoint, deterministic share of every global batch.
+//! - the data (corpora, packed documents, blends, each rank's batches) lives
+//!   in `zdata`, which the launcher reads too; its modules are re-exported
+//!   here, where the model's code has always found them.
 
 #![deny(missing_docs)]
 
 pub mod attention;
-pub mod blend;
-pub mod data;
-pub mod documents;
 pub mod dropout;
 pub mod gpt;
 pub mod head;
@@ -52,12 +44,9 @@ mod lanes;
 pub mod linear;
 pub mod llama_ops;
 pub mod ops;
-pub mod packing;
 pub mod params;
 mod simd;
 
-pub use data::{Batch, Batcher, Corpus, DataError};
-pub use documents::Documents;
 pub use dropout::{BlockDropout, Dropout, Noise};
 pub use gpt::{BlockActs, Gpt, GroupSpec, Init, KvCache, ParamSpec};
 pub use head::HeadBackward;
@@ -65,3 +54,5 @@ pub use linear::{BlockLinear, BlockNorm, BlockSource, Products};
 pub use params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};
 pub use simd::vectorised;
 pub use zconfig::tiles::{ColumnTile, TileError};
+pub use zdata::{blend, data, documents, packing};
+pub use zdata::{Batch, Batcher, Corpus, DataError, Documents};

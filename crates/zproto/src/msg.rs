@@ -435,6 +435,11 @@ pub struct StepTimesMs {
 pub struct StepReport {
     /// 1-based step.
     pub step: u64,
+    /// Passes over the training data once the step is done: the global
+    /// sequences consumed over the sequences of an epoch (transformers'
+    /// `epoch`).
+    #[serde(default)]
+    pub epoch: f64,
     /// Mean loss over this rank's micro-batches.
     pub loss: f64,
     /// Learning rate used.

@@ -15,6 +15,8 @@ use zproto::{CommBytes, MemBytes, StepReport, StepTimesMs};
 pub struct StepLine {
     /// Step (1-based).
     pub step: u64,
+    /// Passes over the training data after the step (fractional).
+    pub epoch: f64,
     /// Mean loss over ranks.
     pub loss: f64,
     /// Learning rate.
@@ -52,9 +54,10 @@ pub struct StepLine {
 /// The scalars a run is watched by, beside `metrics.jsonl` (TensorBoard's
 /// tags, the CSV monitor's files), in [`StepLine::scalars`]' order: the
 /// last three on the steps that have them.
-pub const SCALAR_TAGS: [&str; 9] = [
+pub const SCALAR_TAGS: [&str; 10] = [
     "train/loss",
     "train/lr",
+    "train/epoch",
     "perf/tokens_per_s",
     "perf/step_ms",
     "perf/tflops",
@@ -70,6 +73,7 @@ impl StepLine {
         let values = [
             Some(self.loss),
             Some(self.lr),
+            Some(self.epoch),
             Some(self.tokens_per_s),
             Some(self.step_ms),
             Some(self.tflops),
@@ -174,6 +178,7 @@ fn combine(rs: &[StepReport]) -> StepLine {
     let flops: f64 = rs.iter().map(|r| r.flops).sum();
     StepLine {
         step: rs[0].step,
+        epoch: rs[0].epoch,
         loss: rs.iter().map(|r| r.loss).sum::<f64>() / n,
         lr: rs[0].lr,
         step_ms,
@@ -220,6 +225,7 @@ pub(crate) mod tests {
     fn report(step: u64, loss: f64, ms: f64, rss: u64) -> StepReport {
         StepReport {
             step,
+            epoch: step as f64 / 100.0,
             loss,
             lr: 1e-3,
             grad_norm: Some(0.5),

@@ -266,7 +266,14 @@ pub fn join(plan: LaunchPlan) -> Result<ExitCode> {
     let deadline = Duration::from_secs_f64(plan.spec.comm.timeout_s);
     rt.block_on(async move {
         let (mut stream, welcome) = connect(&p, deadline).await?;
-        if let Some(d) = spec_mismatch(&plan.spec, &welcome.task) {
+        // Node 0 alone counts what a resumed `train.epochs` has left (it
+        // holds the checkpoint): its steps are the job's.
+        let mut mine = plan.spec.clone();
+        if let (Some(_), Task::Train(t)) = (mine.train.epochs, &welcome.task) {
+            mine.train.steps = t.spec.train.steps;
+            mine.train.warmup_steps = t.spec.train.warmup_steps;
+        }
+        if let Some(d) = spec_mismatch(&mine, &welcome.task) {
             let reason = format!(
                 "this node's job differs from node 0's at {d} (node 0's first): every node must run the same job file, --set and --deepspeed"
             );

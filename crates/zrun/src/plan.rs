@@ -48,6 +48,27 @@ pub struct LaunchPlan {
     pub gpu_memory: Option<f64>,
 }
 
+/// Validates `job` for `topo` ([`LoadedJob::validate_on`]) and settles
+/// `train.epochs` into steps for its world, counting an epoch's sequences
+/// with the workers' own data code (`zdata`). Returns that count where the
+/// job has `train.epochs`.
+pub fn validate(job: &mut LoadedJob, topo: &Topology) -> Result<Option<u64>> {
+    job.validate_on(topo)?;
+    let sequences = job.settle_epochs(topo.world_size(), None, zdata::job::sequences_per_epoch)?;
+    Ok(sequences)
+}
+
+/// What `train.epochs` came to, for zrun's first lines.
+pub fn describe_epochs(spec: &JobSpec, sequences: u64, world: usize) -> String {
+    let t = &spec.train;
+    format!(
+        "train.epochs {}: {} steps of {} sequences over an epoch of {sequences} sequences",
+        t.epochs.unwrap_or_default(),
+        t.steps,
+        t.micro_batch_size * t.grad_accum * world
+    )
+}
+
 /// Resolves hostfile and launch flags into a topology (bad input: exit 2).
 /// Under `--launcher slurm` the allocation gives the nodes: `--num-nodes` or
 /// `SLURM_JOB_NUM_NODES`, and `--workers-per-node` or `SLURM_NTASKS_PER_NODE`.
@@ -524,7 +545,7 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
     let mut job = load_job_with(&args.job, &args.set, args.deepspeed.as_deref())?;
     warn_deepspeed(&job);
     let topo = topology(&args.launch)?;
-    job.validate_on(&topo)?;
+    let epoch = validate(&mut job, &topo)?;
     let plan = plan_launch(&args.launch, job.spec.clone(), topo)?;
     // What `zrun train` refuses before launch, on this host's jobs.
     crate::train::check_memory(&plan)?;
@@ -535,6 +556,10 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
     say!("{}", serde_json::to_string_pretty(&plan.spec)?);
     if let Some((config, keys)) = job.model_from() {
         say!("# from {}: {}", config.display(), keys.join(", "));
+    }
+    if let Some(sequences) = epoch {
+        let world = plan.topology.world_size();
+        say!("# {}", describe_epochs(&plan.spec, sequences, world));
     }
     print_deepspeed_sources(&job, plan.topology.world_size())?;
     say!(

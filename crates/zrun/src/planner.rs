@@ -586,6 +586,7 @@ fn verify(args: &PlanArgs, candidates: &mut [Candidate]) -> Result<()> {
         let mut sets = args.set.clone();
         sets.extend(as_sets(&c.sets));
         sets.push(format!("train.steps={}", args.verify_steps));
+        sets.push("train.epochs=null".into());
         sets.push("checkpoint.dir=null".into());
         sets.push("train.eval_every=0".into());
         for s in sets {

@@ -39,6 +39,15 @@ impl Progress {
         }
     }
 
+    /// The run's length changed (a restart on fewer workers recounted
+    /// `train.epochs`).
+    pub fn set_steps(&mut self, steps: u64) {
+        if let Some(b) = &self.bar {
+            b.set_length(steps);
+        }
+        self.steps = steps;
+    }
+
     /// Prints a line without disturbing the bar.
     pub fn println(&self, line: &str) {
         match &self.bar {
@@ -72,10 +81,11 @@ impl Progress {
                     None => "gradients overflowed, step skipped".into(),
                 };
                 say!(
-                    "step {}/{} {msg} · lr {:.2e} · {norm}",
+                    "step {}/{} {msg} · lr {:.2e} · {norm} · epoch {:.2}",
                     line.step,
                     self.steps,
-                    line.lr
+                    line.lr,
+                    line.epoch
                 );
             }
             None => {}

@@ -285,7 +285,9 @@ fn sets_for(c: &[(String, String)], args: &BenchJobArgs) -> Vec<String> {
             .filter(|(k, _)| k != WORKERS)
             .map(|(k, v)| format!("{k}={v}")),
     );
+    // The bench's own length, whatever the job's (`train.epochs` too).
     sets.push(format!("train.steps={}", args.steps));
+    sets.push("train.epochs=null".into());
     sets.push("checkpoint.dir=null".into());
     sets.push("checkpoint.every=0".into());
     sets

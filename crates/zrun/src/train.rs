@@ -25,6 +25,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     let mut job = load_job_with(&args.job, &args.set, args.deepspeed.as_deref())?;
     crate::plan::warn_deepspeed(&job);
     let per_node = crate::pernode::resolve(&args.launch, &args.per_node)?;
+    let epoch;
     let plan = match per_node {
         Some(p) => {
             if args.max_restarts > 0 {
@@ -32,7 +33,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                     "--max-restarts: in per-node mode the cluster restarts the nodes (Kubernetes restartPolicy, JobSet failurePolicy); run with `--resume auto` to continue from the newest checkpoint",
                 ));
             }
-            job.validate_on(&crate::pernode::topology(&p))?;
+            epoch = crate::plan::validate(&mut job, &crate::pernode::topology(&p))?;
             let plan = plan_per_node(
                 &args.launch,
                 args.per_node.node_addr.as_deref(),
@@ -51,7 +52,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         None => {
             let launch = crate::plan::with_gpu_defaults(&args.launch, &job.spec);
             let topo = topology(&launch)?;
-            job.validate_on(&topo)?;
+            epoch = crate::plan::validate(&mut job, &topo)?;
             plan_launch(&launch, job.spec.clone(), topo)?
         }
     };
@@ -75,13 +76,24 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     }
     check_init_from(&plan.spec)?;
     let resume = resolve_resume(args.resume.as_deref(), &plan.spec)?;
+    let mut plan = plan;
+    if let Some(sequences) = epoch {
+        if let Some((dir, step)) = &resume {
+            resume_epochs(&mut job, &mut plan, sequences, dir, *step)?;
+        }
+        let world = plan.topology.world_size();
+        say!(
+            "zrun: {}",
+            crate::plan::describe_epochs(&plan.spec, sequences, world)
+        );
+    }
     crate::monitor::check(&plan.spec, resume.is_some())?;
     if args.max_restarts > 0 && plan.spec.checkpoint.dir.is_none() {
         return Err(Failure::bad_input(
             "--max-restarts: a restart resumes from a checkpoint; the job has no checkpoint.dir",
         ));
     }
-    let steps = plan.spec.train.steps;
+    let mut steps = plan.spec.train.steps;
     if let Some((dir, step)) = &resume {
         if *step > steps {
             say!("zrun: {dir} is at step {step}, past train.steps = {steps}: nothing to do (raise train.steps to train on)");
@@ -159,7 +171,6 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     if let Some((r, _)) = &resume {
         progress.println(&format!("zrun: resuming from {r}"));
     }
-    let mut plan = plan;
     let mut world = plan.topology.world_size();
     let heartbeat = Duration::from_secs_f64(plan.spec.comm.heartbeat_s);
     let rendezvous = Duration::from_secs_f64(plan.spec.comm.timeout_s);
@@ -321,9 +332,14 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                 restarts_left -= 1;
                 if args.restart_exclude_failed {
                     if let Some(rest) = culprit.and_then(|r| without_node_of(&plan.topology, r)) {
-                        job.validate_on(&rest)?;
+                        let epoch = crate::plan::validate(&mut job, &rest)?;
                         plan = plan_launch(&args.launch, job.spec.clone(), rest)?;
                         world = plan.topology.world_size();
+                        if let Some(sequences) = epoch {
+                            resume_epochs(&mut job, &mut plan, sequences, &dir, step)?;
+                            steps = plan.spec.train.steps;
+                            progress.set_steps(steps);
+                        }
                     }
                 }
                 // The dead run's unfinished save (if any) can never be resumed
@@ -411,6 +427,29 @@ fn newest_intact(spec: &zconfig::JobSpec) -> (Option<(String, u64)>, Vec<String>
 /// `--resume DIR|auto` → a verified checkpoint of this model (bad ones: exit 2).
 /// `auto` with no checkpoint yet starts from scratch.
 /// Returns the checkpoint directory and its step.
+/// `train.epochs` for a run resumed from `dir` at `step`: the steps that
+/// finish the epochs from the sequences that checkpoint had consumed, at
+/// this launch's global batch (another world size than the checkpoint's
+/// changes how many steps are left, not how many epochs).
+fn resume_epochs(
+    job: &mut zconfig::LoadedJob,
+    plan: &mut LaunchPlan,
+    sequences: u64,
+    dir: &str,
+    step: u64,
+) -> Result<()> {
+    let consumed = crate::open_checkpoint(Path::new(dir))?
+        .manifest
+        .samples_consumed;
+    let world = plan.topology.world_size();
+    job.settle_epochs(world, Some((step, consumed)), |_| {
+        Ok::<_, String>(sequences)
+    })?;
+    plan.spec.train.steps = job.spec.train.steps;
+    plan.spec.train.warmup_steps = job.spec.train.warmup_steps;
+    Ok(())
+}
+
 fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<(String, u64)>> {
     let Some(arg) = arg else { return Ok(None) };
     if arg == "auto" {

@@ -8,8 +8,9 @@ use anyhow::{Context, Result};
 use zckpt::{Checkpoint, EarlyStopState};
 use zcomm::{CounterSnapshot, Op};
 use zconfig::JobSpec;
+use zdata::job::Sources;
+use zdata::Batcher;
 use zengine::{Engine, MemoryUse, ProcessGroups, StepStats};
-use zmodel::{Batcher, Corpus};
 use zproto::{ByOp, CommBytes, IoReport, MemBytes, StepReport, StepTimesMs, ToServer};
 
 use crate::checkpoint::{save, Validation};
@@ -38,47 +39,9 @@ pub fn train(
     client: &ControlClient,
 ) -> Result<crate::Ended> {
     let t = &spec.train;
-    let d = &spec.data;
-    let vocab = spec.model.vocab_size;
-    // Each source (data.path, or each of data.blend's) with its weight, and
-    // its held-out tail under data.val_fraction, blended as its source is.
-    let mut sources = Vec::new();
-    let mut held_out = Vec::new();
-    for (_, path, weight) in d.sources() {
-        let (train, tail) =
-            Corpus::load(&path, d.format, vocab, t.seed)?.split_tail(d.val_fraction);
-        sources.push((train, weight));
-        held_out.extend(tail.map(|c| (c, weight)));
-    }
-    let held_out = match &d.val_path {
-        Some(_) => vec![(Corpus::load(&d.val_path, d.format, vocab, t.seed)?, 1.0)],
-        None => held_out,
-    };
-    // Documents kept apart, at the same end-of-text id in training and
-    // validation data.
-    let eos = match d.separate_documents {
-        true => Some(d.document_eos().map_err(anyhow::Error::msg)?),
-        false => None,
-    };
-    let batcher = |sources, accum| -> Result<Batcher> {
-        let shape = (
-            spec.model.seq_len,
-            t.micro_batch_size,
-            accum,
-            env.world_size,
-            env.rank,
-            t.seed,
-        );
-        let b = Batcher::blended(sources, shape)?;
-        use zconfig::spec::Packing;
-        use zmodel::packing::Overflow;
-        Ok(match (eos, d.packing) {
-            (Some(eos), Packing::Bfd) => b.pack_documents(eos, Overflow::Truncate)?,
-            (Some(eos), Packing::BfdSplit) => b.pack_documents(eos, Overflow::Split)?,
-            (Some(eos), Packing::Wrapped) => b.separate_documents(eos),
-            (None, _) => b,
-        })
-    };
+    let Sources { train, held_out } = Sources::open(spec)?;
+    let batcher =
+        |sources, accum| zdata::job::batcher(spec, sources, accum, env.world_size, env.rank);
     // Validation: the same `eval_steps` micro-batches of the held-out tail at
     // every evaluation, each rank its share.
     let val_batches = match held_out.is_empty() {
@@ -92,7 +55,7 @@ pub fn train(
         }
         true => None,
     };
-    let mut data = batcher(sources, t.grad_accum)?;
+    let mut data = batcher(train, t.grad_accum)?;
     if env.rank == 0 {
         let packed = data.packed();
         for (i, p) in packed.iter().enumerate() {
@@ -196,6 +159,7 @@ pub fn train(
         };
         client.send(&ToServer::Report(Box::new(StepReport {
             step: st.step,
+            epoch: data.samples_consumed(st.step) as f64 / data.windows() as f64,
             loss: st.loss,
             lr: st.lr,
             grad_norm: (!st.skipped).then_some(st.grad_norm),
@@ -320,7 +284,7 @@ fn by_op<T>(f: impl Fn(Op) -> T) -> ByOp<T> {
 /// What packing whole documents did (`data.packing: bfd`, `bfd_split`):
 /// how much of the sequences is padding, a warning where documents were
 /// cut, and how many were split.
-fn report_packing(p: &zmodel::packing::Packed, capacity: usize, which: &str) {
+fn report_packing(p: &zdata::packing::Packed, capacity: usize, which: &str) {
     let room = p.len() * capacity;
     let padding = 100.0 * (room - p.tokens()) as f64 / room.max(1) as f64;
     tracing::info!(

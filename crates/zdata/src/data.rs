@@ -34,8 +34,8 @@ use zconfig::{data_files, DataFormat};
 
 use crate::blend::BlendSchedule;
 use crate::documents::Documents;
-use crate::head::IGNORED;
 use crate::packing::{Overflow, Packed};
+use crate::IGNORED;
 
 /// Why data could not be loaded.
 #[derive(Debug, thiserror::Error)]
