@@ -589,7 +589,11 @@ extern "C" __global__ void causal_softmax_backward(const float* p, float* dp, un
 // One block per row of logits [rows, vocab]: loss[r] = log Σ exp(x - max) -
 // (x_target - max); with `grad`, the row becomes coef·(softmax - onehot), the
 // gradient of the loss summed over the rows and divided by the divisor,
-// times the loss scale (coef = scale / divisor: rows, for the mean); with
+// times the loss scale (coef = scale / divisor: rows, for the mean). With
+// label smoothing ε > 0 (transformers' LabelSmoother, as zmodel's head):
+// loss[r] = (1 - ε)·that + ε·(log Σ exp(x - max) - mean(x - max)), the mean
+// over the vocabulary of -log p, and the gradient coef·(softmax - (1 -
+// ε)·onehot - ε/vocab). With
 // g16 too, that gradient's 16-bit values (fmt16) are written there instead
 // (the logits are then left as they were): the head's 16-bit products read
 // them, and no pass rounds them. A row whose target is IGNORED (a loss
@@ -597,7 +601,7 @@ extern "C" __global__ void causal_softmax_backward(const float* p, float* dp, un
 #define IGNORED 0xFFFFFFFFu
 extern "C" __global__ void cross_entropy(float* logits, const unsigned int* targets,
                                          float* loss, unsigned short* g16, int fmt16,
-                                         int vocab, float coef, int grad)
+                                         int vocab, float coef, float smoothing, int grad)
 {
     __shared__ float scratch[WARP];
     float* x = logits + (unsigned long long)blockIdx.x * vocab;
@@ -622,14 +626,23 @@ extern "C" __global__ void cross_entropy(float* logits, const unsigned int* targ
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) s += expf(x[j] - m);
     s = block_sum(s, scratch);
     float picked = x[tgt] - m;
+    float nll = logf(s) - picked, uniform = 0.0f, picked_coef = coef;
+    if (smoothing > 0.0f) {
+        float sx = 0.0f;
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) sx += x[j];
+        float mean = block_sum(sx, scratch) / vocab - m;
+        nll = (1.0f - smoothing) * nll + smoothing * (logf(s) - mean);
+        uniform = coef * smoothing / vocab;
+        picked_coef = coef * (1.0f - smoothing);
+    }
     __syncthreads();
-    if (threadIdx.x == 0) loss[blockIdx.x] = logf(s) - picked;
+    if (threadIdx.x == 0) loss[blockIdx.x] = nll;
     if (!grad) return;
     float inv = coef / s;
     unsigned short* y16 = g16 ? g16 + (unsigned long long)blockIdx.x * vocab : 0;
     for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-        float p = expf(x[j] - m) * inv;
-        float v = j == (int)tgt ? p - coef : p;
+        float p = expf(x[j] - m) * inv - uniform;
+        float v = j == (int)tgt ? p - picked_coef : p;
         if (y16) {
             y16[j] = round16(v, fmt16);
         } else {

@@ -460,6 +460,17 @@ fn packed_documents_on_the_gpu_follow_the_cpu_loss_curve_and_its_stages_agree() 
     });
 }
 
+/// Label smoothing (`train.label_smoothing`, in the head's cross-entropy
+/// kernel): the GPU's smoothed losses follow the CPU's, and its stages
+/// agree.
+#[test]
+fn label_smoothing_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
+    a_variant_on_the_gpu("label_smoothing", |extra| {
+        let base = ["train.label_smoothing=0.1"];
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
+    });
+}
+
 fn a_variant_on_the_gpu(name: &str, sets: impl Fn(&[&str]) -> Vec<String>) {
     let test = format!("{name}_on_the_gpu_follows_the_cpu_loss_curve");
     if gpus_or_skip(&test).is_none() {

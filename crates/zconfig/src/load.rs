@@ -808,13 +808,15 @@ impl LoadedJob {
                 return Err(self.invalid(key, format!("must be a positive number, got {v}")));
             }
         }
-        for (key, p) in [
-            ("model.hidden_dropout", m.hidden_dropout),
-            ("model.attention_dropout", m.attention_dropout),
-            ("train.label_smoothing", Some(s.train.label_smoothing)),
+        // Each with whether the GPU model runs it.
+        for (key, p, on_gpu) in [
+            ("model.hidden_dropout", m.hidden_dropout, false),
+            ("model.attention_dropout", m.attention_dropout, false),
+            ("train.label_smoothing", Some(s.train.label_smoothing), true),
             (
                 "train.neftune_noise_alpha",
                 Some(s.train.neftune_noise_alpha),
+                false,
             ),
         ] {
             let Some(p) = p else { continue };
@@ -827,7 +829,7 @@ impl LoadedJob {
                 };
                 return Err(self.invalid(key, format!("must be {range}, got {p}")));
             }
-            if p > 0.0 && self.spec.device == Device::Cuda {
+            if p > 0.0 && self.spec.device == Device::Cuda && !on_gpu {
                 return Err(self.invalid(
                     key,
                     "runs on CPU workers only so far: drop it (or set 0) for device: cuda",

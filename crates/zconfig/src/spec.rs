@@ -996,7 +996,6 @@ impl JobSpec {
         for (key, p) in [
             ("model.hidden_dropout", self.model.hidden_dropout()),
             ("model.attention_dropout", self.model.attention_dropout()),
-            ("train.label_smoothing", self.train.label_smoothing),
             ("train.neftune_noise_alpha", self.train.neftune_noise_alpha),
         ] {
             if p > 0.0 {

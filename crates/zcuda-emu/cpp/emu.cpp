@@ -188,9 +188,9 @@ void emu_causal_softmax(const float* probs, float* s, unsigned short* s16, int f
 }
 
 void emu_cross_entropy(float* logits, const unsigned* targets, float* loss, unsigned short* g16,
-                       int fmt16, int n, int vocab, float coef, int grad) {
+                       int fmt16, int n, int vocab, float coef, float smoothing, int grad) {
     emu_launch(k::cross_entropy, rows(n), threads(), logits, targets, loss, g16, fmt16, vocab,
-               coef, grad);
+               coef, smoothing, grad);
 }
 
 void emu_embed_backward(const float* dx, const unsigned* present, const unsigned* start,

@@ -217,6 +217,7 @@ extern "C" {
         n: c_int,
         vocab: c_int,
         coef: c_float,
+        smoothing: c_float,
         grad: c_int,
     );
     fn emu_embed_backward(
@@ -743,14 +744,15 @@ pub fn causal_softmax(
     };
 }
 
-/// Cross-entropy of `logits`' rows of `vocab` against `targets`: each row's
-/// loss; with `coef`, the row becomes `coef·(softmax − onehot)` in place, or
-/// with `g16` too, that gradient's 16-bit values go there instead.
+/// Cross-entropy of `logits`' rows of `vocab` against `targets`, label
+/// smoothed by `smoothing` (0: none): each row's loss; with `coef`, the row
+/// becomes its gradient times `coef` in place, or with `g16` too, that
+/// gradient's 16-bit values go there instead.
 pub fn cross_entropy(
     logits: &mut [f32],
     targets: &[u32],
     vocab: usize,
-    coef: Option<f32>,
+    (coef, smoothing): (Option<f32>, f32),
     g16: Option<Out16<'_>>,
 ) -> Vec<f32> {
     let n = targets.len();
@@ -772,6 +774,7 @@ pub fn cross_entropy(
             int(n),
             int(vocab),
             coef.unwrap_or(0.0),
+            smoothing,
             i32::from(coef.is_some()),
         )
     };

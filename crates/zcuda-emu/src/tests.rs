@@ -596,6 +596,8 @@ fn causal_softmax_against_f64(t: usize, scale: f32, first: Option<&[u32]>, heads
     }
 }
 
+/// Plain and label smoothed (transformers' `LabelSmoother`: the mean over
+/// the vocabulary of −log p weighted ε, the target's (1 − ε)).
 #[test]
 fn cross_entropy_and_its_gradient_match_an_f64_reference() {
     let (n, vocab) = (30usize, 300usize);
@@ -604,46 +606,61 @@ fn cross_entropy_and_its_gradient_match_an_f64_reference() {
         .map(|i| (i * 37 + 11) % vocab as u32)
         .collect();
     let coef = 0.5 / n as f32;
-    let mut grad = logits.clone();
-    let loss = cross_entropy(&mut grad, &targets, vocab, Some(coef), None);
-    let mut plain = logits.clone();
-    assert_eq!(cross_entropy(&mut plain, &targets, vocab, None, None), loss);
-    assert_eq!(plain, logits, "without the gradient the logits stay");
-    // The gradient's 16-bit values in place of its f32 ones: the f32
-    // gradient's rounding, bit for bit, and the logits left as they were.
-    for fmt in [Fmt16::Bf16, Fmt16::F16] {
-        let (mut kept, mut g16) = (logits.clone(), vec![0u16; n * vocab]);
-        let loss16 = cross_entropy(
-            &mut kept,
-            &targets,
-            vocab,
-            Some(coef),
-            Some((fmt, &mut g16)),
-        );
-        assert_eq!(loss16, loss, "{fmt:?}: the losses");
+    let mut plain_loss = Vec::new();
+    for eps in [0.0f32, 0.1] {
+        let mut grad = logits.clone();
+        let loss = cross_entropy(&mut grad, &targets, vocab, (Some(coef), eps), None);
+        let mut plain = logits.clone();
         assert_eq!(
-            kept, logits,
-            "{fmt:?}: the logits stay when the gradient goes to 16 bits"
+            cross_entropy(&mut plain, &targets, vocab, (None, eps), None),
+            loss
         );
-        assert_eq!(g16, rounded16(fmt, &grad), "{fmt:?}: the gradient's bits");
-    }
-    let (mut want_loss, mut want_grad) = (vec![0f32; n], vec![0f32; n * vocab]);
-    for (r, row) in logits.chunks(vocab).enumerate() {
-        let m = row
-            .iter()
-            .map(|&v| f64::from(v))
-            .fold(f64::NEG_INFINITY, f64::max);
-        let sum: f64 = row.iter().map(|&v| (f64::from(v) - m).exp()).sum();
-        let tgt = targets[r] as usize;
-        want_loss[r] = (sum.ln() - (f64::from(row[tgt]) - m)) as f32;
-        for (j, &v) in row.iter().enumerate() {
-            let p = (f64::from(v) - m).exp() / sum;
-            let onehot = if j == tgt { 1.0 } else { 0.0 };
-            want_grad[r * vocab + j] = (f64::from(coef) * (p - onehot)) as f32;
+        assert_eq!(plain, logits, "without the gradient the logits stay");
+        // The gradient's 16-bit values in place of its f32 ones: the f32
+        // gradient's rounding, bit for bit, and the logits left as they were.
+        for fmt in [Fmt16::Bf16, Fmt16::F16] {
+            let (mut kept, mut g16) = (logits.clone(), vec![0u16; n * vocab]);
+            let loss16 = cross_entropy(
+                &mut kept,
+                &targets,
+                vocab,
+                (Some(coef), eps),
+                Some((fmt, &mut g16)),
+            );
+            assert_eq!(loss16, loss, "{fmt:?}: the losses");
+            assert_eq!(
+                kept, logits,
+                "{fmt:?}: the logits stay when the gradient goes to 16 bits"
+            );
+            assert_eq!(g16, rounded16(fmt, &grad), "{fmt:?}: the gradient's bits");
         }
+        let e = f64::from(eps);
+        let (mut want_loss, mut want_grad) = (vec![0f32; n], vec![0f32; n * vocab]);
+        for (r, row) in logits.chunks(vocab).enumerate() {
+            let m = row
+                .iter()
+                .map(|&v| f64::from(v))
+                .fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = row.iter().map(|&v| (f64::from(v) - m).exp()).sum();
+            let mean: f64 = row.iter().map(|&v| f64::from(v) - m).sum::<f64>() / vocab as f64;
+            let tgt = targets[r] as usize;
+            let nll = sum.ln() - (f64::from(row[tgt]) - m);
+            want_loss[r] = ((1.0 - e) * nll + e * (sum.ln() - mean)) as f32;
+            for (j, &v) in row.iter().enumerate() {
+                let p = (f64::from(v) - m).exp() / sum;
+                let onehot = if j == tgt { 1.0 } else { 0.0 };
+                let g = p - (1.0 - e) * onehot - e / vocab as f64;
+                want_grad[r * vocab + j] = (f64::from(coef) * g) as f32;
+            }
+        }
+        close("cross-entropy losses", &loss, &want_loss);
+        close("cross-entropy gradient", &grad, &want_grad);
+        plain_loss.push(loss);
     }
-    close("cross-entropy losses", &loss, &want_loss);
-    close("cross-entropy gradient", &grad, &want_grad);
+    assert_ne!(
+        plain_loss[0], plain_loss[1],
+        "the smoothing changed nothing"
+    );
 }
 
 #[test]

@@ -566,6 +566,8 @@ pub struct GptGpu {
     /// Whether attention runs attention.cu's fused kernels
     /// ([`GptGpu::use_fused_attention`]).
     fused_attention: bool,
+    /// Training's label smoothing ([`GptGpu::use_label_smoothing`]).
+    label_smoothing: f32,
     /// The column kernels' finished-block counts, one a stripe of
     /// [`ROW_THREADS`] columns, zero between launches (gpt.cu's
     /// `last_of_stripe`); grown to the widest use.
@@ -624,6 +626,7 @@ impl GptGpu {
             fmt16: 0,
             tf32: false,
             fused_attention: false,
+            label_smoothing: 0.0,
             stripes_done: Mutex::new(None),
         })
     }
@@ -644,6 +647,21 @@ impl GptGpu {
         }
         self.half_products = Some(format);
         self.fmt16 = format.code();
+        Ok(())
+    }
+
+    /// Smooths training's labels by `epsilon` from now on (`train.label_smoothing`,
+    /// transformers' `LabelSmoother`, as zmodel's head does): the loss of a
+    /// [`GptGpu::head`] with `backward` is `(1 − ε)·(−log p(target)) + ε·mean over the
+    /// vocabulary of −log p`, and its gradient that loss's. A head without
+    /// `backward` (validation) stays the plain cross-entropy.
+    pub fn use_label_smoothing(&mut self, epsilon: f64) -> Result<(), CudaError> {
+        if !(0.0..1.0).contains(&epsilon) {
+            return Err(CudaError::Invalid(format!(
+                "label smoothing must be in [0, 1), got {epsilon}"
+            )));
+        }
+        self.label_smoothing = epsilon as f32;
         Ok(())
     }
 
@@ -1207,6 +1225,10 @@ impl GptGpu {
             )));
         }
         let (v32, coef, grad) = (vocab as i32, (scale / divisor) as f32, backward as i32);
+        let smoothing = match backward {
+            true => self.label_smoothing,
+            false => 0.0,
+        };
         let mut l = self
             .gpu
             .stream()
@@ -1217,11 +1239,15 @@ impl GptGpu {
             Some(g) => l.arg(g),
             None => l.arg(&null),
         };
-        l.arg(&self.fmt16).arg(&v32).arg(&coef).arg(&grad);
+        l.arg(&self.fmt16)
+            .arg(&v32)
+            .arg(&coef)
+            .arg(&smoothing)
+            .arg(&grad);
         // SAFETY: cross_entropy(logits[n·vocab], targets[n] < vocab or
         // IGNORED (checked),
-        // loss[n], g16[n·vocab] or null, fmt16, vocab, coef, grad), one block
-        // per row.
+        // loss[n], g16[n·vocab] or null, fmt16, vocab, coef, smoothing,
+        // grad), one block per row.
         self.launched("cross_entropy", unsafe { l.launch(rows_config(n)) })?;
         let loss = self
             .gpu

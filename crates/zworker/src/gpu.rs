@@ -87,6 +87,8 @@ pub fn attach(
         gpu.allow_tf32()
             .map_err(|e| anyhow::anyhow!("train.allow_tf32: GPU {ordinal}: {e}"))?;
     }
+    gpu.use_label_smoothing(spec.train.label_smoothing)
+        .map_err(|e| anyhow::anyhow!("train.label_smoothing: {e}"))?;
     // bf16 and f16 multiply 16-bit operands with f32 sums (as autocast
     // does); a GPU older than 8.0 multiplies f32 values of the bf16
     // weights, as a CPU without native bf16 does.
