@@ -338,16 +338,62 @@ extern "C" __global__ void column_sums(const float* a, unsigned short* a16, int 
     if (last_of_stripe(done) && c < width) out[c] = column_sum(part, 0, gridDim.y, width, c, true);
 }
 
-// y = (y [+ b]) [+ res], per row of `width` (b null: LLaMA's linears have
-// no bias).
+// Dropout's masks as zmodel's dropout.rs makes them, so that the GPU drops
+// what the CPU drops: element i of a tensor is kept where mask_hash(key, i)
+// (lowbias32 of the index spread by the golden ratio and mixed with the
+// key) is at least `threshold` (p·2³²), then scaled by `scale` (1/(1 - p));
+// a threshold of 0 drops and scales nothing. The keys (which step,
+// micro-batch, rank, block and site) are the host's.
+__device__ __forceinline__ unsigned mask_hash(unsigned key, unsigned long long i)
+{
+    unsigned x = (unsigned)i * 0x9E3779B9u ^ key ^ (unsigned)(i >> 32) * 0x85EBCA6Bu;
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
+__device__ __forceinline__ float dropped(float v, unsigned long long i, unsigned threshold,
+                                         float scale, unsigned key)
+{
+    if (threshold == 0) return v;
+    return mask_hash(key, i) >= threshold ? __fmul_rn(v, scale) : 0.0f;
+}
+
+// y = dropout(y [+ b]) [+ res], per row of `width` (b null: LLaMA's
+// linears have no bias; the mask as dropped's, none with threshold 0): a
+// linear's bias and a block's residual add, its branch dropped first.
 extern "C" __global__ void bias_residual(float* y, const float* b, const float* res,
-                                         unsigned long long n, int width)
+                                         unsigned long long n, int width, unsigned threshold,
+                                         float scale, unsigned key)
 {
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < n * width; i += stride) {
         float v = b ? y[i] + b[i % width] : y[i];
-        y[i] = res ? res[i] + v : v;
+        v = dropped(v, i, threshold, scale, key);
+        y[i] = res ? __fadd_rn(res[i], v) : v;
+    }
+}
+
+// y = dropout(x + noise), element by element (y may be x): NEFTune's noise
+// where mag > 0 (a uniform draw from [-mag, mag), 24 bits of the hash under
+// noise_key: zmodel's Noise), then the mask (a threshold of 0: none). The
+// embeddings' output in training, and a dropped output's gradient (mag 0).
+extern "C" __global__ void dropout_noise(const float* x, float* y, unsigned long long n,
+                                         unsigned threshold, float scale, unsigned key,
+                                         float mag, unsigned noise_key)
+{
+    unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += stride) {
+        float v = x[i];
+        if (mag > 0.0f) {
+            float unit = __fmul_rn((float)(mask_hash(noise_key, i) >> 8), 1.0f / 16777216.0f);
+            v = __fadd_rn(v, __fmul_rn(__fadd_rn(2.0f * unit, -1.0f), mag));
+        }
+        y[i] = dropped(v, i, threshold, scale, key);
     }
 }
 

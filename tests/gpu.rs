@@ -471,6 +471,36 @@ fn label_smoothing_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() 
     });
 }
 
+/// Hidden dropout and NEFTune (`model.hidden_dropout`,
+/// `train.neftune_noise_alpha`: gpt.cu's `bias_residual` and
+/// `dropout_noise` under zmodel's keys): the GPU drops and draws what the
+/// CPU does, so its losses follow the CPU run's; its stages agree (the
+/// host flow's embedding backward drops on the host, the resident one's
+/// on the GPU); and activation checkpointing's recomputed forward drops
+/// the same elements, to the bit.
+#[test]
+fn dropout_and_neftune_on_the_gpu_follow_the_cpu_loss_curve_and_its_stages_agree() {
+    let sets = |extra: &[&str]| -> Vec<String> {
+        let base = ["model.hidden_dropout=0.1", "train.neftune_noise_alpha=0.5"];
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    a_variant_on_the_gpu("dropout", sets);
+    if gpus().is_err() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let plain = train(dir.path(), "plain", 1, &sets(&["device=cuda"]));
+    let recomputed = train(
+        dir.path(),
+        "recomputed",
+        1,
+        &sets(&["device=cuda", "train.activation_checkpointing=true"]),
+    );
+    assert_eq!(recomputed, plain, "activation checkpointing on the GPU");
+    let undropped = train(dir.path(), "undropped", 1, &["device=cuda".into()]);
+    assert_ne!(plain, undropped, "the dropout changed nothing");
+}
+
 fn a_variant_on_the_gpu(name: &str, sets: impl Fn(&[&str]) -> Vec<String>) {
     let test = format!("{name}_on_the_gpu_follows_the_cpu_loss_curve");
     if gpus_or_skip(&test).is_none() {

@@ -810,13 +810,13 @@ impl LoadedJob {
         }
         // Each with whether the GPU model runs it.
         for (key, p, on_gpu) in [
-            ("model.hidden_dropout", m.hidden_dropout, false),
+            ("model.hidden_dropout", m.hidden_dropout, true),
             ("model.attention_dropout", m.attention_dropout, false),
             ("train.label_smoothing", Some(s.train.label_smoothing), true),
             (
                 "train.neftune_noise_alpha",
                 Some(s.train.neftune_noise_alpha),
-                false,
+                true,
             ),
         ] {
             let Some(p) = p else { continue };

@@ -137,8 +137,15 @@ void emu_embed(const unsigned* tok, const float* wte, const float* wpe, const un
 }
 
 void emu_bias_residual(float* y, const float* b, const float* res, unsigned long long n,
-                       int width) {
-    emu_launch(k::bias_residual, STRIDED_GRID, STRIDED_BLOCK, y, b, res, n, width);
+                       int width, unsigned threshold, float scale, unsigned key) {
+    emu_launch(k::bias_residual, STRIDED_GRID, STRIDED_BLOCK, y, b, res, n, width, threshold,
+               scale, key);
+}
+
+void emu_dropout_noise(const float* x, float* y, unsigned long long n, unsigned threshold,
+                       float scale, unsigned key, float mag, unsigned noise_key) {
+    emu_launch(k::dropout_noise, STRIDED_GRID, STRIDED_BLOCK, x, y, n, threshold, scale, key, mag,
+               noise_key);
 }
 
 void emu_layer_norm_backward(const float* x, const float* w, const float* mean, const float* rstd,
@@ -354,6 +361,7 @@ const NamedKernel EMU_KERNELS[] = {
     EMU_KERNEL(k, rms_norm_param_partials),
     EMU_KERNEL(k, column_sums),
     EMU_KERNEL(k, bias_residual),
+    EMU_KERNEL(k, dropout_noise),
     EMU_KERNEL(k, gelu),
     EMU_KERNEL(k, gelu_backward),
     EMU_KERNEL(k, causal_softmax),

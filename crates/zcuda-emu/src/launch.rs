@@ -258,6 +258,19 @@ extern "C" {
         res: *const c_float,
         n: c_ulonglong,
         width: c_int,
+        threshold: c_uint,
+        scale: c_float,
+        key: c_uint,
+    );
+    fn emu_dropout_noise(
+        x: *const c_float,
+        y: *mut c_float,
+        n: c_ulonglong,
+        threshold: c_uint,
+        scale: c_float,
+        key: c_uint,
+        mag: c_float,
+        noise_key: c_uint,
     );
 }
 
@@ -598,13 +611,25 @@ pub fn embed(
     x
 }
 
-/// `y = y (+ b) (+ res)` over rows of `width`, in place.
-pub fn bias_residual(y: &mut [f32], b: Option<&[f32]>, res: Option<&[f32]>, width: usize) {
+/// A dropout's (threshold, scale, key), as gpt.cu's kernels take them
+/// (zcuda's `Mask`; a threshold of 0 drops nothing).
+pub type MaskArgs = (u32, f32, u32);
+
+/// `y = drop(y (+ b)) (+ res)` over rows of `width`, in place, `mask`
+/// dropping the branch before the residual add.
+pub fn bias_residual(
+    y: &mut [f32],
+    b: Option<&[f32]>,
+    res: Option<&[f32]>,
+    width: usize,
+    mask: Option<MaskArgs>,
+) {
     let n = y.len() / width;
     assert!(
         b.is_none_or(|b| b.len() == width) && res.is_none_or(|r| r.len() == y.len()),
         "bias residual: shapes"
     );
+    let (threshold, scale, key) = mask.unwrap_or((0, 1.0, 0));
     // SAFETY: y holds n·width values, b (or null) width, res (or null) as
     // many as y (checked above).
     unsafe {
@@ -614,8 +639,33 @@ pub fn bias_residual(y: &mut [f32], b: Option<&[f32]>, res: Option<&[f32]>, widt
             ptr_or_null(res),
             n as u64,
             int(width),
+            threshold,
+            scale,
+            key,
         )
     };
+}
+
+/// `drop(x + noise)` element by element: NEFTune's noise of `(magnitude,
+/// key)` where given, then `mask` where given.
+pub fn dropout_noise(x: &[f32], mask: Option<MaskArgs>, noise: Option<(f32, u32)>) -> Vec<f32> {
+    let mut y = vec![0.0; x.len()];
+    let (threshold, scale, key) = mask.unwrap_or((0, 1.0, 0));
+    let (mag, noise_key) = noise.unwrap_or((0.0, 0));
+    // SAFETY: x and y hold x.len() values each.
+    unsafe {
+        emu_dropout_noise(
+            x.as_ptr(),
+            y.as_mut_ptr(),
+            x.len() as u64,
+            threshold,
+            scale,
+            key,
+            mag,
+            noise_key,
+        )
+    };
+    y
 }
 
 /// Layer norm's backward from its (mean, rstd): (dx [+ dres], dw, db).

@@ -387,12 +387,51 @@ fn embedding_without_positions_and_linears_without_bias() {
         (Some(&b[..]), Some(&res[..])),
     ] {
         let mut y = y0.clone();
-        bias_residual(&mut y, bias, residual, d);
+        bias_residual(&mut y, bias, residual, d, None);
         for (i, &got) in y.iter().enumerate() {
             let v = bias.map_or(y0[i], |b| y0[i] + b[i % d]);
             let want = residual.map_or(v, |r| r[i] + v);
             assert_eq!(got.to_bits(), want.to_bits(), "value {i}");
         }
+    }
+}
+
+/// gpt.cu's dropout drops what zmodel's `Dropout` drops, to the bit: a
+/// block's branch (its bias added) before its residual add, and NEFTune's
+/// noise then the mask on the embeddings' output (zmodel's `Noise`), over
+/// more values than a grid's stride, under two keys.
+#[test]
+fn dropout_and_neftune_drop_and_draw_what_the_cpu_model_does() {
+    let (n, d) = (37usize, 96usize);
+    let cpu = |v: &[f32]| Tensor::from_slice(v, (n, d), &Device::Cpu).unwrap();
+    let values = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (y0, b, res) = (wave(n * d, 41), wave(d, 42), wave(n * d, 43));
+    for key in [7u64, 0xDEAD_BEEF_0000_0001] {
+        let drop = zmodel::Dropout::new(0.3, key).unwrap();
+        let args = (drop.threshold(), drop.scale(), drop.key());
+        // The branch as the CPU's linear makes it: its bias added.
+        let branch: Vec<f32> = (0..n * d).map(|i| y0[i] + b[i % d]).collect();
+        let want = values(drop.add_to(&cpu(&res), &cpu(&branch)).unwrap());
+        let mut got = y0.clone();
+        bias_residual(&mut got, Some(&b), Some(&res), d, Some(args));
+        assert_eq!(bits(&got), bits(&want), "a dropped branch, key {key}");
+        let kept = got.iter().zip(&res).filter(|(g, r)| g != r).count();
+        assert!(
+            (0.6..0.8).contains(&(kept as f64 / (n * d) as f64)),
+            "{kept} of {} kept",
+            n * d
+        );
+        let noise = zmodel::Noise::new(5.0, (n, d), key ^ 3).unwrap();
+        let want = values(drop.apply(&noise.add_to(&cpu(&y0)).unwrap()).unwrap());
+        let got = dropout_noise(&y0, Some(args), Some((noise.magnitude(), noise.key())));
+        assert_eq!(bits(&got), bits(&want), "noise then dropout, key {key}");
+        let want = values(noise.add_to(&cpu(&y0)).unwrap());
+        let got = dropout_noise(&y0, None, Some((noise.magnitude(), noise.key())));
+        assert_eq!(bits(&got), bits(&want), "noise alone, key {key}");
+        assert_ne!(got, y0, "the noise changed nothing");
+        let want = values(drop.apply(&cpu(&y0)).unwrap());
+        assert_eq!(bits(&dropout_noise(&y0, Some(args), None)), bits(&want));
     }
 }
 

@@ -89,6 +89,7 @@ pub const KERNELS: [KernelSource; 5] = [
             "rms_norm_param_partials",
             "column_sums",
             "bias_residual",
+            "dropout_noise",
             "gelu",
             "gelu_backward",
             "causal_softmax",

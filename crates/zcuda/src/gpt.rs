@@ -197,6 +197,38 @@ impl<'w> Weight<'w> {
     }
 }
 
+/// A dropout's mask, as zmodel's `Dropout` makes it (gpt.cu's `dropped`
+/// hashes each element's index under `key` as zmodel's does): an element
+/// whose hash is below `threshold` (p·2³²) is dropped, the rest multiplied
+/// by `scale` (1/(1 − p)). The keys (step, micro-batch, rank, block, site)
+/// are zmodel's, made on the host.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Mask {
+    /// Hashes below it are dropped.
+    pub threshold: u32,
+    /// What the kept elements are multiplied by.
+    pub scale: f32,
+    /// The tensor's key.
+    pub key: u32,
+}
+
+/// NEFTune's noise on the embeddings' output, as zmodel's `Noise` draws it:
+/// uniform in `[−magnitude, magnitude)` from the hash of each element's
+/// index under `key`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Noise {
+    /// Half the draws' range.
+    pub magnitude: f32,
+    /// The tensor's key.
+    pub key: u32,
+}
+
+/// (threshold, scale, key) of gpt.cu's dropping kernels: a threshold of 0
+/// drops nothing.
+fn mask_args(mask: Option<Mask>) -> (u32, f32, u32) {
+    mask.map_or((0, 1.0, 0), |m| (m.threshold, m.scale, m.key))
+}
+
 /// Rows `[b, t, d]` of activations (or their gradient) in device memory,
 /// and where packed documents are kept apart, where each token's document
 /// begins (per token, its index in its sequence), which the blocks' rotary
@@ -360,6 +392,8 @@ pub struct BlockActs {
     stats2: Stats,
     h: CudaSlice<f32>,
     g: Kept,
+    /// The masks its attention's and MLP's outputs were dropped by.
+    hidden: Option<[Mask; 2]>,
 }
 
 /// An activation that only products read (a norm's output, GELU's or
@@ -906,6 +940,80 @@ impl GptGpu {
         })
     }
 
+    /// NEFTune's `noise` added to the embeddings' output `x`, then `mask`
+    /// dropping it (`model.hidden_dropout`'s first site), in place, in one
+    /// pass, as the CPU model's training forward does.
+    pub fn noise_and_dropout(
+        &self,
+        x: &mut Rows,
+        noise: Option<Noise>,
+        mask: Option<Mask>,
+    ) -> Result<(), CudaError> {
+        if noise.is_none() && mask.is_none() {
+            return Ok(());
+        }
+        let len = x.buf.len();
+        let mut out = self.alloc(len)?;
+        self.dropout_noise(&x.buf, &mut out, mask, noise)?;
+        x.buf = out;
+        Ok(())
+    }
+
+    /// `rows` dropped by `mask` (a dropped output's gradient: the
+    /// embeddings', before their backward).
+    pub fn dropped_rows(&self, rows: &Rows, mask: Mask) -> Result<Rows, CudaError> {
+        let mut out = self.alloc(rows.buf.len())?;
+        self.dropout_noise(&rows.buf, &mut out, Some(mask), None)?;
+        Ok(Rows {
+            buf: out,
+            b: rows.b,
+            t: rows.t,
+            first: rows.first.clone(),
+        })
+    }
+
+    /// `x` dropped by `mask` into a new buffer, or `None` without one.
+    fn dropped(
+        &self,
+        x: &CudaSlice<f32>,
+        mask: Option<Mask>,
+    ) -> Result<Option<CudaSlice<f32>>, CudaError> {
+        let Some(m) = mask else { return Ok(None) };
+        let mut out = self.alloc(x.len())?;
+        self.dropout_noise(x, &mut out, Some(m), None)?;
+        Ok(Some(out))
+    }
+
+    /// gpt.cu's `dropout_noise`: `y = drop(x + noise)`, element by element.
+    fn dropout_noise(
+        &self,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        mask: Option<Mask>,
+        noise: Option<Noise>,
+    ) -> Result<(), CudaError> {
+        let n = x.len();
+        let (threshold, scale, key) = mask_args(mask);
+        let (mag, noise_key) = noise.map_or((0.0f32, 0u32), |z| (z.magnitude, z.key));
+        let n64 = n as u64;
+        let mut l = self
+            .gpu
+            .stream()
+            .launch_builder(self.gpu.function("dropout_noise"));
+        l.arg(x)
+            .arg(y)
+            .arg(&n64)
+            .arg(&threshold)
+            .arg(&scale)
+            .arg(&key)
+            .arg(&mag)
+            .arg(&noise_key);
+        // SAFETY: dropout_noise(x[n], y[n] (y's length is x's: every
+        // caller allocates it so), n, threshold, scale, key, mag,
+        // noise_key).
+        self.launched("dropout_noise", unsafe { l.launch(grid_stride(n)) })
+    }
+
     /// The embedding's backward: the gradients of `wte` `[vocab, d]` and
     /// GPT-2's `wpe` `[seq_len, d]` from the tokens (and `first`, where
     /// documents are kept apart: [`GptGpu::embed_documents`]) and `dx`,
@@ -1011,8 +1119,16 @@ impl GptGpu {
         self.launched("embed_backward_tokens", unsafe { l.launch(cfg) })
     }
 
-    /// A block's forward: its output, and what its backward needs.
-    pub fn block_forward(&self, w: &Weights, x: Rows) -> Result<(Rows, BlockActs), CudaError> {
+    /// A block's forward: its output, and what its backward needs. With
+    /// `hidden`, the attention's and the MLP's outputs dropped by its masks
+    /// before their residual adds (`model.hidden_dropout`; the backward
+    /// drops their gradients by the same masks).
+    pub fn block_forward(
+        &self,
+        w: &Weights,
+        x: Rows,
+        hidden: Option<[Mask; 2]>,
+    ) -> Result<(Rows, BlockActs), CudaError> {
         let (d, q, fi) = (
             self.shape.d_model,
             self.shape.qkv_width(),
@@ -1031,14 +1147,16 @@ impl GptGpu {
         let first = x.first.clone();
         self.rotate(&mut qkv, b, t, first.as_deref(), 1.0)?;
         let attention = self.attention(qkv, b, t, first.clone())?;
-        let rows1 = self.linear(attention.operand(aw), n, aw, out_w, d, Some(&x.buf))?;
+        let [drop_attention, drop_mlp] = hidden.map_or([None; 2], |m| m.map(Some));
+        let residual = Some((&x.buf, drop_attention));
+        let rows1 = self.linear(attention.operand(aw), n, aw, out_w, d, residual)?;
         let (a2, stats2) = self.norm(&rows1, norm2, n)?;
         let f = self.shape.ffn;
         // The MLP's first bias goes into GELU (and its backward), not into
         // a pass of its own: `h` is kept without it.
         let h = self.linear(a2.operand(d), n, d, (in_w.0, None), fi, None)?;
         let g = self.activation(&h, in_w.1, n)?;
-        let y = self.linear(g.operand(f), n, f, mlp_out, d, Some(&rows1))?;
+        let y = self.linear(g.operand(f), n, f, mlp_out, d, Some((&rows1, drop_mlp)))?;
         let acts = BlockActs {
             x,
             a1,
@@ -1050,6 +1168,7 @@ impl GptGpu {
             stats2,
             h,
             g,
+            hidden,
         };
         Ok((
             Rows {
@@ -1082,9 +1201,14 @@ impl GptGpu {
         let dy = &dy.buf;
         // Each part's (weight, bias) gradients, filled from the last part.
         let mut grads: [Option<PartGrads>; PARTS] = Default::default();
-        // y = rows1 + g·W_out (+ b_out)
+        // y = rows1 + drop(g·W_out (+ b_out)): the branch's gradient is dy
+        // through the same mask.
+        let [drop_attention, drop_mlp] = acts.hidden.map_or([None; 2], |m| m.map(Some));
+        let dropped = self.dropped(dy, drop_mlp)?;
         let f = self.shape.ffn;
-        let (dg, dw, db) = self.linear_backward(acts.g.operand(f), n, f, mlp_out, d, dy)?;
+        let branch = dropped.as_ref().unwrap_or(dy);
+        let (dg, dw, db) = self.linear_backward(acts.g.operand(f), n, f, mlp_out, d, branch)?;
+        drop(dropped);
         grads[5] = Some((dw, db));
         let mut dh = self.alloc(n * fi)?;
         match self.shape.family {
@@ -1098,9 +1222,12 @@ impl GptGpu {
         let (drows1, dw, db) =
             self.norm_backward(&acts.rows1, norm2, &acts.stats2, &da2, Some(dy), n)?;
         grads[3] = Some((dw, db));
-        // rows1 = x + att·W_o (+ b_o)
+        // rows1 = x + drop(att·W_o (+ b_o))
         let att = acts.attention.operand(aw);
-        let (datt, dw, db) = self.linear_backward(att, n, aw, out_w, d, &drows1)?;
+        let dropped = self.dropped(&drows1, drop_attention)?;
+        let branch = dropped.as_ref().unwrap_or(&drows1);
+        let (datt, dw, db) = self.linear_backward(att, n, aw, out_w, d, branch)?;
+        drop(dropped);
         grads[2] = Some((dw, db));
         let mut dqkv = self.attention_backward(&acts.attention, &datt, b, t)?;
         drop(datt);
@@ -1375,7 +1502,7 @@ impl GptGpu {
         k: usize,
         (w, bias): Part<'_>,
         width: usize,
-        residual: Option<&CudaSlice<f32>>,
+        residual: Option<(&CudaSlice<f32>, Option<Mask>)>,
     ) -> Result<CudaSlice<f32>, CudaError> {
         let mut y = self.alloc(n * width)?;
         self.gemm(
@@ -1400,13 +1527,14 @@ impl GptGpu {
             Some(b) => l.arg(b),
             None => l.arg(&null),
         };
+        let (threshold, scale, key) = mask_args(residual.and_then(|(_, m)| m));
         match residual {
-            Some(r) => l.arg(r),
+            Some((r, _)) => l.arg(r),
             None => l.arg(&null),
         };
-        l.arg(&n64).arg(&w32);
+        l.arg(&n64).arg(&w32).arg(&threshold).arg(&scale).arg(&key);
         // SAFETY: bias_residual(y[n·width], b[width] or null, res[n·width]
-        // or null, n, width).
+        // or null, n, width, the mask's threshold, scale and key).
         self.launched("bias_residual", unsafe { l.launch(grid_stride(n * width)) })?;
         Ok(y)
     }

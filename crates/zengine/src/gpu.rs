@@ -905,6 +905,18 @@ impl Engine {
         let checkpointing = self.spec.train.activation_checkpointing;
         self.gpu_upload_ahead(&gpu, gather, 1)?;
         let mut x = self.gpu_embed(&gpu, gather, batch)?;
+        // NEFTune's noise, then the hidden dropout's site 0: the CPU
+        // model's masks and draws (zmodel's keys, the same hash).
+        let embedding_mask = mb.dropout.hidden.map(|d| mask(d.site(0)));
+        let noise = mb.noise.map(|z| zcuda::Noise {
+            magnitude: z.magnitude(),
+            key: z.key(),
+        });
+        gpu.noise_and_dropout(&mut x, noise, embedding_mask)?;
+        // Block b's branches: its site's sites 0 (attention) and 1 (MLP).
+        let block_masks = |b: usize| {
+            (mb.dropout.site(b as u64).hidden).map(|d| [mask(d.site(0)), mask(d.site(1))])
+        };
         let mut saved = Vec::with_capacity(n_layers);
         for block in 1..=n_layers {
             let w = self.gpu_weights(&gpu, gather, block)?;
@@ -912,7 +924,7 @@ impl Engine {
             if block < n_layers {
                 self.gpu_upload_ahead(&gpu, gather, block + 1)?;
             }
-            let (y, acts) = gpu.block_forward(&w, x)?;
+            let (y, acts) = gpu.block_forward(&w, x, block_masks(block))?;
             saved.push(match checkpointing {
                 true => Saved::Input(acts.into_input()),
                 false => Saved::Acts(Box::new(acts)),
@@ -965,7 +977,7 @@ impl Engine {
             let w = self.gpu_weights(&gpu, gather, block)?;
             let acts = match saved.pop() {
                 Some(Saved::Acts(acts)) => *acts,
-                Some(Saved::Input(x)) => gpu.block_forward(&w, x)?.1,
+                Some(Saved::Input(x)) => gpu.block_forward(&w, x, block_masks(block))?.1,
                 None => return Err(EngineError::Gpu(format!("block {block}: nothing saved"))),
             };
             let (grads, next) = gpu.block_backward(&w, &acts, &dx)?;
@@ -990,6 +1002,9 @@ impl Engine {
         if self.gpu_resident() {
             // The host's scatter-add, to the bit, on the GPU.
             let first = batch.documents.as_ref().map(|d| d.per_token());
+            if let Some(m) = embedding_mask {
+                dx = gpu.dropped_rows(&dx, m)?;
+            }
             let grads = gpu.embed_backward(&batch.inputs, first, &dx)?;
             let by_slot: Vec<_> = grads.iter().enumerate().collect();
             self.gpu_add_grads(&gpu, 0, &by_slot)?;
@@ -1019,7 +1034,7 @@ impl Engine {
         for block in 1..=self.model.config().n_layers {
             let w = self.gpu_weights(&gpu, gather, block)?;
             self.gpu_release(block);
-            x = gpu.block_forward(&w, x)?.0;
+            x = gpu.block_forward(&w, x, None)?.0;
         }
         let (hw, wte) = self.gpu_head_weights(&gpu, gather)?;
         let tied = wte.is_some();
@@ -1465,6 +1480,15 @@ impl Engine {
 /// NCCL's bytes and waits as the engine counts them, by operation. NCCL
 /// picks its own routes, so its bytes count in neither `intra_node` nor
 /// `inter_node`.
+/// zmodel's dropout as the GPU's mask: the same threshold, scale and key.
+fn mask(d: zmodel::Dropout) -> zcuda::Mask {
+    zcuda::Mask {
+        threshold: d.threshold(),
+        scale: d.scale(),
+        key: d.key(),
+    }
+}
+
 pub(crate) fn nccl_counters(nccl: &zcuda::Nccl) -> zcomm::CounterSnapshot {
     use zcomm::Op;
     let mut c = zcomm::CounterSnapshot::default();

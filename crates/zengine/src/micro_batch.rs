@@ -49,9 +49,9 @@ pub(crate) struct MicroBatch {
     pub(crate) reduce_now: bool,
     /// This micro-batch's dropouts: the hidden one's site 0 the
     /// embedding's output, site `b` block `b`'s.
-    dropout: BlockDropout,
+    pub(crate) dropout: BlockDropout,
     /// NEFTune's noise on the embeddings' output.
-    noise: Option<Noise>,
+    pub(crate) noise: Option<Noise>,
 }
 
 impl Engine {

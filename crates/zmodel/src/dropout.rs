@@ -63,6 +63,21 @@ impl Dropout {
         }
     }
 
+    /// Indices whose hash falls below this are dropped (`p · 2³²`).
+    pub fn threshold(&self) -> u32 {
+        self.threshold
+    }
+
+    /// What the kept elements are multiplied by (`1 / (1 - p)`).
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// The 32-bit key the hash mixes in (for a GPU that drops the same).
+    pub fn key(&self) -> u32 {
+        self.key
+    }
+
     /// Whether element `i` is kept.
     #[inline(always)]
     pub fn keeps(&self, i: usize) -> bool {
@@ -159,6 +174,16 @@ impl Noise {
             mag: (alpha / ((t * d) as f64).sqrt()) as f32,
             key: (mix64(key) >> 32) as u32,
         })
+    }
+
+    /// Half the draws' range: `alpha / √(t·d)`.
+    pub fn magnitude(&self) -> f32 {
+        self.mag
+    }
+
+    /// The 32-bit key the hash mixes in.
+    pub fn key(&self) -> u32 {
+        self.key
     }
 
     /// Element `i`'s draw, in `[−mag, mag)`.
