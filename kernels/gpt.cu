@@ -377,7 +377,7 @@ extern "C" __global__ void bias_residual(float* y, const float* b, const float* 
     }
 }
 
-// y = dropout(x + noise), element by element (y may be x): NEFTune's noise
+// y = dropout(x + noise), element by element (x null: in place on y): NEFTune's noise
 // where mag > 0 (a uniform draw from [-mag, mag), 24 bits of the hash under
 // noise_key: zmodel's Noise), then the mask (a threshold of 0: none). The
 // embeddings' output in training, and a dropped output's gradient (mag 0).
@@ -388,7 +388,7 @@ extern "C" __global__ void dropout_noise(const float* x, float* y, unsigned long
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += stride) {
-        float v = x[i];
+        float v = x ? x[i] : y[i];
         if (mag > 0.0f) {
             float unit = __fmul_rn((float)(mask_hash(noise_key, i) >> 8), 1.0f / 16777216.0f);
             v = __fadd_rn(v, __fmul_rn(__fadd_rn(2.0f * unit, -1.0f), mag));
@@ -578,10 +578,14 @@ __device__ __forceinline__ int first_key(const unsigned int* first, unsigned lon
 // Causal softmax of scores s[rows, t] (each row i of a t × t matrix, i =
 // row % t, of `heads` heads a sequence), in place: p[j] = exp(scale·s[j] -
 // m) / Σ for first_key ≤ j ≤ i, 0 elsewhere; with s16, each probability's
-// 16-bit value (fmt16) there too. One warp per row.
+// 16-bit value (fmt16) there too, dropped first by the mask (threshold,
+// dscale, key; attention's dropout, element row·t + j; a threshold of 0:
+// none), which is what the products read, while s keeps the undropped
+// probabilities the backward needs. One warp per row.
 extern "C" __global__ void causal_softmax(float* s, unsigned short* s16, int fmt16,
                                           const unsigned int* first, unsigned long long rows, int t,
-                                          int heads, float scale)
+                                          int heads, float scale, unsigned threshold, float dscale,
+                                          unsigned key)
 {
     unsigned long long row = (unsigned long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (row >= rows) return;
@@ -601,7 +605,7 @@ extern "C" __global__ void causal_softmax(float* s, unsigned short* s16, int fmt
     for (int j = lane; j < t; j += WARP) {
         float v = lo <= j && j <= i ? p[j] * inv : 0.0f;
         p[j] = v;
-        if (s16) s16[row * t + j] = round16(v, fmt16);
+        if (s16) s16[row * t + j] = round16(dropped(v, row * t + j, threshold, dscale, key), fmt16);
     }
 }
 

@@ -444,16 +444,6 @@ fn bad_input_exits_2_with_a_located_message() {
         ),
         (
             vec![write(
-                "dropout_gpu.yaml",
-                &format!(
-                    "{}device: cuda\n",
-                    good.replace("seq_len: 32}", "seq_len: 32, attention_dropout: 0.1}")
-                ),
-            )],
-            "dropout_gpu.yaml:2:76: model.attention_dropout: runs on CPU workers only so far",
-        ),
-        (
-            vec![write(
                 "attention_dropout.yaml",
                 &good.replace("seq_len: 32}", "seq_len: 32, attention_dropout: -0.1}"),
             )],

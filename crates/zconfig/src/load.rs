@@ -808,15 +808,13 @@ impl LoadedJob {
                 return Err(self.invalid(key, format!("must be a positive number, got {v}")));
             }
         }
-        // Each with whether the GPU model runs it.
-        for (key, p, on_gpu) in [
-            ("model.hidden_dropout", m.hidden_dropout, true),
-            ("model.attention_dropout", m.attention_dropout, false),
-            ("train.label_smoothing", Some(s.train.label_smoothing), true),
+        for (key, p) in [
+            ("model.hidden_dropout", m.hidden_dropout),
+            ("model.attention_dropout", m.attention_dropout),
+            ("train.label_smoothing", Some(s.train.label_smoothing)),
             (
                 "train.neftune_noise_alpha",
                 Some(s.train.neftune_noise_alpha),
-                true,
             ),
         ] {
             let Some(p) = p else { continue };
@@ -828,12 +826,6 @@ impl LoadedJob {
                     "at least 0 and below 1"
                 };
                 return Err(self.invalid(key, format!("must be {range}, got {p}")));
-            }
-            if p > 0.0 && self.spec.device == Device::Cuda && !on_gpu {
-                return Err(self.invalid(
-                    key,
-                    "runs on CPU workers only so far: drop it (or set 0) for device: cuda",
-                ));
             }
         }
         if let Some(f) = m.partial_rotary_factor {

@@ -993,12 +993,6 @@ impl JobSpec {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
         }
-        if self.model.attention_dropout() > 0.0 {
-            return Some(
-                "model.attention_dropout runs on CPU workers only so far: drop it (or set 0) for device: cuda"
-                    .into(),
-            );
-        }
         None
     }
 
@@ -1021,12 +1015,18 @@ impl JobSpec {
 
     /// Why the GPU's fused attention (`ZRUN_GPU_ATTENTION=fused`) cannot
     /// run this job, if it cannot: it multiplies on the tensor cores
-    /// (bf16 or f16, or TF32), and has kernels for head widths 16, 32 and
-    /// 64, and 128 in 16 bits.
+    /// (bf16 or f16, or TF32), has kernels for head widths 16, 32 and 64,
+    /// and 128 in 16 bits, and drops no probabilities
+    /// (`model.attention_dropout` runs on the unfused path).
     pub fn fused_attention_unsupported(&self) -> Option<String> {
         let hd = self.model.head_dim();
         let f32 = self.train.dtype == Dtype::F32;
-        if f32 && !self.train.allow_tf32 {
+        if self.model.attention_dropout() > 0.0 {
+            Some(
+                "ZRUN_GPU_ATTENTION=fused has no dropout of the probabilities yet:                  model.attention_dropout runs on the unfused path (unset ZRUN_GPU_ATTENTION)"
+                    .into(),
+            )
+        } else if f32 && !self.train.allow_tf32 {
             Some(
                 "ZRUN_GPU_ATTENTION=fused multiplies on the tensor cores: set \
                  train.dtype: bf16 (or f16) or train.allow_tf32: true"

@@ -183,14 +183,15 @@ void emu_gelu_backward(const float* h, const float* dg, float* dh, unsigned long
 // One warp per row, ROW_THREADS / 32 rows a block, as GptGpu::softmax.
 void emu_causal_softmax(const float* probs, float* s, unsigned short* s16, int fmt16,
                         const unsigned* first, unsigned long long n, int t, int heads,
-                        float scale) {
+                        float scale, unsigned threshold, float dscale, unsigned key) {
     unsigned warps = ROW_THREADS / 32;
     dim3 grid{(unsigned)((n + warps - 1) / warps)};
     if (probs) {
         emu_launch(k::causal_softmax_backward, grid, threads(), probs, s, s16, fmt16, first, n, t,
                    heads, scale);
     } else {
-        emu_launch(k::causal_softmax, grid, threads(), s, s16, fmt16, first, n, t, heads, scale);
+        emu_launch(k::causal_softmax, grid, threads(), s, s16, fmt16, first, n, t, heads, scale,
+                   threshold, dscale, key);
     }
 }
 

@@ -207,6 +207,9 @@ extern "C" {
         t: c_int,
         heads: c_int,
         scale: c_float,
+        threshold: c_uint,
+        dscale: c_float,
+        key: c_uint,
     );
     fn emu_cross_entropy(
         logits: *mut c_float,
@@ -646,6 +649,23 @@ pub fn bias_residual(
     };
 }
 
+/// `y` dropped by `mask` in place (gpt.cu's `dropout_noise` without `x`).
+pub fn dropout_in_place(y: &mut [f32], (threshold, scale, key): MaskArgs) {
+    // SAFETY: y holds y.len() values; a null x means in place on y.
+    unsafe {
+        emu_dropout_noise(
+            std::ptr::null(),
+            y.as_mut_ptr(),
+            y.len() as u64,
+            threshold,
+            scale,
+            key,
+            0.0,
+            0,
+        )
+    };
+}
+
 /// `drop(x + noise)` element by element: NEFTune's noise of `(magnitude,
 /// key)` where given, then `mask` where given.
 pub fn dropout_noise(x: &[f32], mask: Option<MaskArgs>, noise: Option<(f32, u32)>) -> Vec<f32> {
@@ -760,7 +780,8 @@ pub fn gelu_backward(h: &[f32], dg: &[f32]) -> Vec<f32> {
 /// written there too (the backward's instead of into `s`). With `first`
 /// (per token of `[b, t]`, where its document begins), row `i` of head `h`
 /// of sequence `b` (`heads` a sequence) sees keys from its document's
-/// first.
+/// first. The forward's 16-bit values are dropped by `mask` first
+/// (attention's dropout; `s` keeps the undropped probabilities).
 #[allow(clippy::too_many_arguments)]
 pub fn causal_softmax(
     s: &mut [f32],
@@ -770,6 +791,7 @@ pub fn causal_softmax(
     heads: usize,
     t: usize,
     scale: f32,
+    mask: Option<MaskArgs>,
 ) {
     let n = s.len() / t;
     assert!(
@@ -778,6 +800,7 @@ pub fn causal_softmax(
     );
     check_firsts(first, n / heads, t);
     let (s16, fmt16) = out16(s16, s.len());
+    let (threshold, dscale, key) = mask.unwrap_or((0, 1.0, 0));
     // SAFETY: s (and probs, and s16) hold n rows of t (checked above).
     unsafe {
         emu_causal_softmax(
@@ -790,6 +813,9 @@ pub fn causal_softmax(
             int(t),
             int(heads),
             scale,
+            threshold,
+            dscale,
+            key,
         )
     };
 }

@@ -432,6 +432,9 @@ fn dropout_and_neftune_drop_and_draw_what_the_cpu_model_does() {
         assert_ne!(got, y0, "the noise changed nothing");
         let want = values(drop.apply(&cpu(&y0)).unwrap());
         assert_eq!(bits(&dropout_noise(&y0, Some(args), None)), bits(&want));
+        let mut in_place = y0.clone();
+        dropout_in_place(&mut in_place, args);
+        assert_eq!(bits(&in_place), bits(&want), "in place, key {key}");
     }
 }
 
@@ -559,7 +562,7 @@ fn causal_softmax_against_f64(t: usize, scale: f32, first: Option<&[u32]>, heads
     let s: Vec<f32> = wave(4 * t * t, 26).iter().map(|v| 8.0 * v).collect();
     let dp = wave(4 * t * t, 27);
     let mut probs = s.clone();
-    causal_softmax(&mut probs, None, None, first, heads, t, scale);
+    causal_softmax(&mut probs, None, None, first, heads, t, scale, None);
     let mut want = vec![0f32; s.len()];
     let mut want_ds = vec![0f32; s.len()];
     // Row r's first key: 0, or its document's first.
@@ -585,7 +588,7 @@ fn causal_softmax_against_f64(t: usize, scale: f32, first: Option<&[u32]>, heads
     }
     close("causal softmax", &probs, &want);
     let mut ds = dp.clone();
-    causal_softmax(&mut ds, Some(&probs), None, first, heads, t, scale);
+    causal_softmax(&mut ds, Some(&probs), None, first, heads, t, scale, None);
     close("causal softmax backward", &ds, &want_ds);
     for (r, (row, ds)) in probs.chunks(t).zip(ds.chunks(t)).enumerate() {
         let outside = |j: usize| j < lo(r) || j > r % t;
@@ -613,6 +616,7 @@ fn causal_softmax_against_f64(t: usize, scale: f32, first: Option<&[u32]>, heads
             heads,
             t,
             scale,
+            None,
         );
         assert_eq!(again, probs, "the probabilities with their {fmt:?} bits");
         assert_eq!(
@@ -629,9 +633,30 @@ fn causal_softmax_against_f64(t: usize, scale: f32, first: Option<&[u32]>, heads
             heads,
             t,
             scale,
+            None,
         );
         assert_eq!(g, dp, "dP stays when dS goes to {fmt:?}");
         assert_eq!(ds16, rounded16(fmt, &ds), "dS's {fmt:?} bits");
+        // Attention's dropout: the 16-bit values the products read are the
+        // dropped probabilities' (zmodel's mask of element row·t + j),
+        // rounded; the f32 ones stay undropped for the backward.
+        let drop = zmodel::Dropout::new(0.25, 99).unwrap();
+        let (mut kept, mut dropped16) = (s.clone(), vec![0u16; s.len()]);
+        causal_softmax(
+            &mut kept,
+            None,
+            Some((fmt, &mut dropped16)),
+            None,
+            heads,
+            t,
+            scale,
+            Some((drop.threshold(), drop.scale(), drop.key())),
+        );
+        assert_eq!(kept, probs, "{fmt:?}: the f32 probabilities undropped");
+        let mut want = probs.clone();
+        drop.apply_in_place(&mut want, 0);
+        assert_eq!(dropped16, rounded16(fmt, &want), "{fmt:?}: dropped bits");
+        assert_ne!(dropped16, p16, "{fmt:?}: the dropout changed nothing");
     }
 }
 

@@ -223,6 +223,17 @@ pub struct Noise {
     pub key: u32,
 }
 
+/// A block's dropouts: of its attention's and MLP's outputs
+/// (`model.hidden_dropout`) and of its attention's probabilities
+/// (`model.attention_dropout`; unfused attention only).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Dropouts {
+    /// The attention's and the MLP's outputs' masks.
+    pub hidden: Option<[Mask; 2]>,
+    /// The probabilities' mask.
+    pub attention: Option<Mask>,
+}
+
 /// (threshold, scale, key) of gpt.cu's dropping kernels: a threshold of 0
 /// drops nothing.
 fn mask_args(mask: Option<Mask>) -> (u32, f32, u32) {
@@ -392,7 +403,7 @@ pub struct BlockActs {
     stats2: Stats,
     h: CudaSlice<f32>,
     g: Kept,
-    /// The masks its attention's and MLP's outputs were dropped by.
+    /// The masks its outputs were dropped by (the attention keeps its own).
     hidden: Option<[Mask; 2]>,
 }
 
@@ -475,6 +486,8 @@ struct Attention {
     kept: AttentionKept,
     /// Where documents begin, when they are kept apart.
     first: Option<Firsts>,
+    /// The mask its probabilities were dropped by (unfused only).
+    dropout: Option<Mask>,
 }
 
 impl Attention {
@@ -954,7 +967,7 @@ impl GptGpu {
         }
         let len = x.buf.len();
         let mut out = self.alloc(len)?;
-        self.dropout_noise(&x.buf, &mut out, mask, noise)?;
+        self.dropout_noise(Some(&x.buf), &mut out, mask, noise)?;
         x.buf = out;
         Ok(())
     }
@@ -963,7 +976,7 @@ impl GptGpu {
     /// embeddings', before their backward).
     pub fn dropped_rows(&self, rows: &Rows, mask: Mask) -> Result<Rows, CudaError> {
         let mut out = self.alloc(rows.buf.len())?;
-        self.dropout_noise(&rows.buf, &mut out, Some(mask), None)?;
+        self.dropout_noise(Some(&rows.buf), &mut out, Some(mask), None)?;
         Ok(Rows {
             buf: out,
             b: rows.b,
@@ -980,19 +993,31 @@ impl GptGpu {
     ) -> Result<Option<CudaSlice<f32>>, CudaError> {
         let Some(m) = mask else { return Ok(None) };
         let mut out = self.alloc(x.len())?;
-        self.dropout_noise(x, &mut out, Some(m), None)?;
+        self.dropout_noise(Some(x), &mut out, Some(m), None)?;
         Ok(Some(out))
     }
 
-    /// gpt.cu's `dropout_noise`: `y = drop(x + noise)`, element by element.
+    /// `x` dropped by `mask` in place.
+    fn drop_in_place(&self, x: &mut CudaSlice<f32>, mask: Mask) -> Result<(), CudaError> {
+        self.dropout_noise(None, x, Some(mask), None)
+    }
+
+    /// gpt.cu's `dropout_noise`: `y = drop(x + noise)`, element by element
+    /// (`x` `None`: in place on `y`).
     fn dropout_noise(
         &self,
-        x: &CudaSlice<f32>,
+        x: Option<&CudaSlice<f32>>,
         y: &mut CudaSlice<f32>,
         mask: Option<Mask>,
         noise: Option<Noise>,
     ) -> Result<(), CudaError> {
-        let n = x.len();
+        let n = y.len();
+        if x.is_some_and(|x| x.len() != n) {
+            return Err(CudaError::Invalid(format!(
+                "dropout: {} values into {n}",
+                x.map_or(0, |x| x.len())
+            )));
+        }
         let (threshold, scale, key) = mask_args(mask);
         let (mag, noise_key) = noise.map_or((0.0f32, 0u32), |z| (z.magnitude, z.key));
         let n64 = n as u64;
@@ -1000,17 +1025,20 @@ impl GptGpu {
             .gpu
             .stream()
             .launch_builder(self.gpu.function("dropout_noise"));
-        l.arg(x)
-            .arg(y)
+        let null = 0u64;
+        match x {
+            Some(x) => l.arg(x),
+            None => l.arg(&null),
+        };
+        l.arg(y)
             .arg(&n64)
             .arg(&threshold)
             .arg(&scale)
             .arg(&key)
             .arg(&mag)
             .arg(&noise_key);
-        // SAFETY: dropout_noise(x[n], y[n] (y's length is x's: every
-        // caller allocates it so), n, threshold, scale, key, mag,
-        // noise_key).
+        // SAFETY: dropout_noise(x[n] or null, y[n] (checked above), n,
+        // threshold, scale, key, mag, noise_key).
         self.launched("dropout_noise", unsafe { l.launch(grid_stride(n)) })
     }
 
@@ -1120,15 +1148,18 @@ impl GptGpu {
     }
 
     /// A block's forward: its output, and what its backward needs. With
-    /// `hidden`, the attention's and the MLP's outputs dropped by its masks
-    /// before their residual adds (`model.hidden_dropout`; the backward
-    /// drops their gradients by the same masks).
+    /// `dropouts.hidden`, the attention's and the MLP's outputs dropped by
+    /// its masks before their residual adds (`model.hidden_dropout`), with
+    /// `dropouts.attention` the attention's probabilities
+    /// (`model.attention_dropout`; an error on the fused kernels); the
+    /// backward drops their gradients by the same masks.
     pub fn block_forward(
         &self,
         w: &Weights,
         x: Rows,
-        hidden: Option<[Mask; 2]>,
+        dropouts: Dropouts,
     ) -> Result<(Rows, BlockActs), CudaError> {
+        let hidden = dropouts.hidden;
         let (d, q, fi) = (
             self.shape.d_model,
             self.shape.qkv_width(),
@@ -1146,7 +1177,7 @@ impl GptGpu {
         };
         let first = x.first.clone();
         self.rotate(&mut qkv, b, t, first.as_deref(), 1.0)?;
-        let attention = self.attention(qkv, b, t, first.clone())?;
+        let attention = self.attention(qkv, b, t, first.clone(), dropouts.attention)?;
         let [drop_attention, drop_mlp] = hidden.map_or([None; 2], |m| m.map(Some));
         let residual = Some((&x.buf, drop_attention));
         let rows1 = self.linear(attention.operand(aw), n, aw, out_w, d, residual)?;
@@ -2082,8 +2113,15 @@ impl GptGpu {
         b: usize,
         t: usize,
         first: Option<Firsts>,
+        dropout: Option<Mask>,
     ) -> Result<Attention, CudaError> {
         if self.fused_attention {
+            if dropout.is_some() {
+                return Err(CudaError::Invalid(
+                    "attention's dropout runs on the unfused path only (ZRUN_GPU_ATTENTION=unfused)"
+                        .into(),
+                ));
+            }
             return self.fused_attention_forward(qkv, b, t, first);
         }
         let qkv = &qkv;
@@ -2116,19 +2154,28 @@ impl GptGpu {
             (&mut probs, 0, t),
             per_head(bh, [t * hd, t * hd, t * t]),
         )?;
+        // With dropout, the 16-bit probabilities the products read are
+        // dropped as the kernel writes them; the f32 ones stay undropped
+        // (the softmax's backward reads them), so an f32 product reads a
+        // dropped copy.
         self.softmax(
             &mut probs,
             None,
             probs16.as_mut(),
             first.as_deref(),
-            bh * t,
-            t,
+            (bh * t, t),
+            dropout,
         )?;
-        // O = P · V
+        let dropped = match probs16 {
+            Some(_) => None,
+            None => self.dropped(&probs, dropout)?,
+        };
+        // O = drop(P) · V
         let mut o = self.alloc(bh * t * hd)?;
-        let p = match &probs16 {
-            Some(p16) => op16(p16, 0, t),
-            None => op(&probs, 0, t),
+        let p = match (&probs16, &dropped) {
+            (Some(p16), _) => op16(p16, 0, t),
+            (None, Some(pd)) => op(pd, 0, t),
+            (None, None) => op(&probs, 0, t),
         };
         self.gemm(
             false,
@@ -2139,6 +2186,7 @@ impl GptGpu {
             (&mut o, 0, hd),
             per_head(bh, [t * t, t * hd, t * hd]),
         )?;
+        drop(dropped);
         let mut att = self.alloc(b * t * aw)?;
         self.heads_into_rows(&o, &mut att, aw, 0, b, t, heads, 1)?;
         Ok(Attention {
@@ -2152,6 +2200,7 @@ impl GptGpu {
                 probs16,
             },
             first,
+            dropout,
         })
     }
 
@@ -2211,6 +2260,7 @@ impl GptGpu {
             out16,
             kept: AttentionKept::Fused { qkv, lse },
             first,
+            dropout: None,
         })
     }
 
@@ -2348,7 +2398,8 @@ impl GptGpu {
         let (th, tt) = (t * hd, t * t);
         let mut dout16 = None;
         let dout_op = self.operand_twice(&dout, bh * th, hd, &mut dout16)?;
-        // dP = dO · Vᵀ, then dS in place.
+        // dP = dO · Vᵀ (dropped by the forward's mask, in place), then dS
+        // in place.
         let mut ds = self.alloc(bh * tt)?;
         self.gemm(
             false,
@@ -2359,11 +2410,19 @@ impl GptGpu {
             (&mut ds, 0, t),
             per_head(bh, [th, th, tt]),
         )?;
-        // dV = Pᵀ · dO
+        if let Some(m) = a.dropout {
+            self.drop_in_place(&mut ds, m)?;
+        }
+        // dV = drop(P)ᵀ · dO: the 16-bit probabilities are dropped already.
         let mut dv = self.alloc(bh * th)?;
-        let p = match probs16 {
-            Some(p16) => op16(p16, 0, t),
-            None => op(probs, 0, t),
+        let dropped = match probs16 {
+            Some(_) => None,
+            None => self.dropped(probs, a.dropout)?,
+        };
+        let p = match (probs16, &dropped) {
+            (Some(p16), _) => op16(p16, 0, t),
+            (None, Some(pd)) => op(pd, 0, t),
+            (None, None) => op(probs, 0, t),
         };
         self.gemm(
             true,
@@ -2374,7 +2433,7 @@ impl GptGpu {
             (&mut dv, 0, hd),
             per_head(bh, [tt, th, th]),
         )?;
-        drop((dout16, dout));
+        drop((dout16, dout, dropped));
         // With 16-bit products, dS goes straight to 16 bits (its only
         // readers).
         let mut ds16 = match self.half_products {
@@ -2382,7 +2441,14 @@ impl GptGpu {
             None => None,
         };
         let first = a.first.as_deref();
-        self.softmax(&mut ds, Some(probs), ds16.as_mut(), first, bh * t, t)?;
+        self.softmax(
+            &mut ds,
+            Some(probs),
+            ds16.as_mut(),
+            first,
+            (bh * t, t),
+            None,
+        )?;
         let ds_op = || match &ds16 {
             Some(d16) => op16(d16, 0, t),
             None => op(&ds, 0, t),
@@ -2531,8 +2597,8 @@ impl GptGpu {
         probs: Option<&CudaSlice<f32>>,
         out16: Option<&mut CudaSlice<u16>>,
         first: Option<&CudaSlice<u32>>,
-        rows: usize,
-        t: usize,
+        (rows, t): (usize, usize),
+        dropout: Option<Mask>,
     ) -> Result<(), CudaError> {
         if s.len() < rows * t
             || probs.is_some_and(|p| p.len() < rows * t)
@@ -2565,13 +2631,18 @@ impl GptGpu {
             None => l.arg(&null),
         };
         l.arg(&rows64).arg(&t32).arg(&heads32).arg(&scale);
+        let (threshold, dscale, key) = mask_args(dropout);
+        if probs.is_none() {
+            l.arg(&threshold).arg(&dscale).arg(&key);
+        }
         let warps = ROW_THREADS as usize / 32;
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(warps) as u32, 1, 1),
             block_dim: (ROW_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: causal_softmax(s, s16, fmt16, first, rows, t, heads, scale)
+        // SAFETY: causal_softmax(s, s16, fmt16, first, rows, t, heads, scale,
+        // threshold, dscale, key)
         // / causal_softmax_backward(p, dp, ds16, fmt16, first, rows, t,
         // heads, scale): one warp per row of t, rows·t values in s (and
         // probs, and out16 or null; checked above); rows = b·heads·t, so

@@ -750,7 +750,9 @@ fn matches_the_cpu_model_with(
         };
         let (ew, w, hw) = (up(0), up(1), up(2));
         let gx = gpu.embed_documents(&tokens, firsts, b, t, &ew).unwrap();
-        let (gy, gacts) = gpu.block_forward(&w, gx, None).unwrap();
+        let (gy, gacts) = gpu
+            .block_forward(&w, gx, crate::Dropouts::default())
+            .unwrap();
         let y_host = gpu.download(&gy).unwrap();
         let out = gpu
             .head(&gy, &hw, tied.then_some(&ew), &targets, 1.0, divisor, true)

@@ -913,9 +913,14 @@ impl Engine {
             key: z.key(),
         });
         gpu.noise_and_dropout(&mut x, noise, embedding_mask)?;
-        // Block b's branches: its site's sites 0 (attention) and 1 (MLP).
+        // Block b's: its site's sites 0 (attention's output) and 1 (the
+        // MLP's), and its site's attention probabilities.
         let block_masks = |b: usize| {
-            (mb.dropout.site(b as u64).hidden).map(|d| [mask(d.site(0)), mask(d.site(1))])
+            let site = mb.dropout.site(b as u64);
+            zcuda::Dropouts {
+                hidden: site.hidden.map(|d| [mask(d.site(0)), mask(d.site(1))]),
+                attention: site.attention.map(mask),
+            }
         };
         let mut saved = Vec::with_capacity(n_layers);
         for block in 1..=n_layers {
@@ -1034,7 +1039,7 @@ impl Engine {
         for block in 1..=self.model.config().n_layers {
             let w = self.gpu_weights(&gpu, gather, block)?;
             self.gpu_release(block);
-            x = gpu.block_forward(&w, x, None)?.0;
+            x = gpu.block_forward(&w, x, zcuda::Dropouts::default())?.0;
         }
         let (hw, wte) = self.gpu_head_weights(&gpu, gather)?;
         let tied = wte.is_some();

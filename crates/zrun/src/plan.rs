@@ -758,6 +758,18 @@ mod tests {
         }
         assert!(fused(&[bf16, wide[0], wide[1]], Some("fused")));
         assert!(!fused(&[bf16, heads16], Some("unfused")));
+        // Attention's dropout runs on the unfused path: by default there,
+        // and `fused` refused.
+        let dropped = [bf16, heads16, "model.attention_dropout=0.1"];
+        assert!(!fused(&dropped, None));
+        let why = job_with(dir.path(), "cuda", &dropped)
+            .fused_attention_unsupported()
+            .unwrap();
+        assert!(
+            why.contains("model.attention_dropout runs on the unfused path"),
+            "{why}"
+        );
+        assert!(fused(&dropped[..2], None));
     }
 
     fn launch(args: &[&str]) -> LaunchArgs {
