@@ -1188,6 +1188,44 @@ fn epochs_set_the_run_length_from_the_data() {
             sequences as f64 / windows as f64
         );
     }
+    // Checkpoints and validation at each epoch's end (transformers'
+    // save_strategy and eval_strategy "epoch"): after the steps that take
+    // an epoch's last sequence, and the last.
+    let ends = d.join("ends");
+    let m = d.join("ends.jsonl");
+    let f = TrainArgs::new(&job, &m)
+        .set("train.epochs=2.5")
+        .set(format!("checkpoint.dir={}", ends.display()))
+        .set("checkpoint.every=epoch")
+        .set("checkpoint.keep=10")
+        .set("train.eval_every=epoch")
+        .set(format!("data.val_path={}", d.join("ids.bin").display()))
+        .args(&["--workers-per-node", "1"])
+        .run(d);
+    assert_eq!(f.code(), 0, "{f:?}");
+    let mut want: Vec<u64> = (1..=2)
+        .map(|k| (k * windows).div_ceil(micro) as u64)
+        .collect();
+    want.push(steps_for(2.5, micro));
+    let validated: Vec<u64> = metrics(&m)
+        .iter()
+        .filter(|l| l.get("val_loss").is_some())
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(validated, want);
+    let mut saved: Vec<u64> = std::fs::read_dir(&ends)
+        .unwrap()
+        .filter_map(|e| {
+            e.ok()?
+                .file_name()
+                .to_str()?
+                .strip_prefix("step-")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    saved.sort();
+    assert_eq!(saved, want);
     for (set, says) in [
         ("train.steps=5", "train.epochs: goes without train.steps"),
         ("train.epochs=0", "train.epochs: must be above 0, got 0"),

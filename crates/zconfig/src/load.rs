@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, plain_yaml_message, ConfigError};
 use crate::hostfile::Topology;
-use crate::spec::{Backend, Device, JobSpec, ModelKind, OffloadDevice, ZeroStage};
+use crate::spec::{Backend, Device, Every, JobSpec, ModelKind, OffloadDevice, ZeroStage};
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
 #[derive(Debug, Clone)]
@@ -915,7 +915,7 @@ impl LoadedJob {
                 format!("must be in [0, 1), got {}", s.data.val_fraction),
             ));
         }
-        if t.eval_every > 0 && s.data.val_fraction == 0.0 && s.data.val_path.is_none() {
+        if t.eval_every.is_set() && s.data.val_fraction == 0.0 && s.data.val_path.is_none() {
             return Err(self.invalid(
                 "train.eval_every",
                 "needs validation data: set data.val_path or data.val_fraction (the share held out)",
@@ -1069,7 +1069,7 @@ impl LoadedJob {
         if s.checkpoint.keep == 0 {
             return Err(self.invalid("checkpoint.keep", "must be at least 1"));
         }
-        if s.checkpoint.every > 0 && s.checkpoint.dir.is_none() {
+        if s.checkpoint.every.is_set() && s.checkpoint.dir.is_none() {
             return Err(self.invalid("checkpoint.every", "needs checkpoint.dir"));
         }
         if let Some(e) = &s.train.early_stopping {
@@ -1083,7 +1083,7 @@ impl LoadedJob {
                     format!("must be at least 0, got {}", e.threshold),
                 ));
             }
-            if s.train.eval_every == 0 {
+            if !s.train.eval_every.is_set() {
                 return Err(self.invalid(
                     key,
                     "needs validation: set train.eval_every (and data.val_path or data.val_fraction)",
@@ -1094,9 +1094,9 @@ impl LoadedJob {
             let (every, eval) = (s.checkpoint.every, s.train.eval_every);
             let why = match () {
                 _ if s.checkpoint.dir.is_none() => Some("needs checkpoint.dir".to_string()),
-                _ if eval == 0 => Some("needs validation: set train.eval_every (and data.val_path or data.val_fraction)".to_string()),
-                _ if every == 0 || every % eval != 0 => Some(format!(
-                    "checkpoints must fall on validation steps: checkpoint.every ({every}) must be a multiple of train.eval_every ({eval})"
+                _ if !eval.is_set() => Some("needs validation: set train.eval_every (and data.val_path or data.val_fraction)".to_string()),
+                _ if !on_validation_steps(every, eval) => Some(format!(
+                    "checkpoints must fall on validation steps: checkpoint.every ({every}) must be a multiple of train.eval_every ({eval}), or both epoch"
                 )),
                 _ => None,
             };
@@ -1320,6 +1320,16 @@ pub fn rope_scaling_problem(s: &crate::spec::RopeScaling, hd: usize) -> Option<S
         }
     }
     None
+}
+
+/// Whether every checkpoint step (`every`) is a validation step (`eval`):
+/// a multiple of it, both each epoch's end, or epochs validated every step.
+fn on_validation_steps(every: Every, eval: Every) -> bool {
+    match (every, eval) {
+        (Every::Steps(c), Every::Steps(v)) => c > 0 && v > 0 && c.is_multiple_of(v),
+        (Every::Epoch, Every::Epoch) | (Every::Epoch, Every::Steps(1)) => true,
+        _ => false,
+    }
 }
 
 #[cfg(test)]

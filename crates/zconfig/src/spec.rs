@@ -524,9 +524,9 @@ pub struct TrainSpec {
     /// rounded to 10 mantissa bits, f32 sums), as PyTorch's
     /// `torch.backends.cuda.matmul.allow_tf32`.
     pub allow_tf32: bool,
-    /// Steps between validation losses (0: only after the last step); needs
-    /// `data.val_fraction`.
-    pub eval_every: u64,
+    /// How often to validate: steps between validation losses (0: only
+    /// after the last step), or each epoch's end; needs validation data.
+    pub eval_every: Every,
     /// Micro-batches each worker evaluates per validation.
     pub eval_steps: usize,
     /// Steps between plain log lines (`--no-progress` or no terminal); 0:
@@ -614,7 +614,7 @@ impl Default for TrainSpec {
             loss_scale: LossScaleSpec::default(),
             activation_checkpointing: false,
             allow_tf32: false,
-            eval_every: 0,
+            eval_every: Every::Steps(0),
             eval_steps: 4,
             log_every: 0,
             label_smoothing: 0.0,
@@ -938,8 +938,9 @@ pub enum Backend {
 pub struct CheckpointSpec {
     /// Directory; `null` disables checkpoints.
     pub dir: Option<String>,
-    /// Save every this many steps (0: only at the end).
-    pub every: u64,
+    /// How often to save: every this many steps (0: only at the end), or
+    /// each epoch's end.
+    pub every: Every,
     /// Newest checkpoints kept.
     pub keep: usize,
     /// Also keep the checkpoint of the lowest validation loss (Hugging
@@ -951,7 +952,7 @@ impl Default for CheckpointSpec {
     fn default() -> Self {
         Self {
             dir: None,
-            every: 0,
+            every: Every::Steps(0),
             keep: 2,
             keep_best: false,
         }
@@ -1046,6 +1047,87 @@ impl JobSpec {
         } else {
             None
         }
+    }
+}
+
+/// How often a run validates or saves: every so many steps (0: only after
+/// the last step), or `epoch`: after each step that finishes a pass over
+/// the training data (transformers' `eval_strategy` / `save_strategy:
+/// "epoch"`). The epochs run into each other (no partial batch), so an
+/// epoch ends inside the step that takes its last sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Every {
+    /// Every this many steps (0: none but after the last).
+    Steps(u64),
+    /// After each step that finishes an epoch.
+    Epoch,
+}
+
+impl Every {
+    /// Whether it happens after `step` (1-based), which took the global
+    /// sequences `before..after` of epochs of `sequences`.
+    pub fn due(self, step: u64, (before, after): (u64, u64), sequences: u64) -> bool {
+        match self {
+            Every::Steps(n) => n > 0 && step.is_multiple_of(n),
+            Every::Epoch => sequences > 0 && after / sequences > before / sequences,
+        }
+    }
+
+    /// Whether it happens before the end at all (not `Steps(0)`).
+    pub fn is_set(self) -> bool {
+        self != Every::Steps(0)
+    }
+}
+
+impl std::fmt::Display for Every {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Every::Steps(n) => write!(f, "{n}"),
+            Every::Epoch => f.write_str("epoch"),
+        }
+    }
+}
+
+impl Serialize for Every {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Every::Steps(n) => s.serialize_u64(*n),
+            Every::Epoch => s.serialize_str("epoch"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Every {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Every, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Every;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a whole number ≥ 0 or \"epoch\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Every, E> {
+                Ok(Every::Steps(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Every, E> {
+                u64::try_from(v)
+                    .map(Every::Steps)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Every, E> {
+                if v >= 0.0 && v.fract() == 0.0 && v < 2f64.powi(64) {
+                    Ok(Every::Steps(v as u64))
+                } else {
+                    Err(E::invalid_value(serde::de::Unexpected::Float(v), &self))
+                }
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Every, E> {
+                match v {
+                    "epoch" => Ok(Every::Epoch),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(Visitor)
     }
 }
 
@@ -1165,6 +1247,45 @@ mod finite {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `checkpoint.every` and `train.eval_every` read a count or `epoch`,
+    /// write it back the same, and fall due every so many steps or on the
+    /// step that takes an epoch's last sequence.
+    #[test]
+    fn every_is_steps_or_each_epochs_end() {
+        let read = |v: &str| -> Result<Every, String> {
+            let text =
+                format!("model: {{}}\ndata: {{format: synthetic}}\ncheckpoint: {{every: {v}}}\n");
+            text.parse::<JobSpec>()
+                .map(|j| j.checkpoint.every)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(read("4"), Ok(Every::Steps(4)));
+        assert_eq!(read("0"), Ok(Every::Steps(0)));
+        assert_eq!(read("epoch"), Ok(Every::Epoch));
+        for bad in ["-1", "2.5", "epochs", "[1]"] {
+            let e = read(bad).unwrap_err();
+            assert!(
+                e.contains("expected a whole number ≥ 0 or \"epoch\""),
+                "{bad}: {e}"
+            );
+        }
+        for every in [Every::Steps(3), Every::Epoch] {
+            let json = serde_json::to_value(every).unwrap();
+            assert_eq!(serde_json::from_value::<Every>(json).unwrap(), every);
+        }
+        // 10 sequences an epoch, 4 a step: epochs end inside steps 3, 5, 8.
+        let took = |s: u64| ((s - 1) * 4, s * 4);
+        let due = |e: Every| {
+            (1..=10)
+                .filter(|&s| e.due(s, took(s), 10))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(due(Every::Epoch), [3, 5, 8, 10]);
+        assert_eq!(due(Every::Steps(4)), [4, 8]);
+        assert!(due(Every::Steps(0)).is_empty());
+        assert!(!Every::Steps(0).is_set() && Every::Epoch.is_set());
+    }
 
     #[test]
     fn env_values_may_be_scalars() {

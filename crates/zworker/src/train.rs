@@ -144,7 +144,14 @@ pub fn train(
             );
         }
         let step_ms = started.elapsed().as_secs_f64() * 1e3;
-        let evaluate = st.step == t.steps || (t.eval_every > 0 && st.step % t.eval_every == 0);
+        // The global sequences this step took, for what happens at each
+        // epoch's end.
+        let took = (
+            data.samples_consumed(st.step - 1),
+            data.samples_consumed(st.step),
+        );
+        let sequences = data.windows() as u64;
+        let evaluate = st.step == t.steps || t.eval_every.due(st.step, took, sequences);
         let val_loss = match &val_batches {
             Some(batches) if evaluate => Some(engine.eval_loss(batches)?),
             _ => None,
@@ -159,7 +166,7 @@ pub fn train(
         };
         client.send(&ToServer::Report(Box::new(StepReport {
             step: st.step,
-            epoch: data.samples_consumed(st.step) as f64 / data.windows() as f64,
+            epoch: took.1 as f64 / sequences as f64,
             loss: st.loss,
             lr: st.lr,
             grad_norm: (!st.skipped).then_some(st.grad_norm),
@@ -183,7 +190,7 @@ pub fn train(
         if profile_from == Some(st.step) {
             crate::gpu::profile(&engine, env.rank, crate::gpu::ProfileAt::Restart)?;
         }
-        if spec.checkpoint.dir.is_some() && every > 0 && st.step % every == 0 {
+        if spec.checkpoint.dir.is_some() && every.due(st.step, took, sequences) {
             save_now(&engine, &data, validation)?;
             saved_at = Some(st.step);
         }
