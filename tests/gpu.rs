@@ -272,6 +272,14 @@ fn run(
     m
 }
 
+/// The largest relative difference of `a`'s losses from `b`'s.
+fn worst_relative(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs())
+        .fold(0.0, f64::max)
+}
+
 /// The step lines of a metrics file.
 fn step_lines(m: &Path) -> Vec<serde_json::Value> {
     let mut lines = metrics(m);
@@ -534,11 +542,7 @@ fn dropout_and_neftune_on_the_gpu_follow_the_cpu_loss_curve_and_its_stages_agree
         1,
         &sets(&["train.dtype=bf16", "device=cuda"]),
     );
-    let worst = gpu
-        .iter()
-        .zip(&cpu)
-        .map(|(g, c)| (g - c).abs() / c.abs())
-        .fold(0.0, f64::max);
+    let worst = worst_relative(&gpu, &cpu);
     eprintln!("bf16 with dropout, GPU against CPU: largest relative loss difference {worst:.2e}");
     assert!(worst <= 1e-2, "bf16: {gpu:?} against {cpu:?}");
 }
@@ -580,12 +584,6 @@ fn bf16_and_f16_on_the_gpu_follow_the_cpu_run_and_their_stages_agree() {
     }
     let dir = tempfile::tempdir().unwrap();
     let gpu_f32 = train(dir.path(), "f32", 1, &["device=cuda".into()]);
-    let worst = |a: &[f64], b: &[f64]| {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs() / y.abs())
-            .fold(0.0, f64::max)
-    };
     for dtype in ["bf16", "f16"] {
         let with = |extra: &[&str]| -> Vec<String> {
             [format!("train.dtype={dtype}")]
@@ -608,7 +606,7 @@ fn bf16_and_f16_on_the_gpu_follow_the_cpu_run_and_their_stages_agree() {
         // 9.1e-5, f16 3.5e-5 (f32 products of the f16 parameters were
         // 1.2e-6 from the CPU on an H100).
         let bound = if dtype == "bf16" { 1e-2 } else { 1e-3 };
-        let (from_cpu, from_f32) = (worst(&gpu, &cpu), worst(&gpu, &gpu_f32));
+        let (from_cpu, from_f32) = (worst_relative(&gpu, &cpu), worst_relative(&gpu, &gpu_f32));
         eprintln!(
             "{dtype} on the GPU, 20 steps: largest relative loss difference from the CPU's {dtype} run {from_cpu:.2e} (the CPU {}), from the GPU's f32 run {from_f32:.2e}",
             match zgemm::has_native_bf16() {
@@ -671,11 +669,7 @@ fn fused_attention_follows_the_unfused_run_and_repeats_to_the_bit() {
         };
         let unfused = train_with("unfused", "unfused");
         let fused = train_with("fused", "fused");
-        let worst = fused
-            .iter()
-            .zip(&unfused)
-            .map(|(f, u)| (f - u).abs() / u.abs())
-            .fold(0.0, f64::max);
+        let worst = worst_relative(&fused, &unfused);
         eprintln!("fused attention, 20 {products} steps: largest relative loss difference from the unfused run {worst:.2e}");
         assert!(
             worst < bound,
@@ -722,12 +716,7 @@ fn tf32_follows_the_cpu_loss_curve_within_its_rounding() {
         1,
         &with(&["device=cuda", "train.allow_tf32=true"]),
     );
-    let worst = |a: &[f64]| {
-        a.iter()
-            .zip(&cpu)
-            .map(|(g, c)| (g - c).abs() / c.abs())
-            .fold(0.0, f64::max)
-    };
+    let worst = |a: &[f64]| worst_relative(a, &cpu);
     eprintln!(
         "largest relative loss difference from the CPU over 20 steps: f32 {:.2e}, TF32 {:.2e}",
         worst(&f32),
