@@ -95,8 +95,18 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     }
     let mut steps = plan.spec.train.steps;
     if let Some((dir, step)) = &resume {
-        if *step > steps {
-            say!("zrun: {dir} is at step {step}, past train.steps = {steps}: nothing to do (raise train.steps to train on)");
+        // At the last step already (a finished run, or its epochs done):
+        // launching would only save that checkpoint again.
+        if *step >= steps {
+            let place = match *step > steps {
+                true => "past",
+                false => "the last of",
+            };
+            let raise = match plan.spec.train.epochs {
+                Some(_) => "train.epochs",
+                None => "train.steps",
+            };
+            say!("zrun: {dir} is at step {step}, {place} train.steps = {steps}: nothing to do (raise {raise} to train on)");
             return Ok(ExitCode::SUCCESS);
         }
     }
@@ -424,9 +434,6 @@ fn newest_intact(spec: &zconfig::JobSpec) -> (Option<(String, u64)>, Vec<String>
     (found, passed_over)
 }
 
-/// `--resume DIR|auto` → a verified checkpoint of this model (bad ones: exit 2).
-/// `auto` with no checkpoint yet starts from scratch.
-/// Returns the checkpoint directory and its step.
 /// `train.epochs` for a run resumed from `dir` at `step`: the steps that
 /// finish the epochs from the sequences that checkpoint had consumed, at
 /// this launch's global batch (another world size than the checkpoint's
@@ -450,6 +457,9 @@ fn resume_epochs(
     Ok(())
 }
 
+/// `--resume DIR|auto` → a verified checkpoint of this model (bad ones: exit 2).
+/// `auto` with no checkpoint yet starts from scratch.
+/// Returns the checkpoint directory and its step.
 fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<(String, u64)>> {
     let Some(arg) = arg else { return Ok(None) };
     if arg == "auto" {
