@@ -965,24 +965,7 @@ impl GptGpu {
         if noise.is_none() && mask.is_none() {
             return Ok(());
         }
-        let len = x.buf.len();
-        let mut out = self.alloc(len)?;
-        self.dropout_noise(Some(&x.buf), &mut out, mask, noise)?;
-        x.buf = out;
-        Ok(())
-    }
-
-    /// `rows` dropped by `mask` (a dropped output's gradient: the
-    /// embeddings', before their backward).
-    pub fn dropped_rows(&self, rows: &Rows, mask: Mask) -> Result<Rows, CudaError> {
-        let mut out = self.alloc(rows.buf.len())?;
-        self.dropout_noise(Some(&rows.buf), &mut out, Some(mask), None)?;
-        Ok(Rows {
-            buf: out,
-            b: rows.b,
-            t: rows.t,
-            first: rows.first.clone(),
-        })
+        self.dropout_noise(None, &mut x.buf, mask, noise)
     }
 
     /// `x` dropped by `mask` into a new buffer, or `None` without one.

@@ -1007,9 +1007,8 @@ impl Engine {
         if self.gpu_resident() {
             // The host's scatter-add, to the bit, on the GPU.
             let first = batch.documents.as_ref().map(|d| d.per_token());
-            if let Some(m) = embedding_mask {
-                dx = gpu.dropped_rows(&dx, m)?;
-            }
+            // The dropped embeddings' gradient, through the same mask.
+            gpu.noise_and_dropout(&mut dx, None, embedding_mask)?;
             let grads = gpu.embed_backward(&batch.inputs, first, &dx)?;
             let by_slot: Vec<_> = grads.iter().enumerate().collect();
             self.gpu_add_grads(&gpu, 0, &by_slot)?;
