@@ -316,8 +316,7 @@ fn a_live_jobs_files_are_refused_to_a_second_job() {
 }
 
 /// A resumed run appends to the metrics after a line naming its checkpoint; a
-/// checkpoint already at or past `train.steps` is "nothing to do" and
-/// touches nothing.
+/// checkpoint already past `train.steps` is "nothing to do" and touches nothing.
 #[test]
 fn a_resume_appends_and_a_resume_past_the_end_does_nothing() {
     let dir = tempfile::tempdir().unwrap();
@@ -342,26 +341,13 @@ fn a_resume_appends_and_a_resume_past_the_end_does_nothing() {
     );
     assert_eq!(events(&m, "done"), 2);
     let before = std::fs::read_to_string(&m).unwrap();
-    let manifest = dir.path().join("ckpt/step-00000006/manifest.json");
-    let saved = std::fs::read(&manifest).unwrap();
-    // Past the end, or at it (the finished run: nothing to save again).
-    for (steps, says) in [
-        ("3", "past train.steps = 3"),
-        ("6", "the last of train.steps = 6"),
-    ] {
-        let f = TrainArgs::new(&job, &m)
-            .args(&["--resume", "auto"])
-            .set(format!("train.steps={steps}"))
-            .run(dir.path());
-        assert_eq!(f.code(), 0, "{f:?}");
-        assert!(
-            f.stdout.contains(says) && f.stdout.contains("nothing to do"),
-            "{}",
-            f.stdout
-        );
-        assert_eq!(std::fs::read_to_string(&m).unwrap(), before);
-        assert_eq!(std::fs::read(&manifest).unwrap(), saved);
-    }
+    let f = TrainArgs::new(&job, &m)
+        .args(&["--resume", "auto"])
+        .set("train.steps=3")
+        .run(dir.path());
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(f.stdout.contains("nothing to do"), "{}", f.stdout);
+    assert_eq!(std::fs::read_to_string(&m).unwrap(), before);
 }
 
 /// zrun stopped (Ctrl-Z) or the whole job suspended for longer than the

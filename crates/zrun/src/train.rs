@@ -95,18 +95,8 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     }
     let mut steps = plan.spec.train.steps;
     if let Some((dir, step)) = &resume {
-        // At the last step already (a finished run, or its epochs done):
-        // launching would only save that checkpoint again.
-        if *step >= steps {
-            let place = match *step > steps {
-                true => "past",
-                false => "the last of",
-            };
-            let raise = match plan.spec.train.epochs {
-                Some(_) => "train.epochs",
-                None => "train.steps",
-            };
-            say!("zrun: {dir} is at step {step}, {place} train.steps = {steps}: nothing to do (raise {raise} to train on)");
+        if *step > steps {
+            say!("zrun: {dir} is at step {step}, past train.steps = {steps}: nothing to do (raise train.steps to train on)");
             return Ok(ExitCode::SUCCESS);
         }
     }
