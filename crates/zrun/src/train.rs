@@ -215,10 +215,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                     best_val_loss,
                 } = outcome
                 {
-                    let checkpoint = newest_intact(&plan.spec)
-                        .0
-                        .filter(|(_, at)| *at == step)
-                        .map(|(dir, _)| dir);
+                    let checkpoint = checkpoint_of(&plan.spec, step);
                     writer.write(&EarlyStopLine {
                         event: "early_stop",
                         step,
@@ -279,10 +276,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
             }
             Outcome::Stopped { step } => {
                 progress.finish();
-                let checkpoint = newest_intact(&plan.spec)
-                    .0
-                    .filter(|(_, at)| *at == step)
-                    .map(|(dir, _)| dir);
+                let checkpoint = checkpoint_of(&plan.spec, step);
                 writer.write(&StoppedLine {
                     event: "stopped",
                     step,
@@ -422,6 +416,15 @@ fn newest_intact(spec: &zconfig::JobSpec) -> (Option<(String, u64)>, Vec<String>
     });
     let found = ckpt.map(|c| (c.dir.display().to_string(), c.manifest.step));
     (found, passed_over)
+}
+
+/// The intact checkpoint of `step`, if the run saved one (where a stopped
+/// run's lines point).
+fn checkpoint_of(spec: &zconfig::JobSpec, step: u64) -> Option<String> {
+    newest_intact(spec)
+        .0
+        .filter(|(_, at)| *at == step)
+        .map(|(dir, _)| dir)
 }
 
 /// `train.epochs` for a run resumed from `dir` at `step`: the steps that
