@@ -37,6 +37,17 @@
 // running maximum of −∞ there, which the online softmax steps over (its
 // corrections would be exp(−∞ + ∞)).
 //
+// Attention's dropout (`model.attention_dropout`), in the `_dropout`
+// kernels: the forward sums the undropped terms into each row's softmax
+// denominator and multiplies V by the dropped ones (dropout.cuh's mask of
+// element ((b·heads + h)·t + i)·t + j, gpt.cu's causal_softmax's, so the
+// same probabilities drop as on the unfused path and the CPU); the backward
+// drops dP = dO·Vᵀ by the same mask before dS = P ⊙ (dP − delta) and
+// multiplies dO by the dropped P for dV. delta = Σ out ⊙ dout is Σ P ⊙ dP
+// unchanged (out is the dropped P's product). The kernels without dropout
+// are instances of the same templates with it compiled out, so their
+// registers and machine code stay what they were.
+//
 // crates/zcuda-emu runs these on the CPU (mma.sync emulated from PTX's
 // fragment layouts) against an f64 reference.
 
@@ -261,10 +272,33 @@ __device__ __forceinline__ float quad_max(float v) {
 // Where things are: qkv rows [b, t, ld] hold the query heads in columns
 // 0..d, the key heads from d and the value heads from d + kv·hd (kv
 // key/value heads; query head h reads key/value head h / (heads / kv)).
+struct FaDrop {
+    unsigned threshold;
+    float scale;
+    unsigned key;
+};
+
 struct FaShape {
     int t, heads, kv, ld;
     float scale;
+    FaDrop drop;
 };
+
+// Whether probability (query, key) of the t × t matrix from `at` (its
+// head's first element: head·t·t) is kept by the shape's mask. The offset
+// in the matrix is 32-bit (GptGpu keeps t below 2¹⁶ here), so the 64-bit
+// sum is one add per element.
+__device__ __forceinline__ bool fa_kept(const FaShape& sh, unsigned long long at, int query,
+                                        int key) {
+    return kept(at + ((unsigned)query * (unsigned)sh.t + (unsigned)key), sh.drop.threshold,
+                sh.drop.key);
+}
+
+// The first element of head `head`'s t × t probabilities.
+__device__ __forceinline__ unsigned long long fa_head_at(const FaShape& sh,
+                                                         unsigned long long head) {
+    return head * (unsigned)sh.t * (unsigned)sh.t;
+}
 
 // A warp's 16 rows × HD of `rows` (rows of `ld` from column `col`, row r0
 // first; rows at or past t are zeros) as mma A fragments.
@@ -422,7 +456,7 @@ __device__ __forceinline__ void store_rows(float* out, int ld, int col, int r0, 
 // backward; with `out16` (else null), out rounded to format `fmt16` there
 // too, the operand of the 16-bit product that reads it. Grid (⌈t / 64⌉,
 // b·heads), 128 threads.
-template <class M, int HD>
+template <class M, int HD, bool DROP>
 __device__ void fa_forward(const float* qkv, const unsigned* first, float* out,
                            unsigned short* out16, int fmt16, float* lse, FaShape sh) {
     constexpr int KT = FaWalk<HD>::KEYS;
@@ -448,6 +482,7 @@ __device__ void fa_forward(const float* qkv, const unsigned* first, float* out,
     int warp_lo = firsts && q0 < sh.t ? (int)firsts[q0] : 0;
     int block_lo = firsts ? (int)firsts[blockIdx.x * FA_ROWS] : 0;
     int keys = min(sh.t, (int)(blockIdx.x + 1) * FA_ROWS);
+    unsigned long long at = DROP ? fa_head_at(sh, bh) : 0;
     for (int k0 = block_lo / KT * KT; k0 < keys; k0 += KT) {
         load_tiles<M, HD, KT>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t, [] {});
         // Keys this warp's rows can see in the tile: warp_lo.. q0 + 15.
@@ -484,8 +519,14 @@ __device__ void fa_forward(const float* qkv, const unsigned* first, float* out,
 #pragma unroll
             for (int r = 0; r < 4; r++) {
                 float p = expf(sc[nt][r] - base[r / 2]);
-                sc[nt][r] = p;
                 l[r / 2] += p;
+                // The denominator sums the undropped terms; V is
+                // multiplied by the dropped ones.
+                if (DROP) {
+                    int key = k0 + nt * 8 + 2 * q + r % 2, row = q0 + g + 8 * (r / 2);
+                    p = fa_kept(sh, at, row, key) ? __fmul_rn(p, sh.drop.scale) : 0.0f;
+                }
+                sc[nt][r] = p;
             }
         }
 #pragma unroll
@@ -529,18 +570,23 @@ extern "C" __global__ void attention_delta(const float* out, const float* dout, 
 }
 
 // p = exp(scale·s − lse) (0 where masked), and with dp given, ds = p ⊙ (dp −
-// delta), for fragments in the C layout; `keys_in_rows` says whether the
+// delta), for fragments in the C layout; with DROP, dp dropped by the mask
+// of the probabilities of the head whose first element is `at` first and p returned dropped (dV's
+// operand) while ds takes the undropped p; `keys_in_rows` says whether the
 // fragment's rows are keys (the key/value kernel's transposed products) or
 // query rows. `lse`, `delta` and `lo` (the first key each sees: its
 // document's first) are the query rows' (indexed by row − lse0); `lo` is
 // read only with DOCS, a compile-time choice so that a batch without
 // documents pays no shared-memory read a score for it (sitting 19 on an
 // H200: 0.2 ms on each backward kernel of a 152M step).
-template <bool DOCS, int NT>
+template <bool DOCS, bool DROP, int NT>
 __device__ __forceinline__ void probs_and_grads(float (&s)[NT][4], float (&dp)[NT][4],
-                                                int row0, int col0, bool keys_in_rows, int t,
-                                                float scale, const float* lse, const float* delta,
+                                                int row0, int col0, bool keys_in_rows,
+                                                const FaShape& sh, unsigned long long at,
+                                                const float* lse, const float* delta,
                                                 const int* lo, int lse0) {
+    int t = sh.t;
+    float scale = sh.scale;
     int lane = threadIdx.x % FA_WARP, g = lane / 4, q = lane % 4;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
@@ -551,7 +597,15 @@ __device__ __forceinline__ void probs_and_grads(float (&s)[NT][4], float (&dp)[N
             float p = 0.0f, ds = 0.0f;
             if (key <= query && query < t && key < t && (!DOCS || key >= lo[query - lse0])) {
                 p = expf(s[nt][r] * scale - lse[query - lse0]);
-                ds = p * (dp[nt][r] - delta[query - lse0]);
+                float g = dp[nt][r];
+                if (DROP) {
+                    bool keep = fa_kept(sh, at, query, key);
+                    g = keep ? __fmul_rn(g, sh.drop.scale) : 0.0f;
+                    ds = p * (g - delta[query - lse0]);
+                    p = keep ? __fmul_rn(p, sh.drop.scale) : 0.0f;
+                } else {
+                    ds = p * (g - delta[query - lse0]);
+                }
             }
             s[nt][r] = p;
             dp[nt][r] = ds;
@@ -563,7 +617,7 @@ __device__ __forceinline__ void probs_and_grads(float (&s)[NT][4], float (&dp)[N
 // into their columns of dqkv [b, t, ld] (dk times scale), summed over the
 // group's query heads in order. Grid (⌈t / 64⌉, b·kv), 128 threads; each
 // warp owns 16 keys and walks the query tiles from the diagonal on.
-template <class M, int HD>
+template <class M, int HD, bool DROP>
 __device__ void fa_backward_kv(const float* qkv, const unsigned* first, const float* dout,
                                const float* lse, const float* delta, float* dqkv, FaShape sh) {
     constexpr int KT = FaWalk<HD>::KV_KEYS;
@@ -613,12 +667,13 @@ __device__ void fa_backward_kv(const float* qkv, const unsigned* first, const fl
             // Sᵀ = K · Qᵀ and dPᵀ = V · dOᵀ, 16 keys × KT query rows.
             scores<M, HD>(st, ka, q_tile);
             scores<M, HD>(dpt, va, do_tile);
+            unsigned long long at = DROP ? fa_head_at(sh, (unsigned long long)s * sh.heads + h) : 0;
             if (firsts) {
-                probs_and_grads<true>(st, dpt, kw, r0, true, sh.t, sh.scale, lse_tile, delta_tile,
-                                      lo_tile, r0);
+                probs_and_grads<true, DROP>(st, dpt, kw, r0, true, sh, at, lse_tile, delta_tile,
+                                            lo_tile, r0);
             } else {
-                probs_and_grads<false>(st, dpt, kw, r0, true, sh.t, sh.scale, lse_tile, delta_tile,
-                                       lo_tile, r0);
+                probs_and_grads<false, DROP>(st, dpt, kw, r0, true, sh, at, lse_tile, delta_tile,
+                                             lo_tile, r0);
             }
             // dV += Pᵀ · dO, dK += dSᵀ · Q (row-major tiles).
             times_tile<M, HD>(dv, st, do_tile, KT);
@@ -633,7 +688,7 @@ __device__ void fa_backward_kv(const float* qkv, const unsigned* first, const fl
 // The backward's queries: dq of query head h (times scale) into its columns
 // of dqkv. Grid (⌈t / 64⌉, b·heads), 128 threads; each warp owns 16 query
 // rows and walks the key tiles up to the diagonal.
-template <class M, int HD>
+template <class M, int HD, bool DROP>
 __device__ void fa_backward_q(const float* qkv, const unsigned* first, const float* dout,
                               const float* lse, const float* delta, float* dqkv, FaShape sh) {
     constexpr int KT = FaWalk<HD>::KEYS;
@@ -661,6 +716,7 @@ __device__ void fa_backward_q(const float* qkv, const unsigned* first, const flo
     int warp_lo = firsts && q0 < sh.t ? (int)firsts[q0] : 0;
     int block_lo = firsts ? (int)firsts[top] : 0;
     float dq[HD / 8][4] = {};
+    unsigned long long at = DROP ? fa_head_at(sh, bh) : 0;
     int keys = min(sh.t, top + FA_ROWS);
     for (int k0 = block_lo / KT * KT; k0 < keys; k0 += KT) {
         load_tiles<M, HD, KT>(k_tile, rows, sh.ld, k_col, v_tile, rows, sh.ld, v_col, k0, sh.t, [] {});
@@ -670,11 +726,11 @@ __device__ void fa_backward_q(const float* qkv, const unsigned* first, const flo
         scores<M, HD>(sc, qa, k_tile);
         scores<M, HD>(dp, da, v_tile);
         if (firsts) {
-            probs_and_grads<true>(sc, dp, q0, k0, false, sh.t, sh.scale, lse_rows, delta_rows,
-                                  lo_rows, top);
+            probs_and_grads<true, DROP>(sc, dp, q0, k0, false, sh, at, lse_rows, delta_rows,
+                                        lo_rows, top);
         } else {
-            probs_and_grads<false>(sc, dp, q0, k0, false, sh.t, sh.scale, lse_rows, delta_rows,
-                                   lo_rows, top);
+            probs_and_grads<false, DROP>(sc, dp, q0, k0, false, sh, at, lse_rows, delta_rows,
+                                         lo_rows, top);
         }
         // dQ += dS · K (K row-major).
         times_tile<M, HD>(dq, dp, k_tile, span);
@@ -686,28 +742,39 @@ __device__ void fa_backward_q(const float* qkv, const unsigned* first, const flo
 // Entry points per kind of product and head width (16, 32 and 64, and 128
 // for the 16-bit kinds, whose tiles fit the 48 KB of static shared memory
 // there and whose fragments half the registers TF32's take; other widths
-// take the unfused path).
-#define FA_ENTRIES(KIND, M, HD)                                                                \
-    extern "C" __global__ void flash_forward_##KIND##_##HD(                                    \
+// take the unfused path), each without dropout and with it (`_dropout`);
+// both take the mask's threshold, scale and key (the first ignores them).
+#define FA_KERNELS(KIND, M, HD, DROPOUT, DROP)                                                 \
+    extern "C" __global__ void flash_forward##DROPOUT##_##KIND##_##HD(                         \
         const float* qkv, const unsigned* first, float* out, unsigned short* out16, int fmt16, \
-        float* lse, int t, int heads, int kv, int ld, float scale)                             \
+        float* lse, int t, int heads, int kv, int ld, float scale, unsigned drop_threshold,    \
+        float drop_scale, unsigned drop_key)                                                   \
     {                                                                                          \
-        fa_forward<M, HD>(qkv, first, out, out16, fmt16, lse, FaShape{t, heads, kv, ld, scale}); \
+        fa_forward<M, HD, DROP>(qkv, first, out, out16, fmt16, lse,                            \
+                                FaShape{t, heads, kv, ld, scale,                               \
+                                        FaDrop{drop_threshold, drop_scale, drop_key}});        \
     }                                                                                          \
-    extern "C" __global__ void flash_backward_kv_##KIND##_##HD(                                \
+    extern "C" __global__ void flash_backward_kv##DROPOUT##_##KIND##_##HD(                     \
         const float* qkv, const unsigned* first, const float* dout, const float* lse,          \
-        const float* delta, float* dqkv, int t, int heads, int kv, int ld, float scale)        \
+        const float* delta, float* dqkv, int t, int heads, int kv, int ld, float scale,        \
+        unsigned drop_threshold, float drop_scale, unsigned drop_key)                          \
     {                                                                                          \
-        fa_backward_kv<M, HD>(qkv, first, dout, lse, delta, dqkv,                              \
-                              FaShape{t, heads, kv, ld, scale});                               \
+        fa_backward_kv<M, HD, DROP>(qkv, first, dout, lse, delta, dqkv,                        \
+                                    FaShape{t, heads, kv, ld, scale,                           \
+                                            FaDrop{drop_threshold, drop_scale, drop_key}});    \
     }                                                                                          \
-    extern "C" __global__ void flash_backward_q_##KIND##_##HD(                                 \
+    extern "C" __global__ void flash_backward_q##DROPOUT##_##KIND##_##HD(                      \
         const float* qkv, const unsigned* first, const float* dout, const float* lse,          \
-        const float* delta, float* dqkv, int t, int heads, int kv, int ld, float scale)        \
+        const float* delta, float* dqkv, int t, int heads, int kv, int ld, float scale,        \
+        unsigned drop_threshold, float drop_scale, unsigned drop_key)                          \
     {                                                                                          \
-        fa_backward_q<M, HD>(qkv, first, dout, lse, delta, dqkv,                               \
-                             FaShape{t, heads, kv, ld, scale});                                \
+        fa_backward_q<M, HD, DROP>(qkv, first, dout, lse, delta, dqkv,                         \
+                                   FaShape{t, heads, kv, ld, scale,                            \
+                                           FaDrop{drop_threshold, drop_scale, drop_key}});     \
     }
+#define FA_ENTRIES(KIND, M, HD)            \
+    FA_KERNELS(KIND, M, HD, , false)       \
+    FA_KERNELS(KIND, M, HD, _dropout, true)
 
 FA_ENTRIES(bf16, Bf16, 16)
 FA_ENTRIES(bf16, Bf16, 32)

@@ -338,29 +338,6 @@ extern "C" __global__ void column_sums(const float* a, unsigned short* a16, int 
     if (last_of_stripe(done) && c < width) out[c] = column_sum(part, 0, gridDim.y, width, c, true);
 }
 
-// Dropout's masks as zmodel's dropout.rs makes them, so that the GPU drops
-// what the CPU drops: element i of a tensor is kept where mask_hash(key, i)
-// (lowbias32 of the index spread by the golden ratio and mixed with the
-// key) is at least `threshold` (p·2³²), then scaled by `scale` (1/(1 - p));
-// a threshold of 0 drops and scales nothing. The keys (which step,
-// micro-batch, rank, block and site) are the host's.
-__device__ __forceinline__ unsigned mask_hash(unsigned key, unsigned long long i)
-{
-    unsigned x = (unsigned)i * 0x9E3779B9u ^ key ^ (unsigned)(i >> 32) * 0x85EBCA6Bu;
-    x ^= x >> 16;
-    x *= 0x7FEB352Du;
-    x ^= x >> 15;
-    x *= 0x846CA68Bu;
-    return x ^ (x >> 16);
-}
-
-__device__ __forceinline__ float dropped(float v, unsigned long long i, unsigned threshold,
-                                         float scale, unsigned key)
-{
-    if (threshold == 0) return v;
-    return mask_hash(key, i) >= threshold ? __fmul_rn(v, scale) : 0.0f;
-}
-
 // y = dropout(y [+ b]) [+ res], per row of `width` (b null: LLaMA's
 // linears have no bias; the mask as dropped's, none with threshold 0): a
 // linear's bias and a block's residual add, its branch dropped first.

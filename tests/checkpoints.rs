@@ -963,30 +963,10 @@ fn a_restart_can_leave_the_failed_node_out() {
     let d = tempfile::tempdir().unwrap();
     let dir = d.path();
     let job = ckpt_job(dir, "exclude", 30, 5);
-    let hosts = dir.join("hosts");
-    std::fs::write(&hosts, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n").unwrap();
     let m = dir.join("m.jsonl");
-    let z = TrainArgs::new(&job, &m)
-        .set("env.ZRUN_FAULT_SAVE_DELAY_MS=300")
-        .args(&["--hostfile", hosts.to_str().unwrap()])
-        .args(&["--max-restarts", "1", "--restart-exclude-failed"])
-        .start(dir);
+    let z = start_on_two_nodes_excluding_the_failed(dir, &job, &m);
     wait_for_complete_checkpoint(dir, 10, &z);
-    let workers = children_of(z.pid());
-    assert_eq!(workers.len(), 2, "{workers:?}");
-    // Rank 1 runs on 127.0.0.3 (the hostfile's second line).
-    let rank1 = workers
-        .iter()
-        .copied()
-        .find(|&p| {
-            std::fs::read(format!("/proc/{p}/environ")).is_ok_and(|e| {
-                String::from_utf8_lossy(&e)
-                    .split('\0')
-                    .any(|v| v == "RANK=1")
-            })
-        })
-        .expect("rank 1's worker");
-    kill(Pid::from_raw(rank1 as i32), Signal::SIGKILL).unwrap();
+    kill_rank_1_of_two(&z);
     let f = z.wait(Duration::from_secs(120));
     assert_eq!(f.code(), 0, "{f:?}");
     let lines = e2e::metrics(&m);
@@ -1009,6 +989,121 @@ fn a_restart_can_leave_the_failed_node_out() {
         (last["step"].as_u64(), last["world_size"].as_u64()),
         (Some(30), Some(1))
     );
+}
+
+/// A `train.epochs` run restarted on fewer workers (`--restart-exclude-failed`)
+/// recounts its steps: two loopback nodes of one worker each train 2
+/// epochs of a 124-window token file (8 sequences a step: 31 steps); the
+/// worker on 127.0.0.3 is killed after the step-10 checkpoint, and the
+/// restart on one worker (4 sequences a step) trains until the 2 epochs
+/// are done, however many steps that takes from the step it resumed: its
+/// last step is the first whose `epoch` reaches 2. Without the recount it
+/// would stop at step 31, at 1.3 epochs.
+#[test]
+fn a_restart_on_fewer_workers_recounts_the_epochs() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let ids: Vec<u16> = (0..2000u16).map(|i| 1 + (i * 5 + i / 7) % 60).collect();
+    let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+    std::fs::write(dir.join("ids.bin"), bytes).unwrap();
+    let windows = (ids.len() - 1) / 16;
+    assert_eq!(windows, 124);
+    let job = ckpt_job(dir, "epochs", 1, 5);
+    let text = std::fs::read_to_string(&job)
+        .unwrap()
+        .replace("seq_len: 32", "seq_len: 16")
+        .replace(
+            "data: {format: synthetic}",
+            &format!(
+                "data: {{path: {}, format: tokens_u16}}",
+                dir.join("ids.bin").display()
+            ),
+        )
+        .replace("  steps: 1\n", "  epochs: 2\n");
+    assert!(
+        text.contains("epochs: 2") && text.contains("tokens_u16"),
+        "{text}"
+    );
+    std::fs::write(&job, text).unwrap();
+    let m = dir.join("m.jsonl");
+    let z = start_on_two_nodes_excluding_the_failed(dir, &job, &m);
+    wait_for_complete_checkpoint(dir, 10, &z);
+    kill_rank_1_of_two(&z);
+    let f = z.wait(Duration::from_secs(120));
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(
+        f.stdout
+            .contains("train.epochs 2: 31 steps of 8 sequences over an epoch of 124 sequences"),
+        "{}",
+        f.stdout
+    );
+    let lines = e2e::metrics(&m);
+    let restart = lines
+        .iter()
+        .position(|l| l["event"] == "restart")
+        .expect("a restart line");
+    assert_eq!(lines[restart]["world_size"], 1, "{}", lines[restart]);
+    let after: Vec<_> = lines[restart..]
+        .iter()
+        .filter(|l| l.get("loss").is_some())
+        .collect();
+    let resumed = after[0]["step"].as_u64().unwrap() - 1;
+    assert!(resumed >= 10, "resumed from step {resumed}");
+    // Each step after the restart takes 4 sequences.
+    for l in &after {
+        let step = l["step"].as_u64().unwrap();
+        let sequences = 8 * resumed + 4 * (step - resumed);
+        assert_eq!(l["world_size"].as_u64(), Some(1), "{l}");
+        assert_eq!(
+            l["epoch"].as_f64().unwrap(),
+            sequences as f64 / windows as f64,
+            "step {step}"
+        );
+    }
+    let epoch = |l: &serde_json::Value| l["epoch"].as_f64().unwrap();
+    let (last, before) = (after[after.len() - 1], after[after.len() - 2]);
+    assert!(
+        epoch(last) >= 2.0 && epoch(before) < 2.0,
+        "the run ended at step {} (epoch {}), after step {} (epoch {})",
+        last["step"],
+        epoch(last),
+        before["step"],
+        epoch(before)
+    );
+    let steps = resumed + (2 * windows as u64 - 8 * resumed).div_ceil(4);
+    assert_eq!(last["step"].as_u64(), Some(steps));
+}
+
+/// Starts `job` on two loopback nodes of one worker each (127.0.0.2 and
+/// 127.0.0.3), its saves slowed, with one restart that leaves a failed
+/// node out.
+fn start_on_two_nodes_excluding_the_failed(dir: &Path, job: &Path, m: &Path) -> e2e::Zrun {
+    let hosts = dir.join("hosts");
+    std::fs::write(&hosts, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n").unwrap();
+    TrainArgs::new(job, m)
+        .set("env.ZRUN_FAULT_SAVE_DELAY_MS=300")
+        .args(&["--hostfile", hosts.to_str().unwrap()])
+        .args(&["--max-restarts", "1", "--restart-exclude-failed"])
+        .start(dir)
+}
+
+/// SIGKILL to rank 1 of the two workers `z` started (on 127.0.0.3, the
+/// hostfile's second line).
+fn kill_rank_1_of_two(z: &e2e::Zrun) {
+    let workers = children_of(z.pid());
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    let rank1 = workers
+        .iter()
+        .copied()
+        .find(|&p| {
+            std::fs::read(format!("/proc/{p}/environ")).is_ok_and(|e| {
+                String::from_utf8_lossy(&e)
+                    .split('\0')
+                    .any(|v| v == "RANK=1")
+            })
+        })
+        .expect("rank 1's worker");
+    kill(Pid::from_raw(rank1 as i32), Signal::SIGKILL).unwrap();
 }
 
 /// Waits (at most 60 s) until the running job `z` has completed the checkpoint

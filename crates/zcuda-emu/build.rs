@@ -1,6 +1,7 @@
 //! Compiles `kernels/quantize.cu`, and `kernels/gpt.cu`, `reduce.cu`,
 //! `adamw.cu` and `attention.cu` each after `half16.cuh` (and `runs.cuh`
-//! for `reduce.cu` and `adamw.cu`) as zcuda compiles them, as C++ for the CPU (see `cpp/emu.h`): their kernels lose
+//! for `reduce.cu` and `adamw.cu`, `dropout.cuh` for `gpt.cu` and
+//! `attention.cu`) as zcuda compiles them, as C++ for the CPU (see `cpp/emu.h`): their kernels lose
 //! `extern "C"` and go into namespaces, so that only the launchers of
 //! `cpp/emu.cpp` are exported. From the same objects it links the CPU
 //! "GPU" (`cpp/driver.cpp`, `cublas.cpp`, `nvrtc.cpp`) as shared libraries
@@ -17,7 +18,10 @@ fn main() {
             .unwrap_or_else(|e| panic!("kernels/{f}: {e}"))
     };
     for (name, cuda) in [
-        ("gpt_kernels.cu", read("half16.cuh") + &read("gpt.cu")),
+        (
+            "gpt_kernels.cu",
+            read("half16.cuh") + &read("dropout.cuh") + &read("gpt.cu"),
+        ),
         (
             "reduce_kernels.cu",
             read("half16.cuh") + &read("runs.cuh") + &read("reduce.cu"),
@@ -29,7 +33,7 @@ fn main() {
         ("quantize_kernels.cu", read("quantize.cu")),
         (
             "attention_kernels.cu",
-            read("half16.cuh") + &read("attention.cu"),
+            read("half16.cuh") + &read("dropout.cuh") + &read("attention.cu"),
         ),
     ] {
         std::fs::write(
@@ -66,6 +70,7 @@ fn main() {
         "cpp/nccl.cpp",
         "../../kernels/gpt.cu",
         "../../kernels/half16.cuh",
+        "../../kernels/dropout.cuh",
         "../../kernels/runs.cuh",
         "../../kernels/reduce.cu",
         "../../kernels/adamw.cu",

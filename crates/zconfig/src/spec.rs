@@ -1002,32 +1002,33 @@ impl JobSpec {
     /// always (refused where it cannot run), with `unfused` never, and
     /// unset (or `auto`) where the job can run them at a head width up to
     /// 64, where an H200 timed them 1.05-1.09x faster than the unfused
-    /// path; at 128 (LLaMA's width, timed 0.97x) they stay opt-in. A GPU
-    /// older than compute capability 8.0 runs the unfused path whatever
-    /// this says.
+    /// path; at 128 (LLaMA's width, timed 0.97x) they stay opt-in, and so
+    /// with `model.attention_dropout` (the `_dropout` kernels hash each
+    /// probability's index in each of the three kernels, where the unfused
+    /// path's hashes ride in passes bound by memory: not yet timed on a
+    /// GPU). A GPU older than compute capability 8.0 runs the unfused path
+    /// whatever this says.
     pub fn gpu_attention_fused(&self, setting: Option<&str>) -> bool {
         let hd = self.model.head_dim();
         match setting {
             Some("fused") => true,
-            None | Some("auto") => self.fused_attention_unsupported().is_none() && hd <= 64,
+            None | Some("auto") => {
+                self.fused_attention_unsupported().is_none()
+                    && hd <= 64
+                    && self.model.attention_dropout() == 0.0
+            }
             Some(_) => false,
         }
     }
 
     /// Why the GPU's fused attention (`ZRUN_GPU_ATTENTION=fused`) cannot
     /// run this job, if it cannot: it multiplies on the tensor cores
-    /// (bf16 or f16, or TF32), has kernels for head widths 16, 32 and 64,
-    /// and 128 in 16 bits, and drops no probabilities
-    /// (`model.attention_dropout` runs on the unfused path).
+    /// (bf16 or f16, or TF32) and has kernels for head widths 16, 32 and
+    /// 64, and 128 in 16 bits.
     pub fn fused_attention_unsupported(&self) -> Option<String> {
         let hd = self.model.head_dim();
         let f32 = self.train.dtype == Dtype::F32;
-        if self.model.attention_dropout() > 0.0 {
-            Some(
-                "ZRUN_GPU_ATTENTION=fused has no dropout of the probabilities yet:                  model.attention_dropout runs on the unfused path (unset ZRUN_GPU_ATTENTION)"
-                    .into(),
-            )
-        } else if f32 && !self.train.allow_tf32 {
+        if f32 && !self.train.allow_tf32 {
             Some(
                 "ZRUN_GPU_ATTENTION=fused multiplies on the tensor cores: set \
                  train.dtype: bf16 (or f16) or train.allow_tf32: true"
@@ -1044,11 +1045,22 @@ impl JobSpec {
                 "ZRUN_GPU_ATTENTION=fused has kernels for head widths 16, 32, 64 and 128; \
                  the model's is {hd}"
             ))
+        } else if self.model.attention_dropout() > 0.0 && self.model.seq_len > FUSED_DROPOUT_MAX_T {
+            Some(format!(
+                "ZRUN_GPU_ATTENTION=fused with model.attention_dropout takes sequences of up to \
+                 {FUSED_DROPOUT_MAX_T} (the mask's index within a head is 32-bit); \
+                 model.seq_len is {}",
+                self.model.seq_len
+            ))
         } else {
             None
         }
     }
 }
+
+/// The longest sequence attention.cu's dropout kernels take: a probability's
+/// index within its head's `t × t` matrix is 32-bit there.
+pub const FUSED_DROPOUT_MAX_T: usize = 65_535;
 
 /// How often a run validates or saves: every so many steps (0: only after
 /// the last step), or `epoch`: after each step that finishes a pass over

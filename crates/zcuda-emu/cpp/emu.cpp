@@ -287,25 +287,43 @@ void emu_dequantize(const float* scales, const unsigned char* data, unsigned lon
         FA_WIDTH16(kernel, f16, __VA_ARGS__)            \
     }
 
+// With a threshold above 0, the `_dropout` kernels, which drop the
+// probabilities by the mask (threshold, dscale, key).
 void emu_flash_forward(const float* qkv, const unsigned* first, float* out, unsigned short* out16,
                        int fmt16, float* lse, int b, int t, int heads, int kv, int hd, int ld,
-                       float scale, int kind) {
+                       float scale, int kind, unsigned threshold, float dscale, unsigned key) {
     dim3 grid{(unsigned)((t + 63) / 64), (unsigned)(b * heads)};
-    FA_BY_KIND(flash_forward, grid, dim3{128}, qkv, first, out, out16, fmt16, lse, t, heads, kv, ld,
-               scale)
+    if (threshold == 0) {
+        FA_BY_KIND(flash_forward, grid, dim3{128}, qkv, first, out, out16, fmt16, lse, t, heads, kv,
+                   ld, scale, threshold, dscale, key)
+    } else {
+        FA_BY_KIND(flash_forward_dropout, grid, dim3{128}, qkv, first, out, out16, fmt16, lse, t,
+                   heads, kv, ld, scale, threshold, dscale, key)
+    }
 }
 
 void emu_flash_backward(const float* qkv, const unsigned* first, const float* out,
                         const float* dout, const float* lse, float* delta, float* dqkv, int b,
-                        int t, int heads, int kv, int hd, int ld, float scale, int kind) {
+                        int t, int heads, int kv, int hd, int ld, float scale, int kind,
+                        unsigned threshold, float dscale, unsigned key) {
     unsigned long long rows = (unsigned long long)b * t;
     emu_launch(fa::attention_delta, dim3{(unsigned)((rows * heads + 7) / 8)}, dim3{256}, out, dout,
                delta, rows, t, heads, hd);
     unsigned tiles = (t + 63) / 64;
-    FA_BY_KIND(flash_backward_kv, dim3{tiles, (unsigned)(b * kv)}, dim3{128}, qkv, first, dout,
-               (const float*)lse, (const float*)delta, dqkv, t, heads, kv, ld, scale)
-    FA_BY_KIND(flash_backward_q, dim3{tiles, (unsigned)(b * heads)}, dim3{128}, qkv, first, dout,
-               (const float*)lse, (const float*)delta, dqkv, t, heads, kv, ld, scale)
+    dim3 kv_grid{tiles, (unsigned)(b * kv)}, q_grid{tiles, (unsigned)(b * heads)};
+    if (threshold == 0) {
+        FA_BY_KIND(flash_backward_kv, kv_grid, dim3{128}, qkv, first, dout, (const float*)lse,
+                   (const float*)delta, dqkv, t, heads, kv, ld, scale, threshold, dscale, key)
+        FA_BY_KIND(flash_backward_q, q_grid, dim3{128}, qkv, first, dout, (const float*)lse,
+                   (const float*)delta, dqkv, t, heads, kv, ld, scale, threshold, dscale, key)
+    } else {
+        FA_BY_KIND(flash_backward_kv_dropout, kv_grid, dim3{128}, qkv, first, dout,
+                   (const float*)lse, (const float*)delta, dqkv, t, heads, kv, ld, scale,
+                   threshold, dscale, key)
+        FA_BY_KIND(flash_backward_q_dropout, q_grid, dim3{128}, qkv, first, dout,
+                   (const float*)lse, (const float*)delta, dqkv, t, heads, kv, ld, scale,
+                   threshold, dscale, key)
+    }
 }
 
 }  // extern "C"
@@ -378,6 +396,9 @@ const NamedKernel EMU_KERNELS[] = {
     EMU_ATTENTION(flash_forward),
     EMU_ATTENTION(flash_backward_kv),
     EMU_ATTENTION(flash_backward_q),
+    EMU_ATTENTION(flash_forward_dropout),
+    EMU_ATTENTION(flash_backward_kv_dropout),
+    EMU_ATTENTION(flash_backward_q_dropout),
     EMU_KERNEL(fa, attention_delta),
 };
 }  // namespace

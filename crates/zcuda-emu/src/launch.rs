@@ -22,6 +22,9 @@ extern "C" {
         ld: c_int,
         scale: c_float,
         kind: c_int,
+        threshold: c_uint,
+        dscale: c_float,
+        key: c_uint,
     );
     fn emu_flash_backward(
         qkv: *const c_float,
@@ -39,6 +42,9 @@ extern "C" {
         ld: c_int,
         scale: c_float,
         kind: c_int,
+        threshold: c_uint,
+        dscale: c_float,
+        key: c_uint,
     );
     fn emu_quantize(
         x: *const c_float,
@@ -1165,12 +1171,14 @@ impl FlashShape {
 /// The fused causal attention of `qkv` `[b, t, (heads + 2·kv)·hd]`: the
 /// output `[b, t, heads·hd]` and each row's log-sum-exp `[b·heads, t]`;
 /// with `rounded`, the output's 16-bit values written there too; with
-/// `first`, each row attends from its document's first row.
+/// `first`, each row attends from its document's first row; with `mask`,
+/// the probabilities dropped by it (the `_dropout` kernels).
 pub fn flash_attention(
     qkv: &[f32],
     first: Option<&[u32]>,
     sh: FlashShape,
     rounded: Option<Out16<'_>>,
+    mask: Option<MaskArgs>,
 ) -> (Vec<f32>, Vec<f32>) {
     sh.check();
     check_firsts(first, sh.b * sh.t, sh.t);
@@ -1179,6 +1187,7 @@ pub fn flash_attention(
     let mut out = vec![0.0; rows * sh.heads * sh.hd];
     let mut lse = vec![0.0; rows * sh.heads];
     let (out16, fmt16) = out16(rounded, out.len());
+    let (threshold, dscale, key) = flash_mask(mask);
     // SAFETY: qkv holds b·t rows of ld, out (and out16, if not null)
     // b·t·heads·hd values and lse b·heads·t (checked and allocated above);
     // hd is one of the kernel's.
@@ -1198,13 +1207,17 @@ pub fn flash_attention(
             int(ld),
             sh.scale(),
             sh.kind(),
+            threshold,
+            dscale,
+            key,
         )
     };
     (out, lse)
 }
 
 /// Its backward: dqkv `[b, t, (heads + 2·kv)·hd]` from the forward's input,
-/// output and log-sum-exp and the output's gradient.
+/// output and log-sum-exp and the output's gradient (`mask` the forward's).
+#[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward(
     qkv: &[f32],
     first: Option<&[u32]>,
@@ -1212,6 +1225,7 @@ pub fn flash_attention_backward(
     lse: &[f32],
     dout: &[f32],
     sh: FlashShape,
+    mask: Option<MaskArgs>,
 ) -> Vec<f32> {
     sh.check();
     check_firsts(first, sh.b * sh.t, sh.t);
@@ -1226,6 +1240,7 @@ pub fn flash_attention_backward(
     );
     let mut delta = vec![0.0; rows * sh.heads];
     let mut dqkv = vec![f32::NAN; rows * ld];
+    let (threshold, dscale, key) = flash_mask(mask);
     // SAFETY: as the forward, with out and dout b·t·heads·hd values and
     // delta b·heads·t (checked and allocated above).
     unsafe {
@@ -1245,7 +1260,19 @@ pub fn flash_attention_backward(
             int(ld),
             sh.scale(),
             sh.kind(),
+            threshold,
+            dscale,
+            key,
         )
     };
     dqkv
+}
+
+/// The fused kernels' mask arguments: a threshold of 0 (none) runs the
+/// kernels without dropout.
+fn flash_mask(mask: Option<MaskArgs>) -> MaskArgs {
+    if let Some((threshold, _, _)) = mask {
+        assert!(threshold > 0, "fused attention: a mask drops something");
+    }
+    mask.unwrap_or((0, 1.0, 0))
 }

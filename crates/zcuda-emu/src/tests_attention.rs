@@ -10,6 +10,7 @@
 use candle_core::{Device, Tensor};
 use zmodel::attention::{causal_attention, causal_attention_backward, Heads};
 use zmodel::linear::Products;
+use zmodel::Dropout;
 
 use crate::tests::rounded16;
 use crate::{flash_attention, flash_attention_backward, FlashProducts, FlashShape, Fmt16};
@@ -48,12 +49,16 @@ fn rel_err(what: &str, got: &[f32], want: &[f64]) -> f64 {
 }
 
 /// The reference: (out, lse, dqkv) in f64 from the rounded values of q, k,
-/// v and dout; with `first`, each row sees keys from its document's first.
+/// v and dout; with `first`, each row sees keys from its document's first;
+/// with `drop`, the probabilities dropped by it (zmodel's mask of element
+/// ((b·heads + h)·t + i)·t + j) before V multiplies them, and their
+/// gradient dropped by it before the softmax's backward.
 fn reference(
     qkv: &[f32],
     first: Option<&[u32]>,
     dout: &[f32],
     sh: FlashShape,
+    drop: Option<Dropout>,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let FlashShape {
         b,
@@ -85,25 +90,37 @@ fn reference(
                 let m = keys.clone().map(score).fold(f64::NEG_INFINITY, f64::max);
                 let sum: f64 = keys.clone().map(|j| (score(j) - m).exp()).sum();
                 lse[(s * heads + h) * t + i] = m + sum.ln();
-                // p and dp indexed by key − lo.
+                // p, its mask's factor (0, or 1 / (1 − rate)) and dp
+                // indexed by key − lo.
                 let p: Vec<f64> = keys.clone().map(|j| (score(j) - m).exp() / sum).collect();
+                let kept: Vec<f64> = keys
+                    .clone()
+                    .map(|j| {
+                        let at = ((s * heads + h) * t + i) * t + j;
+                        drop.map_or(1.0, |d| f64::from(d.apply_one(at, 1.0)))
+                    })
+                    .collect();
                 let row = (s * t + i) * d + qc;
                 let g: Vec<f64> = (0..hd).map(|c| round(dout[row + c])).collect();
                 for c in 0..hd {
-                    out[row + c] = keys.clone().map(|j| p[j - lo] * at(s, j, vc + c)).sum();
+                    out[row + c] = keys
+                        .clone()
+                        .map(|j| p[j - lo] * kept[j - lo] * at(s, j, vc + c))
+                        .sum();
                 }
+                // The undropped probabilities' gradient.
                 let dp: Vec<f64> = keys
                     .clone()
-                    .map(|j| (0..hd).map(|c| g[c] * at(s, j, vc + c)).sum())
+                    .map(|j| kept[j - lo] * (0..hd).map(|c| g[c] * at(s, j, vc + c)).sum::<f64>())
                     .collect();
                 let dot: f64 = p.iter().zip(&dp).map(|(p, dp)| p * dp).sum();
                 for j in keys {
-                    let (p, dp) = (p[j - lo], dp[j - lo]);
+                    let (p, dp, kept) = (p[j - lo], dp[j - lo], kept[j - lo]);
                     let ds = p * (dp - dot) * scale;
                     for c in 0..hd {
                         dqkv[(s * t + i) * ld + qc + c] += ds * at(s, j, kc + c);
                         dqkv[(s * t + j) * ld + kc + c] += ds * at(s, i, qc + c);
-                        dqkv[(s * t + j) * ld + vc + c] += p * g[c];
+                        dqkv[(s * t + j) * ld + vc + c] += p * kept * g[c];
                     }
                 }
             }
@@ -161,12 +178,12 @@ fn fused_attention_matches_an_f64_reference_of_its_rounded_operands() {
             FlashProducts::Tf32 => None,
         };
         let mut out16 = vec![0u16; dout.len()];
-        let (out, lse) = flash_attention(&qkv, None, sh, fmt.map(|f| (f, &mut out16[..])));
+        let (out, lse) = flash_attention(&qkv, None, sh, fmt.map(|f| (f, &mut out16[..])), None);
         if let Some(f) = fmt {
             assert_eq!(out16, rounded16(f, &out), "{sh:?}: the 16-bit output");
         }
-        let dqkv = flash_attention_backward(&qkv, None, &out, &lse, &dout, sh);
-        let (want_out, want_lse, want_dqkv) = reference(&qkv, None, &dout, sh);
+        let dqkv = flash_attention_backward(&qkv, None, &out, &lse, &dout, sh, None);
+        let (want_out, want_lse, want_dqkv) = reference(&qkv, None, &dout, sh, None);
         let e_out = rel_err("out", &out, &want_out);
         let e_lse = rel_err("lse", &lse, &want_lse);
         let e_dqkv = rel_err("dqkv", &dqkv, &want_dqkv);
@@ -192,9 +209,9 @@ fn fused_attention_is_the_cpu_models_attention() {
         let ld = (sh.heads + 2 * sh.kv) * sh.hd;
         let qkv = wave(sh.b * sh.t * ld, 10 + n as u32);
         let dout = wave(sh.b * sh.t * sh.heads * sh.hd, 20 + n as u32);
-        let (out, lse) = flash_attention(&qkv, None, sh, None);
-        let dqkv = flash_attention_backward(&qkv, None, &out, &lse, &dout, sh);
-        let (want, want_d) = cpu_attention(&qkv, &dout, sh, None);
+        let (out, lse) = flash_attention(&qkv, None, sh, None, None);
+        let dqkv = flash_attention_backward(&qkv, None, &out, &lse, &dout, sh, None);
+        let (want, want_d) = cpu_attention(&qkv, &dout, sh, None, None);
         let e_out = rel_err("out", &out, &want);
         let e_dqkv = rel_err("dqkv", &dqkv, &want_d);
         eprintln!("{sh:?} against the CPU model: out {e_out:.2e}, dqkv {e_dqkv:.2e}");
@@ -253,35 +270,20 @@ fn fused_attention_keeps_packed_documents_apart() {
         let ld = (sh.heads + 2 * sh.kv) * sh.hd;
         let qkv = wave(sh.b * sh.t * ld, 40 + n as u32);
         let dout = wave(sh.b * sh.t * sh.heads * sh.hd, 50 + n as u32);
-        let (out, lse) = flash_attention(&qkv, Some(first), sh, None);
-        let dqkv = flash_attention_backward(&qkv, Some(first), &out, &lse, &dout, sh);
-        let (want_out, want_lse, want_dqkv) = reference(&qkv, Some(first), &dout, sh);
+        let (out, lse) = flash_attention(&qkv, Some(first), sh, None, None);
+        let dqkv = flash_attention_backward(&qkv, Some(first), &out, &lse, &dout, sh, None);
+        let (want_out, want_lse, want_dqkv) = reference(&qkv, Some(first), &dout, sh, None);
         let e_out = rel_err("out", &out, &want_out);
         let e_lse = rel_err("lse", &lse, &want_lse);
         let e_dqkv = rel_err("dqkv", &dqkv, &want_dqkv);
         // The CPU model's attention with the same documents, in f32.
-        let (cpu, cpu_d) = cpu_attention(&qkv, &dout, sh, Some(&docs));
+        let (cpu, cpu_d) = cpu_attention(&qkv, &dout, sh, Some(&docs), None);
         let e_cpu = rel_err("out against the CPU", &out, &cpu);
         let e_cpu_d = rel_err("dqkv against the CPU", &dqkv, &cpu_d);
         eprintln!(
             "{sh:?} with documents: out {e_out:.2e}, lse {e_lse:.2e}, dqkv {e_dqkv:.2e}; against the CPU model {e_cpu:.2e}, {e_cpu_d:.2e}"
         );
-        // The bounds of the whole-sequence tests above.
-        let (out_bound, dqkv_bound, cpu_bounds) = match sh.products {
-            FlashProducts::Bf16 => (2.5e-3, 5e-3, (8e-3, 1e-2)),
-            FlashProducts::F16 | FlashProducts::Tf32 => (3e-4, 8e-4, (1e-3, 1.5e-3)),
-        };
-        assert!(e_out < out_bound, "{sh:?}: out off by {e_out:.3e}");
-        assert!(e_lse < 1e-6, "{sh:?}: lse off by {e_lse:.3e}");
-        assert!(e_dqkv < dqkv_bound, "{sh:?}: dqkv off by {e_dqkv:.3e}");
-        assert!(
-            e_cpu < cpu_bounds.0,
-            "{sh:?}: out off the CPU's by {e_cpu:.3e}"
-        );
-        assert!(
-            e_cpu_d < cpu_bounds.1,
-            "{sh:?}: dqkv off the CPU's by {e_cpu_d:.3e}"
-        );
+        within_bounds(sh, [e_out, e_lse, e_dqkv], [e_cpu, e_cpu_d]);
         // A one-token document attends to itself alone: its output is its
         // own value row.
         let (d, vc) = (sh.heads * sh.hd, sh.heads * sh.hd + sh.kv * sh.hd);
@@ -298,6 +300,26 @@ fn fused_attention_keeps_packed_documents_apart() {
     }
 }
 
+/// The bounds of the whole-sequence tests above on (out, lse, dqkv) from
+/// the f64 reference and (out, dqkv) from the CPU model.
+fn within_bounds(sh: FlashShape, [e_out, e_lse, e_dqkv]: [f64; 3], [e_cpu, e_cpu_d]: [f64; 2]) {
+    let (out_bound, dqkv_bound, cpu_bounds) = match sh.products {
+        FlashProducts::Bf16 => (2.5e-3, 5e-3, (8e-3, 1e-2)),
+        FlashProducts::F16 | FlashProducts::Tf32 => (3e-4, 8e-4, (1e-3, 1.5e-3)),
+    };
+    assert!(e_out < out_bound, "{sh:?}: out off by {e_out:.3e}");
+    assert!(e_lse < 1e-6, "{sh:?}: lse off by {e_lse:.3e}");
+    assert!(e_dqkv < dqkv_bound, "{sh:?}: dqkv off by {e_dqkv:.3e}");
+    assert!(
+        e_cpu < cpu_bounds.0,
+        "{sh:?}: out off the CPU's by {e_cpu:.3e}"
+    );
+    assert!(
+        e_cpu_d < cpu_bounds.1,
+        "{sh:?}: dqkv off the CPU's by {e_cpu_d:.3e}"
+    );
+}
+
 /// The CPU model's attention (zmodel, f32 products) of `qkv` and its
 /// backward from `dout`, with `docs` where documents are kept apart: (out,
 /// dqkv) as f64.
@@ -306,6 +328,7 @@ fn cpu_attention(
     dout: &[f32],
     sh: FlashShape,
     docs: Option<&zmodel::Documents>,
+    drop: Option<Dropout>,
 ) -> (Vec<f64>, Vec<f64>) {
     let tensor =
         |v: &[f32], w: usize| Tensor::from_vec(v.to_vec(), (sh.b, sh.t, w), &Device::Cpu).unwrap();
@@ -314,12 +337,73 @@ fn cpu_attention(
         kv: sh.kv,
     };
     let qkv = tensor(qkv, (sh.heads + 2 * sh.kv) * sh.hd);
-    let out = causal_attention(&qkv, heads, Products::F32, docs, None).unwrap();
+    let out = causal_attention(&qkv, heads, Products::F32, docs, drop).unwrap();
     let dy = tensor(dout, sh.heads * sh.hd);
-    let dqkv = causal_attention_backward(&qkv, &dy, heads, Products::F32, docs, None).unwrap();
+    let dqkv = causal_attention_backward(&qkv, &dy, heads, Products::F32, docs, drop).unwrap();
     let f64s = |t: &Tensor| -> Vec<f64> {
         let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         v.into_iter().map(f64::from).collect()
     };
     (f64s(&out), f64s(&dqkv))
+}
+
+/// Attention's dropout in the `_dropout` kernels: every shape above, and
+/// packed documents kept apart at head widths 32 and 128, with a quarter of
+/// the probabilities dropped, against the f64 reference dropping by
+/// zmodel's mask and against the CPU model's attention with the same
+/// dropout, within the bounds of the runs without it. The dropout changes
+/// the output (a kernel that dropped nothing, or dropped other elements,
+/// would be a quarter of the terms off).
+#[test]
+fn fused_attention_drops_the_probabilities_the_cpu_model_drops() {
+    let drop = Dropout::new(0.25, 7).unwrap().site(3);
+    let mask = Some((drop.threshold(), drop.scale(), drop.key()));
+    let t = 136;
+    let docs = crate::tests::documents(2, t, &[0, 1, 63, 64, 100, t + 62, t + 120]);
+    let with_docs = [(32, 4, 2), (128, 2, 1)]
+        .into_iter()
+        .flat_map(|(hd, heads, kv)| {
+            [FlashProducts::Bf16, FlashProducts::F16, FlashProducts::Tf32]
+                .into_iter()
+                .filter(move |&p| hd < 128 || p != FlashProducts::Tf32)
+                .map(move |products| FlashShape {
+                    b: 2,
+                    t,
+                    heads,
+                    kv,
+                    hd,
+                    products,
+                })
+        });
+    let cases = shapes()
+        .into_iter()
+        .map(|sh| (sh, false))
+        .chain(with_docs.map(|sh| (sh, true)));
+    for (n, (sh, documents)) in cases.enumerate() {
+        let first = documents.then(|| docs.per_token());
+        let ld = (sh.heads + 2 * sh.kv) * sh.hd;
+        let qkv = wave(sh.b * sh.t * ld, 60 + n as u32);
+        let dout = wave(sh.b * sh.t * sh.heads * sh.hd, 80 + n as u32);
+        let (out, lse) = flash_attention(&qkv, first, sh, None, mask);
+        let dqkv = flash_attention_backward(&qkv, first, &out, &lse, &dout, sh, mask);
+        let (want_out, want_lse, want_dqkv) = reference(&qkv, first, &dout, sh, Some(drop));
+        let e_out = rel_err("out", &out, &want_out);
+        let e_lse = rel_err("lse", &lse, &want_lse);
+        let e_dqkv = rel_err("dqkv", &dqkv, &want_dqkv);
+        let (cpu, cpu_d) = cpu_attention(&qkv, &dout, sh, documents.then_some(&docs), Some(drop));
+        let e_cpu = rel_err("out against the CPU", &out, &cpu);
+        let e_cpu_d = rel_err("dqkv against the CPU", &dqkv, &cpu_d);
+        // Undropped, the output is far from the dropped reference.
+        let (plain, _) = flash_attention(&qkv, first, sh, None, None);
+        let e_plain = rel_err("undropped out", &plain, &want_out);
+        eprintln!(
+            "{sh:?} dropped{}: out {e_out:.2e}, lse {e_lse:.2e}, dqkv {e_dqkv:.2e}; against the CPU model {e_cpu:.2e}, {e_cpu_d:.2e}; undropped {e_plain:.2e}",
+            if documents { ", with documents" } else { "" }
+        );
+        within_bounds(sh, [e_out, e_lse, e_dqkv], [e_cpu, e_cpu_d]);
+        assert!(
+            e_plain > 0.05,
+            "{sh:?}: dropping changed little ({e_plain:.3e})"
+        );
+    }
 }

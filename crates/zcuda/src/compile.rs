@@ -24,7 +24,8 @@ pub struct KernelSource {
     /// File name in `kernels/`.
     pub name: &'static str,
     /// The source text (with `half16.cuh`'s before it where the file uses
-    /// the 16-bit formats, and `runs.cuh`'s where it walks runs).
+    /// the 16-bit formats, `runs.cuh`'s where it walks runs and
+    /// `dropout.cuh`'s where it drops).
     pub code: &'static str,
     /// The `extern "C"` functions it defines.
     pub functions: &'static [&'static str],
@@ -75,6 +76,7 @@ pub const KERNELS: [KernelSource; 5] = [
         name: "gpt.cu",
         code: concat!(
             include_str!("../../../kernels/half16.cuh"),
+            include_str!("../../../kernels/dropout.cuh"),
             include_str!("../../../kernels/gpt.cu")
         ),
         functions: &[
@@ -109,6 +111,7 @@ pub const KERNELS: [KernelSource; 5] = [
         name: "attention.cu",
         code: concat!(
             include_str!("../../../kernels/half16.cuh"),
+            include_str!("../../../kernels/dropout.cuh"),
             include_str!("../../../kernels/attention.cu")
         ),
         functions: &[
@@ -145,6 +148,39 @@ pub const KERNELS: [KernelSource; 5] = [
             "flash_backward_q_tf32_16",
             "flash_backward_q_tf32_32",
             "flash_backward_q_tf32_64",
+            "flash_forward_dropout_bf16_16",
+            "flash_forward_dropout_bf16_32",
+            "flash_forward_dropout_bf16_64",
+            "flash_forward_dropout_f16_16",
+            "flash_forward_dropout_f16_32",
+            "flash_forward_dropout_f16_64",
+            "flash_forward_dropout_bf16_128",
+            "flash_forward_dropout_f16_128",
+            "flash_forward_dropout_tf32_16",
+            "flash_forward_dropout_tf32_32",
+            "flash_forward_dropout_tf32_64",
+            "flash_backward_kv_dropout_bf16_16",
+            "flash_backward_kv_dropout_bf16_32",
+            "flash_backward_kv_dropout_bf16_64",
+            "flash_backward_kv_dropout_f16_16",
+            "flash_backward_kv_dropout_f16_32",
+            "flash_backward_kv_dropout_f16_64",
+            "flash_backward_kv_dropout_bf16_128",
+            "flash_backward_kv_dropout_f16_128",
+            "flash_backward_kv_dropout_tf32_16",
+            "flash_backward_kv_dropout_tf32_32",
+            "flash_backward_kv_dropout_tf32_64",
+            "flash_backward_q_dropout_bf16_16",
+            "flash_backward_q_dropout_bf16_32",
+            "flash_backward_q_dropout_bf16_64",
+            "flash_backward_q_dropout_f16_16",
+            "flash_backward_q_dropout_f16_32",
+            "flash_backward_q_dropout_f16_64",
+            "flash_backward_q_dropout_bf16_128",
+            "flash_backward_q_dropout_f16_128",
+            "flash_backward_q_dropout_tf32_16",
+            "flash_backward_q_dropout_tf32_32",
+            "flash_backward_q_dropout_tf32_64",
             "attention_delta",
         ],
         same_bits_as_cpu: false,

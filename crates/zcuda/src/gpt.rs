@@ -225,7 +225,7 @@ pub struct Noise {
 
 /// A block's dropouts: of its attention's and MLP's outputs
 /// (`model.hidden_dropout`) and of its attention's probabilities
-/// (`model.attention_dropout`; unfused attention only).
+/// (`model.attention_dropout`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Dropouts {
     /// The attention's and the MLP's outputs' masks.
@@ -486,7 +486,7 @@ struct Attention {
     kept: AttentionKept,
     /// Where documents begin, when they are kept apart.
     first: Option<Firsts>,
-    /// The mask its probabilities were dropped by (unfused only).
+    /// The mask its probabilities were dropped by.
     dropout: Option<Mask>,
 }
 
@@ -1134,8 +1134,8 @@ impl GptGpu {
     /// `dropouts.hidden`, the attention's and the MLP's outputs dropped by
     /// its masks before their residual adds (`model.hidden_dropout`), with
     /// `dropouts.attention` the attention's probabilities
-    /// (`model.attention_dropout`; an error on the fused kernels); the
-    /// backward drops their gradients by the same masks.
+    /// (`model.attention_dropout`); the backward drops their gradients by
+    /// the same masks.
     pub fn block_forward(
         &self,
         w: &Weights,
@@ -2099,13 +2099,7 @@ impl GptGpu {
         dropout: Option<Mask>,
     ) -> Result<Attention, CudaError> {
         if self.fused_attention {
-            if dropout.is_some() {
-                return Err(CudaError::Invalid(
-                    "attention's dropout runs on the unfused path only (ZRUN_GPU_ATTENTION=unfused)"
-                        .into(),
-                ));
-            }
-            return self.fused_attention_forward(qkv, b, t, first);
+            return self.fused_attention_forward(qkv, b, t, first, dropout);
         }
         let qkv = &qkv;
         let (aw, heads, hd) = (
@@ -2188,13 +2182,14 @@ impl GptGpu {
     }
 
     /// attention.cu's forward: one block of 4 warps per 64 query rows of
-    /// each head of each sequence.
+    /// each head of each sequence; with `dropout`, its `_dropout` kernel.
     fn fused_attention_forward(
         &self,
         qkv: CudaSlice<f32>,
         b: usize,
         t: usize,
         first: Option<Firsts>,
+        dropout: Option<Mask>,
     ) -> Result<Attention, CudaError> {
         let (d, heads) = (self.shape.attn_width(), self.shape.n_heads);
         let ld = self.shape.qkv_width();
@@ -2202,6 +2197,12 @@ impl GptGpu {
             return Err(CudaError::Invalid(format!(
                 "fused attention: [{b}, {t}] rows of {ld} in a buffer of {}",
                 qkv.len()
+            )));
+        }
+        if dropout.is_some() && t > zconfig::spec::FUSED_DROPOUT_MAX_T {
+            return Err(CudaError::Invalid(format!(
+                "fused attention with dropout: sequences of up to {}, not {t}",
+                zconfig::spec::FUSED_DROPOUT_MAX_T
             )));
         }
         let mut out = self.alloc(b * t * d)?;
@@ -2213,8 +2214,8 @@ impl GptGpu {
             None => None,
         };
         let mut lse = self.alloc(b * heads * t)?;
-        let kernel = self.fused_kernel("flash_forward");
-        let args = self.fused_args(t);
+        let kernel = self.fused_kernel("flash_forward", dropout);
+        let args = self.fused_args(t, dropout);
         let null = 0u64;
         let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
         l.arg(&qkv);
@@ -2229,8 +2230,9 @@ impl GptGpu {
         };
         l.arg(&self.fmt16).arg(&mut lse);
         args.push(&mut l);
-        // SAFETY: flash_forward_<kind>_<hd>(qkv, first, out, out16, fmt16,
-        // lse, t, heads, kv, ld, scale): b·t rows of ld in qkv (checked
+        // SAFETY: flash_forward[_dropout]_<kind>_<hd>(qkv, first, out,
+        // out16, fmt16, lse, t, heads, kv, ld, scale, the mask's threshold,
+        // scale and key): b·t rows of ld in qkv (checked
         // above), first b·t values or null (checked by the embedding),
         // b·t·d values in out (and out16, or null) and b·heads·t in lse
         // (allocated above); qkv is a whole allocation and ld a multiple of
@@ -2243,7 +2245,7 @@ impl GptGpu {
             out16,
             kept: AttentionKept::Fused { qkv, lse },
             first,
-            dropout: None,
+            dropout,
         })
     }
 
@@ -2294,12 +2296,12 @@ impl GptGpu {
         // b·heads·t values in delta (allocated above).
         self.launched("attention_delta", unsafe { l.launch(cfg) })?;
         let mut dqkv = self.alloc(b * t * ld)?;
-        let args = self.fused_args(t);
+        let args = self.fused_args(t, a.dropout);
         for (name, grid_heads) in [
             ("flash_backward_kv", self.shape.kv_heads()),
             ("flash_backward_q", heads),
         ] {
-            let kernel = self.fused_kernel(name);
+            let kernel = self.fused_kernel(name, a.dropout);
             let null = 0u64;
             let mut l = self.gpu.stream().launch_builder(self.gpu.function(kernel));
             l.arg(qkv);
@@ -2309,8 +2311,9 @@ impl GptGpu {
             };
             l.arg(datt).arg(lse).arg(&delta).arg(&mut dqkv);
             args.push(&mut l);
-            // SAFETY: flash_backward_{kv,q}_<kind>_<hd>(qkv, first, dout, lse,
-            // delta, dqkv, t, heads, kv, ld, scale): qkv and dqkv b·t rows of
+            // SAFETY: flash_backward_{kv,q}[_dropout]_<kind>_<hd>(qkv,
+            // first, dout, lse, delta, dqkv, t, heads, kv, ld, scale, the
+            // mask's threshold, scale and key): qkv and dqkv b·t rows of
             // ld, first b·t values or null (checked by the embedding),
             // dout b·t rows of d, lse and delta b·heads·t values (the
             // forward's and above); qkv and dout whole allocations with
@@ -2323,23 +2326,27 @@ impl GptGpu {
         Ok(dqkv)
     }
 
-    /// The fused kernel `name` for this model's products and head width.
-    fn fused_kernel(&self, name: &str) -> &'static str {
+    /// The fused kernel `name` for this model's products and head width,
+    /// its `_dropout` kernel where the probabilities are dropped.
+    fn fused_kernel(&self, name: &str, dropout: Option<Mask>) -> &'static str {
         let kind = match self.half_products {
             Some(h) => h.name(),
             None => "tf32",
         };
-        let want = format!("{name}_{kind}_{}", self.shape.head_dim());
+        let dropped = if dropout.is_some() { "_dropout" } else { "" };
+        let want = format!("{name}{dropped}_{kind}_{}", self.shape.head_dim());
         crate::compile::kernel("attention.cu")
             .and_then(|k| k.functions.iter().find(|f| **f == want))
             .expect("use_fused_attention admits widths with kernels")
     }
 
     /// The fused kernels' trailing arguments: t, heads, kv heads, the qkv
-    /// rows' width and the scores' scale.
-    fn fused_args(&self, t: usize) -> FusedArgs {
+    /// rows' width, the scores' scale and the dropout's mask (threshold,
+    /// scale, key; none: 0, 1, 0).
+    fn fused_args(&self, t: usize, dropout: Option<Mask>) -> FusedArgs {
         let hd = self.shape.head_dim();
         FusedArgs {
+            mask: mask_args(dropout),
             ints: [
                 t,
                 self.shape.n_heads,
@@ -2964,6 +2971,7 @@ fn columns_config(width: usize, chunks: usize) -> LaunchConfig {
 struct FusedArgs {
     ints: [i32; 4],
     scale: f32,
+    mask: (u32, f32, u32),
 }
 
 impl FusedArgs {
@@ -2971,7 +2979,10 @@ impl FusedArgs {
         for x in &self.ints {
             l.arg(x);
         }
-        l.arg(&self.scale);
+        l.arg(&self.scale)
+            .arg(&self.mask.0)
+            .arg(&self.mask.1)
+            .arg(&self.mask.2);
     }
 }
 

@@ -482,12 +482,18 @@ fn llama_block_with_rope_scaling(test: &str, scaling: zconfig::spec::RopeScaling
 /// A LLaMA block (4 query heads on 2 key/value heads, rotary base 100, t =
 /// 100: two tiles of query rows) with the fused attention in `products`.
 fn llama_block_with_fused_attention(test: &str, products: Products) {
-    llama_block_with_fused_attention_on(test, products, false);
+    llama_block_with_fused_attention_on(test, products, false, None);
 }
 
 /// [`llama_block_with_fused_attention`], with packed documents kept apart
-/// where `documents` says ([`matches_the_cpu_model_with`]).
-fn llama_block_with_fused_attention_on(test: &str, products: Products, documents: bool) {
+/// where `documents` says and the attention's dropout
+/// ([`matches_the_cpu_model_with`]).
+fn llama_block_with_fused_attention_on(
+    test: &str,
+    products: Products,
+    documents: bool,
+    attention_dropout: Option<zmodel::Dropout>,
+) {
     let (kv_heads, rope_theta) = (2, 100.0);
     matches_the_cpu_model_with(
         test,
@@ -505,6 +511,7 @@ fn llama_block_with_fused_attention_on(test: &str, products: Products, documents
         },
         products,
         documents,
+        attention_dropout,
     );
 }
 
@@ -553,6 +560,7 @@ fn gpu_block_with_packed_documents_kept_apart_matches_the_cpu_model() {
         Family::Gpt2,
         Products::F32,
         true,
+        None,
     );
 }
 
@@ -564,7 +572,34 @@ fn gpu_llama_block_with_packed_documents_and_fused_attention_matches_the_cpu_mod
         "gpu_llama_block_with_packed_documents_and_fused_attention_matches_the_cpu_model",
         Products::Bf16FusedAttention,
         true,
+        None,
     );
+}
+
+#[test]
+fn gpu_block_with_attention_dropout_matches_the_cpu_model() {
+    // A fifth of the probabilities dropped by zmodel's mask: gpt.cu's
+    // causal_softmax and the products around it (f32), and attention.cu's
+    // `_dropout` kernels (bf16 and TF32 products; LLaMA's grouped heads
+    // with packed documents kept apart in f16), against the CPU model's
+    // fused attention dropping the same.
+    let drop = zmodel::Dropout::new(0.2, 11).unwrap().site(1);
+    let test = "gpu_block_with_attention_dropout_matches_the_cpu_model";
+    for products in [
+        Products::F32,
+        Products::Bf16FusedAttention,
+        Products::Tf32FusedAttention,
+    ] {
+        matches_the_cpu_model_with(
+            test,
+            serde_json::json!({"ffn_hidden": 160, "seq_len": 100}),
+            Family::Gpt2,
+            products,
+            false,
+            Some(drop),
+        );
+    }
+    llama_block_with_fused_attention_on(test, Products::F16FusedAttention, true, Some(drop));
 }
 
 /// How the GPU multiplies in [`matches_the_cpu_model`].
@@ -585,18 +620,21 @@ enum Products {
 /// 48, d_model 64 and 4 heads unless `extra` says) on the GPU against the CPU model (f32), the
 /// GPU's products in f32, TF32, bf16 or f16.
 fn matches_the_cpu_model(test: &str, extra: serde_json::Value, family: Family, products: Products) {
-    matches_the_cpu_model_with(test, extra, family, products, false);
+    matches_the_cpu_model_with(test, extra, family, products, false, None);
 }
 
 /// [`matches_the_cpu_model`], with (`documents`) packed documents kept
 /// apart: the end-of-text id placed where documents end one token, one
-/// tile's rows and some tiles in, both models given where they begin.
+/// tile's rows and some tiles in, both models given where they begin; and
+/// with `attention_dropout`, both models' attention probabilities dropped
+/// by it.
 fn matches_the_cpu_model_with(
     test: &str,
     extra: serde_json::Value,
     family: Family,
     products: Products,
     documents: bool,
+    attention_dropout: Option<zmodel::Dropout>,
 ) {
     let half = match products {
         Products::Bf16 | Products::Bf16FusedAttention => Some(Half16::Bf16),
@@ -696,7 +734,15 @@ fn matches_the_cpu_model_with(
     let hp = HeadParams::from_vec(tensors(&head, &shapes(2)), layout).unwrap();
     let x = model.embed_documents(&ep, &tok, docs.as_ref()).unwrap();
     let (y, acts) = model
-        .block_forward_documents(&bp, &x, docs.as_ref())
+        .block_forward_documents(
+            &bp,
+            &x,
+            docs.as_ref(),
+            zmodel::BlockDropout {
+                hidden: None,
+                attention: attention_dropout,
+            },
+        )
         .unwrap();
     let hb = model
         .head_backward(&hp, tied.then_some(&ep.wte), &y, &tgt, 1.0, divisor)
@@ -751,7 +797,18 @@ fn matches_the_cpu_model_with(
         let (ew, w, hw) = (up(0), up(1), up(2));
         let gx = gpu.embed_documents(&tokens, firsts, b, t, &ew).unwrap();
         let (gy, gacts) = gpu
-            .block_forward(&w, gx, crate::Dropouts::default())
+            .block_forward(
+                &w,
+                gx,
+                crate::Dropouts {
+                    hidden: None,
+                    attention: attention_dropout.map(|d| crate::Mask {
+                        threshold: d.threshold(),
+                        scale: d.scale(),
+                        key: d.key(),
+                    }),
+                },
+            )
             .unwrap();
         let y_host = gpu.download(&gy).unwrap();
         let out = gpu

@@ -834,18 +834,20 @@ impl Gpt {
         params: &BlockParams<Tensor>,
         x: &Tensor,
     ) -> Result<(Tensor, BlockActs)> {
-        self.block_forward_documents(params, x, None)
+        self.block_forward_documents(params, x, None, BlockDropout::default())
     }
 
     /// [`Gpt::block_forward`] with packed documents kept apart where `docs`
-    /// says where they begin (as [`Gpt::embed_documents`]).
+    /// says where they begin (as [`Gpt::embed_documents`]) and `dropout`'s
+    /// dropouts ([`Gpt::block_forward_from`]).
     pub fn block_forward_documents(
         &self,
         params: &BlockParams<Tensor>,
         x: &Tensor,
         docs: Option<&Documents>,
+        dropout: BlockDropout,
     ) -> Result<(Tensor, BlockActs)> {
-        self.block_forward_from(&mut Whole::new(params), x, docs, BlockDropout::default())
+        self.block_forward_from(&mut Whole::new(params), x, docs, dropout)
     }
 
     /// [`Gpt::block_forward`] with the parameters from `src`, each linear a

@@ -758,16 +758,24 @@ mod tests {
         }
         assert!(fused(&[bf16, wide[0], wide[1]], Some("fused")));
         assert!(!fused(&[bf16, heads16], Some("unfused")));
-        // Attention's dropout runs on the unfused path: by default there,
-        // and `fused` refused.
+        // Attention's dropout: the unfused path by default (the fused
+        // kernels with dropout are not yet timed), `fused` on request.
         let dropped = [bf16, heads16, "model.attention_dropout=0.1"];
-        assert!(!fused(&dropped, None));
-        let why = job_with(dir.path(), "cuda", &dropped)
+        for default in [None, Some("auto")] {
+            assert!(!fused(&dropped, default));
+        }
+        assert!(fused(&dropped, Some("fused")));
+        let spec = job_with(dir.path(), "cuda", &dropped);
+        assert_eq!(spec.fused_attention_unsupported(), None);
+        // The dropout kernels' mask index within a head is 32-bit.
+        let long = [dropped[0], dropped[1], dropped[2], "model.seq_len=65536"];
+        let why = job_with(dir.path(), "cuda", &long)
             .fused_attention_unsupported()
             .unwrap();
-        assert!(
-            why.contains("model.attention_dropout runs on the unfused path"),
-            "{why}"
+        assert!(why.contains("sequences of up to 65535"), "{why}");
+        assert_eq!(
+            job_with(dir.path(), "cuda", &long[..3]).fused_attention_unsupported(),
+            None
         );
         assert!(fused(&dropped[..2], None));
     }

@@ -69,7 +69,7 @@ impl Progress {
         match &self.bar {
             Some(b) => {
                 b.set_position(line.step);
-                b.set_message(msg);
+                b.set_message(format!("{msg} · epoch {:.2}", line.epoch));
             }
             None if line.step == 1
                 || line.step.is_multiple_of(self.every)
