@@ -1589,3 +1589,90 @@ fn transformers_lists(
     let want: HashMap<String, Vec<u64>> = serde_json::from_str(&answer).unwrap();
     Some(want)
 }
+
+/// Parquet rows (`tests/fixtures/parquet/`, written by pyarrow as Hugging
+/// Face's `datasets` writes its files: `scripts/parquet_fixtures.py`)
+/// prepare to the bytes of the JSONL file of the same records: text rows
+/// beside an integer column, conversations (a list of structs) laid out by
+/// the chat template, with and without `--assistant-only-loss` (the mask
+/// files too), the same conversations compressed with zstd in row groups
+/// of two, and prompt-completion rows (the loss kept to the completions).
+/// A row without the field is exit 2 naming the file and the row; a file
+/// named `.parquet` that is not one, exit 2 naming the file.
+#[test]
+fn parquet_rows_prepare_as_their_jsonl_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/parquet");
+    let fixture = |name: &str| fixtures.join(name).display().to_string();
+    let (tok, _) = chatml_tokenizer(d, &["system", "user", "assistant"]);
+    let cases: [(&str, &str, &[&str]); 5] = [
+        ("texts.parquet", "texts.jsonl", &[]),
+        ("chats.parquet", "chats.jsonl", &[]),
+        ("chats.parquet", "chats.jsonl", &["--assistant-only-loss"]),
+        (
+            "chats_zstd.parquet",
+            "chats.jsonl",
+            &["--assistant-only-loss"],
+        ),
+        ("pairs.parquet", "pairs.jsonl", &[]),
+    ];
+    for (n, (parquet, jsonl, extra)) in cases.into_iter().enumerate() {
+        let args = [&["--val-fraction", "0.34"], extra].concat();
+        let outputs = [parquet, jsonl].map(|input| {
+            let out = d.join(format!("out-{n}-{input}"));
+            let f = prepare(d, &[&fixture(input)], &tok, &out, &args);
+            assert_eq!(f.code(), 0, "{input} {extra:?}: {f:?}");
+            let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&out)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.file_name().unwrap() != "manifest.json")
+                .map(|p| {
+                    let name = p.file_name().unwrap().to_string_lossy().into_owned();
+                    (name, std::fs::read(&p).unwrap())
+                })
+                .collect();
+            files.sort();
+            files
+        });
+        let names: Vec<&str> = outputs[0].iter().map(|(n, _)| n.as_str()).collect();
+        assert!(
+            names.contains(&"train.bin") && names.contains(&"val.bin"),
+            "{parquet}: {names:?}"
+        );
+        if extra.contains(&"--assistant-only-loss") || parquet == "pairs.parquet" {
+            assert!(
+                names.iter().any(|n| n.contains("mask")),
+                "{parquet}: {names:?}"
+            );
+        }
+        assert!(
+            outputs[0].iter().all(|(_, bytes)| !bytes.is_empty()),
+            "{parquet}: an empty file"
+        );
+        assert_eq!(
+            outputs[0], outputs[1],
+            "{parquet} {extra:?} against {jsonl}"
+        );
+    }
+    // Errors name the file and the row.
+    let out = d.join("refused");
+    let f = prepare(
+        d,
+        &[&fixture("texts.parquet")],
+        &tok,
+        &out,
+        &["--field", "body"],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("texts.parquet: row 1: no string field `body`"),
+        "{}",
+        f.stderr
+    );
+    std::fs::write(d.join("fake.parquet"), "w1 w2\n").unwrap();
+    let f = prepare(d, &["fake.parquet"], &tok, &out, &[]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(f.stderr.contains("fake.parquet: "), "{}", f.stderr);
+}

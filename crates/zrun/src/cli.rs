@@ -32,14 +32,15 @@ pub enum Command {
     Sample(SampleArgs),
     /// A model's loss and perplexity on held-out data.
     Eval(EvalArgs),
-    /// Tokenize text files or JSONL into token files for training.
+    /// Tokenize text, JSONL or Parquet files into token files for training.
     Prepare(PrepareArgs),
 }
 
 /// `zrun prepare`.
 #[derive(Debug, Args)]
 pub struct PrepareArgs {
-    /// Text files or JSONL files (`.jsonl`, `.ndjson`), or glob patterns.
+    /// Text files, JSONL files (`.jsonl`, `.ndjson`) or Parquet files
+    /// (`.parquet`, a row a record), or glob patterns.
     #[arg(value_name = "INPUT", required = true)]
     pub inputs: Vec<String>,
     /// A Hugging Face `tokenizer.json`, or the model directory that holds
@@ -49,7 +50,7 @@ pub struct PrepareArgs {
     /// Where `train.bin`, `val.bin` and `manifest.json` go.
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
-    /// The JSONL field that holds the text, or a conversation (a list of
+    /// The record's field (JSONL key, Parquet column) that holds the text, or a conversation (a list of
     /// messages with a `role` and a `content`: laid out with the chat
     /// template, as `apply_chat_template` lays it out) [default: `text`,
     /// else `messages`, else TRL's `prompt` and `completion`].

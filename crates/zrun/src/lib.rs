@@ -74,6 +74,7 @@ pub mod eval;
 pub mod launch;
 pub mod metrics;
 pub mod monitor;
+mod parquet_json;
 pub mod pernode;
 pub mod plan;
 pub mod planner;

@@ -1,16 +1,16 @@
-//! `zrun prepare INPUT… --tokenizer tokenizer.json --out DIR`: text files or
-//! JSONL records to token files (`train.bin`, `val.bin`, nanoGPT's layout:
+//! `zrun prepare INPUT… --tokenizer tokenizer.json --out DIR`: text files,
+//! JSONL records or Parquet rows (Hugging Face's `datasets` files: a row is
+//! a record, its columns the keys) to token files (`train.bin`, `val.bin`, nanoGPT's layout:
 //! little-endian u16 ids, or u32 for vocabularies above 65,536) and a
 //! manifest that `zrun check` / `zrun train` hold the job against.
 //!
 //! Tokenization is Hugging Face's `tokenizers` crate on a local
 //! `tokenizer.json` (nothing is downloaded), in batches encoded on every
-//! core. The unit of work is a *piece*: a JSONL record, or up to
+//! core. The unit of work is a *piece*: a record, or up to
 //! 64 KiB of a text file cut at a line end. Every 1/f-th piece goes to
 //! `val.bin` (f = `--val-fraction`), the rest to `train.bin`, so both spread
 //! over the whole corpus and the split does not depend on the thread count.
-//! The end-of-text id follows each document (a JSONL record, a whole text
-//! file). Outputs are written under temporary names and renamed when
+//! The end-of-text id follows each document (a record, a whole text file). Outputs are written under temporary names and renamed when
 //! complete; existing ones are kept unless `--overwrite`.
 
 use std::collections::BTreeMap;
@@ -242,7 +242,7 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     let inputs = input_files(&args.inputs)?;
     if let Some((text, _)) = inputs
         .iter()
-        .find(|(_, jsonl)| args.assistant_only_loss && !jsonl)
+        .find(|(_, kind)| args.assistant_only_loss && *kind == Input::Text)
     {
         return Err(Failure::bad_input(format!(
             "--assistant-only-loss: {} is a text file; the loss is kept to the assistant's turns of JSONL conversations (or to completions)",
@@ -253,7 +253,7 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     // under --assistant-only-loss, and where JSONL may hold prompt-completion
     // records (kept only if some token is left out).
     let masked = args.assistant_only_loss
-        || (args.completion_only_loss && inputs.iter().any(|(_, jsonl)| *jsonl));
+        || (args.completion_only_loss && inputs.iter().any(|(_, kind)| *kind != Input::Text));
     // The chat template of JSONL conversations, if there is one. One given
     // with --chat-template must load; the tokenizer's neighbours matter
     // only to conversations, so that text data is not refused for a
@@ -316,10 +316,7 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
     ];
     let outputs = names.map(|n| args.out.join(n));
     crate::keep_existing("--out", &outputs, args.overwrite)?;
-    let total: u64 = inputs
-        .iter()
-        .map(|(p, _)| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
-        .sum();
+    let total: u64 = inputs.iter().map(|(p, kind)| input_bytes(p, *kind)).sum();
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
     bar.set_style(
         ProgressStyle::with_template(
@@ -369,7 +366,7 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         batch.clear();
         Ok(())
     };
-    for (path, jsonl) in &inputs {
+    for (path, kind) in &inputs {
         let mut pieces = |piece: Piece| -> Result<()> {
             batch_bytes += piece.text.len();
             bar.inc(piece.text.len() as u64);
@@ -380,20 +377,18 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
             }
             Ok(())
         };
-        if *jsonl {
-            let loss = Loss {
+        let records = Records {
+            field: args.field.as_deref(),
+            conversations: &conversations,
+            loss: Loss {
                 assistant_only: args.assistant_only_loss,
                 completion_only: args.completion_only_loss,
-            };
-            read_jsonl(
-                path,
-                args.field.as_deref(),
-                &conversations,
-                loss,
-                &mut pieces,
-            )?;
-        } else {
-            read_text(path, &mut pieces)?;
+            },
+        };
+        match kind {
+            Input::Text => read_text(path, &mut pieces)?,
+            Input::Jsonl => read_jsonl(path, &records, &mut pieces)?,
+            Input::Parquet => read_parquet(path, &records, &mut pieces)?,
         }
         bar.set_message(path.display().to_string());
     }
@@ -661,8 +656,19 @@ impl Split {
     }
 }
 
-/// The input files (globs expanded, in order), each with whether it is JSONL.
-fn input_files(patterns: &[String]) -> Result<Vec<(PathBuf, bool)>> {
+/// What an input file holds, by its extension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Input {
+    /// Text (any other extension).
+    Text,
+    /// JSON records a line (`.jsonl`, `.ndjson`).
+    Jsonl,
+    /// Rows of a Parquet file (`.parquet`).
+    Parquet,
+}
+
+/// The input files (globs expanded, in order), each with what it holds.
+fn input_files(patterns: &[String]) -> Result<Vec<(PathBuf, Input)>> {
     let mut out = Vec::new();
     for p in patterns {
         let mut matched: Vec<PathBuf> = glob::glob(p)
@@ -675,11 +681,36 @@ fn input_files(patterns: &[String]) -> Result<Vec<(PathBuf, bool)>> {
         }
         matched.sort();
         out.extend(matched.into_iter().map(|f| {
-            let jsonl = f.extension().is_some_and(|e| e == "jsonl" || e == "ndjson");
-            (f, jsonl)
+            let kind = match f.extension().and_then(|e| e.to_str()) {
+                Some("jsonl" | "ndjson") => Input::Jsonl,
+                Some("parquet") => Input::Parquet,
+                _ => Input::Text,
+            };
+            (f, kind)
         }));
     }
     Ok(out)
+}
+
+/// About how many bytes of text `path` holds, for the progress bar: a
+/// file's size, or a Parquet file's uncompressed size (0 where unreadable:
+/// the reading says why).
+fn input_bytes(path: &Path, kind: Input) -> u64 {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let size = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    if kind != Input::Parquet {
+        return size;
+    }
+    let Ok(reader) = std::fs::File::open(path).map(SerializedFileReader::new) else {
+        return size;
+    };
+    reader.map_or(size, |r| {
+        let groups = r.metadata().row_groups();
+        groups
+            .iter()
+            .map(|g| g.total_byte_size().max(0) as u64)
+            .sum()
+    })
 }
 
 /// A text file in pieces of at most [`PIECE_BYTES`] (longer lines whole), cut
@@ -734,20 +765,19 @@ struct Loss {
     completion_only: bool,
 }
 
-/// A JSONL file's records: under `field` of each line (blank lines
-/// skipped; by default `text`, else `messages`, else a `prompt` with its
-/// `completion`), a string, or a conversation laid out by the chat
-/// template as `apply_chat_template` lays out a whole conversation (no
-/// generation prompt, the record's `tools` and `chat_template_kwargs`
-/// passed on, as TRL passes them); each record is a document. Under
-/// `loss.assistant_only`, a record must be a conversation or a prompt with
-/// its completion, and its piece keeps the loss to the assistant's turns
-/// (or the completion).
+/// How records become pieces: the field read (`--field`), conversations'
+/// layout, and which parts the loss is kept to.
+struct Records<'a> {
+    field: Option<&'a str>,
+    conversations: &'a Conversations<'a>,
+    loss: Loss,
+}
+
+/// A JSONL file's records, each line one ([`Records::piece`]; blank lines
+/// skipped), named `path:line` in errors.
 fn read_jsonl(
     path: &Path,
-    field: Option<&str>,
-    conversations: &Conversations,
-    loss: Loss,
+    records: &Records,
     sink: &mut impl FnMut(Piece) -> Result<()>,
 ) -> Result<()> {
     let bad = |e: std::io::Error| Failure::bad_input(format!("{}: {e}", path.display()));
@@ -762,44 +792,80 @@ fn read_jsonl(
             continue;
         }
         let at = format!("{}:{}", path.display(), i + 1);
-        let record: serde_json::Value = serde_json::from_str(&line)
+        sink(records.piece(&line, &at)?)?;
+    }
+    Ok(())
+}
+
+/// A Parquet file's rows (Hugging Face's `datasets` writes its splits so;
+/// any codec the `parquet` crate reads), each one record whose keys are the
+/// row's columns in the file's order, nested lists and structs as JSON
+/// arrays and objects ([`Records::piece`]); named `path: row N` (from 1)
+/// in errors.
+fn read_parquet(
+    path: &Path,
+    records: &Records,
+    sink: &mut impl FnMut(Piece) -> Result<()>,
+) -> Result<()> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let not_parquet =
+        |e: parquet::errors::ParquetError| Failure::bad_input(format!("{}: {e}", path.display()));
+    let file = std::fs::File::open(path)
+        .map_err(|e| Failure::bad_input(format!("{}: {e}", path.display())))?;
+    let reader = SerializedFileReader::new(file).map_err(not_parquet)?;
+    let rows = reader.get_row_iter(None).map_err(not_parquet)?;
+    for (i, row) in rows.enumerate() {
+        let at = format!("{}: row {}", path.display(), i + 1);
+        let row = row.map_err(|e| Failure::bad_input(format!("{at}: {e}")))?;
+        let mut line = String::new();
+        crate::parquet_json::row(&row, &mut line);
+        sink(records.piece(&line, &at)?)?;
+    }
+    Ok(())
+}
+
+impl Records<'_> {
+    /// One record (a JSON object, as text), named `at` in errors: under
+    /// the field (by default `text`, else `messages`, else a `prompt` with
+    /// its `completion`), a string, or a conversation laid out by the chat
+    /// template as `apply_chat_template` lays out a whole conversation (no
+    /// generation prompt, the record's `tools` and `chat_template_kwargs`
+    /// passed on, as TRL passes them); each record is a document. Under
+    /// `loss.assistant_only`, a record must be a conversation or a prompt
+    /// with its completion, and its piece keeps the loss to the
+    /// assistant's turns (or the completion).
+    fn piece(&self, line: &str, at: &str) -> Result<Piece> {
+        let (field, conversations, loss) = (self.field, self.conversations, self.loss);
+        let record: serde_json::Value = serde_json::from_str(line)
             .map_err(|e| Failure::bad_input(format!("{at}: not JSON: {e}")))?;
         let has = |key: &str| record.get(key).is_some();
         if field.is_none() && !has("text") && !has("messages") && has("prompt") && has("completion")
         {
-            let piece = prompt_completion(&record, &line, conversations, loss)
-                .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?;
-            sink(piece)?;
-            continue;
+            return prompt_completion(&record, line, conversations, loss)
+                .map_err(|e| Failure::bad_input(format!("{at}: {e}")));
         }
         let name = match field {
             Some(f) => f,
             None if !has("text") && has("messages") => "messages",
             None => "text",
         };
-        let piece = match record.get(name) {
-            Some(serde_json::Value::String(_)) if loss.assistant_only => {
-                return Err(Failure::bad_input(format!(
-                    "{at}: `{name}` is text, not a conversation: --assistant-only-loss keeps the loss to the assistant's turns of conversations (or to the completions of prompt-completion records)"
-                )))
-            }
-            Some(serde_json::Value::String(text)) => Piece::whole(text.clone(), true),
+        match record.get(name) {
+            Some(serde_json::Value::String(_)) if loss.assistant_only => Err(Failure::bad_input(format!(
+                "{at}: `{name}` is text, not a conversation: --assistant-only-loss keeps the loss to the assistant's turns of conversations (or to the completions of prompt-completion records)"
+            ))),
+            Some(serde_json::Value::String(text)) => Ok(Piece::whole(text.clone(), true)),
             Some(serde_json::Value::Array(_)) => {
-                conversation(&line, name, conversations, loss.assistant_only)
-                    .map_err(|e| Failure::bad_input(format!("{at}: {e}")))?
+                conversation(line, name, conversations, loss.assistant_only)
+                    .map_err(|e| Failure::bad_input(format!("{at}: {e}")))
             }
-            _ => {
-                return Err(Failure::bad_input(format!(
-                    "{at}: no string field `{name}`, nor a conversation there (choose the field with --field)"
-                )))
-            }
-        };
-        sink(piece)?;
+            _ => Err(Failure::bad_input(format!(
+                "{at}: no string field `{name}`, nor a conversation there (choose the field with --field)"
+            ))),
+        }
     }
-    Ok(())
 }
 
-/// The conversation under `name` of a JSONL line laid out, the loss kept to
+/// The conversation under `name` of a record laid out, the loss kept to
 /// the assistant's turns if `assistant_only`.
 fn conversation(
     line: &str,
