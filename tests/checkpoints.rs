@@ -29,15 +29,18 @@ fn train(dir: &Path, job: &Path, metrics: &str, extra: &[&str]) -> e2e::Finished
 ///
 /// With `model.hidden_dropout` and `model.attention_dropout` (stage 2,
 /// f32) too: the resumed steps drop the elements the uninterrupted ones
-/// dropped.
+/// dropped. And with Lion (stage 3, bf16): its moment carries over; a run
+/// with AdamW refuses its checkpoint (exit 2, naming both rules), as Lion
+/// refuses AdamW's.
 #[test]
 fn resume_continues_bit_identically_in_every_precision() {
-    for (stage, dtype, every, dropout) in [
-        ("0", "f32", 6, "0"),
-        ("3", "f32", 6, "0"),
-        ("1", "bf16", 6, "0"),
-        ("3", "f16", 4, "0"),
-        ("2", "f32", 6, "0.2"),
+    for (stage, dtype, every, dropout, rule) in [
+        ("0", "f32", 6, "0", "adamw"),
+        ("3", "f32", 6, "0", "adamw"),
+        ("1", "bf16", 6, "0", "adamw"),
+        ("3", "f16", 4, "0", "adamw"),
+        ("2", "f32", 6, "0.2", "adamw"),
+        ("3", "bf16", 6, "0", "lion"),
     ] {
         let d = tempfile::tempdir().unwrap();
         let dir = d.path();
@@ -46,7 +49,10 @@ fn resume_continues_bit_identically_in_every_precision() {
         let dt = format!("train.dtype={dtype}");
         let hidden = format!("model.hidden_dropout={dropout}");
         let attention = format!("model.attention_dropout={dropout}");
+        let optimizer = format!("train.optimizer.type={rule}");
         let set = &[
+            "--set",
+            &optimizer,
             "--set",
             &set,
             "--set",
@@ -81,7 +87,32 @@ fn resume_continues_bit_identically_in_every_precision() {
             resumed.iter().map(|x| x.0).collect::<Vec<_>>(),
             (from as u64 + 1..=12).collect::<Vec<_>>()
         );
-        assert_eq!(resumed, straight[from..].to_vec(), "stage {stage} {dtype}");
+        assert_eq!(
+            resumed,
+            straight[from..].to_vec(),
+            "stage {stage} {dtype} {rule}"
+        );
+        let other = match rule {
+            "lion" => "adamw",
+            _ => "lion",
+        };
+        if rule == "lion" || stage == "0" {
+            let swapped = format!("train.optimizer.type={other}");
+            let mut args = set.to_vec();
+            args[1] = &swapped;
+            let f = TrainArgs::new(&job, dir.join("swapped.jsonl"))
+                .args(&args)
+                .args(&["--resume", "auto"])
+                .run(dir);
+            assert_eq!(f.code(), 2, "{f:?}");
+            assert!(
+                f.stderr.contains(&format!(
+                    "its optimizer state is {rule}'s, and the job's train.optimizer.type is {other}"
+                )),
+                "{}",
+                f.stderr
+            );
+        }
         let scales = |f: &str| -> Vec<(u64, Option<f64>, bool)> {
             e2e::metrics(&dir.join(f))
                 .iter()

@@ -199,6 +199,15 @@ fn device_cuda_refuses_what_the_gpu_model_does_not_run() {
     let f = zrun(&repo_root(), &["check", job, "--set", cuda, "--set", tiles]);
     assert_eq!(f.code(), 2, "{f:?}");
     assert!(f.stderr.contains("drop model.tile_size"), "{}", f.stderr);
+    let lion = "train.optimizer.type=lion";
+    let f = zrun(&repo_root(), &["check", job, "--set", cuda, "--set", lion]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("train.optimizer.type: lion runs on CPU workers"),
+        "{}",
+        f.stderr
+    );
 }
 
 #[test]

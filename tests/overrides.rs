@@ -60,6 +60,7 @@ const KEYS: &[(&str, &[&str])] = &[
         &["[0.9, 0.95]", "[0, 0]", "[1, 1]", "[0.9]"],
     ),
     ("train.optimizer.eps", &["1e-8", "0", "1", "1e-50"]),
+    ("train.optimizer.type", &["adamw", "lion", "sgd"]),
     ("train.schedule", &["cosine", "wsd", "linear", "constant"]),
     ("train.seed", &["0", "1", "18446744073709551615"]),
     ("train.steps", &["1", "2", "3", "0"]),

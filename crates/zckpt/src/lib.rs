@@ -31,7 +31,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use zconfig::spec::ModelSpec;
+use zconfig::spec::{ModelSpec, OptimizerKind};
 use zconfig::Dtype;
 
 /// Manifest file name.
@@ -170,10 +170,20 @@ pub struct Manifest {
     /// goes on from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub early_stopping: Option<EarlyStopState>,
+    /// The update rule whose state the shards hold (`train.optimizer.type`;
+    /// absent: AdamW, as in every checkpoint written before Lion). A run
+    /// with another rule refuses to resume from it: Lion leaves AdamW's
+    /// second moment at zero, which AdamW would divide by.
+    #[serde(default, skip_serializing_if = "is_adamw")]
+    pub optimizer: OptimizerKind,
     /// Group layouts, in model order.
     pub groups: Vec<GroupEntry>,
     /// One shard per rank, in rank order.
     pub files: Vec<FileEntry>,
+}
+
+fn is_adamw(kind: &OptimizerKind) -> bool {
+    *kind == OptimizerKind::Adamw
 }
 
 /// Where `train.early_stopping` stands after a validation.
@@ -526,6 +536,25 @@ impl Checkpoint {
         })
     }
 
+    /// Whether a run with the update rule `rule` can resume from this
+    /// checkpoint: the rule its state was written by.
+    pub fn check_optimizer(&self, rule: OptimizerKind) -> Result<(), CkptError> {
+        let held = self.manifest.optimizer;
+        match held == rule {
+            true => Ok(()),
+            false => Err(invalid(
+                &self.dir.join(MANIFEST),
+                format!(
+                    "its optimizer state is {}'s, and the job's train.optimizer.type is {}: \
+                     the state would not carry over (set train.optimizer.type: {} to resume)",
+                    held.name(),
+                    rule.name(),
+                    held.name()
+                ),
+            )),
+        }
+    }
+
     /// Checks that the checkpoint belongs to `model`.
     pub fn check_model(&self, model: &ModelSpec) -> Result<(), CkptError> {
         let diffs: Vec<String> = self
@@ -818,6 +847,7 @@ mod tests {
             loss_scale: None,
             val_loss,
             early_stopping: None,
+            optimizer: OptimizerKind::Adamw,
             groups: vec![GroupEntry {
                 name: "g".into(),
                 numel: 10,

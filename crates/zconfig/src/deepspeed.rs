@@ -354,6 +354,13 @@ const ADAM_PARAMS: &[(&str, Kind)] = &[
     ("amsgrad", Kind::Only(&[Accept::Bool(false)], "AMSGrad")),
 ];
 
+/// DeepSpeed's Lion takes these (no eps).
+const LION_PARAMS: &[(&str, Kind)] = &[
+    ("lr", Kind::Section),
+    ("betas", Kind::Section),
+    ("weight_decay", Kind::Section),
+];
+
 const SCHEDULER: &[(&str, Kind)] = &[("type", Kind::Section), ("params", Kind::Section)];
 
 const AIO: &[(&str, Kind)] = &[
@@ -578,18 +585,29 @@ impl Reader {
         let kind = match self.get("optimizer.type") {
             Some(Value::String(s)) => s.clone(),
             Some(_) => return Err(self.error("optimizer.type", "must be a string")),
-            None => return Err(self.error("optimizer", "needs a `type` (Adam or AdamW)")),
+            None => return Err(self.error("optimizer", "needs a `type` (Adam, AdamW or Lion)")),
         };
         // DeepSpeed reads the type case-blind; Adam is AdamW unless
         // adam_w_mode is false.
         let lower = kind.to_ascii_lowercase();
-        if !["adam", "adamw", "fusedadam", "cpuadam"].contains(&lower.as_str()) {
+        let lion = lower == "lion";
+        if !lion && !["adam", "adamw", "fusedadam", "cpuadam"].contains(&lower.as_str()) {
             return Err(self.error(
                 "optimizer.type",
-                format!("`{kind}` cannot be honoured: zrun trains with AdamW (decoupled weight decay); use Adam or AdamW"),
+                format!("`{kind}` cannot be honoured: zrun trains with AdamW (decoupled weight decay) or Lion; use Adam, AdamW or Lion"),
             ));
         }
-        self.sort_keys("optimizer.params", ADAM_PARAMS)?;
+        let rule = if lion { "lion" } else { "adamw" };
+        self.map(
+            "train.optimizer.type",
+            MappedValue::Set(json!(rule)),
+            "optimizer.type",
+            Origin::Written,
+        );
+        self.sort_keys(
+            "optimizer.params",
+            if lion { LION_PARAMS } else { ADAM_PARAMS },
+        )?;
         if let Some(m) = self.get("optimizer.params.adam_w_mode").cloned() {
             let Some(m) = m.as_bool() else {
                 return Err(self.error("optimizer.params.adam_w_mode", "must be true or false"));
@@ -631,6 +649,9 @@ impl Reader {
                 non_negative,
             ),
         ] {
+            if lion && key == "train.optimizer.eps" {
+                continue;
+            }
             if !self.simple(source, key, true, convert)? {
                 self.map(key, MappedValue::Set(default), source, Origin::Default);
             }

@@ -624,14 +624,19 @@ impl Default for TrainSpec {
     }
 }
 
-/// AdamW's coefficients (PyTorch's and DeepSpeed's names and defaults).
+/// The optimizer and its coefficients (PyTorch's and DeepSpeed's names and
+/// defaults).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerSpec {
-    /// Decay of the first and second moments.
+    /// Which update rule (DeepSpeed's `optimizer.type`).
+    #[serde(rename = "type")]
+    pub kind: OptimizerKind,
+    /// AdamW: decay of the first and second moments; Lion: the
+    /// interpolation of the update's direction and the moment's decay.
     #[serde(deserialize_with = "finite::pair")]
     pub betas: [f64; 2],
-    /// Added to the second moment's square root.
+    /// AdamW: added to the second moment's square root (Lion has none).
     #[serde(deserialize_with = "finite::number")]
     pub eps: f64,
 }
@@ -639,8 +644,33 @@ pub struct OptimizerSpec {
 impl Default for OptimizerSpec {
     fn default() -> Self {
         Self {
+            kind: OptimizerKind::Adamw,
             betas: [0.9, 0.999],
             eps: 1e-8,
+        }
+    }
+}
+
+/// The update rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerKind {
+    /// AdamW (Loshchilov & Hutter): two moments, bias-corrected, decoupled
+    /// weight decay.
+    #[default]
+    Adamw,
+    /// Lion (Chen et al., 2023, "Symbolic Discovery of Optimization
+    /// Algorithms"): the sign of an interpolation of the moment and the
+    /// gradient, one moment, decoupled weight decay; DeepSpeed's `Lion`.
+    Lion,
+}
+
+impl OptimizerKind {
+    /// The name a job writes.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerKind::Adamw => "adamw",
+            OptimizerKind::Lion => "lion",
         }
     }
 }
@@ -988,11 +1018,17 @@ impl JobSpec {
     /// v biases included, Qwen3's q and k norms and wider heads too) with
     /// whole linears
     /// (its products in f32 or TF32, on 16-bit working parameters under
-    /// bf16/f16). NVMe offload and ZeRO++ run in the GPU's host flow, on
+    /// bf16/f16), trained with AdamW. NVMe offload and ZeRO++ run in the GPU's host flow, on
     /// the host code the CPU path runs.
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
+        }
+        if self.train.optimizer.kind == OptimizerKind::Lion {
+            return Some(
+                "the GPU's optimizer kernel is AdamW's: train.optimizer.type: lion runs on CPU workers"
+                    .into(),
+            );
         }
         None
     }

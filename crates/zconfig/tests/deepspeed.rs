@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use zconfig::spec::{OffloadDevice, WarmupType};
+use zconfig::spec::{OffloadDevice, OptimizerKind, WarmupType};
 use zconfig::{load_job, load_job_with, Dtype, LoadedJob, Schedule, ZeroStage};
 
 fn fixture(name: &str) -> PathBuf {
@@ -305,6 +305,47 @@ fn both_files_writing_one_key_must_agree() {
     load_job_with(&ok.path, &[], Some(&ds)).unwrap();
 }
 
+/// DeepSpeed's `Lion` (case-blind) is `train.optimizer.type: lion`, its
+/// lr, betas and weight decay mapped as Adam's are; `Adam` sets AdamW back
+/// over a job that said lion.
+#[test]
+fn lion_maps_to_the_lion_rule() {
+    let j = job(BARE);
+    let ds = j._dir.path().join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"optimizer": {"type": "lion", "params": {"lr": 1e-4, "betas": [0.95, 0.98], "weight_decay": 0.5}}}"#,
+    )
+    .unwrap();
+    let mut loaded = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+    loaded.validate(2).unwrap();
+    let t = &loaded.spec.train;
+    assert_eq!(t.optimizer.kind, OptimizerKind::Lion);
+    assert_eq!(
+        (t.lr, t.optimizer.betas, t.weight_decay),
+        (1e-4, [0.95, 0.98], 0.5)
+    );
+    std::fs::write(
+        &ds,
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}"#,
+    )
+    .unwrap();
+    let lion_job = job(&BARE.replace("train:\n", "train:\n  optimizer: {type: lion}\n"));
+    assert!(
+        std::fs::read_to_string(&lion_job.path)
+            .unwrap()
+            .contains("type: lion"),
+        "the job says lion"
+    );
+    let e = match load_job_with(&lion_job.path, &[], Some(&ds)) {
+        Ok(mut l) => l.validate(2).map(|()| l.spec.train.optimizer.kind),
+        Err(e) => Err(e),
+    };
+    // The two files disagree on the rule: refused as any key both write.
+    let e = e.expect_err("both files set the optimizer").to_string();
+    assert!(e.contains("train.optimizer.type"), "{e}");
+}
+
 #[test]
 fn what_cannot_be_honoured_is_refused_where_it_is_written() {
     for (ds, want) in [
@@ -363,6 +404,10 @@ fn what_cannot_be_honoured_is_refused_where_it_is_written() {
         (
             "{\"scheduler\": {\"type\": \"WarmupLR\", \"params\": {\"warmup_num_steps\": 1e30}}}",
             "scheduler.params.warmup_num_steps: must be a whole number of steps",
+        ),
+        (
+            "{\"optimizer\": {\"type\": \"Lion\",\n \"params\": {\"lr\": 1e-4, \"eps\": 1e-8}}}",
+            "ds.json:2:25: optimizer.params.eps: unknown DeepSpeed key `eps`",
         ),
         ("{\"train_batch_size\": 8,\n", "ds.json:2:1: not a DeepSpeed config (JSON)"),
         ("[1, 2]", "a DeepSpeed config is a JSON object"),

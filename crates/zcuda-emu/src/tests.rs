@@ -878,6 +878,7 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit() {
     use zengine::adam::{adamw as cpu_adamw, AdamStep, Buffers, Grads as CpuGrads, Scalars};
     use zengine::precision::Half;
     let s = AdamStep {
+        rule: zengine::adam::OptimizerKind::Adamw,
         lr: 3e-4,
         beta1: 0.9,
         beta2: 0.95,

@@ -121,11 +121,13 @@ impl Engine {
         Ok(self.finish_step(step, lr, grad_norm, loss_scale, overflow))
     }
 
-    /// AdamW's hyperparameters for update number `self.updates` at `lr`.
+    /// The optimizer's hyperparameters for update number `self.updates` at
+    /// `lr`.
     pub(crate) fn adam_step(&self, lr: f64, grad_scale: f32) -> AdamStep {
         let o = &self.spec.train.optimizer;
         let [beta1, beta2] = o.betas.map(|b| b as f32);
         AdamStep {
+            rule: o.kind,
             lr: lr as f32,
             beta1,
             beta2,

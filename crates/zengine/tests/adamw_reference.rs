@@ -121,6 +121,7 @@ fn adamw_tracks_an_f64_reference_over_hundreds_of_steps_on_every_path() {
             reference_step(&mut want, &g, t, decay);
             let g32 = f32s(&g);
             let hp = AdamStep {
+                rule: zengine::adam::OptimizerKind::Adamw,
                 lr: lr(t) as f32,
                 beta1: BETA1 as f32,
                 beta2: BETA2 as f32,

@@ -412,7 +412,9 @@ fn newest_intact(spec: &zconfig::JobSpec) -> (Option<(String, u64)>, Vec<String>
         return (None, Vec::new());
     };
     let (ckpt, passed_over) = crate::newest_that_opens(Path::new(root), |c| {
-        c.check_model(&spec.model).map_err(|e| e.to_string())
+        c.check_model(&spec.model)
+            .and_then(|()| c.check_optimizer(spec.train.optimizer.kind))
+            .map_err(|e| e.to_string())
     });
     let found = ckpt.map(|c| (c.dir.display().to_string(), c.manifest.step));
     (found, passed_over)
@@ -485,6 +487,7 @@ fn resolve_resume(arg: Option<&str>, spec: &zconfig::JobSpec) -> Result<Option<(
     let ckpt = crate::open_checkpoint(Path::new(arg))
         .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
     ckpt.check_model(&spec.model)
+        .and_then(|()| ckpt.check_optimizer(spec.train.optimizer.kind))
         .map_err(|e| Failure::bad_input(format!("--resume: {e}")))?;
     Ok(Some((ckpt.dir.display().to_string(), ckpt.manifest.step)))
 }

@@ -73,6 +73,7 @@ pub fn save(
             loss_scale: engine.loss_scale_state(),
             val_loss: validation.val_loss,
             early_stopping: validation.early_stopping,
+            optimizer: spec.train.optimizer.kind,
             groups: engine.manifest_groups(),
             files,
         };

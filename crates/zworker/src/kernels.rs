@@ -20,7 +20,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use zengine::adam::{adamw_with, AdamStep, Buffers, Grads, Path};
+use zengine::adam::{adamw_with, AdamStep, Buffers, Grads, OptimizerKind, Path};
 use zengine::precision::Half;
 use zproto::KernelRow;
 
@@ -180,6 +180,7 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
         vec![0f32; n],
     );
     let hp = AdamStep {
+        rule: OptimizerKind::Adamw,
         lr: 1e-4,
         beta1: 0.9,
         beta2: 0.999,
@@ -205,7 +206,17 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
             gflops: 2.0 * n as f64 / triad_s / 1e9,
             ratio: 1.0,
         });
-        for path in Path::available() {
+        // Lion moves 20 bytes an element (no second moment; mixed
+        // precision likewise: 2+4+4 read, 4+4+2 written).
+        let rules = [
+            (OptimizerKind::Adamw, "adamw", 28.0, 12.0),
+            (OptimizerKind::Lion, "lion", 20.0, 10.0),
+        ];
+        for ((rule, rule_name, bytes, flops), path) in rules
+            .into_iter()
+            .flat_map(|r| Path::available().into_iter().map(move |p| (r, p)))
+        {
+            let hp = AdamStep { rule, ..hp };
             for mixed in [false, true] {
                 let s = best_secs(reps, || {
                     let b = if mixed {
@@ -221,18 +232,18 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
                     };
                     adamw_with(path, t, b, true, &hp)
                 });
-                let gbps = 28.0 * n as f64 / s / 1e9;
+                let gbps = bytes * n as f64 / s / 1e9;
                 let name = match path {
-                    Path::Avx512 => "adamw_avx512",
-                    Path::Avx2 => "adamw_avx2",
-                    Path::Portable => "adamw_portable",
+                    Path::Avx512 => "avx512",
+                    Path::Avx2 => "avx2",
+                    Path::Portable => "portable",
                 };
                 rows.push(KernelRow {
-                    kernel: format!("{name}{}", if mixed { "_bf16" } else { "" }),
+                    kernel: format!("{rule_name}_{name}{}", if mixed { "_bf16" } else { "" }),
                     elements: n,
                     threads: t,
                     gbps,
-                    gflops: 12.0 * n as f64 / s / 1e9,
+                    gflops: flops * n as f64 / s / 1e9,
                     ratio: gbps / triad_gbps,
                 });
             }

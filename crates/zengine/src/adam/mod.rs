@@ -1,5 +1,7 @@
 //! AdamW over a flat f32 slice in one fused pass: read p, g, m, v; write p, m, v
-//! and, with mixed precision, the 16-bit working copy of p.
+//! and, with mixed precision, the 16-bit working copy of p. And Lion
+//! (`train.optimizer.type: lion`): the same pass without v, whose buffer it
+//! leaves as it is.
 //!
 //! The pass is bound by memory bandwidth, not arithmetic: 28 bytes move per
 //! element for about 12 flops (f32: 4 read, 3 written; mixed precision: a 2-byte
@@ -12,13 +14,21 @@
 //! correctly rounded `sqrt` and division, and round-to-nearest-even 16-bit
 //! conversions, so every path gives the same bits as the scalar reference. That
 //! is what keeps stage 0's full update equal to the gathered slices of stages 1-3
-//! whatever the slice boundaries and the CPU.
+//! whatever the slice boundaries and the CPU. Lion's pass is one scalar loop
+//! that the compiler vectorises for each ISA (`target_feature` wrappers in
+//! x86.rs): its arithmetic (two products and a sum for each of c and m, the
+//! sign a select, the decayed parameter less lr or plus lr) leaves the
+//! compiler nothing to reorder, so every ISA gives the scalar loop's bits.
+
+pub use zconfig::spec::OptimizerKind;
 
 use crate::precision::Half;
 
-/// Hyper-parameters of one AdamW step.
+/// Hyper-parameters of one optimizer step.
 #[derive(Debug, Clone, Copy)]
 pub struct AdamStep {
+    /// AdamW's update or Lion's.
+    pub rule: OptimizerKind,
     /// Learning rate.
     pub lr: f32,
     /// First-moment decay.
@@ -168,12 +178,19 @@ pub struct Scalars {
     pub eps: f32,
     /// 1 - lr·weight_decay where decay applies, else 1.
     pub shrink: f32,
+    /// Lion's update (step_size is then lr itself).
+    pub lion: bool,
 }
 
 impl Scalars {
     /// The scalars of step `s`, with weight decay or without.
     pub fn new(s: &AdamStep, decay: bool) -> Scalars {
-        let bc1 = 1.0 - (s.beta1 as f64).powi(s.step as i32);
+        let lion = s.rule == OptimizerKind::Lion;
+        // Lion's moment is not bias-corrected: its update is a sign.
+        let bc1 = match lion {
+            true => 1.0,
+            false => 1.0 - (s.beta1 as f64).powi(s.step as i32),
+        };
         let bc2 = 1.0 - (s.beta2 as f64).powi(s.step as i32);
         Scalars {
             gscale: s.grad_scale,
@@ -189,6 +206,7 @@ impl Scalars {
             } else {
                 1.0
             },
+            lion,
         }
     }
 }
@@ -315,6 +333,9 @@ pub fn adamw_runs_with(path: Path, threads: usize, runs: Vec<(Buffers<'_>, bool)
 }
 
 fn run(path: Path, b: Buffers<'_>, c: &Scalars) {
+    if c.lion {
+        return lion::run(path, b, c);
+    }
     match path {
         #[cfg(target_arch = "x86_64")]
         Path::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
@@ -412,6 +433,7 @@ fn scalar_loop<G: Copy>(
     }
 }
 
+mod lion;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -421,6 +443,7 @@ mod tests {
 
     fn step(t: u64) -> AdamStep {
         AdamStep {
+            rule: OptimizerKind::Adamw,
             lr: 1e-3,
             beta1: 0.9,
             beta2: 0.95,
@@ -474,6 +497,104 @@ mod tests {
         assert_eq!(q[0], 2.0);
     }
 
+    /// Lion's first step from a zero moment moves each parameter by lr
+    /// against its gradient's sign (none where the gradient is 0), after
+    /// the decoupled decay; the moment becomes (1 − β2)·g; v is not read
+    /// or written.
+    #[test]
+    fn lion_moves_by_lr_against_the_sign_and_leaves_v_alone() {
+        let s = AdamStep {
+            rule: OptimizerKind::Lion,
+            lr: 0.125,
+            weight_decay: 0.5,
+            ..step(1)
+        };
+        let (mut p, g, mut m) = (vec![2.0; 4], vec![0.5, -3.0, 0.0, 1e-30], vec![0.0; 4]);
+        let mut v = vec![7.0; 4];
+        adamw(Buffers::f32(&mut p, &g, &mut m, &mut v), true, &s);
+        let decayed = 2.0 * (1.0 - 0.125 * 0.5);
+        assert_eq!(
+            p,
+            [decayed - 0.125, decayed + 0.125, decayed, decayed - 0.125]
+        );
+        let want: Vec<f32> = g.iter().map(|g| (1.0 - 0.95f32) * g).collect();
+        assert_eq!(m, want);
+        assert_eq!(v, [7.0; 4]);
+        // Undecayed where decay does not apply.
+        let mut q = vec![2.0];
+        adamw(
+            Buffers::f32(&mut q, &[-1.0], &mut [0.0], &mut [0.0]),
+            false,
+            &s,
+        );
+        assert_eq!(q, [2.125]);
+    }
+
+    /// Lion over several steps against PyTorch's formula in f64 (the
+    /// direction from the moment before its update; the decay applied to
+    /// the parameter before the step): every parameter within f32's
+    /// rounding of a few steps, every moment too, on every path.
+    #[test]
+    fn lion_follows_its_f64_formula() {
+        let n = 4099;
+        let [p0, _, m0, _] = inputs(n, 11);
+        let grads: Vec<Vec<f32>> = (0..5).map(|k| inputs(n, 100 + k)[1].clone()).collect();
+        // The coefficients as the kernel holds them (f32), widened.
+        let (lr, wd, b1, b2) = (1e-3f32, 0.1f32, 0.9f32, 0.99f32);
+        let shrink = f64::from(1.0 - lr * wd);
+        let (omb1, omb2) = (f64::from(1.0 - b1), f64::from(1.0 - b2));
+        let (lr, b1, b2) = (f64::from(lr), f64::from(b1), f64::from(b2));
+        for path in Path::available() {
+            let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), vec![0.0; n]);
+            let (mut pr, mut mr): (Vec<f64>, Vec<f64>) = (
+                p0.iter().map(|&x| f64::from(x)).collect(),
+                m0.iter().map(|&x| f64::from(x)).collect(),
+            );
+            // Each moment's scale: the sum of its terms' magnitudes over
+            // the steps (its rounding errors are relative to them).
+            let mut scale = vec![0f64; n];
+            for (k, g) in grads.iter().enumerate() {
+                let s = AdamStep {
+                    rule: OptimizerKind::Lion,
+                    lr: lr as f32,
+                    beta1: b1 as f32,
+                    beta2: b2 as f32,
+                    eps: 1e-8,
+                    weight_decay: wd,
+                    step: k as u64 + 1,
+                    grad_scale: 1.0,
+                };
+                adamw_with(path, 2, Buffers::f32(&mut p, g, &mut m, &mut v), true, &s);
+                for i in 0..n {
+                    let gi = f64::from(g[i]);
+                    let c = b1 * mr[i] + omb1 * gi;
+                    let sign = if c > 0.0 {
+                        1.0
+                    } else if c < 0.0 {
+                        -1.0
+                    } else {
+                        0.0
+                    };
+                    pr[i] = pr[i] * shrink - lr * sign;
+                    scale[i] = b2 * scale[i].max(mr[i].abs()) + omb2 * gi.abs();
+                    mr[i] = b2 * mr[i] + omb2 * gi;
+                }
+            }
+            for i in 0..n {
+                let (got, want) = (f64::from(p[i]), pr[i]);
+                assert!(
+                    (got - want).abs() <= 1e-6 * want.abs().max(1e-3),
+                    "{path:?} p[{i}]: {got} for {want}"
+                );
+                let (got, want) = (f64::from(m[i]), mr[i]);
+                assert!(
+                    (got - want).abs() <= 1e-6 * scale[i],
+                    "{path:?} m[{i}]: {got} for {want}"
+                );
+            }
+        }
+    }
+
     /// Random-looking inputs spanning many magnitudes, including zeros.
     fn inputs(n: usize, seed: u32) -> [Vec<f32>; 4] {
         let mut x = seed.wrapping_mul(2654435761) | 1;
@@ -522,21 +643,32 @@ mod tests {
             v: &mut v[offset..],
             working: kind.map(|h| (h, &mut w[offset..])),
         };
-        match path {
-            None => scalar(b, 0, &Scalars::new(s, true)),
-            Some(path) => adamw_with(path, threads, b, true, s),
+        match (path, s.rule) {
+            (None, OptimizerKind::Adamw) => scalar(b, 0, &Scalars::new(s, true)),
+            (None, OptimizerKind::Lion) => lion::scalar(b, &Scalars::new(s, true)),
+            (Some(path), _) => adamw_with(path, threads, b, true, s),
         }
         (p, m, v, w)
     }
 
     /// Every path and thread count gives the scalar reference's bits (well
-    /// within 1 ulp), in every precision, for odd lengths and unaligned starts.
+    /// within 1 ulp), in every precision, for odd lengths and unaligned
+    /// starts: AdamW's explicit vector bodies and Lion's compiler-vectorised
+    /// loop alike.
     #[test]
     fn every_path_equals_the_scalar_reference() {
-        let s = AdamStep {
-            grad_scale: 0.37,
-            ..step(3)
-        };
+        for rule in [OptimizerKind::Adamw, OptimizerKind::Lion] {
+            let s = AdamStep {
+                rule,
+                grad_scale: 0.37,
+                ..step(3)
+            };
+            every_path_equals_the_scalar_reference_for(&s);
+        }
+    }
+
+    fn every_path_equals_the_scalar_reference_for(s: &AdamStep) {
+        let s = *s;
         for n in [0, 1, 7, 15, 16, 17, 33, 1001, (1 << 18) + 37] {
             for offset in [0, 1, 3] {
                 let inputs = inputs(n + offset, n as u32 + 1);
@@ -547,7 +679,8 @@ mod tests {
                             let got = update(Some(path), threads, kind, &inputs, offset, &s);
                             assert!(
                                 got == want,
-                                "{path:?} {kind:?} threads {threads} n {n} offset {offset}"
+                                "{:?} {path:?} {kind:?} threads {threads} n {n} offset {offset}",
+                                s.rule
                             );
                         }
                     }
