@@ -1,5 +1,7 @@
 // AdamW over a device-resident slice, in one pass: read p, g, m, v; write p, m,
-// v and, with mixed precision, the 16-bit working copy of p.
+// v and, with mixed precision, the 16-bit working copy of p. With c.lion,
+// Lion's update instead (train.optimizer.type: lion): p, g and m read, p and
+// m written, v left as it is.
 //
 // The same expression in the same order as zrun's CPU kernel
 // (crates/zengine/src/adam), every multiply, add, divide and square root
@@ -19,7 +21,16 @@ struct AdamConsts {
     float inv_sqrt_bc2;
     float eps;
     float shrink;
+    // 1: Lion's update (step_size is lr itself), 0: AdamW's.
+    unsigned int lion;
 };
+
+// Lion's direction: PyTorch's sign (±1, the zero itself for ±0, NaN for
+// NaN), as the CPU kernel's.
+__device__ __forceinline__ float lion_sign(float x)
+{
+    return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x);
+}
 
 // Element i of AdamW, its parameter at pe (p + i in a flat buffer): g is
 // f32 when grad_fmt is FMT_F32, else 16-bit; working is written when
@@ -45,6 +56,18 @@ __device__ __forceinline__ void adamw_element(
         ? ((const float*)g)[i]
         : widen16(((const unsigned short*)g)[i], grad_fmt);
     float gi = __fmul_rn(graw, c.gscale);
+    if (c.lion) {
+        // c = β1·m + (1 − β1)·g, p = p·shrink − lr·sign(c), m = β2·m + (1 − β2)·g.
+        float m0 = m[i];
+        float ci = __fadd_rn(__fmul_rn(c.b1, m0), __fmul_rn(c.omb1, gi));
+        m[i] = __fadd_rn(__fmul_rn(c.b2, m0), __fmul_rn(c.omb2, gi));
+        float pi = __fsub_rn(__fmul_rn(p0, shrink), __fmul_rn(c.step_size, lion_sign(ci)));
+        *pe = pi;
+        if (working_fmt != FMT_F32) {
+            working[i] = round16(pi, working_fmt);
+        }
+        return;
+    }
     float mi = __fadd_rn(__fmul_rn(c.b1, m[i]), __fmul_rn(c.omb1, gi));
     float vi = __fadd_rn(__fmul_rn(c.b2, v[i]), __fmul_rn(__fmul_rn(c.omb2, gi), gi));
     m[i] = mi;

@@ -1018,17 +1018,11 @@ impl JobSpec {
     /// v biases included, Qwen3's q and k norms and wider heads too) with
     /// whole linears
     /// (its products in f32 or TF32, on 16-bit working parameters under
-    /// bf16/f16), trained with AdamW. NVMe offload and ZeRO++ run in the GPU's host flow, on
+    /// bf16/f16). NVMe offload and ZeRO++ run in the GPU's host flow, on
     /// the host code the CPU path runs.
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
-        }
-        if self.train.optimizer.kind == OptimizerKind::Lion {
-            return Some(
-                "the GPU's optimizer kernel is AdamW's: train.optimizer.type: lion runs on CPU workers"
-                    .into(),
-            );
         }
         None
     }

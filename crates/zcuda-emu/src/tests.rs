@@ -875,10 +875,19 @@ fn the_16_bit_gradient_kernels_equal_the_hosts_buffers_bit_for_bit() {
 /// `cuda` feature.
 #[test]
 fn adamw_equals_the_cpu_kernel_bit_for_bit() {
+    use zengine::adam::OptimizerKind;
+    for rule in [OptimizerKind::Adamw, OptimizerKind::Lion] {
+        adamw_equals_the_cpu_kernel_bit_for_bit_with(rule);
+    }
+}
+
+/// [`adamw_equals_the_cpu_kernel_bit_for_bit`] for one update rule: AdamW's
+/// or Lion's (`c.lion`), whose v the kernel must leave as it was.
+fn adamw_equals_the_cpu_kernel_bit_for_bit_with(rule: zengine::adam::OptimizerKind) {
     use zengine::adam::{adamw as cpu_adamw, AdamStep, Buffers, Grads as CpuGrads, Scalars};
     use zengine::precision::Half;
     let s = AdamStep {
-        rule: zengine::adam::OptimizerKind::Adamw,
+        rule,
         lr: 3e-4,
         beta1: 0.9,
         beta2: 0.95,
@@ -939,11 +948,12 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit() {
                             inv_sqrt_bc2: c.inv_sqrt_bc2,
                             eps: c.eps,
                             shrink: c.shrink,
+                            lion: u32::from(c.lion),
                         }
                     },
                 );
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                let what = format!("{kind:?}, decay {decay}, n {n}");
+                let what = format!("{rule:?} {kind:?}, decay {decay}, n {n}");
                 assert_eq!(bits(&ep), bits(&p), "p, {what}");
                 assert_eq!(bits(&em), bits(&m), "m, {what}");
                 assert_eq!(bits(&ev), bits(&v), "v, {what}");

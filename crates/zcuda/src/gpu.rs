@@ -51,10 +51,12 @@ pub struct AdamConsts {
     pub eps: f32,
     /// 1 - lr·weight_decay where decay applies, else 1.
     pub shrink: f32,
+    /// 1: Lion's update (`step_size` is lr itself), 0: AdamW's.
+    pub lion: u32,
 }
 
-// SAFETY: nine f32 in C layout, no pointers; `adamw.cu` declares the same
-// struct, which the kernel receives by value.
+// SAFETY: nine f32 and a u32 in C layout, no pointers; `adamw.cu` declares
+// the same struct, which the kernel receives by value.
 unsafe impl DeviceRepr for AdamConsts {}
 
 /// Runs one `adamw_runs` launch takes at most (`ADAMW_MAX_RUNS` in

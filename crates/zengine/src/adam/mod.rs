@@ -226,6 +226,7 @@ pub fn device_consts(s: &AdamStep, decay: bool) -> zcuda::AdamConsts {
         inv_sqrt_bc2: c.inv_sqrt_bc2,
         eps: c.eps,
         shrink: c.shrink,
+        lion: u32::from(c.lion),
     }
 }
 
@@ -785,16 +786,23 @@ mod tests {
         Some((gpu, s))
     }
 
-    /// On a GPU, the device kernel gives the CPU's bits in every precision
-    /// (skipped with a printed reason where no GPU is; `ZRUN_REQUIRE_GPU=1`
-    /// makes it mandatory).
+    /// On a GPU, the device kernel gives the CPU's bits in every precision,
+    /// AdamW's update and Lion's (skipped with a printed reason where no GPU
+    /// is; `ZRUN_REQUIRE_GPU=1` makes it mandatory).
     #[cfg(feature = "cuda")]
     #[test]
     fn the_gpu_kernel_equals_the_cpu_bit_for_bit() {
         let Some((gpu, s)) = gpu_and_step("the_gpu_kernel_equals_the_cpu_bit_for_bit") else {
             return;
         };
-        for n in [1, 1001, (1 << 20) + 37] {
+        let lion = AdamStep {
+            rule: OptimizerKind::Lion,
+            ..s
+        };
+        for (s, n) in [s, lion]
+            .into_iter()
+            .flat_map(|s| [1, 1001, (1 << 20) + 37].map(|n| (s, n)))
+        {
             let inputs = inputs(n, n as u32 + 7);
             for kind in PRECISIONS {
                 let want = update(None, 1, kind, &inputs, 0, &s);
@@ -825,9 +833,10 @@ mod tests {
                 .unwrap();
                 let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 let down = |x: &zcuda::CudaSlice<f32>| bits(gpu.download(x).unwrap());
-                assert_eq!(down(&dp), bits(want.0), "p, {kind:?} n {n}");
-                assert_eq!(down(&dm), bits(want.1), "m, {kind:?} n {n}");
-                assert_eq!(down(&dv), bits(want.2), "v, {kind:?} n {n}");
+                let rule = s.rule;
+                assert_eq!(down(&dp), bits(want.0), "p, {rule:?} {kind:?} n {n}");
+                assert_eq!(down(&dm), bits(want.1), "m, {rule:?} {kind:?} n {n}");
+                assert_eq!(down(&dv), bits(want.2), "v, {rule:?} {kind:?} n {n}");
                 if kind.is_some() {
                     assert_eq!(
                         gpu.download(&dw).unwrap(),
