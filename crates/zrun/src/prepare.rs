@@ -1,8 +1,9 @@
 //! `zrun prepare INPUT… --tokenizer tokenizer.json --out DIR`: text files,
 //! JSONL records or Parquet rows (Hugging Face's `datasets` files: a row is
-//! a record, its columns the keys) to token files (`train.bin`, `val.bin`, nanoGPT's layout:
-//! little-endian u16 ids, or u32 for vocabularies above 65,536) and a
-//! manifest that `zrun check` / `zrun train` hold the job against.
+//! a record, its columns the keys) to token files (`train.bin`, `val.bin`,
+//! nanoGPT's layout: little-endian u16 ids, or u32 for vocabularies above
+//! 65,536) and a manifest that `zrun check` / `zrun train` hold the job
+//! against.
 //!
 //! Tokenization is Hugging Face's `tokenizers` crate on a local
 //! `tokenizer.json` (nothing is downloaded), in batches encoded on every
@@ -10,8 +11,9 @@
 //! 64 KiB of a text file cut at a line end. Every 1/f-th piece goes to
 //! `val.bin` (f = `--val-fraction`), the rest to `train.bin`, so both spread
 //! over the whole corpus and the split does not depend on the thread count.
-//! The end-of-text id follows each document (a record, a whole text file). Outputs are written under temporary names and renamed when
-//! complete; existing ones are kept unless `--overwrite`.
+//! The end-of-text id follows each document (a record, a whole text file).
+//! Outputs are written under temporary names and renamed when complete;
+//! existing ones are kept unless `--overwrite`.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufWriter, Write};
@@ -245,13 +247,13 @@ pub fn prepare(args: PrepareArgs) -> Result<ExitCode> {
         .find(|(_, kind)| args.assistant_only_loss && *kind == Input::Text)
     {
         return Err(Failure::bad_input(format!(
-            "--assistant-only-loss: {} is a text file; the loss is kept to the assistant's turns of JSONL conversations (or to completions)",
+            "--assistant-only-loss: {} is a text file; the loss is kept to the assistant's turns of conversations (JSONL or Parquet records), or to completions",
             text.display()
         )));
     }
     // Masks are written where the loss may be kept to parts of documents:
-    // under --assistant-only-loss, and where JSONL may hold prompt-completion
-    // records (kept only if some token is left out).
+    // under --assistant-only-loss, and where records may be prompt-completion
+    // ones (kept only if some token is left out).
     let masked = args.assistant_only_loss
         || (args.completion_only_loss && inputs.iter().any(|(_, kind)| *kind != Input::Text));
     // The chat template of JSONL conversations, if there is one. One given
@@ -693,8 +695,8 @@ fn input_files(patterns: &[String]) -> Result<Vec<(PathBuf, Input)>> {
 }
 
 /// About how many bytes of text `path` holds, for the progress bar: a
-/// file's size, or a Parquet file's uncompressed size (0 where unreadable:
-/// the reading says why).
+/// file's size, or a Parquet file's uncompressed size (its size where the
+/// metadata does not read: the reading then says why).
 fn input_bytes(path: &Path, kind: Input) -> u64 {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let size = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
