@@ -839,7 +839,9 @@ fn slurm_launcher_trains_through_srun() {
 #[test]
 fn a_flood_of_idle_connections_cannot_block_rendezvous() {
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
+    // The flood connects before zrun listens: a port no connect takes as
+    // its own source.
+    let port = e2e::free_port_below_ephemeral();
     // Long enough that the flood is complete while the job still runs.
     let job = small_job(dir.path(), "flood", 40);
     let m = dir.path().join("m.jsonl");

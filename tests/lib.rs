@@ -343,6 +343,25 @@ pub fn free_port() -> u16 {
     l.local_addr().expect("local address").port()
 }
 
+/// A free port below the kernel's ephemeral range, for a test that
+/// connects to a port before anything listens there: a connect to an
+/// unbound loopback port in the ephemeral range can pick that very port as
+/// its own source and connect to itself (TCP's simultaneous open), holding
+/// the port so that the listener it waits for cannot bind (a CI run saw
+/// "Address already in use" so). Source ports are never below the range.
+pub fn free_port_below_ephemeral() -> u16 {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let span = low.saturating_sub(10_000).max(1);
+    let start = 10_000 + (std::process::id() % u32::from(span)) as u16;
+    (0..span)
+        .map(|k| 10_000 + (start - 10_000 + k) % span)
+        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .expect("a free port below the ephemeral range")
+}
+
 /// Asserts that every process of `pids` is gone within `limit`.
 pub fn assert_gone(pids: &[u32], limit: Duration, when: &str) {
     assert!(
