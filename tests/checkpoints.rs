@@ -995,11 +995,7 @@ fn a_restart_can_leave_the_failed_node_out() {
     let dir = d.path();
     let job = ckpt_job(dir, "exclude", 30, 5);
     let m = dir.join("m.jsonl");
-    let z = start_on_two_nodes_excluding_the_failed(dir, &job, &m);
-    wait_for_complete_checkpoint(dir, 10, &z);
-    kill_rank_1_of_two(&z);
-    let f = z.wait(Duration::from_secs(120));
-    assert_eq!(f.code(), 0, "{f:?}");
+    let f = killed_after_step_10_and_restarted(dir, &job, &m);
     let lines = e2e::metrics(&m);
     let restart = lines
         .iter()
@@ -1057,11 +1053,7 @@ fn a_restart_on_fewer_workers_recounts_the_epochs() {
     );
     std::fs::write(&job, text).unwrap();
     let m = dir.join("m.jsonl");
-    let z = start_on_two_nodes_excluding_the_failed(dir, &job, &m);
-    wait_for_complete_checkpoint(dir, 10, &z);
-    kill_rank_1_of_two(&z);
-    let f = z.wait(Duration::from_secs(120));
-    assert_eq!(f.code(), 0, "{f:?}");
+    let f = killed_after_step_10_and_restarted(dir, &job, &m);
     assert!(
         f.stdout
             .contains("train.epochs 2: 31 steps of 8 sequences over an epoch of 124 sequences"),
@@ -1105,17 +1097,23 @@ fn a_restart_on_fewer_workers_recounts_the_epochs() {
     assert_eq!(last["step"].as_u64(), Some(steps));
 }
 
-/// Starts `job` on two loopback nodes of one worker each (127.0.0.2 and
+/// Runs `job` on two loopback nodes of one worker each (127.0.0.2 and
 /// 127.0.0.3), its saves slowed, with one restart that leaves a failed
-/// node out.
-fn start_on_two_nodes_excluding_the_failed(dir: &Path, job: &Path, m: &Path) -> e2e::Zrun {
+/// node out; kills rank 1 once the step-10 checkpoint is complete, and
+/// returns the finished run (exit 0 asserted).
+fn killed_after_step_10_and_restarted(dir: &Path, job: &Path, m: &Path) -> e2e::Finished {
     let hosts = dir.join("hosts");
     std::fs::write(&hosts, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n").unwrap();
-    TrainArgs::new(job, m)
+    let z = TrainArgs::new(job, m)
         .set("env.ZRUN_FAULT_SAVE_DELAY_MS=300")
         .args(&["--hostfile", hosts.to_str().unwrap()])
         .args(&["--max-restarts", "1", "--restart-exclude-failed"])
-        .start(dir)
+        .start(dir);
+    wait_for_complete_checkpoint(dir, 10, &z);
+    kill_rank_1_of_two(&z);
+    let f = z.wait(Duration::from_secs(120));
+    assert_eq!(f.code(), 0, "{f:?}");
+    f
 }
 
 /// SIGKILL to rank 1 of the two workers `z` started (on 127.0.0.3, the
