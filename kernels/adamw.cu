@@ -1,7 +1,7 @@
 // AdamW over a device-resident slice, in one pass: read p, g, m, v; write p, m,
 // v and, with mixed precision, the 16-bit working copy of p. With c.lion,
 // Lion's update instead (train.optimizer.type: lion): p, g and m read, p and
-// m written, v left as it is.
+// m written; Lion keeps no second moment, and v is null.
 //
 // The same expression in the same order as zrun's CPU kernel
 // (crates/zengine/src/adam), every multiply, add, divide and square root

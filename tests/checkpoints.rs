@@ -29,9 +29,9 @@ fn train(dir: &Path, job: &Path, metrics: &str, extra: &[&str]) -> e2e::Finished
 ///
 /// With `model.hidden_dropout` and `model.attention_dropout` (stage 2,
 /// f32) too: the resumed steps drop the elements the uninterrupted ones
-/// dropped. And with Lion (stage 3, bf16): its moment carries over; a run
-/// with AdamW refuses its checkpoint (exit 2, naming both rules), as Lion
-/// refuses AdamW's.
+/// dropped. And with Lion (stage 3, bf16): its moment carries over, its
+/// shards hold no second moment; a run with AdamW refuses its checkpoint
+/// (exit 2, naming both rules), as Lion refuses AdamW's.
 #[test]
 fn resume_continues_bit_identically_in_every_precision() {
     for (stage, dtype, every, dropout, rule) in [
@@ -91,6 +91,24 @@ fn resume_continues_bit_identically_in_every_precision() {
             resumed,
             straight[from..].to_vec(),
             "stage {stage} {dtype} {rule}"
+        );
+        // A shard holds the moments the rule keeps: Lion has no exp_avg_sq.
+        let shard =
+            std::fs::read(dir.join(format!("ckpt/step-{from:08}/rank-00000.safetensors"))).unwrap();
+        let names = safetensors::SafeTensors::deserialize(&shard)
+            .unwrap()
+            .names()
+            .len();
+        let groups = names / if rule == "lion" { 2 } else { 3 };
+        let has = |kind: &str| {
+            let file = safetensors::SafeTensors::deserialize(&shard).unwrap();
+            (0..groups).all(|g| file.tensor(&format!("g{g}.{kind}")).is_ok())
+        };
+        assert!(has("params") && has("exp_avg"), "{rule}: {names} tensors");
+        assert_eq!(
+            has("exp_avg_sq"),
+            rule == "adamw",
+            "{rule}: {names} tensors"
         );
         let other = match rule {
             "lion" => "adamw",

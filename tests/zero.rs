@@ -228,6 +228,24 @@ fn estimate_reproduces_the_zero_paper_and_sizes_a_job() {
         a["bytes_per_worker_checkpointed"].as_f64().unwrap()
             < a["bytes_per_worker"].as_f64().unwrap()
     );
+    // Lion keeps one moment: f32 stage 0 is (4 + 4 + 4)Ψ, not (4 + 4 + 8)Ψ.
+    let lion = zrun(
+        dir.path(),
+        &[
+            "estimate",
+            job.to_str().unwrap(),
+            "--set",
+            "train.optimizer.type=lion",
+            "--json",
+        ],
+    );
+    assert_eq!(lion.code(), 0, "{lion:?}");
+    let l: serde_json::Value = serde_json::from_str(&lion.stdout).unwrap();
+    assert_eq!(v["bytes_per_param"]["optimizer"], 8.0, "{v}");
+    assert_eq!(l["bytes_per_param"]["optimizer"], 4.0, "{l}");
+    let stage0 = |v: &serde_json::Value| v["rows"][0]["bytes_per_device"].as_f64().unwrap();
+    assert_eq!(stage0(&v), 16.0 * 28544.0);
+    assert_eq!(stage0(&l), 12.0 * 28544.0);
     // The same count in both spellings gives the same estimate.
     let rows = |params: &str| {
         let f = zrun(dir.path(), &["estimate", "--params", params, "--json"]);

@@ -4,7 +4,8 @@
 //! A checkpoint is a directory `step-NNNNNNNN/` holding one safetensors shard per
 //! rank (`rank-NNNNN.safetensors`) and a `manifest.json` written last. A shard
 //! holds, for every parameter group g, this rank's slice of the group's flat
-//! buffers: `g{g}.params`, `g{g}.exp_avg`, `g{g}.exp_avg_sq`. The manifest records
+//! buffers: `g{g}.params`, `g{g}.exp_avg`, and `g{g}.exp_avg_sq` where the
+//! optimizer keeps a second moment (AdamW; not Lion). The manifest records
 //! the model, the layout of every group (parameter names, shapes, offsets; the
 //! padded length and world size that define the slices), the step, the data
 //! position, each shard's size and CRC-32C, and its own CRC-32C: a damaged or
@@ -225,8 +226,19 @@ impl EarlyStopState {
     }
 }
 
-/// The three flat buffers a shard holds per group.
+/// The flat buffers a shard holds per group: all three for AdamW, the
+/// first two for a rule without a second moment ([`kinds`]).
 pub const KINDS: [&str; 3] = ["params", "exp_avg", "exp_avg_sq"];
+
+/// The flat buffers a shard of a run with update rule `rule` holds per
+/// group: its parameters and the moments the rule keeps. (A Lion shard
+/// written before 2026-12-05 also holds a zero `exp_avg_sq`, never read.)
+pub fn kinds(rule: OptimizerKind) -> &'static [&'static str] {
+    match rule.second_moment() {
+        true => &KINDS,
+        false => &KINDS[..2],
+    }
+}
 
 /// Directory name of the checkpoint of `step`.
 pub fn step_dir_name(step: u64) -> String {
@@ -282,20 +294,22 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CkptError> {
 }
 
 /// Writes one rank's shard, a group at a time: group g's slices have
-/// `slice_lens[g]` elements and `slices(g)` returns them as `KINDS` orders
-/// them, so only one group's slices are ever in memory.
+/// `slice_lens[g]` elements and `slices(g)` returns one for each of
+/// `kinds` ([`kinds`]), in its order, so only one group's slices are ever
+/// in memory.
 pub fn write_shard<E: From<CkptError>>(
     dir: &Path,
     rank: usize,
+    kinds: &[&str],
     slice_lens: &[usize],
-    mut slices: impl FnMut(usize) -> Result<[Vec<f32>; 3], E>,
+    mut slices: impl FnMut(usize) -> Result<Vec<Vec<f32>>, E>,
 ) -> Result<FileEntry, E> {
     let name = shard_name(rank);
     let path = dir.join(&name);
     let tensors: Vec<(String, Vec<usize>)> = slice_lens
         .iter()
         .enumerate()
-        .flat_map(|(g, &n)| KINDS.iter().map(move |k| (format!("g{g}.{k}"), vec![n])))
+        .flat_map(|(g, &n)| kinds.iter().map(move |k| (format!("g{g}.{k}"), vec![n])))
         .collect();
     let mut w = StreamWriter::create(&path, &tensors, None)?;
     for g in 0..slice_lens.len() {
@@ -832,8 +846,8 @@ mod tests {
         let mut files = Vec::new();
         for r in 0..2 {
             let s = &full[r * 16..(r + 1) * 16];
-            let slices = |_| Ok::<_, CkptError>([s.to_vec(), s.to_vec(), s.to_vec()]);
-            files.push(write_shard(dir, r, &[16], slices).unwrap());
+            let slices = |_| Ok::<_, CkptError>(vec![s.to_vec(); 3]);
+            files.push(write_shard(dir, r, &KINDS, &[16], slices).unwrap());
         }
         let m = Manifest {
             format: FORMAT,
@@ -909,9 +923,9 @@ mod tests {
             let own = |g: usize| {
                 let v = if g == 0 { &first } else { &full };
                 let s = v[r * 16..(r + 1) * 16].to_vec();
-                Ok::<_, CkptError>([s.clone(), s.clone(), s])
+                Ok::<_, CkptError>(vec![s; 3])
             };
-            files.push(write_shard(&dir, r, &[16, 16], own).unwrap());
+            files.push(write_shard(&dir, r, &KINDS, &[16, 16], own).unwrap());
         }
         m.files = files;
         m.groups.push(GroupEntry {

@@ -14,16 +14,17 @@
 //!
 //! Mixed precision is p = g = 2, K = 12 (f32 master, m, v): Table 1 of the paper.
 //! zrun's f32 training keeps no separate master copy: p = g = 4, K = 8.
+//! Lion keeps one moment instead of two: K is 4 less (8 mixed, 4 in f32).
 //! Offload rows move the optimizer state (ZeRO-Offload) and, at stage 3, the
 //! parameters too (ZeRO-Infinity) to host memory or NVMe; what must stay on the
 //! device is then the largest layer, which has to be whole while it computes.
 
 use serde::Serialize;
 
-use crate::spec::{Device, Dtype, JobSpec, ModelSpec, ZeroStage};
+use crate::spec::{Device, Dtype, JobSpec, ModelSpec, OptimizerKind, ZeroStage};
 
 /// Bytes per parameter of each kind of model state.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct StateBytes {
     /// Working parameters.
     pub param: f64,
@@ -34,20 +35,37 @@ pub struct StateBytes {
 }
 
 impl StateBytes {
-    /// For a training dtype: f32 (4, 4, 8) or mixed precision (2, 2, 12).
+    /// For a training dtype with AdamW: f32 (4, 4, 8) or mixed precision
+    /// (2, 2, 12).
     pub fn for_dtype(d: Dtype) -> StateBytes {
+        StateBytes::for_training(d, OptimizerKind::Adamw)
+    }
+
+    /// For a training dtype and update rule: AdamW's two moments are 8 bytes
+    /// per parameter, Lion's one 4; mixed precision adds the f32 master
+    /// copy's 4 (Lion in bf16: 2, 2, 8).
+    pub fn for_training(d: Dtype, rule: OptimizerKind) -> StateBytes {
+        let moments = match rule.second_moment() {
+            true => 8.0,
+            false => 4.0,
+        };
         match d {
             Dtype::F32 => StateBytes {
                 param: 4.0,
                 grad: 4.0,
-                optimizer: 8.0,
+                optimizer: moments,
             },
             Dtype::Bf16 | Dtype::F16 => StateBytes {
                 param: 2.0,
                 grad: 2.0,
-                optimizer: 12.0,
+                optimizer: moments + 4.0,
             },
         }
+    }
+
+    /// A job's: its dtype and its optimizer's rule.
+    pub fn for_job(spec: &JobSpec) -> StateBytes {
+        StateBytes::for_training(spec.train.dtype, spec.train.optimizer.kind)
     }
 }
 
@@ -163,7 +181,7 @@ pub struct WorkerStates {
 pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
     let psi = model_params(&spec.model);
     let n = world.max(1) as f64;
-    let b = StateBytes::for_dtype(spec.train.dtype);
+    let b = StateBytes::for_job(spec);
     let stage = spec.zero.stage;
     let share = |partitioned: bool, bytes: f64| {
         if partitioned {
@@ -469,6 +487,27 @@ mod tests {
         assert!((pp.total() - (0.75 + 0.25) * psi).abs() < 1.0);
         assert_eq!(CrossNodeBytes::stage3(psi, 2.0, 1, 4, false).total(), 0.0);
         assert!((hpz.memory - plain.memory - 2.0 * psi / 2.0).abs() < 1.0);
+    }
+
+    /// Lion keeps one moment: K = 8 in bf16 (master and m), 4 in f32,
+    /// against AdamW's 12 and 8; on NVMe its files are 8Ψ/N, not 12Ψ/N.
+    #[test]
+    fn lion_keeps_four_bytes_less_optimizer_state_per_parameter() {
+        let mut spec: JobSpec = serde_saphyr::from_str(
+            "model: {vocab_size: 1000, d_model: 256, n_layers: 8, n_heads: 8, seq_len: 128}\n\
+             data: {format: synthetic}\ntrain: {dtype: bf16, optimizer: {type: lion}}\n\
+             zero: {stage: 3}\n",
+        )
+        .unwrap();
+        let psi = model_params(&spec.model);
+        assert!((worker_states(&spec, 4).memory - 12.0 * psi / 4.0).abs() < 1.0);
+        spec.zero.offload_optimizer.device = crate::spec::OffloadDevice::Nvme;
+        spec.zero.stage = ZeroStage::OptimizerStates;
+        assert!((worker_states(&spec, 4).nvme - 8.0 * psi / 4.0).abs() < 1.0);
+        spec.train.dtype = Dtype::F32;
+        assert!((worker_states(&spec, 4).nvme - 4.0 * psi / 4.0).abs() < 1.0);
+        let lion = StateBytes::for_job(&spec);
+        assert_eq!((lion.param, lion.grad, lion.optimizer), (4.0, 4.0, 4.0));
     }
 
     #[test]

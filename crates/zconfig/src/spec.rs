@@ -673,6 +673,12 @@ impl OptimizerKind {
             OptimizerKind::Lion => "lion",
         }
     }
+
+    /// Whether the rule keeps a second moment (AdamW's exp_avg_sq). Lion
+    /// keeps only the first, a third less optimizer state.
+    pub fn second_moment(self) -> bool {
+        self == OptimizerKind::Adamw
+    }
 }
 
 /// Learning-rate schedule after warmup.

@@ -1010,7 +1010,8 @@ pub fn sum_sq_chunks(x: Grads<'_>, chunk: usize, scale: f32) -> Vec<f64> {
 }
 
 /// One AdamW step of adamw.cu over `p`, `m`, `v` with gradient `g`, and with
-/// `working` the updated `p` rounded to 16 bits there.
+/// `working` the updated `p` rounded to 16 bits there; Lion's (`c.lion`)
+/// with `v` empty.
 pub fn adamw(
     p: &mut [f32],
     g: Grads<'_>,
@@ -1027,15 +1028,21 @@ pub fn adamw(
     assert!(
         glen == n
             && m.len() == n
-            && v.len() == n
+            && v.len() == if c.lion != 0 { 0 } else { n }
             && working.as_ref().is_none_or(|w| w.1.len() == n),
         "adamw: buffer lengths differ"
     );
+    // Lion keeps no second moment: the kernel gets null, as from zcuda.
+    let vptr = match v.is_empty() {
+        true => std::ptr::null_mut(),
+        false => v.as_mut_ptr(),
+    };
     let (wptr, working_fmt) = match working {
         Some((f, w)) => (w.as_mut_ptr(), f as c_int),
         None => (std::ptr::null_mut(), 0),
     };
-    // SAFETY: every buffer holds n values (checked above), the gradient in
+    // SAFETY: every buffer holds n values (checked above; v none or null
+    // under Lion, whose update never touches it), the gradient in
     // the format grad_fmt names, the working copy only when working_fmt is
     // not 0; c is adamw.cu's AdamConsts (zcuda's repr(C) twin).
     unsafe {
@@ -1043,7 +1050,7 @@ pub fn adamw(
             p.as_mut_ptr(),
             gptr,
             m.as_mut_ptr(),
-            v.as_mut_ptr(),
+            vptr,
             wptr,
             n as u64,
             c,

@@ -882,7 +882,7 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit() {
 }
 
 /// [`adamw_equals_the_cpu_kernel_bit_for_bit`] for one update rule: AdamW's
-/// or Lion's (`c.lion`), whose v the kernel must leave as it was.
+/// or Lion's (`c.lion`), which keeps no v: the kernel gets null for it.
 fn adamw_equals_the_cpu_kernel_bit_for_bit_with(rule: zengine::adam::OptimizerKind) {
     use zengine::adam::{adamw as cpu_adamw, AdamStep, Buffers, Grads as CpuGrads, Scalars};
     use zengine::precision::Half;
@@ -909,7 +909,11 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit_with(rule: zengine::adam::OptimizerKi
             let gh: Vec<u16> =
                 kind.map_or(Vec::new(), |(h, _)| g.iter().map(|&x| h.round(x)).collect());
             for decay in [true, false] {
-                let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+                let (mut p, mut m) = (p0.clone(), m0.clone());
+                let mut v = match rule.second_moment() {
+                    true => v0.clone(),
+                    false => Vec::new(),
+                };
                 let mut w = vec![0u16; if kind.is_some() { n } else { 0 }];
                 cpu_adamw(
                     Buffers {
@@ -925,7 +929,11 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit_with(rule: zengine::adam::OptimizerKi
                     decay,
                     &s,
                 );
-                let (mut ep, mut em, mut ev) = (p0.clone(), m0.clone(), v0.clone());
+                let (mut ep, mut em) = (p0.clone(), m0.clone());
+                let mut ev = match rule.second_moment() {
+                    true => v0.clone(),
+                    false => Vec::new(),
+                };
                 let mut ew = vec![0u16; w.len()];
                 adamw(
                     &mut ep,

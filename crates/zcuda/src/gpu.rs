@@ -68,12 +68,24 @@ const ADAMW_MAX_RUNS: usize = 16;
 fn adam_len(
     what: &str,
     n: usize,
-    g: &DeviceGrads<'_>,
-    m: &CudaViewMut<f32>,
-    v: &CudaViewMut<f32>,
+    (g, m, v): (
+        &DeviceGrads<'_>,
+        &CudaViewMut<f32>,
+        Option<&CudaViewMut<f32>>,
+    ),
     working: Option<&CudaViewMut<u16>>,
+    c: &AdamConsts,
 ) -> Result<usize, CudaError> {
-    if g.len() != n || m.len() != n || v.len() != n || working.is_some_and(|w| w.len() != n) {
+    if v.is_some() == (c.lion != 0) {
+        return Err(CudaError::Invalid(format!(
+            "{what}: a second moment is AdamW's alone (Lion keeps none)"
+        )));
+    }
+    if g.len() != n
+        || m.len() != n
+        || v.is_some_and(|v| v.len() != n)
+        || working.is_some_and(|w| w.len() != n)
+    {
         return Err(CudaError::Invalid(format!("{what}: buffer lengths differ")));
     }
     Ok(n)
@@ -585,25 +597,25 @@ impl Gpu {
         })
     }
 
-    /// One AdamW step over device-resident `p`, `m`, `v` with gradient `g`;
-    /// with `working`, also the rounded 16-bit copy of the updated `p`. Same
-    /// bits as the CPU kernel given the same [`AdamConsts`].
+    /// One AdamW step over device-resident `p`, `m`, `v` with gradient `g`
+    /// (Lion's with `c.lion`, which keeps no `v`: `None`); with `working`,
+    /// also the rounded 16-bit copy of the updated `p`. Same bits as the CPU
+    /// kernel given the same [`AdamConsts`].
     pub fn adamw(
         &self,
         p: &mut CudaViewMut<f32>,
         g: DeviceGrads<'_>,
         m: &mut CudaViewMut<f32>,
-        v: &mut CudaViewMut<f32>,
+        mut v: Option<&mut CudaViewMut<f32>>,
         working: Option<(Half16, &mut CudaViewMut<u16>)>,
         c: &AdamConsts,
     ) -> Result<(), CudaError> {
         let n = adam_len(
             "adamw",
             p.len(),
-            &g,
-            m,
-            v,
+            (&g, m, v.as_deref()),
             working.as_ref().map(|(_, w)| &**w),
+            c,
         )?;
         if n == 0 {
             return Ok(());
@@ -621,14 +633,19 @@ impl Gpu {
             DeviceGrads::F32(g) => launch.arg(g),
             DeviceGrads::Half(_, g) => launch.arg(g),
         };
-        launch.arg(m).arg(v);
+        launch.arg(m);
+        match v.as_mut() {
+            Some(v) => launch.arg(&mut **v),
+            None => launch.arg(&null),
+        };
         match working.as_mut() {
             Some(w) => launch.arg(&mut **w),
             None => launch.arg(&null),
         };
         launch.arg(&n64).arg(c).arg(&grad_fmt).arg(&working_fmt);
-        // SAFETY: the arguments match `adamw`'s signature in adamw.cu (three
-        // f32 buffers, the gradient in the format `grad_fmt` names, the
+        // SAFETY: the arguments match `adamw`'s signature in adamw.cu (f32
+        // buffers p and m, v or null where `c.lion` says the kernel never
+        // touches it, the gradient in the format `grad_fmt` names, the
         // working copy or null as `working_fmt` says, all of n elements,
         // checked above), and the grid-stride loop stays below n.
         self.launched("adamw", unsafe { launch.launch(grid_stride(n)) })?;
@@ -650,7 +667,7 @@ impl Gpu {
         p: RunParams<'_, '_>,
         g: DeviceGrads<'_>,
         m: &mut CudaViewMut<f32>,
-        v: &mut CudaViewMut<f32>,
+        mut v: Option<&mut CudaViewMut<f32>>,
         mut working: Option<(Half16, &mut CudaViewMut<u16>)>,
         c: &AdamConsts,
         plain: f32,
@@ -659,10 +676,9 @@ impl Gpu {
         let n = adam_len(
             "adamw_runs",
             m.len(),
-            &g,
-            m,
-            v,
+            (&g, m, v.as_deref()),
             working.as_ref().map(|(_, w)| &**w),
+            c,
         )?;
         check_runs("adamw_runs", n, runs.iter().map(|(r, _)| r))?;
         match &p {
@@ -733,7 +749,11 @@ impl Gpu {
                 DeviceGrads::F32(g) => launch.arg(g),
                 DeviceGrads::Half(_, g) => launch.arg(g),
             };
-            launch.arg(&mut *m).arg(&mut *v);
+            launch.arg(&mut *m);
+            match v.as_mut() {
+                Some(v) => launch.arg(&mut **v),
+                None => launch.arg(&null),
+            };
             match working.as_mut() {
                 Some((_, w)) => launch.arg(&mut **w),
                 None => launch.arg(&null),
@@ -742,8 +762,9 @@ impl Gpu {
             // SAFETY: the arguments match `adamw_runs`'s signature in
             // adamw.cu (the flat parameters or null with each run's own
             // buffer's address, of the run's length; the gradient in the
-            // format `grad_fmt` names, the moments, the working copy or
-            // null as `working_fmt` says, all of n elements, checked above;
+            // format `grad_fmt` names, the moments (v null where `c.lion`
+            // says it is never touched), the working copy or null as
+            // `working_fmt` says, all of n elements, checked above;
             // 1 to 16 non-empty runs, sorted, inside n), and the loop stays
             // below the last run's end.
             self.launched("adamw_runs", unsafe { launch.launch(grid_stride(span)) })?;

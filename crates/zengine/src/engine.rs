@@ -196,7 +196,16 @@ impl Engine {
             {
                 full[slot.range.clone()].copy_from_slice(&values);
             }
-            let mut group = Group::new(layout.clone(), &full, stage, partitioned[g], rank, half);
+            let rule = spec.train.optimizer.kind;
+            let mut group = Group::new(
+                layout.clone(),
+                &full,
+                stage,
+                partitioned[g],
+                rank,
+                half,
+                rule,
+            );
             if let Some(o) = &offload {
                 o.stash(g, &mut group, true)?;
             }

@@ -216,10 +216,11 @@ struct ResidentGroup {
     /// holds the gradients; CUDA refuses an empty allocation).
     grads: Option<CudaSlice<f32>>,
     held: std::ops::Range<usize>,
-    /// Adam's moments over the region this rank updates (the group's whole
-    /// flat buffer at stage 0, this rank's slice at stages 1-3), as the host's.
+    /// The optimizer's moments over the region this rank updates (the
+    /// group's whole flat buffer at stage 0, this rank's slice at stages
+    /// 1-3), as the host's; no second under Lion.
     exp_avg: CudaSlice<f32>,
-    exp_avg_sq: CudaSlice<f32>,
+    exp_avg_sq: Option<CudaSlice<f32>>,
     /// `train.dtype: bf16 | f16` (one worker).
     half: Option<HalfGroup>,
 }
@@ -536,7 +537,10 @@ impl Engine {
                     },
                     held,
                     exp_avg: gpu.gpu().upload(&g.exp_avg)?,
-                    exp_avg_sq: gpu.gpu().upload(&g.exp_avg_sq)?,
+                    exp_avg_sq: match g.exp_avg_sq.is_empty() {
+                        true => None,
+                        false => Some(gpu.gpu().upload(&g.exp_avg_sq)?),
+                    },
                     half,
                 });
             }
@@ -1187,7 +1191,7 @@ impl Engine {
                     targets,
                     DeviceGrads::F32(grads.slice(from..from + n)),
                     &mut exp_avg.slice_mut(..n),
-                    &mut exp_avg_sq.slice_mut(..n),
+                    exp_avg_sq.as_mut().map(|v| v.slice_mut(..n)).as_mut(),
                     None,
                     &device_consts(&hp, true),
                     device_consts(&hp, false).shrink,
@@ -1323,7 +1327,7 @@ impl Engine {
                     RunParams::Flat(&mut h.master.slice_mut(..n)),
                     DeviceGrads::Half(h.kind, h.grads.slice(from..from + n)),
                     &mut exp_avg.slice_mut(..n),
-                    &mut exp_avg_sq.slice_mut(..n),
+                    exp_avg_sq.as_mut().map(|v| v.slice_mut(..n)).as_mut(),
                     Some((h.kind, &mut working.slice_mut(work))),
                     &device_consts(&hp, true),
                     device_consts(&hp, false).shrink,
@@ -1428,9 +1432,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Resident: group `gi`'s [f32 parameters, exp_avg, exp_avg_sq] over the
-    /// region this rank updates, copied from the GPU and laid out as the
-    /// host's (padding zero), or `None` where the host's buffers are current.
+    /// Resident: group `gi`'s [f32 parameters, exp_avg, exp_avg_sq (empty
+    /// under Lion)] over the region this rank updates, copied from the GPU
+    /// and laid out as the host's (padding zero), or `None` where the host's
+    /// buffers are current.
     pub(crate) fn gpu_state(&self, gi: usize) -> Result<Option<[Vec<f32>; 3]>, EngineError> {
         let Some(r) = &self.gpu_resident else {
             return Ok(None);
@@ -1440,7 +1445,10 @@ impl Engine {
         Ok(Some([
             self.gpu_params(gi)?.expect("resident"),
             gpu.download(&g.exp_avg)?,
-            gpu.download(&g.exp_avg_sq)?,
+            match &g.exp_avg_sq {
+                Some(v) => gpu.download(v)?,
+                None => Vec::new(),
+            },
         ]))
     }
 

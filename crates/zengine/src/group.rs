@@ -7,6 +7,7 @@
 
 use std::ops::Range;
 
+use zconfig::spec::OptimizerKind;
 use zconfig::ZeroStage;
 
 use crate::adam::{adamw_runs, AdamStep, Buffers, Grads};
@@ -37,14 +38,16 @@ pub(crate) struct Group {
     /// it (a pass of its own, and the first micro-batch's adds read the
     /// zeros back).
     pub(crate) zero_owed: bool,
-    /// Adam's moments of the region this rank updates.
+    /// The optimizer's moments of the region this rank updates; the second
+    /// is empty under Lion, which keeps none.
     pub(crate) exp_avg: Vec<f32>,
     pub(crate) exp_avg_sq: Vec<f32>,
 }
 
 impl Group {
     /// A group holding `full` (padded, f32) parameters as `stage` keeps them on
-    /// `rank`, with zero gradients and moments.
+    /// `rank`, with zero gradients and moments (the second only where the
+    /// optimizer's rule keeps one).
     pub(crate) fn new(
         layout: GroupLayout,
         full: &[f32],
@@ -52,6 +55,7 @@ impl Group {
         partitioned: bool,
         rank: usize,
         half: Option<Half>,
+        rule: OptimizerKind,
     ) -> Group {
         let n = layout.slice_len();
         let grads = if stage.partitions_gradients() {
@@ -72,7 +76,7 @@ impl Group {
             staging: None,
             zero_owed: false,
             exp_avg: resident_zeros(moments),
-            exp_avg_sq: resident_zeros(moments),
+            exp_avg_sq: resident_zeros(if rule.second_moment() { moments } else { 0 }),
             layout,
         };
         group.install(full, rank, stage, half);
@@ -137,7 +141,8 @@ impl Group {
         self.master = half.map(|_| full[self.updated_region(rank, stage)].to_vec());
     }
 
-    /// Installs Adam's moments from full (padded) buffers.
+    /// Installs the moments from full (padded) buffers; `v` is empty where
+    /// the rule keeps no second moment.
     pub(crate) fn install_moments(
         &mut self,
         m: Vec<f32>,
@@ -146,12 +151,11 @@ impl Group {
         stage: ZeroStage,
     ) {
         let region = self.updated_region(rank, stage);
-        if region.len() == m.len() {
-            (self.exp_avg, self.exp_avg_sq) = (m, v);
-        } else {
-            self.exp_avg = m[region.clone()].to_vec();
-            self.exp_avg_sq = v[region].to_vec();
-        }
+        let own = |x: Vec<f32>| match x.len() == region.len() || x.is_empty() {
+            true => x,
+            false => x[region.clone()].to_vec(),
+        };
+        (self.exp_avg, self.exp_avg_sq) = (own(m), own(v));
     }
 
     /// The f32 parameters of the region this rank updates (the master copy
@@ -229,7 +233,11 @@ impl Group {
             Grads::F32(v) => Grads::F32(&v[shift(g_off)]),
             Grads::Half(h, v) => Grads::Half(h, &v[shift(g_off)]),
         };
-        let (m, v) = (&mut m_all[shift(m_off)], &mut v_all[shift(m_off)]);
+        let m = &mut m_all[shift(m_off)];
+        let v: &mut [f32] = match v_all.is_empty() {
+            true => &mut [],
+            false => &mut v_all[shift(m_off)],
+        };
         let whole = match (master_all, &mut p_all) {
             (Some(master), ParamsMut::Half(h, w)) => Buffers {
                 p: &mut master[shift(m_off)],

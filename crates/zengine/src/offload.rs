@@ -88,7 +88,8 @@ fn lay_out(lens: impl Iterator<Item = (usize, usize)>) -> (Vec<Region>, u64) {
 /// Optimizer state in swap files (stages 1-3).
 pub(crate) struct OptimizerFiles {
     exp_avg: SwapFile,
-    exp_avg_sq: SwapFile,
+    /// AdamW's second moment (Lion keeps none).
+    exp_avg_sq: Option<SwapFile>,
     /// Mixed precision's f32 master copy.
     master: Option<SwapFile>,
     /// Per group: its updated region.
@@ -256,7 +257,8 @@ impl Offload {
                 (r.start, r.len())
             }));
             let bytes = len * 4;
-            let families = if half.is_some() { 3 } else { 2 };
+            let second = spec.train.optimizer.kind.second_moment();
+            let families = 1 + u64::from(second) + u64::from(half.is_some());
             nvme_bytes += bytes * families;
             if z.stage.partitions_gradients() {
                 let elem = if half.is_some() { 2 } else { 4 };
@@ -279,7 +281,9 @@ impl Offload {
             }
             let files = OptimizerFiles {
                 exp_avg: dir.file("exp_avg.swp", bytes)?,
-                exp_avg_sq: dir.file("exp_avg_sq.swp", bytes)?,
+                exp_avg_sq: second
+                    .then(|| dir.file("exp_avg_sq.swp", bytes))
+                    .transpose()?,
                 master: half.map(|_| dir.file("master.swp", bytes)).transpose()?,
                 regions,
                 buffer_count: z.offload_optimizer.buffer_count.unwrap_or(4).max(1),
@@ -357,7 +361,9 @@ impl Offload {
             let v = std::mem::take(&mut group.exp_avg_sq);
             if !fresh_moments && m.len() == r.len {
                 writes.push(self.write_f32(&o.exp_avg, r, &all, &m));
-                writes.push(self.write_f32(&o.exp_avg_sq, r, &all, &v));
+                if let Some(file) = &o.exp_avg_sq {
+                    writes.push(self.write_f32(file, r, &all, &v));
+                }
             }
             if let (Some(file), Some(master)) = (&o.master, group.master.take()) {
                 writes.push(self.write_f32(file, r, &all, &master));
@@ -494,7 +500,8 @@ impl Offload {
     }
 
     /// Group `g`'s offloaded optimizer state, read whole: (master, exp_avg,
-    /// exp_avg_sq) of its updated region. `None` without optimizer offload.
+    /// exp_avg_sq, empty under Lion) of its updated region. `None` without
+    /// optimizer offload.
     pub(crate) fn read_optimizer(&self, g: usize) -> Result<Option<OptimizerState>, EngineError> {
         let Some(o) = &self.optimizer else {
             return Ok(None);
@@ -503,7 +510,10 @@ impl Offload {
         Ok(Some(OptimizerState {
             master: o.master.as_ref().map(|f| self.read_f32(f, r)).transpose()?,
             exp_avg: self.read_f32(&o.exp_avg, r)?,
-            exp_avg_sq: self.read_f32(&o.exp_avg_sq, r)?,
+            exp_avg_sq: match &o.exp_avg_sq {
+                Some(file) => self.read_f32(file, r)?,
+                None => Vec::new(),
+            },
         }))
     }
 
@@ -542,7 +552,7 @@ impl Offload {
                     let (off, len) = r.span(range, 4);
                     let read = |f: &SwapFile| self.swapper.read(f, off, AlignedBuf::zeroed(len));
                     reads.exp_avg = Some(read(&o.exp_avg));
-                    reads.exp_avg_sq = Some(read(&o.exp_avg_sq));
+                    reads.exp_avg_sq = o.exp_avg_sq.as_ref().map(read);
                     reads.master = o.master.as_ref().map(read);
                 }
                 if let Some(p) = &self.params {
@@ -565,7 +575,7 @@ impl Offload {
         let mut out = Vec::new();
         if let Some(o) = &self.optimizer {
             let (off, _) = o.regions[b.group].span(&b.range, 4);
-            let files = [Some(&o.exp_avg), Some(&o.exp_avg_sq), o.master.as_ref()];
+            let files = [Some(&o.exp_avg), o.exp_avg_sq.as_ref(), o.master.as_ref()];
             for (file, buf) in files.into_iter().zip([b.exp_avg, b.exp_avg_sq, b.master]) {
                 if let (Some(f), Some(buf)) = (file, buf) {
                     out.push(self.swapper.write(f, off, buf));

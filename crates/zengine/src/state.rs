@@ -41,10 +41,17 @@ impl Engine {
             .collect()
     }
 
+    /// The buffers a checkpoint shard of this run holds per group
+    /// ([`zckpt::kinds`] of its update rule).
+    pub fn checkpoint_kinds(&self) -> &'static [&'static str] {
+        zckpt::kinds(self.spec.train.optimizer.kind)
+    }
+
     /// This rank's slices of group `gi`'s f32 params (the master copy under
-    /// mixed precision), exp_avg and exp_avg_sq, as a checkpoint shard stores
-    /// them (read from swap where offloaded).
-    pub fn own_slice(&self, gi: usize) -> Result<[Vec<f32>; 3], EngineError> {
+    /// mixed precision), exp_avg and (AdamW) exp_avg_sq, as a checkpoint
+    /// shard stores them ([`Engine::checkpoint_kinds`]; read from swap where
+    /// offloaded).
+    pub fn own_slice(&self, gi: usize) -> Result<Vec<Vec<f32>>, EngineError> {
         let g = &self.groups[gi];
         let own = g.layout.slice(self.comm.rank());
         let own_of = |region: Vec<f32>| {
@@ -55,7 +62,11 @@ impl Engine {
             }
         };
         let [p, m, v] = self.updated_state(gi)?;
-        Ok([own_of(p), own_of(m), own_of(v)])
+        let mut slices = vec![own_of(p), own_of(m)];
+        if self.spec.train.optimizer.kind.second_moment() {
+            slices.push(own_of(v));
+        }
+        Ok(slices)
     }
 
     /// The f32 parameters of the region this rank updates in group `gi` (the
@@ -84,7 +95,8 @@ impl Engine {
         Ok(g.updated_params(rank, stage))
     }
 
-    /// Group `gi`'s updated region: [f32 parameters, exp_avg, exp_avg_sq].
+    /// Group `gi`'s updated region: [f32 parameters, exp_avg, exp_avg_sq
+    /// (empty under Lion)].
     fn updated_state(&self, gi: usize) -> Result<[Vec<f32>; 3], EngineError> {
         #[cfg(feature = "cuda")]
         if let Some(state) = self.gpu_state(gi)? {
@@ -110,8 +122,9 @@ impl Engine {
 
     /// Loads a checkpoint written by any number of ranks at any stage and dtype
     /// (its f32 parameters become the master copy; the working copy is rounded
-    /// from them, as after an update), tiled or not.
+    /// from them, as after an update), tiled or not, by this run's update rule.
     pub fn load(&mut self, ckpt: &Checkpoint) -> Result<(), EngineError> {
+        ckpt.check_optimizer(self.spec.train.optimizer.kind)?;
         // The GPU's resident state is made again from the loaded buffers.
         #[cfg(feature = "cuda")]
         {
@@ -132,7 +145,9 @@ impl Engine {
                     v.resize(padded, 0.0);
                     Ok(v)
                 };
-                self.install_group(gi, [full("params")?, full("exp_avg")?, full("exp_avg_sq")?])?;
+                let bufs: Result<Vec<_>, _> =
+                    self.checkpoint_kinds().iter().map(|k| full(k)).collect();
+                self.install_group(gi, bufs?)?;
             }
         } else {
             self.load_by_name(ckpt, &mine)?;
@@ -152,14 +167,14 @@ impl Engine {
         Ok(())
     }
 
-    /// Installs group `gi`'s full (padded) params, exp_avg and exp_avg_sq as
-    /// this rank's stage keeps them.
-    fn install_group(
-        &mut self,
-        gi: usize,
-        [params, m, v]: [Vec<f32>; 3],
-    ) -> Result<(), EngineError> {
+    /// Installs group `gi`'s full (padded) buffers of
+    /// [`Engine::checkpoint_kinds`] (params, exp_avg and, AdamW, exp_avg_sq)
+    /// as this rank's stage keeps them.
+    fn install_group(&mut self, gi: usize, bufs: Vec<Vec<f32>>) -> Result<(), EngineError> {
         let (rank, stage, half) = (self.comm.rank(), self.stage, self.half);
+        let mut bufs = bufs.into_iter();
+        let mut next = || bufs.next().unwrap_or_default();
+        let (params, m, v) = (next(), next(), next());
         let g = &mut self.groups[gi];
         g.install(&params, rank, stage, half);
         g.install_moments(m, v, rank, stage);
@@ -173,7 +188,9 @@ impl Engine {
         let mismatch = || EngineError::LayoutMismatch {
             dir: ckpt.dir.clone(),
         };
-        let mut readers = zckpt::KINDS.map(|kind| ParamReader::new(ckpt, kind));
+        let mut readers: Vec<ParamReader> = (self.checkpoint_kinds().iter())
+            .map(|kind| ParamReader::new(ckpt, kind))
+            .collect();
         let theirs = readers[0].shapes();
         let ours: BTreeMap<String, Vec<usize>> = mine
             .iter()
@@ -185,7 +202,7 @@ impl Engine {
         }
         for (gi, entry) in mine.iter().enumerate() {
             let padded = self.groups[gi].layout.padded;
-            let mut bufs: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0f32; padded]);
+            let mut bufs = vec![vec![0f32; padded]; readers.len()];
             for (buf, reader) in bufs.iter_mut().zip(&mut readers) {
                 for p in &entry.params {
                     let (_, whole) = reader.read(&p.name)?;

@@ -111,7 +111,9 @@ fn dropout_keeps_the_stages_bit_identical() {
 /// Lion (`train.optimizer.type: lion`) keeps every stage to the bits of
 /// stage 0 at 2 ranks, in f32 and bf16 (its update runs on each rank's
 /// slice, in the same vectorised pass whatever the slice bounds); it
-/// trains (the loss falls) and is not AdamW (other losses).
+/// trains (the loss falls) and is not AdamW (other losses). It holds one
+/// f32 moment an element it updates, where AdamW holds two: every element
+/// at stage 0, the rank's half from stage 1.
 #[test]
 fn lion_keeps_the_stages_bit_identical() {
     let lion = |dtype, stage| {
@@ -133,12 +135,16 @@ fn lion_keeps_the_stages_bit_identical() {
             "{dtype}: Lion did not train: {:?}",
             base[0].losses
         );
+        let elements: usize = base[0].padded.iter().sum();
+        assert_eq!(base[0].optimizer_held, 4 * elements as u64, "{dtype}");
+        assert_eq!(adamw[0].optimizer_held, 8 * elements as u64, "{dtype}");
         for stage in 1..=3u8 {
             let got = train(lion(dtype, stage), 2);
             for r in 0..2 {
                 let what = format!("{dtype} stage {stage} rank {r}");
                 assert_eq!(got[r].losses, base[r].losses, "losses: {what}");
                 assert!(got[r].params == base[r].params, "parameters: {what}");
+                assert_eq!(got[r].optimizer_held, 2 * elements as u64, "{what}");
             }
         }
     }

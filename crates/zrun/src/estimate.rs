@@ -31,6 +31,10 @@ struct Estimate {
     world_size: usize,
     nodes: usize,
     workers_per_node: usize,
+    /// Bytes a parameter of each kind of state (p, g, K) the rows count.
+    bytes_per_param: StateBytes,
+    /// The dtype and update rule they follow.
+    training: String,
     rows: Vec<Row>,
     #[serde(skip_serializing_if = "Option::is_none")]
     activations: Option<Activations>,
@@ -192,6 +196,8 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                 world_size: nodes * wpn,
                 nodes,
                 workers_per_node: wpn,
+                bytes_per_param: StateBytes::for_dtype(Dtype::Bf16),
+                training: "mixed precision, adamw".into(),
                 rows: model_state_rows(psi, nodes, wpn, StateBytes::for_dtype(Dtype::Bf16), 0.0),
                 activations: None,
                 stage: None,
@@ -212,12 +218,18 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
         say!("{}", serde_json::to_string_pretty(&est)?);
         return Ok(ExitCode::SUCCESS);
     }
+    let b = &est.bytes_per_param;
     say!(
-        "{:.3e} parameters on {} node(s) x {} workers ({} ranks); model states per device:",
+        "{:.3e} parameters on {} node(s) x {} workers ({} ranks); model states per device \
+         ({}: {} + {} + {} bytes a parameter of weights, gradients and optimizer state):",
         est.params,
         est.nodes,
         est.workers_per_node,
-        est.world_size
+        est.world_size,
+        est.training,
+        b.param,
+        b.grad,
+        b.optimizer
     );
     say!(
         "{:>5}  {:<22} {:>14} {:>16} {:>16}",
@@ -277,7 +289,7 @@ fn gb(b: f64) -> String {
 
 fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
     let psi = model_params(&spec.model);
-    let bytes = StateBytes::for_dtype(spec.train.dtype);
+    let bytes = StateBytes::for_job(spec);
     let fused = spec.device == zconfig::spec::Device::Cuda && fused_attention_expected(spec);
     let (act, act_ckpt) = job_activation_bytes(spec, fused);
     let probs = match spec.device == zconfig::spec::Device::Cuda && !fused {
@@ -293,6 +305,8 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
         world_size: nodes * wpn,
         nodes,
         workers_per_node: wpn,
+        bytes_per_param: bytes,
+        training: format!("{}, {}", spec.train.dtype, spec.train.optimizer.kind.name()),
         rows: model_state_rows(psi, nodes, wpn, bytes, largest_group(&spec.model)),
         activations: Some(Activations {
             micro_batch_size: spec.train.micro_batch_size,

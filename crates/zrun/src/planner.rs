@@ -301,8 +301,13 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     } else {
         psi
     };
-    let optimizer = 28.0 * slice / (s.machine.adamw_gbps * 1e9);
-    let b = StateBytes::for_dtype(spec.train.dtype);
+    // AdamW moves 28 bytes an element, Lion 20 (no second moment).
+    let moved = match spec.train.optimizer.kind.second_moment() {
+        true => 28.0,
+        false => 20.0,
+    };
+    let optimizer = moved * slice / (s.machine.adamw_gbps * 1e9);
+    let b = StateBytes::for_job(spec);
     let (g, p) = (b.grad * psi, b.param * psi);
     let ring = (w - 1.0) / w;
     // Bus bytes per collective kind: (all_reduce, all_gather, reduce_scatter).

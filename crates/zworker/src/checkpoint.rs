@@ -52,7 +52,8 @@ pub fn save(
         .iter()
         .map(|g| g.padded / env.world_size)
         .collect();
-    let entry = write_shard(&dir, env.rank, &lens, |g| engine.own_slice(g))?;
+    let kinds = engine.checkpoint_kinds();
+    let entry = write_shard(&dir, env.rank, kinds, &lens, |g| engine.own_slice(g))?;
     let mut pieces = vec![Vec::new(); env.world_size];
     pieces[0] = serde_json::to_vec(&entry)?;
     let got = comm.all_to_all(pieces)?;

@@ -217,6 +217,10 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
             .flat_map(|r| Path::available().into_iter().map(move |p| (r, p)))
         {
             let hp = AdamStep { rule, ..hp };
+            let v: &mut [f32] = match rule.second_moment() {
+                true => &mut v,
+                false => &mut [],
+            };
             for mixed in [false, true] {
                 let s = best_secs(reps, || {
                     let b = if mixed {
@@ -224,11 +228,11 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
                             p: &mut p,
                             g: Grads::Half(Half::Bf16, &g16),
                             m: &mut m,
-                            v: &mut v,
+                            v,
                             working: Some((Half::Bf16, &mut w16)),
                         }
                     } else {
-                        Buffers::f32(&mut p, &g, &mut m, &mut v)
+                        Buffers::f32(&mut p, &g, &mut m, v)
                     };
                     adamw_with(path, t, b, true, &hp)
                 });

@@ -85,7 +85,6 @@ pub fn train(
         let ckpt =
             Checkpoint::open(Path::new(dir)).with_context(|| format!("resuming from {dir}"))?;
         ckpt.check_model(&spec.model)?;
-        ckpt.check_optimizer(spec.train.optimizer.kind)?;
         engine.load(&ckpt)?;
         data.resume_at(ckpt.manifest.step, ckpt.manifest.samples_consumed);
         // The count goes on only where the job still stops early (a job

@@ -1,7 +1,7 @@
 //! AdamW over a flat f32 slice in one fused pass: read p, g, m, v; write p, m, v
 //! and, with mixed precision, the 16-bit working copy of p. And Lion
-//! (`train.optimizer.type: lion`): the same pass without v, whose buffer it
-//! leaves as it is.
+//! (`train.optimizer.type: lion`): the same pass over p, g and m only: Lion
+//! keeps no second moment, and its `v` is empty.
 //!
 //! The pass is bound by memory bandwidth, not arithmetic: 28 bytes move per
 //! element for about 12 flops (f32: 4 read, 3 written; mixed precision: a 2-byte
@@ -88,7 +88,7 @@ pub struct Buffers<'a> {
     pub g: Grads<'a>,
     /// First moment.
     pub m: &'a mut [f32],
-    /// Second moment.
+    /// Second moment; empty for Lion, which keeps none.
     pub v: &'a mut [f32],
     /// Mixed precision: receives the updated parameters rounded to 16 bits.
     pub working: Option<(Half, &'a mut [u16])>,
@@ -110,12 +110,16 @@ impl<'a> Buffers<'a> {
         self.p.len()
     }
 
-    fn check(&self) {
+    fn check(&self, rule: OptimizerKind) {
         let n = self.p.len();
+        let v = match rule.second_moment() {
+            true => n,
+            false => 0,
+        };
         assert!(
             self.g.len() == n
                 && self.m.len() == n
-                && self.v.len() == n
+                && self.v.len() == v
                 && self.working.as_ref().is_none_or(|(_, w)| w.len() == n),
             "adamw: buffer lengths differ"
         );
@@ -126,7 +130,10 @@ impl<'a> Buffers<'a> {
         let (p0, p1) = self.p.split_at_mut(k);
         let (g0, g1) = self.g.split_at(k);
         let (m0, m1) = self.m.split_at_mut(k);
-        let (v0, v1) = self.v.split_at_mut(k);
+        let (v0, v1): (&mut [f32], &mut [f32]) = match self.v.is_empty() {
+            true => (&mut [], &mut []),
+            false => self.v.split_at_mut(k),
+        };
         let (w0, w1) = match self.working {
             Some((h, w)) => {
                 let (a, b) = w.split_at_mut(k);
@@ -297,7 +304,7 @@ pub fn adamw_runs(runs: Vec<(Buffers<'_>, bool)>, s: &AdamStep) {
 
 /// [`adamw_runs`] on a given path and thread count.
 pub fn adamw_runs_with(path: Path, threads: usize, runs: Vec<(Buffers<'_>, bool)>, s: &AdamStep) {
-    runs.iter().for_each(|(b, _)| b.check());
+    runs.iter().for_each(|(b, _)| b.check(s.rule));
     let n: usize = runs.iter().map(|(b, _)| b.len()).sum();
     if threads <= 1 || n < PARALLEL_MIN {
         for (b, decay) in runs {
@@ -500,10 +507,9 @@ mod tests {
 
     /// Lion's first step from a zero moment moves each parameter by lr
     /// against its gradient's sign (none where the gradient is 0), after
-    /// the decoupled decay; the moment becomes (1 − β2)·g; v is not read
-    /// or written.
+    /// the decoupled decay; the moment becomes (1 − β2)·g; there is no v.
     #[test]
-    fn lion_moves_by_lr_against_the_sign_and_leaves_v_alone() {
+    fn lion_moves_by_lr_against_the_sign() {
         let s = AdamStep {
             rule: OptimizerKind::Lion,
             lr: 0.125,
@@ -511,8 +517,7 @@ mod tests {
             ..step(1)
         };
         let (mut p, g, mut m) = (vec![2.0; 4], vec![0.5, -3.0, 0.0, 1e-30], vec![0.0; 4]);
-        let mut v = vec![7.0; 4];
-        adamw(Buffers::f32(&mut p, &g, &mut m, &mut v), true, &s);
+        adamw(Buffers::f32(&mut p, &g, &mut m, &mut []), true, &s);
         let decayed = 2.0 * (1.0 - 0.125 * 0.5);
         assert_eq!(
             p,
@@ -520,15 +525,28 @@ mod tests {
         );
         let want: Vec<f32> = g.iter().map(|g| (1.0 - 0.95f32) * g).collect();
         assert_eq!(m, want);
-        assert_eq!(v, [7.0; 4]);
         // Undecayed where decay does not apply.
         let mut q = vec![2.0];
         adamw(
-            Buffers::f32(&mut q, &[-1.0], &mut [0.0], &mut [0.0]),
+            Buffers::f32(&mut q, &[-1.0], &mut [0.0], &mut []),
             false,
             &s,
         );
         assert_eq!(q, [2.125]);
+    }
+
+    /// A second moment is AdamW's alone: Lion given one, or AdamW given
+    /// none, is refused before anything is written.
+    #[test]
+    fn the_second_moment_must_match_the_rule() {
+        for (rule, v) in [(OptimizerKind::Lion, 4), (OptimizerKind::Adamw, 0)] {
+            let s = AdamStep { rule, ..step(1) };
+            let refused = std::panic::catch_unwind(|| {
+                let (mut p, mut m, mut v) = (vec![1.0; 4], vec![0.0; 4], vec![0.0; v]);
+                adamw(Buffers::f32(&mut p, &[1.0; 4], &mut m, &mut v), true, &s);
+            });
+            assert!(refused.is_err(), "{rule:?} with a v of {v}");
+        }
     }
 
     /// Lion over several steps against PyTorch's formula in f64 (the
@@ -546,7 +564,7 @@ mod tests {
         let (omb1, omb2) = (f64::from(1.0 - b1), f64::from(1.0 - b2));
         let (lr, b1, b2) = (f64::from(lr), f64::from(b1), f64::from(b2));
         for path in Path::available() {
-            let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), vec![0.0; n]);
+            let (mut p, mut m) = (p0.clone(), m0.clone());
             let (mut pr, mut mr): (Vec<f64>, Vec<f64>) = (
                 p0.iter().map(|&x| f64::from(x)).collect(),
                 m0.iter().map(|&x| f64::from(x)).collect(),
@@ -565,7 +583,7 @@ mod tests {
                     step: k as u64 + 1,
                     grad_scale: 1.0,
                 };
-                adamw_with(path, 2, Buffers::f32(&mut p, g, &mut m, &mut v), true, &s);
+                adamw_with(path, 2, Buffers::f32(&mut p, g, &mut m, &mut []), true, &s);
                 for i in 0..n {
                     let gi = f64::from(g[i]);
                     let c = b1 * mr[i] + omb1 * gi;
@@ -621,7 +639,8 @@ mod tests {
     /// The precisions an update can run in: gradients and working copy types.
     const PRECISIONS: [Option<Half>; 3] = [None, Some(Half::Bf16), Some(Half::F16)];
 
-    /// One update of copies of the inputs; returns (p, m, v, working bits).
+    /// One update of copies of the inputs; returns (p, m, v, working bits),
+    /// v empty for Lion.
     fn update(
         path: Option<Path>,
         threads: usize,
@@ -631,7 +650,12 @@ mod tests {
         s: &AdamStep,
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<u16>) {
         let [p0, g, m0, v0] = inputs;
-        let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+        let (mut p, mut m) = (p0.clone(), m0.clone());
+        let mut v = match s.rule.second_moment() {
+            true => v0.clone(),
+            false => Vec::new(),
+        };
+        let v_from = offset.min(v.len());
         let gh: Vec<u16> = kind.map_or(Vec::new(), |h| g.iter().map(|&x| h.round(x)).collect());
         let mut w = vec![0u16; if kind.is_some() { p.len() } else { 0 }];
         let b = Buffers {
@@ -641,7 +665,7 @@ mod tests {
                 Some(h) => Grads::Half(h, &gh[offset..]),
             },
             m: &mut m[offset..],
-            v: &mut v[offset..],
+            v: &mut v[v_from..],
             working: kind.map(|h| (h, &mut w[offset..])),
         };
         match (path, s.rule) {
@@ -822,11 +846,12 @@ mod tests {
                 };
                 let mut dwv = dw.slice_mut(..);
                 let working = kind.map(|h| (h.into(), &mut dwv));
+                let second = s.rule.second_moment();
                 gpu.adamw(
                     &mut dp.slice_mut(..),
                     grads,
                     &mut dm.slice_mut(..),
-                    &mut dv.slice_mut(..),
+                    second.then(|| dv.slice_mut(..)).as_mut(),
                     working,
                     &device_consts(&s, true),
                 )
@@ -836,7 +861,10 @@ mod tests {
                 let rule = s.rule;
                 assert_eq!(down(&dp), bits(want.0), "p, {rule:?} {kind:?} n {n}");
                 assert_eq!(down(&dm), bits(want.1), "m, {rule:?} {kind:?} n {n}");
-                assert_eq!(down(&dv), bits(want.2), "v, {rule:?} {kind:?} n {n}");
+                match second {
+                    true => assert_eq!(down(&dv), bits(want.2), "v, {kind:?} n {n}"),
+                    false => assert_eq!(down(&dv), bits(v.clone()), "Lion's v, {kind:?} n {n}"),
+                }
                 if kind.is_some() {
                     assert_eq!(
                         gpu.download(&dw).unwrap(),
@@ -895,7 +923,7 @@ mod tests {
                             &mut o.slice_mut(..),
                             grads(r.clone()),
                             &mut dm.slice_mut(r.clone()),
-                            &mut dv.slice_mut(r.clone()),
+                            Some(&mut dv.slice_mut(r.clone())),
                             kind.map(|h| (h.into(), &mut w)),
                             &device_consts(&s, *decay),
                         )
@@ -915,7 +943,7 @@ mod tests {
                         params,
                         grads(0..n),
                         &mut dm.slice_mut(..),
-                        &mut dv.slice_mut(..),
+                        Some(&mut dv.slice_mut(..)),
                         kind.map(|h| (h.into(), &mut w)),
                         &device_consts(&s, true),
                         device_consts(&s, false).shrink,
@@ -972,7 +1000,7 @@ mod tests {
             zcuda::RunParams::Each(&mut each),
             zcuda::DeviceGrads::F32(dg.slice(..)),
             &mut dm.slice_mut(..),
-            &mut dv.slice_mut(..),
+            Some(&mut dv.slice_mut(..)),
             None,
             &device_consts(&s, true),
             device_consts(&s, false).shrink,

@@ -102,6 +102,11 @@ pub struct Run {
     pub lrs: Vec<f64>,
     /// The most gradient bytes held in memory at the end of a step.
     pub grads_held: u64,
+    /// The most bytes of optimizer moments held in memory at the end of a
+    /// step.
+    pub optimizer_held: u64,
+    /// Bytes of this rank's swap files (NVMe offload).
+    pub nvme: u64,
     /// Final f32 parameters (master weights under mixed precision).
     pub params: Vec<Vec<f32>>,
     /// Per step: the loss scale used and whether the step was skipped.
@@ -239,6 +244,8 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     norms: Vec::new(),
                     lrs: Vec::new(),
                     grads_held: 0,
+                    optimizer_held: 0,
+                    nvme: 0,
                     params: Vec::new(),
                     scales: Vec::new(),
                     history: Vec::new(),
@@ -260,6 +267,8 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     run.norms.push(st.grad_norm);
                     run.lrs.push(st.lr);
                     run.grads_held = run.grads_held.max(st.mem.grads);
+                    run.optimizer_held = run.optimizer_held.max(st.mem.optimizer);
+                    run.nvme = st.mem.nvme;
                     run.secondary = run.secondary.max(st.mem.secondary);
                     run.comm_peak = run.comm_peak.max(st.mem.comm_buffers);
                     run.scales.push((st.loss_scale, st.skipped));
@@ -270,8 +279,10 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                 if let Some(dir) = save {
                     let groups = engine.manifest_groups();
                     let lens: Vec<usize> = groups.iter().map(|g| g.padded / world).collect();
+                    let kinds = engine.checkpoint_kinds();
                     let file =
-                        zckpt::write_shard(&dir, rank, &lens, |g| engine.own_slice(g)).unwrap();
+                        zckpt::write_shard(&dir, rank, kinds, &lens, |g| engine.own_slice(g))
+                            .unwrap();
                     run.saved = Some(Saved {
                         file,
                         groups,
