@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, plain_yaml_message, ConfigError};
 use crate::hostfile::Topology;
-use crate::spec::{Backend, Device, Every, JobSpec, ModelKind, OffloadDevice, ZeroStage};
+use crate::spec::{Backend, Device, Every, JobSpec, ModelKind, OffloadDevice, Schedule, ZeroStage};
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
 #[derive(Debug, Clone)]
@@ -894,6 +894,37 @@ impl LoadedJob {
                 "train.decay_fraction",
                 format!("must be in (0, 1], got {}", t.decay_fraction),
             ));
+        }
+        // A schedule's own knob beside another schedule would do nothing.
+        let knobs = [
+            (
+                "num_cycles",
+                t.num_cycles.is_some(),
+                Schedule::CosineWithRestarts,
+            ),
+            ("power", t.power.is_some(), Schedule::Polynomial),
+            ("timescale", t.timescale.is_some(), Schedule::InverseSqrt),
+        ];
+        for (knob, set, owner) in knobs {
+            if set && t.schedule != owner {
+                return Err(self.invalid(
+                    &format!("train.{knob}"),
+                    format!(
+                        "belongs to train.schedule: {}, and the schedule is {}",
+                        owner.name(),
+                        t.schedule.name()
+                    ),
+                ));
+            }
+        }
+        if t.num_cycles == Some(0) {
+            return Err(self.invalid("train.num_cycles", "must be at least 1, got 0"));
+        }
+        if let Some(p) = t.power.filter(|p| *p <= 0.0) {
+            return Err(self.invalid("train.power", format!("must be a positive number, got {p}")));
+        }
+        if t.timescale == Some(0) {
+            return Err(self.invalid("train.timescale", "must be at least 1, got 0"));
         }
         for (i, b) in t.optimizer.betas.iter().enumerate() {
             if !(0.0..1.0).contains(b) {
@@ -2139,6 +2170,18 @@ mod tests {
                 "train.decay_fraction: must be in (0, 1]",
             ),
             (
+                "train.num_cycles=3",
+                "train.num_cycles: belongs to train.schedule: cosine_with_restarts, and the schedule is cosine",
+            ),
+            (
+                "train.power=2",
+                "train.power: belongs to train.schedule: polynomial, and the schedule is cosine",
+            ),
+            (
+                "train.timescale=100",
+                "train.timescale: belongs to train.schedule: inverse_sqrt",
+            ),
+            (
                 "train.optimizer.betas=[0.9, 1.0]",
                 "train.optimizer.betas: beta2 must be in [0, 1)",
             ),
@@ -2153,6 +2196,40 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(e.contains(want), "{set}: {e}");
+        }
+        // Each schedule's knob, set beside its schedule: in range, or refused.
+        for (schedule, knob, good, bad, want) in [
+            (
+                "cosine_with_restarts",
+                "num_cycles",
+                "4",
+                "0",
+                "must be at least 1",
+            ),
+            (
+                "polynomial",
+                "power",
+                "0.5",
+                "0",
+                "must be a positive number",
+            ),
+            (
+                "inverse_sqrt",
+                "timescale",
+                "500",
+                "0",
+                "must be at least 1",
+            ),
+        ] {
+            let schedule = format!("train.schedule={schedule}");
+            let set = |v: &str| vec![schedule.clone(), format!("train.{knob}={v}")];
+            load_job(&p, &set(good)).unwrap().validate(1).unwrap();
+            let e = load_job(&p, &set(bad))
+                .unwrap()
+                .validate(1)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("train.{knob}: {want}")), "{knob}: {e}");
         }
     }
 

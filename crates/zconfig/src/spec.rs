@@ -498,12 +498,27 @@ pub struct TrainSpec {
     pub warmup_start_lr: f64,
     /// Learning-rate schedule after warmup.
     pub schedule: Schedule,
-    /// The floor that linear, cosine and wsd decay end at.
+    /// The floor that the decays end at (and that `inverse_sqrt` stays
+    /// above).
     #[serde(deserialize_with = "finite::number")]
     pub min_lr: f64,
     /// `schedule: wsd`: the share of all steps spent decaying, at the end.
     #[serde(deserialize_with = "finite::number")]
     pub decay_fraction: f64,
+    /// `schedule: cosine_with_restarts`: the cosine decays this many times,
+    /// each from the peak (transformers' `num_cycles`; 1 unless set).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_cycles: Option<u64>,
+    /// `schedule: polynomial`: the decay's power (transformers' `power`; 1
+    /// unless set, which is linear).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
+    pub power: Option<f64>,
+    /// `schedule: inverse_sqrt`: the steps over which the rate falls by
+    /// 1/√2 (transformers' `timescale`; unless set, `warmup_steps`, or
+    /// 10,000 without a warmup).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timescale: Option<u64>,
     /// AdamW's betas and epsilon.
     pub optimizer: OptimizerSpec,
     /// Decoupled (AdamW) weight decay on matrices.
@@ -606,6 +621,9 @@ impl Default for TrainSpec {
             schedule: Schedule::Cosine,
             min_lr: 0.0,
             decay_fraction: 0.2,
+            num_cycles: None,
+            power: None,
+            timescale: None,
             optimizer: OptimizerSpec::default(),
             weight_decay: 0.1,
             grad_clip: 1.0,
@@ -694,6 +712,30 @@ pub enum Schedule {
     /// Warmup-stable-decay: `lr` until the last `decay_fraction` of the
     /// steps, then linear decay to `min_lr`.
     Wsd,
+    /// `num_cycles` half-cosine decays to `min_lr`, each from `lr`
+    /// (transformers' `cosine_with_restarts`, its hard restarts).
+    CosineWithRestarts,
+    /// `(1 − progress)^power` of the way from `min_lr` to `lr`
+    /// (transformers' `polynomial`, `min_lr` its `lr_end`).
+    Polynomial,
+    /// `lr·√(timescale / (timescale + steps since warmup))`, no lower than
+    /// `min_lr` (transformers' `inverse_sqrt`).
+    InverseSqrt,
+}
+
+impl Schedule {
+    /// The name a job writes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::Constant => "constant",
+            Schedule::Linear => "linear",
+            Schedule::Cosine => "cosine",
+            Schedule::Wsd => "wsd",
+            Schedule::CosineWithRestarts => "cosine_with_restarts",
+            Schedule::Polynomial => "polynomial",
+            Schedule::InverseSqrt => "inverse_sqrt",
+        }
+    }
 }
 
 /// The shape of the warmup ramp from `warmup_start_lr` to `lr`.

@@ -3,7 +3,14 @@
 //! towards `min_lr` over the remaining steps, or warmup-stable-decay (the peak
 //! until the last `decay_fraction` of the steps, then linear decay to
 //! `min_lr`). DeepSpeed's `WarmupLR`, `WarmupDecayLR` and `WarmupCosineLR`
-//! are these shapes (see zconfig's `deepspeed` import).
+//! are these shapes (see zconfig's `deepspeed` import). And the rest of
+//! transformers' `lr_scheduler_type`s after their warmup:
+//! `cosine_with_restarts`, `polynomial` and `inverse_sqrt`, with `min_lr`
+//! as their floor (`lr_end` in transformers' polynomial; 0 in its others).
+//!
+//! Step s here (1-based) is transformers' `current_step` s − 1, which is how
+//! its `LambdaLR` counts the steps before the one it sets the rate for: the
+//! decays agree step for step after the warmup.
 
 use zconfig::spec::{TrainSpec, WarmupType};
 use zconfig::Schedule;
@@ -28,13 +35,35 @@ pub fn lr_at(step: u64, t: &TrainSpec) -> f64 {
         return peak;
     }
     let decay_steps = total.saturating_sub(start).max(1) as f64;
-    let progress = ((step - start - 1) as f64 / decay_steps).min(1.0);
+    let since = step - start - 1;
+    let progress = (since as f64 / decay_steps).min(1.0);
+    let half_cosine = |x: f64| 0.5 * (1.0 + (std::f64::consts::PI * x).cos());
     match t.schedule {
         Schedule::Constant => peak,
         Schedule::Linear | Schedule::Wsd => floor + (peak - floor) * (1.0 - progress),
-        Schedule::Cosine => {
-            floor + (peak - floor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+        Schedule::Cosine => floor + (peak - floor) * half_cosine(progress),
+        Schedule::CosineWithRestarts if progress >= 1.0 => floor,
+        Schedule::CosineWithRestarts => {
+            let cycles = t.num_cycles.unwrap_or(1) as f64;
+            floor + (peak - floor) * half_cosine((cycles * progress) % 1.0)
         }
+        Schedule::Polynomial => {
+            floor + (peak - floor) * (1.0 - progress).powf(t.power.unwrap_or(1.0))
+        }
+        Schedule::InverseSqrt => {
+            let timescale = inverse_sqrt_timescale(t) as f64;
+            floor.max(peak / ((since as f64 + timescale) / timescale).sqrt())
+        }
+    }
+}
+
+/// `inverse_sqrt`'s timescale: as set, else the warmup's length, else
+/// 10,000 steps (transformers' defaults).
+fn inverse_sqrt_timescale(t: &TrainSpec) -> u64 {
+    match (t.timescale, t.warmup_steps) {
+        (Some(n), _) => n,
+        (None, 0) => 10_000,
+        (None, w) => w,
     }
 }
 
@@ -140,6 +169,107 @@ mod tests {
             assert!((1..=100).all(|s| lr_at(s, &t) <= 1.0));
             assert!((11..=100).all(|s| lr_at(s, &t) >= 0.1), "{schedule:?}");
         }
+    }
+
+    /// transformers' `LambdaLR` factors of its three other schedules, as
+    /// its optimization.py writes them, at its 0-based `current`, with `n`
+    /// training and `w` warmup steps.
+    fn transformers_factor(schedule: Schedule, current: u64, n: u64, w: u64, t: &TrainSpec) -> f64 {
+        let (current, n, w) = (current as f64, n as f64, w as f64);
+        let progress = (current - w) / (n - w).max(1.0);
+        match schedule {
+            Schedule::CosineWithRestarts => {
+                let cycles = t.num_cycles.unwrap() as f64;
+                if progress >= 1.0 {
+                    return 0.0;
+                }
+                let turn = std::f64::consts::PI * ((cycles * progress) % 1.0);
+                0.0f64.max(0.5 * (1.0 + turn.cos()))
+            }
+            Schedule::Polynomial => {
+                let (lr_init, lr_end) = (t.lr, t.min_lr);
+                let remaining = 1.0 - (current - w) / (n - w);
+                ((lr_init - lr_end) * remaining.powf(t.power.unwrap()) + lr_end) / lr_init
+            }
+            Schedule::InverseSqrt => {
+                let timescale = t
+                    .timescale
+                    .map_or(if w > 0.0 { w } else { 10_000.0 }, |x| x as f64);
+                let shift = timescale - w;
+                1.0 / ((current + shift) / timescale).sqrt()
+            }
+            _ => unreachable!("not one of the three"),
+        }
+    }
+
+    /// After the warmup, `cosine_with_restarts`, `polynomial` and
+    /// `inverse_sqrt` give transformers' rates step for step (within f64
+    /// rounding of the two ways of writing them), with their knobs at
+    /// defaults and set; at one cycle, restarts are the cosine to the bit,
+    /// and at power 1 the polynomial is the linear decay.
+    #[test]
+    fn transformers_schedules_agree_after_the_warmup() {
+        let (n, w) = (120u64, 10u64);
+        let mut cases = Vec::new();
+        for cycles in [1, 3] {
+            let mut t = spec(n, 2.0, w, Schedule::CosineWithRestarts);
+            t.num_cycles = Some(cycles);
+            cases.push(t);
+        }
+        for power in [1.0, 2.0, 0.5] {
+            let mut t = spec(n, 2.0, w, Schedule::Polynomial);
+            t.power = Some(power);
+            t.min_lr = 1e-3;
+            cases.push(t);
+        }
+        for (warmup, timescale) in [(10, None), (0, None), (10, Some(25))] {
+            let mut t = spec(n, 2.0, warmup, Schedule::InverseSqrt);
+            t.timescale = timescale;
+            cases.push(t);
+        }
+        for t in &cases {
+            for step in t.warmup_steps + 1..=n {
+                let want = t.lr * transformers_factor(t.schedule, step - 1, n, t.warmup_steps, t);
+                let got = lr_at(step, t);
+                assert!(
+                    (got - want).abs() <= 1e-12 * t.lr,
+                    "{:?} cycles {:?} power {:?} timescale {:?} step {step}: {got} for {want}",
+                    t.schedule,
+                    t.num_cycles,
+                    t.power,
+                    t.timescale
+                );
+            }
+        }
+        let restarts = &cases[0];
+        let cosine = spec(n, 2.0, w, Schedule::Cosine);
+        let linear = TrainSpec {
+            min_lr: 1e-3,
+            ..spec(n, 2.0, w, Schedule::Linear)
+        };
+        for step in 1..=n {
+            assert_eq!(
+                lr_at(step, restarts).to_bits(),
+                lr_at(step, &cosine).to_bits()
+            );
+            assert!((lr_at(step, &cases[2]) - lr_at(step, &linear)).abs() < 1e-15);
+        }
+        // Three cycles: the rate rises twice after the warmup, each time
+        // to within a step's turn of the peak (a cycle is 110/3 steps).
+        let three = &cases[1];
+        let rises: Vec<u64> = (w + 2..=n)
+            .filter(|&s| lr_at(s, three) > lr_at(s - 1, three))
+            .collect();
+        assert_eq!(rises.len(), 2, "{rises:?}");
+        assert!(rises.iter().all(|&s| lr_at(s, three) > 1.99), "{rises:?}");
+        // inverse_sqrt: the peak right after the warmup, halved after
+        // three timescales, never below the floor.
+        let mut isq = cases[7].clone();
+        assert_eq!(lr_at(11, &isq), 2.0);
+        assert!((lr_at(11 + 75, &isq) - 1.0).abs() < 1e-12);
+        isq.min_lr = 1.5;
+        assert!((11..=n).all(|s| lr_at(s, &isq) >= 1.5));
+        assert_eq!(lr_at(n, &isq), 1.5);
     }
 
     /// wsd: warmup, the peak until the last 20% of the steps, then linear
