@@ -669,10 +669,13 @@ impl Reader {
             _ => {
                 return Err(self.error(
                     "scheduler.type",
-                    "needs a type: WarmupLR, WarmupDecayLR or WarmupCosineLR",
+                    "needs a type: WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle",
                 ))
             }
         };
+        if kind == "OneCycle" {
+            return self.one_cycle();
+        }
         const WARMUP: [Param; 3] = [
             ("warmup_min_lr", 0.0),
             ("warmup_max_lr", 0.001),
@@ -690,7 +693,7 @@ impl Reader {
             other => {
                 return Err(self.error(
                     "scheduler.type",
-                    format!("`{other}` cannot be honoured: zrun's schedules are DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR"),
+                    format!("`{other}` cannot be honoured: zrun's schedules are DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR and OneCycle"),
                 ))
             }
         };
@@ -784,6 +787,108 @@ impl Reader {
                 // Required by DeepSpeed; the job's steps are the natural reading.
                 self.map("train.steps", MappedValue::Job, &source, Origin::Auto);
             }
+        }
+        Ok(())
+    }
+
+    /// `OneCycle`: its two rates are `train.min_lr` and `train.lr`
+    /// (required, as DeepSpeed's constructor requires them), the rest
+    /// `train.one_cycle`'s keys of the same names. Its stair counts are
+    /// accepted and ignored, as DeepSpeed ignores them; with
+    /// `cycle_momentum` (its default) DeepSpeed sets Adam's betas to
+    /// (momentum, 0.99), so β2 becomes 0.99 here too.
+    fn one_cycle(&mut self) -> Result<(), ConfigError> {
+        const SHAPE: [(&str, &str, Converter); 8] = [
+            (
+                "cycle_first_step_size",
+                "train.one_cycle.cycle_first_step_size",
+                positive_count,
+            ),
+            (
+                "cycle_second_step_size",
+                "train.one_cycle.cycle_second_step_size",
+                positive_count,
+            ),
+            (
+                "decay_step_size",
+                "train.one_cycle.decay_step_size",
+                count_value,
+            ),
+            (
+                "decay_lr_rate",
+                "train.one_cycle.decay_lr_rate",
+                non_negative,
+            ),
+            ("cycle_momentum", "train.one_cycle.cycle_momentum", boolean),
+            (
+                "cycle_min_mom",
+                "train.one_cycle.cycle_min_mom",
+                non_negative,
+            ),
+            (
+                "cycle_max_mom",
+                "train.one_cycle.cycle_max_mom",
+                non_negative,
+            ),
+            (
+                "decay_mom_rate",
+                "train.one_cycle.decay_mom_rate",
+                non_negative,
+            ),
+        ];
+        let mut known: Vec<(&str, Kind)> = vec![
+            ("cycle_min_lr", Kind::Section),
+            ("cycle_max_lr", Kind::Section),
+            ("cycle_first_stair_count", Kind::Ignored),
+            ("cycle_second_stair_count", Kind::Ignored),
+            ("last_batch_iteration", Kind::Ignored),
+        ];
+        known.extend(SHAPE.iter().map(|(n, _, _)| (*n, Kind::Section)));
+        self.sort_keys("scheduler.params", &known)?;
+        self.map(
+            "train.schedule",
+            MappedValue::Set(json!("one_cycle")),
+            "scheduler.type",
+            Origin::Written,
+        );
+        for (name, key) in [
+            ("cycle_min_lr", "train.min_lr"),
+            ("cycle_max_lr", "train.lr"),
+        ] {
+            let source = format!("scheduler.params.{name}");
+            if !self.simple(&source, key, true, non_negative)? {
+                return Err(self.error(
+                    &source,
+                    "DeepSpeed's OneCycle needs it (cycle_min_lr and cycle_max_lr have no default)",
+                ));
+            }
+        }
+        if let Some(lr) = self.get("optimizer.params.lr").filter(|v| !is_auto(v)) {
+            self.out.notes.push(format!(
+                "optimizer.params.lr ({lr}) is superseded by scheduler.params.cycle_max_lr, as in DeepSpeed, where the scheduler sets the rate"
+            ));
+        }
+        for (name, key, convert) in SHAPE {
+            self.simple(&format!("scheduler.params.{name}"), key, false, convert)?;
+        }
+        let cycles = match self.get("scheduler.params.cycle_momentum") {
+            Some(Value::Bool(b)) => *b,
+            _ => true,
+        };
+        if cycles {
+            let beta1 = match self.get("scheduler.params.cycle_min_mom") {
+                Some(v) => v.clone(),
+                None => json!(0.8),
+            };
+            self.map(
+                "train.optimizer.betas",
+                MappedValue::Set(json!([beta1, 0.99])),
+                "scheduler.params.cycle_momentum",
+                Origin::Default,
+            );
+            self.out.notes.push(
+                "scheduler OneCycle cycles Adam's beta1 and sets its beta2 to 0.99, as DeepSpeed's OneCycle does".into(),
+            );
         }
         Ok(())
     }
@@ -1092,6 +1197,9 @@ fn count(v: &Value) -> Result<u64, String> {
         _ => Err(format!("{v}: must be a whole non-negative number")),
     }
 }
+
+/// Checks and converts one ds_config value for its zrun key.
+type Converter = fn(&Value) -> Result<Value, String>;
 
 fn count_value(v: &Value) -> Result<Value, String> {
     count(v).map(|n| json!(n))

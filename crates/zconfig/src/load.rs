@@ -12,7 +12,9 @@ use serde_json::Value;
 use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, plain_yaml_message, ConfigError};
 use crate::hostfile::Topology;
-use crate::spec::{Backend, Device, Every, JobSpec, ModelKind, OffloadDevice, Schedule, ZeroStage};
+use crate::spec::{
+    Backend, Device, Every, JobSpec, ModelKind, OffloadDevice, OneCycleSpec, Schedule, ZeroStage,
+};
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
 #[derive(Debug, Clone)]
@@ -464,10 +466,73 @@ impl LoadedJob {
                 .is_some_and(|m| m.origin == Origin::Written)
     }
 
+    /// `train.one_cycle`'s values: a cycle of at least a step, rates and
+    /// momenta in range, and a β1 that its decay keeps below 1 up to the
+    /// last of `steps`.
+    fn check_one_cycle(&self, c: &OneCycleSpec, steps: u64) -> Result<(), ConfigError> {
+        let key = |k: &str| format!("train.one_cycle.{k}");
+        if c.cycle_first_step_size == 0 {
+            return Err(self.invalid(&key("cycle_first_step_size"), "must be at least 1, got 0"));
+        }
+        for (k, v) in [
+            ("cycle_min_mom", c.cycle_min_mom),
+            ("cycle_max_mom", c.cycle_max_mom),
+        ] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(self.invalid(&key(k), format!("must be in [0, 1), got {v}")));
+            }
+        }
+        for (k, v) in [
+            ("decay_lr_rate", c.decay_lr_rate),
+            ("decay_mom_rate", c.decay_mom_rate),
+        ] {
+            if v < 0.0 {
+                return Err(self.invalid(&key(k), format!("must be at least 0, got {v}")));
+            }
+        }
+        let first = c.cycle_first_step_size;
+        let length = first + c.cycle_second_step_size.unwrap_or(first);
+        let past = steps.saturating_sub(1).saturating_sub(length) as f64;
+        if c.cycle_momentum && c.decay_step_size > 0 && past > 0.0 {
+            let last = c.cycle_max_mom * (1.0 + c.decay_mom_rate * past / c.decay_step_size as f64);
+            if last >= 1.0 {
+                return Err(self.invalid(
+                    &key("decay_mom_rate"),
+                    format!(
+                        "takes β1 to {last} by step {steps} (cycle_max_mom {} grown {past} steps past the cycle); \
+                         Adam's β1 must stay below 1",
+                        c.cycle_max_mom
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// `train.warmup_ratio` (transformers' `warmup_ratio`) into
     /// `train.warmup_steps`: `ceil(ratio × steps)`, as transformers rounds
     /// it. Refused beside a `train.warmup_steps` the job chose.
     fn settle_warmup(&mut self) -> Result<(), ConfigError> {
+        if self.spec.train.schedule == Schedule::OneCycle {
+            // The cycle's rising half is its warmup: none other, beyond 0.
+            let t = &self.spec.train;
+            for (key, set) in [
+                (
+                    "train.warmup_ratio",
+                    t.warmup_ratio.is_some_and(|r| r != 0.0),
+                ),
+                ("train.warmup_steps", t.warmup_steps != 0),
+            ] {
+                if set && self.chosen(key) {
+                    return Err(self.invalid(
+                        key,
+                        "has no place beside train.schedule: one_cycle, whose rising half is its warmup",
+                    ));
+                }
+            }
+            self.spec.train.warmup_steps = 0;
+            return Ok(());
+        }
         let Some(r) = self.spec.train.warmup_ratio else {
             return Ok(());
         };
@@ -904,6 +969,7 @@ impl LoadedJob {
             ),
             ("power", t.power.is_some(), Schedule::Polynomial),
             ("timescale", t.timescale.is_some(), Schedule::InverseSqrt),
+            ("one_cycle", t.one_cycle.is_some(), Schedule::OneCycle),
         ];
         for (knob, set, owner) in knobs {
             if set && t.schedule != owner {
@@ -925,6 +991,9 @@ impl LoadedJob {
         }
         if t.timescale == Some(0) {
             return Err(self.invalid("train.timescale", "must be at least 1, got 0"));
+        }
+        if let Some(c) = &t.one_cycle {
+            self.check_one_cycle(c, t.steps)?;
         }
         for (i, b) in t.optimizer.betas.iter().enumerate() {
             if !(0.0..1.0).contains(b) {
@@ -2231,6 +2300,56 @@ mod tests {
                 .to_string();
             assert!(e.contains(&format!("train.{knob}: {want}")), "{knob}: {e}");
         }
+        // one_cycle: its keys, its refusals; no warmup beside it but 0.
+        let one = |extra: &[&str]| {
+            let mut sets = vec!["train.schedule=one_cycle".to_string()];
+            sets.extend(extra.iter().map(|s| s.to_string()));
+            load_job(&p, &sets).and_then(|mut j| j.validate(1).map(|()| j))
+        };
+        one(&["train.warmup_steps=0"]).unwrap();
+        let j = one(&["train.one_cycle.cycle_first_step_size=5"]).unwrap();
+        let t = &j.spec.train;
+        assert_eq!(t.warmup_steps, 0, "the cycle is the warmup");
+        assert_eq!(t.one_cycle.as_ref().unwrap().cycle_first_step_size, 5);
+        for (extra, want) in [
+            (
+                &["train.warmup_steps=10"][..],
+                "train.warmup_steps: has no place beside train.schedule: one_cycle",
+            ),
+            (
+                &["train.warmup_ratio=0.1"],
+                "train.warmup_ratio: has no place beside train.schedule: one_cycle",
+            ),
+            (
+                &["train.one_cycle.cycle_first_step_size=0"],
+                "train.one_cycle.cycle_first_step_size: must be at least 1",
+            ),
+            (
+                &["train.one_cycle.cycle_max_mom=1"],
+                "train.one_cycle.cycle_max_mom: must be in [0, 1)",
+            ),
+            (
+                &[
+                    "train.one_cycle.cycle_first_step_size=2",
+                    "train.one_cycle.decay_step_size=1",
+                    "train.one_cycle.decay_mom_rate=0.1",
+                    "train.steps=20",
+                ],
+                "train.one_cycle.decay_mom_rate: takes β1 to",
+            ),
+        ] {
+            let e = one(extra).map(|_| ()).unwrap_err().to_string();
+            assert!(e.contains(want), "{extra:?}: {e}");
+        }
+        let e = load_job(&p, &["train.one_cycle.decay_lr_rate=0.5".into()])
+            .unwrap()
+            .validate(1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train.one_cycle: belongs to train.schedule: one_cycle"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -519,6 +519,10 @@ pub struct TrainSpec {
     /// 10,000 without a warmup).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timescale: Option<u64>,
+    /// `schedule: one_cycle`: its cycle, decay and momentum (DeepSpeed's
+    /// `OneCycle` parameters; its rates are `min_lr` and `lr`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub one_cycle: Option<OneCycleSpec>,
     /// AdamW's betas and epsilon.
     pub optimizer: OptimizerSpec,
     /// Decoupled (AdamW) weight decay on matrices.
@@ -624,6 +628,7 @@ impl Default for TrainSpec {
             num_cycles: None,
             power: None,
             timescale: None,
+            one_cycle: None,
             optimizer: OptimizerSpec::default(),
             weight_decay: 0.1,
             grad_clip: 1.0,
@@ -638,6 +643,54 @@ impl Default for TrainSpec {
             label_smoothing: 0.0,
             neftune_noise_alpha: 0.0,
             early_stopping: None,
+        }
+    }
+}
+
+/// `schedule: one_cycle`'s shape, under DeepSpeed's `OneCycle` names and
+/// defaults. Counting `i` = the steps before this one: the cycle's first
+/// `cycle_first_step_size` steps rise from `min_lr` to `lr`, the next
+/// `cycle_second_step_size` fall back; after the cycle the rate is
+/// `min_lr / (1 + decay_lr_rate·d/decay_step_size)`, d steps past it. With
+/// `cycle_momentum`, β1 moves from `cycle_max_mom` down to `cycle_min_mom`
+/// and back, then becomes `cycle_max_mom·(1 + decay_mom_rate·d/decay_step_size)`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OneCycleSpec {
+    /// Steps of the rising half (≥ 1).
+    pub cycle_first_step_size: u64,
+    /// Steps of the falling half (the rising half's unless set).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cycle_second_step_size: Option<u64>,
+    /// The decay's interval in steps; 0: no decay after the cycle.
+    pub decay_step_size: u64,
+    /// The rate's decay per interval; 0: none.
+    #[serde(deserialize_with = "finite::number")]
+    pub decay_lr_rate: f64,
+    /// Whether β1 cycles (DeepSpeed's default).
+    pub cycle_momentum: bool,
+    /// β1 at the cycle's peak rate.
+    #[serde(deserialize_with = "finite::number")]
+    pub cycle_min_mom: f64,
+    /// β1 at its ends.
+    #[serde(deserialize_with = "finite::number")]
+    pub cycle_max_mom: f64,
+    /// β1's growth per decay interval after the cycle; 0: none.
+    #[serde(deserialize_with = "finite::number")]
+    pub decay_mom_rate: f64,
+}
+
+impl Default for OneCycleSpec {
+    fn default() -> Self {
+        Self {
+            cycle_first_step_size: 2000,
+            cycle_second_step_size: None,
+            decay_step_size: 0,
+            decay_lr_rate: 0.0,
+            cycle_momentum: true,
+            cycle_min_mom: 0.8,
+            cycle_max_mom: 0.9,
+            decay_mom_rate: 0.0,
         }
     }
 }
@@ -721,6 +774,11 @@ pub enum Schedule {
     /// `lr·√(timescale / (timescale + steps since warmup))`, no lower than
     /// `min_lr` (transformers' `inverse_sqrt`).
     InverseSqrt,
+    /// DeepSpeed's `OneCycle`: from `min_lr` up to `lr` and back down over
+    /// one cycle (no warmup: the cycle's first half is one), then decaying
+    /// below `min_lr`; Adam's β1 (Lion's too) cycles the other way
+    /// (`train.one_cycle`).
+    OneCycle,
 }
 
 impl Schedule {
@@ -734,6 +792,7 @@ impl Schedule {
             Schedule::CosineWithRestarts => "cosine_with_restarts",
             Schedule::Polynomial => "polynomial",
             Schedule::InverseSqrt => "inverse_sqrt",
+            Schedule::OneCycle => "one_cycle",
         }
     }
 }

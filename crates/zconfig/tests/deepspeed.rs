@@ -346,6 +346,68 @@ fn lion_maps_to_the_lion_rule() {
     assert!(e.contains("train.optimizer.type"), "{e}");
 }
 
+/// DeepSpeed's `OneCycle`: its rates become `train.min_lr` and `train.lr`,
+/// its shape `train.one_cycle`, its stair counts (which DeepSpeed ignores)
+/// are listed as ignored; with momentum cycling β2 becomes DeepSpeed's 0.99,
+/// and without it the optimizer's betas stay; the warmup is none.
+#[test]
+fn one_cycle_maps_its_rates_and_shape() {
+    let j = job(BARE);
+    let ds = j._dir.path().join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "betas": [0.9, 0.95]}},
+            "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 2e-3,
+              "cycle_first_step_size": 30, "cycle_second_step_size": 40, "cycle_first_stair_count": 3,
+              "decay_step_size": 5, "decay_lr_rate": 0.1, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95,
+              "decay_mom_rate": 0.001}}}"#,
+    )
+    .unwrap();
+    let mut loaded = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+    loaded.validate(2).unwrap();
+    let t = &loaded.spec.train;
+    assert_eq!(t.schedule, Schedule::OneCycle);
+    assert_eq!((t.min_lr, t.lr, t.warmup_steps), (1e-4, 2e-3, 0));
+    let c = t.one_cycle.as_ref().expect("train.one_cycle");
+    assert_eq!(
+        (
+            c.cycle_first_step_size,
+            c.cycle_second_step_size,
+            c.decay_step_size
+        ),
+        (30, Some(40), 5)
+    );
+    assert_eq!(
+        (
+            c.decay_lr_rate,
+            c.cycle_min_mom,
+            c.cycle_max_mom,
+            c.decay_mom_rate
+        ),
+        (0.1, 0.85, 0.95, 0.001)
+    );
+    assert!(c.cycle_momentum);
+    assert_eq!(t.optimizer.betas[1], 0.99);
+    assert!(ignored(&loaded)
+        .iter()
+        .any(|k| k == "scheduler.params.cycle_first_stair_count"));
+    std::fs::write(
+        &ds,
+        r#"{"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}},
+            "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 1e-3,
+              "cycle_momentum": false}}}"#,
+    )
+    .unwrap();
+    let mut loaded = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+    loaded.validate(2).unwrap();
+    let t = &loaded.spec.train;
+    assert_eq!(t.optimizer.betas, [0.9, 0.95]);
+    assert_eq!(
+        t.one_cycle.as_ref().map(|c| c.cycle_first_step_size),
+        Some(2000)
+    );
+}
+
 #[test]
 fn what_cannot_be_honoured_is_refused_where_it_is_written() {
     for (ds, want) in [
@@ -382,8 +444,20 @@ fn what_cannot_be_honoured_is_refused_where_it_is_written() {
             "amp: NVIDIA Apex AMP: use fp16 or bf16 is not something zrun does",
         ),
         (
-            "{\"scheduler\": {\"type\": \"OneCycle\", \"params\": {}}}",
-            "scheduler.type: `OneCycle` cannot be honoured",
+            "{\"scheduler\": {\"type\": \"OneCycle\", \"params\": {\"cycle_max_lr\": 1e-3}}}",
+            "scheduler.params.cycle_min_lr: DeepSpeed's OneCycle needs it",
+        ),
+        (
+            "{\"scheduler\": {\"type\": \"OneCycle\", \"params\": {\"cycle_min_lr\": 1e-4,\n \"cycle_max_lr\": 1e-3, \"cycle_max_mom\": 1.5}}}",
+            "train.one_cycle.cycle_max_mom: must be in [0, 1), got 1.5",
+        ),
+        (
+            "{\"scheduler\": {\"type\": \"OneCycle\", \"params\": {\"cycle_min_lr\": 1e-4,\n \"cycle_max_lr\": 1e-3, \"cycle_stair_count\": 2}}}",
+            "ds.json:2:24: scheduler.params.cycle_stair_count: unknown DeepSpeed key",
+        ),
+        (
+            "{\"scheduler\": {\"type\": \"OneCyclic\", \"params\": {}}}",
+            "scheduler.type: `OneCyclic` cannot be honoured",
         ),
         (
             "{\"activation_checkpointing\": {\"cpu_checkpointing\": true}}",

@@ -8,15 +8,21 @@
 //! `cosine_with_restarts`, `polynomial` and `inverse_sqrt`, with `min_lr`
 //! as their floor (`lr_end` in transformers' polynomial; 0 in its others).
 //!
+//! DeepSpeed's `OneCycle` is `one_cycle`: a cycle up to `lr` and back
+//! instead of a warmup and a decay, β1 cycling against the rate.
+//!
 //! Step s here (1-based) is transformers' `current_step` s − 1, which is how
 //! its `LambdaLR` counts the steps before the one it sets the rate for: the
 //! decays agree step for step after the warmup.
 
-use zconfig::spec::{TrainSpec, WarmupType};
+use zconfig::spec::{OneCycleSpec, TrainSpec, WarmupType};
 use zconfig::Schedule;
 
 /// The learning rate of 1-based optimizer `step` under `t`'s schedule.
 pub fn lr_at(step: u64, t: &TrainSpec) -> f64 {
+    if t.schedule == Schedule::OneCycle {
+        return one_cycle(step - 1, t).0;
+    }
     let (peak, warmup, total, floor) = (t.lr, t.warmup_steps, t.steps, t.min_lr);
     if step <= warmup && warmup > 0 {
         return warmup_lr(step, t);
@@ -50,11 +56,57 @@ pub fn lr_at(step: u64, t: &TrainSpec) -> f64 {
         Schedule::Polynomial => {
             floor + (peak - floor) * (1.0 - progress).powf(t.power.unwrap_or(1.0))
         }
+        // Returned above, before any warmup.
+        Schedule::OneCycle => one_cycle(step - 1, t).0,
         Schedule::InverseSqrt => {
             let timescale = inverse_sqrt_timescale(t) as f64;
             floor.max(peak / ((since as f64 + timescale) / timescale).sqrt())
         }
     }
+}
+
+/// The β1 of 1-based optimizer `step` where the schedule sets it
+/// (`one_cycle` with `cycle_momentum`), else `None`: the optimizer's own.
+pub fn beta1_at(step: u64, t: &TrainSpec) -> Option<f64> {
+    let cycles = t.one_cycle.as_ref().is_none_or(|c| c.cycle_momentum);
+    (t.schedule == Schedule::OneCycle && cycles).then(|| one_cycle(step - 1, t).1)
+}
+
+/// `one_cycle`'s rate and β1 after `i` steps (0-based: the steps before
+/// this one), as DeepSpeed's `OneCycle` gives them after `i` calls of its
+/// `step` (whose `last_batch_iteration` is then i − 1): the cycle while
+/// i ≤ its length, the decay d = i − length steps past it. (DeepSpeed's
+/// first optimizer step, before any call, takes `cycle_min_mom`; this
+/// takes the formula's `cycle_max_mom` there, as at every cycle's start.)
+fn one_cycle(i: u64, t: &TrainSpec) -> (f64, f64) {
+    let defaults = OneCycleSpec::default();
+    let c = t.one_cycle.as_ref().unwrap_or(&defaults);
+    let first = c.cycle_first_step_size as f64;
+    let length = first + c.cycle_second_step_size.map_or(first, |n| n as f64);
+    let rising = first / length;
+    let (min_lr, max_lr, min_mom, max_mom) = (t.min_lr, t.lr, c.cycle_min_mom, c.cycle_max_mom);
+    let i = i as f64;
+    if i <= length {
+        let cycle = (1.0 + i / length).floor();
+        let x = 1.0 + i / length - cycle;
+        let scale = match x <= rising {
+            true => x / rising,
+            false => (x - 1.0) / (rising - 1.0),
+        };
+        let lr = min_lr + (max_lr - min_lr) * scale;
+        return (lr, max_mom - (max_mom - min_mom) * scale);
+    }
+    let intervals = (i - length) / c.decay_step_size as f64;
+    let decays = |rate: f64| c.decay_step_size > 0 && rate != 0.0;
+    let lr = match decays(c.decay_lr_rate) {
+        true => min_lr / (1.0 + c.decay_lr_rate * intervals),
+        false => min_lr,
+    };
+    let mom = match decays(c.decay_mom_rate) {
+        true => max_mom * (1.0 + c.decay_mom_rate * intervals),
+        false => max_mom,
+    };
+    (lr, mom)
 }
 
 /// `inverse_sqrt`'s timescale: as set, else the warmup's length, else
@@ -270,6 +322,128 @@ mod tests {
         isq.min_lr = 1.5;
         assert!((11..=n).all(|s| lr_at(s, &isq) >= 1.5));
         assert_eq!(lr_at(n, &isq), 1.5);
+    }
+
+    /// DeepSpeed's `OneCycle` as its lr_schedules.py runs it: the state is
+    /// `last_batch_iteration`, -1 before the first call of `step`; the rate
+    /// and momentum are read after each call.
+    struct DeepSpeedOneCycle {
+        last_batch_iteration: i64,
+        min_lr: f64,
+        max_lr: f64,
+        total_size: f64,
+        step_ratio: f64,
+        decay_step_size: f64,
+        decay_lr_rate: f64,
+        min_mom: f64,
+        max_mom: f64,
+        decay_mom_rate: f64,
+    }
+
+    impl DeepSpeedOneCycle {
+        fn new(t: &TrainSpec) -> Self {
+            let c = t.one_cycle.clone().unwrap();
+            let first = c.cycle_first_step_size as f64;
+            let second = c.cycle_second_step_size.map_or(first, |n| n as f64);
+            DeepSpeedOneCycle {
+                last_batch_iteration: -1,
+                min_lr: t.min_lr,
+                max_lr: t.lr,
+                total_size: first + second,
+                step_ratio: first / (first + second),
+                decay_step_size: c.decay_step_size as f64,
+                decay_lr_rate: c.decay_lr_rate,
+                min_mom: c.cycle_min_mom,
+                max_mom: c.cycle_max_mom,
+                decay_mom_rate: c.decay_mom_rate,
+            }
+        }
+
+        fn scale_factor(&self) -> f64 {
+            let batch_iteration = (self.last_batch_iteration + 1) as f64;
+            let cycle = (1.0 + batch_iteration / self.total_size).floor();
+            let x = 1.0 + batch_iteration / self.total_size - cycle;
+            if x <= self.step_ratio {
+                x / self.step_ratio
+            } else {
+                (x - 1.0) / (self.step_ratio - 1.0)
+            }
+        }
+
+        /// `step()`, then (`get_lr`, `get_mom`'s β1).
+        fn step(&mut self) -> (f64, f64) {
+            self.last_batch_iteration += 1;
+            let lbi = self.last_batch_iteration as f64;
+            if lbi < self.total_size {
+                let s = self.scale_factor();
+                let lr = self.min_lr + (self.max_lr - self.min_lr) * s;
+                return (lr, self.max_mom - (self.max_mom - self.min_mom) * s);
+            }
+            let decay_iteration = lbi - self.total_size + 1.0;
+            let skip = self.decay_step_size == 0.0;
+            let lr = if skip || self.decay_lr_rate == 0.0 {
+                self.min_lr
+            } else {
+                self.min_lr / (1.0 + self.decay_lr_rate * decay_iteration / self.decay_step_size)
+            };
+            let mom = if skip || self.decay_mom_rate == 0.0 {
+                self.max_mom
+            } else {
+                self.max_mom * (1.0 + self.decay_mom_rate * decay_iteration / self.decay_step_size)
+            };
+            (lr, mom)
+        }
+    }
+
+    /// `one_cycle` gives DeepSpeed's `OneCycle` rates and β1 step for step
+    /// (zrun's step s is DeepSpeed's after s − 1 calls of `step`), through
+    /// the cycle, the decay and its interval, with equal and unequal
+    /// halves; β1 is the optimizer's own without `cycle_momentum`; the
+    /// warmup does not apply.
+    #[test]
+    fn one_cycle_is_deepspeeds_step_for_step() {
+        let shapes = [
+            (10, None, 0, 0.0, 0.0),
+            (10, Some(6), 4, 0.5, 0.01),
+            (7, Some(13), 1, 2.0, 0.0),
+        ];
+        for (first, second, decay, lr_rate, mom_rate) in shapes {
+            let mut t = spec(60, 2e-3, 20, Schedule::OneCycle);
+            t.min_lr = 1e-4;
+            t.one_cycle = Some(OneCycleSpec {
+                cycle_first_step_size: first,
+                cycle_second_step_size: second,
+                decay_step_size: decay,
+                decay_lr_rate: lr_rate,
+                decay_mom_rate: mom_rate,
+                ..OneCycleSpec::default()
+            });
+            let mut ds = DeepSpeedOneCycle::new(&t);
+            let what = format!("{first} {second:?} {decay} {lr_rate} {mom_rate}");
+            assert_eq!(lr_at(1, &t), 1e-4, "{what}: the cycle starts at min_lr");
+            for step in 2..=60u64 {
+                let (lr, mom) = ds.step();
+                let close = |a: f64, b: f64| (a - b).abs() <= 1e-15 * b.abs();
+                assert!(
+                    close(lr_at(step, &t), lr),
+                    "{what} step {step}: lr {} for {lr}",
+                    lr_at(step, &t)
+                );
+                let b1 = beta1_at(step, &t).unwrap();
+                assert!(close(b1, mom), "{what} step {step}: β1 {b1} for {mom}");
+            }
+            // The peak at the top of the rising half, min_lr back at its end.
+            let length = first + second.unwrap_or(first);
+            assert!((lr_at(first + 1, &t) - 2e-3).abs() < 1e-15, "{what}");
+            assert!((lr_at(length + 1, &t) - 1e-4).abs() < 1e-15, "{what}");
+            assert!(
+                (beta1_at(first + 1, &t).unwrap() - 0.8).abs() < 1e-15,
+                "{what}"
+            );
+            t.one_cycle.as_mut().unwrap().cycle_momentum = false;
+            assert_eq!(beta1_at(5, &t), None);
+        }
+        assert_eq!(beta1_at(5, &spec(60, 2e-3, 20, Schedule::Cosine)), None);
     }
 
     /// wsd: warmup, the peak until the last 20% of the steps, then linear

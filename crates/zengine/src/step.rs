@@ -21,7 +21,7 @@ use crate::gather::Gathering;
 use crate::group::{Group, Swapped};
 use crate::offload::ALIGN_ELEMS;
 use crate::precision::Flat;
-use crate::schedule::lr_at;
+use crate::schedule::{beta1_at, lr_at};
 
 /// Part of the region this rank updates: flat ranges of one or more groups,
 /// updated together.
@@ -125,7 +125,10 @@ impl Engine {
     /// `lr`.
     pub(crate) fn adam_step(&self, lr: f64, grad_scale: f32) -> AdamStep {
         let o = &self.spec.train.optimizer;
-        let [beta1, beta2] = o.betas.map(|b| b as f32);
+        let [mut beta1, beta2] = o.betas.map(|b| b as f32);
+        if let Some(b) = beta1_at(self.updates, &self.spec.train) {
+            beta1 = b as f32;
+        }
         AdamStep {
             rule: o.kind,
             lr: lr as f32,

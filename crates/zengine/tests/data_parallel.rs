@@ -150,6 +150,55 @@ fn lion_keeps_the_stages_bit_identical() {
     }
 }
 
+/// `train.schedule: one_cycle` reaches the optimizer: every step runs at
+/// `lr_at`'s rate; with `cycle_min_mom` = `cycle_max_mom` = b its β1 is b,
+/// so the run is bit for bit the run without momentum cycling whose betas
+/// start with b; moving β1 (0.85 to 0.95) changes the run; and stage 3
+/// keeps stage 0's bits with the cycling β1.
+#[test]
+fn one_cycle_sets_the_rate_and_cycles_beta1() {
+    use zconfig::spec::{OneCycleSpec, Schedule};
+    let cycled = |stage: u8, min_mom: f64, max_mom: f64, cycles: bool| {
+        let mut spec = typed_spec("f32", stage, 1, 2000, true, false, 8);
+        spec.train.schedule = Schedule::OneCycle;
+        spec.train.warmup_steps = 0;
+        spec.train.min_lr = spec.train.lr / 10.0;
+        spec.train.one_cycle = Some(OneCycleSpec {
+            cycle_first_step_size: 3,
+            cycle_second_step_size: Some(2),
+            decay_step_size: 1,
+            decay_lr_rate: 0.5,
+            cycle_momentum: cycles,
+            cycle_min_mom: min_mom,
+            cycle_max_mom: max_mom,
+            ..OneCycleSpec::default()
+        });
+        spec.train.optimizer.betas[0] = 0.9;
+        spec
+    };
+    let base = train(cycled(0, 0.85, 0.95, true), 2);
+    let t = cycled(0, 0.85, 0.95, true).train;
+    let want: Vec<f64> = (1..=8).map(|s| zengine::schedule::lr_at(s, &t)).collect();
+    assert_eq!(base[0].lrs, want);
+    assert!(want[3] > want[0] && want[8 - 1] < want[0], "{want:?}");
+    let flat = train(cycled(0, 0.9, 0.9, true), 2);
+    let plain = train(cycled(0, 0.85, 0.95, false), 2);
+    assert_eq!(
+        flat[0].losses, plain[0].losses,
+        "β1 0.9 cycled = betas[0] 0.9"
+    );
+    assert!(flat[0].params == plain[0].params);
+    assert!(
+        base[0].params != plain[0].params,
+        "the cycling β1 did nothing"
+    );
+    let s3 = train(cycled(3, 0.85, 0.95, true), 2);
+    for r in 0..2 {
+        assert_eq!(s3[r].losses, base[r].losses, "stage 3 rank {r}");
+        assert!(s3[r].params == base[r].params, "stage 3 rank {r}");
+    }
+}
+
 /// Dropout and NEFTune are training's alone: on one rank a batch's
 /// `eval_loss` with `model.hidden_dropout` and `model.attention_dropout`
 /// at 0.5, or with `train.neftune_noise_alpha` at 50, is the loss without
