@@ -666,15 +666,15 @@ impl Reader {
         self.sort_keys("scheduler", SCHEDULER)?;
         let kind = match self.get("scheduler.type") {
             Some(Value::String(s)) => s.clone(),
-            _ => {
-                return Err(self.error(
-                    "scheduler.type",
-                    "needs a type: WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle",
-                ))
-            }
+            _ => return Err(self.error(
+                "scheduler.type",
+                "needs a type: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest",
+            )),
         };
-        if kind == "OneCycle" {
-            return self.one_cycle();
+        match kind.as_str() {
+            "OneCycle" => return self.one_cycle(),
+            "LRRangeTest" => return self.lr_range_test(),
+            _ => {}
         }
         const WARMUP: [Param; 3] = [
             ("warmup_min_lr", 0.0),
@@ -693,7 +693,7 @@ impl Reader {
             other => {
                 return Err(self.error(
                     "scheduler.type",
-                    format!("`{other}` cannot be honoured: zrun's schedules are DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR and OneCycle"),
+                    format!("`{other}` cannot be honoured: zrun's schedules are DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle and LRRangeTest"),
                 ))
             }
         };
@@ -889,6 +889,58 @@ impl Reader {
             self.out.notes.push(
                 "scheduler OneCycle cycles Adam's beta1 and sets its beta2 to 0.99, as DeepSpeed's OneCycle does".into(),
             );
+        }
+        Ok(())
+    }
+
+    /// `LRRangeTest`: its starting rate is `train.lr` (DeepSpeed's default
+    /// 1e-3 where unwritten), its growth `train.lr_range_test`.
+    fn lr_range_test(&mut self) -> Result<(), ConfigError> {
+        const GROWTH: [(&str, &str, Converter); 3] = [
+            (
+                "lr_range_test_step_size",
+                "train.lr_range_test.step_size",
+                positive_count,
+            ),
+            (
+                "lr_range_test_step_rate",
+                "train.lr_range_test.step_rate",
+                non_negative,
+            ),
+            (
+                "lr_range_test_staircase",
+                "train.lr_range_test.staircase",
+                boolean,
+            ),
+        ];
+        let mut known: Vec<(&str, Kind)> = vec![
+            ("lr_range_test_min_lr", Kind::Section),
+            ("last_batch_iteration", Kind::Ignored),
+        ];
+        known.extend(GROWTH.iter().map(|(n, _, _)| (*n, Kind::Section)));
+        self.sort_keys("scheduler.params", &known)?;
+        self.map(
+            "train.schedule",
+            MappedValue::Set(json!("lr_range_test")),
+            "scheduler.type",
+            Origin::Written,
+        );
+        let source = "scheduler.params.lr_range_test_min_lr";
+        if !self.simple(source, "train.lr", true, non_negative)? {
+            self.map(
+                "train.lr",
+                MappedValue::Set(json!(1e-3)),
+                source,
+                Origin::Default,
+            );
+        }
+        if let Some(lr) = self.get("optimizer.params.lr").filter(|v| !is_auto(v)) {
+            self.out.notes.push(format!(
+                "optimizer.params.lr ({lr}) is superseded by scheduler.params.lr_range_test_min_lr, as in DeepSpeed, where the scheduler sets the rate"
+            ));
+        }
+        for (name, key, convert) in GROWTH {
+            self.simple(&format!("scheduler.params.{name}"), key, false, convert)?;
         }
         Ok(())
     }

@@ -513,8 +513,13 @@ impl LoadedJob {
     /// `train.warmup_steps`: `ceil(ratio × steps)`, as transformers rounds
     /// it. Refused beside a `train.warmup_steps` the job chose.
     fn settle_warmup(&mut self) -> Result<(), ConfigError> {
-        if self.spec.train.schedule == Schedule::OneCycle {
-            // The cycle's rising half is its warmup: none other, beyond 0.
+        let schedule = self.spec.train.schedule;
+        if !schedule.has_warmup() {
+            let why = match schedule {
+                Schedule::OneCycle => "whose rising half is its warmup",
+                _ => "a sweep up from train.lr without a warmup",
+            };
+            // No warmup but 0.
             let t = &self.spec.train;
             for (key, set) in [
                 (
@@ -526,7 +531,10 @@ impl LoadedJob {
                 if set && self.chosen(key) {
                     return Err(self.invalid(
                         key,
-                        "has no place beside train.schedule: one_cycle, whose rising half is its warmup",
+                        format!(
+                            "has no place beside train.schedule: {}, {why}",
+                            schedule.name()
+                        ),
                     ));
                 }
             }
@@ -970,6 +978,11 @@ impl LoadedJob {
             ("power", t.power.is_some(), Schedule::Polynomial),
             ("timescale", t.timescale.is_some(), Schedule::InverseSqrt),
             ("one_cycle", t.one_cycle.is_some(), Schedule::OneCycle),
+            (
+                "lr_range_test",
+                t.lr_range_test.is_some(),
+                Schedule::LrRangeTest,
+            ),
         ];
         for (knob, set, owner) in knobs {
             if set && t.schedule != owner {
@@ -994,6 +1007,19 @@ impl LoadedJob {
         }
         if let Some(c) = &t.one_cycle {
             self.check_one_cycle(c, t.steps)?;
+        }
+        if let Some(c) = &t.lr_range_test {
+            if c.step_size == 0 {
+                return Err(
+                    self.invalid("train.lr_range_test.step_size", "must be at least 1, got 0")
+                );
+            }
+            if c.step_rate < 0.0 {
+                return Err(self.invalid(
+                    "train.lr_range_test.step_rate",
+                    format!("must be at least 0, got {}", c.step_rate),
+                ));
+            }
         }
         for (i, b) in t.optimizer.betas.iter().enumerate() {
             if !(0.0..1.0).contains(b) {
@@ -2340,6 +2366,30 @@ mod tests {
         ] {
             let e = one(extra).map(|_| ()).unwrap_err().to_string();
             assert!(e.contains(want), "{extra:?}: {e}");
+        }
+        let range = |extra: &str| {
+            let sets = vec!["train.schedule=lr_range_test".into(), extra.into()];
+            load_job(&p, &sets).and_then(|mut j| j.validate(1).map(|()| j))
+        };
+        let j = range("train.lr_range_test.staircase=true").unwrap();
+        assert!(j.spec.train.lr_range_test.as_ref().unwrap().staircase);
+        assert_eq!(j.spec.train.warmup_steps, 0);
+        for (extra, want) in [
+            (
+                "train.lr_range_test.step_size=0",
+                "train.lr_range_test.step_size: must be at least 1",
+            ),
+            (
+                "train.lr_range_test.step_rate=-1",
+                "train.lr_range_test.step_rate: must be at least 0",
+            ),
+            (
+                "train.warmup_steps=5",
+                "train.warmup_steps: has no place beside train.schedule: lr_range_test",
+            ),
+        ] {
+            let e = range(extra).map(|_| ()).unwrap_err().to_string();
+            assert!(e.contains(want), "{extra}: {e}");
         }
         let e = load_job(&p, &["train.one_cycle.decay_lr_rate=0.5".into()])
             .unwrap()

@@ -523,6 +523,10 @@ pub struct TrainSpec {
     /// `OneCycle` parameters; its rates are `min_lr` and `lr`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub one_cycle: Option<OneCycleSpec>,
+    /// `schedule: lr_range_test`: its growth (DeepSpeed's `LRRangeTest`
+    /// parameters; its starting rate is `lr`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lr_range_test: Option<LrRangeTestSpec>,
     /// AdamW's betas and epsilon.
     pub optimizer: OptimizerSpec,
     /// Decoupled (AdamW) weight decay on matrices.
@@ -629,6 +633,7 @@ impl Default for TrainSpec {
             power: None,
             timescale: None,
             one_cycle: None,
+            lr_range_test: None,
             optimizer: OptimizerSpec::default(),
             weight_decay: 0.1,
             grad_clip: 1.0,
@@ -691,6 +696,32 @@ impl Default for OneCycleSpec {
             cycle_min_mom: 0.8,
             cycle_max_mom: 0.9,
             decay_mom_rate: 0.0,
+        }
+    }
+}
+
+/// `schedule: lr_range_test`'s growth, under DeepSpeed's `LRRangeTest`
+/// names (less their `lr_range_test_` prefix) and defaults: after `i` steps
+/// the rate is `lr·(1 + step_rate·i/step_size)`, `i/step_size` rounded down
+/// with `staircase`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LrRangeTestSpec {
+    /// Steps per unit of growth (≥ 1).
+    pub step_size: u64,
+    /// The growth per `step_size` steps, as a share of `lr` (≥ 0).
+    #[serde(deserialize_with = "finite::number")]
+    pub step_rate: f64,
+    /// Grow in stairs of `step_size` steps rather than continuously.
+    pub staircase: bool,
+}
+
+impl Default for LrRangeTestSpec {
+    fn default() -> Self {
+        Self {
+            step_size: 2000,
+            step_rate: 1.0,
+            staircase: false,
         }
     }
 }
@@ -779,6 +810,11 @@ pub enum Schedule {
     /// below `min_lr`; Adam's β1 (Lion's too) cycles the other way
     /// (`train.one_cycle`).
     OneCycle,
+    /// DeepSpeed's `LRRangeTest`: from `lr`, growing by `step_rate`·`lr`
+    /// every `step_size` steps (continuously, or in stairs), without end: a
+    /// sweep for the rate at which the loss stops falling
+    /// (`train.lr_range_test`). No warmup.
+    LrRangeTest,
 }
 
 impl Schedule {
@@ -793,7 +829,15 @@ impl Schedule {
             Schedule::Polynomial => "polynomial",
             Schedule::InverseSqrt => "inverse_sqrt",
             Schedule::OneCycle => "one_cycle",
+            Schedule::LrRangeTest => "lr_range_test",
         }
+    }
+
+    /// Whether `train.warmup_steps` applies: not to DeepSpeed's `OneCycle`
+    /// (its cycle's rising half is its warmup) or `LRRangeTest` (a sweep
+    /// from `lr` up).
+    pub fn has_warmup(self) -> bool {
+        !matches!(self, Schedule::OneCycle | Schedule::LrRangeTest)
     }
 }
 

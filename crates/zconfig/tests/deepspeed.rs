@@ -408,6 +408,36 @@ fn one_cycle_maps_its_rates_and_shape() {
     );
 }
 
+/// DeepSpeed's `LRRangeTest`: its minimum rate becomes `train.lr`, its
+/// growth `train.lr_range_test`; the optimizer's betas stay.
+#[test]
+fn lr_range_test_maps_its_rate_and_growth() {
+    let j = job(BARE);
+    let ds = j._dir.path().join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": 5e-4, "betas": [0.9, 0.95]}},
+            "scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 1e-5,
+              "lr_range_test_step_size": 50, "lr_range_test_step_rate": 0.5,
+              "lr_range_test_staircase": true}}}"#,
+    )
+    .unwrap();
+    let mut loaded = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+    loaded.validate(2).unwrap();
+    let t = &loaded.spec.train;
+    assert_eq!(t.schedule, Schedule::LrRangeTest);
+    assert_eq!(
+        (t.lr, t.warmup_steps, t.optimizer.betas),
+        (1e-5, 0, [0.9, 0.95])
+    );
+    let c = t.lr_range_test.as_ref().expect("train.lr_range_test");
+    assert_eq!((c.step_size, c.step_rate, c.staircase), (50, 0.5, true));
+    std::fs::write(&ds, r#"{"scheduler": {"type": "LRRangeTest"}}"#).unwrap();
+    let mut loaded = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+    loaded.validate(2).unwrap();
+    assert_eq!(loaded.spec.train.lr, 1e-3, "DeepSpeed's default minimum");
+}
+
 #[test]
 fn what_cannot_be_honoured_is_refused_where_it_is_written() {
     for (ds, want) in [
@@ -458,6 +488,10 @@ fn what_cannot_be_honoured_is_refused_where_it_is_written() {
         (
             "{\"scheduler\": {\"type\": \"OneCyclic\", \"params\": {}}}",
             "scheduler.type: `OneCyclic` cannot be honoured",
+        ),
+        (
+            "{\"scheduler\": {\"type\": \"LRRangeTest\", \"params\": {\"lr_range_test_step_size\": 0}}}",
+            "scheduler.params.lr_range_test_step_size",
         ),
         (
             "{\"activation_checkpointing\": {\"cpu_checkpointing\": true}}",

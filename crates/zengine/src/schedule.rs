@@ -9,19 +9,22 @@
 //! as their floor (`lr_end` in transformers' polynomial; 0 in its others).
 //!
 //! DeepSpeed's `OneCycle` is `one_cycle`: a cycle up to `lr` and back
-//! instead of a warmup and a decay, β1 cycling against the rate.
+//! instead of a warmup and a decay, β1 cycling against the rate; its
+//! `LRRangeTest` is `lr_range_test`, a rate growing from `lr` without end.
 //!
 //! Step s here (1-based) is transformers' `current_step` s − 1, which is how
 //! its `LambdaLR` counts the steps before the one it sets the rate for: the
 //! decays agree step for step after the warmup.
 
-use zconfig::spec::{OneCycleSpec, TrainSpec, WarmupType};
+use zconfig::spec::{LrRangeTestSpec, OneCycleSpec, TrainSpec, WarmupType};
 use zconfig::Schedule;
 
 /// The learning rate of 1-based optimizer `step` under `t`'s schedule.
 pub fn lr_at(step: u64, t: &TrainSpec) -> f64 {
-    if t.schedule == Schedule::OneCycle {
-        return one_cycle(step - 1, t).0;
+    match t.schedule {
+        Schedule::OneCycle => return one_cycle(step - 1, t).0,
+        Schedule::LrRangeTest => return lr_range_test(step - 1, t),
+        _ => {}
     }
     let (peak, warmup, total, floor) = (t.lr, t.warmup_steps, t.steps, t.min_lr);
     if step <= warmup && warmup > 0 {
@@ -58,6 +61,7 @@ pub fn lr_at(step: u64, t: &TrainSpec) -> f64 {
         }
         // Returned above, before any warmup.
         Schedule::OneCycle => one_cycle(step - 1, t).0,
+        Schedule::LrRangeTest => lr_range_test(step - 1, t),
         Schedule::InverseSqrt => {
             let timescale = inverse_sqrt_timescale(t) as f64;
             floor.max(peak / ((since as f64 + timescale) / timescale).sqrt())
@@ -107,6 +111,19 @@ fn one_cycle(i: u64, t: &TrainSpec) -> (f64, f64) {
         false => max_mom,
     };
     (lr, mom)
+}
+
+/// `lr_range_test`'s rate after `i` steps (0-based), as DeepSpeed's
+/// `LRRangeTest` gives it after `i` calls of its `step` (its first step's
+/// rate, `lr` itself, is the formula's at 0).
+fn lr_range_test(i: u64, t: &TrainSpec) -> f64 {
+    let defaults = LrRangeTestSpec::default();
+    let c = t.lr_range_test.as_ref().unwrap_or(&defaults);
+    let interval = match c.staircase {
+        true => (i as f64 / c.step_size as f64).floor(),
+        false => i as f64 / c.step_size as f64,
+    };
+    t.lr * (1.0 + c.step_rate * interval)
 }
 
 /// `inverse_sqrt`'s timescale: as set, else the warmup's length, else
@@ -444,6 +461,53 @@ mod tests {
             assert_eq!(beta1_at(5, &t), None);
         }
         assert_eq!(beta1_at(5, &spec(60, 2e-3, 20, Schedule::Cosine)), None);
+    }
+
+    /// DeepSpeed's `LRRangeTest` as its lr_schedules.py runs it: the rate
+    /// after the `step` call that sets `last_batch_iteration`.
+    fn deepspeed_lr_range_test(last_batch_iteration: i64, c: &LrRangeTestSpec, min_lr: f64) -> f64 {
+        let x = (last_batch_iteration + 1) as f64 / c.step_size as f64;
+        let interval = if c.staircase { x.floor() } else { x };
+        min_lr * (1.0 + c.step_rate * interval)
+    }
+
+    /// `lr_range_test` gives DeepSpeed's `LRRangeTest` rates step for step
+    /// (zrun's step s is DeepSpeed's after s − 1 calls of `step`; its first
+    /// step, before any call, runs at the minimum rate, as here),
+    /// continuous and in stairs, and ignores the warmup.
+    #[test]
+    fn lr_range_test_is_deepspeeds_step_for_step() {
+        for (size, rate, staircase) in [(10, 1.0, false), (4, 0.5, true), (1, 2.0, false)] {
+            let c = LrRangeTestSpec {
+                step_size: size,
+                step_rate: rate,
+                staircase,
+            };
+            let mut t = spec(50, 1e-4, 20, Schedule::LrRangeTest);
+            t.lr_range_test = Some(c.clone());
+            assert_eq!(lr_at(1, &t), 1e-4);
+            for step in 2..=50u64 {
+                let want = deepspeed_lr_range_test(step as i64 - 2, &c, 1e-4);
+                let got = lr_at(step, &t);
+                assert!(
+                    (got - want).abs() <= 1e-15 * want,
+                    "{c:?} step {step}: {got} for {want}"
+                );
+            }
+            let last = lr_at(50, &t);
+            assert!(last > 1e-4 * (1.0 + rate * (48.0 / size as f64).floor()) - 1e-18);
+        }
+        // Stairs: flat within a stair, up at each stair's first step.
+        let mut t = spec(50, 1.0, 0, Schedule::LrRangeTest);
+        t.lr_range_test = Some(LrRangeTestSpec {
+            step_size: 4,
+            step_rate: 0.5,
+            staircase: true,
+        });
+        assert_eq!(
+            [1, 4, 5, 8, 9].map(|s| lr_at(s, &t)),
+            [1.0, 1.0, 1.5, 1.5, 2.0]
+        );
     }
 
     /// wsd: warmup, the peak until the last 20% of the steps, then linear
