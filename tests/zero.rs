@@ -246,6 +246,33 @@ fn estimate_reproduces_the_zero_paper_and_sizes_a_job() {
     let stage0 = |v: &serde_json::Value| v["rows"][0]["bytes_per_device"].as_f64().unwrap();
     assert_eq!(stage0(&v), 16.0 * 28544.0);
     assert_eq!(stage0(&l), 12.0 * 28544.0);
+    // --params with Lion in f32: K = 4.
+    let f = zrun(
+        dir.path(),
+        &[
+            "estimate",
+            "--params",
+            "1B",
+            "--dtype",
+            "f32",
+            "--optimizer",
+            "lion",
+            "--json",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let p: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+    assert_eq!(stage0(&p), 12e9, "{p}");
+    let f = zrun(
+        dir.path(),
+        &["estimate", job.to_str().unwrap(), "--optimizer", "lion"],
+    );
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("--optimizer goes with --params"),
+        "{}",
+        f.stderr
+    );
     // The same count in both spellings gives the same estimate.
     let rows = |params: &str| {
         let f = zrun(dir.path(), &["estimate", "--params", params, "--json"]);

@@ -297,9 +297,18 @@ pub struct EstimateArgs {
     /// A job spec: its model, dtype, micro-batch and (with --hostfile) topology.
     #[arg(value_name = "JOB.yaml", conflicts_with = "params")]
     pub job: Option<PathBuf>,
-    /// Or a parameter count (`7.5e9`, `1.3B`, `350M`), with mixed-precision Adam.
+    /// Or a parameter count (`7.5e9`, `1.3B`, `350M`), with mixed-precision
+    /// AdamW unless --dtype / --optimizer say otherwise.
     #[arg(long, value_name = "N")]
     pub params: Option<String>,
+    /// With --params: the training dtype, bf16 unless set (a job says its
+    /// own).
+    #[arg(long, value_name = "DTYPE", value_parser = ["f32", "bf16", "f16"])]
+    pub dtype: Option<String>,
+    /// With --params: the update rule, whose moments the optimizer state
+    /// holds: adamw unless set (a job says its own).
+    #[arg(long, value_name = "RULE", value_parser = ["adamw", "lion"])]
+    pub optimizer: Option<String>,
     /// Nodes (default 1, or the hostfile's).
     #[arg(long, value_name = "N")]
     pub nodes: Option<usize>,

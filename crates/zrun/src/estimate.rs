@@ -9,6 +9,7 @@ use zconfig::estimate::{
     gpu_probabilities_bytes, job_activation_bytes, largest_group, model_params, model_state_rows,
     worker_states, CrossNodeBytes, Row, StateBytes, WorkerStates,
 };
+use zconfig::spec::OptimizerKind;
 use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
 
 use crate::cli::EstimateArgs;
@@ -135,6 +136,14 @@ impl CommEstimate {
 
 /// `zrun estimate`.
 pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
+    if args.params.is_none() {
+        let given = [("--dtype", &args.dtype), ("--optimizer", &args.optimizer)];
+        if let Some((flag, _)) = given.iter().find(|(_, v)| v.is_some()) {
+            return Err(Failure::bad_input(format!(
+                "{flag} goes with --params: a job says its own (train.dtype, train.optimizer.type; --set changes them)"
+            )));
+        }
+    }
     let (nodes, wpn) = match &args.hostfile {
         Some(h) => {
             let topo = Topology::resolve(&TopologyOptions {
@@ -191,20 +200,34 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                     "--params: `{p}` must be at least 1 parameter"
                 )));
             }
+            let (dtype_name, rule_name) = (
+                args.dtype.as_deref().unwrap_or("bf16"),
+                args.optimizer.as_deref().unwrap_or("adamw"),
+            );
+            let dtype = match dtype_name {
+                "f32" => Dtype::F32,
+                "f16" => Dtype::F16,
+                _ => Dtype::Bf16,
+            };
+            let rule = match rule_name {
+                "lion" => OptimizerKind::Lion,
+                _ => OptimizerKind::Adamw,
+            };
+            let bytes = StateBytes::for_training(dtype, rule);
             Estimate {
                 params: psi,
                 world_size: nodes * wpn,
                 nodes,
                 workers_per_node: wpn,
-                bytes_per_param: StateBytes::for_dtype(Dtype::Bf16),
-                training: "mixed precision, adamw".into(),
-                rows: model_state_rows(psi, nodes, wpn, StateBytes::for_dtype(Dtype::Bf16), 0.0),
+                bytes_per_param: bytes,
+                training: format!("{dtype_name}, {rule_name}"),
+                rows: model_state_rows(psi, nodes, wpn, bytes, 0.0),
                 activations: None,
                 stage: None,
                 this_job: None,
                 comm: args.comm.then(|| {
                     let tokens = args.tokens_per_worker.unwrap_or(1024.0);
-                    CommEstimate::new(psi, 2.0, nodes, wpn, &args, tokens)
+                    CommEstimate::new(psi, bytes.param, nodes, wpn, &args, tokens)
                 }),
             }
         }
