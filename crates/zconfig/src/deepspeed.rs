@@ -754,11 +754,7 @@ impl Reader {
                 self.map(key, value, &source, origin);
             }
             if *name == "warmup_max_lr" {
-                if let Some(lr) = self.get("optimizer.params.lr").filter(|v| !is_auto(v)) {
-                    self.out.notes.push(format!(
-                        "optimizer.params.lr ({lr}) is superseded by scheduler.params.warmup_max_lr, as in DeepSpeed, where the scheduler sets the rate"
-                    ));
-                }
+                self.note_superseded_lr("warmup_max_lr");
             }
         }
         match self.get(&format!("{base}.warmup_type")).cloned() {
@@ -798,7 +794,7 @@ impl Reader {
     /// `cycle_momentum` (its default) DeepSpeed sets Adam's betas to
     /// (momentum, 0.99), so β2 becomes 0.99 here too.
     fn one_cycle(&mut self) -> Result<(), ConfigError> {
-        const SHAPE: [(&str, &str, Converter); 8] = [
+        const SHAPE: &[(&str, &str, Converter)] = &[
             (
                 "cycle_first_step_size",
                 "train.one_cycle.cycle_first_step_size",
@@ -836,21 +832,13 @@ impl Reader {
                 non_negative,
             ),
         ];
-        let mut known: Vec<(&str, Kind)> = vec![
-            ("cycle_min_lr", Kind::Section),
-            ("cycle_max_lr", Kind::Section),
-            ("cycle_first_stair_count", Kind::Ignored),
-            ("cycle_second_stair_count", Kind::Ignored),
-            ("last_batch_iteration", Kind::Ignored),
-        ];
-        known.extend(SHAPE.iter().map(|(n, _, _)| (*n, Kind::Section)));
-        self.sort_keys("scheduler.params", &known)?;
-        self.map(
-            "train.schedule",
-            MappedValue::Set(json!("one_cycle")),
-            "scheduler.type",
-            Origin::Written,
-        );
+        let ignored = ["cycle_first_stair_count", "cycle_second_stair_count"];
+        self.scheduler_params(
+            "one_cycle",
+            &["cycle_min_lr", "cycle_max_lr"],
+            &ignored,
+            SHAPE,
+        )?;
         for (name, key) in [
             ("cycle_min_lr", "train.min_lr"),
             ("cycle_max_lr", "train.lr"),
@@ -863,14 +851,7 @@ impl Reader {
                 ));
             }
         }
-        if let Some(lr) = self.get("optimizer.params.lr").filter(|v| !is_auto(v)) {
-            self.out.notes.push(format!(
-                "optimizer.params.lr ({lr}) is superseded by scheduler.params.cycle_max_lr, as in DeepSpeed, where the scheduler sets the rate"
-            ));
-        }
-        for (name, key, convert) in SHAPE {
-            self.simple(&format!("scheduler.params.{name}"), key, false, convert)?;
-        }
+        self.note_superseded_lr("cycle_max_lr");
         let cycles = match self.get("scheduler.params.cycle_momentum") {
             Some(Value::Bool(b)) => *b,
             _ => true,
@@ -896,7 +877,7 @@ impl Reader {
     /// `LRRangeTest`: its starting rate is `train.lr` (DeepSpeed's default
     /// 1e-3 where unwritten), its growth `train.lr_range_test`.
     fn lr_range_test(&mut self) -> Result<(), ConfigError> {
-        const GROWTH: [(&str, &str, Converter); 3] = [
+        const GROWTH: &[(&str, &str, Converter)] = &[
             (
                 "lr_range_test_step_size",
                 "train.lr_range_test.step_size",
@@ -913,36 +894,57 @@ impl Reader {
                 boolean,
             ),
         ];
-        let mut known: Vec<(&str, Kind)> = vec![
-            ("lr_range_test_min_lr", Kind::Section),
-            ("last_batch_iteration", Kind::Ignored),
-        ];
-        known.extend(GROWTH.iter().map(|(n, _, _)| (*n, Kind::Section)));
-        self.sort_keys("scheduler.params", &known)?;
-        self.map(
-            "train.schedule",
-            MappedValue::Set(json!("lr_range_test")),
-            "scheduler.type",
-            Origin::Written,
-        );
-        let source = "scheduler.params.lr_range_test_min_lr";
-        if !self.simple(source, "train.lr", true, non_negative)? {
+        let rate = "lr_range_test_min_lr";
+        self.scheduler_params("lr_range_test", &[rate], &[], GROWTH)?;
+        let source = format!("scheduler.params.{rate}");
+        if !self.simple(&source, "train.lr", true, non_negative)? {
             self.map(
                 "train.lr",
                 MappedValue::Set(json!(1e-3)),
-                source,
+                &source,
                 Origin::Default,
             );
         }
-        if let Some(lr) = self.get("optimizer.params.lr").filter(|v| !is_auto(v)) {
-            self.out.notes.push(format!(
-                "optimizer.params.lr ({lr}) is superseded by scheduler.params.lr_range_test_min_lr, as in DeepSpeed, where the scheduler sets the rate"
-            ));
-        }
-        for (name, key, convert) in GROWTH {
-            self.simple(&format!("scheduler.params.{name}"), key, false, convert)?;
+        self.note_superseded_lr(rate);
+        Ok(())
+    }
+
+    /// A scheduler whose parameters map to its own section of `train`:
+    /// checks `scheduler.params` (its `rates`, which the caller maps, the
+    /// `ignored` ones, and `table`'s), sets `train.schedule`, and maps each
+    /// `(DeepSpeed name, zrun key, converter)` of `table` written.
+    fn scheduler_params(
+        &mut self,
+        schedule: &'static str,
+        rates: &[&str],
+        ignored: &[&str],
+        table: &[(&str, &'static str, Converter)],
+    ) -> Result<(), ConfigError> {
+        let mut known: Vec<(&str, Kind)> = rates.iter().map(|r| (*r, Kind::Section)).collect();
+        known.extend(ignored.iter().map(|n| (*n, Kind::Ignored)));
+        known.push(("last_batch_iteration", Kind::Ignored));
+        known.extend(table.iter().map(|(n, _, _)| (*n, Kind::Section)));
+        self.sort_keys("scheduler.params", &known)?;
+        self.map(
+            "train.schedule",
+            MappedValue::Set(json!(schedule)),
+            "scheduler.type",
+            Origin::Written,
+        );
+        for (name, key, convert) in table {
+            self.simple(&format!("scheduler.params.{name}"), key, false, *convert)?;
         }
         Ok(())
+    }
+
+    /// The note that `scheduler.params.<rate>` supersedes a written
+    /// `optimizer.params.lr`, as DeepSpeed's scheduler does.
+    fn note_superseded_lr(&mut self, rate: &str) {
+        if let Some(lr) = self.get("optimizer.params.lr").filter(|v| !is_auto(v)) {
+            self.out.notes.push(format!(
+                "optimizer.params.lr ({lr}) is superseded by scheduler.params.{rate}, as in DeepSpeed, where the scheduler sets the rate"
+            ));
+        }
     }
 
     fn precision(&mut self) -> Result<(), ConfigError> {
