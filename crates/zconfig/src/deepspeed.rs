@@ -354,6 +354,38 @@ const ADAM_PARAMS: &[(&str, Kind)] = &[
     ("amsgrad", Kind::Only(&[Accept::Bool(false)], "AMSGrad")),
 ];
 
+/// DeepSpeed's Lamb (FusedLamb) takes these.
+const LAMB_PARAMS: &[(&str, Kind)] = &[
+    ("lr", Kind::Section),
+    ("betas", Kind::Section),
+    ("eps", Kind::Section),
+    ("weight_decay", Kind::Section),
+    ("max_coeff", Kind::Section),
+    ("min_coeff", Kind::Section),
+    (
+        "bias_correction",
+        Kind::Only(
+            &[Accept::Bool(true)],
+            "zrun's LAMB always corrects the moments' bias",
+        ),
+    ),
+    (
+        "eps_inside_sqrt",
+        Kind::Only(
+            &[Accept::Bool(false)],
+            "zrun's LAMB adds eps outside the square root, FusedLamb's default",
+        ),
+    ),
+    (
+        "max_grad_norm",
+        Kind::Only(
+            &[Accept::Num(0.0)],
+            "FusedLamb's own clipping, which DeepSpeed's engine leaves off; clip with gradient_clipping",
+        ),
+    ),
+    ("amsgrad", Kind::Only(&[Accept::Bool(false)], "AMSGrad")),
+];
+
 /// DeepSpeed's Lion takes these (no eps).
 const LION_PARAMS: &[(&str, Kind)] = &[
     ("lr", Kind::Section),
@@ -585,29 +617,30 @@ impl Reader {
         let kind = match self.get("optimizer.type") {
             Some(Value::String(s)) => s.clone(),
             Some(_) => return Err(self.error("optimizer.type", "must be a string")),
-            None => return Err(self.error("optimizer", "needs a `type` (Adam, AdamW or Lion)")),
+            None => {
+                return Err(self.error("optimizer", "needs a `type` (Adam, AdamW, Lion or Lamb)"))
+            }
         };
         // DeepSpeed reads the type case-blind; Adam is AdamW unless
         // adam_w_mode is false.
         let lower = kind.to_ascii_lowercase();
-        let lion = lower == "lion";
-        if !lion && !["adam", "adamw", "fusedadam", "cpuadam"].contains(&lower.as_str()) {
-            return Err(self.error(
+        let (rule, params) = match lower.as_str() {
+            "lion" => ("lion", LION_PARAMS),
+            "lamb" => ("lamb", LAMB_PARAMS),
+            "adam" | "adamw" | "fusedadam" | "cpuadam" => ("adamw", ADAM_PARAMS),
+            _ => return Err(self.error(
                 "optimizer.type",
-                format!("`{kind}` cannot be honoured: zrun trains with AdamW (decoupled weight decay) or Lion; use Adam, AdamW or Lion"),
-            ));
-        }
-        let rule = if lion { "lion" } else { "adamw" };
+                format!("`{kind}` cannot be honoured: zrun trains with AdamW (decoupled weight decay), Lion or LAMB; use Adam, AdamW, Lion or Lamb"),
+            )),
+        };
+        let lion = rule == "lion";
         self.map(
             "train.optimizer.type",
             MappedValue::Set(json!(rule)),
             "optimizer.type",
             Origin::Written,
         );
-        self.sort_keys(
-            "optimizer.params",
-            if lion { LION_PARAMS } else { ADAM_PARAMS },
-        )?;
+        self.sort_keys("optimizer.params", params)?;
         if let Some(m) = self.get("optimizer.params.adam_w_mode").cloned() {
             let Some(m) = m.as_bool() else {
                 return Err(self.error("optimizer.params.adam_w_mode", "must be true or false"));
@@ -654,6 +687,29 @@ impl Reader {
             }
             if !self.simple(source, key, true, convert)? {
                 self.map(key, MappedValue::Set(default), source, Origin::Default);
+            }
+        }
+        if rule == "lamb" {
+            for (source, key, default) in [
+                (
+                    "optimizer.params.min_coeff",
+                    "train.optimizer.min_coeff",
+                    0.01,
+                ),
+                (
+                    "optimizer.params.max_coeff",
+                    "train.optimizer.max_coeff",
+                    10.0,
+                ),
+            ] {
+                if !self.simple(source, key, false, positive)? {
+                    self.map(
+                        key,
+                        MappedValue::Set(json!(default)),
+                        source,
+                        Origin::Default,
+                    );
+                }
             }
         }
         Ok(())

@@ -13,7 +13,8 @@ use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, plain_yaml_message, ConfigError};
 use crate::hostfile::Topology;
 use crate::spec::{
-    Backend, Device, Every, JobSpec, ModelKind, OffloadDevice, OneCycleSpec, Schedule, ZeroStage,
+    Backend, Device, Every, JobSpec, ModelKind, OffloadDevice, OneCycleSpec, OptimizerKind,
+    Schedule, ZeroStage,
 };
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
@@ -731,6 +732,38 @@ impl LoadedJob {
         }
     }
 
+    /// LAMB's trust-ratio bounds: written only for LAMB, and
+    /// `0 < min_coeff <= max_coeff`.
+    fn validate_trust_bounds(&self) -> Result<(), ConfigError> {
+        let o = &self.spec.train.optimizer;
+        for (key, v) in [
+            ("train.optimizer.min_coeff", o.min_coeff),
+            ("train.optimizer.max_coeff", o.max_coeff),
+        ] {
+            let Some(v) = v else { continue };
+            if o.kind != OptimizerKind::Lamb {
+                return Err(self.invalid(
+                    key,
+                    format!(
+                        "bounds LAMB's trust ratio; train.optimizer.type is {}",
+                        o.kind.name()
+                    ),
+                ));
+            }
+            if !(v > 0.0 && v <= f64::from(f32::MAX)) {
+                return Err(self.invalid(key, format!("must be a positive number, got {v}")));
+            }
+        }
+        let [lo, hi] = o.trust_bounds();
+        if lo > hi {
+            return Err(self.invalid(
+                "train.optimizer.min_coeff",
+                format!("{lo} is above max_coeff {hi}"),
+            ));
+        }
+        Ok(())
+    }
+
     /// `comm.backend: nccl`: ZeRO's collectives between GPUs, every state
     /// on the ranks' GPUs (stages 0-3; f32, bf16 or f16). Offload, which
     /// keeps the optimizer or the parameters on the host, and ZeRO++, whose
@@ -1029,6 +1062,7 @@ impl LoadedJob {
                 ));
             }
         }
+        self.validate_trust_bounds()?;
         if !(t.optimizer.eps.is_finite() && t.optimizer.eps > 0.0) {
             return Err(self.invalid(
                 "train.optimizer.eps",
@@ -2326,6 +2360,57 @@ mod tests {
                 .to_string();
             assert!(e.contains(&format!("train.{knob}: {want}")), "{knob}: {e}");
         }
+        // LAMB's trust-ratio bounds: its own, positive, ordered; and LAMB
+        // neither on GPUs nor with its state on NVMe.
+        let lamb = |extra: &[&str]| {
+            let mut sets = vec!["train.optimizer.type=lamb".to_string()];
+            sets.extend(extra.iter().map(|s| s.to_string()));
+            load_job(&p, &sets).and_then(|mut j| j.validate(1).map(|()| j))
+        };
+        let j = lamb(&["train.optimizer.min_coeff=0.1"]).unwrap();
+        assert_eq!(j.spec.train.optimizer.trust_bounds(), [0.1, 10.0]);
+        for (extra, want) in [
+            (
+                &["train.optimizer.min_coeff=0"][..],
+                "train.optimizer.min_coeff: must be a positive number, got 0",
+            ),
+            (
+                &["train.optimizer.max_coeff=0.001"],
+                "train.optimizer.min_coeff: 0.01 is above max_coeff 0.001",
+            ),
+            (
+                &[
+                    "zero.stage=2",
+                    "zero.offload_optimizer.device=nvme",
+                    "zero.offload_optimizer.nvme_path=/tmp",
+                ],
+                "zero.offload_optimizer.device: nvme cannot hold LAMB's state",
+            ),
+            (
+                &[
+                    "zero.stage=3",
+                    "zero.offload_param.device=nvme",
+                    "zero.offload_param.nvme_path=/tmp",
+                ],
+                "zero.offload_param.device: nvme cannot hold LAMB's state",
+            ),
+        ] {
+            let e = lamb(extra).unwrap_err().to_string();
+            assert!(e.contains(want), "{extra:?}: {e}");
+        }
+        let e = load_job(&p, &["train.optimizer.max_coeff=5".into()])
+            .unwrap()
+            .validate(1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train.optimizer.max_coeff: bounds LAMB's trust ratio; train.optimizer.type is adamw"),
+            "{e}"
+        );
+        let mut gpu = lamb(&[]).unwrap().spec;
+        gpu.device = crate::spec::Device::Cuda;
+        let why = gpu.gpu_unsupported().expect("LAMB refused on GPUs");
+        assert!(why.contains("lamb runs on the CPU"), "{why}");
         // one_cycle: its keys, its refusals; no warmup beside it but 0.
         let one = |extra: &[&str]| {
             let mut sets = vec!["train.schedule=one_cycle".to_string()];

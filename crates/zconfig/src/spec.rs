@@ -738,9 +738,29 @@ pub struct OptimizerSpec {
     /// interpolation of the update's direction and the moment's decay.
     #[serde(deserialize_with = "finite::pair")]
     pub betas: [f64; 2],
-    /// AdamW: added to the second moment's square root (Lion has none).
+    /// AdamW and LAMB: added to the second moment's square root (Lion has
+    /// none).
     #[serde(deserialize_with = "finite::number")]
     pub eps: f64,
+    /// LAMB: the trust ratio's bounds, `[min_coeff, max_coeff]`
+    /// (DeepSpeed's names; unset: 0.01 and 10). Refused beside another rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
+    pub min_coeff: Option<f64>,
+    /// See `min_coeff`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
+    pub max_coeff: Option<f64>,
+}
+
+impl OptimizerSpec {
+    /// LAMB's trust-ratio bounds (DeepSpeed FusedLamb's defaults where unset).
+    pub fn trust_bounds(&self) -> [f64; 2] {
+        [
+            self.min_coeff.unwrap_or(0.01),
+            self.max_coeff.unwrap_or(10.0),
+        ]
+    }
 }
 
 impl Default for OptimizerSpec {
@@ -749,6 +769,8 @@ impl Default for OptimizerSpec {
             kind: OptimizerKind::Adamw,
             betas: [0.9, 0.999],
             eps: 1e-8,
+            min_coeff: None,
+            max_coeff: None,
         }
     }
 }
@@ -765,6 +787,11 @@ pub enum OptimizerKind {
     /// Algorithms"): the sign of an interpolation of the moment and the
     /// gradient, one moment, decoupled weight decay; DeepSpeed's `Lion`.
     Lion,
+    /// LAMB (You et al., 2020, "Large Batch Optimization for Deep Learning"):
+    /// AdamW's moments and decayed update, each parameter's update scaled by
+    /// the trust ratio ‖w‖ / ‖update‖ (clamped), as DeepSpeed's `Lamb`
+    /// (FusedLamb) computes it.
+    Lamb,
 }
 
 impl OptimizerKind {
@@ -773,13 +800,14 @@ impl OptimizerKind {
         match self {
             OptimizerKind::Adamw => "adamw",
             OptimizerKind::Lion => "lion",
+            OptimizerKind::Lamb => "lamb",
         }
     }
 
-    /// Whether the rule keeps a second moment (AdamW's exp_avg_sq). Lion
-    /// keeps only the first, a third less optimizer state.
+    /// Whether the rule keeps a second moment (AdamW's and LAMB's
+    /// exp_avg_sq). Lion keeps only the first, a third less optimizer state.
     pub fn second_moment(self) -> bool {
-        self == OptimizerKind::Adamw
+        self != OptimizerKind::Lion
     }
 }
 
@@ -1174,6 +1202,12 @@ impl JobSpec {
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
+        }
+        if self.train.optimizer.kind == OptimizerKind::Lamb {
+            return Some(
+                "train.optimizer.type: lamb runs on the CPU (device: cpu); the GPU path has AdamW's and Lion's kernels"
+                    .into(),
+            );
         }
         None
     }

@@ -346,6 +346,42 @@ fn lion_maps_to_the_lion_rule() {
     assert!(e.contains("train.optimizer.type"), "{e}");
 }
 
+/// DeepSpeed's `Lamb` is `train.optimizer.type: lamb` with its rate,
+/// betas, eps, weight decay and trust-ratio bounds; omitted, they take
+/// FusedLamb's defaults (lr 1e-3, weight decay 0, bounds 0.01 and 10).
+#[test]
+fn lamb_maps_to_the_lamb_rule_with_its_bounds() {
+    let j = job(BARE);
+    let ds = j._dir.path().join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"optimizer": {"type": "LAMB", "params": {"lr": 1e-2, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.01, "max_coeff": 5.0, "min_coeff": 0.1, "bias_correction": true}}}"#,
+    )
+    .unwrap();
+    let mut loaded = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+    loaded.validate(2).unwrap();
+    let t = &loaded.spec.train;
+    assert_eq!(t.optimizer.kind, OptimizerKind::Lamb);
+    assert_eq!(
+        (t.lr, t.optimizer.betas, t.optimizer.eps, t.weight_decay),
+        (1e-2, [0.9, 0.98], 1e-6, 0.01)
+    );
+    assert_eq!(t.optimizer.trust_bounds(), [0.1, 5.0]);
+    std::fs::write(&ds, r#"{"optimizer": {"type": "Lamb"}}"#).unwrap();
+    let mut loaded = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+    loaded.validate(2).unwrap();
+    let t = &loaded.spec.train;
+    assert_eq!(
+        (
+            t.lr,
+            t.weight_decay,
+            t.optimizer.min_coeff,
+            t.optimizer.max_coeff
+        ),
+        (1e-3, 0.0, Some(0.01), Some(10.0))
+    );
+}
+
 /// DeepSpeed's `OneCycle`: its rates become `train.min_lr` and `train.lr`,
 /// its shape `train.one_cycle`, its stair counts (which DeepSpeed ignores)
 /// are listed as ignored; with momentum cycling β2 becomes DeepSpeed's 0.99,
@@ -442,8 +478,16 @@ fn lr_range_test_maps_its_rate_and_growth() {
 fn what_cannot_be_honoured_is_refused_where_it_is_written() {
     for (ds, want) in [
         (
-            "{\n  \"optimizer\": {\n    \"type\": \"Lamb\",\n    \"params\": {\"lr\": 1e-3}\n  }\n}",
-            "ds.json:3:5: optimizer.type: `Lamb` cannot be honoured",
+            "{\n  \"optimizer\": {\n    \"type\": \"OneBitLamb\",\n    \"params\": {\"lr\": 1e-3}\n  }\n}",
+            "ds.json:3:5: optimizer.type: `OneBitLamb` cannot be honoured",
+        ),
+        (
+            "{\"optimizer\": {\"type\": \"Lamb\",\n \"params\": {\"eps_inside_sqrt\": true}}}",
+            "ds.json:2:13: optimizer.params.eps_inside_sqrt: true cannot be honoured: zrun's LAMB adds eps outside",
+        ),
+        (
+            "{\"optimizer\": {\"type\": \"Lamb\",\n \"params\": {\"max_grad_norm\": 1.0}}}",
+            "ds.json:2:13: optimizer.params.max_grad_norm: 1.0 cannot be honoured: FusedLamb's own clipping",
         ),
         (
             "{\"fp16\": {\"enabled\": true,\n \"loss_scale\": 128}}",

@@ -20,6 +20,21 @@ use crate::precision::Flat;
 /// Elements per slice alignment unit (16 f32 = one 64-byte cache line).
 pub const ALIGN: usize = 16;
 
+/// Elements of a cell of LAMB's sums ([`GroupLayout::norm_cells`]).
+pub const NORM_CELL: usize = 1 << 16;
+
+/// A run of one parameter's elements inside one rank's slice, whose squares
+/// LAMB adds up together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NormCell {
+    /// The parameter's slot in its group.
+    pub slot: usize,
+    /// The rank whose slice holds it.
+    pub rank: usize,
+    /// Flat indices.
+    pub range: Range<usize>,
+}
+
 /// Where one parameter sits in its group's flat buffer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamSlot {
@@ -91,23 +106,57 @@ impl GroupLayout {
         r * n..(r + 1) * n
     }
 
-    /// The parts of `range` (flat indices) covered by each parameter, with its decay
-    /// flag; padding is reported with `decay = false`.
-    pub fn decay_runs(&self, range: Range<usize>) -> Vec<(Range<usize>, bool)> {
+    /// Where LAMB adds up its squares: every parameter cut at the ranks'
+    /// slices, and each part at every [`NORM_CELL`] elements from its start,
+    /// in flat order. A cell's sums depend on the layout alone, so every
+    /// stage adds the same cells; cells are the first pass's unit of work
+    /// on threads.
+    pub fn norm_cells(&self) -> Vec<NormCell> {
+        let n = self.slice_len();
+        let mut cells = Vec::new();
+        for (slot, p) in self.params.iter().enumerate() {
+            let mut at = p.range.start;
+            while at < p.range.end {
+                let rank = at / n;
+                let part_end = p.range.end.min((rank + 1) * n);
+                let end = part_end.min(at + NORM_CELL);
+                cells.push(NormCell {
+                    slot,
+                    rank,
+                    range: at..end,
+                });
+                at = end;
+            }
+        }
+        cells
+    }
+
+    /// The parts of `range` (flat indices) covered by each parameter, with its
+    /// slot; padding is reported with `None`.
+    pub fn slot_runs(&self, range: Range<usize>) -> Vec<(Range<usize>, Option<usize>)> {
         let mut runs = Vec::new();
         let mut at = range.start;
-        for p in &self.params {
+        for (i, p) in self.params.iter().enumerate() {
             let s = p.range.start.max(at);
             let e = p.range.end.min(range.end);
             if s < e {
-                runs.push((s..e, p.decay));
+                runs.push((s..e, Some(i)));
                 at = e;
             }
         }
         if at < range.end {
-            runs.push((at..range.end, false));
+            runs.push((at..range.end, None));
         }
         runs
+    }
+
+    /// The parts of `range` (flat indices) covered by each parameter, with its decay
+    /// flag; padding is reported with `decay = false`.
+    pub fn decay_runs(&self, range: Range<usize>) -> Vec<(Range<usize>, bool)> {
+        self.slot_runs(range)
+            .into_iter()
+            .map(|(r, slot)| (r, slot.is_some_and(|i| self.params[i].decay)))
+            .collect()
     }
 }
 
@@ -218,6 +267,37 @@ mod tests {
                 })
                 .collect(),
         }
+    }
+
+    /// LAMB's cells cover every parameter element once, in flat order,
+    /// each inside one parameter and one rank's slice and at most
+    /// `NORM_CELL` long, cut every `NORM_CELL` from the part's start.
+    #[test]
+    fn norm_cells_tile_each_parameter_within_slices() {
+        let l = GroupLayout::new(&spec(&[5, NORM_CELL * 2 + 3, 40]), 2);
+        let half = l.slice_len();
+        let cells = l.norm_cells();
+        let mut at = 0;
+        for c in &cells {
+            assert_eq!(c.range.start, at, "{c:?} follows the last");
+            assert!(c.range.len() <= NORM_CELL && !c.range.is_empty(), "{c:?}");
+            assert_eq!(c.rank, c.range.start / half, "{c:?}");
+            assert_eq!(c.rank, (c.range.end - 1) / half, "{c:?} inside one slice");
+            let p = &l.params[c.slot].range;
+            assert!(p.start <= c.range.start && c.range.end <= p.end, "{c:?}");
+            at = c.range.end;
+        }
+        assert_eq!(at, l.numel);
+        // p1 runs from 5 across the slice edge: full cells from its start,
+        // then from the edge.
+        let p1: Vec<_> = cells
+            .iter()
+            .filter(|c| c.slot == 1)
+            .map(|c| c.range.clone())
+            .collect();
+        assert_eq!(p1[0], 5..5 + NORM_CELL);
+        assert_eq!(p1[1], 5 + NORM_CELL..half);
+        assert_eq!(p1[2], half..(half + NORM_CELL).min(5 + 2 * NORM_CELL + 3));
     }
 
     #[test]

@@ -10,8 +10,8 @@ use std::ops::Range;
 use zconfig::spec::OptimizerKind;
 use zconfig::ZeroStage;
 
-use crate::adam::{adamw_runs, AdamStep, Buffers, Grads};
-use crate::flat::GroupLayout;
+use crate::adam::{adamw_runs, lamb_apply, lamb_moments, AdamStep, Buffers, Grads, SquareSums};
+use crate::flat::{GroupLayout, NormCell};
 use crate::precision::{resident_zeros, Flat, Half};
 
 /// One block's flat buffers on this rank.
@@ -185,6 +185,83 @@ impl Group {
         hp: &AdamStep,
         swapped: Swapped<'_>,
     ) {
+        let (whole, layout) = self.buffers(range.clone(), rank, stage, swapped);
+        // The range cut at its parameters' edges, each decayed or not.
+        let mut rest = whole;
+        let mut runs = Vec::new();
+        for (r, decay) in layout.decay_runs(range) {
+            let (run, tail) = rest.split_at(r.len());
+            runs.push((run, decay));
+            rest = tail;
+        }
+        adamw_runs(runs, hp);
+    }
+
+    /// LAMB's first pass over `range` (as [`Group::adam`]'s): the moments
+    /// updated, and each parameter's squares added to the sums of the cells
+    /// they lie in (`cells`, the layout's [`GroupLayout::norm_cells`], and
+    /// their `sums`); padding adds nothing and is left as it is.
+    pub(crate) fn lamb_moments(
+        &mut self,
+        range: Range<usize>,
+        rank: usize,
+        stage: ZeroStage,
+        hp: &AdamStep,
+        cells: &[NormCell],
+        sums: &mut [SquareSums],
+    ) {
+        let (whole, layout) = self.buffers(range.clone(), rank, stage, Swapped::default());
+        // The cells that overlap the range, in order.
+        let first = cells.partition_point(|c| c.range.end <= range.start);
+        let last = cells.partition_point(|c| c.range.start < range.end);
+        let mut rest = whole;
+        let mut at = range.start;
+        let mut segments = Vec::new();
+        for (cell, sums) in cells[first..last].iter().zip(&mut sums[first..last]) {
+            let (s, e) = (
+                cell.range.start.max(range.start),
+                cell.range.end.min(range.end),
+            );
+            // Padding before the cell.
+            rest = rest.split_at(s - at).1;
+            let (seg, tail) = rest.split_at(e - s);
+            segments.push((seg, layout.params[cell.slot].decay, s, sums));
+            (rest, at) = (tail, e);
+        }
+        lamb_moments(segments, hp);
+    }
+
+    /// LAMB's second pass over `range`: each parameter moved by its trust
+    /// ratio (`ratios`, by slot) times its update.
+    pub(crate) fn lamb_apply(
+        &mut self,
+        range: Range<usize>,
+        rank: usize,
+        stage: ZeroStage,
+        hp: &AdamStep,
+        ratios: &[f32],
+    ) {
+        let (whole, layout) = self.buffers(range.clone(), rank, stage, Swapped::default());
+        let mut rest = whole;
+        let mut runs = Vec::new();
+        for (r, slot) in layout.slot_runs(range) {
+            let (run, tail) = rest.split_at(r.len());
+            rest = tail;
+            if let Some(i) = slot {
+                runs.push((run, (layout.params[i].decay, ratios[i])));
+            }
+        }
+        lamb_apply(runs, hp);
+    }
+
+    /// The buffers of `range` ([`Group::adam`]'s), and the group's layout.
+    fn buffers<'a>(
+        &'a mut self,
+        range: Range<usize>,
+        rank: usize,
+        stage: ZeroStage,
+        swapped: Swapped<'a>,
+    ) -> (Buffers<'a>, &'a GroupLayout) {
         let own = self.layout.slice(rank);
         // Where flat index 0 of each buffer sits: a buffer of the own slice
         // starts at the slice, a swapped piece at the range.
@@ -216,7 +293,7 @@ impl Group {
         let m_all: &mut [f32] = swapped.exp_avg.unwrap_or(exp_avg);
         let v_all: &mut [f32] = swapped.exp_avg_sq.unwrap_or(exp_avg_sq);
         let master_all: Option<&mut [f32]> = swapped.master.or(master.as_deref_mut());
-        let mut p_all = match (swapped.params, params) {
+        let p_all = match (swapped.params, params) {
             (Some(bytes), Flat::F32(_)) => ParamsMut::F32(bytemuck::cast_slice_mut(bytes)),
             (Some(bytes), Flat::Half(h, _)) => ParamsMut::Half(*h, bytemuck::cast_slice_mut(bytes)),
             (None, Flat::F32(p)) => ParamsMut::F32(p),
@@ -238,13 +315,13 @@ impl Group {
             true => &mut [],
             false => &mut v_all[shift(m_off)],
         };
-        let whole = match (master_all, &mut p_all) {
+        let whole = match (master_all, p_all) {
             (Some(master), ParamsMut::Half(h, w)) => Buffers {
                 p: &mut master[shift(m_off)],
                 g,
                 m,
                 v,
-                working: Some((*h, &mut w[shift(p_off)])),
+                working: Some((h, &mut w[shift(p_off)])),
             },
             (_, ParamsMut::F32(p)) => Buffers {
                 p: &mut p[shift(p_off)],
@@ -257,15 +334,7 @@ impl Group {
                 unreachable!("16-bit parameters always have a master copy")
             }
         };
-        // The range cut at its parameters' edges, each decayed or not.
-        let mut rest = whole;
-        let mut runs = Vec::new();
-        for (r, decay) in layout.decay_runs(range) {
-            let (run, tail) = rest.split_at(r.len());
-            runs.push((run, decay));
-            rest = tail;
-        }
-        adamw_runs(runs, hp);
+        (whole, layout)
     }
 }
 

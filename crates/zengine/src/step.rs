@@ -1,22 +1,25 @@
 //! Finishing an optimizer step, as named phases (DeepSpeed's stage-3 `step()`
 //! has the same skeleton): wait for the reductions, average and unscale,
 //! the global norm, the overflow check and loss scale, clipping, then AdamW
-//! sub-group by sub-group, and sharing the updated slices.
+//! sub-group by sub-group (LAMB: its first pass over the region, the trust
+//! ratios from every rank's sums, its second pass), and sharing the updated
+//! slices.
 //!
 //! The optimizer walks the region this rank updates as a sequence of
 //! sub-groups of at most `zero.sub_group_size` elements, each possibly spanning
 //! several blocks. AdamW is element-wise, so the split changes no bit; it is
 //! the unit that NVMe offload swaps in and out.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crate::accounting::{peak_rss_bytes, MemoryUse, StepStats, Transient};
-use crate::adam::AdamStep;
+use crate::adam::{trust_ratio, AdamStep, OptimizerKind, SquareSums};
 use crate::engine::Engine;
 use crate::error::EngineError;
+use crate::flat::NormCell;
 use crate::gather::Gathering;
 use crate::group::{Group, Swapped};
 use crate::offload::ALIGN_ELEMS;
@@ -102,7 +105,9 @@ impl Engine {
             self.updates += 1;
             let hp = self.adam_step(lr, grad_scale);
             let subs = self.sub_groups();
-            if self.offload.is_some() {
+            if hp.rule == OptimizerKind::Lamb {
+                self.lamb_steps(&hp)?;
+            } else if self.offload.is_some() {
                 self.swapped_optimizer_steps(&subs, &hp, swapped_coef)?;
             } else {
                 for sub in &subs {
@@ -297,6 +302,89 @@ impl Engine {
         for (g, range) in &sub.pieces {
             self.groups[*g].adam(range.clone(), rank, stage, hp, Swapped::default());
         }
+    }
+
+    /// LAMB over the region this rank updates: the first pass (moments, and
+    /// each parameter's sums of squares cell by cell), the trust ratios from
+    /// every rank's sums, the second pass. (NVMe offload, which would read
+    /// the state twice, is refused with LAMB when the job is checked.)
+    fn lamb_steps(&mut self, hp: &AdamStep) -> Result<(), EngineError> {
+        let (rank, stage) = (self.comm.rank(), self.stage);
+        assert!(self.offload.is_none(), "LAMB with NVMe offload is refused");
+        let cells: Vec<Vec<NormCell>> = self.groups.iter().map(|g| g.layout.norm_cells()).collect();
+        let mut sums: Vec<Vec<SquareSums>> = cells
+            .iter()
+            .map(|c| vec![SquareSums::default(); c.len()])
+            .collect();
+        for ((g, c), s) in self.groups.iter_mut().zip(&cells).zip(&mut sums) {
+            let region = g.updated_region(rank, stage);
+            g.lamb_moments(region, rank, stage, hp, c, s);
+        }
+        let ratios = self.trust_ratios(&cells, &sums)?;
+        for (g, r) in self.groups.iter_mut().zip(&ratios) {
+            let region = g.updated_region(rank, stage);
+            g.lamb_apply(region, rank, stage, hp, r);
+        }
+        Ok(())
+    }
+
+    /// Each parameter's trust ratio, by group and slot. Every rank sends,
+    /// for each parameter, the sums of its cells in the rank's own slice,
+    /// added in order (each f64 as two f32 words, as the gradient norm's;
+    /// at stage 0 too, though it holds every slice, so that every stage adds
+    /// the same numbers); a parameter's sums are added over its slots in
+    /// group order (a tiled linear's tiles are one parameter), each slot's
+    /// over the ranks in rank order.
+    fn trust_ratios(
+        &self,
+        cells: &[Vec<NormCell>],
+        sums: &[Vec<SquareSums>],
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let split = |x: f64| {
+            let hi = x as f32;
+            [hi, (x - f64::from(hi)) as f32]
+        };
+        let mut mine = Vec::new();
+        for ((g, c), s) in self.groups.iter().zip(cells).zip(sums) {
+            let mut own = vec![[0f64; 2]; g.layout.params.len()];
+            for (cell, s) in c.iter().zip(s).filter(|(c, _)| c.rank == rank) {
+                let [w, u] = s.totals();
+                own[cell.slot][0] += w;
+                own[cell.slot][1] += u;
+            }
+            mine.extend(own.iter().flat_map(|&[w, u]| [split(w), split(u)].concat()));
+        }
+        let n = mine.len();
+        let all = self.comm.all_gather(mine, n * world)?;
+        let word = |r: usize, k: usize| f64::from(all[r * n + k]) + f64::from(all[r * n + k + 1]);
+        let mut totals: HashMap<&str, [f64; 2]> = HashMap::new();
+        let mut k = 0;
+        for g in &self.groups {
+            for p in &g.layout.params {
+                let t = totals.entry(p.name.as_str()).or_default();
+                for r in 0..world {
+                    t[0] += word(r, k);
+                    t[1] += word(r, k + 2);
+                }
+                k += 4;
+            }
+        }
+        let bounds = self.spec.train.optimizer.trust_bounds();
+        Ok(self
+            .groups
+            .iter()
+            .map(|g| {
+                g.layout
+                    .params
+                    .iter()
+                    .map(|p| {
+                        let [w, u] = totals[p.name.as_str()];
+                        trust_ratio(w, u, bounds)
+                    })
+                    .collect()
+            })
+            .collect())
     }
 
     /// AdamW on every sub-group with state in swap files, pipelined: while

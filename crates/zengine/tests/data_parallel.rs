@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{comms, spec, train, train_observed, typed_spec};
+use common::{comms, spec, train, train_leg, train_observed, typed_spec, worst_move_apart, Leg};
 use zengine::Engine;
 
 #[test]
@@ -148,6 +148,131 @@ fn lion_keeps_the_stages_bit_identical() {
             }
         }
     }
+}
+
+fn lamb(dtype: &str, stage: u8, accum: usize) -> zconfig::JobSpec {
+    let mut spec = typed_spec(dtype, stage, accum, 2000, true, false, 8);
+    spec.train.optimizer.kind = zconfig::spec::OptimizerKind::Lamb;
+    spec.train.lr *= 3.0;
+    spec
+}
+
+/// LAMB keeps stage 0's bits at stages 1-3 (each parameter's squares summed
+/// cell by cell in the same order at every stage, the slices in rank
+/// order), in f32 and bf16; it trains, is not AdamW, and holds AdamW's two
+/// moments. In bf16 the model is wider (d_model 160): its MLP weights
+/// (102,400 elements) span two cells and both slices, and stage 0's pass
+/// over a whole block (311k elements) runs on threads where a slice's runs
+/// on one.
+#[test]
+fn lamb_keeps_the_stages_bit_identical() {
+    for dtype in ["f32", "bf16"] {
+        let lamb = |dtype: &str, stage, accum| {
+            let mut spec = lamb(dtype, stage, accum);
+            if dtype == "bf16" {
+                spec.model.d_model = 160;
+            }
+            spec
+        };
+        let base = train(lamb(dtype, 0, 1), 2);
+        let mut adamw = lamb(dtype, 0, 1);
+        adamw.train.optimizer.kind = zconfig::spec::OptimizerKind::Adamw;
+        let adamw = train(adamw, 2);
+        assert_ne!(
+            base[0].losses, adamw[0].losses,
+            "{dtype}: LAMB ran as AdamW"
+        );
+        assert!(
+            base[0].losses[7] < base[0].losses[0],
+            "{dtype}: LAMB did not train: {:?}",
+            base[0].losses
+        );
+        assert_eq!(base[0].optimizer_held, adamw[0].optimizer_held, "{dtype}");
+        for stage in 1..=3u8 {
+            let got = train(lamb(dtype, stage, 1), 2);
+            for r in 0..2 {
+                let what = format!("{dtype} stage {stage} rank {r}");
+                assert_eq!(got[r].losses, base[r].losses, "losses: {what}");
+                assert!(got[r].params == base[r].params, "parameters: {what}");
+            }
+        }
+    }
+}
+
+/// One trust ratio per parameter, whatever slices hold it: two ranks at
+/// stage 3 (each parameter's squares from two slices) move every parameter
+/// where one rank (one slice) moves it with the same global batch, to the
+/// rounding that the gradients' sums over ranks differ by. A ratio per
+/// slice would move the two halves of a parameter by different factors
+/// (by 1e-2 relative and more here).
+#[test]
+fn lamb_gives_each_parameter_one_ratio_over_its_slices() {
+    let mut spec = lamb("f32", 0, 2);
+    spec.train.steps = 3;
+    // Free ratios: the bounds would clamp most of this small model's.
+    spec.train.optimizer.min_coeff = Some(1e-9);
+    spec.train.optimizer.max_coeff = Some(1e9);
+    let start = train_leg(
+        spec.clone(),
+        1,
+        &Leg {
+            until: Some(0),
+            ..Leg::default()
+        },
+    );
+    let solo = train(spec.clone(), 1);
+    spec.train.grad_accum = 1;
+    spec.zero.stage = zconfig::spec::ZeroStage::Weights;
+    let duo = train(spec, 2);
+    let worst = worst_move_apart(&start[0], &solo[0], &duo[0]);
+    assert!(
+        worst.0 <= 1e-4,
+        "{}: moved {:e} away from one rank's move",
+        worst.1,
+        worst.0
+    );
+}
+
+/// Every step moves each parameter by exactly `step_size` times its norm
+/// (where neither its norm nor its update's is 0, and the ratio is left
+/// free): `r·‖u‖ = ‖w‖`, so ‖Δw‖ = lr·√(1 − β2^t)/(1 − β1^t)·‖w‖: what
+/// LAMB is for, independent of the moments, the gradients and the slices.
+/// Checked at stage 3 on two ranks with weight decay, step by step.
+#[test]
+fn lamb_moves_each_parameter_by_the_step_size_times_its_norm() {
+    let mut spec = lamb("f32", 3, 1);
+    spec.train.optimizer.min_coeff = Some(1e-9);
+    spec.train.optimizer.max_coeff = Some(1e9);
+    let [b1, b2] = spec.train.optimizer.betas;
+    let after = |k: u64| {
+        let leg = Leg {
+            until: Some(k),
+            ..Leg::default()
+        };
+        train_leg(spec.clone(), 2, &leg).swap_remove(0)
+    };
+    let runs: Vec<_> = (0..=4).map(after).collect();
+    let lrs = &runs[4].lrs;
+    let mut checked = 0;
+    for t in 1..=4usize {
+        let step_size = lrs[t - 1] * (1.0 - b2.powi(t as i32)).sqrt() / (1.0 - b1.powi(t as i32));
+        for (name, (_, before)) in &runs[t - 1].named {
+            let now = &runs[t].named[name].1;
+            let norm = |x: &mut dyn Iterator<Item = f64>| x.map(|v| v * v).sum::<f64>().sqrt();
+            let w = norm(&mut before.iter().map(|&v| f64::from(v)));
+            let moved = norm(&mut now.iter().zip(before).map(|(a, b)| f64::from(a - b)));
+            if w == 0.0 {
+                continue; // a zero bias moves by its update (ratio 1)
+            }
+            let want = step_size * w;
+            assert!(
+                (moved - want).abs() <= 1e-4 * want,
+                "step {t} {name}: moved {moved:e}, step size × norm {want:e}"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 20, "{checked} parameters checked");
 }
 
 /// `train.schedule: one_cycle` reaches the optimizer: every step runs at

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{train, train_leg, Leg, Run};
+use common::{train, train_leg, worst_move_apart, Leg, Run};
 use zconfig::spec::Size;
 use zconfig::JobSpec;
 
@@ -94,6 +94,37 @@ fn tiled_runs_are_bit_identical_to_untiled_runs() {
         }
     }
 }
+/// LAMB scales a tiled linear by one trust ratio, its tiles' squares added
+/// together: tiled runs move every parameter as untiled runs do (here to
+/// the bit; the tiles' f64 sums add in another grouping, which could move
+/// a ratio's last bit), where a ratio per tile moves the tiled linears
+/// 1e-3 to 2e-2 apart.
+#[test]
+fn lamb_gives_a_tiled_linear_one_trust_ratio() {
+    let lamb = |mut spec: JobSpec| {
+        spec.train.optimizer.kind = zconfig::spec::OptimizerKind::Lamb;
+        spec.train.optimizer.min_coeff = Some(1e-9);
+        spec.train.lr = 1e-2;
+        spec
+    };
+    let start = train_leg(
+        lamb(spec("f32", 3, 1, false, 3)),
+        2,
+        &Leg {
+            until: Some(0),
+            ..Leg::default()
+        },
+    );
+    let base = train(lamb(spec("f32", 3, 1, false, 3)), 2);
+    let got = train(lamb(tiled(spec("f32", 3, 1, false, 3))), 2);
+    assert_eq!(got[0].padded.len(), base[0].padded.len() + 2 * 4, "tiled");
+    let (rel, name) = worst_move_apart(&start[0], &base[0], &got[0]);
+    assert!(
+        rel <= 1e-6,
+        "{name}: moved {rel:e} away from the untiled move"
+    );
+}
+
 /// Dropout drops its elements from the tiles' outputs as from the whole
 /// linears' (the branch is dropped after its last tile stores): the same
 /// bits, f32 and bf16, at stages 0 and 3, attention's dropout on too.

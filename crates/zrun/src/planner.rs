@@ -38,6 +38,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use zconfig::estimate::{activation_bytes, model_params, worker_states, StateBytes};
+use zconfig::spec::OptimizerKind;
 use zconfig::{load_job_with, JobSpec, Topology};
 
 use crate::cli::PlanArgs;
@@ -301,10 +302,12 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     } else {
         psi
     };
-    // AdamW moves 28 bytes an element, Lion 20 (no second moment).
-    let moved = match spec.train.optimizer.kind.second_moment() {
-        true => 28.0,
-        false => 20.0,
+    // AdamW moves 28 bytes an element, Lion 20 (no second moment), LAMB
+    // 40 (two passes: 24 bytes, then 16).
+    let moved = match spec.train.optimizer.kind {
+        OptimizerKind::Adamw => 28.0,
+        OptimizerKind::Lion => 20.0,
+        OptimizerKind::Lamb => 40.0,
     };
     let optimizer = moved * slice / (s.machine.adamw_gbps * 1e9);
     let b = StateBytes::for_job(spec);

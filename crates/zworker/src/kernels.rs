@@ -24,6 +24,98 @@ use zengine::adam::{adamw_with, AdamStep, Buffers, Grads, OptimizerKind, Path};
 use zengine::precision::Half;
 use zproto::KernelRow;
 
+/// LAMB's two passes ([`zengine::adam::lamb`]) as the engine runs them:
+/// the first over cells of `NORM_CELL` elements (its unit on threads), the
+/// ratio, the second. 40 bytes an element in all: p, g, m, v in and m, v out,
+/// then p, m, v in and p out (mixed precision likewise: a 2-byte gradient
+/// in, a 2-byte working copy out); about 24 flops.
+#[allow(clippy::too_many_arguments)]
+fn lamb_rows(
+    p: &mut [f32],
+    g: &[f32],
+    g16: &[u16],
+    m: &mut [f32],
+    v: &mut [f32],
+    w16: &mut [u16],
+    hp: &AdamStep,
+    threads: usize,
+    triad_gbps: f64,
+) -> Vec<KernelRow> {
+    use zengine::adam::{lamb_apply_with, lamb_moments_with, trust_ratio, SquareSums};
+    use zengine::flat::NORM_CELL;
+    let hp = AdamStep {
+        rule: OptimizerKind::Lamb,
+        ..*hp
+    };
+    let n = p.len();
+    let mut rows = Vec::new();
+    for path in Path::available() {
+        for mixed in [false, true] {
+            let mut sums = vec![SquareSums::default(); n.div_ceil(NORM_CELL)];
+            let s = best_secs(5, || {
+                let mut segments = Vec::new();
+                let mut rest = lamb_buffers(mixed, p, (g, g16), m, v, w16);
+                for (k, sums) in sums.iter_mut().enumerate() {
+                    let (seg, tail) = rest.split_at(NORM_CELL.min(n - k * NORM_CELL));
+                    segments.push((seg, true, k * NORM_CELL, sums));
+                    rest = tail;
+                }
+                lamb_moments_with(path, threads, segments, &hp);
+                let [w2, u2] = sums
+                    .iter()
+                    .map(SquareSums::totals)
+                    .fold([0.0; 2], |[a, b], [x, y]| [a + x, b + y]);
+                let ratio = trust_ratio(w2, u2, [0.01, 10.0]);
+                let b = lamb_buffers(mixed, p, (g, g16), m, v, w16);
+                lamb_apply_with(path, threads, vec![(b, (true, ratio))], &hp);
+            });
+            let gbps = 40.0 * n as f64 / s / 1e9;
+            rows.push(KernelRow {
+                kernel: format!(
+                    "lamb_{}{}",
+                    path_name(path),
+                    if mixed { "_bf16" } else { "" }
+                ),
+                elements: n,
+                threads,
+                gbps,
+                gflops: 24.0 * n as f64 / s / 1e9,
+                ratio: gbps / triad_gbps,
+            });
+        }
+    }
+    rows
+}
+
+/// f32 buffers, or (`mixed`) bf16 gradients and working copy.
+fn lamb_buffers<'a>(
+    mixed: bool,
+    p: &'a mut [f32],
+    (g, g16): (&'a [f32], &'a [u16]),
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+    w16: &'a mut [u16],
+) -> Buffers<'a> {
+    match mixed {
+        true => Buffers {
+            p,
+            g: Grads::Half(Half::Bf16, g16),
+            m,
+            v,
+            working: Some((Half::Bf16, w16)),
+        },
+        false => Buffers::f32(p, g, m, v),
+    }
+}
+
+fn path_name(path: Path) -> &'static str {
+    match path {
+        Path::Avx512 => "avx512",
+        Path::Avx2 => "avx2",
+        Path::Portable => "portable",
+    }
+}
+
 fn best_secs(reps: usize, mut f: impl FnMut()) -> f64 {
     f(); // warm up: page in, fill caches
     (0..reps)
@@ -237,11 +329,7 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
                     adamw_with(path, t, b, true, &hp)
                 });
                 let gbps = bytes * n as f64 / s / 1e9;
-                let name = match path {
-                    Path::Avx512 => "avx512",
-                    Path::Avx2 => "avx2",
-                    Path::Portable => "portable",
-                };
+                let name = path_name(path);
                 rows.push(KernelRow {
                     kernel: format!("{rule_name}_{name}{}", if mixed { "_bf16" } else { "" }),
                     elements: n,
@@ -252,6 +340,9 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
                 });
             }
         }
+        rows.extend(lamb_rows(
+            &mut p, &g, &g16, &mut m, &mut v, &mut w16, &hp, t, triad_gbps,
+        ));
         rows.extend(quantization_rows(&b, t, triad_gbps)?);
         rows.extend(gemv_rows(&b, t, triad_gbps)?);
         let s = best_secs(reps, || reduce(&mut a, &b, t));

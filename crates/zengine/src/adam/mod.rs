@@ -1,7 +1,8 @@
 //! AdamW over a flat f32 slice in one fused pass: read p, g, m, v; write p, m, v
 //! and, with mixed precision, the 16-bit working copy of p. And Lion
 //! (`train.optimizer.type: lion`): the same pass over p, g and m only: Lion
-//! keeps no second moment, and its `v` is empty.
+//! keeps no second moment, and its `v` is empty. LAMB (`lamb`) runs in two
+//! passes over the same buffers ([`lamb`]), its trust ratios between them.
 //!
 //! The pass is bound by memory bandwidth, not arithmetic: 28 bytes move per
 //! element for about 12 flops (f32: 4 read, 3 written; mixed precision: a 2-byte
@@ -126,7 +127,7 @@ impl<'a> Buffers<'a> {
     }
 
     /// The first `k` elements and the rest.
-    pub(crate) fn split_at(self, k: usize) -> (Buffers<'a>, Buffers<'a>) {
+    pub fn split_at(self, k: usize) -> (Buffers<'a>, Buffers<'a>) {
         let (p0, p1) = self.p.split_at_mut(k);
         let (g0, g1) = self.g.split_at(k);
         let (m0, m1) = self.m.split_at_mut(k);
@@ -304,11 +305,29 @@ pub fn adamw_runs(runs: Vec<(Buffers<'_>, bool)>, s: &AdamStep) {
 
 /// [`adamw_runs`] on a given path and thread count.
 pub fn adamw_runs_with(path: Path, threads: usize, runs: Vec<(Buffers<'_>, bool)>, s: &AdamStep) {
+    assert!(
+        s.rule != OptimizerKind::Lamb,
+        "LAMB runs in two passes: lamb_moments, then lamb_apply"
+    );
     runs.iter().for_each(|(b, _)| b.check(s.rule));
+    in_shares(threads, runs, |b, decay| {
+        run(path, b, &Scalars::new(s, decay))
+    });
+}
+
+/// Calls `f` on every run, over `threads` threads where there are enough
+/// elements to pay: each thread takes an equal share of all the runs
+/// together, runs cut where the shares meet (`T` is what a run's cut parts
+/// share, as its decay flag).
+fn in_shares<T: Copy + Send>(
+    threads: usize,
+    runs: Vec<(Buffers<'_>, T)>,
+    f: impl Fn(Buffers<'_>, T) + Sync,
+) {
     let n: usize = runs.iter().map(|(b, _)| b.len()).sum();
     if threads <= 1 || n < PARALLEL_MIN {
-        for (b, decay) in runs {
-            run(path, b, &Scalars::new(s, decay));
+        for (b, t) in runs {
+            f(b, t);
         }
         return;
     }
@@ -317,11 +336,11 @@ pub fn adamw_runs_with(path: Path, threads: usize, runs: Vec<(Buffers<'_>, bool)
     let per = n.div_ceil(threads).div_ceil(16) * 16;
     let mut shares = vec![Vec::new()];
     let mut room = per;
-    for (mut b, decay) in runs {
+    for (mut b, t) in runs {
         while b.len() > 0 {
             let k = room.min(b.len());
             let (head, tail) = b.split_at(k);
-            shares.last_mut().expect("a share").push((head, decay));
+            shares.last_mut().expect("a share").push((head, t));
             (b, room) = (tail, room - k);
             if room == 0 {
                 shares.push(Vec::new());
@@ -329,14 +348,71 @@ pub fn adamw_runs_with(path: Path, threads: usize, runs: Vec<(Buffers<'_>, bool)
             }
         }
     }
+    let f = &f;
     rayon::scope(|scope| {
         for share in shares.into_iter().filter(|s| !s.is_empty()) {
             scope.spawn(move |_| {
-                for (b, decay) in share {
-                    run(path, b, &Scalars::new(s, decay));
+                for (b, t) in share {
+                    f(b, t);
                 }
             });
         }
+    });
+}
+
+/// One segment of LAMB's first pass: buffers lying inside one parameter
+/// and one rank's slice, whether decay applies, the flat index of their
+/// first element, and that parameter's sums in that slice.
+pub type LambSegment<'a, 's> = (Buffers<'a>, bool, usize, &'s mut SquareSums);
+
+/// LAMB's first pass ([`lamb::moments`]) over `segments`, a segment to a
+/// task where there are enough elements to pay for threads: each segment
+/// adds to its own sums, so the order of the additions is the segments'
+/// own whatever the threads.
+pub fn lamb_moments(segments: Vec<LambSegment<'_, '_>>, s: &AdamStep) {
+    lamb_moments_with(Path::best(), rayon::current_num_threads(), segments, s);
+}
+
+/// [`lamb_moments`] on a given path and thread count.
+pub fn lamb_moments_with(
+    path: Path,
+    threads: usize,
+    segments: Vec<LambSegment<'_, '_>>,
+    s: &AdamStep,
+) {
+    segments.iter().for_each(|(b, ..)| b.check(s.rule));
+    let n: usize = segments.iter().map(|(b, ..)| b.len()).sum();
+    let one = |(b, decay, at, sums): LambSegment<'_, '_>| {
+        lamb::moments(path, b, at, &LambScalars::new(s, decay), sums)
+    };
+    if threads <= 1 || n < PARALLEL_MIN {
+        segments.into_iter().for_each(one);
+        return;
+    }
+    let one = &one;
+    rayon::scope(|scope| {
+        for seg in segments {
+            scope.spawn(move |_| one(seg));
+        }
+    });
+}
+
+/// LAMB's second pass ([`lamb::apply`]) over runs, each with its decay
+/// flag and its parameter's trust ratio, shared over threads as AdamW's.
+pub fn lamb_apply(runs: Vec<(Buffers<'_>, (bool, f32))>, s: &AdamStep) {
+    lamb_apply_with(Path::best(), rayon::current_num_threads(), runs, s);
+}
+
+/// [`lamb_apply`] on a given path and thread count.
+pub fn lamb_apply_with(
+    path: Path,
+    threads: usize,
+    runs: Vec<(Buffers<'_>, (bool, f32))>,
+    s: &AdamStep,
+) {
+    runs.iter().for_each(|(b, _)| b.check(s.rule));
+    in_shares(threads, runs, |b, (decay, ratio)| {
+        lamb::apply(path, b, &LambScalars::new(s, decay), ratio)
     });
 }
 
@@ -441,9 +517,12 @@ fn scalar_loop<G: Copy>(
     }
 }
 
+pub mod lamb;
 mod lion;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+pub use lamb::{trust_ratio, LambScalars, SquareSums};
 
 #[cfg(test)]
 mod tests {
@@ -615,7 +694,7 @@ mod tests {
     }
 
     /// Random-looking inputs spanning many magnitudes, including zeros.
-    fn inputs(n: usize, seed: u32) -> [Vec<f32>; 4] {
+    pub(super) fn inputs(n: usize, seed: u32) -> [Vec<f32>; 4] {
         let mut x = seed.wrapping_mul(2654435761) | 1;
         let mut next = || {
             x ^= x << 13;
@@ -637,7 +716,7 @@ mod tests {
     }
 
     /// The precisions an update can run in: gradients and working copy types.
-    const PRECISIONS: [Option<Half>; 3] = [None, Some(Half::Bf16), Some(Half::F16)];
+    pub(super) const PRECISIONS: [Option<Half>; 3] = [None, Some(Half::Bf16), Some(Half::F16)];
 
     /// One update of copies of the inputs; returns (p, m, v, working bits),
     /// v empty for Lion.
@@ -669,8 +748,8 @@ mod tests {
             working: kind.map(|h| (h, &mut w[offset..])),
         };
         match (path, s.rule) {
-            (None, OptimizerKind::Adamw) => scalar(b, 0, &Scalars::new(s, true)),
             (None, OptimizerKind::Lion) => lion::scalar(b, &Scalars::new(s, true)),
+            (None, _) => scalar(b, 0, &Scalars::new(s, true)),
             (Some(path), _) => adamw_with(path, threads, b, true, s),
         }
         (p, m, v, w)
@@ -716,7 +795,7 @@ mod tests {
 
     impl<'a> Buffers<'a> {
         /// Buffers over whole vectors, with a working copy in `w` if `kind`.
-        fn of(
+        pub(super) fn of(
             p: &'a mut [f32],
             g: Grads<'a>,
             m: &'a mut [f32],

@@ -153,6 +153,31 @@ impl PartialEq for Run {
     }
 }
 
+/// How far `got` moved each parameter from where `start` had it, against
+/// where `want` moved it: the worst ‖Δgot − Δwant‖ / ‖Δwant‖ over the
+/// parameters (rank 0's whole parameters, by name), and that parameter.
+pub fn worst_move_apart(start: &Run, want: &Run, got: &Run) -> (f64, String) {
+    let norm = |x: &mut dyn Iterator<Item = f64>| x.map(|v| v * v).sum::<f64>().sqrt();
+    let mut worst = (0f64, String::new());
+    for (name, (_, p0)) in &start.named {
+        let moved = |run: &Run| -> Vec<f64> {
+            run.named[name]
+                .1
+                .iter()
+                .zip(p0)
+                .map(|(a, b)| f64::from(a - b))
+                .collect()
+        };
+        let (want, got) = (moved(want), moved(got));
+        let off = norm(&mut got.iter().zip(&want).map(|(a, b)| a - b));
+        let rel = off / norm(&mut want.iter().copied());
+        if rel > worst.0 {
+            worst = (rel, name.clone());
+        }
+    }
+    worst
+}
+
 /// Trains on every rank in parallel; returns what each rank saw.
 pub fn train(spec: JobSpec, world: usize) -> Vec<Run> {
     train_observed(spec, world, false)
