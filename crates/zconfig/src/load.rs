@@ -2361,7 +2361,7 @@ mod tests {
             assert!(e.contains(&format!("train.{knob}: {want}")), "{knob}: {e}");
         }
         // LAMB's trust-ratio bounds: its own, positive, ordered; and LAMB
-        // neither on GPUs nor with its state on NVMe.
+        // not on GPUs.
         let lamb = |extra: &[&str]| {
             let mut sets = vec!["train.optimizer.type=lamb".to_string()];
             sets.extend(extra.iter().map(|s| s.to_string()));
@@ -2377,22 +2377,6 @@ mod tests {
             (
                 &["train.optimizer.max_coeff=0.001"],
                 "train.optimizer.min_coeff: 0.01 is above max_coeff 0.001",
-            ),
-            (
-                &[
-                    "zero.stage=2",
-                    "zero.offload_optimizer.device=nvme",
-                    "zero.offload_optimizer.nvme_path=/tmp",
-                ],
-                "zero.offload_optimizer.device: nvme cannot hold LAMB's state",
-            ),
-            (
-                &[
-                    "zero.stage=3",
-                    "zero.offload_param.device=nvme",
-                    "zero.offload_param.nvme_path=/tmp",
-                ],
-                "zero.offload_param.device: nvme cannot hold LAMB's state",
             ),
         ] {
             let e = lamb(extra).unwrap_err().to_string();

@@ -5,7 +5,7 @@
 
 use crate::error::ConfigError;
 use crate::load::LoadedJob;
-use crate::spec::{OffloadDevice, OffloadSpec, OptimizerKind, ZeroStage};
+use crate::spec::{OffloadDevice, OffloadSpec, ZeroStage};
 
 /// The alignment of every swap transfer; `aio.block_size` is a multiple of it.
 const PAGE: u64 = 4096;
@@ -27,19 +27,6 @@ impl LoadedJob {
                     z.stage.number()
                 ),
             ));
-        }
-        if self.spec.train.optimizer.kind == OptimizerKind::Lamb {
-            for (key, t) in [
-                ("zero.offload_optimizer.device", &z.offload_optimizer),
-                ("zero.offload_param.device", &z.offload_param),
-            ] {
-                if t.is_nvme() {
-                    return Err(self.invalid(
-                        key,
-                        "nvme cannot hold LAMB's state: its trust ratios need a pass over every moment before any parameter moves, two passes over the swap files that zrun does not make; use device: cpu or none, or train.optimizer.type: adamw",
-                    ));
-                }
-            }
         }
         self.check_target("zero.offload_optimizer", &z.offload_optimizer)?;
         self.check_target("zero.offload_param", &z.offload_param)?;

@@ -197,20 +197,22 @@ impl Group {
         adamw_runs(runs, hp);
     }
 
-    /// LAMB's first pass over `range` (as [`Group::adam`]'s): the moments
-    /// updated, and each parameter's squares added to the sums of the cells
-    /// they lie in (`cells`, the layout's [`GroupLayout::norm_cells`], and
-    /// their `sums`); padding adds nothing and is left as it is.
+    /// LAMB's first pass over `range` (as [`Group::adam`]'s, and as it
+    /// takes `swapped`): the moments updated, and each parameter's squares
+    /// added to the sums of the cells they lie in (`cells`, the layout's
+    /// [`GroupLayout::norm_cells`], and their sums); padding adds nothing
+    /// and is left as it is. A cell cut over several calls adds its parts
+    /// in order, as one call would.
     pub(crate) fn lamb_moments(
         &mut self,
         range: Range<usize>,
         rank: usize,
         stage: ZeroStage,
         hp: &AdamStep,
-        cells: &[NormCell],
-        sums: &mut [SquareSums],
+        (cells, sums): (&[NormCell], &mut [SquareSums]),
+        swapped: Swapped<'_>,
     ) {
-        let (whole, layout) = self.buffers(range.clone(), rank, stage, Swapped::default());
+        let (whole, layout) = self.buffers(range.clone(), rank, stage, swapped);
         // The cells that overlap the range, in order.
         let first = cells.partition_point(|c| c.range.end <= range.start);
         let last = cells.partition_point(|c| c.range.start < range.end);
@@ -240,8 +242,9 @@ impl Group {
         stage: ZeroStage,
         hp: &AdamStep,
         ratios: &[f32],
+        swapped: Swapped<'_>,
     ) {
-        let (whole, layout) = self.buffers(range.clone(), rank, stage, Swapped::default());
+        let (whole, layout) = self.buffers(range.clone(), rank, stage, swapped);
         let mut rest = whole;
         let mut runs = Vec::new();
         for (r, slot) in layout.slot_runs(range) {

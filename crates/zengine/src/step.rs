@@ -26,6 +26,16 @@ use crate::offload::ALIGN_ELEMS;
 use crate::precision::Flat;
 use crate::schedule::{beta1_at, lr_at};
 
+/// What a pass over swapped sub-groups does to each piece.
+enum SwappedPass<'a> {
+    /// AdamW (or Lion).
+    Adam(&'a AdamStep),
+    /// LAMB's first pass, adding to each group's cells' sums.
+    LambMoments(&'a AdamStep, &'a [Vec<NormCell>], &'a mut [Vec<SquareSums>]),
+    /// LAMB's second pass, with each group's ratios by slot.
+    LambApply(&'a AdamStep, &'a [Vec<f32>]),
+}
+
 /// Part of the region this rank updates: flat ranges of one or more groups,
 /// updated together.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,9 +116,9 @@ impl Engine {
             let hp = self.adam_step(lr, grad_scale);
             let subs = self.sub_groups();
             if hp.rule == OptimizerKind::Lamb {
-                self.lamb_steps(&hp)?;
+                self.lamb_steps(&subs, &hp, swapped_coef)?;
             } else if self.offload.is_some() {
-                self.swapped_optimizer_steps(&subs, &hp, swapped_coef)?;
+                self.swapped_optimizer_steps(&subs, SwappedPass::Adam(&hp), swapped_coef)?;
             } else {
                 for sub in &subs {
                     self.optimizer_step(sub, &hp);
@@ -306,24 +316,43 @@ impl Engine {
 
     /// LAMB over the region this rank updates: the first pass (moments, and
     /// each parameter's sums of squares cell by cell), the trust ratios from
-    /// every rank's sums, the second pass. (NVMe offload, which would read
-    /// the state twice, is refused with LAMB when the job is checked.)
-    fn lamb_steps(&mut self, hp: &AdamStep) -> Result<(), EngineError> {
+    /// every rank's sums, the second pass. With NVMe offload each pass runs
+    /// over the sub-groups through the swap pipeline (`subs`; swapped f32
+    /// gradients clipped by `coef` as the first pass reads them), so the
+    /// state is read twice.
+    fn lamb_steps(
+        &mut self,
+        subs: &[SubGroup],
+        hp: &AdamStep,
+        coef: Option<f32>,
+    ) -> Result<(), EngineError> {
         let (rank, stage) = (self.comm.rank(), self.stage);
-        assert!(self.offload.is_none(), "LAMB with NVMe offload is refused");
         let cells: Vec<Vec<NormCell>> = self.groups.iter().map(|g| g.layout.norm_cells()).collect();
         let mut sums: Vec<Vec<SquareSums>> = cells
             .iter()
             .map(|c| vec![SquareSums::default(); c.len()])
             .collect();
-        for ((g, c), s) in self.groups.iter_mut().zip(&cells).zip(&mut sums) {
-            let region = g.updated_region(rank, stage);
-            g.lamb_moments(region, rank, stage, hp, c, s);
+        let swapped = self.offload.is_some();
+        if swapped {
+            self.swapped_optimizer_steps(
+                subs,
+                SwappedPass::LambMoments(hp, &cells, &mut sums),
+                coef,
+            )?;
+        } else {
+            for ((g, c), s) in self.groups.iter_mut().zip(&cells).zip(&mut sums) {
+                let region = g.updated_region(rank, stage);
+                g.lamb_moments(region, rank, stage, hp, (c, s), Swapped::default());
+            }
         }
         let ratios = self.trust_ratios(&cells, &sums)?;
-        for (g, r) in self.groups.iter_mut().zip(&ratios) {
-            let region = g.updated_region(rank, stage);
-            g.lamb_apply(region, rank, stage, hp, r);
+        if swapped {
+            self.swapped_optimizer_steps(subs, SwappedPass::LambApply(hp, &ratios), None)?;
+        } else {
+            for (g, r) in self.groups.iter_mut().zip(&ratios) {
+                let region = g.updated_region(rank, stage);
+                g.lamb_apply(region, rank, stage, hp, r, Swapped::default());
+            }
         }
         Ok(())
     }
@@ -387,15 +416,16 @@ impl Engine {
             .collect())
     }
 
-    /// AdamW on every sub-group with state in swap files, pipelined: while
+    /// `pass` over every sub-group with state in swap files, pipelined: while
     /// sub-group k is updated, the reads of the next ones and the writes of
     /// the previous ones are in flight, at most `buffer_count` sub-groups'
     /// buffers in all (at least 3: read ahead, update, write back). Swapped
-    /// f32 gradients are clipped by `coef` in place as they are read.
+    /// f32 gradients are clipped by `coef` in place as they are read. Only
+    /// what the pass changed is written back.
     fn swapped_optimizer_steps(
         &mut self,
         subs: &[SubGroup],
-        hp: &AdamStep,
+        mut pass: SwappedPass<'_>,
         coef: Option<f32>,
     ) -> Result<(), EngineError> {
         let (rank, stage) = (self.comm.rank(), self.stage);
@@ -444,7 +474,21 @@ impl Engine {
                     params: b.params.as_mut().map(|x| x.bytes_mut()),
                     grads: b.grads.as_ref().map(|x| x.bytes()),
                 };
-                groups[b.group].adam(b.range.clone(), rank, stage, hp, swapped);
+                let (g, range) = (b.group, b.range.clone());
+                match &mut pass {
+                    SwappedPass::Adam(hp) => groups[g].adam(range, rank, stage, hp, swapped),
+                    SwappedPass::LambMoments(hp, cells, sums) => {
+                        let cells = (cells[g].as_slice(), sums[g].as_mut_slice());
+                        groups[g].lamb_moments(range, rank, stage, hp, cells, swapped);
+                        // The parameters are as they were read.
+                        (b.params, b.master) = (None, None);
+                    }
+                    SwappedPass::LambApply(hp, ratios) => {
+                        groups[g].lamb_apply(range, rank, stage, hp, &ratios[g], swapped);
+                        // The moments are as they were read.
+                        (b.exp_avg, b.exp_avg_sq) = (None, None);
+                    }
+                }
                 handles.extend(off.write_piece(b));
             }
             writes.push_back((set_bytes(sub), handles));

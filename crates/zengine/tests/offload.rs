@@ -99,6 +99,37 @@ fn lion_offloaded_swaps_one_moment_and_keeps_its_bits() {
     }
 }
 
+/// LAMB offloaded keeps in-memory LAMB's bits: each of its two passes runs
+/// over the sub-groups through the swap pipeline (the first with swapped
+/// gradients clipped as it reads them, stage 2, a clip that bites), its
+/// cells' sums carried across sub-groups of 3000 elements that cut them;
+/// with the parameters offloaded too at stage 3, in f32 and bf16.
+#[test]
+fn lamb_offloaded_keeps_its_bits_over_two_passes() {
+    let swap = tempfile::tempdir().unwrap();
+    let lamb = |mut spec: JobSpec| {
+        spec.train.optimizer.kind = zconfig::spec::OptimizerKind::Lamb;
+        spec.train.lr = 1e-2;
+        spec.train.grad_clip = 0.05;
+        spec
+    };
+    for dtype in ["f32", "bf16"] {
+        for (stage, params) in [(1u8, false), (2, false), (3, true)] {
+            let spec = lamb(typed_spec(dtype, stage, 2, 2000, true, false, 4));
+            let base = train(spec.clone(), 2);
+            assert!(base[0].norms.iter().all(|&n| n > 0.05), "the clip bites");
+            let got = train(offloaded(spec, swap.path(), params), 2);
+            let what = format!("{dtype} stage {stage} params offloaded {params}");
+            assert!(got[0].nvme > 0, "{what}: nothing swapped");
+            for r in 0..2 {
+                assert_eq!(got[r].losses, base[r].losses, "{what} rank {r}");
+                assert!(got[r].params == base[r].params, "{what} rank {r}");
+                assert_eq!(got[r].optimizer_held, 0, "{what}: moments left in memory");
+            }
+        }
+    }
+}
+
 /// Parameter offload alone (optimizer state in memory) and gradient
 /// accumulation with activation checkpointing, f16 with its loss scale.
 #[test]

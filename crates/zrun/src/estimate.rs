@@ -222,7 +222,7 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                 workers_per_node: wpn,
                 bytes_per_param: bytes,
                 training: format!("{dtype_name}, {rule_name}"),
-                rows: runnable(model_state_rows(psi, nodes, wpn, bytes, 0.0), rule),
+                rows: model_state_rows(psi, nodes, wpn, bytes, 0.0),
                 activations: None,
                 stage: None,
                 this_job: None,
@@ -331,10 +331,7 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
         workers_per_node: wpn,
         bytes_per_param: bytes,
         training: format!("{}, {}", spec.train.dtype, spec.train.optimizer.kind.name()),
-        rows: runnable(
-            model_state_rows(psi, nodes, wpn, bytes, largest_group(&spec.model)),
-            spec.train.optimizer.kind,
-        ),
+        rows: model_state_rows(psi, nodes, wpn, bytes, largest_group(&spec.model)),
         activations: Some(Activations {
             micro_batch_size: spec.train.micro_batch_size,
             bytes_per_worker: act,
@@ -389,13 +386,4 @@ pub fn mem_available() -> Option<f64> {
 /// This host's memory and swap together (`MemTotal + SwapTotal`), if known.
 pub fn mem_total() -> Option<f64> {
     Some(meminfo("MemTotal")? + meminfo("SwapTotal").unwrap_or(0.0))
-}
-
-/// The rows a job with update rule `rule` can run: LAMB keeps its state
-/// off NVMe (its two passes would read the swap files twice).
-fn runnable(mut rows: Vec<Row>, rule: OptimizerKind) -> Vec<Row> {
-    if rule == OptimizerKind::Lamb {
-        rows.retain(|r| !r.offload.ends_with("nvme"));
-    }
-    rows
 }

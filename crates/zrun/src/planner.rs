@@ -356,7 +356,13 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
             } else {
                 0.0
             };
-            (2.0 * (states.nvme - b.param * psi / w).max(0.0) + params) / (bw * 1e9 / per_node)
+            // The optimizer's state read and written once a step; LAMB's two
+            // passes read it twice and write each part once, 1.5 times the bytes.
+            let passes = match spec.train.optimizer.kind {
+                OptimizerKind::Lamb => 3.0,
+                _ => 2.0,
+            };
+            (passes * (states.nvme - b.param * psi / w).max(0.0) + params) / (bw * 1e9 / per_node)
         }
         _ => 0.0,
     };
