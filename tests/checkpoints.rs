@@ -1521,3 +1521,104 @@ fn early_stopping_ends_the_run_where_the_rule_says() {
         assert!(f.stderr.contains(key), "{set}: {}", f.stderr);
     }
 }
+
+/// `train.schedule: reduce_lr_on_plateau` (transformers' name for
+/// PyTorch's `ReduceLROnPlateau` on the validation loss): every step's rate
+/// is what the rule, applied here by hand to the run's own validation
+/// losses, sets (patience 1, factor 0.5, a loss counting as better only
+/// 5% below the best), and it falls at least twice; a run resumed from its
+/// step-10 checkpoint goes on with the same rates and losses (the rule's
+/// state rides in the manifest); without validation, with a warmup written,
+/// or beside another schedule: exit 2 naming the key.
+#[test]
+fn reduce_lr_on_plateau_lowers_the_rate_where_the_rule_says() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    std::fs::write(dir.join("digits.txt"), "0123456789".repeat(3000)).unwrap();
+    let job = dir.join("plateau.yaml");
+    std::fs::write(
+        &job,
+        format!(
+            "name: plateau\n\
+             model: {{vocab_size: 256, d_model: 64, n_layers: 2, n_heads: 4, seq_len: 32}}\n\
+             data: {{path: {0}/digits.txt, format: text, val_fraction: 0.1}}\n\
+             train: {{steps: 24, micro_batch_size: 8, lr: 0.1, schedule: reduce_lr_on_plateau, eval_every: 2, plateau: {{patience: 1, factor: 0.5, threshold: 0.05}}}}\n\
+             checkpoint: {{dir: {0}/ckpt, every: 10, keep: 3}}\n\
+             run_dir: {0}/runs\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    train(dir, &job, "plateau.jsonl", &[]);
+    let lrs = e2e::exact_by_step(&dir.join("plateau.jsonl"), "lr");
+    let validated = e2e::exact_by_step(&dir.join("plateau.jsonl"), "val_loss");
+    assert_eq!(validated.len(), 12, "{validated:?}");
+    // The rule by hand: a step's rate is what the validations before it set.
+    let (mut best, mut bad, mut lr) = (f64::INFINITY, 0, 0.1);
+    let mut want = Vec::new();
+    for step in 1..=24u64 {
+        want.push((step, lr));
+        if let Some(&(_, loss)) = validated.iter().find(|v| v.0 == step) {
+            if loss < best * 0.95 {
+                (best, bad) = (loss, 0);
+            } else {
+                bad += 1;
+            }
+            if bad > 1 {
+                (lr, bad) = (lr * 0.5, 0);
+            }
+        }
+    }
+    assert_eq!(lrs, want, "validations {validated:?}");
+    assert!(
+        want[23].1 <= 0.025,
+        "the rate fell less than twice: {want:?}"
+    );
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("ckpt/step-00000010/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        manifest["plateau"]["lr"].as_f64(),
+        Some(want[10].1),
+        "{manifest}"
+    );
+
+    // Resumed from step 10: the same rates and losses after it.
+    let from = dir.join("ckpt/step-00000010");
+    train(
+        dir,
+        &job,
+        "resumed.jsonl",
+        &[
+            "--resume",
+            from.to_str().unwrap(),
+            "--set",
+            &format!("checkpoint.dir={}/ckpt2", dir.display()),
+        ],
+    );
+    let after = |name: &str, key: &str| -> Vec<(u64, f64)> {
+        e2e::exact_by_step(&dir.join(name), key)
+            .into_iter()
+            .filter(|s| s.0 > 10)
+            .collect()
+    };
+    assert_eq!(after("resumed.jsonl", "lr"), after("plateau.jsonl", "lr"));
+    assert_eq!(
+        after("resumed.jsonl", "loss"),
+        after("plateau.jsonl", "loss")
+    );
+
+    for (set, key) in [
+        ("train.eval_every=0", "train.schedule"),
+        ("train.warmup_steps=5", "train.warmup_steps"),
+        ("train.plateau.factor=1", "train.plateau.factor"),
+        ("train.schedule=cosine", "train.plateau"),
+    ] {
+        let f = TrainArgs::new(&job, dir.join("refused.jsonl"))
+            .set(set)
+            .run(dir);
+        assert_eq!(f.code(), 2, "{set}: {f:?}");
+        assert!(f.stderr.contains(key), "{set}: {}", f.stderr);
+    }
+}

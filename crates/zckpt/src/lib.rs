@@ -32,7 +32,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use zconfig::spec::{ModelSpec, OptimizerKind};
+use zconfig::spec::{ModelSpec, OptimizerKind, PlateauSpec, ThresholdMode};
 use zconfig::Dtype;
 
 /// Manifest file name.
@@ -171,6 +171,10 @@ pub struct Manifest {
     /// goes on from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub early_stopping: Option<EarlyStopState>,
+    /// `train.schedule: reduce_lr_on_plateau`'s state at its step, which a
+    /// resumed run goes on from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plateau: Option<PlateauState>,
     /// The update rule whose state the shards hold (`train.optimizer.type`;
     /// absent: AdamW, as in every checkpoint written before Lion). A run
     /// with another rule refuses to resume from it: Lion leaves AdamW's
@@ -223,6 +227,62 @@ impl EarlyStopState {
                 false => b.stale + 1,
             },
         }
+    }
+}
+
+/// Where `train.schedule: reduce_lr_on_plateau` stands after a validation:
+/// PyTorch's `ReduceLROnPlateau` state (mode `min`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PlateauState {
+    /// The lowest validation loss so far (none before a finite one).
+    pub best: Option<f64>,
+    /// Validations since the best, less those in a cooldown.
+    pub bad: u64,
+    /// Validations of the cooldown still to come.
+    pub cooldown: u64,
+    /// The rate.
+    pub lr: f64,
+}
+
+impl PlateauState {
+    /// The state after a validation loss `val`, from `before` (none before
+    /// the first, when the rate is `lr`): `ReduceLROnPlateau.step`, with
+    /// `min_lr` as its floor.
+    pub fn after(
+        before: Option<PlateauState>,
+        val: f64,
+        lr: f64,
+        min_lr: f64,
+        rule: &PlateauSpec,
+    ) -> PlateauState {
+        let mut s = before.unwrap_or(PlateauState {
+            best: None,
+            bad: 0,
+            cooldown: 0,
+            lr,
+        });
+        let best = s.best.unwrap_or(f64::INFINITY);
+        let better = match rule.threshold_mode {
+            ThresholdMode::Rel => val < best * (1.0 - rule.threshold),
+            ThresholdMode::Abs => val < best - rule.threshold,
+        };
+        if better {
+            (s.best, s.bad) = (Some(val), 0);
+        } else {
+            s.bad += 1;
+        }
+        if s.cooldown > 0 {
+            s.cooldown -= 1;
+            s.bad = 0;
+        }
+        if s.bad > rule.patience {
+            let lower = (s.lr * rule.factor).max(min_lr);
+            if s.lr - lower > rule.eps {
+                s.lr = lower;
+            }
+            (s.cooldown, s.bad) = (rule.cooldown, 0);
+        }
+        s
     }
 }
 
@@ -829,6 +889,69 @@ pub fn read_weights(path: &Path) -> Result<Weights, CkptError> {
 mod tests {
     use super::*;
 
+    /// `ReduceLROnPlateau`'s rule, by hand: a rate of 1 halved (factor 0.5)
+    /// after more than one bad validation (patience 1), an improvement being
+    /// a loss below 0.9 of the best (threshold 0.1, `rel`), one validation
+    /// of cooldown after each reduction, never below 0.3; a reduction under
+    /// eps is not made.
+    #[test]
+    fn plateau_lowers_the_rate_as_reduce_lr_on_plateau_does() {
+        let rule = PlateauSpec {
+            factor: 0.5,
+            patience: 1,
+            threshold: 0.1,
+            cooldown: 1,
+            ..PlateauSpec::default()
+        };
+        let (min_lr, mut s) = (0.3, None);
+        // (loss, best after, bad after, cooldown after, rate after)
+        let want = [
+            (10.0, Some(10.0), 0, 0, 1.0),    // the first is better than nothing
+            (9.5, Some(10.0), 1, 0, 1.0),     // not below 9: bad
+            (8.0, Some(8.0), 0, 0, 1.0),      // below 9: the best
+            (7.5, Some(8.0), 1, 0, 1.0),      // not below 7.2
+            (7.5, Some(8.0), 0, 1, 0.5),      // a second bad: halved, cooldown
+            (7.9, Some(8.0), 0, 0, 0.5),      // bad, but the cooldown counts none
+            (7.9, Some(8.0), 1, 0, 0.5),      // bad
+            (7.9, Some(8.0), 0, 1, 0.3),      // halved to 0.25, floored at 0.3
+            (7.9, Some(8.0), 0, 0, 0.3),      // cooldown
+            (7.9, Some(8.0), 1, 0, 0.3),      // bad
+            (7.9, Some(8.0), 0, 1, 0.3),      // at the floor: no reduction
+            (f64::NAN, Some(8.0), 0, 0, 0.3), // NaN is no improvement
+        ];
+        for (i, &(loss, best, bad, cooldown, lr)) in want.iter().enumerate() {
+            let after = PlateauState::after(s, loss, 1.0, min_lr, &rule);
+            assert_eq!(
+                (after.best, after.bad, after.cooldown, after.lr),
+                (best, bad, cooldown, lr),
+                "validation {i} ({loss})"
+            );
+            s = Some(after);
+        }
+        // `abs`: better means below the best less the threshold.
+        let abs = PlateauSpec {
+            threshold_mode: ThresholdMode::Abs,
+            threshold: 0.5,
+            patience: 0,
+            ..PlateauSpec::default()
+        };
+        let s = PlateauState::after(None, 2.0, 1.0, 0.0, &abs);
+        let s = PlateauState::after(Some(s), 1.6, 1.0, 0.0, &abs);
+        assert_eq!((s.best, s.lr), (Some(2.0), 0.1), "1.6 is not below 1.5");
+        let s = PlateauState::after(Some(s), 1.4, 1.0, 0.0, &abs);
+        assert_eq!((s.best, s.bad, s.lr), (Some(1.4), 0, 0.1));
+        // A reduction no larger than eps is not made.
+        let tiny = PlateauSpec {
+            patience: 0,
+            eps: 0.6,
+            factor: 0.5,
+            ..PlateauSpec::default()
+        };
+        let s = PlateauState::after(None, 1.0, 1.0, 0.0, &tiny);
+        let s = PlateauState::after(Some(s), 1.0, 1.0, 0.0, &tiny);
+        assert_eq!(s.lr, 1.0, "0.5 less is under eps 0.6");
+    }
+
     fn model() -> ModelSpec {
         serde_json::from_value(serde_json::json!({"d_model": 8, "n_heads": 2, "n_layers": 1, "vocab_size": 16, "seq_len": 4})).unwrap()
     }
@@ -861,6 +984,7 @@ mod tests {
             loss_scale: None,
             val_loss,
             early_stopping: None,
+            plateau: None,
             optimizer: OptimizerKind::Adamw,
             groups: vec![GroupEntry {
                 name: "g".into(),

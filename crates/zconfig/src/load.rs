@@ -518,7 +518,8 @@ impl LoadedJob {
         if !schedule.has_warmup() {
             let why = match schedule {
                 Schedule::OneCycle => "whose rising half is its warmup",
-                _ => "a sweep up from train.lr without a warmup",
+                Schedule::LrRangeTest => "a sweep up from train.lr without a warmup",
+                _ => "which starts at train.lr without a warmup, as transformers' does",
             };
             // No warmup but 0.
             let t = &self.spec.train;
@@ -730,6 +731,33 @@ impl LoadedJob {
                 format!("{phi3}, whose rotary embedding is scaled as longrope or not at all"),
             )),
         }
+    }
+
+    /// `reduce_lr_on_plateau`: validations to watch, and its knobs in range.
+    fn check_plateau(&self) -> Result<(), ConfigError> {
+        let s = &self.spec;
+        if !s.train.eval_every.is_set() {
+            return Err(self.invalid(
+                "train.schedule",
+                "reduce_lr_on_plateau lowers the rate when the validation loss stops improving: set train.eval_every (and validation data: data.val_path or data.val_fraction)",
+            ));
+        }
+        let p = s.train.plateau.clone().unwrap_or_default();
+        if !(p.factor > 0.0 && p.factor < 1.0) {
+            return Err(self.invalid(
+                "train.plateau.factor",
+                format!("must be in (0, 1), got {}", p.factor),
+            ));
+        }
+        for (key, v) in [
+            ("train.plateau.threshold", p.threshold),
+            ("train.plateau.eps", p.eps),
+        ] {
+            if v < 0.0 {
+                return Err(self.invalid(key, format!("must be at least 0, got {v}")));
+            }
+        }
+        Ok(())
     }
 
     /// LAMB's trust-ratio bounds: written only for LAMB, and
@@ -1016,6 +1044,7 @@ impl LoadedJob {
                 t.lr_range_test.is_some(),
                 Schedule::LrRangeTest,
             ),
+            ("plateau", t.plateau.is_some(), Schedule::ReduceLrOnPlateau),
         ];
         for (knob, set, owner) in knobs {
             if set && t.schedule != owner {
@@ -1040,6 +1069,9 @@ impl LoadedJob {
         }
         if let Some(c) = &t.one_cycle {
             self.check_one_cycle(c, t.steps)?;
+        }
+        if t.schedule == Schedule::ReduceLrOnPlateau {
+            self.check_plateau()?;
         }
         if let Some(c) = &t.lr_range_test {
             if c.step_size == 0 {

@@ -527,6 +527,11 @@ pub struct TrainSpec {
     /// parameters; its starting rate is `lr`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr_range_test: Option<LrRangeTestSpec>,
+    /// `schedule: reduce_lr_on_plateau`: when a validation loss that stopped
+    /// improving lowers the rate (PyTorch's `ReduceLROnPlateau` arguments;
+    /// its `min_lr` is `train.min_lr`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plateau: Option<PlateauSpec>,
     /// AdamW's betas and epsilon.
     pub optimizer: OptimizerSpec,
     /// Decoupled (AdamW) weight decay on matrices.
@@ -634,6 +639,7 @@ impl Default for TrainSpec {
             timescale: None,
             one_cycle: None,
             lr_range_test: None,
+            plateau: None,
             optimizer: OptimizerSpec::default(),
             weight_decay: 0.1,
             grad_clip: 1.0,
@@ -724,6 +730,57 @@ impl Default for LrRangeTestSpec {
             staircase: false,
         }
     }
+}
+
+/// `schedule: reduce_lr_on_plateau`'s rule, under PyTorch's
+/// `ReduceLROnPlateau` names and defaults (mode `min`, on the validation
+/// loss): a loss better than the best by more than `threshold` (a share of
+/// the best under `rel`, an amount under `abs`) resets the count of bad
+/// validations; past `patience` of them the rate becomes
+/// `max(rate·factor, min_lr)` (kept where that moves it by no more than
+/// `eps`), and the next `cooldown` validations count none.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlateauSpec {
+    /// The rate's multiplier at each reduction, in (0, 1).
+    #[serde(deserialize_with = "finite::number")]
+    pub factor: f64,
+    /// Bad validations tolerated before a reduction.
+    pub patience: u64,
+    /// How much better a loss must be to count as better (≥ 0).
+    #[serde(deserialize_with = "finite::number")]
+    pub threshold: f64,
+    /// `rel` (a share of the best) or `abs`.
+    pub threshold_mode: ThresholdMode,
+    /// Validations after a reduction that count no bad one.
+    pub cooldown: u64,
+    /// A reduction smaller than this is not made (≥ 0).
+    #[serde(deserialize_with = "finite::number")]
+    pub eps: f64,
+}
+
+impl Default for PlateauSpec {
+    fn default() -> Self {
+        Self {
+            factor: 0.1,
+            patience: 10,
+            threshold: 1e-4,
+            threshold_mode: ThresholdMode::Rel,
+            cooldown: 0,
+            eps: 1e-8,
+        }
+    }
+}
+
+/// How `PlateauSpec::threshold` measures an improvement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ThresholdMode {
+    /// Better than `best·(1 − threshold)`.
+    #[default]
+    Rel,
+    /// Better than `best − threshold`.
+    Abs,
 }
 
 /// The optimizer and its coefficients (PyTorch's and DeepSpeed's names and
@@ -843,6 +900,11 @@ pub enum Schedule {
     /// sweep for the rate at which the loss stops falling
     /// (`train.lr_range_test`). No warmup.
     LrRangeTest,
+    /// transformers' `reduce_lr_on_plateau` (PyTorch's `ReduceLROnPlateau`
+    /// on the validation loss): `lr` until validations stop improving, then
+    /// lower by `train.plateau.factor` each time they do (down to `min_lr`).
+    /// No warmup; needs validation (`train.eval_every`).
+    ReduceLrOnPlateau,
 }
 
 impl Schedule {
@@ -858,14 +920,19 @@ impl Schedule {
             Schedule::InverseSqrt => "inverse_sqrt",
             Schedule::OneCycle => "one_cycle",
             Schedule::LrRangeTest => "lr_range_test",
+            Schedule::ReduceLrOnPlateau => "reduce_lr_on_plateau",
         }
     }
 
     /// Whether `train.warmup_steps` applies: not to DeepSpeed's `OneCycle`
-    /// (its cycle's rising half is its warmup) or `LRRangeTest` (a sweep
-    /// from `lr` up).
+    /// (its cycle's rising half is its warmup), `LRRangeTest` (a sweep
+    /// from `lr` up) or transformers' `reduce_lr_on_plateau` (which its
+    /// `get_scheduler` makes without one).
     pub fn has_warmup(self) -> bool {
-        !matches!(self, Schedule::OneCycle | Schedule::LrRangeTest)
+        !matches!(
+            self,
+            Schedule::OneCycle | Schedule::LrRangeTest | Schedule::ReduceLrOnPlateau
+        )
     }
 }
 

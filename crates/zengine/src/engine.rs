@@ -62,6 +62,9 @@ pub struct Engine {
     /// Updates applied (steps minus those f16 skipped): Adam's and the
     /// schedule's step count.
     pub(crate) updates: u64,
+    /// `reduce_lr_on_plateau`: the rate its validations have set, which
+    /// replaces the schedule's ([`Engine::set_plateau_lr`]).
+    pub(crate) plateau_lr: Option<f64>,
     /// Gradient buckets and the reductions in flight.
     pub(crate) reducer: Reducer,
     /// Parameter tensors of the current step, for groups that keep
@@ -236,6 +239,7 @@ impl Engine {
             half,
             scaler: (half == Some(Half::F16)).then(|| LossScaler::new(&spec.train.loss_scale)),
             updates: 0,
+            plateau_lr: None,
             reducer,
             step: 0,
             micro: 0,
@@ -279,6 +283,19 @@ impl Engine {
     /// Optimizer steps taken.
     pub fn steps_done(&self) -> u64 {
         self.step
+    }
+
+    /// Sets the rate of every later update, in place of the schedule's:
+    /// `reduce_lr_on_plateau` after a validation lowers it (the caller keeps
+    /// the rule's state, which checkpoints carry).
+    pub fn set_plateau_lr(&mut self, lr: f64) {
+        self.plateau_lr = Some(lr);
+    }
+
+    /// The rate of the next update: the schedule's, or the plateau rule's.
+    pub(crate) fn next_lr(&self) -> f64 {
+        self.plateau_lr
+            .unwrap_or_else(|| crate::schedule::lr_at(self.updates + 1, &self.spec.train))
     }
 
     /// Every group's full f32 parameters (unpadded; the master copy under mixed

@@ -60,7 +60,6 @@ use crate::gather::Prefetcher;
 use crate::group::Group;
 use crate::micro_batch::MicroBatch;
 use crate::precision::{Flat, Half, TASK};
-use crate::schedule::lr_at;
 use crate::StepStats;
 
 impl From<Half> for zcuda::Half16 {
@@ -1126,7 +1125,7 @@ impl Engine {
         }
         let grad_norm = self.norm_from_own_sq(own_sq)?;
         let overflow = self.check_overflow(step, grad_norm)?;
-        let lr = lr_at(self.updates + 1, &self.spec.train);
+        let lr = self.next_lr();
         if !overflow {
             self.updates += 1;
             let hp = self.adam_step(lr, 1.0);
@@ -1276,7 +1275,7 @@ impl Engine {
         }
         let grad_norm = self.norm_from_own_sq(own_sq)?;
         let overflow = self.check_overflow(step, grad_norm)?;
-        let lr = lr_at(self.updates + 1, &self.spec.train);
+        let lr = self.next_lr();
         if !overflow {
             let clip = self.spec.train.grad_clip;
             if clip > 0.0 && grad_norm > clip {

@@ -48,7 +48,8 @@ pub fn lr_at(step: u64, t: &TrainSpec) -> f64 {
     let progress = (since as f64 / decay_steps).min(1.0);
     let half_cosine = |x: f64| 0.5 * (1.0 + (std::f64::consts::PI * x).cos());
     match t.schedule {
-        Schedule::Constant => peak,
+        // The plateau rule's rate lives in the engine (`Engine::set_plateau_lr`).
+        Schedule::Constant | Schedule::ReduceLrOnPlateau => peak,
         Schedule::Linear | Schedule::Wsd => floor + (peak - floor) * (1.0 - progress),
         Schedule::Cosine => floor + (peak - floor) * half_cosine(progress),
         Schedule::CosineWithRestarts if progress >= 1.0 => floor,

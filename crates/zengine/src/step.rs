@@ -24,7 +24,7 @@ use crate::gather::Gathering;
 use crate::group::{Group, Swapped};
 use crate::offload::ALIGN_ELEMS;
 use crate::precision::Flat;
-use crate::schedule::{beta1_at, lr_at};
+use crate::schedule::beta1_at;
 
 /// What a pass over swapped sub-groups does to each piece.
 enum SwappedPass<'a> {
@@ -108,8 +108,7 @@ impl Engine {
         let grad_scale = self.average_gradients();
         let grad_norm = self.global_grad_norm(grad_scale)?;
         let overflow = self.check_overflow(step, grad_norm)?;
-        let t = &self.spec.train;
-        let lr = lr_at(self.updates + 1, t);
+        let lr = self.next_lr();
         if !overflow {
             let (grad_scale, swapped_coef) = self.clip_gradients(grad_norm, grad_scale);
             self.updates += 1;

@@ -11,7 +11,8 @@ use std::path::Path;
 
 use anyhow::{anyhow, Result};
 use zckpt::{
-    step_dir_name, write_manifest, write_shard, EarlyStopState, FileEntry, Manifest, FORMAT,
+    step_dir_name, write_manifest, write_shard, EarlyStopState, FileEntry, Manifest, PlateauState,
+    FORMAT,
 };
 use zcomm::Communicator;
 use zconfig::JobSpec;
@@ -27,6 +28,8 @@ pub struct Validation {
     pub val_loss: Option<f64>,
     /// `train.early_stopping`'s count after the last validation.
     pub early_stopping: Option<EarlyStopState>,
+    /// `reduce_lr_on_plateau`'s state after the last validation.
+    pub plateau: Option<PlateauState>,
 }
 
 /// Saves the engine's state after its last step, with `validation`.
@@ -74,6 +77,7 @@ pub fn save(
             loss_scale: engine.loss_scale_state(),
             val_loss: validation.val_loss,
             early_stopping: validation.early_stopping,
+            plateau: validation.plateau,
             optimizer: spec.train.optimizer.kind,
             groups: engine.manifest_groups(),
             files,

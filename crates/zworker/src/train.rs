@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use zckpt::{Checkpoint, EarlyStopState};
+use zckpt::{Checkpoint, EarlyStopState, PlateauState};
 use zcomm::{CounterSnapshot, Op};
 use zconfig::JobSpec;
 use zdata::job::Sources;
@@ -81,6 +81,7 @@ pub fn train(
         engine.load_weights(&weights)?;
     }
     let mut early = None;
+    let mut plateau = None;
     if let Some(dir) = resume {
         let ckpt =
             Checkpoint::open(Path::new(dir)).with_context(|| format!("resuming from {dir}"))?;
@@ -94,6 +95,15 @@ pub fn train(
             .manifest
             .early_stopping
             .filter(|_| t.early_stopping.is_some());
+        // Likewise the plateau rule's rate and counts, where the job still
+        // has the rule.
+        plateau = ckpt
+            .manifest
+            .plateau
+            .filter(|_| t.schedule == zconfig::Schedule::ReduceLrOnPlateau);
+        if let Some(p) = plateau {
+            engine.set_plateau_lr(p.lr);
+        }
     }
     // Whether early stopping ends the run after `step`.
     let stops_early = |early: Option<EarlyStopState>, step: u64| {
@@ -160,9 +170,25 @@ pub fn train(
         if let (Some(e), Some(l)) = (&t.early_stopping, val_loss) {
             early = Some(EarlyStopState::after(early, st.step, l, e.threshold));
         }
+        if let (zconfig::Schedule::ReduceLrOnPlateau, Some(l)) = (t.schedule, val_loss) {
+            let rule = t.plateau.clone().unwrap_or_default();
+            let p = PlateauState::after(plateau, l, t.lr, t.min_lr, &rule);
+            if env.rank == 0 && p.lr < plateau.map_or(t.lr, |before| before.lr) {
+                tracing::info!(
+                    "step {}: validation loss {l:.4} has not improved on {:.4} for {} validations: learning rate now {:.3e}",
+                    st.step,
+                    p.best.unwrap_or(f64::NAN),
+                    rule.patience + 1,
+                    p.lr
+                );
+            }
+            engine.set_plateau_lr(p.lr);
+            plateau = Some(p);
+        }
         let validation = Validation {
             val_loss,
             early_stopping: early,
+            plateau,
         };
         client.send(&ToServer::Report(Box::new(StepReport {
             step: st.step,
@@ -226,6 +252,7 @@ pub fn train(
         let validation = Validation {
             val_loss,
             early_stopping: early,
+            plateau,
         };
         save_now(&engine, &data, validation)?;
     }

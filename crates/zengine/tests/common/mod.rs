@@ -330,6 +330,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
         let manifest = Manifest {
             val_loss: None,
             early_stopping: None,
+            plateau: None,
             optimizer: spec.train.optimizer.kind,
             format: zckpt::FORMAT,
             model: spec.model.clone(),
