@@ -142,7 +142,7 @@ fn a_key_zrun_cannot_honour_exits_2_at_its_line() {
     let ds = dir.path().join("lamb.json");
     std::fs::write(
         &ds,
-        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n  \"optimizer\": {\"type\": \"Lamb\", \"params\": {\"lr\": 1e-3}}\n}\n",
+        "{\n  \"train_micro_batch_size_per_gpu\": 2,\n  \"optimizer\": {\"type\": \"OneBitLamb\", \"params\": {\"lr\": 1e-3}}\n}\n",
     )
     .unwrap();
     let job = bare_job(dir.path());
@@ -153,7 +153,7 @@ fn a_key_zrun_cannot_honour_exits_2_at_its_line() {
     assert_eq!(f.code(), 2, "{f:?}");
     assert!(
         f.stderr
-            .contains("lamb.json:3:17: optimizer.type: `Lamb` cannot be honoured"),
+            .contains("lamb.json:3:17: optimizer.type: `OneBitLamb` cannot be honoured"),
         "{}",
         f.stderr
     );

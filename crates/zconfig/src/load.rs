@@ -2393,7 +2393,7 @@ mod tests {
             assert!(e.contains(&format!("train.{knob}: {want}")), "{knob}: {e}");
         }
         // LAMB's trust-ratio bounds: its own, positive, ordered; and LAMB
-        // not on GPUs.
+        // on GPUs only with its optimizer on the host.
         let lamb = |extra: &[&str]| {
             let mut sets = vec!["train.optimizer.type=lamb".to_string()];
             sets.extend(extra.iter().map(|s| s.to_string()));
@@ -2425,8 +2425,15 @@ mod tests {
         );
         let mut gpu = lamb(&[]).unwrap().spec;
         gpu.device = crate::spec::Device::Cuda;
-        let why = gpu.gpu_unsupported().expect("LAMB refused on GPUs");
-        assert!(why.contains("lamb runs on the CPU"), "{why}");
+        let why = gpu
+            .gpu_unsupported()
+            .expect("LAMB refused on resident GPUs");
+        assert!(
+            why.contains("set zero.offload_optimizer.device: cpu"),
+            "{why}"
+        );
+        gpu.zero.offload_optimizer.device = crate::spec::OffloadDevice::Cpu;
+        assert_eq!(gpu.gpu_unsupported(), None, "LAMB on the host beside a GPU");
         // one_cycle: its keys, its refusals; no warmup beside it but 0.
         let one = |extra: &[&str]| {
             let mut sets = vec!["train.schedule=one_cycle".to_string()];

@@ -1270,9 +1270,11 @@ impl JobSpec {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
         }
-        if self.train.optimizer.kind == OptimizerKind::Lamb {
+        if self.train.optimizer.kind == OptimizerKind::Lamb
+            && self.zero.offload_optimizer.device == OffloadDevice::None
+        {
             return Some(
-                "train.optimizer.type: lamb runs on the CPU (device: cpu); the GPU path has AdamW's and Lion's kernels"
+                "train.optimizer.type: lamb runs its two passes on the host (the GPU has AdamW's and Lion's kernels): set zero.offload_optimizer.device: cpu, ZeRO-Offload, to train it with the GPU"
                     .into(),
             );
         }

@@ -18,22 +18,25 @@
 //! corrections, which enter through `step_size` after the ratio.
 //!
 //! The sums are what keeps ZeRO's stages bit-identical: a parameter's
-//! elements in one rank's slice are summed in f64 (each square of an f32 is
-//! exact there) in [`LANES`] lanes, lane i taking the elements whose flat
-//! index is i mod [`LANES`], each lane in index order. That order depends on
-//! the indices alone, not on where a range is cut into sub-groups or thread
-//! shares, so stage 0 (which updates every slice) and stages 1-3 (one slice
-//! each) add the same numbers in the same order. Both passes are loops the
-//! compiler vectorises per ISA, as Lion's: each operation rounds on its own.
+//! elements in one cell (a run of it inside one rank's slice, cut at fixed
+//! places: `GroupLayout::norm_cells`) are summed in f64 (each square of an
+//! f32 is exact there) in [`LANES`] lanes, lane i taking the elements whose
+//! flat index is i mod [`LANES`], each lane in index order. That order
+//! depends on the indices alone, not on where a range is cut into
+//! sub-groups or threads' work, so stage 0 (which updates every slice) and
+//! stages 1-3 (one slice each) add the same numbers in the same order. Both
+//! passes are loops the compiler vectorises per ISA, as Lion's: each
+//! operation rounds on its own.
 
 use super::{AdamStep, Buffers, Grads, Path};
 use crate::precision::Half;
 
-/// Lanes of a slice's sums of squares.
+/// Lanes of a cell's sums of squares.
 pub const LANES: usize = 8;
 
-/// Sums of squares of one parameter's elements in one rank's slice: of the
-/// parameters (w) and of the updates (u), lane by lane ([`LANES`]).
+/// Sums of squares of one cell's elements (a run of one parameter inside
+/// one rank's slice): of the parameters (w) and of the updates (u), lane by
+/// lane ([`LANES`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SquareSums {
     w: [f64; LANES],
