@@ -6,9 +6,9 @@
 //! - **ignored by design**: it tunes something zrun does its own way or always
 //!   does (`contiguous_gradients`, `wall_clock_breakdown`); listed once in a
 //!   warning;
-//! - **refused**: a value whose meaning zrun cannot honour (a LAMB optimizer,
-//!   a static loss scale, CPU activation checkpointing), or a key zrun does not
-//!   know: exit 2 naming the JSON path and its line.
+//! - **refused**: a value whose meaning zrun cannot honour (a 1-bit
+//!   optimizer, CPU activation checkpointing, a partial offload), or a key
+//!   zrun does not know: exit 2 naming the JSON path and its line.
 //!
 //! `"auto"` resolves as Hugging Face's integration resolves it, with the job
 //! in the trainer's place: the job's value of the key it maps to (the batch
@@ -1044,12 +1044,21 @@ impl Reader {
             // Absent or "auto": the job's dtype.
             (None, None) => {}
         }
+        // 0 is dynamic scaling; above it, a static scale.
         if let Some(scale) = self.get("fp16.loss_scale").cloned() {
-            if scale.as_f64() != Some(0.0) {
-                return Err(self.error(
-                    "fp16.loss_scale",
-                    format!("{scale}: a static loss scale cannot be honoured: zrun scales f16 losses dynamically (write 0)"),
-                ));
+            match scale.as_f64() {
+                Some(0.0) => {}
+                Some(_) => {
+                    self.simple(
+                        "fp16.loss_scale",
+                        "train.loss_scale.static_scale",
+                        false,
+                        positive,
+                    )?;
+                }
+                None => {
+                    return Err(self.error("fp16.loss_scale", format!("{scale}: must be a number")))
+                }
             }
         }
         self.simple(

@@ -1132,6 +1132,15 @@ impl LoadedJob {
                 format!("must be at most 64, got {}", ls.initial_scale_power),
             ));
         }
+        if let Some(v) = ls
+            .static_scale
+            .filter(|v| !(*v > 0.0 && *v <= f64::from(f32::MAX)))
+        {
+            return Err(self.invalid(
+                "train.loss_scale.static_scale",
+                format!("must be a positive number no larger than f32's 3.4e38, got {v}"),
+            ));
+        }
         if ls.loss_scale_window == 0 {
             return Err(self.invalid("train.loss_scale.loss_scale_window", "must be at least 1"));
         }

@@ -593,10 +593,17 @@ pub struct EarlyStopping {
     pub threshold: f64,
 }
 
-/// f16's dynamic loss scaling, with DeepSpeed's key names and defaults.
+/// f16's loss scaling, with DeepSpeed's key names and defaults: dynamic,
+/// or a static scale.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LossScaleSpec {
+    /// A static scale (DeepSpeed's `fp16.loss_scale` above 0): the scale
+    /// never changes, and a step whose gradients overflow is skipped, as
+    /// DeepSpeed skips it; the dynamic knobs below then do nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
+    pub static_scale: Option<f64>,
     /// The first scale is 2^this.
     pub initial_scale_power: u32,
     /// Steps without overflow before the scale doubles.
@@ -611,6 +618,7 @@ pub struct LossScaleSpec {
 impl Default for LossScaleSpec {
     fn default() -> Self {
         Self {
+            static_scale: None,
             initial_scale_power: 16,
             loss_scale_window: 1000,
             hysteresis: 2,

@@ -346,6 +346,29 @@ fn lion_maps_to_the_lion_rule() {
     assert!(e.contains("train.optimizer.type"), "{e}");
 }
 
+/// `fp16.loss_scale` above 0 is a static scale
+/// (`train.loss_scale.static_scale`); 0 is dynamic scaling, the default.
+#[test]
+fn a_static_fp16_loss_scale_maps_to_static_scale() {
+    let j = job(BARE);
+    let ds = j._dir.path().join("ds.json");
+    for (scale, want) in [("128", Some(128.0)), ("0", None)] {
+        std::fs::write(
+            &ds,
+            format!(r#"{{"fp16": {{"enabled": true, "loss_scale": {scale}, "initial_scale_power": 16}}}}"#),
+        )
+        .unwrap();
+        let mut loaded = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+        loaded.validate(2).unwrap();
+        let t = &loaded.spec.train;
+        assert_eq!(
+            (t.dtype, t.loss_scale.static_scale),
+            (Dtype::F16, want),
+            "{scale}"
+        );
+    }
+}
+
 /// DeepSpeed's `Lamb` is `train.optimizer.type: lamb` with its rate,
 /// betas, eps, weight decay and trust-ratio bounds; omitted, they take
 /// FusedLamb's defaults (lr 1e-3, weight decay 0, bounds 0.01 and 10).
@@ -490,8 +513,8 @@ fn what_cannot_be_honoured_is_refused_where_it_is_written() {
             "ds.json:2:13: optimizer.params.max_grad_norm: 1.0 cannot be honoured: FusedLamb's own clipping",
         ),
         (
-            "{\"fp16\": {\"enabled\": true,\n \"loss_scale\": 128}}",
-            "ds.json:2:2: fp16.loss_scale: 128: a static loss scale cannot be honoured",
+            "{\"fp16\": {\"enabled\": true,\n \"loss_scale\": -1}}",
+            "ds.json:2:2: fp16.loss_scale: -1: must be a positive number",
         ),
         (
             "{\"zero_optimisation\": {\"stage\": 2}}",

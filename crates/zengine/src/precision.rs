@@ -575,7 +575,9 @@ impl LossScaler {
     /// A scaler at its initial scale.
     pub fn new(config: &LossScaleSpec) -> LossScaler {
         LossScaler {
-            scale: 2f64.powi(config.initial_scale_power as i32),
+            scale: config
+                .static_scale
+                .unwrap_or(2f64.powi(config.initial_scale_power as i32)),
             hysteresis: config.hysteresis,
             last_overflow: -1,
             skipped: 0,
@@ -583,13 +585,24 @@ impl LossScaler {
         }
     }
 
-    /// Whether an overflow now could not lower the scale any more.
+    /// Whether an overflow now could not lower the scale any more (never
+    /// for a static scale, which skips the step and goes on, as DeepSpeed's
+    /// does).
     pub fn at_minimum(&self) -> bool {
-        self.scale <= self.config.min_loss_scale && self.hysteresis <= 1
+        self.config.static_scale.is_none()
+            && self.scale <= self.config.min_loss_scale
+            && self.hysteresis <= 1
     }
 
     /// Records iteration `iter` (0-based): whether its gradients overflowed.
     pub fn update(&mut self, iter: i64, overflow: bool) {
+        if self.config.static_scale.is_some() {
+            if overflow {
+                self.last_overflow = iter;
+                self.skipped += 1;
+            }
+            return;
+        }
         if overflow {
             if self.hysteresis <= 1 {
                 self.scale = (self.scale / 2.0).max(self.config.min_loss_scale);
@@ -918,5 +931,21 @@ mod tests {
         s.update(6, true);
         assert_eq!(s.scale, 1.0);
         assert!(s.at_minimum());
+        // A static scale: overflows counted, the scale never moving, never
+        // at a minimum that fails the step (1 is DeepSpeed's `loss_scale: 1`,
+        // no scaling, at the dynamic minimum).
+        for fixed in [128.0, 1.0] {
+            let mut s = LossScaler::new(&LossScaleSpec {
+                static_scale: Some(fixed),
+                hysteresis: 1,
+                ..defaults.clone()
+            });
+            for it in 0..2000 {
+                assert!(!s.at_minimum(), "{fixed}");
+                s.update(it, it % 3 == 0);
+                assert_eq!(s.scale, fixed);
+            }
+            assert_eq!((s.skipped, s.last_overflow), (667, 1998));
+        }
     }
 }

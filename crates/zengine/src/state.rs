@@ -157,7 +157,10 @@ impl Engine {
         self.updates = self.step - state.map_or(0, |s| s.skipped);
         if let Some(scaler) = &mut self.scaler {
             if let Some(s) = state {
-                scaler.scale = s.scale;
+                // A static scale is the job's, whatever the checkpoint's was.
+                if scaler.config.static_scale.is_none() {
+                    scaler.scale = s.scale;
+                }
                 scaler.hysteresis = s.hysteresis;
                 scaler.last_overflow = s.last_overflow;
                 scaler.skipped = s.skipped;

@@ -669,6 +669,46 @@ fn f16_skipped_steps_freeze_the_schedule_and_adams_step_count() {
     );
 }
 
+/// A static loss scale (`train.loss_scale.static_scale`, DeepSpeed's
+/// `fp16.loss_scale` above 0) never moves: at 2^24, which overflows this
+/// model's gradients, every step runs at 2^24, the overflowed ones are
+/// skipped (parameters untouched) and none fails; at 2^12, where nothing
+/// overflows, the run is bit for bit the dynamic run started at 2^12 (whose
+/// scale would first grow after 1000 clean steps).
+#[test]
+fn a_static_f16_loss_scale_never_moves_and_skips_what_overflows() {
+    let big = 2f64.powi(24);
+    let mut spec = typed_spec("f16", 1, 1, 2000, true, false, 8);
+    spec.train.loss_scale.static_scale = Some(big);
+    let run = &train_observed(spec.clone(), 2, true)[0];
+    assert!(
+        run.scales.iter().all(|s| s.0 == Some(big)),
+        "{:?}",
+        run.scales
+    );
+    let skipped = run.scales.iter().filter(|s| s.1).count();
+    assert!(skipped > 0, "no overflow at 2^24: {:?}", run.scales);
+    let mut before = Engine::new(&spec, comms(1).remove(0))
+        .unwrap()
+        .full_params()
+        .unwrap();
+    for (s, after) in run.history.iter().enumerate() {
+        assert_eq!(&before == after, run.scales[s].1, "step {}", s + 1);
+        before = after.clone();
+    }
+    let mut fixed = typed_spec("f16", 1, 1, 2000, true, false, 8);
+    fixed.train.loss_scale.static_scale = Some(4096.0);
+    let mut dynamic = typed_spec("f16", 1, 1, 2000, true, false, 8);
+    dynamic.train.loss_scale.initial_scale_power = 12;
+    let (fixed, dynamic) = (train(fixed, 2), train(dynamic, 2));
+    assert!(
+        fixed[0].scales.iter().all(|s| !s.1),
+        "{:?}",
+        fixed[0].scales
+    );
+    assert!(fixed == dynamic, "static 2^12 against dynamic from 2^12");
+}
+
 /// An overflow at the minimum loss scale fails the step with an error that
 /// says so (the worker turns it into a failed job, exit 1), instead of
 /// skipping forever.
