@@ -97,6 +97,7 @@ const KEYS: &[(&str, &[&str])] = &[
     ("train.loss_scale.hysteresis", &["1", "2", "0"]),
     ("train.loss_scale.loss_scale_window", &["1", "1000", "0"]),
     ("train.loss_scale.min_loss_scale", &["1", "0", "1e-9"]),
+    ("train.loss_scale.static_scale", &["128", "1", "0", "1e40"]),
     ("zero.stage", &["0", "1", "2", "3"]),
     ("zero.hpz_partition_size", &["1", "2", "3"]),
     ("zero.offload_optimizer.device", &["none", "cpu", "nvme"]),

@@ -307,7 +307,7 @@ pub(super) fn apply_scalar(b: Buffers<'_>, c: &LambScalars, ratio: f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::adam::tests::{inputs, PRECISIONS};
+    use crate::adam::tests::{grads_of, inputs, rounded, PRECISIONS};
     use crate::adam::{lamb_apply_with, lamb_moments_with, OptimizerKind};
 
     fn step(t: u64) -> AdamStep {
@@ -416,12 +416,8 @@ mod tests {
             for at in [0, 3, 8] {
                 let [p0, g, m0, v0] = inputs(n, n as u32 + 7);
                 for kind in PRECISIONS {
-                    let gh: Vec<u16> =
-                        kind.map_or(Vec::new(), |h| g.iter().map(|&x| h.round(x)).collect());
-                    let grads = match kind {
-                        None => Grads::F32(&g),
-                        Some(h) => Grads::Half(h, &gh),
-                    };
+                    let gh = rounded(kind, &g);
+                    let grads = grads_of(kind, &g, &gh);
                     let fresh = || {
                         let w = vec![0u16; if kind.is_some() { n } else { 0 }];
                         (p0.clone(), m0.clone(), v0.clone(), w)

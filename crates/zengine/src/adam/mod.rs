@@ -715,6 +715,19 @@ mod tests {
         [p, g, m, v]
     }
 
+    /// `g` rounded to `kind`'s 16 bits (empty for f32).
+    pub(super) fn rounded(kind: Option<Half>, g: &[f32]) -> Vec<u16> {
+        kind.map_or(Vec::new(), |h| g.iter().map(|&x| h.round(x)).collect())
+    }
+
+    /// The gradients an update reads: `g`, or its 16-bit `gh` under `kind`.
+    pub(super) fn grads_of<'a>(kind: Option<Half>, g: &'a [f32], gh: &'a [u16]) -> Grads<'a> {
+        match kind {
+            None => Grads::F32(g),
+            Some(h) => Grads::Half(h, gh),
+        }
+    }
+
     /// The precisions an update can run in: gradients and working copy types.
     pub(super) const PRECISIONS: [Option<Half>; 3] = [None, Some(Half::Bf16), Some(Half::F16)];
 
@@ -735,7 +748,7 @@ mod tests {
             false => Vec::new(),
         };
         let v_from = offset.min(v.len());
-        let gh: Vec<u16> = kind.map_or(Vec::new(), |h| g.iter().map(|&x| h.round(x)).collect());
+        let gh = rounded(kind, g);
         let mut w = vec![0u16; if kind.is_some() { p.len() } else { 0 }];
         let b = Buffers {
             p: &mut p[offset..],
@@ -846,11 +859,8 @@ mod tests {
         assert!(n >= PARALLEL_MIN, "the runs take the parallel path");
         let [p0, g, m0, v0] = inputs(n, 99);
         for kind in PRECISIONS {
-            let gh: Vec<u16> = kind.map_or(Vec::new(), |h| g.iter().map(|&x| h.round(x)).collect());
-            let grads = match kind {
-                None => Grads::F32(&g),
-                Some(h) => Grads::Half(h, &gh),
-            };
+            let gh = rounded(kind, &g);
+            let grads = grads_of(kind, &g, &gh);
             let fresh = || {
                 let w = vec![0u16; if kind.is_some() { n } else { 0 }];
                 (p0.clone(), m0.clone(), v0.clone(), w)
@@ -912,8 +922,7 @@ mod tests {
                 let [p, g, m, v] = &inputs;
                 let up = |x: &Vec<f32>| gpu.upload(x).unwrap();
                 let (mut dp, mut dm, mut dv) = (up(p), up(m), up(v));
-                let gh: Vec<u16> =
-                    kind.map_or(Vec::new(), |h| g.iter().map(|&x| h.round(x)).collect());
+                let gh = rounded(kind, g);
                 let dg32 = up(g);
                 let dgh = gpu
                     .upload(&if kind.is_some() { gh } else { vec![0] })
