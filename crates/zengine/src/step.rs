@@ -26,6 +26,18 @@ use crate::offload::ALIGN_ELEMS;
 use crate::precision::Flat;
 use crate::schedule::beta1_at;
 
+/// An f64 as two f32 words for a collective of f32s (hi, and the rest):
+/// 48 bits of it, the same on every rank that adds them back.
+fn f64_words(x: f64) -> [f32; 2] {
+    let hi = x as f32;
+    [hi, (x - f64::from(hi)) as f32]
+}
+
+/// The f64 that [`f64_words`] sent.
+fn from_words(hi: f32, lo: f32) -> f64 {
+    f64::from(hi) + f64::from(lo)
+}
+
 /// What a pass over swapped sub-groups does to each piece.
 enum SwappedPass<'a> {
     /// AdamW (or Lion).
@@ -224,14 +236,10 @@ impl Engine {
     /// collective whether any was asked to stop, with no message of its own.
     pub(crate) fn norm_from_own_sq(&self, own_sq: f64) -> Result<f64, EngineError> {
         let world = self.comm.world_size();
-        let hi = own_sq as f32;
-        let lo = (own_sq - f64::from(hi)) as f32;
+        let [hi, lo] = f64_words(own_sq);
         let stop = f32::from(u8::from(self.stop_asked.load(Ordering::SeqCst)));
         let parts = self.comm.all_gather(vec![hi, lo, stop], 3 * world)?;
-        let total_sq: f64 = parts
-            .chunks(3)
-            .map(|p| f64::from(p[0]) + f64::from(p[1]))
-            .sum();
+        let total_sq: f64 = parts.chunks(3).map(|p| from_words(p[0], p[1])).sum();
         let any_stop = parts.chunks(3).any(|p| p[2] != 0.0);
         self.stop_agreed.store(any_stop, Ordering::SeqCst);
         Ok(total_sq.sqrt())
@@ -369,10 +377,6 @@ impl Engine {
         sums: &[Vec<SquareSums>],
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
-        let split = |x: f64| {
-            let hi = x as f32;
-            [hi, (x - f64::from(hi)) as f32]
-        };
         let mut mine = Vec::new();
         for ((g, c), s) in self.groups.iter().zip(cells).zip(sums) {
             let mut own = vec![[0f64; 2]; g.layout.params.len()];
@@ -381,11 +385,14 @@ impl Engine {
                 own[cell.slot][0] += w;
                 own[cell.slot][1] += u;
             }
-            mine.extend(own.iter().flat_map(|&[w, u]| [split(w), split(u)].concat()));
+            mine.extend(
+                own.iter()
+                    .flat_map(|&[w, u]| [f64_words(w), f64_words(u)].concat()),
+            );
         }
         let n = mine.len();
         let all = self.comm.all_gather(mine, n * world)?;
-        let word = |r: usize, k: usize| f64::from(all[r * n + k]) + f64::from(all[r * n + k + 1]);
+        let word = |r: usize, k: usize| from_words(all[r * n + k], all[r * n + k + 1]);
         let mut totals: HashMap<&str, [f64; 2]> = HashMap::new();
         let mut k = 0;
         for g in &self.groups {
