@@ -791,6 +791,34 @@ mod tests {
         assert_eq!(one[4], 0.0);
     }
 
+    /// The optimizer's time follows its bytes an element (AdamW 28, Lion 20,
+    /// LAMB 40), and LAMB's two passes move 1.5 times AdamW's swap bytes.
+    #[test]
+    fn each_update_rule_costs_its_bytes() {
+        let m = Machine {
+            swap_gbps: Some(1.0),
+            ..machine()
+        };
+        let s = Setting {
+            world: 2,
+            nodes: 1,
+            machine: &m,
+            link_gbps: None,
+        };
+        let nvme = r#"zero.offload_optimizer={"device": "nvme", "nvme_path": "/tmp"}"#;
+        let at = |rule: &str| {
+            let rule = format!(r#"train.optimizer={{"type": "{rule}"}}"#);
+            predict(&spec(&["zero.stage=1", nvme, &rule]), &s)
+        };
+        let (adamw, lion, lamb) = (at("adamw"), at("lion"), at("lamb"));
+        assert!((lion[3] / adamw[3] - 20.0 / 28.0).abs() < 1e-9, "{lion:?}");
+        assert!((lamb[3] / adamw[3] - 40.0 / 28.0).abs() < 1e-9, "{lamb:?}");
+        assert!(
+            adamw[5] > 0.0 && (lamb[5] / adamw[5] - 1.5).abs() < 1e-9,
+            "{lamb:?}"
+        );
+    }
+
     #[test]
     fn candidates_keep_the_global_batch() {
         let base = spec(&["train.micro_batch_size=4", "train.grad_accum=2"]);
