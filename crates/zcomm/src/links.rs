@@ -138,6 +138,13 @@ pub(crate) trait Links {
     fn recv_into(&mut self, peer: usize, out: &mut [u8]) -> Result<(), CommError>;
     /// Receives the next message from `peer`, of any length.
     fn recv(&mut self, peer: usize) -> Result<Vec<u8>, CommError>;
+    /// [`Links::recv`] into `buf`'s allocation where it holds the message
+    /// (its contents are overwritten, its length becomes the message's).
+    /// This default receives into a new buffer.
+    fn recv_reusing(&mut self, peer: usize, buf: Vec<u8>) -> Result<Vec<u8>, CommError> {
+        drop(buf);
+        self.recv(peer)
+    }
 }
 
 /// Receives exactly `out.len()` floats.

@@ -94,7 +94,8 @@ fn host_rows(task: &BenchCommTask, comm: &dyn Communicator) -> Result<Vec<BenchR
             // nccl-tests and gloo's all_gather (torch's preallocated outputs) do.
             let input = vec![1.0f32; elems];
             // Inputs are copied before the barrier that starts each call, so that
-            // every rank starts the collective at once.
+            // every rank starts the collective at once; each is written once
+            // (a broadcast's too), so no call's time is its pages faulting in.
             let call = |c: &dyn Communicator| -> Result<f64> {
                 let (f, p, b) = match op {
                     Op::AllToAll => (
@@ -102,7 +103,7 @@ fn host_rows(task: &BenchCommTask, comm: &dyn Communicator) -> Result<Vec<BenchR
                         vec![vec![0u8; bytes as usize / n]; n],
                         Vec::new(),
                     ),
-                    Op::Broadcast => (Vec::new(), Vec::new(), vec![0u8; bytes as usize]),
+                    Op::Broadcast => (Vec::new(), Vec::new(), vec![1u8; bytes as usize]),
                     _ => (input.clone(), Vec::new(), Vec::new()),
                 };
                 c.barrier()?;

@@ -447,9 +447,18 @@ impl Links for TcpLinks {
     }
 
     fn recv(&mut self, peer: usize) -> Result<Vec<u8>, CommError> {
+        self.recv_reusing(peer, Vec::new())
+    }
+
+    fn recv_reusing(&mut self, peer: usize, mut buf: Vec<u8>) -> Result<Vec<u8>, CommError> {
         let len = self.read_header(peer)?;
-        let mut out = vec![0u8; len];
-        self.read_exact(peer, &mut out)?;
-        Ok(out)
+        // A buffer that holds the message is cut to it, not filled first.
+        if buf.len() >= len {
+            buf.truncate(len);
+        } else {
+            buf = vec![0u8; len];
+        }
+        self.read_exact(peer, &mut buf)?;
+        Ok(buf)
     }
 }
