@@ -396,6 +396,15 @@ fn qwen2_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
     a_variant_on_the_gpu("qwen2", |extra| llama_sets(true, extra));
 }
 
+/// A sliding window of 8 over sequences of 32 (`model.sliding_window`):
+/// the GPU's attention bounds each row by it as the CPU's does.
+#[test]
+fn sliding_window_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
+    a_variant_on_the_gpu("sliding_window", |extra| {
+        llama_sets(false, &[&["model.sliding_window=8"][..], extra].concat())
+    });
+}
+
 /// Qwen3: each head's q and k RMS-normalised before the rotation, heads of
 /// 16 over d_model 32 (q and the output projection's input 64 wide).
 #[test]

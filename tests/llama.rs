@@ -784,6 +784,36 @@ fn qwen2_trains_exports_and_reads_back() {
     );
 }
 
+/// A sliding window (`model.sliding_window: 8` over sequences of 32, each
+/// token attending to itself and the 7 before it) trains at stage 3 on two
+/// workers and exports as a Hugging Face `mistral` directory with that
+/// window, from which the independent reader, masking each row's keys
+/// itself, computes zrun's next loss; the directory starts a run at that
+/// loss and samples as its checkpoint; a job with another window is
+/// refused naming both.
+#[test]
+fn a_sliding_window_trains_and_exports_as_mistral() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let (job, out, config) = a_variant_round_trips(
+        dir,
+        "{kind: llama, sliding_window: 8, vocab_size: 256, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 48, seq_len: 32, rope_theta: 100}",
+        "MistralForCausalLM",
+    );
+    assert_eq!(
+        (&config["model_type"], &config["sliding_window"]),
+        (&serde_json::json!("mistral"), &serde_json::json!(8)),
+        "{config}"
+    );
+    refused_from(
+        dir,
+        &job,
+        &out,
+        "model.sliding_window=16",
+        &["its sliding window is 8, the job's model.sliding_window 16"],
+    );
+}
+
 /// Qwen3 (`model.qk_norm: true`, heads of `model.head_dim` 12 over d_model
 /// 32: q and the output projection's input 48 wide) trains at stage 3 on
 /// two workers and exports as a Hugging Face `qwen3` directory, from which

@@ -43,6 +43,10 @@ struct Config {
     /// Phi-3: q, k and v stored as one `qkv_proj`, gate and up as one
     /// `gate_up_proj`, the parts' rows one after the other.
     fused: bool,
+    /// The most keys a token attends to, itself included (Mistral's and
+    /// Phi-3's `sliding_window`; Qwen's with `use_sliding_window` on every
+    /// layer); none: every earlier token.
+    window: Option<usize>,
 }
 
 /// A `rope_scaling` the reader computes.
@@ -152,12 +156,18 @@ impl Llama {
             serde_json::from_slice(&std::fs::read(dir.join("config.json")).expect("config.json"))
                 .expect("config.json is JSON");
         let (qkv_bias, qk_norm) = match config["model_type"].as_str() {
-            Some("llama" | "phi3") => (false, false),
-            Some(kind @ ("qwen2" | "qwen3")) => {
-                assert_eq!(config["use_sliding_window"], false, "{config}");
-                (kind == "qwen2", kind == "qwen3")
+            Some("llama" | "mistral" | "phi3") => (false, false),
+            Some(kind @ ("qwen2" | "qwen3")) => (kind == "qwen2", kind == "qwen3"),
+            _ => panic!("not a LLaMA, Mistral, Qwen2 or Qwen3 config: {config}"),
+        };
+        let window = match config["model_type"].as_str() {
+            Some("qwen2" | "qwen3") if config["use_sliding_window"] == true => {
+                // On the layers from max_window_layers on: every one here.
+                assert_eq!(config["max_window_layers"], 0, "{config}");
+                config["sliding_window"].as_u64()
             }
-            _ => panic!("not a LLaMA, Qwen2 or Qwen3 config: {config}"),
+            Some("mistral" | "phi3") => config["sliding_window"].as_u64(),
+            _ => None,
         };
         let n = |k: &str| config[k].as_u64().unwrap_or_else(|| panic!("{k}")) as usize;
         let hd = match (qk_norm, config["head_dim"].as_u64()) {
@@ -240,6 +250,7 @@ impl Llama {
                 (hd as f64 * share) as usize
             },
             fused: config["model_type"] == "phi3",
+            window: window.map(|w| w as usize),
         };
         let (v, d, f) = (cfg.vocab, cfg.d, cfg.ffn);
         let (q, kv) = (cfg.heads * hd, cfg.kv_heads * hd);
@@ -487,7 +498,8 @@ impl Llama {
             .collect()
     }
 
-    /// Causal attention; query head `h` uses key/value head `h / (heads / kv)`.
+    /// Causal attention; query head `h` uses key/value head `h / (heads / kv)`;
+    /// with a window, row `i` over keys `i + 1 − window ..= i` alone.
     fn attention(&self, q: &[Vec<f64>], k: &[Vec<f64>], v: &[Vec<f64>]) -> Vec<Vec<f64>> {
         let (heads, hd) = (self.cfg.heads, self.cfg.hd);
         let group = heads / self.cfg.kv_heads;
@@ -496,7 +508,8 @@ impl Llama {
         for h in 0..heads {
             let g = h / group;
             for i in 0..t {
-                let scores: Vec<f64> = (0..=i)
+                let first = self.cfg.window.map_or(0, |w| (i + 1).saturating_sub(w));
+                let scores: Vec<f64> = (first..=i)
                     .map(|j| {
                         (0..hd)
                             .map(|c| q[i][h * hd + c] * k[j][g * hd + c])
@@ -507,7 +520,7 @@ impl Llama {
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                 let z: f64 = e.iter().sum();
-                for (j, p) in e.iter().enumerate() {
+                for (j, p) in (first..).zip(&e) {
                     for c in 0..hd {
                         out[i][h * hd + c] += p / z * v[j][g * hd + c];
                     }

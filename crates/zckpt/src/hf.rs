@@ -213,8 +213,10 @@ pub fn pieces(m: &ModelSpec, name: &str, shape: &[usize]) -> Vec<Piece> {
 }
 
 /// Hugging Face's `config.json` for `m` (f32 weights): GPT-2's, LLaMA's,
-/// for a LLaMA with q, k and v biases Qwen2's (which is that model), for
-/// one with q and k norms Qwen3's.
+/// for a LLaMA with a sliding window Mistral's, for one with q, k and v
+/// biases Qwen2's (which is that model), for one with q and k norms
+/// Qwen3's (both with their window keys), for one turning part of each
+/// head Phi-3's.
 pub fn config_json(m: &ModelSpec) -> serde_json::Value {
     let mut c = match m.kind {
         ModelKind::Gpt => serde_json::json!({
@@ -260,6 +262,17 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
             "torch_dtype": "float32",
         }),
     };
+    // A window within the model's context: Mistral's (a LLaMA windowing
+    // every layer), or for the families below their own key.
+    let window = m.sliding_window.filter(|&w| w < m.context());
+    if let Some(w) = window {
+        let obj = c.as_object_mut().expect("an object");
+        obj.remove("attention_bias");
+        obj.remove("mlp_bias");
+        c["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        c["model_type"] = "mistral".into();
+        c["sliding_window"] = w.into();
+    }
     if m.qkv_biased() {
         // Qwen2's config has no `attention_bias` (its q, k and v always
         // have biases, its output projection none) nor `mlp_bias`.
@@ -271,16 +284,14 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
         }
         c["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
         c["model_type"] = "qwen2".into();
-        c["use_sliding_window"] = false.into();
-        c["max_window_layers"] = m.n_layers.into();
+        qwen_window(&mut c, m, window);
     }
     if m.qk_normed() {
         // Qwen3's `attention_bias` would bias the output projection too
         // (the job refuses q, k and v biases with q and k norms).
         c["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
         c["model_type"] = "qwen3".into();
-        c["use_sliding_window"] = false.into();
-        c["max_window_layers"] = m.n_layers.into();
+        qwen_window(&mut c, m, window);
     }
     // transformers 4.x's key, which 5.x reads too (into `rope_parameters`).
     if let Some(scaling) = &m.rope_scaling {
@@ -312,6 +323,15 @@ pub fn config_json(m: &ModelSpec) -> serde_json::Value {
         }
     }
     c
+}
+
+/// Qwen2's and Qwen3's keys for a window on every layer, or on none.
+fn qwen_window(c: &mut serde_json::Value, m: &ModelSpec, window: Option<usize>) {
+    c["use_sliding_window"] = window.is_some().into();
+    c["max_window_layers"] = if window.is_some() { 0 } else { m.n_layers }.into();
+    if let (None, Some(o)) = (window, c.as_object_mut()) {
+        o.remove("sliding_window");
+    }
 }
 
 /// Whether `m` is written as Phi-3 (`Phi3ForCausalLM`, q, k and v, and
@@ -390,7 +410,6 @@ const SAME_KEYS: &[(&str, &str)] = &[
     ("hidden_act", "model.kind"),
     ("attention_bias", "model.kind"),
     ("mlp_bias", "model.kind"),
-    ("use_sliding_window", "model.qkv_bias"),
 ];
 
 /// The `config.json` keys that give the longest sequence the model takes:
@@ -588,39 +607,43 @@ fn check_config(m: &ModelSpec, dir: &Path) -> Result<(), CkptError> {
             ),
         ));
     }
-    let job = config_json(m);
+    // A window the sequences of the job reach (the directory's and the
+    // job's: the same, or both beyond them).
+    let window = hf_config::sliding_window(&file).map_err(|e| invalid(&path, e))?;
+    let reached = |w: Option<usize>| w.filter(|&w| w < m.seq_len);
+    if reached(window) != reached(m.sliding_window) {
+        let show = |w: Option<usize>| w.map_or("none".to_string(), |w| w.to_string());
+        return Err(invalid(
+            &path,
+            format!(
+                "its sliding window is {}, the job's model.sliding_window {} (with model.seq_len {}): \
+                 set the job's model to the directory's",
+                show(window),
+                show(m.sliding_window),
+                m.seq_len
+            ),
+        ));
+    }
+    let mut job = config_json(m);
     let same = |a: &serde_json::Value, b: &serde_json::Value| match (a.as_f64(), b.as_f64()) {
         (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
         _ => a == b,
     };
-    // Mistral's names and layout are LLaMA's, Phi-3's too with q, k and v
-    // (and gate and up) in one tensor each; a window bounds the context.
+    // Mistral's names and layout are LLaMA's (a window aside, held above),
+    // Phi-3's too with q, k and v (and gate and up) in one tensor each.
     let mut file = file;
-    let windowed = file
-        .get("model_type")
-        .and_then(|t| t.as_str())
-        .filter(|t| ["mistral", "phi3"].contains(t));
-    if let Some(family) = windowed.map(str::to_string) {
+    for c in [&mut file, &mut job] {
+        if c["model_type"] == "mistral" {
+            c["model_type"] = "llama".into();
+        }
+        if let Some(o) = c.as_object_mut() {
+            o.remove("use_sliding_window");
+        }
+    }
+    if file["model_type"] == "phi3" && job["model_type"] != "phi3" {
         // As LLaMA, unless the job's model is Phi-3 itself (a partial
         // rotation).
-        if !(family == "phi3" && job["model_type"] == "phi3") {
-            file["model_type"] = "llama".into();
-        }
-        if let Some(w) = file
-            .get("sliding_window")
-            .and_then(serde_json::Value::as_u64)
-        {
-            if w < m.seq_len as u64 {
-                return Err(invalid(
-                    &path,
-                    format!(
-                        "sliding_window is {w}, shorter than the job's model.seq_len {}: \
-                         {family}'s tokens attend to at most {w} tokens",
-                        m.seq_len
-                    ),
-                ));
-            }
-        }
+        file["model_type"] = "llama".into();
     }
     for (key, job_key) in SAME_KEYS {
         if let (Some(have), Some(want)) = (file.get(key), job.get(key)) {
@@ -987,7 +1010,15 @@ mod tests {
         c["max_position_embeddings"] = 64.into();
         std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
         let phi3 = model_spec(d.path()).unwrap();
-        assert_eq!((phi3.seq_len, phi3.n_heads, phi3.kv_heads()), (47, 4, 2));
+        assert_eq!(
+            (
+                phi3.seq_len,
+                phi3.sliding_window,
+                phi3.n_heads,
+                phi3.kv_heads()
+            ),
+            (64, Some(47), 4, 2)
+        );
         let w = HfWeights::open(&phi3, &params, d.path()).unwrap();
         for ((name, _), want) in params.iter().zip(&wants) {
             assert_eq!(&w.read(name).unwrap(), want, "{name}");
@@ -1666,6 +1697,7 @@ mod tests {
                 m.qkv_biased(),
                 m.head_dim(),
                 m.qk_normed(),
+                m.sliding_window,
             )
         };
         let qwen2 = ModelSpec {
@@ -1684,35 +1716,93 @@ mod tests {
             head_dim: Some(2),
             ..qwen3()
         };
+        // With a window (as Mistral, Qwen2, Qwen3 and Phi-3 write theirs).
+        let window = |m: &ModelSpec| ModelSpec {
+            sliding_window: Some(16),
+            ..m.clone()
+        };
+        let phi3 = ModelSpec {
+            head_dim: Some(4),
+            partial_rotary_factor: Some(0.5),
+            ..llama()
+        };
         for m in [
             gpt.clone(),
             llama(),
-            tied,
+            tied.clone(),
             qwen2.clone(),
-            wide_qwen2,
+            wide_qwen2.clone(),
             wide_llama,
             qwen3(),
             narrow_qwen3,
+            window(&llama()),
+            window(&tied),
+            window(&qwen2),
+            window(&qwen3()),
+            window(&phi3),
         ] {
             let d = tempfile::tempdir().unwrap();
-            std::fs::write(d.path().join(HF_CONFIG), config_json(&m).to_string()).unwrap();
-            let back = model_spec(d.path()).unwrap();
-            assert_eq!(effective(&back), effective(&m), "{:?}", m.kind);
-        }
-        // Mistral: a LLaMA whose context is its window, where it has one.
-        for (window, seq_len) in [(json!(16), 16), (json!(null), 128), (json!(4096), 128)] {
-            let mut c = config_json(&llama());
-            c["model_type"] = "mistral".into();
-            c["sliding_window"] = window.clone();
-            let d = tempfile::tempdir().unwrap();
+            let c = config_json(&m);
             std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
             let back = model_spec(d.path()).unwrap();
-            assert_eq!(
-                (back.kind, back.seq_len),
-                (ModelKind::Llama, seq_len),
-                "{window}"
-            );
+            assert_eq!(effective(&back), effective(&m), "{c}");
         }
+        // Mistral: a LLaMA with its window where it is within the context
+        // (128), Qwen2 and Qwen3 with theirs on every layer or none.
+        let windowed = |base: &ModelSpec, edits: &[(&str, serde_json::Value)]| {
+            let mut c = config_json(base);
+            for (k, v) in edits {
+                c[*k] = v.clone();
+            }
+            let d = tempfile::tempdir().unwrap();
+            std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
+            model_spec(d.path()).map(|m| (m.kind, m.seq_len, m.sliding_window))
+        };
+        for (window, read) in [
+            (json!(16), Some(16)),
+            (json!(null), None),
+            (json!(128), None),
+            (json!(4096), None),
+        ] {
+            let mistral = [("model_type", json!("mistral")), ("sliding_window", window)];
+            let back = windowed(&llama(), &mistral).unwrap();
+            assert_eq!(back, (ModelKind::Llama, 128, read), "{mistral:?}");
+        }
+        for (edits, read) in [
+            (vec![("use_sliding_window", json!(false))], None),
+            (vec![("max_window_layers", json!(0))], Some(16)),
+            (vec![("max_window_layers", json!(2))], None),
+            (vec![("max_window_layers", json!(28))], None),
+            (vec![("max_window_layers", json!(null))], None),
+        ] {
+            let mut edits = edits.clone();
+            edits.push(("sliding_window", json!(16)));
+            if edits[0].0 != "use_sliding_window" {
+                edits.push(("use_sliding_window", json!(true)));
+            }
+            for base in [wide_qwen2.clone(), qwen3()] {
+                let back = windowed(&base, &edits).unwrap();
+                assert_eq!(back.2, read, "{edits:?}");
+            }
+        }
+        let deeper = ModelSpec {
+            n_layers: 3,
+            ..qwen3()
+        };
+        let e = windowed(
+            &deeper,
+            &[
+                ("use_sliding_window", json!(true)),
+                ("sliding_window", json!(16)),
+                ("max_window_layers", json!(1)),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("use_sliding_window is true with max_window_layers 1"),
+            "{e}"
+        );
         // What zrun cannot run, refused naming the key.
         let llama_config = config_json(&llama());
         let gpt_config = config_json(&gpt);
@@ -1778,8 +1868,8 @@ mod tests {
                 "mlp_bias is true",
             ),
             (
-                edit(&config_json(&qwen2), &[("use_sliding_window", json!(true))]),
-                "use_sliding_window is true: zrun's model has false",
+                edit(&config_json(&qwen2), &[("use_sliding_window", json!("yes"))]),
+                "use_sliding_window is \"yes\", not true or false",
             ),
             (
                 edit(&llama_config, &[("rope_scaling", json!({"factor": 2.0}))]),
@@ -2128,18 +2218,30 @@ mod tests {
         ] {
             with(key, value).unwrap_or_else(|e| panic!("{key}: {e}"));
         }
-        // A Mistral window shorter than the job's context (128) is refused.
-        for (window, refused) in [(64, true), (128, false), (4096, false)] {
+        // A Mistral window shorter than the job's sequences (128) must be
+        // the job's; windows beyond them change nothing.
+        for (window, job_window, refused) in [
+            (64, None, true),
+            (64, Some(64), false),
+            (64, Some(32), true),
+            (128, None, false),
+            (4096, Some(128), false),
+        ] {
             let mut c = written.clone();
             c["model_type"] = "mistral".into();
             c["sliding_window"] = window.into();
             std::fs::write(d.path().join(HF_CONFIG), c.to_string()).unwrap();
+            let m = ModelSpec {
+                sliding_window: job_window,
+                ..m.clone()
+            };
             match read(&m, &params, d.path(), false) {
-                Ok(_) => assert!(!refused, "{window}"),
+                Ok(_) => assert!(!refused, "{window} {job_window:?}"),
                 Err(e) => assert!(
                     refused
                         && e.to_string().contains(&format!(
-                            "sliding_window is {window}, shorter than the job's model.seq_len 128"
+                            "its sliding window is {window}, the job's model.sliding_window {}",
+                            job_window.map_or("none".into(), |w| w.to_string())
                         )),
                     "{window}: {e}"
                 ),

@@ -230,6 +230,13 @@ impl ModelSpec {
         self.max_position_embeddings.unwrap_or(self.seq_len)
     }
 
+    /// The sliding window where it is shorter than the job's sequences:
+    /// each token attends to at most this many tokens, itself included.
+    /// `None` where every earlier token of a sequence is within it.
+    pub fn window(&self) -> Option<usize> {
+        self.sliding_window.filter(|&w| w < self.seq_len)
+    }
+
     /// Whether positions are learned (`wpe`) rather than rotary.
     pub fn learned_positions(&self) -> bool {
         self.kind == ModelKind::Gpt

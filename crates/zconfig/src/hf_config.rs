@@ -50,8 +50,8 @@ fn invalid(path: &Path, message: impl Into<String>) -> HfConfigError {
 /// The model a Hugging Face directory's `config.json` describes: GPT-2
 /// (`model_type: gpt2`, tanh GELU) or LLaMA (`llama`: SiLU, no biases,
 /// rotary scaling as `rope_scaling` reads it; `qwen2`: with biases on q, k
-/// and v; `qwen3`: with norms of each head's q and k; `mistral`: LLaMA, its
-/// context capped at its `sliding_window`; `phi3`: LLaMA turning part of
+/// and v; `qwen3`: with norms of each head's q and k; `mistral`: LLaMA with
+/// a sliding window ([`sliding_window`]); `phi3`: LLaMA turning part of
 /// each head, as `partial_rotary_factor` says; heads as wide as `head_dim`
 /// says), the families whose names and layouts `zckpt::hf` maps. What
 /// `zrun sample` runs such a directory with, and what a job starting from
@@ -88,18 +88,6 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, HfConfigError> {
         count(keys).unwrap_or_else(|| Err(bad(format!("no {}", keys.join(" or ")))))
     };
     let float = |key: &str| c.get(key).and_then(Value::as_f64);
-    // Mistral's and Phi-3's tokens attend to at most `sliding_window`
-    // tokens (themselves included): the context zrun gives them (within
-    // it, the same attention).
-    let context = |kind: &str| {
-        let positions = need(&["max_position_embeddings"])?;
-        Ok::<_, HfConfigError>(match kind {
-            "mistral" | "phi3" => count(&["sliding_window"])
-                .transpose()?
-                .map_or(positions, |w| w.min(positions)),
-            _ => positions,
-        })
-    };
     let model = match c.get("model_type").and_then(Value::as_str) {
         Some("gpt2") => {
             only(
@@ -133,8 +121,8 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, HfConfigError> {
             }
             only("attention_bias", &[json!(false)])?;
             only("mlp_bias", &[json!(false)])?;
-            // Qwen2 and 3 window attention only with `use_sliding_window`.
-            only("use_sliding_window", &[json!(false)])?;
+            let positions = need(&["max_position_embeddings"])?;
+            let window = sliding_window(&c).map_err(&bad)?.filter(|&w| w < positions);
             let (d, heads) = (need(&["hidden_size"])?, need(&["num_attention_heads"])?);
             // transformers' Qwen3 defaults the head width to 128, the others
             // to d / heads: a Qwen3 directory must say.
@@ -160,7 +148,8 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, HfConfigError> {
                 "rope_scaling": scaling,
                 "partial_rotary_factor": (partial != 1.0).then_some(partial),
                 "norm_eps": float("rms_norm_eps"),
-                "seq_len": context(kind)?,
+                "sliding_window": window,
+                "seq_len": positions,
             })
         }
         _ => {
@@ -215,6 +204,51 @@ pub fn model_spec(dir: &Path) -> Result<ModelSpec, HfConfigError> {
         )));
     }
     Ok(m)
+}
+
+/// The sliding window of a `config.json` `c`, the keys each token attends
+/// to at most (itself included), as transformers reads it: Mistral's and
+/// Phi-3's `sliding_window` on every layer (null: none); Qwen2's and
+/// Qwen3's only with `use_sliding_window`, and then on the layers from
+/// `max_window_layers` on (28 where absent), which zrun's model runs where
+/// that is every layer (0) or none (at least `num_hidden_layers`); other
+/// families have none. Anything else is refused, said.
+pub fn sliding_window(c: &serde_json::Value) -> Result<Option<usize>, String> {
+    use serde_json::Value;
+    let window = || match c.get("sliding_window") {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64().filter(|&w| w > 0) {
+            Some(w) => Ok(Some(w as usize)),
+            None => Err(format!(
+                "sliding_window is {v}, not a positive whole number"
+            )),
+        },
+    };
+    match c.get("model_type").and_then(Value::as_str) {
+        Some("mistral" | "phi3") => window(),
+        Some("qwen2" | "qwen3") => {
+            match c.get("use_sliding_window") {
+                None | Some(Value::Null | Value::Bool(false)) => return Ok(None),
+                Some(Value::Bool(true)) => {}
+                Some(v) => return Err(format!("use_sliding_window is {v}, not true or false")),
+            }
+            let Some(w) = window()? else {
+                return Ok(None);
+            };
+            let layers = c.get("num_hidden_layers").and_then(Value::as_u64);
+            let from = c.get("max_window_layers").filter(|v| !v.is_null());
+            match from.map(Value::as_u64) {
+                Some(Some(0)) => Ok(Some(w)),
+                Some(Some(from)) if layers.is_some_and(|l| from >= l) => Ok(None),
+                None if layers.is_some_and(|l| l <= 28) => Ok(None),
+                from => Err(format!(
+                    "use_sliding_window is true with max_window_layers {}: a window on the layers from there on only; zrun's model windows every layer (max_window_layers 0) or none",
+                    from.flatten().map_or("28 (absent)".into(), |n| n.to_string())
+                )),
+            }
+        }
+        _ => Ok(None),
+    }
 }
 
 /// A `config.json` with transformers 5's `rope_parameters: {rope_theta,

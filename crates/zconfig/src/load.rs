@@ -41,7 +41,7 @@ struct ModelFrom {
 /// The keys of `model:` that describe the architecture: what a Hugging Face
 /// `config.json` gives (its context aside: `seq_len` is the job's to
 /// choose, and `max_position_embeddings` the directory's where it differs).
-pub const ARCHITECTURE_KEYS: [&str; 15] = [
+pub const ARCHITECTURE_KEYS: [&str; 16] = [
     "kind",
     "vocab_size",
     "d_model",
@@ -56,6 +56,7 @@ pub const ARCHITECTURE_KEYS: [&str; 15] = [
     "rope_theta",
     "rope_scaling",
     "partial_rotary_factor",
+    "sliding_window",
     "norm_eps",
 ];
 
@@ -892,6 +893,7 @@ impl LoadedJob {
                     "model.partial_rotary_factor",
                     m.partial_rotary_factor.is_some(),
                 ),
+                ("model.sliding_window", m.sliding_window.is_some()),
             ] {
                 if set {
                     return Err(self.invalid(
@@ -900,6 +902,12 @@ impl LoadedJob {
                     ));
                 }
             }
+        }
+        if m.sliding_window == Some(0) {
+            return Err(self.invalid(
+                "model.sliding_window",
+                "must be at least 1 (the keys each token attends to, itself included)",
+            ));
         }
         if m.qk_norm == Some(true) && m.qkv_bias == Some(true) {
             return Err(self.invalid(
@@ -1856,6 +1864,46 @@ mod tests {
                     assert!(e.contains(key) && e.contains(why), "{model}: {e}");
                 }
             }
+        }
+    }
+
+    /// `model.sliding_window`: a LLaMA's, at least 1; bounding attention
+    /// only where it is shorter than the sequences (`window()`).
+    #[test]
+    fn a_sliding_window_is_a_llamas_and_bounds_only_shorter_sequences() {
+        let d = tempfile::tempdir().unwrap();
+        for (model, refused) in [
+            ("model: {kind: llama, sliding_window: 4, ", None),
+            (
+                "model: {sliding_window: 4, ",
+                Some(("j.yaml:2:9: model.sliding_window", "is for `kind: llama`")),
+            ),
+            (
+                "model: {kind: llama, sliding_window: 0, ",
+                Some(("j.yaml:2:22: model.sliding_window", "must be at least 1")),
+            ),
+        ] {
+            let text = GOOD.replace("model: {d_model: 64, ", model);
+            let p = write(d.path(), "j.yaml", &text);
+            let got = load_job(&p, &[]).and_then(|mut j| j.validate(2).map(|()| j));
+            match refused {
+                None => assert_eq!(got.unwrap().spec.model.window(), Some(4)),
+                Some((at, why)) => {
+                    let e = got.unwrap_err().to_string();
+                    assert!(e.contains(at) && e.contains(why), "{model}: {e}");
+                }
+            }
+        }
+        let text = GOOD.replace(
+            "model: {d_model: 64, ",
+            "model: {kind: llama, d_model: 64, ",
+        );
+        let p = write(d.path(), "j.yaml", &text);
+        for (window, reaches) in [(15, true), (16, false), (1000, false)] {
+            let spec = load_job(&p, &[format!("model.sliding_window={window}")])
+                .unwrap()
+                .spec;
+            assert_eq!(spec.model.window().is_some(), reaches, "{window}");
         }
     }
 

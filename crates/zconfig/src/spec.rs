@@ -142,6 +142,12 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(deserialize_with = "finite::optional")]
     pub partial_rotary_factor: Option<f64>,
+    /// LLaMA: each token attends to at most this many tokens, itself
+    /// included (Mistral's and Phi-3's `sliding_window`, Qwen2's and
+    /// Qwen3's with `use_sliding_window`); default none: every earlier
+    /// token of its sequence.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
     /// The norms' epsilon (default 1e-5).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(deserialize_with = "finite::optional")]

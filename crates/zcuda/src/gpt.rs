@@ -65,6 +65,10 @@ pub enum Family {
         /// The columns of each q and k head they turn where not all
         /// (zconfig's `model.partial_rotary_factor`): the first ones.
         rotary_dim: Option<usize>,
+        /// The most keys a token attends to, itself included (zconfig's
+        /// `model.sliding_window`): attention's rows bounded from below as
+        /// by a document, the positions left as they are.
+        window: Option<usize>,
     },
 }
 
@@ -93,6 +97,14 @@ pub struct GptShape {
 impl GptShape {
     fn llama(&self) -> bool {
         matches!(self.family, Family::Llama { .. })
+    }
+
+    /// The sliding window where it is shorter than sequences of `t`.
+    fn window(&self, t: usize) -> Option<usize> {
+        match self.family {
+            Family::Llama { window, .. } => window.filter(|&w| w < t),
+            Family::Gpt2 => None,
+        }
     }
 
     /// Key/value heads (all heads but in grouped-query attention).
@@ -243,12 +255,14 @@ fn mask_args(mask: Option<Mask>) -> (u32, f32, u32) {
 /// Rows `[b, t, d]` of activations (or their gradient) in device memory,
 /// and where packed documents are kept apart, where each token's document
 /// begins (per token, its index in its sequence), which the blocks' rotary
-/// positions and attention read.
+/// positions read, and the first key each token's attention sees (`first`
+/// narrowed by a sliding window; `first` itself without one).
 pub struct Rows {
     buf: CudaSlice<f32>,
     b: usize,
     t: usize,
     first: Option<Firsts>,
+    bounds: Option<Firsts>,
 }
 
 /// Per token of `[b, t]`, where its document begins in its sequence, on the
@@ -919,13 +933,15 @@ impl GptGpu {
                 "embedding: token {tok} at position {i} is outside the vocabulary of {vocab}"
             )));
         }
-        let first = match first {
+        let uploaded = match first {
             Some(f) => {
                 check_documents(f, b, t)?;
                 Some(Arc::new(self.gpu.upload(f)?))
             }
             None => None,
         };
+        let bounds = self.attention_bounds(first, &uploaded, b, t)?;
+        let first = uploaded;
         let tok = self.gpu.upload(tokens)?;
         let n = b * t;
         let mut x = self.alloc(n * d)?;
@@ -950,7 +966,34 @@ impl GptGpu {
             b,
             t,
             first,
+            bounds,
         })
+    }
+
+    /// The first key each token of `b` sequences of `t` attends to: where
+    /// its document begins (`first` on the host, `uploaded` on the device;
+    /// 0 without documents), narrowed by the sliding window where it is
+    /// shorter than the sequences, as zmodel's `Documents::windowed` does
+    /// (uploaded); without a window, `uploaded` itself. The bounds rise
+    /// down a sequence as documents' do, all that attention's kernels
+    /// assume of them.
+    fn attention_bounds(
+        &self,
+        first: Option<&[u32]>,
+        uploaded: &Option<Firsts>,
+        b: usize,
+        t: usize,
+    ) -> Result<Option<Firsts>, CudaError> {
+        let Some(w) = self.shape.window(t) else {
+            return Ok(uploaded.clone());
+        };
+        let bounds: Vec<u32> = (0..b * t)
+            .map(|i| {
+                let from = (i % t + 1).saturating_sub(w) as u32;
+                first.map_or(from, |f| f[i].max(from))
+            })
+            .collect();
+        Ok(Some(Arc::new(self.gpu.upload(&bounds)?)))
     }
 
     /// NEFTune's `noise` added to the embeddings' output `x`, then `mask`
@@ -1158,9 +1201,9 @@ impl GptGpu {
             Some(w) => Some(self.qk_norm(&mut qkv, w, b, t)?),
             None => None,
         };
-        let first = x.first.clone();
+        let (first, bounds) = (x.first.clone(), x.bounds.clone());
         self.rotate(&mut qkv, b, t, first.as_deref(), 1.0)?;
-        let attention = self.attention(qkv, b, t, first.clone(), dropouts.attention)?;
+        let attention = self.attention(qkv, b, t, bounds.clone(), dropouts.attention)?;
         let [drop_attention, drop_mlp] = hidden.map_or([None; 2], |m| m.map(Some));
         let residual = Some((&x.buf, drop_attention));
         let rows1 = self.linear(attention.operand(aw), n, aw, out_w, d, residual)?;
@@ -1190,6 +1233,7 @@ impl GptGpu {
                 b,
                 t,
                 first,
+                bounds,
             },
             acts,
         ))
@@ -1274,6 +1318,7 @@ impl GptGpu {
                 b,
                 t,
                 first: None,
+                bounds: None,
             },
         ))
     }
@@ -1446,6 +1491,7 @@ impl GptGpu {
                 b,
                 t,
                 first: None,
+                bounds: None,
             }),
             grads: Some(HeadGrads {
                 norm: std::iter::once(dw).chain(db).collect(),
@@ -1469,6 +1515,7 @@ impl GptGpu {
             b,
             t,
             first: None,
+            bounds: self.attention_bounds(None, &None, b, t)?,
         })
     }
 

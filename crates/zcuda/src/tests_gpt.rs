@@ -238,6 +238,7 @@ fn gpu_llama_block_embedding_and_head_match_the_cpu_model() {
             rope_theta,
             rope_scaling: None,
             rotary_dim: None,
+            window: None,
         },
         Products::F32,
     );
@@ -260,6 +261,7 @@ fn qwen2_block(test: &str, products: Products) {
             rope_theta: 100.0,
             rope_scaling: None,
             rotary_dim: None,
+            window: None,
         },
         products,
     );
@@ -300,6 +302,7 @@ fn qwen3_block(test: &str, hd: usize, products: Products) {
             rope_theta: 100.0,
             rope_scaling: None,
             rotary_dim: None,
+            window: None,
         },
         products,
     );
@@ -453,6 +456,7 @@ fn gpu_llama_block_with_a_partial_rotation_matches_the_cpu_model() {
             rope_theta: 100.0,
             rope_scaling: None,
             rotary_dim: Some(12),
+            window: None,
         },
         Products::F32,
     );
@@ -474,6 +478,7 @@ fn llama_block_with_rope_scaling(test: &str, scaling: zconfig::spec::RopeScaling
             rope_theta: 100.0,
             rope_scaling: Some(scaling),
             rotary_dim: None,
+            window: None,
         },
         Products::F32,
     );
@@ -508,11 +513,47 @@ fn llama_block_with_fused_attention_on(
             rope_theta,
             rope_scaling: None,
             rotary_dim: None,
+            window: None,
         },
         products,
         documents,
         attention_dropout,
     );
+}
+
+/// A sliding window (`model.sliding_window`) on the GPU: attention's rows
+/// bounded from below by the window and, with packed documents, by their
+/// documents (the positions the documents' alone), against the CPU model
+/// with the same window: gpt.cu's softmax between f32 products, and
+/// attention.cu's fused kernels in bf16 over two tiles of rows, where the
+/// walks start at the window's tile and the key/value kernel stops past
+/// its reach.
+#[test]
+fn gpu_llama_block_with_a_sliding_window_matches_the_cpu_model() {
+    let test = "gpu_llama_block_with_a_sliding_window_matches_the_cpu_model";
+    for (products, window) in [(Products::F32, 7), (Products::Bf16FusedAttention, 40)] {
+        for documents in [false, true] {
+            matches_the_cpu_model_with(
+                test,
+                serde_json::json!({
+                    "kind": "llama", "n_kv_heads": 2, "ffn_hidden": 96, "rope_theta": 100.0,
+                    "seq_len": 100, "sliding_window": window
+                }),
+                Family::Llama {
+                    kv_heads: 2,
+                    qkv_bias: false,
+                    qk_norm: false,
+                    rope_theta: 100.0,
+                    rope_scaling: None,
+                    rotary_dim: None,
+                    window: Some(window),
+                },
+                products,
+                documents,
+                None,
+            );
+        }
+    }
 }
 
 #[test]
@@ -533,6 +574,7 @@ fn gpu_llama_block_with_fused_attention_at_head_width_128_matches_the_cpu_model(
             rope_theta: 100.0,
             rope_scaling: None,
             rotary_dim: None,
+            window: None,
         },
         Products::Bf16FusedAttention,
     );

@@ -86,6 +86,42 @@ impl Documents {
         }
     }
 
+    /// The bounds of sliding-window attention (`model.sliding_window`) for
+    /// `rows` sequences of `seq_len`: token `i` of a sequence sees keys from
+    /// `i + 1 − window` on (at most `window` keys, itself included), and not
+    /// before its document's first where `docs` keeps documents apart.
+    /// Attention's bounds only: positions stay those of `docs`. A window
+    /// narrows each row from below as a document does, and the bounds still
+    /// rise down a sequence, which is all that attention's skipping of
+    /// masked blocks assumes.
+    ///
+    /// # Panics
+    ///
+    /// A `window` of 0, or `docs` of another batch shape.
+    pub fn windowed(
+        docs: Option<&Documents>,
+        rows: usize,
+        seq_len: usize,
+        window: usize,
+    ) -> Documents {
+        assert!(window > 0, "documents: a window of 0 keys");
+        if let Some(d) = docs {
+            assert!(
+                d.seq_len == seq_len && d.tokens() == rows * seq_len,
+                "documents: {} tokens in sequences of {} for [{rows}, {seq_len}]",
+                d.tokens(),
+                d.seq_len
+            );
+        }
+        let first = (0..rows * seq_len)
+            .map(|i| {
+                let from = (i % seq_len + 1).saturating_sub(window) as u32;
+                docs.map_or(from, |d| d.first[i].max(from))
+            })
+            .collect();
+        Documents { seq_len, first }
+    }
+
     /// Tokens per sequence.
     pub fn seq_len(&self) -> usize {
         self.seq_len
@@ -126,5 +162,22 @@ mod tests {
         let positions: Vec<usize> = (0..10).map(|i| d.position(i)).collect();
         assert_eq!(positions, [0, 1, 0, 1, 2, 0, 0, 1, 0, 1]);
         assert_eq!(d.tokens(), 10);
+    }
+
+    #[test]
+    fn a_window_bounds_each_row_from_below_and_keeps_the_documents_positions() {
+        let w = Documents::windowed(None, 2, 5, 2);
+        assert_eq!(w.firsts(0), [0, 0, 1, 2, 3]);
+        assert_eq!(w.firsts(1), [0, 0, 1, 2, 3]);
+        // With documents the later bound wins: [0, 0, 2, 2, 2] and
+        // [0, 1, 1, 3, 3] narrowed to 3 keys.
+        let d = Documents::after_eos(&[1, 9, 2, 3, 9, 9, 4, 9, 5, 6], 5, 9);
+        let w = Documents::windowed(Some(&d), 2, 5, 3);
+        assert_eq!(w.firsts(0), [0, 0, 2, 2, 2]);
+        assert_eq!(w.firsts(1), [0, 1, 1, 3, 3]);
+        let w = Documents::windowed(Some(&d), 2, 5, 1);
+        assert_eq!(w.firsts(0), [0, 1, 2, 3, 4]);
+        // A window as long as the sequence changes nothing.
+        assert_eq!(Documents::windowed(Some(&d), 2, 5, 5), d);
     }
 }

@@ -102,6 +102,7 @@ pub fn gpu_shape(spec: &zconfig::spec::JobSpec) -> Result<GptShape, String> {
             rope_theta: m.rope_theta(),
             rope_scaling: m.rope_scaling.clone(),
             rotary_dim: Some(m.rotary_dim()),
+            window: m.sliding_window,
         },
     };
     Ok(GptShape {

@@ -10,7 +10,10 @@
 //! (an argument, `F32`, `Bf16` or `"Bf16 in and out"`, runs that one only).
 //! `DOCUMENTS=64` keeps documents of 64 tokens apart
 //! (`data.separate_documents`): the rate stays the triangle's, so it shows
-//! what skipping the masked keys saves.
+//! what skipping the masked keys saves. `WINDOW=64` bounds each row to its
+//! last 64 keys (`model.sliding_window`) the same way, and `SEQ=1024` runs
+//! sequences of that many tokens (2048 tokens in all, as the anchor's 8 ×
+//! 256).
 
 use candle_core::{Device, Tensor};
 use zmodel::attention::{
@@ -19,7 +22,8 @@ use zmodel::attention::{
 use zmodel::{Documents, Products};
 
 fn main() -> candle_core::Result<()> {
-    let (b, t, heads, hd) = (8, 256, 6, 64);
+    let t: usize = std::env::var("SEQ").map_or(256, |n| n.parse().expect("SEQ: tokens"));
+    let (b, heads, hd) = ((2048 / t).max(1), 6, 64);
     let w = 3 * heads * hd;
     let qkv: Vec<f32> = (0..b * t * w)
         .map(|i| (i * 37 % 101) as f32 / 50.0 - 1.0)
@@ -36,7 +40,12 @@ fn main() -> candle_core::Result<()> {
         println!("documents of {n} tokens kept apart");
         Documents::after_eos(&ids, t, 1)
     });
-    let docs = docs.as_ref();
+    let window = std::env::var("WINDOW").ok().map(|n| {
+        let n: usize = n.parse().expect("WINDOW: keys per row");
+        println!("a sliding window of {n} keys");
+        Documents::windowed(docs.as_ref(), b, t, n)
+    });
+    let docs = window.as_ref().or(docs.as_ref());
     // FLOPs of the causal triangle (row i sees i + 1 keys) per product, as
     // any blocking needs at least: the rate is the useful work's, so block
     // sizes compare by it.

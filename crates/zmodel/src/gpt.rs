@@ -21,6 +21,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use zgemm::{MatMut, MatRef, Start};
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use crate::attention::{
@@ -456,10 +457,12 @@ impl Gpt {
     /// Model FLOPs per trained token, forward and backward: 6 per block
     /// parameter and per head-matrix weight, plus attention's 12·L·h·hd·T
     /// (PaLM's accounting, which MFU figures use; h·hd is d unless the heads
-    /// are wider).
+    /// are wider; T the keys a token attends to, the sliding window where
+    /// it is shorter than the sequence).
     pub fn flops_per_token(&self) -> f64 {
         let m = &self.cfg;
-        let (v, d, l, t) = (m.vocab_size, m.d_model, m.n_layers, m.seq_len);
+        let (v, d, l) = (m.vocab_size, m.d_model, m.n_layers);
+        let t = m.window().unwrap_or(m.seq_len);
         let attention = 12.0 * (l * m.attn_width() * t) as f64;
         6.0 * (l * m.block_params() + v * d) as f64 + attention
     }
@@ -648,12 +651,30 @@ impl Gpt {
         docs: Option<&Documents>,
         dropout: Option<Dropout>,
     ) -> Result<Tensor> {
+        let (b, t, _) = qkv.dims3()?;
+        let bounds = self.attention_bounds(docs, b, t);
+        let docs = bounds.as_deref();
         if self.products == Products::Bf16 && !qkv.track_op() {
             return causal_attention_bf16(qkv, self.heads(), docs, dropout);
         }
-        let (b, t, _) = qkv.dims3()?;
         causal_attention(qkv, self.heads(), self.products, docs, dropout)?
             .reshape((b * t, self.cfg.attn_width()))
+    }
+
+    /// The keys each row of `b` sequences of `t` attends to, from below:
+    /// its document's first where `docs` keeps documents apart, narrowed by
+    /// the sliding window where it is shorter than the sequences (the
+    /// positions stay the documents').
+    fn attention_bounds<'a>(
+        &self,
+        docs: Option<&'a Documents>,
+        b: usize,
+        t: usize,
+    ) -> Option<Cow<'a, Documents>> {
+        match self.cfg.sliding_window.filter(|&w| w < t) {
+            Some(w) => Some(Cow::Owned(Documents::windowed(docs, b, t, w))),
+            None => docs.map(Cow::Borrowed),
+        }
     }
 
     /// The norm's backward: (`residual + dx`, its gradient), the residual's
@@ -897,7 +918,8 @@ impl Gpt {
                 return self.block_attention(qkv, None, None);
             }
             let all = cache.tokens;
-            let att = attention_of_last_rows(&cache.rows, all, t, self.heads());
+            let window = self.cfg.sliding_window;
+            let att = attention_of_last_rows(&cache.rows, all, t, self.heads(), window);
             Tensor::from_vec(att, (t, self.cfg.attn_width()), &Device::Cpu)
         };
         Ok(self
@@ -1071,7 +1093,7 @@ impl Gpt {
             &datt.reshape((b, t, self.cfg.attn_width()))?,
             self.heads(),
             self.products,
-            docs,
+            self.attention_bounds(docs, b, t).as_deref(),
             acts.dropout.attention,
         )?;
         let dqkv = self
@@ -1365,6 +1387,55 @@ mod tests {
         block_backward_matches_autograd_for(qwen2, 3.0);
         let qwen3 = Gpt::new(&qwen3(11, 16, 1, 40, 24)).unwrap();
         block_backward_matches_autograd_for(qwen3, 10.0);
+        // A sliding window of 7 over the 40 tokens: the hand-written
+        // backward bounds its rows as the forward (and autograd) did.
+        let windowed = Gpt::new(&windowed(llama(11, 16, 1, 40, 24), 7)).unwrap();
+        block_backward_matches_autograd_for(windowed, 10.0);
+    }
+
+    /// `cfg` with a sliding window of `w` tokens.
+    fn windowed(cfg: ModelSpec, w: usize) -> ModelSpec {
+        ModelSpec {
+            sliding_window: Some(w),
+            ..cfg
+        }
+    }
+
+    /// A block with a sliding window of 3 sees no token 3 or more before
+    /// its own: changing the first token changes the block's output at
+    /// positions 0-2 and at none after; with a window of 5 (the whole
+    /// sequence) the model is the one without a window, bit for bit.
+    #[test]
+    fn a_sliding_window_hides_the_far_past() {
+        let dev = Device::Cpu;
+        let outputs = |cfg: &ModelSpec, first: u32| -> Vec<Vec<f32>> {
+            let g = Gpt::new(cfg).unwrap();
+            let values = |group: usize| -> Vec<Tensor> {
+                g.groups()[group]
+                    .params
+                    .iter()
+                    .zip(g.init_group(group, 1))
+                    .map(|(ps, v)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
+                    .collect()
+            };
+            let params = BlockParams::from_vec(values(1), g.layout()).unwrap();
+            let emb = EmbeddingParams::from_vec(values(0), g.layout()).unwrap();
+            let tok = Tensor::new(&[[first, 2, 3, 4, 5]], &dev).unwrap();
+            let y = g.block(&params, &g.embed(&emb, &tok).unwrap()).unwrap();
+            (0..5)
+                .map(|i| y.get(0).unwrap().get(i).unwrap().to_vec1().unwrap())
+                .collect()
+        };
+        let plain = llama(11, 8, 1, 5, 16);
+        let (a, b) = (
+            outputs(&windowed(plain.clone(), 3), 1),
+            outputs(&windowed(plain.clone(), 3), 9),
+        );
+        for i in 0..5 {
+            assert_eq!(a[i] == b[i], i >= 3, "position {i}");
+        }
+        assert_eq!(outputs(&windowed(plain.clone(), 5), 1), outputs(&plain, 1));
+        assert_ne!(a, outputs(&plain, 1));
     }
 
     /// The hand-written head (norm, product, cross-entropy) equals autograd
@@ -2580,6 +2651,10 @@ mod tests {
             llama(50, 64, 2, 32, 96),
             qwen2(50, 64, 2, 32, 96),
             qwen3(50, 64, 2, 32, 96),
+            // A window shorter than the prompt and than what follows: the
+            // prompt's forward bounds its rows, each new row reads only
+            // the last 6 keys of the cache.
+            windowed(llama(50, 64, 2, 32, 96), 6),
         ] {
             let g = Gpt::new(&cfg).unwrap();
             let (l, dev) = (g.cfg.n_layers, Device::Cpu);

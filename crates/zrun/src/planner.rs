@@ -286,8 +286,14 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     let accum = spec.train.grad_accum as f64;
     let tokens = micro * accum * t;
     let ac = spec.train.activation_checkpointing;
-    let per_token = 6.0 * psi + 12.0 * l * d * t;
-    let recompute = if ac { 2.0 * psi + 4.0 * l * d * t } else { 0.0 };
+    // Attention's keys per token: the sliding window where it is shorter.
+    let keys = m.window().map_or(t, |w| w as f64);
+    let per_token = 6.0 * psi + 12.0 * l * d * keys;
+    let recompute = if ac {
+        2.0 * psi + 4.0 * l * d * keys
+    } else {
+        0.0
+    };
     let gemm_rate = s.machine.gemm_gflops * 1e9 / per_node;
     let gemm = tokens * (per_token + recompute) / gemm_rate;
     let (acts, _) = activation_bytes(m, spec.train.micro_batch_size);
