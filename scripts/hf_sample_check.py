@@ -5,7 +5,9 @@ The other way round from `hf_crosscheck.py`: builds a small GPT-2, LLaMA, Qwen2,
 with `transformers` itself (its own config.json keys, its own tensor names;
 weights drawn at std 0.3 so that the logits are far from uniform), saves it
 with `save_pretrained`, continues a byte prompt greedily with the model's
-own forward (the last `max_position_embeddings` bytes at each step), and
+own forward (the last `max_position_embeddings` bytes at each step; Mistral
+and Phi-3 with a sliding window shorter than that, and Qwen2 and Qwen3 with
+`--sliding-window N`), and
 compares with `zrun sample DIR --temperature 0`. A key zrun reads wrongly
 (the rotary base transformers 5 keeps under `rope_parameters` was one, until
 the sixty-ninth session) changes the continuation within a few bytes.
@@ -19,6 +21,7 @@ the sixty-ninth session) changes the continuation within a few bytes.
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py llama --bf16
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen2
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen3
+    /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py qwen3 --sliding-window 20
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py mistral
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py phi3
     /tmp/peerenv/venv/bin/python scripts/hf_sample_check.py phi3 --rope-scaling longrope
@@ -65,7 +68,7 @@ SCALINGS = {
 }
 
 
-def build(kind: str, rope_scaling=None, partial_rotary_factor=None):
+def build(kind: str, rope_scaling=None, partial_rotary_factor=None, window=None):
     if kind == "gpt2":
         return GPT2LMHeadModel(
             GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64)
@@ -74,21 +77,24 @@ def build(kind: str, rope_scaling=None, partial_rotary_factor=None):
     shape = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                  rope_theta=500.0, rope_scaling=rope_scaling)
+    # Qwen's window on every layer (max_window_layers 0), where asked for.
+    qwen_window = dict(use_sliding_window=True, sliding_window=window,
+                       max_window_layers=0) if window else {}
     if kind == "qwen2":
         # LLaMA with biases on q, k and v (Qwen2.5's small models are tied).
-        return Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+        return Qwen2ForCausalLM(Qwen2Config(**shape, **qwen_window, tie_word_embeddings=True))
     if kind == "qwen3":
         # Heads of 24, wider than 64 / 4, and each head's q and k normed.
-        return Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=24, tie_word_embeddings=True))
+        return Qwen3ForCausalLM(Qwen3Config(**shape, **qwen_window, head_dim=24,
+                                            tie_word_embeddings=True))
     if kind == "mistral":
-        # LLaMA's layout; its window as long as the context (zrun's context
-        # is the window).
-        return MistralForCausalLM(MistralConfig(**shape, sliding_window=64))
+        # LLaMA's layout with a sliding window (24 unless asked) shorter
+        # than its positions (64): the continuation slides past it.
+        return MistralForCausalLM(MistralConfig(**shape, sliding_window=window or 24))
     if kind == "phi3":
         # LLaMA's model, q, k and v (and gate and up) stored as one tensor
-        # each; its window (47) shorter than its positions (64): zrun's
-        # context is the window, and so is the one transformers is given
-        # below.
+        # each; its window (47 unless asked) shorter than its positions
+        # (64).
         # Phi-3.5 publishes LongRoPE's original context beside the scaling
         # (transformers' Phi-3 defaults it to 4096), not within it.
         extra = {}
@@ -104,13 +110,9 @@ def build(kind: str, rope_scaling=None, partial_rotary_factor=None):
                 pairs = int(16 * partial_rotary_factor) // 2
                 for key in ("short_factor", "long_factor"):
                     rope_scaling[key] = rope_scaling[key][:pairs]
-        return Phi3ForCausalLM(Phi3Config(**shape, **extra, sliding_window=WINDOWS["phi3"],
+        return Phi3ForCausalLM(Phi3Config(**shape, **extra, sliding_window=window or 47,
                                           pad_token_id=0, bos_token_id=1, eos_token_id=2))
     return LlamaForCausalLM(LlamaConfig(**shape))
-
-
-# The context of each kind where it is not its positions (64).
-WINDOWS = {"phi3": 47}
 
 
 def main() -> int:
@@ -125,6 +127,9 @@ def main() -> int:
                          "or LongRoPE; Phi-3: LongRoPE, as Phi-3.5 publishes it)")
     ap.add_argument("--partial-rotary-factor", type=float,
                     help="Phi-3: turn only this share of each head (Phi-4-mini's 0.75)")
+    ap.add_argument("--sliding-window", type=int,
+                    help="Mistral, Phi-3: this window instead of 24 / 47; Qwen2, Qwen3: this window "
+                         "on every layer (use_sliding_window, max_window_layers 0)")
     ap.add_argument("--bf16", action="store_true", help="weights rounded to bf16 and saved so")
     ap.add_argument("--repetition-penalty", type=float,
                     help="greedy under this repetition penalty (generation_config.json's)")
@@ -132,7 +137,10 @@ def main() -> int:
     torch.manual_seed(0)
     if args.partial_rotary_factor and args.kind != "phi3":
         ap.error("--partial-rotary-factor is Phi-3's")
-    model = build(args.kind, SCALINGS.get(args.rope_scaling), args.partial_rotary_factor)
+    if args.sliding_window and args.kind not in ("mistral", "phi3", "qwen2", "qwen3"):
+        ap.error("--sliding-window is Mistral's, Phi-3's, Qwen2's and Qwen3's")
+    model = build(args.kind, SCALINGS.get(args.rope_scaling), args.partial_rotary_factor,
+                  args.sliding_window)
     with torch.no_grad():
         for name, p in model.named_parameters():
             # Biases too (zero at initialisation, they would test nothing).
@@ -145,7 +153,9 @@ def main() -> int:
             if args.bf16:
                 p.copy_(p.to(torch.bfloat16).float())
     model.eval()
-    context = WINDOWS.get(args.kind, 64)
+    # The model's context: zrun samples from a window of its last 64 bytes
+    # too, each layer's attention bounded by the sliding window within it.
+    context = 64
     ids = torch.tensor([list(args.prompt.encode())])
     with torch.no_grad():
         for _ in range(args.tokens):
