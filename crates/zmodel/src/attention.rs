@@ -781,6 +781,23 @@ fn keys_from(first: Option<&[u32]>, i0: usize, align: usize) -> usize {
     first.map_or(0, |f| f[i0] as usize / align * align)
 }
 
+/// The first column of row `i` of P (or dS) that a product reads: where
+/// its block of rows' products start ([`keys_from`]), or where the
+/// transposed products over blocks of keys that take the row begin, the
+/// block holding the previous row's first key (a block of keys `[j0, j1)`
+/// takes the rows whose first key is before `j1`, and one more where
+/// [`queries_to`] rounds up). The masked entries before it are read by no
+/// product and left unwritten: without it, the zeros before a window (or
+/// a document) were written for every row, `t` wide.
+fn read_from(first: Option<&[u32]>, i: usize, blk: Blocks) -> usize {
+    let Some(f) = first else {
+        return 0;
+    };
+    let own = keys_from(first, i / blk.rows * blk.rows, blk.depth_start());
+    let transposed = f[i.saturating_sub(1)] as usize / blk.rows * blk.rows;
+    own.min(transposed)
+}
+
 /// The end of the rows that see any key before `j1`: the first row whose
 /// document begins at `j1` or later, rounded up to an even row (where a
 /// bf16 product may end) or `t`. The later rows see none of the keys of
@@ -854,7 +871,7 @@ fn probabilities<T: Values>(
                     let (before, rest) = row.split_at_mut(l.start);
                     let (l, after) = rest.split_at_mut(l.len());
                     l.iter_mut().for_each(|v| *v *= inv[r]);
-                    before.fill(0.0);
+                    before[read_from(first, i0 + r, blk)..].fill(0.0);
                     after[..read_after(i0 + r, blk.rows, t)].fill(0.0);
                 }
                 if let Some(p16) = p16.as_deref_mut() {
@@ -1049,7 +1066,7 @@ fn backward_tasks<T: Values>(
                                             .iter_mut()
                                             .zip(&prow[l])
                                             .for_each(|(g, &pv)| *g = pv * (*g - c[r]));
-                                        before.fill(0.0);
+                                        before[read_from(first, i0 + r, blk)..].fill(0.0);
                                         after[..read_after(i0 + r, rows, t)].fill(0.0);
                                     }
                                     if bf16 {
