@@ -1409,22 +1409,9 @@ mod tests {
     /// value; where the CPU has native bf16).
     #[test]
     fn documents_skip_what_they_mask_and_match_the_composed_version() {
-        let heads = Heads { heads: 4, kv: 2 };
-        let (b, t, hd) = (2, 200, 16);
-        let (x, dy) = inputs(heads, b, t, hd);
-        let mut ids = vec![0u32; b * t];
-        for at in [40, 41, 100, 170, t + 64, t + 130] {
-            ids[at] = 1;
-        }
-        let docs = Documents::after_eos(&ids, t, 1);
+        let (heads, x, dy, docs) = long_sequences_of_documents();
         let (want, want_dx) = composed_and_grad(&x, &dy, heads, Some(&docs), None, None);
-        let mut products = vec![Products::F32];
-        if zgemm::has_native_bf16() {
-            products.push(Products::Bf16);
-        } else {
-            eprintln!("zmodel: no native bf16 here; bf16 attention of documents NOT covered");
-        }
-        for products in products {
+        for products in products_here("attention of documents") {
             let tol = if products == Products::F32 {
                 1e-5
             } else {
@@ -1446,20 +1433,9 @@ mod tests {
     /// has native bf16).
     #[test]
     fn a_sliding_window_matches_the_composed_version() {
-        let heads = Heads { heads: 4, kv: 2 };
-        let (b, t, hd) = (2, 200, 16);
-        let (x, dy) = inputs(heads, b, t, hd);
-        let mut ids = vec![0u32; b * t];
-        for at in [40, 41, 100, 170, t + 64, t + 130] {
-            ids[at] = 1;
-        }
-        let docs = Documents::after_eos(&ids, t, 1);
-        let mut products = vec![Products::F32];
-        if zgemm::has_native_bf16() {
-            products.push(Products::Bf16);
-        } else {
-            eprintln!("zmodel: no native bf16 here; bf16 windowed attention NOT covered");
-        }
+        let (heads, x, dy, docs) = long_sequences_of_documents();
+        let (b, t, _) = x.dims3().unwrap();
+        let products = products_here("windowed attention");
         for (w, docs) in [1, 7, 64, 199]
             .into_iter()
             .flat_map(|w| [(w, None), (w, Some(&docs))])
@@ -1480,6 +1456,32 @@ mod tests {
                 close_to(&dx, &want_dx, tol, &format!("{what} backward"));
             }
         }
+    }
+
+    /// Two sequences of 200 tokens (4 heads of 16 on 2 key/value heads, an
+    /// input and an output gradient) and documents in them: one of a
+    /// single token, others across blocks of rows.
+    fn long_sequences_of_documents() -> (Heads, Tensor, Tensor, Documents) {
+        let heads = Heads { heads: 4, kv: 2 };
+        let (b, t, hd) = (2, 200, 16);
+        let (x, dy) = inputs(heads, b, t, hd);
+        let mut ids = vec![0u32; b * t];
+        for at in [40, 41, 100, 170, t + 64, t + 130] {
+            ids[at] = 1;
+        }
+        (heads, x, dy, Documents::after_eos(&ids, t, 1))
+    }
+
+    /// f32 products, and bf16 ones where the CPU has native bf16 (else it
+    /// says that `what` in bf16 is not covered here).
+    fn products_here(what: &str) -> Vec<Products> {
+        let mut products = vec![Products::F32];
+        if zgemm::has_native_bf16() {
+            products.push(Products::Bf16);
+        } else {
+            eprintln!("zmodel: no native bf16 here; bf16 {what} NOT covered");
+        }
+        products
     }
 
     /// Multi-head (3 of 3) and grouped-query (4 query heads on 2), in causal

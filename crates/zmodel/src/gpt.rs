@@ -1410,16 +1410,7 @@ mod tests {
         let dev = Device::Cpu;
         let outputs = |cfg: &ModelSpec, first: u32| -> Vec<Vec<f32>> {
             let g = Gpt::new(cfg).unwrap();
-            let values = |group: usize| -> Vec<Tensor> {
-                g.groups()[group]
-                    .params
-                    .iter()
-                    .zip(g.init_group(group, 1))
-                    .map(|(ps, v)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
-                    .collect()
-            };
-            let params = BlockParams::from_vec(values(1), g.layout()).unwrap();
-            let emb = EmbeddingParams::from_vec(values(0), g.layout()).unwrap();
+            let (emb, params) = embedding_and_first_block(&g);
             let tok = Tensor::new(&[[first, 2, 3, 4, 5]], &dev).unwrap();
             let y = g.block(&params, &g.embed(&emb, &tok).unwrap()).unwrap();
             (0..5)
@@ -2486,21 +2477,28 @@ mod tests {
         );
     }
 
-    #[test]
-    fn causal_mask_hides_the_future() {
-        // Changing a later token must not change earlier positions' block output.
-        let g = tiny();
-        let dev = Device::Cpu;
+    /// `g`'s embedding and first block at their initial values (seed 1).
+    fn embedding_and_first_block(g: &Gpt) -> (EmbeddingParams<Tensor>, BlockParams<Tensor>) {
         let values = |group: usize| -> Vec<Tensor> {
             g.groups()[group]
                 .params
                 .iter()
                 .zip(g.init_group(group, 1))
-                .map(|(ps, v)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
+                .map(|(ps, v)| Tensor::from_vec(v, ps.shape.as_slice(), &Device::Cpu).unwrap())
                 .collect()
         };
-        let params = BlockParams::from_vec(values(1), g.layout()).unwrap();
-        let emb = EmbeddingParams::from_vec(values(0), g.layout()).unwrap();
+        (
+            EmbeddingParams::from_vec(values(0), g.layout()).unwrap(),
+            BlockParams::from_vec(values(1), g.layout()).unwrap(),
+        )
+    }
+
+    #[test]
+    fn causal_mask_hides_the_future() {
+        // Changing a later token must not change earlier positions' block output.
+        let g = tiny();
+        let dev = Device::Cpu;
+        let (emb, params) = embedding_and_first_block(&g);
         let run = |last: u32| {
             let tok = Tensor::new(&[[1u32, 2, 3, 4, last]], &dev).unwrap();
             let y = g.block(&params, &g.embed(&emb, &tok).unwrap()).unwrap();
