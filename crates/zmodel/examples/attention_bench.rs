@@ -22,7 +22,9 @@ use zmodel::attention::{
 use zmodel::{Documents, Products};
 
 fn main() -> candle_core::Result<()> {
-    let t: usize = std::env::var("SEQ").map_or(256, |n| n.parse().expect("SEQ: tokens"));
+    // Unset or empty: the defaults.
+    let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+    let t: usize = var("SEQ").map_or(256, |n| n.parse().expect("SEQ: tokens"));
     let (b, heads, hd) = ((2048 / t).max(1), 6, 64);
     let w = 3 * heads * hd;
     let qkv: Vec<f32> = (0..b * t * w)
@@ -34,13 +36,13 @@ fn main() -> candle_core::Result<()> {
         .collect();
     let dy = Tensor::from_vec(dy, (b, t, heads * hd), &Device::Cpu)?;
     let h = Heads { heads, kv: heads };
-    let docs = std::env::var("DOCUMENTS").ok().map(|n| {
+    let docs = var("DOCUMENTS").map(|n| {
         let n: usize = n.parse().expect("DOCUMENTS: tokens per document");
         let ids: Vec<u32> = (0..b * t).map(|i| u32::from(i % n == n - 1)).collect();
         println!("documents of {n} tokens kept apart");
         Documents::after_eos(&ids, t, 1)
     });
-    let window = std::env::var("WINDOW").ok().map(|n| {
+    let window = var("WINDOW").map(|n| {
         let n: usize = n.parse().expect("WINDOW: keys per row");
         println!("a sliding window of {n} keys");
         Documents::windowed(docs.as_ref(), b, t, n)
