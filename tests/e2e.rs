@@ -308,6 +308,69 @@ fn tensorboard_and_csv_files_read_the_steps_scalars_across_a_resume() {
     assert_eq!(read["eval/loss"].len(), 2, "validations at steps 3 and 6");
 }
 
+/// LAMB's trust ratios reach the run's outputs: every step's line has
+/// `trust_ratio` (smallest ≤ mean ≤ largest, within `[min_coeff,
+/// max_coeff]`) and the CSV monitor a file for each, to the bit of the
+/// lines; an AdamW run's lines have none, and it writes no such file.
+#[test]
+fn lamb_writes_its_trust_ratios_beside_the_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "lamb", 4);
+    let run = |name: &str, rule: &str| {
+        let m = dir.path().join(format!("{name}.jsonl"));
+        let csv = dir.path().join(format!("csv/{name}"));
+        let mut args = TrainArgs::new(&job, &m)
+            .set(format!("train.optimizer.type={rule}"))
+            .set(format!("csv_monitor={}", csv.display()));
+        if rule == "lamb" {
+            args = args
+                .set("train.optimizer.min_coeff=0.01")
+                .set("train.optimizer.max_coeff=5");
+        }
+        let f = args.run(dir.path());
+        assert_eq!(f.code(), 0, "{f:?}");
+        let lines: Vec<serde_json::Value> = metrics(&m)
+            .into_iter()
+            .filter(|l| l.get("loss").is_some())
+            .collect();
+        (lines, csv)
+    };
+    let (lines, csv) = run("lamb", "lamb");
+    assert_eq!(lines.len(), 4);
+    for l in &lines {
+        let r = &l["trust_ratio"];
+        let [min, mean, max] = ["min", "mean", "max"].map(|k| r[k].as_f64().unwrap_or(-1.0));
+        // The bounds as the update holds them, in f32.
+        assert!(
+            f64::from(0.01f32) <= min && min <= mean && mean <= max && max <= 5.0,
+            "{l}"
+        );
+    }
+    for key in ["min", "mean", "max"] {
+        let want: Vec<(u64, u64)> = lines
+            .iter()
+            .map(|l| {
+                (
+                    l["step"].as_u64().unwrap(),
+                    l["trust_ratio"][key].as_f64().unwrap().to_bits(),
+                )
+            })
+            .collect();
+        let got: Vec<(u64, u64)> =
+            e2e::csv_by_step(&csv.join(format!("train_trust_ratio_{key}.csv")))
+                .into_iter()
+                .map(|(s, v)| (s, v.to_bits()))
+                .collect();
+        assert_eq!(got, want, "{key}");
+    }
+    let (lines, csv) = run("adamw", "adamw");
+    assert!(
+        lines.iter().all(|l| l.get("trust_ratio").is_none()),
+        "{lines:?}"
+    );
+    assert!(!csv.join("train_trust_ratio_min.csv").exists());
+}
+
 #[test]
 fn check_prints_the_resolved_job_and_topology() {
     let dir = tempfile::tempdir().unwrap();

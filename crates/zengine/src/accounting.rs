@@ -79,6 +79,43 @@ pub struct StepStats {
     /// step's gradient norm: every rank sees the same value, so all end the
     /// job after this step.
     pub stop: bool,
+    /// LAMB: the step's trust ratios (none for the other rules, or on a
+    /// step an f16 overflow skipped).
+    pub trust_ratio: Option<TrustRatios>,
+}
+
+/// The smallest, mean and largest of a LAMB step's trust ratios, one per
+/// parameter (DeepSpeed's `Lamb.get_lamb_coeffs()`, summarised), as the
+/// update used them: clamped to `[min_coeff, max_coeff]`, 1 where a
+/// parameter's or its update's norm is 0. Every rank computes every
+/// parameter's ratio, so every rank's are these.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrustRatios {
+    /// The smallest.
+    pub min: f64,
+    /// The mean over parameters.
+    pub mean: f64,
+    /// The largest.
+    pub max: f64,
+}
+
+impl TrustRatios {
+    /// Of `ratios` (`None` where there are none).
+    pub fn of(ratios: impl IntoIterator<Item = f32>) -> Option<TrustRatios> {
+        let (mut n, mut sum) = (0usize, 0f64);
+        let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
+        for r in ratios.into_iter().map(f64::from) {
+            n += 1;
+            sum += r;
+            min = min.min(r);
+            max = max.max(r);
+        }
+        (n > 0).then(|| TrustRatios {
+            min,
+            mean: sum / n as f64,
+            max,
+        })
+    }
 }
 
 /// Bytes of memory transiently held, with the peak since the last step.

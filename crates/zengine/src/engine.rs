@@ -82,6 +82,8 @@ pub struct Engine {
     pub(crate) comm_buffers: Transient,
     /// hpZ: the most bytes of secondary shards held in a micro-batch of this step.
     pub(crate) secondary_peak: u64,
+    /// LAMB: this step's trust ratios, for its statistics.
+    pub(crate) trust_ratio: Option<crate::accounting::TrustRatios>,
     pub(crate) peak_activations: u64,
     pub(crate) counters_at_start: Option<CounterSnapshot>,
     /// Forward and backward time of the step so far.
@@ -247,6 +249,7 @@ impl Engine {
             tokens: 0,
             comm_buffers: Transient::default(),
             secondary_peak: 0,
+            trust_ratio: None,
             peak_activations: 0,
             counters_at_start: None,
             times: StepTimes::default(),

@@ -49,7 +49,7 @@ pub mod schedule;
 pub mod state;
 mod step;
 
-pub use accounting::{MemoryUse, StepStats, StepTimes};
+pub use accounting::{MemoryUse, StepStats, StepTimes, TrustRatios};
 pub use engine::Engine;
 pub use error::EngineError;
 pub use flat::{Bucket, GroupLayout};

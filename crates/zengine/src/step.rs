@@ -15,7 +15,7 @@ use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use crate::accounting::{peak_rss_bytes, MemoryUse, StepStats, Transient};
+use crate::accounting::{peak_rss_bytes, MemoryUse, StepStats, Transient, TrustRatios};
 use crate::adam::{trust_ratio, AdamStep, OptimizerKind, SquareSums};
 use crate::engine::Engine;
 use crate::error::EngineError;
@@ -353,6 +353,7 @@ impl Engine {
             }
         }
         let ratios = self.trust_ratios(&cells, &sums)?;
+        self.trust_ratio = TrustRatios::of(ratios.iter().flatten().copied());
         if swapped {
             self.swapped_optimizer_steps(subs, SwappedPass::LambApply(hp, &ratios), None)?;
         } else {
@@ -572,6 +573,7 @@ impl Engine {
             io,
             times: std::mem::take(&mut self.times),
             stop: self.stop_agreed.swap(false, Ordering::SeqCst),
+            trust_ratio: self.trust_ratio.take(),
         };
         self.step = step;
         self.micro = 0;

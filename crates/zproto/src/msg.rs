@@ -473,4 +473,20 @@ pub struct StepReport {
     /// computed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// LAMB: the step's trust ratios over the parameters (the same on every
+    /// rank); `None` for the other rules and on a skipped step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trust_ratio: Option<TrustRatios>,
+}
+
+/// The smallest, mean and largest of a LAMB step's trust ratios, one per
+/// parameter (zengine's `TrustRatios`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TrustRatios {
+    /// The smallest.
+    pub min: f64,
+    /// The mean over parameters.
+    pub mean: f64,
+    /// The largest.
+    pub max: f64,
 }

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use serde::Serialize;
-use zproto::{CommBytes, MemBytes, StepReport, StepTimesMs};
+use zproto::{CommBytes, MemBytes, StepReport, StepTimesMs, TrustRatios};
 
 /// One `metrics.jsonl` line.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -49,12 +49,15 @@ pub struct StepLine {
     /// Validation loss after the step, on the steps that computed one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// LAMB: the smallest, mean and largest of the step's trust ratios.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trust_ratio: Option<TrustRatios>,
 }
 
 /// The scalars a run is watched by, beside `metrics.jsonl` (TensorBoard's
-/// tags, the CSV monitor's files), in [`StepLine::scalars`]' order: the
-/// last three on the steps that have them.
-pub const SCALAR_TAGS: [&str; 10] = [
+/// tags, the CSV monitor's files), in [`StepLine::scalars`]' order: those
+/// from the gradient norm on, on the steps that have them.
+pub const SCALAR_TAGS: [&str; 13] = [
     "train/loss",
     "train/lr",
     "train/epoch",
@@ -65,6 +68,9 @@ pub const SCALAR_TAGS: [&str; 10] = [
     "train/grad_norm",
     "train/loss_scale",
     "eval/loss",
+    "train/trust_ratio_min",
+    "train/trust_ratio_mean",
+    "train/trust_ratio_max",
 ];
 
 impl StepLine {
@@ -81,6 +87,9 @@ impl StepLine {
             self.grad_norm,
             self.loss_scale,
             self.val_loss,
+            self.trust_ratio.map(|r| r.min),
+            self.trust_ratio.map(|r| r.mean),
+            self.trust_ratio.map(|r| r.max),
         ];
         SCALAR_TAGS
             .into_iter()
@@ -197,6 +206,7 @@ fn combine(rs: &[StepReport]) -> StepLine {
         grad_norm: rs[0].grad_norm,
         io: combine_io(rs),
         val_loss: rs[0].val_loss,
+        trust_ratio: rs[0].trust_ratio,
     }
 }
 
@@ -246,6 +256,7 @@ pub(crate) mod tests {
             loss_scale: None,
             io: None,
             val_loss: None,
+            trust_ratio: None,
         }
     }
 

@@ -212,6 +212,11 @@ pub fn train(
                 busy_s: io.busy_s,
             }),
             val_loss,
+            trust_ratio: st.trust_ratio.map(|r| zproto::TrustRatios {
+                min: r.min,
+                mean: r.mean,
+                max: r.max,
+            }),
         })))?;
         if profile_from == Some(st.step) {
             crate::gpu::profile(&engine, env.rank, crate::gpu::ProfileAt::Restart)?;

@@ -100,6 +100,8 @@ pub struct Run {
     pub norms: Vec<f64>,
     /// Per step: the learning rate used.
     pub lrs: Vec<f64>,
+    /// Per step: LAMB's trust ratios (none for the other rules).
+    pub trust_ratios: Vec<Option<zengine::TrustRatios>>,
     /// The most gradient bytes held in memory at the end of a step.
     pub grads_held: u64,
     /// The most bytes of optimizer moments held in memory at the end of a
@@ -268,6 +270,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     losses: Vec::new(),
                     norms: Vec::new(),
                     lrs: Vec::new(),
+                    trust_ratios: Vec::new(),
                     grads_held: 0,
                     optimizer_held: 0,
                     nvme: 0,
@@ -291,6 +294,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     run.losses.push(st.loss);
                     run.norms.push(st.grad_norm);
                     run.lrs.push(st.lr);
+                    run.trust_ratios.push(st.trust_ratio);
                     run.grads_held = run.grads_held.max(st.mem.grads);
                     run.optimizer_held = run.optimizer_held.max(st.mem.optimizer);
                     run.nvme = st.mem.nvme;
