@@ -352,8 +352,8 @@ impl Engine {
                 g.lamb_moments(region, rank, stage, hp, (c, s), Swapped::default());
             }
         }
-        let ratios = self.trust_ratios(&cells, &sums)?;
-        self.trust_ratio = TrustRatios::of(ratios.iter().flatten().copied());
+        let (ratios, summary) = self.trust_ratios(&cells, &sums)?;
+        self.trust_ratio = summary;
         if swapped {
             self.swapped_optimizer_steps(subs, SwappedPass::LambApply(hp, &ratios), None)?;
         } else {
@@ -365,7 +365,8 @@ impl Engine {
         Ok(())
     }
 
-    /// Each parameter's trust ratio, by group and slot. Every rank sends,
+    /// Each parameter's trust ratio, by group and slot, and the step's
+    /// statistics of them (each parameter once). Every rank sends,
     /// for each parameter, the sums of its cells in the rank's own slice,
     /// added in order (each f64 as two f32 words, as the gradient norm's;
     /// at stage 0 too, though it holds every slice, so that every stage adds
@@ -376,7 +377,7 @@ impl Engine {
         &self,
         cells: &[Vec<NormCell>],
         sums: &[Vec<SquareSums>],
-    ) -> Result<Vec<Vec<f32>>, EngineError> {
+    ) -> Result<(Vec<Vec<f32>>, Option<TrustRatios>), EngineError> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let mut mine = Vec::new();
         for ((g, c), s) in self.groups.iter().zip(cells).zip(sums) {
@@ -407,7 +408,15 @@ impl Engine {
             }
         }
         let bounds = self.spec.train.optimizer.trust_bounds();
-        Ok(self
+        // The step's statistics count each parameter once (a tiled
+        // linear's tiles share its name and its ratio), in layout order.
+        let mut seen = std::collections::HashSet::new();
+        let once = self.groups.iter().flat_map(|g| &g.layout.params);
+        let summary = TrustRatios::of(once.filter(|p| seen.insert(p.name.as_str())).map(|p| {
+            let [w, u] = totals[p.name.as_str()];
+            trust_ratio(w, u, bounds)
+        }));
+        let ratios = self
             .groups
             .iter()
             .map(|g| {
@@ -420,7 +429,8 @@ impl Engine {
                     })
                     .collect()
             })
-            .collect())
+            .collect();
+        Ok((ratios, summary))
     }
 
     /// `pass` over every sub-group with state in swap files, pipelined: while

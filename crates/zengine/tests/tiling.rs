@@ -123,6 +123,13 @@ fn lamb_gives_a_tiled_linear_one_trust_ratio() {
         rel <= 1e-6,
         "{name}: moved {rel:e} away from the untiled move"
     );
+    // The reported ratios count a tiled linear once, as the untiled run's.
+    for (t, b) in got[0].trust_ratios.iter().zip(&base[0].trust_ratios) {
+        let (t, b) = (t.unwrap(), b.unwrap());
+        for (g, w) in [(t.min, b.min), (t.mean, b.mean), (t.max, b.max)] {
+            assert!((g - w).abs() <= 1e-6 * w, "tiled {t:?}, untiled {b:?}");
+        }
+    }
 }
 
 /// Dropout drops its elements from the tiles' outputs as from the whole
