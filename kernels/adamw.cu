@@ -1,7 +1,8 @@
 // AdamW over a device-resident slice, in one pass: read p, g, m, v; write p, m,
-// v and, with mixed precision, the 16-bit working copy of p. With c.lion,
-// Lion's update instead (train.optimizer.type: lion): p, g and m read, p and
-// m written; Lion keeps no second moment, and v is null.
+// v and, with mixed precision, the 16-bit working copy of p. With c.rule
+// RULE_LION, Lion's update instead (train.optimizer.type: lion), with
+// RULE_ADAGRAD Adagrad's (adagrad, its sum of squares in m): p, g and m
+// read, p and m written; neither keeps a second moment, and v is null.
 //
 // The same expression in the same order as zrun's CPU kernel
 // (crates/zengine/src/adam), every multiply, add, divide and square root
@@ -20,10 +21,17 @@ struct AdamConsts {
     float step_size;
     float inv_sqrt_bc2;
     float eps;
-    float shrink;
-    // 1: Lion's update (step_size is lr itself), 0: AdamW's.
-    unsigned int lion;
+    // 1 − lr·weight_decay where decay applies, else 1 (scales p); under
+    // Adagrad weight_decay, else 0 (the multiple of p added to g).
+    float decay;
+    // RULE_ADAMW, RULE_LION (step_size is lr itself) or RULE_ADAGRAD
+    // (step_size is lr / (1 + (t − 1)·lr_decay)).
+    unsigned int rule;
 };
+
+#define RULE_ADAMW 0u
+#define RULE_LION 1u
+#define RULE_ADAGRAD 2u
 
 // Lion's direction: PyTorch's sign (±1, the zero itself for ±0, NaN for
 // NaN), as the CPU kernel's.
@@ -43,7 +51,7 @@ __device__ __forceinline__ void adamw_element(
     float* v,
     unsigned short* working,
     const AdamConsts& c,
-    float shrink,
+    float decay,
     int grad_fmt,
     int working_fmt)
 {
@@ -56,12 +64,27 @@ __device__ __forceinline__ void adamw_element(
         ? ((const float*)g)[i]
         : widen16(((const unsigned short*)g)[i], grad_fmt);
     float gi = __fmul_rn(graw, c.gscale);
-    if (c.lion) {
-        // c = β1·m + (1 − β1)·g, p = p·shrink − lr·sign(c), m = β2·m + (1 − β2)·g.
+    if (c.rule == RULE_ADAGRAD) {
+        // g = g + λ·p (where λ is not 0), s = s + g·g,
+        // p = p − (lr_t·g) / (√s + eps): PyTorch's Adagrad.
+        if (decay != 0.0f) {
+            gi = __fadd_rn(gi, __fmul_rn(decay, p0));
+        }
+        float si = __fadd_rn(m[i], __fmul_rn(gi, gi));
+        m[i] = si;
+        float pi = __fsub_rn(p0, __fdiv_rn(__fmul_rn(c.step_size, gi), __fadd_rn(__fsqrt_rn(si), c.eps)));
+        *pe = pi;
+        if (working_fmt != FMT_F32) {
+            working[i] = round16(pi, working_fmt);
+        }
+        return;
+    }
+    if (c.rule == RULE_LION) {
+        // c = β1·m + (1 − β1)·g, p = p·decay − lr·sign(c), m = β2·m + (1 − β2)·g.
         float m0 = m[i];
         float ci = __fadd_rn(__fmul_rn(c.b1, m0), __fmul_rn(c.omb1, gi));
         m[i] = __fadd_rn(__fmul_rn(c.b2, m0), __fmul_rn(c.omb2, gi));
-        float pi = __fsub_rn(__fmul_rn(p0, shrink), __fmul_rn(c.step_size, lion_sign(ci)));
+        float pi = __fsub_rn(__fmul_rn(p0, decay), __fmul_rn(c.step_size, lion_sign(ci)));
         *pe = pi;
         if (working_fmt != FMT_F32) {
             working[i] = round16(pi, working_fmt);
@@ -73,7 +96,7 @@ __device__ __forceinline__ void adamw_element(
     m[i] = mi;
     v[i] = vi;
     float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(vi), c.inv_sqrt_bc2), c.eps);
-    float pi = __fsub_rn(__fmul_rn(p0, shrink), __fdiv_rn(__fmul_rn(c.step_size, mi), denom));
+    float pi = __fsub_rn(__fmul_rn(p0, decay), __fdiv_rn(__fmul_rn(c.step_size, mi), denom));
     *pe = pi;
     if (working_fmt != FMT_F32) {
         working[i] = round16(pi, working_fmt);
@@ -95,14 +118,14 @@ extern "C" __global__ void adamw(
     unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
          i < n; i += stride) {
-        adamw_element(i, p + i, g, m, v, working, c, c.shrink, grad_fmt, working_fmt);
+        adamw_element(i, p + i, g, m, v, working, c, c.decay, grad_fmt, working_fmt);
     }
 }
 
 // Runs of one flat buffer (a parameter group's tensors, each with its own
 // weight decay), in one launch where `adamw` takes one a tensor: run r is
 // [start[r], end[r]), sorted, apart or touching; decay_mask's bit r says
-// whether c.shrink (decay) or `plain` (none) scales it. Elements between
+// whether c.decay (decay) or `plain` (none) is its decay factor. Elements between
 // runs (a group's padding) are not touched. The parameters may instead be
 // one buffer a run (p_at), the moments and gradients still flat.
 #define ADAMW_MAX_RUNS 16
@@ -130,8 +153,8 @@ extern "C" __global__ void adamw_runs(
     int working_fmt)
 {
     for_each_in_runs(runs.start, runs.end, runs.count, [&](unsigned long long i, unsigned int r) {
-        float shrink = (runs.decay_mask >> r) & 1u ? c.shrink : runs.plain;
+        float decay = (runs.decay_mask >> r) & 1u ? c.decay : runs.plain;
         float* pe = runs.p_at[r] ? (float*)runs.p_at[r] + (i - runs.start[r]) : p + i;
-        adamw_element(i, pe, g, m, v, working, c, shrink, grad_fmt, working_fmt);
+        adamw_element(i, pe, g, m, v, working, c, decay, grad_fmt, working_fmt);
     });
 }

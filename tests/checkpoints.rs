@@ -29,9 +29,11 @@ fn train(dir: &Path, job: &Path, metrics: &str, extra: &[&str]) -> e2e::Finished
 ///
 /// With `model.hidden_dropout` and `model.attention_dropout` (stage 2,
 /// f32) too: the resumed steps drop the elements the uninterrupted ones
-/// dropped. And with Lion (stage 3, bf16): its moment carries over, its
-/// shards hold no second moment; a run with AdamW refuses its checkpoint
-/// (exit 2, naming both rules), as Lion refuses AdamW's.
+/// dropped. And with Lion (stage 3, bf16) and Adagrad (stage 2, f32):
+/// the one state each keeps carries over (Lion's moment `exp_avg`,
+/// Adagrad's sum of squares `sum`), their shards hold no second moment; a
+/// run with AdamW refuses their checkpoints (exit 2, naming both rules),
+/// as Lion refuses AdamW's.
 #[test]
 fn resume_continues_bit_identically_in_every_precision() {
     for (stage, dtype, every, dropout, rule) in [
@@ -41,6 +43,7 @@ fn resume_continues_bit_identically_in_every_precision() {
         ("3", "f16", 4, "0", "adamw"),
         ("2", "f32", 6, "0.2", "adamw"),
         ("3", "bf16", 6, "0", "lion"),
+        ("2", "f32", 6, "0", "adagrad"),
     ] {
         let d = tempfile::tempdir().unwrap();
         let dir = d.path();
@@ -92,29 +95,32 @@ fn resume_continues_bit_identically_in_every_precision() {
             straight[from..].to_vec(),
             "stage {stage} {dtype} {rule}"
         );
-        // A shard holds the moments the rule keeps: Lion has no exp_avg_sq.
+        // A shard holds the state the rule keeps: Lion has no exp_avg_sq,
+        // Adagrad only its sum.
         let shard =
             std::fs::read(dir.join(format!("ckpt/step-{from:08}/rank-00000.safetensors"))).unwrap();
         let names = safetensors::SafeTensors::deserialize(&shard)
             .unwrap()
             .names()
             .len();
-        let groups = names / if rule == "lion" { 2 } else { 3 };
+        let groups = names / if rule == "adamw" { 3 } else { 2 };
         let has = |kind: &str| {
             let file = safetensors::SafeTensors::deserialize(&shard).unwrap();
             (0..groups).all(|g| file.tensor(&format!("g{g}.{kind}")).is_ok())
         };
-        assert!(has("params") && has("exp_avg"), "{rule}: {names} tensors");
+        assert!(has("params"), "{rule}: {names} tensors");
+        assert_eq!(has("exp_avg"), rule != "adagrad", "{rule}: {names} tensors");
+        assert_eq!(has("sum"), rule == "adagrad", "{rule}: {names} tensors");
         assert_eq!(
             has("exp_avg_sq"),
             rule == "adamw",
             "{rule}: {names} tensors"
         );
         let other = match rule {
-            "lion" => "adamw",
-            _ => "lion",
+            "adamw" => "lion",
+            _ => "adamw",
         };
-        if rule == "lion" || stage == "0" {
+        if rule != "adamw" || stage == "0" {
             let swapped = format!("train.optimizer.type={other}");
             let mut args = set.to_vec();
             args[1] = &swapped;

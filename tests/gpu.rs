@@ -482,13 +482,28 @@ fn packed_documents_on_the_gpu_follow_the_cpu_loss_curve_and_its_stages_agree() 
     });
 }
 
-/// Lion (`train.optimizer.type: lion`, adamw.cu's `c.lion`): the GPU's
+/// Lion (`train.optimizer.type: lion`, adamw.cu's `c.rule` 1): the GPU's
 /// update is the CPU kernel's (held to its bits by zengine's and zcuda-emu's
 /// kernel tests), so its losses follow the CPU run's, and its stages agree.
 #[test]
 fn lion_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
     a_variant_on_the_gpu("lion", |extra| {
         let base = ["train.optimizer.type=lion", "train.lr=1.0e-3"];
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
+    });
+}
+
+/// Adagrad (`train.optimizer.type: adagrad`, adamw.cu's `c.rule` 2, with
+/// `lr_decay`): as Lion's, the GPU's update is the CPU kernel's, its
+/// losses follow the CPU run's, and its stages agree.
+#[test]
+fn adagrad_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
+    a_variant_on_the_gpu("adagrad", |extra| {
+        let base = [
+            "train.optimizer.type=adagrad",
+            "train.optimizer.lr_decay=0.01",
+            "train.lr=1.0e-2",
+        ];
         base.iter().chain(extra).map(|s| s.to_string()).collect()
     });
 }

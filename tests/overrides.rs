@@ -60,7 +60,11 @@ const KEYS: &[(&str, &[&str])] = &[
         &["[0.9, 0.95]", "[0, 0]", "[1, 1]", "[0.9]"],
     ),
     ("train.optimizer.eps", &["1e-8", "0", "1", "1e-50"]),
-    ("train.optimizer.type", &["adamw", "lion", "lamb", "sgd"]),
+    (
+        "train.optimizer.type",
+        &["adamw", "lion", "lamb", "adagrad", "sgd"],
+    ),
+    ("train.optimizer.lr_decay", &["0", "0.1", "-1"]),
     ("train.optimizer.min_coeff", &["0.01", "0.5", "0", "20"]),
     ("train.optimizer.max_coeff", &["10", "1", "0.001"]),
     (

@@ -5,7 +5,8 @@
 //! rank (`rank-NNNNN.safetensors`) and a `manifest.json` written last. A shard
 //! holds, for every parameter group g, this rank's slice of the group's flat
 //! buffers: `g{g}.params`, `g{g}.exp_avg`, and `g{g}.exp_avg_sq` where the
-//! optimizer keeps a second moment (AdamW; not Lion). The manifest records
+//! optimizer keeps a second moment (AdamW; not Lion), or `g{g}.params` and
+//! `g{g}.sum` (Adagrad's sum of squared gradients, PyTorch's name). The manifest records
 //! the model, the layout of every group (parameter names, shapes, offsets; the
 //! padded length and world size that define the slices), the step, the data
 //! position, each shard's size and CRC-32C, and its own CRC-32C: a damaged or
@@ -291,12 +292,13 @@ impl PlateauState {
 pub const KINDS: [&str; 3] = ["params", "exp_avg", "exp_avg_sq"];
 
 /// The flat buffers a shard of a run with update rule `rule` holds per
-/// group: its parameters and the moments the rule keeps. (A Lion shard
+/// group: its parameters and the state the rule keeps. (A Lion shard
 /// written before 2026-12-05 also holds a zero `exp_avg_sq`, never read.)
 pub fn kinds(rule: OptimizerKind) -> &'static [&'static str] {
-    match rule.second_moment() {
-        true => &KINDS,
-        false => &KINDS[..2],
+    match rule {
+        OptimizerKind::Adamw | OptimizerKind::Lamb => &KINDS,
+        OptimizerKind::Lion => &KINDS[..2],
+        OptimizerKind::Adagrad => &["params", "sum"],
     }
 }
 

@@ -386,6 +386,34 @@ const LAMB_PARAMS: &[(&str, Kind)] = &[
     ("amsgrad", Kind::Only(&[Accept::Bool(false)], "AMSGrad")),
 ];
 
+/// DeepSpeed's Adagrad takes these: PyTorch's `Adagrad`, which it runs
+/// (its CPU Adagrad, under offload, takes lr, eps and weight_decay).
+const ADAGRAD_PARAMS: &[(&str, Kind)] = &[
+    ("lr", Kind::Section),
+    ("eps", Kind::Section),
+    ("weight_decay", Kind::Section),
+    ("lr_decay", Kind::Section),
+    (
+        "initial_accumulator_value",
+        Kind::Only(
+            &[Accept::Num(0.0)],
+            "zrun's Adagrad starts its sums of squares at 0",
+        ),
+    ),
+    ("amsgrad", Kind::Only(&[Accept::Bool(false)], "AMSGrad")),
+    (
+        "maximize",
+        Kind::Only(&[Accept::Bool(false)], "zrun minimises the loss"),
+    ),
+    ("foreach", Kind::Ignored),
+    ("fused", Kind::Ignored),
+    ("differentiable", Kind::Ignored),
+    (
+        "fp32_optimizer_states",
+        Kind::Only(&[Accept::Bool(true)], "zrun keeps optimizer state in f32"),
+    ),
+];
+
 /// DeepSpeed's Lion takes these (no eps).
 const LION_PARAMS: &[(&str, Kind)] = &[
     ("lr", Kind::Section),
@@ -618,7 +646,10 @@ impl Reader {
             Some(Value::String(s)) => s.clone(),
             Some(_) => return Err(self.error("optimizer.type", "must be a string")),
             None => {
-                return Err(self.error("optimizer", "needs a `type` (Adam, AdamW, Lion or Lamb)"))
+                return Err(self.error(
+                    "optimizer",
+                    "needs a `type` (Adam, AdamW, Lion, Lamb or Adagrad)",
+                ))
             }
         };
         // DeepSpeed reads the type case-blind; Adam is AdamW unless
@@ -627,13 +658,14 @@ impl Reader {
         let (rule, params) = match lower.as_str() {
             "lion" => ("lion", LION_PARAMS),
             "lamb" => ("lamb", LAMB_PARAMS),
+            "adagrad" => ("adagrad", ADAGRAD_PARAMS),
             "adam" | "adamw" | "fusedadam" | "cpuadam" => ("adamw", ADAM_PARAMS),
             _ => return Err(self.error(
                 "optimizer.type",
-                format!("`{kind}` cannot be honoured: zrun trains with AdamW (decoupled weight decay), Lion or LAMB; use Adam, AdamW, Lion or Lamb"),
+                format!("`{kind}` cannot be honoured: zrun trains with AdamW (decoupled weight decay), Lion, LAMB or Adagrad; use Adam, AdamW, Lion, Lamb or Adagrad"),
             )),
         };
-        let lion = rule == "lion";
+        let (lion, adagrad) = (rule == "lion", rule == "adagrad");
         self.map(
             "train.optimizer.type",
             MappedValue::Set(json!(rule)),
@@ -682,12 +714,32 @@ impl Reader {
                 non_negative,
             ),
         ] {
-            if lion && key == "train.optimizer.eps" {
-                continue;
-            }
+            // Lion has no eps, Adagrad no betas; Adagrad's rate and eps
+            // default to PyTorch's Adagrad's.
+            let default = match (key, lion, adagrad) {
+                ("train.optimizer.eps", true, _) | ("train.optimizer.betas", _, true) => continue,
+                ("train.lr", _, true) => json!(1e-2),
+                ("train.optimizer.eps", _, true) => json!(1e-10),
+                _ => default,
+            };
             if !self.simple(source, key, true, convert)? {
                 self.map(key, MappedValue::Set(default), source, Origin::Default);
             }
+        }
+        if adagrad
+            && !self.simple(
+                "optimizer.params.lr_decay",
+                "train.optimizer.lr_decay",
+                false,
+                non_negative,
+            )?
+        {
+            self.map(
+                "train.optimizer.lr_decay",
+                MappedValue::Set(json!(0.0)),
+                "optimizer.params.lr_decay",
+                Origin::Default,
+            );
         }
         if rule == "lamb" {
             for (source, key, default) in [

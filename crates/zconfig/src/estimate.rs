@@ -14,7 +14,8 @@
 //!
 //! Mixed precision is p = g = 2, K = 12 (f32 master, m, v): Table 1 of the paper.
 //! zrun's f32 training keeps no separate master copy: p = g = 4, K = 8.
-//! Lion keeps one moment instead of two: K is 4 less (8 mixed, 4 in f32).
+//! Lion keeps one moment instead of two, Adagrad one sum of squares: K is 4
+//! less (8 mixed, 4 in f32).
 //! Offload rows move the optimizer state (ZeRO-Offload) and, at stage 3, the
 //! parameters too (ZeRO-Infinity) to host memory or NVMe; what must stay on the
 //! device is then the largest layer, which has to be whole while it computes.
@@ -42,8 +43,8 @@ impl StateBytes {
     }
 
     /// For a training dtype and update rule: AdamW's two moments are 8 bytes
-    /// per parameter, Lion's one 4; mixed precision adds the f32 master
-    /// copy's 4 (Lion in bf16: 2, 2, 8).
+    /// per parameter, Lion's one (and Adagrad's sum) 4; mixed precision adds
+    /// the f32 master copy's 4 (Lion in bf16: 2, 2, 8).
     pub fn for_training(d: Dtype, rule: OptimizerKind) -> StateBytes {
         let moments = match rule.second_moment() {
             true => 8.0,
@@ -508,6 +509,8 @@ mod tests {
         assert!((worker_states(&spec, 4).nvme - 4.0 * psi / 4.0).abs() < 1.0);
         let lion = StateBytes::for_job(&spec);
         assert_eq!((lion.param, lion.grad, lion.optimizer), (4.0, 4.0, 4.0));
+        spec.train.optimizer.kind = OptimizerKind::Adagrad;
+        assert_eq!(StateBytes::for_job(&spec), lion, "Adagrad keeps one sum");
     }
 
     #[test]

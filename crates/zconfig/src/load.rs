@@ -761,9 +761,10 @@ impl LoadedJob {
         Ok(())
     }
 
-    /// LAMB's trust-ratio bounds: written only for LAMB, and
-    /// `0 < min_coeff <= max_coeff`.
-    fn validate_trust_bounds(&self) -> Result<(), ConfigError> {
+    /// The knobs of one rule: LAMB's trust-ratio bounds, written only for
+    /// LAMB, `0 < min_coeff <= max_coeff`; Adagrad's `lr_decay`, written
+    /// only for Adagrad, at least 0.
+    fn validate_rule_knobs(&self) -> Result<(), ConfigError> {
         let o = &self.spec.train.optimizer;
         for (key, v) in [
             ("train.optimizer.min_coeff", o.min_coeff),
@@ -789,6 +790,21 @@ impl LoadedJob {
                 "train.optimizer.min_coeff",
                 format!("{lo} is above max_coeff {hi}"),
             ));
+        }
+        if let Some(v) = o.lr_decay {
+            let key = "train.optimizer.lr_decay";
+            if o.kind != OptimizerKind::Adagrad {
+                return Err(self.invalid(
+                    key,
+                    format!(
+                        "decays Adagrad's rate; train.optimizer.type is {} (use train.schedule)",
+                        o.kind.name()
+                    ),
+                ));
+            }
+            if !(v >= 0.0 && v <= f64::from(f32::MAX)) {
+                return Err(self.invalid(key, format!("must be a number at least 0, got {v}")));
+            }
         }
         Ok(())
     }
@@ -1102,11 +1118,12 @@ impl LoadedJob {
                 ));
             }
         }
-        self.validate_trust_bounds()?;
-        if !(t.optimizer.eps.is_finite() && t.optimizer.eps > 0.0) {
+        self.validate_rule_knobs()?;
+        let eps = t.optimizer.eps();
+        if !(eps.is_finite() && eps > 0.0) {
             return Err(self.invalid(
                 "train.optimizer.eps",
-                format!("must be a positive number, got {}", t.optimizer.eps),
+                format!("must be a positive number, got {eps}"),
             ));
         }
         if !(0.0..1.0).contains(&s.data.val_fraction) {
@@ -1168,7 +1185,7 @@ impl LoadedJob {
             ("train.min_lr", t.min_lr, false),
             ("train.warmup_start_lr", t.warmup_start_lr, false),
             ("train.weight_decay", t.weight_decay, false),
-            ("train.optimizer.eps", t.optimizer.eps, true),
+            ("train.optimizer.eps", t.optimizer.eps(), true),
             ("train.loss_scale.min_loss_scale", ls.min_loss_scale, false),
             ("model.norm_eps", m.norm_eps(), true),
         ] {
@@ -2376,7 +2393,7 @@ mod tests {
         let t = &job.spec.train;
         assert_eq!((t.min_lr, t.decay_fraction), (1e-4, 0.3));
         assert_eq!(t.schedule, crate::Schedule::Wsd);
-        assert_eq!((t.optimizer.betas, t.optimizer.eps), ([0.9, 0.95], 1e-6));
+        assert_eq!((t.optimizer.betas, t.optimizer.eps()), ([0.9, 0.95], 1e-6));
         let p = write(d.path(), "g.yaml", GOOD);
         for (set, want) in [
             (
@@ -2491,6 +2508,45 @@ mod tests {
         );
         gpu.zero.offload_optimizer.device = crate::spec::OffloadDevice::Cpu;
         assert_eq!(gpu.gpu_unsupported(), None, "LAMB on the host beside a GPU");
+        // Adagrad: PyTorch's eps unless written, lr_decay its alone.
+        let adagrad = |extra: &[&str]| {
+            let mut sets = vec!["train.optimizer.type=adagrad".to_string()];
+            sets.extend(extra.iter().map(|s| s.to_string()));
+            load_job(&p, &sets).and_then(|mut j| j.validate(1).map(|()| j))
+        };
+        let o = adagrad(&["train.optimizer.lr_decay=0.01"])
+            .unwrap()
+            .spec
+            .train
+            .optimizer;
+        assert_eq!((o.eps(), o.lr_decay), (1e-10, Some(0.01)));
+        let o = adagrad(&["train.optimizer.eps=1e-6"])
+            .unwrap()
+            .spec
+            .train
+            .optimizer;
+        assert_eq!(o.eps(), 1e-6);
+        let e = adagrad(&["train.optimizer.lr_decay=-0.5"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train.optimizer.lr_decay: must be a number at least 0, got -0.5"),
+            "{e}"
+        );
+        let e = load_job(&p, &["train.optimizer.lr_decay=0.1".into()])
+            .unwrap()
+            .validate(1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "train.optimizer.lr_decay: decays Adagrad's rate; train.optimizer.type is adamw"
+            ),
+            "{e}"
+        );
+        let mut gpu = adagrad(&[]).unwrap().spec;
+        gpu.device = crate::spec::Device::Cuda;
+        assert_eq!(gpu.gpu_unsupported(), None, "Adagrad runs on resident GPUs");
         // one_cycle: its keys, its refusals; no warmup beside it but 0.
         let one = |extra: &[&str]| {
             let mut sets = vec!["train.schedule=one_cycle".to_string()];

@@ -809,10 +809,17 @@ pub struct OptimizerSpec {
     /// interpolation of the update's direction and the moment's decay.
     #[serde(deserialize_with = "finite::pair")]
     pub betas: [f64; 2],
-    /// AdamW and LAMB: added to the second moment's square root (Lion has
-    /// none).
-    #[serde(deserialize_with = "finite::number")]
-    pub eps: f64,
+    /// AdamW and LAMB: added to the second moment's square root; Adagrad:
+    /// to the square root of its sum of squares (Lion has none). Unset: the
+    /// rule's PyTorch default ([`OptimizerSpec::eps`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
+    pub eps: Option<f64>,
+    /// Adagrad: the rate of step t is `lr / (1 + (t − 1)·lr_decay)`
+    /// (PyTorch's `lr_decay`; unset: 0). Refused beside another rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
+    pub lr_decay: Option<f64>,
     /// LAMB: the trust ratio's bounds, `[min_coeff, max_coeff]`
     /// (DeepSpeed's names; unset: 0.01 and 10). Refused beside another rule.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -825,6 +832,16 @@ pub struct OptimizerSpec {
 }
 
 impl OptimizerSpec {
+    /// The epsilon the rule adds to its denominator: the job's, else
+    /// PyTorch's default for the rule (Adagrad 1e-10, the others 1e-8).
+    pub fn eps(&self) -> f64 {
+        let default = match self.kind {
+            OptimizerKind::Adagrad => 1e-10,
+            _ => 1e-8,
+        };
+        self.eps.unwrap_or(default)
+    }
+
     /// LAMB's trust-ratio bounds (DeepSpeed FusedLamb's defaults where unset).
     pub fn trust_bounds(&self) -> [f64; 2] {
         [
@@ -839,7 +856,8 @@ impl Default for OptimizerSpec {
         Self {
             kind: OptimizerKind::Adamw,
             betas: [0.9, 0.999],
-            eps: 1e-8,
+            eps: None,
+            lr_decay: None,
             min_coeff: None,
             max_coeff: None,
         }
@@ -863,6 +881,11 @@ pub enum OptimizerKind {
     /// the trust ratio ‖w‖ / ‖update‖ (clamped), as DeepSpeed's `Lamb`
     /// (FusedLamb) computes it.
     Lamb,
+    /// Adagrad (Duchi et al., 2011): each parameter's rate divided by the
+    /// square root of the sum of its squared gradients; weight decay added
+    /// to the gradient (L2), as PyTorch's `Adagrad`, which DeepSpeed's
+    /// `Adagrad` runs. One state, as Lion's.
+    Adagrad,
 }
 
 impl OptimizerKind {
@@ -872,13 +895,15 @@ impl OptimizerKind {
             OptimizerKind::Adamw => "adamw",
             OptimizerKind::Lion => "lion",
             OptimizerKind::Lamb => "lamb",
+            OptimizerKind::Adagrad => "adagrad",
         }
     }
 
     /// Whether the rule keeps a second moment (AdamW's and LAMB's
-    /// exp_avg_sq). Lion keeps only the first, a third less optimizer state.
+    /// exp_avg_sq). Lion keeps only the first and Adagrad only its sum of
+    /// squares, a third less optimizer state.
     pub fn second_moment(self) -> bool {
-        self != OptimizerKind::Lion
+        matches!(self, OptimizerKind::Adamw | OptimizerKind::Lamb)
     }
 }
 

@@ -69,7 +69,7 @@ fn hugging_face_zero2_takes_auto_from_the_job() {
     assert_eq!((t.micro_batch_size, t.grad_accum), (3, 2));
     assert_eq!(t.lr, 5e-4);
     assert_eq!(t.optimizer.betas, [0.9, 0.98]);
-    assert_eq!(t.optimizer.eps, 1e-6);
+    assert_eq!(t.optimizer.eps(), 1e-6);
     assert_eq!(t.weight_decay, 0.05);
     assert_eq!(
         t.grad_clip, 1.0,
@@ -165,7 +165,7 @@ fn megatron_gpt2_maps_every_written_key() {
     assert_eq!(t.log_every, 1);
     assert_eq!(t.lr, 1.5e-4);
     assert_eq!(t.optimizer.betas, [0.9, 0.95]);
-    assert_eq!(t.optimizer.eps, 1e-8);
+    assert_eq!(t.optimizer.eps(), 1e-8);
     assert_eq!(t.weight_decay, 0.01);
     assert_eq!(t.schedule, Schedule::Linear);
     assert_eq!(t.warmup_steps, 100);
@@ -346,6 +346,69 @@ fn lion_maps_to_the_lion_rule() {
     assert!(e.contains("train.optimizer.type"), "{e}");
 }
 
+/// DeepSpeed's `Adagrad` (PyTorch's Adagrad) is `train.optimizer.type:
+/// adagrad`: its lr, eps, weight decay and lr_decay mapped, PyTorch's
+/// defaults where unwritten (lr 1e-2, eps 1e-10, lr_decay 0; no betas),
+/// and a non-zero initial accumulator or `maximize` refused.
+#[test]
+fn adagrad_maps_to_the_adagrad_rule() {
+    let j = job(BARE);
+    let ds = j._dir.path().join("ds.json");
+    let load = |text: &str| {
+        std::fs::write(&ds, text).unwrap();
+        let mut loaded = load_job_with(&j.path, &[], Some(&ds))?;
+        loaded.validate(2)?;
+        Ok::<_, zconfig::ConfigError>(loaded.spec.train)
+    };
+    let t = load(
+        r#"{"optimizer": {"type": "Adagrad", "params": {"lr": 0.05, "eps": 1e-9, "weight_decay": 0.01, "lr_decay": 0.001, "initial_accumulator_value": 0}}}"#,
+    )
+    .unwrap();
+    assert_eq!(t.optimizer.kind, OptimizerKind::Adagrad);
+    assert_eq!(
+        (
+            t.lr,
+            t.optimizer.eps(),
+            t.weight_decay,
+            t.optimizer.lr_decay
+        ),
+        (0.05, 1e-9, 0.01, Some(0.001))
+    );
+    let t = load(r#"{"optimizer": {"type": "adagrad"}}"#).unwrap();
+    assert_eq!(
+        (
+            t.lr,
+            t.optimizer.eps(),
+            t.weight_decay,
+            t.optimizer.lr_decay
+        ),
+        (1e-2, 1e-10, 0.0, Some(0.0))
+    );
+    for (text, want) in [
+        (
+            r#"{"optimizer": {"type": "Adagrad", "params": {"initial_accumulator_value": 0.1}}}"#,
+            "optimizer.params.initial_accumulator_value: 0.1 cannot be honoured: zrun's Adagrad starts its sums of squares at 0",
+        ),
+        (
+            r#"{"optimizer": {"type": "Adagrad", "params": {"betas": [0.9, 0.99]}}}"#,
+            "optimizer.params.betas: unknown DeepSpeed key `betas`",
+        ),
+        (
+            r#"{"optimizer": {"type": "Adagrad", "params": {"lr_decay": -1}}}"#,
+            "optimizer.params.lr_decay",
+        ),
+        (
+            r#"{"optimizer": {"type": "Adagrad", "params": {"maximize": true}}}"#,
+            "optimizer.params.maximize: true cannot be honoured",
+        ),
+    ] {
+        let e = load(text).expect_err(text).to_string();
+        assert!(e.contains(want), "{text}
+  gave: {e}
+  want: {want}");
+    }
+}
+
 /// `fp16.loss_scale` above 0 is a static scale
 /// (`train.loss_scale.static_scale`); 0 is dynamic scaling, the default.
 #[test]
@@ -386,7 +449,7 @@ fn lamb_maps_to_the_lamb_rule_with_its_bounds() {
     let t = &loaded.spec.train;
     assert_eq!(t.optimizer.kind, OptimizerKind::Lamb);
     assert_eq!(
-        (t.lr, t.optimizer.betas, t.optimizer.eps, t.weight_decay),
+        (t.lr, t.optimizer.betas, t.optimizer.eps(), t.weight_decay),
         (1e-2, [0.9, 0.98], 1e-6, 0.01)
     );
     assert_eq!(t.optimizer.trust_bounds(), [0.1, 5.0]);

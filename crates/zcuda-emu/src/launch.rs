@@ -1010,8 +1010,8 @@ pub fn sum_sq_chunks(x: Grads<'_>, chunk: usize, scale: f32) -> Vec<f64> {
 }
 
 /// One AdamW step of adamw.cu over `p`, `m`, `v` with gradient `g`, and with
-/// `working` the updated `p` rounded to 16 bits there; Lion's (`c.lion`)
-/// with `v` empty.
+/// `working` the updated `p` rounded to 16 bits there; Lion's or Adagrad's
+/// (`c.rule`) with `v` empty.
 pub fn adamw(
     p: &mut [f32],
     g: Grads<'_>,
@@ -1028,11 +1028,12 @@ pub fn adamw(
     assert!(
         glen == n
             && m.len() == n
-            && v.len() == if c.lion != 0 { 0 } else { n }
+            && v.len() == if c.rule == zcuda::RULE_ADAMW { n } else { 0 }
             && working.as_ref().is_none_or(|w| w.1.len() == n),
         "adamw: buffer lengths differ"
     );
-    // Lion keeps no second moment: the kernel gets null, as from zcuda.
+    // Lion and Adagrad keep no second moment: the kernel gets null, as
+    // from zcuda.
     let vptr = match v.is_empty() {
         true => std::ptr::null_mut(),
         false => v.as_mut_ptr(),
@@ -1042,7 +1043,7 @@ pub fn adamw(
         None => (std::ptr::null_mut(), 0),
     };
     // SAFETY: every buffer holds n values (checked above; v none or null
-    // under Lion, whose update never touches it), the gradient in
+    // under Lion and Adagrad, whose updates never touch it), the gradient in
     // the format grad_fmt names, the working copy only when working_fmt is
     // not 0; c is adamw.cu's AdamConsts (zcuda's repr(C) twin).
     unsafe {

@@ -876,14 +876,20 @@ fn the_16_bit_gradient_kernels_equal_the_hosts_buffers_bit_for_bit() {
 #[test]
 fn adamw_equals_the_cpu_kernel_bit_for_bit() {
     use zengine::adam::OptimizerKind;
-    for rule in [OptimizerKind::Adamw, OptimizerKind::Lion] {
+    for rule in [
+        OptimizerKind::Adamw,
+        OptimizerKind::Lion,
+        OptimizerKind::Adagrad,
+    ] {
         adamw_equals_the_cpu_kernel_bit_for_bit_with(rule);
     }
 }
 
 /// [`adamw_equals_the_cpu_kernel_bit_for_bit`] for one update rule: AdamW's
-/// or Lion's (`c.lion`), which keeps no v: the kernel gets null for it.
+/// or Lion's or Adagrad's (`c.rule`), which keep no v: the kernel gets null
+/// for it.
 fn adamw_equals_the_cpu_kernel_bit_for_bit_with(rule: zengine::adam::OptimizerKind) {
+    use zengine::adam::OptimizerKind;
     use zengine::adam::{adamw as cpu_adamw, AdamStep, Buffers, Grads as CpuGrads, Scalars};
     use zengine::precision::Half;
     let s = AdamStep {
@@ -895,12 +901,17 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit_with(rule: zengine::adam::OptimizerKi
         weight_decay: 0.1,
         step: 3,
         grad_scale: 0.37,
+        lr_decay: 0.05,
     };
     for n in [1usize, 1001, 70_001] {
         let p0 = magnitudes(n, 11);
         let g = magnitudes(n, 12);
-        let m0: Vec<f32> = magnitudes(n, 13).iter().map(|x| x * 0.1).collect();
         let v0: Vec<f32> = magnitudes(n, 14).iter().map(|x| x.abs() * 0.01).collect();
+        // Adagrad's state is a sum of squares: never negative.
+        let m0: Vec<f32> = match rule {
+            OptimizerKind::Adagrad => v0.clone(),
+            _ => magnitudes(n, 13).iter().map(|x| x * 0.1).collect(),
+        };
         for kind in [
             None,
             Some((Half::Bf16, Fmt16::Bf16)),
@@ -955,8 +966,12 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit_with(rule: zengine::adam::OptimizerKi
                             step_size: c.step_size,
                             inv_sqrt_bc2: c.inv_sqrt_bc2,
                             eps: c.eps,
-                            shrink: c.shrink,
-                            lion: u32::from(c.lion),
+                            decay: c.decay,
+                            rule: match c.rule {
+                                OptimizerKind::Lion => zcuda::RULE_LION,
+                                OptimizerKind::Adagrad => zcuda::RULE_ADAGRAD,
+                                OptimizerKind::Adamw | OptimizerKind::Lamb => zcuda::RULE_ADAMW,
+                            },
                         }
                     },
                 );

@@ -49,11 +49,20 @@ pub struct AdamConsts {
     pub inv_sqrt_bc2: f32,
     /// Added to the denominator.
     pub eps: f32,
-    /// 1 - lr·weight_decay where decay applies, else 1.
-    pub shrink: f32,
-    /// 1: Lion's update (`step_size` is lr itself), 0: AdamW's.
-    pub lion: u32,
+    /// The weight decay's factor: 1 − lr·weight_decay (decoupled, scales
+    /// p) where decay applies, else 1; Adagrad: weight_decay (L2, the
+    /// multiple of p added to the gradient), else 0.
+    pub decay: f32,
+    /// Which update: [`RULE_ADAMW`], [`RULE_LION`] or [`RULE_ADAGRAD`].
+    pub rule: u32,
 }
+
+/// [`AdamConsts::rule`] of AdamW's update.
+pub const RULE_ADAMW: u32 = 0;
+/// [`AdamConsts::rule`] of Lion's update (`step_size` is lr itself; no v).
+pub const RULE_LION: u32 = 1;
+/// [`AdamConsts::rule`] of Adagrad's update (its sum of squares in m; no v).
+pub const RULE_ADAGRAD: u32 = 2;
 
 // SAFETY: nine f32 and a u32 in C layout, no pointers; `adamw.cu` declares
 // the same struct, which the kernel receives by value.
@@ -76,9 +85,9 @@ fn adam_len(
     working: Option<&CudaViewMut<u16>>,
     c: &AdamConsts,
 ) -> Result<usize, CudaError> {
-    if v.is_some() == (c.lion != 0) {
+    if v.is_some() != (c.rule == RULE_ADAMW) {
         return Err(CudaError::Invalid(format!(
-            "{what}: a second moment is AdamW's alone (Lion keeps none)"
+            "{what}: a second moment is AdamW's alone (Lion and Adagrad keep none)"
         )));
     }
     if g.len() != n
@@ -598,7 +607,8 @@ impl Gpu {
     }
 
     /// One AdamW step over device-resident `p`, `m`, `v` with gradient `g`
-    /// (Lion's with `c.lion`, which keeps no `v`: `None`); with `working`,
+    /// (Lion's or Adagrad's as `c.rule` says, which keep no `v`: `None`);
+    /// with `working`,
     /// also the rounded 16-bit copy of the updated `p`. Same bits as the CPU
     /// kernel given the same [`AdamConsts`].
     pub fn adamw(
@@ -644,7 +654,7 @@ impl Gpu {
         };
         launch.arg(&n64).arg(c).arg(&grad_fmt).arg(&working_fmt);
         // SAFETY: the arguments match `adamw`'s signature in adamw.cu (f32
-        // buffers p and m, v or null where `c.lion` says the kernel never
+        // buffers p and m, v or null where `c.rule` says the kernel never
         // touches it, the gradient in the format `grad_fmt` names, the
         // working copy or null as `working_fmt` says, all of n elements,
         // checked above), and the grid-stride loop stays below n.
@@ -656,8 +666,8 @@ impl Gpu {
     /// group's tensors, one launch per 16 runs instead of one a tensor):
     /// run `(r, decay)` updates elements `r` of the gradients, moments and
     /// working copy, and its parameters (`p`: the same elements of a flat
-    /// buffer, or a buffer of the run's own), scaled by `c.shrink` where
-    /// `decay`, else by `plain` (`c.shrink` of a step without decay);
+    /// buffer, or a buffer of the run's own), decayed by `c.decay` where
+    /// `decay`, else by `plain` (`c.decay` of a step without decay);
     /// elements outside the runs are not touched. The same bits as
     /// [`Gpu::adamw`] on each run. Runs must be sorted, apart or touching,
     /// and inside the flat buffers, which must be of one length.
@@ -762,7 +772,7 @@ impl Gpu {
             // SAFETY: the arguments match `adamw_runs`'s signature in
             // adamw.cu (the flat parameters or null with each run's own
             // buffer's address, of the run's length; the gradient in the
-            // format `grad_fmt` names, the moments (v null where `c.lion`
+            // format `grad_fmt` names, the moments (v null where `c.rule`
             // says it is never touched), the working copy or null as
             // `working_fmt` says, all of n elements, checked above;
             // 1 to 16 non-empty runs, sorted, inside n), and the loop stays

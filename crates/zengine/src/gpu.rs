@@ -1194,7 +1194,7 @@ impl Engine {
                     exp_avg_sq.as_mut().map(|v| v.slice_mut(..n)).as_mut(),
                     None,
                     &device_consts(&hp, true),
-                    device_consts(&hp, false).shrink,
+                    device_consts(&hp, false).decay,
                     &runs,
                 )?;
             }
@@ -1330,7 +1330,7 @@ impl Engine {
                     exp_avg_sq.as_mut().map(|v| v.slice_mut(..n)).as_mut(),
                     Some((h.kind, &mut working.slice_mut(work))),
                     &device_consts(&hp, true),
-                    device_consts(&hp, false).shrink,
+                    device_consts(&hp, false).decay,
                     &runs,
                 )?;
                 for (i, at) in p.pieces() {

@@ -160,10 +160,11 @@ impl Engine {
             lr: lr as f32,
             beta1,
             beta2,
-            eps: o.eps as f32,
+            eps: o.eps() as f32,
             weight_decay: self.spec.train.weight_decay as f32,
             step: self.updates,
             grad_scale,
+            lr_decay: o.lr_decay.unwrap_or(0.0) as f32,
         }
     }
 

@@ -108,43 +108,57 @@ fn dropout_keeps_the_stages_bit_identical() {
     }
 }
 
-/// Lion (`train.optimizer.type: lion`) keeps every stage to the bits of
-/// stage 0 at 2 ranks, in f32 and bf16 (its update runs on each rank's
-/// slice, in the same vectorised pass whatever the slice bounds); it
-/// trains (the loss falls) and is not AdamW (other losses). It holds one
-/// f32 moment an element it updates, where AdamW holds two: every element
-/// at stage 0, the rank's half from stage 1.
+/// Lion and Adagrad (`train.optimizer.type: lion`, `adagrad`) keep every
+/// stage to the bits of stage 0 at 2 ranks, in f32 and bf16 (each update
+/// runs on each rank's slice, in the same vectorised pass whatever the
+/// slice bounds); each trains (the loss falls) and is neither AdamW nor
+/// the other (other losses). Each holds one f32 state an element it
+/// updates (Lion's moment, Adagrad's sum of squares), where AdamW holds
+/// two: every element at stage 0, the rank's half from stage 1.
 #[test]
-fn lion_keeps_the_stages_bit_identical() {
-    let lion = |dtype, stage| {
+fn lion_and_adagrad_keep_the_stages_bit_identical() {
+    use zconfig::spec::OptimizerKind;
+    let rule = |kind, dtype, stage| {
         let mut spec = typed_spec(dtype, stage, 1, 2000, true, false, 8);
-        spec.train.optimizer.kind = zconfig::spec::OptimizerKind::Lion;
-        spec.train.optimizer.betas = [0.9, 0.99];
-        spec.train.lr /= 3.0;
+        spec.train.optimizer.kind = kind;
+        match kind {
+            OptimizerKind::Lion => {
+                spec.train.optimizer.betas = [0.9, 0.99];
+                spec.train.lr /= 3.0;
+            }
+            _ => {
+                spec.train.optimizer.lr_decay = Some(0.05);
+                spec.train.lr *= 10.0;
+            }
+        }
         spec
     };
     for dtype in ["f32", "bf16"] {
-        let base = train(lion(dtype, 0), 2);
         let adamw = train(typed_spec(dtype, 0, 1, 2000, true, false, 8), 2);
-        assert_ne!(
-            base[0].losses, adamw[0].losses,
-            "{dtype}: Lion ran as AdamW"
-        );
-        assert!(
-            base[0].losses[7] < base[0].losses[0],
-            "{dtype}: Lion did not train: {:?}",
-            base[0].losses
-        );
-        let elements: usize = base[0].padded.iter().sum();
-        assert_eq!(base[0].optimizer_held, 4 * elements as u64, "{dtype}");
-        assert_eq!(adamw[0].optimizer_held, 8 * elements as u64, "{dtype}");
-        for stage in 1..=3u8 {
-            let got = train(lion(dtype, stage), 2);
-            for r in 0..2 {
-                let what = format!("{dtype} stage {stage} rank {r}");
-                assert_eq!(got[r].losses, base[r].losses, "losses: {what}");
-                assert!(got[r].params == base[r].params, "parameters: {what}");
-                assert_eq!(got[r].optimizer_held, 2 * elements as u64, "{what}");
+        let mut others = vec![adamw[0].losses.clone()];
+        for kind in [OptimizerKind::Lion, OptimizerKind::Adagrad] {
+            let base = train(rule(kind, dtype, 0), 2);
+            assert!(
+                !others.contains(&base[0].losses),
+                "{dtype}: {kind:?} ran as another rule"
+            );
+            others.push(base[0].losses.clone());
+            assert!(
+                base[0].losses[7] < base[0].losses[0],
+                "{dtype}: {kind:?} did not train: {:?}",
+                base[0].losses
+            );
+            let elements: usize = base[0].padded.iter().sum();
+            assert_eq!(base[0].optimizer_held, 4 * elements as u64, "{dtype}");
+            assert_eq!(adamw[0].optimizer_held, 8 * elements as u64, "{dtype}");
+            for stage in 1..=3u8 {
+                let got = train(rule(kind, dtype, stage), 2);
+                for r in 0..2 {
+                    let what = format!("{kind:?} {dtype} stage {stage} rank {r}");
+                    assert_eq!(got[r].losses, base[r].losses, "losses: {what}");
+                    assert!(got[r].params == base[r].params, "parameters: {what}");
+                    assert_eq!(got[r].optimizer_held, 2 * elements as u64, "{what}");
+                }
             }
         }
     }
@@ -817,7 +831,7 @@ fn optimizer_and_schedule_knobs_reach_the_update() {
         let mut s = base.clone();
         s.train.optimizer = zconfig::spec::OptimizerSpec {
             betas,
-            eps,
+            eps: Some(eps),
             ..Default::default()
         };
         s

@@ -59,41 +59,44 @@ fn offloaded_runs_are_bit_identical_to_runs_in_memory() {
     }
 }
 
-/// Lion offloaded keeps Lion's bits, and swaps its one moment only: at
-/// stage 1 (optimizer files alone) its files hold half AdamW's bytes in
-/// f32 (exp_avg against exp_avg and exp_avg_sq) and two thirds in bf16
-/// (with the master copy); with the parameters offloaded too at stage 3,
-/// the bits still hold.
+/// Lion and Adagrad offloaded keep their in-memory bits, and swap their
+/// one state only: at stage 1 (optimizer files alone) their files hold
+/// half AdamW's bytes in f32 (one state against exp_avg and exp_avg_sq)
+/// and two thirds in bf16 (with the master copy); with the parameters
+/// offloaded too at stage 3, the bits still hold.
 #[test]
-fn lion_offloaded_swaps_one_moment_and_keeps_its_bits() {
+fn lion_and_adagrad_offloaded_swap_one_state_and_keep_their_bits() {
+    use zconfig::spec::OptimizerKind;
     let swap = tempfile::tempdir().unwrap();
-    let lion = |spec: JobSpec| {
-        let mut spec = spec;
-        spec.train.optimizer.kind = zconfig::spec::OptimizerKind::Lion;
-        spec
-    };
-    for dtype in ["f32", "bf16"] {
-        for (stage, params) in [(1u8, false), (3, true)] {
-            let spec = typed_spec(dtype, stage, 1, 2000, true, false, 4);
-            let base = train(lion(spec.clone()), 2);
-            let got = train(offloaded(lion(spec.clone()), swap.path(), params), 2);
-            let what = format!("{dtype} stage {stage} params offloaded {params}");
-            for r in 0..2 {
-                assert_eq!(got[r].losses, base[r].losses, "{what} rank {r}");
-                assert!(got[r].params == base[r].params, "{what} rank {r}");
-                assert_eq!(got[r].optimizer_held, 0, "{what}: moments left in memory");
-            }
-            if stage == 1 {
-                let adamw = train(offloaded(spec, swap.path(), params), 2);
-                let (files, lion_files) = match dtype {
-                    "f32" => (2, 1),
-                    _ => (3, 2),
-                };
-                assert_eq!(
-                    adamw[0].nvme * lion_files,
-                    got[0].nvme * files,
-                    "{what}: swap bytes, AdamW's against Lion's"
-                );
+    for kind in [OptimizerKind::Lion, OptimizerKind::Adagrad] {
+        let rule = |spec: JobSpec| {
+            let mut spec = spec;
+            spec.train.optimizer.kind = kind;
+            spec
+        };
+        for dtype in ["f32", "bf16"] {
+            for (stage, params) in [(1u8, false), (3, true)] {
+                let spec = typed_spec(dtype, stage, 1, 2000, true, false, 4);
+                let base = train(rule(spec.clone()), 2);
+                let got = train(offloaded(rule(spec.clone()), swap.path(), params), 2);
+                let what = format!("{kind:?} {dtype} stage {stage} params offloaded {params}");
+                for r in 0..2 {
+                    assert_eq!(got[r].losses, base[r].losses, "{what} rank {r}");
+                    assert!(got[r].params == base[r].params, "{what} rank {r}");
+                    assert_eq!(got[r].optimizer_held, 0, "{what}: state left in memory");
+                }
+                if stage == 1 {
+                    let adamw = train(offloaded(spec, swap.path(), params), 2);
+                    let (files, one_state_files) = match dtype {
+                        "f32" => (2, 1),
+                        _ => (3, 2),
+                    };
+                    assert_eq!(
+                        adamw[0].nvme * one_state_files,
+                        got[0].nvme * files,
+                        "{what}: swap bytes, AdamW's against {kind:?}'s"
+                    );
+                }
             }
         }
     }

@@ -212,6 +212,7 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
             let rule = match rule_name {
                 "lion" => OptimizerKind::Lion,
                 "lamb" => OptimizerKind::Lamb,
+                "adagrad" => OptimizerKind::Adagrad,
                 _ => OptimizerKind::Adamw,
             };
             let bytes = StateBytes::for_training(dtype, rule);

@@ -280,6 +280,7 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
         weight_decay: 0.1,
         step: 10,
         grad_scale: 1.0,
+        lr_decay: 0.0,
     };
     // Mixed precision: bf16 gradients in, bf16 working copy out (the same 28
     // bytes an element as f32: 4+2+4+4 read, 4+4+4+2 written).
@@ -298,11 +299,12 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
             gflops: 2.0 * n as f64 / triad_s / 1e9,
             ratio: 1.0,
         });
-        // Lion moves 20 bytes an element (no second moment; mixed
-        // precision likewise: 2+4+4 read, 4+4+2 written).
+        // Lion and Adagrad move 20 bytes an element (no second moment;
+        // mixed precision likewise: 2+4+4 read, 4+4+2 written).
         let rules = [
             (OptimizerKind::Adamw, "adamw", 28.0, 12.0),
             (OptimizerKind::Lion, "lion", 20.0, 10.0),
+            (OptimizerKind::Adagrad, "adagrad", 20.0, 10.0),
         ];
         for ((rule, rule_name, bytes, flops), path) in rules
             .into_iter()

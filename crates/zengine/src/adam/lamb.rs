@@ -320,6 +320,7 @@ mod tests {
             weight_decay: 0.01,
             step: t,
             grad_scale: 1.0,
+            lr_decay: 0.0,
         }
     }
 

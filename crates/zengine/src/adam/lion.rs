@@ -89,7 +89,7 @@ fn each<G: Copy>(
         let gi = grad(g) * c.gscale;
         let ci = c.b1 * *m + c.omb1 * gi;
         *m = c.b2 * *m + c.omb2 * gi;
-        let pi = *p * c.shrink - c.step_size * sign(ci);
+        let pi = *p * c.decay - c.step_size * sign(ci);
         *p = pi;
         pi
     };

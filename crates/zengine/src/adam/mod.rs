@@ -1,8 +1,10 @@
 //! AdamW over a flat f32 slice in one fused pass: read p, g, m, v; write p, m, v
 //! and, with mixed precision, the 16-bit working copy of p. And Lion
 //! (`train.optimizer.type: lion`): the same pass over p, g and m only: Lion
-//! keeps no second moment, and its `v` is empty. LAMB (`lamb`) runs in two
-//! passes over the same buffers ([`lamb`]), its trust ratios between them.
+//! keeps no second moment, and its `v` is empty. Adagrad (`adagrad`) is
+//! such a pass too, its sum of squared gradients in `m` (adagrad.rs). LAMB
+//! (`lamb`) runs in two passes over the same buffers ([`lamb`]), its trust
+//! ratios between them.
 //!
 //! The pass is bound by memory bandwidth, not arithmetic: 28 bytes move per
 //! element for about 12 flops (f32: 4 read, 3 written; mixed precision: a 2-byte
@@ -15,10 +17,10 @@
 //! correctly rounded `sqrt` and division, and round-to-nearest-even 16-bit
 //! conversions, so every path gives the same bits as the scalar reference. That
 //! is what keeps stage 0's full update equal to the gathered slices of stages 1-3
-//! whatever the slice boundaries and the CPU. Lion's pass is one scalar loop
-//! that the compiler vectorises for each ISA (`target_feature` wrappers in
-//! x86.rs): its arithmetic (two products and a sum for each of c and m, the
-//! sign a select, the decayed parameter less lr or plus lr) leaves the
+//! whatever the slice boundaries and the CPU. Lion's and Adagrad's passes are
+//! each one scalar loop that the compiler vectorises for each ISA
+//! (`target_feature` wrappers): their arithmetic (products, sums, a square
+//! root, a division and, for Lion, a sign that is a select) leaves the
 //! compiler nothing to reorder, so every ISA gives the scalar loop's bits.
 
 pub use zconfig::spec::OptimizerKind;
@@ -28,7 +30,8 @@ use crate::precision::Half;
 /// Hyper-parameters of one optimizer step.
 #[derive(Debug, Clone, Copy)]
 pub struct AdamStep {
-    /// AdamW's update or Lion's.
+    /// Which update: AdamW's, Lion's or Adagrad's (LAMB's runs in
+    /// [`lamb_moments`] and [`lamb_apply`]).
     pub rule: OptimizerKind,
     /// Learning rate.
     pub lr: f32,
@@ -38,13 +41,16 @@ pub struct AdamStep {
     pub beta2: f32,
     /// Added to the denominator.
     pub eps: f32,
-    /// Decoupled weight decay (applied where the range asks for it).
+    /// Weight decay, applied where the range asks for it: decoupled
+    /// (AdamW, Lion, LAMB) or added to the gradient (Adagrad's L2).
     pub weight_decay: f32,
     /// 1-based step, for bias correction.
     pub step: u64,
     /// Every gradient is multiplied by this first (unscaling and clipping in the
     /// same pass; 1 leaves f32 gradients exactly as they are).
     pub grad_scale: f32,
+    /// Adagrad: the rate of step t is `lr / (1 + (t − 1)·lr_decay)`.
+    pub lr_decay: f32,
 }
 
 /// The gradient an update reads.
@@ -87,9 +93,9 @@ pub struct Buffers<'a> {
     pub p: &'a mut [f32],
     /// Gradients.
     pub g: Grads<'a>,
-    /// First moment.
+    /// First moment (Adagrad: the sum of squared gradients).
     pub m: &'a mut [f32],
-    /// Second moment; empty for Lion, which keeps none.
+    /// Second moment; empty for Lion and Adagrad, which keep none.
     pub v: &'a mut [f32],
     /// Mixed precision: receives the updated parameters rounded to 16 bits.
     pub working: Option<(Half, &'a mut [u16])>,
@@ -178,43 +184,52 @@ pub struct Scalars {
     pub b2: f32,
     /// 1 - beta2.
     pub omb2: f32,
-    /// lr over the first moment's bias correction.
+    /// lr over the first moment's bias correction (Lion: lr itself;
+    /// Adagrad: lr / (1 + (t − 1)·lr_decay)).
     pub step_size: f32,
     /// 1 / sqrt of the second moment's bias correction.
     pub inv_sqrt_bc2: f32,
     /// Added to the denominator.
     pub eps: f32,
-    /// 1 - lr·weight_decay where decay applies, else 1.
-    pub shrink: f32,
-    /// Lion's update (step_size is then lr itself).
-    pub lion: bool,
+    /// The weight decay's factor: where decay applies 1 − lr·weight_decay,
+    /// which scales p (decoupled), or for Adagrad weight_decay itself, the
+    /// multiple of p added to the gradient (L2); where it does not, 1
+    /// (Adagrad: 0).
+    pub decay: f32,
+    /// Which update.
+    pub rule: OptimizerKind,
 }
 
 impl Scalars {
     /// The scalars of step `s`, with weight decay or without.
     pub fn new(s: &AdamStep, decay: bool) -> Scalars {
-        let lion = s.rule == OptimizerKind::Lion;
         // Lion's moment is not bias-corrected: its update is a sign.
-        let bc1 = match lion {
-            true => 1.0,
-            false => 1.0 - (s.beta1 as f64).powi(s.step as i32),
+        // Adagrad's rate decays as PyTorch's does.
+        let lr_over = match s.rule {
+            OptimizerKind::Lion => 1.0,
+            OptimizerKind::Adagrad => 1.0 + (s.step - 1) as f64 * s.lr_decay as f64,
+            OptimizerKind::Adamw | OptimizerKind::Lamb => {
+                1.0 - (s.beta1 as f64).powi(s.step as i32)
+            }
         };
         let bc2 = 1.0 - (s.beta2 as f64).powi(s.step as i32);
+        let adagrad = s.rule == OptimizerKind::Adagrad;
         Scalars {
             gscale: s.grad_scale,
             b1: s.beta1,
             omb1: 1.0 - s.beta1,
             b2: s.beta2,
             omb2: 1.0 - s.beta2,
-            step_size: (s.lr as f64 / bc1) as f32,
+            step_size: (s.lr as f64 / lr_over) as f32,
             inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
             eps: s.eps,
-            shrink: if decay {
-                1.0 - s.lr * s.weight_decay
-            } else {
-                1.0
+            decay: match (decay, adagrad) {
+                (true, true) => s.weight_decay,
+                (true, false) => 1.0 - s.lr * s.weight_decay,
+                (false, true) => 0.0,
+                (false, false) => 1.0,
             },
-            lion,
+            rule: s.rule,
         }
     }
 }
@@ -233,8 +248,19 @@ pub fn device_consts(s: &AdamStep, decay: bool) -> zcuda::AdamConsts {
         step_size: c.step_size,
         inv_sqrt_bc2: c.inv_sqrt_bc2,
         eps: c.eps,
-        shrink: c.shrink,
-        lion: u32::from(c.lion),
+        decay: c.decay,
+        rule: device_rule(c.rule),
+    }
+}
+
+/// The GPU kernel's number for an update rule (`AdamConsts::rule` in
+/// `kernels/adamw.cu`).
+#[cfg(feature = "cuda")]
+pub fn device_rule(rule: OptimizerKind) -> u32 {
+    match rule {
+        OptimizerKind::Adamw | OptimizerKind::Lamb => zcuda::RULE_ADAMW,
+        OptimizerKind::Lion => zcuda::RULE_LION,
+        OptimizerKind::Adagrad => zcuda::RULE_ADAGRAD,
     }
 }
 
@@ -417,8 +443,10 @@ pub fn lamb_apply_with(
 }
 
 fn run(path: Path, b: Buffers<'_>, c: &Scalars) {
-    if c.lion {
-        return lion::run(path, b, c);
+    match c.rule {
+        OptimizerKind::Lion => return lion::run(path, b, c),
+        OptimizerKind::Adagrad => return adagrad::run(path, b, c),
+        OptimizerKind::Adamw | OptimizerKind::Lamb => {}
     }
     match path {
         #[cfg(target_arch = "x86_64")]
@@ -500,7 +528,7 @@ fn scalar_loop<G: Copy>(
         *m = mi;
         *v = vi;
         let denom = vi.sqrt() * c.inv_sqrt_bc2 + c.eps;
-        let pi = *p * c.shrink - c.step_size * mi / denom;
+        let pi = *p * c.decay - c.step_size * mi / denom;
         *p = pi;
         pi
     };
@@ -517,6 +545,7 @@ fn scalar_loop<G: Copy>(
     }
 }
 
+mod adagrad;
 pub mod lamb;
 mod lion;
 #[cfg(target_arch = "x86_64")]
@@ -538,6 +567,7 @@ mod tests {
             weight_decay: 0.1,
             step: t,
             grad_scale: 1.0,
+            lr_decay: 0.0,
         }
     }
 
@@ -614,11 +644,15 @@ mod tests {
         assert_eq!(q, [2.125]);
     }
 
-    /// A second moment is AdamW's alone: Lion given one, or AdamW given
+    /// A second moment is AdamW's alone: Lion or Adagrad given one, or AdamW given
     /// none, is refused before anything is written.
     #[test]
     fn the_second_moment_must_match_the_rule() {
-        for (rule, v) in [(OptimizerKind::Lion, 4), (OptimizerKind::Adamw, 0)] {
+        for (rule, v) in [
+            (OptimizerKind::Lion, 4),
+            (OptimizerKind::Adagrad, 4),
+            (OptimizerKind::Adamw, 0),
+        ] {
             let s = AdamStep { rule, ..step(1) };
             let refused = std::panic::catch_unwind(|| {
                 let (mut p, mut m, mut v) = (vec![1.0; 4], vec![0.0; 4], vec![0.0; v]);
@@ -661,6 +695,7 @@ mod tests {
                     weight_decay: wd,
                     step: k as u64 + 1,
                     grad_scale: 1.0,
+                    lr_decay: 0.0,
                 };
                 adamw_with(path, 2, Buffers::f32(&mut p, g, &mut m, &mut []), true, &s);
                 for i in 0..n {
@@ -693,6 +728,86 @@ mod tests {
         }
     }
 
+    /// Adagrad's first step from a zero sum: the gradient (with the L2 term
+    /// where decay applies) over its own magnitude, so each parameter moves
+    /// by lr (less eps's share) against its sign, none where it is 0; the
+    /// sum becomes its square; there is no v.
+    #[test]
+    fn adagrad_first_step_moves_by_lr_against_the_sign() {
+        let s = AdamStep {
+            rule: OptimizerKind::Adagrad,
+            lr: 0.125,
+            eps: 1e-10,
+            weight_decay: 0.5,
+            ..step(1)
+        };
+        let (mut p, g, mut sum) = (vec![2.0; 3], vec![0.5, -3.0, -1.0], vec![0.0; 3]);
+        adamw(Buffers::f32(&mut p, &g, &mut sum, &mut []), true, &s);
+        // g + 0.5·2 = 1.5, −2, 0: the last moves not at all.
+        assert_eq!(p, [2.0 - 0.125, 2.0 + 0.125, 2.0]);
+        assert_eq!(sum, [2.25, 4.0, 0.0]);
+        // Undecayed: the raw gradient.
+        let (mut q, mut sum) = (vec![2.0], vec![0.0]);
+        adamw(Buffers::f32(&mut q, &[-1.0], &mut sum, &mut []), false, &s);
+        assert_eq!((q, sum), (vec![2.125], vec![1.0]));
+    }
+
+    /// Adagrad over several steps against PyTorch's `Adagrad` written out
+    /// in f64 (L2 decay added to the gradient, the rate decayed by
+    /// `lr_decay`): every parameter and sum within f32's rounding of a few
+    /// steps, on every path.
+    #[test]
+    fn adagrad_follows_its_f64_formula() {
+        let n = 4099;
+        let [p0, _, _, v0] = inputs(n, 17);
+        let grads: Vec<Vec<f32>> = (0..5).map(|k| inputs(n, 200 + k)[1].clone()).collect();
+        // The coefficients as the kernel holds them (f32), widened.
+        let (lr, wd, eps, lr_decay) = (1e-2f32, 0.1f32, 1e-10f32, 0.25f32);
+        for path in Path::available() {
+            let (mut p, mut sum) = (p0.clone(), v0.clone());
+            let widen = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>();
+            let (mut pr, mut sr) = (widen(&p0), widen(&v0));
+            for (k, g) in grads.iter().enumerate() {
+                let s = AdamStep {
+                    rule: OptimizerKind::Adagrad,
+                    lr,
+                    eps,
+                    weight_decay: wd,
+                    step: k as u64 + 1,
+                    lr_decay,
+                    ..step(1)
+                };
+                adamw_with(
+                    path,
+                    2,
+                    Buffers::f32(&mut p, g, &mut sum, &mut []),
+                    true,
+                    &s,
+                );
+                let clr = f64::from(lr) / (1.0 + k as f64 * f64::from(lr_decay));
+                for i in 0..n {
+                    let gi = f64::from(g[i]) + f64::from(wd) * pr[i];
+                    sr[i] += gi * gi;
+                    pr[i] -= clr * gi / (sr[i].sqrt() + f64::from(eps));
+                }
+            }
+            for i in 0..n {
+                let (got, want) = (f64::from(sum[i]), sr[i]);
+                assert!(
+                    (got - want).abs() <= 1e-6 * want.max(1e-30),
+                    "{path:?} sum[{i}]: {got} for {want}"
+                );
+                // Each step moves p by at most clr; its error is relative
+                // to p and to those moves.
+                let (got, want) = (f64::from(p[i]), pr[i]);
+                assert!(
+                    (got - want).abs() <= 1e-6 * (want.abs() + 5.0 * f64::from(lr)),
+                    "{path:?} p[{i}]: {got} for {want}"
+                );
+            }
+        }
+    }
+
     /// Random-looking inputs spanning many magnitudes, including zeros.
     pub(super) fn inputs(n: usize, seed: u32) -> [Vec<f32>; 4] {
         let mut x = seed.wrapping_mul(2654435761) | 1;
@@ -713,6 +828,16 @@ mod tests {
         let m: Vec<f32> = (0..n).map(|_| next() * 0.1).collect();
         let v: Vec<f32> = (0..n).map(|_| next().abs() * 0.01).collect();
         [p, g, m, v]
+    }
+
+    /// [`inputs`] for `rule`: Adagrad's state is a sum of squares, so its
+    /// `m` is the non-negative `v` (a negative one would have a NaN root).
+    pub(super) fn inputs_for(rule: OptimizerKind, n: usize, seed: u32) -> [Vec<f32>; 4] {
+        let [p, g, m, v] = inputs(n, seed);
+        match rule {
+            OptimizerKind::Adagrad => [p, g, v.clone(), v],
+            _ => [p, g, m, v],
+        }
     }
 
     /// `g` rounded to `kind`'s 16 bits (empty for f32).
@@ -762,6 +887,7 @@ mod tests {
         };
         match (path, s.rule) {
             (None, OptimizerKind::Lion) => lion::scalar(b, &Scalars::new(s, true)),
+            (None, OptimizerKind::Adagrad) => adagrad::scalar(b, &Scalars::new(s, true)),
             (None, _) => scalar(b, 0, &Scalars::new(s, true)),
             (Some(path), _) => adamw_with(path, threads, b, true, s),
         }
@@ -770,14 +896,19 @@ mod tests {
 
     /// Every path and thread count gives the scalar reference's bits (well
     /// within 1 ulp), in every precision, for odd lengths and unaligned
-    /// starts: AdamW's explicit vector bodies and Lion's compiler-vectorised
-    /// loop alike.
+    /// starts: AdamW's explicit vector bodies and Lion's and Adagrad's
+    /// compiler-vectorised loops alike.
     #[test]
     fn every_path_equals_the_scalar_reference() {
-        for rule in [OptimizerKind::Adamw, OptimizerKind::Lion] {
+        for rule in [
+            OptimizerKind::Adamw,
+            OptimizerKind::Lion,
+            OptimizerKind::Adagrad,
+        ] {
             let s = AdamStep {
                 rule,
                 grad_scale: 0.37,
+                lr_decay: 0.05,
                 ..step(3)
             };
             every_path_equals_the_scalar_reference_for(&s);
@@ -788,7 +919,7 @@ mod tests {
         let s = *s;
         for n in [0, 1, 7, 15, 16, 17, 33, 1001, (1 << 18) + 37] {
             for offset in [0, 1, 3] {
-                let inputs = inputs(n + offset, n as u32 + 1);
+                let inputs = inputs_for(s.rule, n + offset, n as u32 + 1);
                 for kind in PRECISIONS {
                     let want = update(None, 1, kind, &inputs, offset, &s);
                     for path in Path::available() {
@@ -900,7 +1031,7 @@ mod tests {
     }
 
     /// On a GPU, the device kernel gives the CPU's bits in every precision,
-    /// AdamW's update and Lion's (skipped with a printed reason where no GPU
+    /// AdamW's update, Lion's and Adagrad's (skipped with a printed reason where no GPU
     /// is; `ZRUN_REQUIRE_GPU=1` makes it mandatory).
     #[cfg(feature = "cuda")]
     #[test]
@@ -908,15 +1039,16 @@ mod tests {
         let Some((gpu, s)) = gpu_and_step("the_gpu_kernel_equals_the_cpu_bit_for_bit") else {
             return;
         };
-        let lion = AdamStep {
-            rule: OptimizerKind::Lion,
+        let [lion, adagrad] = [OptimizerKind::Lion, OptimizerKind::Adagrad].map(|rule| AdamStep {
+            rule,
+            lr_decay: 0.05,
             ..s
-        };
-        for (s, n) in [s, lion]
+        });
+        for (s, n) in [s, lion, adagrad]
             .into_iter()
             .flat_map(|s| [1, 1001, (1 << 20) + 37].map(|n| (s, n)))
         {
-            let inputs = inputs(n, n as u32 + 7);
+            let inputs = inputs_for(s.rule, n, n as u32 + 7);
             for kind in PRECISIONS {
                 let want = update(None, 1, kind, &inputs, 0, &s);
                 let [p, g, m, v] = &inputs;
@@ -1034,7 +1166,7 @@ mod tests {
                         Some(&mut dv.slice_mut(..)),
                         kind.map(|h| (h.into(), &mut w)),
                         &device_consts(&s, true),
-                        device_consts(&s, false).shrink,
+                        device_consts(&s, false).decay,
                         &runs,
                     )
                     .unwrap();
@@ -1091,7 +1223,7 @@ mod tests {
             Some(&mut dv.slice_mut(..)),
             None,
             &device_consts(&s, true),
-            device_consts(&s, false).shrink,
+            device_consts(&s, false).decay,
             &runs,
         );
         assert!(format!("{:?}", e.unwrap_err()).contains("not its length"));

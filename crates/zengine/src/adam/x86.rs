@@ -23,7 +23,7 @@ pub(super) unsafe fn avx512(b: Buffers<'_>, c: &Scalars) {
         _mm512_set1_ps(c.step_size),
         _mm512_set1_ps(c.inv_sqrt_bc2),
         _mm512_set1_ps(c.eps),
-        _mm512_set1_ps(c.shrink),
+        _mm512_set1_ps(c.decay),
     );
     let mut b = b;
     let (p, m, v) = (b.p.as_mut_ptr(), b.m.as_mut_ptr(), b.v.as_mut_ptr());
@@ -107,7 +107,7 @@ pub(super) unsafe fn avx2(b: Buffers<'_>, c: &Scalars) {
         _mm256_set1_ps(c.step_size),
         _mm256_set1_ps(c.inv_sqrt_bc2),
         _mm256_set1_ps(c.eps),
-        _mm256_set1_ps(c.shrink),
+        _mm256_set1_ps(c.decay),
     );
     let mut b = b;
     let (p, m, v) = (b.p.as_mut_ptr(), b.m.as_mut_ptr(), b.v.as_mut_ptr());
