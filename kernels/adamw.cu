@@ -24,6 +24,9 @@ struct AdamConsts {
     // 1 − lr·weight_decay where decay applies, else 1 (scales p); under
     // Adagrad weight_decay, else 0 (the multiple of p added to g).
     float decay;
+    // Adagrad: added to the sum before the square (its initial value at
+    // the first update, else 0).
+    float initial_sum;
     // RULE_ADAMW, RULE_LION (step_size is lr itself) or RULE_ADAGRAD
     // (step_size is lr / (1 + (t − 1)·lr_decay)).
     unsigned int rule;
@@ -70,7 +73,7 @@ __device__ __forceinline__ void adamw_element(
         if (decay != 0.0f) {
             gi = __fadd_rn(gi, __fmul_rn(decay, p0));
         }
-        float si = __fadd_rn(m[i], __fmul_rn(gi, gi));
+        float si = __fadd_rn(__fadd_rn(m[i], c.initial_sum), __fmul_rn(gi, gi));
         m[i] = si;
         float pi = __fsub_rn(p0, __fdiv_rn(__fmul_rn(c.step_size, gi), __fadd_rn(__fsqrt_rn(si), c.eps)));
         *pe = pi;

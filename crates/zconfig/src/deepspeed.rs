@@ -393,13 +393,7 @@ const ADAGRAD_PARAMS: &[(&str, Kind)] = &[
     ("eps", Kind::Section),
     ("weight_decay", Kind::Section),
     ("lr_decay", Kind::Section),
-    (
-        "initial_accumulator_value",
-        Kind::Only(
-            &[Accept::Num(0.0)],
-            "zrun's Adagrad starts its sums of squares at 0",
-        ),
-    ),
+    ("initial_accumulator_value", Kind::Section),
     ("amsgrad", Kind::Only(&[Accept::Bool(false)], "AMSGrad")),
     (
         "maximize",
@@ -726,20 +720,18 @@ impl Reader {
                 self.map(key, MappedValue::Set(default), source, Origin::Default);
             }
         }
-        if adagrad
-            && !self.simple(
-                "optimizer.params.lr_decay",
-                "train.optimizer.lr_decay",
-                false,
-                non_negative,
-            )?
-        {
-            self.map(
-                "train.optimizer.lr_decay",
-                MappedValue::Set(json!(0.0)),
-                "optimizer.params.lr_decay",
-                Origin::Default,
-            );
+        if adagrad {
+            for (source, key) in [
+                ("optimizer.params.lr_decay", "train.optimizer.lr_decay"),
+                (
+                    "optimizer.params.initial_accumulator_value",
+                    "train.optimizer.initial_accumulator_value",
+                ),
+            ] {
+                if !self.simple(source, key, false, non_negative)? {
+                    self.map(key, MappedValue::Set(json!(0.0)), source, Origin::Default);
+                }
+            }
         }
         if rule == "lamb" {
             for (source, key, default) in [

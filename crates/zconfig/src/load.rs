@@ -762,8 +762,8 @@ impl LoadedJob {
     }
 
     /// The knobs of one rule: LAMB's trust-ratio bounds, written only for
-    /// LAMB, `0 < min_coeff <= max_coeff`; Adagrad's `lr_decay`, written
-    /// only for Adagrad, at least 0.
+    /// LAMB, `0 < min_coeff <= max_coeff`; Adagrad's `lr_decay` and
+    /// `initial_accumulator_value`, written only for Adagrad, at least 0.
     fn validate_rule_knobs(&self) -> Result<(), ConfigError> {
         let o = &self.spec.train.optimizer;
         for (key, v) in [
@@ -791,15 +791,23 @@ impl LoadedJob {
                 format!("{lo} is above max_coeff {hi}"),
             ));
         }
-        if let Some(v) = o.lr_decay {
-            let key = "train.optimizer.lr_decay";
+        for (key, v, what) in [
+            (
+                "train.optimizer.lr_decay",
+                o.lr_decay,
+                "decays Adagrad's rate",
+            ),
+            (
+                "train.optimizer.initial_accumulator_value",
+                o.initial_accumulator_value,
+                "starts Adagrad's sums of squares",
+            ),
+        ] {
+            let Some(v) = v else { continue };
             if o.kind != OptimizerKind::Adagrad {
                 return Err(self.invalid(
                     key,
-                    format!(
-                        "decays Adagrad's rate; train.optimizer.type is {} (use train.schedule)",
-                        o.kind.name()
-                    ),
+                    format!("{what}; train.optimizer.type is {}", o.kind.name()),
                 ));
             }
             if !(v >= 0.0 && v <= f64::from(f32::MAX)) {
@@ -2526,6 +2534,19 @@ mod tests {
             .train
             .optimizer;
         assert_eq!(o.eps(), 1e-6);
+        let o = adagrad(&["train.optimizer.initial_accumulator_value=0.1"])
+            .unwrap()
+            .spec
+            .train
+            .optimizer;
+        assert_eq!(o.initial_accumulator_value, Some(0.1));
+        let e = adagrad(&["train.optimizer.initial_accumulator_value=-1"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train.optimizer.initial_accumulator_value: must be a number at least 0"),
+            "{e}"
+        );
         let e = adagrad(&["train.optimizer.lr_decay=-0.5"])
             .unwrap_err()
             .to_string();
@@ -2542,6 +2563,18 @@ mod tests {
             e.contains(
                 "train.optimizer.lr_decay: decays Adagrad's rate; train.optimizer.type is adamw"
             ),
+            "{e}"
+        );
+        let e = load_job(
+            &p,
+            &["train.optimizer.initial_accumulator_value=0.1".into()],
+        )
+        .unwrap()
+        .validate(1)
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("train.optimizer.initial_accumulator_value: starts Adagrad's sums of squares; train.optimizer.type is adamw"),
             "{e}"
         );
         let mut gpu = adagrad(&[]).unwrap().spec;

@@ -820,6 +820,11 @@ pub struct OptimizerSpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[serde(deserialize_with = "finite::optional")]
     pub lr_decay: Option<f64>,
+    /// Adagrad: each sum of squares' starting value (PyTorch's
+    /// `initial_accumulator_value`; unset: 0). Refused beside another rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "finite::optional")]
+    pub initial_accumulator_value: Option<f64>,
     /// LAMB: the trust ratio's bounds, `[min_coeff, max_coeff]`
     /// (DeepSpeed's names; unset: 0.01 and 10). Refused beside another rule.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -858,6 +863,7 @@ impl Default for OptimizerSpec {
             betas: [0.9, 0.999],
             eps: None,
             lr_decay: None,
+            initial_accumulator_value: None,
             min_coeff: None,
             max_coeff: None,
         }

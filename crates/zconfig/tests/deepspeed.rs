@@ -348,8 +348,8 @@ fn lion_maps_to_the_lion_rule() {
 
 /// DeepSpeed's `Adagrad` (PyTorch's Adagrad) is `train.optimizer.type:
 /// adagrad`: its lr, eps, weight decay and lr_decay mapped, PyTorch's
-/// defaults where unwritten (lr 1e-2, eps 1e-10, lr_decay 0; no betas),
-/// and a non-zero initial accumulator or `maximize` refused.
+/// defaults where unwritten (lr 1e-2, eps 1e-10, lr_decay 0, initial
+/// accumulator 0; no betas), and `maximize` refused.
 #[test]
 fn adagrad_maps_to_the_adagrad_rule() {
     let j = job(BARE);
@@ -361,33 +361,37 @@ fn adagrad_maps_to_the_adagrad_rule() {
         Ok::<_, zconfig::ConfigError>(loaded.spec.train)
     };
     let t = load(
-        r#"{"optimizer": {"type": "Adagrad", "params": {"lr": 0.05, "eps": 1e-9, "weight_decay": 0.01, "lr_decay": 0.001, "initial_accumulator_value": 0}}}"#,
+        r#"{"optimizer": {"type": "Adagrad", "params": {"lr": 0.05, "eps": 1e-9, "weight_decay": 0.01, "lr_decay": 0.001, "initial_accumulator_value": 0.1}}}"#,
     )
     .unwrap();
     assert_eq!(t.optimizer.kind, OptimizerKind::Adagrad);
+    let o = &t.optimizer;
     assert_eq!(
         (
             t.lr,
-            t.optimizer.eps(),
+            o.eps(),
             t.weight_decay,
-            t.optimizer.lr_decay
+            o.lr_decay,
+            o.initial_accumulator_value
         ),
-        (0.05, 1e-9, 0.01, Some(0.001))
+        (0.05, 1e-9, 0.01, Some(0.001), Some(0.1))
     );
     let t = load(r#"{"optimizer": {"type": "adagrad"}}"#).unwrap();
+    let o = &t.optimizer;
     assert_eq!(
         (
             t.lr,
-            t.optimizer.eps(),
+            o.eps(),
             t.weight_decay,
-            t.optimizer.lr_decay
+            o.lr_decay,
+            o.initial_accumulator_value
         ),
-        (1e-2, 1e-10, 0.0, Some(0.0))
+        (1e-2, 1e-10, 0.0, Some(0.0), Some(0.0))
     );
     for (text, want) in [
         (
-            r#"{"optimizer": {"type": "Adagrad", "params": {"initial_accumulator_value": 0.1}}}"#,
-            "optimizer.params.initial_accumulator_value: 0.1 cannot be honoured: zrun's Adagrad starts its sums of squares at 0",
+            r#"{"optimizer": {"type": "Adagrad", "params": {"initial_accumulator_value": -0.1}}}"#,
+            "optimizer.params.initial_accumulator_value",
         ),
         (
             r#"{"optimizer": {"type": "Adagrad", "params": {"betas": [0.9, 0.99]}}}"#,
@@ -403,9 +407,12 @@ fn adagrad_maps_to_the_adagrad_rule() {
         ),
     ] {
         let e = load(text).expect_err(text).to_string();
-        assert!(e.contains(want), "{text}
+        assert!(
+            e.contains(want),
+            "{text}
   gave: {e}
-  want: {want}");
+  want: {want}"
+        );
     }
 }
 

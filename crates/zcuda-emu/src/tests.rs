@@ -902,6 +902,7 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit_with(rule: zengine::adam::OptimizerKi
         step: 3,
         grad_scale: 0.37,
         lr_decay: 0.05,
+        initial_sum: 0.25,
     };
     for n in [1usize, 1001, 70_001] {
         let p0 = magnitudes(n, 11);
@@ -967,6 +968,7 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit_with(rule: zengine::adam::OptimizerKi
                             inv_sqrt_bc2: c.inv_sqrt_bc2,
                             eps: c.eps,
                             decay: c.decay,
+                            initial_sum: c.initial_sum,
                             rule: match c.rule {
                                 OptimizerKind::Lion => zcuda::RULE_LION,
                                 OptimizerKind::Adagrad => zcuda::RULE_ADAGRAD,

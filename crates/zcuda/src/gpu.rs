@@ -53,6 +53,9 @@ pub struct AdamConsts {
     /// p) where decay applies, else 1; Adagrad: weight_decay (L2, the
     /// multiple of p added to the gradient), else 0.
     pub decay: f32,
+    /// Adagrad: added to the sum before the square (its initial value at
+    /// the first update, else 0).
+    pub initial_sum: f32,
     /// Which update: [`RULE_ADAMW`], [`RULE_LION`] or [`RULE_ADAGRAD`].
     pub rule: u32,
 }
@@ -64,7 +67,7 @@ pub const RULE_LION: u32 = 1;
 /// [`AdamConsts::rule`] of Adagrad's update (its sum of squares in m; no v).
 pub const RULE_ADAGRAD: u32 = 2;
 
-// SAFETY: nine f32 and a u32 in C layout, no pointers; `adamw.cu` declares
+// SAFETY: ten f32 and a u32 in C layout, no pointers; `adamw.cu` declares
 // the same struct, which the kernel receives by value.
 unsafe impl DeviceRepr for AdamConsts {}
 

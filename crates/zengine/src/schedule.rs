@@ -77,6 +77,16 @@ pub fn beta1_at(step: u64, t: &TrainSpec) -> Option<f64> {
     (t.schedule == Schedule::OneCycle && cycles).then(|| one_cycle(step - 1, t).1)
 }
 
+/// What Adagrad adds to each sum before 1-based optimizer `step`'s
+/// square: its `initial_accumulator_value` at the first update (the sums
+/// start at 0, so that every rule's state starts as zeros), else 0.
+pub fn initial_sum_at(step: u64, t: &TrainSpec) -> f64 {
+    match step {
+        1 => t.optimizer.initial_accumulator_value.unwrap_or(0.0),
+        _ => 0.0,
+    }
+}
+
 /// `one_cycle`'s rate and β1 after `i` steps (0-based: the steps before
 /// this one), as DeepSpeed's `OneCycle` gives them after `i` calls of its
 /// `step` (whose `last_batch_iteration` is then i − 1): the cycle while
@@ -164,6 +174,17 @@ mod tests {
             schedule,
             ..TrainSpec::default()
         }
+    }
+
+    /// Adagrad's initial accumulator joins the sums at the first update
+    /// only: a resumed run, or the next step, must not add it again.
+    #[test]
+    fn the_initial_sum_joins_at_the_first_update_only() {
+        let mut t = TrainSpec::default();
+        assert_eq!(initial_sum_at(1, &t), 0.0);
+        t.optimizer.initial_accumulator_value = Some(0.1);
+        let at: Vec<f64> = (1..=3).map(|s| initial_sum_at(s, &t)).collect();
+        assert_eq!(at, [0.1, 0.0, 0.0]);
     }
 
     /// DeepSpeed's ramps: log(s)/log(W) of the way from the start rate, or

@@ -24,7 +24,7 @@ use crate::gather::Gathering;
 use crate::group::{Group, Swapped};
 use crate::offload::ALIGN_ELEMS;
 use crate::precision::Flat;
-use crate::schedule::beta1_at;
+use crate::schedule::{beta1_at, initial_sum_at};
 
 /// An f64 as two f32 words for a collective of f32s (hi, and the rest):
 /// 48 bits of it, the same on every rank that adds them back.
@@ -165,6 +165,7 @@ impl Engine {
             step: self.updates,
             grad_scale,
             lr_decay: o.lr_decay.unwrap_or(0.0) as f32,
+            initial_sum: initial_sum_at(self.updates, &self.spec.train) as f32,
         }
     }
 

@@ -130,6 +130,7 @@ fn adamw_tracks_an_f64_reference_over_hundreds_of_steps_on_every_path() {
                 step: t,
                 grad_scale: 1.0,
                 lr_decay: 0.0,
+                initial_sum: 0.0,
             };
             for (path, [p, m, v]) in paths.iter().zip(&mut got) {
                 adamw_with(*path, 2, Buffers::f32(p, &g32, m, v), decay, &hp);

@@ -112,9 +112,10 @@ fn dropout_keeps_the_stages_bit_identical() {
 /// stage to the bits of stage 0 at 2 ranks, in f32 and bf16 (each update
 /// runs on each rank's slice, in the same vectorised pass whatever the
 /// slice bounds); each trains (the loss falls) and is neither AdamW nor
-/// the other (other losses). Each holds one f32 state an element it
-/// updates (Lion's moment, Adagrad's sum of squares), where AdamW holds
-/// two: every element at stage 0, the rank's half from stage 1.
+/// the other (other losses; Adagrad's sums starting at 0.1 give other
+/// losses than at 0). Each holds one f32 state an element it updates
+/// (Lion's moment, Adagrad's sum of squares), where AdamW holds two: every
+/// element at stage 0, the rank's half from stage 1.
 #[test]
 fn lion_and_adagrad_keep_the_stages_bit_identical() {
     use zconfig::spec::OptimizerKind;
@@ -128,6 +129,7 @@ fn lion_and_adagrad_keep_the_stages_bit_identical() {
             }
             _ => {
                 spec.train.optimizer.lr_decay = Some(0.05);
+                spec.train.optimizer.initial_accumulator_value = Some(0.1);
                 spec.train.lr *= 10.0;
             }
         }
@@ -135,7 +137,12 @@ fn lion_and_adagrad_keep_the_stages_bit_identical() {
     };
     for dtype in ["f32", "bf16"] {
         let adamw = train(typed_spec(dtype, 0, 1, 2000, true, false, 8), 2);
-        let mut others = vec![adamw[0].losses.clone()];
+        let mut from_zero = rule(OptimizerKind::Adagrad, dtype, 0);
+        from_zero.train.optimizer.initial_accumulator_value = None;
+        let mut others = vec![
+            adamw[0].losses.clone(),
+            train(from_zero, 2)[0].losses.clone(),
+        ];
         for kind in [OptimizerKind::Lion, OptimizerKind::Adagrad] {
             let base = train(rule(kind, dtype, 0), 2);
             assert!(

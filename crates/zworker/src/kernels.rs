@@ -281,6 +281,7 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
         step: 10,
         grad_scale: 1.0,
         lr_decay: 0.0,
+        initial_sum: 0.0,
     };
     // Mixed precision: bf16 gradients in, bf16 working copy out (the same 28
     // bytes an element as f32: 4+2+4+4 read, 4+4+4+2 written).

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! g = g + λ·p                  weight decay added to the gradient (L2)
-//! s = s + g·g
+//! s = s + g·g                  (s + s0 + g·g at the first update: PyTorch's
+//!                              initial_accumulator_value, s0)
 //! p = p − (lr_t·g) / (√s + eps)    lr_t = lr / (1 + (t − 1)·lr_decay)
 //! ```
 //!
@@ -113,7 +114,7 @@ fn each<G: Copy>(
     let all = p.iter_mut().zip(s.iter_mut()).zip(g);
     let update = |(p, s): (&mut f32, &mut f32), g: G| {
         let gi = grad(g, *p);
-        let si = *s + gi * gi;
+        let si = (*s + c.initial_sum) + gi * gi;
         *s = si;
         let pi = *p - c.step_size * gi / (si.sqrt() + c.eps);
         *p = pi;

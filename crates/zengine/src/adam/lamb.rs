@@ -321,6 +321,7 @@ mod tests {
             step: t,
             grad_scale: 1.0,
             lr_decay: 0.0,
+            initial_sum: 0.0,
         }
     }
 

@@ -51,6 +51,10 @@ pub struct AdamStep {
     pub grad_scale: f32,
     /// Adagrad: the rate of step t is `lr / (1 + (t − 1)·lr_decay)`.
     pub lr_decay: f32,
+    /// Adagrad: added to each sum before this step's square, its
+    /// `initial_accumulator_value` at the first update (the sums start at
+    /// 0), else 0.
+    pub initial_sum: f32,
 }
 
 /// The gradient an update reads.
@@ -196,6 +200,9 @@ pub struct Scalars {
     /// multiple of p added to the gradient (L2); where it does not, 1
     /// (Adagrad: 0).
     pub decay: f32,
+    /// Adagrad: added to the sum before the square (see
+    /// [`AdamStep::initial_sum`]).
+    pub initial_sum: f32,
     /// Which update.
     pub rule: OptimizerKind,
 }
@@ -229,6 +236,7 @@ impl Scalars {
                 (false, true) => 0.0,
                 (false, false) => 1.0,
             },
+            initial_sum: s.initial_sum,
             rule: s.rule,
         }
     }
@@ -249,6 +257,7 @@ pub fn device_consts(s: &AdamStep, decay: bool) -> zcuda::AdamConsts {
         inv_sqrt_bc2: c.inv_sqrt_bc2,
         eps: c.eps,
         decay: c.decay,
+        initial_sum: c.initial_sum,
         rule: device_rule(c.rule),
     }
 }
@@ -568,6 +577,7 @@ mod tests {
             step: t,
             grad_scale: 1.0,
             lr_decay: 0.0,
+            initial_sum: 0.0,
         }
     }
 
@@ -696,6 +706,7 @@ mod tests {
                     step: k as u64 + 1,
                     grad_scale: 1.0,
                     lr_decay: 0.0,
+                    initial_sum: 0.0,
                 };
                 adamw_with(path, 2, Buffers::f32(&mut p, g, &mut m, &mut []), true, &s);
                 for i in 0..n {
@@ -754,15 +765,16 @@ mod tests {
 
     /// Adagrad over several steps against PyTorch's `Adagrad` written out
     /// in f64 (L2 decay added to the gradient, the rate decayed by
-    /// `lr_decay`): every parameter and sum within f32's rounding of a few
-    /// steps, on every path.
+    /// `lr_decay`, an initial accumulator added before the first square):
+    /// every parameter and sum within f32's rounding of a few steps, on
+    /// every path.
     #[test]
     fn adagrad_follows_its_f64_formula() {
         let n = 4099;
         let [p0, _, _, v0] = inputs(n, 17);
         let grads: Vec<Vec<f32>> = (0..5).map(|k| inputs(n, 200 + k)[1].clone()).collect();
         // The coefficients as the kernel holds them (f32), widened.
-        let (lr, wd, eps, lr_decay) = (1e-2f32, 0.1f32, 1e-10f32, 0.25f32);
+        let (lr, wd, eps, lr_decay, initial) = (1e-2f32, 0.1f32, 1e-10f32, 0.25f32, 0.1f32);
         for path in Path::available() {
             let (mut p, mut sum) = (p0.clone(), v0.clone());
             let widen = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>();
@@ -775,6 +787,7 @@ mod tests {
                     weight_decay: wd,
                     step: k as u64 + 1,
                     lr_decay,
+                    initial_sum: if k == 0 { initial } else { 0.0 },
                     ..step(1)
                 };
                 adamw_with(
@@ -786,6 +799,9 @@ mod tests {
                 );
                 let clr = f64::from(lr) / (1.0 + k as f64 * f64::from(lr_decay));
                 for i in 0..n {
+                    if k == 0 {
+                        sr[i] += f64::from(initial);
+                    }
                     let gi = f64::from(g[i]) + f64::from(wd) * pr[i];
                     sr[i] += gi * gi;
                     pr[i] -= clr * gi / (sr[i].sqrt() + f64::from(eps));
@@ -909,6 +925,7 @@ mod tests {
                 rule,
                 grad_scale: 0.37,
                 lr_decay: 0.05,
+                initial_sum: 0.25,
                 ..step(3)
             };
             every_path_equals_the_scalar_reference_for(&s);
@@ -1042,6 +1059,7 @@ mod tests {
         let [lion, adagrad] = [OptimizerKind::Lion, OptimizerKind::Adagrad].map(|rule| AdamStep {
             rule,
             lr_decay: 0.05,
+            initial_sum: 0.25,
             ..s
         });
         for (s, n) in [s, lion, adagrad]
