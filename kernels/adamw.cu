@@ -1,6 +1,7 @@
 // AdamW over a device-resident slice, in one pass: read p, g, m, v; write p, m,
-// v and, with mixed precision, the 16-bit working copy of p. With c.rule
-// RULE_LION, Lion's update instead (train.optimizer.type: lion), with
+// v and, with mixed precision, the 16-bit working copy of p; with c.rule
+// RULE_ADAM, PyTorch's Adam (adam: the L2 term added to g, p not
+// decayed). With RULE_LION, Lion's update instead (lion), with
 // RULE_ADAGRAD Adagrad's (adagrad, its sum of squares in m): p, g and m
 // read, p and m written; neither keeps a second moment, and v is null.
 //
@@ -22,7 +23,7 @@ struct AdamConsts {
     float inv_sqrt_bc2;
     float eps;
     // 1 − lr·weight_decay where decay applies, else 1 (scales p); under
-    // Adagrad weight_decay, else 0 (the multiple of p added to g).
+    // Adam and Adagrad weight_decay, else 0 (the multiple of p added to g).
     float decay;
     // Adagrad: added to the sum before the square (its initial value at
     // the first update, else 0).
@@ -35,6 +36,7 @@ struct AdamConsts {
 #define RULE_ADAMW 0u
 #define RULE_LION 1u
 #define RULE_ADAGRAD 2u
+#define RULE_ADAM 3u
 
 // Lion's direction: PyTorch's sign (±1, the zero itself for ±0, NaN for
 // NaN), as the CPU kernel's.
@@ -93,6 +95,14 @@ __device__ __forceinline__ void adamw_element(
             working[i] = round16(pi, working_fmt);
         }
         return;
+    }
+    if (c.rule == RULE_ADAM) {
+        // PyTorch's Adam: the L2 term joins the gradient (where λ is not
+        // 0), and the parameter is not decayed.
+        if (decay != 0.0f) {
+            gi = __fadd_rn(gi, __fmul_rn(decay, p0));
+        }
+        decay = 1.0f;
     }
     float mi = __fadd_rn(__fmul_rn(c.b1, m[i]), __fmul_rn(c.omb1, gi));
     float vi = __fadd_rn(__fmul_rn(c.b2, v[i]), __fmul_rn(__fmul_rn(c.omb2, gi), gi));

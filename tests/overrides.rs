@@ -62,7 +62,7 @@ const KEYS: &[(&str, &[&str])] = &[
     ("train.optimizer.eps", &["1e-8", "0", "1", "1e-50"]),
     (
         "train.optimizer.type",
-        &["adamw", "lion", "lamb", "adagrad", "sgd"],
+        &["adamw", "adam", "lion", "lamb", "adagrad", "sgd"],
     ),
     ("train.optimizer.lr_decay", &["0", "0.1", "-1"]),
     ("train.optimizer.min_coeff", &["0.01", "0.5", "0", "20"]),

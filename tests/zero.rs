@@ -246,8 +246,9 @@ fn estimate_reproduces_the_zero_paper_and_sizes_a_job() {
     let stage0 = |v: &serde_json::Value| v["rows"][0]["bytes_per_device"].as_f64().unwrap();
     assert_eq!(stage0(&v), 16.0 * 28544.0);
     assert_eq!(stage0(&l), 12.0 * 28544.0);
-    // --params with Lion or Adagrad (one sum of squares) in f32: K = 4.
-    for rule in ["lion", "adagrad"] {
+    // --params with Lion or Adagrad (one sum of squares) in f32: K = 4;
+    // Adam keeps AdamW's two moments: K = 8.
+    for (rule, bytes) in [("lion", 12e9), ("adagrad", 12e9), ("adam", 16e9)] {
         let f = zrun(
             dir.path(),
             &[
@@ -263,7 +264,7 @@ fn estimate_reproduces_the_zero_paper_and_sizes_a_job() {
         );
         assert_eq!(f.code(), 0, "{f:?}");
         let p: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
-        assert_eq!(stage0(&p), 12e9, "{rule}: {p}");
+        assert_eq!(stage0(&p), bytes, "{rule}: {p}");
     }
     // LAMB keeps AdamW's two moments.
     let f = zrun(

@@ -296,7 +296,7 @@ pub const KINDS: [&str; 3] = ["params", "exp_avg", "exp_avg_sq"];
 /// written before 2026-12-05 also holds a zero `exp_avg_sq`, never read.)
 pub fn kinds(rule: OptimizerKind) -> &'static [&'static str] {
     match rule {
-        OptimizerKind::Adamw | OptimizerKind::Lamb => &KINDS,
+        OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Lamb => &KINDS,
         OptimizerKind::Lion => &KINDS[..2],
         OptimizerKind::Adagrad => &["params", "sum"],
     }

@@ -647,7 +647,8 @@ impl Reader {
             }
         };
         // DeepSpeed reads the type case-blind; Adam is AdamW unless
-        // adam_w_mode is false.
+        // adam_w_mode is false (then PyTorch's Adam: L2 decay added to the
+        // gradient); AdamW is AdamW whatever adam_w_mode says.
         let lower = kind.to_ascii_lowercase();
         let (rule, params) = match lower.as_str() {
             "lion" => ("lion", LION_PARAMS),
@@ -656,9 +657,20 @@ impl Reader {
             "adam" | "adamw" | "fusedadam" | "cpuadam" => ("adamw", ADAM_PARAMS),
             _ => return Err(self.error(
                 "optimizer.type",
-                format!("`{kind}` cannot be honoured: zrun trains with AdamW (decoupled weight decay), Lion, LAMB or Adagrad; use Adam, AdamW, Lion, Lamb or Adagrad"),
+                format!("`{kind}` cannot be honoured: zrun trains with AdamW (decoupled weight decay), Adam (L2 decay), Lion, LAMB or Adagrad; use Adam, AdamW, Lion, Lamb or Adagrad"),
             )),
         };
+        self.sort_keys("optimizer.params", params)?;
+        let l2 = match self.get("optimizer.params.adam_w_mode").cloned() {
+            Some(m) => {
+                let Some(m) = m.as_bool() else {
+                    return Err(self.error("optimizer.params.adam_w_mode", "must be true or false"));
+                };
+                !m && lower != "adamw"
+            }
+            None => false,
+        };
+        let rule = if l2 { "adam" } else { rule };
         let (lion, adagrad) = (rule == "lion", rule == "adagrad");
         self.map(
             "train.optimizer.type",
@@ -666,22 +678,6 @@ impl Reader {
             "optimizer.type",
             Origin::Written,
         );
-        self.sort_keys("optimizer.params", params)?;
-        if let Some(m) = self.get("optimizer.params.adam_w_mode").cloned() {
-            let Some(m) = m.as_bool() else {
-                return Err(self.error("optimizer.params.adam_w_mode", "must be true or false"));
-            };
-            let decay = self
-                .get("optimizer.params.weight_decay")
-                .and_then(Value::as_f64)
-                .unwrap_or(0.0);
-            if !m && decay != 0.0 {
-                return Err(self.error(
-                    "optimizer.params.adam_w_mode",
-                    "false (Adam with L2 weight decay added to the gradient) cannot be honoured: zrun's weight decay is decoupled (AdamW); set adam_w_mode: true or weight_decay: 0",
-                ));
-            }
-        }
         for (source, key, default, convert) in [
             (
                 "optimizer.params.lr",

@@ -887,6 +887,10 @@ pub enum OptimizerKind {
     /// the trust ratio ‖w‖ / ‖update‖ (clamped), as DeepSpeed's `Lamb`
     /// (FusedLamb) computes it.
     Lamb,
+    /// Adam (Kingma & Ba) as PyTorch's `Adam` computes it: weight decay
+    /// added to the gradient (L2) before AdamW's moments and update, which
+    /// then decays nothing; DeepSpeed's `Adam` with `adam_w_mode: false`.
+    Adam,
     /// Adagrad (Duchi et al., 2011): each parameter's rate divided by the
     /// square root of the sum of its squared gradients; weight decay added
     /// to the gradient (L2), as PyTorch's `Adagrad`, which DeepSpeed's
@@ -902,14 +906,18 @@ impl OptimizerKind {
             OptimizerKind::Lion => "lion",
             OptimizerKind::Lamb => "lamb",
             OptimizerKind::Adagrad => "adagrad",
+            OptimizerKind::Adam => "adam",
         }
     }
 
-    /// Whether the rule keeps a second moment (AdamW's and LAMB's
+    /// Whether the rule keeps a second moment (AdamW's, Adam's and LAMB's
     /// exp_avg_sq). Lion keeps only the first and Adagrad only its sum of
     /// squares, a third less optimizer state.
     pub fn second_moment(self) -> bool {
-        matches!(self, OptimizerKind::Adamw | OptimizerKind::Lamb)
+        matches!(
+            self,
+            OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Lamb
+        )
     }
 }
 

@@ -1028,7 +1028,11 @@ pub fn adamw(
     assert!(
         glen == n
             && m.len() == n
-            && v.len() == if c.rule == zcuda::RULE_ADAMW { n } else { 0 }
+            && v.len()
+                == match c.rule {
+                    zcuda::RULE_ADAMW | zcuda::RULE_ADAM => n,
+                    _ => 0,
+                }
             && working.as_ref().is_none_or(|w| w.1.len() == n),
         "adamw: buffer lengths differ"
     );

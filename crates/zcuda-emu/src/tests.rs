@@ -880,14 +880,15 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit() {
         OptimizerKind::Adamw,
         OptimizerKind::Lion,
         OptimizerKind::Adagrad,
+        OptimizerKind::Adam,
     ] {
         adamw_equals_the_cpu_kernel_bit_for_bit_with(rule);
     }
 }
 
 /// [`adamw_equals_the_cpu_kernel_bit_for_bit`] for one update rule: AdamW's
-/// or Lion's or Adagrad's (`c.rule`), which keep no v: the kernel gets null
-/// for it.
+/// Adam's, or Lion's or Adagrad's (`c.rule`), which keep no v: the kernel
+/// gets null for it.
 fn adamw_equals_the_cpu_kernel_bit_for_bit_with(rule: zengine::adam::OptimizerKind) {
     use zengine::adam::OptimizerKind;
     use zengine::adam::{adamw as cpu_adamw, AdamStep, Buffers, Grads as CpuGrads, Scalars};
@@ -972,6 +973,7 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit_with(rule: zengine::adam::OptimizerKi
                             rule: match c.rule {
                                 OptimizerKind::Lion => zcuda::RULE_LION,
                                 OptimizerKind::Adagrad => zcuda::RULE_ADAGRAD,
+                                OptimizerKind::Adam => zcuda::RULE_ADAM,
                                 OptimizerKind::Adamw | OptimizerKind::Lamb => zcuda::RULE_ADAMW,
                             },
                         }

@@ -50,13 +50,14 @@ pub struct AdamConsts {
     /// Added to the denominator.
     pub eps: f32,
     /// The weight decay's factor: 1 − lr·weight_decay (decoupled, scales
-    /// p) where decay applies, else 1; Adagrad: weight_decay (L2, the
-    /// multiple of p added to the gradient), else 0.
+    /// p) where decay applies, else 1; Adam and Adagrad: weight_decay (L2,
+    /// the multiple of p added to the gradient), else 0.
     pub decay: f32,
     /// Adagrad: added to the sum before the square (its initial value at
     /// the first update, else 0).
     pub initial_sum: f32,
-    /// Which update: [`RULE_ADAMW`], [`RULE_LION`] or [`RULE_ADAGRAD`].
+    /// Which update: [`RULE_ADAMW`], [`RULE_LION`], [`RULE_ADAGRAD`] or
+    /// [`RULE_ADAM`].
     pub rule: u32,
 }
 
@@ -66,6 +67,9 @@ pub const RULE_ADAMW: u32 = 0;
 pub const RULE_LION: u32 = 1;
 /// [`AdamConsts::rule`] of Adagrad's update (its sum of squares in m; no v).
 pub const RULE_ADAGRAD: u32 = 2;
+/// [`AdamConsts::rule`] of PyTorch's Adam (AdamW's update on a gradient
+/// with the L2 term added, p not decayed).
+pub const RULE_ADAM: u32 = 3;
 
 // SAFETY: ten f32 and a u32 in C layout, no pointers; `adamw.cu` declares
 // the same struct, which the kernel receives by value.
@@ -88,9 +92,9 @@ fn adam_len(
     working: Option<&CudaViewMut<u16>>,
     c: &AdamConsts,
 ) -> Result<usize, CudaError> {
-    if v.is_some() != (c.rule == RULE_ADAMW) {
+    if v.is_some() != (c.rule == RULE_ADAMW || c.rule == RULE_ADAM) {
         return Err(CudaError::Invalid(format!(
-            "{what}: a second moment is AdamW's alone (Lion and Adagrad keep none)"
+            "{what}: a second moment is AdamW's and Adam's alone (Lion and Adagrad keep none)"
         )));
     }
     if g.len() != n

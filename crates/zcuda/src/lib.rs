@@ -40,7 +40,7 @@ pub use gpt::{
 };
 pub use gpu::{
     AdamConsts, AddInto, DeviceGrads, DeviceQuantized, Gpu, Half16, Pinned, RunParams, Staging,
-    RULE_ADAGRAD, RULE_ADAMW, RULE_LION,
+    RULE_ADAGRAD, RULE_ADAM, RULE_ADAMW, RULE_LION,
 };
 pub use nccl::{host_id_for_shared_gpu, nccl_present, nccl_version, Nccl, NcclId, NcclOp};
 

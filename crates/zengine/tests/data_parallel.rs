@@ -108,16 +108,19 @@ fn dropout_keeps_the_stages_bit_identical() {
     }
 }
 
-/// Lion and Adagrad (`train.optimizer.type: lion`, `adagrad`) keep every
+/// Lion, Adagrad and PyTorch's Adam (`train.optimizer.type: lion`,
+/// `adagrad`, `adam`) keep every
 /// stage to the bits of stage 0 at 2 ranks, in f32 and bf16 (each update
 /// runs on each rank's slice, in the same vectorised pass whatever the
 /// slice bounds); each trains (the loss falls) and is neither AdamW nor
 /// the other (other losses; Adagrad's sums starting at 0.1 give other
-/// losses than at 0). Each holds one f32 state an element it updates
-/// (Lion's moment, Adagrad's sum of squares), where AdamW holds two: every
+/// losses than at 0; Adam's L2 decay others than AdamW's decoupled one
+/// at the same λ).
+/// Lion and Adagrad hold one f32 state an element they update (Lion's
+/// moment, Adagrad's sum of squares), where AdamW and Adam hold two: every
 /// element at stage 0, the rank's half from stage 1.
 #[test]
-fn lion_and_adagrad_keep_the_stages_bit_identical() {
+fn lion_adagrad_and_adam_keep_the_stages_bit_identical() {
     use zconfig::spec::OptimizerKind;
     let rule = |kind, dtype, stage| {
         let mut spec = typed_spec(dtype, stage, 1, 2000, true, false, 8);
@@ -127,6 +130,7 @@ fn lion_and_adagrad_keep_the_stages_bit_identical() {
                 spec.train.optimizer.betas = [0.9, 0.99];
                 spec.train.lr /= 3.0;
             }
+            OptimizerKind::Adam => {}
             _ => {
                 spec.train.optimizer.lr_decay = Some(0.05);
                 spec.train.optimizer.initial_accumulator_value = Some(0.1);
@@ -143,7 +147,11 @@ fn lion_and_adagrad_keep_the_stages_bit_identical() {
             adamw[0].losses.clone(),
             train(from_zero, 2)[0].losses.clone(),
         ];
-        for kind in [OptimizerKind::Lion, OptimizerKind::Adagrad] {
+        for kind in [
+            OptimizerKind::Lion,
+            OptimizerKind::Adagrad,
+            OptimizerKind::Adam,
+        ] {
             let base = train(rule(kind, dtype, 0), 2);
             assert!(
                 !others.contains(&base[0].losses),
@@ -156,7 +164,12 @@ fn lion_and_adagrad_keep_the_stages_bit_identical() {
                 base[0].losses
             );
             let elements: usize = base[0].padded.iter().sum();
-            assert_eq!(base[0].optimizer_held, 4 * elements as u64, "{dtype}");
+            let states = 1 + u64::from(kind.second_moment());
+            assert_eq!(
+                base[0].optimizer_held,
+                4 * states * elements as u64,
+                "{dtype}"
+            );
             assert_eq!(adamw[0].optimizer_held, 8 * elements as u64, "{dtype}");
             for stage in 1..=3u8 {
                 let got = train(rule(kind, dtype, stage), 2);
@@ -164,7 +177,11 @@ fn lion_and_adagrad_keep_the_stages_bit_identical() {
                     let what = format!("{kind:?} {dtype} stage {stage} rank {r}");
                     assert_eq!(got[r].losses, base[r].losses, "losses: {what}");
                     assert!(got[r].params == base[r].params, "parameters: {what}");
-                    assert_eq!(got[r].optimizer_held, 2 * elements as u64, "{what}");
+                    assert_eq!(
+                        got[r].optimizer_held,
+                        2 * states * elements as u64,
+                        "{what}"
+                    );
                 }
             }
         }

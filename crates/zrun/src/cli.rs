@@ -307,7 +307,7 @@ pub struct EstimateArgs {
     pub dtype: Option<String>,
     /// With --params: the update rule, whose moments the optimizer state
     /// holds: adamw unless set (a job says its own).
-    #[arg(long, value_name = "RULE", value_parser = ["adamw", "lion", "lamb", "adagrad"])]
+    #[arg(long, value_name = "RULE", value_parser = ["adamw", "adam", "lion", "lamb", "adagrad"])]
     pub optimizer: Option<String>,
     /// Nodes (default 1, or the hostfile's).
     #[arg(long, value_name = "N")]

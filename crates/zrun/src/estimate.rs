@@ -213,6 +213,7 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                 "lion" => OptimizerKind::Lion,
                 "lamb" => OptimizerKind::Lamb,
                 "adagrad" => OptimizerKind::Adagrad,
+                "adam" => OptimizerKind::Adam,
                 _ => OptimizerKind::Adamw,
             };
             let bytes = StateBytes::for_training(dtype, rule);

@@ -308,10 +308,10 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     } else {
         psi
     };
-    // AdamW moves 28 bytes an element, Lion and Adagrad 20 (no second
+    // AdamW and Adam move 28 bytes an element, Lion and Adagrad 20 (no second
     // moment), LAMB 40 (two passes: 24 bytes, then 16).
     let moved = match spec.train.optimizer.kind {
-        OptimizerKind::Adamw => 28.0,
+        OptimizerKind::Adamw | OptimizerKind::Adam => 28.0,
         OptimizerKind::Lion | OptimizerKind::Adagrad => 20.0,
         OptimizerKind::Lamb => 40.0,
     };

@@ -304,6 +304,7 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
         // mixed precision likewise: 2+4+4 read, 4+4+2 written).
         let rules = [
             (OptimizerKind::Adamw, "adamw", 28.0, 12.0),
+            (OptimizerKind::Adam, "adam", 28.0, 14.0),
             (OptimizerKind::Lion, "lion", 20.0, 10.0),
             (OptimizerKind::Adagrad, "adagrad", 20.0, 10.0),
         ];

@@ -2,7 +2,9 @@
 //! and, with mixed precision, the 16-bit working copy of p. And Lion
 //! (`train.optimizer.type: lion`): the same pass over p, g and m only: Lion
 //! keeps no second moment, and its `v` is empty. Adagrad (`adagrad`) is
-//! such a pass too, its sum of squared gradients in `m` (adagrad.rs). LAMB
+//! such a pass too, its sum of squared gradients in `m` (adagrad.rs), and
+//! so is PyTorch's Adam (`adam`, l2.rs): AdamW's arithmetic on a gradient
+//! with the L2 term added, the parameter not decayed. LAMB
 //! (`lamb`) runs in two passes over the same buffers ([`lamb`]), its trust
 //! ratios between them.
 //!
@@ -30,7 +32,7 @@ use crate::precision::Half;
 /// Hyper-parameters of one optimizer step.
 #[derive(Debug, Clone, Copy)]
 pub struct AdamStep {
-    /// Which update: AdamW's, Lion's or Adagrad's (LAMB's runs in
+    /// Which update: AdamW's, Adam's, Lion's or Adagrad's (LAMB's runs in
     /// [`lamb_moments`] and [`lamb_apply`]).
     pub rule: OptimizerKind,
     /// Learning rate.
@@ -42,7 +44,8 @@ pub struct AdamStep {
     /// Added to the denominator.
     pub eps: f32,
     /// Weight decay, applied where the range asks for it: decoupled
-    /// (AdamW, Lion, LAMB) or added to the gradient (Adagrad's L2).
+    /// (AdamW, Lion, LAMB) or added to the gradient (Adam's and Adagrad's
+    /// L2).
     pub weight_decay: f32,
     /// 1-based step, for bias correction.
     pub step: u64,
@@ -196,9 +199,9 @@ pub struct Scalars {
     /// Added to the denominator.
     pub eps: f32,
     /// The weight decay's factor: where decay applies 1 − lr·weight_decay,
-    /// which scales p (decoupled), or for Adagrad weight_decay itself, the
-    /// multiple of p added to the gradient (L2); where it does not, 1
-    /// (Adagrad: 0).
+    /// which scales p (decoupled), or for Adam and Adagrad weight_decay
+    /// itself, the multiple of p added to the gradient (L2); where it does
+    /// not, 1 (Adam and Adagrad: 0).
     pub decay: f32,
     /// Adagrad: added to the sum before the square (see
     /// [`AdamStep::initial_sum`]).
@@ -215,12 +218,12 @@ impl Scalars {
         let lr_over = match s.rule {
             OptimizerKind::Lion => 1.0,
             OptimizerKind::Adagrad => 1.0 + (s.step - 1) as f64 * s.lr_decay as f64,
-            OptimizerKind::Adamw | OptimizerKind::Lamb => {
+            OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Lamb => {
                 1.0 - (s.beta1 as f64).powi(s.step as i32)
             }
         };
         let bc2 = 1.0 - (s.beta2 as f64).powi(s.step as i32);
-        let adagrad = s.rule == OptimizerKind::Adagrad;
+        let l2 = matches!(s.rule, OptimizerKind::Adam | OptimizerKind::Adagrad);
         Scalars {
             gscale: s.grad_scale,
             b1: s.beta1,
@@ -230,7 +233,7 @@ impl Scalars {
             step_size: (s.lr as f64 / lr_over) as f32,
             inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
             eps: s.eps,
-            decay: match (decay, adagrad) {
+            decay: match (decay, l2) {
                 (true, true) => s.weight_decay,
                 (true, false) => 1.0 - s.lr * s.weight_decay,
                 (false, true) => 0.0,
@@ -270,6 +273,7 @@ pub fn device_rule(rule: OptimizerKind) -> u32 {
         OptimizerKind::Adamw | OptimizerKind::Lamb => zcuda::RULE_ADAMW,
         OptimizerKind::Lion => zcuda::RULE_LION,
         OptimizerKind::Adagrad => zcuda::RULE_ADAGRAD,
+        OptimizerKind::Adam => zcuda::RULE_ADAM,
     }
 }
 
@@ -455,6 +459,7 @@ fn run(path: Path, b: Buffers<'_>, c: &Scalars) {
     match c.rule {
         OptimizerKind::Lion => return lion::run(path, b, c),
         OptimizerKind::Adagrad => return adagrad::run(path, b, c),
+        OptimizerKind::Adam => return l2::run(path, b, c),
         OptimizerKind::Adamw | OptimizerKind::Lamb => {}
     }
     match path {
@@ -491,13 +496,13 @@ fn scalar(b: Buffers<'_>, from: usize, c: &Scalars) {
     // decide inside, so that the compiler can vectorise it (deciding per
     // element held the portable bf16 update at 0.26 of the triad).
     match g {
-        Grads::F32(g) => scalar_loop(p, m, v, &g[from..], |g| g, working, from, c),
+        Grads::F32(g) => scalar_loop(p, m, v, &g[from..], |g, _| g * c.gscale, working, from, c),
         Grads::Half(Half::Bf16, g) => scalar_loop(
             p,
             m,
             v,
             &g[from..],
-            |g| Half::Bf16.widen(g),
+            |g, _| Half::Bf16.widen(g) * c.gscale,
             working,
             from,
             c,
@@ -507,7 +512,7 @@ fn scalar(b: Buffers<'_>, from: usize, c: &Scalars) {
             m,
             v,
             &g[from..],
-            |g| Half::F16.widen(g),
+            |g, _| Half::F16.widen(g) * c.gscale,
             working,
             from,
             c,
@@ -515,8 +520,9 @@ fn scalar(b: Buffers<'_>, from: usize, c: &Scalars) {
     }
 }
 
-/// [`scalar`] for one kind of gradient (`grad` widens one), and for one kind
-/// of working copy.
+/// [`scalar`] for one kind of gradient (`grad` gives the gradient the
+/// update reads from one and the parameter: widened and scaled, and for
+/// Adam with the L2 term), and for one kind of working copy.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn scalar_loop<G: Copy>(
@@ -524,14 +530,14 @@ fn scalar_loop<G: Copy>(
     m: &mut [f32],
     v: &mut [f32],
     g: &[G],
-    grad: impl Fn(G) -> f32,
+    grad: impl Fn(G, f32) -> f32,
     working: Option<(Half, &mut [u16])>,
     from: usize,
     c: &Scalars,
 ) {
     let each = p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g);
     let update = |((p, m), v): ((&mut f32, &mut f32), &mut f32), g: G| {
-        let gi = grad(g) * c.gscale;
+        let gi = grad(g, *p);
         let mi = c.b1 * *m + c.omb1 * gi;
         let vi = c.b2 * *v + c.omb2 * gi * gi;
         *m = mi;
@@ -555,6 +561,7 @@ fn scalar_loop<G: Copy>(
 }
 
 mod adagrad;
+mod l2;
 pub mod lamb;
 mod lion;
 #[cfg(target_arch = "x86_64")]
@@ -662,6 +669,7 @@ mod tests {
             (OptimizerKind::Lion, 4),
             (OptimizerKind::Adagrad, 4),
             (OptimizerKind::Adamw, 0),
+            (OptimizerKind::Adam, 0),
         ] {
             let s = AdamStep { rule, ..step(1) };
             let refused = std::panic::catch_unwind(|| {
@@ -734,6 +742,108 @@ mod tests {
                 assert!(
                     (got - want).abs() <= 1e-6 * scale[i],
                     "{path:?} m[{i}]: {got} for {want}"
+                );
+            }
+        }
+    }
+
+    /// PyTorch's Adam: the L2 term joins the gradient before the moments,
+    /// and the parameter is not decayed. Its first step from zero moments
+    /// moves each parameter by lr against the sign of `g + λ·p` (none where
+    /// that is 0), where AdamW's would shrink it first.
+    #[test]
+    fn adam_adds_the_decay_to_the_gradient() {
+        let s = AdamStep {
+            rule: OptimizerKind::Adam,
+            lr: 0.125,
+            beta2: 0.999,
+            weight_decay: 0.5,
+            ..step(1)
+        };
+        let (mut p, g) = (vec![2.0; 3], vec![0.5, -3.0, -1.0]);
+        let (mut m, mut v) = (vec![0.0; 3], vec![0.0; 3]);
+        adamw(Buffers::f32(&mut p, &g, &mut m, &mut v), true, &s);
+        // g + 0.5·2 = 1.5, −2, 0.
+        let want = [2.0 - 0.125, 2.0 + 0.125, 2.0];
+        assert!(
+            p.iter().zip(want).all(|(p, w)| (p - w).abs() < 1e-6),
+            "{p:?}"
+        );
+        assert_eq!(m[2], 0.0, "{m:?}");
+        assert!((m[0] - 0.1 * 1.5).abs() < 1e-7, "{m:?}");
+        // Undecayed: the raw gradient, and nothing for none.
+        let mut q = vec![2.0];
+        adamw(
+            Buffers::f32(&mut q, &[0.0], &mut [0.0], &mut [0.0]),
+            false,
+            &s,
+        );
+        assert_eq!(q, [2.0]);
+    }
+
+    /// PyTorch's Adam written out in f64 over several steps (L2 decay,
+    /// bias corrections, eps outside the root): every parameter and moment
+    /// within f32's rounding of a few steps, on every path.
+    #[test]
+    fn adam_follows_its_f64_formula() {
+        let n = 4099;
+        let [p0, _, m0, v0] = inputs(n, 23);
+        let grads: Vec<Vec<f32>> = (0..5).map(|k| inputs(n, 300 + k)[1].clone()).collect();
+        let (lr, wd, b1, b2, eps) = (1e-3f32, 0.1f32, 0.9f32, 0.95f32, 1e-8f32);
+        let (omb1, omb2) = (f64::from(1.0 - b1), f64::from(1.0 - b2));
+        let widen = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>();
+        for path in Path::available() {
+            let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+            let (mut pr, mut mr, mut vr) = (widen(&p0), widen(&m0), widen(&v0));
+            // The moments' scales: sums of their terms' magnitudes.
+            let (mut ms, mut vs) = (vec![0f64; n], vec![0f64; n]);
+            for (k, g) in grads.iter().enumerate() {
+                let t = k as i32 + 1;
+                let s = AdamStep {
+                    rule: OptimizerKind::Adam,
+                    lr,
+                    beta1: b1,
+                    beta2: b2,
+                    eps,
+                    weight_decay: wd,
+                    step: t as u64,
+                    ..step(1)
+                };
+                adamw_with(path, 2, Buffers::f32(&mut p, g, &mut m, &mut v), true, &s);
+                let bc1 = 1.0 - f64::from(b1).powi(t);
+                let bc2 = 1.0 - f64::from(b2).powi(t);
+                for i in 0..n {
+                    let gi = f64::from(g[i]) + f64::from(wd) * pr[i];
+                    ms[i] = f64::from(b1) * ms[i].max(mr[i].abs()) + omb1 * gi.abs();
+                    vs[i] = f64::from(b2) * vs[i].max(vr[i]) + omb2 * gi * gi;
+                    mr[i] = f64::from(b1) * mr[i] + omb1 * gi;
+                    vr[i] = f64::from(b2) * vr[i] + omb2 * gi * gi;
+                    let denom = vr[i].sqrt() / bc2.sqrt() + f64::from(eps);
+                    pr[i] -= f64::from(lr) / bc1 * mr[i] / denom;
+                }
+            }
+            for i in 0..n {
+                let close =
+                    |got: f32, want: f64, scale: f64| (f64::from(got) - want).abs() <= 1e-6 * scale;
+                assert!(
+                    close(m[i], mr[i], ms[i]),
+                    "{path:?} m[{i}]: {} for {}",
+                    m[i],
+                    mr[i]
+                );
+                assert!(
+                    close(v[i], vr[i], vs[i]),
+                    "{path:?} v[{i}]: {} for {}",
+                    v[i],
+                    vr[i]
+                );
+                // Each step moves p by about lr at most.
+                let scale = pr[i].abs() + 5.0 * f64::from(lr);
+                assert!(
+                    close(p[i], pr[i], scale),
+                    "{path:?} p[{i}]: {} for {}",
+                    p[i],
+                    pr[i]
                 );
             }
         }
@@ -904,6 +1014,7 @@ mod tests {
         match (path, s.rule) {
             (None, OptimizerKind::Lion) => lion::scalar(b, &Scalars::new(s, true)),
             (None, OptimizerKind::Adagrad) => adagrad::scalar(b, &Scalars::new(s, true)),
+            (None, OptimizerKind::Adam) => l2::scalar(b, &Scalars::new(s, true)),
             (None, _) => scalar(b, 0, &Scalars::new(s, true)),
             (Some(path), _) => adamw_with(path, threads, b, true, s),
         }
@@ -912,12 +1023,13 @@ mod tests {
 
     /// Every path and thread count gives the scalar reference's bits (well
     /// within 1 ulp), in every precision, for odd lengths and unaligned
-    /// starts: AdamW's explicit vector bodies and Lion's and Adagrad's
-    /// compiler-vectorised loops alike.
+    /// starts: AdamW's explicit vector bodies and Adam's, Lion's and
+    /// Adagrad's compiler-vectorised loops alike.
     #[test]
     fn every_path_equals_the_scalar_reference() {
         for rule in [
             OptimizerKind::Adamw,
+            OptimizerKind::Adam,
             OptimizerKind::Lion,
             OptimizerKind::Adagrad,
         ] {
@@ -1048,7 +1160,7 @@ mod tests {
     }
 
     /// On a GPU, the device kernel gives the CPU's bits in every precision,
-    /// AdamW's update, Lion's and Adagrad's (skipped with a printed reason where no GPU
+    /// AdamW's update, Adam's, Lion's and Adagrad's (skipped with a printed reason where no GPU
     /// is; `ZRUN_REQUIRE_GPU=1` makes it mandatory).
     #[cfg(feature = "cuda")]
     #[test]
@@ -1056,13 +1168,18 @@ mod tests {
         let Some((gpu, s)) = gpu_and_step("the_gpu_kernel_equals_the_cpu_bit_for_bit") else {
             return;
         };
-        let [lion, adagrad] = [OptimizerKind::Lion, OptimizerKind::Adagrad].map(|rule| AdamStep {
+        let [adam, lion, adagrad] = [
+            OptimizerKind::Adam,
+            OptimizerKind::Lion,
+            OptimizerKind::Adagrad,
+        ]
+        .map(|rule| AdamStep {
             rule,
             lr_decay: 0.05,
             initial_sum: 0.25,
             ..s
         });
-        for (s, n) in [s, lion, adagrad]
+        for (s, n) in [s, adam, lion, adagrad]
             .into_iter()
             .flat_map(|s| [1, 1001, (1 << 20) + 37].map(|n| (s, n)))
         {
