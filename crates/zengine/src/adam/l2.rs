@@ -7,56 +7,14 @@
 //! m, v, p as AdamW's, with 1 in place of 1 − lr·λ
 //! ```
 //!
-//! The arithmetic is the AdamW reference's ([`super::scalar_loop`]) on that
-//! gradient, every operation rounded on its own; the loop is compiled per
-//! ISA under `target_feature` (as Lion's and Adagrad's), so every path gives
-//! its bits, 28 bytes an element as AdamW's.
+//! The arithmetic is the AdamW reference's (`scalar_loop`) on that
+//! gradient, every operation rounded on its own, compiled per ISA as every
+//! rule's is: 28 bytes an element, as AdamW's.
 
 use super::{scalar_loop, Buffers, Grads, Path, Scalars};
 use crate::precision::Half;
 
-/// One Adam update of `b` on `path` (`c.decay` is λ where decay applies,
-/// else 0).
-pub(super) fn run(path: Path, b: Buffers<'_>, c: &Scalars) {
-    match path {
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
-            // SAFETY: the CPU supports AVX-512F (checked just above).
-            unsafe { avx512(b, c) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx2
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("f16c") =>
-        {
-            // SAFETY: the CPU supports AVX2 and F16C (checked just above).
-            unsafe { avx2(b, c) }
-        }
-        _ => scalar(b, c),
-    }
-}
-
-/// [`scalar`] vectorised with AVX-512's 16 lanes.
-///
-/// # Safety
-///
-/// The CPU must support AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn avx512(b: Buffers<'_>, c: &Scalars) {
-    scalar(b, c)
-}
-
-/// [`scalar`] vectorised with AVX2's 8 lanes (F16C for f16 gradients).
-///
-/// # Safety
-///
-/// The CPU must support AVX2 and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn avx2(b: Buffers<'_>, c: &Scalars) {
-    scalar(b, c)
-}
+compiled_per_isa!(pub(super) run, scalar);
 
 /// The update, one element at a time in order: AdamW's loop for each kind
 /// of gradient, with the L2 term or (λ = 0) without, and no decoupled
@@ -97,18 +55,8 @@ fn each<G: Copy>(
             g,
             |g, p| widen(g) * c.gscale + lambda * p,
             working,
-            0,
             &undecayed,
         ),
-        false => scalar_loop(
-            p,
-            m,
-            v,
-            g,
-            |g, _| widen(g) * c.gscale,
-            working,
-            0,
-            &undecayed,
-        ),
+        false => scalar_loop(p, m, v, g, |g, _| widen(g) * c.gscale, working, &undecayed),
     }
 }

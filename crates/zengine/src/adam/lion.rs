@@ -19,47 +19,7 @@
 use super::{Buffers, Grads, Path, Scalars};
 use crate::precision::Half;
 
-/// One Lion update of `b` on `path`.
-pub(super) fn run(path: Path, b: Buffers<'_>, c: &Scalars) {
-    match path {
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
-            // SAFETY: the CPU supports AVX-512F (checked just above).
-            unsafe { avx512(b, c) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx2
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("f16c") =>
-        {
-            // SAFETY: the CPU supports AVX2 and F16C (checked just above).
-            unsafe { avx2(b, c) }
-        }
-        _ => scalar(b, c),
-    }
-}
-
-/// [`scalar`] vectorised with AVX-512's 16 lanes.
-///
-/// # Safety
-///
-/// The CPU must support AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn avx512(b: Buffers<'_>, c: &Scalars) {
-    scalar(b, c)
-}
-
-/// [`scalar`] vectorised with AVX2's 8 lanes (F16C for f16 gradients).
-///
-/// # Safety
-///
-/// The CPU must support AVX2 and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn avx2(b: Buffers<'_>, c: &Scalars) {
-    scalar(b, c)
-}
+compiled_per_isa!(pub(super) run, scalar);
 
 /// The update, one element at a time in order: a loop for each kind of
 /// gradient and of working copy, nothing decided inside.

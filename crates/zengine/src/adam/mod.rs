@@ -19,11 +19,15 @@
 //! correctly rounded `sqrt` and division, and round-to-nearest-even 16-bit
 //! conversions, so every path gives the same bits as the scalar reference. That
 //! is what keeps stage 0's full update equal to the gathered slices of stages 1-3
-//! whatever the slice boundaries and the CPU. Lion's and Adagrad's passes are
-//! each one scalar loop that the compiler vectorises for each ISA
-//! (`target_feature` wrappers): their arithmetic (products, sums, a square
-//! root, a division and, for Lion, a sign that is a select) leaves the
-//! compiler nothing to reorder, so every ISA gives the scalar loop's bits.
+//! whatever the slice boundaries and the CPU. Each rule's pass is one scalar
+//! loop that the compiler vectorises for each ISA ([`Path`], chosen at run
+//! time: the loop compiled under AVX-512's or AVX2's `target_feature`, or
+//! portably): its arithmetic (products, sums, a square root, a division and,
+//! for Lion, a sign that is a select) leaves the compiler nothing to
+//! reorder, so every ISA gives the scalar loop's bits. (AdamW had explicit
+//! AVX-512 and AVX2 intrinsics until the ninety-second session; on AVX2 the
+//! compiler's vectorisation of the same loop is as fast, see
+//! docs/PERFORMANCE.md.)
 
 pub use zconfig::spec::OptimizerKind;
 
@@ -457,33 +461,73 @@ pub fn lamb_apply_with(
 
 fn run(path: Path, b: Buffers<'_>, c: &Scalars) {
     match c.rule {
-        OptimizerKind::Lion => return lion::run(path, b, c),
-        OptimizerKind::Adagrad => return adagrad::run(path, b, c),
-        OptimizerKind::Adam => return l2::run(path, b, c),
-        OptimizerKind::Adamw | OptimizerKind::Lamb => {}
-    }
-    match path {
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
-            // SAFETY: the CPU supports AVX-512F (checked just above).
-            unsafe { x86::avx512(b, c) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx2
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("f16c") =>
-        {
-            // SAFETY: the CPU supports AVX2 and F16C (checked just above).
-            unsafe { x86::avx2(b, c) }
-        }
-        _ => scalar(b, 0, c),
+        OptimizerKind::Lion => lion::run(path, b, c),
+        OptimizerKind::Adagrad => adagrad::run(path, b, c),
+        OptimizerKind::Adam => l2::run(path, b, c),
+        OptimizerKind::Adamw | OptimizerKind::Lamb => adamw_run(path, b, c),
     }
 }
 
-/// The reference: one element at a time from `from`, in the order every path
-/// follows.
+/// Defines `$vis fn $run(path, b, c)`: `$scalar` (an update's scalar loop,
+/// `#[inline(always)]`) compiled for `path`'s ISA, so that the compiler
+/// vectorises it with that ISA's lanes (and F16C's conversions), or the
+/// portable build where the CPU lacks it. Each operation still rounds on
+/// its own (Rust contracts no multiply-add), so every path gives the scalar
+/// loop's bits. A macro, not a generic function: a loop passed as a
+/// closure or `fn` value was called through a shim compiled without the
+/// ISA's features, and ran at the portable loop's speed (0.75-0.94 of the
+/// triad for AdamW on AVX2, against 1.04-1.36 written out).
+macro_rules! compiled_per_isa {
+    ($vis:vis $run:ident, $scalar:path) => {
+        $vis fn $run(path: Path, b: Buffers<'_>, c: &Scalars) {
+            match path {
+                #[cfg(target_arch = "x86_64")]
+                Path::Avx512 if std::arch::is_x86_feature_detected!("avx512f") => {
+                    // SAFETY: the CPU supports AVX-512F (checked just above).
+                    unsafe { avx512(b, c) }
+                }
+                #[cfg(target_arch = "x86_64")]
+                Path::Avx2
+                    if std::arch::is_x86_feature_detected!("avx2")
+                        && std::arch::is_x86_feature_detected!("f16c") =>
+                {
+                    // SAFETY: the CPU supports AVX2 and F16C (checked just above).
+                    unsafe { avx2(b, c) }
+                }
+                _ => $scalar(b, c),
+            }
+        }
+
+        /// The scalar loop compiled with AVX-512's 16 lanes.
+        ///
+        /// # Safety
+        ///
+        /// The CPU must support AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn avx512(b: Buffers<'_>, c: &Scalars) {
+            $scalar(b, c)
+        }
+
+        /// The scalar loop compiled with AVX2's 8 lanes (F16C for f16
+        /// gradients).
+        ///
+        /// # Safety
+        ///
+        /// The CPU must support AVX2 and F16C.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn avx2(b: Buffers<'_>, c: &Scalars) {
+            $scalar(b, c)
+        }
+    };
+}
+
+compiled_per_isa!(adamw_run, scalar);
+
+/// The reference: one element at a time, in the order every path follows.
 #[inline(always)]
-fn scalar(b: Buffers<'_>, from: usize, c: &Scalars) {
+fn scalar(b: Buffers<'_>, c: &Scalars) {
     let Buffers {
         p,
         g,
@@ -491,32 +535,23 @@ fn scalar(b: Buffers<'_>, from: usize, c: &Scalars) {
         v,
         working,
     } = b;
-    let (p, m, v) = (&mut p[from..], &mut m[from..], &mut v[from..]);
     // A loop for each kind of gradient and working copy, with nothing to
     // decide inside, so that the compiler can vectorise it (deciding per
     // element held the portable bf16 update at 0.26 of the triad).
     match g {
-        Grads::F32(g) => scalar_loop(p, m, v, &g[from..], |g, _| g * c.gscale, working, from, c),
+        Grads::F32(g) => scalar_loop(p, m, v, g, |g, _| g * c.gscale, working, c),
         Grads::Half(Half::Bf16, g) => scalar_loop(
             p,
             m,
             v,
-            &g[from..],
+            g,
             |g, _| Half::Bf16.widen(g) * c.gscale,
             working,
-            from,
             c,
         ),
-        Grads::Half(Half::F16, g) => scalar_loop(
-            p,
-            m,
-            v,
-            &g[from..],
-            |g, _| Half::F16.widen(g) * c.gscale,
-            working,
-            from,
-            c,
-        ),
+        Grads::Half(Half::F16, g) => {
+            scalar_loop(p, m, v, g, |g, _| Half::F16.widen(g) * c.gscale, working, c)
+        }
     }
 }
 
@@ -532,7 +567,6 @@ fn scalar_loop<G: Copy>(
     g: &[G],
     grad: impl Fn(G, f32) -> f32,
     working: Option<(Half, &mut [u16])>,
-    from: usize,
     c: &Scalars,
 ) {
     let each = p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g);
@@ -552,10 +586,10 @@ fn scalar_loop<G: Copy>(
             update(pmv, g);
         }),
         Some((Half::Bf16, w)) => each
-            .zip(&mut w[from..])
+            .zip(w.iter_mut())
             .for_each(|((pmv, &g), w)| *w = Half::Bf16.round(update(pmv, g))),
         Some((Half::F16, w)) => each
-            .zip(&mut w[from..])
+            .zip(w.iter_mut())
             .for_each(|((pmv, &g), w)| *w = Half::F16.round(update(pmv, g))),
     }
 }
@@ -564,8 +598,6 @@ mod adagrad;
 mod l2;
 pub mod lamb;
 mod lion;
-#[cfg(target_arch = "x86_64")]
-mod x86;
 
 pub use lamb::{trust_ratio, LambScalars, SquareSums};
 
@@ -1015,7 +1047,7 @@ mod tests {
             (None, OptimizerKind::Lion) => lion::scalar(b, &Scalars::new(s, true)),
             (None, OptimizerKind::Adagrad) => adagrad::scalar(b, &Scalars::new(s, true)),
             (None, OptimizerKind::Adam) => l2::scalar(b, &Scalars::new(s, true)),
-            (None, _) => scalar(b, 0, &Scalars::new(s, true)),
+            (None, _) => scalar(b, &Scalars::new(s, true)),
             (Some(path), _) => adamw_with(path, threads, b, true, s),
         }
         (p, m, v, w)
@@ -1130,7 +1162,7 @@ mod tests {
                 &runs,
                 Buffers::of(&mut p, grads, &mut m, &mut v, kind, &mut w),
             ) {
-                scalar(b, 0, &Scalars::new(&s, decay));
+                scalar(b, &Scalars::new(&s, decay));
             }
             let want = (p, m, v, w);
             for path in Path::available() {
