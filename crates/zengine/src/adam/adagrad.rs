@@ -26,7 +26,7 @@
 //! out): bound by memory. One scalar loop compiled per ISA under
 //! `target_feature`, as Lion's: every path gives the same bits.
 
-use super::{Buffers, Grads, Path, Scalars};
+use super::{updating, Buffers, Grads, Path, Scalars};
 use crate::precision::Half;
 
 compiled_per_isa!(pub(super) run, scalar);
@@ -80,15 +80,5 @@ fn each<G: Copy>(
         *p = pi;
         pi
     };
-    match working {
-        None => all.for_each(|(ps, &g)| {
-            update(ps, g);
-        }),
-        Some((Half::Bf16, w)) => all
-            .zip(w.iter_mut())
-            .for_each(|((ps, &g), w)| *w = Half::Bf16.round(update(ps, g))),
-        Some((Half::F16, w)) => all
-            .zip(w.iter_mut())
-            .for_each(|((ps, &g), w)| *w = Half::F16.round(update(ps, g))),
-    }
+    updating(all, working, |(ps, &g)| update(ps, g));
 }

@@ -16,7 +16,7 @@
 //! for NaN (a NaN gradient poisons the parameter, as AdamW's does, rather
 //! than vanishing).
 
-use super::{Buffers, Grads, Path, Scalars};
+use super::{updating, Buffers, Grads, Path, Scalars};
 use crate::precision::Half;
 
 compiled_per_isa!(pub(super) run, scalar);
@@ -53,17 +53,7 @@ fn each<G: Copy>(
         *p = pi;
         pi
     };
-    match working {
-        None => all.for_each(|(pm, &g)| {
-            update(pm, g);
-        }),
-        Some((Half::Bf16, w)) => all
-            .zip(w.iter_mut())
-            .for_each(|((pm, &g), w)| *w = Half::Bf16.round(update(pm, g))),
-        Some((Half::F16, w)) => all
-            .zip(w.iter_mut())
-            .for_each(|((pm, &g), w)| *w = Half::F16.round(update(pm, g))),
-    }
+    updating(all, working, |(pm, &g)| update(pm, g));
 }
 
 /// PyTorch's `sign`: ±1, the zero itself for ±0, NaN for NaN.

@@ -581,16 +581,29 @@ fn scalar_loop<G: Copy>(
         *p = pi;
         pi
     };
+    updating(each, working, |(pmv, &g)| update(pmv, g));
+}
+
+/// Runs `update` on each element of `all` (it returns the updated
+/// parameter), writing its 16-bit working copy where there is one: a loop
+/// for each kind of copy, nothing decided inside, so that the compiler
+/// vectorises each.
+#[inline(always)]
+fn updating<T>(
+    all: impl Iterator<Item = T>,
+    working: Option<(Half, &mut [u16])>,
+    update: impl Fn(T) -> f32,
+) {
     match working {
-        None => each.for_each(|(pmv, &g)| {
-            update(pmv, g);
+        None => all.for_each(|x| {
+            update(x);
         }),
-        Some((Half::Bf16, w)) => each
+        Some((Half::Bf16, w)) => all
             .zip(w.iter_mut())
-            .for_each(|((pmv, &g), w)| *w = Half::Bf16.round(update(pmv, g))),
-        Some((Half::F16, w)) => each
+            .for_each(|(x, w)| *w = Half::Bf16.round(update(x))),
+        Some((Half::F16, w)) => all
             .zip(w.iter_mut())
-            .for_each(|((pmv, &g), w)| *w = Half::F16.round(update(pmv, g))),
+            .for_each(|(x, w)| *w = Half::F16.round(update(x))),
     }
 }
 
