@@ -952,7 +952,15 @@ impl Reader {
             Some(Value::Bool(b)) => *b,
             _ => true,
         };
-        if cycles {
+        let adagrad = self
+            .get("optimizer.type")
+            .and_then(Value::as_str)
+            .is_some_and(|t| t.eq_ignore_ascii_case("adagrad"));
+        if cycles && adagrad {
+            self.out.notes.push(
+                "scheduler OneCycle's momentum cycle does nothing to Adagrad, which keeps no momentum (DeepSpeed's OneCycle turns it off for an optimizer without betas)".into(),
+            );
+        } else if cycles {
             let beta1 = match self.get("scheduler.params.cycle_min_mom") {
                 Some(v) => v.clone(),
                 None => json!(0.8),

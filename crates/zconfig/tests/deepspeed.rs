@@ -420,6 +420,28 @@ fn adagrad_maps_to_the_adagrad_rule() {
         ),
         (1e-2, 1e-10, 0.0, Some(0.0), Some(0.0))
     );
+    // OneCycle's momentum cycle: Adagrad keeps no betas to cycle.
+    std::fs::write(
+        &ds,
+        r#"{"optimizer": {"type": "Adagrad"}, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01}}}"#,
+    )
+    .unwrap();
+    let imported = zconfig::deepspeed::read(&ds, 64).unwrap();
+    assert!(
+        imported
+            .notes
+            .iter()
+            .any(|n| n.contains("does nothing to Adagrad")),
+        "{:?}",
+        imported.notes
+    );
+    assert!(
+        !imported
+            .mapped
+            .iter()
+            .any(|m| m.key == "train.optimizer.betas"),
+        "betas set for Adagrad"
+    );
     for (text, want) in [
         (
             r#"{"optimizer": {"type": "Adagrad", "params": {"initial_accumulator_value": -0.1}}}"#,
