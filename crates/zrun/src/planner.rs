@@ -17,8 +17,10 @@
 //! - compute: 6 FLOPs per parameter and token plus attention's 12·L·d·T, and
 //!   a second forward with checkpointing, at the GEMM's rate for this
 //!   worker's share of the cores;
-//! - memory-bound passes: about three passes over the activations per step
-//!   (four with checkpointing) at this worker's share of the triad;
+//! - the work between the products (norms, activations, attention's
+//!   softmax, the loss): the step's activation bytes (a third more with
+//!   checkpointing) at the rate a small model's step went through its own,
+//!   measured ([`Machine::between_gbps`]);
 //! - fixed overheads per block and micro-batch, per micro-batch and per step,
 //!   measured by training a model too small for anything else to count;
 //! - the optimizer: AdamW's 28 bytes per parameter of the rank's slice at
@@ -66,6 +68,13 @@ pub struct Machine {
     pub swap_gbps: Option<f64>,
     /// Fixed costs of a training step that FLOPs and bytes do not explain.
     pub overheads: Overheads,
+    /// The rate, GB/s per worker, at which a step's work between its
+    /// products (norms, activations, attention's softmax, the loss) goes
+    /// through its activation bytes: a small model's step time less its
+    /// products at the GEMM rate and the fixed overheads. 0 in figures
+    /// cached before it was measured, which are measured again.
+    #[serde(default)]
+    pub between_gbps: f64,
 }
 
 /// What a step costs beyond its FLOPs and bytes (operator dispatch,
@@ -121,7 +130,7 @@ fn machine(workers: usize, remeasure: bool, worker_bin: &Path) -> Result<Machine
         if let Some(m) = std::fs::read(&path)
             .ok()
             .and_then(|b| serde_json::from_slice::<Machine>(&b).ok())
-            .filter(|m| m.overheads.block_s > 0.0)
+            .filter(|m| m.overheads.block_s > 0.0 && m.between_gbps > 0.0)
         {
             say!("zrun: machine figures from {}", path.display());
             return Ok(m);
@@ -159,16 +168,26 @@ fn machine(workers: usize, remeasure: bool, worker_bin: &Path) -> Result<Machine
             }
         }
     }
+    let gemm_gflops = gemm_peak(&kernels).unwrap_or(1.0);
+    let triad_gbps = all_cores("triad").unwrap_or(1.0);
+    let overheads = measure_overheads(workers, worker_bin)?;
+    let between = Between {
+        workers,
+        gemm_gflops,
+        triad_gbps,
+        overheads,
+    };
     let m = Machine {
         host: crate::pernode::hostname(),
         cpus,
         workers,
-        gemm_gflops: gemm_peak(&kernels).unwrap_or(1.0),
-        triad_gbps: all_cores("triad").unwrap_or(1.0),
+        gemm_gflops,
+        triad_gbps,
         adamw_gbps: best("adamw", &|r| r.gbps).unwrap_or(1.0),
         busbw,
         swap_gbps: None,
-        overheads: measure_overheads(workers, worker_bin)?,
+        overheads,
+        between_gbps: between.measure(worker_bin)?,
     };
     if let Some(dir) = path.parent() {
         let _ = std::fs::create_dir_all(dir);
@@ -186,17 +205,33 @@ fn machine(workers: usize, remeasure: bool, worker_bin: &Path) -> Result<Machine
 /// `workers` local workers with `layers` blocks and `accum` micro-batches of
 /// one 16-token sequence per step.
 fn tiny_step_s(workers: usize, layers: usize, accum: usize, worker_bin: &Path) -> Result<f64> {
+    let model =
+        format!("{{vocab_size: 64, d_model: 16, n_layers: {layers}, n_heads: 2, seq_len: 16}}");
+    Ok(step_s(workers, &model, 1, accum, worker_bin)?.0)
+}
+
+/// Median step time (after the first) of a synthetic job of `model` (its
+/// YAML) on `workers` local workers, `micro` sequences a micro-batch and
+/// `accum` micro-batches a step, and the job it ran.
+fn step_s(
+    workers: usize,
+    model: &str,
+    micro: usize,
+    accum: usize,
+    worker_bin: &Path,
+) -> Result<(f64, JobSpec)> {
     let dir = tempfile::tempdir()?;
     let job = dir.path().join("overhead.yaml");
     std::fs::write(
         &job,
         format!(
-            "name: overhead\nmodel: {{vocab_size: 64, d_model: 16, n_layers: {layers}, n_heads: 2, seq_len: 16}}\n\
-             data: {{format: synthetic}}\ntrain: {{steps: 12, micro_batch_size: 1, grad_accum: {accum}, warmup_steps: 1}}\n\
+            "name: overhead\nmodel: {model}\n\
+             data: {{format: synthetic}}\ntrain: {{steps: 12, micro_batch_size: {micro}, grad_accum: {accum}, warmup_steps: 1}}\n\
              run_dir: {}\n",
             dir.path().join("run").display()
         ),
     )?;
+    let spec = load_job_with(&job, &[], None)?.spec;
     let metrics = dir.path().join("m.jsonl");
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
     cmd.arg("train")
@@ -213,7 +248,50 @@ fn tiny_step_s(workers: usize, layers: usize, accum: usize, worker_bin: &Path) -
             String::from_utf8_lossy(&out.stderr)
         )));
     }
-    Ok(crate::sweep::row_from_metrics(Vec::new(), &metrics)?.step_ms / 1e3)
+    let step = crate::sweep::row_from_metrics(Vec::new(), &metrics)?.step_ms / 1e3;
+    Ok((step, spec))
+}
+
+/// What [`Machine::between_gbps`] is measured against.
+struct Between {
+    workers: usize,
+    gemm_gflops: f64,
+    triad_gbps: f64,
+    overheads: Overheads,
+}
+
+impl Between {
+    /// A model of d_model 64, 2 blocks and 8 sequences of 64 tokens a
+    /// micro-batch: its step time less its products at the GEMM rate
+    /// shared by the workers and less the fixed overheads, over its
+    /// activation bytes. Larger than the overhead jobs, so that the work
+    /// between the products counts; smaller than the jobs it predicts
+    /// (tiny's d_model 128, the anchor's 384), so that it is not fitted to
+    /// them.
+    fn measure(&self, worker_bin: &Path) -> Result<f64> {
+        let model = "{vocab_size: 256, d_model: 64, n_layers: 2, n_heads: 4, seq_len: 64}";
+        let (step, spec) = step_s(self.workers, model, 8, 1, worker_bin)?;
+        Ok(self.rate(step, &spec))
+    }
+
+    /// The rate from `spec`'s measured `step`; where the step was no slower
+    /// than its products and overheads, nothing is left to measure, and
+    /// three passes over the activations at the worker's share of the triad
+    /// stand in.
+    fn rate(&self, step: f64, spec: &JobSpec) -> f64 {
+        let m = &spec.model;
+        let micro = spec.train.micro_batch_size as f64;
+        let (l, d, t) = (m.n_layers as f64, m.d_model as f64, m.seq_len as f64);
+        let flops = micro * t * (6.0 * model_params(m) + 12.0 * l * d * t);
+        let gemm = flops / (self.gemm_gflops * 1e9 / self.workers as f64);
+        let o = self.overheads;
+        let between = step - gemm - (l * o.block_s + o.micro_s + o.step_s);
+        let (acts, _) = activation_bytes(m, spec.train.micro_batch_size);
+        match between > 0.0 {
+            true => acts / between / 1e9,
+            false => self.triad_gbps / self.workers as f64 / 3.0,
+        }
+    }
 }
 
 /// [`Overheads`] from three minimal jobs: 1 and 3 blocks at 8 micro-batches
@@ -297,8 +375,9 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     let gemm_rate = s.machine.gemm_gflops * 1e9 / per_node;
     let gemm = tokens * (per_token + recompute) / gemm_rate;
     let (acts, _) = activation_bytes(m, spec.train.micro_batch_size);
-    let passes = if ac { 4.0 } else { 3.0 };
-    let memory = accum * passes * acts / (s.machine.triad_gbps * 1e9 / per_node);
+    // Checkpointing runs the forward's share of that work again.
+    let again = if ac { 4.0 / 3.0 } else { 1.0 };
+    let memory = accum * acts * again / (s.machine.between_gbps * 1e9);
     let o = s.machine.overheads;
     let recomputed = if ac { 1.5 } else { 1.0 };
     let overheads = accum * (l * o.block_s * recomputed + o.micro_s) + o.step_s;
@@ -635,11 +714,12 @@ fn verify(args: &PlanArgs, candidates: &mut [Candidate]) -> Result<()> {
 fn print_table(c: &[Candidate], top: usize, budget: f64, too_big: usize, m: &Machine) {
     let gib = (1u64 << 30) as f64;
     say!(
-        "machine {}: GEMM {:.1} GFLOP/s, triad {:.1} GB/s, AdamW {:.1} GB/s per worker{}",
+        "machine {}: GEMM {:.1} GFLOP/s, triad {:.1} GB/s, AdamW {:.1} GB/s and between the products {:.2} GB/s of activations per worker{}",
         m.host,
         m.gemm_gflops,
         m.triad_gbps,
         m.adamw_gbps,
+        m.between_gbps,
         m.busbw
             .iter()
             .filter(|(_, op, _)| op == "all_reduce")
@@ -760,6 +840,7 @@ mod tests {
                 micro_s: 1e-4,
                 step_s: 1e-3,
             },
+            between_gbps: 2.0,
         }
     }
 
@@ -771,6 +852,39 @@ mod tests {
             v[a][b] = serde_json::from_str(val).unwrap();
         }
         serde_json::from_value(v).unwrap()
+    }
+
+    /// The rate between the products: the activation bytes over what is
+    /// left of the step after its products at the workers' share of the
+    /// GEMM rate and the overheads; the triad's share where nothing is left.
+    #[test]
+    fn the_rate_between_the_products_is_what_the_step_leaves() {
+        let b = Between {
+            workers: 2,
+            gemm_gflops: 100.0,
+            triad_gbps: 30.0,
+            overheads: Overheads {
+                block_s: 1e-4,
+                micro_s: 2e-4,
+                step_s: 1e-3,
+            },
+        };
+        let job = spec(&[
+            "model.vocab_size=256",
+            "model.d_model=64",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.seq_len=64",
+            "train.micro_batch_size=8",
+        ]);
+        let m = &job.model;
+        let flops = 512.0 * (6.0 * model_params(m) + 12.0 * 2.0 * 64.0 * 64.0);
+        let fixed = 2.0 * 1e-4 + 2e-4 + 1e-3;
+        let (acts, _) = activation_bytes(m, 8);
+        let step = flops / 50e9 + fixed + 0.004;
+        let rate = b.rate(step, &job);
+        assert!((rate - acts / 0.004 / 1e9).abs() < 1e-9 * rate, "{rate}");
+        assert_eq!(b.rate(flops / 50e9, &job), 5.0, "the triad's share");
     }
 
     /// The arithmetic moves the way ZeRO says: stage 3 sends more than stage
