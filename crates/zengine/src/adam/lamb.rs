@@ -28,7 +28,7 @@
 //! passes are loops the compiler vectorises per ISA, as Lion's: each
 //! operation rounds on its own.
 
-use super::{AdamStep, Buffers, Grads, Path};
+use super::{updating, AdamStep, Buffers, Grads, Path};
 use crate::precision::Half;
 
 /// Lanes of a cell's sums of squares.
@@ -291,17 +291,7 @@ pub(super) fn apply_scalar(b: Buffers<'_>, c: &LambScalars, ratio: f32) {
         *p = pi;
         pi
     };
-    match working {
-        None => all.for_each(|x| {
-            step(x);
-        }),
-        Some((Half::Bf16, w)) => all
-            .zip(w.iter_mut())
-            .for_each(|(x, w)| *w = Half::Bf16.round(step(x))),
-        Some((Half::F16, w)) => all
-            .zip(w.iter_mut())
-            .for_each(|(x, w)| *w = Half::F16.round(step(x))),
-    }
+    updating(all, working, step);
 }
 
 #[cfg(test)]
