@@ -13,6 +13,8 @@
 //! - [`checkpoint`]: writing a checkpoint (shards, then the manifest).
 //! - [`bench`](mod@bench): `zrun bench comm`'s measurements.
 //! - [`kernels`]: `zrun bench kernels`'s measurements.
+//! - [`large_blocks`]: the allocator, which keeps freed blocks of 32 MiB
+//!   and more for the next step.
 //! - [`sample`]: `zrun sample`'s text generation (run as `zworker sample`).
 //! - [`eval`]: `zrun eval`'s loss of a model on a file (`zworker eval`).
 //! - [`gpu`]: what this host offers `device: cuda` (`zworker --cuda-probe`).
@@ -32,6 +34,7 @@ pub mod eval;
 pub mod gpu;
 pub mod groups;
 pub mod kernels;
+pub mod large_blocks;
 pub mod sample;
 pub mod train;
 
