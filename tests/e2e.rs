@@ -405,6 +405,74 @@ fn check_prints_the_resolved_job_and_topology() {
     );
 }
 
+/// `train.freeze` as a user runs it: `zrun train` from exported weights
+/// (`model.init_from`) says what it froze, and the export after training
+/// holds the frozen tensors as they were in the weights it started from,
+/// bit for bit, while every other tensor trained.
+#[test]
+fn frozen_parameters_leave_training_as_they_started() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let job = small_job(d, "frozen", 3);
+    let job = job.to_str().unwrap();
+    let exported = |name: &str, sets: &[String]| {
+        let mut args = vec!["train", job, "--no-progress"];
+        let run_dir = format!("run_dir={}/runs/{name}", d.display());
+        let ckpt = d.join(format!("checkpoints/{name}"));
+        let ckpt_dir = format!("checkpoint.dir={}", ckpt.display());
+        for s in sets.iter().chain([&run_dir, &ckpt_dir]) {
+            args.extend(["--set", s.as_str()]);
+        }
+        let f = zrun(d, &args);
+        assert_eq!(f.code(), 0, "{f:?}");
+        let out = d.join(format!("{name}.safetensors"));
+        let e = zrun(
+            d,
+            &[
+                "export",
+                ckpt.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(e.code(), 0, "{e:?}");
+        (f.stdout, out)
+    };
+    let (_, init) = exported("init", &[]);
+    let (said, trained) = exported(
+        "trained",
+        &[
+            format!("model.init_from={}", init.display()),
+            "train.freeze=[\"h.{1-1}.*\", wpe.weight]".into(),
+        ],
+    );
+    assert!(
+        said.contains("frozen (train.freeze: `h.{1-1}.*` 12, `wpe.weight` 1): 13 of 28 parameters"),
+        "{said}"
+    );
+    // Each tensor's bytes, by name.
+    let read = |p: &std::path::Path| {
+        let bytes = std::fs::read(p).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let tensors: std::collections::BTreeMap<String, Vec<u8>> = file
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| (name, view.data().to_vec()))
+            .collect();
+        tensors
+    };
+    let (start, end) = (read(&init), read(&trained));
+    assert_eq!(start.len(), 28);
+    assert_eq!(
+        start.keys().collect::<Vec<_>>(),
+        end.keys().collect::<Vec<_>>()
+    );
+    for (name, bytes) in &end {
+        let frozen = name.starts_with("h.1.") || name == "wpe.weight";
+        assert_eq!(bytes == &start[name], frozen, "{name}");
+    }
+}
+
 /// `zrun check` refuses what `zrun train` refuses before launch on this
 /// host, with the same message: an NVMe path that takes no `O_DIRECT`
 /// write, workers that cannot fit in memory, weights that do not fit the
@@ -497,6 +565,16 @@ fn bad_input_exits_2_with_a_located_message() {
         (
             vec![write("lr.yaml", &good.replace("lr: 3.0e-3", "lr: 0"))],
             "lr.yaml:7:3: train.lr: must be a positive number",
+        ),
+        (
+            vec![write(
+                "freeze.yaml",
+                &good.replace(
+                    "  warmup_steps: 2\n",
+                    "  warmup_steps: 2\n  freeze: [layers.0.*]\n",
+                ),
+            )],
+            "freeze.yaml:9:3: train.freeze: `layers.0.*` matches none of the model's parameters: wte.weight, wpe.weight, h.0.ln_1.weight",
         ),
         (
             vec![write(

@@ -38,6 +38,16 @@ const KEYS: &[(&str, &[&str])] = &[
     ),
     ("model.attention_dropout", &["0", "0.1", "0.5", "1", "2"]),
     ("train.early_stopping.patience", &["1", "0", "3"]),
+    (
+        "train.freeze",
+        &[
+            "[wte.weight]",
+            "[\"h.{0-0}.*\"]",
+            "[\"*norm*\"]",
+            "[nothing]",
+            "wte.weight",
+        ],
+    ),
     ("train.label_smoothing", &["0", "0.1", "1", "-0.5"]),
     ("train.warmup_ratio", &["0", "0.1", "1", "2"]),
     ("train.epochs", &["0.01", "1", "0", "-1"]),

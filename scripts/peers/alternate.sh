@@ -17,7 +17,9 @@
 # that round compares nothing at 2 threads). With DTYPE=bf16 on a CPU with
 # AVX512_BF16 it also prints each run as a share of `bf16_peak`, the bf16
 # ceiling at the GEMM row's threads. PEER_VOCAB=50304 runs all
-# of them with GPT-2's vocabulary (padded) instead of bytes.
+# of them with GPT-2's vocabulary (padded) instead of bytes, and
+# PEER_SHAPE=layers,d_model,heads,seq (torch_peer.py's) another shape on
+# both sides (e.g. 6,384,6,1024 for the anchor at 1024 tokens).
 # Build first (cargo build --release); run on an otherwise idle machine.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -25,8 +27,13 @@ PEERS=$ROOT/scripts/peers
 PEERENV=${PEERENV:-/tmp/peerenv}
 DTYPE=${DTYPE:-f32}
 ROUNDS=${1:-2}; shift || true
-VOCAB=()
-if [ -n "${PEER_VOCAB:-}" ]; then export PEER_VOCAB; VOCAB=(--set model.vocab_size="$PEER_VOCAB"); fi
+MODEL_KEYS=()
+if [ -n "${PEER_VOCAB:-}" ]; then export PEER_VOCAB; MODEL_KEYS=(--set model.vocab_size="$PEER_VOCAB"); fi
+if [ -n "${PEER_SHAPE:-}" ]; then
+  export PEER_SHAPE
+  IFS=, read -r L D H S <<< "$PEER_SHAPE"
+  MODEL_KEYS+=(--set model.n_layers="$L" --set model.d_model="$D" --set model.n_heads="$H" --set model.seq_len="$S")
+fi
 CONFIGS=("$@"); [ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=(single s0 s1 s2 s3)
 . "$PEERENV/venv/bin/activate"
 export TORCH_EXTENSIONS_DIR="$PEERENV/torch_ext"
@@ -35,7 +42,7 @@ W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 zrun_rate() { # workers stage -> median tokens/s and model GFLOP/s of steps 4-14
   rm -rf "$W/run"
   "$ROOT/target/release/zrun" train "$ROOT/configs/gpt-anchor.yaml" --no-progress \
-    --workers-per-node "$1" --set zero.stage="$2" --set train.dtype="$DTYPE" --set train.steps=14 "${VOCAB[@]}" \
+    --workers-per-node "$1" --set zero.stage="$2" --set train.dtype="$DTYPE" --set train.steps=14 "${MODEL_KEYS[@]}" \
     --set run_dir="$W/run" --metrics "$W/run/m.jsonl" > "$W/zrun.log" 2>&1 \
     || { echo "zrun failed: $(tail -1 "$W/zrun.log")" >&2; echo 0 0; return; }
   python3 - "$W/run/m.jsonl" <<'PY'

@@ -9,6 +9,7 @@
 //! - `data_check`: the data checks before launch (files, token count, ids).
 //! - [`deepspeed`]: a DeepSpeed config's keys mapped onto the job's
 //!   (`--deepspeed ds_config.json`), with `"auto"` resolved as Hugging Face does.
+//! - [`freeze`]: `train.freeze`'s patterns over parameter names.
 //! - [`hf_config`]: a Hugging Face `config.json` read as a job's model
 //!   (`zrun sample` on a directory, and what `model.init_from` fills in).
 //! - [`manifest`]: the manifest `zrun prepare` writes beside token files.
@@ -35,6 +36,7 @@ mod data_check;
 pub mod deepspeed;
 pub mod error;
 pub mod estimate;
+pub mod freeze;
 pub mod hf_config;
 pub mod hostfile;
 pub mod load;

@@ -671,6 +671,52 @@ impl LoadedJob {
         Ok(())
     }
 
+    /// `train.freeze`: every pattern well formed and matching a parameter
+    /// of the model, and something left to train.
+    fn validate_freeze(&self) -> Result<(), ConfigError> {
+        use crate::freeze;
+        let (m, patterns) = (&self.spec.model, &self.spec.train.freeze);
+        if patterns.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<String> = m.param_shapes().into_iter().map(|(n, _)| n).collect();
+        for p in patterns {
+            if let Some(why) = freeze::pattern_problem(p) {
+                return Err(self.invalid("train.freeze", why));
+            }
+            if !names.iter().any(|n| freeze::matches(p, n)) {
+                // The names outside the blocks, and the first block's.
+                let later = |n: &&String| {
+                    (1..m.n_layers).any(|i| n.starts_with(&format!("{}.", m.block_prefix(i))))
+                };
+                let shown: Vec<&str> = names
+                    .iter()
+                    .filter(|n| !later(n))
+                    .map(String::as_str)
+                    .collect();
+                let others = match m.n_layers {
+                    0 | 1 => String::new(),
+                    2 => " (and block 1's, as block 0's)".into(),
+                    n => format!(" (and blocks 1-{}'s, as block 0's)", n - 1),
+                };
+                return Err(self.invalid(
+                    "train.freeze",
+                    format!(
+                        "`{p}` matches none of the model's parameters: {}{others}",
+                        shown.join(", ")
+                    ),
+                ));
+            }
+        }
+        if names.iter().all(|n| freeze::frozen(patterns, n)) {
+            return Err(self.invalid(
+                "train.freeze",
+                "freezes every parameter: nothing would train",
+            ));
+        }
+        Ok(())
+    }
+
     pub(crate) fn invalid(&self, key: &str, message: impl Into<String>) -> ConfigError {
         ConfigError::Invalid {
             location: self.locate(key),
@@ -1270,6 +1316,7 @@ impl LoadedJob {
             ));
         }
         self.validate_offload()?;
+        self.validate_freeze()?;
         let c = &s.comm;
         if c.backend == Backend::Nccl {
             self.validate_nccl()?;
@@ -1890,6 +1937,46 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `train.freeze`: each pattern well formed and matching a parameter
+    /// of this model (the error lists the names), something left to train,
+    /// and not on the GPU path.
+    #[test]
+    fn freeze_patterns_must_match_the_models_parameters() {
+        let d = tempfile::tempdir().unwrap();
+        let job = |freeze: &str| {
+            GOOD.replace("  steps: 5\n", &format!("  steps: 5\n  freeze: {freeze}\n"))
+        };
+        for (freeze, refused) in [
+            ("[wte.weight, \"h.{0-0}.*\"]", None),
+            ("[\"*ln_*\"]", None),
+            (
+                "[layers.0.*]",
+                Some("`layers.0.*` matches none of the model's parameters: wte.weight, wpe.weight, h.0.ln_1.weight"),
+            ),
+            ("[\"h.{1-0}.*\"]", Some("is not a range of whole numbers")),
+            ("[\"\"]", Some("an empty pattern")),
+            ("[\"*\"]", Some("freezes every parameter")),
+            ("[wte.weight, wpe.weight, \"h.*\", \"ln_f.*\"]", Some("freezes every parameter")),
+        ] {
+            let p = write(d.path(), "j.yaml", &job(freeze));
+            let got = load_job(&p, &[]).and_then(|mut j| j.validate(2));
+            match refused {
+                None => assert!(got.is_ok(), "{freeze}: {got:?}"),
+                Some(why) => {
+                    let e = got.unwrap_err().to_string();
+                    assert!(e.contains("j.yaml:7:") && e.contains("train.freeze") && e.contains(why), "{freeze}: {e}");
+                }
+            }
+        }
+        let mut j = load_job(&write(d.path(), "j.yaml", &job("[wte.weight]")), &[]).unwrap();
+        j.validate(2).unwrap();
+        j.spec.device = crate::spec::Device::Cuda;
+        assert!(j
+            .spec
+            .gpu_unsupported()
+            .is_some_and(|why| why.contains("train.freeze")));
     }
 
     /// `model.sliding_window`: a LLaMA's, at least 1; bounding attention

@@ -581,6 +581,12 @@ pub struct TrainSpec {
     /// (transformers' `EarlyStoppingCallback`); none by default.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub early_stopping: Option<EarlyStopping>,
+    /// Parameters that keep their values ([`crate::freeze`]'s patterns over
+    /// the parameter names): left out of the update, the gradient norm and
+    /// LAMB's trust ratios, as PyTorch leaves a parameter with
+    /// `requires_grad = False`. Default none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub freeze: Vec<String>,
 }
 
 /// `train.early_stopping`: transformers' `EarlyStoppingCallback` on the
@@ -668,6 +674,7 @@ impl Default for TrainSpec {
             label_smoothing: 0.0,
             neftune_noise_alpha: 0.0,
             early_stopping: None,
+            freeze: Vec::new(),
         }
     }
 }
@@ -1322,6 +1329,12 @@ impl JobSpec {
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
+        }
+        if !self.train.freeze.is_empty() {
+            return Some(
+                "train.freeze: the GPU's update and gradient norm take every parameter; freezing runs on CPU workers"
+                    .into(),
+            );
         }
         if self.train.optimizer.kind == OptimizerKind::Lamb
             && self.zero.offload_optimizer.device == OffloadDevice::None

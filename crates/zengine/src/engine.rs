@@ -184,8 +184,11 @@ impl Engine {
         let threshold = spec.zero.param_persistence_threshold.0 as usize;
         let half = Half::of(spec.train.dtype);
         let specs = model.groups();
-        let layouts: Vec<GroupLayout> =
+        let mut layouts: Vec<GroupLayout> =
             specs.iter().map(|gs| GroupLayout::new(gs, world)).collect();
+        for l in &mut layouts {
+            l.freeze(&spec.train.freeze);
+        }
         let partitioned: Vec<bool> = layouts
             .iter()
             .map(|l| stage.partitions_parameters() && l.numel >= threshold)

@@ -46,6 +46,8 @@ pub struct ParamSlot {
     pub range: Range<usize>,
     /// Whether weight decay applies.
     pub decay: bool,
+    /// Whether `train.freeze` keeps it as it is ([`GroupLayout::freeze`]).
+    pub frozen: bool,
     /// The columns it holds when it is a tile of parameter `name`.
     pub tile: Option<ColumnTile>,
     /// Read only by products (and the embedding's row gather): `zmodel::ParamSpec::product_operand`.
@@ -79,6 +81,7 @@ impl GroupLayout {
                 shape: p.shape.clone(),
                 range: off..off + n,
                 decay: p.decay,
+                frozen: false,
                 tile: p.tile,
                 product_operand: p.product_operand,
             });
@@ -150,12 +153,36 @@ impl GroupLayout {
         runs
     }
 
-    /// The parts of `range` (flat indices) covered by each parameter, with its decay
-    /// flag; padding is reported with `decay = false`.
-    pub fn decay_runs(&self, range: Range<usize>) -> Vec<(Range<usize>, bool)> {
+    /// Marks the parameters that `patterns` (`train.freeze`) match as
+    /// frozen (a tiled linear's tiles by the parameter's name).
+    pub fn freeze(&mut self, patterns: &[String]) {
+        for p in &mut self.params {
+            p.frozen = zconfig::freeze::frozen(patterns, &p.name);
+        }
+    }
+
+    /// Whether any parameter of the group is frozen.
+    pub fn any_frozen(&self) -> bool {
+        self.params.iter().any(|p| p.frozen)
+    }
+
+    /// Whether a frozen parameter lies in `range` (flat indices).
+    pub fn frozen_in(&self, range: &Range<usize>) -> bool {
+        self.params
+            .iter()
+            .any(|p| p.frozen && p.range.start < range.end && range.start < p.range.end)
+    }
+
+    /// The parts of `range` (flat indices) the update moves, each
+    /// parameter's with its decay flag, in order: frozen parameters left
+    /// out, padding reported with `decay = false` (its zeros stay zeros).
+    pub fn update_runs(&self, range: Range<usize>) -> Vec<(Range<usize>, Option<bool>)> {
         self.slot_runs(range)
             .into_iter()
-            .map(|(r, slot)| (r, slot.is_some_and(|i| self.params[i].decay)))
+            .map(|(r, slot)| match slot.map(|i| &self.params[i]) {
+                Some(p) if p.frozen => (r, None),
+                p => (r, Some(p.is_some_and(|p| p.decay))),
+            })
             .collect()
     }
 }
@@ -305,9 +332,43 @@ mod tests {
         let l = GroupLayout::new(&spec(&[10, 7]), 3);
         assert_eq!((l.numel, l.padded, l.slice_len()), (17, 48, 16));
         assert_eq!(l.slice(2), 32..48);
-        let runs = l.decay_runs(0..32);
-        assert_eq!(runs, vec![(0..10, true), (10..17, false), (17..32, false)]);
-        assert_eq!(l.decay_runs(16..32), vec![(16..17, false), (17..32, false)]);
+        let runs = l.update_runs(0..32);
+        assert_eq!(
+            runs,
+            vec![
+                (0..10, Some(true)),
+                (10..17, Some(false)),
+                (17..32, Some(false))
+            ]
+        );
+        assert_eq!(
+            l.update_runs(16..32),
+            vec![(16..17, Some(false)), (17..32, Some(false))]
+        );
+    }
+
+    /// Frozen parameters' runs are marked to be left out, by name.
+    #[test]
+    fn frozen_parameters_are_left_out_of_the_update() {
+        let mut l = GroupLayout::new(&spec(&[10, 7, 4]), 2);
+        assert!(!l.any_frozen());
+        l.freeze(&["p0".into(), "p{2-9}".into()]);
+        assert!(l.any_frozen());
+        assert!(l.frozen_in(&(9..10)) && l.frozen_in(&(16..18)));
+        assert!(!l.frozen_in(&(10..17)) && !l.frozen_in(&(21..32)));
+        assert_eq!(
+            l.params.iter().map(|p| p.frozen).collect::<Vec<_>>(),
+            [true, false, true]
+        );
+        assert_eq!(
+            l.update_runs(5..32),
+            vec![
+                (5..10, None),
+                (10..17, Some(false)),
+                (17..21, None),
+                (21..32, Some(false))
+            ]
+        );
     }
 
     #[test]

@@ -117,6 +117,19 @@ impl Group {
         }
     }
 
+    /// The squared norm of the rank's own gradient elements
+    /// ([`Group::owned_grads`]) scaled by `scale`, frozen parameters' left
+    /// out ([`own_grads_sum_sq`]).
+    pub(crate) fn owned_grads_sum_sq(&self, rank: usize, stage: ZeroStage, scale: f32) -> f64 {
+        let own = self.layout.slice(rank);
+        let at = if stage.partitions_gradients() {
+            own.start
+        } else {
+            0
+        };
+        own_grads_sum_sq(&self.layout, &self.grads, own, at, scale)
+    }
+
     /// The gradient elements the update reads, as indices into `grads`.
     pub(crate) fn used_grads(&self, rank: usize, stage: ZeroStage) -> Range<usize> {
         if stage.partitions_optimizer() {
@@ -186,12 +199,15 @@ impl Group {
         swapped: Swapped<'_>,
     ) {
         let (whole, layout) = self.buffers(range.clone(), rank, stage, swapped);
-        // The range cut at its parameters' edges, each decayed or not.
+        // The range cut at its parameters' edges, each decayed or not;
+        // frozen ones left as they are.
         let mut rest = whole;
         let mut runs = Vec::new();
-        for (r, decay) in layout.decay_runs(range) {
+        for (r, decay) in layout.update_runs(range) {
             let (run, tail) = rest.split_at(r.len());
-            runs.push((run, decay));
+            if let Some(decay) = decay {
+                runs.push((run, decay));
+            }
             rest = tail;
         }
         adamw_runs(runs, hp);
@@ -227,7 +243,10 @@ impl Group {
             // Padding before the cell.
             rest = rest.split_at(s - at).1;
             let (seg, tail) = rest.split_at(e - s);
-            segments.push((seg, layout.params[cell.slot].decay, s, sums));
+            let p = &layout.params[cell.slot];
+            if !p.frozen {
+                segments.push((seg, p.decay, s, sums));
+            }
             (rest, at) = (tail, e);
         }
         lamb_moments(segments, hp);
@@ -250,7 +269,7 @@ impl Group {
         for (r, slot) in layout.slot_runs(range) {
             let (run, tail) = rest.split_at(r.len());
             rest = tail;
-            if let Some(i) = slot {
+            if let Some(i) = slot.filter(|&i| !layout.params[i].frozen) {
                 runs.push((run, (layout.params[i].decay, ratios[i])));
             }
         }
@@ -362,6 +381,29 @@ pub(crate) struct Swapped<'a> {
 
 /// The region of the group laid out as `layout` that `rank` updates at
 /// `stage`: everything at stage 0, else its slice.
+/// The squared norm of the gradient elements `own` (flat indices; `grads`
+/// holds flat index `at` at its 0) scaled by `scale`: in one sum, or, where
+/// the group has frozen parameters, the sums of the runs the update moves
+/// added in order (a frozen parameter has no gradient to PyTorch's clipping
+/// either). Runs depend on the layout alone, so every stage adds the same.
+pub(crate) fn own_grads_sum_sq(
+    layout: &GroupLayout,
+    grads: &Flat,
+    own: Range<usize>,
+    at: usize,
+    scale: f32,
+) -> f64 {
+    if !layout.any_frozen() {
+        return grads.sum_sq(own.start - at..own.end - at, scale);
+    }
+    layout
+        .update_runs(own)
+        .into_iter()
+        .filter(|(_, decay)| decay.is_some())
+        .map(|(r, _)| grads.sum_sq(r.start - at..r.end - at, scale))
+        .sum()
+}
+
 pub(crate) fn updated_region(layout: &GroupLayout, rank: usize, stage: ZeroStage) -> Range<usize> {
     if stage.partitions_optimizer() {
         layout.slice(rank)

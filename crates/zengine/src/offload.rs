@@ -529,8 +529,14 @@ impl Offload {
         ))
     }
 
-    /// Starts the reads of one sub-group's pieces.
-    pub(crate) fn read_pieces(&self, pieces: &[(usize, Range<usize>)]) -> Vec<PieceReads> {
+    /// Starts the reads of one sub-group's pieces. 16-bit parameters, which
+    /// the update writes whole from the master, are read only where
+    /// `frozen_in(group, range)`: the update leaves frozen ones as they are.
+    pub(crate) fn read_pieces(
+        &self,
+        pieces: &[(usize, Range<usize>)],
+        frozen_in: impl Fn(usize, &Range<usize>) -> bool,
+    ) -> Vec<PieceReads> {
         pieces
             .iter()
             .map(|(g, range)| {
@@ -558,7 +564,7 @@ impl Offload {
                 if let Some(p) = &self.params {
                     if let Some(r) = &p.regions[*g] {
                         let (off, len) = r.span(range, p.elem);
-                        reads.params = Some(if p.elem == 4 {
+                        reads.params = Some(if p.elem == 4 || frozen_in(*g, range) {
                             Ok(self.swapper.read(&p.file, off, AlignedBuf::zeroed(len)))
                         } else {
                             Err(AlignedBuf::zeroed(len))

@@ -10,12 +10,14 @@
 //! rest when the step waits for them.
 
 use std::collections::VecDeque;
+use std::ops::Range;
 
 use zcomm::{Quantization, Work};
 
 use crate::engine::Engine;
 use crate::error::EngineError;
 use crate::flat::{Bucket, GroupLayout};
+use crate::group::own_grads_sum_sq;
 use crate::precision::Flat;
 
 /// A reduction in flight.
@@ -248,7 +250,7 @@ impl Engine {
     fn add_own_grads(&mut self, g: usize, values: &[f32]) -> Result<(), EngineError> {
         let half = self.half;
         let accum = self.spec.train.grad_accum;
-        let scale = self.average_scale();
+        let (scale, rank) = (self.average_scale(), self.comm.rank());
         let Engine {
             offload,
             groups,
@@ -262,21 +264,29 @@ impl Engine {
         let mut grads = off.take_grads(g, half, swap_buffers)?;
         grads.add_f32(0, values);
         let complete = off.grad_adds(g) == Some(accum - 1);
-        let sum_sq = complete.then(|| average_and_sum_sq(&mut grads, scale));
+        let own = groups[g].layout.slice(rank);
+        let sum_sq =
+            complete.then(|| average_and_sum_sq(&groups[g].layout, &mut grads, own, scale));
         off.put_grads(g, &grads, sum_sq, swap_buffers)
     }
 }
 
-/// Averages a group's complete f32 gradient in place and returns its squared
-/// norm, as the in-memory step does (16-bit gradients are scaled as read).
-pub(crate) fn average_and_sum_sq(grads: &mut Flat, scale: f32) -> f64 {
-    let all = 0..grads.len();
+/// Averages a group's complete f32 gradient slice `own` (flat indices, all
+/// of `grads`) in place and returns its squared norm, as the in-memory step
+/// does (16-bit gradients are scaled as read; frozen parameters left out).
+pub(crate) fn average_and_sum_sq(
+    layout: &GroupLayout,
+    grads: &mut Flat,
+    own: Range<usize>,
+    scale: f32,
+) -> f64 {
+    let at = own.start;
     match grads {
         Flat::F32(v) => {
             v.iter_mut().for_each(|x| *x *= scale);
-            grads.sum_sq(all, 1.0)
+            own_grads_sum_sq(layout, grads, own, at, 1.0)
         }
-        Flat::Half(..) => grads.sum_sq(all, scale),
+        Flat::Half(..) => own_grads_sum_sq(layout, grads, own, at, scale),
     }
 }
 

@@ -224,8 +224,7 @@ impl Engine {
             .iter()
             .enumerate()
             .map(|(i, g)| {
-                swapped(i)
-                    .unwrap_or_else(|| g.grads.sum_sq(g.owned_grads(rank, self.stage), grad_scale))
+                swapped(i).unwrap_or_else(|| g.owned_grads_sum_sq(rank, self.stage, grad_scale))
             })
             .sum();
         self.norm_from_own_sq(own_sq)
@@ -414,7 +413,8 @@ impl Engine {
         // linear's tiles share its name and its ratio), in layout order.
         let mut seen = std::collections::HashSet::new();
         let once = self.groups.iter().flat_map(|g| &g.layout.params);
-        let summary = TrustRatios::of(once.filter(|p| seen.insert(p.name.as_str())).map(|p| {
+        let trained = once.filter(|p| !p.frozen && seen.insert(p.name.as_str()));
+        let summary = TrustRatios::of(trained.map(|p| {
             let [w, u] = totals[p.name.as_str()];
             trust_ratio(w, u, bounds)
         }));
@@ -468,7 +468,9 @@ impl Engine {
             // Read ahead as far as the buffer sets allow.
             while next < subs.len() && reads.len() + writes.len() < sets {
                 swap_buffers.add(set_bytes(&subs[next]));
-                reads.push_back(off.read_pieces(&subs[next].pieces));
+                reads.push_back(
+                    off.read_pieces(&subs[next].pieces, |g, r| groups[g].layout.frozen_in(r)),
+                );
                 next += 1;
             }
             if reads.is_empty() {
@@ -476,7 +478,9 @@ impl Engine {
                 oldest.into_iter().try_for_each(|w| w.wait().map(drop))?;
                 swap_buffers.sub(bytes);
                 swap_buffers.add(set_bytes(&subs[next]));
-                reads.push_back(off.read_pieces(&subs[next].pieces));
+                reads.push_back(
+                    off.read_pieces(&subs[next].pieces, |g, r| groups[g].layout.frozen_in(r)),
+                );
                 next += 1;
             }
             let pieces = reads.pop_front().expect("read above");

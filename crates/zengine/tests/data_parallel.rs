@@ -1023,3 +1023,155 @@ fn llama_stages_are_bit_identical_with(extra: &str) {
         }
     }
 }
+
+/// `train.freeze`'s patterns for the tests' GPT: the token table (and so
+/// the tied head) and the second block.
+fn frozen_patterns() -> Vec<String> {
+    vec!["wte.weight".into(), "h.{1-1}.*".into()]
+}
+
+/// Frozen parameters (`train.freeze`) keep their initial bits at every
+/// stage, under AdamW in f32 and bf16 and under LAMB, while the others
+/// train; stages 1-3 keep stage 0's bits, as without freezing.
+#[test]
+fn frozen_parameters_keep_their_bits_at_every_stage() {
+    use zconfig::spec::OptimizerKind;
+    for (dtype, rule) in [
+        ("f32", OptimizerKind::Adamw),
+        ("bf16", OptimizerKind::Adamw),
+        ("f32", OptimizerKind::Lamb),
+    ] {
+        let make = |stage| {
+            let mut spec = match rule {
+                OptimizerKind::Lamb => lamb(dtype, stage, 1),
+                _ => typed_spec(dtype, stage, 1, 2000, true, false, 4),
+            };
+            spec.train.freeze = frozen_patterns();
+            spec
+        };
+        let what = format!("{dtype} {rule:?}");
+        let until_0 = Leg {
+            until: Some(0),
+            ..Leg::default()
+        };
+        let start = train_leg(make(0), 2, &until_0);
+        let saved = tempfile::tempdir().unwrap();
+        let save = Leg {
+            save: Some(saved.path()),
+            ..Leg::default()
+        };
+        let base = train_leg(make(0), 2, &save);
+        // Frozen parameters' moments stay as they started: the token table
+        // (the first 64 × 32 of group 0) and all of block 1 (group 2).
+        let ckpt = zckpt::Checkpoint::open(saved.path()).unwrap();
+        let m = |g| ckpt.full_group(g, "exp_avg").unwrap();
+        let (embedding, block_0, block_1) = (m(0), m(1), m(2));
+        let moved = |x: &[f32]| x.iter().any(|&v| v != 0.0);
+        assert!(
+            !moved(&embedding[..64 * 32]) && moved(&embedding[64 * 32..]),
+            "{what}: the token table's moments moved, or the positions' did not"
+        );
+        assert!(moved(&block_0) && !moved(&block_1), "{what}: block moments");
+        let mut counted = [0, 0];
+        for (name, (_, values)) in &base[0].named {
+            let frozen = zconfig::freeze::frozen(&frozen_patterns(), name);
+            let kept = values == &start[0].named[name].1;
+            assert_eq!(kept, frozen, "{what}: {name} frozen {frozen}, kept {kept}");
+            counted[usize::from(frozen)] += 1;
+        }
+        assert!(counted[0] > 0 && counted[1] > 1, "{what}: {counted:?}");
+        for stage in 1..=3u8 {
+            let got = train(make(stage), 2);
+            for r in 0..2 {
+                let at = format!("{what} stage {stage} rank {r}");
+                assert_eq!(got[r].losses, base[r].losses, "losses: {at}");
+                assert!(got[r].params == base[r].params, "parameters: {at}");
+            }
+        }
+    }
+}
+
+/// The gradient norm leaves frozen parameters out, as PyTorch's clipping
+/// does (they have no gradient there): on the first step, where all runs
+/// see the same gradients, the squared norm with a set frozen plus the one
+/// with every other parameter frozen is the squared norm of all. And with
+/// clipping off, one step moves every parameter left to train exactly as
+/// a run without freezing moves it.
+#[test]
+fn the_gradient_norm_leaves_frozen_parameters_out() {
+    let one_step = |stage, freeze: Vec<String>| {
+        let mut spec = typed_spec("f32", stage, 1, 2000, true, false, 1);
+        spec.train.grad_clip = 0.0;
+        spec.train.freeze = freeze;
+        train(spec, 2)
+    };
+    let names: Vec<String> = typed_spec("f32", 0, 1, 2000, true, false, 1)
+        .model
+        .param_shapes()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let others: Vec<String> = names
+        .iter()
+        .filter(|n| !zconfig::freeze::frozen(&frozen_patterns(), n))
+        .cloned()
+        .collect();
+    for stage in [0u8, 2] {
+        let all = one_step(stage, Vec::new());
+        let some = one_step(stage, frozen_patterns());
+        let rest = one_step(stage, others.clone());
+        let sq = |run: &[common::Run]| run[0].norms[0] * run[0].norms[0];
+        let (whole, parts) = (sq(&all), sq(&some) + sq(&rest));
+        assert!(
+            (parts - whole).abs() <= 1e-12 * whole && sq(&some) < whole && sq(&rest) < whole,
+            "stage {stage}: {} + {} against {whole}",
+            sq(&some),
+            sq(&rest)
+        );
+        for name in &others {
+            assert!(
+                some[0].named[name].1 == all[0].named[name].1,
+                "stage {stage}: {name} moved otherwise than without freezing"
+            );
+        }
+    }
+}
+
+/// LAMB's step statistics count only the parameters it moves: on the first
+/// step (every run's ratios the same), a run with a set frozen and one with
+/// every other parameter frozen split the unfrozen run's ratios between
+/// them, so their extremes and their means weighted by the parameters each
+/// moves give the whole run's.
+#[test]
+fn lamb_ratios_leave_frozen_parameters_out() {
+    let one_step = |freeze: Vec<String>| {
+        let mut spec = lamb("f32", 1, 1);
+        spec.train.steps = 1;
+        // Unclipped: the norms, and so a clipped run's gradients, differ.
+        spec.train.grad_clip = 0.0;
+        spec.train.freeze = freeze;
+        train(spec, 2)[0].trust_ratios[0].expect("LAMB's ratios")
+    };
+    let names: Vec<String> = lamb("f32", 1, 1)
+        .model
+        .param_shapes()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let (frozen, moved): (Vec<String>, Vec<String>) = names
+        .iter()
+        .cloned()
+        .partition(|n| zconfig::freeze::frozen(&frozen_patterns(), n));
+    let all = one_step(Vec::new());
+    let a = one_step(frozen_patterns());
+    let b = one_step(moved.clone());
+    let (na, nb) = (moved.len() as f64, frozen.len() as f64);
+    assert_eq!(all.min, a.min.min(b.min));
+    assert_eq!(all.max, a.max.max(b.max));
+    let mean = (a.mean * na + b.mean * nb) / (na + nb);
+    assert!(
+        (mean - all.mean).abs() <= 1e-12 * all.mean,
+        "{mean} against {}",
+        all.mean
+    );
+}

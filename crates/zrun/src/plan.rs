@@ -561,6 +561,9 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
         let world = plan.topology.world_size();
         say!("# {}", describe_epochs(&plan.spec, sequences, world));
     }
+    if let Some(frozen) = zconfig::freeze::summary(&plan.spec.model, &plan.spec.train.freeze) {
+        say!("# {frozen}");
+    }
     print_deepspeed_sources(&job, plan.topology.world_size())?;
     say!(
         "# topology: {} workers on {} node{}",

@@ -162,6 +162,9 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
         steps,
         metrics_path.display()
     ));
+    if let Some(frozen) = zconfig::freeze::summary(&plan.spec.model, &plan.spec.train.freeze) {
+        progress.println(&format!("zrun: {frozen}"));
+    }
     let mut monitors = crate::monitor::open(&plan.spec, |s| progress.println(s))?;
     for m in &mut monitors {
         if let Some((_, step)) = &resume {
