@@ -405,10 +405,11 @@ fn check_prints_the_resolved_job_and_topology() {
     );
 }
 
-/// `train.freeze` as a user runs it: `zrun train` from exported weights
-/// (`model.init_from`) says what it froze, and the export after training
-/// holds the frozen tensors as they were in the weights it started from,
-/// bit for bit, while every other tensor trained.
+/// `train.freeze` as a user runs it, the embedding and the first block
+/// frozen (so backward stops above them): `zrun train` from exported
+/// weights (`model.init_from`) says what it froze, and the export after
+/// training holds the frozen tensors as they were in the weights it
+/// started from, bit for bit, while every other tensor trained.
 #[test]
 fn frozen_parameters_leave_training_as_they_started() {
     let dir = tempfile::tempdir().unwrap();
@@ -443,11 +444,13 @@ fn frozen_parameters_leave_training_as_they_started() {
         "trained",
         &[
             format!("model.init_from={}", init.display()),
-            "train.freeze=[\"h.{1-1}.*\", wpe.weight]".into(),
+            "train.freeze=[\"h.{0-0}.*\", wpe.weight, wte.weight]".into(),
         ],
     );
     assert!(
-        said.contains("frozen (train.freeze: `h.{1-1}.*` 12, `wpe.weight` 1): 13 of 28 parameters"),
+        said.contains(
+            "frozen (train.freeze: `h.{0-0}.*` 12, `wpe.weight` 1, `wte.weight` 1): 14 of 28 parameters"
+        ),
         "{said}"
     );
     // Each tensor's bytes, by name.
@@ -468,7 +471,7 @@ fn frozen_parameters_leave_training_as_they_started() {
         end.keys().collect::<Vec<_>>()
     );
     for (name, bytes) in &end {
-        let frozen = name.starts_with("h.1.") || name == "wpe.weight";
+        let frozen = name.starts_with("h.0.") || name.starts_with("wte") || name.starts_with("wpe");
         assert_eq!(bytes == &start[name], frozen, "{name}");
     }
 }

@@ -55,6 +55,9 @@ pub struct Engine {
     pub(crate) spec: JobSpec,
     pub(crate) stage: ZeroStage,
     pub(crate) groups: Vec<Group>,
+    /// How far down backward goes ([`backward_reach`]): 0 all the way to
+    /// the embedding, else the lowest block whose gradients are needed.
+    pub(crate) backward_reach: usize,
     /// Mixed precision: the 16-bit working type.
     pub(crate) half: Option<Half>,
     /// f16: the dynamic loss scale.
@@ -224,9 +227,17 @@ impl Engine {
             bits: Bits::from_count(z.quantization.gradient_bits).expect("validated: 8 or 4"),
             block_size: z.quantization.block_size,
         });
+        // Groups whose every parameter is frozen get no gradient and no
+        // reduction, and backward stops above the lowest group that trains.
+        let trained: Vec<bool> = layouts.iter().map(|l| !l.all_frozen()).collect();
+        let backward_reach = backward_reach(&model, &trained);
+        let completion: Vec<usize> = backward_completion(&model)
+            .into_iter()
+            .filter(|&g| trained[g])
+            .collect();
         let reducer = Reducer::new(
             &layouts,
-            &backward_completion(&model),
+            &completion,
             z.reduce_bucket_size.0.max(1) as usize,
             z.overlap_comm,
             quantized,
@@ -241,6 +252,7 @@ impl Engine {
             spec: spec.clone(),
             stage,
             groups,
+            backward_reach,
             half,
             scaler: (half == Some(Half::F16)).then(|| LossScaler::new(&spec.train.loss_scale)),
             updates: 0,
@@ -369,7 +381,7 @@ impl Engine {
         if self.model.config().tied() {
             order.push(later(0));
         }
-        for b in (1..=l).rev() {
+        for b in (self.backward_reach.max(1)..=l).rev() {
             order.extend(block_uses(&self.model, b, Pass::Backward { checkpointing }).map(later));
         }
         order.retain(|g| self.groups[g.group].partitioned);
@@ -620,6 +632,22 @@ fn block_uses(model: &Gpt, b: usize, pass: Pass) -> impl Iterator<Item = usize> 
         Pass::Backward { .. } => backward,
     };
     std::iter::once(b).chain(uses)
+}
+
+/// How far down backward must go, given which groups train (`trained`, by
+/// group; a group trains unless `train.freeze` froze all of it): 0 (to the
+/// embedding) where the embedding trains, else the lowest block any of
+/// whose groups trains (`n_layers + 1` where none does: the head alone).
+/// Below it every group is frozen, so neither their gradients nor the
+/// input gradients that would reach them are needed.
+fn backward_reach(model: &Gpt, trained: &[bool]) -> usize {
+    let l = model.config().n_layers;
+    if trained[0] {
+        return 0;
+    }
+    (1..=l)
+        .find(|&b| block_uses(model, b, Pass::Forward).any(|g| trained[g]))
+        .unwrap_or(l + 1)
 }
 
 /// The order in which backward completes groups' gradients: the head, each

@@ -166,6 +166,12 @@ impl GroupLayout {
         self.params.iter().any(|p| p.frozen)
     }
 
+    /// Whether every parameter of the group is frozen: it needs no
+    /// gradient at all.
+    pub fn all_frozen(&self) -> bool {
+        self.params.iter().all(|p| p.frozen)
+    }
+
     /// Whether a frozen parameter lies in `range` (flat indices).
     pub fn frozen_in(&self, range: &Range<usize>) -> bool {
         self.params
@@ -353,7 +359,7 @@ mod tests {
         let mut l = GroupLayout::new(&spec(&[10, 7, 4]), 2);
         assert!(!l.any_frozen());
         l.freeze(&["p0".into(), "p{2-9}".into()]);
-        assert!(l.any_frozen());
+        assert!(l.any_frozen() && !l.all_frozen());
         assert!(l.frozen_in(&(9..10)) && l.frozen_in(&(16..18)));
         assert!(!l.frozen_in(&(10..17)) && !l.frozen_in(&(21..32)));
         assert_eq!(

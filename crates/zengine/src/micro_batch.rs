@@ -72,7 +72,9 @@ impl Engine {
                 self.forward_done = Some(Instant::now());
                 let (loss, dx) = self.head_forward_backward(&mut mb, &x)?;
                 let dx = self.backward_blocks(&mut mb, dx)?;
-                self.backward_embedding(&mut mb, &dx)?;
+                if self.backward_reach == 0 {
+                    self.backward_embedding(&mut mb, &dx)?;
+                }
                 loss
             }
         };
@@ -257,11 +259,14 @@ impl Engine {
             let dropout = mb.dropout.site(b as u64);
             let (y, acts) = model.block_forward_from(&mut src, &x, mb.docs.as_ref(), dropout)?;
             src.release_block();
-            mb.saved.push(if checkpointing {
-                Saved::Input(x)
-            } else {
-                Saved::Acts(acts)
-            });
+            // Backward stops above frozen blocks: nothing of theirs is kept.
+            if b >= self.backward_reach {
+                mb.saved.push(if checkpointing {
+                    Saved::Input(x)
+                } else {
+                    Saved::Acts(acts)
+                });
+            }
             x = y;
         }
         let (rows, t) = mb.tokens.dims2()?;
@@ -269,7 +274,8 @@ impl Engine {
         let block_bytes = zconfig::estimate::block_activation_bytes(m, rows, t) as u64;
         let input_bytes = (rows * t * m.d_model * 4) as u64;
         let head_bytes = zconfig::estimate::head_activation_bytes(m, rows, t) as u64;
-        let n = n_layers as u64;
+        // The blocks that kept theirs (backward stops above frozen ones).
+        let n = mb.saved.len() as u64;
         self.peak_activations = self.peak_activations.max(if checkpointing {
             n * input_bytes + block_bytes + head_bytes
         } else {
@@ -334,15 +340,16 @@ impl Engine {
         Ok((loss_value, dx))
     }
 
-    /// Backward through the blocks, last first; returns the embedding's output
-    /// gradient.
+    /// Backward through the blocks, last first, down to the lowest that
+    /// trains ([`Engine::backward_reach`]); returns that block's input
+    /// gradient (the embedding's output gradient where it trains).
     fn backward_blocks(
         &mut self,
         mb: &mut MicroBatch,
         mut dx: Tensor,
     ) -> Result<Tensor, EngineError> {
         let model = self.model.clone();
-        for b in (1..=self.model.config().n_layers).rev() {
+        for b in (self.backward_reach.max(1)..=self.model.config().n_layers).rev() {
             let mut src = BlockFromEngine::gather(self, &mut mb.gather, b, mb.reduce_now)?;
             let acts = match mb.saved.pop() {
                 Some(Saved::Acts(acts)) => acts,
@@ -411,6 +418,9 @@ impl Engine {
         grad: &Tensor,
         name: &str,
     ) -> Result<(), EngineError> {
+        if self.groups[g].layout.all_frozen() {
+            return Ok(());
+        }
         add_grad(self.micro_grads(g), range, grad, name)
     }
 
@@ -452,6 +462,9 @@ impl Engine {
         g: usize,
         grads: &[&Tensor],
     ) -> Result<(), EngineError> {
+        if self.groups[g].layout.all_frozen() {
+            return Ok(()); // no gradient kept, none reduced
+        }
         let slots = self.groups[g].layout.params.clone();
         if slots.len() != grads.len() {
             return Err(EngineError::BadGradient {

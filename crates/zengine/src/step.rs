@@ -204,7 +204,8 @@ impl Engine {
         };
         let accum = self.spec.train.grad_accum;
         for (g, group) in self.groups.iter().enumerate() {
-            if off.grad_adds(g).is_some_and(|n| n != accum) {
+            // A frozen group gets no gradient to swap.
+            if !group.layout.all_frozen() && off.grad_adds(g).is_some_and(|n| n != accum) {
                 return Err(EngineError::MissingGradient {
                     param: format!("{} (swapped)", group.layout.name),
                 });
@@ -223,6 +224,7 @@ impl Engine {
             .groups
             .iter()
             .enumerate()
+            .filter(|(_, g)| !g.layout.all_frozen())
             .map(|(i, g)| {
                 swapped(i).unwrap_or_else(|| g.owned_grads_sum_sq(rank, self.stage, grad_scale))
             })

@@ -1030,6 +1030,81 @@ fn frozen_patterns() -> Vec<String> {
     vec!["wte.weight".into(), "h.{1-1}.*".into()]
 }
 
+/// The embedding and the first block frozen: backward stops after the
+/// second block, and neither the embedding's nor the first block's
+/// gradients are made or reduced.
+fn frozen_below() -> Vec<String> {
+    vec!["w*.weight".into(), "h.0.*".into()]
+}
+
+/// With the layers below frozen (backward stopping above them), every
+/// stage, with activation checkpointing or not, keeps stage 0's bits; the
+/// frozen parameters keep theirs, and one unclipped step moves the others
+/// as a run without freezing moves them (2 ranks: a sum of two is the same
+/// in any order, so the buckets' other cut changes no bit).
+#[test]
+fn backward_stops_above_the_frozen_layers() {
+    let make = |stage, ckpt, steps| {
+        let mut spec = typed_spec("f32", stage, 1, 2000, true, ckpt, steps);
+        spec.train.freeze = frozen_below();
+        spec
+    };
+    let until_0 = Leg {
+        until: Some(0),
+        ..Leg::default()
+    };
+    let start = train_leg(make(0, false, 4), 2, &until_0);
+    let base = train(make(0, false, 4), 2);
+    for (name, (_, values)) in &base[0].named {
+        let frozen = zconfig::freeze::frozen(&frozen_below(), name);
+        assert_eq!(values == &start[0].named[name].1, frozen, "{name}");
+    }
+    for (stage, ckpt) in [(0u8, true), (1, false), (2, true), (3, false), (3, true)] {
+        let got = train(make(stage, ckpt, 4), 2);
+        for r in 0..2 {
+            let at = format!("stage {stage} checkpointing {ckpt} rank {r}");
+            assert_eq!(got[r].losses, base[r].losses, "losses: {at}");
+            assert!(got[r].params == base[r].params, "parameters: {at}");
+        }
+    }
+    let unclipped = |freeze: Vec<String>| {
+        let mut spec = typed_spec("f32", 2, 1, 2000, true, false, 1);
+        spec.train.grad_clip = 0.0;
+        spec.train.freeze = freeze;
+        train(spec, 2)
+    };
+    let (all, some) = (unclipped(Vec::new()), unclipped(frozen_below()));
+    for (name, (_, values)) in &some[0].named {
+        if !zconfig::freeze::frozen(&frozen_below(), name) {
+            assert!(values == &all[0].named[name].1, "{name} moved otherwise");
+        }
+    }
+    // Only the trained groups' gradients are reduced: the second block and
+    // the final norm, 46% of the parameters (padding aside).
+    let numel = |n: &(String, Vec<usize>)| n.1.iter().product::<usize>() as f64;
+    let params = make(0, false, 1).model.param_shapes();
+    let total: f64 = params.iter().map(numel).sum();
+    let trained: f64 = params
+        .iter()
+        .filter(|p| !zconfig::freeze::frozen(&frozen_below(), &p.0))
+        .map(numel)
+        .sum();
+    // The first block keeps no activations: backward does not go there.
+    assert!(
+        some[0].activations < all[0].activations,
+        "activations {} of {}",
+        some[0].activations,
+        all[0].activations
+    );
+    let reduced = |run: &[common::Run]| run[0].counters.op(zproto::Op::ReduceScatter) as f64;
+    let share = reduced(&some) / reduced(&all);
+    assert!(
+        (share - trained / total).abs() < 0.05,
+        "reduced {share:.3} of the gradient bytes for {:.3} of the parameters",
+        trained / total
+    );
+}
+
 /// Frozen parameters (`train.freeze`) keep their initial bits at every
 /// stage, under AdamW in f32 and bf16 and under LAMB, while the others
 /// train; stages 1-3 keep stage 0's bits, as without freezing.

@@ -132,6 +132,8 @@ pub struct Run {
     /// The most bytes of gathered parameters, staged gradients and buckets in
     /// flight in a step.
     pub comm_peak: u64,
+    /// The most bytes of activations a step kept for backward.
+    pub activations: u64,
 }
 
 /// A rank's part of a checkpoint it wrote.
@@ -285,6 +287,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     padded: engine.manifest_groups().iter().map(|g| g.padded).collect(),
                     named: Default::default(),
                     comm_peak: 0,
+                    activations: 0,
                 };
                 for s in engine.steps_done()..until {
                     for a in 0..t.grad_accum {
@@ -300,6 +303,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     run.nvme = st.mem.nvme;
                     run.secondary = run.secondary.max(st.mem.secondary);
                     run.comm_peak = run.comm_peak.max(st.mem.comm_buffers);
+                    run.activations = run.activations.max(st.mem.activations);
                     run.scales.push((st.loss_scale, st.skipped));
                     if history {
                         run.history.push(engine.full_params().unwrap());
