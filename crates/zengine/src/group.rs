@@ -379,8 +379,6 @@ pub(crate) struct Swapped<'a> {
     pub(crate) grads: Option<&'a [u8]>,
 }
 
-/// The region of the group laid out as `layout` that `rank` updates at
-/// `stage`: everything at stage 0, else its slice.
 /// The squared norm of the gradient elements `own` (flat indices; `grads`
 /// holds flat index `at` at its 0) scaled by `scale`: in one sum, or, where
 /// the group has frozen parameters, the sums of the runs the update moves
@@ -404,6 +402,8 @@ pub(crate) fn own_grads_sum_sq(
         .sum()
 }
 
+/// The region of the group laid out as `layout` that `rank` updates at
+/// `stage`: everything at stage 0, else its slice.
 pub(crate) fn updated_region(layout: &GroupLayout, rank: usize, stage: ZeroStage) -> Range<usize> {
     if stage.partitions_optimizer() {
         layout.slice(rank)

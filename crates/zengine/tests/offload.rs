@@ -221,20 +221,28 @@ fn offloaded_runs_drop_what_runs_in_memory_drop() {
 /// Frozen parameters (`train.freeze`) under NVMe offload: swapped
 /// gradients' norms leave them out and the swapped update skips them, to
 /// the bits of the same run in memory (clipping forced, as above, so the
-/// norm decides every step), for AdamW and LAMB, stages 2 and 3.
+/// norm decides every step), for AdamW and LAMB, stages 2 and 3; with the
+/// layers below frozen too (no gradient swapped for them at all).
 #[test]
 fn frozen_parameters_offloaded_keep_their_bits() {
     let swap = tempfile::tempdir().unwrap();
-    for (dtype, stage, lamb) in [("f32", 2u8, false), ("bf16", 3, false), ("f32", 3, true)] {
+    let (some, below) = (["wte.weight", "h.1.mlp.*"], ["w*.weight", "h.0.*"]);
+    for (dtype, stage, lamb, freeze) in [
+        ("f32", 2u8, false, some),
+        ("bf16", 3, false, some),
+        ("f32", 3, true, some),
+        ("bf16", 2, false, below),
+        ("f32", 3, true, below),
+    ] {
         let mut spec = typed_spec(dtype, stage, 2, 2000, true, false, 3);
         spec.train.grad_clip = 0.05;
-        spec.train.freeze = vec!["wte.weight".into(), "h.1.mlp.*".into()];
+        spec.train.freeze = freeze.map(String::from).to_vec();
         if lamb {
             spec.train.optimizer.kind = zconfig::spec::OptimizerKind::Lamb;
         }
         let base = train(spec.clone(), 2);
         let got = train(offloaded(spec, swap.path(), stage == 3), 2);
-        let what = format!("{dtype} stage {stage} lamb {lamb}");
+        let what = format!("{dtype} stage {stage} lamb {lamb} {freeze:?}");
         for r in 0..2 {
             assert!(
                 got[r] == base[r],
