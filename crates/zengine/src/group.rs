@@ -68,6 +68,12 @@ impl Group {
         } else {
             layout.padded
         };
+        // A group `train.freeze` froze whole gets no gradient and no update:
+        // it holds neither buffer ([`Group::checkpoint_moments`]).
+        let (grads, moments) = match layout.all_frozen() {
+            true => (0, 0),
+            false => (grads, moments),
+        };
         let mut group = Group {
             partitioned,
             params: Flat::zeros(half, 0),
@@ -168,7 +174,30 @@ impl Group {
             true => x,
             false => x[region.clone()].to_vec(),
         };
-        (self.exp_avg, self.exp_avg_sq) = (own(m), own(v));
+        let (m, v) = (own(m), own(v));
+        // A whole frozen group keeps moments only where a checkpoint had
+        // some (its training before it was frozen), to save them again.
+        let none = m.iter().chain(&v).all(|&x| x == 0.0);
+        (self.exp_avg, self.exp_avg_sq) = match self.layout.all_frozen() && none {
+            true => (Vec::new(), Vec::new()),
+            false => (m, v),
+        };
+    }
+
+    /// The moments of the region this rank updates as a checkpoint stores
+    /// them: those held, or zeros where a whole frozen group holds none
+    /// (`second`: whether the rule keeps a second moment).
+    pub(crate) fn checkpoint_moments(
+        &self,
+        rank: usize,
+        stage: ZeroStage,
+        second: bool,
+    ) -> (Vec<f32>, Vec<f32>) {
+        if !self.exp_avg.is_empty() || !self.layout.all_frozen() {
+            return (self.exp_avg.clone(), self.exp_avg_sq.clone());
+        }
+        let n = self.updated_region(rank, stage).len();
+        (vec![0.0; n], vec![0.0; if second { n } else { 0 }])
     }
 
     /// The f32 parameters of the region this rank updates (the master copy

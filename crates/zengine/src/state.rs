@@ -107,7 +107,9 @@ impl Engine {
             Some(read) => read?.map(|s| (s.exp_avg, s.exp_avg_sq)),
             None => None,
         };
-        let (m, v) = moments.unwrap_or_else(|| (g.exp_avg.clone(), g.exp_avg_sq.clone()));
+        let second = self.spec.train.optimizer.kind.second_moment();
+        let (m, v) =
+            moments.unwrap_or_else(|| g.checkpoint_moments(self.comm.rank(), self.stage, second));
         Ok([self.updated_params(gi)?, m, v])
     }
 

@@ -189,7 +189,7 @@ impl Engine {
             return 1.0; // one worker, one micro-batch: nothing to average
         }
         let (rank, stage) = (self.comm.rank(), self.stage);
-        for g in &mut self.groups {
+        for g in self.groups.iter_mut().filter(|g| !g.layout.all_frozen()) {
             let r = g.used_grads(rank, stage);
             g.grads.scale_f32(r, scale);
         }
@@ -302,10 +302,14 @@ impl Engine {
     /// The region this rank updates, as sub-groups of `zero.sub_group_size`.
     pub(crate) fn sub_groups(&self) -> Vec<SubGroup> {
         let rank = self.comm.rank();
+        // A group frozen whole is not updated: an empty region.
         let regions: Vec<Range<usize>> = self
             .groups
             .iter()
-            .map(|g| g.updated_region(rank, self.stage))
+            .map(|g| match g.layout.all_frozen() {
+                true => 0..0,
+                false => g.updated_region(rank, self.stage),
+            })
             .collect();
         // Swapped pieces start on whole disk blocks (see `offload`).
         let align = if self.offload.is_some() {
@@ -350,7 +354,8 @@ impl Engine {
                 coef,
             )?;
         } else {
-            for ((g, c), s) in self.groups.iter_mut().zip(&cells).zip(&mut sums) {
+            let all = self.groups.iter_mut().zip(&cells).zip(&mut sums);
+            for ((g, c), s) in all.filter(|((g, _), _)| !g.layout.all_frozen()) {
                 let region = g.updated_region(rank, stage);
                 g.lamb_moments(region, rank, stage, hp, (c, s), Swapped::default());
             }
@@ -360,7 +365,8 @@ impl Engine {
         if swapped {
             self.swapped_optimizer_steps(subs, SwappedPass::LambApply(hp, &ratios), None)?;
         } else {
-            for (g, r) in self.groups.iter_mut().zip(&ratios) {
+            let all = self.groups.iter_mut().zip(&ratios);
+            for (g, r) in all.filter(|(g, _)| !g.layout.all_frozen()) {
                 let region = g.updated_region(rank, stage);
                 g.lamb_apply(region, rank, stage, hp, r, Swapped::default());
             }
@@ -537,7 +543,8 @@ impl Engine {
             // copied every group's parameters out and back each step.
             let mut works = Vec::new();
             for (i, g) in self.groups.iter_mut().enumerate() {
-                if !g.partitioned {
+                // A group frozen whole is as every rank already holds it.
+                if !g.partitioned && !g.layout.all_frozen() {
                     let buf = std::mem::replace(&mut g.params, Flat::zeros(self.half, 0));
                     works.push((i, Gathering::in_place(self.comm.as_ref(), buf)));
                 }

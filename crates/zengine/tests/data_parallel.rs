@@ -1089,7 +1089,21 @@ fn backward_stops_above_the_frozen_layers() {
         .filter(|p| !zconfig::freeze::frozen(&frozen_below(), &p.0))
         .map(numel)
         .sum();
-    // The first block keeps no activations: backward does not go there.
+    // The frozen groups (54% of the parameters) hold no moments and no
+    // gradients, and the first block keeps no activations: backward does
+    // not go there.
+    for (what, got, of) in [
+        ("moments", some[0].optimizer_held, all[0].optimizer_held),
+        ("gradients", some[0].grads_held, all[0].grads_held),
+        // Nor are they gathered after the step: they did not change.
+        (
+            "parameters gathered",
+            some[0].all_gather_bytes,
+            all[0].all_gather_bytes,
+        ),
+    ] {
+        assert!(got * 10 < of * 6, "{what}: {got} of {of}");
+    }
     assert!(
         some[0].activations < all[0].activations,
         "activations {} of {}",
