@@ -889,7 +889,7 @@ fn matches_the_cpu_model_with(
     check(
         "output matrix grad".into(),
         ghead.last().unwrap(),
-        &values(&hb.out),
+        &values(hb.out.as_ref().expect("a head that trains")),
     );
     assert_eq!(ggrads.len(), bgrads.len(), "the block's gradients");
     for (i, (g, c)) in ggrads.iter().zip(&bgrads).enumerate() {

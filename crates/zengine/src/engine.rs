@@ -192,6 +192,16 @@ impl Engine {
         for l in &mut layouts {
             l.freeze(&spec.train.freeze);
         }
+        // The output matrix: `wte` (the embedding's first parameter) where
+        // the head is tied, else `lm_head` (the head's last).
+        let output_frozen = match model.config().tied() {
+            true => layouts[0].params[0].frozen,
+            false => layouts[m.n_layers + 1]
+                .params
+                .last()
+                .is_some_and(|p| p.frozen),
+        };
+        let model = model.with_frozen_output(output_frozen);
         let partitioned: Vec<bool> = layouts
             .iter()
             .map(|l| stage.partitions_parameters() && l.numel >= threshold)
@@ -289,6 +299,41 @@ impl Engine {
     /// The model.
     pub fn model(&self) -> &Gpt {
         &self.model
+    }
+
+    /// Model FLOPs per trained token as this job computes them
+    /// ([`Gpt::flops_per_token`]'s accounting, which MFU figures use, less
+    /// what `train.freeze` leaves out): each block parameter and the head
+    /// matrix 2 in the forward, 2 for the input gradient where backward
+    /// goes (the head always, the blocks from the lowest that trains
+    /// up) and 2 for the gradient of each parameter that trains; attention
+    /// `4·h·hd·T` forward and twice that backward. Without freezing, the
+    /// model's figure.
+    pub fn flops_per_token(&self) -> f64 {
+        let m = self.model.config();
+        let head = (m.vocab_size * m.d_model) as f64;
+        let attention = 4.0 * (m.attn_width() * m.window().unwrap_or(m.seq_len)) as f64;
+        let numel = |g: &usize, trained_only: bool| -> f64 {
+            let params = self.groups[*g].layout.params.iter();
+            params
+                .filter(|p| !(trained_only && p.frozen))
+                .map(|p| p.range.len() as f64)
+                .sum()
+        };
+        let mut flops = match self.model.frozen_output() {
+            true => 4.0 * head,
+            false => 6.0 * head,
+        };
+        for b in 1..=m.n_layers {
+            let groups: Vec<usize> = block_uses(&self.model, b, Pass::Forward).collect();
+            let all: f64 = groups.iter().map(|g| numel(g, false)).sum();
+            flops += 2.0 * all + attention;
+            if b >= self.backward_reach {
+                let trained: f64 = groups.iter().map(|g| numel(g, true)).sum();
+                flops += 2.0 * all + 2.0 * trained + 2.0 * attention;
+            }
+        }
+        flops
     }
 
     /// The flag that asks the job to end after a step (a preemption notice):

@@ -42,6 +42,9 @@ pub(crate) struct Group {
     /// is empty under Lion, which keeps none.
     pub(crate) exp_avg: Vec<f32>,
     pub(crate) exp_avg_sq: Vec<f32>,
+    /// Elements of the moments whose pages went back to the kernel
+    /// ([`Group::release_frozen_moments`]).
+    pub(crate) moments_released: usize,
 }
 
 impl Group {
@@ -83,10 +86,41 @@ impl Group {
             zero_owed: false,
             exp_avg: resident_zeros(moments),
             exp_avg_sq: resident_zeros(if rule.second_moment() { moments } else { 0 }),
+            moments_released: 0,
             layout,
         };
         group.install(full, rank, stage, half);
+        group.release_frozen_moments(rank, stage);
         group
+    }
+
+    /// Gives back to the kernel every page of the moments that lies wholly
+    /// inside a frozen parameter of a partly frozen group and holds only
+    /// zeros (`madvise(MADV_DONTNEED)`: the pages read as zeros again and
+    /// take no memory until written, and nothing writes them, since every
+    /// rule leaves frozen parameters out). PyTorch's optimizers keep no
+    /// state for a parameter that gets no gradient; this keeps the flat
+    /// layout and drops the memory. Moments that a checkpoint brought
+    /// (frozen after training) are not zeros and stay.
+    pub(crate) fn release_frozen_moments(&mut self, rank: usize, stage: ZeroStage) {
+        if !self.layout.any_frozen() || self.exp_avg.is_empty() {
+            return;
+        }
+        let region = self.updated_region(rank, stage);
+        let frozen: Vec<Range<usize>> = (self.layout.update_runs(region.clone()).into_iter())
+            .filter(|(_, decay)| decay.is_none())
+            .map(|(r, _)| r.start - region.start..r.end - region.start)
+            .collect();
+        self.moments_released = [&mut self.exp_avg, &mut self.exp_avg_sq]
+            .into_iter()
+            .filter(|m| !m.is_empty())
+            .flat_map(|m| {
+                let frozen = &frozen;
+                frozen
+                    .iter()
+                    .map(move |r| release_zero_pages(&mut m[r.clone()]))
+            })
+            .sum();
     }
 
     /// `grads`, zeroed first if the zero is owed ([`Group::zero_owed`]).
@@ -182,6 +216,8 @@ impl Group {
             true => (Vec::new(), Vec::new()),
             false => (m, v),
         };
+        self.moments_released = 0;
+        self.release_frozen_moments(rank, stage);
     }
 
     /// The moments of the region this rank updates as a checkpoint stores
@@ -431,6 +467,34 @@ pub(crate) fn own_grads_sum_sq(
         .sum()
 }
 
+/// Gives the whole pages of `values` that hold only (positive) zeros back to the
+/// kernel; returns the elements they held (0 where the OS is not Linux,
+/// whose `MADV_DONTNEED` is what guarantees that they read as zeros
+/// again).
+fn release_zero_pages(values: &mut [f32]) -> usize {
+    const PAGE: usize = 4096;
+    let addr = values.as_mut_ptr() as usize;
+    let start = addr.next_multiple_of(PAGE);
+    let end = (addr + std::mem::size_of_val(values)) / PAGE * PAGE;
+    if !cfg!(target_os = "linux") || end <= start {
+        return 0;
+    }
+    let floats = PAGE / 4;
+    let first = (start - addr) / 4;
+    let mut released = 0;
+    for page in values[first..first + (end - start) / 4].chunks_exact_mut(floats) {
+        if page.iter().any(|x| x.to_bits() != 0) {
+            continue;
+        }
+        // SAFETY: one whole page inside `values`, which this holds
+        // exclusively; its contents stay zeros.
+        if unsafe { libc::madvise(page.as_mut_ptr().cast(), PAGE, libc::MADV_DONTNEED) } == 0 {
+            released += floats;
+        }
+    }
+    released
+}
+
 /// The region of the group laid out as `layout` that `rank` updates at
 /// `stage`: everything at stage 0, else its slice.
 pub(crate) fn updated_region(layout: &GroupLayout, rank: usize, stage: ZeroStage) -> Range<usize> {
@@ -438,5 +502,56 @@ pub(crate) fn updated_region(layout: &GroupLayout, rank: usize, stage: ZeroStage
         layout.slice(rank)
     } else {
         0..layout.padded
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pages of `v` the kernel holds in memory (`mincore`), of those wholly
+    /// inside it.
+    fn resident_pages(v: &[f32]) -> usize {
+        let addr = v.as_ptr() as usize;
+        let start = addr.next_multiple_of(4096);
+        let pages = (addr + v.len() * 4 - start) / 4096;
+        let mut flags = vec![0u8; pages];
+        // SAFETY: `start` is page-aligned and the pages lie inside `v`.
+        let rc = unsafe { libc::mincore(start as *mut _, pages * 4096, flags.as_mut_ptr()) };
+        assert_eq!(rc, 0);
+        flags.iter().filter(|&&f| f & 1 == 1).count()
+    }
+
+    /// The zero pages go back to the kernel and read as zeros; a page with
+    /// a value in it (or a negative zero) stays in memory with its bits.
+    #[test]
+    fn zero_pages_go_back_and_read_as_zeros() {
+        if !cfg!(target_os = "linux") {
+            eprintln!("zengine: not Linux; releasing pages NOT covered");
+            return;
+        }
+        let mut v: Vec<f32> = resident_zeros(64 * 1024);
+        let (kept, negative) = (10 * 1024 + 7, 20 * 1024 + 3);
+        v[kept] = 1.5;
+        v[negative] = -0.0;
+        let before = resident_pages(&v);
+        assert!(before >= 63, "{before} pages resident");
+        let released = release_zero_pages(&mut v);
+        // Two pages keep values; the partial pages at the ends stay too.
+        assert!(
+            released >= (before - 2) * 1024,
+            "{released} of {before} pages"
+        );
+        assert!(
+            resident_pages(&v) <= 4,
+            "{} still resident",
+            resident_pages(&v)
+        );
+        assert_eq!((v[kept], v[negative].to_bits()), (1.5, (-0.0f32).to_bits()));
+        let mut zeros = v
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != kept && i != negative);
+        assert!(zeros.all(|(_, x)| x.to_bits() == 0));
     }
 }

@@ -15,7 +15,7 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor};
 use zmodel::{
     Batch, BlockActs, BlockDropout, BlockLinear, BlockNorm, BlockSource, Documents, Dropout,
     EmbeddingParams, HeadParams, Noise, WeightBias,
@@ -318,15 +318,22 @@ impl Engine {
                 value: back.loss,
             });
         }
+        // A frozen output matrix has no gradient (`Gpt::with_frozen_output`):
+        // zeros in a group that trains its norm.
+        let lm_head = match (tied, &back.out, &head_params.lm_head) {
+            (false, Some(out), _) => Some(out.clone()),
+            (false, None, Some(w)) => Some(Tensor::zeros(w.dims(), DType::F32, &Device::Cpu)?),
+            _ => None,
+        };
         let grads = HeadParams {
             norm: back.norm,
-            lm_head: (!tied).then(|| back.out.clone()),
+            lm_head,
         }
         .into_vec();
         self.accumulate_tensors(head, &grads.iter().collect::<Vec<_>>())?;
-        if tied {
+        if let (true, Some(out)) = (tied, &back.out) {
             let wte_range = self.groups[0].layout.params[0].range.clone();
-            self.add_grad_to(0, wte_range, &back.out, "wte (tied head)")?;
+            self.add_grad_to(0, wte_range, out, "wte (tied head)")?;
         }
         let (loss_value, dx) = (back.loss, back.dx);
         drop((grads, wte, head_params));
@@ -654,6 +661,18 @@ impl BlockSource for BlockFromEngine<'_> {
 
     fn norm_grad(&mut self, which: BlockNorm, grad: WeightBias<Tensor>) -> Result<(), EngineError> {
         self.keep_grad(self.engine.model.norm_name(which), grad)
+    }
+
+    fn weight_frozen(&self, linear: BlockLinear) -> bool {
+        // A tiled linear's tile groups hold its weight first, then its bias.
+        let (g, slot) = match self.tile_group(linear, 0) {
+            Some(g) => (g, 0),
+            None => match self.slots(self.engine.model.linear_name(linear)) {
+                Ok(s) => (self.block, s.weight),
+                Err(_) => return false, // its gradient is missing, which `linear_grad` says
+            },
+        };
+        self.engine.groups[g].layout.params[slot].frozen
     }
 
     fn linear_grad(

@@ -359,6 +359,7 @@ impl Offload {
             // moments were stashed before holds none.
             let m = std::mem::take(&mut group.exp_avg);
             let v = std::mem::take(&mut group.exp_avg_sq);
+            group.moments_released = 0;
             if !fresh_moments && m.len() == r.len {
                 writes.push(self.write_f32(&o.exp_avg, r, &all, &m));
                 if let Some(file) = &o.exp_avg_sq {

@@ -573,7 +573,9 @@ impl Engine {
             params: bytes(&|g| g.params.bytes()),
             grads: bytes(&|g| g.grads.bytes()),
             master: bytes(&|g| g.master.as_ref().map_or(0, |m| (m.len() * 4) as u64)),
-            optimizer: bytes(&|g| ((g.exp_avg.len() + g.exp_avg_sq.len()) * 4) as u64),
+            optimizer: bytes(&|g| {
+                ((g.exp_avg.len() + g.exp_avg_sq.len() - g.moments_released) * 4) as u64
+            }),
             activations: self.peak_activations,
             comm_buffers: self.comm_buffers.peak,
             secondary: self.secondary_peak,

@@ -1119,6 +1119,225 @@ fn backward_stops_above_the_frozen_layers() {
     );
 }
 
+/// The engine's gradient is the model's backward: one step's gradient
+/// norm on one rank equals the norm of the gradient that zmodel's forward
+/// and backward, called on whole parameters, give for the same batch
+/// (GPT-2 with its tied head; LLaMA untied), to f32 rounding. A skipped
+/// weight or head product where nothing is frozen would change it.
+#[test]
+fn the_engines_gradient_is_the_models_backward() {
+    use candle_core::{Device, Tensor};
+    use zmodel::{BlockParams, EmbeddingParams, Gpt, HeadParams};
+    let llama: zconfig::JobSpec =
+        "model: {kind: llama, vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 96, seq_len: 16}\n\
+         data: {format: synthetic}\n\
+         train: {steps: 1, micro_batch_size: 4, lr: 3.0e-3}\n"
+            .parse()
+            .unwrap();
+    for spec in [typed_spec("f32", 0, 1, 2000, true, false, 1), llama] {
+        let engine_norm = train(spec.clone(), 1)[0].norms[0];
+        let (m, t) = (&spec.model, &spec.train);
+        let g = Gpt::new(m).unwrap();
+        let (layout, dev, l) = (g.layout(), Device::Cpu, m.n_layers);
+        let group = |i: usize| -> Vec<Tensor> {
+            let shapes = g.groups()[i].params.clone();
+            let values = g.init_group(i, t.seed).into_iter().zip(shapes);
+            values
+                .map(|(v, ps)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
+                .collect()
+        };
+        let corpus = zmodel::Corpus::synthetic(m.vocab_size, t.seed);
+        let mut data =
+            zmodel::Batcher::new(corpus, m.seq_len, t.micro_batch_size, 1, 1, 0, t.seed).unwrap();
+        let batch = data.batch(0, 0).unwrap();
+        let shape = (batch.rows, batch.seq_len);
+        let tokens = Tensor::from_slice(&batch.inputs, shape, &dev).unwrap();
+        let targets = Tensor::from_slice(&batch.targets, shape, &dev).unwrap();
+        let emb = EmbeddingParams::from_vec(group(0), layout).unwrap();
+        let mut x = g.embed(&emb, &tokens).unwrap();
+        let mut kept = Vec::new();
+        for b in 1..=l {
+            let bp = BlockParams::from_vec(group(b), layout).unwrap();
+            let (y, acts) = g.block_forward(&bp, &x).unwrap();
+            kept.push((bp, acts));
+            x = y;
+        }
+        let head = HeadParams::from_vec(group(l + 1), layout).unwrap();
+        let wte = head.lm_head.is_none().then_some(&emb.wte);
+        let back = g
+            .head_backward(&head, wte, &x, &targets, 1.0, batch.divisor)
+            .unwrap();
+        let out = back.out.unwrap();
+        let mut grads = back.norm.into_vec();
+        let mut dx = back.dx;
+        for (bp, acts) in kept.iter().rev() {
+            let (bg, d) = g.block_backward(bp, acts, &dx).unwrap();
+            grads.extend(bg.into_vec());
+            dx = d;
+        }
+        let mut embedding = g.embed_backward(&tokens, None, &dx).unwrap();
+        match wte.is_some() {
+            true => embedding.wte = (embedding.wte + out).unwrap(),
+            false => grads.push(out),
+        }
+        grads.extend(embedding.into_vec());
+        let squares: f64 = grads
+            .iter()
+            .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .map(|v| f64::from(v) * f64::from(v))
+            .sum();
+        let want = squares.sqrt();
+        assert!(
+            (engine_norm - want).abs() < 1e-5 * want,
+            "{:?}: engine {engine_norm}, model {want}",
+            m.kind
+        );
+    }
+}
+
+/// Weights frozen inside blocks that train, and the tied head's matrix
+/// (`wte`), skip their gradient products: one unclipped step moves every
+/// other parameter as a run without freezing moves it, at every stage
+/// (2 ranks), with their biases; and the same for LLaMA's untied
+/// `lm_head` and its gate/up projection in two column tiles at stage 3.
+/// The model FLOPs that MFU is figured from leave the skipped products out.
+#[test]
+fn frozen_weights_inside_blocks_leave_every_other_gradient_as_it_was() {
+    let inside: Vec<String> = [
+        "wte.weight",
+        "h.*.attn.c_attn.weight",
+        "h.1.mlp.c_fc.weight",
+    ]
+    .map(String::from)
+    .to_vec();
+    let one_step = |stage, freeze: &[String]| {
+        let mut spec = typed_spec("f32", stage, 1, 2000, true, false, 1);
+        spec.train.grad_clip = 0.0;
+        spec.train.freeze = freeze.to_vec();
+        train(spec, 2)
+    };
+    let llama = |freeze: &[String]| {
+        let mut spec: zconfig::JobSpec =
+            "model: {kind: llama, vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 256, seq_len: 16, tile_size: 8192}\n\
+             data: {format: synthetic}\n\
+             train: {steps: 1, micro_batch_size: 4, lr: 3.0e-3, warmup_steps: 0, grad_clip: 0}\n\
+             zero: {stage: 3, reduce_bucket_size: 2000, prefetch_bucket_size: 3000, param_persistence_threshold: 100}\n"
+                .parse()
+                .unwrap();
+        spec.train.freeze = freeze.to_vec();
+        train(spec, 2)
+    };
+    let untied: Vec<String> = ["lm_head.weight", "layers.*.mlp.gate_up_proj.weight"]
+        .map(String::from)
+        .to_vec();
+    let runs = (0..4u8)
+        .map(|stage| {
+            (
+                format!("stage {stage}"),
+                one_step(stage, &inside),
+                one_step(stage, &[]),
+                &inside,
+            )
+        })
+        .chain([(
+            "llama tiled".to_string(),
+            llama(&untied),
+            llama(&[]),
+            &untied,
+        )]);
+    for (what, some, all, frozen) in runs {
+        for r in 0..2 {
+            let mut counted = [0, 0];
+            for (name, (_, values)) in &some[r].named {
+                let is_frozen = zconfig::freeze::frozen(frozen, name);
+                counted[usize::from(is_frozen)] += 1;
+                assert_eq!(
+                    values == &all[r].named[name].1,
+                    !is_frozen,
+                    "{what} rank {r}: {name} (frozen {is_frozen}) moved as without freezing"
+                );
+            }
+            assert!(counted[0] > 0 && counted[1] > 0, "{what}: {counted:?}");
+        }
+    }
+    // FLOPs: the tied head's weight gradient (2·v·d) and each frozen
+    // block weight's (2 per element) are left out.
+    let spec = typed_spec("f32", 0, 1, 2000, true, false, 1);
+    let model = zmodel::Gpt::new(&spec.model).unwrap().flops_per_token();
+    let numel = |freeze: &[String]| -> f64 {
+        let shapes = spec.model.param_shapes();
+        let frozen = shapes
+            .iter()
+            .filter(|(n, _)| n.starts_with("h.") && zconfig::freeze::frozen(freeze, n));
+        frozen
+            .map(|(_, s)| s.iter().product::<usize>() as f64)
+            .sum()
+    };
+    let (v, d) = (spec.model.vocab_size as f64, spec.model.d_model as f64);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b;
+    let all = one_step(0, &[]);
+    assert!(
+        close(all[0].flops_per_token, model),
+        "{} {model}",
+        all[0].flops_per_token
+    );
+    let some = one_step(0, &inside);
+    let want = model - 2.0 * v * d - 2.0 * numel(&inside);
+    assert!(
+        close(some[0].flops_per_token, want),
+        "{} {want}",
+        some[0].flops_per_token
+    );
+    // Below the lowest block that trains, no backward at all: of the frozen
+    // first block's 6 per parameter and 12·h·hd·T, 2 and 4·h·hd·T are left.
+    let below = train(
+        {
+            let mut spec = typed_spec("f32", 0, 1, 2000, true, false, 1);
+            spec.train.freeze = frozen_below();
+            spec
+        },
+        1,
+    );
+    let m = &spec.model;
+    let attention = 4.0 * (m.attn_width() * m.seq_len) as f64;
+    let want = model - 2.0 * v * d - 4.0 * m.block_params() as f64 - 2.0 * attention;
+    assert!(
+        close(below[0].flops_per_token, want),
+        "{} {want}",
+        below[0].flops_per_token
+    );
+}
+
+/// Frozen weights inside groups that train hold no optimizer moments: the
+/// pages of the moments wholly inside them go back to the kernel (zeros
+/// that nothing writes), at stage 0 (whole moments) and stage 2 (each
+/// rank's slice), and the job keeps stage 0's bits at stage 2.
+#[test]
+fn frozen_weights_inside_trained_groups_hold_no_moments() {
+    let frozen: Vec<String> = vec!["h.*.weight".into()];
+    let run = |stage, freeze: &[String]| {
+        let mut spec = typed_spec("f32", stage, 1, 2000, true, false, 3);
+        spec.model.d_model = 64;
+        spec.train.freeze = freeze.to_vec();
+        train(spec, 2)
+    };
+    let base = run(0, &frozen);
+    for stage in [0u8, 2] {
+        let (some, all) = (run(stage, &frozen), run(stage, &[]));
+        for r in 0..2 {
+            assert_eq!(some[r].losses, base[r].losses, "stage {stage} rank {r}");
+            assert!(some[r].params == base[r].params, "stage {stage} rank {r}");
+            // The blocks' weights are 93% of the parameters; whole pages of
+            // their moments, at least 78%.
+            let (held, of) = (some[r].optimizer_held, all[r].optimizer_held);
+            assert!(
+                held * 100 < of * 35,
+                "stage {stage} rank {r}: {held} of {of}"
+            );
+        }
+    }
+}
+
 /// Frozen parameters (`train.freeze`) keep their initial bits at every
 /// stage, under AdamW in f32 and bf16 and under LAMB, while the others
 /// train; stages 1-3 keep stage 0's bits, as without freezing.

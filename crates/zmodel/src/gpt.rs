@@ -164,6 +164,8 @@ pub struct Gpt {
     products: Products,
     /// Training's label smoothing ([`Gpt::with_label_smoothing`]).
     label_smoothing: f64,
+    /// Whether the output matrix is frozen ([`Gpt::with_frozen_output`]).
+    frozen_output: bool,
 }
 
 fn p(name: String, shape: &[usize], init: Init, decay: bool) -> ParamSpec {
@@ -189,6 +191,7 @@ impl Gpt {
             tile_size: None,
             products: Products::F32,
             label_smoothing: 0.0,
+            frozen_output: false,
         })
     }
 
@@ -215,6 +218,22 @@ impl Gpt {
             label_smoothing,
             ..self
         }
+    }
+
+    /// This model with its output matrix (`lm_head`, or `wte` where the
+    /// head is tied) frozen (`train.freeze`): [`Gpt::head_backward`] skips
+    /// its gradient, `vocab × d × b·t` multiply-adds, as many as the
+    /// logits'.
+    pub fn with_frozen_output(self, frozen_output: bool) -> Gpt {
+        Gpt {
+            frozen_output,
+            ..self
+        }
+    }
+
+    /// Whether the output matrix is frozen ([`Gpt::with_frozen_output`]).
+    pub fn frozen_output(&self) -> bool {
+        self.frozen_output
     }
 
     /// What the linear layers multiply.
@@ -1156,11 +1175,11 @@ impl Gpt {
                 let loss =
                     self.loss_and_dlogits(xm, om, targets, scaled, self.label_smoothing, logits)?;
                 let dl = Input::F32(MatRef::row_major(logits, n, vocab).map_err(head::shape)?);
-                Ok((
-                    loss,
-                    head::product(dl, om, self.products)?,
-                    head::product(dl.t(), xm, self.products)?,
-                ))
+                let dout = match self.frozen_output {
+                    true => None,
+                    false => Some(head::product(dl.t(), xm, self.products)?),
+                };
+                Ok((loss, head::product(dl, om, self.products)?, dout))
             })?
         };
         let dnormed = Tensor::from_vec(dnormed, (n, d), &Device::Cpu)?;
@@ -1169,7 +1188,9 @@ impl Gpt {
             loss,
             dx: dx.reshape((b, t, d))?,
             norm,
-            out: Tensor::from_vec(dout, (vocab, d), &Device::Cpu)?,
+            out: dout
+                .map(|o| Tensor::from_vec(o, (vocab, d), &Device::Cpu))
+                .transpose()?,
         })
     }
 
@@ -1590,7 +1611,11 @@ mod tests {
         }
         assert_eq!(params.norm.bias.is_some(), back.norm.bias.is_some());
         let out = params.lm_head.as_ref().unwrap_or(wte);
-        close(auto.get(out).unwrap(), &back.out, "output matrix");
+        close(
+            auto.get(out).unwrap(),
+            back.out.as_ref().unwrap(),
+            "output matrix",
+        );
         close(auto.get(x.as_tensor()).unwrap(), &back.dx, "input");
     }
 
@@ -1656,7 +1681,11 @@ mod tests {
             );
             for (what, a, b) in [
                 ("dx", &got.dx, &want.dx),
-                ("output matrix", &got.out, &want.out),
+                (
+                    "output matrix",
+                    got.out.as_ref().unwrap(),
+                    want.out.as_ref().unwrap(),
+                ),
             ] {
                 let (a, b) = (
                     a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
@@ -1737,7 +1766,12 @@ mod tests {
                 let eval = g
                     .head_loss_value(&h, wte.as_ref(), &x, &targets, 80.0)
                     .unwrap();
-                (b.loss.to_bits(), eval.to_bits(), bits(&b.dx), bits(&b.out))
+                (
+                    b.loss.to_bits(),
+                    eval.to_bits(),
+                    bits(&b.dx),
+                    bits(b.out.as_ref().unwrap()),
+                )
             };
             assert_eq!(
                 run(table(&bf16_tensor)),
@@ -2046,6 +2080,99 @@ mod tests {
                 run(&tiled) == reference,
                 "tile size {tile_size}, bf16 {bf16}"
             );
+        }
+    }
+
+    /// A linear whose weight is frozen skips its weight gradient: zeros in
+    /// its place, and every other gradient (its bias's too) and the input
+    /// gradient the bits of the backward that takes them all; GPT-2 (biases)
+    /// and LLaMA (none), whole and in tiles. The head with its output matrix
+    /// frozen returns no gradient for it, and the loss, the norm's gradient
+    /// and the input gradient bit for bit.
+    #[test]
+    fn frozen_weights_skip_their_gradient_and_change_nothing_else() {
+        let dev = Device::Cpu;
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.iter().map(|f| f.to_bits()).collect()
+        };
+        for cfg in [gpt(11, 192, 1, 3, 40), llama(11, 192, 1, 40, 320)] {
+            let whole = Gpt::new(&cfg).unwrap();
+            let specs = whole.groups()[1].params.clone();
+            let params = BlockParams::from_vec(
+                whole
+                    .init_group(1, 9)
+                    .into_iter()
+                    .zip(&specs)
+                    .map(|(v, ps)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
+                    .collect(),
+                whole.layout(),
+            )
+            .unwrap();
+            let n = 2 * 40 * 192;
+            let wave = |k: usize| -> Vec<f32> {
+                (0..n).map(|i| ((i * k % 29) as f32 - 14.0) / 9.0).collect()
+            };
+            let x = Tensor::from_vec(wave(7), (2, 40, 192), &dev).unwrap();
+            let dy = Tensor::from_vec(wave(5), (2, 40, 192), &dev).unwrap();
+            let (_, acts) = whole.block_forward(&params, &x).unwrap();
+            let (reference, dx) = whole.block_backward(&params, &acts, &dy).unwrap();
+            let reference: Vec<Vec<u32>> = reference.into_vec().iter().map(bits).collect();
+            let tiled = whole.clone().with_tile_size(Some(192 * 256)).unwrap();
+            assert!(tiled.linear_tiles(BlockLinear::Qkv).len() > 1);
+            let sets: [&[BlockLinear]; 3] = [
+                &[BlockLinear::Qkv],
+                &[BlockLinear::AttnOut, BlockLinear::MlpIn],
+                &BlockLinear::ALL,
+            ];
+            for (g, frozen) in [&whole, &tiled]
+                .into_iter()
+                .flat_map(|g| sets.map(|f| (g, f)))
+            {
+                let mut src = Whole::new(&params).freezing(frozen);
+                let got_dx = g.block_backward_into(&mut src, &acts, &dy).unwrap();
+                assert_eq!(bits(&got_dx), bits(&dx), "{frozen:?}");
+                let names: Vec<String> = frozen
+                    .iter()
+                    .map(|&l| format!("{}.{}.weight", g.block_prefix(1), g.linear_name(l)))
+                    .collect();
+                let got = src.grads().unwrap().into_vec();
+                for ((spec, got), want) in specs.iter().zip(&got).zip(&reference) {
+                    match names.contains(&spec.name) {
+                        true => assert!(
+                            bits(got).iter().all(|&b| b == 0) && got.dims() == spec.shape,
+                            "{} frozen: zeros",
+                            spec.name
+                        ),
+                        false => {
+                            assert!(&bits(got) == want, "{} with {frozen:?} frozen", spec.name)
+                        }
+                    }
+                }
+            }
+            let (emb, _) = embedding_and_first_block(&whole);
+            let head = HeadParams::from_vec(
+                whole
+                    .init_group(cfg.n_layers + 1, 4)
+                    .into_iter()
+                    .zip(&whole.groups()[cfg.n_layers + 1].params)
+                    .map(|(v, ps)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
+                    .collect(),
+                whole.layout(),
+            )
+            .unwrap();
+            let wte = head.lm_head.is_none().then_some(&emb.wte);
+            let targets =
+                Tensor::from_vec((0..80u32).map(|i| i * 7 % 11).collect(), (2, 40), &dev).unwrap();
+            let back = |g: &Gpt| {
+                g.head_backward(&head, wte, &x, &targets, 1.0, 80.0)
+                    .unwrap()
+            };
+            let (all, frozen) = (back(&whole), back(&whole.clone().with_frozen_output(true)));
+            assert!(all.out.is_some() && frozen.out.is_none());
+            assert_eq!(all.loss.to_bits(), frozen.loss.to_bits());
+            assert_eq!(bits(&all.dx), bits(&frozen.dx));
+            assert_eq!(bits(&all.norm.weight), bits(&frozen.norm.weight));
         }
     }
 
@@ -2549,7 +2676,7 @@ mod tests {
         let head = HeadParams::from_vec(groups[g.cfg.n_layers + 1].clone(), layout).unwrap();
         let wte = head.lm_head.is_none().then_some(&emb.wte);
         let back = g.head_backward(&head, wte, &x, &tgt, 1.0, 1.0).unwrap();
-        let mut grads = vec![back.out, back.norm.weight];
+        let mut grads = vec![back.out.unwrap(), back.norm.weight];
         grads.extend(back.norm.bias);
         let mut dx = back.dx;
         for (bp, acts) in kept.iter().rev() {

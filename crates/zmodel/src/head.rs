@@ -35,8 +35,9 @@ pub struct HeadBackward {
     /// The final norm's gradient (weight, and bias where the family has one).
     pub norm: crate::WeightBias<Tensor>,
     /// The output matrix's gradient `[vocab, d]`: `lm_head`'s, or with a tied
-    /// head the share that `wte` gets from the head.
-    pub out: Tensor,
+    /// head the share that `wte` gets from the head; `None` where the
+    /// output matrix is frozen ([`crate::Gpt::with_frozen_output`]).
+    pub out: Option<Tensor>,
 }
 
 pub use zdata::IGNORED;

@@ -38,7 +38,7 @@
 
 use std::ops::Range;
 
-use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor};
 
 use zgemm::{BitsMut, MatMut, MatRef, Start};
 
@@ -129,6 +129,12 @@ pub trait BlockSource {
 
     /// Norm `which`'s gradient.
     fn norm_grad(&mut self, which: BlockNorm, grad: WeightBias<Tensor>) -> Result<(), Self::Error>;
+
+    /// Whether `linear`'s weight is frozen (`train.freeze`): its backward
+    /// then skips `dW = xᵀ·dy`, a third of the layer's products, and hands
+    /// over zeros in its place (the bias gradient, which is cheap, is still
+    /// taken).
+    fn weight_frozen(&self, linear: BlockLinear) -> bool;
 
     /// Tile `tile` of `linear`'s gradient.
     fn linear_grad(
@@ -505,13 +511,14 @@ pub(crate) fn backward<S: BlockSource>(
             (None, None) => unreachable!("dy is f32 or rounded"),
         })
     };
+    let frozen = src.weight_frozen(linear);
     // Made by the first chunk's product (a Zero start writes every element).
     let mut dx: Option<Vec<f32>> = None;
     for (t, cols) in tiles.iter().enumerate() {
         let p = src.linear(linear, t, cols.clone())?;
         let weight = p.weight.contiguous()?;
         let w = cols.len();
-        let mut dw = uninit_floats(inputs * w);
+        let mut dw = uninit_floats(if frozen { 0 } else { inputs * w });
         let bias_sums;
         {
             let (xs, xl) = x.storage_and_layout();
@@ -547,7 +554,7 @@ pub(crate) fn backward<S: BlockSource>(
             // writes, and each product's bits do not depend on its threads.
             // The last tile's product finishes dx: multiplied by `times` there.
             let times = times.filter(|_| t + 1 == tiles.len());
-            let input_grad = || -> candle_core::Result<()> {
+            let mut input_grad = || -> candle_core::Result<()> {
                 let a = dy_cols(cols.start, w)?;
                 let b = wm.t();
                 match dx.as_mut() {
@@ -577,7 +584,16 @@ pub(crate) fn backward<S: BlockSource>(
                     }
                 }
             };
-            let (sums, done) = rayon::join(weight_grad, input_grad);
+            let (sums, done) = match (frozen, dyv) {
+                (false, _) => rayon::join(weight_grad, input_grad),
+                // A frozen weight: the input gradient alone, and the bias
+                // gradient that f32 products would have taken with dW.
+                (true, Some(dyv)) if has_bias => (
+                    Ok(Some(column_sums_in_groups(dyv, width, cols.clone()))),
+                    input_grad(),
+                ),
+                (true, _) => (Ok(None), input_grad()),
+            };
             bias_sums = sums?;
             done?;
         }
@@ -596,12 +612,12 @@ pub(crate) fn backward<S: BlockSource>(
             }
             _ => None,
         };
-        // SAFETY: a Zero start wrote every element of dW.
-        let dw = unsafe { assume_init(dw) };
-        let grad = WeightBias {
-            weight: Tensor::from_vec(dw, (inputs, w), &Device::Cpu)?,
-            bias,
+        let weight = match frozen {
+            true => Tensor::zeros((inputs, w), DType::F32, &Device::Cpu)?,
+            // SAFETY: a Zero start wrote every element of dW.
+            false => Tensor::from_vec(unsafe { assume_init(dw) }, (inputs, w), &Device::Cpu)?,
         };
+        let grad = WeightBias { weight, bias };
         drop(p);
         src.release(linear, t)?;
         src.linear_grad(linear, t, grad)?;
@@ -616,6 +632,35 @@ pub(crate) fn backward<S: BlockSource>(
         }
     });
     Ok(Tensor::from_vec(dx, (rows, inputs), &Device::Cpu)?)
+}
+
+/// Column sums of columns `cols` of the row-major `dy` (rows `width`
+/// apart) as [`zgemm::gemm_summing_b`] adds them while it packs `dy` for
+/// the weight gradient, to the bit: rows in groups of [`zgemm::SUM_GROUP`],
+/// each group summed from zero in row order, the groups added in order to
+/// a sum from zero. A frozen weight's layer takes its bias gradient here,
+/// the same bits as where its weight trains.
+fn column_sums_in_groups(dy: &[f32], width: usize, cols: Range<usize>) -> Vec<f32> {
+    use rayon::prelude::*;
+    /// Columns a task sums: its group's partial sums stay in L1.
+    const COLUMNS: usize = 256;
+    let rows = dy.len() / width;
+    let mut sums = vec![0f32; cols.len()];
+    sums.par_chunks_mut(COLUMNS)
+        .enumerate()
+        .for_each(|(i, sums)| {
+            let c0 = cols.start + i * COLUMNS;
+            let mut group = vec![0f32; sums.len()];
+            for first in (0..rows).step_by(zgemm::SUM_GROUP) {
+                group.fill(0.0);
+                for r in first..(first + zgemm::SUM_GROUP).min(rows) {
+                    let row = &dy[r * width + c0..][..sums.len()];
+                    group.iter_mut().zip(row).for_each(|(g, v)| *g += v);
+                }
+                sums.iter_mut().zip(&group).for_each(|(s, g)| *s += g);
+            }
+        });
+    sums
 }
 
 /// [`multiply`] into `c` (the layer's input gradient, `rows × inputs` in
@@ -818,6 +863,8 @@ pub(crate) struct Whole<'a> {
     /// Per linear: its tiles' gradients so far.
     tiles: [Vec<WeightBias<Tensor>>; 4],
     norms: [Option<WeightBias<Tensor>>; 4],
+    /// Per linear: whether its weight is frozen.
+    frozen: [bool; 4],
 }
 
 impl<'a> Whole<'a> {
@@ -826,7 +873,17 @@ impl<'a> Whole<'a> {
             params,
             tiles: Default::default(),
             norms: [None, None, None, None],
+            frozen: [false; 4],
         }
+    }
+
+    /// With the weights of `linears` frozen.
+    #[cfg(test)]
+    pub(crate) fn freezing(mut self, linears: &[BlockLinear]) -> Whole<'a> {
+        for &l in linears {
+            self.frozen[l as usize] = true;
+        }
+        self
     }
 
     /// The gradients handed over, whole.
@@ -896,6 +953,10 @@ impl BlockSource for Whole<'_> {
     fn norm_grad(&mut self, which: BlockNorm, grad: WeightBias<Tensor>) -> candle_core::Result<()> {
         self.norms[which as usize] = Some(grad);
         Ok(())
+    }
+
+    fn weight_frozen(&self, linear: BlockLinear) -> bool {
+        self.frozen[linear as usize]
     }
 
     fn linear_grad(

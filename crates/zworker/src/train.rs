@@ -117,7 +117,7 @@ pub fn train(
         });
     }
     let params = engine.model().param_count() as u64;
-    let flops_per_token = engine.model().flops_per_token();
+    let flops_per_token = engine.flops_per_token();
     let every = spec.checkpoint.every;
     let mut saved_at = None;
     // The last validation: its step and loss.

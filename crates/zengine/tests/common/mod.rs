@@ -134,6 +134,8 @@ pub struct Run {
     pub comm_peak: u64,
     /// The most bytes of activations a step kept for backward.
     pub activations: u64,
+    /// The engine's model FLOPs per token (`Engine::flops_per_token`).
+    pub flops_per_token: f64,
 }
 
 /// A rank's part of a checkpoint it wrote.
@@ -288,6 +290,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     named: Default::default(),
                     comm_peak: 0,
                     activations: 0,
+                    flops_per_token: engine.flops_per_token(),
                 };
                 for s in engine.steps_done()..until {
                     for a in 0..t.grad_accum {
