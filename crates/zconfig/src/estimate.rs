@@ -186,26 +186,37 @@ pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
     let stage = spec.zero.stage;
     let share = |partitioned: bool, bytes: f64| {
         if partitioned {
-            bytes * psi / n
+            bytes / n
         } else {
-            bytes * psi
+            bytes
         }
     };
-    let params = share(stage.partitions_parameters(), b.param);
-    let grads = share(stage.partitions_gradients(), b.grad);
-    let optimizer = share(stage.partitions_optimizer(), b.optimizer);
+    // `train.freeze`: gradients for the groups that train, moments for the
+    // parameters that do; the master copy (mixed precision) for all.
+    let t = trained_elements(&spec.model, &spec.train.freeze);
+    let master = match spec.train.dtype {
+        Dtype::F32 => 0.0,
+        Dtype::Bf16 | Dtype::F16 => 4.0,
+    };
+    let params = share(stage.partitions_parameters(), b.param * psi);
+    let grads = share(stage.partitions_gradients(), b.grad * t.with_grads);
+    let optimizer = share(
+        stage.partitions_optimizer(),
+        master * psi + (b.optimizer - master) * t.trained,
+    );
     let mut states = WorkerStates {
         memory: params + grads + optimizer,
         nvme: 0.0,
     };
     if spec.zero.offload_optimizer.is_nvme() {
+        // The swap files hold every parameter's state, frozen or not.
         states.memory -= optimizer;
-        states.nvme += optimizer;
+        states.nvme += share(stage.partitions_optimizer(), b.optimizer * psi);
         if stage.partitions_gradients() {
             // Reduced gradient slices go to swap; one group's is held while
             // a micro-batch's is added to it.
             states.memory -= grads;
-            states.nvme += grads;
+            states.nvme += share(true, b.grad * psi);
             states.memory += b.grad * largest_group(&spec.model) / n;
         }
     }
@@ -277,6 +288,62 @@ impl CrossNodeBytes {
     /// All phases.
     pub fn total(&self) -> f64 {
         self.forward + self.backward + self.gradients
+    }
+}
+
+/// The model's elements by what `train.freeze` leaves them.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TrainedElements {
+    /// In groups that train: the engine holds a gradient buffer for a
+    /// group (the embedding, a block without its tiled linears, a tiled
+    /// linear's tiles, the head) unless every parameter in it is frozen.
+    pub with_grads: f64,
+    /// Those that train: the only ones holding optimizer moments (a
+    /// frozen parameter's go back to the kernel).
+    pub trained: f64,
+}
+
+/// [`TrainedElements`] of the model `m` under the `freeze` patterns.
+pub fn trained_elements(m: &ModelSpec, freeze: &[String]) -> TrainedElements {
+    let tile_size = m.tile_size.map(|n| n.0 as usize);
+    let tiled: Vec<&str> = m
+        .block_linears()
+        .into_iter()
+        .filter(|&(name, inputs, outputs)| {
+            crate::tiles::column_tiles(name, inputs, outputs, tile_size).is_ok_and(|t| t.len() > 1)
+        })
+        .map(|(name, _, _)| name)
+        .collect();
+    let embedding = [
+        format!("{}.weight", m.token_table_name()),
+        "wpe.weight".to_string(),
+    ];
+    let group_of = |name: &str| -> String {
+        for i in 0..m.n_layers {
+            let prefix = format!("{}.", m.block_prefix(i));
+            if let Some(rest) = name.strip_prefix(&prefix) {
+                let linear = tiled.iter().find(|l| rest.starts_with(&format!("{l}.")));
+                return format!("{prefix}{}", linear.copied().unwrap_or(""));
+            }
+        }
+        match embedding.iter().any(|e| e == name) {
+            true => "embedding".into(),
+            false => "head".into(),
+        }
+    };
+    // Per group: its elements and those that train.
+    let mut groups: std::collections::BTreeMap<String, (f64, f64)> = Default::default();
+    for (name, shape) in m.param_shapes() {
+        let numel = shape.iter().product::<usize>() as f64;
+        let g = groups.entry(group_of(&name)).or_default();
+        g.0 += numel;
+        if !crate::freeze::frozen(freeze, &name) {
+            g.1 += numel;
+        }
+    }
+    TrainedElements {
+        with_grads: groups.values().filter(|g| g.1 > 0.0).map(|g| g.0).sum(),
+        trained: groups.values().map(|g| g.1).sum(),
     }
 }
 
@@ -447,6 +514,75 @@ mod tests {
             .collect();
         assert_eq!(gb, ["120.0", "31.4", "16.6", "1.9"]);
         assert_eq!(rows[1].bytes_per_device, 4.0 * 7.5e9 + 12.0 * 7.5e9 / 64.0);
+    }
+
+    /// `train.freeze`: moments only for what trains, gradients for every
+    /// group not frozen whole (a tiled linear's tiles are groups of their
+    /// own), and the worker's states follow, the master copy kept for all.
+    #[test]
+    fn freezing_drops_moments_and_whole_groups_gradients() {
+        let mut spec: JobSpec = serde_saphyr::from_str(
+            "model: {vocab_size: 1000, d_model: 64, n_layers: 3, n_heads: 4, seq_len: 32}\n\
+             data: {format: synthetic}\n",
+        )
+        .unwrap();
+        let m = spec.model.clone();
+        let psi = model_params(&m);
+        let patterns = |p: &[&str]| p.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let none = trained_elements(&m, &[]);
+        assert_eq!((none.with_grads, none.trained), (psi, psi));
+        // GPT-2's block: four weights, (3 + 1 + 4 + 1)·d biases, two norms.
+        let d = 64.0;
+        let weights = 12.0 * d * d;
+        let bitfit = trained_elements(&m, &patterns(&["h.*.*.*.weight"]));
+        assert_eq!(bitfit.with_grads, psi);
+        assert_eq!(bitfit.trained, psi - 3.0 * weights);
+        let below = trained_elements(&m, &patterns(&["w*.weight", "h.{0-1}.*"]));
+        let frozen = m.embedding_params() as f64 + 2.0 * m.block_params() as f64;
+        assert_eq!(
+            (below.with_grads, below.trained),
+            (psi - frozen, psi - frozen)
+        );
+        // LLaMA's gate/up projection (64 x 512) in tiles of 16384: frozen,
+        // its tile groups hold no gradient; the rest of the block does.
+        let llama: ModelSpec = serde_saphyr::from_str(
+            "{kind: llama, vocab_size: 1000, d_model: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 256, seq_len: 32, tile_size: 16384}",
+        )
+        .unwrap();
+        let gate_up = 64.0 * 512.0;
+        let t = trained_elements(&llama, &patterns(&["layers.*.mlp.gate_up_proj.weight"]));
+        let all = model_params(&llama);
+        assert_eq!(
+            (t.with_grads, t.trained),
+            (all - 2.0 * gate_up, all - 2.0 * gate_up)
+        );
+        let untiled = ModelSpec {
+            tile_size: None,
+            ..llama.clone()
+        };
+        let t = trained_elements(&untiled, &patterns(&["layers.*.mlp.gate_up_proj.weight"]));
+        assert_eq!((t.with_grads, t.trained), (all, all - 2.0 * gate_up));
+        // f32 at stage 0: 4 bytes of parameter each, 4 of gradient where
+        // the group trains, 8 of moments where the parameter does.
+        spec.train.freeze = patterns(&["w*.weight", "h.{0-1}.*", "h.2.mlp.c_fc.weight"]);
+        let t = trained_elements(&m, &spec.train.freeze);
+        assert_eq!(t.trained, psi - frozen - 4.0 * d * d);
+        let states = worker_states(&spec, 2);
+        assert_eq!(
+            states.memory,
+            4.0 * psi + 4.0 * t.with_grads + 8.0 * t.trained
+        );
+        // bf16 at stage 2 over 4: the master copy's 4 bytes for every
+        // parameter, the moments' 8 for those that train.
+        spec.train.dtype = Dtype::Bf16;
+        spec.zero.stage = ZeroStage::Gradients;
+        let states = worker_states(&spec, 4);
+        let want = 2.0 * psi + (2.0 * t.with_grads + 4.0 * psi + 8.0 * t.trained) / 4.0;
+        assert!(
+            (states.memory - want).abs() < 1e-6,
+            "{} {want}",
+            states.memory
+        );
     }
 
     #[test]

@@ -1336,6 +1336,17 @@ fn frozen_weights_inside_trained_groups_hold_no_moments() {
             );
         }
     }
+    // What `zrun estimate` counts (8 bytes a trained element under AdamW
+    // in f32) within two pages of each frozen parameter's two moments:
+    // 12 frozen parameters here.
+    let mut spec = typed_spec("f32", 0, 1, 2000, true, false, 3);
+    spec.model.d_model = 64;
+    let trained = zconfig::estimate::trained_elements(&spec.model, &frozen).trained;
+    let held = base[0].optimizer_held as f64;
+    assert!(
+        held >= 8.0 * trained && held <= 8.0 * trained + (12 * 2 * 2 * 4096) as f64,
+        "held {held} bytes of moments for {trained} trained elements"
+    );
 }
 
 /// Frozen parameters (`train.freeze`) keep their initial bits at every

@@ -7,7 +7,8 @@ use anyhow::Result;
 use serde::Serialize;
 use zconfig::estimate::{
     gpu_probabilities_bytes, job_activation_bytes, largest_group, model_params, model_state_rows,
-    worker_states, CrossNodeBytes, Row, StateBytes, WorkerStates,
+    trained_elements, worker_states, CrossNodeBytes, Row, StateBytes, TrainedElements,
+    WorkerStates,
 };
 use zconfig::spec::OptimizerKind;
 use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
@@ -45,6 +46,10 @@ struct Estimate {
     /// A job's model states per CPU worker with its offload settings.
     #[serde(skip_serializing_if = "Option::is_none")]
     this_job: Option<WorkerStates>,
+    /// A job with `train.freeze`: the elements its workers keep moments
+    /// and gradients for (counted in `this_job`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    trained: Option<TrainedElements>,
     /// `--comm`: stage 3 against ZeRO++.
     #[serde(skip_serializing_if = "Option::is_none")]
     comm: Option<CommEstimate>,
@@ -228,6 +233,7 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                 activations: None,
                 stage: None,
                 this_job: None,
+                trained: None,
                 comm: args.comm.then(|| {
                     let tokens = args.tokens_per_worker.unwrap_or(1024.0);
                     CommEstimate::new(psi, bytes.param, nodes, wpn, &args, tokens)
@@ -291,8 +297,16 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
     }
     if let Some(w) = &est.this_job {
         say!(
-            "this job's workers (stage {}, its offload settings): {} of model states in memory and {} in swap files per worker",
+            "this job's workers (stage {}, its offload settings{}): {} of model states in memory and {} in swap files per worker",
             est.stage.unwrap_or_default(),
+            match &est.trained {
+                Some(t) => format!(
+                    ", train.freeze: moments for {:.1}% of the parameters, gradients for {:.1}%",
+                    100.0 * t.trained / est.params,
+                    100.0 * t.with_grads / est.params
+                ),
+                None => String::new(),
+            },
             gb(w.memory),
             gb(w.nvme)
         );
@@ -342,6 +356,8 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
         }),
         stage: Some(spec.zero.stage.number()),
         this_job: Some(worker_states(spec, nodes * wpn)),
+        trained: (!spec.train.freeze.is_empty())
+            .then(|| trained_elements(&spec.model, &spec.train.freeze)),
         comm: None,
     }
 }
