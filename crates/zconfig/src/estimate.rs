@@ -397,6 +397,52 @@ pub fn block_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
     4.0 * (b * t) as f64 * per_token as f64
 }
 
+/// Of [`block_activation_bytes`], the inputs of the block's four linears
+/// (in [`ModelSpec::block_linears`] order), which only their weight
+/// gradients read: a block keeps none of a linear whose weight is frozen.
+pub fn linear_input_bytes(m: &ModelSpec, b: usize, t: usize) -> [f64; 4] {
+    m.block_linears()
+        .map(|(_, inputs, _)| 4.0 * (b * t) as f64 * inputs as f64)
+}
+
+/// [`activation_bytes`] under the `freeze` patterns: blocks below the
+/// lowest that trains (where the embedding is frozen) keep nothing, since
+/// backward stops above them, and the others no input of a linear whose
+/// weight is frozen.
+pub fn frozen_activation_bytes(m: &ModelSpec, micro_batch: usize, freeze: &[String]) -> (f64, f64) {
+    let t = m.seq_len;
+    let frozen = |name: &str| crate::freeze::frozen(freeze, name);
+    let shapes = m.param_shapes();
+    let trains = |prefix: &str| {
+        shapes
+            .iter()
+            .any(|(n, _)| n.starts_with(prefix) && !frozen(n))
+    };
+    let embedding_trains = !frozen(&format!("{}.weight", m.token_table_name()))
+        || (m.learned_positions() && !frozen("wpe.weight"));
+    let reach = match embedding_trains {
+        true => 0,
+        false => (0..m.n_layers)
+            .find(|&i| trains(&format!("{}.", m.block_prefix(i))))
+            .unwrap_or(m.n_layers),
+    };
+    let block = block_activation_bytes(m, micro_batch, t);
+    let head = head_activation_bytes(m, micro_batch, t);
+    let input = 4.0 * (micro_batch * t * m.d_model) as f64;
+    let linears = m.block_linears();
+    let inputs = linear_input_bytes(m, micro_batch, t);
+    let kept = (reach..m.n_layers).map(|i| {
+        let prefix = m.block_prefix(i);
+        let dropped: f64 = (linears.iter().zip(inputs))
+            .filter(|((name, _, _), _)| frozen(&format!("{prefix}.{name}.weight")))
+            .map(|(_, bytes)| bytes)
+            .sum();
+        block - dropped
+    });
+    let saved = (m.n_layers - reach) as f64;
+    (kept.sum::<f64>() + head, saved * input + block + head)
+}
+
 /// Bytes the head keeps for backward: input, normed rows, logits and two copies.
 pub fn head_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
     4.0 * (b * t) as f64 * (3.0 * m.d_model as f64 + 3.0 * m.vocab_size as f64)
@@ -428,7 +474,10 @@ pub fn gpu_probabilities_bytes(m: &ModelSpec, b: usize, half_products: bool) -> 
 /// backward runs, its dP and dS of the same shape and bytes.
 pub fn job_activation_bytes(spec: &JobSpec, fused_attention: bool) -> (f64, f64) {
     let micro = spec.train.micro_batch_size;
-    let (plain, checkpointed) = activation_bytes(&spec.model, micro);
+    let (plain, checkpointed) = match spec.train.freeze.is_empty() {
+        true => activation_bytes(&spec.model, micro),
+        false => frozen_activation_bytes(&spec.model, micro, &spec.train.freeze),
+    };
     if spec.device != Device::Cuda || fused_attention {
         return (plain, checkpointed);
     }

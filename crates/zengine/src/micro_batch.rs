@@ -254,10 +254,22 @@ impl Engine {
         let n_layers = self.model.config().n_layers;
         let checkpointing = self.spec.train.activation_checkpointing;
         let model = self.model.clone();
+        let (rows, t) = mb.tokens.dims2()?;
+        let m = &self.spec.model;
+        let inputs = zconfig::estimate::linear_input_bytes(m, rows, t);
+        // Bytes of the linears' inputs the saved blocks did not keep
+        // (frozen weights).
+        let mut not_kept = 0.0;
         for b in 1..=n_layers {
             let mut src = BlockFromEngine::gather(self, &mut mb.gather, b, false)?;
             let dropout = mb.dropout.site(b as u64);
             let (y, acts) = model.block_forward_from(&mut src, &x, mb.docs.as_ref(), dropout)?;
+            if b >= src.engine.backward_reach {
+                not_kept += (BlockLinear::ALL.into_iter().zip(inputs))
+                    .filter(|(l, _)| src.weight_frozen(*l))
+                    .map(|(_, bytes)| bytes)
+                    .sum::<f64>();
+            }
             src.release_block();
             // Backward stops above frozen blocks: nothing of theirs is kept.
             if b >= self.backward_reach {
@@ -269,7 +281,6 @@ impl Engine {
             }
             x = y;
         }
-        let (rows, t) = mb.tokens.dims2()?;
         let m = &self.spec.model;
         let block_bytes = zconfig::estimate::block_activation_bytes(m, rows, t) as u64;
         let input_bytes = (rows * t * m.d_model * 4) as u64;
@@ -279,7 +290,7 @@ impl Engine {
         self.peak_activations = self.peak_activations.max(if checkpointing {
             n * input_bytes + block_bytes + head_bytes
         } else {
-            n * block_bytes + head_bytes
+            n * block_bytes + head_bytes - not_kept as u64
         });
         Ok(x)
     }

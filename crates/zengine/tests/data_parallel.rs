@@ -1308,6 +1308,45 @@ fn frozen_weights_inside_blocks_leave_every_other_gradient_as_it_was() {
     );
 }
 
+/// Blocks keep no input of a linear whose weight is frozen, and nothing
+/// below the lowest block that trains: the activations a step keeps are
+/// what `zrun estimate` counts for the job (its arithmetic by parameter
+/// names, the engine's by its groups), with checkpointing too; BitFit's
+/// blocks (every block weight frozen) keep 9 of 16 values a token.
+#[test]
+fn frozen_weights_keep_no_inputs_for_their_gradients() {
+    let patterns = |p: &[&str]| p.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let bitfit = patterns(&["h.*.*.*.weight"]);
+    let cases = [
+        Vec::new(),
+        bitfit.clone(),
+        patterns(&["h.*.attn.*"]),
+        frozen_below(),
+        patterns(&["w*.weight", "h.0.*", "h.1.mlp.c_proj.weight"]),
+    ];
+    let mut kept = Vec::new();
+    for freeze in cases {
+        for ckpt in [false, true] {
+            let mut spec = typed_spec("f32", 0, 1, 2000, true, ckpt, 1);
+            spec.train.freeze = freeze.clone();
+            let got = train(spec.clone(), 1)[0].activations as f64;
+            let (plain, checkpointed) = zconfig::estimate::job_activation_bytes(&spec, false);
+            let want = if ckpt { checkpointed } else { plain };
+            assert_eq!(got, want, "{freeze:?} checkpointing {ckpt}");
+            if !ckpt {
+                kept.push(got);
+            }
+        }
+    }
+    // BitFit: of GPT-2's 16·d a token a block keeps, the inputs of the four
+    // linears (d, d, d and 4·d) go; 2 blocks, 4 × 16 tokens, d = 32.
+    assert_eq!(kept[0] - kept[1], 2.0 * 7.0 * 32.0 * 4.0 * 64.0);
+    assert!(
+        kept[2] < kept[0] && kept[4] < kept[3] && kept[3] < kept[0],
+        "{kept:?}"
+    );
+}
+
 /// Frozen weights inside groups that train hold no optimizer moments: the
 /// pages of the moments wholly inside them go back to the kernel (zeros
 /// that nothing writes), at stage 0 (whole moments) and stage 2 (each

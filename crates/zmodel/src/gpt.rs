@@ -35,7 +35,8 @@ use crate::documents::Documents;
 use crate::dropout::{BlockDropout, Dropout};
 use crate::head::{self, HeadBackward};
 use crate::linear::{
-    self, f32s, BlockLinear, BlockNorm, BlockSource, Input, OutputGrad, Products, Store, Whole,
+    self, f32s, BlockLinear, BlockNorm, BlockSource, Input, LayerInput, OutputGrad, Products,
+    Store, Whole,
 };
 use crate::llama_ops::{
     qk_norm, qk_norm_backward, rms_norm, rms_norm_backward, rms_norm_bf16, rope, rope_from, swiglu,
@@ -104,17 +105,19 @@ pub struct GroupSpec {
 /// embedding where there is one.
 pub struct BlockActs {
     rows: Tensor,
-    a1: Tensor,
+    /// The linears' inputs (`a1`, `att`, `a2`, `g`) are kept only where
+    /// the linear's weight trains: its weight gradient alone reads them.
+    a1: Option<Tensor>,
     /// Qwen3: q, k and v before the norms of q and k.
     qk_unnormed: Option<Tensor>,
     qkv: Tensor,
-    att: Tensor,
+    att: Option<Tensor>,
     rows1: Tensor,
-    a2: Tensor,
+    a2: Option<Tensor>,
     /// What the activation's backward reads: GELU's slope at `h` (the same
     /// size), or under bf16 products GELU's bf16 `h`; SwiGLU's `h`.
     act_kept: Tensor,
-    g: Tensor,
+    g: Option<Tensor>,
     /// The documents the forward kept apart.
     docs: Option<Documents>,
     /// The dropouts the forward applied.
@@ -1027,16 +1030,17 @@ impl Gpt {
             None => self.activation(&linear_to(src, BlockLinear::MlpIn, &a2, None, half_store)?)?,
         };
         let y = residual_add(src, BlockLinear::MlpOut, &g, &rows1, 1)?.reshape((b, t, d))?;
+        let input = |l, x: Tensor| (!src.weight_frozen(l)).then_some(x);
         let acts = BlockActs {
             rows,
-            a1,
+            a1: input(BlockLinear::Qkv, a1),
             qk_unnormed,
             qkv,
-            att,
+            att: input(BlockLinear::AttnOut, att),
             rows1,
-            a2,
+            a2: input(BlockLinear::MlpIn, a2),
             act_kept,
-            g,
+            g: input(BlockLinear::MlpOut, g),
             docs: docs.cloned(),
             dropout,
         };
@@ -1070,11 +1074,16 @@ impl Gpt {
     ) -> std::result::Result<Tensor, S::Error> {
         let (b, t, d) = dy.dims3()?;
         let dy = dy.reshape((b * t, d))?;
-        let linear_times =
-            |src: &mut S, l: BlockLinear, x: &Tensor, dy: OutputGrad, times: Option<&Tensor>| {
-                linear::backward(src, l, &self.linear_tiles(l), x, dy, self.products, times)
-            };
-        let linear = |src: &mut S, l: BlockLinear, x: &Tensor, dy: OutputGrad| {
+        let linear_times = |src: &mut S,
+                            l: BlockLinear,
+                            x: &Option<Tensor>,
+                            dy: OutputGrad,
+                            times: Option<&Tensor>| {
+            let inputs = self.cfg.block_linears()[l as usize].1;
+            let x = LayerInput::of(x.as_ref(), b * t, inputs);
+            linear::backward(src, l, &self.linear_tiles(l), x, dy, self.products, times)
+        };
+        let linear = |src: &mut S, l: BlockLinear, x: &Option<Tensor>, dy: OutputGrad| {
             linear_times(src, l, x, dy, None)
         };
         // y = rows1 + act(h)·W_out (+ b_out); GELU's backward multiplies by
@@ -2115,7 +2124,7 @@ mod tests {
             };
             let x = Tensor::from_vec(wave(7), (2, 40, 192), &dev).unwrap();
             let dy = Tensor::from_vec(wave(5), (2, 40, 192), &dev).unwrap();
-            let (_, acts) = whole.block_forward(&params, &x).unwrap();
+            let (y, acts) = whole.block_forward(&params, &x).unwrap();
             let (reference, dx) = whole.block_backward(&params, &acts, &dy).unwrap();
             let reference: Vec<Vec<u32>> = reference.into_vec().iter().map(bits).collect();
             let tiled = whole.clone().with_tile_size(Some(192 * 256)).unwrap();
@@ -2129,7 +2138,16 @@ mod tests {
                 .into_iter()
                 .flat_map(|g| sets.map(|f| (g, f)))
             {
+                // The forward keeps no input of a frozen linear.
                 let mut src = Whole::new(&params).freezing(frozen);
+                let (got_y, acts) = g
+                    .block_forward_from(&mut src, &x, None, BlockDropout::default())
+                    .unwrap();
+                assert_eq!(bits(&got_y), bits(&y), "{frozen:?}");
+                let inputs = [&acts.a1, &acts.att, &acts.a2, &acts.g];
+                for (l, kept) in BlockLinear::ALL.into_iter().zip(inputs) {
+                    assert_eq!(kept.is_none(), frozen.contains(&l), "{l:?} of {frozen:?}");
+                }
                 let got_dx = g.block_backward_into(&mut src, &acts, &dy).unwrap();
                 assert_eq!(bits(&got_dx), bits(&dx), "{frozen:?}");
                 let names: Vec<String> = frozen

@@ -420,6 +420,26 @@ fn forward_tracked<S: BlockSource>(
     })
 }
 
+/// A layer's input as its backward takes it: the values its forward
+/// multiplied, or, where the weight is frozen (no `dW = xᵀ·dy` to take, so
+/// the forward kept nothing, as PyTorch's autograd saves no input for a
+/// product whose weight needs no gradient), only its shape.
+#[derive(Clone, Copy)]
+pub(crate) enum LayerInput<'a> {
+    Kept(&'a Tensor),
+    Dropped { rows: usize, inputs: usize },
+}
+
+impl<'a> LayerInput<'a> {
+    /// The input its forward kept, or (none kept) its shape, `rows × inputs`.
+    pub(crate) fn of(kept: Option<&'a Tensor>, rows: usize, inputs: usize) -> LayerInput<'a> {
+        match kept {
+            Some(x) => LayerInput::Kept(x),
+            None => LayerInput::Dropped { rows, inputs },
+        }
+    }
+}
+
 /// A layer's output gradient as its backward takes it.
 pub(crate) enum OutputGrad {
     /// f32 values (which the backward rounds itself under bf16 products).
@@ -443,13 +463,26 @@ pub(crate) fn backward<S: BlockSource>(
     src: &mut S,
     linear: BlockLinear,
     tiles: &[Range<usize>],
-    x: &Tensor,
+    x: LayerInput,
     dy: OutputGrad,
     products: Products,
     times: Option<&Tensor>,
 ) -> Result<Tensor, S::Error> {
-    let x = rows_of(x)?;
-    let (rows, inputs) = x.dims2()?;
+    let frozen = src.weight_frozen(linear);
+    let (x, rows, inputs) = match x {
+        LayerInput::Kept(x) => {
+            let x = rows_of(x)?;
+            let (rows, inputs) = x.dims2()?;
+            (Some(x), rows, inputs)
+        }
+        LayerInput::Dropped { .. } if !frozen => {
+            return Err(candle_core::Error::Msg(format!(
+                "{linear:?}: its weight trains, and its input was not kept"
+            ))
+            .into())
+        }
+        LayerInput::Dropped { rows, inputs } => (None, rows, inputs),
+    };
     let times = times.map(Tensor::contiguous).transpose()?;
     let times_storage = times.as_ref().map(Tensor::storage_and_layout);
     let times = times_storage
@@ -511,7 +544,6 @@ pub(crate) fn backward<S: BlockSource>(
             (None, None) => unreachable!("dy is f32 or rounded"),
         })
     };
-    let frozen = src.weight_frozen(linear);
     // Made by the first chunk's product (a Zero start writes every element).
     let mut dx: Option<Vec<f32>> = None;
     for (t, cols) in tiles.iter().enumerate() {
@@ -521,17 +553,23 @@ pub(crate) fn backward<S: BlockSource>(
         let mut dw = uninit_floats(if frozen { 0 } else { inputs * w });
         let bias_sums;
         {
-            let (xs, xl) = x.storage_and_layout();
+            let x_held = x.as_ref().map(Tensor::storage_and_layout);
             let (ws, wl) = weight.storage_and_layout();
             // f32, or (bf16 products) the working copy's bf16 bits.
             let wm = Input::of(&ws, wl, inputs, w)?;
             // dW = xᵀ·dy_t, and under f32 products the bias gradient (dy_t's
             // column sums) as the product packs dy_t: `column_sums`' bits
             // without a pass of its own over dy.
-            let xt = Input::of(&xs, xl, rows, inputs)?.t();
+            let xt = match &x_held {
+                Some((xs, xl)) => Some(Input::of(xs, xl, rows, inputs)?.t()),
+                None => None,
+            };
             let has_bias = p.bias.is_some();
             let weight_grad = || -> candle_core::Result<Option<Vec<f32>>> {
                 let dw_c = MatMut::uninit(&mut dw, inputs, w, w).map_err(shape)?;
+                let xt = xt.ok_or_else(|| {
+                    candle_core::Error::Msg(format!("{linear:?}: no input kept for dW"))
+                })?;
                 match (has_bias, xt, dy_cols(cols.start, w)?) {
                     (true, Input::F32(xt), Input::F32(dy_t)) if products == Products::F32 => {
                         let mut sums = vec![0f32; w];
@@ -1031,7 +1069,7 @@ mod tests {
                     &mut src,
                     BlockLinear::MlpIn,
                     tiles,
-                    &x,
+                    LayerInput::Kept(&x),
                     out,
                     Products::F32,
                     None,
@@ -1090,13 +1128,28 @@ mod tests {
                 for out_tiles in [&two[..], std::slice::from_ref(&one)] {
                     let mut src = Whole::new(&params);
                     let out = OutputGrad::F32(dy.clone());
-                    let got =
-                        backward(&mut src, l, out_tiles, &g, out, Products::F32, Some(&slope))
-                            .unwrap();
+                    let got = backward(
+                        &mut src,
+                        l,
+                        out_tiles,
+                        LayerInput::Kept(&g),
+                        out,
+                        Products::F32,
+                        Some(&slope),
+                    )
+                    .unwrap();
                     let mut src = Whole::new(&params);
                     let out = OutputGrad::F32(dy.clone());
-                    let dg =
-                        backward(&mut src, l, out_tiles, &g, out, Products::F32, None).unwrap();
+                    let dg = backward(
+                        &mut src,
+                        l,
+                        out_tiles,
+                        LayerInput::Kept(&g),
+                        out,
+                        Products::F32,
+                        None,
+                    )
+                    .unwrap();
                     let want = gelu_backward_by_slope(&slope, &dg).unwrap();
                     assert_eq!(bits(&got), bits(&want), "backward, {what}, {out_tiles:?}");
                 }
@@ -1139,7 +1192,16 @@ mod tests {
                 let l = BlockLinear::MlpIn;
                 let y = forward(&mut src, l, tiles, &x, None, Products::Bf16, Store::F32).unwrap();
                 let out = OutputGrad::F32(dy.clone());
-                let dx = backward(&mut src, l, tiles, &x, out, Products::Bf16, None).unwrap();
+                let dx = backward(
+                    &mut src,
+                    l,
+                    tiles,
+                    LayerInput::Kept(&x),
+                    out,
+                    Products::Bf16,
+                    None,
+                )
+                .unwrap();
                 let grads: Vec<_> = std::mem::take(&mut src.tiles[l as usize])
                     .into_iter()
                     .map(|g| (bits(&g.weight), bits(&g.bias.unwrap())))
@@ -1271,8 +1333,16 @@ mod tests {
             )
             .unwrap();
             let out = OutputGrad::F32(dy.clone());
-            let dx =
-                backward(&mut src, BlockLinear::MlpOut, out_tiles, x, out, bf16, None).unwrap();
+            let dx = backward(
+                &mut src,
+                BlockLinear::MlpOut,
+                out_tiles,
+                LayerInput::Kept(x),
+                out,
+                bf16,
+                None,
+            )
+            .unwrap();
             let grad = src.tiles[BlockLinear::MlpOut as usize].pop().unwrap();
             (
                 bits(&y),
@@ -1288,7 +1358,16 @@ mod tests {
         let dg = Tensor::from_vec(values(rows * wide, 11), (rows, wide), &dev).unwrap();
         let run_in = |out: OutputGrad| {
             let mut src = Whole::new(&params);
-            let dx = backward(&mut src, BlockLinear::MlpIn, in_tiles, &x, out, bf16, None).unwrap();
+            let dx = backward(
+                &mut src,
+                BlockLinear::MlpIn,
+                in_tiles,
+                LayerInput::Kept(&x),
+                out,
+                bf16,
+                None,
+            )
+            .unwrap();
             let grad = src.tiles[BlockLinear::MlpIn as usize].pop().unwrap();
             (bits(&dx), bits(&grad.weight), bits(&grad.bias.unwrap()))
         };
@@ -1307,7 +1386,7 @@ mod tests {
             &mut src,
             BlockLinear::MlpIn,
             in_tiles,
-            &x,
+            LayerInput::Kept(&x),
             out,
             Products::F32,
             None
