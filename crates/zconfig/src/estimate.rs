@@ -347,6 +347,40 @@ pub fn trained_elements(m: &ModelSpec, freeze: &[String]) -> TrainedElements {
     }
 }
 
+/// Model FLOPs per token of one training step under the `freeze` patterns,
+/// in PaLM's accounting (6 per block parameter and head-matrix weight,
+/// 12·h·hd·T for attention) less what freezing leaves out: a frozen
+/// weight's gradient product (2 per element), the head's where its matrix
+/// is frozen, and below the lowest block that trains (the embedding
+/// frozen) all of backward. The engine's count by its groups
+/// (`zengine::Engine::flops_per_token`) is tested against the same
+/// arithmetic.
+pub fn frozen_flops_per_token(m: &ModelSpec, freeze: &[String]) -> f64 {
+    let frozen = |name: &str| crate::freeze::frozen(freeze, name);
+    let shapes = m.param_shapes();
+    let table = format!("{}.weight", m.token_table_name());
+    let head = (m.vocab_size * m.d_model) as f64;
+    let output_frozen = frozen(if m.tied() { &table } else { "lm_head.weight" });
+    let attention = 4.0 * (m.attn_width() * m.window().unwrap_or(m.seq_len)) as f64;
+    let embedding_trains = !frozen(&table) || (m.learned_positions() && !frozen("wpe.weight"));
+    let mut flops = if output_frozen { 4.0 } else { 6.0 } * head;
+    let mut reached = embedding_trains;
+    for i in 0..m.n_layers {
+        let prefix = format!("{}.", m.block_prefix(i));
+        let (all, trained) = (shapes.iter().filter(|(n, _)| n.starts_with(&prefix)))
+            .map(|(n, s)| (n, s.iter().product::<usize>() as f64))
+            .fold((0.0, 0.0), |(a, t), (n, e)| {
+                (a + e, t + if frozen(n) { 0.0 } else { e })
+            });
+        reached |= trained > 0.0;
+        flops += 2.0 * all + attention;
+        if reached {
+            flops += 2.0 * all + 2.0 * trained + 2.0 * attention;
+        }
+    }
+    flops
+}
+
 /// Parameters of the model `m` describes.
 pub fn model_params(m: &ModelSpec) -> f64 {
     m.param_count() as f64
@@ -632,6 +666,34 @@ mod tests {
             "{} {want}",
             states.memory
         );
+    }
+
+    /// The model FLOPs a step does: PaLM's 6 per block parameter and head
+    /// weight and 12·h·hd·T per block unfrozen; a frozen weight's gradient
+    /// product (2 per element) and the tied head's left out; and below the
+    /// lowest block that trains, backward's 4 per parameter and 8·h·hd·T
+    /// (its weights' gradient products among them).
+    #[test]
+    fn a_frozen_job_does_fewer_flops() {
+        let m: ModelSpec = serde_saphyr::from_str(
+            "{vocab_size: 1000, d_model: 64, n_layers: 3, n_heads: 4, seq_len: 32}",
+        )
+        .unwrap();
+        let (v, d, bp) = (1000.0, 64.0, m.block_params() as f64);
+        let attention = 4.0 * d * 32.0;
+        let all = 6.0 * (3.0 * bp + v * d) + 3.0 * 3.0 * attention;
+        let patterns = |p: &[&str]| p.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(frozen_flops_per_token(&m, &[]), all);
+        let bitfit = patterns(&["*.weight"]);
+        // Every weight: 12·d² a block's matrices, 2·d its norms; the tied head.
+        let weights = 3.0 * (12.0 * d * d + 2.0 * d);
+        assert_eq!(
+            frozen_flops_per_token(&m, &bitfit),
+            all - 2.0 * weights - 2.0 * v * d
+        );
+        let below = patterns(&["w*.weight", "h.0.*"]);
+        let want = all - 2.0 * v * d - 4.0 * bp - 2.0 * attention;
+        assert_eq!(frozen_flops_per_token(&m, &below), want);
     }
 
     #[test]

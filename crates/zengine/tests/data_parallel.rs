@@ -1306,6 +1306,27 @@ fn frozen_weights_inside_blocks_leave_every_other_gradient_as_it_was() {
         "{} {want}",
         below[0].flops_per_token
     );
+    // `zrun estimate` and `zrun plan` count by parameter names what the
+    // engine counts by its groups: the same figure, the untied and tiled
+    // LLaMA's too.
+    let by_names = |spec: &zconfig::JobSpec, freeze: &[String]| {
+        zconfig::estimate::frozen_flops_per_token(&spec.model, freeze)
+    };
+    assert!(close(some[0].flops_per_token, by_names(&spec, &inside)));
+    assert!(close(
+        below[0].flops_per_token,
+        by_names(&spec, &frozen_below())
+    ));
+    let tiled = llama(&untied);
+    let llama_spec: zconfig::JobSpec = "model: {kind: llama, vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_hidden: 256, seq_len: 16, tile_size: 8192}\ndata: {format: synthetic}\n"
+        .parse()
+        .unwrap();
+    let want = by_names(&llama_spec, &untied);
+    assert!(
+        close(tiled[0].flops_per_token, want),
+        "{} {want}",
+        tiled[0].flops_per_token
+    );
 }
 
 /// Blocks keep no input of a linear whose weight is frozen, and nothing
