@@ -362,9 +362,8 @@ pub fn frozen_flops_per_token(m: &ModelSpec, freeze: &[String]) -> f64 {
     let head = (m.vocab_size * m.d_model) as f64;
     let output_frozen = frozen(if m.tied() { &table } else { "lm_head.weight" });
     let attention = 4.0 * (m.attn_width() * m.window().unwrap_or(m.seq_len)) as f64;
-    let embedding_trains = !frozen(&table) || (m.learned_positions() && !frozen("wpe.weight"));
+    let reach = backward_reach(m, freeze);
     let mut flops = if output_frozen { 4.0 } else { 6.0 } * head;
-    let mut reached = embedding_trains;
     for i in 0..m.n_layers {
         let prefix = format!("{}.", m.block_prefix(i));
         let (all, trained) = (shapes.iter().filter(|(n, _)| n.starts_with(&prefix)))
@@ -372,9 +371,8 @@ pub fn frozen_flops_per_token(m: &ModelSpec, freeze: &[String]) -> f64 {
             .fold((0.0, 0.0), |(a, t), (n, e)| {
                 (a + e, t + if frozen(n) { 0.0 } else { e })
             });
-        reached |= trained > 0.0;
         flops += 2.0 * all + attention;
-        if reached {
+        if i >= reach {
             flops += 2.0 * all + 2.0 * trained + 2.0 * attention;
         }
     }
@@ -439,6 +437,26 @@ pub fn linear_input_bytes(m: &ModelSpec, b: usize, t: usize) -> [f64; 4] {
         .map(|(_, inputs, _)| 4.0 * (b * t) as f64 * inputs as f64)
 }
 
+/// The lowest block (0-based) that backward reaches under the `freeze`
+/// patterns: 0 where the embedding trains, else the lowest block with a
+/// parameter that trains (`n_layers` where none has): the blocks below get
+/// no backward at all, as the engine's groups decide it.
+fn backward_reach(m: &ModelSpec, freeze: &[String]) -> usize {
+    let frozen = |name: &str| crate::freeze::frozen(freeze, name);
+    let embedding_trains = !frozen(&format!("{}.weight", m.token_table_name()))
+        || (m.learned_positions() && !frozen("wpe.weight"));
+    if embedding_trains {
+        return 0;
+    }
+    let shapes = m.param_shapes();
+    (0..m.n_layers)
+        .find(|&i| {
+            let prefix = format!("{}.", m.block_prefix(i));
+            (shapes.iter()).any(|(n, _)| n.starts_with(&prefix) && !frozen(n))
+        })
+        .unwrap_or(m.n_layers)
+}
+
 /// [`activation_bytes`] under the `freeze` patterns: blocks below the
 /// lowest that trains (where the embedding is frozen) keep nothing, since
 /// backward stops above them, and the others no input of a linear whose
@@ -446,20 +464,7 @@ pub fn linear_input_bytes(m: &ModelSpec, b: usize, t: usize) -> [f64; 4] {
 pub fn frozen_activation_bytes(m: &ModelSpec, micro_batch: usize, freeze: &[String]) -> (f64, f64) {
     let t = m.seq_len;
     let frozen = |name: &str| crate::freeze::frozen(freeze, name);
-    let shapes = m.param_shapes();
-    let trains = |prefix: &str| {
-        shapes
-            .iter()
-            .any(|(n, _)| n.starts_with(prefix) && !frozen(n))
-    };
-    let embedding_trains = !frozen(&format!("{}.weight", m.token_table_name()))
-        || (m.learned_positions() && !frozen("wpe.weight"));
-    let reach = match embedding_trains {
-        true => 0,
-        false => (0..m.n_layers)
-            .find(|&i| trains(&format!("{}.", m.block_prefix(i))))
-            .unwrap_or(m.n_layers),
-    };
+    let reach = backward_reach(m, freeze);
     let block = block_activation_bytes(m, micro_batch, t);
     let head = head_activation_bytes(m, micro_batch, t);
     let input = 4.0 * (micro_batch * t * m.d_model) as f64;
