@@ -66,8 +66,8 @@ cargo build --release --features zworker/cuda
 # out of memory; two GPUs, a worker each, stage 3 in f32 and stage 2 in
 # bf16 over NCCL against the host flow; the profile's table);
 # the rest (two workers
-# sharing a GPU over NCCL at every stage and dtype, 8-12 minutes on 2
-# cores) run with `scripts/check-cuda.sh --emulated-all`.
+# sharing a GPU over NCCL at every stage and dtype; all 29 tests 3.5
+# minutes on 2 cores, these 15 one) run with `scripts/check-cuda.sh --emulated-all`.
 echo "== the GPU tests on zcuda-emu's CPU GPU"
 emu_gpu=$(python3 scripts/test_exe.py --emulated-gpu "$artifacts")
 (

@@ -1434,7 +1434,7 @@ impl GptGpu {
         // IGNORED (checked),
         // loss[n], g16[n·vocab] or null, fmt16, vocab, coef, smoothing,
         // grad), one block per row.
-        self.launched("cross_entropy", unsafe { l.launch(rows_config(n)) })?;
+        self.launched("cross_entropy", unsafe { l.launch(rows_config(n, vocab)) })?;
         let loss = self
             .gpu
             .download(&losses)?
@@ -1773,7 +1773,7 @@ impl GptGpu {
         l.arg(&mut rstd).arg(&d32).arg(&eps);
         // SAFETY: rms_norm(x[n·d], w[d], y[n·d] or null, y16[n·d] or null,
         // rstd[n], d, eps), one block per row.
-        self.launched("rms_norm", unsafe { l.launch(rows_config(n)) })?;
+        self.launched("rms_norm", unsafe { l.launch(rows_config(n, d)) })?;
         Ok((y, Stats::Rms(rstd)))
     }
 
@@ -1803,7 +1803,7 @@ impl GptGpu {
         l.arg(&mut dx).arg(&d32);
         // SAFETY: rms_norm_backward(x, w, rstd, dy, dres or null, dx, d)
         // over n rows of d, one block per row.
-        self.launched("rms_norm_backward", unsafe { l.launch(rows_config(n)) })?;
+        self.launched("rms_norm_backward", unsafe { l.launch(rows_config(n, d)) })?;
         let chunks = n.div_ceil(ROWS_PER_CHUNK).max(1);
         let mut dw_part = self.alloc(chunks * d)?;
         let per32 = ROWS_PER_CHUNK as i32;
@@ -1909,7 +1909,7 @@ impl GptGpu {
         l.arg(&mut mean).arg(&mut rstd).arg(&d32).arg(&eps);
         // SAFETY: layer_norm(x[n·d], w[d], b[d], y[n·d] or null, y16[n·d]
         // or null, mean[n], rstd[n], d, eps), one block per row.
-        self.launched("layer_norm", unsafe { l.launch(rows_config(n)) })?;
+        self.launched("layer_norm", unsafe { l.launch(rows_config(n, d)) })?;
         Ok((y, Stats::Layer(mean, rstd)))
     }
 
@@ -1938,7 +1938,9 @@ impl GptGpu {
         l.arg(&mut dx).arg(&d32);
         // SAFETY: layer_norm_backward(x, w, mean, rstd, dy, dres or null, dx,
         // d) over n rows of d, one block per row.
-        self.launched("layer_norm_backward", unsafe { l.launch(rows_config(n)) })?;
+        self.launched("layer_norm_backward", unsafe {
+            l.launch(rows_config(n, d))
+        })?;
         let chunks = n.div_ceil(ROWS_PER_CHUNK).max(1);
         let (mut dw_part, mut db_part) = (self.alloc(chunks * d)?, self.alloc(chunks * d)?);
         let per32 = ROWS_PER_CHUNK as i32;
@@ -3043,11 +3045,35 @@ fn fused_config(t: usize, heads: usize) -> LaunchConfig {
     }
 }
 
-/// One block of [`ROW_THREADS`] per row.
-fn rows_config(rows: usize) -> LaunchConfig {
+/// One block per row of `width`: [`ROW_THREADS`] threads, or as many warps
+/// as cover the row where it is narrower (a test model's 32 columns: one
+/// warp, not eight, seven of them idle at every barrier of the block's
+/// sums, which the CPU emulation of the kernels pays for in full). Every
+/// row kernel strides its row by blockDim.x, and block_sum and block_max
+/// take any whole number of warps; a published model's rows (768 columns
+/// and more) get the 256 threads they always had.
+fn rows_config(rows: usize, width: usize) -> LaunchConfig {
+    let threads = width.next_multiple_of(32).clamp(32, ROW_THREADS as usize) as u32;
     LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
-        block_dim: (ROW_THREADS, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_row_gets_the_warps_that_cover_it_up_to_row_threads() {
+        for (width, threads) in [(1, 32), (32, 32), (33, 64), (100, 128), (256, 256)] {
+            assert_eq!(rows_config(7, width).block_dim, (threads, 1, 1), "{width}");
+        }
+        // Published models' rows: the 256 threads they always had.
+        for width in [768, 4096, 50257] {
+            assert_eq!(rows_config(7, width).block_dim, (ROW_THREADS, 1, 1));
+        }
+        assert_eq!(rows_config(7, 32).grid_dim, (7, 1, 1));
     }
 }
