@@ -64,10 +64,12 @@ cargo build --release --features zworker/cuda
 # a sliding window, label smoothing, hidden dropout and NEFTune, Lion, Adagrad, LAMB on the host;
 # the resident step in f32, bf16 and f16 against ZeRO-Offload's bits; a GPU
 # out of memory; two GPUs, a worker each, stage 3 in f32 and stage 2 in
-# bf16 over NCCL against the host flow; the profile's table);
-# the rest (two workers
-# sharing a GPU over NCCL at every stage and dtype; all 29 tests 3.5
-# minutes on 2 cores, these 15 one) run with `scripts/check-cuda.sh --emulated-all`.
+# bf16 over NCCL against the host flow; the profile's table; stages 0-3 to
+# the bit; resumes to the bit, one GPU and stage 3 over NCCL; ZeRO++ and
+# NVMe offload in the host flow; NCCL's bench rows; the refusals);
+# the rest (LLaMA, bf16 and f16, TF32, fused attention, and two workers
+# sharing a GPU over NCCL at every stage and dtype: 7 tests, 2 of the 3.5
+# minutes all 29 take on 2 cores) run with `scripts/check-cuda.sh --emulated-all`.
 echo "== the GPU tests on zcuda-emu's CPU GPU"
 emu_gpu=$(python3 scripts/test_exe.py --emulated-gpu "$artifacts")
 (
@@ -95,7 +97,14 @@ emu_gpu=$(python3 scripts/test_exe.py --emulated-gpu "$artifacts")
       adam_on_the_gpu_gives_zero_offloads_bits \
       a_gpu_out_of_memory_is_exit_1_naming_the_allocation_and_what_holds_less \
       two_gpus_get_a_worker_each_bound_to_its_own \
-      the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host)
+      the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host \
+      zero_stages_on_the_gpu_are_bit_identical \
+      a_resumed_gpu_run_continues_the_uninterrupted_one_to_the_bit \
+      a_resumed_nccl_stage_3_run_continues_the_uninterrupted_one_to_the_bit \
+      zero_pp_and_nvme_offload_run_in_the_gpus_host_flow \
+      bench_comm_times_nccl_on_device_buffers \
+      device_cuda_refuses_what_the_gpu_model_does_not_run \
+      nccl_and_tf32_are_refused_where_they_cannot_run)
   fi
 )
 rm -f "$artifacts"
