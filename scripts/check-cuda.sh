@@ -67,9 +67,9 @@ cargo build --release --features zworker/cuda
 # bf16 over NCCL against the host flow; the profile's table; stages 0-3 to
 # the bit; resumes to the bit, one GPU and stage 3 over NCCL; ZeRO++ and
 # NVMe offload in the host flow; NCCL's bench rows; the refusals; bf16
-# and f16 against the CPU run, their stages agreeing);
+# and f16 against the CPU run, their stages agreeing; frozen parameters);
 # the rest (LLaMA, TF32, fused attention, and two workers sharing a GPU
-# over NCCL at every stage and dtype: 6 tests, 2 of the 3.3 minutes all 29
+# over NCCL at every stage and dtype: 6 tests, 2 of the 3.5 minutes all 30
 # take on 2 cores) run with `scripts/check-cuda.sh --emulated-all`.
 echo "== the GPU tests on zcuda-emu's CPU GPU"
 emu_gpu=$(python3 scripts/test_exe.py --emulated-gpu "$artifacts")
@@ -106,7 +106,8 @@ emu_gpu=$(python3 scripts/test_exe.py --emulated-gpu "$artifacts")
       bench_comm_times_nccl_on_device_buffers \
       device_cuda_refuses_what_the_gpu_model_does_not_run \
       nccl_and_tf32_are_refused_where_they_cannot_run \
-      bf16_and_f16_on_the_gpu_follow_the_cpu_run_and_their_stages_agree)
+      bf16_and_f16_on_the_gpu_follow_the_cpu_run_and_their_stages_agree \
+      frozen_parameters_on_the_gpu_follow_the_cpu_run_and_keep_their_values)
   fi
 )
 rm -f "$artifacts"

@@ -536,6 +536,11 @@ pub fn gpu_worker_bytes(spec: &JobSpec, world: usize, fused_attention: bool) -> 
     let offloaded = (z.offload_optimizer.device, z.offload_param.device)
         != (OffloadDevice::None, OffloadDevice::None);
     let resident = !offloaded && (world <= 1 || spec.comm.backend == Backend::Nccl);
+    // `train.freeze` saves nothing there: the GPU holds a frozen
+    // parameter's gradient and moments and keeps every activation.
+    let mut spec = spec.clone();
+    spec.train.freeze.clear();
+    let spec = &spec;
     let (plain, checkpointed) = job_activation_bytes(spec, fused_attention);
     GpuWorkerBytes {
         states: resident.then(|| worker_states(spec, world).memory),
@@ -565,6 +570,23 @@ impl GpuWorkerBytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn freezing_saves_nothing_on_the_gpu() {
+        let mut spec: JobSpec = serde_saphyr::from_str(
+            "model: {vocab_size: 1000, d_model: 256, n_layers: 4, n_heads: 8, seq_len: 512}\n\
+             data: {format: synthetic}\ndevice: cuda\n",
+        )
+        .unwrap();
+        let whole = gpu_worker_bytes(&spec, 1, true);
+        spec.train.freeze = vec!["*.weight".into()];
+        let frozen = gpu_worker_bytes(&spec, 1, true);
+        assert_eq!(frozen.states, whole.states);
+        assert_eq!(frozen.activations, whole.activations);
+        // What the CPU's workers hold under the same freeze is less.
+        assert!(worker_states(&spec, 1).memory < whole.states.unwrap());
+        assert!(job_activation_bytes(&spec, true).0 < whole.activations);
+    }
 
     #[test]
     fn the_gpus_unfused_attention_adds_its_probabilities_to_the_activations() {

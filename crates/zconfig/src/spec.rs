@@ -1330,12 +1330,6 @@ impl JobSpec {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
         }
-        if !self.train.freeze.is_empty() {
-            return Some(
-                "train.freeze: the GPU's update and gradient norm take every parameter; freezing runs on CPU workers"
-                    .into(),
-            );
-        }
         if self.train.optimizer.kind == OptimizerKind::Lamb
             && self.zero.offload_optimizer.device == OffloadDevice::None
         {

@@ -310,17 +310,20 @@ impl Engine {
     /// `4·h·hd·T` forward and twice that backward. Without freezing, the
     /// model's figure.
     pub fn flops_per_token(&self) -> f64 {
+        // The GPU's backward runs every product, frozen or not.
+        let skips = !self.on_gpu();
+        let reach = if skips { self.backward_reach } else { 1 };
         let m = self.model.config();
         let head = (m.vocab_size * m.d_model) as f64;
         let attention = 4.0 * (m.attn_width() * m.window().unwrap_or(m.seq_len)) as f64;
         let numel = |g: &usize, trained_only: bool| -> f64 {
             let params = self.groups[*g].layout.params.iter();
             params
-                .filter(|p| !(trained_only && p.frozen))
+                .filter(|p| !(trained_only && skips && p.frozen))
                 .map(|p| p.range.len() as f64)
                 .sum()
         };
-        let mut flops = match self.model.frozen_output() {
+        let mut flops = match skips && self.model.frozen_output() {
             true => 4.0 * head,
             false => 6.0 * head,
         };
@@ -328,7 +331,7 @@ impl Engine {
             let groups: Vec<usize> = block_uses(&self.model, b, Pass::Forward).collect();
             let all: f64 = groups.iter().map(|g| numel(g, false)).sum();
             flops += 2.0 * all + attention;
-            if b >= self.backward_reach {
+            if b >= reach {
                 let trained: f64 = groups.iter().map(|g| numel(g, true)).sum();
                 flops += 2.0 * all + 2.0 * trained + 2.0 * attention;
             }

@@ -379,14 +379,18 @@ struct StepPlan {
     region: std::ops::Range<usize>,
     /// Each slot's flat range and whether it decays.
     slots: Vec<(std::ops::Range<usize>, bool)>,
+    /// Each slot's `train.freeze`: left out of the update.
+    frozen: Vec<bool>,
 }
 
 impl StepPlan {
-    /// Each slot's part inside the region: (slot, flat range).
+    /// Each trained slot's part inside the region: (slot, flat range). A
+    /// frozen slot's parameters, moments and working copy stay as they
+    /// are, as the host's update leaves them.
     fn pieces(&self) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> + '_ {
         self.slots.iter().enumerate().filter_map(|(i, (r, _))| {
             let (lo, hi) = (r.start.max(self.region.start), r.end.min(self.region.end));
-            (lo < hi).then_some((i, lo..hi))
+            (lo < hi && !self.frozen[i]).then_some((i, lo..hi))
         })
     }
 }
@@ -467,7 +471,8 @@ impl Engine {
     /// (and after a load, which drops it).
     fn resident(&mut self, gpu: &GptGpu) -> Result<&mut Resident, EngineError> {
         if self.gpu_resident.is_none() {
-            let rank = self.comm.rank();
+            let (rank, stage) = (self.comm.rank(), self.stage);
+            let second = self.spec.train.optimizer.kind.second_moment();
             let sliced = self.gpu_sliced_grads();
             let mut groups = Vec::with_capacity(self.groups.len());
             for (gi, g) in self.groups.iter().enumerate() {
@@ -529,6 +534,9 @@ impl Engine {
                         )))
                     }
                 };
+                // A whole frozen group holds no moments on the host: zeros
+                // here (its slots are left out of every update).
+                let (exp_avg, exp_avg_sq) = g.checkpoint_moments(rank, stage, second);
                 groups.push(ResidentGroup {
                     params,
                     grads: match half {
@@ -536,10 +544,10 @@ impl Engine {
                         None => Some(gpu.gpu().zeros(held.len())?),
                     },
                     held,
-                    exp_avg: gpu.gpu().upload(&g.exp_avg)?,
-                    exp_avg_sq: match g.exp_avg_sq.is_empty() {
+                    exp_avg: gpu.gpu().upload(&exp_avg)?,
+                    exp_avg_sq: match exp_avg_sq.is_empty() {
                         true => None,
-                        false => Some(gpu.gpu().upload(&g.exp_avg_sq)?),
+                        false => Some(gpu.gpu().upload(&exp_avg_sq)?),
                     },
                     half,
                 });
@@ -743,6 +751,17 @@ impl Engine {
         g: usize,
         grads: &[(usize, &CudaSlice<f32>)],
     ) -> Result<Option<Landing>, EngineError> {
+        // A frozen parameter's gradient, which the GPU's backward makes
+        // anyway, is dropped here: its part of the group's gradient stays
+        // zero, as the host's (out of the norm, the reductions add zeros).
+        let trained: Vec<(usize, &CudaSlice<f32>)> = (grads.iter())
+            .filter(|(slot, _)| !self.groups[g].layout.params[*slot].frozen)
+            .copied()
+            .collect();
+        let grads = trained.as_slice();
+        if grads.is_empty() {
+            return Ok(None);
+        }
         if self.gpu_resident() {
             let starts: Vec<usize> = self.groups[g]
                 .layout
@@ -1087,6 +1106,7 @@ impl Engine {
                     .iter()
                     .map(|s| (s.range.clone(), s.decay))
                     .collect(),
+                frozen: g.layout.params.iter().map(|s| s.frozen).collect(),
             })
             .collect();
         let reduced_already = self.gpu_sliced_grads();

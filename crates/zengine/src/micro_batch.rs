@@ -466,7 +466,7 @@ impl Engine {
     }
 
     /// Whether the micro-batches run on a GPU.
-    fn on_gpu(&self) -> bool {
+    pub(crate) fn on_gpu(&self) -> bool {
         #[cfg(feature = "cuda")]
         return self.gpu.is_some();
         #[cfg(not(feature = "cuda"))]
