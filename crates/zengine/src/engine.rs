@@ -307,10 +307,10 @@ impl Engine {
     /// matrix 2 in the forward, 2 for the input gradient where backward
     /// goes (the head always, the blocks from the lowest that trains
     /// up) and 2 for the gradient of each parameter that trains; attention
-    /// `4·h·hd·T` forward and twice that backward. Without freezing, the
+    /// `4·h·hd·T` forward and twice that backward. Without freezing, and
+    /// on a GPU (whose backward runs every product, frozen or not), the
     /// model's figure.
     pub fn flops_per_token(&self) -> f64 {
-        // The GPU's backward runs every product, frozen or not.
         let skips = !self.on_gpu();
         let reach = if skips { self.backward_reach } else { 1 };
         let m = self.model.config();
