@@ -26,6 +26,7 @@
 //! before launch, GPU or not. `ZRUN_GPU_PROFILE=1` prints a table whose rows
 //! add up to its totals, each row's GPU idle time within its own time.
 
+use std::collections::HashMap;
 use std::process::Command;
 
 use std::path::Path;
@@ -729,6 +730,44 @@ fn frozen_parameters_on_the_gpu_follow_the_cpu_run_and_keep_their_values() {
         // wte, wpe, block 0's twelve tensors and one of block 1's.
         assert_eq!(frozen, 15, "{dtype}: the frozen tensors exported");
     }
+    // What the GPU skips, by the profile's calls a step: with the embedding
+    // and block h.0 frozen whole, backward stops above h.0 (its four
+    // linears' two products each, attention's four, its two norms and the
+    // embedding's two scatter-adds not run), and the tied output matrix's
+    // product and c_attn's weight product are not made.
+    let calls = |sets: &[String]| -> HashMap<String, f64> {
+        let sets: Vec<String> = std::iter::once("train.steps=4".to_string())
+            .chain(sets.iter().cloned())
+            .collect();
+        let f = profiled(&job, &sets);
+        let table = profile_table(&f.stdout);
+        let rows = &table[..table.len().saturating_sub(1)];
+        assert!(rows.len() > 5, "no profile table: {}", f.stdout);
+        let mut by_kind = HashMap::new();
+        for row in rows {
+            let name = row.split_whitespace().nth(6).unwrap_or_default();
+            *by_kind.entry(name.to_string()).or_default() += profile_field(row, 2, &f.stdout);
+        }
+        by_kind
+    };
+    let (all, some) = (calls(&[]), calls(&sets(&[])));
+    let fewer =
+        |name: &str| all.get(name).copied().unwrap_or(0.0) - some.get(name).copied().unwrap_or(0.0);
+    assert_eq!(
+        fewer("gemm"),
+        8.0 + 4.0 + 2.0,
+        "products a step: {all:?} against {some:?}"
+    );
+    assert_eq!(
+        fewer("layer_norm_backward"),
+        2.0,
+        "{all:?} against {some:?}"
+    );
+    assert_eq!(
+        fewer("embed_backward_tokens") + fewer("embed_backward_positions"),
+        2.0
+    );
+    assert!(!some.contains_key("embed_backward_tokens"), "{some:?}");
 }
 
 fn a_variant_on_the_gpu(name: &str, sets: impl Fn(&[&str]) -> Vec<String>) {
@@ -945,18 +984,16 @@ fn zero_stages_on_the_gpu_are_bit_identical() {
     );
 }
 
-#[test]
-fn the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host() {
-    let test = "the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host";
-    if gpus_or_skip(test).is_none() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let job = small_job(dir.path(), "profiled", 8);
-    let m = dir.path().join("profiled.jsonl");
-    let args = TrainArgs::new(&job, &m)
+/// Trains `job` with the `sets` on one GPU with its profile on
+/// (`ZRUN_GPU_PROFILE`); zrun's output.
+fn profiled(job: &Path, sets: &[String]) -> e2e::Finished {
+    let m = job.with_file_name("profiled.jsonl");
+    let mut args = TrainArgs::new(job, &m)
         .args(&["--workers-per-node", "1"])
         .set("device=cuda");
+    for s in sets {
+        args = args.set(s.clone());
+    }
     let f = Zrun::start_with_env(
         &repo_root(),
         &args.as_strs(),
@@ -964,29 +1001,49 @@ fn the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host() {
     )
     .wait(std::time::Duration::from_secs(300));
     assert_eq!(f.code(), 0, "{f:?}");
-    // The table: "ms/step share calls/step idle name" rows, then the total,
-    // rank 0's lines after its title and column header (zrun's own lines,
-    // a step's, may come between any two of them).
+    f
+}
+
+/// Rank 0's rows of the GPU profile's table in zrun's output
+/// (`ZRUN_GPU_PROFILE`): "ms/step share calls/step idle name" rows, then
+/// the total (zrun's own lines, a step's, may come between any two).
+fn profile_table(stdout: &str) -> Vec<&str> {
     let total_row = |l: &&str| l.ends_with("all marked operations");
     let from_header = || {
-        (f.stdout.lines())
+        (stdout.lines())
             .skip_while(|l| !l.contains("GPU time by operation"))
             .skip(1)
             .filter(|l| l.starts_with("[rank 0]") && !l.contains("ms/step"))
     };
     let mut table: Vec<&str> = from_header().take_while(|l| !total_row(l)).collect();
     table.extend(from_header().find(total_row));
-    let field = |l: &str, i: usize| -> f64 {
-        let words: Vec<&str> = l
-            .split(']')
-            .next_back()
-            .unwrap()
-            .split_whitespace()
-            .collect();
-        let word = words.get(i).map(|w| w.trim_end_matches('%'));
-        word.and_then(|w| w.parse().ok())
-            .unwrap_or_else(|| panic!("field {i} of {l:?} is no number: {}", f.stdout))
-    };
+    table
+}
+
+/// Field `i` of a row of [`profile_table`], a number (a share without its
+/// `%`).
+fn profile_field(row: &str, i: usize, stdout: &str) -> f64 {
+    let words: Vec<&str> = row
+        .split(']')
+        .next_back()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    let word = words.get(i).map(|w| w.trim_end_matches('%'));
+    word.and_then(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("field {i} of {row:?} is no number: {stdout}"))
+}
+
+#[test]
+fn the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host() {
+    let test = "the_gpu_profile_times_each_operation_and_the_gpus_wait_for_the_host";
+    if gpus_or_skip(test).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let f = profiled(&small_job(dir.path(), "profiled", 8), &[]);
+    let table = profile_table(&f.stdout);
+    let field = |l: &str, i: usize| profile_field(l, i, &f.stdout);
     let (rows, total) = table.split_at(table.len().saturating_sub(1));
     assert!(
         rows.len() > 5 && total.len() == 1 && total[0].ends_with("all marked operations"),

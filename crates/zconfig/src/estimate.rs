@@ -459,9 +459,15 @@ fn backward_reach(m: &ModelSpec, freeze: &[String]) -> usize {
 
 /// [`activation_bytes`] under the `freeze` patterns: blocks below the
 /// lowest that trains (where the embedding is frozen) keep nothing, since
-/// backward stops above them, and the others no input of a linear whose
-/// weight is frozen.
-pub fn frozen_activation_bytes(m: &ModelSpec, micro_batch: usize, freeze: &[String]) -> (f64, f64) {
+/// backward stops above them, and with `drops_frozen_inputs` (the CPU
+/// model; the GPU's keeps its blocks whole) the others no input of a
+/// linear whose weight is frozen.
+pub fn frozen_activation_bytes(
+    m: &ModelSpec,
+    micro_batch: usize,
+    freeze: &[String],
+    drops_frozen_inputs: bool,
+) -> (f64, f64) {
     let t = m.seq_len;
     let frozen = |name: &str| crate::freeze::frozen(freeze, name);
     let reach = backward_reach(m, freeze);
@@ -473,7 +479,9 @@ pub fn frozen_activation_bytes(m: &ModelSpec, micro_batch: usize, freeze: &[Stri
     let kept = (reach..m.n_layers).map(|i| {
         let prefix = m.block_prefix(i);
         let dropped: f64 = (linears.iter().zip(inputs))
-            .filter(|((name, _, _), _)| frozen(&format!("{prefix}.{name}.weight")))
+            .filter(|((name, _, _), _)| {
+                drops_frozen_inputs && frozen(&format!("{prefix}.{name}.weight"))
+            })
             .map(|(_, bytes)| bytes)
             .sum();
         block - dropped
@@ -507,22 +515,24 @@ pub fn gpu_probabilities_bytes(m: &ModelSpec, b: usize, half_products: bool) -> 
 }
 
 /// Activation bytes of one micro-batch per worker of `spec`'s job, without
-/// and with checkpointing: [`activation_bytes`], and on a GPU whose
-/// attention is unfused (`fused_attention` false) every kept block's
-/// probabilities ([`gpu_probabilities_bytes`]) and, while a block's
-/// backward runs, its dP and dS of the same shape and bytes.
+/// and with checkpointing: [`activation_bytes`] ([`frozen_activation_bytes`]
+/// under `train.freeze`), and on a GPU whose attention is unfused
+/// (`fused_attention` false) every kept block's probabilities
+/// ([`gpu_probabilities_bytes`]) and, while a block's backward runs, its dP
+/// and dS of the same shape and bytes.
 pub fn job_activation_bytes(spec: &JobSpec, fused_attention: bool) -> (f64, f64) {
     let micro = spec.train.micro_batch_size;
+    let gpu = spec.device == Device::Cuda;
     let (plain, checkpointed) = match spec.train.freeze.is_empty() {
         true => activation_bytes(&spec.model, micro),
-        false => frozen_activation_bytes(&spec.model, micro, &spec.train.freeze),
+        false => frozen_activation_bytes(&spec.model, micro, &spec.train.freeze, !gpu),
     };
-    if spec.device != Device::Cuda || fused_attention {
+    if !gpu || fused_attention {
         return (plain, checkpointed);
     }
     let probs = gpu_probabilities_bytes(&spec.model, micro, spec.train.dtype != Dtype::F32);
-    let l = spec.model.n_layers as f64;
-    (plain + (l + 1.0) * probs, checkpointed + 2.0 * probs)
+    let kept = (spec.model.n_layers - backward_reach(&spec.model, &spec.train.freeze)) as f64;
+    (plain + (kept + 1.0) * probs, checkpointed + 2.0 * probs)
 }
 
 /// What one of `world` workers of a `device: cuda` job is estimated to hold
@@ -536,14 +546,13 @@ pub fn gpu_worker_bytes(spec: &JobSpec, world: usize, fused_attention: bool) -> 
     let offloaded = (z.offload_optimizer.device, z.offload_param.device)
         != (OffloadDevice::None, OffloadDevice::None);
     let resident = !offloaded && (world <= 1 || spec.comm.backend == Backend::Nccl);
-    // `train.freeze` saves nothing there: the GPU holds a frozen
-    // parameter's gradient and moments and keeps every activation.
-    let mut spec = spec.clone();
-    spec.train.freeze.clear();
-    let spec = &spec;
     let (plain, checkpointed) = job_activation_bytes(spec, fused_attention);
+    // `train.freeze` saves no state there: the GPU holds a frozen
+    // parameter's gradient and moments.
+    let mut unfrozen = spec.clone();
+    unfrozen.train.freeze.clear();
     GpuWorkerBytes {
-        states: resident.then(|| worker_states(spec, world).memory),
+        states: resident.then(|| worker_states(&unfrozen, world).memory),
         activations: match spec.train.activation_checkpointing {
             true => checkpointed,
             false => plain,
@@ -572,20 +581,40 @@ mod tests {
     use super::*;
 
     #[test]
-    fn freezing_saves_nothing_on_the_gpu() {
+    fn freezing_on_the_gpu_saves_only_the_blocks_below_the_lowest_that_trains() {
         let mut spec: JobSpec = serde_saphyr::from_str(
             "model: {vocab_size: 1000, d_model: 256, n_layers: 4, n_heads: 8, seq_len: 512}\n\
              data: {format: synthetic}\ndevice: cuda\n",
         )
         .unwrap();
         let whole = gpu_worker_bytes(&spec, 1, true);
+        // Every weight frozen, the biases trained: every block is reached
+        // and kept whole.
         spec.train.freeze = vec!["*.weight".into()];
-        let frozen = gpu_worker_bytes(&spec, 1, true);
-        assert_eq!(frozen.states, whole.states);
-        assert_eq!(frozen.activations, whole.activations);
+        let bitfit = gpu_worker_bytes(&spec, 1, true);
+        assert_eq!(bitfit.states, whole.states);
+        assert_eq!(bitfit.activations, whole.activations);
         // What the CPU's workers hold under the same freeze is less.
+        let mut cpu = spec.clone();
+        cpu.device = Device::Cpu;
         assert!(worker_states(&spec, 1).memory < whole.states.unwrap());
-        assert!(job_activation_bytes(&spec, true).0 < whole.activations);
+        assert!(job_activation_bytes(&cpu, true).0 < whole.activations);
+        // The embedding and the lower two blocks frozen: those blocks'
+        // activations (and, unfused, their probabilities) are not kept.
+        spec.train.freeze = vec!["w*".into(), "h.{0-1}.*".into()];
+        let (m, micro) = (&spec.model, spec.train.micro_batch_size);
+        let (block, probs) = (
+            block_activation_bytes(m, micro, m.seq_len),
+            gpu_probabilities_bytes(m, micro, false),
+        );
+        let lower = gpu_worker_bytes(&spec, 1, true);
+        assert_eq!(lower.states, whole.states);
+        assert_eq!(lower.activations, whole.activations - 2.0 * block);
+        let unfused = |s: &JobSpec| gpu_worker_bytes(s, 1, false).activations;
+        spec.train.freeze.clear();
+        let unfused_whole = unfused(&spec);
+        spec.train.freeze = vec!["w*".into(), "h.{0-1}.*".into()];
+        assert_eq!(unfused(&spec), unfused_whole - 2.0 * (block + probs));
     }
 
     #[test]

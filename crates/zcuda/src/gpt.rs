@@ -175,8 +175,12 @@ pub const BLOCK_PARAMS: usize = 12;
 /// norm 2, MLP in, MLP out.
 const PARTS: usize = 6;
 
-/// A part's gradients: its weight's, and its bias's where it has one.
-type PartGrads = (CudaSlice<f32>, Option<CudaSlice<f32>>);
+/// A tensor's gradient, or none where it is frozen and not made.
+type MaybeGrad = Option<CudaSlice<f32>>;
+
+/// A part's gradients: its weight's (none where it is frozen), and its
+/// bias's where it has one.
+type PartGrads = (MaybeGrad, Option<CudaSlice<f32>>);
 
 /// A part's weight and bias, where it has one.
 type Part<'w> = (Weight<'w>, Option<&'w CudaSlice<f32>>);
@@ -184,6 +188,8 @@ type Part<'w> = (Weight<'w>, Option<&'w CudaSlice<f32>>);
 /// A block's parameters by part: each part's weight and bias, where it has one.
 struct BlockWeights<'w> {
     parts: [Part<'w>; PARTS],
+    /// Each part's weight's place among the block's tensors.
+    first: [usize; PARTS],
     /// Qwen3's norms of q and k: their weights.
     qk_norms: Option<[&'w CudaSlice<f32>; 2]>,
 }
@@ -475,8 +481,21 @@ pub struct HeadGrads {
     /// The final norm's weight and (GPT-2) bias, in the group's order.
     pub norm: Vec<CudaSlice<f32>>,
     /// The output matrix `[vocab, d]`: the head's own, or the token
-    /// embedding's when tied.
-    pub out: CudaSlice<f32>,
+    /// embedding's when tied; none where it is frozen.
+    pub out: Option<CudaSlice<f32>>,
+}
+
+/// What [`GptGpu::head`] computes beyond the loss.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadPass {
+    /// The loss alone.
+    Loss,
+    /// The gradients of the loss too.
+    Backward {
+        /// The output matrix's as well: a frozen matrix skips its product,
+        /// as large as the logits' own.
+        output: bool,
+    },
 }
 
 /// A norm's per-row statistics, kept for its backward.
@@ -490,6 +509,14 @@ enum Stats {
 /// A layer's backward: its input's gradient and its parameters' (weight,
 /// and bias where it has one).
 type Backward = (CudaSlice<f32>, CudaSlice<f32>, Option<CudaSlice<f32>>);
+
+/// A linear layer's backward: [`Backward`] with no weight gradient where
+/// the weight is frozen.
+type LinearBackward = (
+    CudaSlice<f32>,
+    Option<CudaSlice<f32>>,
+    Option<CudaSlice<f32>>,
+);
 
 /// What attention keeps for its backward: the output rows (`[b, t, d]`,
 /// the output projection's input; also in 16 bits where the fused kernel
@@ -864,6 +891,7 @@ impl GptGpu {
                     .flatten();
                 (weight, bias)
             }),
+            first,
             qk_norms: match qk_norms {
                 0 => None,
                 _ => Some([w.part(qk_at)?, w.part(qk_at + 1)?]),
@@ -1240,13 +1268,17 @@ impl GptGpu {
     }
 
     /// A block's backward from `dy`: its parameters' gradients (zmodel's
-    /// flat order) and its input's gradient.
+    /// flat order) and its input's gradient. `frozen` says, in that order,
+    /// which tensors are frozen (`train.freeze`): a frozen linear weight's
+    /// gradient, a product of the forward's size, is not made (`None` in
+    /// its place); every other tensor's is, to the same bits.
     pub fn block_backward(
         &self,
         w: &Weights,
         acts: &BlockActs,
         dy: &Rows,
-    ) -> Result<(Vec<CudaSlice<f32>>, Rows), CudaError> {
+        frozen: &[bool],
+    ) -> Result<(Vec<MaybeGrad>, Rows), CudaError> {
         let (d, q, fi) = (
             self.shape.d_model,
             self.shape.qkv_width(),
@@ -1255,6 +1287,14 @@ impl GptGpu {
         let (b, t) = dy.dims();
         let (n, aw) = (b * t, self.shape.attn_width());
         let weights = self.block_params(w)?;
+        if frozen.len() != w.tensors() {
+            return Err(CudaError::Invalid(format!(
+                "block backward: {} frozen flags for {} tensors",
+                frozen.len(),
+                w.tensors()
+            )));
+        }
+        let trains = weights.first.map(|i| !frozen[i]);
         let [norm1, qkv_w, out_w, norm2, in_w, mlp_out] = weights.parts;
         let dy = &dy.buf;
         // Each part's (weight, bias) gradients, filled from the last part.
@@ -1265,7 +1305,8 @@ impl GptGpu {
         let dropped = self.dropped(dy, drop_mlp)?;
         let f = self.shape.ffn;
         let branch = dropped.as_ref().unwrap_or(dy);
-        let (dg, dw, db) = self.linear_backward(acts.g.operand(f), n, f, mlp_out, d, branch)?;
+        let (dg, dw, db) =
+            self.linear_backward(acts.g.operand(f), n, f, mlp_out, d, branch, trains[5])?;
         drop(dropped);
         grads[5] = Some((dw, db));
         let mut dh = self.alloc(n * fi)?;
@@ -1274,17 +1315,18 @@ impl GptGpu {
             Family::Llama { .. } => self.swiglu_backward(&acts.h, &dg, &mut dh, n)?,
         }
         drop(dg);
-        let (da2, dw, db) = self.linear_backward(acts.a2.operand(d), n, d, in_w, fi, &dh)?;
+        let (da2, dw, db) =
+            self.linear_backward(acts.a2.operand(d), n, d, in_w, fi, &dh, trains[4])?;
         grads[4] = Some((dw, db));
         drop(dh);
         let (drows1, dw, db) =
             self.norm_backward(&acts.rows1, norm2, &acts.stats2, &da2, Some(dy), n)?;
-        grads[3] = Some((dw, db));
+        grads[3] = Some((Some(dw), db));
         // rows1 = x + drop(att·W_o (+ b_o))
         let att = acts.attention.operand(aw);
         let dropped = self.dropped(&drows1, drop_attention)?;
         let branch = dropped.as_ref().unwrap_or(&drows1);
-        let (datt, dw, db) = self.linear_backward(att, n, aw, out_w, d, branch)?;
+        let (datt, dw, db) = self.linear_backward(att, n, aw, out_w, d, branch, trains[2])?;
         drop(dropped);
         grads[2] = Some((dw, db));
         let mut dqkv = self.attention_backward(&acts.attention, &datt, b, t)?;
@@ -1295,22 +1337,23 @@ impl GptGpu {
             (Some(kept), Some(w)) => self.qk_norm_backward(&mut dqkv, w, kept, b, t)?,
             _ => Vec::new(),
         };
-        let (da1, dw, db) = self.linear_backward(acts.a1.operand(d), n, d, qkv_w, q, &dqkv)?;
+        let (da1, dw, db) =
+            self.linear_backward(acts.a1.operand(d), n, d, qkv_w, q, &dqkv, trains[1])?;
         grads[1] = Some((dw, db));
         let (dx, dw, db) =
             self.norm_backward(&acts.x.buf, norm1, &acts.stats1, &da1, Some(&drows1), n)?;
-        grads[0] = Some((dw, db));
-        let mut grads: Vec<CudaSlice<f32>> = grads
+        grads[0] = Some((Some(dw), db));
+        let mut grads: Vec<MaybeGrad> = grads
             .into_iter()
             .flat_map(|g| {
                 let (w, b) = g.expect("every part's gradient set");
-                std::iter::once(w).chain(b)
+                std::iter::once(w).chain(b.map(Some))
             })
             .collect();
         // Qwen3's norms of q and k follow the q, k and v projection's.
         let after_qkv =
             2 + usize::from(self.shape.part_biases()[0]) + usize::from(self.shape.part_biases()[1]);
-        grads.splice(after_qkv..after_qkv, qk_grads);
+        grads.splice(after_qkv..after_qkv, qk_grads.into_iter().map(Some));
         Ok((
             grads,
             Rows {
@@ -1328,8 +1371,8 @@ impl GptGpu {
     /// tied the token embedding, `wte`'s first), the cross-entropy against
     /// `targets` summed over the rows whose target is not `IGNORED` (a loss
     /// mask's, `u32::MAX`) and divided by `divisor` (the row count for the
-    /// mean; zmodel's `Batch::divisor`); with `backward`, the gradients of
-    /// that loss times `scale`.
+    /// mean; zmodel's `Batch::divisor`); with [`HeadPass::Backward`], the
+    /// gradients of that loss times `scale`.
     #[allow(clippy::too_many_arguments)]
     pub fn head(
         &self,
@@ -1339,8 +1382,9 @@ impl GptGpu {
         targets: &[u32],
         scale: f64,
         divisor: f64,
-        backward: bool,
+        pass: HeadPass,
     ) -> Result<HeadOut, CudaError> {
+        let backward = matches!(pass, HeadPass::Backward { .. });
         let GptShape {
             d_model: d, vocab, ..
         } = self.shape;
@@ -1473,16 +1517,22 @@ impl GptGpu {
             (&mut dnormed, 0, d),
             ONE,
         )?;
-        let mut dout = self.alloc(vocab * d)?;
-        self.gemm(
-            true,
-            false,
-            (vocab, d, n),
-            dlogits,
-            normed.operand(d),
-            (&mut dout, 0, d),
-            ONE,
-        )?;
+        let dout = match pass {
+            HeadPass::Backward { output: true } => {
+                let mut dout = self.alloc(vocab * d)?;
+                self.gemm(
+                    true,
+                    false,
+                    (vocab, d, n),
+                    dlogits,
+                    normed.operand(d),
+                    (&mut dout, 0, d),
+                    ONE,
+                )?;
+                Some(dout)
+            }
+            _ => None,
+        };
         let (dx, dw, db) = self.norm_backward(&x.buf, (nw, nb), &stats, &dnormed, None, n)?;
         Ok(HeadOut {
             loss,
@@ -1600,8 +1650,9 @@ impl GptGpu {
         Ok(y)
     }
 
-    /// The backward of [`GptGpu::linear`]: (dx `[n, k]`, dW, and db where
-    /// the layer has a bias).
+    /// The backward of [`GptGpu::linear`]: (dx `[n, k]`, dW where
+    /// `weight_trains`, and db where the layer has a bias).
+    #[allow(clippy::too_many_arguments)]
     fn linear_backward(
         &self,
         x: Operand<'_>,
@@ -1610,7 +1661,8 @@ impl GptGpu {
         (w, bias): Part<'_>,
         width: usize,
         dy: &CudaSlice<f32>,
-    ) -> Result<Backward, CudaError> {
+        weight_trains: bool,
+    ) -> Result<LinearBackward, CudaError> {
         // With 16-bit products and a bias, the pass that sums the bias
         // gradient's columns also rounds dy for both products (one read of
         // dy instead of two, one launch instead of two; the same bits).
@@ -1628,16 +1680,22 @@ impl GptGpu {
             Some(ref rounded) => op16(rounded, 0, width),
             None => self.operand_twice(dy, n * width, width, &mut dy16)?,
         };
-        let mut dw = self.alloc(k * width)?;
-        self.gemm(
-            true,
-            false,
-            (k, width, n),
-            x,
-            dy_op,
-            (&mut dw, 0, width),
-            ONE,
-        )?;
+        let dw = match weight_trains {
+            true => {
+                let mut dw = self.alloc(k * width)?;
+                self.gemm(
+                    true,
+                    false,
+                    (k, width, n),
+                    x,
+                    dy_op,
+                    (&mut dw, 0, width),
+                    ONE,
+                )?;
+                Some(dw)
+            }
+            false => None,
+        };
         let mut dx = self.alloc(n * k)?;
         self.gemm(
             false,

@@ -36,7 +36,7 @@ mod profile;
 pub use compile::{compile, compile_with, kernel, CacheUse, Compiled, KernelSource, KERNELS};
 pub use gpt::{
     check_documents, rotary_table, rows_by_token, BlockActs, Dropouts, Family, GptGpu, GptShape,
-    HeadGrads, HeadOut, Mask, Noise, Rows, Weights, BLOCK_PARAMS,
+    HeadGrads, HeadOut, HeadPass, Mask, Noise, Rows, Weights, BLOCK_PARAMS,
 };
 pub use gpu::{
     AdamConsts, AddInto, DeviceGrads, DeviceQuantized, Gpu, Half16, Pinned, RunParams, Staging,

@@ -805,7 +805,10 @@ fn matches_the_cpu_model_with(
     // kernel by the operands' alignment too, and on an H200 (2026-11-30)
     // bf16 products of weights 2 bytes off that boundary (gaps of 5) gave
     // other bits than the same values in a fresh, aligned buffer.
-    let run = |copy: bool| {
+    // With `frozen`, the block's linear weights and the output matrix are
+    // frozen: their gradients are not made, and nothing else moves.
+    let linear_weights: Vec<bool> = groups[1].params.iter().map(|p| p.product_operand).collect();
+    let run = |copy: bool, frozen: bool| {
         let up = |gi: usize| {
             let g = [&emb, &block, &head][gi];
             let refs: Vec<&[f32]> = g.iter().map(|v| v.as_slice()).collect();
@@ -853,19 +856,35 @@ fn matches_the_cpu_model_with(
             )
             .unwrap();
         let y_host = gpu.download(&gy).unwrap();
+        let pass = crate::HeadPass::Backward { output: !frozen };
         let out = gpu
-            .head(&gy, &hw, tied.then_some(&ew), &targets, 1.0, divisor, true)
+            .head(&gy, &hw, tied.then_some(&ew), &targets, 1.0, divisor, pass)
             .unwrap();
         let gdy = out.dx.as_ref().unwrap();
         let dy_host = gpu.download(gdy).unwrap();
-        let (grads, gdx) = gpu.block_backward(&w, &gacts, gdy).unwrap();
+        let frozen_slots = match frozen {
+            true => linear_weights.clone(),
+            false => vec![false; linear_weights.len()],
+        };
+        let (grads, gdx) = gpu.block_backward(&w, &gacts, gdy, &frozen_slots).unwrap();
         let dx_host = gpu.download(&gdx).unwrap();
         let hg = out.grads.unwrap();
-        let head_grads = gpu.download_all(&[hg.norm, vec![hg.out]].concat()).unwrap();
-        let grads = gpu.download_all(&grads).unwrap();
-        (y_host, out.loss, head_grads, dy_host, grads, dx_host)
+        let head_grads = gpu.download_all(&[hg.norm, hg.out.into_iter().collect()].concat());
+        let made: Vec<_> = grads.iter().flatten().cloned().collect();
+        let mut made = gpu.download_all(&made).unwrap().into_iter();
+        let grads: Vec<Option<Vec<f32>>> = (grads.iter())
+            .map(|g| g.as_ref().map(|_| made.next().expect("one for each")))
+            .collect();
+        (
+            y_host,
+            out.loss,
+            head_grads.unwrap(),
+            dy_host,
+            grads,
+            dx_host,
+        )
     };
-    let first = run(false);
+    let first = run(false, false);
     let (gy, gloss, ghead, gdy, ggrads, gdx) = &first;
 
     let mut report = Vec::new();
@@ -893,6 +912,7 @@ fn matches_the_cpu_model_with(
     );
     assert_eq!(ggrads.len(), bgrads.len(), "the block's gradients");
     for (i, (g, c)) in ggrads.iter().zip(&bgrads).enumerate() {
+        let g = g.as_ref().expect("nothing frozen");
         check(format!("block {}", groups[1].params[i].name), g, c);
     }
     check("block dx".into(), gdx, &values(&dx));
@@ -915,10 +935,31 @@ fn matches_the_cpu_model_with(
         "products within f32's rounding ({worst:.2e}): were 16-bit or TF32 products on?"
     );
 
-    let second = run(false);
+    let second = run(false, false);
     assert!(first == second, "the GPU's second run changed bits");
+    // Frozen: the same bits for everything made, nothing for the frozen.
+    let (fy, floss, fhead, fdy, fgrads, fdx) = run(false, true);
+    assert!(
+        (fy, floss, fdy, fdx) == (first.0.clone(), first.1, first.3.clone(), first.5.clone()),
+        "frozen weights changed the forward or an input's gradient"
+    );
+    assert!(
+        fhead[..] == first.2[..first.2.len() - 1],
+        "frozen output matrix: the norm's gradients moved, or the matrix's was made"
+    );
+    for (i, (f, g)) in fgrads.iter().zip(&first.4).enumerate() {
+        let name = &groups[1].params[i].name;
+        match linear_weights[i] {
+            true => assert!(f.is_none(), "{name}: frozen, yet its gradient was made"),
+            false => assert!(f == g, "{name}: its gradient moved when the weights froze"),
+        }
+    }
+    assert!(
+        linear_weights.iter().filter(|&&w| w).count() == 4,
+        "four linear weights"
+    );
     if half.is_some() {
-        let from_copy = run(true);
+        let from_copy = run(true, false);
         assert!(
             first == from_copy,
             "products reading the weights' 16-bit working copy changed bits"

@@ -307,23 +307,21 @@ impl Engine {
     /// matrix 2 in the forward, 2 for the input gradient where backward
     /// goes (the head always, the blocks from the lowest that trains
     /// up) and 2 for the gradient of each parameter that trains; attention
-    /// `4·h·hd·T` forward and twice that backward. Without freezing, and
-    /// on a GPU (whose backward runs every product, frozen or not), the
-    /// model's figure.
+    /// `4·h·hd·T` forward and twice that backward. Without freezing, the
+    /// model's figure. (The GPU's backward skips the same products.)
     pub fn flops_per_token(&self) -> f64 {
-        let skips = !self.on_gpu();
-        let reach = if skips { self.backward_reach } else { 1 };
+        let reach = self.backward_reach;
         let m = self.model.config();
         let head = (m.vocab_size * m.d_model) as f64;
         let attention = 4.0 * (m.attn_width() * m.window().unwrap_or(m.seq_len)) as f64;
         let numel = |g: &usize, trained_only: bool| -> f64 {
             let params = self.groups[*g].layout.params.iter();
             params
-                .filter(|p| !(trained_only && skips && p.frozen))
+                .filter(|p| !(trained_only && p.frozen))
                 .map(|p| p.range.len() as f64)
                 .sum()
         };
-        let mut flops = match skips && self.model.frozen_output() {
+        let mut flops = match self.model.frozen_output() {
             true => 4.0 * head,
             false => 6.0 * head,
         };

@@ -819,10 +819,11 @@ impl Engine {
     /// bucket may leave).
     fn gpu_group_done(&mut self, g: usize, reduce_now: bool) -> Result<(), EngineError> {
         if !self.gpu_resident() {
+            // (The host's buckets leave wholly frozen groups out.)
             if reduce_now {
                 self.group_done(g)?;
             }
-        } else if self.gpu_sliced_grads() {
+        } else if self.gpu_sliced_grads() && !self.groups[g].layout.all_frozen() {
             self.gpu_reduce_scatter_group(g)?;
         }
         Ok(())
@@ -953,10 +954,13 @@ impl Engine {
                 self.gpu_upload_ahead(&gpu, gather, block + 1)?;
             }
             let (y, acts) = gpu.block_forward(&w, x, block_masks(block))?;
-            saved.push(match checkpointing {
-                true => Saved::Input(acts.into_input()),
-                false => Saved::Acts(Box::new(acts)),
-            });
+            // Backward stops above frozen blocks: nothing of theirs is kept.
+            if block >= self.backward_reach {
+                saved.push(match checkpointing {
+                    true => Saved::Input(acts.into_input()),
+                    false => Saved::Acts(Box::new(acts)),
+                });
+            }
             x = y;
         }
         self.forward_done = Some(std::time::Instant::now());
@@ -966,6 +970,7 @@ impl Engine {
         let tied = wte.is_some();
         let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
         self.gpu_nccl_wait()?; // the head downloads its loss
+        let output = !self.model.frozen_output();
         let res = gpu.head(
             &x,
             &hw,
@@ -973,7 +978,7 @@ impl Engine {
             &batch.targets,
             scale,
             batch.divisor,
-            true,
+            zcuda::HeadPass::Backward { output },
         )?;
         drop((x, hw, wte));
         if !res.loss.is_finite() {
@@ -985,13 +990,14 @@ impl Engine {
         }
         let hg = res.grads.as_ref().expect("the head's backward ran");
         // The norm's gradients, then an untied output matrix's.
+        // (No output matrix's where it is frozen.)
         let mut grads: Vec<_> = hg.norm.iter().enumerate().collect();
-        if !tied {
-            grads.push((hg.norm.len(), &hg.out));
+        if let (Some(out), false) = (&hg.out, tied) {
+            grads.push((hg.norm.len(), out));
         }
         self.gpu_add_grads(&gpu, head, &grads)?;
-        if tied {
-            self.gpu_add_grads(&gpu, 0, &[(0, &hg.out)])?;
+        if let (Some(out), true) = (&hg.out, tied) {
+            self.gpu_add_grads(&gpu, 0, &[(0, out)])?;
         }
         self.gpu_release_head(tied);
         self.gpu_group_done(head, reduce_now)?;
@@ -1001,16 +1007,21 @@ impl Engine {
         // Host flow: block b's gradients are added on the host while the GPU
         // runs block b - 1's backward.
         let mut landing: Option<(usize, Landing)> = None;
-        for block in (1..=n_layers).rev() {
+        for block in (self.backward_reach.max(1)..=n_layers).rev() {
             let w = self.gpu_weights(&gpu, gather, block)?;
             let acts = match saved.pop() {
                 Some(Saved::Acts(acts)) => *acts,
                 Some(Saved::Input(x)) => gpu.block_forward(&w, x, block_masks(block))?.1,
                 None => return Err(EngineError::Gpu(format!("block {block}: nothing saved"))),
             };
-            let (grads, next) = gpu.block_backward(&w, &acts, &dx)?;
+            let frozen: Vec<bool> = (self.groups[block].layout.params.iter())
+                .map(|p| p.frozen)
+                .collect();
+            let (grads, next) = gpu.block_backward(&w, &acts, &dx, &frozen)?;
             drop((acts, w));
-            let by_slot: Vec<_> = grads.iter().enumerate().collect();
+            let by_slot: Vec<_> = (grads.iter().enumerate())
+                .filter_map(|(slot, g)| Some((slot, g.as_ref()?)))
+                .collect();
             let sent = self.gpu_send_grads(&gpu, block, &by_slot)?;
             if let Some((b, l)) = landing.take() {
                 self.gpu_finish_block(b, l, reduce_now)?;
@@ -1027,21 +1038,25 @@ impl Engine {
         if let Some((b, l)) = landing.take() {
             self.gpu_finish_block(b, l, reduce_now)?;
         }
+        // A frozen embedding (backward stopped above it) takes no gradient.
+        let embedding_trains = self.backward_reach == 0;
         if self.gpu_resident() {
-            // The host's scatter-add, to the bit, on the GPU.
-            let first = batch.documents.as_ref().map(|d| d.per_token());
-            // The dropped embeddings' gradient, through the same mask.
-            gpu.noise_and_dropout(&mut dx, None, embedding_mask)?;
-            let grads = gpu.embed_backward(&batch.inputs, first, &dx)?;
-            let by_slot: Vec<_> = grads.iter().enumerate().collect();
-            self.gpu_add_grads(&gpu, 0, &by_slot)?;
-            self.gpu_group_done(0, reduce_now)?;
+            if embedding_trains {
+                // The host's scatter-add, to the bit, on the GPU.
+                let first = batch.documents.as_ref().map(|d| d.per_token());
+                // The dropped embeddings' gradient, through the same mask.
+                gpu.noise_and_dropout(&mut dx, None, embedding_mask)?;
+                let grads = gpu.embed_backward(&batch.inputs, first, &dx)?;
+                let by_slot: Vec<_> = grads.iter().enumerate().collect();
+                self.gpu_add_grads(&gpu, 0, &by_slot)?;
+                self.gpu_group_done(0, reduce_now)?;
+            }
             if let Some(nccl) = self.nccl.as_mut().filter(|_| reduce_now) {
                 // The next micro-batch's first download would wait on these
                 // reductions with no deadline: wait here, with one.
                 nccl.wait()?;
             }
-        } else {
+        } else if embedding_trains {
             let (b, t) = dx.dims();
             let d = self.spec.model.d_model;
             let dx = Tensor::from_vec(gpu.download(&dx)?, (b, t, d), &Device::Cpu)?;
@@ -1074,7 +1089,7 @@ impl Engine {
                 &batch.targets,
                 1.0,
                 batch.divisor,
-                false,
+                zcuda::HeadPass::Loss,
             )?
             .loss;
         self.gpu_release_head(tied);
@@ -1117,6 +1132,9 @@ impl Engine {
         let r = self.gpu_resident.as_mut().expect("just made");
         if let Some(nccl) = &mut self.nccl {
             for (i, g) in r.groups.iter_mut().enumerate() {
+                if self.groups[i].layout.all_frozen() {
+                    continue; // its gradients are zeros
+                }
                 let what = format!("group {i}'s gradients");
                 match (reduced_already, sliced) {
                     (true, _) => {} // stages 2-3: as each micro-batch ended
@@ -1253,6 +1271,9 @@ impl Engine {
             let r = self.gpu_resident.as_mut().expect("resident");
             let hc = r.half_comm.as_mut().ok_or_else(no_half)?;
             for (i, (g, p)) in r.groups.iter_mut().zip(plans).enumerate() {
+                if self.groups[i].layout.all_frozen() {
+                    continue; // its gradients are zeros
+                }
                 let h = g.half.as_mut().ok_or_else(no_half)?;
                 let what = format!("group {i}'s gradients");
                 let mut wide = hc.wide.slice_mut(..h.grads.len());
@@ -1392,6 +1413,9 @@ impl Engine {
             return Err(EngineError::Gpu("sharing parameters needs NCCL".into()));
         };
         for (gi, p) in plans.iter().enumerate() {
+            if self.groups[gi].layout.all_frozen() {
+                continue; // no parameter of it moved
+            }
             let padded = self.groups[gi].layout.padded;
             let what = format!("group {gi}'s parameters");
             let g = &mut r.groups[gi];

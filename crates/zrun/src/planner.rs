@@ -592,7 +592,7 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         let states = worker_states(&job.spec, world);
         let t = &job.spec.train;
         let (plain, checkpointed) =
-            frozen_activation_bytes(&job.spec.model, t.micro_batch_size, &t.freeze);
+            frozen_activation_bytes(&job.spec.model, t.micro_batch_size, &t.freeze, true);
         let acts = if job.spec.train.activation_checkpointing {
             checkpointed
         } else {
