@@ -10,6 +10,11 @@
 //! of the bucket (zcomm's `chunk_range`) is exactly rank r's slices. A
 //! reduce-scatter of a bucket therefore hands each rank the gradient of what it
 //! owns, and an all-reduce is the same reduce-scatter plus an all-gather.
+//! Frozen parameters (`train.freeze`) have no gradient, only zeros, so a
+//! bucket leaves them out: chunk r holds rank r's slices less their frozen
+//! runs, then zeros up to the longest rank's. Each element stays in its
+//! owner's chunk, where zcomm's sums take the same order, so the bits are
+//! those of the whole buffers' reduction.
 
 use std::ops::Range;
 
@@ -198,82 +203,125 @@ impl GroupLayout {
 pub struct Bucket {
     /// Group indices, in the order backward completes them.
     pub groups: Vec<usize>,
-    /// Total padded elements.
+    /// Elements of the packed buffer: one chunk a rank, all of one length.
     pub len: usize,
+    /// Each rank's runs in its chunk, in order: (group, flat range within
+    /// the rank's slice of the group).
+    runs: Vec<Vec<(usize, Range<usize>)>>,
 }
 
 impl Bucket {
     /// Splits groups, taken in the order backward completes them, into
     /// buckets of at least `bucket_size` elements (the last bucket may be
-    /// smaller).
-    pub fn plan(layouts: &[GroupLayout], backward: &[usize], bucket_size: usize) -> Vec<Bucket> {
+    /// smaller). With `leave_frozen_out`, a bucket carries no frozen
+    /// parameter's elements.
+    pub fn plan(
+        layouts: &[GroupLayout],
+        backward: &[usize],
+        bucket_size: usize,
+        leave_frozen_out: bool,
+    ) -> Vec<Bucket> {
         let mut out = Vec::new();
-        let mut cur = Bucket {
-            groups: Vec::new(),
-            len: 0,
-        };
+        let (mut groups, mut len) = (Vec::new(), 0);
         for &g in backward {
-            cur.groups.push(g);
-            cur.len += layouts[g].padded;
-            if cur.len >= bucket_size {
-                out.push(std::mem::replace(
-                    &mut cur,
-                    Bucket {
-                        groups: Vec::new(),
-                        len: 0,
-                    },
-                ));
+            groups.push(g);
+            len += layouts[g].padded;
+            if len >= bucket_size {
+                let done = std::mem::take(&mut groups);
+                out.push(Bucket::over(layouts, done, leave_frozen_out));
+                len = 0;
             }
         }
-        if !cur.groups.is_empty() {
-            out.push(cur);
+        if !groups.is_empty() {
+            out.push(Bucket::over(layouts, groups, leave_frozen_out));
         }
         out
+    }
+
+    /// The bucket of `groups`: each rank's slices of them in order, less
+    /// their frozen runs with `leave_frozen_out` (adjacent runs joined).
+    fn over(layouts: &[GroupLayout], groups: Vec<usize>, leave_frozen_out: bool) -> Bucket {
+        let world = groups.first().map_or(1, |&g| layouts[g].world);
+        let runs: Vec<Vec<(usize, Range<usize>)>> = (0..world)
+            .map(|r| {
+                let mut runs: Vec<(usize, Range<usize>)> = Vec::new();
+                for &g in &groups {
+                    let slice = layouts[g].slice(r);
+                    let kept = match leave_frozen_out {
+                        true => (layouts[g].update_runs(slice).into_iter())
+                            .filter(|(_, decay)| decay.is_some())
+                            .map(|(range, _)| range)
+                            .collect(),
+                        false => vec![slice],
+                    };
+                    for range in kept {
+                        match runs.last_mut() {
+                            Some((h, last)) if *h == g && last.end == range.start => {
+                                last.end = range.end
+                            }
+                            _ => runs.push((g, range)),
+                        }
+                    }
+                }
+                runs
+            })
+            .collect();
+        let longest = (runs.iter())
+            .map(|r| r.iter().map(|(_, range)| range.len()).sum::<usize>())
+            .max()
+            .unwrap_or(0);
+        Bucket {
+            groups,
+            len: world * longest,
+            runs,
+        }
+    }
+
+    /// Elements of one rank's chunk.
+    fn chunk(&self) -> usize {
+        self.len / self.runs.len()
     }
 
     /// Copies the groups' buffers into one rank-major bucket buffer, `out`
     /// (emptied first: a buffer an earlier reduction gave back).
     /// `bufs` is indexed by group; only this bucket's groups are read.
-    pub fn pack(
-        &self,
-        layouts: &[GroupLayout],
-        bufs: &[&Flat],
-        world: usize,
-        mut out: Vec<f32>,
-    ) -> Vec<f32> {
+    pub fn pack(&self, bufs: &[&Flat], mut out: Vec<f32>) -> Vec<f32> {
         out.clear();
         out.reserve(self.len);
-        for r in 0..world {
-            for &g in &self.groups {
-                bufs[g].extend_f32(layouts[g].slice(r), &mut out);
+        for (r, runs) in self.runs.iter().enumerate() {
+            for (g, range) in runs {
+                bufs[*g].extend_f32(range.clone(), &mut out);
             }
+            out.resize((r + 1) * self.chunk(), 0.0);
         }
         out
     }
 
-    /// Splits rank `rank`'s chunk of a packed bucket into its groups' slices:
-    /// yields (group, range within the chunk).
-    pub fn own_parts(&self, layouts: &[GroupLayout]) -> Vec<(usize, Range<usize>)> {
+    /// Splits rank `rank`'s chunk of a packed bucket into its runs: yields
+    /// (group, range within the chunk, offset within the rank's slice of
+    /// the group).
+    pub fn own_parts(
+        &self,
+        rank: usize,
+        layouts: &[GroupLayout],
+    ) -> Vec<(usize, Range<usize>, usize)> {
         let mut at = 0;
-        self.groups
-            .iter()
-            .map(|&g| {
-                let n = layouts[g].slice_len();
-                at += n;
-                (g, at - n..at)
+        (self.runs[rank].iter())
+            .map(|(g, range)| {
+                at += range.len();
+                let offset = range.start - layouts[*g].slice(rank).start;
+                (*g, at - range.len()..at, offset)
             })
             .collect()
     }
 
     /// Copies a rank-major bucket buffer back into the groups' buffers.
-    pub fn unpack(&self, layouts: &[GroupLayout], packed: &[f32], bufs: &mut [Flat], world: usize) {
-        let mut at = 0;
-        for r in 0..world {
-            for &g in &self.groups {
-                let s = layouts[g].slice(r);
-                let n = s.len();
-                bufs[g].set_f32(s.start, &packed[at..at + n]);
-                at += n;
+    pub fn unpack(&self, packed: &[f32], bufs: &mut [Flat]) {
+        for (r, runs) in self.runs.iter().enumerate() {
+            let mut at = r * self.chunk();
+            for (g, range) in runs {
+                bufs[*g].set_f32(range.start, &packed[at..at + range.len()]);
+                at += range.len();
             }
         }
     }
@@ -384,7 +432,7 @@ mod tests {
             .iter()
             .map(|&n| GroupLayout::new(&spec(&[n]), world))
             .collect();
-        let buckets = Bucket::plan(&layouts, &[2, 1, 0], 100);
+        let buckets = Bucket::plan(&layouts, &[2, 1, 0], 100, true);
         assert_eq!(
             buckets.iter().map(|b| b.groups.clone()).collect::<Vec<_>>(),
             vec![vec![2], vec![1, 0]]
@@ -398,7 +446,7 @@ mod tests {
         let flats: Vec<Flat> = bufs.iter().map(|v| Flat::F32(v.clone())).collect();
         let views: Vec<&Flat> = flats.iter().collect();
         // Into a used buffer, as the engine packs into one a reduction gave back.
-        let packed = b.pack(&layouts, &views, world, vec![7.0; 3]);
+        let packed = b.pack(&views, vec![7.0; 3]);
         assert_eq!(packed.len(), b.len);
         let chunk = zcomm::chunk_range(packed.len(), world, 1);
         let mut want = bufs[1][layouts[1].slice(1)].to_vec();
@@ -408,8 +456,67 @@ mod tests {
             .iter()
             .map(|l| Flat::zeros(None, l.padded))
             .collect();
-        b.unpack(&layouts, &packed, &mut back, world);
+        b.unpack(&packed, &mut back);
         assert_eq!(back[0], flats[0]);
         assert_eq!(back[1], flats[1]);
+    }
+
+    #[test]
+    fn a_bucket_leaves_frozen_parameters_out_of_every_ranks_chunk() {
+        // Two ranks; group 0: a (10, frozen), b (30), c (20, frozen), padded
+        // to 64: slices 0..32 and 32..64; group 1: d (40, frozen), padded
+        // to 64. Group 1's rank-0 slice is all frozen.
+        let world = 2;
+        let mut layouts = vec![
+            GroupLayout::new(&spec(&[10, 30, 20]), world),
+            GroupLayout::new(&spec(&[40, 3]), world),
+        ];
+        layouts[0].freeze(&["p0".into(), "p2".into()]);
+        layouts[1].freeze(&["p0".into()]);
+        let bufs: Vec<Flat> = (layouts.iter().enumerate())
+            .map(|(g, l)| Flat::F32((0..l.padded).map(|i| (g * 1000 + i) as f32).collect()))
+            .collect();
+        let views: Vec<&Flat> = bufs.iter().collect();
+        let b = &Bucket::plan(&layouts, &[1, 0], 1000, true)[0];
+        assert_eq!(b.groups, vec![1, 0]);
+        // Rank 0: group 1 nothing, group 0 10..32 (b's part); rank 1: group
+        // 1 40..64 (the small parameter and padding), group 0 32..40 and
+        // 60..64 (b's rest, padding): 22 and 36, so chunks of 36.
+        let want0: Vec<f32> = (10..32).map(|i| i as f32).collect();
+        let mut want1: Vec<f32> = (40..64).map(|i| (1000 + i) as f32).collect();
+        want1.extend((32..40).chain(60..64).map(|i| i as f32));
+        assert_eq!(b.len, 2 * 36);
+        let packed = b.pack(&views, Vec::new());
+        assert_eq!(&packed[..22], &want0[..]);
+        assert!(packed[22..36].iter().all(|&x| x == 0.0), "{packed:?}");
+        assert_eq!(&packed[36..], &want1[..]);
+        // Each rank's parts: group, place in the chunk, offset in its slice.
+        assert_eq!(b.own_parts(0, &layouts), vec![(0, 0..22, 10)]);
+        assert_eq!(
+            b.own_parts(1, &layouts),
+            vec![(1, 0..24, 8), (0, 24..32, 0), (0, 32..36, 28)]
+        );
+        // Unpacked, every run goes back and the frozen runs keep what they
+        // held.
+        let mut back: Vec<Flat> = layouts
+            .iter()
+            .map(|l| Flat::F32(vec![-1.0; l.padded]))
+            .collect();
+        b.unpack(&packed, &mut back);
+        let got = |g: usize| back[g].to_f32(0..layouts[g].padded);
+        let frozen = |g: usize, i: usize| layouts[g].frozen_in(&(i..i + 1));
+        for g in 0..2 {
+            for (i, v) in got(g).into_iter().enumerate() {
+                let want = if frozen(g, i) {
+                    -1.0
+                } else {
+                    (g * 1000 + i) as f32
+                };
+                assert_eq!(v, want, "group {g}, element {i}");
+            }
+        }
+        // Without leaving them out: whole slices.
+        let whole = &Bucket::plan(&layouts, &[1, 0], 1000, false)[0];
+        assert_eq!(whole.len, 128);
     }
 }

@@ -64,7 +64,8 @@ impl Reducer {
         pool: bool,
     ) -> Reducer {
         Reducer {
-            buckets: Bucket::plan(layouts, backward, bucket_size),
+            // (qgZ's blocks stay those of the whole buffers.)
+            buckets: Bucket::plan(layouts, backward, bucket_size, quantized.is_none()),
             pending: VecDeque::new(),
             overlap,
             quantized,
@@ -115,7 +116,7 @@ impl Engine {
             if self.stage.partitions_gradients() {
                 for h in self.reducer.buckets[bi].groups.clone() {
                     let s = self.take_staged(h)?;
-                    self.add_own_grads(h, &s.to_f32(0..s.len()))?;
+                    self.add_own_grads(h, &[(0, &s.to_f32(0..s.len()))])?;
                 }
             }
             return Ok(());
@@ -166,22 +167,20 @@ impl Engine {
     /// Bucket `bi`'s gradients, packed rank-major: the full gradient buffers, or
     /// the staged micro-batch gradients where the stage partitions gradients.
     fn pack_bucket(&mut self, bi: usize) -> Result<Vec<f32>, EngineError> {
-        let world = self.comm.world_size();
-        let layouts: Vec<GroupLayout> = self.groups.iter().map(|x| x.layout.clone()).collect();
         let out = self.reducer.buffer(self.reducer.buckets[bi].len);
         if !self.stage.partitions_gradients() {
             for h in self.reducer.buckets[bi].groups.clone() {
                 self.groups[h].settled_grads();
             }
             let views: Vec<&Flat> = self.groups.iter().map(|x| &x.grads).collect();
-            return Ok(self.reducer.buckets[bi].pack(&layouts, &views, world, out));
+            return Ok(self.reducer.buckets[bi].pack(&views, out));
         }
         let mut staged: Vec<Flat> = vec![Flat::zeros(self.half, 0); self.groups.len()];
         for h in self.reducer.buckets[bi].groups.clone() {
             staged[h] = self.take_staged(h)?;
         }
         let views: Vec<&Flat> = staged.iter().collect();
-        Ok(self.reducer.buckets[bi].pack(&layouts, &views, world, out))
+        Ok(self.reducer.buckets[bi].pack(&views, out))
     }
 
     /// Puts away buckets that have finished, oldest first, so their buffers stop
@@ -215,7 +214,6 @@ impl Engine {
         reduced: Vec<f32>,
     ) -> Result<(), EngineError> {
         self.comm_buffers.sub(bytes);
-        let world = self.comm.world_size();
         let rank = self.comm.rank();
         let layouts: Vec<GroupLayout> = self.groups.iter().map(|x| x.layout.clone()).collect();
         let bucket = &self.reducer.buckets[bucket];
@@ -225,18 +223,28 @@ impl Engine {
                 .iter_mut()
                 .map(|g| std::mem::replace(&mut g.grads, Flat::F32(Vec::new())))
                 .collect();
-            bucket.unpack(&layouts, &reduced, &mut bufs, world);
+            bucket.unpack(&reduced, &mut bufs);
             for (g, b) in self.groups.iter_mut().zip(bufs) {
                 g.grads = b;
             }
         } else if !self.stage.partitions_gradients() {
-            for (g, part) in bucket.own_parts(&layouts) {
+            for (g, part, offset) in bucket.own_parts(rank, &layouts) {
                 let own = layouts[g].slice(rank);
-                self.groups[g].grads.set_f32(own.start, &reduced[part]);
+                self.groups[g]
+                    .grads
+                    .set_f32(own.start + offset, &reduced[part]);
             }
         } else {
-            for (g, part) in bucket.own_parts(&layouts) {
-                self.add_own_grads(g, &reduced[part])?;
+            let parts = bucket.own_parts(rank, &layouts);
+            // Every group of the bucket, one add each (an offloaded slice
+            // counts its adds), with its runs: none where all of this
+            // rank's slice of it is frozen.
+            for g in bucket.groups.clone() {
+                let runs: Vec<(usize, &[f32])> = (parts.iter())
+                    .filter(|(h, _, _)| *h == g)
+                    .map(|(_, part, offset)| (*offset, &reduced[part.clone()]))
+                    .collect();
+                self.add_own_grads(g, &runs)?;
             }
         }
         self.reducer.keep(reduced);
@@ -244,10 +252,12 @@ impl Engine {
     }
 
     /// Adds one micro-batch's reduced gradient slice of group `g` to the
-    /// rank's accumulated slice, in memory or in its swap file. Swapped, the
-    /// last micro-batch's add also averages an f32 slice in place and takes
-    /// its squared norm, as [`Engine::step`] does in memory.
-    fn add_own_grads(&mut self, g: usize, values: &[f32]) -> Result<(), EngineError> {
+    /// rank's accumulated slice, in memory or in its swap file: `runs` of
+    /// it, each (offset in the slice, values), the rest (frozen) left as
+    /// it is. Swapped, the last micro-batch's add also averages an f32
+    /// slice in place and takes its squared norm, as [`Engine::step`] does
+    /// in memory.
+    fn add_own_grads(&mut self, g: usize, runs: &[(usize, &[f32])]) -> Result<(), EngineError> {
         let half = self.half;
         let accum = self.spec.train.grad_accum;
         let (scale, rank) = (self.average_scale(), self.comm.rank());
@@ -258,11 +268,15 @@ impl Engine {
             ..
         } = self;
         let Some(off) = offload.as_mut().filter(|o| o.grad_adds(g).is_some()) else {
-            groups[g].grads.add_f32(0, values);
+            for (at, values) in runs {
+                groups[g].grads.add_f32(*at, values);
+            }
             return Ok(());
         };
         let mut grads = off.take_grads(g, half, swap_buffers)?;
-        grads.add_f32(0, values);
+        for (at, values) in runs {
+            grads.add_f32(*at, values);
+        }
         let complete = off.grad_adds(g) == Some(accum - 1);
         let own = groups[g].layout.slice(rank);
         let sum_sq =

@@ -1119,6 +1119,52 @@ fn backward_stops_above_the_frozen_layers() {
     );
 }
 
+/// Groups that train only in part reduce only what trains: with every
+/// weight frozen (BitFit: the biases train), buckets carry no frozen
+/// element, and every stage on 3 ranks (where the order of a sum of three
+/// matters, and each element must stay in its owner's chunk), in f32 and
+/// bf16, keeps stage 0's bits, the reductions shrinking to the trained
+/// share.
+#[test]
+fn partly_frozen_groups_reduce_only_what_trains() {
+    let bitfit = vec!["*.weight".to_string()];
+    let spec = |dtype, stage, freeze: &[String]| {
+        let mut spec = typed_spec(dtype, stage, 1, 2000, true, false, 3);
+        spec.train.freeze = freeze.to_vec();
+        spec
+    };
+    for dtype in ["f32", "bf16"] {
+        let base = train(spec(dtype, 0, &bitfit), 3);
+        for stage in 1..4u8 {
+            let got = train(spec(dtype, stage, &bitfit), 3);
+            for r in 0..3 {
+                let at = format!("{dtype} stage {stage} rank {r}");
+                assert_eq!(got[r].losses, base[r].losses, "losses: {at}");
+                assert!(got[r].params == base[r].params, "parameters: {at}");
+            }
+        }
+    }
+    let shapes = spec("f32", 0, &[]).model.param_shapes();
+    let numel = |s: &Vec<usize>| s.iter().product::<usize>() as f64;
+    let total: f64 = shapes.iter().map(|(_, s)| numel(s)).sum();
+    let trained: f64 = (shapes.iter())
+        .filter(|(n, _)| !zconfig::freeze::frozen(&bitfit, n))
+        .map(|(_, s)| numel(s))
+        .sum();
+    for (stage, op) in [(0, zproto::Op::AllReduce), (2, zproto::Op::ReduceScatter)] {
+        let bytes =
+            |freeze: &[String]| train(spec("f32", stage, freeze), 3)[0].counters.op(op) as f64;
+        let share = bytes(&bitfit) / bytes(&[]);
+        // Each rank's chunk of a bucket is as long as the longest: the
+        // biases fall unevenly on the ranks' slices.
+        assert!(
+            share > 0.0 && share < 3.0 * trained / total,
+            "stage {stage}: reduced {share:.4} of the gradient bytes for {:.4} of the parameters",
+            trained / total
+        );
+    }
+}
+
 /// The engine's gradient is the model's backward: one step's gradient
 /// norm on one rank equals the norm of the gradient that zmodel's forward
 /// and backward, called on whole parameters, give for the same batch
