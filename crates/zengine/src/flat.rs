@@ -184,6 +184,21 @@ impl GroupLayout {
             .any(|p| p.frozen && p.range.start < range.end && range.start < p.range.end)
     }
 
+    /// Rank `r`'s slice less its frozen parameters' runs (flat indices, in
+    /// order, adjacent runs joined; padding kept): the elements of the
+    /// slice that a gradient or an update can change.
+    pub fn trained_runs(&self, r: usize) -> Vec<Range<usize>> {
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        for (range, decay) in self.update_runs(self.slice(r)) {
+            match runs.last_mut() {
+                _ if decay.is_none() => {}
+                Some(last) if last.end == range.start => last.end = range.end,
+                _ => runs.push(range),
+            }
+        }
+        runs
+    }
+
     /// The parts of `range` (flat indices) the update moves, each
     /// parameter's with its decay flag, in order: frozen parameters left
     /// out, padding reported with `decay = false` (its zeros stay zeros).
@@ -246,13 +261,9 @@ impl Bucket {
             .map(|r| {
                 let mut runs: Vec<(usize, Range<usize>)> = Vec::new();
                 for &g in &groups {
-                    let slice = layouts[g].slice(r);
                     let kept = match leave_frozen_out {
-                        true => (layouts[g].update_runs(slice).into_iter())
-                            .filter(|(_, decay)| decay.is_some())
-                            .map(|(range, _)| range)
-                            .collect(),
-                        false => vec![slice],
+                        true => layouts[g].trained_runs(r),
+                        false => vec![layouts[g].slice(r)],
                     };
                     for range in kept {
                         match runs.last_mut() {

@@ -541,16 +541,55 @@ impl Engine {
             // already there, and no fresh buffer is faulted in every step;
             // 16-bit ones as they are, where going through collective words
             // copied every group's parameters out and back each step.
+            // A group frozen in part sends only what the update moved:
+            // each rank its runs, padded to the longest rank's.
+            let rank = self.comm.rank();
             let mut works = Vec::new();
             for (i, g) in self.groups.iter_mut().enumerate() {
                 // A group frozen whole is as every rank already holds it.
-                if !g.partitioned && !g.layout.all_frozen() {
-                    let buf = std::mem::replace(&mut g.params, Flat::zeros(self.half, 0));
-                    works.push((i, Gathering::in_place(self.comm.as_ref(), buf)));
+                if g.partitioned || g.layout.all_frozen() {
+                    continue;
                 }
+                if !g.layout.any_frozen() {
+                    let buf = std::mem::replace(&mut g.params, Flat::zeros(self.half, 0));
+                    works.push((
+                        i,
+                        Sharing::Whole(Gathering::in_place(self.comm.as_ref(), buf)),
+                    ));
+                    continue;
+                }
+                let runs: Vec<Vec<Range<usize>>> =
+                    (0..world).map(|r| g.layout.trained_runs(r)).collect();
+                let longest = (runs.iter())
+                    .map(|r| r.iter().map(|x| x.len()).sum::<usize>())
+                    .max()
+                    .unwrap_or(0);
+                let mut mine = Vec::with_capacity(longest);
+                for range in &runs[rank] {
+                    g.params.extend_f32(range.clone(), &mut mine);
+                }
+                mine.resize(longest, 0.0);
+                let work = self.comm.all_gather_async(mine, longest * world);
+                works.push((i, Sharing::Runs(runs, work)));
             }
             for (i, w) in works {
-                self.groups[i].params = w.wait(self.half)?;
+                match w {
+                    Sharing::Whole(gathering) => {
+                        self.groups[i].params = gathering.wait(self.half)?
+                    }
+                    Sharing::Runs(runs, work) => {
+                        let all = work.wait()?;
+                        let longest = all.len() / world;
+                        for (r, runs) in runs.iter().enumerate() {
+                            let mut at = r * longest;
+                            for range in runs {
+                                let values = &all[at..at + range.len()];
+                                self.groups[i].params.set_f32(range.start, values);
+                                at += range.len();
+                            }
+                        }
+                    }
+                }
             }
         }
         self.params_changed();
@@ -612,6 +651,15 @@ impl Engine {
         self.peak_activations = 0;
         stats
     }
+}
+
+/// A group's updated parameters going round after the step.
+enum Sharing {
+    /// The whole buffer, gathered in place.
+    Whole(Gathering),
+    /// Each rank's runs ([`crate::flat::GroupLayout::trained_runs`]), the
+    /// gathered chunks as long as the longest rank's.
+    Runs(Vec<Vec<Range<usize>>>, zcomm::Work<Vec<f32>>),
 }
 
 #[cfg(test)]

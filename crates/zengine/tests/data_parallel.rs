@@ -1124,7 +1124,7 @@ fn backward_stops_above_the_frozen_layers() {
 /// element, and every stage on 3 ranks (where the order of a sum of three
 /// matters, and each element must stay in its owner's chunk), in f32 and
 /// bf16, keeps stage 0's bits, the reductions shrinking to the trained
-/// share.
+/// share; and so do stages 1-2's gathers of the updated parameters.
 #[test]
 fn partly_frozen_groups_reduce_only_what_trains() {
     let bitfit = vec!["*.weight".to_string()];
@@ -1151,7 +1151,12 @@ fn partly_frozen_groups_reduce_only_what_trains() {
         .filter(|(n, _)| !zconfig::freeze::frozen(&bitfit, n))
         .map(|(_, s)| numel(s))
         .sum();
-    for (stage, op) in [(0, zproto::Op::AllReduce), (2, zproto::Op::ReduceScatter)] {
+    for (stage, op) in [
+        (0, zproto::Op::AllReduce),
+        (2, zproto::Op::ReduceScatter),
+        (1, zproto::Op::AllGather),
+        (2, zproto::Op::AllGather),
+    ] {
         let bytes =
             |freeze: &[String]| train(spec("f32", stage, freeze), 3)[0].counters.op(op) as f64;
         let share = bytes(&bitfit) / bytes(&[]);
@@ -1159,7 +1164,7 @@ fn partly_frozen_groups_reduce_only_what_trains() {
         // biases fall unevenly on the ranks' slices.
         assert!(
             share > 0.0 && share < 3.0 * trained / total,
-            "stage {stage}: reduced {share:.4} of the gradient bytes for {:.4} of the parameters",
+            "stage {stage} {op:?}: {share:.4} of the bytes for {:.4} of the parameters",
             trained / total
         );
     }
