@@ -191,15 +191,21 @@ pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
             bytes
         }
     };
-    // `train.freeze`: gradients for the groups that train, moments for the
-    // parameters that do; the master copy (mixed precision) for all.
+    // `train.freeze`: gradients for the parameters that train where ranks
+    // hold whole gradients (stages 0-1: a frozen parameter's pages are
+    // given back) and for the groups that train where they hold slices,
+    // moments for the parameters that train; the master copy (mixed
+    // precision) for all.
     let t = trained_elements(&spec.model, &spec.train.freeze);
     let master = match spec.train.dtype {
         Dtype::F32 => 0.0,
         Dtype::Bf16 | Dtype::F16 => 4.0,
     };
     let params = share(stage.partitions_parameters(), b.param * psi);
-    let grads = share(stage.partitions_gradients(), b.grad * t.with_grads);
+    let grads = match stage.partitions_gradients() {
+        true => b.grad * t.with_grads / n,
+        false => b.grad * t.trained,
+    };
     let optimizer = share(
         stage.partitions_optimizer(),
         master * psi + (b.optimizer - master) * t.trained,
@@ -701,16 +707,13 @@ mod tests {
         };
         let t = trained_elements(&untiled, &patterns(&["layers.*.mlp.gate_up_proj.weight"]));
         assert_eq!((t.with_grads, t.trained), (all, all - 2.0 * gate_up));
-        // f32 at stage 0: 4 bytes of parameter each, 4 of gradient where
-        // the group trains, 8 of moments where the parameter does.
+        // f32 at stage 0: 4 bytes of parameter each, 4 of gradient and 8 of
+        // moments where the parameter trains.
         spec.train.freeze = patterns(&["w*.weight", "h.{0-1}.*", "h.2.mlp.c_fc.weight"]);
         let t = trained_elements(&m, &spec.train.freeze);
         assert_eq!(t.trained, psi - frozen - 4.0 * d * d);
         let states = worker_states(&spec, 2);
-        assert_eq!(
-            states.memory,
-            4.0 * psi + 4.0 * t.with_grads + 8.0 * t.trained
-        );
+        assert_eq!(states.memory, 4.0 * psi + 4.0 * t.trained + 8.0 * t.trained);
         // bf16 at stage 2 over 4: the master copy's 4 bytes for every
         // parameter, the moments' 8 for those that train.
         spec.train.dtype = Dtype::Bf16;

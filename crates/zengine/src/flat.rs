@@ -188,10 +188,16 @@ impl GroupLayout {
     /// order, adjacent runs joined; padding kept): the elements of the
     /// slice that a gradient or an update can change.
     pub fn trained_runs(&self, r: usize) -> Vec<Range<usize>> {
+        self.runs_in(self.slice(r), true)
+    }
+
+    /// The runs of `range` (flat indices) that train (padding with them),
+    /// or with `trained` false those frozen; in order, adjacent runs joined.
+    pub fn runs_in(&self, range: Range<usize>, trained: bool) -> Vec<Range<usize>> {
         let mut runs: Vec<Range<usize>> = Vec::new();
-        for (range, decay) in self.update_runs(self.slice(r)) {
+        for (range, decay) in self.update_runs(range) {
             match runs.last_mut() {
-                _ if decay.is_none() => {}
+                _ if decay.is_some() != trained => {}
                 Some(last) if last.end == range.start => last.end = range.end,
                 _ => runs.push(range),
             }

@@ -12,7 +12,7 @@ use zconfig::ZeroStage;
 
 use crate::adam::{adamw_runs, lamb_apply, lamb_moments, AdamStep, Buffers, Grads, SquareSums};
 use crate::flat::{GroupLayout, NormCell};
-use crate::precision::{resident_zeros, Flat, Half};
+use crate::precision::{release_zero_pages, resident_zeros, Flat, Half};
 
 /// One block's flat buffers on this rank.
 pub(crate) struct Group {
@@ -91,6 +91,7 @@ impl Group {
         };
         group.install(full, rank, stage, half);
         group.release_frozen_moments(rank, stage);
+        group.release_frozen_grads();
         group
     }
 
@@ -116,17 +117,56 @@ impl Group {
             .filter(|m| !m.is_empty())
             .flat_map(|m| {
                 let frozen = &frozen;
-                frozen
-                    .iter()
-                    .map(move |r| release_zero_pages(&mut m[r.clone()]))
+                frozen.iter().map(move |r| {
+                    release_zero_pages(bytemuck::cast_slice_mut(&mut m[r.clone()])) / 4
+                })
             })
             .sum();
+    }
+
+    /// Gives back the pages of a full gradient buffer (stages 0-1) that lie
+    /// wholly inside frozen parameters, as PyTorch holds no `.grad` for a
+    /// parameter that needs none: zeros that stay so, since every writer
+    /// of `grads` writes only [`Group::trained_grads`] (backward adds no
+    /// frozen gradient, the reductions carry none, zeroing and scaling
+    /// leave them out).
+    pub(crate) fn release_frozen_grads(&mut self) {
+        for r in self.frozen_grads() {
+            self.grads.release_zero_pages(r);
+        }
+    }
+
+    /// Bytes of `grads` the kernel holds no pages for now: the frozen runs'
+    /// pages that [`Group::release_frozen_grads`] gave back and nothing
+    /// wrote since (measured, so a writer that touched them shows).
+    pub(crate) fn grads_unmapped(&self) -> usize {
+        (self.frozen_grads().into_iter())
+            .map(|r| self.grads.unmapped_bytes(r))
+            .sum()
+    }
+
+    /// A full gradient buffer's frozen runs (none of a slice's).
+    fn frozen_grads(&self) -> Vec<Range<usize>> {
+        match self.grads.len() == self.layout.padded && self.layout.any_frozen() {
+            true => self.layout.runs_in(0..self.layout.padded, false),
+            false => Vec::new(),
+        }
+    }
+
+    /// The parts of `r` (indices into `grads`) that a gradient can change:
+    /// of a full buffer, the runs that train; of a slice, all of it.
+    pub(crate) fn trained_grads(&self, r: Range<usize>) -> Vec<Range<usize>> {
+        match self.grads.len() == self.layout.padded && self.layout.any_frozen() {
+            true => self.layout.runs_in(r, true),
+            false => vec![r],
+        }
     }
 
     /// `grads`, zeroed first if the zero is owed ([`Group::zero_owed`]).
     pub(crate) fn settled_grads(&mut self) -> &mut Flat {
         if std::mem::take(&mut self.zero_owed) {
-            self.grads.fill_zero();
+            let runs = self.trained_grads(0..self.grads.len());
+            self.grads.fill_zero_runs(&runs);
         }
         &mut self.grads
     }
@@ -138,7 +178,8 @@ impl Group {
         if full && self.grads.len() == self.layout.padded {
             self.zero_owed = true;
         } else {
-            self.grads.fill_zero();
+            let runs = self.trained_grads(0..self.grads.len());
+            self.grads.fill_zero_runs(&runs);
         }
     }
 
@@ -467,34 +508,6 @@ pub(crate) fn own_grads_sum_sq(
         .sum()
 }
 
-/// Gives the whole pages of `values` that hold only (positive) zeros back to the
-/// kernel; returns the elements they held (0 where the OS is not Linux,
-/// whose `MADV_DONTNEED` is what guarantees that they read as zeros
-/// again).
-fn release_zero_pages(values: &mut [f32]) -> usize {
-    const PAGE: usize = 4096;
-    let addr = values.as_mut_ptr() as usize;
-    let start = addr.next_multiple_of(PAGE);
-    let end = (addr + std::mem::size_of_val(values)) / PAGE * PAGE;
-    if !cfg!(target_os = "linux") || end <= start {
-        return 0;
-    }
-    let floats = PAGE / 4;
-    let first = (start - addr) / 4;
-    let mut released = 0;
-    for page in values[first..first + (end - start) / 4].chunks_exact_mut(floats) {
-        if page.iter().any(|x| x.to_bits() != 0) {
-            continue;
-        }
-        // SAFETY: one whole page inside `values`, which this holds
-        // exclusively; its contents stay zeros.
-        if unsafe { libc::madvise(page.as_mut_ptr().cast(), PAGE, libc::MADV_DONTNEED) } == 0 {
-            released += floats;
-        }
-    }
-    released
-}
-
 /// The region of the group laid out as `layout` that `rank` updates at
 /// `stage`: everything at stage 0, else its slice.
 pub(crate) fn updated_region(layout: &GroupLayout, rank: usize, stage: ZeroStage) -> Range<usize> {
@@ -536,7 +549,7 @@ mod tests {
         v[negative] = -0.0;
         let before = resident_pages(&v);
         assert!(before >= 63, "{before} pages resident");
-        let released = release_zero_pages(&mut v);
+        let released = release_zero_pages(bytemuck::cast_slice_mut(&mut v)) / 4;
         // Two pages keep values; the partial pages at the ends stay too.
         assert!(
             released >= (before - 2) * 1024,

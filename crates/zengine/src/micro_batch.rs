@@ -436,7 +436,8 @@ impl Engine {
         grad: &Tensor,
         name: &str,
     ) -> Result<(), EngineError> {
-        if self.groups[g].layout.all_frozen() {
+        // (A frozen parameter's gradient is not kept.)
+        if self.groups[g].layout.frozen_in(&range) {
             return Ok(());
         }
         add_grad(self.micro_grads(g), range, grad, name)
@@ -507,13 +508,17 @@ impl Engine {
             let held: Vec<_> = tensors.iter().map(Tensor::storage_and_layout).collect();
             let mut parts = Vec::with_capacity(slots.len());
             for (slot, (storage, layout)) in slots.iter().zip(&held) {
+                if slot.frozen {
+                    continue; // no gradient kept for it: zeros stay zeros
+                }
                 let values = grad_values(storage, layout, slot.range.len(), &slot.name)?;
                 parts.push((slot.range.start, values));
             }
             parts.sort_by_key(|(at, _)| *at);
             let group = &mut self.groups[g];
             if !partitioned {
-                if group.grads.set_parts(&parts) {
+                let runs = group.trained_grads(0..group.grads.len());
+                if group.grads.set_parts_over(&runs, &parts) {
                     group.zero_owed = false;
                     return Ok(());
                 }
@@ -524,7 +529,7 @@ impl Engine {
             }
         }
         let buf = self.micro_grads(g);
-        for (slot, grad) in slots.iter().zip(grads) {
+        for (slot, grad) in slots.iter().zip(grads).filter(|(s, _)| !s.frozen) {
             add_grad(buf, slot.range.clone(), grad, &slot.name)?;
         }
         Ok(())

@@ -175,18 +175,6 @@ impl Flat {
         Some(flat)
     }
 
-    /// [`Flat::with_parts`] over this buffer's own elements: the bits of
-    /// [`Flat::fill_zero`] followed by [`Flat::add_f32`] of each part, in one
-    /// pass that reads nothing back. `false` (and nothing written) where the
-    /// parts are out of order, overlap or run past the end.
-    pub fn set_parts(&mut self, parts: &[(usize, &[f32])]) -> bool {
-        match self {
-            Flat::F32(v) => write_parts(as_uninit(v), None, parts),
-            Flat::Half(h, v) => write_parts(as_uninit(v), Some(*h), parts),
-        }
-        .is_some()
-    }
-
     /// The working type: `None` for f32.
     pub fn kind(&self) -> Option<Half> {
         match self {
@@ -320,11 +308,62 @@ impl Flat {
         }
     }
 
-    /// Sets every element to zero.
-    pub fn fill_zero(&mut self) {
+    /// Sets the elements of each of `runs` to zero, leaving the rest
+    /// untouched (a frozen parameter's pages stay unmapped).
+    pub fn fill_zero_runs(&mut self, runs: &[Range<usize>]) {
+        for r in runs {
+            match self {
+                Flat::F32(v) => v[r.clone()].par_chunks_mut(TASK).for_each(|c| c.fill(0.0)),
+                Flat::Half(_, v) => v[r.clone()].par_chunks_mut(TASK).for_each(|c| c.fill(0)),
+            }
+        }
+    }
+
+    /// [`Flat::with_parts`] over this buffer's own elements, within each of
+    /// `runs` alone: each run holds the bits of zeros plus the parts that
+    /// lie in it ([`Flat::add_f32`]), in one pass that reads nothing back;
+    /// the elements outside every run are untouched and parts outside them
+    /// not written. `false` (and nothing written) where the parts are out
+    /// of order, overlap or run past the end.
+    pub fn set_parts_over(&mut self, runs: &[Range<usize>], parts: &[(usize, &[f32])]) -> bool {
+        let n = self.len();
+        let ordered = parts.windows(2).all(|w| w[0].0 + w[0].1.len() <= w[1].0);
+        if !ordered || parts.last().is_some_and(|(at, v)| at + v.len() > n) {
+            return false;
+        }
+        for run in runs {
+            let inside: Vec<(usize, &[f32])> = (parts.iter())
+                .filter(|(at, v)| *at >= run.start && at + v.len() <= run.end)
+                .map(|(at, v)| (at - run.start, *v))
+                .collect();
+            let written = match self {
+                Flat::F32(v) => write_parts(as_uninit(&mut v[run.clone()]), None, &inside),
+                Flat::Half(h, v) => write_parts(as_uninit(&mut v[run.clone()]), Some(*h), &inside),
+            };
+            if written.is_none() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Gives the whole pages of elements `r` that hold only (positive)
+    /// zeros back to the kernel: they read as zeros again and take no
+    /// memory until written. Returns the bytes they held (none where the
+    /// OS is not Linux, whose `MADV_DONTNEED` is what guarantees the zeros).
+    pub fn release_zero_pages(&mut self, r: Range<usize>) -> usize {
         match self {
-            Flat::F32(v) => v.par_chunks_mut(TASK).for_each(|c| c.fill(0.0)),
-            Flat::Half(_, v) => v.par_chunks_mut(TASK).for_each(|c| c.fill(0)),
+            Flat::F32(v) => release_zero_pages(bytemuck::cast_slice_mut(&mut v[r])),
+            Flat::Half(_, v) => release_zero_pages(bytemuck::cast_slice_mut(&mut v[r])),
+        }
+    }
+
+    /// Bytes of the whole pages of elements `r` that the kernel does not
+    /// hold in memory now (`mincore`; 0 where the OS is not Linux).
+    pub fn unmapped_bytes(&self, r: Range<usize>) -> usize {
+        match self {
+            Flat::F32(v) => unmapped_bytes(bytemuck::cast_slice(&v[r])),
+            Flat::Half(_, v) => unmapped_bytes(bytemuck::cast_slice(&v[r])),
         }
     }
 
@@ -450,6 +489,61 @@ impl Element for u16 {
             },
         )
     }
+}
+
+/// Bytes of the whole pages of `bytes` that are not resident (`mincore`).
+fn unmapped_bytes(bytes: &[u8]) -> usize {
+    let Some(pages) = whole_pages(bytes) else {
+        return 0;
+    };
+    let mut flags = vec![0u8; pages.len() / PAGE];
+    // SAFETY: `pages` lies inside `bytes`, page-aligned; `flags` holds a
+    // byte a page.
+    let rc = unsafe {
+        let start = bytes.as_ptr().add(pages.start);
+        libc::mincore(start as *mut libc::c_void, pages.len(), flags.as_mut_ptr())
+    };
+    if rc != 0 {
+        return 0;
+    }
+    PAGE * flags.iter().filter(|&&f| f & 1 == 0).count()
+}
+
+/// Gives the whole pages of `bytes` that hold only zero bytes back to the
+/// kernel; returns the bytes they held (0 where the OS is not Linux, whose
+/// `MADV_DONTNEED` is what guarantees that they read as zeros again). A
+/// negative zero is not zero bytes: its page stays.
+pub(crate) fn release_zero_pages(bytes: &mut [u8]) -> usize {
+    let Some(pages) = whole_pages(bytes) else {
+        return 0;
+    };
+    let mut released = 0;
+    for page in bytes[pages].chunks_exact_mut(PAGE) {
+        if page.iter().any(|&b| b != 0) {
+            continue;
+        }
+        // SAFETY: one whole page inside `bytes`, which this holds
+        // exclusively; its contents stay zeros.
+        if unsafe { libc::madvise(page.as_mut_ptr().cast(), PAGE, libc::MADV_DONTNEED) } == 0 {
+            released += PAGE;
+        }
+    }
+    released
+}
+
+/// The memory page's size these calls assume (Linux on x86-64 and most
+/// aarch64 kernels).
+const PAGE: usize = 4096;
+
+/// The offsets in `bytes` of the whole pages inside it; `None` where there
+/// are none, or the OS is not Linux (whose page calls these rely on).
+fn whole_pages(bytes: &[u8]) -> Option<Range<usize>> {
+    let addr = bytes.as_ptr() as usize;
+    let (start, end) = (
+        addr.next_multiple_of(PAGE),
+        (addr + bytes.len()) / PAGE * PAGE,
+    );
+    (cfg!(target_os = "linux") && start < end).then(|| start - addr..end - addr)
 }
 
 /// Initialised elements as slots to write over (each gets a new value).
@@ -758,11 +852,23 @@ mod tests {
                 assert!(bits(&got) == bits(&want), "{kind:?}, {threads} threads");
                 // Over a buffer that holds a step's gradients already.
                 let mut old = Flat::from_f32(kind, &values(n, 5));
-                assert!(pool.install(|| old.set_parts(&parts)));
+                assert!(pool.install(|| old.set_parts_over(std::slice::from_ref(&(0..n)), &parts)));
                 assert!(
                     bits(&old) == bits(&want),
                     "set, {kind:?}, {threads} threads"
                 );
+                // Within runs that leave out `b` and what lies around it:
+                // outside them the old bits stay, and `b` is not written.
+                let runs = [0..TASK + 310, 2 * TASK..n];
+                let before = Flat::from_f32(kind, &values(n, 7));
+                let mut some = before.clone();
+                assert!(pool.install(|| some.set_parts_over(&runs, &parts)));
+                let (got, old_bits, all) = (bits(&some), bits(&before), bits(&want));
+                for i in 0..n {
+                    let inside = runs.iter().any(|r| r.contains(&i));
+                    let expected = if inside { all[i] } else { old_bits[i] };
+                    assert_eq!(got[i], expected, "element {i}, {kind:?}");
+                }
             }
         }
         let refused = |parts: &[(usize, &[f32])]| Flat::with_parts(None, n, parts).is_none();
@@ -772,7 +878,7 @@ mod tests {
         assert!(!refused(&[(5, &a), (TASK + 305, &b), (n - 50, &b)]));
         let kept_values = values(n, 6);
         let mut kept = Flat::F32(kept_values.clone());
-        assert!(!kept.set_parts(&[(TASK + 400, &b), (5, &a)]));
+        assert!(!kept.set_parts_over(std::slice::from_ref(&(0..n)), &[(TASK + 400, &b), (5, &a)]));
         let Flat::F32(after) = kept else {
             unreachable!("an f32 buffer stays one")
         };
@@ -879,8 +985,13 @@ mod tests {
                         let scaled = f.to_f32(at..at + n);
                         assert!(scaled.iter().zip(&want).all(|(a, b)| *a == b * 0.25));
                     }
-                    f.fill_zero();
-                    assert!(f.to_f32(0..n + at).iter().all(|v| v.to_bits() == 0));
+                    f.fill_zero_runs(&[0..at, at + 7..n + at]);
+                    let zeroed = f.to_f32(0..n + at);
+                    assert!(zeroed.iter().enumerate().all(|(i, v)| {
+                        let kept = (at..at + 7).contains(&i);
+                        kept || v.to_bits() == 0
+                    }));
+                    assert!(zeroed[at..at + 7].iter().any(|v| v.to_bits() != 0));
                 });
             }
             assert_eq!(norms[0].to_bits(), norms[1].to_bits(), "{kind:?}");

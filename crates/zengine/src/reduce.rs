@@ -115,8 +115,11 @@ impl Engine {
             // Nothing to reduce: a staged gradient is already the rank's own.
             if self.stage.partitions_gradients() {
                 for h in self.reducer.buckets[bi].groups.clone() {
-                    let s = self.take_staged(h)?;
-                    self.add_own_grads(h, &[(0, &s.to_f32(0..s.len()))])?;
+                    let s = self.take_staged(h)?.to_f32(0..self.groups[h].layout.padded);
+                    let runs = self.groups[h].trained_grads(0..s.len());
+                    let runs: Vec<(usize, &[f32])> =
+                        runs.into_iter().map(|r| (r.start, &s[r])).collect();
+                    self.add_own_grads(h, &runs)?;
                 }
             }
             return Ok(());

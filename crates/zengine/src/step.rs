@@ -190,8 +190,9 @@ impl Engine {
         }
         let (rank, stage) = (self.comm.rank(), self.stage);
         for g in self.groups.iter_mut().filter(|g| !g.layout.all_frozen()) {
-            let r = g.used_grads(rank, stage);
-            g.grads.scale_f32(r, scale);
+            for r in g.trained_grads(g.used_grads(rank, stage)) {
+                g.grads.scale_f32(r, scale);
+            }
         }
         1.0
     }
@@ -292,9 +293,11 @@ impl Engine {
         }
         let swapped = self.offload.as_ref().is_some_and(|o| o.grads.is_some());
         let (rank, stage) = (self.comm.rank(), self.stage);
-        for g in &mut self.groups {
-            let r = g.used_grads(rank, stage);
-            g.grads.scale_f32(r, coef);
+        // (A group frozen whole holds no gradients.)
+        for g in self.groups.iter_mut().filter(|g| !g.layout.all_frozen()) {
+            for r in g.trained_grads(g.used_grads(rank, stage)) {
+                g.grads.scale_f32(r, coef);
+            }
         }
         (grad_scale, swapped.then_some(coef))
     }
@@ -610,7 +613,7 @@ impl Engine {
         let bytes = |f: &dyn Fn(&Group) -> u64| self.groups.iter().map(f).sum::<u64>();
         let mem = MemoryUse {
             params: bytes(&|g| g.params.bytes()),
-            grads: bytes(&|g| g.grads.bytes()),
+            grads: bytes(&|g| g.grads.bytes() - g.grads_unmapped() as u64),
             master: bytes(&|g| g.master.as_ref().map_or(0, |m| (m.len() * 4) as u64)),
             optimizer: bytes(&|g| {
                 ((g.exp_avg.len() + g.exp_avg_sq.len() - g.moments_released) * 4) as u64

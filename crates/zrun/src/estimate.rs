@@ -303,7 +303,14 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                 Some(t) => format!(
                     ", train.freeze: moments for {:.1}% of the parameters, gradients for {:.1}%",
                     100.0 * t.trained / est.params,
-                    100.0 * t.with_grads / est.params
+                    // Whole gradients (stages 0-1) hold the trained
+                    // parameters' alone, slices their groups'.
+                    100.0
+                        * match est.stage.is_some_and(|s| s >= 2) {
+                            true => t.with_grads,
+                            false => t.trained,
+                        }
+                        / est.params
                 ),
                 None => String::new(),
             },
