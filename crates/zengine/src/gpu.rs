@@ -751,9 +751,10 @@ impl Engine {
         g: usize,
         grads: &[(usize, &CudaSlice<f32>)],
     ) -> Result<Option<Landing>, EngineError> {
-        // A frozen parameter's gradient, which the GPU's backward makes
-        // anyway, is dropped here: its part of the group's gradient stays
-        // zero, as the host's (out of the norm, the reductions add zeros).
+        // A frozen parameter's gradient that the GPU's backward still makes
+        // (a norm's or a bias's; frozen weights make none) is dropped here:
+        // its part of the group's gradient stays zero, as the host's (out
+        // of the norm and of the host's reductions).
         let trained: Vec<(usize, &CudaSlice<f32>)> = (grads.iter())
             .filter(|(slot, _)| !self.groups[g].layout.params[*slot].frozen)
             .copied()
