@@ -191,21 +191,16 @@ pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
             bytes
         }
     };
-    // `train.freeze`: gradients for the parameters that train where ranks
-    // hold whole gradients (stages 0-1: a frozen parameter's pages are
-    // given back) and for the groups that train where they hold slices,
-    // moments for the parameters that train; the master copy (mixed
-    // precision) for all.
+    // `train.freeze`: gradients and moments for the parameters that train
+    // (a frozen parameter's pages are given back, in whole gradients and
+    // in slices alike); the master copy (mixed precision) for all.
     let t = trained_elements(&spec.model, &spec.train.freeze);
     let master = match spec.train.dtype {
         Dtype::F32 => 0.0,
         Dtype::Bf16 | Dtype::F16 => 4.0,
     };
     let params = share(stage.partitions_parameters(), b.param * psi);
-    let grads = match stage.partitions_gradients() {
-        true => b.grad * t.with_grads / n,
-        false => b.grad * t.trained,
-    };
+    let grads = share(stage.partitions_gradients(), b.grad * t.trained);
     let optimizer = share(
         stage.partitions_optimizer(),
         master * psi + (b.optimizer - master) * t.trained,
@@ -719,7 +714,7 @@ mod tests {
         spec.train.dtype = Dtype::Bf16;
         spec.zero.stage = ZeroStage::Gradients;
         let states = worker_states(&spec, 4);
-        let want = 2.0 * psi + (2.0 * t.with_grads + 4.0 * psi + 8.0 * t.trained) / 4.0;
+        let want = 2.0 * psi + (2.0 * t.trained + 4.0 * psi + 8.0 * t.trained) / 4.0;
         assert!(
             (states.memory - want).abs() < 1e-6,
             "{} {want}",

@@ -191,6 +191,20 @@ impl GroupLayout {
         self.runs_in(self.slice(r), true)
     }
 
+    /// Elements before flat index `at` that a bucket carries: all of
+    /// them, or with `leave_frozen_out` those that train (padding with
+    /// them). A micro-batch's staged gradient holds these alone, each at
+    /// this index.
+    pub fn carried_before(&self, at: usize, leave_frozen_out: bool) -> usize {
+        if !leave_frozen_out {
+            return at;
+        }
+        let frozen: usize = (self.params.iter().filter(|p| p.frozen))
+            .map(|p| p.range.end.min(at).saturating_sub(p.range.start))
+            .sum();
+        at - frozen
+    }
+
     /// The runs of `range` (flat indices) that train (padding with them),
     /// or with `trained` false those frozen; in order, adjacent runs joined.
     pub fn runs_in(&self, range: Range<usize>, trained: bool) -> Vec<Range<usize>> {
@@ -226,9 +240,19 @@ pub struct Bucket {
     pub groups: Vec<usize>,
     /// Elements of the packed buffer: one chunk a rank, all of one length.
     pub len: usize,
-    /// Each rank's runs in its chunk, in order: (group, flat range within
-    /// the rank's slice of the group).
-    runs: Vec<Vec<(usize, Range<usize>)>>,
+    /// Each rank's runs in its chunk, in order.
+    runs: Vec<Vec<Run>>,
+}
+
+/// A run of one group's elements in a rank's chunk of a bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Run {
+    group: usize,
+    /// Flat indices, within the rank's slice of the group.
+    range: Range<usize>,
+    /// Where the run starts in a staged gradient, which holds only what
+    /// buckets carry ([`GroupLayout::carried_before`]).
+    staged_at: usize,
 }
 
 impl Bucket {
@@ -263,9 +287,9 @@ impl Bucket {
     /// their frozen runs with `leave_frozen_out` (adjacent runs joined).
     fn over(layouts: &[GroupLayout], groups: Vec<usize>, leave_frozen_out: bool) -> Bucket {
         let world = groups.first().map_or(1, |&g| layouts[g].world);
-        let runs: Vec<Vec<(usize, Range<usize>)>> = (0..world)
+        let runs: Vec<Vec<Run>> = (0..world)
             .map(|r| {
-                let mut runs: Vec<(usize, Range<usize>)> = Vec::new();
+                let mut runs: Vec<Run> = Vec::new();
                 for &g in &groups {
                     let kept = match leave_frozen_out {
                         true => layouts[g].trained_runs(r),
@@ -273,10 +297,14 @@ impl Bucket {
                     };
                     for range in kept {
                         match runs.last_mut() {
-                            Some((h, last)) if *h == g && last.end == range.start => {
-                                last.end = range.end
+                            Some(last) if last.group == g && last.range.end == range.start => {
+                                last.range.end = range.end
                             }
-                            _ => runs.push((g, range)),
+                            _ => runs.push(Run {
+                                group: g,
+                                staged_at: layouts[g].carried_before(range.start, leave_frozen_out),
+                                range,
+                            }),
                         }
                     }
                 }
@@ -284,7 +312,7 @@ impl Bucket {
             })
             .collect();
         let longest = (runs.iter())
-            .map(|r| r.iter().map(|(_, range)| range.len()).sum::<usize>())
+            .map(|r| r.iter().map(|run| run.range.len()).sum::<usize>())
             .max()
             .unwrap_or(0);
         Bucket {
@@ -301,13 +329,19 @@ impl Bucket {
 
     /// Copies the groups' buffers into one rank-major bucket buffer, `out`
     /// (emptied first: a buffer an earlier reduction gave back).
-    /// `bufs` is indexed by group; only this bucket's groups are read.
-    pub fn pack(&self, bufs: &[&Flat], mut out: Vec<f32>) -> Vec<f32> {
+    /// `bufs` is indexed by group; only this bucket's groups are read:
+    /// whole buffers (flat indices), or with `staged` micro-batch
+    /// gradients that hold only what the bucket carries.
+    pub fn pack(&self, bufs: &[&Flat], staged: bool, mut out: Vec<f32>) -> Vec<f32> {
         out.clear();
         out.reserve(self.len);
         for (r, runs) in self.runs.iter().enumerate() {
-            for (g, range) in runs {
-                bufs[*g].extend_f32(range.clone(), &mut out);
+            for run in runs {
+                let range = match staged {
+                    true => run.staged_at..run.staged_at + run.range.len(),
+                    false => run.range.clone(),
+                };
+                bufs[run.group].extend_f32(range, &mut out);
             }
             out.resize((r + 1) * self.chunk(), 0.0);
         }
@@ -324,10 +358,10 @@ impl Bucket {
     ) -> Vec<(usize, Range<usize>, usize)> {
         let mut at = 0;
         (self.runs[rank].iter())
-            .map(|(g, range)| {
-                at += range.len();
-                let offset = range.start - layouts[*g].slice(rank).start;
-                (*g, at - range.len()..at, offset)
+            .map(|run| {
+                at += run.range.len();
+                let offset = run.range.start - layouts[run.group].slice(rank).start;
+                (run.group, at - run.range.len()..at, offset)
             })
             .collect()
     }
@@ -336,9 +370,10 @@ impl Bucket {
     pub fn unpack(&self, packed: &[f32], bufs: &mut [Flat]) {
         for (r, runs) in self.runs.iter().enumerate() {
             let mut at = r * self.chunk();
-            for (g, range) in runs {
-                bufs[*g].set_f32(range.start, &packed[at..at + range.len()]);
-                at += range.len();
+            for run in runs {
+                let n = run.range.len();
+                bufs[run.group].set_f32(run.range.start, &packed[at..at + n]);
+                at += n;
             }
         }
     }
@@ -463,7 +498,7 @@ mod tests {
         let flats: Vec<Flat> = bufs.iter().map(|v| Flat::F32(v.clone())).collect();
         let views: Vec<&Flat> = flats.iter().collect();
         // Into a used buffer, as the engine packs into one a reduction gave back.
-        let packed = b.pack(&views, vec![7.0; 3]);
+        let packed = b.pack(&views, false, vec![7.0; 3]);
         assert_eq!(packed.len(), b.len);
         let chunk = zcomm::chunk_range(packed.len(), world, 1);
         let mut want = bufs[1][layouts[1].slice(1)].to_vec();
@@ -503,7 +538,7 @@ mod tests {
         let mut want1: Vec<f32> = (40..64).map(|i| (1000 + i) as f32).collect();
         want1.extend((32..40).chain(60..64).map(|i| i as f32));
         assert_eq!(b.len, 2 * 36);
-        let packed = b.pack(&views, Vec::new());
+        let packed = b.pack(&views, false, Vec::new());
         assert_eq!(&packed[..22], &want0[..]);
         assert!(packed[22..36].iter().all(|&x| x == 0.0), "{packed:?}");
         assert_eq!(&packed[36..], &want1[..]);
@@ -532,8 +567,32 @@ mod tests {
                 assert_eq!(v, want, "group {g}, element {i}");
             }
         }
-        // Without leaving them out: whole slices.
+        // Staged gradients hold only what trains (group 0: b's 30 and the
+        // 4 of padding, 34; group 1: the small parameter and padding, 24),
+        // and pack as the whole buffers do.
+        let staged: Vec<Flat> = (layouts.iter().zip(&bufs))
+            .map(|(l, b)| {
+                let kept = l.runs_in(0..l.padded, true);
+                assert_eq!(
+                    l.carried_before(l.padded, true),
+                    kept.iter().map(|r| r.len()).sum::<usize>()
+                );
+                let mut v = Vec::new();
+                kept.into_iter().for_each(|r| b.extend_f32(r, &mut v));
+                Flat::F32(v)
+            })
+            .collect();
+        assert_eq!((staged[0].len(), staged[1].len()), (34, 24));
+        let views: Vec<&Flat> = staged.iter().collect();
+        assert_eq!(b.pack(&views, true, Vec::new()), packed);
+        // Without leaving them out: whole slices, staged as they are.
         let whole = &Bucket::plan(&layouts, &[1, 0], 1000, false)[0];
         assert_eq!(whole.len, 128);
+        assert_eq!(layouts[0].carried_before(40, false), 40);
+        let views: Vec<&Flat> = bufs.iter().collect();
+        assert_eq!(
+            whole.pack(&views, true, Vec::new()),
+            whole.pack(&views, false, Vec::new())
+        );
     }
 }

@@ -27,6 +27,9 @@ pub(crate) struct Group {
     /// In the working precision: full, or the own slice where the stage
     /// partitions gradients.
     pub(crate) grads: Flat,
+    /// The flat index of `grads`' first element: 0 for a full buffer, the
+    /// own slice's start for a slice.
+    grads_at: usize,
     /// Partitioned gradients: this micro-batch's full gradient until its bucket
     /// leaves.
     pub(crate) staging: Option<Flat>,
@@ -61,10 +64,10 @@ impl Group {
         rule: OptimizerKind,
     ) -> Group {
         let n = layout.slice_len();
-        let grads = if stage.partitions_gradients() {
-            n
+        let (grads, grads_at) = if stage.partitions_gradients() {
+            (n, layout.slice(rank).start)
         } else {
-            layout.padded
+            (layout.padded, 0)
         };
         let moments = if stage.partitions_optimizer() {
             n
@@ -82,6 +85,7 @@ impl Group {
             params: Flat::zeros(half, 0),
             master: None,
             grads: Flat::zeros(half, grads),
+            grads_at,
             staging: None,
             zero_owed: false,
             exp_avg: resident_zeros(moments),
@@ -124,14 +128,14 @@ impl Group {
             .sum();
     }
 
-    /// Gives back the pages of a full gradient buffer (stages 0-1) that lie
-    /// wholly inside frozen parameters, as PyTorch holds no `.grad` for a
-    /// parameter that needs none: zeros that stay so, since every writer
-    /// of `grads` writes only [`Group::trained_grads`] (backward adds no
-    /// frozen gradient, the reductions carry none, zeroing and scaling
-    /// leave them out).
+    /// Gives back the pages of the gradient buffer, full (stages 0-1) or
+    /// the own slice (stages 2-3), that lie wholly inside frozen
+    /// parameters, as PyTorch holds no `.grad` for a parameter that needs
+    /// none: zeros that stay so, since every writer of `grads` writes only
+    /// [`Group::trained_grads`] (backward adds no frozen gradient, the
+    /// reductions carry none, zeroing and scaling leave them out).
     pub(crate) fn release_frozen_grads(&mut self) {
-        for r in self.frozen_grads() {
+        for r in self.grads_runs(0..self.grads.len(), false) {
             self.grads.release_zero_pages(r);
         }
     }
@@ -140,26 +144,30 @@ impl Group {
     /// pages that [`Group::release_frozen_grads`] gave back and nothing
     /// wrote since (measured, so a writer that touched them shows).
     pub(crate) fn grads_unmapped(&self) -> usize {
-        (self.frozen_grads().into_iter())
+        (self.grads_runs(0..self.grads.len(), false).into_iter())
             .map(|r| self.grads.unmapped_bytes(r))
             .sum()
     }
 
-    /// A full gradient buffer's frozen runs (none of a slice's).
-    fn frozen_grads(&self) -> Vec<Range<usize>> {
-        match self.grads.len() == self.layout.padded && self.layout.any_frozen() {
-            true => self.layout.runs_in(0..self.layout.padded, false),
-            false => Vec::new(),
-        }
+    /// The parts of `r` (indices into `grads`) that a gradient can change:
+    /// the runs of parameters that train.
+    pub(crate) fn trained_grads(&self, r: Range<usize>) -> Vec<Range<usize>> {
+        self.grads_runs(r, true)
     }
 
-    /// The parts of `r` (indices into `grads`) that a gradient can change:
-    /// of a full buffer, the runs that train; of a slice, all of it.
-    pub(crate) fn trained_grads(&self, r: Range<usize>) -> Vec<Range<usize>> {
-        match self.grads.len() == self.layout.padded && self.layout.any_frozen() {
-            true => self.layout.runs_in(r, true),
-            false => vec![r],
+    /// The runs of `r` (indices into `grads`) whose parameters train
+    /// (`trained`) or are frozen, as indices into `grads`.
+    fn grads_runs(&self, r: Range<usize>, trained: bool) -> Vec<Range<usize>> {
+        if !self.layout.any_frozen() {
+            return if trained { vec![r] } else { Vec::new() };
         }
+        let at = self.grads_at;
+        (self
+            .layout
+            .runs_in(r.start + at..r.end + at, trained)
+            .into_iter())
+        .map(|run| run.start - at..run.end - at)
+        .collect()
     }
 
     /// `grads`, zeroed first if the zero is owed ([`Group::zero_owed`]).

@@ -415,17 +415,35 @@ impl Engine {
     /// the gradients themselves, or a staging buffer where the stage keeps only
     /// the own slice (it leaves with the group's bucket).
     fn micro_grads(&mut self, g: usize) -> &mut Flat {
-        let half = self.half;
+        let (half, len) = (self.half, self.staged_len(g));
         let group = &mut self.groups[g];
         if !self.stage.partitions_gradients() {
             return group.settled_grads();
         }
         let comm_buffers = &mut self.comm_buffers;
         group.staging.get_or_insert_with(|| {
-            let staging = Flat::zeros(half, group.layout.padded);
+            let staging = Flat::zeros(half, len);
             comm_buffers.add(staging.bytes());
             staging
         })
+    }
+
+    /// Elements of group `g`'s staged micro-batch gradient: only those its
+    /// bucket carries, so a partly frozen group stages no frozen
+    /// parameter's zeros (where buckets leave them out).
+    fn staged_len(&self, g: usize) -> usize {
+        let layout = &self.groups[g].layout;
+        layout.carried_before(layout.padded, self.reducer.leaves_frozen_out())
+    }
+
+    /// Where `range` (flat indices) of group `g` lies in its micro-batch
+    /// gradient buffer: in place in whole gradients, at the carried index
+    /// in a staged one ([`GroupLayout::carried_before`]).
+    fn micro_at(&self, g: usize, at: usize) -> usize {
+        match self.stage.partitions_gradients() {
+            true => (self.groups[g].layout).carried_before(at, self.reducer.leaves_frozen_out()),
+            false => at,
+        }
     }
 
     /// Adds `grad` into `range` of group `g`'s micro-batch gradient buffer.
@@ -440,7 +458,8 @@ impl Engine {
         if self.groups[g].layout.frozen_in(&range) {
             return Ok(());
         }
-        add_grad(self.micro_grads(g), range, grad, name)
+        let at = self.micro_at(g, range.start);
+        add_grad(self.micro_grads(g), at..at + range.len(), grad, name)
     }
 
     /// Adds `values` into `range` of group `g`'s micro-batch gradient buffer.
@@ -462,7 +481,8 @@ impl Engine {
                 ),
             });
         }
-        self.micro_grads(g).add_f32(range.start, values);
+        let at = self.micro_at(g, range.start);
+        self.micro_grads(g).add_f32(at, values);
         Ok(())
     }
 
@@ -512,9 +532,10 @@ impl Engine {
                     continue; // no gradient kept for it: zeros stay zeros
                 }
                 let values = grad_values(storage, layout, slot.range.len(), &slot.name)?;
-                parts.push((slot.range.start, values));
+                parts.push((self.micro_at(g, slot.range.start), values));
             }
             parts.sort_by_key(|(at, _)| *at);
+            let staged_len = self.staged_len(g);
             let group = &mut self.groups[g];
             if !partitioned {
                 let runs = group.trained_grads(0..group.grads.len());
@@ -522,15 +543,20 @@ impl Engine {
                     group.zero_owed = false;
                     return Ok(());
                 }
-            } else if let Some(staging) = Flat::with_parts(self.half, group.layout.padded, &parts) {
+            } else if let Some(staging) = Flat::with_parts(self.half, staged_len, &parts) {
                 self.comm_buffers.add(staging.bytes());
                 group.staging = Some(staging);
                 return Ok(());
             }
         }
-        let buf = self.micro_grads(g);
         for (slot, grad) in slots.iter().zip(grads).filter(|(s, _)| !s.frozen) {
-            add_grad(buf, slot.range.clone(), grad, &slot.name)?;
+            let at = self.micro_at(g, slot.range.start);
+            add_grad(
+                self.micro_grads(g),
+                at..at + slot.range.len(),
+                grad,
+                &slot.name,
+            )?;
         }
         Ok(())
     }

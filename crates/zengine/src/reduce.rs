@@ -74,6 +74,13 @@ impl Reducer {
         }
     }
 
+    /// Whether buckets leave frozen parameters out (all but qgZ's, whose
+    /// blocks stay those of the whole buffers); a staged micro-batch
+    /// gradient then holds only what trains.
+    pub(crate) fn leaves_frozen_out(&self) -> bool {
+        self.quantized.is_none()
+    }
+
     /// A buffer for a bucket of `len` elements: a spare one that holds them,
     /// else a new one.
     fn buffer(&mut self, len: usize) -> Vec<f32> {
@@ -114,11 +121,18 @@ impl Engine {
         if world == 1 {
             // Nothing to reduce: a staged gradient is already the rank's own.
             if self.stage.partitions_gradients() {
+                let leave_frozen_out = self.reducer.leaves_frozen_out();
                 for h in self.reducer.buckets[bi].groups.clone() {
-                    let s = self.take_staged(h)?.to_f32(0..self.groups[h].layout.padded);
-                    let runs = self.groups[h].trained_grads(0..s.len());
-                    let runs: Vec<(usize, &[f32])> =
-                        runs.into_iter().map(|r| (r.start, &s[r])).collect();
+                    let staged = self.take_staged(h)?;
+                    let s = staged.to_f32(0..staged.len());
+                    let layout = &self.groups[h].layout;
+                    let runs = self.groups[h].trained_grads(0..layout.padded);
+                    let runs: Vec<(usize, &[f32])> = (runs.into_iter())
+                        .map(|r| {
+                            let at = layout.carried_before(r.start, leave_frozen_out);
+                            (r.start, &s[at..at + r.len()])
+                        })
+                        .collect();
                     self.add_own_grads(h, &runs)?;
                 }
             }
@@ -176,14 +190,14 @@ impl Engine {
                 self.groups[h].settled_grads();
             }
             let views: Vec<&Flat> = self.groups.iter().map(|x| &x.grads).collect();
-            return Ok(self.reducer.buckets[bi].pack(&views, out));
+            return Ok(self.reducer.buckets[bi].pack(&views, false, out));
         }
         let mut staged: Vec<Flat> = vec![Flat::zeros(self.half, 0); self.groups.len()];
         for h in self.reducer.buckets[bi].groups.clone() {
             staged[h] = self.take_staged(h)?;
         }
         let views: Vec<&Flat> = staged.iter().collect();
-        Ok(self.reducer.buckets[bi].pack(&views, out))
+        Ok(self.reducer.buckets[bi].pack(&views, true, out))
     }
 
     /// Puts away buckets that have finished, oldest first, so their buffers stop

@@ -1460,9 +1460,9 @@ fn frozen_weights_inside_trained_groups_hold_no_moments() {
     );
 }
 
-/// Frozen parameters hold no gradient memory where ranks keep whole
-/// gradients (stages 0-1): their pages go back to the kernel when the
-/// buffer is made and nothing writes them again (the metrics' gradient
+/// Frozen parameters hold no gradient memory, in the whole gradients that
+/// stages 0-1 keep or the own slices of stages 2-3: their pages go back to
+/// the kernel when the buffer is made and nothing writes them again (the metrics' gradient
 /// bytes leave out the pages `mincore` finds unmapped after the step, so a
 /// writer that touched them shows), in f32 and bf16. (Clipping, which this
 /// job's norms trigger, at stage 1 with the embedding frozen whole
@@ -1476,31 +1476,48 @@ fn frozen_parameters_hold_no_gradient_pages() {
         spec.train.freeze = freeze.to_vec();
         train(spec, 2)
     };
-    for dtype in ["f32", "bf16"] {
-        for stage in [0u8, 1] {
+    // Each rank's bytes against the unfrozen run's, and all ranks' against
+    // what `zrun estimate` counts (the bytes of each trained element on
+    // every rank at stages 0-1, on one at stages 2-3), within two pages
+    // each side of each frozen parameter (and of the slices' border at
+    // stages 2-3, which may cut one).
+    let spec = typed_spec("f32", 0, 2, 2000, true, false, 3);
+    let model = zconfig::spec::ModelSpec {
+        d_model: 64,
+        ..spec.model
+    };
+    let trained = zconfig::estimate::trained_elements(&model, &bitfit).trained as usize;
+    let frozen = (model.param_shapes().iter())
+        .filter(|(n, _)| zconfig::freeze::frozen(&bitfit, n))
+        .count();
+    for (dtype, bytes) in [("f32", 4), ("bf16", 2)] {
+        for stage in 0u8..=3 {
             let (some, all) = (run(dtype, stage, &bitfit), run(dtype, stage, &[]));
             for r in 0..2 {
                 let (held, of) = (some[r].grads_held, all[r].grads_held);
                 assert!(
-                    held * 100 < of * 25,
+                    held * 100 < of * 30,
                     "{dtype} stage {stage} rank {r}: {held} of {of} gradient bytes"
                 );
+                // Stages 2-3 stage each micro-batch's gradient for its
+                // bucket: only what trains, so at stage 2 the buffers for
+                // reductions hold a few percent of the unfrozen job's (at
+                // stage 3 its parameter gathers set that peak).
+                let (staged, of) = (some[r].comm_peak, all[r].comm_peak);
+                assert!(
+                    stage != 2 || staged * 100 < of * 5,
+                    "{dtype} stage {stage} rank {r}: {staged} of {of} bytes staged and packed"
+                );
             }
+            let held: usize = some.iter().map(|r| r.grads_held as usize).sum();
+            let (copies, borders) = if stage < 2 { (2, 1) } else { (1, 2) };
+            let least = bytes * trained * copies;
+            assert!(
+                held >= least && held <= least + frozen * borders * 2 * 4096 * copies,
+                "{dtype} stage {stage}: {held} bytes of gradients held for {trained} trained elements"
+            );
         }
     }
-    // What `zrun estimate` counts (4 bytes a trained element in f32) within
-    // two pages of each frozen parameter.
-    let mut spec = typed_spec("f32", 0, 2, 2000, true, false, 3);
-    spec.model.d_model = 64;
-    let trained = zconfig::estimate::trained_elements(&spec.model, &bitfit).trained;
-    let frozen = (spec.model.param_shapes().iter())
-        .filter(|(n, _)| zconfig::freeze::frozen(&bitfit, n))
-        .count();
-    let held = run("f32", 0, &bitfit)[0].grads_held as f64;
-    assert!(
-        held >= 4.0 * trained && held <= 4.0 * trained + (frozen * 2 * 4096) as f64,
-        "held {held} bytes of gradients for {trained} trained elements"
-    );
 }
 
 /// Frozen parameters (`train.freeze`) keep their initial bits at every

@@ -301,16 +301,8 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
             est.stage.unwrap_or_default(),
             match &est.trained {
                 Some(t) => format!(
-                    ", train.freeze: moments for {:.1}% of the parameters, gradients for {:.1}%",
+                    ", train.freeze: moments and gradients for {:.1}% of the parameters",
                     100.0 * t.trained / est.params,
-                    // Whole gradients (stages 0-1) hold the trained
-                    // parameters' alone, slices their groups'.
-                    100.0
-                        * match est.stage.is_some_and(|s| s >= 2) {
-                            true => t.with_grads,
-                            false => t.trained,
-                        }
-                        / est.params
                 ),
                 None => String::new(),
             },

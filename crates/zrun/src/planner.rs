@@ -372,11 +372,20 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     // `train.freeze`: the share of the products that freezing leaves (no
     // frozen weight's gradient, no backward below the lowest block that
     // trains), of the moments that the optimizer moves, and of the
-    // gradients that are reduced and the parameters gathered after it.
+    // gradients that are reduced and the parameters shared after the step
+    // (the elements that train: buckets and the post-step gathers carry no
+    // frozen parameter's, except under qgZ, whose buckets stay whole),
+    // and of the parameters stage 3's backward gathers (the groups that
+    // train).
     let freeze = &spec.train.freeze;
     let done = frozen_flops_per_token(m, freeze) / frozen_flops_per_token(m, &[]);
     let trained = trained_elements(m, freeze);
-    let (moving, reduced) = (trained.trained / psi, trained.with_grads / psi);
+    let moving = trained.trained / psi;
+    let reduced = match spec.zero.quantized_gradients {
+        true => trained.with_grads / psi,
+        false => moving,
+    };
+    let reached = trained.with_grads / psi;
     let per_token = (6.0 * psi + 12.0 * l * d * keys) * done;
     let recompute = if ac {
         (2.0 * psi + 4.0 * l * d * keys) * done
@@ -421,7 +430,7 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
         0 => (2.0 * ring * g, 0.0, 0.0),
         1 => (0.0, ring * p * reduced, ring * g),
         2 => (0.0, ring * p * reduced, accum * ring * g),
-        _ => (0.0, accum * ring * p * (1.0 + reduced), accum * ring * g),
+        _ => (0.0, accum * ring * p * (1.0 + reached), accum * ring * g),
     };
     let comm = if s.world > 1 {
         let rate = |op: &str| {
@@ -953,10 +962,10 @@ mod tests {
         let all = predict(&plain, &s);
         let close = |a: f64, b: f64| (a - b).abs() < 1e-9 * b;
         let patterns = |p: &[&str]| p.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        // BitFit's biases train in every group, so every gradient is
-        // still reduced; the lower half frozen whole is not.
+        // Only what trains is reduced and shared after the step: BitFit's
+        // biases, the upper half's parameters.
         for (freeze, fewer_reduced) in [
-            (patterns(&["h.*.*.*.weight"]), false),
+            (patterns(&["h.*.*.*.weight"]), true),
             (patterns(&["w*.weight", "h.{0-1}.*"]), true),
         ] {
             let got = at(&serde_json::to_string(&freeze).unwrap());
