@@ -327,6 +327,13 @@ impl Bucket {
         self.len / self.runs.len()
     }
 
+    /// The runs of one group's parameters that an update moves, each rank's
+    /// padded to the longest rank's: what ranks share after the step, when
+    /// a group is frozen in part.
+    pub fn trained_of(layout: &GroupLayout) -> Bucket {
+        Bucket::over(std::slice::from_ref(layout), vec![0], true)
+    }
+
     /// Copies the groups' buffers into one rank-major bucket buffer, `out`
     /// (emptied first: a buffer an earlier reduction gave back).
     /// `bufs` is indexed by group; only this bucket's groups are read:
@@ -335,17 +342,23 @@ impl Bucket {
     pub fn pack(&self, bufs: &[&Flat], staged: bool, mut out: Vec<f32>) -> Vec<f32> {
         out.clear();
         out.reserve(self.len);
-        for (r, runs) in self.runs.iter().enumerate() {
-            for run in runs {
-                let range = match staged {
-                    true => run.staged_at..run.staged_at + run.range.len(),
-                    false => run.range.clone(),
-                };
-                bufs[run.group].extend_f32(range, &mut out);
-            }
-            out.resize((r + 1) * self.chunk(), 0.0);
+        for r in 0..self.runs.len() {
+            self.pack_chunk(r, bufs, staged, &mut out);
         }
         out
+    }
+
+    /// Appends rank `r`'s chunk of the packed buffer to `out` ([`Bucket::pack`]).
+    pub fn pack_chunk(&self, r: usize, bufs: &[&Flat], staged: bool, out: &mut Vec<f32>) {
+        let end = out.len() + self.chunk();
+        for run in &self.runs[r] {
+            let range = match staged {
+                true => run.staged_at..run.staged_at + run.range.len(),
+                false => run.range.clone(),
+            };
+            bufs[run.group].extend_f32(range, out);
+        }
+        out.resize(end, 0.0);
     }
 
     /// Splits rank `rank`'s chunk of a packed bucket into its runs: yields

@@ -19,7 +19,7 @@ use crate::accounting::{peak_rss_bytes, MemoryUse, StepStats, Transient, TrustRa
 use crate::adam::{trust_ratio, AdamStep, OptimizerKind, SquareSums};
 use crate::engine::Engine;
 use crate::error::EngineError;
-use crate::flat::NormCell;
+use crate::flat::{Bucket, NormCell};
 use crate::gather::Gathering;
 use crate::group::{Group, Swapped};
 use crate::offload::ALIGN_ELEMS;
@@ -561,18 +561,10 @@ impl Engine {
                     ));
                     continue;
                 }
-                let runs: Vec<Vec<Range<usize>>> =
-                    (0..world).map(|r| g.layout.trained_runs(r)).collect();
-                let longest = (runs.iter())
-                    .map(|r| r.iter().map(|x| x.len()).sum::<usize>())
-                    .max()
-                    .unwrap_or(0);
-                let mut mine = Vec::with_capacity(longest);
-                for range in &runs[rank] {
-                    g.params.extend_f32(range.clone(), &mut mine);
-                }
-                mine.resize(longest, 0.0);
-                let work = self.comm.all_gather_async(mine, longest * world);
+                let runs = Bucket::trained_of(&g.layout);
+                let mut mine = Vec::with_capacity(runs.len / world);
+                runs.pack_chunk(rank, &[&g.params], false, &mut mine);
+                let work = self.comm.all_gather_async(mine, runs.len);
                 works.push((i, Sharing::Runs(runs, work)));
             }
             for (i, w) in works {
@@ -581,16 +573,8 @@ impl Engine {
                         self.groups[i].params = gathering.wait(self.half)?
                     }
                     Sharing::Runs(runs, work) => {
-                        let all = work.wait()?;
-                        let longest = all.len() / world;
-                        for (r, runs) in runs.iter().enumerate() {
-                            let mut at = r * longest;
-                            for range in runs {
-                                let values = &all[at..at + range.len()];
-                                self.groups[i].params.set_f32(range.start, values);
-                                at += range.len();
-                            }
-                        }
+                        let params = std::slice::from_mut(&mut self.groups[i].params);
+                        runs.unpack(&work.wait()?, params);
                     }
                 }
             }
@@ -660,9 +644,9 @@ impl Engine {
 enum Sharing {
     /// The whole buffer, gathered in place.
     Whole(Gathering),
-    /// Each rank's runs ([`crate::flat::GroupLayout::trained_runs`]), the
-    /// gathered chunks as long as the longest rank's.
-    Runs(Vec<Vec<Range<usize>>>, zcomm::Work<Vec<f32>>),
+    /// Each rank's runs that train, packed as a bucket of the group alone
+    /// ([`Bucket::trained_of`]).
+    Runs(Bucket, zcomm::Work<Vec<f32>>),
 }
 
 #[cfg(test)]
