@@ -651,7 +651,9 @@ pub(crate) fn backward<S: BlockSource>(
             _ => None,
         };
         let weight = match frozen {
-            true => Tensor::zeros((inputs, w), DType::F32, &Device::Cpu)?,
+            // Zeros that hold no memory (one element, broadcast): the
+            // engine keeps no gradient of a frozen weight.
+            true => Tensor::zeros((), DType::F32, &Device::Cpu)?.broadcast_as((inputs, w))?,
             // SAFETY: a Zero start wrote every element of dW.
             false => Tensor::from_vec(unsafe { assume_init(dw) }, (inputs, w), &Device::Cpu)?,
         };
