@@ -652,7 +652,8 @@ fn dropout_and_neftune_on_the_gpu_follow_the_cpu_loss_curve_and_its_stages_agree
 
 /// `train.freeze` on the GPU (the embeddings, block 0 and block 1's
 /// attention product frozen): 20 steps following the CPU run, stages 3
-/// and 0 agreeing (two workers over NCCL); then, in f32 and bf16, six steps on the CPU and on the
+/// and 0 agreeing (two workers over NCCL), and activation checkpointing's
+/// recomputed blocks giving the same bits; then, in f32 and bf16, six steps on the CPU and on the
 /// GPU, each exported from its checkpoint: every frozen tensor as the CPU
 /// run left it, to the bit (the initial weights: an update that decayed or
 /// moved one fails).
@@ -694,7 +695,13 @@ fn frozen_parameters_on_the_gpu_follow_the_cpu_run_and_keep_their_values() {
         let s = format!("zero.stage={n}");
         train(dir.path(), &format!("s{n}"), 2, &sets(&["device=cuda", &s]))
     };
-    assert_eq!(stage(3), stage(0), "frozen: stage 3 against stage 0");
+    let stage_0 = stage(0);
+    assert_eq!(stage(3), stage_0, "frozen: stage 3 against stage 0");
+    // Recomputed blocks (activation checkpointing) keep what the first
+    // forward keeps: the same bits.
+    let recomputed = ["device=cuda", "train.activation_checkpointing=true"];
+    let recomputed = train(dir.path(), "ckpt", 2, &sets(&recomputed));
+    assert_eq!(recomputed, stage_0, "frozen: checkpointing against not");
     let is_frozen = |name: &str| {
         name.starts_with("wte.")
             || name.starts_with("wpe.")

@@ -458,16 +458,23 @@ fn backward_reach(m: &ModelSpec, freeze: &[String]) -> usize {
         .unwrap_or(m.n_layers)
 }
 
+/// Which of a block's four linears ([`ModelSpec::block_linears`]) keep no
+/// input where their weight is frozen: on the CPU all four; on the GPU all
+/// but the attention's output projection, whose input (the attention's
+/// output) the attention's own backward reads there.
+pub fn frozen_inputs_dropped(gpu: bool) -> [bool; 4] {
+    [true, !gpu, true, true]
+}
+
 /// [`activation_bytes`] under the `freeze` patterns: blocks below the
 /// lowest that trains (where the embedding is frozen) keep nothing, since
-/// backward stops above them, and with `drops_frozen_inputs` (the CPU
-/// model; the GPU's keeps its blocks whole) the others no input of a
-/// linear whose weight is frozen.
+/// backward stops above them, and the others no input of a linear whose
+/// weight is frozen where `dropped` says so ([`frozen_inputs_dropped`]).
 pub fn frozen_activation_bytes(
     m: &ModelSpec,
     micro_batch: usize,
     freeze: &[String],
-    drops_frozen_inputs: bool,
+    dropped: [bool; 4],
 ) -> (f64, f64) {
     let t = m.seq_len;
     let frozen = |name: &str| crate::freeze::frozen(freeze, name);
@@ -479,13 +486,13 @@ pub fn frozen_activation_bytes(
     let inputs = linear_input_bytes(m, micro_batch, t);
     let kept = (reach..m.n_layers).map(|i| {
         let prefix = m.block_prefix(i);
-        let dropped: f64 = (linears.iter().zip(inputs))
-            .filter(|((name, _, _), _)| {
-                drops_frozen_inputs && frozen(&format!("{prefix}.{name}.weight"))
+        let not_kept: f64 = (linears.iter().zip(inputs).zip(dropped))
+            .filter(|(((name, _, _), _), drops)| {
+                *drops && frozen(&format!("{prefix}.{name}.weight"))
             })
-            .map(|(_, bytes)| bytes)
+            .map(|((_, bytes), _)| bytes)
             .sum();
-        block - dropped
+        block - not_kept
     });
     let saved = (m.n_layers - reach) as f64;
     (kept.sum::<f64>() + head, saved * input + block + head)
@@ -526,7 +533,10 @@ pub fn job_activation_bytes(spec: &JobSpec, fused_attention: bool) -> (f64, f64)
     let gpu = spec.device == Device::Cuda;
     let (plain, checkpointed) = match spec.train.freeze.is_empty() {
         true => activation_bytes(&spec.model, micro),
-        false => frozen_activation_bytes(&spec.model, micro, &spec.train.freeze, !gpu),
+        false => {
+            let dropped = frozen_inputs_dropped(gpu);
+            frozen_activation_bytes(&spec.model, micro, &spec.train.freeze, dropped)
+        }
     };
     if !gpu || fused_attention {
         return (plain, checkpointed);
@@ -589,17 +599,24 @@ mod tests {
         )
         .unwrap();
         let whole = gpu_worker_bytes(&spec, 1, true);
-        // Every weight frozen, the biases trained: every block is reached
-        // and kept whole.
+        // Every weight frozen, the biases trained: every block is reached,
+        // and keeps no input of its q, k and v projection (d a token) or
+        // its MLP's two linears (d and 4d), though it keeps the attention's
+        // output (d), which the CPU's block drops too.
         spec.train.freeze = vec!["*.weight".into()];
         let bitfit = gpu_worker_bytes(&spec, 1, true);
         assert_eq!(bitfit.states, whole.states);
-        assert_eq!(bitfit.activations, whole.activations);
-        // What the CPU's workers hold under the same freeze is less.
+        let (m, micro) = (&spec.model, spec.train.micro_batch_size);
+        let row = 4.0 * (micro * m.seq_len * m.d_model) as f64;
+        let layers = m.n_layers as f64;
+        assert_eq!(bitfit.activations, whole.activations - layers * 6.0 * row);
         let mut cpu = spec.clone();
         cpu.device = Device::Cpu;
         assert!(worker_states(&spec, 1).memory < whole.states.unwrap());
-        assert!(job_activation_bytes(&cpu, true).0 < whole.activations);
+        assert_eq!(
+            job_activation_bytes(&cpu, true).0,
+            bitfit.activations - layers * row
+        );
         // The embedding and the lower two blocks frozen: those blocks'
         // activations (and, unfused, their probabilities) are not kept.
         spec.train.freeze = vec!["w*".into(), "h.{0-1}.*".into()];

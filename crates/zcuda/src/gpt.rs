@@ -413,16 +413,22 @@ impl Weights {
 /// linear's output, `g`: its activation).
 pub struct BlockActs {
     x: Rows,
-    a1: Kept,
+    /// The inputs of the q, k and v projection, the MLP's first and its
+    /// last linear: only their weight gradients read them, so none is
+    /// kept where its weight is frozen (`train.freeze`), as PyTorch's
+    /// autograd saves no input of a product whose weight needs no
+    /// gradient. (The attention's output, the fourth linear's input, is
+    /// kept whatever: its own backward reads it.)
+    a1: Option<Kept>,
     stats1: Stats,
     /// Qwen3: q's and k's heads before their norms, and their 1/rms.
     qk: Option<[(CudaSlice<f32>, Stats); 2]>,
     attention: Attention,
     rows1: CudaSlice<f32>,
-    a2: Kept,
+    a2: Option<Kept>,
     stats2: Stats,
     h: CudaSlice<f32>,
-    g: Kept,
+    g: Option<Kept>,
     /// The masks its outputs were dropped by (the attention keeps its own).
     hidden: Option<[Mask; 2]>,
 }
@@ -456,6 +462,12 @@ impl Kept {
         };
         l.arg(fmt16);
     }
+}
+
+/// A kept activation as a product's operand, rows of `ld`: none where it
+/// was not kept.
+fn kept(a: &Option<Kept>, ld: usize) -> Option<Operand<'_>> {
+    a.as_ref().map(|a| a.operand(ld))
 }
 
 impl BlockActs {
@@ -1207,11 +1219,16 @@ impl GptGpu {
     /// `dropouts.attention` the attention's probabilities
     /// (`model.attention_dropout`); the backward drops their gradients by
     /// the same masks.
+    ///
+    /// `frozen` says, in zmodel's flat order, which of the block's tensors
+    /// are frozen: no input of a frozen linear weight is kept (empty: every
+    /// tensor trains).
     pub fn block_forward(
         &self,
         w: &Weights,
         x: Rows,
         dropouts: Dropouts,
+        frozen: &[bool],
     ) -> Result<(Rows, BlockActs), CudaError> {
         let hidden = dropouts.hidden;
         let (d, q, fi) = (
@@ -1222,6 +1239,14 @@ impl GptGpu {
         let (b, t) = x.dims();
         let (n, aw) = (b * t, self.shape.attn_width());
         let weights = self.block_params(w)?;
+        if !frozen.is_empty() && frozen.len() != w.tensors() {
+            return Err(CudaError::Invalid(format!(
+                "block forward: {} frozen flags for {} tensors",
+                frozen.len(),
+                w.tensors()
+            )));
+        }
+        let keep = weights.first.map(|i| frozen.get(i) != Some(&true));
         let [norm1, qkv_w, out_w, norm2, in_w, mlp_out] = weights.parts;
         let (a1, stats1) = self.norm(&x.buf, norm1, n)?;
         let mut qkv = self.linear(a1.operand(d), n, d, qkv_w, q, None)?;
@@ -1244,15 +1269,15 @@ impl GptGpu {
         let y = self.linear(g.operand(f), n, f, mlp_out, d, Some((&rows1, drop_mlp)))?;
         let acts = BlockActs {
             x,
-            a1,
+            a1: keep[1].then_some(a1),
             stats1,
             qk,
             attention,
             rows1,
-            a2,
+            a2: keep[4].then_some(a2),
             stats2,
             h,
-            g,
+            g: keep[5].then_some(g),
             hidden,
         };
         Ok((
@@ -1306,7 +1331,7 @@ impl GptGpu {
         let f = self.shape.ffn;
         let branch = dropped.as_ref().unwrap_or(dy);
         let (dg, dw, db) =
-            self.linear_backward(acts.g.operand(f), n, f, mlp_out, d, branch, trains[5])?;
+            self.linear_backward(kept(&acts.g, f), n, f, mlp_out, d, branch, trains[5])?;
         drop(dropped);
         grads[5] = Some((dw, db));
         let mut dh = self.alloc(n * fi)?;
@@ -1316,7 +1341,7 @@ impl GptGpu {
         }
         drop(dg);
         let (da2, dw, db) =
-            self.linear_backward(acts.a2.operand(d), n, d, in_w, fi, &dh, trains[4])?;
+            self.linear_backward(kept(&acts.a2, d), n, d, in_w, fi, &dh, trains[4])?;
         grads[4] = Some((dw, db));
         drop(dh);
         let (drows1, dw, db) =
@@ -1326,7 +1351,7 @@ impl GptGpu {
         let att = acts.attention.operand(aw);
         let dropped = self.dropped(&drows1, drop_attention)?;
         let branch = dropped.as_ref().unwrap_or(&drows1);
-        let (datt, dw, db) = self.linear_backward(att, n, aw, out_w, d, branch, trains[2])?;
+        let (datt, dw, db) = self.linear_backward(Some(att), n, aw, out_w, d, branch, trains[2])?;
         drop(dropped);
         grads[2] = Some((dw, db));
         let mut dqkv = self.attention_backward(&acts.attention, &datt, b, t)?;
@@ -1338,7 +1363,7 @@ impl GptGpu {
             _ => Vec::new(),
         };
         let (da1, dw, db) =
-            self.linear_backward(acts.a1.operand(d), n, d, qkv_w, q, &dqkv, trains[1])?;
+            self.linear_backward(kept(&acts.a1, d), n, d, qkv_w, q, &dqkv, trains[1])?;
         grads[1] = Some((dw, db));
         let (dx, dw, db) =
             self.norm_backward(&acts.x.buf, norm1, &acts.stats1, &da1, Some(&drows1), n)?;
@@ -1651,11 +1676,12 @@ impl GptGpu {
     }
 
     /// The backward of [`GptGpu::linear`]: (dx `[n, k]`, dW where
-    /// `weight_trains`, and db where the layer has a bias).
+    /// `weight_trains`, and db where the layer has a bias). `x`, the
+    /// forward's input, only dW reads: none where the forward kept none.
     #[allow(clippy::too_many_arguments)]
     fn linear_backward(
         &self,
-        x: Operand<'_>,
+        x: Option<Operand<'_>>,
         n: usize,
         k: usize,
         (w, bias): Part<'_>,
@@ -1682,6 +1708,11 @@ impl GptGpu {
         };
         let dw = match weight_trains {
             true => {
+                let x = x.ok_or_else(|| {
+                    CudaError::Invalid(format!(
+                        "linear backward: the forward kept no input of a weight that trains ([{n}, {k}] · [{k}, {width}])"
+                    ))
+                })?;
                 let mut dw = self.alloc(k * width)?;
                 self.gemm(
                     true,

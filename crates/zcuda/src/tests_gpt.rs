@@ -841,6 +841,10 @@ fn matches_the_cpu_model_with(
         };
         let (ew, w, hw) = (up(0), up(1), up(2));
         let gx = gpu.embed_documents(&tokens, firsts, b, t, &ew).unwrap();
+        let frozen_slots = match frozen {
+            true => linear_weights.clone(),
+            false => vec![false; linear_weights.len()],
+        };
         let (gy, gacts) = gpu
             .block_forward(
                 &w,
@@ -853,6 +857,7 @@ fn matches_the_cpu_model_with(
                         key: d.key(),
                     }),
                 },
+                &frozen_slots,
             )
             .unwrap();
         let y_host = gpu.download(&gy).unwrap();
@@ -862,10 +867,19 @@ fn matches_the_cpu_model_with(
             .unwrap();
         let gdy = out.dx.as_ref().unwrap();
         let dy_host = gpu.download(gdy).unwrap();
-        let frozen_slots = match frozen {
-            true => linear_weights.clone(),
-            false => vec![false; linear_weights.len()],
-        };
+        if frozen {
+            // The forward kept no input of a frozen weight: a backward
+            // that would take its gradient says so.
+            let all = vec![false; linear_weights.len()];
+            let err = gpu.block_backward(&w, &gacts, gdy, &all).err();
+            let err = err
+                .expect("a weight's gradient without its input")
+                .to_string();
+            assert!(
+                err.contains("kept no input of a weight that trains"),
+                "{err}"
+            );
+        }
         let (grads, gdx) = gpu.block_backward(&w, &gacts, gdy, &frozen_slots).unwrap();
         let dx_host = gpu.download(&gdx).unwrap();
         let hg = out.grads.unwrap();

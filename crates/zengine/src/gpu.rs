@@ -940,6 +940,12 @@ impl Engine {
         gpu.noise_and_dropout(&mut x, noise, embedding_mask)?;
         // Block b's: its site's sites 0 (attention's output) and 1 (the
         // MLP's), and its site's attention probabilities.
+        // Each group's frozen tensors: a block keeps no input of a frozen
+        // weight, and its backward makes no gradient of one.
+        let flags: Vec<Vec<bool>> = (self.groups.iter())
+            .map(|g| g.layout.params.iter().map(|p| p.frozen).collect())
+            .collect();
+        let frozen = |group: usize| flags[group].as_slice();
         let block_masks = |b: usize| {
             let site = mb.dropout.site(b as u64);
             zcuda::Dropouts {
@@ -954,7 +960,7 @@ impl Engine {
             if block < n_layers {
                 self.gpu_upload_ahead(&gpu, gather, block + 1)?;
             }
-            let (y, acts) = gpu.block_forward(&w, x, block_masks(block))?;
+            let (y, acts) = gpu.block_forward(&w, x, block_masks(block), frozen(block))?;
             // Backward stops above frozen blocks: nothing of theirs is kept.
             if block >= self.backward_reach {
                 saved.push(match checkpointing {
@@ -1012,13 +1018,13 @@ impl Engine {
             let w = self.gpu_weights(&gpu, gather, block)?;
             let acts = match saved.pop() {
                 Some(Saved::Acts(acts)) => *acts,
-                Some(Saved::Input(x)) => gpu.block_forward(&w, x, block_masks(block))?.1,
+                Some(Saved::Input(x)) => {
+                    gpu.block_forward(&w, x, block_masks(block), frozen(block))?
+                        .1
+                }
                 None => return Err(EngineError::Gpu(format!("block {block}: nothing saved"))),
             };
-            let frozen: Vec<bool> = (self.groups[block].layout.params.iter())
-                .map(|p| p.frozen)
-                .collect();
-            let (grads, next) = gpu.block_backward(&w, &acts, &dx, &frozen)?;
+            let (grads, next) = gpu.block_backward(&w, &acts, &dx, frozen(block))?;
             drop((acts, w));
             let by_slot: Vec<_> = (grads.iter().enumerate())
                 .filter_map(|(slot, g)| Some((slot, g.as_ref()?)))
@@ -1077,7 +1083,12 @@ impl Engine {
         for block in 1..=self.model.config().n_layers {
             let w = self.gpu_weights(&gpu, gather, block)?;
             self.gpu_release(block);
-            x = gpu.block_forward(&w, x, zcuda::Dropouts::default())?.0;
+            // No backward follows: as if every tensor were frozen, no
+            // input is kept for one.
+            let as_if_frozen = vec![true; w.tensors()];
+            x = gpu
+                .block_forward(&w, x, zcuda::Dropouts::default(), &as_if_frozen)?
+                .0;
         }
         let (hw, wte) = self.gpu_head_weights(&gpu, gather)?;
         let tied = wte.is_some();

@@ -40,8 +40,8 @@ use std::process::ExitCode;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use zconfig::estimate::{
-    activation_bytes, frozen_activation_bytes, frozen_flops_per_token, model_params,
-    trained_elements, worker_states, StateBytes,
+    activation_bytes, frozen_activation_bytes, frozen_flops_per_token, frozen_inputs_dropped,
+    model_params, trained_elements, worker_states, StateBytes,
 };
 use zconfig::spec::OptimizerKind;
 use zconfig::{load_job_with, JobSpec, Topology};
@@ -600,8 +600,9 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         }
         let states = worker_states(&job.spec, world);
         let t = &job.spec.train;
+        let cpu_drops = frozen_inputs_dropped(false);
         let (plain, checkpointed) =
-            frozen_activation_bytes(&job.spec.model, t.micro_batch_size, &t.freeze, true);
+            frozen_activation_bytes(&job.spec.model, t.micro_batch_size, &t.freeze, cpu_drops);
         let acts = if job.spec.train.activation_checkpointing {
             checkpointed
         } else {
