@@ -652,7 +652,8 @@ fn dropout_and_neftune_on_the_gpu_follow_the_cpu_loss_curve_and_its_stages_agree
 
 /// `train.freeze` on the GPU (the embeddings, block 0 and block 1's
 /// attention product frozen): 20 steps following the CPU run, stages 3
-/// and 0 agreeing (two workers over NCCL), and activation checkpointing's
+/// and 0 agreeing (two workers, the host flow), every stage agreeing over
+/// NCCL in f32 and bf16, and activation checkpointing's
 /// recomputed blocks giving the same bits; then, in f32 and bf16, six steps on the CPU and on the
 /// GPU, each exported from its checkpoint: every frozen tensor as the CPU
 /// run left it, to the bit (the initial weights: an update that decayed or
@@ -697,6 +698,26 @@ fn frozen_parameters_on_the_gpu_follow_the_cpu_run_and_keep_their_values() {
     };
     let stage_0 = stage(0);
     assert_eq!(stage(3), stage_0, "frozen: stage 3 against stage 0");
+    // Over NCCL (the resident flow) every stage agrees too, in f32 and
+    // bf16: stages 1-2 gather the updated parameters after the step, and a
+    // partly frozen group's frozen slots, which the gather does not carry,
+    // keep their values (they were zeroed before 2026-12-06).
+    for dtype in ["f32", "bf16"] {
+        let nccl = |n: u8| {
+            let (s, d) = (format!("zero.stage={n}"), format!("train.dtype={dtype}"));
+            let name = format!("nccl-{dtype}-s{n}");
+            let sets = sets(&["device=cuda", "comm.backend=nccl", &s, &d]);
+            train(dir.path(), &name, 2, &sets)
+        };
+        let base = nccl(0);
+        for n in 1..=3 {
+            assert_eq!(
+                nccl(n),
+                base,
+                "frozen over NCCL, {dtype}: stage {n} against 0"
+            );
+        }
+    }
     // Recomputed blocks (activation checkpointing) keep what the first
     // forward keeps: the same bits.
     let recomputed = ["device=cuda", "train.activation_checkpointing=true"];

@@ -1473,7 +1473,12 @@ impl Engine {
             let params = Arc::get_mut(whole)
                 .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
                 .parts_mut();
+            // A frozen slot's values never left it: `buf` holds none of
+            // them (the pieces leave them out), and every rank has them.
             for (i, (range, _)) in p.slots.iter().enumerate() {
+                if p.frozen[i] {
+                    continue;
+                }
                 let part = params[i]
                     .as_mut()
                     .ok_or_else(|| EngineError::Gpu("f32 weights missing".into()))?;
