@@ -653,7 +653,8 @@ fn dropout_and_neftune_on_the_gpu_follow_the_cpu_loss_curve_and_its_stages_agree
 /// `train.freeze` on the GPU (the embeddings, block 0 and block 1's
 /// attention product frozen): 20 steps following the CPU run, stages 3
 /// and 0 agreeing (two workers, the host flow), every stage agreeing over
-/// NCCL in f32 and bf16, and activation checkpointing's
+/// NCCL in f32 and bf16 (BitFit's collectives carrying its trained runs
+/// alone), and activation checkpointing's
 /// recomputed blocks giving the same bits; then, in f32 and bf16, six steps on the CPU and on the
 /// GPU, each exported from its checkpoint: every frozen tensor as the CPU
 /// run left it, to the bit (the initial weights: an update that decayed or
@@ -717,6 +718,34 @@ fn frozen_parameters_on_the_gpu_follow_the_cpu_run_and_keep_their_values() {
                 "frozen over NCCL, {dtype}: stage {n} against 0"
             );
         }
+    }
+    // Over NCCL a partly frozen group's collectives carry its trained runs
+    // alone, as the host's buckets do: with every weight frozen (BitFit)
+    // a step moves a few percent of the unfrozen job's bytes, at stage 2
+    // (reduce-scatters, gathers after the step) and stage 0 (all-reduces).
+    for stage in ["zero.stage=2", "zero.stage=0"] {
+        let bytes = |name: &str, freeze: &str| -> f64 {
+            let sets: Vec<String> = ["device=cuda", "comm.backend=nccl", stage, "train.steps=3"]
+                .into_iter()
+                .chain((!freeze.is_empty()).then_some(freeze))
+                .map(String::from)
+                .collect();
+            let lines = step_lines(&run(&job, name, 2, &sets, &[]));
+            let by_op = lines.last().unwrap()["comm_bytes"]["by_op"]
+                .as_object()
+                .unwrap()
+                .clone();
+            by_op.values().map(|v| v.as_f64().unwrap()).sum()
+        };
+        let all = bytes(&format!("bytes-all-{stage}"), "");
+        let bitfit = bytes(
+            &format!("bytes-bitfit-{stage}"),
+            r#"train.freeze=["*.weight"]"#,
+        );
+        assert!(
+            all > 0.0 && bitfit < 0.1 * all,
+            "{stage}: BitFit moved {bitfit} bytes a step over NCCL, the unfrozen job {all}"
+        );
     }
     // Recomputed blocks (activation checkpointing) keep what the first
     // forward keeps: the same bits.

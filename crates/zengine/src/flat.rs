@@ -381,14 +381,23 @@ impl Bucket {
 
     /// Copies a rank-major bucket buffer back into the groups' buffers.
     pub fn unpack(&self, packed: &[f32], bufs: &mut [Flat]) {
-        for (r, runs) in self.runs.iter().enumerate() {
-            let mut at = r * self.chunk();
-            for run in runs {
-                let n = run.range.len();
-                bufs[run.group].set_f32(run.range.start, &packed[at..at + n]);
-                at += n;
+        for r in 0..self.runs.len() {
+            for (g, range, at) in self.chunk_runs(r) {
+                bufs[g].set_f32(range.start, &packed[at..at + range.len()]);
             }
         }
+    }
+
+    /// Rank `r`'s runs: (group, flat range within the rank's slice of the
+    /// group, where the run starts in the packed buffer).
+    pub fn chunk_runs(&self, r: usize) -> Vec<(usize, Range<usize>, usize)> {
+        let mut at = r * self.chunk();
+        (self.runs[r].iter())
+            .map(|run| {
+                at += run.range.len();
+                (run.group, run.range.clone(), at - run.range.len())
+            })
+            .collect()
     }
 }
 

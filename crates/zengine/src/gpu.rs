@@ -55,7 +55,7 @@ use zmodel::Batch;
 use crate::adam::device_consts;
 use crate::engine::Engine;
 use crate::error::EngineError;
-use crate::flat::ParamSlot;
+use crate::flat::{Bucket, GroupLayout, ParamSlot};
 use crate::gather::Prefetcher;
 use crate::group::Group;
 use crate::micro_batch::MicroBatch;
@@ -299,6 +299,80 @@ impl<T: DeviceRepr + ValidAsZeroBits> Landings<T> {
             _ => self.shared.slice_mut(..padded),
         }
     }
+}
+
+/// What a collective over a partly frozen group's packed runs delivers
+/// back into the group's buffer ([`over_trained_runs`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Delivers {
+    /// This rank's runs (a reduce-scatter).
+    Own,
+    /// Every rank's (an all-reduce, an all-gather).
+    All,
+}
+
+/// A collective `op` over NCCL on `buf`, a group's whole buffer (flat
+/// indices), carrying only the runs that train where the group is frozen
+/// in part, as the host's buckets carry them: every rank's runs are
+/// copied into their chunks of a packed buffer ([`Bucket::trained_of`]:
+/// each rank's padded to the longest rank's, so an element stays in its
+/// owner's chunk), `op` runs on that, and the runs it `delivers` are
+/// copied back. The rest of `buf` is left as it is: a frozen parameter's
+/// gradient is zero on every rank, and its value moves on none.
+fn over_trained_runs<T: DeviceRepr + ValidAsZeroBits>(
+    gpu: &zcuda::Gpu,
+    layout: &GroupLayout,
+    rank: usize,
+    buf: &mut CudaViewMut<T>,
+    delivers: Delivers,
+    op: impl FnOnce(&mut CudaViewMut<T>) -> Result<(), zcuda::CudaError>,
+) -> Result<(), EngineError> {
+    let runs = Bucket::trained_of(layout);
+    let mut packed = gpu.zeros::<T>(runs.len)?;
+    for r in 0..layout.world {
+        for (_, range, at) in runs.chunk_runs(r) {
+            let n = range.len();
+            gpu.copy(&buf.slice(range), &mut packed.slice_mut(at..at + n))?;
+        }
+    }
+    op(&mut packed.slice_mut(..))?;
+    let back = match delivers {
+        Delivers::Own => rank..rank + 1,
+        Delivers::All => 0..layout.world,
+    };
+    for r in back {
+        for (_, range, at) in runs.chunk_runs(r) {
+            let n = range.len();
+            gpu.copy(&packed.slice(at..at + n), &mut buf.slice_mut(range))?;
+        }
+    }
+    Ok(())
+}
+
+/// NCCL's collective `op` on group `layout`'s whole f32 buffer `buf` (its
+/// trained runs alone where the group is frozen in part,
+/// [`over_trained_runs`]); `what` names it in a hang's report.
+fn group_collective(
+    gpu: &zcuda::Gpu,
+    nccl: &mut zcuda::Nccl,
+    (layout, rank): (&GroupLayout, usize),
+    buf: &mut CudaViewMut<f32>,
+    op: zcuda::NcclOp,
+    what: &str,
+) -> Result<(), EngineError> {
+    let mut run = |b: &mut CudaViewMut<f32>| match op {
+        zcuda::NcclOp::AllReduce => nccl.all_reduce_sum(b, what),
+        zcuda::NcclOp::ReduceScatter => nccl.reduce_scatter_sum_in_place(b, what),
+        zcuda::NcclOp::AllGather => nccl.all_gather_in_place(b, what),
+    };
+    if !layout.any_frozen() {
+        return Ok(run(buf)?);
+    }
+    let delivers = match op {
+        zcuda::NcclOp::ReduceScatter => Delivers::Own,
+        _ => Delivers::All,
+    };
+    over_trained_runs(gpu, layout, rank, buf, delivers, run)
 }
 
 /// The largest group's padded length.
@@ -848,18 +922,20 @@ impl Engine {
             ));
         };
         let group = &mut r.groups[g];
+        let rs = zcuda::NcclOp::ReduceScatter;
+        let of = (&self.groups[g].layout, self.comm.rank());
         if let (Some(h), Some(hc)) = (group.half.as_mut(), r.half_comm.as_mut()) {
             let mut landing = hc.landings.as_mut().ok_or_else(no_landings)?.of(g, padded);
             let mut wide = hc.wide.slice_mut(..padded);
             gpu.gpu().widen16(h.kind, &landing.slice(..), &mut wide)?;
-            nccl.reduce_scatter_sum_in_place(&mut wide, &what)?;
+            group_collective(gpu.gpu(), nccl, of, &mut wide, rs, &what)?;
             gpu.gpu()
                 .add_into16(h.kind, &mut h.grads.slice_mut(..), &wide.slice(own))?;
             gpu.gpu().fill_zero(&mut landing)?;
             return Ok(());
         }
         let mut landing = r.landings.as_mut().ok_or_else(no_landings)?.of(g, padded);
-        nccl.reduce_scatter_sum_in_place(&mut landing, &what)?;
+        group_collective(gpu.gpu(), nccl, of, &mut landing, rs, &what)?;
         gpu.gpu()
             .add(&mut group.grad_mut(own.clone()), &landing.slice(own))?;
         gpu.gpu().fill_zero(&mut landing)?;
@@ -1148,14 +1224,14 @@ impl Engine {
                     continue; // its gradients are zeros
                 }
                 let what = format!("group {i}'s gradients");
-                match (reduced_already, sliced) {
-                    (true, _) => {} // stages 2-3: as each micro-batch ended
-                    (false, true) => nccl
-                        .reduce_scatter_sum_in_place(&mut g.f32_grads_mut().slice_mut(..), &what)?,
-                    (false, false) => {
-                        nccl.all_reduce_sum(&mut g.f32_grads_mut().slice_mut(..), &what)?
-                    }
-                }
+                let op = match (reduced_already, sliced) {
+                    (true, _) => continue, // stages 2-3: as each micro-batch ended
+                    (false, true) => zcuda::NcclOp::ReduceScatter,
+                    (false, false) => zcuda::NcclOp::AllReduce,
+                };
+                let of = (&self.groups[i].layout, self.comm.rank());
+                let grads = &mut g.f32_grads_mut().slice_mut(..);
+                group_collective(gpu.gpu(), nccl, of, grads, op, &what)?;
             }
             nccl.wait()?;
         }
@@ -1292,16 +1368,12 @@ impl Engine {
                 gpu.gpu().widen16(h.kind, &h.grads.slice(..), &mut wide)?;
                 // The stream runs each group's rounding before the next
                 // group's widening overwrites the buffer.
-                let kept = match sliced {
-                    true => {
-                        nccl.reduce_scatter_sum_in_place(&mut wide, &what)?;
-                        p.own.clone()
-                    }
-                    false => {
-                        nccl.all_reduce_sum(&mut wide, &what)?;
-                        0..h.grads.len()
-                    }
+                let (op, kept) = match sliced {
+                    true => (zcuda::NcclOp::ReduceScatter, p.own.clone()),
+                    false => (zcuda::NcclOp::AllReduce, 0..h.grads.len()),
                 };
+                let of = (&self.groups[i].layout, self.comm.rank());
+                group_collective(gpu.gpu(), nccl, of, &mut wide, op, &what)?;
                 gpu.gpu().round16(
                     h.kind,
                     &wide.slice(kept.clone()),
@@ -1441,7 +1513,16 @@ impl Engine {
                 let flat = flat.ok_or_else(|| {
                     EngineError::Gpu(format!("group {gi}: no 16-bit working copy"))
                 })?;
-                nccl.all_gather16_in_place(&mut flat.slice_mut(..padded), &what)?;
+                let flat16 = &mut flat.slice_mut(..padded);
+                match self.groups[gi].layout.any_frozen() {
+                    false => nccl.all_gather16_in_place(flat16, &what)?,
+                    true => {
+                        let (layout, rank) = (&self.groups[gi].layout, self.comm.rank());
+                        let gather =
+                            |b: &mut CudaViewMut<u16>| nccl.all_gather16_in_place(b, &what);
+                        over_trained_runs(gpu.gpu(), layout, rank, flat16, Delivers::All, gather)?;
+                    }
+                }
                 for (i, (range, _)) in p.slots.iter().enumerate() {
                     let Some(part) = params[i].as_mut() else {
                         continue; // held in 16 bits alone
@@ -1469,7 +1550,15 @@ impl Engine {
                     &mut buf.slice_mut(at),
                 )?;
             }
-            nccl.all_gather_in_place(&mut buf, &what)?;
+            let of = (&self.groups[gi].layout, self.comm.rank());
+            group_collective(
+                gpu.gpu(),
+                nccl,
+                of,
+                &mut buf,
+                zcuda::NcclOp::AllGather,
+                &what,
+            )?;
             let params = Arc::get_mut(whole)
                 .ok_or_else(|| EngineError::Gpu("parameters still in use at the step".into()))?
                 .parts_mut();
