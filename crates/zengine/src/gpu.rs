@@ -1014,14 +1014,14 @@ impl Engine {
             key: z.key(),
         });
         gpu.noise_and_dropout(&mut x, noise, embedding_mask)?;
-        // Block b's: its site's sites 0 (attention's output) and 1 (the
-        // MLP's), and its site's attention probabilities.
         // Each group's frozen tensors: a block keeps no input of a frozen
         // weight, and its backward makes no gradient of one.
         let flags: Vec<Vec<bool>> = (self.groups.iter())
             .map(|g| g.layout.params.iter().map(|p| p.frozen).collect())
             .collect();
         let frozen = |group: usize| flags[group].as_slice();
+        // Block b's: its site's sites 0 (attention's output) and 1 (the
+        // MLP's), and its site's attention probabilities.
         let block_masks = |b: usize| {
             let site = mb.dropout.site(b as u64);
             zcuda::Dropouts {
