@@ -57,6 +57,7 @@ const KEYS: &[(&str, &[&str])] = &[
     ("train.activation_checkpointing", &["true", "false"]),
     ("train.decay_fraction", &["0", "0.5", "1"]),
     ("train.dtype", &["f32", "bf16", "f16"]),
+    ("train.grad_accum_dtype", &["f32", "bf16", "f16"]),
     ("train.eval_every", &["0", "1", "2", "epoch"]),
     ("train.eval_steps", &["0", "1", "3"]),
     ("train.grad_accum", &["1", "2", "3", "0"]),

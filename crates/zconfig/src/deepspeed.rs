@@ -188,6 +188,7 @@ const TOP_LEVEL: &[(&str, Kind)] = &[
     ("zero_optimization", Kind::Section),
     ("aio", Kind::Section),
     ("activation_checkpointing", Kind::Section),
+    ("data_types", Kind::Section),
     ("wall_clock_breakdown", Kind::Ignored),
     ("memory_breakdown", Kind::Ignored),
     ("flops_profiler", Kind::Ignored),
@@ -333,6 +334,8 @@ const BF16: &[(&str, Kind)] = &[
     ("immediate_grad_update", Kind::Ignored),
     ("check_grad_overflow", Kind::Ignored),
 ];
+
+const DATA_TYPES: &[(&str, Kind)] = &[("grad_accum_dtype", Kind::Section)];
 
 const OPTIMIZER: &[(&str, Kind)] = &[("type", Kind::Section), ("params", Kind::Section)];
 
@@ -616,6 +619,7 @@ impl Reader {
         self.scheduler()?;
         self.precision()?;
         self.zero()?;
+        self.data_types()?;
         self.aio()?;
         self.monitor("tensorboard")?;
         self.monitor("csv_monitor")?;
@@ -1146,6 +1150,37 @@ impl Reader {
         }
     }
 
+    /// `data_types.grad_accum_dtype`, or where it is absent DeepSpeed's
+    /// own choice when the file settles it: bf16 without ZeRO (stage 0,
+    /// DeepSpeed's `BF16_Optimizer`) sums gradients in fp32, every other
+    /// job in its working type (zrun's default too).
+    fn data_types(&mut self) -> Result<(), ConfigError> {
+        self.sort_keys("data_types", DATA_TYPES)?;
+        let key = "train.grad_accum_dtype";
+        if self.simple("data_types.grad_accum_dtype", key, false, dtype_name)? {
+            return Ok(());
+        }
+        let set = |key: &str| match self.out.source_of(key) {
+            Some(Mapped {
+                value: MappedValue::Set(v),
+                source,
+                ..
+            }) => Some((v.clone(), source.clone())),
+            _ => None,
+        };
+        if let (Some((dtype, source)), Some((stage, _))) = (set("train.dtype"), set("zero.stage")) {
+            if dtype == json!("bf16") && stage == json!(0) {
+                self.map(
+                    key,
+                    MappedValue::Set(json!("f32")),
+                    &source,
+                    Origin::Default,
+                );
+            }
+        }
+        Ok(())
+    }
+
     fn zero(&mut self) -> Result<(), ConfigError> {
         let z = "zero_optimization";
         // The old spelling: `"zero_optimization": true` is stage 1.
@@ -1390,6 +1425,16 @@ fn non_negative(v: &Value) -> Result<Value, String> {
     match v.as_f64() {
         Some(f) if f.is_finite() && f >= 0.0 => Ok(json!(f)),
         _ => Err(format!("{v}: must be a non-negative number")),
+    }
+}
+
+/// DeepSpeed's dtype names (its `DtypeEnum`) as zrun's.
+fn dtype_name(v: &Value) -> Result<Value, String> {
+    match v.as_str() {
+        Some("fp32" | "float32" | "float") => Ok(json!("f32")),
+        Some("bf16" | "bfloat16" | "bfloat") => Ok(json!("bf16")),
+        Some("fp16" | "float16" | "half") => Ok(json!("f16")),
+        _ => Err(format!("{v}: must be \"fp32\", \"bf16\" or \"fp16\"")),
     }
 }
 

@@ -64,9 +64,15 @@ impl StateBytes {
         }
     }
 
-    /// A job's: its dtype and its optimizer's rule.
+    /// A job's: its dtype and its optimizer's rule, and 4 bytes of
+    /// gradient where `train.grad_accum_dtype: f32` holds them in f32.
     pub fn for_job(spec: &JobSpec) -> StateBytes {
-        StateBytes::for_training(spec.train.dtype, spec.train.optimizer.kind)
+        let t = &spec.train;
+        let bytes = StateBytes::for_training(t.dtype, t.optimizer.kind);
+        match t.grads_dtype() {
+            Dtype::F32 => StateBytes { grad: 4.0, ..bytes },
+            _ => bytes,
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, plain_yaml_message, ConfigError};
 use crate::hostfile::Topology;
 use crate::spec::{
-    Backend, Device, Every, JobSpec, ModelKind, OffloadDevice, OneCycleSpec, OptimizerKind,
+    Backend, Device, Dtype, Every, JobSpec, ModelKind, OffloadDevice, OneCycleSpec, OptimizerKind,
     Schedule, ZeroStage,
 };
 
@@ -1321,6 +1321,17 @@ impl LoadedJob {
         if c.backend == Backend::Nccl {
             self.validate_nccl()?;
         }
+        let t = &s.train;
+        if ![Dtype::F32, t.dtype].contains(&t.grads_dtype()) {
+            return Err(self.invalid(
+                "train.grad_accum_dtype",
+                format!(
+                    "must be f32 or train.dtype ({}): gradients are held in the working type or in f32, got {}",
+                    t.dtype,
+                    t.grads_dtype()
+                ),
+            ));
+        }
         if s.train.allow_tf32 && s.device != Device::Cuda {
             return Err(self.invalid(
                 "train.allow_tf32",
@@ -1739,6 +1750,44 @@ mod tests {
     }
 
     const GOOD: &str = "name: t\nmodel: {d_model: 64, n_heads: 4, n_layers: 2, seq_len: 16}\ndata:\n  format: synthetic\ntrain:\n  steps: 5\n  lr: 1.0e-3\n";
+
+    /// `train.grad_accum_dtype` is f32 or the working type (the job's
+    /// default), refused at the line that writes it otherwise; estimates
+    /// count f32 gradients at 4 bytes, and the GPU path refuses them.
+    #[test]
+    fn grad_accum_dtype_is_f32_or_the_working_type() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("job.yaml");
+        let job = |extra: &str| {
+            std::fs::write(&path, format!("{GOOD}  dtype: bf16\n{extra}")).unwrap();
+            load_job(&path, &[]).and_then(|mut j| j.validate(1).map(|()| j))
+        };
+        let j = job("").unwrap();
+        assert_eq!(j.spec.train.grads_dtype(), Dtype::Bf16);
+        assert_eq!(crate::estimate::StateBytes::for_job(&j.spec).grad, 2.0);
+        let mut j = job("  grad_accum_dtype: f32\n").unwrap();
+        assert_eq!(j.spec.train.grads_dtype(), Dtype::F32);
+        assert_eq!(crate::estimate::StateBytes::for_job(&j.spec).grad, 4.0);
+        j.spec.device = Device::Cuda;
+        let why = j.spec.gpu_unsupported().expect("refused on the GPU");
+        assert!(why.contains("drop train.grad_accum_dtype: f32"), "{why}");
+        assert_eq!(
+            job("  grad_accum_dtype: bf16\n")
+                .unwrap()
+                .spec
+                .train
+                .grads_dtype(),
+            Dtype::Bf16
+        );
+        let e = job("  grad_accum_dtype: f16\n").unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!(
+                "{}:9:3: train.grad_accum_dtype: must be f32 or train.dtype (bf16)",
+                path.display()
+            )),
+            "{e}"
+        );
+    }
 
     /// `train.warmup_ratio` becomes `ceil(ratio × steps)` warmup steps, as
     /// transformers' `get_warmup_steps` rounds it (`--set` of the steps

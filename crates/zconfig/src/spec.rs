@@ -550,6 +550,12 @@ pub struct TrainSpec {
     pub seed: u64,
     /// Working dtype of parameters and gradients.
     pub dtype: Dtype,
+    /// DeepSpeed's `data_types.grad_accum_dtype`: the type gradients are
+    /// held and summed in between backward and the update (micro-batches
+    /// accumulated, reduced slices put away). `None`: `dtype`; `f32` under
+    /// a 16-bit `dtype` keeps backward's f32 gradients unrounded, at twice
+    /// the gradient memory ([`TrainSpec::grads_dtype`]).
+    pub grad_accum_dtype: Option<Dtype>,
     /// f16's dynamic loss scaling (DeepSpeed's `fp16` keys and defaults).
     pub loss_scale: LossScaleSpec,
     /// Recompute each block in backward.
@@ -639,6 +645,14 @@ impl Default for LossScaleSpec {
     }
 }
 
+impl TrainSpec {
+    /// The type gradients are held and summed in: `grad_accum_dtype`, else
+    /// the working `dtype`.
+    pub fn grads_dtype(&self) -> Dtype {
+        self.grad_accum_dtype.unwrap_or(self.dtype)
+    }
+}
+
 impl Default for TrainSpec {
     fn default() -> Self {
         Self {
@@ -665,6 +679,7 @@ impl Default for TrainSpec {
             grad_clip: 1.0,
             seed: 42,
             dtype: Dtype::F32,
+            grad_accum_dtype: None,
             loss_scale: LossScaleSpec::default(),
             activation_checkpointing: false,
             allow_tf32: false,
@@ -1329,6 +1344,13 @@ impl JobSpec {
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
+        }
+        if self.train.grads_dtype() != self.train.dtype {
+            return Some(format!(
+                "the GPU holds gradients in train.dtype ({}): drop train.grad_accum_dtype: {}",
+                self.train.dtype,
+                self.train.grads_dtype()
+            ));
         }
         if self.train.optimizer.kind == OptimizerKind::Lamb
             && self.zero.offload_optimizer.device == OffloadDevice::None

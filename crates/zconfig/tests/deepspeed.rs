@@ -472,6 +472,49 @@ fn adagrad_maps_to_the_adagrad_rule() {
 
 /// `fp16.loss_scale` above 0 is a static scale
 /// (`train.loss_scale.static_scale`); 0 is dynamic scaling, the default.
+/// `data_types.grad_accum_dtype` is `train.grad_accum_dtype` under
+/// DeepSpeed's names; where it is absent, a file that says bf16 without
+/// ZeRO (stage 0) gets DeepSpeed's own fp32 sums (its `BF16_Optimizer`),
+/// any other file the working type, and a file that says no stage leaves
+/// it to the job.
+#[test]
+fn grad_accum_dtype_maps_and_takes_deepspeeds_default() {
+    let j = job(BARE);
+    let ds = j._dir.path().join("ds.json");
+    for (text, want) in [
+        (
+            r#"{"bf16": {"enabled": true}, "zero_optimization": {"stage": 2}, "data_types": {"grad_accum_dtype": "fp32"}}"#,
+            Some(Dtype::F32),
+        ),
+        (
+            r#"{"fp16": {"enabled": true}, "data_types": {"grad_accum_dtype": "float"}}"#,
+            Some(Dtype::F32),
+        ),
+        (
+            r#"{"bf16": {"enabled": true}, "zero_optimization": {"stage": 0}, "data_types": {"grad_accum_dtype": "bfloat16"}}"#,
+            Some(Dtype::Bf16),
+        ),
+        (
+            r#"{"bf16": {"enabled": true}, "zero_optimization": {"stage": 0}}"#,
+            Some(Dtype::F32),
+        ),
+        (
+            r#"{"bf16": {"enabled": true}, "zero_optimization": {"stage": 1}}"#,
+            None,
+        ),
+        (r#"{"bf16": {"enabled": true}}"#, None),
+        (
+            r#"{"fp16": {"enabled": true}, "zero_optimization": {"stage": 0}}"#,
+            None,
+        ),
+    ] {
+        std::fs::write(&ds, text).unwrap();
+        let mut loaded = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+        loaded.validate(2).unwrap();
+        assert_eq!(loaded.spec.train.grad_accum_dtype, want, "{text}");
+    }
+}
+
 #[test]
 fn a_static_fp16_loss_scale_maps_to_static_scale() {
     let j = job(BARE);
@@ -695,6 +738,18 @@ fn what_cannot_be_honoured_is_refused_where_it_is_written() {
         (
             "{\"prescale_gradients\": true}",
             "prescale_gradients: true cannot be honoured",
+        ),
+        (
+            "{\"data_types\": {\"grad_accum_dtype\": \"int8\"}}",
+            "ds.json:1:17: data_types.grad_accum_dtype: \"int8\": must be \"fp32\", \"bf16\" or \"fp16\"",
+        ),
+        (
+            "{\"bf16\": {\"enabled\": true},\n \"data_types\": {\"grad_accum_dtype\": \"fp16\"}}",
+            "ds.json:2:17 (data_types.grad_accum_dtype): train.grad_accum_dtype: must be f32 or train.dtype (bf16)",
+        ),
+        (
+            "{\"data_types\": {\"grad_acum_dtype\": \"fp32\"}}",
+            "unknown DeepSpeed key `grad_acum_dtype`, did you mean `grad_accum_dtype`?",
         ),
         (
             "{\"scheduler\": {\"type\": \"WarmupLR\", \"params\": {\"warmup_num_steps\": 1e30}}}",

@@ -60,6 +60,9 @@ pub struct Engine {
     pub(crate) backward_reach: usize,
     /// Mixed precision: the 16-bit working type.
     pub(crate) half: Option<Half>,
+    /// The type gradients are held and summed in: `half`, or f32 under
+    /// `train.grad_accum_dtype: f32` (`None`: f32).
+    pub(crate) grads_half: Option<Half>,
     /// f16: the dynamic loss scale.
     pub(crate) scaler: Option<LossScaler>,
     /// Updates applied (steps minus those f16 skipped): Adam's and the
@@ -186,6 +189,7 @@ impl Engine {
         let (world, rank) = (comm.world_size(), comm.rank());
         let threshold = spec.zero.param_persistence_threshold.0 as usize;
         let half = Half::of(spec.train.dtype);
+        let grads_half = Half::of(spec.train.grads_dtype());
         let specs = model.groups();
         let mut layouts: Vec<GroupLayout> =
             specs.iter().map(|gs| GroupLayout::new(gs, world)).collect();
@@ -224,7 +228,7 @@ impl Engine {
                 stage,
                 partitioned[g],
                 rank,
-                half,
+                (half, grads_half),
                 rule,
             );
             if let Some(o) = &offload {
@@ -264,6 +268,7 @@ impl Engine {
             groups,
             backward_reach,
             half,
+            grads_half,
             scaler: (half == Some(Half::F16)).then(|| LossScaler::new(&spec.train.loss_scale)),
             updates: 0,
             plateau_lr: None,

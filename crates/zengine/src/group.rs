@@ -60,7 +60,7 @@ impl Group {
         stage: ZeroStage,
         partitioned: bool,
         rank: usize,
-        half: Option<Half>,
+        (half, grads_half): (Option<Half>, Option<Half>),
         rule: OptimizerKind,
     ) -> Group {
         let n = layout.slice_len();
@@ -84,7 +84,7 @@ impl Group {
             partitioned,
             params: Flat::zeros(half, 0),
             master: None,
-            grads: Flat::zeros(half, grads),
+            grads: Flat::zeros(grads_half, grads),
             grads_at,
             staging: None,
             zero_owed: false,

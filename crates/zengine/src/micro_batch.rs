@@ -415,7 +415,7 @@ impl Engine {
     /// the gradients themselves, or a staging buffer where the stage keeps only
     /// the own slice (it leaves with the group's bucket).
     fn micro_grads(&mut self, g: usize) -> &mut Flat {
-        let (half, len) = (self.half, self.staged_len(g));
+        let (half, len) = (self.grads_half, self.staged_len(g));
         let group = &mut self.groups[g];
         if !self.stage.partitions_gradients() {
             return group.settled_grads();
@@ -542,7 +542,7 @@ impl Engine {
                     group.zero_owed = false;
                     return Ok(());
                 }
-            } else if let Some(staging) = Flat::with_parts(self.half, staged_len, &parts) {
+            } else if let Some(staging) = Flat::with_parts(self.grads_half, staged_len, &parts) {
                 self.comm_buffers.add(staging.bytes());
                 group.staging = Some(staging);
                 return Ok(());

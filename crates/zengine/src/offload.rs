@@ -261,7 +261,10 @@ impl Offload {
             let families = 1 + u64::from(second) + u64::from(half.is_some());
             nvme_bytes += bytes * families;
             if z.stage.partitions_gradients() {
-                let elem = if half.is_some() { 2 } else { 4 };
+                let elem = match Half::of(spec.train.grads_dtype()) {
+                    Some(_) => 2,
+                    None => 4,
+                };
                 let (regions, len) = lay_out(layouts.iter().map(|l| {
                     let s = l.slice(rank);
                     (s.start, s.len())

@@ -192,7 +192,7 @@ impl Engine {
             let views: Vec<&Flat> = self.groups.iter().map(|x| &x.grads).collect();
             return Ok(self.reducer.buckets[bi].pack(&views, false, out));
         }
-        let mut staged: Vec<Flat> = vec![Flat::zeros(self.half, 0); self.groups.len()];
+        let mut staged: Vec<Flat> = vec![Flat::zeros(self.grads_half, 0); self.groups.len()];
         for h in self.reducer.buckets[bi].groups.clone() {
             staged[h] = self.take_staged(h)?;
         }
@@ -275,7 +275,7 @@ impl Engine {
     /// slice in place and takes its squared norm, as [`Engine::step`] does
     /// in memory.
     fn add_own_grads(&mut self, g: usize, runs: &[(usize, &[f32])]) -> Result<(), EngineError> {
-        let half = self.half;
+        let half = self.grads_half;
         let accum = self.spec.train.grad_accum;
         let (scale, rank) = (self.average_scale(), self.comm.rank());
         let Engine {

@@ -182,7 +182,7 @@ impl Engine {
     /// gradients are read (16-bit gradients are scaled as Adam reads them).
     fn average_gradients(&mut self) -> f32 {
         let scale = self.average_scale();
-        if self.half.is_some() {
+        if self.grads_half.is_some() {
             return scale;
         }
         if scale == 1.0 {
@@ -288,7 +288,7 @@ impl Engine {
             return (grad_scale, None);
         }
         let coef = (clip / (grad_norm + 1e-6)) as f32;
-        if self.half.is_some() {
+        if self.grads_half.is_some() {
             return (grad_scale * coef, None);
         }
         let swapped = self.offload.as_ref().is_some_and(|o| o.grads.is_some());

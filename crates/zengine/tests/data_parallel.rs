@@ -616,6 +616,63 @@ fn mixed_precision_stages_are_bit_identical() {
     }
 }
 
+/// `train.grad_accum_dtype: f32` under 16-bit weights keeps backward's
+/// f32 gradients unrounded: accumulated, reduced and put away in f32. Told
+/// apart from 16-bit accumulation where the exact answer is known: two
+/// micro-batches summed in f32 are one rounding, `a + b = b + a`, so taking
+/// them in either order gives the same bits at every stage; summed in 16
+/// bits, `round(round(a) + b)` is not `round(round(b) + a)`, and the order
+/// shows. (LLaMA's untied head: each parameter takes one gradient a
+/// micro-batch, where GPT-2's tied embedding takes two, the head's and the
+/// embedding's, and three terms are not commutative.) Stages 0-3 agree bit
+/// for bit at one micro-batch a step, as they do in 16 bits, and the run
+/// is not the 16-bit one.
+#[test]
+fn f32_gradient_accumulation_sums_in_either_order() {
+    use zconfig::spec::{Dtype, ModelKind};
+    for dtype in ["bf16", "f16"] {
+        let spec = |stage, accum, grads| {
+            let mut s = typed_spec(dtype, stage, accum, 2000, true, false, 4);
+            s.model.kind = ModelKind::Llama;
+            s.train.grad_accum_dtype = grads;
+            s
+        };
+        let reversed = Leg {
+            reverse_micro_batches: true,
+            ..Leg::default()
+        };
+        let base = train(spec(0, 1, Some(Dtype::F32)), 2);
+        let halves = train(spec(0, 1, None), 2);
+        assert!(base != halves, "{dtype}: f32 gradients change nothing");
+        assert_eq!(
+            base[0].grads_held,
+            2 * halves[0].grads_held,
+            "{dtype}: f32 gradients hold 4 bytes an element"
+        );
+        assert!(
+            base[0].losses[3] < base[0].losses[0],
+            "{dtype}: {:?}",
+            base[0].losses
+        );
+        for stage in 0..=3u8 {
+            let what = format!("{dtype} stage {stage}");
+            if stage > 0 {
+                let got = train(spec(stage, 1, Some(Dtype::F32)), 2);
+                assert!(got == base, "{what}: not stage 0's bits");
+            }
+            let forward = train(spec(stage, 2, Some(Dtype::F32)), 2);
+            let backward = train_leg(spec(stage, 2, Some(Dtype::F32)), 2, &reversed);
+            assert!(forward == backward, "{what}: f32 sums depend on the order");
+            let forward = train(spec(stage, 2, None), 2);
+            let backward = train_leg(spec(stage, 2, None), 2, &reversed);
+            assert!(
+                forward != backward,
+                "{what}: 16-bit sums do not depend on the order, so the check above tells nothing"
+            );
+        }
+    }
+}
+
 /// 16-bit working weights and gradients track f32 training closely on a short
 /// run; the loss scale exists for f16 only. The bounds are set from measurement
 /// (8 steps, 2 ranks, stage 2): every step's loss within 1e-4 of f32's (bound

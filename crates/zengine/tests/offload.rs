@@ -161,18 +161,35 @@ fn parameter_offload_alone_and_f16_with_accumulation() {
 /// micro-batches (read back, added, written), averaged and normed as the last
 /// one lands, clipped as the step reads them. Clipping is forced (a tiny
 /// `grad_clip`) and checked to have bitten, so that the swapped path of every
-/// factor is exercised; one worker takes the unreduced path.
+/// factor is exercised; one worker takes the unreduced path. bf16 with
+/// `grad_accum_dtype: f32` swaps f32 slices under 16-bit weights.
 #[test]
 fn swapped_gradients_accumulate_and_clip_bit_identically() {
+    use zconfig::spec::Dtype;
     let swap = tempfile::tempdir().unwrap();
-    for dtype in ["f32", "bf16"] {
+    for (dtype, grads) in [("f32", None), ("bf16", None), ("bf16", Some(Dtype::F32))] {
         for (world, stage, overlap) in [(1, 2u8, true), (2, 2, false), (2, 3, true), (3, 3, false)]
         {
             let mut spec = typed_spec(dtype, stage, 3, 2000, overlap, false, 3);
             spec.train.grad_clip = 0.05;
+            spec.train.grad_accum_dtype = grads;
             let base = train(spec.clone(), world);
-            let got = train(offloaded(spec, swap.path(), stage == 3), world);
-            let what = format!("{dtype} world {world} stage {stage} overlap {overlap}");
+            let got = train(offloaded(spec.clone(), swap.path(), stage == 3), world);
+            if grads.is_some() {
+                spec.train.grad_accum_dtype = None;
+                let halves = train(offloaded(spec, swap.path(), stage == 3), world);
+                let slice = halves[0].padded.iter().sum::<usize>() / world;
+                // (Each group's region starts on a whole disk block.)
+                assert!(
+                    got[0].nvme >= halves[0].nvme + 2 * slice as u64,
+                    "f32 gradient slices swap 4 bytes an element: {} against {}",
+                    got[0].nvme,
+                    halves[0].nvme
+                );
+            }
+            let what = format!(
+                "{dtype} gradients {grads:?} world {world} stage {stage} overlap {overlap}"
+            );
             assert!(
                 base[0].norms.iter().all(|&n| n > 0.05),
                 "{what}: clipping never bit"

@@ -345,7 +345,15 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
         nodes,
         workers_per_node: wpn,
         bytes_per_param: bytes,
-        training: format!("{}, {}", spec.train.dtype, spec.train.optimizer.kind.name()),
+        training: match spec.train.grads_dtype() == spec.train.dtype {
+            true => format!("{}, {}", spec.train.dtype, spec.train.optimizer.kind.name()),
+            false => format!(
+                "{}, {}, {} gradients",
+                spec.train.dtype,
+                spec.train.optimizer.kind.name(),
+                spec.train.grads_dtype()
+            ),
+        },
         rows: model_state_rows(psi, nodes, wpn, bytes, largest_group(&spec.model)),
         activations: Some(Activations {
             micro_batch_size: spec.train.micro_batch_size,

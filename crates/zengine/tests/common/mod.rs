@@ -214,6 +214,8 @@ pub struct Leg<'a> {
     pub nodes: Option<Vec<usize>>,
     /// Ranks of a node talk through shared memory.
     pub shared_memory: bool,
+    /// Each step takes its micro-batches last first.
+    pub reverse_micro_batches: bool,
 }
 
 /// Every rank's process groups: the world on `nodes`, and with hpZ of P
@@ -241,7 +243,7 @@ pub fn process_groups(nodes: &[usize], hpz: usize, shared_memory: bool) -> Vec<P
 /// Trains `leg` of `spec` on every rank in parallel; returns what each rank saw.
 pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
     let ckpt = leg.resume.map(|dir| Checkpoint::open(dir).unwrap());
-    let (history, save) = (leg.history, leg.save);
+    let (history, save, reverse) = (leg.history, leg.save, leg.reverse_micro_batches);
     let until = leg.until.unwrap_or(spec.train.steps);
     let nodes = leg.nodes.clone().unwrap_or_else(|| vec![0; world]);
     assert_eq!(nodes.len(), world);
@@ -294,6 +296,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                 };
                 for s in engine.steps_done()..until {
                     for a in 0..t.grad_accum {
+                        let a = if reverse { t.grad_accum - 1 - a } else { a };
                         engine.forward_backward(&data.batch(s, a).unwrap()).unwrap();
                     }
                     let st = engine.step().unwrap();
