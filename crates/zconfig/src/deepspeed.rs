@@ -284,7 +284,10 @@ const ZERO: &[(&str, Kind)] = &[
     ),
     (
         "zero_quantized_nontrainable_weights",
-        Kind::Only(&[Accept::Bool(false)], "every zrun parameter is trained"),
+        Kind::Only(
+            &[Accept::Bool(false)],
+            "zrun holds frozen parameters (train.freeze) in the working type, not quantized",
+        ),
     ),
 ];
 
