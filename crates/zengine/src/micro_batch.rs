@@ -415,13 +415,12 @@ impl Engine {
     /// the gradients themselves, or a staging buffer where the stage keeps only
     /// the own slice (it leaves with the group's bucket).
     fn micro_grads(&mut self, g: usize) -> &mut Flat {
-        let (half, len) = (self.grads_half, self.staged_len(g));
-        let group = &mut self.groups[g];
         if !self.stage.partitions_gradients() {
-            return group.settled_grads();
+            return self.groups[g].settled_grads();
         }
+        let (half, len) = (self.grads_half, self.staged_len(g));
         let comm_buffers = &mut self.comm_buffers;
-        group.staging.get_or_insert_with(|| {
+        self.groups[g].staging.get_or_insert_with(|| {
             let staging = Flat::zeros(half, len);
             comm_buffers.add(staging.bytes());
             staging
