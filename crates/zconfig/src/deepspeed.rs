@@ -1153,10 +1153,10 @@ impl Reader {
         }
     }
 
-    /// `data_types.grad_accum_dtype`, or where it is absent DeepSpeed's
-    /// own choice when the file settles it: bf16 without ZeRO (stage 0,
-    /// DeepSpeed's `BF16_Optimizer`) sums gradients in fp32, every other
-    /// job in its working type (zrun's default too).
+    /// `data_types.grad_accum_dtype`. Where it is absent and the file says
+    /// bf16 without ZeRO (stage 0), DeepSpeed's `BF16_Optimizer` sums
+    /// gradients in fp32 where zrun's default sums them in bf16: a note says
+    /// so, and how to ask for f32 (not implied: GPUs refuse it).
     fn data_types(&mut self) -> Result<(), ConfigError> {
         self.sort_keys("data_types", DATA_TYPES)?;
         let key = "train.grad_accum_dtype";
@@ -1166,20 +1166,14 @@ impl Reader {
         let set = |key: &str| match self.out.source_of(key) {
             Some(Mapped {
                 value: MappedValue::Set(v),
-                source,
                 ..
-            }) => Some((v.clone(), source.clone())),
+            }) => Some(v.clone()),
             _ => None,
         };
-        if let (Some((dtype, source)), Some((stage, _))) = (set("train.dtype"), set("zero.stage")) {
-            if dtype == json!("bf16") && stage == json!(0) {
-                self.map(
-                    key,
-                    MappedValue::Set(json!("f32")),
-                    &source,
-                    Origin::Default,
-                );
-            }
+        if set("train.dtype") == Some(json!("bf16")) && set("zero.stage") == Some(json!(0)) {
+            self.out.notes.push(
+                "bf16 at ZeRO stage 0: DeepSpeed's BF16_Optimizer sums gradients in fp32 here, zrun in bf16 unless data_types.grad_accum_dtype is \"fp32\" (train.grad_accum_dtype: f32, CPU workers)".into(),
+            );
         }
         Ok(())
     }

@@ -473,45 +473,59 @@ fn adagrad_maps_to_the_adagrad_rule() {
 /// `fp16.loss_scale` above 0 is a static scale
 /// (`train.loss_scale.static_scale`); 0 is dynamic scaling, the default.
 /// `data_types.grad_accum_dtype` is `train.grad_accum_dtype` under
-/// DeepSpeed's names; where it is absent, a file that says bf16 without
-/// ZeRO (stage 0) gets DeepSpeed's own fp32 sums (its `BF16_Optimizer`),
-/// any other file the working type, and a file that says no stage leaves
-/// it to the job.
+/// DeepSpeed's names. Where it is absent the job's default stands (the
+/// working type), and a file that says bf16 without ZeRO (stage 0), where
+/// DeepSpeed's `BF16_Optimizer` sums in fp32, gets a note saying how to
+/// ask for that; no other file does.
 #[test]
-fn grad_accum_dtype_maps_and_takes_deepspeeds_default() {
+fn grad_accum_dtype_maps_and_stage_0_bf16_gets_a_note() {
     let j = job(BARE);
     let ds = j._dir.path().join("ds.json");
-    for (text, want) in [
+    for (text, want, noted) in [
         (
             r#"{"bf16": {"enabled": true}, "zero_optimization": {"stage": 2}, "data_types": {"grad_accum_dtype": "fp32"}}"#,
             Some(Dtype::F32),
+            false,
         ),
         (
             r#"{"fp16": {"enabled": true}, "data_types": {"grad_accum_dtype": "float"}}"#,
             Some(Dtype::F32),
+            false,
         ),
         (
             r#"{"bf16": {"enabled": true}, "zero_optimization": {"stage": 0}, "data_types": {"grad_accum_dtype": "bfloat16"}}"#,
             Some(Dtype::Bf16),
+            false,
         ),
         (
             r#"{"bf16": {"enabled": true}, "zero_optimization": {"stage": 0}}"#,
-            Some(Dtype::F32),
+            None,
+            true,
         ),
         (
             r#"{"bf16": {"enabled": true}, "zero_optimization": {"stage": 1}}"#,
             None,
+            false,
         ),
-        (r#"{"bf16": {"enabled": true}}"#, None),
+        (r#"{"bf16": {"enabled": true}}"#, None, false),
         (
             r#"{"fp16": {"enabled": true}, "zero_optimization": {"stage": 0}}"#,
             None,
+            false,
         ),
     ] {
         std::fs::write(&ds, text).unwrap();
         let mut loaded = load_job_with(&j.path, &[], Some(&ds)).unwrap();
         loaded.validate(2).unwrap();
         assert_eq!(loaded.spec.train.grad_accum_dtype, want, "{text}");
+        let notes = &loaded.deepspeed().unwrap().notes;
+        assert_eq!(
+            notes
+                .iter()
+                .any(|n| n.contains("BF16_Optimizer sums gradients in fp32")),
+            noted,
+            "{text}: {notes:?}"
+        );
     }
 }
 
