@@ -7,7 +7,8 @@ use std::path::Path;
 use e2e::{metrics, small_job, zrun, TrainArgs};
 
 /// Every mapped family at once: batch arithmetic, AdamW's parameters,
-/// WarmupCosineLR's ratios on a log ramp, clipping, bf16, ZeRO-2's bucket.
+/// WarmupCosineLR's ratios on a log ramp, clipping, bf16 with fp32 gradient
+/// sums, ZeRO-2's bucket.
 const DS_CONFIG: &str = r#"{
   "train_batch_size": 16,
   "gradient_accumulation_steps": 2,
@@ -24,6 +25,7 @@ const DS_CONFIG: &str = r#"{
   "gradient_clipping": 0.5,
   "bf16": {"enabled": true},
   "zero_optimization": {"stage": 2, "reduce_bucket_size": 5000, "contiguous_gradients": true},
+  "data_types": {"grad_accum_dtype": "fp32"},
   "wall_clock_breakdown": false
 }
 "#;
@@ -83,6 +85,7 @@ fn a_ds_config_trains_bit_identically_to_the_job_it_maps_to() {
         .set(format!("train.min_lr={start}"))
         .set("train.grad_clip=0.5")
         .set("train.dtype=bf16")
+        .set("train.grad_accum_dtype=f32")
         .set("zero.stage=2")
         .set("zero.reduce_bucket_size=5000")
         .run(dir.path());
@@ -131,6 +134,7 @@ fn check_shows_each_key_beside_its_source() {
         "train.warmup_type",
         "scheduler.params.warmup_type omitted: DeepSpeed's default",
         "train_batch_size 16 (line 2) = micro-batch 4 × accumulation 2 × 2 workers",
+        "= \"f32\"  ← data_types.grad_accum_dtype (line 17)",
     ] {
         assert!(f.stdout.contains(want), "missing {want:?} in\n{}", f.stdout);
     }
