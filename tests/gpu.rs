@@ -911,6 +911,86 @@ fn bf16_and_f16_on_the_gpu_follow_the_cpu_run_and_their_stages_agree() {
     }
 }
 
+/// `train.grad_accum_dtype: f32` on the GPU: bf16 weights with f32
+/// gradients, summed over micro-batches unrounded. One worker (the resident
+/// flow) follows the CPU's run of the same job and is not the GPU's run
+/// with bf16 sums; over NCCL stage 1 gives stage 0's bits and stage 3
+/// stage 2's (two micro-batches a step: the pairs sum in two orders), as
+/// stages 3 and 2 do in the host flow.
+#[test]
+fn f32_gradient_sums_on_the_gpu_follow_the_cpu_run_and_their_stages_agree() {
+    if gpus_or_skip("f32_gradient_sums_on_the_gpu_follow_the_cpu_run").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let with = |extra: &[&str]| -> Vec<String> {
+        [
+            "train.dtype=bf16",
+            "train.grad_accum=2",
+            "train.grad_accum_dtype=f32",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let job = small_job(dir.path(), "sums", 20);
+    let steps = |name: &str, extra: &[&str]| -> Vec<(f64, f64)> {
+        let lines = step_lines(&run(&job, name, 1, &with(extra), &[]));
+        lines.iter().map(loss_and_norm).collect()
+    };
+    let cpu = steps("cpu", &[]);
+    let gpu = steps("gpu", &["device=cuda"]);
+    let halves = steps(
+        "gpu-bf16-sums",
+        &["device=cuda", "train.grad_accum_dtype=bf16"],
+    );
+    let losses = |s: &[(f64, f64)]| s.iter().map(|x| x.0).collect::<Vec<_>>();
+    let norms = |s: &[(f64, f64)]| s.iter().map(|x| x.1).collect::<Vec<_>>();
+    eprintln!(
+        "bf16 with f32 gradient sums on the GPU, 20 steps: largest relative difference from the CPU's run {:.2e} (losses), {:.2e} (gradient norms); from the GPU's bf16 sums {:.2e} (losses)",
+        worst_relative(&losses(&gpu), &losses(&cpu)),
+        worst_relative(&norms(&gpu), &norms(&cpu)),
+        worst_relative(&losses(&gpu), &losses(&halves))
+    );
+    // Losses within 1e-3 of the CPU's (measured 3.5e-5 on the CPU GPU),
+    // gradient norms within 1e-2: the norms read the f32 sums as the
+    // averaging in place leaves them.
+    follows_the_cpu_falling(&losses(&gpu), &losses(&cpu), 0.1);
+    assert!(
+        worst_relative(&norms(&gpu), &norms(&cpu)) <= 1e-2,
+        "gradient norms: {:?} against {:?}",
+        norms(&gpu),
+        norms(&cpu)
+    );
+    assert_ne!(gpu, halves, "f32 sums change nothing on the GPU");
+    let stage = |n: u8, nccl: bool| {
+        let s = format!("zero.stage={n}");
+        let mut extra = vec!["device=cuda", &s];
+        if nccl {
+            extra.push("comm.backend=nccl");
+        }
+        train(dir.path(), &format!("s{n}-{nccl}"), 2, &with(&extra))
+    };
+    // With accumulation stages 0-1 sum locally and reduce once, stages
+    // 2-3 reduce each micro-batch and sum the reductions: each pair agrees.
+    assert_eq!(
+        stage(1, true),
+        stage(0, true),
+        "over NCCL: stage 1 against 0"
+    );
+    assert_eq!(
+        stage(3, true),
+        stage(2, true),
+        "over NCCL: stage 3 against 2"
+    );
+    assert_eq!(
+        stage(3, false),
+        stage(2, false),
+        "host flow: stage 3 against 2"
+    );
+}
+
 #[test]
 fn fused_attention_follows_the_unfused_run_and_repeats_to_the_bit() {
     if gpus_or_skip("fused_attention_follows_the_unfused_run").is_none() {

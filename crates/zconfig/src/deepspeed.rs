@@ -1156,7 +1156,8 @@ impl Reader {
     /// `data_types.grad_accum_dtype`. Where it is absent and the file says
     /// bf16 without ZeRO (stage 0), DeepSpeed's `BF16_Optimizer` sums
     /// gradients in fp32 where zrun's default sums them in bf16: a note says
-    /// so, and how to ask for f32 (not implied: GPUs refuse it).
+    /// so, and how to ask for f32 (not implied: zrun's default stays the
+    /// working type).
     fn data_types(&mut self) -> Result<(), ConfigError> {
         self.sort_keys("data_types", DATA_TYPES)?;
         let key = "train.grad_accum_dtype";
@@ -1172,7 +1173,7 @@ impl Reader {
         };
         if set("train.dtype") == Some(json!("bf16")) && set("zero.stage") == Some(json!(0)) {
             self.out.notes.push(
-                "bf16 at ZeRO stage 0: DeepSpeed's BF16_Optimizer sums gradients in fp32 here, zrun in bf16 unless data_types.grad_accum_dtype is \"fp32\" (train.grad_accum_dtype: f32, CPU workers)".into(),
+                "bf16 at ZeRO stage 0: DeepSpeed's BF16_Optimizer sums gradients in fp32 here, zrun in bf16 unless data_types.grad_accum_dtype is \"fp32\" (train.grad_accum_dtype: f32)".into(),
             );
         }
         Ok(())

@@ -1345,13 +1345,6 @@ impl JobSpec {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
         }
-        if self.train.grads_dtype() != self.train.dtype {
-            return Some(format!(
-                "the GPU holds gradients in train.dtype ({}): drop train.grad_accum_dtype: {}",
-                self.train.dtype,
-                self.train.grads_dtype()
-            ));
-        }
         if self.train.optimizer.kind == OptimizerKind::Lamb
             && self.zero.offload_optimizer.device == OffloadDevice::None
         {

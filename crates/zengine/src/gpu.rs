@@ -212,8 +212,8 @@ struct ResidentGroup {
     /// f32 gradients over the flat range `held`, laid out as the host's: the
     /// group's whole buffer (padding included), into which micro-batches
     /// add, or at stages 2-3 on several ranks this rank's slice, to which each
-    /// micro-batch's reduced slice is added. None under 16 bits (`half`
-    /// holds the gradients; CUDA refuses an empty allocation).
+    /// micro-batch's reduced slice is added. None where gradients are held
+    /// in 16 bits (`half` holds them; CUDA refuses an empty allocation).
     grads: Option<CudaSlice<f32>>,
     held: std::ops::Range<usize>,
     /// The optimizer's moments over the region this rank updates (the
@@ -232,8 +232,10 @@ struct HalfGroup {
     /// The gradients over the flat range `held` of the group's
     /// `ResidentGroup`, each f32 addend added and rounded as the host adds
     /// it (a micro-batch's gradient, or at stages 2-3 on several ranks
-    /// each micro-batch's reduced slice).
-    grads: CudaSlice<u16>,
+    /// each micro-batch's reduced slice); None under
+    /// `train.grad_accum_dtype: f32`, whose gradients the group's f32
+    /// `grads` hold.
+    grads: Option<CudaSlice<u16>>,
     /// The f32 master weights over the region this rank updates: AdamW's
     /// target, which also writes their rounding into the working copy (the
     /// group's `ResidentParams`).
@@ -598,7 +600,10 @@ impl Engine {
                     (None, _) => None,
                     (Some(kind), Some(master)) => Some(HalfGroup {
                         kind,
-                        grads: gpu.gpu().zeros(held.len())?,
+                        grads: match self.grads_half {
+                            Some(_) => Some(gpu.gpu().zeros(held.len())?),
+                            None => None,
+                        },
                         master: gpu.gpu().upload(master)?,
                     }),
                     (Some(_), None) => {
@@ -613,7 +618,7 @@ impl Engine {
                 let (exp_avg, exp_avg_sq) = g.checkpoint_moments(rank, stage, second);
                 groups.push(ResidentGroup {
                     params,
-                    grads: match half {
+                    grads: match self.grads_half {
                         Some(_) => None,
                         None => Some(gpu.gpu().zeros(held.len())?),
                     },
@@ -626,7 +631,7 @@ impl Engine {
                     half,
                 });
             }
-            let (landings, half_comm) = match (self.half, &self.nccl) {
+            let (landings, half_comm) = match (self.grads_half, &self.nccl) {
                 (None, _) => (
                     sliced
                         .then(|| Landings::new(gpu, &self.groups))
@@ -846,14 +851,15 @@ impl Engine {
                 .collect();
             let padded = self.groups[g].layout.padded;
             let r = self.resident(gpu)?;
-            if let Some(h) = r.groups[g].half.as_mut() {
+            let half = r.groups[g].half.as_mut();
+            if let Some((kind, grads16)) = half.and_then(|h| Some((h.kind, h.grads.as_mut()?))) {
                 // Stages 2-3 on several ranks: the 16-bit landing.
                 let mut acc = match r.half_comm.as_mut().and_then(|c| c.landings.as_mut()) {
                     Some(l) => l.of(g, padded),
-                    None => h.grads.slice_mut(..),
+                    None => grads16.slice_mut(..),
                 };
                 gpu.gpu()
-                    .add_runs(AddInto::Half(h.kind, &mut acc), &views(&starts, grads))?;
+                    .add_runs(AddInto::Half(kind, &mut acc), &views(&starts, grads))?;
                 return Ok(None);
             }
             let mut landing = r.landing(g, padded);
@@ -925,12 +931,14 @@ impl Engine {
         let rs = zcuda::NcclOp::ReduceScatter;
         let of = (&self.groups[g].layout, self.comm.rank());
         if let (Some(h), Some(hc)) = (group.half.as_mut(), r.half_comm.as_mut()) {
+            let grads16 = (h.grads.as_mut())
+                .ok_or_else(|| EngineError::Gpu("16-bit gradients missing on the GPU".into()))?;
             let mut landing = hc.landings.as_mut().ok_or_else(no_landings)?.of(g, padded);
             let mut wide = hc.wide.slice_mut(..padded);
             gpu.gpu().widen16(h.kind, &landing.slice(..), &mut wide)?;
             group_collective(gpu.gpu(), nccl, of, &mut wide, rs, &what)?;
             gpu.gpu()
-                .add_into16(h.kind, &mut h.grads.slice_mut(..), &wide.slice(own))?;
+                .add_into16(h.kind, &mut grads16.slice_mut(..), &wide.slice(own))?;
             gpu.gpu().fill_zero(&mut landing)?;
             return Ok(());
         }
@@ -1355,7 +1363,29 @@ impl Engine {
         let loss_scale = self.scaler.as_ref().map(|s| s.scale);
         let mut grad_scale = self.average_scale();
         let no_half = || EngineError::Gpu("16-bit gradients missing on the GPU".into());
-        if let (Some(nccl), false) = (self.nccl.as_mut(), reduced_already) {
+        // `train.grad_accum_dtype: f32`: the gradients are the f32 path's,
+        // reduced, averaged and clipped in place as the host does with f32
+        // gradients; the update is this one's, on the master and working
+        // copy.
+        let f32_grads = self.grads_half.is_none();
+        if let (Some(nccl), false, true) = (self.nccl.as_mut(), reduced_already, f32_grads) {
+            let r = self.gpu_resident.as_mut().expect("resident");
+            for (i, g) in r.groups.iter_mut().enumerate() {
+                if self.groups[i].layout.all_frozen() {
+                    continue; // its gradients are zeros
+                }
+                let what = format!("group {i}'s gradients");
+                let op = match sliced {
+                    true => zcuda::NcclOp::ReduceScatter,
+                    false => zcuda::NcclOp::AllReduce,
+                };
+                let of = (&self.groups[i].layout, self.comm.rank());
+                let grads = &mut g.f32_grads_mut().slice_mut(..);
+                group_collective(gpu.gpu(), nccl, of, grads, op, &what)?;
+            }
+            nccl.wait()?;
+        }
+        if let (Some(nccl), false, false) = (self.nccl.as_mut(), reduced_already, f32_grads) {
             let r = self.gpu_resident.as_mut().expect("resident");
             let hc = r.half_comm.as_mut().ok_or_else(no_half)?;
             for (i, (g, p)) in r.groups.iter_mut().zip(plans).enumerate() {
@@ -1363,39 +1393,46 @@ impl Engine {
                     continue; // its gradients are zeros
                 }
                 let h = g.half.as_mut().ok_or_else(no_half)?;
+                let grads16 = h.grads.as_mut().ok_or_else(no_half)?;
                 let what = format!("group {i}'s gradients");
-                let mut wide = hc.wide.slice_mut(..h.grads.len());
-                gpu.gpu().widen16(h.kind, &h.grads.slice(..), &mut wide)?;
+                let mut wide = hc.wide.slice_mut(..grads16.len());
+                gpu.gpu().widen16(h.kind, &grads16.slice(..), &mut wide)?;
                 // The stream runs each group's rounding before the next
                 // group's widening overwrites the buffer.
                 let (op, kept) = match sliced {
                     true => (zcuda::NcclOp::ReduceScatter, p.own.clone()),
-                    false => (zcuda::NcclOp::AllReduce, 0..h.grads.len()),
+                    false => (zcuda::NcclOp::AllReduce, 0..grads16.len()),
                 };
                 let of = (&self.groups[i].layout, self.comm.rank());
                 group_collective(gpu.gpu(), nccl, of, &mut wide, op, &what)?;
                 gpu.gpu().round16(
                     h.kind,
                     &wide.slice(kept.clone()),
-                    &mut h.grads.slice_mut(kept),
+                    &mut grads16.slice_mut(kept),
                 )?;
             }
             nccl.wait()?;
         }
+        if f32_grads && grad_scale != 1.0 {
+            let r = self.gpu_resident.as_mut().expect("resident");
+            for (g, p) in r.groups.iter_mut().zip(plans) {
+                gpu.gpu()
+                    .scale(&mut g.grad_mut(p.region.clone()), grad_scale)?;
+            }
+            grad_scale = 1.0;
+        }
         let r = self.gpu_resident.as_ref().expect("resident");
         let mut own_sq = 0f64;
-        let grads = r
-            .groups
-            .iter()
-            .zip(plans)
-            .map(|(g, p)| {
-                let h = g.half.as_ref().ok_or_else(no_half)?;
-                Ok(DeviceGrads::Half(
-                    h.kind,
-                    h.grads.slice(g.local(p.own.clone())),
-                ))
+        let grads: Vec<_> = (r.groups.iter().zip(plans))
+            .map(|(g, p)| match &g.half {
+                Some(HalfGroup {
+                    kind,
+                    grads: Some(grads16),
+                    ..
+                }) => DeviceGrads::Half(*kind, grads16.slice(g.local(p.own.clone()))),
+                _ => DeviceGrads::F32(g.grad(p.own.clone())),
             })
-            .collect::<Result<Vec<_>, EngineError>>()?;
+            .collect();
         for parts in gpu.gpu().sum_sq_chunks_of_each(&grads, TASK, grad_scale)? {
             own_sq += parts.iter().sum::<f64>();
         }
@@ -1405,7 +1442,16 @@ impl Engine {
         if !overflow {
             let clip = self.spec.train.grad_clip;
             if clip > 0.0 && grad_norm > clip {
-                grad_scale *= (clip / (grad_norm + 1e-6)) as f32;
+                let coef = (clip / (grad_norm + 1e-6)) as f32;
+                match f32_grads {
+                    true => {
+                        let r = self.gpu_resident.as_mut().expect("resident");
+                        for (g, p) in r.groups.iter_mut().zip(plans) {
+                            gpu.gpu().scale(&mut g.grad_mut(p.region.clone()), coef)?;
+                        }
+                    }
+                    false => grad_scale *= coef,
+                }
             }
             self.updates += 1;
             let hp = self.adam_step(lr, grad_scale);
@@ -1414,6 +1460,7 @@ impl Engine {
                 let held = g.held.clone();
                 let ResidentGroup {
                     params,
+                    grads,
                     exp_avg,
                     exp_avg_sq,
                     half,
@@ -1448,9 +1495,14 @@ impl Engine {
                     .collect();
                 let work = if whole { region.clone() } else { 0..n };
                 let from = region.start - held.start;
+                let read = match (&h.grads, grads) {
+                    (Some(grads16), _) => DeviceGrads::Half(h.kind, grads16.slice(from..from + n)),
+                    (None, Some(grads)) => DeviceGrads::F32(grads.slice(from..from + n)),
+                    (None, None) => return Err(no_half()),
+                };
                 gpu.gpu().adamw_runs(
                     RunParams::Flat(&mut h.master.slice_mut(..n)),
-                    DeviceGrads::Half(h.kind, h.grads.slice(from..from + n)),
+                    read,
                     &mut exp_avg.slice_mut(..n),
                     exp_avg_sq.as_mut().map(|v| v.slice_mut(..n)).as_mut(),
                     Some((h.kind, &mut working.slice_mut(work))),
@@ -1480,8 +1532,11 @@ impl Engine {
         }
         let r = self.gpu_resident.as_mut().expect("resident");
         for g in &mut r.groups {
-            gpu.gpu()
-                .fill_zero(&mut g.half.as_mut().ok_or_else(no_half)?.grads)?;
+            match (g.half.as_mut().and_then(|h| h.grads.as_mut()), &mut g.grads) {
+                (Some(grads16), _) => gpu.gpu().fill_zero(grads16)?,
+                (None, Some(grads)) => gpu.gpu().fill_zero(grads)?,
+                (None, None) => return Err(no_half()),
+            }
         }
         Ok(self.finish_step(step, lr, grad_norm, loss_scale, overflow))
     }
