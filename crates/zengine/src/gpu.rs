@@ -1225,24 +1225,8 @@ impl Engine {
         if self.half.is_some() {
             return self.gpu_step_half(&gpu, &plans, reduced_already, sliced);
         }
+        self.gpu_reduce_f32_grads(&gpu, !reduced_already, sliced)?;
         let r = self.gpu_resident.as_mut().expect("just made");
-        if let Some(nccl) = &mut self.nccl {
-            for (i, g) in r.groups.iter_mut().enumerate() {
-                if self.groups[i].layout.all_frozen() {
-                    continue; // its gradients are zeros
-                }
-                let what = format!("group {i}'s gradients");
-                let op = match (reduced_already, sliced) {
-                    (true, _) => continue, // stages 2-3: as each micro-batch ended
-                    (false, true) => zcuda::NcclOp::ReduceScatter,
-                    (false, false) => zcuda::NcclOp::AllReduce,
-                };
-                let of = (&self.groups[i].layout, self.comm.rank());
-                let grads = &mut g.f32_grads_mut().slice_mut(..);
-                group_collective(gpu.gpu(), nccl, of, grads, op, &what)?;
-            }
-            nccl.wait()?;
-        }
         if scale != 1.0 {
             for (g, p) in r.groups.iter_mut().zip(&plans) {
                 gpu.gpu().scale(&mut g.grad_mut(p.region.clone()), scale)?;
@@ -1343,6 +1327,36 @@ impl Engine {
         Ok(self.finish_step(step, lr, grad_norm, None, overflow))
     }
 
+    /// Over NCCL: with `reduce` (stages 0-1; stages 2-3 reduced as each
+    /// micro-batch ended) every group's f32 gradients all-reduced, or
+    /// (`sliced`) reduce-scattered to the rank's slice; then what is queued
+    /// waited for. Without NCCL (one worker) there is nothing to do.
+    fn gpu_reduce_f32_grads(
+        &mut self,
+        gpu: &GptGpu,
+        reduce: bool,
+        sliced: bool,
+    ) -> Result<(), EngineError> {
+        let (Some(r), Some(nccl)) = (self.gpu_resident.as_mut(), self.nccl.as_mut()) else {
+            return Ok(());
+        };
+        for (i, g) in r.groups.iter_mut().enumerate().filter(|_| reduce) {
+            if self.groups[i].layout.all_frozen() {
+                continue; // its gradients are zeros
+            }
+            let what = format!("group {i}'s gradients");
+            let op = match sliced {
+                true => zcuda::NcclOp::ReduceScatter,
+                false => zcuda::NcclOp::AllReduce,
+            };
+            let of = (&self.groups[i].layout, self.comm.rank());
+            let grads = &mut g.f32_grads_mut().slice_mut(..);
+            group_collective(gpu.gpu(), nccl, of, grads, op, &what)?;
+        }
+        nccl.wait()?;
+        Ok(())
+    }
+
     /// The resident step under bf16/f16: the host's 16-bit step on the
     /// GPU's buffers, so its bits. Over NCCL the gradients are first reduced
     /// as the host reduces them (stages 0-1 here, widened to f32, summed,
@@ -1368,22 +1382,8 @@ impl Engine {
         // gradients; the update is this one's, on the master and working
         // copy.
         let f32_grads = self.grads_half.is_none();
-        if let (Some(nccl), false, true) = (self.nccl.as_mut(), reduced_already, f32_grads) {
-            let r = self.gpu_resident.as_mut().expect("resident");
-            for (i, g) in r.groups.iter_mut().enumerate() {
-                if self.groups[i].layout.all_frozen() {
-                    continue; // its gradients are zeros
-                }
-                let what = format!("group {i}'s gradients");
-                let op = match sliced {
-                    true => zcuda::NcclOp::ReduceScatter,
-                    false => zcuda::NcclOp::AllReduce,
-                };
-                let of = (&self.groups[i].layout, self.comm.rank());
-                let grads = &mut g.f32_grads_mut().slice_mut(..);
-                group_collective(gpu.gpu(), nccl, of, grads, op, &what)?;
-            }
-            nccl.wait()?;
+        if f32_grads {
+            self.gpu_reduce_f32_grads(gpu, !reduced_already, sliced)?;
         }
         if let (Some(nccl), false, false) = (self.nccl.as_mut(), reduced_already, f32_grads) {
             let r = self.gpu_resident.as_mut().expect("resident");
