@@ -483,6 +483,20 @@ pub(crate) struct Resident {
 }
 
 impl Resident {
+    /// Multiplies each group's f32 gradients over the region this rank
+    /// updates by `factor` (averaging, clipping: the host's f32 arithmetic).
+    fn scale_f32_grads(
+        &mut self,
+        gpu: &GptGpu,
+        plans: &[StepPlan],
+        factor: f32,
+    ) -> Result<(), EngineError> {
+        for (g, p) in self.groups.iter_mut().zip(plans) {
+            gpu.gpu().scale(&mut g.grad_mut(p.region.clone()), factor)?;
+        }
+        Ok(())
+    }
+
     /// Where group `g`'s micro-batch gradients are added: its own buffer,
     /// or at stages 2-3 its landing (the first `padded` values).
     fn landing(&mut self, g: usize, padded: usize) -> CudaViewMut<'_, f32> {
@@ -1228,9 +1242,7 @@ impl Engine {
         self.gpu_reduce_f32_grads(&gpu, !reduced_already, sliced)?;
         let r = self.gpu_resident.as_mut().expect("just made");
         if scale != 1.0 {
-            for (g, p) in r.groups.iter_mut().zip(&plans) {
-                gpu.gpu().scale(&mut g.grad_mut(p.region.clone()), scale)?;
-            }
+            r.scale_f32_grads(&gpu, &plans, scale)?;
         }
         let mut own_sq = 0f64;
         let grads: Vec<_> = r
@@ -1251,9 +1263,7 @@ impl Engine {
             let r = self.gpu_resident.as_mut().expect("resident");
             if clip > 0.0 && grad_norm > clip {
                 let coef = (clip / (grad_norm + 1e-6)) as f32;
-                for (g, p) in r.groups.iter_mut().zip(&plans) {
-                    gpu.gpu().scale(&mut g.grad_mut(p.region.clone()), coef)?;
-                }
+                r.scale_f32_grads(&gpu, &plans, coef)?;
             }
             for (g, p) in r.groups.iter_mut().zip(&plans) {
                 let ResidentGroup {
@@ -1415,10 +1425,7 @@ impl Engine {
         }
         if f32_grads && grad_scale != 1.0 {
             let r = self.gpu_resident.as_mut().expect("resident");
-            for (g, p) in r.groups.iter_mut().zip(plans) {
-                gpu.gpu()
-                    .scale(&mut g.grad_mut(p.region.clone()), grad_scale)?;
-            }
+            r.scale_f32_grads(gpu, plans, grad_scale)?;
             grad_scale = 1.0;
         }
         let r = self.gpu_resident.as_ref().expect("resident");
@@ -1446,9 +1453,7 @@ impl Engine {
                 match f32_grads {
                     true => {
                         let r = self.gpu_resident.as_mut().expect("resident");
-                        for (g, p) in r.groups.iter_mut().zip(plans) {
-                            gpu.gpu().scale(&mut g.grad_mut(p.region.clone()), coef)?;
-                        }
+                        r.scale_f32_grads(gpu, plans, coef)?;
                     }
                     false => grad_scale *= coef,
                 }
