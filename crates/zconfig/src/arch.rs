@@ -342,6 +342,20 @@ impl ModelSpec {
         }
     }
 
+    /// The block a parameter's name is in and the rest of the name after
+    /// the block's prefix and its dot (`h.3.attn.c_attn.weight` →
+    /// `(3, "attn.c_attn.weight")`); `None` outside the blocks.
+    pub fn block_of<'a>(&self, name: &'a str) -> Option<(usize, &'a str)> {
+        let base = match self.kind {
+            ModelKind::Gpt => "h.",
+            ModelKind::Llama => "layers.",
+        };
+        let (index, rest) = name.strip_prefix(base)?.split_once('.')?;
+        let i: usize = index.parse().ok()?;
+        (i < self.n_layers && self.block_prefix(i) == name[..base.len() + index.len()])
+            .then_some((i, rest))
+    }
+
     /// The token table's name (also the tied head), without `.weight`.
     pub fn token_table_name(&self) -> &'static str {
         match self.kind {
@@ -773,6 +787,30 @@ mod tests {
 
     fn spec(json: serde_json::Value) -> ModelSpec {
         serde_json::from_value(json).unwrap()
+    }
+
+    /// Every parameter of a block is placed in it, nothing else is, and a
+    /// name that only looks like a block's is not (an index written with a
+    /// sign or a leading zero, one past the last block).
+    #[test]
+    fn block_of_places_each_parameter_in_its_block() {
+        for kind in ["gpt", "llama"] {
+            let m = spec(serde_json::json!({
+                "kind": kind, "vocab_size": 16, "d_model": 8, "n_layers": 12, "n_heads": 2, "seq_len": 4
+            }));
+            for (name, _) in m.param_shapes() {
+                let want = (0..m.n_layers).find_map(|i| {
+                    let prefix = format!("{}.", m.block_prefix(i));
+                    name.strip_prefix(&prefix).map(|rest| (i, rest))
+                });
+                assert_eq!(m.block_of(&name), want, "{name}");
+            }
+            let base = m.block_prefix(0).replace(".0", "");
+            for name in ["+3", "03", "12", "3"].map(|i| format!("{base}.{i}.x")) {
+                let want = name.ends_with(".3.x").then_some((3, "x"));
+                assert_eq!(m.block_of(&name), want, "{name}");
+            }
+        }
     }
 
     #[test]

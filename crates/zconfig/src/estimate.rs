@@ -326,12 +326,9 @@ pub fn trained_elements(m: &ModelSpec, freeze: &[String]) -> TrainedElements {
         "wpe.weight".to_string(),
     ];
     let group_of = |name: &str| -> String {
-        for i in 0..m.n_layers {
-            let prefix = format!("{}.", m.block_prefix(i));
-            if let Some(rest) = name.strip_prefix(&prefix) {
-                let linear = tiled.iter().find(|l| rest.starts_with(&format!("{l}.")));
-                return format!("{prefix}{}", linear.copied().unwrap_or(""));
-            }
+        if let Some((i, rest)) = m.block_of(name) {
+            let linear = tiled.iter().find(|l| rest.starts_with(&format!("{l}.")));
+            return format!("{}.{}", m.block_prefix(i), linear.copied().unwrap_or(""));
         }
         match embedding.iter().any(|e| e == name) {
             true => "embedding".into(),
@@ -371,13 +368,16 @@ pub fn frozen_flops_per_token(m: &ModelSpec, freeze: &[String]) -> f64 {
     let attention = 4.0 * (m.attn_width() * m.window().unwrap_or(m.seq_len)) as f64;
     let reach = backward_reach(m, freeze);
     let mut flops = if output_frozen { 4.0 } else { 6.0 } * head;
-    for i in 0..m.n_layers {
-        let prefix = format!("{}.", m.block_prefix(i));
-        let (all, trained) = (shapes.iter().filter(|(n, _)| n.starts_with(&prefix)))
-            .map(|(n, s)| (n, s.iter().product::<usize>() as f64))
-            .fold((0.0, 0.0), |(a, t), (n, e)| {
-                (a + e, t + if frozen(n) { 0.0 } else { e })
-            });
+    // Each block's elements, and those of them that train.
+    let mut blocks = vec![(0.0, 0.0); m.n_layers];
+    for (n, s) in &shapes {
+        if let Some((i, _)) = m.block_of(n) {
+            let e = s.iter().product::<usize>() as f64;
+            blocks[i].0 += e;
+            blocks[i].1 += if frozen(n) { 0.0 } else { e };
+        }
+    }
+    for (i, (all, trained)) in blocks.into_iter().enumerate() {
         flops += 2.0 * all + attention;
         if i >= reach {
             flops += 2.0 * all + 2.0 * trained + 2.0 * attention;
@@ -455,12 +455,10 @@ fn backward_reach(m: &ModelSpec, freeze: &[String]) -> usize {
     if embedding_trains {
         return 0;
     }
-    let shapes = m.param_shapes();
-    (0..m.n_layers)
-        .find(|&i| {
-            let prefix = format!("{}.", m.block_prefix(i));
-            (shapes.iter()).any(|(n, _)| n.starts_with(&prefix) && !frozen(n))
-        })
+    (m.param_shapes().iter())
+        .filter(|(n, _)| !frozen(n))
+        .filter_map(|(n, _)| m.block_of(n).map(|(i, _)| i))
+        .min()
         .unwrap_or(m.n_layers)
 }
 

@@ -735,6 +735,61 @@ impl LoadedJob {
         }
     }
 
+    /// A model within what any machine could hold: each width at most
+    /// [`MAX_WIDTH`], at most [`MAX_LAYERS`] blocks and [`MAX_PARAMS`]
+    /// parameters. A mistyped exponent is caught here, by its key, and not
+    /// as a loop over billions of blocks or an allocation the size of the
+    /// address space; within these bounds every size the crates compute
+    /// from the model fits a `usize`.
+    fn validate_model_size(&self, m: &crate::spec::ModelSpec) -> Result<(), ConfigError> {
+        for (key, v, max) in [
+            ("model.vocab_size", m.vocab_size, MAX_WIDTH),
+            ("model.d_model", m.d_model, MAX_WIDTH),
+            ("model.n_layers", m.n_layers, MAX_LAYERS),
+            ("model.n_heads", m.n_heads, MAX_WIDTH),
+            ("model.n_kv_heads", m.kv_heads(), MAX_WIDTH),
+            ("model.head_dim", m.head_dim.unwrap_or(0), MAX_WIDTH),
+            ("model.ffn_hidden", m.ffn(), MAX_WIDTH),
+            ("model.seq_len", m.seq_len, MAX_WIDTH),
+            (
+                "model.max_position_embeddings",
+                m.max_position_embeddings.unwrap_or(0),
+                MAX_WIDTH,
+            ),
+        ] {
+            if v > max {
+                return Err(self.invalid(key, format!("must be at most {max}, got {v}")));
+            }
+        }
+        let attention = m.n_heads * m.head_dim();
+        if attention > MAX_WIDTH {
+            return Err(self.invalid(
+                "model.head_dim",
+                format!(
+                    "{} heads of {} make attention {attention} wide, more than {MAX_WIDTH}",
+                    m.n_heads,
+                    m.head_dim()
+                ),
+            ));
+        }
+        let params = m.embedding_params() as u128
+            + m.n_layers as u128 * m.block_params() as u128
+            + m.head_params() as u128;
+        if params > MAX_PARAMS {
+            return Err(self.invalid(
+                "model",
+                format!(
+                    "{params} parameters ({:.1e}), more than the {MAX_PARAMS} ({:.1e}) zrun takes: \
+                     some {:.0} TB of f32 weights alone",
+                    params as f64,
+                    MAX_PARAMS as f64,
+                    params as f64 * 4e-12
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// `model.partial_rotary_factor` turns an even width of at least 2 in
     /// each head, and goes with what transformers' Phi-3 (the family that
     /// has it, as which such a model is exported) has: no q, k and v biases
@@ -931,6 +986,7 @@ impl LoadedJob {
         if m.head_dim == Some(0) {
             return Err(self.invalid("model.head_dim", "must be at least 1"));
         }
+        self.validate_model_size(m)?;
         if m.context() < m.seq_len {
             return Err(self.invalid(
                 "model.max_position_embeddings",
@@ -1423,6 +1479,17 @@ impl LoadedJob {
         self.validate_data(world_size)
     }
 }
+
+/// The widest model dimension taken (vocabulary, width, heads, feed-forward,
+/// sequence, context): 2²⁴, some 16.8 million, 650 times GPT-3's width and
+/// 65 times the largest vocabularies.
+pub const MAX_WIDTH: usize = 1 << 24;
+/// The most blocks a model may have: 65,536, 500 times the deepest
+/// published LLMs'.
+pub const MAX_LAYERS: usize = 1 << 16;
+/// The most parameters a model may have: 2⁴⁸, some 2.8·10¹⁴, a hundred
+/// times the largest dense models trained.
+pub const MAX_PARAMS: u128 = 1 << 48;
 
 /// `comm.timeout_s` bounds: a second to a week.
 pub const TIMEOUT_RANGE_S: (f64, f64) = (1.0, 604_800.0);
@@ -1980,6 +2047,81 @@ mod tests {
                 Some((key, why)) => {
                     let e = got.unwrap_err().to_string();
                     assert!(e.contains(key) && e.contains(why), "{model}: {e}");
+                }
+            }
+        }
+    }
+
+    /// A model beyond any machine is refused at the key that makes it so,
+    /// with its line: a width past 2²⁴, more than 65,536 blocks, attention
+    /// wider than 2²⁴, more than 2⁴⁸ parameters; the bounds themselves are
+    /// taken, and the estimate of the deepest model allowed is computed.
+    #[test]
+    fn a_model_beyond_any_machine_is_refused_at_its_key() {
+        let d = tempfile::tempdir().unwrap();
+        for (model, refused) in [
+            ("n_layers: 65536, seq_len: 16", None),
+            ("n_layers: 2, seq_len: 16777216", None),
+            (
+                "n_layers: 65537, seq_len: 16",
+                Some(("model.n_layers", "must be at most 65536, got 65537")),
+            ),
+            (
+                "n_layers: 18446744073709551615, seq_len: 16",
+                Some(("model.n_layers", "must be at most 65536")),
+            ),
+            (
+                "n_layers: 2, seq_len: 16777217",
+                Some(("model.seq_len", "must be at most 16777216, got 16777217")),
+            ),
+            (
+                "n_layers: 2, seq_len: 16, vocab_size: 4294967296",
+                Some(("model.vocab_size", "must be at most 16777216")),
+            ),
+            (
+                "n_layers: 2, seq_len: 16, kind: llama, ffn_hidden: 16777217",
+                Some(("model.ffn_hidden", "must be at most")),
+            ),
+            (
+                "n_layers: 2, seq_len: 16, kind: llama, head_dim: 16777216",
+                Some((
+                    "model.head_dim",
+                    "4 heads of 16777216 make attention 67108864 wide",
+                )),
+            ),
+            (
+                "n_layers: 2048, seq_len: 16, d_model: 4194304",
+                Some((
+                    "model",
+                    "parameters (4.3e17), more than the 281474976710656",
+                )),
+            ),
+        ] {
+            let text = GOOD.replace(
+                "model: {d_model: 64, n_heads: 4, n_layers: 2, seq_len: 16}",
+                &format!("model: {{n_heads: 4, {model}}}"),
+            );
+            let text = match model.contains("d_model") {
+                true => text,
+                false => text.replace("model: {", "model: {d_model: 64, "),
+            };
+            let p = write(d.path(), "j.yaml", &text);
+            let got = load_job(&p, &[]).and_then(|mut j| j.validate(2).map(|()| j));
+            match refused {
+                None => {
+                    let j = got.unwrap_or_else(|e| panic!("{model}: {e}"));
+                    let e = crate::estimate::trained_elements(&j.spec.model, &[]);
+                    assert_eq!(e.trained, j.spec.model.param_count() as f64, "{model}");
+                }
+                Some((key, why)) => {
+                    let e = got.err().unwrap_or_else(|| panic!("{model}: taken"));
+                    let e = e.to_string();
+                    assert!(
+                        e.contains("j.yaml:2:")
+                            && e.contains(&format!("{key}: "))
+                            && e.contains(why),
+                        "{model}: {e}"
+                    );
                 }
             }
         }
