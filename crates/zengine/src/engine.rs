@@ -212,13 +212,10 @@ impl Engine {
             .collect();
         let offload = Offload::new(spec, job_id, rank, &layouts, &partitioned, half)?;
         let mut groups = Vec::new();
+        let init = model.initializer(spec.train.seed);
         for (g, layout) in layouts.iter().enumerate() {
             let mut full = vec![0f32; layout.padded];
-            for (slot, values) in layout
-                .params
-                .iter()
-                .zip(model.init_group(g, spec.train.seed))
-            {
+            for (slot, values) in layout.params.iter().zip(init.group(g)) {
                 full[slot.range.clone()].copy_from_slice(&values);
             }
             let rule = spec.train.optimizer.kind;

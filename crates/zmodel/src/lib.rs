@@ -48,7 +48,7 @@ pub mod params;
 mod simd;
 
 pub use dropout::{BlockDropout, Dropout, Noise};
-pub use gpt::{BlockActs, Gpt, GroupSpec, Init, KvCache, ParamSpec};
+pub use gpt::{BlockActs, Gpt, GroupSpec, Init, Initializer, KvCache, ParamSpec};
 pub use head::HeadBackward;
 pub use linear::{BlockLinear, BlockNorm, BlockSource, Products};
 pub use params::{BlockParams, EmbeddingParams, HeadParams, ParamLayout, WeightBias};
