@@ -556,6 +556,10 @@ pub struct Checkpoint {
     pub dir: PathBuf,
     /// Its manifest.
     pub manifest: Manifest,
+    /// Each rank's shard, its header parsed once (a group's read takes a
+    /// slice from each: parsing every header again for each group made
+    /// reading a checkpoint quadratic in the groups).
+    shards: std::sync::Arc<[TensorFile]>,
 }
 
 impl Checkpoint {
@@ -606,9 +610,13 @@ impl Checkpoint {
                 ));
             }
         }
+        let shards = (manifest.files.iter())
+            .map(|f| TensorFile::open(&dir.join(&f.name)))
+            .collect::<Result<_, _>>()?;
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             manifest,
+            shards,
         })
     }
 
@@ -659,17 +667,16 @@ impl Checkpoint {
             .ok_or_else(|| invalid(&self.dir.join(MANIFEST), format!("no group {g}")))?;
         let slice = entry.padded / m.world_size;
         let mut out = Vec::with_capacity(entry.numel);
-        for (r, f) in m.files.iter().enumerate() {
+        for (r, shard) in self.shards.iter().enumerate() {
             let start = r * slice;
             if start >= entry.numel {
                 break;
             }
-            let p = self.dir.join(&f.name);
             let name = format!("g{g}.{kind}");
-            let vals = TensorFile::open(&p)?.read(&name)?;
+            let vals = shard.read(&name)?;
             if vals.len() != slice {
                 return Err(invalid(
-                    &p,
+                    shard.path(),
                     format!("{name} has {} elements, expected {slice}", vals.len()),
                 ));
             }

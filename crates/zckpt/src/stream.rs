@@ -149,11 +149,12 @@ impl Drop for StreamWriter {
     }
 }
 
-/// An f32 safetensors file opened for reading single tensors: only its header
-/// is held.
+/// A safetensors file opened for reading single tensors: only its header is
+/// held, and no descriptor (a checkpoint holds one a rank; each read opens
+/// the file).
+#[derive(Debug)]
 pub struct TensorFile {
     path: PathBuf,
-    file: File,
     meta: Metadata,
     /// Where the data starts.
     data_at: u64,
@@ -191,7 +192,6 @@ impl TensorFile {
         }
         Ok(TensorFile {
             path: path.to_path_buf(),
-            file,
             meta,
             data_at,
         })
@@ -261,8 +261,10 @@ impl TensorFile {
     ) -> Result<Vec<T>, CkptError> {
         let (s, e) = info.data_offsets;
         let mut out = vec![T::zeroed(); (e - s) / std::mem::size_of::<T>()];
-        self.file
-            .read_exact_at(bytemuck::cast_slice_mut(&mut out), self.data_at + s as u64)
+        File::open(&self.path)
+            .and_then(|f| {
+                f.read_exact_at(bytemuck::cast_slice_mut(&mut out), self.data_at + s as u64)
+            })
             .map_err(io(&self.path))?;
         Ok(out)
     }
