@@ -1481,13 +1481,13 @@ impl LoadedJob {
 }
 
 /// The widest model dimension taken (vocabulary, width, heads, feed-forward,
-/// sequence, context): 2²⁴, some 16.8 million, 650 times GPT-3's width and
+/// sequence, context): 2²⁴, some 16.8 million, 1,365 times GPT-3's width and
 /// 65 times the largest vocabularies.
 pub const MAX_WIDTH: usize = 1 << 24;
 /// The most blocks a model may have: 65,536, 500 times the deepest
 /// published LLMs'.
 pub const MAX_LAYERS: usize = 1 << 16;
-/// The most parameters a model may have: 2⁴⁸, some 2.8·10¹⁴, a hundred
+/// The most parameters a model may have: 2⁴⁸, some 2.8·10¹⁴, hundreds of
 /// times the largest dense models trained.
 pub const MAX_PARAMS: u128 = 1 << 48;
 
