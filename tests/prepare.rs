@@ -582,6 +582,35 @@ fn a_byte_order_mark_is_skipped_and_no_text_is_refused() {
     assert_empty(&out, "");
 }
 
+/// A byte that is not UTF-8, in a text or a JSONL file, is exit 2 naming
+/// the file, the line and the byte (the message said only "stream did not
+/// contain valid UTF-8"), and nothing is written.
+#[test]
+fn text_that_is_not_utf8_is_refused_at_its_line_and_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (tok, _) = tokenizer(d, &words(40));
+    std::fs::write(d.join("a.txt"), b"w1 w2\nw3 \xff w4\n").unwrap();
+    std::fs::write(
+        d.join("a.jsonl"),
+        b"{\"text\": \"w1\"}\n\n{\"text\": \"w2\xc3\"}\n",
+    )
+    .unwrap();
+    for (input, want) in [
+        ("a.txt", "a.txt:2: byte 4 of the line (0xff) is not UTF-8"),
+        (
+            "a.jsonl",
+            "a.jsonl:3: byte 13 of the line (0xc3) is not UTF-8",
+        ),
+    ] {
+        let out = d.join(format!("out-{input}"));
+        let f = prepare(d, &[input], &tok, &out, &[]);
+        assert_eq!(f.code(), 2, "{f:?}");
+        assert!(f.stderr.contains(want), "{input}: {}", f.stderr);
+        assert_empty(&out, "");
+    }
+}
+
 /// Ctrl-C (or SIGTERM) during a prepare stops it with exit 130 and leaves
 /// `--out` as it was: the token files it had begun are removed (until the
 /// sixty-ninth session the signal ended it where it stood, with its hidden

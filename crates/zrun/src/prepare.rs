@@ -721,19 +721,13 @@ fn read_text(path: &Path, sink: &mut impl FnMut(Piece) -> Result<()>) -> Result<
     let bad = |e: std::io::Error| Failure::bad_input(format!("{}: {e}", path.display()));
     let mut r = std::io::BufReader::new(std::fs::File::open(path).map_err(bad)?);
     let mut piece = String::new();
-    let mut line = String::new();
-    let mut first = true;
+    let mut bytes = Vec::new();
+    let mut line_no = 0;
     loop {
-        line.clear();
-        let n = r.read_line(&mut line).map_err(|e| {
-            Failure::bad_input(format!(
-                "{}: {e} (zrun prepare reads UTF-8 text)",
-                path.display()
-            ))
-        })?;
-        if std::mem::take(&mut first) {
-            without_bom(&mut line);
-        }
+        bytes.clear();
+        let n = r.read_until(b'\n', &mut bytes).map_err(bad)?;
+        line_no += 1;
+        let line = utf8_line(path, line_no, &bytes)?;
         if n == 0 || (piece.len() + line.len() > PIECE_BYTES && !piece.is_empty()) {
             let ends_document = n == 0;
             sink(Piece::whole(std::mem::take(&mut piece), ends_document))?;
@@ -741,7 +735,7 @@ fn read_text(path: &Path, sink: &mut impl FnMut(Piece) -> Result<()>) -> Result<
                 return Ok(());
             }
         }
-        piece.push_str(&line);
+        piece.push_str(line);
     }
 }
 
@@ -783,20 +777,42 @@ fn read_jsonl(
     sink: &mut impl FnMut(Piece) -> Result<()>,
 ) -> Result<()> {
     let bad = |e: std::io::Error| Failure::bad_input(format!("{}: {e}", path.display()));
-    let r = std::io::BufReader::new(std::fs::File::open(path).map_err(bad)?);
-    for (i, line) in r.lines().enumerate() {
-        let mut line =
-            line.map_err(|e| Failure::bad_input(format!("{}:{}: {e}", path.display(), i + 1)))?;
-        if i == 0 {
-            without_bom(&mut line);
+    let mut r = std::io::BufReader::new(std::fs::File::open(path).map_err(bad)?);
+    let mut bytes = Vec::new();
+    for line_no in 1.. {
+        bytes.clear();
+        if r.read_until(b'\n', &mut bytes).map_err(bad)? == 0 {
+            break;
         }
+        let line = utf8_line(path, line_no, &bytes)?;
         if line.trim().is_empty() {
             continue;
         }
-        let at = format!("{}:{}", path.display(), i + 1);
-        sink(records.piece(&line, &at)?)?;
+        let at = format!("{}:{line_no}", path.display());
+        sink(records.piece(line, &at)?)?;
     }
     Ok(())
+}
+
+/// Line `line_no` (1-based) of a file as text, an error naming the line and
+/// the byte where it is not UTF-8; the first line without the byte order
+/// mark Windows editors put at a file's start (behind one a JSONL record
+/// was "not JSON", and a text file's first tokens took it in).
+fn utf8_line<'a>(path: &Path, line_no: usize, bytes: &'a [u8]) -> Result<&'a str> {
+    let line = std::str::from_utf8(bytes).map_err(|e| {
+        let at = e.valid_up_to();
+        Failure::bad_input(format!(
+            "{}:{line_no}: byte {} of the line (0x{:02x}) is not UTF-8 \
+             (zrun prepare reads UTF-8 text)",
+            path.display(),
+            at + 1,
+            bytes[at]
+        ))
+    })?;
+    Ok(match line_no {
+        1 => line.strip_prefix('\u{feff}').unwrap_or(line),
+        _ => line,
+    })
 }
 
 /// A Parquet file's rows (Hugging Face's `datasets` writes its splits so;
@@ -1059,15 +1075,6 @@ fn trained_tokens(offsets: &[(usize, usize)], trained: &[Range<usize>]) -> Vec<b
                 })
         })
         .collect()
-}
-
-/// Drops the byte-order mark that Windows editors put at a UTF-8 file's
-/// start: a JSONL record behind one was "not JSON", and a text file's first
-/// tokens took it in.
-fn without_bom(first_line: &mut String) {
-    if first_line.starts_with('\u{feff}') {
-        first_line.drain(..'\u{feff}'.len_utf8());
-    }
 }
 
 #[cfg(test)]
