@@ -517,6 +517,23 @@ pub fn activation_bytes(m: &ModelSpec, micro_batch: usize) -> (f64, f64) {
     (l * block + head, l * inputs + block + head)
 }
 
+/// Query rows whose probabilities the CPU's attention holds at once
+/// (zmodel's attention takes the number from here): each thread computing
+/// attention holds that many rows (or all `t`, when fewer) of `P` and of
+/// its gradient, `t` wide, which keeps that memory linear in `t`.
+pub const ATTENTION_CHUNK_ROWS: usize = 768;
+
+/// Bytes of the work matrices each thread of a CPU worker holds while it
+/// computes attention (kept between steps): a chunk of
+/// [`ATTENTION_CHUNK_ROWS`] query rows of `P` and of `dS`, f32, and under
+/// bf16 their bf16 copies (which the products read where the CPU
+/// multiplies bf16). Not activations: a thread's, whatever the micro-batch.
+pub fn attention_work_bytes(m: &ModelSpec, dtype: Dtype) -> f64 {
+    let t = m.seq_len;
+    let per_element = if dtype == Dtype::Bf16 { 6.0 } else { 4.0 };
+    2.0 * (ATTENTION_CHUNK_ROWS.min(t) * t) as f64 * per_element
+}
+
 /// Bytes of the probabilities `[b·heads, t, t]` the GPU's unfused attention
 /// keeps for a block's backward: f32, and under 16-bit products their
 /// 16-bit copy too (the operand of the products with v and dO). The CPU

@@ -19,7 +19,10 @@
 //! (FlashAttention's trade: a 128×128 GEMM instead of keeping P for every block)
 //! and computes dV = Pᵀ·dY, dP = dY·Vᵀ, dS = P ⊙ (dP − rowsum(dP ⊙ P)),
 //! dQ = dS·K/√d, dK = dSᵀ·Q/√d into one `[b, t, 3d]` gradient. The tests check
-//! both ways against the composed version.
+//! both ways against the composed version. A task holds P and dS for a
+//! chunk of query rows at a time
+//! ([`zconfig::estimate::ATTENTION_CHUNK_ROWS`], 768), never `t × t`: the
+//! memory of long sequences stays linear in `t`.
 //!
 //! With bf16 products (`train.dtype: bf16` with native bf16) every product rounds its
 //! operands to bf16 and accumulates in f32 (`zgemm::gemm_packed_bf16`, the
@@ -286,61 +289,65 @@ fn forward_tasks<T: Values>(qkv: &[T], dm: Dims, blk: Blocks, docs: Option<&Docu
     // One task a leaf (simd's module doc).
     let tasks = (0..dm.b * dm.heads).into_par_iter().with_max_len(1);
     let bf16 = blk.products == Products::Bf16;
+    let held = blk.held_rows(t);
     tasks.for_each(|task| {
         with_packs(|[kt, vp, ..]| {
             // The second matrix holds a block's product under bf16 output.
-            with_scratch(t * t.max(hd), |p, y_blk| {
-                with_bits(if bf16 { t } else { 0 }, |mut p16, _| {
-                    let p = &mut p[..t * t];
+            with_scratch(held * t, rows * hd, |p, y_blk| {
+                with_bits(if bf16 { held } else { 0 }, t, |mut p16, _| {
                     let (bi, h) = (task / dm.heads, task % dm.heads);
                     let base = bi * t * w;
                     blk.pack(kt, view(qkv, base + dm.k(h / dm.group), t, hd, w).t());
-                    let first = docs.map(|d| d.firsts(bi));
-                    // Dropped probabilities are rounded after the drop.
-                    let rounded = (bf16 && blk.dropout.is_none()).then_some(&mut p16);
-                    probabilities(qkv, dm, blk, (bi, h), first, kt, p, rounded);
-                    if let Some(drop) = blk.dropout {
-                        let rounded = bf16.then_some(&mut p16);
-                        drop_rows(p, dm, blk.rows, (drop, task), first, rounded);
-                    }
                     blk.pack(vp, view(qkv, base + dm.v(h / dm.group), t, hd, w));
-                    let (p, bits) = (&*p, bf16.then_some(&p16));
-                    for (i0, i1) in blocks(t, rows) {
-                        let (c, c_rs) = match out {
-                            Out::F32(y) => (y.at((bi * t + i0) * d + h * hd), d),
-                            Out::Bf16(..) => (y_blk.as_mut_ptr(), hd),
-                        };
-                        let k0 = keys_from(first, i0, blk.depth_start());
-                        // SAFETY: y's rows i0..i1 of sequence bi, columns of
-                        // head h: this task's alone (or the task's scratch).
-                        unsafe {
-                            let p_blk = Part::of(p, t, bits, (i0, k0), (i1 - i0, i1 - k0));
-                            let v_part = (k0..i1, 0);
-                            product_of_part(
-                                blk.products,
-                                c,
-                                c_rs,
-                                hd,
-                                p_blk,
-                                vp,
-                                v_part,
-                                1.0,
-                                false,
-                            )
-                        };
-                        if let Out::Bf16(bits, stride) = out {
-                            for (r, row) in y_blk[..(i1 - i0) * hd].chunks(hd).enumerate() {
-                                // SAFETY: row bi·t + i0 + r, head h's columns of
-                                // the output: this task's alone, inside the buffer.
-                                let dst = unsafe {
-                                    std::slice::from_raw_parts_mut(
-                                        bits.0
-                                            .add((bi * t + i0 + r) * stride + h * hd)
-                                            .cast::<std::mem::MaybeUninit<u16>>(),
-                                        hd,
-                                    )
-                                };
-                                zgemm::bf16_bits_write(row, dst);
+                    let first = docs.map(|d| d.firsts(bi));
+                    for chunk in blk.chunks(t) {
+                        let c0 = chunk.0;
+                        // Dropped probabilities are rounded after the drop.
+                        let rounded = (bf16 && blk.dropout.is_none()).then_some(&mut p16);
+                        probabilities(qkv, dm, blk, (bi, h), first, kt, chunk, p, rounded);
+                        if let Some(drop) = blk.dropout {
+                            let rounded = bf16.then_some(&mut p16);
+                            drop_rows(p, dm, blk, (drop, task), first, chunk, rounded);
+                        }
+                        let (p, bits) = (&*p, bf16.then_some(&p16));
+                        for (i0, i1) in blk.blocks_of(chunk) {
+                            let (c, c_rs) = match out {
+                                Out::F32(y) => (y.at((bi * t + i0) * d + h * hd), d),
+                                Out::Bf16(..) => (y_blk.as_mut_ptr(), hd),
+                            };
+                            let k0 = keys_from(first, i0, blk.depth_start());
+                            // SAFETY: y's rows i0..i1 of sequence bi, columns
+                            // of head h: this task's alone (or its scratch).
+                            unsafe {
+                                let at = (i0 - c0, k0);
+                                let p_blk = Part::of(p, t, bits, at, (i1 - i0, i1 - k0));
+                                let v_part = (k0..i1, 0);
+                                product_of_part(
+                                    blk.products,
+                                    c,
+                                    c_rs,
+                                    hd,
+                                    p_blk,
+                                    vp,
+                                    v_part,
+                                    1.0,
+                                    false,
+                                )
+                            };
+                            if let Out::Bf16(bits, stride) = out {
+                                for (r, row) in y_blk[..(i1 - i0) * hd].chunks(hd).enumerate() {
+                                    // SAFETY: row bi·t + i0 + r, head h's columns of
+                                    // the output: this task's alone, inside the buffer.
+                                    let dst = unsafe {
+                                        std::slice::from_raw_parts_mut(
+                                            bits.0
+                                                .add((bi * t + i0 + r) * stride + h * hd)
+                                                .cast::<std::mem::MaybeUninit<u16>>(),
+                                            hd,
+                                        )
+                                    };
+                                    zgemm::bf16_bits_write(row, dst);
+                                }
                             }
                         }
                     }
@@ -375,13 +382,17 @@ fn backward_in_blocks(
     )
 }
 
-/// How one attention runs: its heads, the rows of a causal block, what
-/// its products multiply and the dropout of its probabilities.
+/// How one attention runs: its heads, the rows of a causal block and of
+/// a chunk, what its products multiply and the dropout of its
+/// probabilities.
 #[derive(Debug, Clone, Copy)]
 struct Blocks {
     heads: Heads,
     /// Rows per causal block ([`block_rows`]; tests use others).
     rows: usize,
+    /// Query rows whose probabilities (and their gradient) a task holds at
+    /// once: a multiple of `rows` ([`CHUNK_ROWS`]; tests use others).
+    chunk: usize,
     products: Products,
     dropout: Option<Dropout>,
 }
@@ -396,6 +407,7 @@ impl Blocks {
         Blocks {
             heads,
             rows,
+            chunk: (CHUNK_ROWS / rows).max(1) * rows,
             products,
             dropout: None,
         }
@@ -403,6 +415,22 @@ impl Blocks {
 
     fn with_dropout(self, dropout: Option<Dropout>) -> Blocks {
         Blocks { dropout, ..self }
+    }
+
+    /// The chunks `[c0, c1)` of `0..t`: whole causal blocks each.
+    fn chunks(&self, t: usize) -> impl Iterator<Item = (usize, usize)> {
+        blocks(t, self.chunk)
+    }
+
+    /// The causal blocks of chunk `[c0, c1)`.
+    fn blocks_of(&self, (c0, c1): (usize, usize)) -> impl Iterator<Item = (usize, usize)> {
+        blocks(c1 - c0, self.rows).map(move |(i0, i1)| (c0 + i0, c0 + i1))
+    }
+
+    /// Rows of a task's work matrices: a chunk, or the whole sequence
+    /// when it is shorter.
+    fn held_rows(&self, t: usize) -> usize {
+        self.chunk.min(t)
     }
 
     /// Where a product over keys (or queries) may start its depth: bf16
@@ -532,14 +560,32 @@ fn block_rows(products: Products) -> usize {
     }
 }
 
+/// Query rows a task computes the probabilities of at once, rounded down
+/// to whole blocks ([`Blocks::chunk`]; `zrun estimate` counts them, so the
+/// number lives in `zconfig`). A block of query rows needs its scores over
+/// every key it sees, and the backward's products over queries (dV, dK)
+/// read a block of keys' column of them, so a task held `P` and `dS`
+/// whole: two `t × t` matrices a thread (and their bf16 copies), kept
+/// between steps, 2 GiB a thread at t = 16384, where the activations of a
+/// small model were a quarter of that. In chunks they are `CHUNK_ROWS ×
+/// t`, linear in `t`; dV and dK add each chunk's part. dV's α = 1 products
+/// continue one chain of fused multiply-adds, the bits of one product;
+/// dK's α = 1/√d products add each chunk's sum, so past one chunk its bits
+/// depend on the chunk (not on the threads). 768 rows: a multiple of both
+/// blocks (24 and 64), longer than the sequences the examples train (whose
+/// bits are one chunk's), and a depth at which the products over queries
+/// keep the kernels' rate.
+const CHUNK_ROWS: usize = zconfig::estimate::ATTENTION_CHUNK_ROWS;
+
 /// The row blocks `[i0, i1)` of `0..t`.
 fn blocks(t: usize, rows: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t).step_by(rows).map(move |i0| (i0, (i0 + rows).min(t)))
 }
 
 thread_local! {
-    /// Each thread's two t × t work matrices, kept between calls (a fresh
-    /// 256 KiB pair per task was a memset and page faults per head).
+    /// Each thread's two work matrices (a chunk's rows of P and of dS, or
+    /// of P and a block's output), kept between calls (a fresh 256 KiB pair
+    /// per task was a memset and page faults per head).
     static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const {
         std::cell::RefCell::new((Vec::new(), Vec::new()))
     };
@@ -562,37 +608,37 @@ fn with_packs<R>(f: impl FnOnce(&mut [PackedB; 5]) -> R) -> R {
     r
 }
 
-/// Runs `f` on this thread's two scratch matrices of `len` floats.
-fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
+/// Runs `f` on this thread's two scratch matrices, of `len_a` and `len_b`
+/// floats.
+fn with_scratch<R>(len_a: usize, len_b: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
     // Taken out for the call, so a nested use cannot alias them.
     let (mut a, mut b) = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
-    for v in [&mut a, &mut b] {
+    for (v, len) in [(&mut a, len_a), (&mut b, len_b)] {
         if v.len() < len {
             v.resize(len, 0.0);
         }
+        if cfg!(test) {
+            // Poisoned: an entry a product reads without its task writing
+            // it first makes the tests' results NaN.
+            v[..len].fill(f32::NAN);
+        }
     }
-    if cfg!(test) {
-        // Poisoned: an entry a product reads without its task writing it
-        // first makes the tests' results NaN.
-        a[..len].fill(f32::NAN);
-        b[..len].fill(f32::NAN);
-    }
-    let r = f(&mut a[..len], &mut b[..len]);
+    let r = f(&mut a[..len_a], &mut b[..len_b]);
     SCRATCH.with(|s| *s.borrow_mut() = (a, b));
     r
 }
 
 thread_local! {
-    /// Each thread's two t × t matrices of bf16 bits (P and dS as bf16
-    /// products read them), kept between calls as [`SCRATCH`] is.
+    /// Each thread's two matrices of bf16 bits (a chunk's rows of P and dS
+    /// as bf16 products read them), kept between calls as [`SCRATCH`] is.
     static BITS: std::cell::RefCell<(Vec<u16>, Vec<u16>)> = const {
         std::cell::RefCell::new((Vec::new(), Vec::new()))
     };
 }
 
-/// bf16 copies of a task's `t × t` matrices, for bf16 products to read in
-/// place: two matrices of `t` rows [`zgemm::bf16_row_stride`] apart, each
-/// from a 64-byte line. A row holds what its causal block's products read
+/// bf16 copies of a task's work matrices, for bf16 products to read in
+/// place: two matrices of a chunk's rows [`zgemm::bf16_row_stride`] apart,
+/// each from a 64-byte line. A row holds what its causal block's products read
 /// (columns up to the block's end), rounded as the f32 row is finished,
 /// while it is in L1: each product then reads bits where it rounded a
 /// copy of its part of the f32 matrix (a pass over `P` for `P·V` and
@@ -615,24 +661,25 @@ impl Rows16<'_> {
     }
 }
 
-/// Runs `f` on this thread's two bf16 matrices of `t` rows.
-fn with_bits<R>(t: usize, f: impl FnOnce(Rows16, Rows16) -> R) -> R {
+/// Runs `f` on this thread's two bf16 matrices of `rows` rows of `t`.
+fn with_bits<R>(rows: usize, t: usize, f: impl FnOnce(Rows16, Rows16) -> R) -> R {
     let stride = zgemm::bf16_row_stride(t);
+    let len = rows * stride;
     // Taken out for the call, as the f32 scratch matrices are.
     let (mut a, mut b) = BITS.with(|s| std::mem::take(&mut *s.borrow_mut()));
     for v in [&mut a, &mut b] {
-        if v.len() < t * stride + 32 {
-            v.resize(t * stride + 32, 0);
+        if v.len() < len + 32 {
+            v.resize(len + 32, 0);
         }
     }
     let (sa, sb) = (zgemm::bf16_line_start(&a), zgemm::bf16_line_start(&b));
     let r = f(
         Rows16 {
-            data: &mut a[sa..sa + t * stride],
+            data: &mut a[sa..sa + len],
             stride,
         },
         Rows16 {
-            data: &mut b[sb..sb + t * stride],
+            data: &mut b[sb..sb + len],
             stride,
         },
     );
@@ -665,8 +712,8 @@ enum Part<'a> {
 }
 
 impl<'a> Part<'a> {
-    /// `rows × cols` from row `r0`, column `c0` of the `t × t` matrix
-    /// `m`, read from `bits` where there is a copy.
+    /// `rows × cols` from row `r0`, column `c0` of the work matrix `m`
+    /// (rows of `t`), read from `bits` where there is a copy.
     fn of(
         m: &'a [f32],
         t: usize,
@@ -809,12 +856,12 @@ fn queries_to(first: Option<&[u32]>, j1: usize, t: usize) -> usize {
     })
 }
 
-/// P = causal softmax(Q·Kᵀ·scale) of sequence `bi`, query head `h` into
-/// `p[t×t]`, from `kt`, its head's Kᵀ packed; the masked entries (column
-/// above the row, or before its document's first) are zero; a block's
-/// product starts at the panel of keys where its first row's document
-/// begins. With `p16`, each row's causal block rounded to bf16 there too
-/// ([`Rows16`]).
+/// P = causal softmax(Q·Kᵀ·scale) of sequence `bi`, query head `h`, rows
+/// `[c0, c1)` into `p` (row `i` at `(i - c0)·t`), from `kt`, its head's Kᵀ
+/// packed; the masked entries (column above the row, or before its
+/// document's first) are zero; a block's product starts at the panel of
+/// keys where its first row's document begins. With `p16`, each row's
+/// causal block rounded to bf16 there too ([`Rows16`]).
 #[allow(clippy::too_many_arguments)]
 fn probabilities<T: Values>(
     qkv: &[T],
@@ -823,18 +870,20 @@ fn probabilities<T: Values>(
     (bi, h): (usize, usize),
     first: Option<&[u32]>,
     kt: &PackedB,
+    (c0, c1): (usize, usize),
     p: &mut [f32],
     mut p16: Option<&mut Rows16>,
 ) {
     let (t, w, hd) = (dm.t, dm.w, dm.hd);
     let base = bi * t * w;
     let scale = 1.0 / (hd as f32).sqrt();
-    for (i0, i1) in blocks(t, blk.rows) {
+    let p = &mut p[..(c1 - c0) * t];
+    for (i0, i1) in blk.blocks_of((c0, c1)) {
         let q = view(qkv, base + i0 * w + dm.q(h), i1 - i0, hd, w);
         let k0 = keys_from(first, i0, kt.panel_width());
-        let c = p[i0 * t + k0..].as_mut_ptr();
-        // SAFETY: rows i0..i1, columns k0..i1 of p (t × t), which only this
-        // call holds.
+        let c = p[(i0 - c0) * t + k0..].as_mut_ptr();
+        // SAFETY: rows i0..i1, columns k0..i1 of p, which only this call
+        // holds.
         unsafe {
             product(
                 blk.products,
@@ -853,7 +902,7 @@ fn probabilities<T: Values>(
         #[inline(always)]
         || {
             for (g, group) in p.chunks_mut(ROW_GROUP * t).enumerate() {
-                let i0 = g * ROW_GROUP;
+                let i0 = c0 + g * ROW_GROUP;
                 let live = |r: usize| live(first, i0 + r);
                 let mut max = [0f32; ROW_GROUP];
                 for (r, row) in group.chunks_exact(t).enumerate() {
@@ -876,7 +925,8 @@ fn probabilities<T: Values>(
                 }
                 if let Some(p16) = p16.as_deref_mut() {
                     for (r, row) in group.chunks_exact(t).enumerate() {
-                        p16.round_row(i0 + r, row, block_end(i0 + r, blk.rows, t));
+                        let i = i0 + r;
+                        p16.round_row(i - c0, row, block_end(i, blk.rows, t));
                     }
                 }
             }
@@ -884,29 +934,87 @@ fn probabilities<T: Values>(
     );
 }
 
-/// Dropout of the live entries of a `t × t` matrix of sequence and head
-/// `task` (`b·heads + h`): attention's probabilities in forward (and in
-/// backward before dV), their gradient in backward before dS. With `m16`,
-/// each row's causal block rounded to bf16 there after its drop (as
-/// [`probabilities`] rounds it without dropout).
+/// Dropout of the live entries of rows `[c0, c1)` of a `t × t` matrix of
+/// sequence and head `task` (`b·heads + h`), held as [`probabilities`]
+/// holds them: attention's probabilities in forward (and in backward before
+/// dV), their gradient in backward before dS. With `m16`, each row's causal
+/// block rounded to bf16 there after its drop (as [`probabilities`] rounds
+/// it without dropout).
 fn drop_rows(
     m: &mut [f32],
     dm: Dims,
-    rows: usize,
+    blk: Blocks,
     (drop, task): (Dropout, usize),
     first: Option<&[u32]>,
+    (c0, c1): (usize, usize),
     mut m16: Option<&mut Rows16>,
 ) {
     let t = dm.t;
     vectorised(
         #[inline(always)]
         || {
-            for (i, row) in m[..t * t].chunks_exact_mut(t).enumerate() {
+            for (r, row) in m[..(c1 - c0) * t].chunks_exact_mut(t).enumerate() {
+                let i = c0 + r;
                 let l = live(first, i);
                 let at = (task * t + i) * t;
                 drop.apply_in_place(&mut row[l.clone()], at + l.start);
                 if let Some(m16) = m16.as_deref_mut() {
-                    m16.round_row(i, row, block_end(i, rows, t));
+                    m16.round_row(r, row, block_end(i, blk.rows, t));
+                }
+            }
+        },
+    );
+}
+
+/// dS = P ⊙ (dP − rowsum(dP ⊙ P)) of rows `[c0, c1)` over the live
+/// entries, in place of dP in `ds`; the masked ones that products read
+/// zero. With `ds16`, each row's causal block rounded to bf16 there too.
+fn score_gradient(
+    dm: Dims,
+    blk: Blocks,
+    first: Option<&[u32]>,
+    (c0, c1): (usize, usize),
+    p: &[f32],
+    ds: &mut [f32],
+    mut ds16: Option<&mut Rows16>,
+) {
+    let t = dm.t;
+    let n = (c1 - c0) * t;
+    vectorised(
+        #[inline(always)]
+        || {
+            // Rows in groups, as the softmax's.
+            let groups = p[..n]
+                .chunks(ROW_GROUP * t)
+                .zip(ds[..n].chunks_mut(ROW_GROUP * t))
+                .enumerate();
+            for (g, (p, ds)) in groups {
+                let i0 = c0 + g * ROW_GROUP;
+                let live = |r: usize| live(first, i0 + r);
+                let mut c = [0f32; ROW_GROUP];
+                let pairs = p.chunks_exact(t).zip(ds.chunks_exact(t));
+                for (r, (prow, dsrow)) in pairs.enumerate() {
+                    let l = live(r);
+                    let (p, g) = (&prow[l.clone()], &dsrow[l]);
+                    c[r] = sum_lanes([p, g], |[p, g]| p * g);
+                }
+                let pairs = p.chunks_exact(t).zip(ds.chunks_exact_mut(t));
+                for (r, (prow, dsrow)) in pairs.enumerate() {
+                    let l = live(r);
+                    let (before, rest) = dsrow.split_at_mut(l.start);
+                    let (live_ds, after) = rest.split_at_mut(l.len());
+                    live_ds
+                        .iter_mut()
+                        .zip(&prow[l])
+                        .for_each(|(g, &pv)| *g = pv * (*g - c[r]));
+                    before[read_from(first, i0 + r, blk)..].fill(0.0);
+                    after[..read_after(i0 + r, blk.rows, t)].fill(0.0);
+                }
+                if let Some(ds16) = ds16.as_deref_mut() {
+                    for (r, dsrow) in ds.chunks_exact(t).enumerate() {
+                        let i = i0 + r;
+                        ds16.round_row(i - c0, dsrow, block_end(i, blk.rows, t));
+                    }
                 }
             }
         },
@@ -990,10 +1098,11 @@ fn backward_tasks<T: Values>(
     // One task a leaf (simd's module doc).
     let tasks = (0..dm.b * kv_heads).into_par_iter().with_max_len(1);
     let bf16 = blk.products == Products::Bf16;
+    let held = blk.held_rows(t);
     tasks.for_each(|task| {
         with_packs(|[kt, kp, vt, qp, dyp]| {
-            with_scratch(t * t, |p, ds| {
-                with_bits(if bf16 { t } else { 0 }, |mut p16, mut ds16| {
+            with_scratch(held * t, held * t, |p, ds| {
+                with_bits(if bf16 { held } else { 0 }, t, |mut p16, mut ds16| {
                     let (bi, g) = (task / kv_heads, task % kv_heads);
                     let base = bi * t * w;
                     let first = docs.map(|d| d.firsts(bi));
@@ -1002,154 +1111,118 @@ fn backward_tasks<T: Values>(
                     blk.pack(kp, k);
                     blk.pack(vt, view(qkv, base + dm.v(g), t, hd, w).t());
                     for (nth, h) in (g * dm.group..(g + 1) * dm.group).enumerate() {
-                        // The group's first query head writes dK and dV, the
-                        // others add to them, in order.
-                        let add = nth > 0;
-                        let rounded = (bf16 && blk.dropout.is_none()).then_some(&mut p16);
-                        probabilities(qkv, dm, blk, (bi, h), first, kt, p, rounded);
                         blk.pack(qp, view(qkv, base + dm.q(h), t, hd, w));
                         let dy_h = view(dy, bi * t * d + h * hd, t, hd, d);
                         blk.pack(dyp, dy_h);
                         // The mask's (sequence, head) as the forward's task.
                         let drop = blk.dropout.map(|d| (d, bi * dm.heads + h));
-                        // dP = dY · Vᵀ, the live blocks only, into ds.
-                        for (i0, i1) in blocks(t, rows) {
-                            let dy_blk = dy_h.sub_rows(i0, i1);
-                            let k0 = keys_from(first, i0, vt.panel_width());
-                            // SAFETY: rows i0..i1, columns k0..i1 of ds (t × t).
-                            unsafe {
-                                product(
-                                    blk.products,
-                                    ds[i0 * t + k0..].as_mut_ptr(),
-                                    t,
-                                    i1 - k0,
-                                    dy_blk,
-                                    vt,
-                                    (0..hd, k0),
-                                    1.0,
-                                    false,
-                                )
-                            };
-                        }
-                        // With dropout that is the dropped probabilities'
-                        // gradient: the undropped ones' is it dropped alike.
-                        if let Some(drop) = drop {
-                            drop_rows(ds, dm, rows, drop, first, None);
-                        }
-                        // dS = P ⊙ (dP − rowsum(dP ⊙ P)) over the live
-                        // entries, in place; the masked ones zero (the
-                        // blocks read them).
-                        vectorised(
-                            #[inline(always)]
-                            || {
-                                // Rows in groups, as the softmax's.
-                                let groups = p
-                                    .chunks(ROW_GROUP * t)
-                                    .zip(ds.chunks_mut(ROW_GROUP * t))
-                                    .enumerate();
-                                for (g, (p, ds)) in groups {
-                                    let i0 = g * ROW_GROUP;
-                                    let live = |r: usize| live(first, i0 + r);
-                                    let mut c = [0f32; ROW_GROUP];
-                                    let pairs = p.chunks_exact(t).zip(ds.chunks_exact(t));
-                                    for (r, (prow, dsrow)) in pairs.enumerate() {
-                                        let l = live(r);
-                                        let (p, g) = (&prow[l.clone()], &dsrow[l]);
-                                        c[r] = sum_lanes([p, g], |[p, g]| p * g);
-                                    }
-                                    let pairs = p.chunks_exact(t).zip(ds.chunks_exact_mut(t));
-                                    for (r, (prow, dsrow)) in pairs.enumerate() {
-                                        let l = live(r);
-                                        let (before, rest) = dsrow.split_at_mut(l.start);
-                                        let (live_ds, after) = rest.split_at_mut(l.len());
-                                        live_ds
-                                            .iter_mut()
-                                            .zip(&prow[l])
-                                            .for_each(|(g, &pv)| *g = pv * (*g - c[r]));
-                                        before[read_from(first, i0 + r, blk)..].fill(0.0);
-                                        after[..read_after(i0 + r, rows, t)].fill(0.0);
-                                    }
-                                    if bf16 {
-                                        for (r, dsrow) in ds.chunks_exact(t).enumerate() {
-                                            let i = i0 + r;
-                                            ds16.round_row(i, dsrow, block_end(i, rows, t));
-                                        }
-                                    }
+                        for chunk in blk.chunks(t) {
+                            let (c0, c1) = chunk;
+                            let rounded = (bf16 && blk.dropout.is_none()).then_some(&mut p16);
+                            probabilities(qkv, dm, blk, (bi, h), first, kt, chunk, p, rounded);
+                            // dP = dY · Vᵀ, the live blocks only, into ds.
+                            for (i0, i1) in blk.blocks_of(chunk) {
+                                let dy_blk = dy_h.sub_rows(i0, i1);
+                                let k0 = keys_from(first, i0, vt.panel_width());
+                                // SAFETY: rows i0..i1, columns k0..i1 of ds.
+                                unsafe {
+                                    product(
+                                        blk.products,
+                                        ds[(i0 - c0) * t + k0..].as_mut_ptr(),
+                                        t,
+                                        i1 - k0,
+                                        dy_blk,
+                                        vt,
+                                        (0..hd, k0),
+                                        1.0,
+                                        false,
+                                    )
+                                };
+                            }
+                            // With dropout that is the dropped probabilities'
+                            // gradient: the undropped ones' is it dropped alike.
+                            if let Some(drop) = drop {
+                                drop_rows(ds, dm, blk, drop, first, chunk, None);
+                            }
+                            let rounded = bf16.then_some(&mut ds16);
+                            score_gradient(dm, blk, first, chunk, p, ds, rounded);
+                            // dV reads the probabilities the forward multiplied
+                            // V by: dropped, where they are, from here on.
+                            if let Some(drop) = drop {
+                                let rounded = bf16.then_some(&mut p16);
+                                drop_rows(p, dm, blk, drop, first, chunk, rounded);
+                            }
+                            let (p, ds) = (&*p, &*ds);
+                            let (p_bits, ds_bits) = (bf16.then_some(&p16), bf16.then_some(&ds16));
+                            // Blocks of key columns [j0, j1) see query rows
+                            // [j0, t), this chunk's of them here. The first
+                            // query head writes dK and dV, in the chunk that
+                            // holds their first query; later chunks and heads
+                            // add to them, in order.
+                            for (j0, j1) in blocks(c1, rows) {
+                                let (q0, q1) = (j0.max(c0), queries_to(first, j1, t).min(c1));
+                                if q0 >= q1 {
+                                    continue;
                                 }
-                            },
-                        );
-                        // dV reads the probabilities the forward multiplied V
-                        // by: dropped, where they are, from here on.
-                        if let Some(drop) = drop {
-                            drop_rows(p, dm, rows, drop, first, bf16.then_some(&mut p16));
-                        }
-                        let p_bits = bf16.then_some(&p16);
-                        // Blocks of key columns [j0, j1) see query rows [j0, t).
-                        for (j0, j1) in blocks(t, rows) {
-                            let q1 = queries_to(first, j1, t);
-                            // SAFETY: dV rows j0..j1 of this task's key/value
-                            // head: its alone (as are dK's, dQ's of its heads).
-                            unsafe {
-                                // dV (+)= Pᵀ · dY
-                                let dv = out.at(base + j0 * w + dm.v(g));
-                                let p_t = Part::of(p, t, p_bits, (j0, j0), (q1 - j0, j1 - j0)).t();
-                                let dy_part = (j0..q1, 0);
-                                product_of_part(
-                                    blk.products,
-                                    dv,
-                                    w,
-                                    hd,
-                                    p_t,
-                                    dyp,
-                                    dy_part,
-                                    1.0,
-                                    add,
-                                )
-                            };
-                        }
-                        let ds_bits = bf16.then_some(&ds16);
-                        for (i0, i1) in blocks(t, rows) {
-                            // SAFETY: dQ rows i0..i1 of query head h: this
-                            // task's.
-                            unsafe {
-                                // dQ = dS · K · scale
-                                let dq = out.at(base + i0 * w + dm.q(h));
-                                let k0 = keys_from(first, i0, blk.depth_start());
-                                let ds_blk = Part::of(ds, t, ds_bits, (i0, k0), (i1 - i0, i1 - k0));
-                                product_of_part(
-                                    blk.products,
-                                    dq,
-                                    w,
-                                    hd,
-                                    ds_blk,
-                                    kp,
-                                    (k0..i1, 0),
-                                    scale,
-                                    false,
-                                )
-                            };
-                        }
-                        for (j0, j1) in blocks(t, rows) {
-                            // SAFETY: dK rows j0..j1 of this task's key/value
-                            // head.
-                            unsafe {
-                                // dK (+)= dSᵀ · Q · scale
-                                let dk = out.at(base + j0 * w + dm.k(g));
-                                let q1 = queries_to(first, j1, t);
-                                let ds_t =
-                                    Part::of(ds, t, ds_bits, (j0, j0), (q1 - j0, j1 - j0)).t();
-                                product_of_part(
-                                    blk.products,
-                                    dk,
-                                    w,
-                                    hd,
-                                    ds_t,
-                                    qp,
-                                    (j0..q1, 0),
-                                    scale,
-                                    add,
-                                )
-                            };
+                                let add = nth > 0 || j0 < c0;
+                                let (at, shape) = ((q0 - c0, j0), (q1 - q0, j1 - j0));
+                                // SAFETY: dV and dK rows j0..j1 of this task's
+                                // key/value head: its alone (as are dQ's rows
+                                // of its query heads).
+                                unsafe {
+                                    // dV (+)= Pᵀ · dY
+                                    let dv = out.at(base + j0 * w + dm.v(g));
+                                    let p_t = Part::of(p, t, p_bits, at, shape).t();
+                                    let rows = (q0..q1, 0);
+                                    product_of_part(
+                                        blk.products,
+                                        dv,
+                                        w,
+                                        hd,
+                                        p_t,
+                                        dyp,
+                                        rows.clone(),
+                                        1.0,
+                                        add,
+                                    );
+                                    // dK (+)= dSᵀ · Q · scale
+                                    let dk = out.at(base + j0 * w + dm.k(g));
+                                    let ds_t = Part::of(ds, t, ds_bits, at, shape).t();
+                                    product_of_part(
+                                        blk.products,
+                                        dk,
+                                        w,
+                                        hd,
+                                        ds_t,
+                                        qp,
+                                        rows,
+                                        scale,
+                                        add,
+                                    )
+                                };
+                            }
+                            for (i0, i1) in blk.blocks_of(chunk) {
+                                // SAFETY: dQ rows i0..i1 of query head h: this
+                                // task's.
+                                unsafe {
+                                    // dQ = dS · K · scale
+                                    let dq = out.at(base + i0 * w + dm.q(h));
+                                    let k0 = keys_from(first, i0, blk.depth_start());
+                                    let at = (i0 - c0, k0);
+                                    let ds_blk = Part::of(ds, t, ds_bits, at, (i1 - i0, i1 - k0));
+                                    product_of_part(
+                                        blk.products,
+                                        dq,
+                                        w,
+                                        hd,
+                                        ds_blk,
+                                        kp,
+                                        (k0..i1, 0),
+                                        scale,
+                                        false,
+                                    )
+                                };
+                            }
                         }
                     }
                 })
@@ -1454,6 +1527,80 @@ mod tests {
                 let dx = causal_attention_backward(&x, &dy, heads, products, Some(&bounds), None)
                     .unwrap();
                 close_to(&dx, &want_dx, tol, &format!("{what} backward"));
+            }
+        }
+    }
+
+    /// A task holds a chunk of query rows' probabilities at a time, not
+    /// all `t` ([`CHUNK_ROWS`]). In chunks of one block and more (and a
+    /// short last one), with documents (a window's among them) and
+    /// dropout: the forward, dQ and dV have the bits of one chunk (each
+    /// row's own products; dV's α = 1 chain continued), dK is within
+    /// rounding of it (each chunk's sum added), and every result is within
+    /// the composed reference's bounds.
+    #[test]
+    fn chunks_of_queries_keep_the_bits_but_dks_and_match_the_composed_version() {
+        let (heads, x, dy, docs) = long_sequences_of_documents();
+        let (b, t, w) = x.dims3().unwrap();
+        let d = heads.heads * (w / (heads.heads + 2 * heads.kv));
+        let windowed = Documents::windowed(Some(&docs), b, t, 50);
+        let drop = Dropout::new(0.25, 3).unwrap();
+        let values = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for products in products_here("attention in chunks") {
+            let (rows, tol) = match products {
+                Products::F32 => (24, 1e-5),
+                Products::Bf16 => (64, 0.02),
+            };
+            for (docs, dropout) in [
+                (None, None),
+                (Some(&docs), None),
+                (Some(&windowed), Some(drop)),
+            ] {
+                let blk = Blocks::new(heads, rows, products).with_dropout(dropout);
+                assert!(blk.chunk >= t, "the default is one chunk here");
+                let whole_y = values(forward_in_blocks(&x, blk, docs).unwrap());
+                let whole_dx = values(backward_in_blocks(&x, &dy, blk, docs).unwrap());
+                let (want, want_dx) = composed_and_grad(&x, &dy, heads, docs, None, dropout);
+                for chunk in [rows, 2 * rows, 3 * rows] {
+                    let what = format!(
+                        "{products:?}, chunks of {chunk}, documents {}, dropout {}",
+                        docs.is_some(),
+                        dropout.is_some()
+                    );
+                    let blk = Blocks { chunk, ..blk };
+                    let y = forward_in_blocks(&x, blk, docs).unwrap();
+                    assert!(
+                        bits(&values(y.clone())) == bits(&whole_y),
+                        "{what}: forward"
+                    );
+                    let dx = backward_in_blocks(&x, &dy, blk, docs).unwrap();
+                    let got = values(dx.clone());
+                    // Each row of dqkv: dQ (d columns), dK, dV (d·kv/heads each).
+                    let dk_cols = d..d + d * heads.kv / heads.heads;
+                    let (mut dk_max, mut dk_off) = (0f32, 0f32);
+                    for (g, e) in got.chunks(w).zip(whole_dx.chunks(w)) {
+                        let (q_v, k) = (
+                            |r: &[f32]| {
+                                let mut v = r[..d].to_vec();
+                                v.extend_from_slice(&r[dk_cols.end..]);
+                                v
+                            },
+                            |r: &[f32]| r[dk_cols.clone()].to_vec(),
+                        );
+                        assert!(bits(&q_v(g)) == bits(&q_v(e)), "{what}: dQ and dV");
+                        for (a, b) in k(g).iter().zip(k(e)) {
+                            dk_max = dk_max.max(b.abs());
+                            dk_off = dk_off.max((a - b).abs());
+                        }
+                    }
+                    assert!(
+                        dk_off <= 1e-6 * dk_max,
+                        "{what}: dK off by {dk_off} of {dk_max}"
+                    );
+                    close_to(&y, &want, tol, &format!("{what}: forward"));
+                    close_to(&dx, &want_dx, tol, &format!("{what}: backward"));
+                }
             }
         }
     }

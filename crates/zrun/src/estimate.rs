@@ -6,9 +6,9 @@ use std::process::ExitCode;
 use anyhow::Result;
 use serde::Serialize;
 use zconfig::estimate::{
-    gpu_probabilities_bytes, job_activation_bytes, largest_group, model_params, model_state_rows,
-    trained_elements, worker_states, CrossNodeBytes, Row, StateBytes, TrainedElements,
-    WorkerStates,
+    attention_work_bytes, gpu_probabilities_bytes, job_activation_bytes, largest_group,
+    model_params, model_state_rows, trained_elements, worker_states, CrossNodeBytes, Row,
+    StateBytes, TrainedElements, WorkerStates,
 };
 use zconfig::spec::OptimizerKind;
 use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
@@ -25,6 +25,9 @@ struct Activations {
     /// `device: cuda` with the unfused attention: the probabilities each
     /// block keeps (counted in the figures above); 0 where none are kept.
     gpu_probabilities_per_block: f64,
+    /// On the CPU, the attention's work matrices each of a worker's
+    /// threads holds (not in the figures above); 0 on a GPU.
+    attention_work_per_thread: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -288,6 +291,12 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
             gb(a.bytes_per_worker),
             gb(a.bytes_per_worker_checkpointed)
         );
+        if a.attention_work_per_thread > 0.0 {
+            say!(
+                "  and attention's work matrices: {} for each of a worker's threads",
+                gb(a.attention_work_per_thread)
+            );
+        }
         if a.gpu_probabilities_per_block > 0.0 {
             say!(
                 "  of which the GPU's unfused attention keeps {} of probabilities a block (ZRUN_GPU_ATTENTION=fused keeps none)",
@@ -360,6 +369,10 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
             bytes_per_worker: act,
             bytes_per_worker_checkpointed: act_ckpt,
             gpu_probabilities_per_block: probs,
+            attention_work_per_thread: match spec.device {
+                zconfig::spec::Device::Cuda => 0.0,
+                _ => attention_work_bytes(&spec.model, spec.train.dtype),
+            },
         }),
         stage: Some(spec.zero.stage.number()),
         this_job: Some(worker_states(spec, nodes * wpn)),
@@ -383,11 +396,26 @@ pub fn per_worker_bytes(spec: &JobSpec, topo: &Topology) -> f64 {
     let est = job_estimate(spec, topo.nodes.len(), wpn);
     let a = est.activations.expect("a job estimate has activations");
     states
+        + local_worker_threads(wpn) as f64 * a.attention_work_per_thread
         + if spec.train.activation_checkpointing {
             a.bytes_per_worker_checkpointed
         } else {
             a.bytes_per_worker
         }
+}
+
+/// The threads each of `wpn` workers on this host runs: `RAYON_NUM_THREADS`
+/// where it is set (zrun passes it on), else a share of the cores, as
+/// zrun's launch gives them.
+pub fn local_worker_threads(wpn: usize) -> usize {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|t| t.trim().parse::<usize>().ok())
+        .filter(|&t| t > 0)
+        .unwrap_or_else(|| {
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cpus / wpn.max(1)).max(1)
+        })
 }
 
 /// A `/proc/meminfo` field in bytes, if known.

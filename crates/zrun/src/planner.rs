@@ -37,11 +37,12 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use crate::estimate::local_worker_threads;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use zconfig::estimate::{
-    activation_bytes, frozen_activation_bytes, frozen_flops_per_token, frozen_inputs_dropped,
-    model_params, trained_elements, worker_states, StateBytes,
+    activation_bytes, attention_work_bytes, frozen_activation_bytes, frozen_flops_per_token,
+    frozen_inputs_dropped, model_params, trained_elements, worker_states, StateBytes,
 };
 use zconfig::spec::OptimizerKind;
 use zconfig::{load_job_with, JobSpec, Topology};
@@ -608,7 +609,8 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         } else {
             plain
         };
-        let memory = states.memory + acts;
+        let work = attention_work_bytes(&job.spec.model, t.dtype);
+        let memory = states.memory + acts + local_worker_threads(per_node) as f64 * work;
         if memory > budget {
             too_big += 1;
             continue;
