@@ -473,18 +473,19 @@ pub fn frozen_inputs_dropped(gpu: bool) -> [bool; 4] {
 /// [`activation_bytes`] under the `freeze` patterns: blocks below the
 /// lowest that trains (where the embedding is frozen) keep nothing, since
 /// backward stops above them, and the others no input of a linear whose
-/// weight is frozen where `dropped` says so ([`frozen_inputs_dropped`]).
+/// weight is frozen where the device drops it ([`frozen_inputs_dropped`]).
 pub fn frozen_activation_bytes(
     m: &ModelSpec,
     micro_batch: usize,
     freeze: &[String],
-    dropped: [bool; 4],
+    gpu: bool,
 ) -> (f64, f64) {
     let t = m.seq_len;
     let frozen = |name: &str| crate::freeze::frozen(freeze, name);
+    let dropped = frozen_inputs_dropped(gpu);
     let reach = backward_reach(m, freeze);
     let block = block_activation_bytes(m, micro_batch, t);
-    let head = head_activation_bytes(m, micro_batch, t);
+    let head = head_activation_bytes(m, micro_batch, t, gpu);
     let input = 4.0 * (micro_batch * t * m.d_model) as f64;
     let linears = m.block_linears();
     let inputs = linear_input_bytes(m, micro_batch, t);
@@ -502,16 +503,49 @@ pub fn frozen_activation_bytes(
     (kept.sum::<f64>() + head, saved * input + block + head)
 }
 
-/// Bytes the head keeps for backward: input, normed rows, logits and two copies.
-pub fn head_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
-    4.0 * (b * t) as f64 * (3.0 * m.d_model as f64 + 3.0 * m.vocab_size as f64)
+/// Bytes the head holds for `b` sequences of `t` tokens: its input, the
+/// normed rows and their gradient, and the logits: on a GPU all of them
+/// and two copies' worth, on the CPU the rows of [`head_logit_rows`].
+pub fn head_activation_bytes(m: &ModelSpec, b: usize, t: usize, gpu: bool) -> f64 {
+    let (n, d, vocab) = ((b * t) as f64, m.d_model as f64, m.vocab_size as f64);
+    let logits = match gpu {
+        true => 3.0 * n * vocab,
+        false => head_logit_rows(b * t, m.vocab_size) as f64 * vocab,
+    };
+    4.0 * (3.0 * n * d + logits)
 }
 
-/// Activation bytes of one micro-batch per worker, without and with checkpointing.
-pub fn activation_bytes(m: &ModelSpec, micro_batch: usize) -> (f64, f64) {
+/// The logits the CPU's head holds at most (but for
+/// [`LEAST_HEAD_LOGIT_ROWS`]).
+pub const HEAD_LOGIT_BYTES: usize = 64 << 20;
+
+/// The fewest rows of a chunk of the CPU head's logits: each chunk reads
+/// and writes the whole weight gradient (`vocab × d`) once, so the chunk's
+/// depth in rows is that product's floating-point operations per byte over
+/// 4; at 1024 rows that traffic is a few percent of the products' time.
+pub const LEAST_HEAD_LOGIT_ROWS: usize = 1024;
+
+/// Rows of logits the CPU's head holds at once (zmodel's head takes the
+/// number from here), out of `n` rows over `vocab`: all of them while they
+/// fit in [`HEAD_LOGIT_BYTES`], else a chunk of whole 64-row steps (bf16
+/// products pair rows: the weight gradient's chunks then chain to the bits
+/// of one product) of at least [`LEAST_HEAD_LOGIT_ROWS`]. A micro-batch's
+/// logits grow with its rows and the vocabulary (8192 rows of Qwen's
+/// 151,936 tokens: 5 GB), and nothing needs more than a chunk of them at
+/// once: each chunk's loss terms, input gradient and share of the weight
+/// gradient are made before the next chunk's logits.
+pub fn head_logit_rows(n: usize, vocab: usize) -> usize {
+    let fitting = HEAD_LOGIT_BYTES / (4 * vocab.max(1));
+    let chunk = (fitting / 64 * 64).max(LEAST_HEAD_LOGIT_ROWS);
+    chunk.min(n).max(1)
+}
+
+/// Activation bytes of one micro-batch per worker, without and with
+/// checkpointing, on a GPU or the CPU (whose head holds less).
+pub fn activation_bytes(m: &ModelSpec, micro_batch: usize, gpu: bool) -> (f64, f64) {
     let t = m.seq_len;
     let block = block_activation_bytes(m, micro_batch, t);
-    let head = head_activation_bytes(m, micro_batch, t);
+    let head = head_activation_bytes(m, micro_batch, t, gpu);
     let inputs = 4.0 * (micro_batch * t * m.d_model) as f64;
     let l = m.n_layers as f64;
     (l * block + head, l * inputs + block + head)
@@ -553,11 +587,8 @@ pub fn job_activation_bytes(spec: &JobSpec, fused_attention: bool) -> (f64, f64)
     let micro = spec.train.micro_batch_size;
     let gpu = spec.device == Device::Cuda;
     let (plain, checkpointed) = match spec.train.freeze.is_empty() {
-        true => activation_bytes(&spec.model, micro),
-        false => {
-            let dropped = frozen_inputs_dropped(gpu);
-            frozen_activation_bytes(&spec.model, micro, &spec.train.freeze, dropped)
-        }
+        true => activation_bytes(&spec.model, micro, gpu),
+        false => frozen_activation_bytes(&spec.model, micro, &spec.train.freeze, gpu),
     };
     if !gpu || fused_attention {
         return (plain, checkpointed);
@@ -634,9 +665,14 @@ mod tests {
         let mut cpu = spec.clone();
         cpu.device = Device::Cpu;
         assert!(worker_states(&spec, 1).memory < whole.states.unwrap());
+        // The CPU's head holds one chunk of logits, the GPU's three copies.
+        let t = m.seq_len;
+        let heads =
+            head_activation_bytes(m, micro, t, true) - head_activation_bytes(m, micro, t, false);
+        assert!(heads > 0.0);
         assert_eq!(
             job_activation_bytes(&cpu, true).0,
-            bitfit.activations - layers * row
+            bitfit.activations - layers * row - heads
         );
         // The embedding and the lower two blocks frozen: those blocks'
         // activations (and, unfused, their probabilities) are not kept.
@@ -663,23 +699,24 @@ mod tests {
              data: {format: synthetic}\ntrain: {micro_batch_size: 2}\n",
         )
         .unwrap();
-        let cpu = activation_bytes(&spec.model, 2);
+        let cpu = activation_bytes(&spec.model, 2, false);
+        let gpu = activation_bytes(&spec.model, 2, true);
         assert_eq!(
             job_activation_bytes(&spec, false),
             cpu,
             "the CPU keeps none"
         );
         spec.device = Device::Cuda;
-        assert_eq!(job_activation_bytes(&spec, true), cpu, "fused keeps none");
+        assert_eq!(job_activation_bytes(&spec, true), gpu, "fused keeps none");
         // 2 sequences × 8 heads × 512², 4 bytes each in f32: per block kept,
         // and once more for one block's backward (dP, dS).
         let scores = 2.0 * 8.0 * 512.0 * 512.0;
         let (plain, ckpt) = job_activation_bytes(&spec, false);
-        assert_eq!(plain, cpu.0 + 5.0 * 4.0 * scores);
-        assert_eq!(ckpt, cpu.1 + 2.0 * 4.0 * scores);
+        assert_eq!(plain, gpu.0 + 5.0 * 4.0 * scores);
+        assert_eq!(ckpt, gpu.1 + 2.0 * 4.0 * scores);
         spec.train.dtype = Dtype::Bf16;
         let (plain, _) = job_activation_bytes(&spec, false);
-        assert_eq!(plain, cpu.0 + 5.0 * 6.0 * scores, "f32 and bf16 copies");
+        assert_eq!(plain, gpu.0 + 5.0 * 6.0 * scores, "f32 and bf16 copies");
     }
 
     #[test]

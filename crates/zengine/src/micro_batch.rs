@@ -284,7 +284,7 @@ impl Engine {
         let m = &self.spec.model;
         let block_bytes = zconfig::estimate::block_activation_bytes(m, rows, t) as u64;
         let input_bytes = (rows * t * m.d_model * 4) as u64;
-        let head_bytes = zconfig::estimate::head_activation_bytes(m, rows, t) as u64;
+        let head_bytes = zconfig::estimate::head_activation_bytes(m, rows, t, false) as u64;
         // The blocks that kept theirs (backward stops above frozen ones).
         let n = mb.saved.len() as u64;
         self.peak_activations = self.peak_activations.max(if checkpointing {

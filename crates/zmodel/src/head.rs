@@ -23,7 +23,7 @@ use zgemm::{MatMut, Start};
 
 use crate::linear::{Input, Products};
 use crate::ops::{max_lanes, sum_lanes};
-use crate::simd::{assume_init, exp_minus, uninit_floats, vectorised};
+use crate::simd::{exp_minus, vectorised};
 
 /// What [`crate::Gpt::head_backward`] returns.
 #[derive(Debug)]
@@ -43,13 +43,13 @@ pub struct HeadBackward {
 pub use zdata::IGNORED;
 
 /// The cross-entropy of `logits` (`rows × vocab`, row-major) against
-/// `targets`, summed over the counted rows (those whose target is not
-/// [`IGNORED`]) and divided by `divisor`, and its gradient scaled by
-/// `scale`: `dlogits = scale · (softmax(logits) − onehot(target)) / divisor`
-/// on a counted row, zero on the others, written over `logits` in place.
-/// With every target counted and `divisor` = `rows` this is the mean. Each
-/// row's log-sum-exp is taken after subtracting the row's maximum; the loss
-/// adds the rows' terms in f64, in row order. Each row is one vectorised
+/// `targets`: each row's term pushed onto `losses` (0 for the rows whose
+/// target is [`IGNORED`]), which summed in row order (f64) and divided by
+/// `divisor` are the loss; and its gradient scaled by `scale`: `dlogits =
+/// scale · (softmax(logits) − onehot(target)) / divisor` on a counted row,
+/// zero on the others, written over `logits` in place. With every target
+/// counted and `divisor` = `rows` that is the mean. Each row's log-sum-exp
+/// is taken after subtracting the row's maximum. Each row is one vectorised
 /// pass per step (the fused ops' `exp` and lane-wise reductions: the same
 /// bits at every vector width).
 ///
@@ -63,7 +63,8 @@ pub(crate) fn cross_entropy_in_place(
     vocab: usize,
     (scale, divisor): (f64, f64),
     smoothing: f64,
-) -> Result<f64> {
+    losses: &mut Vec<f64>,
+) -> Result<()> {
     let rows = targets.len();
     if logits.len() != rows * vocab || vocab == 0 {
         candle_core::bail!(
@@ -76,6 +77,8 @@ pub(crate) fn cross_entropy_in_place(
         .enumerate()
         .find(|(_, &t)| t as usize >= vocab && t != IGNORED)
     {
+        // Counted from the first row whose term `losses` holds.
+        let i = losses.len() + i;
         candle_core::bail!(
             "cross-entropy: target {t} at position {i} is outside the vocabulary of {vocab}"
         );
@@ -88,7 +91,7 @@ pub(crate) fn cross_entropy_in_place(
         (scale / divisor * smoothing / vocab as f64) as f32,
         (scale / divisor * (1.0 - smoothing)) as f32,
     );
-    let losses: Vec<f64> = logits
+    let terms = logits
         .par_chunks_mut(vocab)
         .zip(targets.par_iter())
         .with_min_len(16)
@@ -125,9 +128,9 @@ pub(crate) fn cross_entropy_in_place(
                     (1.0 - smoothing) * nll + smoothing * (f64::from(sum.ln()) - mean)
                 },
             )
-        })
-        .collect();
-    Ok(losses.iter().sum::<f64>() / divisor)
+        });
+    losses.par_extend(terms);
+    Ok(())
 }
 
 thread_local! {
@@ -152,24 +155,20 @@ pub(crate) fn with_logits<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     r
 }
 
-/// `C = A·B` into `c` (`rows × cols`, row-major; every element written),
-/// the operands f32 or (bf16 products only) bf16 bits.
-pub(crate) fn product_into(c: &mut [f32], a: Input, b: Input, products: Products) -> Result<()> {
+/// `C = A·B` (`Start::Zero`) or `C += A·B` (`Start::Keep`) into `c`
+/// (`rows × cols`, row-major), the operands f32 or (bf16 products only)
+/// bf16 bits.
+pub(crate) fn product_into(
+    c: &mut [f32],
+    a: Input,
+    b: Input,
+    start: Start,
+    products: Products,
+) -> Result<()> {
     let (rows, cols) = (a.rows(), b.cols());
     let c_mat = MatMut::row_major(c, rows, cols).map_err(shape)?;
     let threads = rayon::current_num_threads();
-    crate::linear::multiply(products, c_mat, a, b, Start::Zero, threads)
-}
-
-/// [`product_into`] a fresh buffer.
-pub(crate) fn product(a: Input, b: Input, products: Products) -> Result<Vec<f32>> {
-    let (rows, cols) = (a.rows(), b.cols());
-    let mut c = uninit_floats(rows * cols);
-    let c_mat = MatMut::uninit(&mut c, rows, cols, cols).map_err(shape)?;
-    let threads = rayon::current_num_threads();
-    crate::linear::multiply(products, c_mat, a, b, Start::Zero, threads)?;
-    // SAFETY: a Zero start wrote every element.
-    Ok(unsafe { assume_init(c) })
+    crate::linear::multiply(products, c_mat, a, b, start, threads)
 }
 
 pub(crate) fn shape(e: zgemm::ShapeError) -> candle_core::Error {
