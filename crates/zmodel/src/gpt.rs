@@ -1227,27 +1227,15 @@ impl Gpt {
             let (os, ol) = out.storage_and_layout();
             let xm = MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?;
             let om = Input::of(&os, ol, vocab, d)?;
-            let mut losses = Vec::with_capacity(n);
-            head::with_logits(chunk * vocab, |buf| -> Result<_> {
-                for r0 in (0..n).step_by(chunk) {
-                    let r1 = (r0 + chunk).min(n);
-                    let logits = &mut buf[..(r1 - r0) * vocab];
-                    let x = Input::F32(xm.sub_rows(r0, r1));
-                    let (scaled, smoothing) = ((scale, divisor), self.label_smoothing);
-                    let part = &targets[r0..r1];
-                    self.loss_and_dlogits(x, om, part, scaled, smoothing, logits, &mut losses)?;
-                    let dl =
-                        Input::F32(MatRef::row_major(logits, r1 - r0, vocab).map_err(head::shape)?);
-                    if let Some(dout) = dout.as_deref_mut() {
-                        // Each chunk's part added: one chain over the rows.
-                        head::product_into(dout, dl.t(), x, Start::Keep, self.products)?;
-                    }
-                    let dx = &mut dnormed[r0 * d..r1 * d];
-                    head::product_into(dx, dl, om, Start::Zero, self.products)?;
+            let scaled = ((scale, divisor), self.label_smoothing);
+            self.loss_in_chunks(xm, om, &targets, scaled, chunk, |r0, x, dl| {
+                if let Some(dout) = dout.as_deref_mut() {
+                    // Each chunk's part added: one chain over the rows.
+                    head::product_into(dout, dl.t(), x, Start::Keep, self.products)?;
                 }
-                Ok(())
-            })?;
-            losses.iter().sum::<f64>() / divisor
+                let dx = &mut dnormed[r0 * d..(r0 + x.rows()) * d];
+                head::product_into(dx, dl, om, Start::Zero, self.products)
+            })?
         };
         let dnormed = Tensor::from_vec(dnormed, (n, d), &Device::Cpu)?;
         let (dx, norm) = self.norm_backward(&rows, &params.norm, &dnormed, None)?;
@@ -1284,18 +1272,9 @@ impl Gpt {
         let om = Input::of(&os, ol, vocab, d)?;
         let targets = targets.flatten_all()?.to_vec1::<u32>()?;
         let chunk = zconfig::estimate::head_logit_rows(n, vocab);
-        let mut losses = Vec::with_capacity(n);
-        head::with_logits(chunk * vocab, |buf| -> Result<_> {
-            for r0 in (0..n).step_by(chunk) {
-                let r1 = (r0 + chunk).min(n);
-                let logits = &mut buf[..(r1 - r0) * vocab];
-                let x = Input::F32(xm.sub_rows(r0, r1));
-                let part = &targets[r0..r1];
-                self.loss_and_dlogits(x, om, part, (1.0, divisor), 0.0, logits, &mut losses)?;
-            }
+        self.loss_in_chunks(xm, om, &targets, ((1.0, divisor), 0.0), chunk, |_, _, _| {
             Ok(())
-        })?;
-        Ok(losses.iter().sum::<f64>() / divisor)
+        })
     }
 
     /// The logits after the last position of `x` `[1, t, d]`, what
@@ -1374,23 +1353,37 @@ impl Gpt {
         }
     }
 
-    /// The logits `normed · outᵀ` of some rows turned into their terms of
-    /// the cross-entropy against `targets` over `divisor` (pushed onto
-    /// `losses`) and `dlogits` (for the loss times `scale`), in `logits`
-    /// (`rows × vocab`).
-    #[allow(clippy::too_many_arguments)]
-    fn loss_and_dlogits(
+    /// The cross-entropy of `normed · outᵀ` against `targets` over
+    /// `divisor` (returned), its logits made `chunk` rows at a time in the
+    /// thread's logits buffer: each chunk's logits become `dlogits` (for the
+    /// loss times `scale`, with `smoothing`), handed to `each` with the
+    /// chunk's first row and rows of `normed` before the next chunk's are
+    /// made. The rows' terms are summed in row order whatever the chunk.
+    fn loss_in_chunks(
         &self,
-        normed: Input,
+        normed: MatRef,
         out: Input,
         targets: &[u32],
-        scaled: (f64, f64),
-        smoothing: f64,
-        logits: &mut [f32],
-        losses: &mut Vec<f64>,
-    ) -> Result<()> {
-        head::product_into(logits, normed, out.t(), Start::Zero, self.products)?;
-        head::cross_entropy_in_place(logits, targets, out.rows(), scaled, smoothing, losses)
+        (scaled, smoothing): ((f64, f64), f64),
+        chunk: usize,
+        mut each: impl FnMut(usize, Input, Input) -> Result<()>,
+    ) -> Result<f64> {
+        let (n, vocab) = (normed.rows(), out.rows());
+        let mut losses = Vec::with_capacity(n);
+        head::with_logits(chunk * vocab, |buf| -> Result<_> {
+            for r0 in (0..n).step_by(chunk) {
+                let r1 = (r0 + chunk).min(n);
+                let logits = &mut buf[..(r1 - r0) * vocab];
+                let x = Input::F32(normed.sub_rows(r0, r1));
+                head::product_into(logits, x, out.t(), Start::Zero, self.products)?;
+                let part = &targets[r0..r1];
+                head::cross_entropy_in_place(logits, part, vocab, scaled, smoothing, &mut losses)?;
+                let dl = MatRef::row_major(logits, r1 - r0, vocab).map_err(head::shape)?;
+                each(r0, x, Input::F32(dl))?;
+            }
+            Ok(())
+        })?;
+        Ok(losses.iter().sum::<f64>() / scaled.1)
     }
 
     /// Group L+1 without the loss: the final norm and the output matrix, `x`
