@@ -412,10 +412,7 @@ pub fn local_worker_threads(wpn: usize) -> usize {
         .ok()
         .and_then(|t| t.trim().parse::<usize>().ok())
         .filter(|&t| t > 0)
-        .unwrap_or_else(|| {
-            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (cpus / wpn.max(1)).max(1)
-        })
+        .unwrap_or_else(|| crate::launch::cores_share(wpn))
 }
 
 /// A `/proc/meminfo` field in bytes, if known.

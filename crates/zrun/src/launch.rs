@@ -125,6 +125,13 @@ fn worker_env(
     env
 }
 
+/// The threads each of `workers` workers on this host gets: an equal share
+/// of its cores (at least one), as torchrun's `OMP_NUM_THREADS` shares them.
+pub fn cores_share(workers: usize) -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cpus / workers.max(1)).max(1)
+}
+
 /// Starts one local worker per rank of the plan (of node `only_node` alone,
 /// when given: per-node mode).
 pub fn spawn_local(
@@ -133,16 +140,13 @@ pub fn spawn_local(
     events: &mpsc::UnboundedSender<ProcEvent>,
     only_node: Option<usize>,
 ) -> anyhow::Result<Vec<WorkerProc>> {
-    let cpus = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
     let mut procs = Vec::new();
     for p in plan.topology.placements() {
         if only_node.is_some_and(|n| n != p.node_rank) {
             continue;
         }
         let node = &plan.topology.nodes[p.node_rank];
-        let env = worker_env(plan, &p, job, Some((cpus / p.local_world_size).max(1)));
+        let env = worker_env(plan, &p, job, Some(cores_share(p.local_world_size)));
         let mut child = Command::new(&plan.worker_bin)
             .envs(env)
             .env("ZRUN_TOKEN", &job.token_hex)
@@ -354,11 +358,10 @@ pub fn spawn_mpirun(
         ("ZRUN_LAUNCHER".into(), "mpirun".into()),
     ];
     if plan.here {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         // Every rank on this host: share its cores, as the local launcher does.
         for k in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
             if std::env::var_os(k).is_none() {
-                env.push((k.into(), (cpus / world).max(1).to_string()));
+                env.push((k.into(), cores_share(world).to_string()));
             }
         }
     }

@@ -143,7 +143,7 @@ fn machine(workers: usize, remeasure: bool, worker_bin: &Path) -> Result<Machine
     say!("zrun: measuring this machine (GEMM, memory bandwidth, AdamW, collectives with {workers} workers); cached in {}", path.display());
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let kernels = crate::bench::measure_kernels(1 << 24, worker_bin)?;
-    let per_worker = (cpus / workers).max(1);
+    let per_worker = crate::launch::cores_share(workers);
     // The row at the most threads a worker gets, fastest path first.
     let best = |name: &str, f: &dyn Fn(&zproto::KernelRow) -> f64| {
         kernels
