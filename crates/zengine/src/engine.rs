@@ -73,9 +73,14 @@ pub struct Engine {
     pub(crate) plateau_lr: Option<f64>,
     /// Gradient buckets and the reductions in flight.
     pub(crate) reducer: Reducer,
-    /// Parameter tensors of the current step, for groups that keep
-    /// parameters whole (rebuilt after each update).
+    /// Parameter tensors of groups that keep parameters whole: views of the
+    /// lent buffer for the call in progress, or of a widened copy (f16, and
+    /// bf16 where the products are f32) kept until the next update.
     pub(crate) param_tensors: Vec<Option<Vec<Tensor>>>,
+    /// Whole groups whose parameters the model's tensors hold for the call
+    /// in progress ([`Engine::with_lent_params`]): the tensor that owns
+    /// each one's buffer, taken back when the call ends.
+    pub(crate) lent: Vec<Option<Tensor>>,
     /// Bumped whenever the parameters change ([`Engine::params_changed`]):
     /// what the GPU host flow's device copies of whole groups are keyed by.
     pub(crate) params_version: u64,
@@ -256,6 +261,7 @@ impl Engine {
         );
         Ok(Engine {
             param_tensors: (0..groups.len()).map(|_| None).collect(),
+            lent: (0..groups.len()).map(|_| None).collect(),
             params_version: 0,
             model,
             comm,
@@ -531,11 +537,11 @@ impl Engine {
     }
 
     /// Parameter tensors (f32) of group `g` from a full flat buffer: views of
-    /// one storage, so an f32 buffer (a stage-3 gather) becomes the model's
-    /// parameters without a copy; 16-bit values are widened once. They are
-    /// plain tensors, not Vars: the step's backward is explicit, and the
-    /// linear layers take their fast path only for tensors autograd does not
-    /// follow.
+    /// one storage, so an f32 buffer (a stage-3 gather, a whole group's lent
+    /// parameters) becomes the model's parameters without a copy; 16-bit
+    /// values are widened once. They are plain tensors, not Vars: the step's
+    /// backward is explicit, and the linear layers take their fast path only
+    /// for tensors autograd does not follow.
     ///
     /// Under bf16 products a linear's weight is handed over as the bf16
     /// working copy it is (a `BF16` view of `full`): the products read its
@@ -543,36 +549,38 @@ impl Engine {
     /// as every product packs it was 2-3% of a bf16 step on AMX. The other
     /// parameters (norms, biases) are widened one by one.
     fn tensors_from(&self, g: usize, full: Flat) -> Result<Vec<Tensor>, EngineError> {
-        let slots = &self.groups[g].layout.params;
-        let values = match full {
-            Flat::F32(v) => v,
+        let all = self.storage_tensor(g, full)?;
+        self.views(g, &all)
+    }
+
+    /// One tensor that owns group `g`'s full buffer: f32, or the bf16 bits
+    /// themselves where the products take them.
+    fn storage_tensor(&self, g: usize, full: Flat) -> Result<Tensor, EngineError> {
+        let len = full.len();
+        Ok(match full {
+            Flat::F32(v) => Tensor::from_vec(v, len, &Device::Cpu)?,
             Flat::Half(Half::Bf16, bits) if self.weights_in_bf16(g) => {
-                let len = bits.len();
-                let all = Tensor::from_vec(bits.reinterpret_into::<bf16>(), len, &Device::Cpu)?;
-                return slots
-                    .iter()
-                    .map(|s| {
-                        let view = all
-                            .narrow(0, s.range.start, s.range.len())?
-                            .reshape(s.shape.as_slice())?;
-                        Ok(if s.product_operand {
-                            view
-                        } else {
-                            view.to_dtype(DType::F32)?
-                        })
-                    })
-                    .collect();
+                Tensor::from_vec(bits.reinterpret_into::<bf16>(), len, &Device::Cpu)?
             }
-            half => half.to_f32(0..half.len()),
-        };
-        let len = values.len();
-        let all = Tensor::from_vec(values, len, &Device::Cpu)?;
-        let mut out = Vec::with_capacity(self.groups[g].layout.params.len());
-        for slot in &self.groups[g].layout.params {
-            let view = all.narrow(0, slot.range.start, slot.range.len())?;
-            out.push(view.reshape(slot.shape.as_slice())?);
-        }
-        Ok(out)
+            half => Tensor::from_vec(half.to_f32(0..len), len, &Device::Cpu)?,
+        })
+    }
+
+    /// Group `g`'s parameters as views of `all` ([`Engine::storage_tensor`]),
+    /// each widened to f32 where `all` is bf16 but for the product operands.
+    fn views(&self, g: usize, all: &Tensor) -> Result<Vec<Tensor>, EngineError> {
+        let bf16_products = all.dtype() == DType::BF16;
+        (self.groups[g].layout.params.iter())
+            .map(|s| {
+                let view = all
+                    .narrow(0, s.range.start, s.range.len())?
+                    .reshape(s.shape.as_slice())?;
+                Ok(match bf16_products && !s.product_operand {
+                    true => view.to_dtype(DType::F32)?,
+                    false => view,
+                })
+            })
+            .collect()
     }
 
     /// Whether group `g`'s product operands go to the model in bf16 (see
@@ -612,20 +620,72 @@ impl Engine {
             self.comm_buffers.add(full.bytes());
             return self.tensors_from(g, full);
         }
-        match &self.param_tensors[g] {
-            Some(vars) => Ok(vars.clone()),
-            None => {
-                let params = &self.groups[g].params;
-                let values = if self.weights_in_bf16(g) {
-                    params.parallel_copy()
-                } else {
-                    Flat::F32(params.to_f32(0..params.len()))
-                };
-                let vars = self.tensors_from(g, values)?;
-                self.param_tensors[g] = Some(vars.clone());
-                Ok(vars)
-            }
+        if let Some(vars) = &self.param_tensors[g] {
+            return Ok(vars.clone());
         }
+        let vars = match self.lends(g) {
+            true => {
+                let params = &mut self.groups[g].params;
+                let held = std::mem::replace(params, Flat::zeros(params.kind(), 0));
+                let all = self.storage_tensor(g, held)?;
+                let vars = self.views(g, &all)?;
+                self.lent[g] = Some(all);
+                vars
+            }
+            false => {
+                let params = &self.groups[g].params;
+                let widened = Flat::F32(params.to_f32(0..params.len()));
+                self.tensors_from(g, widened)?
+            }
+        };
+        self.param_tensors[g] = Some(vars.clone());
+        Ok(vars)
+    }
+
+    /// Whether whole group `g`'s parameters are what the model's tensors
+    /// would copy unchanged (f32, or bf16 that the products take as it is),
+    /// so that the tensors can hold the buffer itself for a call instead.
+    fn lends(&self, g: usize) -> bool {
+        match &self.groups[g].params {
+            Flat::F32(_) => true,
+            Flat::Half(..) => self.weights_in_bf16(g),
+        }
+    }
+
+    /// Runs `f`, a call that may hand whole groups' parameters to the
+    /// model's tensors ([`Engine::params_for`]), and takes them back
+    /// after, whatever `f` returned.
+    ///
+    /// Lending the buffers, where copying them into the tensors once a step
+    /// kept a second copy of every whole group (4 bytes a parameter in
+    /// f32, stages 0-2) beside the one the optimizer updates, is a move
+    /// each way: no copy, and a worker holds its parameters once, as
+    /// DeepSpeed's do.
+    pub(crate) fn with_lent_params<T>(
+        &mut self,
+        f: impl FnOnce(&mut Engine) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        let out = f(self);
+        let back = self.take_back_lent();
+        let out = out?;
+        back?;
+        Ok(out)
+    }
+
+    /// Puts every lent buffer back in its group, and drops the tensors made
+    /// of it (a tensor kept past this would read an empty buffer).
+    fn take_back_lent(&mut self) -> Result<(), EngineError> {
+        for g in 0..self.groups.len() {
+            let Some(all) = self.lent[g].take() else {
+                continue;
+            };
+            self.param_tensors[g] = None;
+            let take = TakeBuffer(std::sync::Mutex::new(None));
+            all.inplace_op1(&take)?;
+            let taken = take.0.into_inner().unwrap_or_else(|e| e.into_inner());
+            self.groups[g].params = taken.expect("an f32 or bf16 CPU tensor gives its buffer");
+        }
+        Ok(())
     }
 
     /// The parameters changed (an update, a load): what was made of them
@@ -654,6 +714,34 @@ impl Engine {
         if self.groups[g].partitioned {
             self.comm_buffers.sub(self.gathered_bytes(g));
         }
+    }
+}
+
+/// Moves a CPU tensor's buffer out of its storage (leaving it empty): how
+/// lent parameters come back ([`Engine::with_lent_params`]).
+struct TakeBuffer(std::sync::Mutex<Option<Flat>>);
+
+impl candle_core::InplaceOp1 for TakeBuffer {
+    fn name(&self) -> &'static str {
+        "take-buffer"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::CpuStorage;
+        let taken = match storage {
+            CpuStorage::F32(v) => Flat::F32(std::mem::take(v)),
+            CpuStorage::BF16(v) => {
+                use half::vec::HalfFloatVecExt;
+                Flat::Half(Half::Bf16, std::mem::take(v).reinterpret_into())
+            }
+            _ => candle_core::bail!("a lent buffer neither f32 nor bf16"),
+        };
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(taken);
+        Ok(())
     }
 }
 
@@ -719,4 +807,91 @@ fn backward_completion(model: &Gpt) -> Vec<usize> {
     }
     order.push(0);
     order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use zcomm::{TcpCommunicator, TcpOptions};
+
+    /// An engine of one rank on a small model.
+    fn solo(dtype: &str) -> Engine {
+        let spec: JobSpec = format!(
+            "model: {{vocab_size: 64, d_model: 32, n_layers: 2, n_heads: 4, seq_len: 16}}\n\
+             data: {{format: synthetic}}\n\
+             train: {{steps: 2, micro_batch_size: 2, dtype: {dtype}}}\n\
+             zero: {{stage: 0}}\n"
+        )
+        .parse()
+        .unwrap();
+        let listener = TcpCommunicator::bind("127.0.0.1").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let options = TcpOptions {
+            token: zproto::Token::generate(),
+            timeout: Duration::from_secs(30),
+            node_of_rank: vec![0],
+            group: "world".into(),
+            shm: None,
+            single_copy: true,
+        };
+        let comm = TcpCommunicator::connect(0, listener, &[addr], options).unwrap();
+        Engine::new(&spec, Arc::new(comm)).unwrap()
+    }
+
+    /// Where each group's parameter buffer starts.
+    fn addresses(e: &Engine) -> Vec<usize> {
+        (e.groups.iter())
+            .map(|g| g.params.as_bytes().as_ptr() as usize)
+            .collect()
+    }
+
+    /// Where a tensor's storage starts, through candle.
+    fn storage_address(t: &Tensor) -> usize {
+        let (storage, _) = t.storage_and_layout();
+        match &*storage {
+            candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.as_ptr() as usize,
+            candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(v)) => v.as_ptr() as usize,
+            _ => panic!("an unexpected storage"),
+        }
+    }
+
+    #[test]
+    fn whole_groups_lend_their_parameters_and_get_the_same_buffers_back() {
+        for dtype in ["f32", "bf16"] {
+            let mut e = solo(dtype);
+            let before = addresses(&e);
+            let values: Vec<Flat> = e.groups.iter().map(|g| g.params.clone()).collect();
+            // A block's group: its product operands go to the model as they
+            // are where the products take bf16.
+            let g = 1;
+            let lends = e.lends(g);
+            assert!(lends || dtype == "bf16", "f32 parameters are always lent");
+            // A view of the buffer itself: the first product operand (under
+            // bf16 products the norms' weights are widened copies).
+            let slots = &e.groups[g].layout.params;
+            let i = slots.iter().position(|s| s.product_operand).unwrap();
+            let ended = e.with_lent_params(|e| {
+                let mut gather = e.eval_prefetcher();
+                let tensors = e.params_for(g, &mut gather)?;
+                if lends {
+                    assert_eq!(e.groups[g].params.len(), 0, "{dtype}: lent, not copied");
+                    assert_eq!(storage_address(&tensors[i]), before[g], "{dtype}");
+                } else {
+                    assert_eq!(e.groups[g].params, values[g], "{dtype}: copied");
+                }
+                // A second use takes the same tensors.
+                let again = e.params_for(g, &mut gather)?;
+                assert_eq!(storage_address(&again[i]), storage_address(&tensors[i]));
+                // The call fails: the buffers come back all the same.
+                Err::<(), _>(EngineError::Gpu("a planted failure".into()))
+            });
+            assert!(ended.is_err(), "{dtype}: the call's error is returned");
+            assert_eq!(addresses(&e), before, "{dtype}: the same buffers");
+            let after: Vec<Flat> = e.groups.iter().map(|g| g.params.clone()).collect();
+            assert_eq!(after, values, "{dtype}: the same values");
+            assert!(e.lent.iter().all(Option::is_none));
+            assert_eq!(e.param_tensors[g].is_none(), lends, "{dtype}");
+        }
+    }
 }

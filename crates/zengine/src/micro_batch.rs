@@ -61,6 +61,12 @@ impl Engine {
     /// mask, what averaged over the step's micro-batches and ranks gives
     /// the mean over the step's trained targets).
     pub fn forward_backward(&mut self, batch: &Batch) -> Result<f64, EngineError> {
+        self.with_lent_params(|e| e.run_micro_batch(batch))
+    }
+
+    /// [`Engine::forward_backward`] while whole groups' parameters may be
+    /// lent to the model's tensors.
+    fn run_micro_batch(&mut self, batch: &Batch) -> Result<f64, EngineError> {
         let started = Instant::now();
         let mut mb = self.begin_micro_batch(batch)?;
         let loss = match self.on_gpu() {
@@ -101,10 +107,11 @@ impl Engine {
     /// and no state changes. Each batch's loss is what
     /// [`Engine::forward_backward`] would return for it.
     pub fn eval_loss(&mut self, batches: &[Batch]) -> Result<f64, EngineError> {
-        let mut sum = 0f64;
-        for b in batches {
-            sum += self.forward_loss(b)?;
-        }
+        let sum = self.with_lent_params(|e| {
+            batches
+                .iter()
+                .try_fold(0f64, |sum, b| Ok(sum + e.forward_loss(b)?))
+        })?;
         // The sum in f64 as two f32 words (hi + lo), so the mean keeps f64's
         // precision through an f32 all-reduce; the count alongside.
         let hi = sum as f32;
