@@ -241,6 +241,46 @@ pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
     states
 }
 
+/// Bytes a CPU worker's collectives hold at its step's peak, beside its
+/// model states, for `spec` on `world` ranks (none on one rank, which
+/// reduces and gathers nothing).
+///
+/// - A reduce bucket of f32 gradients: `min(reduce_bucket_size, trained)`
+///   elements (a bucket leaves frozen parameters out, but under qgZ). Stages
+///   0-2 keep the buffer between steps, so it is there while forward's
+///   activations pile up; at stage 3 the last bucket, packed after backward
+///   has freed them, is one large buffer of its own (measured on
+///   gpt-anchor: the peak RSS rose by it with the default bucket and not
+///   with small ones, which reuse the activations' freed memory).
+/// - Stage 3: the gathered parameters in the working type, the group in use
+///   and, with `overlap_comm`, up to `prefetch_bucket_size` elements of the
+///   next ones; under parameter offload to NVMe the states already count two
+///   gathered groups.
+pub fn comm_buffer_bytes(spec: &JobSpec, world: usize) -> f64 {
+    if world < 2 {
+        return 0.0;
+    }
+    let z = &spec.zero;
+    let psi = model_params(&spec.model);
+    let carried = match z.quantized_gradients {
+        true => psi,
+        false => trained_elements(&spec.model, &spec.train.freeze).trained,
+    };
+    let bucket = (z.reduce_bucket_size.0 as f64).min(carried) * 4.0;
+    let gathered = match z.stage.partitions_parameters() && !z.offload_param.is_nvme() {
+        true => {
+            let ahead = match z.overlap_comm {
+                true => z.prefetch_bucket_size.0 as f64,
+                false => 0.0,
+            };
+            let param = StateBytes::for_job(spec).param;
+            (largest_group(&spec.model) + ahead).min(psi) * param
+        }
+        false => 0.0,
+    };
+    bucket + gathered
+}
+
 /// Bytes one node sends to other nodes in one stage-3 step, by phase, as
 /// zrun moves them (ring collectives with ranks numbered node by node, so a
 /// ring collective on a buffer of B bytes crosses each node boundary with
@@ -642,6 +682,44 @@ impl GpuWorkerBytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_collectives_buffers_are_a_bucket_and_stage_3_gathers() {
+        let mut spec: JobSpec = serde_saphyr::from_str(
+            "model: {vocab_size: 256, d_model: 384, n_layers: 6, n_heads: 6, seq_len: 256}\n\
+             data: {format: synthetic}\nzero: {stage: 0, prefetch_bucket_size: 1e6}\n",
+        )
+        .unwrap();
+        let psi = model_params(&spec.model);
+        assert_eq!(comm_buffer_bytes(&spec, 1), 0.0, "one rank reduces nothing");
+        // The default bucket (5e7) holds the whole gradient, in f32.
+        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi);
+        spec.zero.reduce_bucket_size.0 = 1_000_000;
+        assert_eq!(comm_buffer_bytes(&spec, 2), 4e6);
+        // Frozen parameters leave the bucket; not under qgZ.
+        spec.zero.reduce_bucket_size.0 = 50_000_000;
+        spec.train.freeze = vec!["h.{0-2}.*".into()];
+        let trained = trained_elements(&spec.model, &spec.train.freeze).trained;
+        assert!(trained < psi);
+        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * trained);
+        spec.zero.quantized_gradients = true;
+        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi);
+        spec.zero.quantized_gradients = false;
+        spec.train.freeze.clear();
+        // Stage 3 gathers the group in use and the prefetch bucket ahead,
+        // in the working type; without overlap one group.
+        spec.zero.stage = ZeroStage::Weights;
+        let group = largest_group(&spec.model);
+        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi + 4.0 * (group + 1e6));
+        spec.train.dtype = Dtype::Bf16;
+        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi + 2.0 * (group + 1e6));
+        spec.zero.overlap_comm = false;
+        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi + 2.0 * group);
+        // The whole model at most.
+        spec.zero.overlap_comm = true;
+        spec.zero.prefetch_bucket_size.0 = 1_000_000_000;
+        assert_eq!(comm_buffer_bytes(&spec, 2), 6.0 * psi);
+    }
 
     #[test]
     fn freezing_on_the_gpu_saves_only_the_blocks_below_the_lowest_that_trains() {

@@ -6,9 +6,9 @@ use std::process::ExitCode;
 use anyhow::Result;
 use serde::Serialize;
 use zconfig::estimate::{
-    attention_work_bytes, gpu_probabilities_bytes, job_activation_bytes, largest_group,
-    model_params, model_state_rows, trained_elements, worker_states, CrossNodeBytes, Row,
-    StateBytes, TrainedElements, WorkerStates,
+    attention_work_bytes, comm_buffer_bytes, gpu_probabilities_bytes, job_activation_bytes,
+    largest_group, model_params, model_state_rows, trained_elements, worker_states, CrossNodeBytes,
+    Row, StateBytes, TrainedElements, WorkerStates,
 };
 use zconfig::spec::OptimizerKind;
 use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
@@ -49,6 +49,10 @@ struct Estimate {
     /// A job's model states per CPU worker with its offload settings.
     #[serde(skip_serializing_if = "Option::is_none")]
     this_job: Option<WorkerStates>,
+    /// A CPU job's buffers for reductions and gathers per worker
+    /// ([`comm_buffer_bytes`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    comm_buffers_per_worker: Option<f64>,
     /// A job with `train.freeze`: the elements its workers keep moments
     /// and gradients for (counted in `this_job`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -236,6 +240,7 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                 activations: None,
                 stage: None,
                 this_job: None,
+                comm_buffers_per_worker: None,
                 trained: None,
                 comm: args.comm.then(|| {
                     let tokens = args.tokens_per_worker.unwrap_or(1024.0);
@@ -319,6 +324,16 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
             gb(w.nvme)
         );
     }
+    if let Some(b) = est.comm_buffers_per_worker.filter(|&b| b > 0.0) {
+        say!(
+            "  and buffers for its reductions{}: {} per worker",
+            match est.stage {
+                Some(3) => " and gathers",
+                _ => "",
+            },
+            gb(b)
+        );
+    }
     if let Some(c) = &est.comm {
         c.print(est.nodes, est.workers_per_node);
     }
@@ -376,6 +391,8 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
         }),
         stage: Some(spec.zero.stage.number()),
         this_job: Some(worker_states(spec, nodes * wpn)),
+        comm_buffers_per_worker: (spec.device == zconfig::spec::Device::Cpu)
+            .then(|| comm_buffer_bytes(spec, nodes * wpn)),
         trained: (!spec.train.freeze.is_empty())
             .then(|| trained_elements(&spec.model, &spec.train.freeze)),
         comm: None,
@@ -383,7 +400,8 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
 }
 
 /// Bytes one worker of this job is expected to hold in the host's memory:
-/// its stage's model states plus, on the CPU, its activations (a
+/// its stage's model states plus, on the CPU, its collectives' buffers and
+/// its activations (a
 /// `device: cuda` job keeps them on its GPU, where the worker's out-of-memory
 /// failure says what `zrun estimate` predicts there).
 pub fn per_worker_bytes(spec: &JobSpec, topo: &Topology) -> f64 {
@@ -396,6 +414,7 @@ pub fn per_worker_bytes(spec: &JobSpec, topo: &Topology) -> f64 {
     let est = job_estimate(spec, topo.nodes.len(), wpn);
     let a = est.activations.expect("a job estimate has activations");
     states
+        + est.comm_buffers_per_worker.unwrap_or(0.0)
         + local_worker_threads(wpn) as f64 * a.attention_work_per_thread
         + if spec.train.activation_checkpointing {
             a.bytes_per_worker_checkpointed

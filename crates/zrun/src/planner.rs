@@ -41,8 +41,8 @@ use crate::estimate::local_worker_threads;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use zconfig::estimate::{
-    activation_bytes, attention_work_bytes, frozen_activation_bytes, frozen_flops_per_token,
-    model_params, trained_elements, worker_states, StateBytes,
+    activation_bytes, attention_work_bytes, comm_buffer_bytes, frozen_activation_bytes,
+    frozen_flops_per_token, model_params, trained_elements, worker_states, StateBytes,
 };
 use zconfig::spec::OptimizerKind;
 use zconfig::{load_job_with, JobSpec, Topology};
@@ -609,7 +609,10 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
             plain
         };
         let work = attention_work_bytes(&job.spec.model, t.dtype);
-        let memory = states.memory + acts + local_worker_threads(per_node) as f64 * work;
+        let memory = states.memory
+            + comm_buffer_bytes(&job.spec, world)
+            + acts
+            + local_worker_threads(per_node) as f64 * work;
         if memory > budget {
             too_big += 1;
             continue;
