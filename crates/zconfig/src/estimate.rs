@@ -454,34 +454,79 @@ pub fn largest_group(m: &ModelSpec) -> f64 {
         .max(m.head_params() as f64)
 }
 
-/// Bytes of activations one transformer block keeps for backward (f32), for `b`
-/// sequences of `t` tokens.
-pub fn block_activation_bytes(m: &ModelSpec, b: usize, t: usize) -> f64 {
+/// The types a worker's blocks keep their activations in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kept {
+    /// f32 throughout: f32 products on the CPU, and every GPU job (whose
+    /// kept values the GPU model holds in f32).
+    F32,
+    /// A CPU worker whose products take bf16 (`train.dtype: bf16` where the
+    /// CPU multiplies bf16 natively): the linears' inputs (but LLaMA's MLP
+    /// output projection's), the attention's output, and GPT's q, k, v and
+    /// GELU's values in bf16, the residual stream in f32.
+    Bf16Products,
+}
+
+impl Kept {
+    /// What `spec`'s workers keep, where the CPU multiplies bf16 natively
+    /// or not (`cpu_multiplies_bf16`: `zgemm::has_native_bf16`, which
+    /// decides the model's products).
+    pub fn for_job(spec: &JobSpec, cpu_multiplies_bf16: bool) -> Kept {
+        match spec.device == Device::Cpu && spec.train.dtype == Dtype::Bf16 && cpu_multiplies_bf16 {
+            true => Kept::Bf16Products,
+            false => Kept::F32,
+        }
+    }
+
+    /// Bytes of an element that the products read: bf16 or f32.
+    fn product_input(self) -> usize {
+        match self {
+            Kept::F32 => 4,
+            Kept::Bf16Products => 2,
+        }
+    }
+}
+
+/// Bytes of activations one transformer block keeps for backward, for `b`
+/// sequences of `t` tokens, in the types `kept` says: what
+/// `zmodel::BlockActs::bytes` measures (tested against it).
+pub fn block_activation_bytes(m: &ModelSpec, b: usize, t: usize, kept: Kept) -> f64 {
     let (d, f) = (m.d_model, m.ffn());
+    let half = kept.product_input();
     // What zmodel's block keeps for its backward: input, first norm, q k v,
     // attention output, x + attn, second norm, the MLP's hidden layer before
-    // and after its activation (GPT-2: 4d each, 16 d per token; LLaMA: gate
-    // and up before, their product after). Attention probabilities are
-    // recomputed in backward, not kept. Qwen3's q and k norms keep the
-    // projection's output before them too.
-    let hidden = match m.kind {
-        crate::spec::ModelKind::Gpt => 2 * f,
-        crate::spec::ModelKind::Llama => 3 * f,
+    // and after its activation (GPT-2: 4d each, GELU's slope or under bf16
+    // products its bf16 input, and its output; LLaMA: gate and up before,
+    // their product after, f32). Attention probabilities are recomputed in
+    // backward, not kept. Qwen3's q and k norms keep the projection's
+    // output before them too (f32).
+    let (qkv, hidden) = match m.kind {
+        crate::spec::ModelKind::Gpt => (half * m.qkv_width(), half * 2 * f),
+        crate::spec::ModelKind::Llama => (4 * m.qkv_width(), 4 * 3 * f),
     };
     let before_qk_norms = match m.qk_normed() {
-        true => m.qkv_width(),
+        true => 4 * m.qkv_width(),
         false => 0,
     };
-    let per_token = 4 * d + m.attn_width() + m.qkv_width() + before_qk_norms + hidden;
-    4.0 * (b * t) as f64 * per_token as f64
+    let residuals = 4 * 2 * d;
+    let norms = half * 2 * d;
+    let per_token = residuals + norms + half * m.attn_width() + qkv + before_qk_norms + hidden;
+    (b * t) as f64 * per_token as f64
 }
 
 /// Of [`block_activation_bytes`], the inputs of the block's four linears
 /// (in [`ModelSpec::block_linears`] order), which only their weight
 /// gradients read: a block keeps none of a linear whose weight is frozen.
-pub fn linear_input_bytes(m: &ModelSpec, b: usize, t: usize) -> [f64; 4] {
-    m.block_linears()
-        .map(|(_, inputs, _)| 4.0 * (b * t) as f64 * inputs as f64)
+pub fn linear_input_bytes(m: &ModelSpec, b: usize, t: usize, kept: Kept) -> [f64; 4] {
+    let half = kept.product_input();
+    // LLaMA's MLP output projection reads SwiGLU's f32 product.
+    let last = match m.kind {
+        crate::spec::ModelKind::Gpt => half,
+        crate::spec::ModelKind::Llama => 4,
+    };
+    let types = [half, half, half, last];
+    let linears = m.block_linears();
+    std::array::from_fn(|i| (types[i] * b * t * linears[i].1) as f64)
 }
 
 /// The lowest block (0-based) that backward reaches under the `freeze`
@@ -518,29 +563,42 @@ pub fn frozen_activation_bytes(
     m: &ModelSpec,
     micro_batch: usize,
     freeze: &[String],
-    gpu: bool,
+    (gpu, kept): (bool, Kept),
 ) -> (f64, f64) {
     let t = m.seq_len;
     let frozen = |name: &str| crate::freeze::frozen(freeze, name);
     let dropped = frozen_inputs_dropped(gpu);
     let reach = backward_reach(m, freeze);
-    let block = block_activation_bytes(m, micro_batch, t);
+    let block = block_activation_bytes(m, micro_batch, t, kept);
     let head = head_activation_bytes(m, micro_batch, t, gpu);
     let input = 4.0 * (micro_batch * t * m.d_model) as f64;
     let linears = m.block_linears();
-    let inputs = linear_input_bytes(m, micro_batch, t);
-    let kept = (reach..m.n_layers).map(|i| {
-        let prefix = m.block_prefix(i);
-        let not_kept: f64 = (linears.iter().zip(inputs).zip(dropped))
-            .filter(|(((name, _, _), _), drops)| {
-                *drops && frozen(&format!("{prefix}.{name}.weight"))
-            })
-            .map(|((_, bytes), _)| bytes)
-            .sum();
-        block - not_kept
-    });
+    let inputs = linear_input_bytes(m, micro_batch, t, kept);
+    // What each block keeps, forward-only ones below `reach` included.
+    let blocks: Vec<f64> = (0..m.n_layers)
+        .map(|i| {
+            let prefix = m.block_prefix(i);
+            let not_kept: f64 = (linears.iter().zip(inputs).zip(dropped))
+                .filter(|(((name, _, _), _), drops)| {
+                    *drops && frozen(&format!("{prefix}.{name}.weight"))
+                })
+                .map(|((_, bytes), _)| bytes)
+                .sum();
+            block - not_kept
+        })
+        .collect();
     let saved = (m.n_layers - reach) as f64;
-    (kept.sum::<f64>() + head, saved * input + block + head)
+    // With checkpointing, one block's at a time: on the CPU the most any
+    // block keeps (its recomputation drops what its forward dropped); on a
+    // GPU a whole block's.
+    let recomputed = match gpu {
+        true => block,
+        false => blocks.iter().copied().fold(0.0, f64::max),
+    };
+    (
+        blocks[reach..].iter().sum::<f64>() + head,
+        saved * input + recomputed + head,
+    )
 }
 
 /// Bytes the head holds for `b` sequences of `t` tokens: its input, the
@@ -581,10 +639,15 @@ pub fn head_logit_rows(n: usize, vocab: usize) -> usize {
 }
 
 /// Activation bytes of one micro-batch per worker, without and with
-/// checkpointing, on a GPU or the CPU (whose head holds less).
-pub fn activation_bytes(m: &ModelSpec, micro_batch: usize, gpu: bool) -> (f64, f64) {
+/// checkpointing, on a GPU or the CPU (whose head holds less), kept in the
+/// types `kept` says.
+pub fn activation_bytes(
+    m: &ModelSpec,
+    micro_batch: usize,
+    (gpu, kept): (bool, Kept),
+) -> (f64, f64) {
     let t = m.seq_len;
-    let block = block_activation_bytes(m, micro_batch, t);
+    let block = block_activation_bytes(m, micro_batch, t, kept);
     let head = head_activation_bytes(m, micro_batch, t, gpu);
     let inputs = 4.0 * (micro_batch * t * m.d_model) as f64;
     let l = m.n_layers as f64;
@@ -623,12 +686,12 @@ pub fn gpu_probabilities_bytes(m: &ModelSpec, b: usize, half_products: bool) -> 
 /// (`fused_attention` false) every kept block's probabilities
 /// ([`gpu_probabilities_bytes`]) and, while a block's backward runs, its dP
 /// and dS of the same shape and bytes.
-pub fn job_activation_bytes(spec: &JobSpec, fused_attention: bool) -> (f64, f64) {
+pub fn job_activation_bytes(spec: &JobSpec, fused_attention: bool, kept: Kept) -> (f64, f64) {
     let micro = spec.train.micro_batch_size;
     let gpu = spec.device == Device::Cuda;
     let (plain, checkpointed) = match spec.train.freeze.is_empty() {
-        true => activation_bytes(&spec.model, micro, gpu),
-        false => frozen_activation_bytes(&spec.model, micro, &spec.train.freeze, gpu),
+        true => activation_bytes(&spec.model, micro, (gpu, kept)),
+        false => frozen_activation_bytes(&spec.model, micro, &spec.train.freeze, (gpu, kept)),
     };
     if !gpu || fused_attention {
         return (plain, checkpointed);
@@ -649,7 +712,7 @@ pub fn gpu_worker_bytes(spec: &JobSpec, world: usize, fused_attention: bool) -> 
     let offloaded = (z.offload_optimizer.device, z.offload_param.device)
         != (OffloadDevice::None, OffloadDevice::None);
     let resident = !offloaded && (world <= 1 || spec.comm.backend == Backend::Nccl);
-    let (plain, checkpointed) = job_activation_bytes(spec, fused_attention);
+    let (plain, checkpointed) = job_activation_bytes(spec, fused_attention, Kept::F32);
     // `train.freeze` saves no state there: the GPU holds a frozen
     // parameter's gradient and moments.
     let mut unfrozen = spec.clone();
@@ -749,7 +812,7 @@ mod tests {
             head_activation_bytes(m, micro, t, true) - head_activation_bytes(m, micro, t, false);
         assert!(heads > 0.0);
         assert_eq!(
-            job_activation_bytes(&cpu, true).0,
+            job_activation_bytes(&cpu, true, Kept::F32).0,
             bitfit.activations - layers * row - heads
         );
         // The embedding and the lower two blocks frozen: those blocks'
@@ -757,7 +820,7 @@ mod tests {
         spec.train.freeze = vec!["w*".into(), "h.{0-1}.*".into()];
         let (m, micro) = (&spec.model, spec.train.micro_batch_size);
         let (block, probs) = (
-            block_activation_bytes(m, micro, m.seq_len),
+            block_activation_bytes(m, micro, m.seq_len, Kept::F32),
             gpu_probabilities_bytes(m, micro, false),
         );
         let lower = gpu_worker_bytes(&spec, 1, true);
@@ -777,23 +840,27 @@ mod tests {
              data: {format: synthetic}\ntrain: {micro_batch_size: 2}\n",
         )
         .unwrap();
-        let cpu = activation_bytes(&spec.model, 2, false);
-        let gpu = activation_bytes(&spec.model, 2, true);
+        let cpu = activation_bytes(&spec.model, 2, (false, Kept::F32));
+        let gpu = activation_bytes(&spec.model, 2, (true, Kept::F32));
         assert_eq!(
-            job_activation_bytes(&spec, false),
+            job_activation_bytes(&spec, false, Kept::F32),
             cpu,
             "the CPU keeps none"
         );
         spec.device = Device::Cuda;
-        assert_eq!(job_activation_bytes(&spec, true), gpu, "fused keeps none");
+        assert_eq!(
+            job_activation_bytes(&spec, true, Kept::F32),
+            gpu,
+            "fused keeps none"
+        );
         // 2 sequences × 8 heads × 512², 4 bytes each in f32: per block kept,
         // and once more for one block's backward (dP, dS).
         let scores = 2.0 * 8.0 * 512.0 * 512.0;
-        let (plain, ckpt) = job_activation_bytes(&spec, false);
+        let (plain, ckpt) = job_activation_bytes(&spec, false, Kept::F32);
         assert_eq!(plain, gpu.0 + 5.0 * 4.0 * scores);
         assert_eq!(ckpt, gpu.1 + 2.0 * 4.0 * scores);
         spec.train.dtype = Dtype::Bf16;
-        let (plain, _) = job_activation_bytes(&spec, false);
+        let (plain, _) = job_activation_bytes(&spec, false, Kept::F32);
         assert_eq!(plain, gpu.0 + 5.0 * 6.0 * scores, "f32 and bf16 copies");
     }
 

@@ -252,7 +252,9 @@ impl Engine {
     }
 
     /// The blocks' forward; each keeps its activations, or with checkpointing
-    /// only its input.
+    /// only its input. Records the bytes they hold (measured: what each
+    /// block's kept tensors hold, [`zmodel::BlockActs::bytes`]) with the
+    /// head's (computed), at their peak.
     fn forward_blocks(
         &mut self,
         mb: &mut MicroBatch,
@@ -262,43 +264,36 @@ impl Engine {
         let checkpointing = self.spec.train.activation_checkpointing;
         let model = self.model.clone();
         let (rows, t) = mb.tokens.dims2()?;
-        let m = &self.spec.model;
-        let inputs = zconfig::estimate::linear_input_bytes(m, rows, t);
-        // Bytes of the linears' inputs the saved blocks did not keep
-        // (frozen weights).
-        let mut not_kept = 0.0;
+        // Bytes of what the saved blocks keep, and of the most any block
+        // keeps (with checkpointing, what backward's recomputation holds).
+        let (mut kept, mut largest) = (0, 0);
         for b in 1..=n_layers {
             let mut src = BlockFromEngine::gather(self, &mut mb.gather, b, false)?;
             let dropout = mb.dropout.site(b as u64);
             let (y, acts) = model.block_forward_from(&mut src, &x, mb.docs.as_ref(), dropout)?;
-            if b >= src.engine.backward_reach {
-                not_kept += (BlockLinear::ALL.into_iter().zip(inputs))
-                    .filter(|(l, _)| src.weight_frozen(*l))
-                    .map(|(_, bytes)| bytes)
-                    .sum::<f64>();
-            }
             src.release_block();
+            let bytes = acts.bytes();
+            largest = largest.max(bytes);
             // Backward stops above frozen blocks: nothing of theirs is kept.
             if b >= self.backward_reach {
-                mb.saved.push(if checkpointing {
-                    Saved::Input(x)
-                } else {
-                    Saved::Acts(acts)
+                mb.saved.push(match checkpointing {
+                    true => {
+                        kept += x.elem_count() * x.dtype().size_in_bytes();
+                        Saved::Input(x)
+                    }
+                    false => {
+                        kept += bytes;
+                        Saved::Acts(acts)
+                    }
                 });
             }
             x = y;
         }
         let m = &self.spec.model;
-        let block_bytes = zconfig::estimate::block_activation_bytes(m, rows, t) as u64;
-        let input_bytes = (rows * t * m.d_model * 4) as u64;
-        let head_bytes = zconfig::estimate::head_activation_bytes(m, rows, t, false) as u64;
-        // The blocks that kept theirs (backward stops above frozen ones).
-        let n = mb.saved.len() as u64;
-        self.peak_activations = self.peak_activations.max(if checkpointing {
-            n * input_bytes + block_bytes + head_bytes
-        } else {
-            n * block_bytes + head_bytes - not_kept as u64
-        });
+        let head = zconfig::estimate::head_activation_bytes(m, rows, t, false) as usize;
+        let recomputed = if checkpointing { largest } else { 0 };
+        let peak = (kept + recomputed + head) as u64;
+        self.peak_activations = self.peak_activations.max(peak);
         Ok(x)
     }
 

@@ -5,6 +5,7 @@
 mod common;
 
 use common::{comms, spec, train, train_leg, train_observed, typed_spec, worst_move_apart, Leg};
+use zconfig::estimate::Kept;
 use zengine::Engine;
 
 #[test]
@@ -1455,14 +1456,26 @@ fn frozen_weights_keep_no_inputs_for_their_gradients() {
     ];
     let mut kept = Vec::new();
     for freeze in cases {
-        for ckpt in [false, true] {
-            let mut spec = typed_spec("f32", 0, 1, 2000, true, ckpt, 1);
+        for (dtype, ckpt) in [("f32", false), ("f32", true), ("bf16", false)] {
+            let mut spec = typed_spec(dtype, 0, 1, 2000, true, ckpt, 1);
             spec.train.freeze = freeze.clone();
             let got = train(spec.clone(), 1)[0].activations as f64;
-            let (plain, checkpointed) = zconfig::estimate::job_activation_bytes(&spec, false);
+            // bf16 values where the products take bf16.
+            let types = Kept::for_job(&spec, zgemm::has_native_bf16());
+            let (plain, checkpointed) =
+                zconfig::estimate::job_activation_bytes(&spec, false, types);
             let want = if ckpt { checkpointed } else { plain };
-            assert_eq!(got, want, "{freeze:?} checkpointing {ckpt}");
-            if !ckpt {
+            match types {
+                Kept::F32 => assert_eq!(got, want, "{freeze:?} {dtype} checkpointing {ckpt}"),
+                // A bf16 buffer starts on a 64-byte line (32 values more)
+                // and may pad its rows to whole lines: slack the estimate
+                // leaves out.
+                Kept::Bf16Products => assert!(
+                    got >= want && got <= 1.03 * want,
+                    "{freeze:?} {dtype}: kept {got} bytes, estimated {want}"
+                ),
+            }
+            if dtype == "f32" && !ckpt {
                 kept.push(got);
             }
         }

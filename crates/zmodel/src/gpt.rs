@@ -124,6 +124,61 @@ pub struct BlockActs {
     dropout: BlockDropout,
 }
 
+impl BlockActs {
+    /// Bytes of memory the kept tensors hold: each storage once, whole (a
+    /// view holds all of the buffer it looks into, and a bf16 buffer its
+    /// padding), in its own type. What the engine reports as activations,
+    /// measured rather than computed, and what
+    /// `zconfig::estimate::block_activation_bytes` predicts.
+    pub fn bytes(&self) -> usize {
+        let kept = [
+            Some(&self.rows),
+            self.a1.as_ref(),
+            self.qk_unnormed.as_ref(),
+            Some(&self.qkv),
+            self.att.as_ref(),
+            Some(&self.rows1),
+            self.a2.as_ref(),
+            Some(&self.act_kept),
+            self.g.as_ref(),
+        ];
+        // (start, bytes) of each storage counted.
+        let mut held: Vec<(usize, usize)> = Vec::new();
+        for t in kept.into_iter().flatten() {
+            let (storage, _) = t.storage_and_layout();
+            let extent = match &*storage {
+                candle_core::Storage::Cpu(c) => cpu_storage_extent(c),
+                // A device's buffer: the tensor's own elements.
+                _ => (0, t.elem_count() * t.dtype().size_in_bytes()),
+            };
+            if extent.0 == 0 || !held.iter().any(|h| h.0 == extent.0) {
+                held.push(extent);
+            }
+        }
+        held.iter().map(|h| h.1).sum()
+    }
+}
+
+/// Where a CPU storage's buffer starts and its length in bytes.
+fn cpu_storage_extent(c: &candle_core::CpuStorage) -> (usize, usize) {
+    use candle_core::CpuStorage as S;
+    fn extent<T>(v: &[T]) -> (usize, usize) {
+        (v.as_ptr() as usize, std::mem::size_of_val(v))
+    }
+    match c {
+        S::U8(v) | S::F6E2M3(v) | S::F6E3M2(v) | S::F4(v) | S::F8E8M0(v) => extent(v),
+        S::U32(v) => extent(v),
+        S::I16(v) => extent(v),
+        S::I32(v) => extent(v),
+        S::I64(v) => extent(v),
+        S::BF16(v) => extent(v),
+        S::F16(v) => extent(v),
+        S::F32(v) => extent(v),
+        S::F64(v) => extent(v),
+        S::F8E4M3(v) => extent(v),
+    }
+}
+
 /// What a block keeps of the tokens generation has run through it: their
 /// rotated q, k and v rows (`[tokens, (heads + 2·kv)·hd]`, f32), which every
 /// later token's attention reads. One per block, empty at first
@@ -1485,6 +1540,61 @@ mod tests {
         // backward bounds its rows as the forward (and autograd) did.
         let windowed = Gpt::new(&windowed(llama(11, 16, 1, 40, 24), 7)).unwrap();
         block_backward_matches_autograd_for(windowed, 10.0);
+    }
+
+    /// What a block keeps, measured over its tensors' storages, is what
+    /// `zconfig::estimate` predicts for it: to the byte in f32, and under
+    /// bf16 products (where the CPU has them) within the padding of the
+    /// bf16 buffers, whose rows start on 64-byte lines.
+    #[test]
+    fn a_blocks_kept_bytes_are_the_estimates() {
+        use zconfig::estimate::{block_activation_bytes, Kept};
+        // Widths of whole 64-byte lines (bf16 rows pad to them).
+        let configs = [
+            gpt(11, 96, 1, 3, 40),
+            llama(11, 96, 1, 40, 160),
+            qwen3(11, 120, 1, 40, 160),
+        ];
+        let dev = Device::Cpu;
+        for cfg in configs {
+            for bf16 in [false, true] {
+                let g = Gpt::new(&cfg).unwrap().with_bf16_products(bf16);
+                let params = BlockParams::from_vec(
+                    (g.init_group(1, 3).into_iter())
+                        .zip(&g.groups()[1].params)
+                        .map(|(v, ps)| Tensor::from_vec(v, ps.shape.as_slice(), &dev).unwrap())
+                        .collect(),
+                    g.layout(),
+                )
+                .unwrap();
+                let d = cfg.d_model;
+                let x = Tensor::from_vec(
+                    (0..2 * 40 * d)
+                        .map(|i| (i % 13) as f32 / 13.0)
+                        .collect::<Vec<f32>>(),
+                    (2, 40, d),
+                    &dev,
+                )
+                .unwrap();
+                let (_, acts) = g.block_forward(&params, &x).unwrap();
+                let measured = acts.bytes() as f64;
+                let kept = match g.products() {
+                    Products::F32 => Kept::F32,
+                    Products::Bf16 => Kept::Bf16Products,
+                };
+                let want = block_activation_bytes(&cfg, 2, 40, kept);
+                let what = format!(
+                    "{:?} bf16 {bf16}: measured {measured}, estimated {want}",
+                    cfg.kind
+                );
+                match kept {
+                    Kept::F32 => assert_eq!(measured, want, "{what}"),
+                    Kept::Bf16Products => {
+                        assert!(measured >= want && measured <= 1.02 * want, "{what}")
+                    }
+                }
+            }
+        }
     }
 
     /// `cfg` with a sliding window of `w` tokens.

@@ -8,7 +8,7 @@ use serde::Serialize;
 use zconfig::estimate::{
     attention_work_bytes, comm_buffer_bytes, gpu_probabilities_bytes, job_activation_bytes,
     largest_group, model_params, model_state_rows, trained_elements, worker_states, CrossNodeBytes,
-    Row, StateBytes, TrainedElements, WorkerStates,
+    Kept, Row, StateBytes, TrainedElements, WorkerStates,
 };
 use zconfig::spec::OptimizerKind;
 use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
@@ -28,6 +28,9 @@ struct Activations {
     /// On the CPU, the attention's work matrices each of a worker's
     /// threads holds (not in the figures above); 0 on a GPU.
     attention_work_per_thread: f64,
+    /// Whether the blocks keep the products' inputs in bf16 ([`Kept`]):
+    /// a bf16 job where this host's CPU multiplies bf16.
+    bf16_kept: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -291,8 +294,12 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
     }
     if let Some(a) = &est.activations {
         say!(
-            "activations per worker at micro-batch {}: {} ({} with activation checkpointing)",
+            "activations per worker at micro-batch {}{}: {} ({} with activation checkpointing)",
             a.micro_batch_size,
+            match a.bf16_kept {
+                true => " (the products' inputs in bf16: this CPU multiplies bf16)",
+                false => "",
+            },
             gb(a.bytes_per_worker),
             gb(a.bytes_per_worker_checkpointed)
         );
@@ -354,7 +361,8 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
     let psi = model_params(&spec.model);
     let bytes = StateBytes::for_job(spec);
     let fused = spec.device == zconfig::spec::Device::Cuda && fused_attention_expected(spec);
-    let (act, act_ckpt) = job_activation_bytes(spec, fused);
+    let kept = kept(spec);
+    let (act, act_ckpt) = job_activation_bytes(spec, fused, kept);
     let probs = match spec.device == zconfig::spec::Device::Cuda && !fused {
         true => gpu_probabilities_bytes(
             &spec.model,
@@ -384,6 +392,7 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
             bytes_per_worker: act,
             bytes_per_worker_checkpointed: act_ckpt,
             gpu_probabilities_per_block: probs,
+            bf16_kept: kept == Kept::Bf16Products,
             attention_work_per_thread: match spec.device {
                 zconfig::spec::Device::Cuda => 0.0,
                 _ => attention_work_bytes(&spec.model, spec.train.dtype),
@@ -421,6 +430,13 @@ pub fn per_worker_bytes(spec: &JobSpec, topo: &Topology) -> f64 {
         } else {
             a.bytes_per_worker
         }
+}
+
+/// The types `spec`'s CPU workers keep their activations in, where they
+/// run on this host's CPU (bf16 where it multiplies bf16 natively, as the
+/// workers' model decides).
+pub fn kept(spec: &JobSpec) -> Kept {
+    Kept::for_job(spec, zgemm::has_native_bf16())
 }
 
 /// The threads each of `wpn` workers on this host runs: `RAYON_NUM_THREADS`

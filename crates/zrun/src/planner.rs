@@ -42,7 +42,7 @@ use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use zconfig::estimate::{
     activation_bytes, attention_work_bytes, comm_buffer_bytes, frozen_activation_bytes,
-    frozen_flops_per_token, model_params, trained_elements, worker_states, StateBytes,
+    frozen_flops_per_token, model_params, trained_elements, worker_states, Kept, StateBytes,
 };
 use zconfig::spec::OptimizerKind;
 use zconfig::{load_job_with, JobSpec, Topology};
@@ -290,7 +290,7 @@ impl Between {
         let gemm = flops / (self.gemm_gflops * 1e9 / self.workers as f64);
         let o = self.overheads;
         let between = step - gemm - (l * o.block_s + o.micro_s + o.step_s);
-        let (acts, _) = activation_bytes(m, spec.train.micro_batch_size, false);
+        let (acts, _) = activation_bytes(m, spec.train.micro_batch_size, (false, Kept::F32));
         match between > 0.0 {
             true => acts / between / 1e9,
             false => self.triad_gbps / self.workers as f64 / 3.0,
@@ -401,7 +401,7 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     // third of their passes, which this leaves in). BitFit on the anchor
     // measured 0.88-0.92 of its prediction with the kept bytes here, and
     // 0.97-0.99 with every block's.
-    let (acts, _) = activation_bytes(m, spec.train.micro_batch_size, false);
+    let (acts, _) = activation_bytes(m, spec.train.micro_batch_size, (false, Kept::F32));
     // Checkpointing runs the forward's share of that work again.
     let again = if ac { 4.0 / 3.0 } else { 1.0 };
     let memory = accum * acts * again / (s.machine.between_gbps * 1e9);
@@ -601,8 +601,12 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         }
         let states = worker_states(&job.spec, world);
         let t = &job.spec.train;
-        let (plain, checkpointed) =
-            frozen_activation_bytes(&job.spec.model, t.micro_batch_size, &t.freeze, false);
+        let (plain, checkpointed) = frozen_activation_bytes(
+            &job.spec.model,
+            t.micro_batch_size,
+            &t.freeze,
+            (false, crate::estimate::kept(&job.spec)),
+        );
         let acts = if job.spec.train.activation_checkpointing {
             checkpointed
         } else {
@@ -913,7 +917,7 @@ mod tests {
         let m = &job.model;
         let flops = 512.0 * (6.0 * model_params(m) + 12.0 * 2.0 * 64.0 * 64.0);
         let fixed = 2.0 * 1e-4 + 2e-4 + 1e-3;
-        let (acts, _) = activation_bytes(m, 8, false);
+        let (acts, _) = activation_bytes(m, 8, (false, Kept::F32));
         let step = flops / 50e9 + fixed + 0.004;
         let rate = b.rate(step, &job);
         assert!((rate - acts / 0.004 / 1e9).abs() < 1e-9 * rate, "{rate}");
