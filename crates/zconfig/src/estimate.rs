@@ -461,9 +461,9 @@ pub enum Kept {
     /// kept values the GPU model holds in f32).
     F32,
     /// A CPU worker whose products take bf16 (`train.dtype: bf16` where the
-    /// CPU multiplies bf16 natively): the linears' inputs (but LLaMA's MLP
-    /// output projection's), the attention's output, and GPT's q, k, v and
-    /// GELU's values in bf16, the residual stream in f32.
+    /// CPU multiplies bf16 natively): the linears' inputs, the attention's
+    /// output, and GPT's q, k, v and GELU's input in bf16; the residual
+    /// stream, LLaMA's q, k, v and SwiGLU's input in f32.
     Bf16Products,
 }
 
@@ -497,12 +497,12 @@ pub fn block_activation_bytes(m: &ModelSpec, b: usize, t: usize, kept: Kept) -> 
     // attention output, x + attn, second norm, the MLP's hidden layer before
     // and after its activation (GPT-2: 4d each, GELU's slope or under bf16
     // products its bf16 input, and its output; LLaMA: gate and up before,
-    // their product after, f32). Attention probabilities are recomputed in
+    // f32, their product after). Attention probabilities are recomputed in
     // backward, not kept. Qwen3's q and k norms keep the projection's
     // output before them too (f32).
     let (qkv, hidden) = match m.kind {
         crate::spec::ModelKind::Gpt => (half * m.qkv_width(), half * 2 * f),
-        crate::spec::ModelKind::Llama => (4 * m.qkv_width(), 4 * 3 * f),
+        crate::spec::ModelKind::Llama => (4 * m.qkv_width(), 4 * 2 * f + half * f),
     };
     let before_qk_norms = match m.qk_normed() {
         true => 4 * m.qkv_width(),
@@ -519,14 +519,8 @@ pub fn block_activation_bytes(m: &ModelSpec, b: usize, t: usize, kept: Kept) -> 
 /// gradients read: a block keeps none of a linear whose weight is frozen.
 pub fn linear_input_bytes(m: &ModelSpec, b: usize, t: usize, kept: Kept) -> [f64; 4] {
     let half = kept.product_input();
-    // LLaMA's MLP output projection reads SwiGLU's f32 product.
-    let last = match m.kind {
-        crate::spec::ModelKind::Gpt => half,
-        crate::spec::ModelKind::Llama => 4,
-    };
-    let types = [half, half, half, last];
-    let linears = m.block_linears();
-    std::array::from_fn(|i| (types[i] * b * t * linears[i].1) as f64)
+    m.block_linears()
+        .map(|(_, inputs, _)| (half * b * t * inputs) as f64)
 }
 
 /// The lowest block (0-based) that backward reaches under the `freeze`

@@ -40,7 +40,7 @@ use crate::linear::{
 };
 use crate::llama_ops::{
     qk_norm, qk_norm_backward, rms_norm, rms_norm_backward, rms_norm_bf16, rope, rope_from, swiglu,
-    swiglu_backward,
+    swiglu_backward, swiglu_bf16,
 };
 use crate::ops::{
     cross_entropy, gelu, gelu_and_slope, gelu_backward_bf16_of_input, gelu_backward_by_slope,
@@ -841,6 +841,9 @@ impl Gpt {
                 Ok((gelu_bf16_of_bf16(h)?, h.clone()))
             }
             ModelKind::Gpt => gelu_and_slope(h),
+            ModelKind::Llama if self.products == Products::Bf16 && !h.track_op() => {
+                Ok((swiglu_bf16(h)?, h.clone()))
+            }
             ModelKind::Llama => Ok((swiglu(h)?, h.clone())),
         }
     }

@@ -55,7 +55,7 @@ pub fn rms_norm_bf16(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let eps = eps as f32;
     par_rows_bf16(
         x,
-        d,
+        (d, d),
         #[inline(always)]
         |row, out| {
             let r = rms_inv(row, eps);
@@ -390,6 +390,31 @@ impl QkHeads {
 /// `silu(gate) · up` of `h` `[n, 2f]` holding gate and up side by side: `[n, f]`.
 pub fn swiglu(h: &Tensor) -> Result<Tensor> {
     h.contiguous()?.apply_op1(SwiGlu)
+}
+
+/// [`swiglu`] for bf16 products: its values rounded to bf16 as they are
+/// written, laid out for the products to read in place
+/// ([`par_rows_bf16`]): the bits the MLP's output projection and its weight
+/// gradient rounded the f32 values to as they packed them, kept in half the
+/// bytes (2·ffn fewer a token and block).
+pub fn swiglu_bf16(h: &Tensor) -> Result<Tensor> {
+    let h = h.contiguous()?;
+    let (hs, hl) = h.storage_and_layout();
+    let h = cpu_f32("swiglu", &hs, hl)?;
+    let f2 = hl.shape().dims2()?.1;
+    if !f2.is_multiple_of(2) {
+        candle_core::bail!("swiglu: an odd width {f2} is not gate and up side by side");
+    }
+    let f = f2 / 2;
+    par_rows_bf16(
+        h,
+        (f2, f),
+        #[inline(always)]
+        |row, out| {
+            let (gate, up) = row.split_at(f);
+            swiglu_row(gate, up, out);
+        },
+    )
 }
 
 struct SwiGlu;

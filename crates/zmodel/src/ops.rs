@@ -483,7 +483,7 @@ pub fn layer_norm_bf16(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<T
     let eps = eps as f32;
     par_rows_bf16(
         x,
-        d,
+        (d, d),
         #[inline(always)]
         |row, out| {
             let (mean, rstd) = row_stats(row, eps);

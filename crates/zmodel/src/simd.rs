@@ -398,24 +398,26 @@ pub(crate) fn bf16_rows_buffer(rows: usize, width: usize) -> (Vec<MaybeUninit<u1
 }
 
 /// [`par_rows`] for an op whose output only bf16 products read: `f` writes
-/// each row in f32 into a scratch row in L1, which is stored rounded to bf16
-/// (zgemm's rounding, as its bits: what the products would have rounded
-/// the f32 output to, in half the bytes and without their pass). The
-/// result is `[rows, width]`, laid out for the products to read in place:
-/// rows from a 64-byte line, [`zgemm::bf16_row_stride`] apart (a view of a
-/// padded buffer where that is wider than `width`; a copy of a 1536-wide
+/// each row of `width` values, from an input row of `input_width`, in f32
+/// into a scratch row in L1, which is stored rounded to bf16 (zgemm's
+/// rounding, as its bits: what the products would have rounded the f32
+/// output to, in half the bytes and without their pass). The result is
+/// `[rows, width]`, laid out for the products to read in place: rows from
+/// a 64-byte line, [`zgemm::bf16_row_stride`] apart (a view of a padded
+/// buffer where that is wider than `width`; a copy of a 1536-wide
 /// activation into an aligned, padded one was 1.2% of a bf16 step).
 pub(crate) fn par_rows_bf16(
     input: &[f32],
-    width: usize,
+    (input_width, width): (usize, usize),
     f: impl Fn(&[f32], &mut [MaybeUninit<f32>]) + Sync,
 ) -> candle_core::Result<candle_core::Tensor> {
     use rayon::prelude::*;
-    if !input.len().is_multiple_of(width.max(1)) {
-        candle_core::bail!("{} values are not rows of {width}", input.len());
+    let input_width = input_width.max(1);
+    if !input.len().is_multiple_of(input_width) {
+        candle_core::bail!("{} values are not rows of {input_width}", input.len());
     }
     let width = width.max(1);
-    let rows = input.len() / width;
+    let rows = input.len() / input_width;
     let (mut out, start, stride) = bf16_rows_buffer(rows, width);
     out[start..start + rows * stride]
         .par_chunks_mut(stride * ROWS_PER_TASK)
@@ -424,7 +426,7 @@ pub(crate) fn par_rows_bf16(
         .for_each(|(task, o)| {
             let mut wide = uninit_floats::<f32>(width);
             for (r, o) in o.chunks_mut(stride).enumerate() {
-                let row = &input[(task * ROWS_PER_TASK + r) * width..][..width];
+                let row = &input[(task * ROWS_PER_TASK + r) * input_width..][..input_width];
                 vectorised(
                     #[inline(always)]
                     || f(row, &mut wide),
