@@ -462,8 +462,9 @@ pub enum Kept {
     F32,
     /// A CPU worker whose products take bf16 (`train.dtype: bf16` where the
     /// CPU multiplies bf16 natively): the linears' inputs, the attention's
-    /// output, and GPT's q, k, v and GELU's input in bf16; the residual
-    /// stream, LLaMA's q, k, v and SwiGLU's input in f32.
+    /// output and its (rotated) q, k and v, and GPT's GELU input in bf16;
+    /// the residual stream, SwiGLU's input and Qwen3's q, k and v before
+    /// their norms in f32.
     Bf16Products,
 }
 
@@ -500,10 +501,11 @@ pub fn block_activation_bytes(m: &ModelSpec, b: usize, t: usize, kept: Kept) -> 
     // f32, their product after). Attention probabilities are recomputed in
     // backward, not kept. Qwen3's q and k norms keep the projection's
     // output before them too (f32).
-    let (qkv, hidden) = match m.kind {
-        crate::spec::ModelKind::Gpt => (half * m.qkv_width(), half * 2 * f),
-        crate::spec::ModelKind::Llama => (4 * m.qkv_width(), 4 * 2 * f + half * f),
+    let hidden = match m.kind {
+        crate::spec::ModelKind::Gpt => half * 2 * f,
+        crate::spec::ModelKind::Llama => 4 * 2 * f + half * f,
     };
+    let qkv = half * m.qkv_width();
     let before_qk_norms = match m.qk_normed() {
         true => 4 * m.qkv_width(),
         false => 0,

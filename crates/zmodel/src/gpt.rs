@@ -39,8 +39,8 @@ use crate::linear::{
     Store, Whole,
 };
 use crate::llama_ops::{
-    qk_norm, qk_norm_backward, rms_norm, rms_norm_backward, rms_norm_bf16, rope, rope_from, swiglu,
-    swiglu_backward, swiglu_bf16,
+    qk_norm, qk_norm_backward, rms_norm, rms_norm_backward, rms_norm_bf16, rope, rope_bf16,
+    rope_from, swiglu, swiglu_backward, swiglu_bf16,
 };
 use crate::ops::{
     cross_entropy, gelu, gelu_and_slope, gelu_backward_bf16_of_input, gelu_backward_by_slope,
@@ -934,6 +934,23 @@ impl Gpt {
         }
     }
 
+    /// [`Gpt::rotate`]'s forward for training, whose backward keeps the
+    /// result: under bf16 products (outside autograd) rounded to bf16 as
+    /// it is written ([`rope_bf16`]), the bits attention's products round
+    /// it to, in half the bytes.
+    fn rotate_kept(&self, qkv: Tensor, docs: Option<&Documents>) -> Result<Tensor> {
+        match self.cfg.kind {
+            ModelKind::Llama if self.products == Products::Bf16 && !qkv.track_op() => rope_bf16(
+                &qkv,
+                self.cfg.n_heads,
+                self.cfg.kv_heads(),
+                &self.cfg.rotary(qkv.dim(1)?),
+                docs,
+            ),
+            _ => self.rotate(qkv, false, docs),
+        }
+    }
+
     /// [`Gpt::rotate`]'s forward for rows at positions from `start`, or
     /// with `docs` in their documents.
     fn rotate_from(&self, qkv: Tensor, start: usize, docs: Option<&Documents>) -> Result<Tensor> {
@@ -992,7 +1009,7 @@ impl Gpt {
         dropout: BlockDropout,
     ) -> std::result::Result<(Tensor, BlockActs), S::Error> {
         let attend = |qkv: &Tensor| self.block_attention(qkv, docs, dropout.attention);
-        self.block_forward_with(src, x, (0, docs, dropout), attend)
+        self.block_forward_with(src, x, (None, docs, dropout), attend)
     }
 
     /// A block's forward over the tokens `[1, t, d]` after those `cache`
@@ -1033,20 +1050,22 @@ impl Gpt {
             .block_forward_with(
                 &mut Whole::new(params),
                 x,
-                (start, None, BlockDropout::default()),
+                (Some(start), None, BlockDropout::default()),
                 attend,
             )?
             .0)
     }
 
-    /// [`Gpt::block_forward_from`] for tokens at positions from `start` (or
-    /// in the documents `docs`), their attention by `attend` (rotated `qkv`
-    /// `[b, t, ·]` → rows `[b·t, d]`).
+    /// [`Gpt::block_forward_from`] for tokens at positions from 0 (or in the
+    /// documents `docs`; `start` None: training's forward, whose rotated q,
+    /// k and v are kept for attention's backward) or from `start`
+    /// (generation's), their attention by `attend` (rotated `qkv` `[b, t, ·]`
+    /// → rows `[b·t, d]`).
     fn block_forward_with<S: BlockSource>(
         &self,
         src: &mut S,
         x: &Tensor,
-        (start, docs, dropout): (usize, Option<&Documents>, BlockDropout),
+        (start, docs, dropout): (Option<usize>, Option<&Documents>, BlockDropout),
         attend: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> std::result::Result<(Tensor, BlockActs), S::Error> {
         let (b, t, d) = x.dims3()?;
@@ -1085,7 +1104,11 @@ impl Gpt {
             true => (self.qk_norm_forward(src, &qkv)?, Some(qkv)),
             false => (qkv, None),
         };
-        let qkv = self.rotate_from(qkv.reshape((b, t, self.cfg.qkv_width()))?, start, docs)?;
+        let qkv = qkv.reshape((b, t, self.cfg.qkv_width()))?;
+        let qkv = match start {
+            None => self.rotate_kept(qkv, docs)?,
+            Some(start) => self.rotate_from(qkv, start, docs)?,
+        };
         let att = attend(&qkv)?;
         // The residual adds happen as the projections' tiles store, or
         // with dropout in its pass.

@@ -602,6 +602,69 @@ pub fn rope_from(
     })
 }
 
+/// [`rope`]'s forward (positions from 0) for bf16 products: the turned
+/// rows rounded to bf16 as they are written (zgemm's rounding, the bits
+/// attention's bf16 products rounded the f32 rows to as they packed them),
+/// `[b, t, w]` contiguous from a 64-byte line: kept for attention's
+/// backward in half the bytes (2·w fewer a token and block).
+pub fn rope_bf16(
+    qkv: &Tensor,
+    heads: usize,
+    kv_heads: usize,
+    rotary: &Rotary,
+    docs: Option<&Documents>,
+) -> Result<Tensor> {
+    use half::vec::HalfBitsVecExt;
+    let op = Rope {
+        heads,
+        kv_heads,
+        inv_freq: rotary.inv_freq.as_slice().into(),
+        scale: rotary.scale,
+        inverse: false,
+        start: 0,
+        docs: docs.cloned(),
+    };
+    let qkv = qkv.contiguous()?;
+    let (xs, xl) = qkv.storage_and_layout();
+    let x = cpu_f32("rope", &xs, xl)?;
+    let (b, t, w) = xl.shape().dims3()?;
+    op.head_width(b, t, w)?;
+    let n = x.len();
+    // 32 values more: room to start on a line.
+    let mut out = uninit_floats::<u16>(n + 32);
+    let start = zgemm::bf16_line_start(&out);
+    let (cos, sin) = op.table(t);
+    let (head, body) = out.split_at_mut(start);
+    let (rows, tail) = body.split_at_mut(n);
+    for v in head.iter_mut().chain(tail) {
+        v.write(0);
+    }
+    rows.par_chunks_mut(w.max(1))
+        .zip(x.par_chunks(w.max(1)))
+        .enumerate()
+        .for_each_init(
+            || uninit_floats::<f32>(w),
+            |wide, (r, (o, row))| {
+                vectorised(
+                    #[inline(always)]
+                    || op.turn_row(r, t, (&cos, &sin), row, wide),
+                );
+                // SAFETY: `turn_row` writes every element of its row.
+                let wide = unsafe { &*(&wide[..] as *const [MaybeUninit<f32>] as *const [f32]) };
+                zgemm::bf16_bits_write(wide, o);
+            },
+        );
+    // SAFETY: the head, every row and the tail were written.
+    let out = unsafe { assume_init(out) };
+    let len = out.len();
+    let all = Tensor::from_vec(
+        out.reinterpret_into::<half::bf16>(),
+        len,
+        &candle_core::Device::Cpu,
+    )?;
+    all.narrow(0, start, n)?.reshape((b, t, w))
+}
+
 #[derive(Clone)]
 struct Rope {
     heads: usize,
@@ -618,6 +681,69 @@ struct Rope {
 }
 
 impl Rope {
+    /// Checks `[b, t, w]` rows against the heads and documents: the head
+    /// width.
+    fn head_width(&self, b: usize, t: usize, w: usize) -> Result<usize> {
+        if let Some(d) = &self.docs {
+            if d.seq_len() != t || d.tokens() != b * t {
+                candle_core::bail!("rope: documents of {} tokens for [{b}, {t}]", d.tokens());
+            }
+        }
+        let all_heads = self.heads + 2 * self.kv_heads;
+        if !w.is_multiple_of(all_heads) || !(w / all_heads).is_multiple_of(2) {
+            candle_core::bail!("rope: width {w} is not {all_heads} heads of an even width");
+        }
+        let hd = w / all_heads;
+        // The turned columns of each head: all, or its first `2·half`
+        // (Phi-4-mini's partial rotation), the rest passed through.
+        if 2 * self.inv_freq.len() > hd {
+            candle_core::bail!(
+                "rope: {} frequencies for heads of {hd}",
+                self.inv_freq.len()
+            );
+        }
+        Ok(hd)
+    }
+
+    /// Row `r` (of sequences of `t`) turned into `out`: its q and k heads by
+    /// its position's angles from `(cos, sin)` ([`Rope::table`]), v passed
+    /// through. Inlined into `vectorised` callers.
+    #[inline(always)]
+    fn turn_row(
+        &self,
+        r: usize,
+        t: usize,
+        (cos, sin): (&[f32], &[f32]),
+        row: &[f32],
+        out: &mut [MaybeUninit<f32>],
+    ) {
+        let half = self.inv_freq.len();
+        let hd = row.len() / (self.heads + 2 * self.kv_heads);
+        let rotated = (self.heads + self.kv_heads) * hd;
+        let p = self.docs.as_ref().map_or(r % t, |d| d.position(r));
+        let (c, s) = (&cos[p * half..][..half], &sin[p * half..][..half]);
+        let (out_rotated, out_v) = out.split_at_mut(rotated);
+        let heads = out_rotated.chunks_exact_mut(hd).zip(row.chunks_exact(hd));
+        for (out, head) in heads {
+            // Every slice cut to `half`: no bounds checks are left, and the
+            // loop vectorises.
+            let (a, b) = (&head[..half], &head[half..][..half]);
+            let (oa, rest) = out.split_at_mut(half);
+            let (ob, passed) = rest.split_at_mut(half);
+            let oa = &mut oa[..half];
+            for i in 0..half {
+                oa[i].write(a[i] * c[i] - b[i] * s[i]);
+                ob[i].write(b[i] * c[i] + a[i] * s[i]);
+            }
+            for (o, &v) in passed.iter_mut().zip(&head[2 * half..]) {
+                o.write(v);
+            }
+        }
+        for (o, &v) in out_v.iter_mut().zip(&row[rotated..]) {
+            o.write(v);
+        }
+    }
+
     /// `[t, half]` cosines and sines of positions `start..start + t`
     /// (`half` frequencies), times the scale, computed in f64.
     fn table(&self, t: usize) -> (Vec<f32>, Vec<f32>) {
@@ -644,55 +770,16 @@ impl CustomOp1 for Rope {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_input(self.name(), s, l)?;
         let (b, t, w) = l.shape().dims3()?;
-        if let Some(d) = &self.docs {
-            if d.seq_len() != t || d.tokens() != b * t {
-                candle_core::bail!("rope: documents of {} tokens for [{b}, {t}]", d.tokens());
-            }
-        }
-        let all_heads = self.heads + 2 * self.kv_heads;
-        if !w.is_multiple_of(all_heads) || !(w / all_heads).is_multiple_of(2) {
-            candle_core::bail!("rope: width {w} is not {all_heads} heads of an even width");
-        }
-        let hd = w / all_heads;
-        // The turned columns of each head: all, or its first `2·half`
-        // (Phi-4-mini's partial rotation), the rest passed through.
-        let half = self.inv_freq.len();
-        if 2 * half > hd {
-            candle_core::bail!("rope: {half} frequencies for heads of {hd}");
-        }
-        let rotated = (self.heads + self.kv_heads) * hd;
+        self.head_width(b, t, w)?;
         let (cos, sin) = self.table(t);
         let mut y = uninit_floats(x.len());
         y.par_chunks_mut(w)
             .zip(x.par_chunks(w))
             .enumerate()
             .for_each(|(r, (out, row))| {
-                let p = self.docs.as_ref().map_or(r % t, |d| d.position(r));
-                let (c, s) = (&cos[p * half..][..half], &sin[p * half..][..half]);
                 vectorised(
                     #[inline(always)]
-                    || {
-                        let (out_rotated, out_v) = out.split_at_mut(rotated);
-                        let heads = out_rotated.chunks_exact_mut(hd).zip(row.chunks_exact(hd));
-                        for (out, head) in heads {
-                            // Every slice cut to `half`: no bounds checks
-                            // are left, and the loop vectorises.
-                            let (a, b) = (&head[..half], &head[half..][..half]);
-                            let (oa, rest) = out.split_at_mut(half);
-                            let (ob, passed) = rest.split_at_mut(half);
-                            let oa = &mut oa[..half];
-                            for i in 0..half {
-                                oa[i].write(a[i] * c[i] - b[i] * s[i]);
-                                ob[i].write(b[i] * c[i] + a[i] * s[i]);
-                            }
-                            for (o, &v) in passed.iter_mut().zip(&head[2 * half..]) {
-                                o.write(v);
-                            }
-                        }
-                        for (o, &v) in out_v.iter_mut().zip(&row[rotated..]) {
-                            o.write(v);
-                        }
-                    },
+                    || self.turn_row(r, t, (&cos, &sin), row, out),
                 )
             });
         // SAFETY: every row of y was written whole: its rotated heads and the rest.
@@ -721,6 +808,41 @@ mod tests {
         let w = Tensor::from_vec(wave(d, 5), d, &Device::Cpu).unwrap();
         let want = rounded(&rms_norm(&x, &w, 1e-5).unwrap());
         assert_eq!(bf16_bits_of(&rms_norm_bf16(&x, &w, 1e-5).unwrap()), want);
+    }
+
+    /// The bf16 forms of SwiGLU and of the rotary embedding write what the
+    /// f32 ones give, rounded as bf16 products round it, to the bit: over
+    /// several tasks and a short last one, with documents, a scale and a
+    /// partial rotation for the embedding.
+    #[test]
+    fn swiglu_and_rope_in_bf16_are_theirs_rounded_as_bf16_products_round() {
+        use crate::ops::tests::{bf16_bits_of, rounded};
+        let dev = Device::Cpu;
+        let (rows, f) = (37, 44);
+        let h = Tensor::from_vec(wave(rows * 2 * f, 7), (rows, 2 * f), &dev).unwrap();
+        let out = swiglu_bf16(&h).unwrap();
+        assert_eq!(out.dims(), [rows, f]);
+        assert_eq!(bf16_bits_of(&out), rounded(&swiglu(&h).unwrap()));
+        let (b, t, heads, kv, hd) = (2, 19, 4, 2, 10);
+        let x =
+            Tensor::from_vec(wave(b * t * (heads + 2 * kv) * hd, 13), (b, t, 80), &dev).unwrap();
+        let mut ids = vec![0u32; b * t];
+        for at in [3, 4, t + 7] {
+            ids[at] = 1;
+        }
+        let docs = Documents::after_eos(&ids, t, 1);
+        let partial = Rotary {
+            scale: 1.25,
+            ..Rotary::new(500.0, None, 6, t)
+        };
+        for rotary in [Rotary::new(10_000.0, None, hd, t), partial] {
+            for docs in [None, Some(&docs)] {
+                let out = rope_bf16(&x, heads, kv, &rotary, docs).unwrap();
+                assert_eq!(out.dims(), [b, t, 80]);
+                let want = rope(&x, heads, kv, &rotary, false, docs).unwrap();
+                assert_eq!(bf16_bits_of(&out), rounded(&want), "{docs:?}");
+            }
+        }
     }
 
     fn wave(n: usize, k: usize) -> Vec<f32> {
