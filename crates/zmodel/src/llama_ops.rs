@@ -394,7 +394,7 @@ pub fn swiglu(h: &Tensor) -> Result<Tensor> {
 
 /// [`swiglu`] for bf16 products: its values rounded to bf16 as they are
 /// written, laid out for the products to read in place
-/// ([`par_rows_bf16`]): the bits the MLP's output projection and its weight
+/// (`simd::par_rows_bf16`): the bits the MLP's output projection and its weight
 /// gradient rounded the f32 values to as they packed them, kept in half the
 /// bytes (2·ffn fewer a token and block).
 pub fn swiglu_bf16(h: &Tensor) -> Result<Tensor> {
