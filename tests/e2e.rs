@@ -4,6 +4,7 @@
 
 use std::io::Write;
 use std::net::TcpStream;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use e2e::{
@@ -1382,6 +1383,37 @@ fn epochs_set_the_run_length_from_the_data() {
     }
 }
 
+/// Trains `args` (whose metrics go to `metrics_path`) with `threads`
+/// compute threads a worker; returns the worker's peak RSS in bytes.
+fn peak_rss_of(dir: &Path, args: &TrainArgs, metrics_path: &Path, threads: &str) -> f64 {
+    let env = [("RAYON_NUM_THREADS", threads)];
+    let f = e2e::Zrun::start_with_env(dir, &args.as_strs(), &env).wait(Duration::from_secs(180));
+    assert_eq!(f.code(), 0, "{f:?}");
+    metrics(metrics_path).pop().unwrap()["peak_rss_bytes"]
+        .as_f64()
+        .unwrap()
+}
+
+/// What `zrun estimate --json` (with `options`, after the job) says a
+/// worker of `threads` compute threads holds: its model states, its
+/// collectives' buffers, its activations and the attention's work
+/// matrices of each thread.
+fn estimated_worker_bytes(dir: &Path, job: &Path, options: &[&str], threads: &str) -> f64 {
+    let job = job.display().to_string();
+    let mut args = vec!["estimate", &job, "--json"];
+    args.extend(options);
+    let env = [("RAYON_NUM_THREADS", threads)];
+    let e = e2e::Zrun::start_with_env(dir, &args, &env).wait(Duration::from_secs(30));
+    assert_eq!(e.code(), 0, "{e:?}");
+    let e: serde_json::Value = serde_json::from_str(&e.stdout).unwrap();
+    let f = |v: &serde_json::Value| v.as_f64().unwrap();
+    let a = &e["activations"];
+    f(&e["this_job"]["memory"])
+        + f(&e["comm_buffers_per_worker"])
+        + f(&a["bytes_per_worker"])
+        + threads.parse::<f64>().unwrap() * f(&a["attention_work_per_thread"])
+}
+
 /// A long sequence's memory grows with it as `zrun estimate` says, linearly:
 /// a GPT of width 32 at 8192 tokens, one worker of two threads, against
 /// the same job at 64 tokens. The attention's work matrices are a chunk of
@@ -1393,45 +1425,22 @@ fn a_long_sequence_holds_about_what_the_estimate_says() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "long", 1);
     let at = |t: usize| {
-        let (seq, batch) = (format!("model.seq_len={t}"), "train.micro_batch_size=1");
+        let sets = [
+            format!("model.seq_len={t}"),
+            "train.micro_batch_size=1".into(),
+            "model.n_layers=1".into(),
+        ];
         let m = dir.path().join(format!("{t}.jsonl"));
-        let args = TrainArgs::new(&job, &m)
-            .set(seq.as_str())
-            .set(batch)
-            .set("model.n_layers=1")
-            .args(&["--workers-per-node", "1"]);
-        let f =
-            e2e::Zrun::start_with_env(dir.path(), &args.as_strs(), &[("RAYON_NUM_THREADS", "2")])
-                .wait(Duration::from_secs(120));
-        assert_eq!(f.code(), 0, "{f:?}");
-        let rss = metrics(&m).pop().unwrap()["peak_rss_bytes"]
-            .as_f64()
-            .unwrap();
-        let job = job.display().to_string();
-        let e = zrun(
-            dir.path(),
-            &[
-                "estimate",
-                &job,
-                "--set",
-                &seq,
-                "--set",
-                batch,
-                "--set",
-                "model.n_layers=1",
-                "--workers-per-node",
-                "1",
-                "--json",
-            ],
-        );
-        assert_eq!(e.code(), 0, "{e:?}");
-        let e: serde_json::Value = serde_json::from_str(&e.stdout).unwrap();
-        let a = &e["activations"];
-        let f = |v: &serde_json::Value| v.as_f64().unwrap();
-        let predicted = f(&e["this_job"]["memory"])
-            + f(&a["bytes_per_worker"])
-            + 2.0 * f(&a["attention_work_per_thread"]);
-        (rss, predicted)
+        let mut args = TrainArgs::new(&job, &m).args(&["--workers-per-node", "1"]);
+        let mut options = vec!["--workers-per-node", "1"];
+        for s in &sets {
+            args = args.set(s.as_str());
+            options.extend(["--set", s.as_str()]);
+        }
+        (
+            peak_rss_of(dir.path(), &args, &m, "2"),
+            estimated_worker_bytes(dir.path(), &job, &options, "2"),
+        )
     };
     let (short, short_predicted) = at(64);
     let (long, long_predicted) = at(8192);
@@ -1467,31 +1476,13 @@ fn the_estimate_moves_with_the_stage_and_the_bucket_as_peak_memory_does() {
         ];
         let m = dir.path().join(format!("{stage}-{bucket}.jsonl"));
         let mut args = TrainArgs::new(&job, &m).args(&["--workers-per-node", "2"]);
+        let mut options = vec!["--workers-per-node", "2"];
         for s in &sets {
             args = args.set(s.as_str());
+            options.extend(["--set", s.as_str()]);
         }
-        let env = [("RAYON_NUM_THREADS", "1")];
-        let f = e2e::Zrun::start_with_env(dir.path(), &args.as_strs(), &env)
-            .wait(Duration::from_secs(180));
-        assert_eq!(f.code(), 0, "{f:?}");
-        let rss = metrics(&m).pop().unwrap()["peak_rss_bytes"]
-            .as_f64()
-            .unwrap();
-        let job = job.display().to_string();
-        let mut estimate = vec!["estimate", &job, "--workers-per-node", "2", "--json"];
-        for s in &sets {
-            estimate.extend(["--set", s.as_str()]);
-        }
-        let e =
-            e2e::Zrun::start_with_env(dir.path(), &estimate, &env).wait(Duration::from_secs(30));
-        assert_eq!(e.code(), 0, "{e:?}");
-        let e: serde_json::Value = serde_json::from_str(&e.stdout).unwrap();
-        let f = |v: &serde_json::Value| v.as_f64().unwrap();
-        let a = &e["activations"];
-        let predicted = f(&e["this_job"]["memory"])
-            + f(&e["comm_buffers_per_worker"])
-            + f(&a["bytes_per_worker"])
-            + f(&a["attention_work_per_thread"]);
+        let rss = peak_rss_of(dir.path(), &args, &m, "1");
+        let predicted = estimated_worker_bytes(dir.path(), &job, &options, "1");
         println!("stage {stage}, bucket {bucket}: peak RSS {rss:.0}, estimate {predicted:.0}");
         // Measured 1.09-1.12x (2026-12-06): backward's passing gradients
         // and the process's own memory are not in the estimate.

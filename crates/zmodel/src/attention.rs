@@ -228,7 +228,6 @@ pub fn causal_attention_bf16(
     docs: Option<&Documents>,
     dropout: Option<Dropout>,
 ) -> Result<Tensor> {
-    use half::vec::HalfBitsVecExt;
     let qkv = qkv.contiguous()?;
     let (storage, layout) = qkv.storage_and_layout();
     let candle_core::Storage::Cpu(cpu) = &*storage else {
@@ -250,18 +249,9 @@ pub fn causal_attention_bf16(
             pad.write(0);
         }
     }
-    // SAFETY: the head and tail of the buffer, every row's padding, and
-    // (the tasks) every (sequence, head)'s columns of every row are written.
-    let out = unsafe { assume_init(out) };
-    let len = out.len();
-    let all = Tensor::from_vec(
-        out.reinterpret_into::<half::bf16>(),
-        len,
-        &candle_core::Device::Cpu,
-    )?;
-    all.narrow(0, start, rows * stride)?
-        .reshape((rows, stride))?
-        .narrow(1, 0, dm.d)
+    // The head and tail of the buffer, every row's padding, and (the tasks)
+    // every (sequence, head)'s columns of every row are written.
+    crate::simd::bf16_tensor(out, start, rows, stride, dm.d)
 }
 
 /// Where the forward's tasks store `y`.

@@ -30,8 +30,8 @@ use zconfig::arch::Rotary;
 use crate::documents::Documents;
 use crate::ops::{cpu_f32, f32_input, sum_lanes, write_row};
 use crate::simd::{
-    assume_init, par_rows, par_rows_bf16, par_rows_summed, sigmoid, uninit_floats, vectorised,
-    ROWS_PER_TASK,
+    assume_init, bf16_tensor, par_rows, par_rows_bf16, par_rows_summed, sigmoid, uninit_floats,
+    vectorised, ROWS_PER_TASK,
 };
 
 /// RMSNorm over the last dimension with weight `w`.
@@ -614,7 +614,6 @@ pub fn rope_bf16(
     rotary: &Rotary,
     docs: Option<&Documents>,
 ) -> Result<Tensor> {
-    use half::vec::HalfBitsVecExt;
     let op = Rope {
         heads,
         kv_heads,
@@ -654,15 +653,8 @@ pub fn rope_bf16(
                 zgemm::bf16_bits_write(wide, o);
             },
         );
-    // SAFETY: the head, every row and the tail were written.
-    let out = unsafe { assume_init(out) };
-    let len = out.len();
-    let all = Tensor::from_vec(
-        out.reinterpret_into::<half::bf16>(),
-        len,
-        &candle_core::Device::Cpu,
-    )?;
-    all.narrow(0, start, n)?.reshape((b, t, w))
+    // The head, every row and the tail were written.
+    bf16_tensor(out, start, b * t, w, w)?.reshape((b, t, w))
 }
 
 #[derive(Clone)]

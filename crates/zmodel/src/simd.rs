@@ -492,9 +492,10 @@ pub(crate) fn par_rows_bf16_mapped(
     bf16_tensor(out, start, rows, out_stride, width)
 }
 
-/// The `[rows, width]` tensor of a [`bf16_rows_buffer`] whose every value
-/// (head, rows with their padding, tail) was written.
-fn bf16_tensor(
+/// The `[rows, width]` tensor of a [`bf16_rows_buffer`] (or of any buffer
+/// whose rows start at `start`, `stride` apart) whose every value (head,
+/// rows with their padding, tail) was written.
+pub(crate) fn bf16_tensor(
     out: Vec<MaybeUninit<u16>>,
     start: usize,
     rows: usize,
