@@ -566,7 +566,11 @@ pub fn frozen_activation_bytes(
     let dropped = frozen_inputs_dropped(gpu);
     let reach = backward_reach(m, freeze);
     let block = block_activation_bytes(m, micro_batch, t, kept);
-    let head = head_activation_bytes(m, micro_batch, t, gpu);
+    let output = match m.tied() {
+        true => format!("{}.weight", m.token_table_name()),
+        false => "lm_head.weight".into(),
+    };
+    let head = head_activation_bytes(m, micro_batch, t, (gpu, !frozen(&output)));
     let input = 4.0 * (micro_batch * t * m.d_model) as f64;
     let linears = m.block_linears();
     let inputs = linear_input_bytes(m, micro_batch, t, kept);
@@ -599,14 +603,26 @@ pub fn frozen_activation_bytes(
 
 /// Bytes the head holds for `b` sequences of `t` tokens: its input, the
 /// normed rows and their gradient, and the logits: on a GPU all of them
-/// and two copies' worth, on the CPU the rows of [`head_logit_rows`].
-pub fn head_activation_bytes(m: &ModelSpec, b: usize, t: usize, gpu: bool) -> f64 {
+/// and two copies' worth, on the CPU the rows of [`head_logit_rows`] and,
+/// where the output matrix trains (`output_trains`), its f32 gradient
+/// (`vocab × d`, made while every block's activations are held: 622 MB at
+/// Qwen3's vocabulary and d 1024).
+pub fn head_activation_bytes(
+    m: &ModelSpec,
+    b: usize,
+    t: usize,
+    (gpu, output_trains): (bool, bool),
+) -> f64 {
     let (n, d, vocab) = ((b * t) as f64, m.d_model as f64, m.vocab_size as f64);
     let logits = match gpu {
         true => 3.0 * n * vocab,
         false => head_logit_rows(b * t, m.vocab_size) as f64 * vocab,
     };
-    4.0 * (3.0 * n * d + logits)
+    let output_gradient = match !gpu && output_trains {
+        true => vocab * d,
+        false => 0.0,
+    };
+    4.0 * (3.0 * n * d + logits + output_gradient)
 }
 
 /// The logits the CPU's head holds at most (but for
@@ -644,7 +660,7 @@ pub fn activation_bytes(
 ) -> (f64, f64) {
     let t = m.seq_len;
     let block = block_activation_bytes(m, micro_batch, t, kept);
-    let head = head_activation_bytes(m, micro_batch, t, gpu);
+    let head = head_activation_bytes(m, micro_batch, t, (gpu, true));
     let inputs = 4.0 * (micro_batch * t * m.d_model) as f64;
     let l = m.n_layers as f64;
     (l * block + head, l * inputs + block + head)
@@ -804,8 +820,8 @@ mod tests {
         assert!(worker_states(&spec, 1).memory < whole.states.unwrap());
         // The CPU's head holds one chunk of logits, the GPU's three copies.
         let t = m.seq_len;
-        let heads =
-            head_activation_bytes(m, micro, t, true) - head_activation_bytes(m, micro, t, false);
+        let heads = head_activation_bytes(m, micro, t, (true, false))
+            - head_activation_bytes(m, micro, t, (false, false));
         assert!(heads > 0.0);
         assert_eq!(
             job_activation_bytes(&cpu, true, Kept::F32).0,

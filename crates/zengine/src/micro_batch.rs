@@ -290,9 +290,10 @@ impl Engine {
             x = y;
         }
         let m = &self.spec.model;
-        let head = zconfig::estimate::head_activation_bytes(m, rows, t, false) as usize;
+        let output_trains = !self.model.frozen_output();
+        let head = zconfig::estimate::head_activation_bytes(m, rows, t, (false, output_trains));
         let recomputed = if checkpointing { largest } else { 0 };
-        let peak = (kept + recomputed + head) as u64;
+        let peak = (kept + recomputed) as u64 + head as u64;
         self.peak_activations = self.peak_activations.max(peak);
         Ok(x)
     }
