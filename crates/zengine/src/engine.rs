@@ -226,7 +226,7 @@ impl Engine {
             let rule = spec.train.optimizer.kind;
             let mut group = Group::new(
                 layout.clone(),
-                &full,
+                full,
                 stage,
                 partitioned[g],
                 rank,

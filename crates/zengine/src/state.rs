@@ -181,7 +181,7 @@ impl Engine {
         let mut next = || bufs.next().unwrap_or_default();
         let (params, m, v) = (next(), next(), next());
         let g = &mut self.groups[gi];
-        g.install(&params, rank, stage, half);
+        g.install(params, rank, stage, half);
         g.install_moments(m, v, rank, stage);
         self.stash(gi)
     }
@@ -300,7 +300,7 @@ impl Engine {
                 // A tiled parameter counts once, with its first tile.
                 used += usize::from(slot.tile.is_none_or(|t| t.start == 0));
             }
-            g.install(&full, rank, stage, half);
+            g.install(full, rank, stage, half);
             self.stash(gi)?;
         }
         if used != weights.tensor_count() {
