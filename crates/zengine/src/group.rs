@@ -554,6 +554,63 @@ pub(crate) fn updated_region(layout: &GroupLayout, rank: usize, stage: ZeroStage
 mod tests {
     use super::*;
 
+    /// A group keeps the buffer it is given where it holds it whole (f32
+    /// parameters at stage 0; the master copy under bf16) and copies only
+    /// a slice (stage 3's own parameters), with the same values either way.
+    #[test]
+    fn a_group_keeps_its_initial_buffer_where_it_holds_it_whole() {
+        let spec = zmodel::GroupSpec {
+            name: "g".into(),
+            params: vec![zmodel::ParamSpec {
+                name: "w".into(),
+                shape: vec![64],
+                init: zmodel::Init::Zeros,
+                decay: true,
+                tile: None,
+                product_operand: false,
+            }],
+        };
+        let layout = crate::flat::GroupLayout::new(&spec, 2);
+        let full: Vec<f32> = (0..layout.padded).map(|i| i as f32 / 8.0).collect();
+        let cases = [
+            (ZeroStage::Disabled, false, None),
+            (ZeroStage::Disabled, false, Some(Half::Bf16)),
+            (ZeroStage::Weights, true, None),
+        ];
+        for (stage, partitioned, half) in cases {
+            let given = full.clone();
+            let at = given.as_ptr() as usize;
+            let group = Group::new(
+                layout.clone(),
+                given,
+                stage,
+                partitioned,
+                1,
+                (half, half),
+                OptimizerKind::Adamw,
+            );
+            let what = format!("{stage:?} {half:?}");
+            let (kept, values) = match &group.master {
+                Some(m) => (m.as_ptr() as usize, m.clone()),
+                None => (
+                    group.params.as_bytes().as_ptr() as usize,
+                    group.params.to_f32(0..group.params.len()),
+                ),
+            };
+            let own = layout.slice(1);
+            match partitioned {
+                false => {
+                    assert_eq!(kept, at, "{what}: the buffer itself");
+                    assert_eq!(values, full, "{what}");
+                }
+                true => {
+                    assert_ne!(kept, at, "{what}: a slice of it");
+                    assert_eq!(values, full[own].to_vec(), "{what}");
+                }
+            }
+        }
+    }
+
     /// Pages of `v` the kernel holds in memory (`mincore`), of those wholly
     /// inside it.
     fn resident_pages(v: &[f32]) -> usize {
