@@ -219,9 +219,11 @@ impl Engine {
         let mut groups = Vec::new();
         let init = model.initializer(spec.train.seed);
         for (g, layout) in layouts.iter().enumerate() {
+            // Written in place: the group keeps this buffer where it holds
+            // it whole, so a parameter's values are made once.
             let mut full = vec![0f32; layout.padded];
-            for (slot, values) in layout.params.iter().zip(init.group(g)) {
-                full[slot.range.clone()].copy_from_slice(&values);
+            for (i, slot) in layout.params.iter().enumerate() {
+                init.write(g, i, &mut full[slot.range.clone()]);
             }
             let rule = spec.train.optimizer.kind;
             let mut group = Group::new(

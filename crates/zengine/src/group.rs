@@ -12,7 +12,7 @@ use zconfig::ZeroStage;
 
 use crate::adam::{adamw_runs, lamb_apply, lamb_moments, AdamStep, Buffers, Grads, SquareSums};
 use crate::flat::{GroupLayout, NormCell};
-use crate::precision::{release_zero_pages, resident_zeros, Flat, Half};
+use crate::precision::{release_zero_pages, resident_zeros_in, Flat, Half};
 
 /// One block's flat buffers on this rank.
 pub(crate) struct Group {
@@ -84,15 +84,29 @@ impl Group {
             partitioned,
             params: Flat::zeros(half, 0),
             master: None,
-            grads: Flat::zeros(grads_half, grads),
+            grads: Flat::zeros(grads_half, 0),
             grads_at,
             staging: None,
             zero_owed: false,
-            exp_avg: resident_zeros(moments),
-            exp_avg_sq: resident_zeros(if rule.second_moment() { moments } else { 0 }),
+            exp_avg: Vec::new(),
+            exp_avg_sq: Vec::new(),
             moments_released: 0,
             layout,
         };
+        // Zeros stored where training writes them, and only there: the
+        // pages of frozen parameters are never made resident (a large
+        // frozen embedding's gradient and moments, three times its size,
+        // had been, only to be given back below: a worker's start peaked
+        // there).
+        let trained = group.grads_runs(0..grads, true);
+        group.grads = Flat::zeros_in(grads_half, grads, &trained);
+        let region = group.updated_region(rank, stage);
+        let trained: Vec<Range<usize>> = (group.layout.runs_in(region.clone(), true).into_iter())
+            .map(|r| r.start - region.start..r.end - region.start)
+            .collect();
+        let second = if rule.second_moment() { moments } else { 0 };
+        group.exp_avg = resident_zeros_in(moments, &trained);
+        group.exp_avg_sq = resident_zeros_in(second, &trained);
         group.install(full, rank, stage, half);
         group.release_frozen_moments(rank, stage);
         group.release_frozen_grads();
@@ -632,7 +646,7 @@ mod tests {
             eprintln!("zengine: not Linux; releasing pages NOT covered");
             return;
         }
-        let mut v: Vec<f32> = resident_zeros(64 * 1024);
+        let mut v: Vec<f32> = resident_zeros_in(64 * 1024, std::slice::from_ref(&(0..64 * 1024)));
         let (kept, negative) = (10 * 1024 + 7, 20 * 1024 + 3);
         v[kept] = 1.5;
         v[negative] = -0.0;

@@ -18,7 +18,7 @@ use std::time::Instant;
 use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor};
 use zmodel::{
     Batch, BlockActs, BlockDropout, BlockLinear, BlockNorm, BlockSource, Documents, Dropout,
-    EmbeddingParams, HeadParams, Noise, WeightBias,
+    EmbeddingParams, HeadParams, Noise, TokenRows, WeightBias,
 };
 
 use crate::engine::Engine;
@@ -403,11 +403,16 @@ impl Engine {
             }
             None => dx,
         };
-        let grads = self
-            .model
-            .embed_backward(&mb.tokens, mb.docs.as_ref(), dx)?
-            .into_vec();
-        self.accumulate_tensors(0, &grads.iter().collect::<Vec<_>>())?;
+        // The token table (slot 0) trains unless frozen; where it does,
+        // only the rows the tokens picked are made and added.
+        let wte_trains = !self.groups[0].layout.params[0].frozen;
+        let back = (self.model).embed_backward(&mb.tokens, mb.docs.as_ref(), dx, wte_trains)?;
+        let mut grads = vec![match &back.wte {
+            Some(rows) => SlotGrad::Rows(rows),
+            None => SlotGrad::Frozen,
+        }];
+        grads.extend(back.wpe.as_ref().map(SlotGrad::Whole));
+        self.accumulate(0, &grads)?;
         if mb.reduce_now {
             self.group_done(0)?;
         }
@@ -503,6 +508,14 @@ impl Engine {
         g: usize,
         grads: &[&Tensor],
     ) -> Result<(), EngineError> {
+        let grads: Vec<SlotGrad> = grads.iter().map(|t| SlotGrad::Whole(t)).collect();
+        self.accumulate(g, &grads)
+    }
+
+    /// Adds a group's parameter gradients, in slot order, into its
+    /// micro-batch gradient buffer, each whole or as the rows a token table's
+    /// tokens picked ([`SlotGrad`]).
+    pub(crate) fn accumulate(&mut self, g: usize, grads: &[SlotGrad]) -> Result<(), EngineError> {
         if self.groups[g].layout.all_frozen() {
             return Ok(()); // no gradient kept, none reduced
         }
@@ -513,6 +526,53 @@ impl Engine {
                 problem: format!("{} gradients for {} parameters", grads.len(), slots.len()),
             });
         }
+        // Each trained parameter's gradient as parts `(at, values)` of the
+        // buffer. (A frozen parameter's gradient is not kept: zeros stay
+        // zeros, and its tensor, zeros broadcast, is not made whole.)
+        let tensors = (slots.iter().zip(grads))
+            .map(|(slot, grad)| match (grad, slot.frozen) {
+                (SlotGrad::Whole(t), false) => t.contiguous().map(Some),
+                _ => Ok(None),
+            })
+            .collect::<candle_core::Result<Vec<Option<Tensor>>>>()?;
+        let held: Vec<_> = (tensors.iter())
+            .map(|t| t.as_ref().map(Tensor::storage_and_layout))
+            .collect();
+        let mut parts = Vec::new();
+        for ((slot, grad), held) in slots.iter().zip(grads).zip(&held) {
+            if slot.frozen {
+                continue;
+            }
+            let at = self.micro_at(g, slot.range.start);
+            let len = slot.range.len();
+            let bad = |problem: String| EngineError::BadGradient {
+                param: slot.name.clone(),
+                problem,
+            };
+            match (grad, held) {
+                (SlotGrad::Whole(_), Some((storage, layout))) => {
+                    parts.push((at, grad_values(storage, layout, len, &slot.name)?));
+                }
+                (SlotGrad::Rows(rows), _) => {
+                    let height = len / rows.width.max(1);
+                    if rows.width * height != len
+                        || rows.values.len() != rows.rows.len() * rows.width
+                    {
+                        return Err(bad(format!(
+                            "{} rows of width {} for a parameter of {len}",
+                            rows.rows.len(),
+                            rows.width
+                        )));
+                    }
+                    if let Some(r) = rows.rows.iter().find(|&&r| r as usize >= height) {
+                        return Err(bad(format!("row {r} of a table of {height}")));
+                    }
+                    parts.extend(rows.iter().map(|(r, v)| (at + r * rows.width, v)));
+                }
+                _ => return Err(bad("no gradient made for a parameter that trains".into())),
+            }
+        }
+        parts.sort_by_key(|(at, _)| *at);
         let partitioned = self.stage.partitions_gradients();
         if (partitioned && self.groups[g].staging.is_none())
             || (!partitioned && self.groups[g].zero_owed)
@@ -523,19 +583,6 @@ impl Engine {
             // read-modify-write; 2.4% and 0.8% of a bf16 stage-3 step's
             // samples before), or its full buffer, which holds the last
             // step's, written over the same way (`Flat::set_parts`).
-            // (A frozen parameter's gradient is not kept: zeros stay zeros,
-            // and its tensor, zeros broadcast, is not made whole.)
-            let trained: Vec<_> = slots.iter().zip(grads).filter(|(s, _)| !s.frozen).collect();
-            let tensors = (trained.iter())
-                .map(|(_, t)| t.contiguous())
-                .collect::<candle_core::Result<Vec<Tensor>>>()?;
-            let held: Vec<_> = tensors.iter().map(Tensor::storage_and_layout).collect();
-            let mut parts = Vec::with_capacity(slots.len());
-            for ((slot, _), (storage, layout)) in trained.iter().zip(&held) {
-                let values = grad_values(storage, layout, slot.range.len(), &slot.name)?;
-                parts.push((self.micro_at(g, slot.range.start), values));
-            }
-            parts.sort_by_key(|(at, _)| *at);
             let staged_len = self.staged_len(g);
             let group = &mut self.groups[g];
             if !partitioned {
@@ -550,17 +597,25 @@ impl Engine {
                 return Ok(());
             }
         }
-        for (slot, grad) in slots.iter().zip(grads).filter(|(s, _)| !s.frozen) {
-            let at = self.micro_at(g, slot.range.start);
-            add_grad(
-                self.micro_grads(g),
-                at..at + slot.range.len(),
-                grad,
-                &slot.name,
-            )?;
+        match self.micro_grads(g).add_parts(&parts) {
+            true => Ok(()),
+            false => Err(EngineError::BadGradient {
+                param: self.groups[g].layout.name.clone(),
+                problem: "gradients overlapping or past the group's end".into(),
+            }),
         }
-        Ok(())
     }
+}
+
+/// One parameter's gradient from a micro-batch, for [`Engine::accumulate`].
+pub(crate) enum SlotGrad<'a> {
+    /// Whole, in the parameter's shape.
+    Whole(&'a Tensor),
+    /// The rows of a token table that a micro-batch's tokens picked; the
+    /// other rows' gradients are zero.
+    Rows(&'a TokenRows),
+    /// None made: the parameter is frozen.
+    Frozen,
 }
 
 /// One block's parameters for the model's forward and backward, from the

@@ -118,12 +118,22 @@ pub(crate) const TASK: usize = 1 << 15;
 /// 1.69-1.72 (2026-12-01, alternated). The stores are volatile: the
 /// compiler folds a plain fill of fresh memory with zeros back into a zeroed
 /// allocation (it did, in the test below).
-pub(crate) fn resident_zeros<T: bytemuck::Zeroable + Copy>(n: usize) -> Vec<T> {
+///
+/// Only the pages that hold elements of `runs` (in bounds) are stored: the
+/// others (a frozen parameter's, which nothing writes) stay unmapped until
+/// written.
+pub(crate) fn resident_zeros_in<T: bytemuck::Zeroable + Copy>(
+    n: usize,
+    runs: &[Range<usize>],
+) -> Vec<T> {
     let mut v = vec![T::zeroed(); n];
     let a_page = (4096 / std::mem::size_of::<T>()).max(1);
-    for i in (0..n).step_by(a_page) {
-        // SAFETY: `i < n`, inside `v`.
-        unsafe { std::ptr::write_volatile(v.as_mut_ptr().add(i), T::zeroed()) };
+    let inside = runs.iter().map(|r| r.start.min(n)..r.end.min(n));
+    for r in inside.filter(|r| !r.is_empty()) {
+        for i in r.clone().step_by(a_page).chain([r.end - 1]) {
+            // SAFETY: `i < n`, inside `v`.
+            unsafe { std::ptr::write_volatile(v.as_mut_ptr().add(i), T::zeroed()) };
+        }
     }
     v
 }
@@ -140,9 +150,16 @@ pub enum Flat {
 impl Flat {
     /// `n` zeros.
     pub fn zeros(kind: Option<Half>, n: usize) -> Flat {
+        Flat::zeros_in(kind, n, std::slice::from_ref(&(0..n)))
+    }
+
+    /// `n` zeros, stored (each page written once, so that training's first
+    /// pass over them takes no copy-on-write fault) only in the pages that
+    /// hold elements of `runs`: the others stay unmapped until written.
+    pub fn zeros_in(kind: Option<Half>, n: usize, runs: &[Range<usize>]) -> Flat {
         match kind {
-            None => Flat::F32(resident_zeros(n)),
-            Some(h) => Flat::Half(h, resident_zeros(n)),
+            None => Flat::F32(resident_zeros_in(n, runs)),
+            Some(h) => Flat::Half(h, resident_zeros_in(n, runs)),
         }
     }
 
@@ -269,32 +286,57 @@ impl Flat {
     }
 
     /// Adds `src` into `at..` (in f32, then rounded).
+    ///
+    /// # Panics
+    ///
+    /// Where `src` runs past the end.
     pub fn add_f32(&mut self, at: usize, src: &[f32]) {
+        assert!(
+            self.add_parts(&[(at, src)]),
+            "{} values at {at} in {} elements",
+            src.len(),
+            self.len()
+        );
+    }
+
+    /// Adds each of `parts` (`(at, values)`: into elements `at..`, in f32,
+    /// then rounded), in tasks of `TASK` elements of the span the parts
+    /// cover: a whole gradient or the scattered rows of a token table's
+    /// ([`zmodel::TokenRows`]) alike. Each element's sum is its own, so
+    /// the bits do not depend on how the parts are cut into tasks. `false`
+    /// (and nothing added) where the parts are out of order, overlap or
+    /// run past the end.
+    pub fn add_parts(&mut self, parts: &[(usize, &[f32])]) -> bool {
+        let ordered = parts.windows(2).all(|w| w[0].0 + w[0].1.len() <= w[1].0);
+        if !ordered
+            || parts
+                .last()
+                .is_some_and(|(at, v)| at + v.len() > self.len())
+        {
+            return false;
+        }
         match self {
-            Flat::F32(v) => v[at..at + src.len()]
-                .par_chunks_mut(TASK)
-                .zip(src.par_chunks(TASK))
-                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, &s)| *d += s)),
+            Flat::F32(v) => for_each_part(v, parts, |d, s| {
+                d.iter_mut().zip(s).for_each(|(d, &s)| *d += s)
+            }),
             // In the widest vectors (the widening and the adds; the
             // rounding has its own).
-            Flat::Half(h, v) => v[at..at + src.len()]
-                .par_chunks_mut(TASK)
-                .zip(src.par_chunks(TASK))
-                .for_each(|(d, s)| {
-                    zmodel::vectorised(
-                        #[inline(always)]
-                        || {
-                            let mut wide = [0f32; BLOCK];
-                            for (d, s) in d.chunks_mut(BLOCK).zip(s.chunks(BLOCK)) {
-                                let wide = &mut wide[..d.len()];
-                                h.widen_slice(d, wide);
-                                wide.iter_mut().zip(s).for_each(|(w, &x)| *w += x);
-                                h.round_slice(wide, d);
-                            }
-                        },
-                    )
-                }),
+            Flat::Half(h, v) => for_each_part(v, parts, |d, s| {
+                zmodel::vectorised(
+                    #[inline(always)]
+                    || {
+                        let mut wide = [0f32; BLOCK];
+                        for (d, s) in d.chunks_mut(BLOCK).zip(s.chunks(BLOCK)) {
+                            let wide = &mut wide[..d.len()];
+                            h.widen_slice(d, wide);
+                            wide.iter_mut().zip(s).for_each(|(w, &x)| *w += x);
+                            h.round_slice(wide, d);
+                        }
+                    },
+                )
+            }),
         }
+        true
     }
 
     /// Sets the elements of each of `runs` to zero, leaving the rest
@@ -578,6 +620,32 @@ fn write_parts<T: Element>(
     Some(())
 }
 
+/// Runs `f` on each of `parts` (in order, not overlapping, inside `out`)
+/// with the elements of `out` it covers, in tasks of [`TASK`] elements of
+/// the span from the first part's start to the last one's end, spread
+/// over the pool: a task takes the pieces of the parts that lie in it.
+fn for_each_part<T: Send>(
+    out: &mut [T],
+    parts: &[(usize, &[f32])],
+    f: impl Fn(&mut [T], &[f32]) + Sync,
+) {
+    let (Some((start, _)), Some((last, v))) = (parts.first(), parts.last()) else {
+        return;
+    };
+    out[*start..last + v.len()]
+        .par_chunks_mut(TASK)
+        .enumerate()
+        .for_each(|(task, chunk)| {
+            let c0 = start + task * TASK;
+            let c1 = c0 + chunk.len();
+            let first = parts.partition_point(|(p, v)| p + v.len() <= c0);
+            for (p, v) in parts[first..].iter().take_while(|(p, _)| *p < c1) {
+                let (from, to) = ((*p).max(c0), (p + v.len()).min(c1));
+                f(&mut chunk[from - c0..to - c0], &v[from - p..to - p]);
+            }
+        });
+}
+
 /// Sums of [`Flat::sum_sq`] run side by side.
 const SUMS_AT_ONCE: usize = 4;
 
@@ -720,7 +788,7 @@ mod tests {
         (flags.iter().filter(|&&f| f & 1 == 1).count(), pages)
     }
 
-    /// The pages of [`resident_zeros`] are there once made, before anything reads them (a
+    /// The pages of [`resident_zeros_in`] are there once made, before anything reads them (a
     /// buffer merely allocated zeroed is not: the control, without which
     /// the test could not fail), and hold zeros.
     #[test]
@@ -732,10 +800,28 @@ mod tests {
             println!("skipped: this allocator hands out zeroed memory already resident");
             return;
         }
-        let written = resident_zeros::<f32>(n);
+        let written = resident_zeros_in::<f32>(n, std::slice::from_ref(&(0..n)));
         assert_eq!(resident_pages(&written), (pages, pages));
         assert!(written.iter().all(|&x| x.to_bits() == 0));
         assert!(mapped.iter().all(|&x| x.to_bits() == 0));
+        // Only the pages of the runs: two runs of 10 and 3 pages' elements
+        // touch 10-11 and 3-4 pages (by where the buffer starts in a page;
+        // the partial pages at its ends are not counted).
+        let a_page = 1024;
+        let runs = [a_page / 2..a_page * 21 / 2, n - 3 * a_page - 7..n - 7];
+        let some = resident_zeros_in::<f32>(n, &runs);
+        let (resident, all) = resident_pages(&some);
+        assert!(
+            (13..=15).contains(&resident) && all == pages,
+            "{resident} of {all} pages"
+        );
+        // Runs past the end (a buffer left empty) store nothing.
+        assert!(resident_zeros_in::<f32>(0, &runs).is_empty());
+        assert_eq!(
+            resident_zeros_in::<f32>(8, std::slice::from_ref(&(4..20))),
+            vec![0.0; 8]
+        );
+        assert!(some.iter().all(|&x| x.to_bits() == 0));
     }
 
     #[test]

@@ -33,6 +33,7 @@ use zconfig::tiles::{column_tiles, ColumnTile, TileError};
 
 use crate::documents::Documents;
 use crate::dropout::{BlockDropout, Dropout};
+use crate::embedding::{EmbeddingGrads, TokenRows};
 use crate::head::{self, HeadBackward};
 use crate::linear::{
     self, f32s, BlockLinear, BlockNorm, BlockSource, Input, LayerInput, OutputGrad, Products,
@@ -196,7 +197,6 @@ impl KvCache {
     }
 }
 
-/// Initial values of parameter `i` of untiled group `group`.
 /// Initial values of a model's groups for a seed ([`Gpt::initializer`]): a
 /// model of L blocks is initialised in time linear in L (each group looking
 /// its parameters up in the untiled model's list had made it quadratic:
@@ -211,28 +211,49 @@ pub struct Initializer {
 impl Initializer {
     /// Initial values of group `group`'s parameters ([`Gpt::init_group`]).
     pub fn group(&self, group: usize) -> Vec<Vec<f32>> {
-        (self.groups[group].params.iter())
-            .map(|ps| {
-                let (g, i, full) = &self.place[&ps.name];
-                let values = init_values(full, self.seed, *g, *i);
-                match ps.tile {
-                    None => values,
-                    Some(tile) => tile.cut(&values, ps.shape.last().copied().unwrap_or(0)),
-                }
+        (self.groups[group].params.iter().enumerate())
+            .map(|(i, ps)| {
+                let mut values = vec![0.0; ps.numel()];
+                self.write(group, i, &mut values);
+                values
             })
             .collect()
     }
+
+    /// Writes the initial values of parameter `i` of group `group` into
+    /// `out` (as long as the parameter): [`Initializer::group`]'s, written
+    /// where the caller keeps them (a worker's flat buffer), with no copy
+    /// of their own. A tile's are cut from its whole parameter's.
+    ///
+    /// # Panics
+    ///
+    /// Where `out` is not as long as the parameter.
+    pub fn write(&self, group: usize, i: usize, out: &mut [f32]) {
+        let ps = &self.groups[group].params[i];
+        assert_eq!(out.len(), ps.numel(), "{}'s initial values", ps.name);
+        let (g, i, full) = &self.place[&ps.name];
+        match ps.tile {
+            None => init_values(full, self.seed, *g, *i, out),
+            Some(tile) => {
+                let mut whole = vec![0.0; full.numel()];
+                init_values(full, self.seed, *g, *i, &mut whole);
+                out.copy_from_slice(&tile.cut(&whole, ps.shape.last().copied().unwrap_or(0)));
+            }
+        }
+    }
 }
 
-fn init_values(ps: &ParamSpec, seed: u64, group: usize, i: usize) -> Vec<f32> {
+/// Writes the initial values of parameter `i` of untiled group `group`
+/// into `out`.
+fn init_values(ps: &ParamSpec, seed: u64, group: usize, i: usize, out: &mut [f32]) {
     let stream = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((group as u64) << 20 | i as u64);
     let mut rng = ChaCha8Rng::seed_from_u64(stream);
     match ps.init {
-        Init::Zeros => vec![0.0; ps.numel()],
-        Init::Ones => vec![1.0; ps.numel()],
+        Init::Zeros => out.fill(0.0),
+        Init::Ones => out.fill(1.0),
         Init::Normal(std) => {
             let n = Normal::new(0.0f32, std).expect("a positive std");
-            (0..ps.numel()).map(|_| n.sample(&mut rng)).collect()
+            out.iter_mut().for_each(|x| *x = n.sample(&mut rng));
         }
     }
 }
@@ -663,15 +684,17 @@ impl Gpt {
     /// Group 0's backward: the gradients of `wte` (and GPT-2's `wpe`) from
     /// the tokens `[b, t]` and the gradient `dx` `[b, t, d]` of
     /// [`Gpt::embed`]'s output. It needs no parameter: each row of `dx` is
-    /// added to its token's row of `wte` (rows in order) and summed over the
-    /// batch into its position's row of `wpe` (with `docs`, its position in
-    /// its document).
+    /// added to its token's row of `wte` (rows in order; only the rows the
+    /// tokens picked are made, [`TokenRows`], and none where `wte_trains`
+    /// is false) and summed over the batch into its position's row of
+    /// `wpe` (with `docs`, its position in its document).
     pub fn embed_backward(
         &self,
         tokens: &Tensor,
         docs: Option<&Documents>,
         dx: &Tensor,
-    ) -> Result<EmbeddingParams<Tensor>> {
+        wte_trains: bool,
+    ) -> Result<EmbeddingGrads> {
         let (b, t) = tokens.dims2()?;
         let d = self.cfg.d_model;
         let (v, positions) = (self.cfg.vocab_size, self.cfg.context());
@@ -685,17 +708,10 @@ impl Gpt {
         let dx = dx.contiguous()?;
         let (ds, dl) = dx.storage_and_layout();
         let dxv = f32s(&ds, dl)?;
-        let mut wte = vec![0f32; v * d];
-        for (&tok, row) in tokens.iter().zip(dxv.chunks_exact(d)) {
-            let tok = tok as usize;
-            if tok >= v {
-                candle_core::bail!("embedding backward: token {tok} outside the vocabulary of {v}");
-            }
-            wte[tok * d..(tok + 1) * d]
-                .iter_mut()
-                .zip(row)
-                .for_each(|(g, &x)| *g += x);
-        }
+        let wte = match wte_trains {
+            true => Some(TokenRows::from_tokens(&tokens, dxv, d, v)?),
+            false => None,
+        };
         let wpe = match self.layout().positions {
             true => {
                 let mut wpe = vec![0f32; positions * d];
@@ -717,10 +733,7 @@ impl Gpt {
             }
             false => None,
         };
-        Ok(EmbeddingParams {
-            wte: Tensor::from_vec(wte, (v, d), &Device::Cpu)?,
-            wpe,
-        })
+        Ok(EmbeddingGrads { wte, wpe })
     }
 
     /// The family's norm of `x` rows.
@@ -2054,6 +2067,14 @@ mod tests {
         }
     }
 
+    /// The embedding's gradients in the flat order, the token table's
+    /// rows put in a whole table of zeros.
+    fn whole_embedding_grads(g: &Gpt, back: EmbeddingGrads) -> Vec<Tensor> {
+        let (rows, v) = (back.wte.expect("the token table trains"), g.cfg.vocab_size);
+        let wte = Tensor::from_vec(rows.whole(v), (v, rows.width), &Device::Cpu).unwrap();
+        EmbeddingParams { wte, wpe: back.wpe }.into_vec()
+    }
+
     /// The hand-written embedding backward equals autograd through `embed`,
     /// with and without position embeddings, a token repeated in the batch.
     #[test]
@@ -2081,7 +2102,8 @@ mod tests {
             let dy = Tensor::from_vec(dy, (2, 30, d), &dev).unwrap();
             let y = g.embed(&params, &tokens).unwrap();
             let auto = (y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
-            let got = g.embed_backward(&tokens, None, &dy).unwrap().into_vec();
+            let got =
+                whole_embedding_grads(&g, g.embed_backward(&tokens, None, &dy, true).unwrap());
             assert_eq!(got.len(), vars.len());
             for ((v, grad), ps) in vars.iter().zip(&got).zip(&g.groups()[0].params) {
                 let want = auto.get(v.as_tensor()).unwrap();
@@ -2099,6 +2121,12 @@ mod tests {
                     );
                 }
             }
+            // A frozen token table: no rows made, the position table's the same.
+            let frozen = g.embed_backward(&tokens, None, &dy, false).unwrap();
+            assert!(frozen.wte.is_none());
+            let wpe =
+                |t: Option<&Tensor>| t.map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            assert_eq!(wpe(frozen.wpe.as_ref()), wpe(got.get(1)));
         }
     }
 
@@ -2902,7 +2930,9 @@ mod tests {
         for (gi, group) in g.groups().iter().enumerate() {
             let got = init.group(gi);
             for (i, ps) in group.params.iter().enumerate() {
-                assert_eq!(got[i], init_values(ps, 3, gi, i), "{}", ps.name);
+                let mut want = vec![f32::NAN; ps.numel()];
+                init_values(ps, 3, gi, i, &mut want);
+                assert_eq!(got[i], want, "{}", ps.name);
             }
         }
         // c_attn (192x576) in 3 tiles, c_fc (192x768) in 3.
@@ -3009,7 +3039,8 @@ mod tests {
             grads.extend(bg.into_vec());
             dx = d;
         }
-        grads.extend(g.embed_backward(&tok, docs, &dx).unwrap().into_vec());
+        let embedding = g.embed_backward(&tok, docs, &dx, true).unwrap();
+        grads.extend(whole_embedding_grads(g, embedding));
         let flat = grads
             .iter()
             .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())

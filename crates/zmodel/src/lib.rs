@@ -37,6 +37,7 @@
 
 pub mod attention;
 pub mod dropout;
+pub mod embedding;
 pub mod gpt;
 pub mod head;
 #[cfg(target_arch = "x86_64")]
@@ -48,6 +49,7 @@ pub mod params;
 mod simd;
 
 pub use dropout::{BlockDropout, Dropout, Noise};
+pub use embedding::{EmbeddingGrads, TokenRows};
 pub use gpt::{BlockActs, Gpt, GroupSpec, Init, Initializer, KvCache, ParamSpec};
 pub use head::HeadBackward;
 pub use linear::{BlockLinear, BlockNorm, BlockSource, Products};

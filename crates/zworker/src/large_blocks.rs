@@ -200,6 +200,25 @@ impl KeepLargeBlocks {
         size.div_ceil(PAGE) * PAGE
     }
 
+    /// A block of at least `size` (large) bytes: a kept one, or a fresh
+    /// mapping (`true`: it reads as zeros); null where mapping failed.
+    fn large_block(&self, size: usize) -> (*mut u8, bool) {
+        let len = Self::length(size);
+        let reused = self.policy().take(len, &mut unmap);
+        if let Some(addr) = reused {
+            return (addr as *mut u8, false);
+        }
+        let mut p = map(len);
+        if p.is_null() {
+            self.policy().give_back_all(&mut unmap);
+            p = map(len);
+            if p.is_null() {
+                self.policy().failed(len);
+            }
+        }
+        (p, true)
+    }
+
     fn large(layout: Layout) -> bool {
         layout.size() >= LARGE && layout.align() <= PAGE
     }
@@ -250,18 +269,23 @@ unsafe impl GlobalAlloc for KeepLargeBlocks {
             // SAFETY: the caller's layout contract passes through.
             return unsafe { System.alloc(layout) };
         }
-        let len = Self::length(layout.size());
-        let reused = self.policy().take(len, &mut unmap);
-        if let Some(addr) = reused {
-            return addr as *mut u8;
+        self.large_block(layout.size()).0
+    }
+
+    /// Zeroes only a kept block: a fresh mapping reads as zeros already,
+    /// and its pages stay unmapped until written. (`GlobalAlloc`'s own
+    /// `alloc_zeroed` wrote zeros over every block, which made a fresh
+    /// mapping resident whole: a `vec![0.0; n]` whose frozen parts nothing
+    /// writes took its full size while a worker started.)
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if !Self::large(layout) {
+            // SAFETY: the caller's layout contract passes through.
+            return unsafe { System.alloc_zeroed(layout) };
         }
-        let mut p = map(len);
-        if p.is_null() {
-            self.policy().give_back_all(&mut unmap);
-            p = map(len);
-            if p.is_null() {
-                self.policy().failed(len);
-            }
+        let (p, fresh) = self.large_block(layout.size());
+        if !p.is_null() && !fresh {
+            // SAFETY: a kept block is at least `layout.size()` bytes long.
+            unsafe { p.write_bytes(0, layout.size()) };
         }
         p
     }
@@ -474,5 +498,37 @@ mod tests {
         }
         let p = a.policy();
         assert!(p.mapped() <= p.most_in_use());
+    }
+
+    /// A zeroed large block is zeros whether fresh or kept, and a fresh one
+    /// is not made resident by it (`mincore`): only the pages written are.
+    #[test]
+    fn a_zeroed_block_is_zeros_and_a_fresh_one_takes_no_memory_until_written() {
+        let a = KeepLargeBlocks::new();
+        let layout = Layout::from_size_align(LARGE + 100, 64).unwrap();
+        let resident = |p: *mut u8| {
+            let pages = KeepLargeBlocks::length(layout.size()) / PAGE;
+            let mut flags = vec![0u8; pages];
+            // SAFETY: `p` is a page-aligned mapping of `pages` pages.
+            let rc = unsafe { libc::mincore(p.cast(), pages * PAGE, flags.as_mut_ptr()) };
+            assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+            flags.iter().filter(|&&f| f & 1 == 1).count()
+        };
+        // SAFETY: a valid layout; each block is written within its size and
+        // freed once with the layout it was made with.
+        unsafe {
+            let p = a.alloc_zeroed(layout);
+            assert!(!p.is_null());
+            assert_eq!(resident(p), 0, "a fresh zeroed block was written over");
+            p.add(3 * PAGE).write(1);
+            assert_eq!(resident(p), 1);
+            p.write_bytes(9, layout.size());
+            a.dealloc(p, layout);
+            let q = a.alloc_zeroed(layout);
+            assert_eq!(q, p, "the kept block was not reused");
+            let bytes = std::slice::from_raw_parts(q, layout.size());
+            assert!(bytes.iter().all(|&b| b == 0), "a kept block was not zeroed");
+            a.dealloc(q, layout);
+        }
     }
 }
