@@ -554,12 +554,14 @@ pub fn frozen_inputs_dropped(gpu: bool) -> [bool; 4] {
 /// [`activation_bytes`] under the `freeze` patterns: blocks below the
 /// lowest that trains (where the embedding is frozen) keep nothing, since
 /// backward stops above them, and the others no input of a linear whose
-/// weight is frozen where the device drops it ([`frozen_inputs_dropped`]).
+/// weight is frozen where the device drops it ([`frozen_inputs_dropped`]);
+/// and no output matrix gradient of the head's where the CPU worker adds
+/// it in place (`in_place`, [`output_gradient_in_place`]).
 pub fn frozen_activation_bytes(
     m: &ModelSpec,
     micro_batch: usize,
     freeze: &[String],
-    (gpu, kept): (bool, Kept),
+    (gpu, kept, in_place): (bool, Kept, bool),
 ) -> (f64, f64) {
     let t = m.seq_len;
     let frozen = |name: &str| crate::freeze::frozen(freeze, name);
@@ -570,7 +572,8 @@ pub fn frozen_activation_bytes(
         true => format!("{}.weight", m.token_table_name()),
         false => "lm_head.weight".into(),
     };
-    let head = head_activation_bytes(m, micro_batch, t, (gpu, !frozen(&output)));
+    let apart = !frozen(&output) && !in_place;
+    let head = head_activation_bytes(m, micro_batch, t, (gpu, apart));
     let input = 4.0 * (micro_batch * t * m.d_model) as f64;
     let linears = m.block_linears();
     let inputs = linear_input_bytes(m, micro_batch, t, kept);
@@ -604,21 +607,18 @@ pub fn frozen_activation_bytes(
 /// Bytes the head holds for `b` sequences of `t` tokens: its input, the
 /// normed rows and their gradient, and the logits: on a GPU all of them
 /// and two copies' worth, on the CPU the rows of [`head_logit_rows`] and,
-/// where the output matrix trains (`output_trains`), its f32 gradient
-/// (`vocab × d`, made while every block's activations are held: 622 MB at
-/// Qwen3's vocabulary and d 1024).
-pub fn head_activation_bytes(
-    m: &ModelSpec,
-    b: usize,
-    t: usize,
-    (gpu, output_trains): (bool, bool),
-) -> f64 {
+/// where the output matrix's gradient is made apart from its group's
+/// buffer (`apart`: it trains, and is not added in place,
+/// [`output_gradient_in_place`]), that f32 gradient (`vocab × d`, made
+/// while every block's activations are held: 622 MB at Qwen3's vocabulary
+/// and d 1024).
+pub fn head_activation_bytes(m: &ModelSpec, b: usize, t: usize, (gpu, apart): (bool, bool)) -> f64 {
     let (n, d, vocab) = ((b * t) as f64, m.d_model as f64, m.vocab_size as f64);
     let logits = match gpu {
         true => 3.0 * n * vocab,
         false => head_logit_rows(b * t, m.vocab_size) as f64 * vocab,
     };
-    let output_gradient = match !gpu && output_trains {
+    let output_gradient = match !gpu && apart {
         true => vocab * d,
         false => 0.0,
     };
@@ -701,16 +701,33 @@ pub fn gpu_probabilities_bytes(m: &ModelSpec, b: usize, half_products: bool) -> 
 pub fn job_activation_bytes(spec: &JobSpec, fused_attention: bool, kept: Kept) -> (f64, f64) {
     let micro = spec.train.micro_batch_size;
     let gpu = spec.device == Device::Cuda;
-    let (plain, checkpointed) = match spec.train.freeze.is_empty() {
-        true => activation_bytes(&spec.model, micro, (gpu, kept)),
-        false => frozen_activation_bytes(&spec.model, micro, &spec.train.freeze, (gpu, kept)),
-    };
+    let in_place = output_gradient_in_place(spec);
+    let (plain, checkpointed) = frozen_activation_bytes(
+        &spec.model,
+        micro,
+        &spec.train.freeze,
+        (gpu, kept, in_place),
+    );
     if !gpu || fused_attention {
         return (plain, checkpointed);
     }
     let probs = gpu_probabilities_bytes(&spec.model, micro, spec.train.dtype != Dtype::F32);
     let kept = (spec.model.n_layers - backward_reach(&spec.model, &spec.train.freeze)) as f64;
     (plain + (kept + 1.0) * probs, checkpointed + 2.0 * probs)
+}
+
+/// Whether a CPU worker of `spec` has the head add the output matrix's
+/// gradient into its group's gradient buffer itself, rather than make it
+/// apart (`vocab × d` f32) and add it: where gradients are f32 (the
+/// working type, or `train.grad_accum_dtype: f32`) and that buffer holds
+/// none of the micro-batch's yet when the head runs: at stages 2-3, whose
+/// every micro-batch stages its own; at stages 0-1 with one micro-batch a
+/// step (a later micro-batch's would be added to the earlier ones', and a
+/// chain of products started from them would not have every stage's bits).
+pub fn output_gradient_in_place(spec: &JobSpec) -> bool {
+    spec.device == Device::Cpu
+        && spec.train.grads_dtype() == Dtype::F32
+        && (spec.zero.stage.partitions_gradients() || spec.train.grad_accum == 1)
 }
 
 /// What one of `world` workers of a `device: cuda` job is estimated to hold
@@ -757,6 +774,63 @@ impl GpuWorkerBytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The head's output matrix gradient (`vocab × d` f32) is counted
+    /// where a CPU worker makes it apart: 16-bit gradients, or stages 0-1
+    /// with more than one micro-batch a step; not where it is added in
+    /// place, nor where the matrix is frozen.
+    #[test]
+    fn the_output_gradient_is_counted_where_it_is_made_apart() {
+        let base: JobSpec = serde_saphyr::from_str(
+            "model: {vocab_size: 1000, d_model: 64, n_layers: 1, n_heads: 2, seq_len: 16}\n\
+             data: {format: synthetic}\ntrain: {micro_batch_size: 2}\n",
+        )
+        .unwrap();
+        type Change = dyn Fn(&mut JobSpec);
+        let of = |change: &Change| {
+            let mut spec = base.clone();
+            change(&mut spec);
+            let (plain, checkpointed) = job_activation_bytes(&spec, true, Kept::F32);
+            (output_gradient_in_place(&spec), plain, checkpointed)
+        };
+        let gradient = 4.0 * 1000.0 * 64.0;
+        let (in_place, plain, checkpointed) = of(&|_| {});
+        assert!(in_place);
+        let apart: [(&str, &Change); 3] = [
+            ("two micro-batches", &|s| s.train.grad_accum = 2),
+            ("bf16", &|s| s.train.dtype = Dtype::Bf16),
+            ("f16", &|s| s.train.dtype = Dtype::F16),
+        ];
+        for (what, change) in apart {
+            let (in_place, p, c) = of(change);
+            assert!(!in_place, "{what}");
+            assert_eq!(
+                (p - plain, c - checkpointed),
+                (gradient, gradient),
+                "{what}"
+            );
+        }
+        let kept: [(&str, &Change); 3] = [
+            ("stage 2, two micro-batches", &|s| {
+                s.zero.stage = ZeroStage::Gradients;
+                s.train.grad_accum = 2;
+            }),
+            ("bf16 summed in f32", &|s| {
+                s.train.dtype = Dtype::Bf16;
+                s.train.grad_accum_dtype = Some(Dtype::F32);
+            }),
+            ("frozen, two micro-batches", &|s| {
+                s.train.freeze = vec!["wte.weight".into()];
+                s.train.grad_accum = 2;
+            }),
+        ];
+        for (what, change) in kept {
+            // (The frozen table's job counts no gradient of it either way.)
+            let (in_place, p, _) = of(change);
+            assert_eq!(p, plain, "{what}");
+            assert_eq!(in_place, !what.starts_with("frozen"), "{what}");
+        }
+    }
 
     #[test]
     fn the_collectives_buffers_are_a_bucket_and_stage_3_gathers() {
@@ -852,7 +926,9 @@ mod tests {
              data: {format: synthetic}\ntrain: {micro_batch_size: 2}\n",
         )
         .unwrap();
-        let cpu = activation_bytes(&spec.model, 2, (false, Kept::F32));
+        // (An f32 CPU job of one micro-batch a step adds the head's output
+        // gradient in place.)
+        let cpu = frozen_activation_bytes(&spec.model, 2, &[], (false, Kept::F32, true));
         let gpu = activation_bytes(&spec.model, 2, (true, Kept::F32));
         assert_eq!(
             job_activation_bytes(&spec, false, Kept::F32),

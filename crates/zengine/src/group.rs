@@ -87,7 +87,9 @@ impl Group {
             grads: Flat::zeros(grads_half, 0),
             grads_at,
             staging: None,
-            zero_owed: false,
+            // A full buffer starts as one whose zero is owed: its first
+            // micro-batch writes over it as every later step's does.
+            zero_owed: !stage.partitions_gradients() && grads > 0,
             exp_avg: Vec::new(),
             exp_avg_sq: Vec::new(),
             moments_released: 0,

@@ -15,7 +15,7 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor};
+use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
 use zmodel::{
     Batch, BlockActs, BlockDropout, BlockLinear, BlockNorm, BlockSource, Documents, Dropout,
     EmbeddingParams, HeadParams, Noise, TokenRows, WeightBias,
@@ -290,8 +290,10 @@ impl Engine {
             x = y;
         }
         let m = &self.spec.model;
-        let output_trains = !self.model.frozen_output();
-        let head = zconfig::estimate::head_activation_bytes(m, rows, t, (false, output_trains));
+        // The output matrix's gradient is the head's to hold where it is
+        // made apart from its group's buffer.
+        let apart = !self.model.frozen_output() && !self.output_gradient_fits();
+        let head = zconfig::estimate::head_activation_bytes(m, rows, t, (false, apart));
         let recomputed = if checkpointing { largest } else { 0 };
         let peak = (kept + recomputed) as u64 + head as u64;
         self.peak_activations = self.peak_activations.max(peak);
@@ -316,15 +318,17 @@ impl Engine {
             }
             false => None,
         };
-        let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
-        let back = self.model.head_backward(
-            &head_params,
-            wte.as_ref(),
-            x,
-            &mb.targets,
-            scale,
-            mb.divisor,
-        )?;
+        let scaled = (self.scaler.as_ref().map_or(1.0, |s| s.scale), mb.divisor);
+        let model = self.model.clone();
+        let in_place = !model.frozen_output() && self.output_gradient_fits();
+        let w = wte.as_ref();
+        let back = match in_place {
+            true => {
+                let into = self.output_gradient_buffer()?;
+                model.head_backward_into(&head_params, w, (x, &mb.targets), scaled, into)?
+            }
+            false => model.head_backward(&head_params, w, x, &mb.targets, scaled.0, scaled.1)?,
+        };
         if !back.loss.is_finite() {
             return Err(EngineError::NonFinite {
                 step: self.step + 1,
@@ -332,25 +336,24 @@ impl Engine {
                 value: back.loss,
             });
         }
-        // A frozen output matrix has no gradient (`Gpt::with_frozen_output`):
-        // zeros in a group that trains its norm.
-        let lm_head = match (tied, &back.out, &head_params.lm_head) {
-            (false, Some(out), _) => Some(out.clone()),
-            (false, None, Some(w)) => Some(Tensor::zeros(w.dims(), DType::F32, &Device::Cpu)?),
-            _ => None,
-        };
-        let grads = HeadParams {
-            norm: back.norm,
-            lm_head,
+        // The untied output matrix's gradient: made, added in place, or
+        // none (frozen, `Gpt::with_frozen_output`).
+        let norm = [Some(&back.norm.weight), back.norm.bias.as_ref()];
+        let mut grads: Vec<SlotGrad> = norm.into_iter().flatten().map(SlotGrad::Whole).collect();
+        if !tied {
+            grads.push(match (&back.out, in_place) {
+                (Some(out), _) => SlotGrad::Whole(out),
+                (None, true) => SlotGrad::Added,
+                (None, false) => SlotGrad::Frozen,
+            });
         }
-        .into_vec();
-        self.accumulate_tensors(head, &grads.iter().collect::<Vec<_>>())?;
+        self.accumulate(head, &grads)?;
         if let (true, Some(out)) = (tied, &back.out) {
             let wte_range = self.groups[0].layout.params[0].range.clone();
             self.add_grad_to(0, wte_range, out, "wte (tied head)")?;
         }
         let (loss_value, dx) = (back.loss, back.dx);
-        drop((grads, wte, head_params));
+        drop((wte, head_params));
         self.release(head);
         if tied {
             self.release(0);
@@ -359,6 +362,50 @@ impl Engine {
             self.group_done(head)?;
         }
         Ok((loss_value, dx))
+    }
+
+    /// The output matrix's group and slot: `wte` (the embedding's first)
+    /// where the head is tied, else `lm_head` (the head's last).
+    fn output_slot(&self) -> (usize, usize) {
+        match self.model.config().tied() {
+            true => (0, 0),
+            false => {
+                let head = self.model.config().n_layers + 1;
+                (head, self.groups[head].layout.params.len() - 1)
+            }
+        }
+    }
+
+    /// Whether the head can add the output matrix's gradient into its
+    /// group's micro-batch buffer itself ([`Engine::output_gradient_buffer`]):
+    /// where that buffer is f32 and holds none of this micro-batch's
+    /// gradients yet (a full buffer whose zero is owed, or no staging buffer
+    /// made). Elsewhere the gradient is made apart and added: a chain of
+    /// products started from gradients already there would not end with
+    /// the bits of every stage alike.
+    fn output_gradient_fits(&self) -> bool {
+        let (g, _) = self.output_slot();
+        self.grads_half.is_none()
+            && match self.stage.partitions_gradients() {
+                true => self.groups[g].staging.is_none(),
+                false => self.groups[g].zero_owed,
+            }
+    }
+
+    /// The output matrix's part of its group's micro-batch buffer, zeroed
+    /// ([`Engine::micro_grads`] settles it), for the head to add its
+    /// gradient into where [`Engine::output_gradient_fits`].
+    fn output_gradient_buffer(&mut self) -> Result<&mut [f32], EngineError> {
+        let (g, slot) = self.output_slot();
+        let range = self.groups[g].layout.params[slot].range.clone();
+        let at = self.micro_at(g, range.start);
+        match self.micro_grads(g) {
+            Flat::F32(v) => Ok(&mut v[at..at + range.len()]),
+            Flat::Half(..) => Err(EngineError::BadGradient {
+                param: "the output matrix".into(),
+                problem: "a 16-bit gradient buffer taken for f32".into(),
+            }),
+        }
     }
 
     /// Backward through the blocks, last first, down to the lowest that
@@ -553,6 +600,7 @@ impl Engine {
                 (SlotGrad::Whole(_), Some((storage, layout))) => {
                     parts.push((at, grad_values(storage, layout, len, &slot.name)?));
                 }
+                (SlotGrad::Added, _) => {}
                 (SlotGrad::Rows(rows), _) => {
                     let height = len / rows.width.max(1);
                     if rows.width * height != len
@@ -574,8 +622,10 @@ impl Engine {
         }
         parts.sort_by_key(|(at, _)| *at);
         let partitioned = self.stage.partitions_gradients();
-        if (partitioned && self.groups[g].staging.is_none())
-            || (!partitioned && self.groups[g].zero_owed)
+        let added = grads.iter().any(|grad| matches!(grad, SlotGrad::Added));
+        if !added
+            && ((partitioned && self.groups[g].staging.is_none())
+                || (!partitioned && self.groups[g].zero_owed))
         {
             // The group's first gradients: its staging buffer made from
             // them in one pass (`Flat::with_parts`: the bits of zeroing it
@@ -614,6 +664,9 @@ pub(crate) enum SlotGrad<'a> {
     /// The rows of a token table that a micro-batch's tokens picked; the
     /// other rows' gradients are zero.
     Rows(&'a TokenRows),
+    /// Added into the buffer already (the head's output matrix,
+    /// [`Engine::output_gradient_buffer`]).
+    Added,
     /// None made: the parameter is frozen.
     Frozen,
 }

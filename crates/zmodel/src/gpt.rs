@@ -1291,21 +1291,55 @@ impl Gpt {
         scale: f64,
         divisor: f64,
     ) -> Result<HeadBackward> {
-        let (b, t, _) = x.dims3()?;
-        let vocab = Self::head_matrix(params, wte)?.dim(0)?;
-        let chunk = zconfig::estimate::head_logit_rows(b * t, vocab);
-        self.head_backward_in_chunks(params, wte, x, targets, (scale, divisor), chunk)
+        self.head_backward_with(params, wte, x, targets, (scale, divisor), None)
     }
 
-    /// [`Gpt::head_backward`] with the logits of `chunk` rows at a time.
-    fn head_backward_in_chunks(
+    /// [`Gpt::head_backward`], adding the output matrix's gradient into
+    /// `into` (`vocab × d`, row-major) instead of a buffer of its own: the
+    /// chunks' products added as one chain from what `into` holds, so that
+    /// where it holds zeros it ends with the bits [`HeadBackward::out`]
+    /// would hold (which is then `None`). The engine hands it its own
+    /// gradient buffer where that holds none of the micro-batch's yet: the
+    /// `vocab × d` gradient is not made apart and added (622 MB in f32 at
+    /// Qwen3's vocabulary and d 1024). Nothing is added where the output
+    /// matrix is frozen.
+    pub fn head_backward_into(
+        &self,
+        params: &HeadParams<Tensor>,
+        wte: Option<&Tensor>,
+        (x, targets): (&Tensor, &Tensor),
+        scaled: (f64, f64),
+        into: &mut [f32],
+    ) -> Result<HeadBackward> {
+        self.head_backward_with(params, wte, x, targets, scaled, Some(into))
+    }
+
+    /// [`Gpt::head_backward`] or [`Gpt::head_backward_into`], with the
+    /// logits in chunks of [`zconfig::estimate::head_logit_rows`].
+    fn head_backward_with(
         &self,
         params: &HeadParams<Tensor>,
         wte: Option<&Tensor>,
         x: &Tensor,
         targets: &Tensor,
+        scaled: (f64, f64),
+        into: Option<&mut [f32]>,
+    ) -> Result<HeadBackward> {
+        let (b, t, _) = x.dims3()?;
+        let vocab = Self::head_matrix(params, wte)?.dim(0)?;
+        let chunk = zconfig::estimate::head_logit_rows(b * t, vocab);
+        self.head_backward_in_chunks(params, wte, (x, targets), scaled, chunk, into)
+    }
+
+    /// [`Gpt::head_backward_with`] with the logits of `chunk` rows at a time.
+    fn head_backward_in_chunks(
+        &self,
+        params: &HeadParams<Tensor>,
+        wte: Option<&Tensor>,
+        (x, targets): (&Tensor, &Tensor),
         (scale, divisor): (f64, f64),
         chunk: usize,
+        into: Option<&mut [f32]>,
     ) -> Result<HeadBackward> {
         let (b, t, d) = x.dims3()?;
         let n = b * t;
@@ -1315,7 +1349,18 @@ impl Gpt {
         let vocab = out.dim(0)?;
         let targets = targets.flatten_all()?.to_vec1::<u32>()?;
         let mut dnormed = vec![0f32; n * d];
-        let mut dout = (!self.frozen_output).then(|| vec![0f32; vocab * d]);
+        if into.as_ref().is_some_and(|o| o.len() != vocab * d) {
+            candle_core::bail!(
+                "head backward: {} elements for an output matrix of {vocab} × {d}",
+                into.map_or(0, |o| o.len())
+            );
+        }
+        let mut made = None;
+        let mut dout = match (self.frozen_output, into) {
+            (true, _) => None,
+            (false, Some(into)) => Some(into),
+            (false, None) => Some(made.insert(vec![0f32; vocab * d]).as_mut_slice()),
+        };
         let loss = {
             let (ns, nl) = normed.storage_and_layout();
             let (os, ol) = out.storage_and_layout();
@@ -1337,7 +1382,7 @@ impl Gpt {
             loss,
             dx: dx.reshape((b, t, d))?,
             norm,
-            out: dout
+            out: made
                 .map(|o| Tensor::from_vec(o, (vocab, d), &Device::Cpu))
                 .transpose()?,
         })
@@ -1846,7 +1891,8 @@ mod tests {
     /// norm's and output matrix's gradients have the bits of one chunk,
     /// GPT (tied) and LLaMA (untied), with label smoothing and left-out
     /// positions, f32 products and bf16 ones where the CPU has them. The
-    /// chunks' weight gradients continue one chain of fused multiply-adds.
+    /// chunks' weight gradients continue one chain of fused multiply-adds,
+    /// in a buffer of the head's own or added into the caller's.
     #[test]
     fn the_head_in_chunks_of_rows_has_the_bits_of_one() {
         let mut products = vec![false];
@@ -1884,7 +1930,7 @@ mod tests {
                 let targets = Tensor::from_vec(targets, (2, 100), &dev).unwrap();
                 let run = |chunk| {
                     let (w, scaled) = (wte.as_ref(), (4.0, 170.0));
-                    g.head_backward_in_chunks(&head, w, &x, &targets, scaled, chunk)
+                    g.head_backward_in_chunks(&head, w, (&x, &targets), scaled, chunk, None)
                         .unwrap()
                 };
                 let (one, chunked) = (run(200), run(64));
@@ -1900,6 +1946,39 @@ mod tests {
                 assert!(
                     bits(&one.norm.weight) == bits(&chunked.norm.weight),
                     "{what}: norm"
+                );
+                // Added into a buffer of zeros (in chunks too): the bits of
+                // one, and no gradient of its own.
+                let scaled = (4.0, 170.0);
+                let mut into = vec![0f32; v * d];
+                let w = wte.as_ref();
+                let added = g
+                    .head_backward_in_chunks(&head, w, (&x, &targets), scaled, 64, Some(&mut into))
+                    .unwrap();
+                assert!(added.out.is_none(), "{what}: a gradient of its own");
+                assert!(
+                    into.iter().map(|x| x.to_bits()).collect::<Vec<_>>() == bits(a),
+                    "{what}: output matrix added in place"
+                );
+                assert_eq!(one.loss.to_bits(), added.loss.to_bits(), "{what}: loss");
+                assert!(bits(&one.dx) == bits(&added.dx), "{what}: input");
+                // A frozen output matrix adds nothing; a buffer of another
+                // shape is refused.
+                let frozen = g.clone().with_frozen_output(true);
+                let mut kept = vec![7f32; v * d];
+                let back = frozen
+                    .head_backward_into(&head, w, (&x, &targets), scaled, &mut kept)
+                    .unwrap();
+                assert!(
+                    back.out.is_none() && kept.iter().all(|&x| x == 7.0),
+                    "{what}"
+                );
+                let e = g
+                    .head_backward_into(&head, w, (&x, &targets), scaled, &mut kept[1..])
+                    .unwrap_err();
+                assert!(
+                    e.to_string().contains("for an output matrix of 300 × 64"),
+                    "{e}"
                 );
             }
         }

@@ -36,7 +36,9 @@ pub struct HeadBackward {
     pub norm: crate::WeightBias<Tensor>,
     /// The output matrix's gradient `[vocab, d]`: `lm_head`'s, or with a tied
     /// head the share that `wte` gets from the head; `None` where the
-    /// output matrix is frozen ([`crate::Gpt::with_frozen_output`]).
+    /// output matrix is frozen ([`crate::Gpt::with_frozen_output`]) or its
+    /// gradient was added where the caller asked
+    /// ([`crate::Gpt::head_backward_into`]).
     pub out: Option<Tensor>,
 }
 

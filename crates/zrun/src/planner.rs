@@ -41,8 +41,8 @@ use crate::estimate::local_worker_threads;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use zconfig::estimate::{
-    activation_bytes, attention_work_bytes, comm_buffer_bytes, frozen_activation_bytes,
-    frozen_flops_per_token, model_params, trained_elements, worker_states, Kept, StateBytes,
+    activation_bytes, attention_work_bytes, comm_buffer_bytes, frozen_flops_per_token,
+    job_activation_bytes, model_params, trained_elements, worker_states, Kept, StateBytes,
 };
 use zconfig::spec::OptimizerKind;
 use zconfig::{load_job_with, JobSpec, Topology};
@@ -601,12 +601,8 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         }
         let states = worker_states(&job.spec, world);
         let t = &job.spec.train;
-        let (plain, checkpointed) = frozen_activation_bytes(
-            &job.spec.model,
-            t.micro_batch_size,
-            &t.freeze,
-            (false, crate::estimate::kept(&job.spec)),
-        );
+        let kept = crate::estimate::kept(&job.spec);
+        let (plain, checkpointed) = job_activation_bytes(&job.spec, true, kept);
         let acts = if job.spec.train.activation_checkpointing {
             checkpointed
         } else {
