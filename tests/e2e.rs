@@ -1515,7 +1515,10 @@ fn the_estimate_moves_with_the_stage_and_the_bucket_as_peak_memory_does() {
 /// where that holds none of the micro-batch's yet (measured 1.08x the
 /// estimate); with two micro-batches a step at stage 0 the second's is made
 /// apart while every block's activations are held, and the estimate counts
-/// it. With the token table frozen a worker holds neither that gradient
+/// it. At stage 2 the embedding's gradient is staged for its bucket from
+/// the head's backward to the embedding's, which the estimate counts (1.10x;
+/// 1.43x before, and the bucket's close on one rank copied it again). With
+/// the token table frozen a worker holds neither that gradient
 /// nor the table's gradient and moments, nor does it make them on the way:
 /// the embedding's backward makes only the rows its tokens picked, and a
 /// frozen table's pages of gradient and moments are never written
@@ -1528,6 +1531,7 @@ fn a_large_vocabularys_head_holds_about_what_the_estimate_says() {
     for (case, extra) in [
         ("in place", None),
         ("two micro-batches", Some("train.grad_accum=2")),
+        ("stage 2", Some("zero.stage=2")),
         ("frozen table", Some("train.freeze=[wte.weight]")),
     ] {
         let sets = [

@@ -242,31 +242,48 @@ pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
 }
 
 /// Bytes a CPU worker's collectives hold at its step's peak, beside its
-/// model states, for `spec` on `world` ranks (none on one rank, which
-/// reduces and gathers nothing).
+/// model states, for `spec` on `world` ranks.
 ///
 /// - A reduce bucket of f32 gradients: `min(reduce_bucket_size, trained)`
-///   elements (a bucket leaves frozen parameters out, but under qgZ). Stages
-///   0-2 keep the buffer between steps, so it is there while forward's
-///   activations pile up; at stage 3 the last bucket, packed after backward
-///   has freed them, is one large buffer of its own (measured on
-///   gpt-anchor: the peak RSS rose by it with the default bucket and not
-///   with small ones, which reuse the activations' freed memory).
+///   elements (a bucket leaves frozen parameters out, but under qgZ), where
+///   there are two ranks or more to reduce between. Stages 0-2 keep the
+///   buffer between steps, so it is there while forward's activations pile
+///   up; at stage 3 the last bucket, packed after backward has freed them,
+///   is one large buffer of its own (measured on gpt-anchor: the peak RSS
+///   rose by it with the default bucket and not with small ones, which
+///   reuse the activations' freed memory).
+/// - Stages 2-3: the output matrix's gradient staged for its bucket, in
+///   the gradients' type, where it trains: the head's group (and the
+///   embedding's, where the head is tied) gets its gradient first in
+///   backward, while every block's activations are held, and a tied
+///   embedding's bucket leaves only when the embedding's backward is done
+///   (`vocab × d`: a sixth of a width-256 GPT-2-vocabulary worker's peak).
 /// - Stage 3: the gathered parameters in the working type, the group in use
 ///   and, with `overlap_comm`, up to `prefetch_bucket_size` elements of the
 ///   next ones; under parameter offload to NVMe the states already count two
 ///   gathered groups.
 pub fn comm_buffer_bytes(spec: &JobSpec, world: usize) -> f64 {
-    if world < 2 {
-        return 0.0;
-    }
     let z = &spec.zero;
     let psi = model_params(&spec.model);
     let carried = match z.quantized_gradients {
         true => psi,
         false => trained_elements(&spec.model, &spec.train.freeze).trained,
     };
-    let bucket = (z.reduce_bucket_size.0 as f64).min(carried) * 4.0;
+    let bucket = match world {
+        0 | 1 => 0.0,
+        _ => (z.reduce_bucket_size.0 as f64).min(carried) * 4.0,
+    };
+    let m = &spec.model;
+    let output = match m.tied() {
+        true => format!("{}.weight", m.token_table_name()),
+        false => "lm_head.weight".into(),
+    };
+    let staged = match z.stage.partitions_gradients()
+        && !crate::freeze::frozen(&spec.train.freeze, &output)
+    {
+        true => (m.vocab_size * m.d_model) as f64 * StateBytes::for_job(spec).grad,
+        false => 0.0,
+    };
     let gathered = match z.stage.partitions_parameters() && !z.offload_param.is_nvme() {
         true => {
             let ahead = match z.overlap_comm {
@@ -278,7 +295,7 @@ pub fn comm_buffer_bytes(spec: &JobSpec, world: usize) -> f64 {
         }
         false => 0.0,
     };
-    bucket + gathered
+    bucket + staged + gathered
 }
 
 /// Bytes one node sends to other nodes in one stage-3 step, by phase, as
@@ -833,7 +850,7 @@ mod tests {
     }
 
     #[test]
-    fn the_collectives_buffers_are_a_bucket_and_stage_3_gathers() {
+    fn the_collectives_buffers_are_a_bucket_a_staged_output_gradient_and_stage_3_gathers() {
         let mut spec: JobSpec = serde_saphyr::from_str(
             "model: {vocab_size: 256, d_model: 384, n_layers: 6, n_heads: 6, seq_len: 256}\n\
              data: {format: synthetic}\nzero: {stage: 0, prefetch_bucket_size: 1e6}\n",
@@ -855,19 +872,32 @@ mod tests {
         assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi);
         spec.zero.quantized_gradients = false;
         spec.train.freeze.clear();
+        // Stages 2-3 stage the output matrix's gradient (the tied
+        // embedding's, vocab × d) in the gradients' type, on one rank too;
+        // not where it is frozen.
+        let table = 256.0 * 384.0;
+        spec.zero.stage = ZeroStage::Gradients;
+        assert_eq!(comm_buffer_bytes(&spec, 1), 4.0 * table);
+        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi + 4.0 * table);
+        spec.train.freeze = vec!["wte.weight".into()];
+        let trained = trained_elements(&spec.model, &spec.train.freeze).trained;
+        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * trained);
+        spec.train.freeze.clear();
         // Stage 3 gathers the group in use and the prefetch bucket ahead,
         // in the working type; without overlap one group.
         spec.zero.stage = ZeroStage::Weights;
         let group = largest_group(&spec.model);
-        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi + 4.0 * (group + 1e6));
+        let staged = 4.0 * psi + 4.0 * table;
+        assert_eq!(comm_buffer_bytes(&spec, 2), staged + 4.0 * (group + 1e6));
         spec.train.dtype = Dtype::Bf16;
-        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi + 2.0 * (group + 1e6));
+        let staged = 4.0 * psi + 2.0 * table;
+        assert_eq!(comm_buffer_bytes(&spec, 2), staged + 2.0 * (group + 1e6));
         spec.zero.overlap_comm = false;
-        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi + 2.0 * group);
+        assert_eq!(comm_buffer_bytes(&spec, 2), staged + 2.0 * group);
         // The whole model at most.
         spec.zero.overlap_comm = true;
         spec.zero.prefetch_bucket_size.0 = 1_000_000_000;
-        assert_eq!(comm_buffer_bytes(&spec, 2), 6.0 * psi);
+        assert_eq!(comm_buffer_bytes(&spec, 2), staged + 2.0 * psi);
     }
 
     #[test]

@@ -124,7 +124,12 @@ impl Engine {
                 let leave_frozen_out = self.reducer.leaves_frozen_out();
                 for h in self.reducer.buckets[bi].groups.clone() {
                     let staged = self.take_staged(h)?;
-                    let s = staged.to_f32(0..staged.len());
+                    // Read in place where f32 (a copy of the group's
+                    // gradient had doubled it at the end of backward).
+                    let s = match &staged {
+                        Flat::F32(v) => std::borrow::Cow::Borrowed(v.as_slice()),
+                        half => std::borrow::Cow::Owned(half.to_f32(0..half.len())),
+                    };
                     let layout = &self.groups[h].layout;
                     let runs = self.groups[h].trained_grads(0..layout.padded);
                     let runs: Vec<(usize, &[f32])> = (runs.into_iter())
