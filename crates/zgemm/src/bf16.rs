@@ -112,6 +112,14 @@ pub trait Bf16Operand: Copy + Default + Send + Sync + sealed::Sealed {
         None
     }
 
+    /// `m` read in place as pairs along its rows for the driver to pack
+    /// `B`'s panels from ([`Bf16Operand::pairs_in_place`] without what only
+    /// a kernel reading `A` in place needs: whole 32-row tiles, cache-line
+    /// rows, rows spread over L1's sets).
+    fn pairs_to_pack(_m: MatRef<Self>) -> Option<MatRef<f32>> {
+        None
+    }
+
     /// The bits of the 16 values from `p`, each in the low half of its lane.
     ///
     /// # Safety
@@ -173,14 +181,26 @@ impl Bf16Operand for u16 {
     /// bytes apart put a tile's 16 rows in 8 sets or fewer; see
     /// `pair_columns`). Elsewhere the copy is a plain one, no rounding.
     fn pairs_in_place(m: MatRef<u16>) -> Option<MatRef<f32>> {
-        let fits = m.cs == 1
-            && m.cols.is_multiple_of(32)
-            && m.rows.is_multiple_of(32)
+        let fits = m.rows.is_multiple_of(32)
             && (2 * m.rs).is_multiple_of(64)
             && !(2 * m.rs).is_multiple_of(512)
             && m.data.as_ptr().align_offset(64) == 0;
+        fits.then(|| Self::pairs_to_pack(m)).flatten()
+    }
+
+    /// Row-major bf16 values whose rows are whole steps of 16 pairs, each
+    /// starting a pair: a weight stored `[out, in]` in bf16 (a tied head's
+    /// token table, `B` transposed in the logits' product), read where it
+    /// lies. Its paired copy (`pair_columns`, kept between products) was
+    /// `vocab × d × 2` bytes more for as long as the thread lived: 29 MB at
+    /// GPT-2's vocabulary and d 256, 321 MB at Qwen3's and d 1024.
+    fn pairs_to_pack(m: MatRef<u16>) -> Option<MatRef<f32>> {
+        let fits = m.cs == 1
+            && m.cols.is_multiple_of(32)
+            && m.rs.is_multiple_of(2)
+            && m.data.as_ptr().align_offset(4) == 0;
         fits.then(|| {
-            // SAFETY: 64-byte aligned (checked), and the floats cover the
+            // SAFETY: 4-byte aligned (checked), and the floats cover the
             // first even number of halves of `data`.
             let data = unsafe {
                 std::slice::from_raw_parts(m.data.as_ptr().cast::<f32>(), m.data.len() / 2)
@@ -287,7 +307,12 @@ fn multiply<A: Bf16Operand, B: Bf16Operand>(
                 rows: a2.cols,
             }
         } else {
-            Packs::Values(pair_columns(b.t(), &mut pb, threads).t())
+            let pairs = B::pairs_to_pack(b.t());
+            Packs::Values(
+                pairs
+                    .unwrap_or_else(|| pair_columns(b.t(), &mut pb, threads))
+                    .t(),
+            )
         };
         drive(
             kernel, c, a2, b2, alpha, start, threads, None, rounded, None,

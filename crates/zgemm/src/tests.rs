@@ -878,8 +878,16 @@ fn bf16_operands_given_as_bits_give_the_bits_of_their_f32_originals() {
     // place, the in-register transpose, pairs of rows packed with B), odd
     // sizes, both
     // operands or one of them as bits, every bf16 kernel, 1 and 2 threads.
-    // 64x64x96: A and Bᵀ read in place as pairs.
-    for (m, n, k) in [(37, 70, 45), (64, 96, 130), (5, 33, 1), (64, 64, 96)] {
+    // 64x64x96: A and Bᵀ read in place as pairs. 37x70x256: Bᵀ's pairs
+    // packed from where they lie, though its 70 rows are no whole tiles and
+    // lie 512 bytes apart (a tied head's token table at d 256).
+    for (m, n, k) in [
+        (37, 70, 45),
+        (64, 96, 130),
+        (5, 33, 1),
+        (64, 64, 96),
+        (37, 70, 256),
+    ] {
         // (Not `awkward`: its NaNs and infinities would reach every element
         // of C and hide a wrong bit.)
         let (a, b) = (random(m as u64, m * k), random(n as u64 + 7, k * n));
