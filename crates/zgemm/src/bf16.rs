@@ -281,6 +281,86 @@ pub fn gemm_bf16_with<A: Bf16Operand, B: Bf16Operand>(
     multiply(kernel, c, a, b, alpha, start, threads, None)
 }
 
+/// `C = start ⊕ α·A·bf16(B)` where `A` is given as pairs already: an
+/// `m × kp` matrix whose element `(i, q)` holds `A`'s values `(i, 2q)` and
+/// `(i, 2q + 1)` as bf16 bits (the even one in the low half), as
+/// [`pair_rows_both_ways`] writes them. `B` has at most `2·kp` rows; the
+/// pairs past them must be zeros. `kp` must be a multiple of 16 and, where
+/// the pairs' rows are contiguous, `m` a multiple of 32 with the pairs'
+/// memory readable that far (AMX reads 16 pairs of 32 rows at a time, as
+/// `gemm_bf16`'s own paired copies are laid out). The bits are
+/// [`gemm_bf16`]'s with `A`'s f32 values: a producer that pairs its output
+/// as it writes it saves the product a pass over `A` (and a buffer of it).
+pub fn gemm_bf16_pairs<B: Bf16Operand>(
+    c: MatMut,
+    a: MatRef<f32>,
+    b: MatRef<B>,
+    alpha: f32,
+    start: Start,
+    threads: usize,
+) -> Result<(), ShapeError> {
+    gemm_bf16_pairs_with(Kernel::best_bf16(), c, a, b, alpha, start, threads)
+}
+
+/// [`gemm_bf16_pairs`] with a given bf16 kernel.
+///
+/// # Panics
+///
+/// If `kernel` is not in [`Kernel::available_bf16`].
+pub fn gemm_bf16_pairs_with<B: Bf16Operand>(
+    kernel: Kernel,
+    c: MatMut,
+    a: MatRef<f32>,
+    b: MatRef<B>,
+    alpha: f32,
+    start: Start,
+    threads: usize,
+) -> Result<(), ShapeError> {
+    assert!(
+        Kernel::detected_bf16().contains(&kernel),
+        "{kernel:?} is not a bf16 kernel this CPU can run"
+    );
+    let unpadded = !a.cols.is_multiple_of(16) || (a.cs == 1 && !a.rows.is_multiple_of(32));
+    // A `B` not row-major is paired whole: its pairs must be `A`'s depth.
+    let deep = b.cs == 1 || b.rows.div_ceil(2).div_ceil(16) * 16 == a.cols;
+    if a.rows != c.rows || b.rows > 2 * a.cols || b.cols != c.cols || unpadded || !deep {
+        return Err(ShapeError::mismatch(&c, &a, b.rows, b.cols));
+    }
+    let mut pa = PAIRS_A.take();
+    // AMX reads `A`'s pairs in place, row by row: pairs given by column are
+    // copied into rows first.
+    let a2 = match kernel == Kernel::AmxBf16 && a.cs != 1 {
+        true => pairs_into_rows(a, &mut pa),
+        false => a,
+    };
+    let result = multiply_pairs(kernel, c, a2, b, alpha, start, threads, None);
+    PAIRS_A.set(pa);
+    result
+}
+
+/// The pairs matrix `a` copied into `buf` row by row, its rows padded to a
+/// multiple of 32 with zero pairs (the layout `pair_columns` writes).
+fn pairs_into_rows<'b>(a: MatRef<f32>, buf: &'b mut Vec<f32>) -> MatRef<'b> {
+    let (rows, stride) = (a.rows.div_ceil(32) * 32, a.cols + 16);
+    let out = aligned(buf, rows * stride);
+    for (i, row) in out.chunks_exact_mut(stride).enumerate() {
+        for (q, v) in row.iter_mut().enumerate() {
+            *v = if i < a.rows && q < a.cols {
+                a.at(i, q)
+            } else {
+                0.0
+            };
+        }
+    }
+    MatRef {
+        data: out,
+        rows: a.rows,
+        cols: a.cols,
+        rs: stride,
+        cs: 1,
+    }
+}
+
 /// The product of [`gemm_bf16_with`] (shapes checked), `C` rounded as it
 /// stores where `rounded` says where to.
 #[allow(clippy::too_many_arguments)]
@@ -296,9 +376,27 @@ fn multiply<A: Bf16Operand, B: Bf16Operand>(
 ) -> Result<(), ShapeError> {
     // Taken, not borrowed: rayon may run another product on this thread
     // while it waits.
-    let (mut pa, mut pb) = (PAIRS_A.take(), PAIRS_B.take());
+    let mut pa = PAIRS_A.take();
+    let a2 = pair_columns(a, &mut pa, threads);
+    let result = multiply_pairs(kernel, c, a2, b, alpha, start, threads, rounded);
+    PAIRS_A.set(pa);
+    result
+}
+
+/// [`multiply`] of `A` paired already (`a2`).
+#[allow(clippy::too_many_arguments)]
+fn multiply_pairs<B: Bf16Operand>(
+    kernel: Kernel,
+    c: MatMut,
+    a2: MatRef<f32>,
+    b: MatRef<B>,
+    alpha: f32,
+    start: Start,
+    threads: usize,
+    rounded: Option<Rounded>,
+) -> Result<(), ShapeError> {
+    let mut pb = PAIRS_B.take();
     let result = {
-        let a2 = pair_columns(a, &mut pa, threads);
         // A row-major B is rounded as the driver packs it; any other
         // through a paired copy of its transpose.
         let b2 = if b.cs == 1 {
@@ -318,7 +416,6 @@ fn multiply<A: Bf16Operand, B: Bf16Operand>(
             kernel, c, a2, b2, alpha, start, threads, None, rounded, None,
         )
     };
-    PAIRS_A.set(pa);
     PAIRS_B.set(pb);
     result
 }
@@ -605,6 +702,93 @@ fn pair_transposed<T: Bf16Operand>(
         (0..kp / 16).into_par_iter().for_each(block);
     } else {
         (0..kp / 16).for_each(block);
+    }
+}
+
+/// The row stride, in floats, of rows that [`pair_rows_both_ways`] pairs in
+/// place for `cols` values: whole steps of 64 values, so that each half
+/// row holds whole steps of 16 pairs, and not a multiple of 512 bytes, so
+/// that a kernel reading 16 rows of pairs in place spreads them over L1's
+/// sets (`bf16_row_stride`'s reasons).
+pub fn pairs_row_stride(cols: usize) -> usize {
+    let stride = cols.div_ceil(64) * 64;
+    match stride.is_multiple_of(128) {
+        true => stride + 64,
+        false => stride,
+    }
+}
+
+/// Rounds two rows of f32 values (`rows`: the first `cols` values of each
+/// of its two rows, `stride` apart; `stride` from [`pairs_row_stride`])
+/// to bf16 and writes them back in place as the pairs that products with
+/// either layout read ([`gemm_bf16_pairs`]), each with the bits
+/// `gemm_bf16` would have paired the f32 values into:
+///
+/// - **along**: each row's first `⌈cols/2⌉` floats (then zero pairs to a
+///   multiple of 16) are its pairs `(x[2q], x[2q + 1])`: the rows of the
+///   two-row matrix as `A` (`m × kp`, row stride `stride`);
+/// - **across**: the pairs `(x₀[j], x₁[j])` of the two rows' values,
+///   `j < stride/2` at `rows[stride/2 + j]` and the rest at `rows[stride +
+///   j]`: row `j` of the matrix's transpose as `A`, its depth the two rows
+///   (cut at `stride/2` into two matrices of rows `1` apart, a pair of rows
+///   `2·stride` apart from the next).
+///
+/// A loss that makes its gradient in place (the head's logits) pairs it so
+/// for both of its products, with no paired copy of its own. `scratch`
+/// holds the rows' values while they are rewritten.
+///
+/// # Panics
+///
+/// If `stride` is not a multiple of 64, `cols` is over it, or `rows`
+/// holds fewer than two rows.
+pub fn pair_rows_both_ways(rows: &mut [f32], stride: usize, cols: usize, scratch: &mut Vec<f32>) {
+    #[cfg(target_arch = "x86_64")]
+    let simd = has_avx512bw();
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = false;
+    pair_rows_in(rows, stride, cols, scratch, simd);
+}
+
+/// [`pair_rows_both_ways`] with AVX-512 (`simd`, where the CPU has it) or
+/// without (tests run both).
+pub(crate) fn pair_rows_in(
+    rows: &mut [f32],
+    stride: usize,
+    cols: usize,
+    scratch: &mut Vec<f32>,
+    simd: bool,
+) {
+    assert!(
+        stride.is_multiple_of(64) && cols <= stride && rows.len() >= 2 * stride,
+        "pairing {cols} values of two rows {stride} apart in {} floats",
+        rows.len()
+    );
+    let half = stride / 2;
+    let width = cols.div_ceil(32) * 32;
+    scratch.clear();
+    scratch.resize(2 * width, 0.0);
+    let (x0, x1) = scratch.split_at_mut(width);
+    x0[..cols].copy_from_slice(&rows[..cols]);
+    x1[..cols].copy_from_slice(&rows[stride..stride + cols]);
+    let (x0, x1) = (&*x0, &*x1);
+    let (r0, r1) = rows.split_at_mut(stride);
+    #[cfg(target_arch = "x86_64")]
+    if simd && has_avx512bw() {
+        // SAFETY: AVX-512F/BW present; x0 and x1 hold `width` values, a
+        // multiple of 32, and every store is inside r0 or r1 (below).
+        return unsafe { x86::pair_rows_both_ways(x0, x1, r0, &mut r1[..stride], half) };
+    }
+    let _ = simd;
+    for q in 0..width / 2 {
+        r0[q] = pair(round(x0[2 * q]), round(x0[2 * q + 1]));
+        r1[q] = pair(round(x1[2 * q]), round(x1[2 * q + 1]));
+    }
+    for j in 0..width {
+        let across = pair(round(x0[j]), round(x1[j]));
+        match j < half {
+            true => r0[half + j] = across,
+            false => r1[j] = across,
+        }
     }
 }
 
@@ -922,6 +1106,59 @@ mod x86 {
             }
         }
         whole
+    }
+
+    /// [`super::pair_rows_both_ways`] from the rows' values `x0`, `x1` (a
+    /// multiple of 32, zero past the rows' values) into `r0`, `r1` (one
+    /// row each), the across pairs cut at `half`.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F and BW; `x0` and `x1` are as long, a multiple
+    /// of 32 and at most `2·half`; `r0` and `r1` hold `2·half` floats.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn pair_rows_both_ways(
+        x0: &[f32],
+        x1: &[f32],
+        r0: &mut [f32],
+        r1: &mut [f32],
+        half: usize,
+    ) {
+        let width = x0.len();
+        debug_assert!(x1.len() == width && width.is_multiple_of(32) && width <= 2 * half);
+        debug_assert!(r0.len() >= 2 * half && r1.len() >= 2 * half);
+        // The high halves of two vectors of 16 gathered into 32 (as in
+        // `bf16_bits_write`): a row's 16 pairs along.
+        let high_halves = _mm512_set_epi16(
+            63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21,
+            19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+        );
+        let low = _mm512_set1_epi32(0xffff);
+        for j in (0..width).step_by(32) {
+            // SAFETY: j + 32 ≤ width, inside x0 and x1; the along pairs go
+            // to floats j/2..j/2 + 16 < half of each row, the across ones
+            // to half + j.. (j < half, then j + 32 ≤ half: half is a
+            // multiple of 32) or j.. (j ≥ half) below 2·half.
+            unsafe {
+                let a = round16_high(_mm512_loadu_ps(x0.as_ptr().add(j)));
+                let b = round16_high(_mm512_loadu_ps(x0.as_ptr().add(j + 16)));
+                let c = round16_high(_mm512_loadu_ps(x1.as_ptr().add(j)));
+                let d = round16_high(_mm512_loadu_ps(x1.as_ptr().add(j + 16)));
+                let along0 = _mm512_permutex2var_epi16(a, high_halves, b);
+                let along1 = _mm512_permutex2var_epi16(c, high_halves, d);
+                _mm512_storeu_si512(r0.as_mut_ptr().add(j / 2).cast(), along0);
+                _mm512_storeu_si512(r1.as_mut_ptr().add(j / 2).cast(), along1);
+                // Row 0's bits low, row 1's high.
+                let lo = _mm512_or_si512(_mm512_srli_epi32::<16>(a), _mm512_andnot_si512(low, c));
+                let hi = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_andnot_si512(low, d));
+                let at = match j < half {
+                    true => r0.as_mut_ptr().add(half + j),
+                    false => r1.as_mut_ptr().add(j),
+                };
+                _mm512_storeu_si512(at.cast(), lo);
+                _mm512_storeu_si512(at.add(16).cast(), hi);
+            }
+        }
     }
 
     /// The transpose of a 16×16 matrix of 32-bit lanes (`r[l]` its row `l`):

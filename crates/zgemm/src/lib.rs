@@ -75,8 +75,8 @@ mod kernels;
 use bf16::RowSource;
 pub use bf16::{
     bf16_bits, bf16_bits_into, bf16_bits_write, bf16_line_start, bf16_row_stride, bf16_value,
-    gemm_bf16, gemm_bf16_rounded, gemm_bf16_rounded_with, gemm_bf16_with, has_native_bf16,
-    Bf16Operand, BitsMut,
+    gemm_bf16, gemm_bf16_pairs, gemm_bf16_pairs_with, gemm_bf16_rounded, gemm_bf16_rounded_with,
+    gemm_bf16_with, has_native_bf16, pair_rows_both_ways, pairs_row_stride, Bf16Operand, BitsMut,
 };
 
 /// Depth of a packed block: an `A` panel of AVX-512's kernel (`6 × KC`
@@ -2169,7 +2169,9 @@ fn pack_a_transposed(
     match mr {
         6 => pack_a_transposed_by::<6>(a, i0, mlen, p0, kc, dst),
         4 => pack_a_transposed_by::<4>(a, i0, mlen, p0, kc, dst),
-        _ => unreachable!("the f32 kernels' panels are 6 or 4 rows, not {mr}"),
+        // AVX512_BF16's, of pairs given by column (`gemm_bf16_pairs`).
+        12 => pack_a_transposed_by::<12>(a, i0, mlen, p0, kc, dst),
+        _ => unreachable!("the kernels' packed panels are 12, 6 or 4 rows, not {mr}"),
     }
 }
 

@@ -871,6 +871,151 @@ fn bf16_pairs_of_every_operand_layout_equal_the_scalar_pairs() {
 }
 
 #[test]
+fn two_rows_paired_both_ways_in_place_hold_the_scalar_pairs() {
+    // With AVX-512 and without: odd and short widths, NaNs and infinities,
+    // a width filling the row; what lies past the values is not read.
+    for cols in [1, 31, 45, 64, 97, 200, 255, 320] {
+        let stride = pairs_row_stride(cols);
+        let half = stride / 2;
+        let x = awkward(cols as u64, 2 * cols);
+        let (x0, x1) = x.split_at(cols);
+        let v = |r: &[f32], j: usize| if j < cols { r[j] } else { 0.0 };
+        for simd in [false, true] {
+            let mut rows = vec![f32::NAN; 2 * stride];
+            rows[..cols].copy_from_slice(x0);
+            rows[stride..stride + cols].copy_from_slice(x1);
+            let mut scratch = vec![7.0; 3];
+            bf16::pair_rows_in(&mut rows, stride, cols, &mut scratch, simd);
+            let kp = cols.div_ceil(2).div_ceil(16) * 16;
+            assert!(2 * kp <= stride);
+            for q in 0..kp {
+                for (r, x) in [(0, x0), (1, x1)] {
+                    let got = rows[r * stride + q].to_bits();
+                    let want = pair_bits(v(x, 2 * q), v(x, 2 * q + 1));
+                    assert_eq!(
+                        got, want,
+                        "along, {cols} values, simd {simd}, row {r} pair {q}"
+                    );
+                }
+            }
+            for j in 0..cols {
+                let at = if j < half { half + j } else { stride + j };
+                let want = pair_bits(x0[j], x1[j]);
+                assert_eq!(
+                    rows[at].to_bits(),
+                    want,
+                    "across, {cols} values, simd {simd}, {j}"
+                );
+            }
+        }
+    }
+    assert_eq!(pairs_row_stride(50_304), 50_368);
+    assert_eq!(pairs_row_stride(50_257), 50_304 + 64);
+}
+
+#[test]
+fn bf16_products_of_a_given_as_pairs_give_the_bits_of_its_values() {
+    // The two products of a loss's gradient paired in place (its rows
+    // along, and its transpose across, cut in two), against `gemm_bf16` of
+    // its f32 values: every kernel, one thread and two, `B` as f32 and as
+    // bits, started from zero and from C; a planted wrong pair is caught.
+    let (rows, k, n) = (64, 150, 40);
+    let stride = pairs_row_stride(k);
+    let half = stride / 2;
+    let x = random(5, rows * k);
+    let mut paired = vec![0f32; rows * stride];
+    for i in 0..rows {
+        paired[i * stride..][..k].copy_from_slice(&x[i * k..][..k]);
+    }
+    let mut scratch = Vec::new();
+    for pair in paired.chunks_exact_mut(2 * stride) {
+        pair_rows_both_ways(pair, stride, k, &mut scratch);
+    }
+    let kp = k.div_ceil(2).div_ceil(16) * 16;
+    let along = MatRef::new(&paired, rows, kp, stride, 1).unwrap();
+    let across = |lo: bool| {
+        let (at, count) = match lo {
+            true => (half, half.min(k)),
+            false => (stride + half, k - half.min(k)),
+        };
+        MatRef::new(&paired[at..], count, rows / 2, 1, 2 * stride).unwrap()
+    };
+    let xm = MatRef::row_major(&x, rows, k).unwrap();
+    let w = random(6, k * n);
+    let y = random(7, rows * n);
+    let w16: Vec<u16> = w.iter().map(|&v| bf16::round(v) as u16).collect();
+    let start = random(8, k.max(rows) * n);
+    for kernel in Kernel::available_bf16() {
+        for threads in [1, 2] {
+            for keep in [false, true] {
+                let what = format!("{kernel:?}, {threads} threads, keep {keep}");
+                let begin = |len: usize| match keep {
+                    true => start[..len].to_vec(),
+                    false => vec![0f32; len],
+                };
+                let s = if keep { Start::Keep } else { Start::Zero };
+                // dx = dl · W (W as f32 and as bits).
+                let mut want = begin(rows * n);
+                let cm = MatMut::row_major(&mut want, rows, n).unwrap();
+                let wm = MatRef::row_major(&w, k, n).unwrap();
+                gemm_bf16_with(kernel, cm, xm, wm, 1.0, s, threads).unwrap();
+                for bits in [false, true] {
+                    let mut got = begin(rows * n);
+                    let cm = MatMut::row_major(&mut got, rows, n).unwrap();
+                    match bits {
+                        true => {
+                            let wm = MatRef::row_major(&w16, k, n).unwrap();
+                            gemm_bf16_pairs_with(kernel, cm, along, wm, 1.0, s, threads)
+                        }
+                        false => gemm_bf16_pairs_with(kernel, cm, along, wm, 1.0, s, threads),
+                    }
+                    .unwrap();
+                    assert!(same_bits(&got, &want), "along, bits {bits}: {what}");
+                }
+                // dW = dlᵀ · y, its rows in two products.
+                let mut want = begin(k * n);
+                let cm = MatMut::row_major(&mut want, k, n).unwrap();
+                let ym = MatRef::row_major(&y, rows, n).unwrap();
+                gemm_bf16_with(kernel, cm, xm.t(), ym, 1.0, s, threads).unwrap();
+                let mut got = begin(k * n);
+                let (lo, hi) = got.split_at_mut(half.min(k) * n);
+                for (c, a) in [(lo, across(true)), (hi, across(false))] {
+                    let cm = MatMut::row_major(c, a.rows, n).unwrap();
+                    gemm_bf16_pairs_with(kernel, cm, a, ym, 1.0, s, threads).unwrap();
+                }
+                assert!(same_bits(&got, &want), "across: {what}");
+            }
+        }
+    }
+    // A wrong pair in the along rows changes the product.
+    let mut wrong = paired.clone();
+    wrong[3 * stride + 5] = 1.0;
+    let mut got = vec![0f32; rows * n];
+    let cm = MatMut::row_major(&mut got, rows, n).unwrap();
+    let along = MatRef::new(&wrong, rows, kp, stride, 1).unwrap();
+    let wm = MatRef::row_major(&w, k, n).unwrap();
+    gemm_bf16_pairs(cm, along, wm, 1.0, Start::Zero, 1).unwrap();
+    let mut want = vec![0f32; rows * n];
+    let cm = MatMut::row_major(&mut want, rows, n).unwrap();
+    gemm_bf16(cm, xm, wm, 1.0, Start::Zero, 1).unwrap();
+    assert!(!same_bits(&got, &want));
+    // Pairs whose depth is not whole steps of 16, or rows read in place not
+    // whole tiles of 32, are refused.
+    let short = MatRef::new(&paired, rows, kp - 1, stride, 1).unwrap();
+    let mut c = vec![0f32; rows * n];
+    let cm = MatMut::row_major(&mut c, rows, n).unwrap();
+    assert!(gemm_bf16_pairs(cm, short, wm, 1.0, Start::Zero, 1).is_err());
+    let few = MatRef::new(&paired, rows - 2, kp, stride, 1).unwrap();
+    let cm = MatMut::row_major(&mut c[..(rows - 2) * n], rows - 2, n).unwrap();
+    assert!(gemm_bf16_pairs(cm, few, wm, 1.0, Start::Zero, 1).is_err());
+}
+
+/// Whether two products agree to the last bit.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+#[test]
 fn bf16_operands_given_as_bits_give_the_bits_of_their_f32_originals() {
     // An activation its producer wrote in bf16 (`MatRef<u16>`) multiplies
     // as the f32 values it was rounded from: A and B row-major or

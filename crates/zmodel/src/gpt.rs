@@ -34,7 +34,7 @@ use zconfig::tiles::{column_tiles, ColumnTile, TileError};
 use crate::documents::Documents;
 use crate::dropout::{BlockDropout, Dropout};
 use crate::embedding::{EmbeddingGrads, TokenRows};
-use crate::head::{self, HeadBackward};
+use crate::head::{self, Dlogits, HeadBackward};
 use crate::linear::{
     self, f32s, BlockLinear, BlockNorm, BlockSource, Input, LayerInput, OutputGrad, Products,
     Store, Whole,
@@ -1367,13 +1367,28 @@ impl Gpt {
             let xm = MatRef::row_major(f32s(&ns, nl)?, n, d).map_err(head::shape)?;
             let om = Input::of(&os, ol, vocab, d)?;
             let scaled = ((scale, divisor), self.label_smoothing);
-            self.loss_in_chunks(xm, om, &targets, scaled, chunk, |r0, x, dl| {
-                if let Some(dout) = dout.as_deref_mut() {
-                    // Each chunk's part added: one chain over the rows.
-                    head::product_into(dout, dl.t(), x, Start::Keep, self.products)?;
-                }
+            self.loss_in_chunks(xm, om, &targets, scaled, chunk, true, |r0, x, dl| {
                 let dx = &mut dnormed[r0 * d..(r0 + x.rows()) * d];
-                head::product_into(dx, dl, om, Start::Zero, self.products)
+                match dl {
+                    Dlogits::F32(dl) => {
+                        if let Some(dout) = dout.as_deref_mut() {
+                            // Each chunk's part added: one chain over the rows.
+                            let dl = Input::F32(dl.t());
+                            head::product_into(dout, dl, x, Start::Keep, self.products)?;
+                        }
+                        head::product_into(dx, Input::F32(dl), om, Start::Zero, self.products)
+                    }
+                    Dlogits::Paired { along, across } => {
+                        if let Some(dout) = dout.as_deref_mut() {
+                            // The vocabulary's two runs: rows apart, the
+                            // bits of one product.
+                            let (lo, hi) = dout.split_at_mut(across[0].rows() * d);
+                            head::pairs_product_into(lo, across[0], x, Start::Keep)?;
+                            head::pairs_product_into(hi, across[1], x, Start::Keep)?;
+                        }
+                        head::pairs_product_into(dx, along, om, Start::Zero)
+                    }
+                }
             })?
         };
         let dnormed = Tensor::from_vec(dnormed, (n, d), &Device::Cpu)?;
@@ -1411,9 +1426,8 @@ impl Gpt {
         let om = Input::of(&os, ol, vocab, d)?;
         let targets = targets.flatten_all()?.to_vec1::<u32>()?;
         let chunk = zconfig::estimate::head_logit_rows(n, vocab);
-        self.loss_in_chunks(xm, om, &targets, ((1.0, divisor), 0.0), chunk, |_, _, _| {
-            Ok(())
-        })
+        let scaled = ((1.0, divisor), 0.0);
+        self.loss_in_chunks(xm, om, &targets, scaled, chunk, false, |_, _, _| Ok(()))
     }
 
     /// The logits after the last position of `x` `[1, t, d]`, what
@@ -1498,6 +1512,15 @@ impl Gpt {
     /// loss times `scale`, with `smoothing`), handed to `each` with the
     /// chunk's first row and rows of `normed` before the next chunk's are
     /// made. The rows' terms are summed in row order whatever the chunk.
+    ///
+    /// With bf16 products, for a backward (`backward`), a chunk of whole
+    /// 32-row tiles has its gradient paired in place for both of its
+    /// products ([`head::Dlogits::Paired`]): `zgemm` then pairs neither
+    /// from the f32 values (two passes over them, 5% of a bf16 step at
+    /// GPT-2's vocabulary and d 512) nor keeps a paired copy (`chunk ×
+    /// vocab × 2` bytes, 311 MB at Qwen3's vocabulary and 1024 rows). The
+    /// bits are the f32 gradient's products'.
+    #[allow(clippy::too_many_arguments)]
     fn loss_in_chunks(
         &self,
         normed: MatRef,
@@ -1505,20 +1528,30 @@ impl Gpt {
         targets: &[u32],
         (scaled, smoothing): ((f64, f64), f64),
         chunk: usize,
-        mut each: impl FnMut(usize, Input, Input) -> Result<()>,
+        backward: bool,
+        mut each: impl FnMut(usize, Input, Dlogits) -> Result<()>,
     ) -> Result<f64> {
         let (n, vocab) = (normed.rows(), out.rows());
+        let pairs = backward && self.products == Products::Bf16;
+        let stride = match pairs {
+            true => zgemm::pairs_row_stride(vocab),
+            false => vocab,
+        };
         let mut losses = Vec::with_capacity(n);
-        head::with_logits(chunk * vocab, |buf| -> Result<_> {
+        head::with_logits(chunk * stride, |buf| -> Result<_> {
             for r0 in (0..n).step_by(chunk) {
                 let r1 = (r0 + chunk).min(n);
-                let logits = &mut buf[..(r1 - r0) * vocab];
+                let paired = pairs && (r1 - r0).is_multiple_of(32);
+                let logits = &mut buf[..(r1 - r0) * stride];
                 let x = Input::F32(normed.sub_rows(r0, r1));
-                head::product_into(logits, x, out.t(), Start::Zero, self.products)?;
+                let c = MatMut::new(logits, r1 - r0, vocab, stride).map_err(head::shape)?;
+                let threads = rayon::current_num_threads();
+                crate::linear::multiply(self.products, c, x, out.t(), Start::Zero, threads)?;
                 let part = &targets[r0..r1];
-                head::cross_entropy_in_place(logits, part, vocab, scaled, smoothing, &mut losses)?;
-                let dl = MatRef::row_major(logits, r1 - r0, vocab).map_err(head::shape)?;
-                each(r0, x, Input::F32(dl))?;
+                let rows = (vocab, stride, paired);
+                head::cross_entropy_in_place(logits, part, rows, scaled, smoothing, &mut losses)?;
+                let dl = Dlogits::of(logits, (r1 - r0, vocab, stride), paired)?;
+                each(r0, x, dl)?;
             }
             Ok(())
         })?;
@@ -2215,9 +2248,15 @@ mod tests {
         // The terms of two rows before these: positions count from there.
         let mut losses = vec![0.0; 2];
         let scaled = (1.0, 2.0);
-        let err =
-            crate::head::cross_entropy_in_place(&mut logits, &[1, 3], 3, scaled, 0.0, &mut losses)
-                .unwrap_err();
+        let err = crate::head::cross_entropy_in_place(
+            &mut logits,
+            &[1, 3],
+            (3, 3, false),
+            scaled,
+            0.0,
+            &mut losses,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("target 3 at position 3"), "{err}");
     }
 

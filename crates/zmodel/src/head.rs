@@ -19,7 +19,7 @@
 
 use candle_core::{Result, Tensor};
 use rayon::prelude::*;
-use zgemm::{MatMut, Start};
+use zgemm::{MatMut, MatRef, Start};
 
 use crate::linear::{Input, Products};
 use crate::ops::{max_lanes, sum_lanes};
@@ -59,16 +59,27 @@ pub use zdata::IGNORED;
 /// transformers' `LabelSmoother`'s: `(1 − ε)·(−log p(target)) + ε·mean over
 /// the vocabulary of −log p`, and its gradient `softmax − (1 − ε)·onehot −
 /// ε / vocab` (one more pass over the row, for its sum).
+///
+/// The rows lie `stride` floats apart (`vocab` or more). Where the
+/// gradient's products are bf16 ones ([`Dlogits::Paired`], `paired`) the
+/// rows are taken two at a time, and each pair's gradient is rounded and
+/// rewritten in place as the pairs that both products read
+/// (`zgemm::pair_rows_both_ways`: `stride` from `zgemm::pairs_row_stride`,
+/// an even number of rows).
 pub(crate) fn cross_entropy_in_place(
     logits: &mut [f32],
     targets: &[u32],
-    vocab: usize,
+    (vocab, stride, paired): (usize, usize, bool),
     (scale, divisor): (f64, f64),
     smoothing: f64,
     losses: &mut Vec<f64>,
 ) -> Result<()> {
     let rows = targets.len();
-    if logits.len() != rows * vocab || vocab == 0 {
+    if logits.len() != rows * stride
+        || vocab == 0
+        || stride < vocab
+        || (paired && !rows.is_multiple_of(2))
+    {
         candle_core::bail!(
             "cross-entropy: {} logits for {rows} targets over a vocabulary of {vocab}",
             logits.len()
@@ -93,51 +104,128 @@ pub(crate) fn cross_entropy_in_place(
         (scale / divisor * smoothing / vocab as f64) as f32,
         (scale / divisor * (1.0 - smoothing)) as f32,
     );
-    let terms = logits
-        .par_chunks_mut(vocab)
-        .zip(targets.par_iter())
-        .with_min_len(16)
-        .map(|(row, &t)| {
-            if t == IGNORED {
-                row.fill(0.0);
-                return 0.0;
-            }
-            vectorised(
-                #[inline(always)]
-                || {
-                    let max = max_lanes(row);
-                    let picked = row[t as usize] - max;
-                    // The mean of x − max over the row, for the smoothing.
-                    let mean = match smoothing > 0.0 {
-                        true => {
-                            f64::from(sum_lanes([row], |[x]| x)) / vocab as f64 - f64::from(max)
-                        }
-                        false => 0.0,
-                    };
-                    exp_minus(row, max);
-                    let sum = sum_lanes([row], |[x]| x);
-                    let inv = coef / sum;
-                    // −log p(target) = log Σ exp(x − max) − (x_t − max).
-                    let nll = f64::from(sum.ln()) - f64::from(picked);
-                    if smoothing == 0.0 {
-                        row.iter_mut().for_each(|x| *x *= inv);
-                        row[t as usize] -= coef;
-                        return nll;
-                    }
-                    row.iter_mut().for_each(|x| *x = *x * inv - uniform);
-                    row[t as usize] -= picked_coef;
-                    // The mean of −log p_j = log Σ exp(x − max) − mean(x − max).
-                    (1.0 - smoothing) * nll + smoothing * (f64::from(sum.ln()) - mean)
-                },
-            )
-        });
-    losses.par_extend(terms);
+    let term = |row: &mut [f32], t: u32| -> f64 {
+        let row = &mut row[..vocab];
+        if t == IGNORED {
+            row.fill(0.0);
+            return 0.0;
+        }
+        vectorised(
+            #[inline(always)]
+            || {
+                let max = max_lanes(row);
+                let picked = row[t as usize] - max;
+                // The mean of x − max over the row, for the smoothing.
+                let mean = match smoothing > 0.0 {
+                    true => f64::from(sum_lanes([row], |[x]| x)) / vocab as f64 - f64::from(max),
+                    false => 0.0,
+                };
+                exp_minus(row, max);
+                let sum = sum_lanes([row], |[x]| x);
+                let inv = coef / sum;
+                // −log p(target) = log Σ exp(x − max) − (x_t − max).
+                let nll = f64::from(sum.ln()) - f64::from(picked);
+                if smoothing == 0.0 {
+                    row.iter_mut().for_each(|x| *x *= inv);
+                    row[t as usize] -= coef;
+                    return nll;
+                }
+                row.iter_mut().for_each(|x| *x = *x * inv - uniform);
+                row[t as usize] -= picked_coef;
+                // The mean of −log p_j = log Σ exp(x − max) − mean(x − max).
+                (1.0 - smoothing) * nll + smoothing * (f64::from(sum.ln()) - mean)
+            },
+        )
+    };
+    if !paired {
+        let terms = logits
+            .par_chunks_mut(stride)
+            .zip(targets.par_iter())
+            .with_min_len(16)
+            .map(|(row, &t)| term(row, t));
+        losses.par_extend(terms);
+        return Ok(());
+    }
+    // Both rows of a pair, then their pairs, while they are in L2.
+    let terms: Vec<[f64; 2]> = logits
+        .par_chunks_mut(2 * stride)
+        .zip(targets.par_chunks(2))
+        .with_min_len(8)
+        .map(|(two, t)| {
+            let (r0, r1) = two.split_at_mut(stride);
+            let terms = [term(r0, t[0]), term(r1, t[1])];
+            SCRATCH.with(|s| zgemm::pair_rows_both_ways(two, stride, vocab, &mut s.borrow_mut()));
+            terms
+        })
+        .collect();
+    losses.extend(terms.into_iter().flatten());
     Ok(())
+}
+
+/// The logits' gradient as the head's two products take it.
+#[derive(Clone, Copy)]
+pub(crate) enum Dlogits<'a> {
+    /// f32 values, `rows × vocab`.
+    F32(MatRef<'a>),
+    /// Paired in place by [`cross_entropy_in_place`] for bf16 products
+    /// (`zgemm::gemm_bf16_pairs`): `along`, the rows' pairs (`A` of the
+    /// input's gradient, `dlogits · out`); `across`, the transpose's pairs
+    /// in two runs of the vocabulary (`A` of the output matrix's gradient,
+    /// `dlogitsᵀ · x`, its first rows and the rest).
+    Paired {
+        along: MatRef<'a>,
+        across: [MatRef<'a>; 2],
+    },
+}
+
+impl<'a> Dlogits<'a> {
+    /// The gradient of `rows` rows over `vocab` in `logits` (rows `stride`
+    /// apart), paired or not.
+    pub(crate) fn of(
+        logits: &'a [f32],
+        (rows, vocab, stride): (usize, usize, usize),
+        paired: bool,
+    ) -> Result<Dlogits<'a>> {
+        if !paired {
+            return Ok(Dlogits::F32(
+                MatRef::new(logits, rows, vocab, stride, 1).map_err(shape)?,
+            ));
+        }
+        let half = stride / 2;
+        let kp = vocab.div_ceil(2).div_ceil(16) * 16;
+        let lo = half.min(vocab);
+        let along = MatRef::new(logits, rows, kp, stride, 1).map_err(shape)?;
+        let across = |at: usize, count: usize| {
+            MatRef::new(&logits[at..], count, rows / 2, 1, 2 * stride).map_err(shape)
+        };
+        Ok(Dlogits::Paired {
+            along,
+            across: [across(half, lo)?, across(stride + half, vocab - lo)?],
+        })
+    }
+}
+
+/// `C = A·B` or `C += A·B` into `c` with `A` as pairs
+/// ([`Dlogits::Paired`]) and `B` f32 or bf16 bits; nothing where `A` has
+/// no rows.
+pub(crate) fn pairs_product_into(c: &mut [f32], a: MatRef, b: Input, start: Start) -> Result<()> {
+    if a.rows() == 0 {
+        return Ok(());
+    }
+    let c = MatMut::row_major(c, a.rows(), b.cols()).map_err(shape)?;
+    let threads = rayon::current_num_threads();
+    match b {
+        Input::F32(b) => zgemm::gemm_bf16_pairs(c, a, b, 1.0, start, threads),
+        Input::Bf16(b) => zgemm::gemm_bf16_pairs(c, a, b, 1.0, start, threads),
+    }
+    .map_err(shape)
 }
 
 thread_local! {
     /// The thread's logits buffer, kept between calls ([`with_logits`]).
     static LOGITS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A pair of rows' values while [`cross_entropy_in_place`] pairs them.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` on this thread's logits buffer, `len` floats, kept from call to
@@ -147,12 +235,14 @@ thread_local! {
 /// first write, and was cleared by the kernel first (13% of a bf16 step's
 /// samples at that vocabulary). Taken out for the call, so a nested use
 /// cannot alias it.
+/// The buffer starts on a 64-byte line (paired rows are read in place).
 pub(crate) fn with_logits<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     let mut buf = LOGITS.with(|l| std::mem::take(&mut *l.borrow_mut()));
-    if buf.len() < len {
-        buf.resize(len, 0.0);
+    if buf.len() < len + 15 {
+        buf.resize(len + 15, 0.0);
     }
-    let r = f(&mut buf[..len]);
+    let at = buf.as_ptr().align_offset(64).min(15);
+    let r = f(&mut buf[at..at + len]);
     LOGITS.with(|l| *l.borrow_mut() = buf);
     r
 }
