@@ -626,20 +626,36 @@ pub fn frozen_activation_bytes(
 /// and two copies' worth, on the CPU the rows of [`head_logit_rows`] and,
 /// where the output matrix's gradient is made apart from its group's
 /// buffer (`apart`: it trains, and is not added in place,
-/// [`output_gradient_in_place`]), that f32 gradient (`vocab × d`, made
-/// while every block's activations are held: 622 MB at Qwen3's vocabulary
-/// and d 1024).
+/// [`output_gradient_in_place`]), that f32 gradient: a run of
+/// [`output_gradient_block_rows`] at a time where one chunk of logits
+/// covers the rows, else whole (`vocab × d`, made while every block's
+/// activations are held: 622 MB at Qwen3's vocabulary and d 1024).
 pub fn head_activation_bytes(m: &ModelSpec, b: usize, t: usize, (gpu, apart): (bool, bool)) -> f64 {
     let (n, d, vocab) = ((b * t) as f64, m.d_model as f64, m.vocab_size as f64);
+    let chunk = head_logit_rows(b * t, m.vocab_size);
     let logits = match gpu {
         true => 3.0 * n * vocab,
-        false => head_logit_rows(b * t, m.vocab_size) as f64 * vocab,
+        false => chunk as f64 * vocab,
     };
-    let output_gradient = match !gpu && apart {
-        true => vocab * d,
-        false => 0.0,
+    let output_gradient = match (!gpu && apart, b * t <= chunk) {
+        (false, _) => 0.0,
+        (true, true) => output_gradient_block_rows(m.vocab_size, m.d_model) as f64 * d,
+        (true, false) => vocab * d,
     };
     4.0 * (3.0 * n * d + logits + output_gradient)
+}
+
+/// Bytes of a run of the output matrix's gradient that the CPU's head makes
+/// at a time where it hands the gradient over in runs (zmodel's
+/// `Gpt::head_backward_adding`).
+pub const OUTPUT_GRADIENT_BLOCK_BYTES: usize = 16 << 20;
+
+/// Rows of the output matrix's gradient (`vocab × d`, f32) in a run of
+/// [`OUTPUT_GRADIENT_BLOCK_BYTES`], at least 64.
+pub fn output_gradient_block_rows(vocab: usize, d: usize) -> usize {
+    (OUTPUT_GRADIENT_BLOCK_BYTES / (4 * d.max(1)))
+        .max(64)
+        .min(vocab.max(1))
 }
 
 /// The logits the CPU's head holds at most (but for

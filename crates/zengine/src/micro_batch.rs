@@ -320,14 +320,30 @@ impl Engine {
         };
         let scaled = (self.scaler.as_ref().map_or(1.0, |s| s.scale), mb.divisor);
         let model = self.model.clone();
-        let in_place = !model.frozen_output() && self.output_gradient_fits();
+        let trains = !model.frozen_output();
+        let in_place = trains && self.output_gradient_fits();
         let w = wte.as_ref();
-        let back = match in_place {
-            true => {
+        let back = match (trains, in_place) {
+            (_, true) => {
                 let into = self.output_gradient_buffer()?;
                 model.head_backward_into(&head_params, w, (x, &mb.targets), scaled, into)?
             }
-            false => model.head_backward(&head_params, w, x, &mb.targets, scaled.0, scaled.1)?,
+            // Added into the group's buffer a run of rows at a time, as
+            // the head makes them.
+            (true, false) => {
+                let (g, slot) = self.output_slot();
+                let range = self.groups[g].layout.params[slot].range.clone();
+                let d = model.config().d_model;
+                let mut add = |row: usize, values: &[f32]| -> candle_core::Result<()> {
+                    let at = range.start + row * d;
+                    self.add_values_to(g, at..at + values.len(), values, "the output matrix")
+                        .map_err(|e| candle_core::Error::Msg(e.to_string()))
+                };
+                model.head_backward_adding(&head_params, w, (x, &mb.targets), scaled, &mut add)?
+            }
+            (false, false) => {
+                model.head_backward(&head_params, w, x, &mb.targets, scaled.0, scaled.1)?
+            }
         };
         if !back.loss.is_finite() {
             return Err(EngineError::NonFinite {
@@ -341,17 +357,13 @@ impl Engine {
         let norm = [Some(&back.norm.weight), back.norm.bias.as_ref()];
         let mut grads: Vec<SlotGrad> = norm.into_iter().flatten().map(SlotGrad::Whole).collect();
         if !tied {
-            grads.push(match (&back.out, in_place) {
+            grads.push(match (&back.out, trains) {
                 (Some(out), _) => SlotGrad::Whole(out),
                 (None, true) => SlotGrad::Added,
                 (None, false) => SlotGrad::Frozen,
             });
         }
         self.accumulate(head, &grads)?;
-        if let (true, Some(out)) = (tied, &back.out) {
-            let wte_range = self.groups[0].layout.params[0].range.clone();
-            self.add_grad_to(0, wte_range, out, "wte (tied head)")?;
-        }
         let (loss_value, dx) = (back.loss, back.dx);
         drop((wte, head_params));
         self.release(head);
@@ -500,24 +512,7 @@ impl Engine {
         }
     }
 
-    /// Adds `grad` into `range` of group `g`'s micro-batch gradient buffer.
-    pub(crate) fn add_grad_to(
-        &mut self,
-        g: usize,
-        range: Range<usize>,
-        grad: &Tensor,
-        name: &str,
-    ) -> Result<(), EngineError> {
-        // (A frozen parameter's gradient is not kept.)
-        if self.groups[g].layout.frozen_in(&range) {
-            return Ok(());
-        }
-        let at = self.micro_at(g, range.start);
-        add_grad(self.micro_grads(g), at..at + range.len(), grad, name)
-    }
-
     /// Adds `values` into `range` of group `g`'s micro-batch gradient buffer.
-    #[cfg(feature = "cuda")]
     pub(crate) fn add_values_to(
         &mut self,
         g: usize,
@@ -849,23 +844,6 @@ fn missing(what: &str) -> EngineError {
     EngineError::MissingGradient {
         param: what.to_string(),
     }
-}
-
-/// Adds a gradient tensor into `range` of `buf`, read in place from the
-/// tensor's storage (no copy out of candle first).
-fn add_grad(
-    buf: &mut Flat,
-    range: Range<usize>,
-    grad: &Tensor,
-    name: &str,
-) -> Result<(), EngineError> {
-    let grad = grad.contiguous()?;
-    let (storage, layout) = grad.storage_and_layout();
-    buf.add_f32(
-        range.start,
-        grad_values(&storage, layout, range.len(), name)?,
-    );
-    Ok(())
 }
 
 /// A contiguous gradient's `len` f32 values, in place in its CPU storage.

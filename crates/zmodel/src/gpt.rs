@@ -1291,7 +1291,7 @@ impl Gpt {
         scale: f64,
         divisor: f64,
     ) -> Result<HeadBackward> {
-        self.head_backward_with(params, wte, x, targets, (scale, divisor), None)
+        self.head_backward_with(params, wte, x, targets, (scale, divisor), Output::Own)
     }
 
     /// [`Gpt::head_backward`], adding the output matrix's gradient into
@@ -1311,11 +1311,34 @@ impl Gpt {
         scaled: (f64, f64),
         into: &mut [f32],
     ) -> Result<HeadBackward> {
-        self.head_backward_with(params, wte, x, targets, scaled, Some(into))
+        self.head_backward_with(params, wte, x, targets, scaled, Output::Into(into))
     }
 
-    /// [`Gpt::head_backward`] or [`Gpt::head_backward_into`], with the
-    /// logits in chunks of [`zconfig::estimate::head_logit_rows`].
+    /// [`Gpt::head_backward`], handing the output matrix's gradient to
+    /// `add` a run of its rows at a time (`add(first_row, values)`, the
+    /// rows' values row-major, at most
+    /// [`zconfig::estimate::output_gradient_block_rows`] of them) instead
+    /// of a tensor of its own ([`HeadBackward::out`] is then `None`): the
+    /// engine adds each run into its gradient buffer, so that the `vocab ×
+    /// d` f32 gradient is never whole (622 MB at Qwen3's vocabulary and d
+    /// 1024) where one chunk of logits covers the micro-batch. Where it
+    /// takes several, each run's sum needs every chunk, and the gradient
+    /// is made whole and handed over at once. Each value has the bits
+    /// [`HeadBackward::out`] would hold.
+    pub fn head_backward_adding(
+        &self,
+        params: &HeadParams<Tensor>,
+        wte: Option<&Tensor>,
+        (x, targets): (&Tensor, &Tensor),
+        scaled: (f64, f64),
+        add: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<HeadBackward> {
+        self.head_backward_with(params, wte, x, targets, scaled, Output::Runs(add))
+    }
+
+    /// [`Gpt::head_backward`], [`Gpt::head_backward_into`] or
+    /// [`Gpt::head_backward_adding`], with the logits in chunks of
+    /// [`zconfig::estimate::head_logit_rows`].
     fn head_backward_with(
         &self,
         params: &HeadParams<Tensor>,
@@ -1323,23 +1346,26 @@ impl Gpt {
         x: &Tensor,
         targets: &Tensor,
         scaled: (f64, f64),
-        into: Option<&mut [f32]>,
+        output: Output,
     ) -> Result<HeadBackward> {
         let (b, t, _) = x.dims3()?;
         let vocab = Self::head_matrix(params, wte)?.dim(0)?;
+        let d = x.dim(2)?;
         let chunk = zconfig::estimate::head_logit_rows(b * t, vocab);
-        self.head_backward_in_chunks(params, wte, (x, targets), scaled, chunk, into)
+        let run = zconfig::estimate::output_gradient_block_rows(vocab, d);
+        self.head_backward_in_chunks(params, wte, (x, targets), scaled, (chunk, run), output)
     }
 
-    /// [`Gpt::head_backward_with`] with the logits of `chunk` rows at a time.
+    /// [`Gpt::head_backward_with`] with the logits of `chunk` rows at a time
+    /// and runs of at most `run` rows of the output matrix's gradient.
     fn head_backward_in_chunks(
         &self,
         params: &HeadParams<Tensor>,
         wte: Option<&Tensor>,
         (x, targets): (&Tensor, &Tensor),
         (scale, divisor): (f64, f64),
-        chunk: usize,
-        into: Option<&mut [f32]>,
+        (chunk, run): (usize, usize),
+        output: Output,
     ) -> Result<HeadBackward> {
         let (b, t, d) = x.dims3()?;
         let n = b * t;
@@ -1349,18 +1375,30 @@ impl Gpt {
         let vocab = out.dim(0)?;
         let targets = targets.flatten_all()?.to_vec1::<u32>()?;
         let mut dnormed = vec![0f32; n * d];
-        if into.as_ref().is_some_and(|o| o.len() != vocab * d) {
-            candle_core::bail!(
-                "head backward: {} elements for an output matrix of {vocab} × {d}",
-                into.map_or(0, |o| o.len())
-            );
+        if let Output::Into(into) = &output {
+            if into.len() != vocab * d {
+                candle_core::bail!(
+                    "head backward: {} elements for an output matrix of {vocab} × {d}",
+                    into.len()
+                );
+            }
         }
         let mut made = None;
-        let mut dout = match (self.frozen_output, into) {
-            (true, _) => None,
-            (false, Some(into)) => Some(into),
-            (false, None) => Some(made.insert(vec![0f32; vocab * d]).as_mut_slice()),
+        let (mut dout, mut add) = match (self.frozen_output, output) {
+            (true, _) => (None, None),
+            (false, Output::Into(into)) => (Some(into), None),
+            (false, Output::Own) => (
+                Some(made.insert(vec![0f32; vocab * d]).as_mut_slice()),
+                None,
+            ),
+            (false, Output::Runs(add)) => (None, Some(add)),
         };
+        // Runs are handed over as they are made where one chunk covers the
+        // rows; elsewhere the gradient is made whole first.
+        let in_runs = add.is_some() && n <= chunk;
+        if add.is_some() && !in_runs {
+            dout = Some(made.insert(vec![0f32; vocab * d]).as_mut_slice());
+        }
         let loss = {
             let (ns, nl) = normed.storage_and_layout();
             let (os, ol) = out.storage_and_layout();
@@ -1369,6 +1407,9 @@ impl Gpt {
             let scaled = ((scale, divisor), self.label_smoothing);
             self.loss_in_chunks(xm, om, &targets, scaled, chunk, true, |r0, x, dl| {
                 let dx = &mut dnormed[r0 * d..(r0 + x.rows()) * d];
+                if let (true, Some(add)) = (in_runs, add.as_deref_mut()) {
+                    self.output_gradient_in_runs(dl, x, (d, run), add)?;
+                }
                 match dl {
                     Dlogits::F32(dl) => {
                         if let Some(dout) = dout.as_deref_mut() {
@@ -1391,16 +1432,65 @@ impl Gpt {
                 }
             })?
         };
+        let out = match (add, made) {
+            (Some(add), Some(whole)) => {
+                add(0, &whole)?;
+                None
+            }
+            (_, made) => made
+                .map(|o| Tensor::from_vec(o, (vocab, d), &Device::Cpu))
+                .transpose()?,
+        };
         let dnormed = Tensor::from_vec(dnormed, (n, d), &Device::Cpu)?;
         let (dx, norm) = self.norm_backward(&rows, &params.norm, &dnormed, None)?;
         Ok(HeadBackward {
             loss,
             dx: dx.reshape((b, t, d))?,
             norm,
-            out: made
-                .map(|o| Tensor::from_vec(o, (vocab, d), &Device::Cpu))
-                .transpose()?,
+            out,
         })
+    }
+
+    /// The output matrix's gradient `dlᵀ · x` of one chunk that covers
+    /// every row, handed to `add` in runs of at most `most` rows
+    /// ([`zconfig::estimate::output_gradient_block_rows`]), as even as they
+    /// split (no run of one row unless the matrix has one: a one-row f32
+    /// product takes another path, summed in another order). Each row of a
+    /// product is its own sum, so each run has the rows' bits of the whole
+    /// product.
+    fn output_gradient_in_runs(
+        &self,
+        dl: Dlogits,
+        x: Input,
+        (d, most): (usize, usize),
+        add: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let matrices = match dl {
+            Dlogits::F32(dl) => vec![dl.t()],
+            Dlogits::Paired { across, .. } => across.to_vec(),
+        };
+        let vocab: usize = matrices.iter().map(|m| m.rows()).sum();
+        let most = most.max(2);
+        let mut buf = vec![0f32; most.min(vocab) * d];
+        let mut first = 0;
+        for a in matrices {
+            let count = a.rows().div_ceil(most);
+            for i in 0..count {
+                let (r0, r1) = (i * a.rows() / count, (i + 1) * a.rows() / count);
+                let run = &mut buf[..(r1 - r0) * d];
+                let part = a.sub_rows(r0, r1);
+                match dl {
+                    Dlogits::F32(_) => {
+                        let part = Input::F32(part);
+                        head::product_into(run, part, x, Start::Zero, self.products)?
+                    }
+                    Dlogits::Paired { .. } => head::pairs_product_into(run, part, x, Start::Zero)?,
+                }
+                add(first + r0, run)?;
+            }
+            first += a.rows();
+        }
+        Ok(())
     }
 
     /// The loss that [`Gpt::head_backward`] returns, to the bit, without the
@@ -1576,6 +1666,17 @@ impl Gpt {
         };
         rows.matmul(&out.t()?)
     }
+}
+
+/// Where the head's backward puts the output matrix's gradient.
+enum Output<'a> {
+    /// A tensor of its own ([`HeadBackward::out`]).
+    Own,
+    /// Added into the caller's buffer by the products themselves
+    /// ([`Gpt::head_backward_into`]).
+    Into(&'a mut [f32]),
+    /// Handed over in runs of rows ([`Gpt::head_backward_adding`]).
+    Runs(&'a mut dyn FnMut(usize, &[f32]) -> Result<()>),
 }
 
 #[cfg(test)]
@@ -1963,7 +2064,8 @@ mod tests {
                 let targets = Tensor::from_vec(targets, (2, 100), &dev).unwrap();
                 let run = |chunk| {
                     let (w, scaled) = (wte.as_ref(), (4.0, 170.0));
-                    g.head_backward_in_chunks(&head, w, (&x, &targets), scaled, chunk, None)
+                    let runs = (chunk, usize::MAX);
+                    g.head_backward_in_chunks(&head, w, (&x, &targets), scaled, runs, Output::Own)
                         .unwrap()
                 };
                 let (one, chunked) = (run(200), run(64));
@@ -1985,8 +2087,9 @@ mod tests {
                 let scaled = (4.0, 170.0);
                 let mut into = vec![0f32; v * d];
                 let w = wte.as_ref();
+                let into_buf = Output::Into(&mut into);
                 let added = g
-                    .head_backward_in_chunks(&head, w, (&x, &targets), scaled, 64, Some(&mut into))
+                    .head_backward_in_chunks(&head, w, (&x, &targets), scaled, (64, 1), into_buf)
                     .unwrap();
                 assert!(added.out.is_none(), "{what}: a gradient of its own");
                 assert!(
@@ -1995,6 +2098,54 @@ mod tests {
                 );
                 assert_eq!(one.loss.to_bits(), added.loss.to_bits(), "{what}: loss");
                 assert!(bits(&one.dx) == bits(&added.dx), "{what}: input");
+                // Handed over in runs of rows (one chunk of logits: as each
+                // run is made, from pairs under bf16 products; several:
+                // whole at the end): the bits of chunks of 48 rows, whose
+                // gradient stays f32 (not whole 32-row tiles).
+                let (x, targets) = (
+                    x.narrow(1, 0, 96).unwrap(),
+                    targets.narrow(1, 0, 96).unwrap(),
+                );
+                let xt = (&x, &targets);
+                let own = g.head_backward_in_chunks(&head, w, xt, scaled, (48, 1), Output::Own);
+                let own = own.unwrap();
+                for (chunk, most) in [(192, 64), (192, 7), (192, 300), (64, 64)] {
+                    let mut got = vec![f32::NAN; v * d];
+                    let mut calls = Vec::new();
+                    let mut add = |row: usize, values: &[f32]| -> Result<()> {
+                        got[row * d..row * d + values.len()].copy_from_slice(values);
+                        calls.push((row, values.len() / d));
+                        Ok(())
+                    };
+                    let sizes = (chunk, most);
+                    let runs = g
+                        .head_backward_in_chunks(
+                            &head,
+                            w,
+                            xt,
+                            scaled,
+                            sizes,
+                            Output::Runs(&mut add),
+                        )
+                        .unwrap();
+                    let what = format!("{what}, chunk {chunk}, runs of {most}");
+                    assert!(runs.out.is_none(), "{what}: a gradient of its own");
+                    assert!(
+                        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                            == bits(own.out.as_ref().unwrap()),
+                        "{what}: output matrix in runs"
+                    );
+                    assert!(bits(&own.dx) == bits(&runs.dx), "{what}: input");
+                    assert_eq!(own.loss.to_bits(), runs.loss.to_bits(), "{what}: loss");
+                    let most_rows = calls.iter().map(|c| c.1).max().unwrap();
+                    match chunk < 192 {
+                        true => assert_eq!(calls, [(0, v)], "{what}"),
+                        false => assert!(
+                            calls.len() >= v.div_ceil(most) && most_rows <= most.max(2),
+                            "{what}: {calls:?}"
+                        ),
+                    }
+                }
                 // A frozen output matrix adds nothing; a buffer of another
                 // shape is refused.
                 let frozen = g.clone().with_frozen_output(true);
