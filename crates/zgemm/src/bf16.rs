@@ -764,6 +764,17 @@ pub(crate) fn pair_rows_in(
         rows.len()
     );
     let half = stride / 2;
+    #[cfg(target_arch = "x86_64")]
+    if simd && has_avx512bw() {
+        // Only row 0's values past `half` are written over (by the pairs
+        // across) before they are read: those alone are copied.
+        scratch.clear();
+        scratch.extend_from_slice(&rows[half.min(cols)..cols]);
+        // SAFETY: AVX-512F/BW present; `rows` holds two rows of `stride`
+        // floats (asserted), `scratch` row 0's values from `half` on.
+        return unsafe { x86::pair_rows_both_ways(rows, stride, cols, scratch) };
+    }
+    let _ = simd;
     let width = cols.div_ceil(32) * 32;
     scratch.clear();
     scratch.resize(2 * width, 0.0);
@@ -772,13 +783,6 @@ pub(crate) fn pair_rows_in(
     x1[..cols].copy_from_slice(&rows[stride..stride + cols]);
     let (x0, x1) = (&*x0, &*x1);
     let (r0, r1) = rows.split_at_mut(stride);
-    #[cfg(target_arch = "x86_64")]
-    if simd && has_avx512bw() {
-        // SAFETY: AVX-512F/BW present; x0 and x1 hold `width` values, a
-        // multiple of 32, and every store is inside r0 or r1 (below).
-        return unsafe { x86::pair_rows_both_ways(x0, x1, r0, &mut r1[..stride], half) };
-    }
-    let _ = simd;
     for q in 0..width / 2 {
         r0[q] = pair(round(x0[2 * q]), round(x0[2 * q + 1]));
         r1[q] = pair(round(x1[2 * q]), round(x1[2 * q + 1]));
@@ -1108,25 +1112,31 @@ mod x86 {
         whole
     }
 
-    /// [`super::pair_rows_both_ways`] from the rows' values `x0`, `x1` (a
-    /// multiple of 32, zero past the rows' values) into `r0`, `r1` (one
-    /// row each), the across pairs cut at `half`.
+    /// [`super::pair_rows_both_ways`] of the two rows from `rows`, in place:
+    /// each block of 32 columns is loaded (zero past `cols`) before its
+    /// pairs are stored, the pairs along go to floats below the block's
+    /// columns (read already), the pairs across of a column under `stride/2`
+    /// over row 0's values past it (read from `upper0` instead, their copy)
+    /// and of the others over row 1's block itself.
     ///
     /// # Safety
     ///
-    /// The CPU has AVX-512F and BW; `x0` and `x1` are as long, a multiple
-    /// of 32 and at most `2·half`; `r0` and `r1` hold `2·half` floats.
+    /// The CPU has AVX-512F and BW; `rows` holds two rows of `stride`
+    /// floats, `stride` a multiple of 64 and `cols` at most it; `upper0` is
+    /// row 0's values from `stride/2` to `cols`.
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn pair_rows_both_ways(
-        x0: &[f32],
-        x1: &[f32],
-        r0: &mut [f32],
-        r1: &mut [f32],
-        half: usize,
+        rows: &mut [f32],
+        stride: usize,
+        cols: usize,
+        upper0: &[f32],
     ) {
-        let width = x0.len();
-        debug_assert!(x1.len() == width && width.is_multiple_of(32) && width <= 2 * half);
-        debug_assert!(r0.len() >= 2 * half && r1.len() >= 2 * half);
+        let half = stride / 2;
+        debug_assert!(rows.len() >= 2 * stride && cols <= stride && stride.is_multiple_of(64));
+        debug_assert_eq!(upper0.len(), cols.saturating_sub(half));
+        let r0 = rows.as_mut_ptr();
+        // SAFETY: row 1 starts inside `rows` (caller).
+        let r1 = unsafe { r0.add(stride) };
         // The high halves of two vectors of 16 gathered into 32 (as in
         // `bf16_bits_write`): a row's 16 pairs along.
         let high_halves = _mm512_set_epi16(
@@ -1134,26 +1144,36 @@ mod x86 {
             19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
         );
         let low = _mm512_set1_epi32(0xffff);
-        for j in (0..width).step_by(32) {
-            // SAFETY: j + 32 ≤ width, inside x0 and x1; the along pairs go
-            // to floats j/2..j/2 + 16 < half of each row, the across ones
-            // to half + j.. (j < half, then j + 32 ≤ half: half is a
-            // multiple of 32) or j.. (j ≥ half) below 2·half.
+        let lanes = |n: usize| -> __mmask16 { ((1u32 << n.min(16)) - 1) as __mmask16 };
+        for j in (0..cols).step_by(32) {
+            let live = cols - j;
+            let (m0, m1) = (lanes(live), lanes(live.saturating_sub(16)));
+            // SAFETY: the masked loads read columns j..cols of row 0 (from
+            // `upper0` past `half`, a multiple of 32, so a block lies on
+            // one side) and of row 1; the stores go to floats j/2.. of
+            // each row (below half: j < cols ≤ 2·half) and to half + j..
+            // of row 0 (j + 32 ≤ half) or j.. of row 1 (j + 32 ≤ stride),
+            // inside `rows`.
             unsafe {
-                let a = round16_high(_mm512_loadu_ps(x0.as_ptr().add(j)));
-                let b = round16_high(_mm512_loadu_ps(x0.as_ptr().add(j + 16)));
-                let c = round16_high(_mm512_loadu_ps(x1.as_ptr().add(j)));
-                let d = round16_high(_mm512_loadu_ps(x1.as_ptr().add(j + 16)));
+                let s0 = match j < half {
+                    true => r0.add(j).cast_const(),
+                    false => upper0.as_ptr().add(j - half),
+                };
+                let s1 = r1.add(j).cast_const();
+                let a = round16_high(_mm512_maskz_loadu_ps(m0, s0));
+                let b = round16_high(_mm512_maskz_loadu_ps(m1, s0.add(16)));
+                let c = round16_high(_mm512_maskz_loadu_ps(m0, s1));
+                let d = round16_high(_mm512_maskz_loadu_ps(m1, s1.add(16)));
                 let along0 = _mm512_permutex2var_epi16(a, high_halves, b);
                 let along1 = _mm512_permutex2var_epi16(c, high_halves, d);
-                _mm512_storeu_si512(r0.as_mut_ptr().add(j / 2).cast(), along0);
-                _mm512_storeu_si512(r1.as_mut_ptr().add(j / 2).cast(), along1);
+                _mm512_storeu_si512(r0.add(j / 2).cast(), along0);
+                _mm512_storeu_si512(r1.add(j / 2).cast(), along1);
                 // Row 0's bits low, row 1's high.
                 let lo = _mm512_or_si512(_mm512_srli_epi32::<16>(a), _mm512_andnot_si512(low, c));
                 let hi = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_andnot_si512(low, d));
                 let at = match j < half {
-                    true => r0.as_mut_ptr().add(half + j),
-                    false => r1.as_mut_ptr().add(j),
+                    true => r0.add(half + j),
+                    false => r1.add(j),
                 };
                 _mm512_storeu_si512(at.cast(), lo);
                 _mm512_storeu_si512(at.add(16).cast(), hi);
