@@ -271,14 +271,19 @@ pub fn gemm_bf16_with<A: Bf16Operand, B: Bf16Operand>(
     start: Start,
     threads: usize,
 ) -> Result<(), ShapeError> {
-    assert!(
-        Kernel::detected_bf16().contains(&kernel),
-        "{kernel:?} is not a bf16 kernel this CPU can run"
-    );
+    assert_runs_here(kernel);
     if a.rows != c.rows || a.cols != b.rows || b.cols != c.cols {
         return Err(ShapeError::mismatch(&c, &a, b.rows, b.cols));
     }
     multiply(kernel, c, a, b, alpha, start, threads, None)
+}
+
+/// Panics unless `kernel` is a bf16 kernel this CPU runs.
+fn assert_runs_here(kernel: Kernel) {
+    assert!(
+        Kernel::detected_bf16().contains(&kernel),
+        "{kernel:?} is not a bf16 kernel this CPU can run"
+    );
 }
 
 /// `C = start ⊕ α·A·bf16(B)` where `A` is given as pairs already: an
@@ -316,10 +321,7 @@ pub fn gemm_bf16_pairs_with<B: Bf16Operand>(
     start: Start,
     threads: usize,
 ) -> Result<(), ShapeError> {
-    assert!(
-        Kernel::detected_bf16().contains(&kernel),
-        "{kernel:?} is not a bf16 kernel this CPU can run"
-    );
+    assert_runs_here(kernel);
     let unpadded = !a.cols.is_multiple_of(16) || (a.cs == 1 && !a.rows.is_multiple_of(32));
     // A `B` not row-major is paired whole: its pairs must be `A`'s depth.
     let deep = b.cs == 1 || b.rows.div_ceil(2).div_ceil(16) * 16 == a.cols;
@@ -507,10 +509,7 @@ pub fn gemm_bf16_rounded_with<A: Bf16Operand, B: Bf16Operand>(
         }
         return Ok(());
     }
-    assert!(
-        Kernel::detected_bf16().contains(&kernel),
-        "{kernel:?} is not a bf16 kernel this CPU can run"
-    );
+    assert_runs_here(kernel);
     // The f32 `C` the driver checks shapes against is never written: every
     // tile goes to its scratch and is stored rounded.
     // SAFETY: the view is never read or written (`rounded` is given) and
