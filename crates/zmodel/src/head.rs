@@ -14,7 +14,7 @@
 //! in f32, as the blocks' do and as PyTorch's autocast runs `lm_head`; the
 //! cross-entropy stays f32, and rounds its gradient into the pairs both
 //! backward products read as it finishes each pair of rows
-//! ([`Dlogits::Paired`]). In f32 the head would cost as much as it does in
+//! (`Dlogits::Paired`). In f32 the head would cost as much as it does in
 //! an f32 step: with GPT-2's 50,304-token vocabulary at d_model 384 its
 //! products are two thirds of the model's FLOPs, and a bf16 step ran at
 //! 1.26x the f32 one (2.7x with the byte vocabulary).
