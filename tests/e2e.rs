@@ -1524,6 +1524,9 @@ fn the_estimate_moves_with_the_stage_and_the_bucket_as_peak_memory_does() {
 /// frozen table's pages of gradient and moments are never written
 /// (measured 1.19x; 2.04x while the whole table's gradient was made each
 /// micro-batch and the zeroed buffers were written through at the start).
+/// With bf16 gradients the head hands its f32 gradient over in runs, and
+/// under bf16 products its cross-entropy pairs the logits' gradient in
+/// place (measured 1.09x on a Zen 4 with AVX512_BF16).
 #[test]
 fn a_large_vocabularys_head_holds_about_what_the_estimate_says() {
     let dir = tempfile::tempdir().unwrap();
@@ -1533,6 +1536,7 @@ fn a_large_vocabularys_head_holds_about_what_the_estimate_says() {
         ("two micro-batches", Some("train.grad_accum=2")),
         ("stage 2", Some("zero.stage=2")),
         ("frozen table", Some("train.freeze=[wte.weight]")),
+        ("bf16", Some("train.dtype=bf16")),
     ] {
         let sets = [
             "model={vocab_size: 50304, d_model: 256, n_layers: 2, n_heads: 4, seq_len: 64}",
