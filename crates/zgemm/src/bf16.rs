@@ -324,7 +324,7 @@ pub fn gemm_bf16_pairs_with<B: Bf16Operand>(
     assert_runs_here(kernel);
     let unpadded = !a.cols.is_multiple_of(16) || (a.cs == 1 && !a.rows.is_multiple_of(32));
     // A `B` not row-major is paired whole: its pairs must be `A`'s depth.
-    let deep = b.cs == 1 || b.rows.div_ceil(2).div_ceil(16) * 16 == a.cols;
+    let deep = b.cs == 1 || padded_pairs(b.rows) == a.cols;
     if a.rows != c.rows || b.rows > 2 * a.cols || b.cols != c.cols || unpadded || !deep {
         return Err(ShapeError::mismatch(&c, &a, b.rows, b.cols));
     }
@@ -342,7 +342,7 @@ pub fn gemm_bf16_pairs_with<B: Bf16Operand>(
 
 /// The pairs matrix `a` copied into `buf` row by row, its rows padded to a
 /// multiple of 32 with zero pairs (the layout `pair_columns` writes).
-fn pairs_into_rows<'b>(a: MatRef<f32>, buf: &'b mut Vec<f32>) -> MatRef<'b> {
+pub(crate) fn pairs_into_rows<'b>(a: MatRef<f32>, buf: &'b mut Vec<f32>) -> MatRef<'b> {
     let (rows, stride) = (a.rows.div_ceil(32) * 32, a.cols + 16);
     let out = aligned(buf, rows * stride);
     for (i, row) in out.chunks_exact_mut(stride).enumerate() {
@@ -591,7 +591,7 @@ pub(crate) fn pair_columns<'b, T: Bf16Operand>(
         return pairs;
     }
     let (r, k) = (x.rows, x.cols);
-    let kp = k.div_ceil(2).div_ceil(16) * 16;
+    let kp = padded_pairs(k);
     let rows = r.div_ceil(32) * 32;
     // Rows 16 pairs longer than they need be: at a multiple of 4 KiB apart,
     // the 16 rows of an AMX tile load shared one L1 set (measured: k = 2048
@@ -702,6 +702,13 @@ fn pair_transposed<T: Bf16Operand>(
     } else {
         (0..kp / 16).for_each(block);
     }
+}
+
+/// Pairs of a depth of `k` values as `gemm_bf16` lays them out: `⌈k/2⌉`
+/// rounded up to a multiple of 16 (AMX reads 16 pairs at a time; the
+/// padding pairs are zeros).
+pub fn padded_pairs(k: usize) -> usize {
+    k.div_ceil(2).div_ceil(16) * 16
 }
 
 /// The row stride, in floats, of rows that [`pair_rows_both_ways`] pairs in

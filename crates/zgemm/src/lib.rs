@@ -76,7 +76,8 @@ use bf16::RowSource;
 pub use bf16::{
     bf16_bits, bf16_bits_into, bf16_bits_write, bf16_line_start, bf16_row_stride, bf16_value,
     gemm_bf16, gemm_bf16_pairs, gemm_bf16_pairs_with, gemm_bf16_rounded, gemm_bf16_rounded_with,
-    gemm_bf16_with, has_native_bf16, pair_rows_both_ways, pairs_row_stride, Bf16Operand, BitsMut,
+    gemm_bf16_with, has_native_bf16, padded_pairs, pair_rows_both_ways, pairs_row_stride,
+    Bf16Operand, BitsMut,
 };
 
 /// Depth of a packed block: an `A` panel of AVX-512's kernel (`6 × KC`
@@ -1583,7 +1584,7 @@ impl PackedB {
     pub fn pack_bf16<T: Bf16Operand>(&mut self, b: MatRef<T>) {
         let kernel = Kernel::best_bf16();
         let nr = kernel.nr();
-        let depth = b.rows.div_ceil(2).div_ceil(16) * 16;
+        let depth = bf16::padded_pairs(b.rows);
         let panels = aligned(&mut self.data, b.cols.div_ceil(nr) * nr * depth);
         if b.cs == 1 {
             bf16::pack_row_pairs(&b, 0, depth, 0, b.cols, nr, panels);

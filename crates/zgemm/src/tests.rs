@@ -886,7 +886,7 @@ fn two_rows_paired_both_ways_in_place_hold_the_scalar_pairs() {
             rows[stride..stride + cols].copy_from_slice(x1);
             let mut scratch = vec![7.0; 3];
             bf16::pair_rows_in(&mut rows, stride, cols, &mut scratch, simd);
-            let kp = cols.div_ceil(2).div_ceil(16) * 16;
+            let kp = padded_pairs(cols);
             assert!(2 * kp <= stride);
             for q in 0..kp {
                 for (r, x) in [(0, x0), (1, x1)] {
@@ -931,7 +931,7 @@ fn bf16_products_of_a_given_as_pairs_give_the_bits_of_its_values() {
     for pair in paired.chunks_exact_mut(2 * stride) {
         pair_rows_both_ways(pair, stride, k, &mut scratch);
     }
-    let kp = k.div_ceil(2).div_ceil(16) * 16;
+    let kp = padded_pairs(k);
     let along = MatRef::new(&paired, rows, kp, stride, 1).unwrap();
     let across = |lo: bool| {
         let (at, count) = match lo {
@@ -1008,6 +1008,30 @@ fn bf16_products_of_a_given_as_pairs_give_the_bits_of_its_values() {
     let few = MatRef::new(&paired, rows - 2, kp, stride, 1).unwrap();
     let cm = MatMut::row_major(&mut c[..(rows - 2) * n], rows - 2, n).unwrap();
     assert!(gemm_bf16_pairs(cm, few, wm, 1.0, Start::Zero, 1).is_err());
+}
+
+#[test]
+fn pairs_given_by_column_are_copied_into_padded_rows_for_amx() {
+    // AMX reads `A`'s pairs in place by rows of 32: pairs given by column
+    // (the head's `dlᵀ`) are copied into whole rows first, zero past them.
+    let (rows, kp) = (37, 16);
+    let data = random(3, rows * kp * 3);
+    let by_column = MatRef::new(&data, rows, kp, 1, 3 * rows).unwrap();
+    let mut buf = Vec::new();
+    let copied = bf16::pairs_into_rows(by_column, &mut buf);
+    assert_eq!((copied.rows, copied.cols, copied.cs), (rows, kp, 1));
+    assert_eq!(copied.data.as_ptr().align_offset(64), 0);
+    for i in 0..rows.div_ceil(32) * 32 {
+        for q in 0..copied.rs {
+            let want = if i < rows && q < kp {
+                by_column.at(i, q)
+            } else {
+                0.0
+            };
+            let got = copied.data[i * copied.rs + q];
+            assert_eq!(got.to_bits(), want.to_bits(), "({i}, {q})");
+        }
+    }
 }
 
 /// Whether two products agree to the last bit.

@@ -194,7 +194,7 @@ impl<'a> Dlogits<'a> {
             ));
         }
         let half = stride / 2;
-        let kp = vocab.div_ceil(2).div_ceil(16) * 16;
+        let kp = zgemm::padded_pairs(vocab);
         let lo = half.min(vocab);
         let along = MatRef::new(logits, rows, kp, stride, 1).map_err(shape)?;
         let across = |at: usize, count: usize| {
