@@ -1395,9 +1395,9 @@ fn peak_rss_of(dir: &Path, args: &TrainArgs, metrics_path: &Path, threads: &str)
 }
 
 /// What `zrun estimate --json` (with `options`, after the job) says a
-/// worker of `threads` compute threads holds: its model states, its
-/// collectives' buffers, its activations and the attention's work
-/// matrices of each thread.
+/// worker of `threads` compute threads holds at its peak: the process, its
+/// model states, its collectives' buffers, its activations and backward's
+/// passing gradients, and the attention's work matrices of each thread.
 fn estimated_worker_bytes(dir: &Path, job: &Path, options: &[&str], threads: &str) -> f64 {
     let job = job.display().to_string();
     let mut args = vec!["estimate", &job, "--json"];
@@ -1406,12 +1406,7 @@ fn estimated_worker_bytes(dir: &Path, job: &Path, options: &[&str], threads: &st
     let e = e2e::Zrun::start_with_env(dir, &args, &env).wait(Duration::from_secs(30));
     assert_eq!(e.code(), 0, "{e:?}");
     let e: serde_json::Value = serde_json::from_str(&e.stdout).unwrap();
-    let f = |v: &serde_json::Value| v.as_f64().unwrap();
-    let a = &e["activations"];
-    f(&e["this_job"]["memory"])
-        + f(&e["comm_buffers_per_worker"])
-        + f(&a["bytes_per_worker"])
-        + threads.parse::<f64>().unwrap() * f(&a["attention_work_per_thread"])
+    e["peak_per_worker"].as_f64().unwrap()
 }
 
 /// A long sequence's memory grows with it as `zrun estimate` says, linearly:
@@ -1446,10 +1441,10 @@ fn a_long_sequence_holds_about_what_the_estimate_says() {
     let (long, long_predicted) = at(8192);
     let (grew, predicted) = (long - short, long_predicted - short_predicted);
     println!("peak RSS {short:.0} → {long:.0} bytes: {grew:.0} more, predicted {predicted:.0}");
-    // Measured 1.2x (2026-12-06): the backward's passing gradients are not
-    // in the estimate's kept activations.
+    // Measured 1.2x (2026-12-06) while the estimate left out backward's
+    // passing gradients; 1.15x with them (2026-12-07).
     assert!(
-        grew <= 1.5 * predicted && grew >= 0.5 * predicted,
+        grew <= 1.35 * predicted && grew >= 0.8 * predicted,
         "peak RSS grew by {grew:.0} bytes from 64 to 8192 tokens; the estimate says {predicted:.0}"
     );
 }
@@ -1484,10 +1479,12 @@ fn the_estimate_moves_with_the_stage_and_the_bucket_as_peak_memory_does() {
         let rss = peak_rss_of(dir.path(), &args, &m, "1");
         let predicted = estimated_worker_bytes(dir.path(), &job, &options, "1");
         println!("stage {stage}, bucket {bucket}: peak RSS {rss:.0}, estimate {predicted:.0}");
-        // Measured 1.09-1.12x (2026-12-06): backward's passing gradients
-        // and the process's own memory are not in the estimate.
+        // Measured 1.09-1.12x (2026-12-06) while backward's passing
+        // gradients and the process's own memory were left out; 1.05x
+        // with them (2026-12-07): what is left is glibc's, the threads'
+        // GEMM packing buffers and the synthetic data.
         assert!(
-            (0.9..1.3).contains(&(rss / predicted)),
+            (0.95..1.15).contains(&(rss / predicted)),
             "stage {stage}, bucket {bucket}: peak RSS {rss:.0} bytes, the estimate {predicted:.0}"
         );
         (rss, predicted)
@@ -1526,7 +1523,9 @@ fn the_estimate_moves_with_the_stage_and_the_bucket_as_peak_memory_does() {
 /// micro-batch and the zeroed buffers were written through at the start).
 /// With bf16 gradients the head hands its f32 gradient over in runs, and
 /// under bf16 products its cross-entropy pairs the logits' gradient in
-/// place (measured 1.09x on a Zen 4 with AVX512_BF16).
+/// place (measured 1.09x on a Zen 4 with AVX512_BF16). Those figures
+/// left out the process's own memory and backward's passing gradients;
+/// with them the five measured 1.03-1.07x (2026-12-07).
 #[test]
 fn a_large_vocabularys_head_holds_about_what_the_estimate_says() {
     let dir = tempfile::tempdir().unwrap();
@@ -1552,8 +1551,9 @@ fn a_large_vocabularys_head_holds_about_what_the_estimate_says() {
         let rss = peak_rss_of(dir.path(), &args, &m, "2");
         let predicted = estimated_worker_bytes(dir.path(), &job, &options, "2");
         println!("{case}: peak RSS {rss:.0} bytes, the estimate {predicted:.0}");
+        // Measured 1.03-1.07x (2026-12-07, Zen 4).
         assert!(
-            (0.95..1.3).contains(&(rss / predicted)),
+            (0.95..1.15).contains(&(rss / predicted)),
             "{case}: peak RSS {rss:.0} bytes, the estimate {predicted:.0}"
         );
     }

@@ -533,6 +533,66 @@ pub fn block_activation_bytes(m: &ModelSpec, b: usize, t: usize, kept: Kept) -> 
     (b * t) as f64 * per_token as f64
 }
 
+/// Bytes a block's backward holds at its most beyond the activations its
+/// forward kept and the gradient it is handed, for `b` sequences of `t`
+/// tokens under `kept`'s products: the gradients passing through it (the
+/// MLP's dropped once read for the last time, the attention's held to the
+/// block's end) and a linear's weight gradient on its way to its group's buffer
+/// (zmodel's `backward_memory` test measures it). A worker's peak comes
+/// while its top block's backward runs, every block's activations held.
+pub fn block_backward_bytes(m: &ModelSpec, b: usize, t: usize, kept: Kept) -> f64 {
+    let (d, f, aw, qw) = (m.d_model, m.ffn(), m.attn_width(), m.qkv_width());
+    let bf16 = kept == Kept::Bf16Products;
+    let llama = m.kind == crate::spec::ModelKind::Llama;
+    // The bf16 copy a linear's backward makes of its f32 output gradient
+    // under bf16 products, while the f32 one is held.
+    let rounded = |width: usize| if bf16 { 2 * width } else { 0 };
+    // Bytes a row: dg, the MLP's hidden layer's gradient (f32); dh, its
+    // expansion's output's, as the activation's backward makes it (GPT's
+    // is dg itself under f32 products, which multiply by GELU's slope;
+    // bf16 under bf16 products; LLaMA's gate and up, f32) and as the
+    // expansion's backward holds it (LLaMA's rounded to bf16 under bf16
+    // products, the f32 one dropped).
+    let dg = 4 * f;
+    let (dh_made, dh_held) = match (llama, bf16) {
+        (false, false) => (0, dg),
+        (false, true) => (2 * f, 2 * f),
+        (true, false) => (8 * f, 8 * f),
+        (true, true) => (8 * f, 4 * f),
+    };
+    let expansion = if llama { 2 * f } else { f };
+    let dqkv = 4 * qw;
+    // Each phase in order: the gradients it holds a row, and the weight
+    // gradient (elements, f32) it makes. From the expansion's backward on,
+    // its input's gradient (4d a row), the second norm's (4d, the first
+    // residual's) and the attention output's (4·aw) are held to the end.
+    let held = 4 * d + 4 * d + 4 * aw;
+    let mut phases = vec![
+        (rounded(d) + dg, f * d),
+        (dg + dh_made, 0),
+        (dh_held + 4 * d, d * expansion),
+        (4 * d + 4 * d, 0),
+        (8 * d + rounded(d) + 4 * aw, aw * d),
+        (held + dqkv, 0),
+        (held + dqkv + 4 * d, d * qw),
+        (held + 4 * d + 4 * d, 0),
+    ];
+    if llama && bf16 {
+        phases.push((dh_made + rounded(2 * f), 0));
+    }
+    if llama {
+        // The rotation (and Qwen3's q and k norms) write dq, dk and dv
+        // again while the first are held.
+        phases.push((held + 2 * dqkv, 0));
+    }
+    if bf16 {
+        phases.push((held + dqkv + rounded(qw), 0));
+    }
+    (phases.into_iter())
+        .map(|(per_row, weight)| (b * t * per_row + 4 * weight) as f64)
+        .fold(0.0, f64::max)
+}
+
 /// Of [`block_activation_bytes`], the inputs of the block's four linears
 /// (in [`ModelSpec::block_linears`] order), which only their weight
 /// gradients read: a block keeps none of a linear whose weight is frozen.
@@ -747,6 +807,52 @@ pub fn job_activation_bytes(spec: &JobSpec, fused_attention: bool, kept: Kept) -
     let probs = gpu_probabilities_bytes(&spec.model, micro, spec.train.dtype != Dtype::F32);
     let kept = (spec.model.n_layers - backward_reach(&spec.model, &spec.train.freeze)) as f64;
     (plain + (kept + 1.0) * probs, checkpointed + 2.0 * probs)
+}
+
+/// Bytes a CPU worker of `spec` holds at its most beyond its activations
+/// ([`job_activation_bytes`], which count the head's as held together with
+/// every block's): while the top block's backward runs, the head's are
+/// gone but the gradient it handed down (`b·t·d`, f32) and the block's
+/// passing gradients ([`block_backward_bytes`]) are held. Nothing where
+/// no block trains.
+pub fn job_backward_bytes(spec: &JobSpec, kept: Kept) -> f64 {
+    let m = &spec.model;
+    if backward_reach(m, &spec.train.freeze) >= m.n_layers {
+        return 0.0;
+    }
+    let (b, t) = (spec.train.micro_batch_size, m.seq_len);
+    let handed = 4.0 * (b * t * m.d_model) as f64;
+    let apart = !output_gradient_in_place(spec);
+    let head = head_activation_bytes(m, b, t, (false, apart));
+    (handed + block_backward_bytes(m, b, t, kept) - head).max(0.0)
+}
+
+/// Bytes a worker process holds before any model: its code and libraries,
+/// its threads' stacks, its runtime and control connection. Measured on
+/// 2026-12-07: a worker training a GPT of width 32 on 16 tokens (model
+/// states and activations under 0.5 MB) peaked at 12.7-12.8 MiB.
+pub const WORKER_PROCESS_BYTES: f64 = 12.0 * 1024.0 * 1024.0;
+
+/// What one of `world` CPU workers of `spec`, each of `threads` compute
+/// threads keeping activations in the types `kept` says, holds at its
+/// peak: the process itself ([`WORKER_PROCESS_BYTES`]), its model states
+/// ([`worker_states`]), its collectives' buffers ([`comm_buffer_bytes`]),
+/// its activations (checkpointed where the job checkpoints) and backward's
+/// passing gradients ([`job_backward_bytes`]), and each thread's attention
+/// work matrices ([`attention_work_bytes`]). What `zrun train` checks
+/// against the host's memory before launch and `zrun plan` ranks by.
+pub fn cpu_worker_peak_bytes(spec: &JobSpec, world: usize, threads: usize, kept: Kept) -> f64 {
+    let (plain, checkpointed) = job_activation_bytes(spec, true, kept);
+    let activations = match spec.train.activation_checkpointing {
+        true => checkpointed,
+        false => plain,
+    };
+    WORKER_PROCESS_BYTES
+        + worker_states(spec, world).memory
+        + comm_buffer_bytes(spec, world)
+        + activations
+        + job_backward_bytes(spec, kept)
+        + threads as f64 * attention_work_bytes(&spec.model, spec.train.dtype)
 }
 
 /// Whether a CPU worker of `spec` has the head add the output matrix's

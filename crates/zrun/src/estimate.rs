@@ -6,9 +6,10 @@ use std::process::ExitCode;
 use anyhow::Result;
 use serde::Serialize;
 use zconfig::estimate::{
-    attention_work_bytes, comm_buffer_bytes, gpu_probabilities_bytes, job_activation_bytes,
-    largest_group, model_params, model_state_rows, trained_elements, worker_states, CrossNodeBytes,
-    Kept, Row, StateBytes, TrainedElements, WorkerStates,
+    attention_work_bytes, comm_buffer_bytes, cpu_worker_peak_bytes, gpu_probabilities_bytes,
+    job_activation_bytes, job_backward_bytes, largest_group, model_params, model_state_rows,
+    trained_elements, worker_states, CrossNodeBytes, Kept, Row, StateBytes, TrainedElements,
+    WorkerStates,
 };
 use zconfig::spec::OptimizerKind;
 use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
@@ -28,6 +29,10 @@ struct Activations {
     /// On the CPU, the attention's work matrices each of a worker's
     /// threads holds (not in the figures above); 0 on a GPU.
     attention_work_per_thread: f64,
+    /// On the CPU, what backward holds beyond the activations at its most
+    /// (the gradients passing through the top block, [`job_backward_bytes`]);
+    /// 0 on a GPU.
+    backward_per_worker: f64,
     /// Whether the blocks keep the products' inputs in bf16 ([`Kept`]):
     /// a bf16 job where this host's CPU multiplies bf16.
     bf16_kept: bool,
@@ -56,6 +61,10 @@ struct Estimate {
     /// ([`comm_buffer_bytes`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     comm_buffers_per_worker: Option<f64>,
+    /// A CPU job: what a worker holds at its peak, of this host's threads
+    /// a worker ([`cpu_worker_peak_bytes`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    peak_per_worker: Option<f64>,
     /// A job with `train.freeze`: the elements its workers keep moments
     /// and gradients for (counted in `this_job`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -244,6 +253,7 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                 stage: None,
                 this_job: None,
                 comm_buffers_per_worker: None,
+                peak_per_worker: None,
                 trained: None,
                 comm: args.comm.then(|| {
                     let tokens = args.tokens_per_worker.unwrap_or(1024.0);
@@ -309,6 +319,12 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                 gb(a.attention_work_per_thread)
             );
         }
+        if a.backward_per_worker > 0.0 {
+            say!(
+                "  and backward's passing gradients: {} more at their most (the top block's)",
+                gb(a.backward_per_worker)
+            );
+        }
         if a.gpu_probabilities_per_block > 0.0 {
             say!(
                 "  of which the GPU's unfused attention keeps {} of probabilities a block (ZRUN_GPU_ATTENTION=fused keeps none)",
@@ -341,6 +357,13 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
             gb(b)
         );
     }
+    if let Some(p) = est.peak_per_worker {
+        say!(
+            "at its peak a worker of {} threads holds about {} (the process, its states, buffers, activations and work matrices)",
+            local_worker_threads(est.workers_per_node),
+            gb(p)
+        );
+    }
     if let Some(c) = &est.comm {
         c.print(est.nodes, est.workers_per_node);
     }
@@ -363,7 +386,8 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
     let fused = spec.device == zconfig::spec::Device::Cuda && fused_attention_expected(spec);
     let kept = kept(spec);
     let (act, act_ckpt) = job_activation_bytes(spec, fused, kept);
-    let probs = match spec.device == zconfig::spec::Device::Cuda && !fused {
+    let cpu = spec.device == zconfig::spec::Device::Cpu;
+    let probs = match !cpu && !fused {
         true => gpu_probabilities_bytes(
             &spec.model,
             spec.train.micro_batch_size,
@@ -393,15 +417,20 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
             bytes_per_worker_checkpointed: act_ckpt,
             gpu_probabilities_per_block: probs,
             bf16_kept: kept == Kept::Bf16Products,
-            attention_work_per_thread: match spec.device {
-                zconfig::spec::Device::Cuda => 0.0,
-                _ => attention_work_bytes(&spec.model, spec.train.dtype),
+            attention_work_per_thread: match cpu {
+                false => 0.0,
+                true => attention_work_bytes(&spec.model, spec.train.dtype),
+            },
+            backward_per_worker: match cpu {
+                false => 0.0,
+                true => job_backward_bytes(spec, kept),
             },
         }),
         stage: Some(spec.zero.stage.number()),
         this_job: Some(worker_states(spec, nodes * wpn)),
-        comm_buffers_per_worker: (spec.device == zconfig::spec::Device::Cpu)
-            .then(|| comm_buffer_bytes(spec, nodes * wpn)),
+        comm_buffers_per_worker: cpu.then(|| comm_buffer_bytes(spec, nodes * wpn)),
+        peak_per_worker: cpu
+            .then(|| cpu_worker_peak_bytes(spec, nodes * wpn, local_worker_threads(wpn), kept)),
         trained: (!spec.train.freeze.is_empty())
             .then(|| trained_elements(&spec.model, &spec.train.freeze)),
         comm: None,
@@ -409,27 +438,17 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
 }
 
 /// Bytes one worker of this job is expected to hold in the host's memory:
-/// its stage's model states plus, on the CPU, its collectives' buffers and
-/// its activations (a
-/// `device: cuda` job keeps them on its GPU, where the worker's out-of-memory
-/// failure says what `zrun estimate` predicts there).
+/// on the CPU what it holds at its peak ([`cpu_worker_peak_bytes`]), with
+/// a `device: cuda` job its stage's model states (the activations are the
+/// GPU's, where the worker's out-of-memory failure says what `zrun
+/// estimate` predicts there).
 pub fn per_worker_bytes(spec: &JobSpec, topo: &Topology) -> f64 {
     let wpn = topo.nodes.iter().map(|n| n.slots.len()).max().unwrap_or(1);
-    let states = worker_states(spec, topo.world_size()).memory;
     if spec.device == zconfig::spec::Device::Cuda {
-        // The activations are the GPU's, not the host's.
-        return states;
+        return worker_states(spec, topo.world_size()).memory;
     }
-    let est = job_estimate(spec, topo.nodes.len(), wpn);
-    let a = est.activations.expect("a job estimate has activations");
-    states
-        + est.comm_buffers_per_worker.unwrap_or(0.0)
-        + local_worker_threads(wpn) as f64 * a.attention_work_per_thread
-        + if spec.train.activation_checkpointing {
-            a.bytes_per_worker_checkpointed
-        } else {
-            a.bytes_per_worker
-        }
+    let threads = local_worker_threads(wpn);
+    cpu_worker_peak_bytes(spec, topo.world_size(), threads, kept(spec))
 }
 
 /// The types `spec`'s CPU workers keep their activations in, where they

@@ -41,8 +41,8 @@ use crate::estimate::local_worker_threads;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use zconfig::estimate::{
-    activation_bytes, attention_work_bytes, comm_buffer_bytes, frozen_flops_per_token,
-    job_activation_bytes, model_params, trained_elements, worker_states, Kept, StateBytes,
+    activation_bytes, cpu_worker_peak_bytes, frozen_flops_per_token, model_params,
+    trained_elements, worker_states, Kept, StateBytes,
 };
 use zconfig::spec::OptimizerKind;
 use zconfig::{load_job_with, JobSpec, Topology};
@@ -600,19 +600,9 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
             continue;
         }
         let states = worker_states(&job.spec, world);
-        let t = &job.spec.train;
         let kept = crate::estimate::kept(&job.spec);
-        let (plain, checkpointed) = job_activation_bytes(&job.spec, true, kept);
-        let acts = if job.spec.train.activation_checkpointing {
-            checkpointed
-        } else {
-            plain
-        };
-        let work = attention_work_bytes(&job.spec.model, t.dtype);
-        let memory = states.memory
-            + comm_buffer_bytes(&job.spec, world)
-            + acts
-            + local_worker_threads(per_node) as f64 * work;
+        let threads = local_worker_threads(per_node);
+        let memory = cpu_worker_peak_bytes(&job.spec, world, threads, kept);
         if memory > budget {
             too_big += 1;
             continue;
