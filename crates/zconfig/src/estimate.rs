@@ -811,10 +811,11 @@ pub fn job_activation_bytes(spec: &JobSpec, fused_attention: bool, kept: Kept) -
 
 /// Bytes a CPU worker of `spec` holds at its most beyond its activations
 /// ([`job_activation_bytes`], which count the head's as held together with
-/// every block's): while the top block's backward runs, the head's are
-/// gone but the gradient it handed down (`b·t·d`, f32) and the block's
-/// passing gradients ([`block_backward_bytes`]) are held. Nothing where
-/// no block trains.
+/// every block's): while the top block's backward runs, the head's rows
+/// and gradients are gone (its logits' buffer stays: the thread's, kept
+/// from step to step) but the gradient it handed down (`b·t·d`, f32) and
+/// the block's passing gradients ([`block_backward_bytes`]) are held.
+/// Nothing where no block trains.
 pub fn job_backward_bytes(spec: &JobSpec, kept: Kept) -> f64 {
     let m = &spec.model;
     if backward_reach(m, &spec.train.freeze) >= m.n_layers {
@@ -824,7 +825,8 @@ pub fn job_backward_bytes(spec: &JobSpec, kept: Kept) -> f64 {
     let handed = 4.0 * (b * t * m.d_model) as f64;
     let apart = !output_gradient_in_place(spec);
     let head = head_activation_bytes(m, b, t, (false, apart));
-    (handed + block_backward_bytes(m, b, t, kept) - head).max(0.0)
+    let logits = 4.0 * (head_logit_rows(b * t, m.vocab_size) * m.vocab_size) as f64;
+    (handed + block_backward_bytes(m, b, t, kept) - (head - logits)).max(0.0)
 }
 
 /// Bytes a worker process holds before any model: its code and libraries,
