@@ -38,9 +38,12 @@
 //! refusal: everyone uses the slots from then on, and the refused rank says
 //! why at `ZRUN_LOG=info`).
 //!
-//! An all-gather into a new buffer (`all_gather_new`: stage 3's gathers)
-//! does not zero it first: the gather writes every element, its own chunk
-//! before `begin` and every other one from its owner either way.
+//! An all-gather into uninitialised memory (`all_gather_into`: stage 3's
+//! gathers, into a buffer the caller's thread allocated) does not zero it
+//! first: the gather writes every element, its own chunk before `begin`
+//! and every other one from its owner either way (a zeroed buffer of
+//! reused memory was a `memset` as long as the gather's own copies, 0.9%
+//! of a stage-3 worker's samples).
 
 use std::io;
 use std::mem::MaybeUninit;
@@ -322,26 +325,6 @@ impl Direct {
         self.gather(c, as_slots(buf))
     }
 
-    /// An all-gather of `total` elements into a new buffer, this rank's
-    /// chunk `own`: the buffer is not zeroed first, since the gather writes
-    /// every element of it (a zeroed one of reused memory was a `memset` as
-    /// long as the gather's own copies, 0.9% of a stage-3 worker's samples).
-    /// Returns the bytes other ranks read of this rank's data, and the buffer.
-    pub(crate) fn all_gather_new(
-        &mut self,
-        c: &Call,
-        own: &[f32],
-        total: usize,
-    ) -> Result<(u64, Vec<f32>), CommError> {
-        let mut buf: Vec<MaybeUninit<f32>> = Vec::with_capacity(total);
-        // SAFETY: MaybeUninit needs no initialisation.
-        unsafe { buf.set_len(total) };
-        let bytes = self.all_gather_into(c, own, &mut buf)?;
-        // SAFETY: `all_gather_into` wrote every element.
-        let buf = unsafe { assume_init(buf) };
-        Ok((bytes, buf))
-    }
-
     /// An all-gather into `buf`, whose every element it writes: this rank's
     /// chunk from `own`, the others from their ranks. Returns the bytes other
     /// ranks read of this rank's data.
@@ -530,18 +513,6 @@ fn as_slots(dst: &mut [f32]) -> &mut [MaybeUninit<f32>] {
 unsafe fn assume_init_ref(s: &[MaybeUninit<f32>]) -> &[f32] {
     // SAFETY: the caller's; MaybeUninit<f32> has f32's layout.
     unsafe { &*(std::ptr::from_ref(s) as *const [f32]) }
-}
-
-/// A buffer whose every element was written.
-///
-/// # Safety
-///
-/// Every element of `v` holds a value.
-unsafe fn assume_init(v: Vec<MaybeUninit<f32>>) -> Vec<f32> {
-    let mut v = std::mem::ManuallyDrop::new(v);
-    // SAFETY: the same allocation, layout and length (MaybeUninit<f32> is
-    // f32's layout); every element initialised (caller).
-    unsafe { Vec::from_raw_parts(v.as_mut_ptr().cast(), v.len(), v.capacity()) }
 }
 
 /// `src` into `dst` with plain stores.
