@@ -920,6 +920,42 @@ mod tests {
     /// where a CPU worker makes it apart: 16-bit gradients, or stages 0-1
     /// with more than one micro-batch a step; not where it is added in
     /// place, nor where the matrix is frozen.
+    /// Backward's passing gradients come on top of the activations where a
+    /// block trains, and not at all where backward stops above every
+    /// block (the embedding and the blocks frozen); a worker's peak is
+    /// the sum of its parts, and grows by them with its threads.
+    #[test]
+    fn a_workers_peak_adds_backwards_gradients_where_a_block_trains() {
+        let mut spec: JobSpec = serde_saphyr::from_str(
+            "model: {vocab_size: 256, d_model: 64, n_layers: 2, n_heads: 2, seq_len: 16}\n\
+             data: {format: synthetic}\ntrain: {micro_batch_size: 4}\n",
+        )
+        .unwrap();
+        let backward = job_backward_bytes(&spec, Kept::F32);
+        // GPT-2 in f32 at its most in the q, k and v projection's backward:
+        // the second norm's, the attention output's and the MLP input's
+        // gradients, dq, dk and dv, the projection's input gradient (seven
+        // rows of d) and its weight gradient (d × 3d); and the gradient the
+        // head handed down, less the head's three rows of d.
+        let n_d = 4.0 * (4 * 16 * 64) as f64;
+        let block = 7.0 * n_d + 4.0 * (64 * 3 * 64) as f64;
+        assert_eq!(block_backward_bytes(&spec.model, 4, 16, Kept::F32), block);
+        assert_eq!(backward, n_d + block - 3.0 * n_d);
+        let parts = WORKER_PROCESS_BYTES
+            + worker_states(&spec, 1).memory
+            + comm_buffer_bytes(&spec, 1)
+            + job_activation_bytes(&spec, true, Kept::F32).0
+            + backward;
+        let work = attention_work_bytes(&spec.model, spec.train.dtype);
+        assert_eq!(cpu_worker_peak_bytes(&spec, 1, 1, Kept::F32), parts + work);
+        assert_eq!(
+            cpu_worker_peak_bytes(&spec, 1, 3, Kept::F32),
+            parts + 3.0 * work
+        );
+        spec.train.freeze = vec!["w*.weight".into(), "h.*".into()];
+        assert_eq!(job_backward_bytes(&spec, Kept::F32), 0.0);
+    }
+
     #[test]
     fn the_output_gradient_is_counted_where_it_is_made_apart() {
         let base: JobSpec = serde_saphyr::from_str(
