@@ -358,9 +358,10 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
         );
     }
     if let Some(p) = est.peak_per_worker {
+        let threads = local_worker_threads(est.workers_per_node);
         say!(
-            "at its peak a worker of {} threads holds about {} (the process, its states, buffers, activations and work matrices)",
-            local_worker_threads(est.workers_per_node),
+            "at its peak a worker of {threads} thread{} holds about {} (the process, its states, buffers, activations and work matrices)",
+            if threads == 1 { "" } else { "s" },
             gb(p)
         );
     }
