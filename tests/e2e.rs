@@ -1482,9 +1482,10 @@ fn the_estimate_moves_with_the_stage_and_the_bucket_as_peak_memory_does() {
         // Measured 1.09-1.12x (2026-12-06) while backward's passing
         // gradients and the process's own memory were left out; 1.05x
         // with them (2026-12-07): what is left is glibc's, the threads'
-        // GEMM packing buffers and the synthetic data.
+        // GEMM packing buffers and the synthetic data (and, under load,
+        // small buckets in flight: 1.07x in CI, below).
         assert!(
-            (0.95..1.15).contains(&(rss / predicted)),
+            (0.95..1.2).contains(&(rss / predicted)),
             "stage {stage}, bucket {bucket}: peak RSS {rss:.0} bytes, the estimate {predicted:.0}"
         );
         (rss, predicted)
