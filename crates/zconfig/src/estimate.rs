@@ -241,16 +241,71 @@ pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
     states
 }
 
+/// The most gradient buckets the engine holds at once, packed or in flight:
+/// one reducing while the next is packed, as DeepSpeed's two IPG buffers.
+/// Where the reductions lag behind backward (a slower rank, a loaded
+/// machine), backward waits for the oldest before it packs another: left
+/// unbounded, a loaded 2-core machine held four of gpt-anchor's one-block
+/// buckets at once.
+pub const REDUCE_BUCKETS_HELD: usize = 2;
+
+/// Elements of every parameter group in the order backward completes their
+/// gradients: the head, then each block's tiles (last linear first, each
+/// linear's tiles in column order) and the rest of the block, last block
+/// first, and the embedding (the engine's groups; see [`largest_group`]).
+fn backward_group_elements(m: &ModelSpec) -> Vec<f64> {
+    let tile_size = m.tile_size.map(|n| n.0 as usize);
+    let mut block = Vec::new();
+    let mut rest = m.block_params() as f64;
+    let linears = m.block_linears().into_iter().zip(m.linear_biases());
+    for ((layer, inputs, outputs), bias) in linears.rev() {
+        let Ok(tiles) = crate::tiles::column_tiles(layer, inputs, outputs, tile_size) else {
+            continue;
+        };
+        if tiles.len() > 1 {
+            let rows = (inputs + usize::from(bias)) as f64;
+            rest -= rows * outputs as f64;
+            block.extend(tiles.iter().map(|c| rows * c.len() as f64));
+        }
+    }
+    block.push(rest);
+    let blocks = std::iter::repeat_n(block, m.n_layers).flatten();
+    std::iter::once(m.head_params() as f64)
+        .chain(blocks)
+        .chain(std::iter::once(m.embedding_params() as f64))
+        .collect()
+}
+
+/// Elements of each reduce bucket, as the engine plans them: groups taken in
+/// backward's order until a bucket holds at least `bucket_size` (so one
+/// group larger than that is a bucket of its own), the last bucket what is
+/// left. Every group counted, frozen or not.
+pub fn reduce_bucket_elements(m: &ModelSpec, bucket_size: u64) -> Vec<f64> {
+    let mut buckets = Vec::new();
+    let mut filling = 0.0;
+    for n in backward_group_elements(m) {
+        filling += n;
+        if filling >= bucket_size as f64 {
+            buckets.push(std::mem::take(&mut filling));
+        }
+    }
+    if filling > 0.0 {
+        buckets.push(filling);
+    }
+    buckets
+}
+
 /// Bytes a CPU worker's collectives hold at its step's peak, beside its
 /// model states, for `spec` on `world` ranks.
 ///
-/// - A reduce bucket of f32 gradients: `min(reduce_bucket_size, trained)`
-///   elements (a bucket leaves frozen parameters out, but under qgZ), where
-///   there are two ranks or more to reduce between. Stages 0-2 keep the
-///   buffer between steps, so it is there while forward's activations pile
-///   up; at stage 3 the last bucket, packed after backward has freed them,
-///   is one large buffer of its own (measured on gpt-anchor: the peak RSS
-///   rose by it with the default bucket and not with small ones, which
+/// - Reduce buckets of f32 gradients, where there are two ranks or more to
+///   reduce between: the [`REDUCE_BUCKETS_HELD`] largest of
+///   [`reduce_bucket_elements`], the trained elements at most (a bucket
+///   leaves frozen parameters out, but under qgZ). Stages 0-2 keep the
+///   buffers between steps, so they are there while forward's activations
+///   pile up; at stage 3 the last bucket, packed after backward has freed
+///   them, is one large buffer of its own (measured on gpt-anchor: the peak
+///   RSS rose by it with the default bucket and not with small ones, which
 ///   reuse the activations' freed memory).
 /// - Stages 2-3: the output matrix's gradient staged for its bucket, in
 ///   the gradients' type, where it trains: the head's group (and the
@@ -271,7 +326,12 @@ pub fn comm_buffer_bytes(spec: &JobSpec, world: usize) -> f64 {
     };
     let bucket = match world {
         0 | 1 => 0.0,
-        _ => (z.reduce_bucket_size.0 as f64).min(carried) * 4.0,
+        _ => {
+            let mut buckets = reduce_bucket_elements(&spec.model, z.reduce_bucket_size.0);
+            buckets.sort_by(|a, b| b.total_cmp(a));
+            let held: f64 = buckets.iter().take(REDUCE_BUCKETS_HELD).sum();
+            held.min(carried) * 4.0
+        }
     };
     let m = &spec.model;
     let output = match m.tied() {
@@ -1010,7 +1070,7 @@ mod tests {
     }
 
     #[test]
-    fn the_collectives_buffers_are_a_bucket_a_staged_output_gradient_and_stage_3_gathers() {
+    fn the_collectives_buffers_are_two_buckets_a_staged_output_gradient_and_stage_3_gathers() {
         let mut spec: JobSpec = serde_saphyr::from_str(
             "model: {vocab_size: 256, d_model: 384, n_layers: 6, n_heads: 6, seq_len: 256}\n\
              data: {format: synthetic}\nzero: {stage: 0, prefetch_bucket_size: 1e6}\n",
@@ -1020,8 +1080,25 @@ mod tests {
         assert_eq!(comm_buffer_bytes(&spec, 1), 0.0, "one rank reduces nothing");
         // The default bucket (5e7) holds the whole gradient, in f32.
         assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi);
+        // Buckets of 1e6 elements: a block each (1.77M), the first with the
+        // head's norm, the last the embedding alone; the two largest are
+        // held at once.
         spec.zero.reduce_bucket_size.0 = 1_000_000;
-        assert_eq!(comm_buffer_bytes(&spec, 2), 4e6);
+        let block = spec.model.block_params() as f64;
+        let embedding = (256.0 + 256.0) * 384.0;
+        let buckets = reduce_bucket_elements(&spec.model, 1_000_000);
+        assert_eq!(buckets.len(), 7, "{buckets:?}");
+        assert_eq!(buckets[0], 768.0 + block);
+        assert!(buckets[1..6].iter().all(|&b| b == block));
+        assert_eq!(buckets[6], embedding);
+        assert_eq!(buckets.iter().sum::<f64>(), psi);
+        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * (768.0 + 2.0 * block));
+        // Buckets of 4e6: three blocks each (the first with the head's
+        // norm), then the embedding: all but the embedding held.
+        spec.zero.reduce_bucket_size.0 = 4_000_000;
+        let three = reduce_bucket_elements(&spec.model, 4_000_000);
+        assert_eq!(three, [768.0 + 3.0 * block, 3.0 * block, embedding]);
+        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * (psi - embedding));
         // Frozen parameters leave the bucket; not under qgZ.
         spec.zero.reduce_bucket_size.0 = 50_000_000;
         spec.train.freeze = vec!["h.{0-2}.*".into()];

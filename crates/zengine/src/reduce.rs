@@ -7,12 +7,17 @@
 //! everything (stage 0), else a reduce-scatter that hands each rank the sum of
 //! the slices it owns (with ZeRO++ qgZ, zcomm's two-hop quantized one). With `overlap_comm` backward carries on while the
 //! reduction runs; finished reductions are put away at the next group and the
-//! rest when the step waits for them.
+//! rest when the step waits for them. At most [`REDUCE_BUCKETS_HELD`]
+//! buckets are held at once, as DeepSpeed's two IPG buffers: where the
+//! reductions lag behind backward (a slower rank, a loaded machine)
+//! backward waits for the oldest before it packs the next, rather than
+//! piling up the whole gradient in flight.
 
 use std::collections::VecDeque;
 use std::ops::Range;
 
 use zcomm::{Quantization, Work};
+use zconfig::estimate::REDUCE_BUCKETS_HELD;
 
 use crate::engine::Engine;
 use crate::error::EngineError;
@@ -91,12 +96,12 @@ impl Reducer {
     }
 
     /// Keeps a finished reduction's buffer for a later bucket (one that can
-    /// hold some bucket, as many as there are buckets: no more than the
-    /// buckets in flight at a step's peak, which `comm_buffers` reports),
-    /// where the stage keeps them at all.
+    /// hold some bucket; no more than [`REDUCE_BUCKETS_HELD`], the most
+    /// buckets held at once), where the stage keeps them at all.
     fn keep(&mut self, buffer: Vec<f32>) {
         let smallest = self.buckets.iter().map(|b| b.len).min().unwrap_or(0);
-        if self.pool && self.spare.len() < self.buckets.len() && buffer.capacity() >= smallest {
+        let most = REDUCE_BUCKETS_HELD.min(self.buckets.len());
+        if self.pool && self.spare.len() < most && buffer.capacity() >= smallest {
             self.spare.push(buffer);
         }
     }
@@ -142,6 +147,16 @@ impl Engine {
                 }
             }
             return Ok(());
+        }
+        // Hold at most REDUCE_BUCKETS_HELD buckets: this one is packed
+        // once the oldest reductions beyond that are put away.
+        while self.reducer.pending.len() >= REDUCE_BUCKETS_HELD {
+            let oldest = self
+                .reducer
+                .pending
+                .pop_front()
+                .expect("a bucket in flight");
+            self.finish_bucket(oldest)?;
         }
         let packed = self.pack_bucket(bi)?;
         let bytes = (packed.len() * 4) as u64;

@@ -1738,3 +1738,37 @@ fn lamb_ratios_leave_frozen_parameters_out() {
         all.mean
     );
 }
+
+/// Where one rank launches its reductions late, the other's backward runs
+/// ahead of them: it holds at most two buckets packed or in flight (as
+/// DeepSpeed's two IPG buffers), waiting for the oldest before it packs the
+/// next, rather than the whole gradient; and it trains to the same bits.
+/// Every group is a bucket here (six blocks, the two largest buckets a
+/// third of the gradient).
+#[test]
+fn backward_holds_at_most_two_buckets_while_the_reductions_lag() {
+    for stage in [0u8, 1] {
+        let mut spec = typed_spec("f32", stage, 1, 1, true, false, 2);
+        spec.model.n_layers = 6;
+        let even = train(spec.clone(), 2);
+        let leg = Leg {
+            lagging: Some((1, std::time::Duration::from_millis(30))),
+            ..Leg::default()
+        };
+        let lagged = train_leg(spec, 2, &leg);
+        assert!(lagged == even, "stage {stage}: the lag changed the bits");
+        let mut buckets = even[0].padded.clone();
+        buckets.sort_unstable_by(|a, b| b.cmp(a));
+        let (two, all) = (
+            buckets[..2].iter().sum::<usize>(),
+            buckets.iter().sum::<usize>(),
+        );
+        assert!(3 * two < all, "{buckets:?}");
+        let held = lagged[0].comm_peak as usize;
+        assert!(
+            held >= 4 * buckets[0] && held <= 4 * two,
+            "stage {stage}: {held} bytes of buckets held at once, two buckets {} bytes",
+            4 * two
+        );
+    }
+}

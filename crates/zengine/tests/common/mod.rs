@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zckpt::{Checkpoint, FileEntry, GroupEntry, LossScaleState, Manifest};
-use zcomm::{Communicator, CounterSnapshot, TcpCommunicator, TcpOptions};
+use zcomm::{Communicator, CounterSnapshot, Quantization, TcpCommunicator, TcpOptions, Work};
 use zconfig::JobSpec;
 use zengine::{Engine, ProcessGroups};
 use zmodel::{Batcher, Corpus};
@@ -216,6 +216,71 @@ pub struct Leg<'a> {
     pub shared_memory: bool,
     /// Each step takes its micro-batches last first.
     pub reverse_micro_batches: bool,
+    /// This rank (in the world group) launches every reduction this long
+    /// late: the other ranks' reductions wait on it while their backward
+    /// runs ahead.
+    pub lagging: Option<(usize, Duration)>,
+}
+
+/// A communicator whose reductions leave `lag` late: the caller sleeps
+/// before each is launched (everything else passes straight through).
+struct Lagging {
+    inner: Arc<dyn Communicator>,
+    lag: Duration,
+}
+
+impl Communicator for Lagging {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn group_name(&self) -> &str {
+        self.inner.group_name()
+    }
+    fn counters(&self) -> CounterSnapshot {
+        self.inner.counters()
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+    fn in_flight(&self) -> Option<zcomm::InFlight> {
+        self.inner.in_flight()
+    }
+    fn all_reduce_async(&self, buf: Vec<f32>) -> Work<Vec<f32>> {
+        std::thread::sleep(self.lag);
+        self.inner.all_reduce_async(buf)
+    }
+    fn reduce_scatter_async(&self, buf: Vec<f32>) -> Work<Vec<f32>> {
+        std::thread::sleep(self.lag);
+        self.inner.reduce_scatter_async(buf)
+    }
+    fn quantized_reduce_scatter_async(&self, buf: Vec<f32>, q: Quantization) -> Work<Vec<f32>> {
+        std::thread::sleep(self.lag);
+        self.inner.quantized_reduce_scatter_async(buf, q)
+    }
+    fn all_gather_async(&self, chunk: Vec<f32>, total_len: usize) -> Work<Vec<f32>> {
+        self.inner.all_gather_async(chunk, total_len)
+    }
+    fn all_gather_in_place_async(&self, buf: Vec<f32>) -> Work<Vec<f32>> {
+        self.inner.all_gather_in_place_async(buf)
+    }
+    fn all_gather16_async(&self, chunk: Vec<u16>, total_len: usize) -> Work<Vec<u16>> {
+        self.inner.all_gather16_async(chunk, total_len)
+    }
+    fn all_gather16_in_place_async(&self, buf: Vec<u16>) -> Work<Vec<u16>> {
+        self.inner.all_gather16_in_place_async(buf)
+    }
+    fn all_to_all_async(&self, pieces: Vec<Vec<u8>>) -> Work<Vec<Vec<u8>>> {
+        self.inner.all_to_all_async(pieces)
+    }
+    fn broadcast_async(&self, buf: Vec<u8>, root: usize) -> Work<Vec<u8>> {
+        self.inner.broadcast_async(buf, root)
+    }
+    fn barrier_async(&self) -> Work<()> {
+        self.inner.barrier_async()
+    }
 }
 
 /// Every rank's process groups: the world on `nodes`, and with hpZ of P
@@ -250,7 +315,11 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
     let hs: Vec<_> = process_groups(&nodes, spec.zero.hpz_partition_size, leg.shared_memory)
         .into_iter()
         .enumerate()
-        .map(|(rank, groups)| {
+        .map(|(rank, mut groups)| {
+            if let Some((_, lag)) = leg.lagging.filter(|&(r, _)| r == rank) {
+                let inner = groups.world.clone();
+                groups.world = Arc::new(Lagging { inner, lag });
+            }
             let (spec, ckpt) = (spec.clone(), ckpt.clone());
             let save = save.map(Path::to_path_buf);
             std::thread::spawn(move || {
