@@ -841,6 +841,51 @@ mod tests {
         Engine::new(&spec, Arc::new(comm)).unwrap()
     }
 
+    /// `zrun estimate` counts the buckets backward may hold from its own
+    /// plan of them (`reduce_bucket_elements`): the engine's, bucket for
+    /// bucket, for GPT-2 and LLaMA, whole and tiled, over bucket sizes
+    /// from one group a bucket to the whole gradient in one.
+    #[test]
+    fn the_estimate_plans_the_reduce_buckets_the_engine_plans() {
+        for (kind, tile) in [
+            ("gpt", "null"),
+            ("gpt", "4e4"),
+            ("llama", "null"),
+            ("llama", "4e4"),
+        ] {
+            let spec: JobSpec = format!(
+                "model: {{kind: {kind}, vocab_size: 64, d_model: 128, n_layers: 3, n_heads: 4, seq_len: 16, tile_size: {tile}}}\n\
+                 data: {{format: synthetic}}\n"
+            )
+            .parse()
+            .unwrap();
+            let m = &spec.model;
+            let model = Gpt::new(m)
+                .unwrap()
+                .with_tile_size(m.tile_size.map(|n| n.0 as usize))
+                .unwrap();
+            let layouts: Vec<GroupLayout> = (model.groups().iter())
+                .map(|gs| GroupLayout::new(gs, 1))
+                .collect();
+            assert!(
+                tile == "null" || layouts.len() > m.n_layers + 2,
+                "{kind} {tile}: untiled"
+            );
+            let order = backward_completion(&model);
+            for size in [1, 30_000, 250_000, 1 << 30] {
+                let engine: Vec<f64> = (crate::flat::Bucket::plan(&layouts, &order, size, true)
+                    .iter())
+                .map(|b| b.len as f64)
+                .collect();
+                let estimate = zconfig::estimate::reduce_bucket_elements(m, size as u64);
+                assert_eq!(
+                    estimate, engine,
+                    "{kind}, tile_size {tile}, buckets of {size}"
+                );
+            }
+        }
+    }
+
     /// Where each group's parameter buffer starts.
     fn addresses(e: &Engine) -> Vec<usize> {
         (e.groups.iter())
