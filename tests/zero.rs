@@ -228,6 +228,36 @@ fn estimate_reproduces_the_zero_paper_and_sizes_a_job() {
         a["bytes_per_worker_checkpointed"].as_f64().unwrap()
             < a["bytes_per_worker"].as_f64().unwrap()
     );
+    // Its reduce buckets on two workers: the default holds the whole
+    // gradient; with a group a bucket (the head's norm, two blocks of
+    // 12,704 parameters, the embedding) the two blocks are held at once.
+    assert_eq!(v["reduce_buckets"]["count"], 1, "{v}");
+    assert_eq!(v["reduce_buckets"]["held_bytes"], 4.0 * 28544.0, "{v}");
+    let args = [job.to_str().unwrap(), "--set", "zero.reduce_bucket_size=1"];
+    let small = zrun(
+        dir.path(),
+        &[&["estimate"], &args[..], &["--json"]].concat(),
+    );
+    assert_eq!(small.code(), 0, "{small:?}");
+    let b: serde_json::Value = serde_json::from_str(&small.stdout).unwrap();
+    let r = &b["reduce_buckets"];
+    assert_eq!(
+        (&r["count"], &r["held_at_once"]),
+        (&4.into(), &2.into()),
+        "{b}"
+    );
+    assert_eq!(r["held_bytes"], 4.0 * 2.0 * 12704.0, "{b}");
+    assert_eq!(
+        b["comm_buffers_per_worker"], r["held_bytes"],
+        "stage 0: {b}"
+    );
+    let text = zrun(dir.path(), &[&["estimate"], &args[..]].concat());
+    assert!(
+        text.stdout
+            .contains("(of its 4 reduce buckets a step, 2 held at once: 0.1 MB)"),
+        "{}",
+        text.stdout
+    );
     // Lion keeps one moment: f32 stage 0 is (4 + 4 + 4)Ψ, not (4 + 4 + 8)Ψ.
     let lion = zrun(
         dir.path(),

@@ -295,13 +295,31 @@ pub fn reduce_bucket_elements(m: &ModelSpec, bucket_size: u64) -> Vec<f64> {
     buckets
 }
 
+/// Bytes of the reduce buckets (f32) one of `world` workers of `spec`
+/// holds at once: the [`REDUCE_BUCKETS_HELD`] largest of
+/// [`reduce_bucket_elements`], at most the elements the buckets carry
+/// (frozen parameters left out, but under qgZ); none on one worker, which
+/// reduces nothing.
+pub fn held_bucket_bytes(spec: &JobSpec, world: usize) -> f64 {
+    if world <= 1 {
+        return 0.0;
+    }
+    let z = &spec.zero;
+    let carried = match z.quantized_gradients {
+        true => model_params(&spec.model),
+        false => trained_elements(&spec.model, &spec.train.freeze).trained,
+    };
+    let mut buckets = reduce_bucket_elements(&spec.model, z.reduce_bucket_size.0);
+    buckets.sort_by(|a, b| b.total_cmp(a));
+    let held: f64 = buckets.iter().take(REDUCE_BUCKETS_HELD).sum();
+    held.min(carried) * 4.0
+}
+
 /// Bytes a CPU worker's collectives hold at its step's peak, beside its
 /// model states, for `spec` on `world` ranks.
 ///
 /// - Reduce buckets of f32 gradients, where there are two ranks or more to
-///   reduce between: the [`REDUCE_BUCKETS_HELD`] largest of
-///   [`reduce_bucket_elements`], the trained elements at most (a bucket
-///   leaves frozen parameters out, but under qgZ). Stages 0-2 keep the
+///   reduce between ([`held_bucket_bytes`]). Stages 0-2 keep the
 ///   buffers between steps, so they are there while forward's activations
 ///   pile up; at stage 3 the last bucket, packed after backward has freed
 ///   them, is one large buffer of its own (measured on gpt-anchor: the peak
@@ -320,19 +338,7 @@ pub fn reduce_bucket_elements(m: &ModelSpec, bucket_size: u64) -> Vec<f64> {
 pub fn comm_buffer_bytes(spec: &JobSpec, world: usize) -> f64 {
     let z = &spec.zero;
     let psi = model_params(&spec.model);
-    let carried = match z.quantized_gradients {
-        true => psi,
-        false => trained_elements(&spec.model, &spec.train.freeze).trained,
-    };
-    let bucket = match world {
-        0 | 1 => 0.0,
-        _ => {
-            let mut buckets = reduce_bucket_elements(&spec.model, z.reduce_bucket_size.0);
-            buckets.sort_by(|a, b| b.total_cmp(a));
-            let held: f64 = buckets.iter().take(REDUCE_BUCKETS_HELD).sum();
-            held.min(carried) * 4.0
-        }
-    };
+    let bucket = held_bucket_bytes(spec, world);
     let m = &spec.model;
     let output = match m.tied() {
         true => format!("{}.weight", m.token_table_name()),

@@ -7,9 +7,9 @@ use anyhow::Result;
 use serde::Serialize;
 use zconfig::estimate::{
     attention_work_bytes, comm_buffer_bytes, cpu_worker_peak_bytes, gpu_probabilities_bytes,
-    job_activation_bytes, job_backward_bytes, largest_group, model_params, model_state_rows,
-    trained_elements, worker_states, CrossNodeBytes, Kept, Row, StateBytes, TrainedElements,
-    WorkerStates,
+    held_bucket_bytes, job_activation_bytes, job_backward_bytes, largest_group, model_params,
+    model_state_rows, reduce_bucket_elements, trained_elements, worker_states, CrossNodeBytes,
+    Kept, Row, StateBytes, TrainedElements, WorkerStates, REDUCE_BUCKETS_HELD,
 };
 use zconfig::spec::OptimizerKind;
 use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
@@ -17,6 +17,17 @@ use zconfig::{load_job, Dtype, JobSpec, Topology, TopologyOptions};
 use crate::cli::EstimateArgs;
 use crate::plan::{fused_attention_expected, DEFAULT_CPU_WORKERS};
 use crate::Failure;
+
+/// A job's reduce buckets as the engine plans them.
+#[derive(Debug, Serialize)]
+struct ReduceBuckets {
+    /// Buckets a step.
+    count: usize,
+    /// The most held at once, packed or in flight.
+    held_at_once: usize,
+    /// Their bytes (f32).
+    held_bytes: f64,
+}
 
 #[derive(Debug, Serialize)]
 struct Activations {
@@ -61,6 +72,10 @@ struct Estimate {
     /// ([`comm_buffer_bytes`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     comm_buffers_per_worker: Option<f64>,
+    /// A CPU job of two workers or more: its reduce buckets, of which
+    /// those held at once are counted in `comm_buffers_per_worker`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reduce_buckets: Option<ReduceBuckets>,
     /// A CPU job: what a worker holds at its peak, of this host's threads
     /// a worker ([`cpu_worker_peak_bytes`]).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -253,6 +268,7 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                 stage: None,
                 this_job: None,
                 comm_buffers_per_worker: None,
+                reduce_buckets: None,
                 peak_per_worker: None,
                 trained: None,
                 comm: args.comm.then(|| {
@@ -349,12 +365,22 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
     }
     if let Some(b) = est.comm_buffers_per_worker.filter(|&b| b > 0.0) {
         say!(
-            "  and buffers for its reductions{}: {} per worker",
+            "  and buffers for its reductions{}: {} per worker{}",
             match est.stage {
                 Some(3) => " and gathers",
                 _ => "",
             },
-            gb(b)
+            gb(b),
+            match &est.reduce_buckets {
+                Some(r) if r.count == 1 => format!(" (one reduce bucket: {})", gb(r.held_bytes)),
+                Some(r) => format!(
+                    " (of its {} reduce buckets a step, {} held at once: {})",
+                    r.count,
+                    r.held_at_once,
+                    gb(r.held_bytes)
+                ),
+                None => String::new(),
+            }
         );
     }
     if let Some(p) = est.peak_per_worker {
@@ -430,6 +456,14 @@ fn job_estimate(spec: &JobSpec, nodes: usize, wpn: usize) -> Estimate {
         stage: Some(spec.zero.stage.number()),
         this_job: Some(worker_states(spec, nodes * wpn)),
         comm_buffers_per_worker: cpu.then(|| comm_buffer_bytes(spec, nodes * wpn)),
+        reduce_buckets: (cpu && nodes * wpn > 1).then(|| {
+            let count = reduce_bucket_elements(&spec.model, spec.zero.reduce_bucket_size.0).len();
+            ReduceBuckets {
+                count,
+                held_at_once: count.min(REDUCE_BUCKETS_HELD),
+                held_bytes: held_bucket_bytes(spec, nodes * wpn),
+            }
+        }),
         peak_per_worker: cpu
             .then(|| cpu_worker_peak_bytes(spec, nodes * wpn, local_worker_threads(wpn), kept)),
         trained: (!spec.train.freeze.is_empty())
