@@ -245,8 +245,9 @@ pub fn worker_states(spec: &JobSpec, world: usize) -> WorkerStates {
 /// one reducing while the next is packed, as DeepSpeed's two IPG buffers.
 /// Where the reductions lag behind backward (a slower rank, a loaded
 /// machine), backward waits for the oldest before it packs another: left
-/// unbounded, a loaded 2-core machine held four of gpt-anchor's one-block
-/// buckets at once.
+/// unbounded, gpt-anchor's one-block buckets (7 MB each) once took a
+/// worker's peak RSS 16 MB above its figure alone, in CI beside other
+/// tests; a test that makes one rank lag saw all of them held at once.
 pub const REDUCE_BUCKETS_HELD: usize = 2;
 
 /// Elements of every parameter group in the order backward completes their
