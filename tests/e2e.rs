@@ -1503,11 +1503,12 @@ fn the_estimate_moves_with_the_stage_and_the_bucket_as_peak_memory_does() {
         // 0.57x for the small buckets once in CI, beside the other tests,
         // while the buckets in flight were unbounded (16 MB more than
         // alone). Now backward holds two at most, which the estimate
-        // counts (one block's 7 MB each): 0.86x and 1.32x alone, the
-        // second as one bucket is held where the reductions keep up; the
-        // same under two busy loops beside it (2026-12-07).
+        // counts (one block's 7 MB each): 0.86-0.94x and 1.32-1.42x
+        // alone, the second as one bucket is held where the reductions
+        // keep up (1.24x by that alone, the rest the peaks' few MB of
+        // noise); the same under two busy loops beside it (2026-12-07).
         assert!(
-            predicted > 0.0 && (0.5..1.5).contains(&(grew / predicted)),
+            predicted > 0.0 && (0.5..1.6).contains(&(grew / predicted)),
             "{what}: peak RSS {grew:.0} bytes more, the estimate {predicted:.0}"
         );
     }

@@ -592,6 +592,12 @@ pub(crate) fn backward<S: BlockSource>(
             // writes, and each product's bits do not depend on its threads.
             // The last tile's product finishes dx: multiplied by `times` there.
             let times = times.filter(|_| t + 1 == tiles.len());
+            // The first product's dx is allocated here, on the calling
+            // thread: made inside the join on a thread that stole it, it
+            // came from that thread's glibc arena, to which it went back
+            // when freed, out of reach of the calling thread's allocations
+            // (a bf16 gpt-anchor worker of two threads peaked 16 MiB higher).
+            let mut fresh = dx.is_none().then(|| uninit_floats(rows * inputs));
             let mut input_grad = || -> candle_core::Result<()> {
                 let a = dy_cols(cols.start, w)?;
                 let b = wm.t();
@@ -606,7 +612,7 @@ pub(crate) fn backward<S: BlockSource>(
                         times,
                     ),
                     None => {
-                        let mut fresh = uninit_floats(rows * inputs);
+                        let mut fresh = fresh.take().expect("made for the first product");
                         multiply_times(
                             products,
                             MatMut::uninit(&mut fresh, rows, inputs, inputs).map_err(shape)?,

@@ -3,16 +3,20 @@
 //! `zconfig::estimate::block_backward_bytes` gives `zrun estimate` (a
 //! worker's peak comes while the top block's backward runs, every block's
 //! activations still held). Its own test binary: the count is the
-//! process's, so nothing else may run beside it.
+//! process's, so nothing else may run beside it (its tests take turns).
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use candle_core::{Device, Tensor};
 use zconfig::estimate::{block_backward_bytes, Kept};
 use zconfig::spec::ModelSpec;
-use zmodel::{BlockLinear, BlockNorm, BlockParams, BlockSource, Gpt, Products, WeightBias};
+use zmodel::{
+    BlockActs, BlockLinear, BlockNorm, BlockParams, BlockSource, Gpt, Products, WeightBias,
+};
 
 /// The system's allocator, counting the bytes it holds and the most it
 /// has held since [`Counting::restart`].
@@ -20,6 +24,17 @@ struct Counting;
 
 static HELD: AtomicUsize = AtomicUsize::new(0);
 static MOST: AtomicUsize = AtomicUsize::new(0);
+/// While set, the largest allocation made on a thread other than the
+/// caller's is kept in [`ELSEWHERE`].
+static WATCHING: AtomicBool = AtomicBool::new(false);
+static ELSEWHERE: AtomicUsize = AtomicUsize::new(0);
+/// The tests take turns: the counts are the process's.
+static ALONE: Mutex<()> = Mutex::new(());
+
+thread_local! {
+    /// Whether this thread is the one the watched work was called on.
+    static CALLER: Cell<bool> = const { Cell::new(false) };
+}
 
 impl Counting {
     /// Bytes held now; the most held is counted from here.
@@ -36,6 +51,9 @@ impl Counting {
     fn added(bytes: usize) {
         let now = HELD.fetch_add(bytes, Ordering::SeqCst) + bytes;
         MOST.fetch_max(now, Ordering::SeqCst);
+        if WATCHING.load(Ordering::SeqCst) && !CALLER.with(Cell::get) {
+            ELSEWHERE.fetch_max(bytes, Ordering::SeqCst);
+        }
     }
 }
 
@@ -127,9 +145,9 @@ fn spec(v: serde_json::Value) -> ModelSpec {
     serde_json::from_value(v).unwrap()
 }
 
-/// The most `cfg`'s block backward holds beyond its kept activations, its
-/// parameters and the gradient it is handed, for `b` sequences, in bytes.
-fn measured(cfg: &ModelSpec, b: usize, bf16: bool) -> (usize, Kept) {
+/// A block of `cfg` (bf16 products where `bf16`), its parameters, what its
+/// forward kept of `b` sequences, and a gradient for its output.
+fn block(cfg: &ModelSpec, b: usize, bf16: bool) -> (Gpt, BlockParams<Tensor>, BlockActs, Tensor) {
     let dev = Device::Cpu;
     let g = Gpt::new(cfg).unwrap().with_bf16_products(bf16);
     let params = BlockParams::from_vec(
@@ -149,7 +167,13 @@ fn measured(cfg: &ModelSpec, b: usize, bf16: bool) -> (usize, Kept) {
     let x = Tensor::from_vec(values(b * t * d), (b, t, d), &dev).unwrap();
     let (y, acts) = g.block_forward(&params, &x).unwrap();
     let dy = Tensor::from_vec(values(b * t * d), y.shape(), &dev).unwrap();
-    drop(y);
+    (g, params, acts, dy)
+}
+
+/// The most `cfg`'s block backward holds beyond its kept activations, its
+/// parameters and the gradient it is handed, for `b` sequences, in bytes.
+fn measured(cfg: &ModelSpec, b: usize, bf16: bool) -> (usize, Kept) {
+    let (g, params, acts, dy) = block(cfg, b, bf16);
     // Three times first: each thread's buffers (the GEMM's packed panels,
     // the attention's work matrices) are made and kept for the thread's
     // life, and `zrun estimate` counts them apart.
@@ -187,6 +211,7 @@ fn measured(cfg: &ModelSpec, b: usize, bf16: bool) -> (usize, Kept) {
 /// figure grows with the rows as the measurement does.
 #[test]
 fn a_blocks_backward_holds_what_the_estimate_says() {
+    let _alone = ALONE.lock().unwrap_or_else(|e| e.into_inner());
     let llama = |extra: serde_json::Value| {
         let mut v = serde_json::json!({
             "kind": "llama", "vocab_size": 11, "d_model": 128, "n_layers": 1, "n_heads": 4,
@@ -217,5 +242,50 @@ fn a_blocks_backward_holds_what_the_estimate_says() {
                 assert!((0.9..1.1).contains(&(most as f64 / want)), "{what}");
             }
         }
+    }
+}
+
+/// A linear's backward runs its two products side by side (`rayon::join`),
+/// and a second thread that steals the input gradient's product computes
+/// it; the gradient is allocated on the calling thread all the same. Made
+/// on the thief, it came from that thread's glibc arena and went back
+/// there when freed, where the calling thread's allocations never reach
+/// it: a bf16 gpt-anchor worker of two threads peaked 16 MiB higher
+/// (415 against 399 MiB). After a few passes (each thread's own buffers
+/// made and kept), nothing a backward allocates on the other thread is as
+/// large as the gradient handed down (`b·t·d` f32), in f32 and bf16.
+#[test]
+fn a_stolen_products_gradient_is_allocated_on_the_calling_thread() {
+    let _alone = ALONE.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = spec(serde_json::json!({
+        "vocab_size": 11, "d_model": 128, "n_layers": 1, "n_heads": 4, "seq_len": 96
+    }));
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    for bf16 in [false, true] {
+        let b = 8;
+        let (g, params, acts, dy) = block(&cfg, b, bf16);
+        let largest = pool.install(|| {
+            CALLER.with(|c| c.set(true));
+            for _ in 0..3 {
+                drop(g.block_backward_into(&mut Dropping(&params), &acts, &dy));
+            }
+            ELSEWHERE.store(0, Ordering::SeqCst);
+            WATCHING.store(true, Ordering::SeqCst);
+            for _ in 0..5 {
+                drop(g.block_backward_into(&mut Dropping(&params), &acts, &dy));
+            }
+            WATCHING.store(false, Ordering::SeqCst);
+            CALLER.with(|c| c.set(false));
+            ELSEWHERE.load(Ordering::SeqCst)
+        });
+        let handed = 4 * b * cfg.seq_len * cfg.d_model;
+        println!("bf16 {bf16}: the largest allocation off the calling thread {largest} bytes");
+        assert!(
+            largest < handed,
+            "bf16 {bf16}: {largest} bytes allocated on another thread, the gradient handed down {handed}"
+        );
     }
 }
