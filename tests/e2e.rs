@@ -1566,3 +1566,120 @@ fn a_large_vocabularys_head_holds_about_what_the_estimate_says() {
         );
     }
 }
+
+/// `train.curriculum` (DeepSpeed's sequence-length curriculum): each step
+/// trains on as many tokens of its sequences as DeepSpeed's `fixed_linear`
+/// gives at its step (8, 16, 24, then the model's 32: `seq_len` in the
+/// metrics and the CSV monitor's `train_seq_len.csv`, and the step's
+/// tokens counted at that length); stages 0 and 3
+/// agree to the bit, and a run resumed from step 3's checkpoint gives the
+/// uninterrupted run's losses and lengths. The same curriculum written as
+/// a ds_config's `curriculum_learning` trains to the same bits.
+#[test]
+fn a_sequence_length_curriculum_grows_by_the_step_and_its_stages_and_resume_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = e2e::ckpt_job(dir.path(), "curriculum", 6, 3);
+    let curriculum = "train.curriculum={min_difficulty: 8, schedule_type: fixed_linear, total_curriculum_step: 4, difficulty_step: 8}";
+    let run = |out: &str, extra: &[&str]| {
+        let m = dir.path().join(out);
+        let mut args = vec![
+            "train",
+            job.to_str().unwrap(),
+            "--no-progress",
+            "--metrics",
+            m.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let f = zrun(dir.path(), &args);
+        assert_eq!(f.code(), 0, "{f:?}");
+        metrics(&m)
+            .into_iter()
+            .filter(|l| l.get("loss").is_some())
+            .map(|l| {
+                let length = l["seq_len"]
+                    .as_u64()
+                    .expect("a curriculum step has seq_len");
+                let tokens =
+                    l["tokens_per_s"].as_f64().unwrap() * l["step_ms"].as_f64().unwrap() / 1e3;
+                (
+                    l["step"].as_u64().unwrap(),
+                    l["loss"].as_f64().unwrap(),
+                    length,
+                    tokens,
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    // Step, loss and length (the tokens, a product of two rounded
+    // figures, are checked apart).
+    let steps = |r: &[(u64, f64, u64, f64)]| r.iter().map(|s| (s.0, s.1, s.2)).collect::<Vec<_>>();
+    let csv = dir.path().join("csv");
+    let csv_set = format!("csv_monitor={}", csv.display());
+    let stage0 = run("stage0.jsonl", &["--set", curriculum, "--set", &csv_set]);
+    let lengths: Vec<u64> = stage0.iter().map(|s| s.2).collect();
+    assert_eq!(lengths, [8, 16, 24, 32, 32, 32]);
+    // The CSV monitor's file of the scalar says the same.
+    let csv_lengths = e2e::csv_by_step(&csv.join("train_seq_len.csv"));
+    assert_eq!(
+        csv_lengths,
+        [
+            (1, 8.0),
+            (2, 16.0),
+            (3, 24.0),
+            (4, 32.0),
+            (5, 32.0),
+            (6, 32.0)
+        ]
+    );
+    for &(step, _, length, tokens) in &stage0 {
+        // 2 workers × micro-batch 4 sequences of `length` tokens.
+        let want = (8 * length) as f64;
+        assert!(
+            (tokens - want).abs() < 1e-6 * want,
+            "step {step}: {tokens} tokens, want {want}"
+        );
+    }
+    let stage3 = run(
+        "stage3.jsonl",
+        &[
+            "--set",
+            curriculum,
+            "--set",
+            "zero.stage=3",
+            "--set",
+            "checkpoint.every=0",
+            "--set",
+            "checkpoint.dir=null",
+        ],
+    );
+    assert_eq!(steps(&stage3), steps(&stage0), "stage 3 against stage 0");
+    // Resume from step 3: lose the final checkpoint, keep the one before.
+    std::fs::remove_dir_all(dir.path().join("ckpt/step-00000006")).unwrap();
+    let resumed = run("resumed.jsonl", &["--set", curriculum, "--resume", "auto"]);
+    assert_eq!(
+        steps(&resumed),
+        steps(&stage0[3..]),
+        "resumed against uninterrupted"
+    );
+    // DeepSpeed's section, the same curriculum.
+    let ds = dir.path().join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"gradient_clipping": 1.0, "curriculum_learning": {"enabled": true, "curriculum_type": "seqlen",
+            "min_difficulty": 8, "max_difficulty": 32, "schedule_type": "fixed_linear",
+            "schedule_config": {"total_curriculum_step": 4, "difficulty_step": 8}}}"#,
+    )
+    .unwrap();
+    let from_ds = run(
+        "ds.jsonl",
+        &[
+            "--deepspeed",
+            ds.to_str().unwrap(),
+            "--set",
+            "checkpoint.every=0",
+            "--set",
+            "checkpoint.dir=null",
+        ],
+    );
+    assert_eq!(steps(&from_ds), steps(&stage0), "ds_config against the job");
+}

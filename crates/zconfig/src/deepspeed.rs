@@ -234,7 +234,7 @@ const TOP_LEVEL: &[(&str, Kind)] = &[
     ("amp", Kind::OffOnly("NVIDIA Apex AMP: use fp16 or bf16")),
     ("elasticity", Kind::OffOnly("elastic batch sizes")),
     ("autotuning", Kind::OffOnly("the autotuner")),
-    ("curriculum_learning", Kind::OffOnly("curriculum learning")),
+    ("curriculum_learning", Kind::Section),
     ("data_efficiency", Kind::OffOnly("data efficiency")),
     (
         "compression_training",
@@ -419,6 +419,25 @@ const LION_PARAMS: &[(&str, Kind)] = &[
     ("lr", Kind::Section),
     ("betas", Kind::Section),
     ("weight_decay", Kind::Section),
+];
+
+/// The legacy `curriculum_learning` section (Megatron-DeepSpeed's): on the
+/// sequence length, `train.curriculum`.
+const CURRICULUM: &[(&str, Kind)] = &[
+    ("enabled", Kind::Section),
+    ("curriculum_type", Kind::Section),
+    ("min_difficulty", Kind::Section),
+    ("max_difficulty", Kind::Section),
+    ("schedule_type", Kind::Section),
+    ("schedule_config", Kind::Section),
+];
+
+const CURRICULUM_SCHEDULE: &[(&str, Kind)] = &[
+    ("total_curriculum_step", Kind::Section),
+    ("difficulty_step", Kind::Section),
+    ("root_degree", Kind::Section),
+    ("difficulty", Kind::Section),
+    ("max_step", Kind::Section),
 ];
 
 const SCHEDULER: &[(&str, Kind)] = &[("type", Kind::Section), ("params", Kind::Section)];
@@ -626,6 +645,7 @@ impl Reader {
         self.aio()?;
         self.monitor("tensorboard")?;
         self.monitor("csv_monitor")?;
+        self.curriculum()?;
         if self.get("activation_checkpointing").is_some() {
             self.sort_keys("activation_checkpointing", ACTIVATION_CHECKPOINTING)?;
             self.map(
@@ -1143,6 +1163,89 @@ impl Reader {
         Ok(())
     }
 
+    /// The legacy `curriculum_learning` section into `train.curriculum`
+    /// (its `schedule_config`'s keys beside the others): only with
+    /// `enabled: true` (DeepSpeed's default is off, and an off section is
+    /// listed as ignored), only on the sequence length, and only the fixed
+    /// schedules (`custom` is a Python function).
+    fn curriculum(&mut self) -> Result<(), ConfigError> {
+        const SECTION: &str = "curriculum_learning";
+        if self.get(SECTION).is_none_or(Value::is_null) {
+            return Ok(());
+        }
+        self.sort_keys(SECTION, CURRICULUM)?;
+        if self.enabled("curriculum_learning.enabled")? != Some(true) {
+            self.out
+                .ignored
+                .push((SECTION.to_string(), self.at(SECTION).0));
+            return Ok(());
+        }
+        match self.get("curriculum_learning.curriculum_type") {
+            Some(Value::String(t)) if t == "seqlen" => {}
+            Some(t) => {
+                return Err(self.error(
+                    "curriculum_learning.curriculum_type",
+                    format!("{t}: zrun's curriculum is on the sequence length: \"seqlen\""),
+                ))
+            }
+            None => return Err(self.error(
+                SECTION,
+                "needs curriculum_type: \"seqlen\" (zrun's curriculum is on the sequence length)",
+            )),
+        }
+        self.sort_keys("curriculum_learning.schedule_config", CURRICULUM_SCHEDULE)?;
+        let keys: [(&str, &'static str, Converter); 8] = [
+            (
+                "min_difficulty",
+                "train.curriculum.min_difficulty",
+                positive_count,
+            ),
+            (
+                "max_difficulty",
+                "train.curriculum.max_difficulty",
+                positive_count,
+            ),
+            (
+                "schedule_type",
+                "train.curriculum.schedule_type",
+                curriculum_schedule,
+            ),
+            (
+                "schedule_config.total_curriculum_step",
+                "train.curriculum.total_curriculum_step",
+                positive_count,
+            ),
+            (
+                "schedule_config.difficulty_step",
+                "train.curriculum.difficulty_step",
+                positive_count,
+            ),
+            (
+                "schedule_config.root_degree",
+                "train.curriculum.root_degree",
+                positive,
+            ),
+            (
+                "schedule_config.difficulty",
+                "train.curriculum.difficulty",
+                counts,
+            ),
+            (
+                "schedule_config.max_step",
+                "train.curriculum.max_step",
+                counts,
+            ),
+        ];
+        for (name, key, convert) in keys {
+            let source = format!("{SECTION}.{name}");
+            let written = self.simple(&source, key, false, convert)?;
+            if !written && ["min_difficulty", "max_difficulty", "schedule_type"].contains(&name) {
+                return Err(self.error(SECTION, format!("needs {name}, as DeepSpeed's does")));
+            }
+        }
+        Ok(())
+    }
+
     /// An `enabled` flag: Some(bool) when written, None when absent or "auto".
     fn enabled(&self, path: &str) -> Result<Option<bool>, ConfigError> {
         match self.get(path) {
@@ -1433,6 +1536,27 @@ fn dtype_name(v: &Value) -> Result<Value, String> {
         Some("bf16" | "bfloat16" | "bfloat") => Ok(json!("bf16")),
         Some("fp16" | "float16" | "half") => Ok(json!("f16")),
         _ => Err(format!("{v}: must be \"fp32\", \"bf16\" or \"fp16\"")),
+    }
+}
+
+/// A list of whole non-negative numbers.
+fn counts(v: &Value) -> Result<Value, String> {
+    match v.as_array() {
+        Some(a) => a
+            .iter()
+            .map(count)
+            .collect::<Result<Vec<u64>, String>>()
+            .map(|n| json!(n)),
+        None => Err(format!("{v}: must be a list of whole numbers")),
+    }
+}
+
+/// DeepSpeed's curriculum `schedule_type`s that zrun runs.
+fn curriculum_schedule(v: &Value) -> Result<Value, String> {
+    match v.as_str() {
+        Some(s @ ("fixed_linear" | "fixed_root" | "fixed_discrete")) => Ok(json!(s)),
+        Some("custom") => Err("custom is a Python function DeepSpeed calls; zrun runs fixed_linear, fixed_root or fixed_discrete".into()),
+        _ => Err(format!("{v}: must be \"fixed_linear\", \"fixed_root\" or \"fixed_discrete\"")),
     }
 }
 

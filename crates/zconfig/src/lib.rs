@@ -32,6 +32,7 @@
 #![deny(missing_docs)]
 
 pub mod arch;
+pub mod curriculum;
 mod data_check;
 pub mod deepspeed;
 pub mod error;

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use crate::curriculum::CurriculumSpec;
 use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, plain_yaml_message, ConfigError};
 use crate::hostfile::Topology;
@@ -507,6 +508,120 @@ impl LoadedJob {
                     ),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// `train.curriculum`'s values: lengths between 1 and `model.seq_len`,
+    /// the keys of its schedule and none of another's, and a first length
+    /// that `difficulty_step`'s rounding leaves above 0; on CPU workers
+    /// only (the GPU's buffers are sized for whole sequences).
+    fn check_curriculum(&self, c: &CurriculumSpec) -> Result<(), ConfigError> {
+        use crate::curriculum::CurriculumSchedule as S;
+        let key = |k: &str| format!("train.curriculum.{k}");
+        let full = self.spec.model.seq_len;
+        if self.spec.device == Device::Cuda {
+            return Err(self.invalid(
+                "train.curriculum",
+                "runs on CPU workers only: the GPU model's buffers are sized for whole sequences",
+            ));
+        }
+        let in_range = |k: &str, v: usize| {
+            if (1..=full).contains(&v) {
+                Ok(())
+            } else {
+                Err(self.invalid(
+                    &key(k),
+                    format!("must be between 1 and model.seq_len ({full}) tokens, got {v}"),
+                ))
+            }
+        };
+        in_range("min_difficulty", c.min_difficulty)?;
+        let max = c.max(full);
+        in_range("max_difficulty", max)?;
+        if c.min_difficulty > max {
+            return Err(self.invalid(
+                &key("min_difficulty"),
+                format!("{} is above max_difficulty ({max})", c.min_difficulty),
+            ));
+        }
+        let discrete = c.schedule_type == S::FixedDiscrete;
+        let stray = [
+            (
+                "total_curriculum_step",
+                c.total_curriculum_step.is_some(),
+                !discrete,
+            ),
+            ("difficulty_step", c.difficulty_step.is_some(), !discrete),
+            (
+                "root_degree",
+                c.root_degree.is_some(),
+                c.schedule_type == S::FixedRoot,
+            ),
+            ("difficulty", !c.difficulty.is_empty(), discrete),
+            ("max_step", !c.max_step.is_empty(), discrete),
+        ];
+        for (k, set, belongs) in stray {
+            if set && !belongs {
+                return Err(self.invalid(
+                    &key(k),
+                    format!(
+                        "has no place beside schedule_type: {}",
+                        c.schedule_type.name()
+                    ),
+                ));
+            }
+        }
+        if discrete {
+            if c.difficulty.len() != c.max_step.len() + 1 {
+                return Err(self.invalid(
+                    &key("difficulty"),
+                    format!(
+                        "fixed_discrete needs one more difficulty than max_step (the last length holds after the last max_step): {} and {}",
+                        c.difficulty.len(),
+                        c.max_step.len()
+                    ),
+                ));
+            }
+            for &d in &c.difficulty {
+                in_range("difficulty", d)?;
+            }
+            if c.max_step.windows(2).any(|w| w[0] >= w[1]) || c.max_step.first() == Some(&0) {
+                return Err(self.invalid(
+                    &key("max_step"),
+                    format!("must rise from 1 step on, got {:?}", c.max_step),
+                ));
+            }
+            return Ok(());
+        }
+        if c.total_curriculum_step.is_none_or(|n| n == 0) {
+            return Err(self.invalid(
+                &key("total_curriculum_step"),
+                format!(
+                    "{} needs the steps from min_difficulty to max_difficulty, at least 1",
+                    c.schedule_type.name()
+                ),
+            ));
+        }
+        let step = c.difficulty_step.unwrap_or(0);
+        if !(1..=c.min_difficulty).contains(&step) {
+            return Err(self.invalid(
+                &key("difficulty_step"),
+                format!(
+                    "must be between 1 and min_difficulty ({}): every length is rounded down to a multiple of it, got {}",
+                    c.min_difficulty,
+                    c.difficulty_step.map_or("none".to_string(), |s| s.to_string())
+                ),
+            ));
+        }
+        if c.schedule_type == S::FixedRoot && !c.root_degree.is_some_and(|r| r > 0.0) {
+            return Err(self.invalid(
+                &key("root_degree"),
+                format!(
+                    "fixed_root needs a positive root degree (2: square root), got {}",
+                    c.root_degree.map_or("none".to_string(), |r| r.to_string())
+                ),
+            ));
         }
         Ok(())
     }
@@ -1219,6 +1334,9 @@ impl LoadedJob {
                     format!("must be at least 0, got {}", c.step_rate),
                 ));
             }
+        }
+        if let Some(c) = &t.curriculum {
+            self.check_curriculum(c)?;
         }
         for (i, b) in t.optimizer.betas.iter().enumerate() {
             if !(0.0..1.0).contains(b) {
@@ -2657,6 +2775,93 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("k.yaml:7:3: train.lr"), "{e}");
+    }
+
+    /// `train.curriculum`: DeepSpeed's schedules parse, and each value a
+    /// schedule cannot run is refused naming its key (the model here has
+    /// 16 tokens).
+    #[test]
+    fn a_curriculum_is_checked_against_the_model_and_its_schedule() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(d.path(), "c.yaml", GOOD);
+        let linear = "train.curriculum={min_difficulty: 8, schedule_type: fixed_linear, total_curriculum_step: 4, difficulty_step: 4}";
+        let mut job = load_job(&p, &[linear.into()]).unwrap();
+        job.validate(1).unwrap();
+        let c = job.spec.train.curriculum.as_ref().unwrap();
+        assert_eq!(
+            (0..5).map(|s| c.seq_len(s, 16)).collect::<Vec<_>>(),
+            [8, 12, 12, 16, 16]
+        );
+        let discrete = "train.curriculum={min_difficulty: 4, schedule_type: fixed_discrete, difficulty: [4, 8, 16], max_step: [2, 5]}";
+        load_job(&p, &[discrete.into()])
+            .unwrap()
+            .validate(1)
+            .unwrap();
+        for (extra, want) in [
+            (
+                "train.curriculum.min_difficulty=0",
+                "min_difficulty: must be between 1 and model.seq_len (16) tokens, got 0",
+            ),
+            (
+                "train.curriculum.max_difficulty=17",
+                "max_difficulty: must be between 1 and model.seq_len (16)",
+            ),
+            (
+                "train.curriculum.max_difficulty=4",
+                "min_difficulty: 8 is above max_difficulty (4)",
+            ),
+            (
+                "train.curriculum.difficulty_step=9",
+                "difficulty_step: must be between 1 and min_difficulty (8)",
+            ),
+            (
+                "train.curriculum.total_curriculum_step=0",
+                "total_curriculum_step: fixed_linear needs the steps",
+            ),
+            (
+                "train.curriculum.root_degree=2",
+                "root_degree: has no place beside schedule_type: fixed_linear",
+            ),
+            (
+                "train.curriculum.schedule_type=fixed_root",
+                "root_degree: fixed_root needs a positive root degree",
+            ),
+            (
+                "train.curriculum.max_step=[3]",
+                "max_step: has no place beside schedule_type: fixed_linear",
+            ),
+            ("device=cuda", "train.curriculum: runs on CPU workers only"),
+        ] {
+            let e = load_job(&p, &[linear.into(), extra.into()])
+                .and_then(|mut j| j.validate(1))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{extra}: {e}");
+        }
+        for (extra, want) in [
+            (
+                "train.curriculum.max_step=[2]",
+                "difficulty: fixed_discrete needs one more difficulty than max_step",
+            ),
+            (
+                "train.curriculum.max_step=[5, 5]",
+                "max_step: must rise from 1 step on",
+            ),
+            (
+                "train.curriculum.difficulty=[4, 8, 32]",
+                "difficulty: must be between 1 and model.seq_len (16) tokens, got 32",
+            ),
+            (
+                "train.curriculum.difficulty_step=4",
+                "difficulty_step: has no place beside schedule_type: fixed_discrete",
+            ),
+        ] {
+            let e = load_job(&p, &[discrete.into(), extra.into()])
+                .and_then(|mut j| j.validate(1))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{extra}: {e}");
+        }
     }
 
     /// The optimizer's and schedule's knobs: parsed from YAML and `--set`,

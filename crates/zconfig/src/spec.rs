@@ -593,6 +593,11 @@ pub struct TrainSpec {
     /// `requires_grad = False`. Default none.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub freeze: Vec<String>,
+    /// DeepSpeed's sequence-length curriculum ([`crate::curriculum`]):
+    /// early steps train on the first tokens of each sequence. None by
+    /// default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub curriculum: Option<crate::curriculum::CurriculumSpec>,
 }
 
 /// `train.early_stopping`: transformers' `EarlyStoppingCallback` on the
@@ -690,6 +695,7 @@ impl Default for TrainSpec {
             neftune_noise_alpha: 0.0,
             early_stopping: None,
             freeze: Vec::new(),
+            curriculum: None,
         }
     }
 }
@@ -1587,7 +1593,7 @@ impl<'de> Deserialize<'de> for Size {
 /// as floats, but JSON, which every spec passes through for `--set` and
 /// ds_config imports, has neither: they would become `null` there and fail
 /// with no line to point at.
-mod finite {
+pub(crate) mod finite {
     use serde::{de::Error, Deserialize, Deserializer};
 
     /// A finite `f64`.

@@ -998,3 +998,51 @@ fn every_value_of_every_key_loads_or_is_refused_naming_it() {
         "{loaded} loaded, {refused} refused"
     );
 }
+
+/// The legacy `curriculum_learning` section: enabled on the sequence
+/// length, its keys (the schedule's under `schedule_config`) become
+/// `train.curriculum`'s; off, it is listed as ignored; a curriculum on
+/// anything but the length, a `custom` schedule and a missing required key
+/// are refused at their line.
+#[test]
+fn curriculum_learning_maps_to_the_sequence_length_curriculum() {
+    let section = |body: &str| format!("{{\"curriculum_learning\": {{{body}}}}}");
+    let j = job(BARE);
+    let ds = j._dir.path().join("ds.json");
+    std::fs::write(
+        &ds,
+        section(
+            "\"enabled\": true, \"curriculum_type\": \"seqlen\", \"min_difficulty\": 4,\n\
+             \"max_difficulty\": 16, \"schedule_type\": \"fixed_root\",\n\
+             \"schedule_config\": {\"total_curriculum_step\": 9, \"difficulty_step\": 2, \"root_degree\": 2}",
+        ),
+    )
+    .unwrap();
+    let mut loaded = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+    loaded.validate(1).unwrap();
+    let c = loaded.spec.train.curriculum.clone().expect("a curriculum");
+    assert_eq!(
+        c.schedule_type,
+        zconfig::curriculum::CurriculumSchedule::FixedRoot
+    );
+    assert_eq!(
+        (c.min_difficulty, c.max_difficulty, c.total_curriculum_step),
+        (4, Some(16), Some(9))
+    );
+    assert_eq!((c.difficulty_step, c.root_degree), (Some(2), Some(2.0)));
+    std::fs::write(&ds, section("\"enabled\": false, \"min_difficulty\": 4")).unwrap();
+    let mut off = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+    off.validate(1).unwrap();
+    assert!(off.spec.train.curriculum.is_none());
+    assert!(ignored(&off).contains(&"curriculum_learning".to_string()));
+    let on = "\"enabled\": true, \"min_difficulty\": 4, \"max_difficulty\": 16";
+    for (body, want) in [
+        (format!("{on}, \"curriculum_type\": \"vocabularyrarity\", \"schedule_type\": \"fixed_linear\""), "ds.json:1:86: curriculum_learning.curriculum_type: \"vocabularyrarity\": zrun's curriculum is on the sequence length"),
+        (format!("{on}, \"curriculum_type\": \"seqlen\", \"schedule_type\": \"custom\""), "curriculum_learning.schedule_type: custom is a Python function"),
+        ("\"enabled\": true, \"curriculum_type\": \"seqlen\", \"max_difficulty\": 16, \"schedule_type\": \"fixed_linear\"".to_string(), "curriculum_learning: needs min_difficulty"),
+        (format!("{on}, \"curriculum_type\": \"seqlen\", \"schedule_type\": \"fixed_linear\", \"schedule_config\": {{\"total_step\": 3}}"), "curriculum_learning.schedule_config.total_step"),
+    ] {
+        let e = ds_error(BARE, &section(&body), 1);
+        assert!(e.contains(want), "{body}: {e}");
+    }
+}

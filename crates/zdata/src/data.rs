@@ -29,6 +29,7 @@ use memmap2::{Advice, Mmap};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use zconfig::curriculum::CurriculumSpec;
 use zconfig::manifest::DataManifest;
 use zconfig::{data_files, DataFormat};
 
@@ -378,6 +379,9 @@ pub struct Batcher {
     /// The end-of-text id after which a new document begins, when documents
     /// are kept apart.
     eos: Option<u32>,
+    /// `train.curriculum`: each step trains on the first tokens of its
+    /// sequences ([`Batcher::with_curriculum`]).
+    curriculum: Option<CurriculumSpec>,
 }
 
 impl Batcher {
@@ -442,6 +446,7 @@ impl Batcher {
             base_sample: 0,
             counted: None,
             eos: None,
+            curriculum: None,
         })
     }
 
@@ -470,6 +475,22 @@ impl Batcher {
             eos: Some(eos),
             ..self
         }
+    }
+
+    /// Trains each step on the first tokens of its sequences, as many as
+    /// `curriculum` says for the step (DeepSpeed's sequence-length
+    /// curriculum, [`zconfig::curriculum`]): the sequences are read whole,
+    /// as without it, and their inputs, targets, loss mask and documents
+    /// cut alike; the loss is the mean over the tokens kept.
+    pub fn with_curriculum(self, curriculum: Option<CurriculumSpec>) -> Batcher {
+        Batcher { curriculum, ..self }
+    }
+
+    /// The tokens of each sequence that step `step` trains on.
+    pub fn step_seq_len(&self, step: u64) -> usize {
+        self.curriculum
+            .as_ref()
+            .map_or(self.seq_len, |c| c.seq_len(step, self.seq_len))
     }
 
     /// The sequences of whole documents of each source, when packed.
@@ -528,7 +549,7 @@ impl Batcher {
     pub fn batch(&mut self, step: u64, micro: usize) -> Result<Batch, DataError> {
         let first = self.samples_consumed(step)
             + ((micro * self.world + self.rank) * self.micro_batch) as u64;
-        let t = self.seq_len;
+        let t = self.step_seq_len(step);
         let mut inputs = Vec::with_capacity(self.micro_batch * t);
         let mut targets = Vec::with_capacity(self.micro_batch * t);
         let mut window = Vec::with_capacity(t + 1);
@@ -544,7 +565,7 @@ impl Batcher {
             }
             inputs.extend_from_slice(&window[..t]);
             targets.extend(
-                window[1..]
+                window[1..=t]
                     .iter()
                     .zip(&trained)
                     .map(|(&id, &on)| if on { id } else { IGNORED }),
@@ -631,6 +652,7 @@ impl Batcher {
         }
         let first = self.samples_consumed(step);
         let t = self.seq_len;
+        let kept = self.step_seq_len(step);
         let (mut trained, mut window) = (Vec::with_capacity(t), Vec::with_capacity(t + 1));
         let mut pieces = Vec::new();
         let mut n = 0u64;
@@ -648,7 +670,7 @@ impl Batcher {
                 }
                 Some(_) => self.window(k, &mut window, &mut trained, &mut pieces)?,
             }
-            n += trained.iter().filter(|&&on| on).count() as u64;
+            n += trained[..kept].iter().filter(|&&on| on).count() as u64;
         }
         self.counted = Some((step, n));
         Ok(n)
@@ -805,6 +827,64 @@ mod tests {
             assert!((12..=16).contains(&left_out), "{left_out}");
             assert_eq!(a.divisor, (64 - left_out) as f64 / 2.0);
             assert_eq!(a.divisor, b.divisor);
+        }
+    }
+
+    /// A curriculum's step is the uncut step's batch cut to the step's
+    /// length, row by row: inputs, targets, where documents begin (counted
+    /// again over the kept tokens) and the divisor (the kept targets the
+    /// step trains on, over its micro-batches); the batches of a step past
+    /// the curriculum are the uncut ones.
+    #[test]
+    fn a_curriculum_step_is_the_uncut_batch_cut_to_its_length() {
+        use zconfig::curriculum::{CurriculumSchedule, CurriculumSpec};
+        let tokens: Vec<u32> = (0..4000u32)
+            .map(|i| if i % 5 == 4 { 0 } else { 1 + i % 7 })
+            .collect();
+        let corpus = Corpus::from_tokens(tokens, 8);
+        let curriculum = CurriculumSpec {
+            min_difficulty: 8,
+            max_difficulty: None,
+            schedule_type: CurriculumSchedule::FixedDiscrete,
+            total_curriculum_step: None,
+            difficulty_step: None,
+            root_degree: None,
+            difficulty: vec![5, 11, 32],
+            max_step: vec![1, 2],
+        };
+        let one = |cut: bool| {
+            let b = Batcher::new(corpus.clone(), 32, 2, 2, 1, 0, 9)
+                .unwrap()
+                .separate_documents(0);
+            b.with_curriculum(cut.then(|| curriculum.clone()))
+        };
+        let (mut uncut, mut cut) = (one(false), one(true));
+        for (step, t) in [(0, 5), (1, 11), (2, 32), (3, 32)] {
+            assert_eq!(cut.step_seq_len(step), t);
+            let mut kept_targets = 0;
+            let (mut whole, mut short) = (Vec::new(), Vec::new());
+            for micro in 0..2 {
+                let (w, c) = (
+                    uncut.batch(step, micro).unwrap(),
+                    cut.batch(step, micro).unwrap(),
+                );
+                assert_eq!((c.rows, c.seq_len), (2, t));
+                for row in 0..2 {
+                    let (wr, cr) = (row * 32..row * 32 + t, row * t..(row + 1) * t);
+                    assert_eq!(c.inputs[cr.clone()], w.inputs[wr.clone()], "step {step}");
+                    assert_eq!(c.targets[cr], w.targets[wr], "step {step}");
+                }
+                assert_eq!(c.documents, Some(Documents::after_eos(&c.inputs, t, 0)));
+                kept_targets += c.targets.iter().filter(|&&x| x != IGNORED).count();
+                whole.push(w);
+                short.push(c);
+            }
+            for c in &short {
+                assert_eq!(c.divisor, kept_targets as f64 / 2.0, "step {step}");
+            }
+            if t == 32 {
+                assert_eq!(short, whole);
+            }
         }
     }
 

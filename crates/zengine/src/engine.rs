@@ -320,10 +320,18 @@ impl Engine {
     /// `4·h·hd·T` forward and twice that backward. Without freezing, the
     /// model's figure. (The GPU's backward skips the same products.)
     pub fn flops_per_token(&self) -> f64 {
+        self.flops_per_token_at(self.model.config().seq_len)
+    }
+
+    /// [`Engine::flops_per_token`] for sequences of `seq_len` tokens (a
+    /// step of `train.curriculum`'s): attention's part grows with the keys
+    /// a token sees, the rest does not.
+    pub fn flops_per_token_at(&self, seq_len: usize) -> f64 {
         let reach = self.backward_reach;
         let m = self.model.config();
         let head = (m.vocab_size * m.d_model) as f64;
-        let attention = 4.0 * (m.attn_width() * m.window().unwrap_or(m.seq_len)) as f64;
+        let keys = m.window().map_or(seq_len, |w| w.min(seq_len));
+        let attention = 4.0 * (m.attn_width() * keys) as f64;
         let numel = |g: &usize, trained_only: bool| -> f64 {
             let params = self.groups[*g].layout.params.iter();
             params

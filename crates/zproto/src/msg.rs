@@ -477,6 +477,9 @@ pub struct StepReport {
     /// rank); `None` for the other rules and on a skipped step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trust_ratio: Option<TrustRatios>,
+    /// `train.curriculum`: the tokens of each sequence this step trained on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<usize>,
 }
 
 /// The smallest, mean and largest of a LAMB step's trust ratios, one per

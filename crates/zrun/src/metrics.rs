@@ -52,12 +52,15 @@ pub struct StepLine {
     /// LAMB: the smallest, mean and largest of the step's trust ratios.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub trust_ratio: Option<TrustRatios>,
+    /// `train.curriculum`: the tokens of each sequence the step trained on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<usize>,
 }
 
 /// The scalars a run is watched by, beside `metrics.jsonl` (TensorBoard's
 /// tags, the CSV monitor's files), in [`StepLine::scalars`]' order: those
 /// from the gradient norm on, on the steps that have them.
-pub const SCALAR_TAGS: [&str; 13] = [
+pub const SCALAR_TAGS: [&str; 14] = [
     "train/loss",
     "train/lr",
     "train/epoch",
@@ -71,6 +74,7 @@ pub const SCALAR_TAGS: [&str; 13] = [
     "train/trust_ratio_min",
     "train/trust_ratio_mean",
     "train/trust_ratio_max",
+    "train/seq_len",
 ];
 
 impl StepLine {
@@ -90,6 +94,7 @@ impl StepLine {
             self.trust_ratio.map(|r| r.min),
             self.trust_ratio.map(|r| r.mean),
             self.trust_ratio.map(|r| r.max),
+            self.seq_len.map(|t| t as f64),
         ];
         SCALAR_TAGS
             .into_iter()
@@ -207,6 +212,7 @@ fn combine(rs: &[StepReport]) -> StepLine {
         io: combine_io(rs),
         val_loss: rs[0].val_loss,
         trust_ratio: rs[0].trust_ratio,
+        seq_len: rs[0].seq_len,
     }
 }
 
@@ -256,6 +262,7 @@ pub(crate) mod tests {
             loss_scale: None,
             io: None,
             val_loss: None,
+            seq_len: None,
             trust_ratio: None,
         }
     }

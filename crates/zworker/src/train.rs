@@ -55,7 +55,7 @@ pub fn train(
         }
         true => None,
     };
-    let mut data = batcher(train, t.grad_accum)?;
+    let mut data = batcher(train, t.grad_accum)?.with_curriculum(t.curriculum.clone());
     if env.rank == 0 {
         let packed = data.packed();
         for (i, p) in packed.iter().enumerate() {
@@ -117,7 +117,6 @@ pub fn train(
         });
     }
     let params = engine.model().param_count() as u64;
-    let flops_per_token = engine.flops_per_token();
     let every = spec.checkpoint.every;
     let mut saved_at = None;
     // The last validation: its step and loss.
@@ -190,6 +189,7 @@ pub fn train(
             early_stopping: early,
             plateau,
         };
+        let trained_len = data.step_seq_len(st.step - 1);
         client.send(&ToServer::Report(Box::new(StepReport {
             step: st.step,
             epoch: took.1 as f64 / sequences as f64,
@@ -198,7 +198,7 @@ pub fn train(
             grad_norm: (!st.skipped).then_some(st.grad_norm),
             step_ms,
             tokens: st.tokens,
-            flops: st.tokens as f64 * flops_per_token,
+            flops: st.tokens as f64 * engine.flops_per_token_at(trained_len),
             params,
             zero_stage: spec.zero.stage.number(),
             mem: mem_bytes(&st.mem),
@@ -217,6 +217,7 @@ pub fn train(
                 mean: r.mean,
                 max: r.max,
             }),
+            seq_len: t.curriculum.as_ref().map(|_| trained_len),
         })))?;
         if profile_from == Some(st.step) {
             crate::gpu::profile(&engine, env.rank, crate::gpu::ProfileAt::Restart)?;
