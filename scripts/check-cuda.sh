@@ -61,7 +61,8 @@ cargo build --release --features zworker/cuda
 # the kernels' own CPU tests cannot. Mandatory here (ZRUN_REQUIRE_GPU=1).
 # Of tests/gpu.rs, CI runs those that fit its time (training against the
 # CPU run: GPT-2, Qwen2, Qwen3, a loss mask, packed documents kept apart,
-# a sliding window, label smoothing, hidden dropout and NEFTune, Lion, Adagrad, LAMB on the host;
+# a sliding window, label smoothing, a sequence-length curriculum, hidden
+# dropout and NEFTune, Lion, Adagrad, LAMB on the host;
 # the resident step in f32, bf16 and f16 against ZeRO-Offload's bits; a GPU
 # out of memory; two GPUs, a worker each, stage 3 in f32 and stage 2 in
 # bf16 over NCCL against the host flow; the profile's table; stages 0-3 to
@@ -91,6 +92,7 @@ emu_gpu=$(python3 scripts/test_exe.py --emulated-gpu "$artifacts")
       packed_documents_on_the_gpu_follow_the_cpu_loss_curve_and_its_stages_agree \
       sliding_window_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree \
       label_smoothing_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree \
+      a_curriculum_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree \
       lion_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree \
       adagrad_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree \
       lamb_on_the_gpu_runs_on_the_host_and_follows_the_cpu_loss_curve \

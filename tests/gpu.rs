@@ -582,6 +582,18 @@ fn label_smoothing_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() 
     });
 }
 
+/// A sequence-length curriculum (`train.curriculum`): the GPU's steps take
+/// the lengths the CPU's take (odd ones among them, 7 to 32 tokens: no
+/// multiple of a tile), so its losses follow the CPU run's, and its stages
+/// agree.
+#[test]
+fn a_curriculum_on_the_gpu_follows_the_cpu_loss_curve_and_its_stages_agree() {
+    a_variant_on_the_gpu("curriculum", |extra| {
+        let base = ["train.curriculum={min_difficulty: 5, schedule_type: fixed_linear, total_curriculum_step: 12, difficulty_step: 1}"];
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
+    });
+}
+
 /// Dropout and NEFTune (`model.hidden_dropout`,
 /// `model.attention_dropout`, `train.neftune_noise_alpha`: gpt.cu's
 /// `bias_residual`, `causal_softmax` and `dropout_noise` under zmodel's

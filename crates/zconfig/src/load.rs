@@ -514,18 +514,11 @@ impl LoadedJob {
 
     /// `train.curriculum`'s values: lengths between 1 and `model.seq_len`,
     /// the keys of its schedule and none of another's, and a first length
-    /// that `difficulty_step`'s rounding leaves above 0; on CPU workers
-    /// only (the GPU's buffers are sized for whole sequences).
+    /// that `difficulty_step`'s rounding leaves above 0.
     fn check_curriculum(&self, c: &CurriculumSpec) -> Result<(), ConfigError> {
         use crate::curriculum::CurriculumSchedule as S;
         let key = |k: &str| format!("train.curriculum.{k}");
         let full = self.spec.model.seq_len;
-        if self.spec.device == Device::Cuda {
-            return Err(self.invalid(
-                "train.curriculum",
-                "runs on CPU workers only: the GPU model's buffers are sized for whole sequences",
-            ));
-        }
         let in_range = |k: &str, v: usize| {
             if (1..=full).contains(&v) {
                 Ok(())
@@ -2830,7 +2823,6 @@ mod tests {
                 "train.curriculum.max_step=[3]",
                 "max_step: has no place beside schedule_type: fixed_linear",
             ),
-            ("device=cuda", "train.curriculum: runs on CPU workers only"),
         ] {
             let e = load_job(&p, &[linear.into(), extra.into()])
                 .and_then(|mut j| j.validate(1))
