@@ -62,8 +62,13 @@ impl Progress {
             .val_loss
             .map(|v| format!(" · val loss {v:.4}"))
             .unwrap_or_default();
+        // A curriculum's length: how far into it the run is.
+        let length = line
+            .seq_len
+            .map(|t| format!(" · {t} tokens a sequence"))
+            .unwrap_or_default();
         let msg = format!(
-            "loss {:.4}{val} · {:.0} tok/s · {:.1} ms/step",
+            "loss {:.4}{val} · {:.0} tok/s · {:.1} ms/step{length}",
             line.loss, line.tokens_per_s, line.step_ms
         );
         match &self.bar {
