@@ -1599,20 +1599,23 @@ fn a_sequence_length_curriculum_grows_by_the_step_and_its_stages_and_resume_agre
                 let length = l["seq_len"]
                     .as_u64()
                     .expect("a curriculum step has seq_len");
-                let tokens =
-                    l["tokens_per_s"].as_f64().unwrap() * l["step_ms"].as_f64().unwrap() / 1e3;
+                let rate = l["tokens_per_s"].as_f64().unwrap();
+                let tokens = rate * l["step_ms"].as_f64().unwrap() / 1e3;
+                let flops_per_token = l["tflops"].as_f64().unwrap() * 1e12 / rate;
                 (
                     l["step"].as_u64().unwrap(),
                     l["loss"].as_f64().unwrap(),
                     length,
                     tokens,
+                    flops_per_token,
                 )
             })
             .collect::<Vec<_>>()
     };
     // Step, loss and length (the tokens, a product of two rounded
     // figures, are checked apart).
-    let steps = |r: &[(u64, f64, u64, f64)]| r.iter().map(|s| (s.0, s.1, s.2)).collect::<Vec<_>>();
+    let steps =
+        |r: &[(u64, f64, u64, f64, f64)]| r.iter().map(|s| (s.0, s.1, s.2)).collect::<Vec<_>>();
     let csv = dir.path().join("csv");
     let csv_set = format!("csv_monitor={}", csv.display());
     let stage0 = run("stage0.jsonl", &["--set", curriculum, "--set", &csv_set]);
@@ -1631,7 +1634,19 @@ fn a_sequence_length_curriculum_grows_by_the_step_and_its_stages_and_resume_agre
             (6, 32.0)
         ]
     );
-    for &(step, _, length, tokens) in &stage0 {
+    // The model FLOPs a token grow with the length by attention's part
+    // alone, linearly: 8 → 16 adds what 24 → 32 adds.
+    let per_token: Vec<f64> = stage0.iter().map(|s| s.4).collect();
+    let (early, late) = (per_token[1] - per_token[0], per_token[3] - per_token[2]);
+    assert!(
+        early > 0.0 && (early - late).abs() < 1e-6 * early,
+        "{per_token:?}"
+    );
+    assert!(
+        (per_token[5] - per_token[3]).abs() < 1e-9 * per_token[3],
+        "{per_token:?}"
+    );
+    for &(step, _, length, tokens, _) in &stage0 {
         // 2 workers × micro-batch 4 sequences of `length` tokens.
         let want = (8 * length) as f64;
         assert!(
