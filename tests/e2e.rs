@@ -1574,7 +1574,8 @@ fn a_large_vocabularys_head_holds_about_what_the_estimate_says() {
 /// tokens counted at that length); stages 0 and 3
 /// agree to the bit, and a run resumed from step 3's checkpoint gives the
 /// uninterrupted run's losses and lengths. The same curriculum written as
-/// a ds_config's `curriculum_learning` trains to the same bits.
+/// a ds_config's `curriculum_learning` trains to the same bits, and `zrun
+/// check` says where the length settles and the share of tokens kept.
 #[test]
 fn a_sequence_length_curriculum_grows_by_the_step_and_its_stages_and_resume_agree() {
     let dir = tempfile::tempdir().unwrap();
@@ -1616,6 +1617,19 @@ fn a_sequence_length_curriculum_grows_by_the_step_and_its_stages_and_resume_agre
     // figures, are checked apart).
     let steps =
         |r: &[(u64, f64, u64, f64, f64)]| r.iter().map(|s| (s.0, s.1, s.2)).collect::<Vec<_>>();
+    // `zrun check` says what the curriculum does to the run.
+    let f = zrun(
+        dir.path(),
+        &["check", job.to_str().unwrap(), "--set", curriculum],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert!(
+        f.stdout.contains(
+            "# curriculum: 8 tokens a sequence at step 1, 32 from step 4 of 6: 75.0% of the tokens"
+        ),
+        "{}",
+        f.stdout
+    );
     let csv = dir.path().join("csv");
     let csv_set = format!("csv_monitor={}", csv.display());
     let stage0 = run("stage0.jsonl", &["--set", curriculum, "--set", &csv_set]);

@@ -112,6 +112,40 @@ impl CurriculumSpec {
         length.min(full)
     }
 
+    /// One line on what the curriculum does to a run of `steps` steps on a
+    /// model of `full` tokens (`zrun check` prints it): the first step's
+    /// length, the step from which the length stays at its last, and the
+    /// share of the tokens those steps would train without it.
+    pub fn summary(&self, steps: u64, full: usize) -> String {
+        // Lengths only grow and, once at the last, stay (module doc): walk
+        // the steps until then, up to a bound on the walk.
+        let last = self.max(full).max(self.min_difficulty).min(full);
+        let mut trained = 0u128;
+        let mut settled = None;
+        for s in 0..steps.min(10_000_000) {
+            let t = self.seq_len(s, full);
+            if t >= last {
+                trained += (steps - s) as u128 * t as u128;
+                settled = Some(s);
+                break;
+            }
+            trained += t as u128;
+        }
+        let first = self.seq_len(0, full);
+        let whole = steps as u128 * full as u128;
+        match settled {
+            Some(s) => format!(
+                "curriculum: {first} tokens a sequence at step 1, {last} from step {} of {steps}: {:.1}% of the tokens the steps would train at {full}",
+                s + 1,
+                100.0 * trained as f64 / whole.max(1) as f64
+            ),
+            None => format!(
+                "curriculum: {first} tokens a sequence at step 1, below {last} for all of the run's first {} steps",
+                steps.min(10_000_000)
+            ),
+        }
+    }
+
     /// `fixed_root`'s length at DeepSpeed's step `g` (`fixed_linear`'s at
     /// degree 1), which grows with `g`: so once it reaches `max` it stays.
     fn root(&self, g: u64, degree: f64, min: usize, max: usize) -> usize {
@@ -184,6 +218,20 @@ mod tests {
         assert_eq!(c.seq_len(10, 100), 100);
         // Never past the model's sequence.
         assert_eq!(linear(8, 64, 4, 8).seq_len(100, 32), 32);
+    }
+
+    /// The summary `zrun check` prints: 8, 16, 24 then 32 tokens over 6
+    /// steps is 8 + 16 + 24 + 3·32 = 144 of 192 tokens a sequence, 75%.
+    #[test]
+    fn the_summary_says_where_the_length_settles_and_the_tokens_kept() {
+        let c = linear(8, 32, 4, 8);
+        assert_eq!(
+            c.summary(6, 32),
+            "curriculum: 8 tokens a sequence at step 1, 32 from step 4 of 6: 75.0% of the tokens the steps would train at 32"
+        );
+        assert!(c
+            .summary(2, 32)
+            .contains("below 32 for all of the run's first 2 steps"));
     }
 
     /// `fixed_root` at degree 2 rises faster early: g = 25 of 100 is

@@ -561,6 +561,12 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
         let world = plan.topology.world_size();
         say!("# {}", describe_epochs(&plan.spec, sequences, world));
     }
+    if let Some(c) = &plan.spec.train.curriculum {
+        say!(
+            "# {}",
+            c.summary(plan.spec.train.steps, plan.spec.model.seq_len)
+        );
+    }
     if let Some(frozen) = zconfig::freeze::summary(&plan.spec.model, &plan.spec.train.freeze) {
         say!("# {frozen}");
     }
