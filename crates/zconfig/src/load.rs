@@ -1681,20 +1681,70 @@ fn find_key(text: &str, key: &str) -> Option<(usize, usize)> {
         if path == want {
             return Some((ln + 1, indent + 1));
         }
-        // Flow style on this line: `model: {d_model: 256, n_heads: 4}`.
-        if want.len() == path.len() + 1 && want[..path.len()] == path[..] && rest.contains('{') {
-            let needle = format!("{}:", want[want.len() - 1]);
-            let base = content.len() - rest.len();
-            let mut from = 0;
-            while let Some(pos) = rest[from..].find(&needle) {
-                let at = from + pos;
-                let before = rest[..at].chars().last();
-                if matches!(before, Some('{') | Some(' ') | Some(',')) {
-                    return Some((ln + 1, base + at + 1));
-                }
-                from = at + 1;
+        // Flow style on this line: `model: {d_model: 256, n_heads: 4}`,
+        // nested too: `train: {curriculum: {min_difficulty: 8}}`.
+        if want.len() > path.len() && want[..path.len()] == path[..] && rest.contains('{') {
+            if let Some(at) = find_in_flow(rest, &want[path.len()..]) {
+                return Some((ln + 1, content.len() - rest.len() + at + 1));
             }
         }
+    }
+    None
+}
+
+/// The byte offset in `flow` (the text after a key's colon, a flow
+/// mapping on one line) of the key at dotted path `want` inside it: keys
+/// are names followed by a colon after `{`, `,` or a space, each `{`
+/// after a key opens that key's mapping, and quoted text is skipped.
+fn find_in_flow(flow: &str, want: &[&str]) -> Option<usize> {
+    let mut inside: Vec<&str> = Vec::new();
+    let (mut depth, mut pending, mut quote) = (0usize, None, None);
+    let bytes = flow.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let c = bytes[i];
+        match (quote, c) {
+            (Some(q), _) if c == q => quote = None,
+            (Some(_), _) => {}
+            (None, b'"' | b'\'') => quote = Some(c),
+            (None, b'{') => {
+                depth += 1;
+                // The outermost mapping is the line key's own.
+                if depth > 1 {
+                    inside.push(pending.unwrap_or(""));
+                }
+                pending = None;
+            }
+            (None, b'}') => {
+                if depth > 1 {
+                    inside.pop();
+                }
+                depth = depth.saturating_sub(1);
+            }
+            (None, _) if c.is_ascii_alphanumeric() || c == b'_' || c == b'-' => {
+                let start = i;
+                while i < bytes.len()
+                    && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_' || bytes[i] == b'-')
+                {
+                    i += 1;
+                }
+                let before = flow[..start].trim_end().bytes().last();
+                let is_key = bytes.get(i) == Some(&b':') && matches!(before, Some(b'{' | b','));
+                if is_key && depth > 0 {
+                    let key = &flow[start..i];
+                    if inside.len() + 1 == want.len()
+                        && inside.iter().zip(want).all(|(a, b)| a == b)
+                        && key == want[want.len() - 1]
+                    {
+                        return Some(start);
+                    }
+                    pending = Some(key);
+                }
+                continue;
+            }
+            _ => {}
+        }
+        i += 1;
     }
     None
 }
@@ -3297,5 +3347,19 @@ mod tests {
         assert_eq!(find_key(t, "zero.offload_optimizer.device"), Some((7, 5)));
         assert_eq!(find_key(t, "device"), Some((8, 1)));
         assert_eq!(find_key(t, "train.lr"), None);
+        // Flow mappings inside flow mappings, quoted colons skipped, and a
+        // name at another level (or a value) not taken for the key.
+        let t = "train: {steps: 3, one_cycle: {steps: 5, x: \"a, steps: 1\"}, curriculum: {min_difficulty: 8}}\n";
+        assert_eq!(find_key(t, "train.steps"), Some((1, 9)));
+        assert_eq!(find_key(t, "train.one_cycle.steps"), Some((1, 31)));
+        assert_eq!(
+            find_key(t, "train.curriculum.min_difficulty"),
+            Some((1, 73))
+        );
+        assert_eq!(find_key(t, "train.curriculum.steps"), None);
+        assert_eq!(
+            find_key("data: {format: text, path: x}\n", "data.text"),
+            None
+        );
     }
 }
