@@ -191,6 +191,12 @@ fn bench_commands_report_rows() {
 fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "sweep", 2);
+    // A job's curriculum is left out: the bench times whole sequences.
+    let text = std::fs::read_to_string(&job).unwrap().replace(
+        "  warmup_steps: 2\n",
+        "  warmup_steps: 2\n  curriculum: {min_difficulty: 8, schedule_type: fixed_linear, total_curriculum_step: 100, difficulty_step: 8}\n",
+    );
+    std::fs::write(&job, text).unwrap();
     let out = dir.path().join("out");
     let f = zrun(
         dir.path(),
@@ -226,6 +232,10 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
             .find(|v| v.get("step").is_some())
             .unwrap();
         assert_eq!(step["world_size"], want, "run {i}");
+        assert!(
+            step.get("seq_len").is_none(),
+            "run {i} ran the job's curriculum"
+        );
     }
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("bench.json")).unwrap()).unwrap();

@@ -285,6 +285,11 @@ fn sets_for(c: &[(String, String)], args: &BenchJobArgs) -> Vec<String> {
             .filter(|(k, _)| k != WORKERS)
             .map(|(k, v)| format!("{k}={v}")),
     );
+    // A job's curriculum would time its first, short steps: the bench
+    // times whole sequences unless the bench's own settings name one.
+    if !sets.iter().any(|s| s.starts_with("train.curriculum")) {
+        sets.push("train.curriculum=null".into());
+    }
     // The bench's own length, whatever the job's (`train.epochs` too).
     sets.push(format!("train.steps={}", args.steps));
     sets.push("train.epochs=null".into());
