@@ -707,6 +707,11 @@ fn verify(args: &PlanArgs, candidates: &mut [Candidate]) -> Result<()> {
         }
         let mut sets = args.set.clone();
         sets.extend(as_sets(&c.sets));
+        // The prediction is of whole sequences: a job's curriculum would
+        // time its first, short steps (kept where `--set` names one).
+        if !args.set.iter().any(|s| s.starts_with("train.curriculum")) {
+            sets.push("train.curriculum=null".into());
+        }
         sets.push(format!("train.steps={}", args.verify_steps));
         sets.push("train.epochs=null".into());
         sets.push("checkpoint.dir=null".into());
