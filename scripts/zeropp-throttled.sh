@@ -6,7 +6,10 @@
 # workers talk over shared memory, so the shaping only slows what crosses
 # nodes: each node's incoming link gets RATE, like one NIC per node.
 #
-#   sudo scripts/zeropp-throttled.sh [RATE] [STEPS] [DTYPE]
+#   sudo scripts/zeropp-throttled.sh [RATE] [STEPS] [DTYPE] [COMPARE]
+#
+# COMPARE `reduce` instead runs stage 2 with gradients reduced in f32 and in
+# 16 bits (`train.reduce_dtype` = DTYPE, bf16 unless DTYPE is f16).
 #
 # Needs root (unshare -n, tc) and a release build. Prints tokens/s of each run
 # and the ratio. A benchmark, not a test: timings depend on the machine.
@@ -15,6 +18,7 @@ cd "$(dirname "$0")/.."
 rate=${1:-1gbit}
 steps=${2:-40}
 dtype=${3:-bf16}
+compare=${4:-zeropp}
 zrun=target/release/zrun
 [ -x "$zrun" ] || { echo "build first: cargo build --release" >&2; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "needs root (unshare -n and tc)" >&2; exit 2; }
@@ -22,9 +26,9 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 printf '127.0.0.2 slots=2\n127.0.0.3 slots=2\n' >"$out/hosts"
 
-unshare -n bash -s "$rate" "$steps" "$dtype" "$out" "$zrun" <<'EOF'
+unshare -n bash -s "$rate" "$steps" "$dtype" "$out" "$zrun" "$compare" <<'EOF'
 set -euo pipefail
-rate=$1 steps=$2 dtype=$3 out=$4 zrun=$5
+rate=$1 steps=$2 dtype=$3 out=$4 zrun=$5 compare=$6
 ip link set lo up
 if [ "$rate" != none ]; then
     # Class 1:1 (unshaped) for everything else; 1:2 and 1:3 for each node's
@@ -48,7 +52,7 @@ fi
 run() {
     local name=$1; shift
     "$zrun" train configs/tiny.yaml --hostfile "$out/hosts" --no-progress \
-        --set zero.stage=3 --set train.steps="$steps" --set train.dtype="$dtype" \
+        --set train.steps="$steps" --set train.dtype="$dtype" \
         --set run_dir="$out/runs" --metrics "$out/$name.jsonl" "$@" >"$out/$name.log" 2>&1 \
         || { cat "$out/$name.log"; exit 1; }
     # The median step after the first (warm-up), and cross-node bytes.
@@ -64,12 +68,21 @@ open(sys.argv[1] + ".rate", "w").write(str(rate))
 PY
 }
 echo "link: $rate per node, $steps steps, $dtype"
-run stage3
-run zeropp --set zero.zero_quantized_weights=true --set zero.zero_hpz_partition_size=2 \
-    --set zero.zero_quantized_gradients=true
+if [ "$compare" = reduce ]; then
+    half=bf16
+    [ "$dtype" = f16 ] && half=f16
+    run f32_reductions --set zero.stage=2
+    run "${half}_reductions" --set zero.stage=2 --set train.reduce_dtype="$half"
+    a=f32_reductions b="${half}_reductions"
+else
+    run stage3 --set zero.stage=3
+    run zeropp --set zero.stage=3 --set zero.zero_quantized_weights=true \
+        --set zero.zero_hpz_partition_size=2 --set zero.zero_quantized_gradients=true
+    a=stage3 b=zeropp
+fi
 python3 -c "
-a = float(open('$out/stage3.jsonl.rate').read()); b = float(open('$out/zeropp.jsonl.rate').read())
-print(f'ZeRO++ / stage 3 throughput: {b / a:.2f}x')"
+a = float(open('$out/$a.jsonl.rate').read()); b = float(open('$out/$b.jsonl.rate').read())
+print(f'$b / $a throughput: {b / a:.2f}x')"
 # Proof that the shaped classes carried the cross-node traffic.
 [ "$rate" = none ] || tc -s class show dev lo | awk '/^class/ {c=$3} /Sent/ {print "  class " c ": " $2 " bytes"}'
 EOF

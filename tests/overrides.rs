@@ -67,6 +67,7 @@ const KEYS: &[(&str, &[&str])] = &[
     ("train.decay_fraction", &["0", "0.5", "1"]),
     ("train.dtype", &["f32", "bf16", "f16"]),
     ("train.grad_accum_dtype", &["f32", "bf16", "f16"]),
+    ("train.reduce_dtype", &["f32", "bf16", "f16"]),
     ("train.eval_every", &["0", "1", "2", "epoch"]),
     ("train.eval_steps", &["0", "1", "3"]),
     ("train.grad_accum", &["1", "2", "3", "0"]),

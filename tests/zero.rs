@@ -461,3 +461,93 @@ fn shared_memory_between_processes_trains_with_the_bits_of_tcp() {
         assert_eq!(shm, tcp, "stage {stage}: shared memory differs from TCP");
     }
 }
+
+/// `train.reduce_dtype: bf16` (DeepSpeed's `communication_data_type`) on the
+/// loopback 2-node hostfile (shared memory inside a node, TCP between),
+/// `configs/tiny.yaml` in bf16 for 30 steps: stages 0-3 give one loss curve
+/// to the bit (the all-reduce's second half gathers the owners' rounded
+/// sums, so every rank holds what a reduce-scatter gives the owner); the
+/// gradient reductions send exactly half of f32's bytes (reduce-scatter at
+/// stage 2, all-reduce at stage 0) and fewer cross the nodes; the curve
+/// differs from f32 reductions' (something was rounded) and ends within 1%
+/// of it (the mean of the last 5 steps). f16 reductions under f16's loss
+/// scaling likewise end within 1% of f16 with f32 reductions. Measured:
+/// bf16 0.007% above f32 reductions (stages 0 and 2), f16 0.003%.
+#[test]
+fn reductions_in_16_bits_halve_the_bytes_keep_the_stages_identical_and_the_curve() {
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts");
+    std::fs::write(&hosts, "127.0.0.2 slots=2\n127.0.0.3 slots=2\n").unwrap();
+    let root = repo_root();
+    let run = |dtype: &str, reduce: &str, stage: u8| {
+        let m = dir.path().join(format!("{dtype}-{reduce}-{stage}.jsonl"));
+        let f = TrainArgs::new(root.join("configs/tiny.yaml"), &m)
+            .args(&["--hostfile", hosts.to_str().unwrap()])
+            .set("train.steps=30")
+            .set(format!("train.dtype={dtype}"))
+            .set(format!("train.reduce_dtype={reduce}"))
+            .set(format!("zero.stage={stage}"))
+            .set("train.loss_scale.initial_scale_power=12")
+            .set(format!("run_dir={}/runs", dir.path().display()))
+            .run(&root);
+        assert_eq!(f.code(), 0, "{dtype} {reduce} stage {stage}: {f:?}");
+        let steps: Vec<serde_json::Value> = metrics(&m)
+            .into_iter()
+            .filter(|l| l.get("loss").is_some())
+            .collect();
+        assert_eq!(steps.len(), 30, "{dtype} {reduce} stage {stage}");
+        steps
+    };
+    let bytes = |s: &[serde_json::Value], key: &str| -> Vec<f64> {
+        s.iter()
+            .map(|l| match key {
+                "inter_node" => l["comm_bytes"]["inter_node"].as_f64().unwrap(),
+                op => l["comm_bytes"]["by_op"][op].as_f64().unwrap(),
+            })
+            .collect()
+    };
+    let tail = |s: &[serde_json::Value]| losses(s)[25..].iter().sum::<f64>() / 5.0;
+    let half: Vec<Vec<serde_json::Value>> =
+        (0..4).map(|stage| run("bf16", "bf16", stage)).collect();
+    for (stage, s) in half.iter().enumerate().skip(1) {
+        assert_eq!(
+            losses(s),
+            losses(&half[0]),
+            "bf16 reductions: stage {stage} vs stage 0"
+        );
+    }
+    for (stage, op) in [(0, "all_reduce"), (2, "reduce_scatter")] {
+        let full = run("bf16", "f32", stage);
+        let (got, want) = (bytes(&half[stage as usize], op), bytes(&full, op));
+        assert!(want.iter().all(|&b| b > 0.0), "stage {stage}: no {op}");
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(2.0 * g, *w, "stage {stage}: {op} bytes in bf16 vs f32");
+        }
+        let (a, b) = (
+            bytes(&half[stage as usize], "inter_node"),
+            bytes(&full, "inter_node"),
+        );
+        assert!(
+            a.iter().zip(&b).all(|(a, b)| a < b),
+            "stage {stage}: cross-node {a:?} vs {b:?}"
+        );
+        assert_ne!(
+            losses(&half[stage as usize]),
+            losses(&full),
+            "stage {stage}: nothing rounded"
+        );
+        let (h, f) = (tail(&half[stage as usize]), tail(&full));
+        eprintln!("bf16 stage {stage}: bf16 reductions end at {h:.4}, f32 at {f:.4}");
+        assert!((h - f).abs() <= 0.01 * f, "stage {stage}: {h} vs {f}");
+    }
+    let (h, f) = (run("f16", "f16", 2), run("f16", "f32", 2));
+    for s in [&h, &f] {
+        assert!(
+            s.iter().all(|l| !l["grad_norm"].is_null()),
+            "f16: a step overflowed"
+        );
+    }
+    let (h, f) = (tail(&h), tail(&f));
+    eprintln!("f16 stage 2: f16 reductions end at {h:.4}, f32 at {f:.4}");
+    assert!((h - f).abs() <= 0.01 * f, "f16: {h} vs {f}");
+}

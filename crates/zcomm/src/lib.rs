@@ -10,7 +10,8 @@
 //! - `links`: the point-to-point layer the algorithms run on (framed messages with
 //!   a sequence number, per-op deadlines, byte accounting).
 //! - `ring`, `pairwise`, `star`: one file per algorithm family; `quantized`:
-//!   ZeRO++ qgZ's two-hop quantized reduce-scatter.
+//!   the two-hop reduce-scatter whose data crosses the links narrowed (ZeRO++
+//!   qgZ's quantization, or 16-bit floats).
 //! - `tcp`: the communicator: one authenticated TCP connection per peer, and
 //!   `shm` rings instead of sockets between ranks of one node when asked.
 //! - `mpi` (cargo feature `mpi`): the communicator for jobs started by
@@ -47,6 +48,7 @@ pub use error::{CommError, SetupError};
 pub use quantized::Quantization;
 pub use tcp::{TcpCommunicator, TcpOptions};
 pub use zproto::Op;
+pub use zquant::Half;
 
 /// A pending collective. `wait` returns its result, or an error at the deadline.
 pub struct Work<T> {
@@ -391,6 +393,16 @@ pub trait Communicator: Send + Sync {
     /// Buffers with chunks shorter than one quantization block run as a plain
     /// reduce-scatter (and count as one).
     fn quantized_reduce_scatter_async(&self, buf: Vec<f32>, q: Quantization) -> Work<Vec<f32>>;
+    /// [`Communicator::reduce_scatter_async`] with each rank's data rounded
+    /// to `half` on the wire (`train.reduce_dtype`), in qgZ's two hops and
+    /// added in f32; the result is rounded to `half` too. Counts as a
+    /// reduce-scatter.
+    fn half_reduce_scatter_async(&self, buf: Vec<f32>, half: Half) -> Work<Vec<f32>>;
+    /// [`Communicator::all_reduce_async`] in 16 bits on the wire:
+    /// [`Communicator::half_reduce_scatter_async`], then each rank's rounded
+    /// chunk gathered in 16 bits, so that every rank receives, bit for bit,
+    /// what the reduce-scatter gives each chunk's owner.
+    fn half_all_reduce_async(&self, buf: Vec<f32>, half: Half) -> Work<Vec<f32>>;
     /// Every rank contributes chunk `rank` of a `total_len` buffer; all receive the whole.
     fn all_gather_async(&self, chunk: Vec<f32>, total_len: usize) -> Work<Vec<f32>>;
     /// [`Communicator::all_gather_async`] into a buffer the caller already

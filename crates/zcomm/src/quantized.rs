@@ -1,5 +1,6 @@
-//! ZeRO++ qgZ: a reduce-scatter whose data crosses the links quantized, in
-//! two hops, as the ZeRO++ paper does it.
+//! Reductions whose data crosses the links narrowed, in two hops: ZeRO++
+//! qgZ's blockwise quantization, as the ZeRO++ paper does it, or 16-bit
+//! floats (`train.reduce_dtype`, DeepSpeed's `communication_data_type`).
 //!
 //! A one-hop quantized reduce-scatter would send every rank's whole gradient
 //! across the slow links (an all-to-all); the hierarchical one first reduces
@@ -23,8 +24,15 @@
 //! any size work (uniform nodes give the paper's groups of equal local index).
 //! A piece with a NaN or infinity is sent as NaN, so that the sum is NaN and
 //! an f16 overflow is seen as one (a quantizer refuses such values).
+//!
+//! 16-bit floats go the same way, each piece rounded to nearest even where a
+//! quantized one is quantized (an infinity stays one, and a partial sum
+//! beyond f16's range becomes one, as it would in an f16 reduction). Their
+//! result is rounded to the wire type too, so that an all-reduce, whose
+//! second half gathers the owners' sums in 16 bits, gives every rank the
+//! values a reduce-scatter gives the owner: the stages stay bit-identical.
 
-use zquant::{Bits, QuantError, Quantized};
+use zquant::{Bits, Half, QuantError, Quantized};
 
 use crate::links::Links;
 use crate::{chunk_range, CommError, Op};
@@ -36,6 +44,15 @@ pub struct Quantization {
     pub bits: Bits,
     /// Values per scale (a positive even number).
     pub block_size: usize,
+}
+
+/// What a two-hop reduction sends in place of f32.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Coding {
+    /// qgZ's blocks.
+    Quantized(Quantization),
+    /// 16-bit floats; the result is rounded to them too.
+    Half(Half),
 }
 
 /// The ranks of one node, in rank order, and where each rank sits on its own.
@@ -69,13 +86,14 @@ impl Nodes {
 }
 
 /// Sums `buf` over ranks; returns this rank's chunk (`chunk_range` of the
-/// length), as `reduce_scatter` does. `node_of[r]` is rank r's node.
+/// length), as `reduce_scatter` does. `node_of[r]` is rank r's node; `op`
+/// names the collective in errors.
 pub(crate) fn reduce_scatter(
     l: &mut dyn Links,
-    group: &str,
+    (group, op): (&str, Op),
     node_of: &[usize],
     buf: &[f32],
-    q: Quantization,
+    wire: Coding,
 ) -> Result<Vec<f32>, CommError> {
     let (w, me) = (l.world_size(), l.rank());
     let nodes = Nodes::new(node_of);
@@ -83,26 +101,25 @@ pub(crate) fn reduce_scatter(
     let chunk = |x: usize| chunk_range(buf.len(), w, x);
     let handled_by =
         |p: usize| -> Vec<usize> { (0..w).filter(|&x| nodes.handler(home, x) == p).collect() };
-    let gather = |xs: &[usize]| -> Vec<f32> {
-        xs.iter()
-            .flat_map(|&x| buf[chunk(x)].iter().copied())
-            .collect()
-    };
+    let pieces = |xs: &[usize]| -> Vec<&[f32]> { xs.iter().map(|&x| &buf[chunk(x)]).collect() };
 
     // Hop 1: inside the node.
     let peers = &nodes.members[home];
     for &p in peers.iter().filter(|&&p| p != me) {
-        l.send(p, &encode(&gather(&handled_by(p)), q)?)?;
+        l.send(p, &encode(&pieces(&handled_by(p)), wire, op)?)?;
     }
     let mine = handled_by(me);
     let mut partial = vec![0f32; mine.iter().map(|&x| chunk(x).len()).sum()];
     for &p in peers {
         if p == me {
-            crate::reduce_add(&mut partial, &gather(&mine));
+            let mut at = 0;
+            for piece in pieces(&mine) {
+                crate::reduce_add(&mut partial[at..at + piece.len()], piece);
+                at += piece.len();
+            }
         } else {
             let bytes = l.recv(p)?;
-            let piece = decode(&bytes, partial.len(), q, (group, p))?;
-            crate::reduce_add(&mut partial, &piece);
+            decode(&bytes, &mut partial, Arrive::Add, wire, (group, op, p))?;
         }
     }
 
@@ -115,7 +132,7 @@ pub(crate) fn reduce_scatter(
         if x == me {
             own = part.to_vec();
         } else {
-            l.send(x, &encode(part, q)?)?;
+            l.send(x, &encode(&[part], wire, op)?)?;
         }
     }
     let mut out = vec![0f32; chunk(me).len()];
@@ -125,20 +142,81 @@ pub(crate) fn reduce_scatter(
         } else if !nodes.members[n].is_empty() {
             let from = nodes.handler(n, me);
             let bytes = l.recv(from)?;
-            let piece = decode(&bytes, out.len(), q, (group, from))?;
-            crate::reduce_add(&mut out, &piece);
+            decode(&bytes, &mut out, Arrive::Add, wire, (group, op, from))?;
         }
+    }
+    if let Coding::Half(half) = wire {
+        half.round_in_place(&mut out);
     }
     Ok(out)
 }
 
-/// `values` quantized on the wire; non-finite values make every scale NaN.
-fn encode(values: &[f32], q: Quantization) -> Result<Vec<u8>, CommError> {
+/// Sums `buf` over ranks in 16-bit pieces, every rank receiving the whole
+/// sum: [`reduce_scatter`], then each owner's rounded chunk sent to every
+/// other rank in 16 bits. The result is `buf`'s allocation.
+pub(crate) fn all_reduce_half(
+    l: &mut dyn Links,
+    group: &str,
+    node_of: &[usize],
+    mut buf: Vec<f32>,
+    half: Half,
+) -> Result<Vec<f32>, CommError> {
+    let (w, me) = (l.world_size(), l.rank());
+    let op = Op::AllReduce;
+    let coding = Coding::Half(half);
+    let own = reduce_scatter(l, (group, op), node_of, &buf, coding)?;
+    let wire = encode(&[&own], coding, op)?;
+    for p in (0..w).filter(|&p| p != me) {
+        l.send(p, &wire)?;
+    }
+    let len = buf.len();
+    let chunk = |x: usize| chunk_range(len, w, x);
+    buf[chunk(me)].copy_from_slice(&own);
+    for p in (0..w).filter(|&p| p != me) {
+        let bytes = l.recv(p)?;
+        decode(
+            &bytes,
+            &mut buf[chunk(p)],
+            Arrive::Set,
+            coding,
+            (group, op, p),
+        )?;
+    }
+    Ok(buf)
+}
+
+/// `pieces`, one after another, coded for the wire; non-finite values
+/// make every scale of a quantized piece NaN.
+fn encode(pieces: &[&[f32]], wire: Coding, op: Op) -> Result<Vec<u8>, CommError> {
+    let q = match wire {
+        Coding::Quantized(q) => q,
+        // Rounded straight into the message, a piece after another.
+        Coding::Half(half) => {
+            let len: usize = pieces.iter().map(|p| p.len()).sum();
+            let mut bytes = vec![0u8; 2 * len];
+            let mut at = 0;
+            for piece in pieces {
+                let out = &mut bytes[2 * at..2 * (at + piece.len())];
+                match bytemuck::try_cast_slice_mut::<u8, u16>(out) {
+                    Ok(bits) => half.round_slice(piece, bits),
+                    // An allocation that does not start on a 2-byte boundary.
+                    Err(_) => {
+                        for (b, &x) in out.chunks_exact_mut(2).zip(piece.iter()) {
+                            b.copy_from_slice(&half.round(x).to_le_bytes());
+                        }
+                    }
+                }
+                at += piece.len();
+            }
+            return Ok(bytes);
+        }
+    };
+    let values: Vec<f32> = pieces.concat();
     let usage = |e: QuantError| CommError::Usage {
-        op: Op::QuantizedReduceScatter.name(),
+        op: op.name(),
         message: e.to_string(),
     };
-    let codes = match zquant::quantize(values, q.bits, q.block_size) {
+    let codes = match zquant::quantize(&values, q.bits, q.block_size) {
         Ok(codes) => codes,
         Err(QuantError::NonFinite { .. }) => {
             let mut zeros =
@@ -151,28 +229,68 @@ fn encode(values: &[f32], q: Quantization) -> Result<Vec<u8>, CommError> {
     Ok(codes.to_bytes())
 }
 
-/// `len` values from the quantized piece of `peer` (of `group`).
+/// What a decoded piece does to the values it lands on.
+#[derive(Clone, Copy, PartialEq)]
+enum Arrive {
+    /// Added to them.
+    Add,
+    /// Written over them.
+    Set,
+}
+
+/// Decodes the coded piece of `peer` (of `group`, in `op`) onto `out`, as
+/// many values as `out` holds.
 fn decode(
     bytes: &[u8],
-    len: usize,
-    q: Quantization,
-    (group, peer): (&str, usize),
-) -> Result<Vec<f32>, CommError> {
-    let codes = Quantized::from_bytes(q.bits, q.block_size, len, bytes).map_err(|_| {
-        CommError::Mismatch {
-            op: Op::QuantizedReduceScatter.name(),
-            group: group.to_string(),
-            peer,
-            got: format!("{} bytes", bytes.len()),
-            expected: format!(
-                "{} bytes for {len} values",
-                Quantized::wire_len(q.bits, q.block_size, len)
-            ),
+    out: &mut [f32],
+    arrive: Arrive,
+    wire: Coding,
+    (group, op, peer): (&str, Op, usize),
+) -> Result<(), CommError> {
+    let len = out.len();
+    let mismatch = |expected: usize| CommError::Mismatch {
+        op: op.name(),
+        group: group.to_string(),
+        peer,
+        got: format!("{} bytes", bytes.len()),
+        expected: format!("{expected} bytes for {len} values"),
+    };
+    match wire {
+        // Widened a stack block at a time, straight onto `out`.
+        Coding::Half(half) => {
+            if bytes.len() != 2 * len {
+                return Err(mismatch(2 * len));
+            }
+            let mut wide = [0f32; 1024];
+            for (dst, src) in out.chunks_mut(wide.len()).zip(bytes.chunks(2 * wide.len())) {
+                let wide = &mut wide[..dst.len()];
+                match bytemuck::try_cast_slice::<u8, u16>(src) {
+                    Ok(bits) => half.widen_slice(bits, wide),
+                    // A message that does not start on a 2-byte boundary.
+                    Err(_) => {
+                        for (o, b) in wide.iter_mut().zip(src.chunks_exact(2)) {
+                            *o = half.widen(u16::from_le_bytes([b[0], b[1]]));
+                        }
+                    }
+                }
+                match arrive {
+                    Arrive::Add => crate::reduce_add(dst, wide),
+                    Arrive::Set => dst.copy_from_slice(wide),
+                }
+            }
         }
-    })?;
-    let mut out = vec![0f32; len];
-    zquant::dequantize(&codes, &mut out);
-    Ok(out)
+        Coding::Quantized(q) => {
+            let codes = Quantized::from_bytes(q.bits, q.block_size, len, bytes)
+                .map_err(|_| mismatch(Quantized::wire_len(q.bits, q.block_size, len)))?;
+            let mut piece = vec![0f32; len];
+            zquant::dequantize(&codes, &mut piece);
+            match arrive {
+                Arrive::Add => crate::reduce_add(out, &piece),
+                Arrive::Set => out.copy_from_slice(&piece),
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use zcomm::{chunk_range, CommError, Communicator, Op, Quantization, TcpCommunicator, TcpOptions};
+use zcomm::{
+    chunk_range, CommError, Communicator, Half, Op, Quantization, TcpCommunicator, TcpOptions,
+};
 use zproto::Token;
 use zquant::{Bits, Quantized};
 
@@ -65,6 +67,9 @@ per_transport!(
     quantized_reduce_scatter_is_within_its_error_bound_on_any_node_shape,
     quantized_reduce_scatter_sends_one_quantized_partial_per_node_across,
     quantized_reduce_scatter_turns_an_infinity_into_nan_not_an_error,
+    half_reductions_round_each_piece_once_a_hop_and_the_all_reduce_is_the_owners_sum,
+    half_reductions_send_half_of_f32s_bytes,
+    half_reductions_carry_an_infinity_to_the_sum,
     in_flight_names_the_op_its_group_bytes_and_the_awaited_peer,
     a_peer_that_is_gone_is_reported_at_once_not_at_the_deadline,
 );
@@ -761,6 +766,200 @@ fn quantized_reduce_scatter_turns_an_infinity_into_nan_not_an_error(t: Transport
             out[r].iter().all(|v| v.is_finite()),
             "{t:?}: rank {r}'s chunk was poisoned"
         );
+    }
+}
+
+/// The relative error of one rounding to `half` (round to nearest: half
+/// an ulp, 2^-p for p bits of precision).
+fn unit_roundoff(half: Half) -> f64 {
+    match half {
+        Half::Bf16 => 2f64.powi(-8),
+        Half::F16 => 2f64.powi(-11),
+    }
+}
+
+/// `train.reduce_dtype`'s reductions against a naive f64 sum, at world
+/// sizes 1-7 over one node, equal and uneven nodes and one rank per node,
+/// bf16 and f16, lengths that do not split evenly (odd chunks too). Values
+/// in [-1, 1]: a handler rounds each of its node's other L - 1 pieces once
+/// (error at most u each), a partial crossing from another node of L ranks
+/// is rounded once more (at most u·L), and the owner's sum is rounded to
+/// the type (at most u·|sum|), with f32's adds and f16's subnormals far
+/// below. Every result is a value of the type, every rank's all-reduce is
+/// the same, and its chunk r is rank r's reduce-scatter, bit for bit.
+fn half_reductions_round_each_piece_once_a_hop_and_the_all_reduce_is_the_owners_sum(t: Transport) {
+    let shapes: [&[usize]; 7] = [
+        &[0],
+        &[0, 0],
+        &[0, 1],
+        &[0, 1, 2],
+        &[0, 0, 1, 1],
+        &[0, 0, 0, 1, 1],
+        &[0, 0, 0, 1, 1, 1, 2],
+    ];
+    for nodes in shapes {
+        let n = nodes.len();
+        let comms = world(t, n, nodes, Duration::from_secs(30));
+        for half in [Half::Bf16, Half::F16] {
+            for len in [4099, n * 3 + 1, 1] {
+                let out = on_all(&comms, move |r, c| {
+                    let rs = c.half_reduce_scatter_async(random(r as u64, len), half);
+                    let ar = c.half_all_reduce_async(random(r as u64, len), half);
+                    (rs.wait().unwrap(), ar.wait().unwrap())
+                });
+                let want = naive_sum(n, len);
+                let u = unit_roundoff(half);
+                let mut worst = 0f64;
+                for (r, (rs, ar)) in out.iter().enumerate() {
+                    let what = format!("{t:?} nodes {nodes:?} {half:?} len {len} rank {r}");
+                    let chunk = chunk_range(len, n, r);
+                    assert_eq!(ar, &out[0].1, "{what}: ranks' all-reduces differ");
+                    assert_eq!(
+                        rs.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        ar[chunk.clone()]
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect::<Vec<_>>(),
+                        "{what}: the all-reduce is not the reduce-scatter's sum"
+                    );
+                    let home = nodes[r];
+                    let count = nodes.iter().max().unwrap() + 1;
+                    let hops: f64 = (0..count)
+                        .map(|m| {
+                            let l = nodes.iter().filter(|&&x| x == m).count() as f64;
+                            (l - 1.0) + if m == home { 0.0 } else { l }
+                        })
+                        .sum();
+                    for (i, (g, w)) in rs.iter().zip(&want[chunk]).enumerate() {
+                        assert_eq!(
+                            half.widen(half.round(*g)),
+                            *g,
+                            "{what} element {i}: {g} is no {half:?}"
+                        );
+                        let bound = (u * (hops + w.abs() + 1.0) * 1.001) + 1e-6;
+                        let err = (f64::from(*g) - w).abs();
+                        worst = worst.max(err);
+                        assert!(
+                            err <= bound,
+                            "{what} element {i}: {g} vs {w} (bound {bound})"
+                        );
+                        assert!(
+                            w.abs() < 0.5 || bound < w.abs() / 2.0,
+                            "{what}: a halved sum would pass"
+                        );
+                    }
+                }
+                assert!(
+                    len < 8 || worst > 0.0,
+                    "{t:?} {nodes:?} {half:?} {len}: nothing rounded"
+                );
+            }
+        }
+    }
+}
+
+/// Each value crosses the wire in 2 bytes where the f32 ring sends 4: the
+/// reduce-scatter sends qgZ's volume in 16 bits (each local peer N chunks,
+/// each other node one partial), counted as a reduce-scatter; the
+/// all-reduce adds the owner's chunk to every other rank, counted as an
+/// all-reduce. Exact, per rank; on one node of 2 ranks, half of the f32
+/// reduce-scatter's bytes.
+fn half_reductions_send_half_of_f32s_bytes(t: Transport) {
+    for nodes in [
+        vec![0, 0],
+        vec![0, 0, 1, 1],
+        vec![0, 0, 0, 1, 1, 1],
+        vec![0, 1, 2],
+    ] {
+        let w = nodes.len();
+        let count = nodes[w - 1] + 1;
+        let l = w / count;
+        let comms = world(t, w, &nodes, Duration::from_secs(30));
+        let c = 1000;
+        let out = on_all(&comms, move |r, comm| {
+            let mut sent = Vec::new();
+            for op in 0..3 {
+                let before = comm.counters();
+                let x = random(r as u64, w * c);
+                match op {
+                    0 => drop(
+                        comm.half_reduce_scatter_async(x, Half::Bf16)
+                            .wait()
+                            .unwrap(),
+                    ),
+                    1 => drop(comm.half_all_reduce_async(x, Half::Bf16).wait().unwrap()),
+                    _ => drop(comm.reduce_scatter(x).unwrap()),
+                }
+                sent.push(comm.counters().since(&before));
+            }
+            sent
+        });
+        for (r, sent) in out.iter().enumerate() {
+            let what = format!("{t:?} nodes {nodes:?} rank {r}");
+            let (intra, inter) = (
+                ((l - 1) * count * c * 2) as u64,
+                ((count - 1) * c * 2) as u64,
+            );
+            assert_eq!(
+                (sent[0].intra_node, sent[0].inter_node),
+                (intra, inter),
+                "{what}"
+            );
+            assert_eq!(sent[0].op(Op::ReduceScatter), intra + inter, "{what}");
+            let (gather_intra, gather_inter) = (((l - 1) * c * 2) as u64, ((w - l) * c * 2) as u64);
+            assert_eq!(
+                (sent[1].intra_node, sent[1].inter_node),
+                (intra + gather_intra, inter + gather_inter),
+                "{what}"
+            );
+            assert_eq!(
+                sent[1].op(Op::AllReduce),
+                sent[1].intra_node + sent[1].inter_node,
+                "{what}"
+            );
+            if w == 2 {
+                assert_eq!(
+                    2 * sent[0].op(Op::ReduceScatter),
+                    sent[2].op(Op::ReduceScatter),
+                    "{what}"
+                );
+            }
+        }
+    }
+}
+
+/// An infinity (here on rank 3, in rank 0's chunk) reaches its owner's sum
+/// as an infinity or a NaN, in bf16 and in f16 (whose loss scaler must see
+/// an overflow); the other ranks' chunks stay finite.
+fn half_reductions_carry_an_infinity_to_the_sum(t: Transport) {
+    let comms = world(t, 4, &[0, 0, 1, 1], Duration::from_secs(30));
+    for half in [Half::Bf16, Half::F16] {
+        let len = 4 * 64;
+        let out = on_all(&comms, move |r, c| {
+            let mut x = random(r as u64, len);
+            if r == 3 {
+                x[5] = f32::INFINITY;
+            }
+            let rs = c.half_reduce_scatter_async(x.clone(), half).wait().unwrap();
+            let ar = c.half_all_reduce_async(x, half).wait().unwrap();
+            (rs, ar)
+        });
+        assert!(
+            !out[0].0[5].is_finite(),
+            "{t:?} {half:?}: the infinity vanished"
+        );
+        for (r, (rs, ar)) in out.iter().enumerate() {
+            assert!(
+                !ar[5].is_finite(),
+                "{t:?} {half:?}: rank {r}'s all-reduce lost it"
+            );
+            if r > 0 {
+                assert!(
+                    rs.iter().all(|v| v.is_finite()),
+                    "{t:?} {half:?}: rank {r} poisoned"
+                );
+            }
+        }
     }
 }
 

@@ -159,8 +159,6 @@ enum Kind {
 enum Accept {
     Bool(bool),
     Num(f64),
-    Str(&'static str),
-    Null,
 }
 
 impl Accept {
@@ -168,8 +166,6 @@ impl Accept {
         match self {
             Accept::Bool(b) => v.as_bool() == Some(b),
             Accept::Num(n) => v.as_f64() == Some(n),
-            Accept::Str(s) => v.as_str().is_some_and(|x| x.eq_ignore_ascii_case(s)),
-            Accept::Null => v.is_null(),
         }
     }
 }
@@ -224,13 +220,7 @@ const TOP_LEVEL: &[(&str, Kind)] = &[
             "zrun's embedding gradients are dense",
         ),
     ),
-    (
-        "communication_data_type",
-        Kind::Only(
-            &[Accept::Null, Accept::Str("fp32")],
-            "zrun reduces gradients in f32",
-        ),
-    ),
+    ("communication_data_type", Kind::Section),
     ("amp", Kind::OffOnly("NVIDIA Apex AMP: use fp16 or bf16")),
     ("elasticity", Kind::OffOnly("elastic batch sizes")),
     ("autotuning", Kind::OffOnly("the autotuner")),
@@ -642,6 +632,7 @@ impl Reader {
         self.precision()?;
         self.zero()?;
         self.data_types()?;
+        self.communication_data_type()?;
         self.aio()?;
         self.monitor("tensorboard")?;
         self.monitor("csv_monitor")?;
@@ -1261,6 +1252,30 @@ impl Reader {
     /// gradients in fp32 where zrun's default sums them in bf16: a note says
     /// so, and how to ask for f32 (not implied: zrun's default stays the
     /// working type).
+    /// `communication_data_type`: `train.reduce_dtype`. Where it is absent
+    /// under bf16 or fp16, DeepSpeed reduces in the working type and zrun
+    /// in f32: a note names the key that does the same.
+    fn communication_data_type(&mut self) -> Result<(), ConfigError> {
+        let key = "train.reduce_dtype";
+        if self.simple("communication_data_type", key, false, dtype_name)? {
+            return Ok(());
+        }
+        let dtype = match self.out.source_of("train.dtype") {
+            Some(Mapped {
+                value: MappedValue::Set(v),
+                ..
+            }) => v.as_str().map(str::to_string),
+            _ => None,
+        };
+        if let Some(d @ ("bf16" | "f16")) = dtype.as_deref() {
+            let ds = if d == "bf16" { "bf16" } else { "fp16" };
+            self.out.notes.push(format!(
+                "{d}: DeepSpeed reduces gradients in {ds} here (communication_data_type defaults to the working type), zrun in f32 unless communication_data_type is \"{ds}\" ({key}: {d}, half the bytes)"
+            ));
+        }
+        Ok(())
+    }
+
     fn data_types(&mut self) -> Result<(), ConfigError> {
         self.sort_keys("data_types", DATA_TYPES)?;
         let key = "train.grad_accum_dtype";

@@ -376,19 +376,21 @@ pub struct CrossNodeBytes {
     pub forward: f64,
     /// Backward all-gathers of the weights.
     pub backward: f64,
-    /// Gradient reduce-scatters (zrun reduces f32 gradients).
+    /// Gradient reduce-scatters.
     pub gradients: f64,
 }
 
 impl CrossNodeBytes {
     /// Stage 3 or ZeRO++ (qwZ int8, hpZ, qgZ int4) for Ψ parameters of
-    /// `param_bytes` bytes, `nodes` nodes of `per_node` ranks; scales and the
-    /// tied head's extra gather are left out (they are a few percent).
+    /// `param_bytes` bytes, `nodes` nodes of `per_node` ranks, gradients
+    /// reduced in `reduce_bytes` an element (f32's 4 in a ring; 16 bits in
+    /// qgZ's two hops, one partial per other node); scales and the tied
+    /// head's extra gather are left out (they are a few percent).
     pub fn stage3(
         psi: f64,
         param_bytes: f64,
-        nodes: usize,
-        per_node: usize,
+        (nodes, per_node): (usize, usize),
+        reduce_bytes: f64,
         zero_pp: bool,
     ) -> CrossNodeBytes {
         let w = (nodes * per_node) as f64;
@@ -408,10 +410,14 @@ impl CrossNodeBytes {
                 gradients: (n - 1.0) / n * 0.5 * psi,
             }
         } else {
+            let gradients = match reduce_bytes < 4.0 {
+                true => (n - 1.0) / n * reduce_bytes * psi,
+                false => ring * 4.0 * psi,
+            };
             CrossNodeBytes {
                 forward: ring * param_bytes * psi,
                 backward: ring * param_bytes * psi,
-                gradients: ring * 4.0 * psi,
+                gradients,
             }
         }
     }
@@ -1365,11 +1371,18 @@ mod tests {
         // The paper's 3M -> 0.75M (M = 16-bit weights) at 2 nodes of 4, with
         // zrun's f32 gradients: stage 3 sends 3/4·(2 + 2 + 4)Ψ, ZeRO++
         // 3/4·Ψ + 1/2·Ψ/2.
-        let s3 = CrossNodeBytes::stage3(psi, 2.0, 2, 2, false);
-        let pp = CrossNodeBytes::stage3(psi, 2.0, 2, 2, true);
+        let s3 = CrossNodeBytes::stage3(psi, 2.0, (2, 2), 4.0, false);
+        let pp = CrossNodeBytes::stage3(psi, 2.0, (2, 2), 4.0, true);
         assert!((s3.total() - 0.75 * 8.0 * psi).abs() < 1.0);
         assert!((pp.total() - (0.75 + 0.25) * psi).abs() < 1.0);
-        assert_eq!(CrossNodeBytes::stage3(psi, 2.0, 1, 4, false).total(), 0.0);
+        assert_eq!(
+            CrossNodeBytes::stage3(psi, 2.0, (1, 4), 4.0, false).total(),
+            0.0
+        );
+        // bf16 reductions: one 2-byte partial of each chunk to the other node.
+        let s3_16 = CrossNodeBytes::stage3(psi, 2.0, (2, 2), 2.0, false);
+        assert!((s3_16.gradients - 0.5 * 2.0 * psi).abs() < 1.0);
+        assert_eq!(s3_16.forward, s3.forward);
         assert!((hpz.memory - plain.memory - 2.0 * psi / 2.0).abs() < 1.0);
     }
 

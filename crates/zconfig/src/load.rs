@@ -1026,6 +1026,27 @@ impl LoadedJob {
         Ok(())
     }
 
+    /// `train.reduce_dtype`: f32, or a 16-bit type the gradients fit: bf16
+    /// beside any working type, f16 only under f16's loss scaling (a
+    /// partial sum of unscaled f32 or bf16 gradients beyond 65504 would
+    /// overflow with nothing to catch it). Not beside qgZ, which chooses
+    /// the gradients' wire format itself.
+    fn validate_reduce_dtype(&self) -> Result<(), ConfigError> {
+        let s = &self.spec;
+        let why = match s.train.reduce_dtype {
+            None | Some(Dtype::F32) => return Ok(()),
+            Some(Dtype::F16) if s.train.dtype != Dtype::F16 => format!(
+                "f16 needs train.dtype: f16, whose loss scaling catches an overflowing sum (this job is {}): use bf16",
+                s.train.dtype
+            ),
+            Some(_) if s.zero.quantized_gradients => {
+                "ZeRO++ qgZ (zero.quantized_gradients) already sends the gradients quantized: leave one of the two out".to_string()
+            }
+            Some(_) => return Ok(()),
+        };
+        Err(self.invalid("train.reduce_dtype", why))
+    }
+
     /// `comm.backend: nccl`: ZeRO's collectives between GPUs, every state
     /// on the ranks' GPUs (stages 0-3; f32, bf16 or f16). Offload, which
     /// keeps the optimizer or the parameters on the host, and ZeRO++, whose
@@ -1042,6 +1063,8 @@ impl LoadedJob {
             "keeps every state on the GPUs, but offload moves it to the host: use comm.backend: auto with offload"
         } else if z.quantized_weights || z.quantized_gradients || z.hpz_partition_size > 1 {
             "runs plain collectives; ZeRO++ (zero_quantized_weights, zero_hpz_partition_size, zero_quantized_gradients) runs its own on the host's transports: use comm.backend: auto with ZeRO++"
+        } else if s.train.reduce_dtype.is_some_and(|d| d != Dtype::F32) {
+            "reduces the gradients in f32; train.reduce_dtype's 16-bit reductions run on the host's transports: use comm.backend: auto with it"
         } else {
             return Ok(());
         };
@@ -1499,6 +1522,7 @@ impl LoadedJob {
                 ),
             ));
         }
+        self.validate_reduce_dtype()?;
         if s.train.allow_tf32 && s.device != Device::Cuda {
             return Err(self.invalid(
                 "train.allow_tf32",
@@ -1978,6 +2002,59 @@ mod tests {
     }
 
     const GOOD: &str = "name: t\nmodel: {d_model: 64, n_heads: 4, n_layers: 2, seq_len: 16}\ndata:\n  format: synthetic\ntrain:\n  steps: 5\n  lr: 1.0e-3\n";
+
+    /// `train.reduce_dtype`: bf16 beside any working type, f16 only beside
+    /// f16 (loss-scaled), neither beside qgZ nor NCCL; each refusal at the
+    /// line that writes the key, saying why.
+    #[test]
+    fn reduce_dtype_is_refused_where_its_reductions_cannot_run() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("job.yaml");
+        let job = |train: &str, rest: &str| {
+            std::fs::write(&path, format!("{GOOD}{train}{rest}")).unwrap();
+            load_job(&path, &[]).and_then(|mut j| j.validate(2).map(|()| j))
+        };
+        for (train, want) in [
+            ("  reduce_dtype: bf16\n", Some(Dtype::Bf16)),
+            ("  dtype: bf16\n  reduce_dtype: bf16\n", Some(Dtype::Bf16)),
+            ("  dtype: f16\n  reduce_dtype: f16\n", Some(Dtype::F16)),
+            ("  dtype: bf16\n  reduce_dtype: f32\n", Some(Dtype::F32)),
+            ("", None),
+        ] {
+            let j = job(train, "").unwrap_or_else(|e| panic!("{train}: {e}"));
+            assert_eq!(j.spec.train.reduce_dtype, want, "{train}");
+        }
+        let p = path.display();
+        for (train, rest, want) in [
+            (
+                "  dtype: bf16\n  reduce_dtype: f16\n",
+                "",
+                format!("{p}:9:3: train.reduce_dtype: f16 needs train.dtype: f16"),
+            ),
+            (
+                "  reduce_dtype: f16\n",
+                "",
+                format!("{p}:8:3: train.reduce_dtype: f16 needs train.dtype: f16"),
+            ),
+            (
+                "  reduce_dtype: bf16\n",
+                "zero: {stage: 3, zero_quantized_gradients: true}\n",
+                format!(
+                    "{p}:8:3: train.reduce_dtype: ZeRO++ qgZ (zero.quantized_gradients) already"
+                ),
+            ),
+            (
+                "  reduce_dtype: bf16\n",
+                "device: cuda\ncomm: {backend: nccl}\n",
+                format!(
+                    "{p}:10:8: comm.backend: nccl reduces the gradients in f32; train.reduce_dtype"
+                ),
+            ),
+        ] {
+            let e = job(train, rest).unwrap_err().to_string();
+            assert!(e.starts_with(&want), "{train}{rest}: {e}");
+        }
+    }
 
     /// `train.grad_accum_dtype` is f32 or the working type (the job's
     /// default), refused at the line that writes it otherwise; estimates

@@ -556,6 +556,12 @@ pub struct TrainSpec {
     /// a 16-bit `dtype` keeps backward's f32 gradients unrounded, at twice
     /// the gradient memory ([`TrainSpec::grads_dtype`]).
     pub grad_accum_dtype: Option<Dtype>,
+    /// DeepSpeed's `communication_data_type` (PyTorch FSDP's
+    /// `reduce_dtype`): the type gradients cross the wire in when ranks
+    /// reduce them. `None`: f32. A 16-bit type halves the reductions'
+    /// bytes: each rank's piece is rounded to it and the pieces are added
+    /// in f32, the sum rounded to it too.
+    pub reduce_dtype: Option<Dtype>,
     /// f16's dynamic loss scaling (DeepSpeed's `fp16` keys and defaults).
     pub loss_scale: LossScaleSpec,
     /// Recompute each block in backward.
@@ -651,6 +657,15 @@ impl Default for LossScaleSpec {
 }
 
 impl TrainSpec {
+    /// Bytes a gradient element takes on the wire when ranks reduce it:
+    /// 2 under a 16-bit `reduce_dtype`, else 4.
+    pub fn reduce_bytes(&self) -> f64 {
+        match self.reduce_dtype {
+            Some(Dtype::Bf16 | Dtype::F16) => 2.0,
+            _ => 4.0,
+        }
+    }
+
     /// The type gradients are held and summed in: `grad_accum_dtype`, else
     /// the working `dtype`.
     pub fn grads_dtype(&self) -> Dtype {
@@ -685,6 +700,7 @@ impl Default for TrainSpec {
             seed: 42,
             dtype: Dtype::F32,
             grad_accum_dtype: None,
+            reduce_dtype: None,
             loss_scale: LossScaleSpec::default(),
             activation_checkpointing: false,
             allow_tf32: false,

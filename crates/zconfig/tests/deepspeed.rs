@@ -470,6 +470,67 @@ fn adagrad_maps_to_the_adagrad_rule() {
     }
 }
 
+/// `communication_data_type` is `train.reduce_dtype` under DeepSpeed's
+/// names. Where it is absent the job's default stands (f32), and a file
+/// that trains in bf16 or fp16, where DeepSpeed reduces in that type, gets
+/// a note naming the key that does the same; an f32 file does not.
+#[test]
+fn communication_data_type_maps_to_reduce_dtype_and_its_absence_in_16_bits_gets_a_note() {
+    let j = job(BARE);
+    let ds = j._dir.path().join("ds.json");
+    for (text, want, noted) in [
+        (
+            r#"{"bf16": {"enabled": true}, "communication_data_type": "bf16"}"#,
+            Some(Dtype::Bf16),
+            None,
+        ),
+        (
+            r#"{"communication_data_type": "bfloat16"}"#,
+            Some(Dtype::Bf16),
+            None,
+        ),
+        (
+            r#"{"fp16": {"enabled": true}, "communication_data_type": "fp16"}"#,
+            Some(Dtype::F16),
+            None,
+        ),
+        (
+            r#"{"bf16": {"enabled": true}, "communication_data_type": "fp32"}"#,
+            Some(Dtype::F32),
+            None,
+        ),
+        (r#"{"communication_data_type": null}"#, None, None),
+        (
+            r#"{"bf16": {"enabled": true}}"#,
+            None,
+            Some("reduces gradients in bf16 here"),
+        ),
+        (
+            r#"{"fp16": {"enabled": true}}"#,
+            None,
+            Some("reduces gradients in fp16 here"),
+        ),
+        (r#"{"bf16": {"enabled": false}}"#, None, None),
+    ] {
+        std::fs::write(&ds, text).unwrap();
+        let mut loaded = load_job_with(&j.path, &[], Some(&ds)).unwrap();
+        loaded.validate(2).unwrap();
+        assert_eq!(loaded.spec.train.reduce_dtype, want, "{text}");
+        let notes = &loaded.deepspeed().unwrap().notes;
+        let note = notes.iter().find(|n| n.contains("communication_data_type"));
+        match noted {
+            Some(says) => {
+                let note = note.unwrap_or_else(|| panic!("{text}: no note in {notes:?}"));
+                assert!(
+                    note.contains(says) && note.contains("train.reduce_dtype"),
+                    "{note}"
+                );
+            }
+            None => assert!(note.is_none(), "{text}: {notes:?}"),
+        }
+    }
+}
+
 /// `fp16.loss_scale` above 0 is a static scale
 /// (`train.loss_scale.static_scale`); 0 is dynamic scaling, the default.
 /// `data_types.grad_accum_dtype` is `train.grad_accum_dtype` under
@@ -760,6 +821,14 @@ fn what_cannot_be_honoured_is_refused_where_it_is_written() {
         (
             "{\"bf16\": {\"enabled\": true},\n \"data_types\": {\"grad_accum_dtype\": \"fp16\"}}",
             "ds.json:2:17 (data_types.grad_accum_dtype): train.grad_accum_dtype: must be f32 or train.dtype (bf16)",
+        ),
+        (
+            "{\"communication_data_type\": \"int8\"}",
+            "ds.json:1:2: communication_data_type: \"int8\": must be \"fp32\", \"bf16\" or \"fp16\"",
+        ),
+        (
+            "{\"bf16\": {\"enabled\": true},\n \"communication_data_type\": \"fp16\"}",
+            "ds.json:2:2 (communication_data_type): train.reduce_dtype: f16 needs train.dtype: f16",
         ),
         (
             "{\"data_types\": {\"grad_acum_dtype\": \"fp32\"}}",

@@ -33,7 +33,7 @@ use cudarc::driver::{
     CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 
-use crate::gpu::grid_stride;
+use crate::gpu::{grid_stride, FormatCode};
 use crate::{CudaError, Gpu, Half16};
 
 /// The target of a row the loss leaves out: zmodel's `head::IGNORED` (the

@@ -177,26 +177,17 @@ fn check_runs<'r>(
     Ok(())
 }
 
-/// A 16-bit floating-point format on the device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Half16 {
-    /// bfloat16.
-    Bf16,
-    /// IEEE binary16.
-    F16,
+/// A 16-bit floating-point format on the device: the host's 16-bit type.
+pub use zquant::Half as Half16;
+
+/// A 16-bit format's number in the kernels (`FMT_BF16`, `FMT_F16`).
+pub(crate) trait FormatCode {
+    /// The number.
+    fn code(self) -> i32;
 }
 
-impl Half16 {
-    /// The format's name, as the job spells it (`bf16`, `f16`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Half16::Bf16 => "bf16",
-            Half16::F16 => "f16",
-        }
-    }
-
-    /// The format's number in the kernels (`FMT_BF16`, `FMT_F16`).
-    pub(crate) fn code(self) -> i32 {
+impl FormatCode for Half16 {
+    fn code(self) -> i32 {
         match self {
             Half16::Bf16 => 1,
             Half16::F16 => 2,

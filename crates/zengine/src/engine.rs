@@ -42,7 +42,7 @@ use crate::flat::GroupLayout;
 use crate::gather::{Gather, Prefetcher, ProcessGroups, Source, WeightQuant};
 use crate::group::Group;
 use crate::offload::{Offload, ParamReadAhead};
-use crate::precision::{Flat, Half, LossScaler};
+use crate::precision::{half_of, Flat, Half, LossScaler};
 use crate::reduce::Reducer;
 use zquant::Bits;
 
@@ -193,8 +193,8 @@ impl Engine {
             .with_label_smoothing(spec.train.label_smoothing);
         let (world, rank) = (comm.world_size(), comm.rank());
         let threshold = spec.zero.param_persistence_threshold.0 as usize;
-        let half = Half::of(spec.train.dtype);
-        let grads_half = Half::of(spec.train.grads_dtype());
+        let half = half_of(spec.train.dtype);
+        let grads_half = half_of(spec.train.grads_dtype());
         let specs = model.groups();
         let mut layouts: Vec<GroupLayout> =
             specs.iter().map(|gs| GroupLayout::new(gs, world)).collect();
@@ -259,6 +259,7 @@ impl Engine {
             z.reduce_bucket_size.0.max(1) as usize,
             z.overlap_comm,
             quantized,
+            spec.train.reduce_dtype.and_then(half_of),
             !stage.partitions_parameters(),
         );
         Ok(Engine {

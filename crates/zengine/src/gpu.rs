@@ -62,15 +62,6 @@ use crate::micro_batch::MicroBatch;
 use crate::precision::{Flat, Half, TASK};
 use crate::StepStats;
 
-impl From<Half> for zcuda::Half16 {
-    fn from(h: Half) -> zcuda::Half16 {
-        match h {
-            Half::Bf16 => zcuda::Half16::Bf16,
-            Half::F16 => zcuda::Half16::F16,
-        }
-    }
-}
-
 impl From<zcuda::CudaError> for EngineError {
     fn from(e: zcuda::CudaError) -> EngineError {
         match e {
@@ -429,7 +420,7 @@ fn host_words<'a>(
     gpu: &GptGpu,
     g: usize,
 ) -> Option<(zcuda::Half16, &'a [u16])> {
-    let kind = zcuda::Half16::from(half?);
+    let kind = half?;
     match (&groups[g].params, groups[g].partitioned) {
         (Flat::Half(_, words), false) if gpu.half_products() == Some(kind) => Some((kind, words)),
         _ => None,
@@ -587,7 +578,7 @@ impl Engine {
                         ))),
                     }
                 };
-                let half_kind = self.half.map(zcuda::Half16::from);
+                let half_kind = self.half;
                 let params = match (g.partitioned, half_kind) {
                     (true, None) => {
                         ResidentParams::Slice(gpu.gpu().upload(&f32_of(0..g.params.len()))?)
@@ -1848,7 +1839,7 @@ mod tests {
                 for x in [&a, &b] {
                     host.add_f32(0, x);
                     let dx = gpu.upload(x).unwrap();
-                    gpu.add_into16(h.into(), &mut dev.slice_mut(..), &dx.slice(..))
+                    gpu.add_into16(h, &mut dev.slice_mut(..), &dx.slice(..))
                         .unwrap();
                 }
                 let Flat::Half(_, want) = &host else {
@@ -1857,7 +1848,7 @@ mod tests {
                 assert_eq!(&gpu.download(&dev).unwrap(), want, "{h:?} sums, n {n}");
                 for scale in [1.0f32, 0.37, 3e-5] {
                     let host = host.sum_sq(0..n, scale);
-                    let grads = zcuda::DeviceGrads::Half(h.into(), dev.slice(..));
+                    let grads = zcuda::DeviceGrads::Half(h, dev.slice(..));
                     let parts = gpu.sum_sq_chunks_of_each(&[grads], TASK, scale).unwrap();
                     let dev: f64 = parts[0].iter().sum();
                     assert_eq!(
@@ -1867,7 +1858,7 @@ mod tests {
                     );
                 }
                 let mut wide = gpu.zeros::<f32>(n).unwrap();
-                gpu.widen16(h.into(), &dev.slice(..), &mut wide.slice_mut(..))
+                gpu.widen16(h, &dev.slice(..), &mut wide.slice_mut(..))
                     .unwrap();
                 let want = host.to_f32(0..n);
                 let got = gpu.download(&wide).unwrap();

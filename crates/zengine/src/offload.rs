@@ -33,7 +33,7 @@ use crate::accounting::Transient;
 use crate::error::EngineError;
 use crate::flat::GroupLayout;
 use crate::group::{updated_region, Group};
-use crate::precision::{Flat, Half};
+use crate::precision::{half_of, Flat, Half};
 
 /// Elements whose bytes fill whole 4 KiB blocks at both 2 and 4 bytes each.
 pub(crate) const ALIGN_ELEMS: usize = 2048;
@@ -261,7 +261,7 @@ impl Offload {
             let families = 1 + u64::from(second) + u64::from(half.is_some());
             nvme_bytes += bytes * families;
             if z.stage.partitions_gradients() {
-                let elem = match Half::of(spec.train.grads_dtype()) {
+                let elem = match half_of(spec.train.grads_dtype()) {
                     Some(_) => 2,
                     None => 4,
                 };

@@ -22,74 +22,18 @@
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
-use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
-use half::{bf16, f16};
+use half::f16;
 use rayon::prelude::*;
 use zconfig::{Dtype, LossScaleSpec};
 
-/// A 16-bit working type.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Half {
-    /// bfloat16: f32's range, 8 bits of mantissa.
-    Bf16,
-    /// IEEE binary16: 11 bits of mantissa, largest finite 65504.
-    F16,
-}
+pub use zquant::Half;
 
-impl Half {
-    /// The 16-bit type of a training dtype (`None` for f32).
-    pub fn of(d: Dtype) -> Option<Half> {
-        match d {
-            Dtype::F32 => None,
-            Dtype::Bf16 => Some(Half::Bf16),
-            Dtype::F16 => Some(Half::F16),
-        }
-    }
-
-    /// Rounds to nearest even (NaN stays NaN).
-    #[inline]
-    pub fn round(self, x: f32) -> u16 {
-        match self {
-            // zgemm's rounding of bf16 operands: to nearest even, NaN a
-            // quiet NaN (`half::bf16::from_f32`'s results; the AdamW
-            // kernels do the same in SIMD).
-            Half::Bf16 => zgemm::bf16_bits(x),
-            Half::F16 => f16::from_f32(x).to_bits(),
-        }
-    }
-
-    /// Rounds every element of `src` into `dst` (of the same length): bf16
-    /// as zgemm rounds its operands (16 at a time with AVX-512; the
-    /// compiler's 4-lane loop was 3% of a bf16 step), f16
-    /// with F16C where the CPU has it.
-    pub fn round_slice(self, src: &[f32], dst: &mut [u16]) {
-        match self {
-            Half::Bf16 => zgemm::bf16_bits_into(src, dst),
-            Half::F16 => dst
-                .reinterpret_cast_mut::<f16>()
-                .convert_from_f32_slice(src),
-        }
-    }
-
-    /// Widens every element of `src` into `dst` (of the same length).
-    #[inline(always)]
-    pub fn widen_slice(self, src: &[u16], dst: &mut [f32]) {
-        match self {
-            Half::Bf16 => dst
-                .iter_mut()
-                .zip(src)
-                .for_each(|(d, &b)| *d = zgemm::bf16_value(b)),
-            Half::F16 => src.reinterpret_cast::<f16>().convert_to_f32_slice(dst),
-        }
-    }
-
-    /// The exact f32 value of a 16-bit element.
-    #[inline]
-    pub fn widen(self, b: u16) -> f32 {
-        match self {
-            Half::Bf16 => bf16::from_bits(b).to_f32(),
-            Half::F16 => f16::from_bits(b).to_f32(),
-        }
+/// The 16-bit type of a training dtype (`None` for f32).
+pub fn half_of(d: Dtype) -> Option<Half> {
+    match d {
+        Dtype::F32 => None,
+        Dtype::Bf16 => Some(Half::Bf16),
+        Dtype::F16 => Some(Half::F16),
     }
 }
 
@@ -772,6 +716,7 @@ impl LossScaler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
 
     /// How many of the pages wholly inside `v` are resident (`mincore`).
     fn resident_pages(v: &[f32]) -> (usize, usize) {

@@ -23,7 +23,7 @@ use crate::engine::Engine;
 use crate::error::EngineError;
 use crate::flat::{Bucket, GroupLayout};
 use crate::group::own_grads_sum_sq;
-use crate::precision::Flat;
+use crate::precision::{Flat, Half};
 
 /// A reduction in flight.
 struct PendingBucket {
@@ -39,6 +39,8 @@ pub(crate) struct Reducer {
     overlap: bool,
     /// ZeRO++ qgZ: reduce-scatters quantized on the wire.
     pub(crate) quantized: Option<Quantization>,
+    /// `train.reduce_dtype`: reductions in 16 bits on the wire.
+    half: Option<Half>,
     /// Buffers that finished reductions gave back, packed into again. A
     /// bucket is one fresh allocation otherwise, and one of more than 32 MiB
     /// (gpt-anchor's whole gradient, 44 MB, in the default bucket of 5e7)
@@ -58,14 +60,16 @@ pub(crate) struct Reducer {
 impl Reducer {
     /// Buckets of at most `bucket_size` elements over groups laid out as
     /// `layouts`, which backward completes in the order `backward`; `overlap`
-    /// lets reductions run while backward continues; `pool` keeps finished
-    /// buckets' buffers for the next ones.
+    /// lets reductions run while backward continues; `quantized` (qgZ) or
+    /// `half` narrows what crosses the wire; `pool` keeps finished buckets'
+    /// buffers for the next ones.
     pub(crate) fn new(
         layouts: &[GroupLayout],
         backward: &[usize],
         bucket_size: usize,
         overlap: bool,
         quantized: Option<Quantization>,
+        half: Option<Half>,
         pool: bool,
     ) -> Reducer {
         Reducer {
@@ -74,6 +78,7 @@ impl Reducer {
             pending: VecDeque::new(),
             overlap,
             quantized,
+            half,
             spare: Vec::new(),
             pool,
         }
@@ -163,6 +168,12 @@ impl Engine {
         self.comm_buffers.add(bytes);
         let work = if let Some(q) = self.reducer.quantized {
             self.comm.quantized_reduce_scatter_async(packed, q)
+        } else if let Some(half) = self.reducer.half {
+            if self.stage.partitions_optimizer() {
+                self.comm.half_reduce_scatter_async(packed, half)
+            } else {
+                self.comm.half_all_reduce_async(packed, half)
+            }
         } else if self.stage.partitions_optimizer() {
             self.comm.reduce_scatter_async(packed)
         } else {
@@ -371,7 +382,7 @@ mod tests {
         // Two buckets: groups 2 and 1 (1000 + 600 elements and padding),
         // then group 0 (300).
         let l = layouts(&[300, 600, 1000]);
-        let mut kept = Reducer::new(&l, &[2, 1, 0], 1500, true, None, true);
+        let mut kept = Reducer::new(&l, &[2, 1, 0], 1500, true, None, None, true);
         let lens: Vec<usize> = kept.buckets.iter().map(|b| b.len).collect();
         assert!(
             lens.len() == 2 && lens[0] >= 1600 && lens[1] < 400,
@@ -393,7 +404,7 @@ mod tests {
         kept.keep(Vec::with_capacity(10));
         assert!(kept.spare.is_empty());
 
-        let mut dropped = Reducer::new(&l, &[2, 1, 0], 1500, true, None, false);
+        let mut dropped = Reducer::new(&l, &[2, 1, 0], 1500, true, None, None, false);
         dropped.keep(again);
         assert!(dropped.spare.is_empty(), "stage 3 keeps none");
     }

@@ -27,6 +27,9 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
+mod float16;
+pub use float16::Half;
+
 /// Blocks per parallel task.
 const BLOCKS_PER_TASK: usize = 16;
 

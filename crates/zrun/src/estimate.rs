@@ -106,16 +106,17 @@ struct CommEstimate {
 }
 
 impl CommEstimate {
+    /// `bytes`: a parameter's and a reduced gradient element's.
     fn new(
         psi: f64,
-        param_bytes: f64,
-        nodes: usize,
-        wpn: usize,
+        (param_bytes, reduce_bytes): (f64, f64),
+        (nodes, wpn): (usize, usize),
         args: &EstimateArgs,
         tokens: f64,
     ) -> CommEstimate {
-        let stage3 = CrossNodeBytes::stage3(psi, param_bytes, nodes, wpn, false);
-        let zero_pp = CrossNodeBytes::stage3(psi, param_bytes, nodes, wpn, true);
+        let shape = (nodes, wpn);
+        let stage3 = CrossNodeBytes::stage3(psi, param_bytes, shape, reduce_bytes, false);
+        let zero_pp = CrossNodeBytes::stage3(psi, param_bytes, shape, reduce_bytes, true);
         let link = args.link_gbps * 1e9 / 8.0;
         // Forward and backward: 6 FLOPs per parameter and token.
         let compute_s = 6.0 * psi * tokens / (args.worker_tflops * 1e12);
@@ -226,8 +227,14 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                 let tokens = args
                     .tokens_per_worker
                     .unwrap_or((t.micro_batch_size * job.spec.model.seq_len * t.grad_accum) as f64);
-                let b = StateBytes::for_dtype(t.dtype).param;
-                est.comm = Some(CommEstimate::new(est.params, b, nodes, wpn, &args, tokens));
+                let b = (StateBytes::for_dtype(t.dtype).param, t.reduce_bytes());
+                est.comm = Some(CommEstimate::new(
+                    est.params,
+                    b,
+                    (nodes, wpn),
+                    &args,
+                    tokens,
+                ));
             }
             est
         }
@@ -273,7 +280,7 @@ pub fn estimate(args: EstimateArgs) -> Result<ExitCode> {
                 trained: None,
                 comm: args.comm.then(|| {
                     let tokens = args.tokens_per_worker.unwrap_or(1024.0);
-                    CommEstimate::new(psi, bytes.param, nodes, wpn, &args, tokens)
+                    CommEstimate::new(psi, (bytes.param, 4.0), (nodes, wpn), &args, tokens)
                 }),
             }
         }

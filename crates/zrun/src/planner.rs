@@ -423,7 +423,9 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     };
     let optimizer = moved * slice * moving / (s.machine.adamw_gbps * 1e9);
     let b = StateBytes::for_job(spec);
-    let (g, p) = (b.grad * psi * reduced, b.param * psi);
+    // Gradients cross the wire in f32 whatever type holds them, or in 16
+    // bits under `train.reduce_dtype`.
+    let (g, p) = (spec.train.reduce_bytes() * psi * reduced, b.param * psi);
     let ring = (w - 1.0) / w;
     // Bus bytes per collective kind: (all_reduce, all_gather, reduce_scatter);
     // what backward and the step gather, only of the groups that train.
@@ -443,19 +445,21 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
                 shm
             }
         };
-        let quantized = |bytes: f64, on: bool, bits: f64| {
+        // Bytes of elements of `size` bytes, sent in `bits` where `on`.
+        let quantized = |bytes: f64, size: f64, on: bool, bits: u32| {
             if on {
-                bytes * bits / (8.0 * b.param)
+                bytes * f64::from(bits) / (8.0 * size)
             } else {
                 bytes
             }
         };
-        let z = &spec.zero;
-        let ag = quantized(ag, z.quantized_weights, z.quantization.weight_bits as f64);
+        let (z, grad) = (&spec.zero, spec.train.reduce_bytes());
+        let ag = quantized(ag, b.param, z.quantized_weights, z.quantization.weight_bits);
         let rs = quantized(
             rs,
+            grad,
             z.quantized_gradients,
-            z.quantization.gradient_bits as f64,
+            z.quantization.gradient_bits,
         );
         (ar / rate("all_reduce") + ag / rate("all_gather") + rs / rate("reduce_scatter")) / 1e9
     } else {

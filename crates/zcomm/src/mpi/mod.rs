@@ -39,9 +39,10 @@ use mpi::ffi;
 
 use crate::links::{Links, OpClock};
 use crate::opthread::OpThread;
+use crate::quantized::Coding;
 use crate::{
     chunk_range, pairwise, quantized, ring, CommError, Communicator, CounterSnapshot, Counters,
-    InFlight, Op, Quantization, SetupError, Work,
+    Half, InFlight, Op, Quantization, SetupError, Work,
 };
 use wire::{bytes_type, count, error_text, test_until, Comm, Finish, MpiLinks, PIECE};
 
@@ -419,7 +420,25 @@ impl Communicator for MpiCommunicator {
         let (bytes, len, node_of) = (buf.len() * 4, buf.len() as u64, self.node_of_rank.clone());
         self.submit(Op::QuantizedReduceScatter, bytes, len, move |l| {
             let group = l.group.clone();
-            quantized::reduce_scatter(l, &group, &node_of, &buf, q)
+            let op = Op::QuantizedReduceScatter;
+            quantized::reduce_scatter(l, (&group, op), &node_of, &buf, Coding::Quantized(q))
+        })
+    }
+
+    fn half_reduce_scatter_async(&self, buf: Vec<f32>, half: Half) -> Work<Vec<f32>> {
+        let (bytes, len, node_of) = (buf.len() * 4, buf.len() as u64, self.node_of_rank.clone());
+        self.submit(Op::ReduceScatter, bytes, len, move |l| {
+            let group = l.group.clone();
+            let op = Op::ReduceScatter;
+            quantized::reduce_scatter(l, (&group, op), &node_of, &buf, Coding::Half(half))
+        })
+    }
+
+    fn half_all_reduce_async(&self, buf: Vec<f32>, half: Half) -> Work<Vec<f32>> {
+        let (bytes, len, node_of) = (buf.len() * 4, buf.len() as u64, self.node_of_rank.clone());
+        self.submit(Op::AllReduce, bytes, len, move |l| {
+            let group = l.group.clone();
+            quantized::all_reduce_half(l, &group, &node_of, buf, half)
         })
     }
 

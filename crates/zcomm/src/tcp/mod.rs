@@ -22,10 +22,11 @@ use crate::direct::Direct;
 use crate::links::{Links, OpClock};
 
 use crate::opthread::OpThread;
+use crate::quantized::Coding;
 use crate::{
     chunk_range, CommError, Communicator, CounterSnapshot, Counters, Op, SetupError, Work,
 };
-use crate::{pairwise, quantized, ring, star, Quantization};
+use crate::{pairwise, quantized, ring, star, Half, Quantization};
 use peers::{writer_loop, Outgoing, Peer, TcpLinks, Wire, WriterState};
 
 /// How to build a [`TcpCommunicator`].
@@ -259,7 +260,25 @@ impl Communicator for TcpCommunicator {
         let (bytes, node_of) = (buf.len() * 4, self.node_of_rank.clone());
         self.submit(Op::QuantizedReduceScatter, bytes, move |l| {
             let group = l.group.clone();
-            quantized::reduce_scatter(l, &group, &node_of, &buf, q)
+            let op = Op::QuantizedReduceScatter;
+            quantized::reduce_scatter(l, (&group, op), &node_of, &buf, Coding::Quantized(q))
+        })
+    }
+
+    fn half_reduce_scatter_async(&self, buf: Vec<f32>, half: Half) -> Work<Vec<f32>> {
+        let (bytes, node_of) = (buf.len() * 4, self.node_of_rank.clone());
+        self.submit(Op::ReduceScatter, bytes, move |l| {
+            let group = l.group.clone();
+            let op = Op::ReduceScatter;
+            quantized::reduce_scatter(l, (&group, op), &node_of, &buf, Coding::Half(half))
+        })
+    }
+
+    fn half_all_reduce_async(&self, buf: Vec<f32>, half: Half) -> Work<Vec<f32>> {
+        let (bytes, node_of) = (buf.len() * 4, self.node_of_rank.clone());
+        self.submit(Op::AllReduce, bytes, move |l| {
+            let group = l.group.clone();
+            quantized::all_reduce_half(l, &group, &node_of, buf, half)
         })
     }
 

@@ -1242,10 +1242,10 @@ mod tests {
                 let mut dw = gpu.zeros::<u16>(n).unwrap();
                 let grads = match kind {
                     None => zcuda::DeviceGrads::F32(dg32.slice(..)),
-                    Some(h) => zcuda::DeviceGrads::Half(h.into(), dgh.slice(..)),
+                    Some(h) => zcuda::DeviceGrads::Half(h, dgh.slice(..)),
                 };
                 let mut dwv = dw.slice_mut(..);
-                let working = kind.map(|h| (h.into(), &mut dwv));
+                let working = kind.map(|h| (h, &mut dwv));
                 let second = s.rule.second_moment();
                 gpu.adamw(
                     &mut dp.slice_mut(..),
@@ -1314,7 +1314,7 @@ mod tests {
                 let mut dw = gpu.upload(&w0).unwrap();
                 let grads = |r: std::ops::Range<usize>| match kind {
                     None => zcuda::DeviceGrads::F32(dg32.slice(r)),
-                    Some(h) => zcuda::DeviceGrads::Half(h.into(), dgh.slice(r)),
+                    Some(h) => zcuda::DeviceGrads::Half(h, dgh.slice(r)),
                 };
                 if how == Launch::ARun {
                     for ((r, decay), o) in runs.iter().zip(&mut own) {
@@ -1324,7 +1324,7 @@ mod tests {
                             grads(r.clone()),
                             &mut dm.slice_mut(r.clone()),
                             Some(&mut dv.slice_mut(r.clone())),
-                            kind.map(|h| (h.into(), &mut w)),
+                            kind.map(|h| (h, &mut w)),
                             &device_consts(&s, *decay),
                         )
                         .unwrap();
@@ -1344,7 +1344,7 @@ mod tests {
                         grads(0..n),
                         &mut dm.slice_mut(..),
                         Some(&mut dv.slice_mut(..)),
-                        kind.map(|h| (h.into(), &mut w)),
+                        kind.map(|h| (h, &mut w)),
                         &device_consts(&s, true),
                         device_consts(&s, false).decay,
                         &runs,
@@ -1461,12 +1461,12 @@ mod tests {
                         let mut acc = gpu.upload(&words).unwrap();
                         if one {
                             let mut view = acc.slice_mut(..);
-                            gpu.add_runs(zcuda::AddInto::Half(h.into(), &mut view), &views)
+                            gpu.add_runs(zcuda::AddInto::Half(h, &mut view), &views)
                                 .unwrap();
                         } else {
                             for (at, d) in &parts {
                                 let mut view = acc.slice_mut(*at..*at + d.len());
-                                gpu.add_into16(h.into(), &mut view, &d.slice(..)).unwrap();
+                                gpu.add_into16(h, &mut view, &d.slice(..)).unwrap();
                             }
                         }
                         let got = gpu.download(&acc).unwrap();

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zckpt::{Checkpoint, FileEntry, GroupEntry, LossScaleState, Manifest};
-use zcomm::{Communicator, CounterSnapshot, Quantization, TcpCommunicator, TcpOptions, Work};
+use zcomm::{Communicator, CounterSnapshot, Half, Quantization, TcpCommunicator, TcpOptions, Work};
 use zconfig::JobSpec;
 use zengine::{Engine, ProcessGroups};
 use zmodel::{Batcher, Corpus};
@@ -259,6 +259,14 @@ impl Communicator for Lagging {
     fn quantized_reduce_scatter_async(&self, buf: Vec<f32>, q: Quantization) -> Work<Vec<f32>> {
         std::thread::sleep(self.lag);
         self.inner.quantized_reduce_scatter_async(buf, q)
+    }
+    fn half_reduce_scatter_async(&self, buf: Vec<f32>, half: Half) -> Work<Vec<f32>> {
+        std::thread::sleep(self.lag);
+        self.inner.half_reduce_scatter_async(buf, half)
+    }
+    fn half_all_reduce_async(&self, buf: Vec<f32>, half: Half) -> Work<Vec<f32>> {
+        std::thread::sleep(self.lag);
+        self.inner.half_all_reduce_async(buf, half)
     }
     fn all_gather_async(&self, chunk: Vec<f32>, total_len: usize) -> Work<Vec<f32>> {
         self.inner.all_gather_async(chunk, total_len)
