@@ -13,7 +13,9 @@
 //! since there a 16-bit product is no faster
 //! here (see README). Each micro-batch's gradient is rounded to the working
 //! dtype as soon as backward produces it, in every stage, so that the stages stay
-//! bit-identical; the reduction itself adds in f32.
+//! bit-identical; the reduction itself adds in f32 (its pieces cross the wire
+//! in f32, or rounded to 16 bits under `train.reduce_dtype`). The 16-bit
+//! type is `zquant::Half`, which the wire's rounding shares.
 //!
 //! Collectives carry f32 words. A 16-bit buffer travels packed two elements to a
 //! word (its slices are multiples of 16 elements), which halves the bytes of the

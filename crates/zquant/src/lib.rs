@@ -1,6 +1,8 @@
 //! Blockwise symmetric quantization, the arithmetic of ZeRO++: qwZ sends stage
 //! 3's gathered weights as int8 (half of bf16's bytes, a quarter of f32's) and
-//! qgZ sends gradients as int4.
+//! qgZ sends gradients as int4. Beside it, [`Half`]: the 16-bit float types
+//! and their rounding, which the working copies of 16-bit training and
+//! gradients reduced in 16 bits share.
 //!
 //! Each block of `block_size` values shares one f32 scale `s = max|x| / qmax`
 //! (qmax 127 for int8, 7 for int4, so the code is symmetric around zero and
