@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use zcomm::mpi::{MpiCommunicator, MpiOptions, Runtime};
-use zcomm::{chunk_range, CommError, Communicator, Op, Quantization, TcpCommunicator, TcpOptions};
+use zcomm::{
+    chunk_range, CommError, Communicator, Half, Op, Quantization, TcpCommunicator, TcpOptions,
+};
 use zquant::Bits;
 
 const SLOT: usize = (1 << 20) / 4;
@@ -121,6 +123,20 @@ fn collectives(c: &MpiCommunicator) -> Vec<String> {
             .quantized_reduce_scatter(random(r as u64, len), QGZ)
             .unwrap();
         lines.push(format!("qgz {len} {:x}", bits_hash(&q)));
+        let h = c
+            .half_reduce_scatter_async(random(r as u64, len), Half::Bf16)
+            .wait()
+            .unwrap();
+        let ha = c
+            .half_all_reduce_async(random(r as u64, len), Half::Bf16)
+            .wait()
+            .unwrap();
+        assert_eq!(ha[chunk_range(len, n, r)], h[..], "{what}: 16-bit halves");
+        lines.push(format!(
+            "half {len} {:x} {:x}",
+            bits_hash(&h),
+            bits_hash(&ha)
+        ));
         // all_gather of an exact pattern: element i comes from its owner.
         let own = chunk_range(len, n, r);
         let chunk: Vec<f32> = own.map(|i| (i * 10 + r) as f32).collect();
@@ -374,6 +390,19 @@ fn tcp_lines(nodes: &[usize]) -> Vec<Vec<String>> {
                         .quantized_reduce_scatter(random(r as u64, len), QGZ)
                         .unwrap();
                     lines.push(format!("qgz {len} {:x}", bits_hash(&q)));
+                    let h = c
+                        .half_reduce_scatter_async(random(r as u64, len), Half::Bf16)
+                        .wait()
+                        .unwrap();
+                    let ha = c
+                        .half_all_reduce_async(random(r as u64, len), Half::Bf16)
+                        .wait()
+                        .unwrap();
+                    lines.push(format!(
+                        "half {len} {:x} {:x}",
+                        bits_hash(&h),
+                        bits_hash(&ha)
+                    ));
                 }
                 lines
             })
