@@ -66,6 +66,27 @@ fn bits_hash(v: &[f32]) -> u64 {
     })
 }
 
+/// The bf16 reduce-scatter and all-reduce of this rank's data of `len`, as
+/// a line of their bits' hashes; the all-reduce's own chunk is checked to
+/// be the reduce-scatter's.
+fn half_line(c: &dyn Communicator, len: usize) -> String {
+    let (n, r) = (c.world_size(), c.rank());
+    let rs = c
+        .half_reduce_scatter_async(random(r as u64, len), Half::Bf16)
+        .wait()
+        .unwrap();
+    let ar = c
+        .half_all_reduce_async(random(r as u64, len), Half::Bf16)
+        .wait()
+        .unwrap();
+    assert_eq!(
+        ar[chunk_range(len, n, r)],
+        rs[..],
+        "rank {r} of {n}, len {len}"
+    );
+    format!("half {len} {:x} {:x}", bits_hash(&rs), bits_hash(&ar))
+}
+
 fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"))
 }
@@ -123,20 +144,7 @@ fn collectives(c: &MpiCommunicator) -> Vec<String> {
             .quantized_reduce_scatter(random(r as u64, len), QGZ)
             .unwrap();
         lines.push(format!("qgz {len} {:x}", bits_hash(&q)));
-        let h = c
-            .half_reduce_scatter_async(random(r as u64, len), Half::Bf16)
-            .wait()
-            .unwrap();
-        let ha = c
-            .half_all_reduce_async(random(r as u64, len), Half::Bf16)
-            .wait()
-            .unwrap();
-        assert_eq!(ha[chunk_range(len, n, r)], h[..], "{what}: 16-bit halves");
-        lines.push(format!(
-            "half {len} {:x} {:x}",
-            bits_hash(&h),
-            bits_hash(&ha)
-        ));
+        lines.push(half_line(c, len));
         // all_gather of an exact pattern: element i comes from its owner.
         let own = chunk_range(len, n, r);
         let chunk: Vec<f32> = own.map(|i| (i * 10 + r) as f32).collect();
@@ -390,19 +398,7 @@ fn tcp_lines(nodes: &[usize]) -> Vec<Vec<String>> {
                         .quantized_reduce_scatter(random(r as u64, len), QGZ)
                         .unwrap();
                     lines.push(format!("qgz {len} {:x}", bits_hash(&q)));
-                    let h = c
-                        .half_reduce_scatter_async(random(r as u64, len), Half::Bf16)
-                        .wait()
-                        .unwrap();
-                    let ha = c
-                        .half_all_reduce_async(random(r as u64, len), Half::Bf16)
-                        .wait()
-                        .unwrap();
-                    lines.push(format!(
-                        "half {len} {:x} {:x}",
-                        bits_hash(&h),
-                        bits_hash(&ha)
-                    ));
+                    lines.push(half_line(c.as_ref(), len));
                 }
                 lines
             })
