@@ -147,6 +147,46 @@ fn bench_commands_report_rows() {
         assert!((bus - alg * factor).abs() <= 1e-9 * alg.max(1.0), "{r}");
         assert_eq!(r["workers"], 3);
     }
+    // The reductions in 16 bits on the wire (`train.reduce_dtype`): rows
+    // named as asked, their bus bandwidth of the f32 bytes reduced; a
+    // 16-bit op that is no reduction is refused, naming the valid ones.
+    let f = zrun(
+        dir.path(),
+        &[
+            "bench",
+            "comm",
+            "--transports",
+            "tcp",
+            "--sizes",
+            "1M",
+            "--ops",
+            "all_reduce_bf16,reduce_scatter_f16",
+            "--json",
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    for (op, factor) in [("all_reduce_bf16", 1.0), ("reduce_scatter_f16", 0.5)] {
+        let r = rows
+            .iter()
+            .find(|r| r["op"] == op)
+            .unwrap_or_else(|| panic!("no {op} row: {v}"));
+        let (alg, bus) = (
+            r["algbw_gbps"].as_f64().unwrap(),
+            r["busbw_gbps"].as_f64().unwrap(),
+        );
+        assert!(alg > 0.0 && (bus - alg * factor).abs() <= 1e-9 * alg, "{r}");
+        assert_eq!(r["bytes"], 1_000_000, "{r}");
+    }
+    let f = zrun(dir.path(), &["bench", "comm", "--ops", "all_gather_bf16"]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("--ops: unknown op `all_gather_bf16`")
+            && f.stderr.contains("all_reduce_bf16, reduce_scatter_bf16"),
+        "{}",
+        f.stderr
+    );
     // NCCL needs a zworker with `cuda`, a GPU and NCCL (tests/gpu.rs); an
     // op it does not time is refused before that is asked.
     let f = zrun(

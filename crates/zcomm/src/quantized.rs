@@ -86,69 +86,107 @@ impl Nodes {
 }
 
 /// Sums `buf` over ranks; returns this rank's chunk (`chunk_range` of the
-/// length), as `reduce_scatter` does. `node_of[r]` is rank r's node; `op`
-/// names the collective in errors.
+/// length) in the front of `buf`'s allocation, as `reduce_scatter` does.
+/// `node_of[r]` is rank r's node; `op` names the collective in errors.
 pub(crate) fn reduce_scatter(
+    l: &mut dyn Links,
+    who: (&str, Op),
+    node_of: &[usize],
+    mut buf: Vec<f32>,
+    wire: Coding,
+) -> Result<Vec<f32>, CommError> {
+    reduce_scatter_in_place(l, who, node_of, &mut buf, wire)?;
+    let own = chunk_range(buf.len(), l.world_size(), l.rank());
+    let len = own.len();
+    buf.copy_within(own, 0);
+    buf.truncate(len);
+    Ok(buf)
+}
+
+/// [`reduce_scatter`] leaving this rank's chunk of the sum where it is in
+/// `buf`. The chunks this rank handles for its node hold their partial
+/// sums as they build up (this rank's own values first, then each local
+/// peer's piece in rank order, then each other node's partial in node
+/// order), so nothing is allocated but the messages: a fresh buffer of
+/// megabytes costs a page fault every 4 KiB.
+fn reduce_scatter_in_place(
     l: &mut dyn Links,
     (group, op): (&str, Op),
     node_of: &[usize],
-    buf: &[f32],
+    buf: &mut [f32],
     wire: Coding,
-) -> Result<Vec<f32>, CommError> {
+) -> Result<(), CommError> {
     let (w, me) = (l.world_size(), l.rank());
     let nodes = Nodes::new(node_of);
     let home = nodes.node_of[me];
-    let chunk = |x: usize| chunk_range(buf.len(), w, x);
+    let len = buf.len();
+    let chunk = |x: usize| chunk_range(len, w, x);
     let handled_by =
         |p: usize| -> Vec<usize> { (0..w).filter(|&x| nodes.handler(home, x) == p).collect() };
-    let pieces = |xs: &[usize]| -> Vec<&[f32]> { xs.iter().map(|&x| &buf[chunk(x)]).collect() };
 
-    // Hop 1: inside the node.
+    // Hop 1: inside the node. What is sent is read before any chunk this
+    // rank handles is added to (the pieces are other handlers' chunks).
     let peers = &nodes.members[home];
     for &p in peers.iter().filter(|&&p| p != me) {
-        l.send(p, &encode(&pieces(&handled_by(p)), wire, op)?)?;
+        let pieces: Vec<&[f32]> = handled_by(p).into_iter().map(|x| &buf[chunk(x)]).collect();
+        send(l, p, &pieces, wire, op)?;
     }
     let mine = handled_by(me);
-    let mut partial = vec![0f32; mine.iter().map(|&x| chunk(x).len()).sum()];
-    for &p in peers {
-        if p == me {
-            let mut at = 0;
-            for piece in pieces(&mine) {
-                crate::reduce_add(&mut partial[at..at + piece.len()], piece);
-                at += piece.len();
+    let total: usize = mine.iter().map(|&x| chunk(x).len()).sum();
+    for &p in peers.iter().filter(|&&p| p != me) {
+        let bytes = receive(l, p)?;
+        let who = (group, op, p);
+        match wire {
+            // 2 bytes a value: each chunk's part decoded onto it.
+            Coding::Half(_) => {
+                if bytes.len() != 2 * total {
+                    return Err(mismatch(who, bytes.len(), 2 * total, total));
+                }
+                let mut at = 0;
+                for &x in &mine {
+                    let n = chunk(x).len();
+                    let part = &bytes[2 * at..2 * (at + n)];
+                    decode(part, &mut buf[chunk(x)], Arrive::Add, wire, who)?;
+                    at += n;
+                }
             }
-        } else {
-            let bytes = l.recv(p)?;
-            decode(&bytes, &mut partial, Arrive::Add, wire, (group, op, p))?;
+            // Blocks run across the chunks: decoded whole, then added.
+            Coding::Quantized(_) => {
+                let mut whole = vec![0f32; total];
+                decode(&bytes, &mut whole, Arrive::Set, wire, who)?;
+                let mut at = 0;
+                for &x in &mine {
+                    let n = chunk(x).len();
+                    crate::reduce_add(&mut buf[chunk(x)], &whole[at..at + n]);
+                    at += n;
+                }
+            }
         }
+        give_back(bytes);
     }
 
     // Hop 2: across nodes, each partial to its chunk's owner.
-    let mut own = Vec::new();
-    let mut at = 0;
-    for &x in &mine {
-        let part = &partial[at..at + chunk(x).len()];
-        at += part.len();
-        if x == me {
-            own = part.to_vec();
-        } else {
-            l.send(x, &encode(&[part], wire, op)?)?;
-        }
+    for &x in mine.iter().filter(|&&x| x != me) {
+        send(l, x, &[&buf[chunk(x)]], wire, op)?;
     }
-    let mut out = vec![0f32; chunk(me).len()];
-    for n in 0..nodes.members.len() {
-        if n == home {
-            crate::reduce_add(&mut out, &own);
-        } else if !nodes.members[n].is_empty() {
+    for n in (0..nodes.members.len()).filter(|&n| n != home) {
+        if !nodes.members[n].is_empty() {
             let from = nodes.handler(n, me);
-            let bytes = l.recv(from)?;
-            decode(&bytes, &mut out, Arrive::Add, wire, (group, op, from))?;
+            let bytes = receive(l, from)?;
+            decode(
+                &bytes,
+                &mut buf[chunk(me)],
+                Arrive::Add,
+                wire,
+                (group, op, from),
+            )?;
+            give_back(bytes);
         }
     }
     if let Coding::Half(half) = wire {
-        half.round_in_place(&mut out);
+        half.round_in_place(&mut buf[chunk(me)]);
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Sums `buf` over ranks in 16-bit pieces, every rank receiving the whole
@@ -162,18 +200,15 @@ pub(crate) fn all_reduce_half(
     half: Half,
 ) -> Result<Vec<f32>, CommError> {
     let (w, me) = (l.world_size(), l.rank());
-    let op = Op::AllReduce;
-    let coding = Coding::Half(half);
-    let own = reduce_scatter(l, (group, op), node_of, &buf, coding)?;
-    let wire = encode(&[&own], coding, op)?;
-    for p in (0..w).filter(|&p| p != me) {
-        l.send(p, &wire)?;
-    }
+    let (op, coding) = (Op::AllReduce, Coding::Half(half));
+    reduce_scatter_in_place(l, (group, op), node_of, &mut buf, coding)?;
     let len = buf.len();
     let chunk = |x: usize| chunk_range(len, w, x);
-    buf[chunk(me)].copy_from_slice(&own);
     for p in (0..w).filter(|&p| p != me) {
-        let bytes = l.recv(p)?;
+        send(l, p, &[&buf[chunk(me)]], coding, op)?;
+    }
+    for p in (0..w).filter(|&p| p != me) {
+        let bytes = receive(l, p)?;
         decode(
             &bytes,
             &mut buf[chunk(p)],
@@ -181,19 +216,63 @@ pub(crate) fn all_reduce_half(
             coding,
             (group, op, p),
         )?;
+        give_back(bytes);
     }
     Ok(buf)
 }
 
-/// `pieces`, one after another, coded for the wire; non-finite values
-/// make every scale of a quantized piece NaN.
-fn encode(pieces: &[&[f32]], wire: Coding, op: Op) -> Result<Vec<u8>, CommError> {
+thread_local! {
+    /// The operation thread's message buffers, kept between collectives: a
+    /// fresh one of megabytes is page-faulted in every call (this VM
+    /// charges about 2 µs a fault).
+    static MESSAGES: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Codes `pieces` into a kept buffer and queues them for `peer` (the
+/// transport copies the payload).
+fn send(
+    l: &mut dyn Links,
+    peer: usize,
+    pieces: &[&[f32]],
+    wire: Coding,
+    op: Op,
+) -> Result<(), CommError> {
+    let mut bytes = MESSAGES.with(|m| m.borrow_mut().pop()).unwrap_or_default();
+    encode(pieces, wire, op, &mut bytes)?;
+    let sent = l.send(peer, &bytes);
+    give_back(bytes);
+    sent
+}
+
+/// The next message from `peer`, in a kept buffer where one is free.
+fn receive(l: &mut dyn Links, peer: usize) -> Result<Vec<u8>, CommError> {
+    let kept = MESSAGES.with(|m| m.borrow_mut().pop()).unwrap_or_default();
+    l.recv_reusing(peer, kept)
+}
+
+/// Keeps a message buffer for the next (two at most: one sent, one
+/// received).
+fn give_back(bytes: Vec<u8>) {
+    MESSAGES.with(|m| {
+        let mut m = m.borrow_mut();
+        if m.len() < 2 {
+            m.push(bytes);
+        }
+    });
+}
+
+/// `pieces`, one after another, coded for the wire into `bytes` (its
+/// contents replaced); non-finite values make every scale of a quantized
+/// piece NaN.
+fn encode(pieces: &[&[f32]], wire: Coding, op: Op, bytes: &mut Vec<u8>) -> Result<(), CommError> {
     let q = match wire {
         Coding::Quantized(q) => q,
         // Rounded straight into the message, a piece after another.
         Coding::Half(half) => {
+            // Every byte is written below: a kept buffer of the same size
+            // (the next bucket's, usually) is not zeroed first.
             let len: usize = pieces.iter().map(|p| p.len()).sum();
-            let mut bytes = vec![0u8; 2 * len];
+            bytes.resize(2 * len, 0);
             let mut at = 0;
             for piece in pieces {
                 let out = &mut bytes[2 * at..2 * (at + piece.len())];
@@ -208,7 +287,7 @@ fn encode(pieces: &[&[f32]], wire: Coding, op: Op) -> Result<Vec<u8>, CommError>
                 }
                 at += piece.len();
             }
-            return Ok(bytes);
+            return Ok(());
         }
     };
     let values: Vec<f32> = pieces.concat();
@@ -226,7 +305,24 @@ fn encode(pieces: &[&[f32]], wire: Coding, op: Op) -> Result<Vec<u8>, CommError>
         }
         Err(e) => return Err(usage(e)),
     };
-    Ok(codes.to_bytes())
+    *bytes = codes.to_bytes();
+    Ok(())
+}
+
+/// A message of `got` bytes from `peer` where `expected` carry `len` values.
+fn mismatch(
+    (group, op, peer): (&str, Op, usize),
+    got: usize,
+    expected: usize,
+    len: usize,
+) -> CommError {
+    CommError::Mismatch {
+        op: op.name(),
+        group: group.to_string(),
+        peer,
+        got: format!("{got} bytes"),
+        expected: format!("{expected} bytes for {len} values"),
+    }
 }
 
 /// What a decoded piece does to the values it lands on.
@@ -248,13 +344,7 @@ fn decode(
     (group, op, peer): (&str, Op, usize),
 ) -> Result<(), CommError> {
     let len = out.len();
-    let mismatch = |expected: usize| CommError::Mismatch {
-        op: op.name(),
-        group: group.to_string(),
-        peer,
-        got: format!("{} bytes", bytes.len()),
-        expected: format!("{expected} bytes for {len} values"),
-    };
+    let mismatch = |expected: usize| mismatch((group, op, peer), bytes.len(), expected, len);
     match wire {
         // Widened a stack block at a time, straight onto `out`.
         Coding::Half(half) => {

@@ -64,6 +64,23 @@ impl Op {
         Op::ALL.into_iter().find(|op| op.name() == name)
     }
 
+    /// What `zrun bench comm` times under `name`: a data operation by its
+    /// name, or a reduction in 16 bits on the wire (`train.reduce_dtype`)
+    /// as `all_reduce_bf16`, `reduce_scatter_f16` and the like.
+    pub fn from_bench_name(name: &str) -> Option<(Op, Option<zconfig::Dtype>)> {
+        use zconfig::Dtype;
+        let (base, wire) = match name.rsplit_once('_') {
+            Some((base, "bf16")) => (base, Some(Dtype::Bf16)),
+            Some((base, "f16")) => (base, Some(Dtype::F16)),
+            _ => (name, None),
+        };
+        let op = Op::from_name(base).filter(|op| Op::DATA.contains(op))?;
+        match (op, wire) {
+            (_, None) | (Op::AllReduce | Op::ReduceScatter, Some(_)) => Some((op, wire)),
+            _ => None,
+        }
+    }
+
     /// Position in [`Op::ALL`] (for counters indexed by op).
     pub fn index(self) -> usize {
         self as usize
@@ -103,6 +120,27 @@ mod tests {
             assert_eq!(op.index(), i);
         }
         assert_eq!(Op::from_name("allreduce"), None);
+        for op in Op::DATA {
+            assert_eq!(Op::from_bench_name(op.name()), Some((op, None)));
+        }
+        use zconfig::Dtype;
+        assert_eq!(
+            Op::from_bench_name("all_reduce_bf16"),
+            Some((Op::AllReduce, Some(Dtype::Bf16)))
+        );
+        assert_eq!(
+            Op::from_bench_name("reduce_scatter_f16"),
+            Some((Op::ReduceScatter, Some(Dtype::F16)))
+        );
+        for bad in [
+            "all_gather_bf16",
+            "barrier",
+            "all_reduce_f32",
+            "bf16",
+            "quantized_reduce_scatter",
+        ] {
+            assert_eq!(Op::from_bench_name(bad), None, "{bad}");
+        }
         assert!(!Op::DATA.contains(&Op::Barrier));
         assert_eq!(
             shm_segment_path(&shm_segment_name("j1", 2)),

@@ -329,10 +329,10 @@ pub fn comm(args: BenchCommArgs) -> Result<ExitCode> {
         .collect::<Result<_, _>>()
         .map_err(Failure::bad_input)?;
     for op in &args.ops {
-        if !Op::from_name(op).is_some_and(|o| Op::DATA.contains(&o)) {
+        if Op::from_bench_name(op).is_none() {
             let valid: Vec<&str> = Op::DATA.iter().map(|o| o.name()).collect();
             return Err(Failure::bad_input(format!(
-                "--ops: unknown op `{op}` (valid: {})",
+                "--ops: unknown op `{op}` (valid: {}; and all_reduce_bf16, reduce_scatter_bf16, all_reduce_f16, reduce_scatter_f16: 16 bits on the wire)",
                 valid.join(", ")
             )));
         }

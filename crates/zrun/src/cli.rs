@@ -631,6 +631,8 @@ pub struct BenchCommArgs {
     pub sizes: Vec<String>,
     /// Collectives to time (default: every one the transport runs: all_reduce,
     /// reduce_scatter, all_gather, all_to_all, broadcast; over nccl the first three).
+    /// `all_reduce_bf16`, `reduce_scatter_bf16` (or `_f16`): the reductions in
+    /// 16 bits on the wire, as `train.reduce_dtype` runs them.
     #[arg(long, value_delimiter = ',')]
     pub ops: Vec<String>,
     /// Transports to measure: tcp, shm, mpi, nccl (default: tcp and shm).

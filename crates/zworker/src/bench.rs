@@ -7,7 +7,10 @@
 //! follows nccl-tests: all_reduce algbw·2(n-1)/n, reduce_scatter and all_gather
 //! algbw·(n-1)/n, all_to_all algbw·(n-1)/n, broadcast algbw. all_gather runs
 //! in place into an output made before the clock starts, as nccl-tests and
-//! torch's preallocated outputs measure it. References:
+//! torch's preallocated outputs measure it. `all_reduce_bf16`,
+//! `reduce_scatter_f16` and the like time the reductions in 16 bits on the
+//! wire (`train.reduce_dtype`) on the same f32 buffers, so that their bus
+//! bandwidth (of the f32 bytes reduced) compares with the f32 rows'. References:
 //! `memcpy` (one thread copying the bytes) and, for TCP, `tcp_stream` (one
 //! plain loopback socket, what the transport could carry).
 //!
@@ -83,9 +86,10 @@ fn host_rows(task: &BenchCommTask, comm: &dyn Communicator) -> Result<Vec<BenchR
     let n = comm.world_size();
     let mut rows = Vec::new();
     for name in &task.ops {
-        let Some(op) = Op::from_name(name) else {
+        let Some((op, wire)) = Op::from_bench_name(name) else {
             bail!("unknown op `{name}`");
         };
+        let half = wire.and_then(zengine::precision::half_of);
         for &bytes in &task.sizes {
             let elems = (bytes / 4) as usize;
             // Inputs are made before the clock starts (nccl-tests does not time
@@ -110,8 +114,14 @@ fn host_rows(task: &BenchCommTask, comm: &dyn Communicator) -> Result<Vec<BenchR
                 // Outputs are freed after the clock stops.
                 let t0 = Instant::now();
                 let (secs, out): (f64, Box<dyn std::any::Any>) = match op {
-                    Op::AllReduce => timed(t0, c.all_reduce(f)?),
-                    Op::ReduceScatter => timed(t0, c.reduce_scatter(f)?),
+                    Op::AllReduce => match half {
+                        Some(h) => timed(t0, c.half_all_reduce_async(f, h).wait()?),
+                        None => timed(t0, c.all_reduce(f)?),
+                    },
+                    Op::ReduceScatter => match half {
+                        Some(h) => timed(t0, c.half_reduce_scatter_async(f, h).wait()?),
+                        None => timed(t0, c.reduce_scatter(f)?),
+                    },
                     Op::AllGather => timed(t0, c.all_gather_in_place(f)?),
                     Op::AllToAll => timed(t0, c.all_to_all(p)?),
                     Op::Broadcast => timed(t0, c.broadcast(b, 0)?),
@@ -129,7 +139,12 @@ fn host_rows(task: &BenchCommTask, comm: &dyn Communicator) -> Result<Vec<BenchR
                 .map(|_| call(comm).map(|s| s as f32))
                 .collect::<Result<Vec<f32>>>()?;
             let secs = slowest_median(comm, &times)?;
-            rows.push(row(op, bytes, n, &task.transport, secs));
+            // Named as asked (`all_reduce_bf16`); its bytes are the f32
+            // buffer's, so that its bus bandwidth compares with f32's row.
+            rows.push(BenchRow {
+                op: name.clone(),
+                ..row(op, bytes, n, &task.transport, secs)
+            });
         }
     }
     Ok(rows)

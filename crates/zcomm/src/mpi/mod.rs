@@ -421,7 +421,7 @@ impl Communicator for MpiCommunicator {
         self.submit(Op::QuantizedReduceScatter, bytes, len, move |l| {
             let group = l.group.clone();
             let op = Op::QuantizedReduceScatter;
-            quantized::reduce_scatter(l, (&group, op), &node_of, &buf, Coding::Quantized(q))
+            quantized::reduce_scatter(l, (&group, op), &node_of, buf, Coding::Quantized(q))
         })
     }
 
@@ -430,7 +430,7 @@ impl Communicator for MpiCommunicator {
         self.submit(Op::ReduceScatter, bytes, len, move |l| {
             let group = l.group.clone();
             let op = Op::ReduceScatter;
-            quantized::reduce_scatter(l, (&group, op), &node_of, &buf, Coding::Half(half))
+            quantized::reduce_scatter(l, (&group, op), &node_of, buf, Coding::Half(half))
         })
     }
 

@@ -261,7 +261,7 @@ impl Communicator for TcpCommunicator {
         self.submit(Op::QuantizedReduceScatter, bytes, move |l| {
             let group = l.group.clone();
             let op = Op::QuantizedReduceScatter;
-            quantized::reduce_scatter(l, (&group, op), &node_of, &buf, Coding::Quantized(q))
+            quantized::reduce_scatter(l, (&group, op), &node_of, buf, Coding::Quantized(q))
         })
     }
 
@@ -270,7 +270,7 @@ impl Communicator for TcpCommunicator {
         self.submit(Op::ReduceScatter, bytes, move |l| {
             let group = l.group.clone();
             let op = Op::ReduceScatter;
-            quantized::reduce_scatter(l, (&group, op), &node_of, &buf, Coding::Half(half))
+            quantized::reduce_scatter(l, (&group, op), &node_of, buf, Coding::Half(half))
         })
     }
 
