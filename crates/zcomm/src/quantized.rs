@@ -12,11 +12,11 @@
 //!    node's rank count. Each rank sends each local peer the concatenation of
 //!    the chunks that peer handles (so the slices are reordered to be
 //!    contiguous per destination), quantized; the handler dequantizes the
-//!    pieces and adds them in f32, its own piece unquantized, in local-rank order.
+//!    pieces and adds them in f32 to its own (unquantized), in local-rank order.
 //! 2. Across nodes, the handler sends each partial sum it holds, quantized
 //!    again, to the rank that owns the chunk (a rank handles its own chunk, so
 //!    its own node's partial never leaves it); the owner dequantizes and adds
-//!    the partials in node order.
+//!    the other nodes' partials to its own, in node order.
 //!
 //! Every hop dequantizes before it adds, so quantization error does not
 //! compound through a chain of reductions: a chunk carries the errors of one
