@@ -471,8 +471,12 @@ fn shared_memory_between_processes_trains_with_the_bits_of_tcp() {
 /// stage 2, all-reduce at stage 0) and fewer cross the nodes; the curve
 /// differs from f32 reductions' (something was rounded) and ends within 1%
 /// of it (the mean of the last 5 steps). f16 reductions under f16's loss
-/// scaling likewise end within 1% of f16 with f32 reductions. Measured:
-/// bf16 0.007% above f32 reductions (stages 0 and 2), f16 0.003%.
+/// scaling likewise end within 1% of f16 with f32 reductions. At 5e-4, as
+/// `mixed_precision_tiny_run_stays_within_2_percent_of_f32` and for its
+/// reason: at tiny's own 2e-3 the end of warmup can send two runs down
+/// different paths whatever their precision (with one version of the
+/// sources, bf16 reductions' curve left f32's at step 15 and ended 0.4%
+/// above it, f16's 1.1%, where another version had ended 0.007% apart).
 #[test]
 fn reductions_in_16_bits_halve_the_bytes_keep_the_stages_identical_and_the_curve() {
     let dir = tempfile::tempdir().unwrap();
@@ -484,6 +488,7 @@ fn reductions_in_16_bits_halve_the_bytes_keep_the_stages_identical_and_the_curve
         let f = TrainArgs::new(root.join("configs/tiny.yaml"), &m)
             .args(&["--hostfile", hosts.to_str().unwrap()])
             .set("train.steps=30")
+            .set("train.lr=5.0e-4")
             .set(format!("train.dtype={dtype}"))
             .set(format!("train.reduce_dtype={reduce}"))
             .set(format!("zero.stage={stage}"))

@@ -32,6 +32,8 @@
 //! second half gathers the owners' sums in 16 bits, gives every rank the
 //! values a reduce-scatter gives the owner: the stages stay bit-identical.
 
+use std::ops::Range;
+
 use zquant::{Bits, Half, QuantError, Quantized};
 
 use crate::links::Links;
@@ -121,66 +123,32 @@ fn reduce_scatter_in_place(
     let home = nodes.node_of[me];
     let len = buf.len();
     let chunk = |x: usize| chunk_range(len, w, x);
-    let handled_by =
-        |p: usize| -> Vec<usize> { (0..w).filter(|&x| nodes.handler(home, x) == p).collect() };
+    let handled_by = |p: usize| -> Vec<Range<usize>> {
+        (0..w)
+            .filter(|&x| nodes.handler(home, x) == p)
+            .map(chunk)
+            .collect()
+    };
 
     // Hop 1: inside the node. What is sent is read before any chunk this
     // rank handles is added to (the pieces are other handlers' chunks).
     let peers = &nodes.members[home];
     for &p in peers.iter().filter(|&&p| p != me) {
-        let pieces: Vec<&[f32]> = handled_by(p).into_iter().map(|x| &buf[chunk(x)]).collect();
-        send(l, p, &pieces, wire, op)?;
+        send(l, p, buf, &handled_by(p), wire, op)?;
     }
     let mine = handled_by(me);
-    let total: usize = mine.iter().map(|&x| chunk(x).len()).sum();
     for &p in peers.iter().filter(|&&p| p != me) {
-        let bytes = receive(l, p)?;
-        let who = (group, op, p);
-        match wire {
-            // 2 bytes a value: each chunk's part decoded onto it.
-            Coding::Half(_) => {
-                if bytes.len() != 2 * total {
-                    return Err(mismatch(who, bytes.len(), 2 * total, total));
-                }
-                let mut at = 0;
-                for &x in &mine {
-                    let n = chunk(x).len();
-                    let part = &bytes[2 * at..2 * (at + n)];
-                    decode(part, &mut buf[chunk(x)], Arrive::Add, wire, who)?;
-                    at += n;
-                }
-            }
-            // Blocks run across the chunks: decoded whole, then added.
-            Coding::Quantized(_) => {
-                let mut whole = vec![0f32; total];
-                decode(&bytes, &mut whole, Arrive::Set, wire, who)?;
-                let mut at = 0;
-                for &x in &mine {
-                    let n = chunk(x).len();
-                    crate::reduce_add(&mut buf[chunk(x)], &whole[at..at + n]);
-                    at += n;
-                }
-            }
-        }
-        give_back(bytes);
+        receive(l, buf, &mine, Arrive::Add, wire, (group, op, p))?;
     }
 
     // Hop 2: across nodes, each partial to its chunk's owner.
-    for &x in mine.iter().filter(|&&x| x != me) {
-        send(l, x, &[&buf[chunk(x)]], wire, op)?;
+    for x in (0..w).filter(|&x| x != me && nodes.handler(home, x) == me) {
+        send(l, x, buf, &[chunk(x)], wire, op)?;
     }
     for n in (0..nodes.members.len()).filter(|&n| n != home) {
         if !nodes.members[n].is_empty() {
             let from = nodes.handler(n, me);
-            let bytes = receive(l, from)?;
-            decode(
-                &bytes,
-                &mut buf[chunk(me)],
-                Arrive::Add,
-                wire,
-                (group, op, from),
-            )?;
-            give_back(bytes);
+            receive(l, buf, &[chunk(me)], Arrive::Add, wire, (group, op, from))?;
         }
     }
     if let Coding::Half(half) = wire {
@@ -205,20 +173,50 @@ pub(crate) fn all_reduce_half(
     let len = buf.len();
     let chunk = |x: usize| chunk_range(len, w, x);
     for p in (0..w).filter(|&p| p != me) {
-        send(l, p, &[&buf[chunk(me)]], coding, op)?;
+        send(l, p, &buf, &[chunk(me)], coding, op)?;
     }
     for p in (0..w).filter(|&p| p != me) {
-        let bytes = receive(l, p)?;
-        decode(
-            &bytes,
-            &mut buf[chunk(p)],
-            Arrive::Set,
-            coding,
-            (group, op, p),
-        )?;
-        give_back(bytes);
+        let who = (group, op, p);
+        receive(l, &mut buf, &[chunk(p)], Arrive::Set, coding, who)?;
     }
     Ok(buf)
+}
+
+/// Values of 16 bits a message carries at most: a piece of more goes as
+/// several messages, so that rounding the next overlaps the transport
+/// sending this one, and the receiver widens each while the next is on
+/// the wire. 512 KiB, a few of the transports' slots.
+const PART: usize = 1 << 18;
+
+/// The parts a piece of `n` values travels in (at least one, which may be
+/// empty): a quantized piece is one message, its blocks running across
+/// the chunks.
+fn parts(wire: Coding, n: usize) -> usize {
+    match wire {
+        Coding::Half(_) => n.div_ceil(PART).max(1),
+        Coding::Quantized(_) => 1,
+    }
+}
+
+/// The ranges of `buf` that values `from..from + n` of the concatenation of
+/// `ranges` lie in, in order.
+fn spans(ranges: &[Range<usize>], from: usize, n: usize) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    let (mut skip, mut left) = (from, n);
+    for r in ranges {
+        if left == 0 {
+            break;
+        }
+        if skip >= r.len() {
+            skip -= r.len();
+            continue;
+        }
+        let take = (r.len() - skip).min(left);
+        out.push(r.start + skip..r.start + skip + take);
+        left -= take;
+        skip = 0;
+    }
+    out
 }
 
 thread_local! {
@@ -228,26 +226,83 @@ thread_local! {
     static MESSAGES: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Codes `pieces` into a kept buffer and queues them for `peer` (the
-/// transport copies the payload).
+/// Codes the values of `buf` in `ranges`, one after another, and queues
+/// them for `peer` in [`parts`] (the transport copies each payload).
 fn send(
     l: &mut dyn Links,
     peer: usize,
-    pieces: &[&[f32]],
+    buf: &[f32],
+    ranges: &[Range<usize>],
     wire: Coding,
     op: Op,
 ) -> Result<(), CommError> {
+    let n: usize = ranges.iter().map(|r| r.len()).sum();
+    let count = parts(wire, n);
     let mut bytes = MESSAGES.with(|m| m.borrow_mut().pop()).unwrap_or_default();
-    encode(pieces, wire, op, &mut bytes)?;
-    let sent = l.send(peer, &bytes);
+    let mut sent = Ok(());
+    for k in 0..count {
+        let (from, to) = (n * k / count, n * (k + 1) / count);
+        let pieces: Vec<&[f32]> = spans(ranges, from, to - from)
+            .into_iter()
+            .map(|r| &buf[r])
+            .collect();
+        sent = encode(&pieces, wire, op, &mut bytes).and_then(|()| l.send(peer, &bytes));
+        if sent.is_err() {
+            break;
+        }
+    }
     give_back(bytes);
     sent
 }
 
-/// The next message from `peer`, in a kept buffer where one is free.
-fn receive(l: &mut dyn Links, peer: usize) -> Result<Vec<u8>, CommError> {
-    let kept = MESSAGES.with(|m| m.borrow_mut().pop()).unwrap_or_default();
-    l.recv_reusing(peer, kept)
+/// Receives what [`send`] sent for `ranges` from the peer of `who` and
+/// lands it on those values of `buf`, a part at a time.
+fn receive(
+    l: &mut dyn Links,
+    buf: &mut [f32],
+    ranges: &[Range<usize>],
+    arrive: Arrive,
+    wire: Coding,
+    who: (&str, Op, usize),
+) -> Result<(), CommError> {
+    let n: usize = ranges.iter().map(|r| r.len()).sum();
+    let count = parts(wire, n);
+    let mut bytes = MESSAGES.with(|m| m.borrow_mut().pop()).unwrap_or_default();
+    for k in 0..count {
+        let (from, to) = (n * k / count, n * (k + 1) / count);
+        bytes = l.recv_reusing(who.2, bytes)?;
+        let spans = spans(ranges, from, to - from);
+        match wire {
+            // 2 bytes a value: each span's part decoded onto it.
+            Coding::Half(_) => {
+                if bytes.len() != 2 * (to - from) {
+                    return Err(mismatch(who, bytes.len(), 2 * (to - from), to - from));
+                }
+                let mut at = 0;
+                for r in spans {
+                    let m = r.len();
+                    decode(&bytes[2 * at..2 * (at + m)], &mut buf[r], arrive, wire, who)?;
+                    at += m;
+                }
+            }
+            // Blocks run across the spans: decoded whole, then landed.
+            Coding::Quantized(_) => {
+                let mut whole = vec![0f32; to - from];
+                decode(&bytes, &mut whole, Arrive::Set, wire, who)?;
+                let mut at = 0;
+                for r in spans {
+                    let m = r.len();
+                    match arrive {
+                        Arrive::Add => crate::reduce_add(&mut buf[r], &whole[at..at + m]),
+                        Arrive::Set => buf[r].copy_from_slice(&whole[at..at + m]),
+                    }
+                    at += m;
+                }
+            }
+        }
+    }
+    give_back(bytes);
+    Ok(())
 }
 
 /// Keeps a message buffer for the next (two at most: one sent, one

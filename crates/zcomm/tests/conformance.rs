@@ -780,7 +780,8 @@ fn unit_roundoff(half: Half) -> f64 {
 
 /// `train.reduce_dtype`'s reductions against a naive f64 sum, at world
 /// sizes 1-7 over one node, equal and uneven nodes and one rank per node,
-/// bf16 and f16, lengths that do not split evenly (odd chunks too). Values
+/// bf16 and f16, lengths that do not split evenly (odd chunks too), and
+/// pieces sent in several parts. Values
 /// in [-1, 1]: a handler rounds each of its node's other L - 1 pieces once
 /// (error at most u each), a partial crossing from another node of L ranks
 /// is rounded once more (at most u·L), and the owner's sum is rounded to
@@ -800,8 +801,12 @@ fn half_reductions_round_each_piece_once_a_hop_and_the_all_reduce_is_the_owners_
     for nodes in shapes {
         let n = nodes.len();
         let comms = world(t, n, nodes, Duration::from_secs(30));
+        // Long enough, on two shapes, that messages go in several parts
+        // of 2^18 values, a part's span crossing from one chunk to the next
+        // (a rank of the 3-rank node handles two chunks).
+        let long = (nodes == [0, 1] || nodes == [0, 0, 0, 1, 1]).then_some(3 * (1 << 18) + 7);
         for half in [Half::Bf16, Half::F16] {
-            for len in [4099, n * 3 + 1, 1] {
+            for len in [4099, n * 3 + 1, 1].into_iter().chain(long) {
                 let out = on_all(&comms, move |r, c| {
                     let rs = c.half_reduce_scatter_async(random(r as u64, len), half);
                     let ar = c.half_all_reduce_async(random(r as u64, len), half);
