@@ -273,22 +273,28 @@ fn receive(
         bytes = l.recv_reusing(who.2, bytes)?;
         let spans = spans(ranges, from, to - from);
         match wire {
-            // 2 bytes a value: each span's part decoded onto it.
-            Coding::Half(_) => {
+            // 2 bytes a value: each span's part widened onto it.
+            Coding::Half(half) => {
                 if bytes.len() != 2 * (to - from) {
                     return Err(mismatch(who, bytes.len(), 2 * (to - from), to - from));
                 }
                 let mut at = 0;
                 for r in spans {
                     let m = r.len();
-                    decode(&bytes[2 * at..2 * (at + m)], &mut buf[r], arrive, wire, who)?;
+                    widen(&bytes[2 * at..2 * (at + m)], &mut buf[r], arrive, half);
                     at += m;
                 }
             }
-            // Blocks run across the spans: decoded whole, then landed.
-            Coding::Quantized(_) => {
-                let mut whole = vec![0f32; to - from];
-                decode(&bytes, &mut whole, Arrive::Set, wire, who)?;
+            // Blocks run across the spans: dequantized whole, then landed.
+            Coding::Quantized(q) => {
+                let len = to - from;
+                let codes =
+                    Quantized::from_bytes(q.bits, q.block_size, len, &bytes).map_err(|_| {
+                        let want = Quantized::wire_len(q.bits, q.block_size, len);
+                        mismatch(who, bytes.len(), want, len)
+                    })?;
+                let mut whole = vec![0f32; len];
+                zquant::dequantize(&codes, &mut whole);
                 let mut at = 0;
                 for r in spans {
                     let m = r.len();
@@ -389,53 +395,26 @@ enum Arrive {
     Set,
 }
 
-/// Decodes the coded piece of `peer` (of `group`, in `op`) onto `out`, as
-/// many values as `out` holds.
-fn decode(
-    bytes: &[u8],
-    out: &mut [f32],
-    arrive: Arrive,
-    wire: Coding,
-    (group, op, peer): (&str, Op, usize),
-) -> Result<(), CommError> {
-    let len = out.len();
-    let mismatch = |expected: usize| mismatch((group, op, peer), bytes.len(), expected, len);
-    match wire {
-        // Widened a stack block at a time, straight onto `out`.
-        Coding::Half(half) => {
-            if bytes.len() != 2 * len {
-                return Err(mismatch(2 * len));
-            }
-            let mut wide = [0f32; 1024];
-            for (dst, src) in out.chunks_mut(wide.len()).zip(bytes.chunks(2 * wide.len())) {
-                let wide = &mut wide[..dst.len()];
-                match bytemuck::try_cast_slice::<u8, u16>(src) {
-                    Ok(bits) => half.widen_slice(bits, wide),
-                    // A message that does not start on a 2-byte boundary.
-                    Err(_) => {
-                        for (o, b) in wide.iter_mut().zip(src.chunks_exact(2)) {
-                            *o = half.widen(u16::from_le_bytes([b[0], b[1]]));
-                        }
-                    }
-                }
-                match arrive {
-                    Arrive::Add => crate::reduce_add(dst, wide),
-                    Arrive::Set => dst.copy_from_slice(wide),
+/// Widens 16-bit values (`bytes`, 2 a value, as many as `out` holds) onto
+/// `out`, a stack block at a time.
+fn widen(bytes: &[u8], out: &mut [f32], arrive: Arrive, half: Half) {
+    let mut wide = [0f32; 1024];
+    for (dst, src) in out.chunks_mut(wide.len()).zip(bytes.chunks(2 * wide.len())) {
+        let wide = &mut wide[..dst.len()];
+        match bytemuck::try_cast_slice::<u8, u16>(src) {
+            Ok(bits) => half.widen_slice(bits, wide),
+            // A message that does not start on a 2-byte boundary.
+            Err(_) => {
+                for (o, b) in wide.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = half.widen(u16::from_le_bytes([b[0], b[1]]));
                 }
             }
         }
-        Coding::Quantized(q) => {
-            let codes = Quantized::from_bytes(q.bits, q.block_size, len, bytes)
-                .map_err(|_| mismatch(Quantized::wire_len(q.bits, q.block_size, len)))?;
-            let mut piece = vec![0f32; len];
-            zquant::dequantize(&codes, &mut piece);
-            match arrive {
-                Arrive::Add => crate::reduce_add(out, &piece),
-                Arrive::Set => out.copy_from_slice(&piece),
-            }
+        match arrive {
+            Arrive::Add => crate::reduce_add(dst, wide),
+            Arrive::Set => dst.copy_from_slice(wide),
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
