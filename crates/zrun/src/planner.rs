@@ -1,5 +1,6 @@
-//! `zrun plan JOB.yaml`: which stage, offload, ZeRO++, micro-batch,
-//! accumulation and activation checkpointing to run a job with, found by
+//! `zrun plan JOB.yaml`: which stage, offload, ZeRO++, gradients' wire
+//! type, micro-batch, accumulation and activation checkpointing to run a
+//! job with, found by
 //! arithmetic on measured figures of this machine instead of trial jobs
 //! (DeepSpeed's autotuner launches dozens).
 //!
@@ -28,7 +29,10 @@
 //! - communication: the collectives' bus bytes per step over the measured
 //!   bus bandwidth (shared memory within a node, TCP or `--link-gbps` across
 //!   nodes), none of it assumed hidden (compute and communication share the
-//!   same cores);
+//!   same cores); reductions in 16 bits (`train.reduce_dtype`) send half
+//!   the bytes but round and widen them, so they take the longer of their
+//!   wire bytes over the link and their f32 bytes at the rate `bench comm`
+//!   measured for the 16-bit collective on the same transport;
 //! - swap traffic over the swap directory's bandwidth.
 //!
 //! `--verify` trains the best three for a few steps and prints predicted
@@ -44,7 +48,7 @@ use zconfig::estimate::{
     activation_bytes, cpu_worker_peak_bytes, frozen_flops_per_token, model_params,
     trained_elements, worker_states, Kept, StateBytes,
 };
-use zconfig::spec::OptimizerKind;
+use zconfig::spec::{Dtype, OptimizerKind};
 use zconfig::{load_job_with, JobSpec, Topology};
 
 use crate::cli::PlanArgs;
@@ -66,7 +70,9 @@ pub struct Machine {
     pub triad_gbps: f64,
     /// AdamW (f32, the fastest SIMD path) at one worker's share of the cores, GB/s.
     pub adamw_gbps: f64,
-    /// Bus bandwidth per (transport, collective), GB/s, at the largest size.
+    /// Bus bandwidth per (transport, collective), GB/s, at the largest size;
+    /// the 16-bit reductions' rows (`all_reduce_bf16`...) count the f32
+    /// bytes they stand for, as `bench comm` does.
     pub busbw: Vec<(String, String, f64)>,
     /// The swap directory's read/write bandwidth, GB/s, where measured.
     pub swap_gbps: Option<f64>,
@@ -135,6 +141,8 @@ fn machine(workers: usize, remeasure: bool, worker_bin: &Path) -> Result<Machine
             .ok()
             .and_then(|b| serde_json::from_slice::<Machine>(&b).ok())
             .filter(|m| m.overheads.block_s > 0.0 && m.between_gbps > 0.0)
+            // Figures cached before the 16-bit reductions were measured.
+            .filter(|m| m.workers < 2 || m.busbw("tcp", "reduce_scatter_bf16").is_some())
         {
             say!("zrun: machine figures from {}", path.display());
             return Ok(m);
@@ -162,9 +170,17 @@ fn machine(workers: usize, remeasure: bool, worker_bin: &Path) -> Result<Machine
     };
     let mut busbw = Vec::new();
     if workers > 1 {
-        let ops: Vec<String> = ["all_reduce", "all_gather", "reduce_scatter"]
-            .map(String::from)
-            .to_vec();
+        let ops: Vec<String> = [
+            "all_reduce",
+            "all_gather",
+            "reduce_scatter",
+            "all_reduce_bf16",
+            "reduce_scatter_bf16",
+            "all_reduce_f16",
+            "reduce_scatter_f16",
+        ]
+        .map(String::from)
+        .to_vec();
         let transports = ["shm".to_string(), "tcp".to_string()];
         for r in crate::bench::measure_comm(workers, &ops, &[16 << 20], &transports, worker_bin)? {
             if r.op != "memcpy" && r.op != "tcp_stream" {
@@ -461,7 +477,24 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
             z.quantized_gradients,
             z.quantization.gradient_bits,
         );
-        (ar / rate("all_reduce") + ag / rate("all_gather") + rs / rate("reduce_scatter")) / 1e9
+        // A gradient reduction of `bytes` on the wire: in 16 bits, no faster
+        // than the 16-bit collective ran on this transport with its f32
+        // bytes (its rounding, widening and two hops cost more than the
+        // halved bytes save on a fast path: on one host's shared memory it
+        // ran at half f32's rate).
+        let reduction = |bytes: f64, op: &str| {
+            let wire = bytes / rate(op);
+            match spec.train.reduce_dtype {
+                Some(d @ (Dtype::Bf16 | Dtype::F16)) => {
+                    let transport = if s.nodes > 1 { "tcp" } else { "shm" };
+                    let half = s.machine.busbw(transport, &format!("{op}_{d}"));
+                    half.map_or(wire, |r| wire.max(bytes * 4.0 / grad / r))
+                }
+                _ => wire,
+            }
+        };
+        (reduction(ar, "all_reduce") + ag / rate("all_gather") + reduction(rs, "reduce_scatter"))
+            / 1e9
     } else {
         0.0
     };
@@ -488,7 +521,11 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
 
 /// The candidates' `--set` values: every stage, micro-batch (keeping the
 /// global batch), checkpointing on and off, swap where the job names a swap
-/// directory, ZeRO++ on more than one node.
+/// directory, ZeRO++ on more than one node, and there, for a job that
+/// trains in 16 bits, gradients reduced in f32 or in its own type
+/// (DeepSpeed's default `communication_data_type`). Not on one node: its
+/// shared memory runs the 16-bit reductions slower than f32's, and an f32
+/// job's gradients stay f32 unless the job says otherwise.
 fn candidate_sets(spec: &JobSpec, world: usize, nodes: usize) -> Vec<Vec<(String, String)>> {
     let global = spec.train.micro_batch_size * spec.train.grad_accum * world;
     let swap_dir = spec
@@ -497,6 +534,7 @@ fn candidate_sets(spec: &JobSpec, world: usize, nodes: usize) -> Vec<Vec<(String
         .nvme_path
         .clone()
         .or_else(|| spec.zero.offload_param.nvme_path.clone());
+    let sixteen = Some(spec.train.dtype).filter(|d| nodes > 1 && *d != Dtype::F32);
     let mut out = Vec::new();
     for stage in 0..=3u8 {
         let mut offloads: Vec<Vec<(String, String)>> = vec![vec![
@@ -518,11 +556,21 @@ fn candidate_sets(spec: &JobSpec, world: usize, nodes: usize) -> Vec<Vec<(String
                 ]);
             }
         }
-        let mut zeropp: Vec<Vec<(String, String)>> = vec![vec![
-            ("zero.quantized_weights".into(), "false".into()),
+        let plain = vec![
+            ("zero.quantized_weights".to_string(), "false".to_string()),
             ("zero.quantized_gradients".into(), "false".into()),
             ("zero.hpz_partition_size".into(), "1".into()),
-        ]];
+        ];
+        let mut zeropp: Vec<Vec<(String, String)>> = match sixteen {
+            Some(d) => [Dtype::F32, d]
+                .map(|wire| {
+                    let mut sets = plain.clone();
+                    sets.push(("train.reduce_dtype".into(), wire.to_string()));
+                    sets
+                })
+                .to_vec(),
+            None => vec![plain],
+        };
         if stage == 3 && nodes > 1 {
             zeropp.push(vec![
                 ("zero.quantized_weights".into(), "true".into()),
@@ -531,6 +579,8 @@ fn candidate_sets(spec: &JobSpec, world: usize, nodes: usize) -> Vec<Vec<(String
                     "zero.hpz_partition_size".into(),
                     (world / nodes).to_string(),
                 ),
+                // qgZ chooses the gradients' wire format itself.
+                ("train.reduce_dtype".into(), "f32".into()),
             ]);
         }
         for micro in (0..8).map(|i| 1usize << i) {
@@ -643,7 +693,8 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
     if args.verify {
         verify(&args, &mut candidates)?;
     }
-    print_table(&candidates, args.top, budget, too_big, &machine);
+    let wire = base.spec.train.reduce_dtype.unwrap_or(Dtype::F32);
+    print_table(&candidates, (args.top, budget, too_big), &machine, wire);
     if let Some(out) = &args.out {
         let mut overrides = args.set.clone();
         overrides.extend(as_sets(&candidates[0].sets));
@@ -743,7 +794,15 @@ fn verify(args: &PlanArgs, candidates: &mut [Candidate]) -> Result<()> {
     Ok(())
 }
 
-fn print_table(c: &[Candidate], top: usize, budget: f64, too_big: usize, m: &Machine) {
+/// The best `top` of `c`, those that fit `budget` (`too_big` did not),
+/// on `m`; `wire`: the job's own gradient wire type, where a candidate
+/// leaves it.
+fn print_table(
+    c: &[Candidate],
+    (top, budget, too_big): (usize, f64, usize),
+    m: &Machine,
+    wire: Dtype,
+) {
     let gib = (1u64 << 30) as f64;
     say!(
         "machine {}: GEMM {:.1} GFLOP/s, triad {:.1} GB/s, AdamW {:.1} GB/s and between the products {:.2} GB/s of activations per worker{}",
@@ -755,7 +814,10 @@ fn print_table(c: &[Candidate], top: usize, budget: f64, too_big: usize, m: &Mac
         m.busbw
             .iter()
             .filter(|(_, op, _)| op == "all_reduce")
-            .map(|(t, _, bw)| format!(", all-reduce {t} {bw:.2} GB/s"))
+            .map(|(t, _, bw)| match m.busbw(t, "all_reduce_bf16") {
+                Some(half) => format!(", all-reduce {t} {bw:.2} GB/s (in bf16 {half:.2})"),
+                None => format!(", all-reduce {t} {bw:.2} GB/s"),
+            })
             .collect::<String>()
     );
     say!(
@@ -770,7 +832,7 @@ fn print_table(c: &[Candidate], top: usize, budget: f64, too_big: usize, m: &Mac
         budget / gib
     );
     say!(
-        "{:>3} {:>5} {:>5} {:>5} {:>5} {:>8} {:>7} {:>9} {:>9} {:>10} {:>10} {:>8}",
+        "{:>3} {:>5} {:>5} {:>5} {:>5} {:>8} {:>7} {:>6} {:>9} {:>9} {:>10} {:>10} {:>8}",
         "#",
         "stage",
         "micro",
@@ -778,6 +840,7 @@ fn print_table(c: &[Candidate], top: usize, budget: f64, too_big: usize, m: &Mac
         "ckpt",
         "offload",
         "zero++",
+        "grads",
         "mem GiB",
         "step ms",
         "pred tok/s",
@@ -804,7 +867,7 @@ fn print_table(c: &[Candidate], top: usize, budget: f64, too_big: usize, m: &Mac
             None => ("-".into(), "-".into()),
         };
         say!(
-            "{:>3} {:>5} {:>5} {:>5} {:>5} {:>8} {:>7} {:>9.3} {:>9.1} {:>10.0} {:>10} {:>8}",
+            "{:>3} {:>5} {:>5} {:>5} {:>5} {:>8} {:>7} {:>6} {:>9.3} {:>9.1} {:>10.0} {:>10} {:>8}",
             i + 1,
             get("zero.stage"),
             get("train.micro_batch_size"),
@@ -819,6 +882,14 @@ fn print_table(c: &[Candidate], top: usize, budget: f64, too_big: usize, m: &Mac
                 "on"
             } else {
                 "-"
+            },
+            // The gradients' wire type: qgZ's blocks, or a float type.
+            match get("zero.quantized_gradients") {
+                "true" => "qgZ".to_string(),
+                _ => match get("train.reduce_dtype") {
+                    "" => wire.to_string(),
+                    set => set.to_string(),
+                },
             },
             x.memory / gib,
             x.step_s * 1e3,
@@ -1044,5 +1115,85 @@ mod tests {
         // Stages 0-3, micro 1, 2, 4, 8, checkpointing on and off; no ZeRO++
         // on one node, no swap without a swap directory.
         assert_eq!(sets.len(), 4 * 4 * 2);
+    }
+
+    /// Across nodes a 16-bit job is offered its gradients in f32 and in its
+    /// own type, never beside qgZ; an f32 job, or one node, keeps the job's.
+    #[test]
+    fn sixteen_bit_reductions_are_offered_to_sixteen_bit_jobs_across_nodes() {
+        let wires = |sets: &[&str], nodes: usize| -> Vec<Option<String>> {
+            let base = spec(sets);
+            candidate_sets(&base, 4, nodes)
+                .iter()
+                .filter(|s| s.iter().any(|(k, v)| k == "zero.stage" && v == "3"))
+                .filter(|s| {
+                    s.iter()
+                        .any(|(k, v)| k == "train.micro_batch_size" && v == "1")
+                })
+                .filter(|s| {
+                    s.iter()
+                        .any(|(k, v)| k == "train.activation_checkpointing" && v == "false")
+                })
+                .map(|s| {
+                    let get = |k: &str| s.iter().find(|(key, _)| key == k).map(|x| x.1.clone());
+                    let wire = get("train.reduce_dtype");
+                    if get("zero.quantized_gradients").as_deref() == Some("true") {
+                        assert_eq!(wire.as_deref(), Some("f32"), "qgZ sends its own format");
+                        return Some("qgZ".to_string());
+                    }
+                    wire
+                })
+                .collect()
+        };
+        let sixteen = ["train.micro_batch_size=2", "train.dtype=\"bf16\""];
+        assert_eq!(
+            wires(&sixteen, 2),
+            [Some("f32".into()), Some("bf16".into()), Some("qgZ".into())]
+        );
+        let half = ["train.micro_batch_size=2", "train.dtype=\"f16\""];
+        assert_eq!(wires(&half, 2)[1], Some("f16".into()));
+        assert_eq!(wires(&sixteen, 1), [None]);
+        assert_eq!(
+            wires(&["train.micro_batch_size=2"], 2),
+            [None, Some("qgZ".into())]
+        );
+    }
+
+    /// 16-bit reductions: half the bytes on a slow link, but no faster than
+    /// the 16-bit collective measured on the transport, which on a fast
+    /// path makes them cost what f32's do, or more.
+    #[test]
+    fn sixteen_bit_reductions_are_priced_by_their_bytes_and_their_own_rate() {
+        let mut m = machine();
+        m.busbw.extend([
+            ("tcp".into(), "all_reduce".into(), 2.0),
+            ("tcp".into(), "all_gather".into(), 2.0),
+            ("tcp".into(), "reduce_scatter".into(), 2.0),
+            ("tcp".into(), "all_reduce_bf16".into(), 2.0),
+            ("tcp".into(), "reduce_scatter_bf16".into(), 2.0),
+            ("shm".into(), "all_reduce_bf16".into(), 1.0),
+        ]);
+        let on = |nodes: usize, link_gbps: Option<f64>| Setting {
+            world: 4,
+            nodes,
+            machine: &m,
+            link_gbps,
+        };
+        let comm = |sets: &[&str], s: &Setting| predict(&spec(sets), s)[4];
+        let f32s = ["zero.stage=0", "train.dtype=\"bf16\""];
+        let bf16s = [
+            "zero.stage=0",
+            "train.dtype=\"bf16\"",
+            "train.reduce_dtype=\"bf16\"",
+        ];
+        // A 100 Mbit/s link: the wire bytes bound both, and 16 bits halve them.
+        let slow = on(2, Some(0.1));
+        assert!((comm(&bf16s, &slow) / comm(&f32s, &slow) - 0.5).abs() < 1e-9);
+        // Loopback TCP: the 16-bit all-reduce ran at f32's rate in f32 bytes.
+        let fast = on(2, None);
+        assert!((comm(&bf16s, &fast) / comm(&f32s, &fast) - 1.0).abs() < 1e-9);
+        // One host: shared memory's 16-bit all-reduce ran at half f32's rate.
+        let host = on(1, None);
+        assert!((comm(&bf16s, &host) / comm(&f32s, &host) - 2.0).abs() < 1e-9);
     }
 }
