@@ -32,7 +32,8 @@ const QGZ: &str = "zero.zero_quantized_gradients=true";
 /// qgZ sends each other node one int4 partial of the rank's chunk, 0.5 Ψ/W
 /// bytes. Stage 3 gathers the working type (b bytes) for forward, for the
 /// tied head's embedding and for backward (2Ψ - head + embedding values) and
-/// reduce-scatters f32 gradients (4Ψ); ZeRO++ sends the forward gathers as
+/// reduce-scatters f32 gradients (4Ψ), or under `train.reduce_dtype: bf16`
+/// sends each other node one bf16 partial of its chunk (2Ψ/W); ZeRO++ sends the forward gathers as
 /// int8 (1 byte) but the head's at b, keeps backward gathers inside the node
 /// (hpZ), and the gradients as above. Scales (4 bytes per 2048 values) and
 /// padding are what the 5% allows for.
@@ -81,7 +82,20 @@ fn cross_node_bytes_follow_the_paper_model_within_5_percent() {
              ZeRO++ {plus} (model {want_plus:.0}): {:.2}x less",
             plain / plus
         );
-        for (what, got, want) in [("stage 3", plain, want_plain), ("ZeRO++", plus, want_plus)] {
+        let mut checks = vec![("stage 3", plain, want_plain), ("ZeRO++", plus, want_plus)];
+        // Gradients reduced in bf16 (`train.reduce_dtype`, the paper's
+        // 16-bit gradients) take qgZ's two hops: each other node gets one
+        // 2-byte partial of the rank's chunk.
+        if dtype == "bf16" {
+            let (half, _) = run("reduce-bf16", &["train.reduce_dtype=bf16"]);
+            let want_half = ring * b * (2.0 * psi - head + emb) + (n - 1.0) * 2.0 * psi / w;
+            eprintln!(
+                "bf16, gradients reduced in bf16: {half} (model {want_half:.0}): {:.2}x less than stage 3",
+                plain / half
+            );
+            checks.push(("stage 3, bf16 reductions", half, want_half));
+        }
+        for (what, got, want) in checks {
             assert!(
                 (got / want - 1.0).abs() < 0.05,
                 "{dtype} {what}: {got} bytes across nodes, the model says {want:.0}"
