@@ -31,14 +31,18 @@ const QGZ: &str = "zero.zero_quantized_gradients=true";
 /// collective over a buffer of T bytes sends (W-1)/W·T, all of it across;
 /// qgZ sends each other node one int4 partial of the rank's chunk, 0.5 Ψ/W
 /// bytes. Stage 3 gathers the working type (b bytes) for forward, for the
-/// tied head's embedding and for backward (2Ψ - head + embedding values) and
-/// reduce-scatters f32 gradients (4Ψ), or under `train.reduce_dtype: bf16`
-/// sends each other node one bf16 partial of its chunk (2Ψ/W); ZeRO++ sends the forward gathers as
-/// int8 (1 byte) but the head's at b, keeps backward gathers inside the node
-/// (hpZ), and the gradients as above. Scales (4 bytes per 2048 values) and
-/// padding are what the 5% allows for.
+/// tied head's embedding and for backward, which gathers neither the head
+/// nor the embedding (whose gradient reads no weight): 2Ψ - head values.
+/// It reduce-scatters f32 gradients (4Ψ), or under `train.reduce_dtype:
+/// bf16` sends each other node one bf16 partial of its chunk (2Ψ/W).
+/// ZeRO++ sends the forward gathers as int8 (1 byte) but the head's at b,
+/// keeps backward gathers inside the node (hpZ), and the gradients as
+/// above. Scales (4 bytes per 2048 values) and padding are what the 1%
+/// allows for: measured within 0.25% (2026-12-07; the model counted a
+/// third gather of the embedding until then, 1.6% above, under a 5%
+/// bound).
 #[test]
-fn cross_node_bytes_follow_the_paper_model_within_5_percent() {
+fn cross_node_bytes_follow_the_paper_model_within_1_percent() {
     let dir = tempfile::tempdir().unwrap();
     let hosts = two_nodes(dir.path());
     // configs/tiny.yaml's model on synthetic data.
@@ -54,9 +58,8 @@ fn cross_node_bytes_follow_the_paper_model_within_5_percent() {
     )
     .unwrap();
     let (w, n) = (4.0, 2.0);
-    let (v, d, t) = (256.0, 128.0, 64.0);
-    let emb = (v + t) * d;
-    let head = 2.0 * d;
+    // What the head gathers: the final norm's weight and bias, d_model each.
+    let head = 2.0 * 128.0;
     for (dtype, b) in [("bf16", 2.0), ("f32", 4.0)] {
         let run = |name: &str, parts: &[&str]| {
             let m = dir.path().join(format!("{dtype}-{name}.jsonl"));
@@ -75,7 +78,7 @@ fn cross_node_bytes_follow_the_paper_model_within_5_percent() {
         let (plain, psi) = run("stage3", &[]);
         let (plus, _) = run("zeropp", &[QWZ, HPZ, QGZ]);
         let ring = (w - 1.0) / w;
-        let want_plain = ring * (b * (2.0 * psi - head + emb) + 4.0 * psi);
+        let want_plain = ring * (b * (2.0 * psi - head) + 4.0 * psi);
         let want_plus = ring * ((psi - head) + b * head) + (n - 1.0) * 0.5 * psi / w;
         eprintln!(
             "{dtype}: cross-node bytes per step and rank: stage 3 {plain} (model {want_plain:.0}), \
@@ -88,7 +91,7 @@ fn cross_node_bytes_follow_the_paper_model_within_5_percent() {
         // 2-byte partial of the rank's chunk.
         if dtype == "bf16" {
             let (half, _) = run("reduce-bf16", &["train.reduce_dtype=bf16"]);
-            let want_half = ring * b * (2.0 * psi - head + emb) + (n - 1.0) * 2.0 * psi / w;
+            let want_half = ring * b * (2.0 * psi - head) + (n - 1.0) * 2.0 * psi / w;
             eprintln!(
                 "bf16, gradients reduced in bf16: {half} (model {want_half:.0}): {:.2}x less than stage 3",
                 plain / half
@@ -97,7 +100,7 @@ fn cross_node_bytes_follow_the_paper_model_within_5_percent() {
         }
         for (what, got, want) in checks {
             assert!(
-                (got / want - 1.0).abs() < 0.05,
+                (got / want - 1.0).abs() < 0.01,
                 "{dtype} {what}: {got} bytes across nodes, the model says {want:.0}"
             );
         }
