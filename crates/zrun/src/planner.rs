@@ -29,7 +29,8 @@
 //! - communication: the collectives' bus bytes per step over the measured
 //!   bus bandwidth (shared memory within a node, TCP or `--link-gbps` across
 //!   nodes), none of it assumed hidden (compute and communication share the
-//!   same cores); reductions in 16 bits (`train.reduce_dtype`) send half
+//!   same cores); qwZ's forward gathers in its bits, hpZ's backward gathers
+//!   over shared memory inside the node; reductions in 16 bits (`train.reduce_dtype`) send half
 //!   the bytes but round and widen them, so they take the longer of their
 //!   wire bytes over the link and their f32 bytes at the rate `bench comm`
 //!   measured for the 16-bit collective on the same transport;
@@ -443,13 +444,19 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     // bits under `train.reduce_dtype`.
     let (g, p) = (spec.train.reduce_bytes() * psi * reduced, b.param * psi);
     let ring = (w - 1.0) / w;
-    // Bus bytes per collective kind: (all_reduce, all_gather, reduce_scatter);
-    // what backward and the step gather, only of the groups that train.
-    let (ar, ag, rs) = match stage.number() {
-        0 => (2.0 * ring * g, 0.0, 0.0),
-        1 => (0.0, ring * p * reduced, ring * g),
-        2 => (0.0, ring * p * reduced, accum * ring * g),
-        _ => (0.0, accum * ring * p * (1.0 + reached), accum * ring * g),
+    // Bus bytes per collective kind: (all_reduce, all_gather, backward's
+    // all_gather, reduce_scatter); what backward and the step gather, only
+    // of the groups that train.
+    let (ar, ag, back, rs) = match stage.number() {
+        0 => (2.0 * ring * g, 0.0, 0.0, 0.0),
+        1 => (0.0, ring * p * reduced, 0.0, ring * g),
+        2 => (0.0, ring * p * reduced, 0.0, accum * ring * g),
+        _ => (
+            0.0,
+            accum * ring * p,
+            accum * ring * p * reached,
+            accum * ring * g,
+        ),
     };
     let comm = if s.world > 1 {
         let rate = |op: &str| {
@@ -470,7 +477,17 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
             }
         };
         let (z, grad) = (&spec.zero, spec.train.reduce_bytes());
+        // qwZ quantizes the forward gathers; backward's stay full precision.
         let ag = quantized(ag, b.param, z.quantized_weights, z.quantization.weight_bits);
+        // hpZ: backward gathers the secondary shards inside its group, on
+        // one node, over the node's shared memory.
+        let back = match z.hpz_partition_size {
+            hpz if hpz > 1 => {
+                let inside = (hpz as f64 - 1.0) / hpz as f64 * back / ring;
+                inside / s.machine.busbw("shm", "all_gather").unwrap_or(1.0)
+            }
+            _ => back / rate("all_gather"),
+        };
         let rs = quantized(
             rs,
             grad,
@@ -493,7 +510,10 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
                 _ => wire,
             }
         };
-        (reduction(ar, "all_reduce") + ag / rate("all_gather") + reduction(rs, "reduce_scatter"))
+        (reduction(ar, "all_reduce")
+            + ag / rate("all_gather")
+            + back
+            + reduction(rs, "reduce_scatter"))
             / 1e9
     } else {
         0.0
@@ -572,6 +592,21 @@ fn candidate_sets(spec: &JobSpec, world: usize, nodes: usize) -> Vec<Vec<(String
             None => vec![plain],
         };
         if stage == 3 && nodes > 1 {
+            // hpZ alone: lossless, stage 3's bits; backward gathers inside
+            // each node.
+            let hpz: Vec<_> = zeropp
+                .iter()
+                .map(|sets| {
+                    let mut sets = sets.clone();
+                    for (k, v) in &mut sets {
+                        if k == "zero.hpz_partition_size" {
+                            *v = (world / nodes).to_string();
+                        }
+                    }
+                    sets
+                })
+                .collect();
+            zeropp.extend(hpz);
             zeropp.push(vec![
                 ("zero.quantized_weights".into(), "true".into()),
                 ("zero.quantized_gradients".into(), "true".into()),
@@ -878,10 +913,13 @@ fn print_table(
                 "off"
             },
             offload,
-            if get("zero.quantized_weights") == "true" {
-                "on"
-            } else {
-                "-"
+            match (
+                get("zero.quantized_weights"),
+                get("zero.hpz_partition_size")
+            ) {
+                ("true", _) => "all",
+                (_, "" | "1") => "-",
+                _ => "hpZ",
             },
             // The gradients' wire type: qgZ's blocks, or a float type.
             match get("zero.quantized_gradients") {
@@ -1117,11 +1155,13 @@ mod tests {
         assert_eq!(sets.len(), 4 * 4 * 2);
     }
 
-    /// Across nodes a 16-bit job is offered its gradients in f32 and in its
-    /// own type, never beside qgZ; an f32 job, or one node, keeps the job's.
+    /// Across nodes stage 3 is offered as it is, with hpZ alone (lossless)
+    /// and with all three parts of ZeRO++; a 16-bit job its gradients in f32
+    /// and in its own type, never beside qgZ; an f32 job, or one node, keeps
+    /// the job's.
     #[test]
-    fn sixteen_bit_reductions_are_offered_to_sixteen_bit_jobs_across_nodes() {
-        let wires = |sets: &[&str], nodes: usize| -> Vec<Option<String>> {
+    fn stage_3_across_nodes_is_offered_hpz_zeropp_and_sixteen_bit_reductions() {
+        let offered = |sets: &[&str], nodes: usize| -> Vec<String> {
             let base = spec(sets);
             candidate_sets(&base, 4, nodes)
                 .iter()
@@ -1135,28 +1175,73 @@ mod tests {
                         .any(|(k, v)| k == "train.activation_checkpointing" && v == "false")
                 })
                 .map(|s| {
-                    let get = |k: &str| s.iter().find(|(key, _)| key == k).map(|x| x.1.clone());
+                    let get = |k: &str| s.iter().find(|(key, _)| key == k).map_or("", |x| &x.1);
                     let wire = get("train.reduce_dtype");
-                    if get("zero.quantized_gradients").as_deref() == Some("true") {
-                        assert_eq!(wire.as_deref(), Some("f32"), "qgZ sends its own format");
-                        return Some("qgZ".to_string());
+                    match (
+                        get("zero.quantized_gradients"),
+                        get("zero.hpz_partition_size"),
+                    ) {
+                        ("true", hpz) => {
+                            assert_eq!(wire, "f32", "qgZ sends its own format");
+                            assert_eq!(hpz, (4 / nodes).to_string());
+                            assert_eq!(get("zero.quantized_weights"), "true");
+                            "all".to_string()
+                        }
+                        (_, "1") => wire.to_string(),
+                        (_, hpz) => {
+                            assert_eq!(hpz, (4 / nodes).to_string(), "a node's workers");
+                            assert_eq!(get("zero.quantized_weights"), "false");
+                            format!("hpZ {wire}")
+                        }
                     }
-                    wire
                 })
                 .collect()
         };
         let sixteen = ["train.micro_batch_size=2", "train.dtype=\"bf16\""];
         assert_eq!(
-            wires(&sixteen, 2),
-            [Some("f32".into()), Some("bf16".into()), Some("qgZ".into())]
+            offered(&sixteen, 2),
+            ["f32", "bf16", "hpZ f32", "hpZ bf16", "all"]
         );
         let half = ["train.micro_batch_size=2", "train.dtype=\"f16\""];
-        assert_eq!(wires(&half, 2)[1], Some("f16".into()));
-        assert_eq!(wires(&sixteen, 1), [None]);
+        assert_eq!(offered(&half, 2)[1], "f16");
+        assert_eq!(offered(&sixteen, 1), [""]);
         assert_eq!(
-            wires(&["train.micro_batch_size=2"], 2),
-            [None, Some("qgZ".into())]
+            offered(&["train.micro_batch_size=2"], 2),
+            ["", "hpZ ", "all"]
         );
+    }
+
+    /// hpZ: backward's gathers inside the node, at shared memory's rate over
+    /// the node's ring, instead of across the link; the forward gathers and
+    /// the gradients as stage 3's.
+    #[test]
+    fn hpz_prices_backward_gathers_inside_the_node() {
+        let mut m = machine();
+        m.busbw.extend([
+            ("tcp".into(), "all_gather".into(), 2.0),
+            ("tcp".into(), "reduce_scatter".into(), 2.0),
+        ]);
+        let s = Setting {
+            world: 4,
+            nodes: 2,
+            machine: &m,
+            link_gbps: Some(0.8),
+        };
+        let job = |sets: &[&str]| {
+            let mut all = vec!["zero.stage=3", "zero.param_persistence_threshold=0"];
+            all.extend(sets);
+            spec(&all)
+        };
+        let plain = job(&[]);
+        let comm = |spec: &JobSpec| predict(spec, &s)[4];
+        let hpz = job(&["zero.hpz_partition_size=2"]);
+        let psi = model_params(&plain.model);
+        // What backward gathers: the groups that train (all of them here).
+        let reached = trained_elements(&plain.model, &[]).with_grads / psi;
+        let back = 4.0 * psi * reached;
+        let saved = 0.75 * back / 0.1e9 - 0.5 * back / 2e9;
+        let (a, b) = (comm(&plain), comm(&hpz));
+        assert!((a - b - saved).abs() < 1e-9 * a, "{a} {b} {saved}");
     }
 
     /// 16-bit reductions: half the bytes on a slow link, but no faster than
