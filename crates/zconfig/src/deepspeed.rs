@@ -159,6 +159,7 @@ enum Kind {
 enum Accept {
     Bool(bool),
     Num(f64),
+    Null,
 }
 
 impl Accept {
@@ -166,6 +167,7 @@ impl Accept {
         match self {
             Accept::Bool(b) => v.as_bool() == Some(b),
             Accept::Num(n) => v.as_f64() == Some(n),
+            Accept::Null => v.is_null(),
         }
     }
 }
@@ -199,6 +201,18 @@ const TOP_LEVEL: &[(&str, Kind)] = &[
     ("zero_allow_untested_optimizer", Kind::Ignored),
     ("zero_force_ds_cpu_optimizer", Kind::Ignored),
     ("disable_allgather", Kind::Ignored),
+    // torch.compile and DeepCompile: zrun's kernels are compiled ahead of
+    // time, and neither changes what a step computes.
+    ("compile", Kind::Ignored),
+    ("graph_harvesting", Kind::Ignored),
+    // Read only with experts, sequence parallelism, pipeline stages or
+    // DeepSpeed's own data loader, none of which a zrun job has.
+    ("use_data_before_expert_parallelism", Kind::Ignored),
+    ("seq_parallel_communication_data_type", Kind::Ignored),
+    ("pipeline", Kind::Ignored),
+    ("dataloader_drop_last", Kind::Ignored),
+    // Checked in `top_level`: a size of 1 is data parallelism.
+    ("tensor_parallel", Kind::Section),
     (
         "prescale_gradients",
         Kind::Only(
@@ -231,6 +245,27 @@ const TOP_LEVEL: &[(&str, Kind)] = &[
         Kind::OffOnly("compression training"),
     ),
     ("sparse_attention", Kind::OffOnly("sparse attention")),
+    (
+        "progressive_layer_drop",
+        Kind::OffOnly("progressive layer drop"),
+    ),
+    (
+        "quantize_training",
+        Kind::OffOnly("MoQ quantization-aware training"),
+    ),
+    ("eigenvalue", Kind::OffOnly("eigenvalue-based MoQ")),
+    (
+        "hybrid_engine",
+        Kind::OffOnly("the hybrid engine (generation for RLHF)"),
+    ),
+    (
+        "nebula",
+        Kind::OffOnly("Nebula checkpointing (zrun writes its own checkpoints)"),
+    ),
+    (
+        "weight_quantization",
+        Kind::OffOnly("weight quantization at initialisation"),
+    ),
 ];
 
 const ZERO: &[(&str, Kind)] = &[
@@ -239,6 +274,9 @@ const ZERO: &[(&str, Kind)] = &[
     ("reduce_bucket_size", Kind::Section),
     ("stage3_prefetch_bucket_size", Kind::Section),
     ("stage3_param_persistence_threshold", Kind::Section),
+    // DeepSpeed's field names for the two above (either spelling is read).
+    ("prefetch_bucket_size", Kind::Section),
+    ("param_persistence_threshold", Kind::Section),
     ("sub_group_size", Kind::Section),
     ("offload_optimizer", Kind::Section),
     ("offload_param", Kind::Section),
@@ -252,6 +290,18 @@ const ZERO: &[(&str, Kind)] = &[
     ("round_robin_gradients", Kind::Ignored),
     ("stage3_max_live_parameters", Kind::Ignored),
     ("stage3_max_reuse_distance", Kind::Ignored),
+    ("max_live_parameters", Kind::Ignored),
+    ("max_reuse_distance", Kind::Ignored),
+    ("stage3_model_persistence_threshold", Kind::Ignored),
+    ("model_persistence_threshold", Kind::Ignored),
+    ("stage3_module_granularity_threshold", Kind::Ignored),
+    ("module_granularity_threshold", Kind::Ignored),
+    ("stage3_use_all_reduce_for_fetch_params", Kind::Ignored),
+    ("use_all_reduce_for_fetch_params", Kind::Ignored),
+    ("cpu_offload_use_pin_memory", Kind::Ignored),
+    ("pipeline_loading_checkpoint", Kind::Ignored),
+    ("override_module_apply", Kind::Ignored),
+    ("log_trace_cache_warnings", Kind::Ignored),
     ("stage3_gather_16bit_weights_on_model_save", Kind::Ignored),
     ("stage3_gather_fp16_weights_on_model_save", Kind::Ignored),
     ("gather_16bit_weights_on_model_save", Kind::Ignored),
@@ -269,8 +319,26 @@ const ZERO: &[(&str, Kind)] = &[
         ),
     ),
     (
+        "cpu_offload_param",
+        Kind::Only(
+            &[Accept::Bool(false)],
+            "the old spelling of offload_param: write offload_param: {device: cpu}",
+        ),
+    ),
+    (
         "mics_shard_size",
         Kind::Only(&[Accept::Num(-1.0)], "MiCS sharding"),
+    ),
+    (
+        "mics_hierarchical_params_gather",
+        Kind::Only(&[Accept::Bool(false)], "MiCS sharding"),
+    ),
+    (
+        "zeropp_loco_param",
+        Kind::Only(
+            &[Accept::Null],
+            "LoCo's error feedback for qgZ: zrun's qgZ quantizes each step's gradients afresh",
+        ),
     ),
     (
         "zero_quantized_nontrainable_weights",
@@ -596,6 +664,7 @@ impl Reader {
 
     fn top_level(&mut self) -> Result<(), ConfigError> {
         self.sort_keys("", TOP_LEVEL)?;
+        self.tensor_parallel()?;
         // train_batch_size is checked later against the world size.
         if let Some(v) = self.get("train_batch_size").cloned() {
             if !is_auto(&v) {
@@ -1297,6 +1366,35 @@ impl Reader {
         Ok(())
     }
 
+    /// `tensor_parallel` (AutoTP training): ignored where it splits the
+    /// model over one device (`autotp_size` 0, off, or 1; `tp_size` 1),
+    /// which is the data parallelism zrun trains with; refused otherwise.
+    fn tensor_parallel(&mut self) -> Result<(), ConfigError> {
+        let tp = "tensor_parallel";
+        match self.get(tp) {
+            None | Some(Value::Null) => return Ok(()),
+            Some(Value::Object(_)) => {}
+            Some(_) => return Err(self.error(tp, "must be a JSON object")),
+        }
+        for (size, off) in [
+            ("autotp_size", &[0.0, 1.0][..]),
+            ("tp.tp_size", &[1.0][..]),
+            ("tensor_parallel.tp_size", &[1.0][..]),
+        ] {
+            let path = format!("{tp}.{size}");
+            if let Some(v) = self.get(&path) {
+                if !v.as_f64().is_some_and(|n| off.contains(&n)) {
+                    return Err(self.error(
+                        &path,
+                        format!("{v}: tensor parallelism is not something zrun does (it trains data parallel): write 1 or remove the key"),
+                    ));
+                }
+            }
+        }
+        self.out.ignored.push((tp.to_string(), self.at(tp).0));
+        Ok(())
+    }
+
     fn zero(&mut self) -> Result<(), ConfigError> {
         let z = "zero_optimization";
         // The old spelling: `"zero_optimization": true` is stage 1.
@@ -1326,6 +1424,21 @@ impl Reader {
             boolean,
         )?;
         let d = self.d_model as f64;
+        for (stage3, field) in [
+            ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
+            (
+                "stage3_param_persistence_threshold",
+                "param_persistence_threshold",
+            ),
+        ] {
+            let (a, b) = (format!("{z}.{stage3}"), format!("{z}.{field}"));
+            if self.get(&a).is_some() && self.get(&b).is_some() {
+                return Err(self.error(
+                    &b,
+                    format!("`{stage3}` says the same: write one of the two"),
+                ));
+            }
+        }
         for (source, key, auto) in [
             ("reduce_bucket_size", "zero.reduce_bucket_size", d * d),
             (
@@ -1337,6 +1450,17 @@ impl Reader {
                 "stage3_param_persistence_threshold",
                 "zero.param_persistence_threshold",
                 10.0 * d,
+            ),
+            // Hugging Face fills `"auto"` for the stage3_ spellings only.
+            (
+                "prefetch_bucket_size",
+                "zero.prefetch_bucket_size",
+                f64::NAN,
+            ),
+            (
+                "param_persistence_threshold",
+                "zero.param_persistence_threshold",
+                f64::NAN,
             ),
             ("sub_group_size", "zero.sub_group_size", f64::NAN),
         ] {

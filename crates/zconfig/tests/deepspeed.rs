@@ -842,12 +842,118 @@ fn what_cannot_be_honoured_is_refused_where_it_is_written() {
             "{\"optimizer\": {\"type\": \"Lion\",\n \"params\": {\"lr\": 1e-4, \"eps\": 1e-8}}}",
             "ds.json:2:25: optimizer.params.eps: unknown DeepSpeed key `eps`",
         ),
+        (
+            "{\"tensor_parallel\": {\"autotp_size\": 2}}",
+            "ds.json:1:22: tensor_parallel.autotp_size: 2: tensor parallelism is not something zrun does",
+        ),
+        (
+            "{\"tensor_parallel\": {\"tp\": {\"tp_size\": 4}}}",
+            "tensor_parallel.tp.tp_size: 4: tensor parallelism is not something zrun does",
+        ),
+        (
+            "{\"progressive_layer_drop\": {\"enabled\": true, \"theta\": 0.5}}",
+            "progressive_layer_drop: progressive layer drop is not something zrun does",
+        ),
+        (
+            "{\"weight_quantization\": {\"post_init_quant\": {}}}",
+            "weight_quantization: weight quantization at initialisation is not something zrun does",
+        ),
+        (
+            "{\"zero_optimization\": {\"stage\": 3,\n \"zeropp_loco_param\": {\"err_beta\": 0.8}}}",
+            "ds.json:2:2: zero_optimization.zeropp_loco_param: {\"err_beta\":0.8} cannot be honoured: LoCo",
+        ),
+        (
+            "{\"zero_optimization\": {\"stage\": 3, \"stage3_prefetch_bucket_size\": 100,\n \"prefetch_bucket_size\": 200}}",
+            "ds.json:2:2: zero_optimization.prefetch_bucket_size: `stage3_prefetch_bucket_size` says the same: write one of the two",
+        ),
+        (
+            "{\"zero_optimization\": {\"stage\": 3, \"param_persistence_threshold\": \"auto\"}}",
+            "zero_optimization.param_persistence_threshold: \"auto\" has no value to take here",
+        ),
+        (
+            "{\"zero_optimization\": {\"cpu_offload_param\": true}}",
+            "zero_optimization.cpu_offload_param: true cannot be honoured: the old spelling of offload_param",
+        ),
         ("{\"train_batch_size\": 8,\n", "ds.json:2:1: not a DeepSpeed config (JSON)"),
         ("[1, 2]", "a DeepSpeed config is a JSON object"),
     ] {
         let e = ds_error(BARE, ds, 2);
         assert!(e.contains(want), "{ds}\n  gave: {e}\n  want: {want}");
     }
+}
+
+/// DeepSpeed's rarer and newer keys (its `runtime/config.py` and
+/// `zero/config.py`, 0.16-0.17): those that change nothing a zrun job
+/// computes are listed as ignored, DeepSpeed's field names for the stage-3
+/// sizes are read as their `stage3_` aliases are, and features zrun lacks
+/// load only while off (the refusals are in the test above).
+#[test]
+fn rarer_keys_are_read_ignored_or_held_to_off() {
+    let ds = r#"{
+      "compile": {"deepcompile": true, "offload_activation": false},
+      "graph_harvesting": true,
+      "pipeline": {"stages": "auto", "partition": "best"},
+      "dataloader_drop_last": true,
+      "seq_parallel_communication_data_type": "bf16",
+      "use_data_before_expert_parallelism": false,
+      "tensor_parallel": {"autotp_size": 1, "tp": {"tp_size": 1}},
+      "progressive_layer_drop": {"enabled": false, "theta": 0.5, "gamma": 0.001},
+      "quantize_training": {"enabled": false},
+      "eigenvalue": {"enabled": false},
+      "hybrid_engine": {"enabled": false},
+      "nebula": {"enabled": false},
+      "zero_optimization": {
+        "stage": 3,
+        "prefetch_bucket_size": 1000,
+        "param_persistence_threshold": 10,
+        "max_live_parameters": 1e9,
+        "max_reuse_distance": 1e9,
+        "model_persistence_threshold": 1e12,
+        "stage3_module_granularity_threshold": 0,
+        "use_all_reduce_for_fetch_params": true,
+        "cpu_offload_use_pin_memory": true,
+        "cpu_offload_param": false,
+        "pipeline_loading_checkpoint": false,
+        "override_module_apply": true,
+        "log_trace_cache_warnings": false,
+        "mics_hierarchical_params_gather": false,
+        "zeropp_loco_param": null
+      }
+    }"#;
+    let j = job(BARE);
+    let path = j._dir.path().join("ds.json");
+    std::fs::write(&path, ds).unwrap();
+    let mut loaded = load_job_with(&j.path, &[], Some(&path)).unwrap();
+    loaded.validate(2).unwrap();
+    assert_eq!(loaded.spec.zero.prefetch_bucket_size.0, 1000);
+    assert_eq!(loaded.spec.zero.param_persistence_threshold.0, 10);
+    let ignored = ignored(&loaded);
+    for key in [
+        "compile",
+        "graph_harvesting",
+        "pipeline",
+        "dataloader_drop_last",
+        "seq_parallel_communication_data_type",
+        "use_data_before_expert_parallelism",
+        "tensor_parallel",
+        "progressive_layer_drop",
+        "quantize_training",
+        "eigenvalue",
+        "hybrid_engine",
+        "nebula",
+        "zero_optimization.max_live_parameters",
+        "zero_optimization.model_persistence_threshold",
+        "zero_optimization.stage3_module_granularity_threshold",
+        "zero_optimization.use_all_reduce_for_fetch_params",
+        "zero_optimization.cpu_offload_param",
+        "zero_optimization.zeropp_loco_param",
+    ] {
+        assert!(ignored.iter().any(|k| k == key), "{key} not in {ignored:?}");
+    }
+    assert!(
+        !ignored.iter().any(|k| k.ends_with("prefetch_bucket_size")),
+        "read, not ignored: {ignored:?}"
+    );
 }
 
 #[test]
@@ -921,9 +1027,20 @@ fn every_value_of_every_key_loads_or_is_refused_naming_it() {
         "gradient_predivide_factor",
         "communication_data_type",
         "amp",
+        "tensor_parallel",
+        "progressive_layer_drop",
+        "weight_quantization",
     ] {
         key(k, &format!("{{\"{k}\": VALUE}}"));
     }
+    key(
+        "tensor_parallel.autotp_size",
+        "{\"tensor_parallel\": {\"autotp_size\": VALUE}}",
+    );
+    key(
+        "tensor_parallel.tp.tp_size",
+        "{\"tensor_parallel\": {\"tp\": {\"tp_size\": VALUE}}}",
+    );
     for k in [
         "lr",
         "betas",
@@ -997,6 +1114,10 @@ fn every_value_of_every_key_loads_or_is_refused_naming_it() {
         "reduce_bucket_size",
         "stage3_prefetch_bucket_size",
         "stage3_param_persistence_threshold",
+        "prefetch_bucket_size",
+        "param_persistence_threshold",
+        "zeropp_loco_param",
+        "cpu_offload_param",
         "sub_group_size",
         "zero_quantized_weights",
         "zero_hpz_partition_size",
