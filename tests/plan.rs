@@ -1,4 +1,5 @@
-//! `zrun plan` end to end: the machine is measured once and cached, the
+//! `zrun plan` end to end: the machine is measured once and cached (a
+//! 16-bit job's own rates too, the first time one is planned), the
 //! configurations that fit are ranked, the best is written as a job file that
 //! `zrun train` runs as it is (and kept from a second `--out` unless
 //! `--overwrite`), and a memory budget nothing fits is exit 2.
@@ -41,6 +42,23 @@ fn plan_writes_a_job_that_trains_and_refuses_an_impossible_budget() {
     assert_eq!(again.code(), 0, "{again:?}");
     assert!(
         again.stdout.contains("machine figures from"),
+        "{}",
+        again.stdout
+    );
+
+    // A bf16 job: its own rates are fitted from two bf16 steps the first
+    // time, kept in the same figures file, and read from it after.
+    let bf16 = plan(&["--set", "train.dtype=bf16"]);
+    assert_eq!(bf16.code(), 0, "{bf16:?}");
+    assert!(
+        bf16.stdout.contains("measuring bf16 steps")
+            && bf16.stdout.contains("bf16 steps: products"),
+        "{}",
+        bf16.stdout
+    );
+    let again = plan(&["--set", "train.dtype=bf16"]);
+    assert!(
+        !again.stdout.contains("measuring") && again.stdout.contains("bf16 steps: products"),
         "{}",
         again.stdout
     );

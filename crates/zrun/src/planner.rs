@@ -86,6 +86,25 @@ pub struct Machine {
     /// cached before it was measured, which are measured again.
     #[serde(default)]
     pub between_gbps: f64,
+    /// The rates a step in a 16-bit working type runs at, measured the
+    /// first time a job in that type is planned here.
+    #[serde(default)]
+    pub sixteen: Vec<Rates>,
+}
+
+/// What a step in a 16-bit working type runs at, fitted from two steps of
+/// its own (see [`measure_sixteen`]): its products (bf16 ones where the CPU
+/// multiplies bf16 natively) and its passes between them (rounding too)
+/// differ from f32's, and a benchmark's rate overshoots what the products
+/// reach inside a step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Rates {
+    /// The working type.
+    pub dtype: Dtype,
+    /// The products with every core, GFLOP/s.
+    pub gemm_gflops: f64,
+    /// The work between the products, GB/s of activations per worker.
+    pub between_gbps: f64,
 }
 
 /// What a step costs beyond its FLOPs and bytes (operator dispatch,
@@ -104,6 +123,17 @@ pub struct Overheads {
 }
 
 impl Machine {
+    /// (GEMM GFLOP/s with every core, GB/s between the products per worker)
+    /// of a step in `dtype`: f32's figures where no 16-bit ones were measured.
+    fn rates(&self, dtype: Dtype) -> (f64, f64) {
+        self.sixteen
+            .iter()
+            .find(|r| r.dtype == dtype)
+            .map_or((self.gemm_gflops, self.between_gbps), |r| {
+                (r.gemm_gflops, r.between_gbps)
+            })
+    }
+
     fn busbw(&self, transport: &str, op: &str) -> Option<f64> {
         self.busbw
             .iter()
@@ -209,17 +239,25 @@ fn machine(workers: usize, remeasure: bool, worker_bin: &Path) -> Result<Machine
         swap_gbps: None,
         overheads,
         between_gbps: between.measure(worker_bin)?,
+        sixteen: Vec::new(),
     };
+    cache(&m)?;
+    Ok(m)
+}
+
+/// Keeps `m` for the next plan on this host (a failure to is said, not fatal).
+fn cache(m: &Machine) -> Result<()> {
+    let path = cache_path(m.workers);
     if let Some(dir) = path.parent() {
         let _ = std::fs::create_dir_all(dir);
     }
-    if let Err(e) = zckpt::write_atomic(&path, &serde_json::to_vec_pretty(&m)?) {
+    if let Err(e) = zckpt::write_atomic(&path, &serde_json::to_vec_pretty(m)?) {
         say!(
             "zrun: could not cache the figures at {}: {e}",
             path.display()
         );
     }
-    Ok(m)
+    Ok(())
 }
 
 /// Median step time (after the first) of a minimal synthetic job on
@@ -228,17 +266,17 @@ fn machine(workers: usize, remeasure: bool, worker_bin: &Path) -> Result<Machine
 fn tiny_step_s(workers: usize, layers: usize, accum: usize, worker_bin: &Path) -> Result<f64> {
     let model =
         format!("{{vocab_size: 64, d_model: 16, n_layers: {layers}, n_heads: 2, seq_len: 16}}");
-    Ok(step_s(workers, &model, 1, accum, worker_bin)?.0)
+    Ok(step_s(workers, &model, (1, accum), Dtype::F32, worker_bin)?.0)
 }
 
 /// Median step time (after the first) of a synthetic job of `model` (its
 /// YAML) on `workers` local workers, `micro` sequences a micro-batch and
-/// `accum` micro-batches a step, and the job it ran.
+/// `accum` micro-batches a step, in `dtype`, and the job it ran.
 fn step_s(
     workers: usize,
     model: &str,
-    micro: usize,
-    accum: usize,
+    (micro, accum): (usize, usize),
+    dtype: Dtype,
     worker_bin: &Path,
 ) -> Result<(f64, JobSpec)> {
     let dir = tempfile::tempdir()?;
@@ -247,7 +285,7 @@ fn step_s(
         &job,
         format!(
             "name: overhead\nmodel: {model}\n\
-             data: {{format: synthetic}}\ntrain: {{steps: 12, micro_batch_size: {micro}, grad_accum: {accum}, warmup_steps: 1}}\n\
+             data: {{format: synthetic}}\ntrain: {{steps: 12, micro_batch_size: {micro}, grad_accum: {accum}, warmup_steps: 1, dtype: {dtype}}}\n\
              run_dir: {}\n",
             dir.path().join("run").display()
         ),
@@ -290,8 +328,7 @@ impl Between {
     /// (tiny's d_model 128, the anchor's 384), so that it is not fitted to
     /// them.
     fn measure(&self, worker_bin: &Path) -> Result<f64> {
-        let model = "{vocab_size: 256, d_model: 64, n_layers: 2, n_heads: 4, seq_len: 64}";
-        let (step, spec) = step_s(self.workers, model, 8, 1, worker_bin)?;
+        let (step, spec) = step_s(self.workers, BETWEEN_MODEL, (8, 1), Dtype::F32, worker_bin)?;
         Ok(self.rate(step, &spec))
     }
 
@@ -300,19 +337,82 @@ impl Between {
     /// three passes over the activations at the worker's share of the triad
     /// stand in.
     fn rate(&self, step: f64, spec: &JobSpec) -> f64 {
-        let m = &spec.model;
-        let micro = spec.train.micro_batch_size as f64;
-        let (l, d, t) = (m.n_layers as f64, m.d_model as f64, m.seq_len as f64);
-        let flops = micro * t * (6.0 * model_params(m) + 12.0 * l * d * t);
+        let (flops, acts, fixed) = step_parts(spec, self.overheads);
         let gemm = flops / (self.gemm_gflops * 1e9 / self.workers as f64);
-        let o = self.overheads;
-        let between = step - gemm - (l * o.block_s + o.micro_s + o.step_s);
-        let (acts, _) = activation_bytes(m, spec.train.micro_batch_size, (false, Kept::F32));
+        let between = step - gemm - fixed;
         match between > 0.0 {
             true => acts / between / 1e9,
             false => self.triad_gbps / self.workers as f64 / 3.0,
         }
     }
+}
+
+/// The model [`Between`] measures on: d_model 64, 2 blocks, 8 sequences of
+/// 64 tokens a micro-batch.
+const BETWEEN_MODEL: &str = "{vocab_size: 256, d_model: 64, n_layers: 2, n_heads: 4, seq_len: 64}";
+
+/// A one-micro-batch step of `spec` on one worker: (its products' FLOPs,
+/// the activation bytes the work between them goes through, its fixed
+/// overheads in seconds).
+fn step_parts(spec: &JobSpec, o: Overheads) -> (f64, f64, f64) {
+    let m = &spec.model;
+    let micro = spec.train.micro_batch_size as f64;
+    let (l, d, t) = (m.n_layers as f64, m.d_model as f64, m.seq_len as f64);
+    let flops = micro * t * (6.0 * model_params(m) + 12.0 * l * d * t);
+    let (acts, _) = activation_bytes(m, spec.train.micro_batch_size, (false, Kept::F32));
+    (flops, acts, l * o.block_s + o.micro_s + o.step_s)
+}
+
+/// [`Rates`] of a step in `dtype` on `m`, from two steps of its own: the
+/// [`Between`] model, where the work between the products weighs most, and
+/// one of d_model 256, where the products do. Each step less its fixed
+/// overheads is its products at the GEMM rate plus its activation bytes at
+/// the rate between them: two equations in the two rates. Where the
+/// machine's noise leaves no positive solution, the f32 GEMM rate stands and
+/// the small step gives the rate between, as for f32.
+fn measure_sixteen(m: &Machine, dtype: Dtype, worker_bin: &Path) -> Result<Rates> {
+    let large = "{vocab_size: 256, d_model: 256, n_layers: 2, n_heads: 4, seq_len: 64}";
+    let mut steps = Vec::new();
+    for model in [BETWEEN_MODEL, large] {
+        steps.push(step_s(m.workers, model, (8, 1), dtype, worker_bin)?);
+    }
+    let rows: Vec<[f64; 3]> = steps
+        .iter()
+        .map(|(step, spec)| {
+            let (flops, acts, fixed) = step_parts(spec, m.overheads);
+            [step - fixed, flops * m.workers as f64, acts]
+        })
+        .collect();
+    Ok(fit_rates(dtype, &rows).unwrap_or_else(|| {
+        let between = Between {
+            workers: m.workers,
+            gemm_gflops: m.gemm_gflops,
+            triad_gbps: m.triad_gbps,
+            overheads: m.overheads,
+        };
+        Rates {
+            dtype,
+            gemm_gflops: m.gemm_gflops,
+            between_gbps: between.rate(steps[0].0, &steps[0].1),
+        }
+    }))
+}
+
+/// Solves `seconds = flops / gemm + bytes / between` for the two rates
+/// from two steps' `[seconds, flops (all workers'), bytes (one worker's)]`;
+/// `None` where they admit no positive pair.
+fn fit_rates(dtype: Dtype, rows: &[[f64; 3]]) -> Option<Rates> {
+    let [[r1, f1, a1], [r2, f2, a2]] = rows else {
+        return None;
+    };
+    let det = f1 * a2 - f2 * a1;
+    let per_flop = (r1 * a2 - r2 * a1) / det;
+    let per_byte = (f1 * r2 - f2 * r1) / det;
+    (per_flop > 0.0 && per_byte > 0.0 && det.is_finite()).then(|| Rates {
+        dtype,
+        gemm_gflops: 1.0 / per_flop / 1e9,
+        between_gbps: 1.0 / per_byte / 1e9,
+    })
 }
 
 /// [`Overheads`] from three minimal jobs: 1 and 3 blocks at 8 micro-batches
@@ -410,7 +510,8 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     } else {
         0.0
     };
-    let gemm_rate = s.machine.gemm_gflops * 1e9 / per_node;
+    let (gemm_gflops, between_gbps) = s.machine.rates(spec.train.dtype);
+    let gemm_rate = gemm_gflops * 1e9 / per_node;
     let gemm = tokens * (per_token + recompute) / gemm_rate;
     // The passes between the products go over every block's activations
     // whatever is frozen (a frozen weight's input is dropped, not left
@@ -421,7 +522,7 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
     let (acts, _) = activation_bytes(m, spec.train.micro_batch_size, (false, Kept::F32));
     // Checkpointing runs the forward's share of that work again.
     let again = if ac { 4.0 / 3.0 } else { 1.0 };
-    let memory = accum * acts * again / (s.machine.between_gbps * 1e9);
+    let memory = accum * acts * again / (between_gbps * 1e9);
     let o = s.machine.overheads;
     let recomputed = if ac { 1.5 } else { 1.0 };
     let overheads = accum * (l * o.block_s * recomputed + o.micro_s) + o.step_s;
@@ -673,6 +774,13 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
     };
     let worker_bin = crate::bench::worker_bin(args.launch.worker_bin.clone())?;
     let mut machine = machine(per_node, args.remeasure, &worker_bin)?;
+    let dtype = base.spec.train.dtype;
+    if dtype != Dtype::F32 && !machine.sixteen.iter().any(|r| r.dtype == dtype) {
+        say!("zrun: measuring {dtype} steps on this machine (once; cached with the figures)");
+        let rates = measure_sixteen(&machine, dtype, &worker_bin)?;
+        machine.sixteen.push(rates);
+        cache(&machine)?;
+    }
     let sets = candidate_sets(&base.spec, world, nodes);
     if sets.iter().any(|s| s.iter().any(|(_, v)| v == "nvme")) && machine.swap_gbps.is_none() {
         machine.swap_gbps = measure_swap(&base.spec);
@@ -855,6 +963,15 @@ fn print_table(
             })
             .collect::<String>()
     );
+    for r in &m.sixteen {
+        say!(
+            "{} steps: products {:.1} GFLOP/s, between them {:.2} GB/s of activations per worker (fitted from two {} steps)",
+            r.dtype,
+            r.gemm_gflops,
+            r.between_gbps,
+            r.dtype
+        );
+    }
     say!(
         "overheads: {:.0} µs per block and micro-batch, {:.0} µs per micro-batch, {:.2} ms per step",
         m.overheads.block_s * 1e6,
@@ -982,6 +1099,7 @@ mod tests {
                 step_s: 1e-3,
             },
             between_gbps: 2.0,
+            sixteen: Vec::new(),
         }
     }
 
@@ -1129,6 +1247,46 @@ mod tests {
             adamw[5] > 0.0 && (lamb[5] / adamw[5] - 1.5).abs() < 1e-9,
             "{lamb:?}"
         );
+    }
+
+    /// Two steps made from known rates give the rates back; steps that no
+    /// positive pair explains (the larger model faster) give none, and the
+    /// f32 figures stand.
+    #[test]
+    fn sixteen_bit_rates_are_fitted_from_two_steps() {
+        let (gemm, between) = (300e9, 1.5e9);
+        let step = |flops: f64, bytes: f64| [flops / gemm + bytes / between, flops, bytes];
+        let rows = [step(2e8, 5e6), step(5e9, 2e7)];
+        let r = fit_rates(Dtype::Bf16, &rows).unwrap();
+        assert!((r.gemm_gflops / 300.0 - 1.0).abs() < 1e-9, "{r:?}");
+        assert!((r.between_gbps / 1.5 - 1.0).abs() < 1e-9, "{r:?}");
+        let noisy = [step(2e8, 5e6), [1e-4, 5e9, 2e7]];
+        assert!(fit_rates(Dtype::Bf16, &noisy).is_none());
+        // A bf16 job is priced at the fitted rates, an f32 one at f32's.
+        let mut m = machine();
+        m.sixteen.push(Rates {
+            dtype: Dtype::Bf16,
+            gemm_gflops: 200.0,
+            between_gbps: 4.0,
+        });
+        let s = Setting {
+            world: 1,
+            nodes: 1,
+            machine: &m,
+            link_gbps: None,
+        };
+        let f32s = predict(&spec(&[]), &s);
+        let bf16s = predict(&spec(&["train.dtype=\"bf16\""]), &s);
+        assert!(
+            (f32s[0] / bf16s[0] - 2.0).abs() < 1e-9,
+            "{f32s:?} {bf16s:?}"
+        );
+        assert!(
+            (f32s[1] / bf16s[1] - 2.0).abs() < 1e-9,
+            "{f32s:?} {bf16s:?}"
+        );
+        let f16s = predict(&spec(&["train.dtype=\"f16\""]), &s);
+        assert_eq!(f16s[0], f32s[0], "no f16 rates measured: f32's");
     }
 
     #[test]
