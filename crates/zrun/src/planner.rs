@@ -21,7 +21,8 @@
 //! - the work between the products (norms, activations, attention's
 //!   softmax, the loss): the step's activation bytes (a third more with
 //!   checkpointing) at the rate a small model's step went through its own,
-//!   measured ([`Machine::between_gbps`]);
+//!   measured ([`Machine::between_gbps`]); a job in bf16 or f16 takes both
+//!   rates from two steps of its own type instead ([`Rates`]);
 //! - fixed overheads per block and micro-batch, per micro-batch and per step,
 //!   measured by training a model too small for anything else to count;
 //! - the optimizer: AdamW's 28 bytes per parameter of the rank's slice at
