@@ -94,7 +94,7 @@ pub struct Machine {
 }
 
 /// What a step in a 16-bit working type runs at, fitted from two steps of
-/// its own (see [`measure_sixteen`]): its products (bf16 ones where the CPU
+/// its own (`measure_sixteen`): its products (bf16 ones where the CPU
 /// multiplies bf16 natively) and its passes between them (rounding too)
 /// differ from f32's, and a benchmark's rate overshoots what the products
 /// reach inside a step.
