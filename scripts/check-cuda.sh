@@ -66,8 +66,8 @@ cargo build --release --features zworker/cuda
 # the resident step in f32, bf16 and f16 against ZeRO-Offload's bits; a GPU
 # out of memory; two GPUs, a worker each, stage 3 in f32 and stage 2 in
 # bf16 over NCCL against the host flow; the profile's table; stages 0-3 to
-# the bit; resumes to the bit, one GPU and stage 3 over NCCL; ZeRO++ and
-# NVMe offload in the host flow; NCCL's bench rows; the refusals; bf16
+# the bit; resumes to the bit, one GPU and stage 3 over NCCL; ZeRO++,
+# bf16 reductions and NVMe offload in the host flow; NCCL's bench rows; the refusals; bf16
 # and f16 against the CPU run, their stages agreeing; frozen parameters);
 # the rest (LLaMA, TF32, fused attention, and two workers sharing a GPU
 # over NCCL at every stage and dtype: 6 tests, 2 of the 3.5 minutes all 30
