@@ -270,9 +270,13 @@ fn tiny_step_s(workers: usize, layers: usize, accum: usize, worker_bin: &Path) -
     Ok(step_s(workers, &model, (1, accum), Dtype::F32, worker_bin)?.0)
 }
 
-/// Median step time (after the first) of a synthetic job of `model` (its
-/// YAML) on `workers` local workers, `micro` sequences a micro-batch and
-/// `accum` micro-batches a step, in `dtype`, and the job it ran.
+/// Step time of a synthetic job of `model` (its YAML) on `workers` local
+/// workers, `micro` sequences a micro-batch and `accum` micro-batches a
+/// step, in `dtype`, and the job it ran: the faster of two runs' medians
+/// (each after its first step). A neighbour that takes the host for one
+/// run only slows it, and the figures are cached: one such run had left a
+/// rate between the products 0.6x what a remeasure found, and every plan
+/// after it 1.13-1.20x slow.
 fn step_s(
     workers: usize,
     model: &str,
@@ -286,30 +290,37 @@ fn step_s(
         &job,
         format!(
             "name: overhead\nmodel: {model}\n\
-             data: {{format: synthetic}}\ntrain: {{steps: 12, micro_batch_size: {micro}, grad_accum: {accum}, warmup_steps: 1, dtype: {dtype}}}\n\
-             run_dir: {}\n",
-            dir.path().join("run").display()
+             data: {{format: synthetic}}\ntrain: {{steps: 12, micro_batch_size: {micro}, grad_accum: {accum}, warmup_steps: 1, dtype: {dtype}}}\n"
         ),
     )?;
     let spec = load_job_with(&job, &[], None)?.spec;
-    let metrics = dir.path().join("m.jsonl");
-    let mut cmd = std::process::Command::new(std::env::current_exe()?);
-    cmd.arg("train")
-        .arg(&job)
-        .args(["--no-progress", "--workers-per-node", &workers.to_string()])
-        .arg("--worker-bin")
-        .arg(worker_bin)
-        .arg("--metrics")
-        .arg(&metrics);
-    let out = crate::child::output_of(cmd, "measuring step overheads")?;
-    if !out.status.success() {
-        return Err(Failure::launch(format!(
-            "measuring step overheads failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )));
+    let mut best = f64::INFINITY;
+    for run in 0..2 {
+        let metrics = dir.path().join(format!("m{run}.jsonl"));
+        let mut cmd = std::process::Command::new(std::env::current_exe()?);
+        cmd.arg("train")
+            .arg(&job)
+            .args(["--no-progress", "--workers-per-node", &workers.to_string()])
+            .arg("--worker-bin")
+            .arg(worker_bin)
+            .arg("--set")
+            .arg(format!(
+                "run_dir={}",
+                dir.path().join(format!("run{run}")).display()
+            ))
+            .arg("--metrics")
+            .arg(&metrics);
+        let out = crate::child::output_of(cmd, "measuring step overheads")?;
+        if !out.status.success() {
+            return Err(Failure::launch(format!(
+                "measuring step overheads failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        let step = crate::sweep::row_from_metrics(Vec::new(), &metrics)?.step_ms / 1e3;
+        best = best.min(step);
     }
-    let step = crate::sweep::row_from_metrics(Vec::new(), &metrics)?.step_ms / 1e3;
-    Ok((step, spec))
+    Ok((best, spec))
 }
 
 /// What [`Machine::between_gbps`] is measured against.
