@@ -2,7 +2,7 @@
 //! 16-bit job's own rates too, the first time one is planned), the
 //! configurations that fit are ranked, the best is written as a job file that
 //! `zrun train` runs as it is (and kept from a second `--out` unless
-//! `--overwrite`), and a memory budget nothing fits is exit 2.
+//! `--overwrite`), and a memory budget nothing fits, or a GPU job, is exit 2.
 
 use std::time::Duration;
 
@@ -93,6 +93,16 @@ fn plan_writes_a_job_that_trains_and_refuses_an_impossible_budget() {
     assert!(
         replaced.starts_with("# Written by `zrun plan") && !replaced.contains("# edited"),
         "{replaced}"
+    );
+
+    // A GPU job: its rates are not measured, so no plan (nothing measured).
+    let f = plan(&["--set", "device=cuda"]);
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr
+            .contains("device: cuda: zrun plan prices CPU workers")
+            && !f.stdout.contains("measuring"),
+        "{f:?}"
     );
 
     let f = plan(&["--memory-gib", "0.00001"]);

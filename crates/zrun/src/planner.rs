@@ -1,8 +1,7 @@
 //! `zrun plan JOB.yaml`: which stage, offload, ZeRO++, gradients' wire
 //! type, micro-batch, accumulation and activation checkpointing to run a
-//! job with, found by
-//! arithmetic on measured figures of this machine instead of trial jobs
-//! (DeepSpeed's autotuner launches dozens).
+//! job with, found by arithmetic on measured figures of this machine
+//! instead of trial jobs (DeepSpeed's autotuner launches dozens).
 //!
 //! The figures ([`Machine`]): candle's f32 GEMM, the STREAM triad, AdamW (from
 //! `bench kernels`), the bus bandwidth of all-reduce, all-gather and
@@ -31,10 +30,11 @@
 //!   bus bandwidth (shared memory within a node, TCP or `--link-gbps` across
 //!   nodes), none of it assumed hidden (compute and communication share the
 //!   same cores); qwZ's forward gathers in its bits, hpZ's backward gathers
-//!   over shared memory inside the node; reductions in 16 bits (`train.reduce_dtype`) send half
-//!   the bytes but round and widen them, so they take the longer of their
-//!   wire bytes over the link and their f32 bytes at the rate `bench comm`
-//!   measured for the 16-bit collective on the same transport;
+//!   over shared memory inside the node; reductions in 16 bits
+//!   (`train.reduce_dtype`) send half the bytes but round and widen them,
+//!   so they take the longer of their wire bytes over the link and their
+//!   f32 bytes at the rate `bench comm` measured for the 16-bit collective
+//!   on the same transport;
 //! - swap traffic over the swap directory's bandwidth.
 //!
 //! `--verify` trains the best three for a few steps and prints predicted
@@ -50,7 +50,7 @@ use zconfig::estimate::{
     activation_bytes, cpu_worker_peak_bytes, frozen_flops_per_token, model_params,
     trained_elements, worker_states, Kept, StateBytes,
 };
-use zconfig::spec::{Dtype, OptimizerKind};
+use zconfig::spec::{Device, Dtype, OptimizerKind};
 use zconfig::{load_job_with, JobSpec, Topology};
 
 use crate::cli::PlanArgs;
@@ -593,8 +593,8 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
         // qwZ quantizes the forward gathers; backward's stay full precision.
         let ag = quantized(ag, b.param, z.quantized_weights, z.quantization.weight_bits);
         // hpZ: backward gathers the secondary shards inside its group, on
-        // one node, over the node's shared memory.
-        let back = match z.hpz_partition_size {
+        // one node, over the node's shared memory. (Bytes over GB/s: ns.)
+        let back_ns = match z.hpz_partition_size {
             hpz if hpz > 1 => {
                 let inside = (hpz as f64 - 1.0) / hpz as f64 * back / ring;
                 inside / s.machine.busbw("shm", "all_gather").unwrap_or(1.0)
@@ -625,7 +625,7 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
         };
         (reduction(ar, "all_reduce")
             + ag / rate("all_gather")
-            + back
+            + back_ns
             + reduction(rs, "reduce_scatter"))
             / 1e9
     } else {
@@ -776,6 +776,12 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
     let topo: Topology = topology(&args.launch)?;
     let mut base = load_job_with(&args.job, &args.set, args.deepspeed.as_deref())?;
     base.validate_on(&topo)?;
+    if base.spec.device == Device::Cuda {
+        return Err(Failure::bad_input(format!(
+            "{}: device: cuda: zrun plan prices CPU workers from this host's measured figures; a GPU's are not measured, so it would predict nothing true (plan the job with device: cpu, or size it with zrun estimate)",
+            args.job.display()
+        )));
+    }
     let world = topo.world_size();
     let nodes = topo.nodes.len();
     let per_node = topo.nodes.iter().map(|n| n.slots.len()).max().unwrap_or(1);
