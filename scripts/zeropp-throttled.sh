@@ -9,7 +9,9 @@
 #   sudo scripts/zeropp-throttled.sh [RATE] [STEPS] [DTYPE] [COMPARE]
 #
 # COMPARE `reduce` instead runs stage 2 with gradients reduced in f32 and in
-# 16 bits (`train.reduce_dtype` = DTYPE, bf16 unless DTYPE is f16).
+# 16 bits (`train.reduce_dtype` = DTYPE, bf16 unless DTYPE is f16); `hpz`
+# runs stage 3 plain and with hpZ alone (lossless: backward's gathers stay
+# inside each node).
 #
 # Needs root (unshare -n, tc) and a release build. Prints tokens/s of each run
 # and the ratio. A benchmark, not a test: timings depend on the machine.
@@ -74,6 +76,10 @@ if [ "$compare" = reduce ]; then
     run f32_reductions --set zero.stage=2
     run "${half}_reductions" --set zero.stage=2 --set train.reduce_dtype="$half"
     a=f32_reductions b="${half}_reductions"
+elif [ "$compare" = hpz ]; then
+    run stage3 --set zero.stage=3
+    run hpz --set zero.stage=3 --set zero.zero_hpz_partition_size=2
+    a=stage3 b=hpz
 else
     run stage3 --set zero.stage=3
     run zeropp --set zero.stage=3 --set zero.zero_quantized_weights=true \
