@@ -11,7 +11,8 @@
 # COMPARE `reduce` instead runs stage 2 with gradients reduced in f32 and in
 # 16 bits (`train.reduce_dtype` = DTYPE, bf16 unless DTYPE is f16); `hpz`
 # runs stage 3 plain and with hpZ alone (lossless: backward's gathers stay
-# inside each node).
+# inside each node); `loco` runs qgZ alone without and with LoCo's error
+# feedback (`zero.loco`: what it costs on top of qgZ).
 #
 # Needs root (unshare -n, tc) and a release build. Prints tokens/s of each run
 # and the ratio. A benchmark, not a test: timings depend on the machine.
@@ -76,6 +77,10 @@ if [ "$compare" = reduce ]; then
     run f32_reductions --set zero.stage=2
     run "${half}_reductions" --set zero.stage=2 --set train.reduce_dtype="$half"
     a=f32_reductions b="${half}_reductions"
+elif [ "$compare" = loco ]; then
+    run qgz --set zero.stage=3 --set zero.quantized_gradients=true
+    run qgz_loco --set zero.stage=3 --set zero.quantized_gradients=true --set "zero.loco={}"
+    a=qgz b=qgz_loco
 elif [ "$compare" = hpz ]; then
     run stage3 --set zero.stage=3
     run hpz --set zero.stage=3 --set zero.zero_hpz_partition_size=2

@@ -1637,3 +1637,44 @@ fn reduce_lr_on_plateau_lowers_the_rate_where_the_rule_says() {
         assert!(f.stderr.contains(key), "{set}: {}", f.stderr);
     }
 }
+
+/// LoCo's kept quantization errors (`zero.loco`, with ZeRO++ qgZ at stage
+/// 3) are state a resume needs: each rank writes its file beside its shard,
+/// the manifest lists them with their sizes and checksums, and a run
+/// resumed from step 3 continues the straight one to the bit (without them
+/// its errors would start from zero and its losses leave the straight
+/// run's at once).
+#[test]
+fn loco_errors_are_checkpointed_and_the_resume_matches() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let job = ckpt_job(dir, "loco", 6, 3);
+    let set = &[
+        "--set",
+        "zero.stage=3",
+        "--set",
+        "zero.quantized_gradients=true",
+        "--set",
+        "zero.quantization.block_size=16",
+        "--set",
+        "zero.loco={err_beta: 0.8, reset_T: 1000}",
+    ];
+    train(dir, &job, "straight.jsonl", set);
+    let straight = losses_by_step(&dir.join("straight.jsonl"));
+    let at3 = dir.join("ckpt/step-00000003");
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(at3.join("manifest.json")).unwrap()).unwrap();
+    let listed = manifest["feedback"].as_array().expect("feedback listed");
+    assert_eq!(listed.len(), 2, "{manifest}");
+    for (r, entry) in listed.iter().enumerate() {
+        let name = format!("loco-rank-{r:05}.bin");
+        assert_eq!(entry["name"], name.as_str());
+        let bytes = std::fs::metadata(at3.join(&name)).unwrap().len();
+        assert_eq!(entry["bytes"].as_u64(), Some(bytes));
+    }
+    std::fs::remove_dir_all(dir.join("ckpt/step-00000006")).unwrap();
+    let resumed = [set.as_slice(), &["--resume", "auto"]].concat();
+    train(dir, &job, "resumed.jsonl", &resumed);
+    let resumed = losses_by_step(&dir.join("resumed.jsonl"));
+    assert_eq!(resumed, straight[3..].to_vec());
+}

@@ -186,6 +186,10 @@ pub struct Manifest {
     pub groups: Vec<GroupEntry>,
     /// One shard per rank, in rank order.
     pub files: Vec<FileEntry>,
+    /// LoCo's kept quantization errors (`zero.loco`): one file per rank,
+    /// in rank order ([`feedback_name`]); empty without LoCo.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub feedback: Vec<FileEntry>,
 }
 
 fn is_adamw(kind: &OptimizerKind) -> bool {
@@ -310,6 +314,23 @@ pub fn step_dir_name(step: u64) -> String {
 /// Shard file name of `rank`.
 pub fn shard_name(rank: usize) -> String {
     format!("rank-{rank:05}.safetensors")
+}
+
+/// File name of `rank`'s LoCo errors.
+pub fn feedback_name(rank: usize) -> String {
+    format!("loco-rank-{rank:05}.bin")
+}
+
+/// Writes `rank`'s LoCo errors (the engine's bytes, as they are) into
+/// `dir`, atomically.
+pub fn write_feedback(dir: &Path, rank: usize, bytes: &[u8]) -> Result<FileEntry, CkptError> {
+    let name = feedback_name(rank);
+    write_atomic(&dir.join(&name), bytes)?;
+    Ok(FileEntry {
+        name,
+        bytes: bytes.len() as u64,
+        crc32c: crc32c::crc32c(bytes),
+    })
 }
 
 /// Fault injection for tests: `ZRUN_FAULT_SAVE_DELAY_MS` stalls every save between
@@ -584,12 +605,25 @@ impl Checkpoint {
                 ),
             ));
         }
-        for f in &manifest.files {
+        let feedback = &manifest.feedback;
+        if !feedback.is_empty() && feedback.len() != manifest.world_size {
+            return Err(invalid(
+                &mpath,
+                format!(
+                    "{} LoCo error files listed for {} ranks",
+                    feedback.len(),
+                    manifest.world_size
+                ),
+            ));
+        }
+        let listed = (manifest.files.iter().map(|f| ("shard", f)))
+            .chain(feedback.iter().map(|f| ("LoCo error file", f)));
+        for (what, f) in listed {
             let p = dir.join(&f.name);
             let size = match std::fs::metadata(&p) {
                 Ok(m) => m.len(),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    return Err(invalid(&p, "shard is missing"))
+                    return Err(invalid(&p, format!("{what} is missing")))
                 }
                 Err(e) => return Err(CkptError::Io { path: p, cause: e }),
             };
@@ -618,6 +652,16 @@ impl Checkpoint {
             manifest,
             shards,
         })
+    }
+
+    /// `rank`'s LoCo errors as the engine wrote them, where the checkpoint
+    /// holds them (checked against the manifest when it was opened).
+    pub fn feedback(&self, rank: usize) -> Result<Option<Vec<u8>>, CkptError> {
+        let Some(f) = self.manifest.feedback.get(rank) else {
+            return Ok(None);
+        };
+        let p = self.dir.join(&f.name);
+        std::fs::read(&p).map(Some).map_err(io(&p))
     }
 
     /// Whether a run with the update rule `rule` can resume from this
@@ -1007,6 +1051,7 @@ mod tests {
                 }],
             }],
             files,
+            feedback: Vec::new(),
         };
         write_manifest(dir, &m).unwrap();
         m

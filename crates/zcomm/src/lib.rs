@@ -11,7 +11,8 @@
 //!   a sequence number, per-op deadlines, byte accounting).
 //! - `ring`, `pairwise`, `star`: one file per algorithm family; `quantized`:
 //!   the two-hop reduce-scatter whose data crosses the links narrowed (ZeRO++
-//!   qgZ's quantization, or 16-bit floats).
+//!   qgZ's quantization, or 16-bit floats); `loco`: LoCo's error feedback
+//!   for the quantized one.
 //! - `tcp`: the communicator: one authenticated TCP connection per peer, and
 //!   `shm` rings instead of sockets between ranks of one node when asked.
 //! - `mpi` (cargo feature `mpi`): the communicator for jobs started by
@@ -30,6 +31,7 @@
 mod direct;
 mod error;
 mod links;
+mod loco;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod opthread;
@@ -41,14 +43,20 @@ mod star;
 mod tcp;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use error::{CommError, SetupError};
+pub use loco::ErrorFeedback;
 pub use quantized::Quantization;
 pub use tcp::{TcpCommunicator, TcpOptions};
 pub use zproto::Op;
 pub use zquant::Half;
+
+/// One bucket's LoCo errors ([`ErrorFeedback`]), shared by the engine,
+/// which resets, rescales and checkpoints them between steps, and the
+/// communicator's thread, which holds the lock while it reduces the bucket.
+pub type SharedFeedback = Arc<Mutex<ErrorFeedback>>;
 
 /// A pending collective. `wait` returns its result, or an error at the deadline.
 pub struct Work<T> {
@@ -391,8 +399,15 @@ pub trait Communicator: Send + Sync {
     /// wire (ZeRO++ qgZ): reduced inside each node first, then across nodes,
     /// each hop quantizing what it sends and adding in f32 (see `quantized.rs`).
     /// Buffers with chunks shorter than one quantization block run as a plain
-    /// reduce-scatter (and count as one).
-    fn quantized_reduce_scatter_async(&self, buf: Vec<f32>, q: Quantization) -> Work<Vec<f32>>;
+    /// reduce-scatter (and count as one). With `feedback` (LoCo), each value
+    /// sent carries the error kept for it from the last reduction, and what
+    /// quantizing loses is kept for the next.
+    fn quantized_reduce_scatter_async(
+        &self,
+        buf: Vec<f32>,
+        q: Quantization,
+        feedback: Option<SharedFeedback>,
+    ) -> Work<Vec<f32>>;
     /// [`Communicator::reduce_scatter_async`] with each rank's data rounded
     /// to `half` on the wire (`train.reduce_dtype`), in qgZ's two hops and
     /// added in f32; the result is rounded to `half` too. Counts as a
@@ -443,8 +458,9 @@ pub trait Communicator: Send + Sync {
         &self,
         buf: Vec<f32>,
         q: Quantization,
+        feedback: Option<SharedFeedback>,
     ) -> Result<Vec<f32>, CommError> {
-        self.quantized_reduce_scatter_async(buf, q).wait()
+        self.quantized_reduce_scatter_async(buf, q, feedback).wait()
     }
     /// Blocking [`Communicator::all_gather_async`].
     fn all_gather(&self, chunk: Vec<f32>, total_len: usize) -> Result<Vec<f32>, CommError> {

@@ -37,6 +37,7 @@ use std::ops::Range;
 use zquant::{Bits, Half, QuantError, Quantized};
 
 use crate::links::Links;
+use crate::loco::{self, ErrorFeedback};
 use crate::{chunk_range, CommError, Op};
 
 /// How qgZ quantizes.
@@ -90,14 +91,17 @@ impl Nodes {
 /// Sums `buf` over ranks; returns this rank's chunk (`chunk_range` of the
 /// length) in the front of `buf`'s allocation, as `reduce_scatter` does.
 /// `node_of[r]` is rank r's node; `op` names the collective in errors.
+/// With `feedback` (LoCo, quantized only) each value sent carries the error
+/// kept from the last time, and what quantizing loses now is kept.
 pub(crate) fn reduce_scatter(
     l: &mut dyn Links,
     who: (&str, Op),
     node_of: &[usize],
     mut buf: Vec<f32>,
     wire: Coding,
+    feedback: Option<&mut ErrorFeedback>,
 ) -> Result<Vec<f32>, CommError> {
-    reduce_scatter_in_place(l, who, node_of, &mut buf, wire)?;
+    reduce_scatter_in_place(l, who, node_of, &mut buf, wire, feedback)?;
     let own = chunk_range(buf.len(), l.world_size(), l.rank());
     let len = own.len();
     buf.copy_within(own, 0);
@@ -117,9 +121,11 @@ fn reduce_scatter_in_place(
     node_of: &[usize],
     buf: &mut [f32],
     wire: Coding,
+    mut feedback: Option<&mut ErrorFeedback>,
 ) -> Result<(), CommError> {
     let (w, me) = (l.world_size(), l.rank());
     let nodes = Nodes::new(node_of);
+    let mut errors = feedback.as_mut().map(|f| (f.take(buf.len()), f.beta()));
     let home = nodes.node_of[me];
     let len = buf.len();
     let chunk = |x: usize| chunk_range(len, w, x);
@@ -134,7 +140,7 @@ fn reduce_scatter_in_place(
     // rank handles is added to (the pieces are other handlers' chunks).
     let peers = &nodes.members[home];
     for &p in peers.iter().filter(|&&p| p != me) {
-        send(l, p, buf, &handled_by(p), wire, op)?;
+        send(l, p, buf, &handled_by(p), wire, op, errors.as_mut())?;
     }
     let mine = handled_by(me);
     for &p in peers.iter().filter(|&&p| p != me) {
@@ -143,7 +149,10 @@ fn reduce_scatter_in_place(
 
     // Hop 2: across nodes, each partial to its chunk's owner.
     for x in (0..w).filter(|&x| x != me && nodes.handler(home, x) == me) {
-        send(l, x, buf, &[chunk(x)], wire, op)?;
+        send(l, x, buf, &[chunk(x)], wire, op, errors.as_mut())?;
+    }
+    if let (Some(f), Some((errors, _))) = (feedback, &errors) {
+        f.keep(errors);
     }
     for n in (0..nodes.members.len()).filter(|&n| n != home) {
         if !nodes.members[n].is_empty() {
@@ -169,11 +178,11 @@ pub(crate) fn all_reduce_half(
 ) -> Result<Vec<f32>, CommError> {
     let (w, me) = (l.world_size(), l.rank());
     let (op, coding) = (Op::AllReduce, Coding::Half(half));
-    reduce_scatter_in_place(l, (group, op), node_of, &mut buf, coding)?;
+    reduce_scatter_in_place(l, (group, op), node_of, &mut buf, coding, None)?;
     let len = buf.len();
     let chunk = |x: usize| chunk_range(len, w, x);
     for p in (0..w).filter(|&p| p != me) {
-        send(l, p, &buf, &[chunk(me)], coding, op)?;
+        send(l, p, &buf, &[chunk(me)], coding, op, None)?;
     }
     for p in (0..w).filter(|&p| p != me) {
         let who = (group, op, p);
@@ -227,7 +236,9 @@ thread_local! {
 }
 
 /// Codes the values of `buf` in `ranges`, one after another, and queues
-/// them for `peer` in [`parts`] (the transport copies each payload).
+/// them for `peer` in [`parts`] (the transport copies each payload). With
+/// `errors` (LoCo's kept errors over `buf`, and `beta`), quantized values
+/// are sent compensated.
 fn send(
     l: &mut dyn Links,
     peer: usize,
@@ -235,7 +246,11 @@ fn send(
     ranges: &[Range<usize>],
     wire: Coding,
     op: Op,
+    errors: Option<&mut (Vec<f32>, f32)>,
 ) -> Result<(), CommError> {
+    if let (Some((errors, beta)), Coding::Quantized(q)) = (errors, wire) {
+        return send_compensated(l, peer, buf, ranges, (q, op), (errors, *beta));
+    }
     let n: usize = ranges.iter().map(|r| r.len()).sum();
     let count = parts(wire, n);
     let mut bytes = MESSAGES.with(|m| m.borrow_mut().pop()).unwrap_or_default();
@@ -253,6 +268,47 @@ fn send(
     }
     give_back(bytes);
     sent
+}
+
+/// [`send`] of quantized values with LoCo's errors added (one message):
+/// the values of `buf` in `ranges` plus their `errors`, quantized; then each
+/// error becomes `beta` of itself and `1 - beta` of what quantizing lost
+/// ([`loco::update`]). A piece with a non-finite value goes as NaN and
+/// leaves its errors as they were.
+fn send_compensated(
+    l: &mut dyn Links,
+    peer: usize,
+    buf: &[f32],
+    ranges: &[Range<usize>],
+    (q, op): (Quantization, Op),
+    (errors, beta): (&mut [f32], f32),
+) -> Result<(), CommError> {
+    let mut values = Vec::with_capacity(ranges.iter().map(|r| r.len()).sum());
+    for r in ranges {
+        values.extend(
+            buf[r.clone()]
+                .iter()
+                .zip(&errors[r.clone()])
+                .map(|(v, e)| v + e),
+        );
+    }
+    let codes = quantize_values(&values, q, op)?;
+    if codes.scales.iter().all(|s| s.is_finite()) {
+        let mut sent = vec![0f32; values.len()];
+        zquant::dequantize(&codes, &mut sent);
+        let mut at = 0;
+        for r in ranges {
+            let m = r.len();
+            loco::update(
+                &mut errors[r.clone()],
+                &values[at..at + m],
+                &sent[at..at + m],
+                beta,
+            );
+            at += m;
+        }
+    }
+    l.send(peer, &codes.to_bytes())
 }
 
 /// Receives what [`send`] sent for `ranges` from the peer of `who` and
@@ -351,23 +407,27 @@ fn encode(pieces: &[&[f32]], wire: Coding, op: Op, bytes: &mut Vec<u8>) -> Resul
             return Ok(());
         }
     };
-    let values: Vec<f32> = pieces.concat();
+    *bytes = quantize_values(&pieces.concat(), q, op)?.to_bytes();
+    Ok(())
+}
+
+/// `values` quantized as `q` says; where one is not finite, every scale
+/// NaN (so that the receiver's sum is NaN).
+fn quantize_values(values: &[f32], q: Quantization, op: Op) -> Result<Quantized, CommError> {
     let usage = |e: QuantError| CommError::Usage {
         op: op.name(),
         message: e.to_string(),
     };
-    let codes = match zquant::quantize(&values, q.bits, q.block_size) {
-        Ok(codes) => codes,
+    match zquant::quantize(values, q.bits, q.block_size) {
+        Ok(codes) => Ok(codes),
         Err(QuantError::NonFinite { .. }) => {
             let mut zeros =
                 zquant::quantize(&vec![0f32; values.len()], q.bits, q.block_size).map_err(usage)?;
             zeros.scales.fill(f32::NAN);
-            zeros
+            Ok(zeros)
         }
-        Err(e) => return Err(usage(e)),
-    };
-    *bytes = codes.to_bytes();
-    Ok(())
+        Err(e) => Err(usage(e)),
+    }
 }
 
 /// A message of `got` bytes from `peer` where `expected` carry `len` values.

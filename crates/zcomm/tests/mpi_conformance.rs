@@ -141,7 +141,7 @@ fn collectives(c: &MpiCommunicator) -> Vec<String> {
         assert_eq!(in_place, full, "{what}: all-gather in place");
         lines.push(format!("all_reduce {len} {:x}", bits_hash(&full)));
         let q = c
-            .quantized_reduce_scatter(random(r as u64, len), QGZ)
+            .quantized_reduce_scatter(random(r as u64, len), QGZ, None)
             .unwrap();
         lines.push(format!("qgz {len} {:x}", bits_hash(&q)));
         lines.push(half_line(c, len));
@@ -395,7 +395,7 @@ fn tcp_lines(nodes: &[usize]) -> Vec<Vec<String>> {
                     let full = c.all_reduce(random(r as u64, len)).unwrap();
                     lines.push(format!("all_reduce {len} {:x}", bits_hash(&full)));
                     let q = c
-                        .quantized_reduce_scatter(random(r as u64, len), QGZ)
+                        .quantized_reduce_scatter(random(r as u64, len), QGZ, None)
                         .unwrap();
                     lines.push(format!("qgz {len} {:x}", bits_hash(&q)));
                     lines.push(half_line(c.as_ref(), len));

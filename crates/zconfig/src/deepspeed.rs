@@ -159,7 +159,6 @@ enum Kind {
 enum Accept {
     Bool(bool),
     Num(f64),
-    Null,
 }
 
 impl Accept {
@@ -167,7 +166,6 @@ impl Accept {
         match self {
             Accept::Bool(b) => v.as_bool() == Some(b),
             Accept::Num(n) => v.as_f64() == Some(n),
-            Accept::Null => v.is_null(),
         }
     }
 }
@@ -333,13 +331,7 @@ const ZERO: &[(&str, Kind)] = &[
         "mics_hierarchical_params_gather",
         Kind::Only(&[Accept::Bool(false)], "MiCS sharding"),
     ),
-    (
-        "zeropp_loco_param",
-        Kind::Only(
-            &[Accept::Null],
-            "LoCo's error feedback for qgZ: zrun's qgZ quantizes each step's gradients afresh",
-        ),
-    ),
+    ("zeropp_loco_param", Kind::Section),
     (
         "zero_quantized_nontrainable_weights",
         Kind::Only(
@@ -1539,6 +1531,42 @@ impl Reader {
             "zero.quantized_gradients",
             false,
             boolean,
+        )?;
+        self.loco()
+    }
+
+    /// `zeropp_loco_param: {err_beta, reset_T}` (LoCo for qgZ), both
+    /// needed as DeepSpeed reads both; null is off.
+    fn loco(&mut self) -> Result<(), ConfigError> {
+        const SECTION: &str = "zero_optimization.zeropp_loco_param";
+        const KEYS: &[(&str, Kind)] = &[("err_beta", Kind::Section), ("reset_T", Kind::Section)];
+        if self.get(SECTION).is_none_or(Value::is_null) {
+            return Ok(());
+        }
+        self.sort_keys(SECTION, KEYS)?;
+        for (key, _) in KEYS {
+            if self.get(&join(SECTION, key)).is_none_or(Value::is_null) {
+                return Err(self.error(
+                    SECTION,
+                    format!("needs `{key}` (DeepSpeed reads both err_beta and reset_T)"),
+                ));
+            }
+        }
+        let beta = |v: &Value| match v.as_f64() {
+            Some(b) if (0.0..1.0).contains(&b) => Ok(json!(b)),
+            _ => Err(format!("{v}: must be a number at least 0 and below 1")),
+        };
+        self.simple(
+            &join(SECTION, "err_beta"),
+            "zero.loco.err_beta",
+            false,
+            beta,
+        )?;
+        self.simple(
+            &join(SECTION, "reset_T"),
+            "zero.loco.reset_t",
+            false,
+            positive_count,
         )?;
         Ok(())
     }

@@ -332,6 +332,7 @@ pub fn held_bucket_bytes(spec: &JobSpec, world: usize) -> f64 {
 ///   backward, while every block's activations are held, and a tied
 ///   embedding's bucket leaves only when the embedding's backward is done
 ///   (`vocab × d`: a sixth of a width-256 GPT-2-vocabulary worker's peak).
+/// - LoCo's kept errors, where qgZ has them ([`loco_error_bytes`]).
 /// - Stage 3: the gathered parameters in the working type, the group in use
 ///   and, with `overlap_comm`, up to `prefetch_bucket_size` elements of the
 ///   next ones; under parameter offload to NVMe the states already count two
@@ -362,7 +363,26 @@ pub fn comm_buffer_bytes(spec: &JobSpec, world: usize) -> f64 {
         }
         false => 0.0,
     };
-    bucket + staged + gathered
+    bucket + staged + gathered + loco_error_bytes(spec, world)
+}
+
+/// Bytes of LoCo's kept errors (`zero.loco`) one of `world` workers holds
+/// between steps: a byte a value of every bucket that qgZ quantizes (those
+/// whose chunks hold a quantization block at least; the rest go as plain
+/// reduce-scatters) and an f32 scale a 2048 values. While a bucket is
+/// reduced its errors are widened to f32 too, but that is in backward,
+/// past stage 3's peak at the end of forward.
+pub fn loco_error_bytes(spec: &JobSpec, world: usize) -> f64 {
+    let z = &spec.zero;
+    if world <= 1 || !z.quantized_gradients || z.loco.is_none() {
+        return 0.0;
+    }
+    let block = z.quantization.block_size as f64;
+    reduce_bucket_elements(&spec.model, z.reduce_bucket_size.0)
+        .into_iter()
+        .filter(|&b| (b / world as f64).floor() >= block)
+        .map(|b| b + 4.0 * (b / 2048.0).ceil())
+        .sum()
 }
 
 /// Bytes one node sends to other nodes in one stage-3 step, by phase, as
@@ -1120,6 +1140,16 @@ mod tests {
         assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * trained);
         spec.zero.quantized_gradients = true;
         assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi);
+        // LoCo keeps a byte a value of the one bucket and a scale a 2048.
+        spec.zero.loco = Some(crate::spec::LocoSpec::default());
+        let scales = 4.0 * (psi / 2048.0).ceil();
+        assert_eq!(comm_buffer_bytes(&spec, 2), 5.0 * psi + scales);
+        assert_eq!(
+            comm_buffer_bytes(&spec, 1),
+            0.0,
+            "one worker reduces nothing"
+        );
+        spec.zero.loco = None;
         spec.zero.quantized_gradients = false;
         spec.train.freeze.clear();
         // Stages 2-3 stage the output matrix's gradient (the tied

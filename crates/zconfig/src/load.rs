@@ -266,10 +266,11 @@ fn apply_override(
 }
 
 /// Keys the spec also accepts under DeepSpeed's names: (alias, own name).
-const ALIASES: [(&str, &str); 3] = [
+const ALIASES: [(&str, &str); 4] = [
     ("zero.zero_quantized_weights", "zero.quantized_weights"),
     ("zero.zero_hpz_partition_size", "zero.hpz_partition_size"),
     ("zero.zero_quantized_gradients", "zero.quantized_gradients"),
+    ("zero.zeropp_loco_param", "zero.loco"),
 ];
 
 /// Reads the ds_config that `value`'s `deepspeed` key names, if any, and sets
@@ -1505,6 +1506,28 @@ impl LoadedJob {
                 ),
             ));
         }
+        if let Some(loco) = &z.loco {
+            let key = self.written("zero.loco", "zero.zeropp_loco_param");
+            if !z.quantized_gradients {
+                return Err(self.invalid(
+                    key,
+                    "needs zero.quantized_gradients: true (LoCo keeps the errors of qgZ's quantized gradients)",
+                ));
+            }
+            if !(0.0..1.0).contains(&loco.err_beta) {
+                return Err(self.invalid(
+                    &format!("{key}.err_beta"),
+                    format!("{}: must be at least 0 and below 1", loco.err_beta),
+                ));
+            }
+            if loco.reset_t == 0 {
+                let t = match find_key(&self.text, &format!("{key}.reset_T")) {
+                    Some(_) => "reset_T",
+                    None => "reset_t",
+                };
+                return Err(self.invalid(&format!("{key}.{t}"), "must be at least 1"));
+            }
+        }
         self.validate_offload()?;
         self.validate_freeze()?;
         let c = &s.comm;
@@ -2053,6 +2076,47 @@ mod tests {
         ] {
             let e = job(train, rest).unwrap_err().to_string();
             assert!(e.starts_with(&want), "{train}{rest}: {e}");
+        }
+    }
+
+    /// `zero.loco` (also `zero.zeropp_loco_param`, with DeepSpeed's
+    /// `reset_T`) takes DeepSpeed's defaults, and is refused without qgZ
+    /// or with a beta outside [0, 1) or no reductions between resets, at
+    /// the key that says so.
+    #[test]
+    fn loco_needs_qgz_and_sane_settings() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("job.yaml");
+        let job = |zero: &str| {
+            std::fs::write(&path, format!("{GOOD}zero: {zero}\n")).unwrap();
+            load_job(&path, &[]).and_then(|mut j| j.validate(2).map(|()| j))
+        };
+        let qgz = "{stage: 3, quantized_gradients: true, ";
+        let j = job(&format!("{qgz}loco: {{}}}}")).unwrap();
+        assert_eq!(j.spec.zero.loco, Some(crate::spec::LocoSpec::default()));
+        let j = job(&format!(
+            "{qgz}zeropp_loco_param: {{err_beta: 0.5, reset_T: 9}}}}"
+        ))
+        .unwrap();
+        let loco = j.spec.zero.loco.unwrap();
+        assert_eq!((loco.err_beta, loco.reset_t), (0.5, 9));
+        let p = path.display();
+        for (zero, want) in [
+            (
+                "{stage: 3, loco: {}}".to_string(),
+                format!("{p}:8:18: zero.loco: needs zero.quantized_gradients: true"),
+            ),
+            (
+                format!("{qgz}loco: {{err_beta: 1.0}}}}"),
+                format!("{p}:8:52: zero.loco.err_beta: 1: must be at least 0 and below 1"),
+            ),
+            (
+                format!("{qgz}zeropp_loco_param: {{reset_T: 0}}}}"),
+                format!("{p}:8:65: zero.zeropp_loco_param.reset_T: must be at least 1"),
+            ),
+        ] {
+            let e = job(&zero).unwrap_err().to_string();
+            assert!(e.starts_with(&want), "{zero}: {e}");
         }
     }
 

@@ -1161,6 +1161,9 @@ pub struct ZeroSpec {
     /// ZeRO++ qgZ.
     #[serde(alias = "zero_quantized_gradients")]
     pub quantized_gradients: bool,
+    /// LoCo's error feedback for qgZ; off where absent.
+    #[serde(alias = "zeropp_loco_param")]
+    pub loco: Option<LocoSpec>,
     /// ZeRO++'s quantization: block size and bits.
     pub quantization: QuantizationSpec,
     /// Where optimizer states live.
@@ -1181,9 +1184,32 @@ impl Default for ZeroSpec {
             quantized_weights: false,
             hpz_partition_size: 1,
             quantized_gradients: false,
+            loco: None,
             quantization: QuantizationSpec::default(),
             offload_optimizer: OffloadSpec::default(),
             offload_param: OffloadSpec::default(),
+        }
+    }
+}
+
+/// LoCo (DeepSpeed's `zeropp_loco_param`, its names and defaults): qgZ
+/// keeps what quantizing lost from each value it sent and adds it to that
+/// value the next time.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LocoSpec {
+    /// How much of the kept error stays at each update, in [0, 1).
+    pub err_beta: f64,
+    /// Reductions of a bucket after which its errors restart from zero.
+    #[serde(alias = "reset_T")]
+    pub reset_t: u64,
+}
+
+impl Default for LocoSpec {
+    fn default() -> Self {
+        LocoSpec {
+            err_beta: 0.8,
+            reset_t: 1024,
         }
     }
 }

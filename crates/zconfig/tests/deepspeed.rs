@@ -233,6 +233,11 @@ fn zero_plus_plus_keys() {
     let z = &j.spec.zero;
     assert!(z.quantized_weights && z.quantized_gradients);
     assert_eq!(z.hpz_partition_size, 2);
+    let loco = z
+        .loco
+        .as_ref()
+        .expect("zeropp_loco_param maps to zero.loco");
+    assert_eq!((loco.err_beta, loco.reset_t), (0.6, 512));
     assert_eq!(j.spec.train.micro_batch_size, 4);
 }
 
@@ -859,8 +864,16 @@ fn what_cannot_be_honoured_is_refused_where_it_is_written() {
             "weight_quantization: weight quantization at initialisation is not something zrun does",
         ),
         (
-            "{\"zero_optimization\": {\"stage\": 3,\n \"zeropp_loco_param\": {\"err_beta\": 0.8}}}",
-            "ds.json:2:2: zero_optimization.zeropp_loco_param: {\"err_beta\":0.8} cannot be honoured: LoCo",
+            "{\"zero_optimization\": {\"stage\": 3, \"zero_quantized_gradients\": true,\n \"zeropp_loco_param\": {\"err_beta\": 0.8}}}",
+            "ds.json:2:2: zero_optimization.zeropp_loco_param: needs `reset_T` (DeepSpeed reads both",
+        ),
+        (
+            "{\"zero_optimization\": {\"stage\": 3, \"zeropp_loco_param\": {\"err_beta\": 1,\n \"reset_T\": 8}}}",
+            "zero_optimization.zeropp_loco_param.err_beta: 1: must be a number at least 0 and below 1",
+        ),
+        (
+            "{\"zero_optimization\": {\"stage\": 3, \"zeropp_loco_param\": {\"err_beta\": 0.5,\n \"reset_T\": 8}}}",
+            "zero.loco: needs zero.quantized_gradients: true",
         ),
         (
             "{\"zero_optimization\": {\"stage\": 3, \"stage3_prefetch_bucket_size\": 100,\n \"prefetch_bucket_size\": 200}}",
@@ -946,7 +959,6 @@ fn rarer_keys_are_read_ignored_or_held_to_off() {
         "zero_optimization.stage3_module_granularity_threshold",
         "zero_optimization.use_all_reduce_for_fetch_params",
         "zero_optimization.cpu_offload_param",
-        "zero_optimization.zeropp_loco_param",
     ] {
         assert!(ignored.iter().any(|k| k == key), "{key} not in {ignored:?}");
     }

@@ -258,7 +258,10 @@ impl Engine {
             &completion,
             z.reduce_bucket_size.0.max(1) as usize,
             z.overlap_comm,
-            quantized,
+            (
+                quantized,
+                (z.loco.as_ref()).map(|l| (l.err_beta as f32, l.reset_t)),
+            ),
             spec.train.reduce_dtype.and_then(half_of),
             !stage.partitions_parameters(),
         );

@@ -18,7 +18,9 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use zcomm::{Quantization, Work};
+use std::sync::{Arc, Mutex};
+
+use zcomm::{ErrorFeedback, Quantization, SharedFeedback, Work};
 use zconfig::estimate::REDUCE_BUCKETS_HELD;
 
 use crate::engine::Engine;
@@ -41,6 +43,8 @@ pub(crate) struct Reducer {
     overlap: bool,
     /// ZeRO++ qgZ: reduce-scatters quantized on the wire.
     pub(crate) quantized: Option<Quantization>,
+    /// LoCo: each bucket's kept quantization errors (empty without LoCo).
+    pub(crate) feedback: Vec<SharedFeedback>,
     /// `train.reduce_dtype`: reductions in 16 bits on the wire.
     half: Option<Half>,
     /// Buffers that finished reductions gave back, packed into again. A
@@ -63,23 +67,32 @@ impl Reducer {
     /// Buckets of at most `bucket_size` elements over groups laid out as
     /// `layouts`, which backward completes in the order `backward`; `overlap`
     /// lets reductions run while backward continues; `quantized` (qgZ) or
-    /// `half` narrows what crosses the wire; `pool` keeps finished buckets'
+    /// `half` narrows what crosses the wire, `loco` (err_beta, reset_T)
+    /// gives qgZ's buckets error feedback; `pool` keeps finished buckets'
     /// buffers for the next ones.
     pub(crate) fn new(
         layouts: &[GroupLayout],
         backward: &[usize],
         bucket_size: usize,
         overlap: bool,
-        quantized: Option<Quantization>,
+        (quantized, loco): (Option<Quantization>, Option<(f32, u64)>),
         half: Option<Half>,
         pool: bool,
     ) -> Reducer {
+        // (qgZ's blocks stay those of the whole buffers.)
+        let buckets = Bucket::plan(layouts, backward, bucket_size, quantized.is_none());
+        let feedback = match (quantized, loco) {
+            (Some(_), Some((beta, reset))) => (0..buckets.len())
+                .map(|_| Arc::new(Mutex::new(ErrorFeedback::new(beta, reset))))
+                .collect(),
+            _ => Vec::new(),
+        };
         Reducer {
-            // (qgZ's blocks stay those of the whole buffers.)
-            buckets: Bucket::plan(layouts, backward, bucket_size, quantized.is_none()),
+            buckets,
             pending: VecDeque::new(),
             overlap,
             quantized,
+            feedback,
             half,
             spare: Vec::new(),
             pool,
@@ -110,6 +123,21 @@ impl Reducer {
         let most = REDUCE_BUCKETS_HELD.min(self.buckets.len());
         if self.pool && self.spare.len() < most && buffer.capacity() >= smallest {
             self.spare.push(buffer);
+        }
+    }
+
+    /// After a step's overflow check: LoCo's errors are forgotten where the
+    /// step overflowed (they came from gradients thrown away) and follow the
+    /// loss scale where it changed by `factor` (DeepSpeed's
+    /// `_loco_err_buf_update`).
+    pub(crate) fn follow_loss_scale(&self, overflow: bool, factor: f64) {
+        for f in &self.feedback {
+            let mut f = f.lock().unwrap_or_else(|e| e.into_inner());
+            if overflow {
+                f.reset();
+            } else if factor != 1.0 {
+                f.rescale(factor as f32);
+            }
         }
     }
 
@@ -169,7 +197,9 @@ impl Engine {
         let bytes = (packed.len() * 4) as u64;
         self.comm_buffers.add(bytes);
         let work = if let Some(q) = self.reducer.quantized {
-            self.comm.quantized_reduce_scatter_async(packed, q)
+            let feedback = self.reducer.feedback.get(bi).cloned();
+            self.comm
+                .quantized_reduce_scatter_async(packed, q, feedback)
         } else if let Some(half) = self.reducer.half {
             if self.stage.partitions_optimizer() {
                 self.comm.half_reduce_scatter_async(packed, half)
@@ -384,7 +414,7 @@ mod tests {
         // Two buckets: groups 2 and 1 (1000 + 600 elements and padding),
         // then group 0 (300).
         let l = layouts(&[300, 600, 1000]);
-        let mut kept = Reducer::new(&l, &[2, 1, 0], 1500, true, None, None, true);
+        let mut kept = Reducer::new(&l, &[2, 1, 0], 1500, true, (None, None), None, true);
         let lens: Vec<usize> = kept.buckets.iter().map(|b| b.len).collect();
         assert!(
             lens.len() == 2 && lens[0] >= 1600 && lens[1] < 400,
@@ -406,7 +436,7 @@ mod tests {
         kept.keep(Vec::with_capacity(10));
         assert!(kept.spare.is_empty());
 
-        let mut dropped = Reducer::new(&l, &[2, 1, 0], 1500, true, None, None, false);
+        let mut dropped = Reducer::new(&l, &[2, 1, 0], 1500, true, (None, None), None, false);
         dropped.keep(again);
         assert!(dropped.spare.is_empty(), "stage 3 keeps none");
     }

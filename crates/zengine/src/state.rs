@@ -154,6 +154,7 @@ impl Engine {
         } else {
             self.load_by_name(ckpt, &mine)?;
         }
+        self.restore_feedback(ckpt)?;
         let state = ckpt.manifest.loss_scale.as_ref();
         self.step = ckpt.manifest.step;
         self.updates = self.step - state.map_or(0, |s| s.skipped);
@@ -240,6 +241,62 @@ impl Engine {
             .finish()
             .map_err(|problem| EngineError::Tiling { problem })?;
         Ok(out)
+    }
+
+    /// LoCo's kept errors, as a checkpoint stores them: each bucket's
+    /// state ([`zcomm::ErrorFeedback::to_bytes`]) after its length (8
+    /// bytes, little-endian), in bucket order; `None` without LoCo. Read
+    /// between steps (no reduction in flight).
+    pub fn feedback_state(&self) -> Option<Vec<u8>> {
+        if self.reducer.feedback.is_empty() {
+            return None;
+        }
+        let mut out = Vec::new();
+        for f in &self.reducer.feedback {
+            let bytes = f.lock().unwrap_or_else(|e| e.into_inner()).to_bytes();
+            out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            out.extend_from_slice(&bytes);
+        }
+        Some(out)
+    }
+
+    /// Takes LoCo's kept errors from `ckpt` where it holds them for this
+    /// rank of a run like this one: the same world size, stage and
+    /// buckets (the errors sit at positions of the rank-major buckets).
+    /// Elsewhere they start from zero, as they do every `reset_T`
+    /// reductions anyway.
+    fn restore_feedback(&mut self, ckpt: &Checkpoint) -> Result<(), EngineError> {
+        let m = &ckpt.manifest;
+        let (world, rank) = (self.comm.world_size(), self.comm.rank());
+        if self.reducer.feedback.is_empty()
+            || m.world_size != world
+            || m.stage != self.stage.number()
+        {
+            return Ok(());
+        }
+        let Some(bytes) = ckpt.feedback(rank)? else {
+            return Ok(());
+        };
+        let mut states = Vec::new();
+        let mut rest = bytes.as_slice();
+        while let Some((len, tail)) = rest.split_first_chunk::<8>() {
+            let len = usize::try_from(u64::from_le_bytes(*len)).unwrap_or(usize::MAX);
+            let Some((state, tail)) = tail.split_at_checked(len) else {
+                return Ok(());
+            };
+            states.push(state);
+            rest = tail;
+        }
+        if !rest.is_empty() || states.len() != self.reducer.feedback.len() {
+            return Ok(());
+        }
+        for (f, state) in self.reducer.feedback.iter().zip(states) {
+            let mut f = f.lock().unwrap_or_else(|e| e.into_inner());
+            if f.restore(state).is_none() {
+                f.reset();
+            }
+        }
+        Ok(())
     }
 
     /// f16's loss-scaler state, as a manifest stores it.

@@ -274,7 +274,10 @@ impl Engine {
                 value: grad_norm,
             });
         }
+        let before = scaler.scale;
         scaler.update(step as i64 - 1, overflow);
+        let factor = scaler.scale / before;
+        self.reducer.follow_loss_scale(overflow, factor);
         Ok(overflow)
     }
 

@@ -1,6 +1,7 @@
 //! Writing a checkpoint: every rank its shard, then rank 0 the manifest.
 //!
-//! Ranks send their shard's size and checksum to rank 0 with an all-to-all, so
+//! Ranks send their shard's size and checksum (and, with LoCo, those of
+//! their file of kept quantization errors) to rank 0 with an all-to-all, so
 //! the manifest is written only once every shard is safely on disk, and a crash
 //! anywhere before that leaves a directory without a manifest, which resume and
 //! export ignore. Rank 0 then prunes checkpoints beyond `checkpoint.keep`
@@ -11,8 +12,8 @@ use std::path::Path;
 
 use anyhow::{anyhow, Result};
 use zckpt::{
-    step_dir_name, write_manifest, write_shard, EarlyStopState, FileEntry, Manifest, PlateauState,
-    FORMAT,
+    step_dir_name, write_feedback, write_manifest, write_shard, EarlyStopState, FileEntry,
+    Manifest, PlateauState, FORMAT,
 };
 use zcomm::Communicator;
 use zconfig::JobSpec;
@@ -57,14 +58,19 @@ pub fn save(
         .collect();
     let kinds = engine.checkpoint_kinds();
     let entry = write_shard(&dir, env.rank, kinds, &lens, |g| engine.own_slice(g))?;
+    let feedback = match engine.feedback_state() {
+        Some(bytes) => Some(write_feedback(&dir, env.rank, &bytes)?),
+        None => None,
+    };
     let mut pieces = vec![Vec::new(); env.world_size];
-    pieces[0] = serde_json::to_vec(&entry)?;
+    pieces[0] = serde_json::to_vec(&(entry, feedback))?;
     let got = comm.all_to_all(pieces)?;
     if env.rank == 0 {
-        let files = got
+        let written = got
             .iter()
-            .map(|b| serde_json::from_slice::<FileEntry>(b))
+            .map(|b| serde_json::from_slice::<(FileEntry, Option<FileEntry>)>(b))
             .collect::<Result<Vec<_>, _>>()?;
+        let (files, feedback): (Vec<_>, Vec<_>) = written.into_iter().unzip();
         let manifest = Manifest {
             format: FORMAT,
             model: spec.model.clone(),
@@ -81,6 +87,7 @@ pub fn save(
             optimizer: spec.train.optimizer.kind,
             groups: engine.manifest_groups(),
             files,
+            feedback: feedback.into_iter().flatten().collect(),
         };
         write_manifest(&dir, &manifest)?;
         zckpt::prune(root, spec.checkpoint.keep, spec.checkpoint.keep_best)?;

@@ -42,7 +42,7 @@ use crate::opthread::OpThread;
 use crate::quantized::Coding;
 use crate::{
     chunk_range, pairwise, quantized, ring, CommError, Communicator, CounterSnapshot, Counters,
-    Half, InFlight, Op, Quantization, SetupError, Work,
+    Half, InFlight, Op, Quantization, SetupError, SharedFeedback, Work,
 };
 use wire::{bytes_type, count, error_text, test_until, Comm, Finish, MpiLinks, PIECE};
 
@@ -413,7 +413,12 @@ impl Communicator for MpiCommunicator {
         })
     }
 
-    fn quantized_reduce_scatter_async(&self, buf: Vec<f32>, q: Quantization) -> Work<Vec<f32>> {
+    fn quantized_reduce_scatter_async(
+        &self,
+        buf: Vec<f32>,
+        q: Quantization,
+        feedback: Option<SharedFeedback>,
+    ) -> Work<Vec<f32>> {
         if buf.len() / self.world < q.block_size.max(1) {
             return self.reduce_scatter_async(buf);
         }
@@ -421,7 +426,18 @@ impl Communicator for MpiCommunicator {
         self.submit(Op::QuantizedReduceScatter, bytes, len, move |l| {
             let group = l.group.clone();
             let op = Op::QuantizedReduceScatter;
-            quantized::reduce_scatter(l, (&group, op), &node_of, buf, Coding::Quantized(q))
+            let mut feedback = feedback
+                .as_ref()
+                .map(|f| f.lock().unwrap_or_else(|e| e.into_inner()));
+            let coding = Coding::Quantized(q);
+            quantized::reduce_scatter(
+                l,
+                (&group, op),
+                &node_of,
+                buf,
+                coding,
+                feedback.as_deref_mut(),
+            )
         })
     }
 
@@ -430,7 +446,7 @@ impl Communicator for MpiCommunicator {
         self.submit(Op::ReduceScatter, bytes, len, move |l| {
             let group = l.group.clone();
             let op = Op::ReduceScatter;
-            quantized::reduce_scatter(l, (&group, op), &node_of, buf, Coding::Half(half))
+            quantized::reduce_scatter(l, (&group, op), &node_of, buf, Coding::Half(half), None)
         })
     }
 

@@ -26,7 +26,7 @@ use crate::quantized::Coding;
 use crate::{
     chunk_range, CommError, Communicator, CounterSnapshot, Counters, Op, SetupError, Work,
 };
-use crate::{pairwise, quantized, ring, star, Half, Quantization};
+use crate::{pairwise, quantized, ring, star, Half, Quantization, SharedFeedback};
 use peers::{writer_loop, Outgoing, Peer, TcpLinks, Wire, WriterState};
 
 /// How to build a [`TcpCommunicator`].
@@ -253,7 +253,12 @@ impl Communicator for TcpCommunicator {
         })
     }
 
-    fn quantized_reduce_scatter_async(&self, buf: Vec<f32>, q: Quantization) -> Work<Vec<f32>> {
+    fn quantized_reduce_scatter_async(
+        &self,
+        buf: Vec<f32>,
+        q: Quantization,
+        feedback: Option<SharedFeedback>,
+    ) -> Work<Vec<f32>> {
         if buf.len() / self.world < q.block_size.max(1) {
             return self.reduce_scatter_async(buf);
         }
@@ -261,7 +266,18 @@ impl Communicator for TcpCommunicator {
         self.submit(Op::QuantizedReduceScatter, bytes, move |l| {
             let group = l.group.clone();
             let op = Op::QuantizedReduceScatter;
-            quantized::reduce_scatter(l, (&group, op), &node_of, buf, Coding::Quantized(q))
+            let mut feedback = feedback
+                .as_ref()
+                .map(|f| f.lock().unwrap_or_else(|e| e.into_inner()));
+            let coding = Coding::Quantized(q);
+            quantized::reduce_scatter(
+                l,
+                (&group, op),
+                &node_of,
+                buf,
+                coding,
+                feedback.as_deref_mut(),
+            )
         })
     }
 
@@ -270,7 +286,7 @@ impl Communicator for TcpCommunicator {
         self.submit(Op::ReduceScatter, bytes, move |l| {
             let group = l.group.clone();
             let op = Op::ReduceScatter;
-            quantized::reduce_scatter(l, (&group, op), &node_of, buf, Coding::Half(half))
+            quantized::reduce_scatter(l, (&group, op), &node_of, buf, Coding::Half(half), None)
         })
     }
 

@@ -8,7 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use zckpt::{Checkpoint, FileEntry, GroupEntry, LossScaleState, Manifest};
-use zcomm::{Communicator, CounterSnapshot, Half, Quantization, TcpCommunicator, TcpOptions, Work};
+use zcomm::{
+    Communicator, CounterSnapshot, Half, Quantization, SharedFeedback, TcpCommunicator, TcpOptions,
+    Work,
+};
 use zconfig::JobSpec;
 use zengine::{Engine, ProcessGroups};
 use zmodel::{Batcher, Corpus};
@@ -142,6 +145,8 @@ pub struct Run {
 #[derive(Debug, Clone)]
 pub struct Saved {
     pub file: FileEntry,
+    /// LoCo's kept errors, where the run has them.
+    pub feedback: Option<FileEntry>,
     pub groups: Vec<GroupEntry>,
     pub loss_scale: Option<LossScaleState>,
     pub step: u64,
@@ -256,9 +261,14 @@ impl Communicator for Lagging {
         std::thread::sleep(self.lag);
         self.inner.reduce_scatter_async(buf)
     }
-    fn quantized_reduce_scatter_async(&self, buf: Vec<f32>, q: Quantization) -> Work<Vec<f32>> {
+    fn quantized_reduce_scatter_async(
+        &self,
+        buf: Vec<f32>,
+        q: Quantization,
+        feedback: Option<SharedFeedback>,
+    ) -> Work<Vec<f32>> {
         std::thread::sleep(self.lag);
-        self.inner.quantized_reduce_scatter_async(buf, q)
+        self.inner.quantized_reduce_scatter_async(buf, q, feedback)
     }
     fn half_reduce_scatter_async(&self, buf: Vec<f32>, half: Half) -> Work<Vec<f32>> {
         std::thread::sleep(self.lag);
@@ -399,8 +409,11 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     let file =
                         zckpt::write_shard(&dir, rank, kinds, &lens, |g| engine.own_slice(g))
                             .unwrap();
+                    let feedback = (engine.feedback_state())
+                        .map(|b| zckpt::write_feedback(&dir, rank, &b).unwrap());
                     run.saved = Some(Saved {
                         file,
+                        feedback,
                         groups,
                         loss_scale: engine.loss_scale_state(),
                         step: engine.steps_done(),
@@ -434,6 +447,9 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
             loss_scale: first.loss_scale,
             groups: first.groups,
             files: runs.iter().map(|r| r.saved.clone().unwrap().file).collect(),
+            feedback: (runs.iter())
+                .filter_map(|r| r.saved.clone().unwrap().feedback)
+                .collect(),
         };
         zckpt::write_manifest(dir, &manifest).unwrap();
     }
