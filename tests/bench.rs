@@ -24,7 +24,14 @@ fn bench_commands_report_rows() {
     assert_eq!(f.code(), 0, "{f:?}");
     let v: serde_json::Value = serde_json::from_str(&f.stdout).unwrap();
     let rows = v["rows"].as_array().unwrap();
-    for kernel in ["triad", "adamw_portable", "reduce_add", "gemm_f32"] {
+    for kernel in [
+        "triad",
+        "adamw_portable",
+        "reduce_add",
+        "gemm_f32",
+        "quantize_int4_portable",
+        "compensate_int4_portable",
+    ] {
         assert!(
             rows.iter().any(|r| r["kernel"] == kernel),
             "{kernel} missing"

@@ -14,10 +14,13 @@
 //! `1 - beta` of the new remainder; between reductions the errors are held
 //! as 8-bit blocks (a byte a value, as DeepSpeed keeps them), and they
 //! restart from zero every `reset_after` reductions. One
-//! [`ErrorFeedback`] serves one bucket: its positions are the bucket's, and
-//! the two hops of [`crate::quantized`] send disjoint positions (the chunks
-//! that local peers reduce, then the partial sums of the chunks this rank
-//! reduces for other nodes' owners), so one buffer holds both hops' errors.
+//! [`ErrorFeedback`] serves one bucket. Its errors are kept per message, in
+//! the order [`crate::quantized`]'s two hops send them (the chunks each
+//! local peer reduces, then the partial sums of the chunks this rank
+//! reduces for other nodes' owners): the same positions go in the same
+//! message every reduction, so each message's errors lie in its own order,
+//! in its quantization blocks, and [`zquant::quantize_compensated`] reads
+//! and writes them in the same pass that codes the message.
 
 use zquant::{Bits, Quantized};
 
@@ -30,12 +33,10 @@ pub struct ErrorFeedback {
     reset_after: u64,
     /// Reductions since they last restarted.
     reductions: u64,
-    /// The errors over the bucket, 8-bit blockwise; `None`: all zero.
-    errors: Option<Quantized>,
+    /// Each message's errors, in sending order, 8-bit blockwise; `None`:
+    /// all zero.
+    messages: Vec<Option<Quantized>>,
 }
-
-/// Values per scale of the kept errors.
-const BLOCK: usize = 2048;
 
 impl ErrorFeedback {
     /// No errors yet; `beta` in `[0, 1)`, `reset_after` at least 1.
@@ -44,46 +45,46 @@ impl ErrorFeedback {
             beta,
             reset_after: reset_after.max(1),
             reductions: 0,
-            errors: None,
+            messages: Vec::new(),
         }
     }
 
     /// Forgets the errors (a step skipped for an overflow: they were
     /// taken from gradients that are thrown away).
     pub fn reset(&mut self) {
-        self.errors = None;
+        self.messages.clear();
         self.reductions = 0;
     }
 
     /// Multiplies the errors by `factor` (the loss scale changed: the
     /// gradients they compensate are scaled by it from now on).
     pub fn rescale(&mut self, factor: f32) {
-        if let Some(q) = &mut self.errors {
+        for q in self.messages.iter_mut().flatten() {
             q.scales.iter_mut().for_each(|s| *s *= factor);
         }
     }
 
-    /// The errors to add before a reduction of `len` values: zeros at the
-    /// start, after a reset, every `reset_after` reductions, or where the
-    /// bucket's length is not the one the errors were kept for.
-    pub(crate) fn take(&mut self, len: usize) -> Vec<f32> {
-        let mut errors = vec![0f32; len];
+    /// Starts a reduction: the errors restart from zero every
+    /// `reset_after` reductions.
+    pub(crate) fn begin(&mut self) {
         if self.reductions >= self.reset_after {
             self.reset();
         }
-        match &self.errors {
-            Some(q) if q.len == len => zquant::dequantize(q, &mut errors),
-            _ => self.reductions = 0,
-        }
-        errors
     }
 
-    /// Keeps `errors` after a reduction ([`ErrorFeedback::take`]'s, updated
-    /// where values were sent).
-    pub(crate) fn keep(&mut self, errors: &[f32]) {
-        // Errors are finite (a non-finite piece leaves its errors as they
-        // were); a sum that overflowed f32 restarts them.
-        self.errors = zquant::quantize(errors, Bits::Int8, BLOCK).ok();
+    /// The kept errors of message `k` of this reduction (those of another
+    /// length or block size start from zero:
+    /// [`zquant::quantize_compensated`]).
+    pub(crate) fn message(&mut self, k: usize) -> &mut Option<Quantized> {
+        if self.messages.len() <= k {
+            self.messages.resize(k + 1, None);
+        }
+        &mut self.messages[k]
+    }
+
+    /// Ends a reduction that sent `count` messages.
+    pub(crate) fn finish(&mut self, count: usize) {
+        self.messages.truncate(count);
         self.reductions += 1;
     }
 
@@ -92,74 +93,98 @@ impl ErrorFeedback {
         self.beta
     }
 
-    /// The state for a checkpoint: reductions since the last restart (8
-    /// bytes, little-endian), the number of values (8 bytes), then the
-    /// errors' wire form ([`Quantized::to_bytes`]; nothing where they are
-    /// zero).
+    /// The state for a checkpoint: reductions since the last restart and
+    /// the number of messages (8 bytes each, little-endian), then each
+    /// message's errors: 0 for none, or their count and block size (8
+    /// bytes each) and their wire form ([`Quantized::to_bytes`]).
     pub fn to_bytes(&self) -> Vec<u8> {
-        let len = self.errors.as_ref().map_or(0, |q| q.len);
         let mut out = Vec::new();
-        out.extend_from_slice(&self.reductions.to_le_bytes());
-        out.extend_from_slice(&(len as u64).to_le_bytes());
-        if let Some(q) = &self.errors {
-            out.extend_from_slice(&q.to_bytes());
+        let word = |out: &mut Vec<u8>, n: usize| out.extend_from_slice(&(n as u64).to_le_bytes());
+        word(&mut out, self.reductions as usize);
+        word(&mut out, self.messages.len());
+        for m in &self.messages {
+            match m {
+                None => word(&mut out, 0),
+                Some(q) => {
+                    word(&mut out, q.len);
+                    word(&mut out, q.block_size);
+                    out.extend_from_slice(&q.to_bytes());
+                }
+            }
         }
         out
     }
 
     /// Restores what [`ErrorFeedback::to_bytes`] wrote, into a feedback of
-    /// this run's `beta` and `reset_after`; `None` where the bytes are not
-    /// such a state.
+    /// this run's `beta` and `reset_after`; `None` (and nothing changed)
+    /// where the bytes are not such a state.
     pub fn restore(&mut self, bytes: &[u8]) -> Option<()> {
-        let word = |at: usize| -> Option<u64> {
-            Some(u64::from_le_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
-        };
-        let (reductions, len) = (word(0)?, usize::try_from(word(8)?).ok()?);
-        let errors = match len {
-            0 if bytes.len() == 16 => None,
-            _ => Some(Quantized::from_bytes(Bits::Int8, BLOCK, len, &bytes[16..]).ok()?),
-        };
-        self.reductions = reductions;
-        self.errors = errors;
+        let mut rest = bytes;
+        let reductions = word(&mut rest)?;
+        let count = usize::try_from(word(&mut rest)?).ok()?;
+        let mut messages = Vec::new();
+        for _ in 0..count {
+            let len = usize::try_from(word(&mut rest)?).ok()?;
+            if len == 0 {
+                messages.push(None);
+                continue;
+            }
+            let block = usize::try_from(word(&mut rest)?).ok()?;
+            let wire = Quantized::wire_len(Bits::Int8, block.max(1), len);
+            let (codes, tail) = rest.split_at_checked(wire)?;
+            messages.push(Some(
+                Quantized::from_bytes(Bits::Int8, block, len, codes).ok()?,
+            ));
+            rest = tail;
+        }
+        if !rest.is_empty() {
+            return None;
+        }
+        (self.reductions, self.messages) = (reductions, messages);
         Some(())
     }
 }
 
-/// `errors ← beta · errors + (1 - beta) · (values - sent)`: `values` were
-/// quantized, `sent` is what they dequantize to.
-pub(crate) fn update(errors: &mut [f32], values: &[f32], sent: &[f32], beta: f32) {
-    for ((e, v), s) in errors.iter_mut().zip(values).zip(sent) {
-        *e = beta * *e + (1.0 - beta) * (v - s);
-    }
+/// The little-endian word at the front of `rest`, which moves past it.
+fn word(rest: &mut &[u8]) -> Option<u64> {
+    let (w, tail) = rest.split_first_chunk::<8>()?;
+    *rest = tail;
+    Some(u64::from_le_bytes(*w))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A state survives its bytes, and the errors come back as they were
-    /// kept (8 bits: within half a step of the block's largest).
+    /// A state survives its bytes (messages with errors and without), a
+    /// damaged one is refused and changes nothing, and the errors restart
+    /// on schedule.
     #[test]
     fn state_round_trips_and_resets_on_schedule() {
         let mut f = ErrorFeedback::new(0.8, 3);
-        let errors: Vec<f32> = (0..5000).map(|i| ((i % 97) as f32 - 48.0) * 1e-3).collect();
-        assert_eq!(f.take(5000), vec![0.0; 5000]);
-        f.keep(&errors);
+        f.begin();
+        let x: Vec<f32> = (0..5000).map(|i| ((i % 97) as f32 - 48.0) * 1e-3).collect();
+        zquant::quantize_compensated(&x, f.message(1), 0.8, Bits::Int4, 64).unwrap();
+        f.finish(2);
+        assert_eq!(f.messages.len(), 2);
+        assert!(f.messages[0].is_none() && f.messages[1].is_some());
+        let bytes = f.to_bytes();
         let mut g = ErrorFeedback::new(0.8, 3);
-        g.restore(&f.to_bytes()).unwrap();
+        g.restore(&bytes).unwrap();
         assert_eq!(f, g);
-        let back = g.take(5000);
-        for (a, b) in back.iter().zip(&errors) {
-            assert!((a - b).abs() <= 0.048 / 127.0 * 0.51, "{a} vs {b}");
+        for cut in [1, 8, 17, bytes.len() - 1] {
+            assert!(g.restore(&bytes[..cut]).is_none(), "cut at {cut}");
         }
-        g.keep(&back);
-        g.keep(&back);
-        assert_eq!(g.reductions, 3);
-        assert_eq!(g.take(5000), vec![0.0; 5000], "not reset after 3");
-        assert!(g.restore(&[1, 2, 3]).is_none());
-        let mut zero = ErrorFeedback::new(0.5, 10);
-        zero.restore(&ErrorFeedback::new(0.5, 10).to_bytes())
-            .unwrap();
-        assert_eq!(zero.take(4), vec![0.0; 4]);
+        assert!(g.restore(&[bytes.as_slice(), &[0]].concat()).is_none());
+        assert_eq!(f, g, "a refused state changed it");
+        g.finish(2);
+        g.begin();
+        assert_eq!(g.reductions, 2, "reset early");
+        g.finish(2);
+        g.begin();
+        assert!(
+            g.messages.is_empty() && g.reductions == 0,
+            "not reset after 3"
+        );
     }
 }

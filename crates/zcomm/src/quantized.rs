@@ -37,7 +37,7 @@ use std::ops::Range;
 use zquant::{Bits, Half, QuantError, Quantized};
 
 use crate::links::Links;
-use crate::loco::{self, ErrorFeedback};
+use crate::loco::ErrorFeedback;
 use crate::{chunk_range, CommError, Op};
 
 /// How qgZ quantizes.
@@ -121,11 +121,14 @@ fn reduce_scatter_in_place(
     node_of: &[usize],
     buf: &mut [f32],
     wire: Coding,
-    mut feedback: Option<&mut ErrorFeedback>,
+    feedback: Option<&mut ErrorFeedback>,
 ) -> Result<(), CommError> {
     let (w, me) = (l.world_size(), l.rank());
     let nodes = Nodes::new(node_of);
-    let mut errors = feedback.as_mut().map(|f| (f.take(buf.len()), f.beta()));
+    let mut loco = feedback.map(|feedback| {
+        feedback.begin();
+        Loco { feedback, sent: 0 }
+    });
     let home = nodes.node_of[me];
     let len = buf.len();
     let chunk = |x: usize| chunk_range(len, w, x);
@@ -140,7 +143,7 @@ fn reduce_scatter_in_place(
     // rank handles is added to (the pieces are other handlers' chunks).
     let peers = &nodes.members[home];
     for &p in peers.iter().filter(|&&p| p != me) {
-        send(l, p, buf, &handled_by(p), wire, op, errors.as_mut())?;
+        send(l, p, buf, &handled_by(p), wire, op, loco.as_mut())?;
     }
     let mine = handled_by(me);
     for &p in peers.iter().filter(|&&p| p != me) {
@@ -149,10 +152,10 @@ fn reduce_scatter_in_place(
 
     // Hop 2: across nodes, each partial to its chunk's owner.
     for x in (0..w).filter(|&x| x != me && nodes.handler(home, x) == me) {
-        send(l, x, buf, &[chunk(x)], wire, op, errors.as_mut())?;
+        send(l, x, buf, &[chunk(x)], wire, op, loco.as_mut())?;
     }
-    if let (Some(f), Some((errors, _))) = (feedback, &errors) {
-        f.keep(errors);
+    if let Some(Loco { feedback, sent }) = loco {
+        feedback.finish(sent);
     }
     for n in (0..nodes.members.len()).filter(|&n| n != home) {
         if !nodes.members[n].is_empty() {
@@ -235,10 +238,15 @@ thread_local! {
     static MESSAGES: std::cell::RefCell<Vec<Vec<u8>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// LoCo's feedback through one reduction, and the messages sent so far.
+struct Loco<'a> {
+    feedback: &'a mut ErrorFeedback,
+    sent: usize,
+}
+
 /// Codes the values of `buf` in `ranges`, one after another, and queues
 /// them for `peer` in [`parts`] (the transport copies each payload). With
-/// `errors` (LoCo's kept errors over `buf`, and `beta`), quantized values
-/// are sent compensated.
+/// `loco`, quantized values are sent with their kept errors added.
 fn send(
     l: &mut dyn Links,
     peer: usize,
@@ -246,10 +254,10 @@ fn send(
     ranges: &[Range<usize>],
     wire: Coding,
     op: Op,
-    errors: Option<&mut (Vec<f32>, f32)>,
+    loco: Option<&mut Loco>,
 ) -> Result<(), CommError> {
-    if let (Some((errors, beta)), Coding::Quantized(q)) = (errors, wire) {
-        return send_compensated(l, peer, buf, ranges, (q, op), (errors, *beta));
+    if let (Some(loco), Coding::Quantized(q)) = (loco, wire) {
+        return send_compensated(l, peer, buf, ranges, (q, op), loco);
     }
     let n: usize = ranges.iter().map(|r| r.len()).sum();
     let count = parts(wire, n);
@@ -270,44 +278,32 @@ fn send(
     sent
 }
 
-/// [`send`] of quantized values with LoCo's errors added (one message):
-/// the values of `buf` in `ranges` plus their `errors`, quantized; then each
-/// error becomes `beta` of itself and `1 - beta` of what quantizing lost
-/// ([`loco::update`]). A piece with a non-finite value goes as NaN and
-/// leaves its errors as they were.
+/// [`send`] of quantized values with LoCo's errors added (one message,
+/// the reduction's next): the values of `buf` in `ranges`, one after
+/// another, each with the error kept for it, quantized, and the errors
+/// updated by what quantizing lost ([`zquant::quantize_compensated`]). A
+/// piece with a non-finite value goes as NaN and forgets its errors.
 fn send_compensated(
     l: &mut dyn Links,
     peer: usize,
     buf: &[f32],
     ranges: &[Range<usize>],
     (q, op): (Quantization, Op),
-    (errors, beta): (&mut [f32], f32),
+    loco: &mut Loco,
 ) -> Result<(), CommError> {
-    let mut values = Vec::with_capacity(ranges.iter().map(|r| r.len()).sum());
-    for r in ranges {
-        values.extend(
-            buf[r.clone()]
-                .iter()
-                .zip(&errors[r.clone()])
-                .map(|(v, e)| v + e),
-        );
-    }
-    let codes = quantize_values(&values, q, op)?;
-    if codes.scales.iter().all(|s| s.is_finite()) {
-        let mut sent = vec![0f32; values.len()];
-        zquant::dequantize(&codes, &mut sent);
-        let mut at = 0;
-        for r in ranges {
-            let m = r.len();
-            loco::update(
-                &mut errors[r.clone()],
-                &values[at..at + m],
-                &sent[at..at + m],
-                beta,
-            );
-            at += m;
-        }
-    }
+    let values: Vec<f32> = ranges
+        .iter()
+        .flat_map(|r| &buf[r.clone()])
+        .copied()
+        .collect();
+    let beta = loco.feedback.beta();
+    let errors = loco.feedback.message(loco.sent);
+    loco.sent += 1;
+    let codes = match zquant::quantize_compensated(&values, errors, beta, q.bits, q.block_size) {
+        Ok(codes) => codes,
+        // NaN scales, as `encode` sends.
+        Err(_) => quantize_values(&values, q, op)?,
+    };
     l.send(peer, &codes.to_bytes())
 }
 

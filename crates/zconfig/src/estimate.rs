@@ -367,21 +367,20 @@ pub fn comm_buffer_bytes(spec: &JobSpec, world: usize) -> f64 {
 }
 
 /// Bytes of LoCo's kept errors (`zero.loco`) one of `world` workers holds
-/// between steps: a byte a value of every bucket that qgZ quantizes (those
-/// whose chunks hold a quantization block at least; the rest go as plain
-/// reduce-scatters) and an f32 scale a 2048 values. While a bucket is
-/// reduced its errors are widened to f32 too, but that is in backward,
-/// past stage 3's peak at the end of forward.
+/// between steps: a byte for each value it sends of every bucket that qgZ
+/// quantizes (those whose chunks hold a quantization block at least; the
+/// rest go as plain reduce-scatters), which is all but its own chunk, and
+/// an f32 scale a quantization block of them.
 pub fn loco_error_bytes(spec: &JobSpec, world: usize) -> f64 {
     let z = &spec.zero;
     if world <= 1 || !z.quantized_gradients || z.loco.is_none() {
         return 0.0;
     }
-    let block = z.quantization.block_size as f64;
+    let (w, block) = (world as f64, z.quantization.block_size as f64);
     reduce_bucket_elements(&spec.model, z.reduce_bucket_size.0)
         .into_iter()
-        .filter(|&b| (b / world as f64).floor() >= block)
-        .map(|b| b + 4.0 * (b / 2048.0).ceil())
+        .filter(|&b| (b / w).floor() >= block)
+        .map(|b| b * (w - 1.0) / w * (1.0 + 4.0 / block))
         .sum()
 }
 
@@ -1140,10 +1139,11 @@ mod tests {
         assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * trained);
         spec.zero.quantized_gradients = true;
         assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi);
-        // LoCo keeps a byte a value of the one bucket and a scale a 2048.
+        // LoCo keeps a byte for each value a rank sends of the one bucket
+        // (half of it, on two ranks) and a scale a 2048.
         spec.zero.loco = Some(crate::spec::LocoSpec::default());
-        let scales = 4.0 * (psi / 2048.0).ceil();
-        assert_eq!(comm_buffer_bytes(&spec, 2), 5.0 * psi + scales);
+        let kept = psi / 2.0 * (1.0 + 4.0 / 2048.0);
+        assert_eq!(comm_buffer_bytes(&spec, 2), 4.0 * psi + kept);
         assert_eq!(
             comm_buffer_bytes(&spec, 1),
             0.0,

@@ -24,12 +24,16 @@
 //! independent and spread over rayon's threads in tasks of whole blocks, so the
 //! thread count does not change a bit either. Called from outside a rayon
 //! pool, the calling thread does all the blocks itself (see [`quantize_with`]).
+//!
+//! [`quantize_compensated`] quantizes with error feedback (LoCo) in one pass.
 
 use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
+mod feedback;
 mod float16;
+pub use feedback::{quantize_compensated, quantize_compensated_with};
 pub use float16::Half;
 
 /// Blocks per parallel task.

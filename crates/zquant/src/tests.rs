@@ -323,3 +323,68 @@ fn odd_or_zero_block_sizes_are_refused() {
         );
     }
 }
+
+/// Error feedback fused ([`quantize_compensated`]) against the same steps
+/// done apart with the plain kernels: the kept errors widened, added, the
+/// sum quantized, its codes dequantized, the errors updated and narrowed
+/// to 8 bits. The codes and the kept errors agree to the bit, on every
+/// path, int8 and int4, odd lengths and a last short block, with no
+/// errors kept yet, with errors kept, with errors kept for another length
+/// (which start from zero), and through a zero block; a non-finite sum is
+/// refused where it is and forgets the errors.
+#[test]
+fn compensated_quantizing_is_the_steps_done_apart() {
+    let apart = |x: &[f32], kept: &Option<Quantized>, beta: f32, bits: Bits, block: usize| {
+        let mut e = vec![0f32; x.len()];
+        if let Some(k) = kept.as_ref().filter(|k| k.len == x.len()) {
+            dequantize(k, &mut e);
+        }
+        let c: Vec<f32> = x.iter().zip(&e).map(|(v, e)| v + e).collect();
+        let q = quantize(&c, bits, block).unwrap();
+        let mut d = vec![0f32; x.len()];
+        dequantize(&q, &mut d);
+        for ((e, c), d) in e.iter_mut().zip(&c).zip(&d) {
+            *e = beta * *e + (1.0 - beta) * (c - d);
+        }
+        (q, quantize(&e, Bits::Int8, block).unwrap())
+    };
+    for path in Path::available() {
+        for bits in [Bits::Int8, Bits::Int4] {
+            for len in [1, 37, 64, 1000, 4097] {
+                let what = format!("{path:?} {bits:?} {len}");
+                let mut fused: Option<Quantized> = None;
+                let mut reference: Option<Quantized> = None;
+                for round in 0..4u64 {
+                    let mut x = values(len, 7 + round, 3.0);
+                    if round == 2 {
+                        x[..len.min(64)].fill(0.0);
+                    }
+                    let (q, e) = apart(&x, &reference, 0.8, bits, 64);
+                    let got =
+                        quantize_compensated_with(path, &x, &mut fused, 0.8, bits, 64).unwrap();
+                    assert_eq!(got, q, "{what} round {round}: codes");
+                    assert_eq!(fused.as_ref(), Some(&e), "{what} round {round}: errors");
+                    // (One value is its block's largest, which comes back
+                    // exactly; round 2 zeroes the first block.)
+                    if len > 64 || (len > 1 && round != 2) {
+                        assert!(e.scales.iter().any(|&s| s > 0.0), "{what}: no error kept");
+                    }
+                    reference = Some(e);
+                }
+                // Errors kept for another length start from zero.
+                let x = values(len + 2, 99, 3.0);
+                let (q, e) = apart(&x, &None, 0.8, bits, 64);
+                let got = quantize_compensated_with(path, &x, &mut fused, 0.8, bits, 64).unwrap();
+                assert_eq!((got, fused.clone()), (q, Some(e)), "{what}: another length");
+                let mut bad = x.clone();
+                bad[len / 2] = f32::INFINITY;
+                let err = quantize_compensated_with(path, &bad, &mut fused, 0.8, bits, 64);
+                assert!(
+                    matches!(err, Err(QuantError::NonFinite { index, .. }) if index == len / 2),
+                    "{what}: {err:?}"
+                );
+                assert!(fused.is_none(), "{what}: errors kept past a non-finite sum");
+            }
+        }
+    }
+}

@@ -160,7 +160,8 @@ fn reduce(dst: &mut [f32], src: &[f32], threads: usize) {
 /// ZeRO++'s blockwise quantization on every path this CPU has, at `threads`
 /// rayon threads: quantizing reads 4 bytes a value and writes its code (1 byte
 /// for int8, half for int4) and a scale per 2048-value block; dequantizing
-/// the reverse.
+/// the reverse; LoCo's compensated quantizing (one thread) also reads and
+/// writes each value's 8-bit kept error.
 fn quantization_rows(x: &[f32], threads: usize, triad_gbps: f64) -> Result<Vec<KernelRow>> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -197,6 +198,35 @@ fn quantization_rows(x: &[f32], threads: usize, triad_gbps: f64) -> Result<Vec<K
                     ratio: gbps / triad_gbps,
                 });
             }
+            // LoCo's step, on the calling thread as a communicator runs it
+            // (so in the one-thread pass alone): each value read, its 8-bit
+            // kept error read and written, its code written.
+            if threads != 1 {
+                continue;
+            }
+            let mut kept = None;
+            zquant::quantize_compensated_with(path, x, &mut kept, 0.8, bits, block)?;
+            let mut err = None;
+            let compensate = best_secs(5, || {
+                if let Err(e) =
+                    zquant::quantize_compensated_with(path, x, &mut kept, 0.8, bits, block)
+                {
+                    err = Some(e);
+                }
+            });
+            if let Some(e) = err {
+                return Err(e.into());
+            }
+            let kept_bytes = 2 * zquant::Quantized::wire_len(zquant::Bits::Int8, block, n);
+            let gbps = (bytes + kept_bytes as f64) / compensate / 1e9;
+            rows.push(KernelRow {
+                kernel: format!("compensate_{name}"),
+                elements: n,
+                threads: 1,
+                gbps,
+                gflops: 0.0,
+                ratio: gbps / triad_gbps,
+            });
         }
     }
     Ok(rows)
