@@ -119,7 +119,8 @@ fn cross_node_bytes_follow_the_paper_model_within_1_percent() {
 /// 1.013x; later qgZ 1.021x with no change to qgZ: the corpus is the
 /// repository's sources, so the curves move with every commit, and a bound
 /// of 1.02 failed on that drift alone. At micro-batches of 4 (2026-11-30):
-/// qwZ 1.001x, qgZ 1.004x, all three 1.003x.
+/// qwZ 1.001x, qgZ 1.004x, all three 1.003x. qgZ with LoCo's error
+/// feedback (DeepSpeed's spelling of the key) too.
 #[test]
 fn tiny_ends_200_steps_within_5_percent_of_stage_3_with_each_part() {
     let dir = tempfile::tempdir().unwrap();
@@ -146,6 +147,10 @@ fn tiny_ends_200_steps_within_5_percent_of_stage_3_with_each_part() {
     for (name, parts) in [
         ("qwZ", &[QWZ][..]),
         ("qgZ", &[QGZ]),
+        (
+            "qgZ+LoCo",
+            &[QGZ, "zero.zeropp_loco_param={err_beta: 0.8, reset_T: 1024}"],
+        ),
         ("qwZ+hpZ+qgZ", &[QWZ, HPZ, QGZ]),
     ] {
         let got = tail(&curve(name, parts));
