@@ -1493,16 +1493,21 @@ fn zero_pp_and_nvme_offload_run_in_the_gpus_host_flow() {
     let hpz = steps("hpz", &["zero.zero_hpz_partition_size=2".into()]);
     let bits = |v: &[Step]| v.iter().map(|s| (s.0, s.1)).collect::<Vec<_>>();
     assert_eq!(bits(&hpz), bits(&stage3), "hpZ against stage 3");
-    // qwZ (int8 forward gathers), qgZ (int4 gradients) and gradients
+    // qwZ (int8 forward gathers), qgZ (int4 gradients; with LoCo too) and gradients
     // reduced in bf16 (`train.reduce_dtype`): fewer bytes gathered or the
     // same, losses near stage 3's but not its bits (so the narrowing ran).
     let tail = |v: &[Step]| v[11..].iter().map(|s| s.0).sum::<f64>() / 5.0;
-    for (name, key) in [
-        ("qwz", "zero.zero_quantized_weights=true"),
-        ("qgz", "zero.zero_quantized_gradients=true"),
-        ("reduce-bf16", "train.reduce_dtype=bf16"),
+    let qgz = "zero.zero_quantized_gradients=true";
+    for (name, keys) in [
+        ("qwz", &["zero.zero_quantized_weights=true"][..]),
+        ("qgz", &[qgz]),
+        ("qgz-loco", &[qgz, "zero.loco={}"]),
+        ("reduce-bf16", &["train.reduce_dtype=bf16"]),
     ] {
-        let got = steps(name, &[key.into()]);
+        let got = steps(
+            name,
+            &keys.iter().map(|k| k.to_string()).collect::<Vec<_>>(),
+        );
         assert_ne!(bits(&got), bits(&stage3), "{name} changed nothing");
         let ratio = tail(&got) / tail(&stage3);
         eprintln!("{name} on the GPU: loss of steps 12-16 {ratio:.4}x stage 3's");
