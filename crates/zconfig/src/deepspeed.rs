@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
+use crate::elastic::{ElasticVersion, Elasticity};
 use crate::error::{did_you_mean, ConfigError};
 
 /// How a mapped key got its value.
@@ -81,6 +82,9 @@ pub struct DeepSpeedConfig {
     /// `train_batch_size` when written: checked against micro-batch ×
     /// accumulation × world size once the world size is known.
     pub train_batch_size: Option<(u64, (usize, usize))>,
+    /// An enabled `elasticity` section and where it is: it settles the
+    /// batch once the world size is known, in place of the batch keys.
+    pub elasticity: Option<(Elasticity, (usize, usize))>,
 }
 
 impl DeepSpeedConfig {
@@ -132,6 +136,7 @@ pub fn read(path: &Path, d_model: usize) -> Result<DeepSpeedConfig, ConfigError>
             ignored: Vec::new(),
             notes: Vec::new(),
             train_batch_size: None,
+            elasticity: None,
         },
     };
     if !r.root.is_object() {
@@ -169,6 +174,13 @@ impl Accept {
         }
     }
 }
+
+/// The batch keys, which an enabled `elasticity` replaces.
+const BATCH_KEYS: [&str; 3] = [
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+];
 
 const TOP_LEVEL: &[(&str, Kind)] = &[
     ("train_batch_size", Kind::Section),
@@ -234,7 +246,7 @@ const TOP_LEVEL: &[(&str, Kind)] = &[
     ),
     ("communication_data_type", Kind::Section),
     ("amp", Kind::OffOnly("NVIDIA Apex AMP: use fp16 or bf16")),
-    ("elasticity", Kind::OffOnly("elastic batch sizes")),
+    ("elasticity", Kind::Section),
     ("autotuning", Kind::OffOnly("the autotuner")),
     ("curriculum_learning", Kind::Section),
     ("data_efficiency", Kind::OffOnly("data efficiency")),
@@ -657,28 +669,17 @@ impl Reader {
     fn top_level(&mut self) -> Result<(), ConfigError> {
         self.sort_keys("", TOP_LEVEL)?;
         self.tensor_parallel()?;
-        // train_batch_size is checked later against the world size.
-        if let Some(v) = self.get("train_batch_size").cloned() {
-            if !is_auto(&v) {
-                let n = count(&v).map_err(|m| self.error("train_batch_size", m))?;
-                if n == 0 {
-                    return Err(self.error("train_batch_size", "must be at least 1"));
+        if self.elasticity()? {
+            // Elasticity settles the batch; its keys were allowed only
+            // with `ignore_non_elastic_batch_info`.
+            for key in BATCH_KEYS {
+                if self.get(key).is_some() {
+                    self.out.ignored.push((key.to_string(), self.at(key).0));
                 }
-                self.out.train_batch_size = Some((n, self.at("train_batch_size")));
             }
+        } else {
+            self.batch()?;
         }
-        self.simple(
-            "train_micro_batch_size_per_gpu",
-            "train.micro_batch_size",
-            true,
-            positive_count,
-        )?;
-        self.simple(
-            "gradient_accumulation_steps",
-            "train.grad_accum",
-            true,
-            positive_count,
-        )?;
         self.simple("steps_per_print", "train.log_every", false, count_value)?;
         if !self.simple("gradient_clipping", "train.grad_clip", true, non_negative)? {
             self.map(
@@ -708,6 +709,171 @@ impl Reader {
             );
         }
         Ok(())
+    }
+
+    /// The batch keys: `train_batch_size` (checked later against the world
+    /// size), the micro-batch and the accumulation.
+    fn batch(&mut self) -> Result<(), ConfigError> {
+        if let Some(v) = self.get("train_batch_size").cloned() {
+            if !is_auto(&v) {
+                let n = count(&v).map_err(|m| self.error("train_batch_size", m))?;
+                if n == 0 {
+                    return Err(self.error("train_batch_size", "must be at least 1"));
+                }
+                self.out.train_batch_size = Some((n, self.at("train_batch_size")));
+            }
+        }
+        self.simple(
+            "train_micro_batch_size_per_gpu",
+            "train.micro_batch_size",
+            true,
+            positive_count,
+        )?;
+        self.simple(
+            "gradient_accumulation_steps",
+            "train.grad_accum",
+            true,
+            positive_count,
+        )?;
+        Ok(())
+    }
+
+    /// `elasticity` ([`crate::elastic`]), read and checked as DeepSpeed's
+    /// `ElasticityConfig` does; whether it is enabled.
+    fn elasticity(&mut self) -> Result<bool, ConfigError> {
+        const E: &str = "elasticity";
+        const KEYS: &[(&str, Kind)] = &[
+            ("enabled", Kind::Section),
+            ("max_train_batch_size", Kind::Section),
+            ("micro_batch_sizes", Kind::Section),
+            ("min_gpus", Kind::Section),
+            ("max_gpus", Kind::Section),
+            ("version", Kind::Section),
+            ("prefer_larger_batch", Kind::Section),
+            ("ignore_non_elastic_batch_info", Kind::Section),
+            ("num_gpus_per_node", Kind::Section),
+            // For a scheduler choosing when to scale: nothing in a run.
+            ("min_time", Kind::Ignored),
+            (
+                "model_parallel_size",
+                Kind::Only(&[Accept::Num(1.0)], "model parallelism"),
+            ),
+        ];
+        if self.get(E).is_none_or(Value::is_null) {
+            return Ok(false);
+        }
+        self.sort_keys(E, KEYS)?;
+        let key = |k: &str| join(E, k);
+        let flag = |r: &Self, k: &str, default: bool| -> Result<bool, ConfigError> {
+            match r.get(&key(k)) {
+                None | Some(Value::Null) => Ok(default),
+                Some(v) => v
+                    .as_bool()
+                    .ok_or_else(|| r.error(&key(k), format!("{v}: must be true or false"))),
+            }
+        };
+        if !flag(self, "enabled", false)? {
+            self.out.ignored.push((E.to_string(), self.at(E).0));
+            return Ok(false);
+        }
+        let number = |r: &Self, k: &str, default: Option<u64>| -> Result<u64, ConfigError> {
+            match r.get(&key(k)) {
+                None | Some(Value::Null) => default.ok_or_else(|| {
+                    r.error(
+                        E,
+                        format!("needs `{k}` (DeepSpeed's elasticity has no default for it)"),
+                    )
+                }),
+                Some(v) => match count(v) {
+                    Ok(0) | Err(_) => Err(r.error(
+                        &key(k),
+                        format!("{v}: must be a whole number of at least 1"),
+                    )),
+                    Ok(n) => Ok(n),
+                },
+            }
+        };
+        let max_train_batch_size = number(self, "max_train_batch_size", None)?;
+        let micro_batch_sizes = match self.get(&key("micro_batch_sizes")) {
+            None | Some(Value::Null) => {
+                return Err(self.error(
+                    E,
+                    "needs `micro_batch_sizes` (DeepSpeed's elasticity has no default for it)",
+                ))
+            }
+            Some(Value::Array(a)) if !a.is_empty() => a
+                .iter()
+                .map(|v| v.as_u64().filter(|&n| n > 0))
+                .collect::<Option<Vec<u64>>>(),
+            Some(_) => None,
+        }
+        .ok_or_else(|| {
+            self.error(
+                &key("micro_batch_sizes"),
+                "must be a list of whole numbers of at least 1",
+            )
+        })?;
+        let min_gpus = number(self, "min_gpus", Some(1))?;
+        let max_gpus = number(self, "max_gpus", Some(10000))?;
+        if max_gpus < min_gpus {
+            return Err(self.error(
+                &key("max_gpus"),
+                format!("{max_gpus} is below min_gpus {min_gpus}"),
+            ));
+        }
+        let version = match self.get(&key("version")) {
+            None | Some(Value::Null) => Some(ElasticVersion::V02),
+            Some(v) => match v
+                .as_f64()
+                .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+            {
+                Some(0.1) => Some(ElasticVersion::V01),
+                Some(0.2) => Some(ElasticVersion::V02),
+                _ => None,
+            },
+        }
+        .ok_or_else(|| {
+            let v = self.get(&key("version")).cloned().unwrap_or_default();
+            self.error(
+                &key("version"),
+                format!("{v}: DeepSpeed's elasticity has versions 0.1 and 0.2"),
+            )
+        })?;
+        let num_gpus_per_node = number(self, "num_gpus_per_node", Some(1))?;
+        // DeepSpeed's check: no micro-batch above the batch it may reach
+        // (version 0.2 counts nodes, whose batch is a node's share).
+        let reach = match version {
+            ElasticVersion::V01 => max_train_batch_size,
+            ElasticVersion::V02 => max_train_batch_size / num_gpus_per_node,
+        };
+        if let Some(m) = micro_batch_sizes.iter().find(|&&m| m > reach) {
+            return Err(self.error(
+                &key("micro_batch_sizes"),
+                format!("{m} is above the largest batch, {reach} (max_train_batch_size, a node's share under version 0.2)"),
+            ));
+        }
+        if !flag(self, "ignore_non_elastic_batch_info", false)? {
+            if let Some(k) = BATCH_KEYS.iter().find(|k| self.get(k).is_some()) {
+                return Err(self.error(
+                    k,
+                    "elasticity sets the batch, so this key would not be used (DeepSpeed refuses it too): leave it out, or set elasticity.ignore_non_elastic_batch_info: true",
+                ));
+            }
+        }
+        let prefer_larger = flag(self, "prefer_larger_batch", true)?;
+        self.out.elasticity = Some((
+            Elasticity {
+                max_train_batch_size,
+                micro_batch_sizes,
+                min_gpus,
+                max_gpus,
+                version,
+                prefer_larger,
+                num_gpus_per_node,
+            },
+            self.at(E),
+        ));
+        Ok(true)
     }
 
     fn optimizer(&mut self) -> Result<(), ConfigError> {

@@ -8,7 +8,8 @@
 //!   and the semantic checks that must pass before anything launches.
 //! - `data_check`: the data checks before launch (files, token count, ids).
 //! - [`deepspeed`]: a DeepSpeed config's keys mapped onto the job's
-//!   (`--deepspeed ds_config.json`), with `"auto"` resolved as Hugging Face does.
+//!   (`--deepspeed ds_config.json`), with `"auto"` resolved as Hugging Face does;
+//!   [`elastic`]: its `elasticity` section's batch arithmetic.
 //! - [`freeze`]: `train.freeze`'s patterns over parameter names.
 //! - [`hf_config`]: a Hugging Face `config.json` read as a job's model
 //!   (`zrun sample` on a directory, and what `model.init_from` fills in).
@@ -35,6 +36,7 @@ pub mod arch;
 pub mod curriculum;
 mod data_check;
 pub mod deepspeed;
+pub mod elastic;
 pub mod error;
 pub mod estimate;
 pub mod freeze;

@@ -737,6 +737,9 @@ impl LoadedJob {
     /// world size, and fills in whichever of the two factors the job left
     /// open (accumulation 1 when both are).
     fn settle_batch(&mut self, world_size: usize) -> Result<(), ConfigError> {
+        if let Some((e, at)) = self.deepspeed.as_ref().and_then(|ds| ds.elasticity.clone()) {
+            return self.settle_elastic_batch(&e, at, world_size);
+        }
         let Some((total, at)) = self.deepspeed.as_ref().and_then(|ds| ds.train_batch_size) else {
             return Ok(());
         };
@@ -774,6 +777,66 @@ impl LoadedJob {
                 "{total} ≠ micro-batch {micro} × gradient accumulation {accum} × {w} workers = {} (DeepSpeed checks the same)",
                 micro * accum * w
             )));
+        }
+        self.spec.train.micro_batch_size = micro as usize;
+        self.spec.train.grad_accum = accum as usize;
+        Ok(())
+    }
+
+    /// A ds_config's `elasticity` ([`crate::elastic`]), once the world
+    /// size is known: DeepSpeed's global batch for it, the largest of its
+    /// micro-batches that divides a worker's share, and the accumulation
+    /// that makes up the rest. A world size the batch does not run on is
+    /// refused with the ones it does; a micro-batch or accumulation the
+    /// job chose must be the one elasticity settles.
+    fn settle_elastic_batch(
+        &mut self,
+        e: &crate::elastic::Elasticity,
+        at: (usize, usize),
+        world_size: usize,
+    ) -> Result<(), ConfigError> {
+        let ds = self
+            .deepspeed
+            .as_ref()
+            .expect("elasticity comes from a ds_config");
+        let fail = |message: String| ConfigError::Invalid {
+            location: ds.location(at),
+            key: "elasticity".into(),
+            message,
+        };
+        let b = e.batch(world_size as u64);
+        let Some((micro, accum)) = b.micro_and_accum else {
+            let valid: Vec<String> = b.valid.iter().map(u64::to_string).collect();
+            return Err(fail(match b.valid.contains(&(world_size as u64)) && b.total > 0 {
+                true => format!(
+                    "no micro-batch of {:?} divides {} sequences on each of {world_size} workers",
+                    e.micro_batch_sizes,
+                    b.total / world_size as u64
+                ),
+                false => format!(
+                    "its batch of {} runs on {} workers, not on {world_size} (DeepSpeed refuses it too)",
+                    b.total,
+                    valid.join(", ")
+                ),
+            }));
+        };
+        for (key, chosen, settled) in [
+            (
+                "train.micro_batch_size",
+                self.spec.train.micro_batch_size,
+                micro,
+            ),
+            ("train.grad_accum", self.spec.train.grad_accum, accum),
+        ] {
+            if self.chosen(key) && chosen as u64 != settled {
+                return Err(self.invalid(
+                    key,
+                    format!(
+                        "{chosen}, where the ds_config's elasticity settles {settled} for {world_size} workers (a batch of {}): leave it out",
+                        b.total
+                    ),
+                ));
+            }
         }
         self.spec.train.micro_batch_size = micro as usize;
         self.spec.train.grad_accum = accum as usize;

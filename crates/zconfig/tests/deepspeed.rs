@@ -1049,6 +1049,35 @@ fn every_value_of_every_key_loads_or_is_refused_naming_it() {
         "tensor_parallel.autotp_size",
         "{\"tensor_parallel\": {\"autotp_size\": VALUE}}",
     );
+    key("elasticity", "{\"elasticity\": VALUE}");
+    for k in [
+        "enabled",
+        "max_train_batch_size",
+        "micro_batch_sizes",
+        "min_gpus",
+        "max_gpus",
+        "version",
+        "prefer_larger_batch",
+        "ignore_non_elastic_batch_info",
+        "num_gpus_per_node",
+        "model_parallel_size",
+    ] {
+        let mut fields = vec![
+            ("enabled", "true"),
+            ("max_train_batch_size", "64"),
+            ("micro_batch_sizes", "[2, 4]"),
+        ];
+        fields.retain(|(f, _)| *f != k);
+        fields.push((k, "VALUE"));
+        let body: Vec<String> = fields
+            .iter()
+            .map(|(f, v)| format!("\"{f}\": {v}"))
+            .collect();
+        key(
+            &format!("elasticity.{k}"),
+            &format!("{{\"elasticity\": {{{}}}}}", body.join(", ")),
+        );
+    }
     key(
         "tensor_parallel.tp.tp_size",
         "{\"tensor_parallel\": {\"tp\": {\"tp_size\": VALUE}}}",
@@ -1247,4 +1276,103 @@ fn curriculum_learning_maps_to_the_sequence_length_curriculum() {
         let e = ds_error(BARE, &section(&body), 1);
         assert!(e.contains(want), "{body}: {e}");
     }
+}
+
+/// DeepSpeed's `elasticity`: the batch DeepSpeed's arithmetic gives
+/// (computed by its own `elasticity.py`), settled for each world size: at
+/// version 0.1, 2, 3, 4 and 7 workers share 1680 sequences (micro-batches
+/// 6, 4, 6, 6), 9 workers are refused naming the counts that run it; at
+/// version 0.2 (DeepSpeed's default) 9 workers get a batch of their own,
+/// 1998. The batch keys are refused beside it unless
+/// `ignore_non_elastic_batch_info` says to ignore them (then listed as
+/// ignored), and a micro-batch the job chose must be elasticity's.
+#[test]
+fn elasticity_settles_the_batch_for_each_world_size() {
+    let ds = |version: &str, extra: &str| {
+        format!(
+            "{{\"elasticity\": {{\"enabled\": true, \"max_train_batch_size\": 2000,\n \"micro_batch_sizes\": [2, 4, 6], \"min_gpus\": 1, \"max_gpus\": 10000, \"min_time\": 20{version}}}{extra}}}"
+        )
+    };
+    let settled = |ds_text: &str, text: &str, world: usize| {
+        let j = job(text);
+        let path = j._dir.path().join("ds.json");
+        std::fs::write(&path, ds_text).unwrap();
+        let mut loaded = load_job_with(&j.path, &[], Some(&path)).unwrap();
+        loaded.validate(world).unwrap();
+        let t = &loaded.spec.train;
+        (t.micro_batch_size, t.grad_accum, ignored(&loaded))
+    };
+    let v01 = ds(", \"version\": 0.1", "");
+    for (world, micro, accum) in [(2, 6, 140), (3, 4, 140), (4, 6, 70), (7, 6, 40)] {
+        let (m, a, _) = settled(&v01, BARE, world);
+        assert_eq!((m, a), (micro, accum), "{world} workers");
+        assert_eq!(m * a * world, 1680);
+    }
+    let e = ds_error(BARE, &v01, 9);
+    assert!(
+        e.contains(
+            "ds.json:1:2: elasticity: its batch of 1680 runs on 1, 2, 3, 4, 5, 6, 7, 8, 10,"
+        ) && e.contains("not on 9"),
+        "{e}"
+    );
+    let v02 = ds("", "");
+    assert_eq!(settled(&v02, BARE, 9).0, 6);
+    assert_eq!(settled(&v02, BARE, 9).1, 37);
+    assert_eq!(settled(&v02, BARE, 2).1, 140);
+    let with_batch = ds("", ",\n \"train_batch_size\": 64");
+    let e = ds_error(BARE, &with_batch, 2);
+    assert!(
+        e.contains("ds.json:3:2: train_batch_size: elasticity sets the batch"),
+        "{e}"
+    );
+    let ignoring = ds(
+        ", \"ignore_non_elastic_batch_info\": true",
+        ",\n \"train_batch_size\": 64",
+    );
+    let (m, a, ignored) = settled(&ignoring, BARE, 2);
+    assert_eq!((m, a), (6, 140));
+    assert!(
+        ignored.iter().any(|k| k == "train_batch_size"),
+        "{ignored:?}"
+    );
+    let chosen = format!("{BARE}  micro_batch_size: 4\n");
+    let e = ds_error(&chosen, &v02, 2);
+    assert!(
+        e.contains("train.micro_batch_size: 4, where the ds_config's elasticity settles 6"),
+        "{e}"
+    );
+    for (bad, want) in [
+        (
+            "{\"elasticity\": {\"enabled\": true, \"micro_batch_sizes\": [2]}}",
+            "elasticity: needs `max_train_batch_size`",
+        ),
+        (
+            "{\"elasticity\": {\"enabled\": true, \"max_train_batch_size\": 8, \"micro_batch_sizes\": [2, 0.5]}}",
+            "elasticity.micro_batch_sizes: must be a list of whole numbers",
+        ),
+        (
+            "{\"elasticity\": {\"enabled\": true, \"max_train_batch_size\": 8, \"micro_batch_sizes\": [16]}}",
+            "elasticity.micro_batch_sizes: 16 is above the largest batch, 8",
+        ),
+        (
+            "{\"elasticity\": {\"enabled\": true, \"max_train_batch_size\": 8, \"micro_batch_sizes\": [2], \"version\": 0.3}}",
+            "elasticity.version: 0.3: DeepSpeed's elasticity has versions 0.1 and 0.2",
+        ),
+        (
+            "{\"elasticity\": {\"enabled\": true, \"max_train_batch_size\": 8, \"micro_batch_sizes\": [2], \"model_parallel_size\": 2}}",
+            "elasticity.model_parallel_size: 2 cannot be honoured: model parallelism",
+        ),
+        (
+            "{\"elasticity\": {\"enabled\": true, \"max_train_batch_size\": 8, \"micro_batch_sizes\": [2], \"min_gpus\": 4, \"max_gpus\": 2}}",
+            "elasticity.max_gpus: 2 is below min_gpus 4",
+        ),
+    ] {
+        let e = ds_error(BARE, bad, 2);
+        assert!(e.contains(want), "{bad}\n  gave: {e}\n  want: {want}");
+    }
+    // Disabled: ignored, and the batch keys apply.
+    let off = "{\"elasticity\": {\"enabled\": false}, \"train_micro_batch_size_per_gpu\": 3}";
+    let (m, _, ignored) = settled(off, BARE, 2);
+    assert_eq!(m, 3);
+    assert!(ignored.iter().any(|k| k == "elasticity"), "{ignored:?}");
 }

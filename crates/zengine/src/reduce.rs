@@ -5,7 +5,8 @@
 //! of a bucket is done, the bucket is packed rank-major (see [`crate::flat`]) and
 //! handed to the communicator: an all-reduce where every rank updates
 //! everything (stage 0), else a reduce-scatter that hands each rank the sum of
-//! the slices it owns (with ZeRO++ qgZ, zcomm's two-hop quantized one; with
+//! the slices it owns (with ZeRO++ qgZ, zcomm's two-hop quantized one, and
+//! under `zero.loco` each bucket's kept quantization errors with it; with
 //! `train.reduce_dtype: bf16 | f16`, the same two hops in 16 bits, and at stage
 //! 0 the owners' 16-bit sums gathered after them). With `overlap_comm` backward carries on while the
 //! reduction runs; finished reductions are put away at the next group and the

@@ -689,11 +689,15 @@ fn candidate_sets(spec: &JobSpec, world: usize, nodes: usize) -> Vec<Vec<(String
                 ]);
             }
         }
-        let plain = vec![
+        let mut plain = vec![
             ("zero.quantized_weights".to_string(), "false".to_string()),
             ("zero.quantized_gradients".into(), "false".into()),
             ("zero.hpz_partition_size".into(), "1".into()),
         ];
+        if spec.zero.loco.is_some() {
+            // LoCo's error feedback is qgZ's, and goes with it.
+            plain.push(("zero.loco".into(), "null".into()));
+        }
         let mut zeropp: Vec<Vec<(String, String)>> = match sixteen {
             Some(d) => [Dtype::F32, d]
                 .map(|wire| {
@@ -1329,6 +1333,34 @@ mod tests {
         // Stages 0-3, micro 1, 2, 4, 8, checkpointing on and off; no ZeRO++
         // on one node, no swap without a swap directory.
         assert_eq!(sets.len(), 4 * 4 * 2);
+    }
+
+    /// A job with LoCo (`zero.loco`, which needs qgZ) is offered every
+    /// configuration: those that turn qgZ off turn LoCo off with it (they
+    /// had all failed validation, and the plan had offered ZeRO++ alone),
+    /// and ZeRO++'s keeps it.
+    #[test]
+    fn a_loco_job_is_offered_every_configuration() {
+        let d = tempfile::tempdir().unwrap();
+        let job = d.path().join("job.yaml");
+        std::fs::write(
+            &job,
+            "model: {d_model: 32, n_heads: 4, n_layers: 2, seq_len: 16}\n\
+             data: {format: synthetic}\n\
+             zero: {stage: 3, quantized_gradients: true, loco: {}}\n",
+        )
+        .unwrap();
+        let base = zconfig::load_job(&job, &[]).unwrap();
+        let sets = candidate_sets(&base.spec, 4, 2);
+        let mut with_loco = 0;
+        for s in &sets {
+            let mut j = zconfig::load_job(&job, &as_sets(s)).unwrap();
+            j.validate(4).unwrap_or_else(|e| panic!("{s:?}: {e}"));
+            let z = &j.spec.zero;
+            assert_eq!(z.loco.is_some(), z.quantized_gradients, "{s:?}");
+            with_loco += usize::from(z.loco.is_some());
+        }
+        assert!(with_loco > 0 && with_loco < sets.len(), "{with_loco}");
     }
 
     /// Across nodes stage 3 is offered as it is, with hpZ alone (lossless)
