@@ -658,8 +658,15 @@ fn predict(spec: &JobSpec, s: &Setting) -> [f64; 6] {
 /// trains in 16 bits, gradients reduced in f32 or in its own type
 /// (DeepSpeed's default `communication_data_type`). Not on one node: its
 /// shared memory runs the 16-bit reductions slower than f32's, and an f32
-/// job's gradients stay f32 unless the job says otherwise.
-fn candidate_sets(spec: &JobSpec, world: usize, nodes: usize) -> Vec<Vec<(String, String)>> {
+/// job's gradients stay f32 unless the job says otherwise. With
+/// `fixed_micro` (a ds_config's elastic batch settles the micro-batch for
+/// the world size) the job's micro-batch alone.
+fn candidate_sets(
+    spec: &JobSpec,
+    world: usize,
+    nodes: usize,
+    fixed_micro: bool,
+) -> Vec<Vec<(String, String)>> {
     let global = spec.train.micro_batch_size * spec.train.grad_accum * world;
     let swap_dir = spec
         .zero
@@ -735,7 +742,11 @@ fn candidate_sets(spec: &JobSpec, world: usize, nodes: usize) -> Vec<Vec<(String
                 ("train.reduce_dtype".into(), "f32".into()),
             ]);
         }
-        for micro in (0..8).map(|i| 1usize << i) {
+        let micros: Vec<usize> = match fixed_micro {
+            true => vec![spec.train.micro_batch_size],
+            false => (0..8).map(|i| 1usize << i).collect(),
+        };
+        for micro in micros {
             if !global.is_multiple_of(micro * world) {
                 continue;
             }
@@ -803,21 +814,27 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         machine.sixteen.push(rates);
         cache(&machine)?;
     }
-    let sets = candidate_sets(&base.spec, world, nodes);
+    // A ds_config's elasticity settles the micro-batch for the world size:
+    // the candidates keep it.
+    let elastic = base.deepspeed().is_some_and(|d| d.elasticity.is_some());
+    let sets = candidate_sets(&base.spec, world, nodes, elastic);
     if sets.iter().any(|s| s.iter().any(|(_, v)| v == "nvme")) && machine.swap_gbps.is_none() {
         machine.swap_gbps = measure_swap(&base.spec);
     }
     let mut candidates = Vec::new();
-    let mut too_big = 0usize;
+    let (mut too_big, mut refused) = (0usize, Vec::new());
     for s in sets {
         let mut overrides = args.set.clone();
         overrides.extend(as_sets(&s));
-        let Ok(mut job) = load_job_with(&args.job, &overrides, args.deepspeed.as_deref()) else {
-            continue;
+        let job = load_job_with(&args.job, &overrides, args.deepspeed.as_deref())
+            .and_then(|mut job| job.validate_on(&topo).map(|()| job));
+        let job = match job {
+            Ok(job) => job,
+            Err(e) => {
+                refused.push(e);
+                continue;
+            }
         };
-        if job.validate_on(&topo).is_err() {
-            continue;
-        }
         let states = worker_states(&job.spec, world);
         let kept = crate::estimate::kept(&job.spec);
         let threads = local_worker_threads(per_node);
@@ -849,8 +866,15 @@ pub fn plan(args: PlanArgs) -> Result<ExitCode> {
         });
     }
     if candidates.is_empty() {
+        let why = match refused.first() {
+            Some(e) => format!(
+                ", {} refused by the job's checks, the first: {e}",
+                refused.len()
+            ),
+            None => String::new(),
+        };
         return Err(Failure::bad_input(format!(
-            "no configuration of this job fits {:.2} GiB per worker ({too_big} too big); raise --memory-gib, add workers or nodes, or give the job a swap directory (zero.offload_optimizer.nvme_path)",
+            "no configuration of this job fits {:.2} GiB per worker ({too_big} too big{why}); raise --memory-gib, add workers or nodes, or give the job a swap directory (zero.offload_optimizer.nvme_path)",
             budget / (1u64 << 30) as f64
         )));
     }
@@ -1314,7 +1338,7 @@ mod tests {
     #[test]
     fn candidates_keep_the_global_batch() {
         let base = spec(&["train.micro_batch_size=4", "train.grad_accum=2"]);
-        let sets = candidate_sets(&base, 2, 1);
+        let sets = candidate_sets(&base, 2, 1, false);
         assert!(!sets.is_empty());
         for s in &sets {
             let get = |k: &str| -> usize {
@@ -1333,6 +1357,17 @@ mod tests {
         // Stages 0-3, micro 1, 2, 4, 8, checkpointing on and off; no ZeRO++
         // on one node, no swap without a swap directory.
         assert_eq!(sets.len(), 4 * 4 * 2);
+        // An elastic batch's micro-batch (6, which no power of two is) alone.
+        let elastic = spec(&["train.micro_batch_size=6", "train.grad_accum=140"]);
+        let sets = candidate_sets(&elastic, 2, 1, true);
+        assert_eq!(sets.len(), 4 * 2);
+        for s in &sets {
+            let get = |k: &str| s.iter().find(|(key, _)| key == k).unwrap().1.clone();
+            assert_eq!(
+                (get("train.micro_batch_size"), get("train.grad_accum")),
+                ("6".into(), "140".into())
+            );
+        }
     }
 
     /// A job with LoCo (`zero.loco`, which needs qgZ) is offered every
@@ -1351,7 +1386,7 @@ mod tests {
         )
         .unwrap();
         let base = zconfig::load_job(&job, &[]).unwrap();
-        let sets = candidate_sets(&base.spec, 4, 2);
+        let sets = candidate_sets(&base.spec, 4, 2, false);
         let mut with_loco = 0;
         for s in &sets {
             let mut j = zconfig::load_job(&job, &as_sets(s)).unwrap();
@@ -1371,7 +1406,7 @@ mod tests {
     fn stage_3_across_nodes_is_offered_hpz_zeropp_and_sixteen_bit_reductions() {
         let offered = |sets: &[&str], nodes: usize| -> Vec<String> {
             let base = spec(sets);
-            candidate_sets(&base, 4, nodes)
+            candidate_sets(&base, 4, nodes, false)
                 .iter()
                 .filter(|s| s.iter().any(|(k, v)| k == "zero.stage" && v == "3"))
                 .filter(|s| {
