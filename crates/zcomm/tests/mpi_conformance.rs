@@ -16,14 +16,15 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use zcomm::mpi::{MpiCommunicator, MpiOptions, Runtime};
 use zcomm::{
-    chunk_range, CommError, Communicator, Half, Op, Quantization, TcpCommunicator, TcpOptions,
+    chunk_range, CommError, Communicator, ErrorFeedback, Half, Op, Quantization, TcpCommunicator,
+    TcpOptions,
 };
 use zquant::Bits;
 
@@ -64,6 +65,19 @@ fn bits_hash(v: &[f32]) -> u64 {
     v.iter().fold(0xcbf2_9ce4_8422_2325, |h, x| {
         (h ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3)
     })
+}
+
+/// Three qgZ reductions of this rank's data of `len` through one LoCo
+/// feedback, as a line of the third's bits' hash (which carry the errors
+/// the first two kept).
+fn loco_line(c: &dyn Communicator, len: usize) -> String {
+    let feedback = Arc::new(Mutex::new(ErrorFeedback::new(0.8, 1000)));
+    let mut q = Vec::new();
+    for _ in 0..3 {
+        let x = random(c.rank() as u64, len);
+        q = (c.quantized_reduce_scatter(x, QGZ, Some(feedback.clone()))).unwrap();
+    }
+    format!("loco {len} {:x}", bits_hash(&q))
 }
 
 /// The bf16 reduce-scatter and all-reduce of this rank's data of `len`, as
@@ -118,8 +132,9 @@ fn rank_main() {
     drop(comm);
 }
 
-/// Every collective, checked here; returns `all_reduce LEN HASH` and
-/// `qgz LEN HASH` lines for the cross-rank and cross-transport checks.
+/// Every collective, checked here; returns `all_reduce LEN HASH`,
+/// `qgz LEN HASH` and `loco LEN HASH` lines for the cross-rank and
+/// cross-transport checks.
 fn collectives(c: &MpiCommunicator) -> Vec<String> {
     let (n, r) = (c.world_size(), c.rank());
     let mut lines = Vec::new();
@@ -144,6 +159,7 @@ fn collectives(c: &MpiCommunicator) -> Vec<String> {
             .quantized_reduce_scatter(random(r as u64, len), QGZ, None)
             .unwrap();
         lines.push(format!("qgz {len} {:x}", bits_hash(&q)));
+        lines.push(loco_line(c, len));
         lines.push(half_line(c, len));
         // all_gather of an exact pattern: element i comes from its owner.
         let own = chunk_range(len, n, r);
@@ -398,6 +414,7 @@ fn tcp_lines(nodes: &[usize]) -> Vec<Vec<String>> {
                         .quantized_reduce_scatter(random(r as u64, len), QGZ, None)
                         .unwrap();
                     lines.push(format!("qgz {len} {:x}", bits_hash(&q)));
+                    lines.push(loco_line(c.as_ref(), len));
                     lines.push(half_line(c.as_ref(), len));
                 }
                 lines
