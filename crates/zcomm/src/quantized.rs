@@ -38,7 +38,7 @@ use zquant::{Bits, Half, QuantError, Quantized};
 
 use crate::links::Links;
 use crate::loco::ErrorFeedback;
-use crate::{chunk_range, CommError, Op};
+use crate::{chunk_range, CommError, Op, SharedFeedback};
 
 /// How qgZ quantizes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -107,6 +107,30 @@ pub(crate) fn reduce_scatter(
     buf.copy_within(own, 0);
     buf.truncate(len);
     Ok(buf)
+}
+
+/// [`reduce_scatter`] with qgZ's quantization, LoCo's `feedback` (where
+/// the job has it) locked for the reduction: what every transport's
+/// `quantized_reduce_scatter_async` runs on its operation thread.
+pub(crate) fn quantized_reduce_scatter(
+    l: &mut dyn Links,
+    group: &str,
+    node_of: &[usize],
+    buf: Vec<f32>,
+    q: Quantization,
+    feedback: Option<&SharedFeedback>,
+) -> Result<Vec<f32>, CommError> {
+    let mut feedback = feedback.map(|f| f.lock().unwrap_or_else(|e| e.into_inner()));
+    let op = Op::QuantizedReduceScatter;
+    let coding = Coding::Quantized(q);
+    reduce_scatter(
+        l,
+        (group, op),
+        node_of,
+        buf,
+        coding,
+        feedback.as_deref_mut(),
+    )
 }
 
 /// [`reduce_scatter`] leaving this rank's chunk of the sum where it is in

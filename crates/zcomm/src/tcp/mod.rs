@@ -265,19 +265,7 @@ impl Communicator for TcpCommunicator {
         let (bytes, node_of) = (buf.len() * 4, self.node_of_rank.clone());
         self.submit(Op::QuantizedReduceScatter, bytes, move |l| {
             let group = l.group.clone();
-            let op = Op::QuantizedReduceScatter;
-            let mut feedback = feedback
-                .as_ref()
-                .map(|f| f.lock().unwrap_or_else(|e| e.into_inner()));
-            let coding = Coding::Quantized(q);
-            quantized::reduce_scatter(
-                l,
-                (&group, op),
-                &node_of,
-                buf,
-                coding,
-                feedback.as_deref_mut(),
-            )
+            quantized::quantized_reduce_scatter(l, &group, &node_of, buf, q, feedback.as_ref())
         })
     }
 
