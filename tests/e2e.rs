@@ -372,6 +372,69 @@ fn lamb_writes_its_trust_ratios_beside_the_loss() {
     assert!(!csv.join("train_trust_ratio_min.csv").exists());
 }
 
+/// `flops_profiler`: rank 0's profile of the step asked for, once, its
+/// summary on the console and the table of every module in the run
+/// directory; `module_depth` cuts the table, and a second run keeps the
+/// first run's profile beside its own.
+#[test]
+fn flops_profiler_writes_the_steps_modules_and_keeps_an_earlier_profile() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "prof", 3);
+    let m = dir.path().join("m.jsonl");
+    let args = TrainArgs::new(&job, &m).set("flops_profiler.profile_step=2");
+    let f = args.run(dir.path());
+    assert_eq!(f.code(), 0, "{f:?}");
+    let said = |f: &e2e::Finished| {
+        f.stdout
+            .matches("flops profile of step 2, rank 0 of 2")
+            .count()
+    };
+    assert_eq!(said(&f), 1, "{}", f.stdout);
+    let path = dir.path().join("runs/prof/flops_profile.txt");
+    // The table's rows: each line's first word after the header.
+    let rows = |text: &str| -> Vec<String> {
+        let lines = text
+            .lines()
+            .skip_while(|l| !l.starts_with("module "))
+            .skip(1);
+        lines
+            .filter_map(|l| l.split_whitespace().next().map(String::from))
+            .collect()
+    };
+    let first = std::fs::read_to_string(&path).unwrap();
+    let mut want = vec!["model", "embedding"];
+    for b in ["h.0", "h.1"] {
+        let parts = [
+            "",
+            ".ln_1",
+            ".attn",
+            ".attn.c_attn",
+            ".attn.attention",
+            ".attn.c_proj",
+            ".ln_2",
+            ".mlp",
+            ".mlp.c_fc",
+            ".mlp.c_proj",
+        ];
+        want.extend(parts.map(|p| format!("{b}{p}").leak() as &str));
+    }
+    want.push("head");
+    assert_eq!(rows(&first), want, "{first}");
+    assert!(first.contains("top modules at each depth"), "{first}");
+
+    let f = args
+        .clone()
+        .set("flops_profiler.module_depth=1")
+        .run(dir.path());
+    assert_eq!(f.code(), 0, "{f:?}");
+    assert_eq!(said(&f), 1, "{}", f.stdout);
+    let kept = dir.path().join("runs/prof/flops_profile.1.txt");
+    assert_eq!(std::fs::read_to_string(&kept).unwrap(), first);
+    let second = std::fs::read_to_string(&path).unwrap();
+    let want = ["model", "embedding", "h.0", "h.1", "head"];
+    assert_eq!(rows(&second), want, "{second}");
+}
+
 #[test]
 fn check_prints_the_resolved_job_and_topology() {
     let dir = tempfile::tempdir().unwrap();

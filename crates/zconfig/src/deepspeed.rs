@@ -199,7 +199,7 @@ const TOP_LEVEL: &[(&str, Kind)] = &[
     ("data_types", Kind::Section),
     ("wall_clock_breakdown", Kind::Ignored),
     ("memory_breakdown", Kind::Ignored),
-    ("flops_profiler", Kind::Ignored),
+    ("flops_profiler", Kind::Section),
     ("tensorboard", Kind::Section),
     ("wandb", Kind::Ignored),
     ("csv_monitor", Kind::Section),
@@ -698,6 +698,7 @@ impl Reader {
         self.aio()?;
         self.monitor("tensorboard")?;
         self.monitor("csv_monitor")?;
+        self.flops_profiler()?;
         self.curriculum()?;
         if self.get("activation_checkpointing").is_some() {
             self.sort_keys("activation_checkpointing", ACTIVATION_CHECKPOINTING)?;
@@ -1737,6 +1738,55 @@ impl Reader {
         Ok(())
     }
 
+    /// `flops_profiler`, when enabled: the job's `flops_profiler` with the
+    /// section's keys (DeepSpeed's defaults for those missing).
+    /// `recompute_fwd_factor` scales DeepSpeed's backward FLOPs for the
+    /// forward that checkpointing recomputes, which zrun times apart.
+    fn flops_profiler(&mut self) -> Result<(), ConfigError> {
+        const KEYS: &[(&str, Kind)] = &[
+            ("enabled", Kind::Section),
+            ("profile_step", Kind::Section),
+            ("module_depth", Kind::Section),
+            ("top_modules", Kind::Section),
+            ("detailed", Kind::Section),
+            ("output_file", Kind::Section),
+            ("recompute_fwd_factor", Kind::Ignored),
+        ];
+        const SECTION: &str = "flops_profiler";
+        if self.get(SECTION).is_none() {
+            return Ok(());
+        }
+        self.sort_keys(SECTION, KEYS)?;
+        if self.enabled("flops_profiler.enabled")? != Some(true) {
+            return Ok(());
+        }
+        let converters: [(&str, Converter); 5] = [
+            ("profile_step", positive_count),
+            ("module_depth", depth),
+            ("top_modules", positive_count),
+            ("detailed", boolean),
+            ("output_file", file_name),
+        ];
+        let mut out = serde_json::Map::new();
+        for (key, convert) in converters {
+            let path = format!("{SECTION}.{key}");
+            match self.get(&path) {
+                None | Some(Value::Null) => {}
+                Some(v) => {
+                    let v = convert(v).map_err(|m| self.error(&path, m))?;
+                    out.insert(key.into(), v);
+                }
+            }
+        }
+        self.map(
+            SECTION,
+            MappedValue::Set(Value::Object(out)),
+            SECTION,
+            Origin::Written,
+        );
+        Ok(())
+    }
+
     /// `tensorboard` or `csv_monitor`: `{enabled, output_path, job_name}`:
     /// when enabled, the job's key of that name is the directory
     /// `output_path/job_name`, where DeepSpeed writes its event files or
@@ -1890,6 +1940,23 @@ fn curriculum_schedule(v: &Value) -> Result<Value, String> {
         Some(s @ ("fixed_linear" | "fixed_root" | "fixed_discrete")) => Ok(json!(s)),
         Some("custom") => Err("custom is a Python function DeepSpeed calls; zrun runs fixed_linear, fixed_root or fixed_discrete".into()),
         _ => Err(format!("{v}: must be \"fixed_linear\", \"fixed_root\" or \"fixed_discrete\"")),
+    }
+}
+
+/// `flops_profiler.module_depth`: -1 (every depth) or a depth.
+fn depth(v: &Value) -> Result<Value, String> {
+    match v.as_i64() {
+        Some(d) if d >= -1 => Ok(json!(d)),
+        _ => Err(format!(
+            "{v}: must be -1 (every depth) or a whole number from 0"
+        )),
+    }
+}
+
+fn file_name(v: &Value) -> Result<Value, String> {
+    match v.as_str() {
+        Some(s) if !s.trim().is_empty() => Ok(json!(s)),
+        _ => Err(format!("{v}: must name a file")),
     }
 }
 

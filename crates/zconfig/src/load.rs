@@ -14,8 +14,8 @@ use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, plain_yaml_message, ConfigError};
 use crate::hostfile::Topology;
 use crate::spec::{
-    Backend, Device, Dtype, Every, JobSpec, ModelKind, OffloadDevice, OneCycleSpec, OptimizerKind,
-    Schedule, ZeroStage,
+    Backend, Device, Dtype, Every, FlopsProfilerSpec, JobSpec, ModelKind, OffloadDevice,
+    OneCycleSpec, OptimizerKind, Schedule, ZeroStage,
 };
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
@@ -114,9 +114,14 @@ pub fn load_job_with(
         message: improve_serde_message(&e.to_string()),
     })?;
     spec.run_dir = spec.run_dir.replace("${name}", &spec.name);
+    let profile = spec
+        .flops_profiler
+        .as_mut()
+        .and_then(|p| p.output_file.as_mut());
     for dir in [&mut spec.tensorboard, &mut spec.csv_monitor]
         .into_iter()
         .flatten()
+        .chain(profile)
     {
         *dir = dir.replace("${name}", &spec.name);
     }
@@ -709,6 +714,9 @@ impl LoadedJob {
             ));
         }
         self.spec.train.steps = (steps as u64).max(1);
+        if let Some(p) = &self.spec.flops_profiler {
+            self.check_profile_step(p)?;
+        }
         self.settle_warmup()?;
         Ok(Some(sequences))
     }
@@ -1008,6 +1016,61 @@ impl LoadedJob {
     }
 
     /// `reduce_lr_on_plateau`: validations to watch, and its knobs in range.
+    /// `flops_profiler.profile_step` within the run's steps.
+    fn check_profile_step(&self, p: &FlopsProfilerSpec) -> Result<(), ConfigError> {
+        let steps = self.spec.train.steps;
+        if p.profile_step > steps {
+            return Err(self.invalid(
+                "flops_profiler.profile_step",
+                format!(
+                    "{} is after the run's last step ({steps}): nothing would be profiled",
+                    p.profile_step
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `flops_profiler`: a step the run reaches, a depth of -1 or more,
+    /// a file named, and a CPU job (a GPU's module times are launches:
+    /// `ZRUN_GPU_PROFILE` times its kernels).
+    fn check_flops_profiler(&self, p: &FlopsProfilerSpec) -> Result<(), ConfigError> {
+        let key = |k: &str| format!("flops_profiler.{k}");
+        if p.profile_step == 0 {
+            return Err(self.invalid(
+                &key("profile_step"),
+                "must be at least 1 (steps count from 1)",
+            ));
+        }
+        // A run of `train.epochs` knows its steps once its data is counted
+        // (`LoadedJob::settle_epochs`, which checks there).
+        if self.spec.train.epochs.is_none() {
+            self.check_profile_step(p)?;
+        }
+        if p.module_depth < -1 {
+            return Err(self.invalid(
+                &key("module_depth"),
+                format!("{}: must be -1 (every depth) or at least 0", p.module_depth),
+            ));
+        }
+        if p.output_file
+            .as_deref()
+            .is_some_and(|f| f.trim().is_empty())
+        {
+            return Err(self.invalid(
+                &key("output_file"),
+                "must name a file (or be null for flops_profile.txt in run_dir)",
+            ));
+        }
+        if self.spec.device == Device::Cuda {
+            return Err(self.invalid(
+                "flops_profiler",
+                "times modules on the CPU path; on a GPU set ZRUN_GPU_PROFILE=1 for the kernels' times",
+            ));
+        }
+        Ok(())
+    }
+
     fn check_plateau(&self) -> Result<(), ConfigError> {
         let s = &self.spec;
         if !s.train.eval_every.is_set() {
@@ -1675,6 +1738,9 @@ impl LoadedJob {
         }
         if s.run_dir.trim().is_empty() {
             return Err(self.invalid("run_dir", "must not be empty"));
+        }
+        if let Some(p) = &s.flops_profiler {
+            self.check_flops_profiler(p)?;
         }
         for (key, dir) in [
             ("tensorboard", &s.tensorboard),
@@ -2568,6 +2634,94 @@ mod tests {
                 .spec;
             assert_eq!(spec.model.window().is_some(), reaches, "{window}");
         }
+    }
+
+    /// `flops_profiler`: DeepSpeed's defaults, a step within the run, a
+    /// depth from -1, a CPU job; a DeepSpeed config's enabled section sets
+    /// it (its `recompute_fwd_factor` ignored), a disabled one does not.
+    #[test]
+    fn flops_profiler_is_checked_and_comes_from_a_ds_config() {
+        let d = tempfile::tempdir().unwrap();
+        let job = write(d.path(), "j.yaml", &format!("{GOOD}flops_profiler: {{}}\n"));
+        let mut j = load_job(&job, &[]).unwrap();
+        j.validate(1).unwrap();
+        let p = j.spec.flops_profiler.clone().unwrap();
+        assert_eq!((p.profile_step, p.module_depth, p.detailed), (1, -1, true));
+        assert_eq!(p.output_file, None);
+        for (set, key, says) in [
+            (
+                "flops_profiler.profile_step=0",
+                "profile_step",
+                "at least 1",
+            ),
+            (
+                "flops_profiler.profile_step=6",
+                "profile_step",
+                "after the run's last step (5)",
+            ),
+            (
+                "flops_profiler.module_depth=-2",
+                "module_depth",
+                "-1 (every depth)",
+            ),
+            (
+                "flops_profiler.output_file=' '",
+                "output_file",
+                "must name a file",
+            ),
+            ("device=cuda", "flops_profiler", "ZRUN_GPU_PROFILE"),
+        ] {
+            let mut j = load_job(&job, &[set.to_string()]).unwrap();
+            let e = j.validate(1).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(says), "{set}: {e}");
+        }
+        let late = write(
+            d.path(),
+            "late.yaml",
+            &format!("{GOOD}flops_profiler: {{profile_step: 9}}\n"),
+        );
+        let e = load_job(&late, &[])
+            .unwrap()
+            .validate(1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(&format!("{}:8:", late.display())),
+            "where: {e}"
+        );
+        let plain = write(d.path(), "plain.yaml", GOOD);
+        let ds = write(
+            d.path(),
+            "ds.json",
+            r#"{"flops_profiler": {"enabled": true, "profile_step": 3, "module_depth": 2, "top_modules": 4, "detailed": false, "output_file": "p.txt", "recompute_fwd_factor": 1.0}}"#,
+        );
+        let mut j = load_job_with(&plain, &[], Some(&ds)).unwrap();
+        j.validate(1).unwrap();
+        let p = j.spec.flops_profiler.clone().unwrap();
+        assert_eq!(
+            (p.profile_step, p.module_depth, p.top_modules, p.detailed),
+            (3, 2, 4, false)
+        );
+        assert_eq!(p.output_file.as_deref(), Some("p.txt"));
+        let ds = write(
+            d.path(),
+            "ds.json",
+            r#"{"flops_profiler": {"enabled": false, "profile_step": 3}}"#,
+        );
+        let j = load_job_with(&plain, &[], Some(&ds)).unwrap();
+        assert_eq!(j.spec.flops_profiler, None);
+        let ds = write(
+            d.path(),
+            "ds.json",
+            r#"{"flops_profiler": {"enabled": true, "module_depth": -3}}"#,
+        );
+        let e = load_job_with(&plain, &[], Some(&ds))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("flops_profiler.module_depth") && e.contains("ds.json:1:"),
+            "{e}"
+        );
     }
 
     /// `tensorboard` and `csv_monitor`: `${name}` expands; a DeepSpeed

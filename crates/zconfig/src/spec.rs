@@ -50,6 +50,10 @@ pub struct JobSpec {
     /// (DeepSpeed's `csv_monitor`; null: none); `${name}` expands.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub csv_monitor: Option<String>,
+    /// DeepSpeed's flops profiler: one step timed module by module, each
+    /// module's parameters and model FLOPs beside its time (null: off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flops_profiler: Option<FlopsProfilerSpec>,
     /// Extra environment for every worker (numbers and booleans become strings).
     #[serde(default, deserialize_with = "env_map")]
     pub env: BTreeMap<String, String>,
@@ -1274,6 +1278,42 @@ impl Default for AioSpec {
             block_size: Size(1 << 20),
             queue_depth: 32,
             thread_count: 2,
+        }
+    }
+}
+
+/// `flops_profiler:` DeepSpeed's flops profiler, its keys and (but for
+/// `top_modules`) its defaults:
+/// rank 0 times step `profile_step` module by module, and zrun writes the
+/// table to `output_file` and prints its summary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FlopsProfilerSpec {
+    /// The step profiled (1-based; later steps time without the first
+    /// step's page faults).
+    pub profile_step: u64,
+    /// The deepest modules the detailed table lists (1: the embedding,
+    /// blocks and head; 2: a block's norms, attention and MLP; 3: their
+    /// products); -1 for all.
+    pub module_depth: i64,
+    /// Modules the summary names at each depth, by parameters, by FLOPs
+    /// and by time (DeepSpeed's default names 1; zrun's 3).
+    pub top_modules: usize,
+    /// Whether the table lists every module (else the summary alone).
+    pub detailed: bool,
+    /// Where the profile goes (null: `flops_profile.txt` in `run_dir`);
+    /// `${name}` expands.
+    pub output_file: Option<String>,
+}
+
+impl Default for FlopsProfilerSpec {
+    fn default() -> Self {
+        FlopsProfilerSpec {
+            profile_step: 1,
+            module_depth: -1,
+            top_modules: 3,
+            detailed: true,
+            output_file: None,
         }
     }
 }

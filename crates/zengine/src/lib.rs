@@ -44,6 +44,7 @@ mod group;
 mod micro_batch;
 mod offload;
 pub mod precision;
+mod profile;
 mod reduce;
 pub mod schedule;
 pub mod state;

@@ -16,6 +16,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use candle_core::{CpuStorage, Device, Layout, Storage, Tensor};
+use zmodel::profile::{self, Module, Pass};
 use zmodel::{
     Batch, BlockActs, BlockDropout, BlockLinear, BlockNorm, BlockSource, Documents, Dropout,
     EmbeddingParams, HeadParams, Noise, TokenRows, WeightBias,
@@ -233,6 +234,7 @@ impl Engine {
     /// Group 0's forward; returns the blocks' input (without a graph).
     fn forward_embedding(&mut self, mb: &mut MicroBatch) -> Result<Tensor, EngineError> {
         let p0 = self.params_for(0, &mut mb.gather)?;
+        let _t = profile::module(Module::Embedding, Pass::Forward);
         let x = self.model.embed_documents(
             &EmbeddingParams::from_vec(p0, self.model.layout())?,
             &mb.tokens,
@@ -270,7 +272,9 @@ impl Engine {
         for b in 1..=n_layers {
             let mut src = BlockFromEngine::gather(self, &mut mb.gather, b, false)?;
             let dropout = mb.dropout.site(b as u64);
+            let timed = profile::module(Module::Block(b - 1), Pass::Forward);
             let (y, acts) = model.block_forward_from(&mut src, &x, mb.docs.as_ref(), dropout)?;
+            drop(timed);
             src.release_block();
             let bytes = acts.bytes();
             largest = largest.max(bytes);
@@ -323,6 +327,7 @@ impl Engine {
         let trains = !model.frozen_output();
         let in_place = trains && self.output_gradient_fits();
         let w = wte.as_ref();
+        let timed = profile::module(Module::Head, Pass::Backward);
         let back = match (trains, in_place) {
             (_, true) => {
                 let into = self.output_gradient_buffer()?;
@@ -345,6 +350,7 @@ impl Engine {
                 model.head_backward(&head_params, w, x, &mb.targets, scaled.0, scaled.1)?
             }
         };
+        drop(timed);
         if !back.loss.is_finite() {
             return Err(EngineError::NonFinite {
                 step: self.step + 1,
@@ -435,14 +441,16 @@ impl Engine {
                 Some(Saved::Acts(acts)) => acts,
                 Some(Saved::Input(x)) => {
                     let dropout = mb.dropout.site(b as u64);
+                    let _t = profile::module(Module::Block(b - 1), Pass::Recompute);
                     model
                         .block_forward_from(&mut src, &x, mb.docs.as_ref(), dropout)?
                         .1
                 }
                 None => return Err(missing(&format!("block {b}'s saved activations"))),
             };
+            let timed = profile::module(Module::Block(b - 1), Pass::Backward);
             dx = model.block_backward_into(&mut src, &acts, &dx)?;
-            drop(acts);
+            drop((timed, acts));
             src.finish_backward()?;
         }
         Ok(dx)
@@ -465,12 +473,14 @@ impl Engine {
         // The token table (slot 0) trains unless frozen; where it does,
         // only the rows the tokens picked are made and added.
         let wte_trains = !self.groups[0].layout.params[0].frozen;
+        let timed = profile::module(Module::Embedding, Pass::Backward);
         let back = (self.model).embed_backward(&mb.tokens, mb.docs.as_ref(), dx, wte_trains)?;
         let mut grads = vec![match &back.wte {
             Some(rows) => SlotGrad::Rows(rows),
             None => SlotGrad::Frozen,
         }];
         grads.extend(back.wpe.as_ref().map(SlotGrad::Whole));
+        drop(timed);
         self.accumulate(0, &grads)?;
         if mb.reduce_now {
             self.group_done(0)?;

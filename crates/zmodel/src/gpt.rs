@@ -28,6 +28,7 @@ use crate::attention::{
     attention_of_last_rows, causal_attention, causal_attention_backward, causal_attention_bf16,
     Heads,
 };
+use crate::profile::{self, Part};
 use zconfig::spec::{ModelKind, ModelSpec};
 use zconfig::tiles::{column_tiles, ColumnTile, TileError};
 
@@ -1103,7 +1104,10 @@ impl Gpt {
             linear_to(src, l, x, residual, Store::F32)
         };
 
-        let a1 = norm(src, BlockNorm::Norm1, &rows)?;
+        let a1 = {
+            let _t = profile::part(Part::Norm1);
+            norm(src, BlockNorm::Norm1, &rows)?
+        };
         // GPT's q, k and v go to attention only, whose bf16 products would
         // round them, and its MLP expansion to GELU, which reads bf16 under
         // bf16 products (`Gpt::activation`): both stored in bf16 (LLaMA's
@@ -1112,17 +1116,29 @@ impl Gpt {
             ModelKind::Gpt if self.products == Products::Bf16 => Store::Bf16,
             _ => Store::F32,
         };
-        let qkv = linear_to(src, BlockLinear::Qkv, &a1, None, half_store)?;
+        let qkv = {
+            let _t = profile::part(Part::Qkv);
+            linear_to(src, BlockLinear::Qkv, &a1, None, half_store)?
+        };
         let (qkv, qk_unnormed) = match self.cfg.qk_normed() {
-            true => (self.qk_norm_forward(src, &qkv)?, Some(qkv)),
+            true => {
+                let _t = profile::part(Part::QkNorm);
+                (self.qk_norm_forward(src, &qkv)?, Some(qkv))
+            }
             false => (qkv, None),
         };
         let qkv = qkv.reshape((b, t, self.cfg.qkv_width()))?;
-        let qkv = match start {
-            None => self.rotate_kept(qkv, docs)?,
-            Some(start) => self.rotate_from(qkv, start, docs)?,
+        let qkv = {
+            let _t = profile::part(Part::Rotary);
+            match start {
+                None => self.rotate_kept(qkv, docs)?,
+                Some(start) => self.rotate_from(qkv, start, docs)?,
+            }
         };
-        let att = attend(&qkv)?;
+        let att = {
+            let _t = profile::part(Part::Attention);
+            attend(&qkv)?
+        };
         // The residual adds happen as the projections' tiles store, or
         // with dropout in its pass.
         let residual_add =
@@ -1134,9 +1150,16 @@ impl Gpt {
                     Ok(d.site(site).add_to(residual, &branch)?)
                 }
             };
-        let rows1 = residual_add(src, BlockLinear::AttnOut, &att, &rows, 0)?;
+        let rows1 = {
+            let _t = profile::part(Part::AttnOut);
+            residual_add(src, BlockLinear::AttnOut, &att, &rows, 0)?
+        };
 
-        let a2 = norm(src, BlockNorm::Norm2, &rows1)?;
+        let a2 = {
+            let _t = profile::part(Part::Norm2);
+            norm(src, BlockNorm::Norm2, &rows1)?
+        };
+        let mlp_in = profile::part(Part::MlpIn);
         let gelu_fused = match self.gelu_in_products() {
             true => linear::forward_gelu(
                 src,
@@ -1147,10 +1170,21 @@ impl Gpt {
             false => None,
         };
         let (g, act_kept) = match gelu_fused {
-            Some(pair) => pair,
-            None => self.activation(&linear_to(src, BlockLinear::MlpIn, &a2, None, half_store)?)?,
+            Some(pair) => {
+                drop(mlp_in);
+                pair
+            }
+            None => {
+                let h = linear_to(src, BlockLinear::MlpIn, &a2, None, half_store)?;
+                drop(mlp_in);
+                let _t = profile::part(Part::Activation);
+                self.activation(&h)?
+            }
         };
-        let y = residual_add(src, BlockLinear::MlpOut, &g, &rows1, 1)?.reshape((b, t, d))?;
+        let y = {
+            let _t = profile::part(Part::MlpOut);
+            residual_add(src, BlockLinear::MlpOut, &g, &rows1, 1)?.reshape((b, t, d))?
+        };
         let input = |l, x: Tensor| (!src.weight_frozen(l)).then_some(x);
         let acts = BlockActs {
             rows,
@@ -1218,46 +1252,75 @@ impl Gpt {
         // dg is dropped once dh is made, where they differ (bf16 products,
         // LLaMA): 12.6 MB less at the peak at the anchor's shape in bf16
         // (`zconfig::estimate::block_backward_bytes` counts what is held).
-        let dg = linear_times(
-            src,
-            BlockLinear::MlpOut,
-            &acts.g,
-            branch_grad(1, &dy)?,
-            slope,
-        )?;
+        let dg = {
+            let _t = profile::part(Part::MlpOut);
+            linear_times(
+                src,
+                BlockLinear::MlpOut,
+                &acts.g,
+                branch_grad(1, &dy)?,
+                slope,
+            )?
+        };
         let dh = match slope {
             Some(_) => OutputGrad::F32(dg),
-            None => self.activation_backward(&acts.act_kept, &{ dg })?,
+            None => {
+                let _t = profile::part(Part::Activation);
+                self.activation_backward(&acts.act_kept, &{ dg })?
+            }
         };
-        let da2 = linear(src, BlockLinear::MlpIn, &acts.a2, dh)?;
+        let da2 = {
+            let _t = profile::part(Part::MlpIn);
+            linear(src, BlockLinear::MlpIn, &acts.a2, dh)?
+        };
         // Each residual's gradient is added as the norm's backward writes dx.
-        let drows1 = self.norm_backward_from(src, BlockNorm::Norm2, &acts.rows1, &da2, &dy)?;
+        let drows1 = {
+            let _t = profile::part(Part::Norm2);
+            self.norm_backward_from(src, BlockNorm::Norm2, &acts.rows1, &da2, &dy)?
+        };
         // rows1 = rows + att·W_o (+ b_o)
-        let datt = linear(
-            src,
-            BlockLinear::AttnOut,
-            &acts.att,
-            branch_grad(0, &drows1)?,
-        )?;
+        let datt = {
+            let _t = profile::part(Part::AttnOut);
+            linear(
+                src,
+                BlockLinear::AttnOut,
+                &acts.att,
+                branch_grad(0, &drows1)?,
+            )?
+        };
         let docs = acts.docs.as_ref();
-        let dqkv = causal_attention_backward(
-            &acts.qkv,
-            &datt.reshape((b, t, self.cfg.attn_width()))?,
-            self.heads(),
-            self.products,
-            self.attention_bounds(docs, b, t).as_deref(),
-            acts.dropout.attention,
-        )?;
-        let dqkv = self
-            .rotate(dqkv, true, docs)?
-            .reshape((b * t, self.cfg.qkv_width()))?;
+        let dqkv = {
+            let _t = profile::part(Part::Attention);
+            causal_attention_backward(
+                &acts.qkv,
+                &datt.reshape((b, t, self.cfg.attn_width()))?,
+                self.heads(),
+                self.products,
+                self.attention_bounds(docs, b, t).as_deref(),
+                acts.dropout.attention,
+            )?
+        };
+        let dqkv = {
+            let _t = profile::part(Part::Rotary);
+            self.rotate(dqkv, true, docs)?
+        }
+        .reshape((b * t, self.cfg.qkv_width()))?;
         let dqkv = match &acts.qk_unnormed {
             // The unnormed gradient dropped once read (Qwen3's).
-            Some(qkv) => self.qk_norm_backward(src, qkv, &{ dqkv })?,
+            Some(qkv) => {
+                let _t = profile::part(Part::QkNorm);
+                self.qk_norm_backward(src, qkv, &{ dqkv })?
+            }
             None => dqkv,
         };
-        let da1 = linear(src, BlockLinear::Qkv, &acts.a1, OutputGrad::F32(dqkv))?;
-        let dx = self.norm_backward_from(src, BlockNorm::Norm1, &acts.rows, &da1, &drows1)?;
+        let da1 = {
+            let _t = profile::part(Part::Qkv);
+            linear(src, BlockLinear::Qkv, &acts.a1, OutputGrad::F32(dqkv))?
+        };
+        let dx = {
+            let _t = profile::part(Part::Norm1);
+            self.norm_backward_from(src, BlockNorm::Norm1, &acts.rows, &da1, &drows1)?
+        };
         Ok(dx.reshape((b, t, d))?)
     }
 

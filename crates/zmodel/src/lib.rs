@@ -46,6 +46,7 @@ pub mod linear;
 pub mod llama_ops;
 pub mod ops;
 pub mod params;
+pub mod profile;
 mod simd;
 
 pub use dropout::{BlockDropout, Dropout, Noise};

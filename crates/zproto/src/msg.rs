@@ -50,6 +50,9 @@ pub enum ToServer {
     },
     /// One optimizer step done.
     Report(Box<StepReport>),
+    /// `flops_profiler`: rank 0's module-by-module account of the profiled
+    /// step, sent after that step's report.
+    Profile(Box<FlopsProfile>),
     /// Results of `bench comm`.
     BenchRows(Vec<BenchRow>),
     /// Results of `bench kernels`.
@@ -480,6 +483,67 @@ pub struct StepReport {
     /// `train.curriculum`: the tokens of each sequence this step trained on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seq_len: Option<usize>,
+}
+
+/// `flops_profiler`: where one step's forward and backward went on rank 0,
+/// module by module, with each module's parameters and model FLOPs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FlopsProfile {
+    /// The profiled step (1-based).
+    pub step: u64,
+    /// The rank that measured it.
+    pub rank: u64,
+    /// Workers in the job.
+    pub world_size: u64,
+    /// The job's ZeRO stage.
+    pub zero_stage: u8,
+    /// Micro-batches the step ran on this rank.
+    pub micro_batches: u64,
+    /// Sequences in each.
+    pub micro_batch: u64,
+    /// Tokens in each sequence this step.
+    pub seq_len: u64,
+    /// The step as the metrics line has it (this rank's figures).
+    pub times: StepTimesMs,
+    /// The step's wall time on this rank.
+    pub step_ms: f64,
+    /// Modules in the model's order, each after its parent
+    /// (`blocks.0.attention.qkv` after `blocks.0.attention`), the model
+    /// first under the path `model`.
+    pub modules: Vec<ModuleProfile>,
+}
+
+/// One module of a [`FlopsProfile`], its figures summed over the step's
+/// micro-batches.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModuleProfile {
+    /// Dotted path: `model`, `embedding`, `blocks.3`, `blocks.3.mlp.in`, `head`.
+    pub path: String,
+    /// Parameters it holds (its children's included).
+    pub params: u64,
+    /// Model FLOPs of its forward (PaLM's accounting, as the metrics' `tflops`).
+    pub forward_flops: f64,
+    /// Model FLOPs of its backward.
+    pub backward_flops: f64,
+    /// Milliseconds in its forward.
+    pub forward_ms: f64,
+    /// Milliseconds in its backward.
+    pub backward_ms: f64,
+    /// Milliseconds recomputing its forward in backward (activation
+    /// checkpointing).
+    pub recompute_ms: f64,
+}
+
+impl ModuleProfile {
+    /// Its depth below the model: 0 the model, 1 the embedding, a block
+    /// (`h.3`: a block's path has one dot) and the head, 2 a block's norms
+    /// and its attention and MLP, 3 their parts.
+    pub fn depth(&self) -> usize {
+        match self.path.as_str() {
+            "model" => 0,
+            p => p.matches('.').count().max(1),
+        }
+    }
 }
 
 /// The smallest, mean and largest of a LAMB step's trust ratios, one per

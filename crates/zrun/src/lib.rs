@@ -79,6 +79,7 @@ pub mod pernode;
 pub mod plan;
 pub mod planner;
 pub mod prepare;
+pub mod profile;
 pub mod progress;
 pub mod rundir;
 pub mod server;

@@ -3,7 +3,10 @@
 //! what is done with it.
 
 use anyhow::Result;
-use zproto::{BenchRow, KernelRow, MemBytes, StepReport};
+use std::path::PathBuf;
+
+use zconfig::spec::FlopsProfilerSpec;
+use zproto::{BenchRow, FlopsProfile, KernelRow, MemBytes, StepReport};
 
 use crate::metrics::Aggregator;
 use crate::monitor::Monitor;
@@ -29,6 +32,8 @@ pub enum Sink {
         peak: MemBytes,
         /// Steps expected.
         steps: u64,
+        /// `flops_profiler`: its settings and the file the profile goes to.
+        profile: Option<(FlopsProfilerSpec, PathBuf)>,
     },
     /// `bench comm`: rows from rank 0.
     Bench {
@@ -65,6 +70,23 @@ impl Sink {
                 *peak = peak.max(line.mem_bytes);
                 progress.step(&line);
             }
+        }
+        Ok(())
+    }
+
+    /// Rank 0's `flops_profiler` profile: written to its file, its summary
+    /// printed.
+    pub fn profile(&mut self, p: FlopsProfile) -> Result<()> {
+        if let Sink::Train {
+            progress,
+            profile: Some((spec, path)),
+            ..
+        } = self
+        {
+            crate::profile::write(&p, spec, path)?;
+            let summary = crate::profile::summary(&p, spec);
+            progress.println(&format!("zrun: {}", summary.trim_end()));
+            progress.println(&format!("zrun: the profile is in {}", path.display()));
         }
         Ok(())
     }

@@ -410,6 +410,7 @@ impl Supervisor {
                 self.ranks[rank].last_seen = Instant::now();
                 match *msg {
                     ToServer::Report(report) => self.sink.report(rank, *report)?,
+                    ToServer::Profile(p) => self.sink.profile(*p)?,
                     ToServer::KernelRows(rows) => self.sink.kernel_rows(rows),
                     ToServer::BenchRows(rows) => self.sink.bench_rows(rows),
                     ToServer::Failed { message } => {

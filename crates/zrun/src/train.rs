@@ -190,6 +190,10 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
             last_loss: f64::NAN,
             peak: MemBytes::default(),
             steps,
+            profile: plan.spec.flops_profiler.clone().map(|f| {
+                let at = crate::profile::path(&f, &run_dir);
+                (f, at)
+            }),
         };
         let task = Task::Train(Box::new(TrainTask {
             spec: plan.spec.clone(),

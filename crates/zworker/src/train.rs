@@ -11,7 +11,9 @@ use zconfig::JobSpec;
 use zdata::job::Sources;
 use zdata::Batcher;
 use zengine::{Engine, MemoryUse, ProcessGroups, StepStats};
-use zproto::{ByOp, CommBytes, IoReport, MemBytes, StepReport, StepTimesMs, ToServer};
+use zproto::{
+    ByOp, CommBytes, FlopsProfile, IoReport, MemBytes, StepReport, StepTimesMs, ToServer,
+};
 
 use crate::checkpoint::{save, Validation};
 use crate::control::ControlClient;
@@ -138,7 +140,14 @@ pub fn train(
     let first = engine.steps_done();
     let profile_from = (t.steps.saturating_sub(first) >= 2 * crate::gpu::WARM_STEPS)
         .then_some(first + crate::gpu::WARM_STEPS);
+    // `flops_profiler`: rank 0 times this step's modules (DeepSpeed's
+    // profiler reports rank 0's too).
+    let profiled = spec.flops_profiler.as_ref().map(|p| p.profile_step);
     for s in engine.steps_done()..t.steps {
+        let profiling = env.rank == 0 && profiled == Some(s + 1);
+        if profiling {
+            zmodel::profile::start();
+        }
         let started = Instant::now();
         for micro in 0..t.grad_accum {
             engine.forward_backward(&data.batch(s, micro)?)?;
@@ -153,6 +162,7 @@ pub fn train(
             );
         }
         let step_ms = started.elapsed().as_secs_f64() * 1e3;
+        let module_times = zmodel::profile::finish().filter(|_| profiling);
         // The global sequences this step took, for what happens at each
         // epoch's end.
         let took = (
@@ -190,6 +200,24 @@ pub fn train(
             plateau,
         };
         let trained_len = data.step_seq_len(st.step - 1);
+        let times = step_times(&st, step_ms);
+        let profile = module_times.map(|m| FlopsProfile {
+            step: st.step,
+            rank: env.rank as u64,
+            world_size: env.world_size as u64,
+            zero_stage: spec.zero.stage.number(),
+            micro_batches: t.grad_accum as u64,
+            micro_batch: t.micro_batch_size as u64,
+            seq_len: trained_len as u64,
+            times,
+            step_ms,
+            modules: engine.flops_profile(
+                &m,
+                st.tokens,
+                trained_len,
+                (times.forward, times.backward),
+            ),
+        });
         client.send(&ToServer::Report(Box::new(StepReport {
             step: st.step,
             epoch: took.1 as f64 / sequences as f64,
@@ -203,7 +231,7 @@ pub fn train(
             zero_stage: spec.zero.stage.number(),
             mem: mem_bytes(&st.mem),
             comm: comm_bytes(&st.comm),
-            times: step_times(&st, step_ms),
+            times,
             loss_scale: st.loss_scale,
             io: st.io.map(|io| IoReport {
                 read_bytes: io.read_bytes,
@@ -219,6 +247,9 @@ pub fn train(
             }),
             seq_len: t.curriculum.as_ref().map(|_| trained_len),
         })))?;
+        if let Some(p) = profile {
+            client.send(&ToServer::Profile(Box::new(p)))?;
+        }
         if profile_from == Some(st.step) {
             crate::gpu::profile(&engine, env.rank, crate::gpu::ProfileAt::Restart)?;
         }
