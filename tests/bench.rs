@@ -238,12 +238,13 @@ fn bench_commands_report_rows() {
 fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "sweep", 2);
-    // A job's curriculum is left out: the bench times whole sequences.
+    // A job's curriculum is left out: the bench times whole sequences; and
+    // its flops profiler: no profile lands in the job's run directory.
     let text = std::fs::read_to_string(&job).unwrap().replace(
         "  warmup_steps: 2\n",
         "  warmup_steps: 2\n  curriculum: {min_difficulty: 8, schedule_type: fixed_linear, total_curriculum_step: 100, difficulty_step: 8}\n",
     );
-    std::fs::write(&job, text).unwrap();
+    std::fs::write(&job, text + "flops_profiler: {profile_step: 2}\n").unwrap();
     let out = dir.path().join("out");
     let f = zrun(
         dir.path(),
@@ -264,6 +265,8 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
     );
     assert_eq!(f.code(), 0, "{f:?}");
     assert!(f.stdout.contains("val loss"), "{}", f.stdout);
+    assert!(!f.stdout.contains("flops profile"), "{}", f.stdout);
+    assert!(!dir.path().join("runs/sweep/flops_profile.txt").exists());
     let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
     assert_eq!(csv.lines().count(), 5, "{csv}");
     assert!(

@@ -61,8 +61,11 @@ pub enum Part {
     MlpOut,
 }
 
-/// Time recorded for a module as a whole (`None`) or one of its parts.
-pub type Times = HashMap<(Module, Option<Part>, Pass), Duration>;
+/// A module as a whole (`None`) or one of its parts, in a pass.
+pub type Key = (Module, Option<Part>, Pass);
+
+/// Time recorded by [`Key`].
+pub type Times = HashMap<Key, Duration>;
 
 struct Recorder {
     /// The module [`part`] spans belong to.
@@ -92,16 +95,18 @@ pub fn finish() -> Option<Times> {
 /// A running span: adds its time when dropped.
 #[must_use = "a span measures until it is dropped"]
 pub struct Span {
-    key: Option<(Module, Option<Part>, Pass)>,
-    started: Instant,
+    /// What it times and since when; none where nothing is recorded.
+    timing: Option<(Key, Instant)>,
     /// The scope before a module span, put back when it ends.
     outer: Option<(Module, Pass)>,
 }
 
 impl Drop for Span {
     fn drop(&mut self) {
-        let Some(key) = self.key else { return };
-        let took = self.started.elapsed();
+        let Some((key, started)) = self.timing else {
+            return;
+        };
+        let took = started.elapsed();
         RECORDER.with(|r| {
             if let Some(rec) = r.borrow_mut().as_mut() {
                 *rec.times.entry(key).or_default() += took;
@@ -122,8 +127,7 @@ pub fn module(module: Module, pass: Pass) -> Span {
             .map(|rec| rec.scope.replace((module, pass)))
     });
     Span {
-        key: outer.is_some().then_some((module, None, pass)),
-        started: Instant::now(),
+        timing: outer.map(|_| ((module, None, pass), Instant::now())),
         outer: outer.flatten(),
     }
 }
@@ -133,8 +137,7 @@ pub fn module(module: Module, pass: Pass) -> Span {
 pub fn part(part: Part) -> Span {
     let scope = RECORDER.with(|r| r.borrow().as_ref().and_then(|rec| rec.scope));
     Span {
-        key: scope.map(|(m, pass)| (m, Some(part), pass)),
-        started: Instant::now(),
+        timing: scope.map(|(m, pass)| ((m, Some(part), pass), Instant::now())),
         outer: None,
     }
 }

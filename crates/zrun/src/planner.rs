@@ -959,6 +959,7 @@ fn verify(args: &PlanArgs, candidates: &mut [Candidate]) -> Result<()> {
         sets.push(format!("train.steps={}", args.verify_steps));
         sets.push("train.epochs=null".into());
         sets.push("checkpoint.dir=null".into());
+        sets.push("flops_profiler=null".into());
         sets.push("train.eval_every=0".into());
         for s in sets {
             cmd.arg("--set").arg(s);

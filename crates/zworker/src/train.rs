@@ -162,7 +162,7 @@ pub fn train(
             );
         }
         let step_ms = started.elapsed().as_secs_f64() * 1e3;
-        let module_times = zmodel::profile::finish().filter(|_| profiling);
+        let module_times = zmodel::profile::finish();
         // The global sequences this step took, for what happens at each
         // epoch's end.
         let took = (
