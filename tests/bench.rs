@@ -239,12 +239,14 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "sweep", 2);
     // A job's curriculum is left out: the bench times whole sequences; and
-    // its flops profiler: no profile lands in the job's run directory.
+    // its flops profiler and comms logger: no profile or comms log lands in
+    // the job's run directory.
     let text = std::fs::read_to_string(&job).unwrap().replace(
         "  warmup_steps: 2\n",
         "  warmup_steps: 2\n  curriculum: {min_difficulty: 8, schedule_type: fixed_linear, total_curriculum_step: 100, difficulty_step: 8}\n",
     );
-    std::fs::write(&job, text + "flops_profiler: {profile_step: 2}\n").unwrap();
+    let logs = "flops_profiler: {profile_step: 2}\ncomms_logger: {}\n";
+    std::fs::write(&job, text + logs).unwrap();
     let out = dir.path().join("out");
     let f = zrun(
         dir.path(),
@@ -267,6 +269,8 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
     assert!(f.stdout.contains("val loss"), "{}", f.stdout);
     assert!(!f.stdout.contains("flops profile"), "{}", f.stdout);
     assert!(!dir.path().join("runs/sweep/flops_profile.txt").exists());
+    assert!(!dir.path().join("runs/sweep/comms_log.txt").exists());
+    assert!(!f.stdout.contains("comms log"), "{}", f.stdout);
     let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
     assert_eq!(csv.lines().count(), 5, "{csv}");
     assert!(

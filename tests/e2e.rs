@@ -435,6 +435,81 @@ fn flops_profiler_writes_the_steps_modules_and_keeps_an_earlier_profile() {
     assert_eq!(rows(&second), want, "{second}");
 }
 
+/// `comms_logger`: every collective of the run in a table of op, buffer
+/// bytes and count whose volume is, op by op, what the metrics say each
+/// rank sent (on 2 ranks a ring's all-reduce sends its buffer once, a
+/// reduce-scatter or an all-gather half of it); `prof_ops` keeps only the
+/// collectives named, and a second run keeps the first run's table.
+#[test]
+fn comms_logger_tallies_what_the_metrics_count_and_keeps_an_earlier_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = small_job(dir.path(), "comms", 3);
+    let m = dir.path().join("m.jsonl");
+    let args = TrainArgs::new(&job, &m)
+        .set("zero.stage=3")
+        .set("zero.reduce_bucket_size=3000")
+        .set("comms_logger={}");
+    let f = args.run(dir.path());
+    assert_eq!(f.code(), 0, "{f:?}");
+    let path = dir.path().join("runs/comms/comms_log.txt");
+    assert!(
+        f.stdout
+            .contains(&format!("the comms log is in {}", path.display())),
+        "{}",
+        f.stdout
+    );
+    // (op, bytes, count) of each row of the table.
+    let rows = |text: &str| -> Vec<(String, u64, u64)> {
+        text.lines()
+            .skip_while(|l| !l.starts_with("op "))
+            .skip(1)
+            .map(|l| {
+                let w: Vec<&str> = l.split_whitespace().collect();
+                let bytes = w[1].replace(',', "").parse().unwrap();
+                (w[0].to_string(), bytes, w[2].parse().unwrap())
+            })
+            .collect()
+    };
+    let first = std::fs::read_to_string(&path).unwrap();
+    assert!(first.contains("group world, 2 ranks"), "{first}");
+    let logged = rows(&first);
+    let steps = metrics(&m);
+    for op in ["all_reduce", "reduce_scatter", "all_gather"] {
+        let share = if op == "all_reduce" { 1.0 } else { 0.5 };
+        let volume: f64 = logged
+            .iter()
+            .filter(|(o, ..)| o == op)
+            .map(|(_, bytes, count)| (bytes * count) as f64 * share)
+            .sum();
+        let sent: f64 = steps
+            .iter()
+            .filter_map(|l| l["comm_bytes"]["by_op"][op].as_f64())
+            .sum();
+        assert_eq!(volume, sent, "{op}:\n{first}");
+    }
+    let kinds = |op: &str| logged.iter().filter(|(o, ..)| o == op).count();
+    // Stage 3 gathers every layer's parameters and reduces bucket by bucket.
+    assert!(
+        kinds("all_gather") >= 1 && kinds("reduce_scatter") >= 2,
+        "{first}"
+    );
+
+    let f = args
+        .clone()
+        .set("comms_logger.prof_all=false")
+        .set("comms_logger.prof_ops=[all_gather]")
+        .run(dir.path());
+    assert_eq!(f.code(), 0, "{f:?}");
+    let kept = dir.path().join("runs/comms/comms_log.1.txt");
+    assert_eq!(std::fs::read_to_string(&kept).unwrap(), first);
+    let second = rows(&std::fs::read_to_string(&path).unwrap());
+    let gathers: Vec<_> = logged
+        .into_iter()
+        .filter(|(o, ..)| o == "all_gather")
+        .collect();
+    assert_eq!(second, gathers);
+}
+
 #[test]
 fn check_prints_the_resolved_job_and_topology() {
     let dir = tempfile::tempdir().unwrap();

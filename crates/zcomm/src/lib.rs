@@ -122,12 +122,38 @@ impl<T> Work<T> {
 
 /// Bytes sent by this rank: by operation, and to peers on this node or others;
 /// and the time its callers blocked waiting for each operation.
+/// And every collective run, tallied by kind and size for `comms_logger`.
 #[derive(Debug, Default)]
 pub struct Counters {
     by_op: [AtomicU64; Op::ALL.len()],
     intra_node: AtomicU64,
     inter_node: AtomicU64,
     waited_ns: [AtomicU64; Op::ALL.len()],
+    /// Since the last [`Counters::take_log`]; a handful of kinds and sizes
+    /// (a job's buckets and parameter groups), so a log nobody takes stays
+    /// small.
+    log: Mutex<Vec<OpTally>>,
+}
+
+/// The collectives of one kind and size that a communicator ran (its
+/// `comms_logger` record), each timed on its thread from start to end:
+/// the transfer, and the wait for the other ranks to arrive.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OpTally {
+    /// The collective, as the communicator counts it (a reduction in 16
+    /// bits on the wire under its f32 name).
+    pub op: Op,
+    /// The caller's buffer: the all-reduce's, the reduce-scatter's input,
+    /// the all-gather's output.
+    pub bytes: u64,
+    /// How many ran.
+    pub count: u64,
+    /// Their time added up.
+    pub total: Duration,
+    /// The shortest.
+    pub min: Duration,
+    /// The longest.
+    pub max: Duration,
 }
 
 /// A snapshot of [`Counters`].
@@ -196,6 +222,39 @@ impl Counters {
     fn waited(&self, op: Op, d: Duration) {
         let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         self.waited_ns[op.index()].fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// Tallies a collective `op` of `bytes` that took `took`.
+    pub(crate) fn ran(&self, op: Op, bytes: usize, took: Duration) {
+        let Ok(mut log) = self.log.lock() else { return };
+        let bytes = bytes as u64;
+        match log.iter_mut().find(|t| t.op == op && t.bytes == bytes) {
+            Some(t) => {
+                t.count += 1;
+                t.total += took;
+                t.min = t.min.min(took);
+                t.max = t.max.max(took);
+            }
+            None => log.push(OpTally {
+                op,
+                bytes,
+                count: 1,
+                total: took,
+                min: took,
+                max: took,
+            }),
+        }
+    }
+
+    /// The collectives run since the last call, by operation and size.
+    pub fn take_log(&self) -> Vec<OpTally> {
+        let mut log = self
+            .log
+            .lock()
+            .map(|mut l| std::mem::take(&mut *l))
+            .unwrap_or_default();
+        log.sort_by_key(|t| (t.op.index(), t.bytes));
+        log
     }
 
     /// Current totals.
@@ -390,6 +449,9 @@ pub trait Communicator: Send + Sync {
     fn timeout(&self) -> Duration;
     /// The collective running now, if any.
     fn in_flight(&self) -> Option<InFlight>;
+    /// The collectives run since the last call, tallied by operation and
+    /// size ([`Counters::take_log`]).
+    fn take_op_log(&self) -> Vec<OpTally>;
 
     /// Element-wise sum over ranks; every rank receives the whole sum.
     fn all_reduce_async(&self, buf: Vec<f32>) -> Work<Vec<f32>>;

@@ -62,6 +62,7 @@ per_transport!(
     async_work_overlaps_and_completes_in_issue_order,
     bytes_are_counted_per_op_and_split_by_node,
     waits_are_counted_per_op_where_a_rank_comes_late,
+    collectives_are_tallied_by_op_and_size_and_timed_waiting_included,
     a_missing_peer_times_out_naming_op_group_and_peer,
     mismatched_collectives_are_reported_not_mixed,
     large_uneven_messages_cross_slots_and_ring_wraps_in_mixed_topologies,
@@ -447,6 +448,52 @@ fn waits_are_counted_per_op_where_a_rank_comes_late(t: Transport) {
         "the late rank waited {:?}, the others {:?}",
         out[0].waited_total(),
         out[1].waited(Op::AllGather)
+    );
+}
+
+/// `comms_logger`'s tally: each collective counted under its op and its
+/// buffer's bytes, taken once; its time runs from its start to its end on
+/// the communicator's thread, so while rank 0 arrives 300 ms late at the
+/// all-gather, the others' all-gather lasts at least that long, and rank
+/// 0's, arriving last, far less.
+fn collectives_are_tallied_by_op_and_size_and_timed_waiting_included(t: Transport) {
+    let late = Duration::from_millis(300);
+    let comms = world(t, 3, &[0, 0, 0], Duration::from_secs(20));
+    let out = on_all(&comms, move |r, c| {
+        c.take_op_log();
+        c.all_reduce(vec![1.0; 100]).unwrap();
+        c.all_reduce(vec![2.0; 100]).unwrap();
+        c.all_reduce(vec![3.0; 7]).unwrap();
+        if r == 0 {
+            std::thread::sleep(late);
+        }
+        c.all_gather(vec![r as f32; 1000], 3000).unwrap();
+        (c.take_op_log(), c.take_op_log())
+    });
+    for (r, (log, again)) in out.iter().enumerate() {
+        let kinds: Vec<(Op, u64, u64)> = log.iter().map(|t| (t.op, t.bytes, t.count)).collect();
+        assert_eq!(
+            kinds,
+            [
+                (Op::AllReduce, 28, 1),
+                (Op::AllReduce, 400, 2),
+                (Op::AllGather, 12_000, 1)
+            ],
+            "rank {r}"
+        );
+        for t in log {
+            assert!(t.min <= t.max && t.max <= t.total, "rank {r}: {t:?}");
+        }
+        assert!(again.is_empty(), "rank {r}: taken twice {again:?}");
+        if r > 0 {
+            assert!(log[2].total >= late * 9 / 10, "rank {r}: {:?}", log[2]);
+        }
+    }
+    assert!(
+        out[0].0[2].total < out[1].0[2].total / 2,
+        "the late rank's all-gather took {:?}, another's {:?}",
+        out[0].0[2].total,
+        out[1].0[2].total
     );
 }
 

@@ -247,6 +247,23 @@ fn collectives(c: &MpiCommunicator) -> Vec<String> {
     assert_eq!(d.op(Op::AllGather), (1000 * (n - 1)) as u64);
     let across = (0..n).filter(|&p| nodes[p] != nodes[r]).count() as u64;
     assert_eq!(d.inter_node, 1000 * across);
+    // `comms_logger`'s tally: each collective under its op and its
+    // buffer's bytes, taken once.
+    c.take_op_log();
+    c.all_reduce(vec![1.0; 100]).unwrap();
+    c.all_reduce(vec![2.0; 100]).unwrap();
+    c.all_gather(vec![1.0; 250], len).unwrap();
+    let kinds: Vec<_> = c
+        .take_op_log()
+        .iter()
+        .map(|t| (t.op, t.bytes, t.count))
+        .collect();
+    let gathered = (len * 4) as u64;
+    assert_eq!(
+        kinds,
+        [(Op::AllReduce, 400, 2), (Op::AllGather, gathered, 1)]
+    );
+    assert!(c.take_op_log().is_empty());
     lines.push("ok".into());
     lines
 }

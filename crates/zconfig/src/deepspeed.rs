@@ -204,7 +204,7 @@ const TOP_LEVEL: &[(&str, Kind)] = &[
     ("wandb", Kind::Ignored),
     ("csv_monitor", Kind::Section),
     ("comet", Kind::Ignored),
-    ("comms_logger", Kind::Ignored),
+    ("comms_logger", Kind::Section),
     ("dump_state", Kind::Ignored),
     ("timers", Kind::Ignored),
     ("checkpoint", Kind::Ignored),
@@ -699,6 +699,7 @@ impl Reader {
         self.monitor("tensorboard")?;
         self.monitor("csv_monitor")?;
         self.flops_profiler()?;
+        self.comms_logger()?;
         self.curriculum()?;
         if self.get("activation_checkpointing").is_some() {
             self.sort_keys("activation_checkpointing", ACTIVATION_CHECKPOINTING)?;
@@ -1753,38 +1754,82 @@ impl Reader {
             ("recompute_fwd_factor", Kind::Ignored),
         ];
         const SECTION: &str = "flops_profiler";
-        if self.get(SECTION).is_none() {
+        if !self.enabled_section(SECTION, KEYS)? {
             return Ok(());
         }
-        self.sort_keys(SECTION, KEYS)?;
-        if self.enabled("flops_profiler.enabled")? != Some(true) {
-            return Ok(());
+        self.set_section(
+            SECTION,
+            &[
+                ("profile_step", positive_count),
+                ("module_depth", depth),
+                ("top_modules", positive_count),
+                ("detailed", boolean),
+                ("output_file", file_name),
+            ],
+        )
+    }
+
+    /// Sorts `section`'s keys by `keys`, and says whether it is there and
+    /// enabled.
+    fn enabled_section(
+        &mut self,
+        section: &str,
+        keys: &[(&str, Kind)],
+    ) -> Result<bool, ConfigError> {
+        if self.get(section).is_none() {
+            return Ok(false);
         }
-        let converters: [(&str, Converter); 5] = [
-            ("profile_step", positive_count),
-            ("module_depth", depth),
-            ("top_modules", positive_count),
-            ("detailed", boolean),
-            ("output_file", file_name),
-        ];
+        self.sort_keys(section, keys)?;
+        Ok(self.enabled(&format!("{section}.enabled"))? == Some(true))
+    }
+
+    /// Sets the job's key `section` to the section's keys that
+    /// `converters` name, each converted (those missing or null left to
+    /// the job's defaults).
+    fn set_section(
+        &mut self,
+        section: &'static str,
+        converters: &[(&str, Converter)],
+    ) -> Result<(), ConfigError> {
         let mut out = serde_json::Map::new();
         for (key, convert) in converters {
-            let path = format!("{SECTION}.{key}");
+            let path = format!("{section}.{key}");
             match self.get(&path) {
                 None | Some(Value::Null) => {}
                 Some(v) => {
                     let v = convert(v).map_err(|m| self.error(&path, m))?;
-                    out.insert(key.into(), v);
+                    out.insert((*key).into(), v);
                 }
             }
         }
         self.map(
-            SECTION,
+            section,
             MappedValue::Set(Value::Object(out)),
-            SECTION,
+            section,
             Origin::Written,
         );
         Ok(())
+    }
+
+    /// `comms_logger`, when enabled: the job's `comms_logger`, its
+    /// `prof_ops` in zrun's names (DeepSpeed's `all_gather_into_tensor`,
+    /// `reduce_scatter_tensor`, `all_to_all_single` and
+    /// `all_reduce_coalesced` name the collectives zrun runs in their
+    /// place). `verbose` (a line for every collective) and `debug` (the
+    /// caller's name in each record) are ignored: zrun writes the table.
+    fn comms_logger(&mut self) -> Result<(), ConfigError> {
+        const KEYS: &[(&str, Kind)] = &[
+            ("enabled", Kind::Section),
+            ("prof_all", Kind::Section),
+            ("prof_ops", Kind::Section),
+            ("verbose", Kind::Ignored),
+            ("debug", Kind::Ignored),
+        ];
+        const SECTION: &str = "comms_logger";
+        if !self.enabled_section(SECTION, KEYS)? {
+            return Ok(());
+        }
+        self.set_section(SECTION, &[("prof_all", boolean), ("prof_ops", comm_ops)])
     }
 
     /// `tensorboard` or `csv_monitor`: `{enabled, output_path, job_name}`:
@@ -1798,11 +1843,7 @@ impl Reader {
             ("output_path", Kind::Section),
             ("job_name", Kind::Section),
         ];
-        if self.get(section).is_none() {
-            return Ok(());
-        }
-        self.sort_keys(section, KEYS)?;
-        if self.enabled(&format!("{section}.enabled"))? != Some(true) {
+        if !self.enabled_section(section, KEYS)? {
             return Ok(());
         }
         let text = |r: &Self, key: &str, default: &str| -> Result<String, ConfigError> {
@@ -1958,6 +1999,32 @@ fn file_name(v: &Value) -> Result<Value, String> {
         Some(s) if !s.trim().is_empty() => Ok(json!(s)),
         _ => Err(format!("{v}: must name a file")),
     }
+}
+
+/// `comms_logger.prof_ops`: a list of collectives, DeepSpeed's names
+/// turned into zrun's.
+fn comm_ops(v: &Value) -> Result<Value, String> {
+    let names = v
+        .as_array()
+        .ok_or_else(|| format!("{v}: must be a list of collectives"))?;
+    let mut ops = Vec::new();
+    for n in names {
+        let name = match n.as_str() {
+            Some("all_gather_into_tensor" | "all_gather_base") => "all_gather",
+            Some("reduce_scatter_tensor" | "reduce_scatter_base") => "reduce_scatter",
+            Some("all_to_all_single") => "all_to_all",
+            Some("all_reduce_coalesced" | "inference_all_reduce") => "all_reduce",
+            Some(s) if crate::spec::COMM_OPS.contains(&s) => s,
+            _ => {
+                return Err(format!(
+                    "{n}: not a collective zrun runs; one of {}",
+                    crate::spec::COMM_OPS.join(", ")
+                ))
+            }
+        };
+        ops.push(json!(name));
+    }
+    Ok(Value::Array(ops))
 }
 
 fn boolean(v: &Value) -> Result<Value, String> {

@@ -14,8 +14,8 @@ use crate::deepspeed::{DeepSpeedConfig, MappedValue, Origin};
 use crate::error::{improve_serde_message, plain_yaml_message, ConfigError};
 use crate::hostfile::Topology;
 use crate::spec::{
-    Backend, Device, Dtype, Every, FlopsProfilerSpec, JobSpec, ModelKind, OffloadDevice,
-    OneCycleSpec, OptimizerKind, Schedule, ZeroStage,
+    Backend, CommsLoggerSpec, Device, Dtype, Every, FlopsProfilerSpec, JobSpec, ModelKind,
+    OffloadDevice, OneCycleSpec, OptimizerKind, Schedule, ZeroStage, COMM_OPS,
 };
 
 /// A parsed, overridden job spec together with its source text (for locating keys).
@@ -118,10 +118,15 @@ pub fn load_job_with(
         .flops_profiler
         .as_mut()
         .and_then(|p| p.output_file.as_mut());
+    let comms = spec
+        .comms_logger
+        .as_mut()
+        .and_then(|c| c.output_file.as_mut());
     for dir in [&mut spec.tensorboard, &mut spec.csv_monitor]
         .into_iter()
         .flatten()
         .chain(profile)
+        .chain(comms)
     {
         *dir = dir.replace("${name}", &spec.name);
     }
@@ -1071,6 +1076,40 @@ impl LoadedJob {
         Ok(())
     }
 
+    /// `comms_logger`: collectives by their names, at least one logged, a
+    /// file named, and a CPU job (NCCL's collectives run on the GPU's
+    /// stream, which the log does not time).
+    fn check_comms_logger(&self, c: &CommsLoggerSpec) -> Result<(), ConfigError> {
+        if let Some(op) = c.prof_ops.iter().find(|o| !COMM_OPS.contains(&o.as_str())) {
+            return Err(self.invalid(
+                "comms_logger.prof_ops",
+                format!("`{op}` is not a collective; one of {}", COMM_OPS.join(", ")),
+            ));
+        }
+        if !c.prof_all && c.prof_ops.is_empty() {
+            return Err(self.invalid(
+                "comms_logger.prof_ops",
+                "is empty and prof_all is false: nothing would be logged",
+            ));
+        }
+        if c.output_file
+            .as_deref()
+            .is_some_and(|f| f.trim().is_empty())
+        {
+            return Err(self.invalid(
+                "comms_logger.output_file",
+                "must name a file (or be null for comms_log.txt in run_dir)",
+            ));
+        }
+        if self.spec.device == Device::Cuda {
+            return Err(self.invalid(
+                "comms_logger",
+                "times the CPU path's collectives; NCCL's run on the GPU's stream, untimed",
+            ));
+        }
+        Ok(())
+    }
+
     fn check_plateau(&self) -> Result<(), ConfigError> {
         let s = &self.spec;
         if !s.train.eval_every.is_set() {
@@ -1741,6 +1780,9 @@ impl LoadedJob {
         }
         if let Some(p) = &s.flops_profiler {
             self.check_flops_profiler(p)?;
+        }
+        if let Some(c) = &s.comms_logger {
+            self.check_comms_logger(c)?;
         }
         for (key, dir) in [
             ("tensorboard", &s.tensorboard),
@@ -2720,6 +2762,90 @@ mod tests {
             .to_string();
         assert!(
             e.contains("flops_profiler.module_depth") && e.contains("ds.json:1:"),
+            "{e}"
+        );
+    }
+
+    /// `comms_logger`: every collective by default; `prof_ops` by
+    /// torch.distributed's names, not empty when `prof_all` is off; a CPU
+    /// job; a DeepSpeed config's enabled section sets it with DeepSpeed's
+    /// names turned into zrun's, `verbose` and `debug` listed as ignored,
+    /// a disabled one not at all.
+    #[test]
+    fn comms_logger_is_checked_and_comes_from_a_ds_config() {
+        let d = tempfile::tempdir().unwrap();
+        let job = write(d.path(), "j.yaml", &format!("{GOOD}comms_logger: {{}}\n"));
+        let mut j = load_job(&job, &[]).unwrap();
+        j.validate(1).unwrap();
+        let c = j.spec.comms_logger.clone().unwrap();
+        assert!(c.prof_all && c.prof_ops.is_empty() && c.output_file.is_none());
+        assert!(c.logs("barrier"));
+        for (set, key, says) in [
+            (
+                "comms_logger.prof_ops=[all_reduce, allreduce]",
+                "prof_ops",
+                "`allreduce` is not a collective",
+            ),
+            (
+                "comms_logger.prof_all=false",
+                "prof_ops",
+                "nothing would be logged",
+            ),
+            (
+                "comms_logger.output_file=' '",
+                "output_file",
+                "must name a file",
+            ),
+            ("device=cuda", "comms_logger", "NCCL"),
+        ] {
+            let mut j = load_job(&job, &[set.to_string()]).unwrap();
+            let e = j.validate(1).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains(says), "{set}: {e}");
+        }
+        let some = [
+            "comms_logger.prof_all=false",
+            "comms_logger.prof_ops=[all_gather]",
+        ];
+        let mut j = load_job(&job, &some.map(String::from)).unwrap();
+        j.validate(1).unwrap();
+        let c = j.spec.comms_logger.clone().unwrap();
+        assert!(c.logs("all_gather") && !c.logs("all_reduce"));
+        let plain = write(d.path(), "plain.yaml", GOOD);
+        let ds = write(
+            d.path(),
+            "ds.json",
+            r#"{"comms_logger": {"enabled": true, "verbose": true, "debug": false, "prof_all": false,
+                "prof_ops": ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"]}}"#,
+        );
+        let mut j = load_job_with(&plain, &[], Some(&ds)).unwrap();
+        j.validate(1).unwrap();
+        let c = j.spec.comms_logger.clone().unwrap();
+        assert!(!c.prof_all);
+        assert_eq!(c.prof_ops, ["all_reduce", "all_gather", "reduce_scatter"]);
+        let warning = j.deepspeed().unwrap().ignored_warning().unwrap();
+        assert!(
+            warning.contains("comms_logger.verbose") && warning.contains("comms_logger.debug"),
+            "{warning}"
+        );
+        let ds = write(
+            d.path(),
+            "ds.json",
+            r#"{"comms_logger": {"enabled": false, "prof_all": false}}"#,
+        );
+        let j = load_job_with(&plain, &[], Some(&ds)).unwrap();
+        assert_eq!(j.spec.comms_logger, None);
+        let ds = write(
+            d.path(),
+            "ds.json",
+            r#"{"comms_logger": {"enabled": true, "prof_ops": ["send"]}}"#,
+        );
+        let e = load_job_with(&plain, &[], Some(&ds))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("comms_logger.prof_ops")
+                && e.contains("ds.json:1:")
+                && e.contains("\"send\""),
             "{e}"
         );
     }

@@ -54,6 +54,10 @@ pub struct JobSpec {
     /// module's parameters and model FLOPs beside its time (null: off).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flops_profiler: Option<FlopsProfilerSpec>,
+    /// DeepSpeed's comms logger: every collective of the run timed and
+    /// tallied by operation and size, with its bandwidth (null: off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comms_logger: Option<CommsLoggerSpec>,
     /// Extra environment for every worker (numbers and booleans become strings).
     #[serde(default, deserialize_with = "env_map")]
     pub env: BTreeMap<String, String>,
@@ -1317,6 +1321,50 @@ impl Default for FlopsProfilerSpec {
         }
     }
 }
+
+/// `comms_logger`: which collectives are tallied, and where the table goes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CommsLoggerSpec {
+    /// Every collective (else those of `prof_ops` alone).
+    pub prof_all: bool,
+    /// The collectives tallied when `prof_all` is false, by
+    /// torch.distributed's names ([`COMM_OPS`]).
+    pub prof_ops: Vec<String>,
+    /// Where the table goes (null: `comms_log.txt` in `run_dir`); `${name}`
+    /// expands.
+    pub output_file: Option<String>,
+}
+
+impl Default for CommsLoggerSpec {
+    fn default() -> Self {
+        CommsLoggerSpec {
+            prof_all: true,
+            prof_ops: Vec::new(),
+            output_file: None,
+        }
+    }
+}
+
+impl CommsLoggerSpec {
+    /// Whether collective `op` (a name of [`COMM_OPS`]) is tallied.
+    pub fn logs(&self, op: &str) -> bool {
+        self.prof_all || self.prof_ops.iter().any(|o| o == op)
+    }
+}
+
+/// The collectives a job runs, by the names that `comms_logger.prof_ops`
+/// and the metrics' `by_op` use (zproto's `Op::name`, which a test holds
+/// to this list).
+pub const COMM_OPS: [&str; 7] = [
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "all_to_all",
+    "broadcast",
+    "barrier",
+    "quantized_reduce_scatter",
+];
 
 /// Offload target device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -82,6 +82,10 @@ pub struct StepStats {
     /// LAMB: the step's trust ratios (none for the other rules, or on a
     /// step an f16 overflow skipped).
     pub trust_ratio: Option<TrustRatios>,
+    /// `comms_logger`: the collectives this rank ran since the last step's
+    /// statistics (the first step's include those before it), by group,
+    /// operation and size.
+    pub comms: Option<Vec<zproto::CommRecord>>,
 }
 
 /// The smallest, mean and largest of a LAMB step's trust ratios, one per

@@ -33,8 +33,10 @@ use candle_core::{DType, Device, Tensor};
 use half::bf16;
 use half::vec::HalfBitsVecExt;
 use zcomm::{Communicator, CounterSnapshot, Quantization};
+use zconfig::spec::CommsLoggerSpec;
 use zconfig::{Dtype, JobSpec, ZeroStage};
 use zmodel::{Gpt, Products};
+use zproto::CommRecord;
 
 use crate::accounting::{StepTimes, Transient};
 use crate::error::EngineError;
@@ -721,6 +723,30 @@ impl Engine {
             Some(h) => world.plus(&h.counters()),
             None => world,
         }
+    }
+
+    /// `comms_logger`: the collectives that `logger` asks for which every
+    /// process group's communicator ran since the last call.
+    pub(crate) fn op_log(&self, logger: &CommsLoggerSpec) -> Vec<CommRecord> {
+        let groups = std::iter::once(&self.comm).chain(&self.hpz);
+        groups
+            .flat_map(|c| {
+                let (group, ranks) = (c.group_name(), c.world_size() as u64);
+                c.take_op_log()
+                    .into_iter()
+                    .filter(|t| logger.logs(t.op.name()))
+                    .map(move |t| CommRecord {
+                        group: group.to_string(),
+                        ranks,
+                        op: t.op.name().to_string(),
+                        bytes: t.bytes,
+                        count: t.count,
+                        total_us: t.total.as_secs_f64() * 1e6,
+                        min_us: t.min.as_secs_f64() * 1e6,
+                        max_us: t.max.as_secs_f64() * 1e6,
+                    })
+            })
+            .collect()
     }
 
     /// Marks a gathered group's parameters as released.

@@ -630,6 +630,7 @@ impl Engine {
             times: std::mem::take(&mut self.times),
             stop: self.stop_agreed.swap(false, Ordering::SeqCst),
             trust_ratio: self.trust_ratio.take(),
+            comms: self.spec.comms_logger.as_ref().map(|c| self.op_log(c)),
         };
         self.step = step;
         self.micro = 0;

@@ -483,6 +483,35 @@ pub struct StepReport {
     /// `train.curriculum`: the tokens of each sequence this step trained on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seq_len: Option<usize>,
+    /// `comms_logger`: the collectives this rank ran since its previous
+    /// report (the first report's include those before step 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comms: Option<Vec<CommRecord>>,
+}
+
+/// `comms_logger`: the collectives of one kind and size that a rank ran,
+/// timed on its communicator's thread from start to end (waiting for the
+/// other ranks to arrive included).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CommRecord {
+    /// The process group: `world`, or an hpZ group (`hpz0`).
+    pub group: String,
+    /// Ranks in the group.
+    pub ranks: u64,
+    /// torch.distributed's name ([`crate::Op::name`]).
+    pub op: String,
+    /// The collective's buffer: the all-reduce's, the reduce-scatter's
+    /// input, the all-gather's output, in the caller's type (f32 for a
+    /// reduction whose wire is 16-bit).
+    pub bytes: u64,
+    /// How many ran.
+    pub count: u64,
+    /// Their time added up, in microseconds.
+    pub total_us: f64,
+    /// The shortest one's.
+    pub min_us: f64,
+    /// The longest one's.
+    pub max_us: f64,
 }
 
 /// `flops_profiler`: where one step's forward and backward went on rank 0,

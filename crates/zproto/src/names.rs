@@ -81,6 +81,19 @@ impl Op {
         }
     }
 
+    /// nccl-tests' bus-bandwidth factor over `n` ranks: what each rank's
+    /// links carry for one byte of the collective's buffer (the
+    /// all-reduce's, the reduce-scatter's input, the all-gather's output),
+    /// so that bus bandwidth compares with a link's whatever the op.
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n.max(1) as f64;
+        match self {
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            Op::Broadcast => 1.0,
+            _ => (n - 1.0) / n,
+        }
+    }
+
     /// Position in [`Op::ALL`] (for counters indexed by op).
     pub fn index(self) -> usize {
         self as usize
@@ -119,6 +132,8 @@ mod tests {
             assert_eq!(Op::from_index(op.index()), Some(op));
             assert_eq!(op.index(), i);
         }
+        // The names a job spec's `comms_logger.prof_ops` accepts.
+        assert_eq!(Op::ALL.map(Op::name), zconfig::spec::COMM_OPS);
         assert_eq!(Op::from_name("allreduce"), None);
         for op in Op::DATA {
             assert_eq!(Op::from_bench_name(op.name()), Some((op, None)));

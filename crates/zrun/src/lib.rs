@@ -68,6 +68,7 @@ pub mod bench;
 pub mod chat;
 mod child;
 pub mod cli;
+pub mod comms;
 pub mod csv_monitor;
 pub mod estimate;
 pub mod eval;

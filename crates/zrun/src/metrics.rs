@@ -263,6 +263,7 @@ pub(crate) mod tests {
             io: None,
             val_loss: None,
             seq_len: None,
+            comms: None,
             trust_ratio: None,
         }
     }

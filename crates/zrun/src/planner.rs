@@ -960,6 +960,7 @@ fn verify(args: &PlanArgs, candidates: &mut [Candidate]) -> Result<()> {
         sets.push("train.epochs=null".into());
         sets.push("checkpoint.dir=null".into());
         sets.push("flops_profiler=null".into());
+        sets.push("comms_logger=null".into());
         sets.push("train.eval_every=0".into());
         for s in sets {
             cmd.arg("--set").arg(s);

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use zconfig::spec::FlopsProfilerSpec;
 use zproto::{FlopsProfile, ModuleProfile};
 
@@ -204,29 +204,15 @@ pub fn path(spec: &FlopsProfilerSpec, run_dir: &Path) -> PathBuf {
     }
 }
 
-/// Writes the summary and the table (`detailed`) to `path`, renaming a file
-/// already there to the lowest free `STEM.N.EXT` (as metrics files are),
-/// through a temporary file so that a reader never sees half of it.
+/// Writes the summary and the table (`detailed`) to `path`, keeping a file
+/// already there as the lowest free `STEM.N.EXT` (as metrics files are).
 pub fn write(p: &FlopsProfile, spec: &FlopsProfilerSpec, path: &Path) -> Result<()> {
     let mut text = summary(p, spec);
     if spec.detailed {
         text.push('\n');
         text.push_str(&table(p, spec));
     }
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    if path.exists() {
-        let old = crate::rundir::rotated(path);
-        std::fs::rename(path, &old).with_context(|| {
-            format!("moving the earlier {} to {}", path.display(), old.display())
-        })?;
-    }
-    let tmp = path.with_extension("txt.partial");
-    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    Ok(())
+    crate::rundir::write_whole(path, &text, true)
 }
 
 #[cfg(test)]

@@ -246,6 +246,27 @@ fn append_whole(f: &mut File, line: &[u8]) -> std::io::Result<()> {
     written
 }
 
+/// Writes `text` to `path` through a temporary file, so that a reader
+/// never sees half of it; with `keep_earlier`, a file already there is
+/// first renamed to the lowest free `STEM.N.EXT` (as metrics files are).
+pub fn write_whole(path: &Path, text: &str, keep_earlier: bool) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    if keep_earlier && path.exists() {
+        let old = rotated(path);
+        std::fs::rename(path, &old).with_context(|| {
+            format!("moving the earlier {} to {}", path.display(), old.display())
+        })?;
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".partial");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+}
+
 /// The lowest free `STEM.N.EXT` beside `path` (`metrics.jsonl` → `metrics.1.jsonl`).
 pub fn rotated(path: &Path) -> PathBuf {
     let stem = path

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use zconfig::spec::FlopsProfilerSpec;
 use zproto::{BenchRow, FlopsProfile, KernelRow, MemBytes, StepReport};
 
+use crate::comms::CommsLog;
 use crate::metrics::Aggregator;
 use crate::monitor::Monitor;
 use crate::progress::Progress;
@@ -34,6 +35,8 @@ pub enum Sink {
         steps: u64,
         /// `flops_profiler`: its settings and the file the profile goes to.
         profile: Option<(FlopsProfilerSpec, PathBuf)>,
+        /// `comms_logger`: every rank's collectives so far.
+        comms: Option<CommsLog>,
     },
     /// `bench comm`: rows from rank 0.
     Bench {
@@ -50,7 +53,7 @@ pub enum Sink {
 impl Sink {
     /// A rank's step report: a metrics line and progress once every rank's
     /// report of the step is in.
-    pub fn report(&mut self, rank: usize, report: StepReport) -> Result<()> {
+    pub fn report(&mut self, rank: usize, mut report: StepReport) -> Result<()> {
         if let Sink::Train {
             agg,
             writer,
@@ -58,9 +61,13 @@ impl Sink {
             progress,
             last_loss,
             peak,
+            comms,
             ..
         } = self
         {
+            if let (Some(log), Some(records)) = (comms.as_mut(), report.comms.take()) {
+                log.add(rank, report.step, records);
+            }
             if let Some(line) = agg.add(rank, report) {
                 writer.write(&line)?;
                 for m in monitors.iter_mut() {

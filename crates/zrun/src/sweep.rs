@@ -294,9 +294,11 @@ fn sets_for(c: &[(String, String)], args: &BenchJobArgs) -> Vec<String> {
     sets.push(format!("train.steps={}", args.steps));
     sets.push("train.epochs=null".into());
     sets.push("checkpoint.dir=null".into());
-    // A profile of one of the bench's steps would land in the job's run
-    // directory (and a profile_step past the bench's length is refused).
+    // A profile of one of the bench's steps, or its comms log, would land
+    // in the job's run directory (and a profile_step past the bench's
+    // length is refused).
     sets.push("flops_profiler=null".into());
+    sets.push("comms_logger=null".into());
     sets.push("checkpoint.every=0".into());
     sets
 }

@@ -11,6 +11,7 @@ use zconfig::{load_job_with, Topology};
 use zproto::{MemBytes, Task, TrainTask};
 
 use crate::cli::TrainArgs;
+use crate::comms::CommsLog;
 use crate::exit;
 use crate::metrics::{Aggregator, DoneLine};
 use crate::plan::{plan_launch, plan_per_node, topology, LaunchPlan};
@@ -181,6 +182,11 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
     let (mut writer, mut progress) = (writer, progress);
     let (mut resume, mut restarts_left, mut peak) =
         (resume, args.max_restarts, MemBytes::default());
+    let mut comms = plan
+        .spec
+        .comms_logger
+        .as_ref()
+        .map(|c| CommsLog::new(crate::comms::path(c, &run_dir)));
     loop {
         let sink = Sink::Train {
             agg: Aggregator::new(world),
@@ -194,6 +200,7 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
                 let at = crate::profile::path(&f, &run_dir);
                 (f, at)
             }),
+            comms,
         };
         let task = Task::Train(Box::new(TrainTask {
             spec: plan.spec.clone(),
@@ -206,12 +213,24 @@ pub fn train(args: TrainArgs) -> Result<ExitCode> {
             progress: p,
             last_loss,
             peak: run_peak,
+            comms: c,
             ..
         } = sink
         else {
             unreachable!("train uses the train sink")
         };
-        (writer, progress, monitors) = (w, p, m);
+        (writer, progress, monitors, comms) = (w, p, m, c);
+        // Rewritten after each attempt, so that a failed run's collectives
+        // are there too.
+        if let Some(log) = comms.as_mut() {
+            match log.write() {
+                Ok(()) => progress.println(&format!(
+                    "zrun: the comms log is in {}",
+                    log.path().display()
+                )),
+                Err(e) => progress.println(&format!("zrun: the comms log was not written: {e:#}")),
+            }
+        }
         peak = peak.max(run_peak);
         match outcome {
             Outcome::Success | Outcome::EarlyStopped { .. } => {

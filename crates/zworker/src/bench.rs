@@ -178,11 +178,6 @@ pub(crate) fn slowest_median(comm: &dyn Communicator, times: &[f32]) -> Result<f
 /// nccl-tests' bus-bandwidth factor.
 pub(crate) fn row(op: Op, bytes: u64, n: usize, transport: &str, secs: f64) -> BenchRow {
     let algbw = bytes as f64 / secs / 1e9;
-    let factor = match op {
-        Op::AllReduce => 2.0 * (n as f64 - 1.0) / n as f64,
-        Op::Broadcast => 1.0,
-        _ => (n as f64 - 1.0) / n as f64,
-    };
     BenchRow {
         op: op.name().to_string(),
         bytes,
@@ -190,7 +185,7 @@ pub(crate) fn row(op: Op, bytes: u64, n: usize, transport: &str, secs: f64) -> B
         transport: transport.to_string(),
         time_us: secs * 1e6,
         algbw_gbps: algbw,
-        busbw_gbps: algbw * factor,
+        busbw_gbps: algbw * op.bus_factor(n),
     }
 }
 

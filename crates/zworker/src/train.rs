@@ -246,6 +246,7 @@ pub fn train(
                 max: r.max,
             }),
             seq_len: t.curriculum.as_ref().map(|_| trained_len),
+            comms: st.comms,
         })))?;
         if let Some(p) = profile {
             client.send(&ToServer::Profile(Box::new(p)))?;

@@ -385,6 +385,9 @@ impl Communicator for MpiCommunicator {
     fn counters(&self) -> CounterSnapshot {
         self.counters.snapshot()
     }
+    fn take_op_log(&self) -> Vec<crate::OpTally> {
+        self.counters.take_log()
+    }
     fn timeout(&self) -> Duration {
         self.ops.timeout()
     }

@@ -94,6 +94,9 @@ impl MpiLinks {
         self.clock.begin(op, bytes)?;
         let r = f(self).and_then(|v| self.drain_sends().map(|()| v));
         self.clock.end(&r);
+        if r.is_ok() {
+            self.counters.ran(op, bytes, self.clock.started.elapsed());
+        }
         r
     }
 

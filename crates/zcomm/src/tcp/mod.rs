@@ -213,6 +213,9 @@ impl Communicator for TcpCommunicator {
     fn counters(&self) -> CounterSnapshot {
         self.counters.snapshot()
     }
+    fn take_op_log(&self) -> Vec<crate::OpTally> {
+        self.counters.take_log()
+    }
     fn timeout(&self) -> Duration {
         self.ops.timeout()
     }

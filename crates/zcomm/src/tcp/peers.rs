@@ -194,6 +194,9 @@ impl TcpLinks {
         self.clock.begin(op, bytes)?;
         let r = f(self);
         self.clock.end(&r);
+        if r.is_ok() {
+            self.counters.ran(op, bytes, self.clock.started.elapsed());
+        }
         r
     }
 

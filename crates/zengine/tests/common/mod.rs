@@ -253,6 +253,9 @@ impl Communicator for Lagging {
     fn in_flight(&self) -> Option<zcomm::InFlight> {
         self.inner.in_flight()
     }
+    fn take_op_log(&self) -> Vec<zcomm::OpTally> {
+        self.inner.take_op_log()
+    }
     fn all_reduce_async(&self, buf: Vec<f32>) -> Work<Vec<f32>> {
         std::thread::sleep(self.lag);
         self.inner.all_reduce_async(buf)
