@@ -1004,6 +1004,74 @@ fn a_killed_worker_fails_the_job_fast_and_leaves_nothing() {
     assert!(!segment.exists(), "{} left behind", segment.display());
 }
 
+/// `--bind-cores-to-rank`: each worker runs pinned to its local rank's
+/// share of the host's physical cores (the kernel's record of the CPUs it
+/// may use, read from /proc, against the share computed here), and says
+/// so; a list that cannot give each worker a core, that names a core this
+/// host has not got, or that is malformed is exit 2 before launch.
+#[test]
+fn bound_workers_run_on_their_share_of_the_cores() {
+    use zconfig::cores::{core_list_text, physical_cores, share};
+    let cores = physical_cores().unwrap();
+    if cores.len() < 2 {
+        eprintln!(
+            "SKIPPED: binding 2 workers needs 2 physical cores; this host has {}",
+            cores.len()
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (z, _) = start_long_job(dir.path(), "bound", &["--bind-cores-to-rank"]);
+    let workers = children_of(z.pid());
+    assert_eq!(workers.len(), 2, "expected 2 workers, found {workers:?}");
+    for w in workers {
+        let environ = std::fs::read(format!("/proc/{w}/environ")).unwrap();
+        let local_rank: usize = String::from_utf8_lossy(&environ)
+            .split('\0')
+            .find_map(|v| v.strip_prefix("LOCAL_RANK=").map(|r| r.parse().unwrap()))
+            .expect("LOCAL_RANK in the worker's environment");
+        let status = std::fs::read_to_string(format!("/proc/{w}/status")).unwrap();
+        let allowed = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap()
+            .trim()
+            .to_string();
+        let want = core_list_text(share(&cores, 2, local_rank).unwrap());
+        assert_eq!(allowed, want, "worker {w}, local rank {local_rank}");
+        let said = format!("(local rank {local_rank} of 2 on ");
+        assert!(z.stdout_so_far().contains(&said), "{}", z.stdout_so_far());
+    }
+    drop(z);
+    let job = small_job(dir.path(), "unbound", 2);
+    let online = std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap();
+    let past = zconfig::cores::parse_core_list(online.trim())
+        .unwrap()
+        .last()
+        .unwrap()
+        + 1;
+    for (list, says) in [
+        (cores[0].to_string(), "cannot be shared by 2 workers"),
+        (
+            format!("0-{past}"),
+            &format!("core {past} is not online") as &str,
+        ),
+        ("1,0".to_string(), "ascending order"),
+    ] {
+        let m = dir.path().join("m.jsonl");
+        let f = TrainArgs::new(&job, &m)
+            .args(&["--bind-core-list", &list])
+            .run(dir.path());
+        assert_eq!(f.code(), 2, "{list}: {f:?}");
+        assert!(
+            f.stderr.contains("--bind-core-list") && f.stderr.contains(says),
+            "{list}: {}",
+            f.stderr
+        );
+        assert!(!m.exists(), "{list}: it launched");
+    }
+}
+
 #[test]
 fn ctrl_c_stops_everything_with_exit_130() {
     let dir = tempfile::tempdir().unwrap();

@@ -8,16 +8,28 @@ use e2e::{descendants_named, metrics, small_job, wait_until, zrun, Sshd, TrainAr
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+/// Across two "hosts", each remote worker pinned by `--bind-core-list`
+/// where it runs (zrun checks a remote host's cores there, not here).
 #[test]
 fn a_two_host_job_trains_and_sends_bytes_between_nodes() {
     let sshd = e2e::sshd_or_skip!();
     let d = tempfile::tempdir().unwrap();
     let job = small_job(d.path(), "ssh", 5);
     let m = d.path().join("m.jsonl");
+    let core = *zconfig::cores::physical_cores().unwrap().last().unwrap();
     let f = TrainArgs::new(&job, &m)
         .args(&sshd.launch_args())
+        .args(&["--bind-core-list", &core.to_string()])
         .run(d.path());
     assert_eq!(f.code(), 0, "{f:?}");
+    for rank in 0..2 {
+        let said = format!("rank {rank} (local rank 0 of 1 on ");
+        let pinned = f
+            .stdout
+            .lines()
+            .any(|l| l.contains(&said) && l.ends_with(&format!("bound to cores {core}")));
+        assert!(pinned, "rank {rank}: {}", f.stdout);
+    }
     let lines = metrics(&m);
     assert_eq!(lines[1]["world_size"], 2);
     assert!(lines[1]["comm_bytes"]["inter_node"].as_u64().unwrap() > 0);

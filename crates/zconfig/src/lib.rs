@@ -16,6 +16,8 @@
 //! - [`manifest`]: the manifest `zrun prepare` writes beside token files.
 //! - [`hostfile`]: DeepSpeed's hostfile format, `--include` / `--exclude`, and the
 //!   resolved [`Topology`] (nodes, slots, ranks).
+//! - [`cores`]: the CPU cores each worker of a host is pinned to
+//!   (`--bind-cores-to-rank`, `--bind-core-list`).
 //! - [`estimate`]: ZeRO's memory formulas, offload rows, activation estimates
 //!   (`zrun estimate`; arithmetic only, so it lives here, not in the engine).
 //! - [`tiles`]: memory-centric tiling's column tiles (`model.tile_size`), one
@@ -33,6 +35,7 @@
 #![deny(missing_docs)]
 
 pub mod arch;
+pub mod cores;
 pub mod curriculum;
 mod data_check;
 pub mod deepspeed;

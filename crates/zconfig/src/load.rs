@@ -1828,7 +1828,7 @@ pub const HEARTBEAT_RANGE_S: (f64, f64) = (2.0, 86_400.0);
 /// Environment variables zrun sets for every worker to place it in the job;
 /// `env:` may not set them. (`RAYON_NUM_THREADS` and `OMP_NUM_THREADS` may be
 /// set: zrun's are only defaults.)
-pub const RESERVED_ENV: [&str; 13] = [
+pub const RESERVED_ENV: [&str; 14] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -1842,6 +1842,7 @@ pub const RESERVED_ENV: [&str; 13] = [
     "ZRUN_PARENT_PID",
     "ZRUN_NODE_OF_RANK",
     "ZRUN_LAUNCHER",
+    "ZRUN_BIND_CORES",
 ];
 
 /// The dotted key of `root` (the text's untyped value) that `text` opens

@@ -73,6 +73,7 @@ fn local_plan(workers: usize, worker_bin: &std::path::Path) -> Result<LaunchPlan
         env: Vec::new(),
         per_node: None,
         gpu_memory: None,
+        bind_cores: None,
     })
 }
 

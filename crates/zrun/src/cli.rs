@@ -383,6 +383,16 @@ pub struct LaunchArgs {
     /// around `perf record -o out.data zworker "$@"`, to profile workers).
     #[arg(long, value_name = "PATH")]
     pub worker_bin: Option<PathBuf>,
+    /// Pin each worker to an equal share of its host's physical cores, in
+    /// local-rank order, with as many compute threads as cores (DeepSpeed's
+    /// `--bind_cores_to_rank`).
+    #[arg(long, alias = "bind_cores_to_rank")]
+    pub bind_cores_to_rank: bool,
+    /// The cores to share out instead of all: `0-3,8-11` (DeepSpeed's
+    /// `--bind_core_list`, ascending, without overlaps); implies
+    /// `--bind-cores-to-rank`.
+    #[arg(long, alias = "bind_core_list", value_name = "LIST")]
+    pub bind_core_list: Option<String>,
 }
 
 /// How workers start.

@@ -121,6 +121,9 @@ fn worker_env(
     ] {
         env.push((k.into(), v));
     }
+    if let Some(cores) = &plan.bind_cores {
+        env.push(("ZRUN_BIND_CORES".into(), cores.clone()));
+    }
     env.extend(plan.env.iter().cloned());
     env
 }
@@ -146,7 +149,12 @@ pub fn spawn_local(
             continue;
         }
         let node = &plan.topology.nodes[p.node_rank];
-        let env = worker_env(plan, &p, job, Some(cores_share(p.local_world_size)));
+        // Pinned workers run a thread a core of their own share.
+        let threads = match plan.bind_cores {
+            Some(_) => None,
+            None => Some(cores_share(p.local_world_size)),
+        };
+        let env = worker_env(plan, &p, job, threads);
         let mut child = Command::new(&plan.worker_bin)
             .envs(env)
             .env("ZRUN_TOKEN", &job.token_hex)
@@ -218,6 +226,9 @@ pub fn spawn_slurm(
         .arg(&plan.worker_bin);
     for k in PER_RANK_VARS {
         cmd.env_remove(k);
+    }
+    if let Some(cores) = &plan.bind_cores {
+        cmd.env("ZRUN_BIND_CORES", cores);
     }
     cmd.envs(plan.env.iter().cloned())
         .env("MASTER_ADDR", &job.master_addr)
@@ -357,7 +368,9 @@ pub fn spawn_mpirun(
         ("ZRUN_NODE_OF_RANK".into(), nodes.join(",")),
         ("ZRUN_LAUNCHER".into(), "mpirun".into()),
     ];
-    if plan.here {
+    if let Some(cores) = &plan.bind_cores {
+        env.push(("ZRUN_BIND_CORES".into(), cores.clone()));
+    } else if plan.here {
         // Every rank on this host: share its cores, as the local launcher does.
         for k in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
             if std::env::var_os(k).is_none() {

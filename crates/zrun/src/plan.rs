@@ -46,6 +46,10 @@ pub struct LaunchPlan {
     /// `device: cuda` on this host: the bytes of its smallest GPU, where the
     /// driver says (for the check that a worker's estimate fits).
     pub gpu_memory: Option<f64>,
+    /// `--bind-cores-to-rank`: the cores each host's workers share out
+    /// (`all`: the host's physical cores; else `--bind-core-list`'s), passed
+    /// as `ZRUN_BIND_CORES`.
+    pub bind_cores: Option<String>,
 }
 
 /// Validates `job` for `topo` ([`LoadedJob::validate_on`]) and settles
@@ -195,6 +199,8 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
     let (env, worker_bin) = worker_setup(args, &spec, launcher != Launcher::Ssh)?;
     check_mpi(&spec, launcher, &worker_bin)?;
     let gpu_memory = check_device(&spec, launcher, &worker_bin)?;
+    let here = launcher == Launcher::Local || (launcher == Launcher::Mpirun && all_local);
+    let bind_cores = bind_cores(args, &topology, here)?;
     Ok(LaunchPlan {
         spec,
         topology,
@@ -204,11 +210,58 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         worker_bin,
         ssh,
         launcher,
-        here: launcher == Launcher::Local || (launcher == Launcher::Mpirun && all_local),
+        here,
         env,
         per_node: None,
         gpu_memory,
+        bind_cores,
     })
+}
+
+/// `--bind-cores-to-rank` / `--bind-core-list`: the value workers get as
+/// `ZRUN_BIND_CORES`. The list is checked here (bad input); so, where the
+/// workers run on this host, are the cores: online, and one at least for
+/// each worker of the busiest node. A remote host's worker checks its own.
+fn bind_cores(args: &LaunchArgs, topology: &Topology, here: bool) -> Result<Option<String>> {
+    use zconfig::cores::{core_list_text, parse_core_list, physical_cores, share};
+    let list = match (&args.bind_core_list, args.bind_cores_to_rank) {
+        (None, false) => return Ok(None),
+        (None, true) => None,
+        (Some(l), _) => Some(
+            parse_core_list(l).map_err(|e| Failure::bad_input(format!("--bind-core-list: {e}")))?,
+        ),
+    };
+    if here {
+        let flag = match list {
+            Some(_) => "--bind-core-list",
+            None => "--bind-cores-to-rank",
+        };
+        let online = std::fs::read_to_string("/sys/devices/system/cpu/online")
+            .ok()
+            .and_then(|s| parse_core_list(s.trim()).ok());
+        if let (Some(l), Some(online)) = (&list, &online) {
+            if let Some(c) = l.iter().find(|c| !online.contains(c)) {
+                return Err(Failure::bad_input(format!(
+                    "{flag}: core {c} is not online on this host (online: {})",
+                    core_list_text(online)
+                )));
+            }
+        }
+        let cores = match &list {
+            Some(l) => l.clone(),
+            None => physical_cores().map_err(|e| Failure::bad_input(format!("{flag}: {e}")))?,
+        };
+        let busiest = topology
+            .nodes
+            .iter()
+            .map(|n| n.slots.len())
+            .max()
+            .unwrap_or(1);
+        share(&cores, busiest, 0).map_err(|e| Failure::bad_input(format!("{flag}: {e}")))?;
+    }
+    Ok(Some(
+        list.map_or_else(|| "all".into(), |l| core_list_text(&l)),
+    ))
 }
 
 /// `device: cuda` is checked before launch (bad input, exit 2): that the GPU
@@ -410,6 +463,7 @@ pub fn plan_per_node(
     }
     let (env, worker_bin) = worker_setup(args, &spec, true)?;
     let gpu_memory = check_device(&spec, Launcher::Local, &worker_bin)?;
+    let bind_cores = bind_cores(args, &topology, true)?;
     Ok(LaunchPlan {
         spec,
         topology,
@@ -423,6 +477,7 @@ pub fn plan_per_node(
         env,
         per_node: Some(per_node),
         gpu_memory,
+        bind_cores,
     })
 }
 

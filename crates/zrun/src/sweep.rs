@@ -348,6 +348,13 @@ pub(crate) fn launch_flags(l: &crate::cli::LaunchArgs) -> Vec<String> {
     if l.ssh_accept_new {
         v.push("--ssh-accept-new".into());
     }
+    if l.bind_cores_to_rank {
+        v.push("--bind-cores-to-rank".into());
+    }
+    if let Some(list) = &l.bind_core_list {
+        v.push("--bind-core-list".into());
+        v.push(list.clone());
+    }
     v
 }
 

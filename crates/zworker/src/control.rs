@@ -220,7 +220,8 @@ impl ControlClient {
     }
 }
 
-fn hostname() -> String {
+/// This host's name, for messages.
+pub(crate) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into())

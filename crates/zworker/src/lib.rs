@@ -7,6 +7,8 @@
 //! - [`groups`]: the process groups, on TCP / shared memory or MPI.
 //! - [`control`]: the authenticated control connection, key-value store calls,
 //!   heartbeats, and the abort path.
+//! - [`cores`]: the cores and compute threads a worker runs on, settled
+//!   before any thread starts.
 //! - [`train`]: the training loop around the engine.
 //! - [`awake`]: the compute pool's other threads wait for work awake while
 //!   it runs.
@@ -29,6 +31,7 @@ pub mod awake;
 pub mod bench;
 pub mod checkpoint;
 pub mod control;
+pub mod cores;
 pub mod env;
 pub mod eval;
 pub mod gpu;

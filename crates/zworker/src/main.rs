@@ -10,6 +10,12 @@ static ALLOCATOR: zworker::large_blocks::KeepLargeBlocks =
     zworker::large_blocks::KeepLargeBlocks::new();
 
 fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // A training worker's cores and threads, before any thread starts.
+    let pinned = match args.is_empty() {
+        true => zworker::cores::settle(),
+        false => Ok(None),
+    };
     keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -20,7 +26,14 @@ fn main() -> ExitCode {
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    match pinned {
+        Ok(Some(line)) => println!("{line}"),
+        Ok(None) => {}
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "zworker: {e:#}");
+            return ExitCode::from(1);
+        }
+    }
     let result = match args.first().map(String::as_str) {
         Some("sample") => zworker::sample::run(&args[1..]),
         Some("eval") => zworker::eval::run(&args[1..]),
