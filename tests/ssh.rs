@@ -197,3 +197,42 @@ fn ssh_accept_new_records_unknown_host_keys_and_trains() {
     again.extend(["--known-hosts", known.to_str().unwrap()]);
     assert_eq!(zrun(d.path(), &again).code(), 0);
 }
+
+/// A worker on a host that zrun cannot see takes its share of that host's
+/// cores for its compute threads (until 2026-12-07 it ran one for every
+/// core): two workers a "host" on this machine run cores / 2 each, counted
+/// as the threads named as the process is (its main thread and rayon's
+/// pool; the others have names of their own).
+#[test]
+fn remote_workers_run_their_share_of_the_hosts_cores() {
+    let sshd = e2e::sshd_or_skip!();
+    let d = tempfile::tempdir().unwrap();
+    let job = small_job(d.path(), "shared", 100_000);
+    let m = d.path().join("m.jsonl");
+    // Two slots on each host.
+    let mut launch = sshd.launch_args();
+    let two = d.path().join("hosts");
+    let one = std::fs::read_to_string(&launch[1]).unwrap();
+    std::fs::write(&two, one.replace("slots=1", "slots=2")).unwrap();
+    launch[1] = two.display().to_string();
+    let z = TrainArgs::new(&job, &m).args(&launch).start(d.path());
+    assert!(
+        wait_until(Duration::from_secs(60), || metrics(&m).len() >= 2),
+        "{}",
+        z.stdout_so_far()
+    );
+    let workers = descendants_named(sshd.pid(), "zworker");
+    assert_eq!(workers.len(), 4, "{workers:?}");
+    let cores = std::thread::available_parallelism().unwrap().get();
+    for w in workers {
+        let compute = std::fs::read_dir(format!("/proc/{w}/task"))
+            .unwrap()
+            .filter(|t| {
+                let comm = t.as_ref().unwrap().path().join("comm");
+                std::fs::read_to_string(comm).unwrap_or_default().trim() == "zworker"
+            })
+            .count()
+            - 1;
+        assert_eq!(compute, (cores / 2).max(1), "worker {w} on {cores} cores");
+    }
+}
