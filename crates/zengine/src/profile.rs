@@ -110,15 +110,7 @@ impl Engine {
                     Some(g) if open.map(|(name, _)| name) == Some(g) => {}
                     Some(g) => {
                         open = Some((g, out.len()));
-                        out.push(ModuleProfile {
-                            path: format!("{prefix}.{g}"),
-                            params: 0,
-                            forward_flops: 0.0,
-                            backward_flops: 0.0,
-                            forward_ms: 0.0,
-                            backward_ms: 0.0,
-                            recompute_ms: 0.0,
-                        });
+                        out.push(ModuleProfile::empty(format!("{prefix}.{g}")));
                     }
                     None => open = None,
                 }
@@ -143,13 +135,9 @@ impl Engine {
         // top-level rows': the embedding, the blocks, the head).
         let top = out.iter().filter(|r| r.depth() == 1);
         let mut model = ModuleProfile {
-            path: "model".into(),
-            params: 0,
-            forward_flops: 0.0,
-            backward_flops: 0.0,
             forward_ms,
             backward_ms,
-            recompute_ms: 0.0,
+            ..ModuleProfile::empty("model".into())
         };
         for r in top {
             model.params += r.params;

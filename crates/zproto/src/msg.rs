@@ -564,6 +564,19 @@ pub struct ModuleProfile {
 }
 
 impl ModuleProfile {
+    /// A module at `path` with nothing in it yet.
+    pub fn empty(path: String) -> ModuleProfile {
+        ModuleProfile {
+            path,
+            params: 0,
+            forward_flops: 0.0,
+            backward_flops: 0.0,
+            forward_ms: 0.0,
+            backward_ms: 0.0,
+            recompute_ms: 0.0,
+        }
+    }
+
     /// Its depth below the model: 0 the model, 1 the embedding, a block
     /// (`h.3`: a block's path has one dot) and the head, 2 a block's norms
     /// and its attention and MLP, 3 their parts.
