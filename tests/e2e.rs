@@ -1072,6 +1072,60 @@ fn bound_workers_run_on_their_share_of_the_cores() {
     }
 }
 
+/// `--enable-each-rank-log DIR` (DeepSpeed's): a worker's lines go to
+/// `DIR/{launch time}_rank{R}.log`, not to the console, and a rank's
+/// failure names its file; a DIR that is a file is exit 2 before launch.
+#[test]
+fn each_rank_logs_to_a_file_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    let core = zconfig::cores::physical_cores().unwrap()[0].to_string();
+    // A pinned worker says where it runs: a line of output to look for.
+    let extra = [
+        "--workers-per-node",
+        "1",
+        "--bind-core-list",
+        &core,
+        "--enable-each-rank-log",
+        logs.to_str().unwrap(),
+    ];
+    let (z, _) = start_long_job(dir.path(), "logged", &extra);
+    let files: Vec<_> = std::fs::read_dir(&logs)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let name = files[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert!(name.ends_with("_rank0.log") && name.len() == "YYYYmmddHHMMSS_rank0.log".len());
+    let text = std::fs::read_to_string(&files[0]).unwrap();
+    assert!(text.contains("rank 0 (local rank 0 of 1 on "), "{text}");
+    assert!(
+        !z.stdout_so_far().contains("bound to cores"),
+        "{}",
+        z.stdout_so_far()
+    );
+    let worker = children_of(z.pid())[0];
+    kill(Pid::from_raw(worker as i32), Signal::SIGKILL).unwrap();
+    let f = z.wait(Duration::from_secs(20));
+    assert_eq!(f.code(), 1, "{f:?}");
+    let named = format!("its output in {})", files[0].display());
+    assert!(f.stderr.contains(&named), "{}", f.stderr);
+
+    let job = small_job(dir.path(), "unlogged", 2);
+    let m = dir.path().join("m.jsonl");
+    let a_file = dir.path().join("m.txt");
+    std::fs::write(&a_file, "").unwrap();
+    let f = TrainArgs::new(&job, &m)
+        .args(&["--enable-each-rank-log", a_file.to_str().unwrap()])
+        .run(dir.path());
+    assert_eq!(f.code(), 2, "{f:?}");
+    assert!(
+        f.stderr.contains("is a file; it must be a directory"),
+        "{}",
+        f.stderr
+    );
+}
+
 #[test]
 fn ctrl_c_stops_everything_with_exit_130() {
     let dir = tempfile::tempdir().unwrap();

@@ -74,6 +74,7 @@ fn local_plan(workers: usize, worker_bin: &std::path::Path) -> Result<LaunchPlan
         per_node: None,
         gpu_memory: None,
         bind_cores: None,
+        rank_log: None,
     })
 }
 

@@ -393,6 +393,11 @@ pub struct LaunchArgs {
     /// `--bind-cores-to-rank`.
     #[arg(long, alias = "bind_core_list", value_name = "LIST")]
     pub bind_core_list: Option<String>,
+    /// Each worker's output in a file of its own in DIR
+    /// (`{launch time}_rank{R}.log`) instead of on the console (DeepSpeed's
+    /// `--enable_each_rank_log`).
+    #[arg(long, alias = "enable_each_rank_log", value_name = "DIR")]
+    pub enable_each_rank_log: Option<PathBuf>,
 }
 
 /// How workers start.

@@ -82,6 +82,7 @@ pub mod planner;
 pub mod prepare;
 pub mod profile;
 pub mod progress;
+pub mod rank_log;
 pub mod rundir;
 pub mod server;
 pub mod sink;

@@ -50,6 +50,9 @@ pub struct LaunchPlan {
     /// (`all`: the host's physical cores; else `--bind-core-list`'s), passed
     /// as `ZRUN_BIND_CORES`.
     pub bind_cores: Option<String>,
+    /// `--enable-each-rank-log`: the directory of each rank's output file
+    /// (checked: a directory zrun can write).
+    pub rank_log: Option<PathBuf>,
 }
 
 /// Validates `job` for `topo` ([`LoadedJob::validate_on`]) and settles
@@ -201,6 +204,7 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
     let gpu_memory = check_device(&spec, launcher, &worker_bin)?;
     let here = launcher == Launcher::Local || (launcher == Launcher::Mpirun && all_local);
     let bind_cores = bind_cores(args, &topology, here)?;
+    let rank_log = rank_log(args)?;
     Ok(LaunchPlan {
         spec,
         topology,
@@ -215,7 +219,17 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         per_node: None,
         gpu_memory,
         bind_cores,
+        rank_log,
     })
+}
+
+/// `--enable-each-rank-log DIR`, checked (made if missing, written to).
+fn rank_log(args: &LaunchArgs) -> Result<Option<PathBuf>> {
+    let Some(dir) = &args.enable_each_rank_log else {
+        return Ok(None);
+    };
+    crate::rank_log::RankLogs::open(dir)?;
+    Ok(Some(dir.clone()))
 }
 
 /// `--bind-cores-to-rank` / `--bind-core-list`: the value workers get as
@@ -464,6 +478,7 @@ pub fn plan_per_node(
     let (env, worker_bin) = worker_setup(args, &spec, true)?;
     let gpu_memory = check_device(&spec, Launcher::Local, &worker_bin)?;
     let bind_cores = bind_cores(args, &topology, true)?;
+    let rank_log = rank_log(args)?;
     Ok(LaunchPlan {
         spec,
         topology,
@@ -478,6 +493,7 @@ pub fn plan_per_node(
         per_node: Some(per_node),
         gpu_memory,
         bind_cores,
+        rank_log,
     })
 }
 

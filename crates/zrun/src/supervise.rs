@@ -22,6 +22,7 @@ use crate::cli::Launcher;
 use crate::exit;
 use crate::launch::{spawn_local, spawn_mpirun, spawn_slurm, spawn_ssh, Handle, WorkerProc};
 use crate::plan::LaunchPlan;
+use crate::rank_log::RankLogs;
 use crate::server::{Event, JobInfo, NodeEvent, Server};
 use crate::sink::Sink;
 use crate::worker::{JobEnv, ProcEvent, SshOptions};
@@ -150,6 +151,8 @@ pub fn run_job(
                 .map_or((0, 0), |p| (p.nnodes, p.workers_per_node)),
         };
         let server = Server::start(listener, info, ev_tx)?;
+        // Before any worker starts, so that a failure here leaves none.
+        let rank_logs = plan.rank_log.as_deref().map(RankLogs::open).transpose()?;
         let (proc_tx, proc_rx) = mpsc::unbounded_channel();
         let env = JobEnv {
             master_addr: plan.master_addr.clone(),
@@ -191,6 +194,7 @@ pub fn run_job(
         );
         sup.nodes = vec![NodeState::Expected; per_node.as_ref().map_or(0, |p| p.nnodes)];
         sup.can_stop = is_training && plan.spec.checkpoint.dir.is_some();
+        sup.rank_logs = rank_logs;
         let outcome = sup.watch(ev_rx, proc_rx).await;
         if per_node.is_some() {
             let code = match &outcome {
@@ -269,6 +273,9 @@ struct Supervisor {
     stopped_at: Option<u64>,
     /// `train.early_stopping` ended the run (what the ranks said).
     ended_early: Option<Outcome>,
+    /// `--enable-each-rank-log`: where workers' lines go instead of the
+    /// console.
+    rank_logs: Option<RankLogs>,
 }
 
 impl Supervisor {
@@ -310,6 +317,7 @@ impl Supervisor {
             stop_asked: false,
             stopped_at: None,
             ended_early: None,
+            rank_logs: None,
         }
     }
 
@@ -335,7 +343,37 @@ impl Supervisor {
 
     fn who(&self, rank: usize) -> String {
         let r = &self.ranks[rank];
-        format!("rank {rank} (host {}, pid {})", r.host, r.pid)
+        match &self.rank_logs {
+            Some(logs) => format!(
+                "rank {rank} (host {}, pid {}; its output in {})",
+                r.host,
+                r.pid,
+                logs.path(rank).display()
+            ),
+            None => format!("rank {rank} (host {}, pid {})", r.host, r.pid),
+        }
+    }
+
+    /// A line of a worker's output: to its file, or the console.
+    fn worker_line(&mut self, rank: usize, line: &str, stderr: bool) {
+        if let Some(logs) = &mut self.rank_logs {
+            match logs.write(rank, line) {
+                Ok(()) => return,
+                // The console, then, from here on.
+                Err(e) => {
+                    let at = logs.path(rank);
+                    self.rank_logs = None;
+                    self.sink.println(
+                        &format!(
+                            "zrun: writing {}: {e}; workers' output on the console from here",
+                            at.display()
+                        ),
+                        true,
+                    );
+                }
+            }
+        }
+        self.sink.println(&format!("[rank {rank}] {line}"), stderr);
     }
 
     async fn watch(
@@ -534,7 +572,7 @@ impl Supervisor {
     fn on_proc(&mut self, ev: ProcEvent) -> Option<Outcome> {
         match ev {
             ProcEvent::Output { rank, line, stderr } => {
-                self.sink.println(&format!("[rank {rank}] {line}"), stderr);
+                self.worker_line(rank, &line, stderr);
                 None
             }
             ProcEvent::Exited { rank, status } => {
@@ -784,7 +822,7 @@ impl Supervisor {
                     self.ranks[rank].exited = Some((status, Instant::now()))
                 }
                 Some(ProcEvent::Output { rank, line, stderr }) => {
-                    self.sink.println(&format!("[rank {rank}] {line}"), stderr)
+                    self.worker_line(rank, &line, stderr)
                 }
                 None if local_done && self.nodes.is_empty() => break,
                 None => {}
