@@ -1197,12 +1197,16 @@ fn a_hang_is_diagnosed_per_rank() {
 }
 
 /// `--launcher slurm` through a stand-in srun (scripts/fake-slurm): the workers
-/// take their ranks from SLURM_* variables and reach zrun by MASTER_ADDR/PORT.
+/// take their ranks from SLURM_* variables and reach zrun by MASTER_ADDR/PORT;
+/// `--launcher-args` reach srun before the worker, split as a shell splits
+/// them, and are refused (exit 2) for a launcher that runs no program of its
+/// own, or with a quote left open.
 #[test]
 fn slurm_launcher_trains_through_srun() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "slurm", 4);
     let m = dir.path().join("m.jsonl");
+    let srun_args = dir.path().join("srun.args");
     let path = format!(
         "{}:{}",
         repo_root().join("scripts/fake-slurm").display(),
@@ -1220,9 +1224,12 @@ fn slurm_launcher_trains_through_srun() {
             "3",
             "--master-addr",
             "127.0.0.1",
+            "--launcher-args",
+            "--partition=debug --comment='two words'",
         ])
         .args(["--metrics", m.to_str().unwrap(), "--no-progress"])
         .env("PATH", path)
+        .env("FAKE_SRUN_ARGS", &srun_args)
         .env_remove("RANK")
         .current_dir(dir.path())
         .output()
@@ -1236,6 +1243,33 @@ fn slurm_launcher_trains_through_srun() {
     let lines = metrics(&m);
     assert_eq!(lines[0]["world_size"], 3);
     assert_eq!(losses(&lines).len(), 4);
+    let got = std::fs::read_to_string(&srun_args).unwrap();
+    let got: Vec<&str> = got.lines().collect();
+    let worker = e2e::bin("zworker").display().to_string();
+    let at = got
+        .iter()
+        .position(|a| *a == worker)
+        .expect("the worker in srun's arguments");
+    assert_eq!(
+        got[at - 2..at],
+        ["--partition=debug", "--comment=two words"],
+        "{got:?}"
+    );
+    for (launcher_args, says) in [
+        ("--exclusive", "this job's launcher is local"),
+        ("--comment='open", "a quote is not closed"),
+    ] {
+        let launcher = if says.contains("local") {
+            "local"
+        } else {
+            "slurm"
+        };
+        let f = TrainArgs::new(&job, &m)
+            .args(&["--launcher", launcher, "--launcher-args", launcher_args])
+            .run(dir.path());
+        assert_eq!(f.code(), 2, "{launcher_args}: {f:?}");
+        assert!(f.stderr.contains(says), "{launcher_args}: {}", f.stderr);
+    }
 }
 
 /// A flood of silent connections fills zrun's connection limit before the

@@ -65,14 +65,17 @@ fn stages_0_to_3_and_hpz_on_mpi_match_tcp_bit_for_bit_on_two_loopback_nodes() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (hosts, job) = (two_nodes(dir.path()), job(dir.path()));
-    let run = |name: &str, launcher: &str, sets: &[&str]| {
+    // The losses of a run, and what zrun printed.
+    let run_with = |name: &str, launcher: &str, sets: &[&str], extra: &[&str]| {
         let m = dir.path().join(format!("{name}.jsonl"));
-        let mut args = TrainArgs::new(&job, &m).args(&[
-            "--hostfile",
-            hosts.to_str().unwrap(),
-            "--launcher",
-            launcher,
-        ]);
+        let mut args = TrainArgs::new(&job, &m)
+            .args(&[
+                "--hostfile",
+                hosts.to_str().unwrap(),
+                "--launcher",
+                launcher,
+            ])
+            .args(extra);
         for s in sets {
             args = args.set(*s);
         }
@@ -85,8 +88,9 @@ fn stages_0_to_3_and_hpz_on_mpi_match_tcp_bit_for_bit_on_two_loopback_nodes() {
             lines.iter().any(|x| x["world_size"] == 4),
             "{name}: not 4 workers"
         );
-        l
+        (l, f.stdout)
     };
+    let run = |name: &str, launcher: &str, sets: &[&str]| run_with(name, launcher, sets, &[]).0;
     let tcp = run("tcp", "local", &["comm.backend=tcp", "zero.stage=0"]);
     for stage in 0..=3 {
         let got = run(
@@ -109,9 +113,19 @@ fn stages_0_to_3_and_hpz_on_mpi_match_tcp_bit_for_bit_on_two_loopback_nodes() {
         hpz, tcp,
         "hpZ on MPI (its node groups split from the world)"
     );
-    // auto on two nodes under mpirun is MPI: the same bits again.
-    let auto = run("auto", "mpirun", &["zero.stage=2"]);
+    // auto on two nodes under mpirun is MPI: the same bits again; and
+    // `--launcher-args` reach mpirun (its map of the job, on its stdout).
+    let (auto, said) = run_with(
+        "auto",
+        "mpirun",
+        &["zero.stage=2"],
+        &["--launcher-args", "--display-map"],
+    );
     assert_eq!(auto, tcp, "comm.backend auto under mpirun");
+    assert!(
+        said.contains("(mpirun)") && said.contains("JOB MAP"),
+        "{said}"
+    );
 }
 
 #[test]

@@ -75,6 +75,7 @@ fn local_plan(workers: usize, worker_bin: &std::path::Path) -> Result<LaunchPlan
         gpu_memory: None,
         bind_cores: None,
         rank_log: None,
+        launcher_args: Vec::new(),
     })
 }
 

@@ -398,6 +398,16 @@ pub struct LaunchArgs {
     /// `--enable_each_rank_log`).
     #[arg(long, alias = "enable_each_rank_log", value_name = "DIR")]
     pub enable_each_rank_log: Option<PathBuf>,
+    /// More arguments for `srun` or `mpirun`, quoted as one and split as a
+    /// shell would: `--launcher-args "--partition=debug --exclusive"`
+    /// (DeepSpeed's `--launcher_args`).
+    #[arg(
+        long,
+        alias = "launcher_args",
+        value_name = "ARGS",
+        allow_hyphen_values = true
+    )]
+    pub launcher_args: Option<String>,
 }
 
 /// How workers start.

@@ -223,6 +223,7 @@ pub fn spawn_slurm(
         .arg("--distribution=block")
         .arg("--kill-on-bad-exit=1")
         .arg("--label")
+        .args(&plan.launcher_args)
         .arg(&plan.worker_bin);
     for k in PER_RANK_VARS {
         cmd.env_remove(k);
@@ -393,7 +394,8 @@ pub fn spawn_mpirun(
     for k in PER_RANK_VARS {
         cmd.env_remove(k);
     }
-    cmd.arg(&plan.worker_bin)
+    cmd.args(&plan.launcher_args)
+        .arg(&plan.worker_bin)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -53,6 +53,8 @@ pub struct LaunchPlan {
     /// `--enable-each-rank-log`: the directory of each rank's output file
     /// (checked: a directory zrun can write).
     pub rank_log: Option<PathBuf>,
+    /// `--launcher-args`, split: `srun`'s or `mpirun`'s, before the worker.
+    pub launcher_args: Vec<String>,
 }
 
 /// Validates `job` for `topo` ([`LoadedJob::validate_on`]) and settles
@@ -205,6 +207,7 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
     let here = launcher == Launcher::Local || (launcher == Launcher::Mpirun && all_local);
     let bind_cores = bind_cores(args, &topology, here)?;
     let rank_log = rank_log(args)?;
+    let launcher_args = launcher_args(args, launcher)?;
     Ok(LaunchPlan {
         spec,
         topology,
@@ -220,6 +223,27 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
         gpu_memory,
         bind_cores,
         rank_log,
+        launcher_args,
+    })
+}
+
+/// `--launcher-args`, split as a shell splits words: for the launchers
+/// that run a program of their own (srun, mpirun), else bad input.
+fn launcher_args(args: &LaunchArgs, launcher: Launcher) -> Result<Vec<String>> {
+    let Some(text) = &args.launcher_args else {
+        return Ok(Vec::new());
+    };
+    if !matches!(launcher, Launcher::Slurm | Launcher::Mpirun) {
+        let name = match launcher {
+            Launcher::Local => "local",
+            _ => "ssh",
+        };
+        return Err(Failure::bad_input(format!(
+            "--launcher-args: these go to srun or mpirun (--launcher slurm or mpirun); this job's launcher is {name}"
+        )));
+    }
+    shlex::split(text).ok_or_else(|| {
+        Failure::bad_input(format!("--launcher-args `{text}`: a quote is not closed"))
     })
 }
 
@@ -494,6 +518,7 @@ pub fn plan_per_node(
         gpu_memory,
         bind_cores,
         rank_log,
+        launcher_args: launcher_args(args, Launcher::Local)?,
     })
 }
 

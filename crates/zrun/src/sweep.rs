@@ -355,6 +355,10 @@ pub(crate) fn launch_flags(l: &crate::cli::LaunchArgs) -> Vec<String> {
         v.push("--bind-core-list".into());
         v.push(list.clone());
     }
+    if let Some(a) = &l.launcher_args {
+        v.push("--launcher-args".into());
+        v.push(a.clone());
+    }
     if let Some(dir) = &l.enable_each_rank_log {
         v.push("--enable-each-rank-log".into());
         v.push(dir.display().to_string());
