@@ -209,12 +209,26 @@ fn remote_workers_run_their_share_of_the_hosts_cores() {
     let d = tempfile::tempdir().unwrap();
     let job = small_job(d.path(), "shared", 100_000);
     let m = d.path().join("m.jsonl");
-    // Two slots on each host.
+    // Two slots on each host, and sshd's port from `--ssh-port` (DeepSpeed's
+    // `--ssh_port`), not the hostfile.
     let mut launch = sshd.launch_args();
     let two = d.path().join("hosts");
     let one = std::fs::read_to_string(&launch[1]).unwrap();
-    std::fs::write(&two, one.replace("slots=1", "slots=2")).unwrap();
+    let port = one
+        .split("port=")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    let without = one
+        .replace("slots=1", "slots=2")
+        .replace(&format!(" port={port}"), "");
+    assert!(!without.contains("port="), "{without}");
+    std::fs::write(&two, without).unwrap();
     launch[1] = two.display().to_string();
+    launch.extend(["--ssh-port".to_string(), port]);
     let z = TrainArgs::new(&job, &m).args(&launch).start(d.path());
     assert!(
         wait_until(Duration::from_secs(60), || metrics(&m).len() >= 2),

@@ -370,6 +370,10 @@ pub struct LaunchArgs {
     /// Add unknown host keys to the known-hosts file instead of refusing them.
     #[arg(long)]
     pub ssh_accept_new: bool,
+    /// The SSH port of hosts whose hostfile line has no `port=` (DeepSpeed's
+    /// `--ssh_port`).
+    #[arg(long, alias = "ssh_port", value_name = "PORT", default_value_t = 22)]
+    pub ssh_port: u16,
     /// Address workers use to reach zrun's control socket (per-node mode:
     /// node 0's address; default `MASTER_ADDR`).
     #[arg(long, value_name = "ADDR")]

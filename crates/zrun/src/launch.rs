@@ -437,7 +437,7 @@ pub async fn spawn_ssh(
             let n = &plan.topology.nodes[p.node_rank];
             Target {
                 host: n.host.clone(),
-                port: n.port.unwrap_or(22),
+                port: n.port.unwrap_or(o.port),
                 user: n.user.clone().unwrap_or_else(|| me.clone()),
             }
         })

@@ -181,6 +181,7 @@ pub fn plan_launch(args: &LaunchArgs, spec: JobSpec, topology: Topology) -> Resu
                 .clone()
                 .unwrap_or_else(|| home.join(".ssh/known_hosts")),
             accept_new: args.ssh_accept_new,
+            port: args.ssh_port,
         }
     });
     if let Some(k) = &args.ssh_key {

@@ -348,6 +348,10 @@ pub(crate) fn launch_flags(l: &crate::cli::LaunchArgs) -> Vec<String> {
     if l.ssh_accept_new {
         v.push("--ssh-accept-new".into());
     }
+    if l.ssh_port != 22 {
+        v.push("--ssh-port".into());
+        v.push(l.ssh_port.to_string());
+    }
     if l.bind_cores_to_rank {
         v.push("--bind-cores-to-rank".into());
     }

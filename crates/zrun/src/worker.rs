@@ -49,4 +49,6 @@ pub struct SshOptions {
     pub known_hosts: PathBuf,
     /// Add unknown host keys instead of refusing them.
     pub accept_new: bool,
+    /// The port of hosts whose hostfile line names none (`--ssh-port`).
+    pub port: u16,
 }
