@@ -1124,6 +1124,30 @@ fn each_rank_logs_to_a_file_of_its_own() {
         "{}",
         f.stderr
     );
+    // `zrun check` says where the output goes and where workers run.
+    let f = zrun(
+        dir.path(),
+        &[
+            "check",
+            job.to_str().unwrap(),
+            "--workers-per-node",
+            "1",
+            "--bind-core-list",
+            &core,
+            "--enable-each-rank-log",
+            logs.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(f.code(), 0, "{f:?}");
+    for says in [
+        format!("# workers pinned: each host's workers share {core} in local-rank order"),
+        format!(
+            "# each rank's output: {}/<launch time>_rank<R>.log",
+            logs.display()
+        ),
+    ] {
+        assert!(f.stdout.contains(&says), "{says}: {}", f.stdout);
+    }
 }
 
 #[test]

@@ -694,6 +694,22 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
         );
     }
     say!("# worker binary: {}", plan.worker_bin.display());
+    if let Some(cores) = &plan.bind_cores {
+        let cores = match cores.as_str() {
+            "all" => "the host's physical cores",
+            list => list,
+        };
+        say!("# workers pinned: each host's workers share {cores} in local-rank order");
+    }
+    if let Some(dir) = &plan.rank_log {
+        say!(
+            "# each rank's output: {}/<launch time>_rank<R>.log",
+            dir.display()
+        );
+    }
+    if !plan.launcher_args.is_empty() {
+        say!("# launcher arguments: {:?}", plan.launcher_args);
+    }
     Ok(ExitCode::SUCCESS)
 }
 
