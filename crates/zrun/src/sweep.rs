@@ -327,6 +327,9 @@ pub(crate) fn launch_flags(l: &crate::cli::LaunchArgs) -> Vec<String> {
         l.worker_bin.as_ref().map(|p| p.display().to_string()),
     );
     push("--master-addr", l.master_addr.clone());
+    // Each run ends before the next starts: a fixed port (a firewall's
+    // opening) serves them all.
+    push("--master-port", l.master_port.map(|p| p.to_string()));
     push(
         "--ssh-key",
         l.ssh_key.as_ref().map(|p| p.display().to_string()),
@@ -527,4 +530,56 @@ fn draw_svg(path: &PathBuf, rows: &[SweepRow]) -> Result<()> {
     }
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::LaunchArgs;
+
+    fn parse(args: &[String]) -> LaunchArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            launch: LaunchArgs,
+        }
+        let argv = std::iter::once("zrun").chain(args.iter().map(String::as_str));
+        <Cli as clap::Parser>::parse_from(argv).launch
+    }
+
+    /// A sweep's runs (and `zrun plan --verify`'s) get every launch option
+    /// the command line had: each flag set, given back, parses to the same.
+    #[test]
+    fn every_launch_option_reaches_the_runs() {
+        let all: Vec<String> = [
+            "--hostfile=h",
+            "--include=a:0",
+            "--exclude=b",
+            "--num-nodes=2",
+            "--workers-per-node=3",
+            "--launcher=mpirun",
+            "--ssh-key=k",
+            "--known-hosts=kh",
+            "--ssh-accept-new",
+            "--ssh-port=2222",
+            "--master-addr=10.0.0.1",
+            "--master-port=29501",
+            "--worker-bin=w",
+            "--bind-cores-to-rank",
+            "--bind-core-list=0-3",
+            "--enable-each-rank-log=logs",
+            "--launcher-args=--mca btl tcp,self",
+        ]
+        .map(String::from)
+        .to_vec();
+        let given = parse(&all);
+        let back = launch_flags(&given);
+        assert_eq!(
+            format!("{:?}", parse(&back)),
+            format!("{given:?}"),
+            "{back:?}"
+        );
+        // Nothing set: nothing passed.
+        assert!(launch_flags(&parse(&[])).is_empty());
+    }
 }
