@@ -1006,8 +1006,8 @@ fn a_killed_worker_fails_the_job_fast_and_leaves_nothing() {
 
 /// `--bind-cores-to-rank`: each worker runs pinned to its local rank's
 /// share of the host's physical cores (the kernel's record of the CPUs it
-/// may use, read from /proc, against the share computed here), and says
-/// so; a list that cannot give each worker a core, that names a core this
+/// may use, read from /proc, against the share computed here), its memory
+/// bound to their NUMA node, and says so; a list that cannot give each worker a core, that names a core this
 /// host has not got, or that is malformed is exit 2 before launch.
 #[test]
 fn bound_workers_run_on_their_share_of_the_cores() {
@@ -1037,8 +1037,32 @@ fn bound_workers_run_on_their_share_of_the_cores() {
             .unwrap()
             .trim()
             .to_string();
-        let want = core_list_text(share(&cores, 2, local_rank).unwrap());
+        let mine = share(&cores, 2, local_rank).unwrap();
+        let want = core_list_text(mine);
         assert_eq!(allowed, want, "worker {w}, local rank {local_rank}");
+        // Its memory bound to the NUMA node that holds its cores, where
+        // one does (the kernel's record of each mapping's policy).
+        let node = std::fs::read_dir("/sys/devices/system/node")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .find_map(|e| {
+                let n: usize = e.file_name().to_str()?.strip_prefix("node")?.parse().ok()?;
+                let list = std::fs::read_to_string(e.path().join("cpulist")).ok()?;
+                let cpus = zconfig::cores::parse_core_list(list.trim()).ok()?;
+                mine.iter().all(|c| cpus.contains(c)).then_some(n)
+            });
+        if let Some(n) = node {
+            let maps = std::fs::read_to_string(format!("/proc/{w}/numa_maps")).unwrap();
+            let bound = maps
+                .lines()
+                .filter(|l| l.contains(&format!(" bind:{n} ")))
+                .count();
+            assert!(
+                bound * 2 > maps.lines().count(),
+                "worker {w}: {bound} of its mappings bound to node {n}:\n{maps}"
+            );
+        }
         let said = format!("(local rank {local_rank} of 2 on ");
         assert!(z.stdout_so_far().contains(&said), "{}", z.stdout_so_far());
     }

@@ -6,8 +6,9 @@
 //!   host's physical cores, or `--bind-core-list`'s cores), the worker pins
 //!   itself to its local rank's share ([`zconfig::cores::share`]) and, unless
 //!   `RAYON_NUM_THREADS` is set, runs as many compute threads as it has
-//!   cores. With every thread pinned, the kernel's first-touch policy puts
-//!   the worker's memory on those cores' NUMA node.
+//!   cores. Where its cores lie in one NUMA node, its memory is bound there
+//!   too (`set_mempolicy(MPOL_BIND)`, what DeepSpeed's `numactl -m` does);
+//!   where they span nodes, first touch by its pinned threads places it.
 //! - Without it, a worker that zrun did not give a thread count (a remote
 //!   host's, under SSH, Slurm or mpirun, whose cores zrun cannot see) takes
 //!   its share of the host's cores as a local launch does: the host's
@@ -51,14 +52,65 @@ pub fn settle() -> Result<Option<String>> {
     if !threads_set {
         set_threads(mine.len());
     }
+    // A policy refused (a container's seccomp) leaves first touch to place
+    // the memory: said, not fatal.
+    let memory = match node_of(mine) {
+        Some(n) => match bind_memory(n) {
+            Ok(()) => format!(", memory on NUMA node {n}"),
+            Err(e) => format!(" (memory not bound to NUMA node {n}: {e})"),
+        },
+        None => String::new(),
+    };
     Ok(Some(format!(
-        "zworker: rank {} (local rank {} of {} on {}) bound to cores {}",
+        "zworker: rank {} (local rank {} of {} on {}) bound to cores {}{memory}",
         env.rank,
         env.local_rank,
         env.local_world_size,
         crate::control::hostname(),
         core_list_text(mine)
     )))
+}
+
+/// The NUMA node that holds every one of `cores`, where sysfs says one
+/// does.
+fn node_of(cores: &[usize]) -> Option<usize> {
+    std::fs::read_dir("/sys/devices/system/node")
+        .ok()?
+        .flatten()
+        .find_map(|e| {
+            let node: usize = e.file_name().to_str()?.strip_prefix("node")?.parse().ok()?;
+            let list = std::fs::read_to_string(e.path().join("cpulist")).ok()?;
+            let cpus = parse_core_list(list.trim()).ok()?;
+            cores.iter().all(|c| cpus.contains(c)).then_some(node)
+        })
+}
+
+/// Binds the memory this process allocates from now on to NUMA node `node`.
+fn bind_memory(node: usize) -> Result<(), String> {
+    const WORDS: usize = 16;
+    let bits = std::mem::size_of::<libc::c_ulong>() * 8;
+    if node >= WORDS * bits {
+        return Err(format!(
+            "node {node} is past the {} a mask holds",
+            WORDS * bits
+        ));
+    }
+    let mut mask = [0 as libc::c_ulong; WORDS];
+    mask[node / bits] |= 1 << (node % bits);
+    // SAFETY: set_mempolicy reads `maxnode` bits of the mask it is given,
+    // which holds that many.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_set_mempolicy,
+            libc::MPOL_BIND,
+            mask.as_ptr(),
+            (WORDS * bits) as libc::c_ulong,
+        )
+    };
+    match r {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error().to_string()),
+    }
 }
 
 /// The compute threads of one of `local_workers` workers with `avail` CPUs
