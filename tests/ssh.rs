@@ -24,10 +24,13 @@ fn a_two_host_job_trains_and_sends_bytes_between_nodes() {
     assert_eq!(f.code(), 0, "{f:?}");
     for rank in 0..2 {
         let said = format!("rank {rank} (local rank 0 of 1 on ");
-        let pinned = f
-            .stdout
-            .lines()
-            .any(|l| l.contains(&said) && l.ends_with(&format!("bound to cores {core}")));
+        let pinned = f.stdout.lines().any(|l| {
+            // "... bound to cores 1" or "... bound to cores 1, memory on NUMA node 0"
+            let cores = l
+                .split_once("bound to cores ")
+                .map(|(_, c)| c.split(',').next());
+            l.contains(&said) && cores == Some(Some(core.to_string().as_str()))
+        });
         assert!(pinned, "rank {rank}: {}", f.stdout);
     }
     let lines = metrics(&m);
