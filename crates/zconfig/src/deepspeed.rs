@@ -412,13 +412,7 @@ const ADAM_PARAMS: &[(&str, Kind)] = &[
     ("adam_w_mode", Kind::Section),
     ("torch_adam", Kind::Ignored),
     ("fused", Kind::Ignored),
-    (
-        "bias_correction",
-        Kind::Only(
-            &[Accept::Bool(true)],
-            "zrun's Adam always corrects the moments' bias",
-        ),
-    ),
+    ("bias_correction", Kind::Section),
     ("amsgrad", Kind::Only(&[Accept::Bool(false)], "AMSGrad")),
 ];
 
@@ -430,13 +424,7 @@ const LAMB_PARAMS: &[(&str, Kind)] = &[
     ("weight_decay", Kind::Section),
     ("max_coeff", Kind::Section),
     ("min_coeff", Kind::Section),
-    (
-        "bias_correction",
-        Kind::Only(
-            &[Accept::Bool(true)],
-            "zrun's LAMB always corrects the moments' bias",
-        ),
-    ),
+    ("bias_correction", Kind::Section),
     (
         "eps_inside_sqrt",
         Kind::Only(
@@ -975,6 +963,16 @@ impl Reader {
                     self.map(key, MappedValue::Set(json!(0.0)), source, Origin::Default);
                 }
             }
+        }
+        // FusedAdam's, CPU Adam's and FusedLamb's; on by default there as
+        // in zrun.
+        if !lion && !adagrad {
+            self.simple(
+                "optimizer.params.bias_correction",
+                "train.optimizer.bias_correction",
+                false,
+                boolean,
+            )?;
         }
         if rule == "lamb" {
             for (source, key, default) in [

@@ -1138,7 +1138,8 @@ impl LoadedJob {
 
     /// The knobs of one rule: LAMB's trust-ratio bounds, written only for
     /// LAMB, `0 < min_coeff <= max_coeff`; Adagrad's `lr_decay` and
-    /// `initial_accumulator_value`, written only for Adagrad, at least 0.
+    /// `initial_accumulator_value`, written only for Adagrad, at least 0;
+    /// `bias_correction`, written only for the rules that correct.
     fn validate_rule_knobs(&self) -> Result<(), ConfigError> {
         let o = &self.spec.train.optimizer;
         for (key, v) in [
@@ -1158,6 +1159,19 @@ impl LoadedJob {
             if !(v > 0.0 && v <= f64::from(f32::MAX)) {
                 return Err(self.invalid(key, format!("must be a positive number, got {v}")));
             }
+        }
+        let corrects = matches!(
+            o.kind,
+            OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Lamb
+        );
+        if o.bias_correction.is_some() && !corrects {
+            return Err(self.invalid(
+                "train.optimizer.bias_correction",
+                format!(
+                    "corrects Adam's and LAMB's moments; train.optimizer.type is {}, which keeps none to correct",
+                    o.kind.name()
+                ),
+            ));
         }
         let [lo, hi] = o.trust_bounds();
         if lo > hi {
@@ -3553,6 +3567,29 @@ mod tests {
             e.contains("train.optimizer.initial_accumulator_value: must be a number at least 0"),
             "{e}"
         );
+        // bias_correction: Adam's, AdamW's and LAMB's, not Adagrad's.
+        let e = adagrad(&["train.optimizer.bias_correction=false"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train.optimizer.bias_correction: corrects Adam's and LAMB's moments; train.optimizer.type is adagrad"),
+            "{e}"
+        );
+        for rule in ["adamw", "adam", "lamb"] {
+            let o = load_job(
+                &p,
+                &[
+                    format!("train.optimizer.type={rule}"),
+                    "train.optimizer.bias_correction=false".into(),
+                ],
+            )
+            .and_then(|mut j| j.validate(1).map(|()| j))
+            .unwrap()
+            .spec
+            .train
+            .optimizer;
+            assert!(!o.bias_correction(), "{rule}");
+        }
         let e = adagrad(&["train.optimizer.lr_decay=-0.5"])
             .unwrap_err()
             .to_string();

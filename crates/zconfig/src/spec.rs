@@ -886,6 +886,12 @@ pub struct OptimizerSpec {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[serde(deserialize_with = "finite::optional")]
     pub max_coeff: Option<f64>,
+    /// AdamW, Adam and LAMB: whether the moments' bias is corrected
+    /// (DeepSpeed's `bias_correction`; unset: true). Off, the step is `lr`
+    /// and the second moment's root is used as it is, as DeepSpeed's BERT
+    /// recipes train. Refused beside another rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bias_correction: Option<bool>,
 }
 
 impl OptimizerSpec {
@@ -897,6 +903,11 @@ impl OptimizerSpec {
             _ => 1e-8,
         };
         self.eps.unwrap_or(default)
+    }
+
+    /// Whether the moments' bias is corrected (true unless written false).
+    pub fn bias_correction(&self) -> bool {
+        self.bias_correction.unwrap_or(true)
     }
 
     /// LAMB's trust-ratio bounds (DeepSpeed FusedLamb's defaults where unset).
@@ -918,6 +929,7 @@ impl Default for OptimizerSpec {
             initial_accumulator_value: None,
             min_coeff: None,
             max_coeff: None,
+            bias_correction: None,
         }
     }
 }

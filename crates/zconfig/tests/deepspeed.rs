@@ -190,6 +190,39 @@ fn megatron_gpt2_maps_every_written_key() {
     );
 }
 
+/// DeepSpeed's BERT SQuAD fine-tuning config: Adam without bias
+/// correction (DeepSpeed's BERT recipes), fp16, clipping, ZeRO-1.
+#[test]
+fn bert_squad_trains_adam_without_bias_correction() {
+    let j = load(BARE, "bert_squad.json", 2);
+    let t = &j.spec.train;
+    // 24 = micro 3 × 4 × 2 workers.
+    assert_eq!((t.micro_batch_size, t.grad_accum), (3, 4));
+    assert_eq!((t.lr, t.weight_decay, t.grad_clip), (3e-5, 0.0, 1.0));
+    assert_eq!(t.optimizer.kind, OptimizerKind::Adamw);
+    assert_eq!(t.optimizer.bias_correction, Some(false));
+    assert!(!t.optimizer.bias_correction());
+    assert_eq!(t.dtype, Dtype::F16);
+    assert_eq!(j.spec.zero.stage, ZeroStage::OptimizerStates);
+    let at = j.locate("train.optimizer.bias_correction");
+    assert!(
+        at.ends_with("bert_squad.json:10:7 (optimizer.params.bias_correction)"),
+        "{at}"
+    );
+    // Lion keeps no moment to correct: the key is not Lion's.
+    let jb = job(BARE);
+    let ds = jb._dir.path().join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"optimizer": {"type": "Lion", "params": {"lr": 1e-4, "bias_correction": false}}}"#,
+    )
+    .unwrap();
+    let e = load_job_with(&jb.path, &[], Some(&ds))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("optimizer.params.bias_correction"), "{e}");
+}
+
 #[test]
 fn zero_infinity_nvme_and_aio() {
     let j = load(BARE, "infinity_nvme.json", 2);

@@ -901,6 +901,7 @@ fn adamw_equals_the_cpu_kernel_bit_for_bit_with(rule: zengine::adam::OptimizerKi
         eps: 1e-8,
         weight_decay: 0.1,
         step: 3,
+        bias_correction: true,
         grad_scale: 0.37,
         lr_decay: 0.05,
         initial_sum: 0.25,

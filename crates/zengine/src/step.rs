@@ -163,6 +163,7 @@ impl Engine {
             eps: o.eps() as f32,
             weight_decay: self.spec.train.weight_decay as f32,
             step: self.updates,
+            bias_correction: o.bias_correction(),
             grad_scale,
             lr_decay: o.lr_decay.unwrap_or(0.0) as f32,
             initial_sum: initial_sum_at(self.updates, &self.spec.train) as f32,

@@ -128,6 +128,7 @@ fn adamw_tracks_an_f64_reference_over_hundreds_of_steps_on_every_path() {
                 eps: EPS as f32,
                 weight_decay: WD as f32,
                 step: t,
+                bias_correction: true,
                 grad_scale: 1.0,
                 lr_decay: 0.0,
                 initial_sum: 0.0,

@@ -309,6 +309,7 @@ pub fn bench_kernels(elements: usize) -> Result<Vec<KernelRow>> {
         eps: 1e-8,
         weight_decay: 0.1,
         step: 10,
+        bias_correction: true,
         grad_scale: 1.0,
         lr_decay: 0.0,
         initial_sum: 0.0,

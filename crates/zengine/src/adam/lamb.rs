@@ -71,9 +71,7 @@ pub struct LambScalars {
 impl LambScalars {
     /// The scalars of step `s`, with weight decay or without.
     pub fn new(s: &AdamStep, decay: bool) -> LambScalars {
-        let t = s.step as i32;
-        let bc1 = 1.0 - f64::from(s.beta1).powi(t);
-        let bc2 = 1.0 - f64::from(s.beta2).powi(t);
+        let (bc1, bc2) = s.bias_corrections();
         LambScalars {
             gscale: s.grad_scale,
             b1: s.beta1,
@@ -309,6 +307,7 @@ mod tests {
             eps: 1e-6,
             weight_decay: 0.01,
             step: t,
+            bias_correction: true,
             grad_scale: 1.0,
             lr_decay: 0.0,
             initial_sum: 0.0,
@@ -331,15 +330,21 @@ mod tests {
     /// Several steps of one parameter against DeepSpeed's FusedLamb kernel
     /// transcribed in f64 (part 1: moments, the undecayed-moment update with
     /// its decay, the squares; part 3: the clamped ratio, the step size
-    /// with both bias corrections, the move), on every path and thread
-    /// count: every parameter within f32's rounding of a few steps, with
-    /// the ratio clamped on some steps (a tiny lower bound lets it free).
+    /// with both bias corrections or, as `bias_correction: false` asks,
+    /// none, the move), on every path and thread count: every parameter
+    /// within f32's rounding of a few steps, with the ratio clamped on some
+    /// steps (a tiny lower bound lets it free).
     #[test]
     fn lamb_follows_deepspeeds_fused_lamb_in_f64() {
         let n = 40_099;
         let [p0, _, m0, v0] = inputs(n, 5);
         let grads: Vec<Vec<f32>> = (0..5).map(|k| inputs(n, 50 + k)[1].clone()).collect();
-        for bounds in [[0.01, 10.0], [1e-6, 1e6]] {
+        let settings = [
+            ([0.01, 10.0], true),
+            ([1e-6, 1e6], true),
+            ([0.01, 10.0], false),
+        ];
+        for (bounds, corrected) in settings {
             for path in Path::available() {
                 for threads in [1, 2] {
                     let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
@@ -347,7 +352,10 @@ mod tests {
                         |x: &Vec<f32>| -> Vec<f64> { x.iter().map(|&x| f64::from(x)).collect() };
                     let (mut pr, mut mr, mut vr) = (wide(&p0), wide(&m0), wide(&v0));
                     for (k, g) in grads.iter().enumerate() {
-                        let s = step(k as u64 + 1);
+                        let s = AdamStep {
+                            bias_correction: corrected,
+                            ..step(k as u64 + 1)
+                        };
                         let mut sums = SquareSums::default();
                         let b = Buffers::f32(&mut p, g, &mut m, &mut v);
                         lamb_moments_with(path, threads, vec![(b, true, 0, &mut sums)], &s);
@@ -369,8 +377,12 @@ mod tests {
                         let u_norm = u.iter().map(|x| x * x).sum::<f64>().sqrt();
                         let coeff = (w_norm / u_norm).clamp(bounds[0], bounds[1]);
                         let t = s.step as i32;
-                        let step_size =
-                            f64::from(s.lr) * (1.0 - b2.powi(t)).sqrt() / (1.0 - b1.powi(t));
+                        let step_size = match corrected {
+                            true => {
+                                f64::from(s.lr) * (1.0 - b2.powi(t)).sqrt() / (1.0 - b1.powi(t))
+                            }
+                            false => f64::from(s.lr),
+                        };
                         assert!(
                             (f64::from(ratio) - coeff).abs() <= 1e-5 * coeff,
                             "{path:?} step {}: ratio {ratio} for {coeff}",
@@ -384,7 +396,7 @@ mod tests {
                         let (got, want) = (f64::from(p[i]), pr[i]);
                         assert!(
                             (got - want).abs() <= 1e-5 * want.abs().max(1e-3),
-                            "{path:?} threads {threads} bounds {bounds:?} p[{i}]: {got} for {want}"
+                            "{path:?} threads {threads} bounds {bounds:?} corrected {corrected} p[{i}]: {got} for {want}"
                         );
                     }
                 }
