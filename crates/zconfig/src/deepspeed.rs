@@ -255,10 +255,7 @@ const TOP_LEVEL: &[(&str, Kind)] = &[
         Kind::OffOnly("compression training"),
     ),
     ("sparse_attention", Kind::OffOnly("sparse attention")),
-    (
-        "progressive_layer_drop",
-        Kind::OffOnly("progressive layer drop"),
-    ),
+    ("progressive_layer_drop", Kind::Section),
     (
         "quantize_training",
         Kind::OffOnly("MoQ quantization-aware training"),
@@ -490,6 +487,13 @@ const CURRICULUM_SCHEDULE: &[(&str, Kind)] = &[
     ("max_step", Kind::Section),
 ];
 
+/// `progressive_layer_drop`: `train.progressive_layer_drop`.
+const LAYER_DROP: &[(&str, Kind)] = &[
+    ("enabled", Kind::Section),
+    ("theta", Kind::Section),
+    ("gamma", Kind::Section),
+];
+
 const SCHEDULER: &[(&str, Kind)] = &[("type", Kind::Section), ("params", Kind::Section)];
 
 const AIO: &[(&str, Kind)] = &[
@@ -689,6 +693,7 @@ impl Reader {
         self.flops_profiler()?;
         self.comms_logger()?;
         self.curriculum()?;
+        self.layer_drop()?;
         if self.get("activation_checkpointing").is_some() {
             self.sort_keys("activation_checkpointing", ACTIVATION_CHECKPOINTING)?;
             self.map(
@@ -1459,6 +1464,49 @@ impl Reader {
             let written = self.simple(&source, key, false, convert)?;
             if !written && ["min_difficulty", "max_difficulty", "schedule_type"].contains(&name) {
                 return Err(self.error(SECTION, format!("needs {name}, as DeepSpeed's does")));
+            }
+        }
+        Ok(())
+    }
+
+    /// `progressive_layer_drop` into `train.progressive_layer_drop`, only
+    /// with `enabled: true` (DeepSpeed's default is off; an off section is
+    /// listed as ignored); `theta` and `gamma` take DeepSpeed's defaults,
+    /// 1.0 (no block skipped) and 0.001, where omitted.
+    fn layer_drop(&mut self) -> Result<(), ConfigError> {
+        const SECTION: &str = "progressive_layer_drop";
+        if self.get(SECTION).is_none_or(Value::is_null) {
+            return Ok(());
+        }
+        self.sort_keys(SECTION, LAYER_DROP)?;
+        if self.enabled("progressive_layer_drop.enabled")? != Some(true) {
+            self.out
+                .ignored
+                .push((SECTION.to_string(), self.at(SECTION).0));
+            return Ok(());
+        }
+        for (name, key, convert, default) in [
+            (
+                "theta",
+                "train.progressive_layer_drop.theta",
+                positive as Converter,
+                1.0,
+            ),
+            (
+                "gamma",
+                "train.progressive_layer_drop.gamma",
+                non_negative,
+                crate::layer_drop::default_gamma(),
+            ),
+        ] {
+            let source = format!("{SECTION}.{name}");
+            if !self.simple(&source, key, false, convert)? {
+                self.map(
+                    key,
+                    MappedValue::Set(json!(default)),
+                    SECTION,
+                    Origin::Default,
+                );
             }
         }
         Ok(())

@@ -45,6 +45,7 @@ pub mod estimate;
 pub mod freeze;
 pub mod hf_config;
 pub mod hostfile;
+pub mod layer_drop;
 pub mod load;
 pub mod manifest;
 mod offload_check;

@@ -1534,6 +1534,23 @@ impl LoadedJob {
         if let Some(c) = &t.curriculum {
             self.check_curriculum(c)?;
         }
+        if let Some(pld) = &t.progressive_layer_drop {
+            if !(pld.theta > 0.0 && pld.theta <= 1.0) {
+                return Err(self.invalid(
+                    "train.progressive_layer_drop.theta",
+                    format!(
+                        "must be above 0 and at most 1 (the last block's chance to run), got {}",
+                        pld.theta
+                    ),
+                ));
+            }
+            if pld.gamma < 0.0 {
+                return Err(self.invalid(
+                    "train.progressive_layer_drop.gamma",
+                    format!("must be at least 0, got {}", pld.gamma),
+                ));
+            }
+        }
         for (i, b) in t.optimizer.betas.iter().enumerate() {
             if !(0.0..1.0).contains(b) {
                 return Err(self.invalid(

@@ -612,6 +612,11 @@ pub struct TrainSpec {
     /// default.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub curriculum: Option<crate::curriculum::CurriculumSpec>,
+    /// DeepSpeed's progressive layer dropping ([`crate::layer_drop`]):
+    /// each micro-batch skips blocks, more of them deeper and later. None
+    /// by default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub progressive_layer_drop: Option<crate::layer_drop::LayerDropSpec>,
 }
 
 /// `train.early_stopping`: transformers' `EarlyStoppingCallback` on the
@@ -720,6 +725,7 @@ impl Default for TrainSpec {
             early_stopping: None,
             freeze: Vec::new(),
             curriculum: None,
+            progressive_layer_drop: None,
         }
     }
 }
@@ -1492,6 +1498,12 @@ impl JobSpec {
     pub fn gpu_unsupported(&self) -> Option<String> {
         if self.model.tile_size.is_some() {
             return Some("the GPU model keeps linears whole: drop model.tile_size".into());
+        }
+        if self.train.progressive_layer_drop.is_some() {
+            return Some(
+                "train.progressive_layer_drop skips blocks on CPU workers; the GPU's resident flow runs every block: leave it out to train with the GPU"
+                    .into(),
+            );
         }
         if self.train.optimizer.kind == OptimizerKind::Lamb
             && self.zero.offload_optimizer.device == OffloadDevice::None

@@ -223,6 +223,40 @@ fn bert_squad_trains_adam_without_bias_correction() {
     assert!(e.contains("optimizer.params.bias_correction"), "{e}");
 }
 
+/// `progressive_layer_drop` as DeepSpeed's PLD tutorial writes it is
+/// `train.progressive_layer_drop`; omitted, gamma takes DeepSpeed's 0.001
+/// and theta its 1.0; off, the section is listed as ignored; a theta
+/// outside (0, 1] is refused where the ds_config wrote it.
+#[test]
+fn progressive_layer_drop_maps_to_train_progressive_layer_drop() {
+    let jb = job(BARE);
+    let ds = jb._dir.path().join("ds.json");
+    let load = |text: &str| {
+        std::fs::write(&ds, text).unwrap();
+        load_job_with(&jb.path, &[], Some(&ds)).and_then(|mut j| j.validate(2).map(|()| j))
+    };
+    let j = load(r#"{"progressive_layer_drop": {"enabled": true, "theta": 0.5, "gamma": 0.001}}"#)
+        .unwrap();
+    let p = j.spec.train.progressive_layer_drop.expect("mapped");
+    assert_eq!((p.theta, p.gamma), (0.5, 0.001));
+    // The GPU's flow runs every block.
+    let mut gpu = j.spec.clone();
+    gpu.device = zconfig::spec::Device::Cuda;
+    let why = gpu.gpu_unsupported().expect("refused on a GPU");
+    assert!(why.contains("train.progressive_layer_drop"), "{why}");
+    let j = load(r#"{"progressive_layer_drop": {"enabled": true}}"#).unwrap();
+    let p = j.spec.train.progressive_layer_drop.expect("mapped");
+    assert_eq!((p.theta, p.gamma), (1.0, 0.001));
+    let j = load(r#"{"progressive_layer_drop": {"enabled": false, "theta": 0.5}}"#).unwrap();
+    assert_eq!(j.spec.train.progressive_layer_drop, None);
+    assert!(ignored(&j).contains(&"progressive_layer_drop".to_string()));
+    let e = load("{\"progressive_layer_drop\": {\"enabled\": true,\n  \"theta\": 1.5}}")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("train.progressive_layer_drop.theta"), "{e}");
+    assert!(e.contains("ds.json:2:3"), "{e}");
+}
+
 #[test]
 fn zero_infinity_nvme_and_aio() {
     let j = load(BARE, "infinity_nvme.json", 2);
@@ -889,8 +923,8 @@ fn what_cannot_be_honoured_is_refused_where_it_is_written() {
             "tensor_parallel.tp.tp_size: 4: tensor parallelism is not something zrun does",
         ),
         (
-            "{\"progressive_layer_drop\": {\"enabled\": true, \"theta\": 0.5}}",
-            "progressive_layer_drop: progressive layer drop is not something zrun does",
+            "{\"eigenvalue\": {\"enabled\": true, \"verbose\": true}}",
+            "eigenvalue: eigenvalue-based MoQ is not something zrun does",
         ),
         (
             "{\"weight_quantization\": {\"post_init_quant\": {}}}",

@@ -86,6 +86,21 @@ pub struct StepStats {
     /// statistics (the first step's include those before it), by group,
     /// operation and size.
     pub comms: Option<Vec<zproto::CommRecord>>,
+    /// `train.progressive_layer_drop`: θ this step ran with and the blocks
+    /// its micro-batches ran, on average.
+    pub layer_drop: Option<LayerDropStats>,
+}
+
+/// A step under progressive layer dropping: the same on every rank (the
+/// fates are drawn alike).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerDropStats {
+    /// θ: the last block's chance to run this step.
+    pub theta: f64,
+    /// Blocks run per micro-batch, the mean over the step's.
+    pub blocks_run: f64,
+    /// Per block, the share of the step's micro-batches that ran it.
+    pub ran: Vec<f64>,
 }
 
 /// The smallest, mean and largest of a LAMB step's trust ratios, one per

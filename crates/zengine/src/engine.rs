@@ -43,6 +43,7 @@ use crate::error::EngineError;
 use crate::flat::GroupLayout;
 use crate::gather::{Gather, Prefetcher, ProcessGroups, Source, WeightQuant};
 use crate::group::Group;
+use crate::layer_drop::BlockFates;
 use crate::offload::{Offload, ParamReadAhead};
 use crate::precision::{half_of, Flat, Half, LossScaler};
 use crate::reduce::Reducer;
@@ -97,6 +98,9 @@ pub struct Engine {
     pub(crate) secondary_peak: u64,
     /// LAMB: this step's trust ratios, for its statistics.
     pub(crate) trust_ratio: Option<crate::accounting::TrustRatios>,
+    /// Per block, how many of this step's micro-batches ran it so far
+    /// (all of them but under progressive layer dropping).
+    pub(crate) block_runs: Vec<u64>,
     pub(crate) peak_activations: u64,
     pub(crate) counters_at_start: Option<CounterSnapshot>,
     /// Forward and backward time of the step so far.
@@ -291,6 +295,7 @@ impl Engine {
             comm_buffers: Transient::default(),
             secondary_peak: 0,
             trust_ratio: None,
+            block_runs: vec![0; spec.model.n_layers],
             peak_activations: 0,
             counters_at_start: None,
             times: StepTimes::default(),
@@ -333,6 +338,13 @@ impl Engine {
     /// step of `train.curriculum`'s): attention's part grows with the keys
     /// a token sees, the rest does not.
     pub fn flops_per_token_at(&self, seq_len: usize) -> f64 {
+        self.flops_per_token_ran(seq_len, None)
+    }
+
+    /// [`Engine::flops_per_token_at`] of a step that ran block `b` in the
+    /// share `ran[b − 1]` of its micro-batches (progressive layer dropping,
+    /// [`crate::LayerDropStats::ran`]); `None`: every block every time.
+    pub fn flops_per_token_ran(&self, seq_len: usize, ran: Option<&[f64]>) -> f64 {
         let reach = self.backward_reach;
         let m = self.model.config();
         let head = (m.vocab_size * m.d_model) as f64;
@@ -352,11 +364,12 @@ impl Engine {
         for b in 1..=m.n_layers {
             let groups: Vec<usize> = block_uses(&self.model, b, Pass::Forward).collect();
             let all: f64 = groups.iter().map(|g| numel(g, false)).sum();
-            flops += 2.0 * all + attention;
+            let mut block = 2.0 * all + attention;
             if b >= reach {
                 let trained: f64 = groups.iter().map(|g| numel(g, true)).sum();
-                flops += 2.0 * all + 2.0 * trained + 2.0 * attention;
+                block += 2.0 * all + 2.0 * trained + 2.0 * attention;
             }
+            flops += block * ran.map_or(1.0, |r| r[b - 1]);
         }
         flops
     }
@@ -428,7 +441,8 @@ impl Engine {
     /// quantized; the head's serves its backward too, so it is not. With hpZ
     /// those forward gathers keep secondary shards, and the embedding's and
     /// blocks' later gathers come from them, inside the node.
-    fn gather_order(&self) -> Vec<Gather> {
+    /// Under progressive layer dropping, only the blocks `fates` runs.
+    fn gather_order(&self, fates: &BlockFates) -> Vec<Gather> {
         let l = self.model.config().n_layers;
         let keep = self.hpz.is_some();
         let later = |group| Gather {
@@ -446,12 +460,15 @@ impl Engine {
             source: Source::World(None),
             keep: false,
         };
-        let mut order: Vec<Gather> = self.forward_gathers(keep).collect();
+        let mut order: Vec<Gather> = self.forward_gathers(keep, fates).collect();
         order.push(head);
         if self.model.config().tied() {
             order.push(later(0));
         }
-        for b in (self.backward_reach.max(1)..=l).rev() {
+        for b in (self.backward_reach.max(1)..=l)
+            .rev()
+            .filter(|&b| fates.runs(b))
+        {
             order.extend(block_uses(&self.model, b, Pass::Backward { checkpointing }).map(later));
         }
         order.retain(|g| self.groups[g.group].partitioned);
@@ -461,7 +478,11 @@ impl Engine {
     /// The forward gathers of the embedding and the blocks: quantized with
     /// qwZ; with `keep`, leaving hpZ's secondary shards (the embedding's only
     /// where a tied head gathers it again: its backward gathers nothing).
-    fn forward_gathers(&self, keep: bool) -> impl Iterator<Item = Gather> + '_ {
+    fn forward_gathers<'a>(
+        &'a self,
+        keep: bool,
+        fates: &'a BlockFates,
+    ) -> impl Iterator<Item = Gather> + 'a {
         let z = &self.spec.zero;
         let quant = z.quantized_weights.then(|| WeightQuant {
             bits: Bits::from_count(z.quantization.weight_bits).expect("validated: 8 or 4"),
@@ -470,7 +491,11 @@ impl Engine {
         let l = self.model.config().n_layers;
         let tied = self.model.config().tied();
         std::iter::once(0)
-            .chain((1..=l).flat_map(|b| block_uses(&self.model, b, Pass::Forward)))
+            .chain(
+                (1..=l)
+                    .filter(|&b| fates.runs(b))
+                    .flat_map(|b| block_uses(&self.model, b, Pass::Forward)),
+            )
             .map(move |group| Gather {
                 group,
                 source: Source::World(quant),
@@ -484,7 +509,8 @@ impl Engine {
     /// gathers them again.
     fn eval_gather_order(&self) -> Vec<Gather> {
         let l = self.model.config().n_layers;
-        self.forward_gathers(false)
+        let every = BlockFates::all(l);
+        self.forward_gathers(false, &every)
             .chain(
                 [l + 1, 0]
                     .into_iter()
@@ -501,10 +527,10 @@ impl Engine {
 
     /// A prefetcher for one micro-batch's stage-3 gathers (and, with parameter
     /// offload, the read-ahead of their slices from swap).
-    pub(crate) fn prefetcher(&mut self) -> Prefetcher {
+    pub(crate) fn prefetcher(&mut self, fates: &BlockFates) -> Prefetcher {
         let order = match self.gathers_on_gpu() {
             true => Vec::new(),
-            false => self.gather_order(),
+            false => self.gather_order(fates),
         };
         self.prefetcher_for(order)
     }
@@ -833,20 +859,19 @@ fn backward_completion(model: &Gpt) -> Vec<usize> {
     let l = model.config().n_layers;
     let mut order = vec![l + 1];
     for b in (1..=l).rev() {
-        order.extend(
-            block_uses(
-                model,
-                b,
-                Pass::Backward {
-                    checkpointing: false,
-                },
-            )
-            .skip(1),
-        );
-        order.push(b);
+        order.extend(block_completion(model, b));
     }
     order.push(0);
     order
+}
+
+/// Block `b`'s groups in the order its backward completes their
+/// gradients: its tiles as it finishes them, then its own group.
+pub(crate) fn block_completion(model: &Gpt, b: usize) -> impl Iterator<Item = usize> {
+    let backward = Pass::Backward {
+        checkpointing: false,
+    };
+    block_uses(model, b, backward).skip(1).chain([b])
 }
 
 #[cfg(test)]

@@ -8,6 +8,8 @@
 //!   each use of a block needs.
 //! - `group`: one block's flat buffers and which of them are whole or a slice.
 //! - `micro_batch`: forward and backward of one micro-batch, block by block.
+//! - `layer_drop`: which blocks a micro-batch runs under progressive layer
+//!   dropping, the same on every rank.
 //! - `gpu` (feature `cuda`): the same micro-batch on a GPU, the engine's
 //!   buffers and optimizer staying on the host.
 //! - `reduce`: gradient buckets reduced while backward continues.
@@ -41,6 +43,7 @@ pub mod gather;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 mod group;
+mod layer_drop;
 mod micro_batch;
 mod offload;
 pub mod precision;
@@ -50,7 +53,7 @@ pub mod schedule;
 pub mod state;
 mod step;
 
-pub use accounting::{MemoryUse, StepStats, StepTimes, TrustRatios};
+pub use accounting::{LayerDropStats, MemoryUse, StepStats, StepTimes, TrustRatios};
 pub use engine::Engine;
 pub use error::EngineError;
 pub use flat::{Bucket, GroupLayout};

@@ -22,9 +22,10 @@ use zmodel::{
     EmbeddingParams, HeadParams, Noise, TokenRows, WeightBias,
 };
 
-use crate::engine::Engine;
+use crate::engine::{block_completion, Engine};
 use crate::error::EngineError;
 use crate::gather::Prefetcher;
+use crate::layer_drop::BlockFates;
 use crate::precision::Flat;
 
 /// What a block keeps between its forward and backward.
@@ -53,6 +54,8 @@ pub(crate) struct MicroBatch {
     pub(crate) dropout: BlockDropout,
     /// NEFTune's noise on the embeddings' output.
     pub(crate) noise: Option<Noise>,
+    /// Which blocks it runs (all but under progressive layer dropping).
+    pub(crate) fates: BlockFates,
 }
 
 impl Engine {
@@ -178,17 +181,36 @@ impl Engine {
             self.io_at_start = self.offload.as_ref().map(|o| o.stats());
         }
         let shape = (batch.rows, batch.seq_len);
+        let fates = self.block_fates();
+        for (b, runs) in (1..).zip(&mut self.block_runs) {
+            *runs += u64::from(fates.runs(b));
+        }
         Ok(MicroBatch {
             tokens: Tensor::from_slice(&batch.inputs, shape, &Device::Cpu)?,
             targets: Tensor::from_slice(&batch.targets, shape, &Device::Cpu)?,
             divisor: batch.divisor,
             docs: batch.documents.clone(),
-            gather: self.prefetcher(),
+            gather: self.prefetcher(&fates),
             saved: Vec::with_capacity(self.model.config().n_layers),
             reduce_now: self.stage.partitions_gradients() || self.micro + 1 == accum,
             dropout: self.dropout(),
             noise: self.neftune(batch.seq_len),
+            fates,
         })
+    }
+
+    /// The blocks the micro-batch [`Engine::forward_backward`] runs next
+    /// runs: every one, or under `train.progressive_layer_drop` those its
+    /// draws keep, keyed by the seed, the step and the micro-batch (the
+    /// same on every rank).
+    pub(crate) fn block_fates(&self) -> BlockFates {
+        let n = self.model.config().n_layers;
+        match &self.spec.train.progressive_layer_drop {
+            Some(pld) => {
+                BlockFates::draw(pld, self.spec.train.seed, (self.step, self.micro as u64), n)
+            }
+            None => BlockFates::all(n),
+        }
     }
 
     /// The dropouts of the micro-batch [`Engine::forward_backward`] runs
@@ -270,8 +292,12 @@ impl Engine {
         // keeps (with checkpointing, what backward's recomputation holds).
         let (mut kept, mut largest) = (0, 0);
         for b in 1..=n_layers {
+            // A skipped block passes its input on.
+            if !mb.fates.runs(b) {
+                continue;
+            }
             let mut src = BlockFromEngine::gather(self, &mut mb.gather, b, false)?;
-            let dropout = mb.dropout.site(b as u64);
+            let dropout = mb.fates.dropout(b, mb.dropout.site(b as u64));
             let timed = profile::module(Module::Block(b - 1), Pass::Forward);
             let (y, acts) = model.block_forward_from(&mut src, &x, mb.docs.as_ref(), dropout)?;
             drop(timed);
@@ -436,11 +462,17 @@ impl Engine {
     ) -> Result<Tensor, EngineError> {
         let model = self.model.clone();
         for b in (self.backward_reach.max(1)..=self.model.config().n_layers).rev() {
+            // A skipped block passes the gradient on and adds none of its
+            // own, but its groups still complete their buckets.
+            if !mb.fates.runs(b) {
+                self.skipped_block_done(b, mb.reduce_now)?;
+                continue;
+            }
             let mut src = BlockFromEngine::gather(self, &mut mb.gather, b, mb.reduce_now)?;
             let acts = match mb.saved.pop() {
                 Some(Saved::Acts(acts)) => acts,
                 Some(Saved::Input(x)) => {
-                    let dropout = mb.dropout.site(b as u64);
+                    let dropout = mb.fates.dropout(b, mb.dropout.site(b as u64));
                     let _t = profile::module(Module::Block(b - 1), Pass::Recompute);
                     model
                         .block_forward_from(&mut src, &x, mb.docs.as_ref(), dropout)?
@@ -454,6 +486,25 @@ impl Engine {
             src.finish_backward()?;
         }
         Ok(dx)
+    }
+
+    /// Backward is done with block `b`, which this micro-batch skipped: its
+    /// groups (tiles first, as backward completes them) add a zero
+    /// gradient, which makes their buffers hold this step's sum so far
+    /// (zeros where it is the first), and with `reduce_now` complete their
+    /// buckets as a block that ran would.
+    fn skipped_block_done(&mut self, b: usize, reduce_now: bool) -> Result<(), EngineError> {
+        let groups: Vec<usize> = block_completion(&self.model, b).collect();
+        for g in groups {
+            if self.groups[g].layout.all_frozen() {
+                continue;
+            }
+            self.micro_grads(g);
+            if reduce_now {
+                self.group_done(g)?;
+            }
+        }
+        Ok(())
     }
 
     /// The embedding's backward, from the tokens and `dx` alone.

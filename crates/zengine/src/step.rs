@@ -15,7 +15,9 @@ use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use crate::accounting::{peak_rss_bytes, MemoryUse, StepStats, Transient, TrustRatios};
+use crate::accounting::{
+    peak_rss_bytes, LayerDropStats, MemoryUse, StepStats, Transient, TrustRatios,
+};
 use crate::adam::{trust_ratio, AdamStep, OptimizerKind, SquareSums};
 use crate::engine::Engine;
 use crate::error::EngineError;
@@ -617,6 +619,10 @@ impl Engine {
             let now = o.stats();
             now.since(&self.io_at_start.take().unwrap_or(now))
         });
+        let accum = self.spec.train.grad_accum as f64;
+        let ran: Vec<f64> = (self.block_runs.iter_mut())
+            .map(|r| std::mem::take(r) as f64 / accum)
+            .collect();
         let stats = StepStats {
             step,
             loss: self.loss_sum / self.spec.train.grad_accum as f64,
@@ -632,6 +638,15 @@ impl Engine {
             stop: self.stop_agreed.swap(false, Ordering::SeqCst),
             trust_ratio: self.trust_ratio.take(),
             comms: self.spec.comms_logger.as_ref().map(|c| self.op_log(c)),
+            layer_drop: (self.spec.train.progressive_layer_drop.as_ref()).map(|pld| {
+                LayerDropStats {
+                    // This step's: the statistics are made before `step`
+                    // moves on.
+                    theta: pld.theta_at(self.step),
+                    blocks_run: ran.iter().sum(),
+                    ran,
+                }
+            }),
         };
         self.step = step;
         self.micro = 0;

@@ -109,6 +109,75 @@ fn dropout_keeps_the_stages_bit_identical() {
     }
 }
 
+/// Progressive layer dropping (`train.progressive_layer_drop`) keeps every
+/// stage, with and without activation checkpointing, to the bits of stage
+/// 0 at 2 ranks, with hidden dropout and without: the ranks skip the same
+/// blocks, whose stage-3 gathers are left out and whose groups still
+/// complete their buckets (the planned gathers are all used: the engine
+/// asserts it). Over 2 micro-batches a step (where stages 2-3 reduce each
+/// micro-batch and so add in another order than 0-1), stage 1 keeps to
+/// stage 0's bits and stage 3 to stage 2's, a skipped block's gradient
+/// left as it was on a micro-batch that does not reduce. Blocks are
+/// skipped, more as θ falls, and the run is not the one without.
+#[test]
+fn progressive_layer_drop_keeps_the_stages_bit_identical() {
+    use zconfig::layer_drop::LayerDropSpec;
+    let dropped = |stage, accum, ckpt, hidden: Option<f64>| {
+        let mut spec = typed_spec("f32", stage, accum, 2000, true, ckpt, 8);
+        spec.model.n_layers = 4;
+        spec.model.hidden_dropout = hidden;
+        spec.train.progressive_layer_drop = Some(LayerDropSpec {
+            theta: 0.2,
+            gamma: 0.5,
+        });
+        spec
+    };
+    for hidden in [None, Some(0.1)] {
+        let base = train(dropped(0, 1, false, hidden), 2);
+        let run: Vec<f64> = base[0].blocks_run.iter().map(|b| b.unwrap()).collect();
+        // θ is 1 for the first two steps (every block runs), then falls.
+        assert_eq!(run[..2], [4.0, 4.0], "{run:?}");
+        assert!(run[2..].iter().sum::<f64>() < 4.0 * 5.0, "{run:?}");
+        let mut plain_spec = dropped(0, 1, false, hidden);
+        plain_spec.train.progressive_layer_drop = None;
+        let plain = train(plain_spec, 2);
+        assert_eq!(plain[0].blocks_run[0], None);
+        assert_eq!(plain[0].losses[..2], base[0].losses[..2]);
+        assert_ne!(plain[0].losses, base[0].losses, "nothing dropped");
+        let same = |got: &[common::Run], want: &[common::Run], what: &str| {
+            for r in 0..2 {
+                assert_eq!(got[r].losses, want[r].losses, "losses: {what} rank {r}");
+                assert!(
+                    got[r].params == want[r].params,
+                    "parameters: {what} rank {r}"
+                );
+            }
+        };
+        for stage in 0..=3u8 {
+            for ckpt in [false, true] {
+                if stage == 0 && !ckpt {
+                    continue;
+                }
+                let got = train(dropped(stage, 1, ckpt, hidden), 2);
+                same(
+                    &got,
+                    &base,
+                    &format!("{hidden:?} stage {stage} checkpointing {ckpt}"),
+                );
+            }
+        }
+        for (stage, like) in [(1, 0), (3, 2)] {
+            let want = train(dropped(like, 2, false, hidden), 2);
+            let got = train(dropped(stage, 2, true, hidden), 2);
+            same(
+                &got,
+                &want,
+                &format!("{hidden:?} 2 micro-batches stage {stage}"),
+            );
+        }
+    }
+}
+
 /// Lion, Adagrad and PyTorch's Adam (`train.optimizer.type: lion`,
 /// `adagrad`, `adam`) keep every
 /// stage to the bits of stage 0 at 2 ranks, in f32 and bf16 (each update

@@ -63,6 +63,25 @@ impl Dropout {
         }
     }
 
+    /// No element dropped, every one multiplied by `scale`: a residual
+    /// branch's scale under progressive layer dropping where the block has
+    /// no dropout of its own.
+    pub fn scale_only(scale: f32) -> Dropout {
+        Dropout {
+            threshold: 0,
+            scale,
+            key: 0,
+        }
+    }
+
+    /// This dropout with its kept elements multiplied by `by` as well.
+    pub fn scaled(self, by: f32) -> Dropout {
+        Dropout {
+            scale: self.scale * by,
+            ..self
+        }
+    }
+
     /// Indices whose hash falls below this are dropped (`p · 2³²`).
     pub fn threshold(&self) -> u32 {
         self.threshold

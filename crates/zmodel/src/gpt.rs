@@ -2540,6 +2540,59 @@ mod tests {
         close(auto.get(x.as_tensor()).unwrap(), &dx, "input");
     }
 
+    /// A block whose residual branches are scaled (progressive layer
+    /// dropping's `1 / p`, a dropout that drops nothing) computes what the
+    /// block computes with its two output projections, weight and bias,
+    /// multiplied by the scale: within f32's rounding of the two orders.
+    #[test]
+    fn a_scaled_blocks_branches_are_its_output_projections_scaled() {
+        for cfg in [gpt(11, 8, 1, 2, 6), llama(11, 8, 1, 6, 12)] {
+            let g = Gpt::new(&cfg).unwrap();
+            let (d, dev, scale) = (g.cfg.d_model, Device::Cpu, 2.5f32);
+            let outs = [BlockLinear::AttnOut, BlockLinear::MlpOut]
+                .map(|l| format!("{}.{}.", g.block_prefix(1), g.linear_name(l)));
+            let group = &g.groups()[1].params;
+            let values = g.init_group(1, 3);
+            let params = |scaled: bool| {
+                let ts = (values.iter().zip(group))
+                    .map(|(v, p)| {
+                        let by = match scaled && outs.iter().any(|o| p.name.starts_with(o)) {
+                            true => scale,
+                            false => 1.0,
+                        };
+                        let v: Vec<f32> = v.iter().map(|x| x * by).collect();
+                        Tensor::from_vec(v, p.shape.as_slice(), &dev).unwrap()
+                    })
+                    .collect();
+                BlockParams::from_vec(ts, g.layout()).unwrap()
+            };
+            let x: Vec<f32> = (0..2 * 6 * d)
+                .map(|i| ((i * 7 % 17) as f32 - 8.0) / 8.0)
+                .collect();
+            let x = Tensor::from_vec(x, (2, 6, d), &dev).unwrap();
+            let run = |scaled, dropout| {
+                (g.block_forward_from(&mut Whole::new(&params(scaled)), &x, None, dropout))
+                    .unwrap()
+                    .0
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            let by_scale = BlockDropout {
+                hidden: Some(Dropout::scale_only(scale)),
+                attention: None,
+            };
+            let got = run(false, by_scale);
+            let want = run(true, BlockDropout::default());
+            let plain = run(false, BlockDropout::default());
+            assert!(got != plain, "{:?}: nothing scaled", cfg.kind);
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+            }
+        }
+    }
+
     /// With hidden and attention dropout a block's backward is the finite
     /// differences of its own forward under the same masks (a mask
     /// forgotten, or applied twice, in either branch's gradient or in

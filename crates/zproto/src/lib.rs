@@ -25,8 +25,8 @@ pub use auth::{Nonce, Proof, Token};
 pub use frame::{FrameError, HANDSHAKE_MAX, MAX_FRAME};
 pub use msg::{
     BenchCommTask, BenchRow, ByOp, CommBytes, CommRecord, FlopsProfile, IoReport, KernelRow,
-    MemBytes, ModuleProfile, NodeWelcome, OpBytes, StepReport, StepTimesMs, Task, ToServer,
-    ToWorker, TrainTask, TrustRatios, Welcome, CONTROL_CONTEXT, NODE_CONTEXT, NODE_SERVER_CONTEXT,
-    SERVER_CONTEXT,
+    LayerDrop, MemBytes, ModuleProfile, NodeWelcome, OpBytes, StepReport, StepTimesMs, Task,
+    ToServer, ToWorker, TrainTask, TrustRatios, Welcome, CONTROL_CONTEXT, NODE_CONTEXT,
+    NODE_SERVER_CONTEXT, SERVER_CONTEXT,
 };
 pub use names::{hpz_segment_name, shm_segment_name, shm_segment_path, Op};

@@ -487,6 +487,19 @@ pub struct StepReport {
     /// report (the first report's include those before step 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comms: Option<Vec<CommRecord>>,
+    /// `train.progressive_layer_drop`: θ of the step and the blocks its
+    /// micro-batches ran (the same on every rank).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_drop: Option<LayerDrop>,
+}
+
+/// A step under progressive layer dropping (zengine's `LayerDropStats`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LayerDrop {
+    /// θ: the last block's chance to run.
+    pub theta: f64,
+    /// Blocks run per micro-batch, the mean over the step's.
+    pub blocks_run: f64,
 }
 
 /// `comms_logger`: the collectives of one kind and size that a rank ran,

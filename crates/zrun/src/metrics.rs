@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use serde::Serialize;
-use zproto::{CommBytes, MemBytes, StepReport, StepTimesMs, TrustRatios};
+use zproto::{CommBytes, LayerDrop, MemBytes, StepReport, StepTimesMs, TrustRatios};
 
 /// One `metrics.jsonl` line.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -55,12 +55,16 @@ pub struct StepLine {
     /// `train.curriculum`: the tokens of each sequence the step trained on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seq_len: Option<usize>,
+    /// `train.progressive_layer_drop`: θ of the step and the blocks its
+    /// micro-batches ran, on average.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layer_drop: Option<LayerDrop>,
 }
 
 /// The scalars a run is watched by, beside `metrics.jsonl` (TensorBoard's
 /// tags, the CSV monitor's files), in [`StepLine::scalars`]' order: those
 /// from the gradient norm on, on the steps that have them.
-pub const SCALAR_TAGS: [&str; 14] = [
+pub const SCALAR_TAGS: [&str; 16] = [
     "train/loss",
     "train/lr",
     "train/epoch",
@@ -75,6 +79,8 @@ pub const SCALAR_TAGS: [&str; 14] = [
     "train/trust_ratio_mean",
     "train/trust_ratio_max",
     "train/seq_len",
+    "train/pld_theta",
+    "train/blocks_run",
 ];
 
 impl StepLine {
@@ -95,6 +101,8 @@ impl StepLine {
             self.trust_ratio.map(|r| r.mean),
             self.trust_ratio.map(|r| r.max),
             self.seq_len.map(|t| t as f64),
+            self.layer_drop.map(|l| l.theta),
+            self.layer_drop.map(|l| l.blocks_run),
         ];
         SCALAR_TAGS
             .into_iter()
@@ -213,6 +221,7 @@ fn combine(rs: &[StepReport]) -> StepLine {
         val_loss: rs[0].val_loss,
         trust_ratio: rs[0].trust_ratio,
         seq_len: rs[0].seq_len,
+        layer_drop: rs[0].layer_drop,
     }
 }
 
@@ -263,6 +272,7 @@ pub(crate) mod tests {
             io: None,
             val_loss: None,
             seq_len: None,
+            layer_drop: None,
             comms: None,
             trust_ratio: None,
         }

@@ -226,7 +226,11 @@ pub fn train(
             grad_norm: (!st.skipped).then_some(st.grad_norm),
             step_ms,
             tokens: st.tokens,
-            flops: st.tokens as f64 * engine.flops_per_token_at(trained_len),
+            flops: st.tokens as f64
+                * engine.flops_per_token_ran(
+                    trained_len,
+                    st.layer_drop.as_ref().map(|l| l.ran.as_slice()),
+                ),
             params,
             zero_stage: spec.zero.stage.number(),
             mem: mem_bytes(&st.mem),
@@ -247,6 +251,10 @@ pub fn train(
             }),
             seq_len: t.curriculum.as_ref().map(|_| trained_len),
             comms: st.comms,
+            layer_drop: st.layer_drop.as_ref().map(|l| zproto::LayerDrop {
+                theta: l.theta,
+                blocks_run: l.blocks_run,
+            }),
         })))?;
         if let Some(p) = profile {
             client.send(&ToServer::Profile(Box::new(p)))?;

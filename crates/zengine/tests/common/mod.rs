@@ -139,6 +139,9 @@ pub struct Run {
     pub activations: u64,
     /// The engine's model FLOPs per token (`Engine::flops_per_token`).
     pub flops_per_token: f64,
+    /// Per step, under progressive layer dropping: the blocks its
+    /// micro-batches ran, on average.
+    pub blocks_run: Vec<Option<f64>>,
 }
 
 /// A rank's part of a checkpoint it wrote.
@@ -383,6 +386,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     comm_peak: 0,
                     activations: 0,
                     flops_per_token: engine.flops_per_token(),
+                    blocks_run: Vec::new(),
                 };
                 for s in engine.steps_done()..until {
                     for a in 0..t.grad_accum {
@@ -394,6 +398,7 @@ pub fn train_leg(spec: JobSpec, world: usize, leg: &Leg) -> Vec<Run> {
                     run.norms.push(st.grad_norm);
                     run.lrs.push(st.lr);
                     run.trust_ratios.push(st.trust_ratio);
+                    run.blocks_run.push(st.layer_drop.map(|l| l.blocks_run));
                     run.grads_held = run.grads_held.max(st.mem.grads);
                     run.optimizer_held = run.optimizer_held.max(st.mem.optimizer);
                     run.nvme = st.mem.nvme;

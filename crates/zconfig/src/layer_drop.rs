@@ -1,0 +1,85 @@
+//! `train.progressive_layer_drop`: DeepSpeed's progressive layer dropping
+//! (PLD; Zhang and He 2020, "Accelerating Training of Transformer-Based
+//! Language Models with Progressive Layer Dropping"). Each micro-batch
+//! skips some of the blocks: a skipped block passes its input through,
+//! costs no FLOPs and, at ZeRO stage 3, no gathers; a block that runs
+//! scales its two residual branches by `1 / p`, its chance to run, so
+//! that the expected output is the full model's and evaluation runs every
+//! block unscaled.
+//!
+//! The chance falls with the step and with depth. DeepSpeed's engine keeps
+//! `θ(t) = (1 − θ̄)·exp(−γ·t) + θ̄` (`theta` θ̄, `gamma` γ), updated at the
+//! end of step `t` (its `global_steps`) for the step after, so that zrun's
+//! 0-based step `s` runs with `θ(max(s − 1, 0))` as DeepSpeed's step `s`
+//! does. DeepSpeed hands θ to the model, whose blocks draw their fate;
+//! zrun's blocks take stochastic depth's linear rule along depth, as PLD's
+//! paper does: block `l` of `L` (from 1) runs with chance
+//! `p_l = 1 − l/L·(1 − θ)`, the last block with θ itself.
+//!
+//! A micro-batch's draws are a pure function of the seed, the step, the
+//! micro-batch and the block — not of the rank — so every rank skips the
+//! same blocks (their gathers and reductions are collectives), and ZeRO
+//! stages, thread counts and resumed runs agree.
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::finite;
+
+/// `train.progressive_layer_drop`'s keys, DeepSpeed's names.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerDropSpec {
+    /// θ̄: the last block's chance to run once the schedule has settled,
+    /// in (0, 1]; lower trains faster (DeepSpeed's tutorial takes 0.5).
+    #[serde(deserialize_with = "finite::number")]
+    pub theta: f64,
+    /// γ: how fast θ falls from 1 to θ̄, at least 0 (DeepSpeed's default
+    /// 0.001: θ is halfway there after about 700 steps).
+    #[serde(default = "default_gamma", deserialize_with = "finite::number")]
+    pub gamma: f64,
+}
+
+/// DeepSpeed's `PLD_GAMMA_DEFAULT`.
+pub fn default_gamma() -> f64 {
+    0.001
+}
+
+impl LayerDropSpec {
+    /// θ for zrun's 0-based step `s` (see the module's doc).
+    pub fn theta_at(&self, s: u64) -> f64 {
+        let t = s.saturating_sub(1) as f64;
+        (1.0 - self.theta) * (-self.gamma * t).exp() + self.theta
+    }
+
+    /// The chance that block `l` (1-based) of `n_layers` runs at step `s`.
+    pub fn keep_probability(&self, s: u64, l: usize, n_layers: usize) -> f64 {
+        1.0 - l as f64 / n_layers as f64 * (1.0 - self.theta_at(s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// θ starts at 1 (the first two steps run every block, as DeepSpeed's
+    /// first two do), falls as `(1 − θ̄)·e^(−γt) + θ̄` and settles at θ̄;
+    /// the chances fall linearly with depth to θ at the last block.
+    #[test]
+    fn theta_falls_with_the_step_and_the_chance_with_depth() {
+        let pld = LayerDropSpec {
+            theta: 0.5,
+            gamma: 0.01,
+        };
+        assert_eq!((pld.theta_at(0), pld.theta_at(1)), (1.0, 1.0));
+        // Step 101 runs with DeepSpeed's θ(100) = 0.5·e^(−1) + 0.5.
+        let want = 0.5 * (-1.0f64).exp() + 0.5;
+        assert!((pld.theta_at(101) - want).abs() < 1e-15);
+        assert!((pld.theta_at(100_000) - 0.5).abs() < 1e-12);
+        let theta = pld.theta_at(101);
+        let p: Vec<f64> = (1..=4).map(|l| pld.keep_probability(101, l, 4)).collect();
+        assert!((p[3] - theta).abs() < 1e-15, "{p:?}");
+        assert!((p[1] - (1.0 - 0.5 * (1.0 - theta))).abs() < 1e-15);
+        assert!(p.windows(2).all(|w| w[0] > w[1]), "{p:?}");
+        assert_eq!(pld.keep_probability(1, 4, 4), 1.0);
+    }
+}
