@@ -223,20 +223,8 @@ const TOP_LEVEL: &[(&str, Kind)] = &[
     ("dataloader_drop_last", Kind::Ignored),
     // Checked in `top_level`: a size of 1 is data parallelism.
     ("tensor_parallel", Kind::Section),
-    (
-        "prescale_gradients",
-        Kind::Only(
-            &[Accept::Bool(false)],
-            "zrun averages gradients after the reduction, not before",
-        ),
-    ),
-    (
-        "gradient_predivide_factor",
-        Kind::Only(
-            &[Accept::Num(1.0)],
-            "zrun divides gradients by the world size once, after the reduction",
-        ),
-    ),
+    ("prescale_gradients", Kind::Section),
+    ("gradient_predivide_factor", Kind::Section),
     (
         "sparse_gradients",
         Kind::Only(
@@ -687,6 +675,18 @@ impl Reader {
         self.zero()?;
         self.data_types()?;
         self.communication_data_type()?;
+        self.simple(
+            "prescale_gradients",
+            "train.prescale_gradients",
+            false,
+            boolean,
+        )?;
+        self.simple(
+            "gradient_predivide_factor",
+            "train.gradient_predivide_factor",
+            false,
+            positive,
+        )?;
         self.aio()?;
         self.monitor("tensorboard")?;
         self.monitor("csv_monitor")?;

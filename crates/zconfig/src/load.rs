@@ -1534,6 +1534,13 @@ impl LoadedJob {
         if let Some(c) = &t.curriculum {
             self.check_curriculum(c)?;
         }
+        let f = t.gradient_predivide_factor;
+        if !(f > 0.0 && f <= f64::from(f32::MAX)) {
+            return Err(self.invalid(
+                "train.gradient_predivide_factor",
+                format!("must be a positive number, got {f}"),
+            ));
+        }
         if let Some(pld) = &t.progressive_layer_drop {
             if !(pld.theta > 0.0 && pld.theta <= 1.0) {
                 return Err(self.invalid(

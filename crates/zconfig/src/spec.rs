@@ -570,6 +570,16 @@ pub struct TrainSpec {
     /// bytes: each rank's piece is rounded to it and the pieces are added
     /// in f32, the sum rounded to it too.
     pub reduce_dtype: Option<Dtype>,
+    /// DeepSpeed's `gradient_predivide_factor`: gradients are divided by
+    /// this before the ranks add them and by `world / factor` after, so
+    /// that the sums carried in 16 bits stay further from overflow.
+    /// Default 1 (divided by the world size after).
+    #[serde(deserialize_with = "finite::number")]
+    pub gradient_predivide_factor: f64,
+    /// DeepSpeed's `prescale_gradients`: gradients are divided by the
+    /// world size before the ranks add them (the factor above is then not
+    /// used, as DeepSpeed's engine does). Default false.
+    pub prescale_gradients: bool,
     /// f16's dynamic loss scaling (DeepSpeed's `fp16` keys and defaults).
     pub loss_scale: LossScaleSpec,
     /// Recompute each block in backward.
@@ -679,6 +689,16 @@ impl TrainSpec {
         }
     }
 
+    /// What gradients are divided by before ranks add them, at `world`
+    /// ranks: the world size under `prescale_gradients`, else
+    /// `gradient_predivide_factor`.
+    pub fn predivide(&self, world: usize) -> f64 {
+        match self.prescale_gradients {
+            true => world as f64,
+            false => self.gradient_predivide_factor,
+        }
+    }
+
     /// The type gradients are held and summed in: `grad_accum_dtype`, else
     /// the working `dtype`.
     pub fn grads_dtype(&self) -> Dtype {
@@ -714,6 +734,8 @@ impl Default for TrainSpec {
             dtype: Dtype::F32,
             grad_accum_dtype: None,
             reduce_dtype: None,
+            gradient_predivide_factor: 1.0,
+            prescale_gradients: false,
             loss_scale: LossScaleSpec::default(),
             activation_checkpointing: false,
             allow_tf32: false,

@@ -223,6 +223,43 @@ fn bert_squad_trains_adam_without_bias_correction() {
     assert!(e.contains("optimizer.params.bias_correction"), "{e}");
 }
 
+/// DeepSpeed's PLD tutorial config (BERT pre-training): gradients divided
+/// by the world size before the reduction (its `gradient_predivide_factor`
+/// kept but, under `prescale_gradients`, not used), Adam without bias
+/// correction, f16 with a dynamic scale, progressive layer dropping.
+#[test]
+fn the_pld_tutorial_config_maps_every_written_key() {
+    let j = load(BARE, "bert_pld.json", 2);
+    let t = &j.spec.train;
+    // 4096 = micro 16 × 128 × 2 workers.
+    assert_eq!((t.micro_batch_size, t.grad_accum), (16, 128));
+    assert!(t.prescale_gradients);
+    assert_eq!(t.gradient_predivide_factor, 8.0);
+    assert_eq!(t.predivide(2), 2.0);
+    assert_eq!((t.lr, t.weight_decay, t.grad_clip), (1e-3, 0.01, 1.0));
+    assert!(!t.optimizer.bias_correction());
+    assert_eq!((t.dtype, t.loss_scale.static_scale), (Dtype::F16, None));
+    let p = t.progressive_layer_drop.expect("PLD");
+    assert_eq!((p.theta, p.gamma), (0.5, 0.001));
+    let at = j.locate("train.gradient_predivide_factor");
+    assert!(
+        at.ends_with("bert_pld.json:6:3 (gradient_predivide_factor)"),
+        "{at}"
+    );
+    // Without prescale_gradients the factor divides.
+    let jb = job(BARE);
+    let ds = jb._dir.path().join("ds.json");
+    std::fs::write(&ds, r#"{"gradient_predivide_factor": 4.0}"#).unwrap();
+    let mut l = load_job_with(&jb.path, &[], Some(&ds)).unwrap();
+    l.validate(2).unwrap();
+    assert_eq!(l.spec.train.predivide(2), 4.0);
+    std::fs::write(&ds, r#"{"gradient_predivide_factor": 0}"#).unwrap();
+    let e = load_job_with(&jb.path, &[], Some(&ds))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("gradient_predivide_factor"), "{e}");
+}
+
 /// `progressive_layer_drop` as DeepSpeed's PLD tutorial writes it is
 /// `train.progressive_layer_drop`; omitted, gamma takes DeepSpeed's 0.001
 /// and theta its 1.0; off, the section is listed as ignored; a theta
@@ -883,8 +920,8 @@ fn what_cannot_be_honoured_is_refused_where_it_is_written() {
             "zero_optimization.offload_optimizer.ratio: 0.3 cannot be honoured: a partial offload",
         ),
         (
-            "{\"prescale_gradients\": true}",
-            "prescale_gradients: true cannot be honoured",
+            "{\"prescale_gradients\": 1}",
+            "prescale_gradients: 1: must be true or false",
         ),
         (
             "{\"data_types\": {\"grad_accum_dtype\": \"int8\"}}",

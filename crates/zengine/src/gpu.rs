@@ -1064,7 +1064,7 @@ impl Engine {
         let head = n_layers + 1;
         let (hw, wte) = self.gpu_head_weights(&gpu, gather)?;
         let tied = wte.is_some();
-        let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let scale = self.seed_scale();
         self.gpu_nccl_wait()?; // the head downloads its loss
         let output = !self.model.frozen_output();
         let res = gpu.head(

@@ -348,7 +348,7 @@ impl Engine {
             }
             false => None,
         };
-        let scaled = (self.scaler.as_ref().map_or(1.0, |s| s.scale), mb.divisor);
+        let scaled = (self.seed_scale(), mb.divisor);
         let model = self.model.clone();
         let trains = !model.frozen_output();
         let in_place = trains && self.output_gradient_fits();

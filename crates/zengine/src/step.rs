@@ -172,12 +172,25 @@ impl Engine {
         }
     }
 
-    /// The factor that averages gradients over ranks and micro-batches and
-    /// unscales them (a power of two).
+    /// The factor that averages gradients over ranks and micro-batches,
+    /// unscales them and undoes the division before the reduction
+    /// ([`Engine::seed_scale`]; a power of two where that is one).
     pub(crate) fn average_scale(&self) -> f32 {
         let (world, accum) = (self.comm.world_size(), self.spec.train.grad_accum);
         let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
-        (1.0 / (world * accum) as f64 / loss_scale) as f32
+        let predivide = self.spec.train.predivide(world);
+        (predivide / (world * accum) as f64 / loss_scale) as f32
+    }
+
+    /// What the loss's gradient is multiplied by before backward: f16's
+    /// loss scale over what gradients are divided by before the ranks add
+    /// them (`train.gradient_predivide_factor`, or the world size under
+    /// `train.prescale_gradients`, DeepSpeed's). Divided at the seed, every
+    /// gradient a micro-batch makes and accumulates is already divided,
+    /// with no pass of its own; [`Engine::average_scale`] multiplies back.
+    pub(crate) fn seed_scale(&self) -> f64 {
+        let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        loss_scale / self.spec.train.predivide(self.comm.world_size())
     }
 
     /// Averages: f32 gradients in place (swapped ones were averaged as their

@@ -178,6 +178,53 @@ fn progressive_layer_drop_keeps_the_stages_bit_identical() {
     }
 }
 
+/// DeepSpeed's `gradient_predivide_factor` and `prescale_gradients`:
+/// gradients divided before the ranks add them and multiplied back after.
+/// A power of two divides exactly, so the run keeps the bits of one
+/// without; prescaling at 2 ranks is a factor of 2; a factor of 3 rounds
+/// (the parameters' bits move, within f32's rounding of the run without)
+/// and keeps the stages bit-identical, in f32 and under f16's loss scale
+/// with 16-bit gradients.
+#[test]
+fn predivided_gradients_are_multiplied_back_after_the_reduction() {
+    let with = |dtype, stage, factor: f64, prescale: bool| {
+        let mut spec = typed_spec(dtype, stage, 2, 2000, true, false, 5);
+        spec.train.gradient_predivide_factor = factor;
+        spec.train.prescale_gradients = prescale;
+        spec
+    };
+    let plain = train(with("f32", 0, 1.0, false), 2);
+    let exact = train(with("f32", 0, 4.0, false), 2);
+    assert!(exact[0] == plain[0], "a factor of 4 moved a bit");
+    let prescaled = train(with("f32", 0, 1.0, true), 2);
+    let two = train(with("f32", 0, 2.0, false), 2);
+    assert!(prescaled[0] == two[0] && two[0] == plain[0]);
+    let three = train(with("f32", 0, 3.0, false), 2);
+    assert!(
+        three[0].params != plain[0].params,
+        "a factor of 3 rounded nothing"
+    );
+    for (a, b) in three[0]
+        .params
+        .iter()
+        .flatten()
+        .zip(plain[0].params.iter().flatten())
+    {
+        assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+    }
+    // Stages 2-3 reduce each micro-batch, so add in another order than
+    // 0-1: stage 1 keeps to stage 0's bits, stage 3 to stage 2's.
+    for dtype in ["f32", "f16"] {
+        for (stage, like) in [(1, 0), (3, 2)] {
+            let want = train(with(dtype, like, 3.0, false), 2);
+            let got = train(with(dtype, stage, 3.0, false), 2);
+            for r in 0..2 {
+                assert!(got[r] == want[r], "{dtype} stage {stage} rank {r}");
+            }
+        }
+    }
+}
+
 /// Lion, Adagrad and PyTorch's Adam (`train.optimizer.type: lion`,
 /// `adagrad`, `adam`) keep every
 /// stage to the bits of stage 0 at 2 ranks, in f32 and bf16 (each update
