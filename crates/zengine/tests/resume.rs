@@ -336,3 +336,29 @@ fn hpz_resumes_bit_identically_with_nvme_offload() {
     let resumed = train_leg(offloaded, 4, &on_nodes(Some(&saved), None, None));
     assert_continues(&whole, &resumed, 3, "hpZ bf16 2 x 2 through NVMe offload");
 }
+
+/// Progressive layer dropping's draws are a function of the step, not of
+/// the run: a run cut after 4 steps (its blocks already being skipped),
+/// moved through 3 ranks and stage 1, and resumed at stage 3 skips the
+/// blocks the uninterrupted run skips and continues bit for bit.
+#[test]
+fn progressive_layer_drop_resumes_bit_identically() {
+    let mut spec = typed_spec("f32", 3, 1, 2000, true, false, 8);
+    spec.model.n_layers = 4;
+    spec.train.progressive_layer_drop = Some(zconfig::layer_drop::LayerDropSpec {
+        theta: 0.2,
+        gamma: 0.5,
+    });
+    let whole = train(spec.clone(), 2);
+    let run: Vec<f64> = whole[0].blocks_run.iter().map(|b| b.unwrap()).collect();
+    assert!(
+        run[2..4].iter().any(|&b| b < 4.0),
+        "nothing skipped before the cut: {run:?}"
+    );
+    assert!(
+        run[4..].iter().any(|&b| b < 4.0),
+        "nothing skipped after the cut: {run:?}"
+    );
+    let resumed = detour(&spec, 2, [3, 1, 3], 3, 4);
+    assert_continues(&whole, &resumed, 4, "PLD world 2 -> 3 -> 2");
+}
