@@ -55,6 +55,26 @@ impl LayerDropSpec {
     pub fn keep_probability(&self, s: u64, l: usize, n_layers: usize) -> f64 {
         1.0 - l as f64 / n_layers as f64 * (1.0 - self.theta_at(s))
     }
+
+    /// One line on what dropping does to a run of `steps` steps of
+    /// `n_layers` blocks (`zrun check` prints it): θ at the last step, and
+    /// the share of the blocks' passes the run is expected to make (the
+    /// mean chance over steps and blocks, `1 − (L + 1)/(2L)·(1 − θ)` a
+    /// step).
+    pub fn summary(&self, steps: u64, n_layers: usize) -> String {
+        let (l, n) = (n_layers as f64, steps.max(1));
+        let share = (0..n)
+            .map(|s| 1.0 - (l + 1.0) / (2.0 * l) * (1.0 - self.theta_at(s)))
+            .sum::<f64>()
+            / n as f64;
+        format!(
+            "progressive layer drop: θ from 1 to {:.3} at step {steps} (theta {}, gamma {}); the run is expected to make {:.1}% of its blocks' passes",
+            self.theta_at(n - 1),
+            self.theta,
+            self.gamma,
+            100.0 * share
+        )
+    }
 }
 
 #[cfg(test)]
@@ -81,5 +101,24 @@ mod tests {
         assert!((p[1] - (1.0 - 0.5 * (1.0 - theta))).abs() < 1e-15);
         assert!(p.windows(2).all(|w| w[0] > w[1]), "{p:?}");
         assert_eq!(pld.keep_probability(1, 4, 4), 1.0);
+        // The summary's share is the mean of the chances: at γ = 0 every
+        // step's θ is 1 (nothing dropped); a long run at θ̄ = 0.5 on 4
+        // blocks nears 1 − 5/8·0.5.
+        let none = LayerDropSpec {
+            theta: 0.5,
+            gamma: 0.0,
+        };
+        assert!(none
+            .summary(10, 4)
+            .ends_with("make 100.0% of its blocks' passes"));
+        let long = LayerDropSpec {
+            theta: 0.5,
+            gamma: 1.0,
+        };
+        let line = long.summary(100_000, 4);
+        assert!(line.contains("to 0.500 at step 100000"), "{line}");
+        assert!(line.ends_with("make 68.8% of its blocks' passes"), "{line}");
+        let mean = |s: u64| (1..=4).map(|l| long.keep_probability(s, l, 4)).sum::<f64>() / 4.0;
+        assert!((mean(50) - (1.0 - 5.0 / 8.0 * (1.0 - long.theta_at(50)))).abs() < 1e-12);
     }
 }

@@ -664,6 +664,12 @@ pub fn check(args: CheckArgs) -> Result<ExitCode> {
             c.summary(plan.spec.train.steps, plan.spec.model.seq_len)
         );
     }
+    if let Some(pld) = &plan.spec.train.progressive_layer_drop {
+        say!(
+            "# {}",
+            pld.summary(plan.spec.train.steps, plan.spec.model.n_layers)
+        );
+    }
     if let Some(frozen) = zconfig::freeze::summary(&plan.spec.model, &plan.spec.train.freeze) {
         say!("# {frozen}");
     }
