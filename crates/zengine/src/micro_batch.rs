@@ -199,9 +199,9 @@ impl Engine {
         })
     }
 
-    /// The blocks the micro-batch [`Engine::forward_backward`] runs next
+    /// Which blocks the next micro-batch of [`Engine::forward_backward`]
     /// runs: every one, or under `train.progressive_layer_drop` those its
-    /// draws keep, keyed by the seed, the step and the micro-batch (the
+    /// draws keep, keyed by `train.seed`, the step and the micro-batch (the
     /// same on every rank).
     pub(crate) fn block_fates(&self) -> BlockFates {
         let n = self.model.config().n_layers;
