@@ -154,6 +154,44 @@ fn tiled_runs_drop_what_untiled_runs_drop() {
     }
 }
 
+/// Progressive layer dropping skips a tiled block's tiles with it (their
+/// stage-3 gathers left out, their groups completing their buckets in
+/// backward's order) and scales its branches as an untiled block's: the
+/// same bits at stages 0 and 3 with 2 micro-batches a step, stage 3 with
+/// NVMe offload of the tiles' parameters too.
+#[test]
+fn tiled_runs_skip_the_blocks_untiled_runs_skip() {
+    use zconfig::layer_drop::LayerDropSpec;
+    let dropped = |mut spec: JobSpec| {
+        spec.model.n_layers = 4;
+        spec.train.progressive_layer_drop = Some(LayerDropSpec {
+            theta: 0.2,
+            gamma: 0.5,
+        });
+        spec
+    };
+    for stage in [0u8, 3] {
+        let base = train(dropped(spec("f32", stage, 2, false, 6)), 2);
+        let skipped = base[0].blocks_run.iter().flatten().any(|&b| b < 4.0);
+        assert!(skipped, "no block skipped: {:?}", base[0].blocks_run);
+        let got = train(dropped(tiled(spec("f32", stage, 2, false, 6))), 2);
+        assert_same(&got, &base, &format!("PLD stage {stage}"));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut offloaded = dropped(tiled(spec("f32", 3, 2, false, 6)));
+    offloaded.zero.offload_param = zconfig::spec::OffloadSpec {
+        device: zconfig::spec::OffloadDevice::Nvme,
+        nvme_path: Some(dir.path().display().to_string()),
+        buffer_count: Some(3),
+    };
+    let base = train(dropped(spec("f32", 3, 2, false, 6)), 2);
+    assert_same(
+        &train(offloaded, 2),
+        &base,
+        "PLD stage 3, tiles' parameters on NVMe",
+    );
+}
+
 /// Activation checkpointing (backward gathers every tile twice), gradient
 /// accumulation, f16 with its loss scale, and NVMe offload of the tiles'
 /// parameters and optimizer state.
