@@ -56,17 +56,25 @@ impl LayerDropSpec {
         1.0 - l as f64 / n_layers as f64 * (1.0 - self.theta_at(s))
     }
 
+    /// The share of its blocks' passes a run of `steps` steps of
+    /// `n_layers` blocks is expected to make: the mean chance over steps
+    /// and blocks, `1 − (L + 1)/(2L)·(1 − θ)` a step.
+    pub fn expected_share(&self, steps: u64, n_layers: usize) -> f64 {
+        let (l, n) = (n_layers as f64, steps.max(1));
+        (0..n)
+            .map(|s| 1.0 - (l + 1.0) / (2.0 * l) * (1.0 - self.theta_at(s)))
+            .sum::<f64>()
+            / n as f64
+    }
+
     /// One line on what dropping does to a run of `steps` steps of
     /// `n_layers` blocks (`zrun check` prints it): θ at the last step, and
     /// the share of the blocks' passes the run is expected to make (the
     /// mean chance over steps and blocks, `1 − (L + 1)/(2L)·(1 − θ)` a
     /// step).
     pub fn summary(&self, steps: u64, n_layers: usize) -> String {
-        let (l, n) = (n_layers as f64, steps.max(1));
-        let share = (0..n)
-            .map(|s| 1.0 - (l + 1.0) / (2.0 * l) * (1.0 - self.theta_at(s)))
-            .sum::<f64>()
-            / n as f64;
+        let n = steps.max(1);
+        let share = self.expected_share(steps, n_layers);
         format!(
             "progressive layer drop: θ from 1 to {:.3} at step {steps} (theta {}, gamma {}); the run is expected to make {:.1}% of its blocks' passes",
             self.theta_at(n - 1),

@@ -956,6 +956,11 @@ fn verify(args: &PlanArgs, candidates: &mut [Candidate]) -> Result<()> {
         if !args.set.iter().any(|s| s.starts_with("train.curriculum")) {
             sets.push("train.curriculum=null".into());
         }
+        // And of every block: progressive layer dropping would skip some
+        // (kept where `--set` names it).
+        if !(args.set.iter()).any(|s| s.starts_with("train.progressive_layer_drop")) {
+            sets.push("train.progressive_layer_drop=null".into());
+        }
         sets.push(format!("train.steps={}", args.verify_steps));
         sets.push("train.epochs=null".into());
         sets.push("checkpoint.dir=null".into());
