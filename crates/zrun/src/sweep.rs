@@ -290,6 +290,11 @@ fn sets_for(c: &[(String, String)], args: &BenchJobArgs) -> Vec<String> {
     if !sets.iter().any(|s| s.starts_with("train.curriculum")) {
         sets.push("train.curriculum=null".into());
     }
+    // Progressive layer dropping would skip blocks as θ falls: the bench
+    // times every block unless its own settings name it.
+    if !(sets.iter()).any(|s| s.starts_with("train.progressive_layer_drop")) {
+        sets.push("train.progressive_layer_drop=null".into());
+    }
     // The bench's own length, whatever the job's (`train.epochs` too).
     sets.push(format!("train.steps={}", args.steps));
     sets.push("train.epochs=null".into());
