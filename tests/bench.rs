@@ -238,12 +238,12 @@ fn bench_commands_report_rows() {
 fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
     let dir = tempfile::tempdir().unwrap();
     let job = small_job(dir.path(), "sweep", 2);
-    // A job's curriculum is left out: the bench times whole sequences; and
-    // its flops profiler and comms logger: no profile or comms log lands in
-    // the job's run directory.
+    // A job's curriculum and layer dropping are left out: the bench times
+    // whole sequences and every block; and its flops profiler and comms
+    // logger: no profile or comms log lands in the job's run directory.
     let text = std::fs::read_to_string(&job).unwrap().replace(
         "  warmup_steps: 2\n",
-        "  warmup_steps: 2\n  curriculum: {min_difficulty: 8, schedule_type: fixed_linear, total_curriculum_step: 100, difficulty_step: 8}\n",
+        "  warmup_steps: 2\n  curriculum: {min_difficulty: 8, schedule_type: fixed_linear, total_curriculum_step: 100, difficulty_step: 8}\n  progressive_layer_drop: {theta: 0.5}\n",
     );
     let logs = "flops_profiler: {profile_step: 2}\ncomms_logger: {}\n";
     std::fs::write(&job, text + logs).unwrap();
@@ -289,6 +289,10 @@ fn a_sweep_runs_every_combination_and_writes_csv_json_svg() {
         assert!(
             step.get("seq_len").is_none(),
             "run {i} ran the job's curriculum"
+        );
+        assert!(
+            step.get("layer_drop").is_none(),
+            "run {i} dropped the job's layers"
         );
     }
     let json: serde_json::Value =
